@@ -1,0 +1,158 @@
+"""The number formats precprof reasons about: limits and the exact rounding thresholds of a real cast.
+
+Pure data. Every threshold here is what a round-to-nearest-even cast from fp32 does (DESIGN.md, "Numeric
+facts"), and tests check each one against ``x.to(dtype)`` on CPU.
+
+For a value x observed with loss scale s (s = 1 in the forward pass):
+
+- x underflows to zero in a format iff ``0 < |x*s| <= underflow_max`` (half the smallest subnormal: the tie
+  rounds to the even neighbour, zero);
+- x overflows iff ``|x*s| >= overflow_min`` (the midpoint between the largest finite value and the next
+  power-of-two step above it, where round-to-nearest-even goes to inf). fp8_e4m3 (the ``fn`` variant) has no
+  inf: torch saturates to +-448, and values with ``|x*s| > 464`` are counted as overflow all the same
+  (``overflow_inclusive=False``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+
+class Fmt(str, Enum):
+    """Format names used in tables, the CLI and the report."""
+
+    FP32 = "fp32"
+    TF32 = "tf32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class NumberFormat:
+    """One floating-point format.
+
+    ``exponent_bits``/``mantissa_bits`` are the stored fields (the implicit leading bit is not counted).
+    ``max`` is the largest finite value, ``smallest_normal`` and ``smallest_subnormal`` the smallest positive
+    normal and subnormal values. ``underflow_max``: values with ``0 < |v| <= underflow_max`` become 0 in a cast.
+    ``overflow_min``: values with ``|v| >= overflow_min`` (or ``> overflow_min`` when ``overflow_inclusive`` is
+    False) do not survive a cast as finite values of their own magnitude. ``torch_dtype`` is the storage dtype
+    for a real cast (None for tf32, which only exists inside matmul units).
+    """
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    max: float
+    smallest_normal: float
+    smallest_subnormal: float
+    underflow_max: float
+    overflow_min: float
+    overflow_inclusive: bool
+    torch_dtype: torch.dtype | None
+    has_inf: bool
+
+    @property
+    def min_exponent(self) -> int:
+        """floor(log2) of the smallest subnormal."""
+        return int(math.floor(math.log2(self.smallest_subnormal)))
+
+    @property
+    def max_exponent(self) -> int:
+        """floor(log2) of the largest finite value."""
+        return int(math.floor(math.log2(self.max)))
+
+    @property
+    def normal_min_exponent(self) -> int:
+        return int(math.floor(math.log2(self.smallest_normal)))
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.exponent_bits + self.mantissa_bits
+
+    def ulp_exponent(self, exponent: int) -> int:
+        """log2 of the spacing of representable values in the binade [2^exponent, 2^(exponent+1))."""
+        return max(exponent, self.normal_min_exponent) - self.mantissa_bits
+
+
+def _make(
+    name: str,
+    exponent_bits: int,
+    mantissa_bits: int,
+    max_value: float,
+    torch_dtype: torch.dtype | None,
+    *,
+    has_inf: bool = True,
+    overflow_min: float | None = None,
+    overflow_inclusive: bool = True,
+) -> NumberFormat:
+    bias = 2 ** (exponent_bits - 1) - 1
+    smallest_normal = 2.0 ** (1 - bias)
+    smallest_subnormal = 2.0 ** (1 - bias - mantissa_bits)
+    if overflow_min is None:
+        # halfway between max and the next step of the top binade
+        top_exp = math.floor(math.log2(max_value))
+        overflow_min = max_value + 2.0 ** (top_exp - mantissa_bits - 1)
+    return NumberFormat(
+        name=name,
+        exponent_bits=exponent_bits,
+        mantissa_bits=mantissa_bits,
+        max=max_value,
+        smallest_normal=smallest_normal,
+        smallest_subnormal=smallest_subnormal,
+        underflow_max=smallest_subnormal / 2,
+        overflow_min=overflow_min,
+        overflow_inclusive=overflow_inclusive,
+        torch_dtype=torch_dtype,
+        has_inf=has_inf,
+    )
+
+
+FP32 = _make("fp32", 8, 23, float(torch.finfo(torch.float32).max), torch.float32)
+# TF32 keeps fp32's range and 10 mantissa bits; it exists only inside tensor-core matmuls.
+TF32 = _make("tf32", 8, 10, (2 - 2.0**-10) * 2.0**127, None)
+BF16 = _make("bf16", 8, 7, (2 - 2.0**-7) * 2.0**127, torch.bfloat16)
+FP16 = _make("fp16", 5, 10, 65504.0, torch.float16)
+# e4m3fn: no inf, the all-ones pattern is nan, so the largest finite value is 1.75 * 2^8 = 448; a value above
+# 464 (halfway to 480) would round past it. torch saturates such casts to +-448; precprof counts them as
+# overflow, ties at exactly 464 round down to 448 (even mantissa) and are not counted.
+FP8_E4M3 = _make(
+    "fp8_e4m3", 4, 3, 448.0, torch.float8_e4m3fn, has_inf=False, overflow_min=464.0, overflow_inclusive=False
+)
+FP8_E5M2 = _make("fp8_e5m2", 5, 2, 57344.0, torch.float8_e5m2)
+
+FORMATS: dict[str, NumberFormat] = {f.name: f for f in (FP32, TF32, BF16, FP16, FP8_E4M3, FP8_E5M2)}
+
+# The formats with a per-tensor what-if count in the tables (in this order everywhere).
+WHATIF_FORMATS: tuple[str, ...] = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
+# fp8 what-if under per-tensor current scaling: e4m3 for forward tensors, e5m2 for gradients (the usual
+# "hybrid" recipe), both recorded for every tensor.
+FP8_FORMATS: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2")
+
+FP32_MIN_EXPONENT = -149  # floor(log2) of fp32's smallest subnormal
+FP32_MAX_EXPONENT = 127
+
+
+def get(name: str) -> NumberFormat:
+    """Look a format up by name; raises ValueError naming the known formats."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown format {name!r}; known formats: {', '.join(FORMATS)}") from None
+
+
+def current_scaling_exponent(fmt: NumberFormat, amax: float) -> int:
+    """Per-tensor current scaling, power-of-two variant: k such that 2^k = 2^floor(log2(fmt.max / amax)).
+
+    This is the scale Transformer Engine's current-scaling recipe applies (with power-of-two scales) so that
+    the tensor's largest magnitude lands just below the format's max. amax must be finite and > 0.
+    """
+    return int(math.floor(math.log2(fmt.max / amax)))

@@ -1,0 +1,213 @@
+"""Device capabilities: what formats this machine (or a named target machine) runs natively.
+
+``detect()`` looks at the current machine (torch, CUDA, NVML when a driver is there); ``preset(name)``
+describes a machine the user plans to train on ("v100", "t4", "a100", "h100", "l4", "cpu"), so that a run
+profiled on one box can be planned for another.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+
+@dataclass
+class HardwareInfo:
+    """Capabilities of one device.
+
+    ``compute_capability`` is (major, minor) for CUDA devices, None on CPU. ``bf16_native``: bf16 matmuls run
+    in hardware (CUDA 8.0+, or a CPU with AVX512-BF16/AMX); ``bf16_supported``: bf16 runs at all (emulated on
+    most CPUs). ``fp8_supported``: FP8 tensor cores (compute capability 8.9+); ``fp8_library``: "torchao" or
+    "transformer_engine" when one is importable. ``tf32_*_enabled`` are torch's current flags.
+    """
+
+    device: str  # "cuda" | "cpu"
+    name: str
+    compute_capability: tuple[int, int] | None = None
+    bf16_supported: bool = False
+    bf16_native: bool = False
+    fp16_tensor_cores: bool = False
+    tf32_supported: bool = False
+    fp8_supported: bool = False
+    fp8_library: str | None = None
+    tf32_matmul_enabled: bool = False
+    tf32_cudnn_enabled: bool = False
+    float32_matmul_precision: str = "highest"
+    memory_total_bytes: int | None = None
+    memory_used_bytes: int | None = None
+    driver_version: str | None = None
+    cuda_version: str | None = None
+    device_count: int = 0
+    cpu_capability: str | None = None
+    nvml: str = "no NVIDIA driver"
+    preset: str | None = None  # set when this describes a named target machine, not the current one
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["compute_capability"] = (
+            ".".join(map(str, self.compute_capability)) if self.compute_capability else None
+        )
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> HardwareInfo:
+        d = dict(d)
+        cc = d.get("compute_capability")
+        if isinstance(cc, str):
+            major, minor = cc.split(".")
+            d["compute_capability"] = (int(major), int(minor))
+        elif isinstance(cc, list):
+            d["compute_capability"] = (int(cc[0]), int(cc[1]))
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device == "cuda"
+
+
+def fp8_library() -> str | None:
+    """The FP8 training library that is importable here: "torchao", "transformer_engine" or None."""
+    if importlib.util.find_spec("torchao") is not None:
+        return "torchao"
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return "transformer_engine"
+    return None
+
+
+def _cpu_bf16_native() -> bool:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line
+                    break
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
+def _nvml(index: int) -> dict[str, Any]:
+    """Driver version and memory of GPU ``index`` through NVML; {"nvml": reason} when unavailable."""
+    try:
+        import pynvml  # provided by nvidia-ml-py
+    except ImportError:
+        return {"nvml": "nvidia-ml-py is not installed (pip install nvidia-ml-py)"}
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return {"nvml": "no NVIDIA driver"}
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        return {
+            "nvml": "ok",
+            "driver_version": driver.decode() if isinstance(driver, bytes) else str(driver),
+            "memory_total_bytes": int(mem.total),
+            "memory_used_bytes": int(mem.used),
+        }
+    except Exception as e:
+        return {"nvml": f"NVML error: {e}"}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def detect(device: str | torch.device | None = None) -> HardwareInfo:
+    """Capabilities of ``device`` (default: CUDA device 0 when there is one, else the CPU)."""
+    dev = torch.device(device) if device is not None else None
+    use_cuda = torch.cuda.is_available() and (dev is None or dev.type == "cuda")
+    common = dict(
+        tf32_matmul_enabled=bool(torch.backends.cuda.matmul.allow_tf32),
+        tf32_cudnn_enabled=bool(torch.backends.cudnn.allow_tf32),
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
+        cuda_version=torch.version.cuda,
+        fp8_library=fp8_library(),
+    )
+    if use_cuda:
+        index = dev.index if dev is not None and dev.index is not None else 0
+        props = torch.cuda.get_device_properties(index)
+        cc = (int(props.major), int(props.minor))
+        info = HardwareInfo(
+            device="cuda",
+            name=props.name,
+            compute_capability=cc,
+            bf16_supported=bool(torch.cuda.is_bf16_supported()),
+            bf16_native=cc >= (8, 0),
+            fp16_tensor_cores=cc >= (7, 0),
+            tf32_supported=cc >= (8, 0),
+            fp8_supported=cc >= (8, 9),
+            memory_total_bytes=int(props.total_memory),
+            device_count=torch.cuda.device_count(),
+            **common,  # type: ignore[arg-type]
+        )
+        nv = _nvml(index)
+        info.nvml = nv.pop("nvml")
+        for k, v in nv.items():
+            setattr(info, k, v)
+        return info
+    cpu_name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu_name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    nv = _nvml(0) if torch.version.cuda else {"nvml": "no NVIDIA driver"}
+    return HardwareInfo(
+        device="cpu",
+        name=cpu_name,
+        bf16_supported=True,  # CPU autocast runs bf16 everywhere; natively only with AVX512-BF16/AMX
+        bf16_native=_cpu_bf16_native(),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        nvml=str(nv.get("nvml", "no NVIDIA driver")),
+        **common,  # type: ignore[arg-type]
+    )
+
+
+_PRESETS: dict[str, HardwareInfo] = {
+    "cpu": HardwareInfo(device="cpu", name="CPU", bf16_supported=True, bf16_native=False),
+    "v100": HardwareInfo(
+        device="cuda", name="Tesla V100", compute_capability=(7, 0), fp16_tensor_cores=True,
+        memory_total_bytes=32 * 2**30,
+    ),
+    "t4": HardwareInfo(
+        device="cuda", name="Tesla T4", compute_capability=(7, 5), fp16_tensor_cores=True,
+        memory_total_bytes=16 * 2**30,
+    ),
+    "a100": HardwareInfo(
+        device="cuda", name="A100", compute_capability=(8, 0), bf16_supported=True, bf16_native=True,
+        fp16_tensor_cores=True, tf32_supported=True, memory_total_bytes=80 * 2**30,
+    ),
+    "l4": HardwareInfo(
+        device="cuda", name="L4", compute_capability=(8, 9), bf16_supported=True, bf16_native=True,
+        fp16_tensor_cores=True, tf32_supported=True, fp8_supported=True, memory_total_bytes=24 * 2**30,
+    ),
+    "h100": HardwareInfo(
+        device="cuda", name="H100", compute_capability=(9, 0), bf16_supported=True, bf16_native=True,
+        fp16_tensor_cores=True, tf32_supported=True, fp8_supported=True, memory_total_bytes=80 * 2**30,
+    ),
+}
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+
+def preset(name: str) -> HardwareInfo:
+    """A named target machine. Its ``fp8_library`` is assumed installable (fp8 needs torchao or TE there)."""
+    key = name.lower().strip()
+    if key not in _PRESETS:
+        raise ValueError(f"unknown hardware target {name!r}; known targets: {', '.join(PRESET_NAMES)}")
+    p = replace(_PRESETS[key], preset=key)
+    if p.fp8_supported:
+        p.fp8_library = p.fp8_library or "torchao"
+    return p

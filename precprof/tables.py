@@ -1,0 +1,246 @@
+"""Host-side schema of precprof's tables and the run directory.
+
+Every column name used anywhere in precprof is a constant here. The four tables (pandas DataFrames):
+
+``layers`` — one row per (step, module, tensor, param) on sampled steps:
+    step, order (forward order of the module, 0 = first to run), module (qualified name, "" for the root),
+    module_type, tensor (activation | activation_grad | weight | weight_grad | weight_update), param
+    (parameter name relative to the module, "" for activations), dtype (torch dtype name, e.g. "bfloat16"),
+    calls (how many tensors were aggregated: a module called twice per step has calls=2), numel, zeros, nan,
+    inf, absmax (largest finite |x|, unscaled), absmin (smallest nonzero finite |x|, unscaled; NaN when there
+    is none), scale (loss scale in effect when the tensor was seen: 1 in the forward pass),
+    underflow_<fmt> / overflow_<fmt> for fmt in fp16, bf16, fp8_e4m3, fp8_e5m2 (exact counts of what a real
+    cast of x*scale does), underflow_<fmt>_cs for fp8 formats (underflow after per-tensor current scaling,
+    scale 2^floor(log2(fmax/amax)) per tensor), and for tensor == "weight_update" rows lost_update_bf16 /
+    lost_update_fp16 (update elements that are nonzero but vanish when added to the weight held in that
+    format) — NaN on other rows.
+
+``histograms`` — step, module, tensor, param, exponent (floor(log2|x|) of the unscaled value), count.
+    Zeros, nan and inf are not in it (they are columns of ``layers``).
+
+``steps`` — step, loss, loss_scale (in effect during that step's backward), skipped (optimizer step skipped
+    because of inf/nan gradients), grad_norm (NaN where unknown), time_s (host wall time of the step),
+    sampled (whether layers/histograms were recorded), tokens (NaN where unknown).
+
+``memory`` — step, component, module ("" except for activations), dtype, bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
+
+# ----------------------------------------------------------------------------------------------- columns
+STEP = "step"
+ORDER = "order"
+MODULE = "module"
+MODULE_TYPE = "module_type"
+TENSOR = "tensor"
+PARAM = "param"
+DTYPE = "dtype"
+CALLS = "calls"
+NUMEL = "numel"
+ZEROS = "zeros"
+NAN = "nan"
+INF = "inf"
+ABSMAX = "absmax"
+ABSMIN = "absmin"
+SCALE = "scale"
+EXPONENT = "exponent"
+COUNT = "count"
+LOST_UPDATE_BF16 = "lost_update_bf16"
+LOST_UPDATE_FP16 = "lost_update_fp16"
+
+LOSS = "loss"
+LOSS_SCALE = "loss_scale"
+SKIPPED = "skipped"
+GRAD_NORM = "grad_norm"
+TIME_S = "time_s"
+SAMPLED = "sampled"
+TOKENS = "tokens"
+
+COMPONENT = "component"
+BYTES = "bytes"
+
+
+def underflow_col(fmt: str) -> str:
+    """Column with the count of values that become 0 when cast to ``fmt`` at the scale in effect."""
+    return f"underflow_{fmt}"
+
+
+def overflow_col(fmt: str) -> str:
+    """Column with the count of finite values that overflow ``fmt`` at the scale in effect."""
+    return f"overflow_{fmt}"
+
+
+def underflow_cs_col(fmt: str) -> str:
+    """Column with the underflow count of an fp8 cast after per-tensor current scaling."""
+    return f"underflow_{fmt}_cs"
+
+
+# ----------------------------------------------------------------------------------------- tensor kinds
+ACTIVATION = "activation"
+ACTIVATION_GRAD = "activation_grad"
+WEIGHT = "weight"
+WEIGHT_GRAD = "weight_grad"
+WEIGHT_UPDATE = "weight_update"
+TENSOR_KINDS = (ACTIVATION, ACTIVATION_GRAD, WEIGHT, WEIGHT_GRAD, WEIGHT_UPDATE)
+GRADIENT_KINDS = (ACTIVATION_GRAD, WEIGHT_GRAD)
+
+# ------------------------------------------------------------------------------------ memory components
+PARAMETERS = "parameters"
+GRADIENTS = "gradients"
+OPTIMIZER_STATES = "optimizer_states"
+ACTIVATIONS = "activations"
+AUTOCAST_WEIGHT_COPIES = "autocast_weight_copies"
+ALLOCATOR_PEAK = "allocator_peak"
+ALLOCATOR_RESERVED_PEAK = "allocator_reserved_peak"
+PROFILER_BUFFERS = "profiler_buffers"
+
+# ------------------------------------------------------------------------------------------- the tables
+COUNT_COLUMNS: tuple[str, ...] = (
+    NUMEL,
+    ZEROS,
+    NAN,
+    INF,
+    *(c for f in WHATIF_FORMATS for c in (underflow_col(f), overflow_col(f))),
+    *(underflow_cs_col(f) for f in FP8_FORMATS),
+)
+
+LAYERS_COLUMNS: tuple[str, ...] = (
+    STEP,
+    ORDER,
+    MODULE,
+    MODULE_TYPE,
+    TENSOR,
+    PARAM,
+    DTYPE,
+    CALLS,
+    *COUNT_COLUMNS,
+    ABSMAX,
+    ABSMIN,
+    SCALE,
+    LOST_UPDATE_BF16,
+    LOST_UPDATE_FP16,
+)
+HISTOGRAMS_COLUMNS: tuple[str, ...] = (STEP, MODULE, TENSOR, PARAM, EXPONENT, COUNT)
+STEPS_COLUMNS: tuple[str, ...] = (STEP, LOSS, LOSS_SCALE, SKIPPED, GRAD_NORM, TIME_S, SAMPLED, TOKENS)
+MEMORY_COLUMNS: tuple[str, ...] = (STEP, COMPONENT, MODULE, DTYPE, BYTES)
+
+TABLES: dict[str, tuple[str, ...]] = {
+    "layers": LAYERS_COLUMNS,
+    "histograms": HISTOGRAMS_COLUMNS,
+    "steps": STEPS_COLUMNS,
+    "memory": MEMORY_COLUMNS,
+}
+
+_INT_COLUMNS = {STEP, ORDER, CALLS, EXPONENT, COUNT, BYTES, *COUNT_COLUMNS}
+
+
+def empty(name: str) -> pd.DataFrame:
+    """An empty table with the right columns."""
+    return pd.DataFrame({c: pd.Series(dtype="int64" if c in _INT_COLUMNS else "object") for c in TABLES[name]})
+
+
+def frame(name: str, rows: list[dict[str, Any]] | pd.DataFrame) -> pd.DataFrame:
+    """Build table ``name`` from rows, with every schema column present and in schema order.
+
+    Missing columns are filled with NaN (floats) so that tables from older runs or partial captures load.
+    """
+    df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows)
+    if df.empty and not len(df.columns):
+        return empty(name)
+    cols = TABLES[name]
+    for c in cols:
+        if c not in df.columns:
+            df[c] = math.nan
+    extra = [c for c in df.columns if c not in cols]
+    return df[[*cols, *extra]].reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------- run directory
+REPORT_FILE = "report.html"
+SUMMARY_FILE = "summary.json"
+TABLE_FILES = {name: f"{name}.parquet" for name in TABLES}
+
+# summary.json keys (top level)
+SUMMARY_VERSION = "precprof_version"
+SUMMARY_STATUS = "status"  # "complete" | "incomplete"
+SUMMARY_INCOMPLETE_REASON = "incomplete_reason"  # the cause when status == "incomplete", else null
+SUMMARY_CONFIG = "config"  # run configuration: model, precision, loss scaling, steps, command line, ...
+SUMMARY_HARDWARE = "hardware"  # precprof.hardware.HardwareInfo.to_dict()
+SUMMARY_VERSIONS = "versions"  # python, torch, cuda, transformers, ...
+SUMMARY_MODEL = "model"  # name, class, parameter count, dims (for alignment checks)
+SUMMARY_CAPTURE = "capture"  # sample_every, modules captured, mixed precision observed, profiler bytes
+SUMMARY_FINAL = "final"  # headline numbers: final loss, steps, skipped steps, tokens/s, time
+SUMMARY_MEMORY = "memory"  # per-component totals and the projection per precision mode
+SUMMARY_RECOMMENDATION = "recommendation"  # precprof.advisor.Recommendation.to_dict()
+
+STATUS_COMPLETE = "complete"
+STATUS_INCOMPLETE = "incomplete"
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    if isinstance(o, Path):
+        return str(o)
+    return str(o)
+
+
+def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:
+    """Write summary.json atomically (a crash mid-write never leaves a truncated file)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / SUMMARY_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=_json_default, allow_nan=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    """summary.json of a run directory ({} when there is none)."""
+    path = Path(run_dir) / SUMMARY_FILE
+    if not path.exists():
+        return {}
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def write_tables(run_dir: str | Path, tables: Mapping[str, pd.DataFrame]) -> None:
+    """Write each table as Parquet, atomically per file."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, df in tables.items():
+        path = run_dir / TABLE_FILES[name]
+        tmp = path.with_suffix(".parquet.tmp")
+        frame(name, df).to_parquet(tmp, index=False)
+        tmp.replace(path)
+
+
+def read_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
+    """The four tables of a run directory; a missing file gives an empty table of the right columns."""
+    run_dir = Path(run_dir)
+    out: dict[str, pd.DataFrame] = {}
+    for name, fname in TABLE_FILES.items():
+        path = run_dir / fname
+        out[name] = frame(name, pd.read_parquet(path)) if path.exists() else empty(name)
+    return out
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """True if ``path`` looks like a precprof run directory."""
+    p = Path(path)
+    return p.is_dir() and ((p / SUMMARY_FILE).exists() or (p / TABLE_FILES["layers"]).exists())

@@ -1,0 +1,1 @@
+"""Report templates (shipped as package data)."""
