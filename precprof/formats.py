@@ -63,16 +63,16 @@ class NumberFormat:
     @property
     def min_exponent(self) -> int:
         """floor(log2) of the smallest subnormal."""
-        return int(math.floor(math.log2(self.smallest_subnormal)))
+        return math.floor(math.log2(self.smallest_subnormal))
 
     @property
     def max_exponent(self) -> int:
         """floor(log2) of the largest finite value."""
-        return int(math.floor(math.log2(self.max)))
+        return math.floor(math.log2(self.max))
 
     @property
     def normal_min_exponent(self) -> int:
-        return int(math.floor(math.log2(self.smallest_normal)))
+        return math.floor(math.log2(self.smallest_normal))
 
     @property
     def bits(self) -> int:
@@ -155,4 +155,4 @@ def current_scaling_exponent(fmt: NumberFormat, amax: float) -> int:
     This is the scale Transformer Engine's current-scaling recipe applies (with power-of-two scales) so that
     the tensor's largest magnitude lands just below the format's max. amax must be finite and > 0.
     """
-    return int(math.floor(math.log2(fmt.max / amax)))
+    return math.floor(math.log2(fmt.max / amax))

@@ -7,6 +7,7 @@ profiled on one box can be planned for another.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import platform
 from dataclasses import asdict, dataclass, field, replace
@@ -116,10 +117,8 @@ def _nvml(index: int) -> dict[str, Any]:
     except Exception as e:
         return {"nvml": f"NVML error: {e}"}
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def detect(device: str | torch.device | None = None) -> HardwareInfo:
@@ -179,24 +178,50 @@ def detect(device: str | torch.device | None = None) -> HardwareInfo:
 _PRESETS: dict[str, HardwareInfo] = {
     "cpu": HardwareInfo(device="cpu", name="CPU", bf16_supported=True, bf16_native=False),
     "v100": HardwareInfo(
-        device="cuda", name="Tesla V100", compute_capability=(7, 0), fp16_tensor_cores=True,
+        device="cuda",
+        name="Tesla V100",
+        compute_capability=(7, 0),
+        fp16_tensor_cores=True,
         memory_total_bytes=32 * 2**30,
     ),
     "t4": HardwareInfo(
-        device="cuda", name="Tesla T4", compute_capability=(7, 5), fp16_tensor_cores=True,
+        device="cuda",
+        name="Tesla T4",
+        compute_capability=(7, 5),
+        fp16_tensor_cores=True,
         memory_total_bytes=16 * 2**30,
     ),
     "a100": HardwareInfo(
-        device="cuda", name="A100", compute_capability=(8, 0), bf16_supported=True, bf16_native=True,
-        fp16_tensor_cores=True, tf32_supported=True, memory_total_bytes=80 * 2**30,
+        device="cuda",
+        name="A100",
+        compute_capability=(8, 0),
+        bf16_supported=True,
+        bf16_native=True,
+        fp16_tensor_cores=True,
+        tf32_supported=True,
+        memory_total_bytes=80 * 2**30,
     ),
     "l4": HardwareInfo(
-        device="cuda", name="L4", compute_capability=(8, 9), bf16_supported=True, bf16_native=True,
-        fp16_tensor_cores=True, tf32_supported=True, fp8_supported=True, memory_total_bytes=24 * 2**30,
+        device="cuda",
+        name="L4",
+        compute_capability=(8, 9),
+        bf16_supported=True,
+        bf16_native=True,
+        fp16_tensor_cores=True,
+        tf32_supported=True,
+        fp8_supported=True,
+        memory_total_bytes=24 * 2**30,
     ),
     "h100": HardwareInfo(
-        device="cuda", name="H100", compute_capability=(9, 0), bf16_supported=True, bf16_native=True,
-        fp16_tensor_cores=True, tf32_supported=True, fp8_supported=True, memory_total_bytes=80 * 2**30,
+        device="cuda",
+        name="H100",
+        compute_capability=(9, 0),
+        bf16_supported=True,
+        bf16_native=True,
+        fp16_tensor_cores=True,
+        tf32_supported=True,
+        fp8_supported=True,
+        memory_total_bytes=80 * 2**30,
     ),
 }
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)

@@ -146,7 +146,9 @@ _INT_COLUMNS = {STEP, ORDER, CALLS, EXPONENT, COUNT, BYTES, *COUNT_COLUMNS}
 
 def empty(name: str) -> pd.DataFrame:
     """An empty table with the right columns."""
-    return pd.DataFrame({c: pd.Series(dtype="int64" if c in _INT_COLUMNS else "object") for c in TABLES[name]})
+    return pd.DataFrame(
+        {c: pd.Series(dtype="int64" if c in _INT_COLUMNS else "object") for c in TABLES[name]}
+    )
 
 
 def frame(name: str, rows: list[dict[str, Any]] | pd.DataFrame) -> pd.DataFrame:
