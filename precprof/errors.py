@@ -1,0 +1,21 @@
+"""Errors that are the user's to fix. The CLI prints them as one line and exits with code 2."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in the user's input (unknown model, unsupported format on this device, missing extra).
+
+    The message is one line naming the problem and the fix; the CLI prints it without a traceback.
+    """
+
+
+class MissingDependencyError(UserError):
+    """An optional dependency is not installed; the message names the pip extra that provides it."""
+
+    def __init__(self, package: str, extra: str | None = None, purpose: str = "") -> None:
+        hint = f"pip install 'precprof[{extra}]'" if extra else f"pip install {package}"
+        what = f" (needed for {purpose})" if purpose else ""
+        super().__init__(f"{package} is not installed{what}; install it with: {hint}")
+        self.package = package
+        self.extra = extra
