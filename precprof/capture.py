@@ -1,0 +1,853 @@
+"""The Profiler: hooks on a model, its optimizer and GradScaler that record per-layer statistics.
+
+What is recorded on a sampled step, for every captured module (see ``Profiler``'s docstring for which):
+
+- ``activation``: every floating tensor the module outputs (tuples, lists, dicts and ModelOutputs are
+  walked), all calls of the step aggregated into one row;
+- ``activation_grad``: the gradients of those outputs, through ``Tensor.register_hook`` on each output,
+  registered from the forward hook (``register_full_backward_hook`` breaks on in-place ops such as
+  ``ReLU(inplace=True)``);
+- ``weight``: the module's own parameters, as the forward pass sees them (first call of the step);
+- ``weight_grad``: the accumulated gradient of each parameter (``register_post_accumulate_grad_hook``; with
+  gradient accumulation the last accumulation of the step wins);
+- ``weight_update``: for a strided sample of each parameter's elements, the update the optimizer applied,
+  and how many nonzero updates would vanish if the weight were held in bf16 / fp16.
+
+Hooks never synchronise with the device: statistics accumulate into a preallocated device buffer
+(``precprof.stats.StatsBuffer``); the loss scale and the scaler's found-inf flag are read as device tensors
+(``GradScaler.update`` is wrapped for the duration of the attachment to read them before the update). The
+buffer, the losses of the steps since the last sampled step and the memory rows are copied to the host once,
+in ``Profiler.step()`` of a sampled step: that is precprof's one synchronisation point. On steps that are not
+sampled, hooks return at once and no tensor hook is registered.
+
+``torch.no_grad()`` forwards (evaluation between training steps) are ignored, so they never pollute a
+training step's rows.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from precprof import stats as st
+from precprof import tables as T
+from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
+
+ModuleFilter = Sequence[str | type[nn.Module]] | None
+
+_MAX_PENDING_STEPS = 256  # steps kept on the device between flushes when sampling is rare or off
+
+
+@dataclass
+class _Row:
+    """Host-side description of one buffer row."""
+
+    index: int
+    module: str
+    module_type: str
+    tensor: str
+    param: str = ""
+    calls: int = 0
+    dtypes: list[str] = field(default_factory=list)
+
+    def seen(self, dtype: torch.dtype) -> None:
+        self.calls += 1
+        name = str(dtype).removeprefix("torch.")
+        if name not in self.dtypes:
+            self.dtypes.append(name)
+
+
+@dataclass
+class _ModuleSlot:
+    name: str
+    module: nn.Module
+    activation: _Row
+    activation_grad: _Row
+    weights: list[tuple[str, nn.Parameter, _Row]]
+    order: int = -1
+    called: bool = False
+
+
+@dataclass
+class _ParamSlot:
+    module: str
+    param: str
+    tensor: nn.Parameter
+    grad_row: _Row | None
+    update_index: int  # row in the weight-update buffer (-1: not tracked)
+    sample_stride: int = 1
+    sample_len: int = 0
+
+
+@dataclass
+class _PendingStep:
+    step: int
+    loss: torch.Tensor | float | None
+    scale: torch.Tensor | float
+    found_inf: torch.Tensor | None
+    grad_norm: torch.Tensor | float | None
+    time_s: float
+    sampled: bool
+    tokens: int | None
+
+
+def _iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Floating tensors inside a module output (tensor, tuple/list, dict, ModelOutput), depth-limited."""
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            yield obj
+        return
+    if depth > 3:
+        return
+    if isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _iter_tensors(o, depth + 1)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _iter_tensors(o, depth + 1)
+
+
+def _to_float(v: Any) -> float:
+    if v is None:
+        return math.nan
+    if isinstance(v, torch.Tensor):
+        return float(v.detach().float().cpu().item())
+    return float(v)
+
+
+class Profiler:
+    """Record per-layer dtypes, exponent histograms and exact underflow/overflow counts during training.
+
+    Args:
+        model: the module to watch (also a DDP/FSDP wrapper or a ``torch.compile``d module).
+        optimizer: optional; enables ``weight_update`` rows and gradient/optimizer-state memory.
+        scaler: optional ``torch.amp.GradScaler``; its scale and skipped steps are recorded and gradients are
+            stored unscaled.
+        sample_every: record layers every N steps (step 0 is sampled); 0 records steps only.
+        modules: which modules to capture — None: every leaf module plus every module that owns parameters
+            directly; otherwise a list of qualified-name patterns (``fnmatch``, e.g. ``"transformer.h.*.mlp.*"``)
+            and/or module types.
+        memory: track memory per component (``precprof.memory``) on sampled steps.
+        weight_updates: record ``weight_update`` rows (needs ``optimizer``).
+        update_sample: elements per parameter sampled (strided) for the weight-update statistics.
+        chunk: scratch chunk size for the statistics (see ``StatsBuffer``).
+
+    Call ``step()`` once per optimizer step, at its end. Statistics of a tied parameter (one Parameter owned
+    by two modules, e.g. tied embeddings) are recorded under the first module that owns it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scaler: Any = None,
+        *,
+        sample_every: int = 10,
+        modules: ModuleFilter = None,
+        memory: bool = True,
+        weight_updates: bool = True,
+        update_sample: int = 1024,
+        chunk: int | None = None,
+        first_step: int = 0,
+    ) -> None:
+        if sample_every < 0:
+            raise ValueError("sample_every must be >= 0 (0 records steps only)")
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.sample_every = sample_every
+        self.module_filter = modules
+        self.memory_enabled = memory
+        self.weight_updates = weight_updates and optimizer is not None
+        self.update_sample = update_sample
+        self.chunk = chunk
+        self._first_step = first_step
+
+        self._attached = False
+        self._handles: list[Any] = []
+        self._scaler_patched = False
+        self._modules: list[_ModuleSlot] = []
+        self._params: list[_ParamSlot] = []
+        self._rows: list[_Row] = []
+        self._buffer: st.StatsBuffer | None = None
+        self._update_buf: torch.Tensor | None = None
+        self._update_before: list[torch.Tensor | None] = []
+        self._tracker: Any = None
+
+        self._step = first_step
+        self._sampling = False
+        self._order_counter = 0
+        self._t_last = time.perf_counter()
+        self._pending: list[_PendingStep] = []
+        self._pending_scale: torch.Tensor | None = None
+        self._pending_found: torch.Tensor | None = None
+        self._step_has_data = False
+
+        self._layer_rows: list[dict[str, Any]] = []
+        self._hist_parts: list[pd.DataFrame] = []
+        self._step_rows: list[dict[str, Any]] = []
+        self._memory_rows: list[dict[str, Any]] = []
+        self._autocast_seen: dict[str, Any] = {}
+        self._status = T.STATUS_COMPLETE
+        self._reason: str | None = None
+        self._non_pow2_scale = False
+        self._device: torch.device = torch.device("cpu")
+
+    # ------------------------------------------------------------------------------------ attach/detach
+    def __enter__(self) -> Profiler:
+        self.attach()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is not None and self._status == T.STATUS_COMPLETE:
+            self.mark_incomplete(f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__)
+        self.detach()
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    @property
+    def current_step(self) -> int:
+        """Index of the step in progress (the one the next ``step()`` call ends)."""
+        return self._step
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the step in progress is sampled."""
+        return self._sampling
+
+    def _selected(self, name: str, module: nn.Module) -> bool:
+        if self.module_filter is None:
+            has_children = next(module.children(), None) is not None
+            has_params = next(module.parameters(recurse=False), None) is not None
+            return (not has_children) or has_params
+        for f in self.module_filter:
+            if isinstance(f, str):
+                if fnmatch.fnmatchcase(name, f):
+                    return True
+            elif isinstance(module, f):
+                return True
+        return False
+
+    def _new_row(self, module: str, module_type: str, tensor: str, param: str = "") -> _Row:
+        row = _Row(len(self._rows), module, module_type, tensor, param)
+        self._rows.append(row)
+        return row
+
+    def attach(self) -> Profiler:
+        """Register every hook. Idempotent; ``detach()`` removes them all."""
+        if self._attached:
+            return self
+        try:
+            self._attach()
+        except BaseException:
+            self._remove_hooks()
+            raise
+        self._attached = True
+        return self
+
+    def _attach(self) -> None:
+        first_param = next(self.model.parameters(), None)
+        self._device = first_param.device if first_param is not None else torch.device("cpu")
+        seen_params: set[int] = set()
+        self._modules, self._params, self._rows = [], [], []
+        for name, module in self.model.named_modules():
+            if not self._selected(name, module):
+                continue
+            mtype = type(module).__name__
+            slot = _ModuleSlot(
+                name=name,
+                module=module,
+                activation=self._new_row(name, mtype, T.ACTIVATION),
+                activation_grad=self._new_row(name, mtype, T.ACTIVATION_GRAD),
+                weights=[],
+            )
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) in seen_params:
+                    continue
+                seen_params.add(id(p))
+                slot.weights.append((pname, p, self._new_row(name, mtype, T.WEIGHT, pname)))
+                grad_row = self._new_row(name, mtype, T.WEIGHT_GRAD, pname) if p.requires_grad else None
+                self._params.append(_ParamSlot(name, pname, p, grad_row, -1))
+            self._modules.append(slot)
+        self._buffer = st.StatsBuffer(max(len(self._rows), 1), self._device, chunk=self.chunk)
+
+        for slot in self._modules:
+            self._handles.append(slot.module.register_forward_pre_hook(self._make_pre_hook(slot)))
+            self._handles.append(slot.module.register_forward_hook(self._make_fwd_hook(slot)))
+        for ps in self._params:
+            if ps.grad_row is not None:
+                self._handles.append(
+                    ps.tensor.register_post_accumulate_grad_hook(self._make_grad_acc_hook(ps))
+                )
+
+        if self.weight_updates and self.optimizer is not None:
+            tracked = [ps for ps in self._params if ps.grad_row is not None]
+            for i, ps in enumerate(tracked):
+                n = ps.tensor.numel()
+                ps.sample_stride = max(1, -(-n // self.update_sample))
+                ps.sample_len = len(range(0, n, ps.sample_stride))
+                ps.update_index = i
+            # columns: sampled elements, zero updates, lost in bf16, lost in fp16
+            self._update_buf = torch.zeros((max(len(tracked), 1), 4), dtype=torch.int64, device=self._device)
+            self._update_before = [None] * len(tracked)
+            self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
+            self._handles.append(self.optimizer.register_step_post_hook(self._opt_post_hook))
+
+        if self.scaler is not None and hasattr(self.scaler, "update"):
+            self._patch_scaler()
+
+        if self.memory_enabled:
+            try:
+                from precprof.memory import MemoryTracker
+            except ImportError:  # memory tracking not available in this build
+                self._tracker = None
+            else:
+                self._tracker = MemoryTracker(self.model, self.optimizer)
+                self._tracker.attach()
+
+        self._step = self._first_step
+        self._begin_step()
+
+    def _patch_scaler(self) -> None:
+        scaler = self.scaler
+        original = scaler.update
+        profiler = self
+
+        def update(new_scale: Any = None) -> Any:
+            profiler._before_scaler_update()
+            return original(new_scale)
+
+        scaler.update = update
+        self._scaler_patched = True
+        for attr in ("_init_scale", "_growth_factor", "_backoff_factor"):
+            v = getattr(scaler, attr, None)
+            if v is not None and not st.is_power_of_two(float(v)):
+                self._non_pow2_scale = True
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._scaler_patched:
+            try:
+                del self.scaler.update  # the instance attribute shadowed the class method
+            except AttributeError:
+                pass
+            self._scaler_patched = False
+        if self._tracker is not None:
+            self._tracker.detach()
+
+    def detach(self) -> None:
+        """Remove every hook (also after an exception) and bring the host tables up to date."""
+        if not self._attached:
+            return
+        self._attached = False
+        self._remove_hooks()
+        # a step that was in progress (crash, Ctrl-C, or hooks removed mid-step) keeps what it recorded
+        if self._sampling and self._step_has_data:
+            self._pending.append(self._make_pending(None, None, None, partial=True))
+            self._flush(sampled_step_done=True)
+        else:
+            self._flush(sampled_step_done=False)
+        self._sampling = False
+
+    # ---------------------------------------------------------------------------------------- hooks
+    def _active(self) -> bool:
+        return self._sampling and torch.is_grad_enabled()
+
+    def _make_pre_hook(self, slot: _ModuleSlot) -> Any:
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            if not self._active():
+                return None
+            if not slot.called:
+                slot.called = True
+                slot.order = self._order_counter
+                self._order_counter += 1
+                assert self._buffer is not None
+                for _, p, row in slot.weights:
+                    if p.is_floating_point() and p.numel() > 0:
+                        self._buffer.accumulate(p, row.index)
+                        row.seen(p.dtype)
+                        self._step_has_data = True
+            return None
+
+        return pre_hook
+
+    def _make_fwd_hook(self, slot: _ModuleSlot) -> Any:
+        act = slot.activation
+        grad_row = slot.activation_grad
+
+        def grad_hook(g: torch.Tensor) -> None:
+            if self._buffer is not None and g is not None and self._attached:
+                self._buffer.accumulate(g, grad_row.index)
+                grad_row.seen(g.dtype)
+            return None
+
+        def fwd_hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not self._active():
+                return None
+            assert self._buffer is not None
+            any_tensor = False
+            for t in _iter_tensors(output):
+                self._buffer.accumulate(t, act.index)
+                any_tensor = True
+                if t.requires_grad:
+                    t.register_hook(grad_hook)
+                if not act.dtypes or str(t.dtype).removeprefix("torch.") not in act.dtypes:
+                    act.dtypes.append(str(t.dtype).removeprefix("torch."))
+            if any_tensor:
+                act.calls += 1
+                self._step_has_data = True
+                if not self._autocast_seen:
+                    self._note_autocast(self._device.type)
+            return None
+
+        return fwd_hook
+
+    def _note_autocast(self, device_type: str) -> None:
+        try:
+            enabled = torch.is_autocast_enabled(device_type)
+            dtype = torch.get_autocast_dtype(device_type) if enabled else None
+        except (AttributeError, TypeError, RuntimeError):
+            enabled, dtype = False, None
+        self._autocast_seen = {
+            "enabled": bool(enabled),
+            "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
+            "device_type": device_type,
+        }
+
+    def _make_grad_acc_hook(self, ps: _ParamSlot) -> Any:
+        row = ps.grad_row
+        assert row is not None
+
+        def hook(p: torch.Tensor) -> None:
+            if not self._sampling or p.grad is None or self._buffer is None:
+                return None
+            self._buffer.accumulate(p.grad, row.index, assign=True)
+            row.calls = 1
+            name = str(p.grad.dtype).removeprefix("torch.")
+            if name not in row.dtypes:
+                row.dtypes.append(name)
+            self._step_has_data = True
+            return None
+
+        return hook
+
+    def _sample_view(self, ps: _ParamSlot) -> torch.Tensor:
+        flat = ps.tensor.detach().reshape(-1)
+        return flat[:: ps.sample_stride][: ps.sample_len]
+
+    def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._sampling:
+            return None
+        for ps in self._params:
+            if ps.update_index >= 0:
+                self._update_before[ps.update_index] = self._sample_view(ps).float().clone()
+        return None
+
+    @torch.no_grad()
+    def _opt_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._sampling or self._update_buf is None:
+            return None
+        for ps in self._params:
+            i = ps.update_index
+            if i < 0:
+                continue
+            before = self._update_before[i]
+            if before is None:
+                continue
+            after = self._sample_view(ps).float()
+            delta = after - before
+            nonzero = delta != 0
+            counts = self._update_buf[i]
+            counts[0] += before.numel()
+            counts[1] += before.numel() - nonzero.sum()
+            # the weight as it would be held in that format, updated by the same delta in fp32, rounded back
+            for col, dtype in ((2, torch.bfloat16), (3, torch.float16)):
+                held = before.to(dtype)
+                lost = (held.float() + delta).to(dtype) == held
+                counts[col] += (lost & nonzero).sum()
+            self._update_before[i] = None
+        self._step_has_data = True
+        return None
+
+    def _before_scaler_update(self) -> None:
+        scaler = self.scaler
+        if not self._attached or scaler is None or not getattr(scaler, "_enabled", True):
+            return
+        scale = getattr(scaler, "_scale", None)
+        if isinstance(scale, torch.Tensor):
+            self._pending_scale = scale.detach().clone()
+        found: list[torch.Tensor] = []
+        for state in getattr(scaler, "_per_optimizer_states", {}).values():
+            for t in state.get("found_inf_per_device", {}).values():
+                found.append(t.detach().reshape(()).to(self._device, non_blocking=True))
+        if found:
+            self._pending_found = torch.stack(found).sum()
+
+    # ----------------------------------------------------------------------------------------- steps
+    def _is_sampled(self, step: int) -> bool:
+        return self.sample_every > 0 and (step - self._first_step) % self.sample_every == 0
+
+    def _begin_step(self) -> None:
+        self._sampling = self._is_sampled(self._step)
+        self._step_has_data = False
+        self._order_counter = 0
+        if self._sampling:
+            if self._buffer is not None:
+                self._buffer.reset()
+            if self._update_buf is not None:
+                self._update_buf.zero_()
+            for row in self._rows:
+                row.calls = 0
+                row.dtypes = []
+            for slot in self._modules:
+                slot.called = False
+                slot.order = -1
+        if self._tracker is not None:
+            self._tracker.begin_step(self._step, self._sampling)
+
+    def _make_pending(
+        self, loss: Any, grad_norm: Any, tokens: int | None, partial: bool = False
+    ) -> _PendingStep:
+        now = time.perf_counter()
+        scale: torch.Tensor | float = 1.0
+        if self._pending_scale is not None:
+            scale = self._pending_scale
+        elif self.scaler is not None and isinstance(getattr(self.scaler, "_scale", None), torch.Tensor):
+            if getattr(self.scaler, "_enabled", True):
+                scale = self.scaler._scale.detach().clone()
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach().reshape(-1)[0] if loss.numel() else None
+        if isinstance(grad_norm, torch.Tensor):
+            grad_norm = grad_norm.detach().reshape(())
+        pending = _PendingStep(
+            step=self._step,
+            loss=loss,
+            scale=scale,
+            found_inf=self._pending_found,
+            grad_norm=grad_norm,
+            time_s=math.nan if partial else now - self._t_last,
+            sampled=self._sampling,
+            tokens=tokens,
+        )
+        self._t_last = now
+        self._pending_scale = None
+        self._pending_found = None
+        return pending
+
+    def step(self, loss: Any = None, grad_norm: Any = None, tokens: int | None = None) -> None:
+        """End the step in progress: call once per optimizer step, after ``scaler.update()``.
+
+        ``loss`` and ``grad_norm`` may be device tensors: they are kept on the device and copied with the
+        next sampled step's statistics (no sync here on steps that are not sampled). ``tokens``: tokens
+        processed in the step, for throughput.
+        """
+        if not self._attached:
+            raise RuntimeError("Profiler.step() called while the profiler is not attached (use `with prof:`)")
+        self._pending.append(self._make_pending(loss, grad_norm, tokens))
+        if self._sampling or len(self._pending) >= _MAX_PENDING_STEPS:
+            self._flush(sampled_step_done=self._sampling)
+        self._step += 1
+        self._begin_step()
+
+    # ------------------------------------------------------------------------------------- host side
+    def _flush(self, sampled_step_done: bool) -> None:
+        """Copy pending step records (and, after a sampled step, its statistics) to the host. Syncs."""
+        if self._pending:
+            losses = [p.loss for p in self._pending]
+            scales = [p.scale for p in self._pending]
+            host_scales = [_to_float(s) for s in scales]
+            for p, loss, scale in zip(self._pending, losses, host_scales, strict=True):
+                found = _to_float(p.found_inf) if p.found_inf is not None else 0.0
+                self._step_rows.append(
+                    {
+                        T.STEP: p.step,
+                        T.LOSS: _to_float(loss),
+                        T.LOSS_SCALE: scale,
+                        T.SKIPPED: bool(found > 0 or (math.isnan(found))),
+                        T.GRAD_NORM: _to_float(p.grad_norm),
+                        T.TIME_S: p.time_s,
+                        T.SAMPLED: p.sampled,
+                        T.TOKENS: float(p.tokens) if p.tokens is not None else math.nan,
+                    }
+                )
+            last = self._pending[-1]
+            step_scale = host_scales[-1]
+            self._pending.clear()
+        else:
+            last, step_scale = None, 1.0
+        if not sampled_step_done or self._buffer is None:
+            return
+        step = last.step if last is not None else self._step
+        self._collect_layers(step, step_scale)
+        if self._tracker is not None:
+            try:
+                rows = self._tracker.end_step(step)
+            except Exception as e:  # memory accounting must never take training down
+                rows = []
+                self._memory_error = f"{type(e).__name__}: {e}"
+            self._memory_rows.extend(rows)
+        self._memory_rows.append(
+            {
+                T.STEP: step,
+                T.COMPONENT: T.PROFILER_BUFFERS,
+                T.MODULE: "",
+                T.DTYPE: "int64",
+                T.BYTES: self.buffer_bytes,
+            }
+        )
+
+    def _collect_layers(self, step: int, scale: float) -> None:
+        assert self._buffer is not None
+        data = self._buffer.to_host()
+        order = {s.name: s.order for s in self._modules}
+        hist_steps: list[np.ndarray] = []
+        hist_meta: list[tuple[str, str, str]] = []
+        for row in self._rows:
+            if row.calls == 0:
+                continue
+            row_scale = scale if row.tensor in T.GRADIENT_KINDS else 1.0
+            s = st.decode(data[row.index], row_scale)
+            rec: dict[str, Any] = {
+                T.STEP: step,
+                T.ORDER: order.get(row.module, -1),
+                T.MODULE: row.module,
+                T.MODULE_TYPE: row.module_type,
+                T.TENSOR: row.tensor,
+                T.PARAM: row.param,
+                T.DTYPE: "|".join(row.dtypes),
+                T.CALLS: row.calls,
+                T.NUMEL: s.numel,
+                T.ZEROS: s.zeros,
+                T.NAN: s.nan,
+                T.INF: s.inf,
+                T.ABSMAX: s.absmax,
+                T.ABSMIN: s.absmin,
+                T.SCALE: row_scale,
+                T.LOST_UPDATE_BF16: math.nan,
+                T.LOST_UPDATE_FP16: math.nan,
+            }
+            for f in WHATIF_FORMATS:
+                rec[T.underflow_col(f)] = s.underflow[f]
+                rec[T.overflow_col(f)] = s.overflow[f]
+            for f in FP8_FORMATS:
+                rec[T.underflow_cs_col(f)] = s.underflow_cs[f]
+            self._layer_rows.append(rec)
+            nz = np.nonzero(s.hist)[0]
+            if len(nz):
+                hist_steps.append(np.stack([s.exponents[nz], s.hist[nz]], axis=1))
+                hist_meta.append((row.module, row.tensor, row.param))
+        if self._update_buf is not None:
+            upd = self._update_buf.cpu().numpy()
+            for ps in self._params:
+                if ps.update_index < 0 or upd[ps.update_index, 0] == 0:
+                    continue
+                n, zeros, lost_bf16, lost_fp16 = (int(v) for v in upd[ps.update_index])
+                rec = {c: math.nan for c in T.LAYERS_COLUMNS}
+                rec.update(
+                    {
+                        T.STEP: step,
+                        T.ORDER: order.get(ps.module, -1),
+                        T.MODULE: ps.module,
+                        T.MODULE_TYPE: self._module_type(ps.module),
+                        T.TENSOR: T.WEIGHT_UPDATE,
+                        T.PARAM: ps.param,
+                        T.DTYPE: str(ps.tensor.dtype).removeprefix("torch."),
+                        T.CALLS: 1,
+                        T.NUMEL: n,
+                        T.ZEROS: zeros,
+                        T.NAN: 0,
+                        T.INF: 0,
+                        T.SCALE: 1.0,
+                        T.LOST_UPDATE_BF16: lost_bf16,
+                        T.LOST_UPDATE_FP16: lost_fp16,
+                    }
+                )
+                for c in T.COUNT_COLUMNS:
+                    if isinstance(rec[c], float) and math.isnan(rec[c]):
+                        rec[c] = 0
+                self._layer_rows.append(rec)
+        if hist_steps:
+            lengths = [len(h) for h in hist_steps]
+            allh = np.concatenate(hist_steps)
+            mods, kinds, params = zip(*hist_meta, strict=True)
+            self._hist_parts.append(
+                pd.DataFrame(
+                    {
+                        T.STEP: np.full(len(allh), step, dtype=np.int64),
+                        T.MODULE: np.repeat(np.array(mods, dtype=object), lengths),
+                        T.TENSOR: np.repeat(np.array(kinds, dtype=object), lengths),
+                        T.PARAM: np.repeat(np.array(params, dtype=object), lengths),
+                        T.EXPONENT: allh[:, 0],
+                        T.COUNT: allh[:, 1],
+                    }
+                )
+            )
+
+    def _module_type(self, name: str) -> str:
+        for slot in self._modules:
+            if slot.name == name:
+                return type(slot.module).__name__
+        return ""
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes precprof holds persistently on the device: statistics rows, update samples, memory tracking."""
+        total = self._buffer.buffer_bytes if self._buffer is not None else 0
+        if self._update_buf is not None:
+            total += self._update_buf.numel() * self._update_buf.element_size()
+            total += sum(ps.sample_len * 4 for ps in self._params if ps.update_index >= 0)
+        if self._tracker is not None:
+            total += int(getattr(self._tracker, "buffer_bytes", 0))
+        return total
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of reusable scratch the statistics hold (bounded by the chunk size)."""
+        return self._buffer.scratch_bytes if self._buffer is not None else 0
+
+    # ------------------------------------------------------------------------------------ results
+    def tables(self) -> dict[str, pd.DataFrame]:
+        """The four tables recorded so far (see precprof/tables.py for the schema). Syncs if steps are pending."""
+        if self._pending and not self._attached:
+            self._flush(sampled_step_done=False)
+        hist = pd.concat(self._hist_parts, ignore_index=True) if self._hist_parts else T.empty("histograms")
+        return {
+            "layers": T.frame("layers", self._layer_rows) if self._layer_rows else T.empty("layers"),
+            "histograms": T.frame("histograms", hist),
+            "steps": T.frame("steps", self._step_rows) if self._step_rows else T.empty("steps"),
+            "memory": T.frame("memory", self._memory_rows) if self._memory_rows else T.empty("memory"),
+        }
+
+    def mark_incomplete(self, reason: str) -> None:
+        """Mark the run as incomplete (a crash, a nan that stopped training, Ctrl-C), with the cause."""
+        self._status = T.STATUS_INCOMPLETE
+        self._reason = reason
+
+    @property
+    def status(self) -> tuple[str, str | None]:
+        return self._status, self._reason
+
+    def summary(self) -> dict[str, Any]:
+        """The ``capture`` part of summary.json: what was captured and how."""
+        modules = []
+        for slot in self._modules:
+            modules.append(
+                {
+                    "name": slot.name,
+                    "type": type(slot.module).__name__,
+                    "params": {pname: list(p.shape) for pname, p, _ in slot.weights},
+                }
+            )
+        n_params = sum(p.numel() for p in self.model.parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return {
+            "sample_every": self.sample_every,
+            "steps_recorded": len(self._step_rows),
+            "sampled_steps": len({r[T.STEP] for r in self._layer_rows}),
+            "modules_captured": len(self._modules),
+            "modules": modules,
+            "n_params": n_params,
+            "param_bytes": param_bytes,
+            "profiler_buffer_bytes": self.buffer_bytes,
+            "profiler_scratch_bytes": self.scratch_bytes,
+            "profiler_buffer_share_of_params": self.buffer_bytes / param_bytes if param_bytes else None,
+            "autocast": self._autocast_seen or {"enabled": False, "dtype": None},
+            "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
+            "histogram_shift_exact": not self._non_pow2_scale,
+            "weight_update_sample": self.update_sample if self.weight_updates else 0,
+            "fp8_recipe": "per-tensor current scaling, scale = 2^floor(log2(fmax / amax))",
+            "memory_error": getattr(self, "_memory_error", None),
+        }
+
+    def save(
+        self,
+        run_dir: str | Path,
+        summary: dict[str, Any] | None = None,
+        status: str | None = None,
+        reason: str | None = None,
+    ) -> Path:
+        """Write the run directory: the four Parquet tables and summary.json (``summary`` merged in).
+
+        Tables are written before anything that could fail (the recommendation), so a failure there never
+        loses the recorded data.
+        """
+        import precprof
+
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if status is not None:
+            self._status = status
+        if reason is not None:
+            self._reason = reason
+        tables = self.tables()
+        T.write_tables(run_dir, tables)
+        full: dict[str, Any] = dict(summary or {})
+        full[T.SUMMARY_VERSION] = precprof.__version__
+        full[T.SUMMARY_STATUS] = self._status
+        full[T.SUMMARY_INCOMPLETE_REASON] = self._reason
+        capture = dict(full.get(T.SUMMARY_CAPTURE) or {})
+        capture.update(self.summary())
+        full[T.SUMMARY_CAPTURE] = capture
+        if T.SUMMARY_HARDWARE not in full:
+            from precprof.hardware import detect
+
+            full[T.SUMMARY_HARDWARE] = detect(self._device).to_dict()
+        T.write_summary(run_dir, full)
+        extra = _post_process(tables, full)
+        if extra:
+            full.update(extra)
+            T.write_summary(run_dir, full)
+        return run_dir
+
+    def report(self, path: str | Path, summary: dict[str, Any] | None = None) -> Path:
+        """Write the run directory next to ``path`` and render ``path`` as the HTML report."""
+        path = Path(path)
+        run_dir = path.parent if path.suffix == ".html" else path
+        self.save(run_dir, summary=summary)
+        from precprof.report.render import render_run_dir
+
+        out: Path = render_run_dir(run_dir, out=path if path.suffix == ".html" else None)
+        return out
+
+
+def _post_process(tables: dict[str, pd.DataFrame], summary: dict[str, Any]) -> dict[str, Any]:
+    """Memory projection and recommendation for summary.json; best effort, never raises."""
+    out: dict[str, Any] = {}
+    try:
+        from precprof import memory
+
+        if hasattr(memory, "project") and not tables["memory"].empty:
+            out[T.SUMMARY_MEMORY] = memory.project(tables["memory"], summary)
+    except Exception as e:
+        out.setdefault("errors", []).append(f"memory projection: {type(e).__name__}: {e}")
+    try:
+        from precprof import advisor
+
+        if not tables["layers"].empty or not tables["steps"].empty:
+            rec = advisor.recommend(tables, summary={**summary, **out})
+            out[T.SUMMARY_RECOMMENDATION] = rec.to_dict()
+    except ImportError:
+        pass
+    except Exception as e:
+        out.setdefault("errors", []).append(f"advisor: {type(e).__name__}: {e}")
+    return out
+
+
+def iter_module_names(model: nn.Module) -> Iterable[str]:
+    """Qualified names of the modules a default Profiler captures, in registration order."""
+    prof = Profiler(model, memory=False)
+    return [name for name, m in model.named_modules() if prof._selected(name, m)]
