@@ -26,6 +26,7 @@ training step's rows.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import time
@@ -341,10 +342,8 @@ class Profiler:
             h.remove()
         self._handles.clear()
         if self._scaler_patched:
-            try:
+            with contextlib.suppress(AttributeError):
                 del self.scaler.update  # the instance attribute shadowed the class method
-            except AttributeError:
-                pass
             self._scaler_patched = False
         if self._tracker is not None:
             self._tracker.detach()
@@ -526,9 +525,12 @@ class Profiler:
         scale: torch.Tensor | float = 1.0
         if self._pending_scale is not None:
             scale = self._pending_scale
-        elif self.scaler is not None and isinstance(getattr(self.scaler, "_scale", None), torch.Tensor):
-            if getattr(self.scaler, "_enabled", True):
-                scale = self.scaler._scale.detach().clone()
+        elif (
+            self.scaler is not None
+            and isinstance(getattr(self.scaler, "_scale", None), torch.Tensor)
+            and getattr(self.scaler, "_enabled", True)
+        ):
+            scale = self.scaler._scale.detach().clone()
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().reshape(-1)[0] if loss.numel() else None
         if isinstance(grad_norm, torch.Tensor):
