@@ -22,7 +22,10 @@ Every column name used anywhere in precprof is a constant here. The four tables 
     because of inf/nan gradients), grad_norm (NaN where unknown), time_s (host wall time of the step),
     sampled (whether layers/histograms were recorded), tokens (NaN where unknown).
 
-``memory`` — step, component, module ("" except for activations), dtype, bytes.
+``memory`` — step, component, module ("" except for activations), dtype ("" for allocator and device rows),
+    bytes, phase (allocator rows only: forward | backward | optimizer | other, the part of the step whose peak
+    the row holds; "" on other rows). Components in MEMORY_PEAK_COMPONENTS are totals of the whole device, not
+    parts of a stack: take their max over rows, never their sum.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ TOKENS = "tokens"
 
 COMPONENT = "component"
 BYTES = "bytes"
+PHASE = "phase"
 
 
 def underflow_col(fmt: str) -> str:
@@ -103,6 +107,20 @@ AUTOCAST_WEIGHT_COPIES = "autocast_weight_copies"
 ALLOCATOR_PEAK = "allocator_peak"
 ALLOCATOR_RESERVED_PEAK = "allocator_reserved_peak"
 PROFILER_BUFFERS = "profiler_buffers"
+MASTER_WEIGHTS = "master_weights"  # parameters the optimizer holds that are not the model's (fp32 masters)
+BUFFERS = "buffers"  # module buffers (running stats, masks), each storage once, not parameters
+DEVICE_USED = "device_used"  # NVML: memory used on the device by every process, at the end of the step
+DEVICE_TOTAL = "device_total"  # NVML: the device's memory
+# Not additive: peaks and whole-device numbers (max over rows, never a sum with the other components).
+MEMORY_PEAK_COMPONENTS: frozenset[str] = frozenset(
+    {ALLOCATOR_PEAK, ALLOCATOR_RESERVED_PEAK, DEVICE_USED, DEVICE_TOTAL}
+)
+# values of the phase column (allocator rows)
+PHASE_FORWARD = "forward"
+PHASE_BACKWARD = "backward"
+PHASE_OPTIMIZER = "optimizer"
+PHASE_OTHER = "other"  # before the first forward, after the optimizer step (zero_grad, scaler.update)
+MEMORY_PHASES: tuple[str, ...] = (PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER, PHASE_OTHER)
 
 # ------------------------------------------------------------------------------------------- the tables
 COUNT_COLUMNS: tuple[str, ...] = (
@@ -132,7 +150,7 @@ LAYERS_COLUMNS: tuple[str, ...] = (
 )
 HISTOGRAMS_COLUMNS: tuple[str, ...] = (STEP, MODULE, TENSOR, PARAM, EXPONENT, COUNT)
 STEPS_COLUMNS: tuple[str, ...] = (STEP, LOSS, LOSS_SCALE, SKIPPED, GRAD_NORM, TIME_S, SAMPLED, TOKENS)
-MEMORY_COLUMNS: tuple[str, ...] = (STEP, COMPONENT, MODULE, DTYPE, BYTES)
+MEMORY_COLUMNS: tuple[str, ...] = (STEP, COMPONENT, MODULE, DTYPE, BYTES, PHASE)
 
 TABLES: dict[str, tuple[str, ...]] = {
     "layers": LAYERS_COLUMNS,
