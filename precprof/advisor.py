@@ -118,7 +118,8 @@ class Recommendation:
         """A few plain lines for a terminal: the plan, then the critical and warning findings."""
         plan = f"Recommended for {self.target}: {self.format}"
         if self.loss_scale is not None:
-            plan += f" with GradScaler(init_scale={_pow2(_log2i(self.loss_scale))}"
+            k = _log2i(self.loss_scale)
+            plan += f" with GradScaler(init_scale={_scale(k)} (2^{k})"
             if self.growth_interval is not None:
                 plan += f", growth_interval={self.growth_interval}"
             plan += ")"
@@ -228,7 +229,12 @@ def _pct(share: float | None) -> str:
 
 
 def _pow2(k: int) -> str:
-    return f"2^{k} ({2.0**k:g})"
+    return f"2^{k} ({_scale(k)})"
+
+
+def _scale(k: int) -> str:
+    """2^k written out: an integer for k >= 0 (GradScaler's init_scale as users type it)."""
+    return str(2**k) if k >= 0 else f"{_scale(k)}"
 
 
 def _log2i(x: float) -> int:
@@ -784,7 +790,7 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                 f"The largest gradient magnitude seen is {_g(gmax)}{src}; {_pow2(k)} is the largest power of "
                 f"two that keeps it below 65504 / {2**cfg.fp16_margin_log2} = {_g(limit)} "
                 f"(max|g| x 2^{k} = {_g(math.ldexp(gmax, k))}){clamp}.",
-                f"Start GradScaler at init_scale={2.0**k:g}.",
+                f"Start GradScaler at init_scale={_scale(k)}.",
                 numbers={
                     "loss_scale_log2": k,
                     "loss_scale": 2.0**k,
@@ -841,9 +847,13 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
             else ""
         )
         + (f"; {int(over_k)} values would overflow at that scale" if over_k else "")
-        + ". The 2018 Mixed Precision Training paper found the same effect for SSD and recovered fp32 accuracy "
-        "with a loss scale of 8."
+        + "."
     )
+    if (at1 or 0) > cfg.fp16_underflow_ok:
+        msg += (
+            " The 2018 Mixed Precision Training paper saw the same for SSD and recovered fp32 accuracy with a "
+            "loss scale of 8."
+        )
     if atk is not None and atk > cfg.fp16_underflow_block:
         severity = CRITICAL
         plan.fp16_block.append(
@@ -853,13 +863,13 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         remedy = "Use bf16 or fp32: no single fp16 loss scale covers these gradients' range."
     elif atk is not None and atk > cfg.fp16_underflow_ok:
         severity = WARNING
-        remedy = f"Start GradScaler at {2.0**k:g}, and consider bf16: {_pct(atk)} still underflows there."
+        remedy = f"Start GradScaler at {_scale(k)}, and consider bf16: {_pct(atk)} still underflows there."
     elif (at1 or 0) > cfg.fp16_underflow_ok or (now or 0) > cfg.fp16_underflow_ok:
         severity = WARNING
-        remedy = f"Scale the loss: GradScaler(init_scale={2.0**k:g}) brings the underflow to {_pct(atk)}."
+        remedy = f"Scale the loss: GradScaler(init_scale={_scale(k)}) brings the underflow to {_pct(atk)}."
     else:
         severity = INFO
-        remedy = f"Nothing to fix; GradScaler(init_scale={2.0**k:g}) keeps it at {_pct(atk)}."
+        remedy = f"Nothing to fix; GradScaler(init_scale={_scale(k)}) keeps it at {_pct(atk)}."
     by_mod = run.hist[run.hist[T.TENSOR] == T.ACTIVATION_GRAD]
     worst: list[str] = []
     if not by_mod.empty and atk:
@@ -939,7 +949,7 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
             f"The dynamic loss scaler skipped {n} of {len(st)} optimizer steps (scale started at {start:g}"
             + (f", first successful step at scale {settled:g}" if settled is not None else "")
             + f"). {avoid} of those skips happened at a scale above the recommended {_pow2(k)}: starting "
-            f"GradScaler at {rec:g} avoids them"
+            f"GradScaler at {_scale(k)} avoids them"
             + (
                 f"; the other {n - avoid} happened at or below it (gradient spikes, or non-finite values "
                 "that no scale fixes)."
@@ -953,7 +963,7 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                 WARNING,
                 f"{n} optimizer steps skipped by the loss scaler",
                 msg,
-                f"Use GradScaler(init_scale={rec:g}).",
+                f"Use GradScaler(init_scale={_scale(k)}).",
                 numbers={
                     "skipped": n,
                     "steps": len(st),
@@ -982,7 +992,7 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                     f"After its first successful step the scaler grew {grows} time(s) and skipped "
                     f"{later_skips} of {len(after)} steps (one every {every:.0f}) with growth_interval "
                     f"{run_gi}; each growth past the safe scale costs a step.",
-                    f"Start at {rec:g} and raise growth_interval to {new_gi}.",
+                    f"Start at {_scale(k)} and raise growth_interval to {new_gi}.",
                     numbers={
                         "growths": grows,
                         "later_skips": later_skips,
@@ -1229,8 +1239,9 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, tuple[int, int]]) -> None:
                 else ""
             )
             + ".",
-            "Convert the eligible layers to FP8 (torchao convert_to_float8_training with a module filter) "
-            "and keep the others in bf16.",
+            ("Convert" if run.hw.fp8_supported else "On FP8 hardware (compute capability 8.9+), convert")
+            + " the eligible layers to FP8 (torchao convert_to_float8_training with a module filter) and keep "
+            "the others in bf16.",
             modules=plan.fp8_eligible,
             numbers={
                 "eligible": len(plan.fp8_eligible),
@@ -1403,7 +1414,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
     if fmt == "fp16":
         gm = plan.grad_absmax
         reasons.append(
-            f"Start GradScaler at init_scale={2.0**k:g} (2^{k}): the largest gradient seen, {_g(gm)}, times "
+            f"Start GradScaler at init_scale={_scale(k)} (2^{k}): the largest gradient seen, {_g(gm)}, times "
             f"2^{k} stays below 65504 / {2**cfg.fp16_margin_log2}; activation-gradient underflow falls from "
             f"{_pct(plan.underflow_at_1)} at scale 1 to {_pct(plan.underflow_at_rec)}."
         )
