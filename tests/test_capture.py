@@ -1,0 +1,336 @@
+"""The Profiler: what it records, that it records it exactly, and that it never changes training."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import tables as T
+
+
+def _hooks_left(model: nn.Module) -> list[str]:
+    left = []
+    for name, m in model.named_modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            if getattr(m, attr):
+                left.append(f"{name}.{attr}")
+    for name, p in model.named_parameters():
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            left.append(f"{name}._post_accumulate_grad_hooks")
+    return left
+
+
+class Scale(nn.Module):
+    """out = x * w: the gradient that reaches x is known exactly."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def _hand_values() -> torch.Tensor:
+    """Gradient values on and around fp16's underflow boundary once scaled by 2^10."""
+    k = 10
+    vals = [
+        2.0**-40,
+        2.0**-35,  # *2^10 = 2^-25: a tie, flushes to 0
+        2.0**-35 * (1 + 2**-20),  # just above the tie: rounds up to 2^-24
+        2.0**-34,  # *2^10 = 2^-24: fp16's smallest subnormal
+        2.0**-30,
+        2.0**-20,
+        0.5,
+        3.0,
+        0.0,
+        -(2.0**-36),
+        -(2.0**-35),
+        2.0**5 * 1.5,  # *2^10 = 49152: fine in fp16
+        2.0**6,  # *2^10 = 65536: overflows fp16
+    ]
+    del k
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+def test_gradient_is_stored_unscaled_and_counted_at_the_scale() -> None:
+    """loss = (out * g).sum() makes d loss / d out = g; under a static scale 2^k the hook sees g * 2^k."""
+    g = _hand_values()
+    k = 10
+    model = nn.Sequential(Scale(len(g)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**k, growth_interval=10**9)
+    x = torch.randn(len(g))
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1) as prof:
+        out = model(x)
+        loss = (out * g).sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        prof.step(loss=loss)
+    t = prof.tables()
+    layers = t["layers"]
+    row = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD)].iloc[0]
+    assert row[T.SCALE] == 2.0**k
+    raw = g * 2.0**k
+    fin = torch.isfinite(raw)
+    expected_uf = int(((raw != 0) & (raw.to(torch.float16) == 0)).sum())
+    expected_of = int((fin & torch.isinf(raw.to(torch.float16))).sum())
+    assert row[T.underflow_col("fp16")] == expected_uf == 4  # 2^-40, 2^-35 (a tie), -2^-36, -2^-35
+    assert row[T.overflow_col("fp16")] == expected_of == 1
+    assert row[T.ZEROS] == 1
+    assert row[T.ABSMAX] == 2.0**6
+    assert row[T.ABSMIN] == 2.0**-40
+    # unscaled histogram equals frexp of g itself
+    nz = g[g != 0]
+    _, e = torch.frexp(nz)
+    ref = pd.Series((e - 1).tolist()).value_counts().sort_index()
+    h = t["histograms"]
+    h = h[(h[T.TENSOR] == T.ACTIVATION_GRAD)].set_index(T.EXPONENT)[T.COUNT].sort_index()
+    assert h.to_dict() == ref.to_dict()
+    # the step row knows the scale; nothing overflowed in the scaled loss gradient's path to the weight?
+    steps = t["steps"]
+    assert steps[T.LOSS_SCALE].tolist() == [2.0**k]
+
+
+def test_skipped_step_is_recorded_and_scale_halves() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    x = torch.randn(3, 4)
+    inject = [False]
+
+    def poison(g: torch.Tensor) -> torch.Tensor:
+        # a leaf tensor hook runs before accumulation, so the accumulated gradient carries the inf
+        if inject[0]:
+            g = g.clone()
+            g[0, 0] = math.inf
+        return g
+
+    model[0].weight.register_hook(poison)
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1) as prof:
+        for i in range(3):
+            inject[0] = i == 1
+            loss = model(x).pow(2).mean()
+            scaler.scale(loss).backward()
+            before = model[0].weight.detach().clone()
+            scaler.step(opt)
+            scaler.update()
+            if i == 1:
+                assert torch.equal(before, model[0].weight.detach())
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    steps = prof.tables()["steps"]
+    assert steps[T.SKIPPED].tolist() == [False, True, False]
+    assert steps[T.LOSS_SCALE].tolist() == [2.0**8, 2.0**8, 2.0**7]
+    layers = prof.tables()["layers"]
+    wg = layers[(layers[T.TENSOR] == T.WEIGHT_GRAD) & (layers[T.STEP] == 1) & (layers[T.PARAM] == "weight")]
+    assert wg[T.INF].tolist() == [1]
+    # the optimizer did not step on the skipped step: no weight-update row for it
+    wu = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
+    assert sorted(set(wu[T.STEP])) == [0, 2]
+
+
+def test_inplace_relu_and_module_used_twice() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin
+            self.act = nn.ReLU(inplace=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.act(self.lin(self.act(self.lin(x))))
+
+    model = Twice()
+    x = torch.randn(5, 8)
+    with precprof.Profiler(model, sample_every=1) as prof:
+        out = model(x)
+        out.sum().backward()
+        prof.step()
+    layers = prof.tables()["layers"].set_index([T.MODULE, T.TENSOR, T.PARAM])
+    assert layers.loc[("lin", T.ACTIVATION, ""), T.CALLS] == 2
+    assert layers.loc[("lin", T.ACTIVATION, ""), T.NUMEL] == 80
+    assert layers.loc[("lin", T.ACTIVATION_GRAD, ""), T.NUMEL] == 80
+    assert layers.loc[("act", T.ACTIVATION, ""), T.NUMEL] == 80
+    # independent computation of the two activation gradients of lin
+    lin.zero_grad()
+    h1 = lin(x)
+    h1.retain_grad()
+    a1 = torch.relu(h1)
+    h2 = lin(a1)
+    h2.retain_grad()
+    torch.relu(h2).sum().backward()
+    both = torch.cat([h1.grad.reshape(-1), h2.grad.reshape(-1)])
+    assert layers.loc[("lin", T.ACTIVATION_GRAD, ""), T.ZEROS] == int((both == 0).sum())
+    assert layers.loc[("lin", T.ACTIVATION_GRAD, ""), T.ABSMAX] == float(both.abs().max())
+    assert _hooks_left(model) == []
+
+
+def test_hooks_removed_after_exception_mid_forward() -> None:
+    class Boom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.a(x)
+            raise RuntimeError("user code failed")
+            return self.b(y)  # pragma: no cover
+
+    model = Boom()
+    scaler = torch.amp.GradScaler("cpu")
+    prof = precprof.Profiler(model, scaler=scaler, sample_every=1)
+    with pytest.raises(RuntimeError, match="user code failed"), prof:
+        model(torch.randn(2, 3))
+    assert _hooks_left(model) == []
+    assert "update" not in vars(scaler)  # the scaler's method is restored
+    status, reason = prof.status
+    assert status == T.STATUS_INCOMPLETE and "user code failed" in (reason or "")
+    # what was recorded before the crash is kept
+    layers = prof.tables()["layers"]
+    assert set(layers[T.MODULE]) == {"a"}
+    # detach/attach again works and detach is idempotent
+    prof.attach()
+    prof.detach()
+    prof.detach()
+    assert _hooks_left(model) == []
+
+
+def test_no_grad_eval_does_not_pollute_training_step() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    x = torch.randn(7, 4)
+    with precprof.Profiler(model, sample_every=1) as prof:
+        loss = model(x).sum()
+        with torch.no_grad():
+            model(torch.randn(100, 4))  # evaluation in between
+        loss.backward()
+        prof.step(loss=loss)
+    layers = prof.tables()["layers"]
+    act = layers[(layers[T.TENSOR] == T.ACTIVATION) & (layers[T.MODULE] == "0")]
+    assert act[T.NUMEL].tolist() == [7 * 6]
+    assert act[T.CALLS].tolist() == [1]
+
+
+def test_only_sampled_steps_record_layers_and_all_steps_record_losses() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(3, 4)
+    with precprof.Profiler(model, optimizer=opt, sample_every=3) as prof:
+        losses = []
+        for _ in range(7):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+            losses.append(loss.item())
+    t = prof.tables()
+    assert sorted(set(t["layers"][T.STEP])) == [0, 3, 6]
+    assert t["steps"][T.STEP].tolist() == list(range(7))
+    assert t["steps"][T.LOSS].tolist() == losses
+    assert t["steps"][T.SAMPLED].tolist() == [True, False, False, True, False, False, True]
+
+
+def test_module_filter_by_name_and_type() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    for flt, expected in ((["0"], {"0"}), ([nn.ReLU], {"1"}), (["*"], {"", "0", "1", "2"})):
+        with precprof.Profiler(model, modules=flt, sample_every=1) as prof:
+            model(torch.randn(2, 4)).sum().backward()
+            prof.step()
+        assert set(prof.tables()["layers"][T.MODULE]) == expected
+
+
+def test_weight_update_lost_in_bf16_counts_real_casts() -> None:
+    """Updates far below bf16's resolution vanish when added to a bf16 weight; large ones do not."""
+    p = nn.Parameter(torch.ones(8))
+    model = nn.Module()
+    model.p = p  # type: ignore[assignment]
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = p
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.w
+
+    m = Holder()
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    # gradient per element: 2^-10 (lost in bf16, kept in fp16), 2^-12 (a tie in fp16: lost in both), 2^-4 (kept in both), 0 (no update),
+    # 2^-30 (lost even in the fp32 master weight)
+    g = torch.tensor([2.0**-10, 2.0**-10, 2.0**-4, 2.0**-4, 0.0, 0.0, 2.0**-30, 2.0**-12])
+    with precprof.Profiler(m, optimizer=opt, sample_every=1) as prof:
+        (m(torch.ones(8)) * g).sum().backward()
+        opt.step()
+        prof.step()
+    wu = prof.tables()["layers"]
+    wu = wu[wu[T.TENSOR] == T.WEIGHT_UPDATE].iloc[0]
+    w0 = torch.ones(8)
+    delta = (w0 - g) - w0  # the update fp32 master weights actually receive (1 - 2^-30 rounds to 1)
+    lost_bf16 = int(((delta != 0) & ((w0.bfloat16().float() + delta).bfloat16() == w0.bfloat16())).sum())
+    lost_fp16 = int(((delta != 0) & ((w0.half().float() + delta).half() == w0.half())).sum())
+    assert wu[T.NUMEL] == 8 and wu[T.ZEROS] == int((delta == 0).sum()) == 3
+    assert wu[T.LOST_UPDATE_BF16] == lost_bf16 == 3
+    assert wu[T.LOST_UPDATE_FP16] == lost_fp16 == 1
+
+
+def test_save_writes_run_directory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = nn.Sequential(nn.Linear(4, 4))
+    with precprof.Profiler(model, sample_every=1) as prof:
+        model(torch.randn(2, 4)).sum().backward()
+        prof.step()
+    prof.save(tmp_path / "run", summary={T.SUMMARY_CONFIG: {"precision": "fp32"}})
+    assert T.is_run_dir(tmp_path / "run")
+    loaded = T.read_tables(tmp_path / "run")
+    for name, df in prof.tables().items():
+        pd.testing.assert_frame_equal(
+            loaded[name].reset_index(drop=True), df.reset_index(drop=True), check_dtype=False
+        )
+    summary = T.read_summary(tmp_path / "run")
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert summary[T.SUMMARY_CONFIG] == {"precision": "fp32"}
+    assert summary[T.SUMMARY_CAPTURE]["modules_captured"] == 1
+
+
+def test_bf16_autocast_dtypes_are_recorded() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    with precprof.Profiler(model, sample_every=1) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(torch.randn(4, 8))
+        out.float().sum().backward()
+        prof.step()
+    layers = prof.tables()["layers"].set_index([T.MODULE, T.TENSOR, T.PARAM])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model[0](torch.randn(4, 8))
+        n = model[1](h)
+    assert layers.loc[("0", T.ACTIVATION, ""), T.DTYPE] == str(h.dtype).removeprefix("torch.") == "bfloat16"
+    assert layers.loc[("1", T.ACTIVATION, ""), T.DTYPE] == str(n.dtype).removeprefix("torch.")
+    assert layers.loc[("0", T.WEIGHT, "weight"), T.DTYPE] == "float32"
+    assert prof.summary()["autocast"] == {"enabled": True, "dtype": "bfloat16", "device_type": "cpu"}
+
+
+def test_histogram_counts_match_numel_minus_specials() -> None:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+    with precprof.Profiler(model, sample_every=1) as prof:
+        model(torch.randn(32, 16)).sum().backward()
+        prof.step()
+    t = prof.tables()
+    sums = t["histograms"].groupby([T.MODULE, T.TENSOR, T.PARAM])[T.COUNT].sum()
+    for _, r in t["layers"].iterrows():
+        if r[T.TENSOR] == T.WEIGHT_UPDATE:
+            continue
+        key = (r[T.MODULE], r[T.TENSOR], r[T.PARAM])
+        assert sums.get(key, 0) == r[T.NUMEL] - r[T.ZEROS] - r[T.NAN] - r[T.INF]
+    assert np.all(t["layers"][T.NUMEL] > 0)
