@@ -274,6 +274,11 @@ def _share(num: float, den: float) -> float | None:
     return float(num) / float(den) if den > 0 else None
 
 
+def _dtype_has(df: pd.DataFrame, dtype: str) -> pd.Series:
+    """Rows whose tensors included ``dtype`` (the dtype column joins several with "|")."""
+    return df[T.DTYPE].str.split("|").map(lambda ds: dtype in ds).astype(bool)
+
+
 def _is_descendant(child: str, parent: str) -> bool:
     return child != parent and (parent == "" or child.startswith(parent + "."))
 
@@ -627,11 +632,11 @@ def _rule_fp16_activations(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> N
     if acts.empty:
         return
     # What-if: exact fp16 overflow counts of tensors that were not fp16 (scale is 1 in the forward pass).
-    whatif = acts[(acts[T.DTYPE] != "float16") & (acts[T.overflow_col("fp16")] > 0)]
+    whatif = acts[~_dtype_has(acts, "float16") & (acts[T.overflow_col("fp16")] > 0)]
     over = set(whatif[T.MODULE])
     # Observed: fp16 tensors already holding inf. The inf propagates downstream, so only the first module
     # of each step is the cause.
-    seen = acts[(acts[T.DTYPE] == "float16") & (acts[T.INF] > 0)]
+    seen = acts[_dtype_has(acts, "float16") & (acts[T.INF] > 0)]
     observed: set[str] = set()
     for _, at in seen.groupby(T.STEP):
         observed.add(run.sort(_innermost(at[T.MODULE]))[0])
@@ -705,7 +710,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> N
                 f"({_pct(share)}) in fp32 because their activations overflow"
             )
     # Forward underflow: activations flushing to zero in fp16 (no loss scale applies to the forward pass).
-    lo = acts[acts[T.DTYPE] != "float16"]
+    lo = acts[~_dtype_has(acts, "float16")]
     nz = _nonzero(lo)
     uf = float(lo[T.underflow_col("fp16")].sum())
     uf_share = _share(uf, nz)
@@ -739,7 +744,7 @@ def _grad_absmax(run: _Run, fwd_bad_steps: set[int]) -> tuple[float | None, floa
     finite = g[T.ABSMAX].dropna()
     finite = finite[(finite > 0) & finite.map(math.isfinite)]
     amax = float(finite.max()) if not finite.empty else None
-    infs = g[(g[T.INF] > 0) & (g[T.DTYPE] == "float16") & ~g[T.STEP].isin(fwd_bad_steps) & (g[T.SCALE] > 0)]
+    infs = g[(g[T.INF] > 0) & _dtype_has(g, "float16") & ~g[T.STEP].isin(fwd_bad_steps) & (g[T.SCALE] > 0)]
     bound = float((FP16.overflow_min / infs[T.SCALE]).max()) if not infs.empty else None
     return amax, bound
 
@@ -815,10 +820,10 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         return
     # Now: exact counts at the scale in effect, on tensors that were not already fp16 (in an fp16 tensor the
     # flushed values are zeros already and cannot be told from true zeros).
-    not16 = ag[ag[T.DTYPE] != "float16"]
+    not16 = ag[~_dtype_has(ag, "float16")]
     nz_now = _nonzero(not16)
     now = _share(float(not16[T.underflow_col("fp16")].sum()), nz_now)
-    is16 = ag[ag[T.DTYPE] == "float16"]
+    is16 = ag[_dtype_has(ag, "float16")]
     zero16 = _share(float(is16[T.ZEROS].sum()), float(is16[T.NUMEL].sum()))
     scales = sorted({float(s) for s in not16[T.SCALE].unique()})
     sure1, _ = _shifted_underflow(counts, FP16, 0)
@@ -902,12 +907,12 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
 
 def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
     g = run.kind(*T.GRADIENT_KINDS)
-    g = g[(g[T.overflow_col("fp16")] > 0) | ((g[T.DTYPE] == "float16") & (g[T.INF] > 0))]
+    g = g[(g[T.overflow_col("fp16")] > 0) | (_dtype_has(g, "float16") & (g[T.INF] > 0))]
     if g.empty:
         return
     mods = run.sort(g[T.MODULE])
     steps = sorted(int(s) for s in g[T.STEP].unique())
-    n = int(g[T.overflow_col("fp16")].sum() + g[(g[T.DTYPE] == "float16")][T.INF].sum())
+    n = int(g[T.overflow_col("fp16")].sum() + g[_dtype_has(g, "float16")][T.INF].sum())
     scales = sorted({float(s) for s in g[T.SCALE].unique()})
     plan.add(
         Finding(
@@ -1069,7 +1074,7 @@ def _rule_bf16_range(run: _Run, plan: _Plan) -> None:
     sure, _ = _shifted_underflow(counts, BF16, 0)
     share = _share(sure, total)
     acts = run.kind(T.ACTIVATION)
-    over = acts[(acts[T.overflow_col("bf16")] > 0) & (acts[T.DTYPE] != "bfloat16")]
+    over = acts[(acts[T.overflow_col("bf16")] > 0) & ~_dtype_has(acts, "bfloat16")]
     if share is not None and share > cfg.bf16_underflow_block:
         plan.bf16_block.append(f"{_pct(share)} of gradient values underflow bf16 (below 2^-133)")
         plan.add(
@@ -1109,24 +1114,40 @@ def _tokens_per_call(run: _Run) -> int | None:
     return None
 
 
-def _layer_dims(run: _Run) -> dict[str, tuple[int, int]]:
-    """(in, out) features of matmul layers and (num_embeddings, dim) of embeddings, inferred from numels.
+def _layer_dims(run: _Run) -> dict[str, dict[str, int]]:
+    """Dimensions of linear layers ({"in", "out"}) and embeddings ({"num_embeddings", "dim"}).
 
-    The tables carry numels, not shapes: a (..., out) output with batch*seq tokens per call gives out =
-    numel / (calls * tokens), and in = weight numel / out. Layers where that does not divide are left out.
+    From the parameter shapes the Profiler records in summary["capture"]["modules"] when present (Linear
+    weights are (out, in), HF Conv1D weights (in, out), Embedding weights (num, dim)). Otherwise inferred from
+    numels: a (..., out) output with batch*seq tokens per call gives out = numel / (calls * tokens), and the
+    other dim = weight numel / out; layers where that does not divide are left out.
     """
+    out: dict[str, dict[str, int]] = {}
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    mods = capture.get("modules") if isinstance(capture, Mapping) else None
+    for entry in mods if isinstance(mods, list) else []:
+        if not isinstance(entry, Mapping):
+            continue
+        name, t = str(entry.get("name", "")), str(entry.get("type", ""))
+        shape = (entry.get("params") or {}).get("weight")
+        if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(v, int) for v in shape)):
+            continue
+        if _EMBEDDING_RE.search(t):
+            out[name] = {"num_embeddings": shape[0], "dim": shape[1]}
+        elif t == "Conv1D":
+            out[name] = {"in": shape[0], "out": shape[1]}
+        elif _is_linear(t):
+            out[name] = {"in": shape[1], "out": shape[0]}
     tokens = _tokens_per_call(run)
-    if tokens is None:
-        return {}
+    if tokens is None or run.layers.empty:
+        return out
     first = run.layers[run.layers[T.STEP] == run.layers[T.STEP].min()]
     acts = first[first[T.TENSOR] == T.ACTIVATION].groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
     w = first[(first[T.TENSOR] == T.WEIGHT) & (first[T.PARAM] == "weight")].groupby(T.MODULE)[T.NUMEL].sum()
-    out: dict[str, tuple[int, int]] = {}
     for m, wn in w.items():
-        t = run.types.get(str(m), "")
-        if not (_is_linear(t) or _EMBEDDING_RE.search(t)):
-            continue
-        if m not in acts.index:
+        m = str(m)
+        t = run.types.get(m, "")
+        if m in out or not (_is_linear(t) or _EMBEDDING_RE.search(t)) or m not in acts.index:
             continue
         numel, calls = int(acts.loc[m, T.NUMEL]), int(acts.loc[m, T.CALLS] or 1)
         per = calls * tokens
@@ -1136,31 +1157,38 @@ def _layer_dims(run: _Run) -> dict[str, tuple[int, int]]:
         if last <= 0 or int(wn) % last:
             continue
         other = int(wn) // last
-        out[str(m)] = (other, last)
+        out[m] = (
+            {"num_embeddings": other, "dim": last} if _EMBEDDING_RE.search(t) else {"in": other, "out": last}
+        )
     return out
 
 
-def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, tuple[int, int]]) -> None:
+def _model_dims(run: _Run) -> dict[str, int]:
+    """Tensor dimensions named in summary["model"] (flat, or under "dims"), plus the attention head dim."""
+    model = run.summary.get(T.SUMMARY_MODEL) or {}
+    if not isinstance(model, Mapping):
+        return {}
+    nested = model.get("dims")
+    flat = {**model, **(nested if isinstance(nested, Mapping) else {})}
+    dims = {
+        k: v for k in _DIM_KEYS if isinstance(v := flat.get(k), int) and not isinstance(v, bool) and v > 0
+    }
+    width = flat.get("n_embd") or flat.get("hidden_size")
+    heads = flat.get("n_head") or flat.get("num_attention_heads")
+    if isinstance(width, int) and isinstance(heads, int) and heads > 0 and width % heads == 0:
+        dims["head_dim"] = width // heads
+    return dims
+
+
+def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     cfg = run.cfg
     a = cfg.alignment
     bad: dict[str, str] = {}
-    for m, (i, o) in dims.items():
-        off = [f"{lbl}={v}" for lbl, v in (("in", i), ("out", o)) if v % a]
-        if _EMBEDDING_RE.search(run.types.get(m, "")):
-            off = [f"{lbl}={v}" for lbl, v in (("num_embeddings", i), ("dim", o)) if v % a]
+    for m, d in dims.items():
+        off = [f"{lbl}={v}" for lbl, v in d.items() if v % a]
         if off:
             bad[m] = ", ".join(off)
-    model = run.summary.get(T.SUMMARY_MODEL) or {}
-    mdims = model.get("dims") if isinstance(model, Mapping) else None
-    model_off: dict[str, int] = {}
-    if isinstance(mdims, Mapping):
-        for key in _DIM_KEYS:
-            v = mdims.get(key)
-            if isinstance(v, int) and v > 0 and v % a:
-                model_off[key] = v
-        ne, nh = mdims.get("n_embd") or mdims.get("hidden_size"), mdims.get("n_head")
-        if isinstance(ne, int) and isinstance(nh, int) and nh > 0 and ne % nh == 0 and (ne // nh) % a:
-            model_off["head_dim"] = ne // nh
+    model_off = {k: v for k, v in _model_dims(run).items() if v % a}
     tokens = _tokens_per_call(run)
     tok_off = tokens is not None and tokens % a != 0
     if not (bad or model_off or tok_off):
@@ -1192,7 +1220,7 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, tuple[int, int]]) ->
     )
 
 
-def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, tuple[int, int]]) -> None:
+def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     cfg = run.cfg
     linear = [m for m in plan.matmul_layers if _is_linear(run.types.get(m, ""))]
     if not linear:
@@ -1215,8 +1243,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, tuple[int, int]]) -> None:
             why = f"e4m3 forward underflow {_pct(f_share)}"
         elif b_share > cfg.fp8_underflow_max:
             why = f"e5m2 gradient underflow {_pct(b_share)}"
-        elif m in dims and any(v % cfg.fp8_alignment for v in dims[m]):
-            why = f"dims {dims[m][0]}x{dims[m][1]} not multiples of {cfg.fp8_alignment}"
+        elif m in dims and any(v % cfg.fp8_alignment for v in dims[m].values()):
+            why = f"dims {dims[m]['in']}x{dims[m]['out']} not multiples of {cfg.fp8_alignment}"
         rows.append((m, f_share, b_share, why))
     plan.fp8_checked = len(rows)
     plan.fp8_eligible = [m for m, _, _, why in rows if not why]
