@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -647,7 +647,8 @@ def _rule_fp16_activations(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> N
         numel=(T.NUMEL, "sum"),
         inf=(T.INF, "sum"),
     )
-    near = set(per_mod.index[(per_mod["absmax"] >= limit) & (per_mod["absmax"] < FP16.overflow_min)]) - over
+    near = set(per_mod.index[(per_mod["absmax"] >= limit) & (per_mod["absmax"] < FP16.overflow_min)])
+    near -= over | observed
     overflow_mods = run.sort(_innermost(over | observed))
     if overflow_mods:
         n_over = int(whatif[T.overflow_col("fp16")].sum())
@@ -732,11 +733,10 @@ def _rule_fp16_activations(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> N
         )
 
 
-def _grad_absmax(run: _Run, fwd_bad_steps: set[int]) -> tuple[float | None, float | None]:
+def _grad_absmax(run: _Run) -> tuple[float | None, float | None]:
     """(largest finite unscaled gradient magnitude, lower bound implied by fp16 gradients that became inf).
 
-    An fp16 gradient that is inf at loss scale s was at least 65520/s before scaling; inf that came from an
-    already non-finite forward pass says nothing, so those steps are left out.
+    An fp16 gradient that is inf at loss scale s was at least 65520/s before scaling.
     """
     g = run.kind(*T.GRADIENT_KINDS)
     if g.empty:
@@ -744,14 +744,23 @@ def _grad_absmax(run: _Run, fwd_bad_steps: set[int]) -> tuple[float | None, floa
     finite = g[T.ABSMAX].dropna()
     finite = finite[(finite > 0) & finite.map(math.isfinite)]
     amax = float(finite.max()) if not finite.empty else None
-    infs = g[(g[T.INF] > 0) & _dtype_has(g, "float16") & ~g[T.STEP].isin(fwd_bad_steps) & (g[T.SCALE] > 0)]
+    infs = g[(g[T.INF] > 0) & _dtype_has(g, "float16") & (g[T.SCALE] > 0)]
     bound = float((FP16.overflow_min / infs[T.SCALE]).max()) if not infs.empty else None
     return amax, bound
 
 
 def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
     cfg = run.cfg
-    amax, bound = _grad_absmax(run, fwd_bad_steps)
+    # Gradients of a step whose forward pass was already non-finite are nan/inf garbage: size the scale on
+    # the other steps.
+    excluded = len(fwd_bad_steps)
+    if excluded:
+        run = replace(
+            run,
+            layers=run.layers[~run.layers[T.STEP].isin(fwd_bad_steps)],
+            hist=run.hist[~run.hist[T.STEP].isin(fwd_bad_steps)],
+        )
+    amax, bound = _grad_absmax(run)
     gmax = max([x for x in (amax, bound) if x is not None], default=None)
     plan.grad_absmax = gmax
     limit = FP16.max / 2.0**cfg.fp16_margin_log2
@@ -763,10 +772,20 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                 "fp16_loss_scale",
                 INFO,
                 f"fp16 loss scale {_pow2(k)}: no gradient statistics",
-                "The run recorded no finite nonzero gradient, so the loss scale falls back to GradScaler's "
-                f"default start of {_pow2(k)}.",
+                (
+                    f"All {excluded} sampled step(s) had a non-finite forward pass, so their gradients say "
+                    "nothing about the loss scale"
+                    if excluded
+                    else "The run recorded no finite nonzero gradient"
+                )
+                + f"; the loss scale falls back to GradScaler's default start of {_pow2(k)}.",
                 "Profile at least one sampled step with a backward pass to size the loss scale.",
-                numbers={"loss_scale_log2": k, "loss_scale": 2.0**k, "grad_absmax": None},
+                numbers={
+                    "loss_scale_log2": k,
+                    "loss_scale": 2.0**k,
+                    "grad_absmax": None,
+                    "steps_excluded": excluded,
+                },
             )
         )
     else:
@@ -792,7 +811,13 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                 "fp16_loss_scale",
                 INFO,
                 f"fp16 loss scale {_pow2(k)}",
-                f"The largest gradient magnitude seen is {_g(gmax)}{src}; {_pow2(k)} is the largest power of "
+                f"The largest gradient magnitude seen is {_g(gmax)}{src}"
+                + (
+                    f" (leaving out {excluded} sampled step(s) whose forward pass was already non-finite)"
+                    if excluded
+                    else ""
+                )
+                + f"; {_pow2(k)} is the largest power of "
                 f"two that keeps it below 65504 / {2**cfg.fp16_margin_log2} = {_g(limit)} "
                 f"(max|g| x 2^{k} = {_g(math.ldexp(gmax, k))}){clamp}.",
                 f"Start GradScaler at init_scale={_scale(k)}.",
@@ -802,6 +827,7 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                     "grad_absmax": gmax,
                     "margin": 2.0**cfg.fp16_margin_log2,
                     "scaled_absmax": math.ldexp(gmax, k),
+                    "steps_excluded": excluded,
                 },
             )
         )
