@@ -1,0 +1,927 @@
+"""Memory per component, measured on sampled steps, and what each precision mode would take.
+
+``MemoryTracker`` measures, on the steps it is told are sampled (the ``memory`` table, schema
+``precprof.tables.MEMORY_COLUMNS``; one row per step, component, module, dtype, phase):
+
+- ``parameters``, ``buffers``: the model's, per dtype, each storage once (tied or shared weights once: storages
+  are de-duplicated by ``untyped_storage().data_ptr()``, so a view of a flat buffer counts the whole buffer);
+- ``gradients``: per dtype, measured while they exist — in the optimizer's step pre-hook (users often call
+  ``zero_grad(set_to_none=True)`` before ``Profiler.step()``), else from post-accumulate-grad hooks (a step that
+  GradScaler skipped, or no optimizer), else ``.grad`` at ``end_step``;
+- ``optimizer_states``: every tensor in ``optimizer.state`` (exp_avg, exp_avg_sq, step counters, momentum
+  buffers), per dtype, measured at ``end_step``; ``master_weights``: tensors in the optimizer's param groups that
+  are not the model's parameters (the fp32 master copy of a pure-bf16/fp16 model; their gradients count as
+  ``gradients``);
+- ``activations``: tensors saved for backward, per module (the innermost module running when autograd saved
+  them) and per dtype, through ``torch.autograd.graph.saved_tensors_hooks`` pushed in the model's forward
+  pre-hook and popped in its forward post-hook. Each storage counts once per forward pass; parameters and
+  buffers are not activations. Tensors saved outside the model's forward (a loss computed in the training loop)
+  are not seen. Under gradient accumulation the saved tensors of one micro-batch are freed by its backward, so
+  the step reports the largest group of forwards that were alive together (forwards with no backward between
+  them add up);
+- ``autocast_weight_copies``: saved tensors that are casts of a parameter (grad_fn ``ToCopyBackward0`` whose
+  input is the parameter's ``AccumulateGrad``, possibly behind a view such as ``t()``), and for frozen
+  parameters (no grad_fn) a saved tensor of the running module with a frozen parameter's shape and another
+  dtype. Only copies that backward keeps count: under autocast, the first Linear's weight copy is not saved when
+  its input does not require grad;
+- on CUDA only: ``allocator_peak`` / ``allocator_reserved_peak`` per phase (``phase`` column: forward,
+  backward, optimizer, other) from ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` with
+  ``reset_peak_memory_stats`` at each phase boundary, and ``device_used`` / ``device_total`` from NVML when a
+  driver and nvidia-ml-py are there (silently absent otherwise). These read host-side allocator counters and the
+  driver: none of them synchronises with the device. ``reset_peak_memory_stats`` does reset the process's peak
+  counters on sampled steps, so a user's own ``max_memory_allocated`` reading spans at most one phase there.
+  On CPU these rows are simply absent.
+
+Outside sampled steps every hook returns at once. The tracker holds no tensor: only storage addresses, sizes and
+names (``buffer_bytes``). The pack hook returns the tensor unchanged: training is bitwise the same.
+
+``project(memory, summary)`` returns the ``summary.json`` block ``summary["memory"]``::
+
+    {
+      "measured_mode": "bf16",                # precision mode of the run (config, else inferred from dtypes)
+      "step": 9,                              # the sampled step the numbers come from (the last one)
+      "n_params": 124439808,                  # unique parameter elements
+      "measured": {component: bytes},         # per-component totals of that step (peaks: max over phases)
+      "records": [                            # flat: pd.DataFrame(records) is the comparison table
+        {"mode": "fp32", "component": "parameters", "bytes": 497759232, "source": "projected"},
+        {"mode": "bf16", "component": "parameters", "bytes": 497759232, "source": "measured"},
+        {"mode": "bf16", "component": "parameters", "bytes": 248879616, "source": "textbook"},
+        ...
+      ],
+      "totals": [{"mode", "source", "bytes", "saving_vs_fp32"}],   # sums of records (peaks never in records)
+      "textbook_claim": {"text": ..., "saving_low": 0.4, "saving_high": 0.5},
+      "assumptions": ["...", ...],            # what the projection assumes, in words, for the report
+      "model": {...},                         # MemoryTracker.model_facts(), when the run stored it
+    }
+
+``source`` is ``measured`` (the run's own mode only), ``projected`` (every mode in ``MODES``, the run's own
+included, so that projected vs measured shows the model's error) or ``textbook`` (4N/2N: parameters, gradients,
+optimizer states and activations; modes fp32/tf32 and the 16-bit ones). Components in records: parameters,
+gradients, optimizer_states, master_weights, buffers, activations, autocast_weight_copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+from precprof import tables as T
+
+# Precision modes of the built-in loop (DESIGN.md, "Precision modes").
+MODES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8")
+AUTOCAST_MODES = frozenset({"bf16", "fp16", "fp8"})  # fp8: torchao Float8Linear under bf16 autocast
+PURE_MODES = frozenset({"bf16-pure", "fp16-pure"})
+FP32_STORAGE_MODES = frozenset({"fp32", "tf32"})  # tf32 only changes matmul arithmetic, not storage
+
+TEXTBOOK_CLAIM = (
+    "Mixed precision halves parameters, gradients and activations (4N -> 2N bytes each) while optimizer "
+    "states stay FP32, cutting total training memory by 40-50%."
+)
+TEXTBOOK_SAVING = (0.40, 0.50)
+
+# Floating dtypes whose storage a precision mode changes; float64 and integer/bool tensors never change.
+_MODE_FLOATS = frozenset({"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+_LOW_FLOATS = frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+
+# Module classes for projecting the activations of a run that had no autocast (see module_class()).
+CLASS_MATMUL = "matmul"  # saves the inputs of a matmul: 16-bit under autocast
+CLASS_ELEMENTWISE = "elementwise"  # activation functions, dropout: follow their input (a matmul output)
+CLASS_FP32 = "fp32"  # norms, softmax, losses: autocast runs them in fp32
+CLASS_OTHER = "other"  # anything else (composite modules doing functional math): assumed unchanged
+_LOW_UNDER_AUTOCAST = frozenset({CLASS_MATMUL, CLASS_ELEMENTWISE})
+
+# grad_fn names of pure views between a saved tensor and the cast that made it.
+_VIEW_NODES = frozenset(
+    {
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "ExpandBackward0",
+        "AsStridedBackward0",
+        "AliasBackward0",
+        "SliceBackward0",
+        "SelectBackward0",
+        "UnsqueezeBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+    }
+)
+_MAX_VIEW_DEPTH = 8
+
+_MATMUL_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
+_ELEMENTWISE_TYPES: tuple[type[nn.Module], ...] = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Hardswish,
+    nn.Hardtanh,
+    nn.Softplus,
+    nn.Identity,
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+)
+_FP32_TYPES: tuple[type[nn.Module], ...] = (nn.Softmax, nn.LogSoftmax, nn.modules.loss._Loss)
+
+# A storage is known by its address alone: CUDA's unified virtual addressing keeps host and device (and
+# device-to-device) addresses apart, and an int key keeps the tracker's own footprint small.
+StorageKey = int
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the dtype column's spelling)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _itemsize(name: str) -> int | None:
+    dt = getattr(torch, name, None)
+    return dt.itemsize if isinstance(dt, torch.dtype) else None
+
+
+def module_class(module: nn.Module) -> str:
+    """How autocast treats what ``module`` saves for backward: matmul | elementwise | fp32 | other.
+
+    By type where torch defines it, by name for look-alikes (Hugging Face's ``Conv1D`` is a matmul,
+    ``*Norm`` and ``*Loss`` run in fp32, ``*Activation``/``*GELU*`` are elementwise). A leaf with a >=2-D
+    weight that is no embedding is a matmul: that is what autocast casts.
+    """
+    name = type(module).__name__
+    if isinstance(module, _FP32_TYPES) or "Norm" in name or name.endswith("Loss"):
+        return CLASS_FP32
+    if isinstance(module, _MATMUL_TYPES) or name == "Conv1D":
+        return CLASS_MATMUL
+    if isinstance(module, _ELEMENTWISE_TYPES) or name.endswith("Activation") or "GELU" in name:
+        return CLASS_ELEMENTWISE
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or "Embedding" in name:
+        return CLASS_OTHER
+    if not any(True for _ in module.children()):
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() >= 2:
+            return CLASS_MATMUL
+    return CLASS_OTHER
+
+
+def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``t`` itself, or for a wrapper subclass (torchao's Float8 tensors, DTensor) the tensors inside it."""
+    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        yield t
+        return
+    names, _ = t.__tensor_flatten__()
+    for n in names:
+        inner = getattr(t, n)
+        if isinstance(inner, torch.Tensor):
+            yield from _plain_tensors(inner)
+
+
+def _storage(t: torch.Tensor) -> tuple[StorageKey, int] | None:
+    """(key, nbytes) of the storage under ``t``; None where there is no real storage (meta, fake, sparse)."""
+    if t.device.type == "meta":
+        return None
+    try:
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        nbytes = s.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    if nbytes == 0 or ptr == 0:
+        return None
+    return int(ptr), int(nbytes)
+
+
+def _by_dtype(tensors: Iterable[torch.Tensor], exclude: set[StorageKey] | None = None) -> dict[str, int]:
+    """Bytes per dtype name, each storage once (storages in ``exclude`` skipped; ``exclude`` is not changed)."""
+    seen: set[StorageKey] = set()
+    out: dict[str, int] = {}
+    for t in tensors:
+        for leaf in _plain_tensors(t):
+            st = _storage(leaf)
+            if st is None:
+                continue
+            key, nbytes = st
+            if key in seen or (exclude is not None and key in exclude):
+                continue
+            seen.add(key)
+            name = dtype_name(leaf.dtype)
+            out[name] = out.get(name, 0) + nbytes
+    return out
+
+
+def _state_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors inside an optimizer state entry (dicts and lists of them, a few levels deep)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _state_tensors(v, depth + 1)
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _state_tensors(v, depth + 1)
+
+
+def _sizeof(obj: Any, memo: set[int], depth: int = 0) -> int:
+    """Host bytes of the tracker's own containers, each object once (deep into containers, strings and
+    numbers; shallow for anything else, and modules and tensors are the user's, not counted)."""
+    if id(obj) in memo or isinstance(obj, (nn.Module, torch.Tensor)):
+        return 0
+    memo.add(id(obj))
+    size = sys.getsizeof(obj)
+    if depth > 6:
+        return size
+    if isinstance(obj, Mapping):
+        size += sum(_sizeof(k, memo, depth + 1) + _sizeof(v, memo, depth + 1) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        size += sum(_sizeof(v, memo, depth + 1) for v in obj)
+    return size
+
+
+class _Group:
+    """Saved tensors of forwards that were alive together: de-duplication set and byte totals."""
+
+    __slots__ = ("bytes", "seen")
+
+    def __init__(self) -> None:
+        self.seen: set[StorageKey] = set()
+        self.bytes: dict[tuple[str, str, str], int] = {}  # (component, module, dtype) -> bytes
+
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+class MemoryTracker:
+    """Memory per component of one model (and optimizer), measured on sampled steps.
+
+    Drive it as ``attach()``; per step ``begin_step(step, sampled)`` before the forward, the user's forward,
+    backward, optimizer step and ``zero_grad``, then ``end_step(step)`` (rows on sampled steps); ``detach()``.
+    ``precprof.capture.Profiler`` does this; it works standalone too. See the module docstring for what each
+    component means. Measurements are host-side only (no device synchronisation anywhere).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self._names: dict[int, str] = {}
+        self._handles: list[Any] = []
+        self._attached = False
+        self._step = 0
+        self._sampled = False
+        self._stack: list[tuple[str, nn.Module]] = []
+        self._recording = False  # inside a sampled forward with our saved-tensor hooks pushed
+        self._saved_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._pack_fn: Callable[[torch.Tensor], torch.Tensor] = self._pack
+        self._unpack_fn: Callable[[torch.Tensor], torch.Tensor] = self._unpack
+        self._unpacks = 0  # saved tensors read back by backward (any step): tells forwards apart
+        self._unpacks_mark = -1
+        self._groups: list[_Group] = []
+        self._param_keys: set[StorageKey] = set()
+        self._grad_snapshot: dict[str, int] | None = None
+        self._grad_seen: dict[StorageKey, tuple[str, int]] = {}  # storage -> (dtype, bytes)
+        self._unmeasured = 0  # saved tensors without a real storage (fake, sparse): not counted
+        # CUDA allocator state
+        self._cuda: torch.device | None = None
+        self._phase = T.PHASE_OTHER
+        self._peaks: dict[tuple[str, str], int] = {}  # (component, phase) -> bytes
+        self._nvml: Any = None  # pynvml handle, or False once NVML turned out unavailable
+
+    # ------------------------------------------------------------------------------------ attach/detach
+    def attach(self) -> None:
+        """Register the forward, gradient and optimizer hooks (inactive until a sampled ``begin_step``)."""
+        if self._attached:
+            return
+        self._names = {}
+        for name, mod in self.model.named_modules():
+            self._names.setdefault(id(mod), name)
+        root = self.model
+        for mod in self.model.modules():
+            name = self._names[id(mod)]
+            if mod is root:
+                self._handles.append(mod.register_forward_pre_hook(self._root_pre_hook))
+                self._handles.append(mod.register_forward_hook(self._root_post_hook, always_call=True))
+            else:
+                self._handles.append(mod.register_forward_pre_hook(self._make_pre_hook(name)))
+                self._handles.append(mod.register_forward_hook(self._make_post_hook(name), always_call=True))
+        for p in self.model.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
+            self._handles.append(self.optimizer.register_step_post_hook(self._opt_post_hook))
+        dev = next((p.device for p in self.model.parameters()), None)
+        self._cuda = dev if dev is not None and dev.type == "cuda" and torch.cuda.is_available() else None
+        self._attached = True
+
+    def detach(self) -> None:
+        """Remove every hook and pop the saved-tensor hooks if a forward left them pushed. Idempotent."""
+        self._pop_saved_hooks(final=True)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._stack.clear()
+        self._recording = False
+        self._attached = False
+        if self._nvml not in (None, False):
+            with contextlib.suppress(Exception):
+                import pynvml
+
+                pynvml.nvmlShutdown()
+        self._nvml = None
+
+    # ------------------------------------------------------------------------------------------- steps
+    def begin_step(self, step: int, sampled: bool) -> None:
+        """Start ``step``; on sampled steps arm the hooks (host only, no sync)."""
+        self._step = step
+        self._sampled = sampled
+        self._groups = []
+        self._unpacks_mark = -1
+        self._grad_snapshot = None
+        self._grad_seen = {}
+        self._peaks = {}
+        self._phase = T.PHASE_OTHER
+        if not sampled:
+            return
+        self._param_keys = self._keys(list(self.model.parameters()) + list(self.model.buffers()))
+        if self._cuda is not None:
+            torch.cuda.reset_peak_memory_stats(self._cuda)
+
+    def end_step(self, step: int) -> list[dict[str, Any]]:
+        """Memory rows of ``step`` (``[]`` when it was not sampled). Host only; no device sync."""
+        if not self._sampled:
+            return []
+        self._mark_phase(T.PHASE_OTHER)
+        rows: list[dict[str, Any]] = []
+
+        def add(component: str, per_dtype: Mapping[str, int], module: str = "", phase: str = "") -> None:
+            for dt, b in sorted(per_dtype.items()):
+                rows.append(
+                    {
+                        T.STEP: step,
+                        T.COMPONENT: component,
+                        T.MODULE: module,
+                        T.DTYPE: dt,
+                        T.BYTES: int(b),
+                        T.PHASE: phase,
+                    }
+                )
+
+        params = list(self.model.parameters())
+        param_keys = self._keys(params)
+        add(T.PARAMETERS, _by_dtype(params))
+        add(T.BUFFERS, _by_dtype(self.model.buffers(), exclude=param_keys))
+        add(T.GRADIENTS, self._gradients(params))
+        if self.optimizer is not None:
+            opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            masters = [p for p in opt_params if not (self._keys([p]) & param_keys)]
+            add(T.MASTER_WEIGHTS, _by_dtype(masters))
+            states = (t for s in self.optimizer.state.values() for t in _state_tensors(s))
+            add(T.OPTIMIZER_STATES, _by_dtype(states, exclude=param_keys | self._keys(masters)))
+        group = max(self._groups, key=_Group.total) if self._groups else None
+        if group is not None:
+            for (comp, module, dt), b in sorted(group.bytes.items()):
+                add(comp, {dt: b}, module=module)
+        for (comp, phase), b in sorted(self._peaks.items()):
+            add(comp, {"": b}, phase=phase)
+        add_device = self._device_memory()
+        for comp, b in add_device.items():
+            add(comp, {"": b})
+        # Keep nothing between steps but the module names: buffer_bytes stays flat over a run.
+        self._groups = []
+        self._grad_seen = {}
+        self._grad_snapshot = None
+        self._peaks = {}
+        self._sampled = False
+        return rows
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Host bytes the tracker itself holds (names, storage addresses, totals). It holds no device memory."""
+        memo: set[int] = set()
+        return sum(
+            _sizeof(x, memo)
+            for x in (
+                self._names,
+                self._handles,
+                self._stack,
+                self._groups,
+                [(g.seen, g.bytes) for g in self._groups],
+                self._param_keys,
+                self._grad_seen,
+                self._grad_snapshot,
+                self._peaks,
+            )
+        )
+
+    def model_facts(self) -> dict[str, Any]:
+        """What the projection needs to know about the model beyond the memory table.
+
+        ``n_params`` (unique parameter elements), ``n_trainable``, ``matmul_weight_numel`` (elements of >=2-D
+        weights of matmul modules: what autocast casts) and ``module_classes`` (module name -> matmul |
+        elementwise | fp32 | other, see ``module_class``). Store it as ``summary["memory"]["model"]``.
+        """
+        seen: set[int] = set()
+        n = n_train = 0
+        for p in self.model.parameters():
+            n += p.numel()
+            n_train += p.numel() if p.requires_grad else 0
+        classes: dict[str, str] = {}
+        matmul = 0
+        for name, mod in self.model.named_modules():
+            cls = module_class(mod)
+            classes[name] = cls
+            if cls != CLASS_MATMUL:
+                continue
+            for p in mod.parameters(recurse=False):
+                st = _storage(p)
+                key = st[0] if st is not None else id(p)
+                if p.dim() >= 2 and key not in seen:
+                    seen.add(key)
+                    matmul += p.numel()
+        return {
+            "n_params": n,
+            "n_trainable": n_train,
+            "matmul_weight_numel": matmul,
+            "module_classes": classes,
+            "unmeasured_saved_tensors": self._unmeasured,
+        }
+
+    # ------------------------------------------------------------------------------------- gradients
+    def _gradients(self, params: list[nn.Parameter]) -> dict[str, int]:
+        if self._grad_snapshot is not None:
+            return self._grad_snapshot
+        if self._grad_seen:
+            out: dict[str, int] = {}
+            for dt, nbytes in self._grad_seen.values():
+                out[dt] = out.get(dt, 0) + nbytes
+            return out
+        return _by_dtype(p.grad for p in params if p.grad is not None)
+
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        # Records sizes only: holding the gradient would keep it alive past the user's zero_grad.
+        if not self._sampled or p.grad is None:
+            return
+        for leaf in _plain_tensors(p.grad):
+            st = _storage(leaf)
+            if st is not None:
+                self._grad_seen[st[0]] = (dtype_name(leaf.dtype), st[1])
+
+    def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._sampled:
+            return
+        self._mark_phase(T.PHASE_OPTIMIZER)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads += [p.grad for p in self.model.parameters() if p.grad is not None]
+        self._grad_snapshot = _by_dtype(grads)
+
+    def _opt_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._sampled:
+            self._mark_phase(T.PHASE_OTHER)
+
+    # ---------------------------------------------------------------------------------- forward hooks
+    def _make_pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._recording:
+                self._stack.append((name, module))
+
+        return hook
+
+    def _make_post_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not self._recording or not self._stack:
+                return
+            if self._stack[-1][1] is module:
+                self._stack.pop()
+                return
+            # An exception unwound past inner modules: drop them with this one.
+            for i in range(len(self._stack) - 1, -1, -1):
+                if self._stack[i][1] is module:
+                    del self._stack[i:]
+                    return
+
+        return hook
+
+    def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
+        if self._saved_ctx is not None:
+            # Left pushed by a forward that never reached its post-hook (KeyboardInterrupt, a nested call).
+            self._pop_saved_hooks()
+        self._stack.clear()
+        self._recording = False
+        if not self._sampled or not torch.is_grad_enabled() or self._saved_ctx is not None:
+            return
+        self._mark_phase(T.PHASE_FORWARD)
+        if self._unpacks != self._unpacks_mark or not self._groups:
+            # Backward ran since the previous forward started: its saved tensors are gone, start a new group.
+            self._groups.append(_Group())
+        self._unpacks_mark = self._unpacks
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_fn, self._unpack_fn)
+        try:
+            ctx.__enter__()
+        except RuntimeError:
+            # Saved-tensor hooks are disabled here (some FSDP/compile paths): no activation numbers this time.
+            return
+        self._saved_ctx = ctx
+        self._recording = True
+        self._stack.append(("", module))
+
+    def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        was_recording = self._recording
+        self._pop_saved_hooks()
+        self._stack.clear()
+        if was_recording:
+            self._mark_phase(T.PHASE_BACKWARD)
+
+    def _pop_saved_hooks(self, final: bool = False) -> None:
+        """Pop our saved-tensor hooks if they are on top of autograd's stack (never someone else's)."""
+        self._recording = False
+        ctx = self._saved_ctx
+        if ctx is None:
+            return
+        top_fn = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        top = top_fn(False) if top_fn is not None else (self._pack_fn, self._unpack_fn)
+        if top is not None and top[0] == self._pack_fn:
+            ctx.__exit__(None, None, None)
+            self._saved_ctx = None
+        elif final:
+            # Ours is buried under hooks someone else pushed later; popping would remove theirs. Our pack
+            # hook does nothing once detached, so leaving it costs one function call per saved tensor.
+            warnings.warn(
+                "precprof: saved-tensor hooks left on autograd's stack under another context's; "
+                "they are inert now",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._saved_ctx = None
+
+    # ----------------------------------------------------------------------------------- saved tensors
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._recording and self._groups:
+            self._record_saved(t)
+        return t
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        self._unpacks += 1
+        return t
+
+    def _record_saved(self, t: torch.Tensor) -> None:
+        group = self._groups[-1]
+        for leaf in _plain_tensors(t):
+            st = _storage(leaf)
+            if st is None:
+                self._unmeasured += 1
+                continue
+            key, nbytes = st
+            if key in self._param_keys or key in group.seen:
+                continue
+            group.seen.add(key)
+            if self._is_weight_copy(leaf):
+                k = (T.AUTOCAST_WEIGHT_COPIES, "", dtype_name(leaf.dtype))
+            else:
+                module = self._stack[-1][0] if self._stack else ""
+                k = (T.ACTIVATIONS, module, dtype_name(leaf.dtype))
+            group.bytes[k] = group.bytes.get(k, 0) + nbytes
+
+    def _is_weight_copy(self, t: torch.Tensor) -> bool:
+        fn = t.grad_fn
+        if fn is None:
+            # A frozen weight's cast has no graph: match it against the running module's frozen parameters.
+            if t.requires_grad or not self._stack:
+                return False
+            mod = self._stack[-1][1]
+            for p in mod.parameters(recurse=False):
+                if p.requires_grad or p.dtype == t.dtype or p.numel() != t.numel():
+                    continue
+                if p.shape == t.shape or (p.dim() == 2 and tuple(p.shape) == tuple(t.shape)[::-1]):
+                    return True
+            return False
+        for _ in range(_MAX_VIEW_DEPTH):
+            if fn.name() not in _VIEW_NODES:
+                break
+            nxt = fn.next_functions
+            if not nxt or nxt[0][0] is None:
+                return False
+            fn = nxt[0][0]
+        if fn.name() != "ToCopyBackward0" or not fn.next_functions:
+            return False
+        src = fn.next_functions[0][0]
+        var = getattr(src, "variable", None)  # AccumulateGrad of a leaf
+        if not isinstance(var, torch.Tensor):
+            return False
+        st = _storage(var)
+        return st is not None and st[0] in self._param_keys
+
+    # ----------------------------------------------------------------------------------------- device
+    def _keys(self, tensors: Iterable[torch.Tensor]) -> set[StorageKey]:
+        out: set[StorageKey] = set()
+        for t in tensors:
+            for leaf in _plain_tensors(t):
+                st = _storage(leaf)
+                if st is not None:
+                    out.add(st[0])
+        return out
+
+    def _mark_phase(self, new_phase: str) -> None:
+        """Close the current phase: its allocator peaks, then reset them (host counters, no device sync)."""
+        if self._cuda is not None and self._sampled:
+            dev = self._cuda
+            for comp, value in (
+                (T.ALLOCATOR_PEAK, torch.cuda.max_memory_allocated(dev)),
+                (T.ALLOCATOR_RESERVED_PEAK, torch.cuda.max_memory_reserved(dev)),
+            ):
+                k = (comp, self._phase)
+                self._peaks[k] = max(self._peaks.get(k, 0), int(value))
+            torch.cuda.reset_peak_memory_stats(dev)
+        self._phase = new_phase
+
+    def _device_memory(self) -> dict[str, int]:
+        """NVML used/total of the model's GPU; {} on CPU or without a driver (a driver query, no sync)."""
+        if self._cuda is None or self._nvml is False:
+            return {}
+        try:
+            import pynvml
+
+            if self._nvml is None:
+                pynvml.nvmlInit()
+                index = self._cuda.index if self._cuda.index is not None else torch.cuda.current_device()
+                # NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES renumbers them for torch.
+                to_nvml = getattr(torch.cuda, "_get_nvml_device_index", None)
+                nvml_index = to_nvml(index) if to_nvml is not None else index
+                self._nvml = pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
+            info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
+            return {T.DEVICE_USED: int(info.used), T.DEVICE_TOTAL: int(info.total)}
+        except Exception:  # no nvidia-ml-py, no driver, NVML error: the rows are simply absent
+            self._nvml = False
+            return {}
+
+
+# ----------------------------------------------------------------------------------------------- projection
+def textbook(n_params: int, optimizer_state_bytes: int | None = None) -> dict[str, Any]:
+    """The textbook table: bytes of parameters, gradients and optimizer states, FP32 vs mixed precision.
+
+    Parameters and gradients 4N bytes in FP32 and 2N in mixed precision; optimizer states stay FP32 (8N for
+    Adam's two moments unless ``optimizer_state_bytes`` says otherwise); activations halve (scaled by
+    ``activation_factor``, since they do not depend on N). ``records`` has one flat record per mode and
+    component ({"mode", "component", "bytes", "source": "textbook"}): fp32/tf32 use the FP32 column, bf16, fp16,
+    bf16-pure and fp16-pure the mixed one; fp8 has no textbook row.
+    """
+    opt = 8 * n_params if optimizer_state_bytes is None else int(optimizer_state_bytes)
+    per = {
+        "fp32": {T.PARAMETERS: 4 * n_params, T.GRADIENTS: 4 * n_params, T.OPTIMIZER_STATES: opt},
+        "mixed": {T.PARAMETERS: 2 * n_params, T.GRADIENTS: 2 * n_params, T.OPTIMIZER_STATES: opt},
+    }
+    records = [
+        {"mode": mode, "component": comp, "bytes": b, "source": "textbook"}
+        for mode in MODES
+        if mode != "fp8"
+        for comp, b in per["fp32" if mode in FP32_STORAGE_MODES else "mixed"].items()
+    ]
+    return {
+        "n_params": n_params,
+        "bytes": per,
+        "activation_factor": {"fp32": 1.0, "mixed": 0.5},
+        "claim": TEXTBOOK_CLAIM,
+        "saving_range": TEXTBOOK_SAVING,
+        "records": records,
+    }
+
+
+def _last_step(memory: pd.DataFrame) -> pd.DataFrame:
+    if memory.empty:
+        return memory
+    have = memory[memory[T.COMPONENT] == T.PARAMETERS]
+    step = (have if not have.empty else memory)[T.STEP].max()
+    return memory[memory[T.STEP] == step]
+
+
+def infer_mode(memory: pd.DataFrame) -> str:
+    """The precision mode a memory table looks like: pure when parameters are 16-bit, autocast when saved
+    activations are, else fp32 (tf32 and fp8 cannot be told apart from fp32 and bf16 by memory alone)."""
+    last = _last_step(memory)
+    if last.empty:
+        return "fp32"
+
+    def dominant_low(component: str) -> str | None:
+        rows = last[last[T.COMPONENT] == component]
+        low = rows[rows[T.DTYPE].isin(["bfloat16", "float16"])]
+        if low.empty or low[T.BYTES].sum() * 2 < rows[T.BYTES].sum():
+            return None
+        by = low.groupby(T.DTYPE)[T.BYTES].sum()
+        return "bf16" if by.idxmax() == "bfloat16" else "fp16"
+
+    pure = dominant_low(T.PARAMETERS)
+    if pure is not None:
+        return f"{pure}-pure"
+    acts = last[last[T.COMPONENT].isin([T.ACTIVATIONS, T.AUTOCAST_WEIGHT_COPIES])]
+    low = acts[acts[T.DTYPE].isin(["bfloat16", "float16"])]
+    if not low.empty:
+        return "bf16" if low.groupby(T.DTYPE)[T.BYTES].sum().idxmax() == "bfloat16" else "fp16"
+    return "fp32"
+
+
+def _elements(rows: pd.DataFrame) -> tuple[float, int]:
+    """(elements of mode-dependent floats, bytes of everything else) in ``rows``."""
+    elems = 0.0
+    fixed = 0
+    for dt, b in zip(rows[T.DTYPE], rows[T.BYTES], strict=True):
+        size = _itemsize(str(dt))
+        if str(dt) in _MODE_FLOATS and size:
+            elems += int(b) / size
+        else:
+            fixed += int(b)
+    return elems, fixed
+
+
+def project(
+    memory: pd.DataFrame, summary: Mapping[str, Any], facts: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Measured, projected and textbook bytes per component for every precision mode (pure host computation).
+
+    ``memory`` is the memory table (the last sampled step is used), ``summary`` the run's summary (its
+    ``config["precision"]`` names the measured mode; else the mode is inferred from dtypes), ``facts``
+    ``MemoryTracker.model_facts()`` (default: ``summary["memory"]["model"]``). Returns the dict described in
+    the module docstring; ``assumptions`` lists, in words, what the projection takes for granted.
+    """
+    mem_block = summary.get(T.SUMMARY_MEMORY)
+    if facts is None and isinstance(mem_block, Mapping):
+        facts = mem_block.get("model")
+    facts = dict(facts or {})
+    last = _last_step(memory)
+    config = summary.get(T.SUMMARY_CONFIG) or {}
+    mode = str(config.get("precision", "")) if isinstance(config, Mapping) else ""
+    if mode not in MODES:
+        mode = infer_mode(memory)
+
+    def comp(name: str) -> pd.DataFrame:
+        return last[last[T.COMPONENT] == name] if not last.empty else last
+
+    measured: dict[str, int] = {}
+    if not last.empty:
+        for c, rows in last.groupby(T.COMPONENT):
+            b = pd.to_numeric(rows[T.BYTES], errors="coerce").fillna(0)
+            measured[str(c)] = int(b.max() if c in T.MEMORY_PEAK_COMPONENTS else b.sum())
+
+    p_elems, p_fixed = _elements(comp(T.PARAMETERS))
+    n_params = int(facts.get("n_params", round(p_elems)))
+    n_trainable = int(facts.get("n_trainable", n_params))
+    g_fixed = _elements(comp(T.GRADIENTS))[1]
+    b_elems, b_fixed = _elements(comp(T.BUFFERS))
+    o_elems, o_fixed = _elements(comp(T.OPTIMIZER_STATES))
+    acts = comp(T.ACTIVATIONS)
+    classes: Mapping[str, str] = facts.get("module_classes") or {}
+    copies_elems = _elements(comp(T.AUTOCAST_WEIGHT_COPIES))[0]
+    matmul_numel = facts.get("matmul_weight_numel")
+    measured_autocast = mode in AUTOCAST_MODES
+    measured_pure = mode in PURE_MODES
+
+    def activations(target: str) -> float:
+        total = 0.0
+        for module, dt, b in zip(acts[T.MODULE], acts[T.DTYPE], acts[T.BYTES], strict=True):
+            dt, b = str(dt), int(b)
+            size = _itemsize(dt)
+            if dt not in _MODE_FLOATS or not size:
+                total += b  # masks, indices, float64: no mode changes them
+                continue
+            e = b / size
+            if target in FP32_STORAGE_MODES:
+                total += 4 * e
+            elif target in PURE_MODES:
+                total += 2 * e
+            elif measured_autocast:
+                # The measured mix is the autocast mix: 16-bit stays 2 bytes, fp32 stays 4.
+                total += 2 * e if dt in _LOW_FLOATS else 4 * e
+            else:
+                total += 2 * e if classes.get(str(module), CLASS_OTHER) in _LOW_UNDER_AUTOCAST else 4 * e
+        return total
+
+    def weight_copies(target: str) -> float:
+        if target not in ("bf16", "fp16"):
+            return (
+                0.0  # fp32/pure: no casts; fp8 (torchao): the fp32 weight is saved, fp8 casts are transient
+            )
+        if measured_autocast and mode != "fp8":
+            return 2 * copies_elems
+        if matmul_numel is not None:
+            return 2.0 * float(matmul_numel)
+        return 0.0
+
+    projected: dict[str, dict[str, float]] = {}
+    for target in MODES:
+        low = target in PURE_MODES
+        param_b = (2 if low else 4) * p_elems + p_fixed
+        if measured_pure and low:
+            param_b = float(measured.get(T.PARAMETERS, param_b))
+        projected[target] = {
+            T.PARAMETERS: param_b,
+            T.GRADIENTS: (2 if low else 4) * n_trainable + g_fixed,
+            T.OPTIMIZER_STATES: 4 * o_elems + o_fixed,
+            T.MASTER_WEIGHTS: 4.0 * n_trainable if low and (o_elems or o_fixed) else 0.0,
+            T.BUFFERS: (2 if low else 4) * b_elems + b_fixed,
+            T.ACTIVATIONS: activations(target),
+            T.AUTOCAST_WEIGHT_COPIES: weight_copies(target),
+        }
+
+    tb = textbook(n_params, optimizer_state_bytes=int(projected["fp32"][T.OPTIMIZER_STATES]))
+    act32 = projected["fp32"][T.ACTIVATIONS]
+    act_fixed = sum(
+        int(b) for dt, b in zip(acts[T.DTYPE], acts[T.BYTES], strict=True) if str(dt) not in _MODE_FLOATS
+    )
+    records: list[dict[str, Any]] = []
+    for target in MODES:
+        for c, b in projected[target].items():
+            records.append({"mode": target, "component": c, "bytes": round(b), "source": "projected"})
+        if target == mode:
+            for c in projected[target]:
+                records.append(
+                    {"mode": target, "component": c, "bytes": int(measured.get(c, 0)), "source": "measured"}
+                )
+    for r in tb["records"]:
+        records.append(r)
+    for target in MODES:
+        if target == "fp8":
+            continue
+        factor = tb["activation_factor"]["fp32" if target in FP32_STORAGE_MODES else "mixed"]
+        records.append(
+            {
+                "mode": target,
+                "component": T.ACTIVATIONS,
+                "bytes": round(act_fixed + factor * (act32 - act_fixed)),
+                "source": "textbook",
+            }
+        )
+
+    sums: dict[tuple[str, str], int] = {}
+    for r in records:
+        k = (r["mode"], r["source"])
+        sums[k] = sums.get(k, 0) + int(r["bytes"])
+    totals = []
+    for (m, src), b in sums.items():
+        ref = sums.get(("fp32", "textbook" if src == "textbook" else "projected"))
+        saving = 1 - b / ref if ref else math.nan
+        totals.append({"mode": m, "source": src, "bytes": b, "saving_vs_fp32": saving})
+
+    assumptions = [
+        f"measured mode: {mode}" + ("" if config.get("precision") in MODES else " (inferred from dtypes)"),
+        "tf32 stores everything in fp32 (it only changes matmul arithmetic), so it takes what fp32 takes.",
+        "Parameters and gradients: 4 bytes per element, 2 in the pure modes; buffers follow the parameters.",
+        "Optimizer states stay fp32 in every mode (4 bytes per state element, step counters as measured).",
+        "Pure modes keep an fp32 master copy of the trainable parameters in the optimizer (4 bytes per "
+        "parameter, master_weights); their fp32 gradients are not counted.",
+        "Activations under autocast: "
+        + (
+            "the run's own dtype mix (16-bit tensors stay 2 bytes, fp32 ones stay 4)."
+            if measured_autocast
+            else "tensors saved by matmul modules (Linear, Conv, Conv1D) and by activation/dropout modules "
+            "become 16-bit; those saved by norms, softmax and losses, and by any other module (attention "
+            "blocks doing functional math, the model itself), stay fp32 — conservative where those modules "
+            "save matmul inputs."
+        ),
+        "Activations at fp32: every 16-bit saved tensor becomes fp32 (an overestimate where autocast saved a "
+        "16-bit copy of a tensor that is also saved in fp32); pure modes: every float saved tensor is 16-bit.",
+        "Masks, indices and float64 tensors take the same bytes in every mode.",
+        "Autocast weight copies: 2 bytes per element of every matmul weight whose copy backward keeps "
+        + ("(as measured)." if measured_autocast and mode != "fp8" else "(all of them: an upper bound)."),
+        "fp8 means torchao Float8Linear under bf16 autocast: it saves the high-precision input and the fp32 "
+        "weight for backward and casts to fp8 on the fly, so activations are those of bf16 autocast and no "
+        "weight copy is kept.",
+        "Textbook: parameters and gradients 4N -> 2N, optimizer states unchanged, activations halved; no "
+        "master weights, no weight copies.",
+    ]
+    return {
+        "measured_mode": mode,
+        "step": int(last[T.STEP].iloc[0]) if not last.empty else None,
+        "n_params": n_params,
+        "measured": measured,
+        "records": records,
+        "totals": totals,
+        "textbook_claim": {
+            "text": TEXTBOOK_CLAIM,
+            "saving_low": TEXTBOOK_SAVING[0],
+            "saving_high": TEXTBOOK_SAVING[1],
+        },
+        "assumptions": assumptions,
+        "model": facts,
+    }

@@ -1,0 +1,718 @@
+"""precprof.memory: components measured against hand arithmetic and autograd's own saved tensors."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from precprof import tables as T
+from precprof.memory import (
+    MODES,
+    MemoryTracker,
+    infer_mode,
+    module_class,
+    project,
+    textbook,
+)
+
+B, D_IN, D_HID, D_OUT = 5, 8, 16, 4
+N_MLP = D_IN * D_HID + D_HID + D_HID * D_OUT + D_OUT  # 212 parameters
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, D_HID), nn.ReLU(), nn.Linear(D_HID, D_OUT))
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, D_IN, generator=g), torch.randn(B, D_OUT, generator=g)
+
+
+def one_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer | None,
+    tracker: MemoryTracker | None,
+    step: int = 0,
+    *,
+    autocast: torch.dtype | None = None,
+    x: torch.Tensor | None = None,
+    y: torch.Tensor | None = None,
+) -> tuple[float, list[dict[str, Any]]]:
+    """A hand-written training step as a user writes it: zero_grad(set_to_none) before the tracker's end."""
+    if x is None or y is None:
+        x, y = batch(step + 1)
+    if tracker is not None:
+        tracker.begin_step(step, True)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        out = model(x)
+    loss = F.mse_loss(out.float(), y)
+    loss.backward()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    rows = tracker.end_step(step) if tracker is not None else []
+    return loss.item(), rows
+
+
+def total(rows: list[dict[str, Any]], component: str, **match: str) -> int:
+    return sum(
+        r[T.BYTES] for r in rows if r[T.COMPONENT] == component and all(r[k] == v for k, v in match.items())
+    )
+
+
+def by_module(rows: list[dict[str, Any]], component: str = T.ACTIVATIONS) -> dict[tuple[str, str], int]:
+    return {(r[T.MODULE], r[T.DTYPE]): r[T.BYTES] for r in rows if r[T.COMPONENT] == component}
+
+
+def assert_no_hooks(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
+    for mod in model.modules():
+        assert not mod._forward_pre_hooks and not mod._forward_hooks
+        assert not mod._forward_hooks_always_called
+    for p in model.parameters():
+        assert not getattr(p, "_post_accumulate_grad_hooks", None)
+    if opt is not None:
+        assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+# ------------------------------------------------------------------------ parameters, gradients, states
+def test_fp32_mlp_adamw_is_4n_4n_8n_plus_step_counters() -> None:
+    model = mlp()
+    assert sum(p.numel() for p in model.parameters()) == N_MLP
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    try:
+        _, rows = one_step(model, opt, tr)
+    finally:
+        tr.detach()
+    # AdamW keeps exp_avg and exp_avg_sq (fp32, one element per parameter element) and one fp32 scalar
+    # "step" tensor per parameter tensor (4 tensors: two weights, two biases).
+    n_tensors = 4
+    step_counter = torch.tensor(0.0).element_size()
+    assert total(rows, T.PARAMETERS, dtype="float32") == 4 * N_MLP
+    assert total(rows, T.GRADIENTS, dtype="float32") == 4 * N_MLP  # measured before zero_grad freed them
+    assert total(rows, T.OPTIMIZER_STATES) == 8 * N_MLP + n_tensors * step_counter
+    assert total(rows, T.MASTER_WEIGHTS) == 0
+    assert {r[T.DTYPE] for r in rows} == {"float32"}
+    assert all(r[T.STEP] == 0 and r[T.PHASE] == "" for r in rows)  # CPU: no allocator rows
+    assert not any(r[T.COMPONENT] in T.MEMORY_PEAK_COMPONENTS for r in rows)
+    assert list(T.frame("memory", rows).columns) == list(T.MEMORY_COLUMNS)
+
+
+def test_sgd_momentum_states_are_4n() -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    _, rows = one_step(model, opt, tr)
+    tr.detach()
+    assert total(rows, T.OPTIMIZER_STATES) == 4 * N_MLP  # one momentum buffer per element, no counters
+
+
+def test_bf16_pure_parameters_are_2n() -> None:
+    model = mlp().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    x, y = batch()
+    _, rows = one_step(model, opt, tr, x=x.bfloat16(), y=y)
+    tr.detach()
+    assert total(rows, T.PARAMETERS) == total(rows, T.PARAMETERS, dtype="bfloat16") == 2 * N_MLP
+    assert total(rows, T.GRADIENTS, dtype="bfloat16") == 2 * N_MLP
+    # plain AdamW on bf16 parameters keeps bf16 moments (and fp32 step counters)
+    assert total(rows, T.OPTIMIZER_STATES, dtype="bfloat16") == 4 * N_MLP
+    assert total(rows, T.OPTIMIZER_STATES, dtype="float32") == 4 * 4
+
+
+def test_bf16_pure_with_fp32_master_weights() -> None:
+    """The standard pure-bf16 recipe: bf16 model, optimizer on fp32 masters, grads copied over."""
+    model = mlp().to(torch.bfloat16)
+    params = list(model.parameters())
+    masters = [p.detach().float().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(masters, lr=1e-2)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    tr.begin_step(0, True)
+    x, y = batch()
+    F.mse_loss(model(x.bfloat16()).float(), y).backward()
+    for m, p in zip(masters, params, strict=True):
+        m.grad = p.grad.float()
+    opt.step()
+    with torch.no_grad():
+        for m, p in zip(masters, params, strict=True):
+            p.copy_(m)
+    opt.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    rows = tr.end_step(0)
+    tr.detach()
+    assert total(rows, T.PARAMETERS) == 2 * N_MLP
+    assert total(rows, T.MASTER_WEIGHTS, dtype="float32") == 4 * N_MLP
+    assert total(rows, T.OPTIMIZER_STATES) == 8 * N_MLP + 4 * 4  # masters are not counted twice
+    # at the optimizer step both the bf16 model gradients and the fp32 master gradients exist
+    assert total(rows, T.GRADIENTS, dtype="bfloat16") == 2 * N_MLP
+    assert total(rows, T.GRADIENTS, dtype="float32") == 4 * N_MLP
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 11, dim: int = 6, *, tie: str = "tied") -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tie == "tied":
+            self.head.weight = self.wte.weight  # one Parameter in two modules
+        elif tie == "shared_storage":
+            self.head.weight = nn.Parameter(self.wte.weight.data)  # two Parameters, one storage
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(self.wte(idx)))
+
+
+@pytest.mark.parametrize("tie", ["tied", "shared_storage", "untied"])
+def test_tied_and_shared_weights_counted_once(tie: str) -> None:
+    torch.manual_seed(0)
+    vocab, dim = 11, 6
+    model = TinyLM(vocab, dim, tie=tie)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    tr.begin_step(0, True)
+    idx = torch.randint(0, vocab, (2, 3))
+    F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    rows = tr.end_step(0)
+    tr.detach()
+    unique = vocab * dim + 2 * dim  # embedding (= head when tied) + LayerNorm weight and bias
+    expect = unique if tie != "untied" else unique + vocab * dim
+    assert total(rows, T.PARAMETERS) == 4 * expect
+    # a shared storage held by two Parameter objects still gets two gradient tensors
+    grads = unique + (vocab * dim if tie != "tied" else 0)
+    assert total(rows, T.GRADIENTS) == 4 * grads
+
+
+def test_gradients_without_optimizer_after_zero_grad() -> None:
+    """No optimizer, gradients freed before end_step: the post-accumulate-grad hooks saw them."""
+    model = mlp()
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    x, y = batch()
+    F.mse_loss(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    rows = tr.end_step(0)
+    tr.detach()
+    assert total(rows, T.GRADIENTS) == 4 * N_MLP
+    assert total(rows, T.OPTIMIZER_STATES) == 0
+
+
+def test_gradients_on_a_step_gradscaler_skipped() -> None:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    tr.begin_step(0, True)
+    x, y = batch()
+    loss = F.mse_loss(model(x), y) * torch.tensor(float("nan"))
+    scaler.scale(loss).backward()
+    scaler.step(opt)  # finds nan gradients: optimizer.step() never runs, nor its hooks
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    rows = tr.end_step(0)
+    tr.detach()
+    assert scaler.get_scale() == 2.0**3  # the step was skipped
+    assert total(rows, T.GRADIENTS) == 4 * N_MLP
+    assert total(rows, T.OPTIMIZER_STATES) == 0  # AdamW never ran, so it has no state yet
+
+
+# ----------------------------------------------------------------------------------- saved activations
+def test_saved_activations_of_an_mlp_by_hand() -> None:
+    model = mlp()
+    tr = MemoryTracker(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    tr.attach()
+    _, rows = one_step(model, tr.optimizer, tr)
+    tr.detach()
+    # Linear 0 (addmm): saves its input x for the weight gradient, (B, D_IN) fp32. It does not save its
+    #   weight: x does not require grad, so no input gradient is computed (and weights are never activations).
+    # ReLU 1: saves its output, (B, D_HID) fp32.
+    # Linear 2: saves its input (the ReLU output: the same storage, counted once) and weight.t() (a param).
+    # The loss is computed outside the model's forward, so what mse_loss saves is not seen.
+    assert by_module(rows) == {("0", "float32"): B * D_IN * 4, ("1", "float32"): B * D_HID * 4}
+    assert total(rows, T.AUTOCAST_WEIGHT_COPIES) == 0
+
+
+class WithLoss(nn.Module):
+    """Computes its loss inside forward, as Hugging Face models do with labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.net(x), y)
+
+
+def test_saved_activations_with_loss_inside_forward() -> None:
+    model = WithLoss()
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    x, y = batch()
+    model(x, y).backward()
+    rows = tr.end_step(0)
+    tr.detach()
+    # mse_loss (in the root module "") saves its input (the output of net.2, (B, D_OUT) fp32) and target.
+    assert by_module(rows) == {
+        ("net.0", "float32"): B * D_IN * 4,
+        ("net.1", "float32"): B * D_HID * 4,
+        ("", "float32"): 2 * B * D_OUT * 4,
+    }
+
+
+def saved_by_autograd(root: torch.Tensor, exclude: set[int]) -> int:
+    """Independent count: walk the graph and read every node's ``_saved_*`` tensors, each storage once.
+
+    Python numbers that an op wraps as 0-dim tensors (``x / 4.0`` saves 4.0 as a float64 scalar) are stored
+    without going through the saved-tensor hooks; they are 8 host bytes each and are left out here too.
+    """
+    seen: set[int] = set()
+    nodes = [root.grad_fn]
+    visited: set[int] = set()
+    total_bytes = 0
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        for attr in dir(node):
+            if not attr.startswith("_saved_"):
+                continue
+            value = getattr(node, attr)
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.untyped_storage().nbytes() == 0:
+                    continue
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in seen or ptr in exclude:
+                    continue
+                seen.add(ptr)
+                total_bytes += t.untyped_storage().nbytes()
+        nodes.extend(fn for fn, _ in node.next_functions)
+    return total_bytes
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block with causal attention written out (nanoGPT style)."""
+
+    def __init__(self, dim: int = 16, heads: int = 2, *, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+        self.register_buffer("mask", torch.tril(torch.ones(64, 64, dtype=torch.bool)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)  # (B, H, T, T)
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, c)
+        x = x + self.drop(self.proj(y))
+        return x + self.fc2(self.act(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 32, dim: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln_f(x))
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_saved_activations_match_autograds_saved_tensors(autocast: torch.dtype | None) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    idx = torch.randint(0, 32, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is not None):
+        logits = model(idx)
+    exclude = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    expected = saved_by_autograd(logits, exclude)
+    logits.float().square().mean().backward()
+    rows = tr.end_step(0)
+    tr.detach()
+    measured = total(rows, T.ACTIVATIONS) + total(rows, T.AUTOCAST_WEIGHT_COPIES)
+    assert measured == expected
+    acts = by_module(rows)
+    # attribution: every block's attention probabilities are saved inside the block, the GELU output by act
+    assert acts[("blocks.0.act", "float32" if autocast is None else "bfloat16")] > 0
+    if autocast is None:
+        assert total(rows, T.AUTOCAST_WEIGHT_COPIES) == 0
+    else:
+        assert total(rows, T.AUTOCAST_WEIGHT_COPIES) > 0
+
+
+def test_autocast_weight_copies_equal_bf16_weight_bytes() -> None:
+    model = mlp()
+    tr = MemoryTracker(model)
+    tr.attach()
+    x, y = batch()
+    x.requires_grad_(True)  # so that the first Linear's backward needs (and saves) its weight copy too
+    _, rows = one_step(model, None, tr, autocast=torch.bfloat16, x=x, y=y)
+    # without input gradients only the second Linear keeps its weight copy
+    _, rows_nograd = one_step(model, None, tr, step=1, autocast=torch.bfloat16)
+    tr.detach()
+    weights = [model[0].weight, model[2].weight]  # biases are added, never saved
+    bf16_weight_bytes = sum(w.numel() * torch.finfo(torch.bfloat16).bits // 8 for w in weights)
+    assert total(rows, T.AUTOCAST_WEIGHT_COPIES, dtype="bfloat16") == bf16_weight_bytes
+    assert total(rows_nograd, T.AUTOCAST_WEIGHT_COPIES) == D_HID * D_OUT * 2
+    # activations are bf16 now: the cast of x (a leaf that is no parameter) and the ReLU output
+    assert by_module(rows) == {("0", "bfloat16"): B * D_IN * 2, ("1", "bfloat16"): B * D_HID * 2}
+
+
+def test_frozen_weight_copies_are_weight_copies() -> None:
+    """A frozen weight's autocast copy has no grad_fn (LoRA-style fine-tuning); it is still a copy."""
+    model = mlp()
+    model[2].weight.requires_grad_(False)
+    tr = MemoryTracker(model)
+    tr.attach()
+    _, rows = one_step(model, None, tr, autocast=torch.bfloat16)
+    tr.detach()
+    assert total(rows, T.AUTOCAST_WEIGHT_COPIES) == D_HID * D_OUT * 2
+    assert by_module(rows) == {("0", "bfloat16"): B * D_IN * 2, ("1", "bfloat16"): B * D_HID * 2}
+
+
+def test_gradient_accumulation_reports_one_micro_batch() -> None:
+    model = mlp()
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    for seed in (1, 2):  # forward, backward, forward, backward: one micro-batch alive at a time
+        x, y = batch(seed)
+        F.mse_loss(model(x), y).backward()
+    rows = tr.end_step(0)
+    tr.begin_step(1, True)
+    (x1, y1), (x2, y2) = batch(1), batch(2)
+    (F.mse_loss(model(x1), y1) + F.mse_loss(model(x2), y2)).backward()  # both graphs alive together
+    rows_both = tr.end_step(1)
+    tr.detach()
+    one = B * (D_IN + D_HID) * 4
+    assert total(rows, T.ACTIVATIONS) == one
+    assert total(rows_both, T.ACTIVATIONS) == 2 * one
+
+
+def test_unsampled_steps_record_nothing() -> None:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    tr.begin_step(0, False)
+    x, y = batch()
+    F.mse_loss(model(x), y).backward()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not tr._groups and not tr._grad_seen
+    opt.step()
+    assert tr._grad_snapshot is None
+    assert tr.end_step(0) == []
+    tr.detach()
+
+
+# ------------------------------------------------------------------------------ no effect, clean detach
+def train(with_tracker: bool, steps: int = 3) -> tuple[list[float], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = TinyGPT()  # has dropout: RNG use must not change either
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tr = MemoryTracker(model, opt) if with_tracker else None
+    if tr is not None:
+        tr.attach()
+    losses = []
+    g = torch.Generator().manual_seed(3)
+    for step in range(steps):
+        if tr is not None:
+            tr.begin_step(step, True)
+        idx = torch.randint(0, 32, (2, 12), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(idx)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), idx.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if tr is not None:
+            assert tr.end_step(step)
+    if tr is not None:
+        tr.detach()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_tracker_changes_nothing_bitwise() -> None:
+    losses_a, weights_a = train(False)
+    losses_b, weights_b = train(True)
+    assert losses_a == losses_b
+    assert all(torch.equal(a, b) for a, b in zip(weights_a, weights_b, strict=True))
+
+
+def test_detach_removes_every_hook_and_is_idempotent() -> None:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    assert model[0]._forward_pre_hooks and opt._optimizer_step_pre_hooks
+    one_step(model, opt, tr)
+    tr.detach()
+    assert_no_hooks(model, opt)
+    tr.detach()
+    assert_no_hooks(model, opt)
+
+
+class Boom(nn.Module):
+    def __init__(self, exc: type[BaseException]) -> None:
+        super().__init__()
+        self.exc = exc
+        self.armed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            raise self.exc("mid-forward")
+        return x
+
+
+class Interrupt(BaseException):
+    """Like KeyboardInterrupt: not an Exception, so always_call forward hooks do not run."""
+
+
+def boom_model(exc: type[BaseException]) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, D_HID), nn.ReLU(), Boom(exc), nn.Linear(D_HID, D_OUT))
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, Interrupt])
+def test_exception_mid_forward_then_detach(exc: type[BaseException]) -> None:
+    model = boom_model(exc)
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    with pytest.raises(exc):
+        model(batch()[0])
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if exc is RuntimeError:
+        assert top is None  # the always-called post-hook popped the saved-tensor hooks at once
+    else:
+        assert top is not None and top[0] == tr._pack_fn  # stale: nothing ran after the interrupt
+    tr.detach()
+    assert_no_hooks(model)
+
+
+def test_stale_push_is_popped_by_the_next_forward() -> None:
+    model = boom_model(Interrupt)
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    with pytest.raises(Interrupt):
+        model(batch()[0])
+    model[2].armed = False
+    x, y = batch()
+    F.mse_loss(model(x), y).backward()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    rows = tr.end_step(0)
+    tr.detach()
+    assert_no_hooks(model)
+    # the interrupted forward saved x in Linear 0 and the ReLU output before failing; the next forward is a
+    # new graph with no backward in between, so both stay alive together (until their tensors are freed)
+    assert by_module(rows) == {("0", "float32"): 2 * B * D_IN * 4, ("1", "float32"): 2 * B * D_HID * 4}
+
+
+def test_buffer_bytes_small_and_flat() -> None:
+    """The tracker keeps names, storage addresses and totals: its footprint grows with the number of modules
+    and of tensors they save, never with their size or the batch."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=256, dim=256, layers=4)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_modules = len(list(model.modules()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    peaks = []
+    for step, batch_size in enumerate((1, 8, 8)):
+        tr.begin_step(step, True)
+        idx = torch.randint(0, 256, (batch_size, 16))
+        model(idx).square().mean().backward()
+        opt.step()
+        peaks.append(tr.buffer_bytes)  # before end_step clears the per-step records
+        opt.zero_grad(set_to_none=True)
+        tr.end_step(step)
+    after = tr.buffer_bytes
+    tr.detach()
+    assert max(peaks) < 0.01 * param_bytes, (peaks, param_bytes)
+    assert max(peaks) < 2048 * n_modules
+    assert max(peaks) < 1.02 * min(peaks)  # 8x the batch, a later step: the same (up to int widths)
+    assert after < peaks[0] / 2  # between steps only names and handles are kept
+
+
+# ------------------------------------------------------------------------------------------ projection
+def run_rows(mode: str) -> tuple[pd.DataFrame, MemoryTracker]:
+    model = mlp()
+    if mode == "bf16-pure":
+        model = model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    x, y = batch()
+    rows = []
+    for step in range(2):
+        rows += one_step(
+            model,
+            opt,
+            tr,
+            step,
+            autocast=torch.bfloat16 if mode == "bf16" else None,
+            x=x.to(next(model.parameters()).dtype),
+            y=y,
+        )[1]
+    tr.detach()
+    return T.frame("memory", rows), tr
+
+
+def records(proj: dict[str, Any]) -> pd.DataFrame:
+    return pd.DataFrame(proj["records"]).set_index(["mode", "source", "component"])["bytes"]
+
+
+def test_textbook_table() -> None:
+    tb = textbook(1000)
+    df = pd.DataFrame(tb["records"]).set_index(["mode", "component"])["bytes"]
+    assert df[("fp32", T.PARAMETERS)] == df[("fp32", T.GRADIENTS)] == 4000
+    assert df[("bf16", T.PARAMETERS)] == df[("bf16-pure", T.GRADIENTS)] == 2000
+    assert df[("bf16", T.OPTIMIZER_STATES)] == df[("fp32", T.OPTIMIZER_STATES)] == 8000
+    assert "fp8" not in set(df.index.get_level_values(0))
+    assert tb["saving_range"] == (0.4, 0.5)
+
+
+def test_projection_from_fp32_run() -> None:
+    mem, tr = run_rows("fp32")
+    proj = project(mem, {T.SUMMARY_CONFIG: {"precision": "fp32"}}, facts=tr.model_facts())
+    r = records(proj)
+    assert proj["measured_mode"] == "fp32" and proj["n_params"] == N_MLP and proj["step"] == 1
+    for m in MODES:  # the projection reproduces the measured fp32 run where it should
+        low = m.endswith("-pure")
+        assert r[(m, "projected", T.PARAMETERS)] == (2 if low else 4) * N_MLP
+        assert r[(m, "projected", T.GRADIENTS)] == (2 if low else 4) * N_MLP
+        assert r[(m, "projected", T.OPTIMIZER_STATES)] == 8 * N_MLP + 16
+        assert r[(m, "projected", T.MASTER_WEIGHTS)] == (4 * N_MLP if low else 0)
+    for c in (T.PARAMETERS, T.GRADIENTS, T.OPTIMIZER_STATES, T.ACTIVATIONS):
+        assert r[("fp32", "measured", c)] == r[("fp32", "projected", c)]
+    fp32_acts = B * (D_IN + D_HID) * 4
+    assert r[("fp32", "measured", T.ACTIVATIONS)] == fp32_acts
+    # Linear and ReLU are both classes autocast runs in bf16: the projection halves them ...
+    assert r[("bf16", "projected", T.ACTIVATIONS)] == fp32_acts // 2
+    assert r[("fp8", "projected", T.ACTIVATIONS)] == fp32_acts // 2
+    assert r[("bf16-pure", "projected", T.ACTIVATIONS)] == fp32_acts // 2
+    # ... and a real autocast run agrees
+    mem_bf16, _ = run_rows("bf16")
+    assert total(mem_bf16.to_dict("records"), T.ACTIVATIONS) == 2 * fp32_acts // 2  # two sampled steps
+    # weight copies from an fp32 run: every matmul weight, an upper bound on what autocast keeps
+    assert r[("bf16", "projected", T.AUTOCAST_WEIGHT_COPIES)] == 2 * (D_IN * D_HID + D_HID * D_OUT)
+    assert r[("fp32", "projected", T.AUTOCAST_WEIGHT_COPIES)] == 0
+    # textbook rows beside them
+    assert r[("bf16", "textbook", T.PARAMETERS)] == 2 * N_MLP
+    assert r[("bf16", "textbook", T.ACTIVATIONS)] == fp32_acts // 2
+    assert r[("fp32", "textbook", T.OPTIMIZER_STATES)] == 8 * N_MLP + 16
+    # totals are sums of the records, savings relative to fp32 of the same source
+    tot = {(t["mode"], t["source"]): t for t in proj["totals"]}
+    for (m, src), t in tot.items():
+        assert t["bytes"] == sum(rec["bytes"] for rec in proj["records"] if (rec["mode"], rec["source"]) == (m, src))
+    assert tot[("fp32", "projected")]["saving_vs_fp32"] == 0
+    tb = tot[("bf16", "textbook")]
+    expect = 1 - tb["bytes"] / tot[("fp32", "textbook")]["bytes"]
+    assert tb["saving_vs_fp32"] == pytest.approx(expect)
+    # under autocast the parameters stay fp32 and copies are added: autocast saves less than the textbook
+    assert tot[("bf16", "projected")]["saving_vs_fp32"] < tb["saving_vs_fp32"]
+    assert proj["assumptions"] and all(isinstance(a, str) for a in proj["assumptions"])
+
+
+def test_projection_from_autocast_run_uses_its_dtype_mix() -> None:
+    mem, tr = run_rows("bf16")
+    assert infer_mode(mem) == "bf16"
+    proj = project(mem, {}, facts=tr.model_facts())  # mode inferred: no config in the summary
+    r = records(proj)
+    assert proj["measured_mode"] == "bf16"
+    bf16_acts = B * (D_IN + D_HID) * 2
+    assert r[("bf16", "measured", T.ACTIVATIONS)] == r[("bf16", "projected", T.ACTIVATIONS)] == bf16_acts
+    assert r[("fp32", "projected", T.ACTIVATIONS)] == 2 * bf16_acts
+    copies = D_HID * D_OUT * 2  # only the second Linear's copy is kept (x needs no gradient)
+    assert r[("bf16", "measured", T.AUTOCAST_WEIGHT_COPIES)] == copies
+    assert r[("fp16", "projected", T.AUTOCAST_WEIGHT_COPIES)] == copies
+    assert r[("fp8", "projected", T.AUTOCAST_WEIGHT_COPIES)] == 0
+    assert r[("bf16", "measured", T.PARAMETERS)] == 4 * N_MLP  # autocast keeps fp32 parameters
+
+
+def test_projection_from_pure_run_and_round_trip_through_summary() -> None:
+    mem, tr = run_rows("bf16-pure")
+    assert infer_mode(mem) == "bf16-pure"
+    summary: dict[str, Any] = {T.SUMMARY_MEMORY: {"model": tr.model_facts()}}
+    proj = project(mem, summary)
+    r = records(proj)
+    assert r[("bf16-pure", "measured", T.PARAMETERS)] == r[("bf16-pure", "projected", T.PARAMETERS)]
+    assert r[("fp32", "projected", T.PARAMETERS)] == 4 * N_MLP
+    # plain AdamW on bf16 parameters: bf16 moments; the projection keeps fp32 states (the pure modes' recipe)
+    assert r[("bf16-pure", "measured", T.OPTIMIZER_STATES)] == 4 * N_MLP + 16
+    assert r[("bf16-pure", "projected", T.OPTIMIZER_STATES)] == 8 * N_MLP + 16
+    # summary.json round trip: stored block feeds a re-render with the same result
+    summary[T.SUMMARY_MEMORY] = proj
+    again = project(mem, summary)
+    assert again["records"] == proj["records"]
+    assert T.SUMMARY_MEMORY in summary and pd.DataFrame(proj["records"]).shape[1] == 4
+
+
+def test_projection_of_an_empty_table() -> None:
+    proj = project(T.empty("memory"), {})
+    assert proj["step"] is None and proj["n_params"] == 0
+    assert all(rec["bytes"] == 0 for rec in proj["records"])
+
+
+@pytest.mark.parametrize(
+    ("factory", "expected"),
+    [
+        (lambda: nn.Linear(2, 2), "matmul"),
+        (lambda: nn.Conv2d(1, 1, 3), "matmul"),
+        (lambda: nn.GELU(), "elementwise"),
+        (lambda: nn.Dropout(), "elementwise"),
+        (lambda: nn.LayerNorm(2), "fp32"),
+        (lambda: nn.CrossEntropyLoss(), "fp32"),
+        (lambda: nn.Embedding(3, 2), "other"),
+        (lambda: nn.Sequential(nn.Linear(2, 2)), "other"),
+    ],
+)
+def test_module_class(factory: Callable[[], nn.Module], expected: str) -> None:
+    assert module_class(factory()) == expected
+
+
+def test_hf_conv1d_is_a_matmul() -> None:
+    transformers = pytest.importorskip("transformers")
+    conv1d = transformers.pytorch_utils.Conv1D(4, 3)
+    assert module_class(conv1d) == "matmul"
