@@ -1062,9 +1062,11 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         worst = run.sort(by_share[by_share > cfg.lost_update_warn].index[: cfg.max_listed_modules])
         resolution = "2^-8" if fmt == "bf16" else "2^-11"
         is_pure = run.precision == pure
-        if share > cfg.lost_update_warn:
-            severity = CRITICAL if is_pure else WARNING
-        elif fmt == "fp16":
+        # With fp32 master weights (autocast, fp32) this is a what-if: it only hurts a run that holds its
+        # weights in the format, and it is the reason to keep fp32 master weights.
+        if share > cfg.lost_update_warn and is_pure:
+            severity = CRITICAL
+        elif fmt == "fp16" and share <= cfg.lost_update_warn:
             continue  # fp16 master weights are rare; only worth a line when they lose updates
         else:
             severity = INFO

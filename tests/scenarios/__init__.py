@@ -1,0 +1,15 @@
+"""Small, readable training scenarios that exercise the advisor end to end on CPU (seconds each).
+
+Each module builds a tiny model with one property the advisor must notice, trains it for a few steps in the
+user's own loop with ``precprof.Profiler`` attached (``loop.train_profiled``), and is checked by
+``tests/test_scenarios.py``:
+
+- ``tiny_gradients``: activation gradients below fp16's 2^-24 (a loss weighted 2^-16): fp16 needs a large
+  loss scale, and an fp16 run started at the recommended scale flushes fewer gradients than one at scale 1;
+- ``huge_activations``: a layer whose outputs exceed fp16's 65504: fp16 only with that layer kept in fp32;
+- ``benign``: nothing wrong: bf16 on bf16 hardware;
+- ``nan_injection``: a module that emits nan on one step: the finding names it.
+
+They double as examples of the API: ``Profiler(model, optimizer=..., scaler=...)``, ``prof.step(loss=...)``,
+``prof.tables()`` and ``precprof.recommend(tables, hardware=..., summary=...)``.
+"""
