@@ -16,7 +16,7 @@
   them) and per dtype, through ``torch.autograd.graph.saved_tensors_hooks`` pushed in the model's forward
   pre-hook and popped in its forward post-hook. Each storage counts once per forward pass; parameters and
   buffers are not activations. Tensors saved outside the model's forward (a loss computed in the training loop)
-  are not seen. Under gradient accumulation the saved tensors of one micro-batch are freed by its backward, so
+  are seen only inside ``MemoryTracker.scope()`` (module ``"(loss)"``). Under gradient accumulation the saved tensors of one micro-batch are freed by its backward, so
   the step reports the largest group of forwards that were alive together (forwards with no backward between
   them add up);
 - ``autocast_weight_copies``: saved tensors that are casts of a parameter (grad_fn ``ToCopyBackward0`` whose
@@ -155,6 +155,8 @@ _FP32_TYPES: tuple[type[nn.Module], ...] = (nn.Softmax, nn.LogSoftmax, nn.module
 # device-to-device) addresses apart, and an int key keeps the tracker's own footprint small.
 StorageKey = int
 
+LOSS_SCOPE = "(loss)"  # module name of what MemoryTracker.scope() records by default
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the dtype column's spelling)."""
@@ -292,7 +294,7 @@ class MemoryTracker:
         self._attached = False
         self._step = 0
         self._sampled = False
-        self._stack: list[tuple[str, nn.Module]] = []
+        self._stack: list[tuple[str, nn.Module | None]] = []  # running modules, innermost last
         self._recording = False  # inside a sampled forward with our saved-tensor hooks pushed
         self._saved_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self._pack_fn: Callable[[torch.Tensor], torch.Tensor] = self._pack
@@ -529,6 +531,12 @@ class MemoryTracker:
         if self._saved_ctx is not None:
             # Left pushed by a forward that never reached its post-hook (KeyboardInterrupt, a nested call).
             self._pop_saved_hooks()
+        self._start_recording("", module)
+
+    def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._stop_recording()
+
+    def _start_recording(self, name: str, module: nn.Module | None) -> None:
         self._stack.clear()
         self._recording = False
         if not self._sampled or not torch.is_grad_enabled() or self._saved_ctx is not None:
@@ -546,14 +554,38 @@ class MemoryTracker:
             return
         self._saved_ctx = ctx
         self._recording = True
-        self._stack.append(("", module))
+        self._stack.append((name, module))
 
-    def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _stop_recording(self) -> None:
         was_recording = self._recording
         self._pop_saved_hooks()
         self._stack.clear()
         if was_recording:
             self._mark_phase(T.PHASE_BACKWARD)
+
+    @contextlib.contextmanager
+    def scope(self, name: str = LOSS_SCOPE) -> Iterator[None]:
+        """Count what autograd saves inside this block as activations of module ``name``.
+
+        For work outside the model's forward that still belongs to the step's saved activations, above all a
+        loss computed in the training loop (``F.cross_entropy`` saves fp32 log-probabilities, B*T*vocab*4
+        bytes)::
+
+            logits = model(x)
+            with tracker.scope():          # module "(loss)"
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+        Does nothing on steps that are not sampled, under no_grad, or inside the model's own forward (which
+        is recorded already). Host only; no sync.
+        """
+        if self._recording or self._saved_ctx is not None:
+            yield
+            return
+        self._start_recording(name, None)
+        try:
+            yield
+        finally:
+            self._stop_recording()
 
     def _pop_saved_hooks(self, final: bool = False) -> None:
         """Pop our saved-tensor hooks if they are on top of autograd's stack (never someone else's)."""
@@ -609,9 +641,9 @@ class MemoryTracker:
         fn = t.grad_fn
         if fn is None:
             # A frozen weight's cast has no graph: match it against the running module's frozen parameters.
-            if t.requires_grad or not self._stack:
+            mod = self._stack[-1][1] if self._stack else None
+            if t.requires_grad or mod is None:
                 return False
-            mod = self._stack[-1][1]
             for p in mod.parameters(recurse=False):
                 if p.requires_grad or p.dtype == t.dtype or p.numel() != t.numel():
                     continue
@@ -790,6 +822,7 @@ def project(
     g_fixed = _elements(comp(T.GRADIENTS))[1]
     b_elems, b_fixed = _elements(comp(T.BUFFERS))
     o_elems, o_fixed = _elements(comp(T.OPTIMIZER_STATES))
+    m_elems, m_fixed = _elements(comp(T.MASTER_WEIGHTS))
     acts = comp(T.ACTIVATIONS)
     classes: Mapping[str, str] = facts.get("module_classes") or {}
     copies_elems = _elements(comp(T.AUTOCAST_WEIGHT_COPIES))[0]
@@ -838,7 +871,7 @@ def project(
             T.PARAMETERS: param_b,
             T.GRADIENTS: (2 if low else 4) * n_trainable + g_fixed,
             T.OPTIMIZER_STATES: 4 * o_elems + o_fixed,
-            T.MASTER_WEIGHTS: 4.0 * n_trainable if low and (o_elems or o_fixed) else 0.0,
+            T.MASTER_WEIGHTS: 4 * m_elems + m_fixed if low and measured_pure else 0.0,
             T.BUFFERS: (2 if low else 4) * b_elems + b_fixed,
             T.ACTIVATIONS: activations(target),
             T.AUTOCAST_WEIGHT_COPIES: weight_copies(target),
@@ -888,8 +921,9 @@ def project(
         "tf32 stores everything in fp32 (it only changes matmul arithmetic), so it takes what fp32 takes.",
         "Parameters and gradients: 4 bytes per element, 2 in the pure modes; buffers follow the parameters.",
         "Optimizer states stay fp32 in every mode (4 bytes per state element, step counters as measured).",
-        "Pure modes keep an fp32 master copy of the trainable parameters in the optimizer (4 bytes per "
-        "parameter, master_weights); their fp32 gradients are not counted.",
+        "Pure modes as in the built-in loop: no fp32 master copy of the weights (precprof.optim keeps fp32 "
+        "states and rounds each update into the 16-bit weight); a master copy measured in a pure run is kept "
+        "for the pure modes.",
         "Activations under autocast: "
         + (
             "the run's own dtype mix (16-bit tensors stay 2 bytes, fp32 ones stay 4)."

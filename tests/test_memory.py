@@ -623,7 +623,7 @@ def test_projection_from_fp32_run() -> None:
         assert r[(m, "projected", T.PARAMETERS)] == (2 if low else 4) * N_MLP
         assert r[(m, "projected", T.GRADIENTS)] == (2 if low else 4) * N_MLP
         assert r[(m, "projected", T.OPTIMIZER_STATES)] == 8 * N_MLP + 16
-        assert r[(m, "projected", T.MASTER_WEIGHTS)] == (4 * N_MLP if low else 0)
+        assert r[(m, "projected", T.MASTER_WEIGHTS)] == 0  # the built-in pure modes keep no master copy
     for c in (T.PARAMETERS, T.GRADIENTS, T.OPTIMIZER_STATES, T.ACTIVATIONS):
         assert r[("fp32", "measured", c)] == r[("fp32", "projected", c)]
     fp32_acts = B * (D_IN + D_HID) * 4
@@ -645,7 +645,9 @@ def test_projection_from_fp32_run() -> None:
     # totals are sums of the records, savings relative to fp32 of the same source
     tot = {(t["mode"], t["source"]): t for t in proj["totals"]}
     for (m, src), t in tot.items():
-        assert t["bytes"] == sum(rec["bytes"] for rec in proj["records"] if (rec["mode"], rec["source"]) == (m, src))
+        assert t["bytes"] == sum(
+            rec["bytes"] for rec in proj["records"] if (rec["mode"], rec["source"]) == (m, src)
+        )
     assert tot[("fp32", "projected")]["saving_vs_fp32"] == 0
     tb = tot[("bf16", "textbook")]
     expect = 1 - tb["bytes"] / tot[("fp32", "textbook")]["bytes"]
@@ -689,6 +691,58 @@ def test_projection_from_pure_run_and_round_trip_through_summary() -> None:
     assert T.SUMMARY_MEMORY in summary and pd.DataFrame(proj["records"]).shape[1] == 4
 
 
+def test_projection_keeps_a_measured_master_copy_for_pure_modes() -> None:
+    n = 1000
+    rows = [
+        {T.STEP: 4, T.COMPONENT: T.PARAMETERS, T.MODULE: "", T.DTYPE: "bfloat16", T.BYTES: 2 * n},
+        {T.STEP: 4, T.COMPONENT: T.GRADIENTS, T.MODULE: "", T.DTYPE: "bfloat16", T.BYTES: 2 * n},
+        {T.STEP: 4, T.COMPONENT: T.MASTER_WEIGHTS, T.MODULE: "", T.DTYPE: "float32", T.BYTES: 4 * n},
+        {T.STEP: 4, T.COMPONENT: T.OPTIMIZER_STATES, T.MODULE: "", T.DTYPE: "float32", T.BYTES: 8 * n},
+        {T.STEP: 4, T.COMPONENT: T.ACTIVATIONS, T.MODULE: "fc", T.DTYPE: "bfloat16", T.BYTES: 600},
+        {T.STEP: 4, T.COMPONENT: T.ACTIVATIONS, T.MODULE: "drop", T.DTYPE: "bool", T.BYTES: 100},
+    ]
+    proj = project(T.frame("memory", rows), {T.SUMMARY_CONFIG: {"precision": "bf16-pure"}})
+    r = records(proj)
+    assert proj["n_params"] == n and proj["measured_mode"] == "bf16-pure"
+    assert r[("bf16-pure", "measured", T.MASTER_WEIGHTS)] == r[("fp16-pure", "projected", T.MASTER_WEIGHTS)]
+    assert r[("bf16-pure", "projected", T.MASTER_WEIGHTS)] == 4 * n
+    assert r[("fp32", "projected", T.MASTER_WEIGHTS)] == r[("bf16", "projected", T.MASTER_WEIGHTS)] == 0
+    # a bool dropout mask takes 100 bytes in every mode; 300 bf16 elements take 1200 bytes in fp32
+    assert r[("fp32", "projected", T.ACTIVATIONS)] == 1200 + 100
+    assert r[("fp32", "textbook", T.ACTIVATIONS)] == 1200 + 100
+    assert r[("bf16", "textbook", T.ACTIVATIONS)] == 600 + 100
+    # module classes unknown (no facts): under autocast the "fc" tensors are assumed to stay fp32
+    assert r[("bf16", "projected", T.ACTIVATIONS)] == 1200 + 100
+
+
+def test_scope_records_a_loss_computed_outside_the_model() -> None:
+    model = mlp()
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    x, y = batch()
+    out = model(x)
+    with tr.scope():
+        loss = F.mse_loss(out, y)
+    with tr.scope():
+        no_grad_needed = (y * 2).sum()  # nothing requiring grad: nothing saved
+    loss.backward()
+    rows = tr.end_step(0)
+    tr.begin_step(1, False)
+    with tr.scope():  # not sampled: inert
+        F.mse_loss(model(x), y).backward()
+    assert tr.end_step(1) == []
+    tr.detach()
+    assert no_grad_needed.item() == pytest.approx(2 * y.sum().item())
+    # mse_loss saves its input (the model output, (B, D_OUT) fp32) and the target (B, D_OUT) fp32
+    assert by_module(rows) == {
+        ("0", "float32"): B * D_IN * 4,
+        ("1", "float32"): B * D_HID * 4,
+        ("(loss)", "float32"): 2 * B * D_OUT * 4,
+    }
+    assert_no_hooks(model)
+
+
 def test_projection_of_an_empty_table() -> None:
     proj = project(T.empty("memory"), {})
     assert proj["step"] is None and proj["n_params"] == 0
@@ -716,3 +770,48 @@ def test_hf_conv1d_is_a_matmul() -> None:
     transformers = pytest.importorskip("transformers")
     conv1d = transformers.pytorch_utils.Conv1D(4, 3)
     assert module_class(conv1d) == "matmul"
+
+
+def test_allocator_phase_bookkeeping_with_scripted_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here: the allocator's peak counters are replaced by a script, to check which phase each peak is
+    charged to (tests/test_memory_gpu.py checks the real counters on a GPU)."""
+    counters = {"allocated": 0, "reserved": 0}
+    resets: list[int] = []
+
+    def set_peak(allocated: int) -> None:
+        counters["allocated"] = max(counters["allocated"], allocated)
+        counters["reserved"] = max(counters["reserved"], 2 * allocated)
+
+    def reset(device: Any = None) -> None:
+        resets.append(1)
+        counters["allocated"] = counters["reserved"] = 0
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: counters["reserved"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    tr._cuda = torch.device("cuda", 0)  # what attach() finds for a model on a GPU
+    tr._nvml = False  # and no NVML rows
+    model[1].register_forward_hook(lambda *_: set_peak(100))  # inside the forward
+    opt.register_step_pre_hook(lambda *_: set_peak(300))  # inside the optimizer step (after ours)
+    tr.begin_step(0, True)
+    set_peak(7)  # data loading, before the forward
+    x, y = batch()
+    out = model(x)
+    set_peak(250)  # the loss and backward
+    F.mse_loss(out, y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    set_peak(50)  # after the optimizer step
+    rows = tr.end_step(0)
+    tr.detach()
+    peaks = {r[T.PHASE]: r[T.BYTES] for r in rows if r[T.COMPONENT] == T.ALLOCATOR_PEAK}
+    reserved = {r[T.PHASE]: r[T.BYTES] for r in rows if r[T.COMPONENT] == T.ALLOCATOR_RESERVED_PEAK}
+    assert peaks == {"other": 50, "forward": 100, "backward": 250, "optimizer": 300}
+    assert reserved == {k: 2 * v for k, v in peaks.items()}
+    assert len(resets) == 1 + 5  # begin_step, then forward, backward, optimizer, other, end_step boundaries
+    assert all(r[T.DTYPE] == "" and r[T.MODULE] == "" for r in rows if r[T.PHASE])
