@@ -596,6 +596,10 @@ def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:
         "share": share,
     }
     listing = _listing(fp32, run.cfg.max_listed_modules)
+    seen = capture.get("autocast") if isinstance(capture, Mapping) else None
+    autocast_off = isinstance(seen, Mapping) and seen.get("enabled") is False
+    if autocast_off:
+        nums["autocast_enabled"] = 0
     if share >= run.cfg.mp_inactive_share:
         plan.add(
             Finding(
@@ -603,7 +607,9 @@ def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:
                 CRITICAL,
                 f"{requested} was requested but is not active",
                 f"The run asked for {requested}, yet all {len(fp32)} matmul layers produced float32 "
-                f"outputs ({listing}): the run trained in fp32. accelerate, for one, ignores fp16=True on CPU.",
+                f"outputs ({listing})"
+                + ("; torch autocast was off during the forward pass" if autocast_off else "")
+                + ": the run trained in fp32. accelerate, for one, ignores fp16=True on CPU.",
                 "Wrap the forward pass in torch.autocast(device_type, dtype=...) on a device that supports "
                 "it, or train on a GPU where the requested precision applies.",
                 modules=fp32,

@@ -26,7 +26,9 @@ class ProfiledRun:
     summary: dict[str, Any]
     losses: list[float]
 
-    def recommend(self, hardware: str | precprof.hardware.HardwareInfo | None = None) -> precprof.Recommendation:
+    def recommend(
+        self, hardware: str | precprof.hardware.HardwareInfo | None = None
+    ) -> precprof.Recommendation:
         return precprof.recommend(self.tables, hardware=hardware, summary=self.summary)
 
 
@@ -41,7 +43,9 @@ def keep_in_fp32(model: nn.Module, names: Sequence[str]) -> None:
 
         def fp32_forward(*args: Any, _forward: Callable[..., Any] = forward, **kwargs: Any) -> Any:
             with torch.autocast("cpu", enabled=False):
-                args = tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+                args = tuple(
+                    a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+                )
                 return _forward(*args, **kwargs)
 
         module.forward = fp32_forward  # type: ignore[method-assign]

@@ -53,4 +53,6 @@ def mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def run(precision: str = "fp32", steps: int = 4) -> ProfiledRun:
     torch.manual_seed(0)
-    return train_profiled(NanNet(), regression_batches(N_IN), mse, precision=precision, steps=steps, on_step=arm)
+    return train_profiled(
+        NanNet(), regression_batches(N_IN), mse, precision=precision, steps=steps, on_step=arm
+    )

@@ -38,5 +38,10 @@ def run(precision: str = "fp32", loss_scale: float | None = None, steps: int = 4
     """Train TinyGradNet for a few steps (always from the same initial weights and batches)."""
     torch.manual_seed(0)
     return train_profiled(
-        TinyGradNet(), regression_batches(N_IN), weighted_mse, precision=precision, loss_scale=loss_scale, steps=steps
+        TinyGradNet(),
+        regression_batches(N_IN),
+        weighted_mse,
+        precision=precision,
+        loss_scale=loss_scale,
+        steps=steps,
     )

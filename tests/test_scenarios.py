@@ -1,0 +1,139 @@
+"""The advisor on real tiny training runs (CPU, seconds each): every claim is checked by a second, measured run.
+
+The scenarios live in tests/scenarios/ and read as examples of the Profiler and ``precprof.recommend``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+from scenarios import accelerate_cpu_fp16, benign, huge_activations, nan_injection, tiny_gradients
+
+from precprof import tables as T
+from precprof.advisor import CRITICAL
+from precprof.hardware import HardwareInfo
+
+
+def _rows(run_tables: dict[str, pd.DataFrame], kind: str) -> pd.DataFrame:
+    layers = run_tables["layers"]
+    return layers[layers[T.TENSOR] == kind]
+
+
+def _num(value: object) -> float:
+    assert isinstance(value, (int, float)), f"expected a number, got {value!r}"
+    return float(value)
+
+
+def _fp16_zero_share(run_tables: dict[str, pd.DataFrame]) -> float:
+    """Measured: the share of exact zeros among fp16 activation gradients (tanh/linear grads are zero only
+    when they underflowed)."""
+    ag = _rows(run_tables, T.ACTIVATION_GRAD)
+    ag = ag[ag[T.DTYPE] == "float16"]
+    assert not ag.empty, "the fp16 run produced no fp16 activation gradients"
+    return float(ag[T.ZEROS].sum() / ag[T.NUMEL].sum())
+
+
+def test_a_tiny_gradients_get_a_loss_scale_that_works() -> None:
+    rec = tiny_gradients.run().recommend("v100")
+    assert rec.format == "fp16" and rec.loss_scale is not None
+    k = math.log2(rec.loss_scale)
+    assert k.is_integer() and k > 16  # far above GradScaler's default start
+    under = rec.finding("fp16_gradient_underflow")
+    assert under is not None
+    assert _num(under.numbers["share_at_scale_1"]) > 0.5
+    assert _num(under.numbers["share_at_recommended"]) < 0.01
+    assert under.numbers["overflow_at_recommended"] == 0
+    # measured, not taken from the rule: fp16 runs at scale 1 and at the recommended scale
+    at_1 = tiny_gradients.run("fp16", loss_scale=None)
+    at_k = tiny_gradients.run("fp16", loss_scale=rec.loss_scale)
+    z1, zk = _fp16_zero_share(at_1.tables), _fp16_zero_share(at_k.tables)
+    assert z1 > 0.5
+    assert zk < 0.01 and zk < z1
+    # without overflow: the scaler never skipped a step and no gradient became inf
+    assert not at_k.tables["steps"][T.SKIPPED].any()
+    grads = at_k.tables["layers"][at_k.tables["layers"][T.TENSOR].isin(T.GRADIENT_KINDS)]
+    assert int(grads[T.INF].sum() + grads[T.NAN].sum()) == 0
+
+
+def test_b_huge_activations_keep_the_layer_in_fp32() -> None:
+    rec = huge_activations.run().recommend("v100")
+    over = rec.finding("fp16_activation_overflow")
+    assert over is not None and over.modules == ["amplify"]
+    assert rec.format != "fp16" or rec.keep_fp32 == ["amplify"]
+    assert rec.format == "fp16"
+    # measured: fp16 without the keep list overflows in amplify (inf), with it nothing overflows
+    bad = huge_activations.run("fp16", loss_scale=rec.loss_scale)
+    acts = _rows(bad.tables, T.ACTIVATION).set_index([T.STEP, T.MODULE])
+    assert (acts.xs("amplify", level=T.MODULE)[T.INF] > 0).all()
+    assert bad.tables["steps"][T.SKIPPED].all()
+    # and the advisor, given that fp16 run, names amplify as where nan/inf starts
+    rec_bad = bad.recommend("v100")
+    assert rec_bad.finding("nonfinite_forward").modules == ["amplify"]  # type: ignore[union-attr]
+    assert rec_bad.keep_fp32 == ["amplify"]
+    good = huge_activations.run("fp16", loss_scale=rec.loss_scale, keep_fp32=rec.keep_fp32)
+    layers = good.tables["layers"]
+    assert int(layers[T.INF].sum() + layers[T.NAN].sum()) == 0
+    assert not good.tables["steps"][T.SKIPPED].any()
+    assert all(math.isfinite(v) for v in good.losses)
+    kept = _rows(good.tables, T.ACTIVATION)
+    assert set(kept[kept[T.MODULE] == "amplify"][T.DTYPE]) == {"float32"}
+    assert set(kept[kept[T.MODULE] == "head"][T.DTYPE]) == {"float16"}  # the rest still runs in fp16
+
+
+def test_c_benign_model_gets_bf16_on_bf16_hardware() -> None:
+    run = benign.run()
+    for target in (
+        "a100",
+        "h100",
+        HardwareInfo(device="cpu", name="CPU with AMX", bf16_supported=True, bf16_native=True),
+    ):
+        rec = run.recommend(target)
+        assert rec.format in ("bf16", "fp8")
+        assert rec.keep_fp32 == [] and rec.loss_scale is None
+        assert not [f for f in rec.findings if f.severity == CRITICAL]
+    assert run.recommend("a100").format == "bf16"
+    # a bf16 autocast run of the same model: mixed precision is active, bf16 again
+    rec = benign.run("bf16").recommend("a100")
+    assert rec.format == "bf16"
+    assert rec.finding("mixed_precision_inactive") is None and rec.finding("mixed_precision_partial") is None
+
+
+def test_d_injected_nan_names_the_first_module() -> None:
+    run = nan_injection.run()
+    rec = run.recommend("a100")
+    f = rec.finding("nonfinite_forward")
+    assert f is not None and f.severity == CRITICAL
+    assert f.modules == ["inject"]
+    assert f.numbers["step"] == nan_injection.NAN_STEP
+    # independent: the first (step, forward order) with nan in the tables is the injected module
+    acts = _rows(run.tables, T.ACTIVATION)
+    first = acts[acts[T.NAN] > 0].sort_values([T.STEP, T.ORDER]).iloc[0]
+    assert (first[T.STEP], first[T.MODULE]) == (nan_injection.NAN_STEP, "inject")
+
+
+def test_e_accelerate_fp16_on_cpu_is_not_active() -> None:
+    pytest.importorskip("accelerate")
+    run, accelerator = accelerate_cpu_fp16.run()
+    assert accelerator.mixed_precision == "fp16"  # what the user was told
+    f = run.recommend("cpu").finding("mixed_precision_inactive")
+    assert f is not None and f.severity == CRITICAL
+    assert f.modules == ["0", "2", "4"]
+    assert "autocast was off" in f.message
+    # and indeed every Linear produced float32
+    acts = _rows(run.tables, T.ACTIVATION)
+    assert set(acts[acts[T.MODULE_TYPE] == "Linear"][T.DTYPE]) == {"float32"}
+
+
+def test_scenario_runs_are_deterministic() -> None:
+    a, b = tiny_gradients.run(steps=2), tiny_gradients.run(steps=2)
+    assert a.losses == b.losses
+    torch.testing.assert_close(
+        torch.tensor(a.tables["layers"][T.ABSMAX].to_numpy(dtype=float)),
+        torch.tensor(b.tables["layers"][T.ABSMAX].to_numpy(dtype=float)),
+        equal_nan=True,
+        rtol=0,
+        atol=0,
+    )
