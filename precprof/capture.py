@@ -363,23 +363,27 @@ class Profiler:
         self._sampling = False
 
     # ---------------------------------------------------------------------------------------- hooks
-    def _active(self) -> bool:
-        return self._sampling and torch.is_grad_enabled()
-
+    # The hooks' first line is all Dynamo sees on steps that are not sampled (it guards on the flag, so a
+    # compiled model gets one graph for sampled and one for other steps); the recording itself is excluded
+    # from tracing, which breaks the graph at captured modules on sampled steps only.
     def _make_pre_hook(self, slot: _ModuleSlot) -> Any:
+        @torch.compiler.disable
+        def record(module: nn.Module) -> None:
+            if slot.called:
+                return
+            slot.called = True
+            slot.order = self._order_counter
+            self._order_counter += 1
+            assert self._buffer is not None
+            for _, p, row in slot.weights:
+                if p.is_floating_point() and p.numel() > 0:
+                    self._buffer.accumulate(p, row.index)
+                    row.seen(p.dtype)
+                    self._step_has_data = True
+
         def pre_hook(module: nn.Module, args: Any) -> None:
-            if not self._active():
-                return None
-            if not slot.called:
-                slot.called = True
-                slot.order = self._order_counter
-                self._order_counter += 1
-                assert self._buffer is not None
-                for _, p, row in slot.weights:
-                    if p.is_floating_point() and p.numel() > 0:
-                        self._buffer.accumulate(p, row.index)
-                        row.seen(p.dtype)
-                        self._step_has_data = True
+            if self._sampling and torch.is_grad_enabled():
+                record(module)
             return None
 
         return pre_hook
@@ -394,9 +398,8 @@ class Profiler:
                 grad_row.seen(g.dtype)
             return None
 
-        def fwd_hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self._active():
-                return None
+        @torch.compiler.disable
+        def record(output: Any) -> None:
             assert self._buffer is not None
             any_tensor = False
             for t in _iter_tensors(output):
@@ -404,13 +407,18 @@ class Profiler:
                 any_tensor = True
                 if t.requires_grad:
                     t.register_hook(grad_hook)
-                if not act.dtypes or str(t.dtype).removeprefix("torch.") not in act.dtypes:
-                    act.dtypes.append(str(t.dtype).removeprefix("torch."))
+                name = str(t.dtype).removeprefix("torch.")
+                if name not in act.dtypes:
+                    act.dtypes.append(name)
             if any_tensor:
                 act.calls += 1
                 self._step_has_data = True
                 if not self._autocast_seen:
                     self._note_autocast(self._device.type)
+
+        def fwd_hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._sampling and torch.is_grad_enabled():
+                record(output)
             return None
 
         return fwd_hook

@@ -155,4 +155,10 @@ def current_scaling_exponent(fmt: NumberFormat, amax: float) -> int:
     This is the scale Transformer Engine's current-scaling recipe applies (with power-of-two scales) so that
     the tensor's largest magnitude lands just below the format's max. amax must be finite and > 0.
     """
-    return math.floor(math.log2(fmt.max / amax))
+    # exact: the largest k with amax * 2^k <= fmax (log2 of the quotient can round up across a power of two)
+    k = math.frexp(fmt.max)[1] - math.frexp(amax)[1]
+    while math.ldexp(amax, k) > fmt.max:
+        k -= 1
+    while math.ldexp(amax, k + 1) <= fmt.max:
+        k += 1
+    return k

@@ -56,7 +56,7 @@ COL_NAN = 2
 COL_INF = 3
 COL_OVERFLOW = 4  # 4 columns, WHATIF_FORMATS order; counts of v >= T (or > T) including inf
 COL_ABSMAX_BITS = 8
-COL_ABSMIN_BITS = 9
+COL_ABSMIN_BITS = 9  # smallest nonzero |x| bits minus 1; _NO_MIN_BITS when none
 COL_HIST = 10  # N_BINS columns: all finite nonzero values per bin
 COL_POW2 = COL_HIST + N_BINS  # N_BINS columns: of those, exact powers of two
 ROW_WIDTH = COL_POW2 + N_BINS
@@ -197,10 +197,11 @@ class StatsBuffer:
                 torch.gt(a, threshold, out=mant0)
             ov[i] = torch.count_nonzero(mant0)
         r[COL_OVERFLOW : COL_OVERFLOW + 4] += ov
-        # smallest nonzero: (bits - 1) & MAX maps 0 to the largest int64; nan/inf bits exceed every finite one
+        # smallest nonzero: (bits - 1) & MAX maps 0 to the largest int64 (the "none yet" sentinel); nan/inf
+        # bits exceed every finite one. The row keeps bits - 1, so the sentinel never overflows.
         torch.sub(bits, 1, out=tmp)
         tmp.bitwise_and_(_NO_MIN_BITS)
-        r[COL_ABSMIN_BITS] = torch.minimum(r[COL_ABSMIN_BITS], tmp.amin() + 1)
+        r[COL_ABSMIN_BITS] = torch.minimum(r[COL_ABSMIN_BITS], tmp.amin())
         # largest finite: nan -> 0 and inf -> 0 in place (a is scratch), then the max of the bit patterns
         a.nan_to_num_(nan=0.0, posinf=0.0)
         r[COL_ABSMAX_BITS] = torch.maximum(r[COL_ABSMAX_BITS], bits.amax())
@@ -258,7 +259,7 @@ def decode(row: np.ndarray, scale: float = 1.0) -> RowStats:
         underflow[name] = _count_le_pow2(hist, pow2, j)
         overflow[name] = int(row[COL_OVERFLOW + i]) - inf
     absmax_bits = int(row[COL_ABSMAX_BITS])
-    absmin_bits = int(row[COL_ABSMIN_BITS])
+    absmin_bits = int(row[COL_ABSMIN_BITS]) + 1 if int(row[COL_ABSMIN_BITS]) != _NO_MIN_BITS else 0
     raw_absmax = _from_f64_bits(absmax_bits) if absmax_bits > 0 else 0.0
     raw_absmin = _from_f64_bits(absmin_bits) if 0 < absmin_bits < _INF_BITS else math.nan
     # fp8 current scaling: s = 2^k, k = floor(log2(fmax / amax)); x*s underflows iff |x| <= 2^(j - k)

@@ -268,13 +268,6 @@ def test_current_scaling_exponent_examples(name: str) -> None:
     assert formats.current_scaling_exponent(fmt, 2.0**-149) == math.floor(math.log2(fmt.max)) + 149
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG formats.current_scaling_exponent: math.floor(math.log2(fmax / amax)) rounds up to the next "
-    "integer when fmax/amax is within an fp64 ulp or two below a power of two, e.g. fp64 amax = "
-    "nextafter(0.4375, inf): fmax/amax = 1023.9999999999999, log2 -> 10.0, floor 10, but 2^10 * amax > 448; "
-    "the right k is 9. fp32 amax values are never affected (their ratio is far enough from 2^k).",
-)
 @pytest.mark.parametrize("name", formats.FP8_FORMATS)
 def test_current_scaling_exponent_fp64_amax(name: str) -> None:
     fmt = formats.get(name)
