@@ -118,12 +118,16 @@ def _iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _iter_tensors(o, depth + 1)
 
 
-def _to_float(v: Any) -> float:
-    if v is None:
-        return math.nan
-    if isinstance(v, torch.Tensor):
-        return float(v.detach().float().cpu().item())
-    return float(v)
+def _host_floats(values: list[Any]) -> list[float]:
+    """Python floats of a mix of None, numbers and 0-dim device tensors, with one device-to-host copy."""
+    out = [math.nan if v is None else (math.nan if isinstance(v, torch.Tensor) else float(v)) for v in values]
+    idx = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    if idx:
+        dev = values[idx[0]].device
+        stacked = torch.stack([values[i].detach().reshape(()).to(dev, torch.float64) for i in idx])
+        for i, v in zip(idx, stacked.cpu().tolist(), strict=True):  # the sync
+            out[i] = float(v)
+    return out
 
 
 class Profiler:
@@ -577,25 +581,25 @@ class Profiler:
     def _flush(self, sampled_step_done: bool) -> None:
         """Copy pending step records (and, after a sampled step, its statistics) to the host. Syncs."""
         if self._pending:
-            losses = [p.loss for p in self._pending]
-            scales = [p.scale for p in self._pending]
-            host_scales = [_to_float(s) for s in scales]
-            for p, loss, scale in zip(self._pending, losses, host_scales, strict=True):
-                found = _to_float(p.found_inf) if p.found_inf is not None else 0.0
+            fields = [(p.loss, p.scale, p.found_inf, p.grad_norm) for p in self._pending]
+            values = _host_floats([v for f in fields for v in f])
+            for i, p in enumerate(self._pending):
+                loss, scale, found, grad_norm = values[4 * i : 4 * i + 4]
+                found = 0.0 if p.found_inf is None else found
                 self._step_rows.append(
                     {
                         T.STEP: p.step,
-                        T.LOSS: _to_float(loss),
+                        T.LOSS: loss,
                         T.LOSS_SCALE: scale,
-                        T.SKIPPED: bool(found > 0 or (math.isnan(found))),
-                        T.GRAD_NORM: _to_float(p.grad_norm),
+                        T.SKIPPED: bool(found > 0 or math.isnan(found)),
+                        T.GRAD_NORM: grad_norm,
                         T.TIME_S: p.time_s,
                         T.SAMPLED: p.sampled,
                         T.TOKENS: float(p.tokens) if p.tokens is not None else math.nan,
                     }
                 )
             last = self._pending[-1]
-            step_scale = host_scales[-1]
+            step_scale = values[-3]
             self._pending.clear()
         else:
             last, step_scale = None, 1.0

@@ -1,0 +1,48 @@
+"""GPU checks of capture: no host synchronisation inside hooks (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import precprof
+from precprof import tables as T
+from precprof.models import build_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_profiled_gpt2_small_step_never_syncs(precision: str) -> None:
+    """A profiled step of gpt2-small under set_sync_debug_mode("error"): any host sync in a hook raises."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = build_model("gpt2-small", vocab_size=256, seq_len=256).module.to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
+    x = torch.randint(0, 256, (4, 256), device=dev)
+    y = torch.randint(0, 256, (4, 256), device=dev)
+    prof = precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1)
+    with prof:
+        for _ in range(2):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.autocast("cuda", dtype=dtype):
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            prof.step(loss=loss.detach())  # the one sync per sampled step happens here, outside the check
+    layers = prof.tables()["layers"]
+    assert set(layers[T.STEP]) == {0, 1}
+    lin = layers[(layers[T.MODULE_TYPE] == "Linear") & (layers[T.TENSOR] == T.ACTIVATION)]
+    assert set(lin[T.DTYPE]) == {str(dtype).removeprefix("torch.")}
