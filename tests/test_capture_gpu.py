@@ -35,12 +35,15 @@ def test_profiled_gpt2_small_step_never_syncs(precision: str) -> None:
                 with torch.autocast("cuda", dtype=dtype):
                     logits = model(x)
                 loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()  # activation, weight and gradient hooks run here
+                if precision == "bf16":
+                    opt.step()  # the weight-update hooks run here
             finally:
                 torch.cuda.set_sync_debug_mode(0)
+            if precision == "fp16":
+                scaler.step(opt)  # GradScaler itself reads found_inf on the host: outside the check
+                scaler.update()
+            opt.zero_grad(set_to_none=True)
             prof.step(loss=loss.detach())  # the one sync per sampled step happens here, outside the check
     layers = prof.tables()["layers"]
     assert set(layers[T.STEP]) == {0, 1}
