@@ -146,6 +146,9 @@ class Profiler:
         weight_updates: record ``weight_update`` rows (needs ``optimizer``).
         update_sample: elements per parameter sampled (strided) for the weight-update statistics.
         chunk: scratch chunk size for the statistics (see ``StatsBuffer``).
+        reducer: how statistics combine across ranks. ``"auto"``: under an initialised torch.distributed
+            process group of more than one rank, ``precprof.distributed.RankReducer`` (counts and histograms
+            summed, absmax/absmin reduced, rank 0 writes); None: this process only.
 
     Call ``step()`` once per optimizer step, at its end. Statistics of a tied parameter (one Parameter owned
     by two modules, e.g. tied embeddings) are recorded under the first module that owns it.
@@ -164,6 +167,7 @@ class Profiler:
         update_sample: int = 1024,
         chunk: int | None = None,
         first_step: int = 0,
+        reducer: Any = "auto",
     ) -> None:
         if sample_every < 0:
             raise ValueError("sample_every must be >= 0 (0 records steps only)")
@@ -177,6 +181,8 @@ class Profiler:
         self.update_sample = update_sample
         self.chunk = chunk
         self._first_step = first_step
+        self._reducer_spec = reducer
+        self._reducer: Any = None
 
         self._attached = False
         self._handles: list[Any] = []
@@ -287,6 +293,7 @@ class Profiler:
                 self._params.append(_ParamSlot(name, pname, p, grad_row, -1))
             self._modules.append(slot)
         self._buffer = st.StatsBuffer(max(len(self._rows), 1), self._device, chunk=self.chunk)
+        self._reducer = self._resolve_reducer()
 
         for slot in self._modules:
             self._handles.append(slot.module.register_forward_pre_hook(self._make_pre_hook(slot)))
@@ -324,6 +331,23 @@ class Profiler:
 
         self._step = self._first_step
         self._begin_step()
+
+    def _resolve_reducer(self) -> Any:
+        spec = self._reducer_spec
+        if spec != "auto":
+            return spec
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            from precprof.distributed import RankReducer  # an edge module, imported only under torchrun
+
+            return RankReducer()
+        return None
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process writes the run directory (rank 0 under torch.distributed)."""
+        return self._reducer is None or bool(getattr(self._reducer, "is_writer", True))
 
     def _patch_scaler(self) -> None:
         scaler = self.scaler
@@ -626,8 +650,19 @@ class Profiler:
 
     def _collect_layers(self, step: int, scale: float) -> None:
         assert self._buffer is not None
-        data = self._buffer.to_host()
         order = {s.name: s.order for s in self._modules}
+        if self._reducer is not None:
+            # collective: every rank reaches this on the same sampled step (same schedule, same model)
+            device_rows = self._reducer.reduce_rows(self._buffer.data)
+            meta = self._reducer.reduce_meta(
+                [{"calls": r.calls, "dtypes": list(r.dtypes)} for r in self._rows], order
+            )
+            for r, m in zip(self._rows, meta["rows"], strict=True):
+                r.calls, r.dtypes = int(m["calls"]), list(m["dtypes"])
+            order = meta["order"]
+            data = device_rows.cpu().numpy()
+        else:
+            data = self._buffer.to_host()
         hist_steps: list[np.ndarray] = []
         hist_meta: list[tuple[str, str, str]] = []
         for row in self._rows:
@@ -665,7 +700,10 @@ class Profiler:
                 hist_steps.append(np.stack([s.exponents[nz], s.hist[nz]], axis=1))
                 hist_meta.append((row.module, row.tensor, row.param))
         if self._update_buf is not None:
-            upd = self._update_buf.cpu().numpy()
+            upd_dev = self._update_buf
+            if self._reducer is not None:
+                upd_dev = self._reducer.reduce_sum(upd_dev)
+            upd = upd_dev.cpu().numpy()
             for ps in self._params:
                 if ps.update_index < 0 or upd[ps.update_index, 0] == 0:
                     continue
@@ -797,11 +835,14 @@ class Profiler:
         """Write the run directory: the four Parquet tables and summary.json (``summary`` merged in).
 
         Tables are written before anything that could fail (the recommendation), so a failure there never
-        loses the recorded data.
+        loses the recorded data. Under torch.distributed only the writer (rank 0) writes; other ranks return
+        the path without touching it.
         """
         import precprof
 
         run_dir = Path(run_dir)
+        if not self.is_writer:
+            return run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         if status is not None:
             self._status = status
@@ -815,6 +856,8 @@ class Profiler:
         full[T.SUMMARY_INCOMPLETE_REASON] = self._reason
         capture = dict(full.get(T.SUMMARY_CAPTURE) or {})
         capture.update(self.summary())
+        if self._reducer is not None and hasattr(self._reducer, "describe"):
+            capture["distributed"] = self._reducer.describe(self.model)
         full[T.SUMMARY_CAPTURE] = capture
         if T.SUMMARY_HARDWARE not in full:
             from precprof.hardware import detect
