@@ -835,8 +835,10 @@ def project(
         for module, dt, b in zip(acts[T.MODULE], acts[T.DTYPE], acts[T.BYTES], strict=True):
             dt, b = str(dt), int(b)
             size = _itemsize(dt)
-            if dt not in _MODE_FLOATS or not size:
-                total += b  # masks, indices, float64: no mode changes them
+            if dt not in _MODE_FLOATS or not size or module == LOSS_SCOPE:
+                # masks, indices, float64: no mode changes them; the loop's loss is computed in fp32
+                # (logits.float()) whatever the mode
+                total += b
                 continue
             e = b / size
             if target in FP32_STORAGE_MODES:
@@ -935,7 +937,8 @@ def project(
         ),
         "Activations at fp32: every 16-bit saved tensor becomes fp32 (an overestimate where autocast saved a "
         "16-bit copy of a tensor that is also saved in fp32); pure modes: every float saved tensor is 16-bit.",
-        "Masks, indices and float64 tensors take the same bytes in every mode.",
+        "Masks, indices and float64 tensors take the same bytes in every mode, and so does what the loss "
+        f"saves (module {LOSS_SCOPE!r}): the built-in loop computes it in fp32 (logits.float()) in every mode.",
         "Autocast weight copies: 2 bytes per element of every matmul weight whose copy backward keeps "
         + ("(as measured)." if measured_autocast and mode != "fp8" else "(all of them: an upper bound)."),
         "fp8 means torchao Float8Linear under bf16 autocast: it saves the high-precision input and the fp32 "

@@ -700,6 +700,7 @@ def test_projection_keeps_a_measured_master_copy_for_pure_modes() -> None:
         {T.STEP: 4, T.COMPONENT: T.OPTIMIZER_STATES, T.MODULE: "", T.DTYPE: "float32", T.BYTES: 8 * n},
         {T.STEP: 4, T.COMPONENT: T.ACTIVATIONS, T.MODULE: "fc", T.DTYPE: "bfloat16", T.BYTES: 600},
         {T.STEP: 4, T.COMPONENT: T.ACTIVATIONS, T.MODULE: "drop", T.DTYPE: "bool", T.BYTES: 100},
+        {T.STEP: 4, T.COMPONENT: T.ACTIVATIONS, T.MODULE: "(loss)", T.DTYPE: "float32", T.BYTES: 40},
     ]
     proj = project(T.frame("memory", rows), {T.SUMMARY_CONFIG: {"precision": "bf16-pure"}})
     r = records(proj)
@@ -707,12 +708,15 @@ def test_projection_keeps_a_measured_master_copy_for_pure_modes() -> None:
     assert r[("bf16-pure", "measured", T.MASTER_WEIGHTS)] == r[("fp16-pure", "projected", T.MASTER_WEIGHTS)]
     assert r[("bf16-pure", "projected", T.MASTER_WEIGHTS)] == 4 * n
     assert r[("fp32", "projected", T.MASTER_WEIGHTS)] == r[("bf16", "projected", T.MASTER_WEIGHTS)] == 0
-    # a bool dropout mask takes 100 bytes in every mode; 300 bf16 elements take 1200 bytes in fp32
-    assert r[("fp32", "projected", T.ACTIVATIONS)] == 1200 + 100
-    assert r[("fp32", "textbook", T.ACTIVATIONS)] == 1200 + 100
-    assert r[("bf16", "textbook", T.ACTIVATIONS)] == 600 + 100
+    # a bool dropout mask takes 100 bytes in every mode, the fp32 loss 40; 300 bf16 elements take 1200
+    # bytes in fp32
+    assert r[("fp32", "projected", T.ACTIVATIONS)] == 1200 + 100 + 40
+    assert r[("bf16-pure", "projected", T.ACTIVATIONS)] == 600 + 100 + 40
+    # the textbook halves every float activation, the loss included
+    assert r[("fp32", "textbook", T.ACTIVATIONS)] == 1200 + 100 + 40
+    assert r[("bf16", "textbook", T.ACTIVATIONS)] == 600 + 100 + 20
     # module classes unknown (no facts): under autocast the "fc" tensors are assumed to stay fp32
-    assert r[("bf16", "projected", T.ACTIVATIONS)] == 1200 + 100
+    assert r[("bf16", "projected", T.ACTIVATIONS)] == 1200 + 100 + 40
 
 
 def test_scope_records_a_loss_computed_outside_the_model() -> None:
