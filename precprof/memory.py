@@ -16,7 +16,9 @@
   them) and per dtype, through ``torch.autograd.graph.saved_tensors_hooks`` pushed in the model's forward
   pre-hook and popped in its forward post-hook. Each storage counts once per forward pass; parameters and
   buffers are not activations. Tensors saved outside the model's forward (a loss computed in the training loop)
-  are seen only inside ``MemoryTracker.scope()`` (module ``"(loss)"``). Under gradient accumulation the saved tensors of one micro-batch are freed by its backward, so
+  are seen only inside ``MemoryTracker.scope()`` (module ``"(loss)"``). Regions under non-reentrant activation
+  checkpointing save through the checkpoint's own hooks: they are not counted (they keep nothing), and neither
+  are the inputs the checkpoint keeps for recomputation. Under gradient accumulation the saved tensors of one micro-batch are freed by its backward, so
   the step reports the largest group of forwards that were alive together (forwards with no backward between
   them add up);
 - ``autocast_weight_copies``: saved tensors that are casts of a parameter (grad_fn ``ToCopyBackward0`` whose
@@ -289,7 +291,6 @@ class MemoryTracker:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
-        self._names: dict[int, str] = {}
         self._handles: list[Any] = []
         self._attached = False
         self._step = 0
@@ -317,12 +318,8 @@ class MemoryTracker:
         """Register the forward, gradient and optimizer hooks (inactive until a sampled ``begin_step``)."""
         if self._attached:
             return
-        self._names = {}
-        for name, mod in self.model.named_modules():
-            self._names.setdefault(id(mod), name)
         root = self.model
-        for mod in self.model.modules():
-            name = self._names[id(mod)]
+        for name, mod in self.model.named_modules():  # a module reached twice keeps its first name
             if mod is root:
                 self._handles.append(mod.register_forward_pre_hook(self._root_pre_hook))
                 self._handles.append(mod.register_forward_hook(self._root_post_hook, always_call=True))
@@ -427,7 +424,6 @@ class MemoryTracker:
         return sum(
             _sizeof(x, memo)
             for x in (
-                self._names,
                 self._handles,
                 self._stack,
                 self._groups,
@@ -449,8 +445,13 @@ class MemoryTracker:
         seen: set[int] = set()
         n = n_train = 0
         for p in self.model.parameters():
-            n += p.numel()
-            n_train += p.numel() if p.requires_grad else 0
+            st = _storage(p)
+            key = st[0] if st is not None else id(p)
+            if key not in seen:  # shared storages once, as in the parameters rows
+                seen.add(key)
+                n += p.numel()
+                n_train += p.numel() if p.requires_grad else 0
+        seen = set()
         classes: dict[str, str] = {}
         matmul = 0
         for name, mod in self.model.named_modules():
