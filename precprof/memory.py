@@ -828,8 +828,13 @@ def project(
     classes: Mapping[str, str] = facts.get("module_classes") or {}
     copies_elems = _elements(comp(T.AUTOCAST_WEIGHT_COPIES))[0]
     matmul_numel = facts.get("matmul_weight_numel")
-    measured_autocast = mode in AUTOCAST_MODES
-    measured_pure = mode in PURE_MODES
+    # What the tensors show, which may differ from what was asked for (accelerate ignores fp16 on a CPU).
+    seen_mode = infer_mode(memory) if not last.empty else mode
+    measured_autocast = mode in AUTOCAST_MODES and seen_mode in AUTOCAST_MODES
+    measured_pure = mode in PURE_MODES and seen_mode in PURE_MODES
+    inactive = (mode in AUTOCAST_MODES and not measured_autocast) or (
+        mode in PURE_MODES and not measured_pure
+    )
 
     def activations(target: str) -> float:
         total = 0.0
@@ -921,6 +926,14 @@ def project(
 
     assumptions = [
         f"measured mode: {mode}" + ("" if config.get("precision") in MODES else " (inferred from dtypes)"),
+        *(
+            [
+                f"{mode} was asked for but the measured tensors look like {seen_mode}: mixed precision was not "
+                "active, so the projection treats the run as measured in fp32 storage."
+            ]
+            if inactive
+            else []
+        ),
         "tf32 stores everything in fp32 (it only changes matmul arithmetic), so it takes what fp32 takes.",
         "Parameters and gradients: 4 bytes per element, 2 in the pure modes; buffers follow the parameters.",
         "Optimizer states stay fp32 in every mode (4 bytes per state element, step counters as measured).",

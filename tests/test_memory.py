@@ -749,6 +749,18 @@ def test_scope_records_a_loss_computed_outside_the_model() -> None:
     assert_no_hooks(model)
 
 
+def test_projection_when_mixed_precision_was_asked_for_but_not_active() -> None:
+    """accelerate ignores fp16=True on a CPU: the config says fp16, the tensors are fp32."""
+    mem, tr = run_rows("fp32")
+    proj = project(mem, {T.SUMMARY_CONFIG: {"precision": "fp16"}}, facts=tr.model_facts())
+    r = records(proj)
+    fp32_acts = B * (D_IN + D_HID) * 4
+    assert proj["measured_mode"] == "fp16"
+    assert r[("fp16", "measured", T.ACTIVATIONS)] == fp32_acts
+    assert r[("fp16", "projected", T.ACTIVATIONS)] == fp32_acts // 2  # what fp16 would take once active
+    assert any("not active" in a for a in proj["assumptions"])
+
+
 def test_projection_of_an_empty_table() -> None:
     proj = project(T.empty("memory"), {})
     assert proj["step"] is None and proj["n_params"] == 0
