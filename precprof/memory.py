@@ -18,9 +18,9 @@
   buffers are not activations. Tensors saved outside the model's forward (a loss computed in the training loop)
   are seen only inside ``MemoryTracker.scope()`` (module ``"(loss)"``). Regions under non-reentrant activation
   checkpointing save through the checkpoint's own hooks: they are not counted (they keep nothing), and neither
-  are the inputs the checkpoint keeps for recomputation. Under gradient accumulation the saved tensors of one micro-batch are freed by its backward, so
-  the step reports the largest group of forwards that were alive together (forwards with no backward between
-  them add up);
+  are the inputs the checkpoint keeps for recomputation. Under gradient accumulation the saved tensors of one
+  micro-batch are freed by its backward, so the step reports the largest group of forwards that were alive
+  together (forwards with no backward between them add up);
 - ``autocast_weight_copies``: saved tensors that are casts of a parameter (grad_fn ``ToCopyBackward0`` whose
   input is the parameter's ``AccumulateGrad``, possibly behind a view such as ``t()``), and for frozen
   parameters (no grad_fn) a saved tensor of the running module with a frozen parameter's shape and another
@@ -34,8 +34,8 @@
   counters on sampled steps, so a user's own ``max_memory_allocated`` reading spans at most one phase there.
   On CPU these rows are simply absent.
 
-Outside sampled steps every hook returns at once. The tracker holds no tensor: only storage addresses, sizes and
-names (``buffer_bytes``). The pack hook returns the tensor unchanged: training is bitwise the same.
+Outside sampled steps every hook returns at once. The tracker holds no tensor: only storage addresses, sizes,
+totals and its hook handles (``buffer_bytes``). The pack hook returns the tensor unchanged: training is bitwise the same.
 
 ``project(memory, summary)`` returns the ``summary.json`` block ``summary["memory"]``::
 
@@ -419,7 +419,7 @@ class MemoryTracker:
 
     @property
     def buffer_bytes(self) -> int:
-        """Host bytes the tracker itself holds (names, storage addresses, totals). It holds no device memory."""
+        """Host bytes the tracker itself holds (hook handles, storage addresses, totals); no device memory."""
         memo: set[int] = set()
         return sum(
             _sizeof(x, memo)
