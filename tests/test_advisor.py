@@ -662,3 +662,31 @@ def test_is_matmul_layer() -> None:
     assert not any(
         map(is_matmul_layer, ["Embedding", "LayerNorm", "GELU", "Conv1DWrapper", "", "EmbeddingBag"])
     )
+
+
+def test_alignment_from_profiler_shapes_and_flat_model_dims() -> None:
+    # the shapes the Profiler records (summary["capture"]["modules"]) and the flat dims the training loop
+    # writes into summary["model"]: Linear weights are (out, in), HF Conv1D (in, out), Embedding (num, dim)
+    b = RunBuilder()
+    b.add(0, 0, "wte", "Embedding", T.ACTIVATION, torch.randn(16, 96))
+    b.add(0, 1, "h.0.attn.c_attn", "Conv1D", T.ACTIVATION, torch.randn(16, 288))
+    b.add(0, 2, "h.0.mlp.c_fc", "Linear", T.ACTIVATION, torch.randn(16, 100))
+    summ = summary_for(batch=2, seq=8)
+    summ[T.SUMMARY_MODEL] = {"n_params": 10**6, "n_embd": 96, "n_head": 4, "n_layer": 1, "vocab_size": 250}
+    summ[T.SUMMARY_CAPTURE] = {
+        "modules": [
+            {"name": "wte", "type": "Embedding", "params": {"weight": [250, 96]}},
+            {"name": "h.0.attn.c_attn", "type": "Conv1D", "params": {"weight": [96, 288], "bias": [288]}},
+            {"name": "h.0.mlp.c_fc", "type": "Linear", "params": {"weight": [100, 96], "bias": [100]}},
+        ]
+    }
+    rec = recommend(b.tables(), hardware="h100", summary=summ)
+    f = must(rec, "tensor_core_alignment")
+    assert f.modules == ["wte", "h.0.mlp.c_fc"]
+    assert "wte (num_embeddings=250)" in f.message and "h.0.mlp.c_fc (out=100)" in f.message
+    assert (
+        f.numbers["dim_vocab_size"] == 250
+        and "dim_n_embd" not in f.numbers
+        and "dim_head_dim" not in f.numbers
+    )
+    assert f.numbers["tokens"] == 16
