@@ -632,7 +632,7 @@ def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:
         )
 
 
-def _rule_fp16_activations(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
+def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     acts = run.kind(T.ACTIVATION)
     if acts.empty:
@@ -1403,7 +1403,7 @@ def recommend(
     _rule_hardware(run, plan)
     fwd_bad = _rule_nonfinite(run, plan)
     _rule_mixed_precision_active(run, plan)
-    _rule_fp16_activations(run, plan, fwd_bad)
+    _rule_fp16_activations(run, plan)
     _rule_loss_scale(run, plan, fwd_bad)
     _rule_lost_updates(run, plan)
     _rule_bf16_range(run, plan)
