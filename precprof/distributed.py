@@ -1,0 +1,422 @@
+"""Rank-aware capture under torch.distributed (torchrun; DDP, FSDP1 ``FullyShardedDataParallel``, FSDP2
+``fully_shard``): statistics of every rank combined on sampled steps, rank 0 writes.
+
+The Profiler picks :class:`RankReducer` by itself when a process group of more than one rank is initialised
+(``Profiler(..., reducer="auto")``, the default). On every sampled step, every rank reaches the same
+collectives (same model, same sampling schedule):
+
+- ``reduce_rows``: the statistics buffer (``precprof.stats`` row layout) is all-reduced — every count and
+  histogram column summed, the largest finite |x| (``COL_ABSMAX_BITS``) reduced with MAX, the smallest nonzero
+  |x| (``COL_ABSMIN_BITS``) with MIN. Two all-reduces of int64 tensors, on the device (NCCL or gloo);
+- ``reduce_meta``: one ``all_gather_object`` of the host-side row descriptions — calls summed, dtypes unioned,
+  forward order the earliest any rank saw — and of each rank's nonzero nan/inf counts, so that a nan on one
+  rank stays attributed to that rank instead of being averaged away;
+- ``reduce_sum``: the weight-update samples, summed.
+
+What the numbers mean (also in ``summary.json`` under ``capture.distributed.semantics``):
+
+- Activations and activation gradients: every rank's local micro-batch, summed — the statistics of the
+  global batch.
+- Weights and weight gradients under DDP: every rank holds a full replica, so ``numel`` is world_size x the
+  parameter's size (every fraction — underflow/numel and so on — is the one of a single replica). Weight
+  gradients are read by the post-accumulate-grad hook, before DDP's all-reduce copies the averaged gradient back
+  (default ``gradient_as_bucket_view=False``): they are each rank's local gradient.
+- Weights and weight gradients under FSDP2: the rank-local shard (``DTensor.to_local()``) of the sharded
+  parameter (its storage dtype, e.g. fp32 masters under ``MixedPrecisionPolicy(param_dtype=bfloat16)``), so the
+  sum over ranks is exactly the full parameter; gradients are the reduce-scattered (averaged) shards.
+- Weights under FSDP1 (``use_orig_params=False``): the rank's shard of each ``FlatParameter``, padding included.
+- Counts derived on the host from the reduced row — the fp8 underflow after per-tensor current scaling — use
+  the amax over all ranks: the what-if of one scale shared by every rank (as a row aggregating two calls of a
+  module does in one process), not the sum of per-rank what-ifs.
+- The steps table (loss, loss scale, skipped, grad norm, time) is rank 0's: the loss is what rank 0 passed to
+  ``Profiler.step`` (its local loss unless the training loop passes a reduced one).
+- The memory table is rank 0's; ``capture.distributed.memory_by_rank`` holds every rank's last sampled step
+  when the Profiler hands its memory rows to ``reduce_memory``.
+
+Crashes: a rank unwinding from an exception does not enter collectives (the other ranks may never reach them
+and every rank would hang); it reduces its own rows only and says so.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from precprof import stats as st
+from precprof import tables as T
+
+_MAX_EVENTS = 64  # nonfinite events (row x sampled step) kept for the summary
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def is_distributed() -> bool:
+    """True under an initialised process group of more than one rank."""
+    dist = _dist()
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    if dtype is None:
+        return None
+    return str(dtype).removeprefix("torch.")
+
+
+def wrapper_info(model: nn.Module) -> dict[str, Any]:
+    """How ``model`` is parallelised: DDP, FSDP1, FSDP2 (``fully_shard``) or none, with its precision settings.
+
+    Keys: ``wrapper`` ("DDP" | "FSDP1" | "FSDP2" | "none"), ``sharding`` (what each rank holds),
+    ``param_dtype`` (dtype of the parameters the forward computes with), ``reduce_dtype`` (dtype gradients are
+    communicated in), plus wrapper-specific details. Pure inspection, no collective.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    storage = sorted({_dtype_name(p.dtype) or "" for p in model.parameters()})
+    if isinstance(model, DistributedDataParallel):
+        mp = getattr(model, "mixed_precision", None)
+        hooks = [getattr(h, "__name__", type(h).__name__) for h, _ in getattr(model, "_comm_hooks", [])]
+        reduce_dtype = _dtype_name(getattr(mp, "reduce_dtype", None)) if mp is not None else None
+        for name, dt in (("fp16_compress", "float16"), ("bf16_compress", "bfloat16")):
+            if any(name in h for h in hooks):
+                reduce_dtype = dt
+        param_dtype = _dtype_name(getattr(mp, "param_dtype", None)) if mp is not None else None
+        return {
+            "wrapper": "DDP",
+            "sharding": "replicated (every rank holds every parameter)",
+            "param_dtype": param_dtype or "|".join(storage),
+            "reduce_dtype": reduce_dtype or "|".join(storage),
+            "storage_dtypes": storage,
+            "comm_hooks": hooks,
+            "gradient_as_bucket_view": bool(getattr(model, "gradient_as_bucket_view", False)),
+        }
+
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    fsdp1 = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    if fsdp1:
+        root = fsdp1[0]
+        mp = getattr(root, "mixed_precision", None)
+        strategy = getattr(root, "sharding_strategy", None)
+        return {
+            "wrapper": "FSDP1",
+            "sharding": getattr(strategy, "name", str(strategy)),
+            "param_dtype": _dtype_name(getattr(mp, "param_dtype", None)) or "|".join(storage),
+            "reduce_dtype": _dtype_name(getattr(mp, "reduce_dtype", None))
+            or _dtype_name(getattr(mp, "param_dtype", None))
+            or "|".join(storage),
+            "buffer_dtype": _dtype_name(getattr(mp, "buffer_dtype", None)),
+            "storage_dtypes": storage,
+            "units": len(fsdp1),
+            "use_orig_params": bool(getattr(root, "_use_orig_params", False)),
+        }
+
+    fsdp2 = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if fsdp2:
+        policies: list[dict[str, Any]] = []
+        reshard: set[str] = set()
+        for m in fsdp2:
+            state = m._get_fsdp_state()
+            pol = getattr(state, "_mp_policy", None)
+            desc = {
+                "param_dtype": _dtype_name(getattr(pol, "param_dtype", None)),
+                "reduce_dtype": _dtype_name(getattr(pol, "reduce_dtype", None)),
+                "output_dtype": _dtype_name(getattr(pol, "output_dtype", None)),
+            }
+            if desc not in policies:
+                policies.append(desc)
+            group = getattr(state, "_fsdp_param_group", None)
+            if group is not None:
+                post = getattr(group, "post_forward_mesh_info", None)
+                reshard.add("after forward" if post is not None else "kept unsharded after forward")
+        root_pol = policies[0] if policies else {}
+        param_dtype = root_pol.get("param_dtype") or "|".join(storage)
+        return {
+            "wrapper": "FSDP2",
+            "sharding": "fully_shard (parameters sharded as DTensor over the data-parallel mesh)",
+            "param_dtype": param_dtype,
+            # FSDP2 reduces in param_dtype unless reduce_dtype is set
+            "reduce_dtype": root_pol.get("reduce_dtype") or param_dtype,
+            "output_dtype": root_pol.get("output_dtype"),
+            "storage_dtypes": storage,
+            "units": len(fsdp2),
+            "policies": policies,
+            "reshard": sorted(reshard),
+        }
+    return {
+        "wrapper": "none",
+        "sharding": "none (the model is not wrapped; each rank trains its own copy)",
+        "param_dtype": "|".join(storage),
+        "reduce_dtype": None,
+        "storage_dtypes": storage,
+    }
+
+
+def _row_layout(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, str, str]]:
+    """(module, tensor, param) of each Profiler buffer row, rebuilt from the captured module names in order.
+
+    Mirrors ``Profiler._attach``: per captured module an activation and an activation_grad row, then per own
+    parameter (first owner only) a weight row and, when it requires grad, a weight_grad row.
+    """
+    rows: list[tuple[str, str, str]] = []
+    seen: set[int] = set()
+    for name in modules:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            return []
+        rows.append((name, T.ACTIVATION, ""))
+        rows.append((name, T.ACTIVATION_GRAD, ""))
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            rows.append((name, T.WEIGHT, pname))
+            if p.requires_grad:
+                rows.append((name, T.WEIGHT_GRAD, pname))
+    return rows
+
+
+class RankReducer:
+    """The Profiler's reducer under torch.distributed: sums counts, reduces extrema, keeps per-rank nan/inf.
+
+    Every method but ``describe`` is a collective: all ranks of ``group`` call it in the same order (the
+    Profiler does so on sampled steps). ``describe`` is local (only the writer calls it, from ``save``).
+
+    Args:
+        group: the process group (None: the default group).
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        dist = _dist()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("RankReducer needs an initialised torch.distributed process group")
+        self.group = group
+        self.rank: int = dist.get_rank(group)
+        self.world_size: int = dist.get_world_size(group)
+        self.backend: str = str(dist.get_backend(group))
+        self._samples = 0  # sampled steps reduced so far
+        self._local_nonfinite: torch.Tensor | None = None
+        self._local_only = False
+        self._local_only_reason: str | None = None
+        self._events: list[dict[str, Any]] = []
+        self._events_dropped = 0
+        self._rank_totals: dict[int, dict[str, int]] = {}
+        self._row_names: list[tuple[str, str, str]] | None = None
+        self._order_names: list[str] = []
+        self._memory_by_rank: dict[int, dict[str, int]] = {}
+        self._memory_step: int | None = None
+
+    # ------------------------------------------------------------------------------------ protocol
+    @property
+    def is_writer(self) -> bool:
+        """Rank 0 writes the run directory and the report."""
+        return self.rank == 0
+
+    def _unwinding(self) -> bool:
+        """True while an exception propagates (the Profiler's ``__exit__``): collectives would hang."""
+        if sys.exc_info()[0] is not None:
+            if not self._local_only:
+                self._local_only = True
+                exc = sys.exc_info()[1]
+                self._local_only_reason = (
+                    f"rank {self.rank} stopped with {type(exc).__name__}: its last step holds only its own "
+                    "statistics (no collective during an exception)"
+                )
+            return True
+        return False
+
+    def reduce_rows(self, data: torch.Tensor) -> torch.Tensor:
+        """Combine the ``[rows, ROW_WIDTH]`` int64 statistics buffer of every rank; returns a new tensor.
+
+        Counts and histogram columns are summed; absmax bits reduced with MAX, absmin bits with MIN (fp64 bit
+        patterns of non-negative numbers order like the values). Device-side collectives; the rank-local
+        nan/inf columns are kept (on the device) for ``reduce_meta``.
+        """
+        self._samples += 1
+        self._local_nonfinite = data[:, st.COL_NAN : st.COL_INF + 1].clone()
+        if self._unwinding():
+            return data.clone()
+        dist = _dist()
+        out = data.clone()
+        # one MAX all-reduce carries both extrema: min(x) = -max(-x); the sentinel 2^63-1 negates safely
+        extrema = torch.stack([data[:, st.COL_ABSMAX_BITS], data[:, st.COL_ABSMIN_BITS].neg()], dim=1)
+        out[:, st.COL_ABSMAX_BITS] = 0  # summing bit patterns would overflow int64
+        out[:, st.COL_ABSMIN_BITS] = 0
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        dist.all_reduce(extrema, op=dist.ReduceOp.MAX, group=self.group)
+        out[:, st.COL_ABSMAX_BITS] = extrema[:, 0]
+        out[:, st.COL_ABSMIN_BITS] = extrema[:, 1].neg()
+        return out
+
+    def reduce_meta(
+        self, rows_meta: Sequence[Mapping[str, Any]], order: Mapping[str, int], step: int | None = None
+    ) -> dict[str, Any]:
+        """Combine the host-side row descriptions of every rank (one ``all_gather_object``).
+
+        ``rows_meta``: per buffer row ``{"calls": int, "dtypes": [str]}`` (optionally ``module``, ``tensor``,
+        ``param``); ``order``: forward order per captured module (-1: not run). Returns ``{"rows": [...],
+        "order": {...}}``: calls summed over ranks, dtypes unioned (first seen first), order the earliest a rank
+        saw; each row also carries ``nan_ranks`` / ``inf_ranks``, the ranks whose own tensors held nan / inf.
+        Syncs (host copy of the rank's nan/inf columns).
+        """
+        local_nf: dict[int, tuple[int, int]] = {}
+        if self._local_nonfinite is not None:
+            nf = self._local_nonfinite.cpu().tolist()
+            local_nf = {i: (int(nan), int(inf)) for i, (nan, inf) in enumerate(nf) if nan or inf}
+            self._local_nonfinite = None
+        mine = {"rows": [dict(m) for m in rows_meta], "order": dict(order), "nonfinite": local_nf}
+        if self._unwinding():
+            gathered: list[Any] = [None] * self.world_size
+            gathered[self.rank] = mine
+        else:
+            gathered = [None] * self.world_size
+            _dist().all_gather_object(gathered, mine, group=self.group)
+        present = [(r, g) for r, g in enumerate(gathered) if g is not None]
+
+        rows: list[dict[str, Any]] = []
+        for i, m in enumerate(rows_meta):
+            calls = 0
+            dtypes: list[str] = []
+            for _, g in present:
+                gm = g["rows"][i]
+                calls += int(gm["calls"])
+                for d in gm["dtypes"]:
+                    if d not in dtypes:
+                        dtypes.append(d)
+            rec: dict[str, Any] = {**m, "calls": calls, "dtypes": dtypes}
+            rec["nan_ranks"] = [r for r, g in present if g["nonfinite"].get(i, (0, 0))[0] > 0]
+            rec["inf_ranks"] = [r for r, g in present if g["nonfinite"].get(i, (0, 0))[1] > 0]
+            rows.append(rec)
+
+        merged_order: dict[str, int] = {}
+        for name in order:
+            seen = [int(g["order"].get(name, -1)) for _, g in present]
+            valid = [o for o in seen if o >= 0]
+            merged_order[name] = min(valid) if valid else -1
+        self._order_names = list(order)
+        if rows_meta and all("module" in m for m in rows_meta):
+            self._row_names = [
+                (str(m["module"]), str(m["tensor"]), str(m.get("param", ""))) for m in rows_meta
+            ]
+
+        for r, g in present:
+            tot = self._rank_totals.setdefault(r, {"nan": 0, "inf": 0, "sampled_steps_with_nonfinite": 0})
+            if g["nonfinite"]:
+                tot["sampled_steps_with_nonfinite"] += 1
+            for nan, inf in g["nonfinite"].values():
+                tot["nan"] += nan
+                tot["inf"] += inf
+        for i in sorted({i for _, g in present for i in g["nonfinite"]}):
+            if len(self._events) >= _MAX_EVENTS:
+                self._events_dropped += 1
+                continue
+            self._events.append(
+                {
+                    "sampled_step_index": self._samples - 1,
+                    "step": step,
+                    "row": i,
+                    "by_rank": {
+                        str(r): {"nan": g["nonfinite"][i][0], "inf": g["nonfinite"][i][1]}
+                        for r, g in present
+                        if i in g["nonfinite"]
+                    },
+                }
+            )
+        return {"rows": rows, "order": merged_order}
+
+    def reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of ``t`` over ranks (a new tensor; ``t`` is untouched). Device-side collective."""
+        out = t.clone()
+        if not self._unwinding():
+            dist = _dist()
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def reduce_memory(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Rank 0's memory rows stay the table; every rank's per-component totals go to the summary.
+
+        Collective (``all_gather_object`` of a small dict). Returns ``rows`` unchanged.
+        """
+        totals: dict[str, int] = {}
+        step = None
+        for r in rows:
+            comp = str(r.get(T.COMPONENT, ""))
+            b = int(r.get(T.BYTES, 0) or 0)
+            step = r.get(T.STEP, step)
+            if comp in T.MEMORY_PEAK_COMPONENTS:
+                totals[comp] = max(totals.get(comp, 0), b)
+            else:
+                totals[comp] = totals.get(comp, 0) + b
+        if self._unwinding():
+            gathered: list[Any] = [None] * self.world_size
+            gathered[self.rank] = totals
+        else:
+            gathered = [None] * self.world_size
+            _dist().all_gather_object(gathered, totals, group=self.group)
+        self._memory_by_rank = {r: g for r, g in enumerate(gathered) if g is not None}
+        self._memory_step = int(step) if step is not None else None
+        return [dict(r) for r in rows]
+
+    # ------------------------------------------------------------------------------------ description
+    def _name_events(self, model: nn.Module | None) -> list[dict[str, Any]]:
+        names = self._row_names
+        if names is None and model is not None and self._order_names:
+            names = _row_layout(model, self._order_names) or None
+        out = []
+        for ev in self._events:
+            e = dict(ev)
+            if names is not None and ev["row"] < len(names):
+                e["module"], e["tensor"], e["param"] = names[ev["row"]]
+            out.append(e)
+        return out
+
+    def memory_max_over_ranks(self) -> dict[str, int]:
+        """Per component, the largest total any rank reported on the last sampled step (empty before it)."""
+        out: dict[str, int] = {}
+        for totals in self._memory_by_rank.values():
+            for comp, b in totals.items():
+                out[comp] = max(out.get(comp, 0), b)
+        return out
+
+    def describe(self, model: nn.Module | None = None) -> dict[str, Any]:
+        """The ``capture.distributed`` block of summary.json. Local (no collective): only the writer calls it."""
+        info: dict[str, Any] = {
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "writer_rank": 0,
+            "sampled_steps_reduced": self._samples,
+        }
+        if model is not None:
+            info.update(wrapper_info(model))
+        info["semantics"] = {
+            "counts": "summed over ranks; absmax: max over ranks; absmin: min over ranks",
+            "activations": "every rank's local micro-batch (the global batch)",
+            "weights": (
+                "rank-local shards, summing to the full parameters"
+                if info.get("wrapper") in ("FSDP1", "FSDP2")
+                else "every rank's replica (numel = world_size x parameter size; fractions are a replica's)"
+            ),
+            "steps": "rank 0's: loss, loss scale, skipped, grad norm and time as rank 0 saw them",
+            "memory": "rank 0's table; memory_by_rank has every rank's totals of the last sampled step",
+        }
+        ranks_nonfinite = sorted(r for r, t in self._rank_totals.items() if t["nan"] or t["inf"])
+        info["ranks_with_nonfinite"] = ranks_nonfinite
+        info["nonfinite_by_rank"] = {str(r): t for r, t in sorted(self._rank_totals.items())}
+        info["nonfinite_events"] = self._name_events(model)
+        if self._events_dropped:
+            info["nonfinite_events_dropped"] = self._events_dropped
+        if self._memory_by_rank:
+            info["memory_step"] = self._memory_step
+            info["memory_by_rank"] = {str(r): t for r, t in sorted(self._memory_by_rank.items())}
+            info["memory_max_over_ranks"] = self.memory_max_over_ranks()
+        if self._local_only_reason:
+            info["local_only"] = self._local_only_reason
+        return info

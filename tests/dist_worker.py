@@ -1,0 +1,132 @@
+"""Two-process gloo runs for tests/test_distributed.py (spawned once per test session: ``python dist_worker.py OUT``).
+
+Each scenario trains the same tiny model on per-rank batches under a wrapper (DDP, FSDP2 ``fully_shard`` in
+fp32 and with ``MixedPrecisionPolicy(bfloat16, float32)``, FSDP1), with a Profiler on every rank; rank 0 writes
+``OUT/<scenario>/``. Every rank also dumps what the test needs to check the reduction: its losses and, under
+FSDP, the full (all-gathered) parameters after training. The model, the batches and the step schedule live
+here so that the test rebuilds them for its single-process reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+WORLD = 2
+STEPS = 3
+SAMPLE_EVERY = 2  # sampled steps 0 and 2; step 1 runs the hooks' fast path under collectives
+NAN_STEP = 2  # DDP: rank 1's batch holds a nan at this step
+NAN_RANK = 1
+N_IN, N_HID, N_OUT = 8, 16, 5  # N_OUT = 5: FSDP shards the last layer unevenly (3 + 2 rows)
+BATCH = 4
+LR = 1e-2
+
+
+def build_model() -> nn.Sequential:
+    """The model every scenario and the reference start from (seeded)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(N_IN, N_HID), nn.GELU(), nn.Linear(N_HID, N_OUT))
+
+
+def batch(step: int, rank: int, nan: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s micro-batch of step ``step``; with ``nan`` the NAN_RANK batch of NAN_STEP holds a nan."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(BATCH, N_IN, generator=g) * 4.0
+    y = torch.randn(BATCH, N_OUT, generator=g)
+    if nan and step == NAN_STEP and rank == NAN_RANK:
+        x[1, 3] = float("nan")
+    return x, y
+
+
+def make_optimizer(params: object) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR)  # type: ignore[arg-type]
+
+
+def _wrap(model: nn.Module, scenario: str) -> nn.Module:
+    if scenario == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    if scenario.startswith("fsdp2"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp_policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if scenario == "fsdp2-bf16"
+            else MixedPrecisionPolicy()
+        )
+        for m in model:
+            if isinstance(m, nn.Linear):
+                fully_shard(m, mp_policy=mp_policy)
+        fully_shard(model, mp_policy=mp_policy)
+        return model
+    if scenario == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+
+        return FullyShardedDataParallel(
+            model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        )
+    raise ValueError(scenario)
+
+
+def run_scenario(scenario: str, rank: int, out: Path) -> None:
+    import precprof
+    from precprof.distributed import RankReducer
+
+    model = _wrap(build_model(), scenario)
+    opt = make_optimizer(model.parameters())
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=SAMPLE_EVERY)
+    losses: list[float] = []
+    with prof:
+        assert isinstance(prof._reducer, RankReducer), "the Profiler picks RankReducer under torchrun"
+        for step in range(STEPS):
+            x, y = batch(step, rank, nan=scenario == "ddp")
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach(), tokens=BATCH)
+            losses.append(loss.item())
+    run_dir = out / scenario
+    # every rank asks; only rank 0 writes (rank 1 would write elsewhere if it wrote at all)
+    prof.save(
+        run_dir if rank == 0 else out / f"{scenario}-rank{rank}", summary={"config": {"scenario": scenario}}
+    )
+    dump: dict[str, object] = {"losses": losses}
+    if scenario.startswith("fsdp2"):
+        # the full parameters after training, gathered from the shards (the reference must match them)
+        dump["params"] = {n: p.full_tensor().tolist() for n, p in model.named_parameters()}
+        dump["local_numel"] = {n: p.to_local().numel() for n, p in model.named_parameters()}
+    (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(dump))
+
+
+def worker(rank: int, out: str, scenarios: list[str]) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=WORLD)
+    try:
+        for scenario in scenarios:
+            try:
+                run_scenario(scenario, rank, Path(out))
+            except Exception:  # the same failure on every rank (no rank left waiting in a collective)
+                import traceback
+
+                (Path(out) / f"{scenario}-rank{rank}.error").write_text(traceback.format_exc())
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    out = os.path.abspath(argv[0])
+    scenarios = argv[1].split(",") if len(argv) > 1 else ["ddp", "fsdp2", "fsdp2-bf16", "fsdp1"]
+    Path(out).mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    mp.spawn(worker, args=(out, scenarios), nprocs=WORLD, join=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,354 @@
+"""Distributed capture (2 processes, gloo, CPU): one run directory from rank 0 whose counts are exactly the sum
+of what each rank saw, checked against a single-process reference on the same batches.
+
+The two-process runs (DDP; FSDP2 ``fully_shard`` in fp32 and with ``MixedPrecisionPolicy(bfloat16, float32)``)
+happen once per session in ``dist_worker.py``. The reference replays each rank in one process: one model
+replica per rank, its tensors caught by plain hooks and their statistics computed directly, gradients averaged as DDP/FSDP do, AdamW on fp32 masters.
+Expected rows per wrapper:
+
+- activations and activation gradients: the statistics of every rank's tensors together;
+- DDP weights / weight gradients / weight updates: every replica's (local gradients: the hook reads them before
+  DDP's all-reduce copies the average back);
+- FSDP2 weights: the full fp32 parameter (the shards sum to it); weight gradients: the averaged gradient;
+  weight updates: the master's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import dist_worker as W
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import stats as st
+from precprof import tables as T
+from precprof.distributed import RankReducer, _row_layout, wrapper_info
+
+HERE = Path(__file__).parent
+SCENARIOS = ("ddp", "fsdp2", "fsdp2-bf16")
+Key = tuple[int, str, str, str]  # step, module, tensor, param
+
+
+# ------------------------------------------------------------------------------------------ the runs
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "dist_worker.py"), str(out), ",".join(SCENARIOS)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"dist_worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return out
+
+
+def run_dir(runs: Path, scenario: str) -> Path:
+    """The scenario's run directory; fails with rank 0's traceback when the scenario raised."""
+    err = runs / f"{scenario}-rank0.error"
+    if err.exists():
+        text = err.read_text()
+        if "mixed torch.Tensor and DTensor" in text:
+            pytest.xfail(
+                "the Profiler does not unwrap FSDP2's DTensor shards yet (issue 7 report: stats/capture)"
+            )
+        raise AssertionError(f"{scenario} failed on rank 0:\n{text}")
+    return runs / scenario
+
+
+# ------------------------------------------------------------------------------ expected statistics
+def _empty_entry() -> dict[str, Any]:
+    return {
+        "counts": defaultdict(int),
+        "absmax": 0.0,
+        "absmin": math.nan,
+        "hist": defaultdict(int),
+        "calls": 0,
+    }
+
+
+def _add(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    for c, v in src["counts"].items():
+        dst["counts"][c] += v
+    for e, v in src["hist"].items():
+        dst["hist"][e] += v
+    dst["calls"] += src["calls"]
+    dst["absmax"] = max(dst["absmax"], src["absmax"])
+    mins = [m for m in (dst["absmin"], src["absmin"]) if not math.isnan(m)]
+    dst["absmin"] = min(mins) if mins else math.nan
+
+
+def entries_from_tables(tables: dict[str, pd.DataFrame], strip: str = "") -> dict[Key, dict[str, Any]]:
+    """Layer rows and histograms of a run as {(step, module, tensor, param): entry}."""
+    out: dict[Key, dict[str, Any]] = {}
+    count_cols = [*T.COUNT_COLUMNS, T.LOST_UPDATE_BF16, T.LOST_UPDATE_FP16]
+    for r in tables["layers"].to_dict("records"):
+        key = (int(r[T.STEP]), str(r[T.MODULE]).removeprefix(strip), r[T.TENSOR], r[T.PARAM])
+        e = _empty_entry()
+        for c in count_cols:
+            v = r[c]
+            if not (isinstance(v, float) and math.isnan(v)):
+                e["counts"][c] = int(v)
+        e["absmax"] = 0.0 if pd.isna(r[T.ABSMAX]) else float(r[T.ABSMAX])
+        e["absmin"] = float(r[T.ABSMIN]) if not pd.isna(r[T.ABSMIN]) else math.nan
+        e["calls"] = int(r[T.CALLS])
+        e["dtype"] = r[T.DTYPE]
+        out[key] = e
+    for r in tables["histograms"].to_dict("records"):
+        key = (int(r[T.STEP]), str(r[T.MODULE]).removeprefix(strip), r[T.TENSOR], r[T.PARAM])
+        out[key]["hist"][int(r[T.EXPONENT])] += int(r[T.COUNT])
+    return out
+
+
+def entry_from_tensor(x: torch.Tensor) -> dict[str, Any]:
+    """What one Profiler row holds for tensor ``x`` seen once (stats computed directly)."""
+    s = st.tensor_stats(x)
+    e = _empty_entry()
+    e["counts"].update({T.NUMEL: s.numel, T.ZEROS: s.zeros, T.NAN: s.nan, T.INF: s.inf})
+    for f, v in s.underflow.items():
+        e["counts"][T.underflow_col(f)] = v
+    for f, v in s.overflow.items():
+        e["counts"][T.overflow_col(f)] = v
+    for f, v in s.underflow_cs.items():
+        e["counts"][T.underflow_cs_col(f)] = v
+    e["absmax"], e["absmin"], e["calls"] = s.absmax, s.absmin, 1
+    for exp, c in zip(s.exponents, s.hist, strict=True):
+        if c:
+            e["hist"][int(exp)] += int(c)
+    return e
+
+
+def _flat_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def reference(scenario: str) -> dict[str, Any]:
+    """Replay ``scenario`` in one process; returns expected entries, rank 0's losses and the final parameters.
+
+    Activations and gradients are caught with plain hooks on one replica per rank and their statistics computed
+    directly (``stats.tensor_stats`` of the concatenation, so fp8 current scaling uses the amax over all ranks,
+    as a reduced row does); weight updates come from a Profiler on the fp32 master that the optimizer steps.
+    """
+    param_dtype = torch.bfloat16 if scenario == "fsdp2-bf16" else torch.float32
+    master = W.build_model()
+    opt = W.make_optimizer(master.parameters())
+    master_prof = precprof.Profiler(
+        master, optimizer=opt, sample_every=W.SAMPLE_EVERY, memory=False, reducer=None
+    )
+    replicas = [copy.deepcopy(master).to(param_dtype) for _ in range(W.WORLD)]
+    seen: dict[tuple[str, str], list[torch.Tensor]] = defaultdict(list)
+
+    def catch(name: str) -> Any:
+        def fwd_hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            seen[(name, T.ACTIVATION)].append(out.detach().clone())
+            out.register_hook(lambda g: seen[(name, T.ACTIVATION_GRAD)].append(g.detach().clone()))
+
+        return fwd_hook
+
+    for m in replicas:
+        for name, mod in m.named_children():
+            mod.register_forward_hook(catch(name))
+    expected: dict[Key, dict[str, Any]] = {}
+    losses: list[float] = []
+    names = [n for n, _ in master.named_parameters()]
+    with master_prof:
+        for step in range(W.STEPS):
+            sampled = step % W.SAMPLE_EVERY == 0
+            seen.clear()
+            with torch.no_grad():
+                for m in replicas:
+                    for p, q in zip(m.parameters(), master.parameters(), strict=True):
+                        p.copy_(q)
+            for r, m in enumerate(replicas):
+                x, y = W.batch(step, r, nan=scenario == "ddp")
+                loss = nn.functional.mse_loss(m(x.to(param_dtype)), y)
+                loss.backward()
+                if r == 0:
+                    losses.append(loss.item())
+            if sampled:
+                for (mod, kind), ts in seen.items():
+                    expected[(step, mod, kind, "")] = entry_from_tensor(_flat_cat(ts))
+                    expected[(step, mod, kind, "")]["calls"] = len(ts)
+            # DDP and FSDP divide by the world size, then sum over ranks (in rank order)
+            for name, q, *ps in zip(
+                names, master.parameters(), *(m.parameters() for m in replicas), strict=True
+            ):
+                avg = ps[0].grad.float() / W.WORLD
+                for p in ps[1:]:
+                    avg = avg + p.grad.float() / W.WORLD
+                if sampled:
+                    mod, pname = name.rsplit(".", 1)
+                    if scenario == "ddp":  # every replica's weights and local gradients
+                        weight, grad = _flat_cat([q] * W.WORLD), _flat_cat([p.grad for p in ps])
+                    else:  # the shards of the fp32 master and of the averaged gradient
+                        weight, grad = q.detach(), avg
+                    expected[(step, mod, T.WEIGHT, pname)] = entry_from_tensor(weight)
+                    expected[(step, mod, T.WEIGHT_GRAD, pname)] = entry_from_tensor(grad)
+                q.grad = avg
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            for m in replicas:
+                m.zero_grad(set_to_none=True)
+            master_prof.step()
+    for key, e in entries_from_tables(master_prof.tables()).items():
+        if key[2] == T.WEIGHT_UPDATE:  # DDP: every replica applies the same update
+            dst = expected.setdefault(key, _empty_entry())
+            for _ in range(W.WORLD if scenario == "ddp" else 1):
+                _add(dst, e)
+    return {
+        "entries": expected,
+        "losses": losses,
+        "params": {n: p.detach() for n, p in master.named_parameters()},
+    }
+
+
+def assert_entries_equal(got: dict[Key, dict[str, Any]], want: dict[Key, dict[str, Any]]) -> None:
+    assert sorted(got) == sorted(want)
+    for key in want:
+        g, w = got[key], want[key]
+        for c in set(g["counts"]) | set(w["counts"]):
+            assert g["counts"].get(c, 0) == w["counts"].get(c, 0), (key, c)
+        assert g["absmax"] == w["absmax"], key
+        assert (math.isnan(g["absmin"]) and math.isnan(w["absmin"])) or g["absmin"] == w["absmin"], key
+        assert dict(g["hist"]) == {e: c for e, c in w["hist"].items() if c}, key
+        if key[2] in (T.ACTIVATION, T.ACTIVATION_GRAD):
+            assert g["calls"] == w["calls"], key
+
+
+# ------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_counts_are_the_sum_over_ranks(runs: Path, scenario: str) -> None:
+    rdir = run_dir(runs, scenario)
+    assert T.is_run_dir(rdir)
+    assert not (runs / f"{scenario}-rank1").exists(), "only rank 0 writes"
+    got = entries_from_tables(T.read_tables(rdir), strip="module." if scenario == "ddp" else "")
+    ref = reference(scenario)
+    assert_entries_equal(got, ref["entries"])
+    # the steps table is rank 0's
+    steps = T.read_tables(rdir)["steps"]
+    assert steps[T.LOSS].tolist() == ref["losses"]
+    assert steps[T.SAMPLED].tolist() == [s % W.SAMPLE_EVERY == 0 for s in range(W.STEPS)]
+    # the training itself matched the reference (FSDP shards gathered back into full parameters)
+    if scenario.startswith("fsdp2"):
+        dumped = json.loads((runs / f"{scenario}-rank0.json").read_text())
+        for name, want in ref["params"].items():
+            assert torch.equal(torch.tensor(dumped["params"][name]), want), name
+
+
+def test_fsdp2_shards_sum_to_full_parameters(runs: Path) -> None:
+    layers = T.read_tables(run_dir(runs, "fsdp2"))["layers"]
+    model = W.build_model()
+    local = [json.loads((runs / f"fsdp2-rank{r}.json").read_text())["local_numel"] for r in range(W.WORLD)]
+    for name, p in model.named_parameters():
+        mod, pname = name.rsplit(".", 1)
+        assert sum(rank_numel[name] for rank_numel in local) == p.numel()
+        rows = layers[(layers[T.MODULE] == mod) & (layers[T.PARAM] == pname)]
+        for kind in (T.WEIGHT, T.WEIGHT_GRAD, T.WEIGHT_UPDATE):
+            assert (rows[rows[T.TENSOR] == kind][T.NUMEL] == p.numel()).all(), (name, kind)
+    # the last layer is sharded unevenly (5 rows over 2 ranks): shards of 3 and 2 rows
+    assert [rank_numel["2.weight"] for rank_numel in local] == [3 * W.N_HID, 2 * W.N_HID]
+
+
+def test_summary_describes_ddp(runs: Path) -> None:
+    ddp = T.read_summary(run_dir(runs, "ddp"))["capture"]["distributed"]
+    assert ddp["world_size"] == W.WORLD and ddp["backend"] == "gloo"
+    assert ddp["wrapper"] == "DDP" and ddp["reduce_dtype"] == "float32" and ddp["comm_hooks"] == []
+    assert "replica" in ddp["semantics"]["weights"]
+
+
+def test_summary_describes_fsdp2_mixed_precision(runs: Path) -> None:
+    fsdp = T.read_summary(run_dir(runs, "fsdp2-bf16"))["capture"]["distributed"]
+    assert fsdp["wrapper"] == "FSDP2"
+    assert (fsdp["param_dtype"], fsdp["reduce_dtype"], fsdp["storage_dtypes"]) == (
+        "bfloat16",
+        "float32",
+        ["float32"],
+    )
+    assert fsdp["units"] == 3
+    layers = T.read_tables(run_dir(runs, "fsdp2-bf16"))["layers"]
+    acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & layers[T.MODULE].isin(["0", "2"])]
+    assert set(acts[T.DTYPE]) == {"bfloat16"}
+    weights = layers[layers[T.TENSOR] == T.WEIGHT]
+    assert set(weights[T.DTYPE]) == {"float32"}  # the sharded fp32 masters
+
+
+def test_nan_on_one_rank_is_kept(runs: Path) -> None:
+    """Rank 1's batch holds a nan at a sampled step: the summary names rank 1 and the first module."""
+    info = T.read_summary(run_dir(runs, "ddp"))["capture"]["distributed"]
+    assert info["ranks_with_nonfinite"] == [W.NAN_RANK]
+    assert info["nonfinite_by_rank"]["0"]["nan"] == 0
+    events = info["nonfinite_events"]
+    assert events and all(set(e["by_rank"]) == {str(W.NAN_RANK)} for e in events)
+    first = events[0]
+    assert (first["module"], first["tensor"]) == ("module.0", T.ACTIVATION)
+    # the nan row of the first Linear: one input element nan -> one output row (N_HID values) nan
+    assert first["by_rank"]["1"]["nan"] == W.N_HID
+    layers = T.read_tables(run_dir(runs, "ddp"))["layers"]
+    row = layers[
+        (layers[T.STEP] == W.NAN_STEP) & (layers[T.MODULE] == "module.0") & (layers[T.TENSOR] == T.ACTIVATION)
+    ]
+    assert int(row[T.NAN].iloc[0]) == W.N_HID
+
+
+# -------------------------------------------------------------------------------- single process
+def test_row_layout_matches_the_profiler() -> None:
+    """RankReducer names rows by rebuilding the Profiler's layout; the two must agree (tied weights too)."""
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 10))
+    model[3].weight = model[0].weight  # tied: recorded under the first owner only
+    model[1].bias.requires_grad_(False)
+    prof = precprof.Profiler(model, sample_every=1, memory=False, reducer=None)
+    with prof:
+        order = [s.name for s in prof._modules]
+        rows = [(r.module, r.tensor, r.param) for r in prof._rows]
+    assert _row_layout(model, order) == rows
+
+
+def test_wrapper_info_without_a_wrapper() -> None:
+    info = wrapper_info(nn.Linear(2, 2).to(torch.bfloat16))
+    assert info["wrapper"] == "none" and info["param_dtype"] == "bfloat16"
+
+
+def test_reducer_needs_a_process_group() -> None:
+    with pytest.raises(RuntimeError, match="process group"):
+        RankReducer()
+
+
+def test_single_rank_group(tmp_path: Path) -> None:
+    """With one rank the reduction is the identity, the absmin sentinel included; describe() says so."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        buf = st.StatsBuffer(3, "cpu")
+        buf.accumulate(torch.tensor([0.5, -3.0, 0.0]), 0)
+        buf.accumulate(torch.tensor([float("inf")]), 2)  # row 1 stays empty: absmin sentinel
+        reducer = RankReducer()
+        assert reducer.is_writer
+        assert torch.equal(reducer.reduce_rows(buf.data), buf.data)
+        meta = reducer.reduce_meta(
+            [
+                {"calls": 1, "dtypes": ["float32"]},
+                {"calls": 0, "dtypes": []},
+                {"calls": 2, "dtypes": ["bfloat16"]},
+            ],
+            {"a": 0, "b": -1},
+        )
+        assert [m["calls"] for m in meta["rows"]] == [1, 0, 2]
+        assert meta["rows"][2]["inf_ranks"] == [0] and meta["rows"][0]["inf_ranks"] == []
+        assert meta["order"] == {"a": 0, "b": -1}
+        info = reducer.describe(nn.Linear(2, 2))
+        assert info["world_size"] == 1 and info["ranks_with_nonfinite"] == [0]
+    finally:
+        dist.destroy_process_group()
