@@ -755,6 +755,14 @@ class Profiler:
                 return type(slot.module).__name__
         return ""
 
+    def memory_scope(self, name: str = "(loss)") -> contextlib.AbstractContextManager[None]:
+        """Context manager: activations saved for backward inside it (e.g. a loss computed outside the
+        model's forward) are attributed to ``name`` in the memory table. A no-op without memory tracking."""
+        if self._tracker is not None and hasattr(self._tracker, "scope"):
+            scope: contextlib.AbstractContextManager[None] = self._tracker.scope(name)
+            return scope
+        return contextlib.nullcontext()
+
     @property
     def buffer_bytes(self) -> int:
         """Bytes precprof holds persistently on the device: statistics rows, update samples, memory tracking."""
@@ -864,7 +872,13 @@ class Profiler:
 
             full[T.SUMMARY_HARDWARE] = detect(self._device).to_dict()
         T.write_summary(run_dir, full)
-        extra = _post_process(tables, full)
+        facts = None
+        if self._tracker is not None and hasattr(self._tracker, "model_facts"):
+            try:
+                facts = self._tracker.model_facts()
+            except Exception:  # facts only refine the projection
+                facts = None
+        extra = _post_process(tables, full, facts)
         if extra:
             full.update(extra)
             T.write_summary(run_dir, full)
@@ -881,14 +895,16 @@ class Profiler:
         return out
 
 
-def _post_process(tables: dict[str, pd.DataFrame], summary: dict[str, Any]) -> dict[str, Any]:
+def _post_process(
+    tables: dict[str, pd.DataFrame], summary: dict[str, Any], facts: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Memory projection and recommendation for summary.json; best effort, never raises."""
     out: dict[str, Any] = {}
     try:
         from precprof import memory
 
-        if hasattr(memory, "project") and not tables["memory"].empty:
-            out[T.SUMMARY_MEMORY] = memory.project(tables["memory"], summary)
+        if not tables["memory"].empty:
+            out[T.SUMMARY_MEMORY] = memory.project(tables["memory"], summary, facts=facts)
     except Exception as e:
         out.setdefault("errors", []).append(f"memory projection: {type(e).__name__}: {e}")
     try:
