@@ -1354,11 +1354,11 @@ def _load(
     if isinstance(source, Mapping):
         return source, dict(summary or {})
     if callable(getattr(source, "tables", None)):
-        # a Profiler (or anything that produces the four tables)
-        s = summary
-        if s is None and callable(getattr(source, "summary", None)):
-            s = source.summary()
-        return source.tables(), dict(s or {})
+        # a Profiler: its summary() is the "capture" part of summary.json (module shapes, autocast seen)
+        s = dict(summary or {})
+        if T.SUMMARY_CAPTURE not in s and callable(getattr(source, "summary", None)):
+            s[T.SUMMARY_CAPTURE] = source.summary()
+        return source.tables(), s
     raise TypeError(
         f"recommend() takes a run directory, a dict of tables or a Profiler, not {type(source)!r}"
     )

@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 from scenarios import accelerate_cpu_fp16, benign, huge_activations, nan_injection, tiny_gradients
+from scenarios.loop import regression_batches
 
 from precprof import tables as T
 from precprof.advisor import CRITICAL
@@ -159,3 +160,27 @@ def test_gpt_mini_300_steps_at_the_advised_scale(tmp_path: Path) -> None:
     verdict = bench.run_benchmark(workdir=tmp_path)["verdict"]
     assert verdict["advised_skips_fewer"] or verdict["skipped_default"] == verdict["skipped_advised"] == 0
     assert verdict["within_2_percent"], verdict
+
+
+def test_recommend_takes_a_profiler() -> None:
+    import precprof
+
+    torch.manual_seed(0)
+    model = benign.BenignNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = regression_batches(benign.N_IN)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for step in range(2):
+            x, y = batches(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = benign.mse_first(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    rec = precprof.recommend(prof, hardware="a100", summary={T.SUMMARY_CONFIG: {"precision": "bf16"}})
+    assert rec.format == "bf16"
+    assert rec.finding("mixed_precision_inactive") is None
+    # the Profiler's module shapes reach the alignment rule: head is Linear(64, 8), fc1 Linear(16, 64)
+    assert rec.finding("tensor_core_alignment") is None
+    assert precprof.recommend(prof, hardware="a100").format == "bf16"
