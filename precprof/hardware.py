@@ -236,3 +236,106 @@ def preset(name: str) -> HardwareInfo:
     if p.fp8_supported:
         p.fp8_library = p.fp8_library or "torchao"
     return p
+
+
+# ------------------------------------------------------------------------------------ decision tree
+def usual_format(info: HardwareInfo) -> tuple[str, str]:
+    """(format, why): what the usual practitioner's decision tree picks for this device, before any
+    measurement. precprof's advisor starts from the same tree and then checks it against the recorded
+    numbers; this is the answer ``precprof env`` gives without a run."""
+    if not info.is_cuda:
+        if info.bf16_native:
+            return "bf16", "CPU with native bf16 (AVX512-BF16/AMX): bf16 autocast is faster than fp32"
+        return "fp32", "CPU without native bf16: low precision is emulated and brings no speed"
+    cc = info.compute_capability or (0, 0)
+    if info.fp8_supported:
+        lib = info.fp8_library or "torchao or Transformer Engine (not installed)"
+        return "bf16", (
+            f"compute capability {cc[0]}.{cc[1]}: bf16 autocast, and fp8 for eligible large matmuls via {lib}"
+        )
+    if cc >= (8, 0):
+        return "bf16", f"compute capability {cc[0]}.{cc[1]}: bf16 tensor cores, no loss scaling needed"
+    if info.fp16_tensor_cores:
+        return "fp16", (
+            f"compute capability {cc[0]}.{cc[1]}: fp16 tensor cores and no bf16; use dynamic loss scaling"
+        )
+    return "fp32", f"compute capability {cc[0]}.{cc[1]}: no tensor cores for low precision"
+
+
+def software_versions() -> dict[str, str | None]:
+    """Versions of python, torch, CUDA/cuDNN and the optional libraries precprof uses (None: not installed).
+
+    Reads package metadata only: nothing heavy is imported.
+    """
+    from importlib import metadata
+
+    import precprof
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "precprof": precprof.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": str(cudnn) if cudnn else None,
+        **{
+            dist: version(dist)
+            for dist in (
+                "numpy",
+                "pandas",
+                "transformers",
+                "accelerate",
+                "lightning",
+                "torchao",
+                "transformer_engine",
+                "nvidia-ml-py",
+            )
+        },
+    }
+
+
+def env_report(info: HardwareInfo | None = None) -> str:
+    """The text of ``precprof env``: versions, device, capabilities, TF32 flags, NVML, the usual format."""
+    info = info if info is not None else detect()
+    v = software_versions()
+
+    def yes(b: bool) -> str:
+        return "yes" if b else "no"
+
+    cc = ".".join(map(str, info.compute_capability)) if info.compute_capability else "n/a"
+    lines = [
+        f"precprof {v['precprof']}  python {v['python']}  torch {v['torch']}",
+        f"CUDA (torch build): {v['cuda'] or 'none (CPU-only build)'}   cuDNN: {v['cudnn'] or 'n/a'}",
+        f"device: {info.device}  {info.name}"
+        + (f"  ({info.device_count} GPU{'s' if info.device_count != 1 else ''})" if info.is_cuda else ""),
+        f"compute capability: {cc}",
+        f"bf16: supported {yes(info.bf16_supported)}, native {yes(info.bf16_native)}"
+        f"   fp16 tensor cores: {yes(info.fp16_tensor_cores)}",
+        f"tf32: supported {yes(info.tf32_supported)}; flags: matmul {info.tf32_matmul_enabled}, "
+        f"cudnn {info.tf32_cudnn_enabled}, float32_matmul_precision {info.float32_matmul_precision!r}",
+        f"fp8: supported {yes(info.fp8_supported)}; library: {info.fp8_library or 'none (pip install torchao)'}",
+    ]
+    if info.cpu_capability:
+        lines.append(f"CPU capability: {info.cpu_capability}")
+    if info.nvml == "ok":
+        total = f"{info.memory_total_bytes / 2**30:.1f} GiB" if info.memory_total_bytes else "?"
+        used = f"{info.memory_used_bytes / 2**30:.1f} GiB" if info.memory_used_bytes is not None else "?"
+        lines.append(f"NVML: driver {info.driver_version}, memory {used} used of {total}")
+    else:
+        lines.append(f"NVML: {info.nvml}")
+    fmt, why = usual_format(info)
+    lines.append(f"usual format here: {fmt} ({why})")
+    lines.append(
+        "optional: "
+        + ", ".join(
+            f"{k} {v[k] or 'not installed'}" for k in ("transformers", "accelerate", "lightning", "torchao")
+        )
+    )
+    return "\n".join(lines)

@@ -1,0 +1,134 @@
+"""Optimizers for the "pure" precision modes: parameters stored in bf16/fp16, optimizer states in fp32.
+
+There is no fp32 master copy of the weights: each step upcasts a parameter to fp32, applies the update there
+with fp32 states, and rounds the result back to the parameter's dtype once. An update smaller than half a
+unit in the last place of the stored weight is lost, which is exactly the effect the profiler's
+``lost_update_*`` columns measure. With fp32 parameters these optimizers compute the same update as
+``torch.optim.AdamW`` / ``torch.optim.SGD`` (single-tensor implementation).
+
+They are ordinary ``torch.optim.Optimizer`` subclasses: step hooks, ``state_dict`` and ``GradScaler`` (which
+skips ``step()`` when it finds inf/nan gradients) work as with the built-in optimizers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+
+def _fp32_view(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(fp32 working copy of p, whether it is a copy). An fp32 parameter is updated in place."""
+    if p.dtype == torch.float32:
+        return p, False
+    return p.float(), True
+
+
+class FP32StateAdamW(Optimizer):
+    """AdamW with fp32 moment estimates for parameters of any floating dtype (no master weights).
+
+    Same arguments and update rule as ``torch.optim.AdamW`` without amsgrad: decoupled weight decay
+    ``p *= 1 - lr * weight_decay``, then ``p -= lr / (1 - β1^t) * m / (sqrt(v) / sqrt(1 - β2^t) + eps)``,
+    computed in fp32 and rounded to the parameter's dtype once. Runs on the parameters' device; no host sync.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"invalid AdamW hyper-parameters: lr={lr}, betas={betas}, eps={eps}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One update of every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("FP32StateAdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    # the step count lives on the CPU, as in torch's AdamW: reading it never syncs
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                grad = p.grad.float()
+                w, copied = _fp32_view(p)
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                state["step"] += 1
+                step = float(state["step"])
+                if wd != 0:
+                    w.mul_(1 - lr * wd)
+                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                bias_correction1 = 1 - beta1**step
+                bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+                w.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+                if copied:
+                    p.copy_(w)  # the one rounding to the storage dtype
+        return loss
+
+
+class FP32StateSGD(Optimizer):
+    """SGD with an fp32 momentum buffer for parameters of any floating dtype (no master weights).
+
+    Same update as ``torch.optim.SGD`` (no dampening, no Nesterov): ``g += weight_decay * p``,
+    ``buf = momentum * buf + g`` (``buf = g`` on the first step), ``p -= lr * buf``; computed in fp32 and
+    rounded to the parameter's dtype once. No host sync.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+    ) -> None:
+        if lr < 0 or momentum < 0 or weight_decay < 0:
+            raise ValueError(f"invalid SGD hyper-parameters: lr={lr}, momentum={momentum}")
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """One update of every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad.float()
+                w, copied = _fp32_view(p)
+                if wd != 0:
+                    grad = grad.add(w, alpha=wd)
+                if momentum != 0:
+                    state = self.state[p]
+                    buf = state.get("momentum_buffer")
+                    if buf is None:
+                        buf = grad.detach().clone()
+                        state["momentum_buffer"] = buf
+                    else:
+                        buf.mul_(momentum).add_(grad)
+                    grad = buf
+                w.add_(grad, alpha=-lr)
+                if copied:
+                    p.copy_(w)
+        return loss
