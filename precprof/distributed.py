@@ -192,9 +192,11 @@ class RankReducer:
 
     Args:
         group: the process group (None: the default group).
+        wrapped: the wrapped model to describe (DDP/FSDP) when the Profiler watches the inner module (as the
+            Hugging Face and Lightning callbacks do); None: describe the Profiler's own model.
     """
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, wrapped: nn.Module | None = None) -> None:
         dist = _dist()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("RankReducer needs an initialised torch.distributed process group")
@@ -202,6 +204,7 @@ class RankReducer:
         self.rank: int = dist.get_rank(group)
         self.world_size: int = dist.get_world_size(group)
         self.backend: str = str(dist.get_backend(group))
+        self.wrapped = wrapped
         self._samples = 0  # sampled steps reduced so far
         self._local_nonfinite: torch.Tensor | None = None
         self._local_only = False
@@ -220,18 +223,27 @@ class RankReducer:
         """Rank 0 writes the run directory and the report."""
         return self.rank == 0
 
+    def local_only(self, reason: str) -> None:
+        """From now on reduce nothing across ranks (e.g. saving at interpreter exit, when the other ranks may be
+        gone): each method returns this rank's own values, and ``describe`` says why."""
+        self._local_only = True
+        self._local_only_reason = f"rank {self.rank}: {reason}"
+
     def _unwinding(self) -> bool:
-        """True while an exception propagates (the Profiler's ``__exit__``): collectives would hang."""
-        if sys.exc_info()[0] is not None:
-            if not self._local_only:
-                self._local_only = True
-                exc = sys.exc_info()[1]
-                self._local_only_reason = (
-                    f"rank {self.rank} stopped with {type(exc).__name__}: its last step holds only its own "
-                    "statistics (no collective during an exception)"
-                )
+        """True while an exception propagates (the Profiler's ``__exit__``) or after ``local_only``.
+
+        A collective then could wait forever for ranks that never reach it, so this rank's own values are used.
+        """
+        if self._local_only:
             return True
-        return False
+        exc = sys.exc_info()[1]
+        if exc is None:
+            return False
+        self._local_only_reason = (
+            f"rank {self.rank} stopped with {type(exc).__name__}: its last step holds only its own statistics "
+            "(no collective while an exception propagates)"
+        )
+        return True
 
     def reduce_rows(self, data: torch.Tensor) -> torch.Tensor:
         """Combine the ``[rows, ROW_WIDTH]`` int64 statistics buffer of every rank; returns a new tensor.
@@ -394,8 +406,9 @@ class RankReducer:
             "writer_rank": 0,
             "sampled_steps_reduced": self._samples,
         }
-        if model is not None:
-            info.update(wrapper_info(model))
+        target = self.wrapped if self.wrapped is not None else model
+        if target is not None:
+            info.update(wrapper_info(target))
         info["semantics"] = {
             "counts": "summed over ranks; absmax: max over ranks; absmin: min over ranks",
             "activations": "every rank's local micro-batch (the global batch)",

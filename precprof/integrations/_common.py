@@ -1,0 +1,256 @@
+"""What the Hugging Face and Lightning callbacks share: one profiled session from train start to a run directory.
+
+A ``Session`` owns the Profiler, the summary it will write, and the end of the run: ``finish()`` detaches the
+hooks, writes the run directory (rank 0 under torch.distributed) and renders ``report.html`` when the report
+renderer is installed. A session that was started but never finished (a crash the framework gives no hook for)
+is finished as "incomplete" at interpreter exit (``atexit``) or when the next session of the same callback
+starts, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import math
+import time
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+from precprof import tables as T
+
+# Precision names of the frameworks -> precprof's modes (precprof.training.Precision).
+LIGHTNING_PRECISIONS: dict[str, str] = {
+    "32-true": "fp32",
+    "32": "fp32",
+    "64-true": "fp64",
+    "16-mixed": "fp16",
+    "bf16-mixed": "bf16",
+    "16-true": "fp16-pure",
+    "bf16-true": "bf16-pure",
+    "transformer-engine": "fp8",
+    "transformer-engine-float16": "fp8",
+}
+
+_MODEL_DIM_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "n_embd",
+    "n_inner",
+    "n_head",
+    "n_layer",
+    "vocab_size",
+)
+
+
+def model_info(model: nn.Module, name: str | None = None) -> dict[str, Any]:
+    """The ``model`` block of summary.json: name, class, parameter count and, from a Hugging Face config, dims."""
+    config = getattr(model, "config", None)
+    dims: dict[str, int] = {}
+    if config is not None:
+        for k in _MODEL_DIM_KEYS:
+            v = getattr(config, k, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                dims[k] = v
+    cls = type(model)
+    return {
+        "name": name or getattr(config, "name_or_path", None) or cls.__name__,
+        "kind": "hf" if config is not None else "user",
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "n_params": sum(p.numel() for p in model.parameters()),
+        **dims,
+    }
+
+
+def matmul_activation_dtypes(layers: pd.DataFrame) -> dict[str, str]:
+    """Activation dtype per matmul layer (Linear, Conv1D, convolutions) at the last sampled step."""
+    from precprof.advisor import is_matmul_layer
+
+    if layers.empty:
+        return {}
+    acts = layers[layers[T.TENSOR] == T.ACTIVATION]
+    acts = acts[acts[T.MODULE_TYPE].map(lambda t: is_matmul_layer(str(t)))]
+    if acts.empty:
+        return {}
+    last = acts[acts[T.STEP] == acts[T.STEP].max()]
+    return dict(zip(last[T.MODULE], last[T.DTYPE].astype(str), strict=True))
+
+
+def mixed_precision_check(requested: str, layers: pd.DataFrame) -> dict[str, Any]:
+    """Whether the requested low precision is what the matmul layers ran in.
+
+    Returns ``{"mixed_precision_requested", "mixed_precision_active", "matmul_layers_float32"}`` for the
+    ``capture`` block; the advisor's "mixed precision not active" finding reads the request from there.
+    """
+    dtypes = matmul_activation_dtypes(layers)
+    low = requested not in ("", "fp32", "tf32", "fp64")
+    fp32 = sorted(m for m, d in dtypes.items() if d == "float32")
+    active = bool(dtypes) and len(fp32) < len(dtypes) if low else False
+    return {
+        "mixed_precision_requested": requested,
+        "mixed_precision_active": active,
+        "matmul_layers_float32": len(fp32),
+        "matmul_layers": len(dtypes),
+    }
+
+
+def final_block(steps: pd.DataFrame, wall_s: float) -> dict[str, Any]:
+    """The ``final`` block of summary.json from the steps table (the keys precprof.training writes)."""
+    losses = steps[T.LOSS].astype(float) if not steps.empty else pd.Series(dtype=float)
+    finite = losses.dropna()
+    times = steps[T.TIME_S].astype(float).dropna() if not steps.empty else pd.Series(dtype=float)
+    tokens = steps[T.TOKENS].astype(float).dropna() if not steps.empty else pd.Series(dtype=float)
+    total_tokens = float(tokens.sum()) if len(tokens) else math.nan
+    return {
+        "final_loss": float(finite.iloc[-1]) if len(finite) else math.nan,
+        "final_loss_avg10": float(finite.iloc[-10:].mean()) if len(finite) else math.nan,
+        "steps_done": len(steps),
+        "skipped_steps": int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
+        "tokens_per_s": total_tokens / wall_s if wall_s > 0 and math.isfinite(total_tokens) else math.nan,
+        "wall_s": wall_s,
+        "step_time_median_s": float(times.median()) if len(times) else math.nan,
+    }
+
+
+def render_report(run_dir: Path) -> Path | None:
+    """report.html through precprof.report.render when it is there; a rendering error only warns (the run is
+    saved, and ``precprof report RUN_DIR`` retries)."""
+    if importlib.util.find_spec("precprof.report.render") is None:
+        return None
+    try:
+        from precprof.report.render import render_run_dir
+
+        out: Path = render_run_dir(run_dir)
+        return out
+    except Exception as e:
+        warnings.warn(
+            f"precprof: report.html could not be rendered ({type(e).__name__}: {e}); "
+            f"the run is saved: try `precprof report {run_dir}`",
+            stacklevel=2,
+        )
+        return None
+
+
+class Session:
+    """One profiled training run driven by a framework's callbacks.
+
+    Args:
+        out: the run directory.
+        profiler_kwargs: passed to ``precprof.Profiler`` (``sample_every``, ``modules``, ``memory``, ...).
+        report: render report.html at the end.
+    """
+
+    def __init__(self, out: str | Path, profiler_kwargs: Mapping[str, Any], report: bool = True) -> None:
+        self.out = Path(out)
+        self.profiler_kwargs = dict(profiler_kwargs)
+        self.report = report
+        self.prof: Any = None
+        self.summary: dict[str, Any] = {}
+        self.run_dir: Path | None = None
+        self.report_path: Path | None = None
+        self._t0 = 0.0
+        self._atexit_registered = False
+
+    @property
+    def active(self) -> bool:
+        return self.prof is not None
+
+    def start(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        scaler: Any,
+        summary: dict[str, Any],
+        first_step: int = 0,
+        wrapped: nn.Module | None = None,
+    ) -> Any:
+        """Attach a Profiler to ``model`` (the module whose forward runs: the inner one under DDP/FSDP1)."""
+        from precprof.capture import Profiler
+        from precprof.hardware import software_versions
+
+        if self.active:
+            self.finish(T.STATUS_INCOMPLETE, "a new training run started before this one ended")
+        kwargs = dict(self.profiler_kwargs)
+        if "reducer" not in kwargs:
+            from precprof.distributed import RankReducer, is_distributed
+
+            if is_distributed():
+                kwargs["reducer"] = RankReducer(wrapped=wrapped)
+        self.prof = Profiler(model, optimizer=optimizer, scaler=scaler, first_step=first_step, **kwargs)
+        self.summary = dict(summary)
+        self.summary.setdefault(T.SUMMARY_VERSIONS, software_versions())
+        self.prof.attach()
+        self._t0 = time.perf_counter()
+        if not self._atexit_registered:
+            atexit.register(self._at_exit)
+            self._atexit_registered = True
+        return self.prof
+
+    def step(self, loss: Any = None, grad_norm: Any = None, tokens: int | None = None) -> None:
+        if self.prof is not None and self.prof.attached:
+            self.prof.step(loss=loss, grad_norm=grad_norm, tokens=tokens)
+
+    def finish(self, status: str = T.STATUS_COMPLETE, reason: str | None = None) -> Path | None:
+        """Detach, write the run directory (the writer rank) and the report. Idempotent; never raises for a
+        failure to save (it warns): the training's own outcome matters more."""
+        prof, self.prof = self.prof, None
+        if prof is None:
+            return self.run_dir
+        if self._atexit_registered:
+            atexit.unregister(self._at_exit)
+            self._atexit_registered = False
+        wall_s = time.perf_counter() - self._t0
+        try:
+            if status != T.STATUS_COMPLETE:
+                prof.mark_incomplete(reason or "training stopped")
+            prof.detach()
+            tables = prof.tables()
+            summary = dict(self.summary)
+            summary[T.SUMMARY_FINAL] = final_block(tables["steps"], wall_s)
+            capture = dict(summary.get(T.SUMMARY_CAPTURE) or {})
+            requested = str(capture.get("mixed_precision_requested") or "")
+            capture.update(mixed_precision_check(requested, tables["layers"]))
+            summary[T.SUMMARY_CAPTURE] = capture
+            self.run_dir = prof.save(self.out, summary=summary, status=status, reason=reason)
+            if self.report and prof.is_writer:
+                self.report_path = render_report(self.run_dir)
+        except Exception as e:
+            warnings.warn(
+                f"precprof: could not save the run to {self.out}: {type(e).__name__}: {e}", stacklevel=2
+            )
+        return self.run_dir
+
+    def _at_exit(self) -> None:
+        """Interpreter exit with the session still open: training never reached its end hook (a crash)."""
+        if self.prof is None:
+            return
+        reducer: Any = getattr(self.prof, "_reducer", None)
+        if reducer is not None and hasattr(reducer, "local_only"):
+            reducer.local_only("saved at interpreter exit; other ranks may be gone")
+        self.finish(T.STATUS_INCOMPLETE, "the process exited before training ended (crash or interrupt)")
+
+
+def first_token_count(batch: Any) -> int | None:
+    """Tokens in a batch: the element count of its first integer tensor (token ids), else None."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.numel()) if not batch.is_floating_point() and batch.dtype != torch.bool else None
+    if isinstance(batch, Mapping):
+        if isinstance(batch.get("input_ids"), torch.Tensor):
+            return int(batch["input_ids"].numel())
+        items: Any = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    else:
+        return None
+    for item in items:
+        n = first_token_count(item)
+        if n is not None:
+            return n
+    return None

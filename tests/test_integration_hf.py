@@ -1,0 +1,147 @@
+"""Hugging Face Trainer + PrecprofCallback on a tiny GPT-2 built from a config (random weights), on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.pytorch_utils import Conv1D
+
+from precprof import tables as T
+from precprof.integrations.hf import PrecprofCallback, profile_trainer
+
+VOCAB, SEQ, BATCH, N_EMBD = 64, 16, 4, 32
+STEPS, SAMPLE_EVERY = 4, 2
+
+
+class TokenData(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Seeded random token sequences; labels = inputs (the model shifts them)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=2, n_head=2, n_embd=N_EMBD, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0, eos_token_id=0
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def make_trainer(tmp_path: Path, callbacks: list[Any] | None = None, **args: Any) -> Trainer:
+    targs = TrainingArguments(
+        output_dir=str(tmp_path / "trainer"),
+        max_steps=STEPS,
+        per_device_train_batch_size=BATCH,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        **args,
+    )
+    return Trainer(model=tiny_gpt2(), args=targs, train_dataset=TokenData(), callbacks=callbacks or [])
+
+
+def _render_available() -> bool:
+    return importlib.util.find_spec("precprof.report.render") is not None
+
+
+def test_bf16_trainer_covers_every_conv1d(tmp_path: Path) -> None:
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=SAMPLE_EVERY)
+    trainer = make_trainer(tmp_path, callbacks=[cb], bf16=True)
+    trainer.train()
+    run_dir = cb.run_dir
+    assert run_dir == tmp_path / "run" and T.is_run_dir(run_dir)
+    summary = T.read_summary(run_dir)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    tables = T.read_tables(run_dir)
+    layers, steps = tables["layers"], tables["steps"]
+
+    conv1d = {n: m for n, m in trainer.model.named_modules() if isinstance(m, Conv1D)}
+    assert len(conv1d) == 4 * 2  # c_attn, attn.c_proj, c_fc, mlp.c_proj per block
+    sampled = list(range(0, STEPS, SAMPLE_EVERY))
+    for name, mod in conv1d.items():
+        for step in sampled:
+            rows = layers[(layers[T.MODULE] == name) & (layers[T.STEP] == step)]
+            kinds = set(rows[T.TENSOR])
+            assert {T.ACTIVATION, T.ACTIVATION_GRAD, T.WEIGHT, T.WEIGHT_GRAD, T.WEIGHT_UPDATE} <= kinds, name
+            act = rows[rows[T.TENSOR] == T.ACTIVATION].iloc[0]
+            # autocast ran the matmul in bf16; numel = batch x seq x out_features (Conv1D's nf)
+            assert act[T.DTYPE] == "bfloat16"
+            assert act[T.NUMEL] == BATCH * SEQ * mod.nf
+            weight = rows[(rows[T.TENSOR] == T.WEIGHT) & (rows[T.PARAM] == "weight")].iloc[0]
+            assert weight[T.DTYPE] == "float32" and weight[T.NUMEL] == mod.weight.numel()
+    # the steps table: every optimizer step, the loss the Trainer logged (rounded to 4 digits there)
+    assert steps[T.STEP].tolist() == list(range(STEPS))
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert steps[T.LOSS].tolist() == pytest.approx(logged, abs=1e-4)
+    assert (steps[T.TOKENS] == BATCH * SEQ).all()
+    assert summary[T.SUMMARY_CONFIG]["precision"] == "bf16"
+    assert summary[T.SUMMARY_CAPTURE]["mixed_precision_active"] is True
+    assert summary[T.SUMMARY_CAPTURE]["autocast"]["dtype"] == "bfloat16"
+    assert summary[T.SUMMARY_MODEL]["n_embd"] == N_EMBD
+    if _render_available():
+        assert cb.report_path is not None and cb.report_path.exists()
+        assert "c_attn" in cb.report_path.read_text()
+
+
+def test_fp16_on_cpu_is_reported_as_not_active(tmp_path: Path) -> None:
+    """accelerate accepts fp16=True on a CPU and trains in fp32: the run says so, and so does the advisor."""
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=SAMPLE_EVERY, memory=False, report=False)
+    trainer = make_trainer(tmp_path, callbacks=[cb], fp16=True)
+    assert trainer.accelerator.mixed_precision == "fp16" and trainer.accelerator.scaler is None
+    trainer.train()
+    summary = T.read_summary(cb.run_dir)
+    capture = summary[T.SUMMARY_CAPTURE]
+    assert summary[T.SUMMARY_CONFIG]["precision"] == "fp16"
+    assert summary[T.SUMMARY_CONFIG]["accelerate_mixed_precision"] is None  # callback alone: no accelerator
+    assert capture["mixed_precision_requested"] == "fp16"
+    assert capture["mixed_precision_active"] is False
+    assert capture["matmul_layers_float32"] == capture["matmul_layers"] > 0
+    layers = T.read_tables(cb.run_dir)["layers"]
+    acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & (layers[T.MODULE_TYPE] == "Conv1D")]
+    assert set(acts[T.DTYPE]) == {"float32"}
+    codes = [f["code"] for f in summary[T.SUMMARY_RECOMMENDATION]["findings"]]
+    assert "mixed_precision_inactive" in codes
+
+
+class _Boom(TrainerCallback):  # type: ignore[misc]
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == 2:
+            raise RuntimeError("boom at step 2")
+
+
+def test_profile_trainer_saves_an_incomplete_run_on_crash(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, callbacks=[_Boom()], bf16=True)
+    with pytest.raises(RuntimeError, match="boom at step 2") as info:
+        profile_trainer(trainer, out=tmp_path / "run", sample_every=1, report=False, memory=False)
+    assert any("partial run was saved" in n for n in getattr(info.value, "__notes__", []))
+    summary = T.read_summary(tmp_path / "run")
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert "boom at step 2" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    steps = T.read_tables(tmp_path / "run")["steps"]
+    assert steps[T.STEP].tolist() == [0, 1]
+    # profile_trainer knows the trainer: the config names accelerate's setting
+    assert summary[T.SUMMARY_CONFIG]["accelerate_mixed_precision"] == "bf16"
+    # the hooks are gone: the model trains on without precprof
+    assert trainer.precprof_callback.profiler is None
+    assert not trainer.model._forward_hooks
+    json.dumps(summary)  # JSON-safe
+    assert isinstance(T.read_tables(tmp_path / "run")["layers"], pd.DataFrame)
