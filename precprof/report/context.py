@@ -1,0 +1,338 @@
+"""The report's structure: from tables, summary and recommendation to the plain data the templates show.
+
+Layers, as in ydata-profiling: ``summarize`` computes, ``plots`` draws, this module assembles one dict per
+section, ``render`` fills the templates. Nothing here writes HTML.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import pandas as pd
+
+from precprof import __version__
+from precprof import tables as T
+from precprof.report import plots
+from precprof.report import summarize as S
+
+SEVERITY_ORDER = {"critical": 0, "error": 0, "warning": 1, "info": 2}
+SECTIONS: tuple[tuple[str, str], ...] = (
+    ("verdict", "Verdict"),
+    ("training", "Training"),
+    ("signature", "Where values fall"),
+    ("whatif", "What-if per format"),
+    ("layers", "Per layer"),
+    ("memory", "Memory"),
+    ("verification", "Precision check"),
+    ("environment", "Environment"),
+)
+# order of the signature heatmaps: activation gradients first (the one loss scaling is about)
+HEATMAP_KINDS: tuple[str, ...] = (T.ACTIVATION_GRAD, T.ACTIVATION, T.WEIGHT_GRAD)
+
+
+def recommendation_dict(recommendation: Any) -> dict[str, Any] | None:
+    """A Recommendation object or its dict form as a dict (None stays None)."""
+    if recommendation is None:
+        return None
+    if hasattr(recommendation, "to_dict"):
+        d = recommendation.to_dict()
+    elif isinstance(recommendation, Mapping):
+        d = dict(recommendation)
+    else:
+        raise TypeError(
+            f"recommendation must be a Recommendation or a dict, not {type(recommendation).__name__}"
+        )
+    d["findings"] = [f.to_dict() if hasattr(f, "to_dict") else dict(f) for f in d.get("findings") or []]
+    return d
+
+
+def _f(v: Any) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def _img(fig: Any, alt: str) -> dict[str, str] | None:
+    if fig is None:
+        return None
+    return {"src": plots.data_uri(plots.png_bytes(fig)), "alt": alt}
+
+
+_FINDING_DEFAULTS: dict[str, Any] = {
+    "code": "",
+    "severity": "info",
+    "title": "",
+    "message": "",
+    "remedy": "",
+    "modules": [],
+    "numbers": {},
+}
+
+
+def sorted_findings(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Findings with every field present, most severe first (stable within a severity)."""
+    full = [{**_FINDING_DEFAULTS, **{k: v for k, v in f.items() if v is not None}} for f in findings]
+    for f in full:
+        f["severity"] = str(f["severity"]).lower()
+    return sorted(full, key=lambda f: SEVERITY_ORDER.get(f["severity"], 3))
+
+
+def _verdict(
+    rec: dict[str, Any] | None, summary: Mapping[str, Any], measured: Mapping[str, Any], records: list[Any]
+) -> dict[str, Any] | None:
+    if rec is None:
+        return None
+    fmt = str(rec.get("format") or "")
+    current = S.requested_precision(summary)
+    saving = S.expected_saving(records, float(measured.get("total") or 0.0), current, fmt)
+    return {
+        "format": fmt,
+        "format_label": S.FORMAT_LABELS.get(fmt, fmt.upper()),
+        "loss_scale": _f(rec.get("loss_scale")),
+        "fp16_loss_scale": _f(rec.get("fp16_loss_scale")),
+        "growth_interval": rec.get("growth_interval"),
+        "keep_fp32": list(rec.get("keep_fp32") or []),
+        "fp8_layers": list(rec.get("fp8_layers") or []),
+        "reasons": [str(r) for r in rec.get("reasons") or []],
+        "target": rec.get("target"),
+        "current": current,
+        "saving": saving,
+    }
+
+
+def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFrame) -> list[tuple[str, str]]:
+    from precprof.report import filters as F
+
+    final = summary.get(T.SUMMARY_FINAL) or {}
+    out: list[tuple[str, str]] = []
+    prec = S.requested_precision(summary)
+    if prec:
+        out.append(("precision", prec))
+    n_steps = len(steps) if not steps.empty else final.get("steps")
+    if n_steps is not None:
+        out.append(("steps", F.count(n_steps)))
+    if not layers.empty:
+        out.append(("sampled steps", F.count(layers[T.STEP].nunique())))
+    if not steps.empty:
+        out.append(("skipped steps", F.count(int(steps[T.SKIPPED].fillna(False).astype(bool).sum()))))
+        loss = pd.to_numeric(steps[T.LOSS], errors="coerce").dropna()
+        if len(loss):
+            out.append(("final loss", F.num(loss.iloc[-1], 4)))
+    for key, label in (("tokens_per_s", "tokens/s"), ("time_s", "time (s)")):
+        if final.get(key) is not None:
+            out.append((label, F.num(final[key])))
+    if not layers.empty:
+        out.append(("layers profiled", F.count(layers[T.MODULE].nunique())))
+    return out
+
+
+def _heatmaps(tables: Mapping[str, pd.DataFrame], rec: dict[str, Any] | None) -> list[dict[str, Any]]:
+    from precprof.report import filters as F
+
+    layers, hist = tables["layers"], S.aggregate_histograms(tables["histograms"])
+    rec_scale = None
+    if rec:
+        rec_scale = (
+            _f(rec.get("loss_scale")) if rec.get("format") == "fp16" else _f(rec.get("fp16_loss_scale"))
+        )
+    out: list[dict[str, Any]] = []
+    for kind in HEATMAP_KINDS:
+        hm = plots.signature_heatmap(hist, layers, kind, recommended_scale=rec_scale)
+        title = S.KIND_LABELS[kind].capitalize()
+        if hm is None:
+            out.append({"kind": kind, "title": title, "img": None, "notes": []})
+            continue
+        notes: list[str] = []
+        sc = hm.scale
+        if kind in T.GRADIENT_KINDS:
+            rng = (
+                f" (it ranged {F.pow2(sc['min'])} to {F.pow2(sc['max'])} over sampled steps)"
+                if sc["min"] != sc["max"]
+                else ""
+            )
+            notes.append(
+                f"The FP16 window is drawn at the loss scale of the last sampled step, {F.pow2(sc['last'])}{rng}: "
+                "a gradient g is stored as g·scale, so the window slides left as the scale grows."
+            )
+            if rec_scale and rec_scale != sc["last"]:
+                notes.append(
+                    f"The dotted dark-red lines are FP16's window at the recommended scale {F.pow2(rec_scale)}."
+                )
+        else:
+            notes.append("Forward tensors are not loss-scaled: every window is at scale 1.")
+        notes.append(
+            "BF16, FP8 E4M3 and E5M2 windows are static (scale 1, no per-tensor scaling). Under FP8 current scaling "
+            "(Transformer Engine's per-tensor recipe, scale 2^floor(log2(fmax/amax))) each tensor's window slides "
+            "so that its largest value lands just below the format's max; the what-if table's "
+            "“current scaling” columns count that recipe."
+        )
+        if hm.rows_shown < hm.rows_total:
+            notes.append(
+                f"Showing {hm.rows_shown} of {hm.rows_total} rows: the first and last, and those that lose the most "
+                "in FP16; every row is in the tables below."
+            )
+        alt = (
+            f"Heatmap of {S.KIND_LABELS[kind]}: {hm.rows_shown} rows in forward order by log2 magnitude, "
+            "with FP16, BF16, FP8 E4M3 and E5M2 windows"
+        )
+        out.append({"kind": kind, "title": title, "img": _img(hm.figure, alt), "notes": notes})
+    return out
+
+
+def _whatif(layers: pd.DataFrame) -> dict[str, Any]:
+    cols = S.whatif_columns()
+    headers = []
+    for col, fmt, what in cols:
+        label = S.FORMAT_LABELS.get(fmt, fmt)
+        sub = {
+            "underflow": "underflow",
+            "overflow": "overflow",
+            "underflow_cs": "underflow, current scaling",
+        }[what]
+        headers.append({"col": col, "format": fmt, "label": label, "what": sub})
+    by_layer = S.whatif_by_layer(layers)
+    rows = []
+    for r in by_layer.to_dict("records"):
+        rows.append(
+            {
+                "module": S.module_label(str(r[T.MODULE])),
+                "module_type": r[T.MODULE_TYPE],
+                "kind": S.KIND_LABELS.get(str(r[T.TENSOR]), str(r[T.TENSOR])),
+                "numel": r[T.NUMEL],
+                "scale": r[T.SCALE],
+                "shares": [r[h["col"]] for h in headers],
+            }
+        )
+    overview = []
+    for r in S.whatif_overview(layers).to_dict("records"):
+        overview.append(
+            {
+                "kind": S.KIND_LABELS.get(str(r[T.TENSOR]), str(r[T.TENSOR])),
+                "numel": r[T.NUMEL],
+                "shares": [r[h["col"]] for h in headers],
+            }
+        )
+    groups: list[dict[str, Any]] = []
+    for h in headers:
+        if groups and groups[-1]["label"] == h["label"]:
+            groups[-1]["n"] += 1
+        else:
+            groups.append({"label": h["label"], "format": h["format"], "n": 1})
+    return {"headers": headers, "groups": groups, "rows": rows, "overview": overview}
+
+
+def _environment(summary: Mapping[str, Any]) -> dict[str, Any]:
+    cfg = dict(summary.get(T.SUMMARY_CONFIG) or {})
+    hw = dict(summary.get(T.SUMMARY_HARDWARE) or {})
+    capture = dict(summary.get(T.SUMMARY_CAPTURE) or {})
+    command = None
+    for src in (cfg, summary):
+        for key in ("command", "command_line", "cmdline", "argv"):
+            if src.get(key):
+                command = src[key]
+                break
+        if command is not None:
+            break
+    settings: list[tuple[str, Any]] = []
+    for key, label in (
+        ("tf32_matmul_enabled", "TF32 matmul (torch.backends.cuda.matmul.allow_tf32)"),
+        ("tf32_cudnn_enabled", "TF32 cuDNN (torch.backends.cudnn.allow_tf32)"),
+        ("float32_matmul_precision", "torch.get_float32_matmul_precision()"),
+    ):
+        if key in hw:
+            settings.append((label, hw[key]))
+    for src_name, src in (("config", cfg), ("capture", capture)):
+        for k, v in src.items():
+            if any(w in k.lower() for w in ("autocast", "precision", "loss_scal", "scaler", "amp", "tf32")):
+                settings.append((f"{k} ({src_name})", v))
+    device = hw.get("name") or hw.get("device")
+    if hw.get("compute_capability"):
+        device = f"{device} (compute capability {hw['compute_capability']})"
+    return {
+        "device": device,
+        "command": command,
+        "settings": settings,
+        "groups": [
+            ("Hardware", hw),
+            ("Versions", dict(summary.get(T.SUMMARY_VERSIONS) or {})),
+            ("Run configuration", cfg),
+            ("Model", dict(summary.get(T.SUMMARY_MODEL) or {})),
+            ("Capture", capture),
+        ],
+    }
+
+
+def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> dict[str, Any]:
+    measured = S.measured_memory(tables["memory"])
+    records = S.memory_records(summary)
+    fig = plots.memory_figure(measured, records, S.requested_precision(summary))
+    # the per-mode tables: one row per (mode, source), one column per component
+    comps = list(dict.fromkeys(r["component"] for r in records))
+    grid: dict[tuple[str, str], dict[str, float]] = {}
+    for r in records:
+        grid.setdefault((r["mode"], r["source"]), {})
+        cell = grid[(r["mode"], r["source"])]
+        cell[r["component"]] = cell.get(r["component"], 0.0) + r["bytes"]
+    proj_rows = [
+        {"mode": m, "source": s, "cells": [v.get(c) for c in comps], "total": sum(v.values())}
+        for (m, s), v in grid.items()
+    ]
+    return {
+        "img": _img(fig, "Stacked bars of memory per component: measured, projected per format, textbook"),
+        "measured": measured,
+        "components": comps,
+        "rows": proj_rows,
+        "has_projection": bool(records),
+    }
+
+
+def build_context(
+    tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any], recommendation: Any = None
+) -> dict[str, Any]:
+    """Everything the templates show, as plain data (numbers unformatted; the filters format them)."""
+    tabs = {name: tables.get(name, T.empty(name)) for name in T.TABLES}
+    tabs = {name: df if len(df.columns) else T.empty(name) for name, df in tabs.items()}
+    layers, steps = tabs["layers"], tabs["steps"]
+    if recommendation is None:
+        recommendation = summary.get(T.SUMMARY_RECOMMENDATION)
+    rec = recommendation_dict(recommendation)
+    memory = _memory(tabs, summary)
+    records = S.memory_records(summary)
+    verdict = _verdict(rec, summary, memory["measured"], records)
+    findings = sorted_findings(rec.get("findings", []) if rec else [])
+    cfg = summary.get(T.SUMMARY_CONFIG) or {}
+    model = (summary.get(T.SUMMARY_MODEL) or {}).get("name") or cfg.get("model") or "model"
+    status = str(summary.get(T.SUMMARY_STATUS) or T.STATUS_COMPLETE)
+    training_fig = plots.training_figure(steps)
+    return {
+        "title": f"{model} · {S.requested_precision(summary) or 'run'}",
+        "version": __version__,
+        "generated": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "sections": SECTIONS,
+        "incomplete": status == T.STATUS_INCOMPLETE,
+        "incomplete_reason": summary.get(T.SUMMARY_INCOMPLETE_REASON)
+        or "the run did not finish (cause not recorded)",
+        "headline": _headline(summary, steps, layers),
+        "verdict": verdict,
+        "findings": findings,
+        "severity_counts": {
+            s: sum(1 for f in findings if str(f.get("severity", "")).lower() == s)
+            for s in ("critical", "warning", "info")
+        },
+        "training": {
+            "img": _img(
+                training_fig, "Loss, loss scale with skipped steps, and gradient norm over training steps"
+            ),
+        },
+        "heatmaps": _heatmaps(tabs, rec),
+        "whatif": _whatif(layers),
+        "layers": S.layer_records(layers),
+        "memory": memory,
+        "verification": S.precision_check(layers, tabs["memory"], summary),
+        "environment": _environment(summary),
+    }

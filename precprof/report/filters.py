@@ -1,0 +1,178 @@
+"""Jinja filters: every number in the report is formatted here, so the page reads the same everywhere.
+
+Each filter takes a raw value (int, float, NaN, None, numpy scalar) and returns text; missing values become an
+em dash. ``sortkey`` gives the raw number the page's small sorting script compares.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+MISSING = "—"
+
+
+def _float(v: Any) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None if v is None else float(v)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def num(v: Any, digits: int = 3) -> str:
+    """A number with ``digits`` significant digits; scientific notation for very small or large values."""
+    f = _float(v)
+    if f is None:
+        return MISSING if not isinstance(v, str) else v
+    if math.isinf(f):
+        return "inf" if f > 0 else "-inf"
+    if f == 0:
+        return "0"
+    if f.is_integer() and abs(f) < 1e15:
+        return f"{int(f):,}"
+    a = abs(f)
+    if a < 1e-3 or a >= 1e6:
+        return f"{f:.{digits - 1}e}"
+    return f"{f:.{digits}g}"
+
+
+def count(v: Any) -> str:
+    """An integer count with thousands separators."""
+    f = _float(v)
+    if f is None:
+        return MISSING
+    if math.isinf(f):
+        return "inf"
+    return f"{round(f):,}"
+
+
+def pct(v: Any) -> str:
+    """A share in [0, 1] as a percentage with 3 significant digits; tiny nonzero shares stay visible."""
+    f = _float(v)
+    if f is None:
+        return MISSING
+    if f == 0:
+        return "0%"
+    p = 100 * f
+    if abs(p) < 1e-4:
+        return "<0.0001%"
+    return f"{p:.3g}%"
+
+
+def nbytes(v: Any) -> str:
+    """Bytes in IEC units (KiB, MiB, GiB)."""
+    f = _float(v)
+    if f is None:
+        return MISSING
+    sign = "-" if f < 0 else ""
+    f = abs(f)
+    for div, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if f >= div:
+            return f"{sign}{f / div:.3g} {unit}"
+    return f"{sign}{f:.0f} B"
+
+
+def pow2(v: Any) -> str:
+    """A loss scale: ``32768 (2^15)`` for powers of two, the number otherwise."""
+    f = _float(v)
+    if f is None:
+        return MISSING
+    if f > 0 and math.isfinite(f):
+        k = math.log2(f)
+        if abs(k - round(k)) < 1e-9:
+            return f"{num(f)} (2^{round(k)})"
+    return num(f)
+
+
+def log2mag(v: Any) -> str:
+    """A magnitude with its binade, e.g. ``5.24e+05 (2^19.0)``; helps read values against format windows."""
+    f = _float(v)
+    if f is None:
+        return MISSING
+    if f <= 0 or math.isinf(f):
+        return num(f)
+    return f"{num(f)} (2^{math.log2(f):.1f})"
+
+
+def sortkey(v: Any) -> str:
+    """The raw number for the page's sorting script ("" for missing, so those sort last)."""
+    f = _float(v)
+    if f is None:
+        return ""
+    if math.isinf(f):
+        return "1e308" if f > 0 else "-1e308"
+    return repr(f)
+
+
+def plain(v: Any) -> str:
+    """A config/environment value as text: lists joined, dicts as k=v, bools as yes/no."""
+    if v is None:
+        return MISSING
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return num(v)
+    if isinstance(v, Mapping):
+        return ", ".join(f"{k}={plain(x)}" for k, x in v.items()) or MISSING
+    if isinstance(v, (list, tuple, set)):
+        return ", ".join(plain(x) for x in v) or MISSING
+    return str(v)
+
+
+def cmdline(v: Any) -> str:
+    """A command line given as a string or an argv list."""
+    if isinstance(v, Sequence) and not isinstance(v, str):
+        return shlex.join(str(x) for x in v)
+    return MISSING if v is None else str(v)
+
+
+def number_by_name(name: str, v: Any) -> str:
+    """A finding's number formatted by what its name says it is (share, scale, bytes, exponent ...)."""
+    n = name.lower()
+    if isinstance(v, (list, tuple)):
+        return ", ".join(number_by_name(name, x) for x in v)
+    if isinstance(v, str):
+        return v
+    if any(k in n for k in ("share", "fraction", "ratio", "pct", "percent", "rate")):
+        return pct(v) if "pct" not in n and "percent" not in n else f"{num(v)}%"
+    if "bytes" in n:
+        return nbytes(v)
+    if "scale" in n:
+        return pow2(v)
+    if any(k in n for k in ("absmax", "absmin", "max", "min", "value")):
+        return log2mag(v)
+    return num(v)
+
+
+FILTERS: dict[str, Callable[..., str]] = {
+    "num": num,
+    "count": count,
+    "pct": pct,
+    "nbytes": nbytes,
+    "pow2": pow2,
+    "log2mag": log2mag,
+    "sortkey": sortkey,
+    "plain": plain,
+    "cmdline": cmdline,
+    "number_by_name": number_by_name,
+}
+
+
+def share_class(v: Any) -> str:
+    """CSS class of a lost-share cell: ``bad`` from 1%, ``warn`` from 0.01%, ``some`` above 0, ``zero``."""
+    f = _float(v)
+    if f is None:
+        return "na"
+    if f >= 0.01:
+        return "bad"
+    if f >= 1e-4:
+        return "warn"
+    return "some" if f > 0 else "zero"
+
+
+FILTERS["share_class"] = share_class

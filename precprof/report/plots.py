@@ -1,0 +1,522 @@
+"""The report's figures: matplotlib's object API on the Agg canvas, never pyplot (no global state, thread-safe,
+no display needed).
+
+Each public ``*_figure`` function takes tables (DataFrames) and returns a ``matplotlib.figure.Figure``, or None
+when there is nothing to draw; ``png_bytes`` and ``data_uri`` turn a figure into what the HTML embeds.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import matplotlib
+import matplotlib.transforms
+
+matplotlib.use("Agg", force=False)  # harmless when already set; the Figure API below never needs a GUI
+
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
+
+from precprof import formats
+from precprof import tables as T
+from precprof.report import summarize as S
+
+# one colour per format, the same in every figure and in the page's CSS
+FORMAT_COLORS: dict[str, str] = {
+    "fp16": "#d62728",
+    "bf16": "#ff7f0e",
+    "fp8_e4m3": "#9467bd",
+    "fp8_e5m2": "#2ca02c",
+}
+COMPONENT_COLORS: dict[str, str] = {  # also the stacking order
+    T.PARAMETERS: "#4c72b0",
+    T.GRADIENTS: "#dd8452",
+    T.OPTIMIZER_STATES: "#55a868",
+    T.AUTOCAST_WEIGHT_COPIES: "#8172b3",
+    T.ACTIVATIONS: "#c44e52",
+    T.PROFILER_BUFFERS: "#937860",
+}
+_OTHER_COLORS = ("#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd", "#a1c9f4", "#b0b0b0")
+SKIP_COLOR = "#d62728"
+DPI = 100
+
+
+# ------------------------------------------------------------------------------------------- embedding
+def png_bytes(fig: Figure, dpi: int = DPI) -> bytes:
+    """Render ``fig`` to PNG bytes with the Agg canvas."""
+    FigureCanvasAgg(fig)  # attach the Agg canvas explicitly: no backend lookup, no pyplot
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
+def svg_bytes(fig: Figure) -> bytes:
+    """Render ``fig`` to SVG bytes (for small line plots that should stay sharp when zoomed)."""
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="svg")
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, mime: str = "image/png") -> str:
+    """A ``data:`` URI that embeds ``data`` in the page (base64)."""
+    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def _pow2_label(x: float, _pos: Any = None) -> str:
+    if not math.isfinite(x):
+        return ""
+    k = round(x)
+    return f"$2^{{{k}}}$" if abs(x - k) < 1e-9 else ""
+
+
+def pow2_text(v: float) -> str:
+    """``2^k`` for powers of two, else the value with 3 significant digits (plain text, for captions)."""
+    if v > 0 and math.isfinite(v):
+        k = math.log2(v)
+        if abs(k - round(k)) < 1e-9:
+            return f"2^{round(k)}"
+    return f"{v:.3g}"
+
+
+def _pct(x: float, _pos: Any = None) -> str:
+    if x <= 0:
+        return "0%"
+    p = 100 * x
+    if p >= 1:
+        return f"{p:.0f}%"
+    return f"{p:g}%"
+
+
+# -------------------------------------------------------------------------------------------- training
+def training_figure(steps: pd.DataFrame) -> Figure | None:
+    """Loss, loss scale (log2 axis, skipped steps marked) and gradient norm over steps, side by side."""
+    if steps.empty:
+        return None
+    df = steps.sort_values(T.STEP)
+    x = pd.to_numeric(df[T.STEP], errors="coerce").to_numpy(dtype=float)
+    skipped = df[T.SKIPPED].fillna(False).astype(bool).to_numpy()
+    fig = Figure(figsize=(13.5, 3.4))
+    axes = fig.subplots(1, 3)
+    fig.subplots_adjust(left=0.055, right=0.99, top=0.9, bottom=0.24, wspace=0.28)
+
+    def mark_skipped(ax: Any) -> None:
+        for s in x[skipped]:
+            ax.axvspan(s - 0.5, s + 0.5, color=SKIP_COLOR, alpha=0.12, lw=0)
+
+    loss = pd.to_numeric(df[T.LOSS], errors="coerce").to_numpy(dtype=float)
+    ax = axes[0]
+    mark_skipped(ax)
+    ax.plot(x, loss, color="#1f4e79", lw=1.4, marker="." if len(x) <= 60 else None, label="loss")
+    bad = ~np.isfinite(loss)
+    if bad.any():
+        top = np.nanmax(loss[~bad]) if (~bad).any() else 1.0
+        ax.plot(x[bad], np.full(bad.sum(), top), "X", color=SKIP_COLOR, ms=8, label="loss not finite")
+    ax.set_title("Training loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+
+    ax = axes[1]
+    mark_skipped(ax)
+    ls = pd.to_numeric(df[T.LOSS_SCALE], errors="coerce").to_numpy(dtype=float)
+    ok = np.isfinite(ls) & (ls > 0)
+    if ok.any():
+        y = np.log2(ls[ok])
+        ax.step(x[ok], y, where="post", color="#1f4e79", lw=1.4, label="loss scale")
+        sk = skipped & ok
+        if sk.any():
+            ax.plot(x[sk], np.log2(ls[sk]), "v", color=SKIP_COLOR, ms=7, label="skipped step (inf/nan grads)")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+        ax.yaxis.set_major_formatter(FuncFormatter(_pow2_label))
+        if np.nanmax(y) - np.nanmin(y) < 1:
+            ax.set_ylim(np.nanmin(y) - 1, np.nanmax(y) + 1)
+        if bool(np.all(ls[ok] == 1)):
+            ax.text(0.5, 0.6, "no loss scaling (scale 1)", ha="center", transform=ax.transAxes, color="#555")
+    else:
+        ax.text(0.5, 0.5, "no loss scale recorded", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(f"Loss scale ({int(skipped.sum())} skipped step{'s' if skipped.sum() != 1 else ''})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss scale (log2)")
+
+    ax = axes[2]
+    mark_skipped(ax)
+    gn = pd.to_numeric(df[T.GRAD_NORM], errors="coerce").to_numpy(dtype=float)
+    fin = np.isfinite(gn) & (gn > 0)
+    if fin.any():
+        ax.plot(
+            x[fin], gn[fin], color="#1f4e79", lw=1.4, marker="." if len(x) <= 60 else None, label="grad norm"
+        )
+        if np.nanmax(gn[fin]) / np.nanmin(gn[fin]) > 30:
+            ax.set_yscale("log")
+        inf = np.isinf(gn)
+        if inf.any():
+            ax.plot(
+                x[inf],
+                np.full(inf.sum(), np.nanmax(gn[fin]) * 1.5),
+                "^",
+                color=SKIP_COLOR,
+                ms=7,
+                label="inf/nan gradient",
+            )
+    else:
+        ax.text(0.5, 0.5, "no gradient norm recorded", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title("Gradient norm (unscaled)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("‖g‖₂" + (" (log scale)" if ax.get_yscale() == "log" else ""))
+    for a in axes:
+        a.grid(True, alpha=0.3)
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    handles = [
+        Line2D([], [], color="#1f4e79", lw=1.4, label="recorded value"),
+        Patch(color=SKIP_COLOR, alpha=0.25, label="skipped optimizer step"),
+        Line2D([], [], color=SKIP_COLOR, marker="v", ls="", label="scale backed off (inf/nan gradients)"),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=3, frameon=False, fontsize=9)
+    return fig
+
+
+# ----------------------------------------------------------------------------------------- heatmaps
+@dataclass(frozen=True)
+class Window:
+    """A format's representable window in unscaled log2 units: values at or below 2^lo vanish, at or above 2^hi
+    overflow; between lo and normal_lo they are subnormal (fewer significant bits)."""
+
+    key: str
+    label: str
+    lo: float
+    normal_lo: float
+    hi: float
+    color: str
+    style: str
+
+
+def format_window(fmt: str, scale: float = 1.0, label: str | None = None, style: str = "-") -> Window:
+    """Window of ``fmt`` for values multiplied by ``scale`` before the cast, in unscaled log2 |value|."""
+    f = formats.get(fmt)
+    ls = math.log2(scale) if scale > 0 else 0.0
+    return Window(
+        key=fmt,
+        label=label or S.FORMAT_LABELS.get(fmt, fmt),
+        lo=math.log2(f.underflow_max) - ls,
+        normal_lo=math.log2(f.smallest_normal) - ls,
+        hi=math.log2(f.overflow_min) - ls,
+        color=FORMAT_COLORS.get(fmt, "#333"),
+        style=style,
+    )
+
+
+def heatmap_windows(kind: str, scale: float, recommended_scale: float | None = None) -> list[Window]:
+    """Windows drawn over a heatmap of ``kind``: fp16 at the scale in effect (and at the recommended scale when
+    that differs), bf16, e4m3 and e5m2 at scale 1 (static windows, no per-tensor scaling)."""
+    scaled = kind in T.GRADIENT_KINDS
+    s = scale if scaled else 1.0
+    wins = [format_window("fp16", s, f"FP16 at scale {pow2_text(s)}" if scaled else "FP16")]
+    if scaled and recommended_scale and recommended_scale > 0 and recommended_scale != s:
+        rec = format_window("fp16", recommended_scale)
+        wins.append(
+            replace(
+                rec, label=f"FP16 at recommended {pow2_text(recommended_scale)}", color="#7f0000", style=":"
+            )
+        )
+    wins += [
+        format_window("bf16", 1.0, style="-."),
+        format_window("fp8_e4m3", 1.0, "FP8 E4M3 (static, scale 1)", style="--"),
+        format_window("fp8_e5m2", 1.0, "FP8 E5M2 (static, scale 1)", style=(0, (5, 1, 1, 1))),  # type: ignore[arg-type]
+    ]
+    return wins
+
+
+def _select_rows(
+    rows: list[tuple[str, str]], lost: Mapping[tuple[str, str], tuple[float, float]], max_rows: int
+) -> list[int]:
+    """Indices of the rows to draw: all of them, or the ``max_rows`` that lose the most in fp16 (plus the first
+    and last), kept in forward order."""
+    if len(rows) <= max_rows:
+        return list(range(len(rows)))
+
+    def badness(i: int) -> float:
+        u, o = lost.get(rows[i], (0.0, 0.0))
+        return (0 if math.isnan(u) else u) + (0 if math.isnan(o) else o)
+
+    keep = {0, len(rows) - 1}
+    for i in sorted(range(len(rows)), key=lambda i: (-badness(i), i)):
+        if len(keep) >= max_rows:
+            break
+        keep.add(i)
+    return sorted(keep)
+
+
+@dataclass
+class Heatmap:
+    """A signature heatmap and what its caption needs to say."""
+
+    figure: Figure
+    kind: str
+    rows_total: int
+    rows_shown: int
+    scale: dict[str, float]
+    windows: list[Window]
+
+
+def signature_heatmap(
+    histograms: pd.DataFrame,
+    layers: pd.DataFrame,
+    kind: str = T.ACTIVATION_GRAD,
+    *,
+    recommended_scale: float | None = None,
+    max_rows: int = 90,
+) -> Heatmap | None:
+    """Layers (rows, forward order) by log2 |value| (columns) for one tensor kind, with format windows on top.
+
+    Colour: share of the row's nonzero values in each binade (log scale), summed over sampled steps. Vertical
+    lines: where each format's window starts (underflow: at or below) and ends (overflow), in unscaled units;
+    fp16 at the loss scale of the last sampled step for gradients. Right panel: share of the row's values lost
+    in fp16 at the recorded scales. With more than ``max_rows`` rows, the rows that lose the most are shown.
+    """
+    rows, exps, mat = S.heatmap_matrix(histograms, layers, kind)
+    if not rows or mat.size == 0 or mat.sum() <= 0:
+        return None
+    lost = S.lost_share_by_row(layers, kind, "fp16")
+    sel = _select_rows(rows, lost, max_rows)
+    rows = [rows[i] for i in sel]
+    mat = mat[sel]
+    tot = mat.sum(axis=1, keepdims=True)
+    share = np.divide(mat, tot, out=np.zeros_like(mat), where=tot > 0)
+    scale = S.scale_in_effect(layers, kind)
+    wins = heatmap_windows(kind, scale["last"], recommended_scale)
+
+    fp16 = wins[0]
+    x0 = float(min(exps[0], math.floor(fp16.lo))) - 1
+    x1 = float(max(exps[-1] + 1, math.ceil(fp16.hi))) + 1
+    n = len(rows)
+    labels = [S.row_label(m, p) for m, p in rows]
+    row_h = 0.17 if n > 40 else 0.22
+    heat_h = max(1.6, n * row_h)
+    strip_h = 0.27 * len(wins) + 0.2
+    fig_h = heat_h + strip_h + 1.35
+    width = 13.5
+    label_in = 0.2 + 0.062 * max(len(s) for s in labels)
+    fig = Figure(figsize=(width, fig_h))
+    gs = fig.add_gridspec(
+        2, 3, height_ratios=[strip_h, heat_h], width_ratios=[1.0, 0.2, 0.022], hspace=0.04, wspace=0.04
+    )
+    fig.subplots_adjust(
+        left=min(0.45, label_in / width), right=0.93, top=1 - 0.4 / fig_h, bottom=0.75 / fig_h
+    )
+    ax_strip = fig.add_subplot(gs[0, 0])
+    ax = fig.add_subplot(gs[1, 0], sharex=ax_strip)
+    # not sharey: a shared axis would build a second set of ~n tick objects, the slowest part of the figure
+    ax_lost = fig.add_subplot(gs[1, 1])
+    cax = fig.add_subplot(gs[1, 2])
+
+    masked = np.ma.masked_less_equal(share, 0)
+    cmap = matplotlib.colormaps["Blues"].copy()
+    cmap.set_bad("white")
+    im = ax.imshow(
+        masked,
+        aspect="auto",
+        interpolation="nearest",
+        extent=(float(exps[0]), float(exps[-1] + 1), n, 0),
+        cmap=cmap,
+        norm=LogNorm(vmin=1e-6, vmax=1.0),
+    )
+    ax.set_xlim(x0, x1)
+    ax.set_ylim(n, 0)
+    # row names as plain texts: tick objects cost ~3 ms each to build and measure, texts a fraction of that
+    ax.set_yticks([])
+    label_tf = matplotlib.transforms.blended_transform_factory(ax.transAxes, ax.transData)
+    fs = 7.5 if n > 40 else 8.5
+    for i, lab in enumerate(labels):
+        ax.text(-0.006, i + 0.5, lab, transform=label_tf, ha="right", va="center", fontsize=fs, clip_on=False)
+    ax.set_xlabel("log2 |value| (unscaled; column k holds values in [2^k, 2^(k+1)))")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=16))
+    ax.grid(True, axis="x", color="#000", alpha=0.06)
+    for w in wins:
+        for xv in (w.lo, w.hi):
+            if x0 < xv < x1:
+                ax.axvline(xv, color=w.color, ls=w.style, lw=1.6 if w.key == "fp16" else 1.2)
+    cb = fig.colorbar(im, cax=cax)
+    cb.set_label("share of the layer's nonzero values (log scale)")
+    cb.minorticks_off()  # each minor tick is a marker deep-copied at draw time: ~2 ms apiece
+
+    # window strip: one bar per format, clipped to the plotted range, subnormal part lighter; names on the left
+    ax_strip.set_ylim(len(wins) - 0.5, -0.5)
+    for i, w in enumerate(wins):
+        lo, hi = max(w.lo, x0), min(w.hi, x1)
+        nlo = min(max(w.normal_lo, x0), x1)
+        if lo < nlo:
+            ax_strip.barh(i, nlo - lo, left=lo, height=0.62, color=w.color, alpha=0.28, lw=0)
+        if nlo < hi:
+            ax_strip.barh(i, hi - nlo, left=nlo, height=0.62, color=w.color, alpha=0.75, lw=0)
+        if hi > lo:
+            rng = f"2^{w.lo:.0f} … 2^{w.hi:.0f}" + (
+                " (wider than this plot)" if w.lo < x0 and w.hi > x1 else ""
+            )
+            ax_strip.text(
+                (lo + hi) / 2,
+                i,
+                rng,
+                ha="center",
+                va="center",
+                fontsize=8,
+                clip_on=True,
+                bbox={"boxstyle": "round,pad=0.12", "fc": "white", "ec": "none", "alpha": 0.85},
+            )
+        else:
+            side = "below" if w.lo >= x1 else "above"
+            ax_strip.text(
+                (x0 + x1) / 2,
+                i,
+                f"2^{w.lo:.0f} … 2^{w.hi:.0f}: entirely {side} this plot's range",
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="#555",
+            )
+    ax_strip.set_yticks(range(len(wins)))
+    ax_strip.set_yticklabels([w.label for w in wins], fontsize=8.5)
+    for t, w in zip(ax_strip.get_yticklabels(), wins, strict=True):
+        t.set_color(w.color)
+    ax_strip.tick_params(axis="y", length=0)
+    ax_strip.tick_params(axis="x", labelbottom=False)
+    ax_strip.set_title(
+        f"{S.KIND_LABELS.get(kind, kind).capitalize()}: where each layer's values fall, and each format's "
+        "representable window (light: subnormal)",
+        fontsize=11,
+        loc="left",
+    )
+    for sp in ("top", "right", "left"):
+        ax_strip.spines[sp].set_visible(False)
+    # shade what fp16 (at the scale in effect) cannot hold, so the lost tails stand out
+    ax.axvspan(x0, fp16.lo, color=fp16.color, alpha=0.07, lw=0)
+    ax.axvspan(fp16.hi, x1, color=fp16.color, alpha=0.07, lw=0)
+
+    # right panel: share lost in fp16 at the recorded scale
+    u = np.array([lost.get(r, (0.0, 0.0))[0] for r in rows], dtype=float)
+    o = np.array([lost.get(r, (0.0, 0.0))[1] for r in rows], dtype=float)
+    u, o = np.nan_to_num(u), np.nan_to_num(o)
+    floor = 1e-6
+    y = np.arange(n) + 0.5
+    ax_lost.barh(
+        y, np.maximum(u, floor) - floor, left=floor, height=0.75, color=FORMAT_COLORS["fp16"], alpha=0.85
+    )
+    ax_lost.barh(
+        y,
+        np.where(o > 0, np.maximum(o, floor) - floor, 0),
+        left=np.maximum(u, floor),
+        height=0.75,
+        color="#111",
+        alpha=0.8,
+    )
+    ax_lost.set_xscale("log")
+    ax_lost.set_xlim(floor, 1.0)
+    ax_lost.xaxis.set_major_formatter(FuncFormatter(_pct))
+    ax_lost.set_xticks([1e-4, 1e-2, 1.0])
+    ax_lost.xaxis.set_minor_locator(NullLocator())
+    ax_lost.set_ylim(n, 0)
+    ax_lost.set_yticks([])
+    ax_lost.tick_params(axis="x", labelsize=7.5)
+    ax_lost.set_xlabel("lost in FP16\n(recorded scale)", fontsize=8.5)
+    ax_lost.grid(True, axis="x", alpha=0.3)
+    handles = [
+        Patch(color=FORMAT_COLORS["fp16"], alpha=0.85, label="underflow"),
+        Patch(color="#111", alpha=0.8, label="overflow"),
+    ]
+    ax_lost.legend(handles=handles, loc="lower right", fontsize=7, frameon=True, framealpha=0.9)
+    return Heatmap(fig, kind, len(S.row_order(layers, kind)) or len(sel), n, scale, wins)
+
+
+# --------------------------------------------------------------------------------------------- memory
+def _unit(max_bytes: float) -> tuple[float, str]:
+    for div, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if max_bytes >= div:
+            return float(div), name
+    return 1.0, "bytes"
+
+
+def memory_figure(
+    measured: Mapping[str, Any], records: Sequence[Mapping[str, Any]], current_mode: str = ""
+) -> Figure | None:
+    """Horizontal stacked bars of bytes per component: this run as measured, the projection for other precision
+    modes, and the textbook per-parameter accounting; the allocator peak as a black tick on the measured bar.
+
+    ``measured`` is ``summarize.measured_memory(memory_table)``; ``records`` are summary["memory"] records. When
+    the records already hold this run's measured stack, the tables' stack is not drawn twice.
+    """
+    bars: list[tuple[str, dict[str, float], float | None]] = []
+    peak = (measured.get("peaks") or {}).get(T.ALLOCATOR_PEAK)
+    order: list[tuple[str, str]] = []
+    stacks: dict[tuple[str, str], dict[str, float]] = {}
+    src_rank = {"measured": 0, "projected": 1, "textbook": 2}
+    for r in records:
+        if r["component"] in S.PEAK_COMPONENTS:
+            continue
+        key = (r["mode"], r["source"])
+        if key not in stacks:
+            stacks[key] = {}
+            order.append(key)
+        stacks[key][r["component"]] = stacks[key].get(r["component"], 0.0) + float(r["bytes"])
+    comps = dict(measured.get("components") or {})
+    if comps and not any(src == "measured" for _, src in order):
+        bars.append((f"{current_mode or 'this run'} · measured", comps, peak))
+    modes = list(dict.fromkeys(m for m, _ in order))
+    if current_mode in modes:  # this run's mode first
+        modes.remove(current_mode)
+        modes.insert(0, current_mode)
+    order.sort(key=lambda k: (modes.index(k[0]), src_rank.get(k[1], 3)))
+    for mode, src in order:
+        bars.append((f"{mode} · {src}", stacks[(mode, src)], peak if src == "measured" else None))
+    if not bars:
+        return None
+    known = list(COMPONENT_COLORS)
+    comp_names = sorted(
+        dict.fromkeys(c for _, st, _ in bars for c in st),
+        key=lambda c: known.index(c) if c in known else len(known),
+    )
+    colors: dict[str, str] = {}
+    extra = iter(_OTHER_COLORS * 4)
+    for c in comp_names:
+        colors[c] = COMPONENT_COLORS.get(c) or next(extra)
+    biggest = max(max(sum(st.values()), pk or 0) for _, st, pk in bars)
+    div, unit = _unit(biggest)
+    fig = Figure(figsize=(12, 0.42 * len(bars) + 1.6))
+    ax = fig.subplots()
+    label_in = 0.25 + 0.068 * max(len(b[0]) for b in bars)
+    fig.subplots_adjust(
+        left=min(0.4, label_in / 12),
+        right=0.8,
+        top=1 - 0.35 / (0.42 * len(bars) + 1.6),
+        bottom=0.7 / (0.42 * len(bars) + 1.6),
+    )
+    for i, (_label, st, pk) in enumerate(bars):
+        left = 0.0
+        for c in comp_names:
+            v = st.get(c, 0.0) / div
+            if v > 0:
+                ax.barh(i, v, left=left, color=colors[c], height=0.66, edgecolor="white", lw=0.5)
+                left += v
+        ax.text(left, i, f" {left:.3g} {unit}", va="center", fontsize=8.5)
+        if pk:
+            ax.plot([pk / div, pk / div], [i - 0.4, i + 0.4], color="black", lw=2.2)
+    ax.set_yticks(range(len(bars)))
+    ax.set_yticklabels([b[0] for b in bars], fontsize=9)
+    ax.set_ylim(len(bars) - 0.5, -0.5)
+    ax.set_xlim(0, biggest / div * 1.15)
+    ax.set_xlabel(f"memory ({unit})")
+    ax.grid(True, axis="x", alpha=0.3)
+    handles: list[Any] = [Patch(color=colors[c], label=c.replace("_", " ")) for c in comp_names]
+    if any(pk for _, _, pk in bars):
+        handles.append(Line2D([], [], color="black", lw=2.2, label="allocator peak"))
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8.5, frameon=False)
+    return fig

@@ -1,0 +1,138 @@
+"""Render the HTML report: one self-contained file (inline CSS, inline PNG plots, a few lines of optional JS).
+
+The templates live in ``reports/templates/`` of the repository and ship in the wheel as the package
+``precprof.templates``; ``templates_dir()`` finds them in either place. Autoescape is on for everything: module
+names, config values and findings are user data.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import pandas as pd
+
+from precprof import tables as T
+from precprof.errors import UserError
+from precprof.report import filters
+from precprof.report.context import build_context
+
+TEMPLATE = "report.html.j2"
+
+
+def templates_dir() -> Path:
+    """Folder holding ``report.html.j2``: the installed ``precprof.templates`` package, else the repository's
+    ``reports/templates`` (a source tree used without installing)."""
+    try:
+        spec = importlib.util.find_spec("precprof.templates")
+    except ModuleNotFoundError:
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        p = Path(loc)
+        if (p / TEMPLATE).is_file():
+            return p
+    repo = Path(__file__).resolve().parents[2] / "reports" / "templates"
+    if (repo / TEMPLATE).is_file():
+        return repo
+    raise FileNotFoundError(
+        f"precprof's report templates ({TEMPLATE}) are missing: neither the package precprof.templates nor "
+        f"{repo} has them; reinstall precprof"
+    )
+
+
+def environment() -> jinja2.Environment:
+    """The jinja environment of the report: autoescape on, undefined names are errors, the number filters."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(filters.FILTERS)
+    env.globals["number_by_name"] = filters.number_by_name
+    return env
+
+
+def render_html(
+    tables: Mapping[str, pd.DataFrame],
+    summary: Mapping[str, Any],
+    recommendation: Any = None,
+    *,
+    advisor_error: str | None = None,
+) -> str:
+    """The report as an HTML string. ``recommendation``: a ``Recommendation`` or its dict form; None uses the
+    one stored in ``summary`` (if any). ``advisor_error`` explains in the page why there is none."""
+    ctx = build_context(tables, summary, recommendation)
+    ctx["advisor_error"] = advisor_error
+    return environment().get_template(TEMPLATE).render(**ctx)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def render_report(
+    tables: Mapping[str, pd.DataFrame],
+    summary: Mapping[str, Any],
+    out_path: str | os.PathLike[str],
+    recommendation: Any = None,
+) -> Path:
+    """Write the report of ``tables`` (the four frames of ``Profiler.tables()``) and ``summary`` to ``out_path``.
+
+    The file is written atomically (a crash never leaves half a report). Returns the path written.
+    """
+    out = Path(out_path)
+    _write_atomic(out, render_html(tables, summary, recommendation))
+    return out
+
+
+def _recommend(run_dir: Path, summary: dict[str, Any], target: str | None) -> tuple[Any, str | None]:
+    """Run the advisor on a run directory; (recommendation, None) or (None, why not)."""
+    try:
+        from precprof import advisor
+    except ImportError as e:
+        return None, f"precprof.advisor is not available: {e}"
+    hardware: Any = None
+    if target is not None:
+        from precprof import hardware as hw
+
+        try:
+            hardware = hw.preset(target)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+    return advisor.recommend(run_dir, hardware=hardware, summary=summary), None
+
+
+def render_run_dir(
+    run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, target: str | None = None
+) -> Path:
+    """Re-render the report of a run directory (``precprof train`` output or ``Profiler.save``).
+
+    Reads the tables and summary.json; the recommendation is recomputed by the advisor when ``target`` (a
+    hardware preset such as "a100", "t4") is given or none is stored, else the stored one is used. Writes
+    ``out`` (default RUN_DIR/report.html) and returns its path. summary.json is left as it is.
+    """
+    rd = Path(run_dir)
+    if not T.is_run_dir(rd):
+        raise UserError(
+            f"{rd} is not a precprof run directory (it has neither {T.SUMMARY_FILE} nor layers.parquet)"
+        )
+    tabs = T.read_tables(rd)
+    summary = T.read_summary(rd)
+    rec = summary.get(T.SUMMARY_RECOMMENDATION)
+    advisor_error = None
+    if target is not None or not rec:
+        new, advisor_error = _recommend(rd, summary, target)
+        if new is not None:
+            rec = new
+    path = Path(out) if out is not None else rd / T.REPORT_FILE
+    _write_atomic(path, render_html(tabs, summary, rec, advisor_error=advisor_error))
+    return path

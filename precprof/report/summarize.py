@@ -1,0 +1,466 @@
+"""Aggregations of the run tables that the report shows: pure pandas, no plotting, no HTML.
+
+Every function takes the tidy tables of precprof.tables (any number of sampled steps) and returns small frames
+or plain records. Counts are summed over sampled steps and calls; shares are ``count / numel`` of the same
+rows, so a share is "of all values seen on sampled steps". Gradient counts are at the loss scale that was in
+effect on each step (the ``scale`` column), exactly as recorded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from precprof import formats
+from precprof import tables as T
+
+# tensor kinds with histograms, in the order the report shows them
+HIST_KINDS: tuple[str, ...] = (T.ACTIVATION, T.ACTIVATION_GRAD, T.WEIGHT, T.WEIGHT_GRAD)
+KIND_LABELS: dict[str, str] = {
+    T.ACTIVATION: "activations",
+    T.ACTIVATION_GRAD: "activation gradients",
+    T.WEIGHT: "weights",
+    T.WEIGHT_GRAD: "weight gradients",
+    T.WEIGHT_UPDATE: "weight updates",
+}
+FORMAT_LABELS: dict[str, str] = {
+    "fp32": "FP32",
+    "tf32": "TF32",
+    "bf16": "BF16",
+    "fp16": "FP16",
+    "fp8_e4m3": "FP8 E4M3",
+    "fp8_e5m2": "FP8 E5M2",
+    "fp8": "FP8",
+}
+LOW_PRECISION_DTYPES = frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+ROOT_LABEL = "(model)"
+# memory components that are totals of the whole process, not parts of a stack
+PEAK_COMPONENTS = frozenset({T.ALLOCATOR_PEAK, T.ALLOCATOR_RESERVED_PEAK})
+
+
+def module_label(name: str) -> str:
+    """Display name of a module ("" is the root model)."""
+    return name if name else ROOT_LABEL
+
+
+def forward_order(layers: pd.DataFrame) -> list[str]:
+    """Module names in forward order (the ``order`` column; first appearance breaks ties and fills gaps)."""
+    if layers.empty:
+        return []
+    df = layers[[T.MODULE, T.ORDER]].copy()
+    df["_first"] = np.arange(len(df))
+    df[T.ORDER] = pd.to_numeric(df[T.ORDER], errors="coerce")
+    g = df.groupby(T.MODULE, sort=False).agg(order=(T.ORDER, "min"), first=("_first", "min"))
+    g["order"] = g["order"].fillna(math.inf)
+    return [str(m) for m in g.sort_values(["order", "first"]).index]
+
+
+def row_order(layers: pd.DataFrame, kind: str) -> list[tuple[str, str]]:
+    """(module, param) rows of tensor kind ``kind`` in forward order; params in order of first appearance."""
+    sub = layers[layers[T.TENSOR] == kind]
+    if sub.empty:
+        return []
+    rank = {m: i for i, m in enumerate(forward_order(layers))}
+    keys = sub[[T.MODULE, T.PARAM]].fillna("").drop_duplicates()
+    keys = keys.assign(_r=keys[T.MODULE].map(rank).fillna(len(rank)), _i=np.arange(len(keys)))
+    keys = keys.sort_values(["_r", "_i"])
+    return [(str(m), str(p)) for m, p in zip(keys[T.MODULE], keys[T.PARAM], strict=True)]
+
+
+def row_label(module: str, param: str) -> str:
+    """Display name of a (module, param) row: ``block.attn.c_attn.weight`` or the module alone."""
+    if not param:
+        return module_label(module)
+    return f"{module}.{param}" if module else param
+
+
+def _sum(df: pd.DataFrame, col: str) -> float:
+    return float(pd.to_numeric(df[col], errors="coerce").fillna(0).sum()) if col in df else 0.0
+
+
+def _share(num: float, den: float) -> float:
+    return num / den if den > 0 else math.nan
+
+
+def _last_scale(rows: pd.DataFrame) -> float:
+    if rows.empty:
+        return 1.0
+    last = rows[rows[T.STEP] == rows[T.STEP].max()]
+    s = pd.to_numeric(last[T.SCALE], errors="coerce").dropna()
+    return float(s.median()) if len(s) else 1.0
+
+
+def scale_in_effect(layers: pd.DataFrame, kind: str) -> dict[str, float]:
+    """Loss scale in effect for rows of ``kind``: at the last sampled step, and its range over sampled steps.
+
+    Forward tensors are always at scale 1. Returns {"last", "min", "max"}.
+    """
+    rows = layers[layers[T.TENSOR] == kind]
+    s = pd.to_numeric(rows[T.SCALE], errors="coerce").dropna()
+    if s.empty:
+        return {"last": 1.0, "min": 1.0, "max": 1.0}
+    return {"last": _last_scale(rows), "min": float(s.min()), "max": float(s.max())}
+
+
+def aggregate_histograms(histograms: pd.DataFrame) -> pd.DataFrame:
+    """Histogram counts summed over steps: columns tensor, module, param, exponent, count (one groupby for all
+    kinds; the heatmaps then read the small result instead of the per-step table)."""
+    keys = [T.TENSOR, T.MODULE, T.PARAM, T.EXPONENT]
+    if histograms.empty:
+        return pd.DataFrame(
+            {
+                c: pd.Series(dtype="int64" if c in (T.EXPONENT, T.COUNT) else "object")
+                for c in [*keys, T.COUNT]
+            }
+        )
+    h = histograms[[*keys, T.COUNT]].copy()
+    h[T.PARAM] = h[T.PARAM].fillna("")
+    return h.groupby(keys, sort=False)[T.COUNT].sum().reset_index()
+
+
+def heatmap_matrix(
+    histograms: pd.DataFrame, layers: pd.DataFrame, kind: str
+) -> tuple[list[tuple[str, str]], np.ndarray, np.ndarray]:
+    """Rows (module, param) in forward order, exponents, and counts[row, exponent] summed over sampled steps.
+
+    ``histograms``: the histograms table, or its ``aggregate_histograms`` (faster when called per kind)."""
+    h = histograms[histograms[T.TENSOR] == kind]
+    rows = row_order(layers, kind)
+    if h.empty:
+        return rows, np.zeros(0, dtype=np.int64), np.zeros((len(rows), 0))
+    # rows seen only in the histograms (older runs without layer rows) go last, in order of appearance
+    known = set(rows)
+    extra = h[[T.MODULE, T.PARAM]].fillna("").drop_duplicates()
+    rows += [
+        (str(m), str(p)) for m, p in zip(extra[T.MODULE], extra[T.PARAM], strict=True) if (m, p) not in known
+    ]
+    g = h.groupby([T.MODULE, T.PARAM, T.EXPONENT], sort=False)[T.COUNT].sum().reset_index()
+    exps = np.arange(int(g[T.EXPONENT].min()), int(g[T.EXPONENT].max()) + 1)
+    idx = {r: i for i, r in enumerate(rows)}
+    ri = np.array([idx[(str(m), str(p))] for m, p in zip(g[T.MODULE], g[T.PARAM].fillna(""), strict=True)])
+    ci = g[T.EXPONENT].to_numpy(dtype=np.int64) - exps[0]
+    mat = np.zeros((len(rows), len(exps)))
+    np.add.at(mat, (ri, ci), g[T.COUNT].to_numpy(dtype=float))
+    return rows, exps, mat
+
+
+def lost_share_by_row(
+    layers: pd.DataFrame, kind: str, fmt: str
+) -> dict[tuple[str, str], tuple[float, float]]:
+    """(underflow share, overflow share) in ``fmt`` per (module, param) row of ``kind``, at the recorded scales."""
+    sub = layers[layers[T.TENSOR] == kind]
+    if sub.empty:
+        return {}
+    cols = [T.NUMEL, T.underflow_col(fmt), T.overflow_col(fmt)]
+    num = sub[cols].apply(pd.to_numeric, errors="coerce").fillna(0)
+    num[T.MODULE] = sub[T.MODULE].to_numpy()
+    num[T.PARAM] = sub[T.PARAM].fillna("").to_numpy()
+    g = num.groupby([T.MODULE, T.PARAM], sort=False)[cols].sum()
+    out: dict[tuple[str, str], tuple[float, float]] = {}
+    for (m, p), r in g.iterrows():  # type: ignore[misc]
+        n = float(r[T.NUMEL])
+        out[(str(m), str(p))] = (_share(r[cols[1]], n), _share(r[cols[2]], n))
+    return out
+
+
+def whatif_columns() -> list[tuple[str, str, str]]:
+    """(column, format, "underflow"|"overflow"|"underflow_cs") of the what-if tables, in display order."""
+    cols: list[tuple[str, str, str]] = []
+    for f in formats.WHATIF_FORMATS:
+        cols += [(T.underflow_col(f), f, "underflow"), (T.overflow_col(f), f, "overflow")]
+    cols += [(T.underflow_cs_col(f), f, "underflow_cs") for f in formats.FP8_FORMATS]
+    return cols
+
+
+def whatif_by_layer(layers: pd.DataFrame) -> pd.DataFrame:
+    """Per (module, tensor kind): numel and the share of values lost in each what-if format.
+
+    Columns: module, module_type, tensor, numel, scale (last), then one share column per entry of
+    ``whatif_columns()`` (same names as the count columns; values are shares in [0, 1], NaN without data).
+    """
+    sub = layers[layers[T.TENSOR].isin(HIST_KINDS)]
+    count_cols = [c for c, _, _ in whatif_columns()]
+    if sub.empty:
+        return pd.DataFrame(columns=[T.MODULE, T.MODULE_TYPE, T.TENSOR, T.NUMEL, T.SCALE, *count_cols])
+    num = sub[[T.NUMEL, *count_cols]].apply(pd.to_numeric, errors="coerce")
+    num[T.MODULE] = sub[T.MODULE].to_numpy()
+    num[T.TENSOR] = sub[T.TENSOR].to_numpy()
+    g = num.groupby([T.MODULE, T.TENSOR], sort=False).sum(min_count=1)
+    out = g[count_cols].div(g[T.NUMEL], axis=0)
+    out[T.NUMEL] = g[T.NUMEL]
+    out = out.reset_index()
+    types = sub.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE]
+    out[T.MODULE_TYPE] = out[T.MODULE].map(types).fillna("")
+    scales = {k: scale_in_effect(sub, k)["last"] for k in HIST_KINDS}
+    out[T.SCALE] = out[T.TENSOR].map(scales)
+    rank = {m: i for i, m in enumerate(forward_order(layers))}
+    kind_rank = {k: i for i, k in enumerate(HIST_KINDS)}
+    out = out.assign(_r=out[T.MODULE].map(rank), _k=out[T.TENSOR].map(kind_rank))
+    out = out.sort_values(["_r", "_k"]).drop(columns=["_r", "_k"]).reset_index(drop=True)
+    return out[[T.MODULE, T.MODULE_TYPE, T.TENSOR, T.NUMEL, T.SCALE, *count_cols]]
+
+
+def whatif_overview(layers: pd.DataFrame) -> pd.DataFrame:
+    """Per tensor kind (rows) the share lost in each what-if column, over all layers and sampled steps."""
+    sub = layers[layers[T.TENSOR].isin(HIST_KINDS)]
+    count_cols = [c for c, _, _ in whatif_columns()]
+    if sub.empty:
+        return pd.DataFrame(columns=[T.TENSOR, T.NUMEL, *count_cols])
+    num = sub[[T.NUMEL, *count_cols]].apply(pd.to_numeric, errors="coerce")
+    num[T.TENSOR] = sub[T.TENSOR].to_numpy()
+    g = num.groupby(T.TENSOR).sum(min_count=1)
+    out = g[count_cols].div(g[T.NUMEL], axis=0)
+    out[T.NUMEL] = g[T.NUMEL]
+    out = out.reindex([k for k in HIST_KINDS if k in out.index]).reset_index()
+    return out[[T.TENSOR, T.NUMEL, *count_cols]]
+
+
+def _dtypes(rows: pd.DataFrame) -> str:
+    vals = [str(v) for v in rows[T.DTYPE].dropna().unique() if str(v)]
+    return ", ".join(vals)
+
+
+def _dtype_join(v: pd.Series) -> str:
+    return ", ".join(str(x) for x in pd.unique(v.dropna()) if str(x))
+
+
+def layer_records(layers: pd.DataFrame) -> list[dict[str, Any]]:
+    """One record per module, forward order: type, dtypes, extreme magnitudes, fp16/bf16 losses, first nan/inf.
+
+    Keys: module, module_type, param_dtype, act_dtype, act_grad_dtype, weight_grad_dtype, act_absmax,
+    act_grad_absmax, act_grad_absmin, weight_grad_absmax, numel, zeros, underflow_fp16, overflow_fp16,
+    underflow_bf16, overflow_bf16, lost_update_bf16 (share of weight-update elements lost in a bf16 weight,
+    NaN without weight_update rows), nonfinite_first (step and kind of the first nan/inf, "" when none).
+    """
+    if layers.empty:
+        return []
+    order = forward_order(layers)
+    df = layers[[T.STEP, T.MODULE, T.MODULE_TYPE, T.TENSOR, T.DTYPE]].copy()
+    num_cols = [T.NUMEL, T.ZEROS, T.NAN, T.INF, T.ABSMAX, T.ABSMIN, T.LOST_UPDATE_BF16]
+    count_cols = [c for f in ("fp16", "bf16") for c in (T.underflow_col(f), T.overflow_col(f))]
+    for c in (*num_cols, *count_cols):
+        df[c] = pd.to_numeric(layers[c], errors="coerce")
+    df.loc[~(df[T.ABSMIN] > 0), T.ABSMIN] = math.nan
+    hist = df[df[T.TENSOR].isin(HIST_KINDS)]
+    by_kind = hist.groupby([T.TENSOR, T.MODULE], sort=False)
+    dtypes = by_kind[T.DTYPE].agg(_dtype_join)
+    amax = by_kind[T.ABSMAX].max()
+    amin = by_kind[T.ABSMIN].min()
+    sums = hist.groupby(T.MODULE, sort=False)[[T.NUMEL, T.ZEROS, *count_cols]].sum(min_count=1)
+    types = df.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE]
+    upd = df[df[T.TENSOR] == T.WEIGHT_UPDATE]
+    upd = upd[upd[T.LOST_UPDATE_BF16].notna()]
+    lost = upd.groupby(T.MODULE)[T.LOST_UPDATE_BF16].sum() / upd.groupby(T.MODULE)[T.NUMEL].sum()
+    bad = hist[hist[T.NAN].fillna(0) + hist[T.INF].fillna(0) > 0]
+    first: dict[str, str] = {}
+    if not bad.empty:
+        s0 = bad.groupby(T.MODULE)[T.STEP].transform("min")
+        for m, g in bad[bad[T.STEP] == s0].groupby(T.MODULE, sort=False):
+            ks = [KIND_LABELS.get(str(k), str(k)) for k in pd.unique(g[T.TENSOR])]
+            first[str(m)] = f"step {int(g[T.STEP].iloc[0])} ({', '.join(ks)})"
+
+    def get(series: pd.Series, key: Any, default: Any = math.nan) -> Any:
+        try:
+            v = series.loc[key]
+        except KeyError:
+            return default
+        return default if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+    out: list[dict[str, Any]] = []
+    for m in order:
+        row = sums.loc[m] if m in sums.index else None
+
+        def total(col: str, row: pd.Series | None = row) -> float:
+            return float(row[col]) if row is not None and pd.notna(row[col]) else 0.0
+
+        out.append(
+            {
+                "module": m,
+                "module_type": str(get(types, m, "")),
+                "param_dtype": get(dtypes, (T.WEIGHT, m), ""),
+                "act_dtype": get(dtypes, (T.ACTIVATION, m), ""),
+                "act_grad_dtype": get(dtypes, (T.ACTIVATION_GRAD, m), ""),
+                "weight_grad_dtype": get(dtypes, (T.WEIGHT_GRAD, m), ""),
+                "act_absmax": float(get(amax, (T.ACTIVATION, m))),
+                "act_grad_absmax": float(get(amax, (T.ACTIVATION_GRAD, m))),
+                "act_grad_absmin": float(get(amin, (T.ACTIVATION_GRAD, m))),
+                "weight_grad_absmax": float(get(amax, (T.WEIGHT_GRAD, m))),
+                "numel": total(T.NUMEL),
+                "zeros": total(T.ZEROS),
+                "underflow_fp16": total(T.underflow_col("fp16")),
+                "overflow_fp16": total(T.overflow_col("fp16")),
+                "underflow_bf16": total(T.underflow_col("bf16")),
+                "overflow_bf16": total(T.overflow_col("bf16")),
+                "lost_update_bf16": float(get(lost, m)),
+                "nonfinite_first": first.get(m, ""),
+            }
+        )
+    return out
+
+
+def _dtype_census(rows: pd.DataFrame) -> list[dict[str, Any]]:
+    """[{dtype, tensors, values}] of distinct (module, param) tensors, most values first."""
+    if rows.empty:
+        return []
+    last = rows[rows[T.STEP] == rows[T.STEP].max()]
+    g = last.groupby(T.DTYPE).agg(tensors=(T.MODULE, "size"), values=(T.NUMEL, "sum"))
+    g = g.sort_values("values", ascending=False)
+    return [
+        {"dtype": str(d), "tensors": int(r["tensors"]), "values": float(r["values"])} for d, r in g.iterrows()
+    ]
+
+
+def requested_precision(summary: Mapping[str, Any]) -> str:
+    """The precision mode the run asked for ("" when the summary does not say)."""
+    cfg = summary.get(T.SUMMARY_CONFIG) or {}
+    for key in ("precision", "mixed_precision", "mode"):
+        v = cfg.get(key)
+        if v:
+            return str(v)
+    return ""
+
+
+def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping[str, Any]) -> dict[str, Any]:
+    """What the tensors really were: dtype census per kind, optimizer state dtypes, and whether mixed precision
+    is active (some activation of a module with parameters is in a 16- or 8-bit format).
+
+    Returns {"requested", "rows": [{"what", "census"}], "active": bool, "verdict": str, "ok": bool}.
+    """
+    requested = requested_precision(summary)
+    census_rows: list[dict[str, Any]] = []
+    for kind, what in (
+        (T.WEIGHT, "parameters"),
+        (T.WEIGHT_GRAD, "gradients (of parameters)"),
+        (T.ACTIVATION, "activations"),
+        (T.ACTIVATION_GRAD, "activation gradients"),
+    ):
+        census_rows.append({"what": what, "census": _dtype_census(layers[layers[T.TENSOR] == kind])})
+    opt = memory[memory[T.COMPONENT] == T.OPTIMIZER_STATES] if not memory.empty else memory
+    if not opt.empty:
+        g = opt[opt[T.STEP] == opt[T.STEP].max()].groupby(T.DTYPE)[T.BYTES].sum()
+        census_rows.append(
+            {
+                "what": "optimizer states",
+                "census": [
+                    {"dtype": str(d), "tensors": None, "values": None, "bytes": float(b)}
+                    for d, b in g.items()
+                ],
+            }
+        )
+    with_params = set(layers.loc[layers[T.TENSOR] == T.WEIGHT, T.MODULE])
+    acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & layers[T.MODULE].isin(with_params)]
+    low = acts[acts[T.DTYPE].astype(str).isin(LOW_PRECISION_DTYPES)]
+    active = not low.empty
+    wants_low = any(t in requested for t in ("bf16", "fp16", "fp8"))
+    if acts.empty:
+        verdict, ok = "No activations of modules with parameters were recorded.", True
+    elif wants_low and not active:
+        verdict = (
+            f"Mixed precision was asked for ({requested}) but is NOT active: every activation of a module "
+            "with parameters is float32 (autocast off, or a library that ignores the setting on this device)."
+        )
+        ok = False
+    elif active:
+        n_mod = low[T.MODULE].nunique()
+        dts = ", ".join(sorted(low[T.DTYPE].astype(str).unique()))
+        verdict = (
+            f"Mixed precision is active: {n_mod} of {acts[T.MODULE].nunique()} modules with parameters "
+            f"produce {dts} activations."
+        )
+        ok = True
+    else:
+        verdict, ok = "Full precision: every activation of a module with parameters is float32.", True
+    return {"requested": requested, "rows": census_rows, "active": active, "verdict": verdict, "ok": ok}
+
+
+def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
+    """Totals per component at the last step with memory rows, peaks apart, top activation modules.
+
+    Returns {"step", "components": {component: bytes}, "peaks": {component: bytes}, "top_activations":
+    [(module, bytes)], "total": bytes of the stacked components}.
+    """
+    if memory.empty:
+        return {"step": None, "components": {}, "peaks": {}, "top_activations": [], "total": 0.0}
+    last = memory[memory[T.STEP] == memory[T.STEP].max()]
+    b = pd.to_numeric(last[T.BYTES], errors="coerce").fillna(0)
+    per = b.groupby(last[T.COMPONENT]).sum()
+    comps = {str(c): float(v) for c, v in per.items() if c not in PEAK_COMPONENTS}
+    peaks = {str(c): float(v) for c, v in per.items() if c in PEAK_COMPONENTS}
+    acts = last[last[T.COMPONENT] == T.ACTIVATIONS]
+    top = (
+        pd.to_numeric(acts[T.BYTES], errors="coerce")
+        .groupby(acts[T.MODULE])
+        .sum()
+        .sort_values(ascending=False)
+    )
+    return {
+        "step": int(last[T.STEP].iloc[0]),
+        "components": comps,
+        "peaks": peaks,
+        "top_activations": [(str(m), float(v)) for m, v in top.head(10).items()],
+        "total": float(sum(comps.values())),
+    }
+
+
+def memory_records(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """summary["memory"] as flat records {mode, component, bytes, source}; tolerant of a dict-of-modes layout."""
+    mem = summary.get(T.SUMMARY_MEMORY)
+    if not mem:
+        return []
+    recs = (mem.get("records") or mem.get("projection") or []) if isinstance(mem, Mapping) else mem
+    out = []
+    for r in recs if isinstance(recs, Iterable) else []:
+        if isinstance(r, Mapping) and "bytes" in r and "component" in r:
+            out.append(
+                {
+                    "mode": str(r.get("mode", "")),
+                    "component": str(r["component"]),
+                    "bytes": float(r["bytes"] or 0),
+                    "source": str(r.get("source", "projected")),
+                }
+            )
+    return out
+
+
+def memory_totals(records: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
+    """Total bytes per (mode, source), peaks excluded."""
+    tot: dict[tuple[str, str], float] = {}
+    for r in records:
+        if r["component"] in PEAK_COMPONENTS:
+            continue
+        key = (r["mode"], r["source"])
+        tot[key] = tot.get(key, 0.0) + r["bytes"]
+    return tot
+
+
+def expected_saving(
+    records: list[dict[str, Any]], measured_total: float, current: str, recommended: str
+) -> dict[str, Any] | None:
+    """Bytes saved by switching from the current mode to the recommended one, from the memory projection.
+
+    The current mode's total is its measured or projected record (else the measured tables); the recommended
+    mode's total is its projected (else textbook) record. None when either side is unknown.
+    """
+    tot = memory_totals(records)
+
+    def pick(mode: str, sources: tuple[str, ...]) -> float | None:
+        for s in sources:
+            if (mode, s) in tot:
+                return tot[(mode, s)]
+        return None
+
+    if not recommended:
+        return None
+    cur = pick(current, ("measured", "projected"))
+    if cur is None and measured_total > 0:
+        cur = measured_total
+    rec = pick(recommended, ("projected", "measured", "textbook"))
+    if rec is None and current == recommended:
+        rec = cur
+    if cur is None or rec is None or cur <= 0:
+        return None
+    return {"current": cur, "recommended": rec, "saved": cur - rec, "share": (cur - rec) / cur}
