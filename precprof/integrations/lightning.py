@@ -1,0 +1,197 @@
+"""precprof for Lightning: a ``lightning.pytorch.Callback``.
+
+::
+
+    from precprof.integrations.lightning import PrecprofCallback
+
+    trainer = L.Trainer(precision="bf16-mixed", callbacks=[PrecprofCallback(out="runs/pl", sample_every=10)])
+    trainer.fit(module, loader)              # runs/pl/report.html at the end of fit
+
+What the callback does:
+
+- ``on_train_start``: attaches a ``precprof.Profiler`` to the LightningModule, its (first) optimizer and the
+  precision plugin's GradScaler (``16-mixed`` on a GPU), starting at ``trainer.global_step``;
+- ``on_train_batch_end``: keeps the loss ``training_step`` returned (a device tensor: no sync; Lightning hands it
+  over divided by ``accumulate_grad_batches``, which is undone) and the batch's token count (its first integer
+  tensor); when ``trainer.global_step`` has moved (an optimizer step happened, after gradient accumulation),
+  ``Profiler.step(mean loss of the micro-batches, tokens)``;
+- ``on_train_end``: writes the run directory and report.html; ``on_exception``: the same, marked incomplete with
+  the exception (Lightning calls it before re-raising).
+
+Precision plugins: Lightning's setting is recorded (``config.lightning_precision``) and mapped to precprof's
+modes (``config.precision``): ``16-mixed`` -> fp16 (autocast + GradScaler), ``bf16-mixed`` -> bf16 (autocast),
+``bf16-true`` / ``16-true`` -> bf16-pure / fp16-pure (parameters in that dtype), ``32-true`` -> fp32,
+``transformer-engine`` -> fp8. Lightning itself turns ``16-mixed`` on a CPU into ``bf16-mixed`` (with a warning),
+so such a run is recorded as bf16. Under DDP/FSDP strategies the Profiler reduces across ranks and rank 0
+writes (``precprof.distributed``); the wrapper is described from ``trainer.strategy.model``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from precprof import tables as T
+from precprof.errors import MissingDependencyError
+from precprof.integrations._common import LIGHTNING_PRECISIONS, Session, first_token_count, model_info
+
+try:
+    from lightning.pytorch import Callback
+except ImportError:  # the standalone package name
+    try:
+        from pytorch_lightning import Callback
+    except ImportError as _e:
+        raise MissingDependencyError("lightning", extra="lightning", purpose="the Lightning callback") from _e
+
+
+def precprof_precision(lightning_precision: Any) -> str:
+    """precprof's precision mode for a Lightning precision setting ("bf16-mixed" -> "bf16"; unknown: as given)."""
+    key = str(lightning_precision)
+    return LIGHTNING_PRECISIONS.get(key, key)
+
+
+class PrecprofCallback(Callback):  # type: ignore[misc]
+    """Profile a Lightning ``Trainer.fit`` with precprof.
+
+    Args:
+        out: the run directory (default: ``<trainer.default_root_dir>/precprof``).
+        sample_every: record per-layer statistics every N optimizer steps (step 0 included).
+        report: render report.html at the end of fit.
+        **profiler_kwargs: further ``precprof.Profiler`` arguments (``modules``, ``memory``, ...).
+
+    After fit, ``run_dir`` is the run directory and ``report_path`` the report (None when not rendered).
+    """
+
+    def __init__(
+        self,
+        out: str | Path | None = None,
+        sample_every: int = 10,
+        report: bool = True,
+        **profiler_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self.out = Path(out) if out is not None else None
+        self.sample_every = sample_every
+        self.report = report
+        self.profiler_kwargs = profiler_kwargs
+        self._session: Session | None = None
+        self._last_global_step = 0
+        self._loss_sum: torch.Tensor | None = None
+        self._micro_batches = 0
+        self._tokens = 0
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self._session.run_dir if self._session is not None else None
+
+    @property
+    def report_path(self) -> Path | None:
+        return self._session.report_path if self._session is not None else None
+
+    @property
+    def profiler(self) -> Any:
+        """The Profiler of the fit in progress (None outside training)."""
+        return self._session.prof if self._session is not None else None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        optimizers = list(getattr(trainer, "optimizers", []) or [])
+        optimizer = optimizers[0] if optimizers else None
+        plugin = getattr(trainer, "precision_plugin", None) or getattr(
+            trainer.strategy, "precision_plugin", None
+        )
+        scaler = getattr(plugin, "scaler", None)
+        lightning_precision = str(getattr(trainer, "precision", ""))
+        requested = precprof_precision(lightning_precision)
+        summary: dict[str, Any] = {
+            T.SUMMARY_CONFIG: {
+                "source": "lightning.Trainer",
+                "precision": requested,
+                "lightning_precision": lightning_precision,
+                "precision_plugin": type(plugin).__name__ if plugin is not None else None,
+                "loss_scaling": "dynamic" if scaler is not None else "none",
+                "init_scale": float(scaler.get_scale()) if scaler is not None else None,
+                "growth_interval": int(scaler.get_growth_interval()) if scaler is not None else None,
+                "strategy": type(trainer.strategy).__name__,
+                "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
+                "max_steps": getattr(trainer, "max_steps", None),
+                "optimizers": len(optimizers),
+                "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+                "sample_every": self.sample_every,
+                "device": str(pl_module.device),
+            },
+            T.SUMMARY_MODEL: model_info(pl_module),
+            T.SUMMARY_CAPTURE: {"integration": "lightning", "mixed_precision_requested": requested},
+        }
+        out = self.out
+        if out is None:
+            out = Path(getattr(trainer, "default_root_dir", None) or "runs") / "precprof"
+        if self._session is None:
+            self._session = Session(
+                out, {"sample_every": self.sample_every, **self.profiler_kwargs}, self.report
+            )
+        self._session.out = out
+        wrapped = getattr(trainer.strategy, "model", None)
+        self._last_global_step = int(trainer.global_step)
+        self._reset_step()
+        self._session.start(
+            pl_module,
+            optimizer,
+            scaler,
+            summary,
+            first_step=self._last_global_step,
+            wrapped=wrapped if wrapped is not None and wrapped is not pl_module else None,
+        )
+
+    def _reset_step(self) -> None:
+        self._loss_sum = None
+        self._micro_batches = 0
+        self._tokens = 0
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._session is None or not self._session.active:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            d = loss.detach().float().reshape(())
+            self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
+        self._micro_batches += 1
+        self._tokens += first_token_count(batch) or 0
+        if int(trainer.global_step) == self._last_global_step:
+            return  # gradient accumulation: no optimizer step yet
+        steps = int(trainer.global_step) - self._last_global_step
+        self._last_global_step = int(trainer.global_step)
+        mean = None
+        if self._loss_sum is not None:
+            # automatic optimization hands on_train_batch_end the loss divided by accumulate_grad_batches
+            norm = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+            if not getattr(pl_module, "automatic_optimization", True):
+                norm = 1
+            mean = self._loss_sum * (norm / self._micro_batches)
+        for i in range(steps):  # one Profiler step per optimizer step (several optimizers: several steps)
+            self._session.step(
+                loss=mean if i == 0 else None, tokens=(self._tokens or None) if i == 0 else None
+            )
+        self._reset_step()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.finish()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        reason = (
+            "interrupted (KeyboardInterrupt)"
+            if isinstance(exception, KeyboardInterrupt)
+            else f"{type(exception).__name__}: {exception}"
+        )
+        run_dir = self.finish(T.STATUS_INCOMPLETE, reason)
+        if run_dir is not None and hasattr(exception, "add_note"):
+            exception.add_note(f"precprof: the partial run was saved to {run_dir}")
+
+    def finish(self, status: str = T.STATUS_COMPLETE, reason: str | None = None) -> Path | None:
+        """End the run: remove the hooks and write the run directory and the report."""
+        if self._session is None:
+            return None
+        return self._session.finish(status, reason)

@@ -1,0 +1,139 @@
+"""Lightning Trainer + PrecprofCallback on the CPU: bf16-mixed (report), bf16-true, gradient accumulation, crash."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+L = pytest.importorskip("lightning")
+
+from precprof import tables as T  # noqa: E402
+from precprof.integrations.lightning import PrecprofCallback, precprof_precision  # noqa: E402
+
+VOCAB, SEQ, BATCH, HID = 32, 8, 4, 16
+
+
+class TinyLM(L.LightningModule):
+    """Embedding -> Linear -> GELU -> Linear over tokens; remembers the losses training_step returned."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Embedding(VOCAB, HID), nn.Linear(HID, 2 * HID), nn.GELU(), nn.Linear(2 * HID, VOCAB)
+        )
+        self.losses: list[float] = []
+        self.fail_at = fail_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.fail_at is not None and batch_idx == self.fail_at:
+            raise RuntimeError(f"boom at batch {batch_idx}")
+        x, y = batch
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def loader() -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, VOCAB, (64, SEQ), generator=g)
+    y = torch.roll(x, -1, dims=1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+
+
+def fit(tmp_path: Path, precision: str, cb: PrecprofCallback, module: TinyLM, **kw: Any) -> Any:
+    trainer = L.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        precision=precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[cb],
+        **kw,
+    )
+    trainer.fit(module, loader())
+    return trainer
+
+
+def test_bf16_mixed_produces_a_report(tmp_path: Path) -> None:
+    cb = PrecprofCallback(sample_every=2)
+    module = TinyLM()
+    fit(tmp_path, "bf16-mixed", cb, module)
+    run_dir = cb.run_dir
+    assert run_dir == tmp_path / "precprof" and T.is_run_dir(run_dir)
+    summary = T.read_summary(run_dir)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert summary[T.SUMMARY_CONFIG]["precision"] == "bf16"
+    assert summary[T.SUMMARY_CONFIG]["lightning_precision"] == "bf16-mixed"
+    assert summary[T.SUMMARY_CAPTURE]["mixed_precision_active"] is True
+    tables = T.read_tables(run_dir)
+    layers, steps = tables["layers"], tables["steps"]
+    assert steps[T.STEP].tolist() == [0, 1, 2, 3]
+    assert steps[T.LOSS].tolist() == pytest.approx(module.losses, rel=0, abs=0)
+    assert (steps[T.TOKENS] == BATCH * SEQ).all()
+    for name in ("net.1", "net.3"):  # the Linears: autocast ran them in bf16
+        for step in (0, 2):
+            rows = layers[(layers[T.MODULE] == name) & (layers[T.STEP] == step)]
+            assert {T.ACTIVATION, T.ACTIVATION_GRAD, T.WEIGHT, T.WEIGHT_GRAD, T.WEIGHT_UPDATE} <= set(
+                rows[T.TENSOR]
+            )
+            act = rows[rows[T.TENSOR] == T.ACTIVATION].iloc[0]
+            assert act[T.DTYPE] == "bfloat16"
+            out_features = module.net[int(name[-1])].out_features
+            assert act[T.NUMEL] == BATCH * SEQ * out_features
+    if importlib.util.find_spec("precprof.report.render") is not None:
+        assert cb.report_path is not None and cb.report_path.exists()
+
+
+def test_bf16_true_holds_weights_in_bf16_and_accumulates(tmp_path: Path) -> None:
+    """bf16-true: parameters in bf16 (precprof's bf16-pure); 2 micro-batches per optimizer step."""
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False, memory=False)
+    module = TinyLM()
+    fit(tmp_path, "bf16-true", cb, module, accumulate_grad_batches=2)
+    summary = T.read_summary(cb.run_dir)
+    assert summary[T.SUMMARY_CONFIG]["precision"] == "bf16-pure"
+    tables = T.read_tables(cb.run_dir)
+    steps, layers = tables["steps"], tables["layers"]
+    assert steps[T.STEP].tolist() == [0, 1, 2, 3]
+    # the loss of an optimizer step is the mean over its micro-batches
+    pairs = [(module.losses[2 * i] + module.losses[2 * i + 1]) / 2 for i in range(4)]
+    assert steps[T.LOSS].tolist() == pytest.approx(pairs, rel=1e-6)
+    assert (steps[T.TOKENS] == 2 * BATCH * SEQ).all()
+    weights = layers[layers[T.TENSOR] == T.WEIGHT]
+    assert set(weights[T.DTYPE]) == {"bfloat16"}
+    acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & (layers[T.MODULE] == "net.1")]
+    assert (acts[T.CALLS] == 2).all()  # both micro-batches in the step's row
+    assert (acts[T.NUMEL] == 2 * BATCH * SEQ * 2 * HID).all()
+
+
+def test_exception_writes_an_incomplete_run(tmp_path: Path) -> None:
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False, memory=False)
+    with pytest.raises(RuntimeError, match="boom at batch 2"):
+        fit(tmp_path, "bf16-mixed", cb, TinyLM(fail_at=2))
+    summary = T.read_summary(tmp_path / "run")
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert "boom at batch 2" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert T.read_tables(tmp_path / "run")["steps"][T.STEP].tolist() == [0, 1]
+    assert cb.profiler is None
+
+
+def test_precision_names() -> None:
+    assert [precprof_precision(p) for p in ("16-mixed", "bf16-mixed", "bf16-true", "32-true", "64")] == [
+        "fp16",
+        "bf16",
+        "bf16-pure",
+        "fp32",
+        "64",
+    ]
