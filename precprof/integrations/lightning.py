@@ -41,7 +41,7 @@ try:
     from lightning.pytorch import Callback
 except ImportError:  # the standalone package name
     try:
-        from pytorch_lightning import Callback
+        from pytorch_lightning import Callback  # type: ignore[assignment]
     except ImportError as _e:
         raise MissingDependencyError("lightning", extra="lightning", purpose="the Lightning callback") from _e
 
