@@ -1,0 +1,30 @@
+"""Shared test configuration: GPU-marked tests skip without CUDA; small helpers for single-threaded runs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Run a module's tiny models on one CPU thread, restoring the setting afterwards.
+
+    Intra-op parallelism brings nothing to models this small, and on a shared, busy machine two spinning
+    OpenMP threads made a gpt-nano step 20x slower than one.
+    """
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -1,0 +1,154 @@
+"""The precprof command: user mistakes give exit code 2 and one line on stderr; train, env and report work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from precprof import cli
+from precprof import tables as T
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TINY = ["--steps", "2", "--batch-size", "2", "--seq-len", "8", "--no-progress", "--device", "cpu"]
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    code = e.value.code
+    return (code if isinstance(code, int) else 0), out, err
+
+
+def assert_one_line_error(rc: int, err: str, *needles: str) -> None:
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and "error" in lines[0]
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+FACTORY = "def make(**kw):\n    raise RuntimeError('the factory failed on purpose')\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["train", "--model", "gpt-9000"], ["unknown model", "gpt-nano", "llama-mini"]),
+        (["train", "--precision", "fp64"], ["--precision", "fp16-pure"]),
+        (["train", "--precision", "tf32", "--device", "cpu"], ["tf32", "compute capability 8.0"]),
+        (["train", "--precision", "fp8", "--device", "cpu"], ["fp8", "8.9"]),
+        (["train", "--model-arg", "n_layer"], ["KEY=VALUE"]),
+        (["train", "--model-arg", "n_lyer=2"], ["n_lyer", "n_layer"]),
+        (["train", "--model-arg", "n_layer=two"], ["n_layer", "integer"]),
+        (["train", "--loss-scale", "static:x"], ["static:N"]),
+        (["train", "--steps", "0"], ["--steps"]),
+        (["train", "--steps", "many"], ["--steps"]),
+        (["train", "--bogus"], ["--bogus"]),
+        (["train", "--data", "/no/such/file.txt"], ["no such file"]),
+        (["frobnicate"], ["frobnicate"]),
+        (["report", "/no/such/run"], ["not a precprof run directory"]),
+        (["report"], ["Missing argument"]),
+    ],
+)
+def test_user_mistakes_exit_2_with_one_line(
+    args: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    if args[0] == "train":
+        args = ["train", *TINY, *args[1:]]  # the last occurrence of an option wins
+    rc, _, err = run_main(args, capsys)
+    assert_one_line_error(rc, err, *needles)
+
+
+def test_factory_that_raises(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "fac.py"
+    f.write_text(FACTORY)
+    rc, _, err = run_main(["train", "--model", f"{f}:make", *TINY], capsys)
+    assert_one_line_error(rc, err, "the factory failed on purpose", "RuntimeError")
+
+
+def test_report_unknown_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    T.write_summary(tmp_path, {T.SUMMARY_STATUS: T.STATUS_COMPLETE})
+    rc, _, err = run_main(["report", str(tmp_path), "--target", "z80"], capsys)
+    assert_one_line_error(rc, err, "z80", "v100", "h100")
+
+
+def test_train_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    rc, stdout, _ = run_main(
+        ["train", "--out", str(out), "--precision", "bf16", "-a", "n_layer=1", *TINY], capsys
+    )
+    assert rc == 0
+    assert f"run directory: {out}" in stdout and "final loss" in stdout
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert summary[T.SUMMARY_CONFIG]["precision"] == "bf16"
+    assert summary[T.SUMMARY_CONFIG]["model_args"] == {"n_layer": "1"}
+    assert summary[T.SUMMARY_CONFIG]["command_line"].startswith("precprof ")
+    assert summary[T.SUMMARY_MODEL]["n_layer"] == 1
+    try:
+        import precprof.report.render  # noqa: F401
+    except ImportError:
+        rc, _, err = run_main(["report", str(out)], capsys)
+        assert_one_line_error(rc, err, "renderer")
+        return
+    target = tmp_path / "again.html"
+    rc, stdout, _ = run_main(["report", str(out), "--out", str(target), "--target", "v100"], capsys)
+    assert rc == 0 and target.exists() and str(target) in stdout
+    assert target.read_text().lstrip().lower().startswith("<!doctype html")
+
+
+def test_ctrl_c_exits_130_and_names_the_run_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from precprof import training
+
+    def interrupted(config: training.TrainConfig, **kwargs: object) -> training.TrainResult:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(training, "train", interrupted)
+    out = tmp_path / "partial"
+    rc, _, err = run_main(["train", "--out", str(out), *TINY], capsys)
+    assert rc == 130
+    assert f"interrupted: the partial run is in {out}" in err
+
+
+def test_env(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_main(["env"], capsys)
+    assert rc == 0
+    assert "torch" in out and "usual format here:" in out and "NVML:" in out
+    rc, out, _ = run_main(["env", "--json"], capsys)
+    doc = json.loads(out)
+    assert rc == 0 and doc["hardware"]["device"] in ("cpu", "cuda")
+    assert doc["usual_format"]["format"] in ("fp32", "bf16", "fp16")
+
+
+def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_main([], capsys)
+    assert rc == 0 and "train" in out and "report" in out
+    rc, out, _ = run_main(["--version"], capsys)
+    assert rc == 0 and out.startswith("precprof ")
+    rc, out, _ = run_main(["train", "--help"], capsys)
+    assert rc == 0 and "--precision" in out and "--loss-scale" in out
+
+
+def test_python_dash_m_and_exit_code() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ok = subprocess.run(
+        [sys.executable, "-m", "precprof", "--version"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert ok.returncode == 0 and ok.stdout.startswith("precprof ")
+    bad = subprocess.run(
+        [sys.executable, "-m", "precprof", "train", "--precision", "fp64"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

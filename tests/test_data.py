@@ -1,0 +1,114 @@
+"""Data sources: the Markov chain's stationary distribution and entropy rate against an independent numpy
+computation, sampled sequences against the chain, and byte-level text windows against the file."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from precprof.data import VOCAB_SIZE, ByteTextData, MarkovChainData, load_data
+from precprof.errors import UserError
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def chain() -> MarkovChainData:
+    return MarkovChainData(seed=3)
+
+
+def test_transition_matrix_is_stochastic_and_sparse(chain: MarkovChainData) -> None:
+    p = chain.transition.numpy()
+    assert p.shape == (VOCAB_SIZE, VOCAB_SIZE)
+    np.testing.assert_allclose(p.sum(1), 1.0, atol=1e-12)
+    assert ((p > 0).sum(1) == chain.branching).all()
+    # the (i + 1) mod V edge that makes the chain irreducible
+    assert (p[np.arange(VOCAB_SIZE), (np.arange(VOCAB_SIZE) + 1) % VOCAB_SIZE] > 0).all()
+
+
+def test_stationary_and_entropy_rate_match_numpy(chain: MarkovChainData) -> None:
+    p = chain.transition.numpy()
+    # independent: the left eigenvector of P for eigenvalue 1
+    w, v = np.linalg.eig(p.T)
+    pi = np.real(v[:, np.argmin(np.abs(w - 1))])
+    pi = pi / pi.sum()
+    np.testing.assert_allclose(chain.stationary.numpy(), pi, atol=1e-10)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        row_h = -np.nansum(np.where(p > 0, p * np.log(p), 0.0), axis=1)
+    assert chain.entropy_rate_nats == pytest.approx(float(pi @ row_h), rel=1e-10)
+    # learnable: well below the uniform loss
+    assert chain.entropy_rate_nats < math.log(VOCAB_SIZE) - 2
+
+
+def test_samples_follow_the_chain(chain: MarkovChainData) -> None:
+    x = MarkovChainData(seed=11).sample(512, 65)
+    p = chain.transition
+    probs = p[x[:, :-1], x[:, 1:]]
+    assert (probs > 0).all(), "a sampled transition has probability 0"
+    # the mean negative log-likelihood of sampled transitions estimates the entropy rate
+    nll = -probs.log()
+    stderr = float(nll.std()) / math.sqrt(nll.numel())
+    assert abs(float(nll.mean()) - chain.entropy_rate_nats) < 4 * stderr
+    # first states follow the stationary distribution: compare the mean index (a cheap moment check)
+    idx = torch.arange(VOCAB_SIZE, dtype=torch.float64)
+    mean_pi = float((chain.stationary * idx).sum())
+    sd_pi = math.sqrt(float((chain.stationary * (idx - mean_pi) ** 2).sum()))
+    assert abs(float(x[:, 0].double().mean()) - mean_pi) < 4 * sd_pi / math.sqrt(512)
+
+
+def test_batch_shapes_shift_and_seeds(chain: MarkovChainData) -> None:
+    a = MarkovChainData(seed=5)
+    x, y = a.batch(4, 16, CPU)
+    assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    b = MarkovChainData(seed=5)
+    assert torch.equal(b.batch(4, 16, CPU)[0], x)
+    c = MarkovChainData(seed=6)
+    assert not torch.equal(c.batch(4, 16, CPU)[0], x)
+    # the task (the chain) does not depend on the sampling seed
+    assert torch.equal(a.transition, c.transition)
+    assert chain.describe()["entropy_rate_nats"] == pytest.approx(a.entropy_rate_nats)
+
+
+def test_bad_chain_arguments() -> None:
+    with pytest.raises(UserError):
+        MarkovChainData(vocab_size=1)
+    with pytest.raises(UserError):
+        MarkovChainData(vocab_size=8, branching=9)
+
+
+def test_byte_text_windows(tmp_path: Path) -> None:
+    text = ("the quick brown fox jumps over the lazy dog. " * 40).encode()
+    path = tmp_path / "t.txt"
+    path.write_bytes(text)
+    data = ByteTextData(path, seed=1)
+    x, y = data.batch(8, 32, CPU)
+    assert x.shape == (8, 32) and torch.equal(x[:, 1:], y[:, :-1])
+    for row_x, row_y in zip(x.tolist(), y.tolist(), strict=True):
+        window = bytes([*row_x, row_y[-1]])
+        assert window in text
+    counts = np.bincount(np.frombuffer(text, dtype=np.uint8), minlength=256).astype(float)
+    q = counts[counts > 0] / counts.sum()
+    assert data.unigram_entropy_nats == pytest.approx(float(-(q * np.log(q)).sum()), rel=1e-12)
+    assert data.describe()["bytes"] == len(text)
+
+
+def test_text_errors(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="no such file"):
+        load_data(str(tmp_path / "missing.txt"))
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"abcdef")
+    data = ByteTextData(short)
+    with pytest.raises(UserError, match="seq-len"):
+        data.batch(2, 16, CPU)
+
+
+def test_load_data_dispatch(tmp_path: Path) -> None:
+    assert isinstance(load_data("synthetic"), MarkovChainData)
+    f = tmp_path / "a.txt"
+    f.write_text("hello world, hello precprof")
+    assert isinstance(load_data(str(f)), ByteTextData)

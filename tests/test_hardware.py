@@ -1,0 +1,95 @@
+"""Device capabilities, presets, the usual-format decision tree, versions and the `precprof env` text."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from precprof import hardware
+from precprof.hardware import HardwareInfo
+
+
+def test_detect_cpu() -> None:
+    info = hardware.detect("cpu")
+    assert info.device == "cpu" and not info.is_cuda
+    assert info.compute_capability is None and not info.fp8_supported and not info.tf32_supported
+    assert info.bf16_supported
+    assert info.tf32_matmul_enabled == torch.backends.cuda.matmul.allow_tf32
+    assert info.float32_matmul_precision == torch.get_float32_matmul_precision()
+    assert HardwareInfo.from_dict(info.to_dict()) == info
+
+
+def test_presets_round_trip_and_errors() -> None:
+    for name in hardware.PRESET_NAMES:
+        p = hardware.preset(name)
+        assert p.preset == name
+        assert HardwareInfo.from_dict(p.to_dict()) == p
+    assert hardware.preset(" H100 ").compute_capability == (9, 0)
+    with pytest.raises(ValueError, match="known targets"):
+        hardware.preset("z80")
+
+
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [("v100", "fp16"), ("t4", "fp16"), ("a100", "bf16"), ("l4", "bf16"), ("h100", "bf16"), ("cpu", "fp32")],
+)
+def test_usual_format(name: str, fmt: str) -> None:
+    got, why = hardware.usual_format(hardware.preset(name))
+    assert got == fmt and why
+    if name in ("l4", "h100"):
+        assert "fp8" in why
+    if fmt == "fp16":
+        assert "loss scaling" in why
+
+
+def test_usual_format_cpu_with_native_bf16() -> None:
+    info = HardwareInfo(device="cpu", name="cpu", bf16_supported=True, bf16_native=True)
+    assert hardware.usual_format(info)[0] == "bf16"
+    info = HardwareInfo(device="cuda", name="old", compute_capability=(6, 1))
+    assert hardware.usual_format(info)[0] == "fp32"
+
+
+def test_software_versions() -> None:
+    v = hardware.software_versions()
+    assert v["torch"] == torch.__version__
+    assert v["python"] == platform.python_version()
+    assert v["cuda"] == torch.version.cuda
+    import precprof
+
+    assert v["precprof"] == precprof.__version__
+
+
+def test_env_report_text() -> None:
+    info = hardware.detect()
+    text = hardware.env_report(info)
+    assert f"torch {torch.__version__}" in text
+    assert f"usual format here: {hardware.usual_format(info)[0]}" in text
+    if info.nvml != "ok":
+        assert f"NVML: {info.nvml}" in text
+    fake = HardwareInfo(
+        device="cuda",
+        name="H100",
+        compute_capability=(9, 0),
+        bf16_supported=True,
+        bf16_native=True,
+        tf32_supported=True,
+        fp8_supported=True,
+        fp8_library="torchao",
+        nvml="ok",
+        driver_version="550.54",
+        memory_total_bytes=80 * 2**30,
+        memory_used_bytes=2**30,
+        device_count=1,
+    )
+    text = hardware.env_report(fake)
+    assert "compute capability: 9.0" in text and "driver 550.54" in text and "80.0 GiB" in text
+
+
+@pytest.mark.gpu
+def test_detect_cuda() -> None:
+    info = hardware.detect("cuda")
+    assert info.is_cuda and info.compute_capability == torch.cuda.get_device_capability(0)
+    assert info.fp8_supported == (info.compute_capability >= (8, 9))
+    assert info.name == torch.cuda.get_device_name(0)

@@ -1,0 +1,251 @@
+"""Built-in models (sizes, causality, equivalence with Hugging Face's GPT-2 and Llama given the same weights),
+model arguments, hf: models and user factories."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from precprof import models
+from precprof.errors import MissingDependencyError, UserError
+from precprof.models import BUILTIN_MODELS, approx_params, build_model, count_params, parse_model_args
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+needs_hf = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+SMALL = {"gpt-mini": {"n_layer": "1"}}
+
+
+def test_preset_sizes() -> None:
+    nano = build_model("gpt-nano", vocab_size=256, seq_len=64)
+    assert 0.4e6 < count_params(nano.module) < 0.6e6
+    mini = build_model("gpt-mini", vocab_size=256, seq_len=64)
+    assert 9e6 < count_params(mini.module) < 12e6
+    assert nano.info()["n_params"] == count_params(nano.module)
+    assert nano.info()["n_embd"] == 96 and nano.vocab_size == 256
+
+
+def test_gpt2_configurations_have_the_published_sizes() -> None:
+    # GPT-2 small: 124,439,808 parameters with tied embeddings (nanoGPT prints 123.65M without wpe)
+    for name, expected in (("gpt2-small", 124_439_808), ("gpt2-medium", 354_823_168)):
+        spec = BUILTIN_MODELS[name]
+        cfg = spec.config()
+        with torch.device("meta"):
+            module = spec.build(cfg)
+        assert count_params(module) == expected, name
+        assert abs(approx_params(cfg) - expected) / expected < 0.002
+
+
+@pytest.mark.parametrize("name", [n for n in BUILTIN_MODELS if not n.startswith("gpt2")])
+def test_approx_params_matches_the_built_model(name: str) -> None:
+    built = build_model(name, vocab_size=256, seq_len=32)
+    _, cfg = models._build_builtin(name, {}, 256, 32)
+    assert abs(approx_params(cfg) - count_params(built.module)) / count_params(built.module) < 0.02
+
+
+@pytest.mark.parametrize("name", ["gpt-nano", "llama-mini", "mlp", "cnn-bn"])
+def test_forward_shape_and_causality(name: str) -> None:
+    torch.manual_seed(0)
+    module = build_model(name, vocab_size=256, seq_len=16).module.eval()  # eval: BatchNorm uses running stats
+    x = torch.randint(0, 256, (2, 16))
+    logits = module(x)
+    assert logits.shape == (2, 16, 256) and logits.dtype == torch.float32
+    x2 = x.clone()
+    x2[:, 10] = (x2[:, 10] + 1) % 256
+    logits2 = module(x2)
+    # positions before the change see the same tokens: identical logits; the changed position differs
+    torch.testing.assert_close(logits[:, :10], logits2[:, :10], rtol=0, atol=0)
+    assert not torch.allclose(logits[:, 10], logits2[:, 10])
+
+
+@needs_hf
+def test_gpt_equals_hf_gpt2_with_the_same_weights() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    args = {"n_layer": "2", "n_head": "2", "n_embd": "32", "block_size": "64"}
+    ours = build_model("gpt-nano", args, vocab_size=256, seq_len=16).module.eval()
+    cfg = GPT2Config(
+        vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2, activation_function="gelu"
+    )
+    hf = GPT2LMHeadModel(cfg).eval()
+    hf_state = hf.state_dict()
+    for k, v in ours.state_dict().items():
+        w = v
+        # HF's Conv1D stores (in, out): the transpose of nn.Linear's weight
+        if k.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+            w = v.t()
+        hf_state[k].copy_(w)
+    hf.load_state_dict(hf_state)
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x).logits, rtol=1e-5, atol=1e-5)
+
+
+@needs_hf
+def test_llama_equals_hf_llama_with_the_same_weights() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    args = {"n_layer": "2", "n_head": "4", "n_embd": "64", "intermediate_size": "96"}
+    ours = build_model("llama-mini", args, vocab_size=256, seq_len=16).module.eval()
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    hf = LlamaForCausalLM(cfg).eval()
+    missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and all("rotary" in k for k in missing)
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_model_args_are_applied_and_checked() -> None:
+    built = build_model("gpt-nano", {"n_layer": "2", "bias": "false"}, vocab_size=256, seq_len=16)
+    assert len(built.module.transformer.h) == 2
+    assert built.module.lm_head.bias is None and built.module.transformer.h[0].attn.c_attn.bias is None
+    with pytest.raises(UserError, match="no such setting"):
+        build_model("gpt-nano", {"n_lyer": "2"}, vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match="an integer"):
+        build_model("gpt-nano", {"n_layer": "2.5"}, vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match="multiple of n_head"):
+        build_model("gpt-nano", {"n_head": "5"}, vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match="block_size"):
+        build_model("gpt-nano", {"block_size": "8"}, vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match="vocab_size=256"):
+        build_model("mlp", {"vocab_size": "100"}, vocab_size=256, seq_len=16)
+
+
+def test_parse_model_args() -> None:
+    assert parse_model_args(["n_layer=2", " lr = 1e-3 ", "name=a=b"]) == {
+        "n_layer": "2",
+        "lr": "1e-3",
+        "name": "a=b",
+    }
+    for bad in ("n_layer", "=2", "2x=1"):
+        with pytest.raises(UserError, match="KEY=VALUE"):
+            parse_model_args([bad])
+    assert models.coerce_value("3") == 3 and models.coerce_value("0.5") == 0.5
+    assert models.coerce_value("True") is True and models.coerce_value("none") is None
+    assert models.coerce_value("gelu") == "gelu"
+
+
+def test_unknown_model_names_the_known_ones() -> None:
+    with pytest.raises(UserError) as e:
+        build_model("gpt-9000", vocab_size=256, seq_len=16)
+    for name in BUILTIN_MODELS:
+        assert name in str(e.value)
+    assert "hf:" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_too_big_for_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(models, "_available_ram", lambda: 2**30)
+    with pytest.raises(UserError, match="GiB"):
+        build_model("gpt2-medium", vocab_size=256, seq_len=16)
+
+
+@needs_hf
+def test_hf_model_from_config() -> None:
+    args = {"n_layer": "1", "n_embd": "32", "n_head": "2", "vocab_size": "256", "n_positions": "32"}
+    built = build_model("hf:gpt2", args, vocab_size=256, seq_len=16)
+    assert built.kind == "hf" and built.vocab_size == 256 and built.max_seq_len == 32
+    assert built.module.config.n_layer == 1
+    out = built.module(torch.randint(0, 256, (1, 8)))
+    assert out.logits.shape == (1, 8, 256)
+    info = built.info()
+    assert info["class"].endswith("GPT2LMHeadModel") and info["hidden_size"] == 32
+    with pytest.raises(UserError, match="no field"):
+        build_model("hf:gpt2", {"n_lyer": "1"}, vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match="unknown Hugging Face model type"):
+        build_model("hf:not-a-model", {}, vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match="positions"):
+        build_model("hf:gpt2", args, vocab_size=256, seq_len=64)
+    with pytest.raises(UserError, match="vocabulary"):
+        build_model("hf:gpt2", {**args, "vocab_size": "100"}, vocab_size=256, seq_len=16)
+
+
+def test_hf_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    with pytest.raises(MissingDependencyError, match=r"precprof\[hf\]"):
+        build_model("hf:gpt2", vocab_size=256, seq_len=16)
+
+
+FACTORY_SOURCE = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self, vocab_size, width):
+            super().__init__()
+            self.emb = nn.Embedding(vocab_size, width)
+            self.out = nn.Linear(width, vocab_size)
+
+        def forward(self, x):
+            return self.out(self.emb(x))
+
+    def make(vocab_size, seq_len, width=8):
+        assert seq_len > 0
+        return Tiny(vocab_size, width)
+
+    def broken(**kwargs):
+        raise ValueError("no GPU in this factory")
+
+    def not_a_module():
+        return 42
+    """
+)
+
+
+@pytest.fixture()
+def factory_file(tmp_path: Path) -> Path:
+    path = tmp_path / "usermodel.py"
+    path.write_text(FACTORY_SOURCE)
+    return path
+
+
+def test_file_factory(factory_file: Path) -> None:
+    built = build_model(f"{factory_file}:make", {"width": "12"}, vocab_size=256, seq_len=16)
+    assert built.kind == "factory" and built.vocab_size == 256
+    assert built.module.emb.embedding_dim == 12
+    assert not built.pass_targets
+
+
+def test_module_factory(factory_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(factory_file.parent))
+    built = build_model("usermodel:make", {}, vocab_size=256, seq_len=16)
+    assert built.module.emb.embedding_dim == 8
+
+
+def test_factory_errors(factory_file: Path) -> None:
+    with pytest.raises(UserError, match="raised ValueError: no GPU in this factory"):
+        build_model(f"{factory_file}:broken", vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match=r"not a torch\.nn\.Module"):
+        build_model(f"{factory_file}:not_a_module", vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match="no callable"):
+        build_model(f"{factory_file}:missing", vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match="unexpected keyword"):
+        build_model(f"{factory_file}:make", {"depth": "3"}, vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match="no such file"):
+        build_model(f"{factory_file.parent / 'nope.py'}:make", vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match="cannot import"):
+        build_model("no_such_package_xyz.mod:make", vocab_size=256, seq_len=16)
+    bad = factory_file.parent / "bad.py"
+    bad.write_text("raise RuntimeError('import-time failure')\n")
+    with pytest.raises(UserError, match="import-time failure"):
+        build_model(f"{bad}:make", vocab_size=256, seq_len=16)

@@ -1,0 +1,447 @@
+"""The training loop: every CPU precision mode on gpt-nano, llama-mini and hf:gpt2; loss falls; an injected
+inf skips exactly one step (weights bitwise unchanged, scale halved); clipping sees unscaled gradients; the
+fp32-state optimizers against torch's; interrupted runs are saved as incomplete."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from precprof import hardware
+from precprof import tables as T
+from precprof.errors import MissingDependencyError, UserError
+from precprof.optim import FP32StateAdamW, FP32StateSGD
+from precprof.training import (
+    Callback,
+    TrainConfig,
+    TrainRun,
+    default_out_dir,
+    default_sample_every,
+    grad_norm_,
+    loss_from_output,
+    make_scaler,
+    parse_loss_scale,
+    plan_precision,
+    resolve_loss_scale,
+    train,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+CPU_MODES = ["fp32", "bf16", "fp16", "bf16-pure", "fp16-pure"]
+TINY_HF_GPT2 = {"n_layer": "1", "n_embd": "32", "n_head": "2", "vocab_size": "256", "n_positions": "64"}
+MODELS: list[Any] = [
+    ("gpt-nano", {}),
+    ("llama-mini", {}),
+    pytest.param(
+        "hf:gpt2",
+        TINY_HF_GPT2,
+        marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed"),
+    ),
+]
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def tiny(tmp_path: Path, **kw: Any) -> TrainConfig:
+    base: dict[str, Any] = dict(
+        steps=3, batch_size=2, seq_len=16, out=tmp_path / "run", progress=False, report=False, device="cpu"
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.mark.parametrize("precision", CPU_MODES)
+@pytest.mark.parametrize(("model", "model_args"), MODELS)
+def test_three_steps_in_every_cpu_mode(
+    tmp_path: Path, model: str, model_args: dict[str, str], precision: str
+) -> None:
+    seen: dict[str, Any] = {}
+
+    class Watch(Callback):
+        def after_backward(self, run: TrainRun) -> None:
+            seen["param_dtypes"] = {p.dtype for p in run.model.parameters()}
+            seen["loss_dtype"] = run.loss.dtype if run.loss is not None else None
+
+    result = train(
+        tiny(tmp_path, model=model, model_args=model_args, precision=precision), callbacks=[Watch()]
+    )
+    steps = result.steps
+    assert list(steps[T.STEP]) == [0, 1, 2]
+    assert steps[T.LOSS].map(math.isfinite).all()
+    assert steps[T.TOKENS].tolist() == [32.0, 32.0, 32.0]
+    expected_params = LOW[precision.split("-")[0]] if precision.endswith("-pure") else torch.float32
+    assert seen["param_dtypes"] == {expected_params}
+    assert seen["loss_dtype"] == torch.float32
+    summary = T.read_summary(result.run_dir)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert summary[T.SUMMARY_CONFIG]["precision"] == precision
+    scaled = precision.startswith("fp16")
+    assert summary[T.SUMMARY_CONFIG]["loss_scaling"] == ("dynamic" if scaled else "none")
+    assert (steps[T.LOSS_SCALE] == (2.0**16 if scaled else 1.0)).all()
+    for name in T.TABLE_FILES.values():
+        assert (result.run_dir / name).exists()
+    if precision in ("bf16", "fp16"):
+        # autocast really ran the matmuls in low precision (what the profiler recorded)
+        layers = T.read_tables(result.run_dir)["layers"]
+        acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & (layers[T.MODULE_TYPE].isin(["Linear", "Conv1D"]))]
+        assert not acts.empty and set(acts[T.DTYPE]) == {str(LOW[precision]).removeprefix("torch.")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_loss_falls_over_200_steps(tmp_path: Path, precision: str) -> None:
+    # one block of gpt-nano: fp16 matmuls are emulated on CPU (about 15x slower than fp32), and this keeps the
+    # three runs near 15 s; the drop toward the chain's entropy rate is the same with four blocks
+    cfg = tiny(tmp_path, precision=precision, steps=200, batch_size=4, seq_len=16, sample_every=0)
+    cfg.model_args = {"n_layer": "1"}
+    result = train(cfg)
+    losses = result.steps[T.LOSS]
+    first, last = float(losses.iloc[:10].mean()), float(losses.iloc[-20:].mean())
+    assert first > math.log(256) - 0.2  # starts near the uniform loss
+    assert last < first - 1.0, (first, last)
+    final = result.summary[T.SUMMARY_FINAL]
+    assert final["loss_floor_nats"] == pytest.approx(1.718, abs=0.01)
+    assert final["loss_floor_nats"] < last
+    assert final["steps_done"] == 200 and final["skipped_steps"] == 0
+
+
+class InjectInf(Callback):
+    """Put an inf into one gradient at ``step``; record weights and scale around that step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.before: list[torch.Tensor] = []
+        self.after: list[torch.Tensor] = []
+        self.scales: list[float] = []
+        self.adam_steps: list[float] = []
+
+    def after_backward(self, run: TrainRun) -> None:
+        assert run.scaler is not None
+        self.scales.append(run.scaler.get_scale())
+        if run.step == self.step:
+            self.before = [p.detach().clone() for p in run.model.parameters()]
+            self.adam_steps = [float(s["step"]) for s in run.optimizer.state.values()]
+            p = next(p for p in run.model.parameters() if p.grad is not None)
+            p.grad.view(-1)[0] = float("inf")
+
+    def on_step_end(self, run: TrainRun) -> None:
+        if run.step == self.step:
+            self.after = [p.detach().clone() for p in run.model.parameters()]
+            assert [float(s["step"]) for s in run.optimizer.state.values()] == self.adam_steps
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp16-pure"])
+def test_injected_inf_skips_the_step_and_halves_the_scale(tmp_path: Path, precision: str) -> None:
+    cb = InjectInf(step=2)
+    result = train(tiny(tmp_path, precision=precision, steps=4, init_scale=2.0**10), callbacks=[cb])
+    assert all(torch.equal(a, b) for a, b in zip(cb.before, cb.after, strict=True)), "weights changed"
+    assert cb.scales == [1024.0, 1024.0, 1024.0, 512.0]
+    steps = result.steps.set_index(T.STEP)
+    assert steps[T.SKIPPED].tolist() == [False, False, True, False]
+    assert steps.loc[2, T.LOSS_SCALE] == 1024.0 and steps.loc[3, T.LOSS_SCALE] == 512.0
+    assert result.summary[T.SUMMARY_FINAL]["skipped_steps"] == 1
+
+
+def test_static_scale_skips_but_keeps_the_scale(tmp_path: Path) -> None:
+    cb = InjectInf(step=1)
+    result = train(tiny(tmp_path, precision="fp16", steps=3, loss_scale="static:128"), callbacks=[cb])
+    assert all(torch.equal(a, b) for a, b in zip(cb.before, cb.after, strict=True))
+    assert cb.scales == [128.0, 128.0, 128.0]
+    assert result.steps[T.SKIPPED].tolist() == [False, True, False]
+    assert (result.steps[T.LOSS_SCALE] == 128.0).all()
+
+
+def test_no_scaling_in_fp16(tmp_path: Path) -> None:
+    seen = []
+
+    class Probe(Callback):
+        def after_backward(self, run: TrainRun) -> None:
+            seen.append(run.scaler)
+
+    result = train(tiny(tmp_path, precision="fp16", loss_scale="none"), callbacks=[Probe()])
+    assert seen == [None, None, None]
+    assert (result.steps[T.LOSS_SCALE] == 1.0).all()
+
+
+def test_grad_norm_is_unscaled_and_clipping_applies(tmp_path: Path) -> None:
+    norms: list[float] = []
+
+    class TrueNorm(Callback):
+        def after_backward(self, run: TrainRun) -> None:
+            assert run.scaler is not None
+            scale = run.scaler.get_scale()
+            sq = sum(float((p.grad.double() / scale).pow(2).sum()) for p in run.model.parameters())
+            norms.append(math.sqrt(sq))
+
+    result = train(
+        tiny(tmp_path, precision="fp16", init_scale=2.0**8, grad_clip=1e-3), callbacks=[TrueNorm()]
+    )
+    recorded = result.steps[T.GRAD_NORM].tolist()
+    assert recorded == pytest.approx(norms, rel=1e-5)
+    assert all(n > 1e-3 for n in norms)  # so clipping was active on every step
+
+
+def test_grad_norm_matches_clip_grad_norm() -> None:
+    torch.manual_seed(0)
+    a = [nn.Parameter(torch.randn(5, 7)), nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(2, 2))]
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b, strict=True):
+        g = torch.randn_like(p) * 3
+        p.grad, q.grad = g.clone(), g.clone()
+    a[2].grad = None
+    b[2].grad = None
+    ours = grad_norm_(a, max_norm=0.5)
+    ref = torch.nn.utils.clip_grad_norm_(b, max_norm=0.5)
+    torch.testing.assert_close(ours, ref)
+    for p, q in zip(a[:2], b[:2], strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+    # fp16 gradients whose squares overflow fp16: the norm is accumulated in fp32
+    h = nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    h.grad = torch.full((4,), 1000.0, dtype=torch.float16)
+    assert float(grad_norm_([h])) == pytest.approx(2000.0)
+    assert float(grad_norm_([])) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_fp32_state_optimizers_match_torch_on_fp32_params(kind: str) -> None:
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(6, 5))
+    q = nn.Parameter(p.detach().clone())
+    if kind == "adamw":
+        ours: torch.optim.Optimizer = FP32StateAdamW([p], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        ref: torch.optim.Optimizer = torch.optim.AdamW(
+            [q], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False
+        )
+    else:
+        ours = FP32StateSGD([p], lr=1e-2, momentum=0.9, weight_decay=0.1)
+        ref = torch.optim.SGD([q], lr=1e-2, momentum=0.9, weight_decay=0.1, foreach=False)
+    for _ in range(5):
+        g = torch.randn(6, 5)
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_state_adamw_on_low_precision_params(dtype: torch.dtype) -> None:
+    """Reference: torch's AdamW on an fp32 copy that is re-loaded from the low-precision weight every step."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(8, 8).to(dtype))
+    w = nn.Parameter(p.detach().float())
+    ours = FP32StateAdamW([p], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    ref = torch.optim.AdamW([w], lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, foreach=False)
+    for _ in range(4):
+        g = torch.randn(8, 8).to(dtype)
+        p.grad = g.clone()
+        with torch.no_grad():
+            w.copy_(p.float())  # no master weights: each step starts from the stored low-precision value
+        w.grad = g.float()
+        ours.step()
+        ref.step()
+        assert torch.equal(p.detach(), w.detach().to(dtype))
+    assert ours.state[p]["exp_avg"].dtype == torch.float32
+
+
+def test_pure_bf16_loses_tiny_updates() -> None:
+    """Without master weights an update below half an ulp of the bf16 weight vanishes; fp32 keeps it."""
+    for dtype, changes in ((torch.bfloat16, False), (torch.float32, True)):
+        p = nn.Parameter(torch.ones(4, dtype=dtype))
+        opt = FP32StateSGD([p], lr=1e-4)
+        p.grad = torch.ones(4, dtype=dtype)
+        opt.step()
+        assert (not torch.equal(p.detach(), torch.ones(4, dtype=dtype))) == changes
+
+
+class Boom(Callback):
+    def __init__(self, step: int, exc: BaseException) -> None:
+        self.step, self.exc = step, exc
+
+    def on_step_end(self, run: TrainRun) -> None:
+        if run.step == self.step:
+            raise self.exc
+
+
+@pytest.mark.parametrize(
+    ("exc", "reason"),
+    [(KeyboardInterrupt(), "KeyboardInterrupt"), (RuntimeError("boom"), "RuntimeError: boom")],
+)
+def test_interrupted_run_is_saved_incomplete(tmp_path: Path, exc: BaseException, reason: str) -> None:
+    cfg = tiny(tmp_path, steps=10)
+    with pytest.raises(type(exc)):
+        train(cfg, callbacks=[Boom(2, exc)])
+    summary = T.read_summary(cfg.out)  # type: ignore[arg-type]
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert reason in summary[T.SUMMARY_INCOMPLETE_REASON]
+    steps = T.read_tables(cfg.out)["steps"]  # type: ignore[arg-type]
+    assert list(steps[T.STEP]) == [0, 1, 2]
+    assert summary[T.SUMMARY_FINAL]["steps_done"] == 3
+
+
+def test_summary_contents(tmp_path: Path) -> None:
+    result = train(tiny(tmp_path, steps=4, sample_every=2, command_line="precprof train --steps 4"))
+    s = result.summary
+    for key in (T.SUMMARY_CONFIG, T.SUMMARY_HARDWARE, T.SUMMARY_VERSIONS, T.SUMMARY_MODEL, T.SUMMARY_FINAL):
+        assert key in s, key
+    cfg = s[T.SUMMARY_CONFIG]
+    assert cfg["model"] == "gpt-nano" and cfg["steps"] == 4 and cfg["sample_every"] == 2
+    assert cfg["command_line"] == "precprof train --steps 4"
+    assert cfg["data"]["name"] == "synthetic" and cfg["device"] == "cpu"
+    assert s[T.SUMMARY_VERSIONS]["torch"] == torch.__version__
+    assert s[T.SUMMARY_MODEL]["n_params"] == 496704 and s[T.SUMMARY_MODEL]["n_embd"] == 96
+    assert s[T.SUMMARY_HARDWARE]["device"] == "cpu"
+    final = s[T.SUMMARY_FINAL]
+    assert final["final_loss"] == pytest.approx(float(result.steps[T.LOSS].iloc[-1]))
+    assert result.final_loss == final["final_loss"]
+    assert final["tokens_per_s"] > 0 and final["wall_s"] > 0
+    assert sorted(result.steps.loc[result.steps[T.SAMPLED], T.STEP]) == [0, 2]
+
+
+def test_text_data_and_user_model_returning_a_loss(tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text("precprof measures what low precision does to training. " * 50)
+    factory = tmp_path / "m.py"
+    factory.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "import torch.nn.functional as F\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self, vocab_size):\n"
+        "        super().__init__()\n"
+        "        self.e = nn.Embedding(vocab_size, 16)\n"
+        "        self.o = nn.Linear(16, vocab_size)\n"
+        "    def forward(self, x, targets=None):\n"
+        "        logits = self.o(self.e(x))\n"
+        "        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())\n"
+        "def make(vocab_size):\n"
+        "    return M(vocab_size)\n"
+    )
+    result = train(tiny(tmp_path, model=f"{factory}:make", data=str(text), steps=5, lr=0.05))
+    data = result.summary[T.SUMMARY_CONFIG]["data"]
+    assert data["name"] == "text" and data["bytes"] == len(text.read_bytes())
+    assert result.summary[T.SUMMARY_FINAL]["loss_floor_nats"] is None
+    assert result.steps[T.LOSS].iloc[-1] < result.steps[T.LOSS].iloc[0]
+
+
+def test_loss_from_output() -> None:
+    y = torch.randint(0, 5, (2, 3))
+    logits = torch.randn(2, 3, 5)
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 5), y.reshape(-1))
+    torch.testing.assert_close(loss_from_output(logits, y), ref)
+    torch.testing.assert_close(loss_from_output({"logits": logits.half()}, y), ref, atol=1e-2, rtol=1e-2)
+    assert loss_from_output(torch.tensor(2.5), y).item() == 2.5
+    assert loss_from_output({"loss": torch.tensor(1.0), "logits": logits}, y).item() == 1.0
+    with pytest.raises(UserError, match="expected logits"):
+        loss_from_output(torch.randn(2, 5), y)
+    with pytest.raises(UserError, match="expected logits"):
+        loss_from_output("nope", y)
+
+
+def test_precision_plans_and_device_errors() -> None:
+    cpu = hardware.detect("cpu")
+    dev = torch.device("cpu")
+    for mode in ("tf32", "fp8"):
+        with pytest.raises(UserError, match="compute capability"):
+            plan_precision(mode, dev, cpu)
+    with pytest.raises(UserError, match="unknown precision"):
+        plan_precision("fp64", dev, cpu)
+    cuda = torch.device("cuda")
+    v100 = hardware.preset("v100")
+    with pytest.raises(UserError, match="bf16 support"):
+        plan_precision("bf16", cuda, v100)
+    with pytest.raises(UserError, match=r"8\.0"):
+        plan_precision("tf32", cuda, v100)
+    with pytest.raises(UserError, match=r"8\.9"):
+        plan_precision("fp8", cuda, hardware.preset("a100"))
+    assert plan_precision("tf32", cuda, hardware.preset("a100")).tf32
+    pure = plan_precision("fp16-pure", dev, cpu)
+    assert pure.param_dtype == torch.float16 and pure.autocast_dtype is None
+    assert plan_precision("bf16", dev, cpu).autocast_dtype == torch.bfloat16
+    if hardware.fp8_library() is None:
+        with pytest.raises(MissingDependencyError):
+            plan_precision("fp8", cuda, hardware.preset("h100"))
+    else:
+        plan = plan_precision("fp8", cuda, hardware.preset("h100"))
+        assert plan.fp8_library and plan.autocast_dtype == torch.bfloat16
+
+
+def test_loss_scale_parsing_and_scalers() -> None:
+    assert parse_loss_scale("dynamic") == ("dynamic", None)
+    assert parse_loss_scale("static:1024") == ("static", 1024.0)
+    assert resolve_loss_scale("auto", "fp16-pure") == ("dynamic", None)
+    assert resolve_loss_scale("auto", "bf16") == ("none", None)
+    for bad in ("static:", "static:-1", "static:inf", "sometimes"):
+        with pytest.raises(UserError, match="loss-scale"):
+            parse_loss_scale(bad)
+    cfg = TrainConfig(precision="fp16", loss_scale="static:64")
+    scaler = make_scaler(
+        cfg, plan_precision("fp16", torch.device("cpu"), hardware.detect("cpu")), torch.device("cpu")
+    )
+    assert scaler is not None
+    assert scaler.get_growth_factor() == 1.0 and scaler.get_backoff_factor() == 1.0
+
+
+def test_config_validation() -> None:
+    for kw, match in (
+        ({"steps": 0}, "steps"),
+        ({"batch_size": 0}, "batch-size"),
+        ({"lr": -1.0}, "lr"),
+        ({"growth_factor": 1.0}, "growth-factor"),
+        ({"backoff_factor": 1.5}, "backoff-factor"),
+        ({"precision": "fp64"}, "precision"),
+        ({"optimizer": "lion"}, "optimizer"),
+        ({"device": "tpu"}, "device"),
+        ({"sample_every": -1}, "sample-every"),
+    ):
+        with pytest.raises(UserError, match=match):
+            TrainConfig(**kw).validate()  # type: ignore[arg-type]
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="no CUDA device"):
+            train(TrainConfig(device="cuda", steps=1, progress=False))
+
+
+def test_defaults(tmp_path: Path) -> None:
+    assert (
+        default_sample_every(500) == 5
+        and default_sample_every(30) == 1
+        and default_sample_every(10_000) == 100
+    )
+    out = default_out_dir(TrainConfig(model="hf:gpt2", precision="bf16"), root=tmp_path)
+    assert out.parent == tmp_path and out.name.startswith("hf-gpt2-bf16-")
+    out.mkdir()
+    again = default_out_dir(TrainConfig(model="hf:gpt2", precision="bf16"), root=tmp_path)
+    assert again != out and again.name.startswith(out.name)
+    assert default_out_dir(TrainConfig(model="x/y/m.py:make"), root=tmp_path).name.startswith("make-fp32-")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8"])
+def test_every_mode_on_gpt2_small_cuda(tmp_path: Path, precision: str) -> None:
+    hw = hardware.detect("cuda")
+    if precision == "tf32" and not hw.tf32_supported:
+        pytest.skip("TF32 needs compute capability 8.0+")
+    if precision == "fp8" and not (hw.fp8_supported and hw.fp8_library):
+        pytest.skip("fp8 needs compute capability 8.9+ and torchao or Transformer Engine")
+    result = train(
+        TrainConfig(
+            model="gpt2-small",
+            precision=precision,
+            steps=3,
+            batch_size=2,
+            seq_len=128,
+            device="cuda",
+            out=tmp_path / "run",
+            progress=False,
+        )
+    )
+    assert isinstance(result.steps, pd.DataFrame) and len(result.steps) == 3
+    assert result.steps[T.LOSS].map(math.isfinite).all()
+    if precision == "fp8":
+        assert result.summary[T.SUMMARY_CONFIG]["fp8_layers"] > 0
