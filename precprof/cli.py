@@ -59,13 +59,19 @@ def train(
         typer.Option(
             "--model",
             "-m",
-            help="gpt-nano, gpt-mini, gpt2-small, gpt2-medium, llama-mini, mlp, cnn-bn, hf:<model_type>, "
-            "path/to/file.py:factory or package.module:factory.",
+            metavar="NAME",
+            help="gpt-nano (default), gpt-mini, gpt2-small, gpt2-medium, llama-mini, mlp, cnn-bn, "
+            "hf:<model_type>, path/to/file.py:factory or package.module:factory.",
         ),
     ] = "gpt-nano",
     model_arg: Annotated[
         list[str] | None,
-        typer.Option("--model-arg", "-a", help="KEY=VALUE for the model's config or factory (repeatable)."),
+        typer.Option(
+            "--model-arg",
+            "-a",
+            metavar="KEY=VALUE",
+            help="A setting of the model's config or factory, e.g. n_layer=2 (repeatable).",
+        ),
     ] = None,
     precision: Annotated[
         Precision, typer.Option("--precision", "-p", help="Precision mode.")
@@ -73,7 +79,8 @@ def train(
     loss_scale: Annotated[
         str,
         typer.Option(
-            help="dynamic, static:N or none (default: dynamic for fp16 and fp16-pure, none otherwise)."
+            metavar="MODE",
+            help="dynamic, static:N or none (auto: dynamic for fp16 and fp16-pure, none otherwise).",
         ),
     ] = "auto",
     init_scale: Annotated[float, typer.Option(help="Initial loss scale of dynamic scaling.")] = 2.0**16,
