@@ -226,10 +226,19 @@ def _whatif(layers: pd.DataFrame) -> dict[str, Any]:
     return {"headers": headers, "groups": groups, "rows": rows, "overview": overview}
 
 
+# config/capture keys shown under "numerics settings" (matched as whole words of the key)
+_NUMERICS_WORDS = frozenset(
+    {"autocast", "precision", "scaler", "amp", "tf32", "fp8", "dtype", "fp16", "bf16"}
+)
+
+
 def _environment(summary: Mapping[str, Any]) -> dict[str, Any]:
     cfg = dict(summary.get(T.SUMMARY_CONFIG) or {})
     hw = dict(summary.get(T.SUMMARY_HARDWARE) or {})
     capture = dict(summary.get(T.SUMMARY_CAPTURE) or {})
+    # the per-module list is the per-layer table's business; here only its length
+    if isinstance(capture.get("modules"), list):
+        capture["modules"] = f"{len(capture['modules'])} modules (see the per-layer table)"
     command = None
     for src in (cfg, summary):
         for key in ("command", "command_line", "cmdline", "argv"):
@@ -248,7 +257,9 @@ def _environment(summary: Mapping[str, Any]) -> dict[str, Any]:
             settings.append((label, hw[key]))
     for src_name, src in (("config", cfg), ("capture", capture)):
         for k, v in src.items():
-            if any(w in k.lower() for w in ("autocast", "precision", "loss_scal", "scaler", "amp", "tf32")):
+            if any(
+                w in k.lower() for w in ("autocast", "precision", "loss_scal", "scaler", "amp", "tf32", "fp8")
+            ):
                 settings.append((f"{k} ({src_name})", v))
     device = hw.get("name") or hw.get("device")
     if hw.get("compute_capability"):
@@ -271,22 +282,18 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
     measured = S.measured_memory(tables["memory"])
     records = S.memory_records(summary)
     fig = plots.memory_figure(measured, records, S.requested_precision(summary))
-    # the per-mode tables: one row per (mode, source), one column per component
-    comps = list(dict.fromkeys(r["component"] for r in records))
-    grid: dict[tuple[str, str], dict[str, float]] = {}
-    for r in records:
-        grid.setdefault((r["mode"], r["source"]), {})
-        cell = grid[(r["mode"], r["source"])]
-        cell[r["component"]] = cell.get(r["component"], 0.0) + r["bytes"]
-    proj_rows = [
-        {"mode": m, "source": s, "cells": [v.get(c) for c in comps], "total": sum(v.values())}
-        for (m, s), v in grid.items()
-    ]
+    mem = summary.get(T.SUMMARY_MEMORY)
+    mem = mem if isinstance(mem, Mapping) else {}
+    claim = mem.get("textbook_claim")
     return {
-        "img": _img(fig, "Stacked bars of memory per component: measured, projected per format, textbook"),
+        "img": _img(fig, "Stacked bars of memory per component: this run as measured and projected per mode"),
         "measured": measured,
-        "components": comps,
-        "rows": proj_rows,
+        "projection": S.memory_table(records, "measured+projected"),
+        "textbook": S.memory_table(records, "textbook"),
+        "claim": claim.get("text")
+        if isinstance(claim, Mapping)
+        else (claim if isinstance(claim, str) else None),
+        "assumptions": [str(a) for a in mem.get("assumptions") or []],
         "has_projection": bool(records),
     }
 

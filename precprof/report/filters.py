@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 MISSING = "—"
+PLAIN_MAX_ITEMS = 12  # longer lists in config/environment tables are cut, with their length
 
 
 def _float(v: Any) -> float | None:
@@ -120,7 +121,9 @@ def plain(v: Any) -> str:
     if isinstance(v, Mapping):
         return ", ".join(f"{k}={plain(x)}" for k, x in v.items()) or MISSING
     if isinstance(v, (list, tuple, set)):
-        return ", ".join(plain(x) for x in v) or MISSING
+        items = list(v)
+        shown = ", ".join(plain(x) for x in items[:PLAIN_MAX_ITEMS]) or MISSING
+        return shown + (f" … ({len(items)} in all)" if len(items) > PLAIN_MAX_ITEMS else "")
     return str(v)
 
 
@@ -132,20 +135,24 @@ def cmdline(v: Any) -> str:
 
 
 def number_by_name(name: str, v: Any) -> str:
-    """A finding's number formatted by what its name says it is (share, scale, bytes, exponent ...)."""
+    """A finding's number formatted by what its name says it is (share, scale, bytes, magnitude, count)."""
     n = name.lower()
     if isinstance(v, (list, tuple)):
         return ", ".join(number_by_name(name, x) for x in v)
     if isinstance(v, str):
         return v
-    if any(k in n for k in ("share", "fraction", "ratio", "pct", "percent", "rate")):
-        return pct(v) if "pct" not in n and "percent" not in n else f"{num(v)}%"
+    if "log2" in n or "exponent" in n:
+        return num(v)
+    if "pct" in n or "percent" in n:
+        return f"{num(v)}%"
+    if any(k in n for k in ("share", "fraction", "ratio")):
+        return pct(v)
     if "bytes" in n:
         return nbytes(v)
-    if "scale" in n:
-        return pow2(v)
-    if any(k in n for k in ("absmax", "absmin", "max", "min", "value")):
+    if any(k in n for k in ("absmax", "absmin", "amax", "amin")):
         return log2mag(v)
+    if n == "scale" or n.endswith("_scale") or n.startswith("scale_") or n.startswith("loss_scale"):
+        return pow2(v)
     return num(v)
 
 

@@ -378,7 +378,7 @@ def signature_heatmap(
             ax_strip.text(
                 (x0 + x1) / 2,
                 i,
-                f"2^{w.lo:.0f} … 2^{w.hi:.0f}: entirely {side} this plot's range",
+                f"2^{round(w.lo)} … 2^{round(w.hi)}: entirely {side} this plot's range",
                 ha="center",
                 va="center",
                 fontsize=8,
@@ -434,6 +434,17 @@ def signature_heatmap(
         Patch(color="#111", alpha=0.8, label="overflow"),
     ]
     ax_lost.legend(handles=handles, loc="lower right", fontsize=7, frameon=True, framealpha=0.9)
+    if not (u > 0).any() and not (o > 0).any():
+        ax_lost.text(
+            0.5,
+            0.5,
+            "nothing lost\nin FP16",
+            transform=ax_lost.transAxes,
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="#2a7a2a",
+        )
     return Heatmap(fig, kind, len(S.row_order(layers, kind)) or len(sel), n, scale, wins)
 
 
@@ -448,8 +459,9 @@ def _unit(max_bytes: float) -> tuple[float, str]:
 def memory_figure(
     measured: Mapping[str, Any], records: Sequence[Mapping[str, Any]], current_mode: str = ""
 ) -> Figure | None:
-    """Horizontal stacked bars of bytes per component: this run as measured, the projection for other precision
-    modes, and the textbook per-parameter accounting; the allocator peak as a black tick on the measured bar.
+    """Horizontal stacked bars of bytes per component: this run as measured, then the projection for every
+    precision mode (this run's own first, so that measured vs projected shows the projection's error); the
+    allocator peak as a black tick on the measured bar. Textbook records are left to a table.
 
     ``measured`` is ``summarize.measured_memory(memory_table)``; ``records`` are summary["memory"] records. When
     the records already hold this run's measured stack, the tables' stack is not drawn twice.
@@ -460,7 +472,7 @@ def memory_figure(
     stacks: dict[tuple[str, str], dict[str, float]] = {}
     src_rank = {"measured": 0, "projected": 1, "textbook": 2}
     for r in records:
-        if r["component"] in S.PEAK_COMPONENTS:
+        if r["component"] in S.PEAK_COMPONENTS or r["source"] == "textbook" or not r["bytes"]:
             continue
         key = (r["mode"], r["source"])
         if key not in stacks:
@@ -469,14 +481,15 @@ def memory_figure(
         stacks[key][r["component"]] = stacks[key].get(r["component"], 0.0) + float(r["bytes"])
     comps = dict(measured.get("components") or {})
     if comps and not any(src == "measured" for _, src in order):
-        bars.append((f"{current_mode or 'this run'} · measured", comps, peak))
+        bars.append((f"{current_mode or 'this run'} · this run, measured", comps, peak))
     modes = list(dict.fromkeys(m for m, _ in order))
     if current_mode in modes:  # this run's mode first
         modes.remove(current_mode)
         modes.insert(0, current_mode)
     order.sort(key=lambda k: (modes.index(k[0]), src_rank.get(k[1], 3)))
     for mode, src in order:
-        bars.append((f"{mode} · {src}", stacks[(mode, src)], peak if src == "measured" else None))
+        label = f"{mode} · this run, measured" if src == "measured" else f"{mode} · projected"
+        bars.append((label, stacks[(mode, src)], peak if src == "measured" else None))
     if not bars:
         return None
     known = list(COMPONENT_COLORS)

@@ -38,8 +38,8 @@ FORMAT_LABELS: dict[str, str] = {
 }
 LOW_PRECISION_DTYPES = frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 ROOT_LABEL = "(model)"
-# memory components that are totals of the whole process, not parts of a stack
-PEAK_COMPONENTS = frozenset({T.ALLOCATOR_PEAK, T.ALLOCATOR_RESERVED_PEAK})
+# memory components that are totals of the whole process or device, not parts of a stack
+PEAK_COMPONENTS = T.MEMORY_PEAK_COMPONENTS
 
 
 def module_label(name: str) -> str:
@@ -303,7 +303,7 @@ def layer_records(layers: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def _dtype_census(rows: pd.DataFrame) -> list[dict[str, Any]]:
-    """[{dtype, tensors, values}] of distinct (module, param) tensors, most values first."""
+    """[{dtype, tensors, numel}] over the (module, param) tensors of the last sampled step, most numel first."""
     if rows.empty:
         return []
     last = rows[rows[T.STEP] == rows[T.STEP].max()]
@@ -388,8 +388,10 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
     last = memory[memory[T.STEP] == memory[T.STEP].max()]
     b = pd.to_numeric(last[T.BYTES], errors="coerce").fillna(0)
     per = b.groupby(last[T.COMPONENT]).sum()
-    comps = {str(c): float(v) for c, v in per.items() if c not in PEAK_COMPONENTS}
-    peaks = {str(c): float(v) for c, v in per.items() if c in PEAK_COMPONENTS}
+    comps = {str(c): float(v) for c, v in per.items() if c not in PEAK_COMPONENTS and v > 0}
+    # peaks are per phase: their max is the step's peak, never their sum
+    peak = b.groupby(last[T.COMPONENT]).max()
+    peaks = {str(c): float(v) for c, v in peak.items() if c in PEAK_COMPONENTS}
     acts = last[last[T.COMPONENT] == T.ACTIVATIONS]
     top = (
         pd.to_numeric(acts[T.BYTES], errors="coerce")
@@ -437,20 +439,52 @@ def memory_totals(records: list[dict[str, Any]]) -> dict[tuple[str, str], float]
     return tot
 
 
+def memory_table(records: list[dict[str, Any]], source: str) -> dict[str, Any]:
+    """Records of one source (or "measured+projected") as a table: components with bytes somewhere, and one row
+    per (mode, source) with bytes per component, the total and the saving against fp32 of the same source.
+
+    Returns {"components": [...], "rows": [{"mode", "source", "cells", "total", "saving_vs_fp32"}]}.
+    """
+    sources = ("measured", "projected") if source == "measured+projected" else (source,)
+    recs = [r for r in records if r["source"] in sources and r["component"] not in PEAK_COMPONENTS]
+    comps = list(dict.fromkeys(r["component"] for r in recs if r["bytes"] > 0))
+    grid: dict[tuple[str, str], dict[str, float]] = {}
+    for r in recs:
+        cell = grid.setdefault((r["mode"], r["source"]), {})
+        cell[r["component"]] = cell.get(r["component"], 0.0) + r["bytes"]
+    tot = memory_totals(records)
+    rows = []
+    for (mode, src), cells in grid.items():
+        total = sum(cells.values())
+        base = tot.get(("fp32", "textbook" if src == "textbook" else "projected"))
+        rows.append(
+            {
+                "mode": mode,
+                "source": src,
+                "cells": [cells.get(c) for c in comps],
+                "total": total,
+                "saving_vs_fp32": (base - total) / base if base else math.nan,
+            }
+        )
+    return {"components": comps, "rows": rows}
+
+
 def expected_saving(
     records: list[dict[str, Any]], measured_total: float, current: str, recommended: str
 ) -> dict[str, Any] | None:
-    """Bytes saved by switching from the current mode to the recommended one, from the memory projection.
+    """Memory of the recommended mode against this run and against fp32, from the memory projection.
 
-    The current mode's total is its measured or projected record (else the measured tables); the recommended
-    mode's total is its projected (else textbook) record. None when either side is unknown.
+    This run's total is its measured record (else its projection, else the measured tables); the recommended
+    mode's is its projection (else textbook). The fp32 baseline is the fp32 projection. Returns {"current",
+    "recommended", "saved", "share", "fp32", "share_vs_fp32", "same_mode"} or None when the recommended mode
+    has no projection. ``recommended`` may be "fp8": its projection is looked up under that name.
     """
     tot = memory_totals(records)
 
     def pick(mode: str, sources: tuple[str, ...]) -> float | None:
-        for s in sources:
-            if (mode, s) in tot:
-                return tot[(mode, s)]
+        for src in sources:
+            if (mode, src) in tot:
+                return tot[(mode, src)]
         return None
 
     if not recommended:
@@ -461,6 +495,15 @@ def expected_saving(
     rec = pick(recommended, ("projected", "measured", "textbook"))
     if rec is None and current == recommended:
         rec = cur
-    if cur is None or rec is None or cur <= 0:
+    if rec is None:
         return None
-    return {"current": cur, "recommended": rec, "saved": cur - rec, "share": (cur - rec) / cur}
+    fp32 = pick("fp32", ("projected", "measured"))
+    return {
+        "current": cur,
+        "recommended": rec,
+        "saved": cur - rec if cur is not None else None,
+        "share": (cur - rec) / cur if cur else None,
+        "fp32": fp32,
+        "share_vs_fp32": (fp32 - rec) / fp32 if fp32 else None,
+        "same_mode": current == recommended,
+    }
