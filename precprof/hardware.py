@@ -81,17 +81,25 @@ def fp8_library() -> str | None:
     return None
 
 
-def _cpu_bf16_native() -> bool:
-    flags = ""
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = line
-                    break
+                    return set(line.split(":", 1)[-1].split())
     except OSError:
-        return False
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+        pass
+    return set()
+
+
+def _cpu_bf16_native() -> bool:
+    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_fp16_native() -> bool:
+    """Whether this CPU computes fp16 in hardware (AVX512-FP16 or AMX-FP16); without it torch emulates fp16
+    matmuls, about 15x slower than fp32 (measured on an AVX512 EPYC)."""
+    return bool(_cpu_flags() & {"avx512_fp16", "amx_fp16"})
 
 
 def _nvml(index: int) -> dict[str, Any]:

@@ -570,6 +570,17 @@ def train(
         T.SUMMARY_VERSIONS: hardware.software_versions(),
         T.SUMMARY_MODEL: built.info(),
     }
+    if (
+        device.type == "cpu"
+        and config.precision in FP16_MODES
+        and config.progress
+        and not hardware.cpu_fp16_native()
+    ):
+        print(
+            "precprof: note: this CPU has no fp16 arithmetic; torch emulates fp16 matmuls, about 15x slower "
+            "than fp32 (bf16 runs natively or close to it)",
+            file=sys.stderr,
+        )
     prof = Profiler(model, optimizer=optimizer, scaler=scaler, **prof_kwargs)
     run = TrainRun(config, model, optimizer, scaler, prof, device, run_dir)
 
