@@ -155,6 +155,10 @@ class AdvisorConfig:
     # the loss-scale rule); above ``fp16_underflow_block`` even at the recommended scale, fp16 is not advised.
     fp16_underflow_ok: float = 0.01
     fp16_underflow_block: float = 0.10
+    # ...unless the values still lost at the recommended scale are negligible: in every module they carry at
+    # most this share of the activation gradient's L2 norm (a layer whose gradients are all tiny is lost
+    # entirely and fails this; a few far-out tail values in an otherwise healthy tensor pass it).
+    fp16_underflow_norm_ok: float = 1e-3
     # Activations whose largest value is within 2^fp16_activation_headroom_log2 of 65504 are kept in fp32 too:
     # steps that were not sampled can be larger.
     fp16_activation_headroom_log2: int = 1
@@ -374,6 +378,23 @@ def _shifted_underflow(counts: pd.Series, fmt: NumberFormat, k: int) -> tuple[fl
     sure = float(counts[(e + k + 1) <= lim].sum())
     boundary = float(counts[(e + k) == lim].sum())
     return sure, boundary
+
+
+def _lost_norm_share(hist: pd.DataFrame, fmt: NumberFormat, k: int) -> pd.Series:
+    """Per module: the share of the L2 norm held by values that underflow ``fmt`` at scale 2^k.
+
+    Estimated from the histogram, each value taken as 2^e (its bin's lower edge for every bin alike, so the
+    ratio is within a factor of 2 of the truth): sqrt(sum over lost bins of count*4^e / sum over all of count*4^e).
+    """
+    if hist.empty:
+        return pd.Series(dtype=float)
+    e = hist[T.EXPONENT].to_numpy(dtype=float)
+    energy = hist[T.COUNT].to_numpy(dtype=float) * 4.0**e
+    lost = energy * ((e + k + 1) <= _log2i(fmt.underflow_max))
+    df = pd.DataFrame({T.MODULE: hist[T.MODULE].to_numpy(), "energy": energy, "lost": lost})
+    by = df.groupby(T.MODULE)[["energy", "lost"]].sum()
+    by = by[by["energy"] > 0]
+    return (by["lost"] / by["energy"]) ** 0.5
 
 
 def _shifted_overflow(counts: pd.Series, fmt: NumberFormat, k: int) -> float:
@@ -867,6 +888,10 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     wg = _exponent_counts(run.hist, (T.WEIGHT_GRAD,))
     wg_sure, _ = _shifted_underflow(wg, FP16, k)
     wg_share = _share(wg_sure, float(wg.sum()))
+    norm = _lost_norm_share(run.hist[run.hist[T.TENSOR] == T.ACTIVATION_GRAD], FP16, k)
+    norm_k = float(norm.max()) if not norm.empty else None
+    norm_mod = str(norm.idxmax()) if not norm.empty else None
+    residual_matters = norm_k is None or norm_k > cfg.fp16_underflow_norm_ok
     now_txt = (
         f"{_pct(now)} of {int(nz_now)} nonzero activation-gradient values flush to zero in fp16 at the scale "
         f"in effect ({', '.join(f'{s:g}' for s in scales)}; exact counts)"
@@ -886,24 +911,34 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         + (f"; {int(over_k)} values would overflow at that scale" if over_k else "")
         + "."
     )
+    if (atk or 0) > cfg.fp16_underflow_ok and norm_k is not None and norm_mod is not None:
+        msg += (
+            f" The values still lost at {_pow2(k)} (all below 2^{_log2i(FP16.underflow_max) - k}) carry at most "
+            f"{_pct(norm_k)} of a module's activation-gradient L2 norm ({_name(norm_mod)}; estimated from the "
+            "histogram)"
+            + (": a whole layer's gradients are lost." if residual_matters else ": a negligible tail.")
+        )
     if (at1 or 0) > cfg.fp16_underflow_ok:
         msg += (
             " The 2018 Mixed Precision Training paper saw the same for SSD and recovered fp32 accuracy with a "
             "loss scale of 8."
         )
-    if atk is not None and atk > cfg.fp16_underflow_block:
+    if atk is not None and atk > cfg.fp16_underflow_block and residual_matters:
         severity = CRITICAL
         plan.fp16_block.append(
             f"{_pct(atk)} of activation-gradient values still underflow fp16 at {_pow2(k)}, the largest safe "
-            "loss scale (the gradients span more binades than fp16 holds)"
+            f"loss scale, taking {_pct(norm_k)} of {_name(norm_mod or '')}'s gradient norm with them (the "
+            "model's gradients span more binades than fp16 holds)"
         )
         remedy = "Use bf16 or fp32: no single fp16 loss scale covers these gradients' range."
-    elif atk is not None and atk > cfg.fp16_underflow_ok:
+    elif atk is not None and atk > cfg.fp16_underflow_ok and residual_matters:
         severity = WARNING
         remedy = f"Start GradScaler at {_scale(k)}, and consider bf16: {_pct(atk)} still underflows there."
     elif (at1 or 0) > cfg.fp16_underflow_ok or (now or 0) > cfg.fp16_underflow_ok:
         severity = WARNING
-        remedy = f"Scale the loss: GradScaler(init_scale={_scale(k)}) brings the underflow to {_pct(atk)}."
+        remedy = f"Scale the loss: GradScaler(init_scale={_scale(k)}) brings the underflow to {_pct(atk)}" + (
+            ", a negligible tail." if (atk or 0) > cfg.fp16_underflow_ok else "."
+        )
     else:
         severity = INFO
         remedy = f"Nothing to fix; GradScaler(init_scale={_scale(k)}) keeps it at {_pct(atk)}."
@@ -932,6 +967,8 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
                 "overflow_at_recommended": int(over_k),
                 "fp16_zero_share": zero16,
                 "weight_grad_share_at_recommended": wg_share,
+                "max_module_norm_share_at_recommended": norm_k,
+                "max_norm_share_module": norm_mod,
             },
         )
     )
