@@ -990,8 +990,8 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
             f"Gradients overflow fp16 at the scale in effect in {len(mods)} module(s)",
             f"On {len(steps)} sampled step(s) ({_listing([str(s) for s in steps], 6)}), {n} gradient values in "
             f"{_listing(mods, run.cfg.max_listed_modules)} overflow fp16 at loss scale "
-            f"{', '.join(f'{s:g}' for s in scales)}; a dynamic GradScaler skips those steps, a static one "
-            "corrupts the weights.",
+            f"{', '.join(f'{s:g}' for s in scales)}; GradScaler skips those steps (and lowers its scale), loss "
+            "scaling without an inf check would apply the inf/nan updates.",
             f"Start at the recommended loss scale {_pow2(plan.loss_scale_log2)}, which keeps the largest "
             "gradient below the limit.",
             modules=mods,
