@@ -65,6 +65,21 @@ _INF_BITS = 0x7FF0000000000000
 _NO_MIN_BITS = 0x7FFFFFFFFFFFFFFF  # sentinel "no nonzero finite value yet"
 
 DEFAULT_CHUNK = 1 << 18
+_LO = _F64_BIAS + EXP_MIN  # fp64 exponent field of fp32's smallest subnormal
+_HI = _F64_BIAS + EXP_MAX
+
+
+def _fold_keys(kh2: np.ndarray, row: np.ndarray) -> None:
+    """Add a [2048, 2] key histogram (exponent field, mantissa == 0) into a host row (see the device path)."""
+    row[COL_ZEROS] += kh2[0, 1]
+    row[COL_NAN] += kh2[_F64_EXP_ALL, 0]
+    row[COL_INF] += kh2[_F64_EXP_ALL, 1]
+    all_in_bin = kh2[:, 0] + kh2[:, 1]
+    hist = row[COL_HIST : COL_HIST + N_BINS]
+    hist += all_in_bin[_LO : _HI + 1]
+    row[COL_POW2 : COL_POW2 + N_BINS] += kh2[_LO : _HI + 1, 1]
+    hist[0] += all_in_bin[1:_LO].sum() + kh2[0, 0]
+    hist[-1] += all_in_bin[_HI + 1 : _F64_EXP_ALL].sum()
 
 
 def _to_f64_bits(value: float) -> int:
@@ -160,38 +175,41 @@ class StatsBuffer:
         key = self._key[:m]
         mant0 = self._bool[:m]
         tmp = self._i64[:m]
-        # key = 2 * exponent_field + (mantissa == 0)
-        torch.bitwise_and(bits, _F64_MANT_MASK, out=tmp)
-        torch.eq(tmp, 0, out=mant0)
+        # key = 2 * exponent_field + (mantissa == 0), with shifts and bitwise ops only (integer multiply,
+        # add and compare-to-bool are several times slower on CPU): subtracting 1 from the bits borrows into
+        # the exponent exactly when the mantissa is zero, so the lowest bit of
+        # (bits >> 52) ^ ((bits - 1) >> 52) is that flag. A zero gives key 1 ("exponent 0, mantissa 0").
+        torch.sub(bits, 1, out=tmp)
+        tmp.bitwise_right_shift_(52)
         torch.bitwise_right_shift(bits, 52, out=key)
-        key.mul_(2).add_(mant0)
+        tmp.bitwise_xor_(key).bitwise_and_(1)
+        key.bitwise_left_shift_(1).bitwise_or_(tmp)
         kh = self._keys_hist
         if a.device.type == "cpu":
-            kh.copy_(torch.bincount(key, minlength=_N_KEYS))
-        else:
-            # bincount asks the host for max(key) on CUDA: a fixed-size index_add_ does not
-            kh.zero_()
-            kh.index_add_(0, key, self._ones.expand(m))
+            # the key histogram is host memory here: fold it into the row with numpy (tiny arrays), and let
+            # it decide which of the remaining passes are needed
+            keys = torch.bincount(key, minlength=_N_KEYS).numpy()
+            _fold_keys(keys.reshape(_F64_EXP_ALL + 1, 2), r.numpy())
+            self._extremes_cpu(a, bits, tmp, mant0, r, keys)
+            return
+        # bincount asks the host for max(key) on CUDA: a fixed-size index_add_ does not
+        kh.zero_()
+        kh.index_add_(0, key, self._ones.expand(m))
         kh2 = kh.view(_F64_EXP_ALL + 1, 2)  # [exponent field, (mantissa != 0, mantissa == 0)]
         # zeros: exponent field 0 with mantissa 0 (fp64 has no subnormals coming from narrower formats,
         # and an fp64 subnormal input lands in bin EXP_MIN below)
         r[COL_ZEROS] += kh2[0, 1]
         r[COL_NAN] += kh2[_F64_EXP_ALL, 0]
         r[COL_INF] += kh2[_F64_EXP_ALL, 1]
-        lo = _F64_BIAS + EXP_MIN
-        hi = _F64_BIAS + EXP_MAX
         all_in_bin = kh2[:, 0] + kh2[:, 1]
         hist = r[COL_HIST : COL_HIST + N_BINS]
         pow2 = r[COL_POW2 : COL_POW2 + N_BINS]
-        hist += all_in_bin[lo : hi + 1]
-        pow2 += kh2[lo : hi + 1, 1]
+        hist += all_in_bin[_LO : _HI + 1]
+        pow2 += kh2[_LO : _HI + 1, 1]
         # fp64-only exponents outside fp32's range fold into the end bins (fp64 subnormals: field 0, mant != 0)
-        hist[0] += all_in_bin[1:lo].sum() + kh2[0, 0]
-        hist[-1] += all_in_bin[hi + 1 : _F64_EXP_ALL].sum()
-        if a.device.type == "cpu":
-            self._extremes_cpu(a, bits, tmp, mant0, r, kh.numpy())
-        else:
-            self._extremes_device(a, bits, tmp, mant0, r)
+        hist[0] += all_in_bin[1:_LO].sum() + kh2[0, 0]
+        hist[-1] += all_in_bin[_HI + 1 : _F64_EXP_ALL].sum()
+        self._extremes_device(a, bits, tmp, mant0, r)
 
     def _extremes_device(
         self, a: torch.Tensor, bits: torch.Tensor, tmp: torch.Tensor, mask: torch.Tensor, r: torch.Tensor
@@ -235,23 +253,23 @@ class StatsBuffer:
             ov = [
                 int((big >= t).sum()) if inclusive else int((big > t).sum()) for t, inclusive in _OVERFLOW
             ]
-            r[COL_OVERFLOW : COL_OVERFLOW + 4] += torch.tensor(ov, dtype=torch.int64)
+            r.numpy()[COL_OVERFLOW : COL_OVERFLOW + 4] += np.array(ov, dtype=np.int64)
         n_zero = int(keys[1])
-        if n_zero == 0:
-            mn = int(bits.amin()) - 1  # nan/inf bit patterns exceed every finite one
-        elif n_zero < a.numel():
-            torch.sub(bits, 1, out=tmp)
-            tmp.bitwise_and_(_NO_MIN_BITS)
-            mn = int(tmp.amin())
-        else:
-            mn = _NO_MIN_BITS
-        if mn < int(r[COL_ABSMIN_BITS]):
-            r[COL_ABSMIN_BITS] = mn
         if n_nonfinite:
             a.nan_to_num_(nan=0.0, posinf=0.0)
-        mx = int(bits.amax())
-        if mx > int(r[COL_ABSMAX_BITS]):
-            r[COL_ABSMAX_BITS] = mx
+        # a holds |x| >= 0 with nan/inf now 0: float reductions (vectorised) give the exact extremes
+        mx = float(a.amax())
+        if n_zero == 0 and not n_nonfinite:
+            mn = float(a.amin())
+        elif n_zero + n_nonfinite < a.numel():
+            a.masked_fill_(a == 0, math.inf)
+            mn = float(a.amin())
+        else:
+            mn = math.inf
+        row = r.numpy()
+        if mn != math.inf:
+            row[COL_ABSMIN_BITS] = min(int(row[COL_ABSMIN_BITS]), _to_f64_bits(mn) - 1)
+        row[COL_ABSMAX_BITS] = max(int(row[COL_ABSMAX_BITS]), _to_f64_bits(mx))
 
     def to_host(self) -> np.ndarray:
         """Copy all rows to the host: the one synchronising call per sampled step."""
