@@ -40,6 +40,10 @@ class TokenSource(Protocol):
         """JSON-able description for summary.json (name, vocab size, reference entropies)."""
         ...
 
+    def check(self, seq_len: int) -> None:
+        """Raise UserError when batches of ``seq_len`` tokens cannot be drawn (checked before training)."""
+        ...
+
 
 def _entropy_nats(p: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in nats along the last dim (0 log 0 = 0)."""
@@ -120,6 +124,9 @@ class MarkovChainData:
         seq = self.sample(batch_size, seq_len + 1)
         return _to_device(seq, device)
 
+    def check(self, seq_len: int) -> None:
+        """Any length can be sampled."""
+
     def describe(self) -> dict[str, Any]:
         return {
             "name": "synthetic",
@@ -155,14 +162,18 @@ class ByteTextData:
         self.unigram_entropy_nats = float(_entropy_nats(counts / counts.sum()))
         self._gen = torch.Generator().manual_seed(seed)
 
-    def batch(self, batch_size: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y) of shape (batch_size, seq_len) from random offsets of the file."""
+    def check(self, seq_len: int) -> None:
         n = self.tokens.numel()
         if n < seq_len + 1:
             raise UserError(
                 f"--data: {str(self.path)!r} has {n} bytes, fewer than --seq-len + 1 = {seq_len + 1}; "
                 "use a longer file or a shorter --seq-len"
             )
+
+    def batch(self, batch_size: int, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of shape (batch_size, seq_len) from random offsets of the file."""
+        self.check(seq_len)
+        n = self.tokens.numel()
         starts = torch.randint(0, n - seq_len, (batch_size, 1), generator=self._gen)
         seq = self.tokens[starts + torch.arange(seq_len + 1)]
         return _to_device(seq, device)

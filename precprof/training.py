@@ -532,6 +532,7 @@ def train(
     plan = plan_precision(config.precision, device, hw)
     loss_kind, static_scale = resolve_loss_scale(config.loss_scale, config.precision)
     data = load_data(config.data, seed=config.seed)
+    data.check(config.seq_len)
     torch.manual_seed(config.seed)
     built: BuiltModel = build_model(
         config.model, config.model_args, vocab_size=data.vocab_size, seq_len=config.seq_len

@@ -330,6 +330,15 @@ def test_text_data_and_user_model_returning_a_loss(tmp_path: Path) -> None:
     assert result.steps[T.LOSS].iloc[-1] < result.steps[T.LOSS].iloc[0]
 
 
+def test_text_too_short_is_refused_before_training(tmp_path: Path) -> None:
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    cfg = tiny(tmp_path, data=str(short))
+    with pytest.raises(UserError, match="seq-len"):
+        train(cfg)
+    assert not Path(cfg.out).exists()  # type: ignore[arg-type]
+
+
 def test_loss_from_output() -> None:
     y = torch.randint(0, 5, (2, 3))
     logits = torch.randn(2, 3, 5)
