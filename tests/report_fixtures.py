@@ -456,3 +456,32 @@ def recommendation_dict(mode: str = "fp16") -> dict[str, Any]:
         ],
         "target": "t4",
     }
+
+
+def real_run(precision: str, base: Any, steps: int = 3) -> Any:
+    """A real ``precprof train`` run of gpt-nano (tiny batch, every step sampled), report rendered by the
+    training loop itself. Cached under ``base``: test modules that ask for the same run share it."""
+    from pathlib import Path
+
+    out = Path(base) / f"gpt-nano-{precision}"
+    if (out / "summary.json").exists() and (out / "report.html").exists():
+        return out
+    import torch
+
+    from precprof.training import TrainConfig, train
+
+    torch.manual_seed(0)
+    train(
+        TrainConfig(
+            model="gpt-nano",
+            precision=precision,
+            steps=steps,
+            batch_size=2,
+            seq_len=16,
+            sample_every=1,
+            progress=False,
+            out=out,
+            report=True,
+        )
+    )
+    return out

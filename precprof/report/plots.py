@@ -321,8 +321,7 @@ def signature_heatmap(
     cax = fig.add_subplot(gs[1, 2])
 
     masked = np.ma.masked_less_equal(share, 0)
-    cmap = matplotlib.colormaps["Blues"].copy()
-    cmap.set_bad("white")
+    cmap = matplotlib.colormaps["Blues"].with_extremes(bad="white")
     im = ax.imshow(
         masked,
         aspect="auto",

@@ -307,11 +307,9 @@ def _dtype_census(rows: pd.DataFrame) -> list[dict[str, Any]]:
     if rows.empty:
         return []
     last = rows[rows[T.STEP] == rows[T.STEP].max()]
-    g = last.groupby(T.DTYPE).agg(tensors=(T.MODULE, "size"), values=(T.NUMEL, "sum"))
-    g = g.sort_values("values", ascending=False)
-    return [
-        {"dtype": str(d), "tensors": int(r["tensors"]), "values": float(r["values"])} for d, r in g.iterrows()
-    ]
+    numel = pd.to_numeric(last[T.NUMEL], errors="coerce")
+    g = numel.groupby(last[T.DTYPE]).agg(["size", "sum"]).sort_values("sum", ascending=False)
+    return [{"dtype": str(d), "tensors": int(r["size"]), "numel": float(r["sum"])} for d, r in g.iterrows()]
 
 
 def requested_precision(summary: Mapping[str, Any]) -> str:
@@ -346,8 +344,7 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
             {
                 "what": "optimizer states",
                 "census": [
-                    {"dtype": str(d), "tensors": None, "values": None, "bytes": float(b)}
-                    for d, b in g.items()
+                    {"dtype": str(d), "tensors": None, "numel": None, "bytes": float(b)} for d, b in g.items()
                 ],
             }
         )

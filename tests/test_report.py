@@ -1,0 +1,416 @@
+"""The HTML report: sections, numbers from the tables, escaping, figures, re-rendering a run directory.
+
+Real gpt-nano runs (3 steps, every step sampled) in fp32, bf16 and fp16 are rendered by the training loop
+itself; the rest uses synthetic tables (tests/report_fixtures.py) where a scenario is hard to get from a
+3-step run (skipped steps, nan, many layers).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from markupsafe import escape
+from PIL import Image
+from report_fixtures import gpt_layers, real_run, recommendation_dict, synthetic_run
+from torch import nn
+
+import precprof
+from precprof import tables as T
+from precprof.errors import UserError
+from precprof.report import filters, plots, render_html, render_report, render_run_dir, templates_dir
+from precprof.report import summarize as S
+from precprof.report.context import SECTIONS
+
+ROOT = Path(__file__).resolve().parents[1]
+IMG_RE = re.compile(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"')
+
+
+def esc(text: str) -> str:
+    """Text as jinja's autoescape writes it."""
+    return str(escape(text))
+
+
+def section(page: str, sid: str) -> str:
+    """The HTML of one section of the page."""
+    start = page.index(f'<section id="{sid}">')
+    return page[start : page.index("</section>", start)]
+
+
+def decoded_images(page: str) -> list[Image.Image]:
+    out = []
+    for b64 in IMG_RE.findall(page):
+        im = Image.open(io.BytesIO(base64.b64decode(b64)))
+        im.load()  # raises on a truncated or corrupt PNG
+        out.append(im)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- real runs
+@pytest.fixture(scope="session")
+def runs_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.getbasetemp() / "report-runs"
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16", "fp16"])
+def run(request: pytest.FixtureRequest, runs_base: Path) -> Path:
+    return real_run(request.param, runs_base)
+
+
+def test_real_run_report_has_every_section_in_order(run: Path) -> None:
+    page = (run / T.REPORT_FILE).read_text()
+    positions = [page.index(f'<section id="{sid}">') for sid, _ in SECTIONS]
+    assert positions == sorted(positions)
+    # training, three signature heatmaps, memory: all inline PNGs that decode
+    images = decoded_images(page)
+    assert len(images) == 5
+    assert all(im.format == "PNG" and im.width >= 800 and im.height >= 250 for im in images)
+    assert page.count("<img ") == 5
+
+
+def test_real_run_report_shows_recommendation_and_numbers_from_the_tables(run: Path) -> None:
+    page = (run / T.REPORT_FILE).read_text()
+    summary = T.read_summary(run)
+    tabs = T.read_tables(run)
+    rec = summary[T.SUMMARY_RECOMMENDATION]
+    verdict = section(page, "verdict")
+    label = S.FORMAT_LABELS[rec["format"]]
+    assert f'class="fmt fmt-{rec["format"]}">{label}</div>' in verdict
+    for reason in rec["reasons"]:
+        assert esc(reason) in verdict
+    for f in rec["findings"]:
+        assert esc(f["title"]) in verdict
+        assert esc(f["remedy"]) in verdict
+    if rec["fp16_loss_scale"]:
+        assert filters.pow2(rec["fp16_loss_scale"]) in verdict
+
+    # headline: the last loss of the steps table
+    steps = tabs["steps"]
+    assert f'<span class="v">{filters.num(steps[T.LOSS].iloc[-1], 4)}</span>' in page
+    # per-layer table: every module, and the largest activation magnitude of the first matmul layer
+    layers = tabs["layers"]
+    per_layer = section(page, "layers")
+    for m in layers[T.MODULE].unique():
+        assert f"<code>{esc(m or S.ROOT_LABEL)}</code>" in per_layer
+    fc = layers[(layers[T.MODULE] == "transformer.h.0.mlp.c_fc") & (layers[T.TENSOR] == T.ACTIVATION)]
+    assert filters.log2mag(fc[T.ABSMAX].max()) in per_layer
+    # what-if table: the e4m3 underflow share of that layer's activations, summed over the sampled steps
+    share = fc[T.underflow_col("fp8_e4m3")].sum() / fc[T.NUMEL].sum()
+    row = re.search(
+        r"<tr><td class=\"mod\"><code>transformer\.h\.0\.mlp\.c_fc</code></td><td>[^<]*</td><td>activations</td>(.*?)</tr>",
+        section(page, "whatif"),
+    )
+    assert row is not None and f">{filters.pct(share)}</td>" in row.group(1)
+    # memory: the measured total of the memory table
+    measured = S.measured_memory(tabs["memory"])
+    assert filters.nbytes(measured["total"]) in section(page, "memory")
+    # environment: the command line the run was started with
+    assert "gpt-nano" in section(page, "environment")
+
+
+def test_real_run_precision_check_matches_the_mode(run: Path) -> None:
+    page = (run / T.REPORT_FILE).read_text()
+    precision = T.read_summary(run)[T.SUMMARY_CONFIG]["precision"]
+    check = section(page, "verification")
+    if precision == "fp32":
+        assert "Full precision" in check and "float16" not in check
+    else:
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}[precision]
+        assert "Mixed precision is active" in check and f'dt-{dtype}">{dtype}</span>' in check
+        assert 'class="banner notactive"' not in page
+    if precision == "fp16":
+        # gradients were recorded at GradScaler's initial scale, and the what-if table says so
+        assert "65,536 (2^16)" in section(page, "whatif")
+        assert "FP16 window is drawn at the loss scale of the last sampled step, 65,536 (2^16)" in page
+
+
+def test_crashed_run_renders_marked_incomplete_with_its_cause(tmp_path: Path) -> None:
+    from precprof.training import Callback, TrainConfig, TrainRun, train
+
+    class Boom(Callback):
+        def on_step_end(self, run: TrainRun) -> None:
+            if run.step == 1:
+                raise RuntimeError("injected failure at step 1")
+
+    out = tmp_path / "crash"
+    torch.manual_seed(0)
+    cfg = TrainConfig(
+        model="gpt-nano",
+        precision="bf16",
+        steps=4,
+        batch_size=2,
+        seq_len=16,
+        sample_every=1,
+        progress=False,
+        out=out,
+    )
+    with pytest.raises(RuntimeError, match="injected"):
+        train(cfg, callbacks=[Boom()])
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    steps = T.read_tables(out)["steps"]
+    assert list(steps[T.STEP]) == [0, 1]  # both steps before the crash, intact
+    page = render_run_dir(out).read_text()
+    banner = page[page.index('id="incomplete"') : page.index("</div>", page.index('id="incomplete"'))]
+    assert "Incomplete run" in banner and "injected failure at step 1" in banner
+    assert len(decoded_images(page)) == 5
+
+
+# ------------------------------------------------------------------------------------------ escaping
+EVIL = "<script>alert(1)</script>"
+
+
+class EvilNet(nn.Module):
+    """A user's model with a child module named like an XSS payload (nn.Module allows it: no dots)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.add_module(EVIL, nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, EVIL)(torch.relu(self.inp(x)))
+
+
+def test_module_names_and_config_are_escaped(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = EvilNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1)
+    with prof:
+        for _ in range(2):
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    summary = {T.SUMMARY_CONFIG: {"command_line": 'train.py --name "<img src=x onerror=alert(2)>"'}}
+    path = prof.report(tmp_path / "run" / "report.html", summary=summary)
+    page = path.read_text()
+    assert EVIL not in page and "<img src=x" not in page
+    escaped = str(escape(EVIL))
+    assert f"<code>{escaped}</code>" in section(page, "layers")
+    assert "&lt;img src=x onerror=alert(2)&gt;" in section(page, "environment")
+    assert page.count("<script>") == 1  # the page's own small sorting script
+    # the layer's statistics are there under its escaped name: 2 sampled steps x 4 values per row
+    assert escaped in section(page, "whatif")
+
+
+# ----------------------------------------------------------------------------------- synthetic runs
+@pytest.fixture(scope="module")
+def synthetic() -> tuple[dict[str, pd.DataFrame], dict]:
+    return synthetic_run("fp16", layers=gpt_layers(n_layer=1), steps=12, sample_every=2, seed=1)
+
+
+@pytest.fixture(scope="module")
+def synthetic_page(synthetic: tuple[dict[str, pd.DataFrame], dict]) -> str:
+    tabs, summary = synthetic
+    return render_html(tabs, summary, recommendation_dict())
+
+
+def test_findings_most_severe_first_with_numbers_and_remedies(synthetic_page: str) -> None:
+    verdict = section(synthetic_page, "verdict")
+    pos = [verdict.index(f'class="finding sev-{s}"') for s in ("critical", "warning", "info")]
+    assert pos == sorted(pos)
+    assert "absmax</span> 524,288 (2^19.0)" in verdict
+    assert "underflow share</span> 41.3%" in verdict
+    assert "init_scale = 32,768 (2^15)" in verdict and "growth_interval = 2,000" in verdict
+    for m in recommendation_dict()["keep_fp32"]:
+        assert f"<li><code>{m}</code></li>" in verdict
+
+
+def test_training_plot_marks_skipped_steps(synthetic: tuple[dict[str, pd.DataFrame], dict]) -> None:
+    steps = synthetic[0]["steps"]
+    fig = plots.training_figure(steps)
+    assert fig is not None
+    loss_ax, scale_ax, norm_ax = fig.axes
+    assert scale_ax.get_title() == "Loss scale (3 skipped steps)"
+    markers = [ln for ln in scale_ax.get_lines() if ln.get_marker() == "v"]
+    assert len(markers) == 1
+    skipped = steps[steps[T.SKIPPED]]
+    np.testing.assert_array_equal(markers[0].get_xdata(), skipped[T.STEP].to_numpy(dtype=float))
+    np.testing.assert_array_equal(markers[0].get_ydata(), np.log2(skipped[T.LOSS_SCALE].to_numpy()))
+    assert loss_ax.get_xlabel() == "step" and "loss scale" in scale_ax.get_ylabel()
+    assert norm_ax.get_title().startswith("Gradient norm")
+
+
+def test_incomplete_synthetic_run_shows_banner_and_first_nan(tmp_path: Path) -> None:
+    tabs, summary = synthetic_run("bf16", layers=gpt_layers(n_layer=1), steps=12, nan_at=5)
+    out = render_report(tabs, summary, tmp_path / "r.html")
+    page = out.read_text()
+    assert "loss became nan at step 5; training stopped" in page
+    per_layer = section(page, "layers")
+    row = re.search(r'<tr class="nonfinite">.*?</tr>', per_layer, re.S)
+    assert (
+        row is not None
+        and "transformer.h.0.mlp.c_proj" in row.group(0)
+        and "step 5 (activations)" in row.group(0)
+    )
+
+
+def test_complete_run_has_no_banner(synthetic_page: str) -> None:
+    assert 'id="incomplete"' not in synthetic_page
+    assert 'class="banner notactive"' not in synthetic_page
+
+
+def test_page_is_self_contained(synthetic_page: str) -> None:
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", synthetic_page)
+    assert "<link" not in synthetic_page and "@import" not in synthetic_page
+    assert len(decoded_images(synthetic_page)) == 5
+
+
+def test_signature_heatmap_rows_windows_and_labels(synthetic: tuple[dict[str, pd.DataFrame], dict]) -> None:
+    tabs, _ = synthetic
+    layers, hist = tabs["layers"], tabs["histograms"]
+    hm = plots.signature_heatmap(hist, layers, T.ACTIVATION_GRAD, recommended_scale=2.0**15)
+    assert hm is not None
+    ax_strip, ax, ax_lost, cax = hm.figure.axes
+    assert ax.get_xlabel().startswith("log2 |value|")
+    assert cax.get_ylabel() == "share of the layer's nonzero values (log scale)"
+    rows = S.row_order(layers, T.ACTIVATION_GRAD)
+    assert [t.get_text() for t in ax.texts] == [S.row_label(m, p) for m, p in rows]
+    assert rows[0][0] == "transformer.wte" and rows[-1][0] == "lm_head"  # forward order
+    # fp16 at the last sampled step's scale (2^14 in the fixture's scaler series), then at the recommended one
+    last_scale = layers.loc[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & (layers[T.STEP] == 11), T.SCALE].iloc[0]
+    assert last_scale == 2.0**14
+    fp16, fp16_rec, bf16, e4m3, e5m2 = hm.windows
+    assert fp16.label == "FP16 at scale 2^14" and fp16.lo == -25 - 14 and abs(fp16.hi - (16 - 14)) < 1e-3
+    assert fp16_rec.lo == -25 - 15 and bf16.lo == -134 and e4m3.lo == -10 and e5m2.lo == -17
+    assert abs(e4m3.hi - math.log2(464)) < 1e-9
+    xs = {round(ln.get_xdata()[0], 6) for ln in ax.get_lines()}
+    assert {-39.0, -40.0, -17.0, -10.0} <= xs  # the window edges inside the plotted range are drawn
+    # activations are not loss-scaled: fp16 at scale 1, no recommended-scale window
+    act = plots.signature_heatmap(hist, layers, T.ACTIVATION, recommended_scale=2.0**15)
+    assert act is not None and [w.label for w in act.windows][:2] == ["FP16", "BF16"]
+    # the strip names every window; the side panel says what it measures
+    assert [t.get_text() for t in ax_strip.get_yticklabels()] == [w.label for w in hm.windows]
+    assert ax_lost.get_xlabel().startswith("lost in FP16") and ax_lost.get_xscale() == "log"
+
+
+def test_signature_heatmap_keeps_the_worst_rows_when_there_are_too_many(
+    synthetic: tuple[dict[str, pd.DataFrame], dict],
+) -> None:
+    tabs, _ = synthetic
+    layers, hist = tabs["layers"], tabs["histograms"]
+    lost = S.lost_share_by_row(layers, T.ACTIVATION_GRAD, "fp16")
+    hm = plots.signature_heatmap(hist, layers, T.ACTIVATION_GRAD, max_rows=6)
+    assert hm is not None and hm.rows_shown == 6 and hm.rows_total == len(lost)
+    shown = [t.get_text() for t in hm.figure.axes[1].texts]
+    rows = S.row_order(layers, T.ACTIVATION_GRAD)
+    worst = sorted(rows, key=lambda r: -(lost[r][0] + lost[r][1]))[:4]
+    assert {S.row_label(*r) for r in worst} <= set(shown)
+    assert shown == [S.row_label(*r) for r in rows if S.row_label(*r) in shown]  # still forward order
+
+
+def test_heatmap_matrix_and_whatif_shares_agree_with_the_tables(
+    synthetic: tuple[dict[str, pd.DataFrame], dict],
+) -> None:
+    tabs, _ = synthetic
+    layers, hist = tabs["layers"], tabs["histograms"]
+    rows, exps, mat = S.heatmap_matrix(S.aggregate_histograms(hist), layers, T.WEIGHT_GRAD)
+    totals = hist[hist[T.TENSOR] == T.WEIGHT_GRAD].groupby([T.MODULE, T.PARAM])[T.COUNT].sum()
+    for (m, p), row in zip(rows, mat, strict=True):
+        assert row.sum() == totals[(m, p)]
+    assert exps[0] == hist[hist[T.TENSOR] == T.WEIGHT_GRAD][T.EXPONENT].min()
+
+    w = S.whatif_by_layer(layers)
+    sub = layers[
+        (layers[T.MODULE] == "transformer.h.0.attn.c_attn") & (layers[T.TENSOR] == T.ACTIVATION_GRAD)
+    ]
+    got = w[(w[T.MODULE] == "transformer.h.0.attn.c_attn") & (w[T.TENSOR] == T.ACTIVATION_GRAD)].iloc[0]
+    for col in (T.underflow_col("fp16"), T.overflow_col("fp8_e4m3"), T.underflow_cs_col("fp8_e5m2")):
+        assert got[col] == pytest.approx(sub[col].sum() / sub[T.NUMEL].sum())
+    assert got[T.SCALE] == 2.0**14
+
+
+def test_layer_records_forward_order_and_extremes(synthetic: tuple[dict[str, pd.DataFrame], dict]) -> None:
+    layers = synthetic[0]["layers"]
+    recs = S.layer_records(layers)
+    assert [r["module"] for r in recs] == [ly.name for ly in gpt_layers(n_layer=1)]
+    proj = next(r for r in recs if r["module"] == "transformer.h.0.mlp.c_proj")
+    sub = layers[layers[T.MODULE] == "transformer.h.0.mlp.c_proj"]
+    acts = sub[sub[T.TENSOR] == T.ACTIVATION]
+    assert proj["act_absmax"] == acts[T.ABSMAX].max()
+    assert proj["act_dtype"] == "float16" and proj["weight_grad_dtype"] == "float32"
+    hist_rows = sub[sub[T.TENSOR].isin(S.HIST_KINDS)]
+    assert proj["overflow_fp16"] == hist_rows[T.overflow_col("fp16")].sum() > 0
+    upd = sub[sub[T.TENSOR] == T.WEIGHT_UPDATE]
+    assert proj["lost_update_bf16"] == pytest.approx(upd[T.LOST_UPDATE_BF16].sum() / upd[T.NUMEL].sum())
+
+
+def test_not_active_mixed_precision_is_flagged() -> None:
+    # fp16 asked for, every activation float32 (accelerate's fp16 on CPU does this)
+    tabs, summary = synthetic_run("fp32", layers=gpt_layers(n_layer=1), steps=2, sample_every=1)
+    summary[T.SUMMARY_CONFIG]["precision"] = "fp16"
+    check = S.precision_check(tabs["layers"], tabs["memory"], summary)
+    assert not check["ok"] and "NOT active" in check["verdict"]
+
+
+def test_empty_run_still_renders(tmp_path: Path) -> None:
+    page = render_report({}, {}, tmp_path / "empty.html").read_text()
+    assert "No steps were recorded." in page
+    assert "No per-layer statistics were recorded." in page
+    assert "No recommendation is stored with this run" in page
+    assert page.count("<img ") == 0
+
+
+def test_render_run_dir_recomputes_for_a_target(tmp_path: Path) -> None:
+    tabs, summary = synthetic_run("fp16", layers=gpt_layers(n_layer=1), steps=4, sample_every=2)
+    T.write_tables(tmp_path, tabs)
+    T.write_summary(tmp_path, summary)  # no recommendation stored: the advisor runs
+    out = render_run_dir(tmp_path, out=tmp_path / "t4.html", target="t4")
+    verdict = section(out.read_text(), "verdict")
+    assert "for target hardware: t4" in verdict and 'class="fmt fmt-fp16">FP16' in verdict
+    assert T.SUMMARY_RECOMMENDATION not in T.read_summary(tmp_path)  # re-rendering never rewrites data
+    with pytest.raises(UserError, match="unknown hardware target"):
+        render_run_dir(tmp_path, target="abacus")
+    with pytest.raises(UserError, match="not a precprof run directory"):
+        render_run_dir(tmp_path / "nothing-here")
+
+
+def test_filters() -> None:
+    assert filters.pct(0) == "0%" and filters.pct(0.413) == "41.3%" and filters.pct(1e-9) == "<0.0001%"
+    assert filters.pct(math.nan) == filters.MISSING and filters.num(None) == filters.MISSING
+    assert filters.pow2(32768.0) == "32,768 (2^15)" and filters.pow2(3.0) == "3"
+    assert filters.nbytes(1536) == "1.5 KiB" and filters.nbytes(3 * 2**30) == "3 GiB"
+    assert filters.log2mag(0.25) == "0.25 (2^-2.0)" and filters.num(1.5e-7) == "1.50e-07"
+    assert filters.count(1234567.0) == "1,234,567" and filters.num(math.inf) == "inf"
+    assert filters.number_by_name("underflow_share", 0.5) == "50%"
+    assert filters.number_by_name("loss_scale_log2", 15) == "15"
+    assert filters.number_by_name("loss_scale", 1024.0) == "1,024 (2^10)"
+    assert filters.number_by_name("nonzero_values", 19385773) == "19,385,773"
+    assert filters.number_by_name("grad_absmax", 0.5) == "0.5 (2^-1.0)"
+    assert filters.cmdline(["train.py", "--name", "a b"]) == "train.py --name 'a b'"
+    assert filters.plain(list(range(20))).endswith("… (20 in all)")
+    assert filters.share_class(0.02) == "bad" and filters.share_class(0.0) == "zero"
+
+
+def test_templates_found_in_the_source_tree() -> None:
+    # editable install or plain checkout: the repository's folder, which holds every template the page uses
+    assert templates_dir().resolve() == (ROOT / "reports" / "templates").resolve()
+    assert {"report.html.j2", "report.css", "report.js"} <= {p.name for p in templates_dir().iterdir()}
+
+
+def test_rendering_never_imports_pyplot(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from report_fixtures import gpt_layers, synthetic_run
+        from precprof.report import render_report
+        tabs, summary = synthetic_run("bf16", layers=gpt_layers(n_layer=1)[:4], steps=2, sample_every=1)
+        render_report(tabs, summary, {str(tmp_path / "r.html")!r})
+        assert "matplotlib.pyplot" not in sys.modules, "pyplot was imported"
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert (tmp_path / "r.html").stat().st_size > 10_000
