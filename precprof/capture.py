@@ -102,6 +102,12 @@ class _PendingStep:
     tokens: int | None
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2, tensor parallel); any other tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Floating tensors inside a module output (tensor, tuple/list, dict, ModelOutput), depth-limited."""
     if isinstance(obj, torch.Tensor):
@@ -307,7 +313,7 @@ class Profiler:
         if self.weight_updates and self.optimizer is not None:
             tracked = [ps for ps in self._params if ps.grad_row is not None]
             for i, ps in enumerate(tracked):
-                n = ps.tensor.numel()
+                n = _local(ps.tensor.detach()).numel()
                 ps.sample_stride = max(1, -(-n // self.update_sample))
                 ps.sample_len = len(range(0, n, ps.sample_stride))
                 ps.update_index = i
@@ -405,7 +411,7 @@ class Profiler:
             assert self._buffer is not None
             for _, p, row in slot.weights:
                 if p.is_floating_point() and p.numel() > 0:
-                    self._buffer.accumulate(p, row.index)
+                    self._buffer.accumulate(_local(p), row.index)
                     row.seen(p.dtype)
                     self._step_has_data = True
 
@@ -422,7 +428,7 @@ class Profiler:
 
         def grad_hook(g: torch.Tensor) -> None:
             if self._buffer is not None and g is not None and self._attached:
-                self._buffer.accumulate(g, grad_row.index)
+                self._buffer.accumulate(_local(g), grad_row.index)
                 grad_row.seen(g.dtype)
             return None
 
@@ -431,7 +437,7 @@ class Profiler:
             assert self._buffer is not None
             any_tensor = False
             for t in _iter_tensors(output):
-                self._buffer.accumulate(t, act.index)
+                self._buffer.accumulate(_local(t), act.index)
                 any_tensor = True
                 if t.requires_grad:
                     t.register_hook(grad_hook)
@@ -470,7 +476,7 @@ class Profiler:
         def hook(p: torch.Tensor) -> None:
             if not self._sampling or p.grad is None or self._buffer is None:
                 return None
-            self._buffer.accumulate(p.grad, row.index, assign=True)
+            self._buffer.accumulate(_local(p.grad), row.index, assign=True)
             row.calls = 1
             name = str(p.grad.dtype).removeprefix("torch.")
             if name not in row.dtypes:
@@ -481,7 +487,7 @@ class Profiler:
         return hook
 
     def _sample_view(self, ps: _ParamSlot) -> torch.Tensor:
-        flat = ps.tensor.detach().reshape(-1)
+        flat = _local(ps.tensor.detach()).reshape(-1)
         return flat[:: ps.sample_stride][: ps.sample_len]
 
     def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -653,7 +659,7 @@ class Profiler:
         order = {s.name: s.order for s in self._modules}
         if self._reducer is not None:
             # collective: every rank reaches this on the same sampled step (same schedule, same model)
-            device_rows = self._reducer.reduce_rows(self._buffer.data)
+            device_rows = self._reducer.reduce_rows(self._buffer.dense())
             meta = self._reducer.reduce_meta(
                 [{"calls": r.calls, "dtypes": list(r.dtypes)} for r in self._rows], order
             )

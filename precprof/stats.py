@@ -57,9 +57,10 @@ COL_INF = 3
 COL_OVERFLOW = 4  # 4 columns, WHATIF_FORMATS order; counts of v >= T (or > T) including inf
 COL_ABSMAX_BITS = 8
 COL_ABSMIN_BITS = 9  # smallest nonzero |x| bits minus 1; _NO_MIN_BITS when none
-COL_HIST = 10  # N_BINS columns: all finite nonzero values per bin
-COL_POW2 = COL_HIST + N_BINS  # N_BINS columns: of those, exact powers of two
-ROW_WIDTH = COL_POW2 + N_BINS
+COL_UNDERFLOW_CS = 10  # 2 columns, FP8_FORMATS order: underflow under per-call current scaling
+COL_POW2_AT = 12  # 4 columns, WHATIF_FORMATS order: values exactly equal to the format's underflow_max
+COL_HIST = 16  # N_BINS columns: finite nonzero values per exponent bin
+ROW_WIDTH = COL_HIST + N_BINS
 
 _INF_BITS = 0x7FF0000000000000
 _NO_MIN_BITS = 0x7FFFFFFFFFFFFFFF  # sentinel "no nonzero finite value yet"
@@ -67,19 +68,9 @@ _NO_MIN_BITS = 0x7FFFFFFFFFFFFFFF  # sentinel "no nonzero finite value yet"
 DEFAULT_CHUNK = 1 << 18
 _LO = _F64_BIAS + EXP_MIN  # fp64 exponent field of fp32's smallest subnormal
 _HI = _F64_BIAS + EXP_MAX
-
-
-def _fold_keys(kh2: np.ndarray, row: np.ndarray) -> None:
-    """Add a [2048, 2] key histogram (exponent field, mantissa == 0) into a host row (see the device path)."""
-    row[COL_ZEROS] += kh2[0, 1]
-    row[COL_NAN] += kh2[_F64_EXP_ALL, 0]
-    row[COL_INF] += kh2[_F64_EXP_ALL, 1]
-    all_in_bin = kh2[:, 0] + kh2[:, 1]
-    hist = row[COL_HIST : COL_HIST + N_BINS]
-    hist += all_in_bin[_LO : _HI + 1]
-    row[COL_POW2 : COL_POW2 + N_BINS] += kh2[_LO : _HI + 1, 1]
-    hist[0] += all_in_bin[1:_LO].sum() + kh2[0, 0]
-    hist[-1] += all_in_bin[_HI + 1 : _F64_EXP_ALL].sum()
+# raw exponents j with underflow_max = 2^j, WHATIF_FORMATS order
+_UNDERFLOW_EXP = [int(math.log2(formats.get(f).underflow_max)) for f in formats.WHATIF_FORMATS]
+_FP8 = [formats.get(f) for f in formats.FP8_FORMATS]
 
 
 def _to_f64_bits(value: float) -> int:
@@ -90,20 +81,55 @@ def _from_f64_bits(bits: int) -> float:
     return float(np.array(bits, dtype=np.int64).view(np.float64))
 
 
-class StatsBuffer:
-    """Per-step device buffer of ``rows`` rows; each row accumulates the statistics of one tensor slot.
+def _count_le_pow2_keys(keys2: np.ndarray, j: int) -> int:
+    """Finite nonzero values with |v| <= 2^j, from a [2048, 2] key histogram (exact)."""
+    f = j + _F64_BIAS
+    if f <= 0:
+        return 0
+    if f >= _F64_EXP_ALL:
+        return int(keys2[:_F64_EXP_ALL].sum() - keys2[0, 1])
+    return int(keys2[:f].sum() - keys2[0, 1] + keys2[f, 1])
 
-    ``chunk`` bounds the scratch memory (about 25 bytes per element of a chunk) on CPU, where reusing
+
+def _hist_of_keys(keys2: np.ndarray) -> np.ndarray:
+    """The N_BINS exponent histogram of a [2048, 2] key histogram (fp64-only exponents fold into the ends)."""
+    all_in_bin = keys2[:, 0] + keys2[:, 1]
+    hist = all_in_bin[_LO : _HI + 1].copy()
+    hist[0] += all_in_bin[1:_LO].sum() + keys2[0, 0]
+    hist[-1] += all_in_bin[_HI + 1 : _F64_EXP_ALL].sum()
+    return hist
+
+
+class StatsBuffer:
+    """Per-step buffer of ``rows`` rows; each row accumulates the statistics of one tensor slot.
+
+    On CUDA (any non-CPU device) the rows are one dense int64 device tensor and everything is tensor ops:
+    ``accumulate`` never synchronises. On the CPU, where "device" memory is host memory, the counts are a
+    numpy array and the histograms live in a window of exponents that grows to what the data uses, so the
+    buffer stays a small fraction of the model's size; the one-pass key histogram is folded on the host.
+    ``dense()`` gives the same [rows, ROW_WIDTH] int64 tensor in both cases.
+
+    ``chunk`` bounds the scratch memory (about 33 bytes per element of a chunk) on CPU, where reusing
     buffers avoids the page faults of fresh temporaries; on CUDA whole tensors are processed at once (fewer
     kernel launches) unless ``chunk`` is given explicitly.
     """
 
-    def __init__(self, rows: int, device: torch.device | str, chunk: int | None = None) -> None:
+    def __init__(
+        self, rows: int, device: torch.device | str, chunk: int | None = None, *, host_rows: bool | None = None
+    ) -> None:
         self.device = torch.device(device)
         self.rows = rows
-        self.data = torch.zeros((rows, ROW_WIDTH), dtype=torch.int64, device=self.device)
+        # host_rows=False runs the device (CUDA) code path on the CPU too: tests check both paths agree
+        self.on_cpu = self.device.type == "cpu" if host_rows is None else host_rows
+        if self.on_cpu:
+            self._counts = np.zeros((rows, COL_HIST), dtype=np.int64)
+            self._hist = np.zeros((rows, 0), dtype=np.int64)
+            self._wlo = 0  # bin index (0..N_BINS) of the window's first column
+            self._data: torch.Tensor | None = None
+        else:
+            self._data = torch.zeros((rows, ROW_WIDTH), dtype=torch.int64, device=self.device)
         if chunk is None:
-            chunk = DEFAULT_CHUNK if self.device.type == "cpu" else 0
+            chunk = DEFAULT_CHUNK if self.on_cpu else 0
         self.chunk = chunk
         self._scratch_len = 0
         self._f64 = torch.empty(0, dtype=torch.float64, device=self.device)
@@ -113,13 +139,26 @@ class StatsBuffer:
         self._ones = torch.ones(1, dtype=torch.int64, device=self.device)
         self._keys_hist = torch.zeros(_N_KEYS, dtype=torch.int64, device=self.device)
         self._small = torch.empty(8, dtype=torch.int64, device=self.device)
+        if not self.on_cpu:
+            self._pow2_idx = torch.tensor(
+                [2 * (j + _F64_BIAS) + 1 for j in _UNDERFLOW_EXP], dtype=torch.int64, device=self.device
+            )
+            self._fp8_max_bits = torch.tensor(
+                [_to_f64_bits(f.max) for f in _FP8], dtype=torch.int64, device=self.device
+            )
+            self._fp8_uf_exp = torch.tensor(
+                [int(math.log2(f.underflow_max)) for f in _FP8], dtype=torch.int64, device=self.device
+            )
         self.reset()
 
     # -- sizes
     @property
     def buffer_bytes(self) -> int:
-        """Bytes held persistently by the row buffer."""
-        return self.data.numel() * self.data.element_size()
+        """Bytes held persistently by the rows."""
+        if self.on_cpu:
+            return int(self._counts.nbytes + self._hist.nbytes)
+        assert self._data is not None
+        return self._data.numel() * self._data.element_size()
 
     @property
     def scratch_bytes(self) -> int:
@@ -129,9 +168,32 @@ class StatsBuffer:
             for t in (self._f64, self._i64, self._key, self._bool, self._keys_hist)
         )
 
+    @property
+    def data(self) -> torch.Tensor:
+        """The rows as a dense [rows, ROW_WIDTH] int64 tensor on the buffer's device (see ``dense``)."""
+        return self.dense()
+
+    def dense(self) -> torch.Tensor:
+        """Dense rows; on CUDA the buffer itself, on the CPU a fresh tensor built from counts and window."""
+        if not self.on_cpu:
+            assert self._data is not None
+            return self._data
+        out = np.zeros((self.rows, ROW_WIDTH), dtype=np.int64)
+        out[:, :COL_HIST] = self._counts
+        w = self._hist.shape[1]
+        out[:, COL_HIST + self._wlo : COL_HIST + self._wlo + w] = self._hist
+        return torch.from_numpy(out)
+
     def reset(self, rows: slice | None = None) -> None:
         """Zero the counts of all rows (or ``rows``); device op, no sync."""
-        target = self.data if rows is None else self.data[rows]
+        sl = rows if rows is not None else slice(None)
+        if self.on_cpu:
+            self._counts[sl] = 0
+            self._counts[sl, COL_ABSMIN_BITS] = _NO_MIN_BITS
+            self._hist[sl] = 0
+            return
+        assert self._data is not None
+        target = self._data[sl]
         target.zero_()
         target[:, COL_ABSMIN_BITS] = _NO_MIN_BITS
 
@@ -145,11 +207,24 @@ class StatsBuffer:
         self._bool = torch.empty(n, dtype=torch.bool, device=dev)
         self._scratch_len = n
 
+    def _grow_window(self, lo: int, hi: int) -> None:
+        """Make the CPU histogram window cover bins lo..hi (inclusive), with a little room to spare."""
+        w = self._hist.shape[1]
+        if w and self._wlo <= lo and hi < self._wlo + w:
+            return
+        new_lo = max(0, min(lo - 4, self._wlo if w else lo - 4))
+        new_hi = min(N_BINS - 1, max(hi + 4, self._wlo + w - 1 if w else hi + 4))
+        grown = np.zeros((self.rows, new_hi - new_lo + 1), dtype=np.int64)
+        if w:
+            grown[:, self._wlo - new_lo : self._wlo - new_lo + w] = self._hist
+        self._hist, self._wlo = grown, new_lo
+
     @torch.no_grad()
     def accumulate(self, x: torch.Tensor, row: int, *, assign: bool = False) -> None:
-        """Add the statistics of ``x`` (any floating dtype, any shape) into ``row``. Never syncs.
+        """Add the statistics of ``x`` (any floating dtype, any shape) into ``row``. Never syncs on CUDA.
 
         ``assign=True`` first clears the row (used for accumulated weight gradients, whose last value wins).
+        Each call is one tensor for the fp8 current-scaling counts (its own amax and scale).
         """
         if assign:
             self.reset(slice(row, row + 1))
@@ -157,15 +232,20 @@ class StatsBuffer:
         n = flat.numel()
         if n == 0:
             return
-        r = self.data[row]
         chunk = self.chunk if self.chunk and self.chunk > 0 else n
-        for start in range(0, n, chunk):
-            part = flat[start : start + chunk]
-            self._accumulate_chunk(part, r)
-        # numel is host knowledge; keep it on the device row so that one copy carries everything
-        r[COL_NUMEL] += n
+        if self.on_cpu:
+            self._accumulate_cpu(flat, row, chunk)
+        else:
+            self._accumulate_device(flat, row, chunk)
 
-    def _accumulate_chunk(self, part: torch.Tensor, r: torch.Tensor) -> None:
+    def _keys_of(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """|part| widened to fp64 in scratch, its bit patterns, and the key of every element.
+
+        key = 2 * exponent_field + (mantissa == 0), with shifts and bitwise ops only (integer multiply, add
+        and compare-to-bool are several times slower on CPU): subtracting 1 from the bits borrows into the
+        exponent exactly when the mantissa is zero, so the lowest bit of (bits >> 52) ^ ((bits - 1) >> 52)
+        is that flag. A zero gives key 1 ("exponent 0, mantissa 0"); nan 4094, inf 4095.
+        """
         m = part.numel()
         self._ensure_scratch(m)
         a = self._f64[:m]
@@ -173,49 +253,114 @@ class StatsBuffer:
         a.abs_()
         bits = a.view(torch.int64)
         key = self._key[:m]
-        mant0 = self._bool[:m]
         tmp = self._i64[:m]
-        # key = 2 * exponent_field + (mantissa == 0), with shifts and bitwise ops only (integer multiply,
-        # add and compare-to-bool are several times slower on CPU): subtracting 1 from the bits borrows into
-        # the exponent exactly when the mantissa is zero, so the lowest bit of
-        # (bits >> 52) ^ ((bits - 1) >> 52) is that flag. A zero gives key 1 ("exponent 0, mantissa 0").
         torch.sub(bits, 1, out=tmp)
         tmp.bitwise_right_shift_(52)
         torch.bitwise_right_shift(bits, 52, out=key)
         tmp.bitwise_xor_(key).bitwise_and_(1)
         key.bitwise_left_shift_(1).bitwise_or_(tmp)
+        return a, bits, key
+
+    # ---------------------------------------------------------------------------------------- CPU path
+    def _accumulate_cpu(self, flat: torch.Tensor, row: int, chunk: int) -> None:
+        counts = self._counts[row]
+        keys = np.zeros(_N_KEYS, dtype=np.int64)
+        call_max = 0.0
+        n = flat.numel()
+        for start in range(0, n, chunk):
+            a, _, key = self._keys_of(flat[start : start + chunk])
+            chunk_keys = torch.bincount(key, minlength=_N_KEYS).numpy()
+            keys += chunk_keys
+            call_max = max(call_max, self._extremes_cpu(a, counts, chunk_keys))
+        keys2 = keys.reshape(_F64_EXP_ALL + 1, 2)
+        counts[COL_NUMEL] += n
+        counts[COL_ZEROS] += keys2[0, 1]
+        counts[COL_NAN] += keys2[_F64_EXP_ALL, 0]
+        counts[COL_INF] += keys2[_F64_EXP_ALL, 1]
+        for i, j in enumerate(_UNDERFLOW_EXP):
+            counts[COL_POW2_AT + i] += keys2[j + _F64_BIAS, 1]
+        if call_max > 0:
+            for i, fmt in enumerate(_FP8):
+                k = formats.current_scaling_exponent(fmt, call_max)
+                counts[COL_UNDERFLOW_CS + i] += _count_le_pow2_keys(keys2, int(math.log2(fmt.underflow_max)) - k)
+        hist = _hist_of_keys(keys2)
+        nz = np.flatnonzero(hist)
+        if len(nz):
+            lo, hi = int(nz[0]), int(nz[-1])
+            self._grow_window(lo, hi)
+            self._hist[row, lo - self._wlo : hi + 1 - self._wlo] += hist[lo : hi + 1]
+
+    def _extremes_cpu(self, a: torch.Tensor, counts: np.ndarray, keys: np.ndarray) -> float:
+        """Overflow counts and extremes of one chunk, skipping the passes its key histogram proves needless
+        (no value >= 256: no overflow compare; no zero: a plain min). Returns the chunk's largest finite |x|."""
+        n_nonfinite = int(keys[2 * _F64_EXP_ALL] + keys[2 * _F64_EXP_ALL + 1])
+        n_big = int(keys[2 * (_F64_BIAS + 8) : 2 * _F64_EXP_ALL].sum())  # finite values >= 2^8
+        if n_big or n_nonfinite:
+            mask = self._bool[: a.numel()]
+            torch.ge(a, 256.0, out=mask)  # every overflow threshold is above 256; inf is included
+            big = a[mask]
+            for i, (t, inclusive) in enumerate(_OVERFLOW):
+                counts[COL_OVERFLOW + i] += int((big >= t).sum()) if inclusive else int((big > t).sum())
+        n_zero = int(keys[1])
+        if n_nonfinite:
+            a.nan_to_num_(nan=0.0, posinf=0.0)
+        # a holds |x| >= 0 with nan/inf now 0: float reductions (vectorised) give the exact extremes
+        mx = float(a.amax())
+        if n_zero == 0 and not n_nonfinite:
+            mn = float(a.amin())
+        elif n_zero + n_nonfinite < a.numel():
+            a.masked_fill_(a == 0, math.inf)
+            mn = float(a.amin())
+        else:
+            mn = math.inf
+        if mn != math.inf:
+            counts[COL_ABSMIN_BITS] = min(int(counts[COL_ABSMIN_BITS]), _to_f64_bits(mn) - 1)
+        counts[COL_ABSMAX_BITS] = max(int(counts[COL_ABSMAX_BITS]), _to_f64_bits(mx))
+        return mx
+
+    # ------------------------------------------------------------------------------------- device path
+    def _accumulate_device(self, flat: torch.Tensor, row: int, chunk: int) -> None:
+        assert self._data is not None
+        r = self._data[row]
         kh = self._keys_hist
-        if a.device.type == "cpu":
-            # the key histogram is host memory here: fold it into the row with numpy (tiny arrays), and let
-            # it decide which of the remaining passes are needed
-            keys = torch.bincount(key, minlength=_N_KEYS).numpy()
-            _fold_keys(keys.reshape(_F64_EXP_ALL + 1, 2), r.numpy())
-            self._extremes_cpu(a, bits, tmp, mant0, r, keys)
-            return
-        # bincount asks the host for max(key) on CUDA: a fixed-size index_add_ does not
         kh.zero_()
-        kh.index_add_(0, key, self._ones.expand(m))
-        kh2 = kh.view(_F64_EXP_ALL + 1, 2)  # [exponent field, (mantissa != 0, mantissa == 0)]
-        # zeros: exponent field 0 with mantissa 0 (fp64 has no subnormals coming from narrower formats,
-        # and an fp64 subnormal input lands in bin EXP_MIN below)
+        call_max = self._small[4:5]
+        call_max.zero_()
+        n = flat.numel()
+        for start in range(0, n, chunk):
+            a, bits, key = self._keys_of(flat[start : start + chunk])
+            # bincount asks the host for max(key) on CUDA: a fixed-size index_add_ does not
+            kh.index_add_(0, key, self._ones.expand(key.numel()))
+            self._extremes_device(a, bits, r, call_max)
+        r[COL_NUMEL] += n
+        kh2 = kh.view(_F64_EXP_ALL + 1, 2)
         r[COL_ZEROS] += kh2[0, 1]
         r[COL_NAN] += kh2[_F64_EXP_ALL, 0]
         r[COL_INF] += kh2[_F64_EXP_ALL, 1]
+        r[COL_POW2_AT : COL_POW2_AT + 4] += kh[self._pow2_idx]
         all_in_bin = kh2[:, 0] + kh2[:, 1]
         hist = r[COL_HIST : COL_HIST + N_BINS]
-        pow2 = r[COL_POW2 : COL_POW2 + N_BINS]
         hist += all_in_bin[_LO : _HI + 1]
-        pow2 += kh2[_LO : _HI + 1, 1]
-        # fp64-only exponents outside fp32's range fold into the end bins (fp64 subnormals: field 0, mant != 0)
         hist[0] += all_in_bin[1:_LO].sum() + kh2[0, 0]
         hist[-1] += all_in_bin[_HI + 1 : _F64_EXP_ALL].sum()
-        self._extremes_device(a, bits, tmp, mant0, r)
+        # fp8 current scaling of this call, on the device: k = floor(log2(fmax / amax)) from the exponent
+        # fields and mantissas of fmax and amax; x*2^k underflows iff |x| <= 2^(j - k)
+        amax = call_max[0]
+        e_a = amax >> 52
+        e_f = self._fp8_max_bits >> 52
+        k = e_f - e_a - ((amax & _F64_MANT_MASK) > (self._fp8_max_bits & _F64_MANT_MASK)).long()
+        f = (self._fp8_uf_exp - k + _F64_BIAS).clamp(1, _F64_EXP_ALL - 1)
+        cum = kh.cumsum(0)
+        cs = cum[2 * f - 1] - kh[1] + kh[2 * f + 1]
+        r[COL_UNDERFLOW_CS : COL_UNDERFLOW_CS + 2] += cs * (amax > 0).long()
 
     def _extremes_device(
-        self, a: torch.Tensor, bits: torch.Tensor, tmp: torch.Tensor, mask: torch.Tensor, r: torch.Tensor
+        self, a: torch.Tensor, bits: torch.Tensor, r: torch.Tensor, call_max: torch.Tensor
     ) -> None:
         """Overflow counts, smallest nonzero and largest finite |x| with tensor ops only (no sync)."""
-        # overflow: one compare per format (inf included; the host subtracts inf)
+        m = a.numel()
+        mask = self._bool[:m]
+        tmp = self._i64[:m]
         ov = self._small[:4]
         for i, (threshold, inclusive) in enumerate(_OVERFLOW):
             if inclusive:
@@ -231,49 +376,13 @@ class StatsBuffer:
         r[COL_ABSMIN_BITS] = torch.minimum(r[COL_ABSMIN_BITS], tmp.amin())
         # largest finite: nan -> 0 and inf -> 0 in place (a is scratch), then the max of the bit patterns
         a.nan_to_num_(nan=0.0, posinf=0.0)
-        r[COL_ABSMAX_BITS] = torch.maximum(r[COL_ABSMAX_BITS], bits.amax())
-
-    def _extremes_cpu(
-        self,
-        a: torch.Tensor,
-        bits: torch.Tensor,
-        tmp: torch.Tensor,
-        mask: torch.Tensor,
-        r: torch.Tensor,
-        keys: np.ndarray,
-    ) -> None:
-        """The same results as ``_extremes_device``, with fewer passes: on the CPU the key histogram is
-        already host memory, so it tells which passes can be skipped (no value >= 256: no overflow compare;
-        no zero: a plain min; no nan/inf: a plain max)."""
-        n_nonfinite = int(keys[2 * _F64_EXP_ALL] + keys[2 * _F64_EXP_ALL + 1])
-        n_big = int(keys[2 * (_F64_BIAS + 8) : 2 * _F64_EXP_ALL].sum())  # finite values >= 2^8
-        if n_big or n_nonfinite:
-            torch.ge(a, 256.0, out=mask)  # every overflow threshold is above 256; inf is included
-            big = a[mask]
-            ov = [
-                int((big >= t).sum()) if inclusive else int((big > t).sum()) for t, inclusive in _OVERFLOW
-            ]
-            r.numpy()[COL_OVERFLOW : COL_OVERFLOW + 4] += np.array(ov, dtype=np.int64)
-        n_zero = int(keys[1])
-        if n_nonfinite:
-            a.nan_to_num_(nan=0.0, posinf=0.0)
-        # a holds |x| >= 0 with nan/inf now 0: float reductions (vectorised) give the exact extremes
-        mx = float(a.amax())
-        if n_zero == 0 and not n_nonfinite:
-            mn = float(a.amin())
-        elif n_zero + n_nonfinite < a.numel():
-            a.masked_fill_(a == 0, math.inf)
-            mn = float(a.amin())
-        else:
-            mn = math.inf
-        row = r.numpy()
-        if mn != math.inf:
-            row[COL_ABSMIN_BITS] = min(int(row[COL_ABSMIN_BITS]), _to_f64_bits(mn) - 1)
-        row[COL_ABSMAX_BITS] = max(int(row[COL_ABSMAX_BITS]), _to_f64_bits(mx))
+        mx = bits.amax()
+        r[COL_ABSMAX_BITS] = torch.maximum(r[COL_ABSMAX_BITS], mx)
+        torch.maximum(call_max, mx.reshape(1), out=call_max)
 
     def to_host(self) -> np.ndarray:
         """Copy all rows to the host: the one synchronising call per sampled step."""
-        return self.data.cpu().numpy()
+        return self.dense().cpu().numpy()
 
 
 # ------------------------------------------------------------------------------------------- decoding
@@ -291,17 +400,7 @@ class RowStats:
     exponents: np.ndarray
     underflow: dict[str, int]  # at the scale in effect
     overflow: dict[str, int]  # at the scale in effect (finite values only)
-    underflow_cs: dict[str, int]  # fp8 formats under per-tensor current scaling
-
-
-def _count_le_pow2(hist: np.ndarray, pow2: np.ndarray, j: int) -> int:
-    """Number of finite nonzero values with |v| <= 2^j (raw exponent coordinates)."""
-    idx = j - EXP_MIN
-    if idx < 0:
-        return 0
-    if idx >= N_BINS:
-        return int(hist.sum())
-    return int(hist[:idx].sum() + pow2[idx])
+    underflow_cs: dict[str, int]  # fp8 formats under per-tensor current scaling (summed over calls)
 
 
 def decode(row: np.ndarray, scale: float = 1.0) -> RowStats:
@@ -312,31 +411,21 @@ def decode(row: np.ndarray, scale: float = 1.0) -> RowStats:
     log2 (documented approximation for non-power-of-two static scales).
     """
     hist = row[COL_HIST : COL_HIST + N_BINS].astype(np.int64)
-    pow2 = row[COL_POW2 : COL_POW2 + N_BINS].astype(np.int64)
     zeros = int(row[COL_ZEROS])
     nan = int(row[COL_NAN])
     inf = int(row[COL_INF])
     underflow: dict[str, int] = {}
     overflow: dict[str, int] = {}
     for i, name in enumerate(formats.WHATIF_FORMATS):
-        fmt = formats.get(name)
-        j = int(math.log2(fmt.underflow_max))
-        underflow[name] = _count_le_pow2(hist, pow2, j)
+        idx = _UNDERFLOW_EXP[i] - EXP_MIN  # values <= 2^j: every bin below j, and exactly 2^j
+        underflow[name] = int(hist[: max(idx, 0)].sum() + row[COL_POW2_AT + i])
         overflow[name] = int(row[COL_OVERFLOW + i]) - inf
     absmax_bits = int(row[COL_ABSMAX_BITS])
     absmin_bits = int(row[COL_ABSMIN_BITS]) + 1 if int(row[COL_ABSMIN_BITS]) != _NO_MIN_BITS else 0
     raw_absmax = _from_f64_bits(absmax_bits) if absmax_bits > 0 else 0.0
     raw_absmin = _from_f64_bits(absmin_bits) if 0 < absmin_bits < _INF_BITS else math.nan
-    # fp8 current scaling: s = 2^k, k = floor(log2(fmax / amax)); x*s underflows iff |x| <= 2^(j - k)
-    underflow_cs: dict[str, int] = {}
-    for name in formats.FP8_FORMATS:
-        fmt = formats.get(name)
-        if raw_absmax > 0:
-            k = formats.current_scaling_exponent(fmt, raw_absmax)
-            j = int(math.log2(fmt.underflow_max)) - k
-            underflow_cs[name] = _count_le_pow2(hist, pow2, j)
-        else:
-            underflow_cs[name] = 0
+    # fp8 current scaling (each accumulated tensor scaled by its own 2^floor(log2(fmax / amax)))
+    underflow_cs = {name: int(row[COL_UNDERFLOW_CS + i]) for i, name in enumerate(formats.FP8_FORMATS)}
     shift = 0
     if scale > 0 and math.isfinite(scale):
         shift = round(math.log2(scale))
