@@ -1,0 +1,232 @@
+"""precprof compare: variants, outcome classification, the verdict check, and one short real comparison."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from precprof import compare as C
+from precprof import tables as T
+from precprof.errors import UserError
+from precprof.training import TrainConfig
+
+STEPS = 12
+
+
+# ------------------------------------------------------------------------------------------- variants
+def test_parse_precisions() -> None:
+    vs = C.parse_precisions("fp32, bf16,fp16,fp16:none,fp16:static:8192")
+    assert [v.label for v in vs] == ["fp32", "bf16", "fp16", "fp16-none", "fp16-static-8192"]
+    assert vs[3] == C.Variant("fp16", "none")
+    assert C.reference_index(vs) == 0
+    assert C.reference_index(C.parse_precisions("bf16,tf32,fp16")) == 1
+    assert C.reference_index(C.parse_precisions("bf16,fp16")) == 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("fp32,fp17", "unknown precision 'fp17'"),
+        ("fp32,fp16:sometimes", "loss-scale"),
+        ("fp32,fp32", "listed twice"),
+        ("fp32", "at least two"),
+    ],
+)
+def test_parse_precisions_rejects(spec: str, match: str) -> None:
+    with pytest.raises(UserError, match=match):
+        C.parse_precisions(spec)
+
+
+# ------------------------------------------------------------------------------------------- outcomes
+def run_result(label: str, initial: float, final: float, **kw: Any) -> C.RunResult:
+    precision, _, scale = label.partition("-")
+    base: dict[str, Any] = {
+        "label": label,
+        "precision": precision,
+        "loss_scale": scale or "auto",
+        "run_dir": f"/runs/{label}",
+        "status": T.STATUS_COMPLETE,
+        "reason": None,
+        "steps": 100,
+        "initial_loss": initial,
+        "final_loss": final,
+        "final_window": 10,
+        "gap": None,
+        "outcome": C.REFERENCE,
+        "tokens_per_s": 1000.0,
+        "speedup": None,
+        "skipped_steps": 0,
+        "first_nonfinite_step": None,
+        "loss_scaling": "none" if scale in ("", "none") else scale,
+        "settled_scale": None,
+        "memory": {},
+        "memory_total": 0,
+        "recommendation": None,
+        "wall_s": 1.0,
+        "report": None,
+    }
+    base.update(kw)
+    return C.RunResult(**base)
+
+
+@pytest.mark.parametrize(
+    ("initial", "final", "outcome", "gap"),
+    [
+        (5.0, 2.008, C.MATCHED, 0.004),
+        (5.0, 2.1, C.BEHIND, 0.05),
+        (5.0, 1.9, C.AHEAD, -0.05),
+        (5.0, 4.5, C.STALLED, 1.25),  # removed 0.5 of the 3.0 the reference removed
+        (5.0, math.nan, C.DIVERGED, None),
+        (5.0, 9.0, C.DIVERGED, 3.5),
+    ],
+)
+def test_classify(initial: float, final: float, outcome: str, gap: float | None) -> None:
+    ref = run_result("fp32", 5.0, 2.0)
+    got, g = C.classify(run_result("fp16-none", initial, final), ref, tolerance=0.02)
+    assert got == outcome
+    assert (g is None and gap is None) or g == pytest.approx(gap)
+
+
+def _rec(fmt: str, scale: float | None, findings: list[tuple[str, str, str]]) -> dict[str, Any]:
+    return {
+        "format": fmt,
+        "loss_scale": scale,
+        "findings": [{"code": c, "severity": s, "title": t} for c, s, t in findings],
+    }
+
+
+def test_verdict_check_confirms_and_contradicts() -> None:
+    rec = _rec(
+        "fp16",
+        8192.0,
+        [
+            ("fp16_gradient_underflow", "warning", "fp16 gradient underflow: 38% at scale 1, 0% at 2^13"),
+            ("bf16_lost_updates", "warning", "bf16 would lose updates"),
+        ],
+    )
+    ref = run_result("fp32", 5.0, 2.0, recommendation=rec)
+    runs = [
+        ref,
+        run_result("fp16", 5.0, 2.006, loss_scaling="dynamic", settled_scale=2.0**13),
+        run_result("fp16-none", 5.0, 4.8),
+        run_result("bf16", 5.0, 2.3),
+    ]
+    for r in runs[1:]:
+        r.outcome, r.gap = C.classify(r, ref, 0.02)
+    checks: dict[tuple[str | None, str], str] = {}
+    for c in C.check_against_runs(runs, ref):
+        checks[(c.run, c.status)] = checks.get((c.run, c.status), "") + c.text + "\n"
+    # the recommendation (fp16 at 2^13) against the scaled fp16 run
+    text = checks[("fp16", C.CONFIRMED)]
+    assert "recommends fp16 with init_scale 2^13" in text and "matched fp32 within 0.3%" in text
+    assert "settled at 2^13" in text
+    # the scale-1 underflow warning predicted the unscaled run's stall
+    assert (
+        "stalled" in checks[("fp16-none", C.CONFIRMED)]
+        and "38% at scale 1" in checks[("fp16-none", C.CONFIRMED)]
+    )
+    # lost updates are a what-if for autocast bf16 (fp32 masters): no warning applies, the run fell behind
+    assert "15.0% above fp32" in checks[("bf16", C.MISSED)]
+
+
+def test_verdict_check_not_borne_out_and_unchecked() -> None:
+    rec = _rec(
+        "bf16", None, [("fp16_gradient_underflow", "warning", "fp16 gradient underflow: 9% at scale 1")]
+    )
+    ref = run_result("fp32", 5.0, 2.0, recommendation=rec)
+    fp16 = run_result("fp16-none", 5.0, 2.01)
+    fp16.outcome, fp16.gap = C.classify(fp16, ref, 0.02)
+    checks = C.check_against_runs([ref, fp16], ref)
+    assert [c.status for c in checks] == [C.UNCHECKED, C.NOT_BORNE_OUT]
+    assert "no bf16 run in this comparison" in checks[0].text
+
+
+# ------------------------------------------------------------------------------------------- a real run
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory: pytest.TempPathFactory) -> tuple[C.Comparison, Path]:
+    out = tmp_path_factory.mktemp("compare")
+    base = TrainConfig(
+        model="gpt-nano",
+        model_args={"n_layer": 1},
+        steps=STEPS,
+        batch_size=2,
+        seq_len=16,
+        sample_every=4,
+        progress=False,
+        report=False,  # the per-run reports are the report's own tests; rendering three would triple the time
+        seed=3,
+    )
+    return C.compare(base, "fp32,bf16,fp16:none", out=out), out
+
+
+def _window_mean(run_dir: Path) -> tuple[float, float]:
+    steps = T.read_tables(run_dir)["steps"].sort_values(T.STEP)
+    loss = steps[T.LOSS].to_numpy(dtype=float)
+    return float(loss[-max(5, len(loss) // 10) :].mean()), float(loss[0])
+
+
+def test_each_run_has_its_directory_and_report(comparison: tuple[C.Comparison, Path]) -> None:
+    comp, out = comparison
+    assert [r.label for r in comp.runs] == ["fp32", "bf16", "fp16-none"]
+    for r, (prec, scaling) in zip(
+        comp.runs, [("fp32", "none"), ("bf16", "none"), ("fp16", "none")], strict=True
+    ):
+        run_dir = out / r.label
+        summary = T.read_summary(run_dir)
+        assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+        assert summary[T.SUMMARY_CONFIG]["precision"] == prec
+        assert summary[T.SUMMARY_CONFIG]["loss_scaling"] == scaling
+        assert summary[T.SUMMARY_CONFIG]["seed"] == 3 and summary[T.SUMMARY_CONFIG]["steps"] == STEPS
+        assert (run_dir / T.REPORT_FILE).exists() == (r.report is not None)
+
+
+def test_numbers_match_the_run_directories(comparison: tuple[C.Comparison, Path]) -> None:
+    comp, out = comparison
+    ref_final, ref_first = _window_mean(out / "fp32")
+    for r in comp.runs:
+        final, first = _window_mean(out / r.label)
+        assert r.final_loss == pytest.approx(final, rel=1e-12)
+        # same weights and data: the first step's loss agrees to the precision of the format
+        assert first == pytest.approx(ref_first, rel=1e-2)
+        if r.label != "fp32":
+            assert r.gap == pytest.approx((final - ref_final) / ref_final, rel=1e-9)
+        steps = T.read_tables(out / r.label)["steps"]
+        plain = steps[~steps[T.SAMPLED].astype(bool)]
+        assert r.tokens_per_s == pytest.approx(
+            float(np.median(plain[T.TOKENS] / 1.0)) / float(plain[T.TIME_S].median())
+        )
+        assert r.memory and r.memory[T.PARAMETERS] > 0
+    saved = json.loads((out / C.COMPARE_JSON).read_text())
+    assert saved["reference"] == "fp32"
+    assert [r["label"] for r in saved["runs"]] == ["fp32", "bf16", "fp16-none"]
+    assert [c["status"] for c in saved["checks"]]  # every line of the verdict check is stored
+
+
+def test_comparison_page(comparison: tuple[C.Comparison, Path]) -> None:
+    comp, out = comparison
+    html = (out / C.COMPARE_HTML).read_text()
+    assert html.count('src="data:image/png;base64,') == 2  # loss curves; memory and throughput
+    for label in ("fp32", "bf16", "fp16-none"):
+        assert f"<strong>{label}</strong>" in html
+    assert 'href="fp32"' in html  # no per-run report here: the link goes to the run directory
+    assert "Verdict check" in html and comp.checks[0].text.split(":")[0] in html.replace("&#39;", "'")
+
+
+def test_comparison_page_escapes_user_text(comparison: tuple[C.Comparison, Path]) -> None:
+    comp, out = comparison
+    evil = C.Comparison(
+        runs=comp.runs,
+        reference=comp.reference,
+        tolerance=comp.tolerance,
+        checks=comp.checks,
+        summary_lines=comp.summary_lines,
+        config={"model": "<script>alert(1)</script>"},
+    )
+    html = C.render(evil, base_dir=out)
+    assert "<script>alert(1)</script>" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
