@@ -202,6 +202,7 @@ SUMMARY_CAPTURE = "capture"  # sample_every, modules captured, mixed precision o
 SUMMARY_FINAL = "final"  # headline numbers: final loss, steps, skipped steps, tokens/s, time
 SUMMARY_MEMORY = "memory"  # per-component totals and the projection per precision mode
 SUMMARY_RECOMMENDATION = "recommendation"  # precprof.advisor.Recommendation.to_dict()
+SUMMARY_ERRORS = "errors"  # post-processing steps that failed (memory projection, advisor): one line each
 
 STATUS_COMPLETE = "complete"
 STATUS_INCOMPLETE = "incomplete"
