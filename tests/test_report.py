@@ -356,7 +356,9 @@ def test_not_active_mixed_precision_is_flagged() -> None:
 
 
 def test_empty_run_still_renders(tmp_path: Path) -> None:
-    page = render_report({}, {}, tmp_path / "empty.html").read_text()
+    summary = {T.SUMMARY_ERRORS: ["advisor: KeyError: 'step'"]}
+    page = render_report({}, summary, tmp_path / "empty.html").read_text()
+    assert "Part of the analysis failed" in page and "advisor: KeyError: &#39;step&#39;" in page
     assert "No steps were recorded." in page
     assert "No per-layer statistics were recorded." in page
     assert "No recommendation is stored with this run" in page

@@ -324,6 +324,7 @@ def build_context(
         "incomplete": status == T.STATUS_INCOMPLETE,
         "incomplete_reason": summary.get(T.SUMMARY_INCOMPLETE_REASON)
         or "the run did not finish (cause not recorded)",
+        "errors": [str(e) for e in summary.get(T.SUMMARY_ERRORS) or []],
         "headline": _headline(summary, steps, layers),
         "verdict": verdict,
         "findings": findings,
