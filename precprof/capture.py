@@ -170,7 +170,7 @@ class Profiler:
         modules: ModuleFilter = None,
         memory: bool = True,
         weight_updates: bool = True,
-        update_sample: int = 1024,
+        update_sample: int = 256,
         chunk: int | None = None,
         first_step: int = 0,
         reducer: Any = "auto",
