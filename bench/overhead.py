@@ -1,0 +1,350 @@
+"""Profiling overhead of precprof against an un-profiled loop, the floor, and peer monitors.
+
+Every configuration trains its own copy of the same model on the same batches; configurations run in
+interleaved blocks inside one process, so that machine noise hits all of them alike. Per configuration it
+reports the median and the mean step time (the mean amortises sampled steps, which the median hides), their
+ratios to the un-profiled loop of the same run, precprof's own memory, and how many tensors and elements a
+sampled step inspects.
+
+Configurations:
+  baseline        no monitoring
+  floor           one read (a sum) of every tensor precprof inspects, from the same hooks: the cost of
+                  touching the data at all
+  precprof_1      precprof.Profiler, every step sampled
+  precprof_10     precprof.Profiler(sample_every=10)
+  debug_uo        transformers' DebugUnderflowOverflow (when transformers is installed)
+  naive_item      a home-made per-module monitor calling .item() for absmax / nan / inf of every output and
+                  gradient (what people write by hand)
+
+Usage: python bench/overhead.py [--model gpt-mini] [--device auto] [--precision bf16] [--blocks 6]
+Writes bench/results/overhead_<device>_<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import precprof  # noqa: E402
+from precprof import tables as T  # noqa: E402
+from precprof.capture import Profiler, _iter_tensors  # noqa: E402
+from precprof.models import build_model  # noqa: E402
+
+
+class Monitor:
+    """A configuration: attach() before a block of steps, after_step() at each step's end, detach()."""
+
+    name = "baseline"
+
+    def attach(self, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any) -> None:
+        pass
+
+    def after_step(self, loss: torch.Tensor) -> None:
+        pass
+
+    def detach(self) -> None:
+        pass
+
+    def info(self) -> dict[str, Any]:
+        return {}
+
+
+class Floor(Monitor):
+    """Reads every tensor precprof would read, once, into a device accumulator (no sync)."""
+
+    name = "floor"
+
+    def attach(self, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any) -> None:
+        dev = next(model.parameters()).device
+        self.acc = torch.zeros((), device=dev, dtype=torch.float32)
+        self.handles: list[Any] = []
+        selected = Profiler(model, memory=False)
+        mods = [m for n, m in model.named_modules() if selected._selected(n, m)]
+
+        def read(t: torch.Tensor) -> None:
+            self.acc += t.detach().sum(dtype=torch.float32)
+
+        def fwd(module: nn.Module, args: Any, out: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            for p in module.parameters(recurse=False):
+                read(p)
+            for t in _iter_tensors(out):
+                read(t)
+                if t.requires_grad:
+                    t.register_hook(lambda g: read(g))
+
+        for m in mods:
+            self.handles.append(m.register_forward_hook(fwd))
+        for p in model.parameters():
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(lambda q: read(q.grad)))
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class Precprof(Monitor):
+    def __init__(self, sample_every: int) -> None:
+        self.sample_every = sample_every
+        self.name = f"precprof_{sample_every}"
+        self.prof: Profiler | None = None
+        self.last_info: dict[str, Any] = {}
+
+    def attach(self, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any) -> None:
+        self.prof = Profiler(model, optimizer=opt, scaler=scaler, sample_every=self.sample_every)
+        self.prof.attach()
+
+    def after_step(self, loss: torch.Tensor) -> None:
+        assert self.prof is not None
+        self.prof.step(loss=loss)
+
+    def detach(self) -> None:
+        assert self.prof is not None
+        self.prof.detach()
+        layers = self.prof.tables()["layers"]
+        if not layers.empty:
+            first = layers[layers[T.STEP] == layers[T.STEP].min()]
+            first = first[first[T.TENSOR] != T.WEIGHT_UPDATE]
+            self.last_info = {
+                "tensor_slots_per_sampled_step": len(first),
+                "tensor_calls_per_sampled_step": int(first[T.CALLS].sum()),
+                "elements_per_sampled_step": int(first[T.NUMEL].sum()),
+            }
+        self.last_info.update(
+            {
+                "profiler_buffer_bytes": self.prof.buffer_bytes,
+                "profiler_scratch_bytes": self.prof.scratch_bytes,
+            }
+        )
+
+    def info(self) -> dict[str, Any]:
+        return self.last_info
+
+
+class DebugUO(Monitor):
+    name = "debug_uo"
+
+    def attach(self, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any) -> None:
+        from transformers.debug_utils import DebugUnderflowOverflow
+
+        self.model = model
+        self.dbg = DebugUnderflowOverflow(model)
+
+    def detach(self) -> None:
+        for m in self.model.modules():
+            m._forward_hooks.clear()  # DebugUnderflowOverflow has no removal API
+
+
+class NaiveItem(Monitor):
+    """absmax / nan / inf of every module output and output gradient, read with .item() each time."""
+
+    name = "naive_item"
+
+    def attach(self, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any) -> None:
+        self.handles: list[Any] = []
+        self.log: list[tuple[float, bool, bool]] = []
+
+        def check(t: torch.Tensor) -> None:
+            t = t.detach()
+            self.log.append(
+                (t.abs().max().item(), bool(t.isnan().any().item()), bool(t.isinf().any().item()))
+            )
+
+        def fwd(module: nn.Module, args: Any, out: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            for t in _iter_tensors(out):
+                check(t)
+                if t.requires_grad:
+                    t.register_hook(lambda g: check(g))
+
+        for m in model.modules():
+            self.handles.append(m.register_forward_hook(fwd))
+
+    def after_step(self, loss: torch.Tensor) -> None:
+        self.log.clear()
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--model", default=None, help="built-in model (default: gpt-mini on CPU, gpt2-small on CUDA)"
+    )
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument(
+        "--seq", type=int, default=None, help="sequence length (default 128 on CPU, 1024 on CUDA)"
+    )
+    ap.add_argument("--blocks", type=int, default=6, help="interleaved blocks per configuration")
+    ap.add_argument("--steps", type=int, default=10, help="steps per block (a multiple of 10)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--configs", default="baseline,floor,precprof_1,precprof_10,debug_uo,naive_item")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    if args.device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        dev = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    model_name = args.model or ("gpt2-small" if dev.type == "cuda" else "gpt-mini")
+    seq = args.seq or (1024 if dev.type == "cuda" else 128)
+    torch.manual_seed(0)
+    base_model = build_model(model_name, vocab_size=256, seq_len=seq).module.to(dev)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(args.steps):
+        s = torch.randint(0, 256, (args.batch, seq + 1), generator=g)
+        batches.append((s[:, :-1].to(dev), s[:, 1:].to(dev)))
+
+    makers: dict[str, Callable[[], Monitor]] = {
+        "baseline": Monitor,
+        "floor": Floor,
+        "precprof_1": lambda: Precprof(1),
+        "precprof_10": lambda: Precprof(10),
+        "debug_uo": DebugUO,
+        "naive_item": NaiveItem,
+    }
+    names = [c for c in args.configs.split(",") if c]
+    if "debug_uo" in names:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            names.remove("debug_uo")
+    state: dict[str, Any] = {}
+    for n in names:
+        m = copy.deepcopy(base_model)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        scaler = torch.amp.GradScaler(dev.type, enabled=args.precision == "fp16")
+        state[n] = {"model": m, "opt": opt, "scaler": scaler, "monitor": makers[n](), "times": []}
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run_block(n: str, steps: int, record: bool) -> None:
+        s = state[n]
+        model, opt, scaler, mon = s["model"], s["opt"], s["scaler"], s["monitor"]
+        mon.attach(model, opt, scaler)
+        try:
+            for i in range(steps):
+                x, y = batches[i % len(batches)]
+                sync()
+                t0 = time.perf_counter()
+                with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                    logits = model(x)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                mon.after_step(loss.detach())
+                sync()
+                if record:
+                    s["times"].append(time.perf_counter() - t0)
+        finally:
+            mon.detach()
+
+    for n in names:
+        run_block(n, args.warmup, record=False)
+    for _ in range(args.blocks):
+        for n in names:
+            run_block(n, args.steps, record=True)
+
+    base_med = statistics.median(state["baseline"]["times"]) if "baseline" in state else float("nan")
+    base_mean = statistics.fmean(state["baseline"]["times"]) if "baseline" in state else float("nan")
+    results: dict[str, Any] = {}
+    for n in names:
+        t = state[n]["times"]
+        med, mean = statistics.median(t), statistics.fmean(t)
+        results[n] = {
+            "median_s": med,
+            "mean_s": mean,
+            "ratio_median": med / base_med,
+            "ratio_mean": mean / base_mean,
+            "steps_timed": len(t),
+            **state[n]["monitor"].info(),
+        }
+        if dev.type == "cuda":
+            results[n]["note"] = "peak memory per configuration is not separated; see profiler_buffer_bytes"
+    param_bytes = sum(p.numel() * p.element_size() for p in base_model.parameters())
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or "cpu")
+    if dev.type == "cpu":
+        try:
+            with open("/proc/cpuinfo") as f:
+                device_name = next(
+                    line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+                )
+        except (OSError, StopIteration):
+            pass
+    out = {
+        "device": dev.type,
+        "device_name": device_name,
+        "threads": args.threads,
+        "model": model_name,
+        "param_bytes": param_bytes,
+        "precision": args.precision,
+        "batch": args.batch,
+        "seq": seq,
+        "blocks": args.blocks,
+        "steps_per_block": args.steps,
+        "torch": torch.__version__,
+        "precprof": precprof.__version__,
+        "results": results,
+    }
+    pp = results.get("precprof_1", {})
+    if pp.get("profiler_buffer_bytes"):
+        out["profiler_buffer_share_of_params"] = pp["profiler_buffer_bytes"] / param_bytes
+    print(
+        f"{model_name} {args.precision} on {device_name} ({dev.type}, {args.threads} threads), "
+        f"batch {args.batch}x{seq}, {args.blocks} blocks x {args.steps} steps"
+    )
+    print(f"{'config':<14}{'median ms':>11}{'mean ms':>10}{'x median':>10}{'x mean':>9}")
+    for n, r in results.items():
+        print(
+            f"{n:<14}{r['median_s'] * 1e3:>11.1f}{r['mean_s'] * 1e3:>10.1f}"
+            f"{r['ratio_median']:>10.3f}{r['ratio_mean']:>9.3f}"
+        )
+    if "profiler_buffer_share_of_params" in out:
+        print(
+            f"precprof buffers: {pp['profiler_buffer_bytes']} bytes = "
+            f"{out['profiler_buffer_share_of_params']:.3%} of parameter bytes; scratch "
+            f"{pp.get('profiler_scratch_bytes', 0)} bytes; {pp.get('elements_per_sampled_step', 0):,} elements "
+            f"in {pp.get('tensor_calls_per_sampled_step', 0)} tensors per sampled step"
+        )
+    path = (
+        Path(args.out) if args.out else ROOT / "bench" / "results" / f"overhead_{dev.type}_{model_name}.json"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
