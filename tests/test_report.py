@@ -306,7 +306,7 @@ def test_signature_heatmap_keeps_the_worst_rows_when_there_are_too_many(
     assert hm is not None and hm.rows_shown == 6 and hm.rows_total == len(lost)
     shown = [t.get_text() for t in hm.figure.axes[1].texts]
     rows = S.row_order(layers, T.ACTIVATION_GRAD)
-    worst = sorted(rows, key=lambda r: -(lost[r][0] + lost[r][1]))[:4]
+    worst = sorted(rows, key=lambda r: -sum(lost[r]))[:4]
     assert {S.row_label(*r) for r in worst} <= set(shown)
     assert shown == [S.row_label(*r) for r in rows if S.row_label(*r) in shown]  # still forward order
 

@@ -49,6 +49,8 @@ COMPONENT_COLORS: dict[str, str] = {  # also the stacking order
 }
 _OTHER_COLORS = ("#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd", "#a1c9f4", "#b0b0b0")
 SKIP_COLOR = "#d62728"
+# the side panel of the heatmaps: what a row loses in fp16, and values that were already inf/nan
+LOST_COLORS: dict[str, str] = {"underflow": "#d62728", "overflow": "#111111", "inf/nan (recorded)": "#8e44ad"}
 DPI = 100
 
 
@@ -238,7 +240,7 @@ def heatmap_windows(kind: str, scale: float, recommended_scale: float | None = N
 
 
 def _select_rows(
-    rows: list[tuple[str, str]], lost: Mapping[tuple[str, str], tuple[float, float]], max_rows: int
+    rows: list[tuple[str, str]], lost: Mapping[tuple[str, str], tuple[float, ...]], max_rows: int
 ) -> list[int]:
     """Indices of the rows to draw: all of them, or the ``max_rows`` that lose the most in fp16 (plus the first
     and last), kept in forward order."""
@@ -246,8 +248,7 @@ def _select_rows(
         return list(range(len(rows)))
 
     def badness(i: int) -> float:
-        u, o = lost.get(rows[i], (0.0, 0.0))
-        return (0 if math.isnan(u) else u) + (0 if math.isnan(o) else o)
+        return sum(0.0 if math.isnan(v) else v for v in lost.get(rows[i], ()))
 
     keep = {0, len(rows) - 1}
     for i in sorted(range(len(rows)), key=lambda i: (-badness(i), i)):
@@ -401,23 +402,14 @@ def signature_heatmap(
     ax.axvspan(x0, fp16.lo, color=fp16.color, alpha=0.07, lw=0)
     ax.axvspan(fp16.hi, x1, color=fp16.color, alpha=0.07, lw=0)
 
-    # right panel: share lost in fp16 at the recorded scale
-    u = np.array([lost.get(r, (0.0, 0.0))[0] for r in rows], dtype=float)
-    o = np.array([lost.get(r, (0.0, 0.0))[1] for r in rows], dtype=float)
-    u, o = np.nan_to_num(u), np.nan_to_num(o)
+    # right panel: share lost in fp16 at the recorded scale, stacked on a log axis (ends at the total)
+    shares = np.nan_to_num(np.array([lost.get(r, (0.0, 0.0, 0.0)) for r in rows], dtype=float).reshape(n, 3))
     floor = 1e-6
     y = np.arange(n) + 0.5
-    ax_lost.barh(
-        y, np.maximum(u, floor) - floor, left=floor, height=0.75, color=FORMAT_COLORS["fp16"], alpha=0.85
-    )
-    ax_lost.barh(
-        y,
-        np.where(o > 0, np.maximum(o, floor) - floor, 0),
-        left=np.maximum(u, floor),
-        height=0.75,
-        color="#111",
-        alpha=0.8,
-    )
+    ends = np.maximum(np.cumsum(shares, axis=1), floor)
+    starts = np.hstack([np.full((n, 1), floor), ends[:, :-1]])
+    for j, color in enumerate(LOST_COLORS.values()):
+        ax_lost.barh(y, ends[:, j] - starts[:, j], left=starts[:, j], height=0.75, color=color, alpha=0.85)
     ax_lost.set_xscale("log")
     ax_lost.set_xlim(floor, 1.0)
     ax_lost.xaxis.set_major_formatter(FuncFormatter(_pct))
@@ -428,12 +420,9 @@ def signature_heatmap(
     ax_lost.tick_params(axis="x", labelsize=7.5)
     ax_lost.set_xlabel("lost in FP16\n(recorded scale)", fontsize=8.5)
     ax_lost.grid(True, axis="x", alpha=0.3)
-    handles = [
-        Patch(color=FORMAT_COLORS["fp16"], alpha=0.85, label="underflow"),
-        Patch(color="#111", alpha=0.8, label="overflow"),
-    ]
+    handles = [Patch(color=c, alpha=0.85, label=k) for k, c in LOST_COLORS.items()]
     ax_lost.legend(handles=handles, loc="lower right", fontsize=7, frameon=True, framealpha=0.9)
-    if not (u > 0).any() and not (o > 0).any():
+    if not (shares > 0).any():
         ax_lost.text(
             0.5,
             0.5,

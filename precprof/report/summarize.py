@@ -150,20 +150,28 @@ def heatmap_matrix(
 
 def lost_share_by_row(
     layers: pd.DataFrame, kind: str, fmt: str
-) -> dict[tuple[str, str], tuple[float, float]]:
-    """(underflow share, overflow share) in ``fmt`` per (module, param) row of ``kind``, at the recorded scales."""
+) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """(underflow, overflow, inf/nan) shares per (module, param) row of ``kind``, summed over sampled steps.
+
+    Underflow and overflow in ``fmt`` are at the recorded scales; inf/nan are values that were already
+    non-finite when recorded (in an fp16 run, usually what overflow produced upstream).
+    """
     sub = layers[layers[T.TENSOR] == kind]
     if sub.empty:
         return {}
-    cols = [T.NUMEL, T.underflow_col(fmt), T.overflow_col(fmt)]
+    cols = [T.NUMEL, T.underflow_col(fmt), T.overflow_col(fmt), T.NAN, T.INF]
     num = sub[cols].apply(pd.to_numeric, errors="coerce").fillna(0)
     num[T.MODULE] = sub[T.MODULE].to_numpy()
     num[T.PARAM] = sub[T.PARAM].fillna("").to_numpy()
     g = num.groupby([T.MODULE, T.PARAM], sort=False)[cols].sum()
-    out: dict[tuple[str, str], tuple[float, float]] = {}
+    out: dict[tuple[str, str], tuple[float, float, float]] = {}
     for (m, p), r in g.iterrows():  # type: ignore[misc]
         n = float(r[T.NUMEL])
-        out[(str(m), str(p))] = (_share(r[cols[1]], n), _share(r[cols[2]], n))
+        out[(str(m), str(p))] = (
+            _share(r[cols[1]], n),
+            _share(r[cols[2]], n),
+            _share(r[T.NAN] + r[T.INF], n),
+        )
     return out
 
 
