@@ -1,4 +1,5 @@
-"""Two-process gloo runs for tests/test_distributed.py (spawned once per test session: ``python dist_worker.py OUT``).
+"""Two-process gloo runs for tests/test_distributed.py, launched once by torchrun (``python -m
+torch.distributed.run --standalone --nproc_per_node 2 dist_worker.py OUT``).
 
 Each scenario trains the same tiny model on per-rank batches under a wrapper (DDP, FSDP2 ``fully_shard`` in
 fp32 and with ``MixedPrecisionPolicy(bfloat16, float32)``, FSDP1), with a Profiler on every rank; rank 0 writes
@@ -10,13 +11,11 @@ here so that the test rebuilds them for its single-process reference.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 WORLD = 2
@@ -50,28 +49,11 @@ def make_optimizer(params: object) -> torch.optim.Optimizer:
 
 
 def _wrap(model: nn.Module, scenario: str) -> nn.Module:
-    if scenario == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
-    if scenario.startswith("fsdp2"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from precprof.distributed import wrap_model
 
-        mp_policy = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if scenario == "fsdp2-bf16"
-            else MixedPrecisionPolicy()
-        )
-        for m in model:
-            if isinstance(m, nn.Linear):
-                fully_shard(m, mp_policy=mp_policy)
-        fully_shard(model, mp_policy=mp_policy)
-        return model
-    if scenario == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
-
-        return FullyShardedDataParallel(
-            model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        )
-    raise ValueError(scenario)
+    if scenario == "fsdp2-bf16":
+        return wrap_model(model, "fsdp2", param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return wrap_model(model, {"ddp": "ddp", "fsdp2": "fsdp2", "fsdp1": "fsdp1"}[scenario])
 
 
 def run_scenario(scenario: str, rank: int, out: Path) -> None:
@@ -105,27 +87,27 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
     (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(dump))
 
 
-def worker(rank: int, out: str, scenarios: list[str]) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=WORLD)
+def main(argv: list[str]) -> None:
+    """Run under torchrun: ``python -m torch.distributed.run --standalone --nproc_per_node 2 dist_worker.py OUT``."""
+    from precprof.distributed import init_from_env, shutdown
+
+    out = Path(argv[0]).resolve()
+    scenarios = argv[1].split(",") if len(argv) > 1 else ["ddp", "fsdp2", "fsdp2-bf16"]
+    torch.set_num_threads(1)
+    info = init_from_env()
+    assert info is not None and info.world_size == WORLD, "run me under torchrun with 2 processes"
+    out.mkdir(parents=True, exist_ok=True)
     try:
         for scenario in scenarios:
             try:
-                run_scenario(scenario, rank, Path(out))
+                run_scenario(scenario, info.rank, out)
             except Exception:  # the same failure on every rank (no rank left waiting in a collective)
                 import traceback
 
-                (Path(out) / f"{scenario}-rank{rank}.error").write_text(traceback.format_exc())
+                (out / f"{scenario}-rank{info.rank}.error").write_text(traceback.format_exc())
             dist.barrier()
     finally:
-        dist.destroy_process_group()
-
-
-def main(argv: list[str]) -> None:
-    out = os.path.abspath(argv[0])
-    scenarios = argv[1].split(",") if len(argv) > 1 else ["ddp", "fsdp2", "fsdp2-bf16", "fsdp1"]
-    Path(out).mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)
-    mp.spawn(worker, args=(out, scenarios), nprocs=WORLD, join=True)
+        shutdown()
 
 
 if __name__ == "__main__":

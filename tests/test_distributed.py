@@ -6,7 +6,7 @@ happen once per session in ``dist_worker.py``. The reference replays each rank i
 replica per rank, its tensors caught by plain hooks and their statistics computed directly, gradients averaged as DDP/FSDP do, AdamW on fp32 masters.
 Expected rows per wrapper:
 
-- activations and activation gradients: the statistics of every rank's tensors together;
+- activations and activation gradients: the statistics of every rank's tensors, summed;
 - DDP weights / weight gradients / weight updates: every replica's (local gradients: the hook reads them before
   DDP's all-reduce copies the average back);
 - FSDP2 weights: the full fp32 parameter (the shards sum to it); weight gradients: the averaged gradient;
@@ -45,7 +45,16 @@ Key = tuple[int, str, str, str]  # step, module, tensor, param
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     proc = subprocess.run(
-        [sys.executable, str(HERE / "dist_worker.py"), str(out), ",".join(SCENARIOS)],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={W.WORLD}",
+            str(HERE / "dist_worker.py"),
+            str(out),
+            ",".join(SCENARIOS),
+        ],
         capture_output=True,
         text=True,
         timeout=400,
@@ -60,10 +69,6 @@ def run_dir(runs: Path, scenario: str) -> Path:
     err = runs / f"{scenario}-rank0.error"
     if err.exists():
         text = err.read_text()
-        if "mixed torch.Tensor and DTensor" in text:
-            pytest.xfail(
-                "the Profiler does not unwrap FSDP2's DTensor shards yet (issue 7 report: stats/capture)"
-            )
         raise AssertionError(f"{scenario} failed on rank 0:\n{text}")
     return runs / scenario
 
@@ -130,16 +135,36 @@ def entry_from_tensor(x: torch.Tensor) -> dict[str, Any]:
     return e
 
 
-def _flat_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+def entry_of_calls(tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """A row that aggregated these tensors, one call each (fp8 current scaling: each its own amax)."""
+    e = _empty_entry()
+    for t in tensors:
+        _add(e, entry_from_tensor(t.detach()))
+    return e
+
+
+def shards(x: torch.Tensor) -> list[torch.Tensor]:
+    """FSDP2's dim-0 shards of ``x`` (torch.chunk: 5 rows over 2 ranks -> 3 + 2)."""
+    return list(torch.chunk(x.detach(), W.WORLD, dim=0))
 
 
 def reference(scenario: str) -> dict[str, Any]:
+    """``_reference`` on one thread, as every rank of dist_worker runs (bf16 CPU kernels round differently
+    with another thread count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(scenario)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(scenario: str) -> dict[str, Any]:
     """Replay ``scenario`` in one process; returns expected entries, rank 0's losses and the final parameters.
 
     Activations and gradients are caught with plain hooks on one replica per rank and their statistics computed
-    directly (``stats.tensor_stats`` of the concatenation, so fp8 current scaling uses the amax over all ranks,
-    as a reduced row does); weight updates come from a Profiler on the fp32 master that the optimizer steps.
+    directly (``stats.tensor_stats`` per tensor, summed: fp8 current scaling is per call, so per rank and per
+    shard); weight updates come from a Profiler on the fp32 master that the optimizer steps.
     """
     param_dtype = torch.bfloat16 if scenario == "fsdp2-bf16" else torch.float32
     master = W.build_model()
@@ -179,8 +204,7 @@ def reference(scenario: str) -> dict[str, Any]:
                     losses.append(loss.item())
             if sampled:
                 for (mod, kind), ts in seen.items():
-                    expected[(step, mod, kind, "")] = entry_from_tensor(_flat_cat(ts))
-                    expected[(step, mod, kind, "")]["calls"] = len(ts)
+                    expected[(step, mod, kind, "")] = entry_of_calls(ts)
             # DDP and FSDP divide by the world size, then sum over ranks (in rank order)
             for name, q, *ps in zip(
                 names, master.parameters(), *(m.parameters() for m in replicas), strict=True
@@ -191,11 +215,11 @@ def reference(scenario: str) -> dict[str, Any]:
                 if sampled:
                     mod, pname = name.rsplit(".", 1)
                     if scenario == "ddp":  # every replica's weights and local gradients
-                        weight, grad = _flat_cat([q] * W.WORLD), _flat_cat([p.grad for p in ps])
+                        weights, grads = [q] * W.WORLD, [p.grad for p in ps]
                     else:  # the shards of the fp32 master and of the averaged gradient
-                        weight, grad = q.detach(), avg
-                    expected[(step, mod, T.WEIGHT, pname)] = entry_from_tensor(weight)
-                    expected[(step, mod, T.WEIGHT_GRAD, pname)] = entry_from_tensor(grad)
+                        weights, grads = shards(q), shards(avg)
+                    expected[(step, mod, T.WEIGHT, pname)] = entry_of_calls(weights)
+                    expected[(step, mod, T.WEIGHT_GRAD, pname)] = entry_of_calls(grads)
                 q.grad = avg
             opt.step()
             opt.zero_grad(set_to_none=True)
