@@ -273,7 +273,7 @@ def test_signature_heatmap_rows_windows_and_labels(synthetic: tuple[dict[str, pd
     layers, hist = tabs["layers"], tabs["histograms"]
     hm = plots.signature_heatmap(hist, layers, T.ACTIVATION_GRAD, recommended_scale=2.0**15)
     assert hm is not None
-    ax_strip, ax, ax_lost, cax = hm.figure.axes
+    ax_strip, ax, ax_lost, cax, _legend = hm.figure.axes
     assert ax.get_xlabel().startswith("log2 |value|")
     assert cax.get_ylabel() == "share of the layer's nonzero values (log scale)"
     rows = S.row_order(layers, T.ACTIVATION_GRAD)

@@ -420,8 +420,19 @@ def signature_heatmap(
     ax_lost.tick_params(axis="x", labelsize=7.5)
     ax_lost.set_xlabel("lost in FP16\n(recorded scale)", fontsize=8.5)
     ax_lost.grid(True, axis="x", alpha=0.3)
+    # the legend sits in the empty cell above the panel, where it hides no bar
+    ax_leg = fig.add_subplot(gs[0, 1:])
+    ax_leg.axis("off")
     handles = [Patch(color=c, alpha=0.85, label=k) for k, c in LOST_COLORS.items()]
-    ax_lost.legend(handles=handles, loc="lower right", fontsize=7, frameon=True, framealpha=0.9)
+    ax_leg.legend(
+        handles=handles,
+        loc="lower left",
+        fontsize=8,
+        frameon=False,
+        title="right panel: lost in FP16",
+        title_fontsize=8.5,
+        alignment="left",
+    )
     if not (shares > 0).any():
         ax_lost.text(
             0.5,
