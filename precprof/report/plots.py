@@ -1,5 +1,6 @@
 """The report's figures: matplotlib's object API on the Agg canvas, never pyplot (no global state, thread-safe,
-no display needed).
+no display needed). The backend is never switched: each figure gets its own ``FigureCanvasAgg``, so a user's
+notebook or GUI backend is left alone.
 
 Each public ``*_figure`` function takes tables (DataFrames) and returns a ``matplotlib.figure.Figure``, or None
 when there is nothing to draw; ``png_bytes`` and ``data_uri`` turn a figure into what the HTML embeds.
@@ -16,9 +17,6 @@ from typing import Any
 
 import matplotlib
 import matplotlib.transforms
-
-matplotlib.use("Agg", force=False)  # harmless when already set; the Figure API below never needs a GUI
-
 import numpy as np
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
