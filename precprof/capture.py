@@ -912,7 +912,7 @@ def _post_process(
         if not tables["memory"].empty:
             out[T.SUMMARY_MEMORY] = memory.project(tables["memory"], summary, facts=facts)
     except Exception as e:
-        out.setdefault("errors", []).append(f"memory projection: {type(e).__name__}: {e}")
+        out.setdefault(T.SUMMARY_ERRORS, []).append(f"memory projection: {type(e).__name__}: {e}")
     try:
         from precprof import advisor
 
@@ -922,7 +922,7 @@ def _post_process(
     except ImportError:
         pass
     except Exception as e:
-        out.setdefault("errors", []).append(f"advisor: {type(e).__name__}: {e}")
+        out.setdefault(T.SUMMARY_ERRORS, []).append(f"advisor: {type(e).__name__}: {e}")
     return out
 
 

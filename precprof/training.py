@@ -652,6 +652,8 @@ def train(
         _save_incomplete(
             prof, run_dir, summary, reason, time.perf_counter() - t_start, data, steps_done, tokens_per_step
         )
+        if config.report:
+            _render_report(run_dir)  # a crashed run gets its report of the steps recorded, marked incomplete
         if hasattr(e, "add_note"):
             e.add_note(f"precprof: the partial run was saved to {run_dir}")
         raise
