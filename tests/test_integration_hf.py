@@ -145,3 +145,35 @@ def test_profile_trainer_saves_an_incomplete_run_on_crash(tmp_path: Path) -> Non
     assert not trainer.model._forward_hooks
     json.dumps(summary)  # JSON-safe
     assert isinstance(T.read_tables(tmp_path / "run")["layers"], pd.DataFrame)
+
+
+def test_bare_callback_session_is_saved_at_interpreter_exit(tmp_path: Path) -> None:
+    """Without profile_trainer a crash has no hook: the session is written, incomplete, by atexit."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from precprof.integrations._common import Session
+
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        session = Session({str(tmp_path / "run")!r}, {{"sample_every": 1, "memory": False}}, report=False)
+        session.start(model, opt, None, {{"config": {{"precision": "fp32"}}}})
+        for _ in range(2):
+            loss = model(torch.randn(2, 4)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            session.step(loss=loss.detach())
+        raise RuntimeError("crash with no hook")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "crash with no hook" in proc.stderr
+    summary = T.read_summary(tmp_path / "run")
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert "exited before training ended" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert T.read_tables(tmp_path / "run")["steps"][T.STEP].tolist() == [0, 1]
