@@ -13,7 +13,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from scenarios import accelerate_cpu_fp16, benign, huge_activations, nan_injection, tiny_gradients
+from scenarios import (
+    accelerate_cpu_fp16,
+    benign,
+    huge_activations,
+    nan_injection,
+    summed_loss,
+    tiny_gradients,
+)
 from scenarios.loop import regression_batches
 
 from precprof import tables as T
@@ -131,6 +138,26 @@ def test_e_accelerate_fp16_on_cpu_is_not_active() -> None:
     # and indeed every Linear produced float32
     acts = _rows(run.tables, T.ACTIVATION)
     assert set(acts[acts[T.MODULE_TYPE] == "Linear"][T.DTYPE]) == {"float32"}
+
+
+def test_f_advised_scale_skips_fewer_steps_than_the_default() -> None:
+    # the issue's gpt-mini check in miniature: a summed loss has gradients that overflow fp16 at 2^16
+    fp32 = summed_loss.run()
+    rec = fp32.recommend("v100")
+    assert rec.format == "fp16" and rec.loss_scale is not None and rec.loss_scale < 2.0**16
+    default = summed_loss.run("fp16", loss_scale=2.0**16)
+    advised = summed_loss.run("fp16", loss_scale=rec.loss_scale)
+    skipped_default = int(default.tables["steps"][T.SKIPPED].sum())
+    skipped_advised = int(advised.tables["steps"][T.SKIPPED].sum())
+    assert skipped_advised < skipped_default
+    assert skipped_advised == 0
+    # the advisor's account of the default run: how many skips, and that starting at 2^k avoids them
+    f = default.recommend("v100").finding("scaler_skipped_steps")
+    assert f is not None and f.numbers["skipped"] == skipped_default
+    assert f.numbers["avoidable"] == skipped_default
+    # and the advised fp16 run ends within 2% of fp32's loss (the default run, with steps lost, does not)
+    assert abs(advised.losses[-1] - fp32.losses[-1]) / fp32.losses[-1] < 0.02
+    assert abs(default.losses[-1] - fp32.losses[-1]) / fp32.losses[-1] > 0.02
 
 
 def test_scenario_runs_are_deterministic() -> None:

@@ -8,7 +8,9 @@ user's own loop with ``precprof.Profiler`` attached (``loop.train_profiled``), a
   loss scale, and an fp16 run started at the recommended scale flushes fewer gradients than one at scale 1;
 - ``huge_activations``: a layer whose outputs exceed fp16's 65504: fp16 only with that layer kept in fp32;
 - ``benign``: nothing wrong: bf16 on bf16 hardware;
-- ``nan_injection``: a module that emits nan on one step: the finding names it.
+- ``nan_injection``: a module that emits nan on one step: the finding names it;
+- ``accelerate_cpu_fp16``: accelerate's mixed_precision="fp16" on a CPU, silently fp32: flagged as not active;
+- ``summed_loss``: gradients that overflow fp16 at GradScaler's default 2^16: the advised start skips none.
 
 They double as examples of the API: ``Profiler(model, optimizer=..., scaler=...)``, ``prof.step(loss=...)``,
 ``prof.tables()`` and ``precprof.recommend(tables, hardware=..., summary=...)``.
