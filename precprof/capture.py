@@ -178,6 +178,12 @@ class Profiler:
         if sample_every < 0:
             raise ValueError("sample_every must be >= 0 (0 records steps only)")
         self.model = model
+        # wrappers such as accelerate's AcceleratedOptimizer hold the real optimizer, whose hooks fire
+        while optimizer is not None and not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            inner = getattr(optimizer, "optimizer", None)
+            if inner is None or inner is optimizer:
+                break
+            optimizer = inner
         self.optimizer = optimizer
         self.scaler = scaler
         self.sample_every = sample_every

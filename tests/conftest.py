@@ -28,3 +28,15 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """accelerate keeps a process-wide AcceleratorState that refuses a second, different mixed_precision:
+    reset it after every test that created one, so that tests of Trainer/Accelerator run in any order."""
+    yield
+    import sys
+
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
