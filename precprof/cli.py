@@ -155,6 +155,13 @@ def train(
     typer.echo(
         f"final loss {result.final_loss:.4f}{floor_txt}; skipped steps: {final.get('skipped_steps', 0)}"
     )
+    from precprof import tables
+
+    rec = result.summary.get(tables.SUMMARY_RECOMMENDATION)
+    if rec:
+        from precprof.advisor import Recommendation
+
+        typer.echo(Recommendation.from_dict(rec).describe())
     html = result.run_dir / "report.html"
     typer.echo(f"run directory: {result.run_dir}" + (f"\nreport: {html}" if html.exists() else ""))
 

@@ -87,6 +87,9 @@ def test_train_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert rc == 0
     assert f"run directory: {out}" in stdout and "final loss" in stdout
     summary = T.read_summary(out)
+    # the advisor's plan is printed at the end and is the one in summary.json
+    rec = summary[T.SUMMARY_RECOMMENDATION]
+    assert f"Recommended for {rec['target']}: {rec['format']}" in stdout
     assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
     assert summary[T.SUMMARY_CONFIG]["precision"] == "bf16"
     assert summary[T.SUMMARY_CONFIG]["model_args"] == {"n_layer": "1"}
