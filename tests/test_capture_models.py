@@ -184,3 +184,27 @@ def test_torch_compile_model_documented_behaviour() -> None:
         got_kind = layers[layers[T.TENSOR] == kind]
         assert set(got_kind[T.MODULE]) == modules, kind
         assert sorted(set(got_kind[T.STEP])) == [0, 1, 2], kind
+
+
+def test_profiler_memory_is_under_one_percent_of_gpt_mini_parameters() -> None:
+    """precprof's own persistent memory (statistics rows, update samples, memory tracking) on gpt-mini."""
+    torch.manual_seed(0)
+    model = build_model("gpt-mini", vocab_size=VOCAB, seq_len=SEQ).module
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for x, y in _batches(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = _logits(model, x)
+            F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert prof.buffer_bytes < 0.01 * param_bytes
+    summary = prof.summary()
+    assert summary["profiler_buffer_bytes"] == prof.buffer_bytes
+    assert summary["profiler_buffer_share_of_params"] == prof.buffer_bytes / param_bytes
+    mem = prof.tables()["memory"]
+    own = mem[mem[T.COMPONENT] == T.PROFILER_BUFFERS][T.BYTES].tolist()
+    assert len(own) == 2 and own[-1] == prof.buffer_bytes  # the histogram window may grow between steps
+    assert max(own) < 0.01 * param_bytes
