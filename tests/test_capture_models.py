@@ -206,5 +206,6 @@ def test_profiler_memory_is_under_one_percent_of_gpt_mini_parameters() -> None:
     assert summary["profiler_buffer_share_of_params"] == prof.buffer_bytes / param_bytes
     mem = prof.tables()["memory"]
     own = mem[mem[T.COMPONENT] == T.PROFILER_BUFFERS][T.BYTES].tolist()
-    assert len(own) == 2 and own[-1] == prof.buffer_bytes  # the histogram window may grow between steps
+    # recorded on each sampled step (the histogram window may grow, the memory tracker's records go at detach)
+    assert len(own) == 2 and own[-1] >= prof.buffer_bytes
     assert max(own) < 0.01 * param_bytes
