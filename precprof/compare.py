@@ -592,15 +592,19 @@ def loss_figure(comparison: Comparison) -> Any:
     ref_s = _smooth(np.asarray(ref.curve_loss, dtype=float), w)
     ref_steps = np.asarray(ref.curve_steps)
     finite_all: list[float] = []
-    for i, r in enumerate(comparison.runs):
+    # the reference last and thinnest, on top of wider lines: curves that coincide all stay visible
+    order = [i for i, r in enumerate(comparison.runs) if r is not ref] + [comparison.runs.index(ref)]
+    for i in order:
+        r = comparison.runs[i]
         if not r.curve_loss:
             continue
         x = np.asarray(r.curve_steps, dtype=float)
         y = np.asarray(r.curve_loss, dtype=float)
         color, ls = _style(r, i)
+        width = 1.3 if r is ref else 2.6
         ax_loss.plot(x, y, color=color, lw=0.7, alpha=0.3, ls=ls)
         ys = _smooth(y, w)
-        ax_loss.plot(x, ys, color=color, lw=1.8, ls=ls, label=r.label)
+        ax_loss.plot(x, ys, color=color, lw=width, ls=ls, label=r.label, zorder=3 if r is ref else 2)
         finite_all.extend(_finite(y).tolist())
         bad = ~np.isfinite(y)
         if bad.any():
@@ -621,7 +625,14 @@ def loss_figure(comparison: Comparison) -> Any:
     )
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
-    ax_loss.legend(frameon=False, fontsize=9)
+    handles, labels = ax_loss.get_legend_handles_labels()
+    by_label = dict(zip(labels, handles, strict=True))
+    ax_loss.legend(
+        [by_label[r.label] for r in comparison.runs if r.label in by_label],
+        [r.label for r in comparison.runs if r.label in by_label],
+        frameon=False,
+        fontsize=9,
+    )
     tol = comparison.tolerance
     ax_rel.axhspan(-tol, tol, color="#2ca02c", alpha=0.12, lw=0, label=f"±{tol:.0%}: matched")
     ax_rel.axhline(0, color=_PRECISION_COLORS.get(ref.precision, "#1f4e79"), lw=1.2)
