@@ -216,7 +216,97 @@ def report(
     typer.echo(str(path))
 
 
-# `precprof compare` (run the same training once per precision and compare the runs) registers here.
+@app.command()
+def compare(
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model", "-m", metavar="NAME", help="Any model `precprof train` takes (default gpt-nano)."
+        ),
+    ] = "gpt-nano",
+    model_arg: Annotated[
+        list[str] | None,
+        typer.Option("--model-arg", "-a", metavar="KEY=VALUE", help="A setting of the model (repeatable)."),
+    ] = None,
+    precisions: Annotated[
+        str,
+        typer.Option(
+            "--precisions",
+            "-p",
+            metavar="LIST",
+            help="Comma-separated precision modes, each optionally with a loss scaling spec: "
+            "fp32,bf16,fp16,fp16:none,fp16:static:8192. The reference is fp32 when listed.",
+        ),
+    ] = "fp32,bf16,fp16",
+    steps: Annotated[int, typer.Option(help="Optimizer steps of each run.")] = 200,
+    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 8,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 64,
+    optimizer: Annotated[OptimizerName, typer.Option(help="Optimizer.")] = OptimizerName.ADAMW,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 3e-3,
+    weight_decay: Annotated[float, typer.Option(help="Weight decay.")] = 0.0,
+    grad_clip: Annotated[
+        float, typer.Option(help="Max gradient norm (unscaled); 0 disables clipping.")
+    ] = 1.0,
+    init_scale: Annotated[float, typer.Option(help="Initial loss scale of dynamic scaling.")] = 2.0**16,
+    growth_interval: Annotated[
+        int, typer.Option(help="Dynamic scaling: steps without inf/nan before the scale grows.")
+    ] = 2000,
+    seed: Annotated[int, typer.Option(help="Random seed: the same weights and data for every run.")] = 0,
+    device: Annotated[Device, typer.Option(help="auto: cuda when available.")] = Device.AUTO,
+    data: Annotated[
+        str, typer.Option(help="synthetic, or the path of a text file (read as bytes).")
+    ] = "synthetic",
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder for the runs and compare.html (default: runs/compare-<model>-<timestamp>)."
+        ),
+    ] = None,
+    sample_every: Annotated[
+        int | None, typer.Option(help="Profile layers every N steps (default: 10 sampled steps per run).")
+    ] = None,
+    tolerance: Annotated[
+        float, typer.Option(help="Relative final-loss gap within which a run matches the reference.")
+    ] = 0.02,
+    progress: Annotated[bool, typer.Option(help="Show the progress bars.")] = True,
+    report: Annotated[bool, typer.Option(help="Write each run's report.html.")] = True,
+) -> None:
+    """Train the same model, data and seed once per precision and compare the runs (compare.html)."""
+    from precprof import compare as comparing
+    from precprof import training
+    from precprof.models import parse_model_args
+
+    variants = comparing.parse_precisions(precisions)
+    if not 0 < tolerance < 1:
+        raise UserError(f"--tolerance must be in (0, 1), got {tolerance}")
+    config = training.TrainConfig(
+        model=model,
+        model_args=parse_model_args(model_arg or []),
+        init_scale=init_scale,
+        growth_interval=growth_interval,
+        optimizer=optimizer.value,
+        lr=lr,
+        weight_decay=weight_decay,
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        grad_clip=grad_clip,
+        seed=seed,
+        device=device.value,
+        data=data,
+        sample_every=sample_every,
+        progress=progress,
+        report=report,
+        command_line=shlex.join(["precprof", *sys.argv[1:]]),
+    )
+    try:
+        result = comparing.compare(config, variants, out=out, tolerance=tolerance)
+    except KeyboardInterrupt:
+        typer.echo("\ninterrupted: the runs so far are compared in compare.html", err=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    for check in result.checks:
+        typer.echo(f"[{check.status}] {check.text}")
+    typer.echo(f"comparison: {Path(result.runs[0].run_dir).parent / comparing.COMPARE_HTML}")
 
 
 # click >= 8.2 raises this for `precprof` without arguments; older versions print the help themselves
