@@ -230,3 +230,28 @@ def test_comparison_page_escapes_user_text(comparison: tuple[C.Comparison, Path]
     html = C.render(evil, base_dir=out)
     assert "<script>alert(1)</script>" not in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+# ------------------------------------------------------------------------------------------- the command
+def test_cli_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from precprof.cli import main
+
+    args = ["compare", "-m", "gpt-nano", "-a", "n_layer=1", "--precisions", "fp32,bf16", "--steps", "6"]
+    args += ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--no-report", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "matched fp32" in out and f"comparison: {tmp_path / C.COMPARE_HTML}" in out
+    assert (tmp_path / C.COMPARE_HTML).exists() and T.is_run_dir(tmp_path / "bf16")
+    saved = json.loads((tmp_path / C.COMPARE_JSON).read_text())
+    assert saved["config"]["steps"] == 6 and saved["config"]["model_args"] == {"n_layer": "1"}
+
+
+def test_cli_compare_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from precprof.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--precisions", "fp32"])
+    assert exit_info.value.code == 2
+    assert "at least two precisions" in capsys.readouterr().err
