@@ -203,6 +203,7 @@ class Comparison:
     summary_lines: list[str]
     config: dict[str, Any]
     wall_s: float = math.nan
+    notes: list[str] = field(default_factory=list)
 
     def run(self, label: str) -> RunResult:
         return next(r for r in self.runs if r.label == label)
@@ -215,6 +216,7 @@ class Comparison:
             "summary": self.summary_lines,
             "checks": [c.to_dict() for c in self.checks],
             "config": self.config,
+            "notes": self.notes,
             "runs": [r.to_dict() for r in self.runs],
         }
 
@@ -476,7 +478,22 @@ def analyse(
         checks=checks,
         summary_lines=lines,
         config=dict(config or {}),
+        notes=_notes(results, config or {}),
     )
+
+
+def _notes(runs: Sequence[RunResult], config: Mapping[str, Any]) -> list[str]:
+    """Caveats for reading the throughput column."""
+    from precprof import hardware
+
+    notes = []
+    fp16 = [r.label for r in runs if r.precision.startswith("fp16")]
+    if fp16 and str(config.get("device", "")).startswith("cpu") and not hardware.cpu_fp16_native():
+        notes.append(
+            f"This CPU has no fp16 arithmetic (AVX512-FP16 / AMX-FP16): torch emulates it, so the throughput of "
+            f"{', '.join(fp16)} says nothing about fp16 on a GPU; its numerics are the real ones."
+        )
+    return notes
 
 
 # ------------------------------------------------------------------------------------------- running
@@ -766,7 +783,8 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
             loss_figure(comparison), "loss curves of every run overlaid, and relative to the reference"
         ),
         "resources_img": _img(resources_figure(comparison), "memory per component and throughput per run"),
-        "config": {k: v for k, v in cfg.items() if k not in ("command_line", "model_args") or v},
+        "config": {k: v for k, v in cfg.items() if k != "command_line" and (k != "model_args" or v)},
+        "notes": comparison.notes,
         "command": cfg.get("command_line"),
         "wall_s": comparison.wall_s,
     }

@@ -214,6 +214,10 @@ def test_comparison_page(comparison: tuple[C.Comparison, Path]) -> None:
     for label in ("fp32", "bf16", "fp16-none"):
         assert f"<strong>{label}</strong>" in html
     assert 'href="fp32"' in html  # no per-run report here: the link goes to the run directory
+    from precprof.hardware import cpu_fp16_native
+
+    assert bool(comp.notes) == (not cpu_fp16_native())  # fp16 throughput on a CPU that emulates fp16
+    assert all(n.replace("'", "&#39;") in html for n in comp.notes)
     assert "Verdict check" in html and comp.checks[0].text.split(":")[0] in html.replace("&#39;", "'")
 
 
