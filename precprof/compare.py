@@ -2,8 +2,10 @@
 check the runs against each other and against what the advisor said.
 
 ``compare(base, ["fp32", "bf16", "fp16", "fp16:none"])`` runs ``precprof.training.train`` once per variant (a
-precision mode, optionally with a loss scaling spec after a colon: ``fp16:none``, ``fp16:static:8192``), each in
-its own run directory with its own report, then writes ``compare.json`` and ``compare.html`` next to them:
+precision mode, optionally with a loss scaling spec after a colon: ``fp16:none``, ``fp16:static:8192``, or
+``fp16:advised`` — dynamic scaling from the init_scale the advisor recommends on the reference run, which
+therefore trains first), each in its own run directory with its own report, then writes ``compare.json`` and
+``compare.html`` next to them:
 
 - loss curves overlaid, and each run's loss relative to the reference run (fp32 when it is in the list,
   else the first variant), smoothed;
@@ -42,6 +44,7 @@ from precprof.errors import UserError
 REFERENCE_PREFERENCE = ("fp32", "tf32")
 DEFAULT_TOLERANCE = 0.02  # relative final-loss gap within which a run "matched" the reference
 STALL_PROGRESS = 0.25  # a run that removed less than this share of the reference's loss decrease "stalled"
+ADVISED = "advised"  # loss scaling spec: dynamic, from the init_scale the advisor gave on the reference run
 COMPARE_JSON = "compare.json"
 COMPARE_HTML = "compare.html"
 TEMPLATE = "compare.html.j2"
@@ -82,7 +85,8 @@ _LINESTYLES = ("-", "--", ":", "-.")
 @dataclass(frozen=True)
 class Variant:
     """One run of a comparison: a precision mode and its loss scaling spec ("auto", "dynamic", "none",
-    "static:N")."""
+    "static:N", or "advised": dynamic scaling starting at the init_scale the advisor recommends on the
+    reference run's profile, so that the recommendation itself is trained and checked)."""
 
     precision: str
     loss_scale: str = "auto"
@@ -117,7 +121,13 @@ def parse_precisions(spec: str | Sequence[str]) -> list[Variant]:
                 "(optionally with a loss scaling spec, e.g. fp16:none or fp16:static:8192)"
             )
         scale = scale or "auto"
-        parse_loss_scale(scale)
+        if scale == ADVISED:
+            if not precision.startswith("fp16"):
+                raise UserError(
+                    f"--precisions {item!r}: 'advised' is a loss scale, for fp16 and fp16-pure only"
+                )
+        else:
+            parse_loss_scale(scale)
         v = Variant(precision, scale)
         if v in out:
             raise UserError(f"--precisions: {v.label} is listed twice")
@@ -168,6 +178,7 @@ class RunResult:
     first_nonfinite_step: int | None
     loss_scaling: str  # resolved: dynamic | static | none
     settled_scale: float | None  # median loss scale over the final window (scaled runs)
+    init_scale: float | None  # the scaler's initial scale (scaled runs)
     memory: dict[str, int]
     memory_total: int
     recommendation: dict[str, Any] | None
@@ -269,6 +280,9 @@ def read_run(variant: Variant, run_dir: Path) -> RunResult:
         s = _finite(scales[-win:])
         settled = float(np.median(s)) if len(s) else None
     mem = _memory(summary)
+    init_scale = (
+        cfg.get("static_scale") if kind == "static" else cfg.get("init_scale") if kind == "dynamic" else None
+    )
     report = run_dir / T.REPORT_FILE
     final_block = summary.get(T.SUMMARY_FINAL) or {}
     return RunResult(
@@ -290,6 +304,7 @@ def read_run(variant: Variant, run_dir: Path) -> RunResult:
         first_nonfinite_step=int(steps[T.STEP].iloc[bad[0]]) if len(bad) else None,
         loss_scaling=kind,
         settled_scale=settled,
+        init_scale=float(init_scale) if isinstance(init_scale, (int, float)) else None,
         memory=mem,
         memory_total=sum(v for k, v in mem.items() if k not in T.MEMORY_PEAK_COMPONENTS),
         recommendation=summary.get(T.SUMMARY_RECOMMENDATION),
@@ -344,6 +359,11 @@ def describe_run(run: RunResult) -> str:
         return f"{run.precision} without loss scaling" if fp16 else run.precision
     if run.loss_scaling == "static":
         return f"{run.precision} at a static loss scale of {_fmt_scale(run.settled_scale)}"
+    if run.loss_scale == ADVISED:
+        return (
+            f"{run.precision} at the advised init_scale {_fmt_scale(run.init_scale)} (dynamic scaling, settled at "
+            f"{_fmt_scale(run.settled_scale)})"
+        )
     return f"{run.precision} (dynamic scaling, settled at {_fmt_scale(run.settled_scale)})"
 
 
@@ -414,16 +434,24 @@ def check_against_runs(runs: Sequence[RunResult], ref: RunResult) -> list[Check]
         else:
             for r in family:
                 ok = r.outcome in (MATCHED, AHEAD)
-                extra = ""
-                if fmt == "fp16" and scale and r.loss_scaling == "dynamic" and r.settled_scale:
-                    extra = f" (the dynamic scaler settled at {_fmt_scale(r.settled_scale)})"
                 checks.append(
                     Check(
-                        CONFIRMED if ok else CONTRADICTED,
-                        f"{said}: {outcome_sentence(r, ref, 0).rstrip('.')}{extra}.",
-                        r.label,
+                        CONFIRMED if ok else CONTRADICTED, f"{said}: {outcome_sentence(r, ref, 0)}", r.label
                     )
                 )
+        advised = rec.get("fp16_loss_scale")
+        for r in others:
+            if r.loss_scale != ADVISED or r.outcome == FAILED:
+                continue
+            ok = r.outcome in (MATCHED, AHEAD)
+            checks.append(
+                Check(
+                    CONFIRMED if ok else CONTRADICTED,
+                    f"The advisor sized fp16's loss scale at init_scale {_fmt_scale(advised)} on the {ref.label} "
+                    f"profile; trained with it, {outcome_sentence(r, ref, 0)}",
+                    r.label,
+                )
+            )
     else:
         checks.append(Check(UNCHECKED, f"The {ref.label} run has no recommendation to check.", ref.label))
     for r in others:
@@ -536,12 +564,18 @@ def compare(
     shared["sample_every"] = sample_every
     shared["device"] = str(device)
     shared["precisions"] = [v.label for v in variants]
+    ref_i = reference_index(variants)
+    # the reference trains first: "advised" variants take their loss scale from its recommendation
+    run_order = [ref_i] + [i for i in range(len(variants)) if i != ref_i]
     try:
-        for v in variants:
+        for i in run_order:
+            v = variants[i]
             run_dir = out / v.label
             cfg = dataclasses.replace(
                 base, precision=v.precision, loss_scale=v.loss_scale, out=run_dir, sample_every=sample_every
             )
+            if v.loss_scale == ADVISED:
+                cfg = _advised_config(cfg, out / variants[ref_i].label)
             try:
                 training.train(cfg)
             except Exception as e:  # keep going: a failed precision is a result too
@@ -558,12 +592,27 @@ def compare(
                 on_run(v, run_dir)
     finally:
         if done:
+            done.sort(key=lambda d: variants.index(d[0]))
             comparison = analyse(done, tolerance, shared)
             comparison.wall_s = time.perf_counter() - t0
             write(comparison, out)
     if comparison is None:
         raise UserError("no run finished: nothing to compare")
     return comparison
+
+
+def _advised_config(cfg: Any, ref_dir: Path) -> Any:
+    """``cfg`` with dynamic loss scaling starting at the init_scale (and growth interval) the advisor recommends
+    on the reference run; the defaults when the reference has no recommendation."""
+    rec = T.read_summary(ref_dir).get(T.SUMMARY_RECOMMENDATION) or {}
+    scale = rec.get("fp16_loss_scale")
+    interval = rec.get("growth_interval")
+    return dataclasses.replace(
+        cfg,
+        loss_scale="dynamic",
+        init_scale=float(scale) if isinstance(scale, (int, float)) and scale > 0 else cfg.init_scale,
+        growth_interval=int(interval) if isinstance(interval, int) and interval > 0 else cfg.growth_interval,
+    )
 
 
 def write(comparison: Comparison, out: str | Path) -> Path:

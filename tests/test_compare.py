@@ -20,8 +20,8 @@ STEPS = 12
 
 # ------------------------------------------------------------------------------------------- variants
 def test_parse_precisions() -> None:
-    vs = C.parse_precisions("fp32, bf16,fp16,fp16:none,fp16:static:8192")
-    assert [v.label for v in vs] == ["fp32", "bf16", "fp16", "fp16-none", "fp16-static-8192"]
+    vs = C.parse_precisions("fp32, bf16,fp16,fp16:none,fp16:static:8192,fp16:advised")
+    assert [v.label for v in vs] == ["fp32", "bf16", "fp16", "fp16-none", "fp16-static-8192", "fp16-advised"]
     assert vs[3] == C.Variant("fp16", "none")
     assert C.reference_index(vs) == 0
     assert C.reference_index(C.parse_precisions("bf16,tf32,fp16")) == 1
@@ -34,6 +34,7 @@ def test_parse_precisions() -> None:
         ("fp32,fp17", "unknown precision 'fp17'"),
         ("fp32,fp16:sometimes", "loss-scale"),
         ("fp32,fp32", "listed twice"),
+        ("fp32,bf16:advised", "fp16 and fp16-pure only"),
         ("fp32", "at least two"),
     ],
 )
@@ -64,6 +65,7 @@ def run_result(label: str, initial: float, final: float, **kw: Any) -> C.RunResu
         "first_nonfinite_step": None,
         "loss_scaling": "none" if scale in ("", "none") else scale,
         "settled_scale": None,
+        "init_scale": None,
         "memory": {},
         "memory_total": 0,
         "recommendation": None,
@@ -234,6 +236,39 @@ def test_comparison_page_escapes_user_text(comparison: tuple[C.Comparison, Path]
     html = C.render(evil, base_dir=out)
     assert "<script>alert(1)</script>" not in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+# ---------------------------------------------------------------------------- the verdict, proved by training
+def test_advised_loss_scale_is_trained_and_checked(tmp_path: Path) -> None:
+    """Gradients 2^-20 as large as usual (tests/compare_models.py): unscaled fp16 stalls, as the fp32 profile
+    predicts; fp16 trained at the advisor's init_scale matches fp32."""
+    base = TrainConfig(
+        model=str(Path(__file__).parent / "compare_models.py") + ":tiny_gradient_lm",
+        optimizer="sgd",
+        lr=2e5,  # SGD on gradients 2^-20 as large: a learning rate 2^20-ish larger trains like a normal model
+        steps=40,
+        batch_size=4,
+        seq_len=16,
+        sample_every=10,
+        progress=False,
+        report=False,
+    )
+    comp = C.compare(base, "fp32,fp16:none,fp16:advised", out=tmp_path)
+    ref, unscaled, advised = comp.runs
+    rec = T.read_summary(tmp_path / "fp32")[T.SUMMARY_RECOMMENDATION]
+    # the advised run started at the advisor's scale
+    cfg = T.read_summary(tmp_path / "fp16-advised")[T.SUMMARY_CONFIG]
+    assert cfg["init_scale"] == rec["fp16_loss_scale"] == advised.init_scale
+    assert cfg["loss_scaling"] == "dynamic"
+    assert unscaled.outcome == C.STALLED and advised.outcome == C.MATCHED
+    # unscaled fp16: every step's gradients vanished, the weights never moved, the loss stayed put
+    steps = T.read_tables(tmp_path / "fp16-none")["steps"]
+    assert abs(steps[T.LOSS].iloc[-1] - steps[T.LOSS].iloc[0]) < 0.02 < ref.initial_loss - ref.final_loss
+    by_run = {c.run: c for c in comp.checks if c.run and "advisor sized" in c.text}
+    assert by_run["fp16-advised"].status == C.CONFIRMED
+    unscaled_check = next(c for c in comp.checks if c.run == "fp16-none")
+    assert unscaled_check.status == C.CONFIRMED and "had warned" in unscaled_check.text
+    assert "fp16 gradient underflow" in unscaled_check.text
 
 
 # ------------------------------------------------------------------------------------------- the command
