@@ -170,6 +170,7 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
+    owns_group: bool = False  # init_from_env created the process group (so the caller ends it: shutdown)
 
     @property
     def is_writer(self) -> bool:
@@ -192,19 +193,22 @@ def init_from_env(backend: str | None = None) -> DistInfo | None:
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
     if dist.get_world_size() <= 1:
         return None
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, owns)
 
 
-def shutdown() -> None:
-    """Leave the process group (after the run is written); a no-op without one."""
+def shutdown(barrier: bool = True) -> None:
+    """Leave the process group (after the run is written); a no-op without one. ``barrier=False`` after a
+    failure, when the other ranks may never arrive."""
     dist = _dist()
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 
