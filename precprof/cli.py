@@ -7,6 +7,7 @@ exits with code 2; Ctrl-C exits with 130 after the training loop has saved the p
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -111,6 +112,13 @@ def train(
     ] = None,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
     report: Annotated[bool, typer.Option(help="Write report.html at the end.")] = True,
+    distributed: Annotated[
+        str,
+        typer.Option(
+            metavar="STRATEGY",
+            help="Under torchrun: ddp (DistributedDataParallel), fsdp2 (fully_shard) or fsdp1; rank 0 writes.",
+        ),
+    ] = "ddp",
 ) -> None:
     """Train a model with the profiler attached and write a run directory (tables, summary.json, report)."""
     from precprof import training
@@ -140,6 +148,7 @@ def train(
         progress=progress,
         report=report,
         command_line=shlex.join(["precprof", *sys.argv[1:]]),
+        distributed=distributed,
     )
     config.validate()
     if config.out is None:
@@ -149,6 +158,8 @@ def train(
     except KeyboardInterrupt:
         typer.echo(f"\ninterrupted: the partial run is in {config.out}", err=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    if os.environ.get("RANK", "0") not in ("", "0"):
+        return  # under torchrun rank 0 wrote the run and prints it
     final = result.summary.get("final", {})
     floor = final.get("loss_floor_nats")
     floor_txt = f" (the data's floor: {floor:.4f})" if isinstance(floor, float) else ""

@@ -95,6 +95,7 @@ class TrainConfig:
     refresh_every: int = 10
     report: bool = True
     command_line: str | None = None
+    distributed: str = "ddp"  # under torchrun: ddp | fsdp2 | fsdp1 (precprof.distributed.wrap_model)
 
     def validate(self) -> None:
         """Raise UserError for a value no run can use (checked before anything is built)."""
@@ -123,6 +124,12 @@ class TrainConfig:
         for ok, msg in checks:
             if not ok:
                 raise UserError(msg)
+        from precprof.distributed import STRATEGIES
+
+        if self.distributed not in STRATEGIES:
+            raise UserError(
+                f"unknown --distributed {self.distributed!r}; choose one of {', '.join(STRATEGIES)}"
+            )
         if not (self.device in DEVICES or self.device.startswith("cuda:")):
             raise UserError(f"unknown device {self.device!r}; choose auto, cpu or cuda")
 
@@ -429,6 +436,8 @@ def grad_norm_(params: Sequence[torch.Tensor], max_norm: float = 0.0) -> torch.T
         return torch.zeros(())
     norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
     total = torch.linalg.vector_norm(torch.stack(norms))
+    if hasattr(total, "full_tensor"):  # FSDP2's DTensor gradients: the norm over every rank's shard
+        total = total.full_tensor()
     if max_norm > 0:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
@@ -524,14 +533,17 @@ def train(
     is saved with status "incomplete" and the cause, and the exception is re-raised. Raises UserError for
     mistakes in the configuration before anything is written.
     """
+    from precprof import distributed
     from precprof.capture import Profiler
 
     config.validate()
-    device = resolve_device(config.device)
+    # under torchrun (WORLD_SIZE > 1): join the process group; each rank trains on its own device and batches
+    dist_info = distributed.init_from_env()
+    device = dist_info.device if dist_info is not None else resolve_device(config.device)
     hw = hardware.detect(device)
     plan = plan_precision(config.precision, device, hw)
     loss_kind, static_scale = resolve_loss_scale(config.loss_scale, config.precision)
-    data = load_data(config.data, seed=config.seed)
+    data = load_data(config.data, seed=config.seed + (dist_info.rank if dist_info is not None else 0))
     data.check(config.seq_len)
     torch.manual_seed(config.seed)
     built: BuiltModel = build_model(
@@ -542,6 +554,12 @@ def train(
         model.to(plan.param_dtype)
     n_fp8 = convert_fp8(model, plan.fp8_library) if plan.fp8_library else 0
     model.train()
+    inner = model
+    if (
+        dist_info is not None
+    ):  # the Profiler watches the inner module (plain names); the reducer describes the wrapper
+        model = distributed.wrap_model(model, config.distributed, device=device)
+        profiler_kwargs = {"reducer": distributed.RankReducer(wrapped=model), **(profiler_kwargs or {})}
     optimizer = make_optimizer(config, model, plan)
     scaler = make_scaler(config, plan, device)
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -551,7 +569,9 @@ def train(
     prof_kwargs = {"sample_every": sample_every, **(profiler_kwargs or {})}
     run_dir = Path(config.out) if config.out is not None else default_out_dir(config)
     config = dataclasses.replace(config, out=run_dir)
-    tokens_per_step = config.batch_size * config.seq_len
+    world_size = dist_info.world_size if dist_info is not None else 1
+    tokens_per_step = config.batch_size * config.seq_len * world_size  # every rank's batch
+    writer = dist_info is None or dist_info.is_writer
 
     summary: dict[str, Any] = {
         T.SUMMARY_CONFIG: {
@@ -582,7 +602,8 @@ def train(
             "than fp32 (bf16 runs natively or close to it)",
             file=sys.stderr,
         )
-    prof = Profiler(model, optimizer=optimizer, scaler=scaler, **prof_kwargs)
+    summary[T.SUMMARY_CONFIG]["world_size"] = world_size
+    prof = Profiler(inner, optimizer=optimizer, scaler=scaler, **prof_kwargs)
     run = TrainRun(config, model, optimizer, scaler, prof, device, run_dir)
 
     def autocast() -> contextlib.AbstractContextManager[Any]:
@@ -590,7 +611,9 @@ def train(
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=plan.autocast_dtype)
 
-    bar = _progress(config, f"{built.name} {config.precision}")
+    bar = _progress(
+        config if writer else dataclasses.replace(config, progress=False), f"{built.name} {config.precision}"
+    )
     steps_done = 0
     t_start = time.perf_counter()
     t_refresh, steps_at_refresh = t_start, 0
@@ -652,17 +675,21 @@ def train(
         _save_incomplete(
             prof, run_dir, summary, reason, time.perf_counter() - t_start, data, steps_done, tokens_per_step
         )
-        if config.report:
+        if config.report and writer:
             _render_report(run_dir)  # a crashed run gets its report of the steps recorded, marked incomplete
         if hasattr(e, "add_note"):
             e.add_note(f"precprof: the partial run was saved to {run_dir}")
+        if dist_info is not None and dist_info.owns_group:
+            distributed.shutdown(barrier=False)
         raise
     bar.close()
     steps_table = prof.tables()["steps"]
     summary[T.SUMMARY_FINAL] = _final(steps_table, wall_s, _data_summary(data), steps_done, tokens_per_step)
     prof.save(run_dir, summary=summary, status=T.STATUS_COMPLETE)
-    if config.report:
+    if config.report and writer:
         _render_report(run_dir)
+    if dist_info is not None and dist_info.owns_group:
+        distributed.shutdown()  # after rank 0 wrote: its barrier waits for it
     final_summary = T.read_summary(run_dir)
     return TrainResult(
         run_dir=run_dir,
