@@ -87,12 +87,32 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
     (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(dump))
 
 
+TRAIN_STEPS = 4
+
+
+def run_train(scenario: str, rank: int, out: Path) -> None:
+    """``precprof train`` under torchrun (the command line as ``torchrun -m precprof train`` runs it)."""
+    from precprof.cli import main as cli_main
+
+    strategy = scenario.removeprefix("train-")
+    args = ["train", "-m", "gpt-nano", "-a", "n_layer=1", "-a", "n_embd=32", "--steps", str(TRAIN_STEPS)]
+    args += ["--batch-size", "2", "--seq-len", "16", "--sample-every", "2", "--no-progress", "--no-report"]
+    args += ["--distributed", strategy, "--out", str(out / scenario)]
+    try:
+        cli_main(args)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise RuntimeError(f"precprof train exited with {e.code}") from None
+
+
 def main(argv: list[str]) -> None:
     """Run under torchrun: ``python -m torch.distributed.run --standalone --nproc_per_node 2 dist_worker.py OUT``."""
     from precprof.distributed import init_from_env, shutdown
 
     out = Path(argv[0]).resolve()
-    scenarios = argv[1].split(",") if len(argv) > 1 else ["ddp", "fsdp2", "fsdp2-bf16"]
+    scenarios = (
+        argv[1].split(",") if len(argv) > 1 else ["ddp", "fsdp2", "fsdp2-bf16", "train-ddp", "train-fsdp2"]
+    )
     torch.set_num_threads(1)
     info = init_from_env()
     assert info is not None and info.world_size == WORLD, "run me under torchrun with 2 processes"
@@ -100,7 +120,10 @@ def main(argv: list[str]) -> None:
     try:
         for scenario in scenarios:
             try:
-                run_scenario(scenario, info.rank, out)
+                if scenario.startswith("train-"):
+                    run_train(scenario, info.rank, out)
+                else:
+                    run_scenario(scenario, info.rank, out)
             except Exception:  # the same failure on every rank (no rank left waiting in a collective)
                 import traceback
 

@@ -37,6 +37,7 @@ from precprof.distributed import RankReducer, _row_layout, wrapper_info
 
 HERE = Path(__file__).parent
 SCENARIOS = ("ddp", "fsdp2", "fsdp2-bf16")
+TRAIN_SCENARIOS = ("train-ddp", "train-fsdp2")
 Key = tuple[int, str, str, str]  # step, module, tensor, param
 
 
@@ -53,7 +54,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             f"--nproc_per_node={W.WORLD}",
             str(HERE / "dist_worker.py"),
             str(out),
-            ",".join(SCENARIOS),
+            ",".join(SCENARIOS + TRAIN_SCENARIOS),
         ],
         capture_output=True,
         text=True,
@@ -324,6 +325,31 @@ def test_nan_on_one_rank_is_kept(runs: Path) -> None:
         (layers[T.STEP] == W.NAN_STEP) & (layers[T.MODULE] == "module.0") & (layers[T.TENSOR] == T.ACTIVATION)
     ]
     assert int(row[T.NAN].iloc[0]) == W.N_HID
+
+
+@pytest.mark.parametrize("scenario", TRAIN_SCENARIOS)
+def test_precprof_train_under_torchrun(runs: Path, scenario: str) -> None:
+    """`torchrun -m precprof train --distributed ...`: one run directory, the wrapper and world size in it,
+    layer names of the inner model, weight counts of the whole model."""
+    from precprof.models import build_model
+
+    rdir = run_dir(runs, scenario)
+    summary = T.read_summary(rdir)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    info = summary[T.SUMMARY_CAPTURE]["distributed"]
+    assert info["world_size"] == W.WORLD
+    assert info["wrapper"] == {"train-ddp": "DDP", "train-fsdp2": "FSDP2"}[scenario]
+    assert summary[T.SUMMARY_CONFIG]["world_size"] == W.WORLD
+    tables = T.read_tables(rdir)
+    steps, layers = tables["steps"], tables["layers"]
+    assert steps[T.STEP].tolist() == list(range(W.TRAIN_STEPS))
+    assert (steps[T.TOKENS] == W.WORLD * 2 * 16).all()  # both ranks' batches
+    assert not layers[T.MODULE].str.startswith("module.").any()
+    torch.manual_seed(0)
+    model = build_model("gpt-nano", {"n_layer": 1, "n_embd": 32}, vocab_size=256, seq_len=16).module
+    weights = layers[(layers[T.TENSOR] == T.WEIGHT) & (layers[T.STEP] == 0)]
+    replicas = W.WORLD if scenario == "train-ddp" else 1  # DDP: every replica; FSDP2: shards of one
+    assert int(weights[T.NUMEL].sum()) == replicas * sum(p.numel() for p in model.parameters())
 
 
 # -------------------------------------------------------------------------------- single process
