@@ -400,5 +400,28 @@ def test_single_rank_group(tmp_path: Path) -> None:
         assert meta["order"] == {"a": 0, "b": -1}
         info = reducer.describe(nn.Linear(2, 2))
         assert info["world_size"] == 1 and info["ranks_with_nonfinite"] == [0]
+        # rows named by the Profiler (module, tensor, param) and the step name the nonfinite events
+        reducer.reduce_rows(buf.data)
+        named = [{"calls": 1, "dtypes": ["float32"], "module": "a", "tensor": T.ACTIVATION, "param": ""}] * 3
+        reducer.reduce_meta(named, {"a": 0}, step=7)
+        event = reducer.describe()["nonfinite_events"][-1]
+        assert (event["step"], event["module"], event["tensor"], event["by_rank"]) == (
+            7,
+            "a",
+            T.ACTIVATION,
+            {"0": {"nan": 0, "inf": 1}},
+        )
+        # memory: the table stays this rank's rows; the summary gets every rank's totals (peaks: max)
+        rows = [
+            {T.STEP: 7, T.COMPONENT: T.PARAMETERS, T.MODULE: "", T.DTYPE: "float32", T.BYTES: 100},
+            {T.STEP: 7, T.COMPONENT: T.ACTIVATIONS, T.MODULE: "a", T.DTYPE: "float32", T.BYTES: 30},
+            {T.STEP: 7, T.COMPONENT: T.ACTIVATIONS, T.MODULE: "b", T.DTYPE: "bfloat16", T.BYTES: 12},
+            {T.STEP: 7, T.COMPONENT: T.ALLOCATOR_PEAK, T.MODULE: "", T.DTYPE: "", T.BYTES: 500},
+            {T.STEP: 7, T.COMPONENT: T.ALLOCATOR_PEAK, T.MODULE: "", T.DTYPE: "", T.BYTES: 800},
+        ]
+        assert reducer.reduce_memory(rows) == rows
+        info = reducer.describe()
+        assert info["memory_by_rank"] == {"0": {T.PARAMETERS: 100, T.ACTIVATIONS: 42, T.ALLOCATOR_PEAK: 800}}
+        assert info["memory_max_over_ranks"] == info["memory_by_rank"]["0"] and info["memory_step"] == 7
     finally:
         dist.destroy_process_group()
