@@ -649,6 +649,8 @@ class Profiler:
             except Exception as e:  # memory accounting must never take training down
                 rows = []
                 self._memory_error = f"{type(e).__name__}: {e}"
+            if self._reducer is not None and hasattr(self._reducer, "reduce_memory"):
+                rows = self._reducer.reduce_memory(rows)  # collective: every rank, every sampled step
             self._memory_rows.extend(rows)
         self._memory_rows.append(
             {
@@ -667,7 +669,18 @@ class Profiler:
             # collective: every rank reaches this on the same sampled step (same schedule, same model)
             device_rows = self._reducer.reduce_rows(self._buffer.dense())
             meta = self._reducer.reduce_meta(
-                [{"calls": r.calls, "dtypes": list(r.dtypes)} for r in self._rows], order
+                [
+                    {
+                        "calls": r.calls,
+                        "dtypes": list(r.dtypes),
+                        "module": r.module,
+                        "tensor": r.tensor,
+                        "param": r.param,
+                    }
+                    for r in self._rows
+                ],
+                order,
+                step=step,
             )
             for r, m in zip(self._rows, meta["rows"], strict=True):
                 r.calls, r.dtypes = int(m["calls"]), list(m["dtypes"])
@@ -901,6 +914,8 @@ class Profiler:
         path = Path(path)
         run_dir = path.parent if path.suffix == ".html" else path
         self.save(run_dir, summary=summary)
+        if not self.is_writer:
+            return path  # rank 0 writes and renders
         from precprof.report.render import render_run_dir
 
         out: Path = render_run_dir(run_dir, out=path if path.suffix == ".html" else None)

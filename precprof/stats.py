@@ -115,7 +115,12 @@ class StatsBuffer:
     """
 
     def __init__(
-        self, rows: int, device: torch.device | str, chunk: int | None = None, *, host_rows: bool | None = None
+        self,
+        rows: int,
+        device: torch.device | str,
+        chunk: int | None = None,
+        *,
+        host_rows: bool | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.rows = rows
@@ -282,7 +287,9 @@ class StatsBuffer:
         if call_max > 0:
             for i, fmt in enumerate(_FP8):
                 k = formats.current_scaling_exponent(fmt, call_max)
-                counts[COL_UNDERFLOW_CS + i] += _count_le_pow2_keys(keys2, int(math.log2(fmt.underflow_max)) - k)
+                counts[COL_UNDERFLOW_CS + i] += _count_le_pow2_keys(
+                    keys2, int(math.log2(fmt.underflow_max)) - k
+                )
         hist = _hist_of_keys(keys2)
         nz = np.flatnonzero(hist)
         if len(nz):

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import math
 import sys
 import time
@@ -721,19 +720,6 @@ def _save_incomplete(
 
 
 def _render_report(run_dir: Path) -> Path | None:
-    """report.html through precprof.report.render when it is installed; a rendering error only warns,
-    since the run's data is already saved and ``precprof report RUN_DIR`` can retry."""
-    if importlib.util.find_spec("precprof.report.render") is None:
-        return None
-    try:
-        from precprof.report.render import render_run_dir
+    from precprof.report.render import render_run_dir_or_warn
 
-        out: Path = render_run_dir(run_dir)
-        return out
-    except Exception as e:
-        warnings.warn(
-            f"precprof: report.html could not be rendered ({type(e).__name__}: {e}); "
-            f"the run is saved: try `precprof report {run_dir}`",
-            stacklevel=2,
-        )
-        return None
+    return render_run_dir_or_warn(run_dir)

@@ -41,7 +41,9 @@ def _train(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=precision == "fp16")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    prof = precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=sample_every) if profile else None
+    prof = (
+        precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=sample_every) if profile else None
+    )
     if prof is not None:
         prof.attach()
     losses = []

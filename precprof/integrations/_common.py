@@ -10,7 +10,6 @@ starts, whichever comes first.
 from __future__ import annotations
 
 import atexit
-import importlib.util
 import math
 import time
 import warnings
@@ -120,22 +119,10 @@ def final_block(steps: pd.DataFrame, wall_s: float) -> dict[str, Any]:
 
 
 def render_report(run_dir: Path) -> Path | None:
-    """report.html through precprof.report.render when it is there; a rendering error only warns (the run is
-    saved, and ``precprof report RUN_DIR`` retries)."""
-    if importlib.util.find_spec("precprof.report.render") is None:
-        return None
-    try:
-        from precprof.report.render import render_run_dir
+    """report.html for the run; a rendering error only warns (the run is already saved)."""
+    from precprof.report.render import render_run_dir_or_warn
 
-        out: Path = render_run_dir(run_dir)
-        return out
-    except Exception as e:
-        warnings.warn(
-            f"precprof: report.html could not be rendered ({type(e).__name__}: {e}); "
-            f"the run is saved: try `precprof report {run_dir}`",
-            stacklevel=2,
-        )
-        return None
+    return render_run_dir_or_warn(run_dir)
 
 
 class Session:

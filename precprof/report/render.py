@@ -136,3 +136,19 @@ def render_run_dir(
     path = Path(out) if out is not None else rd / T.REPORT_FILE
     _write_atomic(path, render_html(tabs, summary, rec, advisor_error=advisor_error))
     return path
+
+
+def render_run_dir_or_warn(run_dir: str | Path) -> Path | None:
+    """``render_run_dir`` for the end of a training run: a rendering error only warns, since the run's data
+    is already saved and ``precprof report RUN_DIR`` can retry."""
+    import warnings
+
+    try:
+        return render_run_dir(run_dir)
+    except Exception as e:
+        warnings.warn(
+            f"precprof: report.html could not be rendered ({type(e).__name__}: {e}); "
+            f"the run is saved: try `precprof report {run_dir}`",
+            stacklevel=2,
+        )
+        return None
