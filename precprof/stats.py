@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from precprof import formats
+from precprof import _cpu_kernel, formats
 
 # ------------------------------------------------------------------------------------------- layout
 EXP_MIN = formats.FP32_MIN_EXPONENT  # -149
@@ -71,6 +72,10 @@ _HI = _F64_BIAS + EXP_MAX
 # raw exponents j with underflow_max = 2^j, WHATIF_FORMATS order
 _UNDERFLOW_EXP = [int(math.log2(formats.get(f).underflow_max)) for f in formats.WHATIF_FORMATS]
 _FP8 = [formats.get(f) for f in formats.FP8_FORMATS]
+_OVERFLOW_T = np.array([t for t, _ in _OVERFLOW], dtype=np.float64)
+_OVERFLOW_INC = np.array([1 if inc else 0 for _, inc in _OVERFLOW], dtype=np.int32)
+# dtypes the C kernel reads (fp8 and others take the torch-op path)
+_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
 def _to_f64_bits(value: float) -> int:
@@ -126,6 +131,7 @@ class StatsBuffer:
         self.rows = rows
         # host_rows=False runs the device (CUDA) code path on the CPU too: tests check both paths agree
         self.on_cpu = self.device.type == "cpu" if host_rows is None else host_rows
+        self.use_kernel = True  # the compiled one-pass CPU kernel when it can be built (tests compare both)
         if self.on_cpu:
             self._counts = np.zeros((rows, COL_HIST), dtype=np.int64)
             self._hist = np.zeros((rows, 0), dtype=np.int64)
@@ -269,14 +275,19 @@ class StatsBuffer:
     # ---------------------------------------------------------------------------------------- CPU path
     def _accumulate_cpu(self, flat: torch.Tensor, row: int, chunk: int) -> None:
         counts = self._counts[row]
-        keys = np.zeros(_N_KEYS, dtype=np.int64)
-        call_max = 0.0
         n = flat.numel()
-        for start in range(0, n, chunk):
-            a, _, key = self._keys_of(flat[start : start + chunk])
-            chunk_keys = torch.bincount(key, minlength=_N_KEYS).numpy()
-            keys += chunk_keys
-            call_max = max(call_max, self._extremes_cpu(a, counts, chunk_keys))
+        kernel_code = _KERNEL_DTYPES.get(flat.dtype)
+        lib = _cpu_kernel.load() if kernel_code is not None and self.use_kernel else None
+        if lib is not None and kernel_code is not None:
+            keys, call_max = self._kernel_pass(lib, flat, kernel_code, counts)
+        else:
+            keys = np.zeros(_N_KEYS, dtype=np.int64)
+            call_max = 0.0
+            for start in range(0, n, chunk):
+                a, _, key = self._keys_of(flat[start : start + chunk])
+                chunk_keys = torch.bincount(key, minlength=_N_KEYS).numpy()
+                keys += chunk_keys
+                call_max = max(call_max, self._extremes_cpu(a, counts, chunk_keys))
         keys2 = keys.reshape(_F64_EXP_ALL + 1, 2)
         counts[COL_NUMEL] += n
         counts[COL_ZEROS] += keys2[0, 1]
@@ -296,6 +307,33 @@ class StatsBuffer:
             lo, hi = int(nz[0]), int(nz[-1])
             self._grow_window(lo, hi)
             self._hist[row, lo - self._wlo : hi + 1 - self._wlo] += hist[lo : hi + 1]
+
+    def _kernel_pass(
+        self, lib: Any, flat: torch.Tensor, code: int, counts: np.ndarray
+    ) -> tuple[np.ndarray, float]:
+        """One read of the tensor by the C kernel (``precprof._cpu_kernel``): the same key histogram,
+        overflow counts and extremes as the torch-op path."""
+        keys = np.zeros(_N_KEYS, dtype=np.int64)
+        ov = np.zeros(4, dtype=np.int64)
+        ext = np.array([0, np.iinfo(np.uint64).max], dtype=np.uint64)
+        lib.pp_stats(
+            flat.data_ptr(),
+            flat.numel(),
+            flat.stride(0) if flat.dim() else 1,
+            code,
+            torch.get_num_threads(),
+            keys.ctypes.data,
+            ov.ctypes.data,
+            _OVERFLOW_T.ctypes.data,
+            _OVERFLOW_INC.ctypes.data,
+            ext.ctypes.data,
+        )
+        counts[COL_OVERFLOW : COL_OVERFLOW + 4] += ov
+        mx_bits, mn_bits = int(ext[0]), int(ext[1])
+        if mn_bits != np.iinfo(np.uint64).max:
+            counts[COL_ABSMIN_BITS] = min(int(counts[COL_ABSMIN_BITS]), mn_bits - 1)
+        counts[COL_ABSMAX_BITS] = max(int(counts[COL_ABSMAX_BITS]), mx_bits)
+        return keys, _from_f64_bits(mx_bits)
 
     def _extremes_cpu(self, a: torch.Tensor, counts: np.ndarray, keys: np.ndarray) -> float:
         """Overflow counts and extremes of one chunk, skipping the passes its key histogram proves needless

@@ -620,3 +620,30 @@ def test_device_path_equals_host_path(chunk: int) -> None:
             buf.accumulate(x, i % 3)
             buf.accumulate(x[: len(x) // 2], 2, assign=i == 3)
     assert np.array_equal(host.to_host(), dev.to_host())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_compiled_cpu_kernel_equals_torch_ops(dtype: torch.dtype) -> None:
+    """The one-pass C kernel (when a compiler is there) and the torch-op path give identical rows."""
+    from precprof import _cpu_kernel
+
+    if _cpu_kernel.load() is None:
+        pytest.skip("no C compiler/OpenMP here: only the torch-op path runs")
+    specials = torch.tensor(
+        [0.0, -0.0, math.inf, -math.inf, math.nan, 2.0**-25, 2.0**-24, 2.0**-10, 464.0, 465.0, 61440.0, 65520.0]
+    )
+    xs = [
+        random_values(5000, 51).to(dtype),
+        torch.cat([specials, random_values(300, 52, -30.0, 30.0)]).to(dtype),
+        torch.zeros(7, dtype=dtype),
+        random_values(4000, 53).to(dtype).reshape(40, 100).t(),  # transposed (reshaped into a copy)
+        random_values(4000, 54).to(dtype)[::3],  # a strided 1-D view, read in place
+        torch.full((3,), math.nan, dtype=dtype),
+    ]
+    kernel = StatsBuffer(2, "cpu")
+    ops = StatsBuffer(2, "cpu", chunk=1000)
+    ops.use_kernel = False
+    for i, x in enumerate(xs):
+        for buf in (kernel, ops):
+            buf.accumulate(x, i % 2)
+    assert np.array_equal(kernel.to_host(), ops.to_host())
