@@ -145,7 +145,17 @@ def load() -> ctypes.CDLL | None:
                 src.write_text(_SOURCE)
                 tmp_out = Path(tmp) / "stats.so"
                 subprocess.run(
-                    [cc, "-O3", "-fopenmp", "-fPIC", "-shared", "-fno-fast-math", str(src), "-o", str(tmp_out)],
+                    [
+                        cc,
+                        "-O3",
+                        "-fopenmp",
+                        "-fPIC",
+                        "-shared",
+                        "-fno-fast-math",
+                        str(src),
+                        "-o",
+                        str(tmp_out),
+                    ],
                     check=True,
                     capture_output=True,
                     timeout=120,

@@ -630,7 +630,20 @@ def test_compiled_cpu_kernel_equals_torch_ops(dtype: torch.dtype) -> None:
     if _cpu_kernel.load() is None:
         pytest.skip("no C compiler/OpenMP here: only the torch-op path runs")
     specials = torch.tensor(
-        [0.0, -0.0, math.inf, -math.inf, math.nan, 2.0**-25, 2.0**-24, 2.0**-10, 464.0, 465.0, 61440.0, 65520.0]
+        [
+            0.0,
+            -0.0,
+            math.inf,
+            -math.inf,
+            math.nan,
+            2.0**-25,
+            2.0**-24,
+            2.0**-10,
+            464.0,
+            465.0,
+            61440.0,
+            65520.0,
+        ]
     )
     xs = [
         random_values(5000, 51).to(dtype),
