@@ -204,7 +204,10 @@ class Profiler:
         self._rows: list[_Row] = []
         self._buffer: st.StatsBuffer | None = None
         self._update_buf: torch.Tensor | None = None
-        self._update_before: list[torch.Tensor | None] = []
+        self._update_tracked: list[_ParamSlot] = []  # in update_index order
+        self._update_seg: torch.Tensor | None = None  # update_index of each sampled element
+        self._update_lens: torch.Tensor | None = None  # sampled elements per tracked parameter
+        self._update_before: torch.Tensor | None = None  # the samples before the step, all parameters
         self._tracker: Any = None
 
         self._step = first_step
@@ -216,8 +219,11 @@ class Profiler:
         self._pending_found: torch.Tensor | None = None
         self._step_has_data = False
 
-        self._layer_rows: list[dict[str, Any]] = []
-        self._hist_parts: list[pd.DataFrame] = []
+        # columns (name -> array or list) per sampled step: layer rows, then weight-update rows; tables()
+        # joins them (building frames in the training loop would cost milliseconds per sampled step)
+        self._layer_parts: list[dict[str, Any]] = []
+        self._sampled_steps: set[int] = set()
+        self._hist_parts: list[dict[str, Any]] = []
         self._step_rows: list[dict[str, Any]] = []
         self._memory_rows: list[dict[str, Any]] = []
         self._autocast_seen: dict[str, Any] = {}
@@ -325,7 +331,10 @@ class Profiler:
                 ps.update_index = i
             # columns: sampled elements, zero updates, lost in bf16, lost in fp16
             self._update_buf = torch.zeros((max(len(tracked), 1), 4), dtype=torch.int64, device=self._device)
-            self._update_before = [None] * len(tracked)
+            self._update_tracked = tracked
+            lens = torch.tensor([ps.sample_len for ps in tracked], dtype=torch.int64)
+            self._update_seg = torch.repeat_interleave(torch.arange(len(tracked)), lens).to(self._device)
+            self._update_lens = lens.to(self._device)
             self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
             self._handles.append(self.optimizer.register_step_post_hook(self._opt_post_hook))
 
@@ -496,37 +505,33 @@ class Profiler:
         flat = _local(ps.tensor.detach()).reshape(-1)
         return flat[:: ps.sample_stride][: ps.sample_len]
 
+    def _update_samples(self) -> torch.Tensor:
+        """The strided samples of every tracked parameter, in fp32, concatenated (one copy)."""
+        return torch.cat([self._sample_view(ps).float() for ps in self._update_tracked])
+
     def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._sampling:
-            return None
-        for ps in self._params:
-            if ps.update_index >= 0:
-                self._update_before[ps.update_index] = self._sample_view(ps).float().clone()
+        if self._sampling and self._update_tracked:
+            self._update_before = self._update_samples()
         return None
 
     @torch.no_grad()
     def _opt_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._sampling or self._update_buf is None:
+        before = self._update_before
+        if not self._sampling or self._update_buf is None or before is None:
             return None
-        for ps in self._params:
-            i = ps.update_index
-            if i < 0:
-                continue
-            before = self._update_before[i]
-            if before is None:
-                continue
-            after = self._sample_view(ps).float()
-            delta = after - before
-            nonzero = delta != 0
-            counts = self._update_buf[i]
-            counts[0] += before.numel()
-            counts[1] += before.numel() - nonzero.sum()
-            # the weight as it would be held in that format, updated by the same delta in fp32, rounded back
-            for col, dtype in ((2, torch.bfloat16), (3, torch.float16)):
-                held = before.to(dtype)
-                lost = (held.float() + delta).to(dtype) == held
-                counts[col] += (lost & nonzero).sum()
-            self._update_before[i] = None
+        assert self._update_seg is not None and self._update_lens is not None
+        self._update_before = None
+        delta = self._update_samples() - before
+        nonzero = delta != 0
+        # per sampled element: zero update, lost in bf16, lost in fp16 -- the weight as it would be held in
+        # that format, updated by the same delta in fp32, rounded back; summed per parameter without a sync
+        flags = torch.empty((len(before), 3), dtype=torch.int64, device=before.device)
+        flags[:, 0] = ~nonzero
+        for col, dtype in ((1, torch.bfloat16), (2, torch.float16)):
+            held = before.to(dtype)
+            flags[:, col] = ((held.float() + delta).to(dtype) == held) & nonzero
+        self._update_buf[:, 0] += self._update_lens
+        self._update_buf[:, 1:].index_add_(0, self._update_seg, flags)
         self._step_has_data = True
         return None
 
@@ -688,52 +693,59 @@ class Profiler:
             data = device_rows.cpu().numpy()
         else:
             data = self._buffer.to_host()
-        hist_steps: list[np.ndarray] = []
-        hist_meta: list[tuple[str, str, str]] = []
-        for row in self._rows:
-            if row.calls == 0:
-                continue
-            row_scale = scale if row.tensor in T.GRADIENT_KINDS else 1.0
-            s = st.decode(data[row.index], row_scale)
-            rec: dict[str, Any] = {
-                T.STEP: step,
-                T.ORDER: order.get(row.module, -1),
-                T.MODULE: row.module,
-                T.MODULE_TYPE: row.module_type,
-                T.TENSOR: row.tensor,
-                T.PARAM: row.param,
-                T.DTYPE: "|".join(row.dtypes),
-                T.CALLS: row.calls,
-                T.NUMEL: s.numel,
-                T.ZEROS: s.zeros,
-                T.NAN: s.nan,
-                T.INF: s.inf,
-                T.ABSMAX: s.absmax,
-                T.ABSMIN: s.absmin,
-                T.SCALE: row_scale,
-                T.LOST_UPDATE_BF16: math.nan,
-                T.LOST_UPDATE_FP16: math.nan,
+        active = [row for row in self._rows if row.calls > 0]
+        if active:
+            scales = np.array([scale if r.tensor in T.GRADIENT_KINDS else 1.0 for r in active])
+            d = st.decode_rows(data[[r.index for r in active]], scales)
+            cols: dict[str, Any] = {
+                T.STEP: np.full(len(active), step, dtype=np.int64),
+                T.ORDER: np.array([order.get(r.module, -1) for r in active], dtype=np.int64),
+                T.MODULE: [r.module for r in active],
+                T.MODULE_TYPE: [r.module_type for r in active],
+                T.TENSOR: [r.tensor for r in active],
+                T.PARAM: [r.param for r in active],
+                T.DTYPE: ["|".join(r.dtypes) for r in active],
+                T.CALLS: np.array([r.calls for r in active], dtype=np.int64),
+                T.NUMEL: d["numel"],
+                T.ZEROS: d["zeros"],
+                T.NAN: d["nan"],
+                T.INF: d["inf"],
+                T.ABSMAX: d["absmax"],
+                T.ABSMIN: d["absmin"],
+                T.SCALE: scales,
+                T.LOST_UPDATE_BF16: np.full(len(active), math.nan),
+                T.LOST_UPDATE_FP16: np.full(len(active), math.nan),
             }
             for f in WHATIF_FORMATS:
-                rec[T.underflow_col(f)] = s.underflow[f]
-                rec[T.overflow_col(f)] = s.overflow[f]
+                cols[T.underflow_col(f)] = d["underflow"][f]
+                cols[T.overflow_col(f)] = d["overflow"][f]
             for f in FP8_FORMATS:
-                rec[T.underflow_cs_col(f)] = s.underflow_cs[f]
-            self._layer_rows.append(rec)
-            nz = np.nonzero(s.hist)[0]
-            if len(nz):
-                hist_steps.append(np.stack([s.exponents[nz], s.hist[nz]], axis=1))
-                hist_meta.append((row.module, row.tensor, row.param))
+                cols[T.underflow_cs_col(f)] = d["underflow_cs"][f]
+            self._layer_parts.append(cols)
+            self._sampled_steps.add(step)
+            r_idx, bins = np.nonzero(d["hist"])
+            if len(r_idx):
+                self._hist_parts.append(
+                    {
+                        T.STEP: np.full(len(r_idx), step, dtype=np.int64),
+                        T.MODULE: np.array(cols[T.MODULE], dtype=object)[r_idx],
+                        T.TENSOR: np.array(cols[T.TENSOR], dtype=object)[r_idx],
+                        T.PARAM: np.array(cols[T.PARAM], dtype=object)[r_idx],
+                        T.EXPONENT: st.EXP_MIN + bins - d["shift"][r_idx],
+                        T.COUNT: d["hist"][r_idx, bins],
+                    }
+                )
         if self._update_buf is not None:
             upd_dev = self._update_buf
             if self._reducer is not None:
                 upd_dev = self._reducer.reduce_sum(upd_dev)
             upd = upd_dev.cpu().numpy()
+            updates: list[dict[str, Any]] = []
             for ps in self._params:
                 if ps.update_index < 0 or upd[ps.update_index, 0] == 0:
                     continue
                 n, zeros, lost_bf16, lost_fp16 = (int(v) for v in upd[ps.update_index])
-                rec = {c: math.nan for c in T.LAYERS_COLUMNS}
+                rec: dict[str, Any] = {c: 0 for c in T.COUNT_COLUMNS}
                 rec.update(
                     {
                         T.STEP: step,
@@ -746,33 +758,17 @@ class Profiler:
                         T.CALLS: 1,
                         T.NUMEL: n,
                         T.ZEROS: zeros,
-                        T.NAN: 0,
-                        T.INF: 0,
+                        T.ABSMAX: math.nan,
+                        T.ABSMIN: math.nan,
                         T.SCALE: 1.0,
                         T.LOST_UPDATE_BF16: lost_bf16,
                         T.LOST_UPDATE_FP16: lost_fp16,
                     }
                 )
-                for c in T.COUNT_COLUMNS:
-                    if isinstance(rec[c], float) and math.isnan(rec[c]):
-                        rec[c] = 0
-                self._layer_rows.append(rec)
-        if hist_steps:
-            lengths = [len(h) for h in hist_steps]
-            allh = np.concatenate(hist_steps)
-            mods, kinds, params = zip(*hist_meta, strict=True)
-            self._hist_parts.append(
-                pd.DataFrame(
-                    {
-                        T.STEP: np.full(len(allh), step, dtype=np.int64),
-                        T.MODULE: np.repeat(np.array(mods, dtype=object), lengths),
-                        T.TENSOR: np.repeat(np.array(kinds, dtype=object), lengths),
-                        T.PARAM: np.repeat(np.array(params, dtype=object), lengths),
-                        T.EXPONENT: allh[:, 0],
-                        T.COUNT: allh[:, 1],
-                    }
-                )
-            )
+                updates.append(rec)
+            if updates:
+                self._layer_parts.append({c: [u[c] for u in updates] for c in updates[0]})
+                self._sampled_steps.add(step)
 
     def _module_type(self, name: str) -> str:
         for slot in self._modules:
@@ -809,9 +805,11 @@ class Profiler:
         """The four tables recorded so far (see precprof/tables.py for the schema). Syncs if steps are pending."""
         if self._pending and not self._attached:
             self._flush(sampled_step_done=False)
-        hist = pd.concat(self._hist_parts, ignore_index=True) if self._hist_parts else T.empty("histograms")
+        hist = _join_columns(self._hist_parts) if self._hist_parts else T.empty("histograms")
         return {
-            "layers": T.frame("layers", self._layer_rows) if self._layer_rows else T.empty("layers"),
+            "layers": (
+                T.frame("layers", _join_columns(self._layer_parts)) if self._layer_parts else T.empty("layers")
+            ),
             "histograms": T.frame("histograms", hist),
             "steps": T.frame("steps", self._step_rows) if self._step_rows else T.empty("steps"),
             "memory": T.frame("memory", self._memory_rows) if self._memory_rows else T.empty("memory"),
@@ -842,7 +840,7 @@ class Profiler:
         return {
             "sample_every": self.sample_every,
             "steps_recorded": len(self._step_rows),
-            "sampled_steps": len({r[T.STEP] for r in self._layer_rows}),
+            "sampled_steps": len(self._sampled_steps),
             "modules_captured": len(self._modules),
             "modules": modules,
             "n_params": n_params,
@@ -920,6 +918,23 @@ class Profiler:
 
         out: Path = render_run_dir(run_dir, out=path if path.suffix == ".html" else None)
         return out
+
+
+def _join_columns(parts: list[dict[str, Any]]) -> pd.DataFrame:
+    """One frame from column dicts (arrays or lists, equal keys within a part), in order; a column missing
+    from a part is NaN there."""
+    names: list[str] = []
+    for part in parts:
+        names.extend(c for c in part if c not in names)
+    out: dict[str, Any] = {}
+    for c in names:
+        pieces = []
+        for part in parts:
+            n = len(next(iter(part.values())))
+            v = part.get(c)
+            pieces.append(np.full(n, math.nan) if v is None else np.asarray(v))
+        out[c] = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+    return pd.DataFrame(out)
 
 
 def _post_process(

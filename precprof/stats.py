@@ -28,6 +28,8 @@ unscaled histogram (a shift of bins by log2 s, exact for power-of-two scales) an
 from __future__ import annotations
 
 import math
+import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +78,67 @@ _OVERFLOW_T = np.array([t for t, _ in _OVERFLOW], dtype=np.float64)
 _OVERFLOW_INC = np.array([1 if inc else 0 for _, inc in _OVERFLOW], dtype=np.int32)
 # dtypes the C kernel reads (fp8 and others take the torch-op path)
 _KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+# the C kernel's constants, and the row layout it was written for (checked once against its pp_layout)
+_UNDERFLOW_EXP_I32 = np.array(_UNDERFLOW_EXP, dtype=np.int32)
+_FP8_MAX = np.array([f.max for f in _FP8], dtype=np.float64)
+_FP8_UF_EXP_I32 = np.array([int(math.log2(f.underflow_max)) for f in _FP8], dtype=np.int32)
+# their addresses, taken once (each ``.ctypes`` access builds an object)
+_KERNEL_CONSTANTS = tuple(
+    a.ctypes.data for a in (_OVERFLOW_T, _OVERFLOW_INC, _UNDERFLOW_EXP_I32, _FP8_MAX, _FP8_UF_EXP_I32)
+)
+_CALL_LEN = ROW_WIDTH + 2  # a kernel call row: a row, then its first and last nonzero histogram bin
+_KERNEL_LAYOUT = (
+    COL_NUMEL,
+    COL_ZEROS,
+    COL_NAN,
+    COL_INF,
+    COL_OVERFLOW,
+    COL_ABSMAX_BITS,
+    COL_ABSMIN_BITS,
+    COL_UNDERFLOW_CS,
+    COL_POW2_AT,
+    COL_HIST,
+    EXP_MIN,
+    EXP_MAX,
+    ROW_WIDTH,
+    _CALL_LEN,
+)
+_kernel_state: dict[str, Any] = {}
+# Threads per kernel call: PRECPROF_CPU_KERNEL_THREADS, else torch.get_num_threads() when the kernel's
+# OpenMP regions run in torch's own pool, else 1 (see _cpu_kernel.shares_torch_threads). Measured on
+# gpt-mini (2 cores): a sampled step's statistics take 50 ms on torch's two threads, 83 ms on one, and
+# 150 ms on two threads of a separate pool that compete with torch's spinning workers.
+_KERNEL_THREADS_ENV = os.environ.get("PRECPROF_CPU_KERNEL_THREADS")
+
+
+def _default_kernel_threads() -> int:
+    if _KERNEL_THREADS_ENV is not None:
+        return max(0, int(_KERNEL_THREADS_ENV))
+    if "threads" not in _kernel_state:
+        lib = _kernel()
+        _kernel_state["threads"] = 0 if lib is not None and _cpu_kernel.shares_torch_threads(lib) else 1
+    return int(_kernel_state["threads"])
+
+
+def _kernel() -> Any:
+    """The compiled CPU kernel when it loads and agrees with this module's row layout, else None."""
+    if "lib" not in _kernel_state:
+        lib = _cpu_kernel.load()
+        if lib is not None:
+            layout = np.zeros(len(_KERNEL_LAYOUT), dtype=np.int64)
+            lib.pp_layout(layout.ctypes.data)
+            if tuple(int(v) for v in layout) != _KERNEL_LAYOUT:
+                lib = None
+        _kernel_state["lib"] = lib
+    return _kernel_state["lib"]
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """The in-place version counter of ``x``; None for inference tensors, which have none."""
+    try:
+        return int(x._version)
+    except RuntimeError:
+        return None
 
 
 def _to_f64_bits(value: float) -> int:
@@ -132,11 +195,21 @@ class StatsBuffer:
         # host_rows=False runs the device (CUDA) code path on the CPU too: tests check both paths agree
         self.on_cpu = self.device.type == "cpu" if host_rows is None else host_rows
         self.use_kernel = True  # the compiled one-pass CPU kernel when it can be built (tests compare both)
+        # threads per kernel call (0: torch.get_num_threads()); decided on first use
+        self.kernel_threads: int | None = None
         if self.on_cpu:
             self._counts = np.zeros((rows, COL_HIST), dtype=np.int64)
             self._hist = np.zeros((rows, 0), dtype=np.int64)
             self._wlo = 0  # bin index (0..N_BINS) of the window's first column
             self._data: torch.Tensor | None = None
+            # the C kernel's last call row, and which tensor (object and version) it describes: a tensor
+            # accumulated again right away (a module returning its submodule's output, and that output's
+            # gradient) is merged from it instead of read again
+            self._call = np.zeros(_CALL_LEN, dtype=np.int64)
+            self._call_ptr = self._call.ctypes.data
+            self._counts_ptr = self._counts.ctypes.data
+            self._hist_ptr = self._hist.ctypes.data
+            self._last: tuple[weakref.ref[torch.Tensor], int] | None = None
         else:
             self._data = torch.zeros((rows, ROW_WIDTH), dtype=torch.int64, device=self.device)
         if chunk is None:
@@ -229,6 +302,7 @@ class StatsBuffer:
         if w:
             grown[:, self._wlo - new_lo : self._wlo - new_lo + w] = self._hist
         self._hist, self._wlo = grown, new_lo
+        self._hist_ptr = grown.ctypes.data
 
     @torch.no_grad()
     def accumulate(self, x: torch.Tensor, row: int, *, assign: bool = False) -> None:
@@ -245,7 +319,7 @@ class StatsBuffer:
             return
         chunk = self.chunk if self.chunk and self.chunk > 0 else n
         if self.on_cpu:
-            self._accumulate_cpu(flat, row, chunk)
+            self._accumulate_cpu(x, flat, row, chunk)
         else:
             self._accumulate_device(flat, row, chunk)
 
@@ -273,21 +347,22 @@ class StatsBuffer:
         return a, bits, key
 
     # ---------------------------------------------------------------------------------------- CPU path
-    def _accumulate_cpu(self, flat: torch.Tensor, row: int, chunk: int) -> None:
+    def _accumulate_cpu(self, x: torch.Tensor, flat: torch.Tensor, row: int, chunk: int) -> None:
+        kernel_code = _KERNEL_DTYPES.get(flat.dtype)
+        lib = _kernel() if kernel_code is not None and self.use_kernel else None
+        if lib is not None and kernel_code is not None:
+            self._kernel_accumulate(lib, x, flat, kernel_code, row)
+            return
+        self._last = None
         counts = self._counts[row]
         n = flat.numel()
-        kernel_code = _KERNEL_DTYPES.get(flat.dtype)
-        lib = _cpu_kernel.load() if kernel_code is not None and self.use_kernel else None
-        if lib is not None and kernel_code is not None:
-            keys, call_max = self._kernel_pass(lib, flat, kernel_code, counts)
-        else:
-            keys = np.zeros(_N_KEYS, dtype=np.int64)
-            call_max = 0.0
-            for start in range(0, n, chunk):
-                a, _, key = self._keys_of(flat[start : start + chunk])
-                chunk_keys = torch.bincount(key, minlength=_N_KEYS).numpy()
-                keys += chunk_keys
-                call_max = max(call_max, self._extremes_cpu(a, counts, chunk_keys))
+        keys = np.zeros(_N_KEYS, dtype=np.int64)
+        call_max = 0.0
+        for start in range(0, n, chunk):
+            a, _, key = self._keys_of(flat[start : start + chunk])
+            chunk_keys = torch.bincount(key, minlength=_N_KEYS).numpy()
+            keys += chunk_keys
+            call_max = max(call_max, self._extremes_cpu(a, counts, chunk_keys))
         keys2 = keys.reshape(_F64_EXP_ALL + 1, 2)
         counts[COL_NUMEL] += n
         counts[COL_ZEROS] += keys2[0, 1]
@@ -308,32 +383,37 @@ class StatsBuffer:
             self._grow_window(lo, hi)
             self._hist[row, lo - self._wlo : hi + 1 - self._wlo] += hist[lo : hi + 1]
 
-    def _kernel_pass(
-        self, lib: Any, flat: torch.Tensor, code: int, counts: np.ndarray
-    ) -> tuple[np.ndarray, float]:
-        """One read of the tensor by the C kernel (``precprof._cpu_kernel``): the same key histogram,
-        overflow counts and extremes as the torch-op path."""
-        keys = np.zeros(_N_KEYS, dtype=np.int64)
-        ov = np.zeros(4, dtype=np.int64)
-        ext = np.array([0, np.iinfo(np.uint64).max], dtype=np.uint64)
-        lib.pp_stats(
-            flat.data_ptr(),
-            flat.numel(),
-            flat.stride(0) if flat.dim() else 1,
-            code,
-            torch.get_num_threads(),
-            keys.ctypes.data,
-            ov.ctypes.data,
-            _OVERFLOW_T.ctypes.data,
-            _OVERFLOW_INC.ctypes.data,
-            ext.ctypes.data,
-        )
-        counts[COL_OVERFLOW : COL_OVERFLOW + 4] += ov
-        mx_bits, mn_bits = int(ext[0]), int(ext[1])
-        if mn_bits != np.iinfo(np.uint64).max:
-            counts[COL_ABSMIN_BITS] = min(int(counts[COL_ABSMIN_BITS]), mn_bits - 1)
-        counts[COL_ABSMAX_BITS] = max(int(counts[COL_ABSMAX_BITS]), mx_bits)
-        return keys, _from_f64_bits(mx_bits)
+    def _threads(self) -> int:
+        if self.kernel_threads is None:
+            self.kernel_threads = _default_kernel_threads()
+        return self.kernel_threads or torch.get_num_threads()
+
+    def _kernel_accumulate(self, lib: Any, x: torch.Tensor, flat: torch.Tensor, code: int, row: int) -> None:
+        """The C kernel (``precprof._cpu_kernel``): one read of the tensor into the call row, then a merge
+        into ``row``; the same numbers as the torch-op path. The same tensor (object and in-place version)
+        as the previous call is merged again without reading it."""
+        version = _version(x)
+        last = self._last
+        if last is None or version is None or last[0]() is not x or last[1] != version:
+            lib.pp_call(
+                flat.data_ptr(),
+                flat.numel(),
+                flat.stride(0) if flat.dim() else 1,
+                code,
+                self._threads(),
+                *_KERNEL_CONSTANTS,
+                self._call_ptr,
+            )
+            self._last = (weakref.ref(x), version) if version is not None else None
+        counts_ptr = self._counts_ptr + row * COL_HIST * 8
+        while lib.pp_merge(
+            self._call_ptr,
+            counts_ptr,
+            self._hist_ptr + row * self._hist.shape[1] * 8,
+            self._wlo,
+            self._hist.shape[1],
+        ):
+            self._grow_window(int(self._call[ROW_WIDTH]), int(self._call[ROW_WIDTH + 1]))
 
     def _extremes_cpu(self, a: torch.Tensor, counts: np.ndarray, keys: np.ndarray) -> float:
         """Overflow counts and extremes of one chunk, skipping the passes its key histogram proves needless
@@ -488,6 +568,50 @@ def decode(row: np.ndarray, scale: float = 1.0) -> RowStats:
         overflow=overflow,
         underflow_cs=underflow_cs,
     )
+
+
+def decode_rows(rows: np.ndarray, scales: np.ndarray) -> dict[str, Any]:
+    """:func:`decode` of many rows at once (vectorised; the same numbers, row by row).
+
+    Returns arrays over rows: ``numel``, ``zeros``, ``nan``, ``inf``, ``absmax``, ``absmin`` (unscaled),
+    ``underflow`` / ``overflow`` / ``underflow_cs`` (dicts of arrays by format), ``hist`` (the raw
+    [rows, N_BINS] bins) and ``shift`` (per row: exponent of bin i is ``EXP_MIN + i - shift``).
+    """
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, ROW_WIDTH)
+    scales = np.asarray(scales, dtype=np.float64).reshape(-1)
+    hist = rows[:, COL_HIST : COL_HIST + N_BINS]
+    below = np.zeros((len(rows), N_BINS + 1), dtype=np.int64)
+    np.cumsum(hist, axis=1, out=below[:, 1:])  # below[:, i] = values in bins < i
+    inf = rows[:, COL_INF]
+    underflow, overflow = {}, {}
+    for i, name in enumerate(formats.WHATIF_FORMATS):
+        idx = min(max(_UNDERFLOW_EXP[i] - EXP_MIN, 0), N_BINS)
+        underflow[name] = below[:, idx] + rows[:, COL_POW2_AT + i]
+        overflow[name] = rows[:, COL_OVERFLOW + i] - inf
+    max_bits = rows[:, COL_ABSMAX_BITS]
+    raw_absmax = np.where(max_bits > 0, max_bits.view(np.float64), 0.0)
+    min_field = rows[:, COL_ABSMIN_BITS]
+    min_bits = np.where(min_field != _NO_MIN_BITS, min_field + 1, 0)
+    raw_absmin = np.where((min_bits > 0) & (min_bits < _INF_BITS), min_bits.view(np.float64), math.nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        divide = scales != 0
+        absmax = np.where(divide, raw_absmax / np.where(divide, scales, 1.0), raw_absmax)
+        absmin = np.where(divide, raw_absmin / np.where(divide, scales, 1.0), raw_absmin)
+        usable = (scales > 0) & np.isfinite(scales)
+        shift = np.where(usable, np.round(np.log2(np.where(usable, scales, 1.0))), 0).astype(np.int64)
+    return {
+        "numel": rows[:, COL_NUMEL],
+        "zeros": rows[:, COL_ZEROS],
+        "nan": rows[:, COL_NAN],
+        "inf": inf,
+        "absmax": absmax,
+        "absmin": absmin,
+        "underflow": underflow,
+        "overflow": overflow,
+        "underflow_cs": {name: rows[:, COL_UNDERFLOW_CS + i] for i, name in enumerate(formats.FP8_FORMATS)},
+        "hist": hist,
+        "shift": shift,
+    }
 
 
 def is_power_of_two(value: float) -> bool:

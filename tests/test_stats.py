@@ -660,3 +660,106 @@ def test_compiled_cpu_kernel_equals_torch_ops(dtype: torch.dtype) -> None:
         for buf in (kernel, ops):
             buf.accumulate(x, i % 2)
     assert np.array_equal(kernel.to_host(), ops.to_host())
+
+
+def _kernel_or_skip() -> None:
+    from precprof import _cpu_kernel
+
+    if _cpu_kernel.load() is None:
+        pytest.skip("no C compiler here: only the torch-op path runs")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_compiled_cpu_kernel_large_tensors(dtype: torch.dtype, threads: int) -> None:
+    """Tensors big enough for the kernel's thread split (2^18 values and up) and many 2048-value blocks:
+    ordinary blocks take its fast exponent-only path, and single rare values (a subnormal, an exact power of
+    two, inf, nan, a value above 256, an overflow tie) placed in otherwise ordinary blocks, at block and
+    thread boundaries, must switch exactly those blocks to the exact path. Rows equal the torch-op path's."""
+    _kernel_or_skip()
+    g = torch.Generator().manual_seed(61)
+    n = (1 << 19) + 777
+    base = (torch.randn(n, generator=g, dtype=torch.float64) * 0.05).to(dtype)
+    rare = [2.0**-140 if dtype == torch.float32 else 2.0**-20, 2.0**-3, math.inf, -math.nan, 300.0, 65520.0]
+    x = base.clone()
+    for i, pos in enumerate([0, 2047, 2048, n // 2, n // 2 + 1, n - 1]):
+        x[pos] = rare[i]
+    zeros = base.clone()
+    zeros[::5] = 0.0
+    for t in (base, x, zeros, torch.zeros(n, dtype=dtype)):
+        kernel = StatsBuffer(1, "cpu")
+        kernel.kernel_threads = threads
+        ops = StatsBuffer(1, "cpu", chunk=1 << 16)
+        ops.use_kernel = False
+        kernel.accumulate(t, 0)
+        ops.accumulate(t, 0)
+        assert np.array_equal(kernel.to_host(), ops.to_host())
+
+
+def test_same_tensor_twice_is_read_once_and_counted_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor accumulated again right away (a module returning its submodule's output) is merged from the
+    kernel's last call: the rows equal reading it twice, and an in-place change in between is seen."""
+    _kernel_or_skip()
+    lib = stats._kernel()
+    reads: list[int] = []
+    real_call = lib.pp_call
+
+    def counting_call(*args: object) -> None:
+        reads.append(int(args[1]))  # type: ignore[call-overload]
+        real_call(*args)
+
+    monkeypatch.setattr(lib, "pp_call", counting_call)
+    x = random_values(3000, 71).float()
+    fresh = StatsBuffer(4, "cpu")
+    fresh.use_kernel = False
+    buf = StatsBuffer(4, "cpu")
+    for b in (buf, fresh):
+        b.accumulate(x, 0)
+        b.accumulate(x, 1)
+    buf.accumulate(x, 2)
+    assert reads == [3000]  # read once for three rows
+    fresh.accumulate(x, 2)
+    x.mul_(3.0)  # bumps x._version: must be read again
+    for b in (buf, fresh):
+        b.accumulate(x, 3)
+    assert np.array_equal(buf.to_host(), fresh.to_host())
+    with torch.inference_mode():  # no version counter: always read
+        y = x * 2
+    buf.accumulate(y, 0)
+    fresh.accumulate(y, 0)
+    buf.accumulate(y, 0)
+    fresh.accumulate(y, 0)
+    assert np.array_equal(buf.to_host(), fresh.to_host())
+    assert reads == [3000, 3000, 3000, 3000]
+
+
+def test_decode_rows_equals_decode_row_by_row() -> None:
+    """The vectorised decoder (used on every sampled step) gives decode()'s numbers for every row and scale,
+    including empty rows, rows without finite nonzero values, and non-power-of-two or zero scales."""
+    buf = StatsBuffer(6, "cpu")
+    buf.accumulate(random_values(4000, 81).float(), 0)
+    buf.accumulate(random_values(3000, 82, -30.0, 30.0).to(torch.bfloat16), 1)
+    buf.accumulate(torch.tensor([0.0, math.inf, math.nan]), 2)
+    buf.accumulate(random_values(500, 83, -20.0, 10.0).to(torch.float16), 4)
+    buf.accumulate(random_values(500, 84).double(), 5)
+    rows = buf.to_host()
+    scales = np.array([1.0, 2.0**16, 0.5, 1000.0, 0.0, 2.0**-3])
+    got = stats.decode_rows(rows, scales)
+    for i, row in enumerate(rows):
+        ref = decode(row, float(scales[i]))
+        assert (got["numel"][i], got["zeros"][i], got["nan"][i], got["inf"][i]) == (
+            ref.numel,
+            ref.zeros,
+            ref.nan,
+            ref.inf,
+        )
+        for key in ("absmax", "absmin"):
+            a, b = float(got[key][i]), getattr(ref, key)
+            assert a == b or (math.isnan(a) and math.isnan(b))
+        for f in WHATIF:
+            assert got["underflow"][f][i] == ref.underflow[f]
+            assert got["overflow"][f][i] == ref.overflow[f]
+        for f in formats.FP8_FORMATS:
+            assert got["underflow_cs"][f][i] == ref.underflow_cs[f]
+        assert np.array_equal(got["hist"][i], ref.hist)
+        assert np.array_equal(stats.EXP_MIN + np.arange(stats.N_BINS) - got["shift"][i], ref.exponents)
