@@ -808,7 +808,9 @@ class Profiler:
         hist = _join_columns(self._hist_parts) if self._hist_parts else T.empty("histograms")
         return {
             "layers": (
-                T.frame("layers", _join_columns(self._layer_parts)) if self._layer_parts else T.empty("layers")
+                T.frame("layers", _join_columns(self._layer_parts))
+                if self._layer_parts
+                else T.empty("layers")
             ),
             "histograms": T.frame("histograms", hist),
             "steps": T.frame("steps", self._step_rows) if self._step_rows else T.empty("steps"),
