@@ -317,6 +317,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "precprof": precprof.__version__,
         "results": results,
     }
+    if dev.type == "cpu":
+        from precprof import _cpu_kernel, stats
+
+        lib = stats._kernel()
+        out["cpu_kernel"] = {
+            "compiled": lib is not None,
+            "threads": stats.StatsBuffer(1, "cpu")._threads() if lib is not None else 0,
+            "runs_in_torch_openmp_pool": bool(lib is not None and _cpu_kernel.shares_torch_threads(lib)),
+        }
     pp = results.get("precprof_1", {})
     if pp.get("profiler_buffer_bytes"):
         out["profiler_buffer_share_of_params"] = pp["profiler_buffer_bytes"] / param_bytes

@@ -15,10 +15,14 @@ histogram, the extremes). This kernel reads it from memory once, in blocks of 20
   tensor: ``pp_call`` (statistics of one tensor into a call row) and ``pp_merge`` (add a call row into a
   buffer row and its histogram window).
 
-Large tensors are split over ``torch.get_num_threads()`` pthreads (no OpenMP: a second OpenMP runtime beside
-torch's would spin on the cores torch computes on). Results are identical to the torch-op path's (tests
-compare both on hand-built and random tensors, large ones included); when the compiler or the shared library
-is missing, ``load()`` returns None and the torch path runs.
+Tensors of 65536 values and more are split over OpenMP threads. The kernel links ``libgomp.so.1``; where
+torch runs on that same runtime (the PyPI CPU wheels ship ``torch/lib/libgomp.so.1``) the loader reuses it,
+so the kernel's parallel regions run on torch's own worker threads, which are spinning, ready, right after
+torch's ops. Where the runtime would be a second one, competing with torch's spinning workers for the cores,
+the kernel stays on one thread (``shares_torch_threads``; ``PRECPROF_CPU_KERNEL_THREADS`` overrides). Results
+are identical to the torch-op path's (tests compare both on hand-built and random tensors, large ones and
+several thread counts included); when the compiler or the shared library is missing, ``load()`` returns None
+and the torch path runs.
 
 The library is plain C with no torch headers, so it compiles in well under a second with ``cc``; it is
 built for this CPU (``-march=native``, falling back to generic code) and cached under
@@ -38,7 +42,7 @@ import tempfile
 from pathlib import Path
 
 _SOURCE = r"""
-/* precprof one-pass CPU statistics kernel (v2). Plain C, pthreads, no torch headers. */
+/* precprof one-pass CPU statistics kernel (v2). Plain C (OpenMP when available), no torch headers. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -338,6 +342,7 @@ void pp_call(const void* data, int64_t n, int64_t stride, int dtype, int nthread
     if (nthreads > 64) nthreads = 64;
     if (n < (1 << 16)) nthreads = 1; /* not worth a thread */
     job_t* jobs = malloc(sizeof(job_t) * nthreads);
+    if (!jobs) { call[COL_NUMEL] = -1; return; } /* out of host memory: the caller raises */
     int64_t per = (n + nthreads - 1) / nthreads;
     per = (per + 63) & ~63LL;
     int used = 0;

@@ -246,11 +246,13 @@ class StatsBuffer:
 
     @property
     def scratch_bytes(self) -> int:
-        """Bytes of reusable scratch currently held (grows to the largest chunk seen)."""
-        return sum(
+        """Bytes of reusable scratch currently held (grows to the largest chunk seen; on CPU with the C kernel,
+        its call row)."""
+        held = sum(
             t.numel() * t.element_size()
             for t in (self._f64, self._i64, self._key, self._bool, self._keys_hist)
         )
+        return held + (self._call.nbytes if self.on_cpu else 0)
 
     @property
     def data(self) -> torch.Tensor:
@@ -404,6 +406,9 @@ class StatsBuffer:
                 *_KERNEL_CONSTANTS,
                 self._call_ptr,
             )
+            if self._call[COL_NUMEL] < 0:
+                self._last = None
+                raise MemoryError("precprof: the CPU statistics kernel could not allocate its scratch")
             self._last = (weakref.ref(x), version) if version is not None else None
         counts_ptr = self._counts_ptr + row * COL_HIST * 8
         while lib.pp_merge(

@@ -763,3 +763,23 @@ def test_decode_rows_equals_decode_row_by_row() -> None:
             assert got["underflow_cs"][f][i] == ref.underflow_cs[f]
         assert np.array_equal(got["hist"][i], ref.hist)
         assert np.array_equal(stats.EXP_MIN + np.arange(stats.N_BINS) - got["shift"][i], ref.exponents)
+
+
+def test_kernel_threads_run_in_torchs_openmp_pool() -> None:
+    """Where torch ships libgomp.so.1 (the PyPI CPU wheels), the kernel's OpenMP regions use torch's own pool:
+    one OpenMP runtime is mapped into the process, and it is torch's, so the kernel defaults to torch's
+    thread count instead of starting threads that compete with torch's spinning workers."""
+    import os
+
+    from precprof import _cpu_kernel
+
+    _kernel_or_skip()
+    torch_gomp = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    lib = stats._kernel()
+    if not os.path.exists(torch_gomp) or not lib.pp_openmp():
+        pytest.skip("torch does not ship libgomp.so.1 here, or the kernel was built without OpenMP")
+    runtimes = _cpu_kernel.openmp_runtimes()
+    assert [os.path.realpath(r) for r in runtimes] == [os.path.realpath(torch_gomp)]
+    assert _cpu_kernel.shares_torch_threads(lib)
+    if os.environ.get("PRECPROF_CPU_KERNEL_THREADS") is None:
+        assert StatsBuffer(1, "cpu")._threads() == torch.get_num_threads()
