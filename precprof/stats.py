@@ -580,7 +580,7 @@ def decode_rows(rows: np.ndarray, scales: np.ndarray) -> dict[str, Any]:
 
     Returns arrays over rows: ``numel``, ``zeros``, ``nan``, ``inf``, ``absmax``, ``absmin`` (unscaled),
     ``underflow`` / ``overflow`` / ``underflow_cs`` (dicts of arrays by format), ``hist`` (the raw
-    [rows, N_BINS] bins) and ``shift`` (per row: exponent of bin i is ``EXP_MIN + i - shift``).
+    [rows, N_BINS] bins, a view of ``rows``) and ``shift`` (per row: exponent of bin i is ``EXP_MIN + i - shift``).
     """
     rows = np.asarray(rows, dtype=np.int64).reshape(-1, ROW_WIDTH)
     scales = np.asarray(scales, dtype=np.float64).reshape(-1)
@@ -604,16 +604,20 @@ def decode_rows(rows: np.ndarray, scales: np.ndarray) -> dict[str, Any]:
         absmin = np.where(divide, raw_absmin / np.where(divide, scales, 1.0), raw_absmin)
         usable = (scales > 0) & np.isfinite(scales)
         shift = np.where(usable, np.round(np.log2(np.where(usable, scales, 1.0))), 0).astype(np.int64)
+    # the per-row columns are copies: callers keep them per sampled step, and a view would keep the whole
+    # [rows, ROW_WIDTH] array alive with them
     return {
-        "numel": rows[:, COL_NUMEL],
-        "zeros": rows[:, COL_ZEROS],
-        "nan": rows[:, COL_NAN],
-        "inf": inf,
+        "numel": rows[:, COL_NUMEL].copy(),
+        "zeros": rows[:, COL_ZEROS].copy(),
+        "nan": rows[:, COL_NAN].copy(),
+        "inf": inf.copy(),
         "absmax": absmax,
         "absmin": absmin,
         "underflow": underflow,
         "overflow": overflow,
-        "underflow_cs": {name: rows[:, COL_UNDERFLOW_CS + i] for i, name in enumerate(formats.FP8_FORMATS)},
+        "underflow_cs": {
+            name: rows[:, COL_UNDERFLOW_CS + i].copy() for i, name in enumerate(formats.FP8_FORMATS)
+        },
         "hist": hist,
         "shift": shift,
     }

@@ -763,6 +763,10 @@ def test_decode_rows_equals_decode_row_by_row() -> None:
             assert got["underflow_cs"][f][i] == ref.underflow_cs[f]
         assert np.array_equal(got["hist"][i], ref.hist)
         assert np.array_equal(stats.EXP_MIN + np.arange(stats.N_BINS) - got["shift"][i], ref.exponents)
+    # the per-row columns outlive the rows (kept per sampled step): none may be a view of them
+    columns = [v for k, v in got.items() if isinstance(v, np.ndarray) and k != "hist"]
+    columns += [v for k in ("underflow", "overflow", "underflow_cs") for v in got[k].values()]
+    assert columns and not any(np.shares_memory(v, rows) for v in columns)
 
 
 def test_kernel_threads_run_in_torchs_openmp_pool() -> None:
