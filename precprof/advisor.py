@@ -508,7 +508,7 @@ def _rule_hardware(run: _Run, plan: _Plan) -> None:
                 "FP8 hardware without an FP8 library",
                 f"{hw.name} has compute capability {cc} (FP8 tensor cores) but neither torchao nor "
                 "Transformer Engine is importable.",
-                "Install torchao (pip install 'precprof[fp8]') to train the eligible layers in FP8.",
+                "Install torchao (pip install torchao) to train the eligible layers in FP8.",
                 numbers=nums,
             )
         )

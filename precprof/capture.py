@@ -858,31 +858,17 @@ class Profiler:
             "memory_error": getattr(self, "_memory_error", None),
         }
 
-    def save(
-        self,
-        run_dir: str | Path,
-        summary: dict[str, Any] | None = None,
-        status: str | None = None,
-        reason: str | None = None,
-    ) -> Path:
-        """Write the run directory: the four Parquet tables and summary.json (``summary`` merged in).
-
-        Tables are written before anything that could fail (the recommendation), so a failure there never
-        loses the recorded data. Under torch.distributed only the writer (rank 0) writes; other ranks return
-        the path without touching it.
-        """
+    def run_summary(
+        self, summary: dict[str, Any] | None = None, status: str | None = None, reason: str | None = None
+    ) -> dict[str, Any]:
+        """``summary`` completed with what the recorder knows: version, status and cause, the ``capture``
+        block (and the distributed description), the hardware when the caller gave none."""
         import precprof
 
-        run_dir = Path(run_dir)
-        if not self.is_writer:
-            return run_dir
-        run_dir.mkdir(parents=True, exist_ok=True)
         if status is not None:
             self._status = status
         if reason is not None:
             self._reason = reason
-        tables = self.tables()
-        T.write_tables(run_dir, tables)
         full: dict[str, Any] = dict(summary or {})
         full[T.SUMMARY_VERSION] = precprof.__version__
         full[T.SUMMARY_STATUS] = self._status
@@ -896,29 +882,55 @@ class Profiler:
             from precprof.hardware import detect
 
             full[T.SUMMARY_HARDWARE] = detect(self._device).to_dict()
-        T.write_summary(run_dir, full)
-        facts = None
-        if self._tracker is not None and hasattr(self._tracker, "model_facts"):
-            try:
-                facts = self._tracker.model_facts()
-            except Exception:  # facts only refine the projection
-                facts = None
-        extra = _post_process(tables, full, facts)
-        if extra:
-            full.update(extra)
-            T.write_summary(run_dir, full)
+        return full
+
+    def model_facts(self) -> dict[str, Any] | None:
+        """What the memory tracker learned about the model (refines the memory projection); None if unknown."""
+        if self._tracker is None or not hasattr(self._tracker, "model_facts"):
+            return None
+        try:
+            facts: dict[str, Any] | None = self._tracker.model_facts()
+        except Exception:  # facts only refine the projection
+            return None
+        return facts
+
+    def save(
+        self,
+        run_dir: str | Path,
+        summary: dict[str, Any] | None = None,
+        status: str | None = None,
+        reason: str | None = None,
+        *,
+        render: bool = False,
+    ) -> Path:
+        """Write the run directory: the four Parquet tables, the recommendation and summary.json (``summary``
+        merged in), and report.html when ``render``; see ``precprof.pipeline.finish_run`` for the order.
+
+        A failure to write (full disk, read-only file system) does not raise: summary.json then says
+        "incomplete" with the cause. Under torch.distributed only the writer (rank 0) writes; other ranks
+        return the path without touching it.
+        """
+        from precprof import pipeline
+
+        run_dir = Path(run_dir)
+        if not self.is_writer:
+            return run_dir
+        full = self.run_summary(summary, status, reason)
+        written = pipeline.finish_run(run_dir, self.tables(), full, facts=self.model_facts(), render=render)
+        self._status = written[T.SUMMARY_STATUS]
+        self._reason = written[T.SUMMARY_INCOMPLETE_REASON]
         return run_dir
 
     def report(self, path: str | Path, summary: dict[str, Any] | None = None) -> Path:
         """Write the run directory next to ``path`` and render ``path`` as the HTML report."""
         path = Path(path)
         run_dir = path.parent if path.suffix == ".html" else path
-        self.save(run_dir, summary=summary)
-        if not self.is_writer:
-            return path  # rank 0 writes and renders
+        self.save(run_dir, summary=summary, render=path.suffix != ".html")
+        if not self.is_writer or path.suffix != ".html":
+            return path if path.suffix == ".html" else run_dir / T.REPORT_FILE
         from precprof.report.render import render_run_dir
 
-        out: Path = render_run_dir(run_dir, out=path if path.suffix == ".html" else None)
+        out: Path = render_run_dir(run_dir, out=path)
         return out
 
 
@@ -937,31 +949,6 @@ def _join_columns(parts: list[dict[str, Any]]) -> pd.DataFrame:
             pieces.append(np.full(n, math.nan) if v is None else np.asarray(v))
         out[c] = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
     return pd.DataFrame(out)
-
-
-def _post_process(
-    tables: dict[str, pd.DataFrame], summary: dict[str, Any], facts: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Memory projection and recommendation for summary.json; best effort, never raises."""
-    out: dict[str, Any] = {}
-    try:
-        from precprof import memory
-
-        if not tables["memory"].empty:
-            out[T.SUMMARY_MEMORY] = memory.project(tables["memory"], summary, facts=facts)
-    except Exception as e:
-        out.setdefault(T.SUMMARY_ERRORS, []).append(f"memory projection: {type(e).__name__}: {e}")
-    try:
-        from precprof import advisor
-
-        if not tables["layers"].empty or not tables["steps"].empty:
-            rec = advisor.recommend(tables, summary={**summary, **out})
-            out[T.SUMMARY_RECOMMENDATION] = rec.to_dict()
-    except ImportError:
-        pass
-    except Exception as e:
-        out.setdefault(T.SUMMARY_ERRORS, []).append(f"advisor: {type(e).__name__}: {e}")
-    return out
 
 
 def iter_module_names(model: nn.Module) -> Iterable[str]:

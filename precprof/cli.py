@@ -2,7 +2,8 @@
 precprof.report.
 
 Every user mistake (UserError, or a usage error of the command line) is printed as one line on stderr and
-exits with code 2; Ctrl-C exits with 130 after the training loop has saved the partial run.
+exits with code 2; Ctrl-C exits with 130 and SIGTERM with 143, after the training loop has saved the partial
+run.
 """
 
 from __future__ import annotations
@@ -20,11 +21,23 @@ try:  # typer >= 0.2x carries its own copy of click; older versions use click it
 except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _cx  # type: ignore[no-redef]
 
+from precprof import _signals
 from precprof.errors import UserError
 from precprof.modes import Device, OptimizerName, Precision
 
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM exits with 143
+
+
+def _exit_code(e: KeyboardInterrupt) -> int:
+    interrupted = _signals.as_interrupted(e)
+    return interrupted.exit_code if interrupted is not None else EXIT_INTERRUPTED
+
+
+def _stopped(e: KeyboardInterrupt) -> str:
+    interrupted = _signals.as_interrupted(e)
+    return interrupted.reason if interrupted is not None else "interrupted"
+
 
 app = typer.Typer(
     name="precprof",
@@ -105,8 +118,15 @@ def train(
         str, typer.Option(help="synthetic, or the path of a text file (read as bytes).")
     ] = "synthetic",
     out: Annotated[
-        Path | None, typer.Option(help="Run directory (default: runs/<model>-<precision>-<timestamp>).")
+        Path | None,
+        typer.Option(
+            help="Run directory (default: runs/<model>-<precision>-<timestamp>). An existing run there is "
+            "refused unless --overwrite."
+        ),
     ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace the run already in --out (its other files stay).")
+    ] = False,
     sample_every: Annotated[
         int | None, typer.Option(help="Profile layers every N steps (default: about 100 sampled steps).")
     ] = None,
@@ -149,15 +169,16 @@ def train(
         report=report,
         command_line=shlex.join(["precprof", *sys.argv[1:]]),
         distributed=distributed,
+        overwrite=overwrite,
     )
     config.validate()
-    if config.out is None:
-        config.out = training.default_out_dir(config)
     try:
-        result = training.train(config)
-    except KeyboardInterrupt:
-        typer.echo(f"\ninterrupted: the partial run is in {config.out}", err=True)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        with _signals.handling():
+            result = training.train(config)
+    except KeyboardInterrupt as e:
+        where = getattr(e, "precprof_run_dir", None)
+        typer.echo(f"\n{_stopped(e)}" + (f": the partial run is in {where}" if where else ""), err=True)
+        raise typer.Exit(_exit_code(e)) from None
     if os.environ.get("RANK", "0") not in ("", "0"):
         return  # under torchrun rank 0 wrote the run and prints it
     final = result.summary.get("final", {})
@@ -223,7 +244,11 @@ def report(
                 "this precprof installation has no report renderer (precprof.report.render)"
             ) from None
         raise
-    path = render_run_dir(run_dir, out=out, target=target)
+    try:
+        path = render_run_dir(run_dir, out=out, target=target)
+    except OSError as e:
+        dest = out if out is not None else run_dir / "report.html"
+        raise UserError(f"cannot write {dest}: {e.strerror or e}; choose another --out") from None
     typer.echo(str(path))
 
 
@@ -273,6 +298,9 @@ def compare(
             help="Folder for the runs and compare.html (default: runs/compare-<model>-<timestamp>)."
         ),
     ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace runs already in --out (their other files stay).")
+    ] = False,
     sample_every: Annotated[
         int | None, typer.Option(help="Profile layers every N steps (default: 10 sampled steps per run).")
     ] = None,
@@ -309,12 +337,16 @@ def compare(
         progress=progress,
         report=report,
         command_line=shlex.join(["precprof", *sys.argv[1:]]),
+        overwrite=overwrite,
     )
     try:
-        result = comparing.compare(config, variants, out=out, tolerance=tolerance)
-    except KeyboardInterrupt:
-        typer.echo("\ninterrupted: the runs so far are compared in compare.html", err=True)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        with _signals.handling():
+            result = comparing.compare(config, variants, out=out, tolerance=tolerance)
+    except KeyboardInterrupt as e:
+        html = getattr(e, "precprof_compare_html", None)
+        done = f": the runs that finished are compared in {html}" if html else ": no run finished to compare"
+        typer.echo(f"\n{_stopped(e)}{done}", err=True)
+        raise typer.Exit(_exit_code(e)) from None
     for check in result.checks:
         typer.echo(f"[{check.status}] {check.text}")
     typer.echo(f"comparison: {Path(result.runs[0].run_dir).parent / comparing.COMPARE_HTML}")

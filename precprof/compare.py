@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from precprof import _atomic, _signals, rundir
 from precprof import tables as T
 from precprof.errors import UserError
 
@@ -551,10 +552,11 @@ def compare(
         stem = training.default_out_dir(base).name.replace(f"-{base.precision}-", "-")
         out = Path("runs") / f"compare-{stem}"
     out = Path(out)
+    for v in variants:  # every run directory is usable before the first run trains
+        rundir.check_target(out / v.label, overwrite=base.overwrite, option="--out")
     out.mkdir(parents=True, exist_ok=True)
     sample_every = base.sample_every if base.sample_every is not None else max(1, base.steps // 10)
     done: list[tuple[Variant, Path]] = []
-    comparison: Comparison | None = None
     t0 = time.perf_counter()
     shared = {
         k: v
@@ -578,6 +580,8 @@ def compare(
                 cfg = _advised_config(cfg, out / variants[ref_i].label)
             try:
                 training.train(cfg)
+            except UserError:
+                raise
             except Exception as e:  # keep going: a failed precision is a result too
                 if not T.is_run_dir(run_dir):
                     T.write_summary(
@@ -590,14 +594,32 @@ def compare(
             done.append((v, run_dir))
             if on_run is not None:
                 on_run(v, run_dir)
-    finally:
-        if done:
-            done.sort(key=lambda d: variants.index(d[0]))
-            comparison = analyse(done, tolerance, shared)
-            comparison.wall_s = time.perf_counter() - t0
-            write(comparison, out)
-    if comparison is None:
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the run in progress saved itself; compare the rest
+        with _signals.deferred():  # a second Ctrl-C does not cut compare.html short
+            _signals.consume()
+            if done:
+                _finish(done, variants, tolerance, shared, t0, out)
+                with contextlib.suppress(AttributeError):  # for the CLI's message
+                    e.precprof_compare_html = out / COMPARE_HTML  # type: ignore[attr-defined]
+        raise
+    if not done:
         raise UserError("no run finished: nothing to compare")
+    return _finish(done, variants, tolerance, shared, t0, out)
+
+
+def _finish(
+    done: list[tuple[Variant, Path]],
+    variants: Sequence[Variant],
+    tolerance: float,
+    shared: dict[str, Any],
+    t0: float,
+    out: Path,
+) -> Comparison:
+    """Analyse the runs in ``done`` (in the order of ``variants``) and write compare.json and compare.html."""
+    done = sorted(done, key=lambda d: variants.index(d[0]))
+    comparison = analyse(done, tolerance, shared)
+    comparison.wall_s = time.perf_counter() - t0
+    write(comparison, out)
     return comparison
 
 
@@ -619,15 +641,10 @@ def write(comparison: Comparison, out: str | Path) -> Path:
     """Write ``compare.json`` and ``compare.html`` into ``out``; returns the HTML path."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / COMPARE_JSON).write_text(
-        json.dumps(comparison.to_dict(), indent=2, default=str, allow_nan=True) + "\n"
+    _atomic.write_text(
+        out / COMPARE_JSON, json.dumps(comparison.to_dict(), indent=2, default=str, allow_nan=True) + "\n"
     )
-    html = render(comparison, base_dir=out)
-    path = out / COMPARE_HTML
-    tmp = path.with_suffix(".html.tmp")
-    tmp.write_text(html, encoding="utf-8")
-    tmp.replace(path)
-    return path
+    return _atomic.write_text(out / COMPARE_HTML, render(comparison, base_dir=out))
 
 
 # ------------------------------------------------------------------------------------------- figures

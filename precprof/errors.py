@@ -14,8 +14,16 @@ class MissingDependencyError(UserError):
     """An optional dependency is not installed; the message names the pip extra that provides it."""
 
     def __init__(self, package: str, extra: str | None = None, purpose: str = "") -> None:
-        hint = f"pip install 'precprof[{extra}]'" if extra else f"pip install {package}"
+        # precprof is installed from its source tree: name the package itself, and the checkout's extra
+        hint = f"pip install {package}" + (f" (or pip install -e '.[{extra}]' in precprof's checkout)" if extra else "")
         what = f" (needed for {purpose})" if purpose else ""
         super().__init__(f"{package} is not installed{what}; install it with: {hint}")
         self.package = package
         self.extra = extra
+
+
+class DamagedRunDirError(UserError):
+    """A file of a run directory cannot be read (truncated, not JSON or Parquet, wrong structure).
+
+    The message names the file and what is wrong with it.
+    """

@@ -38,6 +38,8 @@ from typing import Any
 
 import pandas as pd
 
+from precprof import _atomic
+from precprof.errors import DamagedRunDirError
 from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
 
 # ----------------------------------------------------------------------------------------------- columns
@@ -221,43 +223,89 @@ def _json_default(o: Any) -> Any:
 
 
 def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:
-    """Write summary.json atomically (a crash mid-write never leaves a truncated file)."""
+    """Write summary.json atomically (a crash or a full disk mid-write never leaves a truncated file)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / SUMMARY_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=_json_default, allow_nan=True) + "\n")
-    tmp.replace(path)
-    return path
+    text = json.dumps(summary, indent=2, default=_json_default, allow_nan=True) + "\n"
+    return _atomic.write_text(run_dir / SUMMARY_FILE, text)
+
+
+# summary.json sections that are JSON objects whenever they are present
+_OBJECT_SECTIONS = (
+    SUMMARY_CONFIG,
+    SUMMARY_HARDWARE,
+    SUMMARY_VERSIONS,
+    SUMMARY_MODEL,
+    SUMMARY_CAPTURE,
+    SUMMARY_FINAL,
+    SUMMARY_MEMORY,
+    SUMMARY_RECOMMENDATION,
+)
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
-    """summary.json of a run directory ({} when there is none)."""
+    """summary.json of a run directory ({} when there is none).
+
+    Raises DamagedRunDirError, naming the file and the fault, when it is not a JSON object or one of its
+    sections has the wrong type (e.g. ``"config": 42``).
+    """
     path = Path(run_dir) / SUMMARY_FILE
     if not path.exists():
         return {}
-    data: dict[str, Any] = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DamagedRunDirError(
+            f"{path} is damaged (not valid JSON: {e}); delete it to render the report from the tables alone"
+        ) from None
+    except OSError as e:
+        raise DamagedRunDirError(f"{path} cannot be read: {e.strerror or e}") from None
+    if not isinstance(data, dict):
+        raise DamagedRunDirError(f"{path} is damaged: expected a JSON object, found {type(data).__name__}")
+    for key in _OBJECT_SECTIONS:
+        value = data.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise DamagedRunDirError(
+                f"{path} is damaged: {key!r} should be an object, found {json.dumps(value)[:40]}"
+            )
+    if not isinstance(data.get(SUMMARY_STATUS, ""), str):
+        raise DamagedRunDirError(f"{path} is damaged: {SUMMARY_STATUS!r} should be a string")
     return data
 
 
 def write_tables(run_dir: str | Path, tables: Mapping[str, pd.DataFrame]) -> None:
-    """Write each table as Parquet, atomically per file."""
+    """Write each table as Parquet, atomically per file (OSError, e.g. ENOSPC, leaves no partial file)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     for name, df in tables.items():
-        path = run_dir / TABLE_FILES[name]
-        tmp = path.with_suffix(".parquet.tmp")
-        frame(name, df).to_parquet(tmp, index=False)
-        tmp.replace(path)
+        out = frame(name, df)
+        _atomic.write_with(run_dir / TABLE_FILES[name], lambda tmp, out=out: out.to_parquet(tmp, index=False))
+
+
+def missing_tables(run_dir: str | Path) -> list[str]:
+    """Names of the four tables whose Parquet file is absent from ``run_dir``."""
+    return [name for name, fname in TABLE_FILES.items() if not (Path(run_dir) / fname).exists()]
 
 
 def read_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
-    """The four tables of a run directory; a missing file gives an empty table of the right columns."""
+    """The four tables of a run directory; a missing file gives an empty table of the right columns.
+
+    Raises DamagedRunDirError, naming the file, when a Parquet file cannot be read.
+    """
     run_dir = Path(run_dir)
     out: dict[str, pd.DataFrame] = {}
     for name, fname in TABLE_FILES.items():
         path = run_dir / fname
-        out[name] = frame(name, pd.read_parquet(path)) if path.exists() else empty(name)
+        if not path.exists():
+            out[name] = empty(name)
+            continue
+        try:
+            out[name] = frame(name, pd.read_parquet(path))
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError and others for a damaged file
+            msg = " ".join(str(e).split())[:160]
+            raise DamagedRunDirError(
+                f"{path} is damaged ({type(e).__name__}: {msg}); re-run, or delete it to render without it"
+            ) from None
     return out
 
 

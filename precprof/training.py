@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precprof import hardware
+from precprof import _signals, hardware, rundir
 from precprof import tables as T
 from precprof.data import TokenSource, load_data
 from precprof.errors import MissingDependencyError, UserError
@@ -95,6 +95,7 @@ class TrainConfig:
     report: bool = True
     command_line: str | None = None
     distributed: str = "ddp"  # under torchrun: ddp | fsdp2 | fsdp1 (precprof.distributed.wrap_model)
+    overwrite: bool = False  # replace the run already in ``out`` (else an existing run is refused)
 
     def validate(self) -> None:
         """Raise UserError for a value no run can use (checked before anything is built)."""
@@ -131,6 +132,8 @@ class TrainConfig:
             )
         if not (self.device in DEVICES or self.device.startswith("cuda:")):
             raise UserError(f"unknown device {self.device!r}; choose auto, cpu or cuda")
+        if self.out is not None:
+            rundir.check_target(self.out, overwrite=self.overwrite)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -314,6 +317,11 @@ def make_scaler(
 def make_optimizer(config: TrainConfig, model: nn.Module, plan: PrecisionPlan) -> torch.optim.Optimizer:
     """AdamW or SGD; for low-precision parameters, the fp32-state variants of ``precprof.optim``."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UserError(
+            f"the model ({type(model).__name__}) has no trainable parameters: nothing to train or profile; "
+            "check the factory returns the model with its layers (and requires_grad=True)"
+        )
     pure = plan.param_dtype != torch.float32
     if config.optimizer == OptimizerName.SGD.value:
         if pure:
@@ -397,11 +405,12 @@ def _fp8_context(plan: PrecisionPlan) -> contextlib.AbstractContextManager[Any]:
 
 
 # ---------------------------------------------------------------------------------------- the step
-def loss_from_output(out: Any, targets: torch.Tensor) -> torch.Tensor:
+def loss_from_output(out: Any, targets: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
     """The training loss from a model's output (see the model contract in ``precprof.models``).
 
     A scalar tensor or an output's ``loss`` is used as is; logits (B, T, V) give the mean next-token
-    cross-entropy against ``targets`` (B, T), computed in fp32. UserError for any other output.
+    cross-entropy against ``targets`` (B, T), computed in fp32. UserError for any other output, and for logits
+    with fewer classes than ``vocab_size`` (the token ids of the data: cross-entropy would index past them).
     """
     loss = logits = None
     if isinstance(out, torch.Tensor):
@@ -416,6 +425,11 @@ def loss_from_output(out: Any, targets: torch.Tensor) -> torch.Tensor:
     if isinstance(loss, torch.Tensor) and loss.ndim == 0:
         return loss.float()
     if isinstance(logits, torch.Tensor) and logits.ndim == 3 and logits.shape[:2] == targets.shape:
+        if vocab_size is not None and logits.shape[-1] < vocab_size:
+            raise UserError(
+                f"the model's logits have {logits.shape[-1]} classes but the data has {vocab_size} token ids: "
+                f"give the model a vocabulary of at least {vocab_size} (e.g. -a vocab_size={vocab_size})"
+            )
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
     shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else None
     raise UserError(
@@ -533,9 +547,9 @@ def train(
     mistakes in the configuration before anything is written.
     """
     from precprof import distributed
-    from precprof.capture import Profiler
 
     config.validate()
+    user_out = config.out is not None  # else a default name, which moves on to a free one
     # under torchrun (WORLD_SIZE > 1): join the process group; each rank trains on its own device and batches
     dist_info = distributed.init_from_env()
     device = dist_info.device if dist_info is not None else resolve_device(config.device)
@@ -561,7 +575,6 @@ def train(
         profiler_kwargs = {"reducer": distributed.RankReducer(wrapped=model), **(profiler_kwargs or {})}
     optimizer = make_optimizer(config, model, plan)
     scaler = make_scaler(config, plan, device)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     sample_every = (
         config.sample_every if config.sample_every is not None else default_sample_every(config.steps)
     )
@@ -602,6 +615,63 @@ def train(
             file=sys.stderr,
         )
     summary[T.SUMMARY_CONFIG]["world_size"] = world_size
+    claimed: rundir.RunDir | None = None
+    if writer:  # the run directory is checked, created and locked before the first step
+        if user_out:
+            claimed = rundir.claim(run_dir, overwrite=config.overwrite, summary=summary)
+        else:
+            claimed = rundir.claim_new(run_dir, summary=summary)
+        if claimed.path != run_dir:
+            run_dir = claimed.path
+            config = dataclasses.replace(config, out=run_dir)
+            summary[T.SUMMARY_CONFIG]["out"] = str(run_dir)
+    try:
+        return _train_loop(
+            config,
+            summary,
+            built,
+            model,
+            inner,
+            optimizer,
+            scaler,
+            plan,
+            data,
+            device,
+            run_dir,
+            prof_kwargs,
+            tokens_per_step,
+            writer,
+            dist_info,
+            callbacks,
+        )
+    finally:
+        if claimed is not None:
+            claimed.release()
+
+
+def _train_loop(
+    config: TrainConfig,
+    summary: dict[str, Any],
+    built: BuiltModel,
+    model: nn.Module,
+    inner: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    plan: PrecisionPlan,
+    data: TokenSource,
+    device: torch.device,
+    run_dir: Path,
+    prof_kwargs: dict[str, Any],
+    tokens_per_step: int,
+    writer: bool,
+    dist_info: Any,
+    callbacks: Sequence[Callback],
+) -> TrainResult:
+    """The steps of ``train`` and the end of the run, on a claimed run directory."""
+    from precprof import distributed
+    from precprof.capture import Profiler
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     prof = Profiler(inner, optimizer=optimizer, scaler=scaler, **prof_kwargs)
     run = TrainRun(config, model, optimizer, scaler, prof, device, run_dir)
 
@@ -626,7 +696,7 @@ def train(
                 with autocast(), _fp8_context(plan):
                     out = model(x, targets=y) if built.pass_targets else model(x)
                     with prof.memory_scope():  # what the loss saves for backward counts as activations
-                        loss = loss_from_output(out, y)
+                        loss = loss_from_output(out, y, data.vocab_size)
                 run.loss = loss.detach()
                 if scaler is not None:
                     scaler.scale(loss).backward()
@@ -659,23 +729,33 @@ def train(
                 bar.update(1)
                 for cb in callbacks:
                     cb.on_step_end(run)
+                _signals.check()  # a Ctrl-C or SIGTERM whose exception was swallowed on the way stops here
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             wall_s = time.perf_counter() - t_start
             for cb in callbacks:
                 cb.on_end(run)
     except BaseException as e:
-        bar.close()
-        reason = (
-            "interrupted (KeyboardInterrupt)"
-            if isinstance(e, KeyboardInterrupt)
-            else f"{type(e).__name__}: {e}"
-        )
-        _save_incomplete(
-            prof, run_dir, summary, reason, time.perf_counter() - t_start, data, steps_done, tokens_per_step
-        )
-        if config.report and writer:
-            _render_report(run_dir)  # a crashed run gets its report of the steps recorded, marked incomplete
+        with _signals.deferred():  # a second Ctrl-C must not cut the save short
+            bar.close()
+            interrupted = _signals.as_interrupted(e)
+            if interrupted is not None:
+                _signals.consume()
+            reason = interrupted.reason if interrupted is not None else f"{type(e).__name__}: {e}"
+            # a crashed run gets its tables, summary and report of the steps recorded, marked incomplete
+            _save_incomplete(
+                prof,
+                run_dir,
+                summary,
+                reason,
+                time.perf_counter() - t_start,
+                data,
+                steps_done,
+                tokens_per_step,
+                render=config.report and writer,
+            )
+        with contextlib.suppress(AttributeError):  # for the CLI's message
+            e.precprof_run_dir = run_dir  # type: ignore[attr-defined]
         if hasattr(e, "add_note"):
             e.add_note(f"precprof: the partial run was saved to {run_dir}")
         if dist_info is not None and dist_info.owns_group:
@@ -684,9 +764,7 @@ def train(
     bar.close()
     steps_table = prof.tables()["steps"]
     summary[T.SUMMARY_FINAL] = _final(steps_table, wall_s, _data_summary(data), steps_done, tokens_per_step)
-    prof.save(run_dir, summary=summary, status=T.STATUS_COMPLETE)
-    if config.report and writer:
-        _render_report(run_dir)
+    prof.save(run_dir, summary=summary, status=T.STATUS_COMPLETE, render=config.report and writer)
     if dist_info is not None and dist_info.owns_group:
         distributed.shutdown()  # after rank 0 wrote: its barrier waits for it
     final_summary = T.read_summary(run_dir)
@@ -707,6 +785,7 @@ def _save_incomplete(
     data: TokenSource,
     steps_done: int,
     tokens_per_step: int,
+    render: bool,
 ) -> None:
     """Best effort: a failure here must not hide the exception that stopped training."""
     try:
@@ -714,12 +793,6 @@ def _save_incomplete(
         summary[T.SUMMARY_FINAL] = _final(
             steps_table, wall_s, _data_summary(data), steps_done, tokens_per_step
         )
-        prof.save(run_dir, summary=summary, status=T.STATUS_INCOMPLETE, reason=reason)
+        prof.save(run_dir, summary=summary, status=T.STATUS_INCOMPLETE, reason=reason, render=render)
     except Exception as err:  # the original exception is re-raised by the caller
         warnings.warn(f"precprof: could not save the partial run to {run_dir}: {err}", stacklevel=2)
-
-
-def _render_report(run_dir: Path) -> Path | None:
-    from precprof.report.render import render_run_dir_or_warn
-
-    return render_run_dir_or_warn(run_dir)

@@ -112,14 +112,24 @@ def test_ctrl_c_exits_130_and_names_the_run_dir(
 ) -> None:
     from precprof import training
 
-    def interrupted(config: training.TrainConfig, **kwargs: object) -> training.TrainResult:
-        raise KeyboardInterrupt
+    real_norm, calls = training.grad_norm_, []
 
-    monkeypatch.setattr(training, "train", interrupted)
+    def norm_then_ctrl_c(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 3:  # Ctrl-C in the middle of the third step
+            raise KeyboardInterrupt
+        return real_norm(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(training, "grad_norm_", norm_then_ctrl_c)
     out = tmp_path / "partial"
-    rc, _, err = run_main(["train", "--out", str(out), *TINY], capsys)
+    rc, _, err = run_main(["train", "--out", str(out), *TINY, "--steps", "5"], capsys)
     assert rc == 130
-    assert f"interrupted: the partial run is in {out}" in err
+    assert f"interrupted (Ctrl-C, SIGINT): the partial run is in {out}" in err
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert summary[T.SUMMARY_INCOMPLETE_REASON] == "interrupted (Ctrl-C, SIGINT)"
+    steps = T.read_tables(out)["steps"]  # two finished steps and the one cut short (no loss recorded)
+    assert steps[T.LOSS].notna().tolist() == [True, True, False] and (out / T.REPORT_FILE).exists()
 
 
 def test_env(capsys: pytest.CaptureFixture[str]) -> None:

@@ -181,7 +181,7 @@ def test_hf_model_from_config() -> None:
 
 def test_hf_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
-    with pytest.raises(MissingDependencyError, match=r"precprof\[hf\]"):
+    with pytest.raises(MissingDependencyError, match=r"pip install transformers .*\.\[hf\]"):
         build_model("hf:gpt2", vocab_size=256, seq_len=16)
 
 

@@ -271,7 +271,7 @@ class Boom(Callback):
 
 @pytest.mark.parametrize(
     ("exc", "reason"),
-    [(KeyboardInterrupt(), "KeyboardInterrupt"), (RuntimeError("boom"), "RuntimeError: boom")],
+    [(KeyboardInterrupt(), "interrupted (Ctrl-C, SIGINT)"), (RuntimeError("boom"), "RuntimeError: boom")],
 )
 def test_interrupted_run_is_saved_incomplete(tmp_path: Path, exc: BaseException, reason: str) -> None:
     cfg = tiny(tmp_path, steps=10)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import site
 import subprocess
 import sys
 import textwrap
@@ -58,16 +59,29 @@ def build_wheel(tmp: Path) -> Path:
     return wheel
 
 
+def make_venv(venv: Path) -> Path:
+    """A fresh virtual environment that sees this interpreter's installed dependencies but not precprof.
+
+    ``--system-site-packages`` would expose the *base* interpreter's packages, which lack torch when the tests
+    themselves run inside a virtual environment (as .ci/run does). Instead the running environment's
+    site-packages go into a .pth file: a plain path line adds the folder without processing the .pth files in
+    it, so the editable install of precprof there stays invisible, and the wheel installed into the new
+    environment's own site-packages comes first on sys.path.
+    """
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (inner,) = (venv / "lib").glob("python3*/site-packages")
+    outer = [p for p in (*site.getsitepackages(), site.getusersitepackages()) if Path(p).is_dir()]
+    (inner / "_precprof_test_deps.pth").write_text("".join(f"{p}\n" for p in outer))
+    return venv
+
+
 def test_wheel_ships_templates_and_renders_outside_the_repo(tmp_path: Path) -> None:
     wheel = build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"precprof/templates/{t}" for t in TEMPLATES} <= names
     assert "precprof/report/render.py" in names and "precprof/py.typed" in names
 
-    venv = tmp_path / "venv"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True
-    )
+    venv = make_venv(tmp_path / "venv")
     py = venv / "bin" / "python"
     subprocess.run(
         [

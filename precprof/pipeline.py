@@ -1,0 +1,131 @@
+"""The one way a run ends, finished, crashed or interrupted: project, advise, save, render, summary last.
+
+``finish_run(run_dir, tables, summary)`` is what ``Profiler.save``, the built-in loop and the integrations
+call. Its order makes a run directory either complete or say why not:
+
+1. memory projection and recommendation, in memory (best effort: a failure is one line in ``errors``);
+2. the four Parquet tables, each atomically;
+3. report.html, atomically, rendered from the same in-memory tables and summary;
+4. summary.json last, atomically. Until it is written, the run directory's summary is the one written when
+   the directory was claimed (status "incomplete", "running ..."), or the previous one.
+
+A failure to write (a full disk, a read-only file system) makes the run "incomplete" with that cause instead
+of raising; Ctrl-C or SIGTERM while the report renders leaves an incomplete run whose tables are complete,
+and is re-raised after summary.json is written. Writing the tables and the summary is never interrupted by a
+signal (``precprof._signals.deferred``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from precprof import _atomic, _signals, advisor, memory
+from precprof import tables as T
+from precprof.report.render import render_html
+
+
+def post_process(
+    tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any], facts: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Memory projection and recommendation for summary.json; best effort, never raises an Exception."""
+    out: dict[str, Any] = {}
+    try:
+        if not tables["memory"].empty:
+            out[T.SUMMARY_MEMORY] = memory.project(tables["memory"], dict(summary), facts=facts)
+    except Exception as e:
+        out.setdefault(T.SUMMARY_ERRORS, []).append(f"memory projection: {type(e).__name__}: {e}")
+    try:
+        if not tables["layers"].empty or not tables["steps"].empty:
+            rec = advisor.recommend(dict(tables), summary={**summary, **out})
+            out[T.SUMMARY_RECOMMENDATION] = rec.to_dict()
+    except Exception as e:
+        out.setdefault(T.SUMMARY_ERRORS, []).append(f"advisor: {type(e).__name__}: {e}")
+    return out
+
+
+def _incomplete(summary: dict[str, Any], cause: str) -> None:
+    """Mark ``summary`` incomplete; a cause already there (the crash) stays first."""
+    before = (
+        summary.get(T.SUMMARY_INCOMPLETE_REASON)
+        if summary.get(T.SUMMARY_STATUS) != T.STATUS_COMPLETE
+        else None
+    )
+    summary[T.SUMMARY_STATUS] = T.STATUS_INCOMPLETE
+    summary[T.SUMMARY_INCOMPLETE_REASON] = f"{before}; then {cause}" if before else cause
+
+
+def _why(e: OSError) -> str:
+    return f"[Errno {e.errno}] {e.strerror}" if e.strerror else f"{type(e).__name__}: {e}"
+
+
+def finish_run(
+    run_dir: str | Path,
+    tables: Mapping[str, pd.DataFrame],
+    summary: Mapping[str, Any],
+    *,
+    facts: dict[str, Any] | None = None,
+    render: bool = True,
+) -> dict[str, Any]:
+    """Write the run directory in the order of the module docstring; returns the summary as written.
+
+    ``summary`` must already carry its status (``complete``/``incomplete``) and reason. Raises only
+    KeyboardInterrupt (after saving), never for a failure to write: that becomes the run's incomplete cause.
+    """
+    run_dir = Path(run_dir)
+    full = dict(summary)
+    full.setdefault(T.SUMMARY_STATUS, T.STATUS_COMPLETE)
+    full.setdefault(T.SUMMARY_INCOMPLETE_REASON, None)
+    tables_ok = True
+    with _signals.deferred():
+        full.update(post_process(tables, full, facts))
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            T.write_tables(run_dir, tables)
+        except OSError as e:
+            tables_ok = False
+            _incomplete(full, f"the tables could not be written to {run_dir} ({_why(e)})")
+    interrupted: KeyboardInterrupt | None = None
+    report = run_dir / T.REPORT_FILE
+    if render and tables_ok:
+        try:
+            _atomic.write_text(report, render_html(tables, full))
+        except KeyboardInterrupt as e:
+            _signals.consume()
+            interrupted = e
+            _incomplete(
+                full,
+                f"interrupted while rendering {T.REPORT_FILE}; the tables are complete: "
+                f"`precprof report {run_dir}` renders it",
+            )
+        except OSError as e:
+            _incomplete(full, f"{T.REPORT_FILE} could not be written ({_why(e)})")
+        except Exception as e:  # a bug in rendering must not lose the run: the data is saved
+            full.setdefault(T.SUMMARY_ERRORS, []).append(f"report: {type(e).__name__}: {e}")
+            warnings.warn(
+                f"precprof: {T.REPORT_FILE} could not be rendered ({type(e).__name__}: {e}); "
+                f"the run is saved: try `precprof report {run_dir}`",
+                stacklevel=2,
+            )
+    with _signals.deferred():
+        try:
+            T.write_summary(run_dir, full)
+        except OSError as e:
+            _incomplete(full, f"summary.json could not be written ({_why(e)})")
+            warnings.warn(
+                f"precprof: could not save {run_dir}: {full[T.SUMMARY_INCOMPLETE_REASON]}", stacklevel=2
+            )
+            with contextlib.suppress(OSError):  # the report would claim a status the summary does not have
+                report.unlink()
+            with contextlib.suppress(OSError):  # a short summary may still fit where the full one did not
+                T.write_summary(
+                    run_dir, {k: full.get(k) for k in (T.SUMMARY_STATUS, T.SUMMARY_INCOMPLETE_REASON)}
+                )
+    if interrupted is not None:
+        raise interrupted
+    return full

@@ -1,0 +1,189 @@
+"""Owning a run directory: checked before training starts, one writer at a time, never overwritten silently.
+
+``check_target(path)`` is cheap and creates nothing: it refuses a path that is a file, that cannot be
+created, or that already holds a run (unless ``overwrite``). ``claim(path)`` then creates the directory,
+takes an exclusive lock on ``.precprof.lock`` (``fcntl.flock``: released by the kernel when the process dies,
+so a killed run never leaves a stale lock), checks again under the lock, and writes a first summary.json with
+status "incomplete": a run killed with SIGKILL, or whose final save fails, still says what it is. The writer
+replaces that summary last (``precprof.pipeline``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from precprof import _atomic
+from precprof import tables as T
+from precprof.errors import UserError
+
+try:  # POSIX; elsewhere a run directory is not locked (the other checks still hold)
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+LOCK_FILE = ".precprof.lock"
+RUN_FILES: tuple[str, ...] = (T.SUMMARY_FILE, T.REPORT_FILE, *T.TABLE_FILES.values())
+RUNNING_REASON = (
+    "running (pid {pid}, started {started}); if it still says this, the process was killed before it could "
+    "save (e.g. SIGKILL or out of memory)"
+)
+
+
+class RunDirError(UserError):
+    """The run directory cannot be used: a file, not writable, holding a run, or in use by another process."""
+
+
+def _holds_run(path: Path) -> list[str]:
+    return [f for f in RUN_FILES if (path / f).exists()]
+
+
+def _describe_existing(path: Path) -> str:
+    try:
+        status = T.read_summary(path).get(T.SUMMARY_STATUS) or "no summary"
+    except UserError:
+        status = "damaged summary"
+    return f"{path} already holds a precprof run ({status})"
+
+
+def check_target(path: str | os.PathLike[str], *, overwrite: bool = False, option: str = "--out") -> Path:
+    """Refuse, with a one-line RunDirError, a run directory that cannot be used; creates nothing."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise RunDirError(f"{option} {p}: is a file, not a directory; choose another {option}")
+    if p.is_dir():
+        if _holds_run(p) and not overwrite:
+            raise RunDirError(
+                f"{option} {p}: {_describe_existing(p)}; choose another {option}, or add --overwrite to replace it"
+            )
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise RunDirError(f"{option} {p}: the directory is not writable; choose another {option}")
+        return p
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise RunDirError(f"{option} {p}: {parent} is a file, not a directory; choose another {option}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise RunDirError(
+            f"{option} {p}: cannot create it, {parent} is not writable; choose another {option}"
+        )
+    return p
+
+
+@dataclass
+class RunDir:
+    """A claimed run directory. ``release()`` (or leaving the ``with`` block) drops the lock."""
+
+    path: Path
+    _fd: int | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+
+    def __enter__(self) -> RunDir:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _lock(path: Path, option: str) -> int:
+    lock = path / LOCK_FILE
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RunDirError(f"{option} {path}: not writable ({e.strerror}); choose another {option}") from None
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise RunDirError(f"{option} {path}: cannot lock it ({e.strerror})") from None
+            try:
+                owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            raise RunDirError(
+                f"{option} {path}: another precprof process (pid {owner}) is writing this run directory; "
+                f"wait for it or choose another {option}"
+            ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def claim(
+    path: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    summary: dict[str, Any] | None = None,
+    option: str = "--out",
+) -> RunDir:
+    """Create and lock ``path`` for this process and write its first summary.json (status incomplete).
+
+    With ``overwrite`` the files of a previous run (summary, tables, report, temporary files) are removed
+    first; other files in the directory are never touched. Raises RunDirError with a one-line reason.
+    """
+    p = check_target(path, overwrite=overwrite, option=option)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"{option} {p}: cannot create it ({e.strerror}); choose another {option}") from None
+    fd = _lock(p, option)
+    run = RunDir(p, fd)
+    try:
+        if _holds_run(p):  # again under the lock: another process may have finished a run here meanwhile
+            if not overwrite:
+                raise RunDirError(
+                    f"{option} {p}: {_describe_existing(p)}; choose another {option}, or add --overwrite"
+                )
+            for name in RUN_FILES:
+                with contextlib.suppress(FileNotFoundError):
+                    (p / name).unlink()
+        for stale in p.iterdir():
+            if _atomic.is_tmp(stale):
+                with contextlib.suppress(OSError):
+                    stale.unlink()
+        first = dict(summary or {})
+        first[T.SUMMARY_STATUS] = T.STATUS_INCOMPLETE
+        first[T.SUMMARY_INCOMPLETE_REASON] = RUNNING_REASON.format(
+            pid=os.getpid(), started=datetime.datetime.now().isoformat(timespec="seconds")
+        )
+        try:
+            T.write_summary(p, first)
+        except OSError as e:
+            raise RunDirError(
+                f"{option} {p}: cannot write to it ({e.strerror}); choose another {option}"
+            ) from None
+    except BaseException:
+        run.release()
+        raise
+    return run
+
+
+def claim_new(base: str | os.PathLike[str], *, summary: dict[str, Any] | None = None) -> RunDir:
+    """Claim ``base``, or ``base-2``, ``base-3``... whichever does not exist yet (for default run names:
+    two runs started in the same second get two directories)."""
+    base = Path(base)
+    for i in range(1, 1000):
+        candidate = base if i == 1 else base.with_name(f"{base.name}-{i}")
+        try:
+            candidate.mkdir(parents=True, exist_ok=False)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise RunDirError(
+                f"cannot create the run directory {candidate} ({e.strerror}); use --out"
+            ) from None
+        return claim(candidate, summary=summary)
+    raise RunDirError(f"cannot find a free run directory name next to {base}; use --out")
