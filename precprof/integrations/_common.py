@@ -118,13 +118,6 @@ def final_block(steps: pd.DataFrame, wall_s: float) -> dict[str, Any]:
     }
 
 
-def render_report(run_dir: Path) -> Path | None:
-    """report.html for the run; a rendering error only warns (the run is already saved)."""
-    from precprof.report.render import render_run_dir_or_warn
-
-    return render_run_dir_or_warn(run_dir)
-
-
 class Session:
     """One profiled training run driven by a framework's callbacks.
 
@@ -205,9 +198,10 @@ class Session:
             requested = str(capture.get("mixed_precision_requested") or "")
             capture.update(mixed_precision_check(requested, tables["layers"]))
             summary[T.SUMMARY_CAPTURE] = capture
-            self.run_dir = prof.save(self.out, summary=summary, status=status, reason=reason)
-            if self.report and prof.is_writer:
-                self.report_path = render_report(self.run_dir)
+            render = self.report and prof.is_writer
+            self.run_dir = prof.save(self.out, summary=summary, status=status, reason=reason, render=render)
+            report = self.run_dir / T.REPORT_FILE
+            self.report_path = report if render and report.exists() else None
         except Exception as e:
             warnings.warn(
                 f"precprof: could not save the run to {self.out}: {type(e).__name__}: {e}", stacklevel=2

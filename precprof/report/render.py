@@ -16,6 +16,7 @@ from typing import Any
 import jinja2
 import pandas as pd
 
+from precprof import _atomic
 from precprof import tables as T
 from precprof.errors import UserError
 from precprof.report import filters
@@ -64,19 +65,15 @@ def render_html(
     recommendation: Any = None,
     *,
     advisor_error: str | None = None,
+    missing_tables: list[str] | None = None,
 ) -> str:
     """The report as an HTML string. ``recommendation``: a ``Recommendation`` or its dict form; None uses the
-    one stored in ``summary`` (if any). ``advisor_error`` explains in the page why there is none."""
+    one stored in ``summary`` (if any). ``advisor_error`` explains in the page why there is none;
+    ``missing_tables`` names the Parquet files a run directory lacks (a notice at the top of the page)."""
     ctx = build_context(tables, summary, recommendation)
     ctx["advisor_error"] = advisor_error
+    ctx["missing_tables"] = [T.TABLE_FILES.get(t, t) for t in missing_tables or []]
     return environment().get_template(TEMPLATE).render(**ctx)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
 
 
 def render_report(
@@ -90,7 +87,8 @@ def render_report(
     The file is written atomically (a crash never leaves half a report). Returns the path written.
     """
     out = Path(out_path)
-    _write_atomic(out, render_html(tables, summary, recommendation))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _atomic.write_text(out, render_html(tables, summary, recommendation))
     return out
 
 
@@ -134,21 +132,7 @@ def render_run_dir(
         if new is not None:
             rec = new
     path = Path(out) if out is not None else rd / T.REPORT_FILE
-    _write_atomic(path, render_html(tabs, summary, rec, advisor_error=advisor_error))
+    html = render_html(tabs, summary, rec, advisor_error=advisor_error, missing_tables=T.missing_tables(rd))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic.write_text(path, html)
     return path
-
-
-def render_run_dir_or_warn(run_dir: str | Path) -> Path | None:
-    """``render_run_dir`` for the end of a training run: a rendering error only warns, since the run's data
-    is already saved and ``precprof report RUN_DIR`` can retry."""
-    import warnings
-
-    try:
-        return render_run_dir(run_dir)
-    except Exception as e:
-        warnings.warn(
-            f"precprof: report.html could not be rendered ({type(e).__name__}: {e}); "
-            f"the run is saved: try `precprof report {run_dir}`",
-            stacklevel=2,
-        )
-        return None
