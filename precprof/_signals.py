@@ -50,6 +50,7 @@ class _State:
     installed = False
     pending: int | None = None  # a signal received and not yet turned into a handled exception
     defer_depth = 0
+    defer_note: str | None = None  # printed when a signal arrives while deferred
 
 
 _state = _State()
@@ -59,10 +60,8 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     _state.pending = signum
     if _state.defer_depth == 0:
         raise Interrupted(signum)
-    print(
-        f"\nprecprof: {signal.Signals(signum).name} received while saving; finishing the run directory first",
-        file=sys.stderr,
-    )
+    if _state.defer_note:
+        print(f"\nprecprof: {signal.Signals(signum).name} received; {_state.defer_note}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -106,10 +105,15 @@ def as_interrupted(exc: BaseException) -> Interrupted | None:
 
 
 @contextlib.contextmanager
-def deferred() -> Iterator[None]:
-    """Signals arriving inside are recorded, not raised: for writing a run directory to its end."""
+def deferred(note: str | None = "finishing the run directory first") -> Iterator[None]:
+    """Signals arriving inside are recorded, not raised (``check()`` raises them afterwards): for writing a
+    run directory to its end, or for bookkeeping that must not be cut in half. ``note`` is printed when one
+    arrives (None: silently)."""
+    saved = _state.defer_note
     _state.defer_depth += 1
+    _state.defer_note = note
     try:
         yield
     finally:
         _state.defer_depth -= 1
+        _state.defer_note = saved

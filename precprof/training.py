@@ -713,8 +713,9 @@ def _train_loop(
                 else:
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                prof.step(loss=run.loss, grad_norm=norm, tokens=tokens_per_step)
-                steps_done = step + 1
+                with _signals.deferred(note=None):  # the step is recorded and counted, or neither
+                    prof.step(loss=run.loss, grad_norm=norm, tokens=tokens_per_step)
+                    steps_done = step + 1
                 if steps_done % config.refresh_every == 0 or steps_done == config.steps:
                     # the only host syncs of the loop: loss value, scale, throughput since the last refresh
                     now = time.perf_counter()

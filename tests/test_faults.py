@@ -1,0 +1,476 @@
+"""Nothing lost, no traceback: run directories, signals, full disks and damaged inputs, as a user meets them.
+
+Signals are sent to real `precprof` processes; the full disk is a simulated ENOSPC (and a real tmpfs where
+this machine lets the test mount one).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from precprof import _atomic, cli, pipeline, rundir
+from precprof import tables as T
+from precprof.training import TrainConfig, train
+
+TINY = ["--batch-size", "2", "--seq-len", "8", "--device", "cpu", "--no-progress"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    return int(info.value.code or 0), out, err
+
+
+def one_line_error(err: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def tiny_config(out: Path, **kw: object) -> TrainConfig:
+    base: dict[str, object] = {
+        "steps": 4,
+        "batch_size": 2,
+        "seq_len": 8,
+        "device": "cpu",
+        "progress": False,
+        "out": out,
+    }
+    return TrainConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def no_tmp_files(run_dir: Path) -> bool:
+    return not [p for p in run_dir.iterdir() if _atomic.is_tmp(p) or p.suffix == ".tmp"]
+
+
+# ------------------------------------------------------------------------------------- the run directory
+def test_out_that_is_a_file_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "a-file"
+    target.write_text("mine")
+    t0 = time.perf_counter()
+    rc, _, err = run_main(["train", "--out", str(target), *TINY, "--steps", "100000"], capsys)
+    assert rc == 2 and time.perf_counter() - t0 < 30  # refused at once, not after 100000 steps
+    assert "is a file, not a directory" in one_line_error(err)
+    assert target.read_text() == "mine"
+
+
+@pytest.mark.parametrize("where", ["/proc/precprof-test-run", "/proc/self/precprof/run"])
+def test_out_that_cannot_be_created_is_refused_before_training(
+    where: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs Linux's /proc")
+    rc, _, err = run_main(["train", "--out", where, *TINY, "--steps", "100000"], capsys)
+    assert rc == 2
+    assert one_line_error(err).startswith("precprof: error: --out ")
+
+
+def test_an_existing_run_is_never_overwritten_silently(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    rc, _, _ = run_main(["train", "--out", str(out), *TINY, "--steps", "3", "--seed", "1"], capsys)
+    assert rc == 0
+    first = T.read_summary(out)
+    (out / "notes.txt").write_text("the user's own file")
+    rc, _, err = run_main(["train", "--out", str(out), *TINY, "--steps", "2", "--seed", "2"], capsys)
+    assert rc == 2
+    line = one_line_error(err)
+    assert "already holds a precprof run (complete)" in line and "--overwrite" in line
+    assert T.read_summary(out) == first  # untouched
+
+    rc, _, _ = run_main(
+        ["train", "--out", str(out), *TINY, "--steps", "2", "--seed", "2", "--overwrite"], capsys
+    )
+    assert rc == 0
+    second = T.read_summary(out)
+    assert second[T.SUMMARY_CONFIG]["seed"] == 2 and len(T.read_tables(out)["steps"]) == 2
+    assert (out / "notes.txt").read_text() == "the user's own file"  # only precprof's files are replaced
+
+
+def test_overwrite_is_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run_main(["train", "--help"], capsys)
+    assert rc == 0 and "--overwrite" in out
+
+
+def test_default_run_directories_never_collide(tmp_path: Path) -> None:
+    base = tmp_path / "runs" / "gpt-nano-fp32-20260101-000000"
+    a = rundir.claim_new(base)
+    b = rundir.claim_new(base)
+    try:
+        assert a.path == base and b.path == base.with_name(base.name + "-2")
+    finally:
+        a.release()
+        b.release()
+
+
+def test_one_writer_per_directory(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    held = rundir.claim(out)
+    try:
+        with pytest.raises(rundir.RunDirError, match=rf"another precprof process \(pid {os.getpid()}\)"):
+            rundir.claim(out, overwrite=True)
+    finally:
+        held.release()
+    again = rundir.claim(out, overwrite=True)  # the lock went with the release
+    again.release()
+
+
+def test_two_processes_on_the_same_out(tmp_path: Path) -> None:
+    """Both start at once: one trains and writes, the other is refused with one line; the directory holds
+    one run, never files of both."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "precprof", "train", "--out", str(out), *TINY, "--steps", "20"]
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--seed", str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for seed in (1, 2)
+    ]
+    results = [(p.wait(timeout=300), p.stderr.read() if p.stderr else "") for p in procs]
+    codes = sorted(rc for rc, _ in results)
+    assert codes == [0, 2], results
+    loser = next(err for rc, err in results if rc == 2)
+    assert "another precprof process" in loser or "already holds a precprof run" in loser
+    summary = T.read_summary(out)
+    steps = T.read_tables(out)["steps"]
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE and len(steps) == 20
+    # the steps table and the summary come from the same run
+    assert summary[T.SUMMARY_FINAL]["final_loss"] == pytest.approx(float(steps[T.LOSS].iloc[-1]))
+    winner_seed = summary[T.SUMMARY_CONFIG]["seed"]
+    alone = train(tiny_config(tmp_path / "alone", steps=20, seed=winner_seed))
+    assert steps[T.LOSS].tolist() == alone.steps[T.LOSS].tolist()
+
+
+# -------------------------------------------------------------------------------------------- full disk
+def test_disk_full_is_an_incomplete_run_with_the_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = pd.DataFrame.to_parquet
+
+    def fill_the_disk(self: pd.DataFrame, path: object, *args: object, **kwargs: object) -> None:
+        if "histograms" in str(path):
+            Path(str(path)).write_bytes(b"PAR1 half a file")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(self, path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", fill_the_disk)
+    out = tmp_path / "run"
+    result = train(tiny_config(out))
+    summary = T.read_summary(out)
+    assert summary == result.summary
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert "No space left on device" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert "tables could not be written" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert not (out / T.TABLE_FILES["histograms"]).exists()  # no half-written table under the real name
+    assert no_tmp_files(out)
+
+
+def test_disk_full_on_a_real_tmpfs(tmp_path: Path) -> None:
+    """A 1.5 MiB tmpfs: the tables fit in part; the run ends incomplete naming ENOSPC and nothing is half
+    written. Needs root and permission to mount (skips otherwise)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mnt)], capture_output=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
+    try:
+        out = mnt / "run"
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "precprof",
+                "train",
+                "--out",
+                str(out),
+                *TINY,
+                "--steps",
+                "60",
+                "--sample-every",
+                "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=ENV,
+        )
+        assert "Traceback" not in proc.stderr, proc.stderr
+        summary = T.read_summary(out)
+        assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE, summary.get(T.SUMMARY_INCOMPLETE_REASON)
+        assert "No space left on device" in summary[T.SUMMARY_INCOMPLETE_REASON]
+        assert no_tmp_files(out)
+        for name in T.TABLE_FILES.values():  # what is there is whole
+            if (out / name).exists():
+                pd.read_parquet(out / name)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+# ---------------------------------------------------------------------------------------------- signals
+def start_training(out: Path, *extra: str, command: str = "train") -> subprocess.Popen[str]:
+    args = [sys.executable, "-m", "precprof", command, "--out", str(out), *TINY, *extra]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def wait_for(predicate: object, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    t0 = time.time()
+    while not predicate():  # type: ignore[operator]
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"the process ended early ({proc.returncode}): {proc.stderr.read() if proc.stderr else ''}"
+            )
+        if time.time() - t0 > timeout:
+            proc.kill()
+            raise AssertionError("timed out waiting for the run to start")
+        time.sleep(0.1)
+
+
+def training_started(out: Path) -> bool:
+    try:
+        return "running (pid" in (T.read_summary(out).get(T.SUMMARY_INCOMPLETE_REASON) or "")
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "Ctrl-C")]
+)
+def test_a_signal_saves_the_run(tmp_path: Path, sig: int, code: int, word: str) -> None:
+    out = tmp_path / "run"
+    proc = start_training(out, "--steps", "100000", "--sample-every", "1")
+    wait_for(lambda: training_started(out), proc)
+    time.sleep(1.5)  # some steps
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and f"the partial run is in {out}" in err
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert (
+        word in summary[T.SUMMARY_INCOMPLETE_REASON]
+        and signal.Signals(sig).name in summary[T.SUMMARY_INCOMPLETE_REASON]
+    )
+    steps = T.read_tables(out)["steps"]
+    assert steps[T.LOSS].notna().sum() >= 1
+    assert (out / T.REPORT_FILE).exists() and no_tmp_files(out)
+
+
+def test_a_second_ctrl_c_still_leaves_a_consistent_directory(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = start_training(out, "--steps", "100000", "--sample-every", "1")
+    wait_for(lambda: training_started(out), proc)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    for _ in range(5):  # an impatient user
+        time.sleep(0.05)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert summary[T.SUMMARY_INCOMPLETE_REASON].startswith("interrupted (Ctrl-C")
+    tabs = T.read_tables(out)
+    assert summary[T.SUMMARY_FINAL]["steps_done"] == int(tabs["steps"][T.LOSS].notna().sum())
+    assert no_tmp_files(out)
+
+
+def test_sigkill_leaves_a_directory_that_says_it_is_incomplete(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = start_training(out, "--steps", "100000")
+    wait_for(lambda: training_started(out), proc)
+    proc.kill()
+    proc.wait(timeout=60)
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert "killed before it could save" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert summary[T.SUMMARY_CONFIG]["steps"] == 100000  # what was running is on record
+    # the kernel dropped the dead process's lock: the directory can be reused with --overwrite
+    rundir.claim(out, overwrite=True).release()
+
+
+def test_compare_interrupted_compares_the_runs_that_finished(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    proc = start_training(out, "--precisions", "fp32,bf16", "--steps", "100000", command="compare")
+    # the reference (fp32) trains first: stop compare while it trains
+    wait_for(lambda: training_started(out / "fp32"), proc)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert T.read_summary(out / "fp32")[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert not (out / "bf16").exists()  # the next run never started
+
+
+def test_compare_sigterm_after_a_finished_run_writes_compare_html(tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    proc = start_training(out, "--precisions", "fp32,bf16", "--steps", "3", "--no-report", command="compare")
+
+    def second_running() -> bool:
+        return training_started(out / "bf16")
+
+    # fp32 (3 steps) finishes; bf16 then gets a long run by... it has 3 steps too: stop it as soon as it runs
+    try:
+        wait_for(second_running, proc, timeout=120)
+    except AssertionError:
+        pytest.skip("the second run finished before the signal could be sent")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    if proc.returncode == 0:
+        pytest.skip("the second run finished before the signal arrived")
+    assert proc.returncode == 143, err
+    assert f"the runs that finished are compared in {out / 'compare.html'}" in err
+    html = (out / "compare.html").read_text()
+    assert "fp32" in html
+    assert json.loads((out / "compare.json").read_text())
+
+
+def test_ctrl_c_while_the_report_renders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(*args: object, **kwargs: object) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "render_html", interrupted)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_config(out))
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert "interrupted while rendering report.html" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert f"precprof report {out}" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert len(T.read_tables(out)["steps"]) == 4 and not (out / T.REPORT_FILE).exists()
+    assert T.SUMMARY_RECOMMENDATION in summary  # the analysis was done before rendering
+    assert no_tmp_files(out)
+
+
+# ---------------------------------------------------------------------------- models that cannot train
+NARROW = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    class Narrow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(256, 16)
+            self.head = nn.Linear(16, 64)  # 64 classes; the data's byte tokens go up to 255
+
+        def forward(self, x):
+            return self.head(self.emb(x))
+
+    class Empty(nn.Module):
+        def forward(self, x):
+            return torch.zeros(*x.shape, 256, requires_grad=True)
+
+    def narrow():
+        return Narrow()
+
+    def empty():
+        return Empty()
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        ("narrow", "the model's logits have 64 classes but the data has 256 token ids"),
+        ("empty", "has no trainable parameters"),
+    ],
+)
+def test_models_that_cannot_train_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], factory: str, message: str
+) -> None:
+    path = tmp_path / "mymodels.py"
+    path.write_text(NARROW)
+    rc, _, err = run_main(
+        ["train", "-m", f"{path}:{factory}", "--out", str(tmp_path / "r"), *TINY, "--steps", "2"], capsys
+    )
+    assert rc == 2
+    assert message in one_line_error(err)
+
+
+# ------------------------------------------------------------------------------ damaged run directories
+@pytest.fixture(scope="module")
+def good_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("faults") / "good"
+    train(tiny_config(out, report=False))
+    return out
+
+
+def damaged_copy(good: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(good, copy)
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (
+            lambda d: (d / "summary.json").write_text((d / "summary.json").read_text()[:200]),
+            "summary.json is damaged (not valid JSON",
+        ),
+        (
+            lambda d: (d / "summary.json").write_text(json.dumps({"config": 42, "status": "complete"})),
+            "summary.json is damaged: 'config' should be an object, found 42",
+        ),
+        (lambda d: (d / "summary.json").write_bytes(b"\xff\xfe\x00garbage"), "summary.json is damaged"),
+        (
+            lambda d: (d / "layers.parquet").write_bytes((d / "layers.parquet").read_bytes()[:300]),
+            "layers.parquet is damaged",
+        ),
+        (lambda d: (d / "steps.parquet").write_text("not parquet at all"), "steps.parquet is damaged"),
+    ],
+    ids=["truncated-summary", "config-42", "binary-summary", "truncated-parquet", "text-parquet"],
+)
+def test_report_on_a_damaged_run_directory_is_one_line(
+    good_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: object, expected: str
+) -> None:
+    run_dir = damaged_copy(good_run, tmp_path)
+    damage(run_dir)  # type: ignore[operator]
+    rc, _, err = run_main(["report", str(run_dir)], capsys)
+    assert rc == 2
+    line = one_line_error(err)
+    assert expected in line and str(run_dir) in line
+
+
+def test_report_to_an_unwritable_place_is_one_line(
+    good_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if not Path("/proc/self").is_dir():
+        pytest.skip("needs Linux's /proc")
+    rc, _, err = run_main(["report", str(good_run), "--out", "/proc/x.html"], capsys)
+    assert rc == 2
+    assert one_line_error(err).startswith("precprof: error: cannot write /proc/x.html")
+
+
+def test_report_with_a_missing_table_says_so_in_the_page(
+    good_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = damaged_copy(good_run, tmp_path)
+    (run_dir / "layers.parquet").unlink()
+    rc, _, _ = run_main(["report", str(run_dir)], capsys)
+    assert rc == 0
+    html = (run_dir / T.REPORT_FILE).read_text()
+    assert 'id="missing-tables"' in html and "<code>layers.parquet</code>" in html
