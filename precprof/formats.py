@@ -1,6 +1,6 @@
 """The number formats precprof reasons about: limits and the exact rounding thresholds of a real cast.
 
-Pure data. Every threshold here is what a round-to-nearest-even cast from fp32 does (DESIGN.md, "Numeric
+Pure data. Every threshold here is what a round-to-nearest-even cast from fp32 does (docs/design.md, "Numeric
 facts"), and tests check each one against ``x.to(dtype)`` on CPU.
 
 For a value x observed with loss scale s (s = 1 in the forward pass):

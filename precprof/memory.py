@@ -77,7 +77,7 @@ from torch import nn
 
 from precprof import tables as T
 
-# Precision modes of the built-in loop (DESIGN.md, "Precision modes").
+# Precision modes of the built-in loop (docs/design.md, "Precision modes").
 MODES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8")
 AUTOCAST_MODES = frozenset({"bf16", "fp16", "fp8"})  # fp8: torchao Float8Linear under bf16 autocast
 PURE_MODES = frozenset({"bf16-pure", "fp16-pure"})

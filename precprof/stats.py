@@ -21,7 +21,7 @@ Everything is computed with tensor ops into device tensors: nothing here calls `
 never synchronises. :meth:`StatsBuffer.to_host` is the one copy per sampled step.
 
 Counts are of the values as given: for a gradient seen under a loss scale s these are the scaled values
-x*s, which is exactly what "x underflows at scale s" means (DESIGN.md). :func:`decode` turns a row into the
+x*s, which is exactly what "x underflows at scale s" means (docs/design.md). :func:`decode` turns a row into the
 unscaled histogram (a shift of bins by log2 s, exact for power-of-two scales) and the per-format counts.
 """
 

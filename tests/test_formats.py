@@ -1,4 +1,4 @@
-"""The format table against DESIGN.md's literal values, torch.finfo and real round-to-nearest-even casts.
+"""The format table against docs/design.md's literal values, torch.finfo and real round-to-nearest-even casts.
 
 Every threshold is checked at the value itself and at its fp32 neighbours on both sides (``torch.nextafter``),
 cast with ``x.to(dtype)`` on CPU. Exact arithmetic (``fractions.Fraction``) settles what torch's saturating
@@ -19,7 +19,7 @@ from precprof.formats import Fmt
 
 CAST_FORMATS = ["fp16", "bf16", "fp8_e4m3", "fp8_e5m2"]
 
-# DESIGN.md, "Numeric facts the code must get exactly right", written out literally.
+# docs/design.md, "Numeric facts the code must get exactly right", written out literally.
 DESIGN_TABLE = {
     # name: (max finite, smallest subnormal, underflow_max, overflow_min, overflow_inclusive)
     "fp16": (65504.0, 2.0**-24, 2.0**-25, 65520.0, True),
