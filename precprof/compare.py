@@ -107,7 +107,8 @@ class Variant:
 def parse_precisions(spec: str | Sequence[str]) -> list[Variant]:
     """``"fp32,bf16,fp16,fp16:none"`` -> variants; UserError for an unknown mode, a bad scaling spec or a
     duplicate."""
-    from precprof.training import PRECISIONS, parse_loss_scale
+    from precprof.modes import PRECISIONS
+    from precprof.training import parse_loss_scale
 
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     out: list[Variant] = []

@@ -111,6 +111,7 @@ def test_ctrl_c_exits_130_and_names_the_run_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from precprof import training
+    from precprof.training import loop  # noqa: F401  (the module whose grad_norm_ the loop calls)
 
     real_norm, calls = training.grad_norm_, []
 
@@ -120,7 +121,7 @@ def test_ctrl_c_exits_130_and_names_the_run_dir(
             raise KeyboardInterrupt
         return real_norm(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(training, "grad_norm_", norm_then_ctrl_c)
+    monkeypatch.setattr(training.loop, "grad_norm_", norm_then_ctrl_c)
     out = tmp_path / "partial"
     rc, _, err = run_main(["train", "--out", str(out), *TINY, "--steps", "5"], capsys)
     assert rc == 130

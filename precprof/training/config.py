@@ -1,0 +1,163 @@
+"""What a run of the built-in loop is: ``TrainConfig``, its checks, and the defaults derived from it.
+
+``TrainConfig.from_options`` is the one way the command line (``precprof train`` and ``precprof compare``)
+turns options into a configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from precprof import rundir
+from precprof.distributed import STRATEGIES
+from precprof.errors import UserError
+from precprof.models import DEFAULT_MODEL
+from precprof.modes import DEVICES, FP16_MODES, PRECISIONS, OptimizerName
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``precprof train`` takes. Defaults train gpt-nano on synthetic data in about a minute on CPU.
+
+    ``loss_scale``: "auto" (dynamic for fp16 and fp16-pure, none otherwise), "dynamic", "static:N" or "none".
+    ``grad_clip``: max global L2 norm of the (unscaled) gradients; 0 disables clipping.
+    ``sample_every``: profile layers every N steps; None picks N so that about 100 steps are sampled.
+    ``out``: run directory; None means ``runs/<model>-<precision>-<timestamp>``.
+    ``refresh_every``: steps between progress-bar refreshes (each refresh syncs with the device).
+    """
+
+    model: str = DEFAULT_MODEL
+    model_args: dict[str, Any] = field(default_factory=dict)
+    precision: str = "fp32"
+    loss_scale: str = "auto"
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    steps: int = 500
+    batch_size: int = 8
+    seq_len: int = 64
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str = "auto"
+    data: str = "synthetic"
+    out: str | Path | None = None
+    sample_every: int | None = None
+    progress: bool = True
+    refresh_every: int = 10
+    report: bool = True
+    command_line: str | None = None
+    distributed: str = "ddp"  # under torchrun: ddp | fsdp2 | fsdp1 (precprof.distributed.wrap_model)
+    overwrite: bool = False  # replace the run already in ``out`` (else an existing run is refused)
+
+    def validate(self) -> None:
+        """Raise UserError for a value no run can use (checked before anything is built)."""
+        if self.precision not in PRECISIONS:
+            raise UserError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if self.optimizer not in {o.value for o in OptimizerName}:
+            raise UserError(f"unknown optimizer {self.optimizer!r}; choose adamw or sgd")
+        parse_loss_scale(self.loss_scale)
+        checks = [
+            (self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
+            (self.batch_size >= 1, f"--batch-size must be at least 1, got {self.batch_size}"),
+            (self.seq_len >= 1, f"--seq-len must be at least 1, got {self.seq_len}"),
+            (self.lr > 0 and math.isfinite(self.lr), f"--lr must be a positive number, got {self.lr}"),
+            (self.weight_decay >= 0, f"--weight-decay must not be negative, got {self.weight_decay}"),
+            (self.grad_clip >= 0, f"--grad-clip must be >= 0 (0 disables clipping), got {self.grad_clip}"),
+            (self.init_scale > 0, f"--init-scale must be positive, got {self.init_scale}"),
+            (self.growth_factor > 1, f"--growth-factor must be > 1, got {self.growth_factor}"),
+            (0 < self.backoff_factor < 1, f"--backoff-factor must be in (0, 1), got {self.backoff_factor}"),
+            (self.growth_interval >= 1, f"--growth-interval must be at least 1, got {self.growth_interval}"),
+            (self.refresh_every >= 1, f"refresh_every must be at least 1, got {self.refresh_every}"),
+            (
+                self.sample_every is None or self.sample_every >= 0,
+                f"--sample-every must be >= 0 (0 records steps only), got {self.sample_every}",
+            ),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise UserError(msg)
+        if self.distributed not in STRATEGIES:
+            raise UserError(
+                f"unknown --distributed {self.distributed!r}; choose one of {', '.join(STRATEGIES)}"
+            )
+        if not (self.device in DEVICES or self.device.startswith("cuda:")):
+            raise UserError(f"unknown device {self.device!r}; choose auto, cpu or cuda")
+        if self.out is not None:
+            rundir.check_target(self.out, overwrite=self.overwrite)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["out"] = str(self.out) if self.out is not None else None
+        return d
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], **overrides: Any) -> TrainConfig:
+        """A configuration from command-line options: every key that names a field is taken (enum values
+        unwrapped, ``model_args`` parsed from KEY=VALUE strings), the rest ignored; ``overrides`` win."""
+        from precprof.models import parse_model_args
+
+        names = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in {**options, **overrides}.items():
+            if key not in names:
+                continue
+            if isinstance(value, Enum):
+                value = value.value
+            if key == "model_args" and not isinstance(value, dict):
+                value = parse_model_args(list(value or []))
+            values[key] = value
+        return cls(**values)
+
+
+def parse_loss_scale(spec: str) -> tuple[str, float | None]:
+    """``"auto" | "dynamic" | "none" | "static:N"`` -> (kind, N); UserError for anything else."""
+    s = spec.strip().lower()
+    if s in ("auto", "dynamic", "none"):
+        return s, None
+    if s.startswith("static:"):
+        try:
+            value = float(s.split(":", 1)[1])
+        except ValueError:
+            value = math.nan
+        if math.isfinite(value) and value > 0:
+            return "static", value
+    raise UserError(
+        f"--loss-scale {spec!r}: expected dynamic, none or static:N with N > 0 (e.g. static:1024)"
+    )
+
+
+def resolve_loss_scale(spec: str, precision: str) -> tuple[str, float | None]:
+    """(kind, static value) with "auto" resolved: dynamic for fp16 and fp16-pure, none otherwise."""
+    kind, value = parse_loss_scale(spec)
+    if kind == "auto":
+        kind = "dynamic" if precision in FP16_MODES else "none"
+    return kind, value
+
+
+def default_sample_every(steps: int) -> int:
+    """Sampling interval that records about 100 steps of layer statistics."""
+    return max(1, round(steps / 100))
+
+
+def default_out_dir(config: TrainConfig, root: str | Path = "runs") -> Path:
+    """``runs/<model>-<precision>-<YYYYmmdd-HHMMSS>`` (with -2, -3... if that directory exists)."""
+    name = config.model.removesuffix(".py")
+    if ":" in name and not name.startswith("hf:"):
+        name = name.rsplit(":", 1)[1]  # a factory: its function name
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip("-.") or "model"
+    base = Path(root) / f"{name}-{config.precision}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, i = base, 2
+    while out.exists():
+        out, i = base.with_name(f"{base.name}-{i}"), i + 1
+    return out

@@ -1,0 +1,421 @@
+"""The steps of the built-in loop, as the README describes one, and the end of a run."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from precprof import _signals, distributed, hardware, rundir
+from precprof import tables as T
+from precprof.capture import Profiler
+from precprof.data import TokenSource, load_data
+from precprof.errors import UserError
+from precprof.models import BuiltModel, build_model
+from precprof.modes import FP16_MODES
+from precprof.training.config import TrainConfig, default_out_dir, default_sample_every, resolve_loss_scale
+from precprof.training.precision import (
+    PrecisionPlan,
+    convert_fp8,
+    fp8_context,
+    make_optimizer,
+    make_scaler,
+    plan_precision,
+    resolve_device,
+    tf32_flags,
+)
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` returns: the run directory, the final loss (last step), the steps table, summary.json."""
+
+    run_dir: Path
+    final_loss: float
+    steps: pd.DataFrame
+    summary: dict[str, Any]
+
+
+@dataclass
+class TrainRun:
+    """The live state of a run, handed to callbacks. ``step`` is the index of the step in progress."""
+
+    config: TrainConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    profiler: Any
+    device: torch.device
+    run_dir: Path
+    step: int = 0
+    loss: torch.Tensor | None = None
+
+
+class Callback:
+    """Override any of these to observe or steer a run (``train(config, callbacks=[...])``).
+
+    ``after_backward`` runs when the gradients exist, still multiplied by the loss scale, before unscaling,
+    clipping and the optimizer step (a place to inspect or perturb gradients). ``on_step_end`` runs after
+    the optimizer step, ``zero_grad`` and ``Profiler.step``.
+    """
+
+    def on_start(self, run: TrainRun) -> None:
+        """Before the first step."""
+
+    def after_backward(self, run: TrainRun) -> None:
+        """After ``backward()`` of step ``run.step``."""
+
+    def on_step_end(self, run: TrainRun) -> None:
+        """After step ``run.step`` is complete."""
+
+    def on_end(self, run: TrainRun) -> None:
+        """After the last step, before the run directory is written."""
+
+
+def loss_from_output(out: Any, targets: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """The training loss from a model's output (see the model contract in ``precprof.models``).
+
+    A scalar tensor or an output's ``loss`` is used as is; logits (B, T, V) give the mean next-token
+    cross-entropy against ``targets`` (B, T), computed in fp32. UserError for any other output, and for logits
+    with fewer classes than ``vocab_size`` (the token ids of the data: cross-entropy would index past them).
+    """
+    loss = logits = None
+    if isinstance(out, torch.Tensor):
+        if out.ndim == 0:
+            loss = out
+        else:
+            logits = out
+    elif isinstance(out, dict):  # also Hugging Face's ModelOutput
+        loss, logits = out.get("loss"), out.get("logits")
+    else:
+        loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
+    if isinstance(loss, torch.Tensor) and loss.ndim == 0:
+        return loss.float()
+    if isinstance(logits, torch.Tensor) and logits.ndim == 3 and logits.shape[:2] == targets.shape:
+        if vocab_size is not None and logits.shape[-1] < vocab_size:
+            raise UserError(
+                f"the model's logits have {logits.shape[-1]} classes but the data has {vocab_size} token ids: "
+                f"give the model a vocabulary of at least {vocab_size} (e.g. -a vocab_size={vocab_size})"
+            )
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else None
+    raise UserError(
+        f"the model's forward returned {type(out).__name__}{f' of shape {shape}' if shape else ''}; "
+        f"expected logits of shape ({targets.shape[0]}, {targets.shape[1]}, vocab_size) or a scalar loss"
+    )
+
+
+def grad_norm_(params: Sequence[torch.Tensor], max_norm: float = 0.0) -> torch.Tensor:
+    """Global L2 norm of the gradients (an fp32 device tensor; no host sync) and, when ``max_norm > 0``,
+    clipping as ``torch.nn.utils.clip_grad_norm_`` does (gradients scaled by min(1, max_norm/(norm+1e-6))).
+
+    Norms are accumulated in fp32 whatever the gradient dtype, so fp16 gradients cannot overflow the sum.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    if hasattr(total, "full_tensor"):  # FSDP2's DTensor gradients: the norm over every rank's shard
+        total = total.full_tensor()
+    if max_norm > 0:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return total
+
+
+def _final(
+    steps: pd.DataFrame, wall_s: float, data: dict[str, Any], steps_done: int, tokens_per_step: int
+) -> dict[str, Any]:
+    losses = steps[T.LOSS].astype(float) if not steps.empty else pd.Series(dtype=float)
+    last = float(losses.iloc[-1]) if len(losses) else math.nan
+    avg = float(losses.iloc[-10:].mean()) if len(losses) else math.nan
+    floor = data.get("entropy_rate_nats")
+    times = steps[T.TIME_S].astype(float).dropna() if not steps.empty else pd.Series(dtype=float)
+    return {
+        "final_loss": last,
+        "final_loss_avg10": avg,  # mean of the last 10 steps: less noisy than one batch
+        "steps_done": steps_done,
+        "skipped_steps": int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
+        "tokens_per_s": steps_done * tokens_per_step / wall_s if wall_s > 0 else math.nan,
+        "wall_s": wall_s,
+        "step_time_median_s": float(times.median()) if len(times) else math.nan,
+        # the best loss the data allows (synthetic: the chain's entropy rate); None when unknown
+        "loss_floor_nats": floor,
+        "loss_above_floor_nats": avg - floor if floor is not None and math.isfinite(avg) else None,
+    }
+
+
+def _progress(config: TrainConfig, name: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=config.steps,
+        desc=name,
+        unit="step",
+        disable=not config.progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        leave=True,
+    )
+
+
+@dataclass
+class _Setup:
+    """Everything built before the first step; ``scaler`` is None without loss scaling."""
+
+    config: TrainConfig
+    summary: dict[str, Any]
+    built: BuiltModel
+    model: nn.Module  # what the loop calls: the distributed wrapper under torchrun
+    inner: nn.Module  # what the Profiler watches (plain module names)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    plan: PrecisionPlan
+    data: TokenSource
+    device: torch.device
+    run_dir: Path
+    prof_kwargs: dict[str, Any]
+    tokens_per_step: int
+    writer: bool  # rank 0 (or a single process) writes the run directory
+    dist_info: Any
+
+
+def train(
+    config: TrainConfig,
+    *,
+    profiler_kwargs: dict[str, Any] | None = None,
+    callbacks: Sequence[Callback] = (),
+) -> TrainResult:
+    """Train ``config.model`` with the Profiler attached and write the run directory.
+
+    ``profiler_kwargs`` are passed to ``precprof.capture.Profiler`` (``sample_every`` defaults to
+    ``config.sample_every`` or about 100 sampled steps). The run directory is checked, created and locked
+    before the first step (``precprof.rundir``). On an exception or KeyboardInterrupt what was recorded is
+    saved with status "incomplete" and the cause, and the exception is re-raised. Raises UserError for
+    mistakes in the configuration before anything is written.
+    """
+    config.validate()
+    user_out = config.out is not None  # else a default name, which moves on to a free one
+    setup = _prepare(config, profiler_kwargs)
+    claimed: rundir.RunDir | None = None
+    if setup.writer:
+        if user_out:
+            claimed = rundir.claim(setup.run_dir, overwrite=config.overwrite, summary=setup.summary)
+        else:
+            claimed = rundir.claim_new(setup.run_dir, summary=setup.summary)
+        if claimed.path != setup.run_dir:
+            setup.run_dir = claimed.path
+            setup.config = dataclasses.replace(setup.config, out=claimed.path)
+            setup.summary[T.SUMMARY_CONFIG]["out"] = str(claimed.path)
+    try:
+        return _run(setup, callbacks)
+    finally:
+        if claimed is not None:
+            claimed.release()
+
+
+def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Setup:
+    """Device, precision plan, data, model, optimizer, scaler and the summary's configuration."""
+    # under torchrun (WORLD_SIZE > 1): join the process group; each rank trains on its own device and batches
+    dist_info = distributed.init_from_env()
+    device = dist_info.device if dist_info is not None else resolve_device(config.device)
+    hw = hardware.detect(device)
+    plan = plan_precision(config.precision, device, hw)
+    loss_kind, static_scale = resolve_loss_scale(config.loss_scale, config.precision)
+    data = load_data(config.data, seed=config.seed + (dist_info.rank if dist_info is not None else 0))
+    data.check(config.seq_len)
+    torch.manual_seed(config.seed)
+    built: BuiltModel = build_model(
+        config.model, config.model_args, vocab_size=data.vocab_size, seq_len=config.seq_len
+    )
+    model = built.module.to(device)
+    if plan.param_dtype != torch.float32:
+        model.to(plan.param_dtype)
+    n_fp8 = convert_fp8(model, plan.fp8_library) if plan.fp8_library else 0
+    model.train()
+    inner = model
+    if dist_info is not None:  # the Profiler watches the inner module (plain names); the reducer the wrapper
+        model = distributed.wrap_model(model, config.distributed, device=device)
+        profiler_kwargs = {"reducer": distributed.RankReducer(wrapped=model), **(profiler_kwargs or {})}
+    optimizer = make_optimizer(config, model, plan)
+    scaler = make_scaler(config, plan, device)
+    sample_every = (
+        config.sample_every if config.sample_every is not None else default_sample_every(config.steps)
+    )
+    prof_kwargs = {"sample_every": sample_every, **(profiler_kwargs or {})}
+    run_dir = Path(config.out) if config.out is not None else default_out_dir(config)
+    config = dataclasses.replace(config, out=run_dir)
+    world_size = dist_info.world_size if dist_info is not None else 1
+    summary: dict[str, Any] = {
+        T.SUMMARY_CONFIG: {
+            **config.to_dict(),
+            "device": str(device),
+            "device_requested": config.device,
+            "loss_scaling": loss_kind,
+            "static_scale": static_scale,
+            "sample_every": prof_kwargs["sample_every"],
+            "plan": plan.to_dict(),
+            "fp8_layers": n_fp8,
+            "optimizer_class": type(optimizer).__name__,
+            "data": data.describe(),
+            "tf32_matmul": plan.tf32 if device.type == "cuda" else False,
+            "world_size": world_size,
+        },
+        T.SUMMARY_HARDWARE: hw.to_dict(),
+        T.SUMMARY_VERSIONS: hardware.software_versions(),
+        T.SUMMARY_MODEL: built.info(),
+    }
+    writer = dist_info is None or dist_info.is_writer
+    if (
+        device.type == "cpu"
+        and config.precision in FP16_MODES
+        and config.progress
+        and writer
+        and not hardware.cpu_fp16_native()
+    ):
+        print(
+            "precprof: note: this CPU has no fp16 arithmetic; torch emulates fp16 matmuls, about 15x slower "
+            "than fp32 (bf16 runs natively or close to it)",
+            file=sys.stderr,
+        )
+    return _Setup(
+        config=config,
+        summary=summary,
+        built=built,
+        model=model,
+        inner=inner,
+        optimizer=optimizer,
+        scaler=scaler,
+        plan=plan,
+        data=data,
+        device=device,
+        run_dir=run_dir,
+        prof_kwargs=prof_kwargs,
+        tokens_per_step=config.batch_size * config.seq_len * world_size,  # every rank's batch
+        writer=writer,
+        dist_info=dist_info,
+    )
+
+
+def _run(s: _Setup, callbacks: Sequence[Callback]) -> TrainResult:
+    """The steps and the end of the run, on a claimed run directory."""
+    config, model, optimizer, device, data = s.config, s.model, s.optimizer, s.device, s.data
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    prof = Profiler(s.inner, optimizer=optimizer, scaler=s.scaler, **s.prof_kwargs)
+    run = TrainRun(config, model, optimizer, s.scaler, prof, device, s.run_dir)
+    # as in nanoGPT: a disabled GradScaler passes the loss through and calls optimizer.step() itself
+    scaler = s.scaler if s.scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
+    autocast = (
+        contextlib.nullcontext()
+        if s.plan.autocast_dtype is None
+        else torch.autocast(device.type, dtype=s.plan.autocast_dtype)
+    )
+    name = f"{s.built.name} {config.precision}"
+    bar = _progress(config if s.writer else dataclasses.replace(config, progress=False), name)
+    steps_done = 0
+    t_start = time.perf_counter()
+    t_refresh, steps_at_refresh = t_start, 0
+    try:
+        with tf32_flags(s.plan.tf32, device), prof:
+            for cb in callbacks:
+                cb.on_start(run)
+            for step in range(config.steps):
+                run.step = step
+                x, y = data.batch(config.batch_size, config.seq_len, device)
+                with autocast, fp8_context(s.plan):
+                    out = model(x, targets=y) if s.built.pass_targets else model(x)
+                    with prof.memory_scope():  # what the loss saves for backward counts as activations
+                        loss = loss_from_output(out, y, data.vocab_size)
+                run.loss = loss.detach()
+                scaler.scale(loss).backward()
+                for cb in callbacks:
+                    cb.after_backward(run)
+                scaler.unscale_(optimizer)  # clipping and the norm see the true gradients
+                norm = grad_norm_(params, config.grad_clip)
+                scaler.step(optimizer)  # skips the step when a gradient is inf/nan
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                with _signals.deferred(note=None):  # the step is recorded and counted, or neither
+                    prof.step(loss=run.loss, grad_norm=norm, tokens=s.tokens_per_step)
+                    steps_done = step + 1
+                if steps_done % config.refresh_every == 0 or steps_done == config.steps:
+                    # the only host syncs of the loop: loss value, scale, throughput since the last refresh
+                    now = time.perf_counter()
+                    rate = (steps_done - steps_at_refresh) * s.tokens_per_step / (now - t_refresh)
+                    postfix = {"loss": f"{run.loss.item():.4f}"}
+                    if scaler.is_enabled():
+                        postfix["scale"] = f"{scaler.get_scale():g}"
+                    postfix["tok/s"] = f"{rate:,.0f}"
+                    bar.set_postfix(postfix, refresh=False)
+                    t_refresh, steps_at_refresh = now, steps_done
+                bar.update(1)
+                for cb in callbacks:
+                    cb.on_step_end(run)
+                _signals.check()  # a Ctrl-C or SIGTERM whose exception was swallowed on the way stops here
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            wall_s = time.perf_counter() - t_start
+            for cb in callbacks:
+                cb.on_end(run)
+    except BaseException as e:
+        with _signals.deferred():  # a second Ctrl-C must not cut the save short
+            bar.close()
+            interrupted = _signals.as_interrupted(e)
+            if interrupted is not None:
+                _signals.consume()
+            reason = interrupted.reason if interrupted is not None else f"{type(e).__name__}: {e}"
+            # a crashed run gets its tables, summary and report of the steps recorded, marked incomplete
+            _save(s, prof, time.perf_counter() - t_start, steps_done, reason)
+        with contextlib.suppress(AttributeError):  # for the CLI's message
+            e.precprof_run_dir = s.run_dir  # type: ignore[attr-defined]
+        if hasattr(e, "add_note"):
+            e.add_note(f"precprof: the partial run was saved to {s.run_dir}")
+        if s.dist_info is not None and s.dist_info.owns_group:
+            distributed.shutdown(barrier=False)
+        raise
+    bar.close()
+    steps_table = _save(s, prof, wall_s, steps_done, None)
+    if s.dist_info is not None and s.dist_info.owns_group:
+        distributed.shutdown()  # after rank 0 wrote: its barrier waits for it
+    return TrainResult(
+        run_dir=s.run_dir,
+        final_loss=float(s.summary[T.SUMMARY_FINAL]["final_loss"]),
+        steps=steps_table,
+        summary=T.read_summary(s.run_dir),
+    )
+
+
+def _save(s: _Setup, prof: Profiler, wall_s: float, steps_done: int, reason: str | None) -> pd.DataFrame:
+    """Write the run directory (complete when ``reason`` is None); returns the steps table.
+
+    For an incomplete run this is best effort: a failure here must not hide the exception that stopped
+    training (the caller re-raises it).
+    """
+    try:
+        steps_table = prof.tables()["steps"]
+        s.summary[T.SUMMARY_FINAL] = _final(
+            steps_table, wall_s, s.data.describe(), steps_done, s.tokens_per_step
+        )
+        status = T.STATUS_COMPLETE if reason is None else T.STATUS_INCOMPLETE
+        render = s.config.report and s.writer
+        prof.save(s.run_dir, summary=s.summary, status=status, reason=reason, render=render)
+        return steps_table
+    except Exception as err:
+        if reason is None:
+            raise
+        warnings.warn(f"precprof: could not save the partial run to {s.run_dir}: {err}", stacklevel=2)
+        return pd.DataFrame()
