@@ -21,12 +21,17 @@ try:  # typer >= 0.2x carries its own copy of click; older versions use click it
 except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _cx  # type: ignore[no-redef]
 
+from precprof import _cli_options as O
 from precprof import _signals
 from precprof.errors import UserError
 from precprof.modes import Device, OptimizerName, Precision
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM exits with 143
+
+
+def _command_line() -> str:
+    return shlex.join(["precprof", *sys.argv[1:]])
 
 
 def _exit_code(e: KeyboardInterrupt) -> int:
@@ -68,25 +73,8 @@ def _root(
 
 @app.command()
 def train(
-    model: Annotated[
-        str,
-        typer.Option(
-            "--model",
-            "-m",
-            metavar="NAME",
-            help="gpt-nano (default), gpt-mini, gpt2-small, gpt2-medium, llama-mini, mlp, cnn-bn, "
-            "hf:<model_type>, path/to/file.py:factory or package.module:factory.",
-        ),
-    ] = "gpt-nano",
-    model_arg: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--model-arg",
-            "-a",
-            metavar="KEY=VALUE",
-            help="A setting of the model's config or factory, e.g. n_layer=2 (repeatable).",
-        ),
-    ] = None,
+    model: O.Model = "gpt-nano",
+    model_arg: O.ModelArgs = None,
     precision: Annotated[
         Precision, typer.Option("--precision", "-p", help="Precision mode.")
     ] = Precision.FP32,
@@ -97,80 +85,37 @@ def train(
             help="dynamic, static:N or none (auto: dynamic for fp16 and fp16-pure, none otherwise).",
         ),
     ] = "auto",
-    init_scale: Annotated[float, typer.Option(help="Initial loss scale of dynamic scaling.")] = 2.0**16,
-    growth_factor: Annotated[float, typer.Option(help="Dynamic scaling: growth factor.")] = 2.0,
-    backoff_factor: Annotated[float, typer.Option(help="Dynamic scaling: backoff factor on inf/nan.")] = 0.5,
-    growth_interval: Annotated[
-        int, typer.Option(help="Dynamic scaling: steps without inf/nan before the scale grows.")
-    ] = 2000,
-    optimizer: Annotated[OptimizerName, typer.Option(help="Optimizer.")] = OptimizerName.ADAMW,
-    lr: Annotated[float, typer.Option(help="Learning rate.")] = 3e-3,
-    weight_decay: Annotated[float, typer.Option(help="Weight decay.")] = 0.0,
-    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 500,
-    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 8,
-    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 64,
-    grad_clip: Annotated[
-        float, typer.Option(help="Max gradient norm (unscaled); 0 disables clipping.")
-    ] = 1.0,
-    seed: Annotated[int, typer.Option(help="Random seed (weights and data sampling).")] = 0,
-    device: Annotated[Device, typer.Option(help="auto: cuda when available.")] = Device.AUTO,
-    data: Annotated[
-        str, typer.Option(help="synthetic, or the path of a text file (read as bytes).")
-    ] = "synthetic",
+    init_scale: O.InitScale = 2.0**16,
+    growth_factor: O.GrowthFactor = 2.0,
+    backoff_factor: O.BackoffFactor = 0.5,
+    growth_interval: O.GrowthInterval = 2000,
+    optimizer: O.Optimizer = OptimizerName.ADAMW,
+    lr: O.Lr = 3e-3,
+    weight_decay: O.WeightDecay = 0.0,
+    steps: O.Steps = 500,
+    batch_size: O.BatchSize = 8,
+    seq_len: O.SeqLen = 64,
+    grad_clip: O.GradClip = 1.0,
+    seed: O.Seed = 0,
+    device: O.DeviceOpt = Device.AUTO,
+    data: O.Data = "synthetic",
     out: Annotated[
-        Path | None,
+        O.OutDir,
         typer.Option(
             help="Run directory (default: runs/<model>-<precision>-<timestamp>). An existing run there is "
             "refused unless --overwrite."
         ),
     ] = None,
-    overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace the run already in --out (its other files stay).")
-    ] = False,
-    sample_every: Annotated[
-        int | None, typer.Option(help="Profile layers every N steps (default: about 100 sampled steps).")
-    ] = None,
-    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
-    report: Annotated[bool, typer.Option(help="Write report.html at the end.")] = True,
-    distributed: Annotated[
-        str,
-        typer.Option(
-            metavar="STRATEGY",
-            help="Under torchrun: ddp (DistributedDataParallel), fsdp2 (fully_shard) or fsdp1; rank 0 writes.",
-        ),
-    ] = "ddp",
+    overwrite: O.Overwrite = False,
+    sample_every: O.SampleEvery = None,
+    progress: O.Progress = True,
+    report: O.Report = True,
+    distributed: O.Distributed = "ddp",
 ) -> None:
     """Train a model with the profiler attached and write a run directory (tables, summary.json, report)."""
     from precprof import training
-    from precprof.models import parse_model_args
 
-    config = training.TrainConfig(
-        model=model,
-        model_args=parse_model_args(model_arg or []),
-        precision=precision.value,
-        loss_scale=loss_scale,
-        init_scale=init_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        optimizer=optimizer.value,
-        lr=lr,
-        weight_decay=weight_decay,
-        steps=steps,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        grad_clip=grad_clip,
-        seed=seed,
-        device=device.value,
-        data=data,
-        out=out,
-        sample_every=sample_every,
-        progress=progress,
-        report=report,
-        command_line=shlex.join(["precprof", *sys.argv[1:]]),
-        distributed=distributed,
-        overwrite=overwrite,
-    )
+    config = training.TrainConfig.from_options(locals(), model_args=model_arg, command_line=_command_line())
     config.validate()
     try:
         with _signals.handling():
@@ -254,16 +199,8 @@ def report(
 
 @app.command()
 def compare(
-    model: Annotated[
-        str,
-        typer.Option(
-            "--model", "-m", metavar="NAME", help="Any model `precprof train` takes (default gpt-nano)."
-        ),
-    ] = "gpt-nano",
-    model_arg: Annotated[
-        list[str] | None,
-        typer.Option("--model-arg", "-a", metavar="KEY=VALUE", help="A setting of the model (repeatable)."),
-    ] = None,
+    model: O.Model = "gpt-nano",
+    model_arg: O.ModelArgs = None,
     precisions: Annotated[
         str,
         typer.Option(
@@ -271,74 +208,48 @@ def compare(
             "-p",
             metavar="LIST",
             help="Comma-separated precision modes, each optionally with a loss scaling spec: "
-            "fp32,bf16,fp16,fp16:none,fp16:static:8192. The reference is fp32 when listed.",
+            "fp32,bf16,fp16,fp16:none,fp16:static:8192,fp16:advised. The reference is fp32 when listed.",
         ),
     ] = "fp32,bf16,fp16",
-    steps: Annotated[int, typer.Option(help="Optimizer steps of each run.")] = 200,
-    batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 8,
-    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 64,
-    optimizer: Annotated[OptimizerName, typer.Option(help="Optimizer.")] = OptimizerName.ADAMW,
-    lr: Annotated[float, typer.Option(help="Learning rate.")] = 3e-3,
-    weight_decay: Annotated[float, typer.Option(help="Weight decay.")] = 0.0,
-    grad_clip: Annotated[
-        float, typer.Option(help="Max gradient norm (unscaled); 0 disables clipping.")
-    ] = 1.0,
-    init_scale: Annotated[float, typer.Option(help="Initial loss scale of dynamic scaling.")] = 2.0**16,
-    growth_interval: Annotated[
-        int, typer.Option(help="Dynamic scaling: steps without inf/nan before the scale grows.")
-    ] = 2000,
-    seed: Annotated[int, typer.Option(help="Random seed: the same weights and data for every run.")] = 0,
-    device: Annotated[Device, typer.Option(help="auto: cuda when available.")] = Device.AUTO,
-    data: Annotated[
-        str, typer.Option(help="synthetic, or the path of a text file (read as bytes).")
-    ] = "synthetic",
+    init_scale: O.InitScale = 2.0**16,
+    growth_factor: O.GrowthFactor = 2.0,
+    backoff_factor: O.BackoffFactor = 0.5,
+    growth_interval: O.GrowthInterval = 2000,
+    optimizer: O.Optimizer = OptimizerName.ADAMW,
+    lr: O.Lr = 3e-3,
+    weight_decay: O.WeightDecay = 0.0,
+    steps: O.Steps = 200,
+    batch_size: O.BatchSize = 8,
+    seq_len: O.SeqLen = 64,
+    grad_clip: O.GradClip = 1.0,
+    seed: O.Seed = 0,
+    device: O.DeviceOpt = Device.AUTO,
+    data: O.Data = "synthetic",
     out: Annotated[
-        Path | None,
+        O.OutDir,
         typer.Option(
             help="Folder for the runs and compare.html (default: runs/compare-<model>-<timestamp>)."
         ),
     ] = None,
-    overwrite: Annotated[
-        bool, typer.Option("--overwrite", help="Replace runs already in --out (their other files stay).")
-    ] = False,
-    sample_every: Annotated[
-        int | None, typer.Option(help="Profile layers every N steps (default: 10 sampled steps per run).")
-    ] = None,
+    overwrite: O.Overwrite = False,
+    sample_every: O.SampleEvery = None,
+    progress: O.Progress = True,
+    report: O.Report = True,
+    distributed: O.Distributed = "ddp",
     tolerance: Annotated[
         float, typer.Option(help="Relative final-loss gap within which a run matches the reference.")
     ] = 0.02,
-    progress: Annotated[bool, typer.Option(help="Show the progress bars.")] = True,
-    report: Annotated[bool, typer.Option(help="Write each run's report.html.")] = True,
 ) -> None:
     """Train the same model, data and seed once per precision and compare the runs (compare.html)."""
     from precprof import compare as comparing
     from precprof import training
-    from precprof.models import parse_model_args
 
     variants = comparing.parse_precisions(precisions)
     if not 0 < tolerance < 1:
         raise UserError(f"--tolerance must be in (0, 1), got {tolerance}")
-    config = training.TrainConfig(
-        model=model,
-        model_args=parse_model_args(model_arg or []),
-        init_scale=init_scale,
-        growth_interval=growth_interval,
-        optimizer=optimizer.value,
-        lr=lr,
-        weight_decay=weight_decay,
-        steps=steps,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        grad_clip=grad_clip,
-        seed=seed,
-        device=device.value,
-        data=data,
-        sample_every=sample_every,
-        progress=progress,
-        report=report,
-        command_line=shlex.join(["precprof", *sys.argv[1:]]),
-        overwrite=overwrite,
-    )
+    # each run's own directory is out/<label>; compare's --out is the folder that holds them
+    options = {k: v for k, v in locals().items() if k != "out"}
+    config = training.TrainConfig.from_options(options, model_args=model_arg, command_line=_command_line())
     try:
         with _signals.handling():
             result = comparing.compare(config, variants, out=out, tolerance=tolerance)

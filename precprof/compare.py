@@ -556,7 +556,9 @@ def compare(
     for v in variants:  # every run directory is usable before the first run trains
         rundir.check_target(out / v.label, overwrite=base.overwrite, option="--out")
     out.mkdir(parents=True, exist_ok=True)
-    sample_every = base.sample_every if base.sample_every is not None else max(1, base.steps // 10)
+    sample_every = (
+        base.sample_every if base.sample_every is not None else training.default_sample_every(base.steps)
+    )
     done: list[tuple[Variant, Path]] = []
     t0 = time.perf_counter()
     shared = {

@@ -166,3 +166,62 @@ def test_python_dash_m_and_exit_code() -> None:
         timeout=120,
     )
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_train_and_compare_accept_the_same_training_options() -> None:
+    """Every TrainConfig field the command line sets is an option of both commands, spelled alike; only the
+    precision choice differs (one mode against a list)."""
+    import dataclasses
+
+    import typer
+
+    from precprof.training import TrainConfig
+
+    group = typer.main.get_command(cli.app)
+    options = {
+        name: {o for p in group.commands[name].params for o in p.opts}  # type: ignore[attr-defined]
+        for name in ("train", "compare")
+    }
+    only_train = options["train"] - options["compare"]
+    only_compare = options["compare"] - options["train"]
+    assert only_train == {"--precision", "-p", "--loss-scale"} - options["compare"]
+    assert only_compare == {"--precisions", "--tolerance"}
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    set_by_cli = fields - {"precision", "loss_scale", "refresh_every", "command_line", "model_args"}
+    for name in ("train", "compare"):
+        params = {p.name for p in group.commands[name].params}  # type: ignore[attr-defined]
+        assert set_by_cli <= params, (name, set_by_cli - params)
+
+
+def test_compare_hands_every_training_option_to_its_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from precprof import compare as comparing
+
+    seen: list[object] = []
+
+    def record(config: object, variants: object, **kwargs: object) -> None:
+        seen.append(config)
+        raise KeyboardInterrupt  # stop before training: only the configuration matters here
+
+    monkeypatch.setattr(comparing, "compare", record)
+    argv = [
+        "compare",
+        "--growth-factor",
+        "4",
+        "--backoff-factor",
+        "0.25",
+        "--distributed",
+        "fsdp2",
+        "--sample-every",
+        "3",
+        "--overwrite",
+        "--out",
+        str(tmp_path / "c"),
+        *TINY,
+    ]
+    rc, _, _ = run_main(argv, capsys)
+    assert rc == 130
+    (config,) = seen
+    assert (config.growth_factor, config.backoff_factor, config.distributed) == (4.0, 0.25, "fsdp2")  # type: ignore[attr-defined]
+    assert (config.sample_every, config.overwrite, config.steps) == (3, True, 2)  # type: ignore[attr-defined]
