@@ -3,7 +3,10 @@ parse and reject arguments before importing torch."""
 
 from __future__ import annotations
 
+import math
 from enum import Enum
+
+from precprof.errors import UserError
 
 
 class Precision(str, Enum):
@@ -42,3 +45,39 @@ PRECISIONS: tuple[str, ...] = tuple(p.value for p in Precision)
 DEVICES: tuple[str, ...] = tuple(d.value for d in Device)
 # precision modes whose gradients are fp16 and therefore need a loss scale by default
 FP16_MODES: tuple[str, ...] = (Precision.FP16.value, Precision.FP16_PURE.value)
+# one colour per mode, wherever runs of several modes are drawn together (compare.html)
+MODE_COLORS: dict[str, str] = {
+    Precision.FP32.value: "#1f4e79",
+    Precision.TF32.value: "#5b8db8",
+    Precision.BF16.value: "#ff7f0e",
+    Precision.BF16_PURE.value: "#b35806",
+    Precision.FP16.value: "#d62728",
+    Precision.FP16_PURE.value: "#8c1515",
+    Precision.FP8.value: "#9467bd",
+}
+assert set(MODE_COLORS) == set(PRECISIONS), "every precision mode has a colour"
+
+
+def parse_loss_scale(spec: str) -> tuple[str, float | None]:
+    """``"auto" | "dynamic" | "none" | "static:N"`` -> (kind, N); UserError for anything else."""
+    s = spec.strip().lower()
+    if s in ("auto", "dynamic", "none"):
+        return s, None
+    if s.startswith("static:"):
+        try:
+            value = float(s.split(":", 1)[1])
+        except ValueError:
+            value = math.nan
+        if math.isfinite(value) and value > 0:
+            return "static", value
+    raise UserError(
+        f"--loss-scale {spec!r}: expected dynamic, none or static:N with N > 0 (e.g. static:1024)"
+    )
+
+
+def resolve_loss_scale(spec: str, precision: str) -> tuple[str, float | None]:
+    """(kind, static value) with "auto" resolved: dynamic for fp16 and fp16-pure, none otherwise."""
+    kind, value = parse_loss_scale(spec)
+    if kind == "auto":
+        kind = "dynamic" if precision in FP16_MODES else "none"
+    return kind, value

@@ -12,7 +12,9 @@ import pytest
 
 from precprof import compare as C
 from precprof import tables as T
+from precprof.analysis import comparison as A
 from precprof.errors import UserError
+from precprof.report import compare_page
 from precprof.training import TrainConfig
 
 STEPS = 12
@@ -20,12 +22,12 @@ STEPS = 12
 
 # ------------------------------------------------------------------------------------------- variants
 def test_parse_precisions() -> None:
-    vs = C.parse_precisions("fp32, bf16,fp16,fp16:none,fp16:static:8192,fp16:advised")
+    vs = A.parse_precisions("fp32, bf16,fp16,fp16:none,fp16:static:8192,fp16:advised")
     assert [v.label for v in vs] == ["fp32", "bf16", "fp16", "fp16-none", "fp16-static-8192", "fp16-advised"]
-    assert vs[3] == C.Variant("fp16", "none")
-    assert C.reference_index(vs) == 0
-    assert C.reference_index(C.parse_precisions("bf16,tf32,fp16")) == 1
-    assert C.reference_index(C.parse_precisions("bf16,fp16")) == 0
+    assert vs[3] == A.Variant("fp16", "none")
+    assert A.reference_index(vs) == 0
+    assert A.reference_index(A.parse_precisions("bf16,tf32,fp16")) == 1
+    assert A.reference_index(A.parse_precisions("bf16,fp16")) == 0
 
 
 @pytest.mark.parametrize(
@@ -40,11 +42,11 @@ def test_parse_precisions() -> None:
 )
 def test_parse_precisions_rejects(spec: str, match: str) -> None:
     with pytest.raises(UserError, match=match):
-        C.parse_precisions(spec)
+        A.parse_precisions(spec)
 
 
 # ------------------------------------------------------------------------------------------- outcomes
-def run_result(label: str, initial: float, final: float, **kw: Any) -> C.RunResult:
+def run_result(label: str, initial: float, final: float, **kw: Any) -> A.RunResult:
     precision, _, scale = label.partition("-")
     base: dict[str, Any] = {
         "label": label,
@@ -58,7 +60,7 @@ def run_result(label: str, initial: float, final: float, **kw: Any) -> C.RunResu
         "final_loss": final,
         "final_window": 10,
         "gap": None,
-        "outcome": C.REFERENCE,
+        "outcome": A.REFERENCE,
         "tokens_per_s": 1000.0,
         "speedup": None,
         "skipped_steps": 0,
@@ -73,23 +75,23 @@ def run_result(label: str, initial: float, final: float, **kw: Any) -> C.RunResu
         "report": None,
     }
     base.update(kw)
-    return C.RunResult(**base)
+    return A.RunResult(**base)
 
 
 @pytest.mark.parametrize(
     ("initial", "final", "outcome", "gap"),
     [
-        (5.0, 2.008, C.MATCHED, 0.004),
-        (5.0, 2.1, C.BEHIND, 0.05),
-        (5.0, 1.9, C.AHEAD, -0.05),
-        (5.0, 4.5, C.STALLED, 1.25),  # removed 0.5 of the 3.0 the reference removed
-        (5.0, math.nan, C.DIVERGED, None),
-        (5.0, 9.0, C.DIVERGED, 3.5),
+        (5.0, 2.008, A.MATCHED, 0.004),
+        (5.0, 2.1, A.BEHIND, 0.05),
+        (5.0, 1.9, A.AHEAD, -0.05),
+        (5.0, 4.5, A.STALLED, 1.25),  # removed 0.5 of the 3.0 the reference removed
+        (5.0, math.nan, A.DIVERGED, None),
+        (5.0, 9.0, A.DIVERGED, 3.5),
     ],
 )
 def test_classify(initial: float, final: float, outcome: str, gap: float | None) -> None:
     ref = run_result("fp32", 5.0, 2.0)
-    got, g = C.classify(run_result("fp16-none", initial, final), ref, tolerance=0.02)
+    got, g = A.classify(run_result("fp16-none", initial, final), ref, tolerance=0.02)
     assert got == outcome
     assert (g is None and gap is None) or g == pytest.approx(gap)
 
@@ -119,21 +121,21 @@ def test_verdict_check_confirms_and_contradicts() -> None:
         run_result("bf16", 5.0, 2.3),
     ]
     for r in runs[1:]:
-        r.outcome, r.gap = C.classify(r, ref, 0.02)
+        r.outcome, r.gap = A.classify(r, ref, 0.02)
     checks: dict[tuple[str | None, str], str] = {}
-    for c in C.check_against_runs(runs, ref):
+    for c in A.check_against_runs(runs, ref):
         checks[(c.run, c.status)] = checks.get((c.run, c.status), "") + c.text + "\n"
     # the recommendation (fp16 at 2^13) against the scaled fp16 run
-    text = checks[("fp16", C.CONFIRMED)]
+    text = checks[("fp16", A.CONFIRMED)]
     assert "recommends fp16 with init_scale 2^13" in text and "matched fp32 within 0.3%" in text
     assert "settled at 2^13" in text
     # the scale-1 underflow warning predicted the unscaled run's stall
     assert (
-        "stalled" in checks[("fp16-none", C.CONFIRMED)]
-        and "38% at scale 1" in checks[("fp16-none", C.CONFIRMED)]
+        "stalled" in checks[("fp16-none", A.CONFIRMED)]
+        and "38% at scale 1" in checks[("fp16-none", A.CONFIRMED)]
     )
     # lost updates are a what-if for autocast bf16 (fp32 masters): no warning applies, the run fell behind
-    assert "15.0% above fp32" in checks[("bf16", C.MISSED)]
+    assert "15.0% above fp32" in checks[("bf16", A.MISSED)]
 
 
 def test_verdict_check_not_borne_out_and_unchecked() -> None:
@@ -142,15 +144,15 @@ def test_verdict_check_not_borne_out_and_unchecked() -> None:
     )
     ref = run_result("fp32", 5.0, 2.0, recommendation=rec)
     fp16 = run_result("fp16-none", 5.0, 2.01)
-    fp16.outcome, fp16.gap = C.classify(fp16, ref, 0.02)
-    checks = C.check_against_runs([ref, fp16], ref)
-    assert [c.status for c in checks] == [C.UNCHECKED, C.NOT_BORNE_OUT]
+    fp16.outcome, fp16.gap = A.classify(fp16, ref, 0.02)
+    checks = A.check_against_runs([ref, fp16], ref)
+    assert [c.status for c in checks] == [A.UNCHECKED, A.NOT_BORNE_OUT]
     assert "no bf16 run in this comparison" in checks[0].text
 
 
 # ------------------------------------------------------------------------------------------- a real run
 @pytest.fixture(scope="module")
-def comparison(tmp_path_factory: pytest.TempPathFactory) -> tuple[C.Comparison, Path]:
+def comparison(tmp_path_factory: pytest.TempPathFactory) -> tuple[A.Comparison, Path]:
     out = tmp_path_factory.mktemp("compare")
     base = TrainConfig(
         model="gpt-nano",
@@ -172,7 +174,7 @@ def _window_mean(run_dir: Path) -> tuple[float, float]:
     return float(loss[-max(5, len(loss) // 10) :].mean()), float(loss[0])
 
 
-def test_each_run_has_its_directory_and_report(comparison: tuple[C.Comparison, Path]) -> None:
+def test_each_run_has_its_directory_and_report(comparison: tuple[A.Comparison, Path]) -> None:
     comp, out = comparison
     assert [r.label for r in comp.runs] == ["fp32", "bf16", "fp16-none"]
     for r, (prec, scaling) in zip(
@@ -187,7 +189,7 @@ def test_each_run_has_its_directory_and_report(comparison: tuple[C.Comparison, P
         assert (run_dir / T.REPORT_FILE).exists() == (r.report is not None)
 
 
-def test_numbers_match_the_run_directories(comparison: tuple[C.Comparison, Path]) -> None:
+def test_numbers_match_the_run_directories(comparison: tuple[A.Comparison, Path]) -> None:
     comp, out = comparison
     ref_final, ref_first = _window_mean(out / "fp32")
     for r in comp.runs:
@@ -209,7 +211,7 @@ def test_numbers_match_the_run_directories(comparison: tuple[C.Comparison, Path]
     assert [c["status"] for c in saved["checks"]]  # every line of the verdict check is stored
 
 
-def test_comparison_page(comparison: tuple[C.Comparison, Path]) -> None:
+def test_comparison_page(comparison: tuple[A.Comparison, Path]) -> None:
     comp, out = comparison
     html = (out / C.COMPARE_HTML).read_text()
     assert html.count('src="data:image/png;base64,') == 2  # loss curves; memory and throughput
@@ -223,9 +225,9 @@ def test_comparison_page(comparison: tuple[C.Comparison, Path]) -> None:
     assert "Verdict check" in html and comp.checks[0].text.split(":")[0] in html.replace("&#39;", "'")
 
 
-def test_comparison_page_escapes_user_text(comparison: tuple[C.Comparison, Path]) -> None:
+def test_comparison_page_escapes_user_text(comparison: tuple[A.Comparison, Path]) -> None:
     comp, out = comparison
-    evil = C.Comparison(
+    evil = A.Comparison(
         runs=comp.runs,
         reference=comp.reference,
         tolerance=comp.tolerance,
@@ -233,7 +235,7 @@ def test_comparison_page_escapes_user_text(comparison: tuple[C.Comparison, Path]
         summary_lines=comp.summary_lines,
         config={"model": "<script>alert(1)</script>"},
     )
-    html = C.render(evil, base_dir=out)
+    html = compare_page.render(evil, base_dir=out)
     assert "<script>alert(1)</script>" not in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
 
@@ -260,14 +262,14 @@ def test_advised_loss_scale_is_trained_and_checked(tmp_path: Path) -> None:
     cfg = T.read_summary(tmp_path / "fp16-advised")[T.SUMMARY_CONFIG]
     assert cfg["init_scale"] == rec["fp16_loss_scale"] == advised.init_scale
     assert cfg["loss_scaling"] == "dynamic"
-    assert unscaled.outcome == C.STALLED and advised.outcome == C.MATCHED
+    assert unscaled.outcome == A.STALLED and advised.outcome == A.MATCHED
     # unscaled fp16: every step's gradients vanished, the weights never moved, the loss stayed put
     steps = T.read_tables(tmp_path / "fp16-none")["steps"]
     assert abs(steps[T.LOSS].iloc[-1] - steps[T.LOSS].iloc[0]) < 0.02 < ref.initial_loss - ref.final_loss
     by_run = {c.run: c for c in comp.checks if c.run and "advisor sized" in c.text}
-    assert by_run["fp16-advised"].status == C.CONFIRMED
+    assert by_run["fp16-advised"].status == A.CONFIRMED
     unscaled_check = next(c for c in comp.checks if c.run == "fp16-none")
-    assert unscaled_check.status == C.CONFIRMED and "had warned" in unscaled_check.text
+    assert unscaled_check.status == A.CONFIRMED and "had warned" in unscaled_check.text
     assert "fp16 gradient underflow" in unscaled_check.text
 
 

@@ -28,13 +28,8 @@ to ``--grad-clip``), ``scaler.step`` + ``scaler.update()``, ``zero_grad(set_to_n
 bar (every ``refresh_every`` steps); GradScaler.step syncs once per step, as it always does.
 """
 
-from precprof.training.config import (
-    TrainConfig,
-    default_out_dir,
-    default_sample_every,
-    parse_loss_scale,
-    resolve_loss_scale,
-)
+from precprof.modes import parse_loss_scale, resolve_loss_scale
+from precprof.training.config import TrainConfig, default_out_dir, default_sample_every
 from precprof.training.loop import (
     Callback,
     TrainResult,

@@ -19,7 +19,7 @@ from precprof import rundir
 from precprof.distributed import STRATEGIES
 from precprof.errors import UserError
 from precprof.models import DEFAULT_MODEL
-from precprof.modes import DEVICES, FP16_MODES, PRECISIONS, OptimizerName
+from precprof.modes import DEVICES, PRECISIONS, OptimizerName, parse_loss_scale
 
 
 @dataclass
@@ -118,31 +118,6 @@ class TrainConfig:
                 value = parse_model_args(list(value or []))
             values[key] = value
         return cls(**values)
-
-
-def parse_loss_scale(spec: str) -> tuple[str, float | None]:
-    """``"auto" | "dynamic" | "none" | "static:N"`` -> (kind, N); UserError for anything else."""
-    s = spec.strip().lower()
-    if s in ("auto", "dynamic", "none"):
-        return s, None
-    if s.startswith("static:"):
-        try:
-            value = float(s.split(":", 1)[1])
-        except ValueError:
-            value = math.nan
-        if math.isfinite(value) and value > 0:
-            return "static", value
-    raise UserError(
-        f"--loss-scale {spec!r}: expected dynamic, none or static:N with N > 0 (e.g. static:1024)"
-    )
-
-
-def resolve_loss_scale(spec: str, precision: str) -> tuple[str, float | None]:
-    """(kind, static value) with "auto" resolved: dynamic for fp16 and fp16-pure, none otherwise."""
-    kind, value = parse_loss_scale(spec)
-    if kind == "auto":
-        kind = "dynamic" if precision in FP16_MODES else "none"
-    return kind, value
 
 
 def default_sample_every(steps: int) -> int:

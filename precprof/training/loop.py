@@ -24,8 +24,8 @@ from precprof.capture import Profiler
 from precprof.data import TokenSource, load_data
 from precprof.errors import UserError
 from precprof.models import BuiltModel, build_model
-from precprof.modes import FP16_MODES
-from precprof.training.config import TrainConfig, default_out_dir, default_sample_every, resolve_loss_scale
+from precprof.modes import FP16_MODES, resolve_loss_scale
+from precprof.training.config import TrainConfig, default_out_dir, default_sample_every
 from precprof.training.precision import (
     PrecisionPlan,
     convert_fp8,

@@ -13,9 +13,9 @@ from torch import nn
 
 from precprof import hardware
 from precprof.errors import MissingDependencyError, UserError
-from precprof.modes import PRECISIONS, OptimizerName, Precision
+from precprof.modes import PRECISIONS, OptimizerName, Precision, resolve_loss_scale
 from precprof.optim import FP32StateAdamW, FP32StateSGD
-from precprof.training.config import TrainConfig, resolve_loss_scale
+from precprof.training.config import TrainConfig
 
 ADAMW_BETAS = (0.9, 0.95)  # nanoGPT's; the second moment adapts faster than torch's 0.999 default
 SGD_MOMENTUM = 0.9

@@ -1,0 +1,1 @@
+"""Host-side analysis of recorded tables: pure functions of tables and summaries, no capture, no IO."""

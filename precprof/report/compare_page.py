@@ -1,0 +1,232 @@
+"""The comparison page (compare.html): loss curves, throughput and memory per run, the verdict check."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from precprof import tables as T
+from precprof.analysis.comparison import (
+    Comparison,
+    RunResult,
+    describe_run,
+    finite,
+)
+from precprof.modes import MODE_COLORS
+
+TEMPLATE = "compare.html.j2"
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
+def _style(run: RunResult, i: int) -> tuple[str, str]:
+    color = MODE_COLORS.get(run.precision, "#555555")
+    same = 0 if run.loss_scale == "auto" else 1 + (i % (len(_LINESTYLES) - 1))
+    return color, _LINESTYLES[same]
+
+
+def _smooth(y: np.ndarray, w: int) -> np.ndarray:
+    if w <= 1 or len(y) < 3:
+        return y
+    s = pd.Series(y).rolling(w, min_periods=1, center=True).mean()
+    return s.to_numpy(dtype=float)
+
+
+def loss_figure(comparison: Comparison) -> Any:
+    """Loss curves overlaid (raw, faint; smoothed, solid) and each run's smoothed loss relative to the reference."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    fig = Figure(figsize=(13.5, 4.0))
+    ax_loss, ax_rel = fig.subplots(1, 2)
+    fig.subplots_adjust(left=0.055, right=0.99, top=0.9, bottom=0.14, wspace=0.2)
+    ref = comparison.run(comparison.reference)
+    n = max((len(r.curve_loss) for r in comparison.runs), default=0)
+    w = max(1, n // 25)
+    ref_s = _smooth(np.asarray(ref.curve_loss, dtype=float), w)
+    ref_steps = np.asarray(ref.curve_steps)
+    finite_all: list[float] = []
+    # the reference last and thinnest, on top of wider lines: curves that coincide all stay visible
+    order = [i for i, r in enumerate(comparison.runs) if r is not ref] + [comparison.runs.index(ref)]
+    for i in order:
+        r = comparison.runs[i]
+        if not r.curve_loss:
+            continue
+        x = np.asarray(r.curve_steps, dtype=float)
+        y = np.asarray(r.curve_loss, dtype=float)
+        color, ls = _style(r, i)
+        width = 1.3 if r is ref else 2.6
+        ax_loss.plot(x, y, color=color, lw=0.7, alpha=0.3, ls=ls)
+        ys = _smooth(y, w)
+        ax_loss.plot(x, ys, color=color, lw=width, ls=ls, label=r.label, zorder=3 if r is ref else 2)
+        finite_all.extend(finite(y).tolist())
+        bad = ~np.isfinite(y)
+        if bad.any():
+            ax_loss.plot(
+                x[bad][:1], [np.nanmax(finite(y))] if np.isfinite(y).any() else [0], "X", color=color, ms=9
+            )
+        if r is not ref and len(ref_s):
+            m = min(len(ys), len(ref_s))
+            if m and np.array_equal(x[:m], ref_steps[:m]):
+                rel = (ys[:m] - ref_s[:m]) / np.abs(ref_s[:m])
+                ax_rel.plot(x[:m], rel, color=color, lw=1.6, ls=ls, label=r.label)
+    if finite_all:
+        lo, hi = np.percentile(finite_all, 0.5), np.percentile(finite_all, 99.5)
+        pad = 0.05 * (hi - lo if hi > lo else 1.0)
+        ax_loss.set_ylim(lo - pad, hi + pad)
+    ax_loss.set_title(
+        f"Training loss (faint: per step; solid: {w}-step moving average)" if w > 1 else "Training loss"
+    )
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss")
+    handles, labels = ax_loss.get_legend_handles_labels()
+    by_label = dict(zip(labels, handles, strict=True))
+    ax_loss.legend(
+        [by_label[r.label] for r in comparison.runs if r.label in by_label],
+        [r.label for r in comparison.runs if r.label in by_label],
+        frameon=False,
+        fontsize=9,
+    )
+    tol = comparison.tolerance
+    ax_rel.axhspan(-tol, tol, color="#2ca02c", alpha=0.12, lw=0, label=f"±{tol:.0%}: matched")
+    ax_rel.axhline(0, color=MODE_COLORS.get(ref.precision, "#1f4e79"), lw=1.2)
+    ax_rel.set_title(f"Loss relative to {ref.label} (smoothed)")
+    ax_rel.set_xlabel("step")
+    ax_rel.set_ylabel(f"(loss − {ref.label}) / {ref.label}")
+    ax_rel.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{100 * v:+.2g}%" if v else "0%"))
+    ax_rel.legend(frameon=False, fontsize=9)
+    for a in (ax_loss, ax_rel):
+        a.grid(True, alpha=0.3)
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig
+
+
+def resources_figure(comparison: Comparison) -> Any | None:
+    """Memory per component (stacked bars, measured on the last sampled step) and throughput, per run."""
+    from matplotlib.figure import Figure
+
+    from precprof.report.plots import COMPONENT_COLORS
+
+    runs = [r for r in comparison.runs if r.memory or math.isfinite(r.tokens_per_s)]
+    if not runs:
+        return None
+    comps = [c for c in COMPONENT_COLORS if any(r.memory.get(c) for r in runs)]
+    comps += sorted(
+        {c for r in runs for c in r.memory if c not in comps and c not in T.MEMORY_PEAK_COMPONENTS}
+    )
+    height = 1.7 + 0.5 * len(runs)  # inches: bars plus fixed room for titles, axis labels and the legend
+    fig = Figure(figsize=(13.5, height))
+    ax_mem, ax_tp = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.2, 1]})
+    fig.subplots_adjust(left=0.09, right=0.99, top=1 - 0.4 / height, bottom=1.05 / height, wspace=0.12)
+    labels = [r.label for r in runs]
+    y = np.arange(len(runs))[::-1]
+    biggest = max((r.memory_total for r in runs), default=0)
+    div, unit = (2**30, "GiB") if biggest >= 2**30 else (2**20, "MiB") if biggest >= 2**20 else (2**10, "KiB")
+    left = np.zeros(len(runs))
+    others = ("#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd")
+    for j, c in enumerate(comps):
+        vals = np.array([r.memory.get(c, 0) for r in runs], dtype=float) / div
+        ax_mem.barh(
+            y,
+            vals,
+            left=left,
+            color=COMPONENT_COLORS.get(c, others[j % len(others)]),
+            label=c.replace("_", " "),
+        )
+        left += vals
+    for yi, tot in zip(y, left, strict=True):
+        ax_mem.text(tot, yi, f" {tot:.3g} {unit}", va="center", fontsize=9)
+    ax_mem.set_yticks(y, labels)
+    ax_mem.set_xlim(0, max(left.max() * 1.18, 1e-9) if len(left) else 1)
+    ax_mem.set_xlabel(unit)
+    ax_mem.set_title("Memory per component (last sampled step)")
+    fig.legend(
+        *ax_mem.get_legend_handles_labels(),
+        loc="lower left",
+        bbox_to_anchor=(0.09, 0.0),
+        ncol=min(len(comps), 7),
+        frameon=False,
+        fontsize=9,
+    )
+    tps = np.array([r.tokens_per_s if math.isfinite(r.tokens_per_s) else 0 for r in runs])
+    ax_tp.barh(y, tps, color=[_style(r, i)[0] for i, r in enumerate(runs)])
+    for yi, v, r in zip(y, tps, runs, strict=True):
+        sp = (
+            f" ({r.speedup:.2f}×)"
+            if r.speedup is not None and r is not comparison.run(comparison.reference)
+            else ""
+        )
+        ax_tp.text(v, yi, f" {v:,.0f}{sp}", va="center", fontsize=9)
+    ax_tp.set_yticks(y, [""] * len(runs))
+    ax_tp.set_xlim(0, max(tps.max() * 1.45, 1))
+    ax_tp.set_xlabel("tokens / s")
+    ax_tp.set_title("Throughput (steps without layer capture)")
+    for a in (ax_mem, ax_tp):
+        a.grid(True, axis="x", alpha=0.3)
+    return fig
+
+
+# ------------------------------------------------------------------------------------------- page
+def _img(fig: Any, alt: str) -> dict[str, str] | None:
+    if fig is None:
+        return None
+    from precprof.report.plots import data_uri, png_bytes
+
+    return {"src": data_uri(png_bytes(fig)), "alt": alt}
+
+
+def _rel(path: str | None, base_dir: Path | None) -> str | None:
+    if path is None:
+        return None
+    p = Path(path)
+    if base_dir is not None:
+        try:
+            return p.resolve().relative_to(base_dir.resolve()).as_posix()
+        except ValueError:
+            pass
+    return p.resolve().as_uri()
+
+
+def render(comparison: Comparison, base_dir: Path | None = None) -> str:
+    """The comparison page (HTML string): the report's look (its CSS and number filters), autoescaped."""
+    import precprof
+    from precprof.report.plots import COMPONENT_COLORS
+    from precprof.report.render import environment
+
+    ref = comparison.run(comparison.reference)
+    comps = [c for c in COMPONENT_COLORS if any(r.memory.get(c) for r in comparison.runs)]
+    comps += sorted({c for r in comparison.runs for c in r.memory if c not in comps})
+    runs = []
+    for r in comparison.runs:
+        d = r.to_dict()
+        d["report_href"] = _rel(r.report, base_dir)
+        d["dir_href"] = _rel(r.run_dir, base_dir)
+        d["rec_format"] = (r.recommendation or {}).get("format")
+        d["described"] = describe_run(r)
+        runs.append(d)
+    cfg = comparison.config
+    title = f"{cfg.get('model', 'model')} · {', '.join(r.label for r in comparison.runs)}"
+    ctx = {
+        "version": precprof.__version__,
+        "title": title,
+        "generated": time.strftime("%Y-%m-%d %H:%M"),
+        "reference": ref.label,
+        "tolerance": comparison.tolerance,
+        "summary_lines": comparison.summary_lines,
+        "checks": [c.to_dict() for c in comparison.checks],
+        "runs": runs,
+        "components": comps,
+        "loss_img": _img(
+            loss_figure(comparison), "loss curves of every run overlaid, and relative to the reference"
+        ),
+        "resources_img": _img(resources_figure(comparison), "memory per component and throughput per run"),
+        "config": {k: v for k, v in cfg.items() if k != "command_line" and (k != "model_args" or v)},
+        "notes": comparison.notes,
+        "command": cfg.get("command_line"),
+        "wall_s": comparison.wall_s,
+    }
+    return str(environment().get_template(TEMPLATE).render(**ctx))
