@@ -15,7 +15,9 @@ class MissingDependencyError(UserError):
 
     def __init__(self, package: str, extra: str | None = None, purpose: str = "") -> None:
         # precprof is installed from its source tree: name the package itself, and the checkout's extra
-        hint = f"pip install {package}" + (f" (or pip install -e '.[{extra}]' in precprof's checkout)" if extra else "")
+        hint = f"pip install {package}" + (
+            f" (or pip install -e '.[{extra}]' in precprof's checkout)" if extra else ""
+        )
         what = f" (needed for {purpose})" if purpose else ""
         super().__init__(f"{package} is not installed{what}; install it with: {hint}")
         self.package = package
