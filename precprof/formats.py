@@ -59,6 +59,13 @@ class NumberFormat:
     overflow_inclusive: bool
     torch_dtype: torch.dtype | None
     has_inf: bool
+    label: str = ""  # how the report writes it: "FP8 E4M3"
+    color: str = "#333333"  # its colour in every figure and in the page's CSS
+
+    @property
+    def dtype_name(self) -> str | None:
+        """The torch dtype's name as the tables' dtype column spells it ("float8_e4m3fn"); None for tf32."""
+        return str(self.torch_dtype).removeprefix("torch.") if self.torch_dtype is not None else None
 
     @property
     def min_exponent(self) -> int:
@@ -93,6 +100,8 @@ def _make(
     has_inf: bool = True,
     overflow_min: float | None = None,
     overflow_inclusive: bool = True,
+    label: str,
+    color: str,
 ) -> NumberFormat:
     bias = 2 ** (exponent_bits - 1) - 1
     smallest_normal = 2.0 ** (1 - bias)
@@ -113,21 +122,34 @@ def _make(
         overflow_inclusive=overflow_inclusive,
         torch_dtype=torch_dtype,
         has_inf=has_inf,
+        label=label,
+        color=color,
     )
 
 
-FP32 = _make("fp32", 8, 23, float(torch.finfo(torch.float32).max), torch.float32)
+FP32 = _make(
+    "fp32", 8, 23, float(torch.finfo(torch.float32).max), torch.float32, label="FP32", color="#1f4e79"
+)
 # TF32 keeps fp32's range and 10 mantissa bits; it exists only inside tensor-core matmuls.
-TF32 = _make("tf32", 8, 10, (2 - 2.0**-10) * 2.0**127, None)
-BF16 = _make("bf16", 8, 7, (2 - 2.0**-7) * 2.0**127, torch.bfloat16)
-FP16 = _make("fp16", 5, 10, 65504.0, torch.float16)
+TF32 = _make("tf32", 8, 10, (2 - 2.0**-10) * 2.0**127, None, label="TF32", color="#5b8db8")
+BF16 = _make("bf16", 8, 7, (2 - 2.0**-7) * 2.0**127, torch.bfloat16, label="BF16", color="#ff7f0e")
+FP16 = _make("fp16", 5, 10, 65504.0, torch.float16, label="FP16", color="#d62728")
 # e4m3fn: no inf, the all-ones pattern is nan, so the largest finite value is 1.75 * 2^8 = 448; a value above
 # 464 (halfway to 480) would round past it. torch saturates such casts to +-448; precprof counts them as
 # overflow, ties at exactly 464 round down to 448 (even mantissa) and are not counted.
 FP8_E4M3 = _make(
-    "fp8_e4m3", 4, 3, 448.0, torch.float8_e4m3fn, has_inf=False, overflow_min=464.0, overflow_inclusive=False
+    "fp8_e4m3",
+    4,
+    3,
+    448.0,
+    torch.float8_e4m3fn,
+    has_inf=False,
+    overflow_min=464.0,
+    overflow_inclusive=False,
+    label="FP8 E4M3",
+    color="#9467bd",
 )
-FP8_E5M2 = _make("fp8_e5m2", 5, 2, 57344.0, torch.float8_e5m2)
+FP8_E5M2 = _make("fp8_e5m2", 5, 2, 57344.0, torch.float8_e5m2, label="FP8 E5M2", color="#2ca02c")
 
 FORMATS: dict[str, NumberFormat] = {f.name: f for f in (FP32, TF32, BF16, FP16, FP8_E4M3, FP8_E5M2)}
 
@@ -136,6 +158,11 @@ WHATIF_FORMATS: tuple[str, ...] = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2")
 # fp8 what-if under per-tensor current scaling: e4m3 for forward tensors, e5m2 for gradients (the usual
 # "hybrid" recipe), both recorded for every tensor.
 FP8_FORMATS: tuple[str, ...] = ("fp8_e4m3", "fp8_e5m2")
+
+# dtype names (the tables' spelling) of the formats narrower than fp32: a tensor in one of them is low precision
+LOW_PRECISION_DTYPES: frozenset[str] = frozenset(
+    f.dtype_name for f in FORMATS.values() if f.dtype_name is not None and f.bits < 32
+)
 
 FP32_MIN_EXPONENT = -149  # floor(log2) of fp32's smallest subnormal
 FP32_MAX_EXPONENT = 127
@@ -147,6 +174,12 @@ def get(name: str) -> NumberFormat:
         return FORMATS[name]
     except KeyError:
         raise ValueError(f"unknown format {name!r}; known formats: {', '.join(FORMATS)}") from None
+
+
+def label(name: str) -> str:
+    """Display name of a format ("fp8_e4m3" -> "FP8 E4M3") or of a family of them ("fp8" -> "FP8")."""
+    fmt = FORMATS.get(name)
+    return fmt.label if fmt is not None else name.upper().replace("_", " ")
 
 
 def current_scaling_exponent(fmt: NumberFormat, amax: float) -> int:

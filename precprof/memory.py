@@ -76,9 +76,12 @@ import torch
 from torch import nn
 
 from precprof import tables as T
+from precprof import taxonomy
+from precprof.formats import LOW_PRECISION_DTYPES
+from precprof.modes import PRECISIONS
 
 # Precision modes of the built-in loop (docs/design.md, "Precision modes").
-MODES: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure", "fp8")
+MODES: tuple[str, ...] = PRECISIONS
 AUTOCAST_MODES = frozenset({"bf16", "fp16", "fp8"})  # fp8: torchao Float8Linear under bf16 autocast
 PURE_MODES = frozenset({"bf16-pure", "fp16-pure"})
 FP32_STORAGE_MODES = frozenset({"fp32", "tf32"})  # tf32 only changes matmul arithmetic, not storage
@@ -90,8 +93,8 @@ TEXTBOOK_CLAIM = (
 TEXTBOOK_SAVING = (0.40, 0.50)
 
 # Floating dtypes whose storage a precision mode changes; float64 and integer/bool tensors never change.
-_MODE_FLOATS = frozenset({"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
-_LOW_FLOATS = frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+_LOW_FLOATS = LOW_PRECISION_DTYPES
+_MODE_FLOATS = _LOW_FLOATS | {"float32"}
 
 # Module classes for projecting the activations of a run that had no autocast (see module_class()).
 CLASS_MATMUL = "matmul"  # saves the inputs of a matmul: 16-bit under autocast
@@ -122,37 +125,6 @@ _VIEW_NODES = frozenset(
 )
 _MAX_VIEW_DEPTH = 8
 
-_MATMUL_TYPES: tuple[type[nn.Module], ...] = (
-    nn.Linear,
-    nn.Bilinear,
-    nn.Conv1d,
-    nn.Conv2d,
-    nn.Conv3d,
-    nn.ConvTranspose1d,
-    nn.ConvTranspose2d,
-    nn.ConvTranspose3d,
-)
-_ELEMENTWISE_TYPES: tuple[type[nn.Module], ...] = (
-    nn.ReLU,
-    nn.ReLU6,
-    nn.GELU,
-    nn.SiLU,
-    nn.Mish,
-    nn.Tanh,
-    nn.Sigmoid,
-    nn.LeakyReLU,
-    nn.ELU,
-    nn.Hardswish,
-    nn.Hardtanh,
-    nn.Softplus,
-    nn.Identity,
-    nn.Dropout,
-    nn.Dropout1d,
-    nn.Dropout2d,
-    nn.Dropout3d,
-)
-_FP32_TYPES: tuple[type[nn.Module], ...] = (nn.Softmax, nn.LogSoftmax, nn.modules.loss._Loss)
-
 # A storage is known by its address alone: CUDA's unified virtual addressing keeps host and device (and
 # device-to-device) addresses apart, and an int key keeps the tracker's own footprint small.
 StorageKey = int
@@ -171,25 +143,16 @@ def _itemsize(name: str) -> int | None:
 
 
 def module_class(module: nn.Module) -> str:
-    """How autocast treats what ``module`` saves for backward: matmul | elementwise | fp32 | other.
-
-    By type where torch defines it, by name for look-alikes (Hugging Face's ``Conv1D`` is a matmul,
-    ``*Norm`` and ``*Loss`` run in fp32, ``*Activation``/``*GELU*`` are elementwise). A leaf with a >=2-D
-    weight that is no embedding is a matmul: that is what autocast casts.
-    """
-    name = type(module).__name__
-    if isinstance(module, _FP32_TYPES) or "Norm" in name or name.endswith("Loss"):
+    """How autocast treats what ``module`` saves for backward: matmul | elementwise | fp32 | other
+    (``precprof.taxonomy.kind_of``: norms, softmax and losses run in fp32; embeddings and containers are
+    other)."""
+    kind = taxonomy.kind_of(module)
+    if kind in taxonomy.FP32_UNDER_AUTOCAST:
         return CLASS_FP32
-    if isinstance(module, _MATMUL_TYPES) or name == "Conv1D":
+    if kind == taxonomy.MATMUL:
         return CLASS_MATMUL
-    if isinstance(module, _ELEMENTWISE_TYPES) or name.endswith("Activation") or "GELU" in name:
+    if kind == taxonomy.ELEMENTWISE:
         return CLASS_ELEMENTWISE
-    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or "Embedding" in name:
-        return CLASS_OTHER
-    if not any(True for _ in module.children()):
-        w = getattr(module, "weight", None)
-        if isinstance(w, torch.Tensor) and w.dim() >= 2:
-            return CLASS_MATMUL
     return CLASS_OTHER
 
 

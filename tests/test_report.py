@@ -26,6 +26,7 @@ from report_fixtures import gpt_layers, real_run, recommendation_dict, synthetic
 from torch import nn
 
 import precprof
+from precprof import formats
 from precprof import tables as T
 from precprof.errors import UserError
 from precprof.report import filters, plots, render_html, render_report, render_run_dir, templates_dir
@@ -84,7 +85,7 @@ def test_real_run_report_shows_recommendation_and_numbers_from_the_tables(run: P
     tabs = T.read_tables(run)
     rec = summary[T.SUMMARY_RECOMMENDATION]
     verdict = section(page, "verdict")
-    label = S.FORMAT_LABELS[rec["format"]]
+    label = formats.label(rec["format"])
     assert f'class="fmt fmt-{rec["format"]}">{label}</div>' in verdict
     for reason in rec["reasons"]:
         assert esc(reason) in verdict

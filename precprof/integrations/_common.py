@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from precprof import tables as T
+from precprof import taxonomy
 
 # Precision names of the frameworks -> precprof's modes (precprof.training.Precision).
 LIGHTNING_PRECISIONS: dict[str, str] = {
@@ -65,38 +66,6 @@ def model_info(model: nn.Module, name: str | None = None) -> dict[str, Any]:
         "class": f"{cls.__module__}.{cls.__qualname__}",
         "n_params": sum(p.numel() for p in model.parameters()),
         **dims,
-    }
-
-
-def matmul_activation_dtypes(layers: pd.DataFrame) -> dict[str, str]:
-    """Activation dtype per matmul layer (Linear, Conv1D, convolutions) at the last sampled step."""
-    from precprof.advisor import is_matmul_layer
-
-    if layers.empty:
-        return {}
-    acts = layers[layers[T.TENSOR] == T.ACTIVATION]
-    acts = acts[acts[T.MODULE_TYPE].map(lambda t: is_matmul_layer(str(t)))]
-    if acts.empty:
-        return {}
-    last = acts[acts[T.STEP] == acts[T.STEP].max()]
-    return dict(zip(last[T.MODULE], last[T.DTYPE].astype(str), strict=True))
-
-
-def mixed_precision_check(requested: str, layers: pd.DataFrame) -> dict[str, Any]:
-    """Whether the requested low precision is what the matmul layers ran in.
-
-    Returns ``{"mixed_precision_requested", "mixed_precision_active", "matmul_layers_float32"}`` for the
-    ``capture`` block; the advisor's "mixed precision not active" finding reads the request from there.
-    """
-    dtypes = matmul_activation_dtypes(layers)
-    low = requested not in ("", "fp32", "tf32", "fp64")
-    fp32 = sorted(m for m, d in dtypes.items() if d == "float32")
-    active = bool(dtypes) and len(fp32) < len(dtypes) if low else False
-    return {
-        "mixed_precision_requested": requested,
-        "mixed_precision_active": active,
-        "matmul_layers_float32": len(fp32),
-        "matmul_layers": len(dtypes),
     }
 
 
@@ -196,7 +165,7 @@ class Session:
             summary[T.SUMMARY_FINAL] = final_block(tables["steps"], wall_s)
             capture = dict(summary.get(T.SUMMARY_CAPTURE) or {})
             requested = str(capture.get("mixed_precision_requested") or "")
-            capture.update(mixed_precision_check(requested, tables["layers"]))
+            capture.update(taxonomy.mixed_precision_check(requested, tables["layers"]))
             summary[T.SUMMARY_CAPTURE] = capture
             render = self.report and prof.is_writer
             self.run_dir = prof.save(self.out, summary=summary, status=status, reason=reason, render=render)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from precprof import __version__
+from precprof import __version__, formats
 from precprof import tables as T
 from precprof.report import plots
 from precprof.report import summarize as S
@@ -92,7 +92,7 @@ def _verdict(
     saving = S.expected_saving(records, float(measured.get("total") or 0.0), current, fmt)
     return {
         "format": fmt,
-        "format_label": S.FORMAT_LABELS.get(fmt, fmt.upper()),
+        "format_label": formats.label(fmt),
         "loss_scale": _f(rec.get("loss_scale")),
         "fp16_loss_scale": _f(rec.get("fp16_loss_scale")),
         "growth_interval": rec.get("growth_interval"),
@@ -188,7 +188,7 @@ def _whatif(layers: pd.DataFrame) -> dict[str, Any]:
     cols = S.whatif_columns()
     headers = []
     for col, fmt, what in cols:
-        label = S.FORMAT_LABELS.get(fmt, fmt)
+        label = formats.label(fmt)
         sub = {
             "underflow": "underflow",
             "overflow": "overflow",

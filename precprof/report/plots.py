@@ -30,13 +30,6 @@ from precprof import formats
 from precprof import tables as T
 from precprof.report import summarize as S
 
-# one colour per format, the same in every figure and in the page's CSS
-FORMAT_COLORS: dict[str, str] = {
-    "fp16": "#d62728",
-    "bf16": "#ff7f0e",
-    "fp8_e4m3": "#9467bd",
-    "fp8_e5m2": "#2ca02c",
-}
 COMPONENT_COLORS: dict[str, str] = {  # also the stacking order
     T.PARAMETERS: "#4c72b0",
     T.GRADIENTS: "#dd8452",
@@ -207,11 +200,11 @@ def format_window(fmt: str, scale: float = 1.0, label: str | None = None, style:
     ls = math.log2(scale) if scale > 0 else 0.0
     return Window(
         key=fmt,
-        label=label or S.FORMAT_LABELS.get(fmt, fmt),
+        label=label or formats.label(fmt),
         lo=math.log2(f.underflow_max) - ls,
         normal_lo=math.log2(f.smallest_normal) - ls,
         hi=math.log2(f.overflow_min) - ls,
-        color=FORMAT_COLORS.get(fmt, "#333"),
+        color=formats.get(fmt).color,
         style=style,
     )
 

@@ -27,16 +27,6 @@ KIND_LABELS: dict[str, str] = {
     T.WEIGHT_GRAD: "weight gradients",
     T.WEIGHT_UPDATE: "weight updates",
 }
-FORMAT_LABELS: dict[str, str] = {
-    "fp32": "FP32",
-    "tf32": "TF32",
-    "bf16": "BF16",
-    "fp16": "FP16",
-    "fp8_e4m3": "FP8 E4M3",
-    "fp8_e5m2": "FP8 E5M2",
-    "fp8": "FP8",
-}
-LOW_PRECISION_DTYPES = frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 ROOT_LABEL = "(model)"
 # memory components that are totals of the whole process or device, not parts of a stack
 PEAK_COMPONENTS = T.MEMORY_PEAK_COMPONENTS
@@ -358,7 +348,7 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
         )
     with_params = set(layers.loc[layers[T.TENSOR] == T.WEIGHT, T.MODULE])
     acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & layers[T.MODULE].isin(with_params)]
-    low = acts[acts[T.DTYPE].astype(str).isin(LOW_PRECISION_DTYPES)]
+    low = acts[acts[T.DTYPE].astype(str).isin(formats.LOW_PRECISION_DTYPES)]
     active = not low.empty
     wants_low = any(t in requested for t in ("bf16", "fp16", "fp8"))
     if acts.empty:

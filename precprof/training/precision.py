@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precprof import hardware
+from precprof import hardware, taxonomy
 from precprof.errors import MissingDependencyError, UserError
 from precprof.modes import PRECISIONS, OptimizerName, Precision, resolve_loss_scale
 from precprof.optim import FP32StateAdamW, FP32StateSGD
@@ -19,7 +19,6 @@ from precprof.training.config import TrainConfig
 
 ADAMW_BETAS = (0.9, 0.95)  # nanoGPT's; the second moment adapts faster than torch's 0.999 default
 SGD_MOMENTUM = 0.9
-FP8_DIM_MULTIPLE = 16  # float8 matmuls need both dimensions divisible by 16
 
 
 @dataclass(frozen=True)
@@ -163,15 +162,10 @@ def convert_fp8(model: nn.Module, library: str) -> int:
     Eligible: both dimensions multiples of 16 and a weight not shared with an embedding (a tied output head
     stays in bf16). UserError when no layer qualifies.
     """
-    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tied = taxonomy.tied_weight_ids(model)
 
     def eligible(mod: nn.Module, fqn: str = "") -> bool:
-        return (
-            isinstance(mod, nn.Linear)
-            and mod.in_features % FP8_DIM_MULTIPLE == 0
-            and mod.out_features % FP8_DIM_MULTIPLE == 0
-            and id(mod.weight) not in tied
-        )
+        return taxonomy.fp8_eligible(mod, tied)
 
     n = sum(1 for m in model.modules() if eligible(m))
     if n == 0:

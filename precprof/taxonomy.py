@@ -1,0 +1,168 @@
+"""What a layer is, for mixed precision: one classification of modules, and one test of whether mixed
+precision is active.
+
+Autocast treats modules by what they compute: matmuls (Linear, convolutions, Hugging Face's ``Conv1D``)
+run in the low precision; softmax, normalisation and losses run in fp32; element-wise functions follow their
+input; embeddings are gathers in the weight's dtype. The same rules apply to a live module (``kind_of``) and
+to the ``module_type`` column of the tables (``kind_of_type``): a module's kind is decided by its type name
+first, so the two agree for every type the capture records; a live module adds what only it can tell (a
+subclass of ``nn.Linear`` under another name, a leaf holding a >= 2-D weight).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+from precprof import tables as T
+
+MATMUL = "matmul"  # autocast runs it in the low precision: its inputs and outputs are 16-bit
+NORM = "norm"  # LayerNorm, RMSNorm, BatchNorm, GroupNorm: autocast keeps fp32
+SOFTMAX = "softmax"  # softmax and log-softmax: fp32 under autocast
+LOSS = "loss"  # losses: fp32 under autocast
+ELEMENTWISE = "elementwise"  # activation functions, dropout: follow their input (a matmul output)
+EMBEDDING = "embedding"  # a gather: the weight's dtype
+OTHER = "other"  # containers and modules doing functional math: unknown
+KINDS = (MATMUL, NORM, SOFTMAX, LOSS, ELEMENTWISE, EMBEDDING, OTHER)
+FP32_UNDER_AUTOCAST = frozenset({NORM, SOFTMAX, LOSS})
+
+FP8_DIM_MULTIPLE = 16  # float8 matmuls need both dimensions (and the tokens per call) divisible by 16
+
+_BY_NAME: tuple[tuple[str, re.Pattern[str]], ...] = (
+    (EMBEDDING, re.compile(r"Embedding")),
+    (LOSS, re.compile(r"Loss$")),
+    (NORM, re.compile(r"Norm")),
+    (SOFTMAX, re.compile(r"^(Log)?Softmax|^Softmin$")),
+    (MATMUL, re.compile(r"Linear|^Conv1D$|^Conv(Transpose)?[123]d$|^Bilinear$")),
+    (
+        ELEMENTWISE,
+        re.compile(
+            r"^(ReLU6?|GELU|NewGELUActivation|GELUActivation|SiLU|Mish|Tanh|Sigmoid|LeakyReLU|ELU|Hardswish"
+            r"|Hardtanh|Softplus|Identity|Dropout[123]?d?)$|Activation$|GELU"
+        ),
+    ),
+)
+_MATMUL_TYPES: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
+
+
+def kind_of_type(module_type: str) -> str:
+    """The kind of a module from its class name (the tables' ``module_type``): one of ``KINDS``."""
+    name = module_type or ""
+    for kind, pattern in _BY_NAME:
+        if pattern.search(name):
+            return kind
+    return OTHER
+
+
+def kind_of(module: nn.Module) -> str:
+    """The kind of a live module: its type name's kind, refined by its class and weight where the name says
+    nothing (a renamed ``nn.Linear`` subclass, a leaf with a >= 2-D weight is a matmul)."""
+    kind = kind_of_type(type(module).__name__)
+    if kind != OTHER:
+        return kind
+    if isinstance(module, _MATMUL_TYPES):
+        return MATMUL
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return EMBEDDING
+    if isinstance(module, nn.modules.loss._Loss):
+        return LOSS
+    if not any(True for _ in module.children()):
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() >= 2:
+            return MATMUL
+    return OTHER
+
+
+def is_matmul_type(module_type: str) -> bool:
+    """True for module types whose forward is a matmul that autocast runs in low precision."""
+    return kind_of_type(module_type) == MATMUL
+
+
+def tied_weight_ids(model: nn.Module) -> set[int]:
+    """ids of the embedding weights of ``model`` (an output head sharing one is tied to it)."""
+    return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+
+
+def fp8_eligible_shape(in_features: int, out_features: int, tied: bool = False) -> bool:
+    """Whether a Linear of this shape can run as a float8 matmul: both dimensions multiples of 16, and not
+    tied to an embedding (the shared weight is used as a gather too)."""
+    return not tied and in_features % FP8_DIM_MULTIPLE == 0 and out_features % FP8_DIM_MULTIPLE == 0
+
+
+def fp8_eligible(module: nn.Module, tied: set[int]) -> bool:
+    """Whether ``module`` (an ``nn.Linear``) can be converted to float8 training; see ``fp8_eligible_shape``."""
+    return isinstance(module, nn.Linear) and fp8_eligible_shape(
+        module.in_features, module.out_features, id(module.weight) in tied
+    )
+
+
+# ---------------------------------------------------------------------------------- mixed precision active
+LOW_PRECISION_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp8": "bfloat16"}  # what autocast computes in
+
+
+def requested_low_dtype(requested: str) -> str | None:
+    """The dtype a requested precision ("bf16", "fp16-pure", "16-mixed" mapped by the caller) computes
+    matmuls in; None for fp32, tf32, fp64 or nothing requested."""
+    req = (requested or "").lower()
+    return next((dt for p, dt in LOW_PRECISION_DTYPE.items() if req.startswith(p)), None)
+
+
+def matmul_activation_dtypes(layers: pd.DataFrame) -> dict[str, str]:
+    """Activation dtype per matmul layer at the last sampled step ({} when none was recorded)."""
+    if layers.empty:
+        return {}
+    acts = layers[layers[T.TENSOR] == T.ACTIVATION]
+    acts = acts[acts[T.MODULE_TYPE].map(lambda t: is_matmul_type(str(t)))]
+    if acts.empty:
+        return {}
+    last = acts[acts[T.STEP] == acts[T.STEP].max()]
+    return dict(zip(last[T.MODULE], last[T.DTYPE].astype(str), strict=True))
+
+
+def mixed_precision_check(requested: str, layers: pd.DataFrame) -> dict[str, Any]:
+    """Whether the requested low precision is what the matmul layers ran in.
+
+    Returns ``{"mixed_precision_requested", "mixed_precision_active", "matmul_layers_float32",
+    "matmul_layers"}`` for summary.json's ``capture`` block. Active means: a low precision was requested and
+    at least one matmul layer produced a tensor in something other than float32.
+    """
+    dtypes = matmul_activation_dtypes(layers)
+    fp32 = sorted(m for m, d in dtypes.items() if d == "float32")
+    active = requested_low_dtype(requested) is not None and bool(dtypes) and len(fp32) < len(dtypes)
+    return {
+        "mixed_precision_requested": requested,
+        "mixed_precision_active": active,
+        "matmul_layers_float32": len(fp32),
+        "matmul_layers": len(dtypes),
+    }
+
+
+def low_precision_seen(layers: pd.DataFrame) -> bool:
+    """Whether any module produced a 16-bit or 8-bit floating tensor (autocast or a pure mode was active)."""
+    if layers.empty:
+        return False
+    return bool(
+        layers[T.DTYPE].astype(str).isin(["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]).any()
+    )
+
+
+def summary_requested(summary: Mapping[str, Any], default: str = "") -> str:
+    """The precision a run asked for: the capture block's ``mixed_precision_requested`` when set (the
+    integrations record the framework's request there), else ``default``."""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    req = capture.get("mixed_precision_requested") if isinstance(capture, Mapping) else None
+    return req.lower() if isinstance(req, str) and req else default

@@ -1,0 +1,87 @@
+"""One classification of modules: the live module and its type name in the tables agree."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from precprof import tables as T
+from precprof import taxonomy as X
+
+MODULES = [
+    (nn.Linear(4, 4), X.MATMUL),
+    (nn.Conv2d(1, 1, 3), X.MATMUL),
+    (nn.ConvTranspose1d(1, 1, 3), X.MATMUL),
+    (nn.Bilinear(2, 2, 2), X.MATMUL),
+    (nn.LayerNorm(4), X.NORM),
+    (nn.BatchNorm1d(4), X.NORM),
+    (nn.GroupNorm(2, 4), X.NORM),
+    (nn.RMSNorm(4), X.NORM),
+    (nn.Softmax(dim=-1), X.SOFTMAX),
+    (nn.LogSoftmax(dim=-1), X.SOFTMAX),
+    (nn.CrossEntropyLoss(), X.LOSS),
+    (nn.MSELoss(), X.LOSS),
+    (nn.GELU(), X.ELEMENTWISE),
+    (nn.ReLU(inplace=True), X.ELEMENTWISE),
+    (nn.Dropout(0.1), X.ELEMENTWISE),
+    (nn.Embedding(8, 4), X.EMBEDDING),
+    (nn.Sequential(nn.Linear(2, 2)), X.OTHER),
+]
+
+
+@pytest.mark.parametrize(("module", "kind"), MODULES, ids=[type(m).__name__ for m, _ in MODULES])
+def test_module_and_type_name_agree(module: nn.Module, kind: str) -> None:
+    assert X.kind_of(module) == kind
+    assert X.kind_of_type(type(module).__name__) == kind
+
+
+def test_hugging_face_modules() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg)
+    kinds = {type(m).__name__: X.kind_of(m) for m in model.modules()}
+    assert kinds["Conv1D"] == X.MATMUL and kinds["LayerNorm"] == X.NORM and kinds["Embedding"] == X.EMBEDDING
+    for m in model.modules():  # every type the tables could name is classified as the live module is
+        if X.kind_of_type(type(m).__name__) != X.OTHER:
+            assert X.kind_of_type(type(m).__name__) == X.kind_of(m), type(m).__name__
+
+
+def test_live_module_refinements() -> None:
+    class Proj(nn.Linear):  # a renamed Linear: only the live module can tell
+        pass
+
+    class Gate(nn.Module):  # a leaf holding a matrix
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(4, 4))
+
+    assert X.kind_of(Proj(4, 4)) == X.MATMUL and X.kind_of(Gate()) == X.MATMUL
+
+
+def test_fp8_eligibility() -> None:
+    emb = nn.Embedding(64, 32)
+    head = nn.Linear(32, 64, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head, "ok": nn.Linear(32, 48), "odd": nn.Linear(32, 50)})
+    tied = X.tied_weight_ids(model)
+    assert [n for n, m in model.items() if X.fp8_eligible(m, tied)] == ["ok"]
+
+
+def test_mixed_precision_check() -> None:
+    rows = [
+        {T.STEP: 3, T.MODULE: "a", T.MODULE_TYPE: "Linear", T.TENSOR: T.ACTIVATION, T.DTYPE: "bfloat16"},
+        {T.STEP: 3, T.MODULE: "b", T.MODULE_TYPE: "Conv1D", T.TENSOR: T.ACTIVATION, T.DTYPE: "float32"},
+        {T.STEP: 3, T.MODULE: "n", T.MODULE_TYPE: "LayerNorm", T.TENSOR: T.ACTIVATION, T.DTYPE: "float32"},
+    ]
+    layers = T.frame("layers", pd.DataFrame(rows))
+    check = X.mixed_precision_check("bf16", layers)
+    assert check == {
+        "mixed_precision_requested": "bf16",
+        "mixed_precision_active": True,
+        "matmul_layers_float32": 1,
+        "matmul_layers": 2,
+    }
+    assert X.mixed_precision_check("fp32", layers)["mixed_precision_active"] is False
+    assert X.low_precision_seen(layers) and not X.low_precision_seen(layers[layers[T.DTYPE] == "float32"])
