@@ -70,7 +70,12 @@ def run(request: pytest.FixtureRequest, runs_base: Path) -> Path:
 
 def test_real_run_report_has_every_section_in_order(run: Path) -> None:
     page = (run / T.REPORT_FILE).read_text()
-    positions = [page.index(f'<section id="{sid}">') for sid, _ in SECTIONS]
+    positions = [page.index(f'<section id="{s.id}">') for s in SECTIONS]
+    for s in SECTIONS:  # numbered as listed, in the navigation and in the headings
+        assert (
+            f'<a href="#{s.id}">{s.number}. {s.name}</a>' in page
+            and f"<h2>{s.number}. {s.heading}</h2>" in page
+        )
     assert positions == sorted(positions)
     # training, three signature heatmaps, memory: all inline PNGs that decode
     images = decoded_images(page)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -19,15 +20,39 @@ from precprof.report import plots
 from precprof.report import summarize as S
 
 SEVERITY_ORDER = {"critical": 0, "error": 0, "warning": 1, "info": 2}
-SECTIONS: tuple[tuple[str, str], ...] = (
-    ("verdict", "Verdict"),
-    ("training", "Training"),
-    ("signature", "Where values fall"),
-    ("whatif", "What-if per format"),
-    ("layers", "Per layer"),
-    ("memory", "Memory"),
-    ("verification", "Precision check"),
-    ("environment", "Environment"),
+
+
+@dataclass(frozen=True)
+class Section:
+    """One section of the report: its anchor (and template ``_<id>.html.j2``), its name in the navigation,
+    its heading, and its number (its place in ``SECTIONS``)."""
+
+    id: str
+    name: str
+    number: int
+    subtitle: str = ""
+
+    @property
+    def heading(self) -> str:
+        return f"{self.name}: {self.subtitle}" if self.subtitle else self.name
+
+
+# The report's sections, in order: the navigation, the page and the headings' numbers all come from here.
+SECTIONS: tuple[Section, ...] = tuple(
+    Section(sid, name, i, subtitle)
+    for i, (sid, name, subtitle) in enumerate(
+        (
+            ("verdict", "Verdict", ""),
+            ("training", "Training", ""),
+            ("signature", "Where values fall", "layers × log2 magnitude"),
+            ("whatif", "What-if per format", ""),
+            ("layers", "Per layer", ""),
+            ("memory", "Memory", ""),
+            ("verification", "Precision check", ""),
+            ("environment", "Environment", ""),
+        ),
+        start=1,
+    )
 )
 # order of the signature heatmaps: activation gradients first (the one loss scaling is about)
 HEATMAP_KINDS: tuple[str, ...] = (T.ACTIVATION_GRAD, T.ACTIVATION, T.WEIGHT_GRAD)
