@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from precprof import _compat
 from precprof import stats as st
 from precprof import tables as T
 
@@ -115,7 +116,7 @@ def wrapper_info(model: nn.Module) -> dict[str, Any]:
             "buffer_dtype": _dtype_name(getattr(mp, "buffer_dtype", None)),
             "storage_dtypes": storage,
             "units": len(fsdp1),
-            "use_orig_params": bool(getattr(root, "_use_orig_params", False)),
+            "use_orig_params": _compat.fsdp_root_uses_orig_params(root),
         }
 
     fsdp2 = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -123,8 +124,7 @@ def wrapper_info(model: nn.Module) -> dict[str, Any]:
         policies: list[dict[str, Any]] = []
         reshard: set[str] = set()
         for m in fsdp2:
-            state = m._get_fsdp_state()
-            pol = getattr(state, "_mp_policy", None)
+            pol, group = _compat.fsdp2_policy(m)
             desc = {
                 "param_dtype": _dtype_name(getattr(pol, "param_dtype", None)),
                 "reduce_dtype": _dtype_name(getattr(pol, "reduce_dtype", None)),
@@ -132,7 +132,6 @@ def wrapper_info(model: nn.Module) -> dict[str, Any]:
             }
             if desc not in policies:
                 policies.append(desc)
-            group = getattr(state, "_fsdp_param_group", None)
             if group is not None:
                 post = getattr(group, "post_forward_mesh_info", None)
                 reshard.add("after forward" if post is not None else "kept unsharded after forward")

@@ -75,8 +75,8 @@ import pandas as pd
 import torch
 from torch import nn
 
+from precprof import _compat, taxonomy
 from precprof import tables as T
-from precprof import taxonomy
 from precprof.formats import LOW_PRECISION_DTYPES
 from precprof.modes import PRECISIONS
 
@@ -557,8 +557,9 @@ class MemoryTracker:
         ctx = self._saved_ctx
         if ctx is None:
             return
-        top_fn = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-        top = top_fn(False) if top_fn is not None else (self._pack_fn, self._unpack_fn)
+        top = _compat.top_saved_tensors_hooks()
+        if top is _compat.NO_QUERY:
+            top = (self._pack_fn, self._unpack_fn)
         if top is not None and top[0] == self._pack_fn:
             ctx.__exit__(None, None, None)
             self._saved_ctx = None

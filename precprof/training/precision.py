@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precprof import hardware, taxonomy
+from precprof import _compat, hardware, taxonomy
 from precprof.errors import MissingDependencyError, UserError
 from precprof.modes import PRECISIONS, OptimizerName, Precision, resolve_loss_scale
 from precprof.optim import FP32StateAdamW, FP32StateSGD
@@ -80,23 +80,6 @@ def plan_precision(precision: str, device: torch.device, hw: hardware.HardwareIn
     return PrecisionPlan(mode, autocast, params, tf32=mode is Precision.TF32)
 
 
-class _LowPrecisionGradScaler(torch.amp.GradScaler):
-    """A GradScaler that accepts fp16 gradients (fp16-pure): they are unscaled in place, in fp16.
-
-    torch's GradScaler refuses fp16 gradients because unscaling them in fp16 flushes values below 2^-24 to
-    zero; in the pure mode that loss is part of what is being measured, as in apex's pure-fp16 (O3) mode.
-    """
-
-    def _unscale_grads_(  # type: ignore[override]
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool,
-    ) -> dict[torch.device, torch.Tensor]:
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
-
-
 def make_scaler(
     config: TrainConfig, plan: PrecisionPlan, device: torch.device
 ) -> torch.amp.GradScaler | None:
@@ -104,7 +87,7 @@ def make_scaler(
     kind, value = resolve_loss_scale(config.loss_scale, config.precision)
     if kind == "none":
         return None
-    cls = _LowPrecisionGradScaler if plan.param_dtype == torch.float16 else torch.amp.GradScaler
+    cls = _compat.LowPrecisionGradScaler if plan.param_dtype == torch.float16 else torch.amp.GradScaler
     if kind == "static":
         assert value is not None
         scaler = cls(device.type, init_scale=value, growth_interval=config.growth_interval)

@@ -1,0 +1,90 @@
+"""Every private torch API precprof touches, in one place, each with the fallback for a torch without it.
+
+When torch changes one of these, this is the one file to update; every function degrades to "unknown"
+(None, empty) rather than failing, except where the fallback is stated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# ------------------------------------------------------------------------------------------- GradScaler
+
+
+def scaler_enabled(scaler: Any) -> bool:
+    """Whether a GradScaler scales at all (``GradScaler(enabled=False)`` passes everything through)."""
+    return bool(getattr(scaler, "_enabled", True))
+
+
+def scaler_scale_tensor(scaler: Any) -> torch.Tensor | None:
+    """The scaler's current scale as its device tensor (reading it does not sync); None before the first
+    ``scale()`` call or for a disabled scaler."""
+    scale = getattr(scaler, "_scale", None)
+    return scale if isinstance(scale, torch.Tensor) and scaler_enabled(scaler) else None
+
+
+def scaler_found_inf(scaler: Any) -> list[torch.Tensor]:
+    """The found-inf flags ``unscale_`` left per optimizer and device (what ``step()`` skips on), before
+    ``update()`` clears them."""
+    found: list[torch.Tensor] = []
+    for state in getattr(scaler, "_per_optimizer_states", {}).values():
+        found.extend(state.get("found_inf_per_device", {}).values())
+    return found
+
+
+class LowPrecisionGradScaler(torch.amp.GradScaler):
+    """A GradScaler that accepts fp16 gradients (fp16-pure): they are unscaled in place, in fp16.
+
+    torch's GradScaler refuses fp16 gradients because unscaling them in fp16 flushes values below 2^-24 to
+    zero; in the pure mode that loss is part of what is being measured, as in apex's pure-fp16 (O3) mode.
+    """
+
+    def _unscale_grads_(  # type: ignore[override]
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+
+# ------------------------------------------------------------------------------------------- autograd
+
+
+def tensor_version(x: torch.Tensor) -> int | None:
+    """The in-place version counter of ``x``; None for inference tensors, which have none."""
+    try:
+        return int(x._version)
+    except RuntimeError:
+        return None
+
+
+_NO_QUERY = object()
+
+
+def top_saved_tensors_hooks() -> Any:
+    """The (pack, unpack) pair on top of autograd's saved-tensor hook stack, None when the stack is empty, or
+    ``NO_QUERY`` on a torch that cannot tell (then the caller assumes its own pair is on top)."""
+    fn = getattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None)
+    return fn(False) if fn is not None else _NO_QUERY
+
+
+NO_QUERY = _NO_QUERY
+
+# ------------------------------------------------------------------------------------------- FSDP
+
+
+def fsdp_root_uses_orig_params(root: Any) -> bool:
+    """FSDP1: whether the root was wrapped with ``use_orig_params=True``."""
+    return bool(getattr(root, "_use_orig_params", False))
+
+
+def fsdp2_policy(module: Any) -> tuple[Any, Any]:
+    """FSDP2 (``fully_shard``): the module's MixedPrecisionPolicy and its parameter group (either None when
+    this torch keeps them elsewhere)."""
+    get_state = getattr(module, "_get_fsdp_state", None)
+    state = get_state() if get_state is not None else None
+    return getattr(state, "_mp_policy", None), getattr(state, "_fsdp_param_group", None)
