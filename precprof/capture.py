@@ -148,7 +148,7 @@ class Profiler:
         modules: which modules to capture — None: every leaf module plus every module that owns parameters
             directly; otherwise a list of qualified-name patterns (``fnmatch``, e.g. ``"transformer.h.*.mlp.*"``)
             and/or module types.
-        memory: track memory per component (``precprof.memory``) on sampled steps.
+        memory: track memory per component (``precprof.memory_tracker``) on sampled steps.
         weight_updates: record ``weight_update`` rows (needs ``optimizer``).
         update_sample: elements per parameter sampled (strided) for the weight-update statistics.
         chunk: scratch chunk size for the statistics (see ``StatsBuffer``).
@@ -343,7 +343,7 @@ class Profiler:
 
         if self.memory_enabled:
             try:
-                from precprof.memory import MemoryTracker
+                from precprof.memory_tracker import MemoryTracker
             except ImportError:  # memory tracking not available in this build
                 self._tracker = None
             else:

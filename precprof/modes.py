@@ -45,6 +45,9 @@ PRECISIONS: tuple[str, ...] = tuple(p.value for p in Precision)
 DEVICES: tuple[str, ...] = tuple(d.value for d in Device)
 # precision modes whose gradients are fp16 and therefore need a loss scale by default
 FP16_MODES: tuple[str, ...] = (Precision.FP16.value, Precision.FP16_PURE.value)
+AUTOCAST_MODES = frozenset({"bf16", "fp16", "fp8"})  # fp8: torchao Float8Linear under bf16 autocast
+PURE_MODES = frozenset({"bf16-pure", "fp16-pure"})  # parameters held in 16 bits, no fp32 master copy
+FP32_STORAGE_MODES = frozenset({"fp32", "tf32"})  # tf32 only changes matmul arithmetic, not storage
 # one colour per mode, wherever runs of several modes are drawn together (compare.html)
 MODE_COLORS: dict[str, str] = {
     Precision.FP32.value: "#1f4e79",

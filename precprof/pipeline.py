@@ -25,8 +25,9 @@ from typing import Any
 
 import pandas as pd
 
-from precprof import _atomic, _signals, advisor, memory
+from precprof import _atomic, _signals, advisor
 from precprof import tables as T
+from precprof.analysis import memory_projection
 from precprof.report.render import render_html
 
 
@@ -37,7 +38,7 @@ def post_process(
     out: dict[str, Any] = {}
     try:
         if not tables["memory"].empty:
-            out[T.SUMMARY_MEMORY] = memory.project(tables["memory"], dict(summary), facts=facts)
+            out[T.SUMMARY_MEMORY] = memory_projection.project(tables["memory"], dict(summary), facts=facts)
     except Exception as e:
         out.setdefault(T.SUMMARY_ERRORS, []).append(f"memory projection: {type(e).__name__}: {e}")
     try:

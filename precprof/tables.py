@@ -123,6 +123,7 @@ PHASE_BACKWARD = "backward"
 PHASE_OPTIMIZER = "optimizer"
 PHASE_OTHER = "other"  # before the first forward, after the optimizer step (zero_grad, scaler.update)
 MEMORY_PHASES: tuple[str, ...] = (PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER, PHASE_OTHER)
+LOSS_SCOPE = "(loss)"  # module of activations saved outside the model's forward (the loss), by default
 
 # ------------------------------------------------------------------------------------------- the tables
 COUNT_COLUMNS: tuple[str, ...] = (

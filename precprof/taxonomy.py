@@ -31,6 +31,13 @@ OTHER = "other"  # containers and modules doing functional math: unknown
 KINDS = (MATMUL, NORM, SOFTMAX, LOSS, ELEMENTWISE, EMBEDDING, OTHER)
 FP32_UNDER_AUTOCAST = frozenset({NORM, SOFTMAX, LOSS})
 
+# How autocast treats what a module saves for backward (the memory projection's view of the kinds)
+CLASS_MATMUL = "matmul"  # saves the inputs of a matmul: 16-bit under autocast
+CLASS_ELEMENTWISE = "elementwise"  # activation functions, dropout: follow their input (a matmul output)
+CLASS_FP32 = "fp32"  # norms, softmax, losses: autocast runs them in fp32
+CLASS_OTHER = "other"  # anything else (composite modules doing functional math): assumed unchanged
+LOW_UNDER_AUTOCAST = frozenset({CLASS_MATMUL, CLASS_ELEMENTWISE})
+
 FP8_DIM_MULTIPLE = 16  # float8 matmuls need both dimensions (and the tokens per call) divisible by 16
 
 _BY_NAME: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -85,6 +92,19 @@ def kind_of(module: nn.Module) -> str:
         if isinstance(w, torch.Tensor) and w.dim() >= 2:
             return MATMUL
     return OTHER
+
+
+def autocast_class(module: nn.Module) -> str:
+    """How autocast treats what ``module`` saves for backward: matmul | elementwise | fp32 | other (norms,
+    softmax and losses run in fp32; embeddings and containers are other)."""
+    kind = kind_of(module)
+    if kind in FP32_UNDER_AUTOCAST:
+        return CLASS_FP32
+    if kind == MATMUL:
+        return CLASS_MATMUL
+    if kind == ELEMENTWISE:
+        return CLASS_ELEMENTWISE
+    return CLASS_OTHER
 
 
 def is_matmul_type(module_type: str) -> bool:

@@ -340,7 +340,7 @@ def _memory_rows(
 
 
 def _memory_projection(n_params: int, act_fp32: int, mode: str) -> list[dict[str, Any]]:
-    """Flat records in the shape precprof.memory writes to summary["memory"]."""
+    """Flat records in the shape precprof.analysis.memory_projection writes to summary["memory"]."""
     recs: list[dict[str, Any]] = []
     per_param = {  # bytes per parameter: params, grads, optimizer states (Adam), low-precision copies
         "fp32": (4, 4, 8, 0),

@@ -1,4 +1,4 @@
-"""precprof.memory: components measured against hand arithmetic and autograd's own saved tensors."""
+"""precprof.memory_tracker and analysis.memory_projection: components measured against hand arithmetic and autograd's own saved tensors."""
 
 from __future__ import annotations
 
@@ -13,14 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from precprof import tables as T
-from precprof.memory import (
-    MODES,
-    MemoryTracker,
-    infer_mode,
-    module_class,
-    project,
-    textbook,
-)
+from precprof.analysis.memory_projection import MODES, infer_mode, project, textbook
+from precprof.memory_tracker import MemoryTracker
+from precprof.taxonomy import autocast_class as module_class
 
 B, D_IN, D_HID, D_OUT = 5, 8, 16, 4
 N_MLP = D_IN * D_HID + D_HID + D_HID * D_OUT + D_OUT  # 212 parameters

@@ -37,71 +37,23 @@
 Outside sampled steps every hook returns at once. The tracker holds no tensor: only storage addresses, sizes,
 totals and its hook handles (``buffer_bytes``). The pack hook returns the tensor unchanged: training is bitwise the same.
 
-``project(memory, summary)`` returns the ``summary.json`` block ``summary["memory"]``::
-
-    {
-      "measured_mode": "bf16",                # precision mode of the run (config, else inferred from dtypes)
-      "step": 9,                              # the sampled step the numbers come from (the last one)
-      "n_params": 124439808,                  # unique parameter elements
-      "measured": {component: bytes},         # per-component totals of that step (peaks: max over phases)
-      "records": [                            # flat: pd.DataFrame(records) is the comparison table
-        {"mode": "fp32", "component": "parameters", "bytes": 497759232, "source": "projected"},
-        {"mode": "bf16", "component": "parameters", "bytes": 497759232, "source": "measured"},
-        {"mode": "bf16", "component": "parameters", "bytes": 248879616, "source": "textbook"},
-        ...
-      ],
-      "totals": [{"mode", "source", "bytes", "saving_vs_fp32"}],   # sums of records (peaks never in records)
-      "textbook_claim": {"text": ..., "saving_low": 0.4, "saving_high": 0.5},
-      "assumptions": ["...", ...],            # what the projection assumes, in words, for the report
-      "model": {...},                         # MemoryTracker.model_facts(), when the run stored it
-    }
-
-``source`` is ``measured`` (the run's own mode only), ``projected`` (every mode in ``MODES``, the run's own
-included, so that projected vs measured shows the model's error) or ``textbook`` (4N/2N: parameters, gradients,
-optimizer states and activations; modes fp32/tf32 and the 16-bit ones). Components in records: parameters,
-gradients, optimizer_states, master_weights, buffers, activations, autocast_weight_copies.
+What the memory table means per mode is ``precprof.analysis.memory_projection``'s business.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-import pandas as pd
 import torch
 from torch import nn
 
 from precprof import _compat, taxonomy
 from precprof import tables as T
-from precprof.formats import LOW_PRECISION_DTYPES
-from precprof.modes import PRECISIONS
-
-# Precision modes of the built-in loop (docs/design.md, "Precision modes").
-MODES: tuple[str, ...] = PRECISIONS
-AUTOCAST_MODES = frozenset({"bf16", "fp16", "fp8"})  # fp8: torchao Float8Linear under bf16 autocast
-PURE_MODES = frozenset({"bf16-pure", "fp16-pure"})
-FP32_STORAGE_MODES = frozenset({"fp32", "tf32"})  # tf32 only changes matmul arithmetic, not storage
-
-TEXTBOOK_CLAIM = (
-    "Mixed precision halves parameters, gradients and activations (4N -> 2N bytes each) while optimizer "
-    "states stay FP32, cutting total training memory by 40-50%."
-)
-TEXTBOOK_SAVING = (0.40, 0.50)
-
-# Floating dtypes whose storage a precision mode changes; float64 and integer/bool tensors never change.
-_LOW_FLOATS = LOW_PRECISION_DTYPES
-_MODE_FLOATS = _LOW_FLOATS | {"float32"}
-
-# Module classes for projecting the activations of a run that had no autocast (see module_class()).
-CLASS_MATMUL = "matmul"  # saves the inputs of a matmul: 16-bit under autocast
-CLASS_ELEMENTWISE = "elementwise"  # activation functions, dropout: follow their input (a matmul output)
-CLASS_FP32 = "fp32"  # norms, softmax, losses: autocast runs them in fp32
-CLASS_OTHER = "other"  # anything else (composite modules doing functional math): assumed unchanged
-_LOW_UNDER_AUTOCAST = frozenset({CLASS_MATMUL, CLASS_ELEMENTWISE})
+from precprof.tables import LOSS_SCOPE
 
 # grad_fn names of pure views between a saved tensor and the cast that made it.
 _VIEW_NODES = frozenset(
@@ -129,31 +81,10 @@ _MAX_VIEW_DEPTH = 8
 # device-to-device) addresses apart, and an int key keeps the tracker's own footprint small.
 StorageKey = int
 
-LOSS_SCOPE = "(loss)"  # module name of what MemoryTracker.scope() records by default
-
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the dtype column's spelling)."""
     return str(dtype).removeprefix("torch.")
-
-
-def _itemsize(name: str) -> int | None:
-    dt = getattr(torch, name, None)
-    return dt.itemsize if isinstance(dt, torch.dtype) else None
-
-
-def module_class(module: nn.Module) -> str:
-    """How autocast treats what ``module`` saves for backward: matmul | elementwise | fp32 | other
-    (``precprof.taxonomy.kind_of``: norms, softmax and losses run in fp32; embeddings and containers are
-    other)."""
-    kind = taxonomy.kind_of(module)
-    if kind in taxonomy.FP32_UNDER_AUTOCAST:
-        return CLASS_FP32
-    if kind == taxonomy.MATMUL:
-        return CLASS_MATMUL
-    if kind == taxonomy.ELEMENTWISE:
-        return CLASS_ELEMENTWISE
-    return CLASS_OTHER
 
 
 def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -418,9 +349,9 @@ class MemoryTracker:
         classes: dict[str, str] = {}
         matmul = 0
         for name, mod in self.model.named_modules():
-            cls = module_class(mod)
+            cls = taxonomy.autocast_class(mod)
             classes[name] = cls
-            if cls != CLASS_MATMUL:
+            if cls != taxonomy.CLASS_MATMUL:
                 continue
             for p in mod.parameters(recurse=False):
                 st = _storage(p)
@@ -673,270 +604,3 @@ class MemoryTracker:
         except Exception:  # no nvidia-ml-py, no driver, NVML error: the rows are simply absent
             self._nvml = False
             return {}
-
-
-# ----------------------------------------------------------------------------------------------- projection
-def textbook(n_params: int, optimizer_state_bytes: int | None = None) -> dict[str, Any]:
-    """The textbook table: bytes of parameters, gradients and optimizer states, FP32 vs mixed precision.
-
-    Parameters and gradients 4N bytes in FP32 and 2N in mixed precision; optimizer states stay FP32 (8N for
-    Adam's two moments unless ``optimizer_state_bytes`` says otherwise); activations halve (scaled by
-    ``activation_factor``, since they do not depend on N). ``records`` has one flat record per mode and
-    component ({"mode", "component", "bytes", "source": "textbook"}): fp32/tf32 use the FP32 column, bf16, fp16,
-    bf16-pure and fp16-pure the mixed one; fp8 has no textbook row.
-    """
-    opt = 8 * n_params if optimizer_state_bytes is None else int(optimizer_state_bytes)
-    per = {
-        "fp32": {T.PARAMETERS: 4 * n_params, T.GRADIENTS: 4 * n_params, T.OPTIMIZER_STATES: opt},
-        "mixed": {T.PARAMETERS: 2 * n_params, T.GRADIENTS: 2 * n_params, T.OPTIMIZER_STATES: opt},
-    }
-    records = [
-        {"mode": mode, "component": comp, "bytes": b, "source": "textbook"}
-        for mode in MODES
-        if mode != "fp8"
-        for comp, b in per["fp32" if mode in FP32_STORAGE_MODES else "mixed"].items()
-    ]
-    return {
-        "n_params": n_params,
-        "bytes": per,
-        "activation_factor": {"fp32": 1.0, "mixed": 0.5},
-        "claim": TEXTBOOK_CLAIM,
-        "saving_range": TEXTBOOK_SAVING,
-        "records": records,
-    }
-
-
-def _last_step(memory: pd.DataFrame) -> pd.DataFrame:
-    if memory.empty:
-        return memory
-    have = memory[memory[T.COMPONENT] == T.PARAMETERS]
-    step = (have if not have.empty else memory)[T.STEP].max()
-    return memory[memory[T.STEP] == step]
-
-
-def infer_mode(memory: pd.DataFrame) -> str:
-    """The precision mode a memory table looks like: pure when parameters are 16-bit, autocast when saved
-    activations are, else fp32 (tf32 and fp8 cannot be told apart from fp32 and bf16 by memory alone)."""
-    last = _last_step(memory)
-    if last.empty:
-        return "fp32"
-
-    def dominant_low(component: str) -> str | None:
-        rows = last[last[T.COMPONENT] == component]
-        low = rows[rows[T.DTYPE].isin(["bfloat16", "float16"])]
-        if low.empty or low[T.BYTES].sum() * 2 < rows[T.BYTES].sum():
-            return None
-        by = low.groupby(T.DTYPE)[T.BYTES].sum()
-        return "bf16" if by.idxmax() == "bfloat16" else "fp16"
-
-    pure = dominant_low(T.PARAMETERS)
-    if pure is not None:
-        return f"{pure}-pure"
-    acts = last[last[T.COMPONENT].isin([T.ACTIVATIONS, T.AUTOCAST_WEIGHT_COPIES])]
-    low = acts[acts[T.DTYPE].isin(["bfloat16", "float16"])]
-    if not low.empty:
-        return "bf16" if low.groupby(T.DTYPE)[T.BYTES].sum().idxmax() == "bfloat16" else "fp16"
-    return "fp32"
-
-
-def _elements(rows: pd.DataFrame) -> tuple[float, int]:
-    """(elements of mode-dependent floats, bytes of everything else) in ``rows``."""
-    elems = 0.0
-    fixed = 0
-    for dt, b in zip(rows[T.DTYPE], rows[T.BYTES], strict=True):
-        size = _itemsize(str(dt))
-        if str(dt) in _MODE_FLOATS and size:
-            elems += int(b) / size
-        else:
-            fixed += int(b)
-    return elems, fixed
-
-
-def project(
-    memory: pd.DataFrame, summary: Mapping[str, Any], facts: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """Measured, projected and textbook bytes per component for every precision mode (pure host computation).
-
-    ``memory`` is the memory table (the last sampled step is used), ``summary`` the run's summary (its
-    ``config["precision"]`` names the measured mode; else the mode is inferred from dtypes), ``facts``
-    ``MemoryTracker.model_facts()`` (default: ``summary["memory"]["model"]``). Returns the dict described in
-    the module docstring; ``assumptions`` lists, in words, what the projection takes for granted.
-    """
-    mem_block = summary.get(T.SUMMARY_MEMORY)
-    if facts is None and isinstance(mem_block, Mapping):
-        facts = mem_block.get("model")
-    facts = dict(facts or {})
-    last = _last_step(memory)
-    config = summary.get(T.SUMMARY_CONFIG) or {}
-    mode = str(config.get("precision", "")) if isinstance(config, Mapping) else ""
-    if mode not in MODES:
-        mode = infer_mode(memory)
-
-    def comp(name: str) -> pd.DataFrame:
-        return last[last[T.COMPONENT] == name] if not last.empty else last
-
-    measured: dict[str, int] = {}
-    if not last.empty:
-        for c, rows in last.groupby(T.COMPONENT):
-            b = pd.to_numeric(rows[T.BYTES], errors="coerce").fillna(0)
-            measured[str(c)] = int(b.max() if c in T.MEMORY_PEAK_COMPONENTS else b.sum())
-
-    p_elems, p_fixed = _elements(comp(T.PARAMETERS))
-    n_params = int(facts.get("n_params", round(p_elems)))
-    n_trainable = int(facts.get("n_trainable", n_params))
-    g_fixed = _elements(comp(T.GRADIENTS))[1]
-    b_elems, b_fixed = _elements(comp(T.BUFFERS))
-    o_elems, o_fixed = _elements(comp(T.OPTIMIZER_STATES))
-    m_elems, m_fixed = _elements(comp(T.MASTER_WEIGHTS))
-    acts = comp(T.ACTIVATIONS)
-    classes: Mapping[str, str] = facts.get("module_classes") or {}
-    copies_elems = _elements(comp(T.AUTOCAST_WEIGHT_COPIES))[0]
-    matmul_numel = facts.get("matmul_weight_numel")
-    # What the tensors show, which may differ from what was asked for (accelerate ignores fp16 on a CPU).
-    seen_mode = infer_mode(memory) if not last.empty else mode
-    measured_autocast = mode in AUTOCAST_MODES and seen_mode in AUTOCAST_MODES
-    measured_pure = mode in PURE_MODES and seen_mode in PURE_MODES
-    inactive = (mode in AUTOCAST_MODES and not measured_autocast) or (
-        mode in PURE_MODES and not measured_pure
-    )
-
-    def activations(target: str) -> float:
-        total = 0.0
-        for module, dt, b in zip(acts[T.MODULE], acts[T.DTYPE], acts[T.BYTES], strict=True):
-            dt, b = str(dt), int(b)
-            size = _itemsize(dt)
-            if dt not in _MODE_FLOATS or not size or module == LOSS_SCOPE:
-                # masks, indices, float64: no mode changes them; the loop's loss is computed in fp32
-                # (logits.float()) whatever the mode
-                total += b
-                continue
-            e = b / size
-            if target in FP32_STORAGE_MODES:
-                total += 4 * e
-            elif target in PURE_MODES:
-                total += 2 * e
-            elif measured_autocast:
-                # The measured mix is the autocast mix: 16-bit stays 2 bytes, fp32 stays 4.
-                total += 2 * e if dt in _LOW_FLOATS else 4 * e
-            else:
-                total += 2 * e if classes.get(str(module), CLASS_OTHER) in _LOW_UNDER_AUTOCAST else 4 * e
-        return total
-
-    def weight_copies(target: str) -> float:
-        if target not in ("bf16", "fp16"):
-            return (
-                0.0  # fp32/pure: no casts; fp8 (torchao): the fp32 weight is saved, fp8 casts are transient
-            )
-        if measured_autocast and mode != "fp8":
-            return 2 * copies_elems
-        if matmul_numel is not None:
-            return 2.0 * float(matmul_numel)
-        return 0.0
-
-    projected: dict[str, dict[str, float]] = {}
-    for target in MODES:
-        low = target in PURE_MODES
-        param_b = (2 if low else 4) * p_elems + p_fixed
-        if measured_pure and low:
-            param_b = float(measured.get(T.PARAMETERS, param_b))
-        projected[target] = {
-            T.PARAMETERS: param_b,
-            T.GRADIENTS: (2 if low else 4) * n_trainable + g_fixed,
-            T.OPTIMIZER_STATES: 4 * o_elems + o_fixed,
-            T.MASTER_WEIGHTS: 4 * m_elems + m_fixed if low and measured_pure else 0.0,
-            T.BUFFERS: (2 if low else 4) * b_elems + b_fixed,
-            T.ACTIVATIONS: activations(target),
-            T.AUTOCAST_WEIGHT_COPIES: weight_copies(target),
-        }
-
-    tb = textbook(n_params, optimizer_state_bytes=int(projected["fp32"][T.OPTIMIZER_STATES]))
-    act32 = projected["fp32"][T.ACTIVATIONS]
-    act_fixed = sum(
-        int(b) for dt, b in zip(acts[T.DTYPE], acts[T.BYTES], strict=True) if str(dt) not in _MODE_FLOATS
-    )
-    records: list[dict[str, Any]] = []
-    for target in MODES:
-        for c, b in projected[target].items():
-            records.append({"mode": target, "component": c, "bytes": round(b), "source": "projected"})
-        if target == mode:
-            for c in projected[target]:
-                records.append(
-                    {"mode": target, "component": c, "bytes": int(measured.get(c, 0)), "source": "measured"}
-                )
-    for r in tb["records"]:
-        records.append(r)
-    for target in MODES:
-        if target == "fp8":
-            continue
-        factor = tb["activation_factor"]["fp32" if target in FP32_STORAGE_MODES else "mixed"]
-        records.append(
-            {
-                "mode": target,
-                "component": T.ACTIVATIONS,
-                "bytes": round(act_fixed + factor * (act32 - act_fixed)),
-                "source": "textbook",
-            }
-        )
-
-    sums: dict[tuple[str, str], int] = {}
-    for r in records:
-        k = (r["mode"], r["source"])
-        sums[k] = sums.get(k, 0) + int(r["bytes"])
-    totals = []
-    for (m, src), b in sums.items():
-        ref = sums.get(("fp32", "textbook" if src == "textbook" else "projected"))
-        saving = 1 - b / ref if ref else math.nan
-        totals.append({"mode": m, "source": src, "bytes": b, "saving_vs_fp32": saving})
-
-    assumptions = [
-        f"measured mode: {mode}" + ("" if config.get("precision") in MODES else " (inferred from dtypes)"),
-        *(
-            [
-                f"{mode} was asked for but the measured tensors look like {seen_mode}: mixed precision was not "
-                "active, so the projection treats the run as measured in fp32 storage."
-            ]
-            if inactive
-            else []
-        ),
-        "tf32 stores everything in fp32 (it only changes matmul arithmetic), so it takes what fp32 takes.",
-        "Parameters and gradients: 4 bytes per element, 2 in the pure modes; buffers follow the parameters.",
-        "Optimizer states stay fp32 in every mode (4 bytes per state element, step counters as measured).",
-        "Pure modes as in the built-in loop: no fp32 master copy of the weights (precprof.optim keeps fp32 "
-        "states and rounds each update into the 16-bit weight); a master copy measured in a pure run is kept "
-        "for the pure modes.",
-        "Activations under autocast: "
-        + (
-            "the run's own dtype mix (16-bit tensors stay 2 bytes, fp32 ones stay 4)."
-            if measured_autocast
-            else "tensors saved by matmul modules (Linear, Conv, Conv1D) and by activation/dropout modules "
-            "become 16-bit; those saved by norms, softmax and losses, and by any other module (attention "
-            "blocks doing functional math, the model itself), stay fp32 — conservative where those modules "
-            "save matmul inputs."
-        ),
-        "Activations at fp32: every 16-bit saved tensor becomes fp32 (an overestimate where autocast saved a "
-        "16-bit copy of a tensor that is also saved in fp32); pure modes: every float saved tensor is 16-bit.",
-        "Masks, indices and float64 tensors take the same bytes in every mode, and so does what the loss "
-        f"saves (module {LOSS_SCOPE!r}): the built-in loop computes it in fp32 (logits.float()) in every mode.",
-        "Autocast weight copies: 2 bytes per element of every matmul weight whose copy backward keeps "
-        + ("(as measured)." if measured_autocast and mode != "fp8" else "(all of them: an upper bound)."),
-        "fp8 means torchao Float8Linear under bf16 autocast: it saves the high-precision input and the fp32 "
-        "weight for backward and casts to fp8 on the fly, so activations are those of bf16 autocast and no "
-        "weight copy is kept.",
-        "Textbook: parameters and gradients 4N -> 2N, optimizer states unchanged, activations halved; no "
-        "master weights, no weight copies.",
-    ]
-    return {
-        "measured_mode": mode,
-        "step": int(last[T.STEP].iloc[0]) if not last.empty else None,
-        "n_params": n_params,
-        "measured": measured,
-        "records": records,
-        "totals": totals,
-        "textbook_claim": {
-            "text": TEXTBOOK_CLAIM,
-            "saving_low": TEXTBOOK_SAVING[0],
-            "saving_high": TEXTBOOK_SAVING[1],
-        },
-        "assumptions": assumptions,
-        "model": facts,
-    }
