@@ -13,25 +13,8 @@ Public API::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-__version__ = "0.1.0"
+from precprof._version import __version__
+from precprof.advisor import Recommendation, recommend
+from precprof.capture import Profiler
 
 __all__ = ["Profiler", "Recommendation", "__version__", "recommend"]
-
-if TYPE_CHECKING:
-    from precprof.advisor import Recommendation, recommend
-    from precprof.capture import Profiler
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy so that `import precprof` stays cheap and the CLI can print errors before heavy imports.
-    if name == "Profiler":
-        from precprof.capture import Profiler
-
-        return Profiler
-    if name in ("recommend", "Recommendation"):
-        from precprof import advisor
-
-        return getattr(advisor, name)
-    raise AttributeError(f"module 'precprof' has no attribute {name!r}")

@@ -22,7 +22,11 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _cx  # type: ignore[no-redef]
 
 from precprof import _cli_options as O
-from precprof import _signals
+from precprof import _signals, hardware, pipeline, training
+from precprof import compare as comparing
+from precprof import tables as T
+from precprof._version import __version__
+from precprof.advisor import Recommendation
 from precprof.errors import UserError
 from precprof.modes import Device, OptimizerName, Precision
 
@@ -56,8 +60,6 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        from precprof import __version__
-
         typer.echo(f"precprof {__version__}")
         raise typer.Exit()
 
@@ -113,8 +115,6 @@ def train(
     distributed: O.Distributed = "ddp",
 ) -> None:
     """Train a model with the profiler attached and write a run directory (tables, summary.json, report)."""
-    from precprof import training
-
     config = training.TrainConfig.from_options(locals(), model_args=model_arg, command_line=_command_line())
     config.validate()
     try:
@@ -132,12 +132,8 @@ def train(
     typer.echo(
         f"final loss {result.final_loss:.4f}{floor_txt}; skipped steps: {final.get('skipped_steps', 0)}"
     )
-    from precprof import tables
-
-    rec = result.summary.get(tables.SUMMARY_RECOMMENDATION)
+    rec = result.summary.get(T.SUMMARY_RECOMMENDATION)
     if rec:
-        from precprof.advisor import Recommendation
-
         typer.echo(Recommendation.from_dict(rec).describe())
     html = result.run_dir / "report.html"
     typer.echo(f"run directory: {result.run_dir}" + (f"\nreport: {html}" if html.exists() else ""))
@@ -148,8 +144,6 @@ def env(
     json_output: Annotated[bool, typer.Option("--json", help="Print the capabilities as JSON.")] = False,
 ) -> None:
     """Versions, device capabilities, TF32 flags, NVML, and the format the usual decision tree picks here."""
-    from precprof import hardware
-
     info = hardware.detect()
     if json_output:
         import json
@@ -172,25 +166,14 @@ def report(
     ] = None,
 ) -> None:
     """Render (or re-render) report.html of a run directory."""
-    from precprof import tables
-
-    if not tables.is_run_dir(run_dir):
+    if not T.is_run_dir(run_dir):
         raise UserError(f"{str(run_dir)!r} is not a precprof run directory (no summary.json or tables in it)")
-    if target is not None:
-        from precprof.hardware import PRESET_NAMES
-
-        if target.lower().strip() not in PRESET_NAMES:
-            raise UserError(f"--target {target!r}: unknown machine; known targets: {', '.join(PRESET_NAMES)}")
+    if target is not None and target.lower().strip() not in hardware.PRESET_NAMES:
+        raise UserError(
+            f"--target {target!r}: unknown machine; known targets: {', '.join(hardware.PRESET_NAMES)}"
+        )
     try:
-        from precprof.report.render import render_run_dir
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("precprof"):
-            raise UserError(
-                "this precprof installation has no report renderer (precprof.report.render)"
-            ) from None
-        raise
-    try:
-        path = render_run_dir(run_dir, out=out, target=target)
+        path = pipeline.rerender(run_dir, out=out, target=target)
     except OSError as e:
         dest = out if out is not None else run_dir / "report.html"
         raise UserError(f"cannot write {dest}: {e.strerror or e}; choose another --out") from None
@@ -241,9 +224,6 @@ def compare(
     ] = 0.02,
 ) -> None:
     """Train the same model, data and seed once per precision and compare the runs (compare.html)."""
-    from precprof import compare as comparing
-    from precprof import training
-
     variants = comparing.parse_precisions(precisions)
     if not 0 < tolerance < 1:
         raise UserError(f"--tolerance must be in (0, 1), got {tolerance}")

@@ -11,9 +11,12 @@ import contextlib
 import importlib.util
 import platform
 from dataclasses import asdict, dataclass, field, replace
+from importlib import metadata
 from typing import Any
 
 import torch
+
+from precprof._version import __version__
 
 
 @dataclass
@@ -275,9 +278,6 @@ def software_versions() -> dict[str, str | None]:
 
     Reads package metadata only: nothing heavy is imported.
     """
-    from importlib import metadata
-
-    import precprof
 
     def version(dist: str) -> str | None:
         try:
@@ -287,7 +287,7 @@ def software_versions() -> dict[str, str | None]:
 
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {
-        "precprof": precprof.__version__,
+        "precprof": __version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,

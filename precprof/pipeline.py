@@ -18,6 +18,7 @@ signal (``precprof._signals.deferred``).
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,10 +26,11 @@ from typing import Any
 
 import pandas as pd
 
-from precprof import _atomic, _signals, advisor
+from precprof import _atomic, _signals, advisor, hardware
 from precprof import tables as T
 from precprof.analysis import memory_projection
-from precprof.report.render import render_html
+from precprof.errors import UserError
+from precprof.report.render import render_html, render_run_dir
 
 
 def post_process(
@@ -130,3 +132,27 @@ def finish_run(
     if interrupted is not None:
         raise interrupted
     return full
+
+
+def rerender(
+    run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, target: str | None = None
+) -> Path:
+    """Render a run directory's report again (``precprof report``): with the stored recommendation, or one
+    computed now by the advisor when ``target`` (a hardware preset: "a100", "t4"...) is given or none is
+    stored. summary.json is never rewritten. Returns the HTML path."""
+    rd = Path(run_dir)
+    summary = T.read_summary(rd) if T.is_run_dir(rd) else {}
+    rec: Any = None
+    advisor_error = None
+    if T.is_run_dir(rd) and (target is not None or not summary.get(T.SUMMARY_RECOMMENDATION)):
+        machine: Any = None
+        if target is not None:
+            try:
+                machine = hardware.preset(target)
+            except ValueError as e:
+                raise UserError(str(e)) from None
+        try:
+            rec = advisor.recommend(rd, hardware=machine, summary=summary)
+        except Exception as e:  # the evidence still renders; the page says why there is no verdict
+            advisor_error = f"{type(e).__name__}: {e}"
+    return render_run_dir(rd, out=out, recommendation=rec, advisor_error=advisor_error)

@@ -26,7 +26,7 @@ from report_fixtures import gpt_layers, real_run, recommendation_dict, synthetic
 from torch import nn
 
 import precprof
-from precprof import formats
+from precprof import formats, pipeline
 from precprof import tables as T
 from precprof.errors import UserError
 from precprof.report import filters, plots, render_html, render_report, render_run_dir, templates_dir
@@ -371,16 +371,16 @@ def test_empty_run_still_renders(tmp_path: Path) -> None:
     assert page.count("<img ") == 0
 
 
-def test_render_run_dir_recomputes_for_a_target(tmp_path: Path) -> None:
+def test_rerender_recomputes_for_a_target(tmp_path: Path) -> None:
     tabs, summary = synthetic_run("fp16", layers=gpt_layers(n_layer=1), steps=4, sample_every=2)
     T.write_tables(tmp_path, tabs)
     T.write_summary(tmp_path, summary)  # no recommendation stored: the advisor runs
-    out = render_run_dir(tmp_path, out=tmp_path / "t4.html", target="t4")
+    out = pipeline.rerender(tmp_path, out=tmp_path / "t4.html", target="t4")
     verdict = section(out.read_text(), "verdict")
     assert "for target hardware: t4" in verdict and 'class="fmt fmt-fp16">FP16' in verdict
     assert T.SUMMARY_RECOMMENDATION not in T.read_summary(tmp_path)  # re-rendering never rewrites data
     with pytest.raises(UserError, match="unknown hardware target"):
-        render_run_dir(tmp_path, target="abacus")
+        pipeline.rerender(tmp_path, target="abacus")
     with pytest.raises(UserError, match="not a precprof run directory"):
         render_run_dir(tmp_path / "nothing-here")
 

@@ -23,6 +23,9 @@ from torch import nn
 
 from precprof import tables as T
 from precprof import taxonomy
+from precprof.capture import Profiler
+from precprof.distributed import RankReducer, is_distributed
+from precprof.hardware import software_versions
 
 # Precision names of the frameworks -> precprof's modes (precprof.training.Precision).
 LIGHTNING_PRECISIONS: dict[str, str] = {
@@ -121,17 +124,11 @@ class Session:
         wrapped: nn.Module | None = None,
     ) -> Any:
         """Attach a Profiler to ``model`` (the module whose forward runs: the inner one under DDP/FSDP1)."""
-        from precprof.capture import Profiler
-        from precprof.hardware import software_versions
-
         if self.active:
             self.finish(T.STATUS_INCOMPLETE, "a new training run started before this one ended")
         kwargs = dict(self.profiler_kwargs)
-        if "reducer" not in kwargs:
-            from precprof.distributed import RankReducer, is_distributed
-
-            if is_distributed():
-                kwargs["reducer"] = RankReducer(wrapped=wrapped)
+        if "reducer" not in kwargs and is_distributed():
+            kwargs["reducer"] = RankReducer(wrapped=wrapped)
         self.prof = Profiler(model, optimizer=optimizer, scaler=scaler, first_step=first_step, **kwargs)
         self.summary = dict(summary)
         self.summary.setdefault(T.SUMMARY_VERSIONS, software_versions())

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from precprof import tables as T
+from precprof._version import __version__
 from precprof.analysis.comparison import (
     Comparison,
     RunResult,
@@ -18,6 +19,8 @@ from precprof.analysis.comparison import (
     finite,
 )
 from precprof.modes import MODE_COLORS
+from precprof.report.plots import COMPONENT_COLORS, data_uri, png_bytes
+from precprof.report.render import environment
 
 TEMPLATE = "compare.html.j2"
 _LINESTYLES = ("-", "--", ":", "-.")
@@ -109,8 +112,6 @@ def resources_figure(comparison: Comparison) -> Any | None:
     """Memory per component (stacked bars, measured on the last sampled step) and throughput, per run."""
     from matplotlib.figure import Figure
 
-    from precprof.report.plots import COMPONENT_COLORS
-
     runs = [r for r in comparison.runs if r.memory or math.isfinite(r.tokens_per_s)]
     if not runs:
         return None
@@ -174,8 +175,6 @@ def resources_figure(comparison: Comparison) -> Any | None:
 def _img(fig: Any, alt: str) -> dict[str, str] | None:
     if fig is None:
         return None
-    from precprof.report.plots import data_uri, png_bytes
-
     return {"src": data_uri(png_bytes(fig)), "alt": alt}
 
 
@@ -193,10 +192,6 @@ def _rel(path: str | None, base_dir: Path | None) -> str | None:
 
 def render(comparison: Comparison, base_dir: Path | None = None) -> str:
     """The comparison page (HTML string): the report's look (its CSS and number filters), autoescaped."""
-    import precprof
-    from precprof.report.plots import COMPONENT_COLORS
-    from precprof.report.render import environment
-
     ref = comparison.run(comparison.reference)
     comps = [c for c in COMPONENT_COLORS if any(r.memory.get(c) for r in comparison.runs)]
     comps += sorted({c for r in comparison.runs for c in r.memory if c not in comps})
@@ -211,7 +206,7 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
     cfg = comparison.config
     title = f"{cfg.get('model', 'model')} · {', '.join(r.label for r in comparison.runs)}"
     ctx = {
-        "version": precprof.__version__,
+        "version": __version__,
         "title": title,
         "generated": time.strftime("%Y-%m-%d %H:%M"),
         "reference": ref.label,

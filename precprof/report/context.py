@@ -16,6 +16,7 @@ import pandas as pd
 
 from precprof import __version__, formats
 from precprof import tables as T
+from precprof.report import filters as F
 from precprof.report import plots
 from precprof.report import summarize as S
 
@@ -131,8 +132,6 @@ def _verdict(
 
 
 def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFrame) -> list[tuple[str, str]]:
-    from precprof.report import filters as F
-
     final = summary.get(T.SUMMARY_FINAL) or {}
     out: list[tuple[str, str]] = []
     prec = S.requested_precision(summary)
@@ -157,8 +156,6 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
 
 
 def _heatmaps(tables: Mapping[str, pd.DataFrame], rec: dict[str, Any] | None) -> list[dict[str, Any]]:
-    from precprof.report import filters as F
-
     layers, hist = tables["layers"], S.aggregate_histograms(tables["histograms"])
     rec_scale = None
     if rec:

@@ -92,31 +92,18 @@ def render_report(
     return out
 
 
-def _recommend(run_dir: Path, summary: dict[str, Any], target: str | None) -> tuple[Any, str | None]:
-    """Run the advisor on a run directory; (recommendation, None) or (None, why not)."""
-    try:
-        from precprof import advisor
-    except ImportError as e:
-        return None, f"precprof.advisor is not available: {e}"
-    hardware: Any = None
-    if target is not None:
-        from precprof import hardware as hw
-
-        try:
-            hardware = hw.preset(target)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-    return advisor.recommend(run_dir, hardware=hardware, summary=summary), None
-
-
 def render_run_dir(
-    run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, target: str | None = None
+    run_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    recommendation: Any = None,
+    advisor_error: str | None = None,
 ) -> Path:
-    """Re-render the report of a run directory (``precprof train`` output or ``Profiler.save``).
+    """Render the report of a run directory (``precprof train`` output or ``Profiler.save``).
 
-    Reads the tables and summary.json; the recommendation is recomputed by the advisor when ``target`` (a
-    hardware preset such as "a100", "t4") is given or none is stored, else the stored one is used. Writes
-    ``out`` (default RUN_DIR/report.html) and returns its path. summary.json is left as it is.
+    Reads the tables and summary.json and renders the given ``recommendation``, else the stored one (none:
+    the page says so, with ``advisor_error`` when there is a reason). Writes ``out`` (default
+    RUN_DIR/report.html) and returns its path; summary.json is left as it is. A new recommendation (for
+    another target machine) comes from ``precprof.pipeline.rerender``.
     """
     rd = Path(run_dir)
     if not T.is_run_dir(rd):
@@ -125,12 +112,7 @@ def render_run_dir(
         )
     tabs = T.read_tables(rd)
     summary = T.read_summary(rd)
-    rec = summary.get(T.SUMMARY_RECOMMENDATION)
-    advisor_error = None
-    if target is not None or not rec:
-        new, advisor_error = _recommend(rd, summary, target)
-        if new is not None:
-            rec = new
+    rec = recommendation if recommendation is not None else summary.get(T.SUMMARY_RECOMMENDATION)
     path = Path(out) if out is not None else rd / T.REPORT_FILE
     html = render_html(tabs, summary, rec, advisor_error=advisor_error, missing_tables=T.missing_tables(rd))
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from typing import Any
 from precprof import rundir
 from precprof.distributed import STRATEGIES
 from precprof.errors import UserError
-from precprof.models import DEFAULT_MODEL
+from precprof.models import DEFAULT_MODEL, parse_model_args
 from precprof.modes import DEVICES, PRECISIONS, OptimizerName, parse_loss_scale
 
 
@@ -105,8 +105,6 @@ class TrainConfig:
     def from_options(cls, options: Mapping[str, Any], **overrides: Any) -> TrainConfig:
         """A configuration from command-line options: every key that names a field is taken (enum values
         unwrapped, ``model_args`` parsed from KEY=VALUE strings), the rest ignored; ``overrides`` win."""
-        from precprof.models import parse_model_args
-
         names = {f.name for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
         for key, value in {**options, **overrides}.items():
