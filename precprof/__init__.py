@@ -16,5 +16,6 @@ from __future__ import annotations
 from precprof._version import __version__
 from precprof.advisor import Recommendation, recommend
 from precprof.capture import Profiler
+from precprof.pipeline import finish_run  # registers itself as the way Profiler.save ends a run
 
-__all__ = ["Profiler", "Recommendation", "__version__", "recommend"]
+__all__ = ["Profiler", "Recommendation", "__version__", "finish_run", "recommend"]

@@ -30,7 +30,7 @@ import contextlib
 import fnmatch
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,10 @@ from torch import nn
 
 from precprof import stats as st
 from precprof import tables as T
+from precprof._version import __version__
+from precprof.distributed import RankReducer
 from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
+from precprof.memory_tracker import MemoryTracker
 
 ModuleFilter = Sequence[str | type[nn.Module]] | None
 
@@ -342,13 +345,8 @@ class Profiler:
             self._patch_scaler()
 
         if self.memory_enabled:
-            try:
-                from precprof.memory_tracker import MemoryTracker
-            except ImportError:  # memory tracking not available in this build
-                self._tracker = None
-            else:
-                self._tracker = MemoryTracker(self.model, self.optimizer)
-                self._tracker.attach()
+            self._tracker = MemoryTracker(self.model, self.optimizer)
+            self._tracker.attach()
 
         self._step = self._first_step
         self._begin_step()
@@ -360,8 +358,6 @@ class Profiler:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from precprof.distributed import RankReducer  # an edge module, imported only under torchrun
-
             return RankReducer()
         return None
 
@@ -841,6 +837,7 @@ class Profiler:
         param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return {
             "sample_every": self.sample_every,
+            "device": str(self._device),
             "steps_recorded": len(self._step_rows),
             "sampled_steps": len(self._sampled_steps),
             "modules_captured": len(self._modules),
@@ -862,15 +859,13 @@ class Profiler:
         self, summary: dict[str, Any] | None = None, status: str | None = None, reason: str | None = None
     ) -> dict[str, Any]:
         """``summary`` completed with what the recorder knows: version, status and cause, the ``capture``
-        block (and the distributed description), the hardware when the caller gave none."""
-        import precprof
-
+        block (and the distributed description)."""
         if status is not None:
             self._status = status
         if reason is not None:
             self._reason = reason
         full: dict[str, Any] = dict(summary or {})
-        full[T.SUMMARY_VERSION] = precprof.__version__
+        full[T.SUMMARY_VERSION] = __version__
         full[T.SUMMARY_STATUS] = self._status
         full[T.SUMMARY_INCOMPLETE_REASON] = self._reason
         capture = dict(full.get(T.SUMMARY_CAPTURE) or {})
@@ -878,10 +873,6 @@ class Profiler:
         if self._reducer is not None and hasattr(self._reducer, "describe"):
             capture["distributed"] = self._reducer.describe(self.model)
         full[T.SUMMARY_CAPTURE] = capture
-        if T.SUMMARY_HARDWARE not in full:
-            from precprof.hardware import detect
-
-            full[T.SUMMARY_HARDWARE] = detect(self._device).to_dict()
         return full
 
     def model_facts(self) -> dict[str, Any] | None:
@@ -902,36 +893,49 @@ class Profiler:
         reason: str | None = None,
         *,
         render: bool = False,
+        report_path: str | Path | None = None,
     ) -> Path:
         """Write the run directory: the four Parquet tables, the recommendation and summary.json (``summary``
-        merged in), and report.html when ``render``; see ``precprof.pipeline.finish_run`` for the order.
+        merged in), and report.html (or ``report_path``) when ``render``; see ``precprof.pipeline.finish_run``
+        for the order.
 
         A failure to write (full disk, read-only file system) does not raise: summary.json then says
         "incomplete" with the cause. Under torch.distributed only the writer (rank 0) writes; other ranks
         return the path without touching it.
         """
-        from precprof import pipeline
-
         run_dir = Path(run_dir)
         if not self.is_writer:
             return run_dir
+        if _run_finisher is None:
+            raise RuntimeError("precprof.pipeline, which writes run directories, is not loaded")
         full = self.run_summary(summary, status, reason)
-        written = pipeline.finish_run(run_dir, self.tables(), full, facts=self.model_facts(), render=render)
+        written = _run_finisher(
+            run_dir, self.tables(), full, facts=self.model_facts(), render=render, report_path=report_path
+        )
         self._status = written[T.SUMMARY_STATUS]
         self._reason = written[T.SUMMARY_INCOMPLETE_REASON]
         return run_dir
 
     def report(self, path: str | Path, summary: dict[str, Any] | None = None) -> Path:
-        """Write the run directory next to ``path`` and render ``path`` as the HTML report."""
+        """Write the run directory (``path`` itself, or the folder of ``path`` when it names an .html file)
+        and render the HTML report there; returns the report's path."""
         path = Path(path)
-        run_dir = path.parent if path.suffix == ".html" else path
-        self.save(run_dir, summary=summary, render=path.suffix != ".html")
-        if not self.is_writer or path.suffix != ".html":
-            return path if path.suffix == ".html" else run_dir / T.REPORT_FILE
-        from precprof.report.render import render_run_dir
+        html = path.suffix == ".html"
+        run_dir = path.parent if html else path
+        self.save(run_dir, summary=summary, render=True, report_path=path if html else None)
+        return path if html else run_dir / T.REPORT_FILE
 
-        out: Path = render_run_dir(run_dir, out=path)
-        return out
+
+# Writing a run directory is the pipeline's job (precprof.pipeline.finish_run). It registers itself here when
+# precprof is imported, so that the recorder depends on nothing downstream of it.
+RunFinisher = Callable[..., dict[str, Any]]
+_run_finisher: RunFinisher | None = None
+
+
+def set_run_finisher(finisher: RunFinisher) -> None:
+    """Register the function ``Profiler.save`` hands a finished (or crashed) run to."""
+    global _run_finisher
+    _run_finisher = finisher
 
 
 def _join_columns(parts: list[dict[str, Any]]) -> pd.DataFrame:

@@ -26,7 +26,7 @@ from typing import Any
 
 import pandas as pd
 
-from precprof import _atomic, _signals, advisor, hardware
+from precprof import _atomic, _signals, advisor, capture, hardware
 from precprof import tables as T
 from precprof.analysis import memory_projection
 from precprof.errors import UserError
@@ -74,16 +74,21 @@ def finish_run(
     *,
     facts: dict[str, Any] | None = None,
     render: bool = True,
+    report_path: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Write the run directory in the order of the module docstring; returns the summary as written.
 
-    ``summary`` must already carry its status (``complete``/``incomplete``) and reason. Raises only
+    ``summary`` must already carry its status (``complete``/``incomplete``) and reason; its hardware block is
+    detected for the capture's device when missing. ``report_path`` defaults to RUN_DIR/report.html. Raises only
     KeyboardInterrupt (after saving), never for a failure to write: that becomes the run's incomplete cause.
     """
     run_dir = Path(run_dir)
     full = dict(summary)
     full.setdefault(T.SUMMARY_STATUS, T.STATUS_COMPLETE)
     full.setdefault(T.SUMMARY_INCOMPLETE_REASON, None)
+    if T.SUMMARY_HARDWARE not in full:
+        device = (full.get(T.SUMMARY_CAPTURE) or {}).get("device")
+        full[T.SUMMARY_HARDWARE] = hardware.detect(device).to_dict()
     tables_ok = True
     with _signals.deferred():
         full.update(post_process(tables, full, facts))
@@ -94,9 +99,10 @@ def finish_run(
             tables_ok = False
             _incomplete(full, f"the tables could not be written to {run_dir} ({_why(e)})")
     interrupted: KeyboardInterrupt | None = None
-    report = run_dir / T.REPORT_FILE
+    report = Path(report_path) if report_path is not None else run_dir / T.REPORT_FILE
     if render and tables_ok:
         try:
+            report.parent.mkdir(parents=True, exist_ok=True)
             _atomic.write_text(report, render_html(tables, full))
         except KeyboardInterrupt as e:
             _signals.consume()
@@ -156,3 +162,6 @@ def rerender(
         except Exception as e:  # the evidence still renders; the page says why there is no verdict
             advisor_error = f"{type(e).__name__}: {e}"
     return render_run_dir(rd, out=out, recommendation=rec, advisor_error=advisor_error)
+
+
+capture.set_run_finisher(finish_run)
