@@ -1,0 +1,122 @@
+"""The import graph shows the data flow: every arrow runs one way, and no precprof import hides in a function.
+
+drivers (cli, training, compare, integrations) -> pipeline -> report -> analysis -> schema and formats;
+capture -> stats -> formats. Read from the source with ``ast``, so the test sees what a reader sees.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "precprof"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def imports(path: Path, names: set[str]) -> tuple[set[str], list[str]]:
+    """(precprof modules imported at module level, precprof imports inside functions or classes)."""
+    tree = ast.parse(path.read_text())
+    top: set[str] = set()
+    nested: list[str] = []
+
+    def targets(node: ast.AST) -> set[str]:
+        found: set[str] = set()
+        if isinstance(node, ast.Import):
+            found = {a.name for a in node.names if a.name.split(".")[0] == "precprof"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "precprof":
+            for a in node.names:  # `from precprof import stats` imports the module precprof.stats
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if sub in names else node.module)
+        return found
+
+    def visit(node: ast.AST, depth: int) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                if depth == 0:
+                    top.update(targets(child))
+                elif targets(child):
+                    nested.append(f"{path.name}:{child.lineno}")
+            inner = depth + isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            if not isinstance(child, ast.If) or not _is_type_checking(child):
+                visit(child, inner)
+
+    visit(tree, 0)
+    return top, nested
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    names = set(mods)
+    return {name: imports(path, names)[0] - {name} for name, path in mods.items()}
+
+
+def reaches(graph: dict[str, set[str]], start: str, prefix: str) -> list[str]:
+    """Modules starting with ``prefix`` that ``start`` imports, directly or not (never through the facade)."""
+    seen, stack, hits = {start}, [start], []
+    while stack:
+        for nxt in graph.get(stack.pop(), ()):
+            if nxt == "precprof" or nxt in seen:
+                continue
+            seen.add(nxt)
+            stack.append(nxt)
+            if nxt == prefix or nxt.startswith(prefix + "."):
+                hits.append(nxt)
+    return hits
+
+
+def test_no_precprof_import_inside_a_function() -> None:
+    names = set(modules())
+    nested = [hit for path in modules().values() for hit in imports(path, names)[1]]
+    assert nested == []
+
+
+@pytest.mark.parametrize(
+    "downstream",
+    ["precprof.report", "precprof.advisor", "precprof.analysis", "precprof.pipeline", "precprof.hardware"],
+)
+def test_capture_depends_on_nothing_downstream(graph: dict[str, set[str]], downstream: str) -> None:
+    assert reaches(graph, "precprof.capture", downstream) == []
+
+
+def test_report_never_runs_the_advisor(graph: dict[str, set[str]]) -> None:
+    for name in graph:
+        if name.startswith("precprof.report"):
+            assert reaches(graph, name, "precprof.advisor") == [], name
+            assert reaches(graph, name, "precprof.pipeline") == [], name
+
+
+def test_the_core_never_imports_a_driver(graph: dict[str, set[str]]) -> None:
+    core = [
+        n
+        for n in graph
+        if n.split(".")[1:2]
+        and n.split(".")[1] in {"capture", "stats", "report", "analysis", "pipeline", "advisor"}
+    ]
+    for name in core:
+        for driver in ("precprof.cli", "precprof.training", "precprof.compare", "precprof.integrations"):
+            assert reaches(graph, name, driver) == [], (name, driver)
+
+
+def test_no_import_cycle(graph: dict[str, set[str]]) -> None:
+    for name in graph:
+        if name == "precprof":
+            continue
+        assert name not in reaches(graph, name, name), f"{name} imports itself through a cycle"
