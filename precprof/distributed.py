@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -156,115 +155,6 @@ def wrapper_info(model: nn.Module) -> dict[str, Any]:
         "reduce_dtype": None,
         "storage_dtypes": storage,
     }
-
-
-STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2", "fsdp1")
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    """This process's place under torchrun: global rank, world size, local rank and the device it trains on."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    owns_group: bool = False  # init_from_env created the process group (so the caller ends it: shutdown)
-
-    @property
-    def is_writer(self) -> bool:
-        return self.rank == 0
-
-
-def init_from_env(backend: str | None = None) -> DistInfo | None:
-    """Join the process group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``...).
-
-    Returns None outside torchrun (or with a world of one). Backend: NCCL with CUDA (each rank on
-    ``cuda:LOCAL_RANK``), gloo on CPU. An already initialised group is reused.
-    """
-    import os
-
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    dist = _dist()
-    if world <= 1 and not (dist.is_available() and dist.is_initialized()):
-        return None
-    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(local_rank)
-    owns = not dist.is_initialized()
-    if owns:
-        dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
-    if dist.get_world_size() <= 1:
-        return None
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, owns)
-
-
-def shutdown(barrier: bool = True) -> None:
-    """Leave the process group (after the run is written); a no-op without one. ``barrier=False`` after a
-    failure, when the other ranks may never arrive."""
-    dist = _dist()
-    if dist.is_available() and dist.is_initialized():
-        if barrier:
-            dist.barrier()
-        dist.destroy_process_group()
-
-
-def _shard_units(model: nn.Module) -> list[nn.Module]:
-    """The modules FSDP shards as units: the blocks of every ``nn.ModuleList`` (a transformer's layers), else
-    every leaf module that owns parameters."""
-    blocks = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
-    if blocks:
-        return blocks
-    return [
-        m
-        for m in model.modules()
-        if m is not model
-        and next(m.children(), None) is None
-        and next(m.parameters(recurse=False), None) is not None
-    ]
-
-
-def wrap_model(
-    model: nn.Module,
-    strategy: str = "ddp",
-    *,
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = None,
-    device: torch.device | None = None,
-) -> nn.Module:
-    """Wrap ``model`` for data parallel training under an initialised process group.
-
-    ``ddp``: ``DistributedDataParallel``; ``fsdp2``: ``fully_shard`` on each block (``_shard_units``) and on the
-    root, with ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``; ``fsdp1``: ``FullyShardedDataParallel`` with
-    ``MixedPrecision(param_dtype, reduce_dtype)`` (needs an accelerator). Returns the module to train (FSDP2
-    shards in place and returns ``model`` itself).
-    """
-    strategy = strategy.lower()
-    cuda_ids = [device.index] if device is not None and device.type == "cuda" else None
-    if strategy == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(model, device_ids=cuda_ids)
-    if strategy == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        for unit in _shard_units(model):
-            fully_shard(unit, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        return model
-    if strategy == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
-
-        mp = (
-            MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-            if param_dtype or reduce_dtype
-            else None
-        )
-        return FullyShardedDataParallel(model, mixed_precision=mp, device_id=device)
-    raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
 
 
 def _row_layout(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, str, str]]:

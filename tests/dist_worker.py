@@ -49,7 +49,7 @@ def make_optimizer(params: object) -> torch.optim.Optimizer:
 
 
 def _wrap(model: nn.Module, scenario: str) -> nn.Module:
-    from precprof.distributed import wrap_model
+    from precprof.training.distributed import wrap_model
 
     if scenario == "fsdp2-bf16":
         return wrap_model(model, "fsdp2", param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -107,7 +107,7 @@ def run_train(scenario: str, rank: int, out: Path) -> None:
 
 def main(argv: list[str]) -> None:
     """Run under torchrun: ``python -m torch.distributed.run --standalone --nproc_per_node 2 dist_worker.py OUT``."""
-    from precprof.distributed import init_from_env, shutdown
+    from precprof.training.distributed import init_from_env, shutdown
 
     out = Path(argv[0]).resolve()
     scenarios = (

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from precprof import rundir
-from precprof.distributed import STRATEGIES
 from precprof.errors import UserError
 from precprof.models import DEFAULT_MODEL, parse_model_args
 from precprof.modes import DEVICES, PRECISIONS, OptimizerName, parse_loss_scale
+from precprof.training.distributed import STRATEGIES
 
 
 @dataclass
@@ -57,7 +57,7 @@ class TrainConfig:
     refresh_every: int = 10
     report: bool = True
     command_line: str | None = None
-    distributed: str = "ddp"  # under torchrun: ddp | fsdp2 | fsdp1 (precprof.distributed.wrap_model)
+    distributed: str = "ddp"  # under torchrun: ddp | fsdp2 | fsdp1 (precprof.training.distributed.wrap_model)
     overwrite: bool = False  # replace the run already in ``out`` (else an existing run is refused)
 
     def validate(self) -> None:

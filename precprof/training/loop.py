@@ -25,6 +25,7 @@ from precprof.data import TokenSource, load_data
 from precprof.errors import UserError
 from precprof.models import BuiltModel, build_model
 from precprof.modes import FP16_MODES, resolve_loss_scale
+from precprof.training import distributed as launch
 from precprof.training.config import TrainConfig, default_out_dir, default_sample_every
 from precprof.training.precision import (
     PrecisionPlan,
@@ -231,7 +232,7 @@ def train(
 def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Setup:
     """Device, precision plan, data, model, optimizer, scaler and the summary's configuration."""
     # under torchrun (WORLD_SIZE > 1): join the process group; each rank trains on its own device and batches
-    dist_info = distributed.init_from_env()
+    dist_info = launch.init_from_env()
     device = dist_info.device if dist_info is not None else resolve_device(config.device)
     hw = hardware.detect(device)
     plan = plan_precision(config.precision, device, hw)
@@ -249,7 +250,7 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     model.train()
     inner = model
     if dist_info is not None:  # the Profiler watches the inner module (plain names); the reducer the wrapper
-        model = distributed.wrap_model(model, config.distributed, device=device)
+        model = launch.wrap_model(model, config.distributed, device=device)
         profiler_kwargs = {"reducer": distributed.RankReducer(wrapped=model), **(profiler_kwargs or {})}
     optimizer = make_optimizer(config, model, plan)
     scaler = make_scaler(config, plan, device)
@@ -385,12 +386,12 @@ def _run(s: _Setup, callbacks: Sequence[Callback]) -> TrainResult:
         if hasattr(e, "add_note"):
             e.add_note(f"precprof: the partial run was saved to {s.run_dir}")
         if s.dist_info is not None and s.dist_info.owns_group:
-            distributed.shutdown(barrier=False)
+            launch.shutdown(barrier=False)
         raise
     bar.close()
     steps_table = _save(s, prof, wall_s, steps_done, None)
     if s.dist_info is not None and s.dist_info.owns_group:
-        distributed.shutdown()  # after rank 0 wrote: its barrier waits for it
+        launch.shutdown()  # after rank 0 wrote: its barrier waits for it
     return TrainResult(
         run_dir=s.run_dir,
         final_loss=float(s.summary[T.SUMMARY_FINAL]["final_loss"]),
