@@ -237,8 +237,9 @@ def _pow2(k: int) -> str:
 
 
 def _scale(k: int) -> str:
-    """2^k written out: an integer for k >= 0 (GradScaler's init_scale as users type it)."""
-    return str(2**k) if k >= 0 else f"{_scale(k)}"
+    """2^k written out as GradScaler's init_scale is typed: an integer for k >= 0, else the exact decimal
+    (Python's shortest round-trip form: 0.125, 0.0009765625, 9.313225746154785e-10)."""
+    return str(2**k) if k >= 0 else repr(2.0**k)
 
 
 def _log2i(x: float) -> int:

@@ -474,3 +474,34 @@ def test_report_with_a_missing_table_says_so_in_the_page(
     assert rc == 0
     html = (run_dir / T.REPORT_FILE).read_text()
     assert 'id="missing-tables"' in html and "<code>layers.parquet</code>" in html
+
+
+def test_gradients_too_large_for_any_fp16_scale_still_get_a_verdict_and_a_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SGD at lr 1e6 without clipping: gradients so large that the fp16 scale would be below 1. The advisor
+    used to recurse forever writing 2^-k, losing the recommendation and the report."""
+    out = tmp_path / "huge"
+    rc, stdout, err = run_main(
+        [
+            "train",
+            "--out",
+            str(out),
+            *TINY,
+            "--steps",
+            "12",
+            "--lr",
+            "1e6",
+            "--optimizer",
+            "sgd",
+            "--grad-clip",
+            "0",
+        ],
+        capsys,
+    )
+    assert rc == 0, err
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE and not summary.get(T.SUMMARY_ERRORS)
+    assert summary[T.SUMMARY_RECOMMENDATION]["format"] and (out / T.REPORT_FILE).exists()
+    rc, _, err = run_main(["report", str(out)], capsys)
+    assert rc == 0 and "Traceback" not in err
