@@ -187,6 +187,12 @@ class AdvisorConfig:
     mp_inactive_share: float = 1.0
     # Messages list at most this many modules by name ("and N more").
     max_listed_modules: int = 8
+    # Non-finite gradients on steps GradScaler skipped are its business (a scale too high) unless the run of
+    # skips drove the scale this many powers of two below the last scale at which a step was finite, or
+    # lasted to the end of the run over at least ``nonfinite_persist_steps`` steps: overflow is gone after a
+    # back-off or two, a nan from the model is not.
+    nonfinite_backoff_log2: int = 4
+    nonfinite_persist_steps: int = 8
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -562,36 +568,97 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
             )
         )
     bwd = bad[bad[T.TENSOR].isin(T.GRADIENT_KINDS) & ~bad[T.STEP].isin(fwd_steps)]
-    # Steps the scaler skipped had inf gradients by design (scale too high): that is the scaler's business.
-    skipped = set()
-    if not run.steps.empty:
-        sk = run.steps[run.steps[T.SKIPPED].fillna(False).astype(bool)]
-        skipped = {int(s) for s in sk[T.STEP]}
-    scaler_bwd = bwd[bwd[T.STEP].isin(skipped) & (bwd[T.SCALE] > 1)]
-    bwd = bwd[~bwd.index.isin(scaler_bwd.index)]
-    if not bwd.empty:
-        step = int(bwd[T.STEP].min())
+    if bwd.empty:
+        return fwd_steps
+    streaks = _skip_streaks(run.steps)
+    for step in sorted(int(s) for s in bwd[T.STEP].unique()):
+        streak = next(((a, b) for a, b in streaks if a <= step <= b), None)
+        if streak is not None and not _scaler_cannot_fix(run, streak):
+            continue  # a scale too high: the scaler skipped the step and backed off, as it should
         at = bwd[bwd[T.STEP] == step]
-        origins = _innermost(at[T.MODULE])
         # Backward runs in reverse forward order: the first module to see a bad gradient is the last one.
-        first = run.sort(origins)[-1]
+        first = run.sort(_innermost(at[T.MODULE]))[-1]
         row = at[at[T.MODULE] == first]
         nan, inf = int(row[T.NAN].sum()), int(row[T.INF].sum())
+        where = f"{_name(first)} ({run.types.get(first, '?')})"
+        nums: dict[str, Number] = {"step": step, "nan": nan, "inf": inf}
+        if streak is None:
+            detail = (
+                f"At step {step}, gradients of {where} hold {nan} nan and {inf} inf values while the forward "
+                "pass was finite, and the optimizer step was not skipped for it."
+            )
+            remedy = (
+                f"Check the loss and {_name(first)}'s backward at step {step} (e.g. sqrt or log near 0); "
+                "with fp16 use a GradScaler so such steps are skipped."
+            )
+        else:
+            a, b = streak
+            scales = _scales(run.steps, a, b)
+            nums.update({"skipped_from": a, "skipped_to": b, "skipped_steps": b - a + 1})
+            first_seen = "" if step == a else f" (recorded first at sampled step {step})"
+            detail = (
+                f"From step {a}{first_seen}, gradients of {where} hold {nan} nan and {inf} inf values while the "
+                f"forward pass was finite. GradScaler skipped every step from {a} to {b} ({b - a + 1} steps, "
+                f"no weight update) and backed the scale off {scales}: an overflow would have been gone after "
+                "a back-off or two, so the nan/inf comes from the backward computation, not from the scale."
+            )
+            remedy = (
+                f"Check {_name(first)}'s backward from step {a} (sqrt or log near 0, a division by a small "
+                "norm); a lower loss scale will not help."
+            )
         plan.add(
             Finding(
                 "nonfinite_backward",
                 CRITICAL,
                 f"nan/inf first appears in the backward pass at {_name(first)}",
-                f"At step {step}, gradients of {_name(first)} ({run.types.get(first, '?')}) hold {nan} nan "
-                f"and {inf} inf values while the forward pass was finite, and the optimizer step was not "
-                "skipped for it.",
-                f"Check the loss and {_name(first)}'s backward at step {step} (e.g. sqrt or log near 0); "
-                "with fp16 use a GradScaler so such steps are skipped.",
+                detail,
+                remedy,
                 modules=[first],
-                numbers={"step": step, "nan": nan, "inf": inf},
+                numbers=nums,
             )
         )
+        break
     return fwd_steps
+
+
+def _skip_streaks(steps: pd.DataFrame) -> list[tuple[int, int]]:
+    """Runs of consecutive skipped steps, as (first, last) step."""
+    if steps.empty:
+        return []
+    skipped = sorted(int(s) for s in steps[steps[T.SKIPPED].fillna(False).astype(bool)][T.STEP])
+    out: list[tuple[int, int]] = []
+    for s in skipped:
+        if out and s == out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return out
+
+
+def _scale_at(steps: pd.DataFrame, step: int) -> float:
+    rows = steps[steps[T.STEP] == step][T.LOSS_SCALE]
+    return float(rows.iloc[0]) if len(rows) and pd.notna(rows.iloc[0]) else math.nan
+
+
+def _scales(steps: pd.DataFrame, a: int, b: int) -> str:
+    lo, hi = _scale_at(steps, b), _scale_at(steps, a)
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo > 0 and hi > 0):
+        return "(scale not recorded)"
+    return f"from {_pow2(_log2i(hi))} to {_pow2(_log2i(lo))}"
+
+
+def _scaler_cannot_fix(run: _Run, streak: tuple[int, int]) -> bool:
+    """Whether a run of skipped steps is more than a scale too high (see AdvisorConfig.nonfinite_*)."""
+    a, b = streak
+    steps = run.steps
+    lowest = _scale_at(steps, b)
+    ok_before = steps[(steps[T.STEP] < a) & ~steps[T.SKIPPED].fillna(False).astype(bool)]
+    last_ok = float(ok_before[T.LOSS_SCALE].iloc[-1]) if len(ok_before) else math.nan
+    finite = math.isfinite(last_ok) and math.isfinite(lowest) and lowest > 0 and last_ok > 0
+    if finite and math.log2(last_ok / lowest) >= run.cfg.nonfinite_backoff_log2:
+        return True
+    last_step = int(steps[T.STEP].max()) if not steps.empty else b
+    return b == last_step and b - a + 1 >= run.cfg.nonfinite_persist_steps
 
 
 def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:

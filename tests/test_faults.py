@@ -482,7 +482,7 @@ def test_gradients_too_large_for_any_fp16_scale_still_get_a_verdict_and_a_report
     """SGD at lr 1e6 without clipping: gradients so large that the fp16 scale would be below 1. The advisor
     used to recurse forever writing 2^-k, losing the recommendation and the report."""
     out = tmp_path / "huge"
-    rc, stdout, err = run_main(
+    rc, _, err = run_main(
         [
             "train",
             "--out",

@@ -15,6 +15,7 @@ import pytest
 import torch
 from scenarios import (
     accelerate_cpu_fp16,
+    backward_nan,
     benign,
     huge_activations,
     nan_injection,
@@ -125,6 +126,29 @@ def test_d_injected_nan_names_the_first_module() -> None:
     acts = _rows(run.tables, T.ACTIVATION)
     first = acts[acts[T.NAN] > 0].sort_values([T.STEP, T.ORDER]).iloc[0]
     assert (first[T.STEP], first[T.MODULE]) == (nan_injection.NAN_STEP, "inject")
+
+
+@pytest.mark.parametrize("sample_every", [1, 5])
+def test_d2_backward_nan_under_dynamic_scaling_is_dated_and_its_skips_counted(sample_every: int) -> None:
+    """The nan enters in the backward pass at step 20 and stays 20 steps; GradScaler skips all of them. The
+    finding must say step 20 (not the step where the backed-off scale fell below 1) and that they were
+    skipped, with the count the steps table has."""
+    run = backward_nan.run(sample_every=sample_every)
+    steps = run.tables["steps"]
+    skipped = sorted(int(s) for s in steps[steps[T.SKIPPED].astype(bool)][T.STEP])
+    assert skipped == list(range(backward_nan.FIRST, backward_nan.LAST + 1))  # what really happened
+    rec = run.recommend("v100")
+    f = rec.finding("nonfinite_backward")
+    assert f is not None and f.severity == CRITICAL and f.modules == ["inject"]
+    assert f.numbers["step"] == backward_nan.FIRST
+    assert (f.numbers["skipped_from"], f.numbers["skipped_to"]) == (backward_nan.FIRST, backward_nan.LAST)
+    assert f.numbers["skipped_steps"] == len(skipped)
+    assert "skipped every step from 20 to 39" in f.message and "not skipped" not in f.message
+    # independent: the last module in forward order with a nan gradient at step 20 is the injected one
+    grads = _rows(run.tables, T.ACTIVATION_GRAD)
+    at = grads[(grads[T.STEP] == backward_nan.FIRST) & (grads[T.NAN] > 0)]
+    assert at.sort_values(T.ORDER).iloc[-1][T.MODULE] == "inject"
+    assert rec.finding("nonfinite_forward") is None
 
 
 def test_e_accelerate_fp16_on_cpu_is_not_active() -> None:
