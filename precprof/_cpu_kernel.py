@@ -25,8 +25,9 @@ several thread counts included); when the compiler or the shared library is miss
 and the torch path runs.
 
 The library is plain C with no torch headers, so it compiles in well under a second with ``cc``; it is
-built for this CPU (``-march=native``, falling back to generic code) and cached under
-``$XDG_CACHE_HOME/precprof`` (or a temporary directory) by the hash of its source, the compiler and the CPU.
+built for this CPU (``-march=native``, falling back to generic code) and cached in the per-user folder of
+``precprof._kernel_cache`` (checked before use, built once across processes, never loaded unless this user
+built it), keyed by its source, the compiler and its version, the flags and the CPU.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from precprof import _kernel_cache
 
 _SOURCE = r"""
 /* precprof one-pass CPU statistics kernel (v2). Plain C (OpenMP when available), no torch headers. */
@@ -421,21 +424,7 @@ int pp_merge(const int64_t* call, int64_t* counts, int64_t* window, int64_t wlo,
 
 _lib: ctypes.CDLL | None = None
 _tried = False
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    d = Path(base) / "precprof"
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        probe = d / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-        return d
-    except OSError:
-        d = Path(tempfile.gettempdir()) / f"precprof-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+_status: dict[str, object] = {"in_use": False, "reason": "not loaded yet"}
 
 
 def _cpu_signature() -> str:
@@ -473,10 +462,13 @@ def shares_torch_threads(lib: ctypes.CDLL) -> bool:
     return bool(lib.pp_openmp()) and len(openmp_runtimes()) == 1
 
 
+_FLAG_SETS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+
+
 def _compile(cc: str, src: Path, out: Path) -> None:
     base = [cc, "-O3", "-fPIC", "-shared", "-fno-fast-math", str(src), "-o", str(out), "-lm"]
     # the fastest build this compiler and CPU allow: native instructions, OpenMP; then without each
-    for extra in (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], []):
+    for extra in _FLAG_SETS:
         try:
             subprocess.run(base[:2] + extra + base[2:], check=True, capture_output=True, timeout=120)
             return
@@ -485,8 +477,25 @@ def _compile(cc: str, src: Path, out: Path) -> None:
     raise subprocess.SubprocessError(f"{cc} could not build the statistics kernel")
 
 
+def find_compiler() -> str | None:
+    """The C compiler the kernel is built with: ``$CC``, else cc, gcc or clang on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def cache_key(cc: str) -> str:
+    """What the build depends on: source, compiler (path and version), flags, CPU."""
+    material = "\0".join([_SOURCE, _kernel_cache.compiler_identity(cc), repr(_FLAG_SETS), _cpu_signature()])
+    return hashlib.sha256(material.encode()).hexdigest()[:20]
+
+
+def status() -> dict[str, object]:
+    """Whether the kernel is in use, and why not: for ``precprof env`` and summary.json."""
+    return dict(_status)
+
+
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel, compiling it on first use; None when it cannot be built or loaded here.
+    """The compiled kernel, built on first use into the per-user cache (``precprof._kernel_cache``); None
+    when it cannot be built or loaded here (``status()`` says why).
 
     Set ``PRECPROF_CPU_KERNEL=0`` to always use the torch-op path.
     """
@@ -495,21 +504,22 @@ def load() -> ctypes.CDLL | None:
         return _lib
     _tried = True
     if os.environ.get("PRECPROF_CPU_KERNEL", "1") == "0":
+        _status.update(in_use=False, reason="disabled by PRECPROF_CPU_KERNEL=0")
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    cc = find_compiler()
     if cc is None:
+        _status.update(in_use=False, reason="no C compiler (cc, gcc or clang) on the PATH")
         return None
-    digest = hashlib.sha256((_SOURCE + cc + _cpu_signature()).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"stats_{digest}.so"
+
+    def compile_to(out: Path) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "stats.c"
+            src.write_text(_SOURCE)
+            _compile(cc, src, out)
+
     try:
-        if not out.exists():
-            with tempfile.TemporaryDirectory() as tmp:
-                src = Path(tmp) / "stats.c"
-                src.write_text(_SOURCE)
-                tmp_out = Path(tmp) / "stats.so"
-                _compile(cc, src, tmp_out)
-                shutil.move(str(tmp_out), out)
-        lib = ctypes.CDLL(str(out))
+        path = _kernel_cache.build("stats", cache_key(cc), compile_to)
+        lib = ctypes.CDLL(str(path))
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.pp_init.restype = None
         lib.pp_init.argtypes = []
@@ -522,7 +532,11 @@ def load() -> ctypes.CDLL | None:
         lib.pp_openmp.restype = ctypes.c_int
         lib.pp_openmp.argtypes = []
         lib.pp_init()
-    except (OSError, AttributeError, subprocess.SubprocessError):
+    except (OSError, AttributeError, subprocess.SubprocessError) as e:
+        _status.update(in_use=False, reason=f"could not be built or loaded: {e}")
         return None
+    _status.update(
+        in_use=True, reason="compiled and loaded", path=str(path), compiler=cc, openmp=bool(lib.pp_openmp())
+    )
     _lib = lib
     return _lib

@@ -838,6 +838,7 @@ class Profiler:
         return {
             "sample_every": self.sample_every,
             "device": str(self._device),
+            "stats_engine": st.engine_status() if self._device.type == "cpu" else {"cuda": "torch"},
             "steps_recorded": len(self._step_rows),
             "sampled_steps": len(self._sampled_steps),
             "modules_captured": len(self._modules),

@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
 from precprof import _cli_options as O
 from precprof import _signals, hardware, pipeline, training
 from precprof import compare as comparing
+from precprof import stats as st
 from precprof import tables as T
 from precprof._version import __version__
 from precprof.advisor import Recommendation
@@ -148,12 +149,24 @@ def env(
     if json_output:
         import json
 
-        doc = {"hardware": info.to_dict(), "versions": hardware.software_versions()}
+        doc = {
+            "hardware": info.to_dict(),
+            "versions": hardware.software_versions(),
+            "stats_engine": st.engine_status(),
+        }
         fmt, why = hardware.usual_format(info)
         doc["usual_format"] = {"format": fmt, "reason": why}
         typer.echo(json.dumps(doc, indent=2, default=str))
     else:
         typer.echo(hardware.env_report(info))
+        engine = st.engine_status()
+        kernel = "C kernel" if engine["cpu"] == "c" else "torch ops"
+        detail = (
+            f"{engine.get('path')}, threads: {engine.get('threads')}"
+            if engine["cpu"] == "c"
+            else engine["reason"]
+        )
+        typer.echo(f"CPU statistics engine: {kernel} ({detail})")
 
 
 @app.command()

@@ -120,6 +120,14 @@ def _default_kernel_threads() -> int:
     return int(_kernel_state["threads"])
 
 
+def engine_status() -> dict[str, Any]:
+    """Which statistics engine runs on the CPU, and why (``precprof env``, summary.json's capture block)."""
+    info: dict[str, Any] = {"cpu": "c" if _kernel() is not None else "torch", **_cpu_kernel.status()}
+    if info["cpu"] == "c":
+        info["threads"] = _default_kernel_threads() or f"torch's pool ({torch.get_num_threads()})"
+    return info
+
+
 def _kernel() -> Any:
     """The compiled CPU kernel when it loads and agrees with this module's row layout, else None."""
     if "lib" not in _kernel_state:
@@ -210,6 +218,7 @@ class StatsBuffer:
             self._counts_ptr = self._counts.ctypes.data
             self._hist_ptr = self._hist.ctypes.data
             self._last: tuple[weakref.ref[torch.Tensor], int] | None = None
+            _kernel()  # built (or loaded from the cache) here, when the Profiler attaches, not in a hook
         else:
             self._data = torch.zeros((rows, ROW_WIDTH), dtype=torch.int64, device=self.device)
         if chunk is None:

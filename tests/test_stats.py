@@ -24,6 +24,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from conftest import kernel_required
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -625,10 +626,7 @@ def test_device_path_equals_host_path(chunk: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_compiled_cpu_kernel_equals_torch_ops(dtype: torch.dtype) -> None:
     """The one-pass C kernel (when a compiler is there) and the torch-op path give identical rows."""
-    from precprof import _cpu_kernel
-
-    if _cpu_kernel.load() is None:
-        pytest.skip("no C compiler/OpenMP here: only the torch-op path runs")
+    _kernel_or_skip()
     specials = torch.tensor(
         [
             0.0,
@@ -663,10 +661,15 @@ def test_compiled_cpu_kernel_equals_torch_ops(dtype: torch.dtype) -> None:
 
 
 def _kernel_or_skip() -> None:
+    """Skip without the compiled kernel, except in CI (CI or PRECPROF_REQUIRE_KERNEL=1 set), where a missing
+    kernel is a failure: the suite must never pass without having tested it."""
     from precprof import _cpu_kernel
 
     if _cpu_kernel.load() is None:
-        pytest.skip("no C compiler here: only the torch-op path runs")
+        why = f"the C kernel is not available: {_cpu_kernel.status()['reason']}"
+        if kernel_required():
+            pytest.fail(why + " (required here: CI or PRECPROF_REQUIRE_KERNEL=1)")
+        pytest.skip(why + ": only the torch-op path runs")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
