@@ -148,9 +148,18 @@ class ByteTextData:
 
     def __init__(self, path: str | Path, seed: int = 0) -> None:
         p = Path(path)
-        if not p.is_file():
+        if p.is_dir():
+            raise UserError(
+                f"--data {str(p)!r} is a directory; give a text file (read as bytes) or 'synthetic'"
+            )
+        if not p.exists():
             raise UserError(f"--data: no such file: {str(p)!r} (use 'synthetic' or the path of a text file)")
-        raw = p.read_bytes()
+        try:
+            raw = p.read_bytes()
+        except OSError as e:
+            raise UserError(
+                f"--data {str(p)!r} cannot be read ({e.strerror}); check its permissions"
+            ) from None
         if len(raw) < 3:
             raise UserError(
                 f"--data: {str(p)!r} has {len(raw)} bytes; a text file of a few KB or more is needed"

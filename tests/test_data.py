@@ -112,3 +112,21 @@ def test_load_data_dispatch(tmp_path: Path) -> None:
     f = tmp_path / "a.txt"
     f.write_text("hello world, hello precprof")
     assert isinstance(load_data(str(f)), ByteTextData)
+
+
+def test_data_that_is_not_a_readable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(UserError, match=r"is a directory; give a text file \(read as bytes\) or 'synthetic'"):
+        load_data(str(tmp_path))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(UserError, match="has 0 bytes"):
+        load_data(str(empty))
+    locked = tmp_path / "locked.txt"
+    locked.write_text("some text " * 100)
+
+    def denied(self: Path) -> bytes:  # what chmod 000 does to anyone but root
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    with pytest.raises(UserError, match=r"cannot be read \(Permission denied\); check its permissions"):
+        load_data(str(locked))

@@ -26,6 +26,7 @@ from precprof.errors import UserError
 from precprof.models import BuiltModel, build_model
 from precprof.modes import FP16_MODES, resolve_loss_scale
 from precprof.training import distributed as launch
+from precprof.training import footprint
 from precprof.training.config import TrainConfig, default_out_dir, default_sample_every
 from precprof.training.precision import (
     PrecisionPlan,
@@ -248,6 +249,7 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
         model.to(plan.param_dtype)
     n_fp8 = convert_fp8(model, plan.fp8_library) if plan.fp8_library else 0
     model.train()
+    fp = _check_memory(config, built, model, plan, data, device)
     inner = model
     if dist_info is not None:  # the Profiler watches the inner module (plain names); the reducer the wrapper
         model = launch.wrap_model(model, config.distributed, device=device)
@@ -275,6 +277,7 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
             "data": data.describe(),
             "tf32_matmul": plan.tf32 if device.type == "cuda" else False,
             "world_size": world_size,
+            "memory_estimate": footprint.describe(fp),
         },
         T.SUMMARY_HARDWARE: hw.to_dict(),
         T.SUMMARY_VERSIONS: hardware.software_versions(),
@@ -310,6 +313,37 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
         writer=writer,
         dist_info=dist_info,
     )
+
+
+def _check_memory(
+    config: TrainConfig,
+    built: BuiltModel,
+    model: nn.Module,
+    plan: PrecisionPlan,
+    data: TokenSource,
+    device: torch.device,
+) -> footprint.Footprint:
+    """Refuse, before the first step, a run that cannot fit in this device's memory (``footprint``)."""
+
+    def forward_loss_one() -> torch.Tensor:  # one sample, in the run's precision (the RNG state is forked)
+        seq = torch.randint(0, data.vocab_size, (1, config.seq_len + 1), device=device)
+        x, y = seq[:, :-1], seq[:, 1:]
+        autocast = (
+            torch.autocast(device.type, dtype=plan.autocast_dtype)
+            if plan.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with autocast, fp8_context(plan):
+            out = model(x, targets=y) if built.pass_targets else model(x)
+            return loss_from_output(out, y, data.vocab_size)
+
+    fp = footprint.estimate(
+        model, batch_size=config.batch_size, optimizer=config.optimizer, forward_loss_one=forward_loss_one
+    )
+    where = "this machine" if device.type == "cpu" else str(device)
+    what = f"{built.name} at batch {config.batch_size} x seq {config.seq_len} in {config.precision}"
+    footprint.check_fits(fp, footprint.available_bytes(device), what=what, where=where)
+    return fp
 
 
 def _run(s: _Setup, callbacks: Sequence[Callback]) -> TrainResult:
