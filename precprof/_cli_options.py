@@ -1,18 +1,21 @@
 """The training options that ``precprof train`` and ``precprof compare`` share, written once.
 
-Each is an ``Annotated`` type for a typer parameter; both commands hand their parameters to
-``TrainConfig.from_options``, so a training option cannot exist in one command and be dropped by the other
-(a test checks that both accept the same ones).
+``@training_options()`` adds them, with ``TrainConfig``'s defaults, to a command's signature (typer reads
+``__signature__``); the command receives them as ``**options`` and hands them to ``TrainConfig.from_options``,
+so a training option cannot exist in one command and be dropped by the other (a test checks both).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
 
 import typer
 
 from precprof.modes import Device, OptimizerName
+from precprof.training import TrainConfig
 
 Model = Annotated[
     str,
@@ -64,4 +67,57 @@ Distributed = Annotated[
         help="Under torchrun: ddp (DistributedDataParallel), fsdp2 (fully_shard) or fsdp1; rank 0 writes.",
     ),
 ]
-OutDir = Path | None
+
+# (parameter name, type with its typer option): the shared options in --help order; the parameter name is the
+# TrainConfig field it sets (model_arg -> model_args, parsed by from_options)
+SHARED: tuple[tuple[str, Any], ...] = (
+    ("model", Model),
+    ("model_arg", ModelArgs),
+    ("init_scale", InitScale),
+    ("growth_factor", GrowthFactor),
+    ("backoff_factor", BackoffFactor),
+    ("growth_interval", GrowthInterval),
+    ("optimizer", Optimizer),
+    ("lr", Lr),
+    ("weight_decay", WeightDecay),
+    ("steps", Steps),
+    ("batch_size", BatchSize),
+    ("seq_len", SeqLen),
+    ("grad_clip", GradClip),
+    ("seed", Seed),
+    ("device", DeviceOpt),
+    ("data", Data),
+    ("overwrite", Overwrite),
+    ("sample_every", SampleEvery),
+    ("progress", Progress),
+    ("report", Report),
+    ("distributed", Distributed),
+)
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+_DEFAULTS.update(
+    model_arg=None, optimizer=OptimizerName(_DEFAULTS["optimizer"]), device=Device(_DEFAULTS["device"])
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def training_options(**defaults: Any) -> Callable[[F], F]:
+    """Add the shared training options to a command (``defaults`` overrides TrainConfig's, e.g. steps=200);
+    the command takes them as ``**options``."""
+
+    def add(fn: F) -> F:
+        sig = inspect.signature(fn, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        shared = [
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=defaults.get(name, _DEFAULTS[name]),
+                annotation=annotation,
+            )
+            for name, annotation in SHARED
+        ]
+        fn.__signature__ = sig.replace(parameters=[*own, *shared])  # type: ignore[attr-defined]
+        return fn
+
+    return add

@@ -29,7 +29,7 @@ from precprof import tables as T
 from precprof._version import __version__
 from precprof.advisor import Recommendation
 from precprof.errors import UserError
-from precprof.modes import Device, OptimizerName, Precision
+from precprof.modes import Precision
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM exits with 143
@@ -75,9 +75,8 @@ def _root(
 
 
 @app.command()
+@O.training_options()
 def train(
-    model: O.Model = "gpt-nano",
-    model_arg: O.ModelArgs = None,
     precision: Annotated[
         Precision, typer.Option("--precision", "-p", help="Precision mode.")
     ] = Precision.FP32,
@@ -88,35 +87,21 @@ def train(
             help="dynamic, static:N or none (auto: dynamic for fp16 and fp16-pure, none otherwise).",
         ),
     ] = "auto",
-    init_scale: O.InitScale = 2.0**16,
-    growth_factor: O.GrowthFactor = 2.0,
-    backoff_factor: O.BackoffFactor = 0.5,
-    growth_interval: O.GrowthInterval = 2000,
-    optimizer: O.Optimizer = OptimizerName.ADAMW,
-    lr: O.Lr = 3e-3,
-    weight_decay: O.WeightDecay = 0.0,
-    steps: O.Steps = 500,
-    batch_size: O.BatchSize = 8,
-    seq_len: O.SeqLen = 64,
-    grad_clip: O.GradClip = 1.0,
-    seed: O.Seed = 0,
-    device: O.DeviceOpt = Device.AUTO,
-    data: O.Data = "synthetic",
     out: Annotated[
-        O.OutDir,
+        Path | None,
         typer.Option(
             help="Run directory (default: runs/<model>-<precision>-<timestamp>). An existing run there is "
             "refused unless --overwrite."
         ),
     ] = None,
-    overwrite: O.Overwrite = False,
-    sample_every: O.SampleEvery = None,
-    progress: O.Progress = True,
-    report: O.Report = True,
-    distributed: O.Distributed = "ddp",
+    **options: Any,
 ) -> None:
     """Train a model with the profiler attached and write a run directory (tables, summary.json, report)."""
-    config = training.TrainConfig.from_options(locals(), model_args=model_arg, command_line=_command_line())
+    config = training.TrainConfig.from_options(
+        {**options, "precision": precision, "loss_scale": loss_scale, "out": out},
+        model_args=options["model_arg"],
+        command_line=_command_line(),
+    )
     config.validate()
     try:
         with _signals.handling():
@@ -194,9 +179,8 @@ def report(
 
 
 @app.command()
+@O.training_options(steps=200)
 def compare(
-    model: O.Model = "gpt-nano",
-    model_arg: O.ModelArgs = None,
     precisions: Annotated[
         str,
         typer.Option(
@@ -207,42 +191,25 @@ def compare(
             "fp32,bf16,fp16,fp16:none,fp16:static:8192,fp16:advised. The reference is fp32 when listed.",
         ),
     ] = "fp32,bf16,fp16",
-    init_scale: O.InitScale = 2.0**16,
-    growth_factor: O.GrowthFactor = 2.0,
-    backoff_factor: O.BackoffFactor = 0.5,
-    growth_interval: O.GrowthInterval = 2000,
-    optimizer: O.Optimizer = OptimizerName.ADAMW,
-    lr: O.Lr = 3e-3,
-    weight_decay: O.WeightDecay = 0.0,
-    steps: O.Steps = 200,
-    batch_size: O.BatchSize = 8,
-    seq_len: O.SeqLen = 64,
-    grad_clip: O.GradClip = 1.0,
-    seed: O.Seed = 0,
-    device: O.DeviceOpt = Device.AUTO,
-    data: O.Data = "synthetic",
     out: Annotated[
-        O.OutDir,
+        Path | None,
         typer.Option(
             help="Folder for the runs and compare.html (default: runs/compare-<model>-<timestamp>)."
         ),
     ] = None,
-    overwrite: O.Overwrite = False,
-    sample_every: O.SampleEvery = None,
-    progress: O.Progress = True,
-    report: O.Report = True,
-    distributed: O.Distributed = "ddp",
     tolerance: Annotated[
         float, typer.Option(help="Relative final-loss gap within which a run matches the reference.")
     ] = 0.02,
+    **options: Any,
 ) -> None:
     """Train the same model, data and seed once per precision and compare the runs (compare.html)."""
     variants = comparing.parse_precisions(precisions)
     if not 0 < tolerance < 1:
         raise UserError(f"--tolerance must be in (0, 1), got {tolerance}")
     # each run's own directory is out/<label>; compare's --out is the folder that holds them
-    options = {k: v for k, v in locals().items() if k != "out"}
-    config = training.TrainConfig.from_options(options, model_args=model_arg, command_line=_command_line())
+    config = training.TrainConfig.from_options(
+        options, model_args=options["model_arg"], command_line=_command_line()
+    )
     try:
         with _signals.handling():
             result = comparing.compare(config, variants, out=out, tolerance=tolerance)

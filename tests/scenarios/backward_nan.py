@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import nan_injection
 from .loop import ProfiledRun, regression_batches, train_profiled
 
-N_IN = 16
+N_IN = nan_injection.N_IN
 FIRST, LAST = 20, 39  # armed steps
 STEPS = 50
 
@@ -39,32 +40,23 @@ class Inject(nn.Module):
         return x
 
 
-class BackwardNanNet(nn.Module):
-    def __init__(self, width: int = 32) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(N_IN, width)
-        self.fc2 = nn.Linear(width, width)
-        self.inject = Inject()
-        self.fc3 = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(self.inject(torch.tanh(self.fc2(torch.tanh(self.fc1(x))))))
-
-
 def arm(model: nn.Module, step: int) -> None:
     model.get_submodule("inject").armed = FIRST <= step <= LAST  # type: ignore[assignment]
 
 
-def mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(pred.float(), y)
+def backward_nan_net() -> nn.Module:
+    """The model of ``nan_injection`` with the nan moved from the forward into the backward pass."""
+    model = nan_injection.NanNet()
+    model.inject = Inject()
+    return model
 
 
 def run(sample_every: int = 1) -> ProfiledRun:
     torch.manual_seed(0)
     return train_profiled(
-        BackwardNanNet(),
+        backward_nan_net(),
         regression_batches(N_IN),
-        mse,
+        nan_injection.mse,
         precision="fp16",
         loss_scale=2.0**16,
         steps=STEPS,
