@@ -14,7 +14,7 @@ Public API::
 from __future__ import annotations
 
 from precprof._version import __version__
-from precprof.advisor import Recommendation, recommend
+from precprof.analysis.advisor import Recommendation, recommend
 from precprof.capture import Profiler
 from precprof.pipeline import finish_run  # registers itself as the way Profiler.save ends a run
 

@@ -27,7 +27,7 @@ from precprof import compare as comparing
 from precprof import stats as st
 from precprof import tables as T
 from precprof._version import __version__
-from precprof.advisor import Recommendation
+from precprof.analysis.advisor import Recommendation
 from precprof.errors import UserError
 from precprof.modes import Precision
 

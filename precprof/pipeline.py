@@ -26,9 +26,9 @@ from typing import Any
 
 import pandas as pd
 
-from precprof import _atomic, _signals, advisor, capture, hardware
+from precprof import _atomic, _signals, capture, hardware
 from precprof import tables as T
-from precprof.analysis import memory_projection
+from precprof.analysis import advisor, memory_projection
 from precprof.errors import UserError
 from precprof.report.render import render_html, render_run_dir
 

@@ -204,7 +204,7 @@ SUMMARY_MODEL = "model"  # name, class, parameter count, dims (for alignment che
 SUMMARY_CAPTURE = "capture"  # sample_every, modules captured, mixed precision observed, profiler bytes
 SUMMARY_FINAL = "final"  # headline numbers: final loss, steps, skipped steps, tokens/s, time
 SUMMARY_MEMORY = "memory"  # per-component totals and the projection per precision mode
-SUMMARY_RECOMMENDATION = "recommendation"  # precprof.advisor.Recommendation.to_dict()
+SUMMARY_RECOMMENDATION = "recommendation"  # precprof.analysis.advisor.Recommendation.to_dict()
 SUMMARY_ERRORS = "errors"  # post-processing steps that failed (memory projection, advisor): one line each
 
 STATUS_COMPLETE = "complete"

@@ -413,7 +413,7 @@ def _summary(
 
 
 def recommendation_dict(mode: str = "fp16") -> dict[str, Any]:
-    """A recommendation in the shape of ``precprof.advisor.Recommendation.to_dict()``."""
+    """A recommendation in the shape of ``precprof.analysis.advisor.Recommendation.to_dict()``."""
     return {
         "format": "fp16",
         "loss_scale": 2.0**15,

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from precprof import tables as T
-from precprof.advisor import AdvisorConfig, Finding, Recommendation, is_matmul_layer, recommend
+from precprof.analysis.advisor import AdvisorConfig, Finding, Recommendation, recommend
 from precprof.hardware import HardwareInfo, preset
+from precprof.taxonomy import is_matmul_type as is_matmul_layer
 
 GOLDEN = Path(__file__).parent / "golden" / "advisor"
 UPDATE = os.environ.get("PRECPROF_UPDATE_GOLDEN") == "1"

@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from report_fixtures import gpt_layers, synthetic_run
 
-from precprof import advisor
 from precprof import tables as T
+from precprof.analysis import advisor
+from precprof.analysis.advisor import text
 from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
 from precprof.report import render_html
 
@@ -151,8 +152,8 @@ def test_the_advisor_and_the_report_never_crash(
 def test_scales_below_one_are_written_out(k: int) -> None:
     """A run whose gradients are so large that the fp16 scale would go below 1 (the advisor used to recurse
     forever on it): the scale is written as the exact decimal GradScaler takes."""
-    text = advisor._scale(k)
-    assert float(text) == 2.0**k and advisor._pow2(k).startswith(f"2^{k} (")
+    written = text._scale(k)
+    assert float(written) == 2.0**k and text._pow2(k).startswith(f"2^{k} (")
 
 
 def test_a_synthetic_run_with_a_nan_and_huge_gradients() -> None:

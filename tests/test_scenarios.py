@@ -25,7 +25,7 @@ from scenarios import (
 from scenarios.loop import regression_batches
 
 from precprof import tables as T
-from precprof.advisor import CRITICAL
+from precprof.analysis.advisor import CRITICAL
 from precprof.hardware import HardwareInfo
 
 ROOT = Path(__file__).resolve().parents[1]

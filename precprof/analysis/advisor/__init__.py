@@ -1,0 +1,139 @@
+"""The advisor: findings from a run's tables, and one recommended format and loss scale.
+
+``recommend(run)`` reads the four tables (``precprof.tables``) and ``summary.json`` of a run and returns a
+``Recommendation``: a number format (fp32, tf32, bf16, fp16, fp8), the GradScaler ``init_scale`` as a power of
+two, a growth interval, the modules to keep in fp32, the FP8-eligible layers, and the ``Finding`` objects
+behind them, each with the numbers it rests on and a one-sentence remedy. Every threshold is a field of
+``AdvisorConfig``.
+
+Facts the rules rely on (see ``precprof/tables.py``):
+
+- gradient ``underflow_<fmt>``/``overflow_<fmt>`` counts are exact at the loss scale in effect (``scale``);
+  ``absmax``/``absmin`` and histograms are unscaled;
+- histogram exponent e = floor(log2|x|), so "what if the scale were 2^k" moves every bin to e + k. A bin then
+  underflows fp16 entirely when 2^(e+k+1) <= 2^-25 (half fp16's smallest subnormal, where round-to-nearest-even
+  gives 0); in the bin just above, only values sitting exactly on 2^-25 vanish, which a histogram cannot tell
+  apart: shares computed by shifting are exact up to those boundary values and are reported as such.
+
+The decision (issue 5): FP8 for the eligible layers on FP8 hardware (bf16 elsewhere), else bf16 where the
+target runs it natively and no bf16 finding blocks it, else fp16 with the recommended loss scale and keep list
+on hardware with fp16 tensor cores, else tf32 on Ampere+ or fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from precprof import hardware as hw_mod
+from precprof import tables as T
+from precprof.analysis.advisor.config import AdvisorConfig
+from precprof.analysis.advisor.decide import _decide
+from precprof.analysis.advisor.evidence import _layer_dims, _matmul_leaves, _num, _Plan, _prepare, _Run
+from precprof.analysis.advisor.model import (
+    _SEVERITY_RANK,
+    CRITICAL,
+    FORMATS,
+    INFO,
+    SEVERITIES,
+    WARNING,
+    Finding,
+    Recommendation,
+)
+from precprof.analysis.advisor.rules.active import _rule_mixed_precision_active
+from precprof.analysis.advisor.rules.fp16 import _rule_fp16_activations, _rule_loss_scale
+from precprof.analysis.advisor.rules.hardware import _rule_hardware, _rule_small_model
+from precprof.analysis.advisor.rules.nonfinite import _rule_nonfinite
+from precprof.analysis.advisor.rules.shapes import _rule_alignment, _rule_fp8
+from precprof.analysis.advisor.rules.updates import _rule_bf16_range, _rule_lost_updates
+from precprof.hardware import HardwareInfo
+
+__all__ = [
+    "CRITICAL",
+    "FORMATS",
+    "INFO",
+    "SEVERITIES",
+    "WARNING",
+    "AdvisorConfig",
+    "Finding",
+    "Recommendation",
+    "recommend",
+]
+
+
+def _load(
+    source: Any, summary: Mapping[str, Any] | None
+) -> tuple[Mapping[str, pd.DataFrame], dict[str, Any]]:
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if not path.is_dir():
+            raise FileNotFoundError(f"run directory {str(path)!r} does not exist")
+        return T.read_tables(path), dict(summary if summary is not None else T.read_summary(path))
+    if isinstance(source, Mapping):
+        return source, dict(summary or {})
+    if callable(getattr(source, "tables", None)):
+        # a Profiler: its summary() is the "capture" part of summary.json (module shapes, autocast seen)
+        s = dict(summary or {})
+        if T.SUMMARY_CAPTURE not in s and callable(getattr(source, "summary", None)):
+            s[T.SUMMARY_CAPTURE] = source.summary()
+        return source.tables(), s
+    raise TypeError(
+        f"recommend() takes a run directory, a dict of tables or a Profiler, not {type(source)!r}"
+    )
+
+
+def _hardware(hardware: str | HardwareInfo | None, summary: Mapping[str, Any]) -> tuple[HardwareInfo, bool]:
+    if isinstance(hardware, HardwareInfo):
+        return hardware, hardware.preset is not None
+    if isinstance(hardware, str):
+        return hw_mod.preset(hardware), True
+    recorded = summary.get(T.SUMMARY_HARDWARE)
+    if isinstance(recorded, Mapping) and recorded.get("device"):
+        return HardwareInfo.from_dict(dict(recorded)), False
+    return hw_mod.detect(), False
+
+
+def recommend(
+    tables_or_run_dir: Any,
+    hardware: str | HardwareInfo | None = None,
+    config: AdvisorConfig | None = None,
+    summary: Mapping[str, Any] | None = None,
+) -> Recommendation:
+    """Recommend a number format, a loss scale and the layers to keep in fp32, with the findings behind them.
+
+    ``tables_or_run_dir``: a run directory, a dict of the four tables (``Profiler.tables()``), or a Profiler.
+    ``hardware``: None plans for the machine the run was recorded on (summary["hardware"], else this one); a
+    preset name ("v100", "t4", "a100", "l4", "h100", "cpu") or a ``HardwareInfo`` plans for that target.
+    ``summary``: summary.json's content (read from the run directory when omitted). Pure host-side pandas work.
+    """
+    cfg = config or AdvisorConfig()
+    tables, summ = _load(tables_or_run_dir, summary)
+    layers, hist, steps = _prepare(tables)
+    hw, is_preset = _hardware(hardware, summ)
+    run = _Run(layers, hist, steps, summ, hw, is_preset, cfg)
+    if not layers.empty:
+        run.order = layers.groupby(T.MODULE)[T.ORDER].min().fillna(1 << 30).astype(int).to_dict()
+        run.types = layers.groupby(T.MODULE)[T.MODULE_TYPE].first().to_dict()
+    plan = _Plan(loss_scale_log2=cfg.default_loss_scale_log2, growth_interval=cfg.default_growth_interval)
+    plan.matmul_layers = _matmul_leaves(run)
+    dims = _layer_dims(run)
+
+    _rule_hardware(run, plan)
+    fwd_bad = _rule_nonfinite(run, plan)
+    _rule_mixed_precision_active(run, plan)
+    _rule_fp16_activations(run, plan)
+    _rule_loss_scale(run, plan, fwd_bad)
+    _rule_lost_updates(run, plan)
+    _rule_bf16_range(run, plan)
+    _rule_fp8(run, plan, dims)
+    _rule_alignment(run, plan, dims)
+    _rule_small_model(run, plan)
+
+    rec = _decide(run, plan)
+    rec.findings = sorted(plan.findings, key=lambda f: _SEVERITY_RANK.get(f.severity, 9))
+    for f in rec.findings:
+        f.numbers = {k: _num(v) for k, v in f.numbers.items()}
+    return rec

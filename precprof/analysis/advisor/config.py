@@ -1,0 +1,65 @@
+"""Every threshold the advisor uses, in one object, with its default and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class AdvisorConfig:
+    """Every threshold the advisor uses, with its default and why.
+
+    Shares are fractions (0.01 = 1%). Loss scales are powers of two given by their log2.
+    """
+
+    # Loss scale: the largest 2^k with max|g| * 2^k < 65504 / 2^fp16_margin_log2. A margin of 2^2 leaves room
+    # for one GradScaler growth step and for gradients larger than those seen on the sampled steps.
+    fp16_margin_log2: int = 2
+    # Clamp of the recommended loss scale. 2^32 is far above the 8..32K the 2018 paper used; it only stops a
+    # run with vanishing gradients from producing an absurd scale.
+    min_loss_scale_log2: int = -16
+    max_loss_scale_log2: int = 32
+    # Used when the run has no gradient statistics: GradScaler's own default init_scale, 2^16.
+    default_loss_scale_log2: int = 16
+    # Activation-gradient underflow in fp16: at or below ``fp16_underflow_ok`` it is negligible (the target of
+    # the loss-scale rule); above ``fp16_underflow_block`` even at the recommended scale, fp16 is not advised.
+    fp16_underflow_ok: float = 0.01
+    fp16_underflow_block: float = 0.10
+    # ...unless the values still lost at the recommended scale are negligible: in every module they carry at
+    # most this share of the activation gradient's L2 norm (a layer whose gradients are all tiny is lost
+    # entirely and fails this; a few far-out tail values in an otherwise healthy tensor pass it).
+    fp16_underflow_norm_ok: float = 1e-3
+    # Activations whose largest value is within 2^fp16_activation_headroom_log2 of 65504 are kept in fp32 too:
+    # steps that were not sampled can be larger.
+    fp16_activation_headroom_log2: int = 1
+    # Forward activations that flush to zero in fp16 (no loss scale helps the forward pass).
+    fp16_activation_underflow_warn: float = 0.01
+    # fp16 is not worth it when more than this share of the matmul layers would have to stay in fp32.
+    fp16_keep_share_max: float = 0.5
+    # GradScaler's default growth interval; doubled (at least) when the scaler thrashed.
+    default_growth_interval: int = 2000
+    # Thrashing: at least this many skipped steps after the scaler first settled, with growth in between.
+    thrash_min_skips: int = 2
+    # Lost weight updates (updates below half an ulp of the weight in bf16/fp16): warn above this share.
+    lost_update_warn: float = 0.01
+    # bf16 is blocked when more than this share of nonzero gradient values underflow bf16 at scale 1.
+    bf16_underflow_block: float = 0.01
+    # FP8 eligibility: e4m3 (forward) and e5m2 (activation gradients) underflow shares under per-tensor
+    # current scaling must both be at or below this.
+    fp8_underflow_max: float = 0.01
+    # Tensor-core alignment: dims multiple of 8 for fp16/bf16/tf32, of 16 for fp8.
+    alignment: int = 8
+    fp8_alignment: int = 16
+    # Below this many parameters, fp32 may be as fast as mixed precision (launch-bound, not math-bound).
+    small_model_params: int = 100_000_000
+    # Mixed precision requested but not active: critical when at least this share of matmul layers still
+    # produce float32 outputs (1.0: none is active), info when fewer do.
+    mp_inactive_share: float = 1.0
+    # Messages list at most this many modules by name ("and N more").
+    max_listed_modules: int = 8
+    # Non-finite gradients on steps GradScaler skipped are its business (a scale too high) unless the run of
+    # skips drove the scale this many powers of two below the last scale at which a step was finite, or
+    # lasted to the end of the run over at least ``nonfinite_persist_steps`` steps: overflow is gone after a
+    # back-off or two, a nan from the model is not.
+    nonfinite_backoff_log2: int = 4
+    nonfinite_persist_steps: int = 8

@@ -1,0 +1,310 @@
+"""The run as the rules see it (tables prepared once, module order and types) and the helpers that turn
+counts and histograms into shares, scales and words.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from precprof import tables as T
+from precprof import taxonomy
+from precprof.analysis.advisor.config import AdvisorConfig
+from precprof.analysis.advisor.model import Finding, Number
+from precprof.analysis.advisor.text import _log2i
+from precprof.formats import FP16, NumberFormat
+from precprof.hardware import HardwareInfo
+
+# summary["model"]["dims"] keys that are tensor dimensions (others, like n_layer, are counts).
+_DIM_KEYS = (
+    "n_embd",
+    "vocab_size",
+    "padded_vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "n_inner",
+    "d_model",
+    "d_ff",
+    "ffn_dim",
+    "embed_dim",
+    "dim",
+)
+
+
+def _is_linear(module_type: str) -> bool:
+    # HF GPT-2's Conv1D is a Linear with a transposed weight: same shapes, same FP8 treatment.
+    return "Linear" in module_type or module_type == "Conv1D"
+
+
+def _num(x: Any) -> Number:
+    """A JSON-safe scalar: numpy scalars to Python, NaN/inf to None."""
+    if x is None or isinstance(x, str):
+        return x
+    if hasattr(x, "item"):
+        x = x.item()
+    if isinstance(x, bool):
+        return int(x)
+    if isinstance(x, int):
+        return x
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _share(num: float, den: float) -> float | None:
+    return float(num) / float(den) if den > 0 else None
+
+
+def _dtype_has(df: pd.DataFrame, dtype: str) -> pd.Series:
+    """Rows whose tensors included ``dtype`` (the dtype column joins several with "|")."""
+    return df[T.DTYPE].str.split("|").map(lambda ds: dtype in ds).astype(bool)
+
+
+def _is_descendant(child: str, parent: str) -> bool:
+    return child != parent and (parent == "" or child.startswith(parent + "."))
+
+
+def _innermost(modules: Iterable[str]) -> list[str]:
+    """Drop modules that have a descendant in the set: the descendant is where the effect arises."""
+    ms = list(dict.fromkeys(modules))
+    return [m for m in ms if not any(_is_descendant(o, m) for o in ms)]
+
+
+@dataclass
+class _Run:
+    layers: pd.DataFrame
+    hist: pd.DataFrame
+    steps: pd.DataFrame
+    summary: dict[str, Any]
+    hw: HardwareInfo
+    hw_is_target_preset: bool
+    cfg: AdvisorConfig
+    order: dict[str, int] = field(default_factory=dict)
+    types: dict[str, str] = field(default_factory=dict)
+
+    def sort(self, modules: Iterable[str]) -> list[str]:
+        return sorted(set(modules), key=lambda m: (self.order.get(m, 1 << 30), m))
+
+    def kind(self, *kinds: str) -> pd.DataFrame:
+        return self.layers[self.layers[T.TENSOR].isin(kinds)]
+
+    @property
+    def run_config(self) -> dict[str, Any]:
+        c = self.summary.get(T.SUMMARY_CONFIG) or {}
+        return dict(c) if isinstance(c, Mapping) else {}
+
+    @property
+    def precision(self) -> str:
+        return str(self.run_config.get("precision") or "").lower()
+
+
+_NUMERIC_LAYER_COLS = (
+    T.STEP,
+    T.ORDER,
+    T.CALLS,
+    *T.COUNT_COLUMNS,
+    T.ABSMAX,
+    T.ABSMIN,
+    T.SCALE,
+    T.LOST_UPDATE_BF16,
+    T.LOST_UPDATE_FP16,
+)
+
+
+def _prepare(tables: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    layers = T.frame("layers", tables.get("layers", T.empty("layers")).copy())
+    for c in _NUMERIC_LAYER_COLS:
+        layers[c] = pd.to_numeric(layers[c], errors="coerce")
+    for c in T.COUNT_COLUMNS:
+        layers[c] = layers[c].fillna(0)
+    layers[T.SCALE] = layers[T.SCALE].fillna(1.0)
+    for c in (T.MODULE, T.MODULE_TYPE, T.TENSOR, T.PARAM, T.DTYPE):
+        layers[c] = layers[c].fillna("").astype(str)
+    hist = T.frame("histograms", tables.get("histograms", T.empty("histograms")).copy())
+    for c in (T.STEP, T.EXPONENT, T.COUNT):
+        hist[c] = pd.to_numeric(hist[c], errors="coerce")
+    hist = hist.dropna(subset=[T.EXPONENT, T.COUNT])
+    steps = T.frame("steps", tables.get("steps", T.empty("steps")).copy())
+    for c in (T.STEP, T.LOSS, T.LOSS_SCALE, T.GRAD_NORM):
+        steps[c] = pd.to_numeric(steps[c], errors="coerce")
+    steps = steps.sort_values(T.STEP, kind="stable").reset_index(drop=True)
+    return layers, hist, steps
+
+
+def _nonzero(df: pd.DataFrame) -> float:
+    """Finite nonzero values in the rows of ``df`` (the denominator of every share)."""
+    return float((df[T.NUMEL] - df[T.ZEROS] - df[T.NAN] - df[T.INF]).clip(lower=0).sum())
+
+
+def _exponent_counts(hist: pd.DataFrame, kinds: Iterable[str]) -> pd.Series:
+    h = hist[hist[T.TENSOR].isin(tuple(kinds))]
+    return h.groupby(T.EXPONENT)[T.COUNT].sum().astype(float)
+
+
+def _shifted_underflow(counts: pd.Series, fmt: NumberFormat, k: int) -> tuple[float, float]:
+    """(values that surely underflow ``fmt`` at scale 2^k, values in the boundary bin) from an exponent histogram.
+
+    A bin e lies in [2^(e+k), 2^(e+k+1)) after scaling: it vanishes entirely when 2^(e+k+1) <= underflow_max.
+    In the next bin up only values exactly equal to underflow_max vanish (round-to-nearest-even to 0).
+    """
+    if counts.empty:
+        return 0.0, 0.0
+    lim = _log2i(fmt.underflow_max)  # underflow_max is a power of two for every format
+    e = counts.index.to_numpy()
+    sure = float(counts[(e + k + 1) <= lim].sum())
+    boundary = float(counts[(e + k) == lim].sum())
+    return sure, boundary
+
+
+def _lost_norm_share(hist: pd.DataFrame, fmt: NumberFormat, k: int) -> pd.Series:
+    """Per module: the share of the L2 norm held by values that underflow ``fmt`` at scale 2^k.
+
+    Estimated from the histogram, each value taken as 2^e (its bin's lower edge for every bin alike, so the
+    ratio is within a factor of 2 of the truth): sqrt(sum over lost bins of count*4^e / sum over all of count*4^e).
+    """
+    if hist.empty:
+        return pd.Series(dtype=float)
+    e = hist[T.EXPONENT].to_numpy(dtype=float)
+    energy = hist[T.COUNT].to_numpy(dtype=float) * 4.0**e
+    lost = energy * ((e + k + 1) <= _log2i(fmt.underflow_max))
+    df = pd.DataFrame({T.MODULE: hist[T.MODULE].to_numpy(), "energy": energy, "lost": lost})
+    by = df.groupby(T.MODULE)[["energy", "lost"]].sum()
+    by = by[by["energy"] > 0]
+    return (by["lost"] / by["energy"]) ** 0.5
+
+
+def _shifted_overflow(counts: pd.Series, fmt: NumberFormat, k: int) -> float:
+    """Values that surely overflow ``fmt`` at scale 2^k (whole bins at or above overflow_min)."""
+    if counts.empty:
+        return 0.0
+    e = counts.index.to_numpy()
+    return float(counts[(2.0 ** (e + k)) >= fmt.overflow_min].sum())
+
+
+@dataclass
+class _Plan:
+    """Intermediate results the decision needs."""
+
+    findings: list[Finding] = field(default_factory=list)
+    loss_scale_log2: int = 16
+    grad_absmax: float | None = None
+    underflow_now: float | None = None
+    underflow_at_1: float | None = None
+    underflow_at_rec: float | None = None
+    keep_fp16: list[str] = field(default_factory=list)
+    fp16_block: list[str] = field(default_factory=list)
+    bf16_block: list[str] = field(default_factory=list)
+    keep_bf16: list[str] = field(default_factory=list)
+    fp8_eligible: list[str] = field(default_factory=list)
+    fp8_checked: int = 0
+    growth_interval: int = 2000
+    matmul_layers: list[str] = field(default_factory=list)
+    n_params: int | None = None
+
+    def add(self, f: Finding) -> None:
+        self.findings.append(f)
+
+
+def _matmul_leaves(run: _Run) -> list[str]:
+    acts = run.kind(T.ACTIVATION)
+    mods = [m for m in acts[T.MODULE].unique() if taxonomy.is_matmul_type(run.types.get(m, ""))]
+    return run.sort(_innermost(mods))
+
+
+def _grad_absmax(run: _Run) -> tuple[float | None, float | None]:
+    """(largest finite unscaled gradient magnitude, lower bound implied by fp16 gradients that became inf).
+
+    An fp16 gradient that is inf at loss scale s was at least 65520/s before scaling.
+    """
+    g = run.kind(*T.GRADIENT_KINDS)
+    if g.empty:
+        return None, None
+    finite = g[T.ABSMAX].dropna()
+    finite = finite[(finite > 0) & finite.map(math.isfinite)]
+    amax = float(finite.max()) if not finite.empty else None
+    infs = g[(g[T.INF] > 0) & _dtype_has(g, "float16") & (g[T.SCALE] > 0)]
+    bound = float((FP16.overflow_min / infs[T.SCALE]).max()) if not infs.empty else None
+    return amax, bound
+
+
+def _tokens_per_call(run: _Run) -> int | None:
+    c = run.run_config
+    b, t = c.get("batch_size"), c.get("seq_len")
+    if isinstance(b, int) and b > 0:
+        return b * (t if isinstance(t, int) and t > 0 else 1)
+    return None
+
+
+def _layer_dims(run: _Run) -> dict[str, dict[str, int]]:
+    """Dimensions of linear layers ({"in", "out"}) and embeddings ({"num_embeddings", "dim"}).
+
+    From the parameter shapes the Profiler records in summary["capture"]["modules"] when present (Linear
+    weights are (out, in), HF Conv1D weights (in, out), Embedding weights (num, dim)). Otherwise inferred from
+    numels: a (..., out) output with batch*seq tokens per call gives out = numel / (calls * tokens), and the
+    other dim = weight numel / out; layers where that does not divide are left out.
+    """
+    out: dict[str, dict[str, int]] = {}
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    mods = capture.get("modules") if isinstance(capture, Mapping) else None
+    for entry in mods if isinstance(mods, list) else []:
+        if not isinstance(entry, Mapping):
+            continue
+        name, t = str(entry.get("name", "")), str(entry.get("type", ""))
+        shape = (entry.get("params") or {}).get("weight")
+        if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(v, int) for v in shape)):
+            continue
+        if taxonomy.kind_of_type(t) == taxonomy.EMBEDDING:
+            out[name] = {"num_embeddings": shape[0], "dim": shape[1]}
+        elif t == "Conv1D":
+            out[name] = {"in": shape[0], "out": shape[1]}
+        elif _is_linear(t):
+            out[name] = {"in": shape[1], "out": shape[0]}
+    tokens = _tokens_per_call(run)
+    if tokens is None or run.layers.empty:
+        return out
+    first = run.layers[run.layers[T.STEP] == run.layers[T.STEP].min()]
+    acts = first[first[T.TENSOR] == T.ACTIVATION].groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
+    w = first[(first[T.TENSOR] == T.WEIGHT) & (first[T.PARAM] == "weight")].groupby(T.MODULE)[T.NUMEL].sum()
+    for m, wn in w.items():
+        m = str(m)
+        t = run.types.get(m, "")
+        if (
+            m in out
+            or not (_is_linear(t) or taxonomy.kind_of_type(t) == taxonomy.EMBEDDING)
+            or m not in acts.index
+        ):
+            continue
+        numel, calls = int(acts.loc[m, T.NUMEL]), int(acts.loc[m, T.CALLS] or 1)
+        per = calls * tokens
+        if per <= 0 or numel % per:
+            continue
+        last = numel // per
+        if last <= 0 or int(wn) % last:
+            continue
+        other = int(wn) // last
+        out[m] = (
+            {"num_embeddings": other, "dim": last}
+            if taxonomy.kind_of_type(t) == taxonomy.EMBEDDING
+            else {"in": other, "out": last}
+        )
+    return out
+
+
+def _model_dims(run: _Run) -> dict[str, int]:
+    """Tensor dimensions named in summary["model"] (flat, or under "dims"), plus the attention head dim."""
+    model = run.summary.get(T.SUMMARY_MODEL) or {}
+    if not isinstance(model, Mapping):
+        return {}
+    nested = model.get("dims")
+    flat = {**model, **(nested if isinstance(nested, Mapping) else {})}
+    dims = {
+        k: v for k in _DIM_KEYS if isinstance(v := flat.get(k), int) and not isinstance(v, bool) and v > 0
+    }
+    width = flat.get("n_embd") or flat.get("hidden_size")
+    heads = flat.get("n_head") or flat.get("num_attention_heads")
+    if isinstance(width, int) and isinstance(heads, int) and heads > 0 and width % heads == 0:
+        dims["head_dim"] = width // heads
+    return dims

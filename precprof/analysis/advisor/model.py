@@ -1,0 +1,110 @@
+"""What the advisor returns: findings (code, severity, modules, numbers, remedy) and one recommendation."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from precprof.analysis.advisor.text import _listing, _log2i, _name, _scale
+
+CRITICAL = "critical"
+
+WARNING = "warning"
+
+INFO = "info"
+
+SEVERITIES: tuple[str, ...] = (CRITICAL, WARNING, INFO)
+
+_SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
+
+FORMATS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+Number = float | int | str | None
+
+
+@dataclass
+class Finding:
+    """One observation about the run, with the evidence behind it.
+
+    ``code`` is a stable snake_case id (tests and the report key on it); ``severity`` is "critical",
+    "warning" or "info"; ``message`` quotes the numbers in plain sentences; ``remedy`` is one sentence;
+    ``modules`` are qualified module names in forward order ("" is the root module); ``numbers`` holds the
+    values the message quotes (JSON-safe: NaN becomes None).
+    """
+
+    code: str
+    severity: str
+    title: str
+    message: str
+    remedy: str
+    modules: list[str] = field(default_factory=list)
+    numbers: dict[str, Number] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (the shape stored in summary.json)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Finding:
+        """Inverse of ``to_dict``; unknown keys are ignored."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class Recommendation:
+    """The advisor's answer: which format, which loss scale, which layers stay fp32, and why.
+
+    ``loss_scale`` is the GradScaler ``init_scale`` (a power of two) when the recommended format needs loss
+    scaling (fp16), else None; ``fp16_loss_scale`` is the init_scale an fp16 run would use, always present.
+    ``growth_interval`` is the GradScaler growth interval to use with ``loss_scale`` (None without scaling).
+    ``keep_fp32`` lists modules to run outside autocast; ``fp8_layers`` the layers to convert when ``format``
+    is "fp8" (the rest run in bf16). ``target`` names the hardware the plan is for.
+    """
+
+    format: str
+    loss_scale: float | None
+    fp16_loss_scale: float
+    growth_interval: int | None
+    keep_fp32: list[str] = field(default_factory=list)
+    fp8_layers: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    target: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (stored as summary.json["recommendation"])."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Recommendation:
+        """Inverse of ``to_dict``; unknown keys are ignored."""
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        kw["findings"] = [Finding.from_dict(f) for f in d.get("findings", [])]
+        return cls(**kw)
+
+    def finding(self, code: str) -> Finding | None:
+        """The finding with ``code``, or None."""
+        return next((f for f in self.findings if f.code == code), None)
+
+    def describe(self) -> str:
+        """A few plain lines for a terminal: the plan, then the critical and warning findings."""
+        plan = f"Recommended for {self.target}: {self.format}"
+        if self.loss_scale is not None:
+            k = _log2i(self.loss_scale)
+            plan += f" with GradScaler(init_scale={_scale(k)} (2^{k})"
+            if self.growth_interval is not None:
+                plan += f", growth_interval={self.growth_interval}"
+            plan += ")"
+        lines = [plan]
+        if self.keep_fp32:
+            lines.append("Keep in fp32: " + ", ".join(_name(m) for m in self.keep_fp32))
+        if self.fp8_layers:
+            lines.append(f"FP8 layers ({len(self.fp8_layers)}): " + _listing(self.fp8_layers, 8))
+        lines += [f"- {r}" for r in self.reasons]
+        for f in self.findings:
+            if f.severity != INFO:
+                lines.append(f"[{f.severity}] {f.title}")
+        return "\n".join(lines)

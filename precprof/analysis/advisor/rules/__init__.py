@@ -1,0 +1,1 @@
+"""The advisor's rules, one module per theme; each adds findings to the plan."""

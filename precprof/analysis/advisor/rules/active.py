@@ -1,0 +1,71 @@
+"""Mixed precision asked for but not active: matmul layers still producing float32."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from precprof import tables as T
+from precprof import taxonomy
+from precprof.analysis.advisor.evidence import _Plan, _Run
+from precprof.analysis.advisor.model import CRITICAL, INFO, Finding, Number
+from precprof.analysis.advisor.text import _listing, _pct
+
+
+def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:
+    requested = run.precision
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    if isinstance(capture, Mapping):
+        req = capture.get("mixed_precision_requested")
+        if isinstance(req, str) and req:
+            requested = req.lower()
+    low = next((dt for p, dt in taxonomy.LOW_PRECISION_DTYPE.items() if requested.startswith(p)), None)
+    if low is None or not plan.matmul_layers:
+        return
+    acts = run.kind(T.ACTIVATION)
+    acts = acts[acts[T.MODULE].isin(plan.matmul_layers)]
+    last = acts[acts[T.STEP] == acts[T.STEP].max()]
+    fp32 = run.sort(last[last[T.DTYPE] == "float32"][T.MODULE])
+    if not fp32:
+        return
+    share = len(fp32) / len(plan.matmul_layers)
+    nums: dict[str, Number] = {
+        "requested": requested,
+        "fp32_layers": len(fp32),
+        "matmul_layers": len(plan.matmul_layers),
+        "share": share,
+    }
+    listing = _listing(fp32, run.cfg.max_listed_modules)
+    seen = capture.get("autocast") if isinstance(capture, Mapping) else None
+    autocast_off = isinstance(seen, Mapping) and seen.get("enabled") is False
+    if autocast_off:
+        nums["autocast_enabled"] = 0
+    if share >= run.cfg.mp_inactive_share:
+        plan.add(
+            Finding(
+                "mixed_precision_inactive",
+                CRITICAL,
+                f"{requested} was requested but is not active",
+                f"The run asked for {requested}, yet all {len(fp32)} matmul layers produced float32 "
+                f"outputs ({listing})"
+                + ("; torch autocast was off during the forward pass" if autocast_off else "")
+                + ": the run trained in fp32. accelerate, for one, ignores fp16=True on CPU.",
+                "Wrap the forward pass in torch.autocast(device_type, dtype=...) on a device that supports "
+                "it, or train on a GPU where the requested precision applies.",
+                modules=fp32,
+                numbers=nums,
+            )
+        )
+    else:
+        plan.add(
+            Finding(
+                "mixed_precision_partial",
+                INFO,
+                f"{len(fp32)} of {len(plan.matmul_layers)} matmul layers run in float32",
+                f"With {requested} requested, {len(fp32)} of {len(plan.matmul_layers)} matmul layers "
+                f"({_pct(share)}) still produced float32 outputs: {listing}.",
+                "Nothing to do if these layers are kept in fp32 on purpose; otherwise check that they run "
+                "inside autocast.",
+                modules=fp32,
+                numbers=nums,
+            )
+        )

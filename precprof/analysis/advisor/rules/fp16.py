@@ -1,0 +1,358 @@
+"""fp16: activations beyond its range, the loss scale, gradients that underflow or overflow at it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from precprof import tables as T
+from precprof.analysis.advisor.evidence import (
+    _dtype_has,
+    _exponent_counts,
+    _grad_absmax,
+    _innermost,
+    _is_descendant,
+    _lost_norm_share,
+    _nonzero,
+    _num,
+    _Plan,
+    _Run,
+    _share,
+    _shifted_overflow,
+    _shifted_underflow,
+)
+from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
+from precprof.analysis.advisor.rules.scaler import _rule_scaler
+from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2, _scale
+from precprof.formats import FP16
+
+
+def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
+    cfg = run.cfg
+    acts = run.kind(T.ACTIVATION)
+    if acts.empty:
+        return
+    # What-if: exact fp16 overflow counts of tensors that were not fp16 (scale is 1 in the forward pass).
+    whatif = acts[~_dtype_has(acts, "float16") & (acts[T.overflow_col("fp16")] > 0)]
+    over = set(whatif[T.MODULE])
+    # Observed: fp16 tensors already holding inf. The inf propagates downstream, so only the first module
+    # of each step is the cause.
+    seen = acts[_dtype_has(acts, "float16") & (acts[T.INF] > 0)]
+    observed: set[str] = set()
+    for _, at in seen.groupby(T.STEP):
+        observed.add(run.sort(_innermost(at[T.MODULE]))[0])
+    limit = FP16.max / 2.0**cfg.fp16_activation_headroom_log2
+    per_mod = acts.groupby(T.MODULE).agg(
+        absmax=(T.ABSMAX, "max"),
+        overflow=(T.overflow_col("fp16"), "sum"),
+        numel=(T.NUMEL, "sum"),
+        inf=(T.INF, "sum"),
+    )
+    near = set(per_mod.index[(per_mod["absmax"] >= limit) & (per_mod["absmax"] < FP16.overflow_min)])
+    near -= over | observed
+    overflow_mods = run.sort(_innermost(over | observed))
+    if overflow_mods:
+        n_over = int(whatif[T.overflow_col("fp16")].sum())
+        amax = float(per_mod.loc[overflow_mods, "absmax"].max())
+        detail = "; ".join(
+            f"{_name(m)}: max |x| {_g(per_mod.loc[m, 'absmax'])}, "
+            f"{int(per_mod.loc[m, 'overflow'])} values over 65504"
+            + (f", {int(per_mod.loc[m, 'inf'])} inf in fp16" if m in observed else "")
+            for m in overflow_mods[: cfg.max_listed_modules]
+        )
+        plan.add(
+            Finding(
+                "fp16_activation_overflow",
+                CRITICAL if observed else WARNING,
+                f"Activations overflow fp16 in {len(overflow_mods)} module(s)",
+                f"{len(overflow_mods)} module(s) produce activations beyond fp16's 65504 "
+                f"({n_over} values in fp32/bf16 tensors would become inf"
+                + (f"; {len(observed)} module(s) already produced inf in fp16" if observed else "")
+                + f"): {detail}. No loss scale helps the forward pass.",
+                "Use bf16, or keep these modules in fp32 (outside autocast) and normalise their output "
+                "before the next fp16 matmul.",
+                modules=overflow_mods,
+                numbers={
+                    "modules": len(overflow_mods),
+                    "overflow_values": n_over,
+                    "absmax": amax if math.isfinite(amax) else None,
+                    "observed_inf_modules": len(observed),
+                },
+            )
+        )
+    near_mods = run.sort(_innermost(near))
+    if near_mods:
+        plan.add(
+            Finding(
+                "fp16_activation_near_overflow",
+                WARNING,
+                f"Activations within {2**cfg.fp16_activation_headroom_log2}x of fp16's limit",
+                f"{len(near_mods)} module(s) reach |x| >= {_g(limit)} (65504 / "
+                f"{2**cfg.fp16_activation_headroom_log2}): "
+                + "; ".join(
+                    f"{_name(m)}: {_g(per_mod.loc[m, 'absmax'])}" for m in near_mods[: cfg.max_listed_modules]
+                )
+                + ". Steps that were not sampled may overflow.",
+                "Keep these modules in fp32 under fp16, or use bf16.",
+                modules=near_mods,
+                numbers={
+                    "modules": len(near_mods),
+                    "absmax": _num(per_mod.loc[near_mods, "absmax"].max()),
+                    "limit": limit,
+                },
+            )
+        )
+    plan.keep_fp16 = run.sort(_innermost([*overflow_mods, *near_mods]))
+    if plan.matmul_layers:
+        kept = [m for m in plan.matmul_layers if any(m == k or _is_descendant(m, k) for k in plan.keep_fp16)]
+        share = len(kept) / len(plan.matmul_layers)
+        if share > cfg.fp16_keep_share_max:
+            plan.fp16_block.append(
+                f"fp16 would have to leave {len(kept)} of {len(plan.matmul_layers)} matmul layers "
+                f"({_pct(share)}) in fp32 because their activations overflow"
+            )
+    # Forward underflow: activations flushing to zero in fp16 (no loss scale applies to the forward pass).
+    lo = acts[~_dtype_has(acts, "float16")]
+    nz = _nonzero(lo)
+    uf = float(lo[T.underflow_col("fp16")].sum())
+    uf_share = _share(uf, nz)
+    if uf_share is not None and uf_share > cfg.fp16_activation_underflow_warn:
+        by = lo.groupby(T.MODULE)[[T.underflow_col("fp16"), T.NUMEL]].sum()
+        worst = by[by[T.underflow_col("fp16")] > 0].sort_values(T.underflow_col("fp16"), ascending=False)
+        mods = run.sort(worst.index[: cfg.max_listed_modules])
+        plan.add(
+            Finding(
+                "fp16_activation_underflow",
+                WARNING,
+                f"{_pct(uf_share)} of activation values flush to zero in fp16",
+                f"{int(uf)} of {int(nz)} nonzero activation values ({_pct(uf_share)}) are at or below 2^-25 "
+                f"and would become 0 in fp16; most in {_listing(mods, cfg.max_listed_modules)}.",
+                "Keep these modules in fp32 or use bf16 (its range reaches 2^-133).",
+                modules=mods,
+                numbers={"underflow_values": int(uf), "nonzero_values": int(nz), "share": uf_share},
+            )
+        )
+
+
+def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
+    cfg = run.cfg
+    # Gradients of a step whose forward pass was already non-finite are nan/inf garbage: size the scale on
+    # the other steps.
+    excluded = len(fwd_bad_steps)
+    if excluded:
+        run = replace(
+            run,
+            layers=run.layers[~run.layers[T.STEP].isin(fwd_bad_steps)],
+            hist=run.hist[~run.hist[T.STEP].isin(fwd_bad_steps)],
+        )
+    amax, bound = _grad_absmax(run)
+    gmax = max([x for x in (amax, bound) if x is not None], default=None)
+    plan.grad_absmax = gmax
+    limit = FP16.max / 2.0**cfg.fp16_margin_log2
+    if gmax is None or gmax <= 0:
+        k = cfg.default_loss_scale_log2
+        plan.loss_scale_log2 = k
+        plan.add(
+            Finding(
+                "fp16_loss_scale",
+                INFO,
+                f"fp16 loss scale {_pow2(k)}: no gradient statistics",
+                (
+                    f"All {excluded} sampled step(s) had a non-finite forward pass, so their gradients say "
+                    "nothing about the loss scale"
+                    if excluded
+                    else "The run recorded no finite nonzero gradient"
+                )
+                + f"; the loss scale falls back to GradScaler's default start of {_pow2(k)}.",
+                "Profile at least one sampled step with a backward pass to size the loss scale.",
+                numbers={
+                    "loss_scale_log2": k,
+                    "loss_scale": 2.0**k,
+                    "grad_absmax": None,
+                    "steps_excluded": excluded,
+                },
+            )
+        )
+    else:
+        k = math.floor(math.log2(limit / gmax))
+        # log2 is rounded: settle the strict inequality max|g| * 2^k < limit exactly.
+        while math.ldexp(gmax, k) >= limit:
+            k -= 1
+        while math.ldexp(gmax, k + 1) < limit:
+            k += 1
+        raw = k
+        k = min(max(k, cfg.min_loss_scale_log2), cfg.max_loss_scale_log2)
+        plan.loss_scale_log2 = k
+        clamp = ""
+        if k != raw:
+            clamp = f" (clamped from 2^{raw} to the configured range 2^{cfg.min_loss_scale_log2}..2^{cfg.max_loss_scale_log2})"
+        src = (
+            f" (a lower bound: fp16 gradients became inf at scale {_g(FP16.overflow_min / bound)})"
+            if bound is not None and bound >= (amax or 0)
+            else ""
+        )
+        plan.add(
+            Finding(
+                "fp16_loss_scale",
+                INFO,
+                f"fp16 loss scale {_pow2(k)}",
+                f"The largest gradient magnitude seen is {_g(gmax)}{src}"
+                + (
+                    f" (leaving out {excluded} sampled step(s) whose forward pass was already non-finite)"
+                    if excluded
+                    else ""
+                )
+                + f"; {_pow2(k)} is the largest power of "
+                f"two that keeps it below 65504 / {2**cfg.fp16_margin_log2} = {_g(limit)} "
+                f"(max|g| x 2^{k} = {_g(math.ldexp(gmax, k))}){clamp}.",
+                f"Start GradScaler at init_scale={_scale(k)}.",
+                numbers={
+                    "loss_scale_log2": k,
+                    "loss_scale": 2.0**k,
+                    "grad_absmax": gmax,
+                    "margin": 2.0**cfg.fp16_margin_log2,
+                    "scaled_absmax": math.ldexp(gmax, k),
+                    "steps_excluded": excluded,
+                },
+            )
+        )
+    _rule_fp16_underflow(run, plan)
+    _rule_fp16_gradient_overflow(run, plan)
+    _rule_scaler(run, plan)
+
+
+def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
+    cfg = run.cfg
+    k = plan.loss_scale_log2
+    ag = run.kind(T.ACTIVATION_GRAD)
+    counts = _exponent_counts(run.hist, (T.ACTIVATION_GRAD,))
+    total = float(counts.sum())
+    if ag.empty and total == 0:
+        return
+    # Now: exact counts at the scale in effect, on tensors that were not already fp16 (in an fp16 tensor the
+    # flushed values are zeros already and cannot be told from true zeros).
+    not16 = ag[~_dtype_has(ag, "float16")]
+    nz_now = _nonzero(not16)
+    now = _share(float(not16[T.underflow_col("fp16")].sum()), nz_now)
+    is16 = ag[_dtype_has(ag, "float16")]
+    zero16 = _share(float(is16[T.ZEROS].sum()), float(is16[T.NUMEL].sum()))
+    scales = sorted({float(s) for s in not16[T.SCALE].unique()})
+    sure1, _ = _shifted_underflow(counts, FP16, 0)
+    sure_k, boundary_k = _shifted_underflow(counts, FP16, k)
+    over_k = _shifted_overflow(counts, FP16, k)
+    at1 = _share(sure1, total)
+    atk = _share(sure_k, total)
+    plan.underflow_now, plan.underflow_at_1, plan.underflow_at_rec = now, at1, atk
+    wg = _exponent_counts(run.hist, (T.WEIGHT_GRAD,))
+    wg_sure, _ = _shifted_underflow(wg, FP16, k)
+    wg_share = _share(wg_sure, float(wg.sum()))
+    norm = _lost_norm_share(run.hist[run.hist[T.TENSOR] == T.ACTIVATION_GRAD], FP16, k)
+    norm_k = float(norm.max()) if not norm.empty else None
+    norm_mod = str(norm.idxmax()) if not norm.empty else None
+    residual_matters = norm_k is None or norm_k > cfg.fp16_underflow_norm_ok
+    now_txt = (
+        f"{_pct(now)} of {int(nz_now)} nonzero activation-gradient values flush to zero in fp16 at the scale "
+        f"in effect ({', '.join(f'{s:g}' for s in scales)}; exact counts)"
+        if now is not None
+        else "the activation gradients were already fp16, so their flushed values are indistinguishable from zeros"
+    )
+    if zero16 is not None:
+        now_txt += f"; fp16 activation gradients in this run are {_pct(zero16)} zeros"
+    msg = (
+        f"{now_txt[0].upper()}{now_txt[1:]}. From the exponent histograms ({int(total)} nonzero values): "
+        f"{_pct(at1)} at scale 1 and {_pct(atk)} at the recommended scale {_pow2(k)}"
+        + (
+            f" (plus at most {int(boundary_k)} values lying exactly on 2^-25, which round to 0)"
+            if boundary_k
+            else ""
+        )
+        + (f"; {int(over_k)} values would overflow at that scale" if over_k else "")
+        + "."
+    )
+    if (atk or 0) > cfg.fp16_underflow_ok and norm_k is not None and norm_mod is not None:
+        msg += (
+            f" The values still lost at {_pow2(k)} (all below 2^{_log2i(FP16.underflow_max) - k}) carry at most "
+            f"{_pct(norm_k)} of a module's activation-gradient L2 norm ({_name(norm_mod)}; estimated from the "
+            "histogram)"
+            + (": a whole layer's gradients are lost." if residual_matters else ": a negligible tail.")
+        )
+    if (at1 or 0) > cfg.fp16_underflow_ok:
+        msg += (
+            " The 2018 Mixed Precision Training paper saw the same for SSD and recovered fp32 accuracy with a "
+            "loss scale of 8."
+        )
+    if atk is not None and atk > cfg.fp16_underflow_block and residual_matters:
+        severity = CRITICAL
+        plan.fp16_block.append(
+            f"{_pct(atk)} of activation-gradient values still underflow fp16 at {_pow2(k)}, the largest safe "
+            f"loss scale, taking {_pct(norm_k)} of {_name(norm_mod or '')}'s gradient norm with them (the "
+            "model's gradients span more binades than fp16 holds)"
+        )
+        remedy = "Use bf16 or fp32: no single fp16 loss scale covers these gradients' range."
+    elif atk is not None and atk > cfg.fp16_underflow_ok and residual_matters:
+        severity = WARNING
+        remedy = f"Start GradScaler at {_scale(k)}, and consider bf16: {_pct(atk)} still underflows there."
+    elif (at1 or 0) > cfg.fp16_underflow_ok or (now or 0) > cfg.fp16_underflow_ok:
+        severity = WARNING
+        remedy = f"Scale the loss: GradScaler(init_scale={_scale(k)}) brings the underflow to {_pct(atk)}" + (
+            ", a negligible tail." if (atk or 0) > cfg.fp16_underflow_ok else "."
+        )
+    else:
+        severity = INFO
+        remedy = f"Nothing to fix; GradScaler(init_scale={_scale(k)}) keeps it at {_pct(atk)}."
+    by_mod = run.hist[run.hist[T.TENSOR] == T.ACTIVATION_GRAD]
+    worst: list[str] = []
+    if not by_mod.empty and atk:
+        lim = _log2i(FP16.underflow_max)
+        sel = by_mod[(by_mod[T.EXPONENT] + k + 1) <= lim]
+        worst = run.sort(sel.groupby(T.MODULE)[T.COUNT].sum().nlargest(cfg.max_listed_modules).index)
+    plan.add(
+        Finding(
+            "fp16_gradient_underflow",
+            severity,
+            f"fp16 gradient underflow: {_pct(at1)} at scale 1, {_pct(atk)} at {_pow2(k)}",
+            msg,
+            remedy,
+            modules=worst,
+            numbers={
+                "share_now": now,
+                "share_at_scale_1": at1,
+                "share_at_recommended": atk,
+                "loss_scale_log2": k,
+                "nonzero_values": int(total),
+                "underflow_at_recommended": int(sure_k),
+                "boundary_values_at_recommended": int(boundary_k),
+                "overflow_at_recommended": int(over_k),
+                "fp16_zero_share": zero16,
+                "weight_grad_share_at_recommended": wg_share,
+                "max_module_norm_share_at_recommended": norm_k,
+                "max_norm_share_module": norm_mod,
+            },
+        )
+    )
+
+
+def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
+    g = run.kind(*T.GRADIENT_KINDS)
+    g = g[(g[T.overflow_col("fp16")] > 0) | (_dtype_has(g, "float16") & (g[T.INF] > 0))]
+    if g.empty:
+        return
+    mods = run.sort(g[T.MODULE])
+    steps = sorted(int(s) for s in g[T.STEP].unique())
+    n = int(g[T.overflow_col("fp16")].sum() + g[_dtype_has(g, "float16")][T.INF].sum())
+    scales = sorted({float(s) for s in g[T.SCALE].unique()})
+    plan.add(
+        Finding(
+            "fp16_gradient_overflow",
+            WARNING,
+            f"Gradients overflow fp16 at the scale in effect in {len(mods)} module(s)",
+            f"On {len(steps)} sampled step(s) ({_listing([str(s) for s in steps], 6)}), {n} gradient values in "
+            f"{_listing(mods, run.cfg.max_listed_modules)} overflow fp16 at loss scale "
+            f"{', '.join(f'{s:g}' for s in scales)}; GradScaler skips those steps (and lowers its scale), loss "
+            "scaling without an inf check would apply the inf/nan updates.",
+            f"Start at the recommended loss scale {_pow2(plan.loss_scale_log2)}, which keeps the largest "
+            "gradient below the limit.",
+            modules=mods,
+            numbers={"values": n, "steps": len(steps), "max_scale": max(scales)},
+        )
+    )

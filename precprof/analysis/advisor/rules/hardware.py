@@ -1,0 +1,131 @@
+"""What the target machine runs natively, and whether the model is small enough for fp32 to be as fast."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from precprof import tables as T
+from precprof.analysis.advisor.evidence import _Plan, _Run
+from precprof.analysis.advisor.model import INFO, WARNING, Finding, Number
+
+
+def _rule_hardware(run: _Run, plan: _Plan) -> None:
+    hw = run.hw
+    label = hw.preset or hw.name
+    cc = ".".join(map(str, hw.compute_capability)) if hw.compute_capability else None
+    nums: dict[str, Number] = {"device": hw.device, "name": hw.name, "compute_capability": cc}
+    if hw.device == "cpu":
+        if hw.bf16_native:
+            plan.add(
+                Finding(
+                    "bf16_native",
+                    INFO,
+                    f"bf16 is native on {label}",
+                    f"This CPU ({hw.name}) has AVX512-BF16 or AMX: bf16 matmuls run in hardware.",
+                    "Use bf16 autocast on this CPU to save memory and time.",
+                    numbers=nums,
+                )
+            )
+        else:
+            plan.add(
+                Finding(
+                    "bf16_emulated",
+                    WARNING,
+                    f"bf16 is emulated on {label}",
+                    f"This CPU ({hw.name}) has neither AVX512-BF16 nor AMX: bf16 autocast runs, but through "
+                    "conversions to fp32, usually slower than plain fp32.",
+                    "Train in fp32 on this CPU, or plan for a GPU with compute capability 8.0+ for bf16.",
+                    numbers=nums,
+                )
+            )
+    elif hw.bf16_native:
+        plan.add(
+            Finding(
+                "bf16_native",
+                INFO,
+                f"bf16 is native on {label}",
+                f"{hw.name} has compute capability {cc} (8.0+ has bf16 tensor cores).",
+                "Prefer bf16 autocast: fp32's range, no loss scaling.",
+                numbers=nums,
+            )
+        )
+    else:
+        plan.add(
+            Finding(
+                "bf16_unsupported",
+                WARNING,
+                f"No bf16 tensor cores on {label}",
+                f"{hw.name} has compute capability {cc}; bf16 tensor cores need 8.0+ (Ampere), so bf16 "
+                "would be emulated or refused.",
+                "Use fp16 with a loss scale on this GPU.",
+                numbers=nums,
+            )
+        )
+    if hw.fp8_supported and hw.fp8_library:
+        plan.add(
+            Finding(
+                "fp8_supported",
+                INFO,
+                f"FP8 tensor cores on {label}",
+                f"{hw.name} has compute capability {cc} (8.9+ has FP8 tensor cores) and {hw.fp8_library} "
+                "is available for FP8 training.",
+                f"Convert the FP8-eligible linear layers with {hw.fp8_library}; keep the rest in bf16.",
+                numbers={**nums, "fp8_library": hw.fp8_library},
+            )
+        )
+    elif hw.fp8_supported:
+        plan.add(
+            Finding(
+                "fp8_library_missing",
+                WARNING,
+                "FP8 hardware without an FP8 library",
+                f"{hw.name} has compute capability {cc} (FP8 tensor cores) but neither torchao nor "
+                "Transformer Engine is importable.",
+                "Install torchao (pip install torchao) to train the eligible layers in FP8.",
+                numbers=nums,
+            )
+        )
+    if (
+        not run.hw_is_target_preset
+        and hw.tf32_supported
+        and not hw.tf32_matmul_enabled
+        and run.precision in ("fp32", "")
+    ):
+        plan.add(
+            Finding(
+                "tf32_off",
+                WARNING,
+                "TF32 is off on an Ampere+ GPU",
+                f"{hw.name} (compute capability {cc}) runs fp32 matmuls on TF32 tensor cores only when "
+                "allowed, and torch.backends.cuda.matmul.allow_tf32 is False "
+                f"(float32_matmul_precision={hw.float32_matmul_precision!r}).",
+                "Call torch.set_float32_matmul_precision('high') to run fp32 matmuls in TF32.",
+                numbers={**nums, "float32_matmul_precision": hw.float32_matmul_precision},
+            )
+        )
+
+
+def _rule_small_model(run: _Run, plan: _Plan) -> None:
+    model = run.summary.get(T.SUMMARY_MODEL) or {}
+    n = model.get("n_params") if isinstance(model, Mapping) else None
+    if not isinstance(n, int):
+        w = run.kind(T.WEIGHT)
+        if w.empty:
+            return
+        first = w[w[T.STEP] == w[T.STEP].min()]
+        n = int(first.drop_duplicates([T.MODULE, T.PARAM])[T.NUMEL].sum())
+    plan.n_params = n
+    if n >= run.cfg.small_model_params:
+        return
+    plan.add(
+        Finding(
+            "small_model",
+            INFO,
+            f"Small model: {n / 1e6:.3g}M parameters",
+            f"The model has {n} parameters, below {run.cfg.small_model_params / 1e6:g}M: its matmuls are "
+            "small, so the step time is often bound by kernel launches and memory traffic rather than math, "
+            "and mixed precision may not speed it up.",
+            "Time a few steps in fp32 and in the recommended format; keep fp32 if it is not faster.",
+            numbers={"n_params": n, "threshold": run.cfg.small_model_params},
+        )
+    )

@@ -1,0 +1,86 @@
+"""The dynamic loss scaler: skipped steps and thrashing."""
+
+from __future__ import annotations
+
+from precprof import tables as T
+from precprof.analysis.advisor.evidence import _Plan, _Run
+from precprof.analysis.advisor.model import WARNING, Finding
+from precprof.analysis.advisor.text import _pow2, _scale
+
+
+def _rule_scaler(run: _Run, plan: _Plan) -> None:
+    cfg = run.cfg
+    st = run.steps
+    run_gi = run.run_config.get("growth_interval")
+    run_gi = int(run_gi) if isinstance(run_gi, (int, float)) and run_gi > 0 else cfg.default_growth_interval
+    plan.growth_interval = cfg.default_growth_interval
+    if st.empty or st[T.LOSS_SCALE].isna().all():
+        return
+    skipped = st[T.SKIPPED].fillna(False).astype(bool)
+    n = int(skipped.sum())
+    k = plan.loss_scale_log2
+    rec = 2.0**k
+    scale = st[T.LOSS_SCALE]
+    if n:
+        sk = st[skipped]
+        avoid = int((sk[T.LOSS_SCALE] > rec).sum())
+        first_ok = st.index[~skipped]
+        start = float(scale.iloc[0])
+        settled = float(scale[~skipped].iloc[0]) if len(first_ok) else None
+        msg = (
+            f"The dynamic loss scaler skipped {n} of {len(st)} optimizer steps (scale started at {start:g}"
+            + (f", first successful step at scale {settled:g}" if settled is not None else "")
+            + f"). {avoid} of those skips happened at a scale above the recommended {_pow2(k)}: starting "
+            f"GradScaler at {_scale(k)} avoids them"
+            + (
+                f"; the other {n - avoid} happened at or below it (gradient spikes, or non-finite values "
+                "that no scale fixes)."
+                if n - avoid
+                else "."
+            )
+        )
+        plan.add(
+            Finding(
+                "scaler_skipped_steps",
+                WARNING,
+                f"{n} optimizer steps skipped by the loss scaler",
+                msg,
+                f"Use GradScaler(init_scale={_scale(k)}).",
+                numbers={
+                    "skipped": n,
+                    "steps": len(st),
+                    "avoidable": avoid,
+                    "start_scale": start,
+                    "first_ok_scale": settled,
+                    "recommended_scale": rec,
+                },
+            )
+        )
+    # Thrashing: after the first successful step, the scaler grows, overflows, backs off, again and again.
+    ok_idx = st.index[~skipped]
+    if len(ok_idx):
+        after = st.loc[ok_idx[0] :]
+        later_skips = int(skipped.loc[ok_idx[0] :].sum())
+        grows = int((after[T.LOSS_SCALE].diff() > 0).sum())
+        if later_skips >= cfg.thrash_min_skips and grows >= 1:
+            new_gi = max(cfg.default_growth_interval, 2 * run_gi)
+            plan.growth_interval = new_gi
+            every = len(after) / later_skips
+            plan.add(
+                Finding(
+                    "scaler_thrashing",
+                    WARNING,
+                    "The loss scaler thrashes: it grows, overflows and backs off repeatedly",
+                    f"After its first successful step the scaler grew {grows} time(s) and skipped "
+                    f"{later_skips} of {len(after)} steps (one every {every:.0f}) with growth_interval "
+                    f"{run_gi}; each growth past the safe scale costs a step.",
+                    f"Start at {_scale(k)} and raise growth_interval to {new_gi}.",
+                    numbers={
+                        "growths": grows,
+                        "later_skips": later_skips,
+                        "steps_after": len(after),
+                        "growth_interval": run_gi,
+                        "recommended_growth_interval": new_gi,
+                    },
+                )
+            )

@@ -1,0 +1,116 @@
+"""Weight updates lost in 16-bit weights, and gradients beyond bf16's range."""
+
+from __future__ import annotations
+
+from precprof import tables as T
+from precprof.analysis.advisor.evidence import (
+    _dtype_has,
+    _exponent_counts,
+    _innermost,
+    _Plan,
+    _Run,
+    _share,
+    _shifted_underflow,
+)
+from precprof.analysis.advisor.model import CRITICAL, INFO, Finding
+from precprof.analysis.advisor.text import _listing, _name, _pct
+from precprof.formats import BF16
+
+
+def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
+    cfg = run.cfg
+    wu = run.kind(T.WEIGHT_UPDATE)
+    if wu.empty:
+        return
+    for fmt, col, pure in (
+        ("bf16", T.LOST_UPDATE_BF16, "bf16-pure"),
+        ("fp16", T.LOST_UPDATE_FP16, "fp16-pure"),
+    ):
+        rows = wu[wu[col].notna()]
+        if rows.empty:
+            continue
+        nz = float((rows[T.NUMEL] - rows[T.ZEROS]).clip(lower=0).sum())
+        lost = float(rows[col].sum())
+        share = _share(lost, nz)
+        if share is None:
+            continue
+        by = (
+            rows.assign(_nz=(rows[T.NUMEL] - rows[T.ZEROS]).clip(lower=0))
+            .groupby(T.MODULE)[[col, "_nz"]]
+            .sum()
+        )
+        by = by[by["_nz"] > 0]
+        by_share = (by[col] / by["_nz"]).sort_values(ascending=False)
+        worst = run.sort(by_share[by_share > cfg.lost_update_warn].index[: cfg.max_listed_modules])
+        resolution = "2^-8" if fmt == "bf16" else "2^-11"
+        is_pure = run.precision == pure
+        # With fp32 master weights (autocast, fp32) this is a what-if: it only hurts a run that holds its
+        # weights in the format, and it is the reason to keep fp32 master weights.
+        if share > cfg.lost_update_warn and is_pure:
+            severity = CRITICAL
+        elif fmt == "fp16" and share <= cfg.lost_update_warn:
+            continue  # fp16 master weights are rare; only worth a line when they lose updates
+        else:
+            severity = INFO
+        plan.add(
+            Finding(
+                f"{fmt}_lost_updates",
+                severity,
+                f"{_pct(share)} of weight updates vanish with {fmt} master weights",
+                f"On sampled steps, {int(lost)} of {int(nz)} nonzero weight-update elements ({_pct(share)}) are "
+                f"smaller than half a {fmt} ulp of their weight (relative resolution {resolution}) and would be "
+                f"lost if the weights were held in {fmt}"
+                + (f" — as they are in this {pure} run" if is_pure else "")
+                + (
+                    "; worst: "
+                    + ", ".join(
+                        f"{_name(m)} {_pct(float(by_share[m]))}" for m in worst[: cfg.max_listed_modules]
+                    )
+                    if worst
+                    else ""
+                )
+                + ". Mixed Precision Training (2018) keeps an fp32 master copy for this reason.",
+                f"Keep fp32 master weights ({fmt} autocast does); do not train {pure}.",
+                modules=worst,
+                numbers={"lost": int(lost), "nonzero_updates": int(nz), "share": share},
+            )
+        )
+
+
+def _rule_bf16_range(run: _Run, plan: _Plan) -> None:
+    cfg = run.cfg
+    counts = _exponent_counts(run.hist, T.GRADIENT_KINDS)
+    total = float(counts.sum())
+    sure, _ = _shifted_underflow(counts, BF16, 0)
+    share = _share(sure, total)
+    acts = run.kind(T.ACTIVATION)
+    over = acts[(acts[T.overflow_col("bf16")] > 0) & ~_dtype_has(acts, "bfloat16")]
+    if share is not None and share > cfg.bf16_underflow_block:
+        plan.bf16_block.append(f"{_pct(share)} of gradient values underflow bf16 (below 2^-133)")
+        plan.add(
+            Finding(
+                "bf16_gradient_underflow",
+                CRITICAL,
+                f"{_pct(share)} of gradients underflow bf16",
+                f"{int(sure)} of {int(total)} nonzero gradient values are at or below 2^-134 and would become "
+                "0 in bf16 (it has no loss scaling).",
+                "Use fp16 with a loss scale or fp32 for this model.",
+                numbers={"underflow_values": int(sure), "nonzero_values": int(total), "share": share},
+            )
+        )
+    if not over.empty:
+        mods = run.sort(_innermost(over[T.MODULE]))
+        plan.keep_bf16 = mods
+        plan.bf16_block.append(f"activations of {_listing(mods, 4)} overflow bf16")
+        plan.add(
+            Finding(
+                "bf16_activation_overflow",
+                CRITICAL,
+                "Activations overflow bf16",
+                f"{int(over[T.overflow_col('bf16')].sum())} activation values in "
+                f"{_listing(mods, cfg.max_listed_modules)} exceed bf16's largest value (3.39e38).",
+                "Find the module producing these values: they are near fp32's limit too.",
+                modules=mods,
+                numbers={"values": int(over[T.overflow_col("bf16")].sum())},
+            )
+        )

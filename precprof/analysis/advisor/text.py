@@ -1,0 +1,43 @@
+"""How the advisor writes numbers: shares, powers of two, scales as GradScaler takes them, module lists."""
+
+from __future__ import annotations
+
+import math
+
+
+def _pct(share: float | None) -> str:
+    if share is None or not math.isfinite(share):
+        return "n/a"
+    if share == 0:
+        return "0%"
+    p = share * 100
+    return f"{p:.2g}%" if p < 0.01 else f"{p:.3g}%"
+
+
+def _pow2(k: int) -> str:
+    return f"2^{k} ({_scale(k)})"
+
+
+def _scale(k: int) -> str:
+    """2^k written out as GradScaler's init_scale is typed: an integer for k >= 0, else the exact decimal
+    (Python's shortest round-trip form: 0.125, 0.0009765625, 9.313225746154785e-10)."""
+    return str(2**k) if k >= 0 else repr(2.0**k)
+
+
+def _log2i(x: float) -> int:
+    return math.frexp(x)[1] - 1
+
+
+def _g(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "n/a"
+    return f"{x:.3g}"
+
+
+def _name(module: str) -> str:
+    return module if module else "(root)"
+
+
+def _listing(modules: list[str], limit: int) -> str:
+    shown = ", ".join(_name(m) for m in modules[:limit])
+    return shown + (f" and {len(modules) - limit} more" if len(modules) > limit else "")
