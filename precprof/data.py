@@ -15,12 +15,14 @@ same for every run (``CHAIN_SEED``); ``--seed`` changes only which sequences are
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from precprof.errors import UserError
+from precprof.footprint import HEADROOM, available_bytes, size_text
 
 VOCAB_SIZE = 256
 CHAIN_SEED = 0  # the synthetic task is fixed; the sampling seed is the run's --seed
@@ -147,26 +149,10 @@ class ByteTextData:
     """
 
     def __init__(self, path: str | Path, seed: int = 0) -> None:
-        p = Path(path)
-        if p.is_dir():
-            raise UserError(
-                f"--data {str(p)!r} is a directory; give a text file (read as bytes) or 'synthetic'"
-            )
-        if not p.exists():
-            raise UserError(f"--data: no such file: {str(p)!r} (use 'synthetic' or the path of a text file)")
-        try:
-            raw = p.read_bytes()
-        except OSError as e:
-            raise UserError(
-                f"--data {str(p)!r} cannot be read ({e.strerror}); check its permissions"
-            ) from None
-        if len(raw) < 3:
-            raise UserError(
-                f"--data: {str(p)!r} has {len(raw)} bytes; a text file of a few KB or more is needed"
-            )
-        self.path = p
+        self.path = Path(path)
         self.vocab_size = VOCAB_SIZE
-        self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+        # uint8: one byte of memory per byte of text (int64 took eight); batch() widens only its windows
+        self.tokens = _read_text_file(self.path)
         counts = torch.bincount(self.tokens, minlength=VOCAB_SIZE).to(torch.float64)
         self.unigram_entropy_nats = float(_entropy_nats(counts / counts.sum()))
         self._gen = torch.Generator().manual_seed(seed)
@@ -184,7 +170,7 @@ class ByteTextData:
         self.check(seq_len)
         n = self.tokens.numel()
         starts = torch.randint(0, n - seq_len, (batch_size, 1), generator=self._gen)
-        seq = self.tokens[starts + torch.arange(seq_len + 1)]
+        seq = self.tokens[starts + torch.arange(seq_len + 1)].to(torch.int64)
         return _to_device(seq, device)
 
     def describe(self) -> dict[str, Any]:
@@ -203,6 +189,43 @@ def load_data(spec: str, *, seed: int = 0) -> TokenSource:
     if spec == "synthetic":
         return MarkovChainData(seed=seed)
     return ByteTextData(spec, seed=seed)
+
+
+def _read_text_file(p: Path) -> torch.Tensor:
+    """The bytes of ``p`` as a uint8 tensor (one element per byte, at least 3). UserError, one line, for what is
+    not a readable, non-empty regular file that fits in the memory available."""
+    shown = repr(str(p))
+    try:
+        if p.is_dir():
+            raise UserError(f"--data {shown} is a directory; give a text file (read as bytes) or 'synthetic'")
+        if not p.exists():
+            raise UserError(f"--data: no such file: {shown} (use 'synthetic' or the path of a text file)")
+        if not p.is_file():  # reading a FIFO would wait for a writer, a device might never end
+            raise UserError(
+                f"--data {shown} is not a regular file (a device, pipe or socket); give a text file (read as "
+                "bytes) or 'synthetic'"
+            )
+        with p.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            avail = available_bytes(torch.device("cpu"))
+            if avail is not None and size > HEADROOM * avail:
+                raise UserError(
+                    f"--data {shown} is {size_text(size)}, more than the {size_text(avail)} of memory "
+                    "available to hold it; use a smaller file"
+                )
+            buf = bytearray(size)  # read in place: read_bytes() and a copy would take twice the file's size
+            n = f.readinto(buf) or 0
+    except OSError as e:
+        hint = "; check its permissions" if isinstance(e, PermissionError) else ""
+        raise UserError(f"--data {shown} cannot be read ({e.strerror or e}){hint}") from None
+    del buf[n:]  # a file that shrank since fstat
+    if n == 0:
+        raise UserError(
+            f"--data {shown} is empty; give a text file of a few KB or more (read as bytes) or 'synthetic'"
+        )
+    if n < 3:
+        raise UserError(f"--data: {shown} has {n} bytes; a text file of a few KB or more is needed")
+    return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def _stationary(transition: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from precprof.errors import MissingDependencyError, UserError
+from precprof.footprint import available_bytes, size_text
 
 GPT2_VOCAB_SIZE = 50257
 
@@ -574,8 +575,11 @@ def _build_hf(model_type: str, args: Mapping[str, Any], seq_len: int) -> BuiltMo
     )
 
 
-# Parameters above this need more than ~16 bytes each (weights, gradients, two AdamW states in fp32).
-_BYTES_PER_PARAM_TRAINING = 16
+# The least any precision mode of the built-in loop needs per parameter to train: bf16/fp16-pure weights and
+# gradients (2 + 2 bytes) and SGD's fp32 momentum (4). fp32 with AdamW needs 16; the exact, mode-aware check
+# (precprof.footprint, activations included) runs once the model is built. This one only keeps a model that can
+# never train here from being allocated at all, so it must not refuse what some mode could train.
+_MIN_BYTES_PER_PARAM_TRAINING = 8
 
 
 def approx_params(cfg: Any) -> int:
@@ -595,25 +599,21 @@ def approx_params(cfg: Any) -> int:
 
 
 def _check_size(name: str, n_params: int) -> None:
-    """UserError when training ``n_params`` parameters would clearly not fit in this machine's RAM."""
+    """UserError when training ``n_params`` parameters cannot fit in this machine's RAM in any precision mode
+    (``_MIN_BYTES_PER_PARAM_TRAINING`` bytes each against the memory available, cgroup limit included)."""
     avail = _available_ram()
-    need = n_params * _BYTES_PER_PARAM_TRAINING
+    need = n_params * _MIN_BYTES_PER_PARAM_TRAINING
     if avail is not None and need > avail:
         raise UserError(
-            f"{name} has {n_params / 1e6:,.0f}M parameters: training needs about {need / 2**30:.1f} GiB, "
-            f"more than the {avail / 2**30:.1f} GiB of memory available; pass smaller sizes with --model-arg"
+            f"{name} has {n_params / 1e6:,.0f}M parameters: even the leanest precision mode needs at least "
+            f"{size_text(need)} to train them (16-bit weights and gradients, one fp32 optimizer state), more "
+            f"than the {size_text(avail)} of memory available; pass smaller sizes with --model-arg"
         )
 
 
 def _available_ram() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """Bytes of RAM this process can still take (``MemAvailable`` bounded by the cgroup); None: unknown."""
+    return available_bytes(torch.device("cpu"))
 
 
 def _load_factory(spec: str) -> Callable[..., Any]:

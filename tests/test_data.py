@@ -4,12 +4,14 @@ computation, sampled sequences against the chain, and byte-level text windows ag
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from precprof import data as data_module
 from precprof.data import VOCAB_SIZE, ByteTextData, MarkovChainData, load_data
 from precprof.errors import UserError
 
@@ -88,6 +90,8 @@ def test_byte_text_windows(tmp_path: Path) -> None:
     data = ByteTextData(path, seed=1)
     x, y = data.batch(8, 32, CPU)
     assert x.shape == (8, 32) and torch.equal(x[:, 1:], y[:, :-1])
+    assert x.dtype == y.dtype == torch.int64  # the model contract, though the file is held as uint8
+    assert data.tokens.dtype == torch.uint8 and data.tokens.numel() == len(text)
     for row_x, row_y in zip(x.tolist(), y.tolist(), strict=True):
         window = bytes([*row_x, row_y[-1]])
         assert window in text
@@ -115,18 +119,60 @@ def test_load_data_dispatch(tmp_path: Path) -> None:
 
 
 def test_data_that_is_not_a_readable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(UserError, match=r"is a directory; give a text file \(read as bytes\) or 'synthetic'"):
-        load_data(str(tmp_path))
+    """Each is one line naming the path and what to give instead (the CLI prints it without a traceback)."""
+    cases: list[tuple[str, str]] = [
+        (str(tmp_path), r"is a directory; give a text file \(read as bytes\) or 'synthetic'"),
+        ("/dev/null", r"is not a regular file \(a device, pipe or socket\)"),
+    ]
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    with pytest.raises(UserError, match="has 0 bytes"):
-        load_data(str(empty))
+    cases.append(
+        (str(empty), r"is empty; give a text file of a few KB or more \(read as bytes\) or 'synthetic'")
+    )
+    if hasattr(os, "mkfifo"):  # reading a FIFO would wait for a writer forever
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        cases.append((str(fifo), "is not a regular file"))
+    for spec, message in cases:
+        with pytest.raises(UserError, match=message) as info:
+            load_data(spec)
+        assert repr(spec) in str(info.value) and "\n" not in str(info.value)
+
     locked = tmp_path / "locked.txt"
     locked.write_text("some text " * 100)
+    real_open = Path.open
 
-    def denied(self: Path) -> bytes:  # what chmod 000 does to anyone but root
-        raise PermissionError(13, "Permission denied", str(self))
+    def denied(self: Path, *args: object, **kwargs: object) -> object:  # chmod 000, for anyone but root
+        if self == locked:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Path, "read_bytes", denied)
+    monkeypatch.setattr(Path, "open", denied)
     with pytest.raises(UserError, match=r"cannot be read \(Permission denied\); check its permissions"):
         load_data(str(locked))
+
+
+def test_a_file_larger_than_memory_is_refused_before_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"x" * 10_000)
+    monkeypatch.setattr(data_module, "available_bytes", lambda device: 5_000)
+    with pytest.raises(
+        UserError, match=r"more than the .* of memory available to hold it; use a smaller file"
+    ):
+        load_data(str(big))
+    monkeypatch.setattr(data_module, "available_bytes", lambda device: None)  # unknown: nothing refused
+    assert load_data(str(big)).tokens.numel() == 10_000
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root reads a chmod 000 file")
+def test_a_real_unreadable_file(tmp_path: Path) -> None:
+    locked = tmp_path / "locked.txt"
+    locked.write_text("some text " * 100)
+    locked.chmod(0)
+    try:
+        with pytest.raises(UserError, match=r"cannot be read \(Permission denied\); check its permissions"):
+            load_data(str(locked))
+    finally:
+        locked.chmod(0o600)

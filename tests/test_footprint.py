@@ -1,42 +1,54 @@
-"""The memory estimate made before training: measured activations against the Profiler's own memory table,
-the refusal of a run that cannot fit, and a measuring pass that leaves training untouched."""
+"""The memory estimate made before training (``precprof.footprint``): measured activations against the
+Profiler's own memory table, against a direct measurement at the full batch and against a real step's peak
+resident memory; the order of the guards (nothing larger is tried once something smaller cannot fit); the
+refusal of a run that cannot fit; and a measuring pass that leaves training untouched."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import precprof
+from precprof import footprint as FP
 from precprof import tables as T
 from precprof.errors import UserError
-from precprof.models import build_model
-from precprof.training import footprint as FP
+from precprof.models import BUILTIN_MODELS, GPT, build_model
 from precprof.training import loss_from_output
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+GiB = 2**30
+CPU = torch.device("cpu")
 
 
-def gpt_nano(seq: int = 64) -> nn.Module:
+def gpt(name: str = "gpt-nano", seq: int = 64) -> nn.Module:
     torch.manual_seed(0)
-    return build_model("gpt-nano", {}, vocab_size=256, seq_len=seq).module
+    return build_model(name, {}, vocab_size=256, seq_len=seq).module
 
 
-def forward_loss(model: nn.Module, batch: int, seq: int) -> torch.Tensor:
-    seq_ids = torch.randint(0, 256, (batch, seq + 1))
-    return loss_from_output(model(seq_ids[:, :-1]), seq_ids[:, 1:], 256)
+def forward_loss(model: nn.Module, batch: int, seq: int, autocast: torch.dtype | None = None) -> torch.Tensor:
+    device = next(model.parameters()).device
+    seq_ids = torch.randint(0, 256, (batch, seq + 1), device=device)
+    ctx = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+    with ctx:
+        return loss_from_output(model(seq_ids[:, :-1]), seq_ids[:, 1:], 256)
 
 
 def test_saved_activations_match_the_profilers_memory_table() -> None:
     """Independent: the Profiler's MemoryTracker counts the activations a real training step saves (per
-    module, per storage). At batch 8 the estimate from batch 1, times 8, must be within 15% of it."""
+    module, per storage). At batch 8 the estimate from batches 1 and 2 must be within 15% of it."""
     batch, seq = 8, 64
-    model = gpt_nano(seq)
-    per_sample = FP.saved_activation_bytes(model, lambda: forward_loss(model, 1, seq))
+    model = gpt(seq=seq)
+    fp = FP.estimate(
+        model, batch_size=batch, optimizer="adamw", forward_loss=lambda n: forward_loss(model, n, seq)
+    )
     prof = precprof.Profiler(model, sample_every=1)
     with prof:
         with prof.memory_scope():
@@ -46,7 +58,73 @@ def test_saved_activations_match_the_profilers_memory_table() -> None:
     mem = prof.tables()["memory"]
     measured = int(mem[mem[T.COMPONENT] == T.ACTIVATIONS][T.BYTES].sum())
     assert measured > 0
-    assert per_sample * batch == pytest.approx(measured, rel=0.15)
+    saved = fp.activations_shared + fp.activations_per_sample * batch
+    assert saved == pytest.approx(measured, rel=0.15)
+
+
+@pytest.mark.parametrize(
+    ("name", "autocast"),
+    [("gpt-nano", None), ("gpt-nano", torch.bfloat16), ("gpt-mini", None), ("gpt-mini", torch.bfloat16)],
+)
+def test_batches_1_and_2_predict_the_full_batch(name: str, autocast: torch.dtype | None) -> None:
+    """Saved bytes are affine in the batch: measured at 1 and 2, the estimate at batch 8 is within 1% of a
+    direct measurement at 8. Under autocast the 16-bit weight copies are saved once per step, not per
+    sample: scaling batch 1 alone would count gpt-mini's 20 MiB of copies 8 times (2.4x too much)."""
+    seq, batch = 64, 8
+    model = gpt(name, seq)
+    fp = FP.estimate(
+        model,
+        batch_size=batch,
+        optimizer="adamw",
+        forward_loss=lambda n: forward_loss(model, n, seq, autocast),
+    )
+    direct = FP.saved_activation_bytes(model, lambda: forward_loss(model, batch, seq, autocast))
+    assert fp.activations_shared + batch * fp.activations_per_sample == pytest.approx(direct, rel=0.01)
+    n_params = sum(p.numel() for p in model.parameters())
+    if autocast is None:
+        assert fp.activations_shared < 0.01 * fp.activations_per_sample
+    else:  # about one 16-bit copy of the weights
+        assert fp.activations_shared == pytest.approx(2 * n_params, rel=0.2)
+
+
+@pytest.mark.slow
+def test_the_estimate_is_a_lower_bound_of_a_real_steps_peak_memory(tmp_path: Path) -> None:
+    """Against the operating system's count: a fresh process's peak resident memory over two AdamW steps of
+    gpt-nano at batch 64 x 256, above what it held before building the model. Measured 1.3x the estimate in
+    fp32 (gpt-mini 1.0-1.3x, llama-mini 1.5x): the estimate stays below, and not far below."""
+    script = textwrap.dedent(
+        """
+        import resource, torch
+        from precprof import footprint as FP
+        from precprof.models import build_model
+        from precprof.training import loss_from_output
+        torch.set_num_threads(1)
+        status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+        before = int(status["VmRSS"].split()[0]) * 1024
+        torch.manual_seed(0)
+        model = build_model("gpt-nano", {}, vocab_size=256, seq_len=256).module
+        def forward_loss(n):
+            ids = torch.randint(0, 256, (n, 257))
+            return loss_from_output(model(ids[:, :-1]), ids[:, 1:], 256)
+        fp = FP.estimate(model, batch_size=64, optimizer="adamw", forward_loss=forward_loss)
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            loss = forward_loss(64)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del loss
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print(fp.total, peak - before)
+        """
+    )
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc")
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    estimate, real = map(int, res.stdout.split())
+    assert 0.95 * estimate <= real <= 2.0 * estimate, (estimate, real)
 
 
 def test_the_measuring_pass_changes_nothing() -> None:
@@ -55,69 +133,209 @@ def test_the_measuring_pass_changes_nothing() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 1))
     rng = torch.get_rng_state()
     stats = model[1].running_mean.clone(), model[1].running_var.clone(), int(model[1].num_batches_tracked)
-    n = FP.saved_activation_bytes(model, lambda: model(torch.randn(4, 8)).sum())
-    assert n > 0
+    fp = FP.estimate(
+        model, batch_size=4, optimizer="adamw", forward_loss=lambda n: model(torch.randn(2 * n, 8)).sum()
+    )
+    assert fp.measured and fp.activations_per_sample > 0
     assert torch.equal(torch.get_rng_state(), rng)
     assert torch.equal(model[1].running_mean, stats[0]) and torch.equal(model[1].running_var, stats[1])
     assert int(model[1].num_batches_tracked) == stats[2]
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_refusal_names_the_parts_and_a_batch_that_fits() -> None:
-    model = gpt_nano()
-    fp = FP.estimate(
-        model, batch_size=100_000, optimizer="adamw", forward_loss_one=lambda: forward_loss(model, 1, 64)
-    )
+def gpt2_medium_on_meta() -> nn.Module:
+    """gpt2-medium's real shapes without its 1.4 GB of weights (the forward pass runs on shapes only)."""
+    cfg = BUILTIN_MODELS["gpt2-medium"].config()
+    with torch.device("meta"):
+        return GPT(cfg)
+
+
+def test_gpt2_medium_at_batch_512_x_1024_is_refused_with_a_batch_that_fits() -> None:
+    """The run the out-of-memory killer ended at 24 GB: one line with the parts and the largest batch that fits
+    on a machine with 24 GiB available (injected, so the test does not depend on this machine)."""
+    model = gpt2_medium_on_meta()
+    seq, available = 1024, 24 * GiB
+    calls: list[int] = []
+
+    def fl(n: int) -> torch.Tensor:
+        calls.append(n)
+        return forward_loss(model, n, seq)
+
+    what = "gpt2-medium at batch 512 x seq 1024 in fp32"
+    with pytest.raises(UserError) as info:
+        FP.estimate(model, batch_size=512, optimizer="adamw", forward_loss=fl, available=available, what=what)
+    assert calls == [1, 2]  # never more than batch 2
+    msg = str(info.value)
+    fp = FP.estimate(model, batch_size=512, optimizer="adamw", forward_loss=fl)
     n_params = sum(p.numel() for p in model.parameters())
     assert (fp.parameters, fp.gradients, fp.optimizer_states) == (4 * n_params, 4 * n_params, 8 * n_params)
-    available = 2**30
-    with pytest.raises(UserError) as info:
-        FP.check_fits(fp, available, what="gpt-nano at batch 100000", where="this machine")
-    msg = str(info.value)
-    assert "\n" not in msg and "gpt-nano at batch 100000 needs at least" in msg
-    assert "parameters" in msg and "optimizer states" in msg and "activations" in msg
     fits = fp.largest_batch(available)
-    assert f"use --batch-size {fits} or less" in msg
-    ok = FP.Footprint(fp.parameters, fp.gradients, fp.optimizer_states, fp.activations_per_sample, fits)
-    too_many = FP.Footprint(
-        fp.parameters, fp.gradients, fp.optimizer_states, fp.activations_per_sample, fits + 1
+    assert 1 <= fits < 512
+    expected = (
+        f"{what} needs at least {FP.size_text(fp.total)} to train (parameters 1.3 GiB, gradients 1.3 GiB, "
+        f"optimizer states 2.6 GiB, activations {FP.size_text(fp.activations)}) but this machine has 24.0 GiB "
+        f"available: use --batch-size {fits} or less, or a shorter --seq-len"
     )
-    FP.check_fits(ok, available, what="", where="")  # the suggested batch passes, one more does not
+    assert msg == expected
+    assert "TiB" in msg  # about a terabyte of activations
+    FP.check_fits(fp.at_batch(fits), available, what="", where="")  # the suggestion fits, one more does not
     with pytest.raises(UserError):
-        FP.check_fits(too_many, available, what="", where="")
-    FP.check_fits(fp, None, what="", where="")  # unknown memory: nothing refused
+        FP.check_fits(fp.at_batch(fits + 1), available, what="", where="")
 
 
-def test_a_model_too_large_even_alone() -> None:
-    fp = FP.Footprint(
-        parameters=8 * 2**30,
-        gradients=8 * 2**30,
-        optimizer_states=16 * 2**30,
-        activations_per_sample=1,
-        batch_size=1,
+def test_a_run_that_fits_passes() -> None:
+    model = gpt()
+    fp = FP.check_training_fits(
+        model,
+        batch_size=8,
+        optimizer="adamw",
+        forward_loss=lambda n: forward_loss(model, n, 64),
+        device=CPU,
+        what="gpt-nano at batch 8 x seq 64 in fp32",
     )
-    with pytest.raises(UserError, match="the model alone does not fit"):
-        FP.check_fits(fp, 16 * 2**30, what="x", where="this machine")
-
-
-def test_sgd_keeps_one_state_per_parameter() -> None:
-    model = nn.Linear(10, 10)
-    fp = FP.estimate(
-        model, batch_size=1, optimizer="sgd", forward_loss_one=lambda: model(torch.randn(1, 10)).sum()
+    assert fp.measured and 0 < fp.total < 64 * 2**20
+    info = FP.describe(fp)
+    assert (
+        info["total"]
+        == fp.total
+        == info["parameters"] + info["gradients"] + info["optimizer_states"] + (info["activations"])
     )
-    assert fp.optimizer_states == 4 * 110
+
+
+def test_the_model_alone_is_refused_before_any_forward_pass() -> None:
+    model = gpt()
+    n_bytes = 16 * sum(p.numel() for p in model.parameters())
+
+    def never(n: int) -> torch.Tensor:
+        raise AssertionError("measured a model that cannot fit")
+
+    with pytest.raises(UserError, match="the model alone does not fit; choose a smaller model") as info:
+        FP.estimate(
+            model, batch_size=1, optimizer="adamw", forward_loss=never, available=n_bytes, what="gpt-nano"
+        )
+    assert "activations" not in str(info.value) and "\n" not in str(info.value)
+
+
+def test_batch_1_that_cannot_fit_is_refused_without_measuring_more() -> None:
+    model = gpt()
+    calls: list[int] = []
+
+    def fl(n: int) -> torch.Tensor:
+        calls.append(n)
+        return forward_loss(model, n, 64)
+
+    one = FP.estimate(model, batch_size=1, optimizer="adamw", forward_loss=fl)
+    calls.clear()
+    # room for the model states and half a sample
+    available = int((one.model_states + one.activations // 2) / FP.HEADROOM)
+    with pytest.raises(UserError, match=r"even batch size 1 needs at least .*: use a shorter --seq-len"):
+        FP.estimate(model, batch_size=64, optimizer="adamw", forward_loss=fl, available=available)
+    assert calls == [1]
+    # room for one sample but not two (by batch 1's upper bound): batch 2 is not run, batch 1 suggested
+    calls.clear()
+    available = int((one.model_states + 1.5 * one.activations) / FP.HEADROOM)
+    with pytest.raises(UserError, match="use --batch-size 1 or less"):
+        FP.estimate(model, batch_size=64, optimizer="adamw", forward_loss=fl, available=available)
+    assert calls == [1]
+
+
+def test_running_out_of_memory_while_measuring_is_a_refusal() -> None:
+    model = nn.Linear(4, 4)
+
+    def oom(n: int) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    with pytest.raises(
+        UserError, match="ran out of memory measuring the activations of batch size 1"
+    ) as info:
+        FP.estimate(model, batch_size=8, optimizer="adamw", forward_loss=oom, available=GiB, what="m")
+    assert "even --batch-size 1 does not fit" in str(info.value)
+
+    def cpu_oom_at_2(n: int) -> torch.Tensor:
+        if n == 2:
+            raise RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory"
+            )
+        return model(torch.randn(n, 4)).sum()
+
+    with pytest.raises(UserError, match=r"batch size 2 .*: use --batch-size 1, or a shorter --seq-len"):
+        FP.estimate(model, batch_size=8, optimizer="adamw", forward_loss=cpu_oom_at_2, available=GiB)
+
+
+def test_a_model_whose_forward_fails_is_left_to_training() -> None:
+    """Its error belongs to the run, which records it in its run directory: the estimate says it is unmeasured."""
+    model = nn.Linear(4, 4)
+
+    def broken(n: int) -> torch.Tensor:
+        raise ValueError("Expected more than 1 value per channel when training")
+
+    fp = FP.estimate(model, batch_size=8, optimizer="sgd", forward_loss=broken, available=GiB)
+    assert not fp.measured and fp.activations == 0 and "ValueError: Expected more than 1" in fp.note
+    assert fp.optimizer_states == 4 * 20  # SGD: one fp32 momentum buffer per parameter
+    assert "activations not measured" in FP.describe(fp)["note"]
+
+
+def test_pure_modes_count_16_bit_parameters_and_fp32_states() -> None:
+    model = nn.Linear(10, 10).to(torch.bfloat16)
+    assert FP.model_state_bytes(model, "adamw") == (2 * 110, 2 * 110, 8 * 110)
+    assert FP.model_state_bytes(model, "sgd") == (2 * 110, 2 * 110, 4 * 110)
+
+
+def test_resident_bytes_count_each_storage_once() -> None:
+    model = gpt()  # tied embedding and head
+    n_params = sum(p.numel() for p in model.parameters())
+    n_buffers = sum(b.numel() for b in model.buffers())
+    assert FP.resident_bytes(model, CPU) == 4 * (n_params + n_buffers)
+    assert FP.resident_bytes(gpt2_medium_on_meta(), CPU) == 0  # not on the CPU: nothing to credit
 
 
 def test_available_memory_is_read_on_this_machine() -> None:
-    avail = FP.available_bytes(torch.device("cpu"))
+    avail = FP.available_bytes(CPU)
     assert avail is None or 0 < avail < 2**50
+    assert FP.available_bytes(torch.device("meta")) is None  # other devices: nothing is refused
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_cgroup_limits(tmp_path: Path) -> None:
+    """v2 and v1 files as the kernel writes them; inactive page cache counts as free."""
+    v2 = write(
+        tmp_path / "v2",
+        {
+            "memory.max": "8589934592\n",
+            "memory.current": "3221225472\n",
+            "memory.stat": "inactive_file 1073741824\n",
+        },
+    )
+    assert FP.cgroup_room(v2) == 8 * GiB - 2 * GiB
+    assert FP.cgroup_room(write(tmp_path / "v2max", {"memory.max": "max\n", "memory.current": "1\n"})) is None
+    v1 = write(
+        tmp_path / "v1",
+        {
+            "memory/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "no limit" here...
+            "memory/memory.usage_in_bytes": "2147483648\n",
+            "memory/memory.stat": "hierarchical_memory_limit 4294967296\ntotal_inactive_file 0\n",
+        },
+    )
+    assert FP.cgroup_room(v1) == 2 * GiB  # ...and the parent's limit in memory.stat
+    unlimited = write(
+        tmp_path / "v1none",
+        {"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "1\n"},
+    )
+    assert FP.cgroup_room(unlimited) is None
+    assert FP.cgroup_room(tmp_path / "nothing") is None
 
 
 @pytest.mark.slow
-def test_gpt2_medium_at_batch_512_is_refused_before_training(tmp_path: pytest.TempPathFactory) -> None:
+def test_gpt2_medium_at_batch_512_is_refused_before_training(tmp_path: Path) -> None:
     """The run that the out-of-memory killer used to end at 24 GB with no message: one line, exit 2, no run
-    directory, in seconds."""
-    out = tmp_path / "run"  # type: ignore[operator]
+    directory, in seconds (on any machine with less than about a terabyte)."""
+    out = tmp_path / "run"
     t0 = time.perf_counter()
     res = subprocess.run(
         [
@@ -141,6 +359,10 @@ def test_gpt2_medium_at_batch_512_is_refused_before_training(tmp_path: pytest.Te
     )
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "gpt2-medium at batch 512 x seq 1024 in fp32 needs at least" in lines[0]
-    assert "--batch-size" in lines[0] and not out.exists()  # type: ignore[attr-defined]
+    assert len(lines) == 1, res.stderr
+    # a machine with 8 GiB or more is told the batch that fits; a smaller one that even batch 1 does not
+    assert "gpt2-medium at batch 512 x seq 1024 in fp32 needs at least" in lines[0] or (
+        "gpt2-medium at batch 512 x seq 1024 in fp32 cannot train here" in lines[0]
+    )
+    assert "--seq-len" in lines[0] and not out.exists()
     assert time.perf_counter() - t0 < 240

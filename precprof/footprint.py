@@ -1,0 +1,423 @@
+"""Will this training run fit in memory? An estimate made after the model is built and before the optimizer,
+so that a run too large for the machine is refused in one line naming the sizes to change, instead of being
+killed by the out-of-memory killer with no message and no run directory.
+
+The estimate adds what training holds at its peak, all in bytes:
+
+- parameters and gradients, as they are stored: 4 bytes each in fp32 and the autocast modes, 2 in the pure
+  bf16/fp16 modes (their ``element_size``, read from the model as it will train);
+- optimizer states: AdamW keeps two fp32 tensors per trainable parameter, SGD with momentum one, in every mode
+  (precprof's optimizers for the pure modes keep theirs in fp32 too);
+- saved activations, *measured*: the forward pass and the loss run at batch 1 and at batch 2, at the run's
+  sequence length and in its precision (autocast included), counting every tensor autograd saves for backward
+  once per storage (``saved_tensors_hooks``), the parameters' own storages excluded. The difference between
+  the two is what one more sample costs; what is left of batch 1 is saved once per step whatever the batch
+  (under autocast, the 16-bit copies of the weights; position tables). Counting from batch 1 alone and
+  multiplying by the batch would count autocast's weight copies once per sample: 2.4x too much for gpt-mini
+  in bf16 at batch 8. Then a quarter is added for the backward pass's temporaries
+  (``BACKWARD_TEMPORARIES``). Measuring works for any model, a user's own factory included, where a formula
+  from the model's shape would only know the built-in ones.
+
+The measuring passes never run a batch larger than 2, and the batch-2 pass only when batch 1 says it fits;
+a run whose model states alone, or whose batch 1, cannot fit is refused before anything larger is tried. They
+run with the random state forked and the module buffers restored, so training is exactly what it would have
+been without them.
+
+The total is close to a lower bound (the allocator's fragmentation, the optimizer step's temporaries and the
+data come on top), so a refusal is not a false alarm; the run is refused when it exceeds ``HEADROOM`` (90%) of
+the memory available to it: on CUDA what ``torch.cuda.mem_get_info`` says is free plus what this process's
+caching allocator holds unused, on the CPU ``MemAvailable`` of /proc/meminfo, bounded by the cgroup's limit
+when one is set; in both cases plus the bytes of the model already on the device, which the estimate counts
+again. On other devices nothing is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from precprof.errors import UserError
+
+HEADROOM = 0.9  # refuse above this share of the available memory
+# The backward pass allocates the gradients of the activations while the saved ones are alive: measured on
+# gpt-mini (CPU, fp32, batch 16 and 64 x 256) a step's resident memory above the fixed parts was 1.4-1.6x the
+# saved activations. A quarter keeps the estimate below what a run really takes.
+BACKWARD_TEMPORARIES = 0.25
+# fp32 tensors per trainable parameter (the built-in loop's SGD always has momentum)
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}
+GiB = 2.0**30
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Bytes a training step needs at its peak, by part.
+
+    Invariants: every size is >= 0 and in bytes; ``total == model_states + activations``; the activation
+    sizes come from the measuring passes (``measured``) or are 0 when those could not run (``note`` says why).
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    activations_per_sample: int  # saved for backward by each sample of the batch
+    batch_size: int
+    activations_shared: int = 0  # saved once per step whatever the batch (autocast's weight copies)
+    measured: bool = True
+    note: str = ""
+
+    @property
+    def model_states(self) -> int:
+        """Parameters, gradients and optimizer states: what stays allocated from one step to the next."""
+        return self.parameters + self.gradients + self.optimizer_states
+
+    @property
+    def activations(self) -> int:
+        """Saved activations of the whole batch and the backward pass's temporaries beside them."""
+        saved = self.activations_shared + self.activations_per_sample * self.batch_size
+        return int(saved * (1 + BACKWARD_TEMPORARIES))
+
+    @property
+    def fixed(self) -> int:
+        """What does not grow with the batch."""
+        return self.model_states + int(self.activations_shared * (1 + BACKWARD_TEMPORARIES))
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations
+
+    def at_batch(self, batch_size: int) -> Footprint:
+        """The same model and sequence length at another batch size."""
+        return dataclasses.replace(self, batch_size=batch_size)
+
+    def largest_batch(self, available: int) -> int:
+        """The largest batch size whose estimate stays within ``HEADROOM`` of ``available`` bytes (0: none)."""
+        room = HEADROOM * available - self.fixed
+        if room < 0:
+            return 0
+        per_sample = self.activations_per_sample * (1 + BACKWARD_TEMPORARIES)
+        if per_sample <= 0:
+            return 1 << 62  # nothing grows with the batch: any batch fits
+        # the estimate rounds down after multiplying: check the neighbour so that the answer is exact
+        b = int(room // per_sample)
+        return b + 1 if self.at_batch(b + 1).total <= HEADROOM * available else b
+
+
+def size_text(n: float) -> str:
+    """Bytes for a message: GiB (one decimal) from 0.1 GiB up, MiB below, TiB from 1024 GiB."""
+    if n >= 1024 * GiB:
+        return f"{n / 2**40:,.1f} TiB"
+    return f"{n / GiB:,.1f} GiB" if n >= 0.1 * GiB else f"{n / 2**20:,.0f} MiB"
+
+
+# ------------------------------------------------------------------------------------ available memory
+def available_bytes(device: torch.device, *, cgroup_root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes this process can still allocate on ``device``; None where it cannot be read (then nothing is
+    refused). The model's tensors already on the device are *not* included (``resident_bytes``)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        # what the caching allocator holds but no tensor uses is free for this process, not for the driver
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + max(int(cached), 0)
+    if device.type != "cpu":
+        return None
+    avail = _meminfo_available()
+    room = cgroup_room(cgroup_root)
+    if avail is None or room is None:
+        return avail if room is None else room
+    return min(avail, room)
+
+
+def _meminfo_available() -> int | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the file's unit is kB (KiB)
+    return None
+
+
+def cgroup_room(root: Path) -> int | None:
+    """Bytes left under this process's cgroup memory limit (v2 ``memory.max`` or v1 ``memory.limit_in_bytes``);
+    None when no limit is set. Inactive page cache counts as free: the kernel reclaims it before killing."""
+    for limit_name, usage_name, inactive_key in (
+        ("memory.max", "memory.current", "inactive_file"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "total_inactive_file"),
+    ):
+        limit_file = root / limit_name
+        with contextlib.suppress(OSError, ValueError):
+            text = limit_file.read_text().strip()
+            stat = _stat_file(limit_file.parent / "memory.stat")
+            # v1 reports "no limit" as a huge number, and a parent's limit only in memory.stat
+            limits = [int(text)] if text != "max" else []
+            if "hierarchical_memory_limit" in stat:
+                limits.append(stat["hierarchical_memory_limit"])
+            limit = min((v for v in limits if v < (1 << 60)), default=None)
+            if limit is None:
+                return None
+            usage = int((root / usage_name).read_text().strip()) - stat.get(inactive_key, 0)
+            return max(limit - max(usage, 0), 0)
+    return None
+
+
+def _stat_file(path: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                out[key] = int(value)
+    return out
+
+
+def resident_bytes(model: nn.Module, device: torch.device) -> int:
+    """Bytes of the model's parameters, gradients and buffers already on ``device`` (each storage once):
+    ``available_bytes`` no longer sees them as free, and the estimate counts them."""
+    seen: set[int] = set()
+    total = 0
+    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters())]
+    for t in tensors:
+        if t is None or t.device.type != device.type:
+            continue
+        with contextlib.suppress(RuntimeError):  # tensor subclasses without a plain storage
+            st = t.untyped_storage()
+            if _storage_key(st) not in seen:
+                seen.add(_storage_key(st))
+                total += st.nbytes()
+    return total
+
+
+# ---------------------------------------------------------------------------------------- the estimate
+def model_state_bytes(model: nn.Module, optimizer: str) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer states) in bytes, from the parameters as they will train."""
+    params = list(model.parameters())  # tied weights appear once
+    trainable = [p for p in params if p.requires_grad]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    state_bytes = OPTIMIZER_STATES.get(optimizer, 2) * 4 * sum(p.numel() for p in trainable)
+    return param_bytes, grad_bytes, state_bytes
+
+
+def saved_activation_bytes(model: nn.Module, forward_loss: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the tensors autograd saves for backward while ``forward_loss()`` runs (each storage once,
+    the model's parameters excluded). The graph is dropped afterwards; nothing is trained. The random state
+    is forked and the module buffers (BatchNorm's running statistics) restored: training is unchanged."""
+    params = {_storage_key(p.untyped_storage()) for p in model.parameters()}
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        with contextlib.suppress(RuntimeError):  # tensor subclasses without a plain storage
+            st = t.untyped_storage()
+            key = _storage_key(st)
+            if key not in params and key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+        return t
+
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    devices = [d for d in {p.device for p in model.parameters()} if d.type == "cuda"]
+    try:
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            loss = forward_loss()
+        del loss
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+    return total
+
+
+def _storage_key(st: torch.UntypedStorage) -> int:
+    """One number per storage alive: its StorageImpl's address. ``data_ptr`` would do on real devices, but is 0
+    for every storage on the meta device (where a model can be measured without allocating it)."""
+    key = getattr(st, "_cdata", None)
+    return key if isinstance(key, int) else st.data_ptr()
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    # CUDA raises torch.OutOfMemoryError; the CPU allocator a RuntimeError naming the allocation
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    )
+
+
+def estimate(
+    model: nn.Module,
+    *,
+    batch_size: int,
+    optimizer: str,
+    forward_loss: Callable[[int], torch.Tensor],
+    available: int | None = None,
+    what: str = "this run",
+    where: str = "this machine",
+) -> Footprint:
+    """The footprint of training ``model`` at ``batch_size`` (>= 1) with ``optimizer`` ("adamw" or "sgd").
+
+    ``forward_loss(n)`` runs the forward pass and the loss on ``n`` random samples at the run's sequence length,
+    in the run's precision. ``available`` (bytes, None: unknown) guards the measuring passes: a run whose model
+    states or whose batch 1 cannot fit is refused (UserError) before a larger batch is tried, and batch 2 is
+    measured only when batch 1 says it fits. Only a refusal is raised here: when the model's own forward pass
+    fails, the estimate is left unmeasured (``measured`` False, ``note`` says why) and training meets the
+    error where it records it. ``what`` and ``where`` name the run and the machine in a refusal.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    params, grads, states = model_state_bytes(model, optimizer)
+    fp = Footprint(params, grads, states, 0, batch_size)
+    check_fits(fp, available, what=what, where=where)  # the model alone: nothing measured yet
+
+    try:
+        one = _measure(model, forward_loss, 1)
+    except torch.OutOfMemoryError:
+        raise _refusal(fp.at_batch(1), available, what=what, where=where, out_of_memory=True) from None
+    except Exception as e:  # the model's own error: training reports it, with its run directory
+        return dataclasses.replace(fp, measured=False, note=_failure(e))
+    # batch 1 counts what is saved once per step as if each sample saved it: an upper bound per sample
+    fp = dataclasses.replace(fp, activations_per_sample=one)
+    check_fits(fp.at_batch(1), available, what=what, where=where)  # refused without measuring more
+    if batch_size == 1:
+        return dataclasses.replace(fp, note="measured at batch 1 only: the run's batch")
+    if available is not None and fp.at_batch(2).total > HEADROOM * available:
+        check_fits(fp, available, what=what, where=where)  # "use --batch-size 1" from the upper bound
+        return fp  # not reached while batch_size >= 2: batch 2 does not fit
+    try:
+        two = _measure(model, forward_loss, 2)
+    except torch.OutOfMemoryError:
+        raise _refusal(fp.at_batch(2), available, what=what, where=where, out_of_memory=True) from None
+    except Exception as e:  # batch 1 ran: keep its upper bound
+        return dataclasses.replace(fp, note=f"measured at batch 1 only: {_failure(e)}")
+    per_sample = max(two - one, 0)
+    fp = dataclasses.replace(
+        fp, activations_per_sample=per_sample, activations_shared=max(one - per_sample, 0)
+    )
+    check_fits(fp, available, what=what, where=where)
+    return fp
+
+
+def _measure(model: nn.Module, forward_loss: Callable[[int], torch.Tensor], n: int) -> int:
+    """``saved_activation_bytes`` at batch ``n``; running out of memory raises torch.OutOfMemoryError."""
+    try:
+        return saved_activation_bytes(model, lambda: forward_loss(n))
+    except Exception as e:
+        if not _is_out_of_memory(e):
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what the failed pass cached must not stay held by the run
+        raise torch.OutOfMemoryError(str(e)) from None
+
+
+def _failure(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"the measuring pass raised {type(e).__name__}" + (f": {first}" if first else "")
+
+
+def check_fits(fp: Footprint, available: int | None, *, what: str, where: str) -> None:
+    """UserError, one line, when ``fp`` exceeds ``HEADROOM`` of ``available`` bytes (None: nothing to check).
+
+    The message gives the estimate by part and the largest batch size that fits, or, when none does, whether
+    the model alone is too large or one sample at this sequence length is.
+    """
+    if available is None or fp.total <= HEADROOM * available:
+        return
+    raise _refusal(fp, available, what=what, where=where)
+
+
+def _refusal(
+    fp: Footprint, available: int | None, *, what: str, where: str, out_of_memory: bool = False
+) -> UserError:
+    fits = 0 if available is None or out_of_memory else fp.largest_batch(available)
+    has = f"{where} has {size_text(available)} available" if available is not None else f"{where} ran out"
+    states = (
+        f"parameters {size_text(fp.parameters)}, gradients {size_text(fp.gradients)}, "
+        f"optimizer states {size_text(fp.optimizer_states)}"
+    )
+    if fits >= 1:
+        return UserError(
+            f"{what} needs at least {size_text(fp.total)} to train ({states}, activations "
+            f"{size_text(fp.activations)}) but {has}: use --batch-size {fits} or less, or a shorter --seq-len"
+        )
+    if available is not None and fp.model_states > HEADROOM * available:
+        return UserError(
+            f"{what} needs at least {size_text(fp.total)} to train ({states}) but {has}: the model alone "
+            "does not fit; choose a smaller model (--model-arg) or a machine with more memory"
+        )
+    one = fp.at_batch(1)
+    if out_of_memory:  # the measuring pass itself failed at batch fp.batch_size (1 or 2)
+        fix = (
+            "use --batch-size 1, or a shorter --seq-len"
+            if fp.batch_size > 1
+            else "even --batch-size 1 does not fit; use a shorter --seq-len or a smaller model (--model-arg)"
+        )
+        return UserError(
+            f"{what} ran out of memory measuring the activations of batch size {fp.batch_size} "
+            f"({states}); {has}: {fix}"
+        )
+    return UserError(
+        f"{what} cannot train here: even batch size 1 needs at least {size_text(one.total)} ({states}, "
+        f"activations {size_text(one.activations)}) but {has}: use a shorter --seq-len or a smaller model "
+        "(--model-arg)"
+    )
+
+
+def check_training_fits(
+    model: nn.Module,
+    *,
+    batch_size: int,
+    optimizer: str,
+    forward_loss: Callable[[int], torch.Tensor],
+    device: torch.device,
+    what: str,
+    processes_sharing: int = 1,
+) -> Footprint:
+    """The entry point of the training loop, called once the model is on ``device`` in its training dtype
+    and before the optimizer exists: the footprint (``estimate``), or UserError when the run cannot fit.
+
+    ``processes_sharing`` is the number of ranks training on this same memory (CPU ranks of one machine under
+    torchrun): each may take only its share of what is available.
+    """
+    avail = available_bytes(device)
+    if avail is not None:
+        avail = avail // max(processes_sharing, 1) + resident_bytes(model, device)
+    where = "this machine" if device.type == "cpu" else str(device)
+    if processes_sharing > 1:
+        where += f" ({processes_sharing} ranks sharing it)"
+    return estimate(
+        model,
+        batch_size=batch_size,
+        optimizer=optimizer,
+        forward_loss=forward_loss,
+        available=avail,
+        what=what,
+        where=where,
+    )
+
+
+def describe(fp: Footprint) -> dict[str, Any]:
+    """The estimate for summary.json's configuration block (bytes)."""
+    how = (
+        "saved activations measured at batch 1 and 2 (what each sample adds, and what is saved once per step) "
+        f"and scaled to the batch, plus {BACKWARD_TEMPORARIES:.0%} for backward's temporaries"
+        if fp.measured
+        else "activations not measured"
+    )
+    return {
+        "parameters": fp.parameters,
+        "gradients": fp.gradients,
+        "optimizer_states": fp.optimizer_states,
+        "activations": fp.activations,
+        "activations_per_sample": fp.activations_per_sample,
+        "activations_shared": fp.activations_shared,
+        "total": fp.total,
+        "note": f"a lower bound measured before training: {how}" + (f"; {fp.note}" if fp.note else ""),
+    }
