@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import sys
 import time
 import warnings
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precprof import _signals, distributed, hardware, rundir
+from precprof import _signals, distributed, footprint, hardware, rundir
 from precprof import tables as T
 from precprof.capture import Profiler
 from precprof.data import TokenSource, load_data
@@ -26,7 +27,6 @@ from precprof.errors import UserError
 from precprof.models import BuiltModel, build_model
 from precprof.modes import FP16_MODES, resolve_loss_scale
 from precprof.training import distributed as launch
-from precprof.training import footprint
 from precprof.training.config import TrainConfig, default_out_dir, default_sample_every
 from precprof.training.precision import (
     PrecisionPlan,
@@ -323,10 +323,10 @@ def _check_memory(
     data: TokenSource,
     device: torch.device,
 ) -> footprint.Footprint:
-    """Refuse, before the first step, a run that cannot fit in this device's memory (``footprint``)."""
+    """Refuse, before the first step, a run that cannot fit in this device's memory (``precprof.footprint``)."""
 
-    def forward_loss_one() -> torch.Tensor:  # one sample, in the run's precision (the RNG state is forked)
-        seq = torch.randint(0, data.vocab_size, (1, config.seq_len + 1), device=device)
+    def forward_loss(batch: int) -> torch.Tensor:  # in the run's precision (footprint forks the RNG state)
+        seq = torch.randint(0, data.vocab_size, (batch, config.seq_len + 1), device=device)
         x, y = seq[:, :-1], seq[:, 1:]
         autocast = (
             torch.autocast(device.type, dtype=plan.autocast_dtype)
@@ -337,13 +337,18 @@ def _check_memory(
             out = model(x, targets=y) if built.pass_targets else model(x)
             return loss_from_output(out, y, data.vocab_size)
 
-    fp = footprint.estimate(
-        model, batch_size=config.batch_size, optimizer=config.optimizer, forward_loss_one=forward_loss_one
+    sharing = (
+        int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    )  # CPU ranks share RAM
+    return footprint.check_training_fits(
+        model,
+        batch_size=config.batch_size,
+        optimizer=config.optimizer,
+        forward_loss=forward_loss,
+        device=device,
+        what=f"{built.name} at batch {config.batch_size} x seq {config.seq_len} in {config.precision}",
+        processes_sharing=sharing,
     )
-    where = "this machine" if device.type == "cpu" else str(device)
-    what = f"{built.name} at batch {config.batch_size} x seq {config.seq_len} in {config.precision}"
-    footprint.check_fits(fp, footprint.available_bytes(device), what=what, where=where)
-    return fp
 
 
 def _run(s: _Setup, callbacks: Sequence[Callback]) -> TrainResult:
