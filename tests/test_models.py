@@ -13,7 +13,15 @@ import torch
 
 from precprof import models
 from precprof.errors import MissingDependencyError, UserError
-from precprof.models import BUILTIN_MODELS, approx_params, build_model, count_params, parse_model_args
+from precprof.models import (
+    BUILTIN_MODELS,
+    approx_params,
+    base,
+    build_model,
+    count_params,
+    parse_model_args,
+    registry,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -44,7 +52,7 @@ def test_gpt2_configurations_have_the_published_sizes() -> None:
 @pytest.mark.parametrize("name", [n for n in BUILTIN_MODELS if not n.startswith("gpt2")])
 def test_approx_params_matches_the_built_model(name: str) -> None:
     built = build_model(name, vocab_size=256, seq_len=32)
-    _, cfg = models._build_builtin(name, {}, 256, 32)
+    _, cfg = registry._build_builtin(name, {}, 256, 32)
     assert abs(approx_params(cfg) - count_params(built.module)) / count_params(built.module) < 0.02
 
 
@@ -154,7 +162,7 @@ def test_unknown_model_names_the_known_ones() -> None:
 
 
 def test_too_big_for_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models, "_available_ram", lambda: 2**30)
+    monkeypatch.setattr(base, "_available_ram", lambda: 2**30)
     with pytest.raises(UserError, match="GiB"):
         build_model("gpt2-medium", vocab_size=256, seq_len=16)
 

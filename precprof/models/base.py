@@ -1,0 +1,143 @@
+"""What every model kind shares: the built model and its facts, ``--model-arg`` parsing, the size check."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from precprof.errors import UserError
+from precprof.footprint import available_bytes, size_text
+
+
+@dataclass
+class BuiltModel:
+    """A model ready to train, and what summary.json records about it.
+
+    ``kind`` is "builtin", "hf" or "factory". ``max_seq_len`` is the longest sequence the model accepts
+    (None when unknown). ``pass_targets``: forward takes ``targets=`` (see the module docstring).
+    """
+
+    module: nn.Module
+    name: str
+    kind: str
+    vocab_size: int | None
+    max_seq_len: int | None
+    pass_targets: bool = False
+    dims: dict[str, Any] = field(default_factory=dict)
+
+    def info(self) -> dict[str, Any]:
+        """The "model" part of summary.json: name, class, parameter count, dims (for alignment checks)."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "class": f"{type(self.module).__module__}.{type(self.module).__qualname__}",
+            "n_params": count_params(self.module),
+            "vocab_size": self.vocab_size,
+            "max_seq_len": self.max_seq_len,
+            **self.dims,
+        }
+
+
+def count_params(module: nn.Module) -> int:
+    """Number of distinct parameter elements (tied weights counted once)."""
+    return sum(p.numel() for p in module.parameters())
+
+
+def parse_model_args(items: Sequence[str]) -> dict[str, str]:
+    """``["k=v", ...]`` (repeated ``--model-arg``) -> {k: v}; a malformed item raises UserError."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise UserError(f"--model-arg {item!r}: expected KEY=VALUE, e.g. --model-arg n_layer=2")
+        out[key] = value.strip()
+    return out
+
+
+def coerce_value(value: Any) -> Any:
+    """A command-line string as the int, float, bool or None it spells; other strings and non-strings as is."""
+    if not isinstance(value, str):
+        return value
+    low = value.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for conv in (int, float):
+        try:
+            return conv(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _coerce_to(name: str, value: Any, like: Any, where: str) -> Any:
+    """``value`` converted to the type of the default ``like``; UserError when it does not fit."""
+    if isinstance(like, str) and isinstance(value, str):
+        return value  # a string setting keeps "1" as "1"
+    v = coerce_value(value)
+    if like is None or v is None:
+        return v
+    is_number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if isinstance(like, bool):
+        ok = isinstance(v, bool)
+    elif isinstance(like, int):
+        ok = is_number and isinstance(v, int)
+    elif isinstance(like, float):
+        ok = is_number
+        v = float(v) if ok else v
+    else:
+        ok = True
+    if not ok:
+        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(
+            type(like), type(like).__name__
+        )
+        raise UserError(f"--model-arg {name}={value}: {where} expects {kind} for {name}")
+    return v
+
+
+# The least any precision mode of the built-in loop needs per parameter to train: bf16/fp16-pure weights and
+# gradients (2 + 2 bytes) and SGD's fp32 momentum (4). fp32 with AdamW needs 16; the exact, mode-aware check
+# (precprof.footprint, activations included) runs once the model is built. This one only keeps a model that can
+# never train here from being allocated at all, so it must not refuse what some mode could train.
+_MIN_BYTES_PER_PARAM_TRAINING = 8
+
+
+def _check_size(name: str, n_params: int) -> None:
+    """UserError when training ``n_params`` parameters cannot fit in this machine's RAM in any precision mode
+    (``_MIN_BYTES_PER_PARAM_TRAINING`` bytes each against the memory available, cgroup limit included)."""
+    avail = _available_ram()
+    need = n_params * _MIN_BYTES_PER_PARAM_TRAINING
+    if avail is not None and need > avail:
+        raise UserError(
+            f"{name} has {n_params / 1e6:,.0f}M parameters: even the leanest precision mode needs at least "
+            f"{size_text(need)} to train them (16-bit weights and gradients, one fp32 optimizer state), more "
+            f"than the {size_text(avail)} of memory available; pass smaller sizes with --model-arg"
+        )
+
+
+def _available_ram() -> int | None:
+    """Bytes of RAM this process can still take (``MemAvailable`` bounded by the cgroup); None: unknown."""
+    return available_bytes(torch.device("cpu"))
+
+
+def accepts_targets(module: nn.Module) -> bool:
+    """Whether ``module.forward`` has a ``targets`` parameter (then the loop passes the next-token targets)."""
+    try:
+        return "targets" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _guess_vocab(module: nn.Module) -> int | None:
+    """The size of the first embedding table, a good guess of a user model's vocabulary."""
+    for m in module.modules():
+        if isinstance(m, nn.Embedding):
+            return int(m.num_embeddings)
+    return None

@@ -1,0 +1,76 @@
+"""The user's own model: ``path/to/file.py:factory`` or ``package.module:factory``."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from precprof.errors import UserError
+from precprof.models.base import BuiltModel, _guess_vocab, accepts_targets, coerce_value
+
+
+def _load_factory(spec: str) -> Callable[..., Any]:
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr.isidentifier():
+        raise UserError(f"--model {spec!r}: expected path/to/file.py:factory or package.module:factory")
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise UserError(f"--model {spec!r}: no such file {str(path)!r}")
+        mod_name = f"precprof_user_model_{abs(hash(str(path.resolve())))}"
+        file_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if file_spec is None or file_spec.loader is None:
+            raise UserError(f"--model {spec!r}: cannot import {str(path)!r} as Python")
+        module = importlib.util.module_from_spec(file_spec)
+        sys.modules[mod_name] = module  # dataclasses and pickling look modules up here
+        try:
+            file_spec.loader.exec_module(module)
+        except Exception as e:
+            sys.modules.pop(mod_name, None)
+            raise UserError(
+                f"--model {spec!r}: importing {str(path)!r} failed: {type(e).__name__}: {e}"
+            ) from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as e:
+            raise UserError(f"--model {spec!r}: cannot import {target!r}: {type(e).__name__}: {e}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UserError(f"--model {spec!r}: {target!r} has no callable {attr!r}")
+    return factory
+
+
+def _build_factory(spec: str, args: Mapping[str, Any], vocab_size: int, seq_len: int) -> BuiltModel:
+    factory = _load_factory(spec)
+    kwargs = {k: coerce_value(v) for k, v in args.items()}
+    try:
+        params = inspect.signature(factory).parameters
+        var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        for k, v in (("vocab_size", vocab_size), ("seq_len", seq_len)):
+            if (k in params or var_kw) and k not in kwargs:
+                kwargs[k] = v
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        pass
+    try:
+        module = factory(**kwargs)
+    except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"model factory {spec!r} raised {type(e).__name__}: {msg}") from None
+    if not isinstance(module, nn.Module):
+        raise UserError(f"model factory {spec!r} returned {type(module).__name__}, not a torch.nn.Module")
+    return BuiltModel(
+        module=module,
+        name=spec,
+        kind="factory",
+        vocab_size=_guess_vocab(module),
+        max_seq_len=None,
+        pass_targets=accepts_targets(module),
+    )
