@@ -58,7 +58,7 @@ def _wrap(model: nn.Module, scenario: str) -> nn.Module:
 
 def run_scenario(scenario: str, rank: int, out: Path) -> None:
     import precprof
-    from precprof.distributed import RankReducer
+    from precprof.capture.reducer import RankReducer
 
     model = _wrap(build_model(), scenario)
     opt = make_optimizer(model.parameters())

@@ -33,7 +33,7 @@ from torch import nn
 import precprof
 from precprof import stats as st
 from precprof import tables as T
-from precprof.distributed import RankReducer, _row_layout, wrapper_info
+from precprof.capture.reducer import RankReducer, _row_layout, wrapper_info
 
 HERE = Path(__file__).parent
 SCENARIOS = ("ddp", "fsdp2", "fsdp2-bf16")

@@ -1,4 +1,4 @@
-"""precprof.memory_tracker and analysis.memory_projection: components measured against hand arithmetic and autograd's own saved tensors."""
+"""capture.memory_tracker and analysis.memory_projection: components measured against hand arithmetic and autograd's own saved tensors."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 
 from precprof import tables as T
 from precprof.analysis.memory_projection import MODES, infer_mode, project, textbook
-from precprof.memory_tracker import MemoryTracker
+from precprof.capture.memory_tracker import MemoryTracker
 from precprof.taxonomy import autocast_class as module_class
 
 B, D_IN, D_HID, D_OUT = 5, 8, 16, 4

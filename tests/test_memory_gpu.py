@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from precprof import tables as T
-from precprof.memory_tracker import MemoryTracker
+from precprof.capture.memory_tracker import MemoryTracker
 
 pytestmark = [
     pytest.mark.gpu,

@@ -24,7 +24,7 @@ from torch import nn
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.capture import Profiler
-from precprof.distributed import RankReducer, is_distributed
+from precprof.capture.reducer import RankReducer, is_distributed
 from precprof.hardware import software_versions
 
 # Precision names of the frameworks -> precprof's modes (precprof.training.Precision).

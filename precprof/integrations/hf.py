@@ -30,7 +30,7 @@ requested precision (``fp16`` / ``bf16``, from ``args.fp16`` / ``args.bf16``) an
 (Linear, GPT-2's Conv1D) actually produced, so the advisor reports "fp16 was requested but is not active".
 
 Under torch.distributed (``torchrun``/``accelerate launch``) the Profiler reduces statistics across ranks
-(``precprof.distributed.RankReducer``) and rank 0 writes; the wrapper (DDP/FSDP) is described from
+(``precprof.capture.reducer.RankReducer``) and rank 0 writes; the wrapper (DDP/FSDP) is described from
 ``trainer.model_wrapped`` when the callback knows the trainer (``profile_trainer``).
 """
 

@@ -23,7 +23,7 @@ modes (``config.precision``): ``16-mixed`` -> fp16 (autocast + GradScaler), ``bf
 ``bf16-true`` / ``16-true`` -> bf16-pure / fp16-pure (parameters in that dtype), ``32-true`` -> fp32,
 ``transformer-engine`` -> fp8. Lightning itself turns ``16-mixed`` on a CPU into ``bf16-mixed`` (with a warning),
 so such a run is recorded as bf16. Under DDP/FSDP strategies the Profiler reduces across ranks and rank 0
-writes (``precprof.distributed``); the wrapper is described from ``trainer.strategy.model``.
+writes (``precprof.capture.reducer``); the wrapper is described from ``trainer.strategy.model``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Under torchrun: join the process group, wrap the model for data-parallel training (DDP, FSDP2 ``fully_shard``,
 FSDP1), and leave the group once rank 0 has written the run. What the Profiler does with several ranks is
-``precprof.distributed.RankReducer``'s business."""
+``precprof.capture.reducer.RankReducer``'s business."""
 
 from __future__ import annotations
 

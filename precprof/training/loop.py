@@ -19,9 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from precprof import _signals, distributed, footprint, hardware, rundir
+from precprof import _signals, footprint, hardware, rundir
 from precprof import tables as T
 from precprof.capture import Profiler
+from precprof.capture.reducer import RankReducer
 from precprof.data import TokenSource, load_data
 from precprof.errors import UserError
 from precprof.models import BuiltModel, build_model
@@ -253,7 +254,7 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     inner = model
     if dist_info is not None:  # the Profiler watches the inner module (plain names); the reducer the wrapper
         model = launch.wrap_model(model, config.distributed, device=device)
-        profiler_kwargs = {"reducer": distributed.RankReducer(wrapped=model), **(profiler_kwargs or {})}
+        profiler_kwargs = {"reducer": RankReducer(wrapped=model), **(profiler_kwargs or {})}
     optimizer = make_optimizer(config, model, plan)
     scaler = make_scaler(config, plan, device)
     sample_every = (

@@ -30,8 +30,7 @@ import contextlib
 import fnmatch
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,100 +42,22 @@ from torch import nn
 from precprof import stats as st
 from precprof import tables as T
 from precprof._version import __version__
-from precprof.distributed import RankReducer
+from precprof.capture.memory_tracker import MemoryTracker
+from precprof.capture.records import (
+    MAX_PENDING_STEPS,
+    _host_floats,
+    _iter_tensors,
+    _join_columns,
+    _local,
+    _ModuleSlot,
+    _ParamSlot,
+    _PendingStep,
+    _Row,
+)
+from precprof.capture.reducer import RankReducer
 from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
-from precprof.memory_tracker import MemoryTracker
 
 ModuleFilter = Sequence[str | type[nn.Module]] | None
-
-_MAX_PENDING_STEPS = 256  # steps kept on the device between flushes when sampling is rare or off
-
-
-@dataclass
-class _Row:
-    """Host-side description of one buffer row."""
-
-    index: int
-    module: str
-    module_type: str
-    tensor: str
-    param: str = ""
-    calls: int = 0
-    dtypes: list[str] = field(default_factory=list)
-
-    def seen(self, dtype: torch.dtype) -> None:
-        self.calls += 1
-        name = str(dtype).removeprefix("torch.")
-        if name not in self.dtypes:
-            self.dtypes.append(name)
-
-
-@dataclass
-class _ModuleSlot:
-    name: str
-    module: nn.Module
-    activation: _Row
-    activation_grad: _Row
-    weights: list[tuple[str, nn.Parameter, _Row]]
-    order: int = -1
-    called: bool = False
-
-
-@dataclass
-class _ParamSlot:
-    module: str
-    param: str
-    tensor: nn.Parameter
-    grad_row: _Row | None
-    update_index: int  # row in the weight-update buffer (-1: not tracked)
-    sample_stride: int = 1
-    sample_len: int = 0
-
-
-@dataclass
-class _PendingStep:
-    step: int
-    loss: torch.Tensor | float | None
-    scale: torch.Tensor | float
-    found_inf: torch.Tensor | None
-    grad_norm: torch.Tensor | float | None
-    time_s: float
-    sampled: bool
-    tokens: int | None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP2, tensor parallel); any other tensor as it is."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
-def _iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Floating tensors inside a module output (tensor, tuple/list, dict, ModelOutput), depth-limited."""
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point():
-            yield obj
-        return
-    if depth > 3:
-        return
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _iter_tensors(o, depth + 1)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _iter_tensors(o, depth + 1)
-
-
-def _host_floats(values: list[Any]) -> list[float]:
-    """Python floats of a mix of None, numbers and 0-dim device tensors, with one device-to-host copy."""
-    out = [math.nan if v is None else (math.nan if isinstance(v, torch.Tensor) else float(v)) for v in values]
-    idx = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    if idx:
-        dev = values[idx[0]].device
-        stacked = torch.stack([values[i].detach().reshape(()).to(dev, torch.float64) for i in idx])
-        for i, v in zip(idx, stacked.cpu().tolist(), strict=True):  # the sync
-            out[i] = float(v)
-    return out
 
 
 class Profiler:
@@ -151,12 +72,12 @@ class Profiler:
         modules: which modules to capture — None: every leaf module plus every module that owns parameters
             directly; otherwise a list of qualified-name patterns (``fnmatch``, e.g. ``"transformer.h.*.mlp.*"``)
             and/or module types.
-        memory: track memory per component (``precprof.memory_tracker``) on sampled steps.
+        memory: track memory per component (``precprof.capture.memory_tracker``) on sampled steps.
         weight_updates: record ``weight_update`` rows (needs ``optimizer``).
         update_sample: elements per parameter sampled (strided) for the weight-update statistics.
         chunk: scratch chunk size for the statistics (see ``StatsBuffer``).
         reducer: how statistics combine across ranks. ``"auto"``: under an initialised torch.distributed
-            process group of more than one rank, ``precprof.distributed.RankReducer`` (counts and histograms
+            process group of more than one rank, ``precprof.capture.reducer.RankReducer`` (counts and histograms
             summed, absmax/absmin reduced, rank 0 writes); None: this process only.
 
     Call ``step()`` once per optimizer step, at its end. Statistics of a tied parameter (one Parameter owned
@@ -609,7 +530,7 @@ class Profiler:
         if not self._attached:
             raise RuntimeError("Profiler.step() called while the profiler is not attached (use `with prof:`)")
         self._pending.append(self._make_pending(loss, grad_norm, tokens))
-        if self._sampling or len(self._pending) >= _MAX_PENDING_STEPS:
+        if self._sampling or len(self._pending) >= MAX_PENDING_STEPS:
             self._flush(sampled_step_done=self._sampling)
         self._step += 1
         self._begin_step()
@@ -937,23 +858,6 @@ def set_run_finisher(finisher: RunFinisher) -> None:
     """Register the function ``Profiler.save`` hands a finished (or crashed) run to."""
     global _run_finisher
     _run_finisher = finisher
-
-
-def _join_columns(parts: list[dict[str, Any]]) -> pd.DataFrame:
-    """One frame from column dicts (arrays or lists, equal keys within a part), in order; a column missing
-    from a part is NaN there."""
-    names: list[str] = []
-    for part in parts:
-        names.extend(c for c in part if c not in names)
-    out: dict[str, Any] = {}
-    for c in names:
-        pieces = []
-        for part in parts:
-            n = len(next(iter(part.values())))
-            v = part.get(c)
-            pieces.append(np.full(n, math.nan) if v is None else np.asarray(v))
-        out[c] = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-    return pd.DataFrame(out)
 
 
 def iter_module_names(model: nn.Module) -> Iterable[str]:
