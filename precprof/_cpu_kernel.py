@@ -27,7 +27,8 @@ and the torch path runs.
 The library is plain C with no torch headers, so it compiles in well under a second with ``cc``; it is
 built for this CPU (``-march=native``, falling back to generic code) and cached in the per-user folder of
 ``precprof._kernel_cache`` (checked before use, built once across processes, never loaded unless this user
-built it), keyed by its source, the compiler and its version, the flags and the CPU.
+built it), keyed by everything the build depends on (``cache_key``). ``Profiler.attach()`` builds or loads
+it (through ``precprof.stats``), so no compiler runs inside a training step.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ import platform
 import re
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 from precprof import _kernel_cache
@@ -462,7 +462,7 @@ def shares_torch_threads(lib: ctypes.CDLL) -> bool:
     return bool(lib.pp_openmp()) and len(openmp_runtimes()) == 1
 
 
-_FLAG_SETS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+_FLAG_SETS: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
 
 
 def _compile(cc: str, src: Path, out: Path) -> None:
@@ -482,15 +482,52 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
+def _openmp_identity(cc: str) -> str:
+    """The OpenMP runtimes ``-fopenmp`` can link (``libgomp.so`` for gcc, ``libomp.so`` for clang) as this
+    compiler finds them: resolved path, size and modification time, so that a runtime upgraded under the
+    same compiler version changes the key. "-" for one it does not find."""
+    found = []
+    for name in ("libgomp.so", "libomp.so"):
+        try:
+            out = subprocess.run(
+                [cc, f"-print-file-name={name}"], capture_output=True, text=True, timeout=30, check=False
+            ).stdout.strip()
+            # a runtime it does not find comes back as the bare name, relative: never looked up here
+            path = os.path.realpath(out) if os.path.isabs(out) else None
+            st = os.stat(path) if path else None
+        except (OSError, subprocess.SubprocessError):
+            path, st = None, None
+        found.append(f"{path} {st.st_size} {st.st_mtime_ns}" if path and st else "-")
+    return " ".join(found)
+
+
 def cache_key(cc: str) -> str:
-    """What the build depends on: source, compiler (path and version), flags, CPU."""
-    material = "\0".join([_SOURCE, _kernel_cache.compiler_identity(cc), repr(_FLAG_SETS), _cpu_signature()])
+    """What the build depends on: the source, the compiler (resolved path and version line), the OpenMP
+    runtime it links, the flags and the CPU's instruction set. Nothing of torch: the kernel has no torch
+    headers and links no torch library; which OpenMP pool it runs in is decided when it loads
+    (``shares_torch_threads``), not when it is built."""
+    material = "\0".join(
+        [
+            _SOURCE,
+            _kernel_cache.compiler_identity(cc),
+            _openmp_identity(cc),
+            repr(_FLAG_SETS),
+            _cpu_signature(),
+        ]
+    )
     return hashlib.sha256(material.encode()).hexdigest()[:20]
 
 
 def status() -> dict[str, object]:
-    """Whether the kernel is in use, and why not: for ``precprof env`` and summary.json."""
+    """Whether the kernel is in use, and why not: for ``precprof env`` and summary.json. Once ``load()`` tried
+    to build, ``cache`` names the per-user folder, and ``cache_refused`` says why it was not used (the
+    kernel then lives in a private temporary folder) when it was not."""
     return dict(_status)
+
+
+def _cache_status() -> dict[str, object]:
+    refused = _kernel_cache.refusal()
+    return {"cache": str(_kernel_cache.default_dir()), **({"cache_refused": refused} if refused else {})}
 
 
 def load() -> ctypes.CDLL | None:
@@ -512,10 +549,9 @@ def load() -> ctypes.CDLL | None:
         return None
 
     def compile_to(out: Path) -> None:
-        with tempfile.TemporaryDirectory() as tmp:
-            src = Path(tmp) / "stats.c"
-            src.write_text(_SOURCE)
-            _compile(cc, src, out)
+        src = out.parent / "stats.c"  # beside the output, in the build's private folder
+        src.write_text(_SOURCE)
+        _compile(cc, src, out)
 
     try:
         path = _kernel_cache.build("stats", cache_key(cc), compile_to)
@@ -533,10 +569,15 @@ def load() -> ctypes.CDLL | None:
         lib.pp_openmp.argtypes = []
         lib.pp_init()
     except (OSError, AttributeError, subprocess.SubprocessError) as e:
-        _status.update(in_use=False, reason=f"could not be built or loaded: {e}")
+        _status.update(in_use=False, reason=f"could not be built or loaded: {e}", **_cache_status())
         return None
     _status.update(
-        in_use=True, reason="compiled and loaded", path=str(path), compiler=cc, openmp=bool(lib.pp_openmp())
+        in_use=True,
+        reason="compiled and loaded",
+        path=str(path),
+        compiler=cc,
+        openmp=bool(lib.pp_openmp()),
+        **_cache_status(),
     )
     _lib = lib
     return _lib

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from precprof import _kernel_cache
 from precprof._version import __version__
 
 
@@ -310,7 +311,8 @@ def software_versions() -> dict[str, str | None]:
 
 
 def env_report(info: HardwareInfo | None = None) -> str:
-    """The text of ``precprof env``: versions, device, capabilities, TF32 flags, NVML, the usual format."""
+    """The text of ``precprof env``: versions, device, capabilities, TF32 flags, NVML, the usual format, the
+    CPU kernel's cache folder and whether it passes its checks (read only: nothing is created or built)."""
     info = info if info is not None else detect()
     v = software_versions()
 
@@ -346,4 +348,6 @@ def env_report(info: HardwareInfo | None = None) -> str:
             f"{k} {v[k] or 'not installed'}" for k in ("transformers", "accelerate", "lightning", "torchao")
         )
     )
+    cache, state = _kernel_cache.describe()
+    lines.append(f"CPU kernel cache: {cache} ({state})")
     return "\n".join(lines)
