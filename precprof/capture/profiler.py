@@ -55,6 +55,8 @@ from precprof.capture.records import (
     _Row,
 )
 from precprof.capture.reducer import RankReducer
+from precprof.capture.scaler import ScalerWatch
+from precprof.capture.updates import UpdateSampler
 from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
 
 ModuleFilter = Sequence[str | type[nn.Module]] | None
@@ -122,16 +124,12 @@ class Profiler:
 
         self._attached = False
         self._handles: list[Any] = []
-        self._scaler_patched = False
+        self._scaler_watch: ScalerWatch | None = None
         self._modules: list[_ModuleSlot] = []
         self._params: list[_ParamSlot] = []
         self._rows: list[_Row] = []
         self._buffer: st.StatsBuffer | None = None
-        self._update_buf: torch.Tensor | None = None
-        self._update_tracked: list[_ParamSlot] = []  # in update_index order
-        self._update_seg: torch.Tensor | None = None  # update_index of each sampled element
-        self._update_lens: torch.Tensor | None = None  # sampled elements per tracked parameter
-        self._update_before: torch.Tensor | None = None  # the samples before the step, all parameters
+        self._updates: UpdateSampler | None = None
         self._tracker: Any = None
 
         self._step = first_step
@@ -139,8 +137,6 @@ class Profiler:
         self._order_counter = 0
         self._t_last = time.perf_counter()
         self._pending: list[_PendingStep] = []
-        self._pending_scale: torch.Tensor | None = None
-        self._pending_found: torch.Tensor | None = None
         self._step_has_data = False
 
         # columns (name -> array or list) per sampled step: layer rows, then weight-update rows; tables()
@@ -153,7 +149,6 @@ class Profiler:
         self._autocast_seen: dict[str, Any] = {}
         self._status = T.STATUS_COMPLETE
         self._reason: str | None = None
-        self._non_pow2_scale = False
         self._device: torch.device = torch.device("cpu")
 
     # ------------------------------------------------------------------------------------ attach/detach
@@ -248,22 +243,13 @@ class Profiler:
 
         if self.weight_updates and self.optimizer is not None:
             tracked = [ps for ps in self._params if ps.grad_row is not None]
-            for i, ps in enumerate(tracked):
-                n = _local(ps.tensor.detach()).numel()
-                ps.sample_stride = max(1, -(-n // self.update_sample))
-                ps.sample_len = len(range(0, n, ps.sample_stride))
-                ps.update_index = i
-            # columns: sampled elements, zero updates, lost in bf16, lost in fp16
-            self._update_buf = torch.zeros((max(len(tracked), 1), 4), dtype=torch.int64, device=self._device)
-            self._update_tracked = tracked
-            lens = torch.tensor([ps.sample_len for ps in tracked], dtype=torch.int64)
-            self._update_seg = torch.repeat_interleave(torch.arange(len(tracked)), lens).to(self._device)
-            self._update_lens = lens.to(self._device)
+            self._updates = UpdateSampler(tracked, self.update_sample, self._device)
             self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
             self._handles.append(self.optimizer.register_step_post_hook(self._opt_post_hook))
 
         if self.scaler is not None and hasattr(self.scaler, "update"):
-            self._patch_scaler()
+            self._scaler_watch = ScalerWatch(self.scaler, self._device, lambda: self._attached)
+            self._scaler_watch.patch()
 
         if self.memory_enabled:
             self._tracker = MemoryTracker(self.model, self.optimizer)
@@ -287,30 +273,12 @@ class Profiler:
         """Whether this process writes the run directory (rank 0 under torch.distributed)."""
         return self._reducer is None or bool(getattr(self._reducer, "is_writer", True))
 
-    def _patch_scaler(self) -> None:
-        scaler = self.scaler
-        original = scaler.update
-        profiler = self
-
-        def update(new_scale: Any = None) -> Any:
-            profiler._before_scaler_update()
-            return original(new_scale)
-
-        scaler.update = update
-        self._scaler_patched = True
-        for attr in ("_init_scale", "_growth_factor", "_backoff_factor"):
-            v = getattr(scaler, attr, None)
-            if v is not None and not st.is_power_of_two(float(v)):
-                self._non_pow2_scale = True
-
     def _remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        if self._scaler_patched:
-            with contextlib.suppress(AttributeError):
-                del self.scaler.update  # the instance attribute shadowed the class method
-            self._scaler_patched = False
+        if self._scaler_watch is not None:
+            self._scaler_watch.unpatch()
         if self._tracker is not None:
             self._tracker.detach()
 
@@ -418,53 +386,15 @@ class Profiler:
 
         return hook
 
-    def _sample_view(self, ps: _ParamSlot) -> torch.Tensor:
-        flat = _local(ps.tensor.detach()).reshape(-1)
-        return flat[:: ps.sample_stride][: ps.sample_len]
-
-    def _update_samples(self) -> torch.Tensor:
-        """The strided samples of every tracked parameter, in fp32, concatenated (one copy)."""
-        return torch.cat([self._sample_view(ps).float() for ps in self._update_tracked])
-
     def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._sampling and self._update_tracked:
-            self._update_before = self._update_samples()
+        if self._sampling and self._updates is not None:
+            self._updates.before_step()
         return None
 
-    @torch.no_grad()
     def _opt_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        before = self._update_before
-        if not self._sampling or self._update_buf is None or before is None:
-            return None
-        assert self._update_seg is not None and self._update_lens is not None
-        self._update_before = None
-        delta = self._update_samples() - before
-        nonzero = delta != 0
-        # per sampled element: zero update, lost in bf16, lost in fp16 -- the weight as it would be held in
-        # that format, updated by the same delta in fp32, rounded back; summed per parameter without a sync
-        flags = torch.empty((len(before), 3), dtype=torch.int64, device=before.device)
-        flags[:, 0] = ~nonzero
-        for col, dtype in ((1, torch.bfloat16), (2, torch.float16)):
-            held = before.to(dtype)
-            flags[:, col] = ((held.float() + delta).to(dtype) == held) & nonzero
-        self._update_buf[:, 0] += self._update_lens
-        self._update_buf[:, 1:].index_add_(0, self._update_seg, flags)
-        self._step_has_data = True
+        if self._sampling and self._updates is not None and self._updates.after_step():
+            self._step_has_data = True
         return None
-
-    def _before_scaler_update(self) -> None:
-        scaler = self.scaler
-        if not self._attached or scaler is None or not getattr(scaler, "_enabled", True):
-            return
-        scale = getattr(scaler, "_scale", None)
-        if isinstance(scale, torch.Tensor):
-            self._pending_scale = scale.detach().clone()
-        found: list[torch.Tensor] = []
-        for state in getattr(scaler, "_per_optimizer_states", {}).values():
-            for t in state.get("found_inf_per_device", {}).values():
-                found.append(t.detach().reshape(()).to(self._device, non_blocking=True))
-        if found:
-            self._pending_found = torch.stack(found).sum()
 
     # ----------------------------------------------------------------------------------------- steps
     def _is_sampled(self, step: int) -> bool:
@@ -477,8 +407,8 @@ class Profiler:
         if self._sampling:
             if self._buffer is not None:
                 self._buffer.reset()
-            if self._update_buf is not None:
-                self._update_buf.zero_()
+            if self._updates is not None:
+                self._updates.reset()
             for row in self._rows:
                 row.calls = 0
                 row.dtypes = []
@@ -492,15 +422,7 @@ class Profiler:
         self, loss: Any, grad_norm: Any, tokens: int | None, partial: bool = False
     ) -> _PendingStep:
         now = time.perf_counter()
-        scale: torch.Tensor | float = 1.0
-        if self._pending_scale is not None:
-            scale = self._pending_scale
-        elif (
-            self.scaler is not None
-            and isinstance(getattr(self.scaler, "_scale", None), torch.Tensor)
-            and getattr(self.scaler, "_enabled", True)
-        ):
-            scale = self.scaler._scale.detach().clone()
+        scale, found = self._scaler_watch.take() if self._scaler_watch is not None else (1.0, None)
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().reshape(-1)[0] if loss.numel() else None
         if isinstance(grad_norm, torch.Tensor):
@@ -509,15 +431,13 @@ class Profiler:
             step=self._step,
             loss=loss,
             scale=scale,
-            found_inf=self._pending_found,
+            found_inf=found,
             grad_norm=grad_norm,
             time_s=math.nan if partial else now - self._t_last,
             sampled=self._sampling,
             tokens=tokens,
         )
         self._t_last = now
-        self._pending_scale = None
-        self._pending_found = None
         return pending
 
     def step(self, loss: Any = None, grad_norm: Any = None, tokens: int | None = None) -> None:
@@ -652,46 +572,15 @@ class Profiler:
                         T.COUNT: d["hist"][r_idx, bins],
                     }
                 )
-        if self._update_buf is not None:
-            upd_dev = self._update_buf
+        if self._updates is not None:
+            counts = self._updates.counts
             if self._reducer is not None:
-                upd_dev = self._reducer.reduce_sum(upd_dev)
-            upd = upd_dev.cpu().numpy()
-            updates: list[dict[str, Any]] = []
-            for ps in self._params:
-                if ps.update_index < 0 or upd[ps.update_index, 0] == 0:
-                    continue
-                n, zeros, lost_bf16, lost_fp16 = (int(v) for v in upd[ps.update_index])
-                rec: dict[str, Any] = {c: 0 for c in T.COUNT_COLUMNS}
-                rec.update(
-                    {
-                        T.STEP: step,
-                        T.ORDER: order.get(ps.module, -1),
-                        T.MODULE: ps.module,
-                        T.MODULE_TYPE: self._module_type(ps.module),
-                        T.TENSOR: T.WEIGHT_UPDATE,
-                        T.PARAM: ps.param,
-                        T.DTYPE: str(ps.tensor.dtype).removeprefix("torch."),
-                        T.CALLS: 1,
-                        T.NUMEL: n,
-                        T.ZEROS: zeros,
-                        T.ABSMAX: math.nan,
-                        T.ABSMIN: math.nan,
-                        T.SCALE: 1.0,
-                        T.LOST_UPDATE_BF16: lost_bf16,
-                        T.LOST_UPDATE_FP16: lost_fp16,
-                    }
-                )
-                updates.append(rec)
+                counts = self._reducer.reduce_sum(counts)
+            types = {slot.name: type(slot.module).__name__ for slot in self._modules}
+            updates = self._updates.rows(counts.cpu().numpy(), step, order, types)
             if updates:
                 self._layer_parts.append({c: [u[c] for u in updates] for c in updates[0]})
                 self._sampled_steps.add(step)
-
-    def _module_type(self, name: str) -> str:
-        for slot in self._modules:
-            if slot.name == name:
-                return type(slot.module).__name__
-        return ""
 
     def memory_scope(self, name: str = "(loss)") -> contextlib.AbstractContextManager[None]:
         """Context manager: activations saved for backward inside it (e.g. a loss computed outside the
@@ -705,9 +594,8 @@ class Profiler:
     def buffer_bytes(self) -> int:
         """Bytes precprof holds persistently on the device: statistics rows, update samples, memory tracking."""
         total = self._buffer.buffer_bytes if self._buffer is not None else 0
-        if self._update_buf is not None:
-            total += self._update_buf.numel() * self._update_buf.element_size()
-            total += sum(ps.sample_len * 4 for ps in self._params if ps.update_index >= 0)
+        if self._updates is not None:
+            total += self._updates.nbytes
         if self._tracker is not None:
             total += int(getattr(self._tracker, "buffer_bytes", 0))
         return total
@@ -771,7 +659,7 @@ class Profiler:
             "profiler_buffer_share_of_params": self.buffer_bytes / param_bytes if param_bytes else None,
             "autocast": self._autocast_seen or {"enabled": False, "dtype": None},
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
-            "histogram_shift_exact": not self._non_pow2_scale,
+            "histogram_shift_exact": not (self._scaler_watch is not None and self._scaler_watch.non_pow2),
             "weight_update_sample": self.update_sample if self.weight_updates else 0,
             "fp8_recipe": "per-tensor current scaling, scale = 2^floor(log2(fmax / amax))",
             "memory_error": getattr(self, "_memory_error", None),
