@@ -319,9 +319,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "results": results,
     }
     if dev.type == "cpu":
-        from precprof import _cpu_kernel, stats
+        from precprof import stats
+        from precprof.stats import engine
+        from precprof.stats import kernel as _cpu_kernel
 
-        lib = stats._kernel()
+        lib = engine._kernel()
         out["cpu_kernel"] = {
             "compiled": lib is not None,
             "threads": stats.StatsBuffer(1, "cpu")._threads() if lib is not None else 0,

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from precprof import _kernel_cache
 from precprof._version import __version__
+from precprof.stats import kernel_cache as _kernel_cache
 
 
 @dataclass

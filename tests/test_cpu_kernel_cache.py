@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 from conftest import kernel_required
 
-from precprof import _cpu_kernel, _kernel_cache, stats
+from precprof import stats
+from precprof.stats import engine
+from precprof.stats import kernel as _cpu_kernel
+from precprof.stats import kernel_cache as _kernel_cache
 
 CC = _cpu_kernel.find_compiler()
 # without a compiler these skip, except in CI (CI or PRECPROF_REQUIRE_KERNEL=1), where they fail
@@ -50,7 +53,7 @@ def fresh(cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(_cpu_kernel, "_tried", False)
     monkeypatch.setattr(_cpu_kernel, "_lib", None)
     monkeypatch.setattr(_cpu_kernel, "_status", {"in_use": False, "reason": "not loaded yet"})
-    monkeypatch.setattr(stats, "_kernel_state", {})
+    monkeypatch.setattr(engine, "_kernel_state", {})
     return cache
 
 
@@ -207,7 +210,7 @@ def test_concurrent_processes_build_once(cache: Path, tmp_path: Path) -> None:
     probe = textwrap.dedent(
         """
         import os, time
-        from precprof import _cpu_kernel
+        from precprof.stats import kernel as _cpu_kernel
         real = _cpu_kernel._compile
         def counting(cc, src, out):
             with open(os.environ["COUNT_FILE"], "a") as f:
@@ -326,9 +329,9 @@ def test_the_kernel_is_built_when_the_profiler_attaches(fresh: Path, monkeypatch
     monkeypatch.setattr(_cpu_kernel, "_compile", counting)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     prof = precprof.Profiler(model, sample_every=1, memory=False)
-    assert "lib" not in stats._kernel_state and not compiles
+    assert "lib" not in engine._kernel_state and not compiles
     with prof:
-        ready = "lib" in stats._kernel_state
+        ready = "lib" in engine._kernel_state
         built_at_attach = list(compiles)
         monkeypatch.setattr(_kernel_cache, "build", lambda *a, **k: pytest.fail("compiled inside a step"))
         monkeypatch.setattr(_cpu_kernel, "_compile", lambda *a, **k: pytest.fail("compiled inside a step"))

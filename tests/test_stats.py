@@ -29,7 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from precprof import formats, stats
-from precprof.stats import COL_UNDERFLOW_CS, RowStats, StatsBuffer, decode, tensor_stats
+from precprof.stats import COL_UNDERFLOW_CS, RowStats, StatsBuffer, decode, engine, tensor_stats
 
 WHATIF = formats.WHATIF_FORMATS
 INPUT_DTYPES = {
@@ -663,7 +663,7 @@ def test_compiled_cpu_kernel_equals_torch_ops(dtype: torch.dtype) -> None:
 def _kernel_or_skip() -> None:
     """Skip without the compiled kernel, except in CI (CI or PRECPROF_REQUIRE_KERNEL=1 set), where a missing
     kernel is a failure: the suite must never pass without having tested it."""
-    from precprof import _cpu_kernel
+    from precprof.stats import kernel as _cpu_kernel
 
     if _cpu_kernel.load() is None:
         why = f"the C kernel is not available: {_cpu_kernel.status()['reason']}"
@@ -703,7 +703,7 @@ def test_same_tensor_twice_is_read_once_and_counted_twice(monkeypatch: pytest.Mo
     """A tensor accumulated again right away (a module returning its submodule's output) is merged from the
     kernel's last call: the rows equal reading it twice, and an in-place change in between is seen."""
     _kernel_or_skip()
-    lib = stats._kernel()
+    lib = engine._kernel()
     reads: list[int] = []
     real_call = lib.pp_call
 
@@ -778,11 +778,11 @@ def test_kernel_threads_run_in_torchs_openmp_pool() -> None:
     thread count instead of starting threads that compete with torch's spinning workers."""
     import os
 
-    from precprof import _cpu_kernel
+    from precprof.stats import kernel as _cpu_kernel
 
     _kernel_or_skip()
     torch_gomp = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
-    lib = stats._kernel()
+    lib = engine._kernel()
     if not os.path.exists(torch_gomp) or not lib.pp_openmp():
         pytest.skip("torch does not ship libgomp.so.1 here, or the kernel was built without OpenMP")
     runtimes = _cpu_kernel.openmp_runtimes()

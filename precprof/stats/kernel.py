@@ -26,7 +26,7 @@ and the torch path runs.
 
 The library is plain C with no torch headers, so it compiles in well under a second with ``cc``; it is
 built for this CPU (``-march=native``, falling back to generic code) and cached in the per-user folder of
-``precprof._kernel_cache`` (checked before use, built once across processes, never loaded unless this user
+``precprof.stats.kernel_cache`` (checked before use, built once across processes, never loaded unless this user
 built it), keyed by everything the build depends on (``cache_key``). ``Profiler.attach()`` builds or loads
 it (through ``precprof.stats``), so no compiler runs inside a training step.
 """
@@ -42,7 +42,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from precprof import _kernel_cache
+from precprof.stats import kernel_cache as _kernel_cache
 
 _SOURCE = r"""
 /* precprof one-pass CPU statistics kernel (v2). Plain C (OpenMP when available), no torch headers. */
@@ -531,7 +531,7 @@ def _cache_status() -> dict[str, object]:
 
 
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel, built on first use into the per-user cache (``precprof._kernel_cache``); None
+    """The compiled kernel, built on first use into the per-user cache (``precprof.stats.kernel_cache``); None
     when it cannot be built or loaded here (``status()`` says why).
 
     Set ``PRECPROF_CPU_KERNEL=0`` to always use the torch-op path.

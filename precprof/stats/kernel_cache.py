@@ -8,7 +8,7 @@ A shared library loaded with ``ctypes`` runs inside the training process, so the
   no other user can rename it out of (owned by this user or root, and not writable by others unless sticky,
   as /tmp is). A folder that fails is not used: the build goes to a fresh private ``tempfile.mkdtemp()``
   folder for this process instead (removed at exit), with a warning naming the folder and the problem;
-- the key names everything the build depends on (``precprof._cpu_kernel.cache_key``);
+- the key names everything the build depends on (``precprof.stats.kernel.cache_key``);
 - a build happens in a fresh temporary folder inside the cache folder (same file system) and is moved into
   place with ``os.replace``, under an exclusive lock on the key's lock file (``flock``; ``msvcrt.locking``
   where there is no fcntl): torchrun ranks starting together build once, the others wait and load the result;

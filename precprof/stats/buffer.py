@@ -28,125 +28,42 @@ unscaled histogram (a shift of bins by log2 s, exact for power-of-two scales) an
 from __future__ import annotations
 
 import math
-import os
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from precprof import _cpu_kernel, formats
-
-# ------------------------------------------------------------------------------------------- layout
-EXP_MIN = formats.FP32_MIN_EXPONENT  # -149
-EXP_MAX = formats.FP32_MAX_EXPONENT  # 127
-N_BINS = EXP_MAX - EXP_MIN + 1  # 277
-
-_F64_BIAS = 1023
-_F64_MANT_MASK = (1 << 52) - 1
-_F64_EXP_ALL = 2047
-# key = 2 * fp64_exponent_field + (mantissa == 0): 4096 keys
-_N_KEYS = 4096
-
-# overflow thresholds, in the order of formats.WHATIF_FORMATS; e4m3 is strict (> 464)
-_OVERFLOW = [(formats.get(f).overflow_min, formats.get(f).overflow_inclusive) for f in formats.WHATIF_FORMATS]
-
-# row layout (int64 columns)
-COL_NUMEL = 0
-COL_ZEROS = 1
-COL_NAN = 2
-COL_INF = 3
-COL_OVERFLOW = 4  # 4 columns, WHATIF_FORMATS order; counts of v >= T (or > T) including inf
-COL_ABSMAX_BITS = 8
-COL_ABSMIN_BITS = 9  # smallest nonzero |x| bits minus 1; _NO_MIN_BITS when none
-COL_UNDERFLOW_CS = 10  # 2 columns, FP8_FORMATS order: underflow under per-call current scaling
-COL_POW2_AT = 12  # 4 columns, WHATIF_FORMATS order: values exactly equal to the format's underflow_max
-COL_HIST = 16  # N_BINS columns: finite nonzero values per exponent bin
-ROW_WIDTH = COL_HIST + N_BINS
-
-_INF_BITS = 0x7FF0000000000000
-_NO_MIN_BITS = 0x7FFFFFFFFFFFFFFF  # sentinel "no nonzero finite value yet"
-
-DEFAULT_CHUNK = 1 << 18
-_LO = _F64_BIAS + EXP_MIN  # fp64 exponent field of fp32's smallest subnormal
-_HI = _F64_BIAS + EXP_MAX
-# raw exponents j with underflow_max = 2^j, WHATIF_FORMATS order
-_UNDERFLOW_EXP = [int(math.log2(formats.get(f).underflow_max)) for f in formats.WHATIF_FORMATS]
-_FP8 = [formats.get(f) for f in formats.FP8_FORMATS]
-_OVERFLOW_T = np.array([t for t, _ in _OVERFLOW], dtype=np.float64)
-_OVERFLOW_INC = np.array([1 if inc else 0 for _, inc in _OVERFLOW], dtype=np.int32)
-# dtypes the C kernel reads (fp8 and others take the torch-op path)
-_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
-# the C kernel's constants, and the row layout it was written for (checked once against its pp_layout)
-_UNDERFLOW_EXP_I32 = np.array(_UNDERFLOW_EXP, dtype=np.int32)
-_FP8_MAX = np.array([f.max for f in _FP8], dtype=np.float64)
-_FP8_UF_EXP_I32 = np.array([int(math.log2(f.underflow_max)) for f in _FP8], dtype=np.int32)
-# their addresses, taken once (each ``.ctypes`` access builds an object)
-_KERNEL_CONSTANTS = tuple(
-    a.ctypes.data for a in (_OVERFLOW_T, _OVERFLOW_INC, _UNDERFLOW_EXP_I32, _FP8_MAX, _FP8_UF_EXP_I32)
-)
-_CALL_LEN = ROW_WIDTH + 2  # a kernel call row: a row, then its first and last nonzero histogram bin
-_KERNEL_LAYOUT = (
-    COL_NUMEL,
-    COL_ZEROS,
-    COL_NAN,
-    COL_INF,
-    COL_OVERFLOW,
+from precprof import _compat, formats
+from precprof.stats.engine import _default_kernel_threads, _kernel
+from precprof.stats.layout import (
+    _CALL_LEN,
+    _F64_BIAS,
+    _F64_EXP_ALL,
+    _F64_MANT_MASK,
+    _FP8,
+    _HI,
+    _KERNEL_CONSTANTS,
+    _KERNEL_DTYPES,
+    _LO,
+    _N_KEYS,
+    _NO_MIN_BITS,
+    _OVERFLOW,
+    _UNDERFLOW_EXP,
     COL_ABSMAX_BITS,
     COL_ABSMIN_BITS,
-    COL_UNDERFLOW_CS,
-    COL_POW2_AT,
     COL_HIST,
-    EXP_MIN,
-    EXP_MAX,
+    COL_INF,
+    COL_NAN,
+    COL_NUMEL,
+    COL_OVERFLOW,
+    COL_POW2_AT,
+    COL_UNDERFLOW_CS,
+    COL_ZEROS,
+    DEFAULT_CHUNK,
+    N_BINS,
     ROW_WIDTH,
-    _CALL_LEN,
 )
-_kernel_state: dict[str, Any] = {}
-# Threads per kernel call: PRECPROF_CPU_KERNEL_THREADS, else torch.get_num_threads() when the kernel's
-# OpenMP regions run in torch's own pool, else 1 (see _cpu_kernel.shares_torch_threads). Measured on
-# gpt-mini (2 cores): a sampled step's statistics take 50 ms on torch's two threads, 83 ms on one, and
-# 150 ms on two threads of a separate pool that compete with torch's spinning workers.
-_KERNEL_THREADS_ENV = os.environ.get("PRECPROF_CPU_KERNEL_THREADS")
-
-
-def _default_kernel_threads() -> int:
-    if _KERNEL_THREADS_ENV is not None:
-        return max(0, int(_KERNEL_THREADS_ENV))
-    if "threads" not in _kernel_state:
-        lib = _kernel()
-        _kernel_state["threads"] = 0 if lib is not None and _cpu_kernel.shares_torch_threads(lib) else 1
-    return int(_kernel_state["threads"])
-
-
-def engine_status() -> dict[str, Any]:
-    """Which statistics engine runs on the CPU, and why (``precprof env``, summary.json's capture block)."""
-    info: dict[str, Any] = {"cpu": "c" if _kernel() is not None else "torch", **_cpu_kernel.status()}
-    if info["cpu"] == "c":
-        info["threads"] = _default_kernel_threads() or f"torch's pool ({torch.get_num_threads()})"
-    return info
-
-
-def _kernel() -> Any:
-    """The compiled CPU kernel when it loads and agrees with this module's row layout, else None."""
-    if "lib" not in _kernel_state:
-        lib = _cpu_kernel.load()
-        if lib is not None:
-            layout = np.zeros(len(_KERNEL_LAYOUT), dtype=np.int64)
-            lib.pp_layout(layout.ctypes.data)
-            if tuple(int(v) for v in layout) != _KERNEL_LAYOUT:
-                lib = None
-        _kernel_state["lib"] = lib
-    return _kernel_state["lib"]
-
-
-def _version(x: torch.Tensor) -> int | None:
-    """The in-place version counter of ``x``; None for inference tensors, which have none."""
-    try:
-        return int(x._version)
-    except RuntimeError:
-        return None
 
 
 def _to_f64_bits(value: float) -> int:
@@ -400,10 +317,10 @@ class StatsBuffer:
         return self.kernel_threads or torch.get_num_threads()
 
     def _kernel_accumulate(self, lib: Any, x: torch.Tensor, flat: torch.Tensor, code: int, row: int) -> None:
-        """The C kernel (``precprof._cpu_kernel``): one read of the tensor into the call row, then a merge
+        """The C kernel (``precprof.stats.kernel``): one read of the tensor into the call row, then a merge
         into ``row``; the same numbers as the torch-op path. The same tensor (object and in-place version)
         as the previous call is merged again without reading it."""
-        version = _version(x)
+        version = _compat.tensor_version(x)
         last = self._last
         if last is None or version is None or last[0]() is not x or last[1] != version:
             lib.pp_call(
@@ -522,126 +439,3 @@ class StatsBuffer:
     def to_host(self) -> np.ndarray:
         """Copy all rows to the host: the one synchronising call per sampled step."""
         return self.dense().cpu().numpy()
-
-
-# ------------------------------------------------------------------------------------------- decoding
-@dataclass
-class RowStats:
-    """Host-side statistics of one row, unscaled where noted."""
-
-    numel: int
-    zeros: int
-    nan: int
-    inf: int
-    absmax: float  # unscaled; 0.0 when no finite value
-    absmin: float  # unscaled; nan when no nonzero finite value
-    hist: np.ndarray  # counts per unscaled exponent, index i <-> exponent exponents[i]
-    exponents: np.ndarray
-    underflow: dict[str, int]  # at the scale in effect
-    overflow: dict[str, int]  # at the scale in effect (finite values only)
-    underflow_cs: dict[str, int]  # fp8 formats under per-tensor current scaling (summed over calls)
-
-
-def decode(row: np.ndarray, scale: float = 1.0) -> RowStats:
-    """Turn one buffer row into counts and the unscaled histogram.
-
-    ``scale`` is the loss scale the values carried (1 in the forward pass). The histogram is shifted by
-    log2(scale) when it is a power of two (exact); otherwise it is left in raw bins, shifted by the rounded
-    log2 (documented approximation for non-power-of-two static scales).
-    """
-    hist = row[COL_HIST : COL_HIST + N_BINS].astype(np.int64)
-    zeros = int(row[COL_ZEROS])
-    nan = int(row[COL_NAN])
-    inf = int(row[COL_INF])
-    underflow: dict[str, int] = {}
-    overflow: dict[str, int] = {}
-    for i, name in enumerate(formats.WHATIF_FORMATS):
-        idx = _UNDERFLOW_EXP[i] - EXP_MIN  # values <= 2^j: every bin below j, and exactly 2^j
-        underflow[name] = int(hist[: max(idx, 0)].sum() + row[COL_POW2_AT + i])
-        overflow[name] = int(row[COL_OVERFLOW + i]) - inf
-    absmax_bits = int(row[COL_ABSMAX_BITS])
-    absmin_bits = int(row[COL_ABSMIN_BITS]) + 1 if int(row[COL_ABSMIN_BITS]) != _NO_MIN_BITS else 0
-    raw_absmax = _from_f64_bits(absmax_bits) if absmax_bits > 0 else 0.0
-    raw_absmin = _from_f64_bits(absmin_bits) if 0 < absmin_bits < _INF_BITS else math.nan
-    # fp8 current scaling (each accumulated tensor scaled by its own 2^floor(log2(fmax / amax)))
-    underflow_cs = {name: int(row[COL_UNDERFLOW_CS + i]) for i, name in enumerate(formats.FP8_FORMATS)}
-    shift = 0
-    if scale > 0 and math.isfinite(scale):
-        shift = round(math.log2(scale))
-    exponents = np.arange(EXP_MIN, EXP_MAX + 1, dtype=np.int64) - shift
-    return RowStats(
-        numel=int(row[COL_NUMEL]),
-        zeros=zeros,
-        nan=nan,
-        inf=inf,
-        absmax=raw_absmax / scale if scale else raw_absmax,
-        absmin=raw_absmin / scale if scale else raw_absmin,
-        hist=hist,
-        exponents=exponents,
-        underflow=underflow,
-        overflow=overflow,
-        underflow_cs=underflow_cs,
-    )
-
-
-def decode_rows(rows: np.ndarray, scales: np.ndarray) -> dict[str, Any]:
-    """:func:`decode` of many rows at once (vectorised; the same numbers, row by row).
-
-    Returns arrays over rows: ``numel``, ``zeros``, ``nan``, ``inf``, ``absmax``, ``absmin`` (unscaled),
-    ``underflow`` / ``overflow`` / ``underflow_cs`` (dicts of arrays by format), ``hist`` (the raw
-    [rows, N_BINS] bins, a view of ``rows``) and ``shift`` (per row: exponent of bin i is ``EXP_MIN + i - shift``).
-    """
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1, ROW_WIDTH)
-    scales = np.asarray(scales, dtype=np.float64).reshape(-1)
-    hist = rows[:, COL_HIST : COL_HIST + N_BINS]
-    below = np.zeros((len(rows), N_BINS + 1), dtype=np.int64)
-    np.cumsum(hist, axis=1, out=below[:, 1:])  # below[:, i] = values in bins < i
-    inf = rows[:, COL_INF]
-    underflow, overflow = {}, {}
-    for i, name in enumerate(formats.WHATIF_FORMATS):
-        idx = min(max(_UNDERFLOW_EXP[i] - EXP_MIN, 0), N_BINS)
-        underflow[name] = below[:, idx] + rows[:, COL_POW2_AT + i]
-        overflow[name] = rows[:, COL_OVERFLOW + i] - inf
-    max_bits = rows[:, COL_ABSMAX_BITS]
-    raw_absmax = np.where(max_bits > 0, max_bits.view(np.float64), 0.0)
-    min_field = rows[:, COL_ABSMIN_BITS]
-    min_bits = np.where(min_field != _NO_MIN_BITS, min_field + 1, 0)
-    raw_absmin = np.where((min_bits > 0) & (min_bits < _INF_BITS), min_bits.view(np.float64), math.nan)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        divide = scales != 0
-        absmax = np.where(divide, raw_absmax / np.where(divide, scales, 1.0), raw_absmax)
-        absmin = np.where(divide, raw_absmin / np.where(divide, scales, 1.0), raw_absmin)
-        usable = (scales > 0) & np.isfinite(scales)
-        shift = np.where(usable, np.round(np.log2(np.where(usable, scales, 1.0))), 0).astype(np.int64)
-    # the per-row columns are copies: callers keep them per sampled step, and a view would keep the whole
-    # [rows, ROW_WIDTH] array alive with them
-    return {
-        "numel": rows[:, COL_NUMEL].copy(),
-        "zeros": rows[:, COL_ZEROS].copy(),
-        "nan": rows[:, COL_NAN].copy(),
-        "inf": inf.copy(),
-        "absmax": absmax,
-        "absmin": absmin,
-        "underflow": underflow,
-        "overflow": overflow,
-        "underflow_cs": {
-            name: rows[:, COL_UNDERFLOW_CS + i].copy() for i, name in enumerate(formats.FP8_FORMATS)
-        },
-        "hist": hist,
-        "shift": shift,
-    }
-
-
-def is_power_of_two(value: float) -> bool:
-    """True for 2^k (k any integer), the scales whose histogram shift is exact."""
-    if not (value > 0 and math.isfinite(value)):
-        return False
-    m, _ = math.frexp(value)
-    return m == 0.5
-
-
-def tensor_stats(x: torch.Tensor, scale: float = 1.0) -> RowStats:
-    """Statistics of one tensor (convenience for tests and notebooks; syncs once)."""
-    buf = StatsBuffer(1, x.device)
-    buf.accumulate(x, 0)
-    return decode(buf.to_host()[0], scale)

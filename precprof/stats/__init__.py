@@ -1,0 +1,49 @@
+"""One tensor's statistics in one pass, on its device: the row layout (``layout``), the engines (the C kernel
+``kernel`` with its private cache ``kernel_cache`` on the CPU, torch ops elsewhere, chosen by ``engine``), the
+per-step buffer (``buffer``) and the decoding of rows into numbers (``decode``)."""
+
+from precprof.stats.buffer import StatsBuffer
+from precprof.stats.decode import RowStats, decode, decode_rows, is_power_of_two, tensor_stats
+from precprof.stats.engine import engine_status
+from precprof.stats.layout import (
+    COL_ABSMAX_BITS,
+    COL_ABSMIN_BITS,
+    COL_HIST,
+    COL_INF,
+    COL_NAN,
+    COL_NUMEL,
+    COL_OVERFLOW,
+    COL_POW2_AT,
+    COL_UNDERFLOW_CS,
+    COL_ZEROS,
+    DEFAULT_CHUNK,
+    EXP_MAX,
+    EXP_MIN,
+    N_BINS,
+    ROW_WIDTH,
+)
+
+__all__ = [
+    "COL_ABSMAX_BITS",
+    "COL_ABSMIN_BITS",
+    "COL_HIST",
+    "COL_INF",
+    "COL_NAN",
+    "COL_NUMEL",
+    "COL_OVERFLOW",
+    "COL_POW2_AT",
+    "COL_UNDERFLOW_CS",
+    "COL_ZEROS",
+    "DEFAULT_CHUNK",
+    "EXP_MAX",
+    "EXP_MIN",
+    "N_BINS",
+    "ROW_WIDTH",
+    "RowStats",
+    "StatsBuffer",
+    "decode",
+    "decode_rows",
+    "engine_status",
+    "is_power_of_two",
+    "tensor_stats",
+]

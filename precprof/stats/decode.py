@@ -1,0 +1,155 @@
+"""From rows to numbers: one row (``decode``) or a sampled step's rows at once (``decode_rows``), unscaled by
+the loss scale in effect (a shift of the histogram, exact for powers of two)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from precprof import formats
+from precprof.stats.buffer import StatsBuffer, _from_f64_bits
+from precprof.stats.layout import (
+    _INF_BITS,
+    _NO_MIN_BITS,
+    _UNDERFLOW_EXP,
+    COL_ABSMAX_BITS,
+    COL_ABSMIN_BITS,
+    COL_HIST,
+    COL_INF,
+    COL_NAN,
+    COL_NUMEL,
+    COL_OVERFLOW,
+    COL_POW2_AT,
+    COL_UNDERFLOW_CS,
+    COL_ZEROS,
+    EXP_MAX,
+    EXP_MIN,
+    N_BINS,
+    ROW_WIDTH,
+)
+
+
+@dataclass
+class RowStats:
+    """Host-side statistics of one row, unscaled where noted."""
+
+    numel: int
+    zeros: int
+    nan: int
+    inf: int
+    absmax: float  # unscaled; 0.0 when no finite value
+    absmin: float  # unscaled; nan when no nonzero finite value
+    hist: np.ndarray  # counts per unscaled exponent, index i <-> exponent exponents[i]
+    exponents: np.ndarray
+    underflow: dict[str, int]  # at the scale in effect
+    overflow: dict[str, int]  # at the scale in effect (finite values only)
+    underflow_cs: dict[str, int]  # fp8 formats under per-tensor current scaling (summed over calls)
+
+
+def decode(row: np.ndarray, scale: float = 1.0) -> RowStats:
+    """Turn one buffer row into counts and the unscaled histogram.
+
+    ``scale`` is the loss scale the values carried (1 in the forward pass). The histogram is shifted by
+    log2(scale) when it is a power of two (exact); otherwise it is left in raw bins, shifted by the rounded
+    log2 (documented approximation for non-power-of-two static scales).
+    """
+    hist = row[COL_HIST : COL_HIST + N_BINS].astype(np.int64)
+    zeros = int(row[COL_ZEROS])
+    nan = int(row[COL_NAN])
+    inf = int(row[COL_INF])
+    underflow: dict[str, int] = {}
+    overflow: dict[str, int] = {}
+    for i, name in enumerate(formats.WHATIF_FORMATS):
+        idx = _UNDERFLOW_EXP[i] - EXP_MIN  # values <= 2^j: every bin below j, and exactly 2^j
+        underflow[name] = int(hist[: max(idx, 0)].sum() + row[COL_POW2_AT + i])
+        overflow[name] = int(row[COL_OVERFLOW + i]) - inf
+    absmax_bits = int(row[COL_ABSMAX_BITS])
+    absmin_bits = int(row[COL_ABSMIN_BITS]) + 1 if int(row[COL_ABSMIN_BITS]) != _NO_MIN_BITS else 0
+    raw_absmax = _from_f64_bits(absmax_bits) if absmax_bits > 0 else 0.0
+    raw_absmin = _from_f64_bits(absmin_bits) if 0 < absmin_bits < _INF_BITS else math.nan
+    # fp8 current scaling (each accumulated tensor scaled by its own 2^floor(log2(fmax / amax)))
+    underflow_cs = {name: int(row[COL_UNDERFLOW_CS + i]) for i, name in enumerate(formats.FP8_FORMATS)}
+    shift = 0
+    if scale > 0 and math.isfinite(scale):
+        shift = round(math.log2(scale))
+    exponents = np.arange(EXP_MIN, EXP_MAX + 1, dtype=np.int64) - shift
+    return RowStats(
+        numel=int(row[COL_NUMEL]),
+        zeros=zeros,
+        nan=nan,
+        inf=inf,
+        absmax=raw_absmax / scale if scale else raw_absmax,
+        absmin=raw_absmin / scale if scale else raw_absmin,
+        hist=hist,
+        exponents=exponents,
+        underflow=underflow,
+        overflow=overflow,
+        underflow_cs=underflow_cs,
+    )
+
+
+def decode_rows(rows: np.ndarray, scales: np.ndarray) -> dict[str, Any]:
+    """:func:`decode` of many rows at once (vectorised; the same numbers, row by row).
+
+    Returns arrays over rows: ``numel``, ``zeros``, ``nan``, ``inf``, ``absmax``, ``absmin`` (unscaled),
+    ``underflow`` / ``overflow`` / ``underflow_cs`` (dicts of arrays by format), ``hist`` (the raw
+    [rows, N_BINS] bins, a view of ``rows``) and ``shift`` (per row: exponent of bin i is ``EXP_MIN + i - shift``).
+    """
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, ROW_WIDTH)
+    scales = np.asarray(scales, dtype=np.float64).reshape(-1)
+    hist = rows[:, COL_HIST : COL_HIST + N_BINS]
+    below = np.zeros((len(rows), N_BINS + 1), dtype=np.int64)
+    np.cumsum(hist, axis=1, out=below[:, 1:])  # below[:, i] = values in bins < i
+    inf = rows[:, COL_INF]
+    underflow, overflow = {}, {}
+    for i, name in enumerate(formats.WHATIF_FORMATS):
+        idx = min(max(_UNDERFLOW_EXP[i] - EXP_MIN, 0), N_BINS)
+        underflow[name] = below[:, idx] + rows[:, COL_POW2_AT + i]
+        overflow[name] = rows[:, COL_OVERFLOW + i] - inf
+    max_bits = rows[:, COL_ABSMAX_BITS]
+    raw_absmax = np.where(max_bits > 0, max_bits.view(np.float64), 0.0)
+    min_field = rows[:, COL_ABSMIN_BITS]
+    min_bits = np.where(min_field != _NO_MIN_BITS, min_field + 1, 0)
+    raw_absmin = np.where((min_bits > 0) & (min_bits < _INF_BITS), min_bits.view(np.float64), math.nan)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        divide = scales != 0
+        absmax = np.where(divide, raw_absmax / np.where(divide, scales, 1.0), raw_absmax)
+        absmin = np.where(divide, raw_absmin / np.where(divide, scales, 1.0), raw_absmin)
+        usable = (scales > 0) & np.isfinite(scales)
+        shift = np.where(usable, np.round(np.log2(np.where(usable, scales, 1.0))), 0).astype(np.int64)
+    # the per-row columns are copies: callers keep them per sampled step, and a view would keep the whole
+    # [rows, ROW_WIDTH] array alive with them
+    return {
+        "numel": rows[:, COL_NUMEL].copy(),
+        "zeros": rows[:, COL_ZEROS].copy(),
+        "nan": rows[:, COL_NAN].copy(),
+        "inf": inf.copy(),
+        "absmax": absmax,
+        "absmin": absmin,
+        "underflow": underflow,
+        "overflow": overflow,
+        "underflow_cs": {
+            name: rows[:, COL_UNDERFLOW_CS + i].copy() for i, name in enumerate(formats.FP8_FORMATS)
+        },
+        "hist": hist,
+        "shift": shift,
+    }
+
+
+def is_power_of_two(value: float) -> bool:
+    """True for 2^k (k any integer), the scales whose histogram shift is exact."""
+    if not (value > 0 and math.isfinite(value)):
+        return False
+    m, _ = math.frexp(value)
+    return m == 0.5
+
+
+def tensor_stats(x: torch.Tensor, scale: float = 1.0) -> RowStats:
+    """Statistics of one tensor (convenience for tests and notebooks; syncs once)."""
+    buf = StatsBuffer(1, x.device)
+    buf.accumulate(x, 0)
+    return decode(buf.to_host()[0], scale)
