@@ -16,7 +16,7 @@ from typing import Any
 import jinja2
 import pandas as pd
 
-from precprof import _atomic
+from precprof import _atomic, formats
 from precprof import tables as T
 from precprof.errors import UserError
 from precprof.report import filters
@@ -45,6 +45,12 @@ def templates_dir() -> Path:
     )
 
 
+def format_colors_css() -> str:
+    """The formats' colours as CSS variables (``--fp16``, ``--e4m3``...), from ``precprof.formats`` alone."""
+    pairs = "; ".join(f"--{f.name.removeprefix('fp8_')}: {f.color}" for f in formats.FORMATS.values())
+    return f":root {{ {pairs}; }}"
+
+
 def environment() -> jinja2.Environment:
     """The jinja environment of the report: autoescape on, undefined names are errors, the number filters."""
     env = jinja2.Environment(
@@ -56,6 +62,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters.update(filters.FILTERS)
     env.globals["number_by_name"] = filters.number_by_name
+    env.globals["format_colors_css"] = format_colors_css()
     return env
 
 
