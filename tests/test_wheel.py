@@ -81,7 +81,9 @@ def test_wheel_ships_templates_and_renders_outside_the_repo(tmp_path: Path) -> N
     assert {f"precprof/templates/{t}" for t in TEMPLATES} <= names
     assert "precprof/report/render.py" in names and "precprof/py.typed" in names
     # every module of the source tree is in the wheel (a package missing from pyproject's list would not be)
-    sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "precprof").rglob("*.py")}
+    sources = {
+        p.relative_to(ROOT).as_posix() for ext in ("*.py", "*.c") for p in (ROOT / "precprof").rglob(ext)
+    }
     assert sources <= names, sorted(sources - names)
 
     venv = make_venv(tmp_path / "venv")
