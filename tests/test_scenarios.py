@@ -128,27 +128,63 @@ def test_d_injected_nan_names_the_first_module() -> None:
     assert (first[T.STEP], first[T.MODULE]) == (nan_injection.NAN_STEP, "inject")
 
 
+def _skipped_steps(steps: pd.DataFrame) -> list[int]:
+    return sorted(int(s) for s in steps[steps[T.SKIPPED].astype(bool)][T.STEP])
+
+
 @pytest.mark.parametrize("sample_every", [1, 5])
 def test_d2_backward_nan_under_dynamic_scaling_is_dated_and_its_skips_counted(sample_every: int) -> None:
     """The nan enters in the backward pass at step 20 and stays 20 steps; GradScaler skips all of them. The
-    finding must say step 20 (not the step where the backed-off scale fell below 1) and that they were
-    skipped, with the count the steps table has."""
+    finding must say step 20 (not the step where the backed-off scale fell below 1), name the module and the
+    tensor, and say that the steps were skipped, with the count the steps table has. Step 20 is sampled
+    either way; with sample_every 5 the message says the date comes from a sampled step."""
     run = backward_nan.run(sample_every=sample_every)
-    steps = run.tables["steps"]
-    skipped = sorted(int(s) for s in steps[steps[T.SKIPPED].astype(bool)][T.STEP])
+    skipped = _skipped_steps(run.tables["steps"])
     assert skipped == list(range(backward_nan.FIRST, backward_nan.LAST + 1))  # what really happened
     rec = run.recommend("v100")
     f = rec.finding("nonfinite_backward")
     assert f is not None and f.severity == CRITICAL and f.modules == ["inject"]
-    assert f.numbers["step"] == backward_nan.FIRST
+    assert f.numbers["step"] == backward_nan.FIRST and f.numbers["skipped"] == 1
     assert (f.numbers["skipped_from"], f.numbers["skipped_to"]) == (backward_nan.FIRST, backward_nan.LAST)
     assert f.numbers["skipped_steps"] == len(skipped)
-    assert "skipped every step from 20 to 39" in f.message and "not skipped" not in f.message
+    assert "the activation gradient of inject (Inject)" in f.message
+    assert "skipped every step from 20 to 39 (20 steps" in f.message and "not skipped" not in f.message
+    if sample_every == 1:
+        assert f.message.startswith("At step 20,") and "sampled_before" not in f.numbers
+    else:
+        assert f.message.startswith("First recorded at sampled step 20 ")
+        assert f.numbers["sampled_before"] == 15
     # independent: the last module in forward order with a nan gradient at step 20 is the injected one
     grads = _rows(run.tables, T.ACTIVATION_GRAD)
     at = grads[(grads[T.STEP] == backward_nan.FIRST) & (grads[T.NAN] > 0)]
     assert at.sort_values(T.ORDER).iloc[-1][T.MODULE] == "inject"
     assert rec.finding("nonfinite_forward") is None
+    # no init_scale avoids a skip the model's own nan caused
+    sc = rec.finding("scaler_skipped_steps")
+    assert sc is not None and sc.numbers["from_model"] == len(skipped) and sc.numbers["avoidable"] == 0
+
+
+def test_d3_backward_nan_between_sampled_steps_is_an_upper_bound() -> None:
+    """Armed from step 22 with layers sampled every 5 steps: the layer statistics first see the nan at step
+    25, the steps table sees the skips from 22. The finding gives 25 as the first *sampled* step, names 20 as
+    the sampled step before it, and counts the skips from 22 as the steps table has them."""
+    first, last = 22, 41
+    run = backward_nan.run(sample_every=5, first=first, last=last)
+    skipped = _skipped_steps(run.tables["steps"])
+    assert skipped == list(range(first, last + 1))
+    grads = _rows(run.tables, T.ACTIVATION_GRAD)
+    seen = int(grads[grads[T.NAN] > 0][T.STEP].min())
+    assert seen == 25 and 20 in set(grads[T.STEP])  # sampled at 20 (finite), then at 25
+    f = run.recommend("v100").finding("nonfinite_backward")
+    assert f is not None and f.modules == ["inject"]
+    assert f.numbers["step"] == seen and f.numbers["sampled_before"] == 20
+    assert (f.numbers["skipped_from"], f.numbers["skipped_to"], f.numbers["skipped_steps"]) == (
+        first,
+        last,
+        len(skipped),
+    )
+    assert f.message.startswith("First recorded at sampled step 25 ")
+    assert "the one before is step 20" in f.message and "The skips began at step 22" in f.message
 
 
 def test_e_accelerate_fp16_on_cpu_is_not_active() -> None:

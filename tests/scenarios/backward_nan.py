@@ -9,6 +9,8 @@ backward pass at ``inject`` from the first armed step, and that those steps were
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -40,8 +42,13 @@ class Inject(nn.Module):
         return x
 
 
-def arm(model: nn.Module, step: int) -> None:
-    model.get_submodule("inject").armed = FIRST <= step <= LAST  # type: ignore[assignment]
+def armed_between(first: int, last: int) -> Callable[[nn.Module, int], None]:
+    """An ``on_step`` that arms ``inject`` on steps ``first`` to ``last`` (inclusive) and disarms it otherwise."""
+
+    def arm(model: nn.Module, step: int) -> None:
+        model.get_submodule("inject").armed = first <= step <= last  # type: ignore[assignment]
+
+    return arm
 
 
 def backward_nan_net() -> nn.Module:
@@ -51,7 +58,9 @@ def backward_nan_net() -> nn.Module:
     return model
 
 
-def run(sample_every: int = 1) -> ProfiledRun:
+def run(sample_every: int = 1, first: int = FIRST, last: int = LAST) -> ProfiledRun:
+    """Train ``STEPS`` steps with the nan armed on steps ``first`` to ``last``, layers sampled every
+    ``sample_every`` steps."""
     torch.manual_seed(0)
     return train_profiled(
         backward_nan_net(),
@@ -61,5 +70,5 @@ def run(sample_every: int = 1) -> ProfiledRun:
         loss_scale=2.0**16,
         steps=STEPS,
         sample_every=sample_every,
-        on_step=arm,
+        on_step=armed_between(first, last),
     )

@@ -114,10 +114,23 @@ _NUMERIC_LAYER_COLS = (
 )
 
 
+def _flag(v: Any) -> bool:
+    # None, NaN and pd.NA are "not recorded": False (bool(nan) would be True).
+    return False if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)) else bool(v)
+
+
 def _prepare(tables: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The three tables the rules read, normalised so that no rule has to guard against them.
+
+    Invariants: every column of the schema is present; every layers and steps row has a numeric step (a row
+    without one cannot be dated, and is dropped); counts are numbers (missing: 0), ``scale`` is a number
+    (missing: 1), the text columns are strings; the steps table is sorted by step and its ``skipped`` column
+    is plain bool (missing: False).
+    """
     layers = T.frame("layers", tables.get("layers", T.empty("layers")).copy())
     for c in _NUMERIC_LAYER_COLS:
         layers[c] = pd.to_numeric(layers[c], errors="coerce")
+    layers = layers.dropna(subset=[T.STEP]).reset_index(drop=True)
     for c in T.COUNT_COLUMNS:
         layers[c] = layers[c].fillna(0)
     layers[T.SCALE] = layers[T.SCALE].fillna(1.0)
@@ -130,6 +143,8 @@ def _prepare(tables: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataF
     steps = T.frame("steps", tables.get("steps", T.empty("steps")).copy())
     for c in (T.STEP, T.LOSS, T.LOSS_SCALE, T.GRAD_NORM):
         steps[c] = pd.to_numeric(steps[c], errors="coerce")
+    steps = steps.dropna(subset=[T.STEP])
+    steps[T.SKIPPED] = steps[T.SKIPPED].map(_flag).astype(bool)
     steps = steps.sort_values(T.STEP, kind="stable").reset_index(drop=True)
     return layers, hist, steps
 
@@ -203,6 +218,9 @@ class _Plan:
     growth_interval: int = 2000
     matmul_layers: list[str] = field(default_factory=list)
     n_params: int | None = None
+    # Skipped steps that came with nan/inf from the model itself (the non-finite rule's verdict): no loss
+    # scale would have saved them.
+    model_skips: set[int] = field(default_factory=set)
 
     def add(self, f: Finding) -> None:
         self.findings.append(f)

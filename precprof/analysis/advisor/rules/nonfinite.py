@@ -1,10 +1,17 @@
 """The first module and step with nan/inf, in the forward and in the backward pass, and whether the
 loss scaler skipped those steps.
+
+Two tables, two kinds of evidence. Layer statistics (which module, which tensor, how many nan/inf) exist
+only on sampled steps, so "the first step with nan/inf" is the first *sampled* one: with ``sample_every`` > 1
+it is an upper bound, and the message then says "first recorded at sampled step S" and names the sampled
+step before it. The steps table has every step: whether a step's optimizer step was skipped, and the run of
+consecutive skipped steps around it, come from there and are exact.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pandas as pd
 
@@ -13,12 +20,155 @@ from precprof.analysis.advisor.evidence import _innermost, _Plan, _Run
 from precprof.analysis.advisor.model import CRITICAL, Finding, Number
 from precprof.analysis.advisor.text import _log2i, _name, _pow2
 
+# How the messages name a tensor kind.
+_KIND_WORDS = {
+    T.ACTIVATION: "activation",
+    T.ACTIVATION_GRAD: "activation gradient",
+    T.WEIGHT: "weight",
+    T.WEIGHT_GRAD: "weight gradient",
+    T.WEIGHT_UPDATE: "weight update",
+}
+
+
+def _kinds(rows: pd.DataFrame) -> str:
+    """The tensor kinds of ``rows`` in schema order, in words ("activation gradient and weight gradient")."""
+    present = set(rows[T.TENSOR])
+    words = [_KIND_WORDS[k] for k in T.TENSOR_KINDS if k in present]
+    words += sorted(str(k) for k in present if k not in _KIND_WORDS)
+    return " and ".join(words) or "tensors"
+
+
+@dataclass(frozen=True)
+class _StepFacts:
+    """What the steps table says about one step.
+
+    ``recorded``: the step has a row. ``skipped``: its optimizer step was skipped (False when not recorded).
+    ``streak``: (first, last) of the run of consecutive skipped steps that contains it, None when not skipped.
+    """
+
+    recorded: bool
+    skipped: bool
+    streak: tuple[int, int] | None
+
+
+def _skip_streaks(steps: pd.DataFrame) -> list[tuple[int, int]]:
+    """Runs of consecutive skipped steps, as (first, last) step, in step order."""
+    if steps.empty:
+        return []
+    skipped = sorted({int(s) for s in steps[steps[T.SKIPPED]][T.STEP]})
+    out: list[tuple[int, int]] = []
+    for s in skipped:
+        if out and s == out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return out
+
+
+def _step_facts(run: _Run, streaks: list[tuple[int, int]], step: int) -> _StepFacts:
+    streak = next(((a, b) for a, b in streaks if a <= step <= b), None)
+    recorded = bool((run.steps[T.STEP] == step).any())
+    return _StepFacts(recorded, streak is not None, streak)
+
+
+def _sampled_before(run: _Run, step: int) -> int | None:
+    """The last step before ``step`` with layer statistics, None when there is none."""
+    earlier = run.layers[run.layers[T.STEP] < step][T.STEP]
+    return int(earlier.max()) if not earlier.empty else None
+
+
+def _opening(run: _Run, step: int) -> tuple[str, int | None]:
+    """How a message dates a first nan/inf at layer-statistics step ``step``: "At step S" when the step before
+    it was sampled too (or it is the first step of the run), else "First recorded at sampled step S (...)",
+    naming the sampled step before it. Returns the words and that earlier sampled step (None when the date
+    is exact)."""
+    before = _sampled_before(run, step)
+    known = [int(s) for s in run.steps[T.STEP]] + [int(s) for s in run.layers[T.STEP]]
+    first_step = min(known, default=step)
+    if (before is None and step <= first_step) or (before is not None and before == step - 1):
+        return f"At step {step}", None
+    if before is None:
+        return (
+            f"First recorded at sampled step {step} (layer statistics exist only on sampled steps, and none "
+            "was sampled before it)",
+            None,
+        )
+    return (
+        f"First recorded at sampled step {step} (layer statistics exist only on sampled steps; the one "
+        f"before is step {before})",
+        before,
+    )
+
+
+def _scale_at(steps: pd.DataFrame, step: int) -> float:
+    rows = steps[steps[T.STEP] == step][T.LOSS_SCALE]
+    return float(rows.iloc[0]) if len(rows) and pd.notna(rows.iloc[0]) else math.nan
+
+
+def _scales(steps: pd.DataFrame, a: int, b: int) -> str:
+    lo, hi = _scale_at(steps, b), _scale_at(steps, a)
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo > 0 and hi > 0):
+        return "(scale not recorded)"
+    return f"from {_pow2(_log2i(hi))} to {_pow2(_log2i(lo))}"
+
+
+def _skips(facts: _StepFacts, step: int) -> tuple[str, dict[str, Number]]:
+    """What the scaler did at ``step``, as a clause without its full stop ("GradScaler skipped every step
+    from A to B (N steps, no weight update)"), and its numbers: skipped (1, 0, None when the steps table has no
+    row for the step) and, when skipped, the run of consecutive skips around it."""
+    if not facts.recorded:
+        return (
+            f"The steps table has no row for step {step}, so whether its optimizer step was skipped is unknown",
+            {"skipped": None},
+        )
+    if facts.streak is None:
+        return "The optimizer step was not skipped", {"skipped": 0}
+    a, b = facts.streak
+    return f"GradScaler skipped every step from {a} to {b} ({b - a + 1} steps, no weight update)", {
+        "skipped": 1,
+        "skipped_from": a,
+        "skipped_to": b,
+        "skipped_steps": b - a + 1,
+    }
+
+
+def _began_before(facts: _StepFacts, step: int) -> str:
+    """A sentence when the run of skips around a sampled step began before it (the steps table saw the trouble
+    before the layer statistics could), else ""."""
+    if facts.streak is None or facts.streak[0] >= step:
+        return ""
+    return f" The skips began at step {facts.streak[0]}, before this sampled step."
+
+
+def _scaler_cannot_fix(run: _Run, streak: tuple[int, int]) -> bool:
+    """Whether a run of skipped steps is more than a scale too high (see AdvisorConfig.nonfinite_*)."""
+    a, b = streak
+    steps = run.steps
+    lowest = _scale_at(steps, b)
+    ok_before = steps[(steps[T.STEP] < a) & ~steps[T.SKIPPED]]
+    last_ok = float(ok_before[T.LOSS_SCALE].iloc[-1]) if len(ok_before) else math.nan
+    finite = math.isfinite(last_ok) and math.isfinite(lowest) and lowest > 0 and last_ok > 0
+    if finite and math.log2(last_ok / lowest) >= run.cfg.nonfinite_backoff_log2:
+        return True
+    last_step = int(steps[T.STEP].max()) if not steps.empty else b
+    return b == last_step and b - a + 1 >= run.cfg.nonfinite_persist_steps
+
 
 def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
-    """First module and step with nan/inf, forward and backward. Returns the steps with forward nan/inf."""
+    """First module and step with nan/inf, forward and backward. Returns the steps with forward nan/inf.
+
+    Adds to ``plan.model_skips`` every skipped step of a run of skips that came with nan/inf from the model:
+    one that contains a sampled step with a non-finite forward pass, or one with non-finite gradients that
+    no back-off cured (``_scaler_cannot_fix``).
+    """
     bad = run.layers[(run.layers[T.NAN] + run.layers[T.INF]) > 0]
+    streaks = _skip_streaks(run.steps)
     fwd = bad[bad[T.TENSOR].isin((T.ACTIVATION, T.WEIGHT))]
     fwd_steps = {int(s) for s in fwd[T.STEP].unique()}
+    for s in fwd_steps:
+        streak = _step_facts(run, streaks, s).streak
+        if streak is not None:
+            plan.model_skips.update(range(streak[0], streak[1] + 1))
     if not fwd.empty:
         step = int(fwd[T.STEP].min())
         at = fwd[fwd[T.STEP] == step]
@@ -26,56 +176,75 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
         first = origins[0]
         row = at[at[T.MODULE] == first]
         nan, inf = int(row[T.NAN].sum()), int(row[T.INF].sum())
-        kinds = sorted(set(row[T.TENSOR]))
+        opening, before = _opening(run, step)
+        facts = _step_facts(run, streaks, step)
+        skips, skip_nums = _skips(facts, step) if not run.steps.empty else ("", {})
+        skips = f" {skips}.{_began_before(facts, step)}" if skips else ""
         plan.add(
             Finding(
                 "nonfinite_forward",
                 CRITICAL,
                 f"nan/inf first appears in the forward pass of {_name(first)}",
-                f"At step {step}, the {'/'.join(kinds)} of {_name(first)} "
+                f"{opening}, the {_kinds(row)} of {_name(first)} "
                 f"({run.types.get(first, '?')}) holds {nan} nan and {inf} inf values; it is the first "
                 f"module in forward order to do so ({len(fwd_steps)} sampled step(s) affected, "
-                f"{at[T.MODULE].nunique()} module(s) at step {step}).",
+                f"{at[T.MODULE].nunique()} module(s) at step {step}).{skips}",
                 f"Inspect {_name(first)}'s inputs and weights at step {step}: a division, log or exp "
                 "without a guard, or an fp16 overflow (keep it in fp32).",
                 modules=[first],
-                numbers={"step": step, "nan": nan, "inf": inf, "steps_affected": len(fwd_steps)},
+                numbers={
+                    "step": step,
+                    "nan": nan,
+                    "inf": inf,
+                    "steps_affected": len(fwd_steps),
+                    **({"sampled_before": before} if before is not None else {}),
+                    **skip_nums,
+                },
             )
         )
     bwd = bad[bad[T.TENSOR].isin(T.GRADIENT_KINDS) & ~bad[T.STEP].isin(fwd_steps)]
-    if bwd.empty:
-        return fwd_steps
-    streaks = _skip_streaks(run.steps)
+    reported = False
     for step in sorted(int(s) for s in bwd[T.STEP].unique()):
-        streak = next(((a, b) for a, b in streaks if a <= step <= b), None)
-        if streak is not None and not _scaler_cannot_fix(run, streak):
-            continue  # a scale too high: the scaler skipped the step and backed off, as it should
+        facts = _step_facts(run, streaks, step)
+        if facts.streak is not None:
+            if not _scaler_cannot_fix(run, facts.streak):
+                continue  # a scale too high: the scaler skipped the step and backed off, as it should
+            plan.model_skips.update(range(facts.streak[0], facts.streak[1] + 1))
+        if reported:
+            continue
+        reported = True
         at = bwd[bwd[T.STEP] == step]
         # Backward runs in reverse forward order: the first module to see a bad gradient is the last one.
         first = run.sort(_innermost(at[T.MODULE]))[-1]
         row = at[at[T.MODULE] == first]
         nan, inf = int(row[T.NAN].sum()), int(row[T.INF].sum())
-        where = f"{_name(first)} ({run.types.get(first, '?')})"
+        opening, before = _opening(run, step)
+        head = (
+            f"{opening}, the {_kinds(row)} of {_name(first)} ({run.types.get(first, '?')}) "
+            f"{'holds' if row[T.TENSOR].nunique() == 1 else 'hold'} {nan} nan and {inf} inf values while the "
+            "forward pass was finite"
+        )
         nums: dict[str, Number] = {"step": step, "nan": nan, "inf": inf}
-        if streak is None:
+        if before is not None:
+            nums["sampled_before"] = before
+        skips, skip_nums = _skips(facts, step)
+        nums.update(skip_nums)
+        if facts.streak is None:
             detail = (
-                f"At step {step}, gradients of {where} hold {nan} nan and {inf} inf values while the forward "
-                "pass was finite, and the optimizer step was not skipped for it."
+                f"{head}, and the optimizer step was not skipped for it."
+                if facts.recorded
+                else f"{head}. {skips}."
             )
             remedy = (
                 f"Check the loss and {_name(first)}'s backward at step {step} (e.g. sqrt or log near 0); "
                 "with fp16 use a GradScaler so such steps are skipped."
             )
         else:
-            a, b = streak
-            scales = _scales(run.steps, a, b)
-            nums.update({"skipped_from": a, "skipped_to": b, "skipped_steps": b - a + 1})
-            first_seen = "" if step == a else f" (recorded first at sampled step {step})"
+            a, b = facts.streak
             detail = (
-                f"From step {a}{first_seen}, gradients of {where} hold {nan} nan and {inf} inf values while the "
-                f"forward pass was finite. GradScaler skipped every step from {a} to {b} ({b - a + 1} steps, "
-                f"no weight update) and backed the scale off {scales}: an overflow would have been gone after "
-                "a back-off or two, so the nan/inf comes from the backward computation, not from the scale."
+                f"{head}. {skips} and backed the scale off {_scales(run.steps, a, b)}: an overflow would "
+                "have been gone after a back-off or two, so the nan/inf comes from the backward computation, "
+                f"not from the scale.{_began_before(facts, step)}"
             )
             remedy = (
                 f"Check {_name(first)}'s backward from step {a} (sqrt or log near 0, a division by a small "
@@ -92,45 +261,4 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
                 numbers=nums,
             )
         )
-        break
     return fwd_steps
-
-
-def _skip_streaks(steps: pd.DataFrame) -> list[tuple[int, int]]:
-    """Runs of consecutive skipped steps, as (first, last) step."""
-    if steps.empty:
-        return []
-    skipped = sorted(int(s) for s in steps[steps[T.SKIPPED].fillna(False).astype(bool)][T.STEP])
-    out: list[tuple[int, int]] = []
-    for s in skipped:
-        if out and s == out[-1][1] + 1:
-            out[-1] = (out[-1][0], s)
-        else:
-            out.append((s, s))
-    return out
-
-
-def _scale_at(steps: pd.DataFrame, step: int) -> float:
-    rows = steps[steps[T.STEP] == step][T.LOSS_SCALE]
-    return float(rows.iloc[0]) if len(rows) and pd.notna(rows.iloc[0]) else math.nan
-
-
-def _scales(steps: pd.DataFrame, a: int, b: int) -> str:
-    lo, hi = _scale_at(steps, b), _scale_at(steps, a)
-    if not (math.isfinite(lo) and math.isfinite(hi) and lo > 0 and hi > 0):
-        return "(scale not recorded)"
-    return f"from {_pow2(_log2i(hi))} to {_pow2(_log2i(lo))}"
-
-
-def _scaler_cannot_fix(run: _Run, streak: tuple[int, int]) -> bool:
-    """Whether a run of skipped steps is more than a scale too high (see AdvisorConfig.nonfinite_*)."""
-    a, b = streak
-    steps = run.steps
-    lowest = _scale_at(steps, b)
-    ok_before = steps[(steps[T.STEP] < a) & ~steps[T.SKIPPED].fillna(False).astype(bool)]
-    last_ok = float(ok_before[T.LOSS_SCALE].iloc[-1]) if len(ok_before) else math.nan
-    finite = math.isfinite(last_ok) and math.isfinite(lowest) and lowest > 0 and last_ok > 0
-    if finite and math.log2(last_ok / lowest) >= run.cfg.nonfinite_backoff_log2:
-        return True
-    last_step = int(steps[T.STEP].max()) if not steps.empty else b
-    return b == last_step and b - a + 1 >= run.cfg.nonfinite_persist_steps

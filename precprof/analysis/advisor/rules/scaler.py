@@ -16,28 +16,57 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
     plan.growth_interval = cfg.default_growth_interval
     if st.empty or st[T.LOSS_SCALE].isna().all():
         return
-    skipped = st[T.SKIPPED].fillna(False).astype(bool)
+    skipped = st[T.SKIPPED]
     n = int(skipped.sum())
     k = plan.loss_scale_log2
     rec = 2.0**k
     scale = st[T.LOSS_SCALE]
     if n:
         sk = st[skipped]
-        avoid = int((sk[T.LOSS_SCALE] > rec).sum())
+        # Skips that came with nan/inf from the model (the non-finite rule's verdict) are not the scale's
+        # fault: no init_scale avoids them, whatever scale they happened at.
+        from_model = sk[T.STEP].isin(plan.model_skips)
+        model = int(from_model.sum())
+        others = n - model
+        avoid = int((sk[~from_model][T.LOSS_SCALE] > rec).sum())
         first_ok = st.index[~skipped]
         start = float(scale.iloc[0])
         settled = float(scale[~skipped].iloc[0]) if len(first_ok) else None
+        parts = []
+        if model:
+            parts.append(
+                f"{model} of those skips came with nan/inf from the model itself (see the non-finite "
+                "finding), which no loss scale avoids"
+            )
+        if others:
+            lead = f"Of the other {others}, {avoid}" if model else f"{avoid} of those skips"
+            if avoid:
+                part = (
+                    f"{lead} happened at a scale above the recommended {_pow2(k)}: starting GradScaler at "
+                    f"{_scale(k)} avoids them"
+                )
+                if others - avoid:
+                    part += (
+                        f"; the other {others - avoid} happened at or below it (gradient spikes, or non-finite "
+                        "values that no scale fixes)"
+                    )
+            else:
+                part = (
+                    f"{'The other' if model else 'All'} {others} happened at or below the recommended "
+                    f"{_pow2(k)} (gradient spikes, or non-finite values that no scale fixes)"
+                )
+            parts.append(part)
         msg = (
             f"The dynamic loss scaler skipped {n} of {len(st)} optimizer steps (scale started at {start:g}"
             + (f", first successful step at scale {settled:g}" if settled is not None else "")
-            + f"). {avoid} of those skips happened at a scale above the recommended {_pow2(k)}: starting "
-            f"GradScaler at {_scale(k)} avoids them"
-            + (
-                f"; the other {n - avoid} happened at or below it (gradient spikes, or non-finite values "
-                "that no scale fixes)."
-                if n - avoid
-                else "."
-            )
+            + "). "
+            + ". ".join(parts)
+            + "."
+        )
+        remedy = (
+            f"Use GradScaler(init_scale={_scale(k)})."
+            if avoid or not model
+            else "Remove the source of the nan/inf (see the non-finite finding); the loss scale is not the cause."
         )
         plan.add(
             Finding(
@@ -45,11 +74,12 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                 WARNING,
                 f"{n} optimizer steps skipped by the loss scaler",
                 msg,
-                f"Use GradScaler(init_scale={_scale(k)}).",
+                remedy,
                 numbers={
                     "skipped": n,
                     "steps": len(st),
                     "avoidable": avoid,
+                    "from_model": model,
                     "start_scale": start,
                     "first_ok_scale": settled,
                     "recommended_scale": rec,
