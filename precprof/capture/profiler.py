@@ -34,7 +34,6 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -42,6 +41,7 @@ from torch import nn
 from precprof import stats as st
 from precprof import tables as T
 from precprof._version import __version__
+from precprof.capture import columns
 from precprof.capture.memory_tracker import MemoryTracker
 from precprof.capture.records import (
     MAX_PENDING_STEPS,
@@ -57,7 +57,6 @@ from precprof.capture.records import (
 from precprof.capture.reducer import RankReducer
 from precprof.capture.scaler import ScalerWatch
 from precprof.capture.updates import UpdateSampler
-from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
 
 ModuleFilter = Sequence[str | type[nn.Module]] | None
 
@@ -532,46 +531,11 @@ class Profiler:
             data = self._buffer.to_host()
         active = [row for row in self._rows if row.calls > 0]
         if active:
-            scales = np.array([scale if r.tensor in T.GRADIENT_KINDS else 1.0 for r in active])
-            d = st.decode_rows(data[[r.index for r in active]], scales)
-            cols: dict[str, Any] = {
-                T.STEP: np.full(len(active), step, dtype=np.int64),
-                T.ORDER: np.array([order.get(r.module, -1) for r in active], dtype=np.int64),
-                T.MODULE: [r.module for r in active],
-                T.MODULE_TYPE: [r.module_type for r in active],
-                T.TENSOR: [r.tensor for r in active],
-                T.PARAM: [r.param for r in active],
-                T.DTYPE: ["|".join(r.dtypes) for r in active],
-                T.CALLS: np.array([r.calls for r in active], dtype=np.int64),
-                T.NUMEL: d["numel"],
-                T.ZEROS: d["zeros"],
-                T.NAN: d["nan"],
-                T.INF: d["inf"],
-                T.ABSMAX: d["absmax"],
-                T.ABSMIN: d["absmin"],
-                T.SCALE: scales,
-                T.LOST_UPDATE_BF16: np.full(len(active), math.nan),
-                T.LOST_UPDATE_FP16: np.full(len(active), math.nan),
-            }
-            for f in WHATIF_FORMATS:
-                cols[T.underflow_col(f)] = d["underflow"][f]
-                cols[T.overflow_col(f)] = d["overflow"][f]
-            for f in FP8_FORMATS:
-                cols[T.underflow_cs_col(f)] = d["underflow_cs"][f]
+            cols, hist = columns.layer_columns(step, active, data, scale, order)
             self._layer_parts.append(cols)
             self._sampled_steps.add(step)
-            r_idx, bins = np.nonzero(d["hist"])
-            if len(r_idx):
-                self._hist_parts.append(
-                    {
-                        T.STEP: np.full(len(r_idx), step, dtype=np.int64),
-                        T.MODULE: np.array(cols[T.MODULE], dtype=object)[r_idx],
-                        T.TENSOR: np.array(cols[T.TENSOR], dtype=object)[r_idx],
-                        T.PARAM: np.array(cols[T.PARAM], dtype=object)[r_idx],
-                        T.EXPONENT: st.EXP_MIN + bins - d["shift"][r_idx],
-                        T.COUNT: d["hist"][r_idx, bins],
-                    }
-                )
+            if hist is not None:
+                self._hist_parts.append(hist)
         if self._updates is not None:
             counts = self._updates.counts
             if self._reducer is not None:

@@ -1,0 +1,62 @@
+"""A sampled step's rows, decoded into the columns of the ``layers`` and ``histograms`` tables (arrays, not
+frames: building frames in the training loop would cost milliseconds per sampled step; ``tables()`` joins
+them)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from precprof import stats as st
+from precprof import tables as T
+from precprof.capture.records import _Row
+from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
+
+
+def layer_columns(
+    step: int, active: Sequence[_Row], data: np.ndarray, scale: float, order: dict[str, int]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The layers columns of the ``active`` rows of ``data`` (the step's host rows) and their histogram
+    columns (None when every histogram is empty). Gradient rows are unscaled by ``scale``, the loss scale in
+    effect during the step's backward."""
+    scales = np.array([scale if r.tensor in T.GRADIENT_KINDS else 1.0 for r in active])
+    d = st.decode_rows(data[[r.index for r in active]], scales)
+    cols: dict[str, Any] = {
+        T.STEP: np.full(len(active), step, dtype=np.int64),
+        T.ORDER: np.array([order.get(r.module, -1) for r in active], dtype=np.int64),
+        T.MODULE: [r.module for r in active],
+        T.MODULE_TYPE: [r.module_type for r in active],
+        T.TENSOR: [r.tensor for r in active],
+        T.PARAM: [r.param for r in active],
+        T.DTYPE: ["|".join(r.dtypes) for r in active],
+        T.CALLS: np.array([r.calls for r in active], dtype=np.int64),
+        T.NUMEL: d["numel"],
+        T.ZEROS: d["zeros"],
+        T.NAN: d["nan"],
+        T.INF: d["inf"],
+        T.ABSMAX: d["absmax"],
+        T.ABSMIN: d["absmin"],
+        T.SCALE: scales,
+        T.LOST_UPDATE_BF16: np.full(len(active), math.nan),
+        T.LOST_UPDATE_FP16: np.full(len(active), math.nan),
+    }
+    for f in WHATIF_FORMATS:
+        cols[T.underflow_col(f)] = d["underflow"][f]
+        cols[T.overflow_col(f)] = d["overflow"][f]
+    for f in FP8_FORMATS:
+        cols[T.underflow_cs_col(f)] = d["underflow_cs"][f]
+    r_idx, bins = np.nonzero(d["hist"])
+    if not len(r_idx):
+        return cols, None
+    hist = {
+        T.STEP: np.full(len(r_idx), step, dtype=np.int64),
+        T.MODULE: np.array(cols[T.MODULE], dtype=object)[r_idx],
+        T.TENSOR: np.array(cols[T.TENSOR], dtype=object)[r_idx],
+        T.PARAM: np.array(cols[T.PARAM], dtype=object)[r_idx],
+        T.EXPONENT: st.EXP_MIN + bins - d["shift"][r_idx],
+        T.COUNT: d["hist"][r_idx, bins],
+    }
+    return cols, hist
