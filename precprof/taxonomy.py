@@ -112,6 +112,12 @@ def is_matmul_type(module_type: str) -> bool:
     return kind_of_type(module_type) == MATMUL
 
 
+def is_linear_type(module_type: str) -> bool:
+    """A matmul with a Linear's (in, out) weight, which FP8 recipes convert: ``nn.Linear`` and its subclasses
+    by name, and Hugging Face GPT-2's ``Conv1D`` (a Linear with a transposed weight); not convolutions."""
+    return is_matmul_type(module_type) and ("Linear" in module_type or module_type == "Conv1D")
+
+
 def tied_weight_ids(model: nn.Module) -> set[int]:
     """ids of the embedding weights of ``model`` (an output head sharing one is tied to it)."""
     return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
@@ -153,6 +159,13 @@ def matmul_activation_dtypes(layers: pd.DataFrame) -> dict[str, str]:
     return dict(zip(last[T.MODULE], last[T.DTYPE].astype(str), strict=True))
 
 
+def float32_matmul_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
+    """(matmul layers whose activations were float32 at the last sampled step, how many matmul layers there
+    were): with a low precision requested, the layers where it is not active."""
+    dtypes = matmul_activation_dtypes(layers)
+    return sorted(m for m, d in dtypes.items() if d == "float32"), len(dtypes)
+
+
 def mixed_precision_check(requested: str, layers: pd.DataFrame) -> dict[str, Any]:
     """Whether the requested low precision is what the matmul layers ran in.
 
@@ -160,14 +173,13 @@ def mixed_precision_check(requested: str, layers: pd.DataFrame) -> dict[str, Any
     "matmul_layers"}`` for summary.json's ``capture`` block. Active means: a low precision was requested and
     at least one matmul layer produced a tensor in something other than float32.
     """
-    dtypes = matmul_activation_dtypes(layers)
-    fp32 = sorted(m for m, d in dtypes.items() if d == "float32")
-    active = requested_low_dtype(requested) is not None and bool(dtypes) and len(fp32) < len(dtypes)
+    fp32, n = float32_matmul_layers(layers)
+    active = requested_low_dtype(requested) is not None and n > 0 and len(fp32) < n
     return {
         "mixed_precision_requested": requested,
         "mixed_precision_active": active,
         "matmul_layers_float32": len(fp32),
-        "matmul_layers": len(dtypes),
+        "matmul_layers": n,
     }
 
 

@@ -85,3 +85,9 @@ def test_mixed_precision_check() -> None:
     }
     assert X.mixed_precision_check("fp32", layers)["mixed_precision_active"] is False
     assert X.low_precision_seen(layers) and not X.low_precision_seen(layers[layers[T.DTYPE] == "float32"])
+
+
+def test_linear_types_are_the_matmuls_fp8_converts() -> None:
+    linear = ["Linear", "NonDynamicallyQuantizableLinear", "Float8Linear", "Conv1D"]
+    assert all(X.is_linear_type(t) for t in linear)
+    assert not any(X.is_linear_type(t) for t in ["Conv2d", "Bilinear", "Embedding", "LayerNorm", "Conv1DWrapper"])

@@ -35,11 +35,6 @@ _DIM_KEYS = (
 )
 
 
-def _is_linear(module_type: str) -> bool:
-    # HF GPT-2's Conv1D is a Linear with a transposed weight: same shapes, same FP8 treatment.
-    return "Linear" in module_type or module_type == "Conv1D"
-
-
 def _num(x: Any) -> Number:
     """A JSON-safe scalar: numpy scalars to Python, NaN/inf to None."""
     if x is None or isinstance(x, str):
@@ -278,7 +273,7 @@ def _layer_dims(run: _Run) -> dict[str, dict[str, int]]:
             out[name] = {"num_embeddings": shape[0], "dim": shape[1]}
         elif t == "Conv1D":
             out[name] = {"in": shape[0], "out": shape[1]}
-        elif _is_linear(t):
+        elif taxonomy.is_linear_type(t):
             out[name] = {"in": shape[1], "out": shape[0]}
     tokens = _tokens_per_call(run)
     if tokens is None or run.layers.empty:
@@ -291,7 +286,7 @@ def _layer_dims(run: _Run) -> dict[str, dict[str, int]]:
         t = run.types.get(m, "")
         if (
             m in out
-            or not (_is_linear(t) or taxonomy.kind_of_type(t) == taxonomy.EMBEDDING)
+            or not (taxonomy.is_linear_type(t) or taxonomy.kind_of_type(t) == taxonomy.EMBEDDING)
             or m not in acts.index
         ):
             continue

@@ -12,26 +12,19 @@ from precprof.analysis.advisor.text import _listing, _pct
 
 
 def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:
-    requested = run.precision
+    requested = taxonomy.summary_requested(run.summary, default=run.precision)
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
-    if isinstance(capture, Mapping):
-        req = capture.get("mixed_precision_requested")
-        if isinstance(req, str) and req:
-            requested = req.lower()
-    low = next((dt for p, dt in taxonomy.LOW_PRECISION_DTYPE.items() if requested.startswith(p)), None)
-    if low is None or not plan.matmul_layers:
+    if taxonomy.requested_low_dtype(requested) is None:
         return
-    acts = run.kind(T.ACTIVATION)
-    acts = acts[acts[T.MODULE].isin(plan.matmul_layers)]
-    last = acts[acts[T.STEP] == acts[T.STEP].max()]
-    fp32 = run.sort(last[last[T.DTYPE] == "float32"][T.MODULE])
-    if not fp32:
+    fp32_layers, n_matmul = taxonomy.float32_matmul_layers(run.layers)
+    fp32 = run.sort(fp32_layers)
+    if not fp32 or not n_matmul:
         return
-    share = len(fp32) / len(plan.matmul_layers)
+    share = len(fp32) / n_matmul
     nums: dict[str, Number] = {
         "requested": requested,
         "fp32_layers": len(fp32),
-        "matmul_layers": len(plan.matmul_layers),
+        "matmul_layers": n_matmul,
         "share": share,
     }
     listing = _listing(fp32, run.cfg.max_listed_modules)
@@ -60,8 +53,8 @@ def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:
             Finding(
                 "mixed_precision_partial",
                 INFO,
-                f"{len(fp32)} of {len(plan.matmul_layers)} matmul layers run in float32",
-                f"With {requested} requested, {len(fp32)} of {len(plan.matmul_layers)} matmul layers "
+                f"{len(fp32)} of {n_matmul} matmul layers run in float32",
+                f"With {requested} requested, {len(fp32)} of {n_matmul} matmul layers "
                 f"({_pct(share)}) still produced float32 outputs: {listing}.",
                 "Nothing to do if these layers are kept in fp32 on purpose; otherwise check that they run "
                 "inside autocast.",

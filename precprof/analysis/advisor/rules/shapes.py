@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from precprof import tables as T
+from precprof import taxonomy
 from precprof.analysis.advisor.evidence import (
-    _is_linear,
     _model_dims,
     _nonzero,
     _Plan,
@@ -59,7 +59,7 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> 
 
 def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     cfg = run.cfg
-    linear = [m for m in plan.matmul_layers if _is_linear(run.types.get(m, ""))]
+    linear = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
     if not linear:
         return
     e4, e5 = T.underflow_cs_col(FP8_E4M3.name), T.underflow_cs_col(FP8_E5M2.name)
