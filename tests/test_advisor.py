@@ -18,10 +18,12 @@ import pandas as pd
 import pytest
 import torch
 
+from precprof import cli
 from precprof import tables as T
 from precprof.analysis.advisor import AdvisorConfig, Finding, Recommendation, recommend
 from precprof.hardware import HardwareInfo, preset
 from precprof.taxonomy import is_matmul_type as is_matmul_layer
+from precprof.training import TrainConfig, train
 
 GOLDEN = Path(__file__).parent / "golden" / "advisor"
 UPDATE = os.environ.get("PRECPROF_UPDATE_GOLDEN") == "1"
@@ -576,6 +578,38 @@ def test_scaler_inf_gradients_are_not_a_nonfinite_finding() -> None:
     )
 
 
+@pytest.mark.parametrize("size", [450.0, 0.1])
+def test_a_long_back_off_is_an_overflow_when_the_gradients_exceed_fp16_at_its_starting_scale(
+    size: float,
+) -> None:
+    """As in a real run with SGD at lr 1e3: after the first update the gradients grow to ~450 and GradScaler
+    needs 9 back-offs from 2^16 before a step goes through. 450 x 2^16 is far beyond 65504: an overflow, not a
+    nan from the model, although the back-off exceeds ``nonfinite_backoff_log2``. The same skips with
+    gradients of 0.1 (0.1 x 2^16 < 65504) are not explained by the scale."""
+    g = torch.Generator().manual_seed(5)
+    b = RunBuilder()
+    scales = [2.0**16, *(2.0 ** (16 - i) for i in range(9)), 2.0**7, 2.0**7]
+    for s, sc in enumerate(scales):
+        skipped = 1 <= s <= 9
+        grad = torch.randn(8, 8, generator=g) * size
+        if skipped:
+            grad[0, 0] = math.inf
+        b.add(s, 0, "fc", "Linear", T.ACTIVATION, torch.randn(8, 8, generator=g), dtype="float16")
+        b.add(s, 0, "fc", "Linear", T.ACTIVATION_GRAD, grad, scale=sc, dtype="float16")
+        b.step(s, loss=1.0, scale=sc, skipped=skipped)
+    rec = recommend(b.tables(), hardware="v100", summary=summary_for("fp16"))
+    sk = must(rec, "scaler_skipped_steps")
+    assert sk.numbers["skipped"] == 9
+    f = rec.finding("nonfinite_backward")
+    if size > 1:
+        assert f is None and sk.numbers["from_model"] == 0
+    else:
+        assert f is not None and (f.numbers["step"], f.numbers["skipped_steps"]) == (1, 9)
+        assert sk.numbers["from_model"] == 9 and sk.numbers["avoidable"] == 0
+        peak = float(f.numbers["grad_peak"] or 0)
+        assert peak * 2.0**16 < 65504 and f"{peak:.3g} x 65536" in f.message
+
+
 @pytest.mark.parametrize("all_fp32", [True, False])
 def test_mixed_precision_inactive(request: pytest.FixtureRequest, all_fp32: bool) -> None:
     b = RunBuilder()
@@ -711,3 +745,50 @@ def test_alignment_from_profiler_shapes_and_flat_model_dims() -> None:
         and "dim_head_dim" not in f.numbers
     )
     assert f.numbers["tokens"] == 16
+
+
+def test_a_real_run_whose_scaler_backs_off_below_1_keeps_its_verdict_and_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], one_thread: None
+) -> None:
+    """fp16 on CPU, SGD at lr 1e6 without clipping: the first update blows the weights up, every later step
+    overflows and is skipped, and GradScaler backs its scale off below 1. The advisor used to recurse forever
+    writing such a scale (2^-k), so summary.json lost its recommendation, report.html said "could not be
+    rendered (RecursionError)" and ``precprof report`` on the run was a traceback."""
+    out = tmp_path / "huge"
+    train(
+        TrainConfig(
+            model="gpt-nano",
+            model_args={"n_layer": 1, "n_embd": 32, "n_head": 2},
+            precision="fp16",
+            device="cpu",
+            optimizer="sgd",
+            lr=1e6,
+            grad_clip=0.0,
+            steps=24,
+            batch_size=2,
+            seq_len=8,
+            sample_every=1,
+            out=out,
+            progress=False,
+        )
+    )
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE and not summary.get(T.SUMMARY_ERRORS)
+    steps = T.read_tables(out)["steps"]
+    assert float(steps[T.LOSS_SCALE].min()) < 1  # the run really went where the advisor used to recurse
+    rec = Recommendation.from_dict(summary[T.SUMMARY_RECOMMENDATION])
+    assert rec.format in ("fp32", "tf32", "bf16", "fp16", "fp8") and isinstance(rec.describe(), str)
+    html = (out / T.REPORT_FILE).read_text()
+    assert 'id="verdict"' in html and "could not be rendered" not in html
+    # the non-finite facts agree with the steps table: the skips from the first non-finite step to the end
+    f = rec.finding("nonfinite_forward") or rec.finding("nonfinite_backward")
+    assert f is not None and f.numbers["skipped"] == 1
+    skipped = sorted(int(s) for s in steps[steps[T.SKIPPED].astype(bool)][T.STEP])
+    first = int(f.numbers["step"] or 0)
+    assert f.numbers["skipped_from"] == first and f.numbers["skipped_to"] == 23
+    assert f.numbers["skipped_steps"] == len([s for s in skipped if s >= first]) == 24 - first
+    for argv in (["report", str(out)], ["report", str(out), "--target", "v100"]):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(argv)
+        assert exited.value.code == 0, capsys.readouterr().err
+    assert "Traceback" not in capsys.readouterr().err

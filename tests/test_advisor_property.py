@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pandas as pd
 import pytest
@@ -89,20 +90,49 @@ def step_rows(draw: st.DrawFn) -> list[dict[str, object]]:
 
 @st.composite
 def summaries(draw: st.DrawFn) -> dict[str, object]:
+    """summary.json as the advisor may get it: sections missing, keys missing, values None or nonsense."""
     base: dict[str, object] = {}
     if draw(st.booleans()):
         base[T.SUMMARY_CONFIG] = {
-            "precision": draw(st.sampled_from(["fp32", "bf16", "fp16", "fp16-pure", "fp8", "nonsense"])),
-            "loss_scaling": draw(st.sampled_from(["dynamic", "none", "static"])),
+            "precision": draw(
+                st.sampled_from(["fp32", "bf16", "fp16", "fp16-pure", "fp8", "nonsense", None])
+            ),
+            "loss_scaling": draw(st.sampled_from(["dynamic", "none", "static", None])),
+            **draw(
+                st.dictionaries(
+                    st.sampled_from(["growth_interval", "init_scale", "batch_size", "seq_len"]),
+                    st.sampled_from([None, 0, -3, 1, 64, 2000, math.nan, "x"]),
+                )
+            ),
         }
     if draw(st.booleans()):
-        base[T.SUMMARY_MODEL] = {"n_params": draw(st.sampled_from([0, 1000, 10**9])), "dims": {"n_embd": 100}}
+        base[T.SUMMARY_MODEL] = {
+            "n_params": draw(st.sampled_from([0, 1000, 10**9, None, -1])),
+            "dims": draw(st.sampled_from([{"n_embd": 100}, {}, None, {"n_embd": None, "n_head": 0}])),
+        }
+    if draw(st.booleans()):
+        base[T.SUMMARY_CAPTURE] = draw(
+            st.sampled_from(
+                [
+                    {},
+                    {"autocast": None, "mixed_precision_requested": None, "modules": None},
+                    {"autocast": {"enabled": False}, "mixed_precision_requested": "fp16"},
+                    {"modules": [{"name": "a", "type": "Linear", "params": {"weight": [3, 5]}}, None]},
+                ]
+            )
+        )
     if draw(st.booleans()):
         base[T.SUMMARY_STATUS] = draw(st.sampled_from([T.STATUS_COMPLETE, T.STATUS_INCOMPLETE]))
     return base
 
 
+def drop(rows: list[dict[str, object]], columns: list[str]) -> list[dict[str, object]]:
+    """``rows`` without ``columns``: ``tables.frame`` then fills them with NaN, as for an older run's table."""
+    return [{k: v for k, v in r.items() if k not in columns} for r in rows]
+
+
 def tables_from(layers: list[dict[str, object]], steps: list[dict[str, object]]) -> dict[str, pd.DataFrame]:
+    keyed = [r for r in layers if all(k in r for k in (T.STEP, T.MODULE, T.TENSOR, T.PARAM))]
     hist = [
         {
             T.STEP: r[T.STEP],
@@ -112,7 +142,7 @@ def tables_from(layers: list[dict[str, object]], steps: list[dict[str, object]])
             T.EXPONENT: e,
             T.COUNT: 3,
         }
-        for r in layers[:6]
+        for r in keyed[:6]
         for e in (-140, -20, 0, 15, 127)
     ]
     return {
@@ -123,6 +153,22 @@ def tables_from(layers: list[dict[str, object]], steps: list[dict[str, object]])
     }
 
 
+def check(
+    tabs: dict[str, pd.DataFrame], summary: dict[str, object], target: str | None
+) -> advisor.Recommendation:
+    """The invariants: a Recommendation whose dict is strict JSON (no NaN, no numpy scalars: what
+    summary.json stores), which reads back, whose text is a string, and a report page that renders."""
+    rec = advisor.recommend(tabs, hardware=target, summary=summary)
+    assert isinstance(rec, advisor.Recommendation) and rec.format in advisor.FORMATS
+    doc = rec.to_dict()
+    json.dumps(doc, allow_nan=False)
+    assert isinstance(rec.describe(), str)
+    assert isinstance(advisor.Recommendation.from_dict(doc).describe(), str)
+    page = render_html(tabs, summary, rec)
+    assert 'id="verdict"' in page
+    return rec
+
+
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
@@ -130,22 +176,23 @@ def tables_from(layers: list[dict[str, object]], steps: list[dict[str, object]])
     layers=layer_rows(),
     steps=step_rows(),
     summary=summaries(),
-    target=st.sampled_from([None, "t4", "h100", "cpu"]),
+    target=st.sampled_from([None, "t4", "v100", "h100", "cpu"]),
+    dropped_layers=st.lists(st.sampled_from(T.LAYERS_COLUMNS), max_size=3, unique=True),
+    dropped_steps=st.lists(st.sampled_from(T.STEPS_COLUMNS), max_size=3, unique=True),
+    no_finite_loss=st.booleans(),
 )
 def test_the_advisor_and_the_report_never_crash(
     layers: list[dict[str, object]],
     steps: list[dict[str, object]],
     summary: dict[str, object],
     target: str | None,
+    dropped_layers: list[str],
+    dropped_steps: list[str],
+    no_finite_loss: bool,
 ) -> None:
-    tabs = tables_from(layers, steps)
-    rec = advisor.recommend(tabs, hardware=target, summary=summary)
-    doc = rec.to_dict()
-    json.dumps(doc, default=str)  # what summary.json stores
-    assert isinstance(rec.describe(), str)
-    assert isinstance(advisor.Recommendation.from_dict(doc).describe(), str)
-    page = render_html(tabs, summary, rec)
-    assert 'id="verdict"' in page
+    if no_finite_loss:
+        steps = [{**r, T.LOSS: math.nan} for r in steps]
+    check(tables_from(drop(layers, dropped_layers), drop(steps, dropped_steps)), summary, target)
 
 
 @pytest.mark.parametrize("k", [-1, -3, -16, -40])
@@ -160,6 +207,59 @@ def test_a_synthetic_run_with_a_nan_and_huge_gradients() -> None:
     tabs, summary = synthetic_run("fp16", layers=gpt_layers(n_layer=1), steps=6, sample_every=1, nan_at=4)
     grads = tabs["layers"][T.TENSOR].isin(T.GRADIENT_KINDS)
     tabs["layers"].loc[grads, T.ABSMAX] = 1e30  # the fp16 scale that avoids overflow would be 2^-86
-    rec = advisor.recommend(tabs, summary=summary)
-    json.dumps(rec.to_dict(), default=str)
-    assert 'id="verdict"' in render_html(tabs, summary, rec)
+    check(tabs, summary, None)
+
+
+# Minimal examples of what the property test found (each crashed the advisor before it was fixed).
+NAN_GRAD = {
+    T.STEP: 14,
+    T.ORDER: 0,
+    T.MODULE: "a",
+    T.MODULE_TYPE: "Linear",
+    T.TENSOR: T.ACTIVATION_GRAD,
+    T.PARAM: "",
+    T.DTYPE: "float32",
+    T.NUMEL: 1,
+    T.NAN: 1,
+    T.SCALE: 2.0**-24,
+}
+
+
+def test_a_steps_table_without_a_step_column() -> None:
+    """Skipped steps without step numbers (an older or damaged steps table): int(NaN) in the non-finite rule.
+    A row that cannot be dated is left out."""
+    steps = [{T.LOSS: 5.5, T.LOSS_SCALE: 2.0**-24, T.SKIPPED: True}]
+    rec = check(tables_from([NAN_GRAD], steps), {}, "v100")
+    f = rec.finding("nonfinite_backward")
+    assert f is not None and f.numbers["step"] == 14 and f.numbers["skipped"] is None
+    assert "has no row for step 14" in f.message
+
+
+def test_a_layers_table_without_a_step_column() -> None:
+    """A nan gradient in a row without a step number: int(NaN) again. It cannot be dated, so no finding
+    dates it."""
+    row = {k: v for k, v in NAN_GRAD.items() if k != T.STEP}
+    rec = check(tables_from([row], [{T.STEP: 0, T.LOSS: 1.0, T.SKIPPED: False}]), {}, "v100")
+    assert rec.finding("nonfinite_backward") is None
+
+
+def test_a_steps_table_without_skipped_or_loss_values() -> None:
+    """No skipped column and no finite loss: steps count as not skipped, and the advisor warns about
+    nothing it cannot know (pandas 3 deprecates filling a float column with False, which the advisor did)."""
+    steps = [{T.STEP: s, T.LOSS: math.nan, T.LOSS_SCALE: 2.0**16} for s in range(5)]
+    tabs = tables_from([NAN_GRAD], steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rec = advisor.recommend(tabs, hardware="v100", summary={})
+    f = rec.finding("nonfinite_backward")
+    assert f is not None and f.numbers["skipped"] is None  # step 14 is not in the steps table
+    assert rec.finding("scaler_skipped_steps") is None
+    check(tabs, {}, "v100")
+
+
+@pytest.mark.parametrize("scale", [0.0, 3.0, math.nan, math.inf, "65536"])
+def test_a_recommendation_read_back_with_any_loss_scale_describes_itself(scale: object) -> None:
+    """summary.json may have been edited: describe() writes 2^k only for a positive power of two."""
+    rec = advisor.Recommendation("fp16", scale, 2.0**16, 2000)  # type: ignore[arg-type]
+    assert f"init_scale={scale!r}" in rec.describe()
+    assert "init_scale=0.125 (2^-3)" in advisor.Recommendation("fp16", 0.125, 0.125, 2000).describe()

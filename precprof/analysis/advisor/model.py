@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -93,8 +94,16 @@ class Recommendation:
         """A few plain lines for a terminal: the plan, then the critical and warning findings."""
         plan = f"Recommended for {self.target}: {self.format}"
         if self.loss_scale is not None:
-            k = _log2i(self.loss_scale)
-            plan += f" with GradScaler(init_scale={_scale(k)} (2^{k})"
+            ls = self.loss_scale
+            # A recommendation read back from an edited summary.json may hold any scale: only a positive
+            # power of two is written as 2^k.
+            pow2 = isinstance(ls, (int, float)) and math.isfinite(ls) and ls > 0 and math.frexp(ls)[0] == 0.5
+            k = _log2i(ls) if pow2 else None
+            plan += (
+                f" with GradScaler(init_scale={_scale(k)} (2^{k})"
+                if k is not None
+                else f" with GradScaler(init_scale={ls!r}"
+            )
             if self.growth_interval is not None:
                 plan += f", growth_interval={self.growth_interval}"
             plan += ")"

@@ -18,7 +18,8 @@ import pandas as pd
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import _innermost, _Plan, _Run
 from precprof.analysis.advisor.model import CRITICAL, Finding, Number
-from precprof.analysis.advisor.text import _log2i, _name, _pow2
+from precprof.analysis.advisor.text import _g, _log2i, _name, _pow2
+from precprof.formats import FP16
 
 # How the messages name a tensor kind.
 _KIND_WORDS = {
@@ -132,6 +133,22 @@ def _skips(facts: _StepFacts, step: int) -> tuple[str, dict[str, Number]]:
     }
 
 
+def _why_not_the_scale(run: _Run, a: int, b: int) -> str:
+    """Why the skips from ``a`` to ``b`` were no overflow, as the end of a sentence without its last words
+    ("not from the scale"): the recorded gradients fit fp16 at the starting scale, else the back-off."""
+    peak, start = _peak(run, (a, b)), _scale_at(run.steps, a)
+    if peak is None or not (math.isfinite(start) and start > 0):
+        return (
+            ": an overflow would have been gone after a back-off or two, so the nan/inf comes from the backward "
+            "computation"
+        )
+    return (
+        f", although the largest finite gradient recorded from step {a} on, {_g(peak)}, fits fp16 even at the "
+        f"scale they began at ({_g(peak)} x {start:g} = {_g(peak * start)} < 65504): the nan/inf comes from "
+        "the backward computation"
+    )
+
+
 def _began_before(facts: _StepFacts, step: int) -> str:
     """A sentence when the run of skips around a sampled step began before it (the steps table saw the trouble
     before the layer statistics could), else ""."""
@@ -140,10 +157,31 @@ def _began_before(facts: _StepFacts, step: int) -> str:
     return f" The skips began at step {facts.streak[0]}, before this sampled step."
 
 
+def _peak(run: _Run, streak: tuple[int, int]) -> float | None:
+    """The largest finite gradient magnitude (unscaled) recorded on the sampled steps of ``streak`` and on the
+    first sampled step after it; None when those steps recorded none."""
+    a, b = streak
+    after = run.layers[run.layers[T.STEP] > b][T.STEP]
+    last = int(after.min()) if not after.empty else b
+    g = run.kind(*T.GRADIENT_KINDS)
+    g = g[(g[T.STEP] >= a) & (g[T.STEP] <= last)][T.ABSMAX]
+    g = g[(g > 0) & g.map(math.isfinite)]
+    return float(g.max()) if not g.empty else None
+
+
 def _scaler_cannot_fix(run: _Run, streak: tuple[int, int]) -> bool:
-    """Whether a run of skipped steps is more than a scale too high (see AdvisorConfig.nonfinite_*)."""
+    """Whether a run of skipped steps is more than a scale too high.
+
+    Not when the gradients recorded around it, times the scale it began at, exceed fp16's 65504: that is an
+    overflow, however many back-offs it took. Otherwise yes when the skips drove the scale
+    ``nonfinite_backoff_log2`` powers of two below the last scale at which a step went through, or lasted to
+    the end of the run over at least ``nonfinite_persist_steps`` steps (see AdvisorConfig).
+    """
     a, b = streak
     steps = run.steps
+    peak, start = _peak(run, streak), _scale_at(steps, a)
+    if peak is not None and math.isfinite(start) and peak * start >= FP16.max:
+        return False
     lowest = _scale_at(steps, b)
     ok_before = steps[(steps[T.STEP] < a) & ~steps[T.SKIPPED]]
     last_ok = float(ok_before[T.LOSS_SCALE].iloc[-1]) if len(ok_before) else math.nan
@@ -241,9 +279,9 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
             )
         else:
             a, b = facts.streak
+            nums["grad_peak"] = _peak(run, facts.streak)
             detail = (
-                f"{head}. {skips} and backed the scale off {_scales(run.steps, a, b)}: an overflow would "
-                "have been gone after a back-off or two, so the nan/inf comes from the backward computation, "
+                f"{head}. {skips} and backed the scale off {_scales(run.steps, a, b)}{_why_not_the_scale(run, a, b)}, "
                 f"not from the scale.{_began_before(facts, step)}"
             )
             remedy = (
