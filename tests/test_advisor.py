@@ -750,10 +750,12 @@ def test_alignment_from_profiler_shapes_and_flat_model_dims() -> None:
 def test_a_real_run_whose_scaler_backs_off_below_1_keeps_its_verdict_and_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], one_thread: None
 ) -> None:
-    """fp16 on CPU, SGD at lr 1e6 without clipping: the first update blows the weights up, every later step
-    overflows and is skipped, and GradScaler backs its scale off below 1. The advisor used to recurse forever
-    writing such a scale (2^-k), so summary.json lost its recommendation, report.html said "could not be
-    rendered (RecursionError)" and ``precprof report`` on the run was a traceback."""
+    """fp16 on CPU, SGD at lr 1e6 without clipping (issue 12): the first update blows the weights up, every
+    later step overflows and is skipped, and GradScaler backs its scale off below 1. The advisor used to
+    recurse forever writing a scale below 1 (2^-k), so such runs lost their recommendation, report.html said
+    "could not be rendered (RecursionError)" and ``precprof report`` was a traceback. The whole path, end to
+    end: training, summary.json, report.html, ``precprof report`` with and without a target. (The scale
+    text itself, 2^-3 written as 0.125, is checked on a real run by scenario d2.)"""
     out = tmp_path / "huge"
     train(
         TrainConfig(

@@ -149,6 +149,8 @@ def test_d2_backward_nan_under_dynamic_scaling_is_dated_and_its_skips_counted(sa
     assert f.numbers["skipped_steps"] == len(skipped)
     assert "the activation gradient of inject (Inject)" in f.message
     assert "skipped every step from 20 to 39 (20 steps" in f.message and "not skipped" not in f.message
+    # the scale backed off below 1, written as GradScaler takes it (this recursed forever once)
+    assert "from 2^16 (65536) to 2^-3 (0.125)" in f.message
     if sample_every == 1:
         assert f.message.startswith("At step 20,") and "sampled_before" not in f.numbers
     else:
