@@ -43,11 +43,10 @@ from precprof import tables as T
 from precprof._version import __version__
 from precprof.capture import columns
 from precprof.capture.memory_tracker import MemoryTracker
+from precprof.capture.recorded import Recorded
 from precprof.capture.records import (
     MAX_PENDING_STEPS,
-    _host_floats,
     _iter_tensors,
-    _join_columns,
     _local,
     _ModuleSlot,
     _ParamSlot,
@@ -138,13 +137,7 @@ class Profiler:
         self._pending: list[_PendingStep] = []
         self._step_has_data = False
 
-        # columns (name -> array or list) per sampled step: layer rows, then weight-update rows; tables()
-        # joins them (building frames in the training loop would cost milliseconds per sampled step)
-        self._layer_parts: list[dict[str, Any]] = []
-        self._sampled_steps: set[int] = set()
-        self._hist_parts: list[dict[str, Any]] = []
-        self._step_rows: list[dict[str, Any]] = []
-        self._memory_rows: list[dict[str, Any]] = []
+        self._recorded = Recorded()
         self._autocast_seen: dict[str, Any] = {}
         self._status = T.STATUS_COMPLETE
         self._reason: str | None = None
@@ -457,29 +450,9 @@ class Profiler:
     # ------------------------------------------------------------------------------------- host side
     def _flush(self, sampled_step_done: bool) -> None:
         """Copy pending step records (and, after a sampled step, its statistics) to the host. Syncs."""
-        if self._pending:
-            fields = [(p.loss, p.scale, p.found_inf, p.grad_norm) for p in self._pending]
-            values = _host_floats([v for f in fields for v in f])
-            for i, p in enumerate(self._pending):
-                loss, scale, found, grad_norm = values[4 * i : 4 * i + 4]
-                found = 0.0 if p.found_inf is None else found
-                self._step_rows.append(
-                    {
-                        T.STEP: p.step,
-                        T.LOSS: loss,
-                        T.LOSS_SCALE: scale,
-                        T.SKIPPED: bool(found > 0 or math.isnan(found)),
-                        T.GRAD_NORM: grad_norm,
-                        T.TIME_S: p.time_s,
-                        T.SAMPLED: p.sampled,
-                        T.TOKENS: float(p.tokens) if p.tokens is not None else math.nan,
-                    }
-                )
-            last = self._pending[-1]
-            step_scale = values[-3]
-            self._pending.clear()
-        else:
-            last, step_scale = None, 1.0
+        last = self._pending[-1] if self._pending else None
+        step_scale = self._recorded.add_steps(self._pending)  # the sync
+        self._pending.clear()
         if not sampled_step_done or self._buffer is None:
             return
         step = last.step if last is not None else self._step
@@ -492,15 +465,17 @@ class Profiler:
                 self._memory_error = f"{type(e).__name__}: {e}"
             if self._reducer is not None and hasattr(self._reducer, "reduce_memory"):
                 rows = self._reducer.reduce_memory(rows)  # collective: every rank, every sampled step
-            self._memory_rows.extend(rows)
-        self._memory_rows.append(
-            {
-                T.STEP: step,
-                T.COMPONENT: T.PROFILER_BUFFERS,
-                T.MODULE: "",
-                T.DTYPE: "int64",
-                T.BYTES: self.buffer_bytes,
-            }
+            self._recorded.add_memory(rows)
+        self._recorded.add_memory(
+            [
+                {
+                    T.STEP: step,
+                    T.COMPONENT: T.PROFILER_BUFFERS,
+                    T.MODULE: "",
+                    T.DTYPE: "int64",
+                    T.BYTES: self.buffer_bytes,
+                }
+            ]
         )
 
     def _collect_layers(self, step: int, scale: float) -> None:
@@ -531,11 +506,7 @@ class Profiler:
             data = self._buffer.to_host()
         active = [row for row in self._rows if row.calls > 0]
         if active:
-            cols, hist = columns.layer_columns(step, active, data, scale, order)
-            self._layer_parts.append(cols)
-            self._sampled_steps.add(step)
-            if hist is not None:
-                self._hist_parts.append(hist)
+            self._recorded.add_layers(step, *columns.layer_columns(step, active, data, scale, order))
         if self._updates is not None:
             counts = self._updates.counts
             if self._reducer is not None:
@@ -543,8 +514,7 @@ class Profiler:
             types = {slot.name: type(slot.module).__name__ for slot in self._modules}
             updates = self._updates.rows(counts.cpu().numpy(), step, order, types)
             if updates:
-                self._layer_parts.append({c: [u[c] for u in updates] for c in updates[0]})
-                self._sampled_steps.add(step)
+                self._recorded.add_layers(step, {c: [u[c] for u in updates] for c in updates[0]})
 
     def memory_scope(self, name: str = "(loss)") -> contextlib.AbstractContextManager[None]:
         """Context manager: activations saved for backward inside it (e.g. a loss computed outside the
@@ -574,17 +544,7 @@ class Profiler:
         """The four tables recorded so far (see precprof/tables.py for the schema). Syncs if steps are pending."""
         if self._pending and not self._attached:
             self._flush(sampled_step_done=False)
-        hist = _join_columns(self._hist_parts) if self._hist_parts else T.empty("histograms")
-        return {
-            "layers": (
-                T.frame("layers", _join_columns(self._layer_parts))
-                if self._layer_parts
-                else T.empty("layers")
-            ),
-            "histograms": T.frame("histograms", hist),
-            "steps": T.frame("steps", self._step_rows) if self._step_rows else T.empty("steps"),
-            "memory": T.frame("memory", self._memory_rows) if self._memory_rows else T.empty("memory"),
-        }
+        return self._recorded.tables()
 
     def mark_incomplete(self, reason: str) -> None:
         """Mark the run as incomplete (a crash, a nan that stopped training, Ctrl-C), with the cause."""
@@ -612,8 +572,8 @@ class Profiler:
             "sample_every": self.sample_every,
             "device": str(self._device),
             "stats_engine": st.engine_status() if self._device.type == "cpu" else {"cuda": "torch"},
-            "steps_recorded": len(self._step_rows),
-            "sampled_steps": len(self._sampled_steps),
+            "steps_recorded": len(self._recorded.step_rows),
+            "sampled_steps": len(self._recorded.sampled_steps),
             "modules_captured": len(self._modules),
             "modules": modules,
             "n_params": n_params,

@@ -1,0 +1,70 @@
+"""What the Profiler has copied to the host: the step rows, and per sampled step the layer, histogram and memory
+rows, kept as columns (arrays and lists) and joined into the four tables only when they are read."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from precprof import tables as T
+from precprof.capture.records import _host_floats, _join_columns, _PendingStep
+
+
+class Recorded:
+    """The host side of a recording. Nothing here touches a device except ``add_steps``, which copies the
+    pending steps' device scalars in one transfer (the Profiler's sync point)."""
+
+    def __init__(self) -> None:
+        self.layer_parts: list[dict[str, Any]] = []
+        self.hist_parts: list[dict[str, Any]] = []
+        self.step_rows: list[dict[str, Any]] = []
+        self.memory_rows: list[dict[str, Any]] = []
+        self.sampled_steps: set[int] = set()
+
+    def add_steps(self, pending: list[_PendingStep]) -> float:
+        """Steps table rows for ``pending`` (loss, scale, skipped, grad norm as device scalars: one copy).
+        Returns the loss scale of the last one (1.0 when there is none)."""
+        if not pending:
+            return 1.0
+        fields = [(p.loss, p.scale, p.found_inf, p.grad_norm) for p in pending]
+        values = _host_floats([v for f in fields for v in f])
+        for i, p in enumerate(pending):
+            loss, scale, found, grad_norm = values[4 * i : 4 * i + 4]
+            found = 0.0 if p.found_inf is None else found
+            self.step_rows.append(
+                {
+                    T.STEP: p.step,
+                    T.LOSS: loss,
+                    T.LOSS_SCALE: scale,
+                    T.SKIPPED: bool(found > 0 or math.isnan(found)),
+                    T.GRAD_NORM: grad_norm,
+                    T.TIME_S: p.time_s,
+                    T.SAMPLED: p.sampled,
+                    T.TOKENS: float(p.tokens) if p.tokens is not None else math.nan,
+                }
+            )
+        return values[-3]
+
+    def add_layers(self, step: int, cols: dict[str, Any], hist: dict[str, Any] | None = None) -> None:
+        """Layer rows of a sampled step (columns), and their histogram rows."""
+        self.layer_parts.append(cols)
+        self.sampled_steps.add(step)
+        if hist is not None:
+            self.hist_parts.append(hist)
+
+    def add_memory(self, rows: list[dict[str, Any]]) -> None:
+        self.memory_rows.extend(rows)
+
+    def tables(self) -> dict[str, pd.DataFrame]:
+        """The four tables (see precprof/tables.py for the schema)."""
+        hist = _join_columns(self.hist_parts) if self.hist_parts else T.empty("histograms")
+        return {
+            "layers": T.frame("layers", _join_columns(self.layer_parts))
+            if self.layer_parts
+            else T.empty("layers"),
+            "histograms": T.frame("histograms", hist),
+            "steps": T.frame("steps", self.step_rows) if self.step_rows else T.empty("steps"),
+            "memory": T.frame("memory", self.memory_rows) if self.memory_rows else T.empty("memory"),
+        }
