@@ -165,6 +165,12 @@ TABLES: dict[str, tuple[str, ...]] = {
 _INT_COLUMNS = {STEP, ORDER, CALLS, EXPONENT, COUNT, BYTES, *COUNT_COLUMNS}
 
 
+def flags(column: pd.Series) -> pd.Series:
+    """A yes/no column (``skipped``, ``sampled``) as plain bool, whatever dtype it was read back in: missing
+    (None, NaN) is False. ``fillna(False)`` on a float column is deprecated in pandas."""
+    return column.map(lambda v: False if v is None or v != v else bool(v)).astype(bool)
+
+
 def empty(name: str) -> pd.DataFrame:
     """An empty table with the right columns."""
     return pd.DataFrame(

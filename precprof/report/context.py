@@ -143,7 +143,7 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
     if not layers.empty:
         out.append(("sampled steps", F.count(layers[T.STEP].nunique())))
     if not steps.empty:
-        out.append(("skipped steps", F.count(int(steps[T.SKIPPED].fillna(False).astype(bool).sum()))))
+        out.append(("skipped steps", F.count(int(T.flags(steps[T.SKIPPED]).sum()))))
         loss = pd.to_numeric(steps[T.LOSS], errors="coerce").dropna()
         if len(loss):
             out.append(("final loss", F.num(loss.iloc[-1], 4)))

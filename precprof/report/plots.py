@@ -99,7 +99,7 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
         return None
     df = steps.sort_values(T.STEP)
     x = pd.to_numeric(df[T.STEP], errors="coerce").to_numpy(dtype=float)
-    skipped = df[T.SKIPPED].fillna(False).astype(bool).to_numpy()
+    skipped = T.flags(df[T.SKIPPED]).to_numpy()
     fig = Figure(figsize=(13.5, 3.4))
     axes = fig.subplots(1, 3)
     fig.subplots_adjust(left=0.055, right=0.99, top=0.9, bottom=0.24, wspace=0.28)
