@@ -171,6 +171,11 @@ def flags(column: pd.Series) -> pd.Series:
     return column.map(lambda v: False if v is None or v != v else bool(v)).astype(bool)
 
 
+def texts(column: pd.Series) -> pd.Series:
+    """A text column (module, param, dtype) with missing values as "", whatever dtype it was read back in."""
+    return column.astype(object).where(column.notna(), "").astype(str)
+
+
 def empty(name: str) -> pd.DataFrame:
     """An empty table with the right columns."""
     return pd.DataFrame(

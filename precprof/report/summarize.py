@@ -55,7 +55,7 @@ def row_order(layers: pd.DataFrame, kind: str) -> list[tuple[str, str]]:
     if sub.empty:
         return []
     rank = {m: i for i, m in enumerate(forward_order(layers))}
-    keys = sub[[T.MODULE, T.PARAM]].fillna("").drop_duplicates()
+    keys = sub[[T.MODULE, T.PARAM]].apply(T.texts).drop_duplicates()
     keys = keys.assign(_r=keys[T.MODULE].map(rank).fillna(len(rank)), _i=np.arange(len(keys)))
     keys = keys.sort_values(["_r", "_i"])
     return [(str(m), str(p)) for m, p in zip(keys[T.MODULE], keys[T.PARAM], strict=True)]
@@ -108,7 +108,7 @@ def aggregate_histograms(histograms: pd.DataFrame) -> pd.DataFrame:
             }
         )
     h = histograms[[*keys, T.COUNT]].copy()
-    h[T.PARAM] = h[T.PARAM].fillna("")
+    h[T.PARAM] = T.texts(h[T.PARAM])
     return h.groupby(keys, sort=False)[T.COUNT].sum().reset_index()
 
 
@@ -124,14 +124,14 @@ def heatmap_matrix(
         return rows, np.zeros(0, dtype=np.int64), np.zeros((len(rows), 0))
     # rows seen only in the histograms (older runs without layer rows) go last, in order of appearance
     known = set(rows)
-    extra = h[[T.MODULE, T.PARAM]].fillna("").drop_duplicates()
+    extra = h[[T.MODULE, T.PARAM]].apply(T.texts).drop_duplicates()
     rows += [
         (str(m), str(p)) for m, p in zip(extra[T.MODULE], extra[T.PARAM], strict=True) if (m, p) not in known
     ]
     g = h.groupby([T.MODULE, T.PARAM, T.EXPONENT], sort=False)[T.COUNT].sum().reset_index()
     exps = np.arange(int(g[T.EXPONENT].min()), int(g[T.EXPONENT].max()) + 1)
     idx = {r: i for i, r in enumerate(rows)}
-    ri = np.array([idx[(str(m), str(p))] for m, p in zip(g[T.MODULE], g[T.PARAM].fillna(""), strict=True)])
+    ri = np.array([idx[(str(m), str(p))] for m, p in zip(g[T.MODULE], T.texts(g[T.PARAM]), strict=True)])
     ci = g[T.EXPONENT].to_numpy(dtype=np.int64) - exps[0]
     mat = np.zeros((len(rows), len(exps)))
     np.add.at(mat, (ri, ci), g[T.COUNT].to_numpy(dtype=float))
@@ -152,7 +152,7 @@ def lost_share_by_row(
     cols = [T.NUMEL, T.underflow_col(fmt), T.overflow_col(fmt), T.NAN, T.INF]
     num = sub[cols].apply(pd.to_numeric, errors="coerce").fillna(0)
     num[T.MODULE] = sub[T.MODULE].to_numpy()
-    num[T.PARAM] = sub[T.PARAM].fillna("").to_numpy()
+    num[T.PARAM] = T.texts(sub[T.PARAM]).to_numpy()
     g = num.groupby([T.MODULE, T.PARAM], sort=False)[cols].sum()
     out: dict[tuple[str, str], tuple[float, float, float]] = {}
     for (m, p), r in g.iterrows():  # type: ignore[misc]
@@ -192,7 +192,7 @@ def whatif_by_layer(layers: pd.DataFrame) -> pd.DataFrame:
     out[T.NUMEL] = g[T.NUMEL]
     out = out.reset_index()
     types = sub.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE]
-    out[T.MODULE_TYPE] = out[T.MODULE].map(types).fillna("")
+    out[T.MODULE_TYPE] = T.texts(out[T.MODULE].map(types))
     scales = {k: scale_in_effect(sub, k)["last"] for k in HIST_KINDS}
     out[T.SCALE] = out[T.TENSOR].map(scales)
     rank = {m: i for i, m in enumerate(forward_order(layers))}

@@ -130,7 +130,7 @@ def _prepare(tables: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataF
         layers[c] = layers[c].fillna(0)
     layers[T.SCALE] = layers[T.SCALE].fillna(1.0)
     for c in (T.MODULE, T.MODULE_TYPE, T.TENSOR, T.PARAM, T.DTYPE):
-        layers[c] = layers[c].astype(object).where(layers[c].notna(), "").astype(str)
+        layers[c] = T.texts(layers[c])
     hist = T.frame("histograms", tables.get("histograms", T.empty("histograms")).copy())
     for c in (T.STEP, T.EXPONENT, T.COUNT):
         hist[c] = pd.to_numeric(hist[c], errors="coerce")
