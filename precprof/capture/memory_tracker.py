@@ -43,7 +43,6 @@ What the memory table means per mode is ``precprof.analysis.memory_projection``'
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -53,6 +52,15 @@ from torch import nn
 
 from precprof import _compat, taxonomy
 from precprof import tables as T
+from precprof.capture.storage import (
+    StorageKey,
+    _by_dtype,
+    _plain_tensors,
+    _sizeof,
+    _state_tensors,
+    _storage,
+    dtype_name,
+)
 from precprof.tables import LOSS_SCOPE
 
 # grad_fn names of pure views between a saved tensor and the cast that made it.
@@ -76,88 +84,6 @@ _VIEW_NODES = frozenset(
     }
 )
 _MAX_VIEW_DEPTH = 8
-
-# A storage is known by its address alone: CUDA's unified virtual addressing keeps host and device (and
-# device-to-device) addresses apart, and an int key keeps the tracker's own footprint small.
-StorageKey = int
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"`` (the dtype column's spelling)."""
-    return str(dtype).removeprefix("torch.")
-
-
-def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """``t`` itself, or for a wrapper subclass (torchao's Float8 tensors, DTensor) the tensors inside it."""
-    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
-        yield t
-        return
-    names, _ = t.__tensor_flatten__()
-    for n in names:
-        inner = getattr(t, n)
-        if isinstance(inner, torch.Tensor):
-            yield from _plain_tensors(inner)
-
-
-def _storage(t: torch.Tensor) -> tuple[StorageKey, int] | None:
-    """(key, nbytes) of the storage under ``t``; None where there is no real storage (meta, fake, sparse)."""
-    if t.device.type == "meta":
-        return None
-    try:
-        s = t.untyped_storage()
-        ptr = s.data_ptr()
-        nbytes = s.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-    if nbytes == 0 or ptr == 0:
-        return None
-    return int(ptr), int(nbytes)
-
-
-def _by_dtype(tensors: Iterable[torch.Tensor], exclude: set[StorageKey] | None = None) -> dict[str, int]:
-    """Bytes per dtype name, each storage once (storages in ``exclude`` skipped; ``exclude`` is not changed)."""
-    seen: set[StorageKey] = set()
-    out: dict[str, int] = {}
-    for t in tensors:
-        for leaf in _plain_tensors(t):
-            st = _storage(leaf)
-            if st is None:
-                continue
-            key, nbytes = st
-            if key in seen or (exclude is not None and key in exclude):
-                continue
-            seen.add(key)
-            name = dtype_name(leaf.dtype)
-            out[name] = out.get(name, 0) + nbytes
-    return out
-
-
-def _state_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors inside an optimizer state entry (dicts and lists of them, a few levels deep)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth < 4 and isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from _state_tensors(v, depth + 1)
-    elif depth < 4 and isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _state_tensors(v, depth + 1)
-
-
-def _sizeof(obj: Any, memo: set[int], depth: int = 0) -> int:
-    """Host bytes of the tracker's own containers, each object once (deep into containers, strings and
-    numbers; shallow for anything else, and modules and tensors are the user's, not counted)."""
-    if id(obj) in memo or isinstance(obj, (nn.Module, torch.Tensor)):
-        return 0
-    memo.add(id(obj))
-    size = sys.getsizeof(obj)
-    if depth > 6:
-        return size
-    if isinstance(obj, Mapping):
-        size += sum(_sizeof(k, memo, depth + 1) + _sizeof(v, memo, depth + 1) for k, v in obj.items())
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        size += sum(_sizeof(v, memo, depth + 1) for v in obj)
-    return size
 
 
 class _Group:
