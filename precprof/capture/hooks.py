@@ -1,0 +1,129 @@
+"""The Profiler's hooks: what runs inside the model's forward and backward and around the optimizer step.
+
+Every hook returns None (a returned value would replace the module's output) and never synchronises with the
+device. On steps that are not sampled each returns at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from precprof import stats as st
+from precprof.capture.records import _iter_tensors, _local, _ModuleSlot, _ParamSlot
+from precprof.capture.updates import UpdateSampler
+
+
+class HookFactories:
+    """The hook factories of ``Profiler``, with the state they share with it."""
+
+    _buffer: st.StatsBuffer | None
+    _sampling: bool
+    _attached: bool
+    _order_counter: int
+    _step_has_data: bool
+    _autocast_seen: dict[str, Any]
+    _device: torch.device
+    _updates: UpdateSampler | None
+
+    # ---------------------------------------------------------------------------------------- hooks
+    # The hooks' first line is all Dynamo sees on steps that are not sampled (it guards on the flag, so a
+    # compiled model gets one graph for sampled and one for other steps); the recording itself is excluded
+    # from tracing, which breaks the graph at captured modules on sampled steps only.
+    def _make_pre_hook(self, slot: _ModuleSlot) -> Any:
+        @torch.compiler.disable
+        def record(module: nn.Module) -> None:
+            if slot.called:
+                return
+            slot.called = True
+            slot.order = self._order_counter
+            self._order_counter += 1
+            assert self._buffer is not None
+            for _, p, row in slot.weights:
+                if p.is_floating_point() and p.numel() > 0:
+                    self._buffer.accumulate(_local(p), row.index)
+                    row.seen(p.dtype)
+                    self._step_has_data = True
+
+        def pre_hook(module: nn.Module, args: Any) -> None:
+            if self._sampling and torch.is_grad_enabled():
+                record(module)
+            return None
+
+        return pre_hook
+
+    def _make_fwd_hook(self, slot: _ModuleSlot) -> Any:
+        act = slot.activation
+        grad_row = slot.activation_grad
+
+        def grad_hook(g: torch.Tensor) -> None:
+            if self._buffer is not None and g is not None and self._attached:
+                self._buffer.accumulate(_local(g), grad_row.index)
+                grad_row.seen(g.dtype)
+            return None
+
+        @torch.compiler.disable
+        def record(output: Any) -> None:
+            assert self._buffer is not None
+            any_tensor = False
+            for t in _iter_tensors(output):
+                self._buffer.accumulate(_local(t), act.index)
+                any_tensor = True
+                if t.requires_grad:
+                    t.register_hook(grad_hook)
+                name = str(t.dtype).removeprefix("torch.")
+                if name not in act.dtypes:
+                    act.dtypes.append(name)
+            if any_tensor:
+                act.calls += 1
+                self._step_has_data = True
+                if not self._autocast_seen:
+                    self._note_autocast(self._device.type)
+
+        def fwd_hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._sampling and torch.is_grad_enabled():
+                record(output)
+            return None
+
+        return fwd_hook
+
+    def _note_autocast(self, device_type: str) -> None:
+        try:
+            enabled = torch.is_autocast_enabled(device_type)
+            dtype = torch.get_autocast_dtype(device_type) if enabled else None
+        except (AttributeError, TypeError, RuntimeError):
+            enabled, dtype = False, None
+        self._autocast_seen = {
+            "enabled": bool(enabled),
+            "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
+            "device_type": device_type,
+        }
+
+    def _make_grad_acc_hook(self, ps: _ParamSlot) -> Any:
+        row = ps.grad_row
+        assert row is not None
+
+        def hook(p: torch.Tensor) -> None:
+            if not self._sampling or p.grad is None or self._buffer is None:
+                return None
+            self._buffer.accumulate(_local(p.grad), row.index, assign=True)
+            row.calls = 1
+            name = str(p.grad.dtype).removeprefix("torch.")
+            if name not in row.dtypes:
+                row.dtypes.append(name)
+            self._step_has_data = True
+            return None
+
+        return hook
+
+    def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._sampling and self._updates is not None:
+            self._updates.before_step()
+        return None
+
+    def _opt_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._sampling and self._updates is not None and self._updates.after_step():
+            self._step_has_data = True
+        return None
