@@ -19,8 +19,13 @@ from precprof.stats.layout import (
     DEFAULT_CHUNK,
     EXP_MAX,
     EXP_MIN,
+    LAYOUT,
     N_BINS,
+    N_FP8,
+    N_WHATIF,
     ROW_WIDTH,
+    RowLayout,
+    merge_rows,
 )
 
 __all__ = [
@@ -37,13 +42,18 @@ __all__ = [
     "DEFAULT_CHUNK",
     "EXP_MAX",
     "EXP_MIN",
+    "LAYOUT",
     "N_BINS",
+    "N_FP8",
+    "N_WHATIF",
     "ROW_WIDTH",
+    "RowLayout",
     "RowStats",
     "StatsBuffer",
     "decode",
     "decode_rows",
     "engine_status",
     "is_power_of_two",
+    "merge_rows",
     "tensor_stats",
 ]

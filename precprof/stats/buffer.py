@@ -35,35 +35,28 @@ import numpy as np
 import torch
 
 from precprof import _compat, formats
-from precprof.stats.engine import _default_kernel_threads, _kernel
+from precprof.stats import triton_engine
+from precprof.stats.engine import _default_kernel_threads, _kernel, resolve_engine
 from precprof.stats.layout import (
-    _CALL_LEN,
     _F64_BIAS,
     _F64_EXP_ALL,
     _F64_MANT_MASK,
-    _FP8,
     _HI,
-    _KERNEL_CONSTANTS,
     _KERNEL_DTYPES,
     _LO,
     _N_KEYS,
     _NO_MIN_BITS,
-    _OVERFLOW,
-    _UNDERFLOW_EXP,
-    COL_ABSMAX_BITS,
-    COL_ABSMIN_BITS,
-    COL_HIST,
-    COL_INF,
-    COL_NAN,
-    COL_NUMEL,
-    COL_OVERFLOW,
-    COL_POW2_AT,
-    COL_UNDERFLOW_CS,
-    COL_ZEROS,
     DEFAULT_CHUNK,
+    LAYOUT,
     N_BINS,
-    ROW_WIDTH,
+    RowLayout,
+    merge_rows,
 )
+
+# the torch-op path on a device processes a tensor in chunks of this many values: its scratch (25 bytes per
+# value, 16 more for the sort of deterministic mode, freed after each chunk) stays under 64 MiB
+DEVICE_CHUNK = 1 << 20
+SCRATCH_LIMIT = 64 << 20
 
 
 def _to_f64_bits(value: float) -> int:
@@ -93,72 +86,81 @@ def _hist_of_keys(keys2: np.ndarray) -> np.ndarray:
     return hist
 
 
-class StatsBuffer:
-    """Per-step buffer of ``rows`` rows; each row accumulates the statistics of one tensor slot.
+class DeviceRows:
+    """The rows of one device, and the engine that fills them.
 
-    On CUDA (any non-CPU device) the rows are one dense int64 device tensor and everything is tensor ops:
-    ``accumulate`` never synchronises. On the CPU, where "device" memory is host memory, the counts are a
-    numpy array and the histograms live in a window of exponents that grows to what the data uses, so the
-    buffer stays a small fraction of the model's size; the one-pass key histogram is folded on the host.
-    ``dense()`` gives the same [rows, ROW_WIDTH] int64 tensor in both cases.
-
-    ``chunk`` bounds the scratch memory (about 33 bytes per element of a chunk) on CPU, where reusing
-    buffers avoids the page faults of fresh temporaries; on CUDA whole tensors are processed at once (fewer
-    kernel launches) unless ``chunk`` is given explicitly.
+    On the CPU (``host_rows``) the counts are a numpy array and the histograms live in a window of exponents
+    that grows to what the data uses, so the buffer stays a small fraction of the model's size; the C kernel
+    (engine "c") or torch ops (engine "torch") fill them. Elsewhere the rows are one dense int64 tensor on the
+    device, filled by the Triton kernel (engine "triton") or torch ops in bounded chunks (engine "torch"),
+    without ever synchronising. ``dense()`` gives the same [rows, width] int64 tensor in both cases.
     """
 
     def __init__(
         self,
         rows: int,
-        device: torch.device | str,
-        chunk: int | None = None,
+        device: torch.device,
+        chunk: int | None,
         *,
-        host_rows: bool | None = None,
+        host_rows: bool | None,
+        engine: str,
+        layout: RowLayout,
     ) -> None:
-        self.device = torch.device(device)
+        self.device = device
         self.rows = rows
-        # host_rows=False runs the device (CUDA) code path on the CPU too: tests check both paths agree
-        self.on_cpu = self.device.type == "cpu" if host_rows is None else host_rows
-        self.use_kernel = True  # the compiled one-pass CPU kernel when it can be built (tests compare both)
+        self.layout = lay = layout
+        self.engine = engine
+        # host_rows=False runs the device code path on the CPU too: tests check both paths agree
+        self.on_cpu = (device.type == "cpu" and engine != "triton") if host_rows is None else host_rows
+        self.use_kernel = engine == "c"  # tests switch it off to compare the C kernel and torch ops
         # threads per kernel call (0: torch.get_num_threads()); decided on first use
         self.kernel_threads: int | None = None
+        self._triton: triton_engine.TritonRows | None = None
+        self._last_stream: Any = None
+        nw = lay.n_whatif
         if self.on_cpu:
-            self._counts = np.zeros((rows, COL_HIST), dtype=np.int64)
+            self._counts = np.zeros((rows, lay.counts_width), dtype=np.int64)
             self._hist = np.zeros((rows, 0), dtype=np.int64)
             self._wlo = 0  # bin index (0..N_BINS) of the window's first column
             self._data: torch.Tensor | None = None
             # the C kernel's last call row, and which tensor (object and version) it describes: a tensor
             # accumulated again right away (a module returning its submodule's output, and that output's
             # gradient) is merged from it instead of read again
-            self._call = np.zeros(_CALL_LEN, dtype=np.int64)
+            self._call = np.zeros(lay.call_len, dtype=np.int64)
+            self._cfg = lay.c_config()
+            self._ops = lay.merge_ops
             self._call_ptr = self._call.ctypes.data
+            self._cfg_ptr = self._cfg.ctypes.data
+            self._ops_ptr = self._ops.ctypes.data
             self._counts_ptr = self._counts.ctypes.data
             self._hist_ptr = self._hist.ctypes.data
             self._last: tuple[weakref.ref[torch.Tensor], int] | None = None
-            _kernel()  # built (or loaded from the cache) here, when the Profiler attaches, not in a hook
+            if engine == "c":
+                _kernel()  # built (or loaded from the cache) here, when the Profiler attaches, not in a hook
         else:
-            self._data = torch.zeros((rows, ROW_WIDTH), dtype=torch.int64, device=self.device)
+            self._data = lay.empty_rows(rows, device)
+            if engine == "triton":
+                self._triton = triton_engine.TritonRows(device, lay)
         if chunk is None:
-            chunk = DEFAULT_CHUNK if self.on_cpu else 0
+            chunk = DEFAULT_CHUNK if self.on_cpu else DEVICE_CHUNK
         self.chunk = chunk
         self._scratch_len = 0
-        self._f64 = torch.empty(0, dtype=torch.float64, device=self.device)
-        self._i64 = torch.empty(0, dtype=torch.int64, device=self.device)
-        self._key = torch.empty(0, dtype=torch.int64, device=self.device)
-        self._bool = torch.empty(0, dtype=torch.bool, device=self.device)
-        self._ones = torch.ones(1, dtype=torch.int64, device=self.device)
-        self._keys_hist = torch.zeros(_N_KEYS, dtype=torch.int64, device=self.device)
-        self._small = torch.empty(8, dtype=torch.int64, device=self.device)
+        self._f64 = torch.empty(0, dtype=torch.float64, device=device)
+        self._i64 = torch.empty(0, dtype=torch.int64, device=device)
+        self._key = torch.empty(0, dtype=torch.int64, device=device)
+        self._bool = torch.empty(0, dtype=torch.bool, device=device)
+        self._ones = torch.ones(1, dtype=torch.int64, device=device)
+        self._keys_hist = torch.zeros(_N_KEYS, dtype=torch.int64, device=device)
+        self._small = torch.empty(nw + 1, dtype=torch.int64, device=device)
         if not self.on_cpu:
+            self._key_edges = torch.arange(_N_KEYS + 1, dtype=torch.int64, device=device)
             self._pow2_idx = torch.tensor(
-                [2 * (j + _F64_BIAS) + 1 for j in _UNDERFLOW_EXP], dtype=torch.int64, device=self.device
+                [2 * (j + _F64_BIAS) + 1 for j in lay.underflow_exps], dtype=torch.int64, device=device
             )
             self._fp8_max_bits = torch.tensor(
-                [_to_f64_bits(f.max) for f in _FP8], dtype=torch.int64, device=self.device
+                [_to_f64_bits(f.max) for f in lay.fp8], dtype=torch.int64, device=device
             )
-            self._fp8_uf_exp = torch.tensor(
-                [int(math.log2(f.underflow_max)) for f in _FP8], dtype=torch.int64, device=self.device
-            )
+            self._fp8_uf_exp = torch.tensor(lay.fp8_underflow_exps, dtype=torch.int64, device=device)
         self.reset()
 
     # -- sizes
@@ -172,28 +174,27 @@ class StatsBuffer:
 
     @property
     def scratch_bytes(self) -> int:
-        """Bytes of reusable scratch currently held (grows to the largest chunk seen; on CPU with the C kernel,
-        its call row)."""
+        """Bytes of reusable scratch currently held: the torch-op path's chunk buffers (grown to the largest
+        chunk seen), the Triton engine's fixed scratch, the C kernel's call row."""
         held = sum(
             t.numel() * t.element_size()
-            for t in (self._f64, self._i64, self._key, self._bool, self._keys_hist)
+            for t in (self._f64, self._i64, self._key, self._bool, self._keys_hist, self._small)
         )
+        if self._triton is not None:
+            held += self._triton.nbytes
         return held + (self._call.nbytes if self.on_cpu else 0)
 
-    @property
-    def data(self) -> torch.Tensor:
-        """The rows as a dense [rows, ROW_WIDTH] int64 tensor on the buffer's device (see ``dense``)."""
-        return self.dense()
-
     def dense(self) -> torch.Tensor:
-        """Dense rows; on CUDA the buffer itself, on the CPU a fresh tensor built from counts and window."""
+        """Dense rows; on a device the buffer itself, on the CPU a fresh tensor built from counts and window."""
         if not self.on_cpu:
             assert self._data is not None
+            self._order_stream()
             return self._data
-        out = np.zeros((self.rows, ROW_WIDTH), dtype=np.int64)
-        out[:, :COL_HIST] = self._counts
+        out = np.zeros((self.rows, self.layout.width), dtype=np.int64)
+        hist = self.layout.hist
+        out[:, :hist] = self._counts
         w = self._hist.shape[1]
-        out[:, COL_HIST + self._wlo : COL_HIST + self._wlo + w] = self._hist
+        out[:, hist + self._wlo : hist + self._wlo + w] = self._hist
         return torch.from_numpy(out)
 
     def reset(self, rows: slice | None = None) -> None:
@@ -201,13 +202,28 @@ class StatsBuffer:
         sl = rows if rows is not None else slice(None)
         if self.on_cpu:
             self._counts[sl] = 0
-            self._counts[sl, COL_ABSMIN_BITS] = _NO_MIN_BITS
+            self._counts[sl, self.layout.absmin_bits] = _NO_MIN_BITS
             self._hist[sl] = 0
             return
         assert self._data is not None
+        self._order_stream()
         target = self._data[sl]
         target.zero_()
-        target[:, COL_ABSMIN_BITS] = _NO_MIN_BITS
+        target[:, self.layout.absmin_bits] = _NO_MIN_BITS
+
+    def _order_stream(self) -> None:
+        """Order this call's work after the previous call's when they come from different CUDA streams (a
+        gradient hook on FSDP2's reduce-scatter stream, then one on the default stream): the rows and the
+        scratch are shared. An event, not a host sync."""
+        if self.device.type != "cuda":
+            return
+        cur = torch.cuda.current_stream(self.device)
+        last = self._last_stream
+        if last is not None and last != cur:
+            event = torch.cuda.Event()
+            event.record(last)
+            cur.wait_event(event)
+        self._last_stream = cur
 
     def _ensure_scratch(self, n: int) -> None:
         if n <= self._scratch_len:
@@ -233,23 +249,23 @@ class StatsBuffer:
         self._hist_ptr = grown.ctypes.data
 
     @torch.no_grad()
-    def accumulate(self, x: torch.Tensor, row: int, *, assign: bool = False) -> None:
-        """Add the statistics of ``x`` (any floating dtype, any shape) into ``row``. Never syncs on CUDA.
-
-        ``assign=True`` first clears the row (used for accumulated weight gradients, whose last value wins).
-        Each call is one tensor for the fp8 current-scaling counts (its own amax and scale).
-        """
-        if assign:
-            self.reset(slice(row, row + 1))
-        flat = x.detach().reshape(-1)
-        n = flat.numel()
+    def accumulate(self, x: torch.Tensor, row: int) -> None:
+        """Add the statistics of ``x`` (any floating dtype, any shape, on this device) into ``row``."""
+        n = x.numel()
         if n == 0:
             return
-        chunk = self.chunk if self.chunk and self.chunk > 0 else n
         if self.on_cpu:
+            flat = x.detach().reshape(-1)
+            chunk = self.chunk if self.chunk and self.chunk > 0 else n
             self._accumulate_cpu(x, flat, row, chunk)
-        else:
-            self._accumulate_device(flat, row, chunk)
+            return
+        self._order_stream()
+        assert self._data is not None
+        if self._triton is not None and self._triton.add(x.detach(), self._data, row):
+            return
+        flat = x.detach().reshape(-1)
+        chunk = self.chunk if self.chunk and self.chunk > 0 else n
+        self._accumulate_device(flat, row, chunk)
 
     def _keys_of(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """|part| widened to fp64 in scratch, its bit patterns, and the key of every element.
@@ -282,6 +298,7 @@ class StatsBuffer:
             self._kernel_accumulate(lib, x, flat, kernel_code, row)
             return
         self._last = None
+        lay = self.layout
         counts = self._counts[row]
         n = flat.numel()
         keys = np.zeros(_N_KEYS, dtype=np.int64)
@@ -292,16 +309,16 @@ class StatsBuffer:
             keys += chunk_keys
             call_max = max(call_max, self._extremes_cpu(a, counts, chunk_keys))
         keys2 = keys.reshape(_F64_EXP_ALL + 1, 2)
-        counts[COL_NUMEL] += n
-        counts[COL_ZEROS] += keys2[0, 1]
-        counts[COL_NAN] += keys2[_F64_EXP_ALL, 0]
-        counts[COL_INF] += keys2[_F64_EXP_ALL, 1]
-        for i, j in enumerate(_UNDERFLOW_EXP):
-            counts[COL_POW2_AT + i] += keys2[j + _F64_BIAS, 1]
+        counts[lay.numel] += n
+        counts[lay.zeros] += keys2[0, 1]
+        counts[lay.nan] += keys2[_F64_EXP_ALL, 0]
+        counts[lay.inf] += keys2[_F64_EXP_ALL, 1]
+        for i, j in enumerate(lay.underflow_exps):
+            counts[lay.pow2_at + i] += keys2[j + _F64_BIAS, 1]
         if call_max > 0:
-            for i, fmt in enumerate(_FP8):
+            for i, fmt in enumerate(lay.fp8):
                 k = formats.current_scaling_exponent(fmt, call_max)
-                counts[COL_UNDERFLOW_CS + i] += _count_le_pow2_keys(
+                counts[lay.underflow_cs + i] += _count_le_pow2_keys(
                     keys2, int(math.log2(fmt.underflow_max)) - k
                 )
         hist = _hist_of_keys(keys2)
@@ -318,10 +335,11 @@ class StatsBuffer:
 
     def _kernel_accumulate(self, lib: Any, x: torch.Tensor, flat: torch.Tensor, code: int, row: int) -> None:
         """The C kernel (``precprof.stats.kernel``): one read of the tensor into the call row, then a merge
-        into ``row``; the same numbers as the torch-op path. The same tensor (object and in-place version)
-        as the previous call is merged again without reading it."""
+        into ``row`` with the layout's merge rule; the same numbers as the torch-op path. The same tensor
+        (object and in-place version) as the previous call is merged again without reading it."""
         version = _compat.tensor_version(x)
         last = self._last
+        width = self.layout.width
         if last is None or version is None or last[0]() is not x or last[1] != version:
             lib.pp_call(
                 flat.data_ptr(),
@@ -329,34 +347,41 @@ class StatsBuffer:
                 flat.stride(0) if flat.dim() else 1,
                 code,
                 self._threads(),
-                *_KERNEL_CONSTANTS,
+                self._cfg_ptr,
                 self._call_ptr,
             )
-            if self._call[COL_NUMEL] < 0:
+            if self._call[self.layout.numel] < 0:
                 self._last = None
                 raise MemoryError("precprof: the CPU statistics kernel could not allocate its scratch")
             self._last = (weakref.ref(x), version) if version is not None else None
-        counts_ptr = self._counts_ptr + row * COL_HIST * 8
+        counts_ptr = self._counts_ptr + row * self.layout.counts_width * 8
         while lib.pp_merge(
             self._call_ptr,
             counts_ptr,
             self._hist_ptr + row * self._hist.shape[1] * 8,
             self._wlo,
             self._hist.shape[1],
+            self._cfg_ptr,
+            self._ops_ptr,
         ):
-            self._grow_window(int(self._call[ROW_WIDTH]), int(self._call[ROW_WIDTH + 1]))
+            self._grow_window(int(self._call[width]), int(self._call[width + 1]))
 
     def _extremes_cpu(self, a: torch.Tensor, counts: np.ndarray, keys: np.ndarray) -> float:
         """Overflow counts and extremes of one chunk, skipping the passes its key histogram proves needless
-        (no value >= 256: no overflow compare; no zero: a plain min). Returns the chunk's largest finite |x|."""
+        (no value at or above the layout's overflow shortcut: no overflow compare; no zero: a plain min).
+        Returns the chunk's largest finite |x|."""
+        lay = self.layout
         n_nonfinite = int(keys[2 * _F64_EXP_ALL] + keys[2 * _F64_EXP_ALL + 1])
-        n_big = int(keys[2 * (_F64_BIAS + 8) : 2 * _F64_EXP_ALL].sum())  # finite values >= 2^8
+        # finite values >= 2^shortcut_exp: keys from that exponent field up
+        n_big = int(keys[2 * (_F64_BIAS + lay.overflow_shortcut_exp) : 2 * _F64_EXP_ALL].sum())
         if n_big or n_nonfinite:
             mask = self._bool[: a.numel()]
-            torch.ge(a, 256.0, out=mask)  # every overflow threshold is above 256; inf is included
+            torch.ge(a, lay.overflow_shortcut, out=mask)  # no threshold is below the shortcut; inf included
             big = a[mask]
-            for i, (t, inclusive) in enumerate(_OVERFLOW):
-                counts[COL_OVERFLOW + i] += int((big >= t).sum()) if inclusive else int((big > t).sum())
+            for i, (t, inclusive) in enumerate(
+                zip(lay.overflow_thresholds, lay.overflow_inclusive, strict=True)
+            ):
+                counts[lay.overflow + i] += int((big >= t).sum()) if inclusive else int((big > t).sum())
         n_zero = int(keys[1])
         if n_nonfinite:
             a.nan_to_num_(nan=0.0, posinf=0.0)
@@ -370,72 +395,241 @@ class StatsBuffer:
         else:
             mn = math.inf
         if mn != math.inf:
-            counts[COL_ABSMIN_BITS] = min(int(counts[COL_ABSMIN_BITS]), _to_f64_bits(mn) - 1)
-        counts[COL_ABSMAX_BITS] = max(int(counts[COL_ABSMAX_BITS]), _to_f64_bits(mx))
+            counts[lay.absmin_bits] = min(int(counts[lay.absmin_bits]), _to_f64_bits(mn) - 1)
+        counts[lay.absmax_bits] = max(int(counts[lay.absmax_bits]), _to_f64_bits(mx))
         return mx
 
     # ------------------------------------------------------------------------------------- device path
     def _accumulate_device(self, flat: torch.Tensor, row: int, chunk: int) -> None:
+        """Torch ops in chunks of at most ``chunk`` values: bounded scratch, no host sync."""
         assert self._data is not None
+        lay = self.layout
+        nw = lay.n_whatif
         r = self._data[row]
         kh = self._keys_hist
         kh.zero_()
-        call_max = self._small[4:5]
+        call_max = self._small[nw : nw + 1]
         call_max.zero_()
         n = flat.numel()
+        deterministic = torch.are_deterministic_algorithms_enabled()
         for start in range(0, n, chunk):
             a, bits, key = self._keys_of(flat[start : start + chunk])
-            # bincount asks the host for max(key) on CUDA: a fixed-size index_add_ does not
-            kh.index_add_(0, key, self._ones.expand(key.numel()))
+            if deterministic:
+                # index_add_ would sort every value with its index; counting the sorted keys by binary
+                # search is deterministic, sync-free and bounded by the chunk
+                ordered = torch.sort(key).values
+                pos = torch.searchsorted(ordered, self._key_edges)
+                kh += pos[1:] - pos[:-1]
+            else:
+                # bincount asks the host for max(key) on CUDA: a fixed-size index_add_ does not
+                kh.index_add_(0, key, self._ones.expand(key.numel()))
             self._extremes_device(a, bits, r, call_max)
-        r[COL_NUMEL] += n
+        r[lay.numel] += n
         kh2 = kh.view(_F64_EXP_ALL + 1, 2)
-        r[COL_ZEROS] += kh2[0, 1]
-        r[COL_NAN] += kh2[_F64_EXP_ALL, 0]
-        r[COL_INF] += kh2[_F64_EXP_ALL, 1]
-        r[COL_POW2_AT : COL_POW2_AT + 4] += kh[self._pow2_idx]
+        r[lay.zeros] += kh2[0, 1]
+        r[lay.nan] += kh2[_F64_EXP_ALL, 0]
+        r[lay.inf] += kh2[_F64_EXP_ALL, 1]
+        r[lay.pow2_at : lay.pow2_at + nw] += kh[self._pow2_idx]
         all_in_bin = kh2[:, 0] + kh2[:, 1]
-        hist = r[COL_HIST : COL_HIST + N_BINS]
+        hist = r[lay.hist : lay.hist + N_BINS]
         hist += all_in_bin[_LO : _HI + 1]
         hist[0] += all_in_bin[1:_LO].sum() + kh2[0, 0]
         hist[-1] += all_in_bin[_HI + 1 : _F64_EXP_ALL].sum()
+        if not lay.n_fp8:
+            return
         # fp8 current scaling of this call, on the device: k = floor(log2(fmax / amax)) from the exponent
-        # fields and mantissas of fmax and amax; x*2^k underflows iff |x| <= 2^(j - k)
+        # fields and mantissas of fmax and amax; x*2^k underflows iff |x| <= 2^(j - k), i.e. the keys below
+        # exponent field f = j - k + bias, and the exact powers of two at f (none when f <= 0; every finite
+        # nonzero value when f >= 2047)
         amax = call_max[0]
         e_a = amax >> 52
         e_f = self._fp8_max_bits >> 52
         k = e_f - e_a - ((amax & _F64_MANT_MASK) > (self._fp8_max_bits & _F64_MANT_MASK)).long()
-        f = (self._fp8_uf_exp - k + _F64_BIAS).clamp(1, _F64_EXP_ALL - 1)
+        f = self._fp8_uf_exp - k + _F64_BIAS
+        fc = f.clamp(1, _F64_EXP_ALL)
         cum = kh.cumsum(0)
-        cs = cum[2 * f - 1] - kh[1] + kh[2 * f + 1]
-        r[COL_UNDERFLOW_CS : COL_UNDERFLOW_CS + 2] += cs * (amax > 0).long()
+        below = cum[2 * fc - 1] - kh[1]
+        on = kh[(2 * fc + 1).clamp(max=_N_KEYS - 1)] * (f < _F64_EXP_ALL).long()
+        cs = (below + on) * (f > 0).long()
+        r[lay.underflow_cs : lay.underflow_cs + lay.n_fp8] += cs * (amax > 0).long()
 
     def _extremes_device(
         self, a: torch.Tensor, bits: torch.Tensor, r: torch.Tensor, call_max: torch.Tensor
     ) -> None:
         """Overflow counts, smallest nonzero and largest finite |x| with tensor ops only (no sync)."""
+        lay = self.layout
         m = a.numel()
         mask = self._bool[:m]
         tmp = self._i64[:m]
-        ov = self._small[:4]
-        for i, (threshold, inclusive) in enumerate(_OVERFLOW):
+        ov = self._small[: lay.n_whatif]
+        for i, (threshold, inclusive) in enumerate(
+            zip(lay.overflow_thresholds, lay.overflow_inclusive, strict=True)
+        ):
             if inclusive:
                 torch.ge(a, threshold, out=mask)
             else:
                 torch.gt(a, threshold, out=mask)
             ov[i] = torch.count_nonzero(mask)
-        r[COL_OVERFLOW : COL_OVERFLOW + 4] += ov
+        r[lay.overflow : lay.overflow + lay.n_whatif] += ov
         # smallest nonzero: (bits - 1) & MAX maps 0 to the largest int64 (the "none yet" sentinel); nan/inf
         # bits exceed every finite one. The row keeps bits - 1, so the sentinel never overflows.
         torch.sub(bits, 1, out=tmp)
         tmp.bitwise_and_(_NO_MIN_BITS)
-        r[COL_ABSMIN_BITS] = torch.minimum(r[COL_ABSMIN_BITS], tmp.amin())
+        r[lay.absmin_bits] = torch.minimum(r[lay.absmin_bits], tmp.amin())
         # largest finite: nan -> 0 and inf -> 0 in place (a is scratch), then the max of the bit patterns
         a.nan_to_num_(nan=0.0, posinf=0.0)
         mx = bits.amax()
-        r[COL_ABSMAX_BITS] = torch.maximum(r[COL_ABSMAX_BITS], mx)
+        r[lay.absmax_bits] = torch.maximum(r[lay.absmax_bits], mx)
         torch.maximum(call_max, mx.reshape(1), out=call_max)
 
     def to_host(self) -> np.ndarray:
-        """Copy all rows to the host: the one synchronising call per sampled step."""
+        """Copy the rows to the host: the one synchronising call per sampled step."""
         return self.dense().cpu().numpy()
+
+
+class StatsBuffer:
+    """Per-step statistics of ``rows`` tensor slots, on every device the tensors live on.
+
+    Each tensor is read on its own device, by that device's engine (``precprof.stats.engine``), into that
+    device's rows (:class:`DeviceRows`, made at the first tensor seen there); no engine ever receives another
+    device's pointer. ``to_host``/``dense`` merge the devices' rows with :func:`~precprof.stats.layout.merge_rows`
+    at the flush. A tensor on the ``meta`` device has no data: it is skipped and counted in ``skipped``.
+
+    ``device`` is where the rows are merged (the model's device); ``engine`` forces an engine (default:
+    ``PRECPROF_STATS_ENGINE``, else "auto"); ``host_rows=False`` runs the device code path on the CPU (tests).
+    """
+
+    def __init__(
+        self,
+        rows: int,
+        device: torch.device | str,
+        chunk: int | None = None,
+        *,
+        host_rows: bool | None = None,
+        engine: str | None = None,
+        layout: RowLayout = LAYOUT,
+    ) -> None:
+        self.device = torch.device(device)
+        self.rows = rows
+        self.chunk = chunk
+        self.layout = layout
+        self.requested = engine
+        self._host_rows = host_rows
+        self._parts: dict[torch.device, DeviceRows] = {}
+        self.skipped = np.zeros(rows, dtype=np.int64)  # meta tensors per row since the last reset
+        self.skipped_total = np.zeros(rows, dtype=np.int64)  # over the whole run
+        if self.device.type != "meta":
+            self._part(self.device)  # the model's device: its engine is chosen (and built) at attach
+
+    def _part(self, device: torch.device) -> DeviceRows:
+        part = self._parts.get(device)
+        if part is None:
+            name = resolve_engine(self.requested, device)
+            part = DeviceRows(
+                self.rows, device, self.chunk, host_rows=self._host_rows, engine=name, layout=self.layout
+            )
+            if name == "triton":
+                self._triton_warm(part)
+            self._parts[device] = part
+        return part
+
+    # compile the Triton kernels for the common dtypes at attach, not in the first hook
+    @staticmethod
+    def _triton_warm(part: DeviceRows) -> None:
+        assert part._data is not None and part._triton is not None
+        probe = part.layout.empty_rows(1, part.device)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            part._triton.add(torch.ones(4, dtype=dtype, device=part.device), probe, 0)
+
+    @property
+    def primary(self) -> DeviceRows | None:
+        """The rows of the model's device (else the first device seen)."""
+        return self._parts.get(self.device) or next(iter(self._parts.values()), None)
+
+    @property
+    def engines(self) -> dict[str, str]:
+        """Which engine filled which device's rows."""
+        return {str(d): p.engine for d, p in self._parts.items()}
+
+    # the primary rows' switches (tests compare engines through them)
+    @property
+    def use_kernel(self) -> bool:
+        return bool(self.primary and self.primary.use_kernel)
+
+    @use_kernel.setter
+    def use_kernel(self, value: bool) -> None:
+        for p in self._parts.values():
+            p.use_kernel = value and p.engine == "c"
+
+    @property
+    def kernel_threads(self) -> int | None:
+        return self.primary.kernel_threads if self.primary else None
+
+    @kernel_threads.setter
+    def kernel_threads(self, value: int | None) -> None:
+        for p in self._parts.values():
+            p.kernel_threads = value
+
+    def _threads(self) -> int:
+        return self.primary._threads() if self.primary else 1
+
+    @property
+    def on_cpu(self) -> bool:
+        return bool(self.primary and self.primary.on_cpu)
+
+    # -- sizes
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(p.buffer_bytes for p in self._parts.values())
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(p.scratch_bytes for p in self._parts.values())
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.dense()
+
+    def dense(self) -> torch.Tensor:
+        """All devices' rows merged, as one [rows, width] int64 tensor on the model's device (syncs when
+        the devices differ)."""
+        parts = list(self._parts.values())
+        primary = self.primary
+        if primary is None:
+            return self.layout.empty_rows(self.rows)
+        out = primary.dense()
+        for p in parts:
+            if p is not primary:
+                out = merge_rows(out, p.dense().to(out.device), self.layout)
+        return out
+
+    def to_host(self) -> np.ndarray:
+        """All devices' rows merged, on the host: one copy per device, per sampled step."""
+        out: np.ndarray | None = None
+        for p in self._parts.values():
+            rows = p.to_host()
+            out = rows if out is None else merge_rows(out, rows, self.layout)
+        return out if out is not None else self.layout.empty_rows(self.rows).numpy()
+
+    def reset(self, rows: slice | None = None) -> None:
+        """Zero the counts of all rows (or ``rows``) on every device; device ops, no sync."""
+        for p in self._parts.values():
+            p.reset(rows)
+        self.skipped[rows if rows is not None else slice(None)] = 0
+
+    @torch.no_grad()
+    def accumulate(self, x: torch.Tensor, row: int, *, assign: bool = False) -> None:
+        """Add the statistics of ``x`` (any floating dtype, any shape, any device) into ``row``. Never syncs.
+
+        ``assign=True`` first clears the row (used for accumulated weight gradients, whose last value wins).
+        Each call is one tensor for the fp8 current-scaling counts (its own amax and scale).
+        """
+        if x.device.type == "meta":
+            self.skipped[row] += 1
+            self.skipped_total[row] += 1
+            return
+        part = self._parts.get(x.device) or self._part(x.device)
+        if assign:
+            for p in self._parts.values():
+                p.reset(slice(row, row + 1))
+        part.accumulate(x, row)

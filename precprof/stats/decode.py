@@ -15,7 +15,6 @@ from precprof.stats.buffer import StatsBuffer, _from_f64_bits
 from precprof.stats.layout import (
     _INF_BITS,
     _NO_MIN_BITS,
-    _UNDERFLOW_EXP,
     COL_ABSMAX_BITS,
     COL_ABSMIN_BITS,
     COL_HIST,
@@ -28,6 +27,7 @@ from precprof.stats.layout import (
     COL_ZEROS,
     EXP_MAX,
     EXP_MIN,
+    LAYOUT,
     N_BINS,
     ROW_WIDTH,
 )
@@ -64,7 +64,7 @@ def decode(row: np.ndarray, scale: float = 1.0) -> RowStats:
     underflow: dict[str, int] = {}
     overflow: dict[str, int] = {}
     for i, name in enumerate(formats.WHATIF_FORMATS):
-        idx = _UNDERFLOW_EXP[i] - EXP_MIN  # values <= 2^j: every bin below j, and exactly 2^j
+        idx = LAYOUT.underflow_exps[i] - EXP_MIN  # values <= 2^j: every bin below j, and exactly 2^j
         underflow[name] = int(hist[: max(idx, 0)].sum() + row[COL_POW2_AT + i])
         overflow[name] = int(row[COL_OVERFLOW + i]) - inf
     absmax_bits = int(row[COL_ABSMAX_BITS])
@@ -107,7 +107,7 @@ def decode_rows(rows: np.ndarray, scales: np.ndarray) -> dict[str, Any]:
     inf = rows[:, COL_INF]
     underflow, overflow = {}, {}
     for i, name in enumerate(formats.WHATIF_FORMATS):
-        idx = min(max(_UNDERFLOW_EXP[i] - EXP_MIN, 0), N_BINS)
+        idx = min(max(LAYOUT.underflow_exps[i] - EXP_MIN, 0), N_BINS)
         underflow[name] = below[:, idx] + rows[:, COL_POW2_AT + i]
         overflow[name] = rows[:, COL_OVERFLOW + i] - inf
     max_bits = rows[:, COL_ABSMAX_BITS]

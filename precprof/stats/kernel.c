@@ -1,4 +1,4 @@
-/* precprof one-pass CPU statistics kernel (v2). Plain C (OpenMP when available), no torch headers. */
+/* precprof one-pass CPU statistics kernel (v3: the row layout is passed in). Plain C (OpenMP when available), no torch headers. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -6,41 +6,57 @@
 
 #define NKEYS 4096
 #define BLOCK 2048
-/* row layout: must equal precprof.stats (checked by pp_layout at load time) */
-#define COL_NUMEL 0
-#define COL_ZEROS 1
-#define COL_NAN 2
-#define COL_INF 3
-#define COL_OVERFLOW 4
-#define COL_ABSMAX_BITS 8
-#define COL_ABSMIN_BITS 9
-#define COL_UNDERFLOW_CS 10
-#define COL_POW2_AT 12
-#define COL_HIST 16
-#define EXP_MIN (-149)
-#define EXP_MAX 127
-#define N_BINS (EXP_MAX - EXP_MIN + 1)
-#define ROW_WIDTH (COL_HIST + N_BINS)
-#define CALL_LEN (ROW_WIDTH + 2) /* + first and last nonzero histogram bin (-1 when none) */
+#define MAXF 16 /* what-if formats and fp8 formats a row may hold (precprof.stats.layout._C_MAX_FORMATS) */
 #define F64_BIAS 1023
-#define LO_FIELD (F64_BIAS + EXP_MIN)
-#define HI_FIELD (F64_BIAS + EXP_MAX)
 #define NO_MIN_BITS 0x7FFFFFFFFFFFFFFFLL
 #define MANT64 ((1ULL << 52) - 1)
 #define INF64 0x7FF0000000000000ULL
-#define BIG64 0x4070000000000000ULL /* 256.0: every overflow threshold is above it */
 
+/* The row layout and the formats' constants, passed in by precprof.stats.layout.RowLayout.c_config():
+   column offsets, then the overflow shortcut (no value below it overflows any format) as fp64, fp32, bf16
+   and fp16 bits, then per what-if format (threshold bits, inclusive, underflow exponent), then per fp8
+   format (max bits, underflow exponent). */
 typedef struct {
-    double t[4];      /* overflow thresholds, WHATIF order */
-    int inc[4];       /* 1: v >= t counts, 0: v > t */
-    int uf_exp[4];    /* underflow_max = 2^uf_exp, WHATIF order */
-    double fp8_max[2];
-    int fp8_uf_exp[2];
+    int64_t numel, zeros, nan, inf, overflow, absmax, absmin, cs, pow2, hist, width;
+    int nw, nf, exp_min, exp_max, n_bins, lo_field, hi_field;
+    uint64_t big64;
+    uint32_t big32;
+    uint16_t big_bf16, big_f16;
+    double t[MAXF];  /* overflow thresholds, what-if order */
+    int inc[MAXF];   /* 1: v >= t counts, 0: v > t */
+    int uf_exp[MAXF]; /* underflow_max = 2^uf_exp */
+    double fp8_max[MAXF];
+    int fp8_uf_exp[MAXF];
 } cfg_t;
+
+static inline double bits_to_double(uint64_t b) { double d; memcpy(&d, &b, 8); return d; }
+
+static int read_cfg(const int64_t* c, cfg_t* cfg) {
+    cfg->numel = c[0]; cfg->zeros = c[1]; cfg->nan = c[2]; cfg->inf = c[3]; cfg->overflow = c[4];
+    cfg->absmax = c[5]; cfg->absmin = c[6]; cfg->cs = c[7]; cfg->pow2 = c[8]; cfg->hist = c[9];
+    cfg->width = c[10]; cfg->nw = (int)c[11]; cfg->nf = (int)c[12]; cfg->exp_min = (int)c[13];
+    cfg->exp_max = (int)c[14];
+    if (cfg->nw < 1 || cfg->nw > MAXF || cfg->nf < 0 || cfg->nf > MAXF) return 0;
+    cfg->n_bins = cfg->exp_max - cfg->exp_min + 1;
+    cfg->lo_field = F64_BIAS + cfg->exp_min;
+    cfg->hi_field = F64_BIAS + cfg->exp_max;
+    cfg->big64 = (uint64_t)c[15];
+    cfg->big32 = (uint32_t)c[16];
+    cfg->big_bf16 = (uint16_t)c[17];
+    cfg->big_f16 = (uint16_t)c[18];
+    const int64_t* f = c + 19;
+    for (int j = 0; j < cfg->nw; j++, f += 3) {
+        cfg->t[j] = bits_to_double((uint64_t)f[0]); cfg->inc[j] = (int)f[1]; cfg->uf_exp[j] = (int)f[2];
+    }
+    for (int j = 0; j < cfg->nf; j++, f += 2) {
+        cfg->fp8_max[j] = bits_to_double((uint64_t)f[0]); cfg->fp8_uf_exp[j] = (int)f[1];
+    }
+    return 1;
+}
 
 typedef struct {
     int64_t keys[NKEYS]; /* key = 2 * fp64 exponent field + (mantissa == 0) */
-    int64_t ov[4];
+    int64_t ov[MAXF];
     uint64_t mx; /* largest finite |x| as fp64 bits; 0 when none */
     uint64_t mn; /* smallest nonzero finite |x| as fp64 bits; UINT64_MAX when none */
 } acc_t;
@@ -83,18 +99,13 @@ int pp_openmp(void) {
 #endif
 }
 
-void pp_layout(int64_t* out) {
-    int64_t v[] = {COL_NUMEL, COL_ZEROS, COL_NAN, COL_INF, COL_OVERFLOW, COL_ABSMAX_BITS, COL_ABSMIN_BITS,
-                   COL_UNDERFLOW_CS, COL_POW2_AT, COL_HIST, EXP_MIN, EXP_MAX, ROW_WIDTH, CALL_LEN};
-    memcpy(out, v, sizeof(v));
-}
 
 /* the reference per-value update, for the rare paths: fp64 bits b of |x|, weight c */
 static inline void add_bits(acc_t* a, uint64_t b, const cfg_t* cfg) {
     a->keys[key_of_bits(b)]++;
-    if (b >= BIG64) {
+    if (b >= cfg->big64) {
         double v; memcpy(&v, &b, 8);
-        for (int j = 0; j < 4; j++) a->ov[j] += cfg->inc[j] ? (v >= cfg->t[j]) : (v > cfg->t[j]);
+        for (int j = 0; j < cfg->nw; j++) a->ov[j] += cfg->inc[j] ? (v >= cfg->t[j]) : (v > cfg->t[j]);
     }
     if (b < INF64) {
         if (b > a->mx) a->mx = b;
@@ -102,7 +113,7 @@ static inline void add_bits(acc_t* a, uint64_t b, const cfg_t* cfg) {
     }
 }
 static inline void overflow_of(acc_t* a, double v, const cfg_t* cfg) {
-    for (int j = 0; j < 4; j++) a->ov[j] += cfg->inc[j] ? (v >= cfg->t[j]) : (v > cfg->t[j]);
+    for (int j = 0; j < cfg->nw; j++) a->ov[j] += cfg->inc[j] ? (v >= cfg->t[j]) : (v > cfg->t[j]);
 }
 static inline void extremes(acc_t* a, double vmax, double vmin_nz, int have_max, int have_min) {
     if (have_max) { uint64_t b = dbits(vmax); if (b > a->mx) a->mx = b; }
@@ -139,10 +150,10 @@ static void run_f32(const uint32_t* p, int64_t n, acc_t* a, const cfg_t* cfg) {
                 if (u < 0x7F800000u && u > fmax) fmax = u;
             }
         }
-        if (__builtin_expect(rawmax >= 0x43800000u, 0)) { /* values >= 256 (or inf/nan): exact compares */
+        if (__builtin_expect(rawmax >= cfg->big32, 0)) { /* values >= the shortcut (or inf/nan): compares */
             for (int64_t i = 0; i < m; i++) {
                 uint32_t u = q[i] & 0x7FFFFFFFu;
-                if (u >= 0x43800000u && u <= 0x7F800000u) overflow_of(a, u32_to_double(u), cfg);
+                if (u >= cfg->big32 && u <= 0x7F800000u) overflow_of(a, u32_to_double(u), cfg);
             }
         }
         if (__builtin_expect(vmin < 0x007FFFFFu, 0)) { /* a subnormal: the exact key of every element */
@@ -258,9 +269,9 @@ static void* run_job(void* arg) {
     a->mn = UINT64_MAX;
     if (j->stride == 1 && j->dtype == 0) run_f32((const uint32_t*)j->data, j->n, a, j->cfg);
     else if (j->stride == 1 && j->dtype == 1)
-        run_16((const uint16_t*)j->data, j->n, a, j->cfg, TAB_BF16, 0x7F80, 0x4380, bf16_to_double);
+        run_16((const uint16_t*)j->data, j->n, a, j->cfg, TAB_BF16, 0x7F80, j->cfg->big_bf16, bf16_to_double);
     else if (j->stride == 1 && j->dtype == 2)
-        run_16((const uint16_t*)j->data, j->n, a, j->cfg, TAB_F16, 0x7C00, 0x5C00, f16_to_double);
+        run_16((const uint16_t*)j->data, j->n, a, j->cfg, TAB_F16, 0x7C00, j->cfg->big_f16, f16_to_double);
     else {
         double (*ld)(const void*, int64_t) = j->dtype == 0 ? ld_f32 : j->dtype == 1 ? ld_bf16 : j->dtype == 2 ? ld_f16 : ld_f64;
         for (int64_t i = 0; i < j->n; i++) add_bits(a, dbits(ld(j->data, i * j->stride)), j->cfg);
@@ -288,17 +299,17 @@ static int cs_exponent(double fmax, double amax) { /* the largest k with amax * 
     return k;
 }
 
-/* Statistics of one tensor call into call[CALL_LEN] (overwritten). dtype: 0 fp32, 1 bf16, 2 fp16, 3 fp64. */
-void pp_call(const void* data, int64_t n, int64_t stride, int dtype, int nthreads, const double* t,
-             const int* inc, const int* uf_exp, const double* fp8_max, const int* fp8_uf_exp, int64_t* call) {
+/* Statistics of one tensor call into call[width + 2] (overwritten): a row, then its first and last nonzero
+   histogram bin (-1 when none). dtype: 0 fp32, 1 bf16, 2 fp16, 3 fp64. config: RowLayout.c_config(). */
+void pp_call(const void* data, int64_t n, int64_t stride, int dtype, int nthreads, const int64_t* config,
+             int64_t* call) {
     cfg_t cfg;
-    for (int j = 0; j < 4; j++) { cfg.t[j] = t[j]; cfg.inc[j] = inc[j]; cfg.uf_exp[j] = uf_exp[j]; }
-    for (int j = 0; j < 2; j++) { cfg.fp8_max[j] = fp8_max[j]; cfg.fp8_uf_exp[j] = fp8_uf_exp[j]; }
+    if (!read_cfg(config, &cfg)) { call[0] = -2; return; } /* a layout this kernel cannot hold */
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
     if (n < (1 << 16)) nthreads = 1; /* not worth a thread */
     job_t* jobs = malloc(sizeof(job_t) * nthreads);
-    if (!jobs) { call[COL_NUMEL] = -1; return; } /* out of host memory: the caller raises */
+    if (!jobs) { call[cfg.numel] = -1; return; } /* out of host memory: the caller raises */
     int64_t per = (n + nthreads - 1) / nthreads;
     per = (per + 63) & ~63LL;
     int used = 0;
@@ -327,49 +338,53 @@ void pp_call(const void* data, int64_t n, int64_t stride, int dtype, int nthread
     for (int w = 1; w < used; w++) {
         acc_t* b = &jobs[w].acc;
         for (int k = 0; k < NKEYS; k++) a->keys[k] += b->keys[k];
-        for (int j = 0; j < 4; j++) a->ov[j] += b->ov[j];
+        for (int j = 0; j < cfg.nw; j++) a->ov[j] += b->ov[j];
         if (b->mx > a->mx) a->mx = b->mx;
         if (b->mn < a->mn) a->mn = b->mn;
     }
     const int64_t* keys = a->keys;
-    memset(call, 0, sizeof(int64_t) * CALL_LEN);
-    call[COL_NUMEL] = n;
-    call[COL_ZEROS] = keys[1];
-    call[COL_NAN] = keys[2 * 2047];
-    call[COL_INF] = keys[2 * 2047 + 1];
-    for (int j = 0; j < 4; j++) {
-        call[COL_OVERFLOW + j] = a->ov[j];
-        call[COL_POW2_AT + j] = keys[2 * (cfg.uf_exp[j] + F64_BIAS) + 1];
+    memset(call, 0, sizeof(int64_t) * (cfg.width + 2));
+    call[cfg.numel] = n;
+    call[cfg.zeros] = keys[1];
+    call[cfg.nan] = keys[2 * 2047];
+    call[cfg.inf] = keys[2 * 2047 + 1];
+    for (int j = 0; j < cfg.nw; j++) {
+        call[cfg.overflow + j] = a->ov[j];
+        call[cfg.pow2 + j] = keys[2 * (cfg.uf_exp[j] + F64_BIAS) + 1];
     }
-    call[COL_ABSMAX_BITS] = (int64_t)a->mx;
-    call[COL_ABSMIN_BITS] = a->mn == UINT64_MAX ? NO_MIN_BITS : (int64_t)(a->mn - 1);
+    call[cfg.absmax] = (int64_t)a->mx;
+    call[cfg.absmin] = a->mn == UINT64_MAX ? NO_MIN_BITS : (int64_t)(a->mn - 1);
     if (a->mx > 0) {
         double amax; memcpy(&amax, &a->mx, 8);
-        for (int j = 0; j < 2; j++)
-            call[COL_UNDERFLOW_CS + j] = le_pow2(keys, cfg.fp8_uf_exp[j] - cs_exponent(cfg.fp8_max[j], amax));
+        for (int j = 0; j < cfg.nf; j++)
+            call[cfg.cs + j] = le_pow2(keys, cfg.fp8_uf_exp[j] - cs_exponent(cfg.fp8_max[j], amax));
     }
-    int64_t* hist = call + COL_HIST;
-    for (int b = 0; b < N_BINS; b++) hist[b] = keys[2 * (LO_FIELD + b)] + keys[2 * (LO_FIELD + b) + 1];
+    int64_t* hist = call + cfg.hist;
+    int nb = cfg.n_bins, lof = cfg.lo_field;
+    for (int b = 0; b < nb; b++) hist[b] = keys[2 * (lof + b)] + keys[2 * (lof + b) + 1];
     hist[0] += keys[0];
-    for (int f = 1; f < LO_FIELD; f++) hist[0] += keys[2 * f] + keys[2 * f + 1];
-    for (int f = HI_FIELD + 1; f < 2047; f++) hist[N_BINS - 1] += keys[2 * f] + keys[2 * f + 1];
+    for (int f = 1; f < lof; f++) hist[0] += keys[2 * f] + keys[2 * f + 1];
+    for (int f = cfg.hi_field + 1; f < 2047; f++) hist[nb - 1] += keys[2 * f] + keys[2 * f + 1];
     int64_t lo = -1, hi = -1;
-    for (int b = 0; b < N_BINS; b++) if (hist[b]) { if (lo < 0) lo = b; hi = b; }
-    call[ROW_WIDTH] = lo;
-    call[ROW_WIDTH + 1] = hi;
+    for (int b = 0; b < nb; b++) if (hist[b]) { if (lo < 0) lo = b; hi = b; }
+    call[cfg.width] = lo;
+    call[cfg.width + 1] = hi;
     free(jobs);
 }
 
-/* Add a call's statistics into a row: counts[COL_HIST] and a histogram window of w bins starting at bin
-   wlo. Returns 1 (and changes nothing) when the call's bins do not fit the window. */
-int pp_merge(const int64_t* call, int64_t* counts, int64_t* window, int64_t wlo, int64_t w) {
-    int64_t lo = call[ROW_WIDTH], hi = call[ROW_WIDTH + 1];
+/* Add a call's statistics into a row: its first hist columns (counts[hist]) and a histogram window of w
+   bins starting at bin wlo. ops: the merge rule of each column (RowLayout.merge_ops: 0 sum, 1 max, 2 min).
+   Returns 1 (and changes nothing) when the call's bins do not fit the window. */
+int pp_merge(const int64_t* call, int64_t* counts, int64_t* window, int64_t wlo, int64_t w, const int64_t* config,
+             const int64_t* ops) {
+    int64_t hist = config[9], width = config[10];
+    int64_t lo = call[width], hi = call[width + 1];
     if (lo >= 0 && (lo < wlo || hi >= wlo + w)) return 1;
-    for (int c = 0; c < COL_HIST; c++) {
-        if (c == COL_ABSMAX_BITS) counts[c] = call[c] > counts[c] ? call[c] : counts[c];
-        else if (c == COL_ABSMIN_BITS) counts[c] = call[c] < counts[c] ? call[c] : counts[c];
+    for (int64_t c = 0; c < hist; c++) {
+        if (ops[c] == 1) counts[c] = call[c] > counts[c] ? call[c] : counts[c];
+        else if (ops[c] == 2) counts[c] = call[c] < counts[c] ? call[c] : counts[c];
         else counts[c] += call[c];
     }
-    if (lo >= 0) for (int64_t b = lo; b <= hi; b++) window[b - wlo] += call[COL_HIST + b];
+    if (lo >= 0) for (int64_t b = lo; b <= hi; b++) window[b - wlo] += call[hist + b];
     return 0;
 }

@@ -184,12 +184,10 @@ def load() -> ctypes.CDLL | None:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.pp_init.restype = None
         lib.pp_init.argtypes = []
-        lib.pp_layout.restype = None
-        lib.pp_layout.argtypes = [p]
         lib.pp_call.restype = None
-        lib.pp_call.argtypes = [p, i64, i64, i32, i32, p, p, p, p, p, p]
+        lib.pp_call.argtypes = [p, i64, i64, i32, i32, p, p]
         lib.pp_merge.restype = i32
-        lib.pp_merge.argtypes = [p, p, p, i64, i64]
+        lib.pp_merge.argtypes = [p, p, p, i64, i64, p, p]
         lib.pp_openmp.restype = ctypes.c_int
         lib.pp_openmp.argtypes = []
         lib.pp_init()
