@@ -42,8 +42,7 @@ class HookFactories:
             self._order_counter += 1
             assert self._buffer is not None
             for _, p, row in slot.weights:
-                if p.is_floating_point() and p.numel() > 0:
-                    self._buffer.accumulate(_local(p), row.index)
+                if p.is_floating_point() and p.numel() > 0 and self._buffer.accumulate(_local(p), row.index):
                     row.seen(p.dtype)
                     self._step_has_data = True
 
@@ -59,8 +58,13 @@ class HookFactories:
         grad_row = slot.activation_grad
 
         def grad_hook(g: torch.Tensor) -> None:
-            if self._buffer is not None and g is not None and self._attached:
-                self._buffer.accumulate(_local(g), grad_row.index)
+            buf = self._buffer
+            if (
+                buf is not None
+                and g is not None
+                and self._attached
+                and buf.accumulate(_local(g), grad_row.index)
+            ):
                 grad_row.seen(g.dtype)
             return None
 
@@ -69,7 +73,8 @@ class HookFactories:
             assert self._buffer is not None
             any_tensor = False
             for t in _iter_tensors(output):
-                self._buffer.accumulate(_local(t), act.index)
+                if not self._buffer.accumulate(_local(t), act.index):
+                    continue
                 any_tensor = True
                 if t.requires_grad:
                     t.register_hook(grad_hook)
@@ -108,7 +113,8 @@ class HookFactories:
         def hook(p: torch.Tensor) -> None:
             if not self._sampling or p.grad is None or self._buffer is None:
                 return None
-            self._buffer.accumulate(_local(p.grad), row.index, assign=True)
+            if not self._buffer.accumulate(_local(p.grad), row.index, assign=True):
+                return None
             row.calls = 1
             name = str(p.grad.dtype).removeprefix("torch.")
             if name not in row.dtypes:

@@ -197,8 +197,11 @@ class Profiler(HookFactories):
         return self
 
     def _attach(self) -> None:
-        first_param = next(self.model.parameters(), None)
-        self._device = first_param.device if first_param is not None else torch.device("cpu")
+        # the statistics merge on the model's device: its first parameter's that holds data (a parameter on
+        # ``meta`` has none; each tensor is still read on its own device)
+        devices = [p.device for p in self.model.parameters()]
+        real = [d for d in devices if d.type != "meta"]
+        self._device = real[0] if real else torch.device("cpu")
         seen_params: set[int] = set()
         self._modules, self._params, self._rows = [], [], []
         for name, module in self.model.named_modules():
@@ -454,6 +457,26 @@ class Profiler(HookFactories):
     def status(self) -> tuple[str, str | None]:
         return self._status, self._reason
 
+    def skipped_tensors(self) -> list[dict[str, Any]]:
+        """Tensors the statistics could not read (on the ``meta`` device: no data), per row, with how many
+        times over the run."""
+        if self._buffer is None:
+            return []
+        out = []
+        for r in self._rows:
+            count = int(self._buffer.skipped_total[r.index])
+            if count:
+                out.append(
+                    {
+                        "module": r.module,
+                        "tensor": r.tensor,
+                        "param": r.param,
+                        "count": count,
+                        "reason": "on the meta device (no data to read)",
+                    }
+                )
+        return out
+
     def summary(self) -> dict[str, Any]:
         """The ``capture`` part of summary.json: what was captured and how."""
         modules = []
@@ -470,7 +493,11 @@ class Profiler(HookFactories):
         return {
             "sample_every": self.sample_every,
             "device": str(self._device),
-            "stats_engine": st.engine_status() if self._device.type == "cpu" else {"cuda": "torch"},
+            "stats_engine": {
+                **st.engine_status([self._device]),
+                "used": self._buffer.engines if self._buffer is not None else {},
+            },
+            "skipped_tensors": self.skipped_tensors(),
             "steps_recorded": len(self._recorded.step_rows),
             "sampled_steps": len(self._recorded.sampled_steps),
             "modules_captured": len(self._modules),

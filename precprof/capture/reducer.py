@@ -42,6 +42,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -256,14 +257,17 @@ class RankReducer:
             return data.clone()
         dist = _dist()
         out = data.clone()
-        # one MAX all-reduce carries both extrema: min(x) = -max(-x); the sentinel 2^63-1 negates safely
-        extrema = torch.stack([data[:, st.COL_ABSMAX_BITS], data[:, st.COL_ABSMIN_BITS].neg()], dim=1)
-        out[:, st.COL_ABSMAX_BITS] = 0  # summing bit patterns would overflow int64
-        out[:, st.COL_ABSMIN_BITS] = 0
+        # the layout's merge rule (stats.merge_rows) as collectives: SUM for counts and histograms, MAX and MIN
+        # for the extrema, both in one MAX all-reduce (min(x) = -max(-x); the sentinel 2^63-1 negates safely)
+        ops = st.LAYOUT.merge_ops
+        mx = np.flatnonzero(ops == st.MERGE_MAX).tolist()
+        mn = np.flatnonzero(ops == st.MERGE_MIN).tolist()
+        extrema = torch.cat([data[:, mx], data[:, mn].neg()], dim=1)
+        out[:, mx + mn] = 0  # summing bit patterns would overflow int64
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         dist.all_reduce(extrema, op=dist.ReduceOp.MAX, group=self.group)
-        out[:, st.COL_ABSMAX_BITS] = extrema[:, 0]
-        out[:, st.COL_ABSMIN_BITS] = extrema[:, 1].neg()
+        out[:, mx] = extrema[:, : len(mx)]
+        out[:, mn] = extrema[:, len(mx) :].neg()
         return out
 
     def reduce_meta(

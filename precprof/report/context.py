@@ -347,6 +347,7 @@ def build_context(
         "incomplete_reason": summary.get(T.SUMMARY_INCOMPLETE_REASON)
         or "the run did not finish (cause not recorded)",
         "errors": [str(e) for e in summary.get(T.SUMMARY_ERRORS) or []],
+        "skipped_tensors": list((summary.get(T.SUMMARY_CAPTURE) or {}).get("skipped_tensors") or []),
         "headline": _headline(summary, steps, layers),
         "verdict": verdict,
         "findings": findings,

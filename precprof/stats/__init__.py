@@ -1,6 +1,7 @@
-"""One tensor's statistics in one pass, on its device: the row layout (``layout``), the engines (the C kernel
-``kernel`` with its private cache ``kernel_cache`` on the CPU, torch ops elsewhere, chosen by ``engine``), the
-per-step buffer (``buffer``) and the decoding of rows into numbers (``decode``)."""
+"""One tensor's statistics in one pass, on its device: the row layout and its merge rule (``layout``), the
+engines (the C kernel ``kernel`` with its private cache ``kernel_cache`` on the CPU, the Triton kernel
+``triton_engine`` on CUDA, torch ops anywhere, chosen by ``engine``), the per-step, per-device buffer
+(``buffer``) and the decoding of rows into numbers (``decode``)."""
 
 from precprof.stats.buffer import StatsBuffer
 from precprof.stats.decode import RowStats, decode, decode_rows, is_power_of_two, tensor_stats
@@ -20,6 +21,9 @@ from precprof.stats.layout import (
     EXP_MAX,
     EXP_MIN,
     LAYOUT,
+    MERGE_MAX,
+    MERGE_MIN,
+    MERGE_SUM,
     N_BINS,
     N_FP8,
     N_WHATIF,
@@ -43,6 +47,9 @@ __all__ = [
     "EXP_MAX",
     "EXP_MIN",
     "LAYOUT",
+    "MERGE_MAX",
+    "MERGE_MIN",
+    "MERGE_SUM",
     "N_BINS",
     "N_FP8",
     "N_WHATIF",

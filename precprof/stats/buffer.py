@@ -618,18 +618,20 @@ class StatsBuffer:
         self.skipped[rows if rows is not None else slice(None)] = 0
 
     @torch.no_grad()
-    def accumulate(self, x: torch.Tensor, row: int, *, assign: bool = False) -> None:
+    def accumulate(self, x: torch.Tensor, row: int, *, assign: bool = False) -> bool:
         """Add the statistics of ``x`` (any floating dtype, any shape, any device) into ``row``. Never syncs.
 
         ``assign=True`` first clears the row (used for accumulated weight gradients, whose last value wins).
-        Each call is one tensor for the fp8 current-scaling counts (its own amax and scale).
+        Each call is one tensor for the fp8 current-scaling counts (its own amax and scale). Returns False
+        when ``x`` was skipped (a ``meta`` tensor), True when it was read.
         """
         if x.device.type == "meta":
             self.skipped[row] += 1
             self.skipped_total[row] += 1
-            return
+            return False
         part = self._parts.get(x.device) or self._part(x.device)
         if assign:
             for p in self._parts.values():
                 p.reset(slice(row, row + 1))
         part.accumulate(x, row)
+        return True
