@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "threads": stats.StatsBuffer(1, "cpu")._threads() if lib is not None else 0,
             "runs_in_torch_openmp_pool": bool(lib is not None and _cpu_kernel.shares_torch_threads(lib)),
         }
+    from precprof.stats import engine as _engine
+
+    out["stats_engine"] = _engine.engine_status([dev])
     pp = results.get("precprof_1", {})
     if pp.get("profiler_buffer_bytes"):
         out["profiler_buffer_share_of_params"] = pp["profiler_buffer_bytes"] / param_bytes

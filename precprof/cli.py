@@ -145,13 +145,20 @@ def env(
     else:
         typer.echo(hardware.env_report(info))
         engine = st.engine_status()
-        kernel = "C kernel" if engine["cpu"] == "c" else "torch ops"
-        detail = (
-            f"{engine.get('path')}, threads: {engine.get('threads')}"
-            if engine["cpu"] == "c"
-            else engine["reason"]
-        )
-        typer.echo(f"CPU statistics engine: {kernel} ({detail})")
+        if "error" in engine:
+            typer.echo(f"statistics engine: {engine['error']}")
+            return
+        names = {"c": "C kernel", "torch": "torch ops", "triton": "Triton kernel"}
+        cpu = engine["cpu"]
+        detail = {
+            "c": f" ({engine.get('path')}, threads: {engine.get('threads')})",
+            "torch": " (forced)" if engine["requested"] == "torch" else f" (C kernel: {engine['reason']})",
+        }.get(cpu, "")
+        typer.echo(f"statistics engine (PRECPROF_STATS_ENGINE={engine['requested']}):")
+        typer.echo(f"  CPU: {names.get(cpu, cpu)}{detail}")
+        cuda = engine["cuda"]
+        why = f" ({engine['triton']})" if engine.get("triton") else ""
+        typer.echo(f"  CUDA: {names.get(cuda, cuda)}{why}")
 
 
 @app.command()

@@ -8,6 +8,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+# Without CUDA the Triton engine's kernels run on CPU tensors in Triton's interpreter. It must be chosen before
+# anything imports triton (transformers and lightning do): set after, nested @triton.jit calls fail.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

@@ -82,10 +82,17 @@ def reaches(graph: dict[str, set[str]], start: str, prefix: str) -> list[str]:
     return hits
 
 
+# imports that must wait until they are used, and why
+LAZY = {
+    "triton_engine.py": "precprof.stats.triton_kernels imports triton (seconds), needed only by the Triton engine",
+}
+
+
 def test_no_precprof_import_inside_a_function() -> None:
     names = set(modules())
     nested = [hit for path in modules().values() for hit in imports(path, names)[1]]
-    assert nested == []
+    assert [hit for hit in nested if hit.split(":")[0] not in LAZY] == []
+    assert len([hit for hit in nested if hit.split(":")[0] in LAZY]) == len(LAZY)  # one each, no more
 
 
 @pytest.mark.parametrize(

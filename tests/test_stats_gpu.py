@@ -1,8 +1,8 @@
 """The exactness checks of test_stats.py on a CUDA device, and proof that accumulate never syncs.
 
-On CUDA the buffer histograms with ``index_add_`` instead of ``bincount`` (which asks the host for the max)
-and processes whole tensors unless ``chunk`` is given: both paths are compared with the CPU references.
-Skipped as a whole without CUDA.
+On CUDA the default engine is the Triton kernel; the torch-op path (``index_add_`` instead of ``bincount``,
+which asks the host for the max, in chunks of bounded scratch) is the fallback. Both are compared with the
+CPU references and with the C kernel bit for bit. Skipped as a whole without CUDA.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def test_current_scaling_ties_cuda() -> None:
         ts.check_exact(torch.tensor(values), DEV)
 
 
-def test_accumulate_never_syncs() -> None:
+@pytest.mark.parametrize("engine", ["triton", "torch"])
+def test_accumulate_never_syncs(engine: str) -> None:
     """Every accumulate (all dtypes, non-contiguous, empty, 0-dim, chunked, assign, requires_grad) and reset
     under ``torch.cuda.set_sync_debug_mode("error")``: any host sync raises."""
     inputs = []
@@ -105,8 +106,9 @@ def test_accumulate_never_syncs() -> None:
         inputs += [x, x.view(250, 200).t(), x[::3], x[:0], x[7]]
     w = torch.randn(1000, device=DEV, requires_grad=True)
     inputs += [w, w * 2]
-    whole = StatsBuffer(4, DEV)
-    chunked = StatsBuffer(4, DEV, chunk=4096)
+    whole = StatsBuffer(4, DEV, engine=engine)
+    chunked = StatsBuffer(4, DEV, chunk=4096, engine=engine)
+    assert whole.engines == {"cuda:0": engine}
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
@@ -125,3 +127,93 @@ def test_accumulate_never_syncs() -> None:
     assert ts.observed(decode(chunked.to_host()[0])) == ts.reference(inputs[1])
     assert decode(host[1]).numel == 0
     assert w.grad is None and w.requires_grad
+
+
+def _c_row(x: torch.Tensor) -> np.ndarray:
+    buf = StatsBuffer(1, "cpu", engine="c")
+    buf.accumulate(x.cpu(), 0)
+    return buf.to_host()[0]
+
+
+def _cuda_row(x: torch.Tensor, engine: str, **kw: object) -> np.ndarray:
+    buf = StatsBuffer(1, DEV, engine=engine, **kw)
+    buf.accumulate(x.to(DEV), 0)
+    return buf.to_host()[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_triton_and_torch_equal_the_c_kernel_bit_for_bit(dtype: torch.dtype) -> None:
+    cases = [ts.hand_built().to(dtype), ts.random_values(300_001, 3, -140.0, 127.99).to(dtype)]
+    cases += [x for x in ts._shapes(dtype) if x.numel()]
+    for x in cases:
+        want = _c_row(x)
+        assert (_cuda_row(x, "triton") == want).all()
+        assert (_cuda_row(x, "torch") == want).all()
+
+
+def test_side_stream_work_is_ordered() -> None:
+    """Hooks on two streams (FSDP2 gradients on its reduce-scatter stream) write the same rows and scratch."""
+    xs = [ts.random_values(200_000, i, -60.0, 60.0).float().to(DEV) for i in range(6)]
+    side = torch.cuda.Stream()
+    for engine in ("triton", "torch"):
+        buf = StatsBuffer(1, DEV, engine=engine)
+        for i, x in enumerate(xs):
+            if i % 2:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    buf.accumulate(x, 0)
+            else:
+                buf.accumulate(x, 0)
+        ref = StatsBuffer(1, "cpu", engine="c")
+        for x in xs:
+            ref.accumulate(x.cpu(), 0)
+        assert (buf.to_host() == ref.to_host()).all(), engine
+
+
+def test_memory_is_bounded_for_a_large_tensor() -> None:
+    """No tensor size makes precprof's memory grow past the fixed scratch."""
+    x = torch.randn(150_000_000, device=DEV)
+    for engine in ("triton", "torch"):
+        buf = StatsBuffer(1, DEV, engine=engine)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        buf.accumulate(x, 0)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - base < 64 << 20, engine
+        assert buf.scratch_bytes < 64 << 20
+        assert buf.to_host()[0][0] == x.numel()
+
+
+def test_deterministic_mode_no_sync() -> None:
+    x = ts.random_values(100_000, 9, -140.0, 127.99).float().to(DEV)
+    want = _c_row(x)
+    torch.use_deterministic_algorithms(True)
+    try:
+        for engine in ("triton", "torch"):
+            buf = StatsBuffer(1, DEV, engine=engine)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                buf.accumulate(x, 0)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            assert (buf.to_host()[0] == want).all(), engine
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_tensors_on_other_devices_are_read_there() -> None:
+    """A CUDA model with a CPU-offloaded tensor and a meta one: each read on its own device, merged."""
+    buf = StatsBuffer(1, DEV)
+    a = ts.random_values(5000, 1, -30.0, 30.0).float()
+    b = ts.random_values(7000, 2, -30.0, 30.0).float()
+    buf.accumulate(a.to(DEV), 0)
+    buf.accumulate(b, 0)  # on the CPU
+    assert buf.accumulate(torch.empty(3, device="meta"), 0) is False
+    assert set(buf.engines) == {"cuda:0", "cpu"}
+    ref = StatsBuffer(1, "cpu")
+    ref.accumulate(a, 0)
+    ref.accumulate(b, 0)
+    assert (buf.to_host() == ref.to_host()).all()
+    assert (buf.dense().cpu().numpy() == ref.to_host()).all()

@@ -90,4 +90,6 @@ def test_mixed_precision_check() -> None:
 def test_linear_types_are_the_matmuls_fp8_converts() -> None:
     linear = ["Linear", "NonDynamicallyQuantizableLinear", "Float8Linear", "Conv1D"]
     assert all(X.is_linear_type(t) for t in linear)
-    assert not any(X.is_linear_type(t) for t in ["Conv2d", "Bilinear", "Embedding", "LayerNorm", "Conv1DWrapper"])
+    assert not any(
+        X.is_linear_type(t) for t in ["Conv2d", "Bilinear", "Embedding", "LayerNorm", "Conv1DWrapper"]
+    )

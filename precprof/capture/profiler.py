@@ -236,7 +236,11 @@ class Profiler(HookFactories):
                 )
 
         if self.weight_updates and self.optimizer is not None:
-            tracked = [ps for ps in self._params if ps.grad_row is not None]
+            # one concatenated sample on the model's device: parameters elsewhere (``meta``, offloaded) are not
+            # sampled (copying them over would synchronise)
+            tracked = [
+                ps for ps in self._params if ps.grad_row is not None and ps.tensor.device == self._device
+            ]
             self._updates = UpdateSampler(tracked, self.update_sample, self._device)
             self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
             self._handles.append(self.optimizer.register_step_post_hook(self._opt_post_hook))

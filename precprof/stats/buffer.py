@@ -471,13 +471,14 @@ class DeviceRows:
                 torch.gt(a, threshold, out=mask)
             ov[i] = torch.count_nonzero(mask)
         r[lay.overflow : lay.overflow + lay.n_whatif] += ov
-        # smallest nonzero: (bits - 1) & MAX maps 0 to the largest int64 (the "none yet" sentinel); nan/inf
-        # bits exceed every finite one. The row keeps bits - 1, so the sentinel never overflows.
+        # nan -> 0 and inf -> 0 in place (a is scratch): the extremes are of finite values only
+        a.nan_to_num_(nan=0.0, posinf=0.0)
+        # smallest nonzero: (bits - 1) & MAX maps 0 to the largest int64 (the "none yet" sentinel). The row
+        # keeps bits - 1, so the sentinel never overflows.
         torch.sub(bits, 1, out=tmp)
         tmp.bitwise_and_(_NO_MIN_BITS)
         r[lay.absmin_bits] = torch.minimum(r[lay.absmin_bits], tmp.amin())
-        # largest finite: nan -> 0 and inf -> 0 in place (a is scratch), then the max of the bit patterns
-        a.nan_to_num_(nan=0.0, posinf=0.0)
+        # largest finite: the max of the bit patterns
         mx = bits.amax()
         r[lay.absmax_bits] = torch.maximum(r[lay.absmax_bits], mx)
         torch.maximum(call_max, mx.reshape(1), out=call_max)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from precprof.stats.layout import _N_KEYS, _NO_MIN_BITS, EXP_MAX, EXP_MIN, N_BINS, RowLayout
+from precprof.stats.layout import _N_KEYS, _NO_MIN_BITS, EXP_MAX, EXP_MIN, N_BINS, RowLayout, f64_bits
 
 # dtype -> (kind code, the integer dtype of the same width the kernel reads)
 KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
@@ -79,6 +79,8 @@ def _kernels() -> Any:
 
 
 def _define() -> tuple[Any, Any]:
+    # the one precprof import inside a function (tests/test_architecture.py): the kernels' module imports
+    # triton, which takes a second or two, only when the Triton engine runs
     from precprof.stats import triton_kernels
 
     return triton_kernels._pass, triton_kernels._finish
@@ -121,7 +123,9 @@ class TritonRows:
         self.lo64 = torch.tensor(layout.overflow_f64_lo_bits, dtype=torch.int64, device=device)
         self.uf = torch.tensor(layout.underflow_exps, dtype=torch.int64, device=device)
         fp8 = [
-            v for f, j in zip(layout.fp8, layout.fp8_underflow_exps, strict=True) for v in (_bits(f.max), j)
+            v
+            for f, j in zip(layout.fp8, layout.fp8_underflow_exps, strict=True)
+            for v in (f64_bits(f.max), j)
         ]
         self.fp8 = torch.tensor(fp8 or [0, 0], dtype=torch.int64, device=device)
         if max_programs is None:
@@ -196,9 +200,3 @@ class TritonRows:
             HI=1023 + EXP_MAX,
         )
         return True
-
-
-def _bits(value: float) -> int:
-    from precprof.stats.layout import f64_bits
-
-    return f64_bits(value)

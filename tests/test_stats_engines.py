@@ -1,0 +1,340 @@
+"""The statistics engines agree bit for bit, with real casts and with each other: the Triton kernel (run on CPU
+tensors by Triton's interpreter, exactly the code that runs on CUDA), the C kernel, the torch-op path on host
+rows and on device rows (chunked, and in deterministic mode). Also: one row layout derived from the formats
+(a test-only format with a maximum of 6 moves the overflow shortcut), one merge rule, bounded scratch, and
+tensors on other devices or on ``meta``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import kernel_required
+from test_stats import INPUT_DTYPES, _shapes, hand_built, observed, random_values, reference
+
+from precprof import formats, stats
+from precprof.errors import UserError
+from precprof.stats import LAYOUT, RowLayout, StatsBuffer, decode, merge_rows, triton_engine
+from precprof.stats import engine as engine_mod
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+    if kernel_required():  # CI must run the Triton kernel, never skip it (the test extra declares triton)
+        raise
+
+# conftest sets TRITON_INTERPRET=1 on machines without CUDA; with CUDA the GPU tests run the kernels for real
+needs_interpreter = pytest.mark.skipif(
+    not HAVE_TRITON or not triton_engine.interpreting(),
+    reason="needs triton with TRITON_INTERPRET=1 (pip install triton; conftest sets it without CUDA)",
+)
+ENGINES = ("c", "torch-host", "torch-device", "triton")
+
+
+def rows_of(x: torch.Tensor, engine: str, layout: RowLayout = LAYOUT, chunk: int | None = None) -> np.ndarray:
+    if engine == "triton":
+        buf = StatsBuffer(1, "cpu", engine="triton", layout=layout)
+    elif engine == "torch-device":
+        buf = StatsBuffer(1, "cpu", engine="torch", host_rows=False, layout=layout, chunk=chunk)
+    elif engine == "torch-host":
+        buf = StatsBuffer(1, "cpu", engine="torch", layout=layout, chunk=chunk)
+    else:
+        buf = StatsBuffer(1, "cpu", engine="c", layout=layout)
+    buf.accumulate(x, 0)
+    return buf.to_host()[0]
+
+
+def all_engines_agree(x: torch.Tensor, layout: RowLayout = LAYOUT) -> np.ndarray:
+    """The row of ``x`` from every engine; asserts they are identical and returns it."""
+    out = {e: rows_of(x, e, layout) for e in ENGINES}
+    for e in ENGINES[1:]:
+        diff = np.flatnonzero(out[e] != out["c"])
+        assert not len(diff), f"{e} differs from the C kernel in columns {diff.tolist()} for {x.dtype}"
+    return out["c"]
+
+
+# ------------------------------------------------------------------------------------ bit for bit
+@needs_interpreter
+@pytest.mark.parametrize("dtype", list(INPUT_DTYPES.values()), ids=list(INPUT_DTYPES))
+def test_hand_built_values_every_engine_and_real_casts(dtype: torch.dtype) -> None:
+    """Powers of two over fp32's range, subnormals, every format's rounding ties and their neighbours, inf,
+    nan, -0.0: every engine gives the same row, and it decodes to the real-cast reference."""
+    x = hand_built().to(dtype)
+    row = all_engines_agree(x)
+    assert observed(decode(row)) == reference(x)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", list(INPUT_DTYPES.values()), ids=list(INPUT_DTYPES))
+def test_random_odd_sizes_every_engine(dtype: torch.dtype) -> None:
+    for n, seed in ((1, 0), (7, 1), (1023, 2), (1025, 3), (5000, 4)):
+        x = random_values(n, seed, -140.0, 127.99).to(dtype)
+        row = all_engines_agree(x)
+        assert observed(decode(row)) == reference(x)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", list(INPUT_DTYPES.values()), ids=list(INPUT_DTYPES))
+def test_views_empty_and_specials_every_engine(dtype: torch.dtype) -> None:
+    """Empty, 0-dim, transposed, strided, permuted and expanded (stride 0) views, read in place by Triton;
+    all-nan and all-inf tensors."""
+    cases = _shapes(dtype)
+    cases += [torch.full((33,), math.nan).to(dtype), torch.full((9, 2), -math.inf).to(dtype)]
+    cases += [random_values(4 * 5 * 6 * 7, 9, -20.0, 20.0).to(dtype).view(4, 5, 6, 7)[:, ::2, 1:, ::3]]
+    for x in cases:
+        if dtype == torch.float8_e4m3fn and x.numel() and bool(torch.isinf(x.double()).all()):
+            continue  # e4m3fn has no inf
+        row = all_engines_agree(x)
+        assert observed(decode(row)) == reference(x)
+
+
+@needs_interpreter
+def test_fp64_beyond_fp32_range_every_engine() -> None:
+    """fp64 values outside fp32's exponents (and fp64 subnormals) fold into the end bins the same way, and a
+    tiny amax moves the current-scaling bound below fp32's range."""
+    x = torch.tensor(
+        [5e-324, 1e-310, 1e-300, 1e-46, 1e39, 1e300, 1.7e308, -(2.0**-1074), 0.0], dtype=torch.float64
+    )
+    all_engines_agree(x)
+    all_engines_agree(torch.tensor([1e-300, 2e-300, 3e-310], dtype=torch.float64))
+    all_engines_agree(torch.tensor([1e300, 1.5e308, 1.0], dtype=torch.float64))
+
+
+@needs_interpreter
+def test_triton_grid_of_many_programs() -> None:
+    """More blocks than programs: each program loops; the per-program partial sums, maxima and minima merge
+    through the atomics into the same row."""
+    x = random_values(40_000, 11, -140.0, 127.99).float()
+    buf = StatsBuffer(1, "cpu", engine="triton")
+    part = buf.primary
+    assert part is not None and part._triton is not None
+    for programs in (1, 3, 7):
+        part._triton.max_programs = programs
+        buf.reset()
+        buf.accumulate(x, 0)
+        assert (buf.to_host()[0] == rows_of(x, "c")).all()
+
+
+@needs_interpreter
+def test_triton_accumulates_and_assigns_like_the_c_kernel() -> None:
+    a = random_values(300, 1, -30.0, 30.0).bfloat16()
+    b = random_values(200, 2, -140.0, 120.0).float()
+    for engine in ("triton", "c"):
+        buf = StatsBuffer(2, "cpu", engine=engine)
+        buf.accumulate(a, 0)
+        buf.accumulate(b, 0)
+        buf.accumulate(b, 1)
+        buf.accumulate(a, 1, assign=True)
+        got = buf.to_host()
+        if engine == "triton":
+            tri = got
+    assert (tri == got).all()
+    # two calls are two tensors for the fp8 current-scaling counts: the merge of their rows
+    assert (tri[0] == merge_rows(rows_of(a, "c"), rows_of(b, "c"))).all()
+    assert (tri[1] == rows_of(a, "c")).all()
+
+
+# ------------------------------------------------------------------------------------ one layout
+FP4_TEST = replace(
+    formats._make("fp4_test", 2, 1, 6.0, None, label="FP4 (test)", color="#000000"),
+)
+
+
+def test_layout_is_derived_from_the_formats() -> None:
+    lay = LAYOUT
+    assert lay.n_whatif == len(formats.WHATIF_FORMATS) and lay.n_fp8 == len(formats.FP8_FORMATS)
+    assert lay.overflow_shortcut == 256.0  # e4m3's 464 is the smallest threshold
+    assert stats.ROW_WIDTH == lay.width == lay.hist + stats.N_BINS
+    wider = RowLayout((*LAYOUT.whatif, FP4_TEST), LAYOUT.fp8)
+    assert wider.overflow_shortcut == 4.0 and FP4_TEST.overflow_min == 7.0
+    assert wider.width == lay.width + 2  # one overflow and one boundary column more
+    assert wider.overflow_f32_lo_bits[-1] == np.array(7.0, np.float32).view(np.int32)
+    # e4m3 is strict (> 464): its smallest overflowing fp32 is the next one above 464
+    e4m3 = formats.WHATIF_FORMATS.index("fp8_e4m3")
+    assert float(np.array(lay.overflow_f32_lo_bits[e4m3], np.int32).view(np.float32)) == float(
+        np.nextafter(np.float32(464), np.float32(1e9))
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e5m2]
+)
+def test_small_maximum_format_counts_every_overflow(dtype: torch.dtype) -> None:
+    """A format with maximum 6 (threshold 7): values between 7 and 256 overflow it. Every engine counts them,
+    against an independent count, because the shortcut is derived from the thresholds."""
+    lay = RowLayout((*LAYOUT.whatif, FP4_TEST), LAYOUT.fp8)
+    vals = [
+        6.0,
+        6.5,
+        6.99,
+        7.0,
+        7.5,
+        8.0,
+        100.0,
+        255.0,
+        256.0,
+        300.0,
+        math.inf,
+        -9.0,
+        -6.0,
+        0.25,
+        0.125,
+        math.nan,
+    ]
+    x = torch.tensor(vals, dtype=torch.float64).to(dtype)
+    xd = x.double()
+    expected = int(((xd.abs() >= 7.0) & ~torch.isnan(xd)).sum())
+    engines = [e for e in ENGINES if e != "triton" or (HAVE_TRITON and triton_engine.interpreting())]
+    got = {e: rows_of(x, e, lay) for e in engines}
+    for e in engines:
+        assert int(got[e][lay.overflow + lay.n_whatif - 1]) == expected, e
+        # values exactly on the format's underflow boundary (0.25)
+        assert int(got[e][lay.pow2_at + lay.n_whatif - 1]) == int((xd.abs() == 0.25).sum()), e
+        assert (got[e] == got["c"]).all(), e
+    # the standard columns are where the standard layout puts them... after the wider overflow block
+    std = rows_of(x, "c")
+    assert (got["c"][lay.hist :] == std[LAYOUT.hist :]).all()
+
+
+def test_merge_rule_is_one() -> None:
+    a = rows_of(random_values(500, 1, -30.0, 30.0).float(), "c")
+    b = rows_of(random_values(700, 2, -100.0, 100.0).float(), "c")
+    empty = LAYOUT.empty_rows(1).numpy()[0]
+    m = merge_rows(a, b)
+    assert (merge_rows(torch.from_numpy(a), torch.from_numpy(b)).numpy() == m).all()
+    assert (merge_rows(a, empty) == a).all() and (merge_rows(empty, b) == b).all()
+    assert m[LAYOUT.absmax_bits] == max(a[LAYOUT.absmax_bits], b[LAYOUT.absmax_bits])
+    assert m[LAYOUT.absmin_bits] == min(a[LAYOUT.absmin_bits], b[LAYOUT.absmin_bits])
+    ops = LAYOUT.merge_ops
+    assert (ops == stats.MERGE_SUM).sum() == LAYOUT.width - 2
+
+
+def test_c_kernel_rejects_a_layout_it_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="what-if formats"):
+        RowLayout((formats.FP16,) * 17, ())
+
+
+# ------------------------------------------------------------------------------------ memory
+def test_device_scratch_is_bounded_for_a_large_tensor() -> None:
+    """50M values through the torch-op device path: the scratch is a chunk's, under 64 MiB."""
+    x = torch.randn(50_000_000)
+    x[123] = math.inf
+    buf = StatsBuffer(1, "cpu", engine="torch", host_rows=False)
+    buf.accumulate(x, 0)
+    assert buf.scratch_bytes < 64 << 20
+    row = buf.to_host()[0]
+    assert row[LAYOUT.numel] == 50_000_000 and row[LAYOUT.inf] == 1
+
+
+@needs_interpreter
+def test_triton_scratch_is_fixed() -> None:
+    buf = StatsBuffer(1, "cpu", engine="triton")
+    before = buf.scratch_bytes
+    buf.accumulate(torch.randn(300_000), 0)
+    assert buf.scratch_bytes == before < 1 << 20
+
+
+def test_deterministic_mode_counts_the_same_without_index_add() -> None:
+    x = random_values(20_000, 5, -140.0, 127.99).float()
+    plain = rows_of(x, "torch-device", chunk=4096)
+    torch.use_deterministic_algorithms(True)
+    try:
+        det = rows_of(x, "torch-device", chunk=4096)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert (plain == det).all() and (plain == rows_of(x, "c")).all()
+
+
+# ------------------------------------------------------------------------------------ devices
+def test_meta_tensor_is_skipped_and_counted() -> None:
+    buf = StatsBuffer(2, "cpu")
+    assert buf.accumulate(torch.empty(10, device="meta"), 1) is False
+    assert buf.accumulate(torch.ones(3), 0) is True
+    rows = buf.to_host()
+    assert rows[1, LAYOUT.numel] == 0 and rows[0, LAYOUT.numel] == 3
+    assert buf.skipped.tolist() == [0, 1] and buf.skipped_total.tolist() == [0, 1]
+    buf.reset()
+    assert buf.skipped.tolist() == [0, 0] and buf.skipped_total.tolist() == [0, 1]
+
+
+def test_rows_on_a_device_other_than_the_buffers() -> None:
+    """A buffer made for a model whose first parameter is on ``meta`` still reads CPU tensors, on the CPU."""
+    buf = StatsBuffer(1, "meta")
+    assert buf.engines == {}
+    buf.accumulate(torch.tensor([1.0, 2.0, 0.0]), 0)
+    assert buf.engines == {"cpu": engine_mod.resolve_engine(None, torch.device("cpu"))}
+    row = buf.to_host()[0]
+    assert row[LAYOUT.numel] == 3 and row[LAYOUT.zeros] == 1
+
+
+# ------------------------------------------------------------------------------------ engine choice
+def test_engine_choice_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("PRECPROF_STATS_ENGINE", "torch")
+    assert engine_mod.resolve_engine(None, cpu) == "torch"
+    assert StatsBuffer(1, "cpu").engines == {"cpu": "torch"}
+    monkeypatch.setenv("PRECPROF_STATS_ENGINE", "cuda-magic")
+    with pytest.raises(UserError, match="not an engine; use one of auto, triton, c, torch"):
+        engine_mod.resolve_engine(None, cpu)
+    assert "error" in engine_mod.engine_status()
+    monkeypatch.setenv("PRECPROF_STATS_ENGINE", "c")
+    with pytest.raises(UserError, match="CPU only"):
+        engine_mod.resolve_engine(None, torch.device("cuda"))
+    monkeypatch.setenv("PRECPROF_STATS_ENGINE", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(UserError, match="TRITON_INTERPRET=1"):
+        engine_mod.resolve_engine(None, cpu)
+    monkeypatch.setenv("PRECPROF_STATS_ENGINE", "auto")
+    status = engine_mod.engine_status()
+    assert status["requested"] == "auto" and status["cpu"] in ("c", "torch")
+    assert "cuda" in status
+
+
+# ------------------------------------------------------------------------------------ a real model
+class _Split(torch.nn.Module):
+    """The first parameter sits on ``meta`` (an auxiliary head never materialised); the rest trains on CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = torch.nn.Linear(16, 4, device="meta")
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.aux(x.to("meta"))  # runs, holds no data: its tensors are skipped
+        return self.body(x)
+
+
+def test_model_with_a_meta_submodule_trains_and_reports_the_skipped(tmp_path: Path) -> None:
+    import precprof
+
+    torch.manual_seed(0)
+    model = _Split()
+    opt = torch.optim.SGD(model.body.parameters(), lr=0.1)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    losses = []
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for _ in range(3):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            prof.step(loss=loss)
+            losses.append(loss.item())
+    summary = prof.summary()
+    skipped = {(s["module"], s["tensor"], s["param"]) for s in summary["skipped_tensors"]}
+    assert ("aux", "weight", "weight") in skipped and ("aux", "activation", "") in skipped
+    assert all(s["count"] == 3 for s in summary["skipped_tensors"])
+    assert summary["device"] == "cpu" and set(summary["stats_engine"]["used"]) == {"cpu"}
+    layers = prof.tables()["layers"]
+    assert "aux" not in set(layers["module"]) and "body.0" in set(layers["module"])
+    prof.save(tmp_path / "run", render=True)
+    html = (tmp_path / "run" / "report.html").read_text()
+    assert 'id="skipped-tensors"' in html and "<code>aux</code>" in html
+    assert losses[-1] < losses[0]
