@@ -49,3 +49,38 @@ def test_profiled_gpt2_small_step_never_syncs(precision: str) -> None:
     assert set(layers[T.STEP]) == {0, 1}
     lin = layers[(layers[T.MODULE_TYPE] == "Linear") & (layers[T.TENSOR] == T.ACTIVATION)]
     assert set(lin[T.DTYPE]) == {str(dtype).removeprefix("torch.")}
+
+
+def test_attach_before_cuda_and_an_offloaded_layer() -> None:
+    """``attach()`` before ``.cuda()`` and a layer left on the CPU: every tensor is read on its own device
+    (no foreign pointer reaches an engine), and the numbers are the same as an all-CPU run."""
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(64, 64)
+            self.b = torch.nn.Linear(64, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x.to(self.a.weight.device))
+            return self.b(h.to(self.b.weight.device)).cuda()
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1)
+    with prof:
+        model.a.cuda()  # after attach; b stays on the CPU
+        x = torch.randn(16, 64, device="cuda")
+        for _ in range(2):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            prof.step(loss=loss)
+    layers = prof.tables()["layers"]
+    used = prof.summary()["stats_engine"]["used"]
+    assert set(used) == {"cpu", "cuda:0"} and used["cuda:0"] == "triton"
+    w = layers[(layers[T.MODULE] == "a") & (layers[T.TENSOR] == T.WEIGHT)]
+    assert len(w) == 2 and int(w[T.NUMEL].iloc[0]) == 64 * 64
+    assert not prof.summary()["skipped_tensors"]

@@ -356,7 +356,7 @@ def _env(*args: str, capsys: pytest.CaptureFixture[str]) -> str:
 def test_env_says_whether_the_kernel_is_in_use(fresh: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = _env(capsys=capsys)
     assert f"CPU kernel cache: {fresh}" in out
-    assert "CPU statistics engine:" in out
+    assert "statistics engine (PRECPROF_STATS_ENGINE=auto):\n  CPU: " in out
     engine = stats.engine_status()
     assert ("C kernel" in out) == (engine["cpu"] == "c")
     if engine["cpu"] == "c":
@@ -381,7 +381,8 @@ def test_env_says_when_the_kernel_is_disabled(
 ) -> None:
     monkeypatch.setenv("PRECPROF_CPU_KERNEL", "0")
     out = _env(capsys=capsys)
-    assert "CPU statistics engine: torch ops (disabled by PRECPROF_CPU_KERNEL=0)" in out
+    assert "  CPU: torch ops (C kernel: disabled by PRECPROF_CPU_KERNEL=0)" in out
+    assert "  CUDA: " in out
 
 
 @posix_only

@@ -379,7 +379,7 @@ class Profiler(HookFactories):
                     T.COMPONENT: T.PROFILER_BUFFERS,
                     T.MODULE: "",
                     T.DTYPE: "int64",
-                    T.BYTES: self.buffer_bytes,
+                    T.BYTES: self.buffer_bytes + self.scratch_bytes,
                 }
             ]
         )

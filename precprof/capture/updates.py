@@ -57,6 +57,11 @@ class UpdateSampler:
         """Read the samples before the optimizer step."""
         if self.tracked:
             self._before = self._samples()
+            if self._before.device != self.counts.device:
+                # the model moved after attach() (``.cuda()`` after the Profiler): the counts follow, once
+                self.counts = self.counts.to(self._before.device)
+                self._seg = self._seg.to(self._before.device)
+                self._lens = self._lens.to(self._before.device)
 
     @torch.no_grad()
     def after_step(self) -> bool:
