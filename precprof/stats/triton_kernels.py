@@ -158,6 +158,9 @@ def _finish(
     LO: tl.constexpr,
     HI: tl.constexpr,
 ):
+    # Every update of the row is an atomic with the layout's merge rule (add; max for absmax; min for absmin):
+    # Triton replicates small tensors over the program's threads, and a plain load-add-store could then add
+    # twice when one warp reads after another wrote.
     idx = tl.arange(0, 4096)
     keys = tl.load(scratch_ptr + idx)
     field = idx >> 1
@@ -166,21 +169,19 @@ def _finish(
     ov = tl.load(scratch_ptr + 4096 + fmt, mask=wmask, other=0)
     amax = tl.load(scratch_ptr + 4112)
     amin = tl.load(scratch_ptr + 4113)
-    zeros = tl.sum(tl.where(idx == 1, keys, 0), axis=0)
-    tl.store(row_ptr + C_NUMEL, tl.load(row_ptr + C_NUMEL) + n)
-    tl.store(row_ptr + C_ZEROS, tl.load(row_ptr + C_ZEROS) + zeros)
-    tl.store(row_ptr + C_NAN, tl.load(row_ptr + C_NAN) + tl.sum(tl.where(idx == 4094, keys, 0), axis=0))
-    tl.store(row_ptr + C_INF, tl.load(row_ptr + C_INF) + tl.sum(tl.where(idx == 4095, keys, 0), axis=0))
-    tl.store(row_ptr + C_OV + fmt, tl.load(row_ptr + C_OV + fmt, mask=wmask) + ov, mask=wmask)
+    zeros = tl.load(scratch_ptr + 1)
+    tl.atomic_add(row_ptr + C_NUMEL, n.to(tl.int64))
+    tl.atomic_add(row_ptr + C_ZEROS, zeros)
+    tl.atomic_add(row_ptr + C_NAN, tl.load(scratch_ptr + 4094))
+    tl.atomic_add(row_ptr + C_INF, tl.load(scratch_ptr + 4095))
+    tl.atomic_add(row_ptr + C_OV + fmt, ov, mask=wmask)
     # values exactly on each format's underflow boundary 2^j: key 2 * (j + 1023) + 1
     uf = tl.load(uf_ptr + fmt, mask=wmask, other=0).to(tl.int64)
-    at = tl.sum(tl.where(idx[None, :] == (2 * (uf + 1023) + 1)[:, None], keys[None, :], 0), axis=1)
-    tl.store(row_ptr + C_POW2 + fmt, tl.load(row_ptr + C_POW2 + fmt, mask=wmask) + at, mask=wmask)
-    tl.store(row_ptr + C_MX, tl.maximum(tl.load(row_ptr + C_MX), amax))
-    tl.store(
-        row_ptr + C_MN,
-        tl.minimum(tl.load(row_ptr + C_MN), tl.where(amin == 0x7FFFFFFFFFFFFFFF, amin, amin - 1)),
+    tl.atomic_add(
+        row_ptr + C_POW2 + fmt, tl.load(scratch_ptr + 2 * (uf + 1023) + 1, mask=wmask, other=0), mask=wmask
     )
+    tl.atomic_max(row_ptr + C_MX, amax)
+    tl.atomic_min(row_ptr + C_MN, tl.where(amin == 0x7FFFFFFFFFFFFFFF, amin, amin - 1))
     # fp8 current scaling of this call: k = floor(log2(fmax / amax)) from the exponents and mantissas of
     # fmax and amax; x * 2^k underflows iff |x| <= 2^(j - k): the finite nonzero keys up to that bound
     if NF > 0:
@@ -192,10 +193,11 @@ def _finish(
         f = fj - k + 1023
         fc = tl.minimum(f, 2047)
         below = tl.sum(tl.where(idx[None, :] < (2 * fc)[:, None], keys[None, :], 0), axis=1) - zeros
-        on = tl.sum(tl.where(idx[None, :] == (2 * f + 1)[:, None], keys[None, :], 0), axis=1)
-        cs = tl.where(f <= 0, 0, below + tl.where(f < 2047, on, 0))
+        inside = fmask & (f > 0) & (f < 2047)
+        on = tl.load(scratch_ptr + 2 * f + 1, mask=inside, other=0)
+        cs = tl.where(f <= 0, 0, below + on)
         cs = tl.where(amax > 0, cs, 0)
-        tl.store(row_ptr + C_CS + f8, tl.load(row_ptr + C_CS + f8, mask=fmask) + cs, mask=fmask)
+        tl.atomic_add(row_ptr + C_CS + f8, cs, mask=fmask)
     # the exponent histogram: fp64 exponent fields LO..HI; below LO (and fp64 subnormals) folds into the
     # first bin, above HI into the last
     b = tl.arange(0, 512)
@@ -206,8 +208,9 @@ def _finish(
     low = tl.sum(tl.where(field < LO, keys, 0), axis=0) - zeros
     high = tl.sum(tl.where((field > HI) & (field < 2047), keys, 0), axis=0)
     in_bin += tl.where(b == 0, low, 0) + tl.where(b == NBINS - 1, high, 0)
-    tl.store(row_ptr + C_HIST + b, tl.load(row_ptr + C_HIST + b, mask=bmask) + in_bin, mask=bmask)
-    # ready for the next call
+    tl.atomic_add(row_ptr + C_HIST + b, in_bin, mask=bmask & (in_bin != 0))
+    # ready for the next call, once every thread of the program has read the scratch
+    tl.debug_barrier()
     tl.store(scratch_ptr + idx, tl.zeros([4096], dtype=tl.int64))
     tl.store(scratch_ptr + 4096 + tl.arange(0, 16), tl.zeros([16], dtype=tl.int64))
     tl.store(scratch_ptr + 4112, 0)
