@@ -18,6 +18,7 @@ from scenarios import (
     backward_nan,
     benign,
     huge_activations,
+    lost_updates,
     nan_injection,
     summed_loss,
     tiny_gradients,
@@ -273,3 +274,25 @@ def test_recommend_takes_a_profiler() -> None:
     # the Profiler's module shapes reach the alignment rule: head is Linear(64, 8), fc1 Linear(16, 64)
     assert rec.finding("tensor_core_alignment") is None
     assert precprof.recommend(prof, hardware="a100").format == "bf16"
+
+
+def test_g_lost_updates_in_bf16_weights_are_counted_and_critical() -> None:
+    """A pure-bf16 loop at lr 1e-5: the updates that did not land are counted exactly (against independent
+    hooks over every element), the finding is critical and names the cause; the same loop with fp32 weights
+    moves them and gets only the what-if."""
+    pure, truth = lost_updates.run(torch.bfloat16, lr=1e-5)
+    assert truth.stuck > 0.9 * truth.intended  # almost nothing landed (only weights near zero move)
+    wu = pure.tables["layers"]
+    wu = wu[wu[T.TENSOR] == T.WEIGHT_UPDATE]
+    assert int(wu[T.LOST_UPDATE_BF16].sum()) == truth.stuck
+    assert int((wu[T.NUMEL] - wu[T.ZEROS]).sum()) == truth.intended > 0
+    found = {f.code: f for f in pure.recommend().findings}
+    lost = found["bf16_lost_updates"]
+    assert lost.severity == "critical" and lost.numbers["share"] == truth.stuck / truth.intended
+    assert lost.numbers["lost"] == truth.stuck and "left their bf16 weight unchanged" in lost.message
+
+    master, truth32 = lost_updates.run(torch.float32, lr=1e-5)
+    assert truth32.moved_any and truth32.stuck < 1e-3 * truth32.intended
+    found32 = {f.code: f for f in master.recommend().findings}
+    assert found32["bf16_lost_updates"].severity == "info"
+    assert found32["bf16_lost_updates"].numbers["share"] > 0.5  # what bf16 weights would have lost

@@ -1,10 +1,21 @@
-"""Weight-update samples: what the optimizer changed in a strided sample of each parameter, and how much of it
-a weight held in bf16 or fp16 would have lost.
+"""Weight-update samples: what the optimizer meant to change in a strided sample of each parameter, what
+landed, and how much a weight held in bf16 or fp16 loses.
 
-On a sampled step the samples are read before ``optimizer.step()`` (its pre-hook) and after it (its
-post-hook), all parameters in one concatenated fp32 tensor. Per sampled element the delta is classified
-without a sync: zero update, lost in bf16 (the weight held in bf16, plus the same delta in fp32, rounds back to
-itself), lost in fp16; the counts go into a small int64 buffer with one ``index_add_``.
+On a sampled step the samples (and their gradients) are read before ``optimizer.step()`` (its pre-hook) and
+the samples again after it (its post-hook), all parameters in one concatenated fp32 tensor. An element's
+update was *intended* when its gradient is nonzero or its weight moved (weight decay, momentum); it *landed*
+when the weight moved. Per sampled element, without a sync:
+
+- no update: nothing intended and nothing moved (the ``zeros`` column);
+- lost in bf16: an update that landed in an fp32 weight but would round away in bf16 (the weight held in
+  bf16, plus the same delta, rounds back to itself), or an intended update that did not land at all: in a
+  ``bf16-pure`` run that is the update bf16 really lost (a lost update arrives as a zero delta, so counting
+  zero deltas as "no update" would hide every one of them);
+- lost in fp16: the same for fp16 (an intended update that did not land in a bf16 weight says nothing about
+  fp16, which is finer, so it counts only for fp32 and fp16 weights).
+
+The counts go into a small int64 buffer with one ``index_add_``. The gradient is a lower bound of intent: an
+element with a zero gradient whose momentum update did not land is not seen.
 """
 
 from __future__ import annotations
@@ -34,6 +45,11 @@ class UpdateSampler:
         self._seg = torch.repeat_interleave(torch.arange(len(tracked)), lens).to(device)  # parameter of each
         self._lens = lens.to(device)
         self._before: torch.Tensor | None = None
+        self._intended: torch.Tensor | None = None
+        # per sampled element: whether its weight is held in bf16 (a stuck update then says nothing of fp16)
+        self._held_bf16 = torch.repeat_interleave(
+            torch.tensor([ps.tensor.dtype == torch.bfloat16 for ps in tracked], dtype=torch.bool), lens
+        ).to(device)
 
     @property
     def nbytes(self) -> int:
@@ -53,6 +69,17 @@ class UpdateSampler:
             ]
         )
 
+    def _grad_nonzero(self, like: torch.Tensor) -> torch.Tensor:
+        """Per sampled element, whether its gradient is nonzero (False where a parameter has no gradient)."""
+        parts = []
+        for ps in self.tracked:
+            g = ps.tensor.grad
+            if g is None:
+                parts.append(torch.zeros(ps.sample_len, dtype=torch.bool, device=like.device))
+            else:
+                parts.append(_local(g.detach()).reshape(-1)[:: ps.sample_stride][: ps.sample_len] != 0)
+        return torch.cat(parts)
+
     def before_step(self) -> None:
         """Read the samples before the optimizer step."""
         if self.tracked:
@@ -62,20 +89,25 @@ class UpdateSampler:
                 self.counts = self.counts.to(self._before.device)
                 self._seg = self._seg.to(self._before.device)
                 self._lens = self._lens.to(self._before.device)
+                self._held_bf16 = self._held_bf16.to(self._before.device)
+            self._intended = self._grad_nonzero(self._before)
 
     @torch.no_grad()
     def after_step(self) -> bool:
         """Classify the updates of the step just taken; False when ``before_step`` did not run."""
         before, self._before = self._before, None
-        if before is None:
+        intended, self._intended = self._intended, None
+        if before is None or intended is None:
             return False
         delta = self._samples() - before
         nonzero = delta != 0
+        stuck = intended & ~nonzero  # meant to move, did not
         flags = torch.empty((len(before), 3), dtype=torch.int64, device=before.device)
-        flags[:, 0] = ~nonzero
+        flags[:, 0] = ~(nonzero | intended)
         for col, dtype in ((1, torch.bfloat16), (2, torch.float16)):
             held = before.to(dtype)
-            flags[:, col] = ((held.float() + delta).to(dtype) == held) & nonzero
+            landed_but_lost = ((held.float() + delta).to(dtype) == held) & nonzero
+            flags[:, col] = landed_but_lost | (stuck if dtype == torch.bfloat16 else stuck & ~self._held_bf16)
         self.counts[:, 0] += self._lens
         self.counts[:, 1:].index_add_(0, self._seg, flags)
         return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from precprof import formats
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import (
     _dtype_has,
@@ -43,7 +44,9 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         by_share = (by[col] / by["_nz"]).sort_values(ascending=False)
         worst = run.sort(by_share[by_share > cfg.lost_update_warn].index[: cfg.max_listed_modules])
         resolution = "2^-8" if fmt == "bf16" else "2^-11"
-        is_pure = run.precision == pure
+        # a pure run: asked for by name, or (the user's own loop) its weights are held in the format
+        held = formats.get(fmt).dtype_name
+        is_pure = run.precision == pure or bool((rows[T.DTYPE] == held).mean() > 0.5)
         # With fp32 master weights (autocast, fp32) this is a what-if: it only hurts a run that holds its
         # weights in the format, and it is the reason to keep fp32 master weights.
         if share > cfg.lost_update_warn and is_pure:
@@ -57,10 +60,16 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                 f"{fmt}_lost_updates",
                 severity,
                 f"{_pct(share)} of weight updates vanish with {fmt} master weights",
-                f"On sampled steps, {int(lost)} of {int(nz)} nonzero weight-update elements ({_pct(share)}) are "
-                f"smaller than half a {fmt} ulp of their weight (relative resolution {resolution}) and would be "
-                f"lost if the weights were held in {fmt}"
-                + (f" — as they are in this {pure} run" if is_pure else "")
+                (
+                    f"On sampled steps, {int(lost)} of {int(nz)} intended weight-update elements ({_pct(share)}; "
+                    f"a nonzero gradient or a moved weight) left their {fmt} weight unchanged: the update is "
+                    f"smaller than half a {fmt} ulp of the weight (relative resolution {resolution}) and this "
+                    f"{pure} run holds its weights in {fmt}"
+                    if is_pure
+                    else f"On sampled steps, {int(lost)} of {int(nz)} intended weight-update elements "
+                    f"({_pct(share)}) are smaller than half a {fmt} ulp of their weight (relative resolution "
+                    f"{resolution}) and would be lost if the weights were held in {fmt}"
+                )
                 + (
                     "; worst: "
                     + ", ".join(
