@@ -14,10 +14,27 @@ What the callback does:
 - ``on_train_begin``: attaches a ``precprof.Profiler`` to the Trainer's model, its optimizer (the torch optimizer
   inside accelerate's ``AcceleratedOptimizer``, whose hook registry the Profiler needs) and accelerate's
   GradScaler (``AcceleratedOptimizer.scaler``, the one ``trainer.accelerator.scaler`` holds), starting at
-  ``state.global_step``. A forward hook on the model keeps the loss the model returns (``outputs.loss``, as a
-  device tensor: no sync) and the token count of ``input_ids``, averaged over the micro-batches of a step;
-- ``on_step_end`` (once per optimizer step, after gradient accumulation): ``Profiler.step(loss, tokens)``;
+  ``state.global_step``. A forward hook on the model counts the tokens (``input_ids``) of the micro-batches;
+- ``on_step_end`` (once per optimizer step, after gradient accumulation): ``Profiler.step(loss, grad_norm,
+  tokens)`` with the loss and the gradient norm the Trainer logs for that step (see "Loss" below);
 - ``on_train_end``: writes the run directory and report.html.
+
+Loss and gradient norm: the Trainer logs, per optimizer step, the sum of what ``Trainer.training_step`` returned
+for the micro-batches of the step, and that return value has changed meaning across versions. transformers < 4.46
+returns the micro-batch's mean loss / ``gradient_accumulation_steps``; 4.46+ passes ``num_items_in_batch`` (the
+label count of the whole accumulation window) to a model whose forward takes loss kwargs (``**kwargs``, e.g.
+GPT-2 in 5.x), whose ``outputs.loss`` is then already normalised over the window and returned as is; otherwise
+(4.5x and 5.x) the micro-batch mean / the window's micro-batch count, a shorter window when an epoch ends
+mid-window included; ``compute_loss_func``, label smoothing, ``loss_is_scaled_for_ga`` (5.x) and subclasses
+change it again. So the callback does not re-derive the rule: it records the Trainer's own numbers, summing the
+return values of ``training_step`` over the step (as the Trainer does) and keeping the value of the
+``accelerator.clip_grad_norm_`` call the Trainer made for the step (its ``grad_norm``: with ``max_grad_norm`` > 0,
+and in 5.x always). Callbacks are not handed the trainer: it is ``self.trainer`` under ``profile_trainer``, else the
+``Trainer`` whose ``train()`` called ``on_train_begin`` (found on the call stack); both taps are removed when the run
+ends. Differences left: a NaN/inf step loss is recorded as such (the Trainer, with ``logging_nan_inf_filter``, logs
+the running average instead) and 4.x rounds its log to 4 decimals. Without a trainer (callbacks driven by another
+loop) the loss comes from the model's ``outputs.loss`` by the 4.5x/5.x rule: summed over the step's micro-batches
+when they were given ``num_items_in_batch`` (already window-normalised), else their mean; no gradient norm.
 
 Crashes: ``TrainerCallback`` has no exception hook. ``profile_trainer(trainer, ...)`` wraps ``trainer.train()``
 in try/except and writes the run as "incomplete" with the exception before re-raising it — the reliable way.
@@ -36,6 +53,9 @@ Under torch.distributed (``torchrun``/``accelerate launch``) the Profiler reduce
 
 from __future__ import annotations
 
+import functools
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +84,30 @@ def requested_precision(args: Any) -> str:
     return "fp32"
 
 
+def _calling_trainer() -> Any:
+    """The ``transformers.Trainer`` up the call stack (whose ``train()`` is running the callbacks), or None.
+
+    ``TrainerCallback`` events are given the model and the optimizer but not the trainer; the events are always
+    called from the trainer's own methods (``CallbackHandler.call_event`` a few frames down), where it is ``self``.
+    """
+    try:
+        from transformers import Trainer
+    except ImportError:  # pragma: no cover - transformers is imported above
+        return None
+    frame = sys._getframe(1)
+    try:
+        for _ in range(32):
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Trainer):
+                return owner
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
 def _unwrap_optimizer(optimizer: Any) -> tuple[Any, Any]:
     """(torch optimizer, GradScaler or None) from what the Trainer hands callbacks (an AcceleratedOptimizer)."""
     scaler = getattr(optimizer, "scaler", None)
@@ -77,6 +121,9 @@ def _unwrap_optimizer(optimizer: Any) -> tuple[Any, Any]:
     if not isinstance(inner, torch.optim.Optimizer):
         inner = None  # an optimizer precprof cannot hook (DeepSpeed's): no weight_update rows
     return inner, scaler
+
+
+_MISSING = object()
 
 
 class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
@@ -105,7 +152,13 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
         self.trainer: Any = None  # set by profile_trainer: gives the wrapped model and the accelerator
         self._session: Session | None = None
         self._hook: Any = None
-        self._loss_sum: torch.Tensor | None = None
+        # taps on the Trainer: (object, attribute, the instance attribute it replaced or _MISSING, the wrapper)
+        self._taps: list[tuple[Any, str, Any, Any]] = []
+        self._tapped = False  # the Trainer's loss (and grad norm) are captured: the model's loss is not used
+        self._step_loss: torch.Tensor | None = None  # sum of training_step's returns over the step
+        self._step_grad_norm: Any = None  # the Trainer's last accelerator.clip_grad_norm_ of the step
+        self._loss_sum: torch.Tensor | None = None  # without taps: the model's outputs.loss, summed
+        self._window_normalised = False  # without taps: the model was given num_items_in_batch
         self._micro_batches = 0
         self._tokens = 0
 
@@ -135,15 +188,66 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
             and isinstance(output[0], torch.Tensor)
         ):
             loss = output[0] if output[0].dim() == 0 else None
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not self._tapped:
             d = loss.detach().float().reshape(())
             self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
+            if kwargs and kwargs.get("num_items_in_batch") is not None:
+                self._window_normalised = True
         self._micro_batches += 1
         n = first_token_count(kwargs) if kwargs else None
         if n is None and args:
             n = first_token_count(args[0])
         self._tokens += n or 0
         return None
+
+    # ------------------------------------------------------------------------------------ taps on the Trainer
+    def _on_training_step(self, loss: Any) -> None:
+        """One micro-batch's ``training_step`` return: what the Trainer adds to the loss it logs."""
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            # float32 and the Trainer's order of addition: the same sum as its tr_loss accumulator
+            d = loss.detach().to(torch.float32).reshape(())
+            self._step_loss = d if self._step_loss is None else self._step_loss + d
+
+    def _on_grad_norm(self, norm: Any) -> None:
+        self._step_grad_norm = norm
+
+    def _tap(self, obj: Any, name: str, record: Callable[[Any], None]) -> None:
+        """Wrap ``obj.name`` (a method) with an instance attribute that hands its return value to ``record``."""
+        original = getattr(obj, name, None)
+        if not callable(original):
+            return
+
+        @functools.wraps(original)
+        def tapped(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            record(result)
+            return result
+
+        previous = vars(obj).get(name, _MISSING) if hasattr(obj, "__dict__") else _MISSING
+        try:
+            setattr(obj, name, tapped)
+        except (AttributeError, TypeError):
+            return
+        self._taps.append((obj, name, previous, tapped))
+
+    def _tap_trainer(self, trainer: Any) -> None:
+        self._untap()
+        self._tap(trainer, "training_step", self._on_training_step)
+        self._tapped = bool(self._taps)
+        accelerator = getattr(trainer, "accelerator", None)
+        if accelerator is not None:
+            self._tap(accelerator, "clip_grad_norm_", self._on_grad_norm)
+
+    def _untap(self) -> None:
+        for obj, name, previous, tapped in reversed(self._taps):
+            if vars(obj).get(name) is not tapped:
+                continue  # wrapped again by someone else since: leave theirs in place
+            if previous is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, previous)
+        self._taps = []
+        self._tapped = False
 
     # ------------------------------------------------------------------------------------ events
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -198,20 +302,27 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
             wrapped=wrapped if wrapped is not model else None,
         )
         self._reset_step()
+        self._tap_trainer(trainer if trainer is not None else _calling_trainer())
         self._hook = model.register_forward_hook(self._forward_hook, with_kwargs=True)
 
     def _reset_step(self) -> None:
+        self._step_loss = None
+        self._step_grad_norm = None
         self._loss_sum = None
+        self._window_normalised = False
         self._micro_batches = 0
         self._tokens = 0
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._session is None or not self._session.active:
             return
-        loss = None
-        if self._loss_sum is not None and self._micro_batches:
-            loss = self._loss_sum / self._micro_batches  # the mean over micro-batches, as the Trainer logs it
-        self._session.step(loss=loss, tokens=self._tokens or None)
+        loss = self._step_loss
+        if not self._tapped and self._loss_sum is not None and self._micro_batches:
+            # no trainer to read: the rule of transformers 4.5x/5.x. A model given num_items_in_batch divided its
+            # loss by the label count of the whole window: the step's loss is the sum; else each loss is its
+            # micro-batch's mean and the step's loss their mean (over the micro-batches this window really had)
+            loss = self._loss_sum if self._window_normalised else self._loss_sum / self._micro_batches
+        self._session.step(loss=loss, grad_norm=self._step_grad_norm, tokens=self._tokens or None)
         self._reset_step()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -219,6 +330,7 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
 
     def finish(self, status: str = T.STATUS_COMPLETE, reason: str | None = None) -> Path | None:
         """End the run: remove the hooks and write the run directory and the report."""
+        self._untap()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
