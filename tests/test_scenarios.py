@@ -296,3 +296,40 @@ def test_g_lost_updates_in_bf16_weights_are_counted_and_critical() -> None:
     found32 = {f.code: f for f in master.recommend().findings}
     assert found32["bf16_lost_updates"].severity == "info"
     assert found32["bf16_lost_updates"].numbers["share"] > 0.5  # what bf16 weights would have lost
+
+
+def test_h_unscaled_fp16_that_flushes_its_gradients_is_warned(tmp_path: Path) -> None:
+    """fp16 without loss scaling on a model whose gradients are 2^-20 of the usual (tests/compare_models.py):
+    they flush to zero, training stalls, and the counts at scale 1 see nothing (a flushed value is a zero).
+    The advisor warns from the evidence (the zeros, the smallest nonzero value among fp16's subnormals, the
+    loss not moving) and recommends the scale that the fp16:advised run of test_compare trains with."""
+    from precprof.training import TrainConfig, train
+
+    cfg = TrainConfig(
+        model=str(Path(__file__).parent / "compare_models.py") + ":tiny_gradient_lm",
+        precision="fp16",
+        loss_scale="none",
+        optimizer="sgd",
+        lr=2e5,
+        steps=20,
+        batch_size=4,
+        seq_len=16,
+        sample_every=5,
+        progress=False,
+        report=False,
+        out=tmp_path / "run",
+    )
+    train(cfg)
+    rec = T.read_summary(tmp_path / "run")[T.SUMMARY_RECOMMENDATION]
+    found = {f["code"]: f for f in rec["findings"]}
+    under = found["fp16_gradient_underflow"]
+    assert under["severity"] == "warning" and under["title"].startswith("fp16 gradients flushed to zero")
+    nums = under["numbers"]
+    assert nums["fp16_flushed"] and nums["fp16_zero_share"] > 0.5
+    assert 0 < nums["fp16_smallest_nonzero"] < 2.0**-14
+    assert abs(nums["loss_change"]) < 0.02
+    # the independent check: the same tensors' zeros in the layers table
+    layers = T.read_tables(tmp_path / "run")["layers"]
+    ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & (layers[T.DTYPE] == "float16")]
+    assert nums["fp16_zero_share"] == ag[T.ZEROS].sum() / ag[T.NUMEL].sum()
+    assert f"GradScaler(init_scale={int(rec['fp16_loss_scale'])})" in under["remedy"]

@@ -24,6 +24,11 @@ class AdvisorConfig:
     # Activation-gradient underflow in fp16: at or below ``fp16_underflow_ok`` it is negligible (the target of
     # the loss-scale rule); above ``fp16_underflow_block`` even at the recommended scale, fp16 is not advised.
     fp16_underflow_ok: float = 0.01
+    # fp16 gradients flushed already (an unscaled fp16 run): at least this share of the fp16 activation-gradient
+    # values are exact zeros while the smallest nonzero one sits in fp16's subnormals (the distribution runs into
+    # the floor), and the loss moved less than ``stalled_loss_change`` (relative) over the run
+    fp16_flushed_zero_share: float = 0.2
+    stalled_loss_change: float = 0.02
     fp16_underflow_block: float = 0.10
     # ...unless the values still lost at the recommended scale are negligible: in every module they carry at
     # most this share of the activation gradient's L2 norm (a layer whose gradients are all tiny is lost

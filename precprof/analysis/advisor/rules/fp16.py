@@ -269,6 +269,30 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         + (f"; {int(over_k)} values would overflow at that scale" if over_k else "")
         + "."
     )
+    # Already flushed: in an fp16 tensor at scale 1, a value that underflowed is a zero. Many zeros, with the
+    # smallest nonzero value among fp16's subnormals (the distribution runs into the floor), is the evidence.
+    unscaled16 = is16[is16[T.SCALE].fillna(1.0) == 1.0] if not is16.empty else is16
+    floor16 = float(unscaled16[T.ABSMIN].min()) if not unscaled16.empty else math.nan
+    flushed = (
+        zero16 is not None
+        and zero16 > cfg.fp16_flushed_zero_share
+        and not unscaled16.empty
+        and 0 < floor16 < FP16.smallest_normal
+    )
+    loss_change = _loss_change(run)
+    if flushed:
+        msg += (
+            f" This fp16 run trained without loss scaling: {_pct(zero16)} of its fp16 activation-gradient values "
+            f"are exact zeros and the smallest nonzero one is {floor16:.3g}, among fp16's subnormals (below "
+            f"2^-14): the gradients run into fp16's floor and what lies below it was flushed to zero (a value that "
+            "underflowed is a zero, so the counts above cannot see it)"
+            + (
+                f"; the loss changed by {_pct(abs(loss_change))} over the run"
+                if loss_change is not None
+                else ""
+            )
+            + "."
+        )
     if (atk or 0) > cfg.fp16_underflow_ok and norm_k is not None and norm_mod is not None:
         msg += (
             f" The values still lost at {_pow2(k)} (all below 2^{_log2i(FP16.underflow_max) - k}) carry at most "
@@ -292,6 +316,12 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     elif atk is not None and atk > cfg.fp16_underflow_ok and residual_matters:
         severity = WARNING
         remedy = f"Start GradScaler at {_scale(k)}, and consider bf16: {_pct(atk)} still underflows there."
+    elif flushed:
+        severity = WARNING
+        remedy = (
+            f"Scale the loss: GradScaler(init_scale={_scale(k)}), the largest scale the measured gradients allow, "
+            "lifts them off fp16's floor; or train in bf16."
+        )
     elif (at1 or 0) > cfg.fp16_underflow_ok or (now or 0) > cfg.fp16_underflow_ok:
         severity = WARNING
         remedy = f"Scale the loss: GradScaler(init_scale={_scale(k)}) brings the underflow to {_pct(atk)}" + (
@@ -310,7 +340,9 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         Finding(
             "fp16_gradient_underflow",
             severity,
-            f"fp16 gradient underflow: {_pct(at1)} at scale 1, {_pct(atk)} at {_pow2(k)}",
+            f"fp16 gradients flushed to zero: {_pct(zero16)} zeros at scale 1"
+            if flushed
+            else f"fp16 gradient underflow: {_pct(at1)} at scale 1, {_pct(atk)} at {_pow2(k)}",
             msg,
             remedy,
             modules=worst,
@@ -324,6 +356,9 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
                 "boundary_values_at_recommended": int(boundary_k),
                 "overflow_at_recommended": int(over_k),
                 "fp16_zero_share": zero16,
+                "fp16_flushed": flushed,
+                "fp16_smallest_nonzero": floor16 if flushed else None,
+                "loss_change": loss_change,
                 "weight_grad_share_at_recommended": wg_share,
                 "max_module_norm_share_at_recommended": norm_k,
                 "max_norm_share_module": norm_mod,
@@ -356,3 +391,11 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
             numbers={"values": n, "steps": len(steps), "max_scale": max(scales)},
         )
     )
+
+
+def _loss_change(run: _Run) -> float | None:
+    """The relative change of the loss from the first to the last recorded step (None with fewer than two)."""
+    loss = run.steps[T.LOSS].dropna() if T.LOSS in run.steps else None
+    if loss is None or len(loss) < 2 or not loss.iloc[0]:
+        return None
+    return float((loss.iloc[-1] - loss.iloc[0]) / abs(loss.iloc[0]))
