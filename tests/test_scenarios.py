@@ -20,11 +20,13 @@ from scenarios import (
     huge_activations,
     lost_updates,
     nan_injection,
+    own_loop,
     summed_loss,
     tiny_gradients,
 )
 from scenarios.loop import regression_batches
 
+import precprof
 from precprof import tables as T
 from precprof.analysis.advisor import CRITICAL
 from precprof.hardware import HardwareInfo
@@ -333,3 +335,39 @@ def test_h_unscaled_fp16_that_flushes_its_gradients_is_warned(tmp_path: Path) ->
     ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & (layers[T.DTYPE] == "float16")]
     assert nums["fp16_zero_share"] == ag[T.ZEROS].sum() / ag[T.NUMEL].sum()
     assert f"GradScaler(init_scale={int(rec['fp16_loss_scale'])})" in under["remedy"]
+
+
+def test_i_gradscaler_without_autocast_is_mixed_precision_inactive() -> None:
+    """A user's loop with an enabled GradScaler and no autocast: fp16 was asked for and never ran."""
+    run = own_loop.scaler_loop(autocast=False)
+    found = {f.code: f for f in run.recommend().findings}
+    f = found["mixed_precision_inactive"]
+    assert f.severity == CRITICAL and "implied by the enabled GradScaler" in f.message
+    with_autocast = own_loop.scaler_loop(autocast=True)
+    assert "mixed_precision_inactive" not in {f.code for f in with_autocast.recommend().findings}
+
+
+def test_j_clipping_before_unscale_is_found() -> None:
+    """The norm measured before ``scaler.unscale_`` is 2^12 times the true one; measured after, it is not."""
+    bad = own_loop.scaler_loop(autocast=False, clip=True, unscale_first=False)
+    f = {f.code: f for f in bad.recommend().findings}["grad_norm_scaled"]
+    assert f.numbers["scaled_steps"] == f.numbers["steps"] == 4 and f.numbers["loss_scale"] == 2.0**12
+    assert 2.0**12 <= f.numbers["median_ratio"] < 2.0**13  # the histogram's lower edge: within [1, 2) x scale
+    good = own_loop.scaler_loop(autocast=False, clip=True, unscale_first=True)
+    assert "grad_norm_scaled" not in {f.code for f in good.recommend().findings}
+
+
+def test_k_manual_static_loss_scale_is_read_at_its_scale() -> None:
+    """(loss * 1024).backward() with the gradients divided after, declared as Profiler(loss_scale=1024):
+    the gradient histograms are the unscaled run's, bin for bin, and the steps record the scale."""
+    plain = own_loop.manual_scaling(None)
+    scaled = own_loop.manual_scaling(1024.0)
+    assert plain.losses == scaled.losses
+    h0, h1 = plain.tables["histograms"], scaled.tables["histograms"]
+    grads = [T.ACTIVATION_GRAD, T.WEIGHT_GRAD]
+    a = h0[h0[T.TENSOR].isin(grads)].reset_index(drop=True)
+    b = h1[h1[T.TENSOR].isin(grads)].reset_index(drop=True)
+    assert len(a) and a.equals(b)
+    assert set(scaled.tables["steps"][T.LOSS_SCALE]) == {1024.0}
+    with pytest.raises(ValueError, match="with a GradScaler leave it out"):
+        precprof.Profiler(torch.nn.Linear(2, 2), scaler=torch.amp.GradScaler("cpu"), loss_scale=8.0)

@@ -78,6 +78,9 @@ class Profiler(HookFactories):
         reducer: how statistics combine across ranks. ``"auto"``: under an initialised torch.distributed
             process group of more than one rank, ``precprof.capture.reducer.RankReducer`` (counts and histograms
             summed, absmax/absmin reduced, rank 0 writes); None: this process only.
+        loss_scale: a manual static loss scale, for loops that scale by hand (``(loss * 1024).backward()``,
+            then divide the gradients): gradients are read at that scale and stored unscaled, as with a
+            GradScaler. Not with ``scaler``.
 
     Call ``step()`` once per optimizer step, at its end. Statistics of a tied parameter (one Parameter owned
     by two modules, e.g. tied embeddings) are recorded under the first module that owns it.
@@ -97,9 +100,17 @@ class Profiler(HookFactories):
         chunk: int | None = None,
         first_step: int = 0,
         reducer: Any = "auto",
+        loss_scale: float | None = None,
     ) -> None:
         if sample_every < 0:
             raise ValueError("sample_every must be >= 0 (0 records steps only)")
+        if loss_scale is not None:
+            if scaler is not None:
+                raise ValueError(
+                    "loss_scale declares a manual static loss scale; with a GradScaler leave it out"
+                )
+            if not (math.isfinite(loss_scale) and loss_scale > 0):
+                raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}")
         self.model = model
         # wrappers such as accelerate's AcceleratedOptimizer hold the real optimizer, whose hooks fire
         while optimizer is not None and not hasattr(optimizer, "_optimizer_step_pre_hooks"):
@@ -109,6 +120,9 @@ class Profiler(HookFactories):
             optimizer = inner
         self.optimizer = optimizer
         self.scaler = scaler
+        # a manual static loss scale ((loss * s).backward(), then the gradients divided by s): the gradients
+        # are read at scale s, and the tables are unscaled by it
+        self.loss_scale = float(loss_scale) if loss_scale is not None else None
         self.sample_every = sample_every
         self.module_filter = modules
         self.memory_enabled = memory
@@ -320,7 +334,9 @@ class Profiler(HookFactories):
         self, loss: Any, grad_norm: Any, tokens: int | None, partial: bool = False
     ) -> _PendingStep:
         now = time.perf_counter()
-        scale, found = self._scaler_watch.take() if self._scaler_watch is not None else (1.0, None)
+        scale, found = (
+            self._scaler_watch.take() if self._scaler_watch is not None else (self.loss_scale or 1.0, None)
+        )
         if isinstance(loss, torch.Tensor):
             loss = loss.detach().reshape(-1)[0] if loss.numel() else None
         if isinstance(grad_norm, torch.Tensor):
@@ -513,6 +529,8 @@ class Profiler(HookFactories):
             "profiler_buffer_share_of_params": self.buffer_bytes / param_bytes if param_bytes else None,
             "autocast": self._autocast_seen or {"enabled": False, "dtype": None},
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
+            "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
+            "static_loss_scale": self.loss_scale,
             "histogram_shift_exact": not (self._scaler_watch is not None and self._scaler_watch.non_pow2),
             "weight_update_sample": self.update_sample if self.weight_updates else 0,
             "fp8_recipe": "per-tensor current scaling, scale = 2^floor(log2(fmax / amax))",
@@ -606,3 +624,9 @@ def iter_module_names(model: nn.Module) -> Iterable[str]:
     """Qualified names of the modules a default Profiler captures, in registration order."""
     prof = Profiler(model, memory=False)
     return [name for name, m in model.named_modules() if prof._selected(name, m)]
+
+
+def _scaler_enabled(scaler: Any) -> bool:
+    """Whether a GradScaler (or a scaler like it) scales at all: ``GradScaler(enabled=False)`` is a no-op."""
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True

@@ -44,6 +44,7 @@ from precprof.analysis.advisor.model import (
     Recommendation,
 )
 from precprof.analysis.advisor.rules.active import _rule_mixed_precision_active
+from precprof.analysis.advisor.rules.clipping import _rule_scaled_clipping
 from precprof.analysis.advisor.rules.fp16 import _rule_fp16_activations, _rule_loss_scale
 from precprof.analysis.advisor.rules.hardware import _rule_hardware, _rule_small_model
 from precprof.analysis.advisor.rules.nonfinite import _rule_nonfinite
@@ -126,6 +127,7 @@ def recommend(
     _rule_mixed_precision_active(run, plan)
     _rule_fp16_activations(run, plan)
     _rule_loss_scale(run, plan, fwd_bad)
+    _rule_scaled_clipping(run, plan)
     _rule_lost_updates(run, plan)
     _rule_bf16_range(run, plan)
     _rule_fp8(run, plan, dims)

@@ -14,6 +14,16 @@ from precprof.analysis.advisor.text import _listing, _pct
 def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:
     requested = taxonomy.summary_requested(run.summary, default=run.precision)
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    implied = ""
+    if (
+        not requested
+        and isinstance(capture, Mapping)
+        and capture.get("scaler")
+        and capture.get("scaler_enabled")
+    ):
+        # the user's own loop: an enabled GradScaler is a request for fp16 (it exists for nothing else)
+        requested = "fp16"
+        implied = f" (implied by the enabled {capture['scaler']})"
     if taxonomy.requested_low_dtype(requested) is None:
         return
     fp32_layers, n_matmul = taxonomy.float32_matmul_layers(run.layers)
@@ -38,7 +48,7 @@ def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:
                 "mixed_precision_inactive",
                 CRITICAL,
                 f"{requested} was requested but is not active",
-                f"The run asked for {requested}, yet all {len(fp32)} matmul layers produced float32 "
+                f"The run asked for {requested}{implied}, yet all {len(fp32)} matmul layers produced float32 "
                 f"outputs ({listing})"
                 + ("; torch autocast was off during the forward pass" if autocast_off else "")
                 + ": the run trained in fp32. accelerate, for one, ignores fp16=True on CPU.",
