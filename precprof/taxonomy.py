@@ -123,17 +123,55 @@ def tied_weight_ids(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
 
 
-def fp8_eligible_shape(in_features: int, out_features: int, tied: bool = False) -> bool:
-    """Whether a Linear of this shape can run as a float8 matmul: both dimensions multiples of 16, and not
-    tied to an embedding (the shared weight is used as a gather too)."""
-    return not tied and in_features % FP8_DIM_MULTIPLE == 0 and out_features % FP8_DIM_MULTIPLE == 0
+def fp8_convertible_type(module_type: str) -> bool:
+    """Module types a float8 conversion swaps: ``nn.Linear`` and its subclasses by name. Hugging Face's
+    ``Conv1D`` is a Linear in what it computes but not an ``nn.Linear``: torchao and Transformer Engine leave it
+    alone, so it stays in bf16."""
+    return is_linear_type(module_type) and module_type != "Conv1D"
 
 
-def fp8_eligible(module: nn.Module, tied: set[int]) -> bool:
-    """Whether ``module`` (an ``nn.Linear``) can be converted to float8 training; see ``fp8_eligible_shape``."""
+def fp8_ineligible_reason(
+    in_features: int | None, out_features: int | None, tied: bool = False, tokens: int | None = None
+) -> str:
+    """Why a Linear of this shape cannot run as a float8 matmul; "" when it can.
+
+    The one FP8 eligibility rule, shared by the advisor and ``--precision fp8`` (``convert_fp8``): the layer is
+    not tied to an embedding (the shared weight is used as a gather too, and a conversion that swaps the head
+    would untie it), its shape is known, both dimensions are multiples of 16, and so are the tokens per call
+    (the leading dimensions of its input, batch x sequence) when they are known.
+    """
+    m = FP8_DIM_MULTIPLE
+    if tied:
+        return "tied to an embedding"
+    if in_features is None or out_features is None:
+        return "weight shape unknown"
+    if in_features % m or out_features % m:
+        return f"dims {in_features}x{out_features} not multiples of {m}"
+    if tokens is not None and tokens % m:
+        return f"{tokens} tokens per call, not a multiple of {m}"
+    return ""
+
+
+def fp8_eligible_shape(
+    in_features: int | None, out_features: int | None, tied: bool = False, tokens: int | None = None
+) -> bool:
+    """Whether a Linear of this shape can run as a float8 matmul; see ``fp8_ineligible_reason``."""
+    return not fp8_ineligible_reason(in_features, out_features, tied, tokens)
+
+
+def fp8_eligible(module: nn.Module, tied: set[int], tokens: int | None = None) -> bool:
+    """Whether ``module`` (an ``nn.Linear``) can be converted to float8 training; ``tied`` is
+    ``tied_weight_ids(model)``; see ``fp8_ineligible_reason``."""
     return isinstance(module, nn.Linear) and fp8_eligible_shape(
-        module.in_features, module.out_features, id(module.weight) in tied
+        module.in_features, module.out_features, id(module.weight) in tied, tokens
     )
+
+
+def fp8_eligible_names(model: nn.Module, tokens: int | None = None) -> list[str]:
+    """Qualified names of the layers of ``model`` that ``convert_fp8`` converts (``fp8_eligible``), in
+    ``named_modules`` order: the live-model side of the advisor's ``fp8_layers``."""
+    tied = tied_weight_ids(model)
+    return [name for name, m in model.named_modules() if fp8_eligible(m, tied, tokens)]
 
 
 # ---------------------------------------------------------------------------------- mixed precision active

@@ -260,7 +260,8 @@ def test_hardware_decision(
 ) -> None:
     cpu = HardwareInfo(device="cpu", name="CPU", bf16_supported=True, bf16_native=False, preset="cpu")
     rec = recommend(benign, hardware=cpu if target == "cpu" else target, summary=summary_for())
-    expected = {"a100": "bf16", "v100": "fp16", "t4": "fp16", "cpu": "fp32", "h100": "fp8"}[target]
+    # h100: all three layers are FP8-eligible, but a 12,288-parameter model is too small for FP8 (issue 15)
+    expected = {"a100": "bf16", "v100": "fp16", "t4": "fp16", "cpu": "fp32", "h100": "bf16"}[target]
     assert rec.format == expected
     assert rec.target == target
     assert rec.fp16_loss_scale > 0 and math.log2(rec.fp16_loss_scale).is_integer()
@@ -271,7 +272,9 @@ def test_hardware_decision(
     if target == "cpu":
         assert codes(rec)["bf16_emulated"] == "warning"
     if target == "h100":
-        assert rec.fp8_layers == ["fc1", "fc2", "fc3"]
+        assert rec.fp8_layers == []
+        assert must(rec, "fp8_eligibility").modules == ["fc1", "fc2", "fc3"]
+        assert "too small for FP8" in " ".join(rec.reasons)
         assert "fp8_supported" in codes(rec)
     assert [f.severity for f in rec.findings] == sorted(
         (f.severity for f in rec.findings), key=["critical", "warning", "info"].index
@@ -517,10 +520,12 @@ def test_fp8_eligibility(request: pytest.FixtureRequest) -> None:
     b.hist = [r for r in b.hist if not (r[T.MODULE] == "fc3" and r[T.TENSOR] == T.ACTIVATION_GRAD)]
     b.add(0, 3, "fc3", "Linear", T.ACTIVATION_GRAD, wide)
     t = b.tables()
-    rec = recommend(t, hardware="h100", summary=summary_for())
+    big = summary_for(n_params=200_000_000)  # FP8 is for models of 100M parameters and more
+    rec = recommend(t, hardware="h100", summary=big)
     assert rec.format == "fp8"
     assert rec.fp8_layers == ["fc1", "fc2"]
     f = must(rec, "fp8_eligibility")
+    assert f.numbers["eligible_flops_share"] == pytest.approx(2 / 3)  # three 64x64 layers, two eligible
     # independent: e5m2 share of fc3 by a real cast after current scaling
     k = math.floor(math.log2(57344 / float(wide.max())))
     share = ((wide * 2.0**k).to(torch.float8_e5m2).float() == 0).float().mean().item()
@@ -529,9 +534,83 @@ def test_fp8_eligibility(request: pytest.FixtureRequest) -> None:
     # no FP8 library on the target: bf16, and a warning
     h = preset("h100")
     h.fp8_library = None
-    rec2 = recommend(t, hardware=h, summary=summary_for())
+    rec2 = recommend(t, hardware=h, summary=big)
     assert rec2.format == "bf16" and codes(rec2)["fp8_library_missing"] == "warning"
     check_golden(request, rec)
+
+
+def test_fp8_needs_most_of_the_flops_in_eligible_layers() -> None:
+    # fc1 and fc2's output gradients underflow e5m2: fc3 alone carries 1/3 of the matmul FLOPs
+    b = mlp_run(steps=1)
+    g = torch.Generator().manual_seed(5)
+    for m, order in (("fc1", 0), ("fc2", 2)):
+        b.layers = [r for r in b.layers if not (r[T.MODULE] == m and r[T.TENSOR] == T.ACTIVATION_GRAD)]
+        b.hist = [r for r in b.hist if not (r[T.MODULE] == m and r[T.TENSOR] == T.ACTIVATION_GRAD)]
+        b.add(0, order, m, "Linear", T.ACTIVATION_GRAD, 2.0 ** (-60 * torch.rand(32, 64, generator=g)))
+    rec = recommend(b.tables(), hardware="h100", summary=summary_for(n_params=200_000_000))
+    assert rec.format == "bf16" and rec.fp8_layers == []
+    assert must(rec, "fp8_eligibility").modules == ["fc3"]
+    assert must(rec, "fp8_eligibility").numbers["eligible_flops_share"] == pytest.approx(1 / 3)
+    assert "carry 33.3% of their matmul FLOPs, not more than 50%" in " ".join(rec.reasons)
+
+
+def _tied_head_run(head_first: bool = False) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
+    """An embedding 64 x 32, a Linear 32 -> 48 and an output head 32 -> 64 tied to the embedding, recorded as
+    the Profiler records a shared weight: once, under the module registered first."""
+    b = RunBuilder()
+    tokens = 32
+    b.add(0, 0, "wte", "Embedding", T.ACTIVATION, torch.randn(tokens, 32))
+    b.add(0, 1, "fc", "Linear", T.ACTIVATION, torch.randn(tokens, 48))
+    b.add(0, 1, "fc", "Linear", T.ACTIVATION_GRAD, torch.randn(tokens, 48) * 1e-3)
+    b.add(0, 1, "fc", "Linear", T.WEIGHT, torch.randn(48, 32) * 0.02, param="weight")
+    b.add(0, 2, "head", "Linear", T.ACTIVATION, torch.randn(tokens, 64))
+    b.add(0, 2, "head", "Linear", T.ACTIVATION_GRAD, torch.randn(tokens, 64) * 1e-3)
+    owner = "head" if head_first else "wte"
+    b.add(0, 2 if head_first else 0, owner, "Linear" if head_first else "Embedding", T.WEIGHT,
+          torch.randn(64, 32) * 0.02, param="weight")  # fmt: skip
+    b.step(0, loss=2.0)
+    mods = [
+        {"name": "wte", "type": "Embedding", "params": {} if head_first else {"weight": [64, 32]}},
+        {"name": "fc", "type": "Linear", "params": {"weight": [48, 32]}},
+        {"name": "head", "type": "Linear", "params": {"weight": [64, 32]} if head_first else {}},
+    ]
+    if head_first:
+        mods = [mods[2], mods[0], mods[1]]
+    summ = summary_for(batch=4, seq=8, n_params=200_000_000)
+    summ[T.SUMMARY_CAPTURE] = {"modules": mods}
+    return b.tables(), summ
+
+
+@pytest.mark.parametrize("head_first", [False, True])
+def test_fp8_tied_head_is_not_eligible(head_first: bool) -> None:
+    # the old advisor found no shape for the tied head (its weight is recorded under wte) and called it
+    # eligible: fp8 with fp8_layers=["head"], which --precision fp8 refuses
+    tables, summ = _tied_head_run(head_first)
+    rec = recommend(tables, hardware="h100", summary=summ)
+    f = must(rec, "fp8_eligibility")
+    assert "head (tied to the embedding wte" in f.message and f.numbers["tied"] == 1
+    assert f.modules == ["fc"] and "head" not in rec.fp8_layers
+    # fc (32 x 48) carries 1536 of 1536 + 2048 FLOPs per token: 43%, not most
+    assert f.numbers["eligible_flops_share"] == pytest.approx(1536 / (1536 + 2048))
+    assert rec.format == "bf16" and "head is tied to an embedding" in " ".join(rec.reasons)
+
+
+def test_fp8_unknown_shape_and_tokens_are_not_eligible() -> None:
+    tables, summ = _tied_head_run()
+    # no modules list and no embedding weight to match: the head's shape is unknown
+    layers = tables["layers"]
+    tables = {**tables, "layers": layers[~((layers[T.MODULE] == "wte") & (layers[T.TENSOR] == T.WEIGHT))]}
+    del summ[T.SUMMARY_CAPTURE]
+    f = must(recommend(tables, hardware="h100", summary=summ), "fp8_eligibility")
+    assert "head (weight shape unknown: its weight is recorded under another module" in f.message
+    assert f.numbers["unknown_shape"] == 1 and f.modules == ["fc"]
+    # 4 x 7 = 28 tokens per call: not a multiple of 16, so nothing is eligible
+    tables, summ = _tied_head_run()
+    summ[T.SUMMARY_CONFIG]["seq_len"] = 7
+    layers = tables["layers"].copy()
+    layers[T.NUMEL] = layers[T.NUMEL] * 28 // 32
+    f = must(recommend({**tables, "layers": layers}, hardware="h100", summary=summ), "fp8_eligibility")
+    assert "fc (28 tokens per call, not a multiple of 16)" in f.message and f.modules == []
 
 
 def test_nonfinite_forward_and_backward(request: pytest.FixtureRequest) -> None:

@@ -67,6 +67,21 @@ def test_fp8_eligibility() -> None:
     model = nn.ModuleDict({"emb": emb, "head": head, "ok": nn.Linear(32, 48), "odd": nn.Linear(32, 50)})
     tied = X.tied_weight_ids(model)
     assert [n for n, m in model.items() if X.fp8_eligible(m, tied)] == ["ok"]
+    assert X.fp8_eligible_names(model) == ["ok"]
+    # the tokens per call (batch x sequence) count too, when known
+    assert X.fp8_eligible_names(model, tokens=32) == ["ok"] and X.fp8_eligible_names(model, tokens=28) == []
+
+
+def test_fp8_ineligible_reason() -> None:
+    r = X.fp8_ineligible_reason
+    assert r(32, 48) == "" and X.fp8_eligible_shape(32, 48, tokens=64)
+    assert r(32, 48, tied=True) == "tied to an embedding"
+    assert r(None, 48) == "weight shape unknown" and not X.fp8_eligible_shape(None, None)
+    assert r(100, 300) == "dims 100x300 not multiples of 16"
+    assert r(32, 48, tokens=21) == "21 tokens per call, not a multiple of 16"
+    # what a float8 conversion swaps: nn.Linear by name, not HF's Conv1D nor convolutions
+    assert X.fp8_convertible_type("Linear") and X.fp8_convertible_type("Float8Linear")
+    assert not any(map(X.fp8_convertible_type, ["Conv1D", "Conv2d", "Embedding", ""]))
 
 
 def test_mixed_precision_check() -> None:

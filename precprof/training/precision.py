@@ -139,22 +139,25 @@ def tf32_flags(enabled: bool, device: torch.device) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def convert_fp8(model: nn.Module, library: str) -> int:
+def convert_fp8(model: nn.Module, library: str, tokens: int | None = None) -> int:
     """Convert the eligible ``nn.Linear`` layers of ``model`` to fp8 training in place; returns how many.
 
-    Eligible: both dimensions multiples of 16 and a weight not shared with an embedding (a tied output head
-    stays in bf16). UserError when no layer qualifies.
+    Eligible (``taxonomy.fp8_eligible_names``, the rule the advisor applies to a recorded run): not tied to an
+    embedding (a tied output head stays in bf16), both dimensions multiples of 16, and ``tokens`` (batch x
+    sequence per call) a multiple of 16 when given. UserError when no layer qualifies.
     """
-    tied = taxonomy.tied_weight_ids(model)
+    names = set(taxonomy.fp8_eligible_names(model, tokens))
 
     def eligible(mod: nn.Module, fqn: str = "") -> bool:
-        return taxonomy.fp8_eligible(mod, tied)
+        return fqn in names
 
-    n = sum(1 for m in model.modules() if eligible(m))
+    n = len(names)
     if n == 0:
         raise UserError(
-            "--precision fp8: no nn.Linear layer of this model has both dimensions divisible by 16; "
-            "nothing can run in fp8"
+            "--precision fp8: no nn.Linear layer of this model is FP8-eligible (both dimensions divisible by "
+            "16, not tied to an embedding"
+            + (f", {tokens} tokens per call divisible by 16" if tokens is not None else "")
+            + "); nothing can run in fp8"
         )
     if library == "torchao":
         from torchao.float8 import convert_to_float8_training
@@ -163,9 +166,9 @@ def convert_fp8(model: nn.Module, library: str) -> int:
         return n
     import transformer_engine.pytorch as te
 
-    for parent in list(model.modules()):
+    for pname, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if eligible(child):
+            if eligible(child, f"{pname}.{name}" if pname else name):
                 assert isinstance(child, nn.Linear)
                 new = te.Linear(
                     child.in_features,

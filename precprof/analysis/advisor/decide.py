@@ -6,6 +6,40 @@ from precprof.analysis.advisor.evidence import _Plan, _Run
 from precprof.analysis.advisor.model import Recommendation
 from precprof.analysis.advisor.text import _g, _listing, _pct, _scale
 
+# FP8 pays only when the converted layers do most of the matmul work: below this share of the linear layers'
+# FLOPs, the casts and scaling of FP8 and the bf16 rest outweigh what the FP8 matmuls save.
+FP8_FLOPS_SHARE_MIN = 0.5
+
+
+def _fp8_why_not(plan: _Plan, small_params: int) -> str:
+    """Why FP8 is not advised on FP8 hardware ("" when it is): no eligible layer, too small a share of the
+    matmul FLOPs in the eligible layers, or too small a model (``AdvisorConfig.small_model_params``)."""
+    if not plan.fp8_checked:
+        return "no linear layer was recorded, so none can be shown to be FP8-eligible"
+    why = plan.fp8_why_not
+    tied = [m for m, w in why.items() if w.startswith("tied")]
+    causes = (
+        f" ({_listing(tied, 4)} {'is' if len(tied) == 1 else 'are'} tied to an embedding)" if tied else ""
+    )
+    if not plan.fp8_eligible:
+        return f"none of its {plan.fp8_checked} linear layers is FP8-eligible{causes}"
+    share = plan.fp8_flops_share
+    if share is None or share <= FP8_FLOPS_SHARE_MIN:
+        return (
+            f"the {len(plan.fp8_eligible)} FP8-eligible of {plan.fp8_checked} linear layers carry "
+            f"{_pct(share)} of their matmul FLOPs, not more than {_pct(FP8_FLOPS_SHARE_MIN)}{causes}: the rest "
+            "would run in bf16 anyway"
+        )
+    n = plan.n_params
+    if n is None:
+        return "the model's size is unknown, so it cannot be shown to be large enough for FP8"
+    if n < small_params:
+        return (
+            f"the model is too small for FP8 ({n / 1e6:.3g}M parameters, below {small_params / 1e6:g}M): "
+            "its matmuls are too small for FP8's casts and scaling to pay off"
+        )
+    return ""
+
 
 def _decide(run: _Run, plan: _Plan) -> Recommendation:
     hw, cfg = run.hw, run.cfg
@@ -17,23 +51,24 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         f" (compute capability {'.'.join(map(str, hw.compute_capability))})" if hw.compute_capability else ""
     )
     fmt: str
-    if hw.fp8_supported and hw.fp8_library and plan.fp8_eligible and bf16_ok and not plan.bf16_block:
+    fp8_why_not = _fp8_why_not(plan, cfg.small_model_params) if hw.fp8_supported and hw.fp8_library else ""
+    if hw.fp8_supported and hw.fp8_library and not fp8_why_not and bf16_ok and not plan.bf16_block:
         fmt = "fp8"
         reasons.append(
             f"{where} has FP8 tensor cores and {hw.fp8_library}: {len(plan.fp8_eligible)} of "
-            f"{plan.fp8_checked} linear layers keep e4m3/e5m2 underflow at or below "
-            f"{_pct(cfg.fp8_underflow_max)} under per-tensor current scaling, so they can run in FP8; "
-            "the rest runs in bf16 autocast."
+            f"{plan.fp8_checked} linear layers, carrying {_pct(plan.fp8_flops_share)} of their matmul FLOPs, "
+            "are FP8-eligible (convertible, dims and tokens per call multiples of 16, e4m3/e5m2 underflow at "
+            f"or below {_pct(cfg.fp8_underflow_max)} under per-tensor current scaling), so they can run in "
+            "FP8; the rest runs in bf16 autocast."
         )
     elif bf16_ok and not plan.bf16_block:
         fmt = "bf16"
-        why = "runs bf16 natively"
-        if hw.fp8_supported and not plan.fp8_eligible and plan.fp8_checked:
-            why += f", and none of its {plan.fp8_checked} linear layers is FP8-eligible"
         reasons.append(
-            f"{where} {why}; bf16 has fp32's exponent range, so no loss scale is needed and the measured "
-            "gradients do not underflow it."
+            f"{where} runs bf16 natively; bf16 has fp32's exponent range, so no loss scale is needed and the "
+            "measured gradients do not underflow it."
         )
+        if fp8_why_not:
+            reasons.append(f"Not FP8: {fp8_why_not}.")
     elif hw.fp16_tensor_cores and not plan.fp16_block:
         fmt = "fp16"
         if not bf16_ok:

@@ -79,6 +79,7 @@ class _Run:
     cfg: AdvisorConfig
     order: dict[str, int] = field(default_factory=dict)
     types: dict[str, str] = field(default_factory=dict)
+    memory: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     def sort(self, modules: Iterable[str]) -> list[str]:
         return sorted(set(modules), key=lambda m: (self.order.get(m, 1 << 30), m))
@@ -205,11 +206,18 @@ class _Plan:
     underflow_at_1: float | None = None
     underflow_at_rec: float | None = None
     keep_fp16: list[str] = field(default_factory=list)
+    # modules the guide keeps in fp32 whatever the format (norms, softmax, losses found in 16-bit)
+    keep_fp32_ops: list[str] = field(default_factory=list)
     fp16_block: list[str] = field(default_factory=list)
     bf16_block: list[str] = field(default_factory=list)
     keep_bf16: list[str] = field(default_factory=list)
     fp8_eligible: list[str] = field(default_factory=list)
     fp8_checked: int = 0
+    # Why each linear layer that is not FP8-eligible is not (module -> reason), and the share of the linear
+    # layers' matmul FLOPs (2 x in x out per token and call, over the layers of known shape) the eligible
+    # layers carry: the decision needs both.
+    fp8_why_not: dict[str, str] = field(default_factory=dict)
+    fp8_flops_share: float | None = None
     growth_interval: int = 2000
     matmul_layers: list[str] = field(default_factory=list)
     n_params: int | None = None
