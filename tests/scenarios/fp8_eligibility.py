@@ -1,0 +1,64 @@
+"""FP8 advice for gpt-nano (its ``lm_head`` is tied to the token embedding), from real tiny runs on the CPU.
+
+The advisor and ``--precision fp8`` (``precprof.training.convert_fp8``) must agree on which layers can run in
+FP8: one rule, ``precprof.taxonomy.fp8_ineligible_reason``. Before issue 15, the tied head had no weight
+shape of its own in the run (the Profiler records a shared weight once, under the embedding), escaped the
+multiple-of-16 check, and a 0.5M-parameter gpt-nano with ``n_embd=100`` got ``format=fp8`` with
+``fp8_layers=['lm_head']``, the one layer ``--precision fp8`` refuses.
+
+- ``train_run(path, n_embd=100)``: every dimension off the multiple of 16 and the head tied: nothing is
+  eligible, and the advice is not fp8;
+- ``train_run(path)`` (gpt-nano's n_embd=96): every dimension a multiple of 16, the head still tied: the other
+  16 layers are eligible, but the model is too small for FP8;
+- ``live_model(n_embd)``: the same model, live, for the layer-by-layer check against ``convert_fp8``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from precprof.analysis.advisor import Recommendation, recommend
+from precprof.data import load_data
+from precprof.models import build_model
+from precprof.pipeline import rerender
+from precprof.training import TrainConfig, train
+
+BATCH, SEQ = 4, 32  # 128 tokens per call: a multiple of 16
+TARGET = "h100"
+
+
+def _args(n_embd: int | None) -> dict[str, int]:
+    return {} if n_embd is None else {"n_embd": n_embd}
+
+
+def train_run(out: Path, n_embd: int | None = None, steps: int = 3) -> Path:
+    """Train gpt-nano for ``steps`` steps in fp32 on the CPU, every step sampled; returns the run directory,
+    its report rendered for the target (``precprof report RUN --target h100``)."""
+    cfg = TrainConfig(
+        model="gpt-nano",
+        model_args=_args(n_embd),
+        steps=steps,
+        batch_size=BATCH,
+        seq_len=SEQ,
+        device="cpu",
+        out=out,
+        sample_every=1,
+        progress=False,
+        report=False,
+    )
+    run_dir = train(cfg).run_dir
+    rerender(run_dir, target=TARGET)
+    return Path(run_dir)
+
+
+def advice(run_dir: Path, **kw: object) -> Recommendation:
+    """The advisor's recommendation for the target, from the run directory (tables and summary.json)."""
+    return recommend(run_dir, hardware=TARGET, **kw)  # type: ignore[arg-type]
+
+
+def live_model(n_embd: int | None = None) -> nn.Module:
+    """The model ``train_run`` trains, built the same way (the synthetic data's vocabulary)."""
+    data = load_data("synthetic", seed=0)
+    return build_model("gpt-nano", _args(n_embd), vocab_size=data.vocab_size, seq_len=SEQ).module

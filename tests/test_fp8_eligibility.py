@@ -1,0 +1,127 @@
+"""Issue 15, item 3: FP8 advice that precprof itself would refuse. Real tiny gpt-nano runs on the CPU
+(tests/scenarios/fp8_eligibility.py), advised for an H100, and the layer-by-layer agreement of the advisor with
+``convert_fp8`` (which needs torchao: a stand-in with torchao's traversal calls the same filter)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from scenarios import fp8_eligibility as scen
+from torch import nn
+
+from precprof import taxonomy
+from precprof.analysis.advisor import AdvisorConfig
+from precprof.errors import UserError
+from precprof.training import convert_fp8
+
+TOKENS = scen.BATCH * scen.SEQ
+ALL = AdvisorConfig(max_listed_modules=1000)  # list every layer in the messages
+
+
+@pytest.fixture(scope="module")
+def odd_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return scen.train_run(tmp_path_factory.mktemp("fp8") / "n_embd100", n_embd=100)
+
+
+@pytest.fixture(scope="module")
+def aligned_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return scen.train_run(tmp_path_factory.mktemp("fp8") / "n_embd96")
+
+
+def test_a_tied_head_with_odd_dims_gets_no_fp8(odd_run: Path) -> None:
+    rec = scen.advice(odd_run)
+    assert rec.format != "fp8" and rec.fp8_layers == []
+    f = rec.finding("fp8_eligibility")
+    assert f is not None and f.modules == [] and f.numbers["checked"] == 17
+    # the head is named as tied, and first among the layers that are not eligible
+    assert "Not eligible: lm_head (tied to the embedding transformer.wte" in f.message
+    assert f.numbers["tied"] == 1 and f.numbers["unknown_shape"] == 0
+    assert "dims 100x300 not multiples of 16" in f.message
+    assert "lm_head is tied to an embedding" in " ".join(rec.reasons)
+    # the report rendered for the target exists, and the stored advice (for the CPU it ran on) is not fp8
+    assert (odd_run / "report.html").stat().st_size > 0
+    stored = json.loads((odd_run / "summary.json").read_text())["recommendation"]
+    assert stored["format"] != "fp8" and stored["fp8_layers"] == []
+
+
+def test_aligned_dims_but_a_small_model_gets_no_fp8(aligned_run: Path) -> None:
+    rec = scen.advice(aligned_run)
+    f = rec.finding("fp8_eligibility")
+    assert f is not None
+    assert len(f.modules) == 16 and "lm_head" not in f.modules  # every block's four layers
+    share = f.numbers["eligible_flops_share"]
+    assert isinstance(share, float) and share > 0.9  # the head (96 x 256) is 5% of 2 x in x out
+    assert rec.format == "bf16" and rec.fp8_layers == []
+    assert "too small for FP8" in " ".join(rec.reasons)
+    small = rec.finding("small_model")
+    assert small is not None and small.numbers["n_params"] < 100_000_000
+
+
+def test_with_the_size_threshold_lowered_the_aligned_run_gets_fp8_without_the_head(aligned_run: Path) -> None:
+    rec = scen.advice(aligned_run, config=AdvisorConfig(small_model_params=1))
+    assert rec.format == "fp8"
+    assert len(rec.fp8_layers) == 16 and "lm_head" not in rec.fp8_layers
+
+
+def _fake_torchao(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """torchao.float8.convert_to_float8_training as torchao walks the model (post order, the filter called
+    with each nn.Linear and its qualified name); returns the names it would swap."""
+    swapped: list[str] = []
+
+    def convert_to_float8_training(model: nn.Module, *, module_filter_fn: object = None) -> nn.Module:
+        def walk(mod: nn.Module, fqn: str) -> None:
+            for name, child in mod.named_children():
+                walk(child, f"{fqn}.{name}" if fqn else name)
+            if isinstance(mod, nn.Linear) and (module_filter_fn is None or module_filter_fn(mod, fqn)):  # type: ignore[operator]
+                swapped.append(fqn)
+
+        walk(model, "")
+        return model
+
+    float8 = types.ModuleType("torchao.float8")
+    float8.convert_to_float8_training = convert_to_float8_training  # type: ignore[attr-defined]
+    torchao = types.ModuleType("torchao")
+    torchao.float8 = float8  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torchao", torchao)
+    monkeypatch.setitem(sys.modules, "torchao.float8", float8)
+    return swapped
+
+
+@pytest.mark.parametrize("n_embd", [None, 100])
+def test_convert_fp8_and_the_advisor_agree_layer_by_layer(
+    n_embd: int | None, odd_run: Path, aligned_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = aligned_run if n_embd is None else odd_run
+    f = scen.advice(run_dir, config=ALL).finding("fp8_eligibility")
+    assert f is not None
+    torch.manual_seed(0)
+    model = scen.live_model(n_embd)
+    tied = taxonomy.tied_weight_ids(model)
+    assert id(model.get_submodule("lm_head").weight) in tied  # gpt-nano ties its head
+    live = taxonomy.fp8_eligible_names(model, tokens=TOKENS)
+    # the advisor's eligible layers are the live rule's (this fp32 run underflows nothing in e4m3/e5m2)
+    assert f.modules == live
+    # and each excluded layer is excluded for the same reason
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert f.numbers["checked"] == len(linears)
+    for name, m in linears:
+        why = taxonomy.fp8_ineligible_reason(m.in_features, m.out_features, id(m.weight) in tied, TOKENS)
+        assert (name in f.modules) == (not why), name
+        if why.startswith("tied"):
+            assert f"{name} (tied to the embedding" in f.message
+        elif why:
+            assert f"{name} ({why})" in f.message
+    # convert_fp8 (torchao's traversal) swaps exactly those layers, or refuses when there are none
+    swapped = _fake_torchao(monkeypatch)
+    if live:
+        assert convert_fp8(model, "torchao", tokens=TOKENS) == len(live)
+        assert sorted(swapped) == sorted(live) and "lm_head" not in swapped
+    else:
+        with pytest.raises(UserError, match=r"no nn\.Linear layer of this model is FP8-eligible"):
+            convert_fp8(model, "torchao", tokens=TOKENS)
+        assert swapped == []
