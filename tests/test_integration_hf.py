@@ -177,3 +177,87 @@ def test_bare_callback_session_is_saved_at_interpreter_exit(tmp_path: Path) -> N
     assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
     assert "exited before training ended" in summary[T.SUMMARY_INCOMPLETE_REASON]
     assert T.read_tables(tmp_path / "run")["steps"][T.STEP].tolist() == [0, 1]
+
+
+# ---------------------------------------------------------------------------------- gradient accumulation
+GA, GA_SAMPLES = 4, 40  # 10 micro-batches an epoch: windows of 4, 4 and 2 (the epoch ends mid-window)
+
+
+class ShortEpochData(TokenData):
+    def __len__(self) -> int:
+        return GA_SAMPLES
+
+
+class _Windows(TrainerCallback):  # type: ignore[misc]
+    """Micro-batches per optimizer step, as the Trainer ran them (on_substep_end, then on_step_end)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self._n = 0
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._n += 1
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.sizes.append(self._n + 1)
+        self._n = 0
+
+
+@pytest.mark.parametrize("attach", ["callback", "profile_trainer", "no_trainer"])
+def test_accumulated_loss_and_grad_norm_are_the_trainers(
+    tmp_path: Path, attach: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gradient_accumulation_steps=4 over 2 epochs that end mid-window: per optimizer step, the loss recorded is
+    the one the Trainer logs (transformers 5.x normalises outputs.loss over the window: no second division), and
+    the grad norm is the Trainer's own (max_grad_norm=1: the pre-clip norm it logs).
+
+    ``callback``: the bare callback finds the Trainer on the call stack; ``profile_trainer``: it is handed the
+    Trainer; ``no_trainer``: no Trainer to read, the loss comes from outputs.loss by the window rule."""
+    import transformers
+
+    from precprof.integrations import hf
+
+    if attach == "no_trainer":
+        monkeypatch.setattr(hf, "_calling_trainer", lambda: None)
+    targs = TrainingArguments(
+        output_dir=str(tmp_path / "trainer"),
+        num_train_epochs=2,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=GA,
+        max_grad_norm=1.0,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    windows = _Windows()
+    trainer = Trainer(model=tiny_gpt2(), args=targs, train_dataset=ShortEpochData(), callbacks=[windows])
+    kw: dict[str, Any] = {"sample_every": 100, "report": False, "memory": False}
+    if attach == "profile_trainer":
+        profile_trainer(trainer, out=tmp_path / "run", **kw)
+        run_dir = tmp_path / "run"
+    else:
+        cb = PrecprofCallback(out=tmp_path / "run", **kw)
+        trainer.add_callback(cb)
+        trainer.train()
+        run_dir = cb.run_dir
+    steps = T.read_tables(run_dir)["steps"]
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    v5 = int(transformers.__version__.split(".")[0]) >= 5
+    if v5:  # each epoch: windows of 4, 4 and 2 (transformers < 4.46 let a window run on into the next epoch)
+        assert windows.sizes == [GA, GA, GA_SAMPLES // BATCH % GA] * 2
+    assert steps[T.STEP].tolist() == list(range(len(windows.sizes))) and len(logged) == len(windows.sizes)
+    # transformers 4.x rounds the logged loss to 4 decimals; 5.x logs the float32 sum itself
+    tol = {"rel": 1e-6} if v5 else {"abs": 6e-5}
+    assert steps[T.LOSS].tolist() == pytest.approx([h["loss"] for h in logged], **tol)
+    # random weights: every step's loss is near ln(vocab), the short windows' included (no 4x / 2x error)
+    assert steps[T.LOSS].between(3.0, 5.0).all(), steps[T.LOSS].tolist()
+    assert steps[T.TOKENS].tolist() == [n * BATCH * SEQ for n in windows.sizes]
+    if attach == "no_trainer":
+        assert steps[T.GRAD_NORM].isna().all()
+    else:
+        assert steps[T.GRAD_NORM].tolist() == pytest.approx([h["grad_norm"] for h in logged], rel=1e-6)
+    # the taps are gone: the Trainer's methods are its class's again
+    assert "training_step" not in vars(trainer) and "clip_grad_norm_" not in vars(trainer.accelerator)
