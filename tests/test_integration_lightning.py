@@ -129,6 +129,49 @@ def test_exception_writes_an_incomplete_run(tmp_path: Path) -> None:
     assert cb.profiler is None
 
 
+class BlockLM(TinyLM):
+    """Batches are (B, T + 1) blocks of ids: training_step feeds the first T to the model, the last T are targets."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step((batch[:, :-1], batch[:, 1:]), batch_idx)
+
+
+def test_tokens_are_the_ids_fed_to_the_model(tmp_path: Path) -> None:
+    """16 blocks of 64 + 1 ids: 1024 tokens fed a step, not the 1040 ids of the batch (target column included)."""
+    rows, seq = 16, 64
+    blocks = torch.randint(0, VOCAB, (4 * rows, seq + 1), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(blocks, batch_size=rows)  # type: ignore[arg-type]
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=100, report=False, memory=False)
+    module = BlockLM()
+    trainer = L.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[cb],
+        accumulate_grad_batches=2,
+    )
+    trainer.fit(module, data)
+    steps = T.read_tables(cb.run_dir)["steps"]
+    assert steps[T.TOKENS].tolist() == [2 * rows * seq] * 2  # 2 micro-batches of 1024 tokens fed
+    pairs = [(module.losses[2 * i] + module.losses[2 * i + 1]) / 2 for i in range(2)]
+    assert steps[T.LOSS].tolist() == pytest.approx(pairs, rel=1e-6)
+    assert not module.net[0]._forward_pre_hooks  # the token-embedding hook is removed at the end
+
+
+def test_token_embedding_is_the_vocabulary_not_the_positions() -> None:
+    from precprof.integrations.lightning import token_embedding
+
+    model = nn.ModuleDict(
+        {"pos": nn.Embedding(16, 8), "tok": nn.Embedding(100, 8), "head": nn.Linear(8, 100)}
+    )
+    assert token_embedding(model) is model["tok"]
+    assert token_embedding(nn.Linear(2, 2)) is None
+
+
 def test_precision_names() -> None:
     assert [precprof_precision(p) for p in ("16-mixed", "bf16-mixed", "bf16-true", "32-true", "64")] == [
         "fp16",

@@ -12,11 +12,16 @@ What the callback does:
 - ``on_train_start``: attaches a ``precprof.Profiler`` to the LightningModule, its (first) optimizer and the
   precision plugin's GradScaler (``16-mixed`` on a GPU), starting at ``trainer.global_step``;
 - ``on_train_batch_end``: keeps the loss ``training_step`` returned (a device tensor: no sync; Lightning hands it
-  over divided by ``accumulate_grad_batches``, which is undone) and the batch's token count (its first integer
-  tensor); when ``trainer.global_step`` has moved (an optimizer step happened, after gradient accumulation),
+  over divided by ``accumulate_grad_batches``, which is undone) and the tokens fed to the model (see below); when ``trainer.global_step`` has moved (an optimizer step happened, after gradient accumulation),
   ``Profiler.step(mean loss of the micro-batches, tokens)``;
 - ``on_train_end``: writes the run directory and report.html; ``on_exception``: the same, marked incomplete with
   the exception (Lightning calls it before re-raising).
+
+Tokens: the token ids the model looked up, i.e. the input of its token embedding (the ``nn.Embedding`` with the
+most rows, not a position embedding) at its first call in the micro-batch: what ``training_step`` fed the model,
+not the batch, which often holds the targets as well (a ``(B, T + 1)`` block of ids sliced into inputs and
+targets in ``training_step`` holds ``B`` ids more than were fed). A model without an embedding: the batch's first
+integer tensor.
 
 Precision plugins: Lightning's setting is recorded (``config.lightning_precision``) and mapped to precprof's
 modes (``config.precision``): ``16-mixed`` -> fp16 (autocast + GradScaler), ``bf16-mixed`` -> bf16 (autocast),
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from precprof import tables as T
 from precprof.errors import MissingDependencyError
@@ -50,6 +56,16 @@ def precprof_precision(lightning_precision: Any) -> str:
     """precprof's precision mode for a Lightning precision setting ("bf16-mixed" -> "bf16"; unknown: as given)."""
     key = str(lightning_precision)
     return LIGHTNING_PRECISIONS.get(key, key)
+
+
+def token_embedding(module: nn.Module) -> nn.Embedding | None:
+    """The model's token embedding: its ``nn.Embedding`` with the most rows (the vocabulary, larger than the
+    position or token-type tables), the first such in module order; None without an embedding."""
+    best: nn.Embedding | None = None
+    for m in module.modules():
+        if isinstance(m, nn.Embedding) and (best is None or m.num_embeddings > best.num_embeddings):
+            best = m
+    return best
 
 
 class PrecprofCallback(Callback):  # type: ignore[misc]
@@ -81,6 +97,8 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._loss_sum: torch.Tensor | None = None
         self._micro_batches = 0
         self._tokens = 0
+        self._embedding_hook: Any = None
+        self._fed: int | None = None  # ids the token embedding looked up in this micro-batch (first call)
 
     @property
     def run_dir(self) -> Path | None:
@@ -132,6 +150,10 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
                 out, {"sample_every": self.sample_every, **self.profiler_kwargs}, self.report
             )
         self._session.out = out
+        self._remove_embedding_hook()
+        embedding = token_embedding(pl_module)
+        if embedding is not None:
+            self._embedding_hook = embedding.register_forward_pre_hook(self._embedding_input)
         wrapped = getattr(trainer.strategy, "model", None)
         self._last_global_step = int(trainer.global_step)
         self._reset_step()
@@ -143,6 +165,18 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             first_step=self._last_global_step,
             wrapped=wrapped if wrapped is not None and wrapped is not pl_module else None,
         )
+
+    def _embedding_input(self, module: Any, args: Any) -> None:
+        if self._fed is None and module.training and args and isinstance(args[0], torch.Tensor):
+            self._fed = int(args[0].numel())
+
+    def _remove_embedding_hook(self) -> None:
+        if self._embedding_hook is not None:
+            self._embedding_hook.remove()
+            self._embedding_hook = None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._fed = None
 
     def _reset_step(self) -> None:
         self._loss_sum = None
@@ -159,7 +193,8 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             d = loss.detach().float().reshape(())
             self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
         self._micro_batches += 1
-        self._tokens += first_token_count(batch) or 0
+        fed, self._fed = self._fed, None
+        self._tokens += (fed if fed is not None else first_token_count(batch)) or 0
         if int(trainer.global_step) == self._last_global_step:
             return  # gradient accumulation: no optimizer step yet
         steps = int(trainer.global_step) - self._last_global_step
@@ -192,6 +227,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
 
     def finish(self, status: str = T.STATUS_COMPLETE, reason: str | None = None) -> Path | None:
         """End the run: remove the hooks and write the run directory and the report."""
+        self._remove_embedding_hook()
         if self._session is None:
             return None
         return self._session.finish(status, reason)
