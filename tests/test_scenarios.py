@@ -17,7 +17,9 @@ from scenarios import (
     accelerate_cpu_fp16,
     backward_nan,
     benign,
+    fp32_ops,
     huge_activations,
+    huge_gradients,
     lost_updates,
     nan_injection,
     own_loop,
@@ -371,3 +373,40 @@ def test_k_manual_static_loss_scale_is_read_at_its_scale() -> None:
     assert set(scaled.tables["steps"][T.LOSS_SCALE]) == {1024.0}
     with pytest.raises(ValueError, match="with a GradScaler leave it out"):
         precprof.Profiler(torch.nn.Linear(2, 2), scaler=torch.amp.GradScaler("cpu"), loss_scale=8.0)
+
+
+def test_l_what_the_guide_keeps_in_fp32_found_in_bf16() -> None:
+    """A model cast to bf16: norms and softmax ran in bf16, BatchNorm's running statistics and AdamW's states
+    are bf16; each is a finding naming what it found, and the modules go into keep_fp32. Under autocast none."""
+    pure = fp32_ops.run(pure=True)
+    rec = pure.recommend("a100")
+    assert rec.format == "bf16"
+    found = {f.code: f for f in rec.findings}
+    ops = found["bf16_fp32_ops"]
+    assert set(ops.modules) == {"bn", "ln", "attn"}
+    bufs = found["low_precision_buffers"]
+    assert set(bufs.modules) == {"bn"} and "bn.running_mean (bfloat16)" in bufs.message
+    opt = found["low_precision_optimizer_states"]
+    assert opt.numbers["low_precision_bytes"] > 0.9 * opt.numbers["bytes"]  # all but the fp32 step counters
+    assert {"bn", "ln", "attn"} <= set(rec.keep_fp32)
+    mixed = fp32_ops.run(pure=False)
+    found = {f.code: f for f in mixed.recommend("a100").findings}
+    assert not set(found) & {"low_precision_buffers", "low_precision_optimizer_states"}
+    # CPU autocast itself ran the norms in bf16 (CUDA autocast would not): information, no keep list
+    if "bf16_fp32_ops" in found:
+        assert found["bf16_fp32_ops"].severity == "info" and "CUDA autocast" in found["bf16_fp32_ops"].message
+    assert not set(mixed.recommend("a100").keep_fp32) & {"bn", "ln", "attn"}
+
+
+def test_m_no_fp16_scale_that_raises_underflow_is_proposed() -> None:
+    """Where the only overflow-safe fp16 scale (2^-12 here) flushes more gradient values than the run lost at
+    its own scale, every fp16 remedy says bf16 or fp32 instead of proposing it."""
+    rec = huge_gradients.run().recommend("v100")
+    found = {f.code: f for f in rec.findings}
+    under = found["fp16_gradient_underflow"]
+    assert under.numbers["loss_scale_log2"] < under.numbers["run_scale_log2"] == 0
+    assert under.numbers["share_at_recommended"] > under.numbers["share_at_run_scale"] + 0.01
+    for code in ("fp16_gradient_underflow", "fp16_gradient_overflow", "fp16_loss_scale"):
+        assert "bf16 or fp32" in found[code].remedy, code
+        assert "Start" not in found[code].remedy, code
+    assert rec.format != "fp16"

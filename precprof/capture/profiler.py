@@ -477,6 +477,18 @@ class Profiler(HookFactories):
     def status(self) -> tuple[str, str | None]:
         return self._status, self._reason
 
+    def _low_precision_buffers(self) -> list[dict[str, str]]:
+        """Floating buffers of the captured modules held in fp16 or bf16 (BatchNorm running statistics after
+        ``model.half()``, say): the guide keeps them in fp32."""
+        out = []
+        for slot in self._modules:
+            for bname, buf in slot.module.named_buffers(recurse=False):
+                if buf is not None and buf.dtype in (torch.float16, torch.bfloat16):
+                    out.append(
+                        {"module": slot.name, "buffer": bname, "dtype": str(buf.dtype).removeprefix("torch.")}
+                    )
+        return out
+
     def skipped_tensors(self) -> list[dict[str, Any]]:
         """Tensors the statistics could not read (on the ``meta`` device: no data), per row, with how many
         times over the run."""
@@ -531,6 +543,7 @@ class Profiler(HookFactories):
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
             "static_loss_scale": self.loss_scale,
+            "low_precision_buffers": self._low_precision_buffers(),
             "histogram_shift_exact": not (self._scaler_watch is not None and self._scaler_watch.non_pow2),
             "weight_update_sample": self.update_sample if self.weight_updates else 0,
             "fp8_recipe": "per-tensor current scaling, scale = 2^floor(log2(fmax / amax))",

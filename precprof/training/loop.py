@@ -248,7 +248,11 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     model = built.module.to(device)
     if plan.param_dtype != torch.float32:
         model.to(plan.param_dtype)
-    n_fp8 = convert_fp8(model, plan.fp8_library) if plan.fp8_library else 0
+    n_fp8 = (
+        convert_fp8(model, plan.fp8_library, tokens=config.batch_size * config.seq_len)
+        if plan.fp8_library
+        else 0
+    )
     model.train()
     fp = _check_memory(config, built, model, plan, data, device)
     inner = model

@@ -46,6 +46,7 @@ from precprof.analysis.advisor.model import (
 from precprof.analysis.advisor.rules.active import _rule_mixed_precision_active
 from precprof.analysis.advisor.rules.clipping import _rule_scaled_clipping
 from precprof.analysis.advisor.rules.fp16 import _rule_fp16_activations, _rule_loss_scale
+from precprof.analysis.advisor.rules.fp32_ops import _rule_fp32_ops
 from precprof.analysis.advisor.rules.hardware import _rule_hardware, _rule_small_model
 from precprof.analysis.advisor.rules.nonfinite import _rule_nonfinite
 from precprof.analysis.advisor.rules.shapes import _rule_alignment, _rule_fp8
@@ -115,6 +116,9 @@ def recommend(
     layers, hist, steps = _prepare(tables)
     hw, is_preset = _hardware(hardware, summ)
     run = _Run(layers, hist, steps, summ, hw, is_preset, cfg)
+    memory = tables.get("memory")
+    if isinstance(memory, pd.DataFrame):
+        run.memory = memory
     if not layers.empty:
         run.order = layers.groupby(T.MODULE)[T.ORDER].min().fillna(1 << 30).astype(int).to_dict()
         run.types = layers.groupby(T.MODULE)[T.MODULE_TYPE].first().to_dict()
@@ -128,6 +132,7 @@ def recommend(
     _rule_fp16_activations(run, plan)
     _rule_loss_scale(run, plan, fwd_bad)
     _rule_scaled_clipping(run, plan)
+    _rule_fp32_ops(run, plan)
     _rule_lost_updates(run, plan)
     _rule_bf16_range(run, plan)
     _rule_fp8(run, plan, dims)

@@ -24,6 +24,8 @@ class AdvisorConfig:
     # Activation-gradient underflow in fp16: at or below ``fp16_underflow_ok`` it is negligible (the target of
     # the loss-scale rule); above ``fp16_underflow_block`` even at the recommended scale, fp16 is not advised.
     fp16_underflow_ok: float = 0.01
+    # FP8 only when the eligible layers carry more than this share of the linear layers' matmul FLOPs
+    fp8_flops_share_min: float = 0.5
     # fp16 gradients flushed already (an unscaled fp16 run): at least this share of the fp16 activation-gradient
     # values are exact zeros while the smallest nonzero one sits in fp16's subnormals (the distribution runs into
     # the floor), and the loss moved less than ``stalled_loss_change`` (relative) over the run

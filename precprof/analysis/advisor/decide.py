@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import _Plan, _Run
 from precprof.analysis.advisor.model import Recommendation
 from precprof.analysis.advisor.text import _g, _listing, _pct, _scale
 
-# FP8 pays only when the converted layers do most of the matmul work: below this share of the linear layers'
-# FLOPs, the casts and scaling of FP8 and the bf16 rest outweigh what the FP8 matmuls save.
-FP8_FLOPS_SHARE_MIN = 0.5
 
-
-def _fp8_why_not(plan: _Plan, small_params: int) -> str:
+def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     """Why FP8 is not advised on FP8 hardware ("" when it is): no eligible layer, too small a share of the
-    matmul FLOPs in the eligible layers, or too small a model (``AdvisorConfig.small_model_params``)."""
+    matmul FLOPs in the eligible layers (FP8 pays only when the converted layers do most of the matmul work:
+    below ``cfg.fp8_flops_share_min`` the casts and scaling and the bf16 rest outweigh what FP8 saves), or too
+    small a model (``cfg.small_model_params``)."""
+    small_params = cfg.small_model_params
     if not plan.fp8_checked:
         return "no linear layer was recorded, so none can be shown to be FP8-eligible"
     why = plan.fp8_why_not
@@ -24,10 +24,10 @@ def _fp8_why_not(plan: _Plan, small_params: int) -> str:
     if not plan.fp8_eligible:
         return f"none of its {plan.fp8_checked} linear layers is FP8-eligible{causes}"
     share = plan.fp8_flops_share
-    if share is None or share <= FP8_FLOPS_SHARE_MIN:
+    if share is None or share <= cfg.fp8_flops_share_min:
         return (
             f"the {len(plan.fp8_eligible)} FP8-eligible of {plan.fp8_checked} linear layers carry "
-            f"{_pct(share)} of their matmul FLOPs, not more than {_pct(FP8_FLOPS_SHARE_MIN)}{causes}: the rest "
+            f"{_pct(share)} of their matmul FLOPs, not more than {_pct(cfg.fp8_flops_share_min)}{causes}: the rest "
             "would run in bf16 anyway"
         )
     n = plan.n_params
@@ -51,7 +51,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         f" (compute capability {'.'.join(map(str, hw.compute_capability))})" if hw.compute_capability else ""
     )
     fmt: str
-    fp8_why_not = _fp8_why_not(plan, cfg.small_model_params) if hw.fp8_supported and hw.fp8_library else ""
+    fp8_why_not = _fp8_why_not(plan, cfg) if hw.fp8_supported and hw.fp8_library else ""
     if hw.fp8_supported and hw.fp8_library and not fp8_why_not and bf16_ok and not plan.bf16_block:
         fmt = "fp8"
         reasons.append(
@@ -115,7 +115,10 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             f"The model is small ({plan.n_params / 1e6:.3g}M parameters): if {fmt} is not faster in practice, "
             "fp32 is just as good."
         )
-    keep = {"fp16": plan.keep_fp16, "bf16": plan.keep_bf16, "fp8": plan.keep_bf16}.get(fmt, [])
+    keep = list({"fp16": plan.keep_fp16, "bf16": plan.keep_bf16, "fp8": plan.keep_bf16}.get(fmt, []))
+    if fmt not in ("fp32", "tf32"):
+        # norms, softmax and losses found running in 16-bit: fp32 whatever the format (rules/fp32_ops)
+        keep += [m for m in plan.keep_fp32_ops if m not in keep]
     return Recommendation(
         format=fmt,
         loss_scale=2.0**k if fmt == "fp16" else None,

@@ -209,6 +209,8 @@ class _Plan:
     # modules the guide keeps in fp32 whatever the format (norms, softmax, losses found in 16-bit)
     keep_fp32_ops: list[str] = field(default_factory=list)
     fp16_block: list[str] = field(default_factory=list)
+    # the largest safe fp16 loss scale is below the run's and loses more gradient values than the run did
+    fp16_scale_raises_underflow: bool = False
     bf16_block: list[str] = field(default_factory=list)
     keep_bf16: list[str] = field(default_factory=list)
     fp8_eligible: list[str] = field(default_factory=list)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import pandas as pd
+
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import (
     _dtype_has,
@@ -217,6 +219,14 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
             )
         )
     _rule_fp16_underflow(run, plan)
+    if plan.fp16_scale_raises_underflow:
+        for f in plan.findings:
+            if f.code == "fp16_loss_scale":
+                f.severity = INFO
+                f.remedy = (
+                    f"Do not lower GradScaler to {_scale(plan.loss_scale_log2)}: it raises gradient underflow "
+                    "over what the run had (fp16_gradient_underflow); use bf16 or fp32."
+                )
     _rule_fp16_gradient_overflow(run, plan)
     _rule_scaler(run, plan)
 
@@ -242,6 +252,17 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     over_k = _shifted_overflow(counts, FP16, k)
     at1 = _share(sure1, total)
     atk = _share(sure_k, total)
+    # The scale the run had (1 without a scaler): a recommended scale below it that loses more gradient
+    # values than the run did is no remedy; the gradients span more than fp16 holds.
+    k_run = round(math.log2(float(pd.Series(scales).median()))) if scales and min(scales) > 0 else 0
+    at_run = _share(_shifted_underflow(counts, FP16, k_run)[0], total)
+    worse_than_run = k < k_run and atk is not None and (atk - (at_run or 0.0)) > cfg.fp16_underflow_ok
+    if worse_than_run:
+        plan.fp16_scale_raises_underflow = True
+        plan.fp16_block.append(
+            f"the largest fp16 loss scale the gradients allow, {_pow2(k)}, is below the {_pow2(k_run)} this run "
+            f"had and raises activation-gradient underflow from {_pct(at_run)} to {_pct(atk)}"
+        )
     plan.underflow_now, plan.underflow_at_1, plan.underflow_at_rec = now, at1, atk
     wg = _exponent_counts(run.hist, (T.WEIGHT_GRAD,))
     wg_sure, _ = _shifted_underflow(wg, FP16, k)
@@ -305,7 +326,13 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
             " The 2018 Mixed Precision Training paper saw the same for SSD and recovered fp32 accuracy with a "
             "loss scale of 8."
         )
-    if atk is not None and atk > cfg.fp16_underflow_block and residual_matters:
+    if worse_than_run:
+        severity = CRITICAL if (atk or 0) > cfg.fp16_underflow_block else WARNING
+        remedy = (
+            f"Use bf16 or fp32: no fp16 loss scale fits these gradients (the scale that avoids overflow, "
+            f"{_pow2(k)}, flushes {_pct(atk)} of them, against {_pct(at_run)} at the run's {_pow2(k_run)})."
+        )
+    elif atk is not None and atk > cfg.fp16_underflow_block and residual_matters:
         severity = CRITICAL
         plan.fp16_block.append(
             f"{_pct(atk)} of activation-gradient values still underflow fp16 at {_pow2(k)}, the largest safe "
@@ -359,6 +386,8 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
                 "fp16_flushed": flushed,
                 "fp16_smallest_nonzero": floor16 if flushed else None,
                 "loss_change": loss_change,
+                "share_at_run_scale": at_run,
+                "run_scale_log2": k_run,
                 "weight_grad_share_at_recommended": wg_share,
                 "max_module_norm_share_at_recommended": norm_k,
                 "max_norm_share_module": norm_mod,
@@ -385,8 +414,13 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
             f"{_listing(mods, run.cfg.max_listed_modules)} overflow fp16 at loss scale "
             f"{', '.join(f'{s:g}' for s in scales)}; GradScaler skips those steps (and lowers its scale), loss "
             "scaling without an inf check would apply the inf/nan updates.",
-            f"Start at the recommended loss scale {_pow2(plan.loss_scale_log2)}, which keeps the largest "
-            "gradient below the limit.",
+            (
+                "Use bf16 or fp32: the loss scale that keeps these gradients finite in fp16 "
+                f"({_pow2(plan.loss_scale_log2)}) flushes more of the small ones than this run lost."
+                if plan.fp16_scale_raises_underflow
+                else f"Start at the recommended loss scale {_pow2(plan.loss_scale_log2)}, which keeps the largest "
+                "gradient below the limit."
+            ),
             modules=mods,
             numbers={"values": n, "steps": len(steps), "max_scale": max(scales)},
         )

@@ -1,0 +1,118 @@
+"""What the mixed-precision guide keeps in fp32, found running in fp16 or bf16: softmax, normalisation layers
+and losses (their outputs' dtypes), normalisation buffers such as BatchNorm's running statistics, and optimizer
+states (the memory table's dtypes)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from precprof import tables as T
+from precprof import taxonomy
+from precprof.analysis.advisor.evidence import _dtype_has, _Plan, _Run
+from precprof.analysis.advisor.model import INFO, WARNING, Finding
+from precprof.analysis.advisor.text import _listing
+
+_LOW = ("float16", "bfloat16")
+_WHY = {
+    taxonomy.NORM: "normalisation (a mean and a variance over many values)",
+    taxonomy.SOFTMAX: "softmax (exponentials and a sum)",
+    taxonomy.LOSS: "the loss (log-probabilities and a mean)",
+}
+
+
+def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    seen = capture.get("autocast") if isinstance(capture, Mapping) else None
+    autocast = isinstance(seen, Mapping) and bool(seen.get("enabled"))
+    device = str(seen.get("device_type") or "") if isinstance(seen, Mapping) else ""
+    acts = run.kind(T.ACTIVATION)
+    if not acts.empty:
+        kinds = acts[T.MODULE_TYPE].map(taxonomy.kind_of_type)
+        sensitive = acts[kinds.isin(list(_WHY))]
+        for dtype in _LOW:
+            rows = sensitive[_dtype_has(sensitive, dtype)]
+            if rows.empty:
+                continue
+            mods = run.sort(list(dict.fromkeys(rows[T.MODULE])))
+            what = sorted({_WHY[taxonomy.kind_of_type(t)] for t in rows[T.MODULE_TYPE]})
+            fmt = "fp16" if dtype == "float16" else "bf16"
+            if autocast:
+                # autocast chose this (CPU autocast keeps norms and softmax in the low precision; CUDA
+                # autocast runs them in fp32): information, and nothing to add to the keep list
+                severity = INFO
+                how = (
+                    f" Autocast on {device or 'this device'} ran them in {fmt}; CUDA autocast runs normalisation, "
+                    "softmax and losses in fp32."
+                )
+                remedy = "Nothing to do on a GPU; on this device, wrap them in torch.autocast(enabled=False)."
+            else:
+                severity = WARNING if fmt == "fp16" else INFO
+                how = f" Autocast runs these in fp32; a model cast with .to({dtype}) or .half() does not."
+                remedy = (
+                    "Keep them in fp32: train under torch.autocast with fp32 weights, or cast these modules back "
+                    "with .float() and their inputs with them."
+                )
+                plan.keep_fp32_ops += [m for m in mods if m not in plan.keep_fp32_ops]
+            plan.add(
+                Finding(
+                    f"{fmt}_fp32_ops",
+                    severity,
+                    f"{len(mods)} module(s) the guide keeps in fp32 ran in {fmt}",
+                    f"{_listing(mods, run.cfg.max_listed_modules)} produced {dtype} outputs: "
+                    f"{', '.join(what)} lose accuracy in {fmt}"
+                    + (", and fp16's range overflows or underflows there" if fmt == "fp16" else "")
+                    + "."
+                    + how,
+                    remedy,
+                    modules=mods,
+                    numbers={"modules": len(mods), "autocast": int(autocast)},
+                )
+            )
+    bufs = capture.get("low_precision_buffers") if isinstance(capture, Mapping) else None
+    if bufs:
+        mods = run.sort(list(dict.fromkeys(str(b.get("module", "")) for b in bufs)))
+        names = [f"{b.get('module')}.{b.get('buffer')} ({b.get('dtype')})" for b in bufs]
+        plan.keep_fp32_ops += [m for m in mods if m not in plan.keep_fp32_ops]
+        plan.add(
+            Finding(
+                "low_precision_buffers",
+                WARNING,
+                f"{len(bufs)} normalisation buffer(s) held in 16-bit",
+                f"{_listing(names, run.cfg.max_listed_modules)}: running statistics accumulate small updates "
+                "(momentum 0.1 of a batch statistic) that a 16-bit value rounds away, and fp16's range clips a "
+                "running variance.",
+                "Keep normalisation modules and their buffers in fp32 (module.float()).",
+                modules=mods,
+                numbers={"buffers": len(bufs)},
+            )
+        )
+    opt = _optimizer_state_dtypes(run)
+    low = {d: b for d, b in opt.items() if d in _LOW}
+    if low:
+        total = sum(opt.values())
+        plan.add(
+            Finding(
+                "low_precision_optimizer_states",
+                WARNING,
+                "Optimizer states held in 16-bit",
+                f"{sum(low.values()):,} of {total:,} optimizer-state bytes are "
+                + " and ".join(sorted(low))
+                + ": Adam's second moment (the square of the gradient) underflows fp16 for gradients below "
+                "2^-12 and loses bits in bf16, and the first moment rounds away small gradients.",
+                "Keep optimizer states in fp32 (fp32 master weights with autocast do), or use an optimizer "
+                "built for 16-bit states (Kahan summation, stochastic rounding).",
+                numbers={"low_precision_bytes": sum(low.values()), "bytes": total},
+            )
+        )
+
+
+def _optimizer_state_dtypes(run: _Run) -> dict[str, int]:
+    """Optimizer-state bytes by dtype at the last sampled step of the memory table (empty without one)."""
+    mem = run.memory
+    if mem.empty or T.COMPONENT not in mem:
+        return {}
+    rows = mem[mem[T.COMPONENT] == T.OPTIMIZER_STATES]
+    if rows.empty:
+        return {}
+    rows = rows[rows[T.STEP] == rows[T.STEP].max()]
+    return {str(d): int(b) for d, b in rows.groupby(T.DTYPE)[T.BYTES].sum().items()}
