@@ -197,6 +197,11 @@ def mlp_run(
     return b
 
 
+# The hand-built tables stand in for the layers of a large model: under 100M parameters the advisor's default
+# is fp32 (test_small_model_and_roundtrip), which would hide every other decision.
+LARGE = 200_000_000
+
+
 def summary_for(precision: str = "fp32", batch: int = 4, seq: int = 8, **model: Any) -> dict[str, Any]:
     return {
         T.SUMMARY_CONFIG: {
@@ -205,7 +210,7 @@ def summary_for(precision: str = "fp32", batch: int = 4, seq: int = 8, **model: 
             "batch_size": batch,
             "seq_len": seq,
         },
-        T.SUMMARY_MODEL: {"n_params": 3 * 64 * 64, **model},
+        T.SUMMARY_MODEL: {"n_params": LARGE, **model},
     }
 
 
@@ -260,8 +265,8 @@ def test_hardware_decision(
 ) -> None:
     cpu = HardwareInfo(device="cpu", name="CPU", bf16_supported=True, bf16_native=False, preset="cpu")
     rec = recommend(benign, hardware=cpu if target == "cpu" else target, summary=summary_for())
-    # h100: all three layers are FP8-eligible, but a 12,288-parameter model is too small for FP8 (issue 15)
-    expected = {"a100": "bf16", "v100": "fp16", "t4": "fp16", "cpu": "fp32", "h100": "bf16"}[target]
+    # h100: all three layers are FP8-eligible and carry all the FLOPs of a (declared) 200M-parameter model
+    expected = {"a100": "bf16", "v100": "fp16", "t4": "fp16", "cpu": "fp32", "h100": "fp8"}[target]
     assert rec.format == expected
     assert rec.target == target
     assert rec.fp16_loss_scale > 0 and math.log2(rec.fp16_loss_scale).is_integer()
@@ -272,9 +277,7 @@ def test_hardware_decision(
     if target == "cpu":
         assert codes(rec)["bf16_emulated"] == "warning"
     if target == "h100":
-        assert rec.fp8_layers == []
-        assert must(rec, "fp8_eligibility").modules == ["fc1", "fc2", "fc3"]
-        assert "too small for FP8" in " ".join(rec.reasons)
+        assert rec.fp8_layers == must(rec, "fp8_eligibility").modules == ["fc1", "fc2", "fc3"]
         assert "fp8_supported" in codes(rec)
     assert [f.severity for f in rec.findings] == sorted(
         (f.severity for f in rec.findings), key=["critical", "warning", "info"].index
@@ -412,7 +415,10 @@ def test_fp16_blocked_when_a_layer_falls_below_fp16(request: pytest.FixtureReque
     assert f.numbers["max_module_norm_share_at_recommended"] == pytest.approx(1.0)
     assert f.numbers["share_at_recommended"] == pytest.approx(0.5)  # 2 of 4 modules, same sizes
     assert rec.format == "fp32"
-    assert recommend(t, hardware="a100").format == "bf16"
+    assert recommend(t, hardware="a100", summary=summary_for()).format == "bf16"
+    # without a summary the size comes from the weights: 12k parameters, the guide's fp32 default
+    small = recommend(t, hardware="a100")
+    assert small.format == "fp32" and small.measured_format == "bf16"
     check_golden(request, rec)
 
 
@@ -733,23 +739,26 @@ def test_tensor_core_alignment(request: pytest.FixtureRequest) -> None:
 
 
 def test_small_model_and_roundtrip(tmp_path: Path, benign: dict[str, pd.DataFrame]) -> None:
-    summ = summary_for()
+    summ = summary_for(n_params=3 * 64 * 64)
     summ[T.SUMMARY_HARDWARE] = preset("a100").to_dict()
     summ[T.SUMMARY_HARDWARE]["preset"] = None
     rec = recommend(benign, summary=summ)
     f = must(rec, "small_model")
     assert f.numbers["n_params"] == 3 * 64 * 64
-    # hardware=None uses the recording machine from the summary
-    assert rec.target == "A100" and rec.format == "bf16"
+    # hardware=None uses the recording machine from the summary; a 12k-parameter model gets the guide's
+    # default, fp32, with what the measurements allow and why
+    assert rec.target == "A100" and rec.format == "fp32" and rec.measured_format == "bf16"
+    assert "the guide's default is fp32" in rec.reasons[0] and rec.reasons[1].startswith("bf16: ")
     # round trip through JSON, and through a run directory
     again = Recommendation.from_dict(json.loads(json.dumps(rec.to_dict())))
     assert again == rec
     T.write_tables(tmp_path, benign)
     T.write_summary(tmp_path, summ)
     assert recommend(tmp_path) == rec
-    assert recommend(str(tmp_path), hardware="v100").format == "fp16"
+    v100 = recommend(str(tmp_path), hardware="v100")
+    assert v100.format == "fp32" and v100.measured_format == "fp16"
     text = rec.describe()
-    assert text.startswith("Recommended for A100: bf16")
+    assert text.startswith("Recommended for A100: fp32")
     # parameter count from the weight rows when the summary has none
     rec2 = recommend(benign, hardware="a100")
     assert must(rec2, "small_model").numbers["n_params"] == 3 * 64 * 64

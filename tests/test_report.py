@@ -377,7 +377,9 @@ def test_rerender_recomputes_for_a_target(tmp_path: Path) -> None:
     T.write_summary(tmp_path, summary)  # no recommendation stored: the advisor runs
     out = pipeline.rerender(tmp_path, out=tmp_path / "t4.html", target="t4")
     verdict = section(out.read_text(), "verdict")
-    assert "for target hardware: t4" in verdict and 'class="fmt fmt-fp16">FP16' in verdict
+    # a 12k-parameter model: fp32 by default, the measurements allow fp16 on a t4
+    assert "for target hardware: t4" in verdict and 'class="fmt fmt-fp32">FP32' in verdict
+    assert 'class="fmt-inline fmt-fp16">FP16</span>' in verdict
     assert T.SUMMARY_RECOMMENDATION not in T.read_summary(tmp_path)  # re-rendering never rewrites data
     with pytest.raises(UserError, match="unknown hardware target"):
         pipeline.rerender(tmp_path, target="abacus")

@@ -358,6 +358,8 @@ def predicted_trouble(rec: Mapping[str, Any] | None, run: RunResult) -> list[dic
     out = []
     for f in _findings(rec):
         code, sev = str(f.get("code", "")), str(f.get("severity", "")).lower()
+        # a what-if the advisor demoted to information (the verdict is another format) still predicts
+        sev = str((f.get("numbers") or {}).get("demoted_from") or sev).lower()
         if not code.startswith(fmt + "_") or sev not in ("warning", "critical"):
             continue
         if code.endswith("lost_updates") and not run.precision.endswith("-pure"):

@@ -119,6 +119,8 @@ def _verdict(
     return {
         "format": fmt,
         "format_label": formats.label(fmt),
+        "measured_format": str(rec.get("measured_format") or ""),
+        "measured_label": formats.label(str(rec.get("measured_format") or "")),
         "loss_scale": _f(rec.get("loss_scale")),
         "fp16_loss_scale": _f(rec.get("fp16_loss_scale")),
         "growth_interval": rec.get("growth_interval"),

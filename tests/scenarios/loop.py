@@ -14,6 +14,7 @@ from torch import nn
 
 import precprof
 from precprof import tables as T
+from precprof.analysis.advisor import AdvisorConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -27,9 +28,15 @@ class ProfiledRun:
     losses: list[float]
 
     def recommend(
-        self, hardware: str | precprof.hardware.HardwareInfo | None = None
+        self,
+        hardware: str | precprof.hardware.HardwareInfo | None = None,
+        config: AdvisorConfig | None = None,
     ) -> precprof.Recommendation:
-        return precprof.recommend(self.tables, hardware=hardware, summary=self.summary)
+        """The advisor on this run. The scenarios' tiny models stand in for large ones: by default the
+        small-model rule (fp32 under 100M parameters) is off, so the decision the scenario is about shows;
+        pass ``AdvisorConfig()`` for the advisor as users get it."""
+        cfg = config if config is not None else AdvisorConfig(small_model_params=0)
+        return precprof.recommend(self.tables, hardware=hardware, config=cfg, summary=self.summary)
 
 
 def keep_in_fp32(model: nn.Module, names: Sequence[str]) -> None:

@@ -28,7 +28,7 @@ class AdvisorConfig:
     fp8_flops_share_min: float = 0.5
     # fp16 gradients flushed already (an unscaled fp16 run): at least this share of the fp16 activation-gradient
     # values are exact zeros while the smallest nonzero one sits in fp16's subnormals (the distribution runs into
-    # the floor), and the loss moved less than ``stalled_loss_change`` (relative) over the run
+    # the floor); a loss that moved less than ``stalled_loss_change`` (relative) over the run is called stalled
     fp16_flushed_zero_share: float = 0.2
     stalled_loss_change: float = 0.02
     fp16_underflow_block: float = 0.10

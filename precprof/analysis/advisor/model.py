@@ -61,7 +61,10 @@ class Recommendation:
     scaling (fp16), else None; ``fp16_loss_scale`` is the init_scale an fp16 run would use, always present.
     ``growth_interval`` is the GradScaler growth interval to use with ``loss_scale`` (None without scaling).
     ``keep_fp32`` lists modules to run outside autocast; ``fp8_layers`` the layers to convert when ``format``
-    is "fp8" (the rest run in bf16). ``target`` names the hardware the plan is for.
+    is "fp8" (the rest run in bf16). ``target`` names the hardware the plan is for. ``measured_format`` is
+    the format the measurements allow on the target; it differs from ``format`` when the guide's default
+    (fp32 for a model under ``AdvisorConfig.small_model_params``) holds it back, and a measured speed or memory
+    gain (``precprof compare``) is the evidence that overrides the default.
     """
 
     format: str
@@ -73,6 +76,7 @@ class Recommendation:
     reasons: list[str] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     target: str = ""
+    measured_format: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (stored as summary.json["recommendation"])."""

@@ -308,7 +308,12 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
             f"2^-14): the gradients run into fp16's floor and what lies below it was flushed to zero (a value that "
             "underflowed is a zero, so the counts above cannot see it)"
             + (
-                f"; the loss changed by {_pct(abs(loss_change))} over the run"
+                (
+                    f"; the loss did not move (it changed by {_pct(abs(loss_change))} over the run): training "
+                    "stalled"
+                    if abs(loss_change) < cfg.stalled_loss_change
+                    else f"; the loss changed by {_pct(abs(loss_change))} over the run"
+                )
                 if loss_change is not None
                 else ""
             )
