@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import precprof
 from precprof import compare as C
 from precprof import tables as T
 from precprof.analysis import comparison as A
@@ -296,3 +297,25 @@ def test_cli_compare_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
         main(["compare", "--precisions", "fp32"])
     assert exit_info.value.code == 2
     assert "at least two precisions" in capsys.readouterr().err
+
+
+def test_small_model_default_is_checked_against_the_measured_speed(tmp_path: Path) -> None:
+    """A small model gets fp32 by default with the format its measurements allow; compare times that format:
+    faster by at least SMALL_MODEL_MIN_SPEEDUP and matching, the measurement overrides the default, else the
+    default stands. Real runs; the status follows the speed measured here."""
+    base = TrainConfig(
+        model="gpt-nano", steps=12, batch_size=4, seq_len=32, sample_every=4, progress=False, report=False
+    )
+    comp = C.compare(base, "fp32,bf16", out=tmp_path)
+    ref, low = comp.runs
+    # the advice for a machine with native bf16 (this one may have none): fp32 by default, bf16 measured safe
+    rec = precprof.recommend(tmp_path / "fp32", hardware="a100").to_dict()
+    assert rec["format"] == "fp32" and rec["measured_format"] == "bf16"
+    ref.recommendation = rec
+    checks = A.check_against_runs(comp.runs, ref)
+    check = next(c for c in checks if "default for a model this small" in c.text)
+    assert check.run == low.label and low.speedup is not None
+    if low.outcome in (A.MATCHED, A.AHEAD) and low.speedup >= A.SMALL_MODEL_MIN_SPEEDUP:
+        assert check.status == A.OVERRIDDEN and "use bf16" in check.text
+    else:
+        assert check.status == A.CONFIRMED and "keep fp32" in check.text

@@ -42,13 +42,16 @@ REFERENCE, MATCHED, BEHIND, AHEAD, STALLED, DIVERGED, FAILED = (
 )
 BAD_OUTCOMES = frozenset({BEHIND, STALLED, DIVERGED})
 # verdict-check statuses
-CONFIRMED, CONTRADICTED, NOT_BORNE_OUT, MISSED, UNCHECKED = (
+CONFIRMED, CONTRADICTED, NOT_BORNE_OUT, MISSED, UNCHECKED, OVERRIDDEN = (
     "confirmed",
     "contradicted",
     "not borne out",
     "missed",
     "not checked",
+    "overridden by measurement",
 )
+# the speedup over the reference that overrides the advisor's small-model default (fp32)
+SMALL_MODEL_MIN_SPEEDUP = 1.1
 
 
 @dataclass(frozen=True)
@@ -396,6 +399,28 @@ def check_against_runs(runs: Sequence[RunResult], ref: RunResult) -> list[Check]
                 checks.append(
                     Check(
                         CONFIRMED if ok else CONTRADICTED, f"{said}: {outcome_sentence(r, ref, 0)}", r.label
+                    )
+                )
+        # The small-model default (fp32) against the evidence: a run in the format the measurements allow
+        # that matched the reference and ran faster overrides it.
+        measured = str(rec.get("measured_format") or "")
+        if fmt == "fp32" and measured and measured not in ("fp32", "tf32"):
+            for r in others:
+                if r.precision != measured or r.outcome not in (MATCHED, AHEAD) or r.speedup is None:
+                    continue
+                faster = r.speedup >= SMALL_MODEL_MIN_SPEEDUP
+                checks.append(
+                    Check(
+                        OVERRIDDEN if faster else CONFIRMED,
+                        f"The advisor's default for a model this small is fp32; the measurements allowed {measured}, "
+                        f"and the {r.label} run {'matched' if r.outcome == MATCHED else 'beat'} {ref.label} at "
+                        f"{r.speedup:.2f}x its speed: "
+                        + (
+                            f"the measured gain overrides the default, use {measured}."
+                            if faster
+                            else f"no gain worth it (below {SMALL_MODEL_MIN_SPEEDUP:.2f}x), keep fp32."
+                        ),
+                        r.label,
                     )
                 )
         advised = rec.get("fp16_loss_scale")
