@@ -115,7 +115,9 @@ def _verdict(
         return None
     fmt = str(rec.get("format") or "")
     current = S.requested_precision(summary)
-    saving = S.expected_saving(records, float(measured.get("total") or 0.0), current, fmt)
+    # the run's training memory: precprof's own buffers and scratch are not part of what a format changes
+    own = float((measured.get("components") or {}).get(T.PROFILER_BUFFERS) or 0.0)
+    saving = S.expected_saving(records, float(measured.get("total") or 0.0) - own, current, fmt)
     return {
         "format": fmt,
         "format_label": formats.label(fmt),
