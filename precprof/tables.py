@@ -290,7 +290,11 @@ def write_tables(run_dir: str | Path, tables: Mapping[str, pd.DataFrame]) -> Non
     run_dir.mkdir(parents=True, exist_ok=True)
     for name, df in tables.items():
         out = frame(name, df)
-        _atomic.write_with(run_dir / TABLE_FILES[name], lambda tmp, out=out: out.to_parquet(tmp, index=False))
+
+        def write(tmp: Path, out: pd.DataFrame = out) -> None:
+            out.to_parquet(tmp, index=False)
+
+        _atomic.write_with(run_dir / TABLE_FILES[name], write)
 
 
 def missing_tables(run_dir: str | Path) -> list[str]:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,7 @@ def _calling_trainer() -> Any:
         from transformers import Trainer
     except ImportError:  # pragma: no cover - transformers is imported above
         return None
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     try:
         for _ in range(32):
             if frame is None:
