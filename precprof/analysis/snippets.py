@@ -1,0 +1,357 @@
+"""The recommendation as code to paste: plain PyTorch, Hugging Face, Lightning, FSDP and torchao.
+
+Pure text generation from the recommendation's dict form (``Recommendation.to_dict()``, the shape stored in
+summary.json), so that the report can show it without importing the advisor. Module names are user data: they
+appear in the code only as Python string literals (``repr``), never in comments or as code.
+
+Every snippet assumes the names of a training script: ``model``, ``optimizer``, ``loader`` (yielding
+``inputs, targets``) and ``loss_fn``; ``device_type`` is set at the top so the code can be tried on a CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+FRAMEWORKS: tuple[str, ...] = ("pytorch", "hf", "lightning", "fsdp", "torchao")
+
+LABELS: dict[str, str] = {
+    "pytorch": "PyTorch",
+    "hf": "Hugging Face Trainer",
+    "lightning": "Lightning",
+    "fsdp": "FSDP",
+    "torchao": "torchao (FP8)",
+}
+
+SNIPPET_FORMATS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16", "fp8")
+
+_FORMAT_LABEL = {"fp32": "FP32", "tf32": "TF32", "bf16": "BF16", "fp16": "FP16", "fp8": "FP8"}
+
+_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp8": "torch.bfloat16"}
+
+_DEFAULT_SCALE = 2.0**16
+
+_DEFAULT_GROWTH = 2000
+
+_CUDA = '"cuda"'
+
+_HEAD = "# assumes model, optimizer, loader (inputs, targets) and loss_fn from your training script"
+
+_RUN_IN_FP32 = '''\
+def run_in_fp32(module):
+    """Run ``module`` outside autocast, in float32: its floating-point inputs are cast to float32."""
+    forward = module.forward
+
+    def _cast(x):
+        return x.float() if torch.is_tensor(x) and x.is_floating_point() else x
+
+    def fp32_forward(*args, **kwargs):
+        with torch.autocast(device_type, enabled=False):
+            return forward(*[_cast(a) for a in args], **{k: _cast(v) for k, v in kwargs.items()})
+
+    module.forward = fp32_forward
+    return module'''
+
+_TF32 = """\
+torch.backends.cuda.matmul.allow_tf32 = True
+torch.backends.cudnn.allow_tf32 = True
+torch.set_float32_matmul_precision("high")"""
+
+
+def frameworks(fmt: str) -> tuple[str, ...]:
+    """The frameworks a snippet exists for: torchao only for fp8."""
+    return FRAMEWORKS if fmt == "fp8" else tuple(f for f in FRAMEWORKS if f != "torchao")
+
+
+def scale_literal(value: Any) -> str:
+    """``value`` as a Python expression: ``2.0**k`` for a positive power of two, else the exact float."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        x = _DEFAULT_SCALE
+    if not math.isfinite(x):
+        return f'float("{x!r}")'
+    m, e = math.frexp(x)
+    if x > 0 and m == 0.5:
+        return f"2.0**{e - 1}"
+    return repr(x)
+
+
+def _int(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return default
+
+
+def _names(values: Any) -> list[str]:
+    return [str(v) for v in values or []]
+
+
+def _list_literal(names: list[str], brackets: str = "[]") -> str:
+    if not names:
+        return "set()" if brackets == "{}" else "[]"
+    items = [repr(n) for n in names]
+    one = brackets[0] + ", ".join(items) + brackets[1]
+    if len(one) <= 80:
+        return one
+    return brackets[0] + "\n" + "".join(f"    {i},\n" for i in items) + brackets[1]
+
+
+class _Plan:
+    """The fields a snippet needs, read defensively from the dict (an edited summary.json may hold anything)."""
+
+    def __init__(self, rec: Mapping[str, Any], fmt: str) -> None:
+        self.fmt = fmt
+        self.keep = _names(rec.get("keep_fp32"))
+        self.fp8 = _names(rec.get("fp8_layers"))
+        scale = rec.get("loss_scale") if rec.get("format") == "fp16" else None
+        self.scale = scale_literal(scale if scale is not None else rec.get("fp16_loss_scale", _DEFAULT_SCALE))
+        self.growth = _int(rec.get("growth_interval"), _DEFAULT_GROWTH)
+        if self.growth <= 0:
+            self.growth = _DEFAULT_GROWTH
+
+    @property
+    def dtype(self) -> str:
+        return _DTYPE[self.fmt]
+
+    @property
+    def autocast(self) -> bool:
+        return self.fmt in _DTYPE
+
+    def keep_block(self, getter: str = "model.get_submodule") -> list[str]:
+        if not self.keep or not self.autocast:
+            return []
+        return [
+            "",
+            "",
+            _RUN_IN_FP32,
+            "",
+            "",
+            f"keep_fp32 = {_list_literal(self.keep)}",
+            "for name in keep_fp32:",
+            f"    run_in_fp32({getter}(name))",
+        ]
+
+    def fp8_block(self, target: str = "model") -> list[str]:
+        lines = [
+            f"fp8_layers = {_list_literal(self.fp8, '{}')}",
+            "convert_to_float8_training(",
+            f"    {target}, module_filter_fn=lambda mod, fqn: fqn in fp8_layers",
+            ")",
+        ]
+        if not self.fp8:
+            lines.insert(0, "# the recommendation lists no FP8-eligible layer: nothing is converted")
+        return lines
+
+    def scaler(self, cls: str = "torch.amp.GradScaler", device: str = "device_type") -> str:
+        return f"{cls}({device}, init_scale={self.scale}, growth_interval={self.growth})"
+
+
+def _loop(plan: _Plan) -> list[str]:
+    lines = ["for inputs, targets in loader:", "    optimizer.zero_grad(set_to_none=True)"]
+    if plan.autocast:
+        lines += [
+            f"    with torch.autocast(device_type, dtype={plan.dtype}):",
+            "        loss = loss_fn(model(inputs), targets)",
+        ]
+    else:
+        lines += ["    loss = loss_fn(model(inputs), targets)"]
+    if plan.fmt == "fp16":
+        lines += [
+            "    scaler.scale(loss).backward()",
+            "    scaler.unscale_(optimizer)  # true gradients from here: clip them here if you clip",
+            "    scaler.step(optimizer)  # skips the step when a gradient is inf or nan",
+            "    scaler.update()",
+        ]
+    else:
+        lines += ["    loss.backward()", "    optimizer.step()"]
+    return lines
+
+
+def _pytorch(plan: _Plan) -> list[str]:
+    fmt = plan.fmt
+    out = ["import torch"]
+    if fmt == "fp8":
+        out.append("from torchao.float8 import convert_to_float8_training")
+    out += ["", _HEAD, 'device_type = "cuda"']
+    if fmt == "fp32":
+        out += ["# FP32: no autocast and no GradScaler, the loop stays as it is"]
+    elif fmt == "tf32":
+        out += ["# TF32: FP32 weights and activations, matmuls and convolutions on TF32 tensor cores", _TF32]
+    elif fmt == "bf16":
+        out += ["# BF16 autocast: no GradScaler (BF16 has FP32's range)"]
+    elif fmt == "fp16":
+        out += ["# FP16 autocast with a GradScaler at the recommended initial scale and growth interval"]
+    else:
+        out += ["# FP8 training for the eligible layers (torchao), BF16 autocast for the rest", ""]
+        out += plan.fp8_block()
+    out += plan.keep_block()
+    if fmt == "fp16":
+        out += ["", f"scaler = {plan.scaler()}"]
+    out += ["", *_loop(plan)]
+    return out
+
+
+def _hf(plan: _Plan) -> list[str]:
+    fmt = plan.fmt
+    out = ["import torch", "from transformers import Trainer, TrainingArguments", ""]
+    out += ["# assumes model and train_dataset from your training script"]
+    flags = {"bf16": "bf16=True", "fp16": "fp16=True", "tf32": "tf32=True", "fp8": "bf16=True"}
+    if fmt == "fp8":
+        out[1:1] = ["from torchao.float8 import convert_to_float8_training"]
+        out += [
+            "# FP8 for the eligible layers (torchao) before building the Trainer, BF16 autocast for the rest"
+        ]
+        out += [*plan.fp8_block(), ""]
+    if plan.keep and plan.autocast:
+        out += ['device_type = "cuda"', *plan.keep_block(), ""]
+    if fmt == "fp32":
+        out += ["# FP32 is the Trainer's default: no bf16/fp16 flag"]
+    args = ['output_dir="out"'] + ([flags[fmt]] if fmt in flags else [])
+    out += ["args = TrainingArguments(" + ", ".join(args) + ")"]
+    out += ["trainer = Trainer(model=model, args=args, train_dataset=train_dataset)"]
+    if fmt == "fp16":
+        out += [
+            "# TrainingArguments has no init_scale: the Trainer's GradScaler starts at 2**16 with growth_interval",
+            "# 2000; replace it before train() to start at the recommended scale",
+            f"trainer.accelerator.scaler = {plan.scaler(device=_CUDA)}",
+        ]
+    out += ["trainer.train()"]
+    return out
+
+
+def _lightning(plan: _Plan) -> list[str]:
+    fmt = plan.fmt
+    out = ["import lightning as L", "import torch"]
+    if fmt == "fp8":
+        out.append("from torchao.float8 import convert_to_float8_training")
+    if fmt == "fp16":
+        out.append("from lightning.pytorch.plugins import MixedPrecision")
+    out += ["", "# assumes model (a LightningModule) and loader from your training script"]
+    if fmt == "tf32":
+        out += [_TF32, ""]
+    if fmt == "fp8":
+        out += ["# in your LightningModule's configure_model (or before fit): FP8 for the eligible layers"]
+        out += [*plan.fp8_block(), ""]
+    if plan.keep and plan.autocast:
+        out += ['device_type = "cuda"', *plan.keep_block(), ""]
+    if fmt == "fp16":
+        out += [
+            "# precision='16-mixed' with the recommended GradScaler (Trainer(precision=...) would start at 2**16)",
+            f"scaler = {plan.scaler(device=_CUDA)}",
+            'trainer = L.Trainer(plugins=[MixedPrecision("16-mixed", "cuda", scaler=scaler)])',
+        ]
+    else:
+        precision = {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed", "fp8": "bf16-mixed"}[fmt]
+        out += [f'trainer = L.Trainer(precision="{precision}")']
+    if fmt == "fp8":
+        out += [
+            '# or Trainer(precision="transformer-engine"): Transformer Engine FP8 for every nn.Linear,'
+            " without the layer filter"
+        ]
+    out += ["trainer.fit(model, loader)"]
+    return out
+
+
+def _fsdp(plan: _Plan) -> list[str]:
+    fmt = plan.fmt
+    out = ["import torch", "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP"]
+    out += ["from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard"]
+    if fmt == "fp8":
+        out.append("from torchao.float8 import convert_to_float8_training")
+    if fmt == "fp16":
+        out.append("from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler")
+    out += ["", "# assumes model from your training script, in an initialised process group"]
+    if fmt == "tf32":
+        out += [_TF32, ""]
+    if fmt == "fp8":
+        out += ["# FP8 for the eligible layers, before sharding", *plan.fp8_block(), ""]
+    keep = plan.keep and plan.autocast
+    if keep:
+        out += [f"keep_fp32 = {_list_literal(plan.keep)}", ""]
+    if not plan.autocast:
+        out += [f"# {_FORMAT_LABEL[fmt]}: no mixed-precision policy", "# FSDP1", "model = FSDP(model)"]
+        out += ["# FSDP2 (fully_shard): shard each block, then the root", "# fully_shard(model)"]
+    else:
+        dt = plan.dtype
+        out += [
+            "# FSDP1: compute in the low dtype, reduce gradients and keep buffers in FP32",
+            f"mp = MixedPrecision(param_dtype={dt}, reduce_dtype=torch.float32, buffer_dtype=torch.float32)",
+        ]
+        if keep:
+            out += [
+                "# the kept modules get their own FSDP unit in FP32 (wrap them before the root)",
+                "fp32_mp = MixedPrecision(param_dtype=torch.float32, cast_forward_inputs=True)",
+                "for name in keep_fp32:",
+                "    parent, _, child = name.rpartition('.')",
+                "    owner = model.get_submodule(parent)",
+                "    setattr(owner, child, FSDP(owner.get_submodule(child), mixed_precision=fp32_mp))",
+            ]
+        out += ["model = FSDP(model, mixed_precision=mp)", ""]
+        out += [
+            "# FSDP2 (fully_shard) instead of FSDP1:",
+            f"# policy = MixedPrecisionPolicy(param_dtype={dt}, reduce_dtype=torch.float32)",
+        ]
+        if keep:
+            out += [
+                "# fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)",
+                "# for name in keep_fp32:",
+                "#     fully_shard(model.get_submodule(name), mp_policy=fp32_policy)",
+            ]
+        out += ["# fully_shard(model, mp_policy=policy)  # after each block, as for any fully_shard model"]
+    if fmt == "fp16":
+        out += ["", "# FP16 needs a GradScaler that knows about sharded gradients"]
+        out += [f"scaler = {plan.scaler('ShardedGradScaler', device=_CUDA)}"]
+        out += ["# then the loop as in plain PyTorch: scaler.scale(loss).backward(), step, update"]
+    return out
+
+
+def _torchao(plan: _Plan) -> list[str]:
+    out = ["import torch", "from torchao.float8 import convert_to_float8_training", ""]
+    out += ["# FP8 training for the eligible layers; the other layers run under BF16 autocast"]
+    out += plan.fp8_block()
+    out += ["model = torch.compile(model)  # torchao's FP8 is fast only when compiled"]
+    return out
+
+
+_BUILDERS = {"pytorch": _pytorch, "hf": _hf, "lightning": _lightning, "fsdp": _fsdp, "torchao": _torchao}
+
+
+def snippet(rec: Mapping[str, Any], framework: str = "pytorch", fmt: str | None = None) -> str:
+    """The code that sets up ``rec``'s format (or ``fmt``) in ``framework``, as one string ending in a newline.
+
+    When the measurements allow another format than the recommended one (``measured_format``), a comment
+    says so; ``snippet(rec, framework, rec["measured_format"])`` gives the code for that one.
+    """
+    fmt = str(rec.get("format") or "") if fmt is None else fmt
+    if fmt not in SNIPPET_FORMATS:
+        raise ValueError(f"no snippet for format {fmt!r}; expected one of {', '.join(SNIPPET_FORMATS)}")
+    if framework not in frameworks(fmt):
+        raise ValueError(f"no {fmt} snippet for {framework!r}; expected one of {', '.join(frameworks(fmt))}")
+    lines = _BUILDERS[framework](_Plan(rec, fmt))
+    measured = str(rec.get("measured_format") or "")
+    if fmt == rec.get("format") and measured in SNIPPET_FORMATS and measured != fmt:
+        lines = [
+            f"# precprof: {_FORMAT_LABEL[fmt]} is the default for a model this small; the measurements allow "
+            f"{_FORMAT_LABEL[measured]}",
+            f"# (measure its gain with `precprof compare`; its code is the {_FORMAT_LABEL[measured]} snippet)",
+            *lines,
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def snippets(rec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(label, code) for every framework, then for the format the measurements allow when it differs."""
+    fmt = str(rec.get("format") or "")
+    if fmt not in SNIPPET_FORMATS:
+        return []
+    out = [(LABELS[f], snippet(rec, f)) for f in frameworks(fmt)]
+    measured = str(rec.get("measured_format") or "")
+    if measured in SNIPPET_FORMATS and measured != fmt:
+        label = _FORMAT_LABEL[measured]
+        out += [
+            (f"{LABELS[f]}: {label}, as measured", snippet(rec, f, measured)) for f in frameworks(measured)
+        ]
+    return out
