@@ -16,6 +16,7 @@ import pandas as pd
 
 from precprof import __version__, formats
 from precprof import tables as T
+from precprof.analysis import snippets as snippet_code
 from precprof.report import filters as F
 from precprof.report import plots
 from precprof.report import summarize as S
@@ -132,6 +133,7 @@ def _verdict(
         "target": rec.get("target"),
         "current": current,
         "saving": saving,
+        "snippets": snippet_code.snippets(rec),
     }
 
 

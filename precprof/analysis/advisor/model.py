@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from precprof.analysis import snippets as _snippets
 from precprof.analysis.advisor.text import _listing, _log2i, _name, _scale
 
 CRITICAL = "critical"
@@ -89,6 +90,13 @@ class Recommendation:
         kw = {k: v for k, v in d.items() if k in known}
         kw["findings"] = [Finding.from_dict(f) for f in d.get("findings", [])]
         return cls(**kw)
+
+    def snippet(self, framework: str = "pytorch", format: str | None = None) -> str:
+        """The code that sets this plan up in ``framework`` ("pytorch", "hf", "lightning", "fsdp", or "torchao"
+        when the format is fp8), as the report shows it; ``format`` (e.g. ``measured_format``) asks for
+        another format's code with this plan's loss scale and module lists. Raises ValueError for an unknown
+        framework or format."""
+        return _snippets.snippet(self.to_dict(), framework, format)
 
     def finding(self, code: str) -> Finding | None:
         """The finding with ``code``, or None."""

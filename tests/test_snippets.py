@@ -1,0 +1,184 @@
+"""The configuration to paste (issue 16): the recommendation as code, executed here on a tiny CPU model."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from markupsafe import escape
+from report_fixtures import gpt_layers, recommendation_dict, synthetic_run
+from torch import nn
+
+from precprof.analysis import snippets as S
+from precprof.analysis.advisor.model import Recommendation
+from precprof.report import render_html
+
+HOSTILE = 'a"; import os; os.system("x") #'
+
+CUDA_LINE = 'device_type = "cuda"'
+
+
+def rec(fmt: str, **kw: Any) -> Recommendation:
+    base: dict[str, Any] = {
+        "format": fmt,
+        "loss_scale": None,
+        "fp16_loss_scale": 2.0**15,
+        "growth_interval": None,
+        "target": "h100",
+    }
+    base.update(kw)
+    return Recommendation(**base)
+
+
+BF16 = rec("bf16", keep_fp32=["head"])
+FP16 = rec("fp16", loss_scale=2.0**12, fp16_loss_scale=2.0**12, growth_interval=500, keep_fp32=["head"])
+FP32 = rec("fp32", measured_format="bf16")
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+        self.seen: list[tuple[bool, torch.dtype]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return self.head(torch.relu(self.body(x)))
+
+
+def execute(code: str) -> dict[str, Any]:
+    """Run a pytorch snippet on CPU with the names it assumes; returns its namespace."""
+    assert code.count(CUDA_LINE) == 1
+    torch.manual_seed(0)
+    model = Tiny()
+    out_dtypes: dict[str, torch.dtype] = {}
+    for name in ("body", "head"):
+        model.get_submodule(name).register_forward_hook(
+            lambda mod, args, out, name=name: out_dtypes.__setitem__(name, out.dtype)
+        )
+    ns: dict[str, Any] = {
+        "model": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.01),
+        "loader": [(torch.randn(16, 8), torch.randn(16, 4)) for _ in range(2)],
+        "loss_fn": lambda out, target: nn.functional.mse_loss(out.float(), target),
+        "out_dtypes": out_dtypes,
+    }
+    exec(compile(code.replace(CUDA_LINE, 'device_type = "cpu"'), "<snippet>", "exec"), ns)
+    return ns
+
+
+@pytest.mark.parametrize("r", [BF16, FP16, FP32], ids=["bf16", "fp16", "fp32"])
+def test_every_framework_snippet_compiles(r: Recommendation) -> None:
+    for fw in S.frameworks(r.format):
+        compile(r.snippet(fw), f"<{fw}>", "exec")
+    assert "torchao" not in S.frameworks(r.format)
+
+
+def test_fp8_snippets_compile_and_filter_the_eligible_layers() -> None:
+    r = rec("fp8", fp8_layers=["blocks.0.mlp.fc", "blocks.1.mlp.fc"], keep_fp32=["lm_head"])
+    assert "torchao" in S.frameworks("fp8")
+    for fw in S.frameworks("fp8"):
+        code = r.snippet(fw)
+        compile(code, f"<{fw}>", "exec")
+        assert "convert_to_float8_training" in code, fw
+        assert "{'blocks.0.mlp.fc', 'blocks.1.mlp.fc'}" in code, fw
+    assert "torch.bfloat16" in r.snippet("pytorch")
+    assert 'precision="bf16-mixed"' in r.snippet("lightning")
+    assert "transformer-engine" in r.snippet("lightning")
+
+
+def test_bf16_snippet_runs_autocast_bf16_with_the_kept_module_in_fp32() -> None:
+    ns = execute(BF16.snippet("pytorch"))
+    model = ns["model"]
+    assert model.seen and all(seen == (True, torch.bfloat16) for seen in model.seen)
+    assert ns["out_dtypes"] == {"body": torch.bfloat16, "head": torch.float32}
+    assert "scaler" not in ns
+
+
+def test_fp16_snippet_runs_autocast_fp16_with_the_recommended_scaler() -> None:
+    code = FP16.snippet("pytorch")
+    assert "init_scale=2.0**12, growth_interval=500" in code
+    ns = execute(code)
+    model, scaler = ns["model"], ns["scaler"]
+    assert model.seen and all(seen == (True, torch.float16) for seen in model.seen)
+    assert ns["out_dtypes"] == {"body": torch.float16, "head": torch.float32}
+    assert isinstance(scaler, torch.amp.GradScaler)
+    assert scaler.get_scale() == FP16.loss_scale  # two finite steps: no backoff, no growth before 500
+    assert scaler.get_growth_interval() == 500
+
+
+def test_fp32_snippet_runs_without_autocast_and_names_the_measured_format() -> None:
+    code = FP32.snippet("pytorch")
+    assert "the measurements allow BF16" in code
+    ns = execute(code)
+    assert all(not enabled for enabled, _ in ns["model"].seen)
+    assert ns["out_dtypes"] == {"body": torch.float32, "head": torch.float32}
+    assert "scaler" not in ns
+    # the measured format's code is there too, and runs
+    labels = [label for label, _ in S.snippets(FP32.to_dict())]
+    assert "PyTorch: BF16, as measured" in labels
+    ns = execute(FP32.snippet("pytorch", "bf16"))
+    assert all(seen == (True, torch.bfloat16) for seen in ns["model"].seen)
+
+
+def test_loss_scale_is_written_exactly() -> None:
+    assert S.scale_literal(2.0**15) == "2.0**15"
+    assert S.scale_literal(2.0**-3) == "2.0**-3"
+    assert S.scale_literal(3000.0) == "3000.0"
+    assert eval(S.scale_literal(2.0**-30)) == 2.0**-30
+
+
+def test_hf_lightning_fsdp_settings() -> None:
+    assert "fp16=True" in FP16.snippet("hf") and "init_scale=2.0**12" in FP16.snippet("hf")
+    assert "bf16=True" in BF16.snippet("hf")
+    assert "tf32=True" in rec("tf32").snippet("hf")
+    assert 'MixedPrecision("16-mixed"' in FP16.snippet("lightning")
+    assert 'precision="32-true"' in FP32.snippet("lightning")
+    fsdp = BF16.snippet("fsdp")
+    assert (
+        "MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32)"
+        in fsdp
+    )
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in fsdp
+    assert "ShardedGradScaler(" in FP16.snippet("fsdp")
+    with pytest.raises(ValueError):
+        BF16.snippet("torchao")
+    with pytest.raises(ValueError):
+        BF16.snippet("keras")
+
+
+def test_hostile_module_name_is_only_a_string_literal() -> None:
+    r = rec("fp16", loss_scale=2.0**12, growth_interval=500, keep_fp32=[HOSTILE], fp8_layers=[HOSTILE])
+    for fmt in S.SNIPPET_FORMATS:
+        for fw in S.frameworks(fmt):
+            code = r.snippet(fw, fmt)
+            compile(code, f"<{fw}>", "exec")
+            assert HOSTILE not in code.replace(repr(HOSTILE), "")
+    # executing it looks the name up as a module (and fails there); os.system never runs
+    code = r.snippet("pytorch")
+    calls: list[str] = []
+    ns: dict[str, Any] = {"model": Tiny(), "optimizer": None, "loader": [], "loss_fn": None}
+    real = os.system
+    os.system = lambda cmd: calls.append(cmd) or 0  # type: ignore[assignment]
+    try:
+        with pytest.raises(AttributeError):
+            exec(compile(code.replace(CUDA_LINE, 'device_type = "cpu"'), "<snippet>", "exec"), ns)
+    finally:
+        os.system = real
+    assert calls == []
+
+
+def test_report_shows_the_escaped_snippets() -> None:
+    tabs, summary = synthetic_run("fp16", layers=gpt_layers(n_layer=1), steps=6, sample_every=2, seed=1)
+    rd = recommendation_dict()
+    rd["keep_fp32"] = [*rd["keep_fp32"], "<b>x</b>"]
+    page = render_html(tabs, summary, rd)
+    code = Recommendation.from_dict(rd).snippet("pytorch")
+    assert str(escape(code)) in page
+    assert str(escape(repr("<b>x</b>"))) in page and "<b>x</b>" not in page
+    for label in ("PyTorch", "Hugging Face Trainer", "Lightning", "FSDP"):
+        assert f"<summary>{label}</summary>" in page
+    assert "torchao (FP8)" not in page  # fp16 verdict
