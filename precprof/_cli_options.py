@@ -24,7 +24,7 @@ Model = Annotated[
         "-m",
         metavar="NAME",
         help="gpt-nano (default), gpt-mini, gpt2-small, gpt2-medium, llama-mini, mlp, cnn-bn, "
-        "hf:<model_type>, path/to/file.py:factory or package.module:factory.",
+        "hf:<model_type>, or a factory of your own: path/to/FILE.py:FACTORY or MODULE:FACTORY.",
     ),
 ]
 ModelArgs = Annotated[
@@ -50,7 +50,9 @@ BatchSize = Annotated[int, typer.Option(help="Sequences per step.")]
 SeqLen = Annotated[int, typer.Option(help="Tokens per sequence.")]
 GradClip = Annotated[float, typer.Option(help="Max gradient norm (unscaled); 0 disables clipping.")]
 Seed = Annotated[int, typer.Option(help="Random seed (weights and data sampling; the same for every run).")]
-DeviceOpt = Annotated[Device, typer.Option("--device", help="auto: cuda when available.")]
+DeviceOpt = Annotated[
+    Device, typer.Option("--device", metavar="DEVICE", help="auto (cuda when available), cpu or cuda.")
+]
 Data = Annotated[str, typer.Option(help="synthetic, or the path of a text file (read as bytes).")]
 Overwrite = Annotated[
     bool, typer.Option("--overwrite", help="Replace the run(s) already in --out (other files there stay).")
@@ -64,7 +66,7 @@ Distributed = Annotated[
     str,
     typer.Option(
         metavar="STRATEGY",
-        help="Under torchrun: ddp (DistributedDataParallel), fsdp2 (fully_shard) or fsdp1; rank 0 writes.",
+        help="Under torchrun: ddp (data parallel), fsdp2 (fully_shard) or fsdp1; rank 0 writes.",
     ),
 ]
 

@@ -49,8 +49,43 @@ def _stopped(e: KeyboardInterrupt) -> str:
     return interrupted.reason if interrupted is not None else "interrupted"
 
 
+def _tidy_params(params: list[Any]) -> list[Any]:
+    """No value placeholder for a flag (typer >= 0.2x shows ``<bool>`` after ``--overwrite`` and ``--help``)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and getattr(param, "metavar", "") is None:
+            param.metavar = ""
+    return params
+
+
+def _usage_pieces(command: Any, ctx: Any) -> list[str]:
+    """The usage line with arguments as ``RUN_DIR`` (``[RUN_DIR]`` when optional), not typer's ``{run_dir}``."""
+    pieces = [command.options_metavar] if command.options_metavar else []
+    for param in command.get_params(ctx):
+        if getattr(param, "param_type_name", "") != "argument":
+            pieces.extend(param.get_usage_pieces(ctx))
+            continue
+        name = param.metavar or (param.name or "").upper()
+        name += "..." if param.nargs != 1 else ""
+        pieces.append(name if param.required else f"[{name}]")
+    return pieces
+
+
+class _Command(typer.core.TyperCommand):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _tidy_params(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return _usage_pieces(self, ctx)
+
+
+class _Group(typer.core.TyperGroup):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _tidy_params(super().get_params(ctx))
+
+
 app = typer.Typer(
     name="precprof",
+    cls=_Group,
     help="Precision profiler for mixed-precision PyTorch training.",
     no_args_is_help=True,
     add_completion=False,
@@ -74,11 +109,12 @@ def _root(
     """Precision profiler for mixed-precision PyTorch training."""
 
 
-@app.command()
+@app.command(cls=_Command)
 @O.training_options()
 def train(
     precision: Annotated[
-        Precision, typer.Option("--precision", "-p", help="Precision mode.")
+        Precision,
+        typer.Option("--precision", "-p", metavar="MODE", help=f"{', '.join(p.value for p in Precision)}."),
     ] = Precision.FP32,
     loss_scale: Annotated[
         str,
@@ -90,8 +126,8 @@ def train(
     out: Annotated[
         Path | None,
         typer.Option(
-            help="Run directory (default: runs/<model>-<precision>-<timestamp>). An existing run there is "
-            "refused unless --overwrite."
+            help="Run directory (default: a new one in runs/, named after the model, the precision and the "
+            "time). An existing run there is refused unless --overwrite.",
         ),
     ] = None,
     **options: Any,
@@ -125,7 +161,7 @@ def train(
     typer.echo(f"run directory: {result.run_dir}" + (f"\nreport: {html}" if html.exists() else ""))
 
 
-@app.command()
+@app.command(cls=_Command)
 def env(
     json_output: Annotated[bool, typer.Option("--json", help="Print the capabilities as JSON.")] = False,
 ) -> None:
@@ -161,9 +197,9 @@ def env(
         typer.echo(f"  CUDA: {names.get(cuda, cuda)}{why}")
 
 
-@app.command()
+@app.command(cls=_Command)
 def report(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory written by precprof.")],
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A run directory written by precprof.")],
     out: Annotated[Path | None, typer.Option(help="Output HTML file (default: RUN_DIR/report.html).")] = None,
     target: Annotated[
         str | None,
@@ -185,7 +221,7 @@ def report(
     typer.echo(str(path))
 
 
-@app.command()
+@app.command(cls=_Command)
 @O.training_options(steps=200)
 def compare(
     precisions: Annotated[
@@ -194,14 +230,16 @@ def compare(
             "--precisions",
             "-p",
             metavar="LIST",
-            help="Comma-separated precision modes, each optionally with a loss scaling spec: "
-            "fp32,bf16,fp16,fp16:none,fp16:static:8192,fp16:advised. The reference is fp32 when listed.",
+            help="Comma-separated precision modes, each optionally with a loss scaling spec, e.g. "
+            "fp32,bf16,fp16 or fp16:none, fp16:static:8192 and fp16:advised. The reference is fp32 when "
+            "listed.",
         ),
     ] = "fp32,bf16,fp16",
     out: Annotated[
         Path | None,
         typer.Option(
-            help="Folder for the runs and compare.html (default: runs/compare-<model>-<timestamp>)."
+            help="Folder for the runs and compare.html (default: a new one in runs/, named after the model "
+            "and the time).",
         ),
     ] = None,
     tolerance: Annotated[

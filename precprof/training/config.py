@@ -124,10 +124,17 @@ def default_sample_every(steps: int) -> int:
 
 
 def default_out_dir(config: TrainConfig, root: str | Path = "runs") -> Path:
-    """``runs/<model>-<precision>-<YYYYmmdd-HHMMSS>`` (with -2, -3... if that directory exists)."""
-    name = config.model.removesuffix(".py")
+    """``runs/<model>-<precision>-<YYYYmmdd-HHMMSS>`` (with -2, -3... if that directory exists); a factory
+    ``path/to/my_model.py:build`` or ``package.my_model:build`` is named ``my_model-build`` (``my_model``
+    alone when the factory is named like its file)."""
+    name = config.model
     if ":" in name and not name.startswith("hf:"):
-        name = name.rsplit(":", 1)[1]  # a factory: its function name
+        target, _, factory = name.rpartition(":")
+        if target.endswith(".py") or "/" in target or "\\" in target:
+            stem = target.replace("\\", "/").rsplit("/", 1)[-1].removesuffix(".py")
+        else:
+            stem = target.rsplit(".", 1)[-1]  # package.module: the module
+        name = stem if factory in ("", stem) else f"{stem}-{factory}"
     name = "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip("-.") or "model"
     base = Path(root) / f"{name}-{config.precision}-{time.strftime('%Y%m%d-%H%M%S')}"
     out, i = base, 2

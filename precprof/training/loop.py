@@ -162,14 +162,58 @@ def _final(
     }
 
 
+class _LogProgress:
+    """The progress bar's stand-in when stderr is not a terminal (a log file, a pipe, a batch job): one plain
+    line every ``every`` steps and at the last, with the step, the loss and the throughput, instead of a
+    carriage-return update per step."""
+
+    def __init__(self, total: int, desc: str, every: int, file: Any) -> None:
+        self.total, self.desc, self.every, self.file = total, desc, every, file
+        self.n, self.postfix, self.t0 = 0, "", time.perf_counter()
+
+    def set_postfix(self, postfix: dict[str, str], refresh: bool = False) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in postfix.items())
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n % self.every == 0 or self.n == self.total:
+            pct = 100 * self.n // max(self.total, 1)
+            elapsed = time.perf_counter() - self.t0
+            line = f"{self.desc}: step {self.n}/{self.total} ({pct}%)"
+            line += f", {self.postfix}" if self.postfix else ""
+            print(f"{line}, {elapsed:.0f}s", file=self.file, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class _NoProgress:
+    def set_postfix(self, postfix: dict[str, str], refresh: bool = False) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _progress(config: TrainConfig, name: str) -> Any:
+    """A live tqdm bar on a terminal; elsewhere a plain line about every 10% of the steps (a multiple of
+    ``refresh_every``, so that each line has the loss and throughput of its own step)."""
+    if not config.progress:
+        return _NoProgress()
+    isatty = getattr(sys.stderr, "isatty", None)
+    if not (callable(isatty) and isatty()):
+        tenth = -(-config.steps // 10)
+        every = config.refresh_every * max(1, -(-tenth // config.refresh_every))
+        return _LogProgress(config.steps, name, every, sys.stderr)
     from tqdm.auto import tqdm
 
     return tqdm(
         total=config.steps,
         desc=name,
         unit="step",
-        disable=not config.progress,
         file=sys.stderr,
         dynamic_ncols=True,
         leave=True,
