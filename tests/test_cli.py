@@ -225,3 +225,84 @@ def test_compare_hands_every_training_option_to_its_runs(
     (config,) = seen
     assert (config.growth_factor, config.backoff_factor, config.distributed) == (4.0, 0.25, "fsdp2")  # type: ignore[attr-defined]
     assert (config.sample_every, config.overwrite, config.steps) == (3, True, 2)  # type: ignore[attr-defined]
+
+
+HELP_COMMANDS = [[], ["train"], ["report"], ["compare"], ["env"]]
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+@pytest.mark.parametrize("command", HELP_COMMANDS, ids=lambda c: c[0] if c else "precprof")
+def test_help_reads_cleanly(
+    command: list[str], columns: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # typer >= 0.2x showed <bool> after every flag, {run_dir} in report's usage line, and cut the long
+    # tokens of a help text (the --out default) with an ellipsis
+    monkeypatch.setenv("COLUMNS", str(columns))
+    rc, out, _ = run_main([*command, "--help"], capsys)
+    assert rc == 0
+    assert max(len(line) for line in out.splitlines()) <= columns
+    assert "<bool>" not in out and "{" not in out and "…" not in out, out
+    if command == ["report"]:
+        assert "Usage: precprof report [OPTIONS] RUN_DIR" in out
+    if command == ["train"]:
+        words = " ".join(out.replace("│", " ").split())
+        assert "(default: a new one in runs/, named after the model, the precision and the time)" in words
+
+
+def test_progress_in_a_log_file_is_plain_lines(tmp_path: Path) -> None:
+    # no TTY: a line about every 10% of the steps, not a carriage-return update per step
+    log = tmp_path / "log.txt"
+    args = [*TINY, "--steps", "30", "--progress", "--no-report", "-a", "n_layer=1"]
+    with log.open("wb") as f:
+        rc = subprocess.run(
+            [sys.executable, "-m", "precprof", "train", "--out", str(tmp_path / "run"), *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            timeout=120,
+        ).returncode
+    text = log.read_bytes()
+    assert rc == 0, text
+    assert b"\r" not in text and len(text) < 4096, text
+    steps = [line for line in text.decode().splitlines() if ": step " in line]
+    assert [line.split(": step ")[1].split()[0] for line in steps] == ["10/30", "20/30", "30/30"]
+    assert all("loss=" in line and "tok/s=" in line for line in steps)
+
+
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [
+        ("gpt-nano", "gpt-nano"),
+        ("path/to/my_model.py:build", "my_model-build"),
+        ("my_model.py:my_model", "my_model"),
+        ("package.my_model:build", "my_model-build"),
+        ("hf:gpt2", "hf-gpt2"),
+    ],
+)
+def test_default_run_dir_name(model: str, name: str) -> None:
+    from precprof.training import TrainConfig
+    from precprof.training.config import default_out_dir
+
+    out = default_out_dir(TrainConfig(model=model), root="nowhere")
+    assert out.name.startswith(f"{name}-fp32-") and out.parent == Path("nowhere")
+
+
+MY_MODEL = """from torch import nn
+
+
+def build(vocab_size, seq_len):
+    return nn.Sequential(nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size))
+"""
+
+
+def test_factory_run_dir_is_named_after_its_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "my_model.py").write_text(MY_MODEL)
+    monkeypatch.chdir(tmp_path)
+    rc, stdout, err = run_main(["train", "--model", "my_model.py:build", *TINY, "--no-report"], capsys)
+    assert rc == 0, err
+    (run,) = (tmp_path / "runs").iterdir()
+    assert (
+        run.name.startswith("my_model-build-fp32-") and f"run directory: {Path('runs') / run.name}" in stdout
+    )
