@@ -199,12 +199,13 @@ class _NoProgress:
 
 
 def _progress(config: TrainConfig, name: str) -> Any:
-    """A live tqdm bar on a terminal; elsewhere a plain line about every 10% of the steps (a multiple of
+    """A live tqdm bar on a terminal or in a notebook; elsewhere a plain line about every 10% of the steps (a multiple of
     ``refresh_every``, so that each line has the loss and throughput of its own step)."""
     if not config.progress:
         return _NoProgress()
     isatty = getattr(sys.stderr, "isatty", None)
-    if not (callable(isatty) and isatty()):
+    # a Jupyter kernel's stderr is no TTY, but tqdm.auto draws a widget there
+    if not (callable(isatty) and isatty()) and "ipykernel" not in sys.modules:
         tenth = -(-config.steps // 10)
         every = config.refresh_every * max(1, -(-tenth // config.refresh_every))
         return _LogProgress(config.steps, name, every, sys.stderr)
