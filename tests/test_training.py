@@ -427,7 +427,8 @@ def test_defaults(tmp_path: Path) -> None:
     out.mkdir()
     again = default_out_dir(TrainConfig(model="hf:gpt2", precision="bf16"), root=tmp_path)
     assert again != out and again.name.startswith(out.name)
-    assert default_out_dir(TrainConfig(model="x/y/m.py:make"), root=tmp_path).name.startswith("make-fp32-")
+    # a user factory is named after its file, then the factory (issue 16)
+    assert default_out_dir(TrainConfig(model="x/y/m.py:make"), root=tmp_path).name.startswith("m-make-fp32-")
 
 
 @pytest.mark.gpu
