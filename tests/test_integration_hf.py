@@ -43,10 +43,10 @@ def tiny_gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(cfg)
 
 
-def make_trainer(tmp_path: Path, callbacks: list[Any] | None = None, **args: Any) -> Trainer:
-    targs = TrainingArguments(
+def training_args(tmp_path: Path, **args: Any) -> TrainingArguments:
+    """CPU, no reporting, no checkpoints, a log line every step; ``args`` add to or override these."""
+    return TrainingArguments(
         output_dir=str(tmp_path / "trainer"),
-        max_steps=STEPS,
         per_device_train_batch_size=BATCH,
         use_cpu=True,
         report_to=[],
@@ -56,6 +56,10 @@ def make_trainer(tmp_path: Path, callbacks: list[Any] | None = None, **args: Any
         seed=0,
         **args,
     )
+
+
+def make_trainer(tmp_path: Path, callbacks: list[Any] | None = None, **args: Any) -> Trainer:
+    targs = training_args(tmp_path, max_steps=STEPS, **args)
     return Trainer(model=tiny_gpt2(), args=targs, train_dataset=TokenData(), callbacks=callbacks or [])
 
 
@@ -219,19 +223,7 @@ def test_accumulated_loss_and_grad_norm_are_the_trainers(
 
     if attach == "no_trainer":
         monkeypatch.setattr(hf, "_calling_trainer", lambda: None)
-    targs = TrainingArguments(
-        output_dir=str(tmp_path / "trainer"),
-        num_train_epochs=2,
-        per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=GA,
-        max_grad_norm=1.0,
-        use_cpu=True,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
+    targs = training_args(tmp_path, num_train_epochs=2, gradient_accumulation_steps=GA, max_grad_norm=1.0)
     windows = _Windows()
     trainer = Trainer(model=tiny_gpt2(), args=targs, train_dataset=ShortEpochData(), callbacks=[windows])
     kw: dict[str, Any] = {"sample_every": 100, "report": False, "memory": False}

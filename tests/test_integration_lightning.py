@@ -50,11 +50,10 @@ def loader() -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
 
 
-def fit(tmp_path: Path, precision: str, cb: PrecprofCallback, module: TinyLM, **kw: Any) -> Any:
-    trainer = L.Trainer(
-        max_steps=4,
+def quiet_trainer(tmp_path: Path, cb: PrecprofCallback, **kw: Any) -> Any:
+    """A CPU Trainer without logger, checkpoints, progress bar or summary; ``kw`` add to these."""
+    return L.Trainer(
         accelerator="cpu",
-        precision=precision,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -63,6 +62,10 @@ def fit(tmp_path: Path, precision: str, cb: PrecprofCallback, module: TinyLM, **
         callbacks=[cb],
         **kw,
     )
+
+
+def fit(tmp_path: Path, precision: str, cb: PrecprofCallback, module: TinyLM, **kw: Any) -> Any:
+    trainer = quiet_trainer(tmp_path, cb, max_steps=4, precision=precision, **kw)
     trainer.fit(module, loader())
     return trainer
 
@@ -143,17 +146,7 @@ def test_tokens_are_the_ids_fed_to_the_model(tmp_path: Path) -> None:
     data = torch.utils.data.DataLoader(blocks, batch_size=rows)  # type: ignore[arg-type]
     cb = PrecprofCallback(out=tmp_path / "run", sample_every=100, report=False, memory=False)
     module = BlockLM()
-    trainer = L.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        callbacks=[cb],
-        accumulate_grad_batches=2,
-    )
+    trainer = quiet_trainer(tmp_path, cb, max_steps=2, accumulate_grad_batches=2)
     trainer.fit(module, data)
     steps = T.read_tables(cb.run_dir)["steps"]
     assert steps[T.TOKENS].tolist() == [2 * rows * seq] * 2  # 2 micro-batches of 1024 tokens fed

@@ -50,21 +50,13 @@ from precprof.stats.layout import (
     LAYOUT,
     N_BINS,
     RowLayout,
+    f64_bits,
     merge_rows,
 )
 
 # the torch-op path on a device processes a tensor in chunks of this many values: its scratch (25 bytes per
 # value, 16 more for the sort of deterministic mode, freed after each chunk) stays under 64 MiB
 DEVICE_CHUNK = 1 << 20
-SCRATCH_LIMIT = 64 << 20
-
-
-def _to_f64_bits(value: float) -> int:
-    return int(np.array(value, dtype=np.float64).view(np.int64))
-
-
-def _from_f64_bits(bits: int) -> float:
-    return float(np.array(bits, dtype=np.int64).view(np.float64))
 
 
 def _count_le_pow2_keys(keys2: np.ndarray, j: int) -> int:
@@ -158,7 +150,7 @@ class DeviceRows:
                 [2 * (j + _F64_BIAS) + 1 for j in lay.underflow_exps], dtype=torch.int64, device=device
             )
             self._fp8_max_bits = torch.tensor(
-                [_to_f64_bits(f.max) for f in lay.fp8], dtype=torch.int64, device=device
+                [f64_bits(f.max) for f in lay.fp8], dtype=torch.int64, device=device
             )
             self._fp8_uf_exp = torch.tensor(lay.fp8_underflow_exps, dtype=torch.int64, device=device)
         self.reset()
@@ -395,8 +387,8 @@ class DeviceRows:
         else:
             mn = math.inf
         if mn != math.inf:
-            counts[lay.absmin_bits] = min(int(counts[lay.absmin_bits]), _to_f64_bits(mn) - 1)
-        counts[lay.absmax_bits] = max(int(counts[lay.absmax_bits]), _to_f64_bits(mx))
+            counts[lay.absmin_bits] = min(int(counts[lay.absmin_bits]), f64_bits(mn) - 1)
+        counts[lay.absmax_bits] = max(int(counts[lay.absmax_bits]), f64_bits(mx))
         return mx
 
     # ------------------------------------------------------------------------------------- device path

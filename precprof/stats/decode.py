@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from precprof import formats
-from precprof.stats.buffer import StatsBuffer, _from_f64_bits
+from precprof.stats.buffer import StatsBuffer
 from precprof.stats.layout import (
     _INF_BITS,
     _NO_MIN_BITS,
@@ -30,6 +30,7 @@ from precprof.stats.layout import (
     LAYOUT,
     N_BINS,
     ROW_WIDTH,
+    f64_value,
 )
 
 
@@ -69,8 +70,8 @@ def decode(row: np.ndarray, scale: float = 1.0) -> RowStats:
         overflow[name] = int(row[COL_OVERFLOW + i]) - inf
     absmax_bits = int(row[COL_ABSMAX_BITS])
     absmin_bits = int(row[COL_ABSMIN_BITS]) + 1 if int(row[COL_ABSMIN_BITS]) != _NO_MIN_BITS else 0
-    raw_absmax = _from_f64_bits(absmax_bits) if absmax_bits > 0 else 0.0
-    raw_absmin = _from_f64_bits(absmin_bits) if 0 < absmin_bits < _INF_BITS else math.nan
+    raw_absmax = f64_value(absmax_bits) if absmax_bits > 0 else 0.0
+    raw_absmin = f64_value(absmin_bits) if 0 < absmin_bits < _INF_BITS else math.nan
     # fp8 current scaling (each accumulated tensor scaled by its own 2^floor(log2(fmax / amax)))
     underflow_cs = {name: int(row[COL_UNDERFLOW_CS + i]) for i, name in enumerate(formats.FP8_FORMATS)}
     shift = 0

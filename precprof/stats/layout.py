@@ -53,6 +53,11 @@ def f64_bits(value: float) -> int:
     return int(np.array(value, dtype=np.float64).view(np.int64))
 
 
+def f64_value(bits: int) -> float:
+    """The fp64 value of the bit pattern ``bits`` (the inverse of ``f64_bits``)."""
+    return float(np.array(bits, dtype=np.int64).view(np.float64))
+
+
 def f32_bits(value: float) -> int:
     """The fp32 bit pattern of ``value`` (which must be exactly representable in fp32)."""
     a = np.array(value, dtype=np.float32)
