@@ -1,0 +1,82 @@
+"""The live writer the Profiler calls after each flush: the rows copied to the host since its last call, as
+dashboard events, into every sink.
+
+It reads the Profiler's host-side recording (``precprof.capture.recorded.Recorded``: ``step_rows``,
+``layer_parts``, ``hist_parts``) from where it stopped last time, so each row is written once. It never touches
+a device: it runs after the Profiler's one sync point, on data already on the host. A sink that fails (a full
+disk, a closed wandb run) is reported once as a warning and dropped: dashboards never take training down.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pandas as pd
+
+from precprof import tables as T
+from precprof.export.events import EventStream, LayerSelection
+from precprof.export.tensorboard import TensorBoardSink
+from precprof.export.wandb import WandbSink
+
+
+class LiveDashboards:
+    """Sinks for ``Profiler(tensorboard=..., wandb=...)``; see precprof.export.events for the tags."""
+
+    def __init__(self, tensorboard: Any = None, wandb: Any = None, layers: LayerSelection = "auto") -> None:
+        self.sinks: list[Any] = []
+        if tensorboard is not None:
+            self.sinks.append(TensorBoardSink(tensorboard))
+        if wandb is not None and wandb is not False:
+            self.sinks.append(WandbSink(wandb))
+        self.stream = EventStream(layers)
+        self._steps_done = 0
+        self._layers_done = 0
+        self._hist_done = 0
+
+    @classmethod
+    def create(cls, tensorboard: Any = None, wandb: Any = None) -> LiveDashboards | None:
+        """The live writer, or None when neither dashboard is asked for. Checks the packages now (UserError)."""
+        if tensorboard is None and (wandb is None or wandb is False):
+            return None
+        return cls(tensorboard, wandb)
+
+    def write(self, recorded: Any) -> None:
+        """Write what ``recorded`` holds beyond what was written before."""
+        steps = recorded.step_rows[self._steps_done :]
+        layer_parts = recorded.layer_parts[self._layers_done :]
+        hist_parts = recorded.hist_parts[self._hist_done :]
+        self._steps_done += len(steps)
+        self._layers_done += len(layer_parts)
+        self._hist_done += len(hist_parts)
+        if not (steps or layer_parts or hist_parts) or not self.sinks:
+            return
+        events = self.stream.feed(
+            T.frame("steps", steps) if steps else None,
+            _frame("layers", layer_parts),
+            _frame("histograms", hist_parts),
+        )
+        for sink in list(self.sinks):
+            try:
+                sink.write(events)
+            except Exception as e:  # a dashboard must never take training down
+                self._drop(sink, e)
+
+    def close(self) -> None:
+        for sink in list(self.sinks):
+            try:
+                sink.close()
+            except Exception as e:
+                self._drop(sink, e)
+
+    def _drop(self, sink: Any, e: Exception) -> None:
+        self.sinks.remove(sink)
+        name = "TensorBoard" if isinstance(sink, TensorBoardSink) else "wandb"
+        warnings.warn(f"precprof: stopped writing to {name}: {type(e).__name__}: {e}", stacklevel=3)
+
+
+def _frame(name: str, parts: list[dict[str, Any]]) -> pd.DataFrame | None:
+    """One table from column dicts of equal length (a sampled step's layer or histogram columns)."""
+    if not parts:
+        return None
+    return T.frame(name, pd.concat([pd.DataFrame(p) for p in parts], ignore_index=True))

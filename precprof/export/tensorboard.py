@@ -1,0 +1,84 @@
+"""Dashboard events into TensorBoard event files, through ``torch.utils.tensorboard.SummaryWriter``.
+
+Scalars with ``add_scalar``; exponent histograms with ``add_histogram_raw``, bucket limits in log2 units (the
+right edge e + 1 of each binade [e, e+1)), so TensorBoard's histogram view shows the exponent distribution.
+The histogram's ``sum`` and ``sum_squares`` are over the bins' exponents e (floor(log2|x|)), not the values.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from precprof.errors import UserError
+from precprof.export.events import Event, Histogram, Scalar
+
+
+def summary_writer_class(option: str = "tensorboard=...") -> Any:
+    """``SummaryWriter``, or a one-line UserError when the tensorboard package is missing."""
+    try:
+        import tensorboard  # noqa: F401  (torch.utils.tensorboard needs it and says so less plainly)
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError(f"{option} needs the tensorboard package: pip install tensorboard") from None
+    return SummaryWriter
+
+
+class TensorBoardSink:
+    """Writes events to a SummaryWriter: ``target`` is a log directory (a writer is created there, and closed
+    by ``close``) or a SummaryWriter the caller owns (flushed, never closed, by ``close``)."""
+
+    def __init__(self, target: Any, option: str = "tensorboard=...") -> None:
+        writer_class = summary_writer_class(option)
+        if isinstance(target, (str, os.PathLike)):
+            self.target: Any = os.fspath(target)
+            self._owned = True
+        elif isinstance(target, writer_class) or hasattr(target, "add_histogram_raw"):
+            self.target = target
+            self._owned = False
+        else:
+            raise UserError(
+                f"{option}: expected a directory or a torch.utils.tensorboard.SummaryWriter, "
+                f"got {type(target).__name__}"
+            )
+        self._writer_class = writer_class
+        self._writer: Any = None if self._owned else target
+
+    @property
+    def writer(self) -> Any:
+        """The SummaryWriter (created in the log directory at the first write)."""
+        if self._writer is None:
+            self._writer = self._writer_class(log_dir=self.target)
+        return self._writer
+
+    def write(self, events: Iterable[Event]) -> None:
+        w = self.writer
+        for e in events:
+            if isinstance(e, Scalar):
+                w.add_scalar(e.tag, e.value, global_step=e.step)
+            elif isinstance(e, Histogram):
+                exps = np.arange(e.first, e.first + len(e.counts), dtype=np.float64)
+                counts = e.counts.astype(np.float64)
+                w.add_histogram_raw(
+                    e.tag,
+                    min=float(e.first),
+                    max=float(e.first + len(e.counts)),
+                    num=float(counts.sum()),
+                    sum=float((exps * counts).sum()),
+                    sum_squares=float((exps * exps * counts).sum()),
+                    bucket_limits=(exps + 1.0).tolist(),
+                    bucket_counts=counts.tolist(),
+                    global_step=e.step,
+                )
+        w.flush()  # a live run is watched as it goes: SummaryWriter would otherwise wait up to 2 minutes
+
+    def close(self) -> None:
+        if self._writer is None:
+            return
+        if self._owned:
+            self._writer.close()
+        else:
+            self._writer.flush()

@@ -1,0 +1,262 @@
+"""Dashboards: a real fp16 run (autocast + GradScaler, with skipped steps) written live to TensorBoard and
+wandb and exported from its run directory; the event files are read back with TensorBoard's own reader and
+the offline wandb run file with a reader of its record log, and compared with the run's own tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import cli
+from precprof import export as exporting
+from precprof import tables as T
+from precprof.errors import UserError
+from precprof.export import events as ev
+
+pytest.importorskip("tensorboard", reason="the dashboards need the tensorboard package")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+try:
+    import wandb
+except ImportError:  # pragma: no cover - wandb is in the test extra
+    wandb = None
+
+STEPS = 6
+
+
+def _train(prof_kwargs: dict[str, Any]) -> precprof.Profiler:
+    """A tiny MLP in fp16 autocast with a GradScaler whose first scale overflows (skipped steps)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**17, growth_interval=2)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=2, **prof_kwargs) as prof:
+        for _ in range(STEPS):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = (model(x).float() - y).pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    return prof
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("dash")
+    env = {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": str(root)}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        wb_run = wandb.init(mode="offline", dir=str(root), project="precprof-test") if wandb else None
+        prof = _train({"tensorboard": root / "live", "wandb": True if wandb else None})
+        if wb_run is not None:
+            wb_run.finish()
+        prof.save(root / "run")
+        yield {
+            "root": root,
+            "tables": prof.tables(),
+            "wandb_dir": Path(wb_run.dir).parent if wb_run else None,
+        }  # offline-run-*/
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _accumulator(path: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    return acc
+
+
+def _scalars(acc: EventAccumulator, tag: str) -> dict[int, float]:
+    return {s.step: s.value for s in acc.Scalars(tag)}
+
+
+def test_live_tensorboard_equals_the_tables(run: dict[str, Any]) -> None:
+    steps, layers, hist = (run["tables"][k] for k in ("steps", "layers", "histograms"))
+    acc = _accumulator(run["root"] / "live")
+    assert steps[T.SKIPPED].any() and not steps[T.SKIPPED].all()  # the run has skipped steps to show
+    f32 = np.float32  # TensorBoard stores scalars as float32
+    assert _scalars(acc, "precprof/loss") == {
+        int(s): pytest.approx(f32(v)) for s, v in zip(steps[T.STEP], steps[T.LOSS], strict=True)
+    }
+    assert _scalars(acc, "precprof/loss_scale") == dict(zip(steps[T.STEP], steps[T.LOSS_SCALE], strict=True))
+    assert _scalars(acc, "precprof/skipped_steps") == dict(
+        zip(steps[T.STEP], steps[T.SKIPPED].astype(int).cumsum(), strict=True)
+    )
+
+    # fp16 underflow share of the first Linear's activation gradient, on each sampled step
+    grad = layers[(layers[T.MODULE] == "0") & (layers[T.TENSOR] == T.ACTIVATION_GRAD)]
+    assert set(grad[T.STEP]) == {0, 2, 4}
+    expected = {int(r[T.STEP]): r[T.underflow_col("fp16")] / r[T.NUMEL] for _, r in grad.iterrows()}
+    assert _scalars(acc, "precprof/underflow/fp16/0/activation_grad") == pytest.approx(expected)
+    # ... and summed over every layer
+    allg = layers[layers[T.TENSOR] == T.ACTIVATION_GRAD].groupby(T.STEP)
+    expected = (allg[T.underflow_col("fp16")].sum() / allg[T.NUMEL].sum()).to_dict()
+    assert _scalars(acc, "precprof/underflow/fp16/all/activation_grad") == pytest.approx(expected)
+
+    # the exponent histogram of layer 2's weights (weight and bias summed) on step 4, bucket by bucket
+    h = hist[(hist[T.MODULE] == "2") & (hist[T.TENSOR] == T.WEIGHT) & (hist[T.STEP] == 4)]
+    want = h.groupby(T.EXPONENT)[T.COUNT].sum()
+    event = {e.step: e.histogram_value for e in acc.Histograms("precprof/exponent/2/weight")}[4]
+    got = {int(right) - 1: c for right, c in zip(event.bucket_limit, event.bucket, strict=True) if c}
+    assert got == {int(e): float(c) for e, c in want.items()}
+    assert (
+        event.num
+        == want.sum()
+        == layers.query("module == '2' and tensor == 'weight' and step == 4")[
+            [T.NUMEL, T.ZEROS, T.NAN, T.INF]
+        ].pipe(lambda d: d[T.NUMEL].sum() - d[T.ZEROS].sum() - d[T.NAN].sum() - d[T.INF].sum())
+    )
+
+
+def test_export_writes_what_the_live_run_wrote(
+    run: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = run["root"] / "exported"
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", str(run["root"] / "run"), "--tensorboard", str(out)])
+    assert e.value.code in (0, None), capsys.readouterr().err
+    live, exported = _accumulator(run["root"] / "live"), _accumulator(out)
+    assert sorted(live.Tags()["scalars"]) == sorted(exported.Tags()["scalars"])
+    assert sorted(live.Tags()["histograms"]) == sorted(exported.Tags()["histograms"])
+    for tag in live.Tags()["scalars"]:
+        if tag != "precprof/step_time_s":  # live: perf_counter; the run directory: the same number
+            assert _scalars(live, tag) == _scalars(exported, tag), tag
+    for tag in live.Tags()["histograms"]:
+        a = [(h.step, h.histogram_value) for h in live.Histograms(tag)]
+        b = [(h.step, h.histogram_value) for h in exported.Histograms(tag)]
+        assert a == b, tag
+
+
+def test_layer_selection_keeps_the_aggregates(run: dict[str, Any]) -> None:
+    tables = run["tables"]
+    none = {e.tag for e in ev.table_events(tables, layers="none")}
+    some = {e.tag for e in ev.table_events(tables, layers=["2"])}
+    every = {e.tag for e in ev.table_events(tables, layers="all")}
+    assert "precprof/exponent/all/activation_grad" in none and "precprof/loss" in none
+    assert not any("/0/" in t or "/2/" in t for t in none)
+    assert {t for t in some - none} == {t for t in every - none if "/2/" in t or t.endswith("/2")}
+    assert any(t.endswith("/0/activation") for t in every)
+    with pytest.raises(UserError, match="layers="):
+        ev.EventStream(layers="most")
+
+
+def _wandb_records(run_dir: Path) -> Iterator[Any]:
+    """Records of an offline run's .wandb file: a LevelDB-style log (7-byte header ':W&B' + magic + version,
+    then 32 KiB blocks of chunks: crc32, length, type FULL/FIRST/MIDDLE/LAST) of protobuf Records."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = run_dir.glob("*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, buf = 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:
+            pos += left
+            continue
+        buf += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            rec = pb.Record()
+            rec.ParseFromString(buf)
+            yield rec
+            buf = b""
+
+
+def _wandb_history(run_dir: Path) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for rec in _wandb_records(run_dir):
+        if rec.WhichOneof("record_type") == "history":
+            row: dict[str, Any] = {}
+            for (
+                item
+            ) in rec.history.item:  # a histogram is logged as nested keys (tag, "bins"), (tag, "values")
+                *outer, key = list(item.nested_key) or [item.key]
+                node = row
+                for k in outer:
+                    node = node.setdefault(k, {})
+                node[key] = json.loads(item.value_json)
+            out[int(row["_step"])] = row
+    return out
+
+
+@pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
+def test_wandb_offline_logs_the_same_values(run: dict[str, Any]) -> None:
+    steps, hist = run["tables"]["steps"], run["tables"]["histograms"]
+    history = _wandb_history(run["wandb_dir"])
+    assert sorted(history) == list(range(STEPS))
+    for s, loss, scale in zip(steps[T.STEP], steps[T.LOSS], steps[T.LOSS_SCALE], strict=True):
+        assert history[s]["precprof/loss"] == pytest.approx(loss)
+        assert history[s]["precprof/loss_scale"] == scale
+    h = hist[(hist[T.MODULE] == "0") & (hist[T.TENSOR] == T.ACTIVATION) & (hist[T.STEP] == 2)]
+    logged = history[2]["precprof/exponent/0/activation"]
+    assert logged["_type"] == "histogram"
+    edges, counts = logged["bins"], logged["values"]
+    assert edges[0] == h[T.EXPONENT].min() and edges[-1] == h[T.EXPONENT].max() + 1
+    assert dict(zip((int(b) for b in edges[:-1]), counts, strict=True)) == {
+        e: int(h.loc[h[T.EXPONENT] == e, T.COUNT].sum()) for e in range(int(edges[0]), int(edges[-1]))
+    }
+
+
+def test_missing_package_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Linear(2, 2)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(UserError, match=r"^tensorboard=\.\.\. needs the tensorboard package: pip install"):
+        precprof.Profiler(model, tensorboard="tb")
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(UserError, match=r"^wandb=\.\.\. needs the wandb package: pip install wandb$"):
+        precprof.Profiler(model, wandb=True)
+
+
+def test_export_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, needle in (
+        (["export", str(tmp_path), "--tensorboard", str(tmp_path / "tb")], "not a precprof run directory"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and needle in err[0], err
+    pd.DataFrame({T.STEP: [0]}).to_parquet(tmp_path / T.TABLE_FILES["layers"])
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--tensorboard DIR and/or --wandb-project" in err[0]
+
+
+@pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
+def test_export_to_wandb_offline_matches_the_live_run(run: dict[str, Any]) -> None:
+    out = run["root"] / "wandb-export"
+    out.mkdir()
+    exporting.export_run(
+        run["root"] / "run", wandb_project="precprof-test", wandb_mode="offline", wandb_dir=out
+    )
+    (exported,) = (out / "wandb").glob("offline-run-*")
+    live, again = _wandb_history(run["wandb_dir"]), _wandb_history(exported)
+    assert sorted(live) == sorted(again)
+    for step, row in live.items():
+        want = {k: v for k, v in row.items() if not k.startswith("_") and k != "precprof/step_time_s"}
+        assert {k: again[step][k] for k in want} == want, step
