@@ -41,7 +41,7 @@ from torch import nn
 from precprof import stats as st
 from precprof import tables as T
 from precprof._version import __version__
-from precprof.capture import columns
+from precprof.capture import clipwatch, columns
 from precprof.capture.hooks import HookFactories
 from precprof.capture.memory_tracker import MemoryTracker
 from precprof.capture.recorded import Recorded
@@ -55,6 +55,7 @@ from precprof.capture.records import (
 from precprof.capture.reducer import RankReducer
 from precprof.capture.scaler import ScalerWatch
 from precprof.capture.updates import UpdateSampler
+from precprof.export.live import LiveDashboards
 
 ModuleFilter = Sequence[str | type[nn.Module]] | None
 
@@ -81,6 +82,11 @@ class Profiler(HookFactories):
         loss_scale: a manual static loss scale, for loops that scale by hand (``(loss * 1024).backward()``,
             then divide the gradients): gradients are read at that scale and stored unscaled, as with a
             GradScaler. Not with ``scaler``.
+        tensorboard: a log directory (str or Path) or a ``torch.utils.tensorboard.SummaryWriter``: loss, loss
+            scale, skipped steps, exponent histograms and underflow/overflow shares are written there after
+            each host copy, to watch a run live (tags: ``precprof.export.events``; needs ``tensorboard``).
+        wandb: True to log the same to the current ``wandb.run``, or a wandb run object (needs ``wandb``).
+            Only the writer process (rank 0) writes to either.
 
     Call ``step()`` once per optimizer step, at its end. Statistics of a tied parameter (one Parameter owned
     by two modules, e.g. tied embeddings) are recorded under the first module that owns it.
@@ -101,6 +107,8 @@ class Profiler(HookFactories):
         first_step: int = 0,
         reducer: Any = "auto",
         loss_scale: float | None = None,
+        tensorboard: Any = None,
+        wandb: Any = None,
     ) -> None:
         if sample_every < 0:
             raise ValueError("sample_every must be >= 0 (0 records steps only)")
@@ -132,6 +140,8 @@ class Profiler(HookFactories):
         self._first_step = first_step
         self._reducer_spec = reducer
         self._reducer: Any = None
+        # dashboards: checked here (a missing package is a UserError at once), written after each host copy
+        self._dashboards = LiveDashboards.create(tensorboard=tensorboard, wandb=wandb)
 
         self._attached = False
         self._handles: list[Any] = []
@@ -142,6 +152,7 @@ class Profiler(HookFactories):
         self._buffer: st.StatsBuffer | None = None
         self._updates: UpdateSampler | None = None
         self._tracker: Any = None
+        self._clip_norms: clipwatch.ClipNorms | None = None
 
         self._step = first_step
         self._sampling = False
@@ -267,6 +278,10 @@ class Profiler(HookFactories):
             self._tracker = MemoryTracker(self.model, self.optimizer)
             self._tracker.attach()
 
+        # the loop's own clip_grad_norm_ gives the gradient norm when step() is not handed one
+        self._clip_norms = clipwatch.ClipNorms(self.model.parameters())
+        clipwatch.watch(self._clip_norms)
+
         self._step = self._first_step
         self._begin_step()
 
@@ -293,6 +308,8 @@ class Profiler(HookFactories):
             self._scaler_watch.unpatch()
         if self._tracker is not None:
             self._tracker.detach()
+        if self._clip_norms is not None:
+            clipwatch.unwatch(self._clip_norms)
 
     def detach(self) -> None:
         """Remove every hook (also after an exception) and bring the host tables up to date."""
@@ -307,6 +324,8 @@ class Profiler(HookFactories):
         else:
             self._flush(sampled_step_done=False)
         self._sampling = False
+        if self._dashboards is not None and self.is_writer:
+            self._dashboards.close()
 
     # ----------------------------------------------------------------------------------------- steps
     def _is_sampled(self, step: int) -> bool:
@@ -358,11 +377,15 @@ class Profiler(HookFactories):
         """End the step in progress: call once per optimizer step, after ``scaler.update()``.
 
         ``loss`` and ``grad_norm`` may be device tensors: they are kept on the device and copied with the
-        next sampled step's statistics (no sync here on steps that are not sampled). ``tokens``: tokens
-        processed in the step, for throughput.
+        next sampled step's statistics (no sync here on steps that are not sampled). Without ``grad_norm``, the
+        norm that ``torch.nn.utils.clip_grad_norm_`` returned in this step is recorded, if the loop clipped
+        (``precprof.capture.clipwatch``). ``tokens``: tokens processed in the step, for throughput.
         """
         if not self._attached:
             raise RuntimeError("Profiler.step() called while the profiler is not attached (use `with prof:`)")
+        clipped = self._clip_norms.take() if self._clip_norms is not None else None
+        if grad_norm is None:
+            grad_norm = clipped
         self._pending.append(self._make_pending(loss, grad_norm, tokens))
         if self._sampling or len(self._pending) >= MAX_PENDING_STEPS:
             self._flush(sampled_step_done=self._sampling)
@@ -371,7 +394,13 @@ class Profiler(HookFactories):
 
     # ------------------------------------------------------------------------------------- host side
     def _flush(self, sampled_step_done: bool) -> None:
-        """Copy pending step records (and, after a sampled step, its statistics) to the host. Syncs."""
+        """Copy pending step records (and, after a sampled step, its statistics) to the host. Syncs. Then
+        write what is new to the dashboards (host data only: no further sync)."""
+        self._copy_to_host(sampled_step_done)
+        if self._dashboards is not None and self.is_writer:
+            self._dashboards.write(self._recorded)
+
+    def _copy_to_host(self, sampled_step_done: bool) -> None:
         last = self._pending[-1] if self._pending else None
         step_scale = self._recorded.add_steps(self._pending)  # the sync
         self._pending.clear()
@@ -539,6 +568,8 @@ class Profiler(HookFactories):
             "profiler_buffer_bytes": self.buffer_bytes,
             "profiler_scratch_bytes": self.scratch_bytes,
             "profiler_buffer_share_of_params": self.buffer_bytes / param_bytes if param_bytes else None,
+            "model_class": type(_unwrapped(self.model)).__name__,
+            "precision_seen": self.precision_seen(),
             "autocast": self._autocast_seen or {"enabled": False, "dtype": None},
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
@@ -549,6 +580,31 @@ class Profiler(HookFactories):
             "fp8_recipe": "per-tensor current scaling, scale = 2^floor(log2(fmax / amax))",
             "memory_error": getattr(self, "_memory_error", None),
         }
+
+    def precision_seen(self) -> str | None:
+        """The precision mode this loop trains in, as the built-in loop names them (``precprof.modes``), read
+        from what the hooks saw: autocast and its dtype on the first recorded forward pass, a torchao Float8
+        linear layer, a GradScaler, the parameters' dtype. None before any forward pass was recorded."""
+        if not self._autocast_seen:
+            return None
+        model = _unwrapped(self.model)
+        if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
+            return "fp8"
+        if self._autocast_seen.get("enabled"):
+            dtype = self._autocast_seen.get("dtype")
+            return {"bfloat16": "bf16", "float16": "fp16"}.get(str(dtype), f"autocast {dtype}")
+        sizes: dict[torch.dtype, int] = {}
+        for p in model.parameters():
+            if p.is_floating_point():
+                sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+        main = max(sizes, key=lambda d: sizes[d]) if sizes else torch.float32
+        if main == torch.bfloat16:
+            return "bf16-pure"
+        if main == torch.float16:
+            return "fp16-pure"
+        if self._device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+            return "tf32"
+        return "fp32"
 
     def run_summary(
         self, summary: dict[str, Any] | None = None, status: str | None = None, reason: str | None = None
@@ -637,6 +693,26 @@ def iter_module_names(model: nn.Module) -> Iterable[str]:
     """Qualified names of the modules a default Profiler captures, in registration order."""
     prof = Profiler(model, memory=False)
     return [name for name, m in model.named_modules() if prof._selected(name, m)]
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP/FSDP1 (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    for _ in range(8):
+        attr = _WRAPPERS.get(type(model).__name__)
+        inner = getattr(model, attr, None) if attr else None
+        if not isinstance(inner, nn.Module) or inner is model:
+            break
+        model = inner
+    return model
+
+
+# wrapper class name -> the attribute holding the wrapped module
+_WRAPPERS = {
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "FullyShardedDataParallel": "_fsdp_wrapped_module",
+    "OptimizedModule": "_orig_mod",
+}
 
 
 def _scaler_enabled(scaler: Any) -> bool:
