@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
 from precprof import _cli_options as O
 from precprof import _signals, hardware, pipeline, training
 from precprof import compare as comparing
+from precprof import export as exporting
 from precprof import stats as st
 from precprof import tables as T
 from precprof._version import __version__
@@ -200,7 +201,12 @@ def env(
 @app.command(cls=_Command)
 def report(
     run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A run directory written by precprof.")],
-    out: Annotated[Path | None, typer.Option(help="Output HTML file (default: RUN_DIR/report.html).")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Output HTML file (default: RUN_DIR/report.html, or RUN_DIR/report-TARGET.html with --target)."
+        ),
+    ] = None,
     target: Annotated[
         str | None,
         typer.Option(help="Plan for another machine: v100, t4, a100, l4, h100 or cpu."),
@@ -266,6 +272,38 @@ def compare(
     for check in result.checks:
         typer.echo(f"[{check.status}] {check.text}")
     typer.echo(f"comparison: {Path(result.runs[0].run_dir).parent / comparing.COMPARE_HTML}")
+
+
+@app.command(cls=_Command)
+def export(
+    run_dir: Annotated[Path, typer.Argument(metavar="RUN_DIR", help="A run directory written by precprof.")],
+    tensorboard: Annotated[
+        Path | None,
+        typer.Option(metavar="DIR", help="TensorBoard log directory to write the run's events to."),
+    ] = None,
+    wandb_project: Annotated[
+        str | None, typer.Option(metavar="NAME", help="Log the run to a new wandb run in this project.")
+    ] = None,
+    wandb_mode: Annotated[
+        str | None, typer.Option(metavar="MODE", help="wandb mode: online or offline (default: wandb's).")
+    ] = None,
+    layers: Annotated[
+        str,
+        typer.Option(
+            metavar="WHICH",
+            help="Per-layer tags: auto (at most 32 layers), all, none, or comma-separated name patterns.",
+        ),
+    ] = "auto",
+) -> None:
+    """Write a run's loss, loss scale, skipped steps, exponent histograms and underflow/overflow shares to
+    TensorBoard and/or wandb."""
+    which: Any = layers if layers in ("auto", "all", "none") else [p.strip() for p in layers.split(",")]
+    n = exporting.export_run(
+        run_dir, tensorboard=tensorboard, wandb_project=wandb_project, wandb_mode=wandb_mode, layers=which
+    )
+    where = [f"TensorBoard: {tensorboard}"] if tensorboard is not None else []
+    where += [f"wandb project: {wandb_project}"] if wandb_project is not None else []
+    typer.echo(f"{n} events written ({'; '.join(where)})")
 
 
 # click >= 8.2 raises this for `precprof` without arguments; older versions print the help themselves
