@@ -5,8 +5,7 @@ check the runs against each other and against what the advisor said.
 precision mode, optionally with a loss scaling spec after a colon: ``fp16:none``, ``fp16:static:8192``, or
 ``fp16:advised`` — dynamic scaling from the init_scale the advisor recommends on the reference run, which
 therefore trains first), each in its own run directory with its own report, then writes ``compare.json`` and
-``compare.html`` next to them:
-next to them (``precprof.analysis.comparison`` reads and checks the runs, ``precprof.report.compare_page``
+``compare.html`` next to them (``precprof.analysis.comparison`` reads and checks the runs, ``precprof.report.compare_page``
 draws the page).
 """
 

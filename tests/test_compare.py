@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import math
 from pathlib import Path
@@ -67,8 +69,14 @@ def run_result(label: str, initial: float, final: float, **kw: Any) -> A.RunResu
         "skipped_steps": 0,
         "first_nonfinite_step": None,
         "loss_scaling": "none" if scale in ("", "none") else scale,
-        "settled_scale": None,
+        "final_scale": None,
         "init_scale": None,
+        "scale_growths": 0,
+        "scale_backoffs": 0,
+        "last_scale_change_step": None,
+        "steps_at_final_scale": 0,
+        "machine": "cpu: AMD EPYC",
+        "target": "AMD EPYC",
         "memory": {},
         "memory_total": 0,
         "recommendation": None,
@@ -117,7 +125,16 @@ def test_verdict_check_confirms_and_contradicts() -> None:
     ref = run_result("fp32", 5.0, 2.0, recommendation=rec)
     runs = [
         ref,
-        run_result("fp16", 5.0, 2.006, loss_scaling="dynamic", settled_scale=2.0**13),
+        run_result(
+            "fp16",
+            5.0,
+            2.006,
+            loss_scaling="dynamic",
+            final_scale=2.0**13,
+            scale_backoffs=3,
+            last_scale_change_step=3,
+            steps_at_final_scale=97,
+        ),
         run_result("fp16-none", 5.0, 4.8),
         run_result("bf16", 5.0, 2.3),
     ]
@@ -128,8 +145,11 @@ def test_verdict_check_confirms_and_contradicts() -> None:
         checks[(c.run, c.status)] = checks.get((c.run, c.status), "") + c.text + "\n"
     # the recommendation (fp16 at 2^13) against the scaled fp16 run
     text = checks[("fp16", A.CONFIRMED)]
-    assert "recommends fp16 with init_scale 2^13" in text and "matched fp32 within 0.3%" in text
-    assert "settled at 2^13" in text
+    assert (
+        "Loss: the advisor, on the fp32 run's profile, recommends fp16 with init_scale 2^13: fp16 with dynamic "
+        "loss scaling (settled at 2^13 after backing off 3 times, the last change at step 3 (97 steps at 2^13)) "
+        "matched fp32 within 0.3%.\n"
+    ) in text
     # the scale-1 underflow warning predicted the unscaled run's stall
     assert (
         "stalled" in checks[("fp16-none", A.CONFIRMED)]
@@ -147,7 +167,7 @@ def test_verdict_check_not_borne_out_and_unchecked() -> None:
     fp16 = run_result("fp16-none", 5.0, 2.01)
     fp16.outcome, fp16.gap = A.classify(fp16, ref, 0.02)
     checks = A.check_against_runs([ref, fp16], ref)
-    assert [c.status for c in checks] == [A.UNCHECKED, A.NOT_BORNE_OUT]
+    assert [c.status for c in checks] == [A.NOT_MEASURED, A.NOT_BORNE_OUT]
     assert "no bf16 run in this comparison" in checks[0].text
 
 
@@ -166,7 +186,7 @@ def comparison(tmp_path_factory: pytest.TempPathFactory) -> tuple[A.Comparison, 
         report=False,  # the per-run reports are the report's own tests; rendering three would triple the time
         seed=3,
     )
-    return C.compare(base, "fp32,bf16,fp16:none", out=out), out
+    return C.compare(base, "fp32,bf16,fp16", out=out), out
 
 
 def _window_mean(run_dir: Path) -> tuple[float, float]:
@@ -177,9 +197,9 @@ def _window_mean(run_dir: Path) -> tuple[float, float]:
 
 def test_each_run_has_its_directory_and_report(comparison: tuple[A.Comparison, Path]) -> None:
     comp, out = comparison
-    assert [r.label for r in comp.runs] == ["fp32", "bf16", "fp16-none"]
+    assert [r.label for r in comp.runs] == ["fp32", "bf16", "fp16"]
     for r, (prec, scaling) in zip(
-        comp.runs, [("fp32", "none"), ("bf16", "none"), ("fp16", "none")], strict=True
+        comp.runs, [("fp32", "none"), ("bf16", "none"), ("fp16", "dynamic")], strict=True
     ):
         run_dir = out / r.label
         summary = T.read_summary(run_dir)
@@ -208,7 +228,7 @@ def test_numbers_match_the_run_directories(comparison: tuple[A.Comparison, Path]
         assert r.memory and r.memory[T.PARAMETERS] > 0
     saved = json.loads((out / C.COMPARE_JSON).read_text())
     assert saved["reference"] == "fp32"
-    assert [r["label"] for r in saved["runs"]] == ["fp32", "bf16", "fp16-none"]
+    assert [r["label"] for r in saved["runs"]] == ["fp32", "bf16", "fp16"]
     assert [c["status"] for c in saved["checks"]]  # every line of the verdict check is stored
 
 
@@ -216,7 +236,7 @@ def test_comparison_page(comparison: tuple[A.Comparison, Path]) -> None:
     comp, out = comparison
     html = (out / C.COMPARE_HTML).read_text()
     assert html.count('src="data:image/png;base64,') == 2  # loss curves; memory and throughput
-    for label in ("fp32", "bf16", "fp16-none"):
+    for label in ("fp32", "bf16", "fp16"):
         assert f"<strong>{label}</strong>" in html
     assert 'href="fp32"' in html  # no per-run report here: the link goes to the run directory
     from precprof.hardware import cpu_fp16_native
@@ -299,23 +319,281 @@ def test_cli_compare_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert "at least two precisions" in capsys.readouterr().err
 
 
-def test_small_model_default_is_checked_against_the_measured_speed(tmp_path: Path) -> None:
-    """A small model gets fp32 by default with the format its measurements allow; compare times that format:
-    faster by at least SMALL_MODEL_MIN_SPEEDUP and matching, the measurement overrides the default, else the
-    default stands. Real runs; the status follows the speed measured here."""
-    base = TrainConfig(
-        model="gpt-nano", steps=12, batch_size=4, seq_len=32, sample_every=4, progress=False, report=False
+# ---------------------------------------------------------------- what the runs measured, stated as measured
+def _tokens_per_s(run_dir: Path) -> float:
+    """Median tokens / median time of the steps without layer capture, straight from steps.parquet."""
+    steps = T.read_tables(run_dir)["steps"]
+    plain = steps[~steps[T.SAMPLED].astype(bool)]
+    return float(plain[T.TOKENS].median()) / float(plain[T.TIME_S].median())
+
+
+def _machine(run_dir: Path) -> str:
+    hw = T.read_summary(run_dir)[T.SUMMARY_HARDWARE]
+    return f"{hw['device']}: {hw['name']}"
+
+
+def test_a_scaler_that_never_changed_says_so(comparison: tuple[A.Comparison, Path]) -> None:
+    comp, out = comparison
+    fp16 = comp.run("fp16")
+    scales = T.read_tables(out / "fp16")["steps"][T.LOSS_SCALE].to_numpy(dtype=float)
+    assert len(scales) == STEPS and (scales == 2.0**16).all()  # the default init_scale, never moved
+    assert (fp16.final_scale, fp16.scale_growths, fp16.scale_backoffs) == (2.0**16, 0, 0)
+    said = f"fp16 with dynamic loss scaling (stayed at 2^16, never changed in {STEPS} steps)"
+    assert A.describe_run(fp16) == said
+    assert any(line.startswith(said) for line in comp.summary_lines)
+    assert "settled" not in (out / C.COMPARE_JSON).read_text()
+    assert f"dynamic · stayed at 2^16, never changed in {STEPS} steps" in (out / C.COMPARE_HTML).read_text()
+
+
+def test_warnings_are_those_the_profile_gave(comparison: tuple[A.Comparison, Path]) -> None:
+    """Each run's warnings line quotes every warning (or critical) the fp32 profile's advisor gave for its
+    format, read here from summary.json, and says "no warning for this format" only when it gave none."""
+    comp, out = comparison
+    findings = T.read_summary(out / "fp32")[T.SUMMARY_RECOMMENDATION]["findings"]
+    for label in ("bf16", "fp16"):
+        given = [
+            f["title"]
+            for f in findings
+            if f["code"].startswith(label + "_")
+            and ((f.get("numbers") or {}).get("demoted_from") or f["severity"]) in ("warning", "critical")
+        ]
+        lines = " ".join(c.text for c in comp.checks if c.text.startswith(f"Warnings for {label}:"))
+        assert lines
+        assert all(t in lines for t in given)
+        assert ("no warning for this format" in lines) == (not given)
+
+
+def test_recommended_format_slower_than_fp32_is_not_confirmed(comparison: tuple[A.Comparison, Path]) -> None:
+    """The issue's case: a bf16 recommendation for this machine, and bf16 timed against fp32 here (on a CPU,
+    usually slower). The speed line states the measured ratio and is confirmed only at 1.10x or more."""
+    comp, out = comparison
+    bf16 = comp.run("bf16")
+    ratio = _tokens_per_s(out / "bf16") / _tokens_per_s(out / "fp32")
+    assert bf16.speedup == pytest.approx(ratio, rel=1e-12)
+    here = T.read_summary(out / "fp32")[T.SUMMARY_HARDWARE]["name"]
+    rec = {"format": "bf16", "target": here, "findings": []}
+    checks = A.check_against_runs(*_with_rec(comp.runs, rec))
+    loss = next(c for c in checks if c.aspect == A.ASPECT_LOSS)
+    speed = next(c for c in checks if c.aspect == A.ASPECT_SPEED)
+    assert loss.status == (A.CONFIRMED if bf16.outcome in (A.MATCHED, A.AHEAD) else A.CONTRADICTED)
+    assert loss.text.startswith(
+        f"Loss: the advisor, on the fp32 run's profile, recommends bf16 for {here}: bf16 "
     )
-    comp = C.compare(base, "fp32,bf16", out=tmp_path)
-    ref, low = comp.runs
-    # the advice for a machine with native bf16 (this one may have none): fp32 by default, bf16 measured safe
-    rec = precprof.recommend(tmp_path / "fp32", hardware="a100").to_dict()
-    assert rec["format"] == "fp32" and rec["measured_format"] == "bf16"
-    ref.recommendation = rec
-    checks = A.check_against_runs(comp.runs, ref)
-    check = next(c for c in checks if "default for a model this small" in c.text)
-    assert check.run == low.label and low.speedup is not None
-    if low.outcome in (A.MATCHED, A.AHEAD) and low.speedup >= A.SMALL_MODEL_MIN_SPEEDUP:
-        assert check.status == A.OVERRIDDEN and "use bf16" in check.text
+    ran = f"Speed: bf16 ran at {ratio:.2f}x fp32's throughput on this machine ({_machine(out / 'bf16')})"
+    if ratio >= A.SMALL_MODEL_MIN_SPEEDUP:
+        assert (speed.status, speed.text) == (A.CONFIRMED, f"{ran}, a gain (1.10x or more counts as a gain).")
     else:
-        assert check.status == A.CONFIRMED and "keep fp32" in check.text
+        short = "slower than fp32" if ratio < 1 else "below the 1.10x that counts as a gain"
+        assert (speed.status, speed.text) == (
+            A.CONTRADICTED,
+            f"{ran}, the machine the advisor planned for: {short}, not the gain recommending bf16 assumes "
+            "(1.10x or more counts as a gain).",
+        )
+
+
+def test_advice_for_another_machine_is_not_measured_here(comparison: tuple[A.Comparison, Path]) -> None:
+    """The advisor's plan for an A100 (fp32 by default for a model this small, bf16 allowed by the
+    measurements): the CPU's throughput says nothing about an A100's."""
+    comp, out = comparison
+    bf16 = comp.run("bf16")
+    rec = precprof.recommend(out / "fp32", hardware="a100").to_dict()
+    assert (rec["format"], rec["measured_format"], rec["target"]) == ("fp32", "bf16", "a100")
+    assert bf16.outcome == A.MATCHED  # same seed and data, 12 steps: bf16 tracks fp32 within 2%
+    check = next(c for c in A.check_against_runs(*_with_rec(comp.runs, rec)) if c.run == "bf16")
+    assert (check.status, check.aspect) == (A.NOT_MEASURED, A.ASPECT_SPEED)
+    assert check.text == (
+        "Speed: the advisor's default for a model this small is fp32; the measurements allowed bf16; the bf16 run "
+        f"matched fp32's loss and ran at {bf16.speedup:.2f}x fp32's throughput on this machine "
+        f"({_machine(out / 'bf16')}); the advisor planned for a100, whose speed this comparison did not measure."
+    )
+
+
+def _with_rec(runs: list[A.RunResult], rec: dict[str, Any]) -> tuple[list[A.RunResult], A.RunResult]:
+    """The fixture's runs with a copy of the reference that carries ``rec`` (the shared runs stay as they are)."""
+    ref = dataclasses.replace(runs[0], recommendation=rec)
+    return [ref, *runs[1:]], ref
+
+
+SMALL = {"format": "fp32", "measured_format": "bf16", "target": "AMD EPYC", "findings": []}
+
+
+@pytest.mark.parametrize(
+    ("rec", "speedup", "status", "tail"),
+    [
+        (SMALL, 1.32, A.OVERRIDDEN, ": the measured gain overrides the default, use bf16."),
+        (SMALL, 1.05, A.CONFIRMED, ": no gain worth it (below the 1.10x that counts as a gain), keep fp32."),
+        (SMALL, 0.78, A.CONFIRMED, ": no gain worth it (slower than fp32), keep fp32."),
+        (
+            {**SMALL, "target": "a100"},
+            1.32,
+            A.NOT_MEASURED,
+            "; the advisor planned for a100, whose speed this comparison did not measure.",
+        ),
+    ],
+)
+def test_small_model_default_against_measured_speed(
+    rec: dict[str, Any], speedup: float, status: str, tail: str
+) -> None:
+    ref = run_result("fp32", 5.0, 2.0, recommendation=rec)
+    low = run_result("bf16", 5.0, 2.01, speedup=speedup)
+    low.outcome, low.gap = A.classify(low, ref, 0.02)
+    (check, *_) = A.check_against_runs([ref, low], ref)
+    assert check.status == status and check.aspect == A.ASPECT_SPEED
+    assert check.text == (
+        "Speed: the advisor's default for a model this small is fp32; the measurements allowed bf16; the bf16 run "
+        f"matched fp32's loss and ran at {speedup:.2f}x fp32's throughput on this machine (cpu: AMD EPYC){tail}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("speedup", "status", "text"),
+    [
+        (1.32, A.CONFIRMED, ", a gain (1.10x or more counts as a gain)."),
+        (
+            1.05,
+            A.CONTRADICTED,
+            ", the machine the advisor planned for: below the 1.10x that counts as a gain, not the gain "
+            "recommending bf16 assumes (1.10x or more counts as a gain).",
+        ),
+        (
+            0.78,
+            A.CONTRADICTED,
+            ", the machine the advisor planned for: slower than fp32, not the gain recommending bf16 assumes "
+            "(1.10x or more counts as a gain).",
+        ),
+    ],
+)
+def test_recommended_format_speed(speedup: float, status: str, text: str) -> None:
+    ref = run_result(
+        "fp32", 5.0, 2.0, recommendation={"format": "bf16", "target": "AMD EPYC", "findings": []}
+    )
+    low = run_result("bf16", 5.0, 2.01, speedup=speedup)
+    low.outcome, low.gap = A.classify(low, ref, 0.02)
+    loss, speed, warnings = A.check_against_runs([ref, low], ref)
+    assert (loss.status, loss.aspect) == (A.CONFIRMED, A.ASPECT_LOSS)
+    assert (speed.status, speed.aspect) == (status, A.ASPECT_SPEED)
+    assert (
+        speed.text
+        == f"Speed: bf16 ran at {speedup:.2f}x fp32's throughput on this machine (cpu: AMD EPYC){text}"
+    )
+    assert warnings.text == (
+        "Warnings for bf16: bf16 matched fp32 within 0.5%. As the advisor expected (no warning for this format)."
+    )
+
+
+def test_warnings_beside_the_point_are_quoted_not_hidden() -> None:
+    """The fp32 profile's fp16 warning about scale 1 (demoted to information: the verdict was bf16) is quoted for
+    the scaled fp16 run with why it does not bear on its loss; bf16's speed warning is checked on speed."""
+    under = "fp16 gradient underflow: 3% at scale 1 (what fp16 would do; the verdict is bf16)"
+    rec = {
+        "format": "bf16",
+        "target": "AMD EPYC",
+        "findings": [
+            {
+                "code": "fp16_gradient_underflow",
+                "severity": "info",
+                "title": under,
+                "numbers": {"demoted_from": "warning"},
+            },
+            {"code": "fp16_loss_scale", "severity": "info", "title": "fp16 loss scale 2^15 (32768)"},
+            {"code": "bf16_emulated", "severity": "warning", "title": "bf16 is emulated on AMD EPYC"},
+        ],
+    }
+    ref = run_result("fp32", 5.0, 2.0, recommendation=rec)
+    fp16 = run_result(
+        "fp16", 5.0, 2.01, loss_scaling="dynamic", final_scale=2.0**16, steps_at_final_scale=100, speedup=0.5
+    )
+    bf16 = run_result("bf16", 5.0, 2.01, speedup=0.78)
+    for r in (fp16, bf16):
+        r.outcome, r.gap = A.classify(r, ref, 0.02)
+    checks = {
+        (c.run, c.aspect, c.text.split(":")[0]): c for c in A.check_against_runs([ref, fp16, bf16], ref)
+    }
+    c = checks[("fp16", A.ASPECT_WARNINGS, "Warnings for fp16")]
+    assert c.status == A.CONFIRMED
+    assert c.text == (
+        "Warnings for fp16: fp16 with dynamic loss scaling (stayed at 2^16, never changed in 100 steps) matched "
+        "fp32 within 0.5%. As the advisor expected: the profile's fp16 warnings do not bear on this run's loss: "
+        f"{under} (about fp16 at loss scale 1; this run scaled its loss)."
+    )
+    c = checks[("bf16", A.ASPECT_SPEED, "Warnings for bf16")]
+    assert c.status == A.CONFIRMED
+    assert c.text == (
+        "Warnings for bf16: the advisor had warned: bf16 is emulated on AMD EPYC; bf16 ran at 0.78x fp32's "
+        "throughput on this machine (cpu: AMD EPYC), slower than fp32."
+    )
+    # the same fp16 run without loss scaling: the scale-1 warning is about it, and did not come true
+    bare = run_result("fp16-none", 5.0, 2.01)
+    bare.outcome, bare.gap = A.classify(bare, ref, 0.02)
+    (c,) = [c for c in A.check_against_runs([ref, bare], ref) if c.run == "fp16-none"]
+    assert c.status == A.NOT_BORNE_OUT
+    assert c.text.endswith(f"The advisor had warned ({under}), yet it did not hurt this run.")
+
+
+def _hand_built_run(path: Path, scales: list[float]) -> Path:
+    """A run directory with only what read_run needs: a steps table and a summary (dynamic fp16 scaling)."""
+    n = len(scales)
+    skipped = [b < a for a, b in itertools.pairwise(scales)] + [False]
+    steps = {
+        T.STEP: list(range(n)),
+        T.LOSS: list(np.linspace(5.0, 2.0, n)),
+        T.LOSS_SCALE: scales,
+        T.SKIPPED: skipped,  # a step that overflowed backs the scale off for the next one
+        T.GRAD_NORM: [1.0] * n,
+        T.TIME_S: [0.1] * n,
+        T.SAMPLED: [False] * n,
+        T.TOKENS: [64.0] * n,
+    }
+    T.write_tables(
+        path,
+        {
+            "steps": T.frame(
+                "steps", [dict(zip(steps, row, strict=True)) for row in zip(*steps.values(), strict=True)]
+            )
+        },
+    )
+    T.write_summary(
+        path,
+        {
+            T.SUMMARY_STATUS: T.STATUS_COMPLETE,
+            T.SUMMARY_CONFIG: {"precision": "fp16", "loss_scaling": "dynamic", "init_scale": scales[0]},
+            T.SUMMARY_HARDWARE: {"device": "cpu", "name": "Test CPU"},
+        },
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("scales", "final", "backoffs", "growths", "said"),
+    [
+        (
+            [2.0**16, 2.0**15, 2.0**14] + [2.0**13] * 17,
+            2.0**13,
+            3,
+            0,
+            "settled at 2^13 after backing off 3 times, the last change at step 3 (17 steps at 2^13)",
+        ),
+        (
+            [2.0**13] * 18 + [2.0**14] * 2,
+            2.0**14,
+            0,
+            1,
+            "ended at 2^14 after growing once, the last change at step 18 (2 steps at 2^14)",
+        ),
+        (
+            [2.0**16] + [2.0**15] * 11 + [2.0**16] * 8,
+            2.0**16,
+            1,
+            1,
+            "settled at 2^16 after backing off once and growing once, the last change at step 12 (8 steps at 2^16)",
+        ),
+    ],
+)
+def test_loss_scale_history(
+    tmp_path: Path, scales: list[float], final: float, backoffs: int, growths: int, said: str
+) -> None:
+    """Scale histories a few real CPU steps do not produce (20 steps: the final window is 5)."""
+    r = A.read_run(A.Variant("fp16"), _hand_built_run(tmp_path / "fp16", scales))
+    assert (r.final_scale, r.scale_backoffs, r.scale_growths, r.final_window) == (final, backoffs, growths, 5)
+    assert r.skipped_steps == backoffs
+    assert A.describe_run(r) == f"fp16 with dynamic loss scaling ({said})"

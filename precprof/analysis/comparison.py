@@ -5,6 +5,11 @@ runs did. Pure and host-side: ``precprof.compare`` trains the runs, ``precprof.r
 Outcome of a run against the reference: ``diverged`` (non-finite final loss), ``stalled`` (it removed less
 than a quarter of the loss the reference removed), ``matched`` (final loss within ``tolerance``, relative),
 else ``behind`` or ``ahead``.
+
+Every sentence states what the run directories measured: a format is "confirmed" on speed only when its run
+reached ``SMALL_MODEL_MIN_SPEEDUP`` times the reference's throughput on the machine the advisor planned for
+(``speed_status`` holds that rule), the warnings quoted are those the reference profile's advisor gave, and a
+scaled run's loss scale is the one its steps table records, with the times it grew and backed off.
 """
 
 from __future__ import annotations
@@ -42,16 +47,36 @@ REFERENCE, MATCHED, BEHIND, AHEAD, STALLED, DIVERGED, FAILED = (
 )
 BAD_OUTCOMES = frozenset({BEHIND, STALLED, DIVERGED})
 # verdict-check statuses
-CONFIRMED, CONTRADICTED, NOT_BORNE_OUT, MISSED, UNCHECKED, OVERRIDDEN = (
+CONFIRMED, CONTRADICTED, NOT_BORNE_OUT, MISSED, NOT_MEASURED, OVERRIDDEN = (
     "confirmed",
     "contradicted",
     "not borne out",
     "missed",
-    "not checked",
+    "not measured",
     "overridden by measurement",
 )
-# the speedup over the reference that overrides the advisor's small-model default (fp32)
+# the speedup over the reference that counts as a gain: it confirms a low-precision recommendation's speed and
+# overrides the advisor's fp32 default for a small model
 SMALL_MODEL_MIN_SPEEDUP = 1.1
+_GAIN = f"{SMALL_MODEL_MIN_SPEEDUP:.2f}x the reference's throughput or more"
+# what each status means (the page's legend)
+STATUS_MEANING = {
+    CONFIRMED: "loss: the run matched or beat the reference, or went wrong where a warning said it would; "
+    f"speed: on the machine the advisor planned for, the format said to be faster reached {_GAIN}, or the "
+    "format said to be slow or not worth it did not",
+    CONTRADICTED: "loss: the recommended format's run fell behind, stalled or diverged; speed: on the machine the "
+    f"advisor planned for, the recommended format stayed below {_GAIN}, or a format it passed over reached it",
+    NOT_BORNE_OUT: "the profile warned about this format, and the run did not suffer from it",
+    MISSED: "the run went wrong and the profile gave no warning that bears on it",
+    NOT_MEASURED: "no run in this comparison measures it: no run in that format, a failed run, no throughput, "
+    "or speed on a machine other than this one",
+    OVERRIDDEN: "the advisor's fp32 default for a small model, against a run in the format its measurements "
+    f"allowed that matched and reached {_GAIN}",
+}
+# aspects a check covers
+ASPECT_LOSS, ASPECT_SPEED, ASPECT_LOSS_SCALE, ASPECT_WARNINGS = "loss", "speed", "loss scale", "warnings"
+# finding codes about a format's speed on the target, not about its numerics
+SPEED_CODES = frozenset({"bf16_emulated", "bf16_unsupported", "fp8_library_missing"})
 
 
 @dataclass(frozen=True)
@@ -137,8 +162,14 @@ class RunResult:
     skipped_steps: int
     first_nonfinite_step: int | None
     loss_scaling: str  # resolved: dynamic | static | none
-    settled_scale: float | None  # median loss scale over the final window (scaled runs)
+    final_scale: float | None  # loss scale in effect on the last step with a finite one (scaled runs)
     init_scale: float | None  # the scaler's initial scale (scaled runs)
+    scale_growths: int  # steps whose loss scale is above the previous step's
+    scale_backoffs: int  # steps whose loss scale is below the previous step's
+    last_scale_change_step: int | None  # the first step at the final scale, when the scale ever changed
+    steps_at_final_scale: int  # steps (rows with a finite scale) from the last change to the end
+    machine: str  # where the run trained: "cpu: AMD EPYC", "cuda: NVIDIA H100 80GB HBM3"
+    target: str | None  # hardware name the run's summary records (what the advisor plans for by default)
     memory: dict[str, int]
     memory_total: int
     recommendation: dict[str, Any] | None
@@ -158,6 +189,7 @@ class Check:
     status: str
     text: str
     run: str | None = None
+    aspect: str = ASPECT_LOSS  # what the line checks: loss, speed, loss scale or warnings
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -219,6 +251,37 @@ def _memory(summary: Mapping[str, Any]) -> dict[str, int]:
     return {str(k): int(v) for k, v in measured.items() if v is not None and k != T.PROFILER_BUFFERS}
 
 
+@dataclass(frozen=True)
+class _ScaleHistory:
+    final: float | None
+    growths: int
+    backoffs: int
+    last_change_step: int | None
+    steps_at_final: int
+
+
+def _scale_history(steps: pd.DataFrame) -> _ScaleHistory:
+    """The loss scale a run ended at and how it moved, from the steps table (each row: the scale in effect
+    during that step). Rows without a finite scale are left out."""
+    if steps.empty:
+        return _ScaleHistory(None, 0, 0, None, 0)
+    scales = steps[T.LOSS_SCALE].astype(float).to_numpy()
+    ok = np.isfinite(scales)
+    s, step = scales[ok], steps[T.STEP].to_numpy()[ok]
+    if not len(s):
+        return _ScaleHistory(None, 0, 0, None, 0)
+    d = np.diff(s)
+    changes = np.nonzero(d != 0)[0]
+    last = int(changes[-1]) + 1 if len(changes) else None  # index of the first row at the final scale
+    return _ScaleHistory(
+        final=float(s[-1]),
+        growths=int((d > 0).sum()),
+        backoffs=int((d < 0).sum()),
+        last_change_step=int(step[last]) if last is not None else None,
+        steps_at_final=len(s) - (last or 0),
+    )
+
+
 def read_run(variant: Variant, run_dir: Path) -> RunResult:
     """A run's facts from its run directory (outcome and gap are filled in by ``analyse``)."""
     summary = T.read_summary(run_dir)
@@ -231,14 +294,13 @@ def read_run(variant: Variant, run_dir: Path) -> RunResult:
     final = float(tail.mean()) if len(tail) and np.isfinite(loss[-1]) else math.nan
     first = finite(loss[:1])
     cfg = summary.get(T.SUMMARY_CONFIG) or {}
-    scales = steps[T.LOSS_SCALE].astype(float).to_numpy() if not steps.empty else np.array([])
     kind = str(
         cfg.get("loss_scaling") or ("none" if variant.loss_scale in ("auto", "none") else variant.loss_scale)
     )
-    settled = None
-    if kind != "none" and len(scales):
-        s = finite(scales[-win:])
-        settled = float(np.median(s)) if len(s) else None
+    scale = _scale_history(steps) if kind != "none" else _ScaleHistory(None, 0, 0, None, 0)
+    hw = summary.get(T.SUMMARY_HARDWARE) or {}
+    device, name = hw.get("device"), hw.get("name")
+    machine = ": ".join(str(x) for x in (device, name) if x) or "unknown"
     mem = _memory(summary)
     init_scale = (
         cfg.get("static_scale") if kind == "static" else cfg.get("init_scale") if kind == "dynamic" else None
@@ -263,8 +325,14 @@ def read_run(variant: Variant, run_dir: Path) -> RunResult:
         skipped_steps=int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
         first_nonfinite_step=int(steps[T.STEP].iloc[bad[0]]) if len(bad) else None,
         loss_scaling=kind,
-        settled_scale=settled,
+        final_scale=scale.final,
         init_scale=float(init_scale) if isinstance(init_scale, (int, float)) else None,
+        scale_growths=scale.growths,
+        scale_backoffs=scale.backoffs,
+        last_scale_change_step=scale.last_change_step,
+        steps_at_final_scale=scale.steps_at_final,
+        machine=machine,
+        target=str(name) if name else None,
         memory=mem,
         memory_total=sum(v for k, v in mem.items() if k not in T.MEMORY_PEAK_COMPONENTS),
         recommendation=summary.get(T.SUMMARY_RECOMMENDATION),
@@ -312,19 +380,52 @@ def _fmt_scale(v: float | None) -> str:
     return f"2^{round(k)}" if abs(k - round(k)) < 1e-9 else f"{v:g}"
 
 
+def _times(n: int) -> str:
+    return "once" if n == 1 else "twice" if n == 2 else f"{n} times"
+
+
+def _steps(n: int) -> str:
+    return f"{n} step{'s' if n != 1 else ''}"
+
+
+def describe_scale(run: RunResult) -> str:
+    """How a dynamic scaler's scale moved, from the run's steps table: ``stayed at 2^16, never changed in 12
+    steps``; ``settled at 2^13 after backing off 3 times, the last change at step 4 (36 steps at 2^13)`` when it
+    then held for at least the final window (the steps the final loss averages); else ``ended at ...``."""
+    at = _fmt_scale(run.final_scale)
+    if run.final_scale is None:
+        return "no loss scale recorded"
+    if not run.scale_growths and not run.scale_backoffs:
+        return f"stayed at {at}, never changed in {_steps(run.steps_at_final_scale)}"
+    moves = " and ".join(
+        m
+        for m in (
+            f"backing off {_times(run.scale_backoffs)}" if run.scale_backoffs else "",
+            f"growing {_times(run.scale_growths)}" if run.scale_growths else "",
+        )
+        if m
+    )
+    verb = "settled at" if run.steps_at_final_scale >= max(run.final_window, 1) else "ended at"
+    return (
+        f"{verb} {at} after {moves}, the last change at step {run.last_scale_change_step} "
+        f"({_steps(run.steps_at_final_scale)} at {at})"
+    )
+
+
 def describe_run(run: RunResult) -> str:
-    """``fp16 (dynamic scaling, settled at 2^13)``, ``fp16 without loss scaling``, ``bf16``."""
+    """``fp16 with dynamic loss scaling (stayed at 2^16, never changed in 12 steps)``, ``fp16 without loss
+    scaling``, ``bf16``."""
     fp16 = run.precision.startswith("fp16")
     if run.loss_scaling == "none":
         return f"{run.precision} without loss scaling" if fp16 else run.precision
     if run.loss_scaling == "static":
-        return f"{run.precision} at a static loss scale of {_fmt_scale(run.settled_scale)}"
+        return f"{run.precision} at a static loss scale of {_fmt_scale(run.final_scale)}"
     if run.loss_scale == ADVISED:
         return (
-            f"{run.precision} at the advised init_scale {_fmt_scale(run.init_scale)} (dynamic scaling, settled at "
-            f"{_fmt_scale(run.settled_scale)})"
+            f"{run.precision} at the advised init_scale {_fmt_scale(run.init_scale)} (dynamic loss scaling, "
+            f"{describe_scale(run)})"
         )
-    return f"{run.precision} (dynamic scaling, settled at {_fmt_scale(run.settled_scale)})"
+    return f"{run.precision} with dynamic loss scaling ({describe_scale(run)})"
 
 
 def outcome_sentence(run: RunResult, ref: RunResult, tolerance: float) -> str:
@@ -348,29 +449,305 @@ def outcome_sentence(run: RunResult, ref: RunResult, tolerance: float) -> str:
     return f"{who} is the reference."
 
 
-def predicted_trouble(rec: Mapping[str, Any] | None, run: RunResult) -> list[dict[str, Any]]:
-    """Findings of the reference run's advisor that predict trouble for ``run``'s format and scaling.
+def _family(precision: str) -> str | None:
+    for fmt in ("fp16", "bf16", "fp8"):
+        if precision.startswith(fmt):
+            return fmt
+    return None
 
-    fp16 with loss scaling: critical fp16 findings (e.g. gradients no single scale covers) and fp16 overflow
-    warnings; fp16 without scaling: also the gradient-underflow warning, which is about scale 1; bf16: bf16
-    warnings and criticals; pure modes: their lost-update findings as well.
-    """
-    fmt = "fp16" if run.precision.startswith("fp16") else "bf16" if run.precision.startswith("bf16") else None
-    if fmt is None:
-        return []
+
+def format_warnings(rec: Mapping[str, Any] | None, fmt: str) -> list[dict[str, Any]]:
+    """The warnings (and criticals) the advisor gave for ``fmt`` (finding codes ``<fmt>_...``), as the profile
+    holds them; a what-if the advisor demoted to information (the verdict is another format) keeps its
+    ``numbers["demoted_from"]`` and counts as the warning it was."""
     out = []
     for f in _findings(rec):
-        code, sev = str(f.get("code", "")), str(f.get("severity", "")).lower()
-        # a what-if the advisor demoted to information (the verdict is another format) still predicts
-        sev = str((f.get("numbers") or {}).get("demoted_from") or sev).lower()
-        if not code.startswith(fmt + "_") or sev not in ("warning", "critical"):
-            continue
-        if code.endswith("lost_updates") and not run.precision.endswith("-pure"):
-            continue  # autocast keeps fp32 master weights: lost updates are a what-if there
-        if code == "fp16_gradient_underflow" and run.loss_scaling != "none" and sev != "critical":
-            continue  # the warning is about scale 1; a scaled run is what it recommends
-        out.append(f)
+        code = str(f.get("code", ""))
+        sev = str((f.get("numbers") or {}).get("demoted_from") or f.get("severity", "")).lower()
+        if code.startswith(fmt + "_") and sev in ("warning", "critical"):
+            out.append(f)
     return out
+
+
+def _beside_the_point(f: Mapping[str, Any], run: RunResult) -> str | None:
+    """Why a warning for ``run``'s format says nothing about this run's loss, or None when it does."""
+    code, sev = str(f.get("code", "")), str(f.get("severity", "")).lower()
+    if code in SPEED_CODES:
+        return "about speed"
+    if code.endswith("lost_updates") and not run.precision.endswith("-pure"):
+        return "about weights held in that format; this run kept fp32 master weights"
+    if code == "fp16_gradient_underflow" and run.loss_scaling != "none" and sev != "critical":
+        return "about fp16 at loss scale 1; this run scaled its loss"
+    return None
+
+
+def predicted_trouble(rec: Mapping[str, Any] | None, run: RunResult) -> list[dict[str, Any]]:
+    """Of the reference profile's warnings for ``run``'s format, those that predict trouble for its loss.
+
+    Left out (``_beside_the_point``): speed warnings (emulated or unsupported format), lost updates in an
+    autocast run (fp32 master weights: a what-if there), and the non-critical fp16 gradient-underflow warning in
+    a scaled run (it is about scale 1; a scaled run is what it recommends).
+    """
+    fmt = _family(run.precision)
+    if fmt is None:
+        return []
+    return [f for f in format_warnings(rec, fmt) if _beside_the_point(f, run) is None]
+
+
+def _title(f: Mapping[str, Any]) -> str:
+    return str(f.get("title") or f.get("code"))
+
+
+def _planned_here(rec: Mapping[str, Any], ref: RunResult) -> bool:
+    """Whether the advisor planned for the machine the runs trained on (a preset target is another machine)."""
+    target = rec.get("target")
+    return target is None or ref.target is None or str(target) == ref.target
+
+
+def speed_status(speedup: float | None, planned_here: bool) -> str:
+    """The one rule for speed. A format's claim to be faster than the reference is CONFIRMED when its run
+    reached ``SMALL_MODEL_MIN_SPEEDUP`` times the reference's throughput, CONTRADICTED when it did not; both only
+    on the machine the advisor planned for. NOT_MEASURED without a throughput, or for another machine."""
+    if speedup is None or not math.isfinite(speedup) or not planned_here:
+        return NOT_MEASURED
+    return CONFIRMED if speedup >= SMALL_MODEL_MIN_SPEEDUP else CONTRADICTED
+
+
+def _ran_at(r: RunResult, ref: RunResult, who: bool = True) -> str:
+    said = f"ran at {r.speedup:.2f}x {ref.label}'s throughput on this machine ({r.machine})"
+    return f"{r.label} {said}" if who else said
+
+
+def _gain() -> str:
+    return f"{SMALL_MODEL_MIN_SPEEDUP:.2f}x or more counts as a gain"
+
+
+def _short_of_gain(r: RunResult, ref: RunResult) -> str:
+    s = r.speedup or 0.0
+    return (
+        f"slower than {ref.label}"
+        if s < 1
+        else f"below the {SMALL_MODEL_MIN_SPEEDUP:.2f}x that counts as a gain"
+    )
+
+
+def _elsewhere(rec: Mapping[str, Any]) -> str:
+    return f"the advisor planned for {rec.get('target')}, whose speed this comparison did not measure"
+
+
+def _recommendation_checks(
+    rec: Mapping[str, Any], ref: RunResult, others: Sequence[RunResult]
+) -> list[Check]:
+    """The recommended format against the runs: its loss (the run in that format matched?) and its speed (the
+    run in that format against ``speed_status``); for an fp32 recommendation, the speed of each run that
+    matched, which confirms it (no gain), overrides it (the format its measurements allowed, with a gain) or
+    contradicts it."""
+    fmt = str(rec.get("format", ""))
+    scale = rec.get("loss_scale") if fmt == "fp16" else None
+    target = rec.get("target")
+    said = (
+        f"the advisor, on the {ref.label} run's profile, recommends {fmt}"
+        + (f" with init_scale {_fmt_scale(float(scale))}" if scale else "")
+        + (f" for {target}" if target else "")
+    )
+    here = _planned_here(rec, ref)
+    checks: list[Check] = []
+    finished = [r for r in others if r.outcome not in (FAILED, REFERENCE)]
+    if fmt in ("fp32", "tf32", ref.precision):
+        measured = str(rec.get("measured_format") or "")
+        small = bool(measured) and measured not in ("fp32", "tf32", fmt)
+        lead = (
+            f"the advisor's default for a model this small is {fmt}; the measurements allowed {measured}"
+            if small
+            else said
+        )
+        rivals = [r for r in finished if r.outcome in (MATCHED, AHEAD)]
+        if not finished:
+            checks.append(
+                Check(
+                    NOT_MEASURED,
+                    f"Loss: {lead}; no other run finished to set it against.",
+                    ref.label,
+                    ASPECT_LOSS,
+                )
+            )
+        elif not rivals:
+            names = ", ".join(r.label for r in finished)
+            checks.append(
+                Check(
+                    CONFIRMED,
+                    f"Loss: {lead}; no run in another format matched {ref.label}'s loss ({names}).",
+                    ref.label,
+                    ASPECT_LOSS,
+                )
+            )
+        for r in rivals:
+            did = "matched" if r.outcome == MATCHED else "beat"
+            if r.speedup is None or not math.isfinite(r.speedup):
+                checks.append(
+                    Check(
+                        NOT_MEASURED,
+                        f"Speed: {lead}; the {r.label} run {did} {ref.label}'s loss, and no throughput was measured.",
+                        r.label,
+                        ASPECT_SPEED,
+                    )
+                )
+                continue
+            head = (
+                f"Speed: {lead}; the {r.label} run {did} {ref.label}'s loss and {_ran_at(r, ref, who=False)}"
+            )
+            st = speed_status(r.speedup, here)
+            if st == CONFIRMED and small and r.precision == measured:
+                checks.append(
+                    Check(
+                        OVERRIDDEN,
+                        f"{head}: the measured gain overrides the default, use {measured}.",
+                        r.label,
+                        ASPECT_SPEED,
+                    )
+                )
+            elif st == CONFIRMED:
+                checks.append(
+                    Check(
+                        CONTRADICTED,
+                        f"{head}: a gain ({_gain()}) that the recommendation forgoes.",
+                        r.label,
+                        ASPECT_SPEED,
+                    )
+                )
+            elif st == CONTRADICTED:
+                checks.append(
+                    Check(
+                        CONFIRMED,
+                        f"{head}: no gain worth it ({_short_of_gain(r, ref)}), keep {fmt}.",
+                        r.label,
+                        ASPECT_SPEED,
+                    )
+                )
+            else:
+                checks.append(Check(NOT_MEASURED, f"{head}; {_elsewhere(rec)}.", r.label, ASPECT_SPEED))
+        return checks
+    family = [r for r in others if r.precision == fmt]
+    if fmt == "fp16":
+        family = [r for r in family if r.loss_scaling != "none"] or family
+    if not family:
+        checks.append(
+            Check(
+                NOT_MEASURED,
+                f"Loss: {said}; no {fmt} run in this comparison to check it against.",
+                None,
+                ASPECT_LOSS,
+            )
+        )
+    for r in family:
+        if r.outcome == FAILED:
+            checks.append(
+                Check(NOT_MEASURED, f"Loss: {said}: {outcome_sentence(r, ref, 0)}", r.label, ASPECT_LOSS)
+            )
+            continue
+        ok = r.outcome in (MATCHED, AHEAD)
+        checks.append(
+            Check(
+                CONFIRMED if ok else CONTRADICTED,
+                f"Loss: {said}: {outcome_sentence(r, ref, 0)}",
+                r.label,
+                ASPECT_LOSS,
+            )
+        )
+        st = speed_status(r.speedup, here)
+        if r.speedup is None or not math.isfinite(r.speedup):
+            text = f"Speed: no throughput was measured for {r.label} and {ref.label}."
+        elif st == CONFIRMED:
+            text = f"Speed: {_ran_at(r, ref)}, a gain ({_gain()})."
+        elif st == CONTRADICTED:
+            text = (
+                f"Speed: {_ran_at(r, ref)}, the machine the advisor planned for: {_short_of_gain(r, ref)}, not the "
+                f"gain recommending {fmt} assumes ({_gain()})."
+            )
+        else:
+            text = f"Speed: {_ran_at(r, ref)}; {_elsewhere(rec)}."
+        checks.append(Check(st, text, r.label, ASPECT_SPEED))
+    return checks
+
+
+def _warning_checks(rec: Mapping[str, Any] | None, r: RunResult, ref: RunResult) -> list[Check]:
+    """The reference profile's warnings for ``r``'s format, quoted as the advisor gave them, against what ``r``
+    did: its loss (warnings that bear on it) and its speed (warnings about speed)."""
+    if r.outcome in (FAILED, REFERENCE):
+        return [Check(NOT_MEASURED, f"Warnings: {outcome_sentence(r, ref, 0)}", r.label, ASPECT_WARNINGS)]
+    fmt = _family(r.precision)
+    given = format_warnings(rec, fmt) if fmt else []
+    trouble = [f for f in given if _beside_the_point(f, r) is None]
+    aside = [f for f in given if _beside_the_point(f, r) is not None]
+    bad = r.outcome in BAD_OUTCOMES
+    said = "; ".join(_title(f) for f in trouble)
+    aside_text = "; ".join(f"{_title(f)} ({_beside_the_point(f, r)})" for f in aside)
+    if trouble and bad:
+        status, why = CONFIRMED, f"The advisor had warned: {said}."
+    elif trouble:
+        status, why = NOT_BORNE_OUT, f"The advisor had warned ({said}), yet it did not hurt this run."
+    elif bad:
+        status = MISSED
+        why = (
+            f"None of the profile's {fmt} warnings bears on this run's loss: {aside_text}."
+            if aside
+            else "The advisor's profile gave no warning for this format."
+        )
+    else:
+        status = CONFIRMED
+        why = (
+            f"As the advisor expected: the profile's {fmt} warnings do not bear on this run's loss: {aside_text}."
+            if aside
+            else "As the advisor expected (no warning for this format)."
+        )
+    if trouble and aside:
+        why += f" Not about this run's loss: {aside_text}."
+    skipped = f" {_steps(r.skipped_steps)} skipped." if r.skipped_steps else ""
+    checks = [
+        Check(
+            status,
+            f"Warnings for {r.label}: {outcome_sentence(r, ref, 0)} {why}{skipped}",
+            r.label,
+            ASPECT_WARNINGS,
+        )
+    ]
+    speed_w = [f for f in given if str(f.get("code", "")) in SPEED_CODES]
+    if speed_w:
+        q = "; ".join(_title(f) for f in speed_w)
+        st = speed_status(r.speedup, _planned_here(rec or {}, ref))
+        if st == NOT_MEASURED:
+            tail = (
+                f"{_ran_at(r, ref)}; {_elsewhere(rec or {})}"
+                if r.speedup is not None and math.isfinite(r.speedup)
+                else f"no throughput was measured for {r.label} and {ref.label}"
+            )
+            checks.append(
+                Check(
+                    NOT_MEASURED,
+                    f"Warnings for {r.label}: the advisor had warned: {q}; {tail}.",
+                    r.label,
+                    ASPECT_SPEED,
+                )
+            )
+        elif st == CONTRADICTED:  # no gain: the speed warning is borne out
+            checks.append(
+                Check(
+                    CONFIRMED,
+                    f"Warnings for {r.label}: the advisor had warned: {q}; {_ran_at(r, ref)}, {_short_of_gain(r, ref)}.",
+                    r.label,
+                    ASPECT_SPEED,
+                )
+            )
+        else:
+            checks.append(
+                Check(
+                    NOT_BORNE_OUT,
+                    f"Warnings for {r.label}: the advisor had warned ({q}), yet {_ran_at(r, ref)}, a gain ({_gain()}).",
+                    r.label,
+                    ASPECT_SPEED,
+                )
+            )
+    return checks
 
 
 def check_against_runs(runs: Sequence[RunResult], ref: RunResult) -> list[Check]:
@@ -379,50 +756,7 @@ def check_against_runs(runs: Sequence[RunResult], ref: RunResult) -> list[Check]
     checks: list[Check] = []
     others = [r for r in runs if r is not ref]
     if rec:
-        fmt = str(rec.get("format", ""))
-        scale = rec.get("loss_scale") if fmt == "fp16" else None
-        said = f"The advisor, on the {ref.label} run's profile, recommends {fmt}" + (
-            f" with init_scale {_fmt_scale(float(scale))}" if scale else ""
-        )
-        family = [r for r in others if r.precision == fmt or (fmt == "fp8" and r.precision == "fp8")]
-        if fmt == "fp16":
-            family = [r for r in family if r.loss_scaling != "none"] or family
-        if fmt in ("fp32", ref.precision):
-            checks.append(Check(CONFIRMED, f"{said}: the reference itself.", ref.label))
-        elif not family:
-            checks.append(
-                Check(UNCHECKED, f"{said}; no {fmt} run in this comparison to check it against.", None)
-            )
-        else:
-            for r in family:
-                ok = r.outcome in (MATCHED, AHEAD)
-                checks.append(
-                    Check(
-                        CONFIRMED if ok else CONTRADICTED, f"{said}: {outcome_sentence(r, ref, 0)}", r.label
-                    )
-                )
-        # The small-model default (fp32) against the evidence: a run in the format the measurements allow
-        # that matched the reference and ran faster overrides it.
-        measured = str(rec.get("measured_format") or "")
-        if fmt == "fp32" and measured and measured not in ("fp32", "tf32"):
-            for r in others:
-                if r.precision != measured or r.outcome not in (MATCHED, AHEAD) or r.speedup is None:
-                    continue
-                faster = r.speedup >= SMALL_MODEL_MIN_SPEEDUP
-                checks.append(
-                    Check(
-                        OVERRIDDEN if faster else CONFIRMED,
-                        f"The advisor's default for a model this small is fp32; the measurements allowed {measured}, "
-                        f"and the {r.label} run {'matched' if r.outcome == MATCHED else 'beat'} {ref.label} at "
-                        f"{r.speedup:.2f}x its speed: "
-                        + (
-                            f"the measured gain overrides the default, use {measured}."
-                            if faster
-                            else f"no gain worth it (below {SMALL_MODEL_MIN_SPEEDUP:.2f}x), keep fp32."
-                        ),
-                        r.label,
-                    )
-                )
+        checks += _recommendation_checks(rec, ref, others)
         advised = rec.get("fp16_loss_scale")
         for r in others:
             if r.loss_scale != ADVISED or r.outcome == FAILED:
@@ -431,36 +765,23 @@ def check_against_runs(runs: Sequence[RunResult], ref: RunResult) -> list[Check]
             checks.append(
                 Check(
                     CONFIRMED if ok else CONTRADICTED,
-                    f"The advisor sized fp16's loss scale at init_scale {_fmt_scale(advised)} on the {ref.label} "
-                    f"profile; trained with it, {outcome_sentence(r, ref, 0)}",
+                    f"Loss scale: the advisor sized fp16's loss scale at init_scale {_fmt_scale(advised)} on the "
+                    f"{ref.label} profile; trained with it, {outcome_sentence(r, ref, 0)}",
                     r.label,
+                    ASPECT_LOSS_SCALE,
                 )
             )
     else:
-        checks.append(Check(UNCHECKED, f"The {ref.label} run has no recommendation to check.", ref.label))
-    for r in others:
-        if r.outcome in (FAILED, REFERENCE):
-            checks.append(Check(UNCHECKED, outcome_sentence(r, ref, 0), r.label))
-            continue
-        trouble = predicted_trouble(rec, r)
-        bad = r.outcome in BAD_OUTCOMES
-        said = "; ".join(str(f.get("title", f.get("code"))) for f in trouble)
-        if trouble and bad:
-            status, why = CONFIRMED, f"the advisor had warned: {said}."
-        elif trouble:
-            status, why = NOT_BORNE_OUT, f"the advisor had warned ({said}), yet it did not hurt this run."
-        elif bad:
-            status, why = MISSED, "the advisor's profile gave no warning for this format."
-        else:
-            status, why = CONFIRMED, "as the advisor expected (no warning for this format)."
-        skipped = (
-            f" {r.skipped_steps} skipped step{'s' if r.skipped_steps != 1 else ''}."
-            if r.skipped_steps
-            else ""
-        )
         checks.append(
-            Check(status, f"{outcome_sentence(r, ref, 0)} {why[0].upper() + why[1:]}{skipped}", r.label)
+            Check(
+                NOT_MEASURED,
+                f"Loss: the {ref.label} run has no recommendation to check.",
+                ref.label,
+                ASPECT_LOSS,
+            )
         )
+    for r in others:
+        checks += _warning_checks(rec, r, ref)
     return checks
 
 

@@ -13,9 +13,11 @@ import pandas as pd
 from precprof import tables as T
 from precprof._version import __version__
 from precprof.analysis.comparison import (
+    STATUS_MEANING,
     Comparison,
     RunResult,
     describe_run,
+    describe_scale,
     finite,
 )
 from precprof.modes import MODE_COLORS
@@ -202,6 +204,7 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
         d["dir_href"] = _rel(r.run_dir, base_dir)
         d["rec_format"] = (r.recommendation or {}).get("format")
         d["described"] = describe_run(r)
+        d["scale_described"] = describe_scale(r) if r.loss_scaling == "dynamic" else None
         runs.append(d)
     cfg = comparison.config
     title = f"{cfg.get('model', 'model')} · {', '.join(r.label for r in comparison.runs)}"
@@ -213,6 +216,9 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
         "tolerance": comparison.tolerance,
         "summary_lines": comparison.summary_lines,
         "checks": [c.to_dict() for c in comparison.checks],
+        "status_meaning": {
+            s: m for s, m in STATUS_MEANING.items() if any(c.status == s for c in comparison.checks)
+        },
         "runs": runs,
         "components": comps,
         "loss_img": _img(
