@@ -145,8 +145,11 @@ def rerender(
 ) -> Path:
     """Render a run directory's report again (``precprof report``): with the stored recommendation, or one
     computed now by the advisor when ``target`` (a hardware preset: "a100", "t4"...) is given or none is
-    stored. summary.json is never rewritten. Returns the HTML path."""
+    stored. summary.json is never rewritten, and neither is the run's own report.html when planning for a target:
+    that page goes to ``report-<target>.html`` beside it unless ``out`` says otherwise. Returns the HTML path."""
     rd = Path(run_dir)
+    if out is None and target is not None:
+        out = rd / f"report-{target.strip().lower()}.html"
     summary = T.read_summary(rd) if T.is_run_dir(rd) else {}
     rec: Any = None
     advisor_error = None

@@ -176,6 +176,42 @@ def texts(column: pd.Series) -> pd.Series:
     return column.astype(object).where(column.notna(), "").astype(str)
 
 
+class LossTail:
+    """The non-finite loss a run ended with: steps ``first``..``last`` (``steps`` recorded steps), after a
+    last finite ``last_finite`` at ``last_finite_step``; ``kind`` is "nan" or "inf"."""
+
+    def __init__(
+        self, first: int, last: int, steps: int, last_finite: float, last_finite_step: int, kind: str
+    ):
+        self.first, self.last, self.steps, self.kind = first, last, steps, kind
+        self.last_finite, self.last_finite_step = last_finite, last_finite_step
+
+
+def nonfinite_loss_tail(steps: pd.DataFrame) -> LossTail | None:
+    """The run of non-finite losses at the end of a steps table, None when its last loss is finite.
+
+    A loss the loop did not pass reads as nan too (Parquet stores both as null), so a table with no finite loss
+    (a loop that passes none), or with gaps on more than half the steps before its tail (a loop that passes its
+    loss now and then), has no tail: only a run that had a finite loss all along and lost it at the end does.
+    """
+    if steps.empty or STEP not in steps or LOSS not in steps:
+        return None
+    rec = steps[[STEP, LOSS]].copy()
+    rec[STEP] = pd.to_numeric(rec[STEP], errors="coerce")
+    rec = rec.dropna(subset=[STEP]).sort_values(STEP, kind="stable")
+    values = pd.to_numeric(rec[LOSS], errors="coerce").astype(float).tolist()
+    finite = [math.isfinite(v) for v in values]
+    if not finite or finite[-1] or not any(finite):
+        return None
+    i_ok = max(i for i, ok in enumerate(finite) if ok)
+    before = finite[: i_ok + 1]
+    if before.count(False) * 2 > len(before):
+        return None
+    at = [int(s) for s in rec[STEP]]
+    kind = "inf" if math.isinf(values[i_ok + 1]) else "nan"
+    return LossTail(at[i_ok + 1], at[-1], len(values) - i_ok - 1, values[i_ok], at[i_ok], kind)
+
+
 def empty(name: str) -> pd.DataFrame:
     """An empty table with the right columns."""
     return pd.DataFrame(

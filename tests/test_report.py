@@ -30,6 +30,7 @@ from precprof import formats, pipeline
 from precprof import tables as T
 from precprof.errors import UserError
 from precprof.report import filters, plots, render_html, render_report, render_run_dir, templates_dir
+from precprof.report import numbers as report_numbers
 from precprof.report import summarize as S
 from precprof.report.context import SECTIONS
 
@@ -227,8 +228,11 @@ def test_findings_most_severe_first_with_numbers_and_remedies(synthetic_page: st
     verdict = section(synthetic_page, "verdict")
     pos = [verdict.index(f'class="finding sev-{s}"') for s in ("critical", "warning", "info")]
     assert pos == sorted(pos)
-    assert "absmax</span> 524,288 (2^19.0)" in verdict
-    assert "underflow share</span> 41.3%" in verdict
+    assert "largest magnitude</span> 524,288 (2^19.0)" in verdict
+    assert "values that overflow</span> 1,200" in verdict
+    assert "lost in FP16 without loss scaling</span> 41.3%" in verdict
+    assert "this run&#39;s loss scale</span> 1 (2^0)" in verdict
+    assert "share_at_run_scale" not in verdict and "share at run scale" not in verdict  # repeats: not shown
     assert "init_scale = 32,768 (2^15)" in verdict and "growth_interval = 2,000" in verdict
     for m in recommendation_dict()["keep_fp32"]:
         assert f"<li><code>{m}</code></li>" in verdict
@@ -381,10 +385,88 @@ def test_rerender_recomputes_for_a_target(tmp_path: Path) -> None:
     assert "for target hardware: t4" in verdict and 'class="fmt fmt-fp32">FP32' in verdict
     assert 'class="fmt-inline fmt-fp16">FP16</span>' in verdict
     assert T.SUMMARY_RECOMMENDATION not in T.read_summary(tmp_path)  # re-rendering never rewrites data
+    # without --out the run's own report.html stays as it was, and the header names both machines
+    own = render_run_dir(tmp_path).read_bytes()
+    planned = pipeline.rerender(tmp_path, target="V100")
+    assert planned == tmp_path / "report-v100.html" and (tmp_path / "report.html").read_bytes() == own
+    header = planned.read_text().split("<main>")[0]
+    assert "recorded on " in header and "verdict planned for v100" in header
+    assert "verdict planned for" not in own.decode().split("<main>")[0]
     with pytest.raises(UserError, match="unknown hardware target"):
         pipeline.rerender(tmp_path, target="abacus")
     with pytest.raises(UserError, match="not a precprof run directory"):
         render_run_dir(tmp_path / "nothing-here")
+
+
+def _finding_number_names() -> set[tuple[str, str]]:
+    """(file, name) of every number a rule can put in a finding, read from the rules' source: the keys of
+    dict literals passed as ``numbers=`` or assigned to ``nums``/``numbers``, and ``nums["x"] = ...``."""
+    import ast
+
+    root = Path(precprof.__file__).parent / "analysis"
+    names: set[tuple[str, str]] = set()
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            value = None
+            if isinstance(node, ast.keyword) and node.arg == "numbers":
+                value = node.value
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+                if isinstance(target, ast.Name) and target.id in ("nums", "numbers"):
+                    value = node.value
+                elif isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant):
+                    holder = target.value
+                    if (isinstance(holder, ast.Name) and holder.id in ("nums", "numbers")) or (
+                        isinstance(holder, ast.Attribute) and holder.attr == "numbers"
+                    ):
+                        names.add((path.name, str(target.slice.value)))
+            if isinstance(value, ast.Dict):
+                names.update((path.name, str(k.value)) for k in value.keys if isinstance(k, ast.Constant))
+    return names
+
+
+def test_every_finding_number_has_a_label_on_the_page() -> None:
+    names = _finding_number_names()
+    assert len(names) > 70 and ("fp16.py", "share_at_recommended") in names  # the collector sees the rules
+    unlabeled = sorted(n for f, n in names if n not in report_numbers.LABELS)
+    assert not unlabeled, f"finding numbers without a label in precprof/report/numbers.py: {unlabeled}"
+    # a per-finding label names a finding code the rules emit
+    codes = {k[0] for k in report_numbers.LABELS if isinstance(k, tuple)}
+    readme = (Path(precprof.__file__).parent.parent / "README.md").read_text()  # its table of finding codes
+    assert all(f"| `{c}` |" in readme for c in codes), codes
+
+
+def test_finding_numbers_as_shown() -> None:
+    shown = dict(
+        report_numbers.shown(
+            "fp16_gradient_underflow",
+            {
+                "share_now": 0.0161,
+                "share_at_run_scale": 0.0161,  # repeats share_now: left out
+                "loss_scale_log2": 15,
+                "fp16_zero_share": None,  # not measured: left out
+                "max_module_norm_share_at_recommended": 0.0,
+                "max_norm_share_module": "h.3.attn",
+                "loss_change": -0.183,
+                "fp16_flushed": 0,
+            },
+        )
+    )
+    assert shown == {
+        "lost in FP16 at this run's loss scale (exact count)": "1.61%",
+        "recommended loss scale": "32,768 (2^15)",
+        "largest share of one module's gradient norm lost at the recommended loss scale": "0%",
+        "that module": "h.3.attn",
+        "loss change over the run": "-18.3%",
+        "gradients pressed against FP16's floor": "no",
+    }
+    assert report_numbers.shown("scaler_skipped_steps", {"steps": 11, "start_scale": 65536.0}) == [
+        ("steps in the run", "11"),
+        ("initial loss scale", "65,536 (2^16)"),
+    ]
+    assert report_numbers.shown("tensor_core_alignment", {"dim_vocab_size": 50257}) == [
+        ("vocab size", "50,257")
+    ]
 
 
 def test_filters() -> None:
@@ -394,11 +476,11 @@ def test_filters() -> None:
     assert filters.nbytes(1536) == "1.5 KiB" and filters.nbytes(3 * 2**30) == "3 GiB"
     assert filters.log2mag(0.25) == "0.25 (2^-2.0)" and filters.num(1.5e-7) == "1.50e-07"
     assert filters.count(1234567.0) == "1,234,567" and filters.num(math.inf) == "inf"
-    assert filters.number_by_name("underflow_share", 0.5) == "50%"
-    assert filters.number_by_name("loss_scale_log2", 15) == "15"
-    assert filters.number_by_name("loss_scale", 1024.0) == "1,024 (2^10)"
-    assert filters.number_by_name("nonzero_values", 19385773) == "19,385,773"
-    assert filters.number_by_name("grad_absmax", 0.5) == "0.5 (2^-1.0)"
+    assert (
+        filters.num(1560.4) == "1,560"
+        and filters.num(306.25) == "306"
+        and filters.num(2.5e9 + 0.5) == "2.50e+09"
+    )
     assert filters.cmdline(["train.py", "--name", "a b"]) == "train.py --name 'a b'"
     assert filters.plain(list(range(20))).endswith("… (20 in all)")
     assert filters.share_class(0.02) == "bad" and filters.share_class(0.0) == "zero"

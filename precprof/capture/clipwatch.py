@@ -73,12 +73,15 @@ def _local_norm(norm: Any) -> torch.Tensor | None:
     if placements is not None:  # a DTensor: only a replicated one holds the norm locally
         if not all(type(p).__name__ == "Replicate" for p in placements):
             return None
-        return norm.to_local()  # type: ignore[no-any-return]
+        local: torch.Tensor = norm.to_local()  # type: ignore[attr-defined]
+        return local
     return norm
 
 
 def _make_wrapper(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0, *args: Any, **kwargs: Any) -> Any:
+    def clip_grad_norm_(
+        parameters: Any, max_norm: float, norm_type: float = 2.0, *args: Any, **kwargs: Any
+    ) -> Any:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         norm = original(params, max_norm, norm_type, *args, **kwargs)
         local = _local_norm(norm)
@@ -113,9 +116,10 @@ def unwatch(norms: ClipNorms) -> None:
         _watchers.discard(norms)
         if _watchers or _wrapper is None:
             return
+        original: Any = _original
         if nn_utils.clip_grad_norm_ is _wrapper:
-            nn_utils.clip_grad_norm_ = _original
+            nn_utils.clip_grad_norm_ = original
         if getattr(_clip_grad_mod, "clip_grad_norm_", None) is _wrapper:
-            _clip_grad_mod.clip_grad_norm_ = _original  # type: ignore[attr-defined]
+            _clip_grad_mod.clip_grad_norm_ = original
         if nn_utils.clip_grad_norm_ is not _wrapper:
             _original, _wrapper = None, None

@@ -151,7 +151,10 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
     if not steps.empty:
         out.append(("skipped steps", F.count(int(T.flags(steps[T.SKIPPED]).sum()))))
         loss = pd.to_numeric(steps[T.LOSS], errors="coerce").dropna()
-        if len(loss):
+        tail = T.nonfinite_loss_tail(steps)
+        if tail is not None:  # diverged: the last finite loss is not the final one
+            out.append(("final loss", f"{tail.kind} from step {tail.first}"))
+        elif len(loss):
             out.append(("final loss", F.num(loss.iloc[-1], 4)))
     for key, label in (("tokens_per_s", "tokens/s"), ("time_s", "time (s)")):
         if final.get(key) is not None:
@@ -260,10 +263,34 @@ _NUMERICS_WORDS = frozenset(
 )
 
 
+# capture keys whose name alone does not say what the number is: (label, formatter)
+_CAPTURE_LABELS: dict[str, tuple[str, Any]] = {
+    "param_bytes": ("parameters (bytes)", F.nbytes),
+    "profiler_buffer_bytes": ("profiler buffers (bytes)", F.nbytes),
+    "profiler_scratch_bytes": ("profiler scratch (bytes)", F.nbytes),
+    "profiler_buffer_share_of_params": ("profiler buffers, as a share of the parameters' bytes", F.pct),
+    "n_params": ("parameters", F.count),
+}
+
+
+def _is_tf32_key(key: str) -> bool:
+    return "tf32" in key.lower()
+
+
 def _environment(summary: Mapping[str, Any]) -> dict[str, Any]:
     cfg = dict(summary.get(T.SUMMARY_CONFIG) or {})
     hw = dict(summary.get(T.SUMMARY_HARDWARE) or {})
     capture = dict(summary.get(T.SUMMARY_CAPTURE) or {})
+    if hw and hw.get("device") != "cuda":
+        # TF32 is a CUDA matmul/cuDNN mode: its flags say nothing on another device
+        hw = {k: v for k, v in hw.items() if not _is_tf32_key(k)}
+        cfg = {k: v for k, v in cfg.items() if not _is_tf32_key(k)}
+    capture = {
+        (_CAPTURE_LABELS[k][0] if k in _CAPTURE_LABELS else k): (
+            _CAPTURE_LABELS[k][1](v) if k in _CAPTURE_LABELS and v is not None else v
+        )
+        for k, v in capture.items()
+    }
     # the per-module list is the per-layer table's business; here only its length
     if isinstance(capture.get("modules"), list):
         capture["modules"] = f"{len(capture['modules'])} modules (see the per-layer table)"
@@ -341,10 +368,20 @@ def build_context(
     verdict = _verdict(rec, summary, memory["measured"], records)
     findings = sorted_findings(rec.get("findings", []) if rec else [])
     cfg = summary.get(T.SUMMARY_CONFIG) or {}
-    model = (summary.get(T.SUMMARY_MODEL) or {}).get("name") or cfg.get("model") or "model"
+    model = (
+        (summary.get(T.SUMMARY_MODEL) or {}).get("name")
+        or cfg.get("model")
+        or (summary.get(T.SUMMARY_CAPTURE) or {}).get("model_class")
+        or "model"
+    )
     status = str(summary.get(T.SUMMARY_STATUS) or T.STATUS_COMPLETE)
     training_fig = plots.training_figure(steps)
+    hw = summary.get(T.SUMMARY_HARDWARE) or {}
+    target = str((rec or {}).get("target") or "")
+    recorded_on = {str(hw.get(k) or "").lower() for k in ("name", "preset")} - {""}
     return {
+        # the verdict planned for another machine (precprof report --target): the header says so
+        "planned_for": target if target and recorded_on and target.lower() not in recorded_on else "",
         "title": f"{model} · {S.requested_precision(summary) or 'run'}",
         "version": __version__,
         "generated": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

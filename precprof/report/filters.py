@@ -37,8 +37,10 @@ def num(v: Any, digits: int = 3) -> str:
     if f.is_integer() and abs(f) < 1e15:
         return f"{int(f):,}"
     a = abs(f)
-    if a < 1e-3 or a >= 1e6:
+    if a < 1e-3 or a >= 1e9:
         return f"{f:.{digits - 1}e}"
+    if a >= 10**digits:  # 1,560 rather than 1.56e+03: the digits before the point are kept, rounded
+        return f"{f:,.0f}"
     return f"{f:.{digits}g}"
 
 
@@ -134,28 +136,6 @@ def cmdline(v: Any) -> str:
     return MISSING if v is None else str(v)
 
 
-def number_by_name(name: str, v: Any) -> str:
-    """A finding's number formatted by what its name says it is (share, scale, bytes, magnitude, count)."""
-    n = name.lower()
-    if isinstance(v, (list, tuple)):
-        return ", ".join(number_by_name(name, x) for x in v)
-    if isinstance(v, str):
-        return v
-    if "log2" in n or "exponent" in n:
-        return num(v)
-    if "pct" in n or "percent" in n:
-        return f"{num(v)}%"
-    if any(k in n for k in ("share", "fraction", "ratio")):
-        return pct(v)
-    if "bytes" in n:
-        return nbytes(v)
-    if any(k in n for k in ("absmax", "absmin", "amax", "amin")):
-        return log2mag(v)
-    if n == "scale" or n.endswith("_scale") or n.startswith("scale_") or n.startswith("loss_scale"):
-        return pow2(v)
-    return num(v)
-
-
 FILTERS: dict[str, Callable[..., str]] = {
     "num": num,
     "count": count,
@@ -166,7 +146,6 @@ FILTERS: dict[str, Callable[..., str]] = {
     "sortkey": sortkey,
     "plain": plain,
     "cmdline": cmdline,
-    "number_by_name": number_by_name,
 }
 
 

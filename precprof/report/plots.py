@@ -19,6 +19,7 @@ import matplotlib
 import matplotlib.transforms
 import numpy as np
 import pandas as pd
+from matplotlib.artist import Artist
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
@@ -124,10 +125,11 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
     mark_skipped(ax)
     ls = pd.to_numeric(df[T.LOSS_SCALE], errors="coerce").to_numpy(dtype=float)
     ok = np.isfinite(ls) & (ls > 0)
+    sk = np.zeros_like(ok)
     if ok.any():
         y = np.log2(ls[ok])
         ax.step(x[ok], y, where="post", color="#1f4e79", lw=1.4, label="loss scale")
-        sk = skipped & ok
+        sk = skipped & ok & bool((ls[ok] != 1).any())  # a run without loss scaling backs nothing off
         if sk.any():
             ax.plot(x[sk], np.log2(ls[sk]), "v", color=SKIP_COLOR, ms=7, label="skipped step (inf/nan grads)")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
@@ -170,12 +172,26 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
     for a in axes:
         a.grid(True, alpha=0.3)
         a.xaxis.set_major_locator(MaxNLocator(integer=True))
-    handles = [
-        Line2D([], [], color="#1f4e79", lw=1.4, label="recorded value"),
-        Patch(color=SKIP_COLOR, alpha=0.25, label="skipped optimizer step"),
-        Line2D([], [], color=SKIP_COLOR, marker="v", ls="", label="scale backed off (inf/nan gradients)"),
-    ]
-    fig.legend(handles=handles, loc="lower center", ncol=3, frameon=False, fontsize=9)
+    # the legend names only what this run's plots draw
+    handles: list[Artist] = [Line2D([], [], color="#1f4e79", lw=1.4, label="recorded value")]
+    if skipped.any():
+        handles.append(Patch(color=SKIP_COLOR, alpha=0.25, label="skipped optimizer step"))
+    if sk.any():
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color=SKIP_COLOR,
+                marker="v",
+                ls="",
+                label="scaler skipped the step (inf/nan gradients)",
+            )
+        )
+    if bad.any():
+        handles.append(Line2D([], [], color=SKIP_COLOR, marker="X", ls="", label="loss not finite (nan/inf)"))
+    if np.isinf(gn).any():
+        handles.append(Line2D([], [], color=SKIP_COLOR, marker="^", ls="", label="gradient norm inf"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9)
     return fig
 
 

@@ -19,7 +19,7 @@ import pandas as pd
 from precprof import _atomic, formats
 from precprof import tables as T
 from precprof.errors import UserError
-from precprof.report import filters
+from precprof.report import filters, numbers
 from precprof.report.context import build_context
 
 TEMPLATE = "report.html.j2"
@@ -61,7 +61,7 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters.update(filters.FILTERS)
-    env.globals["number_by_name"] = filters.number_by_name
+    env.globals["finding_numbers"] = numbers.shown
     env.globals["format_colors_css"] = format_colors_css()
     return env
 

@@ -311,13 +311,15 @@ def _dtype_census(rows: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def requested_precision(summary: Mapping[str, Any]) -> str:
-    """The precision mode the run asked for ("" when the summary does not say)."""
+    """The precision mode the run asked for; for the user's own loop (no config says), the one the profiler saw
+    it train in (``Profiler.precision_seen``); "" when neither is known."""
     cfg = summary.get(T.SUMMARY_CONFIG) or {}
     for key in ("precision", "mixed_precision", "mode"):
         v = cfg.get(key)
         if v:
             return str(v)
-    return ""
+    seen = (summary.get(T.SUMMARY_CAPTURE) or {}).get("precision_seen")
+    return str(seen) if seen else ""
 
 
 def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping[str, Any]) -> dict[str, Any]:

@@ -327,6 +327,8 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
             "data": data.describe(),
             "tf32_matmul": plan.tf32 if device.type == "cuda" else False,
             "world_size": world_size,
+            # the strategy only applies under torchrun with more than one process
+            "distributed": config.distributed if world_size > 1 else "none (one process)",
             "memory_estimate": footprint.describe(fp),
         },
         T.SUMMARY_HARDWARE: hw.to_dict(),

@@ -124,6 +124,14 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             f"(precprof compare --precisions fp32,{measured} measures both); what {measured} needs follows."
         ] + [f"{measured}: {r}" for r in reasons]
         fmt = "fp32"
+    if plan.diverged is not None:
+        first, last = plan.diverged
+        reasons.insert(
+            0,
+            f"This run diverged: its loss was non-finite from step {first} to its last step, {last}. The "
+            "recommendation rests on what it measured before; fix the divergence (see the critical findings) "
+            "and profile again before trusting it.",
+        )
     _demote_what_ifs(run, plan, fmt, measured)
     keep = list({"fp16": plan.keep_fp16, "bf16": plan.keep_bf16, "fp8": plan.keep_bf16}.get(fmt, []))
     if fmt not in ("fp32", "tf32"):

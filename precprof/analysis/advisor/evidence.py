@@ -226,6 +226,8 @@ class _Plan:
     # Skipped steps that came with nan/inf from the model itself (the non-finite rule's verdict): no loss
     # scale would have saved them.
     model_skips: set[int] = field(default_factory=set)
+    # (first, last) step of the non-finite loss the run ended with (rules/nonfinite._rule_diverged)
+    diverged: tuple[int, int] | None = None
 
     def add(self, f: Finding) -> None:
         self.findings.append(f)

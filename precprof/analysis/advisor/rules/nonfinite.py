@@ -300,3 +300,42 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
             )
         )
     return fwd_steps
+
+
+def _rule_diverged(run: _Run, plan: _Plan) -> None:
+    """The run ended with a non-finite loss: it diverged, and nothing it measured after that says anything
+    about the format. With a loss scaler a nan loss on a step or two is a skipped step it can recover from, so
+    there the loss must stay non-finite over the last ``nonfinite_persist_steps`` steps; without one a single
+    non-finite loss at the end is enough (the weights took the step)."""
+    tail = T.nonfinite_loss_tail(run.steps)
+    if tail is None:
+        return
+    scaled = bool((run.steps[T.LOSS_SCALE].fillna(1.0) != 1.0).any()) if T.LOSS_SCALE in run.steps else False
+    if scaled and tail.steps < run.cfg.nonfinite_persist_steps:
+        return
+    first, last, kind = tail.first, tail.last, tail.kind
+    plan.diverged = (first, last)
+    plan.add(
+        Finding(
+            "run_diverged",
+            CRITICAL,
+            f"The run diverged: its loss is {kind} from step {first} on",
+            f"The loss became {kind} at step {first} and stayed non-finite on all {tail.steps} recorded steps "
+            f"to the last, step {last}"
+            + f"; the last finite loss was {tail.last_finite:.4g}, at step {tail.last_finite_step}"
+            + (
+                "; the loss scaler could not bring it back."
+                if scaled
+                else "; without a loss scaler the optimizer took every one of those steps."
+            )
+            + " What was recorded from then on describes a broken run, not the format.",
+            "Fix the divergence first: the nan/inf findings name the first module and step where non-finite "
+            "values appeared; lower the learning rate or keep that module in fp32, then profile again.",
+            numbers={
+                "step": first,
+                "last_step": last,
+                "steps": tail.steps,
+                "last_finite_loss": tail.last_finite,
+            },
+        )
+    )

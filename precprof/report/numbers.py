@@ -1,0 +1,175 @@
+"""What a finding's numbers are called on the page, and how each one is written.
+
+A finding carries its numbers under short machine names (``share_at_recommended``, ``loss_scale_log2``) for
+``recommendation.json`` and scripts. The page shows each under a label a reader understands, formatted by what
+it is, and leaves out what was not measured (None) and what only repeats another number. Every name a rule can
+emit has an entry here (``tests/test_report.py`` collects the names from the rules' source); a name a later
+rule adds without one is still shown, under its machine name, and fails that test.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from .filters import count, log2mag, nbytes, num, pct, plain, pow2
+
+# kind -> formatter
+_KINDS = {
+    "share": pct,
+    "count": count,
+    "scale": pow2,
+    "scale_log2": lambda v: pow2(2.0 ** float(v)),
+    "magnitude": log2mag,
+    "bytes": nbytes,
+    "number": num,
+    "text": plain,
+    "yes_no": lambda v: "yes" if v else "no",
+    "change": lambda v: ("+" if float(v) > 0 else "") + pct(v),
+    "step": lambda v: f"step {int(v)}",
+}
+
+HIDDEN = None  # in recommendation.json only: it repeats a number the page already shows
+
+# name -> (label, kind); a (code, name) entry wins over the name's own
+LABELS: dict[Any, tuple[str, str] | None] = {
+    # fp16 gradient underflow
+    "share_now": ("lost in FP16 at this run's loss scale (exact count)", "share"),
+    "share_at_scale_1": ("lost in FP16 without loss scaling", "share"),
+    "share_at_recommended": ("lost in FP16 at the recommended loss scale", "share"),
+    "share_at_run_scale": HIDDEN,  # the histogram estimate of share_now
+    "loss_scale_log2": ("recommended loss scale", "scale_log2"),
+    "run_scale_log2": ("this run's loss scale", "scale_log2"),
+    "nonzero_values": ("nonzero values counted", "count"),
+    "underflow_values": ("values that underflow", "count"),
+    "underflow_at_recommended": ("values lost at the recommended loss scale", "count"),
+    "boundary_values_at_recommended": ("values exactly on the rounding boundary there (round to 0)", "count"),
+    "overflow_at_recommended": ("values that overflow at the recommended loss scale", "count"),
+    "overflow_values": ("values that overflow", "count"),
+    "fp16_zero_share": ("zeros among the FP16 activation gradients", "share"),
+    "fp16_flushed": ("gradients pressed against FP16's floor", "yes_no"),
+    "fp16_smallest_nonzero": ("smallest nonzero FP16 activation gradient", "magnitude"),
+    "loss_change": ("loss change over the run", "change"),
+    "weight_grad_share_at_recommended": (
+        "weight-gradient values lost at the recommended loss scale",
+        "share",
+    ),
+    "max_module_norm_share_at_recommended": (
+        "largest share of one module's gradient norm lost at the recommended loss scale",
+        "share",
+    ),
+    "max_norm_share_module": ("that module", "text"),
+    # loss scale and overflow
+    "grad_absmax": ("largest gradient magnitude", "magnitude"),
+    "scaled_absmax": ("largest gradient times the loss scale", "magnitude"),
+    "margin": ("headroom kept below FP16's maximum", "number"),
+    "loss_scale": ("loss scale", "scale"),
+    "max_scale": ("largest loss scale in effect", "scale"),
+    "steps_excluded": ("steps left out (non-finite gradients)", "count"),
+    "absmax": ("largest magnitude", "magnitude"),
+    "limit": ("FP16 limit checked against", "magnitude"),
+    "observed_inf_modules": ("modules that produced inf", "count"),
+    "modules": ("modules", "count"),
+    "values": ("values", "count"),
+    "steps": ("sampled steps", "count"),
+    ("fp16_gradient_overflow", "values"): ("gradient values that overflow FP16", "count"),
+    ("fp16_gradient_overflow", "steps"): ("sampled steps with overflow", "count"),
+    ("bf16_activation_overflow", "values"): ("values that overflow BF16", "count"),
+    # the scaler
+    "skipped": ("steps skipped", "count"),
+    "avoidable": ("skips a better initial scale avoids", "count"),
+    "from_model": ("skips from non-finite values in the model itself", "count"),
+    "start_scale": ("initial loss scale", "scale"),
+    "first_ok_scale": ("scale of the first step that went through", "scale"),
+    "recommended_scale": ("recommended initial loss scale", "scale"),
+    ("scaler_skipped_steps", "steps"): ("steps in the run", "count"),
+    "growths": ("times the scale grew", "count"),
+    "later_skips": ("skips after the first good step", "count"),
+    "steps_after": ("steps after the first good step", "count"),
+    "growth_interval": ("this run's growth_interval", "count"),
+    "recommended_growth_interval": ("recommended growth_interval", "count"),
+    # clipping
+    ("grad_norm_scaled", "steps"): ("sampled steps with a gradient norm", "count"),
+    "scaled_steps": ("steps whose norm was still scaled", "count"),
+    "median_ratio": ("median ratio of that norm to the weight gradients' norm", "number"),
+    # weight updates
+    "lost": ("updates lost", "count"),
+    "nonzero_updates": ("nonzero updates counted", "count"),
+    "share": ("share", "share"),
+    ("bf16_lost_updates", "share"): ("share of updates lost", "share"),
+    ("fp16_lost_updates", "share"): ("share of updates lost", "share"),
+    ("bf16_gradient_underflow", "share"): ("share of nonzero values lost", "share"),
+    ("fp16_activation_underflow", "share"): ("share of nonzero values lost", "share"),
+    ("mixed_precision_inactive", "share"): ("share of matmul layers in FP32", "share"),
+    ("mixed_precision_partial", "share"): ("share of matmul layers in FP32", "share"),
+    # non-finite values
+    "step": ("first step", "step"),
+    "nan": ("nan values", "count"),
+    "inf": ("inf values", "count"),
+    "steps_affected": ("sampled steps affected", "count"),
+    "sampled_before": ("last sampled step before it", "step"),
+    "grad_peak": ("largest gradient magnitude in those steps", "magnitude"),
+    ("run_diverged", "step"): ("first step with a non-finite loss", "step"),
+    ("run_diverged", "steps"): ("recorded steps with a non-finite loss", "count"),
+    "last_step": ("last recorded step", "step"),
+    "last_finite_loss": ("last finite loss", "number"),
+    # requested precision not active
+    "requested": ("requested precision", "text"),
+    "fp32_layers": ("matmul layers in FP32", "count"),
+    "matmul_layers": ("matmul layers", "count"),
+    "autocast_enabled": ("autocast on during the forward pass", "yes_no"),
+    # keep-in-fp32 modules, buffers, optimizer states
+    "autocast": ("under autocast", "yes_no"),
+    "buffers": ("buffers", "count"),
+    "low_precision_bytes": ("in 16-bit", "bytes"),
+    "bytes": ("in all", "bytes"),
+    # hardware
+    "device": ("device", "text"),
+    "name": ("name", "text"),
+    "compute_capability": ("compute capability", "text"),
+    "fp8_library": ("FP8 library", "text"),
+    "float32_matmul_precision": ("torch.get_float32_matmul_precision()", "text"),
+    "n_params": ("parameters", "count"),
+    "threshold": ("threshold", "number"),
+    ("small_model", "threshold"): ("below", "count"),
+    ("fp8_eligibility", "threshold"): ("largest underflow share allowed", "share"),
+    # shapes and fp8
+    "alignment": ("multiple required", "count"),
+    "layers": ("layers off it", "count"),
+    "tokens": ("tokens per call", "count"),
+    "checked": ("linear layers checked", "count"),
+    "eligible": ("FP8-eligible", "count"),
+    "eligible_flops_share": ("their share of the linear layers' FLOPs", "share"),
+    "max_e4m3_share": ("worst E4M3 underflow (weights, outputs)", "share"),
+    "max_e5m2_share": ("worst E5M2 underflow (output gradients)", "share"),
+    "tied": ("tied to an embedding", "count"),
+    "unknown_shape": ("shape unknown", "count"),
+    # the decision
+    "demoted_from": ("severity before the decision", "text"),
+}
+
+
+def label(code: str, name: str) -> tuple[str, str] | None:
+    """(label, kind) for a finding's number, None when the page leaves it out; unknown names as they are."""
+    if (code, name) in LABELS:
+        return LABELS[(code, name)]
+    if name in LABELS:
+        return LABELS[name]
+    if name.startswith("dim_"):  # tensor_core_alignment: one per model dimension off the multiple
+        return (name[4:].replace("_", " "), "count")
+    return (name, "number")
+
+
+def shown(code: str, numbers: Mapping[str, Any] | None) -> list[tuple[str, str]]:
+    """The (label, text) pairs the page shows for a finding, in the rule's order."""
+    out: list[tuple[str, str]] = []
+    for name, value in (numbers or {}).items():
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            continue  # not measured: the message says why
+        entry = label(code, name)
+        if entry is None:
+            continue
+        text, kind = entry
+        out.append((text, _KINDS[kind](value) if not isinstance(value, str) else value))
+    return out

@@ -1,0 +1,196 @@
+"""The user's own loop: the gradient norm taken from its clip_grad_norm_, the model's class and the precision
+the profiler saw it train in; and a run that diverges, as the advisor and the report tell it.
+
+Everything here is a real tiny training loop on CPU; the numbers are checked against norms computed
+independently from the gradients and against the steps the loop itself saw.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import tables as T
+from precprof.analysis import advisor
+from precprof.analysis.advisor import AdvisorConfig
+from precprof.report import plots, render_run_dir
+
+ORIGINAL_CLIP = torch.nn.utils.clip_grad_norm_
+
+
+class TinyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(32, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True)
+
+
+def clipped_loop(
+    profile: bool, steps: int = 5, other: nn.Module | None = None
+) -> tuple[list[float], list[float], dict[str, torch.Tensor], precprof.Profiler | None]:
+    """SGD with clip_grad_norm_ at 0.5 every step; returns the losses, the norms computed independently from
+    the gradients before clipping, the final weights and the profiler."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    prof = precprof.Profiler(model, opt, sample_every=2, memory=False) if profile else None
+    losses, norms = [], []
+    if prof is not None:
+        prof.attach()
+    try:
+        for step in range(steps):
+            x, y = batch(step)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            grads = [p.grad.detach().flatten() for p in model.parameters() if p.grad is not None]
+            norms.append(float(torch.linalg.vector_norm(torch.cat(grads))))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # looked up at call time, as nanoGPT does
+            if other is not None:  # another model's clip in the same step is not this model's norm
+                other(x).sum().backward()
+                torch.nn.utils.clip_grad_norm_(other.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            if prof is not None:
+                prof.step(loss=loss.detach())
+    finally:
+        if prof is not None:
+            prof.detach()
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, prof
+
+
+def test_grad_norm_comes_from_the_loops_clip_grad_norm() -> None:
+    losses, norms, weights, prof = clipped_loop(profile=True)
+    assert prof is not None
+    steps = prof.tables()["steps"].sort_values(T.STEP)
+    recorded = steps[T.GRAD_NORM].to_numpy(dtype=float)
+    assert len(recorded) == len(norms) == 5
+    # the norm clip_grad_norm_ measured, before it clipped, on every step (sampled or not)
+    assert recorded == pytest.approx(norms, rel=1e-6)
+    assert max(norms) > 0.5  # the clip really clipped: the recorded norm is not the clipped one
+    # torch's own function is back after detach, and the wrapper changed nothing in training
+    assert torch.nn.utils.clip_grad_norm_ is ORIGINAL_CLIP
+    assert torch.nn.utils.clip_grad.clip_grad_norm_ is ORIGINAL_CLIP
+    plain_losses, _, plain_weights, _ = clipped_loop(profile=False)
+    assert losses == plain_losses
+    assert all(torch.equal(weights[k], plain_weights[k]) for k in weights)
+
+
+def test_another_models_clip_is_not_this_models_norm() -> None:
+    torch.manual_seed(1)
+    _, norms, _, prof = clipped_loop(profile=True, steps=2, other=nn.Linear(8, 1))
+    assert prof is not None
+    recorded = prof.tables()["steps"].sort_values(T.STEP)[T.GRAD_NORM].to_numpy(dtype=float)
+    assert recorded == pytest.approx(norms, rel=1e-6)
+
+
+def test_an_explicit_grad_norm_wins() -> None:
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with precprof.Profiler(model, opt, memory=False) as prof:
+        x, y = batch(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        prof.step(grad_norm=torch.tensor(123.0))
+    assert prof.tables()["steps"][T.GRAD_NORM].tolist() == [123.0]
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16-pure", "bf16-pure")],
+)
+def test_precision_seen_and_model_class(mode: str, expected: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TinyNet()
+    if mode == "bf16-pure":
+        model = model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu") if mode == "fp16" else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
+    prof = precprof.Profiler(model, opt, scaler=scaler, sample_every=1, memory=False)
+    with prof:
+        for step in range(2):
+            x, y = batch(step)
+            x, y = x.to(next(model.parameters()).dtype), y.to(next(model.parameters()).dtype)
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                loss = nn.functional.mse_loss(model(x).float(), y.float())
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    capture = prof.summary()
+    assert capture["precision_seen"] == expected and capture["model_class"] == "TinyNet"
+    page = prof.report(tmp_path).read_text()
+    header = page.split("<main>")[0]
+    assert f"Precision report · TinyNet · {expected}</h1>" in header
+    assert f'<span class="k">precision</span><span class="v">{expected}</span>' in page
+
+
+def test_a_run_that_diverges_says_so(tmp_path: Path) -> None:
+    """SGD at a learning rate far too high: the loss grows to inf, then nan; no loss scaler."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=40.0)
+    losses = []
+    with precprof.Profiler(model, opt, sample_every=1, memory=False) as prof:
+        for step in range(12):
+            x, y = batch(step)
+            loss = nn.functional.mse_loss(model(x), y * 100)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+            losses.append(loss.item())
+    first_bad = next(i for i, v in enumerate(losses) if not math.isfinite(v))
+    assert 0 < first_bad < 11 and not any(math.isfinite(v) for v in losses[first_bad:])  # it really diverged
+    run_dir = tmp_path / "run"
+    prof.save(run_dir)
+    rec = advisor.recommend(run_dir, config=AdvisorConfig(small_model_params=0))
+    (div,) = [f for f in rec.findings if f.code == "run_diverged"]
+    assert div.severity == "critical" and div.numbers["step"] == first_bad
+    assert div.numbers["last_step"] == 11 and div.numbers["steps"] == 12 - first_bad
+    assert div.numbers["last_finite_loss"] == pytest.approx(losses[first_bad - 1], rel=1e-6)
+    assert rec.reasons[0].startswith(f"This run diverged: its loss was non-finite from step {first_bad}")
+
+    page = render_run_dir(run_dir, recommendation=rec).read_text()
+    kind = "nan" if math.isnan(losses[first_bad]) else "inf"
+    assert f'<span class="k">final loss</span><span class="v">{kind} from step {first_bad}</span>' in page
+    assert "The run diverged" in page
+    # the loss plot marks the non-finite losses, and draws no loss-scaler markers on a run without one
+    fig = plots.training_figure(T.read_tables(run_dir)["steps"])
+    assert fig is not None
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "loss not finite (nan/inf)" in legend
+    assert not any("scaler" in t or "skipped" in t for t in legend)
+
+
+def test_a_loop_that_passes_its_loss_now_and_then_has_not_diverged() -> None:
+    steps = pd.DataFrame({T.STEP: range(10), T.LOSS: [2.0 if s % 5 == 0 else math.nan for s in range(10)]})
+    assert T.nonfinite_loss_tail(steps) is None
+    steps = pd.DataFrame({T.STEP: range(4), T.LOSS: [math.nan] * 4})  # no loss passed at all
+    assert T.nonfinite_loss_tail(steps) is None
+    steps = pd.DataFrame({T.STEP: range(5), T.LOSS: [3.0, 2.0, 1.5, math.inf, math.nan]})
+    tail = T.nonfinite_loss_tail(steps)
+    assert tail is not None and (tail.first, tail.last, tail.steps, tail.kind) == (3, 4, 2, "inf")
+    assert (tail.last_finite, tail.last_finite_step) == (1.5, 2)
