@@ -506,3 +506,14 @@ def test_rendering_never_imports_pyplot(tmp_path: Path) -> None:
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert (tmp_path / "r.html").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(("run_mode", "twice"), [("fp32", False), ("fp16", True)])
+def test_memory_saving_is_stated_once_against_an_fp32_run(run_mode: str, twice: bool) -> None:
+    tabs, summary = synthetic_run(run_mode, layers=gpt_layers(n_layer=1), steps=4, sample_every=2)
+    rec = {**recommendation_dict(), "format": "bf16", "loss_scale": None}
+    verdict = section(render_html(tabs, summary, rec), "verdict")
+    saving = verdict.split("expected memory saving</dt>")[1].split("</dd>")[0]
+    assert "against this run" in saving
+    # against an fp32 run, "against this run" is the saving against FP32: a second clause would repeat it
+    assert ("less than FP32" in saving) is twice
