@@ -356,7 +356,6 @@ def test_hand_built_boundary_blocks_match_torchao(ao: Ao) -> None:
 
 GPT_NANO_LAYERS = (
     "transformer.h.0.attn.c_attn",
-    "transformer.h.3.mlp.c_fc",
     "transformer.h.3.mlp.c_proj",
     "lm_head",
 )
@@ -401,6 +400,8 @@ def test_gpt_nano_activations_and_gradients_match_torchao(
         assert x.abs().amax() > 0, name
         for recipe in all_recipes():
             agree_with_torchao(ao, x, recipe)
+    # real tensors do lose something in MXFP4: the checks above compared nonzero counts
+    assert sum(int(bf.block_stats(x, bf.MXFP4)["flushed"]) for x in gpt_nano_tensors.values()) > 0
 
 
 # ----------------------------------------------------------- where torchao departs from the rule, and why
