@@ -44,9 +44,9 @@ def esc(text: str) -> str:
 
 
 def section(page: str, sid: str) -> str:
-    """The HTML of one section of the page."""
+    """The HTML of one section of the page, without the <wbr> line-break hints inside module names."""
     start = page.index(f'<section id="{sid}">')
-    return page[start : page.index("</section>", start)]
+    return page[start : page.index("</section>", start)].replace("<wbr>", "")
 
 
 def decoded_images(page: str) -> list[Image.Image]:

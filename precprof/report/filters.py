@@ -99,7 +99,9 @@ def log2mag(v: Any) -> str:
         return MISSING
     if f <= 0 or math.isinf(f):
         return num(f)
-    return f"{num(f)} (2^{math.log2(f):.1f})"
+    # a magnitude is never a count: 1.53e+14, not 152,500,279,705,600 (a wide cell in the per-layer table)
+    text = f"{f:.2e}" if f >= 1e6 else num(f)
+    return f"{text} (2^{math.log2(f):.1f})"
 
 
 def sortkey(v: Any) -> str:
