@@ -29,6 +29,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
 from precprof import formats
 from precprof import tables as T
+from precprof.report import filters
 from precprof.report import summarize as S
 
 COMPONENT_COLORS: dict[str, str] = {  # also the stacking order
@@ -469,24 +470,29 @@ def memory_figure(
     precision mode (this run's own first, so that measured vs projected shows the projection's error); the
     allocator peak as a black tick on the measured bar. Textbook records are left to a table.
 
-    ``measured`` is ``summarize.measured_memory(memory_table)``; ``records`` are summary["memory"] records. When
-    the records already hold this run's measured stack, the tables' stack is not drawn twice.
+    ``measured`` is ``summarize.measured_memory(memory_table)``; ``records`` are summary["memory"] records. The
+    measured bar is ``measured``'s stack, the very rows the page's "Measured (this run)" table sums, so bar and
+    table show one total (precprof's own buffers included, as their own segment; the projection leaves them out,
+    since no format changes them). Only without a memory table is the records' measured stack drawn instead.
+    Each bar's number is written as the page writes bytes (``filters.nbytes``).
     """
     bars: list[tuple[str, dict[str, float], float | None]] = []
     peak = (measured.get("peaks") or {}).get(T.ALLOCATOR_PEAK)
     order: list[tuple[str, str]] = []
     stacks: dict[tuple[str, str], dict[str, float]] = {}
     src_rank = {"measured": 0, "projected": 1, "textbook": 2}
+    comps = {c: float(b) for c, b in (measured.get("components") or {}).items() if b}
     for r in records:
         if r["component"] in S.PEAK_COMPONENTS or r["source"] == "textbook" or not r["bytes"]:
+            continue
+        if comps and r["source"] == "measured":  # one source for the measured bar: the table's rows
             continue
         key = (r["mode"], r["source"])
         if key not in stacks:
             stacks[key] = {}
             order.append(key)
         stacks[key][r["component"]] = stacks[key].get(r["component"], 0.0) + float(r["bytes"])
-    comps = dict(measured.get("components") or {})
-    if comps and not any(src == "measured" for _, src in order):
+    if comps:
         bars.append((f"{current_mode or 'this run'} · this run, measured", comps, peak))
     modes = list(dict.fromkeys(m for m, _ in order))
     if current_mode in modes:  # this run's mode first
@@ -525,7 +531,7 @@ def memory_figure(
             if v > 0:
                 ax.barh(i, v, left=left, color=colors[c], height=0.66, edgecolor="white", lw=0.5)
                 left += v
-        ax.text(left, i, f" {left:.3g} {unit}", va="center", fontsize=8.5)
+        ax.text(left, i, " " + filters.nbytes(sum(st.values())), va="center", fontsize=8.5)
         if pk:
             ax.plot([pk / div, pk / div], [i - 0.4, i + 0.4], color="black", lw=2.2)
     ax.set_yticks(range(len(bars)))
@@ -534,7 +540,8 @@ def memory_figure(
     ax.set_xlim(0, biggest / div * 1.15)
     ax.set_xlabel(f"memory ({unit})")
     ax.grid(True, axis="x", alpha=0.3)
-    handles: list[Any] = [Patch(color=colors[c], label=c.replace("_", " ")) for c in comp_names]
+    names = {T.PROFILER_BUFFERS: "profiler buffers (precprof's own)"}
+    handles: list[Any] = [Patch(color=colors[c], label=names.get(c, c.replace("_", " "))) for c in comp_names]
     if any(pk for _, _, pk in bars):
         handles.append(Line2D([], [], color="black", lw=2.2, label="allocator peak"))
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8.5, frameon=False)
