@@ -266,6 +266,44 @@ def _select_rows(
     return sorted(keep)
 
 
+ROW_LABEL_MAX = (
+    64  # characters of a heatmap row name; a longer one keeps its start and end around an ellipsis
+)
+MARGIN_PAD_PX = 6  # white space kept between the outermost text and the figure's edge
+
+
+def elide(text: str, limit: int = ROW_LABEL_MAX) -> str:
+    """``text`` cut in the middle to ``limit`` characters (start and end kept, joined by an ellipsis)."""
+    if len(text) <= limit:
+        return text
+    head = (limit - 1) // 2
+    return text[:head] + "…" + text[len(text) - (limit - 1 - head) :]
+
+
+def fit_margins(fig: Figure, *, max_left: float = 0.6, min_right: float = 0.55) -> None:
+    """Set ``fig``'s subplot margins from the extent of its texts (labels, titles, the colour bar's label), so
+    that every one lies inside the figure with ``MARGIN_PAD_PX`` to spare and no more margin than that is left.
+
+    Texts anchored to the axes (row names, tick labels, axis labels) move with the axes, so one measurement
+    gives the exact shift. Measures without rasterising (``get_tightbbox``); the figure's size is unchanged.
+    """
+    FigureCanvasAgg(fig)
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    w, h = fig.bbox.width, fig.bbox.height
+    box = fig.get_tightbbox(renderer).transformed(fig.dpi_scale_trans)  # in pixels
+    sp = fig.subplotpars
+    left = sp.left - (box.x0 - MARGIN_PAD_PX) / w
+    right = sp.right + (w - MARGIN_PAD_PX - box.x1) / w
+    bottom = sp.bottom - (box.y0 - MARGIN_PAD_PX) / h
+    top = sp.top + (h - MARGIN_PAD_PX - box.y1) / h
+    fig.subplots_adjust(
+        left=min(max(left, 0.0), max_left),
+        right=max(min(right, 1.0), min_right),
+        bottom=min(max(bottom, 0.0), 0.45),
+        top=max(min(top, 1.0), 0.55),
+    )
+
+
 @dataclass
 class Heatmap:
     """A signature heatmap and what its caption needs to say."""
@@ -309,7 +347,7 @@ def signature_heatmap(
     x0 = float(min(exps[0], math.floor(fp16.lo))) - 1
     x1 = float(max(exps[-1] + 1, math.ceil(fp16.hi))) + 1
     n = len(rows)
-    labels = [S.row_label(m, p) for m, p in rows]
+    labels = [elide(S.row_label(m, p)) for m, p in rows]
     row_h = 0.17 if n > 40 else 0.22
     heat_h = max(1.6, n * row_h)
     strip_h = 0.27 * len(wins) + 0.2
@@ -368,7 +406,7 @@ def signature_heatmap(
         if nlo < hi:
             ax_strip.barh(i, hi - nlo, left=nlo, height=0.62, color=w.color, alpha=0.75, lw=0)
         if hi > lo:
-            rng = f"2^{w.lo:.0f} … 2^{w.hi:.0f}" + (
+            rng = f"2^{round(w.lo)} … 2^{round(w.hi)}" + (  # round: 2^0, never 2^-0
                 " (wider than this plot)" if w.lo < x0 and w.hi > x1 else ""
             )
             ax_strip.text(
@@ -452,6 +490,8 @@ def signature_heatmap(
             fontsize=9,
             color="#2a7a2a",
         )
+    # margins from the texts themselves: long row or format names on the left, the colour bar's label on the right
+    fit_margins(fig)
     return Heatmap(fig, kind, len(S.row_order(layers, kind)) or len(sel), n, scale, wins)
 
 
@@ -545,4 +585,5 @@ def memory_figure(
     if any(pk for _, _, pk in bars):
         handles.append(Line2D([], [], color="black", lw=2.2, label="allocator peak"))
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8.5, frameon=False)
+    fit_margins(fig)  # the bar names on the left and the legend on the right, inside the figure
     return fig

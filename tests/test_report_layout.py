@@ -1,0 +1,142 @@
+"""The report's figures keep every text inside the image, and the memory figure's measured bar is the table's sum.
+
+A text outside the figure is cut off in the PNG the page embeds: the heatmap's format names on the left (short
+row names, a diverged run's wide x range) and its colour-bar label on the right used to be. Each test draws the
+figure and measures every visible text's extent in pixels against the figure's own box.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.text import Text
+from report_fixtures import gpt_layers, synthetic_run
+
+from precprof import tables as T
+from precprof.report import filters, plots
+from precprof.report import summarize as S
+
+
+def drawn_texts(fig: Figure) -> list[tuple[str, tuple[float, float, float, float]]]:
+    """Each text ``fig`` draws, with its extent in pixels (x0, y0, x1, y1), clipped where the text clips."""
+    FigureCanvasAgg(fig).draw()  # positions tick labels, as the PNG export does
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    # matplotlib keeps tick labels for ticks beyond an axis' view limits, and does not draw them
+    undrawn: set[int] = set()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            span = (hi - lo) or 1.0
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                if not lo - 1e-9 * span <= tick.get_loc() <= hi + 1e-9 * span:
+                    undrawn |= {id(tick.label1), id(tick.label2)}
+    out = []
+    for t in fig.findobj(Text):
+        if not t.get_visible() or not t.get_text().strip() or id(t) in undrawn:
+            continue
+        box = t.get_window_extent(renderer)
+        x0, y0, x1, y1 = box.x0, box.y0, box.x1, box.y1
+        clip = t.get_clip_box() if t.get_clip_on() else None
+        if clip is not None:
+            x0, x1, y0, y1 = max(x0, clip.x0), min(x1, clip.x1), max(y0, clip.y0), min(y1, clip.y1)
+            if x0 >= x1 or y0 >= y1:
+                continue  # clipped away entirely
+        out.append((t.get_text(), (x0, y0, x1, y1)))
+    return out
+
+
+def texts_outside(fig: Figure) -> list[str]:
+    """The drawn texts of ``fig`` whose extent leaves the figure (half a pixel of tolerance)."""
+    W, H = fig.bbox.width, fig.bbox.height
+    return [
+        f"{text!r} at x {x0:.0f}..{x1:.0f}, y {y0:.0f}..{y1:.0f} (figure {W:.0f}x{H:.0f})"
+        for text, (x0, y0, x1, y1) in drawn_texts(fig)
+        if x0 < -0.5 or y0 < -0.5 or x1 > W + 0.5 or y1 > H + 0.5
+    ]
+
+
+def renamed(names: dict[int, str]) -> list:
+    layers = gpt_layers(n_layer=1)
+    return [replace(ly, name=names.get(i, ly.name)) for i, ly in enumerate(layers)]
+
+
+LONG = "model.encoder.block_with_a_very_long_descriptive_name_given_by_its_author." * 2 + "projection"
+CASES = {
+    # a run that went nan, with one layer name far longer than any margin could hold (it is elided)
+    "long-names": renamed({4: LONG, 5: LONG + ".inner"}),
+    # one-character names: the format names of the window strip are the widest text on the left
+    "short-names": [replace(ly, name=str(i)) for i, ly in enumerate(gpt_layers(n_layer=1))],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kind", [T.ACTIVATION_GRAD, T.WEIGHT_GRAD])
+def test_heatmap_texts_lie_inside_the_figure(case: str, kind: str) -> None:
+    tabs, _ = synthetic_run("fp16", layers=CASES[case], steps=6, sample_every=1, nan_at=4)
+    assert T.flags(tabs["steps"][T.LOSS].isna()).any()  # the run went nan
+    hm = plots.signature_heatmap(tabs["histograms"], tabs["layers"], kind, recommended_scale=2.0**-16)
+    assert hm is not None
+    assert texts_outside(hm.figure) == []
+    labels = [t.get_text() for t in hm.figure.findobj(Text)]
+    assert "share of the layer's nonzero values (log scale)" in labels  # the colour-bar label is drawn
+    assert any(lab.startswith("FP8 E5M2") for lab in labels)
+    if case == "long-names":
+        long_rows = [lab for lab in labels if lab.startswith("model.encoder.")]
+        assert long_rows and all(len(lab) == plots.ROW_LABEL_MAX and "…" in lab for lab in long_rows)
+        assert any("projection" in lab[-20:] for lab in long_rows)  # the name's end is kept
+
+
+def test_heatmap_margin_is_no_wider_than_its_labels() -> None:
+    """Short names leave no wide empty band on the left: the margin follows the widest left-hand text."""
+    tabs, _ = synthetic_run("fp16", layers=CASES["short-names"], steps=4, sample_every=1)
+    hm = plots.signature_heatmap(tabs["histograms"], tabs["layers"], T.ACTIVATION_GRAD)
+    assert hm is not None
+    leftmost = min(x0 for _, (x0, _, _, _) in drawn_texts(hm.figure))
+    assert plots.MARGIN_PAD_PX - 1 <= leftmost <= plots.MARGIN_PAD_PX + 1
+
+
+def test_elide_keeps_start_and_end() -> None:
+    assert plots.elide("abc", 5) == "abc"
+    assert plots.elide("abcdefghij", 5) == "ab…ij"
+    assert len(plots.elide("x" * 200)) == plots.ROW_LABEL_MAX
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp16"])
+def test_memory_bar_and_table_show_one_total(mode: str) -> None:
+    """The measured bar is drawn from the rows the page's table sums (profiler buffers included), even where the
+    summary's measured records leave precprof's own buffers out; its number is the table's, character for
+    character."""
+    tabs, summary = synthetic_run(mode, layers=gpt_layers(n_layer=1), steps=4, sample_every=2)
+    measured = S.measured_memory(tabs["memory"])
+    records = S.memory_records(summary)
+    assert T.PROFILER_BUFFERS in measured["components"]
+    rec_measured = sum(r["bytes"] for r in records if r["source"] == "measured")
+    assert filters.nbytes(rec_measured) != filters.nbytes(measured["total"])  # the two sources differ here
+    # the table's total, computed independently from the memory table's last step
+    mem = tabs["memory"]
+    last = mem[mem[T.STEP] == mem[T.STEP].max()]
+    table_total = float(last.loc[~last[T.COMPONENT].isin(S.PEAK_COMPONENTS), T.BYTES].sum())
+    assert measured["total"] == table_total
+
+    fig = plots.memory_figure(measured, records, mode)
+    assert fig is not None
+    assert texts_outside(fig) == []
+    ax = fig.axes[0]
+    names = [t.get_text() for t in ax.get_yticklabels()]
+    values = [t.get_text().strip() for t in ax.texts]
+    assert names[0] == f"{mode} · this run, measured" and names.count(f"{mode} · this run, measured") == 1
+    assert values[0] == filters.nbytes(table_total)
+    # each projected bar's number is the sum of its records
+    for name, value in zip(names[1:], values[1:], strict=True):
+        m = name.removesuffix(" · projected")
+        want = sum(
+            r["bytes"]
+            for r in records
+            if r["mode"] == m and r["source"] == "projected" and r["component"] not in S.PEAK_COMPONENTS
+        )
+        assert value == filters.nbytes(want), name
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "profiler buffers (precprof's own)" in legend
