@@ -1,11 +1,15 @@
 """The report in a real browser: headless Chromium loads report.html from a file, offline, and every inline
-image decodes; a screenshot of each of the three gpt-nano reports (fp32, bf16, fp16) is not blank.
+image decodes; a screenshot of each of the three gpt-nano reports (fp32, bf16, fp16) is not blank; and at
+1400 px and 800 px wide the page never scrolls sideways, no table header is cut, and at 1400 px no table
+scrolls inside its box (at 800 px a wide table may, inside its own box only).
 
 Skipped, with the reason, where no Chromium can be found (``.ci/run`` installs Debian's ``chromium``).
 """
 
 from __future__ import annotations
 
+import html
+import json
 import os
 import re
 import shutil
@@ -15,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from report_fixtures import real_run
+from report_fixtures import gpt_layers, real_run, recommendation_dict, synthetic_run
+
+from precprof.report import render
 
 pytestmark = pytest.mark.browser
 
@@ -28,6 +34,24 @@ window.addEventListener("load", function () {
   document.body.setAttribute("data-probe", w.join(","));
 });
 </script>"""
+
+
+# appended to a copy of the page: after load, writes the page's width against the window's, the header cells
+# whose text is wider than the cell, and the scroll boxes wider than their frame, as JSON into the DOM
+LAYOUT_PROBE = """<script>
+window.addEventListener("load", function () {
+  function name(el) { var t = el.querySelector("table"); return (t && (t.id || t.className)) || el.className; }
+  var cut = Array.prototype.filter.call(document.querySelectorAll("th"), function (c) {
+    return c.scrollWidth > c.clientWidth;
+  }).map(function (c) { return c.textContent.trim(); });
+  var scrolls = Array.prototype.filter.call(document.querySelectorAll(".scroll"), function (c) {
+    return c.scrollWidth > c.clientWidth;
+  }).map(name);
+  document.body.setAttribute("data-layout", JSON.stringify({
+    page: document.documentElement.scrollWidth, window: window.innerWidth, cut: cut, scrolls: scrolls}));
+});
+</script>"""
+LAYOUT_WIDTHS = (1400, 800)
 
 
 def browser() -> str:
@@ -106,3 +130,42 @@ def test_screenshot_is_not_blank_and_images_decode(precision: str, runs_base: Pa
     nojs_page.write_text(re.sub(r"<script>.*?</script>", "", text, flags=re.S))
     nojs = chromium(["--dump-dom", nojs_page.as_uri()], tmp_path / "p3").stdout
     assert '<html lang="en">' in nojs and 'id="verdict"' in nojs and nojs.count("<img ") == 5
+
+
+def layout(page: Path, width: int, tmp: Path) -> dict:
+    """The LAYOUT_PROBE's findings for ``page`` in a window ``width`` px wide."""
+    probe = tmp / f"layout-{width}.html"
+    probe.write_text(page.read_text().replace("</body>", LAYOUT_PROBE + "</body>"))
+    dom = chromium([f"--window-size={width},1000", "--dump-dom", probe.as_uri()], tmp / f"pl{width}").stdout
+    m = re.search(r'data-layout="([^"]*)"', dom)
+    assert m is not None, "the layout probe did not run"
+    return json.loads(html.unescape(m.group(1)))
+
+
+def check_layout(page: Path, tmp: Path) -> None:
+    for width in LAYOUT_WIDTHS:
+        found = layout(page, width, tmp)
+        assert found["window"] == width
+        assert found["page"] <= width, f"the page scrolls sideways at {width} px: {found}"
+        assert found["cut"] == [], f"table headers cut at {width} px: {found['cut']}"
+        if width >= 1400:
+            assert found["scrolls"] == [], f"tables scroll sideways at {width} px: {found['scrolls']}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_page_fits_at_1400_and_800_px(precision: str, runs_base: Path, tmp_path: Path) -> None:
+    browser()
+    check_layout(real_run(precision, runs_base) / "report.html", tmp_path)
+
+
+def test_page_of_a_run_that_went_nan_fits(tmp_path: Path) -> None:
+    """A run that died with nan (incomplete banner, nan/inf columns filled, the widest magnitudes) and a module
+    name far longer than a table column: still no sideways page, no cut header, no scrolling table at 1400."""
+    browser()
+    layers = gpt_layers(n_layer=1)
+    layers[4].name = "encoder.block_with_a_descriptive_and_really_quite_long_name_chosen_by_its_author.proj"
+    tabs, summary = synthetic_run("fp16", layers=layers, steps=8, sample_every=1, nan_at=5)
+    page = render.render_report(tabs, summary, tmp_path / "report.html", recommendation_dict("fp16"))
+    text = page.read_text()
+    assert 'id="incomplete"' in text and "encoder.<wbr>block_with" in text
+    check_layout(page, tmp_path)
