@@ -247,9 +247,8 @@ def test_accumulated_loss_and_grad_norm_are_the_trainers(
     # random weights: every step's loss is near ln(vocab), the short windows' included (no 4x / 2x error)
     assert steps[T.LOSS].between(3.0, 5.0).all(), steps[T.LOSS].tolist()
     assert steps[T.TOKENS].tolist() == [n * BATCH * SEQ for n in windows.sizes]
-    if attach == "no_trainer":
-        assert steps[T.GRAD_NORM].isna().all()
-    else:
-        assert steps[T.GRAD_NORM].tolist() == pytest.approx([h["grad_norm"] for h in logged], rel=1e-6)
+    # without a Trainer to read (no_trainer), the norm comes from the clip_grad_norm_ call the loop makes
+    # (precprof.capture.clipwatch): the same number the Trainer logs
+    assert steps[T.GRAD_NORM].tolist() == pytest.approx([h["grad_norm"] for h in logged], rel=1e-6)
     # the taps are gone: the Trainer's methods are its class's again
     assert "training_step" not in vars(trainer) and "clip_grad_norm_" not in vars(trainer.accelerator)
