@@ -91,6 +91,37 @@ def underflow_cs_col(fmt: str) -> str:
     return f"underflow_{fmt}_cs"
 
 
+# Block-scaled what-if (precprof.block_formats): per row, per recipe and orientation, what quantising the
+# tensor in that recipe loses. "row": blocks along the tensor's last dimension (the reduction dimension of the
+# matmul that reads it: activations and weights in the forward GEMM, output gradients in the input-gradient
+# GEMM); "col": blocks along the leading dimensions flattened (the transpose: the weight-gradient GEMM reads
+# activations and output gradients along tokens, the input-gradient GEMM reads weights along out_features).
+# Stats: "flushed" (nonzero values that become 0), "saturated" (values clamped to the element max), "poisoned"
+# (values in a block, for NVFP4 a tensor, holding nan/inf), "sum_x2" and "sum_err2" (float64 sums of x^2 and
+# of (x - q)^2 over the values not poisoned; SQNR = 10 log10(sum_x2 / sum_err2)). Missing (NaN) where the
+# recipe was not evaluated for the row (a 1-D tensor has no "col" orientation). Names: block_formats.RECIPES.
+BLOCK_RECIPES: tuple[str, ...] = (
+    "mxfp8_e4m3",
+    "mxfp8_e4m3_rceil",
+    "mxfp8_e5m2",
+    "mxfp6_e2m3",
+    "mxfp6_e3m2",
+    "mxfp4",
+    "nvfp4",
+)
+BLOCK_STATS: tuple[str, ...] = ("flushed", "saturated", "poisoned", "sum_x2", "sum_err2")
+BLOCK_ORIENTATIONS: tuple[str, ...] = ("row", "col")
+
+
+def block_col(recipe: str, stat: str, orientation: str = "row") -> str:
+    """Column of one block-format statistic, e.g. ``blk_row_mxfp4_flushed``."""
+    return f"blk_{orientation}_{recipe}_{stat}"
+
+
+BLOCK_COLUMNS: tuple[str, ...] = tuple(
+    block_col(r, s, o) for o in BLOCK_ORIENTATIONS for r in BLOCK_RECIPES for s in BLOCK_STATS
+)
+
 # ----------------------------------------------------------------------------------------- tensor kinds
 ACTIVATION = "activation"
 ACTIVATION_GRAD = "activation_grad"
@@ -150,6 +181,7 @@ LAYERS_COLUMNS: tuple[str, ...] = (
     SCALE,
     LOST_UPDATE_BF16,
     LOST_UPDATE_FP16,
+    *BLOCK_COLUMNS,
 )
 HISTOGRAMS_COLUMNS: tuple[str, ...] = (STEP, MODULE, TENSOR, PARAM, EXPONENT, COUNT)
 STEPS_COLUMNS: tuple[str, ...] = (STEP, LOSS, LOSS_SCALE, SKIPPED, GRAD_NORM, TIME_S, SAMPLED, TOKENS)
