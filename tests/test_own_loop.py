@@ -172,6 +172,8 @@ def test_a_run_that_diverges_says_so(tmp_path: Path) -> None:
     assert div.numbers["last_step"] == 11 and div.numbers["steps"] == 12 - first_bad
     assert div.numbers["last_finite_loss"] == pytest.approx(losses[first_bad - 1], rel=1e-6)
     assert rec.reasons[0].startswith(f"This run diverged: its loss was non-finite from step {first_bad}")
+    # the format rules read only the steps before it (all sampled here)
+    assert f"rests on the {first_bad} sampled step(s) before it" in rec.reasons[0]
 
     page = render_run_dir(run_dir, recommendation=rec).read_text()
     kind = "nan" if math.isnan(losses[first_bad]) else "inf"

@@ -129,6 +129,14 @@ def recommend(
     _rule_hardware(run, plan)
     fwd_bad = _rule_nonfinite(run, plan)
     _rule_diverged(run, plan)
+    if plan.diverged is not None:
+        # what was recorded from the divergence on is of a broken run: the format rules read the steps before
+        before = run.layers[T.STEP] < plan.diverged[0]
+        if before.any():
+            run.layers = run.layers[before]
+            run.hist = run.hist[run.hist[T.STEP] < plan.diverged[0]]
+            run.steps = run.steps[run.steps[T.STEP] < plan.diverged[0]]
+            plan.diverged_sampled_before = int(run.layers[T.STEP].nunique())
     _rule_mixed_precision_active(run, plan)
     _rule_fp16_activations(run, plan)
     _rule_loss_scale(run, plan, fwd_bad)

@@ -128,9 +128,13 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         first, last = plan.diverged
         reasons.insert(
             0,
-            f"This run diverged: its loss was non-finite from step {first} to its last step, {last}. The "
-            "recommendation rests on what it measured before; fix the divergence (see the critical findings) "
-            "and profile again before trusting it.",
+            f"This run diverged: its loss was non-finite from step {first} to its last step, {last}. "
+            + (
+                f"The recommendation rests on the {plan.diverged_sampled_before} sampled step(s) before it"
+                if plan.diverged_sampled_before
+                else "No step was sampled before it, so the recommendation rests on a broken run"
+            )
+            + "; fix the divergence (see the critical findings) and profile again before trusting it.",
         )
     _demote_what_ifs(run, plan, fmt, measured)
     keep = list({"fp16": plan.keep_fp16, "bf16": plan.keep_bf16, "fp8": plan.keep_bf16}.get(fmt, []))

@@ -94,7 +94,12 @@ class _Run:
 
     @property
     def precision(self) -> str:
-        return str(self.run_config.get("precision") or "").lower()
+        """The precision mode the run asked for; for an own loop (no config), the one the profiler saw."""
+        asked = self.run_config.get("precision")
+        if not asked:
+            capture = self.summary.get(T.SUMMARY_CAPTURE) or {}
+            asked = capture.get("precision_seen") if isinstance(capture, Mapping) else None
+        return str(asked or "").lower()
 
 
 _NUMERIC_LAYER_COLS = (
@@ -228,6 +233,7 @@ class _Plan:
     model_skips: set[int] = field(default_factory=set)
     # (first, last) step of the non-finite loss the run ended with (rules/nonfinite._rule_diverged)
     diverged: tuple[int, int] | None = None
+    diverged_sampled_before: int = 0  # sampled steps before it, which the format rules then read
 
     def add(self, f: Finding) -> None:
         self.findings.append(f)
