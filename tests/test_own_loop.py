@@ -196,3 +196,28 @@ def test_a_loop_that_passes_its_loss_now_and_then_has_not_diverged() -> None:
     tail = T.nonfinite_loss_tail(steps)
     assert tail is not None and (tail.first, tail.last, tail.steps, tail.kind) == (3, 4, 2, "inf")
     assert (tail.last_finite, tail.last_finite_step) == (1.5, 2)
+
+
+def test_fp16_overflow_in_a_bf16_run_with_a_scaler_is_a_what_if(tmp_path: Path) -> None:
+    """bf16 autocast with a GradScaler at 2^24: the scaled gradients pass fp16's 65504, but they are not fp16,
+    so nothing overflowed and no step was skipped; the finding says what fp16 would do, as information."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    with precprof.Profiler(model, opt, scaler=scaler, sample_every=1, memory=False) as prof:
+        for step in range(3):
+            x, y = batch(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    assert not prof.tables()["steps"][T.SKIPPED].any()
+    prof.save(tmp_path / "run")
+    rec = advisor.recommend(tmp_path / "run", config=AdvisorConfig(small_model_params=0))
+    f = rec.finding("fp16_gradient_overflow")
+    assert f is not None and f.severity == "info" and f.title.startswith("Gradients would overflow fp16")
+    assert "this bf16 run's gradients are not fp16, so nothing overflowed here" in f.message

@@ -94,12 +94,15 @@ class _Run:
 
     @property
     def precision(self) -> str:
-        """The precision mode the run asked for; for an own loop (no config), the one the profiler saw."""
-        asked = self.run_config.get("precision")
-        if not asked:
-            capture = self.summary.get(T.SUMMARY_CAPTURE) or {}
-            asked = capture.get("precision_seen") if isinstance(capture, Mapping) else None
-        return str(asked or "").lower()
+        """The precision mode the run asked for ("" for an own loop, which asks nothing)."""
+        return str(self.run_config.get("precision") or "").lower()
+
+    @property
+    def precision_trained(self) -> str:
+        """The mode it asked for, else the one the profiler saw it train in (``Profiler.precision_seen``)."""
+        capture = self.summary.get(T.SUMMARY_CAPTURE) or {}
+        seen = capture.get("precision_seen") if isinstance(capture, Mapping) else None
+        return self.precision or str(seen or "").lower()
 
 
 _NUMERIC_LAYER_COLS = (

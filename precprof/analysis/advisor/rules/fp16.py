@@ -410,15 +410,27 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
     steps = sorted(int(s) for s in g[T.STEP].unique())
     n = int(g[T.overflow_col("fp16")].sum() + g[_dtype_has(g, "float16")][T.INF].sum())
     scales = sorted({float(s) for s in g[T.SCALE].unique()})
+    # In a run whose gradients are not fp16 (bf16 autocast with a GradScaler, fp32) nothing overflowed: it is
+    # what fp16 would do at that scale.
+    real = run.precision_trained in ("fp16", "fp16-pure", "") or bool(_dtype_has(g, "float16").any())
+    what = (
+        "GradScaler skips those steps (and lowers its scale), loss scaling without an inf check would apply the "
+        "inf/nan updates."
+        if real
+        else f"this {run.precision_trained} run's gradients are not fp16, so nothing overflowed here; in fp16 "
+        "GradScaler would skip those steps and lower its scale."
+    )
     plan.add(
         Finding(
             "fp16_gradient_overflow",
-            WARNING,
-            f"Gradients overflow fp16 at the scale in effect in {len(mods)} module(s)",
+            WARNING if real else INFO,
+            f"Gradients overflow fp16 at the scale in effect in {len(mods)} module(s)"
+            if real
+            else f"Gradients would overflow fp16 at this run's loss scale in {len(mods)} module(s)",
             f"On {len(steps)} sampled step(s) ({_listing([str(s) for s in steps], 6)}), {n} gradient values in "
-            f"{_listing(mods, run.cfg.max_listed_modules)} overflow fp16 at loss scale "
-            f"{', '.join(f'{s:g}' for s in scales)}; GradScaler skips those steps (and lowers its scale), loss "
-            "scaling without an inf check would apply the inf/nan updates.",
+            f"{_listing(mods, run.cfg.max_listed_modules)} "
+            f"{'overflow' if real else 'would overflow'} fp16 at loss scale "
+            f"{', '.join(f'{s:g}' for s in scales)}; {what}",
             (
                 "Use bf16 or fp32: the loss scale that keeps these gradients finite in fp16 "
                 f"({_pow2(plan.loss_scale_log2)}) flushes more of the small ones than this run lost."
