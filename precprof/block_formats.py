@@ -48,7 +48,7 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
-from precprof import formats
+from precprof import formats, tables
 from precprof.errors import UserError
 from precprof.formats import NumberFormat
 
@@ -170,6 +170,17 @@ def get_recipe(name: str, scale_mode: ScaleMode | str | None = None) -> BlockRec
     except KeyError:
         raise UserError(f"unknown block recipe {name!r}; known: {', '.join(RECIPES)}") from None
     return recipe if scale_mode is None else recipe.with_scale_mode(scale_mode)
+
+
+def column_recipes() -> tuple[BlockRecipe, ...]:
+    """The recipes of the layers table's block columns, in ``tables.BLOCK_RECIPES`` order (a name ending in
+    ``_rceil`` is that MX recipe in rceil mode)."""
+    out = []
+    for name in tables.BLOCK_RECIPES:
+        base, rceil = (name.removesuffix("_rceil"), True) if name.endswith("_rceil") else (name, False)
+        recipe = RECIPES[base]
+        out.append(replace(recipe.with_scale_mode(ScaleMode.RCEIL), name=name) if rceil else recipe)
+    return tuple(out)
 
 
 def _pow2(k: torch.Tensor) -> torch.Tensor:

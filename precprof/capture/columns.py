@@ -1,6 +1,6 @@
 """A sampled step's rows, decoded into the columns of the ``layers`` and ``histograms`` tables (arrays, not
 frames: building frames in the training loop would cost milliseconds per sampled step; ``tables()`` joins
-them)."""
+them), and the block-format accumulator into the layers table's ``BLOCK_COLUMNS``."""
 
 from __future__ import annotations
 
@@ -60,3 +60,30 @@ def layer_columns(
         T.COUNT: d["hist"][r_idx, bins],
     }
     return cols, hist
+
+
+# the float64 sums of a block statistic scale with the square of the values (sum_x2, sum_err2)
+_SQUARED_STATS = frozenset({"sum_x2", "sum_err2"})
+
+
+def block_columns(
+    active: Sequence[_Row], blocks: np.ndarray, seen: np.ndarray, scale: float
+) -> dict[str, np.ndarray]:
+    """The ``T.BLOCK_COLUMNS`` of the ``active`` rows from the step's block accumulator (float64 [rows,
+    orientation, recipe, stat], ``StatsBuffer.blocks_to_host``) and ``seen`` (rows evaluated; the others are
+    NaN). Gradient rows were evaluated as they arrived, at loss scale ``scale``: their counts are those of the
+    scaled values (what the low-precision GEMM reads), their sums are unscaled by ``scale**2`` like every
+    other column."""
+    idx = np.array([r.index for r in active], dtype=np.int64)
+    sub = blocks[idx].astype(np.float64, copy=True)  # [active, 2, recipes, stats]
+    grad = np.array([r.tensor in T.GRADIENT_KINDS for r in active], dtype=bool)
+    sq = [i for i, s in enumerate(T.BLOCK_STATS) if s in _SQUARED_STATS]
+    if 0 < scale < math.inf and scale != 1.0 and grad.any():
+        sub[np.ix_(grad, range(sub.shape[1]), range(sub.shape[2]), sq)] /= scale * scale
+    sub[~seen[idx]] = math.nan
+    out: dict[str, np.ndarray] = {}
+    for o, orient in enumerate(T.BLOCK_ORIENTATIONS):
+        for r, recipe in enumerate(T.BLOCK_RECIPES):
+            for s, stat in enumerate(T.BLOCK_STATS):
+                out[T.block_col(recipe, stat, orient)] = sub[:, o, r, s]
+    return out

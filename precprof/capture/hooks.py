@@ -1,5 +1,9 @@
 """The Profiler's hooks: what runs inside the model's forward and backward and around the optimizer step.
 
+On sampled steps, activations, their gradients and weights with two dimensions or more (the operands of
+matmuls) also get the block-format what-if (``precprof.stats.blocks``), unless the Profiler was made with
+``block_formats=False``; weight gradients do not (no low-precision GEMM reads them).
+
 Every hook returns None (a returned value would replace the module's output) and never synchronises with the
 device. On steps that are not sampled each returns at once.
 """
@@ -27,6 +31,7 @@ class HookFactories:
     _autocast_seen: dict[str, Any]
     _device: torch.device
     _updates: UpdateSampler | None
+    _block_formats: bool  # also the block-format what-if (activations, their gradients, weights; ndim >= 2)
 
     # ---------------------------------------------------------------------------------------- hooks
     # The hooks' first line is all Dynamo sees on steps that are not sampled (it guards on the flag, so a
@@ -41,8 +46,13 @@ class HookFactories:
             slot.order = self._order_counter
             self._order_counter += 1
             assert self._buffer is not None
+            blocks = self._block_formats
             for _, p, row in slot.weights:
-                if p.is_floating_point() and p.numel() > 0 and self._buffer.accumulate(_local(p), row.index):
+                if (
+                    p.is_floating_point()
+                    and p.numel() > 0
+                    and self._buffer.accumulate(_local(p), row.index, blocks=blocks)
+                ):
                     row.seen(p.dtype)
                     self._step_has_data = True
 
@@ -63,7 +73,7 @@ class HookFactories:
                 buf is not None
                 and g is not None
                 and self._attached
-                and buf.accumulate(_local(g), grad_row.index)
+                and buf.accumulate(_local(g), grad_row.index, blocks=self._block_formats)
             ):
                 grad_row.seen(g.dtype)
             return None
@@ -73,7 +83,7 @@ class HookFactories:
             assert self._buffer is not None
             any_tensor = False
             for t in _iter_tensors(output):
-                if not self._buffer.accumulate(_local(t), act.index):
+                if not self._buffer.accumulate(_local(t), act.index, blocks=self._block_formats):
                     continue
                 any_tensor = True
                 if t.requires_grad:

@@ -87,6 +87,9 @@ class Profiler(HookFactories):
             each host copy, to watch a run live (tags: ``precprof.export.events``; needs ``tensorboard``).
         wandb: True to log the same to the current ``wandb.run``, or a wandb run object (needs ``wandb``).
             Only the writer process (rank 0) writes to either.
+        block_formats: on sampled steps, also evaluate the block-scaled formats (MXFP8, MXFP6, MXFP4, NVFP4:
+            ``precprof.block_formats``) on every activation, activation gradient and weight with two
+            dimensions or more, in both block orientations: the ``tables.BLOCK_COLUMNS`` of the layers table.
 
     Call ``step()`` once per optimizer step, at its end. Statistics of a tied parameter (one Parameter owned
     by two modules, e.g. tied embeddings) are recorded under the first module that owns it.
@@ -109,6 +112,7 @@ class Profiler(HookFactories):
         loss_scale: float | None = None,
         tensorboard: Any = None,
         wandb: Any = None,
+        block_formats: bool = True,
     ) -> None:
         if sample_every < 0:
             raise ValueError("sample_every must be >= 0 (0 records steps only)")
@@ -137,6 +141,7 @@ class Profiler(HookFactories):
         self.weight_updates = weight_updates and optimizer is not None
         self.update_sample = update_sample
         self.chunk = chunk
+        self._block_formats = bool(block_formats)
         self._first_step = first_step
         self._reducer_spec = reducer
         self._reducer: Any = None
@@ -435,6 +440,7 @@ class Profiler(HookFactories):
         if self._reducer is not None:
             # collective: every rank reaches this on the same sampled step (same schedule, same model)
             device_rows = self._reducer.reduce_rows(self._buffer.dense())
+            block_sums = self._reducer.reduce_sum(self._buffer.blocks_dense())  # counts and sums add
             meta = self._reducer.reduce_meta(
                 [
                     {
@@ -453,11 +459,15 @@ class Profiler(HookFactories):
                 r.calls, r.dtypes = int(m["calls"]), list(m["dtypes"])
             order = meta["order"]
             data = device_rows.cpu().numpy()
+            blocks = block_sums.cpu().numpy()
         else:
             data = self._buffer.to_host()
+            blocks = self._buffer.blocks_to_host()
         active = [row for row in self._rows if row.calls > 0]
         if active:
-            self._recorded.add_layers(step, *columns.layer_columns(step, active, data, scale, order))
+            cols, hist = columns.layer_columns(step, active, data, scale, order)
+            cols.update(columns.block_columns(active, blocks, self._buffer.blocks_seen, scale))
+            self._recorded.add_layers(step, cols, hist)
         if self._updates is not None:
             counts = self._updates.counts
             if self._reducer is not None:

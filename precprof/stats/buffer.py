@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from precprof import _compat, formats
+from precprof.stats import blocks as _blocks
 from precprof.stats import triton_engine
 from precprof.stats.engine import _default_kernel_threads, _kernel, resolve_engine
 from precprof.stats.layout import (
@@ -142,6 +143,13 @@ class DeviceRows:
         self._key = torch.empty(0, dtype=torch.int64, device=device)
         self._bool = torch.empty(0, dtype=torch.bool, device=device)
         self._ones = torch.ones(1, dtype=torch.int64, device=device)
+        # block-format what-if per row (stats.blocks): float64 [rows, orientation, recipe, stat] on the device
+        self._blocks = torch.zeros(
+            (rows, _blocks.N_ORIENTATIONS, _blocks.N_RECIPES, _blocks.N_STATS),
+            dtype=torch.float64,
+            device=device,
+        )
+        self._last_blocks: tuple[weakref.ref[torch.Tensor], int, torch.Tensor] | None = None
         self._keys_hist = torch.zeros(_N_KEYS, dtype=torch.int64, device=device)
         self._small = torch.empty(nw + 1, dtype=torch.int64, device=device)
         if not self.on_cpu:
@@ -159,10 +167,11 @@ class DeviceRows:
     @property
     def buffer_bytes(self) -> int:
         """Bytes held persistently by the rows."""
+        blocks = self._blocks.numel() * self._blocks.element_size()
         if self.on_cpu:
-            return int(self._counts.nbytes + self._hist.nbytes)
+            return int(self._counts.nbytes + self._hist.nbytes) + blocks
         assert self._data is not None
-        return self._data.numel() * self._data.element_size()
+        return self._data.numel() * self._data.element_size() + blocks
 
     @property
     def scratch_bytes(self) -> int:
@@ -193,12 +202,14 @@ class DeviceRows:
         """Zero the counts of all rows (or ``rows``); device op, no sync."""
         sl = rows if rows is not None else slice(None)
         if self.on_cpu:
+            self._blocks[sl] = 0.0
             self._counts[sl] = 0
             self._counts[sl, self.layout.absmin_bits] = _NO_MIN_BITS
             self._hist[sl] = 0
             return
         assert self._data is not None
         self._order_stream()
+        self._blocks[sl] = 0.0
         target = self._data[sl]
         target.zero_()
         target[:, self.layout.absmin_bits] = _NO_MIN_BITS
@@ -479,6 +490,27 @@ class DeviceRows:
         """Copy the rows to the host: the one synchronising call per sampled step."""
         return self.dense().cpu().numpy()
 
+    @torch.no_grad()
+    def accumulate_blocks(self, x: torch.Tensor, row: int) -> None:
+        """Add the block-format statistics of ``x`` (ndim >= 2, on this device; both orientations, every
+        recipe of ``stats.blocks.RECIPES``) into ``row`` of the block accumulator. Never syncs. The same tensor
+        (object and in-place version) as the previous call is added again without reading it."""
+        version = _compat.tensor_version(x)
+        last = self._last_blocks
+        if last is not None and version is not None and last[0]() is x and last[1] == version:
+            stats = last[2]
+        else:
+            self._order_stream()
+            engine = "c" if self.engine == "c" and self.use_kernel else self.engine
+            stats = _blocks.tensor_block_stats(x, engine=engine, threads=self._threads())
+            self._last_blocks = (weakref.ref(x), version, stats) if version is not None else None
+        self._blocks[row] += stats
+
+    def blocks_dense(self) -> torch.Tensor:
+        """The block accumulator, float64 [rows, 2, n_recipes, 5], on this device."""
+        self._order_stream()
+        return self._blocks
+
 
 class StatsBuffer:
     """Per-step statistics of ``rows`` tensor slots, on every device the tensors live on.
@@ -511,6 +543,8 @@ class StatsBuffer:
         self._parts: dict[torch.device, DeviceRows] = {}
         self.skipped = np.zeros(rows, dtype=np.int64)  # meta tensors per row since the last reset
         self.skipped_total = np.zeros(rows, dtype=np.int64)  # over the whole run
+        # rows whose block-format statistics were evaluated since the last reset (host-side flags)
+        self.blocks_seen = np.zeros(rows, dtype=bool)
         if self.device.type != "meta":
             self._part(self.device)  # the model's device: its engine is chosen (and built) at attach
 
@@ -609,14 +643,39 @@ class StatsBuffer:
         for p in self._parts.values():
             p.reset(rows)
         self.skipped[rows if rows is not None else slice(None)] = 0
+        self.blocks_seen[rows if rows is not None else slice(None)] = False
+
+    def blocks_dense(self) -> torch.Tensor:
+        """All devices' block accumulators added, float64 [rows, 2, n_recipes, 5] on the model's device
+        (syncs when the devices differ). Rows not in ``blocks_seen`` hold zeros."""
+        primary = self.primary
+        if primary is None:
+            return torch.zeros((self.rows, _blocks.N_ORIENTATIONS, _blocks.N_RECIPES, _blocks.N_STATS))
+        out = primary.blocks_dense()
+        for p in self._parts.values():
+            if p is not primary:
+                out = out + p.blocks_dense().to(out.device)
+        return out
+
+    def blocks_to_host(self) -> np.ndarray:
+        """All devices' block accumulators added, on the host (one copy per device)."""
+        out: np.ndarray | None = None
+        for p in self._parts.values():
+            b = p.blocks_dense().cpu().numpy()
+            out = b if out is None else out + b
+        if out is None:
+            return np.zeros((self.rows, _blocks.N_ORIENTATIONS, _blocks.N_RECIPES, _blocks.N_STATS))
+        return out
 
     @torch.no_grad()
-    def accumulate(self, x: torch.Tensor, row: int, *, assign: bool = False) -> bool:
+    def accumulate(self, x: torch.Tensor, row: int, *, assign: bool = False, blocks: bool = False) -> bool:
         """Add the statistics of ``x`` (any floating dtype, any shape, any device) into ``row``. Never syncs.
 
         ``assign=True`` first clears the row (used for accumulated weight gradients, whose last value wins).
-        Each call is one tensor for the fp8 current-scaling counts (its own amax and scale). Returns False
-        when ``x`` was skipped (a ``meta`` tensor), True when it was read.
+        Each call is one tensor for the fp8 current-scaling counts (its own amax and scale). ``blocks=True``
+        also adds the block-format what-if of ``x`` (``stats.blocks``; fp32, bf16 or fp16 with ndim >= 2 and
+        data; others are not evaluated) and marks the row in ``blocks_seen``. Returns False when ``x`` was
+        skipped (a ``meta`` tensor), True when it was read.
         """
         if x.device.type == "meta":
             self.skipped[row] += 1
@@ -627,4 +686,10 @@ class StatsBuffer:
             for p in self._parts.values():
                 p.reset(slice(row, row + 1))
         part.accumulate(x, row)
+        if blocks and x.dim() >= 2 and x.numel() > 0 and x.dtype in _BLOCK_DTYPES:
+            part.accumulate_blocks(x, row)
+            self.blocks_seen[row] = True
         return True
+
+
+_BLOCK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -388,3 +388,304 @@ int pp_merge(const int64_t* call, int64_t* counts, int64_t* window, int64_t wlo,
     if (lo >= 0) for (int64_t b = lo; b <= hi; b++) window[b - wlo] += call[hist + b];
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------------------
+   Block-scaled what-if (precprof.block_formats): per recipe, the flushed / saturated / poisoned counts and the
+   float64 sums of x^2 and (x - q)^2, with the rules and the fp32 arithmetic of block_formats.block_stats.
+
+   The tensor is a contiguous 2-D view [rows, last]. Orientation 0 ("row") reads blocks along the last
+   dimension, orientation 1 ("col") down the columns (stride = last), without a transposed copy. Either way
+   the work is cut into tiles of BG blocks of BT = 32 values, loaded into buf[BT][BG] (the last block of a
+   line padded with zeros), so that every recipe runs vectorised across the BG blocks side by side; NVFP4's
+   blocks of 16 are the two halves of a tile's blocks. Every recipe is evaluated from the same tile while it
+   sits in L1: one read of the tensor per orientation. NVFP4's per-tensor scale needs the tensor's amax
+   before its blocks: a first, cheap max pass over the bits (shared by both orientations) gives it.
+   The float64 sums are deterministic: the tiles are cut into chunks of a fixed size (not per thread), each
+   chunk sums into its own partials, and the partials are added in chunk order, so the result does not
+   depend on the thread count. */
+
+#define BT 32
+#define BG 16
+#define MAXR 16
+#define CHUNK_TILES 64
+#define REC_LEN 10 /* int64 per recipe in the config: precprof.stats.kernel.recipe_config */
+
+typedef struct {
+    int kind;  /* 0 MX floor, 1 MX rceil, 2 NVFP4 */
+    int m, emin, emax; /* element: mantissa bits, floor(log2 smallest normal), floor(log2 max) */
+    float fmax;
+    int sm, semin; /* NVFP4's E4M3 block scale: mantissa bits, smallest normal exponent */
+    float smax, smin;
+} brec_t;
+
+typedef struct { int64_t flushed, saturated, poisoned; double x2, err2; } bsum_t;
+
+static inline uint32_t fbits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bitsf(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline int floor_log2_bits(uint32_t a) { /* a: the bits of a positive finite float */
+    if (a >= 0x800000u) return (int)(a >> 23) - 127;
+    return -149 + 31 - __builtin_clz(a);
+}
+static inline float pow2f(int k) { /* 2^k, k in [-149, 127] */
+    return k >= -126 ? bitsf((uint32_t)(k + 127) << 23) : bitsf(1u << (k + 149));
+}
+static inline float h2f(uint16_t h) { /* fp16 -> fp32, exact (subnormals, inf and nan included) */
+    uint32_t em = h & 0x7FFFu;
+    float f = bitsf(em << 13) * 0x1p112f;
+    uint32_t u = em >= 0x7C00u ? 0x7F800000u | ((em & 0x3FFu) << 13) : fbits(f);
+    return bitsf(u | ((uint32_t)(h & 0x8000u) << 16));
+}
+
+/* block_formats.round_to_element: clamp to +-fmax, then round half to even at the spacing of the value's
+   binade (subnormals share the smallest normal binade's); every step exact in fp32. The magic-number
+   rounding is round-to-nearest-even for |t| < 2^22 (here |t| < 2^(m+2)). */
+static inline float round_elem(float v, int m, int emin, float fmax) {
+    float a = v > fmax ? fmax : (v < -fmax ? -fmax : v);
+    int e = (int)((fbits(a) >> 23) & 0xFFu) - 127;
+    e = e < emin ? emin : e;
+    float t = a * bitsf((uint32_t)(m - e + 127) << 23);
+    float r = (t + 12582912.0f) - 12582912.0f;
+    return r * bitsf((uint32_t)(e - m + 127) << 23);
+}
+
+/* the E8M0 exponent k of an MX block whose finite amax has bits a (block_formats._quantize) */
+static int mx_exponent(uint32_t a, const brec_t* r) {
+    if (a == 0) return -127;
+    int k;
+    if (r->kind == 0) {
+        k = floor_log2_bits(a) - r->emax;
+    } else { /* rceil: the smallest k with 2^k >= fl32(amax / max); frexp(0) gives k = 0 */
+        uint32_t u = fbits(bitsf(a) / r->fmax);
+        if (u == 0) k = 0;
+        else {
+            int pow2 = u >= 0x800000u ? (u & 0x7FFFFFu) == 0 : (u & (u - 1)) == 0;
+            k = floor_log2_bits(u) + (pow2 ? 0 : 1);
+        }
+    }
+    return k < -127 ? -127 : (k > 127 ? 127 : k);
+}
+
+typedef struct {
+    int32_t fl[MAXR][BG], sat[MAXR][BG];
+    double err[MAXR][BG], x2[BG];
+    int64_t pois;
+} lanes_t;
+
+/* one recipe over one tile: scaled = x * mul[g] (per block, or per half-block for NVFP4), q = element(scaled)
+   * deq[g]; counts and sums per lane */
+static inline void tile_recipe(const float* buf, const float* mul0, const float* deq0, const float* mul1,
+                               const float* deq1, int half, const brec_t* r, int32_t* fl, int32_t* sat,
+                               double* err) {
+    const int m = r->m, emin = r->emin;
+    const float fmax = r->fmax;
+    for (int i = 0; i < BT; i++) {
+        const float* x = buf + i * BG;
+        const float* mul = i < half ? mul0 : mul1;
+        const float* dq = i < half ? deq0 : deq1;
+        for (int g = 0; g < BG; g++) {
+            float sc = x[g] * mul[g];
+            sat[g] += fabsf(sc) > fmax;
+            float q = round_elem(sc, m, emin, fmax) * dq[g];
+            fl[g] += (x[g] != 0.0f) & (q == 0.0f);
+            double d = (double)x[g] - (double)q;
+            err[g] += d * d;
+        }
+    }
+}
+
+typedef struct {
+    const void* data;
+    int64_t rows, last;
+    int dtype, orient, nr;
+    const brec_t* rec;
+    int nvfp4_ok;     /* the tensor's amax is finite */
+    float p, inv_p;   /* NVFP4's per-tensor scale and fl(1 / p) */
+} bjob_t;
+
+static inline float load_x(const void* d, int dtype, int64_t i) {
+    if (dtype == 0) return ((const float*)d)[i];
+    if (dtype == 1) return bitsf((uint32_t)((const uint16_t*)d)[i] << 16);
+    return h2f(((const uint16_t*)d)[i]);
+}
+
+/* load tile t into buf[BT][BG]; valid[g]: how many of block g's values are real (not padding) */
+static void load_tile(const bjob_t* j, int64_t t, float* buf, int* valid) {
+    int64_t R = j->rows, L = j->last;
+    if (j->orient == 0) {
+        int64_t nbl = (L + BT - 1) / BT, nb = R * nbl;
+        for (int g = 0; g < BG; g++) {
+            int64_t b = t * BG + g;
+            int len = 0;
+            int64_t base = 0;
+            if (b < nb) {
+                int64_t r = b / nbl, c0 = (b % nbl) * BT;
+                len = (int)(L - c0 < BT ? L - c0 : BT);
+                base = r * L + c0;
+            }
+            valid[g] = len;
+            if (len == BT && j->dtype == 0) {
+                const float* s = (const float*)j->data + base;
+                for (int i = 0; i < BT; i++) buf[i * BG + g] = s[i];
+            } else {
+                for (int i = 0; i < BT; i++) buf[i * BG + g] = i < len ? load_x(j->data, j->dtype, base + i) : 0.0f;
+            }
+        }
+    } else {
+        int64_t nct = (L + BG - 1) / BG;
+        int64_t r0 = (t / nct) * BT, c0 = (t % nct) * BG;
+        int len = (int)(R - r0 < BT ? R - r0 : BT);
+        int w = (int)(L - c0 < BG ? L - c0 : BG);
+        for (int g = 0; g < BG; g++) valid[g] = g < w ? len : 0;
+        for (int i = 0; i < BT; i++) {
+            float* o = buf + i * BG;
+            int64_t base = (r0 + i) * L + c0;
+            if (i < len && w == BG) {
+                if (j->dtype == 0) { const float* s = (const float*)j->data + base; for (int g = 0; g < BG; g++) o[g] = s[g]; }
+                else if (j->dtype == 1) { const uint16_t* s = (const uint16_t*)j->data + base; for (int g = 0; g < BG; g++) o[g] = bitsf((uint32_t)s[g] << 16); }
+                else { const uint16_t* s = (const uint16_t*)j->data + base; for (int g = 0; g < BG; g++) o[g] = h2f(s[g]); }
+            } else {
+                for (int g = 0; g < BG; g++) o[g] = (i < len && g < w) ? load_x(j->data, j->dtype, base + g) : 0.0f;
+            }
+        }
+    }
+}
+
+static void run_tiles(const bjob_t* j, int64_t t0, int64_t t1, bsum_t* out) {
+    float buf[BT * BG];
+    int valid[BG];
+    uint32_t am0[BG], am1[BG];
+    float mul0[BG], deq0[BG], mul1[BG], deq1[BG];
+    lanes_t* ln = calloc(1, sizeof(lanes_t));
+    if (!ln) { out[0].poisoned = -1; return; }
+    const int nr = j->nr;
+    for (int64_t t = t0; t < t1; t++) {
+        load_tile(j, t, buf, valid);
+        for (int g = 0; g < BG; g++) { am0[g] = 0; am1[g] = 0; }
+        for (int i = 0; i < BT / 2; i++)
+            for (int g = 0; g < BG; g++) { uint32_t u = fbits(buf[i * BG + g]) & 0x7FFFFFFFu; am0[g] = u > am0[g] ? u : am0[g]; }
+        for (int i = BT / 2; i < BT; i++)
+            for (int g = 0; g < BG; g++) { uint32_t u = fbits(buf[i * BG + g]) & 0x7FFFFFFFu; am1[g] = u > am1[g] ? u : am1[g]; }
+        for (int g = 0; g < BG; g++) {
+            if ((am0[g] > am1[g] ? am0[g] : am1[g]) >= 0x7F800000u) { /* nan or inf: a poisoned MX block */
+                ln->pois += valid[g];
+                for (int i = 0; i < BT; i++) buf[i * BG + g] = 0.0f;
+                am0[g] = am1[g] = 0;
+            }
+        }
+        for (int i = 0; i < BT; i++)
+            for (int g = 0; g < BG; g++) { double x = (double)buf[i * BG + g]; ln->x2[g] += x * x; }
+        for (int k = 0; k < nr; k++) {
+            const brec_t* r = &j->rec[k];
+            if (r->kind == 2) {
+                if (!j->nvfp4_ok) continue;
+                for (int g = 0; g < BG; g++) {
+                    for (int h = 0; h < 2; h++) {
+                        float a = bitsf(h ? am1[g] : am0[g]);
+                        float v = a / r->fmax / j->p;
+                        v = v < r->smin ? r->smin : (v > r->smax ? r->smax : v);
+                        float s = round_elem(v, r->sm, r->semin, r->smax);
+                        (h ? mul1 : mul0)[g] = j->inv_p / s;
+                        (h ? deq1 : deq0)[g] = j->p * s;
+                    }
+                }
+                tile_recipe(buf, mul0, deq0, mul1, deq1, BT / 2, r, ln->fl[k], ln->sat[k], ln->err[k]);
+            } else {
+                for (int g = 0; g < BG; g++) {
+                    int e = mx_exponent(am0[g] > am1[g] ? am0[g] : am1[g], r);
+                    mul0[g] = pow2f(-e);
+                    deq0[g] = pow2f(e);
+                }
+                tile_recipe(buf, mul0, deq0, mul0, deq0, BT, r, ln->fl[k], ln->sat[k], ln->err[k]);
+            }
+        }
+    }
+    double x2 = 0.0;
+    for (int g = 0; g < BG; g++) x2 += ln->x2[g];
+    for (int k = 0; k < nr; k++) {
+        bsum_t* o = &out[k];
+        memset(o, 0, sizeof(*o));
+        for (int g = 0; g < BG; g++) {
+            o->flushed += ln->fl[k][g];
+            o->saturated += ln->sat[k][g];
+            o->err2 += ln->err[k][g];
+        }
+        if (j->rec[k].kind == 2) o->x2 = j->nvfp4_ok ? x2 : 0.0; /* no poisoned block when the amax is finite */
+        else { o->x2 = x2; o->poisoned = ln->pois; }
+    }
+    free(ln);
+}
+
+static inline uint32_t absbits_at(const void* d, int dtype, int64_t i) {
+    if (dtype == 0) return ((const uint32_t*)d)[i] & 0x7FFFFFFFu;
+    uint16_t h = ((const uint16_t*)d)[i] & 0x7FFFu;
+    if (dtype == 1) return (uint32_t)h << 16;
+    return fbits(h2f(h));
+}
+
+/* Block statistics of a contiguous [rows, last] tensor (dtype 0 fp32, 1 bf16, 2 fp16) for nr recipes (config:
+   REC_LEN int64 each) in the orientations of the bit mask orients (1: row, 2: col), into out[2][nr][5]
+   (flushed, saturated, poisoned, sum_x2, sum_err2 as doubles; an orientation not asked for is left as it
+   is). Returns 0, or -1 when out of host memory. */
+int pp_block(const void* data, int64_t rows, int64_t last, int dtype, int orients, int nr, const int64_t* config,
+             int nthreads, double* out) {
+    if (nr < 1 || nr > MAXR) return -2;
+    brec_t rec[MAXR];
+    int any_nv = 0;
+    for (int k = 0; k < nr; k++) {
+        const int64_t* c = config + k * REC_LEN;
+        rec[k].kind = (int)c[0]; rec[k].m = (int)c[1]; rec[k].emin = (int)c[2]; rec[k].emax = (int)c[3];
+        rec[k].fmax = bitsf((uint32_t)c[4]); rec[k].sm = (int)c[5]; rec[k].semin = (int)c[6];
+        rec[k].smax = bitsf((uint32_t)c[7]); rec[k].smin = bitsf((uint32_t)c[8]);
+        any_nv |= rec[k].kind == 2;
+    }
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > 64) nthreads = 64;
+    int64_t n = rows * last;
+    if (n < (1 << 15)) nthreads = 1;
+    bjob_t job = {data, rows, last, dtype, 0, nr, rec, 1, 1.0f, 1.0f};
+    if (any_nv) { /* the tensor's amax: the largest |x| bit pattern (nan > inf > finite) */
+        uint32_t amax = 0;
+#ifdef _OPENMP
+        #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(max : amax) if (nthreads > 1)
+#endif
+        for (int64_t i = 0; i < n; i++) { uint32_t u = absbits_at(data, dtype, i); amax = u > amax ? u : amax; }
+        job.nvfp4_ok = amax < 0x7F800000u;
+        if (amax > 0 && job.nvfp4_ok) {
+            job.p = bitsf(amax) / 2688.0f; /* fl(amax / (448 * 6)) */
+            job.inv_p = 1.0f / job.p;
+        }
+    }
+    for (int o = 0; o < 2; o++) {
+        if (!(orients & (1 << o))) continue;
+        job.orient = o;
+        int64_t tiles = o == 0 ? (rows * ((last + BT - 1) / BT) + BG - 1) / BG
+                               : ((rows + BT - 1) / BT) * ((last + BG - 1) / BG);
+        int64_t nch = (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
+        bsum_t* part = calloc((size_t)(nch > 0 ? nch : 1) * nr, sizeof(bsum_t));
+        if (!part) return -1;
+#ifdef _OPENMP
+        #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nch > 1)
+#endif
+        for (int64_t c = 0; c < nch; c++) {
+            int64_t t0 = c * CHUNK_TILES, t1 = t0 + CHUNK_TILES < tiles ? t0 + CHUNK_TILES : tiles;
+            run_tiles(&job, t0, t1, part + c * nr);
+        }
+        double* dst = out + o * nr * 5;
+        int failed = 0;
+        for (int k = 0; k < nr; k++) {
+            int64_t fl = 0, sat = 0, po = 0;
+            double x2 = 0.0, e2 = 0.0;
+            for (int64_t c = 0; c < nch; c++) { /* in chunk order: the same sums for any thread count */
+                const bsum_t* s = &part[c * nr + k];
+                if (s->poisoned < 0) failed = 1;
+                fl += s->flushed; sat += s->saturated; po += s->poisoned; x2 += s->x2; e2 += s->err2;
+            }
+            if (rec[k].kind == 2 && !job.nvfp4_ok) po = n;
+            dst[k * 5 + 0] = (double)fl; dst[k * 5 + 1] = (double)sat; dst[k * 5 + 2] = (double)po;
+            dst[k * 5 + 3] = x2; dst[k * 5 + 4] = e2;
+        }
+        free(part);
+        if (failed) return -1;
+    }
+    return 0;
+}

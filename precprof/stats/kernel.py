@@ -40,8 +40,15 @@ import platform
 import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from precprof import formats
+from precprof.block_formats import NVFP4_SCALE_MIN, BlockRecipe, ScaleMode
+from precprof.errors import UserError
 from precprof.stats import kernel_cache as _kernel_cache
 
 # the C source ships beside this module (package data); read once, it is also part of the cache key
@@ -190,6 +197,8 @@ def load() -> ctypes.CDLL | None:
         lib.pp_merge.argtypes = [p, p, p, i64, i64, p, p]
         lib.pp_openmp.restype = ctypes.c_int
         lib.pp_openmp.argtypes = []
+        lib.pp_block.restype = i32
+        lib.pp_block.argtypes = [p, i64, i64, i32, i32, i32, p, i32, p]
         lib.pp_init()
     except (OSError, AttributeError, subprocess.SubprocessError) as e:
         _status.update(in_use=False, reason=f"could not be built or loaded: {e}", **_cache_status())
@@ -204,3 +213,120 @@ def load() -> ctypes.CDLL | None:
     )
     _lib = lib
     return _lib
+
+
+# ------------------------------------------------------------------------------------- block formats
+# the C kernel's limits for pp_block (kernel.c BT, MAXR, REC_LEN)
+BLOCK_TILE = 32
+_MAX_RECIPES = 16
+_REC_LEN = 10
+_BLOCK_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+N_BLOCK_STATS = 5  # flushed, saturated, poisoned, sum_x2, sum_err2 (precprof.tables.BLOCK_STATS)
+
+
+def _f32_bits(value: float) -> int:
+    a = np.array(value, dtype=np.float32)
+    assert float(a) == value, f"{value!r} is not an fp32 value"
+    return int(a.view(np.uint32))
+
+
+def recipe_config(recipes: Sequence[BlockRecipe]) -> np.ndarray:
+    """The recipes as pp_block reads them: per recipe kind (0 MX floor, 1 MX rceil, 2 NVFP4), the element's
+    mantissa bits, smallest normal exponent, largest exponent and max (fp32 bits), then NVFP4's E4M3 block
+    scale (mantissa bits, smallest normal exponent, max and the clamp's minimum as fp32 bits)."""
+    if not 0 < len(recipes) <= _MAX_RECIPES:
+        raise UserError(f"the C kernel evaluates 1..{_MAX_RECIPES} block recipes at once, got {len(recipes)}")
+    rows = []
+    e4m3 = formats.FP8_E4M3
+    for r in recipes:
+        if BLOCK_TILE % r.block_size:
+            raise UserError(
+                f"{r.name}: the C kernel reads blocks that divide {BLOCK_TILE}, not {r.block_size}"
+            )
+        if r.scale_format == "e8m0":
+            kind = 1 if r.scale_mode == ScaleMode.RCEIL else 0
+            if r.block_size != BLOCK_TILE:
+                raise UserError(f"{r.name}: the C kernel's MX blocks are {BLOCK_TILE} long")
+        elif r.scale_format == "e4m3" and r.per_tensor_scale and r.block_size == BLOCK_TILE // 2:
+            kind = 2
+        else:
+            raise UserError(f"{r.name}: the C kernel has no rule for this block scale")
+        el = r.element
+        rows.append(
+            [
+                kind,
+                el.mantissa_bits,
+                el.normal_min_exponent,
+                el.max_exponent,
+                _f32_bits(el.max),
+                e4m3.mantissa_bits,
+                e4m3.normal_min_exponent,
+                _f32_bits(e4m3.max),
+                _f32_bits(NVFP4_SCALE_MIN),
+                0,
+            ]
+        )
+    return np.array(rows, dtype=np.int64)
+
+
+def block_stats_2d(
+    x: torch.Tensor, recipes: Sequence[BlockRecipe], orients: int = 3, threads: int = 0
+) -> torch.Tensor:
+    """Block statistics of ``x`` viewed as 2-D [prod(leading), last] in the orientations of the bit mask
+    ``orients`` (1: "row", blocks along the last dimension; 2: "col", blocks down the columns): a float64
+    [2, len(recipes), 5] CPU tensor (flushed, saturated, poisoned, sum_x2, sum_err2; an orientation not asked
+    for is NaN). One read of the tensor per orientation, plus one max pass when an NVFP4 recipe is asked for.
+    ``threads``: OpenMP threads (0: ``torch.get_num_threads()``). Raises UserError when the kernel cannot
+    read ``x`` (not a CPU tensor of fp32, bf16 or fp16, or 0-d) or is not built."""
+    lib = load()
+    if lib is None:
+        raise UserError(f"the C kernel is not available here ({_status['reason']})")
+    code = _BLOCK_DTYPES.get(x.dtype)
+    if code is None or x.device.type != "cpu" or x.dim() == 0:
+        raise UserError(
+            f"the C block kernel reads CPU tensors of fp32, bf16 or fp16 with 1 dimension or more, "
+            f"got a {x.dim()}-d {x.dtype} tensor on {x.device}"
+        )
+    cfg = recipe_config(recipes)
+    out = np.full((2, len(recipes), N_BLOCK_STATS), np.nan)
+    x = x.detach()
+    last = x.shape[-1]
+    flat = x.contiguous()
+    rows = flat.numel() // last if last else 0
+    if flat.numel() == 0:
+        out[[o for o in (0, 1) if orients >> o & 1]] = 0.0
+        return torch.from_numpy(out)
+    rc = lib.pp_block(
+        flat.data_ptr(),
+        rows,
+        last,
+        code,
+        orients,
+        len(recipes),
+        cfg.ctypes.data,
+        threads or torch.get_num_threads(),
+        out.ctypes.data,
+    )
+    if rc != 0:
+        raise MemoryError("precprof: the C block kernel could not allocate its scratch")
+    return torch.from_numpy(out)
+
+
+def block_stats_c(
+    x: torch.Tensor, recipes: Sequence[BlockRecipe], axis: int, threads: int = 0
+) -> torch.Tensor:
+    """``block_formats.block_stats`` of every recipe, by the C kernel: float64 [len(recipes), 5] in
+    ``tables.BLOCK_STATS`` order (flushed, saturated, poisoned, sum_x2, sum_err2), on the CPU.
+
+    ``axis``: -1 (or the last dimension) for blocks along the last dimension, any ndim; -2 (or 0) of a 2-D
+    tensor for blocks down its columns. Counts equal the reference's exactly; the sums are the same terms
+    added in another (fixed) order."""
+    nd = x.dim()
+    if nd >= 1 and axis in (-1, nd - 1):
+        return block_stats_2d(x, recipes, 1, threads)[0]
+    if nd == 2 and axis in (-2, 0):
+        return block_stats_2d(x, recipes, 2, threads)[1]
+    raise UserError(
+        f"the C block kernel reads the last axis of a tensor or the columns of a 2-D one; got axis {axis} "
+        f"of a {nd}-d tensor (reshape it to 2-D first)"
+    )

@@ -1,0 +1,280 @@
+"""The block-format what-if in the engines and the profiler: the C kernel (``pp_block``) against the torch-op
+reference ``block_formats.block_stats`` (exact counts, sums to summation order), and a profiled model's block
+columns against ``block_stats`` of the same tensors captured with plain hooks."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from precprof import block_formats as bf
+from precprof import tables as T
+from precprof.capture import Profiler
+from precprof.stats import StatsBuffer, blocks, kernel
+from precprof.stats.engine import ENGINE_ENV
+
+RECIPES = bf.column_recipes()
+needs_c = pytest.mark.skipif(kernel.load() is None, reason="the C kernel does not build here")
+
+
+def reference(x: torch.Tensor, axis: int) -> torch.Tensor:
+    """[recipes, 5] float64 from block_formats.block_stats, one recipe at a time."""
+    return torch.tensor(
+        [[float(bf.block_stats(x, r, axis)[s]) for s in T.BLOCK_STATS] for r in RECIPES],
+        dtype=torch.float64,
+    )
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    counts = [T.BLOCK_STATS.index(s) for s in ("flushed", "saturated", "poisoned")]
+    sums = [T.BLOCK_STATS.index(s) for s in ("sum_x2", "sum_err2")]
+    assert torch.equal(got[..., counts], want[..., counts]), f"{what}\n{got}\n{want}"
+    torch.testing.assert_close(got[..., sums], want[..., sums], rtol=1e-12, atol=0, msg=what)
+
+
+def test_column_recipes_are_the_tables_recipes() -> None:
+    assert tuple(r.name for r in RECIPES) == T.BLOCK_RECIPES
+    by_name = {r.name: r for r in RECIPES}
+    assert by_name["mxfp8_e4m3_rceil"].scale_mode == bf.ScaleMode.RCEIL
+    assert by_name["mxfp8_e4m3_rceil"].element is bf.MXFP8_E4M3.element
+    assert by_name["mxfp8_e4m3"] == bf.MXFP8_E4M3
+    assert by_name["nvfp4"] == bf.NVFP4
+
+
+def hard_tensor(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random values spread over many binades per row, with zeros, outliers, exact powers of two, values of
+    the formats' subnormal range and (by seed) a nan or an inf block, and fp32 subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x = x * torch.exp2(torch.randint(-12, 12, shape[:-1] + (1,), generator=g).float())
+    flat = x.view(-1)
+    n = flat.numel()
+    flat[torch.rand(n, generator=g) < 0.05] = 0.0
+    pick = torch.randint(0, n, (4,), generator=g)
+    flat[pick[0]] = 3e3  # an outlier: the rest of its block flushes in the narrow formats
+    flat[pick[1]] = 2.0**-3  # an exact power of two
+    flat[pick[2]] = -(2.0**-20)
+    if seed % 3 == 1:
+        flat[pick[3]] = math.nan
+    elif seed % 3 == 2:
+        flat[pick[3]] = -math.inf
+    if seed % 4 == 3 and dtype == torch.float32:
+        flat[: n // 3] *= 2.0**-135  # fp32 subnormals and tiny normals
+    return x.to(dtype)
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "shape,seed", [((7, 45), 0), ((33, 64), 1), ((65, 31), 2), ((3, 2, 50), 3), ((40, 96), 4), ((1, 17), 5)]
+)
+def test_c_kernel_equals_the_reference(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> None:
+    x = hard_tensor(shape, seed, dtype)
+    x2 = x.reshape(-1, shape[-1])
+    both = kernel.block_stats_2d(x, RECIPES, 3, threads=2)
+    assert_same(both[0], reference(x, -1), f"row {dtype} {shape}")
+    assert_same(both[1], reference(x2, -2), f"col {dtype} {shape}")
+    # the one-axis entry (the Triton kernel's signature) gives the same numbers
+    assert torch.equal(kernel.block_stats_c(x2, RECIPES, -2), both[1])
+    assert torch.equal(kernel.block_stats_c(x, RECIPES, -1), both[0])
+
+
+@needs_c
+def test_c_kernel_edge_values_and_a_non_contiguous_view() -> None:
+    # values at the rounding ties and saturation edges of every element format, scaled into one block each
+    edge = torch.tensor(
+        [448.0, 464.0, 465.0, 57344.0, 61440.0, 7.5, 7.75, 28.0, 30.0, 6.0, 6.5, 7.0, 0.25, 0.75, 2.0**-9]
+        + [2.0**-10, 1.5 * 2.0**-10, 2.0**-17, 0.0, -0.0, 1.0, -1.0]
+    )
+    x = torch.cat([edge * 2.0**k for k in (-8, 0, 3)]).reshape(3, -1)
+    x = torch.cat([x, -x.flip(1)], dim=1)
+    assert_same(kernel.block_stats_c(x, RECIPES, -1), reference(x, -1), "edges, row")
+    assert_same(kernel.block_stats_c(x, RECIPES, -2), reference(x, -2), "edges, col")
+    t = hard_tensor((48, 40), 7, torch.float32).t()  # a transposed view: read through a contiguous copy
+    assert_same(kernel.block_stats_c(t, RECIPES, -1), reference(t, -1), "transposed view")
+    nan_all = torch.full((4, 20), math.nan)  # every block poisoned; NVFP4: the whole tensor
+    assert_same(kernel.block_stats_c(nan_all, RECIPES, -2), reference(nan_all, -2), "all nan")
+    zeros = torch.zeros(5, 33)
+    assert_same(kernel.block_stats_c(zeros, RECIPES, -1), reference(zeros, -1), "all zero")
+
+
+@needs_c
+def test_c_kernel_sums_repeat_bit_for_bit_over_thread_counts() -> None:
+    x = hard_tensor((300, 384), 8, torch.float32)  # 115k values: several chunks, split over threads
+    one = kernel.block_stats_2d(x, RECIPES, 3, threads=1)
+    two = kernel.block_stats_2d(x, RECIPES, 3, threads=2)
+    assert torch.equal(one, two)
+    assert torch.equal(one, kernel.block_stats_2d(x, RECIPES, 3, threads=2))
+    assert_same(one[0], reference(x, -1), "large, row")
+    assert_same(one[1], reference(x, -2), "large, col")
+
+
+def test_dispatch_engines_agree_and_reject_what_they_cannot_read() -> None:
+    x = hard_tensor((20, 70), 9, torch.bfloat16)
+    torch_ops = blocks.tensor_block_stats(x, engine="torch")
+    assert torch_ops.shape == (2, len(RECIPES), len(T.BLOCK_STATS)) and torch_ops.dtype == torch.float64
+    assert_same(torch_ops[1], reference(x, -2), "torch engine, col")
+    if kernel.load() is not None:
+        assert_same(blocks.tensor_block_stats(x, engine="c"), torch_ops, "c against torch")
+        # a dtype the C kernel does not read goes to torch ops
+        x64 = x.double()
+        assert_same(blocks.tensor_block_stats(x64.float(), engine="c"), torch_ops, "fp32 of bf16")
+        with pytest.raises(Exception, match="fp32, bf16 or fp16"):
+            kernel.block_stats_c(x64, RECIPES, -1)
+        with pytest.raises(Exception, match="columns of a 2-D"):
+            kernel.block_stats_c(x.reshape(2, 10, 70), RECIPES, -2)
+
+
+# ----------------------------------------------------------------------------------------------- profiler
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(48, 80)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(80, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def train(
+    model: nn.Module, steps: int, profile: dict | None, plain: dict | None = None
+) -> tuple[list[float], Profiler | None]:
+    """fp16 autocast on the CPU with a GradScaler, profiled with the Profiler arguments ``profile`` (None: not
+    profiled); ``plain`` collects, per step, the loss scale of the backward."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1)
+    prof = None
+    if profile is not None:
+        prof = Profiler(model, optimizer=opt, scaler=scaler, **profile).attach()
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    try:
+        for _ in range(steps):
+            x = torch.randn(6, 5, 48, generator=g) * 3.0
+            y = torch.randn(6, 5, 40, generator=g)
+            if plain is not None:
+                plain["scales"].append(scaler.get_scale())
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = F.mse_loss(out.float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            if prof is not None:
+                prof.step(loss=loss.detach())
+            losses.append(loss.item())
+    finally:
+        if prof is not None:
+            prof.detach()
+    return losses, prof
+
+
+def plain_capture(model: nn.Module, plain: dict) -> list:
+    """Independent hooks: weights as the forward reads them, outputs, and their gradients (scaled)."""
+    handles = []
+    for name, mod in model.named_modules():
+        if name == "" or not isinstance(mod, (nn.Linear, nn.GELU)):
+            continue
+
+        def pre(m: nn.Module, args: object, name: str = name) -> None:
+            for pname, p in m.named_parameters(recurse=False):
+                if p.dim() >= 2:
+                    plain["tensors"].append((len(plain["scales"]) - 1, name, T.WEIGHT, p.detach().clone()))
+
+        def fwd(m: nn.Module, args: object, out: torch.Tensor, name: str = name) -> None:
+            step = len(plain["scales"]) - 1
+            plain["tensors"].append((step, name, T.ACTIVATION, out.detach().clone()))
+            out.register_hook(
+                lambda g: plain["tensors"].append((step, name, T.ACTIVATION_GRAD, g.detach().clone()))
+            )
+
+        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(fwd)]
+    return handles
+
+
+@pytest.mark.parametrize("engine", ["c", "torch"])
+def test_profiled_model_block_columns_equal_block_stats_of_the_same_tensors(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if engine == "c" and kernel.load() is None:
+        pytest.skip("the C kernel does not build here")
+    monkeypatch.setenv(ENGINE_ENV, engine)
+    torch.manual_seed(0)
+    model = MLP()
+    ref_model = copy.deepcopy(model)
+    plain: dict = {"scales": [], "tensors": []}
+    handles = plain_capture(model, plain)
+    losses, prof = train(model, 2, {"sample_every": 1, "memory": False}, plain)
+    for h in handles:
+        h.remove()
+    assert prof is not None and prof._buffer is not None
+    assert set(prof._buffer.engines.values()) == {engine}
+    assert len(set(plain["scales"])) == 2  # the scale grew between the steps: both unscalings are checked
+
+    # training unchanged, bit for bit, with the block statistics on
+    assert train(ref_model, 2, None)[0] == losses
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    want: dict[tuple[int, str, str], torch.Tensor] = {}
+    for step, name, kind, t in plain["tensors"]:
+        t2 = t.reshape(-1, t.shape[-1])
+        stats = torch.stack([reference(t2, -1), reference(t2, -2)])
+        if kind == T.ACTIVATION_GRAD:  # sums unscaled like every other column; counts as the GEMM reads them
+            stats[..., 3:] /= plain["scales"][step] ** 2
+        key = (step, name, kind)
+        want[key] = want[key] + stats if key in want else stats
+
+    layers = prof.tables()["layers"]
+    assert sorted(set(layers[T.STEP])) == [0, 1]
+    checked = 0
+    for _, row in layers.iterrows():
+        key = (int(row[T.STEP]), row[T.MODULE], row[T.TENSOR])
+        got = torch.tensor(
+            [
+                [[row[T.block_col(r, s, o)] for s in T.BLOCK_STATS] for r in T.BLOCK_RECIPES]
+                for o in T.BLOCK_ORIENTATIONS
+            ],
+            dtype=torch.float64,
+        )
+        if key not in want or (row[T.TENSOR] == T.WEIGHT and row[T.PARAM] != "weight"):
+            assert got.isnan().all(), key  # weight gradients, 1-D biases: not evaluated
+            continue
+        assert_same(got, want[key], str(key))
+        checked += 1
+    assert checked == 2 * (3 * 2 + 2)  # per step: 3 modules x (activation, its gradient) + 2 weight matrices
+    assert (layers[T.block_col("mxfp4", "sum_x2")].dropna() > 0).all()
+
+
+def test_block_formats_off_leaves_the_columns_empty() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    _, prof = train(model, 1, {"sample_every": 1, "memory": False, "block_formats": False})
+    assert prof is not None
+    layers = prof.tables()["layers"]
+    assert len(layers) and layers[list(T.BLOCK_COLUMNS)].isna().all().all()
+
+
+def test_buffer_adds_blocks_over_calls_and_devices_rows_merge() -> None:
+    x = hard_tensor((10, 64), 10, torch.float32)
+    y = hard_tensor((4, 3, 32), 11, torch.bfloat16)
+    buf = StatsBuffer(2, "cpu", engine="torch")
+    buf.accumulate(x, 1, blocks=True)
+    buf.accumulate(y, 1, blocks=True)
+    buf.accumulate(x[0], 0, blocks=True)  # 1-D: no block statistics
+    assert buf.blocks_seen.tolist() == [False, True]
+    host = buf.blocks_to_host()
+    want = blocks.tensor_block_stats(x) + blocks.tensor_block_stats(y)
+    assert_same(torch.from_numpy(host[1]), want, "two calls")
+    assert np.all(host[0] == 0)
+    assert torch.equal(buf.blocks_dense(), torch.from_numpy(host))
+    buf.reset()
+    assert not buf.blocks_seen.any() and np.all(buf.blocks_to_host() == 0)
