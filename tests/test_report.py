@@ -517,3 +517,17 @@ def test_memory_saving_is_stated_once_against_an_fp32_run(run_mode: str, twice: 
     assert "against this run" in saving
     # against an fp32 run, "against this run" is the saving against FP32: a second clause would repeat it
     assert ("less than FP32" in saving) is twice
+
+
+def test_a_rerender_drops_the_report_error_it_fixes(tmp_path: Path) -> None:
+    tabs, summary = synthetic_run("fp16", layers=gpt_layers(n_layer=1), steps=4, sample_every=2)
+    summary[T.SUMMARY_ERRORS] = [
+        "report: UndefinedError: 'x' is undefined",
+        "memory projection: ValueError: no parameters",
+    ]
+    T.write_tables(tmp_path, tabs)
+    T.write_summary(tmp_path, summary)
+    page = render_run_dir(tmp_path).read_text()
+    # this render is the report: its earlier failure is gone; the projection's still stands
+    assert "UndefinedError" not in page and "memory projection: ValueError: no parameters" in page
+    assert T.read_summary(tmp_path)[T.SUMMARY_ERRORS] == summary[T.SUMMARY_ERRORS]  # data never rewritten

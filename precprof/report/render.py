@@ -119,6 +119,11 @@ def render_run_dir(
         )
     tabs = T.read_tables(rd)
     summary = T.read_summary(rd)
+    # an error of an earlier stage that runs again now is no longer the page's: the report's own (this is the
+    # report), the advisor's when a recommendation was just computed
+    stale = ("report:",) + (("advisor:",) if recommendation is not None else ())
+    errors = [e for e in summary.get(T.SUMMARY_ERRORS) or [] if not str(e).startswith(stale)]
+    summary = {**summary, T.SUMMARY_ERRORS: errors}
     rec = recommendation if recommendation is not None else summary.get(T.SUMMARY_RECOMMENDATION)
     path = Path(out) if out is not None else rd / T.REPORT_FILE
     html = render_html(tabs, summary, rec, advisor_error=advisor_error, missing_tables=T.missing_tables(rd))
