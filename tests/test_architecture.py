@@ -85,6 +85,7 @@ def reaches(graph: dict[str, set[str]], start: str, prefix: str) -> list[str]:
 # imports that must wait until they are used, and why
 LAZY = {
     "triton_engine.py": "precprof.stats.triton_kernels imports triton (seconds), needed only by the Triton engine",
+    "triton_block.py": "precprof.stats.triton_block_kernels imports triton, needed only by the block kernels",
 }
 
 

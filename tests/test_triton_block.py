@@ -1,0 +1,260 @@
+"""The Triton block-format kernels against the torch-op reference ``block_formats.block_stats``, under Triton's
+interpreter on CPU tensors: counts equal, sums to 1e-12, for every recipe, both orientations, fp32/bf16/fp16,
+random tensors with outliers and subnormals, the reference tests' hand-built boundary blocks, nan/inf blocks,
+lengths that are not a multiple of the block, strided views, and the degenerate NVFP4 scales of tiny tensors.
+
+The interpreter pays per operation, not per element: tensors here are a few tiles each (a tile is 32 positions
+along the block axis and, by default in the interpreter, 1024 lines across).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pytest
+import torch
+from test_block_formats import block, f32, grid  # the reference tests' hand-built blocks
+
+from precprof import block_formats as bf
+from precprof import tables as T
+from precprof.errors import UserError
+from precprof.stats import triton_block as tb
+
+# why the kernels cannot run on CPU tensors here (triton does not import, or no TRITON_INTERPRET=1); None: they can
+WHY = tb.unavailable(torch.device("cpu"))
+if WHY is not None:
+    pytest.skip(WHY, allow_module_level=True)
+
+RECIPES = [
+    bf.get_recipe(name.removesuffix("_rceil"), "rceil" if name.endswith("_rceil") else None)
+    for name in T.BLOCK_RECIPES
+]
+FP4 = [bf.MXFP4, bf.NVFP4]
+
+
+def reference(x: torch.Tensor, recipes: Sequence[bf.BlockRecipe], axis: int) -> torch.Tensor:
+    """block_formats.block_stats of x viewed 2-D as [prod(leading), last] (1-D stays 1-D), per recipe."""
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x
+    rows = []
+    for recipe in recipes:
+        s = bf.block_stats(x2, recipe, axis)
+        rows.append(torch.stack([s[k].double() for k in T.BLOCK_STATS]))
+    return torch.stack(rows)
+
+
+def check(x: torch.Tensor, recipes: Sequence[bf.BlockRecipe], axis: int, **kw: int) -> torch.Tensor:
+    """The kernels' result, after asserting it equals the reference (counts exactly, sums to 1e-12)."""
+    got = tb.block_stats_triton(x, recipes, axis, **kw)
+    want = reference(x, recipes, axis)
+    assert got.dtype == torch.float64 and got.shape == (len(recipes), 5) and got.device == x.device
+    for i, recipe in enumerate(recipes):
+        assert got[i, :3].tolist() == want[i, :3].tolist(), (recipe.name, recipe.scale_mode, axis)
+        torch.testing.assert_close(got[i, 3:], want[i, 3:], rtol=1e-12, atol=0.0, equal_nan=True)
+    return got
+
+
+def rough(shape: tuple[int, int], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Gaussian values over many binades per line, outliers, exact powers of two, zeros, and the dtype's
+    subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    rows = shape[0]
+    lo, hi, outlier = {
+        torch.float32: (-40, 40, 12),
+        torch.bfloat16: (-40, 40, 12),
+        torch.float16: (-14, 2, 8),
+    }[dtype]
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(lo, hi, (rows, 1), generator=g).float())
+    pick = torch.rand(shape, generator=g)
+    x = torch.where(pick < 0.02, x * 2.0**outlier, x)  # outliers that flush their blocks' small values
+    x = torch.where(
+        (pick > 0.5) & (pick < 0.53), torch.exp2(torch.randint(-20, 5, shape, generator=g).float()), x
+    )
+    x = torch.where(pick > 0.97, 0.0, x)
+    tiny = {torch.float32: 2.0**-140, torch.bfloat16: 2.0**-130, torch.float16: 2.0**-20}[dtype]
+    x = torch.where((pick > 0.9) & (pick < 0.92), torch.randn(shape, generator=g) * tiny, x)
+    x = x.to(dtype)
+    assert x.isfinite().all()
+    assert (x.float().abs() < torch.finfo(dtype).tiny).logical_and(x != 0).any()  # subnormals are there
+    return x
+
+
+# ----------------------------------------------------------------------------------------- random tensors
+
+
+@pytest.mark.parametrize(
+    ("dtype", "axes"), [(torch.float32, (-1, -2)), (torch.bfloat16, (-1,)), (torch.float16, (-2,))]
+)
+def test_random_tensors_every_recipe(dtype: torch.dtype, axes: tuple[int, ...]) -> None:
+    # 40 is a multiple of neither 32 nor 16: every orientation ends in a padded block. (Half-precision inputs
+    # differ only in how a value is decoded, which the orientation does not touch: one orientation each.)
+    x = rough((40, 40), dtype, seed=len(str(dtype)))
+    for axis in axes:
+        got = check(x, RECIPES, axis)
+        # the tensor loses values in every way the statistics count
+        assert got[:, 0].sum() > 0 and got[:, 1].sum() > 0 and (got[:, 4] > 0).all()
+
+
+def test_3d_and_strided_views_are_read_in_place() -> None:
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(3, 8, 40, generator=g) * 4.0)[:, ::2, :]  # leading dims merge into one stride: a view
+    assert not x.is_contiguous()
+    check(x, [bf.MXFP4], -1)
+    check(x, FP4, -2)  # blocks along the 12 lines of the flattened leading dims
+    w = torch.randn(40, 24, generator=g).t()  # a transposed weight: the row orientation reads stride 24
+    check(w, [bf.MXFP4], -1)
+    check(w, [bf.MXFP4], 0)  # axis 0 of a 2-D tensor is its "col" orientation
+    check(torch.randn(40, generator=g), [bf.MXFP4], -1)  # 1-D: one line of 40
+
+
+# ------------------------------------------------------------------------ the reference tests' blocks
+
+
+def test_hand_built_boundary_blocks_both_orientations() -> None:
+    # test_block_formats' torchao boundary set: every element grid's midpoints (ties), the values just above
+    # them and half the smallest subnormal, after a block amax at max, at a power of two and just below the
+    # next one, at three scales; amax at positions 0 and 16 (for MX and NVFP4 blocks)
+    rows = []
+    for fmt in bf.ELEMENT_FORMATS.values():
+        g = f32(*grid(fmt.exponent_bits, fmt.mantissa_bits, fmt.max))
+        mids = (g[:-1] + g[1:]) / 2
+        vals = torch.cat([mids, torch.nextafter(mids, g[1:]), f32(fmt.smallest_subnormal / 2)])
+        vals = torch.nn.functional.pad(vals, (0, -len(vals) % 15)).reshape(-1, 15)
+        below = float(torch.nextafter(f32(2.0 ** (fmt.max_exponent + 1)), f32(0)))
+        for top in (fmt.max, 2.0**fmt.max_exponent, below):
+            half = torch.cat([torch.full((len(vals), 1), top), vals], dim=1)
+            for scale in (2.0**-20, 1.0, 2.0**30):
+                rows.append(torch.cat([half, half], dim=1) * scale)
+    x = torch.cat(rows)
+    x = torch.cat([x, -x.flip(0), torch.zeros(2, 32)])
+    got = check(x, RECIPES, -1)
+    floor = [i for i, r in enumerate(RECIPES) if r.scale_mode != bf.ScaleMode.RCEIL]
+    assert (got[:, 0] > 0).all() and (got[floor, 1] > 0).all()
+    check(x.t(), RECIPES, -2)  # the same blocks down the columns of a transposed view, no copy
+
+
+def test_hand_built_mx_blocks() -> None:
+    # test_block_formats' MX blocks, one per line: FP4 ties and half-subnormals, amax 8 and just below 8
+    # (floor saturates, rceil does not), rceil at an exact power of two, an outlier that flushes its block,
+    # the smallest E8M0 scale, zeros; the ties and flushes are worked out there
+    below8 = float(torch.nextafter(f32(8.0), f32(0.0)))
+    above4 = float(torch.nextafter(f32(4.0), f32(5.0)))
+    x = torch.cat(
+        [
+            block([6.0, 2.5, 5.0, 0.25, 0.2500001, -0.5, -0.2, 1.25]),
+            block([8.0, 3.0, 7.0]),
+            block([below8, 7.0, 3.0]),
+            block([12.0, 5.0]),
+            block([2.0**20, 1.0, 4.0, -3.0, above4, 1e-30]),
+            block([2.0**-120, 2.0**-126]),
+            block([2.0**-125]),
+            torch.zeros(1, 32),
+        ]
+    )
+    got = check(x, RECIPES[:6], -1)
+    assert got[0, 0] == 4  # MXFP8 E4M3: the outlier block's 1, 4, -3 and 1e-30 flush
+    assert got[RECIPES.index(bf.MXFP4), 1] == 2  # the block just below 8: 7.99.. and 7 saturate
+    assert got[1, 1] == 0  # rceil saturates nothing here
+
+
+def test_hand_built_nvfp4_two_level_scales() -> None:
+    # test_block_formats' NVFP4 tensor: p = 1 exactly, block scales 4, 9 (55.5 saturates), the smallest E4M3
+    # scale 2^-6, and 2688·fl(1/448) > 6 clamped: 2 flushed, 2 saturated
+    x = torch.zeros(1, 64)
+    x[0, 0] = 2688.0
+    x[0, 16:20] = f32(24.0, 10.0, 1.0, 1.0000001)
+    x[0, 32:34] = f32(55.5, 18.0)
+    x[0, 48:50] = f32(6 * 2.0**-8, 2.0**-8)
+    assert check(x, [bf.NVFP4], -1)[0, :2].tolist() == [2, 2]
+
+
+# ---------------------------------------------------------------------------------- nan, inf, extremes
+
+
+def test_nan_and_inf_poison_their_block_mx_and_the_tensor_nvfp4() -> None:
+    x = torch.ones(2, 64)
+    x[0, 3] = math.nan
+    x[1, 40] = -math.inf
+    x[1, 41] = 100.0
+    got = check(x, RECIPES, -1)
+    assert got[:, 2].tolist() == [64] * 6 + [128]
+    got = check(x, RECIPES, -2)  # down the columns: blocks of 2 lines, two of them poisoned
+    assert got[:, 2].tolist() == [4] * 6 + [128]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_nan_inf_and_subnormal_bits(dtype: torch.dtype) -> None:
+    tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # the smallest subnormal
+    x = torch.tensor([[1.0, -3.0, tiny, 5 * tiny, 0.0, 2.0**-3], [math.inf, 1.0, 2.0, 3.0, -0.0, 4.0]]).to(
+        dtype
+    )
+    x = torch.cat([x, x.abs().flip(0)], dim=1)
+    x[0, 7] = math.nan
+    check(x, FP4, -1)
+    check(x[:, :6].abs().t().contiguous(), [bf.MXFP8_E5M2, bf.NVFP4], -1)  # finite: NVFP4 counts too
+
+
+def test_tiny_tensors_nvfp4_degenerate_scales_and_mx_smallest_scales() -> None:
+    # NVFP4 with tensor amax 2^-140: p = fl(2^-140 / 2688) rounds to 0, 1/p = inf: every nonzero value
+    # saturates and dequantises to 0, and a zero times inf makes the reference's error nan; 2^-120: p subnormal
+    # and 1/p overflows: nonzero values saturate to 6·fl(p·s), zeros are nan again; 2^-115: p subnormal, 1/p
+    # finite, an ordinary quantisation
+    want = {2.0**-140: ([16, 16], True), 2.0**-120: ([0, 16], True), 2.0**-115: ([4, 2], False)}
+    recipes = [bf.NVFP4, bf.MXFP4.with_scale_mode("rceil"), bf.MXFP8_E4M3]
+    for top, (counts, nan) in want.items():
+        x = torch.tensor(
+            [[top, top / 3, top / 64, 0.0, -top / 5], [top / 7, top / 2**9, 0.0, top / 1.5, top]]
+        )
+        got = check(torch.cat([x, x * 0.75], dim=1), recipes, -1)
+        assert got[0, :2].tolist() == counts and math.isnan(got[0, 4]) is nan
+    # MX blocks whose fl32(amax / max) is 0 (rceil takes k = 0, as frexp(0) does) or below E8M0's 2^-127
+    x = torch.tensor([[2.0**-149, 2.0**-148, 0.0, 3 * 2.0**-149], [2.0**-147, 2.0**-140, 0.0, 0.0]])
+    check(x, RECIPES[:6], -1)
+
+
+def test_values_near_the_fp32_max_overflow_the_rceil_dequantisation() -> None:
+    # amax = fp32's max: rceil picks 2^126 for MXFP4 (and 2^113 for E5M2), the max rounds up to 4·2^126 = 2^128
+    # (resp. 2^15·2^113): the fp32 product is inf and so is the error; floor saturates instead
+    big = torch.finfo(torch.float32).max
+    x = block([big, 1.0, -big / 3, 2.0**100, big / 1.9])
+    got = check(x, [bf.MXFP4.with_scale_mode("rceil"), bf.MXFP8_E5M2.with_scale_mode("rceil"), bf.MXFP4], -1)
+    assert got[:2, 4].tolist() == [math.inf, math.inf] and math.isfinite(got[2, 4])
+
+
+def test_all_zero_and_empty_tensors() -> None:
+    got = check(torch.zeros(3, 32), RECIPES, -1)
+    assert got.eq(0).all()
+    assert tb.block_stats_triton(torch.zeros(0, 32), RECIPES, -1).eq(0).all()
+    assert tb.block_stats_triton(torch.ones(4, 32), [], -1).shape == (0, 5)
+
+
+# ------------------------------------------------------------------------- tiles, programs, determinism
+
+
+def test_tiles_and_programs_change_no_count_and_results_repeat_bitwise() -> None:
+    x = rough((24, 20), torch.float32, seed=9)
+    recipes = [bf.NVFP4, bf.MXFP4, bf.MXFP4]  # any order, repeats allowed: rows follow the list
+    one = check(x, recipes, -1)  # one tile, one program
+    many = tb.block_stats_triton(x, recipes, -1, tile=8, max_programs=2)  # 3 tiles, 2 programs x 2 iterations
+    assert torch.equal(one[:, :3], many[:, :3]) and torch.equal(one[1], one[2])
+    torch.testing.assert_close(one[:, 3:], many[:, 3:], rtol=1e-12, atol=0.0)
+    assert torch.equal(tb.block_stats_triton(x, recipes, -1), one)  # run to run: bit for bit
+
+
+def test_user_errors() -> None:
+    x = torch.ones(4, 32)
+    cases = [
+        lambda: tb.block_stats_triton(x.double(), FP4, -1),
+        lambda: tb.block_stats_triton(x.int(), FP4, -1),
+        lambda: tb.block_stats_triton(torch.tensor(1.0), FP4, -1),
+        lambda: tb.block_stats_triton(torch.ones(32), FP4, -2),
+        lambda: tb.block_stats_triton(x, FP4, 2),
+        lambda: tb.block_stats_triton(x, FP4, -1, tile=24),
+        lambda: tb.block_stats_triton(x, [bf.BlockRecipe("mx16", bf.FP4_E2M1, 16, "e8m0")], -1),
+        lambda: tb.block_stats_triton(x, ["mxfp4"], -1),  # type: ignore[list-item]
+    ]
+    for case in cases:
+        with pytest.raises(UserError) as err:
+            case()
+        assert "\n" not in str(err.value)
+    assert [tb.slot(r) for r in RECIPES] == [0, 1, 2, 4, 6, 8, 10]
