@@ -209,7 +209,7 @@ def report(
     ] = None,
     target: Annotated[
         str | None,
-        typer.Option(help="Plan for another machine: v100, t4, a100, l4, h100 or cpu."),
+        typer.Option(help="Plan for another machine: v100, t4, a100, l4, h100, b200, gb200 or cpu."),
     ] = None,
 ) -> None:
     """Render (or re-render) report.html of a run directory."""

@@ -1,8 +1,8 @@
 """Device capabilities: what formats this machine (or a named target machine) runs natively.
 
 ``detect()`` looks at the current machine (torch, CUDA, NVML when a driver is there); ``preset(name)``
-describes a machine the user plans to train on ("v100", "t4", "a100", "h100", "l4", "cpu"), so that a run
-profiled on one box can be planned for another.
+describes a machine the user plans to train on ("v100", "t4", "a100", "l4", "h100", "b200", "gb200", "cpu"), so
+that a run profiled on one box can be planned for another.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ class HardwareInfo:
     in hardware (CUDA 8.0+, or a CPU with AVX512-BF16/AMX); ``bf16_supported``: bf16 runs at all (emulated on
     most CPUs). ``fp8_supported``: FP8 tensor cores (compute capability 8.9+); ``fp8_library``: "torchao" or
     "transformer_engine" when one is importable. ``tf32_*_enabled`` are torch's current flags.
+    ``block_formats``: the block-scaled recipes its tensor cores run natively (names of
+    ``precprof.block_formats.RECIPES``: "mxfp8_e4m3", "mxfp4", "nvfp4", ...); empty before Blackwell (compute
+    capability 10.0) and on CPUs.
     """
 
     device: str  # "cuda" | "cpu"
@@ -49,6 +52,7 @@ class HardwareInfo:
     device_count: int = 0
     cpu_capability: str | None = None
     nvml: str = "no NVIDIA driver"
+    block_formats: tuple[str, ...] = ()
     preset: str | None = None  # set when this describes a named target machine, not the current one
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -68,6 +72,8 @@ class HardwareInfo:
             d["compute_capability"] = (int(major), int(minor))
         elif isinstance(cc, list):
             d["compute_capability"] = (int(cc[0]), int(cc[1]))
+        if isinstance(d.get("block_formats"), (list, tuple)):  # a JSON list after summary.json
+            d["block_formats"] = tuple(str(b) for b in d["block_formats"])
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -83,6 +89,26 @@ def fp8_library() -> str | None:
     if importlib.util.find_spec("transformer_engine") is not None:
         return "transformer_engine"
     return None
+
+
+# What the tensor cores of compute capability 10.x (B200, GB200: tcgen05 MMA kinds f8f6f4, mxf8f6f4, mxf4,
+# mxf4nvf4) run natively among precprof.block_formats' recipes: MX with E8M0 scales per 32 values for FP8, FP6
+# and FP4 elements, and NVFP4 (E4M3 scales per 16 FP4 values). Hopper (9.0) has none of them.
+BLACKWELL_BLOCK_FORMATS: tuple[str, ...] = (
+    "mxfp8_e4m3",
+    "mxfp8_e5m2",
+    "mxfp6_e2m3",
+    "mxfp6_e3m2",
+    "mxfp4",
+    "nvfp4",
+)
+
+
+def block_formats_native(cc: tuple[int, int] | None) -> tuple[str, ...]:
+    """The block-scaled recipes a GPU of compute capability ``cc`` runs natively (data-centre Blackwell, 10.x;
+    () for older GPUs and for None, a CPU). Consumer Blackwell (12.x) is left out: precprof has no preset for
+    it and its MMA kinds differ."""
+    return BLACKWELL_BLOCK_FORMATS if cc is not None and cc[0] == 10 else ()
 
 
 def _cpu_flags() -> set[str]:
@@ -157,6 +183,7 @@ def detect(device: str | torch.device | None = None) -> HardwareInfo:
             fp16_tensor_cores=cc >= (7, 0),
             tf32_supported=cc >= (8, 0),
             fp8_supported=cc >= (8, 9),
+            block_formats=block_formats_native(cc),
             memory_total_bytes=int(props.total_memory),
             device_count=torch.cuda.device_count(),
             **common,  # type: ignore[arg-type]
@@ -235,7 +262,26 @@ _PRESETS: dict[str, HardwareInfo] = {
         fp8_supported=True,
         memory_total_bytes=80 * 2**30,
     ),
+    # Blackwell: natively FP8 (per-tensor scaled, as on H100), MXFP8, MXFP6, MXFP4, NVFP4, BF16 and TF32; the
+    # libraries are torchao (MX and NVFP4 training, prototype) and Transformer Engine (MXFP8BlockScaling,
+    # NVFP4BlockScaling recipes). 180 GB of HBM3e per GPU in an HGX B200.
+    "b200": HardwareInfo(
+        device="cuda",
+        name="B200",
+        compute_capability=(10, 0),
+        bf16_supported=True,
+        bf16_native=True,
+        fp16_tensor_cores=True,
+        tf32_supported=True,
+        fp8_supported=True,
+        block_formats=BLACKWELL_BLOCK_FORMATS,
+        memory_total_bytes=180 * 10**9,
+    ),
 }
+# GB200 pairs the same B200 GPU (compute capability 10.0, the same tensor-core formats) with a Grace CPU: for
+# precprof's numerics it does not differ from b200, so it is an alias with its own name and memory (186 GB of
+# HBM3e per GPU in a GB200 NVL72), not a separate set of capabilities.
+_PRESETS["gb200"] = replace(_PRESETS["b200"], name="GB200", memory_total_bytes=186 * 10**9)
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 
 
@@ -262,8 +308,9 @@ def usual_format(info: HardwareInfo) -> tuple[str, str]:
     cc = info.compute_capability or (0, 0)
     if info.fp8_supported:
         lib = info.fp8_library or "torchao or Transformer Engine (not installed)"
+        blocks = " (MXFP8, or NVFP4/MXFP4 where the error allows, in hardware)" if info.block_formats else ""
         return "bf16", (
-            f"compute capability {cc[0]}.{cc[1]}: bf16 autocast, and fp8 for eligible large matmuls via {lib}"
+            f"compute capability {cc[0]}.{cc[1]}: bf16 autocast, and fp8 for eligible large matmuls{blocks} via {lib}"
         )
     if cc >= (8, 0):
         return "bf16", f"compute capability {cc[0]}.{cc[1]}: bf16 tensor cores, no loss scaling needed"
@@ -331,6 +378,7 @@ def env_report(info: HardwareInfo | None = None) -> str:
         f"tf32: supported {yes(info.tf32_supported)}; flags: matmul {info.tf32_matmul_enabled}, "
         f"cudnn {info.tf32_cudnn_enabled}, float32_matmul_precision {info.float32_matmul_precision!r}",
         f"fp8: supported {yes(info.fp8_supported)}; library: {info.fp8_library or 'none (pip install torchao)'}",
+        f"block-scaled formats in hardware: {', '.join(info.block_formats) or 'none'}",
     ]
     if info.cpu_capability:
         lines.append(f"CPU capability: {info.cpu_capability}")

@@ -44,6 +44,7 @@ from precprof.analysis.advisor.model import (
     Recommendation,
 )
 from precprof.analysis.advisor.rules.active import _rule_mixed_precision_active
+from precprof.analysis.advisor.rules.blocks import _rule_block_formats
 from precprof.analysis.advisor.rules.clipping import _rule_scaled_clipping
 from precprof.analysis.advisor.rules.fp16 import _rule_fp16_activations, _rule_loss_scale
 from precprof.analysis.advisor.rules.fp32_ops import _rule_fp32_ops
@@ -108,7 +109,7 @@ def recommend(
 
     ``tables_or_run_dir``: a run directory, a dict of the four tables (``Profiler.tables()``), or a Profiler.
     ``hardware``: None plans for the machine the run was recorded on (summary["hardware"], else this one); a
-    preset name ("v100", "t4", "a100", "l4", "h100", "cpu") or a ``HardwareInfo`` plans for that target.
+    preset name ("v100", "t4", "a100", "l4", "h100", "b200", "gb200", "cpu") or a ``HardwareInfo`` plans for that target.
     ``summary``: summary.json's content (read from the run directory when omitted). Pure host-side pandas work.
     """
     cfg = config or AdvisorConfig()
@@ -147,8 +148,12 @@ def recommend(
     _rule_fp8(run, plan, dims)
     _rule_alignment(run, plan, dims)
     _rule_small_model(run, plan)
+    blocks = _rule_block_formats(run, plan, dims)
 
     rec = _decide(run, plan)
+    if blocks is not None:
+        rec.block_plan = blocks.plan
+        rec.reasons.append(blocks.reason)
     rec.findings = sorted(plan.findings, key=lambda f: _SEVERITY_RANK.get(f.severity, 9))
     for f in rec.findings:
         f.numbers = {k: _num(v) for k, v in f.numbers.items()}

@@ -70,3 +70,26 @@ class AdvisorConfig:
     # back-off or two, a nan from the model is not.
     nonfinite_backoff_log2: int = 4
     nonfinite_persist_steps: int = 8
+    # Block-scaled formats (Blackwell: rules/blocks.py), judged per matmul layer over every operand its three
+    # GEMMs quantise, from the layers table's block columns summed over the sampled steps.
+    # MXFP8 (E4M3 elements, as Transformer Engine's MXFP8BlockScaling and torchao's MX training use for forward
+    # and backward alike; E8M0 scales per 32 values, rounded up as cuBLAS and TE compute them, "rceil") "loses
+    # nothing measurable" when at most this share of an operand's nonzero values is flushed to 0 or clamped at
+    # the element max...
+    block_mxfp8_lost_max: float = 1e-4
+    # ...and its SQNR is at least this: E4M3's 3 mantissa bits give 30-31.5 dB on Gaussian, Laplace and
+    # Student-t blocks (precprof.block_formats on 4M values); 28 dB allows twice that noise power, for elements
+    # that land in E4M3's subnormals, and no more.
+    block_mxfp8_sqnr_min_db: float = 28.0
+    # NVFP4 / MXFP4 (FP4 E2M1 elements) where every operand's SQNR is at least this and at most
+    # ``block_fp4_flushed_max`` of its nonzero values are flushed. NVIDIA's NVFP4 pretraining recipe (arXiv
+    # 2509.25149: a 12B model on 10T tokens, within about 1% of FP8's validation loss) applies a random Hadamard
+    # transform to the weight-gradient GEMM's inputs precisely to make each block's contents Gaussian-like, and
+    # keeps about the last 15% of the layers in bf16. Round-to-nearest FP4 of Gaussian blocks gives 20.4 dB in
+    # NVFP4 and 18.8 dB in MXFP4 (Laplace: 20.7 / 17.9 dB); 18 dB admits what that recipe trains on and
+    # rejects tensors whose blocks are worse than Gaussian.
+    block_fp4_sqnr_min_db: float = 18.0
+    # FP4 flushes 7-9% of Gaussian and 13-17% of Laplace values (those under 1/24 of the block's largest); a
+    # block dominated by one outlier flushes nearly all the others (15 of 16) while its SQNR, carried by the
+    # outlier, stays high: above a quarter, the small values' information is gone.
+    block_fp4_flushed_max: float = 0.25

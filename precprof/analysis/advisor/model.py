@@ -62,7 +62,9 @@ class Recommendation:
     scaling (fp16), else None; ``fp16_loss_scale`` is the init_scale an fp16 run would use, always present.
     ``growth_interval`` is the GradScaler growth interval to use with ``loss_scale`` (None without scaling).
     ``keep_fp32`` lists modules to run outside autocast; ``fp8_layers`` the layers to convert when ``format``
-    is "fp8" (the rest run in bf16). ``target`` names the hardware the plan is for. ``measured_format`` is
+    is "fp8" (the rest run in bf16). ``block_plan`` maps each matmul layer to the block-scaled format it can
+    train in on a target with such formats (Blackwell: "nvfp4", "mxfp4", "mxfp8", or "bf16" where none
+    qualifies; rules/blocks.py), empty elsewhere or when the run has no block-format statistics. ``target`` names the hardware the plan is for. ``measured_format`` is
     the format the measurements allow on the target; it differs from ``format`` when the guide's default
     (fp32 for a model under ``AdvisorConfig.small_model_params``) holds it back, and a measured speed or memory
     gain (``precprof compare``) is the evidence that overrides the default.
@@ -74,6 +76,7 @@ class Recommendation:
     growth_interval: int | None
     keep_fp32: list[str] = field(default_factory=list)
     fp8_layers: list[str] = field(default_factory=list)
+    block_plan: dict[str, str] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     target: str = ""
@@ -124,6 +127,14 @@ class Recommendation:
             lines.append("Keep in fp32: " + ", ".join(_name(m) for m in self.keep_fp32))
         if self.fp8_layers:
             lines.append(f"FP8 layers ({len(self.fp8_layers)}): " + _listing(self.fp8_layers, 8))
+        if self.block_plan:
+            by: dict[str, list[str]] = {}
+            for m, fmt in self.block_plan.items():
+                by.setdefault(fmt, []).append(m)
+            lines.append(
+                "Block formats: "
+                + "; ".join(f"{fmt} ({len(ms)}): {_listing(ms, 4)}" for fmt, ms in by.items())
+            )
         lines += [f"- {r}" for r in self.reasons]
         for f in self.findings:
             if f.severity != INFO:

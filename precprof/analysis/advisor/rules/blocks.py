@@ -1,0 +1,435 @@
+"""Block-scaled formats (MXFP8, NVFP4, MXFP4) per linear layer, from the layers table's block columns.
+
+A block-scaled GEMM quantises every operand it reads along its reduction dimension, one scale per block of 32
+(MX) or 16 (NVFP4) values. For a linear layer y = x W^T (x: its input, the previous module's output; W: its
+weight, (out, in); dy: its output gradient) the three GEMMs read:
+
+- forward, y = x W^T: x and W along in_features, the tables' "row" orientation (their last dimension);
+- input gradient, dx = dy W: dy along out_features ("row") and W along out_features ("col");
+- weight gradient, dW = dy^T x: dy and x along the tokens ("col").
+
+GPT-2's Conv1D holds its weight as (in, out): its weight's orientations are the other way round. Each operand's
+columns are summed over the sampled steps (the stats are counts and float64 sums, so they add up); shares are of
+the operand's nonzero finite values, SQNR is 10 log10(sum x^2 / sum (x - q)^2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from precprof import hardware as hw_mod
+from precprof import tables as T
+from precprof import taxonomy
+from precprof.analysis.advisor.config import AdvisorConfig
+from precprof.analysis.advisor.evidence import _layer_dims, _matmul_leaves, _nonzero, _Plan, _prepare, _Run
+from precprof.analysis.advisor.model import INFO, Finding, Number
+from precprof.analysis.advisor.rules.shapes import _fp8_shapes
+from precprof.analysis.advisor.text import _listing, _name, _pct
+
+INPUT, WEIGHT, GRAD = "input", "weight", "output gradient"
+# (operand, orientation along the GEMM's reduction dimension for an nn.Linear, the GEMM that reads it)
+OPERANDS: tuple[tuple[str, str, str], ...] = (
+    (INPUT, "row", "forward"),
+    (WEIGHT, "row", "forward"),
+    (GRAD, "row", "input gradient"),
+    (WEIGHT, "col", "input gradient"),
+    (GRAD, "col", "weight gradient"),
+    (INPUT, "col", "weight gradient"),
+)
+# the dimension each GEMM reduces over, along which its operands' blocks run
+GEMM_AXIS: dict[str, str] = {
+    "forward": "in_features",
+    "input gradient": "out_features",
+    "weight gradient": "tokens",
+}
+# The plan's formats, best first (fewest bits), each as the block column recipe it is judged by and the
+# HardwareInfo.block_formats entry a target needs to run it. MXFP8 is judged with E4M3 elements for every
+# operand, gradients included (Transformer Engine's MXFP8BlockScaling and torchao's MX training default), and
+# with scales rounded up ("rceil": cuBLAS's and TE's E8M0 scale, torchao's ScaleCalculationMode.RCEIL): the
+# OCP "floor" scale clamps a block's largest value whenever its mantissa exceeds E4M3's 1.75.
+PLAN_RECIPES: dict[str, str] = {"nvfp4": "nvfp4", "mxfp4": "mxfp4", "mxfp8": "mxfp8_e4m3_rceil"}
+PLAN_NATIVE: dict[str, str] = {"nvfp4": "nvfp4", "mxfp4": "mxfp4", "mxfp8": "mxfp8_e4m3"}
+PLAN_LABELS: dict[str, str] = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "mxfp8": "MXFP8", "bf16": "BF16"}
+RECIPE_LABELS: dict[str, str] = {
+    "mxfp8_e4m3": "MXFP8 E4M3 (floor scale)",
+    "mxfp8_e4m3_rceil": "MXFP8 E4M3",
+    "mxfp8_e5m2": "MXFP8 E5M2",
+    "mxfp6_e2m3": "MXFP6 E2M3",
+    "mxfp6_e3m2": "MXFP6 E3M2",
+    "mxfp4": "MXFP4",
+    "nvfp4": "NVFP4",
+}
+WHAT_IF_TARGET = "b200"  # the preset a run planned elsewhere is told about
+
+
+@dataclass
+class OperandLoss:
+    """What one recipe loses on one operand of one layer, summed over the sampled steps."""
+
+    operand: str
+    orientation: str
+    gemm: str
+    nonzero: float  # finite nonzero values of the rows evaluated
+    flushed: float
+    saturated: float
+    poisoned: float
+    sum_x2: float
+    sum_err2: float
+
+    @property
+    def label(self) -> str:
+        return f"{self.operand} ({self.gemm})"
+
+    @property
+    def flushed_share(self) -> float:
+        return self.flushed / self.nonzero if self.nonzero > 0 else 0.0
+
+    @property
+    def saturated_share(self) -> float:
+        return self.saturated / self.nonzero if self.nonzero > 0 else 0.0
+
+    @property
+    def sqnr_db(self) -> float:
+        """10 log10(sum x^2 / sum err^2); inf when nothing was lost (an all-zero operand included); nan when a
+        sum is not finite (a tensor the recipe cannot quantise: NVFP4 of values so small that the per-tensor
+        scale underflows fp32)."""
+        if not (math.isfinite(self.sum_x2) and math.isfinite(self.sum_err2)):
+            return math.nan
+        if self.sum_err2 <= 0.0:
+            return math.inf
+        if self.sum_x2 <= 0.0:
+            return -math.inf
+        return 10.0 * math.log10(self.sum_x2 / self.sum_err2)
+
+
+@dataclass
+class RecipeSummary:
+    """A recipe over a layer's operands: the worst SQNR (and its operand), the largest shares."""
+
+    sqnr_db: float
+    worst: str
+    flushed_share: float
+    saturated_share: float
+    poisoned: float
+
+
+@dataclass
+class LayerBlocks:
+    """One linear layer: its operands' losses per recipe, where its input came from, and the plan's choice."""
+
+    module: str
+    module_type: str
+    input_from: str | None
+    losses: dict[str, list[OperandLoss]] = field(default_factory=dict)
+    choice: str = ""
+    why: str = ""  # why the better formats were not chosen
+
+    def summary(self, recipe: str) -> RecipeSummary | None:
+        ops = self.losses.get(recipe) or []
+        if not ops:
+            return None
+        worst = min(ops, key=lambda o: -math.inf if math.isnan(o.sqnr_db) else o.sqnr_db)
+        return RecipeSummary(
+            worst.sqnr_db,
+            worst.label,
+            max(o.flushed_share for o in ops),
+            max(o.saturated_share for o in ops),
+            sum(o.poisoned for o in ops),
+        )
+
+    @property
+    def operands_evaluated(self) -> int:
+        return max((len(v) for v in self.losses.values()), default=0)
+
+
+def db_text(v: float) -> str:
+    """An SQNR as the page and the messages write it: "31.2 dB", "lossless" for inf, "not finite" for nan."""
+    if math.isnan(v):
+        return "not finite"
+    return "lossless" if v == math.inf else f"{v:.1f} dB"
+
+
+def _num(df: pd.DataFrame, col: str) -> pd.Series:
+    return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(math.nan, index=df.index)
+
+
+def _losses(rows: pd.DataFrame, operand: str, orientation: str, gemm: str, recipe: str) -> OperandLoss | None:
+    """The recipe's stats summed over ``rows`` where it was evaluated (None where it never was)."""
+    if rows.empty:
+        return None
+    fl = _num(rows, T.block_col(recipe, "flushed", orientation))
+    sel = fl.notna()
+    if not sel.any():
+        return None
+    r = rows[sel]
+
+    def total(stat: str) -> float:
+        # a nan sum (block_formats could not quantise the tensor) stays nan: it must not read as no error
+        return float(_num(r, T.block_col(recipe, stat, orientation)).sum(skipna=False))
+
+    return OperandLoss(
+        operand,
+        orientation,
+        gemm,
+        _nonzero(r),
+        total("flushed"),
+        total("saturated"),
+        total("poisoned"),
+        total("sum_x2"),
+        total("sum_err2"),
+    )
+
+
+def _input_of(run: _Run, m: str, leaves: list[str], dims: Mapping[str, Mapping[str, int]]) -> str | None:
+    """The module whose output is ``m``'s input: the leaf that started just before it in forward order, when
+    its output has the size ``m`` reads (tokens x in_features, from ``m``'s own output and shape); None when
+    that cannot be shown (an attention projection reads a function's output, not a module's)."""
+    order = run.order.get(m)
+    d = dims.get(m)
+    if order is None or not d or "in" not in d:
+        return None
+    before = [o for o in leaves if run.order.get(o, 1 << 30) < order]
+    if not before:
+        return None
+    prev = max(before, key=lambda o: run.order[o])
+    acts = run.layers[run.layers[T.TENSOR] == T.ACTIVATION]
+    first = acts[acts[T.STEP] == acts[T.STEP].min()].groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
+    if m not in first.index or prev not in first.index:
+        return None
+    per_call = float(first.loc[m, T.NUMEL]) / max(float(first.loc[m, T.CALLS]), 1.0)
+    prev_per_call = float(first.loc[prev, T.NUMEL]) / max(float(first.loc[prev, T.CALLS]), 1.0)
+    return prev if per_call * d["in"] == prev_per_call * d["out"] else None
+
+
+def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None) -> list[LayerBlocks]:
+    """Per linear layer (forward order), each block recipe's losses on the operands the layer's GEMMs read.
+    Layers with no block statistics at all are left out (an older run, or the what-if was off)."""
+    if run.layers.empty or not any(c in run.layers for c in T.BLOCK_COLUMNS):
+        return []
+    dims = dims if dims is not None else _layer_dims(run)
+    matmuls = _matmul_leaves(run)
+    linear = [m for m in matmuls if taxonomy.is_linear_type(run.types.get(m, ""))]
+    if not linear:
+        return []
+    acts = run.kind(T.ACTIVATION)
+    leaves = [
+        m
+        for m in acts[T.MODULE].unique()
+        if not any(o != m and (m == "" or o.startswith(m + ".")) for o in acts[T.MODULE].unique())
+    ]
+    shapes = _fp8_shapes(run, linear, {k: dict(v) for k, v in dims.items()})
+    lay = run.layers
+    out: list[LayerBlocks] = []
+    for m in linear:
+        t = run.types.get(m, "")
+        src = _input_of(run, m, leaves, dims)
+        w_owner = shapes[m].tied_to if shapes[m].shared and shapes[m].tied_to else m
+        rows = {
+            INPUT: lay[(lay[T.MODULE] == src) & (lay[T.TENSOR] == T.ACTIVATION)] if src is not None else None,
+            WEIGHT: lay[
+                (lay[T.MODULE] == w_owner) & (lay[T.TENSOR] == T.WEIGHT) & (lay[T.PARAM] == "weight")
+            ],
+            GRAD: lay[(lay[T.MODULE] == m) & (lay[T.TENSOR] == T.ACTIVATION_GRAD)],
+        }
+        lb = LayerBlocks(m, t, src)
+        for recipe in T.BLOCK_RECIPES:
+            ops = []
+            for operand, orientation, gemm in OPERANDS:
+                df = rows[operand]
+                if df is None:
+                    continue
+                o = orientation
+                if (
+                    operand == WEIGHT and t == "Conv1D"
+                ):  # (in, out); a tied embedding's (num, dim) is (out, in)
+                    o = {"row": "col", "col": "row"}[o]
+                loss = _losses(df, operand, o, gemm, recipe)
+                if loss is not None:
+                    ops.append(loss)
+            if ops:
+                lb.losses[recipe] = ops
+        if lb.losses:
+            out.append(lb)
+    return out
+
+
+def fails(lb: LayerBlocks, name: str, cfg: AdvisorConfig) -> str:
+    """Why plan format ``name`` does not qualify for the layer ("" when it does), naming the first operand that
+    fails: FP4 (nvfp4, mxfp4) by SQNR and flushed share, MXFP8 by flushed + saturated share and SQNR."""
+    ops = lb.losses.get(PLAN_RECIPES[name]) or []
+    if not ops:
+        return "not evaluated"
+    fp4 = name != "mxfp8"
+    for o in ops:
+        if o.poisoned:
+            return f"nan/inf in the blocks of its {o.label}"
+        if math.isnan(o.sqnr_db):
+            return f"its {o.label} cannot be quantised (the error sum is not finite)"
+        if fp4 and o.flushed_share > cfg.block_fp4_flushed_max:
+            return f"{_pct(o.flushed_share)} of its {o.label} flushed to 0"
+        if not fp4 and o.flushed_share + o.saturated_share > cfg.block_mxfp8_lost_max:
+            return f"{_pct(o.flushed_share)} flushed and {_pct(o.saturated_share)} saturated on its {o.label}"
+        if o.sqnr_db < (cfg.block_fp4_sqnr_min_db if fp4 else cfg.block_mxfp8_sqnr_min_db):
+            return f"SQNR {db_text(o.sqnr_db)} on its {o.label}"
+    return ""
+
+
+def decide(lb: LayerBlocks, cfg: AdvisorConfig, allowed: tuple[str, ...]) -> None:
+    """Choose the layer's format among ``allowed`` plan names: NVFP4, else MXFP4, where FP4's bound holds on
+    every operand; else MXFP8 where it loses nothing measurable; else bf16. Sets ``choice`` and ``why``."""
+    why: list[str] = []
+    for name in ("nvfp4", "mxfp4", "mxfp8"):
+        if name not in allowed:
+            continue
+        fail = fails(lb, name, cfg)
+        if not fail:
+            lb.choice, lb.why = name, "; ".join(why)
+            return
+        why.append(f"{PLAN_LABELS[name]}: {fail}")
+    lb.choice, lb.why = "bf16", "; ".join(why)
+
+
+def block_table(
+    layers: pd.DataFrame, summary: Mapping[str, Any] | None = None, cfg: AdvisorConfig | None = None
+) -> list[LayerBlocks]:
+    """Per linear layer, the block recipes' losses and the plan a Blackwell GPU would get, from a layers table
+    and summary.json's content (for the layers' shapes): what the report's what-if section shows."""
+    lay, hist, steps = _prepare({"layers": layers})
+    run = _Run(
+        lay, hist, steps, dict(summary or {}), hw_mod.preset(WHAT_IF_TARGET), True, cfg or AdvisorConfig()
+    )
+    if not lay.empty:
+        run.order = lay.groupby(T.MODULE)[T.ORDER].min().fillna(1 << 30).astype(int).to_dict()
+        run.types = lay.groupby(T.MODULE)[T.MODULE_TYPE].first().to_dict()
+    out = layer_blocks(run)
+    for lb in out:
+        decide(lb, run.cfg, tuple(PLAN_RECIPES))
+    return out
+
+
+@dataclass
+class BlockPlan:
+    """The rule's answer: layer -> format on a target that runs block formats, and the verdict's sentence."""
+
+    plan: dict[str, str]
+    reason: str
+
+
+def _rule_block_formats(
+    run: _Run, plan: _Plan, dims: Mapping[str, Mapping[str, int]] | None = None
+) -> BlockPlan | None:
+    cfg = run.cfg
+    native = run.hw.block_formats
+    here = tuple(n for n, hw_name in PLAN_NATIVE.items() if hw_name in native)
+    target = run.hw if here else hw_mod.preset(WHAT_IF_TARGET)
+    allowed = here or tuple(n for n, hw_name in PLAN_NATIVE.items() if hw_name in target.block_formats)
+    table = layer_blocks(run, dims)
+    if not table:
+        return None
+    for lb in table:
+        decide(lb, cfg, allowed)
+    by: dict[str, list[LayerBlocks]] = {k: [] for k in (*PLAN_RECIPES, "bf16")}
+    for lb in table:
+        by[lb.choice].append(lb)
+    lim = cfg.max_listed_modules
+
+    def worst(name: str, attr: str) -> float | None:
+        """The worst value of a summary attribute over the layers planned in ``name``."""
+        vals = [getattr(s, attr) for lb in by[name] if (s := lb.summary(PLAN_RECIPES[name])) is not None]
+        vals = [v for v in vals if not math.isnan(v)]
+        if not vals:
+            return None
+        return min(vals) if attr == "sqnr_db" else max(vals)
+
+    def listed(name: str) -> str:
+        lbs = by[name]
+        if not lbs:
+            return ""
+        head = f"{PLAN_LABELS[name]} for {len(lbs)}: "
+        if name == "bf16" or any(lb.why for lb in lbs):
+            return (
+                head
+                + "; ".join(f"{_name(lb.module)}" + (f" ({lb.why})" if lb.why else "") for lb in lbs[:lim])
+                + (f" and {len(lbs) - lim} more" if len(lbs) > lim else "")
+            )
+        return head + _listing([lb.module for lb in lbs], lim)
+
+    counts = ", ".join(f"{len(by[k])} {PLAN_LABELS[k]}" for k in (*PLAN_RECIPES, "bf16") if by[k])
+    partial = [lb for lb in table if lb.input_from is None]
+    sampled = int(run.layers[T.STEP].nunique())
+    where = f"{target.name} (compute capability {'.'.join(map(str, target.compute_capability or ()))})"
+    rule = (
+        f"Each of the {len(table)} linear layers is judged on every operand its three GEMMs would quantise "
+        "(forward: its input and weight along in_features; input gradient: its output gradient and weight "
+        "along out_features; weight gradient: its output gradient and input along the tokens), summed over "
+        f"{sampled} sampled step(s). NVFP4, else MXFP4, where every operand keeps an SQNR of at least "
+        f"{cfg.block_fp4_sqnr_min_db:g} dB and at most {_pct(cfg.block_fp4_flushed_max)} of its values are "
+        "flushed to 0; else MXFP8 (E4M3 elements for every operand, scales rounded up as cuBLAS and Transformer "
+        f"Engine compute them) where at most {_pct(cfg.block_mxfp8_lost_max)} are flushed or saturated and the "
+        f"SQNR is at least {cfg.block_mxfp8_sqnr_min_db:g} dB; else bf16."
+    )
+    result = ". ".join(s for s in (listed(k) for k in (*PLAN_RECIPES, "bf16")) if s)
+    note = (
+        f" The input of {_listing([lb.module for lb in partial], 4)} is not a module's output it can be matched "
+        "to, so its input operand is not judged."
+        if partial
+        else ""
+    )
+    numbers: dict[str, Number] = {
+        "checked": len(table),
+        "layers_nvfp4": len(by["nvfp4"]),
+        "layers_mxfp4": len(by["mxfp4"]),
+        "layers_mxfp8": len(by["mxfp8"]),
+        "layers_bf16": len(by["bf16"]),
+        "nvfp4_worst_sqnr_db": worst("nvfp4", "sqnr_db"),
+        "nvfp4_max_flushed_share": worst("nvfp4", "flushed_share"),
+        "mxfp4_worst_sqnr_db": worst("mxfp4", "sqnr_db"),
+        "mxfp4_max_flushed_share": worst("mxfp4", "flushed_share"),
+        "mxfp8_worst_sqnr_db": worst("mxfp8", "sqnr_db"),
+        "mxfp8_max_flushed_share": worst("mxfp8", "flushed_share"),
+        "mxfp8_max_saturated_share": worst("mxfp8", "saturated_share"),
+        "fp4_sqnr_min_db": cfg.block_fp4_sqnr_min_db,
+        "fp4_flushed_max": cfg.block_fp4_flushed_max,
+        "mxfp8_lost_max": cfg.block_mxfp8_lost_max,
+        "mxfp8_sqnr_min_db": cfg.block_mxfp8_sqnr_min_db,
+    }
+    recipe_hint = (
+        "Run the NVFP4 and MXFP4 layers with NVIDIA's NVFP4 training recipe (random Hadamard transform on the "
+        "weight-gradient inputs, stochastic rounding of gradients, the last layers in bf16) and the MXFP8 layers "
+        "with Transformer Engine's MXFP8BlockScaling (or torchao's MX training); keep the bf16 layers in bf16."
+    )
+    if here:
+        plan.add(
+            Finding(
+                "block_format_plan",
+                INFO,
+                f"Block formats on {target.preset or target.name}: {counts}",
+                f"{where} runs MX and NVFP4 block formats in hardware. {rule} {result}.{note}",
+                recipe_hint,
+                modules=[lb.module for lb in table if lb.choice != "bf16"],
+                numbers=numbers,
+            )
+        )
+        reason = (
+            f"Block formats on {where}: {counts} of the {len(table)} linear layers (see the finding "
+            "“Block formats” for the numbers); the rest of the model follows the format above."
+        )
+        return BlockPlan({lb.module: lb.choice for lb in table}, reason)
+    plan.add(
+        Finding(
+            "block_format_what_if",
+            INFO,
+            f"On a {target.name} the block formats would give: {counts}",
+            f"{run.hw.name} runs no block-scaled format in hardware; on a {where}, which runs MX and NVFP4 "
+            f"formats natively, the plan would be: {result}. {rule}{note}",
+            f"Plan for Blackwell with precprof report RUN_DIR --target {WHAT_IF_TARGET}; there: {recipe_hint}",
+            modules=[],
+            numbers=numbers,
+        )
+    )
+    return None
