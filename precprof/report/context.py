@@ -17,6 +17,8 @@ import pandas as pd
 from precprof import __version__, formats
 from precprof import tables as T
 from precprof.analysis import snippets as snippet_code
+from precprof.analysis.advisor.config import AdvisorConfig
+from precprof.analysis.advisor.rules import blocks as block_rule
 from precprof.report import filters as F
 from precprof.report import plots
 from precprof.report import summarize as S
@@ -129,12 +131,28 @@ def _verdict(
         "growth_interval": rec.get("growth_interval"),
         "keep_fp32": list(rec.get("keep_fp32") or []),
         "fp8_layers": list(rec.get("fp8_layers") or []),
+        "block_plan": _block_plan_groups(rec.get("block_plan")),
         "reasons": [str(r) for r in rec.get("reasons") or []],
         "target": rec.get("target"),
         "current": current,
         "saving": saving,
         "snippets": snippet_code.snippets(rec),
     }
+
+
+def _block_plan_groups(plan: Any) -> list[dict[str, Any]]:
+    """The recommendation's block plan (layer -> format) as groups in the plan's order: NVFP4, MXFP4, MXFP8,
+    BF16, each with its layers."""
+    if not isinstance(plan, Mapping) or not plan:
+        return []
+    order = list(block_rule.PLAN_LABELS)
+    groups: dict[str, list[str]] = {}
+    for module, fmt in plan.items():
+        groups.setdefault(str(fmt), []).append(str(module))
+    return [
+        {"format": f, "label": block_rule.PLAN_LABELS.get(f, f.upper()), "modules": groups[f]}
+        for f in sorted(groups, key=lambda f: order.index(f) if f in order else len(order))
+    ]
 
 
 def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFrame) -> list[tuple[str, str]]:
@@ -215,7 +233,7 @@ def _heatmaps(tables: Mapping[str, pd.DataFrame], rec: dict[str, Any] | None) ->
     return out
 
 
-def _whatif(layers: pd.DataFrame) -> dict[str, Any]:
+def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any] | None) -> dict[str, Any]:
     cols = S.whatif_columns()
     headers = []
     for col, fmt, what in cols:
@@ -254,7 +272,105 @@ def _whatif(layers: pd.DataFrame) -> dict[str, Any]:
             groups[-1]["n"] += 1
         else:
             groups.append({"label": h["label"], "format": h["format"], "n": 1})
-    return {"headers": headers, "groups": groups, "rows": rows, "overview": overview}
+    return {
+        "headers": headers,
+        "groups": groups,
+        "rows": rows,
+        "overview": overview,
+        "blocks": _blocks(layers, summary, rec),
+    }
+
+
+# the block recipes of the compact table (the details show every recipe the layers table holds)
+BLOCK_TABLE_RECIPES: tuple[str, ...] = ("mxfp8_e4m3_rceil", "mxfp6_e2m3", "mxfp4", "nvfp4")
+
+
+def _block_cell(
+    lb: block_rule.LayerBlocks, recipe: str, ops: list[block_rule.OperandLoss] | None = None
+) -> dict[str, Any] | None:
+    """One recipe's cell: SQNR ("31.2 dB", "lossless") of the worst operand, the largest flushed and saturated
+    shares, and whether the plan's rule for that recipe passes ("warn" when it does not)."""
+    if ops is not None:  # one operand
+        if not ops:
+            return None
+        o = ops[0]
+        sqnr, flushed, saturated, worst = o.sqnr_db, o.flushed_share, o.saturated_share, o.label
+    else:
+        s = lb.summary(recipe)
+        if s is None:
+            return None
+        sqnr, flushed, saturated, worst = s.sqnr_db, s.flushed_share, s.saturated_share, s.worst
+    plan_name = next((n for n, r in block_rule.PLAN_RECIPES.items() if r == recipe), None)
+    fails = False
+    if plan_name is not None and ops is None:
+        fails = bool(block_rule.fails(lb, plan_name, AdvisorConfig()))
+    return {
+        "sqnr": block_rule.db_text(sqnr),
+        "sqnr_v": sqnr,
+        "flushed": flushed,
+        "saturated": saturated,
+        "worst": worst,
+        "cls": "warn" if fails else "",
+    }
+
+
+def _blocks(
+    layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The block-scaled what-if: per linear layer and recipe the worst operand's SQNR and the largest flushed and
+    saturated shares, the plan (the recommendation's, else what a B200 would get), and per operand the details.
+    None when the layers table holds no block statistics (an older run, or the what-if was off)."""
+    if layers.empty or not any(c in layers for c in T.BLOCK_COLUMNS):
+        return None
+    table = block_rule.block_table(layers, summary)
+    if not table:
+        return None
+    plan = (rec or {}).get("block_plan") or {}
+    on_target = bool(plan)
+    shown = [r for r in BLOCK_TABLE_RECIPES if any(lb.summary(r) for lb in table)]
+    every = [r for r in T.BLOCK_RECIPES if any(lb.summary(r) for lb in table)]
+    rows, details = [], []
+    for lb in table:
+        choice = str(plan.get(lb.module, lb.choice)) if on_target else lb.choice
+        rows.append(
+            {
+                "module": S.module_label(lb.module),
+                "module_type": lb.module_type,
+                "plan": block_rule.PLAN_LABELS.get(choice, choice),
+                "plan_format": choice,
+                "why": lb.why,
+                "input_from": S.module_label(lb.input_from) if lb.input_from is not None else None,
+                "cells": [_block_cell(lb, r) for r in shown],
+            }
+        )
+        for operand, _, gemm in block_rule.OPERANDS:
+            cells = []
+            for r in every:
+                ops = [o for o in lb.losses.get(r, []) if (o.operand, o.gemm) == (operand, gemm)]
+                cells.append(_block_cell(lb, r, ops))
+            if any(c is not None for c in cells):
+                details.append(
+                    {
+                        "module": S.module_label(lb.module),
+                        "operand": operand,
+                        "gemm": gemm,
+                        "axis": block_rule.GEMM_AXIS[gemm],
+                        "cells": cells,
+                    }
+                )
+    cfg = AdvisorConfig()
+    return {
+        "recipes": [{"name": r, "label": block_rule.RECIPE_LABELS.get(r, r)} for r in shown],
+        "all_recipes": [{"name": r, "label": block_rule.RECIPE_LABELS.get(r, r)} for r in every],
+        "rows": rows,
+        "details": details,
+        "on_target": on_target,
+        "target": str((rec or {}).get("target") or "") if on_target else block_rule.WHAT_IF_TARGET,
+        "fp4_sqnr_min_db": cfg.block_fp4_sqnr_min_db,
+        "fp4_flushed_max": cfg.block_fp4_flushed_max,
+        "mxfp8_lost_max": cfg.block_mxfp8_lost_max,
+        "mxfp8_sqnr_min_db": cfg.block_mxfp8_sqnr_min_db,
+    }
 
 
 # config/capture keys shown under "numerics settings" (matched as whole words of the key)
@@ -404,7 +520,7 @@ def build_context(
             ),
         },
         "heatmaps": _heatmaps(tabs, rec),
-        "whatif": _whatif(layers),
+        "whatif": _whatif(layers, summary, rec),
         "layers": S.layer_records(layers),
         "memory": memory,
         "verification": S.precision_check(layers, tabs["memory"], summary),

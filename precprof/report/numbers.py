@@ -28,6 +28,7 @@ _KINDS = {
     "yes_no": lambda v: "yes" if v else "no",
     "change": lambda v: ("+" if float(v) > 0 else "") + pct(v),
     "step": lambda v: f"step {int(v)}",
+    "db": lambda v: f"{float(v):.1f} dB",
 }
 
 HIDDEN = None  # in recommendation.json only: it repeats a number the page already shows
@@ -145,6 +146,24 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "max_e5m2_share": ("worst E5M2 underflow (output gradients)", "share"),
     "tied": ("tied to an embedding", "count"),
     "unknown_shape": ("shape unknown", "count"),
+    # block-scaled formats (rules/blocks.py)
+    "layers_nvfp4": ("layers planned in NVFP4", "count"),
+    "layers_mxfp4": ("layers planned in MXFP4", "count"),
+    "layers_mxfp8": ("layers planned in MXFP8", "count"),
+    "layers_bf16": ("layers kept in BF16", "count"),
+    "nvfp4_worst_sqnr_db": ("lowest SQNR of an NVFP4 layer's operand", "db"),
+    "nvfp4_max_flushed_share": ("largest share flushed in an NVFP4 layer's operand", "share"),
+    "mxfp4_worst_sqnr_db": ("lowest SQNR of an MXFP4 layer's operand", "db"),
+    "mxfp4_max_flushed_share": ("largest share flushed in an MXFP4 layer's operand", "share"),
+    "mxfp8_worst_sqnr_db": ("lowest SQNR of an MXFP8 layer's operand", "db"),
+    "mxfp8_max_flushed_share": ("largest share flushed in an MXFP8 layer's operand", "share"),
+    "mxfp8_max_saturated_share": ("largest share saturated in an MXFP8 layer's operand", "share"),
+    "fp4_sqnr_min_db": ("FP4: lowest SQNR allowed", "db"),
+    "fp4_flushed_max": ("FP4: largest flushed share allowed", "share"),
+    "mxfp8_lost_max": ("MXFP8: largest flushed + saturated share allowed", "share"),
+    "mxfp8_sqnr_min_db": ("MXFP8: lowest SQNR allowed", "db"),
+    ("block_format_plan", "checked"): ("linear layers with block statistics", "count"),
+    ("block_format_what_if", "checked"): ("linear layers with block statistics", "count"),
     # the decision
     "demoted_from": ("severity before the decision", "text"),
 }
