@@ -1,0 +1,347 @@
+"""Block-scaled formats on Blackwell: the b200/gb200 presets, the advisor's per-layer block plan (rules/blocks.py)
+against an independent computation from precprof.block_formats, and the report's block table and plan.
+
+The layers tables here are filled the way the profiler fills its block columns (rows of activations, their
+gradients and 2-D weights, "row" = blocks along the last dimension, "col" = along the leading dimensions
+flattened, sums unscaled, summed over sampled steps), from tensors that plain hooks took from real tiny models
+as they trained: the rule reads the same columns whichever engine wrote them.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from precprof import block_formats as B
+from precprof import hardware, pipeline
+from precprof import tables as T
+from precprof.analysis.advisor import AdvisorConfig, Recommendation, recommend
+from precprof.analysis.advisor.rules import blocks as rb
+from precprof.report import context as report_context
+
+BATCH, SEQ, WIDTH = 4, 16, 64  # 64 tokens per call: whole blocks of 16 and 32 along every dimension
+
+
+def recipe_of(column_name: str) -> B.BlockRecipe:
+    """The block_formats recipe behind a column recipe name ("mxfp8_e4m3_rceil": MXFP8 E4M3 in rceil mode)."""
+    if column_name.endswith("_rceil"):
+        return B.get_recipe(column_name.removesuffix("_rceil"), "rceil")
+    return B.get_recipe(column_name)
+
+
+def block_cells(x: torch.Tensor) -> dict[str, float]:
+    """The block columns of one tensor, as the profiler records them (1-D tensors have none)."""
+    out: dict[str, float] = {}
+    if x.dim() < 2:
+        return out
+    x2 = x.detach().float().reshape(-1, x.shape[-1])
+    for name in T.BLOCK_RECIPES:
+        for orientation, axis in (("row", -1), ("col", 0)):
+            st = B.block_stats(x2, recipe_of(name), axis=axis)
+            for stat in T.BLOCK_STATS:
+                out[T.block_col(name, stat, orientation)] = float(st[stat])
+    return out
+
+
+class Recorder:
+    """Plain hooks on a model's leaf modules: each sampled step's outputs, output gradients and weights."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.leaves = [(n, m) for n, m in model.named_modules() if n and not any(True for _ in m.children())]
+        self.order = {n: i for i, (n, _) in enumerate(self.leaves)}
+        self.seen: dict[tuple[int, str, str], torch.Tensor] = {}
+        self.step = 0
+        for name, mod in self.leaves:
+            mod.register_forward_hook(self._hook(name))
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> None:
+            step = self.step
+            self.seen[(step, name, T.ACTIVATION)] = out.detach().clone()
+            w = getattr(mod, "weight", None)
+            if isinstance(w, torch.Tensor):
+                self.seen[(step, name, T.WEIGHT)] = w.detach().clone()
+            if out.requires_grad and isinstance(mod, nn.Linear):  # the rule reads linear layers' gradients
+
+                def grad_hook(g: torch.Tensor) -> None:
+                    self.seen[(step, name, T.ACTIVATION_GRAD)] = g.detach().clone()
+
+                out.register_hook(grad_hook)
+
+        return hook
+
+    def tables(self) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
+        rows = []
+        types = {n: type(m).__name__ for n, m in self.leaves}
+        for (step, name, kind), x in self.seen.items():
+            rows.append(
+                {
+                    T.STEP: step,
+                    T.ORDER: self.order[name],
+                    T.MODULE: name,
+                    T.MODULE_TYPE: types[name],
+                    T.TENSOR: kind,
+                    T.PARAM: "weight" if kind == T.WEIGHT else "",
+                    T.DTYPE: "float32",
+                    T.CALLS: 1,
+                    T.NUMEL: x.numel(),
+                    T.ZEROS: int((x == 0).sum()),
+                    T.NAN: int(x.isnan().sum()),
+                    T.INF: int(x.isinf().sum()),
+                    T.ABSMAX: float(x.abs().max()),
+                    T.SCALE: 1.0,
+                    **block_cells(x),
+                }
+            )
+        modules = [
+            {
+                "name": n,
+                "type": types[n],
+                "params": {p: list(t.shape) for p, t in m.named_parameters(recurse=False)},
+            }
+            for n, m in self.leaves
+        ]
+        summary = {
+            T.SUMMARY_CONFIG: {"batch_size": BATCH, "seq_len": SEQ, "precision": "fp32"},
+            T.SUMMARY_CAPTURE: {"modules": modules},
+            T.SUMMARY_MODEL: {"name": "tiny", "n_params": sum(p.numel() for p in self.model.parameters())},
+        }
+        steps = pd.DataFrame({T.STEP: sorted({k[0] for k in self.seen}), T.LOSS: 1.0})
+        return {"layers": T.frame("layers", rows), "steps": T.frame("steps", steps)}, summary
+
+
+def train(model: nn.Module, steps: int = 2, seed: int = 0) -> tuple[Recorder, dict[str, pd.DataFrame], dict]:
+    """A few SGD steps on Gaussian inputs with a loss whose output gradient is Gaussian too."""
+    g = torch.Generator().manual_seed(seed)
+    rec = Recorder(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        rec.step = step
+        x = torch.randn(BATCH, SEQ, WIDTH, generator=g)
+        y = model(x)
+        target = torch.randn(y.shape, generator=g)
+        (y * target).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    tables, summary = rec.tables()
+    return rec, tables, summary
+
+
+def gaussian_linear(seed: int) -> nn.Linear:
+    lin = nn.Linear(WIDTH, WIDTH, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(seed)) * 0.1)
+    return lin
+
+
+class Tiny(nn.Module):
+    """Three branches, each an Identity (the linear layer's input is a module's output) and a linear layer:
+    ``good`` (Gaussian weights), ``outlier`` (one large value in every block of 16 along in_features) and
+    ``tiny`` (weights around 2^-140). Branches, not a chain: a chain would carry ``tiny``'s scale into the
+    other layers' output gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp_good, self.good = nn.Identity(), gaussian_linear(1)
+        self.inp_outlier, self.outlier = nn.Identity(), gaussian_linear(2)
+        self.inp_tiny, self.tiny = nn.Identity(), gaussian_linear(3)
+        with torch.no_grad():
+            # 20x a typical weight: FP4 (E2M1 spans 0.5..6) flushes most of each block, E4M3 keeps them all
+            self.outlier.weight[:, ::16] = 2.0
+            # below what E8M0's smallest scale (2^-127) brings into any element format's range
+            self.tiny.weight.mul_(2.0**-140)
+        self.tiny.weight.requires_grad_(False)  # an SGD update would lift it back into range
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (
+            self.good(self.inp_good(x))
+            + self.outlier(self.inp_outlier(x))
+            + self.tiny(self.inp_tiny(x)) * 2.0**140
+        )
+
+
+@pytest.fixture(scope="module")
+def run() -> tuple[Recorder, dict[str, pd.DataFrame], dict[str, Any]]:
+    return train(Tiny())
+
+
+# ---------------------------------------------------------------------------------------------- presets
+def test_presets_blackwell() -> None:
+    b, gb = hardware.preset("b200"), hardware.preset("GB200")
+    assert b.compute_capability == (10, 0) and b.fp8_supported and b.bf16_native and b.tf32_supported
+    assert b.fp8_library in ("torchao", "transformer_engine")
+    assert {"mxfp8_e4m3", "mxfp6_e2m3", "mxfp4", "nvfp4"} <= set(b.block_formats)
+    # GB200: the same GPU, numerically: only its name, memory and preset name differ
+    assert replace(gb, name=b.name, memory_total_bytes=b.memory_total_bytes, preset="b200") == b
+    for name in ("v100", "t4", "a100", "l4", "h100", "cpu"):
+        assert hardware.preset(name).block_formats == ()
+    assert {"b200", "gb200"} <= set(hardware.PRESET_NAMES)
+    # summary.json stores a list; reading it back gives the tuple
+    d = b.to_dict()
+    d["block_formats"] = list(d["block_formats"])
+    assert hardware.HardwareInfo.from_dict(d) == b
+    assert hardware.block_formats_native((10, 0)) == b.block_formats
+    assert hardware.block_formats_native((9, 0)) == () == hardware.block_formats_native(None)
+    assert "nvfp4" in hardware.env_report(b) and "MXFP8" in hardware.usual_format(b)[1]
+
+
+# -------------------------------------------------------------------------- shares and SQNR, independently
+def _expected(rec: Recorder, module: str, kind: str, recipe: str, axis: int) -> tuple[float, float, float]:
+    """(flushed share, saturated share, SQNR dB) of one operand over the sampled steps, from block_formats'
+    quantised tensors directly: counts of nonzero values that dequantise to 0, of |x / block scale| above the
+    element max (x and q compared one by one), and the error sums in float64."""
+    flushed = saturated = nonzero = 0
+    sx2 = se2 = 0.0
+    r = recipe_of(recipe)
+    for (_step, name, k), x in rec.seen.items():
+        if (name, k) != (module, kind):
+            continue
+        x2 = x.float().reshape(-1, x.shape[-1])
+        q = B.quantize(x2, r, axis=axis)
+        nonzero += int((x2 != 0).sum())
+        flushed += int(((x2 != 0) & (q == 0)).sum())
+        if r.scale_format == "e8m0":  # MX: the E8M0 scale by the spec, |x| / scale above the element max
+            xb = x2.movedim(axis, -1).reshape(-1, r.block_size)
+            amax = xb.abs().amax(-1, keepdim=True)
+            fmax = r.element.max
+            if r.scale_mode == B.ScaleMode.RCEIL:
+                mant, ex = torch.frexp(amax / fmax)
+                k = ex - (mant == 0.5).int()
+            else:
+                k = torch.frexp(amax)[1] - 1 - math.floor(math.log2(fmax))
+            scale = torch.exp2(k.clamp(-127, 127).double())
+            saturated += int((xb.double().abs() / scale > fmax).sum())
+        sx2 += float((x2.double() ** 2).sum())
+        se2 += float(((x2.double() - q.double()) ** 2).sum())
+    return flushed / nonzero, saturated / nonzero, 10 * math.log10(sx2 / se2)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4", "mxfp8_e4m3_rceil", "mxfp8_e4m3"])
+def test_shares_and_sqnr_match_block_formats(run: Any, recipe: str) -> None:
+    rec, tables, summary = run
+    table = {lb.module: lb for lb in rb.block_table(tables["layers"], summary)}
+    assert list(table) == ["good", "outlier", "tiny"]
+    lb = table["outlier"]
+    assert lb.input_from == "inp_outlier"
+    got = {(o.operand, o.gemm): o for o in lb.losses[recipe]}
+    assert len(got) == 6  # input, weight and output gradient, each in the orientations two GEMMs read
+    for (operand, gemm), module, kind, axis in (
+        ((rb.INPUT, "forward"), "inp_outlier", T.ACTIVATION, -1),
+        ((rb.INPUT, "weight gradient"), "inp_outlier", T.ACTIVATION, 0),
+        ((rb.WEIGHT, "forward"), "outlier", T.WEIGHT, -1),
+        ((rb.WEIGHT, "input gradient"), "outlier", T.WEIGHT, 0),
+        ((rb.GRAD, "input gradient"), "outlier", T.ACTIVATION_GRAD, -1),
+        ((rb.GRAD, "weight gradient"), "outlier", T.ACTIVATION_GRAD, 0),
+    ):
+        flushed, saturated, sqnr = _expected(rec, module, kind, recipe, axis)
+        o = got[(operand, gemm)]
+        assert o.flushed_share == pytest.approx(flushed, abs=1e-12), (operand, gemm)
+        if recipe != "nvfp4":  # an NVFP4 block scale is not its largest element's: counted by the reference
+            assert o.saturated_share == pytest.approx(saturated, abs=1e-12), (operand, gemm)
+        assert o.sqnr_db == pytest.approx(sqnr, abs=1e-9), (operand, gemm)
+    s = lb.summary(recipe)
+    assert s is not None and s.sqnr_db == min(o.sqnr_db for o in got.values())
+    assert s.flushed_share == max(o.flushed_share for o in got.values())
+
+
+# --------------------------------------------------------------------------------------------- decision
+def test_plan_on_b200(run: Any) -> None:
+    _, tables, summary = run
+    rec = recommend(tables, hardware="b200", summary=summary)
+    # good: Gaussian everything, NVFP4's ~20 dB; outlier: FP4 flushes most of each block, E4M3 keeps it;
+    # tiny: 2^-140 is below what the smallest E8M0 scale reaches, every block format flushes it
+    assert rec.block_plan == {"good": "nvfp4", "outlier": "mxfp8", "tiny": "bf16"}
+    f = rec.finding("block_format_plan")
+    assert f is not None and f.severity == "info" and rec.finding("block_format_what_if") is None
+    assert f.numbers["layers_nvfp4"] == 1 and f.numbers["layers_mxfp8"] == 1 and f.numbers["layers_bf16"] == 1
+    assert f.numbers["fp4_sqnr_min_db"] == AdvisorConfig().block_fp4_sqnr_min_db
+    assert 18.0 < f.numbers["nvfp4_worst_sqnr_db"] < 22.0  # type: ignore[operator]
+    assert "weight (forward) flushed to 0" in f.message and "tiny" in f.message
+    assert any(r.startswith("Block formats on B200") for r in rec.reasons)
+    assert "Block formats: nvfp4 (1): good" in rec.describe()
+    back = Recommendation.from_dict(rec.to_dict())
+    assert back.block_plan == rec.block_plan
+    # older summaries have no block_plan
+    d = rec.to_dict()
+    del d["block_plan"]
+    assert Recommendation.from_dict(d).block_plan == {}
+
+
+def test_mxfp4_where_nvfp4_tensor_scale_cannot_reach(run: Any) -> None:
+    """A weight whose 32x32 tiles alternate between 1 and 1e-6: MX scales each block on its own, NVFP4's E4M3
+    block scales span only 2^-6..448 under one per-tensor scale and flush the small tiles."""
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("inp", nn.Identity())
+    lin = gaussian_linear(4)
+    with torch.no_grad():
+        tiles = torch.tensor([[1.0, 1e-6], [1e-6, 1.0]]).repeat_interleave(32, 0).repeat_interleave(32, 1)
+        lin.weight.mul_(tiles * 10)  # Gaussian per tile, magnitude 1 or 1e-6 (recorded before the one update)
+    model.add_module("tiles", lin)
+    _, tables, summary = train(model, steps=1)
+    (lb,) = rb.block_table(tables["layers"], summary)
+    rb.decide(lb, AdvisorConfig(), ("nvfp4", "mxfp4", "mxfp8"))
+    assert lb.choice == "mxfp4", lb.why
+    assert lb.why.startswith("NVFP4:") and "weight" in lb.why
+
+
+def test_no_block_columns_no_finding(run: Any) -> None:
+    _, tables, summary = run
+    old = tables["layers"].drop(columns=list(T.BLOCK_COLUMNS))
+    rec = recommend({**tables, "layers": old}, hardware="b200", summary=summary)
+    assert rec.block_plan == {} and not [f for f in rec.findings if f.code.startswith("block_")]
+    nan = tables["layers"].copy()
+    nan[list(T.BLOCK_COLUMNS)] = math.nan  # columns there, nothing evaluated
+    rec = recommend({**tables, "layers": nan}, hardware="b200", summary=summary)
+    assert rec.block_plan == {} and not [f for f in rec.findings if f.code.startswith("block_")]
+
+
+def test_elsewhere_one_info_finding(run: Any) -> None:
+    _, tables, summary = run
+    rec = recommend(tables, hardware="h100", summary=summary)
+    assert rec.block_plan == {} and rec.finding("block_format_plan") is None
+    (f,) = [f for f in rec.findings if f.code.startswith("block_")]
+    assert f.code == "block_format_what_if" and f.severity == "info"
+    assert "on a B200" in f.message and f.numbers["layers_nvfp4"] == 1
+    assert "--target b200" in f.remedy
+
+
+# ----------------------------------------------------------------------------------------------- report
+def test_report_for_b200(run: Any, tmp_path: Path) -> None:
+    _, tables, summary = run
+    evil = "<b>evil&"
+    layers = tables["layers"].copy()
+    layers[T.MODULE] = layers[T.MODULE].replace({"outlier": evil, "inp_outlier": f"inp{evil}"})
+    for m in summary[T.SUMMARY_CAPTURE]["modules"]:
+        m["name"] = {"outlier": evil, "inp_outlier": f"inp{evil}"}.get(m["name"], m["name"])
+    T.write_tables(tmp_path, {**tables, "layers": layers})
+    T.write_summary(tmp_path, summary)
+    page = pipeline.rerender(tmp_path, target="b200").read_text()
+    assert "<b>evil" not in page and html.escape(evil) in page.replace("<wbr>", "")
+    verdict = page[page.index('id="block-plan"') :]
+    verdict = verdict[: verdict.index("</dd>")]
+    assert "NVFP4</span> (1): <code>good</code>" in verdict and "MXFP8</span> (1)" in verdict
+    table = page[page.index('id="block-table"') :]
+    table = table[: table.index("</table>")]
+    for label in ("MXFP8 E4M3", "MXFP6 E2M3", "MXFP4", "NVFP4"):
+        assert label in table
+    assert "lossless" not in table and " dB<br>" in table and "fl. ·" in table
+    assert "one scale per block" in page or "its own scale" in page
+    s = rb.block_table(tables["layers"], summary)[0].summary("nvfp4")  # the good layer's NVFP4 cell
+    assert s is not None and f"{s.sqnr_db:.1f} dB<br>" in table and '<td class="warn"' in table
+    # on a target without block formats the table says what a B200 would get, and the verdict has no plan
+    h100 = recommend({**tables, "layers": layers}, hardware="h100", summary=summary)
+    ctx = report_context.build_context({**tables, "layers": layers}, summary, h100)
+    blocks = ctx["whatif"]["blocks"]
+    assert not blocks["on_target"] and blocks["target"] == "b200" and ctx["verdict"]["block_plan"] == []
+    assert [r["plan"] for r in blocks["rows"]] == ["NVFP4", "MXFP8", "BF16"]
