@@ -33,12 +33,21 @@ def test_presets_round_trip_and_errors() -> None:
 
 @pytest.mark.parametrize(
     ("name", "fmt"),
-    [("v100", "fp16"), ("t4", "fp16"), ("a100", "bf16"), ("l4", "bf16"), ("h100", "bf16"), ("cpu", "fp32")],
+    [
+        ("v100", "fp16"),
+        ("t4", "fp16"),
+        ("a100", "bf16"),
+        ("l4", "bf16"),
+        ("h100", "bf16"),
+        ("b200", "bf16"),
+        ("gb200", "bf16"),
+        ("cpu", "fp32"),
+    ],
 )
 def test_usual_format(name: str, fmt: str) -> None:
     got, why = hardware.usual_format(hardware.preset(name))
     assert got == fmt and why
-    if name in ("l4", "h100"):
+    if name in ("l4", "h100", "b200", "gb200"):
         assert "fp8" in why
     if fmt == "fp16":
         assert "loss scaling" in why
