@@ -77,9 +77,9 @@ def block_columns(
     idx = np.array([r.index for r in active], dtype=np.int64)
     sub = blocks[idx].astype(np.float64, copy=True)  # [active, 2, recipes, stats]
     grad = np.array([r.tensor in T.GRADIENT_KINDS for r in active], dtype=bool)
-    sq = [i for i, s in enumerate(T.BLOCK_STATS) if s in _SQUARED_STATS]
-    if 0 < scale < math.inf and scale != 1.0 and grad.any():
-        sub[np.ix_(grad, range(sub.shape[1]), range(sub.shape[2]), sq)] /= scale * scale
+    squared = np.array([s in _SQUARED_STATS for s in T.BLOCK_STATS])
+    if 0 < scale < math.inf and scale != 1.0:
+        sub[grad] /= np.where(squared, scale * scale, 1.0)
     sub[~seen[idx]] = math.nan
     out: dict[str, np.ndarray] = {}
     for o, orient in enumerate(T.BLOCK_ORIENTATIONS):

@@ -26,13 +26,15 @@ from precprof import tables as T
 from precprof.block_formats import BlockRecipe
 from precprof.stats import kernel as _cpu_kernel
 
-try:  # the Triton block kernel (CUDA); absent or unimportable: torch ops run on CUDA
-    from precprof.stats.triton_block import block_stats_triton as _triton_block_stats
-except ImportError:
-    _triton_block_stats = None
+# the Triton block kernel on CUDA, block_stats_triton(x, recipes, axis) -> float64 [len(recipes), 5] on x's
+# device; where it does not import, torch ops run on CUDA
+triton_block_stats: Callable[..., torch.Tensor] | None
+try:
+    from precprof.stats import triton_block as _triton_block
 
-TritonBlockStats = Callable[[torch.Tensor, Sequence[BlockRecipe], int], torch.Tensor]
-triton_block_stats: TritonBlockStats | None = _triton_block_stats
+    triton_block_stats = _triton_block.block_stats_triton
+except ImportError:
+    triton_block_stats = None
 
 RECIPES: tuple[BlockRecipe, ...] = block_formats.column_recipes()
 N_RECIPES = len(RECIPES)

@@ -501,7 +501,7 @@ class DeviceRows:
             stats = last[2]
         else:
             self._order_stream()
-            engine = "c" if self.engine == "c" and self.use_kernel else self.engine
+            engine = "torch" if self.engine == "c" and not self.use_kernel else self.engine
             stats = _blocks.tensor_block_stats(x, engine=engine, threads=self._threads())
             self._last_blocks = (weakref.ref(x), version, stats) if version is not None else None
         self._blocks[row] += stats

@@ -472,25 +472,43 @@ typedef struct {
 } lanes_t;
 
 /* one recipe over one tile: scaled = x * mul[g] (per block, or per half-block for NVFP4), q = element(scaled)
-   * deq[g]; counts and sums per lane */
-static inline void tile_recipe(const float* buf, const float* mul0, const float* deq0, const float* mul1,
-                               const float* deq1, int half, const brec_t* r, int32_t* fl, int32_t* sat,
-                               double* err) {
+   * deq[g]; counts and sums per lane, in registers over the tile. With a power-of-two (MX) scale, x - q is
+   exact in fp32 (q is 0, or within a factor of two of x); NVFP4's q carries an fp32 rounding of its own, so
+   its difference is taken in fp64, as the reference takes both. */
+static inline void tile_recipe(const float* restrict buf, const float* restrict mul0,
+                               const float* restrict deq0, const float* restrict mul1,
+                               const float* restrict deq1, int half, int pow2_scale, const brec_t* r,
+                               int32_t* restrict fl, int32_t* restrict sat, double* restrict err) {
     const int m = r->m, emin = r->emin;
     const float fmax = r->fmax;
+    int32_t f[BG], st[BG];
+    double e[BG];
+    for (int g = 0; g < BG; g++) { f[g] = 0; st[g] = 0; e[g] = 0.0; }
     for (int i = 0; i < BT; i++) {
-        const float* x = buf + i * BG;
-        const float* mul = i < half ? mul0 : mul1;
-        const float* dq = i < half ? deq0 : deq1;
-        for (int g = 0; g < BG; g++) {
-            float sc = x[g] * mul[g];
-            sat[g] += fabsf(sc) > fmax;
-            float q = round_elem(sc, m, emin, fmax) * dq[g];
-            fl[g] += (x[g] != 0.0f) & (q == 0.0f);
-            double d = (double)x[g] - (double)q;
-            err[g] += d * d;
+        const float* restrict x = buf + i * BG;
+        const float* restrict mul = i < half ? mul0 : mul1;
+        const float* restrict dq = i < half ? deq0 : deq1;
+        if (pow2_scale) {
+            for (int g = 0; g < BG; g++) {
+                float sc = x[g] * mul[g];
+                st[g] += fabsf(sc) > fmax;
+                float q = round_elem(sc, m, emin, fmax) * dq[g];
+                f[g] += (x[g] != 0.0f) & (q == 0.0f);
+                double d = (double)(x[g] - q);
+                e[g] += d * d;
+            }
+        } else {
+            for (int g = 0; g < BG; g++) {
+                float sc = x[g] * mul[g];
+                st[g] += fabsf(sc) > fmax;
+                float q = round_elem(sc, m, emin, fmax) * dq[g];
+                f[g] += (x[g] != 0.0f) & (q == 0.0f);
+                double d = (double)x[g] - (double)q;
+                e[g] += d * d;
+            }
         }
     }
+    for (int g = 0; g < BG; g++) { fl[g] += f[g]; sat[g] += st[g]; err[g] += e[g]; }
 }
 
 typedef struct {
@@ -588,14 +606,14 @@ static void run_tiles(const bjob_t* j, int64_t t0, int64_t t1, bsum_t* out) {
                         (h ? deq1 : deq0)[g] = j->p * s;
                     }
                 }
-                tile_recipe(buf, mul0, deq0, mul1, deq1, BT / 2, r, ln->fl[k], ln->sat[k], ln->err[k]);
+                tile_recipe(buf, mul0, deq0, mul1, deq1, BT / 2, 0, r, ln->fl[k], ln->sat[k], ln->err[k]);
             } else {
                 for (int g = 0; g < BG; g++) {
                     int e = mx_exponent(am0[g] > am1[g] ? am0[g] : am1[g], r);
                     mul0[g] = pow2f(-e);
                     deq0[g] = pow2f(e);
                 }
-                tile_recipe(buf, mul0, deq0, mul0, deq0, BT, r, ln->fl[k], ln->sat[k], ln->err[k]);
+                tile_recipe(buf, mul0, deq0, mul0, deq0, BT, 1, r, ln->fl[k], ln->sat[k], ln->err[k]);
             }
         }
     }
