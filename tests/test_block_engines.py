@@ -53,7 +53,7 @@ def hard_tensor(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.
     the formats' subnormal range and (by seed) a nan or an inf block, and fp32 subnormals."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g)
-    x = x * torch.exp2(torch.randint(-12, 12, shape[:-1] + (1,), generator=g).float())
+    x = x * torch.exp2(torch.randint(-12, 12, (*shape[:-1], 1), generator=g).float())
     flat = x.view(-1)
     n = flat.numel()
     flat[torch.rand(n, generator=g) < 0.05] = 0.0
@@ -89,10 +89,9 @@ def test_c_kernel_equals_the_reference(dtype: torch.dtype, shape: tuple[int, ...
 @needs_c
 def test_c_kernel_edge_values_and_a_non_contiguous_view() -> None:
     # values at the rounding ties and saturation edges of every element format, scaled into one block each
-    edge = torch.tensor(
-        [448.0, 464.0, 465.0, 57344.0, 61440.0, 7.5, 7.75, 28.0, 30.0, 6.0, 6.5, 7.0, 0.25, 0.75, 2.0**-9]
-        + [2.0**-10, 1.5 * 2.0**-10, 2.0**-17, 0.0, -0.0, 1.0, -1.0]
-    )
+    big = [448.0, 464.0, 465.0, 57344.0, 61440.0, 7.5, 7.75, 28.0, 30.0, 6.0, 6.5, 7.0, 0.25, 0.75]
+    small = [2.0**-9, 2.0**-10, 1.5 * 2.0**-10, 2.0**-17, 0.0, -0.0, 1.0, -1.0]
+    edge = torch.tensor([*big, *small])
     x = torch.cat([edge * 2.0**k for k in (-8, 0, 3)]).reshape(3, -1)
     x = torch.cat([x, -x.flip(1)], dim=1)
     assert_same(kernel.block_stats_c(x, RECIPES, -1), reference(x, -1), "edges, row")
@@ -186,7 +185,7 @@ def plain_capture(model: nn.Module, plain: dict) -> list:
             continue
 
         def pre(m: nn.Module, args: object, name: str = name) -> None:
-            for pname, p in m.named_parameters(recurse=False):
+            for p in m.parameters(recurse=False):
                 if p.dim() >= 2:
                     plain["tensors"].append((len(plain["scales"]) - 1, name, T.WEIGHT, p.detach().clone()))
 
