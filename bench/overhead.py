@@ -12,6 +12,8 @@ Configurations:
                   touching the data at all
   precprof_1      precprof.Profiler, every step sampled
   precprof_10     precprof.Profiler(sample_every=10)
+  precprof_1_noblocks  every step sampled, without the block-format what-if (block_formats=False): what the
+                  block formats cost
   debug_uo        transformers' DebugUnderflowOverflow (when transformers is installed)
   naive_item      a home-made per-module monitor calling .item() for absmax / nan / inf of every output and
                   gradient (what people write by hand)
@@ -102,14 +104,21 @@ class Floor(Monitor):
 
 
 class Precprof(Monitor):
-    def __init__(self, sample_every: int) -> None:
+    def __init__(self, sample_every: int, block_formats: bool = True) -> None:
         self.sample_every = sample_every
-        self.name = f"precprof_{sample_every}"
+        self.block_formats = block_formats
+        self.name = f"precprof_{sample_every}" + ("" if block_formats else "_noblocks")
         self.prof: Profiler | None = None
         self.last_info: dict[str, Any] = {}
 
     def attach(self, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any) -> None:
-        self.prof = Profiler(model, optimizer=opt, scaler=scaler, sample_every=self.sample_every)
+        self.prof = Profiler(
+            model,
+            optimizer=opt,
+            scaler=scaler,
+            sample_every=self.sample_every,
+            block_formats=self.block_formats,
+        )
         self.prof.attach()
 
     def after_step(self, loss: torch.Tensor) -> None:
@@ -202,7 +211,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=10, help="steps per block (a multiple of 10)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--configs", default="baseline,floor,precprof_1,precprof_10,debug_uo,naive_item")
+    ap.add_argument(
+        "--configs", default="baseline,floor,precprof_1,precprof_1_noblocks,precprof_10,debug_uo,naive_item"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -228,6 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "floor": Floor,
         "precprof_1": lambda: Precprof(1),
         "precprof_10": lambda: Precprof(10),
+        "precprof_1_noblocks": lambda: Precprof(1, block_formats=False),
         "debug_uo": DebugUO,
         "naive_item": NaiveItem,
     }

@@ -1,8 +1,12 @@
 """The Profiler's hooks: what runs inside the model's forward and backward and around the optimizer step.
 
-On sampled steps, activations, their gradients and weights with two dimensions or more (the operands of
-matmuls) also get the block-format what-if (``precprof.stats.blocks``), unless the Profiler was made with
-``block_formats=False``; weight gradients do not (no low-precision GEMM reads them).
+On sampled steps, the operands a block-scaled GEMM would quantise also get the block-format what-if
+(``precprof.stats.blocks``), unless the Profiler was made with ``block_formats=False``: the weight and the output
+gradient of every linear layer (``taxonomy.is_linear_type``; an embedding's weight too, for tied heads), and
+the output of any captured module that a linear layer then reads as its input (matched by tensor identity in
+the linear layer's pre-hook, so each such tensor is read once however many layers read it; it is recorded
+under the producing module's ``activation`` row). Nothing else: an activation no linear layer reads, a
+weight gradient, a norm's weight, are never quantised by such a GEMM, and evaluating them would only cost.
 
 Every hook returns None (a returned value would replace the module's output) and never synchronises with the
 device. On steps that are not sampled each returns at once.
@@ -10,12 +14,14 @@ device. On steps that are not sampled each returns at once.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from precprof import stats as st
+from precprof import taxonomy
 from precprof.capture.records import _iter_tensors, _local, _ModuleSlot, _ParamSlot
 from precprof.capture.updates import UpdateSampler
 
@@ -31,22 +37,33 @@ class HookFactories:
     _autocast_seen: dict[str, Any]
     _device: torch.device
     _updates: UpdateSampler | None
-    _block_formats: bool  # also the block-format what-if (activations, their gradients, weights; ndim >= 2)
+    _block_formats: bool  # also the block-format what-if of the linear layers' operands
+    # this sampled step's module outputs a linear layer may read: id(tensor) -> (the tensor, its activation row)
+    _block_outputs: dict[int, tuple[weakref.ref[torch.Tensor], int]]
 
     # ---------------------------------------------------------------------------------------- hooks
     # The hooks' first line is all Dynamo sees on steps that are not sampled (it guards on the flag, so a
     # compiled model gets one graph for sampled and one for other steps); the recording itself is excluded
     # from tracing, which breaks the graph at captured modules on sampled steps only.
     def _make_pre_hook(self, slot: _ModuleSlot) -> Any:
+        mtype = type(slot.module).__name__
+        gemm = taxonomy.is_linear_type(mtype)
+        weight_blocks = self._block_formats and (gemm or "Embedding" in mtype)
+
         @torch.compiler.disable
-        def record(module: nn.Module) -> None:
+        def record(module: nn.Module, args: Any) -> None:
+            assert self._buffer is not None
+            if gemm and self._block_formats and args and isinstance(args[0], torch.Tensor):
+                # the input this linear layer's GEMM would quantise: the output of the module that made it
+                found = self._block_outputs.get(id(args[0]))
+                if found is not None and found[0]() is args[0]:
+                    self._buffer.accumulate_blocks(_local(args[0]), found[1])
             if slot.called:
                 return
             slot.called = True
             slot.order = self._order_counter
             self._order_counter += 1
-            assert self._buffer is not None
-            blocks = self._block_formats
+            blocks = weight_blocks
             for _, p, row in slot.weights:
                 if (
                     p.is_floating_point()
@@ -58,7 +75,7 @@ class HookFactories:
 
         def pre_hook(module: nn.Module, args: Any) -> None:
             if self._sampling and torch.is_grad_enabled():
-                record(module)
+                record(module, args)
             return None
 
         return pre_hook
@@ -66,6 +83,8 @@ class HookFactories:
     def _make_fwd_hook(self, slot: _ModuleSlot) -> Any:
         act = slot.activation
         grad_row = slot.activation_grad
+        # a linear layer's output gradient is an operand of its input- and weight-gradient GEMMs
+        grad_blocks = self._block_formats and taxonomy.is_linear_type(type(slot.module).__name__)
 
         def grad_hook(g: torch.Tensor) -> None:
             buf = self._buffer
@@ -73,7 +92,7 @@ class HookFactories:
                 buf is not None
                 and g is not None
                 and self._attached
-                and buf.accumulate(_local(g), grad_row.index, blocks=self._block_formats)
+                and buf.accumulate(_local(g), grad_row.index, blocks=grad_blocks)
             ):
                 grad_row.seen(g.dtype)
             return None
@@ -83,8 +102,10 @@ class HookFactories:
             assert self._buffer is not None
             any_tensor = False
             for t in _iter_tensors(output):
-                if not self._buffer.accumulate(_local(t), act.index, blocks=self._block_formats):
+                if not self._buffer.accumulate(_local(t), act.index):
                     continue
+                if self._block_formats and t.dim() >= 2:
+                    self._block_outputs[id(t)] = (weakref.ref(t), act.index)
                 any_tensor = True
                 if t.requires_grad:
                     t.register_hook(grad_hook)

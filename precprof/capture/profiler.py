@@ -142,6 +142,7 @@ class Profiler(HookFactories):
         self.update_sample = update_sample
         self.chunk = chunk
         self._block_formats = bool(block_formats)
+        self._block_outputs = {}
         self._first_step = first_step
         self._reducer_spec = reducer
         self._reducer: Any = None
@@ -340,6 +341,7 @@ class Profiler(HookFactories):
         self._sampling = self._is_sampled(self._step)
         self._step_has_data = False
         self._order_counter = 0
+        self._block_outputs.clear()
         if self._sampling:
             if self._buffer is not None:
                 self._buffer.reset()

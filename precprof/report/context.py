@@ -17,8 +17,6 @@ import pandas as pd
 from precprof import __version__, formats
 from precprof import tables as T
 from precprof.analysis import snippets as snippet_code
-from precprof.analysis.advisor.config import AdvisorConfig
-from precprof.analysis.advisor.rules import blocks as block_rule
 from precprof.report import filters as F
 from precprof.report import plots
 from precprof.report import summarize as S
@@ -131,7 +129,9 @@ def _verdict(
         "growth_interval": rec.get("growth_interval"),
         "keep_fp32": list(rec.get("keep_fp32") or []),
         "fp8_layers": list(rec.get("fp8_layers") or []),
-        "block_plan": _block_plan_groups(rec.get("block_plan")),
+        "block_plan": _block_plan_groups(
+            rec.get("block_plan"), (rec.get("block_what_if") or {}).get("plan_labels") or {}
+        ),
         "reasons": [str(r) for r in rec.get("reasons") or []],
         "target": rec.get("target"),
         "current": current,
@@ -140,17 +140,17 @@ def _verdict(
     }
 
 
-def _block_plan_groups(plan: Any) -> list[dict[str, Any]]:
-    """The recommendation's block plan (layer -> format) as groups in the plan's order: NVFP4, MXFP4, MXFP8,
-    BF16, each with its layers."""
+def _block_plan_groups(plan: Any, plan_labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The recommendation's block plan (layer -> format) as groups in the plan's order (the advisor's labels:
+    NVFP4, MXFP4, MXFP8, BF16), each with its layers."""
     if not isinstance(plan, Mapping) or not plan:
         return []
-    order = list(block_rule.PLAN_LABELS)
+    order = list(plan_labels)
     groups: dict[str, list[str]] = {}
     for module, fmt in plan.items():
         groups.setdefault(str(fmt), []).append(str(module))
     return [
-        {"format": f, "label": block_rule.PLAN_LABELS.get(f, f.upper()), "modules": groups[f]}
+        {"format": f, "label": plan_labels.get(f, f.upper()), "modules": groups[f]}
         for f in sorted(groups, key=lambda f: order.index(f) if f in order else len(order))
     ]
 
@@ -277,7 +277,7 @@ def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any
         "groups": groups,
         "rows": rows,
         "overview": overview,
-        "blocks": _blocks(layers, summary, rec),
+        "blocks": _blocks(rec),
     }
 
 
@@ -285,91 +285,82 @@ def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any
 BLOCK_TABLE_RECIPES: tuple[str, ...] = ("mxfp8_e4m3_rceil", "mxfp6_e2m3", "mxfp4", "nvfp4")
 
 
-def _block_cell(
-    lb: block_rule.LayerBlocks, recipe: str, ops: list[block_rule.OperandLoss] | None = None
-) -> dict[str, Any] | None:
-    """One recipe's cell: SQNR ("31.2 dB", "lossless") of the worst operand, the largest flushed and saturated
-    shares, and whether the plan's rule for that recipe passes ("warn" when it does not)."""
-    if ops is not None:  # one operand
-        if not ops:
-            return None
-        o = ops[0]
-        sqnr, flushed, saturated, worst = o.sqnr_db, o.flushed_share, o.saturated_share, o.label
-    else:
-        s = lb.summary(recipe)
-        if s is None:
-            return None
-        sqnr, flushed, saturated, worst = s.sqnr_db, s.flushed_share, s.saturated_share, s.worst
-    plan_name = next((n for n, r in block_rule.PLAN_RECIPES.items() if r == recipe), None)
-    fails = False
-    if plan_name is not None and ops is None:
-        fails = bool(block_rule.fails(lb, plan_name, AdvisorConfig()))
+def db_text(v: Any) -> str:
+    """An SQNR as the page writes it: "31.2 dB", "lossless" for inf, "not finite" for nan."""
+    f = F._float(v)
+    if f is None:
+        return "not finite"
+    return "lossless" if f == math.inf else f"{f:.1f} dB"
+
+
+def _block_cell(cell: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """One recipe's cell: SQNR of the worst operand, the largest flushed and saturated shares, and whether the
+    plan's rule for that recipe passes ("warn" when it does not)."""
+    if not cell:
+        return None
     return {
-        "sqnr": block_rule.db_text(sqnr),
-        "sqnr_v": sqnr,
-        "flushed": flushed,
-        "saturated": saturated,
-        "worst": worst,
-        "cls": "warn" if fails else "",
+        "sqnr": db_text(cell.get("sqnr_db")),
+        "sqnr_v": cell.get("sqnr_db"),
+        "flushed": cell.get("flushed_share"),
+        "saturated": cell.get("saturated_share"),
+        "worst": cell.get("worst"),
+        "cls": "warn" if cell.get("fails") else "",
     }
 
 
-def _blocks(
-    layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any] | None
-) -> dict[str, Any] | None:
-    """The block-scaled what-if: per linear layer and recipe the worst operand's SQNR and the largest flushed and
-    saturated shares, the plan (the recommendation's, else what a B200 would get), and per operand the details.
-    None when the layers table holds no block statistics (an older run, or the what-if was off)."""
-    if layers.empty or not any(c in layers for c in T.BLOCK_COLUMNS):
+def _blocks(rec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The block-scaled what-if as the advisor stored it (``Recommendation.block_what_if``): per linear layer and
+    recipe the worst operand's SQNR and the largest flushed and saturated shares, the plan (for the target when
+    it runs block formats, else what a B200 would get), and per operand the details. None without it (no
+    recommendation, an older run, or no block statistics)."""
+    data = (rec or {}).get("block_what_if") or {}
+    layers = data.get("layers") or []
+    if not layers:
         return None
-    table = block_rule.block_table(layers, summary)
-    if not table:
-        return None
-    plan = (rec or {}).get("block_plan") or {}
-    on_target = bool(plan)
-    shown = [r for r in BLOCK_TABLE_RECIPES if any(lb.summary(r) for lb in table)]
-    every = [r for r in T.BLOCK_RECIPES if any(lb.summary(r) for lb in table)]
+    labels = dict(data.get("labels") or {})
+    plan_labels = dict(data.get("plan_labels") or {})
+    present = {r for lb in layers for r in (lb.get("recipes") or {})}
+    shown = [r for r in BLOCK_TABLE_RECIPES if r in present]
+    every = [r for r in T.BLOCK_RECIPES if r in present]
     rows, details = [], []
-    for lb in table:
-        choice = str(plan.get(lb.module, lb.choice)) if on_target else lb.choice
+    for lb in layers:
+        choice = str(lb.get("choice") or "")
+        recipes = lb.get("recipes") or {}
         rows.append(
             {
-                "module": S.module_label(lb.module),
-                "module_type": lb.module_type,
-                "plan": block_rule.PLAN_LABELS.get(choice, choice),
+                "module": S.module_label(str(lb.get("module", ""))),
+                "module_type": lb.get("module_type"),
+                "plan": plan_labels.get(choice, choice),
                 "plan_format": choice,
-                "why": lb.why,
-                "input_from": S.module_label(lb.input_from) if lb.input_from is not None else None,
-                "cells": [_block_cell(lb, r) for r in shown],
+                "why": lb.get("why") or "",
+                "input_from": S.module_label(lb["input_from"]) if lb.get("input_from") is not None else None,
+                "cells": [_block_cell(recipes.get(r)) for r in shown],
             }
         )
-        for operand, _, gemm in block_rule.OPERANDS:
-            cells = []
-            for r in every:
-                ops = [o for o in lb.losses.get(r, []) if (o.operand, o.gemm) == (operand, gemm)]
-                cells.append(_block_cell(lb, r, ops))
+        for op in lb.get("operands") or []:
+            cells = [_block_cell((op.get("recipes") or {}).get(r)) for r in every]
             if any(c is not None for c in cells):
                 details.append(
                     {
-                        "module": S.module_label(lb.module),
-                        "operand": operand,
-                        "gemm": gemm,
-                        "axis": block_rule.GEMM_AXIS[gemm],
+                        "module": S.module_label(str(lb.get("module", ""))),
+                        "operand": op.get("operand"),
+                        "gemm": op.get("gemm"),
+                        "axis": op.get("axis"),
                         "cells": cells,
                     }
                 )
-    cfg = AdvisorConfig()
+    rules = data.get("rules") or {}
     return {
-        "recipes": [{"name": r, "label": block_rule.RECIPE_LABELS.get(r, r)} for r in shown],
-        "all_recipes": [{"name": r, "label": block_rule.RECIPE_LABELS.get(r, r)} for r in every],
+        "recipes": [{"name": r, "label": labels.get(r, r)} for r in shown],
+        "all_recipes": [{"name": r, "label": labels.get(r, r)} for r in every],
         "rows": rows,
         "details": details,
-        "on_target": on_target,
-        "target": str((rec or {}).get("target") or "") if on_target else block_rule.WHAT_IF_TARGET,
-        "fp4_sqnr_min_db": cfg.block_fp4_sqnr_min_db,
-        "fp4_flushed_max": cfg.block_fp4_flushed_max,
-        "mxfp8_lost_max": cfg.block_mxfp8_lost_max,
-        "mxfp8_sqnr_min_db": cfg.block_mxfp8_sqnr_min_db,
+        "on_target": bool(data.get("on_target")),
+        "target": str(data.get("target") or ""),
+        "fp4_sqnr_min_db": rules.get("fp4_sqnr_min_db"),
+        "fp4_flushed_max": rules.get("fp4_flushed_max"),
+        "mxfp8_lost_max": rules.get("mxfp8_lost_max"),
+        "mxfp8_sqnr_min_db": rules.get("mxfp8_sqnr_min_db"),
     }
 
 

@@ -691,5 +691,16 @@ class StatsBuffer:
             self.blocks_seen[row] = True
         return True
 
+    @torch.no_grad()
+    def accumulate_blocks(self, x: torch.Tensor, row: int) -> None:
+        """Add only the block-format what-if of ``x`` into ``row`` (a tensor whose other statistics were
+        accumulated already, e.g. a module's output that a linear layer then reads). Never syncs; a tensor
+        that is not fp32/bf16/fp16 with ndim >= 2 and data, or on ``meta``, is not evaluated."""
+        if x.device.type == "meta" or not (x.dim() >= 2 and x.numel() > 0 and x.dtype in _BLOCK_DTYPES):
+            return
+        part = self._parts.get(x.device) or self._part(x.device)
+        part.accumulate_blocks(x, row)
+        self.blocks_seen[row] = True
+
 
 _BLOCK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

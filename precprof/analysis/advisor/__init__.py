@@ -153,7 +153,9 @@ def recommend(
     rec = _decide(run, plan)
     if blocks is not None:
         rec.block_plan = blocks.plan
-        rec.reasons.append(blocks.reason)
+        rec.block_what_if = blocks.what_if
+        if blocks.reason:
+            rec.reasons.append(blocks.reason)
     rec.findings = sorted(plan.findings, key=lambda f: _SEVERITY_RANK.get(f.severity, 9))
     for f in rec.findings:
         f.numbers = {k: _num(v) for k, v in f.numbers.items()}

@@ -77,6 +77,8 @@ class Recommendation:
     keep_fp32: list[str] = field(default_factory=list)
     fp8_layers: list[str] = field(default_factory=list)
     block_plan: dict[str, str] = field(default_factory=dict)
+    # the block-scaled what-if as data, for the report (rules/blocks.what_if_data); empty without block columns
+    block_what_if: dict[str, Any] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     target: str = ""

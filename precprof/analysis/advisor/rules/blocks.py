@@ -314,10 +314,74 @@ def block_table(
 
 @dataclass
 class BlockPlan:
-    """The rule's answer: layer -> format on a target that runs block formats, and the verdict's sentence."""
+    """The rule's answer: layer -> format on a target that runs block formats (empty elsewhere), the verdict's
+    sentence ("" elsewhere), and the evidence as data for the report (``what_if_data``)."""
 
     plan: dict[str, str]
     reason: str
+    what_if: dict[str, Any]
+
+
+def _cell(sqnr: float, flushed: float, saturated: float, worst: str, fails: str = "") -> dict[str, Any]:
+    return {
+        "sqnr_db": sqnr,
+        "flushed_share": flushed,
+        "saturated_share": saturated,
+        "worst": worst,
+        "fails": fails,
+    }
+
+
+def what_if_data(
+    table: list[LayerBlocks], cfg: AdvisorConfig, target: str, on_target: bool
+) -> dict[str, Any]:
+    """The block-scaled what-if as plain data (stored in ``Recommendation.block_what_if``; the report renders
+    it and computes nothing): per layer the plan's choice and why, per recipe the worst operand's SQNR and the
+    largest shares with the plan rule's verdict, and per operand and recipe the same. JSON-safe but for the
+    float infinities (lossless SQNR), which summary.json writes as Infinity."""
+    layers = []
+    for lb in table:
+        recipes: dict[str, Any] = {}
+        for r in (*lb.losses,):
+            sm = lb.summary(r)
+            if sm is None:
+                continue
+            plan_name = next((n for n, pr in PLAN_RECIPES.items() if pr == r), None)
+            fail = fails(lb, plan_name, cfg) if plan_name is not None else ""
+            recipes[r] = _cell(sm.sqnr_db, sm.flushed_share, sm.saturated_share, sm.worst, fail)
+        operands = []
+        for operand, _, gemm in OPERANDS:
+            cells = {}
+            for r, ops in lb.losses.items():
+                o = next((o for o in ops if (o.operand, o.gemm) == (operand, gemm)), None)
+                if o is not None:
+                    cells[r] = _cell(o.sqnr_db, o.flushed_share, o.saturated_share, o.label)
+            if cells:
+                operands.append({"operand": operand, "gemm": gemm, "axis": GEMM_AXIS[gemm], "recipes": cells})
+        layers.append(
+            {
+                "module": lb.module,
+                "module_type": lb.module_type,
+                "input_from": lb.input_from,
+                "choice": lb.choice,
+                "why": lb.why,
+                "recipes": recipes,
+                "operands": operands,
+            }
+        )
+    return {
+        "target": target,
+        "on_target": on_target,
+        "labels": {r: RECIPE_LABELS.get(r, r) for r in T.BLOCK_RECIPES},
+        "plan_labels": dict(PLAN_LABELS),
+        "rules": {
+            "fp4_sqnr_min_db": cfg.block_fp4_sqnr_min_db,
+            "fp4_flushed_max": cfg.block_fp4_flushed_max,
+            "mxfp8_lost_max": cfg.block_mxfp8_lost_max,
+            "mxfp8_sqnr_min_db": cfg.block_mxfp8_sqnr_min_db,
+        },
+        "layers": layers,
+    }
 
 
 def _rule_block_formats(
@@ -419,7 +483,11 @@ def _rule_block_formats(
             f"Block formats on {where}: {counts} of the {len(table)} linear layers (see the finding "
             "“Block formats” for the numbers); the rest of the model follows the format above."
         )
-        return BlockPlan({lb.module: lb.choice for lb in table}, reason)
+        return BlockPlan(
+            {lb.module: lb.choice for lb in table},
+            reason,
+            what_if_data(table, cfg, str(target.preset or target.name), True),
+        )
     plan.add(
         Finding(
             "block_format_what_if",
@@ -432,4 +500,4 @@ def _rule_block_formats(
             numbers=numbers,
         )
     )
-    return None
+    return BlockPlan({}, "", what_if_data(table, cfg, str(target.preset or target.name), False))
