@@ -13,6 +13,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The block-format what-if costs about a third of a sampled step (bench/overhead.py measures it); the suite
+# keeps to its time budget by leaving it off in profiled runs that do not test it. The tests that do
+# (test_block_engines.py, test_block_advice.py's real run) turn it on with the ``block_formats_on`` fixture.
+os.environ.setdefault("PRECPROF_BLOCK_FORMATS", "0")
+
+
+@pytest.fixture
+def block_formats_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Profilers made in the test evaluate the block formats (the suite's default is off, see above)."""
+    monkeypatch.setenv("PRECPROF_BLOCK_FORMATS", "1")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():

@@ -207,7 +207,7 @@ def plain_capture(model: nn.Module, plain: dict) -> list:
 
 @pytest.mark.parametrize("engine", ["c", "torch"])
 def test_profiled_model_block_columns_equal_block_stats_of_the_same_tensors(
-    engine: str, monkeypatch: pytest.MonkeyPatch
+    engine: str, monkeypatch: pytest.MonkeyPatch, block_formats_on: None
 ) -> None:
     if engine == "c" and kernel.load() is None:
         pytest.skip("the C kernel does not build here")
@@ -259,6 +259,15 @@ def test_profiled_model_block_columns_equal_block_stats_of_the_same_tensors(
         checked += 1
     assert checked == 2 * 5  # per step: 2 weights, 2 output gradients, act's output (fc2's input)
     assert (layers[T.block_col("mxfp4", "sum_x2")].dropna() > 0).all()
+
+
+def test_block_formats_default_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, on in (("0", False), ("off", False), ("1", True), ("", True)):
+        monkeypatch.setenv("PRECPROF_BLOCK_FORMATS", value)
+        assert Profiler(MLP())._block_formats is on, value
+    monkeypatch.delenv("PRECPROF_BLOCK_FORMATS")
+    assert Profiler(MLP())._block_formats is True  # on by default
+    assert Profiler(MLP(), block_formats=False)._block_formats is False  # the argument wins
 
 
 def test_block_formats_off_leaves_the_columns_empty() -> None:

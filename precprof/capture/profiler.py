@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -88,8 +89,10 @@ class Profiler(HookFactories):
         wandb: True to log the same to the current ``wandb.run``, or a wandb run object (needs ``wandb``).
             Only the writer process (rank 0) writes to either.
         block_formats: on sampled steps, also evaluate the block-scaled formats (MXFP8, MXFP6, MXFP4, NVFP4:
-            ``precprof.block_formats``) on every activation, activation gradient and weight with two
-            dimensions or more, in both block orientations: the ``tables.BLOCK_COLUMNS`` of the layers table.
+            ``precprof.block_formats``) on what a block-scaled GEMM would read (each linear layer's input,
+            weight and output gradient; ``capture/hooks.py``), in both block orientations: the
+            ``tables.BLOCK_COLUMNS`` of the layers table. None (the default): on, unless the environment says
+            ``PRECPROF_BLOCK_FORMATS=0`` (a run-wide switch for loops one cannot edit, e.g. a Trainer callback).
 
     Call ``step()`` once per optimizer step, at its end. Statistics of a tied parameter (one Parameter owned
     by two modules, e.g. tied embeddings) are recorded under the first module that owns it.
@@ -112,7 +115,7 @@ class Profiler(HookFactories):
         loss_scale: float | None = None,
         tensorboard: Any = None,
         wandb: Any = None,
-        block_formats: bool = True,
+        block_formats: bool | None = None,
     ) -> None:
         if sample_every < 0:
             raise ValueError("sample_every must be >= 0 (0 records steps only)")
@@ -141,7 +144,9 @@ class Profiler(HookFactories):
         self.weight_updates = weight_updates and optimizer is not None
         self.update_sample = update_sample
         self.chunk = chunk
-        self._block_formats = bool(block_formats)
+        self._block_formats = (
+            bool(block_formats) if block_formats is not None else block_formats_from_env()
+        )
         self._block_outputs = {}
         self._first_step = first_step
         self._reducer_spec = reducer
@@ -705,6 +710,14 @@ def iter_module_names(model: nn.Module) -> Iterable[str]:
     """Qualified names of the modules a default Profiler captures, in registration order."""
     prof = Profiler(model, memory=False)
     return [name for name, m in model.named_modules() if prof._selected(name, m)]
+
+
+BLOCK_FORMATS_ENV = "PRECPROF_BLOCK_FORMATS"
+
+
+def block_formats_from_env() -> bool:
+    """``PRECPROF_BLOCK_FORMATS``: "0", "false", "no" or "off" turn the block-format what-if off; on otherwise."""
+    return os.environ.get(BLOCK_FORMATS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:

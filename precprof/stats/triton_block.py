@@ -38,7 +38,7 @@ import torch
 from precprof import block_formats as bf
 from precprof import tables as T
 from precprof.errors import UserError
-from precprof.stats.triton_engine import interpreting
+from precprof.stats.triton_engine import device_unsupported, interpreting, triton_missing
 
 # dtype -> (kind code, the integer dtype of the same width the kernel reads)
 KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
@@ -59,12 +59,10 @@ def _kernels() -> Any:
     """The jitted (_amax, _blocks) kernels (built on first use), or why they are not there."""
     if "kernels" in _state:
         return _state["kernels"]
-    try:
-        import triton
-        import triton.language  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install
-        _state["kernels"] = f"triton does not import ({type(e).__name__}: {e}); pip install triton"
-        return _state["kernels"]
+    missing = triton_missing()
+    if missing is not None:
+        _state["kernels"] = missing
+        return missing
     # the one precprof import inside a function (tests/test_architecture.py): the kernels' module imports
     # triton, which takes a second or two, only when this engine runs
     from precprof.stats import triton_block_kernels as k
@@ -75,10 +73,9 @@ def _kernels() -> Any:
 
 def unavailable(device: torch.device) -> str | None:
     """Why the block kernels cannot run on ``device`` here; None when they can."""
-    if device.type == "cpu" and not interpreting():
-        return "Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)"
-    if device.type not in ("cpu", "cuda"):
-        return f"Triton does not run on {device.type} tensors"
+    why = device_unsupported(device)
+    if why is not None:
+        return why
     kernels = _kernels()
     return kernels if isinstance(kernels, str) else None
 

@@ -52,12 +52,34 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def unavailable(device: torch.device) -> str | None:
-    """Why the Triton engine cannot run on ``device`` here; None when it can."""
+def device_unsupported(device: torch.device) -> str | None:
+    """Why no Triton kernel can run on ``device`` here (the kernels aside); None when one can."""
     if device.type == "cpu" and not interpreting():
         return "Triton runs on CPU tensors only in its interpreter (TRITON_INTERPRET=1)"
     if device.type not in ("cpu", "cuda"):
         return f"Triton does not run on {device.type} tensors"
+    return None
+
+
+def triton_missing() -> str | None:
+    """Why triton does not import here (with the fix); None when it does. Checked once."""
+    if "import" not in _state:
+        try:
+            import triton
+            import triton.language  # noqa: F401
+        except Exception as e:  # ImportError, or a broken install
+            _state["import"] = f"triton does not import ({type(e).__name__}: {e}); pip install triton"
+        else:
+            _state["import"] = None
+    missing: str | None = _state["import"]
+    return missing
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why the Triton engine cannot run on ``device`` here; None when it can."""
+    why = device_unsupported(device)
+    if why is not None:
+        return why
     kernels = _kernels()
     if isinstance(kernels, str):
         return kernels
@@ -68,13 +90,8 @@ def _kernels() -> Any:
     """The jitted kernels (built on first use), or why they are not there."""
     if "kernels" in _state:
         return _state["kernels"]
-    try:
-        import triton
-        import triton.language  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install
-        _state["kernels"] = f"triton does not import ({type(e).__name__}: {e}); pip install triton"
-        return _state["kernels"]
-    _state["kernels"] = _define()
+    missing = triton_missing()
+    _state["kernels"] = missing if missing is not None else _define()
     return _state["kernels"]
 
 
