@@ -144,9 +144,7 @@ class Profiler(HookFactories):
         self.weight_updates = weight_updates and optimizer is not None
         self.update_sample = update_sample
         self.chunk = chunk
-        self._block_formats = (
-            bool(block_formats) if block_formats is not None else block_formats_from_env()
-        )
+        self._block_formats = bool(block_formats) if block_formats is not None else block_formats_from_env()
         self._block_outputs = {}
         self._first_step = first_step
         self._reducer_spec = reducer
