@@ -333,10 +333,10 @@ def test_random_tensors_with_outliers_match_torchao(ao: Ao) -> None:
         assert int(bf.block_stats(x, recipe)["flushed"]) > 0
 
 
-def test_hand_built_boundary_blocks_match_torchao(ao: Ao) -> None:
-    # every element grid's midpoints (ties), the values just above them and half the smallest subnormal, 15 at a
-    # time after a block amax at max, at a power of two and just below the next one, at three scales; the
-    # amax sits at positions 0 and 16, so MX blocks (32) and NVFP4 blocks (16) both see it
+def boundary_blocks() -> torch.Tensor:
+    """Every element grid's midpoints (ties), the values just above them and half the smallest subnormal, 15 at
+    a time after a block amax at max, at a power of two and just below the next one, at three scales; the amax
+    sits at positions 0 and 16, so MX blocks (32) and NVFP4 blocks (16) both see it."""
     rows = []
     for fmt in bf.ELEMENT_FORMATS.values():
         g = f32(*grid(fmt.exponent_bits, fmt.mantissa_bits, fmt.max))
@@ -350,6 +350,11 @@ def test_hand_built_boundary_blocks_match_torchao(ao: Ao) -> None:
                 rows.append(torch.cat([half, half], dim=1) * scale)
     x = torch.cat(rows)
     x = torch.cat([x, -x.flip(0), torch.zeros(2, 32)])
+    return x
+
+
+def test_hand_built_boundary_blocks_match_torchao(ao: Ao) -> None:
+    x = boundary_blocks()
     for recipe in all_recipes():
         agree_with_torchao(ao, x, recipe)
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from test_block_formats import block, f32, grid  # the reference tests' hand-built blocks
+from test_block_formats import block, boundary_blocks, f32  # the reference tests' hand-built blocks
 
 from precprof import block_formats as bf
 from precprof import tables as T
@@ -118,22 +118,7 @@ def test_3d_and_strided_views_are_read_in_place() -> None:
 
 
 def test_hand_built_boundary_blocks_both_orientations() -> None:
-    # test_block_formats' torchao boundary set: every element grid's midpoints (ties), the values just above
-    # them and half the smallest subnormal, after a block amax at max, at a power of two and just below the
-    # next one, at three scales; amax at positions 0 and 16 (for MX and NVFP4 blocks)
-    rows = []
-    for fmt in bf.ELEMENT_FORMATS.values():
-        g = f32(*grid(fmt.exponent_bits, fmt.mantissa_bits, fmt.max))
-        mids = (g[:-1] + g[1:]) / 2
-        vals = torch.cat([mids, torch.nextafter(mids, g[1:]), f32(fmt.smallest_subnormal / 2)])
-        vals = torch.nn.functional.pad(vals, (0, -len(vals) % 15)).reshape(-1, 15)
-        below = float(torch.nextafter(f32(2.0 ** (fmt.max_exponent + 1)), f32(0)))
-        for top in (fmt.max, 2.0**fmt.max_exponent, below):
-            half = torch.cat([torch.full((len(vals), 1), top), vals], dim=1)
-            for scale in (2.0**-20, 1.0, 2.0**30):
-                rows.append(torch.cat([half, half], dim=1) * scale)
-    x = torch.cat(rows)
-    x = torch.cat([x, -x.flip(0), torch.zeros(2, 32)])
+    x = boundary_blocks()  # test_block_formats' torchao boundary set
     got = check(x, RECIPES, -1)
     floor = [i for i, r in enumerate(RECIPES) if r.scale_mode != bf.ScaleMode.RCEIL]
     assert (got[:, 0] > 0).all() and (got[floor, 1] > 0).all()
