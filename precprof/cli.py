@@ -36,8 +36,12 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM exits with 143
 
 
+# the arguments main() is parsing: the process's own, or those a caller passed (tests, a wrapper script)
+_argv: list[str] = []
+
+
 def _command_line() -> str:
-    return shlex.join(["precprof", *sys.argv[1:]])
+    return shlex.join(["precprof", *_argv])
 
 
 def _exit_code(e: KeyboardInterrupt) -> int:
@@ -318,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``precprof`` console script and ``python -m precprof``."""
     command = typer.main.get_command(app)
     args = list(sys.argv[1:] if argv is None else argv)
+    _argv[:] = args
     try:
         rc: Any = command.main(args=args, prog_name="precprof", standalone_mode=False)
     except _NO_ARGS_IS_HELP as e:
