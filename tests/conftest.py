@@ -26,12 +26,16 @@ def block_formats_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu = [item for item in items if "gpu" in item.keywords]
     if torch.cuda.is_available():
+        # under pytest-xdist (-n, --dist loadgroup) the GPU tests share one worker: they measure the device's
+        # memory and time, which tests running beside them on the same device would change
+        for item in gpu:
+            item.add_marker(pytest.mark.xdist_group("gpu"))
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for item in gpu:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="module")
