@@ -28,6 +28,13 @@ from precprof.training import TrainConfig, train
 GOLDEN = Path(__file__).parent / "golden" / "advisor"
 UPDATE = os.environ.get("PRECPROF_UPDATE_GOLDEN") == "1"
 
+
+@pytest.fixture(autouse=True)
+def seeded() -> None:
+    """Each test draws its tensors from the same seed, whatever ran before it in this process (the golden
+    files must not depend on the order pytest-xdist deals the tests in)."""
+    torch.manual_seed(0)
+
 _DTYPES = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
