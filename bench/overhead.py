@@ -13,7 +13,9 @@ Configurations:
   precprof_1      precprof.Profiler, every step sampled
   precprof_10     precprof.Profiler(sample_every=10)
   precprof_1_noblocks  every step sampled, without the block-format what-if (block_formats=False): what the
-                  block formats cost
+                  block formats cost (precprof_1 evaluates them for half of the linear layers per sampled
+                  step, the default block_groups=2)
+  precprof_1_allblocks every step sampled, every linear layer's block formats on each (block_groups=1)
   debug_uo        transformers' DebugUnderflowOverflow (when transformers is installed)
   naive_item      a home-made per-module monitor calling .item() for absmax / nan / inf of every output and
                   gradient (what people write by hand)
@@ -104,10 +106,12 @@ class Floor(Monitor):
 
 
 class Precprof(Monitor):
-    def __init__(self, sample_every: int, block_formats: bool = True) -> None:
+    def __init__(self, sample_every: int, block_formats: bool = True, block_groups: int = 2) -> None:
         self.sample_every = sample_every
         self.block_formats = block_formats
-        self.name = f"precprof_{sample_every}" + ("" if block_formats else "_noblocks")
+        self.block_groups = block_groups
+        suffix = "_noblocks" if not block_formats else ("_allblocks" if block_groups == 1 else "")
+        self.name = f"precprof_{sample_every}{suffix}"
         self.prof: Profiler | None = None
         self.last_info: dict[str, Any] = {}
 
@@ -118,6 +122,7 @@ class Precprof(Monitor):
             scaler=scaler,
             sample_every=self.sample_every,
             block_formats=self.block_formats,
+            block_groups=self.block_groups,
         )
         self.prof.attach()
 
@@ -212,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
-        "--configs", default="baseline,floor,precprof_1,precprof_1_noblocks,precprof_10,debug_uo,naive_item"
+        "--configs",
+        default="baseline,floor,precprof_1,precprof_1_noblocks,precprof_1_allblocks,precprof_10,debug_uo,naive_item",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -240,6 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "precprof_1": lambda: Precprof(1),
         "precprof_10": lambda: Precprof(10),
         "precprof_1_noblocks": lambda: Precprof(1, block_formats=False),
+        "precprof_1_allblocks": lambda: Precprof(1, block_groups=1),
         "debug_uo": DebugUO,
         "naive_item": NaiveItem,
     }

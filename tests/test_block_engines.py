@@ -8,6 +8,7 @@ import copy
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -217,7 +218,7 @@ def test_profiled_model_block_columns_equal_block_stats_of_the_same_tensors(
     ref_model = copy.deepcopy(model)
     plain: dict = {"scales": [], "tensors": []}
     handles = plain_capture(model, plain)
-    losses, prof = train(model, 2, {"sample_every": 1, "memory": False}, plain)
+    losses, prof = train(model, 2, {"sample_every": 1, "memory": False, "block_groups": 1}, plain)
     for h in handles:
         h.remove()
     assert prof is not None and prof._buffer is not None
@@ -259,6 +260,55 @@ def test_profiled_model_block_columns_equal_block_stats_of_the_same_tensors(
         checked += 1
     assert checked == 2 * 5  # per step: 2 weights, 2 output gradients, act's output (fc2's input)
     assert (layers[T.block_col("mxfp4", "sum_x2")].dropna() > 0).all()
+
+
+def block_cells(layers: pd.DataFrame) -> dict[tuple[int, str, str, str], np.ndarray]:
+    """Every row's block columns, by (step, module, tensor, param)."""
+    cols = list(T.BLOCK_COLUMNS)
+    return {
+        (int(r[T.STEP]), r[T.MODULE], r[T.TENSOR], str(r[T.PARAM])): r[cols].to_numpy(dtype=np.float64)
+        for _, r in layers.iterrows()
+    }
+
+
+def test_block_groups_take_turns_and_give_the_same_numbers(block_formats_on: None) -> None:
+    """block_groups=2: the linear layers are dealt into two groups by size (fc1 48+80, then fc2 80+40); step k
+    evaluates group k % 2 (fc1's weight and output gradient; then fc2's weight, output gradient and its input,
+    act's output), and what it evaluates equals the run that evaluates every layer on every step."""
+    torch.manual_seed(0)
+    model = MLP()
+    twin = copy.deepcopy(model)
+    _, every = train(model, 4, {"sample_every": 1, "memory": False, "block_groups": 1})
+    _, turns = train(twin, 4, {"sample_every": 1, "memory": False, "block_groups": 2})
+    assert every is not None and turns is not None
+    all_cells = block_cells(every.tables()["layers"])
+    turn_cells = block_cells(turns.tables()["layers"])
+    assert all_cells.keys() == turn_cells.keys()
+    group = {"fc1": 0, "fc2": 1, "act": 1}  # act's output is fc2's input
+    evaluated = 0
+    for key, want in all_cells.items():
+        step, module, _, _ = key
+        got = turn_cells[key]
+        if np.isnan(want).all() or group[module] != step % 2:
+            assert np.isnan(got).all(), key
+            continue
+        np.testing.assert_array_equal(got, want, err_msg=str(key))
+        evaluated += 1
+    assert evaluated == 2 * 2 + 2 * 3  # fc1's 2 operands on steps 0 and 2, fc2's 3 on steps 1 and 3
+    assert turns.summary()["block_formats"] == {"groups": 2}
+    with pytest.raises(ValueError, match="block_groups must be >= 1"):
+        Profiler(MLP(), block_groups=0)
+
+
+def test_block_groups_are_dealt_by_size() -> None:
+    """Largest first, each to the lightest group (cost: in + out features): 128 | 72, 16, 16."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(64, 64), nn.Linear(8, 8), nn.Linear(64, 8))
+    prof = Profiler(model, block_groups=2).attach()
+    try:
+        groups = {s.name: s.block_group for s in prof._modules if isinstance(s.module, nn.Linear)}
+    finally:
+        prof.detach()
+    assert groups == {"0": 1, "1": 0, "2": 1, "3": 1}
 
 
 def test_block_formats_default_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

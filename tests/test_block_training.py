@@ -204,7 +204,9 @@ def train(ao: Ao | None = None, recipe: str | None = None, layer: str | None = N
     run = Run([])
     # precprof watches every run: in run A it makes the predictions; in the quantised runs it sees the very
     # tensors torchao quantises, so there its numbers must equal the measured ones step by step
-    prof = precprof.Profiler(net, opt, sample_every=1, memory=False, weight_updates=False, block_formats=True)
+    prof = precprof.Profiler(
+        net, opt, sample_every=1, memory=False, weight_updates=False, block_formats=True, block_groups=1
+    )
     if recipe is not None:
         assert ao is not None and layer is not None
         lin: nn.Linear = getattr(net, layer)

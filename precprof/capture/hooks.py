@@ -26,6 +26,12 @@ from precprof.capture.records import _iter_tensors, _local, _ModuleSlot, _ParamS
 from precprof.capture.updates import UpdateSampler
 
 
+def reads_block_operands(module_type: str) -> bool:
+    """Modules whose own operands get the block-format what-if: linear layers (weight, output gradient and the
+    input they read) and embeddings (their weight, for an output head tied to it)."""
+    return taxonomy.is_linear_type(module_type) or "Embedding" in module_type
+
+
 class HookFactories:
     """The hook factories of ``Profiler``, with the state they share with it."""
 
@@ -38,6 +44,9 @@ class HookFactories:
     _device: torch.device
     _updates: UpdateSampler | None
     _block_formats: bool  # also the block-format what-if of the linear layers' operands
+    _block_turn: (
+        int  # the group of layers (_ModuleSlot.block_group) whose operands this sampled step evaluates
+    )
     # this sampled step's module outputs a linear layer may read: id(tensor) -> (the tensor, its activation row)
     _block_outputs: dict[int, tuple[weakref.ref[torch.Tensor], int]]
 
@@ -48,12 +57,13 @@ class HookFactories:
     def _make_pre_hook(self, slot: _ModuleSlot) -> Any:
         mtype = type(slot.module).__name__
         gemm = taxonomy.is_linear_type(mtype)
-        weight_blocks = self._block_formats and (gemm or "Embedding" in mtype)
+        weight_blocks = self._block_formats and reads_block_operands(mtype)
 
         @torch.compiler.disable
         def record(module: nn.Module, args: Any) -> None:
             assert self._buffer is not None
-            if gemm and self._block_formats and args and isinstance(args[0], torch.Tensor):
+            turn = slot.block_group == self._block_turn
+            if gemm and self._block_formats and turn and args and isinstance(args[0], torch.Tensor):
                 # the input this linear layer's GEMM would quantise: the output of the module that made it
                 found = self._block_outputs.get(id(args[0]))
                 if found is not None and found[0]() is args[0]:
@@ -63,7 +73,7 @@ class HookFactories:
             slot.called = True
             slot.order = self._order_counter
             self._order_counter += 1
-            blocks = weight_blocks
+            blocks = weight_blocks and turn
             for _, p, row in slot.weights:
                 if (
                     p.is_floating_point()
@@ -92,7 +102,9 @@ class HookFactories:
                 buf is not None
                 and g is not None
                 and self._attached
-                and buf.accumulate(_local(g), grad_row.index, blocks=grad_blocks)
+                and buf.accumulate(
+                    _local(g), grad_row.index, blocks=grad_blocks and slot.block_group == self._block_turn
+                )
             ):
                 grad_row.seen(g.dtype)
             return None

@@ -43,7 +43,7 @@ from precprof import stats as st
 from precprof import tables as T
 from precprof._version import __version__
 from precprof.capture import clipwatch, columns
-from precprof.capture.hooks import HookFactories
+from precprof.capture.hooks import HookFactories, reads_block_operands
 from precprof.capture.memory_tracker import MemoryTracker
 from precprof.capture.recorded import Recorded
 from precprof.capture.records import (
@@ -93,6 +93,11 @@ class Profiler(HookFactories):
             weight and output gradient; ``capture/hooks.py``), in both block orientations: the
             ``tables.BLOCK_COLUMNS`` of the layers table. None (the default): on, unless the environment says
             ``PRECPROF_BLOCK_FORMATS=0`` (a run-wide switch for loops one cannot edit, e.g. a Trainer callback).
+        block_groups: the layers whose operands a block-scaled GEMM reads are dealt into this many groups of
+            about equal size, and each sampled step evaluates the block formats of one group in turn: every layer's
+            numbers are exact for the steps it was evaluated on, each layer is evaluated on every
+            ``block_groups``-th sampled step, and a sampled step pays for a ``1 / block_groups`` share of the
+            what-if (bench/overhead.py). 1: every layer on every sampled step.
 
     Call ``step()`` once per optimizer step, at its end. Statistics of a tied parameter (one Parameter owned
     by two modules, e.g. tied embeddings) are recorded under the first module that owns it.
@@ -116,9 +121,12 @@ class Profiler(HookFactories):
         tensorboard: Any = None,
         wandb: Any = None,
         block_formats: bool | None = None,
+        block_groups: int = 2,
     ) -> None:
         if sample_every < 0:
             raise ValueError("sample_every must be >= 0 (0 records steps only)")
+        if block_groups < 1:
+            raise ValueError(f"block_groups must be >= 1, got {block_groups}")
         if loss_scale is not None:
             if scaler is not None:
                 raise ValueError(
@@ -146,6 +154,8 @@ class Profiler(HookFactories):
         self.chunk = chunk
         self._block_formats = bool(block_formats) if block_formats is not None else block_formats_from_env()
         self._block_outputs = {}
+        self.block_groups = block_groups
+        self._block_turn = 0
         self._first_step = first_step
         self._reducer_spec = reducer
         self._reducer: Any = None
@@ -260,6 +270,7 @@ class Profiler(HookFactories):
         self._buffer = st.StatsBuffer(max(len(self._rows), 1), self._device, chunk=self.chunk)
         self._reducer = self._resolve_reducer()
 
+        self._deal_block_groups()
         for slot in self._modules:
             self._handles.append(slot.module.register_forward_pre_hook(self._make_pre_hook(slot)))
             self._handles.append(slot.module.register_forward_hook(self._make_fwd_hook(slot)))
@@ -336,12 +347,30 @@ class Profiler(HookFactories):
         if self._dashboards is not None and self.is_writer:
             self._dashboards.close()
 
+    def _deal_block_groups(self) -> None:
+        """Deal the layers whose operands get the block-format what-if into ``block_groups`` groups of about
+        equal cost: largest first, each to the lightest group so far (ties to the lowest group, so every rank
+        deals alike). A layer's cost is the sum of its weight's dimensions (in + out features for a linear
+        layer: what its input and output gradient add per token; the weight itself is a small share)."""
+        loads = [0] * self.block_groups
+        slots = [s for s in self._modules if reads_block_operands(type(s.module).__name__)]
+
+        def cost(slot: _ModuleSlot) -> int:
+            return max((sum(p.shape) for _, p, _ in slot.weights if p.dim() == 2), default=1)
+
+        for slot in sorted(slots, key=lambda s: -cost(s)):  # stable: model order among equals
+            g = loads.index(min(loads))
+            slot.block_group = g
+            loads[g] += cost(slot)
+
     # ----------------------------------------------------------------------------------------- steps
     def _is_sampled(self, step: int) -> bool:
         return self.sample_every > 0 and (step - self._first_step) % self.sample_every == 0
 
     def _begin_step(self) -> None:
         self._sampling = self._is_sampled(self._step)
+        if self._sampling:
+            self._block_turn = (self._step - self._first_step) // self.sample_every % self.block_groups
         self._step_has_data = False
         self._order_counter = 0
         self._block_outputs.clear()
@@ -568,6 +597,7 @@ class Profiler(HookFactories):
         param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return {
             "sample_every": self.sample_every,
+            "block_formats": ({"groups": self.block_groups} if self._block_formats else False),
             "device": str(self._device),
             "stats_engine": {
                 **st.engine_status([self._device]),

@@ -44,6 +44,9 @@ class _ModuleSlot:
     weights: list[tuple[str, nn.Parameter, _Row]]
     order: int = -1
     called: bool = False
+    block_group: int = (
+        0  # the sampled steps whose block-format what-if reads this module's operands (hooks.py)
+    )
 
 
 @dataclass

@@ -277,7 +277,7 @@ def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any
         "groups": groups,
         "rows": rows,
         "overview": overview,
-        "blocks": _blocks(rec),
+        "blocks": _blocks(rec, (summary.get(T.SUMMARY_CAPTURE) or {}).get("block_formats")),
     }
 
 
@@ -308,11 +308,12 @@ def _block_cell(cell: Mapping[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
-def _blocks(rec: dict[str, Any] | None) -> dict[str, Any] | None:
+def _blocks(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | None:
     """The block-scaled what-if as the advisor stored it (``Recommendation.block_what_if``): per linear layer and
     recipe the worst operand's SQNR and the largest flushed and saturated shares, the plan (for the target when
     it runs block formats, else what a B200 would get), and per operand the details. None without it (no
-    recommendation, an older run, or no block statistics)."""
+    recommendation, an older run, or no block statistics). ``capture``: the run's ``block_formats`` capture
+    setting (``{"groups": n}``: each layer evaluated on every n-th sampled step)."""
     data = (rec or {}).get("block_what_if") or {}
     layers = data.get("layers") or []
     if not layers:
@@ -355,6 +356,7 @@ def _blocks(rec: dict[str, Any] | None) -> dict[str, Any] | None:
         "all_recipes": [{"name": r, "label": labels.get(r, r)} for r in every],
         "rows": rows,
         "details": details,
+        "groups": int(capture.get("groups") or 1) if isinstance(capture, Mapping) else 1,
         "on_target": bool(data.get("on_target")),
         "target": str(data.get("target") or ""),
         "fp4_sqnr_min_db": rules.get("fp4_sqnr_min_db"),
@@ -377,7 +379,20 @@ _CAPTURE_LABELS: dict[str, tuple[str, Any]] = {
     "profiler_scratch_bytes": ("profiler scratch (bytes)", F.nbytes),
     "profiler_buffer_share_of_params": ("profiler buffers, as a share of the parameters' bytes", F.pct),
     "n_params": ("parameters", F.count),
+    "block_formats": ("block-format what-if", lambda v: _block_setting(v)),
 }
+
+
+def _block_setting(v: Any) -> str:
+    """The capture's ``block_formats`` setting in words."""
+    if not isinstance(v, Mapping):
+        return "on" if v else "off"
+    n = int(v.get("groups") or 1)
+    return (
+        "on, every linear layer on every sampled step"
+        if n <= 1
+        else (f"on, each linear layer on every {F.ordinal(n)} sampled step (block_groups={n})")
+    )
 
 
 def _is_tf32_key(key: str) -> bool:

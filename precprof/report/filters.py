@@ -164,3 +164,13 @@ def share_class(v: Any) -> str:
 
 
 FILTERS["share_class"] = share_class
+
+
+def ordinal(v: Any) -> str:
+    """2nd, 3rd, 11th, 22nd."""
+    n = int(v)
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+FILTERS["ordinal"] = ordinal
