@@ -35,6 +35,7 @@ def seeded() -> None:
     files must not depend on the order pytest-xdist deals the tests in)."""
     torch.manual_seed(0)
 
+
 _DTYPES = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
