@@ -288,11 +288,16 @@ def test_mxfp4_where_nvfp4_tensor_scale_cannot_reach(run: Any) -> None:
         tiles = torch.tensor([[1.0, 1e-6], [1e-6, 1.0]]).repeat_interleave(32, 0).repeat_interleave(32, 1)
         lin.weight.mul_(tiles * 10)  # Gaussian per tile, magnitude 1 or 1e-6 (recorded before the one update)
     model.add_module("tiles", lin)
+    model.add_module("head", gaussian_linear(4))  # the output head: never FP4, whatever its numbers
     _, tables, summary = train(model, steps=1)
-    (lb,) = rb.block_table(tables["layers"], summary)
+    lb, head = rb.block_table(tables["layers"], summary)
+    assert (lb.module, lb.head, head.module, head.head) == ("tiles", False, "head", True)
     rb.decide(lb, AdvisorConfig(), ("nvfp4", "mxfp4", "mxfp8"))
     assert lb.choice == "mxfp4", lb.why
     assert lb.why.startswith("NVFP4:") and "weight" in lb.why
+    # the head's operands pass NVFP4's bound (Gaussian, as "good" above), yet it gets MXFP8, saying why
+    assert not rb.fails(head, "nvfp4", AdvisorConfig()) and head.choice == "mxfp8"
+    assert head.why == rb.HEAD_WHY
 
 
 def test_no_block_columns_no_finding(run: Any) -> None:

@@ -128,6 +128,7 @@ class LayerBlocks:
     losses: dict[str, list[OperandLoss]] = field(default_factory=dict)
     choice: str = ""
     why: str = ""  # why the better formats were not chosen
+    head: bool = False  # the last linear layer in forward order (the output head): never planned in FP4
 
     def summary(self, recipe: str) -> RecipeSummary | None:
         ops = self.losses.get(recipe) or []
@@ -253,6 +254,7 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
                     ops.append(loss)
             if ops:
                 lb.losses[recipe] = ops
+        lb.head = m == linear[-1]
         if lb.losses:
             out.append(lb)
     return out
@@ -279,12 +281,21 @@ def fails(lb: LayerBlocks, name: str, cfg: AdvisorConfig) -> str:
     return ""
 
 
+HEAD_WHY = (
+    "FP4: not for the output head (FP4 training recipes keep the last layers in higher precision; NVIDIA's "
+    "NVFP4 recipe trains them in BF16)"
+)
+
+
 def decide(lb: LayerBlocks, cfg: AdvisorConfig, allowed: tuple[str, ...]) -> None:
     """Choose the layer's format among ``allowed`` plan names: NVFP4, else MXFP4, where FP4's bound holds on
-    every operand; else MXFP8 where it loses nothing measurable; else bf16. Sets ``choice`` and ``why``."""
+    every operand (never for the output head); else MXFP8 where it loses nothing measurable; else bf16. Sets
+    ``choice`` and ``why``."""
     why: list[str] = []
+    if lb.head and any(n in allowed for n in ("nvfp4", "mxfp4")):
+        why.append(HEAD_WHY)
     for name in ("nvfp4", "mxfp4", "mxfp8"):
-        if name not in allowed:
+        if name not in allowed or (lb.head and name != "mxfp8"):
             continue
         fail = fails(lb, name, cfg)
         if not fail:
