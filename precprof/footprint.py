@@ -370,6 +370,12 @@ def _refusal(
     )
 
 
+def place(device: torch.device, processes_sharing: int = 1) -> str:
+    """The memory a refusal speaks of: "this machine" (CPU) or the device, and how many ranks share it."""
+    where = "this machine" if device.type == "cpu" else str(device)
+    return where + (f" ({processes_sharing} ranks sharing it)" if processes_sharing > 1 else "")
+
+
 def check_training_fits(
     model: nn.Module,
     *,
@@ -389,9 +395,7 @@ def check_training_fits(
     avail = available_bytes(device)
     if avail is not None:
         avail = avail // max(processes_sharing, 1) + resident_bytes(model, device)
-    where = "this machine" if device.type == "cpu" else str(device)
-    if processes_sharing > 1:
-        where += f" ({processes_sharing} ranks sharing it)"
+    where = place(device, processes_sharing)
     return estimate(
         model,
         batch_size=batch_size,

@@ -366,3 +366,37 @@ def test_gpt2_medium_at_batch_512_is_refused_before_training(tmp_path: Path) -> 
     )
     assert "--seq-len" in lines[0] and not out.exists()
     assert time.perf_counter() - t0 < 240
+
+
+@pytest.mark.parametrize(
+    "precision, batch, refused",
+    [("fp32", 4096, True), ("fp32", 2, False), ("bf16-pure", 4096, True), ("bf16", 4096, False)],
+)
+def test_meta_device_refuses_only_what_clearly_cannot_fit(
+    monkeypatch: pytest.MonkeyPatch, precision: str, batch: int, refused: bool
+) -> None:
+    """Before the model is built: gpt-mini measured on the meta device against 1 GiB (injected). A batch far
+    beyond it is refused with the real check's message; one that fits passes; an autocast run (bf16, which
+    meta tensors would measure in fp32) is always left to the real check."""
+    from precprof import hardware
+    from precprof.data import load_data
+    from precprof.training import loop
+    from precprof.training.config import TrainConfig
+    from precprof.training.precision import plan_precision
+
+    monkeypatch.setattr(FP, "available_bytes", lambda device, **_: GiB)
+    built: list[str] = []
+    monkeypatch.setattr(loop, "build_model", lambda *a, **k: built.append("x") or build_model(*a, **k))
+    cpu = torch.device("cpu")
+    config = TrainConfig(model="gpt-mini", precision=precision, batch_size=batch, seq_len=128, device="cpu")
+    plan = plan_precision(precision, cpu, hardware.detect(cpu))
+    data = load_data("synthetic", seed=0)
+    if refused:
+        with pytest.raises(UserError) as info:
+            loop._refuse_before_building(config, plan, data, cpu)
+        msg = str(info.value)
+        assert msg.startswith(f"gpt-mini at batch {batch} x seq 128 in {precision} needs at least"), msg
+        assert "this machine has 1.0 GiB available: use --batch-size" in msg
+    else:
+        loop._refuse_before_building(config, plan, data, cpu)
+    assert built == ([] if precision == "bf16" else ["x"])  # built on meta only where it can measure
