@@ -300,6 +300,46 @@ def test_block_groups_take_turns_and_give_the_same_numbers(block_formats_on: Non
         Profiler(MLP(), block_groups=0)
 
 
+class TwoReaders(nn.Module):
+    """act's output is read by two linear layers, like q and k projections reading one norm's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(48, 64)
+        self.act = nn.GELU()
+        self.q = nn.Linear(64, 40)
+        self.k = nn.Linear(64, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        return self.q(h) + self.k(h)
+
+
+def test_an_output_read_by_two_linear_layers_counts_once(block_formats_on: None) -> None:
+    """The block cells of act's output equal block_stats of that tensor once, like its numel: the share of a
+    tensor that two GEMMs read is not doubled."""
+    torch.manual_seed(0)
+    model = TwoReaders()
+    seen: list[torch.Tensor] = []
+    model.act.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    _, prof = train(model, 1, {"sample_every": 1, "memory": False, "block_groups": 1})
+    assert prof is not None
+    layers = prof.tables()["layers"]
+    row = layers[(layers[T.MODULE] == "act") & (layers[T.TENSOR] == T.ACTIVATION)].iloc[0]
+    (h,) = seen
+    h2 = h.reshape(-1, h.shape[-1])
+    want = torch.stack([reference(h2, -1), reference(h2, -2)])
+    got = torch.tensor(
+        [
+            [[row[T.block_col(r, st, o)] for st in T.BLOCK_STATS] for r in T.BLOCK_RECIPES]
+            for o in T.BLOCK_ORIENTATIONS
+        ],
+        dtype=torch.float64,
+    )
+    assert int(row[T.NUMEL]) == h.numel()
+    assert_same(got, want, "act read by q and k")
+
+
 def test_block_groups_are_dealt_by_size() -> None:
     """Largest first, each to the lightest group (cost: in + out features): 128 | 72, 16, 16."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(64, 64), nn.Linear(8, 8), nn.Linear(64, 8))

@@ -149,7 +149,8 @@ class DeviceRows:
             dtype=torch.float64,
             device=device,
         )
-        self._last_blocks: tuple[weakref.ref[torch.Tensor], int, torch.Tensor] | None = None
+        # the tensors added to the block accumulator since the last reset: (id, row) -> (tensor, version)
+        self._blocks_added: dict[tuple[int, int], tuple[weakref.ref[torch.Tensor], int]] = {}
         self._keys_hist = torch.zeros(_N_KEYS, dtype=torch.int64, device=device)
         self._small = torch.empty(nw + 1, dtype=torch.int64, device=device)
         if not self.on_cpu:
@@ -201,6 +202,7 @@ class DeviceRows:
     def reset(self, rows: slice | None = None) -> None:
         """Zero the counts of all rows (or ``rows``); device op, no sync."""
         sl = rows if rows is not None else slice(None)
+        self._blocks_added.clear()
         if self.on_cpu:
             self._blocks[sl] = 0.0
             self._counts[sl] = 0
@@ -493,18 +495,21 @@ class DeviceRows:
     @torch.no_grad()
     def accumulate_blocks(self, x: torch.Tensor, row: int) -> None:
         """Add the block-format statistics of ``x`` (ndim >= 2, on this device; both orientations, every
-        recipe of ``stats.blocks.RECIPES``) into ``row`` of the block accumulator. Never syncs. The same tensor
-        (object and in-place version) as the previous call is added again without reading it."""
+        recipe of ``stats.blocks.RECIPES``) into ``row`` of the block accumulator. Never syncs. A tensor
+        (object and in-place version) already added into ``row`` since the last ``reset`` is not added again:
+        a module output that several linear layers read (q, k and v projections) counts once, like its other
+        statistics, so its shares keep their denominator."""
         version = _compat.tensor_version(x)
-        last = self._last_blocks
-        if last is not None and version is not None and last[0]() is x and last[1] == version:
-            stats = last[2]
-        else:
-            self._order_stream()
-            engine = "torch" if self.engine == "c" and not self.use_kernel else self.engine
-            stats = _blocks.tensor_block_stats(x, engine=engine, threads=self._threads())
-            self._last_blocks = (weakref.ref(x), version, stats) if version is not None else None
-        self._blocks[row] += stats
+        key = (id(x), row)
+        if version is not None:
+            done = self._blocks_added.get(key)
+            if done is not None and done[0]() is x and done[1] == version:
+                return
+        self._order_stream()
+        engine = "torch" if self.engine == "c" and not self.use_kernel else self.engine
+        self._blocks[row] += _blocks.tensor_block_stats(x, engine=engine, threads=self._threads())
+        if version is not None:
+            self._blocks_added[key] = (weakref.ref(x), version)
 
     def blocks_dense(self) -> torch.Tensor:
         """The block accumulator, float64 [rows, 2, n_recipes, 5], on this device."""
