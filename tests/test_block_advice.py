@@ -350,3 +350,42 @@ def test_report_for_b200(run: Any, tmp_path: Path) -> None:
     blocks = ctx["whatif"]["blocks"]
     assert not blocks["on_target"] and blocks["target"] == "b200" and ctx["verdict"]["block_plan"] == []
     assert [r["plan"] for r in blocks["rows"]] == ["NVFP4", "MXFP8", "BF16"]
+
+
+def test_a_head_tied_to_the_embedding_has_its_input_judged(block_formats_on: None) -> None:
+    """gpt-nano's lm_head shares wte's weight, which the Profiler records under wte: the plan still finds
+    the head's input (ln_f's output) from the embedding's shape and judges all six operands."""
+    import torch.nn.functional as F
+
+    from precprof.capture import Profiler
+    from precprof.models import build_model
+
+    torch.manual_seed(0)
+    built = build_model("gpt-nano", vocab_size=64, seq_len=32)
+    model = built.module
+    assert model.lm_head.weight is model.transformer.wte.weight
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = Profiler(model, optimizer=opt, sample_every=1, memory=False, block_groups=1).attach()
+    try:
+        for _ in range(2):
+            ids = torch.randint(0, 64, (2, 33))
+            logits = model(ids[:, :-1])
+            F.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+        tables, summary = prof.tables(), prof.summary()
+    finally:
+        prof.detach()
+    rec = recommend(tables, hardware="b200", summary={T.SUMMARY_CAPTURE: summary})
+    (head,) = [lb for lb in rec.block_what_if["layers"] if lb["module"] == "lm_head"]
+    assert head["input_from"] == "transformer.ln_f"
+    assert {(op["operand"], op["gemm"]) for op in head["operands"]} == {
+        ("input", "forward"),
+        ("weight", "forward"),
+        ("output gradient", "input gradient"),
+        ("weight", "input gradient"),
+        ("output gradient", "weight gradient"),
+        ("input", "weight gradient"),
+    }
+    assert head["choice"] in ("mxfp8", "bf16") and rb.HEAD_WHY in head["why"]

@@ -228,6 +228,9 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
     out: list[LayerBlocks] = []
     for m in linear:
         t = run.types.get(m, "")
+        sh = shapes[m]
+        if m not in dims and sh.in_features and sh.out_features:  # a head tied to an embedding's weight
+            dims = {**dims, m: {"in": sh.in_features, "out": sh.out_features}}
         src = _input_of(run, m, leaves, dims)
         w_owner = shapes[m].tied_to if shapes[m].shared and shapes[m].tied_to else m
         rows = {
