@@ -44,9 +44,8 @@ class HookFactories:
     _device: torch.device
     _updates: UpdateSampler | None
     _block_formats: bool  # also the block-format what-if of the linear layers' operands
-    _block_turn: (
-        int  # the group of layers (_ModuleSlot.block_group) whose operands this sampled step evaluates
-    )
+    # the group of layers (_ModuleSlot.block_group) whose operands this sampled step evaluates
+    _block_turn: int
     # this sampled step's module outputs a linear layer may read: id(tensor) -> (the tensor, its activation row)
     _block_outputs: dict[int, tuple[weakref.ref[torch.Tensor], int]]
 

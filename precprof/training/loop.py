@@ -9,7 +9,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -377,8 +377,29 @@ def _check_memory(
     device: torch.device,
 ) -> footprint.Footprint:
     """Refuse, before the first step, a run that cannot fit in this device's memory (``precprof.footprint``)."""
+    return footprint.check_training_fits(
+        model,
+        batch_size=config.batch_size,
+        optimizer=config.optimizer,
+        forward_loss=_forward_loss(config, built, model, plan, data, device),
+        device=device,
+        what=_run_what(config, built.name),
+        processes_sharing=_ranks_sharing(device),
+    )
 
-    def forward_loss(batch: int) -> torch.Tensor:  # in the run's precision (footprint forks the RNG state)
+
+def _forward_loss(
+    config: TrainConfig,
+    built: BuiltModel,
+    model: nn.Module,
+    plan: PrecisionPlan,
+    data: TokenSource,
+    device: torch.device,
+) -> Callable[[int], torch.Tensor]:
+    """``forward_loss(batch)`` for ``footprint``: the forward pass and the loss on random tokens at the run's
+    sequence length, in the run's precision, on ``device`` (``meta`` too; footprint forks the RNG state)."""
+
+    def forward_loss(batch: int) -> torch.Tensor:
         seq = torch.randint(0, data.vocab_size, (batch, config.seq_len + 1), device=device)
         x, y = seq[:, :-1], seq[:, 1:]
         autocast = (
@@ -390,15 +411,7 @@ def _check_memory(
             out = model(x, targets=y) if built.pass_targets else model(x)
             return loss_from_output(out, y, data.vocab_size)
 
-    return footprint.check_training_fits(
-        model,
-        batch_size=config.batch_size,
-        optimizer=config.optimizer,
-        forward_loss=forward_loss,
-        device=device,
-        what=_run_what(config, built.name),
-        processes_sharing=_ranks_sharing(device),
-    )
+    return forward_loss
 
 
 def _ranks_sharing(device: torch.device) -> int:
@@ -437,15 +450,9 @@ def _refuse_before_building(
                 config.model, config.model_args, vocab_size=data.vocab_size, seq_len=config.seq_len
             )
         model = built.module.to(plan.param_dtype)
-
-        def forward_loss(batch: int) -> torch.Tensor:
-            seq = torch.randint(0, data.vocab_size, (batch, config.seq_len + 1), device="meta")
-            x, y = seq[:, :-1], seq[:, 1:]
-            out = model(x, targets=y) if built.pass_targets else model(x)
-            return loss_from_output(out, y, data.vocab_size)
-
+        meta = _forward_loss(config, built, model, plan, data, torch.device("meta"))
         fp = footprint.estimate(
-            model, batch_size=config.batch_size, optimizer=config.optimizer, forward_loss=forward_loss
+            model, batch_size=config.batch_size, optimizer=config.optimizer, forward_loss=meta
         )
     except Exception:  # the real model's check decides (and a real error is met where it is recorded)
         return

@@ -224,13 +224,19 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
         if not any(o != m and (m == "" or o.startswith(m + ".")) for o in acts[T.MODULE].unique())
     ]
     shapes = _fp8_shapes(run, linear, {k: dict(v) for k, v in dims.items()})
+    # a head tied to an embedding has no weight of its own in the tables: its shape comes from the embedding's
+    dims = {
+        **{
+            m: {"in": sh.in_features, "out": sh.out_features}
+            for m, sh in shapes.items()
+            if sh.in_features and sh.out_features
+        },
+        **dims,
+    }
     lay = run.layers
     out: list[LayerBlocks] = []
     for m in linear:
         t = run.types.get(m, "")
-        sh = shapes[m]
-        if m not in dims and sh.in_features and sh.out_features:  # a head tied to an embedding's weight
-            dims = {**dims, m: {"in": sh.in_features, "out": sh.out_features}}
         src = _input_of(run, m, leaves, dims)
         w_owner = shapes[m].tied_to if shapes[m].shared and shapes[m].tied_to else m
         rows = {
