@@ -29,7 +29,13 @@ The rules, read from the OCP MX v1.0 spec and torchao 0.18 (``torchao.prototype.
   recipe: per-tensor fp32 scale p = fl(amax_tensor / (448 * 6)); block scale s = E4M3(clamp(fl(fl(amax_block /
   6) / p), 2^-6, 448)); elements q = E2M1(clamp(x * fl(fl(1 / p) / s), -6, 6)); dequantised q * fl(p * s).
   Every fl() is one fp32 rounding, in that order (torchao multiplies by the reciprocal, as its kernels do).
-  An all-zero tensor quantises to zeros (torchao's 0/0 would give nan).
+  An all-zero tensor quantises to zeros (torchao's 0/0 would give nan). Tiny tensors: where torchao's
+  reciprocals overflow, its factor is inf, every nonzero value saturates and a zero becomes 0 * inf = nan,
+  which its E2M1 cast turns into 1.5; Transformer Engine's NVFP4 kernels clamp the global and the per-block
+  encode scales to the fp32 max instead, and so does this: p is at
+  least ``NVFP4_TENSOR_SCALE_MIN`` (the smallest fp32 whose reciprocal is finite; amax below 2688 * 2^-128,
+  about 2^-116.6) and fl(fl(1 / p) / s) at most the fp32 max (reached from amax below about 2^-110.6 in blocks
+  with a small scale). Wherever torchao's factor is finite, nothing differs.
 - Non-finite inputs: an MX block holding a nan or inf has no finite scale (OCP: the E8M0 scale is NaN) and
   dequantises to nan entirely; for NVFP4 the per-tensor amax is then non-finite and the whole tensor is nan.
   Those values are counted as ``poisoned`` and left out of every other count and of the error sums. (torchao
@@ -99,6 +105,11 @@ ELEMENT_FORMATS: dict[str, NumberFormat] = {
 E8M0_MIN_EXPONENT = -127  # E8M0 encodes 2^-127 .. 2^127 (and 0xFF = nan)
 E8M0_MAX_EXPONENT = 127
 NVFP4_SCALE_MIN = 2.0**-6  # torchao clamps the E4M3 block scale to finfo(e4m3fn).tiny (no subnormal scales)
+# the smallest fp32 whose reciprocal is finite (2^-128 + 2^-149, bits 0x00200001): NVFP4's per-tensor scale is
+# clamped to it, so that fl(1 / p) stays finite for tensors of amax below ~2^-116.6 (module docstring)
+NVFP4_TENSOR_SCALE_BITS = 0x00200001
+NVFP4_TENSOR_SCALE_MIN = 2.0**-128 + 2.0**-149
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def exponent_bias(fmt: NumberFormat) -> int:
@@ -254,11 +265,11 @@ def _quantize(x: torch.Tensor, recipe: BlockRecipe, axis: int) -> tuple[torch.Te
         ok = torch.isfinite(tmax)
         p = torch.where(
             tmax > 0, tmax / (formats.FP8_E4M3.max * fmt.max), 1.0
-        )  # all-zero tensor: any p works
+        ).clamp(min=NVFP4_TENSOR_SCALE_MIN)  # all-zero tensor: any p works
         s = round_to_element(
             (amax / fmt.max / p).clamp(NVFP4_SCALE_MIN, formats.FP8_E4M3.max), formats.FP8_E4M3
         )
-        scaled = xb * ((1.0 / p) / s)
+        scaled = xb * ((1.0 / p) / s).clamp(max=FLOAT32_MAX)  # an overflowing factor is the fp32 max
         deq = round_to_element(scaled, fmt) * (p * s)
         poisoned = ~ok.expand(amax.shape)
     saturated = (scaled.abs() > fmt.max) & ~poisoned

@@ -13,6 +13,7 @@ import math
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -464,3 +465,67 @@ def test_torchao_nvfp4_all_zero_tensor_is_nan(ao: Ao) -> None:
     x = torch.zeros(2, 16)
     assert ao(x, bf.NVFP4)[0].isnan().all()
     assert bits_equal(bf.quantize(x, bf.NVFP4), x)
+
+
+def nvfp4_with_te_clamps(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4 of a 2-D float32 ``x`` (blocks of 16 along the last dim), computed independently of block_formats:
+    numpy fp32 scalars for every fl() step, torch's float8_e4m3fn cast for the block scale and torchao's E2M1
+    cast for the elements, with Transformer Engine's clamps (an encode factor that overflows is the fp32 max)
+    applied to torchao's order of operations."""
+    kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
+    f32max = np.float32(np.finfo(np.float32).max)
+    a = x.numpy().astype(np.float32)
+    amax = np.float32(np.abs(a).max())
+    with np.errstate(over="ignore", divide="ignore"):
+        p = amax / np.float32(2688.0) if amax > 0 else np.float32(1.0)
+        r = np.float32(1.0) / p
+        if not np.isfinite(r):  # the smallest p whose reciprocal is finite
+            p = np.nextafter(np.float32(2.0**-128), np.float32(1.0))
+            r = np.float32(1.0) / p
+        out = np.zeros_like(a)
+        for i in range(a.shape[0]):
+            for j in range(0, a.shape[1], 16):
+                blk = a[i, j : j + 16]
+                t = np.float32(np.float32(np.abs(blk).max()) / np.float32(6.0)) / p
+                t = min(max(t, np.float32(2.0**-6)), np.float32(448.0))
+                s = np.float32(torch.tensor(float(t)).to(torch.float8_e4m3fn).float().item())
+                f = min(np.float32(r / s), f32max)
+                scaled = np.clip(blk * f, np.float32(-6.0), np.float32(6.0)).astype(np.float32)
+                q = kernels.f4_unpacked_to_f32(kernels.f32_to_f4_unpacked(torch.from_numpy(scaled))).numpy()
+                out[i, j : j + 16] = q * np.float32(p * s)
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("top", [2.0**-100, 2.0**-112, 2.0**-117, 2.0**-120, 2.0**-130, 2.0**-140, 2.0**-149])
+def test_nvfp4_of_tiny_tensors_clamps_its_factors_as_transformer_engine(top: float) -> None:
+    # A block of small values (scale clamped to 2^-6) and a zero block beside the tensor's amax: torchao's
+    # factor fl(fl(1 / p) / s) overflows to inf for such tensors and 0 * inf turns the zeros nan; with the
+    # clamps every value is finite and equal to an independent step-by-step computation.
+    g = torch.Generator().manual_seed(int(-math.log2(top)))
+    big = torch.randn(2, 16, generator=g) * top / 3
+    big[0, 0] = top
+    x = torch.cat([big, big / 2**12, torch.zeros(2, 16)], dim=1).clamp(-top, top)
+    want = nvfp4_with_te_clamps(x)
+    got = bf.quantize(x, bf.NVFP4)
+    assert got.isfinite().all() and bits_equal(got, want)
+    s = bf.block_stats(x, bf.NVFP4)
+    assert math.isfinite(float(s["sum_err2"]))
+    assert int(s["flushed"]) == int(((x != 0) & (want == 0)).sum())
+    assert float(s["sum_err2"]) == pytest.approx(float(((x.double() - want.double()) ** 2).sum()), rel=1e-12)
+
+
+def test_torchao_nvfp4_of_a_tiny_tensor_where_its_factor_overflows(ao: Ao) -> None:
+    # Where torchao's factors stay finite the clamps change nothing: a tiny tensor whose blocks all have
+    # large scales agrees bit for bit. Add a zero block and a block of small values: torchao's factor is inf
+    # there, its zeros come out as 1.5·fl(p·s) (0·inf = nan, which its E2M1 cast maps to 1.5) and its small
+    # values saturate; ours stay zero and round from the clamped factor, as Transformer Engine's would.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 48, generator=g) * 2.0**-115
+    agree_with_torchao(ao, x, bf.NVFP4)
+    x[0, :16] = 0.0
+    x[1, 16:32] *= 2.0**-12
+    deq = ao(x, bf.NVFP4)[0]
+    assert deq[0, :16].ne(0).all() and (deq[1, 16:32].abs() == deq[1, 16:32].abs().amax()).all()
+    ours = bf.quantize(x, bf.NVFP4)
+    assert ours[0, :16].eq(0).all() and bits_equal(ours, nvfp4_with_te_clamps(x))
+    assert bits_equal(ours[2:], deq[2:]) and bits_equal(ours[:, 32:], deq[:, 32:])

@@ -1,4 +1,5 @@
 /* precprof one-pass CPU statistics kernel (v3: the row layout is passed in). Plain C (OpenMP when available), no torch headers. */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -602,7 +603,8 @@ static void run_tiles(const bjob_t* j, int64_t t0, int64_t t1, bsum_t* out) {
                         float v = a / r->fmax / j->p;
                         v = v < r->smin ? r->smin : (v > r->smax ? r->smax : v);
                         float s = round_elem(v, r->sm, r->semin, r->smax);
-                        (h ? mul1 : mul0)[g] = j->inv_p / s;
+                        float f = j->inv_p / s; /* an overflowing factor is the fp32 max (nan stays) */
+                        (h ? mul1 : mul0)[g] = f > FLT_MAX ? FLT_MAX : f;
                         (h ? deq1 : deq0)[g] = j->p * s;
                     }
                 }
@@ -669,7 +671,8 @@ int pp_block(const void* data, int64_t rows, int64_t last, int dtype, int orient
         for (int64_t i = 0; i < n; i++) { uint32_t u = absbits_at(data, dtype, i); amax = u > amax ? u : amax; }
         job.nvfp4_ok = amax < 0x7F800000u;
         if (amax > 0 && job.nvfp4_ok) {
-            job.p = bitsf(amax) / 2688.0f; /* fl(amax / (448 * 6)) */
+            job.p = bitsf(amax) / 2688.0f; /* fl(amax / (448 * 6)), at least the smallest fp32 whose */
+            if (job.p < bitsf(0x00200001u)) job.p = bitsf(0x00200001u); /* reciprocal is finite */
             job.inv_p = 1.0f / job.p;
         }
     }

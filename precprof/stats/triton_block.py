@@ -17,7 +17,8 @@ Exactness. All rounding is integer arithmetic on bit patterns, the same steps as
 MX scales are powers of two (floor: floor(log2 amax) - emax; rceil: the smallest k with 2^k >= fl32(amax /
 max), that fl32 division done exactly in integers, fl32 == 0 giving k = 0 as frexp does); an element is
 rounded from its exact value |x| / 2^k. NVFP4 repeats torchao's fp32 steps one by one, each an exact IEEE
-fp32 division or product (subnormals, inf and nan included): p = fl(amax_tensor / 2688), r = fl(1 / p),
+fp32 division or product (subnormals, inf and nan included): p = fl(amax_tensor / 2688) (at least the
+smallest fp32 whose reciprocal is finite, ``block_formats.NVFP4_TENSOR_SCALE_MIN``), r = fl(1 / p),
 s = E4M3(clamp(fl(fl(amax_block / 6) / p), 2^-6, 448)), element fl(|x| * fl(r / s)) rounded to E2M1 with
 saturation, dequantised fl(q * fl(p * s)). Errors are (|x| - |q|)^2 in float64 from exact values.
 
@@ -98,6 +99,7 @@ def _constants() -> dict[str, int]:
             )
         c["NV_DIV"] = _f32_bits(bf.formats.FP8_E4M3.max * bf.FP4_E2M1.max)
         c["NV_SMIN"] = _f32_bits(bf.NVFP4_SCALE_MIN)
+        c["NV_PMIN"] = bf.NVFP4_TENSOR_SCALE_BITS
         _state["constants"] = c
     return dict(_state["constants"])
 

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 _INF = tl.constexpr(0x7F800000)  # fp32 bits of +inf; every larger magnitude pattern is a nan
+_FMAX = tl.constexpr(0x7F7FFFFF)  # fp32 bits of the largest finite float
 _NAN = tl.constexpr(0x7FC00000)
 _ONE = tl.constexpr(0x3F800000)
 _INF64 = tl.constexpr(0x7FF0000000000000)  # float64 bits of +inf
@@ -184,11 +185,12 @@ def _nv_scales(
 ):
     # NVFP4 block scale of a 16-block with largest magnitude amax (bits): s = E4M3(clamp(fl(fl(amax / 6) / p),
     # 2^-6, 448)) (nan stays nan); the element factor fl(r / s) with r = fl(1 / p), and the dequantisation
-    # factor fl(p * s)
+    # factor fl(p * s); an element factor that overflows is the fp32 max (nan stays nan)
     t = _fdiv(_fdiv(amax, amax * 0 + ELEM_MAX), p)
     t = tl.where(t > _INF, t, tl.minimum(tl.maximum(t, SMIN), S_MAX))
     s = _round_elem(t, S_MB, S_EMIN, S_MAX)
-    return _fdiv(r, s), _fmul(p, s)
+    f = _fdiv(r, s)
+    return tl.where(f > _INF, f, tl.minimum(f, _FMAX)), _fmul(p, s)
 
 
 @triton.jit
@@ -283,6 +285,7 @@ def _blocks(
     FMAX4: tl.constexpr,
     NV_DIV: tl.constexpr,
     NV_SMIN: tl.constexpr,
+    NV_PMIN: tl.constexpr,
 ):
     # Slots: MX element format f (0..4, the MB/EMIN/FMAX constants) in scale mode floor (2f) or rceil
     # (2f + 1); NVFP4 is slot 10 (element format 4, block scale in format 0). MASK: the slots to compute.
@@ -293,9 +296,10 @@ def _blocks(
     lane = tl.arange(0, 32)[:, None]
     NV: tl.constexpr = (MASK >> 10) & 1
     if NV:
-        # the per-tensor scale p = fl(amax / (448 * 6)) (1 for an all-zero tensor) and r = fl(1 / p)
+        # the per-tensor scale p = fl(amax / (448 * 6)) (1 for an all-zero tensor), at least NV_PMIN (the
+        # smallest fp32 whose reciprocal is finite; positive fp32 bits order as their values), and r = fl(1 / p)
         tmax = tl.load(tmax_ptr).to(tl.int64)
-        p = tl.where(tmax > 0, _fdiv(tmax, tmax * 0 + NV_DIV), _ONE)
+        p = tl.maximum(tl.where(tmax > 0, _fdiv(tmax, tmax * 0 + NV_DIV), _ONE), NV_PMIN)
         r = _fdiv(p * 0 + _ONE, p)
     for it in range(0, iters):
         t = pid + it * nprog
