@@ -263,9 +263,9 @@ def _quantize(x: torch.Tensor, recipe: BlockRecipe, axis: int) -> tuple[torch.Te
     else:  # NVFP4, torchao's arithmetic step by step (module docstring)
         tmax = xb.abs().amax() if xb.numel() else xb.new_zeros(())
         ok = torch.isfinite(tmax)
-        p = torch.where(
-            tmax > 0, tmax / (formats.FP8_E4M3.max * fmt.max), 1.0
-        ).clamp(min=NVFP4_TENSOR_SCALE_MIN)  # all-zero tensor: any p works
+        p = torch.where(tmax > 0, tmax / (formats.FP8_E4M3.max * fmt.max), 1.0).clamp(
+            min=NVFP4_TENSOR_SCALE_MIN
+        )  # all-zero tensor: any p works
         s = round_to_element(
             (amax / fmt.max / p).clamp(NVFP4_SCALE_MIN, formats.FP8_E4M3.max), formats.FP8_E4M3
         )

@@ -21,6 +21,7 @@ from scenarios import (
     huge_activations,
     huge_gradients,
     lost_updates,
+    low_precision_loss,
     nan_injection,
     own_loop,
     summed_loss,
@@ -411,3 +412,28 @@ def test_m_no_fp16_scale_that_raises_underflow_is_proposed() -> None:
         assert "bf16 or fp32" in found[code].remedy, code
         assert "Start" not in found[code].remedy, code
     assert rec.format != "fp16"
+
+
+def test_a_loss_computed_in_bf16_by_a_function_is_found() -> None:
+    """F.cross_entropy on a bf16 model's logits: no loss module to see, but the loss tensor was bf16. The
+    finding gives the spacing of bf16 at the final loss, and the run shows it: every recorded loss sits on the
+    bf16 grid, and it is off the fp32 loss of the same logits by more than half that spacing (each token's
+    log-probability was rounded too, not only the mean: measured 1.4 spacings at worst). With the logits cast
+    to fp32 first (the remedy) the loss is the fp32 one and nothing is found."""
+    bf16 = low_precision_loss.run(fp32_loss=False)
+    found = {f.code: f for f in bf16.recommend("a100").findings}
+    loss = found["bf16_loss"]
+    assert loss.severity == "warning" and "bfloat16 on 12 of 12 steps" in loss.message
+    final = bf16.losses[-1]
+    spacing = 2.0 ** (math.floor(math.log2(final)) - 7)
+    assert loss.numbers["final_loss"] == final and loss.numbers["spacing"] == spacing
+    assert f"{spacing:.3g} apart" in loss.message
+    # the problem is real in this run: the losses are bf16 values, rounded from the fp32 loss of their logits
+    assert all(torch.tensor(got).to(torch.bfloat16).item() == got for got in bf16.losses)
+    off = [abs(got - exact) for got, exact in zip(bf16.losses, bf16.fp32_losses, strict=True)]
+    assert max(off) > spacing / 2
+    assert "bf16_fp32_ops" not in found  # no module computed it: only the loss tensor told
+    fixed = low_precision_loss.run(fp32_loss=True)
+    assert fixed.losses == fixed.fp32_losses
+    assert not {"bf16_loss", "fp16_loss"} & {f.code for f in fixed.recommend("a100").findings}
+    assert fixed.summary[T.SUMMARY_CAPTURE]["loss_dtypes"] == {"float32": 12}

@@ -330,6 +330,30 @@ def test_text_data_and_user_model_returning_a_loss(tmp_path: Path) -> None:
     assert result.steps[T.LOSS].iloc[-1] < result.steps[T.LOSS].iloc[0]
 
 
+def test_a_user_model_returning_a_bf16_loss_keeps_its_dtype_and_is_found(tmp_path: Path) -> None:
+    # forward(x, targets) computes F.cross_entropy on bf16 logits in a bf16-pure run: the loop hands the loss
+    # on in its own dtype (it used to cast it to fp32, hiding it), and the advisor says so
+    factory = tmp_path / "m.py"
+    factory.write_text(
+        "from torch import nn\n"
+        "import torch.nn.functional as F\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self, vocab_size):\n"
+        "        super().__init__()\n"
+        "        self.e = nn.Embedding(vocab_size, 16)\n"
+        "        self.o = nn.Linear(16, vocab_size)\n"
+        "    def forward(self, x, targets=None):\n"
+        "        return F.cross_entropy(self.o(self.e(x)).flatten(0, 1), targets.flatten())\n"
+        "def make(vocab_size):\n"
+        "    return M(vocab_size)\n"
+    )
+    result = train(tiny(tmp_path, model=f"{factory}:make", precision="bf16-pure", steps=4))
+    assert result.summary[T.SUMMARY_CAPTURE]["loss_dtypes"] == {"bfloat16": 4}
+    codes = {f["code"] for f in result.summary[T.SUMMARY_RECOMMENDATION]["findings"]}
+    assert "bf16_loss" in codes
+    assert all(torch.tensor(v).to(torch.bfloat16).item() == v for v in result.steps[T.LOSS])
+
+
 def test_text_too_short_is_refused_before_training(tmp_path: Path) -> None:
     short = tmp_path / "short.txt"
     short.write_text("tiny")

@@ -182,6 +182,8 @@ class Profiler(HookFactories):
 
         self._recorded = Recorded()
         self._autocast_seen: dict[str, Any] = {}
+        # the dtypes of the loss tensors step() was given (name -> steps): a 16-bit loss is a finding
+        self._loss_dtypes: dict[str, int] = {}
         self._status = T.STATUS_COMPLETE
         self._reason: str | None = None
         self._device: torch.device = torch.device("cpu")
@@ -396,6 +398,8 @@ class Profiler(HookFactories):
             self._scaler_watch.take() if self._scaler_watch is not None else (self.loss_scale or 1.0, None)
         )
         if isinstance(loss, torch.Tensor):
+            name = str(loss.dtype).removeprefix("torch.")  # host metadata: no sync
+            self._loss_dtypes[name] = self._loss_dtypes.get(name, 0) + 1
             loss = loss.detach().reshape(-1)[0] if loss.numel() else None
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = grad_norm.detach().reshape(())
@@ -620,6 +624,7 @@ class Profiler(HookFactories):
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
             "static_loss_scale": self.loss_scale,
             "low_precision_buffers": self._low_precision_buffers(),
+            "loss_dtypes": dict(self._loss_dtypes),
             "histogram_shift_exact": not (self._scaler_watch is not None and self._scaler_watch.non_pow2),
             "weight_update_sample": self.update_sample if self.weight_updates else 0,
             "fp8_recipe": "per-tensor current scaling, scale = 2^floor(log2(fmax / amax))",

@@ -105,7 +105,7 @@ def loss_from_output(out: Any, targets: torch.Tensor, vocab_size: int | None = N
     else:
         loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
     if isinstance(loss, torch.Tensor) and loss.ndim == 0:
-        return loss.float()
+        return loss  # in its own dtype: a model that computed it in 16-bit is a finding (bf16_loss)
     if isinstance(logits, torch.Tensor) and logits.ndim == 3 and logits.shape[:2] == targets.shape:
         if vocab_size is not None and logits.shape[-1] < vocab_size:
             raise UserError(

@@ -4,12 +4,14 @@ states (the memory table's dtypes)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from typing import Any
 
+from precprof import formats, taxonomy
 from precprof import tables as T
-from precprof import taxonomy
 from precprof.analysis.advisor.evidence import _dtype_has, _Plan, _Run
-from precprof.analysis.advisor.model import INFO, WARNING, Finding
+from precprof.analysis.advisor.model import INFO, WARNING, Finding, Number
 from precprof.analysis.advisor.text import _listing
 
 _LOW = ("float16", "bfloat16")
@@ -68,6 +70,7 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
                     numbers={"modules": len(mods), "autocast": int(autocast)},
                 )
             )
+    _rule_low_precision_loss(run, plan, capture)
     bufs = capture.get("low_precision_buffers") if isinstance(capture, Mapping) else None
     if bufs:
         mods = run.sort(list(dict.fromkeys(str(b.get("module", "")) for b in bufs)))
@@ -104,6 +107,57 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
                 numbers={"low_precision_bytes": sum(low.values()), "bytes": total},
             )
         )
+
+
+def _rule_low_precision_loss(run: _Run, plan: _Plan, capture: Mapping[str, Any]) -> None:
+    """The loss tensor handed to ``Profiler.step`` was fp16 or bf16 (``F.cross_entropy`` on the logits of a model
+    cast to 16-bit: autocast computes it in fp32, a cast model does not). A loss module whose output was 16-bit
+    is already the fp32-ops finding; this catches the loss computed by a function."""
+    dtypes = capture.get("loss_dtypes") if isinstance(capture, Mapping) else None
+    if not isinstance(dtypes, Mapping) or not dtypes:
+        return
+    total = sum(int(v) for v in dtypes.values())
+    reported = {f.code for f in plan.findings}
+    losses = run.steps[T.LOSS].dropna() if T.LOSS in run.steps else run.steps.iloc[0:0]
+    losses = losses[losses.map(math.isfinite)] if len(losses) else losses
+    final = float(losses.iloc[-1]) if len(losses) and float(losses.iloc[-1]) != 0.0 else None
+    for dtype in _LOW:
+        n = int(dtypes.get(dtype, 0))
+        fmt = "fp16" if dtype == "float16" else "bf16"
+        if not n or (f"{fmt}_fp32_ops" in reported and _loss_module_in(run, dtype)):
+            continue
+        bits = formats.get(fmt).mantissa_bits
+        numbers: dict[str, Number] = {"steps": n, "steps_with_loss_tensor": total}
+        grid = ""
+        if final is not None:
+            spacing = 2.0 ** (math.floor(math.log2(abs(final))) - bits)
+            numbers["final_loss"], numbers["spacing"] = final, spacing
+            grid = (
+                f" At the final loss {final:.4g}, {fmt} values are {spacing:.3g} apart: a change of the loss "
+                "smaller than that does not show, and runs compared by their loss differ by steps of it."
+            )
+        plan.add(
+            Finding(
+                f"{fmt}_loss",
+                WARNING,
+                f"The loss was computed in {fmt}",
+                f"The loss tensor handed to precprof was {dtype} on {n} of {total} steps: the log-probabilities "
+                f"and their mean were rounded to {fmt} ({bits + 1} significant bits), and the logits' gradient "
+                f"(softmax minus one-hot) starts from {fmt} values.{grid}",
+                "Compute the loss from fp32 logits: F.cross_entropy(logits.float(), targets). Autocast does "
+                "this for F.cross_entropy; a model cast with .to(torch.bfloat16) or .half() does not.",
+                numbers=numbers,
+            )
+        )
+
+
+def _loss_module_in(run: _Run, dtype: str) -> bool:
+    """Whether a loss module's activation rows hold ``dtype`` outputs (the fp32-ops finding lists it)."""
+    acts = run.kind(T.ACTIVATION)
+    if acts.empty:
+        return False
+    loss = acts[acts[T.MODULE_TYPE].map(taxonomy.kind_of_type) == taxonomy.LOSS]
+    return bool(_dtype_has(loss, dtype).any()) if not loss.empty else False
 
 
 def _optimizer_state_dtypes(run: _Run) -> dict[str, int]:
