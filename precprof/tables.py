@@ -130,6 +130,15 @@ WEIGHT_GRAD = "weight_grad"
 WEIGHT_UPDATE = "weight_update"
 TENSOR_KINDS = (ACTIVATION, ACTIVATION_GRAD, WEIGHT, WEIGHT_GRAD, WEIGHT_UPDATE)
 GRADIENT_KINDS = (ACTIVATION_GRAD, WEIGHT_GRAD)
+# A linear layer's input that no captured module produced (an attention's output, a function's): recorded as
+# the activation of a pseudo-module named after the layer, so the block formats judge that operand too
+INPUT_SUFFIX = ":input"
+INPUT_MODULE_TYPE = "(function output)"
+
+
+def input_module(module: str) -> str:
+    """The pseudo-module whose activation rows hold ``module``'s input when no captured module produced it."""
+    return module + INPUT_SUFFIX
 
 # ------------------------------------------------------------------------------------ memory components
 PARAMETERS = "parameters"

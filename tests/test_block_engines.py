@@ -178,8 +178,9 @@ def train(
     return losses, prof
 
 
-# The module whose output each linear layer reads as its input (the model's input has no such module)
-PRODUCER = {"fc2": "act"}
+# The module whose output each linear layer reads as its input; fc1 reads the model's input, which no module
+# produced: it is recorded under fc1's own input row
+PRODUCER = {"fc2": "act", "fc1": T.input_module("fc1")}
 
 
 def plain_capture(model: nn.Module, plain: dict) -> list:
@@ -258,7 +259,8 @@ def test_profiled_model_block_columns_equal_block_stats_of_the_same_tensors(
             continue
         assert_same(got, want[key], str(key))
         checked += 1
-    assert checked == 2 * 5  # per step: 2 weights, 2 output gradients, act's output (fc2's input)
+    # per step: 2 weights, 2 output gradients, act's output (fc2's input), the model's input (fc1's)
+    assert checked == 2 * 6
     assert (layers[T.block_col("mxfp4", "sum_x2")].dropna() > 0).all()
 
 
@@ -273,8 +275,8 @@ def block_cells(layers: pd.DataFrame) -> dict[tuple[int, str, str, str], np.ndar
 
 def test_block_groups_take_turns_and_give_the_same_numbers(block_formats_on: None) -> None:
     """block_groups=2: the linear layers are dealt into two groups by size (fc1 48+80, then fc2 80+40); step k
-    evaluates group k % 2 (fc1's weight and output gradient; then fc2's weight, output gradient and its input,
-    act's output), and what it evaluates equals the run that evaluates every layer on every step."""
+    evaluates group k % 2 (fc1's weight, output gradient and input, the model's; then fc2's weight, output
+    gradient and its input, act's output), and what it evaluates equals the run that evaluates every layer on every step."""
     torch.manual_seed(0)
     model = MLP()
     twin = copy.deepcopy(model)
@@ -284,7 +286,7 @@ def test_block_groups_take_turns_and_give_the_same_numbers(block_formats_on: Non
     all_cells = block_cells(every.tables()["layers"])
     turn_cells = block_cells(turns.tables()["layers"])
     assert all_cells.keys() == turn_cells.keys()
-    group = {"fc1": 0, "fc2": 1, "act": 1}  # act's output is fc2's input
+    group = {"fc1": 0, T.input_module("fc1"): 0, "fc2": 1, "act": 1}  # act's output is fc2's input
     evaluated = 0
     for key, want in all_cells.items():
         step, module, _, _ = key
@@ -294,7 +296,7 @@ def test_block_groups_take_turns_and_give_the_same_numbers(block_formats_on: Non
             continue
         np.testing.assert_array_equal(got, want, err_msg=str(key))
         evaluated += 1
-    assert evaluated == 2 * 2 + 2 * 3  # fc1's 2 operands on steps 0 and 2, fc2's 3 on steps 1 and 3
+    assert evaluated == 2 * 3 + 2 * 3  # fc1's 3 operands on steps 0 and 2, fc2's 3 on steps 1 and 3
     assert turns.summary()["block_formats"] == {"groups": 2}
     with pytest.raises(ValueError, match="block_groups must be >= 1"):
         Profiler(MLP(), block_groups=0)
@@ -338,6 +340,56 @@ def test_an_output_read_by_two_linear_layers_counts_once(block_formats_on: None)
     )
     assert int(row[T.NUMEL]) == h.numel()
     assert_same(got, want, "act read by q and k")
+
+
+class Attention(nn.Module):
+    """The output projection reads a function's output (scaled_dot_product_attention), as in every GPT."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(48)
+        self.qkv = nn.Linear(48, 3 * 48)
+        self.proj = nn.Linear(48, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln(x)).chunk(3, dim=-1)
+        return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_a_linear_input_no_module_produced_gets_a_row_of_its_own(block_formats_on: None) -> None:
+    """proj reads the attention's output: a row of its own (``proj:input``) holds that tensor's statistics, the
+    same as a module's output row would (numel, largest magnitude, block cells equal block_stats of the tensor
+    an independent hook saw), and the block plan judges proj's input from it. qkv's input, the LayerNorm's
+    output, stays under the LayerNorm: no row of its own."""
+    torch.manual_seed(0)
+    model = Attention()
+    seen: list[torch.Tensor] = []
+    model.proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+    _, prof = train(model, 1, {"sample_every": 1, "memory": False, "block_groups": 1})
+    assert prof is not None
+    layers = prof.tables()["layers"]
+    acts = layers[layers[T.TENSOR] == T.ACTIVATION]
+    assert set(acts[T.MODULE]) == {"ln", "qkv", "proj", T.input_module("proj")}
+    row = acts[acts[T.MODULE] == T.input_module("proj")].iloc[0]
+    (h,) = seen
+    assert row[T.MODULE_TYPE] == T.INPUT_MODULE_TYPE and row[T.DTYPE] == str(h.dtype).removeprefix("torch.")
+    assert int(row[T.NUMEL]) == h.numel() and float(row[T.ABSMAX]) == float(h.abs().max())
+    assert int(row[T.ORDER]) == int(acts[acts[T.MODULE] == "proj"].iloc[0][T.ORDER]) - 1  # just before proj
+    h2 = h.reshape(-1, h.shape[-1])
+    got = torch.tensor(
+        [
+            [[row[T.block_col(r, st, o)] for st in T.BLOCK_STATS] for r in T.BLOCK_RECIPES]
+            for o in T.BLOCK_ORIENTATIONS
+        ],
+        dtype=torch.float64,
+    )
+    assert_same(got, torch.stack([reference(h2, -1), reference(h2, -2)]), "proj's input")
+    from precprof.analysis.advisor.rules.blocks import block_table
+
+    plan = {lb.module: lb for lb in block_table(layers, {T.SUMMARY_CAPTURE: prof.summary()})}
+    assert plan["proj"].input_from == T.input_module("proj")
+    assert plan["qkv"].input_from == "ln"
+    assert all(lb.input_from is not None for lb in plan.values())
 
 
 def test_block_groups_are_dealt_by_size() -> None:

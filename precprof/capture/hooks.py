@@ -62,11 +62,20 @@ class HookFactories:
         def record(module: nn.Module, args: Any) -> None:
             assert self._buffer is not None
             turn = slot.block_group == self._block_turn
-            if gemm and self._block_formats and turn and args and isinstance(args[0], torch.Tensor):
-                # the input this linear layer's GEMM would quantise: the output of the module that made it
-                found = self._block_outputs.get(id(args[0]))
-                if found is not None and found[0]() is args[0]:
-                    self._buffer.accumulate_blocks(_local(args[0]), found[1])
+            if gemm and slot.input is not None and args and isinstance(args[0], torch.Tensor):
+                # the input this linear layer's GEMM would quantise: the output of the module that made it, or,
+                # when no captured module did (an attention's output), a row of its own
+                x = args[0]
+                found = self._block_outputs.get(id(x))
+                if found is not None and found[0]() is x:
+                    if turn:
+                        self._buffer.accumulate_blocks(_local(x), found[1])
+                elif self._buffer.accumulate(_local(x), slot.input.index, blocks=turn):
+                    slot.input.seen(x.dtype)
+                    self._step_has_data = True
+                    if slot.input_order < 0:
+                        slot.input_order = self._order_counter
+                        self._order_counter += 1
             if slot.called:
                 return
             slot.called = True

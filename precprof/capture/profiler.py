@@ -41,6 +41,7 @@ from torch import nn
 
 from precprof import stats as st
 from precprof import tables as T
+from precprof import taxonomy
 from precprof._version import __version__
 from precprof.capture import clipwatch, columns
 from precprof.capture.hooks import HookFactories, reads_block_operands
@@ -261,6 +262,8 @@ class Profiler(HookFactories):
                 activation_grad=self._new_row(name, mtype, T.ACTIVATION_GRAD),
                 weights=[],
             )
+            if self._block_formats and taxonomy.is_linear_type(mtype):
+                slot.input = self._new_row(T.input_module(name), T.INPUT_MODULE_TYPE, T.ACTIVATION)
             for pname, p in module.named_parameters(recurse=False):
                 if id(p) in seen_params:
                     continue
@@ -386,7 +389,7 @@ class Profiler(HookFactories):
                 row.dtypes = []
             for slot in self._modules:
                 slot.called = False
-                slot.order = -1
+                slot.order = slot.input_order = -1
         if self._tracker is not None:
             self._tracker.begin_step(self._step, self._sampling)
 
@@ -475,6 +478,7 @@ class Profiler(HookFactories):
     def _collect_layers(self, step: int, scale: float) -> None:
         assert self._buffer is not None
         order = {s.name: s.order for s in self._modules}
+        order |= {T.input_module(s.name): s.input_order for s in self._modules if s.input is not None}
         if self._reducer is not None:
             # collective: every rank reaches this on the same sampled step (same schedule, same model)
             device_rows = self._reducer.reduce_rows(self._buffer.dense())

@@ -47,6 +47,9 @@ class _ModuleSlot:
     block_group: int = (
         0  # the sampled steps whose block-format what-if reads this module's operands (hooks.py)
     )
+    # a linear layer's input when no captured module produced it (T.input_module), with block formats on
+    input: _Row | None = None
+    input_order: int = -1  # its place in forward order: just before the layer's own
 
 
 @dataclass

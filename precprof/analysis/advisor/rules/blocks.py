@@ -189,7 +189,12 @@ def _losses(rows: pd.DataFrame, operand: str, orientation: str, gemm: str, recip
 def _input_of(run: _Run, m: str, leaves: list[str], dims: Mapping[str, Mapping[str, int]]) -> str | None:
     """The module whose output is ``m``'s input: the leaf that started just before it in forward order, when
     its output has the size ``m`` reads (tokens x in_features, from ``m``'s own output and shape); None when
-    that cannot be shown (an attention projection reads a function's output, not a module's)."""
+    that cannot be shown (an attention projection reads a function's output, not a module's). A run that
+    recorded the input itself (``T.input_module``: no captured module produced it) names that row."""
+    own = T.input_module(m)
+    acts = run.layers[run.layers[T.TENSOR] == T.ACTIVATION]
+    if (acts[T.MODULE] == own).any():
+        return own
     order = run.order.get(m)
     d = dims.get(m)
     if order is None or not d or "in" not in d:
@@ -198,7 +203,6 @@ def _input_of(run: _Run, m: str, leaves: list[str], dims: Mapping[str, Mapping[s
     if not before:
         return None
     prev = max(before, key=lambda o: run.order[o])
-    acts = run.layers[run.layers[T.TENSOR] == T.ACTIVATION]
     first = acts[acts[T.STEP] == acts[T.STEP].min()].groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
     if m not in first.index or prev not in first.index:
         return None
@@ -222,6 +226,7 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
         m
         for m in acts[T.MODULE].unique()
         if not any(o != m and (m == "" or o.startswith(m + ".")) for o in acts[T.MODULE].unique())
+        and not m.endswith(T.INPUT_SUFFIX)  # a layer's own input row is never another layer's input
     ]
     shapes = _fp8_shapes(run, linear, {k: dict(v) for k, v in dims.items()})
     # a head tied to an embedding has no weight of its own in the tables: its shape comes from the embedding's
