@@ -140,6 +140,7 @@ def input_module(module: str) -> str:
     """The pseudo-module whose activation rows hold ``module``'s input when no captured module produced it."""
     return module + INPUT_SUFFIX
 
+
 # ------------------------------------------------------------------------------------ memory components
 PARAMETERS = "parameters"
 GRADIENTS = "gradients"
