@@ -33,6 +33,7 @@ from torch import nn
 import precprof
 from precprof import stats as st
 from precprof import tables as T
+from precprof.capture.profiler import block_formats_from_env
 from precprof.capture.reducer import RankReducer, _row_layout, wrapper_info
 
 HERE = Path(__file__).parent
@@ -186,6 +187,10 @@ def _reference(scenario: str) -> dict[str, Any]:
     for m in replicas:
         for name, mod in m.named_children():
             mod.register_forward_hook(catch(name))
+        if block_formats_from_env():  # the first linear layer reads the model's input: a row of its own
+            m[0].register_forward_pre_hook(
+                lambda mod, args: seen[(T.input_module("0"), T.ACTIVATION)].append(args[0].detach().clone())
+            )
     expected: dict[Key, dict[str, Any]] = {}
     losses: list[float] = []
     names = [n for n, _ in master.named_parameters()]
@@ -358,11 +363,17 @@ def test_row_layout_matches_the_profiler() -> None:
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 10))
     model[3].weight = model[0].weight  # tied: recorded under the first owner only
     model[1].bias.requires_grad_(False)
-    prof = precprof.Profiler(model, sample_every=1, memory=False, reducer=None)
-    with prof:
-        order = [s.name for s in prof._modules]
-        rows = [(r.module, r.tensor, r.param) for r in prof._rows]
-    assert _row_layout(model, order) == rows
+    for blocks in (False, True):  # with block formats, each linear layer also has a row for its input
+        prof = precprof.Profiler(model, sample_every=1, memory=False, reducer=None, block_formats=blocks)
+        with prof:
+            # the names the Profiler hands the reducer: its modules', then its linear layers' inputs'
+            order = [s.name for s in prof._modules]
+            order += [T.input_module(s.name) for s in prof._modules if s.input is not None]
+            rows = [(r.module, r.tensor, r.param) for r in prof._rows]
+        assert _row_layout(model, order) == rows
+        assert sum(t == T.ACTIVATION and m.endswith(T.INPUT_SUFFIX) for m, t, _ in rows) == (
+            2 if blocks else 0
+        )
 
 
 def test_wrapper_info_without_a_wrapper() -> None:

@@ -32,6 +32,16 @@ def reads_block_operands(module_type: str) -> bool:
     return taxonomy.is_linear_type(module_type) or "Embedding" in module_type
 
 
+def _same_data(t: torch.Tensor) -> tuple[Any, ...]:
+    """What identifies a tensor's values without reading them (host metadata, no sync): a wrapper that hands a
+    layer a new tensor object viewing the same memory (FSDP2's forward hooks do) still matches the output that
+    made it, as long as that output is alive (a weakref to it is kept beside), so its memory is not reused."""
+    try:
+        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage to point at (a tensor subclass)
+        return (id(t),)
+
+
 class HookFactories:
     """The hook factories of ``Profiler``, with the state they share with it."""
 
@@ -47,7 +57,7 @@ class HookFactories:
     # the group of layers (_ModuleSlot.block_group) whose operands this sampled step evaluates
     _block_turn: int
     # this sampled step's module outputs a linear layer may read: id(tensor) -> (the tensor, its activation row)
-    _block_outputs: dict[int, tuple[weakref.ref[torch.Tensor], int]]
+    _block_outputs: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int]]
 
     # ---------------------------------------------------------------------------------------- hooks
     # The hooks' first line is all Dynamo sees on steps that are not sampled (it guards on the flag, so a
@@ -66,10 +76,11 @@ class HookFactories:
                 # the input this linear layer's GEMM would quantise: the output of the module that made it, or,
                 # when no captured module did (an attention's output), a row of its own
                 x = args[0]
-                found = self._block_outputs.get(id(x))
-                if found is not None and found[0]() is x:
-                    if turn:
-                        self._buffer.accumulate_blocks(_local(x), found[1])
+                found = self._block_outputs.get(_same_data(x))
+                made = found[0]() if found is not None else None
+                if found is not None and made is not None:
+                    if turn:  # read as the output that made it: several readers count it once
+                        self._buffer.accumulate_blocks(_local(made), found[1])
                 elif self._buffer.accumulate(_local(x), slot.input.index, blocks=turn):
                     slot.input.seen(x.dtype)
                     self._step_has_data = True
@@ -125,7 +136,7 @@ class HookFactories:
                 if not self._buffer.accumulate(_local(t), act.index):
                     continue
                 if self._block_formats and t.dim() >= 2:
-                    self._block_outputs[id(t)] = (weakref.ref(t), act.index)
+                    self._block_outputs[_same_data(t)] = (weakref.ref(t), act.index)
                 any_tensor = True
                 if t.requires_grad:
                     t.register_hook(grad_hook)

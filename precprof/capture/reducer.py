@@ -161,18 +161,24 @@ def wrapper_info(model: nn.Module) -> dict[str, Any]:
 def _row_layout(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, str, str]]:
     """(module, tensor, param) of each Profiler buffer row, rebuilt from the captured module names in order.
 
-    Mirrors ``Profiler._attach``: per captured module an activation and an activation_grad row, then per own
-    parameter (first owner only) a weight row and, when it requires grad, a weight_grad row.
+    Mirrors ``Profiler._attach``: per captured module an activation and an activation_grad row, its input's row
+    when it has one (a linear layer with block formats on: ``T.input_module(name)`` is then among ``modules``),
+    then per own parameter (first owner only) a weight row and, when it requires grad, a weight_grad row.
     """
     rows: list[tuple[str, str, str]] = []
     seen: set[int] = set()
+    names = set(modules)
     for name in modules:
+        if name.endswith(T.INPUT_SUFFIX):
+            continue
         try:
             module = model.get_submodule(name)
         except AttributeError:
             return []
         rows.append((name, T.ACTIVATION, ""))
         rows.append((name, T.ACTIVATION_GRAD, ""))
+        if T.input_module(name) in names:
+            rows.append((T.input_module(name), T.ACTIVATION, ""))
         for pname, p in module.named_parameters(recurse=False):
             if id(p) in seen:
                 continue
