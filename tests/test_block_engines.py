@@ -436,3 +436,31 @@ def test_buffer_adds_blocks_over_calls_and_devices_rows_merge() -> None:
     assert torch.equal(buf.blocks_dense(), torch.from_numpy(host))
     buf.reset()
     assert not buf.blocks_seen.any() and np.all(buf.blocks_to_host() == 0)
+
+
+def test_buffer_keeps_block_slots_only_for_the_rows_that_can_hold_them() -> None:
+    """block_rows=[1, 3] of 4 rows: two slots; rows 0 and 2 take no block statistics (neither through
+    accumulate(blocks=True) nor accumulate_blocks), the slots land back in rows 1 and 3, a partial reset
+    clears only its rows, and the accumulator is half the size of one with a slot per row."""
+    x = hard_tensor((10, 64), 10, torch.float32)
+    y = hard_tensor((4, 3, 32), 11, torch.bfloat16)
+    buf = StatsBuffer(4, "cpu", engine="torch", block_rows=[3, 1])
+    full = StatsBuffer(4, "cpu", engine="torch")
+    buf.accumulate(x, 0, blocks=True)
+    buf.accumulate_blocks(x, 2)
+    buf.accumulate(x, 1, blocks=True)
+    buf.accumulate_blocks(y, 3)
+    assert buf.blocks_seen.tolist() == [False, True, False, True]
+    assert buf.blocks_dense().shape[0] == 2
+    host = buf.blocks_to_host()
+    assert host.shape[0] == 4 and np.all(host[[0, 2]] == 0)
+    assert_same(torch.from_numpy(host[1]), blocks.tensor_block_stats(x), "row 1")
+    assert_same(torch.from_numpy(host[3]), blocks.tensor_block_stats(y), "row 3")
+    np.testing.assert_array_equal(buf.expand_blocks(buf.blocks_dense().numpy()), host)
+    buf.reset(slice(1, 2))
+    host = buf.blocks_to_host()
+    assert np.all(host[1] == 0) and np.any(host[3] != 0)
+    # fresh buffers (the histogram window grows with the data): two slots cost half of four
+    none = StatsBuffer(4, "cpu", engine="torch", block_rows=[]).buffer_bytes
+    half = StatsBuffer(4, "cpu", engine="torch", block_rows=[1, 3]).buffer_bytes
+    assert half - none == (full.buffer_bytes - none) // 2 > 0

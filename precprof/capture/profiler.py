@@ -231,6 +231,25 @@ class Profiler(HookFactories):
         self._rows.append(row)
         return row
 
+    def _block_rows(self) -> list[int]:
+        """The rows the hooks may add block-format statistics to (hooks.py), each given a slot of the block
+        accumulator: module outputs (a linear layer may read them), linear layers' own inputs and output
+        gradients, and the matrix weights of the modules whose operands a block-scaled GEMM reads. None
+        without block formats."""
+        if not self._block_formats:
+            return []
+        rows = []
+        for slot in self._modules:
+            mtype = type(slot.module).__name__
+            rows.append(slot.activation.index)
+            if slot.input is not None:
+                rows.append(slot.input.index)
+            if taxonomy.is_linear_type(mtype):
+                rows.append(slot.activation_grad.index)
+            if reads_block_operands(mtype):
+                rows += [row.index for _, p, row in slot.weights if p.dim() >= 2]
+        return rows
+
     def attach(self) -> Profiler:
         """Register every hook. Idempotent; ``detach()`` removes them all."""
         if self._attached:
@@ -272,7 +291,9 @@ class Profiler(HookFactories):
                 grad_row = self._new_row(name, mtype, T.WEIGHT_GRAD, pname) if p.requires_grad else None
                 self._params.append(_ParamSlot(name, pname, p, grad_row, -1))
             self._modules.append(slot)
-        self._buffer = st.StatsBuffer(max(len(self._rows), 1), self._device, chunk=self.chunk)
+        self._buffer = st.StatsBuffer(
+            max(len(self._rows), 1), self._device, chunk=self.chunk, block_rows=self._block_rows()
+        )
         self._reducer = self._resolve_reducer()
 
         self._deal_block_groups()
@@ -501,7 +522,7 @@ class Profiler(HookFactories):
                 r.calls, r.dtypes = int(m["calls"]), list(m["dtypes"])
             order = meta["order"]
             data = device_rows.cpu().numpy()
-            blocks = block_sums.cpu().numpy()
+            blocks = self._buffer.expand_blocks(block_sums.cpu().numpy())
         else:
             data = self._buffer.to_host()
             blocks = self._buffer.blocks_to_host()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -98,10 +99,14 @@ class DeviceRows:
         host_rows: bool | None,
         engine: str,
         layout: RowLayout,
+        block_slot: np.ndarray | None = None,
     ) -> None:
         self.device = device
         self.rows = rows
         self.layout = lay = layout
+        # row -> its slot in the block accumulator (-1: the row never holds block statistics)
+        self._block_slot = np.arange(rows, dtype=np.int64) if block_slot is None else block_slot
+        n_slots = int(self._block_slot.max()) + 1 if len(self._block_slot) else 0
         self.engine = engine
         # host_rows=False runs the device code path on the CPU too: tests check both paths agree
         self.on_cpu = (device.type == "cpu" and engine != "triton") if host_rows is None else host_rows
@@ -143,9 +148,10 @@ class DeviceRows:
         self._key = torch.empty(0, dtype=torch.int64, device=device)
         self._bool = torch.empty(0, dtype=torch.bool, device=device)
         self._ones = torch.ones(1, dtype=torch.int64, device=device)
-        # block-format what-if per row (stats.blocks): float64 [rows, orientation, recipe, stat] on the device
+        # block-format what-if per block slot (stats.blocks): float64 [slots, orientation, recipe, stat] on the
+        # device; only the rows that can hold block statistics have a slot
         self._blocks = torch.zeros(
-            (rows, _blocks.N_ORIENTATIONS, _blocks.N_RECIPES, _blocks.N_STATS),
+            (n_slots, _blocks.N_ORIENTATIONS, _blocks.N_RECIPES, _blocks.N_STATS),
             dtype=torch.float64,
             device=device,
         )
@@ -203,15 +209,14 @@ class DeviceRows:
         """Zero the counts of all rows (or ``rows``); device op, no sync."""
         sl = rows if rows is not None else slice(None)
         self._blocks_added.clear()
+        self._reset_blocks(sl)
         if self.on_cpu:
-            self._blocks[sl] = 0.0
             self._counts[sl] = 0
             self._counts[sl, self.layout.absmin_bits] = _NO_MIN_BITS
             self._hist[sl] = 0
             return
         assert self._data is not None
         self._order_stream()
-        self._blocks[sl] = 0.0
         target = self._data[sl]
         target.zero_()
         target[:, self.layout.absmin_bits] = _NO_MIN_BITS
@@ -493,12 +498,24 @@ class DeviceRows:
         return self.dense().cpu().numpy()
 
     @torch.no_grad()
+    def _reset_blocks(self, sl: slice) -> None:
+        if sl == slice(None):
+            self._blocks.zero_()
+            return
+        slots = self._block_slot[sl]
+        slots = slots[slots >= 0]
+        if len(slots):
+            self._blocks[torch.from_numpy(slots).to(self._blocks.device)] = 0.0
+
     def accumulate_blocks(self, x: torch.Tensor, row: int) -> None:
         """Add the block-format statistics of ``x`` (ndim >= 2, on this device; both orientations, every
-        recipe of ``stats.blocks.RECIPES``) into ``row`` of the block accumulator. Never syncs. A tensor
-        (object and in-place version) already added into ``row`` since the last ``reset`` is not added again:
-        a module output that several linear layers read (q, k and v projections) counts once, like its other
-        statistics, so its shares keep their denominator."""
+        recipe of ``stats.blocks.RECIPES``) into ``row``'s slot of the block accumulator (a row without one
+        is left alone). Never syncs. A tensor (object and in-place version) already added into ``row`` since the
+        last ``reset`` is not added again: a module output that several linear layers read (q, k and v
+        projections) counts once, like its other statistics, so its shares keep their denominator."""
+        slot = int(self._block_slot[row])
+        if slot < 0:
+            return
         version = _compat.tensor_version(x)
         key = (id(x), row)
         if version is not None:
@@ -507,12 +524,12 @@ class DeviceRows:
                 return
         self._order_stream()
         engine = "torch" if self.engine == "c" and not self.use_kernel else self.engine
-        self._blocks[row] += _blocks.tensor_block_stats(x, engine=engine, threads=self._threads())
+        self._blocks[slot] += _blocks.tensor_block_stats(x, engine=engine, threads=self._threads())
         if version is not None:
             self._blocks_added[key] = (weakref.ref(x), version)
 
     def blocks_dense(self) -> torch.Tensor:
-        """The block accumulator, float64 [rows, 2, n_recipes, 5], on this device."""
+        """The block accumulator, float64 [slots, 2, n_recipes, 5], on this device."""
         self._order_stream()
         return self._blocks
 
@@ -538,9 +555,18 @@ class StatsBuffer:
         host_rows: bool | None = None,
         engine: str | None = None,
         layout: RowLayout = LAYOUT,
+        block_rows: Sequence[int] | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.rows = rows
+        # the rows that can hold block-format statistics (default: all), each with a slot of the accumulator
+        self.block_rows = (
+            np.arange(rows, dtype=np.int64)
+            if block_rows is None
+            else np.unique(np.asarray(block_rows, dtype=np.int64))
+        )
+        self._block_slot = np.full(rows, -1, dtype=np.int64)
+        self._block_slot[self.block_rows] = np.arange(len(self.block_rows))
         self.chunk = chunk
         self.layout = layout
         self.requested = engine
@@ -558,7 +584,13 @@ class StatsBuffer:
         if part is None:
             name = resolve_engine(self.requested, device)
             part = DeviceRows(
-                self.rows, device, self.chunk, host_rows=self._host_rows, engine=name, layout=self.layout
+                self.rows,
+                device,
+                self.chunk,
+                host_rows=self._host_rows,
+                engine=name,
+                layout=self.layout,
+                block_slot=self._block_slot,
             )
             if name == "triton":
                 self._triton_warm(part)
@@ -651,11 +683,14 @@ class StatsBuffer:
         self.blocks_seen[rows if rows is not None else slice(None)] = False
 
     def blocks_dense(self) -> torch.Tensor:
-        """All devices' block accumulators added, float64 [rows, 2, n_recipes, 5] on the model's device
-        (syncs when the devices differ). Rows not in ``blocks_seen`` hold zeros."""
+        """All devices' block accumulators added, float64 [len(block_rows), 2, n_recipes, 5] on the model's
+        device, one slot per row of ``block_rows`` (``expand_blocks`` puts them back in rows; syncs when the
+        devices differ). Rows not in ``blocks_seen`` hold zeros."""
         primary = self.primary
         if primary is None:
-            return torch.zeros((self.rows, _blocks.N_ORIENTATIONS, _blocks.N_RECIPES, _blocks.N_STATS))
+            return torch.zeros(
+                (len(self.block_rows), _blocks.N_ORIENTATIONS, _blocks.N_RECIPES, _blocks.N_STATS)
+            )
         out = primary.blocks_dense()
         for p in self._parts.values():
             if p is not primary:
@@ -663,13 +698,19 @@ class StatsBuffer:
         return out
 
     def blocks_to_host(self) -> np.ndarray:
-        """All devices' block accumulators added, on the host (one copy per device)."""
+        """All devices' block accumulators added, on the host (one copy per device), per row: float64 [rows, 2,
+        n_recipes, 5], zeros in the rows without a slot."""
         out: np.ndarray | None = None
         for p in self._parts.values():
             b = p.blocks_dense().cpu().numpy()
             out = b if out is None else out + b
-        if out is None:
-            return np.zeros((self.rows, _blocks.N_ORIENTATIONS, _blocks.N_RECIPES, _blocks.N_STATS))
+        return self.expand_blocks(out)
+
+    def expand_blocks(self, slots: np.ndarray | None) -> np.ndarray:
+        """The block accumulator's slots (``blocks_dense`` on the host, reduced over ranks, say) per row."""
+        out = np.zeros((self.rows, _blocks.N_ORIENTATIONS, _blocks.N_RECIPES, _blocks.N_STATS))
+        if slots is not None:
+            out[self.block_rows] = slots
         return out
 
     @torch.no_grad()
@@ -691,7 +732,13 @@ class StatsBuffer:
             for p in self._parts.values():
                 p.reset(slice(row, row + 1))
         part.accumulate(x, row)
-        if blocks and x.dim() >= 2 and x.numel() > 0 and x.dtype in _BLOCK_DTYPES:
+        if (
+            blocks
+            and x.dim() >= 2
+            and x.numel() > 0
+            and x.dtype in _BLOCK_DTYPES
+            and self._block_slot[row] >= 0
+        ):
             part.accumulate_blocks(x, row)
             self.blocks_seen[row] = True
         return True
@@ -702,6 +749,8 @@ class StatsBuffer:
         accumulated already, e.g. a module's output that a linear layer then reads). Never syncs; a tensor
         that is not fp32/bf16/fp16 with ndim >= 2 and data, or on ``meta``, is not evaluated."""
         if x.device.type == "meta" or not (x.dim() >= 2 and x.numel() > 0 and x.dtype in _BLOCK_DTYPES):
+            return
+        if self._block_slot[row] < 0:  # a row without a slot holds no block statistics
             return
         part = self._parts.get(x.device) or self._part(x.device)
         part.accumulate_blocks(x, row)
