@@ -188,12 +188,14 @@ def test_torch_compile_model_documented_behaviour() -> None:
         assert sorted(set(got_kind[T.STEP])) == [0, 1, 2], kind
 
 
-def test_profiler_memory_is_under_one_percent_of_gpt_mini_parameters() -> None:
-    """precprof's own persistent memory (statistics rows, update samples, memory tracking) on gpt-mini."""
+@pytest.mark.parametrize("block_formats", [False, True])
+def test_profiler_memory_is_under_one_percent_of_gpt_mini_parameters(block_formats: bool) -> None:
+    """precprof's own persistent memory (statistics rows, update samples, memory tracking) on gpt-mini, with
+    and without the block-format what-if (on by default for users)."""
     torch.manual_seed(0)
     model = build_model("gpt-mini", vocab_size=VOCAB, seq_len=SEQ).module
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=block_formats) as prof:
         for x, y in _batches(2):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = _logits(model, x)
