@@ -304,12 +304,11 @@ def test_summary_contents(tmp_path: Path) -> None:
     assert sorted(result.steps.loc[result.steps[T.SAMPLED], T.STEP]) == [0, 2]
 
 
-def test_text_data_and_user_model_returning_a_loss(tmp_path: Path) -> None:
-    text = tmp_path / "corpus.txt"
-    text.write_text("precprof measures what low precision does to training. " * 50)
+def loss_model_factory(tmp_path: Path, logits: str) -> str:
+    """A factory file whose model returns its own loss, F.cross_entropy of ``logits`` (an expression of the
+    model's logits ``z``), and the ``file:make`` name for ``--model``."""
     factory = tmp_path / "m.py"
     factory.write_text(
-        "import torch\n"
         "from torch import nn\n"
         "import torch.nn.functional as F\n"
         "class M(nn.Module):\n"
@@ -318,12 +317,19 @@ def test_text_data_and_user_model_returning_a_loss(tmp_path: Path) -> None:
         "        self.e = nn.Embedding(vocab_size, 16)\n"
         "        self.o = nn.Linear(16, vocab_size)\n"
         "    def forward(self, x, targets=None):\n"
-        "        logits = self.o(self.e(x))\n"
-        "        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())\n"
+        "        z = self.o(self.e(x)).flatten(0, 1)\n"
+        f"        return F.cross_entropy({logits}, targets.flatten())\n"
         "def make(vocab_size):\n"
         "    return M(vocab_size)\n"
     )
-    result = train(tiny(tmp_path, model=f"{factory}:make", data=str(text), steps=5, lr=0.05))
+    return f"{factory}:make"
+
+
+def test_text_data_and_user_model_returning_a_loss(tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text("precprof measures what low precision does to training. " * 50)
+    model = loss_model_factory(tmp_path, "z.float()")
+    result = train(tiny(tmp_path, model=model, data=str(text), steps=5, lr=0.05))
     data = result.summary[T.SUMMARY_CONFIG]["data"]
     assert data["name"] == "text" and data["bytes"] == len(text.read_bytes())
     assert result.summary[T.SUMMARY_FINAL]["loss_floor_nats"] is None
@@ -333,21 +339,8 @@ def test_text_data_and_user_model_returning_a_loss(tmp_path: Path) -> None:
 def test_a_user_model_returning_a_bf16_loss_keeps_its_dtype_and_is_found(tmp_path: Path) -> None:
     # forward(x, targets) computes F.cross_entropy on bf16 logits in a bf16-pure run: the loop hands the loss
     # on in its own dtype (it used to cast it to fp32, hiding it), and the advisor says so
-    factory = tmp_path / "m.py"
-    factory.write_text(
-        "from torch import nn\n"
-        "import torch.nn.functional as F\n"
-        "class M(nn.Module):\n"
-        "    def __init__(self, vocab_size):\n"
-        "        super().__init__()\n"
-        "        self.e = nn.Embedding(vocab_size, 16)\n"
-        "        self.o = nn.Linear(16, vocab_size)\n"
-        "    def forward(self, x, targets=None):\n"
-        "        return F.cross_entropy(self.o(self.e(x)).flatten(0, 1), targets.flatten())\n"
-        "def make(vocab_size):\n"
-        "    return M(vocab_size)\n"
-    )
-    result = train(tiny(tmp_path, model=f"{factory}:make", precision="bf16-pure", steps=4))
+    model = loss_model_factory(tmp_path, "z")
+    result = train(tiny(tmp_path, model=model, precision="bf16-pure", steps=4))
     assert result.summary[T.SUMMARY_CAPTURE]["loss_dtypes"] == {"bfloat16": 4}
     codes = {f["code"] for f in result.summary[T.SUMMARY_RECOMMENDATION]["findings"]}
     assert "bf16_loss" in codes
