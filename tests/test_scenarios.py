@@ -31,7 +31,7 @@ from scenarios.loop import regression_batches
 
 import precprof
 from precprof import tables as T
-from precprof.analysis.advisor import CRITICAL
+from precprof.analysis.advisor import CRITICAL, AdvisorConfig
 from precprof.hardware import HardwareInfo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def _fp16_zero_share(run_tables: dict[str, pd.DataFrame]) -> float:
 
 def test_a_tiny_gradients_get_a_loss_scale_that_works() -> None:
     rec = tiny_gradients.run().recommend("v100")
-    assert rec.format == "fp16" and rec.loss_scale is not None
+    assert rec.format == "fp16", rec.reasons and rec.loss_scale is not None
     k = math.log2(rec.loss_scale)
     assert k.is_integer() and k > 16  # far above GradScaler's default start
     under = rec.finding("fp16_gradient_underflow")
@@ -83,7 +83,7 @@ def test_b_huge_activations_keep_the_layer_in_fp32() -> None:
     over = rec.finding("fp16_activation_overflow")
     assert over is not None and over.modules == ["amplify"]
     assert rec.format != "fp16" or rec.keep_fp32 == ["amplify"]
-    assert rec.format == "fp16"
+    assert rec.format == "fp16", rec.reasons
     # measured: fp16 without the keep list overflows in amplify (inf), with it nothing overflows
     bad = huge_activations.run("fp16", loss_scale=rec.loss_scale)
     acts = _rows(bad.tables, T.ACTIVATION).set_index([T.STEP, T.MODULE])
@@ -212,7 +212,7 @@ def test_f_advised_scale_skips_fewer_steps_than_the_default() -> None:
     # the issue's gpt-mini check in miniature: a summed loss has gradients that overflow fp16 at 2^16
     fp32 = summed_loss.run()
     rec = fp32.recommend("v100")
-    assert rec.format == "fp16" and rec.loss_scale is not None and rec.loss_scale < 2.0**16
+    assert rec.format == "fp16", rec.reasons and rec.loss_scale is not None and rec.loss_scale < 2.0**16
     default = summed_loss.run("fp16", loss_scale=2.0**16)
     advised = summed_loss.run("fp16", loss_scale=rec.loss_scale)
     skipped_default = int(default.tables["steps"][T.SKIPPED].sum())
@@ -437,3 +437,52 @@ def test_a_loss_computed_in_bf16_by_a_function_is_found() -> None:
     assert fixed.losses == fixed.fp32_losses
     assert not {"bf16_loss", "fp16_loss"} & {f.code for f in fixed.recommend("a100").findings}
     assert fixed.summary[T.SUMMARY_CAPTURE]["loss_dtypes"] == {"float32": 12}
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.proj = torch.nn.Linear(16, 16)
+        with torch.no_grad():
+            self.proj.weight.mul_(2.0**-20)  # brings the values back into range
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.exp(self.a(x)) * 2.0**14)  # a function's output past fp16's range
+
+
+def test_a_function_output_past_fp16_keeps_the_module_that_ran_it_in_fp32() -> None:
+    """With block formats on, proj's input (a function's output, no module's) has a row of its own,
+    ``block.proj:input``; its values overflow fp16, and what the advisor keeps in fp32 for fp16 is the module
+    whose forward ran the function, ``block``, a real module the snippet can look up (not the row's name)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("block", _Block())
+    for i in range(4):  # layers fp16 can run
+        model.add_module(f"out{i}", torch.nn.Linear(16, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    batches = regression_batches(8, seed=2)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=True)
+    with prof:
+        for step in range(2):
+            x, y = batches(step)
+            loss = torch.nn.functional.mse_loss(model(x).mean(-1, keepdim=True), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    layers = prof.tables()["layers"]
+    row = layers[(layers[T.MODULE] == "block.proj:input") & (layers[T.TENSOR] == T.ACTIVATION)]
+    assert len(row) == 2 and (row[T.ABSMAX] > 65504).all()
+    rec = precprof.recommend(
+        prof.tables(),
+        hardware="t4",
+        summary={T.SUMMARY_CAPTURE: prof.summary()},
+        config=AdvisorConfig(small_model_params=0),  # a tiny model standing in for a large one
+    )
+    assert rec.format == "fp16", rec.reasons
+    found = {f.code: f for f in rec.findings}
+    assert "block.proj:input" in found["fp16_activation_overflow"].modules
+    assert "block" in rec.keep_fp32 and not any(m.endswith(T.INPUT_SUFFIX) for m in rec.keep_fp32)
+    for name in rec.keep_fp32:
+        model.get_submodule(name)  # what the configuration snippet does with each

@@ -62,6 +62,25 @@ def _is_descendant(child: str, parent: str) -> bool:
     return child != parent and (parent == "" or child.startswith(parent + "."))
 
 
+def _owner(module: str) -> str:
+    """The module to act on for a row's module name: itself, or, for a layer's own input row
+    (``T.input_module``: a function's output), the module whose forward ran that function, the layer's parent
+    (the layer itself at the top level, where the input is the model's own)."""
+    if not module.endswith(T.INPUT_SUFFIX):
+        return module
+    layer = module[: -len(T.INPUT_SUFFIX)]
+    return layer.rsplit(".", 1)[0] if "." in layer else layer
+
+
+def _modules_to_keep(modules: Iterable[str]) -> list[str]:
+    """The modules to run in higher precision for rows whose values call for it: the innermost real modules,
+    and for a layer's own input row its owner (``_owner``), whose descendants then need no entry."""
+    ms = list(dict.fromkeys(modules))
+    owners = list(dict.fromkeys(_owner(m) for m in ms if m.endswith(T.INPUT_SUFFIX)))
+    real = _innermost(m for m in ms if not m.endswith(T.INPUT_SUFFIX))
+    return list(dict.fromkeys([*owners, *(m for m in real if not any(_is_descendant(m, o) for o in owners))]))
+
+
 def _innermost(modules: Iterable[str]) -> list[str]:
     """Drop modules that have a descendant in the set: the descendant is where the effect arises."""
     ms = list(dict.fromkeys(modules))

@@ -15,6 +15,7 @@ from precprof.analysis.advisor.evidence import (
     _innermost,
     _is_descendant,
     _lost_norm_share,
+    _modules_to_keep,
     _nonzero,
     _num,
     _Plan,
@@ -104,7 +105,8 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 },
             )
         )
-    plan.keep_fp16 = run.sort(_innermost([*overflow_mods, *near_mods]))
+    # a layer's own input row (a function's output) is kept in fp32 through the module that ran the function
+    plan.keep_fp16 = run.sort(_modules_to_keep([*overflow_mods, *near_mods]))
     if plan.matmul_layers:
         kept = [m for m in plan.matmul_layers if any(m == k or _is_descendant(m, k) for k in plan.keep_fp16)]
         share = len(kept) / len(plan.matmul_layers)
