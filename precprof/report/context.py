@@ -178,9 +178,9 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
         if final.get(key) is not None:
             out.append((label, F.num(final[key])))
     if not layers.empty:
-        modules = layers[T.MODULE].drop_duplicates()
         # a layer's own input row (T.input_module) is not a layer
-        out.append(("layers profiled", F.count(int((~modules.str.endswith(T.INPUT_SUFFIX)).sum()))))
+        modules = layers[T.MODULE].dropna().unique()
+        out.append(("layers profiled", F.count(sum(not str(m).endswith(T.INPUT_SUFFIX) for m in modules))))
     return out
 
 
