@@ -27,6 +27,7 @@ import pandas as pd
 
 from precprof import hardware
 from precprof import tables as T
+from precprof.analysis.throughput import throughput
 from precprof.errors import UserError
 from precprof.modes import PRECISIONS, parse_loss_scale
 
@@ -233,17 +234,8 @@ def finite(values: np.ndarray) -> np.ndarray:
 
 
 def _tokens_per_s(steps: pd.DataFrame) -> float:
-    """Tokens per second of the steps without per-layer capture (all steps if every one was sampled)."""
-    if steps.empty:
-        return math.nan
-    df = steps[np.isfinite(steps[T.TIME_S].astype(float)) & np.isfinite(steps[T.TOKENS].astype(float))]
-    plain = df[~df[T.SAMPLED].astype(bool)]
-    use = plain if len(plain) >= 3 else df
-    if use.empty:
-        return math.nan
-    t = float(use[T.TIME_S].astype(float).median())
-    tok = float(use[T.TOKENS].astype(float).median())
-    return tok / t if t > 0 else math.nan
+    """Tokens per second of the steps without per-layer capture (``analysis.throughput``)."""
+    return float(throughput(steps)["tokens_per_s"])
 
 
 def _memory(summary: Mapping[str, Any]) -> dict[str, int]:

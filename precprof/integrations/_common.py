@@ -23,6 +23,7 @@ from torch import nn
 
 from precprof import tables as T
 from precprof import taxonomy
+from precprof.analysis.throughput import throughput
 from precprof.capture import Profiler
 from precprof.capture.reducer import RankReducer, is_distributed
 from precprof.hardware import software_versions
@@ -84,7 +85,10 @@ def final_block(steps: pd.DataFrame, wall_s: float) -> dict[str, Any]:
         "final_loss_avg10": float(finite.iloc[-10:].mean()) if len(finite) else math.nan,
         "steps_done": len(steps),
         "skipped_steps": int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
-        "tokens_per_s": total_tokens / wall_s if wall_s > 0 and math.isfinite(total_tokens) else math.nan,
+        **throughput(steps),  # the steps precprof left alone; the wall-clock rate beside it
+        "tokens_per_s_wall": total_tokens / wall_s
+        if wall_s > 0 and math.isfinite(total_tokens)
+        else math.nan,
         "wall_s": wall_s,
         "step_time_median_s": float(times.median()) if len(times) else math.nan,
     }

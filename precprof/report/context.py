@@ -17,6 +17,7 @@ import pandas as pd
 from precprof import __version__, formats
 from precprof import tables as T
 from precprof.analysis import snippets as snippet_code
+from precprof.analysis.throughput import throughput
 from precprof.report import filters as F
 from precprof.report import plots
 from precprof.report import summarize as S
@@ -174,9 +175,18 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
             out.append(("final loss", f"{tail.kind} from step {tail.first}"))
         elif len(loss):
             out.append(("final loss", F.num(loss.iloc[-1], 4)))
-    for key, label in (("tokens_per_s", "tokens/s"), ("time_s", "time (s)")):
-        if final.get(key) is not None:
-            out.append((label, F.num(final[key])))
+    # throughput of the steps precprof left alone, first step out (analysis.throughput), and what a profiled
+    # step cost beside it; a wall-clock rate would count sampled steps and warm-up
+    tp = throughput(steps)
+    if math.isfinite(tp["tokens_per_s"]):
+        basis = f"{tp['tokens_per_s_basis']}, median of {F.count(tp['tokens_per_s_steps'])}"
+        out.append((f"tokens/s ({basis})", F.num(tp["tokens_per_s"])))
+    elif final.get("tokens_per_s") is not None:
+        out.append(("tokens/s", F.num(final["tokens_per_s"])))
+    if math.isfinite(tp["sampled_step_cost"]):
+        out.append(("a sampled step", f"{tp['sampled_step_cost']:.2f}× an unsampled one"))
+    if final.get("time_s") is not None:
+        out.append(("time (s)", F.num(final["time_s"])))
     if not layers.empty:
         # a layer's own input row (T.input_module) is not a layer
         modules = layers[T.MODULE].dropna().unique()

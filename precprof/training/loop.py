@@ -21,6 +21,7 @@ from torch import nn
 
 from precprof import _signals, footprint, hardware, rundir
 from precprof import tables as T
+from precprof.analysis.throughput import throughput
 from precprof.capture import Profiler
 from precprof.capture.reducer import RankReducer
 from precprof.data import TokenSource, load_data
@@ -153,7 +154,10 @@ def _final(
         "final_loss_avg10": avg,  # mean of the last 10 steps: less noisy than one batch
         "steps_done": steps_done,
         "skipped_steps": int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
-        "tokens_per_s": steps_done * tokens_per_step / wall_s if wall_s > 0 else math.nan,
+        # the rate of the steps precprof left alone (analysis.throughput); the wall-clock rate of the whole
+        # run, sampled steps and warm-up included, beside it
+        **throughput(steps),
+        "tokens_per_s_wall": steps_done * tokens_per_step / wall_s if wall_s > 0 else math.nan,
         "wall_s": wall_s,
         "step_time_median_s": float(times.median()) if len(times) else math.nan,
         # the best loss the data allows (synthetic: the chain's entropy rate); None when unknown

@@ -1,0 +1,67 @@
+"""Throughput from the steps table, and what a profiled step costs.
+
+The steps that recorded per-layer statistics (sampled) do more work than the others, and the first step of a
+run pays for warm-up (allocator, kernel selection, compilation), so a wall-clock rate over the whole run says
+little about the training itself. The throughput precprof reports is the rate of the steps it left alone:
+median tokens per step over median time per step, over the unsampled steps, the first step left out. When
+fewer than three such steps exist (every step sampled), every step but the first counts, and the result says
+so. The sampled steps' median time beside it, as a ratio, is what profiling a step costs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from precprof import tables as T
+
+MIN_STEPS = 3  # fewer unsampled steps than this: the rate counts every step but the first
+
+BASIS_UNSAMPLED = "unsampled steps"
+BASIS_ALL = "all steps"
+
+
+def _median(values: pd.Series) -> float:
+    return float(values.median()) if len(values) else math.nan
+
+
+def throughput(steps: pd.DataFrame) -> dict[str, Any]:
+    """Throughput figures of a run from its steps table (``T.TIME_S``, ``T.TOKENS``, ``T.SAMPLED``).
+
+    Returns ``tokens_per_s`` (median tokens / median seconds of the counted steps; NaN without tokens),
+    ``tokens_per_s_basis`` (``"unsampled steps"`` or ``"all steps"``), ``tokens_per_s_steps`` (how many steps
+    count), ``step_time_unsampled_median_s`` and ``step_time_sampled_median_s`` (the first step left out of
+    both) and ``sampled_step_cost`` (their ratio: NaN unless both kinds of step were timed).
+    """
+    out: dict[str, Any] = {
+        "tokens_per_s": math.nan,
+        "tokens_per_s_basis": BASIS_UNSAMPLED,
+        "tokens_per_s_steps": 0,
+        "step_time_unsampled_median_s": math.nan,
+        "step_time_sampled_median_s": math.nan,
+        "sampled_step_cost": math.nan,
+    }
+    if steps.empty or T.TIME_S not in steps:
+        return out
+    df = steps.sort_values(T.STEP) if T.STEP in steps else steps
+    df = df.iloc[1:]  # the first step: warm-up and compilation
+    time = pd.to_numeric(df[T.TIME_S], errors="coerce")
+    tokens = pd.to_numeric(df[T.TOKENS], errors="coerce") if T.TOKENS in df else pd.Series(np.nan, df.index)
+    sampled = T.flags(df[T.SAMPLED]) if T.SAMPLED in df else pd.Series(False, df.index)
+    timed = np.isfinite(time) & (time > 0)
+    plain, profiled = timed & ~sampled, timed & sampled
+    out["step_time_unsampled_median_s"] = _median(time[plain])
+    out["step_time_sampled_median_s"] = _median(time[profiled])
+    if plain.any() and profiled.any():
+        out["sampled_step_cost"] = out["step_time_sampled_median_s"] / out["step_time_unsampled_median_s"]
+    use = plain if int(plain.sum()) >= MIN_STEPS else timed
+    out["tokens_per_s_basis"] = BASIS_UNSAMPLED if use is plain else BASIS_ALL
+    counted = use & np.isfinite(tokens)
+    out["tokens_per_s_steps"] = int(counted.sum())
+    if counted.any():
+        t = _median(time[counted])
+        out["tokens_per_s"] = _median(tokens[counted]) / t if t > 0 else math.nan
+    return out

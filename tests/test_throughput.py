@@ -1,0 +1,85 @@
+"""Throughput counts the steps precprof left alone: not the sampled steps, not the first step's warm-up.
+
+On an H100 the report showed bf16 at 10,572 tokens/s while its median step took 75 ms (109,000 tokens/s):
+the rate was tokens over wall time, sampled steps and the first step's compilation included.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from precprof import tables as T
+from precprof.analysis.throughput import BASIS_ALL, BASIS_UNSAMPLED, throughput
+from precprof.report.context import _headline
+from precprof.training import TrainConfig, train
+
+
+def _steps(times: list[float], sampled: list[bool], tokens: float = 8192.0) -> pd.DataFrame:
+    n = len(times)
+    return pd.DataFrame(
+        {
+            T.STEP: np.arange(n),
+            T.TIME_S: times,
+            T.SAMPLED: sampled,
+            T.TOKENS: [tokens] * n,
+            T.LOSS: np.linspace(3.0, 2.0, n),
+            T.SKIPPED: [False] * n,
+        }
+    )
+
+
+def test_h100_like_run_reports_the_unsampled_rate() -> None:
+    # gpt2-small bf16 8x1024 on an H100: a first step of 18.8 s (compilation, sampled), sampled steps of
+    # 770 ms every 10th step, the others 75 ms
+    times = [18.8] + [0.770 if i % 10 == 0 else 0.075 for i in range(1, 50)]
+    sampled = [i % 10 == 0 for i in range(50)]
+    tp = throughput(_steps(times, sampled))
+    assert tp["tokens_per_s"] == pytest.approx(8192 / 0.075)
+    assert tp["tokens_per_s_basis"] == BASIS_UNSAMPLED and tp["tokens_per_s_steps"] == 45
+    assert tp["step_time_sampled_median_s"] == pytest.approx(0.770)  # the first step is left out
+    assert tp["sampled_step_cost"] == pytest.approx(0.770 / 0.075)
+    wall = 50 * 8192 / sum(times)
+    assert wall < tp["tokens_per_s"] / 4  # what the report used to show
+
+
+def test_every_step_sampled_counts_all_but_the_first() -> None:
+    tp = throughput(_steps([5.0, 0.2, 0.3, 0.25, 0.2], [True] * 5, tokens=100.0))
+    assert tp["tokens_per_s_basis"] == BASIS_ALL and tp["tokens_per_s_steps"] == 4
+    assert tp["tokens_per_s"] == pytest.approx(100 / 0.225)
+    assert math.isnan(tp["sampled_step_cost"])  # nothing unprofiled to compare with
+
+
+def test_missing_times_and_tokens() -> None:
+    assert math.isnan(throughput(pd.DataFrame())["tokens_per_s"])
+    tp = throughput(_steps([1.0, 0.5, math.nan, 0.5, 0.5, 0.5], [False] * 6, tokens=math.nan))
+    assert math.isnan(tp["tokens_per_s"]) and tp["step_time_unsampled_median_s"] == 0.5
+
+
+def test_a_training_run_reports_and_renders_the_unsampled_rate(tmp_path: Path) -> None:
+    cfg = TrainConfig(
+        model="gpt-nano",
+        steps=12,
+        sample_every=4,
+        batch_size=2,
+        seq_len=16,
+        out=tmp_path / "r",
+        progress=False,
+        report=False,
+    )
+    result = train(cfg)
+    steps = pd.read_parquet(tmp_path / "r" / "steps.parquet")
+    final = result.summary[T.SUMMARY_FINAL]
+    plain = steps[(~steps[T.SAMPLED]) & (steps[T.STEP] > 0)]
+    assert final["tokens_per_s"] == pytest.approx(2 * 16 / plain[T.TIME_S].median())
+    assert final["tokens_per_s_steps"] == len(plain) == 9
+    sampled = steps[steps[T.SAMPLED] & (steps[T.STEP] > 0)]
+    assert final["sampled_step_cost"] == pytest.approx(sampled[T.TIME_S].median() / plain[T.TIME_S].median())
+    assert final["tokens_per_s_wall"] > 0
+    head = dict(_headline(result.summary, steps, pd.DataFrame()))
+    assert "tokens/s (unsampled steps, median of 9)" in head
+    assert head["a sampled step"].endswith("× an unsampled one")
