@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 from torch import nn
@@ -58,6 +59,7 @@ from precprof.capture.reducer import RankReducer
 from precprof.capture.scaler import ScalerWatch
 from precprof.capture.updates import UpdateSampler
 from precprof.export.live import LiveDashboards
+from precprof.stats import transfer
 
 ModuleFilter = Sequence[str | type[nn.Module]] | None
 
@@ -307,11 +309,9 @@ class Profiler(HookFactories):
                 )
 
         if self.weight_updates and self.optimizer is not None:
-            # one concatenated sample on the model's device: parameters elsewhere (``meta``, offloaded) are not
-            # sampled (copying them over would synchronise)
-            tracked = [
-                ps for ps in self._params if ps.grad_row is not None and ps.tensor.device == self._device
-            ]
+            # sampled where each parameter lives at the step (one group per device: an offloaded layer on the
+            # CPU, the rest on the GPU); a parameter on ``meta`` has no data and is not sampled
+            tracked = [ps for ps in self._params if ps.grad_row is not None]
             self._updates = UpdateSampler(tracked, self.update_sample, self._device)
             self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
             self._handles.append(self.optimizer.register_step_post_hook(self._opt_post_hook))
@@ -468,13 +468,31 @@ class Profiler(HookFactories):
             self._dashboards.write(self._recorded)
 
     def _copy_to_host(self, sampled_step_done: bool) -> None:
-        last = self._pending[-1] if self._pending else None
-        step_scale = self._recorded.add_steps(self._pending)  # the sync
-        self._pending.clear()
-        if not sampled_step_done or self._buffer is None:
+        """The Profiler's sync: the pending steps' scalars and, after a sampled step, its statistics (rows,
+        block accumulator, weight-update counts; reduced over ranks first when distributed) reach the host in
+        one transfer per device (``stats.transfer.to_host``)."""
+        pending, self._pending = self._pending, []
+        floats = Recorded.step_floats(pending)
+        tensors = [floats.device] if floats.device is not None else []
+        layers = sampled_step_done and self._buffer is not None
+        step = pending[-1].step if pending else self._step
+        order = {s.name: s.order for s in self._modules}
+        order |= {T.input_module(s.name): s.input_order for s in self._modules if s.input is not None}
+        n_stats = 0
+        if layers:
+            if self._reducer is not None:
+                order, stats_part, counts_part = self._reduce_sampled(step, order)
+            else:
+                stats_part, counts_part = self._sampled_tensors()
+            n_stats = len(stats_part)
+            tensors += stats_part + counts_part
+        host = transfer.to_host(tensors)  # the sync
+        step_scale = self._recorded.add_steps(
+            pending, floats.values(host.pop(0) if floats.device is not None else None)
+        )
+        if not layers:
             return
-        step = last.step if last is not None else self._step
-        self._collect_layers(step, step_scale)
+        self._collect_layers(step, step_scale, order, host[:n_stats], host[n_stats:])
         if self._tracker is not None:
             try:
                 rows = self._tracker.end_step(step)
@@ -496,47 +514,66 @@ class Profiler(HookFactories):
             ]
         )
 
-    def _collect_layers(self, step: int, scale: float) -> None:
+    def _sampled_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A sampled step's device data, not copied: every device's rows and block accumulator; every device
+        group's weight-update counts."""
         assert self._buffer is not None
-        order = {s.name: s.order for s in self._modules}
-        order |= {T.input_module(s.name): s.input_order for s in self._modules if s.input is not None}
+        return self._buffer.device_tensors(), self._updates.device_counts() if self._updates else []
+
+    def _reduce_sampled(
+        self, step: int, order: dict[str, int]
+    ) -> tuple[dict[str, int], list[torch.Tensor], list[torch.Tensor]]:
+        """Under a process group: the rows, block sums and update counts reduced over ranks (collectives:
+        every rank reaches this on the same sampled step), with the rows' host metadata and the order."""
+        assert self._buffer is not None and self._reducer is not None
+        device_rows = self._reducer.reduce_rows(self._buffer.dense())
+        block_sums = self._reducer.reduce_sum(self._buffer.blocks_dense())  # counts and sums add
+        meta = self._reducer.reduce_meta(
+            [
+                {
+                    "calls": r.calls,
+                    "dtypes": list(r.dtypes),
+                    "module": r.module,
+                    "tensor": r.tensor,
+                    "param": r.param,
+                }
+                for r in self._rows
+            ],
+            order,
+            step=step,
+        )
+        for r, m in zip(self._rows, meta["rows"], strict=True):
+            r.calls, r.dtypes = int(m["calls"]), list(m["dtypes"])
+        counts = [self._reducer.reduce_sum(self._updates.combined())] if self._updates is not None else []
+        return meta["order"], [device_rows, block_sums], counts
+
+    def _collect_layers(
+        self,
+        step: int,
+        scale: float,
+        order: dict[str, int],
+        stats_host: list[np.ndarray],
+        counts_host: list[np.ndarray],
+    ) -> None:
+        """Layer, histogram and weight-update rows of a sampled step from the host copies of
+        :meth:`_sampled_tensors` (or of :meth:`_reduce_sampled`'s tensors)."""
+        assert self._buffer is not None
+        counts: np.ndarray | None = None
         if self._reducer is not None:
-            # collective: every rank reaches this on the same sampled step (same schedule, same model)
-            device_rows = self._reducer.reduce_rows(self._buffer.dense())
-            block_sums = self._reducer.reduce_sum(self._buffer.blocks_dense())  # counts and sums add
-            meta = self._reducer.reduce_meta(
-                [
-                    {
-                        "calls": r.calls,
-                        "dtypes": list(r.dtypes),
-                        "module": r.module,
-                        "tensor": r.tensor,
-                        "param": r.param,
-                    }
-                    for r in self._rows
-                ],
-                order,
-                step=step,
-            )
-            for r, m in zip(self._rows, meta["rows"], strict=True):
-                r.calls, r.dtypes = int(m["calls"]), list(m["dtypes"])
-            order = meta["order"]
-            data = device_rows.cpu().numpy()
-            blocks = self._buffer.expand_blocks(block_sums.cpu().numpy())
+            data, blocks = stats_host[0], self._buffer.expand_blocks(stats_host[1])
+            counts = counts_host[0] if counts_host else None
         else:
-            data = self._buffer.to_host()
-            blocks = self._buffer.blocks_to_host()
+            data, blocks = self._buffer.from_host(stats_host)
+            if self._updates is not None:
+                counts = self._updates.host_counts(counts_host)
         active = [row for row in self._rows if row.calls > 0]
         if active:
             cols, hist = columns.layer_columns(step, active, data, scale, order)
             cols.update(columns.block_columns(active, blocks, self._buffer.blocks_seen, scale))
             self._recorded.add_layers(step, cols, hist)
-        if self._updates is not None:
-            counts = self._updates.counts
-            if self._reducer is not None:
-                counts = self._reducer.reduce_sum(counts)
+        if self._updates is not None and counts is not None:
             types = {slot.name: type(slot.module).__name__ for slot in self._modules}
-            updates = self._updates.rows(counts.cpu().numpy(), step, order, types)
+            updates = self._updates.rows(counts, step, order, types)
             if updates:
                 self._recorded.add_layers(step, {c: [u[c] for u in updates] for c in updates[0]})
 

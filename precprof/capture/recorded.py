@@ -9,12 +9,12 @@ from typing import Any
 import pandas as pd
 
 from precprof import tables as T
-from precprof.capture.records import _host_floats, _join_columns, _PendingStep
+from precprof.capture.records import HostFloats, _join_columns, _PendingStep
 
 
 class Recorded:
-    """The host side of a recording. Nothing here touches a device except ``add_steps``, which copies the
-    pending steps' device scalars in one transfer (the Profiler's sync point)."""
+    """The host side of a recording: it receives host copies (the Profiler makes the one transfer of a
+    sampled step) and touches no device."""
 
     def __init__(self) -> None:
         self.layer_parts: list[dict[str, Any]] = []
@@ -23,13 +23,16 @@ class Recorded:
         self.memory_rows: list[dict[str, Any]] = []
         self.sampled_steps: set[int] = set()
 
-    def add_steps(self, pending: list[_PendingStep]) -> float:
-        """Steps table rows for ``pending`` (loss, scale, skipped, grad norm as device scalars: one copy).
-        Returns the loss scale of the last one (1.0 when there is none)."""
+    @staticmethod
+    def step_floats(pending: list[_PendingStep]) -> HostFloats:
+        """The pending steps' loss, scale, found-inf and grad norm, stacked on the device for the copy."""
+        return HostFloats([v for p in pending for v in (p.loss, p.scale, p.found_inf, p.grad_norm)])
+
+    def add_steps(self, pending: list[_PendingStep], values: list[float]) -> float:
+        """Steps table rows for ``pending``, ``values`` being :meth:`step_floats`'s on the host. Returns the
+        loss scale of the last one (1.0 when there is none)."""
         if not pending:
             return 1.0
-        fields = [(p.loss, p.scale, p.found_inf, p.grad_norm) for p in pending]
-        values = _host_floats([v for f in fields for v in f])
         for i, p in enumerate(pending):
             loss, scale, found, grad_norm = values[4 * i : 4 * i + 4]
             found = 0.0 if p.found_inf is None else found

@@ -97,16 +97,30 @@ def _iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _iter_tensors(o, depth + 1)
 
 
-def _host_floats(values: list[Any]) -> list[float]:
-    """Python floats of a mix of None, numbers and 0-dim device tensors, with one device-to-host copy."""
-    out = [math.nan if v is None else (math.nan if isinstance(v, torch.Tensor) else float(v)) for v in values]
-    idx = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    if idx:
-        dev = values[idx[0]].device
-        stacked = torch.stack([values[i].detach().reshape(()).to(dev, torch.float64) for i in idx])
-        for i, v in zip(idx, stacked.cpu().tolist(), strict=True):  # the sync
-            out[i] = float(v)
-    return out
+class HostFloats:
+    """Python floats of a mix of None, numbers and 0-dim device tensors: the tensors are stacked (as float64,
+    on the first one's device) into :attr:`device`, which the caller copies to the host with the rest of
+    its data, then hands to :meth:`values`."""
+
+    def __init__(self, values: list[Any]) -> None:
+        self._out = [
+            math.nan if v is None else (math.nan if isinstance(v, torch.Tensor) else float(v)) for v in values
+        ]
+        self._idx = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+        self.device: torch.Tensor | None = None
+        if self._idx:
+            dev = values[self._idx[0]].device
+            self.device = torch.stack(
+                [values[i].detach().reshape(()).to(dev, torch.float64) for i in self._idx]
+            )
+
+    def values(self, host: np.ndarray | None) -> list[float]:
+        """The floats, ``host`` being the host copy of :attr:`device` (None when that is None)."""
+        out = list(self._out)
+        if host is not None:
+            for i, v in zip(self._idx, host.tolist(), strict=True):
+                out[i] = float(v)
+        return out
 
 
 def _join_columns(parts: list[dict[str, Any]]) -> pd.DataFrame:

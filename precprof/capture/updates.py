@@ -14,23 +14,96 @@ when the weight moved. Per sampled element, without a sync:
 - lost in fp16: the same for fp16 (an intended update that did not land in a bf16 weight says nothing about
   fp16, which is finer, so it counts only for fp32 and fp16 weights).
 
-The counts go into a small int64 buffer with one ``index_add_``. The gradient is a lower bound of intent: an
+The counts go into a small int64 buffer per device, summed per parameter from a running sum. The gradient is a lower bound of intent: an
 element with a zero gradient whose momentum update did not land is not seen.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from precprof import tables as T
 from precprof.capture.records import _local, _ParamSlot
 
 
+class _DeviceGroup:
+    """The tracked parameters of one device and one dtype, sampled together: one ``torch.cat`` never mixes
+    devices (a CPU-offloaded layer beside CUDA ones is sampled on the CPU), and whether the weights are held
+    in bf16 is one flag for the group. Persistent memory: the counts and one index per parameter."""
+
+    def __init__(self, device: torch.device, held_bf16: bool, members: list[_ParamSlot]) -> None:
+        self.device = device
+        self.held_bf16 = held_bf16
+        self.members = members
+        lens = torch.tensor([ps.sample_len for ps in members], dtype=torch.int64)
+        # columns: sampled elements, zero updates, lost in bf16, lost in fp16
+        self.counts = torch.zeros((len(members), 4), dtype=torch.int64, device=device)
+        self.lens = lens.to(device)
+        self.ends = (lens.cumsum(0) - 1).to(device)  # each member's last sampled element
+        self.before: torch.Tensor | None = None
+        self.intended: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.counts, self.lens, self.ends))
+
+    def samples(self) -> torch.Tensor:
+        return torch.cat(
+            [
+                _local(ps.tensor.detach()).reshape(-1)[:: ps.sample_stride][: ps.sample_len].float()
+                for ps in self.members
+            ]
+        )
+
+    def grad_nonzero(self) -> torch.Tensor:
+        """Per sampled element, whether its gradient is nonzero (False where a parameter has no gradient)."""
+        parts = []
+        for ps in self.members:
+            g = ps.tensor.grad
+            if g is None:
+                parts.append(torch.zeros(ps.sample_len, dtype=torch.bool, device=self.device))
+            else:
+                g = _local(g.detach()).reshape(-1)[:: ps.sample_stride][: ps.sample_len]
+                parts.append(g.to(self.device) != 0)  # a gradient kept on another device: a copy
+        return torch.cat(parts)
+
+    @torch.no_grad()
+    def classify(self) -> bool:
+        before, self.before = self.before, None
+        intended, self.intended = self.intended, None
+        if before is None or intended is None:
+            return False
+        delta = self.samples() - before
+        nonzero = delta != 0
+        stuck = intended & ~nonzero  # meant to move, did not
+        flags = torch.empty((len(before), 3), dtype=torch.int64, device=before.device)
+        flags[:, 0] = ~(nonzero | intended)
+        for col, dtype in ((1, torch.bfloat16), (2, torch.float16)):
+            held = before.to(dtype)
+            landed_but_lost = ((held.float() + delta).to(dtype) == held) & nonzero
+            # a stuck update in a bf16 weight says nothing of fp16, which is finer
+            counts_stuck = dtype == torch.bfloat16 or not self.held_bf16
+            flags[:, col] = (landed_but_lost | stuck) if counts_stuck else landed_but_lost
+        # per member: sums over its segment of samples, from the running sum at each segment's end
+        at_end = flags.cumsum(0)[self.ends]
+        at_end[1:] -= at_end[:-1].clone()
+        self.counts[:, 0] += self.lens
+        self.counts[:, 1:] += at_end
+        return True
+
+
 class UpdateSampler:
-    """Samples ``per_param`` elements (strided) of each parameter in ``tracked`` on ``device``."""
+    """Samples ``per_param`` elements (strided) of each parameter in ``tracked``.
+
+    Parameters are sampled on the device they live on at the optimizer step, in one group per device (the
+    model may move after ``attach()``, or keep a layer offloaded to the CPU); a parameter on the ``meta``
+    device has no data and is not sampled. ``device`` is where :meth:`combined` gathers the counts.
+    """
 
     def __init__(self, tracked: list[_ParamSlot], per_param: int, device: torch.device) -> None:
         for i, ps in enumerate(tracked):
@@ -39,78 +112,71 @@ class UpdateSampler:
             ps.sample_len = len(range(0, n, ps.sample_stride))
             ps.update_index = i
         self.tracked = tracked
-        # columns: sampled elements, zero updates, lost in bf16, lost in fp16
-        self.counts = torch.zeros((max(len(tracked), 1), 4), dtype=torch.int64, device=device)
-        lens = torch.tensor([ps.sample_len for ps in tracked], dtype=torch.int64)
-        self._seg = torch.repeat_interleave(torch.arange(len(tracked)), lens).to(device)  # parameter of each
-        self._lens = lens.to(device)
-        self._before: torch.Tensor | None = None
-        self._intended: torch.Tensor | None = None
-        # per sampled element: whether its weight is held in bf16 (a stuck update then says nothing of fp16)
-        self._held_bf16 = torch.repeat_interleave(
-            torch.tensor([ps.tensor.dtype == torch.bfloat16 for ps in tracked], dtype=torch.bool), lens
-        ).to(device)
+        self.device = device
+        self._placement: tuple[torch.device, ...] | None = None
+        self._groups: list[_DeviceGroup] = []
+        self._regroup()
+
+    def _regroup(self) -> None:
+        """One group per device and dtype the tracked parameters are on now (rebuilt only when one moved)."""
+        placement = tuple(_local(ps.tensor.detach()).device for ps in self.tracked)
+        if placement == self._placement:
+            return
+        groups: dict[tuple[torch.device, bool], list[_ParamSlot]] = {}
+        for ps, dev in zip(self.tracked, placement, strict=True):
+            if dev.type != "meta" and ps.sample_len:
+                groups.setdefault((dev, ps.tensor.dtype == torch.bfloat16), []).append(ps)
+        self._groups = [_DeviceGroup(dev, bf16, members) for (dev, bf16), members in groups.items()]
+        self._placement = placement
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held for the whole run: the counts and the index of every sampled element."""
-        return self.counts.numel() * self.counts.element_size() + sum(
-            ps.sample_len * 4 for ps in self.tracked
-        )
+        """Device bytes held for the whole run: the counts and the indexes of every sampled element."""
+        return sum(g.nbytes for g in self._groups)
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return [g.device for g in self._groups]
 
     def reset(self) -> None:
-        self.counts.zero_()
-
-    def _samples(self) -> torch.Tensor:
-        return torch.cat(
-            [
-                _local(ps.tensor.detach()).reshape(-1)[:: ps.sample_stride][: ps.sample_len].float()
-                for ps in self.tracked
-            ]
-        )
-
-    def _grad_nonzero(self, like: torch.Tensor) -> torch.Tensor:
-        """Per sampled element, whether its gradient is nonzero (False where a parameter has no gradient)."""
-        parts = []
-        for ps in self.tracked:
-            g = ps.tensor.grad
-            if g is None:
-                parts.append(torch.zeros(ps.sample_len, dtype=torch.bool, device=like.device))
-            else:
-                parts.append(_local(g.detach()).reshape(-1)[:: ps.sample_stride][: ps.sample_len] != 0)
-        return torch.cat(parts)
+        for g in self._groups:
+            g.counts.zero_()
 
     def before_step(self) -> None:
-        """Read the samples before the optimizer step."""
-        if self.tracked:
-            self._before = self._samples()
-            if self._before.device != self.counts.device:
-                # the model moved after attach() (``.cuda()`` after the Profiler): the counts follow, once
-                self.counts = self.counts.to(self._before.device)
-                self._seg = self._seg.to(self._before.device)
-                self._lens = self._lens.to(self._before.device)
-                self._held_bf16 = self._held_bf16.to(self._before.device)
-            self._intended = self._grad_nonzero(self._before)
+        """Read the samples before the optimizer step (on each parameter's device; no sync)."""
+        self._regroup()
+        for g in self._groups:
+            g.before = g.samples()
+            g.intended = g.grad_nonzero()
 
     @torch.no_grad()
     def after_step(self) -> bool:
         """Classify the updates of the step just taken; False when ``before_step`` did not run."""
-        before, self._before = self._before, None
-        intended, self._intended = self._intended, None
-        if before is None or intended is None:
-            return False
-        delta = self._samples() - before
-        nonzero = delta != 0
-        stuck = intended & ~nonzero  # meant to move, did not
-        flags = torch.empty((len(before), 3), dtype=torch.int64, device=before.device)
-        flags[:, 0] = ~(nonzero | intended)
-        for col, dtype in ((1, torch.bfloat16), (2, torch.float16)):
-            held = before.to(dtype)
-            landed_but_lost = ((held.float() + delta).to(dtype) == held) & nonzero
-            flags[:, col] = landed_but_lost | (stuck if dtype == torch.bfloat16 else stuck & ~self._held_bf16)
-        self.counts[:, 0] += self._lens
-        self.counts[:, 1:].index_add_(0, self._seg, flags)
-        return True
+        done = [g.classify() for g in self._groups]
+        return bool(done) and all(done)
+
+    def device_counts(self) -> list[torch.Tensor]:
+        """Each device group's counts ([members, 4] int64, on its device), for one copy with the rest of a
+        sampled step's data; :meth:`host_counts` puts the copies back in parameter order."""
+        return [g.counts for g in self._groups]
+
+    def host_counts(self, parts: Sequence[np.ndarray]) -> np.ndarray:
+        """[tracked, 4] int64 counts from the host copies of :meth:`device_counts` (zeros for parameters that
+        were not sampled)."""
+        out = np.zeros((max(len(self.tracked), 1), 4), dtype=np.int64)
+        for g, part in zip(self._groups, parts, strict=True):
+            out[[ps.update_index for ps in g.members]] = part
+        return out
+
+    def combined(self) -> torch.Tensor:
+        """[tracked, 4] int64 counts on the one device the parameters are on (else ``device``), for a
+        collective; copies across devices when the groups live on several."""
+        dev = self._groups[0].device if len(self._groups) == 1 else self.device
+        out = torch.zeros((max(len(self.tracked), 1), 4), dtype=torch.int64, device=dev)
+        for g in self._groups:
+            idx = torch.tensor([ps.update_index for ps in g.members], dtype=torch.int64, device=dev)
+            out.index_copy_(0, idx, g.counts.to(dev))
+        return out
 
     def rows(
         self, counts: Any, step: int, order: dict[str, int], module_type: dict[str, str]

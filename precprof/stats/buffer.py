@@ -756,5 +756,26 @@ class StatsBuffer:
         part.accumulate_blocks(x, row)
         self.blocks_seen[row] = True
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """Each device's rows and block accumulator (``[rows, width]`` int64, ``[slots, 2, recipes, 5]``
+        float64), on their devices, not copied: what a sampled step copies to the host together with the rest
+        of its data (``stats.transfer.to_host``: one transfer per device). :meth:`from_host` merges the copies."""
+        out: list[torch.Tensor] = []
+        for p in self._parts.values():
+            out += [p.dense(), p.blocks_dense()]
+        return out
+
+    def from_host(self, arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """The merged rows (as :meth:`to_host`) and the block statistics per row (as :meth:`blocks_to_host`)
+        from the host copies of :meth:`device_tensors`, in its order."""
+        rows: np.ndarray | None = None
+        blocks: np.ndarray | None = None
+        for r, b in zip(arrays[0::2], arrays[1::2], strict=True):
+            rows = r if rows is None else merge_rows(rows, r, self.layout)
+            blocks = b if blocks is None else blocks + b
+        if rows is None:
+            rows = self.layout.empty_rows(self.rows).numpy()
+        return rows, self.expand_blocks(blocks)
+
 
 _BLOCK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

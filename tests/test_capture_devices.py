@@ -1,0 +1,186 @@
+"""Parameters on several devices, and what a sampled step copies to the host.
+
+A model may keep a layer on another device than the rest (CPU offload beside CUDA layers; here the CPU beside
+the ``meta`` device, which has no data): the Profiler samples each parameter where it lives and skips what it
+cannot read, and the user's ``optimizer.step()`` goes on. A sampled step's data reaches the host in one
+transfer per device (``precprof.stats.transfer.to_host``), the Profiler's one sync point.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import tables as T
+from precprof.stats import transfer
+
+
+class TwoDevices(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def losses(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """One loss per device: autograd cannot carry a gradient from ``meta`` back to the CPU."""
+        la = self.a(x).square().mean()
+        w = self.b.weight
+        lb = self.b(torch.ones(2, 8, device=w.device)).square().mean()
+        return [la, lb]
+
+
+def _train(model: TwoDevices, opt: torch.optim.Optimizer, prof: precprof.Profiler | None) -> None:
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        opt.zero_grad(set_to_none=True)
+        losses = model.losses(x)
+        for loss in losses:
+            loss.backward()
+        opt.step()
+        if prof is not None:
+            prof.step(loss=losses[0].detach())
+
+
+def _update_rows(prof: precprof.Profiler) -> pd.DataFrame:
+    layers = prof.tables()["layers"]
+    return layers[layers[T.TENSOR] == T.WEIGHT_UPDATE].sort_values([T.STEP, T.MODULE, T.PARAM])
+
+
+def _to_meta_in_place(module: nn.Module) -> None:
+    """Move ``module``'s parameters to ``meta`` keeping the Parameter objects, as ``.cuda()`` does on a GPU
+    (``module.to("meta")`` would make new ones)."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to("meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+def test_a_layer_moved_after_attach_is_sampled_where_it_lives_and_training_goes_on() -> None:
+    """On an H100, ``attach()`` before ``model.a.cuda()`` made the user's ``optimizer.step()`` raise: the
+    update sampler concatenated samples from two devices. The same with the CPU and ``meta``."""
+    torch.manual_seed(0)
+    mixed = TwoDevices()
+    torch.manual_seed(0)
+    plain = TwoDevices()
+    plain.b.to("meta")
+    opt = torch.optim.SGD(mixed.parameters(), lr=0.1, momentum=0.9)
+    prof = precprof.Profiler(mixed, optimizer=opt, sample_every=1, block_formats=False)
+    with prof:
+        b_weight = mixed.b.weight
+        _to_meta_in_place(mixed.b)
+        assert mixed.b.weight is b_weight and b_weight.device.type == "meta"
+        _train(mixed, opt, prof)  # raised in the optimizer's pre-hook: torch.cat over cpu and meta
+    _train(plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), None)
+    for name in ("weight", "bias"):
+        assert torch.equal(getattr(mixed.a, name), getattr(plain.a, name))  # training unchanged
+    upd = _update_rows(prof)
+    assert set(upd[T.MODULE]) == {"a"}  # b has no data to sample
+    assert sorted(set(upd[T.PARAM])) == ["bias", "weight"]
+    assert len(upd) == 3 * 2 and (upd[T.NUMEL] > 0).all()
+    skipped = {(s["module"], s["tensor"]) for s in prof.summary()["skipped_tensors"]}
+    assert ("b", T.WEIGHT) in skipped
+
+
+def test_update_counts_equal_a_single_device_run() -> None:
+    """The CPU layer's weight-update counts do not depend on where the other layer lives."""
+    runs = []
+    for b_device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        model = TwoDevices()
+        model.b.to(b_device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        prof = precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False)
+        with prof:
+            _train(model, opt, prof)
+        upd = _update_rows(prof)
+        runs.append(upd[upd[T.MODULE] == "a"][[T.STEP, T.PARAM, T.NUMEL, T.ZEROS]].reset_index(drop=True))
+    pd.testing.assert_frame_equal(runs[0], runs[1])
+
+
+def test_pack_and_unpack_keep_every_dtype_and_shape() -> None:
+    tensors = [
+        torch.arange(12, dtype=torch.int64).reshape(3, 4) - 6,
+        torch.tensor([1.5, float("nan"), -float("inf"), 2.0**-1074], dtype=torch.float64),
+        torch.tensor([True, False, True]),
+        torch.arange(5, dtype=torch.int32).reshape(5, 1),
+        torch.tensor(3.25, dtype=torch.float32),
+        torch.tensor([[0.0, -0.0]], dtype=torch.float64).t(),  # not contiguous
+    ]
+    packed = transfer._pack(tensors)
+    assert packed.dtype == torch.uint8 and packed.numel() == sum(
+        t.numel() * t.element_size() for t in tensors
+    )
+    back = transfer._unpack(packed.numpy(), tensors)
+    for t, a in zip(tensors, back, strict=True):
+        assert a.shape == tuple(t.shape) and a.dtype == t.numpy().dtype
+        np.testing.assert_array_equal(a, t.numpy())
+        assert a.tobytes() == t.contiguous().numpy().tobytes()  # bit for bit (-0.0, nan)
+    with pytest.raises(TypeError, match="bfloat16"):
+        transfer.to_host([torch.zeros(2, dtype=torch.bfloat16)])
+
+
+_HOST_READS = ("cpu", "item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+def test_a_sampled_step_reads_device_data_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prof.step()`` of a sampled step calls ``transfer.to_host`` once, and reads no tensor to the host
+    anywhere else (``.cpu()``, ``.item()``, ``bool(t)``, ...: each of those is a sync on a GPU)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    prof = precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=2)
+    calls = {"to_host": 0, "outside": []}
+    inside = {"depth": 0}
+    real_to_host = transfer.to_host
+
+    def to_host(tensors):  # type: ignore[no-untyped-def]
+        calls["to_host"] += 1
+        inside["depth"] += 1
+        try:
+            return real_to_host(tensors)
+        finally:
+            inside["depth"] -= 1
+
+    def spy(name):  # type: ignore[no-untyped-def]
+        real = getattr(torch.Tensor, name)
+
+        def wrapper(self, *a, **k):  # type: ignore[no-untyped-def]
+            if spying["on"] and not inside["depth"]:
+                calls["outside"].append(name)
+            return real(self, *a, **k)
+
+        return wrapper
+
+    spying = {"on": False}
+    with prof:
+        monkeypatch.setattr(transfer, "to_host", to_host)
+        for name in _HOST_READS:
+            monkeypatch.setattr(torch.Tensor, name, spy(name))
+        for step in range(4):
+            x = torch.randn(8, 16)
+            opt.zero_grad(set_to_none=True)
+            loss = model(x).square().mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            spying["on"] = True
+            before = calls["to_host"]
+            prof.step(loss=loss.detach(), grad_norm=norm)
+            spying["on"] = False
+            assert calls["to_host"] - before == (1 if step % 2 == 0 else 0), step
+        monkeypatch.undo()
+    assert calls["outside"] == []
+    layers = prof.tables()["layers"]
+    assert set(layers[T.STEP]) == {0, 2} and (layers[T.TENSOR] == T.WEIGHT_UPDATE).any()
+    steps = prof.tables()["steps"]
+    assert steps[T.LOSS].notna().all() and steps[T.GRAD_NORM].notna().all()
