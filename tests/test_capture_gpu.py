@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import precprof
 from precprof import tables as T
 from precprof.models import build_model
+from precprof.stats import transfer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +45,9 @@ def test_profiled_gpt2_small_step_never_syncs(precision: str) -> None:
                 scaler.step(opt)  # GradScaler itself reads found_inf on the host: outside the check
                 scaler.update()
             opt.zero_grad(set_to_none=True)
+            copies = transfer.copies
             prof.step(loss=loss.detach())  # the one sync per sampled step happens here, outside the check
+            assert transfer.copies - copies == 1  # one device-to-host copy of everything (it was 4)
     layers = prof.tables()["layers"]
     assert set(layers[T.STEP]) == {0, 1}
     lin = layers[(layers[T.MODULE_TYPE] == "Linear") & (layers[T.TENSOR] == T.ACTIVATION)]
