@@ -13,8 +13,8 @@ Configurations:
   precprof_1      precprof.Profiler, every step sampled
   precprof_10     precprof.Profiler(sample_every=10)
   precprof_1_noblocks  every step sampled, without the block-format what-if (block_formats=False): what the
-                  block formats cost (precprof_1 evaluates them for half of the linear layers per sampled
-                  step, the default block_groups=2)
+                  block formats cost (precprof_1 evaluates them for as many of the linear layers per
+                  sampled step as fit the default block budget: block_groups=None, capture/block_budget.py)
   precprof_1_allblocks every step sampled, every linear layer's block formats on each (block_groups=1)
   debug_uo        transformers' DebugUnderflowOverflow (when transformers is installed)
   naive_item      a home-made per-module monitor calling .item() for absmax / nan / inf of every output and
@@ -106,7 +106,9 @@ class Floor(Monitor):
 
 
 class Precprof(Monitor):
-    def __init__(self, sample_every: int, block_formats: bool = True, block_groups: int = 2) -> None:
+    def __init__(
+        self, sample_every: int, block_formats: bool = True, block_groups: int | None = None
+    ) -> None:
         self.sample_every = sample_every
         self.block_formats = block_formats
         self.block_groups = block_groups
@@ -146,6 +148,8 @@ class Precprof(Monitor):
             {
                 "profiler_buffer_bytes": self.prof.buffer_bytes,
                 "profiler_scratch_bytes": self.prof.scratch_bytes,
+                # how the block what-if was dealt (the groups the budget settled on, and its changes)
+                "block_formats": self.prof.summary()["block_formats"],
             }
         )
 

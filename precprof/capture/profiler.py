@@ -45,6 +45,7 @@ from precprof import tables as T
 from precprof import taxonomy
 from precprof._version import __version__
 from precprof.capture import clipwatch, columns
+from precprof.capture.block_budget import DEFAULT_SHARE, BlockBudget
 from precprof.capture.hooks import HookFactories, reads_block_operands
 from precprof.capture.memory_tracker import MemoryTracker
 from precprof.capture.recorded import Recorded
@@ -100,7 +101,11 @@ class Profiler(HookFactories):
             about equal size, and each sampled step evaluates the block formats of one group in turn: every layer's
             numbers are exact for the steps it was evaluated on, each layer is evaluated on every
             ``block_groups``-th sampled step, and a sampled step pays for a ``1 / block_groups`` share of the
-            what-if (bench/overhead.py). 1: every layer on every sampled step.
+            what-if (bench/overhead.py). 1: every layer on every sampled step. None (the default): as many
+            groups as keep the what-if within ``block_budget`` of the rest of a sampled step, from its measured
+            cost (``capture/block_budget.py``; the summary and the report say how many it took).
+        block_budget: with ``block_groups=None``, the share of the rest of a sampled step that the block
+            what-if may add (0.1).
 
     Call ``step()`` once per optimizer step, at its end. Statistics of a tied parameter (one Parameter owned
     by two modules, e.g. tied embeddings) are recorded under the first module that owns it.
@@ -124,12 +129,15 @@ class Profiler(HookFactories):
         tensorboard: Any = None,
         wandb: Any = None,
         block_formats: bool | None = None,
-        block_groups: int = 2,
+        block_groups: int | None = None,
+        block_budget: float = DEFAULT_SHARE,
     ) -> None:
         if sample_every < 0:
             raise ValueError("sample_every must be >= 0 (0 records steps only)")
-        if block_groups < 1:
-            raise ValueError(f"block_groups must be >= 1, got {block_groups}")
+        if block_groups is not None and block_groups < 1:
+            raise ValueError(f"block_groups must be >= 1 or None, got {block_groups}")
+        if not (block_budget > 0 and math.isfinite(block_budget)):
+            raise ValueError(f"block_budget must be a number > 0, got {block_budget!r}")
         if loss_scale is not None:
             if scaler is not None:
                 raise ValueError(
@@ -157,7 +165,10 @@ class Profiler(HookFactories):
         self.chunk = chunk
         self._block_formats = bool(block_formats) if block_formats is not None else block_formats_from_env()
         self._block_outputs = {}
-        self.block_groups = block_groups
+        self._block_groups_spec = block_groups
+        self._block_budget_share = float(block_budget)
+        self._block_budget = BlockBudget(self._block_budget_share, block_groups, n_layers=0)
+        self._block_loads: list[int] = [1]
         self._block_turn = 0
         self._first_step = first_step
         self._reducer_spec = reducer
@@ -373,13 +384,24 @@ class Profiler(HookFactories):
         if self._dashboards is not None and self.is_writer:
             self._dashboards.close()
 
-    def _deal_block_groups(self) -> None:
-        """Deal the layers whose operands get the block-format what-if into ``block_groups`` groups of about
-        equal cost: largest first, each to the lightest group so far (ties to the lowest group, so every rank
-        deals alike). A layer's cost is the sum of its weight's dimensions (in + out features for a linear
-        layer: what its input and output gradient add per token; the weight itself is a small share)."""
-        loads = [0] * self.block_groups
+    @property
+    def block_groups(self) -> int:
+        """How many groups the block-format what-if is dealt into now (see ``block_groups``)."""
+        return self._block_budget.groups
+
+    def _deal_block_groups(self, groups: int | None = None) -> None:
+        """Deal the layers whose operands get the block-format what-if into ``groups`` (at attach: the budget's
+        start) groups of about equal cost: largest first, each to the lightest group so far (ties to the lowest
+        group, so every rank deals alike). A layer's cost is the sum of its weight's dimensions (in + out
+        features for a linear layer: what its input and output gradient add per token; the weight itself is a
+        small share)."""
         slots = [s for s in self._modules if reads_block_operands(type(s.module).__name__)]
+        if groups is None:
+            self._block_budget = BlockBudget(
+                self._block_budget_share, self._block_groups_spec, n_layers=len(slots)
+            )
+            groups = self._block_budget.groups
+        loads = [0] * groups
 
         def cost(slot: _ModuleSlot) -> int:
             return max((sum(p.shape) for _, p, _ in slot.weights if p.dim() == 2), default=1)
@@ -388,6 +410,26 @@ class Profiler(HookFactories):
             g = loads.index(min(loads))
             slot.block_group = g
             loads[g] += cost(slot)
+        self._block_loads = loads
+
+    def _adapt_block_groups(self, step: int, step_s: float) -> None:
+        """After a sampled step's host copy: measure what its block what-if cost and re-deal the layers when
+        the budget asks for another number of groups (the same decision on every rank)."""
+        assert self._buffer is not None
+        block_s = self._buffer.block_timer.read_s()  # the device finished this step's work at the copy
+        budget = self._block_budget
+        if not (self._block_formats and budget.adaptive):
+            return
+        total = sum(self._block_loads)
+        share = self._block_loads[self._block_turn] / total if total else 0.0
+        ratio = budget.estimate(step_s, block_s, share)
+        if self._reducer is not None:
+            # every rank must deal alike: the mean of the ranks' estimates (a rank without one counts 0)
+            t = torch.tensor([ratio or 0.0, ratio is not None], dtype=torch.float64, device=self._device)
+            mean, n = self._reducer.reduce_sum(t).cpu().tolist()
+            ratio = mean / n if n else None
+        if budget.observe(step, ratio):
+            self._deal_block_groups(budget.groups)
 
     # ----------------------------------------------------------------------------------------- steps
     def _is_sampled(self, step: int) -> bool:
@@ -453,9 +495,12 @@ class Profiler(HookFactories):
         clipped = self._clip_norms.take() if self._clip_norms is not None else None
         if grad_norm is None:
             grad_norm = clipped
+        started = self._t_last  # this step's start (the previous step's end)
         self._pending.append(self._make_pending(loss, grad_norm, tokens))
         if self._sampling or len(self._pending) >= MAX_PENDING_STEPS:
             self._flush(sampled_step_done=self._sampling)
+            if self._sampling and self._buffer is not None:
+                self._adapt_block_groups(self._step, time.perf_counter() - started)
         self._step += 1
         self._begin_step()
 
@@ -663,7 +708,7 @@ class Profiler(HookFactories):
         param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return {
             "sample_every": self.sample_every,
-            "block_formats": ({"groups": self.block_groups} if self._block_formats else False),
+            "block_formats": (self._block_budget.describe() if self._block_formats else False),
             "device": str(self._device),
             "stats_engine": {
                 **st.engine_status([self._device]),

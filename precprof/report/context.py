@@ -396,15 +396,22 @@ _CAPTURE_LABELS: dict[str, tuple[str, Any]] = {
 
 
 def _block_setting(v: Any) -> str:
-    """The capture's ``block_formats`` setting in words."""
+    """The capture's ``block_formats`` setting in words (``capture.block_budget.BlockBudget.describe``)."""
     if not isinstance(v, Mapping):
         return "on" if v else "off"
     n = int(v.get("groups") or 1)
-    return (
-        "on, every linear layer on every sampled step"
+    turns = (
+        "every linear layer on every sampled step"
         if n <= 1
-        else (f"on, each linear layer on every {F.ordinal(n)} sampled step (block_groups={n})")
+        else f"each linear layer on every {F.ordinal(n)} sampled step ({n} groups taking turns)"
     )
+    if not v.get("adaptive"):
+        return f"on, {turns} (block_groups={n})"
+    out = f"on, {turns}: as many groups as keep the what-if within {F.pct(float(v.get('budget') or 0))} of a sampled step"
+    cost = v.get("every_layer_cost")
+    if isinstance(cost, (int, float)) and math.isfinite(cost):
+        out += f" (every layer at once was measured to add {F.pct(float(cost))})"
+    return out
 
 
 def _is_tf32_key(key: str) -> bool:

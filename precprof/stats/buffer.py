@@ -55,6 +55,7 @@ from precprof.stats.layout import (
     f64_bits,
     merge_rows,
 )
+from precprof.stats.timing import WorkTimer
 
 # the torch-op path on a device processes a tensor in chunks of this many values: its scratch (25 bytes per
 # value, 16 more for the sort of deterministic mode, freed after each chunk) stays under 64 MiB
@@ -576,6 +577,8 @@ class StatsBuffer:
         self.skipped_total = np.zeros(rows, dtype=np.int64)  # over the whole run
         # rows whose block-format statistics were evaluated since the last reset (host-side flags)
         self.blocks_seen = np.zeros(rows, dtype=bool)
+        # time spent in the block-format what-if (capture's block budget reads it after each sampled step)
+        self.block_timer = WorkTimer()
         if self.device.type != "meta":
             self._part(self.device)  # the model's device: its engine is chosen (and built) at attach
 
@@ -739,7 +742,8 @@ class StatsBuffer:
             and x.dtype in _BLOCK_DTYPES
             and self._block_slot[row] >= 0
         ):
-            part.accumulate_blocks(x, row)
+            with self.block_timer.timing(x.device):
+                part.accumulate_blocks(x, row)
             self.blocks_seen[row] = True
         return True
 
@@ -753,7 +757,8 @@ class StatsBuffer:
         if self._block_slot[row] < 0:  # a row without a slot holds no block statistics
             return
         part = self._parts.get(x.device) or self._part(x.device)
-        part.accumulate_blocks(x, row)
+        with self.block_timer.timing(x.device):
+            part.accumulate_blocks(x, row)
         self.blocks_seen[row] = True
 
     def device_tensors(self) -> list[torch.Tensor]:

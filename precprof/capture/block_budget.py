@@ -1,0 +1,80 @@
+"""How many groups the block-format what-if is dealt into, so that it fits a time budget whatever its speed.
+
+The what-if of the block-scaled formats reads every GEMM operand of the linear layers in two orientations for
+seven recipes: on a CPU it costs about a third of a gpt-mini step, and the first Triton kernels on an H100 cost
+12x a gpt2-small step. The layers are dealt into groups of about equal cost and each sampled step evaluates
+one group in turn (each layer's numbers are exact on the steps it was evaluated on). With ``block_groups``
+left to precprof, the number of groups follows what the what-if is measured to cost: after each sampled step
+(the first, which pays for warm-up, aside) the time of the group just evaluated is scaled by its share of the
+deal's cost to what every layer would take, relative to the rest of the step; the groups are then the fewest
+that keep one group's time within ``share`` of the rest of the step, from the median of those estimates (one
+noisy step does not re-deal the layers), and never more than one group per layer.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_SHARE = 0.1  # the block what-if may add this much to the rest of a sampled step
+
+
+@dataclass
+class BlockBudget:
+    """The number of groups (``groups``), fixed by the user or adapted to the measured cost.
+
+    ``fixed``: the user's ``block_groups`` (never changes); None adapts, starting from ``start`` groups.
+    ``n_layers``: how many layers are dealt (the most groups there can be).
+    """
+
+    share: float
+    fixed: int | None
+    n_layers: int
+    start: int = 1
+    groups: int = field(init=False)
+    ratios: list[float] = field(default_factory=list)  # every layer's what-if time / the rest of the step
+    history: list[dict[str, Any]] = field(default_factory=list)  # one entry per change of ``groups``
+    _observed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.share > 0 and math.isfinite(self.share)):
+            raise ValueError(f"block_budget must be a number > 0, got {self.share!r}")
+        self.groups = self.fixed if self.fixed is not None else max(1, min(self.start, self.n_layers or 1))
+
+    @property
+    def adaptive(self) -> bool:
+        return self.fixed is None
+
+    def estimate(self, step_s: float, block_s: float, evaluated_share: float) -> float | None:
+        """Every layer's what-if time over the rest of the step, from one sampled step: its time ``step_s``
+        (host copy included), the what-if's ``block_s`` and the share of the deal's cost it evaluated. None
+        when the step says nothing (no what-if ran, or no time was left for the rest)."""
+        rest = step_s - block_s
+        if not (block_s > 0 and evaluated_share > 0 and rest > 0 and math.isfinite(step_s)):
+            return None
+        return block_s / evaluated_share / rest
+
+    def observe(self, step: int, ratio: float | None) -> bool:
+        """Take one sampled step's :meth:`estimate` (the same on every rank); True when ``groups`` changed."""
+        self._observed += 1
+        if not self.adaptive or ratio is None or self._observed == 1:  # the first sampled step warms up
+            return False
+        self.ratios.append(ratio)
+        want = max(1, min(self.n_layers or 1, math.ceil(statistics.median(self.ratios) / self.share - 1e-9)))
+        if want == self.groups:
+            return False
+        self.history.append({"step": step, "groups": want, "from": self.groups})
+        self.groups = want
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        """The ``block_formats`` entry of the capture summary."""
+        out: dict[str, Any] = {"groups": self.groups, "adaptive": self.adaptive}
+        if self.adaptive:
+            out["budget"] = self.share
+            out["changes"] = list(self.history)
+            if self.ratios:
+                out["every_layer_cost"] = statistics.median(self.ratios)  # x the rest of a sampled step
+        return out

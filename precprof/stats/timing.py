@@ -1,0 +1,50 @@
+"""Time spent in one kind of work (the block-format what-if), without a host sync where it runs.
+
+On the CPU the work runs in the calling thread, so ``time.perf_counter`` around it is its time. On a CUDA
+device the calls only queue kernels: a pair of CUDA events is recorded around each call on the current stream
+(no sync), and the elapsed times are read at the sampled step's host copy, when the device has done the work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class WorkTimer:
+    """Seconds spent inside :meth:`timing` since the last :meth:`read_s`, on the host or the device."""
+
+    def __init__(self) -> None:
+        self._host_s = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    @contextlib.contextmanager
+    def timing(self, device: torch.device) -> Iterator[None]:
+        """Time the work in the ``with`` block, queued on ``device``'s current stream. Never syncs."""
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((start, end))
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._host_s += time.perf_counter() - t0
+
+    def read_s(self) -> float:
+        """The seconds timed since the last read, and start again. Call after the device finished the work (the
+        sampled step's copy to the host): reading a CUDA event pair waits for its second event."""
+        total = self._host_s + sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+        self._host_s = 0.0
+        self._events.clear()
+        return total

@@ -1,0 +1,109 @@
+"""The block-format what-if fits a time budget by default: the layers are dealt into as many groups as keep
+it within ``block_budget`` of the rest of a sampled step, from its measured cost."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from precprof import tables as T
+from precprof.capture import Profiler
+from precprof.capture.block_budget import BlockBudget
+from precprof.report.context import _block_setting
+
+
+def test_the_groups_follow_the_median_estimate() -> None:
+    b = BlockBudget(share=0.1, fixed=None, n_layers=12)
+    assert b.groups == 1 and b.adaptive
+    # gpt-mini on 2 CPU cores: every layer's what-if 340 ms, the rest of the step 587 ms
+    ratio = b.estimate(step_s=0.587 + 0.340, block_s=0.340, evaluated_share=1.0)
+    assert ratio == pytest.approx(0.340 / 0.587)
+    assert not b.observe(0, ratio)  # the first sampled step warms up: not counted
+    assert b.observe(1, ratio) and b.groups == 6  # ceil(0.579 / 0.1)
+    # one group of six measured again: the same estimate, no change
+    again = b.estimate(step_s=0.587 + 0.340 / 6, block_s=0.340 / 6, evaluated_share=1 / 6)
+    assert again == pytest.approx(ratio) and not b.observe(2, again)
+    assert not b.observe(3, 40.0) and b.groups == 6  # one slow step: the median is still 0.58
+    assert b.observe(4, 40.0) and b.groups == 12  # slower for good (median 20.3): one layer per group, no more
+    assert b.history == [{"step": 1, "groups": 6, "from": 1}, {"step": 4, "groups": 12, "from": 6}]
+
+
+def test_a_noisy_step_does_not_redeal() -> None:
+    b = BlockBudget(share=0.1, fixed=None, n_layers=50)
+    b.observe(0, 0.3)
+    for step, r in enumerate([0.3, 0.3, 0.3, 9.0, 0.3], start=1):
+        b.observe(step, r)
+    assert b.groups == 3 and [h["groups"] for h in b.history] == [3]
+
+
+def test_a_fixed_count_never_changes_and_estimates_need_data() -> None:
+    b = BlockBudget(share=0.1, fixed=2, n_layers=8)
+    for step in range(4):
+        assert not b.observe(step, 50.0)
+    assert b.groups == 2 and b.describe() == {"groups": 2, "adaptive": False}
+    assert b.estimate(1.0, 0.0, 0.5) is None  # no what-if ran
+    assert b.estimate(1.0, 0.2, 0.0) is None  # no layer evaluated
+    assert b.estimate(0.1, 0.2, 1.0) is None  # nothing left for the rest of the step
+    with pytest.raises(ValueError, match="block_budget"):
+        BlockBudget(share=0.0, fixed=None, n_layers=3)
+    with pytest.raises(ValueError, match="block_budget"):
+        Profiler(nn.Linear(2, 2), block_budget=-1)
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(32, 32) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.layers:
+            x = torch.relu(lin(x))
+        return x
+
+
+def _run(steps: int, **kw: object) -> Profiler:
+    torch.manual_seed(0)
+    model = Stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    prof = Profiler(model, optimizer=opt, sample_every=1, memory=False, block_formats=True, **kw)  # type: ignore[arg-type]
+    with prof:
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            model(torch.randn(16, 32)).square().mean().backward()
+            opt.step()
+            prof.step()
+    return prof
+
+
+def _evaluated(prof: Profiler) -> dict[int, set[str]]:
+    """Per step, the layers whose weight got block statistics."""
+    layers = prof.tables()["layers"]
+    w = layers[(layers[T.TENSOR] == T.WEIGHT) & layers[T.BLOCK_COLUMNS[0]].notna()]
+    return {int(s): set(g[T.MODULE]) for s, g in w.groupby(T.STEP)}
+
+
+def test_a_tight_budget_deals_one_layer_per_group_whatever_the_speed() -> None:
+    """Any measured cost over a budget of 1e-9 of a step asks for more groups than layers: one each."""
+    prof = _run(7, block_budget=1e-9)
+    assert prof.block_groups == 4
+    seen = _evaluated(prof)
+    assert seen[0] == seen[1] == {f"layers.{i}" for i in range(4)}  # one group until measured (step 1)
+    later = [seen.get(s, set()) for s in range(2, 7)]
+    assert all(len(s) == 1 for s in later)  # one layer per sampled step, taking turns
+    assert set().union(*later[:4]) == {f"layers.{i}" for i in range(4)}
+    desc = prof.summary()["block_formats"]
+    assert (
+        desc["adaptive"] and desc["groups"] == 4 and desc["changes"] == [{"step": 1, "groups": 4, "from": 1}]
+    )
+    text = _block_setting(desc)
+    assert (
+        "every 4th sampled step" in text and "within 0.0000001%" not in text and "of a sampled step" in text
+    )
+
+
+def test_a_loose_budget_keeps_every_layer_on_every_step() -> None:
+    prof = _run(4, block_budget=1e9)
+    assert prof.block_groups == 1
+    assert all(len(s) == 4 for s in _evaluated(prof).values())
+    assert "every linear layer on every sampled step" in _block_setting(prof.summary()["block_formats"])
