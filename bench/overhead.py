@@ -118,6 +118,9 @@ class Precprof(Monitor):
         self.last_info: dict[str, Any] = {}
 
     def attach(self, model: nn.Module, opt: torch.optim.Optimizer, scaler: Any) -> None:
+        if self.prof is not None:  # one Profiler for the whole run, attached for each block of steps
+            self.prof.attach()
+            return
         self.prof = Profiler(
             model,
             optimizer=opt,

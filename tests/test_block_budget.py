@@ -25,7 +25,9 @@ def test_the_groups_follow_the_median_estimate() -> None:
     again = b.estimate(step_s=0.587 + 0.340 / 6, block_s=0.340 / 6, evaluated_share=1 / 6)
     assert again == pytest.approx(ratio) and not b.observe(2, again)
     assert not b.observe(3, 40.0) and b.groups == 6  # one slow step: the median is still 0.58
-    assert b.observe(4, 40.0) and b.groups == 12  # slower for good (median 20.3): one layer per group, no more
+    assert (
+        b.observe(4, 40.0) and b.groups == 12
+    )  # slower for good (median 20.3): one layer per group, no more
     assert b.history == [{"step": 1, "groups": 6, "from": 1}, {"step": 4, "groups": 12, "from": 6}]
 
 
@@ -107,3 +109,16 @@ def test_a_loose_budget_keeps_every_layer_on_every_step() -> None:
     assert prof.block_groups == 1
     assert all(len(s) == 4 for s in _evaluated(prof).values())
     assert "every linear layer on every sampled step" in _block_setting(prof.summary()["block_formats"])
+
+
+def test_a_reattached_profiler_keeps_what_its_budget_measured() -> None:
+    prof = _run(4, block_budget=1e-9)
+    assert prof.block_groups == 4
+    with prof:
+        assert prof.block_groups == 4
+        assert sorted({s.block_group for s in prof._modules if isinstance(s.module, nn.Linear)}) == [
+            0,
+            1,
+            2,
+            3,
+        ]

@@ -396,10 +396,11 @@ class Profiler(HookFactories):
         features for a linear layer: what its input and output gradient add per token; the weight itself is a
         small share)."""
         slots = [s for s in self._modules if reads_block_operands(type(s.module).__name__)]
-        if groups is None:
-            self._block_budget = BlockBudget(
-                self._block_budget_share, self._block_groups_spec, n_layers=len(slots)
-            )
+        if groups is None:  # at attach: a re-attached Profiler keeps what its budget measured
+            if self._block_budget.n_layers != len(slots):
+                self._block_budget = BlockBudget(
+                    self._block_budget_share, self._block_groups_spec, n_layers=len(slots)
+                )
             groups = self._block_budget.groups
         loads = [0] * groups
 
