@@ -20,8 +20,8 @@ Configurations:
   naive_item      a home-made per-module monitor calling .item() for absmax / nan / inf of every output and
                   gradient (what people write by hand)
 
-Usage: python bench/overhead.py [--model gpt-mini] [--device auto] [--precision bf16] [--blocks 6]
-Writes bench/results/overhead_<device>_<model>.json.
+Usage: python bench/overhead.py [--model gpt-mini] [-a n_layer=4 ...] [--device auto] [--precision bf16] [--blocks 6]
+Writes bench/results/overhead_<device>_<model>[_<key><value>...].json.
 """
 
 from __future__ import annotations
@@ -213,6 +213,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--model", default=None, help="built-in model (default: gpt-mini on CPU, gpt2-small on CUDA)"
     )
+    ap.add_argument(
+        "--model-arg",
+        "-a",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a field of the model's config, repeatable (-a n_layer=4 -a n_embd=256 -a n_head=4)",
+    )
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
     ap.add_argument("--batch", type=int, default=8)
@@ -238,7 +246,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_name = args.model or ("gpt2-small" if dev.type == "cuda" else "gpt-mini")
     seq = args.seq or (1024 if dev.type == "cuda" else 128)
     torch.manual_seed(0)
-    base_model = build_model(model_name, vocab_size=256, seq_len=seq).module.to(dev)
+    model_args = {k: int(v) for k, v in (a.split("=", 1) for a in args.model_arg)}
+    base_model = build_model(model_name, model_args, vocab_size=256, seq_len=seq).module.to(dev)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
 
     g = torch.Generator().manual_seed(0)
@@ -334,6 +343,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device_name": device_name,
         "threads": args.threads,
         "model": model_name,
+        "model_args": model_args,
         "param_bytes": param_bytes,
         "precision": args.precision,
         "batch": args.batch,
@@ -379,7 +389,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"in {pp.get('tensor_calls_per_sampled_step', 0)} tensors per sampled step"
         )
     path = (
-        Path(args.out) if args.out else ROOT / "bench" / "results" / f"overhead_{dev.type}_{model_name}.json"
+        Path(args.out)
+        if args.out
+        else ROOT
+        / "bench"
+        / "results"
+        / f"overhead_{dev.type}_{model_name}{''.join(f'_{k}{v}' for k, v in model_args.items())}.json"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
