@@ -4,7 +4,8 @@ The what-if of the block-scaled formats reads every GEMM operand of the linear l
 seven recipes: on a CPU it costs about a third of a gpt-mini step, and the first Triton kernels on an H100 cost
 12x a gpt2-small step. The layers are dealt into groups of about equal cost and each sampled step evaluates
 one group in turn (each layer's numbers are exact on the steps it was evaluated on). With ``block_groups``
-left to precprof, the number of groups follows what the what-if is measured to cost: after each sampled step
+left to precprof, the number of groups follows what the what-if is measured to cost. It starts with one layer
+per group, so the first sampled steps cost the least whatever the kernels' speed; after each sampled step
 (the first, which pays for warm-up, aside) the time of the group just evaluated is scaled by its share of the
 deal's cost to what every layer would take, relative to the rest of the step; the groups are then the fewest
 that keep one group's time within ``share`` of the rest of the step, from the median of those estimates (one
@@ -25,14 +26,15 @@ DEFAULT_SHARE = 0.1  # the block what-if may add this much to the rest of a samp
 class BlockBudget:
     """The number of groups (``groups``), fixed by the user or adapted to the measured cost.
 
-    ``fixed``: the user's ``block_groups`` (never changes); None adapts, starting from ``start`` groups.
+    ``fixed``: the user's ``block_groups`` (never changes); None adapts, starting from ``start`` groups (None:
+    one per layer).
     ``n_layers``: how many layers are dealt (the most groups there can be).
     """
 
     share: float
     fixed: int | None
     n_layers: int
-    start: int = 1
+    start: int | None = None
     groups: int = field(init=False)
     ratios: list[float] = field(default_factory=list)  # every layer's what-if time / the rest of the step
     history: list[dict[str, Any]] = field(default_factory=list)  # one entry per change of ``groups``
@@ -41,7 +43,8 @@ class BlockBudget:
     def __post_init__(self) -> None:
         if not (self.share > 0 and math.isfinite(self.share)):
             raise ValueError(f"block_budget must be a number > 0, got {self.share!r}")
-        self.groups = self.fixed if self.fixed is not None else max(1, min(self.start, self.n_layers or 1))
+        start = self.n_layers if self.start is None else self.start
+        self.groups = self.fixed if self.fixed is not None else max(1, min(start, self.n_layers or 1))
 
     @property
     def adaptive(self) -> bool:
