@@ -37,7 +37,7 @@ import torch
 
 from precprof import _compat, formats
 from precprof.stats import blocks as _blocks
-from precprof.stats import triton_engine
+from precprof.stats import magnitude, triton_engine
 from precprof.stats.engine import _default_kernel_threads, _kernel, resolve_engine
 from precprof.stats.layout import (
     _F64_BIAS,
@@ -58,8 +58,9 @@ from precprof.stats.layout import (
 from precprof.stats.timing import WorkTimer
 
 # the torch-op path on a device processes a tensor in chunks of this many values: its scratch (25 bytes per
-# value, 16 more for the sort of deterministic mode, freed after each chunk) stays under 64 MiB
-DEVICE_CHUNK = 1 << 20
+# value), the temporaries of the magnitude bits (at most 25 more) and the sort of deterministic mode (16 more,
+# freed after each chunk) stay under 64 MiB
+DEVICE_CHUNK = 1 << 19
 
 
 def _count_le_pow2_keys(keys2: np.ndarray, j: int) -> int:
@@ -279,19 +280,20 @@ class DeviceRows:
         self._accumulate_device(flat, row, chunk)
 
     def _keys_of(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """|part| widened to fp64 in scratch, its bit patterns, and the key of every element.
+        """|part| as fp64 in scratch, its bit patterns, and the key of every element.
 
-        key = 2 * exponent_field + (mantissa == 0), with shifts and bitwise ops only (integer multiply, add
-        and compare-to-bool are several times slower on CPU): subtracting 1 from the bits borrows into the
-        exponent exactly when the mantissa is zero, so the lowest bit of (bits >> 52) ^ ((bits - 1) >> 52)
-        is that flag. A zero gives key 1 ("exponent 0, mantissa 0"); nan 4094, inf 4095.
+        The bit patterns come from ``part``'s own bits by integer operations (``stats.magnitude``: the sign bit
+        masked off, subnormals converted as integers), so every key lies in [0, 4096) by construction, on
+        any device. key = 2 * exponent_field + (mantissa == 0), with shifts and bitwise ops only (integer
+        multiply, add and compare-to-bool are several times slower on CPU): subtracting 1 from the bits
+        borrows into the exponent exactly when the mantissa is zero, so the lowest bit of
+        (bits >> 52) ^ ((bits - 1) >> 52) is that flag. A zero gives key 1 ("exponent 0, mantissa 0"); nan
+        4094, inf 4095.
         """
         m = part.numel()
         self._ensure_scratch(m)
-        a = self._f64[:m]
-        a.copy_(part)  # exact widening: every fp32/bf16/fp16/fp8 value is a normal fp64
-        a.abs_()
-        bits = a.view(torch.int64)
+        bits = magnitude.abs_bits(part, self._f64[:m].view(torch.int64))
+        a = bits.view(torch.float64)
         key = self._key[:m]
         tmp = self._i64[:m]
         torch.sub(bits, 1, out=tmp)
