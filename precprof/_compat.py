@@ -88,3 +88,21 @@ def fsdp2_policy(module: Any) -> tuple[Any, Any]:
     get_state = getattr(module, "_get_fsdp_state", None)
     state = get_state() if get_state is not None else None
     return getattr(state, "_mp_policy", None), getattr(state, "_fsdp_param_group", None)
+
+
+def indexed_device(device: torch.device | str) -> torch.device:
+    """``device`` as a tensor on it reports it: an accelerator with its index (``cuda`` -> ``cuda:N``, N the
+    current device), the CPU without one (``cpu:0`` -> ``cpu``). State kept per device and keyed by this matches
+    the tensors' own ``.device``, so ``cuda`` and ``cuda:0`` never make two entries."""
+    d = torch.device(device)
+    if d.type == "cpu":
+        return torch.device("cpu")
+    if d.index is not None or d.type == "meta":
+        return d
+    current = getattr(getattr(torch, d.type, None), "current_device", None)
+    if callable(current):
+        try:
+            return torch.device(d.type, int(current()))
+        except Exception:  # no such device here: leave the name as it is
+            return d
+    return d

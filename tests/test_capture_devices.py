@@ -16,7 +16,8 @@ from torch import nn
 
 import precprof
 from precprof import tables as T
-from precprof.stats import transfer
+from precprof._compat import indexed_device
+from precprof.stats import StatsBuffer, transfer
 
 
 class TwoDevices(nn.Module):
@@ -184,3 +185,23 @@ def test_a_sampled_step_reads_device_data_once(monkeypatch: pytest.MonkeyPatch) 
     assert set(layers[T.STEP]) == {0, 2} and (layers[T.TENSOR] == T.WEIGHT_UPDATE).any()
     steps = prof.tables()["steps"]
     assert steps[T.LOSS].notna().all() and steps[T.GRAD_NORM].notna().all()
+
+
+def test_device_names_are_normalised_to_what_tensors_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert indexed_device("cpu:0") == torch.device("cpu") == torch.zeros(1).device
+    assert indexed_device("meta") == torch.device("meta")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert indexed_device("cuda") == torch.device("cuda", 2)  # what a tensor made on "cuda" reports
+    assert indexed_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+
+
+def test_a_buffer_named_by_another_spelling_keeps_one_row_set() -> None:
+    """On an H100 ``StatsBuffer(rows, "cuda")`` opened rows under ``cuda`` and a second set under the tensors'
+    ``cuda:0``; ``cpu:0`` and ``cpu`` are the same case on the CPU."""
+    buf = StatsBuffer(1, "cpu:0")
+    x = torch.randn(1000)
+    buf.accumulate(x, 0)
+    assert buf.engines == {"cpu": "c"} or buf.engines == {"cpu": "torch"}
+    one = StatsBuffer(1, "cpu")
+    one.accumulate(x, 0)
+    assert np.array_equal(buf.to_host(), one.to_host())

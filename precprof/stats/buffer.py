@@ -560,7 +560,7 @@ class StatsBuffer:
         layout: RowLayout = LAYOUT,
         block_rows: Sequence[int] | None = None,
     ) -> None:
-        self.device = torch.device(device)
+        self.device = _compat.indexed_device(device)  # "cuda" keys its rows as the tensors' "cuda:0"
         self.rows = rows
         # the rows that can hold block-format statistics (default: all), each with a slot of the accumulator
         self.block_rows = (
@@ -585,6 +585,7 @@ class StatsBuffer:
             self._part(self.device)  # the model's device: its engine is chosen (and built) at attach
 
     def _part(self, device: torch.device) -> DeviceRows:
+        device = _compat.indexed_device(device)
         part = self._parts.get(device)
         if part is None:
             name = resolve_engine(self.requested, device)
