@@ -305,7 +305,12 @@ class Profiler(HookFactories):
                 self._params.append(_ParamSlot(name, pname, p, grad_row, -1))
             self._modules.append(slot)
         self._buffer = st.StatsBuffer(
-            max(len(self._rows), 1), self._device, chunk=self.chunk, block_rows=self._block_rows()
+            max(len(self._rows), 1),
+            self._device,
+            chunk=self.chunk,
+            block_rows=self._block_rows(),
+            # the Triton kernels of the model's dtypes compile here, at attach, not in a hook
+            warm_dtypes=[p.dtype for p in self.model.parameters() if p.is_floating_point()],
         )
         self._reducer = self._resolve_reducer()
 

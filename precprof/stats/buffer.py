@@ -559,8 +559,13 @@ class StatsBuffer:
         engine: str | None = None,
         layout: RowLayout = LAYOUT,
         block_rows: Sequence[int] | None = None,
+        warm_dtypes: Sequence[torch.dtype] = (),
     ) -> None:
-        self.device = _compat.indexed_device(device)  # "cuda" keys its rows as the tensors' "cuda:0"
+        self.device = _compat.indexed_device(device)
+        # the dtypes whose Triton kernels compile when a device's rows are made (fp32, bf16, fp16 always: what
+        # autocast makes of any model)
+        self.warm_dtypes = list(dict.fromkeys([torch.float32, torch.bfloat16, torch.float16, *warm_dtypes]))
+        self.warmed: set[tuple[str, int, int, bool]] = set()  # "cuda" keys its rows as the tensors' "cuda:0"
         self.rows = rows
         # the rows that can hold block-format statistics (default: all), each with a slot of the accumulator
         self.block_rows = (
@@ -603,13 +608,17 @@ class StatsBuffer:
             self._parts[device] = part
         return part
 
-    # compile the Triton kernels for the common dtypes at attach, not in the first hook
-    @staticmethod
-    def _triton_warm(part: DeviceRows) -> None:
-        assert part._data is not None and part._triton is not None
-        probe = part.layout.empty_rows(1, part.device)
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            part._triton.add(torch.ones(4, dtype=dtype, device=part.device), probe, 0)
+    def _triton_warm(self, part: DeviceRows) -> None:
+        """Compile every Triton kernel variant this buffer's tensors can launch now, when the Profiler attaches,
+        not inside the first hook (a sync there, and an 18.8 s first step on an H100): row statistics for
+        ``warm_dtypes`` in every layout (``triton_engine.launch_variant``), and with block rows the block
+        kernels for fp32, bf16 and fp16. Triton keeps them in its on-disk cache for the next run."""
+        assert part._triton is not None
+        self.warmed = part._triton.warm(self.warm_dtypes)
+        if len(self.block_rows) and part.device.type == "cuda":  # the block kernels run on CUDA only
+            for dtype in _BLOCK_DTYPES:
+                probe = torch.zeros(64, 64, dtype=dtype, device=part.device)
+                _blocks.tensor_block_stats(probe, engine="triton")
 
     @property
     def primary(self) -> DeviceRows | None:

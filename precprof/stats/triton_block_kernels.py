@@ -7,6 +7,8 @@ a compiler could flush, fuse or approximate decides a count. Values are ``m * 2^
 an element format's). Float64 appears only in the error sums, on values built exactly from their bits.
 """
 
+import inspect
+
 import triton
 import triton.language as tl
 
@@ -230,7 +232,15 @@ def _tile_bits(x_ptr, t, n_along, n_across, st_along, st_across, tiles, KIND: tl
     return mag.to(tl.int64), inside
 
 
-@triton.jit(do_not_specialize=["n_along", "n_across", "st_along", "st_across", "tiles", "iters"])
+# the tensor's address is not specialised on (a view off a 16-byte boundary would compile again inside a hook),
+# where this Triton can be told so (3.2+)
+_GEOMETRY = ["n_along", "n_across", "st_along", "st_across", "tiles", "iters"]
+_JIT = {"do_not_specialize": _GEOMETRY}
+if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+    _JIT["do_not_specialize_on_alignment"] = ["x_ptr"]
+
+
+@triton.jit(**_JIT)
 def _amax(
     x_ptr,
     out_ptr,
@@ -254,7 +264,7 @@ def _amax(
     tl.atomic_max(out_ptr, tl.max(tl.max(best, axis=1), axis=0).to(tl.int32))
 
 
-@triton.jit(do_not_specialize=["n_along", "n_across", "st_along", "st_across", "tiles", "iters"])
+@triton.jit(**_JIT)
 def _blocks(
     x_ptr,
     tmax_ptr,

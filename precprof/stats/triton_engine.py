@@ -23,6 +23,7 @@ that is how the suite tests them bit for bit against the C kernel, the torch-op 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -62,13 +63,18 @@ def device_unsupported(device: torch.device) -> str | None:
 
 
 def triton_missing() -> str | None:
-    """Why triton does not import here (with the fix); None when it does. Checked once."""
+    """Why triton does not import here (with the fix); None when it does. An ImportError is remembered; any
+    other failure (a transient one: under ``torch.cuda.set_sync_debug_mode("error")`` importing triton raised
+    "called a synchronizing CUDA operation" on an H100) is reported but tried again at the next call, never
+    remembered as a missing package."""
     if "import" not in _state:
         try:
             import triton
             import triton.language  # noqa: F401
-        except Exception as e:  # ImportError, or a broken install
+        except ImportError as e:
             _state["import"] = f"triton does not import ({type(e).__name__}: {e}); pip install triton"
+        except Exception as e:  # not a missing package: say so now, try again next time
+            return f"triton failed to import ({type(e).__name__}: {e})"
         else:
             _state["import"] = None
     missing: str | None = _state["import"]
@@ -87,20 +93,62 @@ def unavailable(device: torch.device) -> str | None:
 
 
 def _kernels() -> Any:
-    """The jitted kernels (built on first use), or why they are not there."""
+    """The jitted kernels (defined on first use), or why they are not there (a reason that may pass, such as
+    a failed import that was no ImportError, is not remembered)."""
     if "kernels" in _state:
         return _state["kernels"]
     missing = triton_missing()
-    _state["kernels"] = missing if missing is not None else _define()
+    if missing is not None:
+        if _state.get("import") is not None:
+            _state["kernels"] = missing
+        return missing
+    _state["kernels"] = _define()
     return _state["kernels"]
 
 
-def _define() -> tuple[Any, Any]:
+def _define() -> tuple[Any, Any, Any]:
     # the one precprof import inside a function (tests/test_architecture.py): the kernels' module imports
     # triton, which takes a second or two, only when the Triton engine runs
     from precprof.stats import triton_kernels
 
-    return triton_kernels._pass, triton_kernels._finish
+    return triton_kernels._pass, triton_kernels._pass_any, triton_kernels._finish
+
+
+# A Triton kernel compiles once per specialisation: its constexprs and, for pointers it may specialise on,
+# whether the address is a multiple of 16. ``launch_variant`` names the one a tensor's launch uses and
+# ``warm`` compiles them all at attach, so nothing compiles inside a hook (an H100's first sampled step
+# stalled 18.8 s compiling).
+ALIGN = 16
+
+
+def launch_variant(x: torch.Tensor) -> tuple[str, int, int, bool] | None:
+    """(kernel, KIND, NDIM, CONTIG) of the launch that reads ``x``; None when this engine does not read it.
+    Contiguous tensors on a 16-byte boundary take ``_pass`` (aligned loads vectorise); every other tensor
+    ``_pass_any``, compiled without specialising on the address."""
+    kind = KINDS.get(x.dtype)
+    shape = _dims(x) if kind is not None else None
+    if kind is None or shape is None:
+        return None
+    ndim, dims = shape
+    return _variant(kind[0], ndim, dims[0][1], x.data_ptr())
+
+
+def _variant(code: int, ndim: int, st0: int, ptr: int) -> tuple[str, int, int, bool]:
+    contig = ndim == 1 and st0 == 1
+    return ("pass" if contig and ptr % ALIGN == 0 else "pass_any", code, 1 if ndim == 1 else 3, contig)
+
+
+def variant_probes(dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """One small tensor per launch variant of ``dtype``: contiguous (on and off a 16-byte boundary), 1-D
+    strided, and 2/3-D strided."""
+    base = torch.zeros(4096 + 16, dtype=dtype, device=device)
+    off = next(i for i in range(1, 17) if base[i:].data_ptr() % ALIGN)
+    return [
+        base[:2048],
+        base[off : off + 2048],
+        base[:4096:2],
+        base[:512].view(8, 64)[:, :17],  # two dimensions that do not merge
+    ]
 
 
 def _pow2(n: int) -> int:
@@ -131,7 +179,7 @@ class TritonRows:
         kernels = _kernels()
         if isinstance(kernels, str):
             raise RuntimeError(kernels)
-        self._pass, self._finish = kernels
+        self._pass, self._pass_any, self._finish = kernels
         self.device = device
         self.layout = layout
         self.scratch = torch.zeros(SCRATCH_WORDS, dtype=torch.int64, device=device)
@@ -158,6 +206,21 @@ class TritonRows:
             t.numel() * t.element_size() for t in (self.scratch, self.lo32, self.lo64, self.uf, self.fp8)
         )
 
+    def warm(self, dtypes: Sequence[torch.dtype]) -> set[tuple[str, int, int, bool]]:
+        """Compile (or load from Triton's on-disk cache) every launch variant of ``dtypes`` now, at attach:
+        one launch of each ``variant_probes`` tensor into a scratch row. Returns the variants compiled."""
+        probe = self.layout.empty_rows(2, self.device)
+        done: set[tuple[str, int, int, bool]] = set()
+        for dtype in dtypes:
+            if dtype not in KINDS:
+                continue
+            for i, x in enumerate(variant_probes(dtype, self.device)):
+                v = launch_variant(x)
+                if v is not None and v not in done:
+                    self.add(x, probe, i % 2)  # both rows: the row pointer's alignment varies too
+                    done.add(v)
+        return done
+
     def add(self, x: torch.Tensor, rows: torch.Tensor, row: int) -> bool:
         """Add the statistics of ``x`` into ``rows[row]``. False when the dtype or layout is not one this
         engine reads (the caller takes the torch-op path)."""
@@ -168,12 +231,14 @@ class TritonRows:
             return False
         code, int_dtype = kind
         ndim, dims = shape
+        variant = _variant(code, ndim, dims[0][1], x.data_ptr())
+        kernel = self._pass if variant[0] == "pass" else self._pass_any
         dims = dims + [(1, 0)] * (3 - ndim)
         (_, st0), (s1, st1), (s2, st2) = dims
         lay = self.layout
         programs = max(1, min(self.max_programs, -(-n // BLOCK)))
         iters = -(-n // (programs * BLOCK))
-        self._pass[(programs,)](
+        kernel[(programs,)](
             x.view(int_dtype),
             n,
             iters,

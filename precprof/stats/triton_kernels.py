@@ -1,8 +1,14 @@
 """The Triton kernels of the statistics engine (``precprof.stats.triton_engine`` explains them). Imported only
 when the Triton engine is used: this module imports ``triton`` at the top."""
 
+import inspect
+
 import triton
 import triton.language as tl
+
+# a pointer whose alignment Triton must not specialise on (the row written by _finish: any row of the buffer),
+# where this Triton can be told so (3.2+); elsewhere each alignment compiles once, at the warm-up
+_ANY_ALIGNMENT = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
 
 
 @triton.jit
@@ -133,7 +139,9 @@ def _pass(
     tl.atomic_min(scratch_ptr + 4113, amin)
 
 
-@triton.jit(do_not_specialize=["n"])
+@triton.jit(
+    do_not_specialize=["n"], **({"do_not_specialize_on_alignment": ["row_ptr"]} if _ANY_ALIGNMENT else {})
+)
 def _finish(
     scratch_ptr,
     row_ptr,
@@ -215,3 +223,12 @@ def _finish(
     tl.store(scratch_ptr + 4096 + tl.arange(0, 16), tl.zeros([16], dtype=tl.int64))
     tl.store(scratch_ptr + 4112, 0)
     tl.store(scratch_ptr + 4113, 0x7FFFFFFFFFFFFFFF)
+
+
+# the same pass for the tensors whose address Triton should not specialise on: strided views and contiguous
+# ones off a 16-byte boundary (``_pass`` itself keeps the alignment, so aligned contiguous loads vectorise)
+_pass_any = triton.jit(
+    _pass.fn,
+    do_not_specialize=["n", "iters", "size1", "size2", "st0", "st1", "st2"],
+    **({"do_not_specialize_on_alignment": ["x_ptr"]} if _ANY_ALIGNMENT else {}),
+)
