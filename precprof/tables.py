@@ -149,6 +149,9 @@ ACTIVATIONS = "activations"
 AUTOCAST_WEIGHT_COPIES = "autocast_weight_copies"
 ALLOCATOR_PEAK = "allocator_peak"
 ALLOCATOR_RESERVED_PEAK = "allocator_reserved_peak"
+# the most memory allocated that the hooks saw in a phase whose peak stayed below the process's earlier peak
+# (the process's peak counters are not reset in a user's loop): a lower bound of that phase's peak
+ALLOCATOR_SEEN_MAX = "allocator_seen_max"
 PROFILER_BUFFERS = "profiler_buffers"
 MASTER_WEIGHTS = "master_weights"  # parameters the optimizer holds that are not the model's (fp32 masters)
 BUFFERS = "buffers"  # module buffers (running stats, masks), each storage once, not parameters
@@ -156,7 +159,7 @@ DEVICE_USED = "device_used"  # NVML: memory used on the device by every process,
 DEVICE_TOTAL = "device_total"  # NVML: the device's memory
 # Not additive: peaks and whole-device numbers (max over rows, never a sum with the other components).
 MEMORY_PEAK_COMPONENTS: frozenset[str] = frozenset(
-    {ALLOCATOR_PEAK, ALLOCATOR_RESERVED_PEAK, DEVICE_USED, DEVICE_TOTAL}
+    {ALLOCATOR_PEAK, ALLOCATOR_RESERVED_PEAK, ALLOCATOR_SEEN_MAX, DEVICE_USED, DEVICE_TOTAL}
 )
 # values of the phase column (allocator rows)
 PHASE_FORWARD = "forward"

@@ -48,7 +48,7 @@ def total(rows: list[dict[str, Any]], component: str, phase: str | None = None) 
 def test_allocator_peaks_per_phase_hold_the_components() -> None:
     model = model_on_gpu()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tr = MemoryTracker(model, opt)
+    tr = MemoryTracker(model, opt, reset_peaks=True)  # exact per-phase peaks (the built-in loop's setting)
     tr.attach()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -101,7 +101,30 @@ def test_sampled_step_never_syncs() -> None:
         torch.cuda.set_sync_debug_mode("default")
         tr.detach()
     assert total(rows, T.AUTOCAST_WEIGHT_COPIES) == HID * DIM * 2  # the second Linear's bf16 weight copy
-    assert total(rows, T.ALLOCATOR_PEAK) > 0
+    assert total(rows, T.ALLOCATOR_PEAK) + total(rows, T.ALLOCATOR_SEEN_MAX) > 0
+
+
+def test_the_users_peak_counter_is_untouched() -> None:
+    """A loop's own torch.cuda.max_memory_allocated() reads the same with and without the tracker."""
+
+    def peak(track: bool) -> int:
+        model = model_on_gpu()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tr = MemoryTracker(model, opt)
+        if track:
+            tr.attach()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for i in range(2):
+            step(model, opt, tr, i)
+        tr.detach()
+        torch.cuda.synchronize()
+        out = torch.cuda.max_memory_allocated()
+        del model, opt
+        torch.cuda.empty_cache()
+        return out
+
+    assert peak(True) == peak(False)
 
 
 def test_bitwise_identical_training_on_gpu() -> None:

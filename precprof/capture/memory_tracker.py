@@ -27,11 +27,15 @@
   dtype. Only copies that backward keeps count: under autocast, the first Linear's weight copy is not saved when
   its input does not require grad;
 - on CUDA only: ``allocator_peak`` / ``allocator_reserved_peak`` per phase (``phase`` column: forward,
-  backward, optimizer, other) from ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` with
-  ``reset_peak_memory_stats`` at each phase boundary, and ``device_used`` / ``device_total`` from NVML when a
-  driver and nvidia-ml-py are there (silently absent otherwise). These read host-side allocator counters and the
-  driver: none of them synchronises with the device. ``reset_peak_memory_stats`` does reset the process's peak
-  counters on sampled steps, so a user's own ``max_memory_allocated`` reading spans at most one phase there.
+  backward, optimizer, other), and ``device_used`` / ``device_total`` from NVML when a driver and nvidia-ml-py
+  are there (silently absent otherwise). The process's peak counters belong to the user (their own
+  ``torch.cuda.max_memory_allocated()``, Lightning's and the Trainer's memory logs read them): by default they
+  are never reset. ``max_memory_allocated`` only grows, so when it grew during a phase its new value is that
+  phase's exact peak (``allocator_peak``); when it did not, the phase peaked below the process's earlier peak,
+  and the most memory allocated that the hooks saw in it (read at each module's forward end and each
+  gradient) is a lower bound of its peak (``allocator_seen_max``). With ``reset_peaks=True`` (the built-in
+  loop, which owns the process) the counters are reset at each phase boundary and every phase's peak is
+  exact. These read host-side allocator counters and the driver: none of them synchronises with the device.
   On CPU these rows are simply absent.
 
 Outside sampled steps every hook returns at once. The tracker holds no tensor: only storage addresses, sizes,
@@ -108,8 +112,13 @@ class MemoryTracker:
     component means. Measurements are host-side only (no device synchronisation anywhere).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, reset_peaks: bool = False
+    ) -> None:
         self.model = model
+        # reset the process's CUDA peak counters at phase boundaries (exact per-phase peaks); only where no
+        # one else reads them, i.e. in precprof's own loop
+        self.reset_peaks = reset_peaks
         self.optimizer = optimizer
         self._handles: list[Any] = []
         self._attached = False
@@ -131,6 +140,8 @@ class MemoryTracker:
         self._cuda: torch.device | None = None
         self._phase = T.PHASE_OTHER
         self._peaks: dict[tuple[str, str], int] = {}  # (component, phase) -> bytes
+        self._seen_max = (0, 0)  # the process's max allocated / reserved when the current phase began
+        self._phase_live = (0, 0)  # the most allocated / reserved read at the hooks in the current phase
         self._nvml: Any = None  # pynvml handle, or False once NVML turned out unavailable
 
     # ------------------------------------------------------------------------------------ attach/detach
@@ -187,7 +198,10 @@ class MemoryTracker:
             return
         self._param_keys = self._keys(list(self.model.parameters()) + list(self.model.buffers()))
         if self._cuda is not None:
-            torch.cuda.reset_peak_memory_stats(self._cuda)
+            if self.reset_peaks:
+                torch.cuda.reset_peak_memory_stats(self._cuda)
+            self._seen_max = self._max_counters()
+            self._phase_live = self._live_counters()
 
     def end_step(self, step: int) -> list[dict[str, Any]]:
         """Memory rows of ``step`` (``[]`` when it was not sampled). Host only; no device sync."""
@@ -308,6 +322,7 @@ class MemoryTracker:
         # Records sizes only: holding the gradient would keep it alive past the user's zero_grad.
         if not self._sampled or p.grad is None:
             return
+        self._sample_live()
         for leaf in _plain_tensors(p.grad):
             st = _storage(leaf)
             if st is not None:
@@ -337,6 +352,7 @@ class MemoryTracker:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self._recording or not self._stack:
                 return
+            self._sample_live()
             if self._stack[-1][1] is module:
                 self._stack.pop()
                 return
@@ -498,17 +514,43 @@ class MemoryTracker:
                     out.add(st[0])
         return out
 
+    def _max_counters(self) -> tuple[int, int]:
+        assert self._cuda is not None
+        return int(torch.cuda.max_memory_allocated(self._cuda)), int(
+            torch.cuda.max_memory_reserved(self._cuda)
+        )
+
+    def _live_counters(self) -> tuple[int, int]:
+        assert self._cuda is not None
+        return int(torch.cuda.memory_allocated(self._cuda)), int(torch.cuda.memory_reserved(self._cuda))
+
+    def _sample_live(self) -> None:
+        """Note the memory allocated now (a hook point of a sampled step): the lower bound of the phase's
+        peak when the process's peak did not grow in it. Host counters, no sync."""
+        if self._cuda is not None and self._sampled:
+            live = self._live_counters()
+            self._phase_live = (max(self._phase_live[0], live[0]), max(self._phase_live[1], live[1]))
+
     def _mark_phase(self, new_phase: str) -> None:
-        """Close the current phase: its allocator peaks, then reset them (host counters, no device sync)."""
+        """Close the current phase: its allocator peaks (host counters, no device sync; the process's peak
+        counters are reset only with ``reset_peaks``)."""
         if self._cuda is not None and self._sampled:
             dev = self._cuda
-            for comp, value in (
-                (T.ALLOCATOR_PEAK, torch.cuda.max_memory_allocated(dev)),
-                (T.ALLOCATOR_RESERVED_PEAK, torch.cuda.max_memory_reserved(dev)),
+            maxima = self._max_counters()
+            self._sample_live()
+            for i, (comp, value) in enumerate(
+                zip((T.ALLOCATOR_PEAK, T.ALLOCATOR_RESERVED_PEAK), maxima, strict=True)
             ):
-                k = (comp, self._phase)
-                self._peaks[k] = max(self._peaks.get(k, 0), int(value))
-            torch.cuda.reset_peak_memory_stats(dev)
+                if self.reset_peaks or value > self._seen_max[i]:
+                    key = (comp, self._phase)  # the counter grew in this phase: its value is the phase's peak
+                    self._peaks[key] = max(self._peaks.get(key, 0), value)
+                elif i == 0:  # a lower bound: what the hooks saw
+                    key = (T.ALLOCATOR_SEEN_MAX, self._phase)
+                    self._peaks[key] = max(self._peaks.get(key, 0), self._phase_live[0])
+            if self.reset_peaks:
+                torch.cuda.reset_peak_memory_stats(dev)
+            self._seen_max = self._max_counters()
+            self._phase_live = self._live_counters()
         self._phase = new_phase
 
     def _device_memory(self) -> dict[str, int]:

@@ -78,6 +78,10 @@ class Profiler(HookFactories):
             directly; otherwise a list of qualified-name patterns (``fnmatch``, e.g. ``"transformer.h.*.mlp.*"``)
             and/or module types.
         memory: track memory per component (``precprof.capture.memory_tracker``) on sampled steps.
+        reset_peak_memory: let precprof reset the process's CUDA peak-memory counters at phase boundaries,
+            for an exact peak of every phase. Off by default: a loop that reads
+            ``torch.cuda.max_memory_allocated()`` (its own logs, Lightning's, the Trainer's) would read precprof's
+            phases instead of its own peak. The built-in loop turns it on.
         weight_updates: record ``weight_update`` rows (needs ``optimizer``).
         update_sample: elements per parameter sampled (strided) for the weight-update statistics.
         chunk: scratch chunk size for the statistics (see ``StatsBuffer``).
@@ -120,6 +124,7 @@ class Profiler(HookFactories):
         sample_every: int = 10,
         modules: ModuleFilter = None,
         memory: bool = True,
+        reset_peak_memory: bool = False,
         weight_updates: bool = True,
         update_sample: int = 256,
         chunk: int | None = None,
@@ -160,6 +165,7 @@ class Profiler(HookFactories):
         self.sample_every = sample_every
         self.module_filter = modules
         self.memory_enabled = memory
+        self.reset_peak_memory = reset_peak_memory
         self.weight_updates = weight_updates and optimizer is not None
         self.update_sample = update_sample
         self.chunk = chunk
@@ -337,7 +343,7 @@ class Profiler(HookFactories):
             self._scaler_watch.patch()
 
         if self.memory_enabled:
-            self._tracker = MemoryTracker(self.model, self.optimizer)
+            self._tracker = MemoryTracker(self.model, self.optimizer, reset_peaks=self.reset_peak_memory)
             self._tracker.attach()
 
         # the loop's own clip_grad_norm_ gives the gradient norm when step() is not handed one

@@ -375,7 +375,8 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
 
 
 def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
-    """Totals per component at the last step with memory rows, peaks apart, top activation modules.
+    """Totals per component at the last step with memory rows, the peaks over every step apart, top activation
+    modules.
 
     Returns {"step", "components": {component: bytes}, "peaks": {component: bytes}, "top_activations":
     [(module, bytes)], "total": bytes of the stacked components}.
@@ -386,8 +387,9 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
     b = pd.to_numeric(last[T.BYTES], errors="coerce").fillna(0)
     per = b.groupby(last[T.COMPONENT]).sum()
     comps = {str(c): float(v) for c, v in per.items() if c not in PEAK_COMPONENTS and v > 0}
-    # peaks are per phase: their max is the step's peak, never their sum
-    peak = b.groupby(last[T.COMPONENT]).max()
+    # peaks are per phase: their max is the peak, never their sum; over every sampled step, since in a user's
+    # loop a step that stays below an earlier peak has only a lower bound (tables.ALLOCATOR_SEEN_MAX)
+    peak = pd.to_numeric(memory[T.BYTES], errors="coerce").groupby(memory[T.COMPONENT]).max()
     peaks = {str(c): float(v) for c, v in peak.items() if c in PEAK_COMPONENTS}
     acts = last[last[T.COMPONENT] == T.ACTIVATIONS]
     top = (

@@ -314,7 +314,8 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     sample_every = (
         config.sample_every if config.sample_every is not None else default_sample_every(config.steps)
     )
-    prof_kwargs = {"sample_every": sample_every, **(profiler_kwargs or {})}
+    # the built-in loop owns the process: nothing else reads its peak counters, so every phase's peak is exact
+    prof_kwargs = {"sample_every": sample_every, "reset_peak_memory": True, **(profiler_kwargs or {})}
     run_dir = Path(config.out) if config.out is not None else default_out_dir(config)
     config = dataclasses.replace(config, out=run_dir)
     world_size = dist_info.world_size if dist_info is not None else 1
