@@ -1,0 +1,502 @@
+"""Everything a GPU session must measure, in one command that fits one device call (issue 26).
+
+Stages, each wrapped (a failure is recorded and the next stage runs), the JSON rewritten after each one so a
+command stopped at its time limit still leaves what it measured:
+
+  env         torch, triton, driver, device, capability, a hash of precprof's source files
+  tests       the GPU tests, one process per test file (a device-side assert cannot take the others down)
+  kernels     throughput of the row statistics (Triton and torch-op engines) and the block-format what-if, fp32
+              and bf16, 1M-256M elements, in GB/s of the tensor's bytes, against x.sum() of the same tensor
+  first_step  attach, first sampled step and a later sampled step, in a fresh process with an empty Triton cache
+              (cold) and again with the cache it left (warm): goal first / later <= 1.5
+  syncs       a sampled step's hooks under set_sync_debug_mode("error"), the device-to-host copies in
+              prof.step() (goal 1), and the user's max_memory_allocated() with and without precprof (equal)
+  overhead    bench/overhead.py: gpt2-small bf16 8x1024, every configuration interleaved
+  memory      the memory table's components against the allocator's peak (bf16 and fp32)
+
+On the H100 (one command of at most 10 minutes, 30 device-minutes a session), from the repository root:
+
+    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 bench/gpu_validate.py --budget-s 540 --out $OUT/gpu_validate.json
+
+then commit the JSON that comes back as ``bench/results/gpu_validate_<device>.json``. ``--stages`` runs a
+subset (e.g. ``--stages tests`` in one call, the rest in another). ``--dry-run`` runs every stage on the CPU at
+toy sizes (the tests collected, not run; the CUDA-only checks skipped with a reason), in under a minute, so
+that the plumbing is tested where no GPU is (tests/test_gpu_validate.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import precprof  # noqa: E402
+from precprof import tables as T  # noqa: E402
+from precprof.stats import StatsBuffer, blocks, transfer  # noqa: E402
+
+STAGES = ("env", "tests", "kernels", "first_step", "syncs", "overhead", "memory")
+MIB = 1 << 20
+
+
+class Run:
+    """The JSON being built, the time budget, and the device."""
+
+    def __init__(self, out: Path, budget_s: float, dry: bool) -> None:
+        self.out = out
+        self.dry = dry
+        self.t0 = time.perf_counter()
+        self.budget_s = budget_s
+        self.cuda = torch.cuda.is_available() and not dry
+        self.device = torch.device("cuda" if self.cuda else "cpu")
+        self.data: dict[str, Any] = {"dry_run": dry, "device": self.device.type, "stages": {}}
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
+
+    def save(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+
+    def stage(self, name: str, fn: Callable[[Run], dict[str, Any]], need_s: float) -> None:
+        t = time.perf_counter()
+        if self.left() < need_s:
+            rec: dict[str, Any] = {
+                "status": "skipped",
+                "reason": f"budget: {self.left():.0f} s left, needs {need_s:.0f}",
+            }
+        else:
+            try:
+                rec = {"status": "ok", **fn(self)}
+            except _Skip as e:
+                rec = {"status": "skipped", "reason": str(e)}
+            except Exception as e:  # a stage's failure is a result; the next stage runs
+                rec = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+        rec["seconds"] = round(time.perf_counter() - t, 2)
+        self.data["stages"][name] = rec
+        self.save()
+        print(
+            f"[{name}] {rec['status']} in {rec['seconds']} s"
+            + (f": {rec.get('reason') or rec.get('error')}" if rec["status"] != "ok" else "")
+        )
+
+
+class _Skip(Exception):
+    """A stage that cannot run here, with the reason."""
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_s(fn: Callable[[], Any], dev: torch.device, reps: int) -> float:
+    """Median seconds of ``fn`` after one warm-up call (CUDA events on a GPU)."""
+    fn()
+    _sync(dev)
+    times = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------------- stages
+def stage_env(run: Run) -> dict[str, Any]:
+    h = hashlib.sha256()
+    for p in sorted((ROOT / "precprof").rglob("*.py")) + sorted((ROOT / "precprof").rglob("*.c")):
+        h.update(p.relative_to(ROOT).as_posix().encode() + b"\0" + p.read_bytes())
+    out: dict[str, Any] = {
+        "torch": torch.__version__,
+        "precprof": precprof.__version__,
+        "python": sys.version.split()[0],
+        "source_sha256": h.hexdigest(),
+    }
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+        out["git_commit"] = commit.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        out["git_commit"] = None
+    if run.cuda:
+        props = torch.cuda.get_device_properties(0)
+        out.update(
+            device_name=torch.cuda.get_device_name(0),
+            capability=f"{props.major}.{props.minor}",
+            memory_bytes=props.total_memory,
+            sms=props.multi_processor_count,
+        )
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            out["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception as e:  # no NVML here: the rest still counts
+            out["driver"] = f"unknown ({type(e).__name__})"
+    return out
+
+
+_SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|error|errors|deselected|xfailed|xpassed)")
+
+
+def gpu_test_files() -> list[Path]:
+    """Test files with GPU tests (the ``gpu`` marker), and the test files that run Triton kernels on a GPU."""
+    out = []
+    for p in sorted((ROOT / "tests").glob("test_*.py")):
+        text = p.read_text()
+        if "pytest.mark.gpu" in text or 'DEV = torch.device("cuda")' in text:
+            out.append(p)
+    return out
+
+
+def stage_tests(run: Run) -> dict[str, Any]:
+    files = gpu_test_files()
+    results: dict[str, Any] = {}
+    for p in files:
+        per_file = max(30.0, min(240.0, run.left() - 60))
+        if run.left() < 60:
+            results[p.name] = {"status": "skipped", "reason": "budget"}
+            continue
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(p)]
+        if "pytest.mark.gpu" in p.read_text():
+            cmd += ["-m", "gpu"]  # that file's GPU tests; its CPU tests run in CI
+        if run.dry:
+            cmd.append("--collect-only")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        try:
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=per_file, env=env)
+        except subprocess.TimeoutExpired as e:
+            results[p.name] = {
+                "status": "timeout",
+                "timeout_s": per_file,
+                "tail": str(e.stdout or "")[-2000:],
+            }
+            continue
+        text = r.stdout + r.stderr
+        counts = {k: int(n) for n, k in _SUMMARY.findall(text.splitlines()[-1] if text.strip() else "")}
+        if run.dry:
+            counts = {"collected": len(re.findall(r"::", r.stdout))}
+        rec: dict[str, Any] = {"rc": r.returncode, **counts}
+        if r.returncode not in (0, 5):
+            rec["tail"] = text[-3000:]
+        results[p.name] = rec
+    failed = [n for n, r in results.items() if r.get("rc") not in (0, 5)]
+    return {"files": results, "failed_files": failed, "collected_only": run.dry}
+
+
+def stage_kernels(run: Run) -> dict[str, Any]:
+    dev = run.device
+    sizes = [1 << 20] if run.dry else [1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28]
+    row_engines = ["c", "torch"] if dev.type == "cpu" else ["triton", "torch"]
+    block_engine = "c" if dev.type == "cpu" else "triton"
+    reps = 3 if run.dry else 10
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in sizes:
+            if run.left() < 45:
+                rows.append({"dtype": str(dtype), "numel": n, "status": "skipped", "reason": "budget"})
+                continue
+            x = torch.randn(n, device=dev).to(dtype)
+            nbytes = x.numel() * x.element_size()
+            rec: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "numel": n, "bytes": nbytes}
+            t_sum = _time_s(lambda x=x: x.sum(), dev, reps)
+            rec["sum_gbps"] = nbytes / t_sum / 1e9
+            for engine in row_engines:
+                if engine == "torch" and n > (1 << 26):
+                    continue  # the fallback at 256M takes long and proves nothing more
+                buf = StatsBuffer(1, dev, engine=engine)
+                t = _time_s(lambda buf=buf, x=x: buf.accumulate(x, 0), dev, reps)
+                rec[f"rows_{engine}_gbps"] = nbytes / t / 1e9
+                rec[f"rows_{engine}_vs_sum"] = t_sum / t
+            if n <= (1 << 26):
+                x2 = x.view(-1, 1024)
+                t = _time_s(
+                    lambda x2=x2: blocks.tensor_block_stats(x2, engine=block_engine), dev, max(1, reps // 3)
+                )
+                rec[f"blocks_{block_engine}_gbps"] = nbytes / t / 1e9
+                rec[f"blocks_{block_engine}_vs_sum"] = t_sum / t
+            rows.append(rec)
+            del x
+    return {"rows": rows, "goals": {"rows_gbps_64M": 1000, "blocks_gbps_16M": 300}}
+
+
+_FIRST_STEP = r"""
+import json, sys, time, torch, torch.nn.functional as F
+sys.path.insert(0, sys.argv[1])
+import precprof
+from precprof.models import build_model
+dev = torch.device(sys.argv[2]); name = sys.argv[3]; batch, seq = int(sys.argv[4]), int(sys.argv[5])
+torch.manual_seed(0)
+model = build_model(name, vocab_size=256, seq_len=seq).module.to(dev)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+x = torch.randint(0, 256, (batch, seq), device=dev); y = torch.randint(0, 256, (batch, seq), device=dev)
+def sync():
+    if dev.type == "cuda": torch.cuda.synchronize()
+sync(); t = time.perf_counter()
+prof = precprof.Profiler(model, optimizer=opt, sample_every=2).attach()
+sync(); out = {"attach_s": time.perf_counter() - t, "steps_s": []}
+for i in range(6):
+    sync(); t = time.perf_counter()
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        logits = model(x)
+    F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
+    opt.step(); opt.zero_grad(set_to_none=True); prof.step()
+    sync(); out["steps_s"].append(time.perf_counter() - t)
+prof.detach()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def stage_first_step(run: Run) -> dict[str, Any]:
+    name, batch, seq = ("gpt-nano", 2, 32) if run.dry or not run.cuda else ("gpt2-small", 8, 1024)
+    out: dict[str, Any] = {"model": name, "batch": batch, "seq": seq}
+    with tempfile.TemporaryDirectory(prefix="precprof-triton-cache-") as cache:
+        for label in ("cold", "warm"):  # the same empty cache, then the one the first run left
+            if run.left() < 60:
+                out[label] = {"status": "skipped", "reason": "budget"}
+                continue
+            env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
+            r = subprocess.run(
+                [sys.executable, "-c", _FIRST_STEP, str(ROOT), run.device.type, name, str(batch), str(seq)],
+                capture_output=True,
+                text=True,
+                timeout=min(300.0, run.left() - 30),
+                env=env,
+            )
+            line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if line is None:
+                out[label] = {"status": "failed", "rc": r.returncode, "tail": (r.stdout + r.stderr)[-2000:]}
+                continue
+            res = json.loads(line[len("RESULT ") :])
+            steps = res["steps_s"]  # sampled: 0, 2, 4
+            res["first_over_later_sampled"] = steps[0] / statistics.median([steps[2], steps[4]])
+            res["sampled_over_unsampled"] = statistics.median([steps[2], steps[4]]) / statistics.median(
+                [steps[3], steps[5]]
+            )
+            out[label] = res
+    out["goal_first_over_later"] = 1.5
+    return out
+
+
+def stage_syncs(run: Run) -> dict[str, Any]:
+    if not run.cuda:
+        raise _Skip("needs CUDA: set_sync_debug_mode and the allocator's counters are CUDA's")
+    import torch.nn.functional as F
+
+    from precprof.models import build_model
+
+    def loop(profiled: bool) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = build_model("gpt2-small", vocab_size=256, seq_len=512).module.cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        x = torch.randint(0, 256, (4, 512), device="cuda")
+        prof = precprof.Profiler(model, optimizer=opt, sample_every=1) if profiled else None
+        rec: dict[str, Any] = {"hook_sync_errors": 0, "copies_per_step": []}
+        if prof is not None:
+            prof.attach()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(3):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    logits = model(x)
+                F.cross_entropy(logits.float().reshape(-1, 256), x.reshape(-1)).backward()
+                opt.step()
+            except RuntimeError as e:
+                if "synchroniz" not in str(e):
+                    raise
+                rec["hook_sync_errors"] += 1
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            opt.zero_grad(set_to_none=True)
+            if prof is not None:
+                before = transfer.copies
+                prof.step()
+                rec["copies_per_step"].append(transfer.copies - before)
+        torch.cuda.synchronize()
+        rec["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+        if prof is not None:
+            prof.detach()
+        del model, opt
+        torch.cuda.empty_cache()
+        return rec
+
+    plain, profiled = loop(False), loop(True)
+    # the profiled loop also holds precprof's buffers: its peak may be that much higher, never lower (a reset of
+    # the process's counters would make it lower)
+    ratio = profiled["max_memory_allocated"] / plain["max_memory_allocated"]
+    return {
+        "profiled": profiled,
+        "unprofiled_max_memory_allocated": plain["max_memory_allocated"],
+        "user_peak_ratio": ratio,
+        "user_peak_unchanged": 1.0 <= ratio <= 1.02,
+        "goal_copies_per_sampled_step": 1,
+    }
+
+
+def stage_overhead(run: Run) -> dict[str, Any]:
+    out = Path(tempfile.mkdtemp(prefix="precprof-overhead-")) / "overhead.json"
+    if run.dry:
+        args = [
+            "--device",
+            "cpu",
+            "--model",
+            "gpt-nano",
+            "--seq",
+            "32",
+            "--batch",
+            "2",
+            "--blocks",
+            "1",
+            "--steps",
+            "10",
+            "--warmup",
+            "1",
+            "--configs",
+            "baseline,precprof_1,precprof_10",
+        ]
+    else:
+        blocks_n = 3 if run.left() > 300 else 2
+        args = ["--device", "cuda", "--blocks", str(blocks_n), "--steps", "10"]
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "overhead.py"), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=max(30.0, run.left() - 20),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    if r.returncode != 0 or not out.exists():
+        raise RuntimeError(f"bench/overhead.py exited {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")
+    data = json.loads(out.read_text())
+    return {"overhead": data, "table": r.stdout[-3000:]}
+
+
+def stage_memory(run: Run) -> dict[str, Any]:
+    import torch.nn.functional as F
+
+    from precprof.models import build_model
+
+    name, batch, seq = ("gpt-nano", 2, 32) if not run.cuda else ("gpt2-small", 8, 1024)
+    out: dict[str, Any] = {"model": name}
+    for precision in ("bf16", "fp32"):
+        torch.manual_seed(0)
+        model = build_model(name, vocab_size=256, seq_len=seq).module.to(run.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        x = torch.randint(0, 256, (batch, seq), device=run.device)
+        prof = precprof.Profiler(
+            model, optimizer=opt, sample_every=1, reset_peak_memory=True, block_formats=False
+        )
+        with prof:
+            for _ in range(2):
+                with torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    logits = model(x)
+                F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x.reshape(-1)).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                prof.step()
+        mem = prof.tables()["memory"]
+        last = mem[mem[T.STEP] == mem[T.STEP].max()]
+        per = last.groupby(T.COMPONENT)[T.BYTES].sum()
+        named = {str(c): int(v) for c, v in per.items() if c not in T.MEMORY_PEAK_COMPONENTS}
+        peak = (
+            int(last[last[T.COMPONENT] == T.ALLOCATOR_PEAK][T.BYTES].max())
+            if (last[T.COMPONENT] == T.ALLOCATOR_PEAK).any()
+            else None
+        )
+        out[precision] = {
+            "components": named,
+            "named_bytes": sum(named.values()),
+            "allocator_peak": peak,
+            "named_share_of_peak": sum(named.values()) / peak if peak else None,
+        }
+        del model, opt, prof
+        if run.cuda:
+            torch.cuda.empty_cache()
+    out["goal_named_share"] = 0.9
+    return out
+
+
+def _device_slug(run: Run) -> str:
+    name = torch.cuda.get_device_name(0) if run.cuda else "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--budget-s", type=float, default=540.0, help="stop starting stages after this many seconds"
+    )
+    ap.add_argument("--out", default=None, help="the JSON (default bench/results/gpu_validate_<device>.json)")
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"a subset of {','.join(STAGES)}")
+    ap.add_argument("--dry-run", action="store_true", help="every stage on the CPU at toy sizes")
+    args = ap.parse_args(argv)
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        ap.error(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}")
+    if not args.dry_run and not torch.cuda.is_available():
+        ap.error("no CUDA device here: run with --dry-run to exercise the stages on the CPU")
+    if args.dry_run and args.out is None:
+        args.out = str(Path(tempfile.mkdtemp(prefix="precprof-gpu-validate-")) / "gpu_validate.json")
+    run = Run(Path(args.out) if args.out else Path("/dev/null"), args.budget_s, args.dry_run)
+    if args.out is None:
+        run.out = ROOT / "bench" / "results" / f"gpu_validate_{_device_slug(run)}.json"
+    needs = {
+        "env": 1,
+        "tests": 60,
+        "kernels": 20,
+        "first_step": 40,
+        "syncs": 20,
+        "overhead": 60,
+        "memory": 20,
+    }
+    fns = {
+        "env": stage_env,
+        "tests": stage_tests,
+        "kernels": stage_kernels,
+        "first_step": stage_first_step,
+        "syncs": stage_syncs,
+        "overhead": stage_overhead,
+        "memory": stage_memory,
+    }
+    for name in stages:
+        run.stage(name, fns[name], needs[name] if not args.dry_run else 1)
+    run.data["seconds"] = round(time.perf_counter() - run.t0, 1)
+    run.save()
+    print(f"wrote {run.out}")
+    return run.data
+
+
+if __name__ == "__main__":
+    main()
