@@ -83,3 +83,23 @@ def test_a_training_run_reports_and_renders_the_unsampled_rate(tmp_path: Path) -
     head = dict(_headline(result.summary, steps, pd.DataFrame()))
     assert "tokens/s (unsampled steps, median of 9)" in head
     assert head["a sampled step"].endswith("× an unsampled one")
+
+
+def test_a_reattached_profiler_does_not_count_the_time_it_was_detached() -> None:
+    """A loop that detaches between blocks of steps (an evaluation, bench/overhead.py's interleaving) must not
+    see that pause in the next step's time: it skewed the block budget's estimate by 100x."""
+    import time
+
+    import torch
+
+    import precprof
+
+    model = torch.nn.Linear(4, 4)
+    prof = precprof.Profiler(model, sample_every=1, memory=False, block_formats=False)
+    for _ in range(2):
+        with prof:
+            model(torch.randn(2, 4)).sum().backward()
+            prof.step()
+        time.sleep(0.3)
+    steps = prof.tables()["steps"]
+    assert (steps[T.TIME_S] < 0.25).all(), steps[T.TIME_S].tolist()

@@ -279,6 +279,8 @@ class Profiler(HookFactories):
             self._remove_hooks()
             raise
         self._attached = True
+        # the step in progress starts now: a re-attached Profiler does not count the time it was detached
+        self._t_last = time.perf_counter()
         return self
 
     def _attach(self) -> None:
