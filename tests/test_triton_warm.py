@@ -114,3 +114,39 @@ def test_a_profiled_step_launches_only_what_attach_compiled(monkeypatch: pytest.
             prof.step()
     assert prof.summary()["stats_engine"]["used"] == {"cpu": "triton"}
     assert launched and all(v in warmed for v in launched), set(launched) - warmed
+
+
+class _Counted:
+    """A jitted kernel whose launches are counted."""
+
+    def __init__(self, kernel: object, log: list[str], name: str) -> None:
+        self.kernel, self.log, self.name = kernel, log, name
+
+    def __getitem__(self, grid: object) -> object:
+        launch = self.kernel[grid]  # type: ignore[index]
+
+        def run(*args: object, **kw: object) -> object:
+            self.log.append(self.name)
+            return launch(*args, **kw)
+
+        return run
+
+
+def test_one_launch_per_tensor() -> None:
+    """Row statistics take one kernel launch per inspected tensor (the last program writes the row; a second
+    kernel did that before, 486 more launches in a sampled gpt2-small step), in every layout, and the rows
+    still equal the C kernel's."""
+    buf = StatsBuffer(1, "cpu", engine="triton", warm_dtypes=ALL_DTYPES)
+    rows = buf._parts[torch.device("cpu")]._triton
+    assert rows is not None
+    log: list[str] = []
+    rows._pass = _Counted(rows._pass, log, "pass")
+    rows._pass_any = _Counted(rows._pass_any, log, "pass_any")
+    ref = StatsBuffer(1, "cpu", engine="c")
+    tensors = [x for dtype in (torch.float32, torch.bfloat16, torch.float64) for x in layouts(dtype)]
+    for x in tensors:
+        buf.accumulate(x, 0)
+        ref.accumulate(x.contiguous(), 0)
+    assert len(log) == len(tensors)
+    assert set(log) == {"pass", "pass_any"}
+    assert np.array_equal(buf.to_host(), ref.to_host())

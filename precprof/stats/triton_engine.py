@@ -1,18 +1,19 @@
 """The Triton engine: one tensor's statistics in one read, on the tensor's own (CUDA) device.
 
-Two launches per tensor, both on the current stream, neither synchronising with the host:
-
-1. ``_pass``: a grid of at most ``max_programs`` programs, each looping over its share of the tensor in blocks
-   of ``BLOCK`` values, read once in their own dtype (through an integer view: fp32, bf16, fp16, fp8 e4m3fn
-   and e5m2, fp64; up to three strided dimensions, so transposed, sliced and expanded views are read in place).
-   Each value's magnitude becomes its fp32 bit pattern by integer arithmetic only (no float conversion whose
-   handling of subnormals a compiler could flush), then its key (the fp64 exponent field and whether the
-   mantissa is zero, as in the C kernel and the torch-op path). A program keeps a private key histogram, the
-   overflow counts per format and its largest and smallest nonzero finite magnitude in registers, and adds
-   them to the scratch once at the end: one atomic per nonzero bin per program.
-2. ``_finish``: one program turns the scratch into the row (the exponent histogram, zeros, nan, inf, values on
-   each underflow boundary, the fp8 current-scaling counts of this call from its amax) adds it into the
-   tensor's row with the layout's merge rule, and zeroes the scratch for the next call.
+One launch per tensor, on the current stream, never synchronising with the host: ``_pass``, a grid of at most
+``max_programs`` programs, each looping over its share of the tensor in blocks of ``BLOCK`` values, read once
+in their own dtype (through an integer view: fp32, bf16, fp16, fp8 e4m3fn and e5m2, fp64; up to three strided
+dimensions, so transposed, sliced and expanded views are read in place). Each value's magnitude becomes its
+fp32 bit pattern by integer arithmetic only (no float conversion whose handling of subnormals a compiler could
+flush), then its key (the fp64 exponent field and whether the mantissa is zero, as in the C kernel and the
+torch-op path). A program keeps a private key histogram, the overflow counts per format and its largest and
+smallest nonzero finite magnitude in registers, and adds them to the scratch once at the end: one atomic per
+nonzero bin per program. Then it counts itself in the scratch's arrival counter; the last program to arrive
+(its acquire-release atomic orders every other program's atomics before its reads) turns the scratch into the
+row (the exponent histogram, zeros, nan, inf, values on each underflow boundary, the fp8 current-scaling
+counts of this call from its amax), adds it into the tensor's row with the layout's merge rule, and zeroes the
+scratch and the counter for the next call. (A second one-program kernel did that before: 486 more launches in
+a sampled gpt2-small step.)
 
 The scratch is ``SCRATCH_WORDS`` int64 (33 KiB) per device, whatever the tensor's size. Integer atomics give
 the same sums in any order, so results are bitwise deterministic, also under
@@ -40,11 +41,12 @@ KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
     torch.float64: (5, torch.int64),
 }
 BLOCK = 1024
-# scratch: keys[4096], overflow[16], absmax bits, absmin bits
+# scratch: keys[4096], overflow[16], absmax bits, absmin bits, the programs that finished their share
 _OV = _N_KEYS
 _MX = _OV + 16
 _MN = _MX + 1
-SCRATCH_WORDS = _MN + 1
+_ARRIVED = _MN + 1
+SCRATCH_WORDS = _ARRIVED + 1
 
 _state: dict[str, Any] = {}
 
@@ -106,12 +108,12 @@ def _kernels() -> Any:
     return _state["kernels"]
 
 
-def _define() -> tuple[Any, Any, Any]:
+def _define() -> tuple[Any, Any]:
     # the one precprof import inside a function (tests/test_architecture.py): the kernels' module imports
     # triton, which takes a second or two, only when the Triton engine runs
     from precprof.stats import triton_kernels
 
-    return triton_kernels._pass, triton_kernels._pass_any, triton_kernels._finish
+    return triton_kernels._pass, triton_kernels._pass_any
 
 
 # A Triton kernel compiles once per specialisation: its constexprs and, for pointers it may specialise on,
@@ -179,7 +181,7 @@ class TritonRows:
         kernels = _kernels()
         if isinstance(kernels, str):
             raise RuntimeError(kernels)
-        self._pass, self._pass_any, self._finish = kernels
+        self._pass, self._pass_any = kernels
         self.device = device
         self.layout = layout
         self.scratch = torch.zeros(SCRATCH_WORDS, dtype=torch.int64, device=device)
@@ -249,6 +251,9 @@ class TritonRows:
             st2,
             self.lo64 if code == 5 else self.lo32,
             self.scratch,
+            rows[row],
+            self.uf,
+            self.fp8,
             KIND=code,
             NDIM=1 if ndim == 1 else 3,
             CONTIG=ndim == 1 and st0 == 1,
@@ -256,13 +261,6 @@ class TritonRows:
             NWP=_pow2(lay.n_whatif),
             BLOCK=BLOCK,
             NB=4096 if code == 5 else 1024,
-        )
-        self._finish[(1,)](
-            self.scratch,
-            rows[row],
-            n,
-            self.uf,
-            self.fp8,
             C_NUMEL=lay.numel,
             C_ZEROS=lay.zeros,
             C_NAN=lay.nan,
@@ -273,8 +271,6 @@ class TritonRows:
             C_CS=lay.underflow_cs,
             C_POW2=lay.pow2_at,
             C_HIST=lay.hist,
-            NW=lay.n_whatif,
-            NWP=_pow2(lay.n_whatif),
             NF=lay.n_fp8,
             NFP=_pow2(max(lay.n_fp8, 1)),
             NBINS=N_BINS,

@@ -39,7 +39,12 @@ def _small_to_f32_bits(h, MB: tl.constexpr, BIAS: tl.constexpr, EALL: tl.constex
     return mag
 
 
-@triton.jit(do_not_specialize=["n", "iters", "size1", "size2", "st0", "st1", "st2"])
+_INTS = ["n", "iters", "size1", "size2", "st0", "st1", "st2"]
+
+
+@triton.jit(
+    do_not_specialize=_INTS, **({"do_not_specialize_on_alignment": ["row_ptr"]} if _ANY_ALIGNMENT else {})
+)
 def _pass(
     x_ptr,
     n,
@@ -51,6 +56,9 @@ def _pass(
     st2,
     lo_ptr,
     scratch_ptr,
+    row_ptr,
+    uf_ptr,
+    fp8_ptr,
     KIND: tl.constexpr,
     NDIM: tl.constexpr,
     CONTIG: tl.constexpr,
@@ -58,6 +66,21 @@ def _pass(
     NWP: tl.constexpr,
     BLOCK: tl.constexpr,
     NB: tl.constexpr,
+    C_NUMEL: tl.constexpr,
+    C_ZEROS: tl.constexpr,
+    C_NAN: tl.constexpr,
+    C_INF: tl.constexpr,
+    C_OV: tl.constexpr,
+    C_MX: tl.constexpr,
+    C_MN: tl.constexpr,
+    C_CS: tl.constexpr,
+    C_POW2: tl.constexpr,
+    C_HIST: tl.constexpr,
+    NF: tl.constexpr,
+    NFP: tl.constexpr,
+    NBINS: tl.constexpr,
+    LO: tl.constexpr,
+    HI: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -137,11 +160,37 @@ def _pass(
     tl.atomic_add(scratch_ptr + 4096 + fmt, ov.to(tl.int64), mask=(fmt < NW) & (ov != 0))
     tl.atomic_max(scratch_ptr + 4112, amax)
     tl.atomic_min(scratch_ptr + 4113, amin)
+    # the last program to get here turns the scratch into the row: the counter's atomic (acquire-release, like
+    # the ones above) orders every program's scratch atomics before its read, so one launch does the whole call
+    arrived = tl.atomic_add(scratch_ptr + 4114, 1)
+    if arrived == nprog - 1:
+        _finish(
+            scratch_ptr,
+            row_ptr,
+            n,
+            uf_ptr,
+            fp8_ptr,
+            C_NUMEL,
+            C_ZEROS,
+            C_NAN,
+            C_INF,
+            C_OV,
+            C_MX,
+            C_MN,
+            C_CS,
+            C_POW2,
+            C_HIST,
+            NW,
+            NWP,
+            NF,
+            NFP,
+            NBINS,
+            LO,
+            HI,
+        )
 
 
-@triton.jit(
-    do_not_specialize=["n"], **({"do_not_specialize_on_alignment": ["row_ptr"]} if _ANY_ALIGNMENT else {})
-)
+@triton.jit
 def _finish(
     scratch_ptr,
     row_ptr,
@@ -169,24 +218,27 @@ def _finish(
     # Every update of the row is an atomic with the layout's merge rule (add; max for absmax; min for absmin):
     # Triton replicates small tensors over the program's threads, and a plain load-add-store could then add
     # twice when one warp reads after another wrote.
+    # volatile loads: the other programs' atomics are in L2, never in this SM's L1
     idx = tl.arange(0, 4096)
-    keys = tl.load(scratch_ptr + idx)
+    keys = tl.load(scratch_ptr + idx, volatile=True)
     field = idx >> 1
     fmt = tl.arange(0, NWP)
     wmask = fmt < NW
-    ov = tl.load(scratch_ptr + 4096 + fmt, mask=wmask, other=0)
-    amax = tl.load(scratch_ptr + 4112)
-    amin = tl.load(scratch_ptr + 4113)
-    zeros = tl.load(scratch_ptr + 1)
+    ov = tl.load(scratch_ptr + 4096 + fmt, mask=wmask, other=0, volatile=True)
+    amax = tl.load(scratch_ptr + 4112, volatile=True)
+    amin = tl.load(scratch_ptr + 4113, volatile=True)
+    zeros = tl.load(scratch_ptr + 1, volatile=True)
     tl.atomic_add(row_ptr + C_NUMEL, n.to(tl.int64))
     tl.atomic_add(row_ptr + C_ZEROS, zeros)
-    tl.atomic_add(row_ptr + C_NAN, tl.load(scratch_ptr + 4094))
-    tl.atomic_add(row_ptr + C_INF, tl.load(scratch_ptr + 4095))
+    tl.atomic_add(row_ptr + C_NAN, tl.load(scratch_ptr + 4094, volatile=True))
+    tl.atomic_add(row_ptr + C_INF, tl.load(scratch_ptr + 4095, volatile=True))
     tl.atomic_add(row_ptr + C_OV + fmt, ov, mask=wmask)
     # values exactly on each format's underflow boundary 2^j: key 2 * (j + 1023) + 1
     uf = tl.load(uf_ptr + fmt, mask=wmask, other=0).to(tl.int64)
     tl.atomic_add(
-        row_ptr + C_POW2 + fmt, tl.load(scratch_ptr + 2 * (uf + 1023) + 1, mask=wmask, other=0), mask=wmask
+        row_ptr + C_POW2 + fmt,
+        tl.load(scratch_ptr + 2 * (uf + 1023) + 1, mask=wmask, other=0, volatile=True),
+        mask=wmask,
     )
     tl.atomic_max(row_ptr + C_MX, amax)
     tl.atomic_min(row_ptr + C_MN, tl.where(amin == 0x7FFFFFFFFFFFFFFF, amin, amin - 1))
@@ -202,7 +254,7 @@ def _finish(
         fc = tl.minimum(f, 2047)
         below = tl.sum(tl.where(idx[None, :] < (2 * fc)[:, None], keys[None, :], 0), axis=1) - zeros
         inside = fmask & (f > 0) & (f < 2047)
-        on = tl.load(scratch_ptr + 2 * f + 1, mask=inside, other=0)
+        on = tl.load(scratch_ptr + 2 * f + 1, mask=inside, other=0, volatile=True)
         cs = tl.where(f <= 0, 0, below + on)
         cs = tl.where(amax > 0, cs, 0)
         tl.atomic_add(row_ptr + C_CS + f8, cs, mask=fmask)
@@ -210,8 +262,8 @@ def _finish(
     # first bin, above HI into the last
     b = tl.arange(0, 512)
     bmask = b < NBINS
-    in_bin = tl.load(scratch_ptr + 2 * (LO + b), mask=bmask, other=0) + tl.load(
-        scratch_ptr + 2 * (LO + b) + 1, mask=bmask, other=0
+    in_bin = tl.load(scratch_ptr + 2 * (LO + b), mask=bmask, other=0, volatile=True) + tl.load(
+        scratch_ptr + 2 * (LO + b) + 1, mask=bmask, other=0, volatile=True
     )
     low = tl.sum(tl.where(field < LO, keys, 0), axis=0) - zeros
     high = tl.sum(tl.where((field > HI) & (field < 2047), keys, 0), axis=0)
@@ -223,12 +275,13 @@ def _finish(
     tl.store(scratch_ptr + 4096 + tl.arange(0, 16), tl.zeros([16], dtype=tl.int64))
     tl.store(scratch_ptr + 4112, 0)
     tl.store(scratch_ptr + 4113, 0x7FFFFFFFFFFFFFFF)
+    tl.store(scratch_ptr + 4114, 0)  # the arrival counter
 
 
 # the same pass for the tensors whose address Triton should not specialise on: strided views and contiguous
 # ones off a 16-byte boundary (``_pass`` itself keeps the alignment, so aligned contiguous loads vectorise)
 _pass_any = triton.jit(
     _pass.fn,
-    do_not_specialize=["n", "iters", "size1", "size2", "st0", "st1", "st2"],
-    **({"do_not_specialize_on_alignment": ["x_ptr"]} if _ANY_ALIGNMENT else {}),
+    do_not_specialize=_INTS,
+    **({"do_not_specialize_on_alignment": ["x_ptr", "row_ptr"]} if _ANY_ALIGNMENT else {}),
 )
