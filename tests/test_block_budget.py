@@ -20,15 +20,15 @@ def test_the_groups_follow_the_median_estimate() -> None:
     ratio = b.estimate(step_s=0.587 + 0.340, block_s=0.340, evaluated_share=1.0)
     assert ratio == pytest.approx(0.340 / 0.587)
     assert not b.observe(0, ratio)  # the first sampled step warms up: not counted
-    assert b.observe(1, ratio) and b.groups == 6  # ceil(0.579 / 0.1)
-    # one group of six measured again: the same estimate, no change
-    again = b.estimate(step_s=0.587 + 0.340 / 6, block_s=0.340 / 6, evaluated_share=1 / 6)
-    assert again == pytest.approx(ratio) and not b.observe(2, again)
-    assert not b.observe(3, 40.0) and b.groups == 6  # one slow step: the median is still 0.58
-    assert (
-        b.observe(4, 40.0) and b.groups == 12
-    )  # slower for good (median 20.3): one layer per group, no more
-    assert b.history == [{"step": 1, "groups": 6, "from": 12}, {"step": 4, "groups": 12, "from": 6}]
+    # fewer groups (more cost per step) wait for three estimates
+    again = b.estimate(step_s=0.587 + 0.340 / 12, block_s=0.340 / 12, evaluated_share=1 / 12)
+    assert again == pytest.approx(ratio)
+    assert not b.observe(1, again) and not b.observe(2, again)
+    assert b.observe(3, again) and b.groups == 6  # ceil(0.579 / 0.1)
+    assert not b.observe(4, 40.0) and not b.observe(5, 40.0)  # the median is still 0.58
+    # more groups (less cost) at once: the median of (0.58 x 3, 40 x 3) is 20.3
+    assert b.observe(6, 40.0) and b.groups == 12  # one layer per group, no more
+    assert b.history == [{"step": 3, "groups": 6, "from": 12}, {"step": 6, "groups": 12, "from": 6}]
 
 
 def test_a_noisy_step_does_not_redeal() -> None:
@@ -100,12 +100,12 @@ def test_a_tight_budget_deals_one_layer_per_group_whatever_the_speed() -> None:
 
 
 def test_a_loose_budget_keeps_every_layer_on_every_step() -> None:
-    prof = _run(4, block_budget=1e9)
+    prof = _run(6, block_budget=1e9)
     assert prof.block_groups == 1
     seen = _evaluated(prof)
-    # one layer per sampled step until the cost is measured (steps 0 and 1), then every layer
-    assert [len(seen[s]) for s in range(4)] == [1, 1, 4, 4]
-    assert prof.summary()["block_formats"]["changes"] == [{"step": 1, "groups": 1, "from": 4}]
+    # one layer per sampled step until three estimates agree (steps 1 to 3), then every layer
+    assert [len(seen[s]) for s in range(6)] == [1, 1, 1, 1, 4, 4]
+    assert prof.summary()["block_formats"]["changes"] == [{"step": 3, "groups": 1, "from": 4}]
     assert "every linear layer on every sampled step" in _block_setting(prof.summary()["block_formats"])
 
 

@@ -9,7 +9,8 @@ per group, so the first sampled steps cost the least whatever the kernels' speed
 (the first, which pays for warm-up, aside) the time of the group just evaluated is scaled by its share of the
 deal's cost to what every layer would take, relative to the rest of the step; the groups are then the fewest
 that keep one group's time within ``share`` of the rest of the step, from the median of those estimates (one
-noisy step does not re-deal the layers), and never more than one group per layer.
+noisy step does not re-deal the layers), and never more than one group per layer. More groups follow the first
+estimate that asks for them; fewer wait for three estimates.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_SHARE = 0.1  # the block what-if may add this much to the rest of a sampled step
+# fewer groups (more layers per sampled step) only on this many estimates: quick to protect the budget, slow
+# to spend it (one estimate from one small layer is mostly its per-call overhead)
+MIN_ESTIMATES_TO_WIDEN = 3
 
 
 @dataclass
@@ -66,7 +70,7 @@ class BlockBudget:
             return False
         self.ratios.append(ratio)
         want = max(1, min(self.n_layers or 1, math.ceil(statistics.median(self.ratios) / self.share - 1e-9)))
-        if want == self.groups:
+        if want == self.groups or (want < self.groups and len(self.ratios) < MIN_ESTIMATES_TO_WIDEN):
             return False
         self.history.append({"step": step, "groups": want, "from": self.groups})
         self.groups = want
