@@ -9,6 +9,7 @@ run the kernels in Triton's interpreter on CPU tensors (conftest sets ``TRITON_I
 from __future__ import annotations
 
 import builtins
+from typing import Any
 
 import numpy as np
 import pytest
@@ -150,3 +151,39 @@ def test_one_launch_per_tensor() -> None:
     assert len(log) == len(tensors)
     assert set(log) == {"pass", "pass_any"}
     assert np.array_equal(buf.to_host(), ref.to_host())
+
+
+def _element_addresses(x: torch.Tensor) -> list[int]:
+    """The byte address of every logical element of x (a stride-0 dimension repeats addresses)."""
+    offsets = torch.zeros(x.shape, dtype=torch.int64)
+    for d, (size, stride) in enumerate(zip(x.shape, x.stride(), strict=True)):
+        shape = [1] * x.dim()
+        shape[d] = size
+        offsets = offsets + torch.arange(size).view(shape) * stride
+    return (x.data_ptr() + offsets.reshape(-1) * x.element_size()).tolist()
+
+
+def test_each_element_is_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One pass per tensor: every load of the tensor's storage that the interpreter executes is counted, and
+    each logical element is read exactly once (no second pass, in any layout)."""
+    from collections import Counter
+
+    from triton.runtime import interpreter
+
+    reads: Counter[int] = Counter()
+    real = interpreter.InterpreterBuilder.create_masked_load
+
+    def counted(self: object, ptrs: Any, mask: Any, *args: object) -> object:
+        reads.update(ptrs.data[mask.data].tolist())
+        return real(self, ptrs, mask, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counted)
+    buf = StatsBuffer(1, "cpu", engine="triton", warm_dtypes=ALL_DTYPES)
+    for dtype in (torch.bfloat16, torch.float64):  # a 2-byte and an 8-byte element: every address counts
+        for x in layouts(dtype):
+            reads.clear()
+            buf.accumulate(x, 0)
+            lo = x.untyped_storage().data_ptr()
+            hi = lo + x.untyped_storage().nbytes()
+            of_x = Counter({a: n for a, n in reads.items() if lo <= a < hi})
+            assert of_x == Counter(_element_addresses(x)), (dtype, tuple(x.shape), x.stride())
