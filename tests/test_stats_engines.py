@@ -338,3 +338,147 @@ def test_model_with_a_meta_submodule_trains_and_reports_the_skipped(tmp_path: Pa
     html = (tmp_path / "run" / "report.html").read_text()
     assert 'id="skipped-tensors"' in html and "<code>aux</code>" in html
     assert losses[-1] < losses[0]
+
+
+# ------------------------------------------------------------------------------------ nothing compiles in a hook
+def _triton_keys(kernel: object, calls: list[tuple[tuple, dict]]) -> set[str]:
+    """Triton's own cache key (the specialisation its launcher computes, for an sm_90 target: no GPU needed)
+    of each recorded call of ``kernel``, rebuilt as the JITFunction CUDA would run."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    from precprof.stats import triton_kernels as tk
+
+    kw = tk.JIT_KW_STRIDED if kernel is tk._rows_strided else tk.JIT_KW
+    jf = JITFunction(kernel.fn, **kw)  # type: ignore[attr-defined]
+    binder = create_function_from_signature(jf.signature, jf.params, make_backend(GPUTarget("cuda", 90, 32)))
+    return {str(binder(*args, **kwargs)[1:]) for args, kwargs in calls}
+
+
+@needs_interpreter
+def test_warm_up_compiles_every_variant_a_tensor_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up at attach hands Triton every specialisation ``accumulate`` later launches: tensors of every
+    dtype read by the engine, contiguous (aligned or not, any size, including past 2^31-element strides'
+    int32 range in their arguments' values), strided, transposed, expanded, 0-dim, in any row. Checked on
+    Triton's own keys (its binder for an sm_90 target), so a specialisation the engine does not model (an
+    integer's value, a pointer's alignment) would show."""
+    from precprof.stats import triton_kernels as tk
+
+    calls: dict[str, list[tuple[tuple, dict]]] = {"warm": [], "launch": []}
+    for kernel in (tk._rows, tk._rows_strided):
+        run = kernel.run
+
+        def spy(*args: object, grid: object, warmup: bool, _run=run, _k=kernel, **kwargs: object) -> object:
+            calls["warm" if warmup else "launch"].append((_k, args, kwargs))
+            return _run(*args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", spy)
+    dtypes = list(triton_engine.KINDS)
+    buf = StatsBuffer(7, "cpu", engine="triton", dtypes=dtypes)
+    part = buf.primary
+    assert part is not None and part._triton is not None
+    assert len(calls["warm"]) == 3 * len(dtypes) and not calls["launch"]
+    for i, dtype in enumerate(dtypes):
+        x = random_values(5000, i, -20.0, 20.0).to(dtype)
+        cases = [x, x[1:], x[3:4099], x[::2], x.view(50, 100).t(), x.view(50, 100)[:, 1:], x[7], x[:1]]
+        cases += [x[:10].view(2, 5).expand(3, 2, 5), x.view(5, 10, 100)[:, ::2, 1::3]]
+        for j, t in enumerate(cases):
+            buf.accumulate(t, j % 7)
+    assert calls["launch"]
+    for kernel in (tk._rows, tk._rows_strided):
+        warm = _triton_keys(kernel, [(a, k) for kk, a, k in calls["warm"] if kk is kernel])
+        launched = _triton_keys(kernel, [(a, k) for kk, a, k in calls["launch"] if kk is kernel])
+        assert launched and launched <= warm, launched - warm
+    # the engine's own account of the variants agrees: what it warms is what it launches
+    seen = {triton_engine.variant(t) for t in (x, x[1:], x.view(50, 100).t())}
+    assert seen <= set(triton_engine.variants_of([x.dtype]))
+
+
+@needs_interpreter
+def test_one_launch_per_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row statistics take one kernel launch per tensor (the last program writes the row), whatever its size,
+    dtype or layout; none when it is empty."""
+    from precprof.stats import triton_kernels as tk
+
+    launches = []
+    for kernel in (tk._rows, tk._rows_strided):
+        run = kernel.run
+
+        def spy(*args: object, grid: object, warmup: bool, _run=run, **kwargs: object) -> object:
+            if not warmup:
+                launches.append(grid)
+            return _run(*args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(kernel, "run", spy)
+    buf = StatsBuffer(1, "cpu", engine="triton")
+    cases = [random_values(20_000, 1, -30.0, 30.0).float(), torch.ones(3).bfloat16(), torch.zeros(0)]
+    cases += [
+        random_values(6000, 2, -9.0, 9.0).half().view(60, 100).t(),
+        torch.tensor(2.0, dtype=torch.float64),
+    ]
+    for x in cases:
+        before = len(launches)
+        buf.accumulate(x, 0)
+        assert len(launches) - before == (1 if x.numel() else 0)
+    want = np.zeros(LAYOUT.width, dtype=np.int64)
+    for x in cases:
+        want = merge_rows(want, rows_of(x, "c")) if x.numel() else want
+    want[LAYOUT.absmin_bits] = min(rows_of(x, "c")[LAYOUT.absmin_bits] for x in cases if x.numel())
+    assert (buf.to_host()[0] == want).all()
+
+
+def test_a_failed_triton_import_is_cached_only_when_triton_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A transient error while importing triton (a CUDA error, a sync under sync-debug mode) is reported for
+    that call and tried again on the next: it never disables the engine for the run as "triton missing". An
+    ImportError is remembered."""
+    monkeypatch.setattr(triton_engine, "_state", {})
+    failures = [RuntimeError("called a synchronizing CUDA operation")] * 2
+
+    def flaky() -> None:
+        if failures:
+            raise failures.pop()
+
+    monkeypatch.setattr(triton_engine, "_import_triton", flaky)
+    why = triton_engine.triton_missing()
+    assert why is not None and "synchronizing" in why and "pip install" not in why
+    assert triton_engine._kernels() == why and "kernels" not in triton_engine._state
+    if HAVE_TRITON:
+        assert triton_engine.triton_missing() is None
+        assert not isinstance(triton_engine._kernels(), str)
+    monkeypatch.setattr(triton_engine, "_state", {})
+
+    def missing() -> None:
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(triton_engine, "_import_triton", missing)
+    assert "pip install triton" in (triton_engine.triton_missing() or "")
+    monkeypatch.setattr(triton_engine, "_import_triton", lambda: None)
+    assert "pip install triton" in (triton_engine.triton_missing() or "")  # remembered
+    assert isinstance(triton_engine._kernels(), str)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_triton_window_and_rare_values(dtype: torch.dtype) -> None:
+    """The Triton kernel's two paths give the C kernel's row: values in the program's window of binades, and
+    the rare ones (subnormals, far below or above the window, past the overflow shortcut, inf, nan), which a
+    block with few of them counts by one atomic each and a block with many by a histogram. Blocks of 4096:
+    a few rare values in a block, blocks made of them, an all-nan tensor, and a first block of zeros (the
+    window then sits around 1)."""
+    g = torch.Generator().manual_seed(3)
+    calm = torch.randn(3 * 4096, generator=g) * 0.01
+    few = calm.clone()
+    few[[5, 900, 5000, 9000]] = torch.tensor([1e-41, 3e5, math.inf, 2.0**-60])
+    wild = torch.exp2(torch.randint(-149, 128, (2 * 4096,), generator=g).float()) * torch.rand(
+        2 * 4096, generator=g
+    )
+    zeros_first = torch.cat([torch.zeros(4096), calm[:5000] * 1e-3])
+    cases = [few, wild, torch.full((5000,), math.nan), zeros_first, torch.cat([calm, wild])]
+    for x in cases:
+        x = x.to(dtype)
+        got, want = rows_of(x, "triton"), rows_of(x, "c")
+        assert (got == want).all(), np.flatnonzero(got != want)
+        assert observed(decode(got)) == reference(x)

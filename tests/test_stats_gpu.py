@@ -217,3 +217,48 @@ def test_tensors_on_other_devices_are_read_there() -> None:
     ref.accumulate(b, 0)
     assert (buf.to_host() == ref.to_host()).all()
     assert (buf.dense().cpu().numpy() == ref.to_host()).all()
+
+
+def _compiled(kernels: list) -> int:
+    """Kernels Triton holds compiled for the current device (its in-memory JIT cache)."""
+    dev = torch.cuda.current_device()
+    return sum(len(k.device_caches[dev][0]) for k in kernels)
+
+
+def test_nothing_compiles_in_a_hook() -> None:
+    """Once the rows are made (the Profiler's attach), accumulating tensors of every dtype they were made
+    for, in every layout (aligned, offset, strided, transposed, expanded, 0-dim, large), with block
+    statistics, in deterministic mode and under sync-debug "error", compiles no Triton kernel and never
+    syncs: the warm-up compiled every variant (the first sampled step of gpt2-small stalled 18.8 s before)."""
+    from precprof.stats import triton_block_kernels as tbk
+    from precprof.stats import triton_kernels as tk
+
+    kernels = [tk._rows, tk._rows_strided, tbk._amax, tbk._blocks]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = StatsBuffer(4, dev, engine="triton", dtypes=DTYPES)
+    torch.cuda.synchronize()
+    before = _compiled(kernels)
+    assert before > 0
+    inputs = []
+    for i, dtype in enumerate(DTYPES):
+        x = ts.random_values(50_000, i, -140.0, 127.99).to(dtype).to(dev)
+        inputs += [
+            x,
+            x[1:],
+            x[::3],
+            x.view(250, 200).t(),
+            x.view(250, 200)[:, 1:],
+            x[7],
+            x[:10].expand(4, 10),
+        ]
+    inputs += [torch.randn(3000, 4096, device=dev).bfloat16()]
+    torch.use_deterministic_algorithms(True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i, x in enumerate(inputs):
+            buf.accumulate(x, i % 4, blocks=x.dim() >= 2)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.use_deterministic_algorithms(False)
+    assert _compiled(kernels) == before
+    assert buf.blocks_seen.any()

@@ -20,22 +20,15 @@ from precprof import block_formats as bf
 from precprof import tables as T
 from precprof.errors import UserError
 from precprof.stats import triton_block as tb
+from precprof.stats.triton_engine import interpreting
 
-# on a CUDA machine the kernels run on CUDA tensors (compiled, as users get them); elsewhere on CPU tensors in
-# Triton's interpreter (conftest sets TRITON_INTERPRET=1 without CUDA)
-DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-# why the kernels cannot run on DEV here (triton does not import, or no TRITON_INTERPRET=1 on CPU); None: they can
+# where the kernels run: on CUDA when there is one (compiled for real), else on CPU tensors in Triton's
+# interpreter (TRITON_INTERPRET=1, which conftest sets without CUDA)
+DEV = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
+# why the kernels cannot run there (triton does not import, or no interpreter on the CPU); None: they can
 WHY = tb.unavailable(DEV)
 if WHY is not None:
     pytest.skip(WHY, allow_module_level=True)
-
-
-def stats(x: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
-    """``tb.block_stats_triton`` of x moved to DEV, back on the CPU."""
-    got = tb.block_stats_triton(x.to(DEV), *args, **kw)  # type: ignore[arg-type]
-    assert got.device.type == DEV.type
-    return got.cpu()
-
 
 RECIPES = [
     bf.get_recipe(name.removesuffix("_rceil"), "rceil" if name.endswith("_rceil") else None)
@@ -55,10 +48,12 @@ def reference(x: torch.Tensor, recipes: Sequence[bf.BlockRecipe], axis: int) -> 
 
 
 def check(x: torch.Tensor, recipes: Sequence[bf.BlockRecipe], axis: int, **kw: int) -> torch.Tensor:
-    """The kernels' result, after asserting it equals the reference (counts exactly, sums to 1e-12)."""
-    got = stats(x, recipes, axis, **kw)
-    want = reference(x.cpu(), recipes, axis)
-    assert got.dtype == torch.float64 and got.shape == (len(recipes), 5)
+    """The kernels' result on ``DEV`` (as a CPU tensor), after asserting it equals the reference on the CPU
+    (counts exactly, sums to 1e-12)."""
+    got = tb.block_stats_triton(x.to(DEV), recipes, axis, **kw)
+    want = reference(x, recipes, axis)
+    assert got.dtype == torch.float64 and got.shape == (len(recipes), 5) and got.device.type == DEV.type
+    got = got.cpu()
     for i, recipe in enumerate(recipes):
         assert got[i, :3].tolist() == want[i, :3].tolist(), (recipe.name, recipe.scale_mode, axis)
         torch.testing.assert_close(got[i, 3:], want[i, 3:], rtol=1e-12, atol=0.0, equal_nan=True)
@@ -227,8 +222,8 @@ def test_values_near_the_fp32_max_overflow_the_rceil_dequantisation() -> None:
 def test_all_zero_and_empty_tensors() -> None:
     got = check(torch.zeros(3, 32), RECIPES, -1)
     assert got.eq(0).all()
-    assert stats(torch.zeros(0, 32), RECIPES, -1).eq(0).all()
-    assert stats(torch.ones(4, 32), [], -1).shape == (0, 5)
+    assert tb.block_stats_triton(torch.zeros(0, 32, device=DEV), RECIPES, -1).eq(0).all()
+    assert tb.block_stats_triton(torch.ones(4, 32, device=DEV), [], -1).shape == (0, 5)
 
 
 # ------------------------------------------------------------------------- tiles, programs, determinism
@@ -238,14 +233,15 @@ def test_tiles_and_programs_change_no_count_and_results_repeat_bitwise() -> None
     x = rough((24, 20), torch.float32, seed=9)
     recipes = [bf.NVFP4, bf.MXFP4, bf.MXFP4]  # any order, repeats allowed: rows follow the list
     one = check(x, recipes, -1)  # one tile, one program
-    many = stats(x, recipes, -1, tile=8, max_programs=2)  # 3 tiles, 2 programs x 2 iterations
+    # 3 tiles, 2 programs x 2 iterations
+    many = tb.block_stats_triton(x.to(DEV), recipes, -1, tile=8, max_programs=2).cpu()
     assert torch.equal(one[:, :3], many[:, :3]) and torch.equal(one[1], one[2])
     torch.testing.assert_close(one[:, 3:], many[:, 3:], rtol=1e-12, atol=0.0)
-    assert torch.equal(stats(x, recipes, -1), one)  # run to run: bit for bit
+    assert torch.equal(tb.block_stats_triton(x.to(DEV), recipes, -1).cpu(), one)  # run to run: bit for bit
 
 
 def test_user_errors() -> None:
-    x = torch.ones(4, 32, device=DEV)
+    x = torch.ones(4, 32)
     cases = [
         lambda: tb.block_stats_triton(x.double(), FP4, -1),
         lambda: tb.block_stats_triton(x.int(), FP4, -1),

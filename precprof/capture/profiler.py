@@ -318,7 +318,7 @@ class Profiler(HookFactories):
             chunk=self.chunk,
             block_rows=self._block_rows(),
             # the Triton kernels of the model's dtypes compile here, at attach, not in a hook
-            warm_dtypes=[p.dtype for p in self.model.parameters() if p.is_floating_point()],
+            dtypes=sorted({p.dtype for p in self.model.parameters() if p.is_floating_point()}, key=str),
         )
         self._reducer = self._resolve_reducer()
 

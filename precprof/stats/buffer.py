@@ -37,7 +37,7 @@ import torch
 
 from precprof import _compat, formats
 from precprof.stats import blocks as _blocks
-from precprof.stats import magnitude, triton_engine
+from precprof.stats import magnitude, triton_block, triton_engine
 from precprof.stats.engine import _default_kernel_threads, _kernel, resolve_engine
 from precprof.stats.layout import (
     _F64_BIAS,
@@ -559,13 +559,14 @@ class StatsBuffer:
         engine: str | None = None,
         layout: RowLayout = LAYOUT,
         block_rows: Sequence[int] | None = None,
-        warm_dtypes: Sequence[torch.dtype] = (),
+        dtypes: Sequence[torch.dtype] | None = None,
     ) -> None:
         self.device = _compat.indexed_device(device)
-        # the dtypes whose Triton kernels compile when a device's rows are made (fp32, bf16, fp16 always: what
-        # autocast makes of any model)
-        self.warm_dtypes = list(dict.fromkeys([torch.float32, torch.bfloat16, torch.float16, *warm_dtypes]))
-        self.warmed: set[tuple[str, int, int, bool]] = set()  # "cuda" keys its rows as the tensors' "cuda:0"
+        # the dtypes whose Triton kernels are compiled at attach (``_triton_warm``): the common three and any
+        # others given (the model's parameters' dtypes)
+        self.dtypes = tuple(
+            dict.fromkeys([*triton_engine.DEFAULT_DTYPES, *(dtypes or ())])
+        )  # "cuda" keys its rows as the tensors' "cuda:0"
         self.rows = rows
         # the rows that can hold block-format statistics (default: all), each with a slot of the accumulator
         self.block_rows = (
@@ -609,16 +610,14 @@ class StatsBuffer:
         return part
 
     def _triton_warm(self, part: DeviceRows) -> None:
-        """Compile every Triton kernel variant this buffer's tensors can launch now, when the Profiler attaches,
-        not inside the first hook (a sync there, and an 18.8 s first step on an H100): row statistics for
-        ``warm_dtypes`` in every layout (``triton_engine.launch_variant``), and with block rows the block
-        kernels for fp32, bf16 and fp16. Triton keeps them in its on-disk cache for the next run."""
+        """Compile, when the rows are made (the Profiler's attach), every Triton kernel variant a tensor of
+        ``self.dtypes`` can launch (the row statistics; the block kernels when rows hold block statistics),
+        so that nothing compiles inside a hook (an H100's first sampled step stalled 18.8 s compiling). Launches
+        nothing, never syncs; Triton keeps the kernels in its on-disk cache for the next run."""
         assert part._triton is not None
-        self.warmed = part._triton.warm(self.warm_dtypes)
-        if len(self.block_rows) and part.device.type == "cuda":  # the block kernels run on CUDA only
-            for dtype in _BLOCK_DTYPES:
-                probe = torch.zeros(64, 64, dtype=dtype, device=part.device)
-                _blocks.tensor_block_stats(probe, engine="triton")
+        part._triton.warm(self.dtypes)
+        if len(self.block_rows):
+            triton_block.warm(part.device, [d for d in self.dtypes if d in _BLOCK_DTYPES], _blocks.RECIPES)
 
     @property
     def primary(self) -> DeviceRows | None:

@@ -60,9 +60,8 @@ def _kernels() -> Any:
     """The jitted (_amax, _blocks) kernels (built on first use), or why they are not there."""
     if "kernels" in _state:
         return _state["kernels"]
-    missing = triton_missing()
+    missing = triton_missing()  # remembers a missing triton itself, and only that
     if missing is not None:
-        _state["kernels"] = missing
         return missing
     # the one precprof import inside a function (tests/test_architecture.py): the kernels' module imports
     # triton, which takes a second or two, only when this engine runs
@@ -175,7 +174,6 @@ def block_stats_triton(
     why = unavailable(x.device)
     if why is not None:
         raise RuntimeError(why)
-    amax_kernel, blocks_kernel = _kernels()
     code, int_dtype = kind
     x2 = x.reshape(-1, x.shape[-1])  # (lines, last): a view when the leading dims merge, else a copy
     (rows, cols), (st_r, st_c) = x2.shape, x2.stride()
@@ -191,13 +189,66 @@ def block_stats_triton(
     iters = -(-tiles // programs)
     xi = x2.view(int_dtype)
     geometry = (n_along, n_across, st_along, st_across, tiles, iters)
+    tmax = torch.zeros(1, dtype=torch.int32, device=x.device)
+    part = torch.empty(programs, SLOTS, STATS_PAD, dtype=torch.float64, device=x.device)
+    _launch(xi, tmax, part, geometry, code, ta, _mask(slots), (programs,), warm=False)
+    total = part.sum(0)[:, : len(T.BLOCK_STATS)]  # fixed order: programs in index order
+    return torch.stack([total[s] for s in slots])
+
+
+def _mask(slots: Sequence[int]) -> int:
     mask = 0
     for s in slots:
         mask |= 1 << s
-    tmax = torch.zeros(1, dtype=torch.int32, device=x.device)
+    return mask
+
+
+def _launch(
+    xi: torch.Tensor,
+    tmax: torch.Tensor,
+    part: torch.Tensor,
+    geometry: tuple[int, ...],
+    code: int,
+    ta: int,
+    mask: int,
+    grid: tuple[int],
+    *,
+    warm: bool,
+) -> list[Any]:
+    """Launch (or with ``warm``, only compile: no GPU work) the kernels of one call; the compiled kernels."""
+    amax_kernel, blocks_kernel = _kernels()
+    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
     if mask >> NVFP4_SLOT & 1:
-        amax_kernel[(programs,)](xi, tmax, *geometry, KIND=code, TA=ta)
-    part = torch.empty(programs, SLOTS, STATS_PAD, dtype=torch.float64, device=x.device)
-    blocks_kernel[(programs,)](xi, tmax, part, *geometry, KIND=code, TA=ta, MASK=mask, **_constants())
-    total = part.sum(0)[:, : len(T.BLOCK_STATS)]  # fixed order: programs in index order
-    return torch.stack([total[s] for s in slots])
+        calls.append((amax_kernel, (xi, tmax, *geometry), dict(KIND=code, TA=ta)))
+    consts = dict(KIND=code, TA=ta, MASK=mask, **_constants())
+    calls.append((blocks_kernel, (xi, tmax, part, *geometry), consts))
+    if warm:
+        return [k.run(*args, grid=grid, warmup=True, **kw) for k, args, kw in calls]
+    for k, args, kw in calls:
+        k[grid](*args, **kw)
+    return []
+
+
+def warm(device: torch.device, dtypes: Sequence[torch.dtype], recipes: Sequence[bf.BlockRecipe]) -> int:
+    """Compile, before any hook runs, the block kernels ``block_stats_triton(x, recipes, axis)`` launches on
+    ``device`` for tensors of ``dtypes`` (their integer arguments are int64, unspecialised, the pointer's
+    alignment too: one variant per dtype and recipe set), and load them onto the device. No GPU work, no
+    sync; Triton's on-disk cache makes a second run's warm-up a lookup. Returns the number of kernels
+    compiled; 0 in the interpreter or where the kernels cannot run."""
+    if interpreting() or unavailable(device) is not None:
+        return 0
+    mask = _mask([slot(r) for r in recipes])
+    tmax = torch.zeros(1, dtype=torch.int32, device=device)
+    part = torch.empty(1, SLOTS, STATS_PAD, dtype=torch.float64, device=device)
+    done = 0
+    for dt in dict.fromkeys(dtypes):
+        if dt not in KINDS or not mask:
+            continue
+        code, int_dtype = KINDS[dt]
+        xi = torch.zeros(32, 32, dtype=int_dtype, device=device)
+        for kernel in _launch(xi, tmax, part, (32, 32, 32, 1, 1, 1), code, 32, mask, (1,), warm=True):
+            init = getattr(kernel, "_init_handles", None)
+            if init is not None:
+                init()
+            done += 1
+    return done

@@ -7,7 +7,7 @@ a compiler could flush, fuse or approximate decides a count. Values are ``m * 2^
 an element format's). Float64 appears only in the error sums, on values built exactly from their bits.
 """
 
-import inspect
+from typing import Any
 
 import triton
 import triton.language as tl
@@ -232,24 +232,29 @@ def _tile_bits(x_ptr, t, n_along, n_across, st_along, st_across, tiles, KIND: tl
     return mag.to(tl.int64), inside
 
 
-# the tensor's address is not specialised on (a view off a 16-byte boundary would compile again inside a hook),
-# where this Triton can be told so (3.2+)
-_GEOMETRY = ["n_along", "n_across", "st_along", "st_across", "tiles", "iters"]
-_JIT = {"do_not_specialize": _GEOMETRY}
-if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
-    _JIT["do_not_specialize_on_alignment"] = ["x_ptr"]
+def _jit(fn: Any) -> Any:
+    # Integer arguments are int64 and not specialised on their values, nor the tensor's pointer on its
+    # alignment (the tiles are gathers through runtime strides): one compiled variant per dtype and recipe
+    # set, which ``triton_block.warm`` compiles before any hook runs.
+    kw: dict[str, Any] = {
+        "do_not_specialize": ["n_along", "n_across", "st_along", "st_across", "tiles", "iters"]
+    }
+    try:
+        return triton.jit(fn, do_not_specialize_on_alignment=["x_ptr"], **kw)
+    except TypeError:  # a triton without do_not_specialize_on_alignment
+        return triton.jit(fn, **kw)
 
 
-@triton.jit(**_JIT)
+@_jit
 def _amax(
     x_ptr,
     out_ptr,
-    n_along,
-    n_across,
-    st_along,
-    st_across,
-    tiles,
-    iters,
+    n_along: tl.int64,
+    n_across: tl.int64,
+    st_along: tl.int64,
+    st_across: tl.int64,
+    tiles: tl.int64,
+    iters: tl.int64,
     KIND: tl.constexpr,
     TA: tl.constexpr,
 ):
@@ -264,17 +269,17 @@ def _amax(
     tl.atomic_max(out_ptr, tl.max(tl.max(best, axis=1), axis=0).to(tl.int32))
 
 
-@triton.jit(**_JIT)
+@_jit
 def _blocks(
     x_ptr,
     tmax_ptr,
     part_ptr,
-    n_along,
-    n_across,
-    st_along,
-    st_across,
-    tiles,
-    iters,
+    n_along: tl.int64,
+    n_across: tl.int64,
+    st_along: tl.int64,
+    st_across: tl.int64,
+    tiles: tl.int64,
+    iters: tl.int64,
     KIND: tl.constexpr,
     TA: tl.constexpr,
     MASK: tl.constexpr,

@@ -1,14 +1,29 @@
-"""The Triton kernels of the statistics engine (``precprof.stats.triton_engine`` explains them). Imported only
-when the Triton engine is used: this module imports ``triton`` at the top."""
+"""The Triton kernel of the statistics engine (``precprof.stats.triton_engine`` explains it). Imported only
+when the Triton engine is used: this module imports ``triton`` at the top.
 
-import inspect
+One launch per tensor: ``_rows`` reads the tensor once and its last program to finish writes the row.
+
+Instructions per element, measured without a GPU: the SASS of the main loop compiled for sm_90 (triton 3.9),
+divided by the values a thread reads per iteration. The former ``_pass`` (a 1,024-key ``tl.histogram`` per
+block of 1,024 values, the overflow compares and extremes of every value) spent 72 per value and needed a
+second launch (``_finish``); ``_rows`` spends 30 per fp32 value, 26 per bf16 and 19 per fp16 value in blocks
+without rare values (triton 3.9 lowers ``tl.histogram`` to one shared-memory atomic per value; older tritons
+use ballots, whose cost grows with the number of slots: 64 here instead of 1,024).
+"""
 
 import triton
 import triton.language as tl
 
-# a pointer whose alignment Triton must not specialise on (the row written by _finish: any row of the buffer),
-# where this Triton can be told so (3.2+); elsewhere each alignment compiles once, at the warm-up
-_ANY_ALIGNMENT = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
+# scratch words (int64): keys[4096] (2 * fp64 exponent field + (mantissa == 0)), overflow per what-if format
+# [16], largest and smallest nonzero finite |x| as fp64 bits, programs finished
+_OV = tl.constexpr(4096)
+_MX = tl.constexpr(4112)
+_MN = tl.constexpr(4113)
+_DONE = tl.constexpr(4114)
+_NO_MIN = tl.constexpr(0x7FFFFFFFFFFFFFFF)
+_M52 = tl.constexpr(0xFFFFFFFFFFFFF)
+# the window: 64 histogram slots, slot 0 "rare", slot 1 zero, slots 2..63 31 binades (with mantissa == 0)
+_WIN = tl.constexpr(64)
 
 
 @triton.jit
@@ -39,33 +54,166 @@ def _small_to_f32_bits(h, MB: tl.constexpr, BIAS: tl.constexpr, EALL: tl.constex
     return mag
 
 
-_INTS = ["n", "iters", "size1", "size2", "st0", "st1", "st2"]
+@triton.jit
+def _native(u, KIND: tl.constexpr):
+    # the magnitude's bits in the input's own format (int32; int64 for fp64), its exponent field, mantissa == 0
+    if KIND == 0:
+        mag = u & 0x7FFFFFFF
+        fld = mag >> 23
+        mz = (mag & 0x7FFFFF) == 0
+    elif KIND == 1:
+        mag = u.to(tl.int32) & 0x7FFF
+        fld = mag >> 7
+        mz = (mag & 0x7F) == 0
+    elif KIND == 2:
+        mag = u.to(tl.int32) & 0x7FFF
+        fld = mag >> 10
+        mz = (mag & 0x3FF) == 0
+    elif KIND == 3:
+        mag = u.to(tl.int32) & 0x7F
+        fld = mag >> 3
+        mz = (mag & 0x7) == 0
+    elif KIND == 4:
+        mag = u.to(tl.int32) & 0x7F
+        fld = mag >> 2
+        mz = (mag & 0x3) == 0
+    else:
+        mag = u & 0x7FFFFFFFFFFFFFFF
+        fld = (mag >> 52).to(tl.int32)
+        mz = (mag & _M52) == 0
+    return mag, fld, mz
 
 
-@triton.jit(
-    do_not_specialize=_INTS, **({"do_not_specialize_on_alignment": ["row_ptr"]} if _ANY_ALIGNMENT else {})
-)
-def _pass(
-    x_ptr,
-    n,
-    iters,
-    size1,
-    size2,
-    st0,
-    st1,
-    st2,
-    lo_ptr,
+@triton.jit
+def _f32_of(mag, KIND: tl.constexpr):
+    # fp32 bits of a native magnitude (KIND 0..4), by integer arithmetic only
+    if KIND == 0:
+        b = mag
+    elif KIND == 1:
+        b = mag << 16
+    elif KIND == 2:
+        b = _small_to_f32_bits(mag, 10, 15, 31, False)
+    elif KIND == 3:
+        b = _small_to_f32_bits(mag, 3, 7, 15, True)
+    else:
+        b = _small_to_f32_bits(mag, 2, 15, 31, False)
+    return b
+
+
+@triton.jit
+def _key_of_f32(b):
+    # the fp64 key (2 * fp64 exponent field + (mantissa == 0)) of an fp32 magnitude's bits, subnormals exact
+    e32 = b >> 23
+    m = b & 0x7FFFFF
+    p = (m.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+    expo = tl.where(e32 == 0, p - 149, e32 - 127)
+    pow2 = tl.where(e32 == 0, (m & (m - 1)) == 0, m == 0).to(tl.int32)
+    key = 2 * (expo + 1023) + pow2
+    return tl.where(b == 0, 1, tl.where(e32 == 255, tl.where(m == 0, 4095, 4094), key))
+
+
+@triton.jit
+def _offsets(i, size1, size2, st0, st1, st2, STRIDED: tl.constexpr):
+    # element offsets of flat indices i in a view of up to three (size, stride) dimensions
+    if STRIDED:
+        inner = size1 * size2
+        i0 = i // inner
+        r = i - i0 * inner
+        i1 = r // size2
+        off = i0 * st0 + i1 * st1 + (r - i1 * size2) * st2
+    else:
+        off = i
+    return off
+
+
+@triton.jit
+def _block(
+    u,
+    inside,
+    base,
+    acc,
+    mx,
+    mn,
+    ov,
     scratch_ptr,
-    row_ptr,
-    uf_ptr,
-    fp8_ptr,
+    lo_ptr,
     KIND: tl.constexpr,
-    NDIM: tl.constexpr,
-    CONTIG: tl.constexpr,
+    KCAP: tl.constexpr,
     NW: tl.constexpr,
     NWP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    NB: tl.constexpr,
+    MASKED: tl.constexpr,
+    MANY: tl.constexpr,
+):
+    # One block of values. Every value gets a native key kn = 2 * exponent field + (mantissa == 0); those in
+    # the program's window (kn - base in 2..63, below the overflow shortcut KCAP) and zeros go to a 64-slot
+    # tl.histogram (its cost does not grow with fp32's 277 binades); the rest (subnormals, values below or
+    # above the window, at or above the shortcut, inf, nan) are "rare": counted in slot 0, and only when a
+    # block holds one, each gets its exact fp64 key by one relaxed integer atomic into the scratch, and the
+    # overflow compares and finite extremes are made for them.
+    mag, fld, mz = _native(u, KIND)
+    kn = 2 * fld + mz.to(tl.int32)
+    w = kn - base
+    win = (w >= 2) & (w < _WIN) & (kn < KCAP)
+    key = tl.where(mag == 0, 1, tl.where(win, w, 0))
+    if MASKED:  # noqa: SIM108 (a constexpr branch of the kernel)
+        h = tl.histogram(key, _WIN, mask=inside)
+    else:
+        h = tl.histogram(key, _WIN)
+    acc += h
+    fast = key >= 2
+    mx = tl.maximum(mx, tl.where(fast, mag, 0))
+    mn = tl.minimum(mn, tl.where(fast, mag, mn))
+    rare = tl.sum(tl.where(tl.arange(0, _WIN) == 0, h, 0))
+    if rare > 0:
+        r = key == 0  # lanes outside the tensor read 0: key 1
+        if KIND == 5:
+            big = mag
+            key64 = kn
+            finite = mag < 0x7FF0000000000000
+            notnan = mag <= 0x7FF0000000000000
+        else:
+            big = _f32_of(mag, KIND)
+            key64 = _key_of_f32(big)
+            finite = big < 0x7F800000
+            notnan = big <= 0x7F800000
+        if rare > MANY:
+            # many rare values (an all-nan tensor, values far past the window): a histogram of their keys
+            # (fp32's compact: 2 * fp64 field + (mantissa == 0) from fp32's smallest subnormal up, then nan
+            # and inf), one atomic per nonzero key, so that no address takes one atomic per value
+            if KIND == 5:
+                hr = tl.histogram(key64, 4096, mask=r)
+                idx = tl.arange(0, 4096)
+            else:
+                hr = tl.histogram(tl.where(key64 >= 4094, key64 - 3072, key64 - 1748), 1024, mask=r)
+                idx = tl.arange(0, 1024)
+                idx = tl.where(idx >= 1022, idx + 3072, idx + 1748)
+            tl.atomic_add(scratch_ptr + idx, hr.to(tl.int64), mask=hr != 0, sem="relaxed")
+        else:
+            tl.atomic_add(scratch_ptr + key64, tl.full(key64.shape, 1, tl.int64), mask=r, sem="relaxed")
+        fmt = tl.arange(0, NWP)
+        for j in tl.static_range(NW):
+            lo = tl.load(lo_ptr + j)
+            ov += tl.where(fmt == j, tl.sum((r & notnan & (big >= lo)).to(tl.int32)), 0)
+        ok = r & finite
+        mx = tl.maximum(mx, tl.where(ok, mag, 0))
+        mn = tl.minimum(mn, tl.where(ok, mag, mn))
+    return acc, mx, mn, ov
+
+
+@triton.jit
+def _take(ptr, mask):
+    # read and zero scratch words (coherent at L2: integer atomics), 0 where masked
+    return tl.where(mask, tl.atomic_xchg(ptr, tl.zeros(ptr.shape, tl.int64), mask=mask, sem="relaxed"), 0)
+
+
+@triton.jit
+def _finish(
+    scratch_ptr,
+    rp,
+    n,
+    uf_ptr,
+    fp8_ptr,
+    WIDE: tl.constexpr,
     C_NUMEL: tl.constexpr,
     C_ZEROS: tl.constexpr,
     C_NAN: tl.constexpr,
@@ -76,100 +224,199 @@ def _pass(
     C_CS: tl.constexpr,
     C_POW2: tl.constexpr,
     C_HIST: tl.constexpr,
+    NW: tl.constexpr,
+    NWP: tl.constexpr,
     NF: tl.constexpr,
     NFP: tl.constexpr,
     NBINS: tl.constexpr,
     LO: tl.constexpr,
     HI: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    wide: tl.constexpr = KIND == 5
+    # The scratch (every program's counts) into the row, with the layout's merge rule (add; max for absmax;
+    # min for absmin), each update an atomic: Triton replicates small tensors over a program's threads.
+    # The scratch is zeroed as it is read, ready for the next tensor.
+    zeros = tl.atomic_xchg(scratch_ptr + 1, 0, sem="relaxed")
+    sub64 = tl.atomic_xchg(scratch_ptr, 0, sem="relaxed")  # fp64 subnormals (key 0): below every bin
+    nan = tl.atomic_xchg(scratch_ptr + 4094, 0, sem="relaxed")
+    inf = tl.atomic_xchg(scratch_ptr + 4095, 0, sem="relaxed")
     fmt = tl.arange(0, NWP)
-    if wide:
-        lo = tl.load(lo_ptr + fmt, mask=fmt < NW, other=0x7FFFFFFFFFFFFFFF)
-    else:
-        lo = tl.load(lo_ptr + fmt, mask=fmt < NW, other=0x7FFFFFFF).to(tl.int32)
-    hist = tl.zeros([NB], dtype=tl.int32)
-    ov = tl.zeros([NWP], dtype=tl.int32)
+    wmask = fmt < NW
+    ov = _take(scratch_ptr + _OV + fmt, wmask)
+    amax = tl.atomic_xchg(scratch_ptr + _MX, 0, sem="relaxed")
+    amin = tl.atomic_xchg(scratch_ptr + _MN, _NO_MIN, sem="relaxed")
+    # fp64 exponent fields LO .. LO + 511 (fp32's fields are LO..HI), counts with a zero mantissa and all
+    f = LO + tl.arange(0, 512)
+    fm = f < 2047
+    c1 = _take(scratch_ptr + 2 * f + 1, fm)
+    cnt = _take(scratch_ptr + 2 * f, fm) + c1
+    below_lo = sub64
+    if WIDE:  # fp64: the fields below LO and above LO + 511
+        fl = 1 + tl.arange(0, 1024)
+        flm = fl < LO
+        l1 = _take(scratch_ptr + 2 * fl + 1, flm)
+        lcnt = _take(scratch_ptr + 2 * fl, flm) + l1
+        fh = LO + 512 + tl.arange(0, 1024)
+        fhm = fh < 2047
+        h1 = _take(scratch_ptr + 2 * fh + 1, fhm)
+        hcnt = _take(scratch_ptr + 2 * fh, fhm) + h1
+        below_lo += tl.sum(lcnt)
+    tl.atomic_add(rp + C_NUMEL, n)
+    tl.atomic_add(rp + C_ZEROS, zeros)
+    tl.atomic_add(rp + C_NAN, nan)
+    tl.atomic_add(rp + C_INF, inf)
+    tl.atomic_add(rp + C_OV + fmt, ov, mask=wmask)
+    # values exactly on each format's underflow boundary 2^j: zero mantissa at field j + 1023
+    pw = tl.zeros([NWP], tl.int64)
+    for j in tl.static_range(NW):
+        fj = tl.load(uf_ptr + j) + 1023
+        on = tl.sum(tl.where(f == fj, c1, 0))
+        if WIDE:
+            on += tl.sum(tl.where(fl == fj, l1, 0)) + tl.sum(tl.where(fh == fj, h1, 0))
+        pw += tl.where(fmt == j, on, 0)
+    tl.atomic_add(rp + C_POW2 + fmt, pw, mask=wmask)
+    tl.atomic_max(rp + C_MX, amax)
+    tl.atomic_min(rp + C_MN, tl.where(amin == _NO_MIN, amin, amin - 1))
+    # fp8 current scaling of this tensor: k = floor(log2(fmax / amax)) from the exponents and mantissas of
+    # fmax and amax; x * 2^k underflows iff |x| <= 2^(j - k): the finite nonzero values below field
+    # j - k + 1023, and those exactly on it
+    if NF > 0:
+        f8 = tl.arange(0, NFP)
+        cs = tl.zeros([NFP], tl.int64)
+        for i in tl.static_range(NF):
+            fmax = tl.load(fp8_ptr + 2 * i)
+            k = (fmax >> 52) - (amax >> 52) - ((amax & _M52) > (fmax & _M52)).to(tl.int64)
+            ff = tl.load(fp8_ptr + 2 * i + 1) - k + 1023
+            below = sub64 + tl.sum(tl.where(f < ff, cnt, 0))
+            on = tl.sum(tl.where(f == ff, c1, 0))
+            if WIDE:
+                below += tl.sum(tl.where(fl < ff, lcnt, 0)) + tl.sum(tl.where(fh < ff, hcnt, 0))
+                on += tl.sum(tl.where(fl == ff, l1, 0)) + tl.sum(tl.where(fh == ff, h1, 0))
+            v = tl.where(ff <= 0, 0, below + on)
+            cs += tl.where(f8 == i, tl.where(amax > 0, v, 0), 0)
+        tl.atomic_add(rp + C_CS + f8, cs, mask=f8 < NF)
+    # the exponent histogram: bin b is field LO + b; below LO (and fp64 subnormals) folds into the first
+    # bin, above HI into the last
+    b = tl.arange(0, 512)
+    high = tl.sum(tl.where(f > HI, cnt, 0))
+    if WIDE:
+        high += tl.sum(hcnt)
+    hist = tl.where(b < NBINS, cnt, 0) + tl.where(b == 0, below_lo, 0) + tl.where(b == NBINS - 1, high, 0)
+    tl.atomic_add(rp + C_HIST + b, hist, mask=(b < NBINS) & (hist != 0))
+
+
+# how the kernels are jitted (tests rebuild them with these to read Triton's own specialisation keys): the
+# integers are typed int64 and not specialised on their values; the strided variant's pointer is not
+# specialised on its alignment either (its gathers gain nothing from it)
+JIT_KW: dict = {"do_not_specialize": ["n", "nfull", "size1", "size2", "st0", "st1", "st2", "row"]}
+JIT_KW_STRIDED: dict = {**JIT_KW, "do_not_specialize_on_alignment": ["x_ptr"]}
+
+
+@triton.jit(**JIT_KW)
+def _rows(
+    x_ptr,
+    n: tl.int64,
+    nfull: tl.int64,
+    size1: tl.int64,
+    size2: tl.int64,
+    st0: tl.int64,
+    st1: tl.int64,
+    st2: tl.int64,
+    rows_ptr,
+    row: tl.int64,
+    scratch_ptr,
+    lo_ptr,
+    uf_ptr,
+    fp8_ptr,
+    KIND: tl.constexpr,
+    STRIDED: tl.constexpr,
+    KCAP: tl.constexpr,
+    BIAS: tl.constexpr,
+    WIDTH: tl.constexpr,
+    C_NUMEL: tl.constexpr,
+    C_ZEROS: tl.constexpr,
+    C_NAN: tl.constexpr,
+    C_INF: tl.constexpr,
+    C_OV: tl.constexpr,
+    C_MX: tl.constexpr,
+    C_MN: tl.constexpr,
+    C_CS: tl.constexpr,
+    C_POW2: tl.constexpr,
+    C_HIST: tl.constexpr,
+    NW: tl.constexpr,
+    NWP: tl.constexpr,
+    NF: tl.constexpr,
+    NFP: tl.constexpr,
+    NBINS: tl.constexpr,
+    LO: tl.constexpr,
+    HI: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    nprog = tl.num_programs(0).to(tl.int64)
+    lane = tl.arange(0, BLOCK).to(tl.int64)
+    wide: tl.constexpr = KIND == 5
     if wide:
         mx = tl.zeros([BLOCK], dtype=tl.int64)
         mn = tl.full([BLOCK], 0x7FFFFFFFFFFFFFFF, dtype=tl.int64)
     else:
         mx = tl.zeros([BLOCK], dtype=tl.int32)
         mn = tl.full([BLOCK], 0x7FFFFFFF, dtype=tl.int32)
-    lane = tl.arange(0, BLOCK).to(tl.int64)
-    for it in range(0, iters):
-        i = (pid + it * nprog).to(tl.int64) * BLOCK + lane
-        inside = i < n
-        if CONTIG:
-            off = i
-        elif NDIM == 1:
-            off = i * st0
-        else:
-            inner = size1 * size2
-            i0 = i // inner
-            r = i - i0 * inner
-            i1 = r // size2
-            off = i0 * st0 + i1 * st1 + (r - i1 * size2) * st2
-        u = tl.load(x_ptr + off, mask=inside, other=0)
-        if wide:
-            mag = u & 0x7FFFFFFFFFFFFFFF
-            key = ((mag >> 52) << 1) | ((mag & 0xFFFFFFFFFFFFF) == 0).to(tl.int64)
-            finite = mag < 0x7FF0000000000000
-            notnan = mag <= 0x7FF0000000000000
-        else:
-            if KIND == 0:
-                mag = u & 0x7FFFFFFF
-            elif KIND == 1:
-                mag = (u.to(tl.int32) & 0x7FFF) << 16
-            elif KIND == 2:
-                mag = _small_to_f32_bits(u.to(tl.int32) & 0x7FFF, 10, 15, 31, False)
-            elif KIND == 3:
-                mag = _small_to_f32_bits(u.to(tl.int32) & 0x7F, 3, 7, 15, True)
-            else:
-                mag = _small_to_f32_bits(u.to(tl.int32) & 0x7F, 2, 15, 31, False)
-            e32 = mag >> 23
-            m32 = mag & 0x7FFFFF
-            p = (m32.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
-            expo = tl.where(e32 == 0, p - 149, e32 - 127)
-            pow2 = tl.where(e32 == 0, (m32 & (m32 - 1)) == 0, m32 == 0).to(tl.int32)
-            # compact key: 0 zero, 2 + 2 * (exponent + 149) + pow2 for finite nonzero, 1022 nan, 1023 inf
-            key = 2 + 2 * (expo + 149) + pow2
-            key = tl.where(mag == 0, 0, tl.where(e32 == 255, tl.where(m32 == 0, 1023, 1022), key))
-            finite = mag < 0x7F800000
-            notnan = mag <= 0x7F800000
-        hist += tl.histogram(key.to(tl.int32), NB, mask=inside)
-        over = (mag[:, None] >= lo[None, :]) & (notnan & inside)[:, None]
-        ov += tl.sum(over.to(tl.int32), axis=0)
-        ok = inside & finite
-        mx = tl.maximum(mx, tl.where(ok, mag, 0))
-        mn = tl.minimum(mn, tl.where(ok & (mag != 0), mag, mn))
-    bins = tl.arange(0, NB)
-    if wide:
-        full = bins
-        amax = tl.max(mx, axis=0)
-        amin = tl.min(mn, axis=0)
+    acc = tl.zeros([_WIN], dtype=tl.int32)
+    ov = tl.zeros([NWP], dtype=tl.int32)
+    # The window of binades this program histograms: fp16 and fp8 have few enough to hold them all; fp32,
+    # bf16 and fp64 place 31 binades around the largest value below the shortcut in the program's first
+    # block (two binades of room above it), or around 1 when that block holds none.
+    if (KIND == 0) | (KIND == 1) | (KIND == 5):
+        i0 = pid * BLOCK + lane
+        u0 = tl.load(x_ptr + _offsets(i0, size1, size2, st0, st1, st2, STRIDED), mask=i0 < n, other=0)
+        m0, f0, _z = _native(u0, KIND)
+        top = tl.max(tl.where((2 * f0 < KCAP) & (m0 != 0), f0, 0), axis=0)
+        top = tl.where(top == 0, BIAS, top)
+        base = tl.maximum(2 * top - 58, 0)
     else:
-        full = tl.where(bins == 0, 1, tl.where(bins >= 1022, bins + 3072, bins + 1746))
-        big = tl.max(mx, axis=0).to(tl.int64)
-        small = tl.min(mn, axis=0).to(tl.int64)
-        amax = _f32_to_f64_bits(big)
-        amin = tl.where(small == 0x7FFFFFFF, 0x7FFFFFFFFFFFFFFF, _f32_to_f64_bits(small))
-    tl.atomic_add(scratch_ptr + full, hist.to(tl.int64), mask=hist != 0)
-    tl.atomic_add(scratch_ptr + 4096 + fmt, ov.to(tl.int64), mask=(fmt < NW) & (ov != 0))
-    tl.atomic_max(scratch_ptr + 4112, amax)
-    tl.atomic_min(scratch_ptr + 4113, amin)
-    # the last program to get here turns the scratch into the row: the counter's atomic (acquire-release, like
-    # the ones above) orders every program's scratch atomics before its read, so one launch does the whole call
-    arrived = tl.atomic_add(scratch_ptr + 4114, 1)
-    if arrived == nprog - 1:
+        base = pid.to(tl.int32) * 0
+    for blk in range(pid, nfull, nprog):
+        i = blk * BLOCK + lane
+        u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED))
+        acc, mx, mn, ov = _block(
+            u, lane >= 0, base, acc, mx, mn, ov, scratch_ptr, lo_ptr, KIND, KCAP, NW, NWP, False, BLOCK // 64
+        )
+    if pid == nfull % nprog:  # the last, partial block
+        i = nfull * BLOCK + lane
+        inside = i < n
+        u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED), mask=inside, other=0)
+        acc, mx, mn, ov = _block(
+            u, inside, base, acc, mx, mn, ov, scratch_ptr, lo_ptr, KIND, KCAP, NW, NWP, True, BLOCK // 64
+        )
+    # this program's window into the scratch: one atomic per nonzero slot
+    s = tl.arange(0, _WIN)
+    kn = s + base
+    key64 = tl.where(s == 1, 1, 2 * ((kn >> 1) - BIAS + 1023) + (kn & 1))
+    tl.atomic_add(scratch_ptr + key64, acc.to(tl.int64), mask=(s >= 1) & (acc != 0), sem="relaxed")
+    fmt = tl.arange(0, NWP)
+    tl.atomic_add(scratch_ptr + _OV + fmt, ov.to(tl.int64), mask=(fmt < NW) & (ov != 0), sem="relaxed")
+    big = tl.max(mx, axis=0)
+    small = tl.min(mn, axis=0)
+    if wide:
+        amax = big
+        amin = small
+    else:
+        amax = _f32_to_f64_bits(_f32_of(big, KIND).to(tl.int64))
+        amin = tl.where(small == 0x7FFFFFFF, _NO_MIN, _f32_to_f64_bits(_f32_of(small, KIND).to(tl.int64)))
+    tl.atomic_max(scratch_ptr + _MX, amax, sem="relaxed")
+    tl.atomic_min(scratch_ptr + _MN, amin, sem="relaxed")
+    # The last program to finish (an acq_rel counter after a barrier: every thread's atomics are ordered
+    # before it) writes the row: no second launch.
+    tl.debug_barrier()
+    done = tl.atomic_add(scratch_ptr + _DONE, 1, sem="acq_rel")
+    if done == nprog - 1:
         _finish(
             scratch_ptr,
-            row_ptr,
+            rows_ptr + row * WIDTH,
             n,
             uf_ptr,
             fp8_ptr,
+            wide,
             C_NUMEL,
             C_ZEROS,
             C_NAN,
@@ -188,100 +435,15 @@ def _pass(
             LO,
             HI,
         )
+        tl.atomic_xchg(scratch_ptr + _DONE, 0, sem="relaxed")
 
 
-@triton.jit
-def _finish(
-    scratch_ptr,
-    row_ptr,
-    n,
-    uf_ptr,
-    fp8_ptr,
-    C_NUMEL: tl.constexpr,
-    C_ZEROS: tl.constexpr,
-    C_NAN: tl.constexpr,
-    C_INF: tl.constexpr,
-    C_OV: tl.constexpr,
-    C_MX: tl.constexpr,
-    C_MN: tl.constexpr,
-    C_CS: tl.constexpr,
-    C_POW2: tl.constexpr,
-    C_HIST: tl.constexpr,
-    NW: tl.constexpr,
-    NWP: tl.constexpr,
-    NF: tl.constexpr,
-    NFP: tl.constexpr,
-    NBINS: tl.constexpr,
-    LO: tl.constexpr,
-    HI: tl.constexpr,
-):
-    # Every update of the row is an atomic with the layout's merge rule (add; max for absmax; min for absmin):
-    # Triton replicates small tensors over the program's threads, and a plain load-add-store could then add
-    # twice when one warp reads after another wrote.
-    # volatile loads: the other programs' atomics are in L2, never in this SM's L1
-    idx = tl.arange(0, 4096)
-    keys = tl.load(scratch_ptr + idx, volatile=True)
-    field = idx >> 1
-    fmt = tl.arange(0, NWP)
-    wmask = fmt < NW
-    ov = tl.load(scratch_ptr + 4096 + fmt, mask=wmask, other=0, volatile=True)
-    amax = tl.load(scratch_ptr + 4112, volatile=True)
-    amin = tl.load(scratch_ptr + 4113, volatile=True)
-    zeros = tl.load(scratch_ptr + 1, volatile=True)
-    tl.atomic_add(row_ptr + C_NUMEL, n.to(tl.int64))
-    tl.atomic_add(row_ptr + C_ZEROS, zeros)
-    tl.atomic_add(row_ptr + C_NAN, tl.load(scratch_ptr + 4094, volatile=True))
-    tl.atomic_add(row_ptr + C_INF, tl.load(scratch_ptr + 4095, volatile=True))
-    tl.atomic_add(row_ptr + C_OV + fmt, ov, mask=wmask)
-    # values exactly on each format's underflow boundary 2^j: key 2 * (j + 1023) + 1
-    uf = tl.load(uf_ptr + fmt, mask=wmask, other=0).to(tl.int64)
-    tl.atomic_add(
-        row_ptr + C_POW2 + fmt,
-        tl.load(scratch_ptr + 2 * (uf + 1023) + 1, mask=wmask, other=0, volatile=True),
-        mask=wmask,
-    )
-    tl.atomic_max(row_ptr + C_MX, amax)
-    tl.atomic_min(row_ptr + C_MN, tl.where(amin == 0x7FFFFFFFFFFFFFFF, amin, amin - 1))
-    # fp8 current scaling of this call: k = floor(log2(fmax / amax)) from the exponents and mantissas of
-    # fmax and amax; x * 2^k underflows iff |x| <= 2^(j - k): the finite nonzero keys up to that bound
-    if NF > 0:
-        f8 = tl.arange(0, NFP)
-        fmask = f8 < NF
-        fmax = tl.load(fp8_ptr + 2 * f8, mask=fmask, other=0)
-        fj = tl.load(fp8_ptr + 2 * f8 + 1, mask=fmask, other=0)
-        k = (fmax >> 52) - (amax >> 52) - ((amax & 0xFFFFFFFFFFFFF) > (fmax & 0xFFFFFFFFFFFFF)).to(tl.int64)
-        f = fj - k + 1023
-        fc = tl.minimum(f, 2047)
-        below = tl.sum(tl.where(idx[None, :] < (2 * fc)[:, None], keys[None, :], 0), axis=1) - zeros
-        inside = fmask & (f > 0) & (f < 2047)
-        on = tl.load(scratch_ptr + 2 * f + 1, mask=inside, other=0, volatile=True)
-        cs = tl.where(f <= 0, 0, below + on)
-        cs = tl.where(amax > 0, cs, 0)
-        tl.atomic_add(row_ptr + C_CS + f8, cs, mask=fmask)
-    # the exponent histogram: fp64 exponent fields LO..HI; below LO (and fp64 subnormals) folds into the
-    # first bin, above HI into the last
-    b = tl.arange(0, 512)
-    bmask = b < NBINS
-    in_bin = tl.load(scratch_ptr + 2 * (LO + b), mask=bmask, other=0, volatile=True) + tl.load(
-        scratch_ptr + 2 * (LO + b) + 1, mask=bmask, other=0, volatile=True
-    )
-    low = tl.sum(tl.where(field < LO, keys, 0), axis=0) - zeros
-    high = tl.sum(tl.where((field > HI) & (field < 2047), keys, 0), axis=0)
-    in_bin += tl.where(b == 0, low, 0) + tl.where(b == NBINS - 1, high, 0)
-    tl.atomic_add(row_ptr + C_HIST + b, in_bin, mask=bmask & (in_bin != 0))
-    # ready for the next call, once every thread of the program has read the scratch
-    tl.debug_barrier()
-    tl.store(scratch_ptr + idx, tl.zeros([4096], dtype=tl.int64))
-    tl.store(scratch_ptr + 4096 + tl.arange(0, 16), tl.zeros([16], dtype=tl.int64))
-    tl.store(scratch_ptr + 4112, 0)
-    tl.store(scratch_ptr + 4113, 0x7FFFFFFFFFFFFFFF)
-    tl.store(scratch_ptr + 4114, 0)  # the arrival counter
+def _strided_variant() -> triton.runtime.JITFunction:
+    # the same kernel, one compiled variant per dtype for strided views instead of two
+    try:
+        return triton.jit(_rows.fn, **JIT_KW_STRIDED)
+    except TypeError:  # a triton without do_not_specialize_on_alignment
+        return triton.jit(_rows.fn, **JIT_KW)
 
 
-# the same pass for the tensors whose address Triton should not specialise on: strided views and contiguous
-# ones off a 16-byte boundary (``_pass`` itself keeps the alignment, so aligned contiguous loads vectorise)
-_pass_any = triton.jit(
-    _pass.fn,
-    do_not_specialize=_INTS,
-    **({"do_not_specialize_on_alignment": ["x_ptr", "row_ptr"]} if _ANY_ALIGNMENT else {}),
-)
+_rows_strided = _strided_variant()
