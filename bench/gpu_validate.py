@@ -174,7 +174,8 @@ def gpu_test_files() -> list[Path]:
     out = []
     for p in sorted((ROOT / "tests").glob("test_*.py")):
         text = p.read_text()
-        if "pytest.mark.gpu" in text or 'DEV = torch.device("cuda")' in text:
+        # gpu-marked tests, and files that run on CUDA where there is CUDA (DEV = torch.device("cuda" ...))
+        if "pytest.mark.gpu" in text or re.search(r'^DEV = torch\.device\("cuda"', text, re.M):
             out.append(p)
     return out
 
