@@ -106,3 +106,81 @@ def indexed_device(device: torch.device | str) -> torch.device:
         except Exception:  # no such device here: leave the name as it is
             return d
     return d
+
+
+# ------------------------------------------------------------------------------------------- memory
+
+
+def cuda_history_enabled() -> bool:
+    """Whether the CUDA caching allocator is recording its history (anyone's ``_record_memory_history``);
+    False on a torch that cannot tell."""
+    fn = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    return bool(fn()) if fn is not None else False
+
+
+def cuda_record_history(on: bool, max_entries: int) -> None:
+    """Turn the CUDA allocator's history of allocations and frees on (every event, no stack traces: the cheap
+    setting) or off (which also empties it). A host call: nothing waits for the device."""
+    if on:
+        torch.cuda.memory._record_memory_history(
+            "all", context=None, stacks="python", max_entries=max_entries
+        )
+    else:
+        torch.cuda.memory._record_memory_history(None)
+
+
+def cuda_snapshot() -> dict[str, Any]:
+    """The CUDA allocator's segments, blocks and recorded history (``torch.cuda.memory._snapshot()``); host
+    only."""
+    snap = torch.cuda.memory._snapshot()
+    return snap if isinstance(snap, dict) else {}
+
+
+def profiler_running() -> bool:
+    """Whether a torch.profiler (or autograd profiler) is running in this thread."""
+    fn = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
+    return bool(fn()) if fn is not None else False
+
+
+def profiler_memory_start() -> None:
+    """Start torch.profiler for memory events only: CPU activity, ``profile_memory=True``, no shapes, stacks
+    or flops. Raises RuntimeError when it cannot (another profiler runs, no Kineto)."""
+    from torch._C._profiler import (
+        ProfilerActivity,
+        ProfilerConfig,
+        ProfilerState,
+        RecordScope,
+        _ExperimentalConfig,
+    )
+
+    cfg = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+    activities = {ProfilerActivity.CPU}
+    torch.autograd._prepare_profiler(cfg, activities)
+    # only record_function ranges are recorded as ops (the phase markers), not every aten op: a tenth of the
+    # events to collect; allocations are reported whatever the scopes
+    torch.autograd._enable_profiler(cfg, activities, {RecordScope.USER_SCOPE})  # type: ignore[call-arg]
+
+
+def profiler_memory_stop(marker: str) -> tuple[list[tuple[int, int, int, str]], list[int]]:
+    """Stop what ``profiler_memory_start`` started. Returns the allocator events ((time ns, address, signed
+    bytes: > 0 allocated, < 0 freed, device type)) and the start times of ``record_function(marker)`` ranges,
+    both unordered."""
+    from torch._C._profiler import _EventType
+
+    result = torch.autograd._disable_profiler()
+    allocs: list[tuple[int, int, int, str]] = []
+    marks: list[int] = []
+    stack = list(result.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        kind = e.typed[0]
+        fields: Any = e.typed[1]
+        if kind == _EventType.Allocation:
+            if fields.alloc_size:
+                allocs.append(
+                    (int(e.start_time_ns), int(fields.ptr), int(fields.alloc_size), fields.device.type)
+                )
+        elif kind == _EventType.TorchOp and e.name == marker:
+            marks.append(int(e.start_time_ns))
+        stack.extend(e.children)
+    return allocs, marks

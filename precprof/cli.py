@@ -144,6 +144,9 @@ def train(
         command_line=_command_line(),
     )
     config.validate()
+    # precprof owns this process: Kineto, which the loop's torch.profiler reads the CPU allocator's events
+    # through, would print two lines per sampled step (profiler_start, profiler_stop)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         with _signals.handling():
             result = training.train(config)

@@ -24,8 +24,14 @@ Every column name used anywhere in precprof is a constant here. The four tables 
 
 ``memory`` — step, component, module ("" except for activations), dtype ("" for allocator and device rows),
     bytes, phase (allocator rows only: forward | backward | optimizer | other, the part of the step whose peak
-    the row holds; "" on other rows). Components in MEMORY_PEAK_COMPONENTS are totals of the whole device, not
-    parts of a stack: take their max over rows, never their sum.
+    the row holds; "" on other rows), moment. Components in MEMORY_PEAK_COMPONENTS are totals of the whole
+    device, not parts of a stack: take their max over rows, never their sum.
+    ``moment`` "" (or missing, in older runs): a component's own size (gradients when they exist, the saved
+    activations of the largest group of forwards, ...). ``moment`` "peak": what was allocated at the moment of
+    the step's allocator peak, by part (``MEMORY_PEAK_PARTS``; every byte in exactly one row, so these rows
+    add up to the step's ``allocator_peak``, and with ``allocator_cache`` to what the allocator reserved at that
+    moment); ``phase`` is the phase the peak fell in, and the module of a ``temporaries`` row is the phase that
+    allocated them. Sum components over ``moment == ""`` rows or over ``moment == "peak"`` rows, never both.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ TOKENS = "tokens"
 COMPONENT = "component"
 BYTES = "bytes"
 PHASE = "phase"
+MOMENT = "moment"
 
 
 def underflow_col(fmt: str) -> str:
@@ -161,6 +168,30 @@ DEVICE_TOTAL = "device_total"  # NVML: the device's memory
 MEMORY_PEAK_COMPONENTS: frozenset[str] = frozenset(
     {ALLOCATOR_PEAK, ALLOCATOR_RESERVED_PEAK, ALLOCATOR_SEEN_MAX, DEVICE_USED, DEVICE_TOTAL}
 )
+# parts of the allocator's peak that are not components above (``moment == "peak"`` rows)
+INPUTS = "inputs"  # tensors passed to the model's forward (the batch)
+OUTPUTS = "outputs"  # tensors the model's forward returned (logits; a loss computed inside forward)
+TEMPORARIES = "temporaries"  # allocated during the step and none of the above; module: the allocating phase
+ALLOCATOR_CACHE = "allocator_cache"  # reserved but not allocated at the peak (CUDA's caching allocator)
+OTHER_MEMORY = "other"  # allocated before the step and none of the above (a loop's own tensors, workspaces)
+# The parts of a peak, in the order the report stacks them.
+MEMORY_PEAK_PARTS: tuple[str, ...] = (
+    PARAMETERS,
+    BUFFERS,
+    MASTER_WEIGHTS,
+    OPTIMIZER_STATES,
+    GRADIENTS,
+    AUTOCAST_WEIGHT_COPIES,
+    ACTIVATIONS,
+    INPUTS,
+    OUTPUTS,
+    PROFILER_BUFFERS,
+    TEMPORARIES,
+    OTHER_MEMORY,
+    ALLOCATOR_CACHE,
+)
+# values of the moment column
+MOMENT_PEAK = "peak"
 # values of the phase column (allocator rows)
 PHASE_FORWARD = "forward"
 PHASE_BACKWARD = "backward"
@@ -198,7 +229,7 @@ LAYERS_COLUMNS: tuple[str, ...] = (
 )
 HISTOGRAMS_COLUMNS: tuple[str, ...] = (STEP, MODULE, TENSOR, PARAM, EXPONENT, COUNT)
 STEPS_COLUMNS: tuple[str, ...] = (STEP, LOSS, LOSS_SCALE, SKIPPED, GRAD_NORM, TIME_S, SAMPLED, TOKENS)
-MEMORY_COLUMNS: tuple[str, ...] = (STEP, COMPONENT, MODULE, DTYPE, BYTES, PHASE)
+MEMORY_COLUMNS: tuple[str, ...] = (STEP, COMPONENT, MODULE, DTYPE, BYTES, PHASE, MOMENT)
 
 TABLES: dict[str, tuple[str, ...]] = {
     "layers": LAYERS_COLUMNS,
@@ -255,6 +286,14 @@ def nonfinite_loss_tail(steps: pd.DataFrame) -> LossTail | None:
     at = [int(s) for s in rec[STEP]]
     kind = "inf" if math.isinf(values[i_ok + 1]) else "nan"
     return LossTail(at[i_ok + 1], at[-1], len(values) - i_ok - 1, values[i_ok], at[i_ok], kind)
+
+
+def memory_at(memory: pd.DataFrame, moment: str = "") -> pd.DataFrame:
+    """The rows of a memory table at one ``moment``: "" (each component's own size, and every row of a run
+    recorded before the column existed) or ``MOMENT_PEAK`` (what was allocated at the step's peak)."""
+    if MOMENT not in memory.columns:
+        return memory if moment == "" else memory.iloc[0:0]
+    return memory[texts(memory[MOMENT]) == moment]
 
 
 def empty(name: str) -> pd.DataFrame:

@@ -429,6 +429,15 @@ def test_single_rank_group(tmp_path: Path) -> None:
             {T.STEP: 7, T.COMPONENT: T.ACTIVATIONS, T.MODULE: "b", T.DTYPE: "bfloat16", T.BYTES: 12},
             {T.STEP: 7, T.COMPONENT: T.ALLOCATOR_PEAK, T.MODULE: "", T.DTYPE: "", T.BYTES: 500},
             {T.STEP: 7, T.COMPONENT: T.ALLOCATOR_PEAK, T.MODULE: "", T.DTYPE: "", T.BYTES: 800},
+            # a part of the allocator's peak: the parameters again, at that moment (not added twice)
+            {
+                T.STEP: 7,
+                T.COMPONENT: T.PARAMETERS,
+                T.MODULE: "",
+                T.DTYPE: "float32",
+                T.BYTES: 100,
+                T.MOMENT: T.MOMENT_PEAK,
+            },
         ]
         assert reducer.reduce_memory(rows) == rows
         info = reducer.describe()

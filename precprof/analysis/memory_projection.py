@@ -51,10 +51,6 @@ TEXTBOOK_SAVING = (0.40, 0.50)
 _LOW_FLOATS = LOW_PRECISION_DTYPES
 _MODE_FLOATS = _LOW_FLOATS | {"float32"}
 
-# Floating dtypes whose storage a precision mode changes; float64 and integer/bool tensors never change.
-_LOW_FLOATS = LOW_PRECISION_DTYPES
-_MODE_FLOATS = _LOW_FLOATS | {"float32"}
-
 
 def _itemsize(name: str) -> int | None:
     dt = getattr(torch, name, None)
@@ -92,6 +88,7 @@ def textbook(n_params: int, optimizer_state_bytes: int | None = None) -> dict[st
 
 
 def _last_step(memory: pd.DataFrame) -> pd.DataFrame:
+    memory = T.memory_at(memory)  # each component's own size, not the parts of the allocator's peak
     if memory.empty:
         return memory
     have = memory[memory[T.COMPONENT] == T.PARAMETERS]

@@ -1,7 +1,7 @@
 """Memory per component, measured on sampled steps, and what each precision mode would take.
 
 ``MemoryTracker`` measures, on the steps it is told are sampled (the ``memory`` table, schema
-``precprof.tables.MEMORY_COLUMNS``; one row per step, component, module, dtype, phase):
+``precprof.tables.MEMORY_COLUMNS``; one row per step, component, module, dtype, phase, moment):
 
 - ``parameters``, ``buffers``: the model's, per dtype, each storage once (tied or shared weights once: storages
   are de-duplicated by ``untyped_storage().data_ptr()``, so a view of a flat buffer counts the whole buffer);
@@ -26,17 +26,21 @@
   parameters (no grad_fn) a saved tensor of the running module with a frozen parameter's shape and another
   dtype. Only copies that backward keeps count: under autocast, the first Linear's weight copy is not saved when
   its input does not require grad;
-- on CUDA only: ``allocator_peak`` / ``allocator_reserved_peak`` per phase (``phase`` column: forward,
-  backward, optimizer, other), and ``device_used`` / ``device_total`` from NVML when a driver and nvidia-ml-py
-  are there (silently absent otherwise). The process's peak counters belong to the user (their own
-  ``torch.cuda.max_memory_allocated()``, Lightning's and the Trainer's memory logs read them): by default they
-  are never reset. ``max_memory_allocated`` only grows, so when it grew during a phase its new value is that
-  phase's exact peak (``allocator_peak``); when it did not, the phase peaked below the process's earlier peak,
-  and the most memory allocated that the hooks saw in it (read at each module's forward end and each
-  gradient) is a lower bound of its peak (``allocator_seen_max``). With ``reset_peaks=True`` (the built-in
-  loop, which owns the process) the counters are reset at each phase boundary and every phase's peak is
-  exact. These read host-side allocator counters and the driver: none of them synchronises with the device.
-  On CPU these rows are simply absent.
+- ``allocator_peak`` / ``allocator_reserved_peak`` per phase (``phase`` column: forward, backward, optimizer,
+  other), and what was allocated at the moment of the step's peak, every byte in one part (``moment`` "peak"
+  rows: the components above, ``inputs``, ``outputs``, precprof's own buffers, ``temporaries`` by the phase
+  that allocated them, ``other``, and on CUDA ``allocator_cache``, reserved - allocated): found by replaying
+  the allocator's own events of the step (``precprof.capture.peak``, where the choice is weighed). On CUDA by
+  default, from the caching allocator's history (host calls only: no sync); on the CPU only with
+  ``peak=True`` (torch.profiler's memory events; the built-in loop asks for it). Where a CUDA step has no
+  replay (``peak=False``, or the program records the allocator's history itself) the phase peaks come from
+  the process's peak counters: ``max_memory_allocated`` only grows, so when it grew during a phase its new
+  value is that phase's exact peak (``allocator_peak``); when it did not, the most memory allocated that the
+  hooks saw in the phase is a lower bound of its peak (``allocator_seen_max``). The process's peak counters
+  belong to the program (its own ``torch.cuda.max_memory_allocated()``, Lightning's and the Trainer's memory
+  logs): they are never reset unless ``reset_peaks=True`` (the built-in loop, which owns the process).
+  ``device_used`` / ``device_total`` come from NVML when a driver and nvidia-ml-py are there (silently absent
+  otherwise).
 
 Outside sampled steps every hook returns at once. The tracker holds no tensor: only storage addresses, sizes,
 totals and its hook handles (``buffer_bytes``). The pack hook returns the tensor unchanged: training is bitwise the same.
@@ -56,38 +60,20 @@ from torch import nn
 
 from precprof import _compat, taxonomy
 from precprof import tables as T
+from precprof.capture.peak import END, CudaHistory, Label, PeakRecorder, ProfilerMemory
 from precprof.capture.storage import (
     StorageKey,
     _by_dtype,
+    _held_tensors,
     _plain_tensors,
     _sizeof,
     _state_tensors,
     _storage,
+    _tensors_in,
     dtype_name,
+    is_weight_copy,
 )
 from precprof.tables import LOSS_SCOPE
-
-# grad_fn names of pure views between a saved tensor and the cast that made it.
-_VIEW_NODES = frozenset(
-    {
-        "TBackward0",
-        "TransposeBackward0",
-        "PermuteBackward0",
-        "ViewBackward0",
-        "UnsafeViewBackward0",
-        "ReshapeAliasBackward0",
-        "ExpandBackward0",
-        "AsStridedBackward0",
-        "AliasBackward0",
-        "SliceBackward0",
-        "SelectBackward0",
-        "UnsqueezeBackward0",
-        "SqueezeBackward0",
-        "SqueezeBackward1",
-        "SqueezeBackward2",
-    }
-)
-_MAX_VIEW_DEPTH = 8
 
 
 class _Group:
@@ -110,16 +96,29 @@ class MemoryTracker:
     backward, optimizer step and ``zero_grad``, then ``end_step(step)`` (rows on sampled steps); ``detach()``.
     ``precprof.capture.Profiler`` does this; it works standalone too. See the module docstring for what each
     component means. Measurements are host-side only (no device synchronisation anywhere).
+
+    ``peak``: replay the allocator's events of sampled steps for the peak rows (``precprof.capture.peak``).
+    None: on CUDA (the allocator's history), off on the CPU; True: also on the CPU (torch.profiler's memory
+    events: a program's own torch.profiler cannot start during a sampled step); False: off. ``own``: returns
+    the objects holding precprof's own device buffers, named ``profiler_buffers`` at the peak.
+    ``reset_peaks``: reset the process's CUDA peak counters at phase boundaries (exact counter peaks per phase
+    where there is no replay); only where no one else reads them, i.e. in precprof's own loop.
     """
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, reset_peaks: bool = False
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        peak: bool | None = None,
+        own: Callable[[], Iterable[Any]] | None = None,
+        reset_peaks: bool = False,
     ) -> None:
         self.model = model
-        # reset the process's CUDA peak counters at phase boundaries (exact per-phase peaks); only where no
-        # one else reads them, i.e. in precprof's own loop
         self.reset_peaks = reset_peaks
         self.optimizer = optimizer
+        self.peak = peak
+        self._own = own
         self._handles: list[Any] = []
         self._attached = False
         self._step = 0
@@ -136,8 +135,10 @@ class MemoryTracker:
         self._grad_snapshot: dict[str, int] | None = None
         self._grad_seen: dict[StorageKey, tuple[str, int]] = {}  # storage -> (dtype, bytes)
         self._unmeasured = 0  # saved tensors without a real storage (fake, sparse): not counted
-        # CUDA allocator state
-        self._cuda: torch.device | None = None
+        self._cuda: torch.device | None = None  # the device whose allocator is read
+        self._on_cpu = True
+        self._peak = PeakRecorder(None)
+        # the counters' phase peaks (CUDA steps without a replay)
         self._phase = T.PHASE_OTHER
         self._peaks: dict[tuple[str, str], int] = {}  # (component, phase) -> bytes
         self._seen_max = (0, 0)  # the process's max allocated / reserved when the current phase began
@@ -165,10 +166,13 @@ class MemoryTracker:
             self._handles.append(self.optimizer.register_step_post_hook(self._opt_post_hook))
         dev = next((p.device for p in self.model.parameters()), None)
         self._cuda = dev if dev is not None and dev.type == "cuda" and torch.cuda.is_available() else None
+        self._on_cpu = dev is None or dev.type == "cpu"
         self._attached = True
 
     def detach(self) -> None:
-        """Remove every hook and pop the saved-tensor hooks if a forward left them pushed. Idempotent."""
+        """Remove every hook and pop the saved-tensor hooks if a forward left them pushed; stop reading the
+        allocator's events (a step in progress keeps them for its ``end_step``). Idempotent."""
+        self._peak.stop()
         self._pop_saved_hooks(final=True)
         for h in self._handles:
             h.remove()
@@ -185,32 +189,44 @@ class MemoryTracker:
 
     # ------------------------------------------------------------------------------------------- steps
     def begin_step(self, step: int, sampled: bool) -> None:
-        """Start ``step``; on sampled steps arm the hooks (host only, no sync)."""
+        """Start ``step``; on sampled steps arm the hooks and start reading the allocator's events (host
+        only, no sync)."""
+        self._peak.abort()  # a sampled step that never reached end_step
         self._step = step
         self._sampled = sampled
         self._groups = []
         self._unpacks_mark = -1
         self._grad_snapshot = None
         self._grad_seen = {}
-        self._peaks = {}
-        self._phase = T.PHASE_OTHER
         if not sampled:
             return
         self._param_keys = self._keys(list(self.model.parameters()) + list(self.model.buffers()))
+        self._phase, self._peaks = T.PHASE_OTHER, {}
         if self._cuda is not None:
             if self.reset_peaks:
                 torch.cuda.reset_peak_memory_stats(self._cuda)
             self._seen_max = self._max_counters()
             self._phase_live = self._live_counters()
+        if self._attached:
+            # the source of allocator events, chosen on the first sampled step
+            if self._peak.source is None:
+                if self._cuda is not None and self.peak is not False:
+                    self._peak.source = CudaHistory(self._cuda)
+                elif self._cuda is None and self.peak and self._on_cpu:
+                    self._peak.source = ProfilerMemory()
+            self._peak.begin(self._persistent)
 
     def end_step(self, step: int) -> list[dict[str, Any]]:
         """Memory rows of ``step`` (``[]`` when it was not sampled). Host only; no device sync."""
         if not self._sampled:
             return []
         self._mark_phase(T.PHASE_OTHER)
+        peak = self._peak.finish(self._persistent)
         rows: list[dict[str, Any]] = []
 
-        def add(component: str, per_dtype: Mapping[str, int], module: str = "", phase: str = "") -> None:
+        def add(
+            component: str, per_dtype: Mapping[str, int], module: str = "", phase: str = "", moment: str = ""
+        ) -> None:
             for dt, b in sorted(per_dtype.items()):
                 rows.append(
                     {
@@ -220,6 +236,7 @@ class MemoryTracker:
                         T.DTYPE: dt,
                         T.BYTES: int(b),
                         T.PHASE: phase,
+                        T.MOMENT: moment,
                     }
                 )
 
@@ -238,18 +255,67 @@ class MemoryTracker:
         if group is not None:
             for (comp, module, dt), b in sorted(group.bytes.items()):
                 add(comp, {dt: b}, module=module)
-        for (comp, phase), b in sorted(self._peaks.items()):
-            add(comp, {"": b}, phase=phase)
-        add_device = self._device_memory()
-        for comp, b in add_device.items():
+        if peak is not None:
+            for phase in T.MEMORY_PHASES:
+                allocated, reserved = peak.phase_peaks.get(phase, (None, None))
+                if allocated is not None:
+                    add(T.ALLOCATOR_PEAK, {"": allocated}, phase=phase)
+                if reserved is not None:
+                    add(T.ALLOCATOR_RESERVED_PEAK, {"": reserved}, phase=phase)
+            for (comp, module, dt), b in sorted(peak.parts.items()):
+                add(comp, {dt: b}, module=module, phase=peak.phase, moment=T.MOMENT_PEAK)
+        else:  # no replay: the counters' peaks (CUDA only)
+            for (comp, phase), b in sorted(self._peaks.items()):
+                add(comp, {"": b}, phase=phase)
+        self._peaks = {}
+        for comp, b in self._device_memory().items():
             add(comp, {"": b})
         # Keep nothing between steps but the module names: buffer_bytes stays flat over a run.
         self._groups = []
         self._grad_seen = {}
         self._grad_snapshot = None
-        self._peaks = {}
         self._sampled = False
         return rows
+
+    @property
+    def peak_note(self) -> str:
+        """Why the last sampled step has no peak rows ("" when it has them, or when none were asked for)."""
+        return self._peak.note
+
+    def _persistent(self) -> dict[StorageKey, Label]:
+        """Storages that outlive the step, read now (host only): the model's parameters and buffers, the
+        optimizer's master weights and states, gradients that exist, precprof's own buffers."""
+        out: dict[StorageKey, Label] = {}
+
+        def put(component: str, tensors: Iterable[torch.Tensor]) -> None:
+            for t in tensors:
+                for leaf in _plain_tensors(t):
+                    st = _storage(leaf)
+                    if st is not None and st[0] not in out:
+                        out[st[0]] = Label(component, "", dtype_name(leaf.dtype), END, st[1])
+
+        params = list(self.model.parameters())
+        put(T.PARAMETERS, params)
+        put(T.BUFFERS, self.model.buffers())
+        if self.optimizer is not None:
+            put(T.MASTER_WEIGHTS, (p for g in self.optimizer.param_groups for p in g["params"]))
+            put(T.OPTIMIZER_STATES, (t for s in self.optimizer.state.values() for t in _state_tensors(s)))
+            put(
+                T.GRADIENTS,
+                (p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None),
+            )
+        put(T.GRADIENTS, (p.grad for p in params if p.grad is not None))
+        if self._own is not None:
+            put(T.PROFILER_BUFFERS, (t for o in self._own() for t in _held_tensors(o)))
+        return out
+
+    def _label(self, component: str, tensors: Iterable[torch.Tensor]) -> None:
+        """Note the storages of ``tensors`` as ``component`` in the current phase (for the peak's parts)."""
+        for t in tensors:
+            for leaf in _plain_tensors(t):
+                st = _storage(leaf)
+                if st is not None:
+                    self._peak.label(st[0], component, "", dtype_name(leaf.dtype), st[1])
 
     @property
     def buffer_bytes(self) -> int:
@@ -265,6 +331,8 @@ class MemoryTracker:
                 self._param_keys,
                 self._grad_seen,
                 self._grad_snapshot,
+                self._peak.segments,
+                self._peak.labels,
                 self._peaks,
             )
         )
@@ -305,6 +373,8 @@ class MemoryTracker:
             "matmul_weight_numel": matmul,
             "module_classes": classes,
             "unmeasured_saved_tensors": self._unmeasured,
+            "peak_source": type(self._peak.source).__name__ if self._peak.source is not None else None,
+            "peak_note": self.peak_note,
         }
 
     # ------------------------------------------------------------------------------------- gradients
@@ -327,6 +397,8 @@ class MemoryTracker:
             st = _storage(leaf)
             if st is not None:
                 self._grad_seen[st[0]] = (dtype_name(leaf.dtype), st[1])
+        if self._peak.measuring:
+            self._label(T.GRADIENTS, (p.grad,))
 
     def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._sampled:
@@ -335,6 +407,8 @@ class MemoryTracker:
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         grads += [p.grad for p in self.model.parameters() if p.grad is not None]
         self._grad_snapshot = _by_dtype(grads)
+        if self._peak.measuring:
+            self._label(T.GRADIENTS, grads)
 
     def _opt_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._sampled:
@@ -369,8 +443,12 @@ class MemoryTracker:
             # Left pushed by a forward that never reached its post-hook (KeyboardInterrupt, a nested call).
             self._pop_saved_hooks()
         self._start_recording("", module)
+        if self._recording and self._peak.measuring:
+            self._label(T.INPUTS, _tensors_in(args))
 
     def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._recording and self._peak.measuring:
+            self._label(T.OUTPUTS, _tensors_in(output))
         self._stop_recording()
 
     def _start_recording(self, name: str, module: nn.Module | None) -> None:
@@ -455,6 +533,7 @@ class MemoryTracker:
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         self._unpacks += 1
+        self._peak.unpacked()
         return t
 
     def _record_saved(self, t: torch.Tensor) -> None:
@@ -468,41 +547,13 @@ class MemoryTracker:
             if key in self._param_keys or key in group.seen:
                 continue
             group.seen.add(key)
-            if self._is_weight_copy(leaf):
+            if is_weight_copy(leaf, self._stack[-1][1] if self._stack else None, self._param_keys):
                 k = (T.AUTOCAST_WEIGHT_COPIES, "", dtype_name(leaf.dtype))
             else:
                 module = self._stack[-1][0] if self._stack else ""
                 k = (T.ACTIVATIONS, module, dtype_name(leaf.dtype))
             group.bytes[k] = group.bytes.get(k, 0) + nbytes
-
-    def _is_weight_copy(self, t: torch.Tensor) -> bool:
-        fn = t.grad_fn
-        if fn is None:
-            # A frozen weight's cast has no graph: match it against the running module's frozen parameters.
-            mod = self._stack[-1][1] if self._stack else None
-            if t.requires_grad or mod is None:
-                return False
-            for p in mod.parameters(recurse=False):
-                if p.requires_grad or p.dtype == t.dtype or p.numel() != t.numel():
-                    continue
-                if p.shape == t.shape or (p.dim() == 2 and tuple(p.shape) == tuple(t.shape)[::-1]):
-                    return True
-            return False
-        for _ in range(_MAX_VIEW_DEPTH):
-            if fn.name() not in _VIEW_NODES:
-                break
-            nxt = fn.next_functions
-            if not nxt or nxt[0][0] is None:
-                return False
-            fn = nxt[0][0]
-        if fn.name() != "ToCopyBackward0" or not fn.next_functions:
-            return False
-        src = fn.next_functions[0][0]
-        var = getattr(src, "variable", None)  # AccumulateGrad of a leaf
-        if not isinstance(var, torch.Tensor):
-            return False
-        st = _storage(var)
-        return st is not None and st[0] in self._param_keys
+            self._peak.label(key, *k, nbytes)
 
     # ----------------------------------------------------------------------------------------- device
     def _keys(self, tensors: Iterable[torch.Tensor]) -> set[StorageKey]:
@@ -532,10 +583,13 @@ class MemoryTracker:
             self._phase_live = (max(self._phase_live[0], live[0]), max(self._phase_live[1], live[1]))
 
     def _mark_phase(self, new_phase: str) -> None:
-        """Close the current phase: its allocator peaks (host counters, no device sync; the process's peak
-        counters are reset only with ``reset_peaks``)."""
-        if self._cuda is not None and self._sampled:
-            dev = self._cuda
+        """A phase boundary: a new segment of the step, placed in the allocator's events, and the phase's
+        counter peaks where there is no replay (host only, no sync; the process's peak counters are reset
+        only with ``reset_peaks``)."""
+        if not self._sampled:
+            return
+        self._peak.phase(new_phase)
+        if self._cuda is not None:
             maxima = self._max_counters()
             self._sample_live()
             for i, (comp, value) in enumerate(
@@ -548,7 +602,7 @@ class MemoryTracker:
                     key = (T.ALLOCATOR_SEEN_MAX, self._phase)
                     self._peaks[key] = max(self._peaks.get(key, 0), self._phase_live[0])
             if self.reset_peaks:
-                torch.cuda.reset_peak_memory_stats(dev)
+                torch.cuda.reset_peak_memory_stats(self._cuda)
             self._seen_max = self._max_counters()
             self._phase_live = self._live_counters()
         self._phase = new_phase

@@ -78,8 +78,13 @@ class Profiler(HookFactories):
             directly; otherwise a list of qualified-name patterns (``fnmatch``, e.g. ``"transformer.h.*.mlp.*"``)
             and/or module types.
         memory: track memory per component (``precprof.capture.memory_tracker``) on sampled steps.
-        reset_peak_memory: let precprof reset the process's CUDA peak-memory counters at phase boundaries,
-            for an exact peak of every phase. Off by default: a loop that reads
+        memory_peak: also replay the allocator's events of sampled steps, for each phase's peak and what was
+            allocated at the step's peak, by part (``precprof.capture.peak``). None (the default): on CUDA
+            (the caching allocator's history; host calls only), off on the CPU, where it needs torch.profiler's
+            memory events and a program's own torch.profiler could not start during a sampled step; True: on
+            the CPU too (the built-in loop's choice); False: off.
+        reset_peak_memory: let precprof reset the process's CUDA peak-memory counters at phase boundaries, for
+            exact counter peaks of every phase where a step has no replay. Off by default: a loop that reads
             ``torch.cuda.max_memory_allocated()`` (its own logs, Lightning's, the Trainer's) would read precprof's
             phases instead of its own peak. The built-in loop turns it on.
         weight_updates: record ``weight_update`` rows (needs ``optimizer``).
@@ -124,6 +129,7 @@ class Profiler(HookFactories):
         sample_every: int = 10,
         modules: ModuleFilter = None,
         memory: bool = True,
+        memory_peak: bool | None = None,
         reset_peak_memory: bool = False,
         weight_updates: bool = True,
         update_sample: int = 256,
@@ -165,6 +171,7 @@ class Profiler(HookFactories):
         self.sample_every = sample_every
         self.module_filter = modules
         self.memory_enabled = memory
+        self.memory_peak = memory_peak
         self.reset_peak_memory = reset_peak_memory
         self.weight_updates = weight_updates and optimizer is not None
         self.update_sample = update_sample
@@ -345,7 +352,13 @@ class Profiler(HookFactories):
             self._scaler_watch.patch()
 
         if self.memory_enabled:
-            self._tracker = MemoryTracker(self.model, self.optimizer, reset_peaks=self.reset_peak_memory)
+            self._tracker = MemoryTracker(
+                self.model,
+                self.optimizer,
+                peak=self.memory_peak,
+                reset_peaks=self.reset_peak_memory,
+                own=lambda: (self._buffer, self._updates),  # named profiler_buffers at the peak
+            )
             self._tracker.attach()
 
         # the loop's own clip_grad_norm_ gives the gradient norm when step() is not handed one

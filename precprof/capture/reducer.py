@@ -371,6 +371,8 @@ class RankReducer:
             comp = str(r.get(T.COMPONENT, ""))
             b = int(r.get(T.BYTES, 0) or 0)
             step = r.get(T.STEP, step)
+            if r.get(T.MOMENT, ""):  # the parts of the allocator's peak: the components again, by moment
+                continue
             if comp in T.MEMORY_PEAK_COMPONENTS:
                 totals[comp] = max(totals.get(comp, 0), b)
             else:

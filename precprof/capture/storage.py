@@ -1,5 +1,6 @@
 """Bytes of tensors as memory holds them: each storage once (by address), wrapper tensors (torchao's Float8,
-DTensor) by the plain tensors inside them, optimizer state walked to a bounded depth."""
+DTensor) by the plain tensors inside them, optimizer state walked to a bounded depth; which saved tensors are
+autocast's copies of a weight."""
 
 from __future__ import annotations
 
@@ -91,3 +92,95 @@ def _sizeof(obj: Any, memo: set[int], depth: int = 0) -> int:
     elif isinstance(obj, (list, tuple, set, frozenset)):
         size += sum(_sizeof(v, memo, depth + 1) for v in obj)
     return size
+
+
+def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors of any dtype inside a forward's arguments or output (tuples, lists, dicts, ModelOutput),
+    depth-limited."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _tensors_in(v, depth + 1)
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors_in(v, depth + 1)
+
+
+def _held_tensors(obj: Any, memo: set[int] | None = None, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors an object holds in its attributes, containers and their attributes, a few levels deep, each
+    object once (precprof's own statistics buffers and scratch). Modules are not entered."""
+    memo = set() if memo is None else memo
+    if id(obj) in memo or isinstance(obj, nn.Module) or depth > 4:
+        return
+    memo.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _held_tensors(v, memo, depth + 1)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for v in obj:
+            yield from _held_tensors(v, memo, depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for v in vars(obj).values():
+            yield from _held_tensors(v, memo, depth + 1)
+    elif hasattr(obj, "__slots__"):
+        for name in getattr(type(obj), "__slots__", ()):
+            yield from _held_tensors(getattr(obj, name, None), memo, depth + 1)
+
+
+# grad_fn names of pure views between a saved tensor and the cast that made it.
+_VIEW_NODES = frozenset(
+    {
+        "TBackward0",
+        "TransposeBackward0",
+        "PermuteBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "ExpandBackward0",
+        "AsStridedBackward0",
+        "AliasBackward0",
+        "SliceBackward0",
+        "SelectBackward0",
+        "UnsqueezeBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+    }
+)
+_MAX_VIEW_DEPTH = 8
+
+
+def is_weight_copy(t: torch.Tensor, module: nn.Module | None, param_keys: set[StorageKey]) -> bool:
+    """Whether a saved tensor is a cast of a parameter (autocast's low-precision weight copy): its grad_fn is
+    ``ToCopyBackward0`` of a parameter's ``AccumulateGrad`` (``param_keys``), possibly behind views; a frozen
+    parameter's cast has no graph and is matched against ``module``'s (the running module's) frozen
+    parameters by shape and dtype. Host only."""
+    fn = t.grad_fn
+    if fn is None:
+        # A frozen weight's cast has no graph: match it against the running module's frozen parameters.
+        if t.requires_grad or module is None:
+            return False
+        for p in module.parameters(recurse=False):
+            if p.requires_grad or p.dtype == t.dtype or p.numel() != t.numel():
+                continue
+            if p.shape == t.shape or (p.dim() == 2 and tuple(p.shape) == tuple(t.shape)[::-1]):
+                return True
+        return False
+    for _ in range(_MAX_VIEW_DEPTH):
+        if fn.name() not in _VIEW_NODES:
+            break
+        nxt = fn.next_functions
+        if not nxt or nxt[0][0] is None:
+            return False
+        fn = nxt[0][0]
+    if fn.name() != "ToCopyBackward0" or not fn.next_functions:
+        return False
+    src = fn.next_functions[0][0]
+    var = getattr(src, "variable", None)  # AccumulateGrad of a leaf
+    if not isinstance(var, torch.Tensor):
+        return False
+    st = _storage(var)
+    return st is not None and st[0] in param_keys

@@ -314,8 +314,14 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     sample_every = (
         config.sample_every if config.sample_every is not None else default_sample_every(config.steps)
     )
-    # the built-in loop owns the process: nothing else reads its peak counters, so every phase's peak is exact
-    prof_kwargs = {"sample_every": sample_every, "reset_peak_memory": True, **(profiler_kwargs or {})}
+    # the built-in loop owns the process: nothing else reads its peak counters (every phase's counter peak is
+    # exact), and the peak's parts are measured on the CPU too (torch.profiler's memory events)
+    prof_kwargs = {
+        "sample_every": sample_every,
+        "memory_peak": True,
+        "reset_peak_memory": True,
+        **(profiler_kwargs or {}),
+    }
     run_dir = Path(config.out) if config.out is not None else default_out_dir(config)
     config = dataclasses.replace(config, out=run_dir)
     world_size = dist_info.world_size if dist_info is not None else 1
