@@ -8,7 +8,9 @@ figure and measures every visible text's extent in pixels against the figure's o
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
+import pandas as pd
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -16,8 +18,10 @@ from matplotlib.text import Text
 from report_fixtures import gpt_layers, synthetic_run
 
 from precprof import tables as T
-from precprof.report import filters, plots
+from precprof.report import filters, plots, render
 from precprof.report import summarize as S
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "reports" / "templates"
 
 
 def drawn_texts(fig: Figure) -> list[tuple[str, tuple[float, float, float, float]]]:
@@ -140,3 +144,65 @@ def test_memory_bar_and_table_show_one_total(mode: str) -> None:
         assert value == filters.nbytes(want), name
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "profiler buffers (precprof's own)" in legend
+
+
+def test_the_peak_bar_and_table_show_every_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What was allocated at the allocator's peak: its own bar, ending at the peak's tick, and a table of every
+    part with its share, "other" last and the cache apart; the parts are never counted as components again."""
+    tabs, summary = synthetic_run("bf16", layers=gpt_layers(n_layer=1), steps=4, sample_every=2)
+    mem = tabs["memory"]
+    step = int(mem[T.STEP].max())
+    parts = [
+        (T.PARAMETERS, "", "float32", 1000),
+        (T.ACTIVATIONS, "transformer.h.0.mlp.c_fc", "bfloat16", 3000),
+        (T.TEMPORARIES, T.PHASE_BACKWARD, "", 1500),
+        (T.OTHER_MEMORY, "", "", 200),
+        (T.ALLOCATOR_CACHE, "", "", 700),
+    ]
+    rows = [
+        {
+            T.STEP: step,
+            T.COMPONENT: c,
+            T.MODULE: m,
+            T.DTYPE: dt,
+            T.BYTES: b,
+            T.PHASE: T.PHASE_BACKWARD,
+            T.MOMENT: T.MOMENT_PEAK,
+        }
+        for c, m, dt, b in parts
+    ]
+    with_peak = T.frame("memory", pd.concat([mem, pd.DataFrame(rows)], ignore_index=True))
+    measured = S.measured_memory(with_peak)
+    assert measured["components"] == S.measured_memory(mem)["components"]
+    at = measured["at_peak"]
+    assert (at["step"], at["phase"], at["allocated"], at["cache"]) == (step, T.PHASE_BACKWARD, 5700, 700)
+    assert [p["part"] for p in at["parts"]] == [
+        T.ACTIVATIONS,
+        T.TEMPORARIES + ":" + T.PHASE_BACKWARD,
+        T.PARAMETERS,
+        T.OTHER_MEMORY,
+    ]
+    assert at["named_share"] == pytest.approx(5500 / 5700)
+
+    fig = plots.memory_figure(measured, S.memory_records(summary), "bf16")
+    assert fig is not None and texts_outside(fig) == []
+    ax = fig.axes[0]
+    names = [t.get_text() for t in ax.get_yticklabels()]
+    values = [t.get_text().strip() for t in ax.texts]
+    assert names[1] == "bf16 · at the peak (backward)" and values[1] == filters.nbytes(5700)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "temporaries (backward)" in legend and "other (not named)" in legend
+
+    # the page, from this repository's templates (an installed precprof may carry others)
+    monkeypatch.setattr(render, "templates_dir", lambda: TEMPLATES)
+    page = render.render_html({**tabs, "memory": with_peak}, summary)
+    section = page[page.index('<section id="memory"') :]
+    section = section[: section.index("</section>")]
+    assert "At the allocator's peak" in section
+    for label, share in (
+        ("activations saved for backward", 3000 / 5700),
+        (S.TEMPORARY_LABELS[T.PHASE_BACKWARD], 1500 / 5700),
+        ("other (allocated before the step, not named)", 200 / 5700),
+    ):
+        assert f"<td>{label}</td><td>" in section and filters.pct(share) in section, label
+    assert filters.nbytes(5700) in section and filters.nbytes(700) in section

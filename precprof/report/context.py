@@ -491,6 +491,7 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
         else (claim if isinstance(claim, str) else None),
         "assumptions": [str(a) for a in mem.get("assumptions") or []],
         "has_projection": bool(records),
+        "peak_note": str((mem.get("model") or {}).get("peak_note") or ""),
     }
 
 

@@ -39,6 +39,14 @@ COMPONENT_COLORS: dict[str, str] = {  # also the stacking order
     T.AUTOCAST_WEIGHT_COPIES: "#8172b3",
     T.ACTIVATIONS: "#c44e52",
     T.PROFILER_BUFFERS: "#937860",
+    # the other parts of the allocator's peak
+    T.INPUTS: "#64b5cd",
+    T.OUTPUTS: "#ccb974",
+    T.TEMPORARIES + ":" + T.PHASE_FORWARD: "#f2b6b7",
+    T.TEMPORARIES + ":" + T.PHASE_BACKWARD: "#f0a35e",
+    T.TEMPORARIES + ":" + T.PHASE_OPTIMIZER: "#a6d89b",
+    T.TEMPORARIES + ":" + T.PHASE_OTHER: "#c9c9c9",
+    T.OTHER_MEMORY: "#8c8c8c",
 }
 _OTHER_COLORS = ("#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd", "#a1c9f4", "#b0b0b0")
 SKIP_COLOR = "#d62728"
@@ -506,9 +514,10 @@ def _unit(max_bytes: float) -> tuple[float, str]:
 def memory_figure(
     measured: Mapping[str, Any], records: Sequence[Mapping[str, Any]], current_mode: str = ""
 ) -> Figure | None:
-    """Horizontal stacked bars of bytes per component: this run as measured, then the projection for every
-    precision mode (this run's own first, so that measured vs projected shows the projection's error); the
-    allocator peak as a black tick on the measured bar. Textbook records are left to a table.
+    """Horizontal stacked bars of bytes per component: this run as measured, what was allocated at its
+    allocator's peak part by part (where the run has it: that bar ends at the tick), then the projection for
+    every precision mode (this run's own first, so that measured vs projected shows the projection's error); the
+    allocator peak as a black tick on this run's bars. Textbook records are left to a table.
 
     ``measured`` is ``summarize.measured_memory(memory_table)``; ``records`` are summary["memory"] records. The
     measured bar is ``measured``'s stack, the very rows the page's "Measured (this run)" table sums, so bar and
@@ -534,6 +543,10 @@ def memory_figure(
         stacks[key][r["component"]] = stacks[key].get(r["component"], 0.0) + float(r["bytes"])
     if comps:
         bars.append((f"{current_mode or 'this run'} · this run, measured", comps, peak))
+    at_peak = measured.get("at_peak")
+    if at_peak and at_peak.get("parts"):
+        parts = {str(p["part"]): float(p["bytes"]) for p in at_peak["parts"] if p["bytes"]}
+        bars.append((f"{current_mode or 'this run'} · at the peak ({at_peak['phase']})", parts, peak))
     modes = list(dict.fromkeys(m for m, _ in order))
     if current_mode in modes:  # this run's mode first
         modes.remove(current_mode)
@@ -580,8 +593,13 @@ def memory_figure(
     ax.set_xlim(0, biggest / div * 1.15)
     ax.set_xlabel(f"memory ({unit})")
     ax.grid(True, axis="x", alpha=0.3)
-    names = {T.PROFILER_BUFFERS: "profiler buffers (precprof's own)"}
-    handles: list[Any] = [Patch(color=colors[c], label=names.get(c, c.replace("_", " "))) for c in comp_names]
+    names = {T.PROFILER_BUFFERS: "profiler buffers (precprof's own)", T.OTHER_MEMORY: "other (not named)"}
+
+    def legend(c: str) -> str:
+        name, _, phase = c.partition(":")
+        return f"{name} ({phase})" if phase else names.get(c, c.replace("_", " "))
+
+    handles: list[Any] = [Patch(color=colors[c], label=legend(c)) for c in comp_names]
     if any(pk for _, _, pk in bars):
         handles.append(Line2D([], [], color="black", lw=2.2, label="allocator peak"))
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8.5, frameon=False)

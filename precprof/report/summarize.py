@@ -374,15 +374,93 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     return {"requested": requested, "rows": census_rows, "active": active, "verdict": verdict, "ok": ok}
 
 
+# What each part of the allocator's peak is, in the report's words (``moment == "peak"`` rows); temporaries
+# are labelled by the phase that allocated them.
+PEAK_PART_LABELS: dict[str, str] = {
+    T.PARAMETERS: "parameters",
+    T.BUFFERS: "module buffers",
+    T.MASTER_WEIGHTS: "master weights",
+    T.OPTIMIZER_STATES: "optimizer states",
+    T.GRADIENTS: "gradients",
+    T.AUTOCAST_WEIGHT_COPIES: "autocast weight copies",
+    T.ACTIVATIONS: "activations saved for backward",
+    T.INPUTS: "model inputs (the batch)",
+    T.OUTPUTS: "model outputs (logits)",
+    T.PROFILER_BUFFERS: "precprof's own buffers",
+    T.OTHER_MEMORY: "other (allocated before the step, not named)",
+    T.ALLOCATOR_CACHE: "allocator cache (reserved, not allocated)",
+}
+TEMPORARY_LABELS: dict[str, str] = {
+    T.PHASE_FORWARD: "temporaries allocated in forward, still alive",
+    T.PHASE_BACKWARD: "temporaries allocated after forward: the loss, gradients of activations in flight, "
+    "workspaces",
+    T.PHASE_OPTIMIZER: "temporaries of the optimizer step",
+    T.PHASE_OTHER: "temporaries allocated outside forward, backward and the optimizer step",
+}
+
+
+def peak_parts(memory: pd.DataFrame) -> dict[str, Any] | None:
+    """What was allocated at the allocator's peak of the last step that has it, part by part.
+
+    Returns {"step", "phase" (of the peak), "allocated" (the parts' sum: the allocator's peak), "cache"
+    (reserved - allocated then; 0 without a caching allocator), "parts": [{"part", "label", "bytes", "share"}]
+    (largest first, "other" and the cache last; share of ``allocated``), "named_share"} or None when no step has
+    them (a CPU run outside the built-in loop, or a run recorded before they existed)."""
+    rows = T.memory_at(memory, T.MOMENT_PEAK) if not memory.empty else memory
+    if rows.empty:
+        return None
+    step = rows[T.STEP].max()
+    last = rows[rows[T.STEP] == step]
+    b = pd.to_numeric(last[T.BYTES], errors="coerce").fillna(0)
+    comp, module = T.texts(last[T.COMPONENT]), T.texts(last[T.MODULE])
+    key = comp.where(comp != T.TEMPORARIES, T.TEMPORARIES + ":" + module)
+    per = b.groupby(key).sum()
+    cache = float(per.get(T.ALLOCATOR_CACHE, 0.0))
+    allocated = float(per.sum()) - cache
+    parts: list[dict[str, Any]] = []
+    for k, v in per.items():
+        name, _, phase = str(k).partition(":")
+        if name == T.ALLOCATOR_CACHE:
+            continue
+        label = TEMPORARY_LABELS.get(phase, f"temporaries ({phase})") if name == T.TEMPORARIES else None
+        parts.append(
+            {
+                "part": str(k),
+                "label": label or PEAK_PART_LABELS.get(name, name.replace("_", " ")),
+                "bytes": float(v),
+                "share": float(v) / allocated if allocated else math.nan,
+            }
+        )
+    parts.sort(key=lambda p: (p["part"] == T.OTHER_MEMORY, -p["bytes"]))
+    other = float(per.get(T.OTHER_MEMORY, 0.0))
+    return {
+        "step": int(step),
+        "phase": str(T.texts(last[T.PHASE]).iloc[0]),
+        "allocated": allocated,
+        "cache": cache,
+        "parts": parts,
+        "named_share": (allocated - other) / allocated if allocated else math.nan,
+    }
+
+
 def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
     """Totals per component at the last step with memory rows, the peaks over every step apart, top activation
-    modules.
+    modules, and what was allocated at the allocator's peak (``peak_parts``).
 
     Returns {"step", "components": {component: bytes}, "peaks": {component: bytes}, "top_activations":
-    [(module, bytes)], "total": bytes of the stacked components}.
+    [(module, bytes)], "total": bytes of the stacked components, "at_peak": ``peak_parts`` or None}.
     """
+    at_peak = peak_parts(memory)
+    memory = T.memory_at(memory) if not memory.empty else memory
     if memory.empty:
-        return {"step": None, "components": {}, "peaks": {}, "top_activations": [], "total": 0.0}
+        return {
+            "step": None,
+            "components": {},
+            "peaks": {},
+            "top_activations": [],
+            "total": 0.0,
+            "at_peak": None,
+        }
     last = memory[memory[T.STEP] == memory[T.STEP].max()]
     b = pd.to_numeric(last[T.BYTES], errors="coerce").fillna(0)
     per = b.groupby(last[T.COMPONENT]).sum()
@@ -404,6 +482,7 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
         "peaks": peaks,
         "top_activations": [(str(m), float(v)) for m, v in top.head(10).items()],
         "total": float(sum(comps.values())),
+        "at_peak": at_peak,
     }
 
 
