@@ -18,6 +18,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from precprof import tables as T
+from precprof.analysis.advisor import recommend
+from precprof.analysis.memory_projection import project
 from precprof.capture import Profiler
 from precprof.capture.memory_tracker import MemoryTracker
 from precprof.capture.peak import ALLOC, FREE, SEGMENT_ALLOC, Events, Label, replay
@@ -443,3 +445,32 @@ def test_the_peak_adds_up_on_the_built_in_models(name: str) -> None:
         assert 0 < parts[T.ACTIVATIONS] <= comps[T.ACTIVATIONS]
     else:  # after backward the graph has let its saved tensors go
         assert parts.get(T.ACTIVATIONS, 0) == 0 and parts[T.GRADIENTS] == comps[T.GRADIENTS]
+
+
+def test_the_parts_of_the_peak_are_never_counted_twice_downstream() -> None:
+    """The parts of the peak repeat components (parameters, states) at that moment: the projection, the
+    advisor and the distributed totals read each component's own rows only."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # on bf16 parameters: bf16 moments
+    with Profiler(model, opt, sample_every=1, memory_peak=True) as prof:
+        for _ in range(2):
+            model(torch.randn(16, 32, dtype=torch.bfloat16)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    tabs = prof.tables()
+    mem = tabs["memory"]
+    last = mem[mem[T.STEP] == mem[T.STEP].max()]
+    at_peak = last[last[T.MOMENT] == T.MOMENT_PEAK]
+    assert (at_peak[T.COMPONENT] == T.OPTIMIZER_STATES).any()
+    states = last[(last[T.COMPONENT] == T.OPTIMIZER_STATES) & (last[T.MOMENT] == "")]
+    low = int(states.loc[states[T.DTYPE] == "bfloat16", T.BYTES].sum())
+    assert low == 2 * 2 * sum(p.numel() for p in model.parameters())  # exp_avg and exp_avg_sq, 2 bytes each
+
+    assert project(mem, {}) == project(T.memory_at(mem), {})
+    finding = recommend(tabs, summary=prof.summary()).finding("low_precision_optimizer_states")
+    assert finding is not None
+    assert finding.numbers["low_precision_bytes"] == low and finding.numbers["bytes"] == int(
+        states[T.BYTES].sum()
+    )

@@ -154,6 +154,7 @@ def test_the_peak_bar_and_table_show_every_part(monkeypatch: pytest.MonkeyPatch)
     step = int(mem[T.STEP].max())
     parts = [
         (T.PARAMETERS, "", "float32", 1000),
+        (T.OPTIMIZER_STATES, "", "float32", 400),
         (T.ACTIVATIONS, "transformer.h.0.mlp.c_fc", "bfloat16", 3000),
         (T.TEMPORARIES, T.PHASE_BACKWARD, "", 1500),
         (T.OTHER_MEMORY, "", "", 200),
@@ -174,22 +175,25 @@ def test_the_peak_bar_and_table_show_every_part(monkeypatch: pytest.MonkeyPatch)
     with_peak = T.frame("memory", pd.concat([mem, pd.DataFrame(rows)], ignore_index=True))
     measured = S.measured_memory(with_peak)
     assert measured["components"] == S.measured_memory(mem)["components"]
+    check = S.precision_check(tabs["layers"], with_peak, summary)["rows"]
+    assert check == S.precision_check(tabs["layers"], mem, summary)["rows"]  # optimizer states counted once
     at = measured["at_peak"]
-    assert (at["step"], at["phase"], at["allocated"], at["cache"]) == (step, T.PHASE_BACKWARD, 5700, 700)
+    assert (at["step"], at["phase"], at["allocated"], at["cache"]) == (step, T.PHASE_BACKWARD, 6100, 700)
     assert [p["part"] for p in at["parts"]] == [
         T.ACTIVATIONS,
         T.TEMPORARIES + ":" + T.PHASE_BACKWARD,
         T.PARAMETERS,
+        T.OPTIMIZER_STATES,
         T.OTHER_MEMORY,
     ]
-    assert at["named_share"] == pytest.approx(5500 / 5700)
+    assert at["named_share"] == pytest.approx(5900 / 6100)
 
     fig = plots.memory_figure(measured, S.memory_records(summary), "bf16")
     assert fig is not None and texts_outside(fig) == []
     ax = fig.axes[0]
     names = [t.get_text() for t in ax.get_yticklabels()]
     values = [t.get_text().strip() for t in ax.texts]
-    assert names[1] == "bf16 · at the peak (backward)" and values[1] == filters.nbytes(5700)
+    assert names[1] == "bf16 · at the peak (backward)" and values[1] == filters.nbytes(6100)
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "temporaries (backward)" in legend and "other (not named)" in legend
 
@@ -200,9 +204,9 @@ def test_the_peak_bar_and_table_show_every_part(monkeypatch: pytest.MonkeyPatch)
     section = section[: section.index("</section>")]
     assert "At the allocator's peak" in section
     for label, share in (
-        ("activations saved for backward", 3000 / 5700),
-        (S.TEMPORARY_LABELS[T.PHASE_BACKWARD], 1500 / 5700),
-        ("other (allocated before the step, not named)", 200 / 5700),
+        ("activations saved for backward", 3000 / 6100),
+        (S.TEMPORARY_LABELS[T.PHASE_BACKWARD], 1500 / 6100),
+        ("other (allocated before the step, not named)", 200 / 6100),
     ):
         assert f"<td>{label}</td><td>" in section and filters.pct(share) in section, label
-    assert filters.nbytes(5700) in section and filters.nbytes(700) in section
+    assert filters.nbytes(6100) in section and filters.nbytes(700) in section

@@ -337,6 +337,7 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
         (T.ACTIVATION_GRAD, "activation gradients"),
     ):
         census_rows.append({"what": what, "census": _dtype_census(layers[layers[T.TENSOR] == kind])})
+    memory = T.memory_at(memory) if not memory.empty else memory  # not the peak's parts: states once
     opt = memory[memory[T.COMPONENT] == T.OPTIMIZER_STATES] if not memory.empty else memory
     if not opt.empty:
         g = opt[opt[T.STEP] == opt[T.STEP].max()].groupby(T.DTYPE)[T.BYTES].sum()

@@ -119,7 +119,7 @@ def recommend(
     run = _Run(layers, hist, steps, summ, hw, is_preset, cfg)
     memory = tables.get("memory")
     if isinstance(memory, pd.DataFrame):
-        run.memory = memory
+        run.memory = T.memory_at(memory)  # each component's own size; the peak's parts would count it twice
     if not layers.empty:
         run.order = layers.groupby(T.MODULE)[T.ORDER].min().fillna(1 << 30).astype(int).to_dict()
         run.types = layers.groupby(T.MODULE)[T.MODULE_TYPE].first().to_dict()
