@@ -474,3 +474,28 @@ def test_the_parts_of_the_peak_are_never_counted_twice_downstream() -> None:
     assert finding.numbers["low_precision_bytes"] == low and finding.numbers["bytes"] == int(
         states[T.BYTES].sum()
     )
+
+
+def test_a_cpu_loop_gets_the_peak_only_when_it_asks() -> None:
+    """On the CPU the peak needs torch.profiler, which a program's own profiler could collide with: off by
+    default in a user's loop, and the tracker says so; a program's running torch.profiler is left alone."""
+    model = nn.Sequential(nn.Linear(8, 8))
+    for peak, note in ((None, "memory_peak=True"), (False, "memory_peak=False")):
+        tr = MemoryTracker(model, peak=peak)
+        tr.attach()
+        tr.begin_step(0, True)
+        model(torch.randn(2, 8)).sum().backward()
+        rows = tr.end_step(0)
+        tr.detach()
+        assert note in tr.peak_note and tr.model_facts()["peak_note"] == tr.peak_note
+        assert not any(r[T.MOMENT] == T.MOMENT_PEAK or r[T.COMPONENT] == T.ALLOCATOR_PEAK for r in rows)
+    tr = MemoryTracker(model, peak=True)
+    tr.attach()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as user_prof:
+        tr.begin_step(0, True)
+        model(torch.randn(2, 8)).sum().backward()
+        rows = tr.end_step(0)
+    tr.detach()
+    assert "torch.profiler is running" in tr.peak_note
+    assert not any(r[T.MOMENT] == T.MOMENT_PEAK for r in rows)
+    assert any(e.name == "aten::addmm" for e in user_prof.events())  # the program's profile is whole

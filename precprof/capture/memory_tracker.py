@@ -214,6 +214,15 @@ class MemoryTracker:
                     self._peak.source = CudaHistory(self._cuda)
                 elif self._cuda is None and self.peak and self._on_cpu:
                     self._peak.source = ProfilerMemory()
+                elif self.peak is False:
+                    self._peak.note = "not asked for (memory_peak=False)"
+                elif self._on_cpu:
+                    self._peak.note = (
+                        "on the CPU it needs torch.profiler's memory events, read only when asked for "
+                        "(Profiler(memory_peak=True); the built-in loop does)"
+                    )
+                else:
+                    self._peak.note = "no allocator history to read on this device"
             self._peak.begin(self._persistent)
 
     def end_step(self, step: int) -> list[dict[str, Any]]:
@@ -279,7 +288,7 @@ class MemoryTracker:
 
     @property
     def peak_note(self) -> str:
-        """Why the last sampled step has no peak rows ("" when it has them, or when none were asked for)."""
+        """Why the last sampled step has no peak rows ("" when it has them)."""
         return self._peak.note
 
     def _persistent(self) -> dict[StorageKey, Label]:

@@ -282,7 +282,7 @@ class PeakRecorder:
     def __init__(self, source: CudaHistory | ProfilerMemory | None) -> None:
         self.source = source
         self.measuring = False
-        self.note = ""  # why the last sampled step has no peak ("" when it has one, or none was asked for)
+        self.note = ""  # why the last sampled step has no peak ("" when it has one)
         self.segments: list[str] = [T.PHASE_OTHER]
         self.labels: dict[int, list[Label]] = {}
         self.backward_ran: set[int] = set()  # segments in which autograd read saved tensors back
