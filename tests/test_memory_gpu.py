@@ -179,7 +179,9 @@ def test_sampled_step_never_syncs() -> None:
         tr.detach()
     assert total(rows, T.AUTOCAST_WEIGHT_COPIES) == HID * DIM * 2  # the second Linear's bf16 weight copy
     assert total(rows, T.ALLOCATOR_PEAK) > 0
-    assert total(rows, T.AUTOCAST_WEIGHT_COPIES, moment=T.MOMENT_PEAK) in (0, HID * DIM * 2)
+    # at the peak the copy's block is alive or gone (a cached block reused unsplit holds up to 1 MiB more)
+    copies = total(rows, T.AUTOCAST_WEIGHT_COPIES, moment=T.MOMENT_PEAK)
+    assert copies == 0 or HID * DIM * 2 <= copies <= HID * DIM * 2 + 2**20
 
 
 def test_the_users_peak_counter_is_untouched() -> None:
