@@ -4,7 +4,8 @@
 call. Its order makes a run directory either complete or say why not:
 
 1. memory projection and recommendation, in memory (best effort: a failure is one line in ``errors``);
-2. the four Parquet tables, each atomically;
+2. the four Parquet tables, each atomically; then the stream of parts written while training (``precprof.parts``)
+   is removed, since the tables hold its rows (until then a reader reads the stream);
 3. report.html, atomically, rendered from the same in-memory tables and summary;
 4. summary.json last, atomically. Until it is written, the run directory's summary is the one written when
    the directory was claimed (status "incomplete", "running ..."), or the previous one.
@@ -26,7 +27,7 @@ from typing import Any
 
 import pandas as pd
 
-from precprof import _atomic, _signals, capture, hardware
+from precprof import _atomic, _signals, capture, hardware, parts
 from precprof import tables as T
 from precprof.analysis import advisor, memory_projection
 from precprof.errors import UserError
@@ -95,9 +96,16 @@ def finish_run(
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             T.write_tables(run_dir, tables)
+            parts.retire(
+                run_dir
+            )  # the stream's rows are in the tables now (its reader prefers it until then)
         except OSError as e:
             tables_ok = False
             _incomplete(full, f"the tables could not be written to {run_dir} ({_why(e)})")
+            if parts.has_stream(run_dir):  # it still holds every row: the tables beside it only take the room
+                for name in T.TABLE_FILES.values():  # that summary.json needs on a full disk
+                    with contextlib.suppress(OSError):
+                        (run_dir / name).unlink()
     interrupted: KeyboardInterrupt | None = None
     report = Path(report_path) if report_path is not None else run_dir / T.REPORT_FILE
     if render and tables_ok:

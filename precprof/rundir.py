@@ -6,6 +6,10 @@ takes an exclusive lock on ``.precprof.lock`` (``fcntl.flock``: released by the 
 so a killed run never leaves a stale lock), checks again under the lock, and writes a first summary.json with
 status "incomplete": a run killed with SIGKILL, or whose final save fails, still says what it is. The writer
 replaces that summary last (``precprof.pipeline``).
+
+``claim(path, resume=True)`` accepts a directory that holds a run and continues it: a run that streamed
+(``precprof.parts``) keeps its stream, one that saved its tables has them adopted as the stream's first segment,
+and the Profiler then records into a new segment.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ import contextlib
 import datetime
 import errno
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from precprof import _atomic
+from precprof import _atomic, parts
 from precprof import tables as T
 from precprof.errors import UserError
 
@@ -40,7 +45,7 @@ class RunDirError(UserError):
 
 
 def _holds_run(path: Path) -> list[str]:
-    return [f for f in RUN_FILES if (path / f).exists()]
+    return [f for f in (*RUN_FILES, parts.STREAM_DIR) if (path / f).exists()]
 
 
 def _describe_existing(path: Path) -> str:
@@ -51,13 +56,16 @@ def _describe_existing(path: Path) -> str:
     return f"{path} already holds a precprof run ({status})"
 
 
-def check_target(path: str | os.PathLike[str], *, overwrite: bool = False, option: str = "--out") -> Path:
-    """Refuse, with a one-line RunDirError, a run directory that cannot be used; creates nothing."""
+def check_target(
+    path: str | os.PathLike[str], *, overwrite: bool = False, option: str = "--out", resume: bool = False
+) -> Path:
+    """Refuse, with a one-line RunDirError, a run directory that cannot be used; creates nothing. With
+    ``resume`` a run already there is accepted (it is continued)."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise RunDirError(f"{option} {p}: is a file, not a directory; choose another {option}")
     if p.is_dir():
-        if _holds_run(p) and not overwrite:
+        if _holds_run(p) and not (overwrite or resume):
             raise RunDirError(
                 f"{option} {p}: {_describe_existing(p)}; choose another {option}, or add --overwrite to replace it"
             )
@@ -128,13 +136,15 @@ def claim(
     overwrite: bool = False,
     summary: dict[str, Any] | None = None,
     option: str = "--out",
+    resume: bool = False,
 ) -> RunDir:
     """Create and lock ``path`` for this process and write its first summary.json (status incomplete).
 
-    With ``overwrite`` the files of a previous run (summary, tables, report, temporary files) are removed
-    first; other files in the directory are never touched. Raises RunDirError with a one-line reason.
+    With ``overwrite`` the files of a previous run (summary, tables, report, stream, temporary files) are
+    removed first; other files in the directory are never touched. With ``resume`` a previous run is kept and
+    continued (the module docstring). Raises RunDirError with a one-line reason.
     """
-    p = check_target(path, overwrite=overwrite, option=option)
+    p = check_target(path, overwrite=overwrite, option=option, resume=resume)
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -142,7 +152,13 @@ def claim(
     fd = _lock(p, option)
     run = RunDir(p, fd)
     try:
-        if _holds_run(p):  # again under the lock: another process may have finished a run here meanwhile
+        for stale in p.iterdir():
+            if _atomic.is_tmp(stale):
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+        if resume:
+            _adopt_saved_tables(p)
+        elif _holds_run(p):  # again under the lock: another process may have finished a run here meanwhile
             if not overwrite:
                 raise RunDirError(
                     f"{option} {p}: {_describe_existing(p)}; choose another {option}, or add --overwrite"
@@ -150,10 +166,7 @@ def claim(
             for name in RUN_FILES:
                 with contextlib.suppress(FileNotFoundError):
                     (p / name).unlink()
-        for stale in p.iterdir():
-            if _atomic.is_tmp(stale):
-                with contextlib.suppress(OSError):
-                    stale.unlink()
+            parts.remove(p)
         first = dict(summary or {})
         first[T.SUMMARY_STATUS] = T.STATUS_INCOMPLETE
         first[T.SUMMARY_INCOMPLETE_REASON] = RUNNING_REASON.format(
@@ -169,6 +182,21 @@ def claim(
         run.release()
         raise
     return run
+
+
+def _adopt_saved_tables(p: Path) -> None:
+    """A run being resumed that saved its tables (stopped by SIGTERM, say) gets them as its stream's first
+    segment, from the sampling origin its summary recorded; a run that streamed keeps its stream."""
+    files = {n: p / f for n, f in T.TABLE_FILES.items() if (p / f).exists()}
+    if parts.has_stream(p) or not files:
+        return
+    try:
+        capture = T.read_summary(p).get(T.SUMMARY_CAPTURE) or {}
+    except UserError:
+        capture = {}
+    origin = capture.get("sample_origin")
+    start = int(origin) if isinstance(origin, int) else 0
+    parts.adopt_tables(p, files, start, T.to_arrow("steps", T.empty("steps")))
 
 
 def claim_new(base: str | os.PathLike[str], *, summary: dict[str, Any] | None = None) -> RunDir:

@@ -20,7 +20,8 @@ Every column name used anywhere in precprof is a constant here. The four tables 
 
 ``steps`` — step, loss, loss_scale (in effect during that step's backward), skipped (optimizer step skipped
     because of inf/nan gradients), grad_norm (NaN where unknown), time_s (host wall time of the step),
-    sampled (whether layers/histograms were recorded), tokens (NaN where unknown).
+    sampled (whether layers/histograms were recorded), tokens (NaN where unknown), resumed (True on the step a
+    run restarted from its checkpoint with ``Profiler(..., resume=True)``; False elsewhere).
 
 ``memory`` — step, component, module ("" except for activations), dtype ("" for allocator and device rows),
     bytes, phase (allocator rows only: forward | backward | optimizer | other, the part of the step whose peak
@@ -39,12 +40,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
 
-from precprof import _atomic
+from precprof import _atomic, parts
 from precprof.errors import DamagedRunDirError
 from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
 
@@ -76,6 +79,7 @@ GRAD_NORM = "grad_norm"
 TIME_S = "time_s"
 SAMPLED = "sampled"
 TOKENS = "tokens"
+RESUMED = "resumed"  # the first step of a run resumed from its checkpoint (precprof.parts: segments)
 
 COMPONENT = "component"
 BYTES = "bytes"
@@ -228,7 +232,17 @@ LAYERS_COLUMNS: tuple[str, ...] = (
     *BLOCK_COLUMNS,
 )
 HISTOGRAMS_COLUMNS: tuple[str, ...] = (STEP, MODULE, TENSOR, PARAM, EXPONENT, COUNT)
-STEPS_COLUMNS: tuple[str, ...] = (STEP, LOSS, LOSS_SCALE, SKIPPED, GRAD_NORM, TIME_S, SAMPLED, TOKENS)
+STEPS_COLUMNS: tuple[str, ...] = (
+    STEP,
+    LOSS,
+    LOSS_SCALE,
+    SKIPPED,
+    GRAD_NORM,
+    TIME_S,
+    SAMPLED,
+    TOKENS,
+    RESUMED,
+)
 MEMORY_COLUMNS: tuple[str, ...] = (STEP, COMPONENT, MODULE, DTYPE, BYTES, PHASE, MOMENT)
 
 TABLES: dict[str, tuple[str, ...]] = {
@@ -239,6 +253,8 @@ TABLES: dict[str, tuple[str, ...]] = {
 }
 
 _INT_COLUMNS = {STEP, ORDER, CALLS, EXPONENT, COUNT, BYTES, *COUNT_COLUMNS}
+# columns of text: written as Arrow strings in every part, so that parts concatenate whatever they hold
+_TEXT_COLUMNS = {MODULE, MODULE_TYPE, TENSOR, PARAM, DTYPE, COMPONENT, PHASE}
 
 
 def flags(column: pd.Series) -> pd.Series:
@@ -417,17 +433,50 @@ def write_tables(run_dir: str | Path, tables: Mapping[str, pd.DataFrame]) -> Non
         _atomic.write_with(run_dir / TABLE_FILES[name], write)
 
 
+def to_arrow(name: str, rows: list[dict[str, Any]] | pd.DataFrame | Mapping[str, Any]) -> pa.Table:
+    """Table ``name`` as Arrow, for a part of a run's stream (``precprof.parts``): every schema column, text
+    columns as strings (null where missing) whatever a part holds, so parts concatenate."""
+    df = frame(name, rows if not isinstance(rows, Mapping) else pd.DataFrame(dict(rows)))
+    arrays = []
+    for c in df.columns:
+        v = df[c]
+        if c in _TEXT_COLUMNS:
+            arrays.append(
+                pa.array(v.astype(object).where(v.notna(), None), type=pa.string(), from_pandas=True)
+            )
+        else:
+            arrays.append(pa.array(v, from_pandas=True))
+    return pa.Table.from_arrays(arrays, names=[str(c) for c in df.columns])
+
+
 def missing_tables(run_dir: str | Path) -> list[str]:
-    """Names of the four tables whose Parquet file is absent from ``run_dir``."""
+    """Names of the four tables whose Parquet file is absent from ``run_dir`` (none while a stream holds them)."""
+    if parts.has_stream(run_dir):
+        return []
     return [name for name, fname in TABLE_FILES.items() if not (Path(run_dir) / fname).exists()]
 
 
-def read_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
-    """The four tables of a run directory; a missing file gives an empty table of the right columns.
+@dataclass
+class RunTables:
+    """A run directory's tables as read, and what the reading learned. ``streamed``: read from the parts
+    written while training (the run never saved its tables: killed, or still running); then ``last_step``
+    is the last step flushed and ``notices`` say what was skipped. ``restarts``: the steps a resumed run
+    restarted from."""
 
-    Raises DamagedRunDirError, naming the file, when a Parquet file cannot be read.
-    """
+    tables: dict[str, pd.DataFrame]
+    streamed: bool = False
+    last_step: int | None = None
+    notices: list[str] = field(default_factory=list)
+    restarts: list[int] = field(default_factory=list)
+
+
+def read_run(run_dir: str | Path) -> RunTables:
+    """The four tables of a run directory, from its stream when it has one (``precprof.parts``: a damaged part
+    is skipped with a notice), else from its Parquet files (a missing file gives an empty table of the right
+    columns; a damaged one raises DamagedRunDirError, naming the file)."""
     run_dir = Path(run_dir)
+    if parts.has_stream(run_dir):
+        return _read_stream(run_dir)
     out: dict[str, pd.DataFrame] = {}
     for name, fname in TABLE_FILES.items():
         path = run_dir / fname
@@ -441,10 +490,34 @@ def read_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
             raise DamagedRunDirError(
                 f"{path} is damaged ({type(e).__name__}: {msg}); re-run, or delete it to render without it"
             ) from None
-    return out
+    steps = out["steps"]
+    restarts = sorted({int(s) for s in steps[STEP][flags(steps[RESUMED])]}) if not steps.empty else []
+    return RunTables(out, restarts=restarts)
+
+
+def _read_stream(run_dir: Path) -> RunTables:
+    read = parts.read_stream(run_dir, tuple(TABLES), STEP)
+    out: dict[str, pd.DataFrame] = {}
+    for name in TABLES:
+        t = parts.concat(read.tables[name])
+        out[name] = frame(name, t.to_pandas()) if t is not None and t.num_rows else empty(name)
+    restarts = [s.start for s in read.segments[1:]]
+    steps = out["steps"]
+    if not steps.empty:
+        steps[RESUMED] = steps[STEP].isin(restarts).to_numpy()
+        restarts = sorted({int(s) for s in steps[STEP][steps[RESUMED]]})
+    last = int(steps[STEP].max()) if not steps.empty else None
+    return RunTables(out, streamed=True, last_step=last, notices=read.notices, restarts=restarts)
+
+
+def read_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
+    """The four tables of a run directory (``read_run``)."""
+    return read_run(run_dir).tables
 
 
 def is_run_dir(path: str | Path) -> bool:
     """True if ``path`` looks like a precprof run directory."""
     p = Path(path)
-    return p.is_dir() and ((p / SUMMARY_FILE).exists() or (p / TABLE_FILES["layers"]).exists())
+    return p.is_dir() and (
+        (p / SUMMARY_FILE).exists() or (p / TABLE_FILES["layers"]).exists() or parts.has_stream(p)
+    )

@@ -78,11 +78,11 @@ def test_real_run_report_has_every_section_in_order(run: Path) -> None:
             and f"<h2>{s.number}. {s.heading}</h2>" in page
         )
     assert positions == sorted(positions)
-    # training, three signature heatmaps, memory: all inline PNGs that decode
+    # training, the time axis over sampled steps, three signature heatmaps, memory: inline PNGs that decode
     images = decoded_images(page)
-    assert len(images) == 5
+    assert len(images) == 6
     assert all(im.format == "PNG" and im.width >= 800 and im.height >= 250 for im in images)
-    assert page.count("<img ") == 5
+    assert page.count("<img ") == 6
 
 
 def test_real_run_report_shows_recommendation_and_numbers_from_the_tables(run: Path) -> None:
@@ -169,7 +169,7 @@ def test_crashed_run_renders_marked_incomplete_with_its_cause(tmp_path: Path) ->
     page = render_run_dir(out).read_text()
     banner = page[page.index('id="incomplete"') : page.index("</div>", page.index('id="incomplete"'))]
     assert "Incomplete run" in banner and "injected failure at step 1" in banner
-    assert len(decoded_images(page)) == 5
+    assert len(decoded_images(page)) == 6
 
 
 # ------------------------------------------------------------------------------------------ escaping
@@ -275,7 +275,7 @@ def test_complete_run_has_no_banner(synthetic_page: str) -> None:
 def test_page_is_self_contained(synthetic_page: str) -> None:
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", synthetic_page)
     assert "<link" not in synthetic_page and "@import" not in synthetic_page
-    assert len(decoded_images(synthetic_page)) == 5
+    assert len(decoded_images(synthetic_page)) == 6
 
 
 def test_signature_heatmap_rows_windows_and_labels(synthetic: tuple[dict[str, pd.DataFrame], dict]) -> None:

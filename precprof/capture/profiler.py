@@ -40,9 +40,9 @@ import pandas as pd
 import torch
 from torch import nn
 
+from precprof import parts, rundir, taxonomy
 from precprof import stats as st
 from precprof import tables as T
-from precprof import taxonomy
 from precprof._version import __version__
 from precprof.capture import clipwatch, columns
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockBudget
@@ -58,6 +58,7 @@ from precprof.capture.records import (
 )
 from precprof.capture.reducer import RankReducer
 from precprof.capture.scaler import ScalerWatch
+from precprof.capture.stream import StreamWriter
 from precprof.capture.updates import UpdateSampler
 from precprof.export.live import LiveDashboards
 from precprof.stats import transfer
@@ -115,6 +116,17 @@ class Profiler(HookFactories):
             cost (``capture/block_budget.py``; the summary and the report say how many it took).
         block_budget: with ``block_groups=None``, the share of the rest of a sampled step that the block
             what-if may add (0.1).
+        out: a run directory to stream into while training runs (a path, or a ``precprof.rundir.RunDir``
+            already claimed): each flush's rows are written there as Parquet parts on a background thread
+            (``precprof.capture.stream``), so the recording's host memory stays bounded and a killed run keeps
+            every step flushed before the kill. The directory is claimed (checked, locked, a first summary.json
+            written) at ``attach()``; ``save()`` and ``report()`` then default to it. Only the writer rank
+            writes; other ranks keep their steps rows only. None (the default): every row is kept in memory until ``save()``.
+        resume: with ``out``, continue the run already there (a job restarted from its checkpoint, with
+            ``first_step`` = the checkpoint's step): rows it recorded at or after ``first_step`` are superseded
+            by the new ones, sampling keeps the original run's rhythm, and the steps table marks the restart
+            (``resumed``). A directory without a run starts one.
+        overwrite: with ``out``, replace a run already there (precprof's files only).
 
     Call ``step()`` once per optimizer step, at its end. Statistics of a tied parameter (one Parameter owned
     by two modules, e.g. tied embeddings) are recorded under the first module that owns it.
@@ -142,6 +154,9 @@ class Profiler(HookFactories):
         block_formats: bool | None = None,
         block_groups: int | None = None,
         block_budget: float = DEFAULT_SHARE,
+        out: Any = None,
+        resume: bool = False,
+        overwrite: bool = False,
     ) -> None:
         if sample_every < 0:
             raise ValueError("sample_every must be >= 0 (0 records steps only)")
@@ -184,6 +199,13 @@ class Profiler(HookFactories):
         self._block_loads: list[int] = [1]
         self._block_turn = 0
         self._first_step = first_step
+        self._sample_origin = (
+            first_step  # steps are sampled every sample_every from here (a resumed run's start)
+        )
+        self._out = out
+        self._resume = resume
+        self._overwrite = overwrite
+        self._owned_run: rundir.RunDir | None = None
         self._reducer_spec = reducer
         self._reducer: Any = None
         # dashboards: checked here (a missing package is a UserError at once), written after each host copy
@@ -284,6 +306,9 @@ class Profiler(HookFactories):
             self._attach()
         except BaseException:
             self._remove_hooks()
+            self._close_stream()
+            if self._owned_run is not None:
+                self._owned_run.release()
             raise
         self._attached = True
         # the step in progress starts now: a re-attached Profiler does not count the time it was detached
@@ -328,6 +353,7 @@ class Profiler(HookFactories):
             dtypes=sorted({p.dtype for p in self.model.parameters() if p.is_floating_point()}, key=str),
         )
         self._reducer = self._resolve_reducer()
+        self._open_stream()
 
         self._deal_block_groups()
         for slot in self._modules:
@@ -368,6 +394,42 @@ class Profiler(HookFactories):
         self._step = self._first_step
         self._begin_step()
 
+    def _open_stream(self) -> None:
+        """With ``out``: claim the run directory (the writer rank), open this attachment's segment of its stream
+        and hand the recording a stream writer. The sampling origin becomes the run's first segment's start."""
+        if self._out is None or self._recorded.sink is not None:
+            return
+        if not self.is_writer:
+            self._recorded = Recorded(keep=False)  # rank 0 writes; the others keep their steps rows only
+            return
+        if isinstance(self._out, rundir.RunDir):
+            run = self._out
+        else:
+            first = {
+                T.SUMMARY_CAPTURE: {"sample_every": self.sample_every, "sample_origin": self._first_step}
+            }
+            run = self._owned_run = rundir.claim(
+                self._out, overwrite=self._overwrite, resume=self._resume, summary=first, option="out"
+            )
+        segment = parts.new_segment(run.path, self._first_step)
+        self._sample_origin = parts.segments(run.path)[0].start
+        self._recorded = Recorded(StreamWriter(run.path, segment))
+
+    def _close_stream(self) -> None:
+        sink = self._recorded.sink
+        if sink is not None:
+            sink.close()
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run directory this Profiler streams into (``out``), None without one."""
+        sink = self._recorded.sink
+        if sink is not None:
+            return Path(sink.run_dir)
+        if isinstance(self._out, rundir.RunDir):
+            return self._out.path
+        return Path(self._out) if self._out is not None else None
+
     def _resolve_reducer(self) -> Any:
         spec = self._reducer_spec
         if spec != "auto":
@@ -407,6 +469,7 @@ class Profiler(HookFactories):
         else:
             self._flush(sampled_step_done=False)
         self._sampling = False
+        self._close_stream()  # every flush on disk
         if self._dashboards is not None and self.is_writer:
             self._dashboards.close()
 
@@ -460,12 +523,12 @@ class Profiler(HookFactories):
 
     # ----------------------------------------------------------------------------------------- steps
     def _is_sampled(self, step: int) -> bool:
-        return self.sample_every > 0 and (step - self._first_step) % self.sample_every == 0
+        return self.sample_every > 0 and (step - self._sample_origin) % self.sample_every == 0
 
     def _begin_step(self) -> None:
         self._sampling = self._is_sampled(self._step)
         if self._sampling:
-            self._block_turn = (self._step - self._first_step) // self.sample_every % self.block_groups
+            self._block_turn = (self._step - self._sample_origin) // self.sample_every % self.block_groups
         self._step_has_data = False
         self._order_counter = 0
         self._block_outputs.clear()
@@ -533,11 +596,13 @@ class Profiler(HookFactories):
 
     # ------------------------------------------------------------------------------------- host side
     def _flush(self, sampled_step_done: bool) -> None:
-        """Copy pending step records (and, after a sampled step, its statistics) to the host. Syncs. Then
-        write what is new to the dashboards (host data only: no further sync)."""
+        """Copy pending step records (and, after a sampled step, its statistics) to the host. Syncs. Then hand
+        the new rows to the stream writer (queued for its thread: the step does not wait for the disk) and the
+        dashboards (host data only: no further sync)."""
         self._copy_to_host(sampled_step_done)
+        new = self._recorded.take()
         if self._dashboards is not None and self.is_writer:
-            self._dashboards.write(self._recorded)
+            self._dashboards.write(new)
 
     def _copy_to_host(self, sampled_step_done: bool) -> None:
         """The Profiler's sync: the pending steps' scalars and, after a sampled step, its statistics (rows,
@@ -742,8 +807,10 @@ class Profiler(HookFactories):
                 "used": self._buffer.engines if self._buffer is not None else {},
             },
             "skipped_tensors": self.skipped_tensors(),
-            "steps_recorded": len(self._recorded.step_rows),
-            "sampled_steps": len(self._recorded.sampled_steps),
+            "steps_recorded": self._recorded.steps_recorded,
+            "sampled_steps": self._recorded.sampled_steps,
+            "sample_origin": self._sample_origin,
+            "stream": self._stream_summary(),
             "modules_captured": len(self._modules),
             "modules": modules,
             "n_params": n_params,
@@ -763,6 +830,17 @@ class Profiler(HookFactories):
             "weight_update_sample": self.update_sample if self.weight_updates else 0,
             "fp8_recipe": "per-tensor current scaling, scale = 2^floor(log2(fmax / amax))",
             "memory_error": getattr(self, "_memory_error", None),
+        }
+
+    def _stream_summary(self) -> dict[str, Any] | None:
+        sink = self._recorded.sink
+        if sink is None:
+            return None
+        return {
+            "segment": sink.segment.path.name,
+            "parts_written": sink.parts_written,
+            "error": sink.error,
+            "resumed_from": self._first_step if sink.segment.index > 0 else None,
         }
 
     def precision_seen(self) -> str | None:
@@ -822,7 +900,7 @@ class Profiler(HookFactories):
 
     def save(
         self,
-        run_dir: str | Path,
+        run_dir: str | Path | None = None,
         summary: dict[str, Any] | None = None,
         status: str | None = None,
         reason: str | None = None,
@@ -836,8 +914,13 @@ class Profiler(HookFactories):
 
         A failure to write (full disk, read-only file system) does not raise: summary.json then says
         "incomplete" with the cause. Under torch.distributed only the writer (rank 0) writes; other ranks
-        return the path without touching it.
+        return the path without touching it. ``run_dir`` defaults to ``out``; saving there turns its stream
+        into the four tables and releases the directory's lock if this Profiler claimed it.
         """
+        if run_dir is None:
+            run_dir = self.run_dir
+            if run_dir is None:
+                raise ValueError("save() needs a run directory: save(run_dir), or Profiler(..., out=run_dir)")
         run_dir = Path(run_dir)
         if not self.is_writer:
             return run_dir
@@ -849,11 +932,18 @@ class Profiler(HookFactories):
         )
         self._status = written[T.SUMMARY_STATUS]
         self._reason = written[T.SUMMARY_INCOMPLETE_REASON]
+        if self._owned_run is not None and not self._attached and run_dir == self._owned_run.path:
+            self._owned_run.release()
+            self._owned_run = None
         return run_dir
 
-    def report(self, path: str | Path, summary: dict[str, Any] | None = None) -> Path:
-        """Write the run directory (``path`` itself, or the folder of ``path`` when it names an .html file)
-        and render the HTML report there; returns the report's path."""
+    def report(self, path: str | Path | None = None, summary: dict[str, Any] | None = None) -> Path:
+        """Write the run directory (``path`` itself, or the folder of ``path`` when it names an .html file;
+        default ``out``) and render the HTML report there; returns the report's path."""
+        if path is None:
+            path = self.run_dir
+            if path is None:
+                raise ValueError("report() needs a path: report(run_dir), or Profiler(..., out=run_dir)")
         path = Path(path)
         html = path.suffix == ".html"
         run_dir = path.parent if html else path

@@ -1,27 +1,96 @@
 """What the Profiler has copied to the host: the step rows, and per sampled step the layer, histogram and memory
-rows, kept as columns (arrays and lists) and joined into the four tables only when they are read."""
+rows, kept as columns (arrays and lists) and joined into the four tables only when they are read.
+
+Each flush of the Profiler (``Recorded.take``) is one ``Flush``. Without a stream the flushes are kept in
+memory for the whole run; with one (``Profiler(out=...)``) each flush goes to the stream writer
+(``precprof.capture.stream``) and leaves host memory once written, so the recording's memory stays bounded
+whatever the run's length, and ``tables()`` reads the run directory's parts back."""
 
 from __future__ import annotations
 
 import math
+import sys
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from precprof import tables as T
 from precprof.capture.records import HostFloats, _join_columns, _PendingStep
 
 
+@dataclass
+class Flush:
+    """The rows one flush copied to the host: the steps since the last flush and, after a sampled step, its
+    layer and histogram columns and memory rows."""
+
+    step_rows: list[dict[str, Any]] = field(default_factory=list)
+    layer_parts: list[dict[str, Any]] = field(default_factory=list)
+    hist_parts: list[dict[str, Any]] = field(default_factory=list)
+    memory_rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.step_rows or self.layer_parts or self.hist_parts or self.memory_rows)
+
+    def extend(self, other: Flush) -> None:
+        self.step_rows += other.step_rows
+        self.layer_parts += other.layer_parts
+        self.hist_parts += other.hist_parts
+        self.memory_rows += other.memory_rows
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes these rows hold: arrays' buffers, and each list, dict and scalar of the row lists (Python
+        object sizes, ``sys.getsizeof``; strings shared between rows counted each time: an upper bound)."""
+        total = 0
+        for part in (*self.layer_parts, *self.hist_parts):
+            total += sys.getsizeof(part)
+            for v in part.values():
+                total += int(v.nbytes) if isinstance(v, np.ndarray) else _list_bytes(v)
+        for rows in (self.step_rows, self.memory_rows):
+            total += sys.getsizeof(rows)
+            for row in rows:
+                total += sys.getsizeof(row) + sum(sys.getsizeof(v) for v in row.values())
+        return total
+
+    def frames(self) -> dict[str, pd.DataFrame]:
+        """The four tables of these rows (see precprof/tables.py for the schema)."""
+        return {
+            "layers": T.frame("layers", _join_columns(self.layer_parts))
+            if self.layer_parts
+            else T.empty("layers"),
+            "histograms": T.frame("histograms", _join_columns(self.hist_parts))
+            if self.hist_parts
+            else T.empty("histograms"),
+            "steps": T.frame("steps", self.step_rows) if self.step_rows else T.empty("steps"),
+            "memory": T.frame("memory", self.memory_rows) if self.memory_rows else T.empty("memory"),
+        }
+
+
+def _list_bytes(v: Any) -> int:
+    if isinstance(v, (list, tuple)):
+        return sys.getsizeof(v) + sum(sys.getsizeof(x) for x in v)
+    return sys.getsizeof(v)
+
+
 class Recorded:
     """The host side of a recording: it receives host copies (the Profiler makes the one transfer of a
-    sampled step) and touches no device."""
+    sampled step) and touches no device.
 
-    def __init__(self) -> None:
-        self.layer_parts: list[dict[str, Any]] = []
-        self.hist_parts: list[dict[str, Any]] = []
-        self.step_rows: list[dict[str, Any]] = []
-        self.memory_rows: list[dict[str, Any]] = []
-        self.sampled_steps: set[int] = set()
+    ``sink``: a stream writer (``precprof.capture.stream.StreamWriter``) that each flush is handed to; None
+    keeps every flush in memory. ``keep=False`` without a sink keeps only the steps rows (a rank that does not
+    write the run directory: its layer, histogram and memory rows are never saved)."""
+
+    def __init__(self, sink: Any = None, keep: bool = True) -> None:
+        self.sink = sink
+        self._keep = keep and sink is None
+        self.kept = Flush()
+        self.new = Flush()
+        self.steps_recorded = 0
+        self.sampled_steps = 0
+        self._last_sampled: int | None = None
 
     @staticmethod
     def step_floats(pending: list[_PendingStep]) -> HostFloats:
@@ -36,7 +105,7 @@ class Recorded:
         for i, p in enumerate(pending):
             loss, scale, found, grad_norm = values[4 * i : 4 * i + 4]
             found = 0.0 if p.found_inf is None else found
-            self.step_rows.append(
+            self.new.step_rows.append(
                 {
                     T.STEP: p.step,
                     T.LOSS: loss,
@@ -48,26 +117,60 @@ class Recorded:
                     T.TOKENS: float(p.tokens) if p.tokens is not None else math.nan,
                 }
             )
+        self.steps_recorded += len(pending)
         return values[-3]
 
     def add_layers(self, step: int, cols: dict[str, Any], hist: dict[str, Any] | None = None) -> None:
         """Layer rows of a sampled step (columns), and their histogram rows."""
-        self.layer_parts.append(cols)
-        self.sampled_steps.add(step)
+        if step != self._last_sampled:
+            self.sampled_steps += 1
+            self._last_sampled = step
+        self.new.layer_parts.append(cols)
         if hist is not None:
-            self.hist_parts.append(hist)
+            self.new.hist_parts.append(hist)
 
     def add_memory(self, rows: list[dict[str, Any]]) -> None:
-        self.memory_rows.extend(rows)
+        self.new.memory_rows.extend(rows)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the recording holds now (``Flush.nbytes``): kept rows, rows not yet handed on, and the
+        flushes queued for (or kept by) the stream writer."""
+        held = self.sink.held() if self.sink is not None else []
+        return sum(f.nbytes for f in (self.kept, self.new, *held))
+
+    def take(self) -> Flush:
+        """The rows added since the last call: handed to the stream (or kept in memory); returned for the live
+        dashboards."""
+        new, self.new = self.new, Flush()
+        if self.sink is not None:
+            self.sink.put(new)
+        elif self._keep:
+            self.kept.extend(new)
+        else:
+            self.kept.step_rows += new.step_rows
+        return new
 
     def tables(self) -> dict[str, pd.DataFrame]:
-        """The four tables (see precprof/tables.py for the schema)."""
-        hist = _join_columns(self.hist_parts) if self.hist_parts else T.empty("histograms")
+        """The four tables (see precprof/tables.py for the schema): with a stream, the run directory's parts
+        (every segment of a resumed run) after the writer drained, and any flush it could not write."""
+        if self.sink is None:
+            whole = Flush()
+            whole.extend(self.kept)
+            whole.extend(self.new)
+            return whole.frames()
+        self.sink.drain()
+        base = T.read_run(self.sink.run_dir).tables
+        extra = Flush()
+        for f in self.sink.unwritten:
+            extra.extend(f)
+        extra.extend(self.new)
+        if extra.empty:
+            return base
+        more = extra.frames()
         return {
-            "layers": T.frame("layers", _join_columns(self.layer_parts))
-            if self.layer_parts
-            else T.empty("layers"),
-            "histograms": T.frame("histograms", hist),
-            "steps": T.frame("steps", self.step_rows) if self.step_rows else T.empty("steps"),
-            "memory": T.frame("memory", self.memory_rows) if self.memory_rows else T.empty("memory"),
+            name: T.frame(name, pd.concat([base[name], more[name]], ignore_index=True))
+            if not more[name].empty
+            else base[name]
+            for name in T.TABLES
         }

@@ -1,8 +1,8 @@
 """The live writer the Profiler calls after each flush: the rows copied to the host since its last call, as
 dashboard events, into every sink.
 
-It reads the Profiler's host-side recording (``precprof.capture.recorded.Recorded``: ``step_rows``,
-``layer_parts``, ``hist_parts``) from where it stopped last time, so each row is written once. It never touches
+It is handed each flush's new rows (``precprof.capture.recorded.Flush``: ``step_rows``, ``layer_parts``,
+``hist_parts``), so each row is written once. It never touches
 a device: it runs after the Profiler's one sync point, on data already on the host. A sink that fails (a full
 disk, a closed wandb run) is reported once as a warning and dropped: dashboards never take training down.
 """
@@ -30,9 +30,6 @@ class LiveDashboards:
         if wandb is not None and wandb is not False:
             self.sinks.append(WandbSink(wandb))
         self.stream = EventStream(layers)
-        self._steps_done = 0
-        self._layers_done = 0
-        self._hist_done = 0
 
     @classmethod
     def create(cls, tensorboard: Any = None, wandb: Any = None) -> LiveDashboards | None:
@@ -41,14 +38,9 @@ class LiveDashboards:
             return None
         return cls(tensorboard, wandb)
 
-    def write(self, recorded: Any) -> None:
-        """Write what ``recorded`` holds beyond what was written before."""
-        steps = recorded.step_rows[self._steps_done :]
-        layer_parts = recorded.layer_parts[self._layers_done :]
-        hist_parts = recorded.hist_parts[self._hist_done :]
-        self._steps_done += len(steps)
-        self._layers_done += len(layer_parts)
-        self._hist_done += len(hist_parts)
+    def write(self, flush: Any) -> None:
+        """Write the rows of one flush (a ``Flush``: rows copied to the host since the previous one)."""
+        steps, layer_parts, hist_parts = flush.step_rows, flush.layer_parts, flush.hist_parts
         if not (steps or layer_parts or hist_parts) or not self.sinks:
             return
         events = self.stream.feed(

@@ -98,8 +98,10 @@ class Session:
     """One profiled training run driven by a framework's callbacks.
 
     Args:
-        out: the run directory.
-        profiler_kwargs: passed to ``precprof.Profiler`` (``sample_every``, ``modules``, ``memory``, ...).
+        out: the run directory; the Profiler streams into it from the start (``Profiler(out=...)``).
+        profiler_kwargs: passed to ``precprof.Profiler`` (``sample_every``, ``modules``, ``memory``, ...;
+            ``resume=True`` continues the run in ``out`` from the framework's step when training resumes from a
+            checkpoint).
         report: render report.html at the end.
     """
 
@@ -133,7 +135,12 @@ class Session:
         kwargs = dict(self.profiler_kwargs)
         if "reducer" not in kwargs and is_distributed():
             kwargs["reducer"] = RankReducer(wrapped=wrapped)
-        self.prof = Profiler(model, optimizer=optimizer, scaler=scaler, first_step=first_step, **kwargs)
+        # streamed into the run directory while training runs (rank 0); a run already there is replaced, as the
+        # end of the session always did, unless the callback was asked to resume it
+        kwargs.setdefault("overwrite", not kwargs.get("resume", False))
+        self.prof = Profiler(
+            model, optimizer=optimizer, scaler=scaler, first_step=first_step, out=self.out, **kwargs
+        )
         self.summary = dict(summary)
         self.summary.setdefault(T.SUMMARY_VERSIONS, software_versions())
         self.prof.attach()

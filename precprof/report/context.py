@@ -19,7 +19,7 @@ from precprof import tables as T
 from precprof.analysis import snippets as snippet_code
 from precprof.analysis.throughput import throughput
 from precprof.report import filters as F
-from precprof.report import plots
+from precprof.report import plots, timeline
 from precprof.report import summarize as S
 
 SEVERITY_ORDER = {"critical": 0, "error": 0, "warning": 1, "info": 2}
@@ -495,6 +495,26 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
     }
 
 
+def _restarts(steps: pd.DataFrame) -> list[int]:
+    """The steps a resumed run restarted from."""
+    if steps.empty or T.RESUMED not in steps:
+        return []
+    return sorted({int(s) for s in steps[T.STEP][T.flags(steps[T.RESUMED])]})
+
+
+def _timeline(layers: pd.DataFrame, steps: pd.DataFrame) -> dict[str, Any] | None:
+    """The time axis over sampled steps (``report.timeline``): a figure and what it aggregated."""
+    tl = timeline.timeline(layers)
+    if tl is None or tl.n_steps < 2:
+        return None
+    alt = f"Share of values lost in FP16 per tensor kind over {tl.n_steps} sampled steps"
+    return {
+        "img": _img(timeline.timeline_figure(tl, _restarts(steps)), alt),
+        "note": tl.note,
+        "aggregated": tl.aggregated,
+    }
+
+
 def build_context(
     tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any], recommendation: Any = None
 ) -> dict[str, Any]:
@@ -544,6 +564,8 @@ def build_context(
             "img": _img(
                 training_fig, "Loss, loss scale with skipped steps, and gradient norm over training steps"
             ),
+            "restarts": _restarts(steps),
+            "timeline": _timeline(layers, steps),
         },
         "heatmaps": _heatmaps(tabs, rec),
         "whatif": _whatif(layers, summary, rec),

@@ -50,6 +50,7 @@ COMPONENT_COLORS: dict[str, str] = {  # also the stacking order
 }
 _OTHER_COLORS = ("#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd", "#a1c9f4", "#b0b0b0")
 SKIP_COLOR = "#d62728"
+RESTART_COLOR = "#2c7fb8"
 # the side panel of the heatmaps: what a row loses in fp16, and values that were already inf/nan
 LOST_COLORS: dict[str, str] = {"underflow": "#d62728", "overflow": "#111111", "inf/nan (recorded)": "#8e44ad"}
 DPI = 100
@@ -104,23 +105,33 @@ def _pct(x: float, _pos: Any = None) -> str:
 
 # -------------------------------------------------------------------------------------------- training
 def training_figure(steps: pd.DataFrame) -> Figure | None:
-    """Loss, loss scale (log2 axis, skipped steps marked) and gradient norm over steps, side by side."""
+    """Loss, loss scale (log2 axis, skipped steps marked) and gradient norm over steps, side by side; the steps
+    a resumed run restarted from (``resumed``) as dashed lines on the loss and the loss scale."""
     if steps.empty:
         return None
     df = steps.sort_values(T.STEP)
     x = pd.to_numeric(df[T.STEP], errors="coerce").to_numpy(dtype=float)
     skipped = T.flags(df[T.SKIPPED]).to_numpy()
+    restarts = x[T.flags(df[T.RESUMED]).to_numpy()] if T.RESUMED in df else np.zeros(0)
     fig = Figure(figsize=(13.5, 3.4))
     axes = fig.subplots(1, 3)
     fig.subplots_adjust(left=0.055, right=0.99, top=0.9, bottom=0.24, wspace=0.28)
 
     def mark_skipped(ax: Any) -> None:
+        if skipped.sum() > 200:  # one collection, not a patch per step: a long run may skip thousands
+            ax.vlines(x[skipped], 0, 1, transform=ax.get_xaxis_transform(), color=SKIP_COLOR, alpha=0.12)
+            return
         for s in x[skipped]:
             ax.axvspan(s - 0.5, s + 0.5, color=SKIP_COLOR, alpha=0.12, lw=0)
+
+    def mark_restarts(ax: Any) -> None:
+        for r in restarts:
+            ax.axvline(r, color=RESTART_COLOR, ls="--", lw=1.3)
 
     loss = pd.to_numeric(df[T.LOSS], errors="coerce").to_numpy(dtype=float)
     ax = axes[0]
     mark_skipped(ax)
+    mark_restarts(ax)
     ax.plot(x, loss, color="#1f4e79", lw=1.4, marker="." if len(x) <= 60 else None, label="loss")
     bad = ~np.isfinite(loss)
     if bad.any():
@@ -132,6 +143,7 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
 
     ax = axes[1]
     mark_skipped(ax)
+    mark_restarts(ax)
     ls = pd.to_numeric(df[T.LOSS_SCALE], errors="coerce").to_numpy(dtype=float)
     ok = np.isfinite(ls) & (ls > 0)
     sk = np.zeros_like(ok)
@@ -198,6 +210,9 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
         )
     if bad.any():
         handles.append(Line2D([], [], color=SKIP_COLOR, marker="X", ls="", label="loss not finite (nan/inf)"))
+    if len(restarts):
+        label = "resumed from a checkpoint" + (f" (step {int(restarts[0])})" if len(restarts) == 1 else "")
+        handles.append(Line2D([], [], color=RESTART_COLOR, ls="--", lw=1.3, label=label))
     if np.isinf(gn).any():
         handles.append(Line2D([], [], color=SKIP_COLOR, marker="^", ls="", label="gradient norm inf"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9)

@@ -26,8 +26,12 @@ TEMPLATE = "report.html.j2"
 
 
 def templates_dir() -> Path:
-    """Folder holding ``report.html.j2``: the installed ``precprof.templates`` package, else the repository's
-    ``reports/templates`` (a source tree used without installing)."""
+    """Folder holding ``report.html.j2``: the repository's ``reports/templates`` beside this source tree (a
+    source tree in use renders with its own templates, even where another checkout is installed), else the
+    installed ``precprof.templates`` package."""
+    repo = Path(__file__).resolve().parents[2] / "reports" / "templates"
+    if (repo / TEMPLATE).is_file():
+        return repo
     try:
         spec = importlib.util.find_spec("precprof.templates")
     except ModuleNotFoundError:
@@ -36,9 +40,6 @@ def templates_dir() -> Path:
         p = Path(loc)
         if (p / TEMPLATE).is_file():
             return p
-    repo = Path(__file__).resolve().parents[2] / "reports" / "templates"
-    if (repo / TEMPLATE).is_file():
-        return repo
     raise FileNotFoundError(
         f"precprof's report templates ({TEMPLATE}) are missing: neither the package precprof.templates nor "
         f"{repo} has them; reinstall precprof"
@@ -73,13 +74,21 @@ def render_html(
     *,
     advisor_error: str | None = None,
     missing_tables: list[str] | None = None,
+    stream: T.RunTables | None = None,
 ) -> str:
     """The report as an HTML string. ``recommendation``: a ``Recommendation`` or its dict form; None uses the
     one stored in ``summary`` (if any). ``advisor_error`` explains in the page why there is none;
-    ``missing_tables`` names the Parquet files a run directory lacks (a notice at the top of the page)."""
+    ``missing_tables`` names the Parquet files a run directory lacks (a notice at the top of the page);
+    ``stream``: how the tables were read, when from the parts of a run that never saved them (the page says
+    where the run was cut off and which parts it skipped)."""
     ctx = build_context(tables, summary, recommendation)
     ctx["advisor_error"] = advisor_error
     ctx["missing_tables"] = [T.TABLE_FILES.get(t, t) for t in missing_tables or []]
+    ctx["stream"] = (
+        {"last_step": stream.last_step, "notices": stream.notices}
+        if stream is not None and stream.streamed
+        else None
+    )
     return environment().get_template(TEMPLATE).render(**ctx)
 
 
@@ -117,7 +126,8 @@ def render_run_dir(
         raise UserError(
             f"{rd} is not a precprof run directory (it has neither {T.SUMMARY_FILE} nor layers.parquet)"
         )
-    tabs = T.read_tables(rd)
+    read = T.read_run(rd)
+    tabs = read.tables
     summary = T.read_summary(rd)
     # an error of an earlier stage that runs again now is no longer the page's: the report's own (this is the
     # report), the advisor's when a recommendation was just computed
@@ -126,7 +136,9 @@ def render_run_dir(
     summary = {**summary, T.SUMMARY_ERRORS: errors}
     rec = recommendation if recommendation is not None else summary.get(T.SUMMARY_RECOMMENDATION)
     path = Path(out) if out is not None else rd / T.REPORT_FILE
-    html = render_html(tabs, summary, rec, advisor_error=advisor_error, missing_tables=T.missing_tables(rd))
+    html = render_html(
+        tabs, summary, rec, advisor_error=advisor_error, missing_tables=T.missing_tables(rd), stream=read
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomic.write_text(path, html)
     return path

@@ -274,7 +274,7 @@ def train(
             setup.config = dataclasses.replace(setup.config, out=claimed.path)
             setup.summary[T.SUMMARY_CONFIG]["out"] = str(claimed.path)
     try:
-        return _run(setup, callbacks)
+        return _run(setup, callbacks, claimed)
     finally:
         if claimed is not None:
             claimed.release()
@@ -473,11 +473,13 @@ def _refuse_before_building(
         )
 
 
-def _run(s: _Setup, callbacks: Sequence[Callback]) -> TrainResult:
-    """The steps and the end of the run, on a claimed run directory."""
+def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None) -> TrainResult:
+    """The steps and the end of the run, on a claimed run directory (the writer's ``claimed``): the Profiler
+    streams each flush into it, so a killed run keeps every step flushed before the kill."""
     config, model, optimizer, device, data = s.config, s.model, s.optimizer, s.device, s.data
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    prof = Profiler(s.inner, optimizer=optimizer, scaler=s.scaler, **s.prof_kwargs)
+    out = claimed if claimed is not None else s.run_dir  # a rank that does not write keeps its steps only
+    prof = Profiler(s.inner, optimizer=optimizer, scaler=s.scaler, out=out, **s.prof_kwargs)
     run = TrainRun(config, model, optimizer, s.scaler, prof, device, s.run_dir)
     # as in nanoGPT: a disabled GradScaler passes the loss through and calls optimizer.step() itself
     scaler = s.scaler if s.scaler is not None else torch.amp.GradScaler(device.type, enabled=False)

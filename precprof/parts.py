@@ -1,0 +1,194 @@
+"""The stream of a run directory: each flush of the Profiler as Parquet parts, written while training runs.
+
+Layout (``RUN/stream/``)::
+
+    stream/s000@0/00000000.steps.parquet        segment 0, started at step 0
+    stream/s000@0/00000001.layers.parquet       flush 1: a sampled step's layer rows,
+    stream/s000@0/00000001.histograms.parquet   its histogram rows,
+    stream/s000@0/00000001.memory.parquet       its memory rows,
+    stream/s000@0/00000001.steps.parquet        and the steps since the last flush, written last
+    stream/s001@250/...                         segment 1: the run resumed from its checkpoint at step 250
+
+What is atomic: every part file is written to a hidden temporary name, fsynced and renamed into place
+(``precprof._atomic``), so a kill leaves either the whole file or none. A flush is *committed* when its steps
+part exists: it is written after the flush's other parts, so the parts of a flush cut off by a kill (no
+steps part) are skipped when read, with a notice. A part that cannot be read (a torn file after a node
+failure, a disk error) is skipped with a notice, never a traceback.
+
+Resume: a segment named ``s<k>@<start>`` supersedes, in every earlier segment, the rows of steps at or after
+``start`` (they were recorded after the checkpoint the run restarted from, and are recorded again), so no
+step is counted twice.
+
+This module knows files and Arrow tables; the columns are ``precprof.tables``' business.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from precprof import _atomic
+
+STREAM_DIR = "stream"
+COMMIT_TABLE = "steps"  # the part written last in each flush: its presence commits the flush
+_SEGMENT = re.compile(r"^s(\d{3,})@(-?\d+)$")
+_PART = re.compile(r"^(\d{8,})\.([a-z_]+)\.parquet$")
+
+
+def stream_dir(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / STREAM_DIR
+
+
+def has_stream(run_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``run_dir`` holds parts written while a run trained (it was killed, or is still running)."""
+    return stream_dir(run_dir).is_dir()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One attempt at the run: segment ``index`` recorded from step ``start`` on, into ``path``."""
+
+    index: int
+    start: int
+    path: Path
+
+
+def segments(run_dir: str | os.PathLike[str]) -> list[Segment]:
+    """The segments of a run directory's stream, in order (none without a stream)."""
+    root = stream_dir(run_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _SEGMENT.match(p.name)
+        if m and p.is_dir():
+            out.append(Segment(int(m.group(1)), int(m.group(2)), p))
+    return sorted(out, key=lambda s: s.index)
+
+
+def new_segment(run_dir: str | os.PathLike[str], start: int) -> Segment:
+    """Create the next segment of ``run_dir``'s stream, recording from step ``start`` (mkdir is atomic)."""
+    root = stream_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    have = segments(run_dir)
+    index = have[-1].index + 1 if have else 0
+    path = root / f"s{index:03d}@{start}"
+    path.mkdir()
+    return Segment(index, start, path)
+
+
+def part_path(segment: Path, seq: int, table: str) -> Path:
+    return segment / f"{seq:08d}.{table}.parquet"
+
+
+def write_part(path: Path, table: pa.Table) -> None:
+    """Write one part atomically (temporary name, fsync, rename): a kill leaves the whole file or none."""
+    _atomic.write_with(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+
+
+@dataclass
+class StreamRead:
+    """What was read from a stream: per table the Arrow tables of the committed flushes (rows a later segment
+    supersedes removed), and what the reader had to leave out or wants the reader of the report to know."""
+
+    tables: dict[str, list[pa.Table]] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    parts: int = 0
+
+
+def read_stream(run_dir: str | os.PathLike[str], names: tuple[str, ...], step: str) -> StreamRead:
+    """Read every committed part of ``run_dir``'s stream. ``step`` names the step column, which the
+    superseding of resumed segments filters on. Never raises for a damaged part: it is skipped, with a
+    notice naming the file."""
+    out = StreamRead(tables={n: [] for n in names}, segments=segments(run_dir))
+    starts = [s.start for s in out.segments]
+    for i, seg in enumerate(out.segments):
+        cut = min(starts[i + 1 :], default=None)  # rows at or after it were recorded again later
+        flushes: dict[int, dict[str, Path]] = {}
+        for p in seg.path.iterdir():
+            m = _PART.match(p.name)
+            if m and m.group(2) in out.tables:
+                flushes.setdefault(int(m.group(1)), {})[m.group(2)] = p
+        for seq in sorted(flushes):
+            files = flushes[seq]
+            if COMMIT_TABLE not in files:
+                out.notices.append(
+                    f"{seg.path.name}/{seq:08d}: a flush cut off while it was written (no steps part) was skipped"
+                )
+                continue
+            read: dict[str, pa.Table] = {}
+            for name, p in files.items():
+                try:
+                    read[name] = pq.read_table(p)
+                except (OSError, pa.ArrowException) as e:
+                    msg = " ".join(str(e).split())[:120]
+                    out.notices.append(f"{p.relative_to(Path(run_dir))} is damaged and was skipped ({msg})")
+            if COMMIT_TABLE not in read:
+                continue  # without its steps the flush's other rows have no step to belong to
+            for name, t in read.items():
+                if cut is not None and step in t.column_names:
+                    t = t.filter(pc.less(t[step], cut))
+                if t.num_rows:
+                    out.tables[name].append(t)
+            out.parts += len(read)
+    return out
+
+
+def concat(tables: list[pa.Table]) -> pa.Table | None:
+    """One Arrow table from parts whose columns may differ in presence or type (int where a part had no
+    value and wrote a null column, say): columns promoted, a missing one null."""
+    if not tables:
+        return None
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def adopt_tables(
+    run_dir: str | os.PathLike[str], files: Mapping[str, Path], start: int, empty_commit: pa.Table
+) -> None:
+    """Turn a run directory's finished tables (a run saved as incomplete, then resumed) into segment 0 of a
+    new stream, starting at step ``start``: hard links (or copies) in a temporary folder, renamed into place
+    at once, so a kill at any moment leaves either the old tables or the stream holding them. ``empty_commit``
+    is written as the steps part when there is no steps table (a flush counts only with one)."""
+    root = stream_dir(run_dir)
+    tmp = _atomic.tmp_name(root)
+    if tmp.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+    seg = tmp / f"s000@{start}"
+    seg.mkdir(parents=True)
+    for name, src in files.items():
+        dst = part_path(seg, 0, name)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copyfile(src, dst)
+    if COMMIT_TABLE not in files:  # a flush needs its steps part to count: an empty one
+        pq.write_table(empty_commit, part_path(seg, 0, COMMIT_TABLE))
+    os.replace(tmp, root)
+
+
+def retire(run_dir: str | os.PathLike[str]) -> None:
+    """Remove the stream once its rows are saved in the run directory's tables: renamed away first (one atomic
+    step: a reader then sees the finished tables, never half a stream), then deleted."""
+    root = stream_dir(run_dir)
+    if not root.is_dir():
+        return
+    gone = _atomic.tmp_name(root)
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(gone)
+    os.replace(root, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def remove(run_dir: str | os.PathLike[str]) -> None:
+    """Delete a stream (``--overwrite`` of a run directory)."""
+    shutil.rmtree(stream_dir(run_dir), ignore_errors=True)

@@ -1,0 +1,180 @@
+"""The report's time axis over sampled steps: what each tensor kind loses in FP16, step by step, with as many
+columns as a page can show.
+
+A run of a few sampled steps gets one column per step. A long run (more sampled steps than ``MAX_COLUMNS``) has
+its steps dealt into windows of consecutive sampled steps, each column the counts of its steps summed and
+divided by their elements summed (so a window's share is of every value it saw); the first, the last and the
+worst sampled step (the largest share lost over every kind) keep a column of their own, exact. ``Timeline.note``
+says what was aggregated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
+
+from precprof import tables as T
+from precprof.report import summarize as S
+
+MAX_COLUMNS = 120
+FORMAT = "fp16"
+FLOOR = 1e-7  # shares below it are drawn as nothing lost
+
+
+@dataclass
+class Timeline:
+    """Shares lost (``share[kind][column]``) over columns of sampled steps: ``starts``/``ends`` the first and last
+    step of each column, ``exact`` the columns that hold one step kept as it is (first, last, worst)."""
+
+    kinds: list[str]
+    starts: np.ndarray
+    ends: np.ndarray
+    share: np.ndarray
+    exact: dict[int, str]
+    n_steps: int
+    window: int
+
+    @property
+    def aggregated(self) -> bool:
+        return self.window > 1
+
+    @property
+    def note(self) -> str:
+        if not self.aggregated:
+            return f"One column per sampled step ({self.n_steps})."
+        kept = ", ".join(f"{what} (step {int(self.starts[i])})" for i, what in sorted(self.exact.items()))
+        return (
+            f"{self.n_steps:,} sampled steps in {len(self.starts)} columns: windows of up to {self.window} "
+            f"consecutive sampled steps, each the values lost summed over its steps divided by the values seen; "
+            f"kept exact, one step a column: {kept}."
+        )
+
+
+def lost_by_step(layers: pd.DataFrame, fmt: str = FORMAT) -> pd.DataFrame:
+    """Per (step, tensor kind): values lost in ``fmt`` at the recorded scale (underflow, overflow, and values
+    already inf/nan) and values seen, summed over the step's rows."""
+    cols = [T.underflow_col(fmt), T.overflow_col(fmt), T.NAN, T.INF]
+    if layers.empty or any(c not in layers for c in [*cols, T.NUMEL]):
+        return pd.DataFrame(columns=[T.STEP, T.TENSOR, "lost", T.NUMEL])
+    num = layers[[*cols, T.NUMEL]].apply(pd.to_numeric, errors="coerce").fillna(0)
+    out = pd.DataFrame(
+        {
+            T.STEP: pd.to_numeric(layers[T.STEP], errors="coerce").to_numpy(),
+            T.TENSOR: layers[T.TENSOR].to_numpy(),
+            "lost": num[cols].sum(axis=1).to_numpy(),
+            T.NUMEL: num[T.NUMEL].to_numpy(),
+        }
+    ).dropna(subset=[T.STEP])
+    return out.groupby([T.STEP, T.TENSOR], sort=True)[["lost", T.NUMEL]].sum().reset_index()
+
+
+def timeline(layers: pd.DataFrame, max_columns: int = MAX_COLUMNS, fmt: str = FORMAT) -> Timeline | None:
+    """The columns of the time axis (module docstring); None without sampled steps."""
+    per = lost_by_step(layers, fmt)
+    if per.empty:
+        return None
+    kinds = [k for k in T.TENSOR_KINDS if (per[T.TENSOR] == k).any()]
+    steps = np.sort(per[T.STEP].unique()).astype(np.int64)
+    lost = per.pivot_table(index=T.STEP, columns=T.TENSOR, values="lost", aggfunc="sum", fill_value=0)
+    seen = per.pivot_table(index=T.STEP, columns=T.TENSOR, values=T.NUMEL, aggfunc="sum", fill_value=0)
+    lost = lost.reindex(index=steps, columns=kinds, fill_value=0).to_numpy(dtype=float)
+    seen = seen.reindex(index=steps, columns=kinds, fill_value=0).to_numpy(dtype=float)
+    n = len(steps)
+    # columns: consecutive runs of steps; the exact steps alone in theirs
+    exact_idx: dict[int, str] = {}
+    if n > max_columns:
+        total = np.divide(lost.sum(axis=1), seen.sum(axis=1), out=np.zeros(n), where=seen.sum(axis=1) > 0)
+        exact_idx = {0: "first", n - 1: "last"}
+        if total.max() > 0:  # a run that lost nothing has no worst step
+            worst = int(np.argmax(total))
+            exact_idx.setdefault(worst, "worst")
+            if exact_idx[worst] != "worst":
+                exact_idx[worst] += " and worst"
+    window = (
+        max(1, math.ceil((n - len(exact_idx)) / max(1, max_columns - 2 * len(exact_idx)))) if exact_idx else 1
+    )
+    bounds: list[tuple[int, int]] = []
+    i = 0
+    while i < n:
+        if i in exact_idx:
+            bounds.append((i, i + 1))
+            i += 1
+            continue
+        j = i
+        while j < n and j - i < window and j not in exact_idx:
+            j += 1
+        bounds.append((i, j))
+        i = j
+    share = np.zeros((len(kinds), len(bounds)))
+    for c, (a, b) in enumerate(bounds):
+        lo, se = lost[a:b].sum(axis=0), seen[a:b].sum(axis=0)
+        share[:, c] = np.divide(lo, se, out=np.full(len(kinds), np.nan), where=se > 0)
+    col_of = {a: c for c, (a, b) in enumerate(bounds) if b - a == 1}
+    return Timeline(
+        kinds=kinds,
+        starts=np.array([steps[a] for a, _ in bounds]),
+        ends=np.array([steps[b - 1] for _, b in bounds]),
+        share=share,
+        exact={col_of[i]: what for i, what in exact_idx.items()},
+        n_steps=n,
+        window=window,
+    )
+
+
+def timeline_figure(tl: Timeline, restarts: list[int] | None = None) -> Figure:
+    """Tensor kinds (rows) by columns of sampled steps, coloured by the share lost in FP16 (log scale); exact
+    columns of a long run marked above, restarts of a resumed run drawn as dashed lines."""
+    n = len(tl.starts)
+    fig = Figure(figsize=(13.5, 1.2 + 0.42 * len(tl.kinds)))
+    ax = fig.add_subplot(1, 1, 1)
+    fig.subplots_adjust(left=0.16, right=0.9, top=0.78, bottom=0.3)
+    # nothing lost (below the floor) is white, like a column without data
+    data = np.ma.masked_invalid(np.where(tl.share < FLOOR, FLOOR / 2, tl.share))
+    im = ax.imshow(
+        data,
+        aspect="auto",
+        interpolation="nearest",
+        cmap=matplotlib.colormaps["Reds"].with_extremes(under="white", bad="#eeeeee"),
+        norm=LogNorm(
+            vmin=FLOOR, vmax=max(1e-3, float(np.nanmax(tl.share)) if np.isfinite(tl.share).any() else 1)
+        ),
+        extent=(0, n, len(tl.kinds), 0),
+    )
+    ax.set_yticks(np.arange(len(tl.kinds)) + 0.5)
+    ax.set_yticklabels([S.KIND_LABELS.get(k, k) for k in tl.kinds], fontsize=8.5)
+    ticks = np.unique(np.linspace(0, n - 1, min(n, 10)).round().astype(int))
+    ax.set_xticks(ticks + 0.5)
+    ax.set_xticklabels(
+        [f"{tl.starts[t]}" if tl.starts[t] == tl.ends[t] else f"{tl.starts[t]}–{tl.ends[t]}" for t in ticks],
+        fontsize=8,
+    )
+    ax.set_xlabel("sampled step" + (" (windows of consecutive sampled steps)" if tl.aggregated else ""))
+    for c, what in tl.exact.items():
+        ax.annotate(
+            f"{what}\n{tl.starts[c]}",
+            (c + 0.5, 0),
+            xytext=(0, 4),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=7.5,
+            annotation_clip=False,
+        )
+        ax.axvline(c, color="#555", lw=0.4)
+        ax.axvline(c + 1, color="#555", lw=0.4)
+    for r in restarts or []:
+        col = int(np.searchsorted(tl.ends, r))
+        if col < n:
+            ax.axvline(col, color="#2c7fb8", ls="--", lw=1.4)
+    cax = fig.add_axes((0.915, 0.3, 0.012, 0.48))
+    cb = fig.colorbar(im, cax=cax, format=FuncFormatter(lambda v, _p: f"{100 * v:.2g}%"))
+    cb.set_label("lost in FP16 (white: nothing)", fontsize=8)
+    cb.minorticks_off()
+    return fig

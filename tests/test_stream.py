@@ -1,0 +1,202 @@
+"""Streaming a run into its directory while it trains (precprof.parts, precprof.capture.stream): killed at any
+moment, every flushed step is readable and reported; a torn part is skipped with a notice; a resumed run
+equals an uninterrupted one; the recording's host memory stays bounded."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import parts, pipeline, rundir
+from precprof import tables as T
+from precprof.errors import UserError
+
+WORKER = Path(__file__).with_name("stream_worker.py")
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+def worker(mode: str, out: Path, checkpoint: Path | None = None) -> subprocess.Popen[str]:
+    args = [sys.executable, str(WORKER), mode, str(out), *([str(checkpoint)] if checkpoint else [])]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def tiny_run(out: Path | None, steps: int, sample_every: int = 1, **kw: object) -> precprof.Profiler:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    prof = precprof.Profiler(model, opt, sample_every=sample_every, out=out, **kw)
+    with prof:
+        for step in range(steps):
+            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    return prof
+
+
+def test_a_streamed_run_equals_one_kept_in_memory(tmp_path: Path) -> None:
+    kept = tiny_run(None, 7, sample_every=2).tables()
+    streamed = tiny_run(tmp_path / "run", 7, sample_every=2)
+    assert (
+        len(list((tmp_path / "run" / parts.STREAM_DIR).rglob("*.parquet"))) == 4 * 4
+    )  # 4 flushes x 4 tables
+    tables = streamed.tables()
+    for name in ("layers", "histograms", "memory"):
+        pd.testing.assert_frame_equal(tables[name], kept[name], check_dtype=False)
+    a, b = (
+        tables["steps"].drop(columns=[T.TIME_S, T.RESUMED]),
+        kept["steps"].drop(columns=[T.TIME_S, T.RESUMED]),
+    )
+    pd.testing.assert_frame_equal(a, b, check_dtype=False)
+    streamed.save()  # the stream becomes the four tables
+    assert not parts.has_stream(tmp_path / "run")
+    again = T.read_tables(tmp_path / "run")
+    pd.testing.assert_frame_equal(again["layers"], tables["layers"], check_dtype=False)
+    assert T.read_summary(tmp_path / "run")[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+
+
+def test_out_is_claimed_at_attach(tmp_path: Path) -> None:
+    tiny_run(tmp_path / "run", 2).save()
+    with pytest.raises(UserError, match="already holds a precprof run"):
+        tiny_run(tmp_path / "run", 2)
+    tiny_run(tmp_path / "run", 3, overwrite=True).save()
+    assert len(T.read_tables(tmp_path / "run")["steps"]) == 3
+
+
+def test_killed_at_random_moments_every_flushed_step_is_readable(tmp_path: Path) -> None:
+    rng = random.Random(27)
+    for i in range(5):
+        out = tmp_path / f"run{i}"
+        proc = worker("forever", out)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the first flushes are on disk
+        assert line.strip() == "streaming", proc.stderr.read() if proc.stderr else ""
+        time.sleep(rng.uniform(0.0, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+        read = T.read_run(out)
+        steps = read.tables["steps"]
+        assert read.streamed and read.last_step is not None and read.last_step >= 1
+        # every committed flush is whole: steps 0..last without a gap, each sampled one with its layers
+        assert steps[T.STEP].tolist() == list(range(read.last_step + 1))
+        layer_steps = set(read.tables["layers"][T.STEP])
+        assert layer_steps == set(steps[T.STEP])
+        assert set(read.tables["histograms"][T.STEP]) == layer_steps
+        for n in read.notices:  # only a flush the kill cut short may be skipped
+            assert "cut off while it was written" in n
+        html = pipeline.rerender(out).read_text()
+        assert f"The run was cut off after step {read.last_step}" in html
+        assert "Traceback" not in html
+
+
+def test_precprof_report_on_a_killed_run(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = worker("forever", out)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "streaming"
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "precprof", "report", str(out)], capture_output=True, text=True, env=ENV
+    )
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    html = (out / T.REPORT_FILE).read_text()
+    assert "The run was cut off after step" in html
+    assert "killed before it could save" in html  # the first summary's cause
+
+
+def test_a_torn_last_part_is_skipped_with_a_notice(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    prof = tiny_run(out, 5)  # detached, never saved: as a killed run leaves it
+    assert prof.run_dir == out
+    seg = parts.segments(out)[0].path
+    last_layers = sorted(seg.glob("*.layers.parquet"))[-1]
+    last_layers.write_bytes(last_layers.read_bytes()[:100])  # torn mid-write (a node failure)
+    read = T.read_run(out)
+    assert any(last_layers.name in n and "damaged" in n for n in read.notices)
+    assert sorted(set(read.tables["layers"][T.STEP])) == [0, 1, 2, 3]
+    assert read.last_step == 4
+    # a torn steps part loses its flush: the other parts of that flush have no step to belong to
+    last_steps = sorted(seg.glob("*.steps.parquet"))[-1]
+    last_steps.write_bytes(b"PAR1 not a parquet file")
+    read = T.read_run(out)
+    assert read.last_step == 3 and sorted(set(read.tables["histograms"][T.STEP])) == [0, 1, 2, 3]
+    html = pipeline.rerender(out).read_text()
+    assert "damaged and was skipped" in html and "after step 3" in html
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(tmp_path: Path) -> None:
+    full, resumed, ckpt = tmp_path / "full", tmp_path / "resumed", tmp_path / "ckpt.pt"
+    procs = [worker("full", full), worker("crash", resumed, ckpt)]
+    for p in procs:
+        p.communicate(timeout=120)
+    assert procs[0].returncode == 0 and procs[1].returncode == -signal.SIGKILL
+    crashed = T.read_run(resumed)
+    assert crashed.last_step == 9  # flushed through sampled step 9; step 10 died on the device side
+    proc = worker("resume", resumed, ckpt)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    a, b = T.read_run(full), T.read_run(resumed)
+    assert b.restarts == [6] and a.restarts == []
+    for name in ("layers", "histograms"):
+        pd.testing.assert_frame_equal(b.tables[name], a.tables[name])
+    # precprof's own scratch grows with the tensors its process has read so far: not the training's memory
+    mem_a, mem_b = (t.tables["memory"] for t in (a, b))
+    own_a, own_b = (m[T.COMPONENT] == T.PROFILER_BUFFERS for m in (mem_a, mem_b))
+    pd.testing.assert_frame_equal(mem_b[~own_b], mem_a[~own_a])
+    assert mem_b[own_b][T.STEP].tolist() == mem_a[own_a][T.STEP].tolist()
+    steps_a, steps_b = a.tables["steps"], b.tables["steps"]
+    assert steps_b[T.STEP].tolist() == list(range(14))  # steps 6..9 recorded twice, counted once
+    assert steps_b[T.RESUMED].tolist() == [s == 6 for s in range(14)]
+    cols = [c for c in T.STEPS_COLUMNS if c not in (T.TIME_S, T.RESUMED)]
+    pd.testing.assert_frame_equal(steps_b[cols], steps_a[cols])
+    summary = T.read_summary(resumed)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert summary[T.SUMMARY_CAPTURE]["stream"]["resumed_from"] == 6
+    html = pipeline.rerender(resumed).read_text()
+    assert "resumed from a checkpoint at step 6" in html
+
+
+def test_resume_adopts_a_run_that_saved_its_tables(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    tiny_run(out, 6).save(status=T.STATUS_INCOMPLETE, reason="terminated (SIGTERM)")
+    assert not parts.has_stream(out)
+    with rundir.claim(out, resume=True) as run:  # what Profiler(out, resume=True) does first
+        assert parts.has_stream(run.path)
+    read = T.read_run(out)
+    assert read.last_step == 5 and len(read.tables["layers"]) > 0 and read.restarts == []
+
+
+def test_the_recording_memory_stays_bounded(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(32, 32) for _ in range(6)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sizes: dict[str, list[int]] = {"stream": [], "memory": []}
+    for how, out in (("stream", tmp_path / "run"), ("memory", None)):
+        prof = precprof.Profiler(model, opt, sample_every=1, out=out, memory=False)
+        with prof:
+            for step in range(120):
+                model(torch.randn(2, 32)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+                if step % 10 == 0 or step == 119:
+                    sizes[how].append(prof._recorded.host_bytes)
+    one_step = sizes["memory"][0]
+    assert (
+        sizes["memory"][-1] > 100 * one_step
+    )  # 120 sampled steps  # kept in memory, the recording grows with the run
+    # streamed, it holds what waits for the writer: at most the queue, the flush being written and a new one
+    assert max(sizes["stream"]) <= 4 * one_step
+    assert len(T.read_tables(tmp_path / "run")["steps"]) == 120
