@@ -161,7 +161,8 @@ def rerender(
     summary = T.read_summary(rd) if T.is_run_dir(rd) else {}
     rec: Any = None
     advisor_error = None
-    if T.is_run_dir(rd) and (target is not None or not summary.get(T.SUMMARY_RECOMMENDATION)):
+    read = T.read_run(rd, categorical=True) if T.is_run_dir(rd) else None  # once, for the advisor and the page
+    if read is not None and (target is not None or not summary.get(T.SUMMARY_RECOMMENDATION)):
         machine: Any = None
         if target is not None:
             try:
@@ -169,10 +170,10 @@ def rerender(
             except ValueError as e:
                 raise UserError(str(e)) from None
         try:
-            rec = advisor.recommend(rd, hardware=machine, summary=summary)
+            rec = advisor.recommend(read.tables, hardware=machine, summary=summary)
         except Exception as e:  # the evidence still renders; the page says why there is no verdict
             advisor_error = f"{type(e).__name__}: {e}"
-    return render_run_dir(rd, out=out, recommendation=rec, advisor_error=advisor_error)
+    return render_run_dir(rd, out=out, recommendation=rec, advisor_error=advisor_error, read=read)
 
 
 capture.set_run_finisher(finish_run)

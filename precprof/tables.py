@@ -44,8 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from precprof import _atomic, parts
 from precprof.errors import DamagedRunDirError
@@ -264,7 +267,17 @@ def flags(column: pd.Series) -> pd.Series:
 
 
 def texts(column: pd.Series) -> pd.Series:
-    """A text column (module, param, dtype) with missing values as "", whatever dtype it was read back in."""
+    """A text column (module, param, dtype) with missing values as "", whatever dtype it was read back in
+    (a categorical stays one, its categories as text: millions of rows are not turned into strings)."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        cats = [str(c) for c in column.cat.categories]
+        codes = column.cat.codes.to_numpy()
+        missing = bool((codes < 0).any())
+        uniq = sorted(set(cats) | ({""} if missing else set()))  # text order; "" for missing values
+        pos = {c: k for k, c in enumerate(uniq)}
+        remap = np.array([pos[c] for c in cats] + [pos.get("", 0)], dtype=np.int64)  # code -1: the last
+        cat = pd.Categorical.from_codes(remap[codes], categories=uniq)
+        return pd.Series(cat, index=column.index, name=column.name)
     return column.astype(object).where(column.notna(), "").astype(str)
 
 
@@ -470,13 +483,16 @@ class RunTables:
     restarts: list[int] = field(default_factory=list)
 
 
-def read_run(run_dir: str | Path) -> RunTables:
+def read_run(run_dir: str | Path, *, categorical: bool = False) -> RunTables:
     """The four tables of a run directory, from its stream when it has one (``precprof.parts``: a damaged part
     is skipped with a notice), else from its Parquet files (a missing file gives an empty table of the right
-    columns; a damaged one raises DamagedRunDirError, naming the file)."""
+    columns; a damaged one raises DamagedRunDirError, naming the file). ``categorical``: the
+    histograms' text columns as pandas categoricals (``CATEGORICAL_COLUMNS``; the report and the advisor read
+    millions of rows that way), else as text like every other table."""
     run_dir = Path(run_dir)
+    cats = CATEGORICAL_COLUMNS if categorical else {}
     if parts.has_stream(run_dir):
-        return _read_stream(run_dir)
+        return _read_stream(run_dir, cats)
     out: dict[str, pd.DataFrame] = {}
     for name, fname in TABLE_FILES.items():
         path = run_dir / fname
@@ -484,7 +500,8 @@ def read_run(run_dir: str | Path) -> RunTables:
             out[name] = empty(name)
             continue
         try:
-            out[name] = frame(name, pd.read_parquet(path))
+            table = pq.read_table(path, read_dictionary=list(cats.get(name, ())) or None)
+            out[name] = frame(name, _to_pandas(table, cats.get(name, ())))
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError and others for a damaged file
             msg = " ".join(str(e).split())[:160]
             raise DamagedRunDirError(
@@ -495,12 +512,37 @@ def read_run(run_dir: str | Path) -> RunTables:
     return RunTables(out, restarts=restarts)
 
 
-def _read_stream(run_dir: Path) -> RunTables:
-    read = parts.read_stream(run_dir, tuple(TABLES), STEP)
+# text columns read back as pandas categoricals: the histograms table repeats a few hundred module names over
+# millions of rows (15M rows for gpt2-medium x 1,000 sampled steps), and categories compare, filter and group
+# by their integer codes
+CATEGORICAL_COLUMNS: dict[str, tuple[str, ...]] = {"histograms": (MODULE, TENSOR, PARAM)}
+
+
+def _to_pandas(table: pa.Table, categorical: tuple[str, ...] = ()) -> pd.DataFrame:
+    """An Arrow table as pandas, its columns ``categorical`` as categoricals whose categories are in text order
+    (so that sorting by them sorts as text would), any other dictionary column as text."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_dictionary(f.type) and f.name not in categorical:
+            table = table.set_column(i, f.name, table.column(i).cast(f.type.value_type))
+    cat = [c for c in categorical if c in table.column_names]
+    for c in cat:
+        col = table.column(c)
+        if not pa.types.is_dictionary(col.type) and not pa.types.is_null(col.type):
+            table = table.set_column(table.column_names.index(c), c, pc.dictionary_encode(col))
+    df = table.to_pandas()
+    for c in cat:
+        if isinstance(df[c].dtype, pd.CategoricalDtype):
+            cats = df[c].cat.categories
+            df[c] = df[c].cat.reorder_categories(sorted(cats, key=str))
+    return df
+
+
+def _read_stream(run_dir: Path, cats: Mapping[str, tuple[str, ...]]) -> RunTables:
+    read = parts.read_stream(run_dir, tuple(TABLES), STEP, cats)
     out: dict[str, pd.DataFrame] = {}
     for name in TABLES:
         t = parts.concat(read.tables[name])
-        out[name] = frame(name, t.to_pandas()) if t is not None and t.num_rows else empty(name)
+        out[name] = frame(name, _to_pandas(t, cats.get(name, ()))) if t is not None and t.num_rows else empty(name)
     restarts = [s.start for s in read.segments[1:]]
     steps = out["steps"]
     if not steps.empty:

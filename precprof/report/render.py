@@ -113,20 +113,23 @@ def render_run_dir(
     out: str | os.PathLike[str] | None = None,
     recommendation: Any = None,
     advisor_error: str | None = None,
+    read: T.RunTables | None = None,
 ) -> Path:
     """Render the report of a run directory (``precprof train`` output or ``Profiler.save``).
 
     Reads the tables and summary.json and renders the given ``recommendation``, else the stored one (none:
     the page says so, with ``advisor_error`` when there is a reason). Writes ``out`` (default
     RUN_DIR/report.html) and returns its path; summary.json is left as it is. A new recommendation (for
-    another target machine) comes from ``precprof.pipeline.rerender``.
+    another target machine) comes from ``precprof.pipeline.rerender``. ``read``: the run's tables when the
+    caller read them already (``tables.read_run``).
     """
     rd = Path(run_dir)
     if not T.is_run_dir(rd):
         raise UserError(
             f"{rd} is not a precprof run directory (it has neither {T.SUMMARY_FILE} nor layers.parquet)"
         )
-    read = T.read_run(rd)
+    if read is None:
+        read = T.read_run(rd, categorical=True)
     tabs = read.tables
     summary = T.read_summary(rd)
     # an error of an earlier stage that runs again now is no longer the page's: the report's own (this is the

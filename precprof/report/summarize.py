@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from precprof import formats
 from precprof import tables as T
@@ -51,7 +52,7 @@ def forward_order(layers: pd.DataFrame) -> list[str]:
 
 def row_order(layers: pd.DataFrame, kind: str) -> list[tuple[str, str]]:
     """(module, param) rows of tensor kind ``kind`` in forward order; params in order of first appearance."""
-    sub = layers[layers[T.TENSOR] == kind]
+    sub = layers.loc[layers[T.TENSOR] == kind, [T.MODULE, T.PARAM]]  # the columns it reads: a narrow copy
     if sub.empty:
         return []
     rank = {m: i for i, m in enumerate(forward_order(layers))}
@@ -89,7 +90,7 @@ def scale_in_effect(layers: pd.DataFrame, kind: str) -> dict[str, float]:
 
     Forward tensors are always at scale 1. Returns {"last", "min", "max"}.
     """
-    rows = layers[layers[T.TENSOR] == kind]
+    rows = layers.loc[layers[T.TENSOR] == kind, [T.STEP, T.SCALE]]
     s = pd.to_numeric(rows[T.SCALE], errors="coerce").dropna()
     if s.empty:
         return {"last": 1.0, "min": 1.0, "max": 1.0}
@@ -107,8 +108,15 @@ def aggregate_histograms(histograms: pd.DataFrame) -> pd.DataFrame:
                 for c in [*keys, T.COUNT]
             }
         )
-    h = histograms[[*keys, T.COUNT]].copy()
-    h[T.PARAM] = T.texts(h[T.PARAM])
+    h = histograms[[*keys, T.COUNT]]
+    try:
+        # Arrow's hash aggregation: 0.2 s for the 15M rows of gpt2-medium x 1,000 sampled steps, where a pandas
+        # groupby took seconds; the small result is then normalised in pandas
+        g = pa.Table.from_pandas(h, preserve_index=False).group_by(keys).aggregate([(T.COUNT, "sum")])
+        h = pd.DataFrame({**{k: g.column(k).to_pandas() for k in keys}, T.COUNT: g.column(f"{T.COUNT}_sum")})
+    except (pa.ArrowException, TypeError, ValueError):  # a column Arrow cannot take: pandas alone
+        pass
+    h = h.assign(**{c: T.texts(h[c]) for c in keys[:3]})  # a missing text is "": one group with ""
     return h.groupby(keys, sort=False)[T.COUNT].sum().reset_index()
 
 
@@ -146,10 +154,10 @@ def lost_share_by_row(
     Underflow and overflow in ``fmt`` are at the recorded scales; inf/nan are values that were already
     non-finite when recorded (in an fp16 run, usually what overflow produced upstream).
     """
-    sub = layers[layers[T.TENSOR] == kind]
+    cols = [T.NUMEL, T.underflow_col(fmt), T.overflow_col(fmt), T.NAN, T.INF]
+    sub = layers.loc[layers[T.TENSOR] == kind, [*cols, T.MODULE, T.PARAM]]
     if sub.empty:
         return {}
-    cols = [T.NUMEL, T.underflow_col(fmt), T.overflow_col(fmt), T.NAN, T.INF]
     num = sub[cols].apply(pd.to_numeric, errors="coerce").fillna(0)
     num[T.MODULE] = sub[T.MODULE].to_numpy()
     num[T.PARAM] = T.texts(sub[T.PARAM]).to_numpy()
@@ -180,8 +188,11 @@ def whatif_by_layer(layers: pd.DataFrame) -> pd.DataFrame:
     Columns: module, module_type, tensor, numel, scale (last), then one share column per entry of
     ``whatif_columns()`` (same names as the count columns; values are shares in [0, 1], NaN without data).
     """
-    sub = layers[layers[T.TENSOR].isin(HIST_KINDS)]
     count_cols = [c for c, _, _ in whatif_columns()]
+    sub = layers.loc[
+        layers[T.TENSOR].isin(HIST_KINDS),
+        [T.STEP, T.MODULE, T.MODULE_TYPE, T.TENSOR, T.SCALE, T.NUMEL, *count_cols],
+    ]
     if sub.empty:
         return pd.DataFrame(columns=[T.MODULE, T.MODULE_TYPE, T.TENSOR, T.NUMEL, T.SCALE, *count_cols])
     num = sub[[T.NUMEL, *count_cols]].apply(pd.to_numeric, errors="coerce")
@@ -204,8 +215,8 @@ def whatif_by_layer(layers: pd.DataFrame) -> pd.DataFrame:
 
 def whatif_overview(layers: pd.DataFrame) -> pd.DataFrame:
     """Per tensor kind (rows) the share lost in each what-if column, over all layers and sampled steps."""
-    sub = layers[layers[T.TENSOR].isin(HIST_KINDS)]
     count_cols = [c for c, _, _ in whatif_columns()]
+    sub = layers.loc[layers[T.TENSOR].isin(HIST_KINDS), [T.TENSOR, T.NUMEL, *count_cols]]
     if sub.empty:
         return pd.DataFrame(columns=[T.TENSOR, T.NUMEL, *count_cols])
     num = sub[[T.NUMEL, *count_cols]].apply(pd.to_numeric, errors="coerce")
@@ -329,6 +340,7 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     Returns {"requested", "rows": [{"what", "census"}], "active": bool, "verdict": str, "ok": bool}.
     """
     requested = requested_precision(summary)
+    layers = layers[[T.STEP, T.MODULE, T.TENSOR, T.DTYPE, T.NUMEL]]  # the columns it reads: filters stay narrow
     census_rows: list[dict[str, Any]] = []
     for kind, what in (
         (T.WEIGHT, "parameters"),

@@ -74,7 +74,7 @@ def _load(
         path = Path(source)
         if not path.is_dir():
             raise FileNotFoundError(f"run directory {str(path)!r} does not exist")
-        return T.read_tables(path), dict(summary if summary is not None else T.read_summary(path))
+        return T.read_run(path, categorical=True).tables, dict(summary if summary is not None else T.read_summary(path))
     if isinstance(source, Mapping):
         return source, dict(summary or {})
     if callable(getattr(source, "tables", None)):
@@ -135,6 +135,7 @@ def recommend(
         before = run.layers[T.STEP] < plan.diverged[0]
         if before.any():
             run.layers = run.layers[before]
+            run._kinds.clear()
             run.hist = run.hist[run.hist[T.STEP] < plan.diverged[0]]
             run.steps = run.steps[run.steps[T.STEP] < plan.diverged[0]]
             plan.diverged_sampled_before = int(run.layers[T.STEP].nunique())

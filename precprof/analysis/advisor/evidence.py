@@ -54,8 +54,11 @@ def _share(num: float, den: float) -> float | None:
 
 
 def _dtype_has(df: pd.DataFrame, dtype: str) -> pd.Series:
-    """Rows whose tensors included ``dtype`` (the dtype column joins several with "|")."""
-    return df[T.DTYPE].str.split("|").map(lambda ds: dtype in ds).astype(bool)
+    """Rows whose tensors included ``dtype`` (the dtype column joins several with "|"); decided once per
+    distinct value, not per row."""
+    col = df[T.DTYPE]
+    having = [v for v in col.dropna().unique() if dtype in str(v).split("|")]
+    return col.isin(having).astype(bool)
 
 
 def _is_descendant(child: str, parent: str) -> bool:
@@ -99,12 +102,18 @@ class _Run:
     order: dict[str, int] = field(default_factory=dict)
     types: dict[str, str] = field(default_factory=dict)
     memory: pd.DataFrame = field(default_factory=pd.DataFrame)
+    # kind() per tuple of kinds; not an init field, so a replace(run, layers=...) starts without it
+    _kinds: dict[tuple[str, ...], pd.DataFrame] = field(default_factory=dict, init=False, repr=False)
 
     def sort(self, modules: Iterable[str]) -> list[str]:
         return sorted(set(modules), key=lambda m: (self.order.get(m, 1 << 30), m))
 
     def kind(self, *kinds: str) -> pd.DataFrame:
-        return self.layers[self.layers[T.TENSOR].isin(kinds)]
+        """The layer rows of ``kinds`` (computed once per run; callers never modify it)."""
+        got = self._kinds.get(kinds)
+        if got is None:
+            got = self._kinds[kinds] = self.layers[self.layers[T.TENSOR].isin(kinds)]
+        return got
 
     @property
     def run_config(self) -> dict[str, Any]:

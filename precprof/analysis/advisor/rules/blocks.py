@@ -186,14 +186,21 @@ def _losses(rows: pd.DataFrame, operand: str, orientation: str, gemm: str, recip
     )
 
 
-def _input_of(run: _Run, m: str, leaves: list[str], dims: Mapping[str, Mapping[str, int]]) -> str | None:
+def _input_of(
+    run: _Run,
+    m: str,
+    leaves: list[str],
+    dims: Mapping[str, Mapping[str, int]],
+    first: tuple[set[str], pd.DataFrame] | None = None,
+) -> str | None:
     """The module whose output is ``m``'s input: the leaf that started just before it in forward order, when
     its output has the size ``m`` reads (tokens x in_features, from ``m``'s own output and shape); None when
     that cannot be shown (an attention projection reads a function's output, not a module's). A run that
-    recorded the input itself (``T.input_module``: no captured module produced it) names that row."""
+    recorded the input itself (``T.input_module``: no captured module produced it) names that row.
+    ``first``: ``_first_activations(run)``, when the caller asks for many layers."""
+    modules, first_step = first if first is not None else _first_activations(run)
     own = T.input_module(m)
-    acts = run.layers[run.layers[T.TENSOR] == T.ACTIVATION]
-    if (acts[T.MODULE] == own).any():
+    if own in modules:
         return own
     order = run.order.get(m)
     d = dims.get(m)
@@ -203,12 +210,19 @@ def _input_of(run: _Run, m: str, leaves: list[str], dims: Mapping[str, Mapping[s
     if not before:
         return None
     prev = max(before, key=lambda o: run.order[o])
-    first = acts[acts[T.STEP] == acts[T.STEP].min()].groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
-    if m not in first.index or prev not in first.index:
+    if m not in first_step.index or prev not in first_step.index:
         return None
-    per_call = float(first.loc[m, T.NUMEL]) / max(float(first.loc[m, T.CALLS]), 1.0)
-    prev_per_call = float(first.loc[prev, T.NUMEL]) / max(float(first.loc[prev, T.CALLS]), 1.0)
+    per_call = float(first_step.loc[m, T.NUMEL]) / max(float(first_step.loc[m, T.CALLS]), 1.0)
+    prev_per_call = float(first_step.loc[prev, T.NUMEL]) / max(float(first_step.loc[prev, T.CALLS]), 1.0)
     return prev if per_call * d["in"] == prev_per_call * d["out"] else None
+
+
+def _first_activations(run: _Run) -> tuple[set[str], pd.DataFrame]:
+    """The modules with activation rows, and per module (index) the activation elements and calls of the
+    first sampled step."""
+    acts = run.kind(T.ACTIVATION)
+    first = acts[acts[T.STEP] == acts[T.STEP].min()].groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
+    return {str(m) for m in acts[T.MODULE].unique()}, first
 
 
 def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None) -> list[LayerBlocks]:
@@ -221,11 +235,11 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
     linear = [m for m in matmuls if taxonomy.is_linear_type(run.types.get(m, ""))]
     if not linear:
         return []
-    acts = run.kind(T.ACTIVATION)
+    act_modules = [str(m) for m in run.kind(T.ACTIVATION)[T.MODULE].unique()]
     leaves = [
         m
-        for m in acts[T.MODULE].unique()
-        if not any(o != m and (m == "" or o.startswith(m + ".")) for o in acts[T.MODULE].unique())
+        for m in act_modules
+        if not any(o != m and (m == "" or o.startswith(m + ".")) for o in act_modules)
         and not m.endswith(T.INPUT_SUFFIX)  # a layer's own input row is never another layer's input
     ]
     shapes = _fp8_shapes(run, linear, {k: dict(v) for k, v in dims.items()})
@@ -239,17 +253,25 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
         **dims,
     }
     lay = run.layers
+    # the rows of each (module, tensor), found in one pass (a filter of the whole table per layer and operand
+    # took seconds on a thousand sampled steps)
+    where = lay.groupby([T.MODULE, T.TENSOR], sort=False).indices
+
+    def rows_of(module: str, tensor: str) -> pd.DataFrame:
+        idx = where.get((module, tensor))
+        return lay.iloc[idx] if idx is not None else lay.iloc[:0]
+
+    first = _first_activations(run)
     out: list[LayerBlocks] = []
     for m in linear:
         t = run.types.get(m, "")
-        src = _input_of(run, m, leaves, dims)
+        src = _input_of(run, m, leaves, dims, first)
         w_owner = shapes[m].tied_to if shapes[m].shared and shapes[m].tied_to else m
+        weights = rows_of(w_owner, T.WEIGHT)
         rows = {
-            INPUT: lay[(lay[T.MODULE] == src) & (lay[T.TENSOR] == T.ACTIVATION)] if src is not None else None,
-            WEIGHT: lay[
-                (lay[T.MODULE] == w_owner) & (lay[T.TENSOR] == T.WEIGHT) & (lay[T.PARAM] == "weight")
-            ],
-            GRAD: lay[(lay[T.MODULE] == m) & (lay[T.TENSOR] == T.ACTIVATION_GRAD)],
+            INPUT: rows_of(src, T.ACTIVATION) if src is not None else None,
+            WEIGHT: weights[weights[T.PARAM] == "weight"],
+            GRAD: rows_of(m, T.ACTIVATION_GRAD),
         }
         lb = LayerBlocks(m, t, src)
         for recipe in T.BLOCK_RECIPES:
