@@ -15,6 +15,12 @@ part exists: it is written after the flush's other parts, so the parts of a flus
 steps part) are skipped when read, with a notice. A part that cannot be read (a torn file after a node
 failure, a disk error) is skipped with a notice, never a traceback.
 
+Merging: every ``COMPACT_EVERY`` flushes the writer merges the segment's last ones into one part per table
+named by the range (``00000000-00000063.layers.parquet``), the merged steps part last, then deletes the
+single parts: a thousand flushes are read as a few dozen files instead of four thousand. A merged range
+counts once its steps part exists; the single parts it covers are then ignored wherever a kill left them, and
+a merge cut off before its steps part is ignored in favour of the single parts, which are still there.
+
 Resume: a segment named ``s<k>@<start>`` supersedes, in every earlier segment, the rows of steps at or after
 ``start`` (they were recorded after the checkpoint the run restarted from, and are recorded again), so no
 step is counted twice.
@@ -28,7 +34,7 @@ import contextlib
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,7 +48,8 @@ from precprof import _atomic
 STREAM_DIR = "stream"
 COMMIT_TABLE = "steps"  # the part written last in each flush: its presence commits the flush
 _SEGMENT = re.compile(r"^s(\d{3,})@(-?\d+)$")
-_PART = re.compile(r"^(\d{8,})\.([a-z_]+)\.parquet$")
+_PART = re.compile(r"^(\d{8,})(?:-(\d{8,}))?\.([a-z_]+)\.parquet$")
+COMPACT_EVERY = 64  # flushes merged into one part per table
 
 
 def stream_dir(run_dir: str | os.PathLike[str]) -> Path:
@@ -87,8 +94,67 @@ def new_segment(run_dir: str | os.PathLike[str], start: int) -> Segment:
     return Segment(index, start, path)
 
 
-def part_path(segment: Path, seq: int, table: str) -> Path:
-    return segment / f"{seq:08d}.{table}.parquet"
+def part_path(segment: Path, seq: int, table: str, last: int | None = None) -> Path:
+    """The part of flush ``seq`` (or of the merged flushes ``seq``..``last``) of ``table``."""
+    span = f"{seq:08d}" if last is None else f"{seq:08d}-{last:08d}"
+    return segment / f"{span}.{table}.parquet"
+
+
+def _units(segment: Path, names: Iterable[str]) -> dict[tuple[int, int], dict[str, Path]]:
+    """The parts of a segment by (first, last) flush (a single flush: first == last), for tables ``names``."""
+    wanted = set(names)
+    units: dict[tuple[int, int], dict[str, Path]] = {}
+    for p in segment.iterdir():
+        m = _PART.match(p.name)
+        if m and m.group(3) in wanted:
+            first = int(m.group(1))
+            last = int(m.group(2)) if m.group(2) is not None else first
+            units.setdefault((first, last), {})[m.group(3)] = p
+    return units
+
+
+def _live_units(
+    units: dict[tuple[int, int], dict[str, Path]],
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(committed units in flush order, single flushes cut off while written): merged ranges with their steps
+    part, and the single flushes no such range covers; an unfinished merge and what a merge covers are left
+    out, silently (their rows are read from the other files)."""
+    ranges = [k for k, v in units.items() if k[0] != k[1] and COMMIT_TABLE in v]
+    committed: list[tuple[int, int]] = []
+    torn: list[tuple[int, int]] = []
+    for k in sorted(units):
+        if k[0] != k[1]:
+            if k in ranges:
+                committed.append(k)
+        elif not any(a <= k[0] <= b for a, b in ranges):
+            (committed if COMMIT_TABLE in units[k] else torn).append(k)
+    return committed, torn
+
+
+def compact(segment: Path, first: int, last: int, names: Iterable[str]) -> int:
+    """Merge the committed single flushes ``first``..``last`` of ``segment`` into one part per table (the steps
+    part last), then delete them. Returns the flushes merged (0: none there). A failure leaves the single
+    parts as they were: the merge's own files, without their steps part, are never read."""
+    names = tuple(names)
+    units = _units(segment, names)
+    singles = sorted(
+        k for k, v in units.items() if k[0] == k[1] and first <= k[0] <= last and COMMIT_TABLE in v
+    )
+    if len(singles) < 2:
+        return 0
+    lo, hi = singles[0][0], singles[-1][0]
+    for name in (*(n for n in names if n != COMMIT_TABLE), COMMIT_TABLE):
+        files = [units[k][name] for k in singles if name in units[k]]
+        if not files:
+            continue
+        table = concat([pq.read_table(f) for f in files])
+        assert table is not None
+        write_part(part_path(segment, lo, name, hi), table)
+    for k in singles:
+        for path in units[k].values():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    return hi - lo + 1
 
 
 def write_part(path: Path, table: pa.Table) -> None:
@@ -125,19 +191,12 @@ def read_stream(
     starts = [s.start for s in out.segments]
     for i, seg in enumerate(out.segments):
         cut = min(starts[i + 1 :], default=None)  # rows at or after it were recorded again later
-        flushes: dict[int, dict[str, Path]] = {}
-        for p in seg.path.iterdir():
-            m = _PART.match(p.name)
-            if m and m.group(2) in out.tables:
-                flushes.setdefault(int(m.group(1)), {})[m.group(2)] = p
-        committed = []
-        for seq in sorted(flushes):
-            if COMMIT_TABLE in flushes[seq]:
-                committed.append(seq)
-            else:
-                out.notices.append(
-                    f"{seg.path.name}/{seq:08d}: a flush cut off while it was written (no steps part) was skipped"
-                )
+        flushes = _units(seg.path, out.tables)
+        committed, torn = _live_units(flushes)
+        for seq, _ in torn:
+            out.notices.append(
+                f"{seg.path.name}/{seq:08d}: a flush cut off while it was written (no steps part) was skipped"
+            )
         # the steps parts first: a flush whose steps part cannot be read has no step for its other rows
         order = [COMMIT_TABLE, *(n for n in names if n != COMMIT_TABLE)] if COMMIT_TABLE in names else names
         for name in order:

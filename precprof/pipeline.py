@@ -161,7 +161,9 @@ def rerender(
     summary = T.read_summary(rd) if T.is_run_dir(rd) else {}
     rec: Any = None
     advisor_error = None
-    read = T.read_run(rd, categorical=True) if T.is_run_dir(rd) else None  # once, for the advisor and the page
+    read = (
+        T.read_run(rd, categorical=True) if T.is_run_dir(rd) else None
+    )  # once, for the advisor and the page
     if read is not None and (target is not None or not summary.get(T.SUMMARY_RECOMMENDATION)):
         machine: Any = None
         if target is not None:

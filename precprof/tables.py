@@ -278,6 +278,8 @@ def texts(column: pd.Series) -> pd.Series:
         remap = np.array([pos[c] for c in cats] + [pos.get("", 0)], dtype=np.int64)  # code -1: the last
         cat = pd.Categorical.from_codes(remap[codes], categories=uniq)
         return pd.Series(cat, index=column.index, name=column.name)
+    if isinstance(column.dtype, pd.StringDtype):  # text already: only its missing values change
+        return column.fillna("").astype(str) if column.hasnans else column.astype(str)
     return column.astype(object).where(column.notna(), "").astype(str)
 
 
@@ -542,7 +544,9 @@ def _read_stream(run_dir: Path, cats: Mapping[str, tuple[str, ...]]) -> RunTable
     out: dict[str, pd.DataFrame] = {}
     for name in TABLES:
         t = parts.concat(read.tables[name])
-        out[name] = frame(name, _to_pandas(t, cats.get(name, ()))) if t is not None and t.num_rows else empty(name)
+        out[name] = (
+            frame(name, _to_pandas(t, cats.get(name, ()))) if t is not None and t.num_rows else empty(name)
+        )
     restarts = [s.start for s in read.segments[1:]]
     steps = out["steps"]
     if not steps.empty:

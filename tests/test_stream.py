@@ -200,3 +200,97 @@ def test_the_recording_memory_stays_bounded(tmp_path: Path) -> None:
     # streamed, it holds what waits for the writer: at most the queue, the flush being written and a new one
     assert max(sizes["stream"]) <= 4 * one_step
     assert len(T.read_tables(tmp_path / "run")["steps"]) == 120
+
+
+# ------------------------------------------------------------------------------- merged parts, fast reads
+def test_parts_merge_every_few_flushes_and_read_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(parts, "COMPACT_EVERY", 3)
+    kept = tiny_run(None, 8).tables()
+    streamed = tiny_run(tmp_path / "run", 8)
+    seg = parts.segments(tmp_path / "run")[0].path
+    spans = {p.name.split(".")[0] for p in seg.iterdir() if p.name.endswith(".parquet")}
+    assert spans == {"00000000-00000002", "00000003-00000005", "00000006", "00000007"}
+    tables = streamed.tables()
+    for name in ("layers", "histograms", "memory"):
+        pd.testing.assert_frame_equal(tables[name], kept[name], check_dtype=False)
+    drop = [T.TIME_S, T.RESUMED]
+    pd.testing.assert_frame_equal(
+        tables["steps"].drop(columns=drop), kept["steps"].drop(columns=drop), check_dtype=False
+    )
+
+
+def test_a_merge_left_behind_or_cut_off_counts_each_flush_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(parts, "COMPACT_EVERY", 1000)  # no merge while it trains: the test makes them
+    run = tmp_path / "run"
+    tiny_run(run, 6)
+    seg = parts.segments(run)[0].path
+    full = T.read_run(run)
+    singles = {p.name: p.read_bytes() for p in seg.iterdir() if p.name.endswith(".parquet")}
+    assert len(singles) == 6 * 4
+
+    def restore_singles() -> None:
+        for name, data in singles.items():
+            (seg / name).write_bytes(data)
+
+    def same() -> None:
+        got = T.read_run(run)
+        assert got.notices == []
+        for name, df in full.tables.items():
+            pd.testing.assert_frame_equal(got.tables[name], df, check_dtype=False)
+
+    # a kill after the merge was committed, before it deleted the single parts: the range counts, once
+    assert parts.compact(seg, 0, 2, T.TABLES) == 3
+    assert not (seg / "00000000.steps.parquet").exists()
+    restore_singles()
+    same()
+    # a kill during a merge, before its steps part: the merge is ignored, the single parts count
+    assert parts.compact(seg, 3, 5, T.TABLES) == 3
+    (seg / "00000003-00000005.steps.parquet").unlink()
+    restore_singles()
+    same()
+    assert {p.name.split(".")[0] for p in seg.iterdir()} >= {"00000000-00000002", "00000003-00000005"}
+
+
+def test_parts_whose_column_types_differ_are_read_together(tmp_path: Path) -> None:
+    """One flush wrote a column as integers, another as floats with a missing value: the dataset read falls
+    back to reading part by part and promotes the types; nothing is lost and no notice is given."""
+    import pyarrow as pa
+
+    run = tmp_path / "run"
+    seg = parts.new_segment(run, 0)
+    a = pa.table({T.STEP: pa.array([0, 1], pa.int64()), T.LOSS: pa.array([1, 2], pa.int64())})
+    b = pa.table({T.STEP: pa.array([2, 3], pa.int64()), T.LOSS: pa.array([None, 2.5], pa.float64())})
+    parts.write_part(parts.part_path(seg.path, 0, "steps"), a)
+    parts.write_part(parts.part_path(seg.path, 1, "steps"), b)
+    read = parts.read_stream(run, ("steps",), T.STEP)
+    assert read.notices == [] and read.parts == 2
+    (t,) = read.tables["steps"]
+    assert t.column(T.STEP).to_pylist() == [0, 1, 2, 3]
+    assert t.column(T.LOSS).to_pylist() == [1.0, 2.0, None, 2.5]
+
+
+@pytest.mark.parametrize("mode,nan_at", [("fp16", None), ("bf16", None), ("fp16", 7)])
+def test_the_report_and_advisor_read_categoricals_as_they_read_text(
+    tmp_path: Path, mode: str, nan_at: int | None
+) -> None:
+    """``read_run(categorical=True)`` (what `precprof report` reads) gives the same recommendation and the same
+    page as the tables read as text."""
+    from report_fixtures import synthetic_run
+
+    from precprof.analysis import advisor
+    from precprof.report.render import render_html
+
+    tables, summary = synthetic_run(mode, steps=12, nan_at=nan_at)
+    T.write_tables(tmp_path, tables)
+    plain = T.read_run(tmp_path).tables
+    cat = T.read_run(tmp_path, categorical=True).tables
+    assert isinstance(cat["histograms"][T.MODULE].dtype, pd.CategoricalDtype)
+    assert not isinstance(plain["histograms"][T.MODULE].dtype, pd.CategoricalDtype)
+    rec_plain = advisor.recommend(plain, summary=summary).to_dict()
+    rec_cat = advisor.recommend(cat, summary=summary).to_dict()
+    assert rec_cat == rec_plain
+    assert render_html(cat, summary, rec_plain) == render_html(plain, summary, rec_plain)

@@ -43,6 +43,7 @@ class StreamWriter:
         self.error: str | None = None
         self.unwritten: list[Flush] = []
         self.parts_written = 0
+        self.compact_error: str | None = None  # why the last merge of parts failed (they stay single)
         self._seq = 0
         self._current: Flush | None = None
         self._queue: queue.Queue[Flush | None] = queue.Queue(maxsize=max(1, max_queued))
@@ -114,3 +115,8 @@ class StreamWriter:
                 continue
             parts.write_part(parts.part_path(self.segment.path, seq, name), T.to_arrow(name, df))
             self.parts_written += 1
+        if (seq + 1) % parts.COMPACT_EVERY == 0:
+            try:  # the last COMPACT_EVERY flushes as one part per table: what a reader opens stays few files
+                parts.compact(self.segment.path, seq + 1 - parts.COMPACT_EVERY, seq, T.TABLES)
+            except Exception as e:  # the single parts are still there and read as before
+                self.compact_error = f"{type(e).__name__}: {e}"

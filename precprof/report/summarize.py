@@ -340,7 +340,9 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     Returns {"requested", "rows": [{"what", "census"}], "active": bool, "verdict": str, "ok": bool}.
     """
     requested = requested_precision(summary)
-    layers = layers[[T.STEP, T.MODULE, T.TENSOR, T.DTYPE, T.NUMEL]]  # the columns it reads: filters stay narrow
+    layers = layers[
+        [T.STEP, T.MODULE, T.TENSOR, T.DTYPE, T.NUMEL]
+    ]  # the columns it reads: filters stay narrow
     census_rows: list[dict[str, Any]] = []
     for kind, what in (
         (T.WEIGHT, "parameters"),

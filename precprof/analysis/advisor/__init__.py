@@ -74,7 +74,9 @@ def _load(
         path = Path(source)
         if not path.is_dir():
             raise FileNotFoundError(f"run directory {str(path)!r} does not exist")
-        return T.read_run(path, categorical=True).tables, dict(summary if summary is not None else T.read_summary(path))
+        return T.read_run(path, categorical=True).tables, dict(
+            summary if summary is not None else T.read_summary(path)
+        )
     if isinstance(source, Mapping):
         return source, dict(summary or {})
     if callable(getattr(source, "tables", None)):

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from precprof import tables as T
@@ -159,19 +160,22 @@ def _prepare(tables: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataF
     (missing: 1), the text columns are strings; the steps table is sorted by step and its ``skipped`` column
     is plain bool (missing: False).
     """
-    layers = T.frame("layers", tables.get("layers", T.empty("layers")).copy())
+    # shallow copies: frame() may add missing columns, which must not reach the caller's tables; every column
+    # changed below is assigned anew (a deep copy of a thousand sampled steps' rows took seconds)
+    layers = T.frame("layers", tables.get("layers", T.empty("layers")).copy(deep=False))
     for c in _NUMERIC_LAYER_COLS:
-        layers[c] = pd.to_numeric(layers[c], errors="coerce")
+        layers[c] = _numeric(layers[c])
     layers = layers.dropna(subset=[T.STEP]).reset_index(drop=True)
     for c in T.COUNT_COLUMNS:
         layers[c] = layers[c].fillna(0)
     layers[T.SCALE] = layers[T.SCALE].fillna(1.0)
     for c in (T.MODULE, T.MODULE_TYPE, T.TENSOR, T.PARAM, T.DTYPE):
         layers[c] = T.texts(layers[c])
-    hist = T.frame("histograms", tables.get("histograms", T.empty("histograms")).copy())
+    hist = T.frame("histograms", tables.get("histograms", T.empty("histograms")).copy(deep=False))
     for c in (T.STEP, T.EXPONENT, T.COUNT):
-        hist[c] = pd.to_numeric(hist[c], errors="coerce")
-    hist = hist.dropna(subset=[T.EXPONENT, T.COUNT])
+        hist[c] = _numeric(hist[c])
+    if hist[T.EXPONENT].hasnans or hist[T.COUNT].hasnans:
+        hist = hist.dropna(subset=[T.EXPONENT, T.COUNT])
     steps = T.frame("steps", tables.get("steps", T.empty("steps")).copy())
     for c in (T.STEP, T.LOSS, T.LOSS_SCALE, T.GRAD_NORM):
         steps[c] = pd.to_numeric(steps[c], errors="coerce")
@@ -181,14 +185,45 @@ def _prepare(tables: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataF
     return layers, hist, steps
 
 
+def _numeric(col: pd.Series) -> pd.Series:
+    """``col`` as numbers (a text or missing value: NaN); a numeric column as it is."""
+    if pd.api.types.is_numeric_dtype(col.dtype) and not pd.api.types.is_bool_dtype(col.dtype):
+        return col
+    return pd.to_numeric(col, errors="coerce")
+
+
+def _group_sum(codes: np.ndarray, values: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The groups present among integer ``codes`` in [0, n) and the sum of ``values`` in each (a groupby's
+    result, by two bincounts)."""
+    present = np.flatnonzero(np.bincount(codes, minlength=n))
+    return present, np.bincount(codes, weights=values, minlength=n)[present]
+
+
 def _nonzero(df: pd.DataFrame) -> float:
     """Finite nonzero values in the rows of ``df`` (the denominator of every share)."""
     return float((df[T.NUMEL] - df[T.ZEROS] - df[T.NAN] - df[T.INF]).clip(lower=0).sum())
 
 
+def _rows_of_kinds(tensor: pd.Series, kinds: Iterable[str]) -> np.ndarray:
+    """Boolean mask of the rows whose tensor kind is one of ``kinds`` (on a categorical, by its codes)."""
+    kinds = tuple(kinds)
+    if isinstance(tensor.dtype, pd.CategoricalDtype):
+        wanted = [i for i, c in enumerate(tensor.cat.categories) if c in kinds]
+        return np.isin(tensor.cat.codes.to_numpy(), wanted)
+    return tensor.isin(kinds).to_numpy()
+
+
 def _exponent_counts(hist: pd.DataFrame, kinds: Iterable[str]) -> pd.Series:
-    h = hist[hist[T.TENSOR].isin(tuple(kinds))]
-    return h.groupby(T.EXPONENT)[T.COUNT].sum().astype(float)
+    """Counts per exponent (index, ascending) of the rows of ``kinds``, summed over steps and modules."""
+    sel = _rows_of_kinds(hist[T.TENSOR], kinds)
+    e = hist[T.EXPONENT].to_numpy()[sel]
+    if not len(e):
+        return pd.Series(dtype=float, index=pd.Index([], dtype="int64", name=T.EXPONENT), name=T.COUNT)
+    e = e.astype(np.int64)
+    e0 = int(e.min())
+    counts = hist[T.COUNT].to_numpy()[sel].astype(float)  # selected first: one conversion of the rows kept
+    present, sums = _group_sum(e - e0, counts, int(e.max()) - e0 + 1)
+    return pd.Series(sums, index=pd.Index(present + e0, name=T.EXPONENT), name=T.COUNT)
 
 
 def _shifted_underflow(counts: pd.Series, fmt: NumberFormat, k: int) -> tuple[float, float]:
@@ -217,9 +252,16 @@ def _lost_norm_share(hist: pd.DataFrame, fmt: NumberFormat, k: int) -> pd.Series
     e = hist[T.EXPONENT].to_numpy(dtype=float)
     energy = hist[T.COUNT].to_numpy(dtype=float) * 4.0**e
     lost = energy * ((e + k + 1) <= _log2i(fmt.underflow_max))
-    df = pd.DataFrame({T.MODULE: hist[T.MODULE].to_numpy(), "energy": energy, "lost": lost})
-    by = df.groupby(T.MODULE)[["energy", "lost"]].sum()
-    by = by[by["energy"] > 0]
+    modules = hist[T.MODULE]
+    if not isinstance(modules.dtype, pd.CategoricalDtype):
+        modules = modules.astype("category")
+    names = np.asarray(modules.cat.categories, dtype=object)
+    codes = modules.cat.codes.to_numpy().astype(np.int64)
+    keep = codes >= 0  # a row without a module name belongs to no module (as a groupby drops it)
+    present, e_sum = _group_sum(codes[keep], energy[keep], len(names))
+    _, l_sum = _group_sum(codes[keep], lost[keep], len(names))
+    by = pd.DataFrame({"energy": e_sum, "lost": l_sum}, index=pd.Index(names[present], name=T.MODULE))
+    by = by[by["energy"] > 0].sort_index()
     return (by["lost"] / by["energy"]) ** 0.5
 
 
@@ -285,7 +327,7 @@ def _grad_absmax(run: _Run) -> tuple[float | None, float | None]:
     if g.empty:
         return None, None
     finite = g[T.ABSMAX].dropna()
-    finite = finite[(finite > 0) & finite.map(math.isfinite)]
+    finite = finite[(finite > 0) & np.isfinite(finite.to_numpy(dtype=float))]
     amax = float(finite.max()) if not finite.empty else None
     infs = g[(g[T.INF] > 0) & _dtype_has(g, "float16") & (g[T.SCALE] > 0)]
     bound = float((FP16.overflow_min / infs[T.SCALE]).max()) if not infs.empty else None

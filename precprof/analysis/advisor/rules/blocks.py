@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from precprof import hardware as hw_mod
@@ -252,14 +253,17 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
         },
         **dims,
     }
-    lay = run.layers
-    # the rows of each (module, tensor), found in one pass (a filter of the whole table per layer and operand
-    # took seconds on a thousand sampled steps)
-    where = lay.groupby([T.MODULE, T.TENSOR], sort=False).indices
+    # the numeric columns _losses reads, and each (module, tensor, param)'s rows found in one groupby: a filter
+    # of the whole table per layer and operand took seconds on a thousand sampled steps, and row selections
+    # of text columns are slow too
+    num = run.layers[[T.NUMEL, T.ZEROS, T.NAN, T.INF] + [c for c in T.BLOCK_COLUMNS if c in run.layers]]
+    where: dict[tuple[str, str], list[tuple[str, np.ndarray]]] = {}
+    for (m, t, p), i in run.layers.groupby([T.MODULE, T.TENSOR, T.PARAM], sort=False).indices.items():
+        where.setdefault((str(m), str(t)), []).append((str(p), i))
 
-    def rows_of(module: str, tensor: str) -> pd.DataFrame:
-        idx = where.get((module, tensor))
-        return lay.iloc[idx] if idx is not None else lay.iloc[:0]
+    def rows_of(module: str, tensor: str, param: str | None = None) -> pd.DataFrame:
+        idx = [i for p, i in where.get((module, tensor), []) if param in (None, p)]
+        return num.iloc[np.sort(np.concatenate(idx))] if idx else num.iloc[:0]
 
     first = _first_activations(run)
     out: list[LayerBlocks] = []
@@ -267,10 +271,9 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
         t = run.types.get(m, "")
         src = _input_of(run, m, leaves, dims, first)
         w_owner = shapes[m].tied_to if shapes[m].shared and shapes[m].tied_to else m
-        weights = rows_of(w_owner, T.WEIGHT)
         rows = {
             INPUT: rows_of(src, T.ACTIVATION) if src is not None else None,
-            WEIGHT: weights[weights[T.PARAM] == "weight"],
+            WEIGHT: rows_of(w_owner or m, T.WEIGHT, "weight"),
             GRAD: rows_of(m, T.ACTIVATION_GRAD),
         }
         lb = LayerBlocks(m, t, src)

@@ -171,10 +171,12 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         return
     shapes = _fp8_shapes(run, linear, dims)
     e4, e5 = T.underflow_cs_col(FP8_E4M3.name), T.underflow_cs_col(FP8_E5M2.name)
-    lay = run.layers[run.layers[T.MODULE].isin(linear)]
+    cols = [T.MODULE, T.TENSOR, T.NUMEL, T.ZEROS, T.NAN, T.INF, e4, e5]
+    lay = run.layers.loc[run.layers[T.MODULE].isin(linear), cols]  # the columns read: a narrow copy
+    by_module = lay.groupby(T.MODULE, sort=False).indices
     rows: list[tuple[str, float | None, float | None, str]] = []
     for m in linear:
-        mine = lay[lay[T.MODULE] == m]
+        mine = lay.iloc[by_module[m]] if m in by_module else lay.iloc[:0]
         fwd = mine[mine[T.TENSOR].isin((T.ACTIVATION, T.WEIGHT))]
         bwd = mine[mine[T.TENSOR] == T.ACTIVATION_GRAD]
         f_share = _share(float(fwd[e4].sum()), _nonzero(fwd))
