@@ -101,11 +101,21 @@ def train(
 
 
 def renumbered(flush: Flush, step: int) -> Flush:
-    """The same rows as ``flush``, as step ``step`` (arrays copied, as each real step brings new ones)."""
+    """The rows of ``flush`` as step ``step``, their numbers varied as a real step's would be (each count and
+    statistic times a random factor in [0.5, 1.5), step by step): identical steps would compress far better on
+    disk than real ones, once parts are merged."""
+    rng = np.random.default_rng(step)
 
     def part(p: dict[str, Any]) -> dict[str, Any]:
         out = {k: (v.copy() if isinstance(v, np.ndarray) else list(v)) for k, v in p.items()}
         n = len(next(iter(p.values())))
+        for k, v in out.items():
+            if k in (T.STEP, T.ORDER, T.EXPONENT, T.CALLS) or not isinstance(v, np.ndarray):
+                continue
+            if v.dtype.kind in "iu":
+                out[k] = np.rint(v * rng.uniform(0.5, 1.5, n)).astype(v.dtype)
+            elif v.dtype.kind == "f":
+                out[k] = v * rng.uniform(0.5, 1.5, n).astype(v.dtype)
         out[T.STEP] = np.full(n, step, dtype=np.int64)
         return out
 
@@ -137,8 +147,35 @@ def replay(flush: Flush, run_dir: Path, n: int, checkpoints: tuple[int, ...]) ->
     rec.sink.close()
     # the queue is bounded, so this is the writer thread's pace: seconds of writing per sampled step
     out["writer_s_per_sampled_step"] = (time.perf_counter() - t0) / n
+    out["stream_files"] = sum(1 for _ in (run.path / parts.STREAM_DIR).rglob("*.parquet"))
     run.release()
     return out
+
+
+def merge_cost(flush: Flush, tmp: Path) -> dict[str, Any]:
+    """Seconds the writer thread spends merging ``COMPACT_EVERY`` flushes of these rows (every 64 sampled
+    steps, on the writer thread), beside the seconds it spends writing them one by one."""
+    seg = parts.new_segment(tmp, 0)
+    rec = Recorded(StreamWriter(tmp, seg))
+    old, parts.COMPACT_EVERY = parts.COMPACT_EVERY, 1 << 30  # write singles only, merge by hand below
+    try:
+        t0 = time.perf_counter()
+        for i in range(old):
+            rec.new = renumbered(flush, i)
+            rec.take()
+        rec.sink.close()
+        write_s = time.perf_counter() - t0
+    finally:
+        parts.COMPACT_EVERY = old
+    t0 = time.perf_counter()
+    merged = parts.compact(seg.path, 0, old - 1, T.TABLES)
+    merge_s = time.perf_counter() - t0
+    return {
+        "flushes": merged,
+        "merge_s": merge_s,
+        "write_s": write_s,
+        "merge_over_writing": merge_s / write_s,
+    }
 
 
 def report_time(run_dir: Path) -> dict[str, Any]:
@@ -208,10 +245,12 @@ def main() -> None:
         print(json.dumps(small, indent=1), flush=True)
         r = report_time(tmp / "small")
         result["gpt2_small"]["report_killed_run"] = r
+        result["gpt2_small"]["merge"] = merge_cost(flush_small, tmp / "merge-small")
         # 3. gpt2-medium: report time over 1,000 sampled steps, as killed and as saved
         _, _, med = train("gpt2-medium", 1, None)
         medium = replay(med[-1], tmp / "medium", args.medium_steps, (args.medium_steps,))
         medium["report_killed_run"] = report_time(tmp / "medium")
+        medium["report_killed_run_again"] = report_time(tmp / "medium")  # warm file cache
         print(json.dumps(medium, indent=1), flush=True)
         t0 = time.perf_counter()
         tables = T.read_tables(tmp / "medium")
@@ -223,6 +262,11 @@ def main() -> None:
         del tables
         medium["run_dir_mb_saved"] = dir_mb(tmp / "medium")
         medium["report_saved_run"] = report_time(tmp / "medium")
+        medium["report_saved_run_again"] = report_time(tmp / "medium")
+        # the report of the same model over 10 sampled steps: what does not grow with the run
+        ten = replay(med[-1], tmp / "medium10", 10, (10,))
+        medium["report_10_sampled_steps_killed_run"] = report_time(tmp / "medium10")
+        medium["run_dir_mb_10"] = ten["at_10"]["run_dir_mb"]
         result["gpt2_medium"] = copy.deepcopy(medium)
         print(json.dumps(medium, indent=1), flush=True)
     finally:
