@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -293,4 +294,7 @@ def test_the_report_and_advisor_read_categoricals_as_they_read_text(
     rec_plain = advisor.recommend(plain, summary=summary).to_dict()
     rec_cat = advisor.recommend(cat, summary=summary).to_dict()
     assert rec_cat == rec_plain
-    assert render_html(cat, summary, rec_plain) == render_html(plain, summary, rec_plain)
+    stamp = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC")  # when the page was made
+    a = stamp.sub("", render_html(cat, summary, rec_plain))
+    b = stamp.sub("", render_html(plain, summary, rec_plain))
+    assert a == b
