@@ -118,7 +118,8 @@ def test_screenshot_is_not_blank_and_images_decode(precision: str, runs_base: Pa
     m = re.search(r'data-probe="([^"]*)"', dom)
     assert m is not None, "the probe script did not run"
     widths = [int(w) for w in m.group(1).split(",")]
-    assert len(widths) == report.read_text().count("<img ") == 5
+    # training curves, "over the run", three heatmaps, memory
+    assert len(widths) == report.read_text().count("<img ") == 6
     assert all(w >= 800 for w in widths), widths
     assert '<html lang="en" class="js">' in dom  # the page's own script ran without an error before it
 
@@ -129,7 +130,7 @@ def test_screenshot_is_not_blank_and_images_decode(precision: str, runs_base: Pa
     nojs_page = tmp_path / "nojs.html"
     nojs_page.write_text(re.sub(r"<script>.*?</script>", "", text, flags=re.S))
     nojs = chromium(["--dump-dom", nojs_page.as_uri()], tmp_path / "p3").stdout
-    assert '<html lang="en">' in nojs and 'id="verdict"' in nojs and nojs.count("<img ") == 5
+    assert '<html lang="en">' in nojs and 'id="verdict"' in nojs and nojs.count("<img ") == 6
 
 
 def layout(page: Path, width: int, tmp: Path) -> dict:

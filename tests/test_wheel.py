@@ -139,5 +139,5 @@ def test_wheel_ships_templates_and_renders_outside_the_repo(tmp_path: Path) -> N
     subprocess.run([str(venv / "bin" / "precprof"), "report", str(run_dir)], cwd=cwd, check=True, timeout=300)
     for page in (cwd / "api.html", run_dir / T.REPORT_FILE):
         text = page.read_text()
-        assert 'id="verdict"' in text and 'id="environment"' in text and text.count("<img ") == 5
+        assert 'id="verdict"' in text and 'id="environment"' in text and text.count("<img ") == 6
         assert 'class="fmt fmt-fp16">FP16' in text
