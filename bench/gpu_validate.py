@@ -4,11 +4,15 @@ Stages, each wrapped (a failure is recorded and the next stage runs), the JSON r
 command stopped at its time limit still leaves what it measured:
 
   env         torch, triton, driver, device, capability, a hash of precprof's source files
-  tests       the GPU tests, one process per test file (a device-side assert cannot take the others down)
+  tests       the GPU tests, one process per test file (a device-side assert cannot take the others down), 4 at once
   kernels     throughput of the row statistics (Triton and torch-op engines) and the block-format what-if, fp32
               and bf16, 1M-256M elements, in GB/s of the tensor's bytes, against x.sum() of the same tensor
+  compile     each Triton kernel's compile time in a fresh process with an empty cache (what attach() costs on
+              a machine's first run), row kernels and block kernels per dtype
   first_step  attach, first sampled step and a later sampled step, in a fresh process with an empty Triton cache
               (cold) and again with the cache it left (warm): goal first / later <= 1.5
+  profile     where a sampled step's time goes: torch.profiler's CUDA kernels and CPU ops of one sampled step
+              of gpt2-small bf16 8x1024 (top 25 each, launches counted), and cProfile's Python functions
   syncs       a sampled step's hooks under set_sync_debug_mode("error"), the device-to-host copies in
               prof.step() (goal 1), and the user's max_memory_allocated() with and without precprof (equal)
   overhead    bench/overhead.py: gpt2-small bf16 8x1024, every configuration interleaved
@@ -49,7 +53,7 @@ import precprof  # noqa: E402
 from precprof import tables as T  # noqa: E402
 from precprof.stats import StatsBuffer, blocks, transfer  # noqa: E402
 
-STAGES = ("env", "tests", "kernels", "first_step", "syncs", "overhead", "memory")
+STAGES = ("env", "tests", "kernels", "compile", "first_step", "profile", "syncs", "overhead", "memory")
 MIB = 1 << 20
 
 
@@ -180,37 +184,38 @@ def gpu_test_files() -> list[Path]:
     return out
 
 
+def _run_test_file(run: Run, p: Path, timeout_s: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(p)]
+    if "pytest.mark.gpu" in p.read_text():
+        cmd += ["-m", "gpu"]  # that file's GPU tests; its CPU tests run in CI
+    if run.dry:
+        cmd.append("--collect-only")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired as e:
+        return {"status": "timeout", "timeout_s": timeout_s, "tail": str(e.stdout or "")[-2000:]}
+    text = r.stdout + r.stderr
+    counts = {k: int(n) for n, k in _SUMMARY.findall(text.splitlines()[-1] if text.strip() else "")}
+    if run.dry:
+        counts = {"collected": len(re.findall(r"::", r.stdout))}
+    rec: dict[str, Any] = {"rc": r.returncode, "seconds": round(time.perf_counter() - t, 1), **counts}
+    if r.returncode not in (0, 5):
+        rec["tail"] = text[-3000:]
+    return rec
+
+
 def stage_tests(run: Run) -> dict[str, Any]:
+    """Each GPU test file in its own process (a device-side assert cannot take the others down), four at once:
+    the GPU has room for them, and the stage's minutes are the session's device time."""
+    from concurrent.futures import ThreadPoolExecutor
+
     files = gpu_test_files()
-    results: dict[str, Any] = {}
-    for p in files:
-        per_file = max(30.0, min(240.0, run.left() - 60))
-        if run.left() < 60:
-            results[p.name] = {"status": "skipped", "reason": "budget"}
-            continue
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(p)]
-        if "pytest.mark.gpu" in p.read_text():
-            cmd += ["-m", "gpu"]  # that file's GPU tests; its CPU tests run in CI
-        if run.dry:
-            cmd.append("--collect-only")
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        try:
-            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=per_file, env=env)
-        except subprocess.TimeoutExpired as e:
-            results[p.name] = {
-                "status": "timeout",
-                "timeout_s": per_file,
-                "tail": str(e.stdout or "")[-2000:],
-            }
-            continue
-        text = r.stdout + r.stderr
-        counts = {k: int(n) for n, k in _SUMMARY.findall(text.splitlines()[-1] if text.strip() else "")}
-        if run.dry:
-            counts = {"collected": len(re.findall(r"::", r.stdout))}
-        rec: dict[str, Any] = {"rc": r.returncode, **counts}
-        if r.returncode not in (0, 5):
-            rec["tail"] = text[-3000:]
-        results[p.name] = rec
+    timeout_s = max(30.0, min(240.0, run.left() - 60))
+    with ThreadPoolExecutor(max_workers=1 if run.dry else 4) as pool:
+        futures = {p.name: pool.submit(_run_test_file, run, p, timeout_s) for p in files}
+        results = {name: f.result() for name, f in futures.items()}
     failed = [n for n, r in results.items() if r.get("rc") not in (0, 5)]
     return {"files": results, "failed_files": failed, "collected_only": run.dry}
 
@@ -309,6 +314,117 @@ def stage_first_step(run: Run) -> dict[str, Any]:
     return out
 
 
+_COMPILE = r"""
+import json, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from precprof.stats import triton_engine as te, triton_block as tb
+from precprof.stats import blocks as _blocks
+from precprof.stats.layout import LAYOUT
+dev = torch.device("cuda", 0)
+torch.zeros(1, device=dev); torch.cuda.synchronize()
+out = {}
+t = time.perf_counter(); te._kernels(); tb._kernels(); out["import_kernels_s"] = time.perf_counter() - t
+rows = te.TritonRows(dev, LAYOUT)
+for dt in (torch.float32, torch.bfloat16, torch.float16):
+    name = str(dt).removeprefix("torch.")
+    for v in te.variants_of([dt]):
+        t = time.perf_counter()
+        kernel = rows._launch(v, (1,), te._example(v, dev), (1, 0, 1, 1, 1, 1, 1), rows.layout.empty_rows(1, dev), 0, True)
+        init = getattr(kernel, "_init_handles", None)
+        if init is not None: init()
+        out[f"rows_{name}_{'strided' if v.strided else 'aligned' if v.aligned else 'unaligned'}_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    n = tb.warm(dev, [dt], _blocks.RECIPES)
+    out[f"blocks_{name}_s"] = time.perf_counter() - t
+    out[f"blocks_{name}_kernels"] = n
+print("RESULT " + json.dumps(out))
+"""
+
+
+def stage_compile(run: Run) -> dict[str, Any]:
+    if not run.cuda:
+        raise _Skip("needs CUDA: the kernels compile for the device's target")
+    with tempfile.TemporaryDirectory(prefix="precprof-triton-cache-") as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
+        r = subprocess.run(
+            [sys.executable, "-c", _COMPILE, str(ROOT)],
+            capture_output=True,
+            text=True,
+            timeout=max(30.0, min(300.0, run.left() - 30)),
+            env=env,
+        )
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"exited {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")
+    res = json.loads(line[len("RESULT ") :])
+    res["total_s"] = sum(v for k, v in res.items() if k.endswith("_s") and k != "import_kernels_s")
+    return res
+
+
+def stage_profile(run: Run) -> dict[str, Any]:
+    import cProfile
+    import io
+    import pstats
+
+    import torch.nn.functional as F
+
+    from precprof.models import build_model
+
+    name, batch, seq = ("gpt-nano", 2, 32) if not run.cuda else ("gpt2-small", 8, 1024)
+    torch.manual_seed(0)
+    model = build_model(name, vocab_size=256, seq_len=seq).module.to(run.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 256, (batch, seq), device=run.device)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1).attach()
+
+    def step() -> None:
+        with torch.autocast(run.device.type, dtype=torch.bfloat16):
+            logits = model(x)
+        F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        prof.step()
+        _sync(run.device)
+
+    for _ in range(3):
+        step()
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if run.cuda:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as tp:
+        step()
+    ka = tp.key_averages()
+    dev_key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+    out: dict[str, Any] = {"model": name, "batch": batch, "seq": seq}
+    if run.cuda:
+        kernels = [e for e in ka if getattr(e, dev_key, 0) > 0]
+        out["device_ms_total"] = sum(getattr(e, dev_key) for e in kernels) / 1e3
+        out["device_top"] = [
+            {"name": e.key[:120], "calls": e.count, "ms": getattr(e, dev_key) / 1e3}
+            for e in sorted(kernels, key=lambda e: -getattr(e, dev_key))[:25]
+        ]
+        launches = [e for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")]
+        out["kernel_launches"] = sum(e.count for e in launches)
+    out["cpu_top"] = [
+        {"name": e.key[:120], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
+        for e in sorted(ka, key=lambda e: -e.self_cpu_time_total)[:25]
+    ]
+    pr = cProfile.Profile()
+    t = time.perf_counter()
+    pr.enable()
+    step()
+    pr.disable()
+    out["cprofile_step_s"] = time.perf_counter() - t
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(45)
+    out["cprofile_cumulative"] = buf.getvalue()[-9000:]
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+    out["cprofile_tottime"] = buf.getvalue()[-7000:]
+    prof.detach()
+    return out  # the model and optimizer go with this frame; the next stage empties the cache
+
+
 def stage_syncs(run: Run) -> dict[str, Any]:
     if not run.cuda:
         raise _Skip("needs CUDA: set_sync_debug_mode and the allocator's counters are CUDA's")
@@ -332,7 +448,7 @@ def stage_syncs(run: Run) -> dict[str, Any]:
             try:
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     logits = model(x)
-                F.cross_entropy(logits.float().reshape(-1, 256), x.reshape(-1)).backward()
+                F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x.reshape(-1)).backward()
                 opt.step()
             except RuntimeError as e:
                 if "synchroniz" not in str(e):
@@ -416,7 +532,12 @@ def stage_memory(run: Run) -> dict[str, Any]:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         x = torch.randint(0, 256, (batch, seq), device=run.device)
         prof = precprof.Profiler(
-            model, optimizer=opt, sample_every=1, reset_peak_memory=True, block_formats=False
+            model,
+            optimizer=opt,
+            sample_every=1,
+            reset_peak_memory=True,
+            block_formats=False,
+            memory_peak=True,
         )
         with prof:
             for _ in range(2):
@@ -428,23 +549,33 @@ def stage_memory(run: Run) -> dict[str, Any]:
                 prof.step()
         mem = prof.tables()["memory"]
         last = mem[mem[T.STEP] == mem[T.STEP].max()]
-        per = last.groupby(T.COMPONENT)[T.BYTES].sum()
-        named = {str(c): int(v) for c, v in per.items() if c not in T.MEMORY_PEAK_COMPONENTS}
-        peak = (
-            int(last[last[T.COMPONENT] == T.ALLOCATOR_PEAK][T.BYTES].max())
-            if (last[T.COMPONENT] == T.ALLOCATOR_PEAK).any()
-            else None
-        )
+        # what was allocated at the step's peak moment, part by part (the allocator's cache beside it)
+        at_peak = last[last[T.MOMENT] == T.MOMENT_PEAK]
+        per = at_peak.groupby(T.COMPONENT)[T.BYTES].sum()
+        parts = {str(c): int(v) for c, v in per.items() if c != T.ALLOCATOR_CACHE}
+        peaks = last[last[T.COMPONENT] == T.ALLOCATOR_PEAK]
+        peak = int(peaks[T.BYTES].max()) if len(peaks) else None
+        other = parts.get(T.OTHER_MEMORY, 0)
         out[precision] = {
-            "components": named,
-            "named_bytes": sum(named.values()),
+            "parts_at_peak": parts,
+            "allocator_cache_at_peak": int(per.get(T.ALLOCATOR_CACHE, 0)),
+            "parts_bytes": sum(parts.values()),
             "allocator_peak": peak,
-            "named_share_of_peak": sum(named.values()) / peak if peak else None,
+            "phase_of_peak": str(at_peak[T.PHASE].iloc[0]) if len(at_peak) else None,
+            "parts_over_peak": sum(parts.values()) / peak if peak else None,
+            "other_share_of_peak": other / peak if peak else None,
+            "temporaries_by_phase": {
+                str(m): int(b)
+                for m, b in at_peak[at_peak[T.COMPONENT] == T.TEMPORARIES]
+                .groupby(T.MODULE)[T.BYTES]
+                .sum()
+                .items()
+            },
         }
         del model, opt, prof
         if run.cuda:
             torch.cuda.empty_cache()
-    out["goal_named_share"] = 0.9
+    out["goal"] = "parts_over_peak == 1, other_share_of_peak <= 0.10"
     return out
 
 
@@ -477,7 +608,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "env": 1,
         "tests": 60,
         "kernels": 20,
+        "compile": 30,
         "first_step": 40,
+        "profile": 30,
         "syncs": 20,
         "overhead": 60,
         "memory": 20,
@@ -486,7 +619,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "env": stage_env,
         "tests": stage_tests,
         "kernels": stage_kernels,
+        "compile": stage_compile,
         "first_step": stage_first_step,
+        "profile": stage_profile,
         "syncs": stage_syncs,
         "overhead": stage_overhead,
         "memory": stage_memory,

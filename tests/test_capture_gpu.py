@@ -84,6 +84,6 @@ def test_attach_before_cuda_and_an_offloaded_layer() -> None:
     layers = prof.tables()["layers"]
     used = prof.summary()["stats_engine"]["used"]
     assert set(used) == {"cpu", "cuda:0"} and used["cuda:0"] == "triton"
-    w = layers[(layers[T.MODULE] == "a") & (layers[T.TENSOR] == T.WEIGHT)]
+    w = layers[(layers[T.MODULE] == "a") & (layers[T.TENSOR] == T.WEIGHT) & (layers[T.PARAM] == "weight")]
     assert len(w) == 2 and int(w[T.NUMEL].iloc[0]) == 64 * 64
     assert not prof.summary()["skipped_tensors"]

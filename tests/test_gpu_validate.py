@@ -26,11 +26,23 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads(out.read_text())
     stages = data["stages"]
-    assert list(stages) == ["env", "tests", "kernels", "first_step", "syncs", "overhead", "memory"]
+    assert list(stages) == [
+        "env",
+        "tests",
+        "kernels",
+        "compile",
+        "first_step",
+        "profile",
+        "syncs",
+        "overhead",
+        "memory",
+    ]
     for name, rec in stages.items():
         assert rec["status"] in ("ok", "skipped"), (name, rec)
         assert rec["status"] == "ok" or rec["reason"], name
-    assert stages["syncs"]["status"] == "skipped" and "CUDA" in stages["syncs"]["reason"]
+    for name in ("syncs", "compile"):
+        assert stages[name]["status"] == "skipped" and "CUDA" in stages[name]["reason"]
+    assert stages["profile"]["cpu_top"] and "cumulative" in stages["profile"]["cprofile_cumulative"]
     assert len(stages["env"]["source_sha256"]) == 64
     files = stages["tests"]["files"]
     assert "test_stats_gpu.py" in files and "test_triton_block.py" in files
@@ -47,7 +59,10 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
         assert len(first["steps_s"]) == 6 and first["first_over_later_sampled"] > 0
     results = stages["overhead"]["overhead"]["results"]
     assert set(results) == {"baseline", "precprof_1", "precprof_10"}
-    assert stages["memory"]["bf16"]["components"]["parameters"] > 0
+    for precision in ("bf16", "fp32"):
+        mem = stages["memory"][precision]
+        # every byte of the peak in one part (on the CPU: the profiler's replay, as the built-in loop runs it)
+        assert mem["parts_at_peak"]["parameters"] > 0 and mem["parts_bytes"] == mem["allocator_peak"]
 
 
 def test_a_bad_stage_is_one_line() -> None:

@@ -22,7 +22,7 @@ from precprof.analysis.advisor import recommend
 from precprof.analysis.memory_projection import project
 from precprof.capture import Profiler
 from precprof.capture.memory_tracker import MemoryTracker
-from precprof.capture.peak import ALLOC, FREE, SEGMENT_ALLOC, Events, Label, replay
+from precprof.capture.peak import ALLOC, FREE, SEGMENT_ALLOC, CudaHistory, Events, Label, block_bytes, replay
 from precprof.models import build_model
 
 KIB = 1024
@@ -42,6 +42,7 @@ class FakeCudaAllocator:
         self.allocated = self.peak = self.reserved = self.peak_reserved = 0
         self.n_alloc = self.n_free = 0
         self.blocks: dict[int, int] = {}
+        self.requested: dict[int, int] = {}
         self.cached: dict[int, list[int]] = {}  # size -> freed addresses
         self.next_addr = 1 << 32
         self.history = False
@@ -63,19 +64,23 @@ class FakeCudaAllocator:
         else:
             addr, self.next_addr = self.next_addr, self.next_addr + size
         self.blocks[addr] = size
+        self.requested[addr] = nbytes
         self.allocated += size
         self.peak = max(self.peak, self.allocated)
         self.n_alloc += 1
-        self._record("alloc", addr, size)
+        self._record(
+            "alloc", addr, nbytes
+        )  # the history records the size asked for, the counters the block's
         return addr
 
     def free(self, addr: int) -> None:
         size = self.blocks.pop(addr)
+        nbytes = self.requested.pop(addr)
         self.allocated -= size
         self.n_free += 1
         self.cached.setdefault(size, []).append(addr)
-        self._record("free_requested", addr, size)
-        self._record("free_completed", addr, size)
+        self._record("free_requested", addr, nbytes)
+        self._record("free_completed", addr, nbytes)
 
     # torch.cuda's API
     def memory_allocated(self, device: Any = None) -> int:
@@ -281,6 +286,50 @@ def test_a_program_that_records_the_allocator_history_itself_is_left_alone(
     counted = [r for r in rows if r[T.COMPONENT] in (T.ALLOCATOR_PEAK, T.ALLOCATOR_SEEN_MAX)]
     assert counted and max(r[T.BYTES] for r in counted) == dev.max_memory_allocated()
     assert any(r[T.COMPONENT] == T.PARAMETERS for r in rows)  # the components are still measured
+
+
+def test_the_history_counts_each_block_as_the_allocator_counts_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The allocator's history records the bytes asked for (a loss: 4 bytes), its counters the block's (512):
+    replayed, the step's allocations reach the counter's peak to the byte (on an H100 the replayed peak was
+    988 bytes short of max_memory_allocated() before the sizes were rounded)."""
+    assert [block_bytes(n) for n in (1, 4, 511, 512, 513, 1000, 1 << 20, (1 << 20) + 1)] == [
+        512,
+        512,
+        512,
+        512,
+        1024,
+        1024,
+        1 << 20,
+        (1 << 20) + 512,
+    ]
+    dev = FakeCudaAllocator()
+    dev.install(monkeypatch)
+    held = dev.malloc(3000)  # before the step: 3072 bytes
+    history = CudaHistory(torch.device("cuda", 0))
+    assert history.start() is None
+    loss = dev.malloc(4)
+    tmp = dev.malloc(1000)
+    dev.free(tmp)
+    grad = dev.malloc(513)
+    dev.free(loss)
+    events, note = history.stop()
+    assert note == "" and events is not None
+    assert events.start == {held: 3072}
+    assert [(k, s) for k, s in zip(events.kinds, events.sizes, strict=True)] == [
+        (ALLOC, 512),
+        (ALLOC, 1024),
+        (FREE, 1024),
+        (ALLOC, 1024),
+        (FREE, 512),
+    ]
+    live = running = sum(events.start.values())
+    for k, s in zip(events.kinds, events.sizes, strict=True):
+        running += s if k == ALLOC else -s if k == FREE else 0
+        live = max(live, running)
+    assert live == dev.max_memory_allocated() == 3072 + 512 + 1024
+    assert running == dev.memory_allocated()
+    dev.free(grad)
+    dev.free(held)
 
 
 # ------------------------------------------------------------------------------------------ the replay

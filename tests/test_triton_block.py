@@ -241,12 +241,12 @@ def test_tiles_and_programs_change_no_count_and_results_repeat_bitwise() -> None
 
 
 def test_user_errors() -> None:
-    x = torch.ones(4, 32)
+    x = torch.ones(4, 32, device=DEV)
     cases = [
         lambda: tb.block_stats_triton(x.double(), FP4, -1),
         lambda: tb.block_stats_triton(x.int(), FP4, -1),
-        lambda: tb.block_stats_triton(torch.tensor(1.0), FP4, -1),
-        lambda: tb.block_stats_triton(torch.ones(32), FP4, -2),
+        lambda: tb.block_stats_triton(torch.tensor(1.0, device=DEV), FP4, -1),
+        lambda: tb.block_stats_triton(torch.ones(32, device=DEV), FP4, -2),
         lambda: tb.block_stats_triton(x, FP4, 2),
         lambda: tb.block_stats_triton(x, FP4, -1, tile=24),
         lambda: tb.block_stats_triton(x, [bf.BlockRecipe("mx16", bf.FP4_E2M1, 16, "e8m0")], -1),

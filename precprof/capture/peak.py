@@ -166,7 +166,8 @@ class CudaHistory:
             if kind is not None:
                 ev.kinds.append(kind)
                 ev.ptrs.append(int(e.get("addr", 0)))
-                ev.sizes.append(int(e.get("size", 0)))
+                size = int(e.get("size", 0))
+                ev.sizes.append(size if kind in (SEGMENT_ALLOC, SEGMENT_FREE) else block_bytes(size))
         # the blocks and segments held now, walked back through the history: those held when the step began
         live: dict[int, int] = {}
         reserved = 0
@@ -189,6 +190,15 @@ class CudaHistory:
         ev.start, ev.reserved_start = live, max(reserved, 0)
         ev.marks = _marks_from_counts(ev.kinds, self._counts)
         return ev, ""
+
+
+def block_bytes(requested: int) -> int:
+    """The bytes the CUDA caching allocator counts (``allocated_bytes``) for a request of ``requested`` bytes:
+    its history records the size asked for, its counters the block's, rounded up to a multiple of 512 (at
+    least 512). A cached block it hands out without splitting may hold up to 1 MiB more (a large block whose
+    remainder would be under 1 MiB); the history cannot show that, so a replayed peak can be below the
+    counter by that much per such block, never above it."""
+    return max(512, -(-requested // 512) * 512)
 
 
 _CUDA_ACTIONS = {

@@ -507,8 +507,11 @@ class DeviceRows:
             return
         slots = self._block_slot[sl]
         slots = slots[slots >= 0]
-        if len(slots):
-            self._blocks[torch.from_numpy(slots).to(self._blocks.device)] = 0.0
+        # zeroed in runs of consecutive slots, by views: an index tensor would be a host-to-device copy (from
+        # pageable memory, a sync) inside the hook that clears an accumulated gradient's row
+        breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+        for run in np.split(slots, breaks) if len(slots) else []:
+            self._blocks[int(run[0]) : int(run[-1]) + 1].zero_()
 
     def accumulate_blocks(self, x: torch.Tensor, row: int) -> None:
         """Add the block-format statistics of ``x`` (ndim >= 2, on this device; both orientations, every
