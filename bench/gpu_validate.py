@@ -31,6 +31,7 @@ that the plumbing is tested where no GPU is (tests/test_gpu_validate.py).
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -68,6 +69,7 @@ class Run:
         self.cuda = torch.cuda.is_available() and not dry
         self.device = torch.device("cuda" if self.cuda else "cpu")
         self.data: dict[str, Any] = {"dry_run": dry, "device": self.device.type, "stages": {}}
+        self.compile_serial = False
 
     def left(self) -> float:
         return self.budget_s - (time.perf_counter() - self.t0)
@@ -84,6 +86,11 @@ class Run:
                 "reason": f"budget: {self.left():.0f} s left, needs {need_s:.0f}",
             }
         else:
+            # what an earlier stage left (a model held by a reference cycle of its hooks) must not count as
+            # this stage's memory: on an H100 it was 13-19% of the memory stage's peak, named "other"
+            gc.collect()
+            if self.cuda:
+                torch.cuda.empty_cache()
             try:
                 rec = {"status": "ok", **fn(self)}
             except _Skip as e:
@@ -315,50 +322,62 @@ def stage_first_step(run: Run) -> dict[str, Any]:
 
 
 _COMPILE = r"""
-import json, sys, time, torch
+import json, os, sys, time, torch
 sys.path.insert(0, sys.argv[1])
-from precprof.stats import triton_engine as te, triton_block as tb
+from precprof.stats import StatsBuffer, triton_engine as te, triton_block as tb
 from precprof.stats import blocks as _blocks
 from precprof.stats.layout import LAYOUT
 dev = torch.device("cuda", 0)
 torch.zeros(1, device=dev); torch.cuda.synchronize()
-out = {}
-t = time.perf_counter(); te._kernels(); tb._kernels(); out["import_kernels_s"] = time.perf_counter() - t
-rows = te.TritonRows(dev, LAYOUT)
-for dt in (torch.float32, torch.bfloat16, torch.float16):
-    name = str(dt).removeprefix("torch.")
-    for v in te.variants_of([dt]):
+te._kernels(); tb._kernels()
+out = {"cpus": os.cpu_count(), "async_compile_mode": hasattr(__import__("triton"), "AsyncCompileMode")}
+if sys.argv[2] == "serial":  # each kernel alone, one after another: what each costs
+    rows = te.TritonRows(dev, LAYOUT)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        name = str(dt).removeprefix("torch.")
+        for v in te.variants_of([dt]):
+            t = time.perf_counter()
+            te.load_kernels([rows._launch(v, (1,), te._example(v, dev), (1, 0, 1, 1, 1, 1, 1), rows.layout.empty_rows(1, dev), 0, True)])
+            kind = "strided" if v.strided else "aligned" if v.aligned else "unaligned"
+            out[f"rows_{name}_{kind}_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        kernel = rows._launch(v, (1,), te._example(v, dev), (1, 0, 1, 1, 1, 1, 1), rows.layout.empty_rows(1, dev), 0, True)
-        init = getattr(kernel, "_init_handles", None)
-        if init is not None: init()
-        out[f"rows_{name}_{'strided' if v.strided else 'aligned' if v.aligned else 'unaligned'}_s"] = time.perf_counter() - t
+        out[f"blocks_{name}_kernels"] = len(tb.warm(dev, [dt], _blocks.RECIPES))
+        out[f"blocks_{name}_s"] = time.perf_counter() - t
+else:  # what attach() does: every kernel of the three dtypes, compiled side by side
     t = time.perf_counter()
-    n = tb.warm(dev, [dt], _blocks.RECIPES)
-    out[f"blocks_{name}_s"] = time.perf_counter() - t
-    out[f"blocks_{name}_kernels"] = n
+    StatsBuffer(8, dev, engine="triton")
+    out["attach_buffer_s"] = time.perf_counter() - t
 print("RESULT " + json.dumps(out))
 """
 
 
 def stage_compile(run: Run) -> dict[str, Any]:
+    """attach()'s compiles with an empty Triton cache (a machine's first run) and again with the cache they
+    left; ``--compile-serial`` also times each kernel alone (another 130 s on an H100 machine)."""
     if not run.cuda:
         raise _Skip("needs CUDA: the kernels compile for the device's target")
-    with tempfile.TemporaryDirectory(prefix="precprof-triton-cache-") as cache:
+    out: dict[str, Any] = {}
+    modes = [("cold", "attach", True), ("warm", "attach", False)]
+    if run.compile_serial:
+        modes.append(("serial", "serial", True))
+    cache = tempfile.mkdtemp(prefix="precprof-triton-cache-")
+    for label, mode, fresh in modes:
+        if fresh:
+            cache = tempfile.mkdtemp(prefix="precprof-triton-cache-")
         env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
         r = subprocess.run(
-            [sys.executable, "-c", _COMPILE, str(ROOT)],
+            [sys.executable, "-c", _COMPILE, str(ROOT), mode],
             capture_output=True,
             text=True,
             timeout=max(30.0, min(300.0, run.left() - 30)),
             env=env,
         )
-    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"exited {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")
-    res = json.loads(line[len("RESULT ") :])
-    res["total_s"] = sum(v for k, v in res.items() if k.endswith("_s") and k != "import_kernels_s")
-    return res
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            out[label] = {"status": "failed", "rc": r.returncode, "tail": (r.stdout + r.stderr)[-1500:]}
+            continue
+        out[label] = json.loads(line[len("RESULT ") :])
+    return out
 
 
 def stage_profile(run: Run) -> dict[str, Any]:
@@ -465,10 +484,13 @@ def stage_syncs(run: Run) -> dict[str, Any]:
         rec["max_memory_allocated"] = torch.cuda.max_memory_allocated()
         if prof is not None:
             prof.detach()
-        del model, opt
+        del model, opt, prof
+        gc.collect()
         torch.cuda.empty_cache()
         return rec
 
+    loop(False)  # warm-up: cuBLAS's workspaces and the allocator's cache, as a running job has them
+    gc.collect()
     plain, profiled = loop(False), loop(True)
     # the profiled loop also holds precprof's buffers: its peak may be that much higher, never lower (a reset of
     # the process's counters would make it lower)
@@ -592,6 +614,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None, help="the JSON (default bench/results/gpu_validate_<device>.json)")
     ap.add_argument("--stages", default=",".join(STAGES), help=f"a subset of {','.join(STAGES)}")
     ap.add_argument("--dry-run", action="store_true", help="every stage on the CPU at toy sizes")
+    ap.add_argument(
+        "--compile-serial", action="store_true", help="the compile stage also times each kernel alone"
+    )
     args = ap.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s]
     unknown = sorted(set(stages) - set(STAGES))
@@ -602,6 +627,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.dry_run and args.out is None:
         args.out = str(Path(tempfile.mkdtemp(prefix="precprof-gpu-validate-")) / "gpu_validate.json")
     run = Run(Path(args.out) if args.out else Path("/dev/null"), args.budget_s, args.dry_run)
+    run.compile_serial = args.compile_serial
     if args.out is None:
         run.out = ROOT / "bench" / "results" / f"gpu_validate_{_device_slug(run)}.json"
     needs = {

@@ -208,3 +208,15 @@ def test_bitwise_identical_training_on_gpu() -> None:
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))
+
+
+def test_the_counters_read_directly_are_torchs() -> None:
+    """``_compat.cuda_memory_counters`` (one C call) reads what ``torch.cuda.memory_stats`` reads."""
+    from precprof import _compat
+
+    x = torch.empty(3 << 20, device="cuda")
+    index = torch.cuda.current_device()
+    direct = _compat.cuda_memory_counters(index)
+    public = torch.cuda.memory_stats(index)
+    assert direct and all(public[k] == v for k, v in direct.items()), (direct, public)
+    assert direct["allocated_bytes.all.current"] >= x.numel() * 4

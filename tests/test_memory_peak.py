@@ -109,6 +109,15 @@ class FakeCudaAllocator:
             "allocation.all.freed": self.n_free,
         }
 
+    def nested_stats(self, index: int) -> dict[str, Any]:
+        """``torch._C._cuda_memoryStats``: the counters above, nested as the allocator gives them."""
+        flat = self.memory_stats(index)
+        out: dict[str, Any] = {}
+        for key, value in flat.items():
+            group, pool, name = key.split(".")
+            out.setdefault(group, {}).setdefault(pool, {})[name] = value
+        return out
+
     def record_memory_history(self, enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
         self.history = enabled not in (None, False)
         if not self.history:
@@ -129,6 +138,9 @@ class FakeCudaAllocator:
             "memory_stats",
         ):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        # what torch.cuda's readers call underneath (precprof reads it directly: one C call per hook)
+        monkeypatch.setattr(torch._C, "_cuda_memoryStats", self.nested_stats, raising=False)
         monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", self.record_memory_history)
         monkeypatch.setattr(torch.cuda.memory, "_snapshot", self.snapshot)
         monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: self.history, raising=False)

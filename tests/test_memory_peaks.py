@@ -50,8 +50,17 @@ class FakeAllocator:
             "memory_reserved": lambda device=None: self.reserved,
             "max_memory_reserved": lambda device=None: self.peak_reserved,
             "reset_peak_memory_stats": reset,
+            "is_initialized": lambda: True,
         }.items():
             monkeypatch.setattr(torch.cuda, name, fn)
+        # what torch.cuda's readers call underneath (precprof reads it directly: one C call per hook)
+        monkeypatch.setattr(torch._C, "_cuda_memoryStats", self.nested_stats, raising=False)
+
+    def nested_stats(self, index: int) -> dict[str, Any]:
+        return {
+            "allocated_bytes": {"all": {"current": self.allocated, "peak": self.peak}},
+            "reserved_bytes": {"all": {"current": self.reserved, "peak": self.peak_reserved}},
+        }
 
 
 def _model(fake: FakeAllocator) -> nn.Module:

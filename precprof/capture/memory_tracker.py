@@ -574,15 +574,18 @@ class MemoryTracker:
                     out.add(st[0])
         return out
 
-    def _max_counters(self) -> tuple[int, int]:
+    def _counters(self) -> dict[str, int]:
         assert self._cuda is not None
-        return int(torch.cuda.max_memory_allocated(self._cuda)), int(
-            torch.cuda.max_memory_reserved(self._cuda)
-        )
+        index = self._cuda.index if self._cuda.index is not None else torch.cuda.current_device()
+        return _compat.cuda_memory_counters(index)
+
+    def _max_counters(self) -> tuple[int, int]:
+        c = self._counters()
+        return c.get("allocated_bytes.all.peak", 0), c.get("reserved_bytes.all.peak", 0)
 
     def _live_counters(self) -> tuple[int, int]:
-        assert self._cuda is not None
-        return int(torch.cuda.memory_allocated(self._cuda)), int(torch.cuda.memory_reserved(self._cuda))
+        c = self._counters()
+        return c.get("allocated_bytes.all.current", 0), c.get("reserved_bytes.all.current", 0)
 
     def _sample_live(self) -> None:
         """Note the memory allocated now (a hook point of a sampled step): the lower bound of the phase's

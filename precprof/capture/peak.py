@@ -128,8 +128,8 @@ class CudaHistory:
         self._counts: list[tuple[int, int]] = []  # cumulative (allocations, frees) at start and each mark
 
     def _counters(self) -> tuple[int, int]:
-        stats = torch.cuda.memory_stats(self.index)
-        return int(stats.get("allocation.all.allocated", 0)), int(stats.get("allocation.all.freed", 0))
+        stats = _compat.cuda_memory_counters(self.index)
+        return stats.get("allocation.all.allocated", 0), stats.get("allocation.all.freed", 0)
 
     def start(self) -> str | None:
         if _compat.cuda_history_enabled():

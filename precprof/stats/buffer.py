@@ -618,9 +618,13 @@ class StatsBuffer:
         so that nothing compiles inside a hook (an H100's first sampled step stalled 18.8 s compiling). Launches
         nothing, never syncs; Triton keeps the kernels in its on-disk cache for the next run."""
         assert part._triton is not None
-        part._triton.warm(self.dtypes)
-        if len(self.block_rows):
-            triton_block.warm(part.device, [d for d in self.dtypes if d in _BLOCK_DTYPES], _blocks.RECIPES)
+        block_dtypes = [d for d in self.dtypes if d in _BLOCK_DTYPES] if len(self.block_rows) else []
+        tasks = 3 * len(self.dtypes) + 2 * len(block_dtypes)
+        with triton_engine.parallel_compile(tasks):  # the compiles run side by side, all done at its exit
+            kernels = part._triton.warm(self.dtypes, load=False)
+            if block_dtypes:
+                kernels += triton_block.warm(part.device, block_dtypes, _blocks.RECIPES, load=False)
+        triton_engine.load_kernels(kernels)
 
     @property
     def primary(self) -> DeviceRows | None:

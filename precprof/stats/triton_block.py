@@ -39,7 +39,7 @@ import torch
 from precprof import block_formats as bf
 from precprof import tables as T
 from precprof.errors import UserError
-from precprof.stats.triton_engine import device_unsupported, interpreting, triton_missing
+from precprof.stats.triton_engine import device_unsupported, interpreting, load_kernels, triton_missing
 
 # dtype -> (kind code, the integer dtype of the same width the kernel reads)
 KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
@@ -229,26 +229,31 @@ def _launch(
     return []
 
 
-def warm(device: torch.device, dtypes: Sequence[torch.dtype], recipes: Sequence[bf.BlockRecipe]) -> int:
+def warm(
+    device: torch.device,
+    dtypes: Sequence[torch.dtype],
+    recipes: Sequence[bf.BlockRecipe],
+    *,
+    load: bool = True,
+) -> list[Any]:
     """Compile, before any hook runs, the block kernels ``block_stats_triton(x, recipes, axis)`` launches on
     ``device`` for tensors of ``dtypes`` (their integer arguments are int64, unspecialised, the pointer's
     alignment too: one variant per dtype and recipe set), and load them onto the device. No GPU work, no
-    sync; Triton's on-disk cache makes a second run's warm-up a lookup. Returns the number of kernels
-    compiled; 0 in the interpreter or where the kernels cannot run."""
+    sync; Triton's on-disk cache makes a second run's warm-up a lookup. Returns the compiled kernels (none in
+    the interpreter or where the kernels cannot run), loaded onto the device unless ``load=False`` (as
+    ``triton_engine.TritonRows.warm``)."""
     if interpreting() or unavailable(device) is not None:
-        return 0
+        return []
     mask = _mask([slot(r) for r in recipes])
     tmax = torch.zeros(1, dtype=torch.int32, device=device)
     part = torch.empty(1, SLOTS, STATS_PAD, dtype=torch.float64, device=device)
-    done = 0
+    kernels: list[Any] = []
     for dt in dict.fromkeys(dtypes):
         if dt not in KINDS or not mask:
             continue
         code, int_dtype = KINDS[dt]
         xi = torch.zeros(32, 32, dtype=int_dtype, device=device)
-        for kernel in _launch(xi, tmax, part, (32, 32, 32, 1, 1, 1), code, 32, mask, (1,), warm=True):
-            init = getattr(kernel, "_init_handles", None)
-            if init is not None:
-                init()
-            done += 1
-    return done
+        kernels += _launch(xi, tmax, part, (32, 32, 32, 1, 1, 1), code, 32, mask, (1,), warm=True)
+    if load:
+        load_kernels(kernels)
+    return kernels
