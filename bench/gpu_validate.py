@@ -595,6 +595,7 @@ def stage_memory(run: Run) -> dict[str, Any]:
             },
         }
         del model, opt, prof
+        gc.collect()  # the hooks hold the model in a cycle: without this the fp32 run's "other" held the bf16 model
         if run.cuda:
             torch.cuda.empty_cache()
     out["goal"] = "parts_over_peak == 1, other_share_of_peak <= 0.10"
