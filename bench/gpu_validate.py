@@ -275,17 +275,26 @@ opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 x = torch.randint(0, 256, (batch, seq), device=dev); y = torch.randint(0, 256, (batch, seq), device=dev)
 def sync():
     if dev.type == "cuda": torch.cuda.synchronize()
+profiled = sys.argv[6] == "profiled"
 sync(); t = time.perf_counter()
-prof = precprof.Profiler(model, optimizer=opt, sample_every=2).attach()
+prof = precprof.Profiler(model, optimizer=opt, sample_every=2).attach() if profiled else None
 sync(); out = {"attach_s": time.perf_counter() - t, "steps_s": []}
+import cProfile, io, pstats
 for i in range(6):
+    pr = cProfile.Profile() if i == 0 and profiled else None
     sync(); t = time.perf_counter()
+    if pr is not None: pr.enable()
     with torch.autocast(dev.type, dtype=torch.bfloat16):
         logits = model(x)
     F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
-    opt.step(); opt.zero_grad(set_to_none=True); prof.step()
+    opt.step(); opt.zero_grad(set_to_none=True)
+    if prof is not None: prof.step()
     sync(); out["steps_s"].append(time.perf_counter() - t)
-prof.detach()
+    if pr is not None:
+        pr.disable(); buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(25)
+        out["first_step_cprofile"] = buf.getvalue()[-6000:]
+if prof is not None: prof.detach()
 print("RESULT " + json.dumps(out))
 """
 
@@ -294,13 +303,24 @@ def stage_first_step(run: Run) -> dict[str, Any]:
     name, batch, seq = ("gpt-nano", 2, 32) if run.dry or not run.cuda else ("gpt2-small", 8, 1024)
     out: dict[str, Any] = {"model": name, "batch": batch, "seq": seq}
     with tempfile.TemporaryDirectory(prefix="precprof-triton-cache-") as cache:
-        for label in ("cold", "warm"):  # the same empty cache, then the one the first run left
+        # the same empty cache, then the one the first run left; then no profiler (a first step is slow anyway)
+        for label in ("cold", "warm", "plain"):
             if run.left() < 60:
                 out[label] = {"status": "skipped", "reason": "budget"}
                 continue
             env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": str(ROOT)}
             r = subprocess.run(
-                [sys.executable, "-c", _FIRST_STEP, str(ROOT), run.device.type, name, str(batch), str(seq)],
+                [
+                    sys.executable,
+                    "-c",
+                    _FIRST_STEP,
+                    str(ROOT),
+                    run.device.type,
+                    name,
+                    str(batch),
+                    str(seq),
+                    "plain" if label == "plain" else "profiled",
+                ],
                 capture_output=True,
                 text=True,
                 timeout=min(300.0, run.left() - 30),
@@ -312,12 +332,24 @@ def stage_first_step(run: Run) -> dict[str, Any]:
                 continue
             res = json.loads(line[len("RESULT ") :])
             steps = res["steps_s"]  # sampled: 0, 2, 4
+            if label == "plain":
+                res["first_over_later"] = steps[0] / statistics.median(steps[2:])
+                out[label] = res
+                continue
             res["first_over_later_sampled"] = steps[0] / statistics.median([steps[2], steps[4]])
             res["sampled_over_unsampled"] = statistics.median([steps[2], steps[4]]) / statistics.median(
                 [steps[3], steps[5]]
             )
             out[label] = res
     out["goal_first_over_later"] = 1.5
+    plain, warm = out.get("plain", {}), out.get("warm", {})
+    if "steps_s" in plain and "steps_s" in warm:
+        # what precprof adds to the first step, against what it adds to a later sampled step
+        later = statistics.median([warm["steps_s"][2], warm["steps_s"][4]]) - statistics.median(
+            plain["steps_s"][2:]
+        )
+        out["warm_first_extra_s"] = warm["steps_s"][0] - plain["steps_s"][0]
+        out["later_sampled_extra_s"] = later
     return out
 
 
