@@ -482,3 +482,19 @@ def test_triton_window_and_rare_values(dtype: torch.dtype) -> None:
         got, want = rows_of(x, "triton"), rows_of(x, "c")
         assert (got == want).all(), np.flatnonzero(got != want)
         assert observed(decode(got)) == reference(x)
+
+
+def test_block_formats_off_the_c_engine_never_touch_the_c_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block statistics read by another engine (Triton on CUDA; here the torch ops) never ask for the C
+    kernel's threads: that loads the kernel, and on a machine's first run builds it with the C compiler. On an
+    H100 that ran inside the first sampled step's first block-format hook (7 subprocesses, 1.4 s)."""
+    import precprof.stats.buffer as buffer_mod
+
+    def no(*a: object) -> int:
+        raise AssertionError("the C kernel was asked for")
+
+    monkeypatch.setattr(buffer_mod, "_default_kernel_threads", no)
+    monkeypatch.setattr(buffer_mod, "_kernel", no)
+    buf = StatsBuffer(2, "cpu", engine="torch")
+    assert buf.accumulate(torch.randn(8, 64), 0, blocks=True)
+    assert buf.blocks_seen[0] and buf.blocks_to_host()[0].any()

@@ -530,7 +530,10 @@ class DeviceRows:
                 return
         self._order_stream()
         engine = "torch" if self.engine == "c" and not self.use_kernel else self.engine
-        self._blocks[slot] += _blocks.tensor_block_stats(x, engine=engine, threads=self._threads())
+        # threads are the C kernel's alone: asking for them loads (and on a machine's first run builds) it, which
+        # on an H100 ran the C compiler inside the first sampled step's first block-format hook
+        threads = self._threads() if engine == "c" else 0
+        self._blocks[slot] += _blocks.tensor_block_stats(x, engine=engine, threads=threads)
         if version is not None:
             self._blocks_added[key] = (weakref.ref(x), version)
 
