@@ -231,7 +231,11 @@ def parallel_compile(tasks: int) -> Iterator[None]:
     ``AsyncCompileMode``: a ``warmup`` returns a future; all are done when the block exits). Serial where this
     Triton has no such mode, in the interpreter, or for one task. Compiling the 15 kernels of three dtypes
     one after another took 130 s on an H100 machine's first run (8-14 s each)."""
-    triton = None if interpreting() else _triton_module()
+    if interpreting() or triton_missing() is not None:
+        yield
+        return
+    import triton
+
     mode = getattr(triton, "AsyncCompileMode", None)
     active = getattr(getattr(getattr(triton, "runtime", None), "_async_compile", None), "active_mode", None)
     workers = min(tasks, os.cpu_count() or 1, 16)
@@ -242,14 +246,6 @@ def parallel_compile(tasks: int) -> Iterator[None]:
 
     with ThreadPoolExecutor(workers, thread_name_prefix="precprof-triton-compile") as pool, mode(pool):
         yield
-
-
-def _triton_module() -> Any:
-    try:
-        import triton
-    except ImportError:
-        return None
-    return triton
 
 
 class TritonRows:
