@@ -6,6 +6,7 @@ refusal of a run that cannot fit; and a measuring pass that leaves training unto
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -90,8 +91,13 @@ def test_batches_1_and_2_predict_the_full_batch(name: str, autocast: torch.dtype
 @pytest.mark.slow
 def test_the_estimate_is_a_lower_bound_of_a_real_steps_peak_memory(tmp_path: Path) -> None:
     """Against the operating system's count: a fresh process's peak resident memory over two AdamW steps of
-    gpt-nano at batch 64 x 256, above what it held before building the model. Measured 1.3x the estimate in
-    fp32 (gpt-mini 1.0-1.3x, llama-mini 1.5x): the estimate stays below, and not far below."""
+    gpt-nano at batch 64 x 256, above what it held before building the model. Measured 1.2x the estimate in
+    fp32 (gpt-mini 1.0-1.3x, llama-mini 1.5x): the estimate stays below, and not far below.
+
+    glibc's malloc raises its mmap threshold each time a large block is freed, after which large tensors come
+    from the heap, whose freed pages it keeps: the resident peak then depends on the order of frees and read
+    1.4x here and 2.03x once in CI. A fixed threshold turns that off, so large tensors are mapped and unmapped
+    and the peak is the live bytes' (1.20x here, every run)."""
     script = textwrap.dedent(
         """
         import resource, torch
@@ -121,7 +127,12 @@ def test_the_estimate_is_a_lower_bound_of_a_real_steps_peak_memory(tmp_path: Pat
     if not Path("/proc/self/status").exists():
         pytest.skip("needs /proc")
     res = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"},
     )
     estimate, real = map(int, res.stdout.split())
     assert 0.95 * estimate <= real <= 2.0 * estimate, (estimate, real)
