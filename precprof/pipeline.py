@@ -161,10 +161,10 @@ def rerender(
     summary = T.read_summary(rd) if T.is_run_dir(rd) else {}
     rec: Any = None
     advisor_error = None
-    read = (
-        T.read_run(rd, categorical=True) if T.is_run_dir(rd) else None
-    )  # once, for the advisor and the page
-    if read is not None and (target is not None or not summary.get(T.SUMMARY_RECOMMENDATION)):
+    advise = target is not None or not summary.get(T.SUMMARY_RECOMMENDATION)
+    # read once, for the advisor and the page; the page alone needs only the histograms summed over steps
+    read = T.read_run(rd, categorical=True, histogram_totals=not advise) if T.is_run_dir(rd) else None
+    if read is not None and advise:
         machine: Any = None
         if target is not None:
             try:

@@ -298,3 +298,76 @@ def test_the_report_and_advisor_read_categoricals_as_they_read_text(
     a = stamp.sub("", render_html(cat, summary, rec_plain))
     b = stamp.sub("", render_html(plain, summary, rec_plain))
     assert a == b
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_the_report_drawn_from_histogram_totals_is_the_same_page(tmp_path: Path, mode: str) -> None:
+    """``read_run(histogram_totals=True)`` (what `precprof report` reads when it does not advise) sums the
+    histograms in Arrow and leaves the per-step table empty: the page is the one drawn from the steps, for
+    saved tables and for a stream."""
+    from report_fixtures import synthetic_run
+
+    from precprof.report.render import render_html
+
+    stamp = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC")  # when the page was made
+
+    def page(read: T.RunTables) -> str:
+        return stamp.sub("", render_html(read.tables, summary, rec, stream=read))
+
+    tables, summary = synthetic_run(mode, steps=12)
+    rec = summary.get(T.SUMMARY_RECOMMENDATION)
+    T.write_tables(tmp_path, tables)
+    totals = T.read_run(tmp_path, categorical=True, histogram_totals=True)
+    assert totals.tables["histograms"].empty and len(totals.histogram_totals)
+    assert page(totals) == page(T.read_run(tmp_path))
+
+    tiny_run(tmp_path / "run", 5)  # never saved: read from its parts
+    assert parts.has_stream(tmp_path / "run")
+    summary = T.read_summary(tmp_path / "run")
+    rec = None
+    totals = T.read_run(tmp_path / "run", categorical=True, histogram_totals=True)
+    plain = T.read_run(tmp_path / "run")
+    assert totals.tables["histograms"].empty and totals.streamed
+    assert page(totals) == page(plain)
+
+
+def test_histogram_totals_sum_each_key_over_steps() -> None:
+    """Against a sum by hand: keys whose text is missing (None) group with "", dictionaries of different
+    parts are merged, and a run without histograms gives an empty frame of the right columns."""
+    import pyarrow as pa
+
+    first = pa.table(
+        {
+            T.STEP: [0, 0, 0, 0],
+            T.MODULE: pa.array(["a", "a", None, "b"]).dictionary_encode(),
+            T.TENSOR: ["weight_grad"] * 4,
+            T.PARAM: ["weight", "weight", "", None],
+            T.EXPONENT: [-3, -4, -3, 0],
+            T.COUNT: [5, 1, 2, 7],
+        }
+    )
+    second = pa.table(
+        {
+            T.STEP: [2, 2, 2],
+            T.MODULE: pa.array(["", "a", "c"]).dictionary_encode(),
+            T.TENSOR: ["weight_grad"] * 3,
+            T.PARAM: ["", "weight", "bias"],
+            T.EXPONENT: [-3, -3, 1],
+            T.COUNT: [10, 100, 3],
+        }
+    )
+    got = T.sum_histograms(parts.concat([first, second]))
+    by_key = {
+        (r[T.TENSOR], r[T.MODULE], r[T.PARAM], r[T.EXPONENT]): r[T.COUNT] for r in got.to_dict("records")
+    }
+    g = "weight_grad"
+    assert by_key == {
+        (g, "a", "weight", -3): 105,
+        (g, "a", "weight", -4): 1,
+        (g, "", "", -3): 12,
+        (g, "b", "", 0): 7,
+        (g, "c", "bias", 1): 3,
+    }
+    assert list(got.columns) == list(T.HISTOGRAM_TOTALS_COLUMNS)
+    empty = T.sum_histograms(None)
+    assert empty.empty and list(empty.columns) == list(T.HISTOGRAM_TOTALS_COLUMNS)

@@ -194,8 +194,11 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
     return out
 
 
-def _heatmaps(tables: Mapping[str, pd.DataFrame], rec: dict[str, Any] | None) -> list[dict[str, Any]]:
-    layers, hist = tables["layers"], S.aggregate_histograms(tables["histograms"])
+def _heatmaps(
+    tables: Mapping[str, pd.DataFrame], rec: dict[str, Any] | None, totals: pd.DataFrame | None = None
+) -> list[dict[str, Any]]:
+    layers = tables["layers"]
+    hist = S.aggregate_histograms(totals if totals is not None else tables["histograms"])
     rec_scale = None
     if rec:
         rec_scale = (
@@ -516,9 +519,15 @@ def _timeline(layers: pd.DataFrame, steps: pd.DataFrame) -> dict[str, Any] | Non
 
 
 def build_context(
-    tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any], recommendation: Any = None
+    tables: Mapping[str, pd.DataFrame],
+    summary: Mapping[str, Any],
+    recommendation: Any = None,
+    *,
+    histogram_totals: pd.DataFrame | None = None,
 ) -> dict[str, Any]:
-    """Everything the templates show, as plain data (numbers unformatted; the filters format them)."""
+    """Everything the templates show, as plain data (numbers unformatted; the filters format them).
+    ``histogram_totals``: the histograms summed over steps (``tables.read_run(..., histogram_totals=True)``),
+    drawn instead of ``tables["histograms"]``."""
     tabs = {name: tables.get(name, T.empty(name)) for name in T.TABLES}
     tabs = {name: df if len(df.columns) else T.empty(name) for name, df in tabs.items()}
     layers, steps = tabs["layers"], tabs["steps"]
@@ -567,7 +576,7 @@ def build_context(
             "restarts": _restarts(steps),
             "timeline": _timeline(layers, steps),
         },
-        "heatmaps": _heatmaps(tabs, rec),
+        "heatmaps": _heatmaps(tabs, rec, histogram_totals),
         "whatif": _whatif(layers, summary, rec),
         "layers": S.layer_records(layers),
         "memory": memory,

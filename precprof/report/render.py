@@ -80,8 +80,9 @@ def render_html(
     one stored in ``summary`` (if any). ``advisor_error`` explains in the page why there is none;
     ``missing_tables`` names the Parquet files a run directory lacks (a notice at the top of the page);
     ``stream``: how the tables were read, when from the parts of a run that never saved them (the page says
-    where the run was cut off and which parts it skipped)."""
-    ctx = build_context(tables, summary, recommendation)
+    where the run was cut off and which parts it skipped; its ``histogram_totals``, when read, are drawn)."""
+    totals = stream.histogram_totals if stream is not None else None
+    ctx = build_context(tables, summary, recommendation, histogram_totals=totals)
     ctx["advisor_error"] = advisor_error
     ctx["missing_tables"] = [T.TABLE_FILES.get(t, t) for t in missing_tables or []]
     ctx["stream"] = (
@@ -129,7 +130,7 @@ def render_run_dir(
             f"{rd} is not a precprof run directory (it has neither {T.SUMMARY_FILE} nor layers.parquet)"
         )
     if read is None:
-        read = T.read_run(rd, categorical=True)
+        read = T.read_run(rd, categorical=True, histogram_totals=True)
     tabs = read.tables
     summary = T.read_summary(rd)
     # an error of an earlier stage that runs again now is no longer the page's: the report's own (this is the

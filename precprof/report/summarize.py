@@ -99,25 +99,17 @@ def scale_in_effect(layers: pd.DataFrame, kind: str) -> dict[str, float]:
 
 def aggregate_histograms(histograms: pd.DataFrame) -> pd.DataFrame:
     """Histogram counts summed over steps: columns tensor, module, param, exponent, count (one groupby for all
-    kinds; the heatmaps then read the small result instead of the per-step table)."""
-    keys = [T.TENSOR, T.MODULE, T.PARAM, T.EXPONENT]
-    if histograms.empty:
-        return pd.DataFrame(
-            {
-                c: pd.Series(dtype="int64" if c in (T.EXPONENT, T.COUNT) else "object")
-                for c in [*keys, T.COUNT]
-            }
-        )
-    h = histograms[[*keys, T.COUNT]]
+    kinds; the heatmaps then read the small result instead of the per-step table). Summing totals again
+    changes nothing, so totals read by ``tables.read_run(..., histogram_totals=True)`` may come here too."""
+    h = histograms[[c for c in T.HISTOGRAM_TOTALS_COLUMNS if c in histograms.columns]]
+    if h.empty:
+        return T.sum_histograms(None)
     try:
-        # Arrow's hash aggregation: 0.2 s for the 15M rows of gpt2-medium x 1,000 sampled steps, where a pandas
-        # groupby took seconds; the small result is then normalised in pandas
-        g = pa.Table.from_pandas(h, preserve_index=False).group_by(keys).aggregate([(T.COUNT, "sum")])
-        h = pd.DataFrame({**{k: g.column(k).to_pandas() for k in keys}, T.COUNT: g.column(f"{T.COUNT}_sum")})
+        return T.sum_histograms(pa.Table.from_pandas(h, preserve_index=False))
     except (pa.ArrowException, TypeError, ValueError):  # a column Arrow cannot take: pandas alone
-        pass
-    h = h.assign(**{c: T.texts(h[c]) for c in keys[:3]})  # a missing text is "": one group with ""
-    return h.groupby(keys, sort=False)[T.COUNT].sum().reset_index()
+        keys = list(T.HISTOGRAM_TOTALS_COLUMNS[:-1])
+        h = h.assign(**{c: T.texts(h[c]) for c in keys[:3]})  # a missing text is "": one group with ""
+        return h.groupby(keys, sort=False)[T.COUNT].sum().reset_index()
 
 
 def heatmap_matrix(
