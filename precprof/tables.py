@@ -565,7 +565,10 @@ def sum_histograms(table: pa.Table | None) -> pd.DataFrame:
 # text columns read back as pandas categoricals: the histograms table repeats a few hundred module names over
 # millions of rows (15M rows for gpt2-medium x 1,000 sampled steps), and categories compare, filter and group
 # by their integer codes
-CATEGORICAL_COLUMNS: dict[str, tuple[str, ...]] = {"histograms": (MODULE, TENSOR, PARAM)}
+CATEGORICAL_COLUMNS: dict[str, tuple[str, ...]] = {
+    "histograms": (MODULE, TENSOR, PARAM),
+    "layers": (MODULE, MODULE_TYPE, TENSOR, PARAM, DTYPE),
+}
 
 
 def _to_pandas(table: pa.Table, categorical: tuple[str, ...] = ()) -> pd.DataFrame:

@@ -56,7 +56,8 @@ def row_order(layers: pd.DataFrame, kind: str) -> list[tuple[str, str]]:
     if sub.empty:
         return []
     rank = {m: i for i, m in enumerate(forward_order(layers))}
-    keys = sub[[T.MODULE, T.PARAM]].apply(T.texts).drop_duplicates()
+    # a few hundred distinct rows, as plain text: a categorical would map to a categorical and sort by its codes
+    keys = sub[[T.MODULE, T.PARAM]].apply(T.texts).drop_duplicates().astype(object)
     keys = keys.assign(_r=keys[T.MODULE].map(rank).fillna(len(rank)), _i=np.arange(len(keys)))
     keys = keys.sort_values(["_r", "_i"])
     return [(str(m), str(p)) for m, p in zip(keys[T.MODULE], keys[T.PARAM], strict=True)]
