@@ -890,3 +890,21 @@ def test_a_real_run_whose_scaler_backs_off_below_1_keeps_its_verdict_and_report(
             cli.main(argv)
         assert exited.value.code == 0, capsys.readouterr().err
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_run_with_many_loss_scales_names_their_range_not_each_one() -> None:
+    """A loss scale set by hand at every step (or a scaler that wanders) leaves thousands of distinct scales:
+    the finding gives their range and count, never a list as long as the run."""
+    from report_fixtures import synthetic_run
+
+    tables, summary = synthetic_run("bf16", steps=40, sample_every=1)
+    layers = tables["layers"].copy()
+    grads = layers[T.TENSOR].isin(T.GRADIENT_KINDS)
+    layers.loc[grads, T.SCALE] = 1024.0 + layers.loc[grads, T.STEP].astype(float)  # 40 distinct scales
+    rec = recommend({**tables, "layers": layers}, summary=summary)
+    (f,) = [f for f in rec.findings if f.code == "fp16_gradient_underflow"]
+    assert "1024 to 1063, 40 values" in f.message, f.message
+    assert "1030" not in f.message
+    small = recommend(tables, summary=summary)  # few scales: each one
+    (f,) = [f for f in small.findings if f.code == "fp16_gradient_underflow"]
+    assert "values" not in f.message.split("exact counts")[0].split("in effect (")[1]

@@ -34,6 +34,14 @@ def _g(x: float | None) -> str:
     return f"{x:.3g}"
 
 
+def _scales(scales: list[float], limit: int = 6) -> str:
+    """Loss scales seen, ascending: each one when they are few, else their count and range (a run whose scale
+    was set by hand every step may have thousands)."""
+    if len(scales) <= limit:
+        return ", ".join(f"{s:g}" for s in scales)
+    return f"{scales[0]:g} to {scales[-1]:g}, {len(scales)} values"
+
+
 def _name(module: str) -> str:
     return module if module else "(root)"
 

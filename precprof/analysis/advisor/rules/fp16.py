@@ -26,7 +26,7 @@ from precprof.analysis.advisor.evidence import (
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
 from precprof.analysis.advisor.rules.scaler import _rule_scaler
-from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2, _scale
+from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2, _scale, _scales
 from precprof.formats import FP16
 
 
@@ -275,7 +275,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     residual_matters = norm_k is None or norm_k > cfg.fp16_underflow_norm_ok
     now_txt = (
         f"{_pct(now)} of {int(nz_now)} nonzero activation-gradient values flush to zero in fp16 at the scale "
-        f"in effect ({', '.join(f'{s:g}' for s in scales)}; exact counts)"
+        f"in effect ({_scales(scales)}; exact counts)"
         if now is not None
         else "the activation gradients were already fp16, so their flushed values are indistinguishable from zeros"
     )
@@ -432,7 +432,7 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
             f"On {len(steps)} sampled step(s) ({_listing([str(s) for s in steps], 6)}), {n} gradient values in "
             f"{_listing(mods, run.cfg.max_listed_modules)} "
             f"{'overflow' if real else 'would overflow'} fp16 at loss scale "
-            f"{', '.join(f'{s:g}' for s in scales)}; {what}",
+            f"{_scales(scales)}; {what}",
             (
                 "Use bf16 or fp32: the loss scale that keeps these gradients finite in fp16 "
                 f"({_pow2(plan.loss_scale_log2)}) flushes more of the small ones than this run lost."
