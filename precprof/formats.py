@@ -18,8 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class Fmt(str, Enum):
@@ -44,8 +46,10 @@ class NumberFormat:
     ``max`` is the largest finite value, ``smallest_normal`` and ``smallest_subnormal`` the smallest positive
     normal and subnormal values. ``underflow_max``: values with ``0 < |v| <= underflow_max`` become 0 in a cast.
     ``overflow_min``: values with ``|v| >= overflow_min`` (or ``> overflow_min`` when ``overflow_inclusive`` is
-    False) do not survive a cast as finite values of their own magnitude. ``torch_dtype`` is the storage dtype
-    for a real cast (None for tf32, which only exists inside matmul units).
+    False) do not survive a cast as finite values of their own magnitude. ``dtype_name``: the storage dtype for
+    a real cast as the tables' dtype column spells it ("float8_e4m3fn"; None for tf32, which only exists inside
+    matmul units, and for formats torch has no dtype for). Pure data, without torch: `precprof report` reads
+    formats and never imports torch; ``torch_dtype`` imports it when asked.
     """
 
     name: str
@@ -57,15 +61,20 @@ class NumberFormat:
     underflow_max: float
     overflow_min: float
     overflow_inclusive: bool
-    torch_dtype: torch.dtype | None
+    dtype_name: str | None
     has_inf: bool
     label: str = ""  # how the report writes it: "FP8 E4M3"
     color: str = "#333333"  # its colour in every figure and in the page's CSS
 
     @property
-    def dtype_name(self) -> str | None:
-        """The torch dtype's name as the tables' dtype column spells it ("float8_e4m3fn"); None for tf32."""
-        return str(self.torch_dtype).removeprefix("torch.") if self.torch_dtype is not None else None
+    def torch_dtype(self) -> torch.dtype | None:
+        """The torch dtype of ``dtype_name`` (None for tf32)."""
+        if self.dtype_name is None:
+            return None
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype_name)
+        return dtype
 
     @property
     def min_exponent(self) -> int:
@@ -95,7 +104,7 @@ def _make(
     exponent_bits: int,
     mantissa_bits: int,
     max_value: float,
-    torch_dtype: torch.dtype | None,
+    dtype_name: str | None,
     *,
     has_inf: bool = True,
     overflow_min: float | None = None,
@@ -120,20 +129,18 @@ def _make(
         underflow_max=smallest_subnormal / 2,
         overflow_min=overflow_min,
         overflow_inclusive=overflow_inclusive,
-        torch_dtype=torch_dtype,
+        dtype_name=dtype_name,
         has_inf=has_inf,
         label=label,
         color=color,
     )
 
 
-FP32 = _make(
-    "fp32", 8, 23, float(torch.finfo(torch.float32).max), torch.float32, label="FP32", color="#1f4e79"
-)
+FP32 = _make("fp32", 8, 23, (2 - 2.0**-23) * 2.0**127, "float32", label="FP32", color="#1f4e79")
 # TF32 keeps fp32's range and 10 mantissa bits; it exists only inside tensor-core matmuls.
 TF32 = _make("tf32", 8, 10, (2 - 2.0**-10) * 2.0**127, None, label="TF32", color="#5b8db8")
-BF16 = _make("bf16", 8, 7, (2 - 2.0**-7) * 2.0**127, torch.bfloat16, label="BF16", color="#ff7f0e")
-FP16 = _make("fp16", 5, 10, 65504.0, torch.float16, label="FP16", color="#d62728")
+BF16 = _make("bf16", 8, 7, (2 - 2.0**-7) * 2.0**127, "bfloat16", label="BF16", color="#ff7f0e")
+FP16 = _make("fp16", 5, 10, 65504.0, "float16", label="FP16", color="#d62728")
 # e4m3fn: no inf, the all-ones pattern is nan, so the largest finite value is 1.75 * 2^8 = 448; a value above
 # 464 (halfway to 480) would round past it. torch saturates such casts to +-448; precprof counts them as
 # overflow, ties at exactly 464 round down to 448 (even mantissa) and are not counted.
@@ -142,14 +149,14 @@ FP8_E4M3 = _make(
     4,
     3,
     448.0,
-    torch.float8_e4m3fn,
+    "float8_e4m3fn",
     has_inf=False,
     overflow_min=464.0,
     overflow_inclusive=False,
     label="FP8 E4M3",
     color="#9467bd",
 )
-FP8_E5M2 = _make("fp8_e5m2", 5, 2, 57344.0, torch.float8_e5m2, label="FP8 E5M2", color="#2ca02c")
+FP8_E5M2 = _make("fp8_e5m2", 5, 2, 57344.0, "float8_e5m2", label="FP8 E5M2", color="#2ca02c")
 
 FORMATS: dict[str, NumberFormat] = {f.name: f for f in (FP32, TF32, BF16, FP16, FP8_E4M3, FP8_E5M2)}
 

@@ -12,12 +12,12 @@ import importlib.util
 import platform
 from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from precprof._version import __version__
-from precprof.stats import kernel_cache as _kernel_cache
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -161,6 +161,8 @@ def _nvml(index: int) -> dict[str, Any]:
 
 def detect(device: str | torch.device | None = None) -> HardwareInfo:
     """Capabilities of ``device`` (default: CUDA device 0 when there is one, else the CPU)."""
+    import torch  # here, not at import: presets and the report's reading need no torch
+
     dev = torch.device(device) if device is not None else None
     use_cuda = torch.cuda.is_available() and (dev is None or dev.type == "cuda")
     common = dict(
@@ -324,8 +326,9 @@ def usual_format(info: HardwareInfo) -> tuple[str, str]:
 def software_versions() -> dict[str, str | None]:
     """Versions of python, torch, CUDA/cuDNN and the optional libraries precprof uses (None: not installed).
 
-    Reads package metadata only: nothing heavy is imported.
+    Reads package metadata only, and torch's own versions.
     """
+    import torch
 
     def version(dist: str) -> str | None:
         try:
@@ -396,6 +399,9 @@ def env_report(info: HardwareInfo | None = None) -> str:
             f"{k} {v[k] or 'not installed'}" for k in ("transformers", "accelerate", "lightning", "torchao")
         )
     )
-    cache, state = _kernel_cache.describe()
+    # precprof.stats imports torch; a preset (`precprof report --target`) needs neither
+    from precprof.stats import kernel_cache
+
+    cache, state = kernel_cache.describe()
     lines.append(f"CPU kernel cache: {cache} ({state})")
     return "\n".join(lines)

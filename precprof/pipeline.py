@@ -27,7 +27,7 @@ from typing import Any
 
 import pandas as pd
 
-from precprof import _atomic, _signals, capture, hardware, parts
+from precprof import _atomic, _run_finisher, _signals, hardware, parts
 from precprof import tables as T
 from precprof.analysis import advisor, memory_projection
 from precprof.errors import UserError
@@ -178,4 +178,4 @@ def rerender(
     return render_run_dir(rd, out=out, recommendation=rec, advisor_error=advisor_error, read=read)
 
 
-capture.set_run_finisher(finish_run)
+_run_finisher.set_run_finisher(finish_run)  # what Profiler.save calls

@@ -7,17 +7,22 @@ input; embeddings are gathers in the weight's dtype. The same rules apply to a l
 to the ``module_type`` column of the tables (``kind_of_type``): a module's kind is decided by its type name
 first, so the two agree for every type the capture records; a live module adds what only it can tell (a
 subclass of ``nn.Linear`` under another name, a leaf holding a >= 2-D weight).
+
+What reads the tables (the advisor, `precprof report`) needs no torch: the functions of a live module import it
+when called, with a module in hand.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-import torch
-from torch import nn
+
+if TYPE_CHECKING:
+    from torch import nn
 
 from precprof import tables as T
 
@@ -54,16 +59,22 @@ _BY_NAME: tuple[tuple[str, re.Pattern[str]], ...] = (
         ),
     ),
 )
-_MATMUL_TYPES: tuple[type[nn.Module], ...] = (
-    nn.Linear,
-    nn.Bilinear,
-    nn.Conv1d,
-    nn.Conv2d,
-    nn.Conv3d,
-    nn.ConvTranspose1d,
-    nn.ConvTranspose2d,
-    nn.ConvTranspose3d,
-)
+
+
+@functools.cache
+def _matmul_types() -> tuple[type[nn.Module], ...]:
+    from torch import nn
+
+    return (
+        nn.Linear,
+        nn.Bilinear,
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Conv3d,
+        nn.ConvTranspose1d,
+        nn.ConvTranspose2d,
+        nn.ConvTranspose3d,
+    )
 
 
 def kind_of_type(module_type: str) -> str:
@@ -78,10 +89,13 @@ def kind_of_type(module_type: str) -> str:
 def kind_of(module: nn.Module) -> str:
     """The kind of a live module: its type name's kind, refined by its class and weight where the name says
     nothing (a renamed ``nn.Linear`` subclass, a leaf with a >= 2-D weight is a matmul)."""
+    import torch
+    from torch import nn
+
     kind = kind_of_type(type(module).__name__)
     if kind != OTHER:
         return kind
-    if isinstance(module, _MATMUL_TYPES):
+    if isinstance(module, _matmul_types()):
         return MATMUL
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
         return EMBEDDING
@@ -120,6 +134,8 @@ def is_linear_type(module_type: str) -> bool:
 
 def tied_weight_ids(model: nn.Module) -> set[int]:
     """ids of the embedding weights of ``model`` (an output head sharing one is tied to it)."""
+    from torch import nn
+
     return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
 
 
@@ -162,6 +178,8 @@ def fp8_eligible_shape(
 def fp8_eligible(module: nn.Module, tied: set[int], tokens: int | None = None) -> bool:
     """Whether ``module`` (an ``nn.Linear``) can be converted to float8 training; ``tied`` is
     ``tied_weight_ids(model)``; see ``fp8_ineligible_reason``."""
+    from torch import nn
+
     return isinstance(module, nn.Linear) and fp8_eligible_shape(
         module.in_features, module.out_features, id(module.weight) in tied, tokens
     )

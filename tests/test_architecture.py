@@ -86,6 +86,8 @@ def reaches(graph: dict[str, set[str]], start: str, prefix: str) -> list[str]:
 LAZY = {
     "triton_engine.py": "precprof.stats.triton_kernels imports triton (seconds), needed only by the Triton engine",
     "triton_block.py": "precprof.stats.triton_block_kernels imports triton, needed only by the block kernels",
+    "__init__.py": "precprof.Profiler (precprof.capture) imports torch, which reading a run directory never needs",
+    "hardware.py": "precprof.stats imports torch: only `precprof env` reads the CPU kernel's cache",
 }
 
 

@@ -531,3 +531,27 @@ def test_a_rerender_drops_the_report_error_it_fixes(tmp_path: Path) -> None:
     # this render is the report: its earlier failure is gone; the projection's still stands
     assert "UndefinedError" not in page and "memory projection: ValueError: no parameters" in page
     assert T.read_summary(tmp_path)[T.SUMMARY_ERRORS] == summary[T.SUMMARY_ERRORS]  # data never rewritten
+
+
+def test_reading_advising_and_rendering_a_run_never_import_torch(tmp_path: Path) -> None:
+    """``import precprof``, the advisor and the report read run directories without torch (seconds of imports);
+    ``precprof.Profiler`` loads it when first used."""
+
+    tables, summary = synthetic_run("fp16", steps=6)
+    T.write_tables(tmp_path, tables)
+    T.write_summary(tmp_path, summary)
+    code = (
+        "import sys, precprof\n"
+        "from precprof import pipeline\n"
+        f"rec = precprof.recommend({str(tmp_path)!r})\n"
+        f"page = pipeline.rerender({str(tmp_path)!r}, target='a100')\n"
+        "print(rec.format, page.name, 'torch' in sys.modules)\n"
+        "precprof.Profiler\n"
+        "print('torch' in sys.modules)\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    first, second = res.stdout.split("\n")[:2]
+    assert first.endswith("report-a100.html False"), res.stdout
+    assert second == "True"

@@ -32,7 +32,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import pandas as pd
-import torch
 
 from precprof import tables as T
 from precprof.formats import LOW_PRECISION_DTYPES
@@ -53,6 +52,8 @@ _MODE_FLOATS = _LOW_FLOATS | {"float32"}
 
 
 def _itemsize(name: str) -> int | None:
+    import torch  # loaded already where tables are made; `precprof report` reads them without it
+
     dt = getattr(torch, name, None)
     return dt.itemsize if isinstance(dt, torch.dtype) else None
 

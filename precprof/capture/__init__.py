@@ -2,6 +2,7 @@
 component, the rank reducer). It records and returns tables and a summary; writing a run directory is the
 pipeline's (``set_run_finisher``)."""
 
-from precprof.capture.profiler import ModuleFilter, Profiler, iter_module_names, set_run_finisher
+from precprof._run_finisher import set_run_finisher
+from precprof.capture.profiler import ModuleFilter, Profiler, iter_module_names
 
 __all__ = ["ModuleFilter", "Profiler", "iter_module_names", "set_run_finisher"]

@@ -31,7 +31,7 @@ import fnmatch
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from torch import nn
 from precprof import parts, rundir, taxonomy
 from precprof import stats as st
 from precprof import tables as T
+from precprof._run_finisher import run_finisher
 from precprof._version import __version__
 from precprof.capture import clipwatch, columns
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockBudget
@@ -924,10 +925,11 @@ class Profiler(HookFactories):
         run_dir = Path(run_dir)
         if not self.is_writer:
             return run_dir
-        if _run_finisher is None:
+        finisher = run_finisher()
+        if finisher is None:
             raise RuntimeError("precprof.pipeline, which writes run directories, is not loaded")
         full = self.run_summary(summary, status, reason)
-        written = _run_finisher(
+        written = finisher(
             run_dir, self.tables(), full, facts=self.model_facts(), render=render, report_path=report_path
         )
         self._status = written[T.SUMMARY_STATUS]
@@ -950,17 +952,6 @@ class Profiler(HookFactories):
         self.save(run_dir, summary=summary, render=True, report_path=path if html else None)
         return path if html else run_dir / T.REPORT_FILE
 
-
-# Writing a run directory is the pipeline's job (precprof.pipeline.finish_run). It registers itself here when
-# precprof is imported, so that the recorder depends on nothing downstream of it.
-RunFinisher = Callable[..., dict[str, Any]]
-_run_finisher: RunFinisher | None = None
-
-
-def set_run_finisher(finisher: RunFinisher) -> None:
-    """Register the function ``Profiler.save`` hands a finished (or crashed) run to."""
-    global _run_finisher
-    _run_finisher = finisher
 
 
 def iter_module_names(model: nn.Module) -> Iterable[str]:

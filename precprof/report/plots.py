@@ -346,7 +346,7 @@ def _hbars(ax: Any, y: Any, left: Any, right: Any, height: float, colors: Any) -
         axis=1,
     )
     ax.add_collection(
-        PolyCollection(verts, facecolors=colors, edgecolors="none", linewidths=0), autolim=False
+        PolyCollection(list(verts), facecolors=colors, edgecolors="none", linewidths=0), autolim=False
     )
 
 
