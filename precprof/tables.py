@@ -490,7 +490,7 @@ class RunTables:
 def read_run(run_dir: str | Path, *, categorical: bool = False, histogram_totals: bool = False) -> RunTables:
     """The four tables of a run directory, from its stream when it has one (``precprof.parts``: a damaged part
     is skipped with a notice), else from its Parquet files (a missing file gives an empty table of the right
-    columns; a damaged one raises DamagedRunDirError, naming the file). ``categorical``: the
+    columns; a damaged one raises DamagedRunDirError, naming the file). ``categorical``: the layers' and the
     histograms' text columns as pandas categoricals (``CATEGORICAL_COLUMNS``; the report and the advisor read
     millions of rows that way), else as text like every other table. ``histogram_totals``: the histograms
     summed over steps by Arrow (``RunTables.histogram_totals``) instead of the per-step table, which stays
@@ -510,8 +510,13 @@ def read_run(run_dir: str | Path, *, categorical: bool = False, histogram_totals
         try:
             if name == "histograms" and histogram_totals:
                 out[name] = empty(name)
-                cols = list(HISTOGRAM_TOTALS_COLUMNS)
-                totals = sum_histograms(pq.read_table(path, columns=cols, read_dictionary=cols[:3]))
+                totals = sum_histograms(
+                    pq.read_table(
+                        path,
+                        columns=list(HISTOGRAM_TOTALS_COLUMNS),
+                        read_dictionary=list(CATEGORICAL_COLUMNS[name]),
+                    )
+                )
                 continue
             table = pq.read_table(path, read_dictionary=list(cats.get(name, ())) or None)
             out[name] = frame(name, _to_pandas(table, cats.get(name, ())))
@@ -594,7 +599,7 @@ def _read_stream(
     run_dir: Path, cats: Mapping[str, tuple[str, ...]], histogram_totals: bool = False
 ) -> RunTables:
     if histogram_totals:  # the text keys as dictionaries: read without a string per row
-        cats = {**cats, "histograms": (MODULE, TENSOR, PARAM)}
+        cats = {**cats, "histograms": CATEGORICAL_COLUMNS["histograms"]}
     read = parts.read_stream(run_dir, tuple(TABLES), STEP, cats)
     out: dict[str, pd.DataFrame] = {}
     totals = None

@@ -953,7 +953,6 @@ class Profiler(HookFactories):
         return path if html else run_dir / T.REPORT_FILE
 
 
-
 def iter_module_names(model: nn.Module) -> Iterable[str]:
     """Qualified names of the modules a default Profiler captures, in registration order."""
     prof = Profiler(model, memory=False)

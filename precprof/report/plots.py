@@ -478,14 +478,11 @@ def signature_heatmap(
                 fontsize=8,
                 color="#555",
             )
-    _hbars(
-        ax_strip,
-        [b[0] for b in bars],
-        [b[1] for b in bars],
-        [b[2] for b in bars],
-        0.62,
-        [to_rgba(b[3], b[4]) for b in bars],
-    )
+    if bars:
+        ys, lefts, rights, colors, alphas = zip(*bars, strict=True)
+        _hbars(
+            ax_strip, ys, lefts, rights, 0.62, [to_rgba(c, a) for c, a in zip(colors, alphas, strict=True)]
+        )
     ax_strip.set_yticks(range(len(wins)))
     ax_strip.set_yticklabels([w.label for w in wins], fontsize=8.5)
     for t, w in zip(ax_strip.get_yticklabels(), wins, strict=True):
