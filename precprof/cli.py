@@ -25,7 +25,6 @@ from precprof import _cli_options as O
 from precprof import _signals, hardware, pipeline, training
 from precprof import compare as comparing
 from precprof import export as exporting
-from precprof import stats as st
 from precprof import tables as T
 from precprof._version import __version__
 from precprof.analysis.advisor import Recommendation
@@ -174,6 +173,8 @@ def env(
     json_output: Annotated[bool, typer.Option("--json", help="Print the capabilities as JSON.")] = False,
 ) -> None:
     """Versions, device capabilities, TF32 flags, NVML, and the format the usual decision tree picks here."""
+    from precprof import stats as st  # imports torch, which no other command but train and compare needs
+
     info = hardware.detect()
     if json_output:
         import json

@@ -1,9 +1,11 @@
-"""Names of the built-in loop's options (precision modes, optimizers, devices); torch-free, so that the CLI can
-parse and reject arguments before importing torch."""
+"""Names of the built-in loop's options (precision modes, optimizers, devices, the default model, distributed
+strategies) and the parsing of their values; torch-free, so that the CLI can parse and reject arguments before
+importing torch, and `precprof report` never imports it."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from enum import Enum
 
 from precprof.errors import UserError
@@ -42,6 +44,8 @@ class Device(str, Enum):
 
 
 PRECISIONS: tuple[str, ...] = tuple(p.value for p in Precision)
+DEFAULT_MODEL = "gpt-nano"  # the built-in model `precprof train` trains when --model is not given
+STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2", "fsdp1")  # --distributed, under torchrun
 DEVICES: tuple[str, ...] = tuple(d.value for d in Device)
 # precision modes whose gradients are fp16 and therefore need a loss scale by default
 FP16_MODES: tuple[str, ...] = (Precision.FP16.value, Precision.FP16_PURE.value)
@@ -84,3 +88,15 @@ def resolve_loss_scale(spec: str, precision: str) -> tuple[str, float | None]:
     if kind == "auto":
         kind = "dynamic" if precision in FP16_MODES else "none"
     return kind, value
+
+
+def parse_model_args(items: Sequence[str]) -> dict[str, str]:
+    """``["k=v", ...]`` (repeated ``--model-arg``) -> {k: v}; a malformed item raises UserError."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise UserError(f"--model-arg {item!r}: expected KEY=VALUE, e.g. --model-arg n_layer=2")
+        out[key] = value.strip()
+    return out

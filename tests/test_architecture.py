@@ -48,7 +48,7 @@ def imports(path: Path, names: set[str]) -> tuple[set[str], list[str]]:
                 if depth == 0:
                     top.update(targets(child))
                 elif targets(child):
-                    nested.append(f"{path.name}:{child.lineno}")
+                    nested.append(f"{path.relative_to(ROOT).as_posix()}:{child.lineno}")
             inner = depth + isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
             if not isinstance(child, ast.If) or not _is_type_checking(child):
                 visit(child, inner)
@@ -84,10 +84,13 @@ def reaches(graph: dict[str, set[str]], start: str, prefix: str) -> list[str]:
 
 # imports that must wait until they are used, and why
 LAZY = {
-    "triton_engine.py": "precprof.stats.triton_kernels imports triton (seconds), needed only by the Triton engine",
-    "triton_block.py": "precprof.stats.triton_block_kernels imports triton, needed only by the block kernels",
+    "stats/triton_engine.py": "precprof.stats.triton_kernels imports triton (seconds), needed only by the Triton "
+    "engine",
+    "stats/triton_block.py": "precprof.stats.triton_block_kernels imports triton, needed only by the block kernels",
     "__init__.py": "precprof.Profiler (precprof.capture) imports torch, which reading a run directory never needs",
     "hardware.py": "precprof.stats imports torch: only `precprof env` reads the CPU kernel's cache",
+    "training/__init__.py": "the loop imports torch; the CLI reads only TrainConfig to declare its options",
+    "cli.py": "precprof.stats imports torch: `precprof report` and `precprof export` never need it",
 }
 
 

@@ -534,24 +534,32 @@ def test_a_rerender_drops_the_report_error_it_fixes(tmp_path: Path) -> None:
 
 
 def test_reading_advising_and_rendering_a_run_never_import_torch(tmp_path: Path) -> None:
-    """``import precprof``, the advisor and the report read run directories without torch (seconds of imports);
-    ``precprof.Profiler`` loads it when first used."""
+    """``import precprof``, the advisor, the report and the ``precprof report`` command read run directories
+    without torch (seconds of imports); ``precprof.Profiler`` and ``precprof.training.train`` load it when first
+    used."""
 
     tables, summary = synthetic_run("fp16", steps=6)
     T.write_tables(tmp_path, tables)
     T.write_summary(tmp_path, summary)
     code = (
         "import sys, precprof\n"
-        "from precprof import pipeline\n"
+        "from precprof import pipeline, training\n"
+        "from precprof.cli import main\n"
         f"rec = precprof.recommend({str(tmp_path)!r})\n"
         f"page = pipeline.rerender({str(tmp_path)!r}, target='a100')\n"
+        "try:\n"
+        f"    main(['report', {str(tmp_path)!r}, '--out', {str(tmp_path / 'cli.html')!r}])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
         "print(rec.format, page.name, 'torch' in sys.modules)\n"
         "precprof.Profiler\n"
         "print('torch' in sys.modules)\n"
+        "print(training.train.__module__)\n"
     )
     res = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
-    first, second = res.stdout.split("\n")[:2]
+    first, second, third = res.stdout.splitlines()[-3:]
     assert first.endswith("report-a100.html False"), res.stdout
-    assert second == "True"
+    assert second == "True" and third == "precprof.training.loop"
+    assert (tmp_path / "cli.html").read_text().lstrip().lower().startswith("<!doctype html")

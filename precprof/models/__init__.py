@@ -20,18 +20,18 @@ arguments (numbers and booleans converted) plus ``vocab_size`` and ``seq_len`` w
 them (or has ``**kwargs``), and must return an ``nn.Module``.
 """
 
-from precprof.models.base import BuiltModel, coerce_value, count_params, parse_model_args
+from precprof.models.base import BuiltModel, coerce_value, count_params
 from precprof.models.gpt import GPT, GPTConfig
 from precprof.models.llama import Llama, LlamaConfig
 from precprof.models.registry import (
     BUILTIN_MODELS,
-    DEFAULT_MODEL,
     MODEL_KINDS_HELP,
     approx_params,
     build_model,
     known_models,
 )
 from precprof.models.small import CNNConfig, MLPConfig, TokenCNN, TokenMLP
+from precprof.modes import DEFAULT_MODEL, parse_model_args
 
 __all__ = [
     "BUILTIN_MODELS",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,18 +45,6 @@ class BuiltModel:
 def count_params(module: nn.Module) -> int:
     """Number of distinct parameter elements (tied weights counted once)."""
     return sum(p.numel() for p in module.parameters())
-
-
-def parse_model_args(items: Sequence[str]) -> dict[str, str]:
-    """``["k=v", ...]`` (repeated ``--model-arg``) -> {k: v}; a malformed item raises UserError."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise UserError(f"--model-arg {item!r}: expected KEY=VALUE, e.g. --model-arg n_layer=2")
-        out[key] = value.strip()
-    return out
 
 
 def coerce_value(value: Any) -> Any:

@@ -51,8 +51,6 @@ BUILTIN_MODELS: dict[str, _Builtin] = {
     ),
 }
 
-DEFAULT_MODEL = "gpt-nano"
-
 MODEL_KINDS_HELP = "hf:<model_type> (e.g. hf:gpt2, hf:llama), path/to/file.py:factory, package.module:factory"
 
 

@@ -28,25 +28,46 @@ to ``--grad-clip``), ``scaler.step`` + ``scaler.update()``, ``zero_grad(set_to_n
 bar (every ``refresh_every`` steps); GradScaler.step syncs once per step, as it always does.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from precprof.modes import parse_loss_scale, resolve_loss_scale
 from precprof.training.config import TrainConfig, default_out_dir, default_sample_every
-from precprof.training.loop import (
-    Callback,
-    TrainResult,
-    TrainRun,
-    grad_norm_,
-    loss_from_output,
-    train,
-)
-from precprof.training.precision import (
-    PrecisionPlan,
-    convert_fp8,
-    make_optimizer,
-    make_scaler,
-    plan_precision,
-    resolve_device,
-    tf32_flags,
-)
+
+if TYPE_CHECKING:
+    from precprof.training.loop import (
+        Callback,
+        TrainResult,
+        TrainRun,
+        grad_norm_,
+        loss_from_output,
+        train,
+    )
+    from precprof.training.precision import (
+        PrecisionPlan,
+        convert_fp8,
+        make_optimizer,
+        make_scaler,
+        plan_precision,
+        resolve_device,
+        tf32_flags,
+    )
+
+# the names that live in the modules that import torch, loaded on first use (PEP 562): the CLI reads
+# TrainConfig's defaults for its options, and `precprof report` must not pay for torch to do it
+_LOADED_ON_USE = {
+    "loop": ("Callback", "TrainResult", "TrainRun", "grad_norm_", "loss_from_output", "train"),
+    "precision": (
+        "PrecisionPlan",
+        "convert_fp8",
+        "make_optimizer",
+        "make_scaler",
+        "plan_precision",
+        "resolve_device",
+        "tf32_flags",
+    ),
+}
 
 __all__ = [
     "Callback",
@@ -68,3 +89,17 @@ __all__ = [
     "tf32_flags",
     "train",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if not any(name in names for names in _LOADED_ON_USE.values()):
+        raise AttributeError(f"module 'precprof.training' has no attribute {name!r}")
+    from precprof.training import loop, precision  # import torch
+
+    for module in (loop, precision):
+        globals().update({n: getattr(module, n) for n in _LOADED_ON_USE[module.__name__.rsplit(".", 1)[1]]})
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -17,9 +17,15 @@ from typing import Any
 
 from precprof import rundir
 from precprof.errors import UserError
-from precprof.models import DEFAULT_MODEL, parse_model_args
-from precprof.modes import DEVICES, PRECISIONS, OptimizerName, parse_loss_scale
-from precprof.training.distributed import STRATEGIES
+from precprof.modes import (
+    DEFAULT_MODEL,
+    DEVICES,
+    PRECISIONS,
+    STRATEGIES,
+    OptimizerName,
+    parse_loss_scale,
+    parse_model_args,
+)
 
 
 @dataclass

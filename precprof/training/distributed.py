@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-STRATEGIES: tuple[str, ...] = ("ddp", "fsdp2", "fsdp1")
+from precprof.modes import STRATEGIES
 
 
 @dataclass(frozen=True)
