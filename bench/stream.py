@@ -130,7 +130,9 @@ def renumbered(flush: Flush, step: int) -> Flush:
 
 def replay(flush: Flush, run_dir: Path, n: int, checkpoints: tuple[int, ...]) -> dict[str, Any]:
     """Hand ``n`` renumbered copies of ``flush`` to a streaming recording; memory at ``checkpoints``."""
-    run = rundir.claim(run_dir, summary={T.SUMMARY_CONFIG: {"bench": "stream replay"}}, option="out")
+    # the first summary a Profiler streaming on this machine writes: its config and hardware
+    first = {T.SUMMARY_CONFIG: {"bench": "stream replay"}, **pipeline.describe_machine("cpu")}
+    run = rundir.claim(run_dir, summary=first, option="out")
     rec = Recorded(StreamWriter(run.path, parts.new_segment(run.path, 0)))
     base = rss_mb()
     out: dict[str, Any] = {"rss_mb_before": base}

@@ -1,5 +1,9 @@
-"""The function ``Profiler.save`` hands a finished (or crashed) run to: ``precprof.pipeline.finish_run``, which
-registers itself here when it is imported (``import precprof`` imports it).
+"""The two functions the recorder hands run directories to, registered here by ``precprof.pipeline`` when it is
+imported (``import precprof`` imports it):
+
+- the run finisher, ``precprof.pipeline.finish_run``: what ``Profiler.save`` hands a finished (or crashed) run to;
+- the machine describer: the ``hardware`` block a streamed run directory's first summary records, so that a run
+  killed before it finished is still planned for the machine it ran on, not for the one that reads it.
 
 A module of its own, without torch: the recorder (``precprof.capture``) depends on nothing downstream of it, and
 the pipeline, which `precprof report` loads, never imports the recorder (nor torch) to register."""
@@ -10,7 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 RunFinisher = Callable[..., dict[str, Any]]
+MachineDescriber = Callable[[str | None], dict[str, Any]]
 _finisher: RunFinisher | None = None
+_describer: MachineDescriber | None = None
 
 
 def set_run_finisher(finisher: RunFinisher) -> None:
@@ -22,3 +28,14 @@ def set_run_finisher(finisher: RunFinisher) -> None:
 def run_finisher() -> RunFinisher | None:
     """The registered function, None before ``precprof.pipeline`` is imported."""
     return _finisher
+
+
+def set_machine_describer(describer: MachineDescriber) -> None:
+    """Register the function that gives a run's first summary its machine (device string -> summary entries)."""
+    global _describer
+    _describer = describer
+
+
+def machine_describer() -> MachineDescriber | None:
+    """The registered function, None before ``precprof.pipeline`` is imported."""
+    return _describer

@@ -88,8 +88,7 @@ def finish_run(
     full.setdefault(T.SUMMARY_STATUS, T.STATUS_COMPLETE)
     full.setdefault(T.SUMMARY_INCOMPLETE_REASON, None)
     if T.SUMMARY_HARDWARE not in full:
-        device = (full.get(T.SUMMARY_CAPTURE) or {}).get("device")
-        full[T.SUMMARY_HARDWARE] = hardware.detect(device).to_dict()
+        full.update(describe_machine((full.get(T.SUMMARY_CAPTURE) or {}).get("device")))
     tables_ok = True
     with _signals.deferred():
         full.update(post_process(tables, full, facts))
@@ -178,4 +177,10 @@ def rerender(
     return render_run_dir(rd, out=out, recommendation=rec, advisor_error=advisor_error, read=read)
 
 
+def describe_machine(device: str | None) -> dict[str, Any]:
+    """The summary entries that name the machine a run records on: its ``hardware`` block for ``device``."""
+    return {T.SUMMARY_HARDWARE: hardware.detect(device).to_dict()}
+
+
 _run_finisher.set_run_finisher(finish_run)  # what Profiler.save calls
+_run_finisher.set_machine_describer(describe_machine)  # what a streamed run's first summary records

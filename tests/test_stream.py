@@ -4,6 +4,7 @@ equals an uninterrupted one; the recording's host memory stays bounded."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -102,7 +103,7 @@ def test_killed_at_random_moments_every_flushed_step_is_readable(tmp_path: Path)
         assert "Traceback" not in html
 
 
-def test_precprof_report_on_a_killed_run(tmp_path: Path) -> None:
+def test_precprof_report_on_a_killed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "run"
     proc = worker("forever", out)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "streaming"
@@ -115,6 +116,17 @@ def test_precprof_report_on_a_killed_run(tmp_path: Path) -> None:
     html = (out / T.REPORT_FILE).read_text()
     assert "The run was cut off after step" in html
     assert "killed before it could save" in html  # the first summary's cause
+    # the first summary names the machine the run recorded on, so that the advice is for that machine and
+    # never for the one that reads the run (the reader's hardware is not even looked at)
+    summary = T.read_summary(out)
+    here = json.loads(json.dumps(pipeline.describe_machine("cpu")[T.SUMMARY_HARDWARE]))
+    assert summary[T.SUMMARY_HARDWARE] == here
+
+    def not_this_machine(*args: object) -> None:
+        raise AssertionError("the advisor detected the reading machine")
+
+    monkeypatch.setattr(precprof.hardware, "detect", not_this_machine)
+    assert precprof.recommend(out).format
 
 
 def test_a_torn_last_part_is_skipped_with_a_notice(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ from torch import nn
 from precprof import parts, rundir, taxonomy
 from precprof import stats as st
 from precprof import tables as T
-from precprof._run_finisher import run_finisher
+from precprof._run_finisher import machine_describer, run_finisher
 from precprof._version import __version__
 from precprof.capture import clipwatch, columns
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockBudget
@@ -409,6 +409,9 @@ class Profiler(HookFactories):
             first = {
                 T.SUMMARY_CAPTURE: {"sample_every": self.sample_every, "sample_origin": self._first_step}
             }
+            describe = machine_describer()
+            if describe is not None:  # a run killed before it saves is still planned for this machine
+                first.update(describe(str(self._device)))
             run = self._owned_run = rundir.claim(
                 self._out, overwrite=self._overwrite, resume=self._resume, summary=first, option="out"
             )
