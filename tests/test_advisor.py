@@ -908,3 +908,55 @@ def test_a_run_with_many_loss_scales_names_their_range_not_each_one() -> None:
     small = recommend(tables, summary=summary)  # few scales: each one
     (f,) = [f for f in small.findings if f.code == "fp16_gradient_underflow"]
     assert "values" not in f.message.split("exact counts")[0].split("in effect (")[1]
+
+
+@pytest.mark.parametrize("categorical", [False, True])
+def test_histograms_summed_over_steps_match_a_groupby(categorical: bool) -> None:
+    """The advisor reads the histograms summed over steps (one bincount over integer keys): the same rows and
+    counts as a pandas groupby by hand, rows without a module kept as their own group, rows without a tensor
+    kind left out, params merged; and the exponent counts and lost-norm shares the rules read from them are
+    those of the per-step rows."""
+    from precprof.analysis.advisor import evidence as E
+    from precprof.formats import FP16
+
+    rows = [  # step, module, tensor, param, exponent, count
+        (0, "a", T.ACTIVATION_GRAD, "", -30, 3),
+        (1, "a", T.ACTIVATION_GRAD, "", -30, 4),
+        (1, "a", T.ACTIVATION_GRAD, "", 2, 1),
+        (0, "b", T.ACTIVATION_GRAD, "", -3, 7),
+        (0, "b", T.WEIGHT_GRAD, "weight", -20, 2),
+        (1, "b", T.WEIGHT_GRAD, "bias", -20, 5),  # another param: merged with weight's
+        (0, None, T.ACTIVATION_GRAD, "", -30, 6),  # no module: its own group, counted per kind
+        (1, "a", None, "", 0, 100),  # no tensor kind: no kind's
+        (2, "a", T.ACTIVATION_GRAD, "", -64, 0),  # a bin recorded empty stays a (zero) row
+    ]
+    hist = pd.DataFrame(rows, columns=[T.STEP, T.MODULE, T.TENSOR, T.PARAM, T.EXPONENT, T.COUNT])
+    if categorical:
+        hist = hist.astype({c: "category" for c in (T.MODULE, T.TENSOR, T.PARAM)})
+    got = E._sum_over_steps(hist)
+    want = (
+        pd.DataFrame(rows, columns=[T.STEP, T.MODULE, T.TENSOR, T.PARAM, T.EXPONENT, T.COUNT])
+        .dropna(subset=[T.TENSOR])
+        .groupby([T.MODULE, T.TENSOR, T.EXPONENT], dropna=False)[T.COUNT]
+        .sum()
+    )
+    as_dict = {
+        (None if pd.isna(m) else m, t, int(e)): float(c)
+        for m, t, e, c in zip(got[T.MODULE], got[T.TENSOR], got[T.EXPONENT], got[T.COUNT], strict=True)
+    }
+    assert as_dict == {(None if pd.isna(m) else m, t, int(e)): float(c) for (m, t, e), c in want.items()}
+    assert as_dict[(None, T.ACTIVATION_GRAD, -30)] == 6 and as_dict[("b", T.WEIGHT_GRAD, -20)] == 7
+    assert as_dict[("a", T.ACTIVATION_GRAD, -64)] == 0
+    # what the rules read is the same from the totals as from the per-step rows
+    for kinds in [(T.ACTIVATION_GRAD,), (T.WEIGHT_GRAD,), (T.ACTIVATION_GRAD, T.WEIGHT_GRAD)]:
+        pd.testing.assert_series_equal(E._exponent_counts(got, kinds), E._exponent_counts(hist, kinds))
+    ag = hist[hist[T.TENSOR] == T.ACTIVATION_GRAD]
+    by_hand = E._lost_norm_share(ag, FP16, 0)
+    assert list(by_hand.index) == ["a", "b"]  # a row without a module belongs to no module
+    assert by_hand["a"] == pytest.approx(((7 * 4.0**-30) / (7 * 4.0**-30 + 4.0**2)) ** 0.5)
+    assert by_hand["b"] == 0.0
+    pd.testing.assert_series_equal(
+        E._lost_norm_share(got[got[T.TENSOR] == T.ACTIVATION_GRAD], FP16, 0), by_hand, check_names=False
+    )
+    empty = E._sum_over_steps(hist.iloc[:0])
+    assert list(empty.columns) == [T.MODULE, T.TENSOR, T.EXPONENT, T.COUNT] and empty.empty

@@ -381,6 +381,7 @@ def signature_heatmap(
     if not rows or mat.size == 0 or mat.sum() <= 0:
         return None
     lost = S.lost_share_by_row(layers, kind, "fp16")
+    rows_total = len(rows)
     sel = _select_rows(rows, lost, max_rows)
     rows = [rows[i] for i in sel]
     mat = mat[sel]
@@ -545,7 +546,7 @@ def signature_heatmap(
         )
     # margins from the texts themselves: long row or format names on the left, the colour bar's label on the right
     fit_margins(fig)
-    return Heatmap(fig, kind, len(S.row_order(layers, kind)) or len(sel), n, scale, wins)
+    return Heatmap(fig, kind, rows_total, n, scale, wins)
 
 
 # --------------------------------------------------------------------------------------------- memory

@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 
 from precprof import tables as T
-from precprof.analysis.advisor.evidence import _Plan, _Run
+from precprof.analysis.advisor.evidence import _Plan, _rows_of_kinds, _Run
 from precprof.analysis.advisor.model import WARNING, Finding
 from precprof.analysis.advisor.text import _pct, _pow2
 
@@ -28,13 +29,13 @@ def _rule_scaled_clipping(run: _Run, plan: _Plan) -> None:
     s = s[(s[T.LOSS_SCALE] >= 16) & (s[T.GRAD_NORM] > 0) & np.isfinite(s[T.GRAD_NORM])]
     if s.empty:
         return
-    wg = run.hist[run.hist[T.TENSOR] == T.WEIGHT_GRAD]
-    if wg.empty:
+    wg = _rows_of_kinds(run.hist[T.TENSOR], (T.WEIGHT_GRAD,))  # the columns read, not a copy of the rows
+    if not wg.any():
         return
-    energy = wg[T.COUNT].to_numpy(dtype=float) * 4.0 ** wg[T.EXPONENT].to_numpy(dtype=float)
-    est = (
-        wg.assign(_e=energy).groupby(T.STEP)["_e"].sum().pow(0.5).rename("_est")
-    )  # the lower edge of each step's norm
+    hist = run.hist
+    energy = hist[T.COUNT].to_numpy(dtype=float)[wg] * 4.0 ** hist[T.EXPONENT].to_numpy(dtype=float)[wg]
+    # the lower edge of each step's norm
+    est = pd.Series(energy).groupby(hist[T.STEP].to_numpy()[wg]).sum().pow(0.5).rename("_est")
     joined = s.join(est, on=T.STEP).dropna()
     joined = joined[joined["_est"] > 0]
     if joined.empty:

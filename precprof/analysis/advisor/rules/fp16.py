@@ -10,7 +10,6 @@ import pandas as pd
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import (
     _dtype_has,
-    _exponent_counts,
     _grad_absmax,
     _innermost,
     _is_descendant,
@@ -237,7 +236,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     k = plan.loss_scale_log2
     ag = run.kind(T.ACTIVATION_GRAD)
-    counts = _exponent_counts(run.hist, (T.ACTIVATION_GRAD,))
+    counts = run.exponent_counts(T.ACTIVATION_GRAD)
     total = float(counts.sum())
     if ag.empty and total == 0:
         return
@@ -266,10 +265,11 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
             f"had and raises activation-gradient underflow from {_pct(at_run)} to {_pct(atk)}"
         )
     plan.underflow_now, plan.underflow_at_1, plan.underflow_at_rec = now, at1, atk
-    wg = _exponent_counts(run.hist, (T.WEIGHT_GRAD,))
+    wg = run.exponent_counts(T.WEIGHT_GRAD)
     wg_sure, _ = _shifted_underflow(wg, FP16, k)
     wg_share = _share(wg_sure, float(wg.sum()))
-    norm = _lost_norm_share(run.hist[run.hist[T.TENSOR] == T.ACTIVATION_GRAD], FP16, k)
+    totals = run.hist_totals()
+    norm = _lost_norm_share(totals[totals[T.TENSOR] == T.ACTIVATION_GRAD], FP16, k)
     norm_k = float(norm.max()) if not norm.empty else None
     norm_mod = str(norm.idxmax()) if not norm.empty else None
     residual_matters = norm_k is None or norm_k > cfg.fp16_underflow_norm_ok
@@ -364,7 +364,8 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     else:
         severity = INFO
         remedy = f"Nothing to fix; GradScaler(init_scale={_scale(k)}) keeps it at {_pct(atk)}."
-    by_mod = run.hist[run.hist[T.TENSOR] == T.ACTIVATION_GRAD]
+    totals = run.hist_totals()
+    by_mod = totals[totals[T.TENSOR] == T.ACTIVATION_GRAD]
     worst: list[str] = []
     if not by_mod.empty and atk:
         lim = _log2i(FP16.underflow_max)

@@ -6,7 +6,6 @@ from precprof import formats
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import (
     _dtype_has,
-    _exponent_counts,
     _innermost,
     _Plan,
     _Run,
@@ -88,7 +87,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
 
 def _rule_bf16_range(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
-    counts = _exponent_counts(run.hist, T.GRADIENT_KINDS)
+    counts = run.exponent_counts(*T.GRADIENT_KINDS)
     total = float(counts.sum())
     sure, _ = _shifted_underflow(counts, BF16, 0)
     share = _share(sure, total)
