@@ -550,6 +550,17 @@ def test_fp8_eligibility(request: pytest.FixtureRequest) -> None:
     h.fp8_library = None
     rec2 = recommend(t, hardware=h, summary=big)
     assert rec2.format == "bf16" and codes(rec2)["fp8_library_missing"] == "warning"
+    # fp16's what-ifs are information in an fp32 run whose measurements allow fp8; their titles name the
+    # verdict, and when a small model makes it fp32 (where fp8 is not considered), what the measurements allow
+    demoted = [f for f in rec.findings if f.numbers.get("demoted_from")]
+    assert demoted and all(f.title.endswith("(what fp16 would do; the verdict is fp8)") for f in demoted)
+    small = recommend(t, hardware="h100", summary=summary_for(n_params=1_000_000))
+    demoted = [f for f in small.findings if f.numbers.get("demoted_from")]
+    assert small.format == "fp32"
+    assert demoted, [f.title for f in small.findings]
+    assert all(f.title.endswith("(what fp16 would do; bf16 fits, the verdict is fp32)") for f in demoted), [
+        f.title for f in demoted
+    ]
     check_golden(request, rec)
 
 

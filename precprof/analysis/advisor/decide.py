@@ -168,13 +168,15 @@ def _runs_fp16(run: _Run) -> bool:
 
 
 def _demote_what_ifs(run: _Run, plan: _Plan, fmt: str, measured: str) -> None:
-    """A warning about what fp16 would do, in a run that did not train in fp16 and whose verdict is bf16 (or
-    fp8), is information: nothing in the run or the plan suffers from it. Its ``numbers["demoted_from"]``
+    """A warning about what fp16 would do, in a run that did not train in fp16 and whose measurements allow bf16
+    (or fp8), is information: nothing in the run or the plan suffers from it. The title names the verdict, and
+    what the measurements allow when the verdict is another (fp32 for a small model). Its ``numbers["demoted_from"]``
     keeps the warning for ``precprof compare``, which checks it against a real fp16 run."""
     if measured not in ("bf16", "fp8") or _runs_fp16(run):
         return
     for f in plan.findings:
         if f.code.startswith("fp16_") and f.severity == WARNING:
             f.severity = INFO
-            f.title += f" (what fp16 would do; the verdict is {measured})"
+            verdict = f"the verdict is {fmt}" if fmt == measured else f"{measured} fits, the verdict is {fmt}"
+            f.title += f" (what fp16 would do; {verdict})"
             f.numbers["demoted_from"] = WARNING
