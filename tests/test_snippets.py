@@ -12,12 +12,14 @@ from report_fixtures import gpt_layers, recommendation_dict, synthetic_run
 from torch import nn
 
 from precprof.analysis import snippets as S
+from precprof.analysis.advisor import recommend
 from precprof.analysis.advisor.model import Recommendation
 from precprof.report import render_html
 
 HOSTILE = 'a"; import os; os.system("x") #'
 
 CUDA_LINE = 'device_type = "cuda"'
+CPU_LINE = 'device_type = "cpu"'
 
 
 def rec(fmt: str, **kw: Any) -> Recommendation:
@@ -49,9 +51,10 @@ class Tiny(nn.Module):
         return self.head(torch.relu(self.body(x)))
 
 
-def execute(code: str) -> dict[str, Any]:
-    """Run a pytorch snippet on CPU with the names it assumes; returns its namespace."""
-    assert code.count(CUDA_LINE) == 1
+def execute(code: str, on_cpu_as_written: bool = False) -> dict[str, Any]:
+    """Run a pytorch snippet on CPU with the names it assumes (a plan for CUDA with its device line changed, a
+    plan for a CPU as written); returns its namespace."""
+    assert code.count(CPU_LINE if on_cpu_as_written else CUDA_LINE) == 1
     torch.manual_seed(0)
     model = Tiny()
     out_dtypes: dict[str, torch.dtype] = {}
@@ -122,6 +125,24 @@ def test_fp32_snippet_runs_without_autocast_and_names_the_measured_format() -> N
     assert "PyTorch: BF16, as measured" in labels
     ns = execute(FP32.snippet("pytorch", "bf16"))
     assert all(seen == (True, torch.bfloat16) for seen in ns["model"].seen)
+
+
+def test_a_plan_for_a_cpu_runs_there_as_written() -> None:
+    """The advisor's plan for a CPU says so (``device``), and its code uses device_type "cpu" everywhere: the
+    PyTorch snippet runs here unchanged; a plan for a GPU, or one stored before ``device`` existed, is CUDA's."""
+    tables, summary = synthetic_run("fp16", steps=4)
+    assert recommend(tables, hardware="cpu", summary=summary).device == "cpu"
+    assert recommend(tables, hardware="h100", summary=summary).device == "cuda"
+    cpu = rec("fp16", loss_scale=2.0**12, growth_interval=500, keep_fp32=["head"], device="cpu")
+    for fw in S.frameworks("fp16"):
+        code = cpu.snippet(fw)
+        assert '"cuda"' not in code and '"cpu"' in code, fw
+    ns = execute(cpu.snippet("pytorch"), on_cpu_as_written=True)
+    assert ns["model"].seen and all(seen == (True, torch.float16) for seen in ns["model"].seen)
+    assert ns["scaler"].get_scale() == 2.0**12
+    old = FP16.to_dict()
+    del old["device"]
+    assert S.snippet(old).count(CUDA_LINE) == 1
 
 
 def test_loss_scale_is_written_exactly() -> None:

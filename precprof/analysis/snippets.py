@@ -5,7 +5,9 @@ summary.json), so that the report can show it without importing the advisor. Mod
 appear in the code only as Python string literals (``repr``), never in comments or as code.
 
 Every snippet assumes the names of a training script: ``model``, ``optimizer``, ``loader`` (yielding
-``inputs, targets``) and ``loss_fn``; ``device_type`` is set at the top so the code can be tried on a CPU.
+``inputs, targets``) and ``loss_fn``; ``device_type`` is set at the top to the target's device type
+(``"cuda"``, or ``"cpu"`` for a plan made for a CPU; a recommendation that does not say is for CUDA), so that the
+code can be tried on another device by changing one line.
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ _DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp8": "torch.bfloa
 _DEFAULT_SCALE = 2.0**16
 
 _DEFAULT_GROWTH = 2000
-
-_CUDA = '"cuda"'
 
 _HEAD = "# assumes model, optimizer, loader (inputs, targets) and loss_fn from your training script"
 
@@ -111,6 +111,7 @@ class _Plan:
         self.growth = _int(rec.get("growth_interval"), _DEFAULT_GROWTH)
         if self.growth <= 0:
             self.growth = _DEFAULT_GROWTH
+        self.device = '"cpu"' if rec.get("device") == "cpu" else '"cuda"'  # a Python literal
 
     @property
     def dtype(self) -> str:
@@ -175,7 +176,7 @@ def _pytorch(plan: _Plan) -> list[str]:
     out = ["import torch"]
     if fmt == "fp8":
         out.append("from torchao.float8 import convert_to_float8_training")
-    out += ["", _HEAD, 'device_type = "cuda"']
+    out += ["", _HEAD, f"device_type = {plan.device}"]
     if fmt == "fp32":
         out += ["# FP32: no autocast and no GradScaler, the loop stays as it is"]
     elif fmt == "tf32":
@@ -206,7 +207,7 @@ def _hf(plan: _Plan) -> list[str]:
         ]
         out += [*plan.fp8_block(), ""]
     if plan.keep and plan.autocast:
-        out += ['device_type = "cuda"', *plan.keep_block(), ""]
+        out += [f"device_type = {plan.device}", *plan.keep_block(), ""]
     if fmt == "fp32":
         out += ["# FP32 is the Trainer's default: no bf16/fp16 flag"]
     args = ['output_dir="out"'] + ([flags[fmt]] if fmt in flags else [])
@@ -216,7 +217,7 @@ def _hf(plan: _Plan) -> list[str]:
         out += [
             "# TrainingArguments has no init_scale: the Trainer's GradScaler starts at 2**16 with growth_interval",
             "# 2000; replace it before train() to start at the recommended scale",
-            f"trainer.accelerator.scaler = {plan.scaler(device=_CUDA)}",
+            f"trainer.accelerator.scaler = {plan.scaler(device=plan.device)}",
         ]
     out += ["trainer.train()"]
     return out
@@ -236,12 +237,12 @@ def _lightning(plan: _Plan) -> list[str]:
         out += ["# in your LightningModule's configure_model (or before fit): FP8 for the eligible layers"]
         out += [*plan.fp8_block(), ""]
     if plan.keep and plan.autocast:
-        out += ['device_type = "cuda"', *plan.keep_block(), ""]
+        out += [f"device_type = {plan.device}", *plan.keep_block(), ""]
     if fmt == "fp16":
         out += [
             "# precision='16-mixed' with the recommended GradScaler (Trainer(precision=...) would start at 2**16)",
-            f"scaler = {plan.scaler(device=_CUDA)}",
-            'trainer = L.Trainer(plugins=[MixedPrecision("16-mixed", "cuda", scaler=scaler)])',
+            f"scaler = {plan.scaler(device=plan.device)}",
+            f'trainer = L.Trainer(plugins=[MixedPrecision("16-mixed", {plan.device}, scaler=scaler)])',
         ]
     else:
         precision = {"fp32": "32-true", "tf32": "32-true", "bf16": "bf16-mixed", "fp8": "bf16-mixed"}[fmt]
@@ -303,7 +304,7 @@ def _fsdp(plan: _Plan) -> list[str]:
         out += ["# fully_shard(model, mp_policy=policy)  # after each block, as for any fully_shard model"]
     if fmt == "fp16":
         out += ["", "# FP16 needs a GradScaler that knows about sharded gradients"]
-        out += [f"scaler = {plan.scaler('ShardedGradScaler', device=_CUDA)}"]
+        out += [f"scaler = {plan.scaler('ShardedGradScaler', device=plan.device)}"]
         out += ["# then the loop as in plain PyTorch: scaler.scale(loss).backward(), step, update"]
     return out
 

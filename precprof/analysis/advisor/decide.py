@@ -151,6 +151,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         reasons=reasons,
         target=target,
         measured_format=measured,
+        device=hw.device,
     )
 
 

@@ -64,7 +64,8 @@ class Recommendation:
     ``keep_fp32`` lists modules to run outside autocast; ``fp8_layers`` the layers to convert when ``format``
     is "fp8" (the rest run in bf16). ``block_plan`` maps each matmul layer to the block-scaled format it can
     train in on a target with such formats (Blackwell: "nvfp4", "mxfp4", "mxfp8", or "bf16" where none
-    qualifies; rules/blocks.py), empty elsewhere or when the run has no block-format statistics. ``target`` names the hardware the plan is for. ``measured_format`` is
+    qualifies; rules/blocks.py), empty elsewhere or when the run has no block-format statistics. ``target`` names the hardware the plan is for, ``device`` its device type ("cuda" or "cpu").
+    ``measured_format`` is
     the format the measurements allow on the target; it differs from ``format`` when the guide's default
     (fp32 for a model under ``AdvisorConfig.small_model_params``) holds it back, and a measured speed or memory
     gain (``precprof compare``) is the evidence that overrides the default.
@@ -83,6 +84,8 @@ class Recommendation:
     findings: list[Finding] = field(default_factory=list)
     target: str = ""
     measured_format: str = ""
+    # the target's device type, "cuda" or "cpu" (the snippets' device_type); "" in summaries written before it
+    device: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (stored as summary.json["recommendation"])."""
