@@ -69,6 +69,40 @@ def test_a_streamed_run_equals_one_kept_in_memory(tmp_path: Path) -> None:
     assert T.read_summary(tmp_path / "run")[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
 
 
+def test_a_reattached_profiler_counts_on_and_streams_on(tmp_path: Path) -> None:
+    """Detached (for an evaluation, say) and attached again, the Profiler goes on from the step it stopped at
+    and streams on into the same run: the run equals one that stayed attached. It restarted at step 0 and
+    recorded steps 0 and 1 twice, merged into one step each."""
+
+    def run(out: Path, pause_after: int | None) -> dict[str, pd.DataFrame]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        prof = precprof.Profiler(model, opt, sample_every=2, out=out, memory=False)
+        prof.attach()
+        for step in range(7):
+            if step == pause_after:
+                prof.detach()
+                with torch.no_grad():  # an evaluation, not recorded
+                    model(torch.randn(4, 8))
+                prof.attach()
+            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+        prof.detach()
+        return T.read_run(out).tables  # what a kill now leaves: the stream, never saved
+
+    once, paused = run(tmp_path / "once", None), run(tmp_path / "paused", 3)
+    assert paused["steps"][T.STEP].tolist() == list(range(7))
+    assert sorted(set(paused["layers"][T.STEP])) == [0, 2, 4, 6]
+    for name in ("layers", "histograms"):
+        pd.testing.assert_frame_equal(paused[name], once[name])
+    cols = [T.STEP, T.LOSS, T.SAMPLED]
+    pd.testing.assert_frame_equal(paused["steps"][cols], once["steps"][cols])
+
+
 def test_out_is_claimed_at_attach(tmp_path: Path) -> None:
     tiny_run(tmp_path / "run", 2).save()
     with pytest.raises(UserError, match="already holds a precprof run"):

@@ -392,13 +392,16 @@ class Profiler(HookFactories):
         self._clip_norms = clipwatch.ClipNorms(self.model.parameters())
         clipwatch.watch(self._clip_norms)
 
-        self._step = self._first_step
+        # a re-attached Profiler goes on counting where it stopped: its steps were recorded once, by number
         self._begin_step()
 
     def _open_stream(self) -> None:
         """With ``out``: claim the run directory (the writer rank), open this attachment's segment of its stream
         and hand the recording a stream writer. The sampling origin becomes the run's first segment's start."""
-        if self._out is None or self._recorded.sink is not None:
+        if self._out is None:
+            return
+        if self._recorded.sink is not None:  # re-attached: the same segment goes on, parts numbered on
+            self._recorded.sink.reopen()
             return
         if not self.is_writer:
             self._recorded = Recorded(keep=False)  # rank 0 writes; the others keep their steps rows only

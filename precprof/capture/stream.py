@@ -12,8 +12,8 @@ Invariants:
   and every later one are kept in memory instead (``unwritten``), ``error`` says why, and the tables still
   hold every row. The stream also stops while less than ``RESERVE_BYTES`` are free, so that the end of the run
   still has room to write summary.json with the cause.
-- ``drain()`` returns when everything queued is on disk; ``close()`` also ends the thread. Neither touches a
-  device: the rows were copied to the host by the Profiler's one sync.
+- ``drain()`` returns when everything queued is on disk; ``close()`` also ends the thread, and ``reopen()``
+  starts it again. None touches a device: the rows were copied to the host by the Profiler's one sync.
 """
 
 from __future__ import annotations
@@ -47,8 +47,15 @@ class StreamWriter:
         self._seq = 0
         self._current: Flush | None = None
         self._queue: queue.Queue[Flush | None] = queue.Queue(maxsize=max(1, max_queued))
-        self._thread = threading.Thread(target=self._run, name="precprof-stream", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread()
+        self.reopen()
+
+    def reopen(self) -> None:
+        """Start the writer thread (again, after ``close()``: a re-attached Profiler's flushes go on into the
+        same segment, numbered after the last part). Idempotent."""
+        if not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="precprof-stream", daemon=True)
+            self._thread.start()
 
     def put(self, flush: Flush) -> None:
         """Queue one flush for writing; blocks while ``max_queued`` flushes wait (bounded memory)."""
