@@ -233,24 +233,28 @@ def _rows_of_kinds(tensor: pd.Series, kinds: Iterable[str]) -> np.ndarray:
 
 
 def _codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
-    """(int64 codes, -1 for a missing value; the distinct values) of a text column, categorical or not."""
+    """(integer codes, -1 for a missing value; the distinct values) of a text column, categorical or not. A
+    categorical's codes are its own array (int8 or int16 for a few hundred names), not a copy."""
     if isinstance(col.dtype, pd.CategoricalDtype):
-        return col.cat.codes.to_numpy().astype(np.int64), np.asarray(col.cat.categories, dtype=object)
+        return col.cat.codes.to_numpy(), np.asarray(col.cat.categories, dtype=object)
     codes, uniques = pd.factorize(col)
-    return codes.astype(np.int64), np.asarray(uniques, dtype=object)
+    return codes, np.asarray(uniques, dtype=object)
 
 
 def _sum_over_steps(hist: pd.DataFrame) -> pd.DataFrame:
     """``hist`` summed over steps and params: columns module (categorical; missing where the rows had no
     module), tensor, exponent (int64) and count (float, exact: sums of integers below 2^53), one row per
     (module, tensor, exponent) that has rows, as ``groupby([module, tensor, exponent], dropna=False)`` would
-    give them but by one bincount over integer keys (15 million rows: a tenth of a second). Rows without a
+    give them but by one bincount over integer keys (15 million rows: a quarter of a second). Rows without a
     tensor kind belong to no kind and are left out."""
     cols = [T.MODULE, T.TENSOR, T.EXPONENT, T.COUNT]
     mod, mod_names = _codes(hist[T.MODULE])
     ten, ten_names = _codes(hist[T.TENSOR])
-    keep = ten >= 0
-    e = hist[T.EXPONENT].to_numpy()[keep].astype(np.int64)
+    e = hist[T.EXPONENT].to_numpy()
+    counts = hist[T.COUNT].to_numpy()
+    if len(ten) and ten.min() < 0:
+        keep = ten >= 0
+        mod, ten, e, counts = mod[keep], ten[keep], e[keep], counts[keep]
     if not len(e):
         return pd.DataFrame(
             {
@@ -261,11 +265,20 @@ def _sum_over_steps(hist: pd.DataFrame) -> pd.DataFrame:
             },
             columns=cols,
         )
-    e0, n_e, n_t = int(e.min()), int(e.max()) - int(e.min()) + 1, len(ten_names)
-    key = ((mod[keep] + 1) * n_t + ten[keep]) * n_e + (e - e0)  # module code + 1: 0 is "no module"
-    present, sums = _group_sum(
-        key, hist[T.COUNT].to_numpy()[keep].astype(float), (len(mod_names) + 1) * n_t * n_e
+    e0, e1 = int(e.min()), int(e.max())
+    n_e, n_t = e1 - e0 + 1, len(ten_names)
+    n_keys = (len(mod_names) + 1) * n_t * n_e
+    # the key of (module code + 1, tensor code, exponent - e0), built in place (0 is "no module"): millions of
+    # rows, so no temporary array more than the key itself
+    key: np.ndarray[Any, np.dtype[np.signedinteger[Any]]] = mod.astype(
+        np.int64 if n_keys > np.iinfo(np.int32).max else np.int32
     )
+    key += 1
+    key *= n_t
+    key += ten
+    key *= n_e
+    key += (e - e0).astype(key.dtype, copy=False)
+    present, sums = _group_sum(key, counts.astype(float, copy=False), n_keys)
     m, rest = np.divmod(present, n_t * n_e)
     t, x = np.divmod(rest, n_e)
     return pd.DataFrame(
