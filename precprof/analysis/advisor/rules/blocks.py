@@ -27,7 +27,7 @@ from precprof import hardware as hw_mod
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.advisor.config import AdvisorConfig
-from precprof.analysis.advisor.evidence import _layer_dims, _matmul_leaves, _nonzero, _Plan, _prepare, _Run
+from precprof.analysis.advisor.evidence import _layer_dims, _matmul_leaves, _Plan, _prepare, _Run
 from precprof.analysis.advisor.model import INFO, Finding, Number
 from precprof.analysis.advisor.rules.shapes import _fp8_shapes
 from precprof.analysis.advisor.text import _listing, _name, _pct
@@ -156,29 +156,58 @@ def db_text(v: float) -> str:
     return "lossless" if v == math.inf else f"{v:.1f} dB"
 
 
-def _num(df: pd.DataFrame, col: str) -> pd.Series:
-    return pd.to_numeric(df[col], errors="coerce") if col in df else pd.Series(math.nan, index=df.index)
+class _Columns:
+    """The layers table's numeric columns as float arrays, each converted once, when first read."""
+
+    def __init__(self, layers: pd.DataFrame) -> None:
+        self.layers = layers
+        self._done: dict[str, np.ndarray] = {}
+
+    def get(self, name: str) -> np.ndarray | None:
+        got = self._done.get(name)
+        if got is None and name in self.layers:
+            col = pd.to_numeric(self.layers[name], errors="coerce")
+            got = self._done[name] = col.to_numpy(dtype=float, na_value=np.nan)
+        return got
 
 
-def _losses(rows: pd.DataFrame, operand: str, orientation: str, gemm: str, recipe: str) -> OperandLoss | None:
+class _Rows:
+    """Some rows of the layers table, their columns read as float arrays on first use (``_losses`` reads a few
+    of the 70 block columns per layer; 2,700 selections of pandas columns took half a second on a thousand
+    sampled steps)."""
+
+    def __init__(self, columns: _Columns, index: np.ndarray) -> None:
+        self.columns, self.index, self.n = columns, index, len(index)
+        self._cols: dict[str, np.ndarray] = {}
+
+    def col(self, name: str) -> np.ndarray:
+        """The column ``name`` of these rows (all nan when the table has no such column)."""
+        got = self._cols.get(name)
+        if got is None:
+            full = self.columns.get(name)
+            got = self._cols[name] = full[self.index] if full is not None else np.full(self.n, math.nan)
+        return got
+
+
+def _losses(rows: _Rows, operand: str, orientation: str, gemm: str, recipe: str) -> OperandLoss | None:
     """The recipe's stats summed over ``rows`` where it was evaluated (None where it never was)."""
-    if rows.empty:
+    if not rows.n:
         return None
-    fl = _num(rows, T.block_col(recipe, "flushed", orientation))
-    sel = fl.notna()
+    sel = ~np.isnan(rows.col(T.block_col(recipe, "flushed", orientation)))
     if not sel.any():
         return None
-    r = rows[sel]
 
     def total(stat: str) -> float:
         # a nan sum (block_formats could not quantise the tensor) stays nan: it must not read as no error
-        return float(_num(r, T.block_col(recipe, stat, orientation)).sum(skipna=False))
+        return float(rows.col(T.block_col(recipe, stat, orientation))[sel].sum())
 
+    # finite nonzero values, as _nonzero counts them: clipped at 0 row by row, a row without counts skipped
+    nonzero = np.clip(rows.col(T.NUMEL) - rows.col(T.ZEROS) - rows.col(T.NAN) - rows.col(T.INF), 0, None)
     return OperandLoss(
         operand,
         orientation,
         gemm,
-        _nonzero(r),
+        float(np.nansum(nonzero[sel])),
         total("flushed"),
         total("saturated"),
         total("poisoned"),
@@ -253,17 +282,17 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
         },
         **dims,
     }
-    # the numeric columns _losses reads, and each (module, tensor, param)'s rows found in one groupby: a filter
-    # of the whole table per layer and operand took seconds on a thousand sampled steps, and row selections
-    # of text columns are slow too
-    num = run.layers[[T.NUMEL, T.ZEROS, T.NAN, T.INF] + [c for c in T.BLOCK_COLUMNS if c in run.layers]]
+    # the numeric columns _losses reads (as arrays, each once), and each (module, tensor, param)'s rows found in
+    # one groupby: a filter of the whole table per layer and operand took seconds on a thousand sampled steps,
+    # and row selections of text columns are slow too
+    columns = _Columns(run.layers)
     where: dict[tuple[str, str], list[tuple[str, np.ndarray]]] = {}
     for (m, t, p), i in run.layers.groupby([T.MODULE, T.TENSOR, T.PARAM], sort=False).indices.items():
         where.setdefault((str(m), str(t)), []).append((str(p), i))
 
-    def rows_of(module: str, tensor: str, param: str | None = None) -> pd.DataFrame:
+    def rows_of(module: str, tensor: str, param: str | None = None) -> _Rows:
         idx = [i for p, i in where.get((module, tensor), []) if param in (None, p)]
-        return num.iloc[np.sort(np.concatenate(idx))] if idx else num.iloc[:0]
+        return _Rows(columns, np.sort(np.concatenate(idx)) if idx else np.zeros(0, dtype=np.int64))
 
     first = _first_activations(run)
     out: list[LayerBlocks] = []
