@@ -58,8 +58,8 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
         amax = float(per_mod.loc[overflow_mods, "absmax"].max())
         detail = "; ".join(
             f"{_name(m)}: max |x| {_g(per_mod.loc[m, 'absmax'])}, "
-            f"{int(per_mod.loc[m, 'overflow'])} values over 65504"
-            + (f", {int(per_mod.loc[m, 'inf'])} inf in fp16" if m in observed else "")
+            f"{int(per_mod.loc[m, 'overflow']):,} values over 65504"
+            + (f", {int(per_mod.loc[m, 'inf']):,} inf in fp16" if m in observed else "")
             for m in overflow_mods[: cfg.max_listed_modules]
         )
         plan.add(
@@ -128,7 +128,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 "fp16_activation_underflow",
                 WARNING,
                 f"{_pct(uf_share)} of activation values flush to zero in fp16",
-                f"{int(uf)} of {int(nz)} nonzero activation values ({_pct(uf_share)}) are at or below 2^-25 "
+                f"{int(uf):,} of {int(nz):,} nonzero activation values ({_pct(uf_share)}) are at or below 2^-25 "
                 f"and would become 0 in fp16; most in {_listing(mods, cfg.max_listed_modules)}.",
                 "Keep these modules in fp32 or use bf16 (its range reaches 2^-133).",
                 modules=mods,
@@ -274,7 +274,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     norm_mod = str(norm.idxmax()) if not norm.empty else None
     residual_matters = norm_k is None or norm_k > cfg.fp16_underflow_norm_ok
     now_txt = (
-        f"{_pct(now)} of {int(nz_now)} nonzero activation-gradient values flush to zero in fp16 at the scale "
+        f"{_pct(now)} of {int(nz_now):,} nonzero activation-gradient values flush to zero in fp16 at the scale "
         f"in effect ({_scales(scales)}; exact counts)"
         if now is not None
         else "the activation gradients were already fp16, so their flushed values are indistinguishable from zeros"
@@ -282,14 +282,14 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     if zero16 is not None:
         now_txt += f"; fp16 activation gradients in this run are {_pct(zero16)} zeros"
     msg = (
-        f"{now_txt[0].upper()}{now_txt[1:]}. From the exponent histograms ({int(total)} nonzero values): "
+        f"{now_txt[0].upper()}{now_txt[1:]}. From the exponent histograms ({int(total):,} nonzero values): "
         f"{_pct(at1)} at scale 1 and {_pct(atk)} at the recommended scale {_pow2(k)}"
         + (
-            f" (plus at most {int(boundary_k)} values lying exactly on 2^-25, which round to 0)"
+            f" (plus at most {int(boundary_k):,} values lying exactly on 2^-25, which round to 0)"
             if boundary_k
             else ""
         )
-        + (f"; {int(over_k)} values would overflow at that scale" if over_k else "")
+        + (f"; {int(over_k):,} values would overflow at that scale" if over_k else "")
         + "."
     )
     # Already flushed: in an fp16 tensor at scale 1, a value that underflowed is a zero. Many zeros, with the

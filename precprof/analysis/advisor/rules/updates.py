@@ -60,12 +60,12 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                 severity,
                 f"{_pct(share)} of weight updates vanish with {fmt} master weights",
                 (
-                    f"On sampled steps, {int(lost)} of {int(nz)} intended weight-update elements ({_pct(share)}; "
+                    f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements ({_pct(share)}; "
                     f"a nonzero gradient or a moved weight) left their {fmt} weight unchanged: the update is "
                     f"smaller than half a {fmt} ulp of the weight (relative resolution {resolution}) and this "
                     f"{pure} run holds its weights in {fmt}"
                     if is_pure
-                    else f"On sampled steps, {int(lost)} of {int(nz)} intended weight-update elements "
+                    else f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements "
                     f"({_pct(share)}) are smaller than half a {fmt} ulp of their weight (relative resolution "
                     f"{resolution}) and would be lost if the weights were held in {fmt}"
                 )
@@ -100,7 +100,7 @@ def _rule_bf16_range(run: _Run, plan: _Plan) -> None:
                 "bf16_gradient_underflow",
                 CRITICAL,
                 f"{_pct(share)} of gradients underflow bf16",
-                f"{int(sure)} of {int(total)} nonzero gradient values are at or below 2^-134 and would become "
+                f"{int(sure):,} of {int(total):,} nonzero gradient values are at or below 2^-134 and would become "
                 "0 in bf16 (it has no loss scaling).",
                 "Use fp16 with a loss scale or fp32 for this model.",
                 numbers={"underflow_values": int(sure), "nonzero_values": int(total), "share": share},
@@ -115,7 +115,7 @@ def _rule_bf16_range(run: _Run, plan: _Plan) -> None:
                 "bf16_activation_overflow",
                 CRITICAL,
                 "Activations overflow bf16",
-                f"{int(over[T.overflow_col('bf16')].sum())} activation values in "
+                f"{int(over[T.overflow_col('bf16')].sum()):,} activation values in "
                 f"{_listing(mods, cfg.max_listed_modules)} exceed bf16's largest value (3.39e38).",
                 "Find the module producing these values: they are near fp32's limit too.",
                 modules=mods,
