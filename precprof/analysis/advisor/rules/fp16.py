@@ -68,7 +68,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 CRITICAL if observed else WARNING,
                 f"Activations overflow fp16 in {len(overflow_mods)} module(s)",
                 f"{len(overflow_mods)} module(s) produce activations beyond fp16's 65504 "
-                f"({n_over} values in fp32/bf16 tensors would become inf"
+                f"({n_over:,} values in fp32/bf16 tensors would become inf"
                 + (f"; {len(observed)} module(s) already produced inf in fp16" if observed else "")
                 + f"): {detail}. No loss scale helps the forward pass.",
                 "Use bf16, or keep these modules in fp32 (outside autocast) and normalise their output "
@@ -430,7 +430,7 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
             f"Gradients overflow fp16 at the scale in effect in {len(mods)} module(s)"
             if real
             else f"Gradients would overflow fp16 at this run's loss scale in {len(mods)} module(s)",
-            f"On {len(steps)} sampled step(s) ({_listing([str(s) for s in steps], 6)}), {n} gradient values in "
+            f"On {len(steps)} sampled step(s) ({_listing([str(s) for s in steps], 6)}), {n:,} gradient values in "
             f"{_listing(mods, run.cfg.max_listed_modules)} "
             f"{'overflow' if real else 'would overflow'} fp16 at loss scale "
             f"{_scales(scales)}; {what}",

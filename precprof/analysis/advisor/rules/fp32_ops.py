@@ -141,7 +141,7 @@ def _rule_low_precision_loss(run: _Run, plan: _Plan, capture: Mapping[str, Any])
                 f"{fmt}_loss",
                 WARNING,
                 f"The loss was computed in {fmt}",
-                f"The loss tensor handed to precprof was {dtype} on {n} of {total} steps: the log-probabilities "
+                f"The loss tensor handed to precprof was {dtype} on {n:,} of {total:,} steps: the log-probabilities "
                 f"and their mean were rounded to {fmt} ({bits + 1} significant bits), and the logits' gradient "
                 f"(softmax minus one-hot) starts from {fmt} values.{grid}",
                 "Compute the loss from fp32 logits: F.cross_entropy(logits.float(), targets). Autocast does "

@@ -57,7 +57,7 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                 )
             parts.append(part)
         msg = (
-            f"The dynamic loss scaler skipped {n} of {len(st)} optimizer steps (scale started at {start:g}"
+            f"The dynamic loss scaler skipped {n:,} of {len(st):,} optimizer steps (scale started at {start:g}"
             + (f", first successful step at scale {settled:g}" if settled is not None else "")
             + "). "
             + ". ".join(parts)
