@@ -11,8 +11,8 @@ in fp32 and in bf16 autocast (nanoGPT turns autocast off on a CPU; the copy turn
   same script without it (the hooks of the checks run in both);
 - the counts are a real cast's: for every linear layer's output (forward, grad enabled: nanoGPT's evaluation
   passes under ``no_grad`` are not training) and every linear weight's gradient (read after backward, before
-  clipping), on every sampled iteration: elements, zeros, values that a cast to fp16 / bf16 turns to 0 or to
-  inf, and the largest magnitude, against precprof's layers table;
+  clipping) and output gradient (a tensor hook), on every sampled iteration: elements, zeros, values that a
+  cast to fp16 / bf16 turns to 0 or to inf, and the largest magnitude, against precprof's layers table;
 - nanoGPT's evaluation passes in between do not change the sampled steps' rows (calls per step: 1);
 - a run killed with SIGKILL mid-training leaves a run directory that ``precprof report`` renders, and every
   iteration flushed before the kill is read back.
@@ -29,6 +29,7 @@ import json
 import os
 import pickle
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,7 +96,11 @@ def _counts(x):
 def _fwd_hook(name):
     def hook(mod, args, out):
         if _torch.is_grad_enabled() and iter_num % _check_every == 0:
-            _seen.setdefault(str(iter_num), {})["activation|" + name] = _counts(out)
+            per = _seen.setdefault(str(iter_num), {})
+            per["activation|" + name] = _counts(out)
+            def grad_hook(g):  # the gradient of the output, read; returns None, so it changes nothing
+                per["activation_grad|" + name] = _counts(g)
+            out.register_hook(grad_hook)
     return hook
 _owner = {}  # a shared parameter is recorded under the first module that holds it (lm_head's is wte's)
 for _name, _mod in model.named_modules():
@@ -193,7 +198,9 @@ def compare_counts(layers: pd.DataFrame, seen: dict[str, dict[str, dict[str, Any
     for step, per in seen.items():
         for key, want in per.items():
             kind, module = key.split("|", 1)
-            tensor = T.ACTIVATION if kind == "activation" else T.WEIGHT_GRAD
+            tensor = {"activation": T.ACTIVATION, "activation_grad": T.ACTIVATION_GRAD}.get(
+                kind, T.WEIGHT_GRAD
+            )
             rows = layers[
                 (layers[T.STEP] == int(step)) & (layers[T.MODULE] == module) & (layers[T.TENSOR] == tensor)
             ]
@@ -341,6 +348,10 @@ def main() -> int:
         results["runs"][dtype] = r
         print(json.dumps({dtype: r}, indent=1), flush=True)
     results["ok"] = ok
+    if ok:
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        print(f"kept for a look: {tmp}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(results, indent=1) + "\n")
     print(a.out)
