@@ -12,6 +12,8 @@ from torch import nn
 
 L = pytest.importorskip("lightning")
 
+from cast_counts import CastCounts  # noqa: E402
+
 from precprof import tables as T  # noqa: E402
 from precprof.integrations.lightning import PrecprofCallback, precprof_precision  # noqa: E402
 
@@ -173,3 +175,38 @@ def test_precision_names() -> None:
         "fp32",
         "64",
     ]
+
+
+def test_counts_are_real_casts_and_training_is_unchanged(tmp_path: Path) -> None:
+    """bf16-mixed on a LightningModule: the Linears' outputs and output gradients, counted by independent hooks
+    with real casts on every sampled step, equal precprof's rows; the losses and final weights are bitwise those
+    of the same Trainer without the callback (the independent hooks run in both)."""
+    runs: dict[str, tuple[CastCounts, TinyLM]] = {}
+    for name in ("plain", "profiled"):
+        module = TinyLM()
+        check = CastCounts(module, (nn.Linear,), lambda m=module: m.global_step, 2)
+        callbacks = [PrecprofCallback(out=tmp_path / "run", sample_every=2)] if name == "profiled" else []
+        trainer = L.Trainer(
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path / name),
+            callbacks=callbacks,
+            max_steps=4,
+            precision="bf16-mixed",
+        )
+        torch.manual_seed(0)
+        trainer.fit(module, loader())
+        runs[name] = (check, module)
+    (plain, m_plain), (check, m_prof) = runs["plain"], runs["profiled"]
+    assert m_plain.losses == m_prof.losses and len(m_prof.losses) == 4
+    for (k, a), b in zip(m_plain.state_dict().items(), m_prof.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    assert (
+        plain.seen == check.seen and len(check.seen) == 2 * 2 * 2
+    )  # steps 0, 2 x net.1, net.3 x (out, grad)
+    layers = T.read_tables(tmp_path / "run")["layers"]
+    assert {s for s, _, _ in check.seen} == {0, 2} == set(layers[T.STEP])
+    check.compare(layers)
