@@ -567,6 +567,21 @@ def sum_histograms(table: pa.Table | None) -> pd.DataFrame:
     return out.groupby(keys, sort=False)[COUNT].sum().reset_index()
 
 
+def sum_histogram_frame(histograms: pd.DataFrame) -> pd.DataFrame:
+    """``sum_histograms`` of a histograms table already in pandas (the per-step table, or totals: summing
+    totals again changes nothing): the report's heatmaps and the advisor's rules read this small result
+    instead of the per-step rows."""
+    h = histograms[[c for c in HISTOGRAM_TOTALS_COLUMNS if c in histograms.columns]]
+    if h.empty:
+        return sum_histograms(None)
+    try:
+        return sum_histograms(pa.Table.from_pandas(h, preserve_index=False))
+    except (pa.ArrowException, TypeError, ValueError):  # a column Arrow cannot take: pandas alone
+        keys = list(HISTOGRAM_TOTALS_COLUMNS[:-1])
+        h = h.assign(**{c: texts(h[c]) for c in keys[:3]})  # a missing text is "": one group with ""
+        return h.groupby(keys, sort=False)[COUNT].sum().reset_index()
+
+
 # text columns read back as pandas categoricals: the histograms table repeats a few hundred module names over
 # millions of rows (15M rows for gpt2-medium x 1,000 sampled steps), and categories compare, filter and group
 # by their integer codes

@@ -922,11 +922,11 @@ def test_a_run_with_many_loss_scales_names_their_range_not_each_one() -> None:
 
 
 @pytest.mark.parametrize("categorical", [False, True])
-def test_histograms_summed_over_steps_match_a_groupby(categorical: bool) -> None:
-    """The advisor reads the histograms summed over steps (one bincount over integer keys): the same rows and
-    counts as a pandas groupby by hand, rows without a module kept as their own group, rows without a tensor
-    kind left out, params merged; and the exponent counts and lost-norm shares the rules read from them are
-    those of the per-step rows."""
+def test_rules_read_the_same_from_histograms_summed_over_steps(categorical: bool) -> None:
+    """The advisor's rules read the histograms summed over steps (``tables.sum_histogram_frame``, as the
+    report's heatmaps do): the exponent counts and the lost-norm shares they compute from them are those of the
+    per-step rows, whatever the edge rows (no module: the root's "" in both, as in the layers table; no tensor
+    kind: no kind's; two params of one module; a bin recorded empty)."""
     from precprof.analysis.advisor import evidence as E
     from precprof.formats import FP16
 
@@ -936,38 +936,27 @@ def test_histograms_summed_over_steps_match_a_groupby(categorical: bool) -> None
         (1, "a", T.ACTIVATION_GRAD, "", 2, 1),
         (0, "b", T.ACTIVATION_GRAD, "", -3, 7),
         (0, "b", T.WEIGHT_GRAD, "weight", -20, 2),
-        (1, "b", T.WEIGHT_GRAD, "bias", -20, 5),  # another param: merged with weight's
-        (0, None, T.ACTIVATION_GRAD, "", -30, 6),  # no module: its own group, counted per kind
-        (1, "a", None, "", 0, 100),  # no tensor kind: no kind's
-        (2, "a", T.ACTIVATION_GRAD, "", -64, 0),  # a bin recorded empty stays a (zero) row
+        (1, "b", T.WEIGHT_GRAD, "bias", -20, 5),
+        (0, None, T.ACTIVATION_GRAD, "", -30, 6),
+        (1, "a", None, "", 0, 100),
+        (2, "a", T.ACTIVATION_GRAD, "", -64, 0),
     ]
     hist = pd.DataFrame(rows, columns=[T.STEP, T.MODULE, T.TENSOR, T.PARAM, T.EXPONENT, T.COUNT])
     if categorical:
         hist = hist.astype({c: "category" for c in (T.MODULE, T.TENSOR, T.PARAM)})
-    got = E._sum_over_steps(hist)
-    want = (
-        pd.DataFrame(rows, columns=[T.STEP, T.MODULE, T.TENSOR, T.PARAM, T.EXPONENT, T.COUNT])
-        .dropna(subset=[T.TENSOR])
-        .groupby([T.MODULE, T.TENSOR, T.EXPONENT], dropna=False)[T.COUNT]
-        .sum()
-    )
-    as_dict = {
-        (None if pd.isna(m) else m, t, int(e)): float(c)
-        for m, t, e, c in zip(got[T.MODULE], got[T.TENSOR], got[T.EXPONENT], got[T.COUNT], strict=True)
-    }
-    assert as_dict == {(None if pd.isna(m) else m, t, int(e)): float(c) for (m, t, e), c in want.items()}
-    assert as_dict[(None, T.ACTIVATION_GRAD, -30)] == 6 and as_dict[("b", T.WEIGHT_GRAD, -20)] == 7
-    assert as_dict[("a", T.ACTIVATION_GRAD, -64)] == 0
-    # what the rules read is the same from the totals as from the per-step rows
+    _, prepared, _ = E._prepare({"histograms": hist})
+    run = E._Run(pd.DataFrame(), prepared, pd.DataFrame(), {}, preset("cpu"), True, AdvisorConfig())
+    totals = run.hist_totals()
+    assert len(totals) < len(hist) and int(totals[T.COUNT].sum()) == int(hist[T.COUNT].sum())
     for kinds in [(T.ACTIVATION_GRAD,), (T.WEIGHT_GRAD,), (T.ACTIVATION_GRAD, T.WEIGHT_GRAD)]:
-        pd.testing.assert_series_equal(E._exponent_counts(got, kinds), E._exponent_counts(hist, kinds))
-    ag = hist[hist[T.TENSOR] == T.ACTIVATION_GRAD]
-    by_hand = E._lost_norm_share(ag, FP16, 0)
-    assert list(by_hand.index) == ["a", "b"]  # a row without a module belongs to no module
-    assert by_hand["a"] == pytest.approx(((7 * 4.0**-30) / (7 * 4.0**-30 + 4.0**2)) ** 0.5)
-    assert by_hand["b"] == 0.0
-    pd.testing.assert_series_equal(
-        E._lost_norm_share(got[got[T.TENSOR] == T.ACTIVATION_GRAD], FP16, 0), by_hand, check_names=False
-    )
-    empty = E._sum_over_steps(hist.iloc[:0])
-    assert list(empty.columns) == [T.MODULE, T.TENSOR, T.EXPONENT, T.COUNT] and empty.empty
+        pd.testing.assert_series_equal(run.exponent_counts(*kinds), E._exponent_counts(prepared, kinds))
+    by_hand = {  # share of each module's L2 norm (counts x 4^e) in bins that fp16 flushes at scale 1
+        "": 1.0,
+        "a": ((7 * 4.0**-30) / (7 * 4.0**-30 + 4.0**2)) ** 0.5,
+        "b": 0.0,
+    }
+    for h in (prepared, totals):
+        got = E._lost_norm_share(h[h[T.TENSOR] == T.ACTIVATION_GRAD], FP16, 0)
+        assert got.to_dict() == pytest.approx(by_hand)
+    assert run.exponent_counts(T.WEIGHT_GRAD).to_dict() == {-20: 7.0}
+    assert run.exponent_counts(T.ACTIVATION_GRAD).to_dict() == {-64: 0.0, -30: 13.0, -3: 7.0, 2: 1.0}

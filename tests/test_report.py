@@ -326,7 +326,7 @@ def test_heatmap_matrix_and_whatif_shares_agree_with_the_tables(
 ) -> None:
     tabs, _ = synthetic
     layers, hist = tabs["layers"], tabs["histograms"]
-    rows, exps, mat = S.heatmap_matrix(S.aggregate_histograms(hist), layers, T.WEIGHT_GRAD)
+    rows, exps, mat = S.heatmap_matrix(T.sum_histogram_frame(hist), layers, T.WEIGHT_GRAD)
     totals = hist[hist[T.TENSOR] == T.WEIGHT_GRAD].groupby([T.MODULE, T.PARAM])[T.COUNT].sum()
     for (m, p), row in zip(rows, mat, strict=True):
         assert row.sum() == totals[(m, p)]

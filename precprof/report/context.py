@@ -198,7 +198,7 @@ def _heatmaps(
     tables: Mapping[str, pd.DataFrame], rec: dict[str, Any] | None, totals: pd.DataFrame | None = None
 ) -> list[dict[str, Any]]:
     layers = tables["layers"]
-    hist = S.aggregate_histograms(totals if totals is not None else tables["histograms"])
+    hist = T.sum_histogram_frame(totals if totals is not None else tables["histograms"])
     rec_scale = None
     if rec:
         rec_scale = (

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 
 from precprof import formats
 from precprof import tables as T
@@ -98,27 +97,12 @@ def scale_in_effect(layers: pd.DataFrame, kind: str) -> dict[str, float]:
     return {"last": _last_scale(rows), "min": float(s.min()), "max": float(s.max())}
 
 
-def aggregate_histograms(histograms: pd.DataFrame) -> pd.DataFrame:
-    """Histogram counts summed over steps: columns tensor, module, param, exponent, count (one groupby for all
-    kinds; the heatmaps then read the small result instead of the per-step table). Summing totals again
-    changes nothing, so totals read by ``tables.read_run(..., histogram_totals=True)`` may come here too."""
-    h = histograms[[c for c in T.HISTOGRAM_TOTALS_COLUMNS if c in histograms.columns]]
-    if h.empty:
-        return T.sum_histograms(None)
-    try:
-        return T.sum_histograms(pa.Table.from_pandas(h, preserve_index=False))
-    except (pa.ArrowException, TypeError, ValueError):  # a column Arrow cannot take: pandas alone
-        keys = list(T.HISTOGRAM_TOTALS_COLUMNS[:-1])
-        h = h.assign(**{c: T.texts(h[c]) for c in keys[:3]})  # a missing text is "": one group with ""
-        return h.groupby(keys, sort=False)[T.COUNT].sum().reset_index()
-
-
 def heatmap_matrix(
     histograms: pd.DataFrame, layers: pd.DataFrame, kind: str
 ) -> tuple[list[tuple[str, str]], np.ndarray, np.ndarray]:
     """Rows (module, param) in forward order, exponents, and counts[row, exponent] summed over sampled steps.
 
-    ``histograms``: the histograms table, or its ``aggregate_histograms`` (faster when called per kind)."""
+    ``histograms``: the histograms table, or its ``tables.sum_histogram_frame`` (faster when called per kind)."""
     h = histograms[histograms[T.TENSOR] == kind]
     rows = row_order(layers, kind)
     if h.empty:

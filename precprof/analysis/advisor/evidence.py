@@ -123,11 +123,12 @@ class _Run:
         return got
 
     def hist_totals(self) -> pd.DataFrame:
-        """The histograms summed over steps: one row per (module, tensor kind, exponent) that has rows, with
-        their count (``_sum_over_steps``). Every rule that does not read steps apart reads these thousands of
-        rows, not the millions of the per-step table. Computed once per run; callers never modify it."""
+        """The histograms summed over steps (``tables.sum_histogram_frame``: one row per (tensor kind, module,
+        param, exponent), as the report's heatmaps read them). Every rule that does not read steps apart reads
+        these thousands of rows, not the millions of the per-step table. Computed once per run; callers never
+        modify it."""
         if self._totals is None:
-            self._totals = _sum_over_steps(self.hist)
+            self._totals = T.sum_histogram_frame(self.hist)
         return self._totals
 
     def exponent_counts(self, *kinds: str) -> pd.Series:
@@ -195,6 +196,8 @@ def _prepare(tables: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataF
         hist[c] = _numeric(hist[c])
     if hist[T.EXPONENT].hasnans or hist[T.COUNT].hasnans:
         hist = hist.dropna(subset=[T.EXPONENT, T.COUNT])
+    if hist[T.MODULE].isna().any():  # as in layers, and as the totals key it: a row without a module is ""
+        hist[T.MODULE] = T.texts(hist[T.MODULE])
     steps = T.frame("steps", tables.get("steps", T.empty("steps")).copy())
     for c in (T.STEP, T.LOSS, T.LOSS_SCALE, T.GRAD_NORM):
         steps[c] = pd.to_numeric(steps[c], errors="coerce")
@@ -230,66 +233,6 @@ def _rows_of_kinds(tensor: pd.Series, kinds: Iterable[str]) -> np.ndarray:
         wanted = [i for i, c in enumerate(tensor.cat.categories) if c in kinds]
         return np.isin(tensor.cat.codes.to_numpy(), wanted)
     return tensor.isin(kinds).to_numpy()
-
-
-def _codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
-    """(integer codes, -1 for a missing value; the distinct values) of a text column, categorical or not. A
-    categorical's codes are its own array (int8 or int16 for a few hundred names), not a copy."""
-    if isinstance(col.dtype, pd.CategoricalDtype):
-        return col.cat.codes.to_numpy(), np.asarray(col.cat.categories, dtype=object)
-    codes, uniques = pd.factorize(col)
-    return codes, np.asarray(uniques, dtype=object)
-
-
-def _sum_over_steps(hist: pd.DataFrame) -> pd.DataFrame:
-    """``hist`` summed over steps and params: columns module (categorical; missing where the rows had no
-    module), tensor, exponent (int64) and count (float, exact: sums of integers below 2^53), one row per
-    (module, tensor, exponent) that has rows, as ``groupby([module, tensor, exponent], dropna=False)`` would
-    give them but by one bincount over integer keys (15 million rows: a quarter of a second). Rows without a
-    tensor kind belong to no kind and are left out."""
-    cols = [T.MODULE, T.TENSOR, T.EXPONENT, T.COUNT]
-    mod, mod_names = _codes(hist[T.MODULE])
-    ten, ten_names = _codes(hist[T.TENSOR])
-    e = hist[T.EXPONENT].to_numpy()
-    counts = hist[T.COUNT].to_numpy()
-    if len(ten) and ten.min() < 0:
-        keep = ten >= 0
-        mod, ten, e, counts = mod[keep], ten[keep], e[keep], counts[keep]
-    if not len(e):
-        return pd.DataFrame(
-            {
-                T.MODULE: pd.Categorical([], categories=mod_names),
-                T.TENSOR: np.array([], dtype=object),
-                T.EXPONENT: np.array([], dtype=np.int64),
-                T.COUNT: np.array([], dtype=float),
-            },
-            columns=cols,
-        )
-    e0, e1 = int(e.min()), int(e.max())
-    n_e, n_t = e1 - e0 + 1, len(ten_names)
-    n_keys = (len(mod_names) + 1) * n_t * n_e
-    # the key of (module code + 1, tensor code, exponent - e0), built in place (0 is "no module"): millions of
-    # rows, so no temporary array more than the key itself
-    key: np.ndarray[Any, np.dtype[np.signedinteger[Any]]] = mod.astype(
-        np.int64 if n_keys > np.iinfo(np.int32).max else np.int32
-    )
-    key += 1
-    key *= n_t
-    key += ten
-    key *= n_e
-    key += (e - e0).astype(key.dtype, copy=False)
-    present, sums = _group_sum(key, counts.astype(float, copy=False), n_keys)
-    m, rest = np.divmod(present, n_t * n_e)
-    t, x = np.divmod(rest, n_e)
-    return pd.DataFrame(
-        {
-            T.MODULE: pd.Categorical.from_codes(m - 1, categories=mod_names),
-            T.TENSOR: ten_names[t],
-            T.EXPONENT: x + e0,
-            T.COUNT: sums,
-        },
-        columns=cols,
-    )
 
 
 def _exponent_counts(hist: pd.DataFrame, kinds: Iterable[str]) -> pd.Series:
