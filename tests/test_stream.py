@@ -103,6 +103,24 @@ def test_a_reattached_profiler_counts_on_and_streams_on(tmp_path: Path) -> None:
     pd.testing.assert_frame_equal(paused["steps"][cols], once["steps"][cols])
 
 
+def test_a_machine_that_cannot_be_described_does_not_stop_attach(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first summary's machine is best effort: a failing detection leaves it out, and the run's end
+    records it as before."""
+    from precprof import _run_finisher
+
+    def broken(device: str | None) -> dict[str, object]:
+        raise RuntimeError("NVML exploded")
+
+    monkeypatch.setattr(_run_finisher, "_describer", broken)
+    prof = tiny_run(tmp_path / "run", 2)
+    assert T.SUMMARY_HARDWARE not in T.read_summary(tmp_path / "run")  # killed now, it has no machine
+    monkeypatch.undo()
+    prof.save()
+    assert T.read_summary(tmp_path / "run")[T.SUMMARY_HARDWARE]["device"] == "cpu"
+
+
 def test_out_is_claimed_at_attach(tmp_path: Path) -> None:
     tiny_run(tmp_path / "run", 2).save()
     with pytest.raises(UserError, match="already holds a precprof run"):

@@ -414,7 +414,9 @@ class Profiler(HookFactories):
             }
             describe = machine_describer()
             if describe is not None:  # a run killed before it saves is still planned for this machine
-                first.update(describe(str(self._device)))
+                # never at the cost of the user's attach: the end of the run detects it again
+                with contextlib.suppress(Exception):
+                    first.update(describe(str(self._device)))
             run = self._owned_run = rundir.claim(
                 self._out, overwrite=self._overwrite, resume=self._resume, summary=first, option="out"
             )
