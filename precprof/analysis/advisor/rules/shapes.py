@@ -194,8 +194,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     def summed(m: str, kinds: tuple[str, ...], col: str) -> float:
         return float(sum(sums.at[(m, k), col] for k in kinds if (m, k) in sums.index))
 
-    present = {str(m) for m in sums.index.get_level_values(0)}
-    kinds = tuple({str(k) for k in sums.index.get_level_values(1)})
+    nonfinite = sums["nonfinite"].groupby(level=0).sum()  # per module, every tensor kind
     rows: list[tuple[str, float | None, float | None, str]] = []
     for m in linear:
         fwd = (T.ACTIVATION, T.WEIGHT)
@@ -218,7 +217,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             )
         elif why:
             pass
-        elif m in present and summed(m, kinds, "nonfinite") > 0:
+        elif nonfinite.get(m, 0) > 0:
             why = "non-finite values"
         elif f_share is None or b_share is None:
             why = "no forward or backward statistics"
