@@ -545,6 +545,13 @@ def test_fp8_eligibility(request: pytest.FixtureRequest) -> None:
     share = ((wide * 2.0**k).to(torch.float8_e5m2).float() == 0).float().mean().item()
     assert f.numbers["max_e5m2_share"] == pytest.approx(share)
     assert "fc3 (e5m2 gradient underflow" in f.message
+    # a layer whose tensors held inf or nan on some step is not eligible, whichever kind held them
+    bad = {k: v.copy() for k, v in t.items()}
+    lay = bad["layers"]
+    lay.loc[(lay[T.MODULE] == "fc2") & (lay[T.TENSOR] == T.WEIGHT_GRAD), T.INF] = 1
+    rec_bad = recommend(bad, hardware="h100", summary=big)
+    f_bad = must(rec_bad, "fp8_eligibility")
+    assert f_bad.numbers["eligible"] == 1 and "fc2 (non-finite values)" in f_bad.message
     # no FP8 library on the target: bf16, and a warning
     h = preset("h100")
     h.fp8_library = None
