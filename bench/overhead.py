@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 import precprof  # noqa: E402
 from precprof import tables as T  # noqa: E402
 from precprof.capture import Profiler  # noqa: E402
+from precprof.capture.plan import selected  # noqa: E402
 from precprof.capture.records import _iter_tensors  # noqa: E402
 from precprof.models import build_model  # noqa: E402
 
@@ -78,8 +79,7 @@ class Floor(Monitor):
         dev = next(model.parameters()).device
         self.acc = torch.zeros((), device=dev, dtype=torch.float32)
         self.handles: list[Any] = []
-        selected = Profiler(model, memory=False)
-        mods = [m for n, m in model.named_modules() if selected._selected(n, m)]
+        mods = [m for n, m in model.named_modules() if selected(n, m, None)]
 
         def read(t: torch.Tensor) -> None:
             self.acc += t.detach().sum(dtype=torch.float32)

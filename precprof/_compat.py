@@ -6,6 +6,7 @@ When torch changes one of these, this is the one file to update; every function 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -212,3 +213,122 @@ def profiler_memory_stop(marker: str) -> tuple[list[tuple[int, int, int, str]], 
             marks.append(int(e.start_time_ns))
         stack.extend(e.children)
     return allocs, marks
+
+
+# ------------------------------------------------------------------------------------------ compile
+
+
+def force_eager() -> Any:
+    """Run ``torch.compile``d code eagerly from now on (``torch.compiler.set_stance("force_eager")``), for a
+    sampled step: its hooks then run as written, without graph breaks or recompiles, and the compiled graphs
+    of the other steps stay as they are. Returns what :func:`restore_stance` needs; None when nothing was
+    changed: Dynamo not loaded (then nothing is compiled), a torch without stances (before 2.6), or a call
+    from inside a compiled region."""
+    import sys
+
+    ef = sys.modules.get("torch._dynamo.eval_frame")
+    if ef is None:
+        return None
+    try:
+        prior = ef._stance
+        if prior.stance == "force_eager":
+            return None
+        return ef._set_stance(ef.DynamoStance("force_eager", prior.skip_guard_eval_unsafe, prior.backend))
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+def restore_stance(token: Any) -> None:
+    """Undo :func:`force_eager` (``token`` is what it returned)."""
+    if token is None:
+        return
+    import sys
+
+    ef = sys.modules.get("torch._dynamo.eval_frame")
+    if ef is not None:
+        with contextlib.suppress(AttributeError, RuntimeError, TypeError):
+            ef._set_stance(token)
+
+
+# ------------------------------------------------------------------------------------------- hooks
+
+
+class HookSet:
+    """Module forward hooks and parameter post-accumulate-grad hooks installed and removed in bulk, once per
+    sampled step: straight into the hook dictionaries that ``register_forward_pre_hook``,
+    ``register_forward_hook`` and ``register_post_accumulate_grad_hook`` fill, under ids reserved once from
+    ``RemovableHandle``'s counter (so they never collide with anyone's), without a ``RemovableHandle`` per hook
+    per step (thousands of objects per sampled step, and the garbage collections they set off). Where a torch
+    lacks those dictionaries, the public ``register_*`` calls and their handles."""
+
+    def __init__(
+        self,
+        modules: list[tuple[Any, Any, Any, bool]],
+        params: list[tuple[torch.Tensor, Any]],
+    ) -> None:
+        from torch.utils.hooks import RemovableHandle
+
+        self._modules = modules  # (module, pre-hook or None, forward hook or None, always_call)
+        self._params = params  # (parameter, hook)
+        first = RemovableHandle.next_id
+        RemovableHandle.next_id += 2 * len(modules) + len(params)
+        self._ids = range(first, RemovableHandle.next_id)
+        self._direct = all(
+            isinstance(getattr(m, "_forward_pre_hooks", None), dict)
+            and isinstance(getattr(m, "_forward_hooks", None), dict)
+            and isinstance(getattr(m, "_forward_hooks_always_called", None), dict)
+            for m, _, _, _ in modules
+        ) and all(hasattr(p, "_post_accumulate_grad_hooks") for p, _ in params)
+        self._handles: list[Any] = []
+        self.installed = False
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        self.installed = True
+        if not self._direct:
+            add = self._handles.append
+            for m, pre, post, always in self._modules:
+                if pre is not None:
+                    add(m.register_forward_pre_hook(pre))
+                if post is not None:
+                    add(m.register_forward_hook(post, always_call=always))
+            for p, hook in self._params:
+                add(p.register_post_accumulate_grad_hook(hook))
+            return
+        ids = iter(self._ids)
+        for m, pre, post, always in self._modules:
+            i, j = next(ids), next(ids)
+            if pre is not None:
+                m._forward_pre_hooks[i] = pre
+            if post is not None:
+                m._forward_hooks[j] = post
+                if always:
+                    m._forward_hooks_always_called[j] = True
+        for p, hook in self._params:
+            hooks = p._post_accumulate_grad_hooks
+            if hooks is None:
+                from collections import OrderedDict
+
+                hooks = p._post_accumulate_grad_hooks = OrderedDict()
+            hooks[next(ids)] = hook
+
+    def remove(self) -> None:
+        if not self.installed:
+            return
+        self.installed = False
+        if not self._direct:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            return
+        ids = iter(self._ids)
+        for m, _, _, _ in self._modules:
+            i, j = next(ids), next(ids)
+            m._forward_pre_hooks.pop(i, None)
+            m._forward_hooks.pop(j, None)
+            m._forward_hooks_always_called.pop(j, None)
+        for p, _ in self._params:
+            hooks = p._post_accumulate_grad_hooks
+            if hooks is not None:
+                hooks.pop(next(ids), None)

@@ -81,6 +81,7 @@ SKIPPED = "skipped"
 GRAD_NORM = "grad_norm"
 TIME_S = "time_s"
 SAMPLED = "sampled"
+SAMPLE_REASON = "sample_reason"  # why the step was sampled (precprof.capture.sampling.REASONS), "" if it was not
 TOKENS = "tokens"
 RESUMED = "resumed"  # the first step of a run resumed from its checkpoint (precprof.parts: segments)
 
@@ -245,6 +246,7 @@ STEPS_COLUMNS: tuple[str, ...] = (
     SAMPLED,
     TOKENS,
     RESUMED,
+    SAMPLE_REASON,
 )
 MEMORY_COLUMNS: tuple[str, ...] = (STEP, COMPONENT, MODULE, DTYPE, BYTES, PHASE, MOMENT)
 
@@ -257,7 +259,7 @@ TABLES: dict[str, tuple[str, ...]] = {
 
 _INT_COLUMNS = {STEP, ORDER, CALLS, EXPONENT, COUNT, BYTES, *COUNT_COLUMNS}
 # columns of text: written as Arrow strings in every part, so that parts concatenate whatever they hold
-_TEXT_COLUMNS = {MODULE, MODULE_TYPE, TENSOR, PARAM, DTYPE, COMPONENT, PHASE}
+_TEXT_COLUMNS = {MODULE, MODULE_TYPE, TENSOR, PARAM, DTYPE, COMPONENT, PHASE, SAMPLE_REASON}
 
 
 def flags(column: pd.Series) -> pd.Series:

@@ -368,7 +368,7 @@ def test_row_layout_matches_the_profiler() -> None:
         with prof:
             # the names the Profiler hands the reducer: its modules', then its linear layers' inputs'
             order = [s.name for s in prof._modules]
-            order += [T.input_module(s.name) for s in prof._modules if s.input is not None]
+            order += [T.input_module(s.name) for s in prof._modules if s.input >= 0]
             rows = [(r.module, r.tensor, r.param) for r in prof._rows]
         assert _row_layout(model, order) == rows
         assert sum(t == T.ACTIVATION and m.endswith(T.INPUT_SUFFIX) for m, t, _ in rows) == (

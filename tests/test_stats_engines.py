@@ -488,13 +488,14 @@ def test_block_formats_off_the_c_engine_never_touch_the_c_kernel(monkeypatch: py
     """Block statistics read by another engine (Triton on CUDA; here the torch ops) never ask for the C
     kernel's threads: that loads the kernel, and on a machine's first run builds it with the C compiler. On an
     H100 that ran inside the first sampled step's first block-format hook (7 subprocesses, 1.4 s)."""
-    import precprof.stats.buffer as buffer_mod
+    import precprof.stats.rows as rows_mod
+    import precprof.stats.rows_host as rows_host_mod
 
     def no(*a: object) -> int:
         raise AssertionError("the C kernel was asked for")
 
-    monkeypatch.setattr(buffer_mod, "_default_kernel_threads", no)
-    monkeypatch.setattr(buffer_mod, "_kernel", no)
+    monkeypatch.setattr(rows_mod, "_default_kernel_threads", no)
+    monkeypatch.setattr(rows_host_mod, "_kernel", no)
     buf = StatsBuffer(2, "cpu", engine="torch")
     assert buf.accumulate(torch.randn(8, 64), 0, blocks=True)
     assert buf.blocks_seen[0] and buf.blocks_to_host()[0].any()

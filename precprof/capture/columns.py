@@ -12,16 +12,21 @@ import numpy as np
 
 from precprof import stats as st
 from precprof import tables as T
-from precprof.capture.records import _Row
+from precprof.capture.records import RowInfo, RowTable
 from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
 
 
 def layer_columns(
-    step: int, active: Sequence[_Row], data: np.ndarray, scale: float, order: dict[str, int]
+    step: int,
+    rows: RowTable,
+    active: Sequence[RowInfo],
+    data: np.ndarray,
+    scale: float,
+    order: dict[str, int],
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The layers columns of the ``active`` rows of ``data`` (the step's host rows) and their histogram
-    columns (None when every histogram is empty). Gradient rows are unscaled by ``scale``, the loss scale in
-    effect during the step's backward."""
+    """The layers columns of the ``active`` rows of ``data`` (the step's host rows; ``rows`` says what each
+    took) and their histogram columns (None when every histogram is empty). Gradient rows are unscaled by
+    ``scale``, the loss scale in effect during the step's backward."""
     scales = np.array([scale if r.tensor in T.GRADIENT_KINDS else 1.0 for r in active])
     d = st.decode_rows(data[[r.index for r in active]], scales)
     cols: dict[str, Any] = {
@@ -31,8 +36,8 @@ def layer_columns(
         T.MODULE_TYPE: [r.module_type for r in active],
         T.TENSOR: [r.tensor for r in active],
         T.PARAM: [r.param for r in active],
-        T.DTYPE: ["|".join(r.dtypes) for r in active],
-        T.CALLS: np.array([r.calls for r in active], dtype=np.int64),
+        T.DTYPE: ["|".join(rows.dtypes(r.index)) for r in active],
+        T.CALLS: np.array([rows.calls[r.index] for r in active], dtype=np.int64),
         T.NUMEL: d["numel"],
         T.ZEROS: d["zeros"],
         T.NAN: d["nan"],
@@ -67,7 +72,7 @@ _SQUARED_STATS = frozenset({"sum_x2", "sum_err2"})
 
 
 def block_columns(
-    active: Sequence[_Row], blocks: np.ndarray, seen: np.ndarray, scale: float
+    active: Sequence[RowInfo], blocks: np.ndarray, seen: np.ndarray, scale: float
 ) -> dict[str, np.ndarray]:
     """The ``T.BLOCK_COLUMNS`` of the ``active`` rows from the step's block accumulator (float64 [rows,
     orientation, recipe, stat], ``StatsBuffer.blocks_to_host``) and ``seen`` (rows evaluated; the others are

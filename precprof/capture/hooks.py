@@ -1,35 +1,47 @@
-"""The Profiler's hooks: what runs inside the model's forward and backward and around the optimizer step.
+"""The hooks of a sampled step: installed when the step begins, removed when it ends.
+
+On a step that is not sampled precprof has no hook anywhere: the model runs exactly as without it, eager or
+compiled (a compiled model runs the very graph it runs without precprof: nothing is traced, nothing guards on
+precprof's state). A sampled step installs, for its duration (``StepHooks.install`` / ``remove``):
+
+- a forward pre-hook and a forward hook on every captured module, made at attach for its slot
+  (``capture/plan.py``). The first captured module's pre-hook reads every captured parameter, per device in
+  one call of the engine (``Rows.add_many``: one C call on the CPU); a module's output is read in its forward
+  hook and, when it requires grad, gets a tensor hook for its gradient (``register_full_backward_hook`` breaks
+  on in-place ops such as ``ReLU(inplace=True)``). Per-module hooks, not global ones: ``torch.compile(module)``
+  warns when global module hooks exist, and they would fire for every module of the process;
+- a post-accumulate-grad hook on every captured parameter (the last accumulation of the step wins);
+- with weight updates, the optimizer's step pre- and post-hooks (``capture/updates.py``).
+
+A hook is a lookup and one call into the engine of the tensor's device (``stats.rows``): everything else was
+decided at attach. Hooks never synchronise with the device and return None (a returned value would replace the
+module's output). ``torch.no_grad()`` forwards (evaluation between training steps) are ignored.
 
 On sampled steps, the operands a block-scaled GEMM would quantise also get the block-format what-if
 (``precprof.stats.blocks``), unless the Profiler was made with ``block_formats=False``: the weight and the output
-gradient of every linear layer (``taxonomy.is_linear_type``; an embedding's weight too, for tied heads), and
-the output of any captured module that a linear layer then reads as its input (matched by tensor identity in
-the linear layer's pre-hook, so each such tensor is read once however many layers read it; it is recorded
-under the producing module's ``activation`` row). Nothing else: an activation no linear layer reads, a
-weight gradient, a norm's weight, are never quantised by such a GEMM, and evaluating them would only cost.
-
-Every hook returns None (a returned value would replace the module's output) and never synchronises with the
-device. On steps that are not sampled each returns at once.
+gradient of every linear layer of this step's group (``taxonomy.is_linear_type``; an embedding's weight too,
+for tied heads), and the output of any captured module that a linear layer then reads as its input (matched by
+tensor identity in the linear layer's pre-hook, so each such tensor is read once however many layers read it;
+it is recorded under the producing module's ``activation`` row). Nothing else: an activation no linear layer
+reads, a weight gradient, a norm's weight, are never quantised by such a GEMM.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from precprof import _compat
 from precprof import stats as st
-from precprof import taxonomy
-from precprof.capture.records import _iter_tensors, _local, _ModuleSlot, _ParamSlot
+from precprof.capture.plan import CapturePlan, reads_block_operands
+from precprof.capture.records import _iter_tensors, _local, _ModuleSlot, _ParamSlot, dtype_bit
 from precprof.capture.updates import UpdateSampler
 
-
-def reads_block_operands(module_type: str) -> bool:
-    """Modules whose own operands get the block-format what-if: linear layers (weight, output gradient and the
-    input they read) and embeddings (their weight, for an output head tied to it)."""
-    return taxonomy.is_linear_type(module_type) or "Embedding" in module_type
+_Tensor = torch.Tensor
 
 
 def _same_data(t: torch.Tensor) -> tuple[Any, ...]:
@@ -42,156 +54,234 @@ def _same_data(t: torch.Tensor) -> tuple[Any, ...]:
         return (id(t),)
 
 
-class HookFactories:
-    """The hook factories of ``Profiler``, with the state they share with it."""
+class StepHooks:
+    """The hooks of the sampled steps of one attachment (see the module docstring).
 
-    _buffer: st.StatsBuffer | None
-    _sampling: bool
-    _attached: bool
-    _order_counter: int
-    _step_has_data: bool
-    _autocast_seen: dict[str, Any]
-    _device: torch.device
-    _updates: UpdateSampler | None
-    _block_formats: bool  # also the block-format what-if of the linear layers' operands
-    # the group of layers (_ModuleSlot.block_group) whose operands this sampled step evaluates
-    _block_turn: int
-    # this sampled step's module outputs a linear layer may read: id(tensor) -> (the tensor, its activation row)
-    _block_outputs: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int]]
+    ``device``: the model's device, whose rows the hooks add into directly (a tensor elsewhere goes through
+    ``StatsBuffer.accumulate``); ``updates``: the weight-update sampler, whose optimizer hooks are installed
+    with the others (needs ``optimizer``)."""
 
-    # ---------------------------------------------------------------------------------------- hooks
-    # The hooks' first line is all Dynamo sees on steps that are not sampled (it guards on the flag, so a
-    # compiled model gets one graph for sampled and one for other steps); the recording itself is excluded
-    # from tracing, which breaks the graph at captured modules on sampled steps only.
-    def _make_pre_hook(self, slot: _ModuleSlot) -> Any:
-        mtype = type(slot.module).__name__
-        gemm = taxonomy.is_linear_type(mtype)
-        weight_blocks = self._block_formats and reads_block_operands(mtype)
+    def __init__(
+        self,
+        plan: CapturePlan,
+        buffer: st.StatsBuffer,
+        device: torch.device,
+        *,
+        optimizer: Any = None,
+        updates: UpdateSampler | None = None,
+    ) -> None:
+        self.plan = plan
+        self.rows = plan.rows
+        self.buffer = buffer
+        self.block_formats = plan.block_formats
+        self.optimizer = optimizer
+        self.updates = updates
+        self._device = device
+        self._primary = buffer.rows_of(device) if device.type != "meta" else None
+        self._hookset = _compat.HookSet(
+            [(s.module, self._make_pre_hook(s), self._make_fwd_hook(s), False) for s in plan.modules],
+            [(ps.tensor, self._make_param_hook(ps)) for ps in plan.params if ps.grad_row >= 0],
+        )
+        # the parameters read at the step's first captured forward, and each one's row
+        self._weights = [(p, row) for s in plan.modules for _, p, row in s.weights]
+        self._handles: list[Any] = []
+        self.installed = False
+        # this sampled step's state
+        self.turn = 0  # the block group (_ModuleSlot.block_group) whose operands this step evaluates
+        self.order = 0  # forward order counter
+        self.has_data = False
+        self._weights_read: set[int] | None = None  # rows of the parameters read this step
+        # this step's module outputs a linear layer may read: identity -> (the tensor, its activation row)
+        self._block_outputs: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int]] = {}
+        # autocast as the first recorded forward saw it (kept over the run)
+        self.autocast_seen: dict[str, Any] = {}
 
-        @torch.compiler.disable
-        def record(module: nn.Module, args: Any) -> None:
-            assert self._buffer is not None
-            turn = slot.block_group == self._block_turn
-            if gemm and slot.input is not None and args and isinstance(args[0], torch.Tensor):
-                # the input this linear layer's GEMM would quantise: the output of the module that made it, or,
-                # when no captured module did (an attention's output), a row of its own
-                x = args[0]
-                found = self._block_outputs.get(_same_data(x))
-                made = found[0]() if found is not None else None
-                if found is not None and made is not None:
-                    if turn:  # read as the output that made it: several readers count it once
-                        self._buffer.accumulate_blocks(_local(made), found[1])
-                elif self._buffer.accumulate(_local(x), slot.input.index, blocks=turn):
-                    slot.input.seen(x.dtype)
-                    self._step_has_data = True
-                    if slot.input_order < 0:
-                        slot.input_order = self._order_counter
-                        self._order_counter += 1
-            if slot.called:
-                return
-            slot.called = True
-            slot.order = self._order_counter
-            self._order_counter += 1
-            blocks = weight_blocks and turn
-            for _, p, row in slot.weights:
-                if (
-                    p.is_floating_point()
-                    and p.numel() > 0
-                    and self._buffer.accumulate(_local(p), row.index, blocks=blocks)
-                ):
-                    row.seen(p.dtype)
-                    self._step_has_data = True
+    # ------------------------------------------------------------------------------------ install/remove
+    def install(self, turn: int) -> None:
+        """Begin a sampled step: its state reset, every hook registered. Idempotent."""
+        self.turn = turn
+        self.order = 0
+        self.has_data = False
+        self._weights_read = None
+        self._block_outputs.clear()
+        for slot in self.plan.modules:
+            slot.order = slot.input_order = -1
+        if self.installed:
+            return
+        self._hookset.install()
+        if self.updates is not None and self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
+            self._handles.append(self.optimizer.register_step_post_hook(self._opt_post_hook))
+        self.installed = True
+
+    def remove(self) -> None:
+        """End the sampled step: every hook removed (a module output's gradient hook that has not fired yet
+        does nothing from now on). Idempotent."""
+        self._hookset.remove()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.installed = False
+        self._block_outputs.clear()
+
+    # ------------------------------------------------------------------------------------------ reading
+    def _add(self, x: torch.Tensor, row: int, assign: bool = False) -> bool:
+        """Read ``x`` into ``row``: the model device's rows directly, any other device through the buffer
+        (which skips and counts a ``meta`` tensor: then False)."""
+        primary = self._primary
+        if primary is not None and x.device == self._device:
+            primary.add(x, row, assign)
+            return True
+        return self.buffer.accumulate(x, row, assign=assign)
+
+    def _read_weights(self) -> set[int]:
+        """Every captured parameter, per device in one call of its engine; returns the rows read."""
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
+        done: set[int] = set()
+        for p, row in self._weights:
+            if not p.is_floating_point() or p.numel() == 0:
+                continue
+            x = _local(p)
+            dev = x.device
+            if dev.type == "meta":
+                self.buffer.accumulate(x, row)  # skipped and counted
+                continue
+            tensors, rows = by_device.setdefault(dev, ([], []))
+            tensors.append(x)
+            rows.append(row)
+            done.add(row)
+        for dev, (tensors, rows) in by_device.items():
+            self.buffer.rows_of(dev).add_many(tensors, rows)
+        return done
+
+    # ------------------------------------------------------------------------------------------- hooks
+    def _make_pre_hook(self, slot: _ModuleSlot) -> Callable[[nn.Module, Any], None]:
+        weight_blocks = self.block_formats and reads_block_operands(slot.module_type)
 
         def pre_hook(module: nn.Module, args: Any) -> None:
-            if self._sampling and torch.is_grad_enabled():
-                record(module, args)
+            if not torch.is_grad_enabled():
+                return None
+            if self._weights_read is None:
+                self._weights_read = self._read_weights()
+            turn = slot.block_group == self.turn
+            if slot.input >= 0 and args and isinstance(args[0], _Tensor):
+                self._gemm_input(slot, args[0], turn)
+            if slot.order >= 0:
+                return None
+            slot.order = self.order
+            self.order += 1
+            for _, p, row in slot.weights:
+                if row in self._weights_read:
+                    self.rows.seen(row, p.dtype)
+                    self.has_data = True
+                    if weight_blocks and turn and p.dim() >= 2:
+                        self.buffer.accumulate_blocks(_local(p), row)
             return None
 
         return pre_hook
 
-    def _make_fwd_hook(self, slot: _ModuleSlot) -> Any:
+    def _gemm_input(self, slot: _ModuleSlot, x: torch.Tensor, turn: bool) -> None:
+        """The input a linear layer's GEMM would quantise: the output of the module that made it, or, when no
+        captured module did (an attention's output), a row of its own."""
+        found = self._block_outputs.get(_same_data(x))
+        made = found[0]() if found is not None else None
+        if found is not None and made is not None:
+            if turn:  # read as the output that made it: several readers count it once
+                self.buffer.accumulate_blocks(_local(made), found[1])
+        elif self.buffer.accumulate(_local(x), slot.input, blocks=turn):
+            self.rows.seen(slot.input, x.dtype)
+            self.has_data = True
+            if slot.input_order < 0:
+                slot.input_order = self.order
+                self.order += 1
+
+    def _make_fwd_hook(self, slot: _ModuleSlot) -> Callable[[nn.Module, Any, Any], None]:
         act = slot.activation
-        grad_row = slot.activation_grad
-        # a linear layer's output gradient is an operand of its input- and weight-gradient GEMMs
-        grad_blocks = self._block_formats and taxonomy.is_linear_type(type(slot.module).__name__)
-
-        def grad_hook(g: torch.Tensor) -> None:
-            buf = self._buffer
-            if (
-                buf is not None
-                and g is not None
-                and self._attached
-                and buf.accumulate(
-                    _local(g), grad_row.index, blocks=grad_blocks and slot.block_group == self._block_turn
-                )
-            ):
-                grad_row.seen(g.dtype)
-            return None
-
-        @torch.compiler.disable
-        def record(output: Any) -> None:
-            assert self._buffer is not None
-            any_tensor = False
-            for t in _iter_tensors(output):
-                if not self._buffer.accumulate(_local(t), act.index):
-                    continue
-                if self._block_formats and t.dim() >= 2:
-                    self._block_outputs[_same_data(t)] = (weakref.ref(t), act.index)
-                any_tensor = True
-                if t.requires_grad:
-                    t.register_hook(grad_hook)
-                name = str(t.dtype).removeprefix("torch.")
-                if name not in act.dtypes:
-                    act.dtypes.append(name)
-            if any_tensor:
-                act.calls += 1
-                self._step_has_data = True
-                if not self._autocast_seen:
-                    self._note_autocast(self._device.type)
+        rows = self.rows
+        grad_hook = self._make_grad_hook(slot)
 
         def fwd_hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._sampling and torch.is_grad_enabled():
-                record(output)
+            if not torch.is_grad_enabled():
+                return None
+            if isinstance(output, _Tensor):
+                tensors: Any = (output,) if output.is_floating_point() else ()
+            else:
+                tensors = _iter_tensors(output)
+            any_tensor = False
+            for t in tensors:
+                if not self._add(t if type(t) is _Tensor else _local(t), act):
+                    continue
+                any_tensor = True
+                rows.dtype_bits[act] |= dtype_bit(t.dtype)
+                if self.block_formats and t.dim() >= 2:
+                    self._block_outputs[_same_data(t)] = (weakref.ref(t), act)
+                if t.requires_grad:
+                    t.register_hook(grad_hook)
+            if any_tensor:
+                rows.calls[act] += 1
+                self.has_data = True
+                if not self.autocast_seen:
+                    self.autocast_seen = _autocast_state(self._device.type)
             return None
 
         return fwd_hook
 
-    def _note_autocast(self, device_type: str) -> None:
-        try:
-            enabled = torch.is_autocast_enabled(device_type)
-            dtype = torch.get_autocast_dtype(device_type) if enabled else None
-        except (AttributeError, TypeError, RuntimeError):
-            enabled, dtype = False, None
-        self._autocast_seen = {
-            "enabled": bool(enabled),
-            "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
-            "device_type": device_type,
-        }
+    def _make_grad_hook(self, slot: _ModuleSlot) -> Callable[[torch.Tensor], None]:
+        row = slot.activation_grad
+        # a linear layer's output gradient is an operand of its input- and weight-gradient GEMMs
+        gemm_blocks = self.block_formats and slot.gemm
 
-    def _make_grad_acc_hook(self, ps: _ParamSlot) -> Any:
+        def grad_hook(g: torch.Tensor) -> None:
+            if g is None or not self.installed:
+                return None
+            x = g if type(g) is _Tensor else _local(g)
+            if gemm_blocks and slot.block_group == self.turn:
+                ok = self.buffer.accumulate(x, row, blocks=True)
+            else:
+                ok = self._add(x, row)
+            if ok:
+                self.rows.seen(row, g.dtype)
+            return None
+
+        return grad_hook
+
+    def _make_param_hook(self, ps: _ParamSlot) -> Callable[[torch.Tensor], None]:
         row = ps.grad_row
-        assert row is not None
 
         def hook(p: torch.Tensor) -> None:
-            if not self._sampling or p.grad is None or self._buffer is None:
+            g = p.grad
+            if g is None or not self.installed:
                 return None
-            if not self._buffer.accumulate(_local(p.grad), row.index, assign=True):
+            if not self._add(g if type(g) is _Tensor else _local(g), row, assign=True):
                 return None
-            row.calls = 1
-            name = str(p.grad.dtype).removeprefix("torch.")
-            if name not in row.dtypes:
-                row.dtypes.append(name)
-            self._step_has_data = True
+            rows = self.rows
+            rows.calls[row] = 1
+            rows.dtype_bits[row] |= dtype_bit(g.dtype)
+            self.has_data = True
             return None
 
         return hook
 
     def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._sampling and self._updates is not None:
-            self._updates.before_step()
+        if self.updates is not None:
+            self.updates.before_step()
         return None
 
     def _opt_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._sampling and self._updates is not None and self._updates.after_step():
-            self._step_has_data = True
+        if self.updates is not None and self.updates.after_step():
+            self.has_data = True
         return None
+
+
+def _autocast_state(device_type: str) -> dict[str, Any]:
+    """Whether autocast is on for ``device_type`` now, and its dtype."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type) if enabled else None
+    except (AttributeError, TypeError, RuntimeError):
+        enabled, dtype = False, None
+    return {
+        "enabled": bool(enabled),
+        "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
+        "device_type": device_type,
+    }

@@ -42,7 +42,8 @@
   ``device_used`` / ``device_total`` come from NVML when a driver and nvidia-ml-py are there (silently absent
   otherwise).
 
-Outside sampled steps every hook returns at once. The tracker holds no tensor: only storage addresses, sizes,
+Outside sampled steps the tracker has no hook at all (``begin_step`` installs them for a sampled step and
+``end_hooks`` removes them). The tracker holds no tensor: only storage addresses, sizes,
 totals and its hook handles (``buffer_bytes``). The pack hook returns the tensor unchanged: training is bitwise the same.
 
 What the memory table means per mode is ``precprof.analysis.memory_projection``'s business.
@@ -120,6 +121,9 @@ class MemoryTracker:
         self.peak = peak
         self._own = own
         self._handles: list[Any] = []
+        # per module of the model: (module, pre-hook, post-hook), installed for sampled steps
+        self._module_hooks: list[tuple[nn.Module, Any, Any]] = []
+        self._hookset: _compat.HookSet | None = None
         self._attached = False
         self._step = 0
         self._sampled = False
@@ -147,36 +151,50 @@ class MemoryTracker:
 
     # ------------------------------------------------------------------------------------ attach/detach
     def attach(self) -> None:
-        """Register the forward, gradient and optimizer hooks (inactive until a sampled ``begin_step``)."""
+        """Make the hooks and learn the model's device; the hooks are installed for sampled steps only
+        (``begin_step``), and removed at their ``end_step``."""
         if self._attached:
             return
-        root = self.model
+        self._module_hooks = []
+        self._hookset = None
         for name, mod in self.model.named_modules():  # a module reached twice keeps its first name
-            if mod is root:
-                self._handles.append(mod.register_forward_pre_hook(self._root_pre_hook))
-                self._handles.append(mod.register_forward_hook(self._root_post_hook, always_call=True))
+            if mod is self.model:
+                self._module_hooks.append((mod, self._root_pre_hook, self._root_post_hook))
             else:
-                self._handles.append(mod.register_forward_pre_hook(self._make_pre_hook(name)))
-                self._handles.append(mod.register_forward_hook(self._make_post_hook(name), always_call=True))
-        for p in self.model.parameters():
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
-        if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
-            self._handles.append(self.optimizer.register_step_post_hook(self._opt_post_hook))
+                self._module_hooks.append((mod, self._make_pre_hook(name), self._make_post_hook(name)))
         dev = next((p.device for p in self.model.parameters()), None)
         self._cuda = dev if dev is not None and dev.type == "cuda" and torch.cuda.is_available() else None
         self._on_cpu = dev is None or dev.type == "cpu"
         self._attached = True
+
+    def _install(self) -> None:
+        """The hooks of a sampled step: every module's (the module stack, the saved-tensor hooks of the model's
+        forward), gradient and optimizer hooks."""
+        if self._hookset is None:
+            self._hookset = _compat.HookSet(
+                [(m, pre, post, True) for m, pre, post in self._module_hooks],
+                [(p, self._grad_hook) for p in self.model.parameters() if p.requires_grad],
+            )
+        if self._hookset.installed:
+            return
+        self._hookset.install()
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
+            self._handles.append(self.optimizer.register_step_post_hook(self._opt_post_hook))
+
+    def _uninstall(self) -> None:
+        if self._hookset is not None:
+            self._hookset.remove()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
     def detach(self) -> None:
         """Remove every hook and pop the saved-tensor hooks if a forward left them pushed; stop reading the
         allocator's events (a step in progress keeps them for its ``end_step``). Idempotent."""
         self._peak.stop()
         self._pop_saved_hooks(final=True)
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._uninstall()
         self._stack.clear()
         self._recording = False
         self._attached = False
@@ -199,7 +217,10 @@ class MemoryTracker:
         self._grad_snapshot = None
         self._grad_seen = {}
         if not sampled:
+            self._uninstall()
             return
+        if self._attached:
+            self._install()
         self._param_keys = self._keys(list(self.model.parameters()) + list(self.model.buffers()))
         self._phase, self._peaks = T.PHASE_OTHER, {}
         if self._cuda is not None:
@@ -285,6 +306,11 @@ class MemoryTracker:
         self._grad_snapshot = None
         self._sampled = False
         return rows
+
+    def end_hooks(self) -> None:
+        """The sampled step's forward, backward and optimizer step are over: its hooks come off (``end_step``
+        reads what they saw)."""
+        self._uninstall()
 
     @property
     def peak_note(self) -> str:

@@ -114,6 +114,7 @@ class Recorded:
                     T.GRAD_NORM: grad_norm,
                     T.TIME_S: p.time_s,
                     T.SAMPLED: p.sampled,
+                    T.SAMPLE_REASON: p.reason,
                     T.TOKENS: float(p.tokens) if p.tokens is not None else math.nan,
                 }
             )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,40 +16,97 @@ from torch import nn
 MAX_PENDING_STEPS = 256  # steps kept on the device between flushes when sampling is rare or off
 
 
-@dataclass
-class _Row:
-    """Host-side description of one buffer row."""
+@dataclass(frozen=True)
+class RowInfo:
+    """What one buffer row holds: the module, the kind of tensor and the parameter (fixed at attach)."""
 
     index: int
     module: str
     module_type: str
     tensor: str
     param: str = ""
-    calls: int = 0
-    dtypes: list[str] = field(default_factory=list)
 
-    def seen(self, dtype: torch.dtype) -> None:
-        self.calls += 1
-        name = str(dtype).removeprefix("torch.")
-        if name not in self.dtypes:
-            self.dtypes.append(name)
+
+# dtype name -> its bit in RowTable.dtype_bits, in the order dtypes were first seen (process-wide: names only)
+_NAME_BITS: dict[str, int] = {}
+_DTYPE_NAMES: list[str] = []
+_DTYPE_BITS: dict[torch.dtype, int] = {}  # the same, keyed by the dtype itself (the hooks' lookup)
+
+
+def name_bit(name: str) -> int:
+    """The bit of the dtype named ``name`` in :attr:`RowTable.dtype_bits` (registered on first use)."""
+    bit = _NAME_BITS.get(name)
+    if bit is None:
+        bit = _NAME_BITS[name] = 1 << len(_DTYPE_NAMES)
+        _DTYPE_NAMES.append(name)
+    return bit
+
+
+def dtype_bit(dtype: torch.dtype) -> int:
+    """The bit of ``dtype`` in :attr:`RowTable.dtype_bits`."""
+    bit = _DTYPE_BITS.get(dtype)
+    if bit is None:
+        bit = _DTYPE_BITS[dtype] = name_bit(str(dtype).removeprefix("torch."))
+    return bit
+
+
+def dtype_names(bits: int) -> list[str]:
+    """The dtype names of a :attr:`RowTable.dtype_bits` entry, in the order they were first seen."""
+    return [name for i, name in enumerate(_DTYPE_NAMES) if bits >> i & 1]
+
+
+class RowTable:
+    """The buffer rows' descriptions (``info``, fixed at attach) and, per sampled step, what each row took:
+    ``calls`` (tensors, or for a module's activation row forward calls) and ``dtype_bits`` (``dtype_bit`` of
+    each dtype seen). Plain lists: the hooks update one entry in tens of nanoseconds, and a sampled step
+    starts by replacing them (``begin_step``)."""
+
+    def __init__(self) -> None:
+        self.info: list[RowInfo] = []
+        self.calls: list[int] = []
+        self.dtype_bits: list[int] = []
+
+    def new(self, module: str, module_type: str, tensor: str, param: str = "") -> int:
+        index = len(self.info)
+        self.info.append(RowInfo(index, module, module_type, tensor, param))
+        self.calls.append(0)
+        self.dtype_bits.append(0)
+        return index
+
+    def __len__(self) -> int:
+        return len(self.info)
+
+    def begin_step(self) -> None:
+        n = len(self.info)
+        self.calls = [0] * n
+        self.dtype_bits = [0] * n
+
+    def seen(self, row: int, dtype: torch.dtype) -> None:
+        """One tensor of ``dtype`` in ``row``."""
+        self.calls[row] += 1
+        self.dtype_bits[row] |= _DTYPE_BITS.get(dtype) or dtype_bit(dtype)
+
+    def dtypes(self, row: int) -> list[str]:
+        return dtype_names(self.dtype_bits[row])
 
 
 @dataclass
 class _ModuleSlot:
     name: str
     module: nn.Module
-    activation: _Row
-    activation_grad: _Row
-    weights: list[tuple[str, nn.Parameter, _Row]]
-    order: int = -1
-    called: bool = False
+    activation: int  # its rows (RowTable indices)
+    activation_grad: int
+    weights: list[tuple[str, nn.Parameter, int]]
+    module_type: str = ""
+    gemm: bool = False  # a linear layer (taxonomy.is_linear_type)
     block_group: int = (
         0  # the sampled steps whose block-format what-if reads this module's operands (hooks.py)
     )
     # a linear layer's input when no captured module produced it (T.input_module), with block formats on
-    input: _Row | None = None
-    input_order: int = -1  # its place in forward order: just before the layer's own
+    input: int = -1
+    # per sampled step (reset by StepHooks): forward order of the module and of its input row (-1: not called)
+    order: int = -1
+    input_order: int = -1
 
 
 @dataclass
@@ -57,7 +114,7 @@ class _ParamSlot:
     module: str
     param: str
     tensor: nn.Parameter
-    grad_row: _Row | None
+    grad_row: int  # -1: no gradient row (the parameter does not require grad)
     update_index: int  # row in the weight-update buffer (-1: not tracked)
     sample_stride: int = 1
     sample_len: int = 0
@@ -73,6 +130,7 @@ class _PendingStep:
     time_s: float
     sampled: bool
     tokens: int | None
+    reason: str = ""  # why the step was sampled (capture.sampling), "" when it was not
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -103,13 +103,12 @@ def decode_rows(rows: np.ndarray, scales: np.ndarray) -> dict[str, Any]:
     rows = np.asarray(rows, dtype=np.int64).reshape(-1, ROW_WIDTH)
     scales = np.asarray(scales, dtype=np.float64).reshape(-1)
     hist = rows[:, COL_HIST : COL_HIST + N_BINS]
-    below = np.zeros((len(rows), N_BINS + 1), dtype=np.int64)
-    np.cumsum(hist, axis=1, out=below[:, 1:])  # below[:, i] = values in bins < i
     inf = rows[:, COL_INF]
     underflow, overflow = {}, {}
     for i, name in enumerate(formats.WHATIF_FORMATS):
         idx = min(max(LAYOUT.underflow_exps[i] - EXP_MIN, 0), N_BINS)
-        underflow[name] = below[:, idx] + rows[:, COL_POW2_AT + i]
+        # values <= 2^j: the bins below j (a sum per format, not a cumulative sum of every bin), and 2^j itself
+        underflow[name] = hist[:, :idx].sum(axis=1) + rows[:, COL_POW2_AT + i]
         overflow[name] = rows[:, COL_OVERFLOW + i] - inf
     max_bits = rows[:, COL_ABSMAX_BITS]
     raw_absmax = np.where(max_bits > 0, max_bits.view(np.float64), 0.0)

@@ -1,4 +1,4 @@
-/* precprof one-pass CPU statistics kernel (v3: the row layout is passed in). Plain C (OpenMP when available), no torch headers. */
+/* precprof one-pass CPU statistics kernel (v4: the row layout is passed in; pp_add reads and merges in one call). Plain C (OpenMP when available), no torch headers. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -259,6 +259,7 @@ typedef struct {
     const void* data;
     int64_t n, stride;
     int dtype;
+    int clean; /* keys all zero on entry: the per-thread job (zero-initialised, zeroed again after each use) */
     const cfg_t* cfg;
     acc_t acc;
 } job_t;
@@ -266,7 +267,9 @@ typedef struct {
 static void* run_job(void* arg) {
     job_t* j = (job_t*)arg;
     acc_t* a = &j->acc;
-    memset(a, 0, sizeof(*a));
+    if (!j->clean) memset(a->keys, 0, sizeof(a->keys)); /* a clean job's keys are zero already */
+    memset(a->ov, 0, sizeof(a->ov));
+    a->mx = 0;
     a->mn = UINT64_MAX;
     if (j->stride == 1 && j->dtype == 0) run_f32((const uint32_t*)j->data, j->n, a, j->cfg);
     else if (j->stride == 1 && j->dtype == 1)
@@ -280,13 +283,15 @@ static void* run_job(void* arg) {
     return NULL;
 }
 
-static int64_t le_pow2(const int64_t* keys, int64_t j) { /* finite nonzero values <= 2^j */
+/* finite nonzero values <= 2^j, from the keys klo..khi (every finite nonzero value's key lies there) */
+static int64_t le_pow2(const int64_t* keys, int64_t j, int64_t klo, int64_t khi) {
     int64_t f = j + F64_BIAS, s = 0;
     if (f <= 0) return 0;
     if (f >= 2047) f = 2047;
-    for (int64_t k = 0; k < 2 * f; k++) s += keys[k];
-    s -= keys[1];
-    if (f < 2047) s += keys[2 * f + 1];
+    int64_t end = 2 * f - 1 < khi ? 2 * f - 1 : khi;
+    for (int64_t k = klo; k <= end; k++) s += keys[k];
+    if (klo <= 1 && end >= 1) s -= keys[1]; /* zeros */
+    if (f < 2047 && 2 * f + 1 >= klo && 2 * f + 1 <= khi) s += keys[2 * f + 1];
     return s;
 }
 
@@ -302,15 +307,21 @@ static int cs_exponent(double fmax, double amax) { /* the largest k with amax * 
 
 /* Statistics of one tensor call into call[width + 2] (overwritten): a row, then its first and last nonzero
    histogram bin (-1 when none). dtype: 0 fp32, 1 bf16, 2 fp16, 3 fp64. config: RowLayout.c_config(). */
-void pp_call(const void* data, int64_t n, int64_t stride, int dtype, int nthreads, const int64_t* config,
-             int64_t* call) {
-    cfg_t cfg;
-    if (!read_cfg(config, &cfg)) { call[0] = -2; return; } /* a layout this kernel cannot hold */
+/* One tensor's statistics into call[width + 2]; 0, or -1 when the scratch could not be allocated. A single
+   thread's scratch lives in static memory: most tensors of a training step are small, and a fresh 33 KiB
+   allocation per call cost more than reading them. */
+static __thread job_t ONE_JOB; /* per thread: ctypes releases the GIL during a call */
+static int call_stats(const void* data, int64_t n, int64_t stride, int dtype, int nthreads, const cfg_t* pcfg,
+                      int64_t* call) {
+    cfg_t cfg = *pcfg;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > 64) nthreads = 64;
     if (n < (1 << 16)) nthreads = 1; /* not worth a thread */
-    job_t* jobs = malloc(sizeof(job_t) * nthreads);
-    if (!jobs) { call[cfg.numel] = -1; return; } /* out of host memory: the caller raises */
+    job_t* jobs = nthreads == 1 ? &ONE_JOB : malloc(sizeof(job_t) * nthreads);
+    if (!jobs) return -1; /* out of host memory: the caller raises */
+    /* the per-thread job's keys are zeroed after each use (below), over the range the call touched: a small
+       tensor costs what it reads, not a clear and a scan of all 4096 keys */
+    if (jobs == &ONE_JOB) ONE_JOB.clean = 1;
     int64_t per = (n + nthreads - 1) / nthreads;
     per = (per + 63) & ~63LL;
     int used = 0;
@@ -323,6 +334,7 @@ void pp_call(const void* data, int64_t n, int64_t stride, int dtype, int nthread
         jobs[w].stride = stride;
         jobs[w].dtype = dtype;
         jobs[w].cfg = &cfg;
+        if (jobs != &ONE_JOB) jobs[w].clean = 0;
         used = w + 1;
     }
 #ifdef _OPENMP
@@ -343,7 +355,11 @@ void pp_call(const void* data, int64_t n, int64_t stride, int dtype, int nthread
         if (b->mx > a->mx) a->mx = b->mx;
         if (b->mn < a->mn) a->mn = b->mn;
     }
-    const int64_t* keys = a->keys;
+    int64_t* keys = a->keys;
+    /* every finite nonzero value's key lies in klo..khi (between the smallest and the largest one's); zeros
+       are key 1, nan 4094, inf 4095 */
+    int64_t klo = a->mn == UINT64_MAX ? 2 : 2 * (int64_t)(a->mn >> 52);
+    int64_t khi = a->mx == 0 ? 1 : 2 * (int64_t)(a->mx >> 52) + 1;
     memset(call, 0, sizeof(int64_t) * (cfg.width + 2));
     call[cfg.numel] = n;
     call[cfg.zeros] = keys[1];
@@ -358,19 +374,34 @@ void pp_call(const void* data, int64_t n, int64_t stride, int dtype, int nthread
     if (a->mx > 0) {
         double amax; memcpy(&amax, &a->mx, 8);
         for (int j = 0; j < cfg.nf; j++)
-            call[cfg.cs + j] = le_pow2(keys, cfg.fp8_uf_exp[j] - cs_exponent(cfg.fp8_max[j], amax));
+            call[cfg.cs + j] = le_pow2(keys, cfg.fp8_uf_exp[j] - cs_exponent(cfg.fp8_max[j], amax), klo, khi);
     }
     int64_t* hist = call + cfg.hist;
-    int nb = cfg.n_bins, lof = cfg.lo_field;
-    for (int b = 0; b < nb; b++) hist[b] = keys[2 * (lof + b)] + keys[2 * (lof + b) + 1];
-    hist[0] += keys[0];
-    for (int f = 1; f < lof; f++) hist[0] += keys[2 * f] + keys[2 * f + 1];
-    for (int f = cfg.hi_field + 1; f < 2047; f++) hist[nb - 1] += keys[2 * f] + keys[2 * f + 1];
+    int nb = cfg.n_bins, lof = cfg.lo_field, hif = cfg.hi_field;
     int64_t lo = -1, hi = -1;
-    for (int b = 0; b < nb; b++) if (hist[b]) { if (lo < 0) lo = b; hi = b; }
+    for (int64_t f = klo / 2; f <= khi / 2 && f < 2047; f++) {
+        int64_t c = f == 0 ? keys[0] : keys[2 * f] + keys[2 * f + 1]; /* field 0: key 1 is the zeros */
+        if (!c) continue;
+        int64_t b = f < lof ? 0 : f > hif ? nb - 1 : f - lof; /* below fp32's range: the first bin; above: the last */
+        hist[b] += c;
+        if (lo < 0 || b < lo) lo = b;
+        if (b > hi) hi = b;
+    }
     call[cfg.width] = lo;
     call[cfg.width + 1] = hi;
-    free(jobs);
+    if (jobs == &ONE_JOB) { /* zero what this call touched, for the next one */
+        if (klo <= khi) memset(keys + klo, 0, sizeof(int64_t) * (size_t)(khi - klo + 1));
+        keys[0] = keys[1] = keys[2 * 2047] = keys[2 * 2047 + 1] = 0;
+    }
+    if (jobs != &ONE_JOB) free(jobs);
+    return 0;
+}
+
+void pp_call(const void* data, int64_t n, int64_t stride, int dtype, int nthreads, const int64_t* config,
+             int64_t* call) {
+    cfg_t cfg;
+    if (!read_cfg(config, &cfg)) { call[0] = -2; return; } /* a layout this kernel cannot hold */
+    if (call_stats(data, n, stride, dtype, nthreads, &cfg, call) < 0) call[cfg.numel] = -1;
 }
 
 /* Add a call's statistics into a row: its first hist columns (counts[hist]) and a histogram window of w
@@ -388,6 +419,47 @@ int pp_merge(const int64_t* call, int64_t* counts, int64_t* window, int64_t wlo,
     }
     if (lo >= 0) for (int64_t b = lo; b <= hi; b++) window[b - wlo] += call[hist + b];
     return 0;
+}
+
+/* The rows pp_add fills, as one int64 array (precprof.stats.rows_host.HostRows keeps it up to date): the
+   layout's config, the call row, the merge rule, threads per call, the counts (rows x counts_width, the
+   columns before the histogram) and the histogram window (rows x w bins, from bin wlo). */
+enum { CTX_CONFIG, CTX_CALL, CTX_OPS, CTX_THREADS, CTX_COUNTS, CTX_COUNTS_WIDTH, CTX_WINDOW, CTX_WLO, CTX_W };
+
+/* pp_call, then pp_merge into row ``row``, in one call. flags: 1 clears the row first (a weight gradient: the
+   last accumulation wins), 2 merges the call row as it is (it already holds this tensor: a tensor added again
+   right away is not read again). Returns 0; 1 when the call's bins fall outside the window (the call row holds
+   the statistics, the row is untouched but for the clearing: grow the window, then pp_merge); -1 when the
+   scratch could not be allocated; -2 for a layout this kernel cannot hold. */
+int pp_add(const int64_t* ctx, const void* data, int64_t n, int64_t stride, int dtype, int64_t row, int flags) {
+    const int64_t* config = (const int64_t*)(intptr_t)ctx[CTX_CONFIG];
+    int64_t* call = (int64_t*)(intptr_t)ctx[CTX_CALL];
+    int64_t w = ctx[CTX_W];
+    int64_t* counts = (int64_t*)(intptr_t)ctx[CTX_COUNTS] + row * ctx[CTX_COUNTS_WIDTH];
+    int64_t* window = (int64_t*)(intptr_t)ctx[CTX_WINDOW] + row * w;
+    cfg_t cfg;
+    if (!read_cfg(config, &cfg)) return -2;
+    if (flags & 1) {
+        memset(counts, 0, sizeof(int64_t) * cfg.hist);
+        counts[cfg.absmin] = NO_MIN_BITS;
+        if (w > 0) memset(window, 0, sizeof(int64_t) * w);
+    }
+    if (!(flags & 2) && call_stats(data, n, stride, dtype, (int)ctx[CTX_THREADS], &cfg, call) < 0) return -1;
+    return pp_merge(call, counts, window, ctx[CTX_WLO], w, config, (const int64_t*)(intptr_t)ctx[CTX_OPS]);
+}
+
+/* pp_add of k tensors (data pointers, sizes, strides, dtypes, rows), from index start: the parameters of a
+   sampled step, read in one call. Returns k when all are merged; i when tensor i's bins fall outside the
+   window (its call row holds its statistics: grow the window, pp_merge it, go on from i + 1); -1 - i when
+   tensor i could not be read (no scratch, or a layout this kernel cannot hold). */
+int64_t pp_add_many(const int64_t* ctx, int64_t k, const int64_t* ptrs, const int64_t* ns, const int64_t* strides,
+                    const int64_t* dtypes, const int64_t* rows, int64_t start) {
+    for (int64_t i = start; i < k; i++) {
+        int rc = pp_add(ctx, (const void*)(intptr_t)ptrs[i], ns[i], strides[i], (int)dtypes[i], rows[i], 0);
+        if (rc == 1) return i;
+        if (rc < 0) return -1 - i;
+    }
+    return k;
 }
 
 /* ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,241 @@
+"""Host cost of a sampled step per inspected tensor, and what each part of a sampled step costs.
+
+A stack of ``--blocks`` tiny blocks (Linear(d, d) + GELU, d = 8, batch 4): the statistics of tensors this
+small cost next to nothing, so what a sampled step adds is precprof's host work around each tensor (hooks,
+lookups, launches, bookkeeping) and its per-step work (flush, memory tracking, weight-update sample). On a
+CUDA device the same stack measures the host side of each launch.
+
+Configurations, each its own copy of the model, in interleaved rounds inside one process (machine noise hits
+all alike); means of the timed steps:
+
+  baseline     no profiler
+  unsampled    attached, no step sampled (``sample_every`` larger than the run)
+  sampled      every step sampled, the Profiler's defaults
+  -blocks      ... without the block-format what-if (``block_formats=False``)
+  -memory      ... without memory tracking (``memory=False``)
+  -updates     ... without the weight-update sample (``weight_updates=False``)
+  -rows        ... with the row statistics replaced by a no-op (the hooks, lookups and bookkeeping stay)
+  hooks only   every part above off at once: the hooks and the per-step bookkeeping alone
+
+Per part: its cost is ``sampled - (sampled without it)``; "copy and flush" is timed inside ``Profiler.step()``
+of the sampled configuration. The headline is ``(sampled - baseline) / inspected tensors``.
+
+Clock: on the CPU the thread's own CPU time (``time.thread_time``, one torch thread): host work is what is
+measured, and a machine shared with other work (CI, a laptop) barely moves it, where wall time moved by 2x.
+``--clock wall`` (the default on CUDA, where the device's time counts) measures wall time.
+
+Usage: python bench/host_cost.py [--device cpu|cuda] [--blocks 100] [--rounds 8] [--steps 8]
+Writes bench/results/host_cost_<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import precprof  # noqa: E402
+from precprof import tables as T  # noqa: E402
+from precprof.capture import Profiler  # noqa: E402
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "baseline": {},
+    "unsampled": {"sample_every": 10**9},
+    "sampled": {"sample_every": 1},
+    "-blocks": {"sample_every": 1, "block_formats": False},
+    "-memory": {"sample_every": 1, "memory": False},
+    "-updates": {"sample_every": 1, "weight_updates": False},
+    "-rows": {"sample_every": 1, "_rows_off": True},
+    "hooks only": {
+        "sample_every": 1,
+        "block_formats": False,
+        "memory": False,
+        "weight_updates": False,
+        "_rows_off": True,
+    },
+}
+PARTS = {
+    "row statistics": "-rows",
+    "block what-if": "-blocks",
+    "memory tracking": "-memory",
+    "weight-update sample": "-updates",
+}
+
+
+def tiny_stack(blocks: int, width: int) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(blocks):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+@contextlib.contextmanager
+def rows_off(prof: Profiler) -> Iterator[None]:
+    """The row statistics replaced by a no-op for this configuration's steps (bench only): every tensor still
+    goes through the hooks and the engine's entry, which returns before reading it."""
+    from precprof.stats import rows as stats_rows
+
+    saved = stats_rows.NO_READ
+    stats_rows.NO_READ = True
+    try:
+        yield
+    finally:
+        stats_rows.NO_READ = saved
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--blocks", type=int, default=100)
+    ap.add_argument("--width", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=8, help="interleaved rounds per configuration")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per round")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--clock", choices=["thread", "wall"], default=None, help="thread on CPU, wall on CUDA")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dev = torch.device(args.device)
+    clock_name = args.clock or ("wall" if dev.type == "cuda" else "thread")
+    clock = time.perf_counter if clock_name == "wall" else time.thread_time
+    torch.manual_seed(0)
+    base = tiny_stack(args.blocks, args.width).to(dev)
+    x = torch.randn(args.batch, args.width, device=dev)
+    names = [c for c in args.configs.split(",") if c]
+
+    state: dict[str, dict[str, Any]] = {}
+    for n in names:
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        kw = {k: v for k, v in CONFIGS[n].items() if not k.startswith("_")}
+        prof = Profiler(model, optimizer=opt, **kw).attach() if n != "baseline" else None
+        state[n] = {"model": model, "opt": opt, "prof": prof, "times": [], "flush": []}
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def one_step(n: str, record: bool) -> None:
+        s = state[n]
+        model, opt, prof = s["model"], s["opt"], s["prof"]
+        sync()
+        t0 = clock()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t1 = clock()
+        if prof is not None:
+            prof.step(loss=loss.detach())
+        sync()
+        t2 = clock()
+        if record:
+            s["times"].append(t2 - t0)
+            s["flush"].append(t2 - t1)
+
+    def run(n: str, steps: int, record: bool) -> None:
+        ctx = rows_off(state[n]["prof"]) if CONFIGS[n].get("_rows_off") else contextlib.nullcontext()
+        with ctx:
+            for _ in range(steps):
+                one_step(n, record)
+
+    for n in names:  # warm-up: the first sampled steps build what they reuse
+        run(n, 3, record=False)
+    for _ in range(args.rounds):
+        for n in names:
+            run(n, args.steps, record=True)
+
+    tensors = 0
+    sampled = state.get("sampled", {}).get("prof")
+    if sampled is not None:
+        layers = sampled.tables()["layers"]
+        last = layers[layers[T.STEP] == layers[T.STEP].max()]
+        tensors = int(last.loc[last[T.TENSOR] != T.WEIGHT_UPDATE, T.CALLS].sum())
+    mean = {n: statistics.fmean(state[n]["times"]) for n in names}
+    base_s = mean.get("baseline", float("nan"))
+    results: dict[str, Any] = {}
+    for n in names:
+        results[n] = {
+            "mean_s": mean[n],
+            "median_s": statistics.median(state[n]["times"]),
+            "added_s": mean[n] - base_s,
+            "ratio": mean[n] / base_s,
+            "step_call_s": statistics.fmean(state[n]["flush"]) if n != "baseline" else 0.0,
+        }
+    parts: dict[str, Any] = {}
+    if "sampled" in mean:
+        added = mean["sampled"] - base_s
+        for part, cfg in PARTS.items():
+            if cfg in mean:
+                parts[part] = mean["sampled"] - mean[cfg]
+        parts["copy and flush (inside Profiler.step)"] = results["sampled"]["step_call_s"]
+        if "hooks only" in mean:
+            parts["hooks, lookups and per-step bookkeeping (all parts off)"] = mean["hooks only"] - base_s
+        parts = {k: {"s": v, "share_of_added": v / added if added else float("nan")} for k, v in parts.items()}
+    for p in (s["prof"] for s in state.values()):
+        if p is not None:
+            p.detach()
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or "cpu")
+    if dev.type == "cpu":
+        with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
+            device_name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    out = {
+        "device": dev.type,
+        "device_name": device_name,
+        "threads": args.threads,
+        "clock": clock_name,
+        "blocks": args.blocks,
+        "width": args.width,
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps,
+        "torch": torch.__version__,
+        "precprof": precprof.__version__,
+        "inspected_tensors_per_sampled_step": tensors,
+        "host_us_per_tensor": (
+            (mean["sampled"] - base_s) / tensors * 1e6 if tensors and "sampled" in mean else None
+        ),
+        "unsampled_us_per_tensor": (
+            (mean["unsampled"] - base_s) / tensors * 1e6 if tensors and "unsampled" in mean else None
+        ),
+        "results": results,
+        "parts": parts,
+    }
+    print(
+        f"{args.blocks} x (Linear({args.width}) + GELU) on {device_name}, {tensors} tensors per sampled step, "
+        f"{clock_name} clock"
+    )
+    print(f"{'config':<12}{'mean ms':>10}{'added ms':>10}{'x':>8}")
+    for n, r in results.items():
+        print(f"{n:<12}{r['mean_s'] * 1e3:>10.2f}{r['added_s'] * 1e3:>10.2f}{r['ratio']:>8.2f}")
+    if out["host_us_per_tensor"] is not None:
+        print(f"sampled step: {out['host_us_per_tensor']:.1f} us of host work per inspected tensor")
+    if out["unsampled_us_per_tensor"] is not None:
+        print(f"unsampled step: {out['unsampled_us_per_tensor']:.2f} us per tensor it would inspect")
+    for part, v in parts.items():
+        print(f"  {part:<58}{v['s'] * 1e3:>8.2f} ms {v['share_of_added']:>7.1%}")
+    path = Path(args.out) if args.out else ROOT / "bench" / "results" / f"host_cost_{dev.type}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""A sampled step's data brought to the host, and the rows made of it: the Profiler's one synchronisation.
+
+``Collector.copy`` takes the pending steps' scalars (loss, loss scale, found-inf, gradient norm) and, after a
+sampled step, its statistics (every device's rows and block accumulator, the weight-update counts; reduced over
+ranks first under torch.distributed), copies them in one transfer per device (``stats.transfer.to_host``), and
+hands the steps, layer, histogram and memory rows to the recording (``capture/recorded.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from precprof import stats as st
+from precprof import tables as T
+from precprof.capture import columns
+from precprof.capture.plan import CapturePlan
+from precprof.capture.recorded import Recorded
+from precprof.capture.records import _PendingStep, name_bit
+from precprof.capture.updates import UpdateSampler
+from precprof.stats import transfer
+
+
+class Collector:
+    """The host side of the sampled steps of one attachment (see the module docstring)."""
+
+    def __init__(
+        self,
+        plan: CapturePlan,
+        buffer: st.StatsBuffer,
+        updates: UpdateSampler | None,
+        reducer: Any,
+        tracker: Any,
+        own_bytes: Any,
+    ) -> None:
+        self.plan = plan
+        self.buffer = buffer
+        self.updates = updates
+        self.reducer = reducer
+        self.tracker = tracker
+        self._own_bytes = own_bytes  # () -> bytes precprof holds on the device (buffers and scratch)
+        self.memory_error: str | None = None
+
+    def copy(self, recorded: Recorded, pending: list[_PendingStep], layers: bool, step: int) -> None:
+        """The sync: ``pending``'s scalars and, with ``layers`` (a sampled step just ended), its statistics
+        and memory rows, into ``recorded``."""
+        floats = Recorded.step_floats(pending)
+        tensors = [floats.device] if floats.device is not None else []
+        order = self.plan.order()
+        n_stats = 0
+        if layers:
+            if self.reducer is not None:
+                order, stats_part, counts_part = self._reduce_sampled(step, order)
+            else:
+                stats_part = self.buffer.device_tensors()
+                counts_part = self.updates.device_counts() if self.updates else []
+            n_stats = len(stats_part)
+            tensors += stats_part + counts_part
+        host = transfer.to_host(tensors)  # the sync
+        step_scale = recorded.add_steps(
+            pending, floats.values(host.pop(0) if floats.device is not None else None)
+        )
+        if not layers:
+            return
+        self._collect_layers(recorded, step, step_scale, order, host[:n_stats], host[n_stats:])
+        self._collect_memory(recorded, step)
+
+    def _reduce_sampled(
+        self, step: int, order: dict[str, int]
+    ) -> tuple[dict[str, int], list[torch.Tensor], list[torch.Tensor]]:
+        """Under a process group: the rows, block sums and update counts reduced over ranks (collectives:
+        every rank reaches this on the same sampled step), with the rows' host metadata and the order."""
+        reducer, rows = self.reducer, self.plan.rows
+        device_rows = reducer.reduce_rows(self.buffer.dense())
+        block_sums = reducer.reduce_sum(self.buffer.blocks_dense())  # counts and sums add
+        meta = reducer.reduce_meta(
+            [
+                {
+                    "calls": rows.calls[r.index],
+                    "dtypes": rows.dtypes(r.index),
+                    "module": r.module,
+                    "tensor": r.tensor,
+                    "param": r.param,
+                }
+                for r in rows.info
+            ],
+            order,
+            step=step,
+        )
+        for r, m in zip(rows.info, meta["rows"], strict=True):
+            rows.calls[r.index] = int(m["calls"])
+            bits = 0
+            for name in m["dtypes"]:
+                bits |= name_bit(name)
+            rows.dtype_bits[r.index] = bits
+        counts = [reducer.reduce_sum(self.updates.combined())] if self.updates is not None else []
+        return meta["order"], [device_rows, block_sums], counts
+
+    def _collect_layers(
+        self,
+        recorded: Recorded,
+        step: int,
+        scale: float,
+        order: dict[str, int],
+        stats_host: list[np.ndarray],
+        counts_host: list[np.ndarray],
+    ) -> None:
+        """Layer, histogram and weight-update rows of a sampled step from the host copies of its tensors."""
+        buffer, rows = self.buffer, self.plan.rows
+        counts: np.ndarray | None = None
+        if self.reducer is not None:
+            data, blocks = stats_host[0], buffer.expand_blocks(stats_host[1])
+            counts = counts_host[0] if counts_host else None
+        else:
+            data, blocks = buffer.from_host(stats_host)
+            if self.updates is not None:
+                counts = self.updates.host_counts(counts_host)
+        active = [r for r in rows.info if rows.calls[r.index] > 0]
+        if active:
+            cols, hist = columns.layer_columns(step, rows, active, data, scale, order)
+            cols.update(columns.block_columns(active, blocks, buffer.blocks_seen, scale))
+            recorded.add_layers(step, cols, hist)
+        if self.updates is not None and counts is not None:
+            types = {slot.name: slot.module_type for slot in self.plan.modules}
+            updates = self.updates.rows(counts, step, order, types)
+            if updates:
+                recorded.add_layers(step, {c: [u[c] for u in updates] for c in updates[0]})
+
+    def _collect_memory(self, recorded: Recorded, step: int) -> None:
+        if self.tracker is not None:
+            try:
+                mem = self.tracker.end_step(step)
+            except Exception as e:  # memory accounting must never take training down
+                mem = []
+                self.memory_error = f"{type(e).__name__}: {e}"
+            if self.reducer is not None and hasattr(self.reducer, "reduce_memory"):
+                mem = self.reducer.reduce_memory(mem)  # collective: every rank, every sampled step
+            recorded.add_memory(mem)
+        recorded.add_memory(
+            [
+                {
+                    T.STEP: step,
+                    T.COMPONENT: T.PROFILER_BUFFERS,
+                    T.MODULE: "",
+                    T.DTYPE: "int64",
+                    T.BYTES: self._own_bytes(),
+                }
+            ]
+        )

@@ -1,0 +1,132 @@
+"""What the Profiler records, decided once at attach: the captured modules and parameters, the buffer row of
+every tensor they produce, and which rows can hold block-format statistics. The hooks then only look up a
+module's slot and add into its rows (``capture/hooks.py``).
+
+Which modules: by default every leaf module plus every module that owns parameters directly; otherwise the
+modules whose qualified name matches one of the ``fnmatch`` patterns, or whose type is one of the types
+given. Per captured module, rows for its output (``activation``) and the output's gradient
+(``activation_grad``); per parameter it owns (the first owner of a tied parameter), a ``weight`` row and, when
+it requires grad, a ``weight_grad`` row; with block formats, a linear layer also gets a row for its input when
+no captured module produced it (``T.input_module``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from precprof import tables as T
+from precprof import taxonomy
+from precprof.capture.records import RowTable, _ModuleSlot, _ParamSlot
+
+ModuleFilter = Sequence[str | type[nn.Module]] | None
+
+
+def reads_block_operands(module_type: str) -> bool:
+    """Modules whose own operands get the block-format what-if: linear layers (weight, output gradient and the
+    input they read) and embeddings (their weight, for an output head tied to it)."""
+    return taxonomy.is_linear_type(module_type) or "Embedding" in module_type
+
+
+def selected(name: str, module: nn.Module, module_filter: ModuleFilter) -> bool:
+    """Whether ``module`` (named ``name``) is captured under ``module_filter`` (see the module docstring)."""
+    if module_filter is None:
+        has_children = next(module.children(), None) is not None
+        has_params = next(module.parameters(recurse=False), None) is not None
+        return (not has_children) or has_params
+    for f in module_filter:
+        if isinstance(f, str):
+            if fnmatch.fnmatchcase(name, f):
+                return True
+        elif isinstance(module, f):
+            return True
+    return False
+
+
+@dataclass
+class CapturePlan:
+    """The captured modules (``modules``, in registration order), parameters (``params``) and their rows."""
+
+    modules: list[_ModuleSlot] = field(default_factory=list)
+    params: list[_ParamSlot] = field(default_factory=list)
+    rows: RowTable = field(default_factory=RowTable)
+    block_formats: bool = False
+
+    @classmethod
+    def of(cls, model: nn.Module, module_filter: ModuleFilter, block_formats: bool) -> CapturePlan:
+        plan = cls(block_formats=block_formats)
+        rows = plan.rows
+        seen_params: set[int] = set()
+        for name, module in model.named_modules():
+            if not selected(name, module, module_filter):
+                continue
+            mtype = type(module).__name__
+            slot = _ModuleSlot(
+                name=name,
+                module=module,
+                activation=rows.new(name, mtype, T.ACTIVATION),
+                activation_grad=rows.new(name, mtype, T.ACTIVATION_GRAD),
+                weights=[],
+                module_type=mtype,
+                gemm=taxonomy.is_linear_type(mtype),
+            )
+            if block_formats and slot.gemm:
+                slot.input = rows.new(T.input_module(name), T.INPUT_MODULE_TYPE, T.ACTIVATION)
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) in seen_params:
+                    continue
+                seen_params.add(id(p))
+                slot.weights.append((pname, p, rows.new(name, mtype, T.WEIGHT, pname)))
+                grad_row = rows.new(name, mtype, T.WEIGHT_GRAD, pname) if p.requires_grad else -1
+                plan.params.append(_ParamSlot(name, pname, p, grad_row, -1))
+            plan.modules.append(slot)
+        rows.begin_step()
+        return plan
+
+    def block_rows(self) -> list[int]:
+        """The rows the hooks may add block-format statistics to, each given a slot of the block accumulator:
+        module outputs (a linear layer may read them), linear layers' own inputs and output gradients, and
+        the matrix weights of the modules whose operands a block-scaled GEMM reads. None without block
+        formats."""
+        if not self.block_formats:
+            return []
+        out = []
+        for slot in self.modules:
+            out.append(slot.activation)
+            if slot.input >= 0:
+                out.append(slot.input)
+            if slot.gemm:
+                out.append(slot.activation_grad)
+            if reads_block_operands(slot.module_type):
+                out += [row for _, p, row in slot.weights if p.dim() >= 2]
+        return out
+
+    def block_slots(self) -> list[_ModuleSlot]:
+        """The modules whose operands get the block-format what-if."""
+        return [s for s in self.modules if reads_block_operands(s.module_type)]
+
+    def deal_block_groups(self, groups: int) -> list[int]:
+        """Deal the layers whose operands get the block-format what-if into ``groups`` groups of about equal
+        cost: largest first, each to the lightest group so far (ties to the lowest group, so every rank deals
+        alike). A layer's cost is the sum of its weight's dimensions (in + out features for a linear layer:
+        what its input and output gradient add per token; the weight itself is a small share). Returns each
+        group's load."""
+        loads = [0] * groups
+
+        def cost(slot: _ModuleSlot) -> int:
+            return max((sum(p.shape) for _, p, _ in slot.weights if p.dim() == 2), default=1)
+
+        for slot in sorted(self.block_slots(), key=lambda s: -cost(s)):  # stable: model order among equals
+            g = loads.index(min(loads))
+            slot.block_group = g
+            loads[g] += cost(slot)
+        return loads
+
+    def order(self) -> dict[str, int]:
+        """Module name -> forward order in the step just recorded (-1: not called), input rows included."""
+        out = {s.name: s.order for s in self.modules}
+        out |= {T.input_module(s.name): s.input_order for s in self.modules if s.input >= 0}
+        return out

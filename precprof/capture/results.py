@@ -1,0 +1,321 @@
+"""What a Profiler hands out: the four tables, the capture summary, and the run directory it saves (through
+``precprof.pipeline``, registered as the run finisher). ``ProfilerResults`` is the results half of
+``capture.profiler.Profiler``; the recording half (attach, hooks, steps) lives there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+from precprof import rundir
+from precprof import stats as st
+from precprof import tables as T
+from precprof._run_finisher import run_finisher
+from precprof._version import __version__
+from precprof.capture.block_budget import BlockBudget
+from precprof.capture.collect import Collector
+from precprof.capture.plan import CapturePlan
+from precprof.capture.recorded import Recorded
+from precprof.capture.sampling import Sampler
+from precprof.capture.scaler import ScalerWatch
+from precprof.capture.updates import UpdateSampler
+
+
+class ProfilerResults:
+    """The tables, summary and run directory of a ``Profiler`` (see ``capture.profiler``)."""
+
+    model: nn.Module
+    scaler: Any
+    sample_every: int | None
+    loss_scale: float | None
+    weight_updates: bool
+    update_sample: int
+    _attached: bool
+    _pending: list[Any]
+    _recorded: Recorded
+    _status: str
+    _reason: str | None
+    _device: torch.device
+    _plan: CapturePlan | None
+    _buffer: st.StatsBuffer | None
+    _updates: UpdateSampler | None
+    _tracker: Any
+    _reducer: Any
+    _collector: Collector | None
+    _scaler_watch: ScalerWatch | None
+    _sampler: Sampler
+    _block_formats: bool
+    _block_budget: BlockBudget
+    _first_step: int
+    _sample_origin: int
+    _loss_dtypes: dict[str, int]
+    _owned_run: rundir.RunDir | None
+
+    @property
+    def _autocast_seen(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @property
+    def run_dir(self) -> Path | None:
+        raise NotImplementedError
+
+    @property
+    def is_writer(self) -> bool:
+        raise NotImplementedError
+
+    def _flush(self, sampled_step_done: bool) -> None:
+        raise NotImplementedError
+
+    @property
+    def buffer_bytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def scratch_bytes(self) -> int:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------ results
+    def tables(self) -> dict[str, pd.DataFrame]:
+        """The four tables recorded so far (see precprof/tables.py for the schema). Syncs if steps are pending."""
+        if self._pending and not self._attached:
+            self._flush(sampled_step_done=False)
+        return self._recorded.tables()
+
+    def mark_incomplete(self, reason: str) -> None:
+        """Mark the run as incomplete (a crash, a nan that stopped training, Ctrl-C), with the cause."""
+        self._status = T.STATUS_INCOMPLETE
+        self._reason = reason
+
+    @property
+    def status(self) -> tuple[str, str | None]:
+        return self._status, self._reason
+
+    def _low_precision_buffers(self) -> list[dict[str, str]]:
+        """Floating buffers of the captured modules held in fp16 or bf16 (BatchNorm running statistics after
+        ``model.half()``, say): the guide keeps them in fp32."""
+        out = []
+        for slot in self._plan.modules if self._plan is not None else []:
+            for bname, buf in slot.module.named_buffers(recurse=False):
+                if buf is not None and buf.dtype in (torch.float16, torch.bfloat16):
+                    out.append(
+                        {"module": slot.name, "buffer": bname, "dtype": str(buf.dtype).removeprefix("torch.")}
+                    )
+        return out
+
+    def skipped_tensors(self) -> list[dict[str, Any]]:
+        """Tensors the statistics could not read (on the ``meta`` device: no data), per row, with how many
+        times over the run."""
+        if self._buffer is None or self._plan is None:
+            return []
+        out = []
+        for r in self._plan.rows.info:
+            count = int(self._buffer.skipped_total[r.index])
+            if count:
+                out.append(
+                    {
+                        "module": r.module,
+                        "tensor": r.tensor,
+                        "param": r.param,
+                        "count": count,
+                        "reason": "on the meta device (no data to read)",
+                    }
+                )
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """The ``capture`` part of summary.json: what was captured and how."""
+        modules = []
+        for slot in self._plan.modules if self._plan is not None else []:
+            modules.append(
+                {
+                    "name": slot.name,
+                    "type": slot.module_type,
+                    "params": {pname: list(p.shape) for pname, p, _ in slot.weights},
+                }
+            )
+        n_params = sum(p.numel() for p in self.model.parameters())
+        param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return {
+            "sample_every": self.sample_every,
+            "sampling": self._sampler.describe(),
+            "block_formats": (self._block_budget.describe() if self._block_formats else False),
+            "device": str(self._device),
+            "stats_engine": {
+                **st.engine_status([self._device]),
+                "used": self._buffer.engines if self._buffer is not None else {},
+            },
+            "skipped_tensors": self.skipped_tensors(),
+            "steps_recorded": self._recorded.steps_recorded,
+            "sampled_steps": self._recorded.sampled_steps,
+            "sample_origin": self._sample_origin,
+            "stream": self._stream_summary(),
+            "modules_captured": len(self._plan.modules) if self._plan is not None else 0,
+            "modules": modules,
+            "n_params": n_params,
+            "param_bytes": param_bytes,
+            "profiler_buffer_bytes": self.buffer_bytes,
+            "profiler_scratch_bytes": self.scratch_bytes,
+            "profiler_buffer_share_of_params": self.buffer_bytes / param_bytes if param_bytes else None,
+            "model_class": type(_unwrapped(self.model)).__name__,
+            "precision_seen": self.precision_seen(),
+            "autocast": self._autocast_seen or {"enabled": False, "dtype": None},
+            "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
+            "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
+            "static_loss_scale": self.loss_scale,
+            "low_precision_buffers": self._low_precision_buffers(),
+            "loss_dtypes": dict(self._loss_dtypes),
+            "histogram_shift_exact": not (self._scaler_watch is not None and self._scaler_watch.non_pow2),
+            "weight_update_sample": self.update_sample if self.weight_updates else 0,
+            "fp8_recipe": "per-tensor current scaling, scale = 2^floor(log2(fmax / amax))",
+            "memory_error": self._collector.memory_error if self._collector is not None else None,
+        }
+
+    def _stream_summary(self) -> dict[str, Any] | None:
+        sink = self._recorded.sink
+        if sink is None:
+            return None
+        return {
+            "segment": sink.segment.path.name,
+            "parts_written": sink.parts_written,
+            "error": sink.error,
+            "resumed_from": self._first_step if sink.segment.index > 0 else None,
+        }
+
+    def precision_seen(self) -> str | None:
+        """The precision mode this loop trains in, as the built-in loop names them (``precprof.modes``), read
+        from what the hooks saw: autocast and its dtype on the first recorded forward pass, a torchao Float8
+        linear layer, a GradScaler, the parameters' dtype. None before any forward pass was recorded."""
+        autocast = self._autocast_seen
+        if not autocast:
+            return None
+        model = _unwrapped(self.model)
+        if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
+            return "fp8"
+        if autocast.get("enabled"):
+            dtype = autocast.get("dtype")
+            return {"bfloat16": "bf16", "float16": "fp16"}.get(str(dtype), f"autocast {dtype}")
+        sizes: dict[torch.dtype, int] = {}
+        for p in model.parameters():
+            if p.is_floating_point():
+                sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+        main = max(sizes, key=lambda d: sizes[d]) if sizes else torch.float32
+        if main == torch.bfloat16:
+            return "bf16-pure"
+        if main == torch.float16:
+            return "fp16-pure"
+        if self._device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+            return "tf32"
+        return "fp32"
+
+    def run_summary(
+        self, summary: dict[str, Any] | None = None, status: str | None = None, reason: str | None = None
+    ) -> dict[str, Any]:
+        """``summary`` completed with what the recorder knows: version, status and cause, the ``capture``
+        block (and the distributed description)."""
+        if status is not None:
+            self._status = status
+        if reason is not None:
+            self._reason = reason
+        full: dict[str, Any] = dict(summary or {})
+        full[T.SUMMARY_VERSION] = __version__
+        full[T.SUMMARY_STATUS] = self._status
+        full[T.SUMMARY_INCOMPLETE_REASON] = self._reason
+        capture = dict(full.get(T.SUMMARY_CAPTURE) or {})
+        capture.update(self.summary())
+        if self._reducer is not None and hasattr(self._reducer, "describe"):
+            capture["distributed"] = self._reducer.describe(self.model)
+        full[T.SUMMARY_CAPTURE] = capture
+        return full
+
+    def model_facts(self) -> dict[str, Any] | None:
+        """What the memory tracker learned about the model (refines the memory projection); None if unknown."""
+        if self._tracker is None or not hasattr(self._tracker, "model_facts"):
+            return None
+        try:
+            facts: dict[str, Any] | None = self._tracker.model_facts()
+        except Exception:  # facts only refine the projection
+            return None
+        return facts
+
+    def save(
+        self,
+        run_dir: str | Path | None = None,
+        summary: dict[str, Any] | None = None,
+        status: str | None = None,
+        reason: str | None = None,
+        *,
+        render: bool = False,
+        report_path: str | Path | None = None,
+    ) -> Path:
+        """Write the run directory: the four Parquet tables, the recommendation and summary.json (``summary``
+        merged in), and report.html (or ``report_path``) when ``render``; see ``precprof.pipeline.finish_run``
+        for the order.
+
+        A failure to write (full disk, read-only file system) does not raise: summary.json then says
+        "incomplete" with the cause. Under torch.distributed only the writer (rank 0) writes; other ranks
+        return the path without touching it. ``run_dir`` defaults to ``out``; saving there turns its stream
+        into the four tables and releases the directory's lock if this Profiler claimed it.
+        """
+        if run_dir is None:
+            run_dir = self.run_dir
+            if run_dir is None:
+                raise ValueError("save() needs a run directory: save(run_dir), or Profiler(..., out=run_dir)")
+        run_dir = Path(run_dir)
+        if not self.is_writer:
+            return run_dir
+        finisher = run_finisher()
+        if finisher is None:
+            raise RuntimeError("precprof.pipeline, which writes run directories, is not loaded")
+        full = self.run_summary(summary, status, reason)
+        written = finisher(
+            run_dir, self.tables(), full, facts=self.model_facts(), render=render, report_path=report_path
+        )
+        self._status = written[T.SUMMARY_STATUS]
+        self._reason = written[T.SUMMARY_INCOMPLETE_REASON]
+        if self._owned_run is not None and not self._attached and run_dir == self._owned_run.path:
+            self._owned_run.release()
+            self._owned_run = None
+        return run_dir
+
+    def report(self, path: str | Path | None = None, summary: dict[str, Any] | None = None) -> Path:
+        """Write the run directory (``path`` itself, or the folder of ``path`` when it names an .html file;
+        default ``out``) and render the HTML report there; returns the report's path."""
+        if path is None:
+            path = self.run_dir
+            if path is None:
+                raise ValueError("report() needs a path: report(run_dir), or Profiler(..., out=run_dir)")
+        path = Path(path)
+        html = path.suffix == ".html"
+        run_dir = path.parent if html else path
+        self.save(run_dir, summary=summary, render=True, report_path=path if html else None)
+        return path if html else run_dir / T.REPORT_FILE
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP/FSDP1 (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    for _ in range(8):
+        attr = _WRAPPERS.get(type(model).__name__)
+        inner = getattr(model, attr, None) if attr else None
+        if not isinstance(inner, nn.Module) or inner is model:
+            break
+        model = inner
+    return model
+
+
+# wrapper class name -> the attribute holding the wrapped module
+_WRAPPERS = {
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "FullyShardedDataParallel": "_fsdp_wrapped_module",
+    "OptimizedModule": "_orig_mod",
+}
+
+
+def _scaler_enabled(scaler: Any) -> bool:
+    """Whether a GradScaler (or a scaler like it) scales at all: ``GradScaler(enabled=False)`` is a no-op."""
+    is_enabled = getattr(scaler, "is_enabled", None)
+    return bool(is_enabled()) if callable(is_enabled) else True

@@ -1,0 +1,229 @@
+"""Which steps are sampled: every N-th (``sample_every=N``), or as many as a time budget allows (the default).
+
+Fixed: step s is sampled when ``(s - origin) % N == 0`` (step ``origin`` first; N = 0 samples none).
+
+Budgeted (``sample_every=None``): the Profiler keeps its measured overhead within ``budget`` (a share of the
+run's time, 3% by default). It samples
+
+- the first steps (``FIRST_STEPS`` of them): the numbers of a run's start, and a first measure of a sampled
+  step's cost;
+- a step right after one that matters, as soon as precprof learns of it without a sync: a non-finite loss, a
+  step the GradScaler skipped, or a loss spike (above ``SPIKE_FACTOR`` times the recent mean and
+  ``SPIKE_SIGMAS`` standard deviations above it). On a GPU the loss and the skip flag reach the host by a
+  non-blocking copy, read when it has landed (``event.query()``): usually the next step or the one after.
+  The first such step of each kind is always sampled; later ones while the overhead stays within
+  ``TRIGGER_HEADROOM`` times the budget;
+- otherwise, the next step whenever sampling it keeps the overhead so far within the budget.
+
+The overhead of a sampled step is its time beyond the median of recent unsampled steps (measured by
+``Profiler.step``'s clock, which on a GPU includes waiting for the device at the sampled step's copy); the
+run's first step is left out (its time is warm-up: allocations, compilation, precprof's first use of its
+kernels). The overhead reached is their sum over the time of every step. Past sampled steps are re-costed
+whenever the unsampled median moves, so the first steps, taken before any unsampled step was timed, are
+costed like the others.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_BUDGET = 0.03  # the share of the run's time the Profiler may add, by default
+FIRST_STEPS = 2  # sampled at the start of a budgeted run
+TRIGGER_HEADROOM = 2.0  # a step that matters may take the overhead up to this many budgets
+SPIKE_FACTOR = 1.5  # a loss spike: above this times the recent mean ...
+SPIKE_SIGMAS = 4.0  # ... and this many standard deviations above it
+SPIKE_WINDOW = 50  # losses the recent mean and deviation are taken over
+SPIKE_MIN = 10  # losses needed before a spike can be called
+UNSAMPLED_WINDOW = 64  # unsampled step times the median is taken over
+
+# why a step was sampled (the steps table's sample_reason)
+REASON_INTERVAL = "interval"  # every N-th step (sample_every=N)
+REASON_FIRST = "first"  # the first steps of a budgeted run
+REASON_BUDGET = "budget"  # within the budget
+REASON_NONFINITE = "nonfinite loss"  # right after a non-finite loss
+REASON_SKIPPED = "skipped step"  # right after a step the GradScaler skipped
+REASON_SPIKE = "loss spike"  # right after a loss spike
+REASONS = (REASON_INTERVAL, REASON_FIRST, REASON_BUDGET, REASON_NONFINITE, REASON_SKIPPED, REASON_SPIKE)
+
+
+@dataclass
+class Sampler:
+    """Decides, step by step, whether the step is sampled and why (see the module docstring).
+
+    ``every``: N for fixed sampling (0: none), None for the budget; ``budget``: the share of the run's time;
+    ``origin``: the first step of the run (a resumed run keeps its original rhythm)."""
+
+    every: int | None
+    budget: float = DEFAULT_BUDGET
+    origin: int = 0
+    sampled_times: list[float] = field(default_factory=list)  # sampled steps' times (the warm-up one aside)
+    total_s: float = 0.0  # every step's time
+    reasons: dict[str, int] = field(default_factory=dict)  # sampled steps per reason
+    _unsampled: deque[float] = field(default_factory=lambda: deque(maxlen=UNSAMPLED_WINDOW))
+    _losses: deque[float] = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
+    _pending_trigger: str = ""
+
+    def __post_init__(self) -> None:
+        if self.every is not None and self.every < 0:
+            raise ValueError("sample_every must be >= 0 (0 records steps only) or None (a time budget)")
+        if not (self.budget > 0 and math.isfinite(self.budget)):
+            raise ValueError(f"overhead_budget must be a number > 0, got {self.budget!r}")
+
+    @property
+    def budgeted(self) -> bool:
+        return self.every is None
+
+    def decide(self, step: int) -> str:
+        """Why ``step`` is sampled, or "" when it is not."""
+        if self.every is not None:
+            return REASON_INTERVAL if self.every > 0 and (step - self.origin) % self.every == 0 else ""
+        if step - self.origin < FIRST_STEPS:
+            return REASON_FIRST
+        trigger, self._pending_trigger = self._pending_trigger, ""
+        if trigger and (trigger not in self.reasons or self._fits(TRIGGER_HEADROOM * self.budget)):
+            return trigger
+        return REASON_BUDGET if self._fits(self.budget) else ""
+
+    def _fits(self, limit: float) -> bool:
+        """Whether one more sampled step keeps the overhead within ``limit``."""
+        base = self.unsampled_s
+        if base is None:  # nothing to compare a sampled step with yet: wait for an unsampled one
+            return False
+        cost = self.step_cost_s(base)
+        spent = self.spent_s(base)
+        return spent + cost <= limit * (self.total_s + base + cost)
+
+    @property
+    def unsampled_s(self) -> float | None:
+        """The median time of recent unsampled steps (None before one was timed)."""
+        return statistics.median(self._unsampled) if self._unsampled else None
+
+    def step_cost_s(self, base: float) -> float:
+        """What a sampled step is expected to add: the median of the recent ones' added times."""
+        recent = self.sampled_times[-8:]
+        return max(0.0, statistics.median(recent) - base) if recent else base
+
+    def spent_s(self, base: float | None = None) -> float:
+        """The time sampled steps added so far (beyond an unsampled step's ``base``)."""
+        base = self.unsampled_s if base is None else base
+        if base is None:
+            return 0.0
+        return sum(max(0.0, t - base) for t in self.sampled_times)
+
+    def observe(self, step: int, reason: str, time_s: float) -> None:
+        """A step ended after ``time_s`` seconds, sampled for ``reason`` ("" when it was not)."""
+        if reason:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        if not math.isfinite(time_s):
+            return
+        self.total_s += time_s
+        if step == self.origin:  # warm-up: neither a sampled step's cost nor an unsampled step's time
+            return
+        if reason:
+            self.sampled_times.append(time_s)
+        else:
+            self._unsampled.append(time_s)
+
+    def observe_values(self, loss: float, skipped: bool) -> None:
+        """A step's loss and whether the GradScaler skipped it, once they reached the host: the next decision
+        samples right after a step that matters (budgeted sampling only)."""
+        if not self.budgeted:
+            return
+        if not math.isfinite(loss):
+            self._pending_trigger = REASON_NONFINITE
+            return
+        if skipped:
+            self._pending_trigger = self._pending_trigger or REASON_SKIPPED
+        recent = self._losses
+        if len(recent) >= SPIKE_MIN and not self._pending_trigger:
+            mean = statistics.fmean(recent)
+            sd = statistics.pstdev(recent)
+            if mean > 0 and loss > SPIKE_FACTOR * mean and loss > mean + SPIKE_SIGMAS * sd:
+                self._pending_trigger = REASON_SPIKE
+        recent.append(loss)
+
+    @property
+    def overhead(self) -> float | None:
+        """The overhead reached: the time sampled steps added over the time of every step (None before an
+        unsampled step was timed)."""
+        base = self.unsampled_s
+        if base is None or self.total_s <= 0:
+            return None
+        return self.spent_s(base) / self.total_s
+
+    def describe(self) -> dict[str, Any]:
+        """The ``sampling`` entry of the capture summary."""
+        out: dict[str, Any] = {
+            "mode": "budget" if self.budgeted else ("every" if self.every else "off"),
+            "every": self.every,
+            "reasons": dict(self.reasons),
+        }
+        if self.budgeted:
+            out["budget"] = self.budget
+        overhead = self.overhead
+        out["overhead"] = overhead
+        base = self.unsampled_s
+        out["unsampled_step_s"] = base
+        out["sampled_step_added_s"] = (
+            self.step_cost_s(base) if base is not None and self.sampled_times else None
+        )
+        return out
+
+
+class LandedValues:
+    """A step's loss and skip flag on their way to the host without a sync: CPU values are read at once; a
+    device's are copied into pinned memory by a non-blocking copy behind an event, and handed out once the
+    event has completed (``event.query()``, which never waits). At most ``capacity`` copies in flight (older
+    ones are dropped: a trigger is a hint, never a count)."""
+
+    def __init__(self, capacity: int = 8) -> None:
+        self.capacity = capacity
+        self._flight: deque[tuple[Any, Any]] = deque()
+
+    def put(self, loss: Any, found_inf: Any) -> list[tuple[float, bool]]:
+        """Send one step's values; returns every step's values that have landed, oldest first."""
+        import torch
+
+        values = [v for v in (loss, found_inf) if isinstance(v, torch.Tensor)]
+        landed = self.take()
+        if not values:
+            if loss is not None:
+                landed.append((float(loss), False))
+            return landed
+        dev = values[0].device
+        if dev.type != "cuda":
+            loss_v = (
+                float(loss) if isinstance(loss, torch.Tensor) else (math.nan if loss is None else float(loss))
+            )
+            skipped = bool(found_inf is not None and float(found_inf) > 0)
+            landed.append((loss_v, skipped))
+            return landed
+        pair = torch.stack(
+            [
+                (loss.detach().reshape(()).to(dev, torch.float64) if isinstance(loss, torch.Tensor)
+                 else torch.full((), math.nan if loss is None else float(loss), dtype=torch.float64, device=dev)),
+                (found_inf.detach().reshape(()).to(dev, torch.float64) if isinstance(found_inf, torch.Tensor)
+                 else torch.zeros((), dtype=torch.float64, device=dev)),
+            ]
+        )  # fmt: skip
+        host = torch.empty(2, dtype=torch.float64, pin_memory=True)
+        host.copy_(pair, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        if len(self._flight) >= self.capacity:
+            self._flight.popleft()
+        self._flight.append((event, host))
+        return landed
+
+    def take(self) -> list[tuple[float, bool]]:
+        """The values whose copy has completed, oldest first (never waits)."""
+        out = []
+        while self._flight and self._flight[0][0].query():
+            _, host = self._flight.popleft()
+            loss, found = host.tolist()
+            out.append((loss, found > 0 or math.isnan(found)))
+        return out

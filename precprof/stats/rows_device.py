@@ -1,0 +1,180 @@
+"""The rows of a device (CUDA, or the CPU when tests run the device code path there): one dense int64 tensor
+``[rows, width]`` on the device, filled by the Triton kernel (engine "triton", ``stats.triton_engine``: one
+launch per tensor) or by torch ops in bounded chunks (engine "torch"), without ever synchronising with the
+host: nothing here calls ``.item()``, ``bool(tensor)``, ``nonzero`` or ``bincount`` (which asks the host for
+the max on CUDA)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from precprof.stats import rows as _rows
+from precprof.stats import triton_engine
+from precprof.stats.layout import (
+    _F64_BIAS,
+    _F64_EXP_ALL,
+    _F64_MANT_MASK,
+    _HI,
+    _LO,
+    _N_KEYS,
+    _NO_MIN_BITS,
+    N_BINS,
+    RowLayout,
+    f64_bits,
+)
+
+# the torch-op path on a device processes a tensor in chunks of this many values: its scratch (25 bytes per
+# value), the temporaries of the magnitude bits (at most 25 more) and the sort of deterministic mode (16 more,
+# freed after each chunk) stay under 64 MiB
+DEVICE_CHUNK = 1 << 19
+
+
+class DeviceRows(_rows.Rows):
+    """Dense rows on ``device`` (see the module docstring); ``chunk``: values per pass of the torch-op path."""
+
+    def __init__(
+        self,
+        rows: int,
+        device: torch.device,
+        chunk: int | None,
+        *,
+        engine: str,
+        layout: RowLayout,
+        block_slot: np.ndarray | None = None,
+    ) -> None:
+        super().__init__(rows, device, engine=engine, layout=layout, block_slot=block_slot)
+        self.chunk = DEVICE_CHUNK if chunk is None else chunk
+        self._data = layout.empty_rows(rows, device)
+        self._triton: triton_engine.TritonRows | None = None
+        if engine == "triton":
+            self._triton = triton_engine.TritonRows(device, layout)
+        self._key_edges = torch.arange(_N_KEYS + 1, dtype=torch.int64, device=device)
+        self._pow2_idx = torch.tensor(
+            [2 * (j + _F64_BIAS) + 1 for j in layout.underflow_exps], dtype=torch.int64, device=device
+        )
+        self._fp8_max_bits = torch.tensor([f64_bits(f.max) for f in layout.fp8], dtype=torch.int64, device=device)
+        self._fp8_uf_exp = torch.tensor(layout.fp8_underflow_exps, dtype=torch.int64, device=device)
+        self.reset()
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self._data.numel() * self._data.element_size() + super().buffer_bytes
+
+    @property
+    def scratch_bytes(self) -> int:
+        held = super().scratch_bytes
+        if self._triton is not None:
+            held += self._triton.nbytes
+        return held
+
+    def dense(self) -> torch.Tensor:
+        """The rows themselves (after this device's pending work, in stream order)."""
+        self._order_stream()
+        return self._data
+
+    def reset_counts(self, sl: slice) -> None:
+        self._order_stream()
+        target = self._data[sl]
+        target.zero_()
+        target[:, self.layout.absmin_bits] = _NO_MIN_BITS
+
+    @torch.no_grad()
+    def add(self, x: torch.Tensor, row: int, assign: bool = False) -> None:
+        """Add the statistics of ``x`` (floating, on this device) into ``row`` (cleared first with ``assign``):
+        one Triton launch, or torch ops in chunks. Never syncs."""
+        if _rows.NO_READ:
+            return
+        if assign:
+            self.reset(slice(row, row + 1))
+        if x.numel() == 0:
+            return
+        self._order_stream()
+        x = x.detach()
+        if self._triton is not None and self._triton.add(x, self._data, row):
+            return
+        flat = x.reshape(-1)
+        self._accumulate_device(flat, row, self.chunk if self.chunk and self.chunk > 0 else flat.numel())
+
+    def _accumulate_device(self, flat: torch.Tensor, row: int, chunk: int) -> None:
+        """Torch ops in chunks of at most ``chunk`` values: bounded scratch, no host sync."""
+        assert self._data is not None
+        lay = self.layout
+        nw = lay.n_whatif
+        r = self._data[row]
+        kh = self._keys_hist
+        kh.zero_()
+        call_max = self._small[nw : nw + 1]
+        call_max.zero_()
+        n = flat.numel()
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        for start in range(0, n, chunk):
+            a, bits, key = self._keys_of(flat[start : start + chunk])
+            if deterministic:
+                # index_add_ would sort every value with its index; counting the sorted keys by binary
+                # search is deterministic, sync-free and bounded by the chunk
+                ordered = torch.sort(key).values
+                pos = torch.searchsorted(ordered, self._key_edges)
+                kh += pos[1:] - pos[:-1]
+            else:
+                # bincount asks the host for max(key) on CUDA: a fixed-size index_add_ does not
+                kh.index_add_(0, key, self._ones.expand(key.numel()))
+            self._extremes_device(a, bits, r, call_max)
+        r[lay.numel] += n
+        kh2 = kh.view(_F64_EXP_ALL + 1, 2)
+        r[lay.zeros] += kh2[0, 1]
+        r[lay.nan] += kh2[_F64_EXP_ALL, 0]
+        r[lay.inf] += kh2[_F64_EXP_ALL, 1]
+        r[lay.pow2_at : lay.pow2_at + nw] += kh[self._pow2_idx]
+        all_in_bin = kh2[:, 0] + kh2[:, 1]
+        hist = r[lay.hist : lay.hist + N_BINS]
+        hist += all_in_bin[_LO : _HI + 1]
+        hist[0] += all_in_bin[1:_LO].sum() + kh2[0, 0]
+        hist[-1] += all_in_bin[_HI + 1 : _F64_EXP_ALL].sum()
+        if not lay.n_fp8:
+            return
+        # fp8 current scaling of this call, on the device: k = floor(log2(fmax / amax)) from the exponent
+        # fields and mantissas of fmax and amax; x*2^k underflows iff |x| <= 2^(j - k), i.e. the keys below
+        # exponent field f = j - k + bias, and the exact powers of two at f (none when f <= 0; every finite
+        # nonzero value when f >= 2047)
+        amax = call_max[0]
+        e_a = amax >> 52
+        e_f = self._fp8_max_bits >> 52
+        k = e_f - e_a - ((amax & _F64_MANT_MASK) > (self._fp8_max_bits & _F64_MANT_MASK)).long()
+        f = self._fp8_uf_exp - k + _F64_BIAS
+        fc = f.clamp(1, _F64_EXP_ALL)
+        cum = kh.cumsum(0)
+        below = cum[2 * fc - 1] - kh[1]
+        on = kh[(2 * fc + 1).clamp(max=_N_KEYS - 1)] * (f < _F64_EXP_ALL).long()
+        cs = (below + on) * (f > 0).long()
+        r[lay.underflow_cs : lay.underflow_cs + lay.n_fp8] += cs * (amax > 0).long()
+
+    def _extremes_device(
+        self, a: torch.Tensor, bits: torch.Tensor, r: torch.Tensor, call_max: torch.Tensor
+    ) -> None:
+        """Overflow counts, smallest nonzero and largest finite |x| with tensor ops only (no sync)."""
+        lay = self.layout
+        m = a.numel()
+        mask = self._bool[:m]
+        tmp = self._i64[:m]
+        ov = self._small[: lay.n_whatif]
+        for i, (threshold, inclusive) in enumerate(
+            zip(lay.overflow_thresholds, lay.overflow_inclusive, strict=True)
+        ):
+            if inclusive:
+                torch.ge(a, threshold, out=mask)
+            else:
+                torch.gt(a, threshold, out=mask)
+            ov[i] = torch.count_nonzero(mask)
+        r[lay.overflow : lay.overflow + lay.n_whatif] += ov
+        # nan -> 0 and inf -> 0 in place (a is scratch): the extremes are of finite values only
+        a.nan_to_num_(nan=0.0, posinf=0.0)
+        # smallest nonzero: (bits - 1) & MAX maps 0 to the largest int64 (the "none yet" sentinel). The row
+        # keeps bits - 1, so the sentinel never overflows.
+        torch.sub(bits, 1, out=tmp)
+        tmp.bitwise_and_(_NO_MIN_BITS)
+        r[lay.absmin_bits] = torch.minimum(r[lay.absmin_bits], tmp.amin())
+        # largest finite: the max of the bit patterns
+        mx = bits.amax()
+        r[lay.absmax_bits] = torch.maximum(r[lay.absmax_bits], mx)
+        torch.maximum(call_max, mx.reshape(1), out=call_max)

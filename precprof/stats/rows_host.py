@@ -1,0 +1,320 @@
+"""The CPU's rows: counts as a numpy array, exponent histograms in a window of bins that grows to what the
+data uses (so the buffer stays a small fraction of the model's size), filled by the C kernel (engine "c",
+``stats.kernel``) or torch ops (engine "torch").
+
+``HostRows.add`` is the hot path of a sampled step on the CPU: a few attribute reads and one call into the
+kernel, which reads the tensor and merges its statistics into the row (``pp_add``); ``add_many`` reads a list
+of tensors (the step's parameters) in one call. A tensor added again right away (a module returning its
+submodule's output, and that output's gradient) is merged from the kernel's last call instead of read again.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from precprof import formats
+from precprof.stats import rows as _rows
+from precprof.stats.engine import _kernel
+from precprof.stats.layout import (
+    _F64_BIAS,
+    _F64_EXP_ALL,
+    _HI,
+    _KERNEL_DTYPES,
+    _LO,
+    _N_KEYS,
+    _NO_MIN_BITS,
+    DEFAULT_CHUNK,
+    N_BINS,
+    RowLayout,
+    f64_bits,
+)
+
+# pp_add's context (kernel.c CTX_*): config, call row, merge rule, threads, counts, counts width, window, wlo, w
+_CTX_THREADS, _CTX_WINDOW, _CTX_WLO, _CTX_W = 3, 6, 7, 8
+
+
+def _count_le_pow2_keys(keys2: np.ndarray, j: int) -> int:
+    """Finite nonzero values with |v| <= 2^j, from a [2048, 2] key histogram (exact)."""
+    f = j + _F64_BIAS
+    if f <= 0:
+        return 0
+    if f >= _F64_EXP_ALL:
+        return int(keys2[:_F64_EXP_ALL].sum() - keys2[0, 1])
+    return int(keys2[:f].sum() - keys2[0, 1] + keys2[f, 1])
+
+
+def _hist_of_keys(keys2: np.ndarray) -> np.ndarray:
+    """The N_BINS exponent histogram of a [2048, 2] key histogram (fp64-only exponents fold into the ends)."""
+    all_in_bin = keys2[:, 0] + keys2[:, 1]
+    hist = all_in_bin[_LO : _HI + 1].copy()
+    hist[0] += all_in_bin[1:_LO].sum() + keys2[0, 0]
+    hist[-1] += all_in_bin[_HI + 1 : _F64_EXP_ALL].sum()
+    return hist
+
+
+class HostRows(_rows.Rows):
+    """The rows of the CPU (see the module docstring); ``chunk``: values per pass of the torch-op path."""
+
+    on_cpu = True
+
+    def __init__(
+        self,
+        rows: int,
+        device: torch.device,
+        chunk: int | None,
+        *,
+        engine: str,
+        layout: RowLayout,
+        block_slot: np.ndarray | None = None,
+    ) -> None:
+        super().__init__(rows, device, engine=engine, layout=layout, block_slot=block_slot)
+        self.chunk = DEFAULT_CHUNK if chunk is None else chunk
+        self._counts = np.zeros((rows, layout.counts_width), dtype=np.int64)
+        self._hist = np.zeros((rows, 0), dtype=np.int64)
+        self._wlo = 0  # bin index (0..N_BINS) of the window's first column
+        # the C kernel's last call row, and which tensor (object and version) it describes
+        self._call = np.zeros(layout.call_len, dtype=np.int64)
+        self._cfg = layout.c_config()
+        self._ops = layout.merge_ops
+        self._lib: Any = _kernel() if engine == "c" else None  # built or loaded now (attach), not in a hook
+        self._ctx = np.array(
+            [
+                self._cfg.ctypes.data,
+                self._call.ctypes.data,
+                self._ops.ctypes.data,
+                1,
+                self._counts.ctypes.data,
+                layout.counts_width,
+                self._hist.ctypes.data,
+                0,
+                0,
+            ],
+            dtype=np.int64,
+        )
+        self._ctx_ptr = self._ctx.ctypes.data
+        self._last: tuple[weakref.ref[torch.Tensor], int] | None = None
+        self.reset()
+
+    # -- sizes
+    @property
+    def buffer_bytes(self) -> int:
+        return int(self._counts.nbytes + self._hist.nbytes) + super().buffer_bytes
+
+    @property
+    def scratch_bytes(self) -> int:
+        return super().scratch_bytes + self._call.nbytes
+
+    def dense(self) -> torch.Tensor:
+        """A fresh [rows, width] int64 tensor built from the counts and the window."""
+        out = np.zeros((self.rows, self.layout.width), dtype=np.int64)
+        hist = self.layout.hist
+        out[:, :hist] = self._counts
+        w = self._hist.shape[1]
+        out[:, hist + self._wlo : hist + self._wlo + w] = self._hist
+        return torch.from_numpy(out)
+
+    def reset_counts(self, sl: slice) -> None:
+        self._counts[sl] = 0
+        self._counts[sl, self.layout.absmin_bits] = _NO_MIN_BITS
+        self._hist[sl] = 0
+
+    def _grow_window(self, lo: int, hi: int) -> None:
+        """Make the histogram window cover bins lo..hi (inclusive), with a little room to spare."""
+        w = self._hist.shape[1]
+        if w and self._wlo <= lo and hi < self._wlo + w:
+            return
+        new_lo = max(0, min(lo - 4, self._wlo if w else lo - 4))
+        new_hi = min(N_BINS - 1, max(hi + 4, self._wlo + w - 1 if w else hi + 4))
+        grown = np.zeros((self.rows, new_hi - new_lo + 1), dtype=np.int64)
+        if w:
+            grown[:, self._wlo - new_lo : self._wlo - new_lo + w] = self._hist
+        self._hist, self._wlo = grown, new_lo
+        ctx = self._ctx
+        ctx[_CTX_WINDOW], ctx[_CTX_WLO], ctx[_CTX_W] = grown.ctypes.data, new_lo, grown.shape[1]
+
+    def _merge_call(self, row: int) -> None:
+        """Merge the call row into ``row``, growing the window to its bins."""
+        width = self.layout.width
+        self._grow_window(int(self._call[width]), int(self._call[width + 1]))
+        ctx = self._ctx
+        rc = self._lib.pp_merge(
+            self._call.ctypes.data,
+            self._counts.ctypes.data + row * self.layout.counts_width * 8,
+            int(ctx[_CTX_WINDOW]) + row * int(ctx[_CTX_W]) * 8,
+            int(ctx[_CTX_WLO]),
+            int(ctx[_CTX_W]),
+            self._cfg.ctypes.data,
+            self._ops.ctypes.data,
+        )
+        assert rc == 0, "the window was grown to the call's bins"
+
+    # -- the hot path
+    def add(self, x: torch.Tensor, row: int, assign: bool = False) -> None:
+        """Add the statistics of ``x`` (floating, on the CPU; it may require grad: only its data is read) into
+        ``row``; ``assign`` clears the row first. Never allocates on the kernel's path (but to flatten a
+        tensor no single stride reads)."""
+        if _rows.NO_READ:
+            return
+        code = _KERNEL_DTYPES.get(x.dtype)
+        if code is None or not self.use_kernel or self._lib is None:
+            if assign:
+                self.reset(slice(row, row + 1))
+            self._add_torch(x.detach(), row)
+            return
+        n = x.numel()
+        flags = 1 if assign else 0
+        if assign and self._block_slot[row] >= 0:
+            self._reset_blocks(slice(row, row + 1))
+        if n == 0:
+            if assign:
+                self.reset_counts(slice(row, row + 1))
+            return
+        try:
+            version = x._version
+        except RuntimeError:  # an inference tensor has no version counter: always read
+            version = None
+        last = self._last
+        if last is not None and version is not None and last[1] == version and last[0]() is x:
+            rc = self._lib.pp_add(self._ctx_ptr, 0, n, 1, code, row, flags | 2)  # merged, not read again
+        else:
+            if n >= 65536:  # the kernel splits such a tensor over threads
+                self._ctx[_CTX_THREADS] = self._threads()
+            if x.is_contiguous():
+                ptr, stride = x.data_ptr(), 1
+            else:
+                flat = x.detach().reshape(-1)  # a view where one stride reads it, else a copy
+                ptr, stride = flat.data_ptr(), flat.stride(0)
+            self._last = None
+            rc = self._lib.pp_add(self._ctx_ptr, ptr, n, stride, code, row, flags)
+            if version is not None:
+                self._last = (weakref.ref(x), version)
+        if rc:
+            self._kernel_failed(rc, row)
+
+    def add_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> None:
+        """:meth:`add` of each tensor into its row, the kernel's dtypes in one call (the others one by one)."""
+        if _rows.NO_READ or not tensors:
+            return
+        if not self.use_kernel or self._lib is None:
+            for t, r in zip(tensors, rows, strict=True):
+                self.add(t, r)
+            return
+        ptrs, ns, strides, codes, at = [], [], [], [], []
+        keep = []  # flattened copies stay alive until the kernel has read them
+        for t, r in zip(tensors, rows, strict=True):
+            code = _KERNEL_DTYPES.get(t.dtype)
+            if code is None:
+                self.add(t, r)
+                continue
+            n = t.numel()
+            if n == 0:
+                continue
+            if not t.is_contiguous():
+                t = t.detach().reshape(-1)
+                keep.append(t)
+            ptrs.append(t.data_ptr())
+            ns.append(n)
+            strides.append(t.stride(0) if t.dim() == 1 and not t.is_contiguous() else 1)
+            codes.append(code)
+            at.append(r)
+        if not ptrs:
+            return
+        self._ctx[_CTX_THREADS] = self._threads()
+        arrays = [np.asarray(v, dtype=np.int64) for v in (ptrs, ns, strides, codes, at)]
+        k, start = len(ptrs), 0
+        self._last = None
+        while start < k:
+            done = int(self._lib.pp_add_many(self._ctx_ptr, k, *(a.ctypes.data for a in arrays), start))
+            if done >= k:
+                break
+            if done < 0:
+                self._kernel_failed(-1, int(arrays[4][-1 - done]))
+            self._merge_call(int(arrays[4][done]))
+            start = done + 1
+        del keep
+
+    def _kernel_failed(self, rc: int, row: int) -> None:
+        if rc == 1:  # the call's bins fall outside the window
+            self._merge_call(row)
+            return
+        self._last = None
+        if rc == -2:
+            raise ValueError("precprof: the C kernel cannot hold this row layout")
+        raise MemoryError("precprof: the CPU statistics kernel could not allocate its scratch")
+
+    # -- the torch-op path
+    def _add_torch(self, x: torch.Tensor, row: int) -> None:
+        """Torch ops in chunks of ``chunk`` values: the reference the C kernel is tested against."""
+        self._last = None
+        lay = self.layout
+        counts = self._counts[row]
+        flat = x.reshape(-1)
+        n = flat.numel()
+        if n == 0:
+            return
+        chunk = self.chunk if self.chunk and self.chunk > 0 else n
+        keys = np.zeros(_N_KEYS, dtype=np.int64)
+        call_max = 0.0
+        for start in range(0, n, chunk):
+            a, _, key = self._keys_of(flat[start : start + chunk])
+            chunk_keys = torch.bincount(key, minlength=_N_KEYS).numpy()
+            keys += chunk_keys
+            call_max = max(call_max, self._extremes(a, counts, chunk_keys))
+        keys2 = keys.reshape(_F64_EXP_ALL + 1, 2)
+        counts[lay.numel] += n
+        counts[lay.zeros] += keys2[0, 1]
+        counts[lay.nan] += keys2[_F64_EXP_ALL, 0]
+        counts[lay.inf] += keys2[_F64_EXP_ALL, 1]
+        for i, j in enumerate(lay.underflow_exps):
+            counts[lay.pow2_at + i] += keys2[j + _F64_BIAS, 1]
+        if call_max > 0:
+            for i, fmt in enumerate(lay.fp8):
+                k = formats.current_scaling_exponent(fmt, call_max)
+                counts[lay.underflow_cs + i] += _count_le_pow2_keys(
+                    keys2, int(math.log2(fmt.underflow_max)) - k
+                )
+        hist = _hist_of_keys(keys2)
+        nz = np.flatnonzero(hist)
+        if len(nz):
+            lo, hi = int(nz[0]), int(nz[-1])
+            self._grow_window(lo, hi)
+            self._hist[row, lo - self._wlo : hi + 1 - self._wlo] += hist[lo : hi + 1]
+
+    def _extremes(self, a: torch.Tensor, counts: np.ndarray, keys: np.ndarray) -> float:
+        """Overflow counts and extremes of one chunk, skipping the passes its key histogram proves needless
+        (no value at or above the layout's overflow shortcut: no overflow compare; no zero: a plain min).
+        Returns the chunk's largest finite |x|."""
+        lay = self.layout
+        n_nonfinite = int(keys[2 * _F64_EXP_ALL] + keys[2 * _F64_EXP_ALL + 1])
+        # finite values >= 2^shortcut_exp: keys from that exponent field up
+        n_big = int(keys[2 * (_F64_BIAS + lay.overflow_shortcut_exp) : 2 * _F64_EXP_ALL].sum())
+        if n_big or n_nonfinite:
+            mask = self._bool[: a.numel()]
+            torch.ge(a, lay.overflow_shortcut, out=mask)  # no threshold is below the shortcut; inf included
+            big = a[mask]
+            for i, (t, inclusive) in enumerate(
+                zip(lay.overflow_thresholds, lay.overflow_inclusive, strict=True)
+            ):
+                counts[lay.overflow + i] += int((big >= t).sum()) if inclusive else int((big > t).sum())
+        n_zero = int(keys[1])
+        if n_nonfinite:
+            a.nan_to_num_(nan=0.0, posinf=0.0)
+        # a holds |x| >= 0 with nan/inf now 0: float reductions (vectorised) give the exact extremes
+        mx = float(a.amax())
+        if n_zero == 0 and not n_nonfinite:
+            mn = float(a.amin())
+        elif n_zero + n_nonfinite < a.numel():
+            a.masked_fill_(a == 0, math.inf)
+            mn = float(a.amin())
+        else:
+            mn = math.inf
+        if mn != math.inf:
+            counts[lay.absmin_bits] = min(int(counts[lay.absmin_bits]), f64_bits(mn) - 1)
+        counts[lay.absmax_bits] = max(int(counts[lay.absmax_bits]), f64_bits(mx))
+        return mx

@@ -1,0 +1,230 @@
+"""The hot path of a sampled step: the engine's one-call reads, hooks that exist only on sampled steps, and a
+``torch.compile``d model left alone on the other steps.
+
+- ``HostRows.add_many`` (one C call for a list of tensors) and ``pp_add``'s flags give the rows that one
+  ``add`` per tensor and the torch-op reference give;
+- between sampled steps no module, parameter or optimizer of the model holds a precprof hook;
+- compiled with inductor, a model with precprof attached compiles the same graphs as without it (Dynamo's
+  own counters: frames, graphs, recompiles, graph breaks), an unsampled step gives bitwise the loss and
+  weights it gives without precprof from the same state, and a sampled step (run eagerly) records every
+  tensor kind; attached after the model was compiled and run, precprof still records every tensor kind.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import tables as T
+from precprof.stats import StatsBuffer
+from tests.test_stats import _kernel_or_skip, random_values
+
+
+def _cases() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(3000, generator=g, dtype=torch.float64)
+    return [
+        base.float(),
+        (base * 1e-30).float(),  # far below the others: the histogram window grows mid-batch
+        (base * 1e30).to(torch.float64),
+        base[:999].to(torch.bfloat16).reshape(27, 37).t(),  # not contiguous: flattened into a copy
+        base.to(torch.float16)[::3],  # a strided view read in place
+        torch.tensor(2.0**-149),  # 0-d
+        torch.empty(0),
+        base[:64].to(torch.float8_e4m3fn),  # not the kernel's: the torch-op path inside the batch
+        torch.tensor([0.0, -0.0, math.inf, -math.nan, 65520.0, 2.0**-25]),
+        random_values(500, 9, -140.0, 120.0).float(),
+    ]
+
+
+def test_add_many_gives_the_rows_of_one_add_per_tensor() -> None:
+    _kernel_or_skip()
+    xs = _cases()
+    rows = [i % 4 for i in range(len(xs))]
+    many = StatsBuffer(4, "cpu")
+    many.rows_of(torch.device("cpu")).add_many(xs, rows)
+    one = StatsBuffer(4, "cpu")
+    ops = StatsBuffer(4, "cpu", chunk=700)
+    ops.use_kernel = False
+    for x, r in zip(xs, rows, strict=True):
+        one.accumulate(x, r)
+        ops.accumulate(x, r)
+    assert np.array_equal(many.to_host(), one.to_host())
+    assert np.array_equal(many.to_host(), ops.to_host())
+
+
+def test_an_assigning_add_keeps_only_the_last_tensor() -> None:
+    """A weight gradient's row after several accumulations holds the last one only (kernel and torch ops)."""
+    xs = _cases()
+    for use_kernel in (True, False):
+        buf = StatsBuffer(2, "cpu")
+        buf.use_kernel = use_kernel
+        rows = buf.rows_of(torch.device("cpu"))
+        for x in xs:
+            rows.add(x, 1, assign=True)
+            rows.add(x, 0)  # the row beside it keeps everything
+        fresh = StatsBuffer(2, "cpu")
+        fresh.accumulate(xs[-1], 1)
+        for x in xs:
+            fresh.accumulate(x, 0)
+        assert np.array_equal(buf.to_host(), fresh.to_host()), use_kernel
+
+
+def _hooks_on(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Every hook a module, a parameter or the optimizer of the model holds."""
+    n = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    n += sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    n += len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks)
+    return n
+
+
+def test_no_hook_anywhere_between_sampled_steps() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.LayerNorm(16), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seen = []
+    with precprof.Profiler(model, optimizer=opt, sample_every=3) as prof:
+        for _ in range(7):
+            seen.append((prof.sampling, _hooks_on(model, opt)))
+            model(torch.randn(5, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    assert [s for s, _ in seen] == [True, False, False, True, False, False, True]
+    assert all(n > 0 for s, n in seen if s)
+    assert all(n == 0 for s, n in seen if not s)
+    assert _hooks_on(model, opt) == 0  # detached: none left
+    layers = prof.tables()["layers"]
+    assert sorted(set(layers[T.STEP])) == [0, 3, 6]
+    kinds = set(layers[T.TENSOR])
+    assert {T.ACTIVATION, T.ACTIVATION_GRAD, T.WEIGHT, T.WEIGHT_GRAD, T.WEIGHT_UPDATE} <= kinds
+
+
+# ---------------------------------------------------------------------------------------------- compile
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8)
+    )
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 16, generator=g) for _ in range(n)]
+
+
+def _train_step(compiled: Any, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = compiled(x).float().square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _dynamo_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return {
+        "frames_ok": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "recompiles": int(counters["recompiles"].get("total", 0)) if "recompiles" in counters else 0,
+    }
+
+
+@pytest.mark.slow
+def test_a_compiled_model_compiles_the_same_graphs_and_its_unsampled_steps_are_bitwise_unchanged() -> None:
+    """inductor on the CPU, bf16 autocast. Without precprof, then with it (sampled every 4th step): the same
+    unique graphs, no graph break and no recompile; before each unsampled step the state of the run without
+    precprof is set to the profiled run's, and the step's loss and weights come out bitwise equal."""
+    import torch._dynamo
+
+    steps = 9
+    xs = _batches(steps)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    base_model = _model()
+    base_opt = torch.optim.AdamW(base_model.parameters(), lr=1e-3)
+    base_compiled = torch.compile(base_model)
+    for x in xs[:3]:
+        _train_step(base_compiled, base_model, base_opt, x)
+    without = _dynamo_counts()
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model)
+    base_model2 = _model()
+    base_opt2 = torch.optim.AdamW(base_model2.parameters(), lr=1e-3)
+    base_compiled2 = torch.compile(base_model2)
+    compared = 0
+    with precprof.Profiler(model, optimizer=opt, sample_every=4, memory=False) as prof:
+        for x in xs:
+            sampled = prof.sampling
+            if not sampled:  # the same state, then one step each: bitwise the same
+                base_model2.load_state_dict(model.state_dict())
+                base_opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # not aliased
+            loss = _train_step(compiled, model, opt, x)
+            if not sampled:
+                base_loss = _train_step(base_compiled2, base_model2, base_opt2, x)
+                assert torch.equal(loss, base_loss)
+                for a, b in zip(model.parameters(), base_model2.parameters(), strict=True):
+                    assert torch.equal(a, b)
+                compared += 1
+            prof.step(loss=loss)
+    assert compared == 6
+    with_prof = _dynamo_counts()
+    # one graph serves the profiled model and the reference model beside it (Dynamo inlines the modules and
+    # takes their parameters as inputs): the profiled model ran the very graph a model without precprof runs
+    assert with_prof["frames_ok"] == without["frames_ok"] == 1
+    assert with_prof["graph_breaks"] == without["graph_breaks"] == 0
+    assert with_prof["recompiles"] == without["recompiles"] == 0
+    layers = prof.tables()["layers"]
+    assert sorted(set(layers[T.STEP])) == [0, 4, 8]
+    for kind in (T.ACTIVATION, T.ACTIVATION_GRAD, T.WEIGHT, T.WEIGHT_GRAD):
+        assert set(layers.loc[layers[T.TENSOR] == kind, T.STEP]) == {0, 4, 8}, kind
+
+
+@pytest.mark.slow
+def test_attached_after_the_compiled_model_ran_it_still_records_every_tensor_kind() -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend="eager")
+    for x in _batches(2):
+        _train_step(compiled, model, opt, x)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for x in _batches(2):
+            prof.step(loss=_train_step(compiled, model, opt, x))
+    layers = prof.tables()["layers"]
+    for kind in (T.ACTIVATION, T.ACTIVATION_GRAD, T.WEIGHT, T.WEIGHT_GRAD):
+        got = layers[layers[T.TENSOR] == kind]
+        assert set(got[T.STEP]) == {0, 1}, kind
+    acts = layers[layers[T.TENSOR] == T.ACTIVATION]
+    assert set(acts[T.MODULE]) == {str(i) for i in range(6)}
+
+
+def test_a_sampled_step_of_a_compiled_model_runs_eagerly_and_restores_the_stance() -> None:
+    import torch._dynamo.eval_frame as ef
+
+    model = _model()
+    compiled = torch.compile(model, backend="eager")
+    stances = []
+    with precprof.Profiler(model, sample_every=2, memory=False) as prof:
+        for x in _batches(3):
+            stances.append(ef._stance.stance)
+            compiled(x).sum().backward()
+            prof.step()
+    assert stances == ["force_eager", "default", "force_eager"]
+    assert ef._stance.stance == "default"
+    assert copy.copy(prof.tables()["steps"][T.SAMPLED].tolist()) == [True, False, True]

@@ -1,0 +1,169 @@
+"""Which steps the Profiler samples: every N-th, or by default as many as an overhead budget allows, plus the
+first steps and the steps right after a non-finite loss, a skipped GradScaler step or a loss spike.
+
+The pacing is checked on the sampler itself with step times given by hand (a sampled step costing 4x an
+unsampled one), and on real tiny training runs that have the problem (a loss that turns nan, a GradScaler that
+skips steps, a loss that jumps)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import tables as T
+from precprof.capture import sampling as S
+
+
+def drive(sampler: S.Sampler, steps: int, unsampled_s: float, sampled_s: float) -> list[str]:
+    """Run ``steps`` decisions with the given step times; the reasons, step by step."""
+    reasons = []
+    for step in range(steps):
+        reason = sampler.decide(step)
+        sampler.observe(step, reason, sampled_s if reason else unsampled_s)
+        reasons.append(reason)
+    return reasons
+
+
+def test_fixed_interval_samples_every_nth_step_from_the_origin() -> None:
+    s = S.Sampler(every=3, origin=2)
+    assert [s.decide(i) for i in range(2, 10)] == ["interval", "", "", "interval", "", "", "interval", ""]
+    assert [S.Sampler(every=0).decide(i) for i in range(4)] == ["", "", "", ""]
+
+
+@pytest.mark.parametrize("budget", [0.03, 0.1])
+def test_the_budget_bounds_the_overhead_whatever_a_sampled_step_costs(budget: float) -> None:
+    """A sampled step costing 4x an unsampled one (3 units added): the overhead reached stays within the budget
+    and close to it (the sampler spends what it is given), the first steps are sampled."""
+    s = S.Sampler(every=None, budget=budget)
+    reasons = drive(s, 3000, unsampled_s=0.010, sampled_s=0.040)
+    assert reasons[: S.FIRST_STEPS] == ["first"] * S.FIRST_STEPS
+    overhead = s.overhead
+    assert overhead is not None and budget * 0.8 <= overhead <= budget
+    added = sum(0.030 for r in reasons[1:] if r)  # step 0 is warm-up, never counted
+    assert overhead == pytest.approx(added / s.total_s)
+    assert s.describe()["reasons"]["budget"] == sum(r == "budget" for r in reasons)
+    assert s.describe()["sampled_step_added_s"] == pytest.approx(0.030)
+
+
+def test_a_cheap_sampled_step_is_sampled_more_often() -> None:
+    cheap = drive(S.Sampler(every=None), 2000, unsampled_s=0.010, sampled_s=0.011)
+    dear = drive(S.Sampler(every=None), 2000, unsampled_s=0.010, sampled_s=0.100)
+    assert sum(map(bool, cheap)) > 10 * sum(map(bool, dear)) > 0
+
+
+def test_a_step_that_matters_is_sampled_next_within_twice_the_budget() -> None:
+    s = S.Sampler(every=None, budget=0.03)
+    drive(s, 400, unsampled_s=0.010, sampled_s=0.040)
+    spent_before = s.overhead
+    assert spent_before is not None and spent_before <= 0.03
+    s.observe_values(math.nan, False)
+    assert s.decide(400) == "nonfinite loss"
+    s.observe(400, "nonfinite loss", 0.040)
+    s.observe_values(1.0, True)
+    assert s.decide(401) == "skipped step"
+    s.observe(401, "skipped step", 0.040)
+    # never beyond twice the budget: a run that keeps skipping is sampled at most that often
+    reasons = []
+    for step in range(402, 1400):
+        s.observe_values(1.0, True)
+        r = s.decide(step)
+        s.observe(step, r, 0.040 if r else 0.010)
+        reasons.append(r)
+    assert s.overhead is not None and s.overhead <= 2 * 0.03
+    assert 0 < sum(r == "skipped step" for r in reasons) < len(reasons) / 5
+
+
+def test_a_loss_spike_is_seen_after_enough_losses() -> None:
+    s = S.Sampler(every=None)
+    drive(s, 50, 0.01, 0.04)
+    for v in [2.0, 2.1, 1.9, 2.05, 1.95, 2.0, 2.02, 1.98, 2.01, 1.99, 2.0]:
+        s.observe_values(v, False)
+    s.observe_values(2.2, False)
+    assert s.decide(50) in ("", "budget")  # noise is no spike
+    s.observe(50, "", 0.01)
+    s.observe_values(9.0, False)
+    assert s.decide(51) == "loss spike"
+
+
+def test_fixed_sampling_never_triggers() -> None:
+    s = S.Sampler(every=5)
+    s.observe_values(math.nan, True)
+    assert s.decide(1) == ""
+
+
+def test_bad_budgets_are_refused() -> None:
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="overhead_budget"):
+            precprof.Profiler(nn.Linear(2, 2), overhead_budget=bad)
+    with pytest.raises(ValueError, match="sample_every"):
+        precprof.Profiler(nn.Linear(2, 2), sample_every=-1)
+
+
+# ------------------------------------------------------------------------------------ real training runs
+def _train(prof_kwargs: dict, steps: int, *, poison_at: int | None = None, jump_at: int | None = None,
+           scaler: torch.amp.GradScaler | None = None, x_scale: float = 1.0) -> precprof.Profiler:  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = precprof.Profiler(model, optimizer=opt, scaler=scaler, **prof_kwargs)
+    with prof:
+        for step in range(steps):
+            x = torch.randn(8, 16) * x_scale
+            if poison_at is not None and step == poison_at:
+                x[0, 0] = math.inf  # a non-finite loss, as a bad batch gives one
+            if jump_at is not None and step >= jump_at:
+                x = x * 30.0  # the loss jumps (the data changed)
+            loss = model(x).square().mean()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                if math.isfinite(loss.item()):
+                    opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    return prof
+
+
+def _reasons(prof: precprof.Profiler) -> dict[int, str]:
+    steps = prof.tables()["steps"]
+    return {int(s): r for s, r in zip(steps[T.STEP], steps[T.SAMPLE_REASON], strict=True) if r}
+
+
+def test_a_real_run_samples_the_step_after_a_nonfinite_loss() -> None:
+    prof = _train({"memory": False}, 60, poison_at=40)
+    reasons = _reasons(prof)
+    assert reasons[0] == reasons[1] == "first"
+    assert reasons.get(41) == "nonfinite loss"
+    layers = prof.tables()["layers"]
+    assert 41 in set(layers[T.STEP])  # it was recorded in full
+    sampling = prof.summary()["sampling"]
+    assert sampling["mode"] == "budget" and sampling["budget"] == S.DEFAULT_BUDGET
+    assert sampling["reasons"]["nonfinite loss"] >= 1
+
+
+def test_a_real_run_samples_right_after_a_skipped_step() -> None:
+    """fp16 loss scaling on the CPU with an absurd first scale: the GradScaler skips the first steps, and the
+    step after the first skip is sampled for it (the first two are sampled anyway)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=10**6)
+    prof = _train({"memory": False}, 30, scaler=scaler, x_scale=100.0)
+    steps = prof.tables()["steps"]
+    assert steps[T.SKIPPED].iloc[0]  # the scale was too large
+    assert "skipped step" in _reasons(prof).values()
+
+
+def test_a_real_run_samples_a_loss_spike() -> None:
+    prof = _train({"memory": False}, 80, jump_at=60)
+    assert 61 in _reasons(prof) and _reasons(prof)[61] == "loss spike"
+
+
+def test_fixed_sampling_stays_as_it_was() -> None:
+    prof = _train({"sample_every": 10, "memory": False}, 25, poison_at=3)
+    assert _reasons(prof) == {0: "interval", 10: "interval", 20: "interval"}
+    assert prof.summary()["sampling"]["mode"] == "every"
