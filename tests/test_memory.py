@@ -480,7 +480,11 @@ def test_detach_removes_every_hook_and_is_idempotent() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tr = MemoryTracker(model, opt)
     tr.attach()
+    assert_no_hooks(model, opt)  # hooks exist on sampled steps only
+    tr.begin_step(0, True)
     assert model[0]._forward_pre_hooks and opt._optimizer_step_pre_hooks
+    tr.begin_step(0, False)
+    assert_no_hooks(model, opt)
     one_step(model, opt, tr)
     tr.detach()
     assert_no_hooks(model, opt)

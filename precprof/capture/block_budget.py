@@ -85,3 +85,50 @@ class BlockBudget:
             if self.ratios:
                 out["every_layer_cost"] = statistics.median(self.ratios)  # x the rest of a sampled step
         return out
+
+
+class BlockDeal:
+    """The layers dealt into groups for the block-format what-if, the budget that sets how many groups, and
+    whose turn it is: each sampled step evaluates the next group (``next_turn``), the same on every rank."""
+
+    def __init__(self, share: float, fixed: int | None) -> None:
+        self.share = share
+        self.fixed = fixed
+        self.budget = BlockBudget(share, fixed, n_layers=0)
+        self.loads: list[int] = [1]
+        self.turn = 0
+        self._samples = 0  # sampled steps so far
+
+    @property
+    def groups(self) -> int:
+        return self.budget.groups
+
+    def deal(self, plan: Any, groups: int | None = None) -> None:
+        """Deal ``plan``'s layers into ``groups`` groups (at attach: the budget's start; a re-attached
+        Profiler keeps what its budget measured). ``plan``: a ``capture.plan.CapturePlan``."""
+        if groups is None:
+            n = len(plan.block_slots())
+            if self.budget.n_layers != n:
+                self.budget = BlockBudget(self.share, self.fixed, n_layers=n)
+            groups = self.budget.groups
+        self.loads = plan.deal_block_groups(groups)
+
+    def next_turn(self) -> int:
+        """The group the sampled step beginning now evaluates."""
+        self.turn = self._samples % self.groups
+        self._samples += 1
+        return self.turn
+
+    def adapt(self, plan: Any, step: int, step_s: float, block_s: float, mean: Any = None) -> None:
+        """After a sampled step's host copy: from what its what-if cost (``block_s`` of ``step_s``), re-deal the
+        layers when the budget asks for another number of groups. ``mean``: turns one rank's estimate into the
+        mean over ranks (a collective), so that every rank deals alike."""
+        if not self.budget.adaptive:
+            return
+        total = sum(self.loads)
+        share = self.loads[self.turn] / total if total else 0.0
+        ratio = self.budget.estimate(step_s, block_s, share)
+        if mean is not None:
+            ratio = mean(ratio)
+        if self.budget.observe(step, ratio):
+            self.deal(plan, self.budget.groups)

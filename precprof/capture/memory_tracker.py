@@ -59,11 +59,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from precprof import _compat, taxonomy
+from precprof import _compat
 from precprof import tables as T
+from precprof.capture.counters import PhaseCounters
 from precprof.capture.peak import END, CudaHistory, Label, PeakRecorder, ProfilerMemory
 from precprof.capture.storage import (
     StorageKey,
+    StorageMemo,
     _by_dtype,
     _held_tensors,
     _plain_tensors,
@@ -73,6 +75,7 @@ from precprof.capture.storage import (
     _tensors_in,
     dtype_name,
     is_weight_copy,
+    model_sizes,
 )
 from precprof.tables import LOSS_SCOPE
 
@@ -124,6 +127,8 @@ class MemoryTracker:
         # per module of the model: (module, pre-hook, post-hook), installed for sampled steps
         self._module_hooks: list[tuple[nn.Module, Any, Any]] = []
         self._hookset: _compat.HookSet | None = None
+        self._params: list[nn.Parameter] = []  # the model's parameters, listed at the sampled step's start
+        self._storage_of = StorageMemo()  # storages of the parameters and states read step after step
         self._attached = False
         self._step = 0
         self._sampled = False
@@ -139,15 +144,19 @@ class MemoryTracker:
         self._grad_snapshot: dict[str, int] | None = None
         self._grad_seen: dict[StorageKey, tuple[str, int]] = {}  # storage -> (dtype, bytes)
         self._unmeasured = 0  # saved tensors without a real storage (fake, sparse): not counted
-        self._cuda: torch.device | None = None  # the device whose allocator is read
         self._on_cpu = True
         self._peak = PeakRecorder(None)
         # the counters' phase peaks (CUDA steps without a replay)
-        self._phase = T.PHASE_OTHER
-        self._peaks: dict[tuple[str, str], int] = {}  # (component, phase) -> bytes
-        self._seen_max = (0, 0)  # the process's max allocated / reserved when the current phase began
-        self._phase_live = (0, 0)  # the most allocated / reserved read at the hooks in the current phase
-        self._nvml: Any = None  # pynvml handle, or False once NVML turned out unavailable
+        self._counts = PhaseCounters(None, reset_peaks)  # and the device whose allocator is read (_cuda)
+
+    @property
+    def _cuda(self) -> torch.device | None:
+        """The CUDA device whose allocator is read (None on the CPU)."""
+        return self._counts.cuda
+
+    @_cuda.setter
+    def _cuda(self, device: torch.device | None) -> None:
+        self._counts.cuda = device
 
     # ------------------------------------------------------------------------------------ attach/detach
     def attach(self) -> None:
@@ -198,12 +207,7 @@ class MemoryTracker:
         self._stack.clear()
         self._recording = False
         self._attached = False
-        if self._nvml not in (None, False):
-            with contextlib.suppress(Exception):
-                import pynvml
-
-                pynvml.nvmlShutdown()
-        self._nvml = None
+        self._counts.close()
 
     # ------------------------------------------------------------------------------------------- steps
     def begin_step(self, step: int, sampled: bool) -> None:
@@ -221,13 +225,9 @@ class MemoryTracker:
             return
         if self._attached:
             self._install()
-        self._param_keys = self._keys(list(self.model.parameters()) + list(self.model.buffers()))
-        self._phase, self._peaks = T.PHASE_OTHER, {}
-        if self._cuda is not None:
-            if self.reset_peaks:
-                torch.cuda.reset_peak_memory_stats(self._cuda)
-            self._seen_max = self._max_counters()
-            self._phase_live = self._live_counters()
+        self._params = list(self.model.parameters())
+        self._param_keys = self._keys(self._params + list(self.model.buffers()))
+        self._counts.begin()
         if self._attached:
             # the source of allocator events, chosen on the first sampled step
             if self._peak.source is None:
@@ -270,17 +270,18 @@ class MemoryTracker:
                     }
                 )
 
-        params = list(self.model.parameters())
+        params = self._params or list(self.model.parameters())
         param_keys = self._keys(params)
-        add(T.PARAMETERS, _by_dtype(params))
-        add(T.BUFFERS, _by_dtype(self.model.buffers(), exclude=param_keys))
+        memo = self._storage_of
+        add(T.PARAMETERS, _by_dtype(params, storage=memo))
+        add(T.BUFFERS, _by_dtype(self.model.buffers(), exclude=param_keys, storage=memo))
         add(T.GRADIENTS, self._gradients(params))
         if self.optimizer is not None:
             opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
             masters = [p for p in opt_params if not (self._keys([p]) & param_keys)]
-            add(T.MASTER_WEIGHTS, _by_dtype(masters))
+            add(T.MASTER_WEIGHTS, _by_dtype(masters, storage=memo))
             states = (t for s in self.optimizer.state.values() for t in _state_tensors(s))
-            add(T.OPTIMIZER_STATES, _by_dtype(states, exclude=param_keys | self._keys(masters)))
+            add(T.OPTIMIZER_STATES, _by_dtype(states, exclude=param_keys | self._keys(masters), storage=memo))
         group = max(self._groups, key=_Group.total) if self._groups else None
         if group is not None:
             for (comp, module, dt), b in sorted(group.bytes.items()):
@@ -295,10 +296,10 @@ class MemoryTracker:
             for (comp, module, dt), b in sorted(peak.parts.items()):
                 add(comp, {dt: b}, module=module, phase=peak.phase, moment=T.MOMENT_PEAK)
         else:  # no replay: the counters' peaks (CUDA only)
-            for (comp, phase), b in sorted(self._peaks.items()):
+            for (comp, phase), b in sorted(self._counts.peaks.items()):
                 add(comp, {"": b}, phase=phase)
-        self._peaks = {}
-        for comp, b in self._device_memory().items():
+        self._counts.peaks = {}
+        for comp, b in self._counts.device_memory().items():
             add(comp, {"": b})
         # Keep nothing between steps but the module names: buffer_bytes stays flat over a run.
         self._groups = []
@@ -325,7 +326,7 @@ class MemoryTracker:
         def put(component: str, tensors: Iterable[torch.Tensor]) -> None:
             for t in tensors:
                 for leaf in _plain_tensors(t):
-                    st = _storage(leaf)
+                    st = self._storage_of(leaf)
                     if st is not None and st[0] not in out:
                         out[st[0]] = Label(component, "", dtype_name(leaf.dtype), END, st[1])
 
@@ -368,7 +369,7 @@ class MemoryTracker:
                 self._grad_snapshot,
                 self._peak.segments,
                 self._peak.labels,
-                self._peaks,
+                self._counts.peaks,
             )
         )
 
@@ -379,34 +380,8 @@ class MemoryTracker:
         weights of matmul modules: what autocast casts) and ``module_classes`` (module name -> matmul |
         elementwise | fp32 | other, see ``module_class``). Store it as ``summary["memory"]["model"]``.
         """
-        seen: set[int] = set()
-        n = n_train = 0
-        for p in self.model.parameters():
-            st = _storage(p)
-            key = st[0] if st is not None else id(p)
-            if key not in seen:  # shared storages once, as in the parameters rows
-                seen.add(key)
-                n += p.numel()
-                n_train += p.numel() if p.requires_grad else 0
-        seen = set()
-        classes: dict[str, str] = {}
-        matmul = 0
-        for name, mod in self.model.named_modules():
-            cls = taxonomy.autocast_class(mod)
-            classes[name] = cls
-            if cls != taxonomy.CLASS_MATMUL:
-                continue
-            for p in mod.parameters(recurse=False):
-                st = _storage(p)
-                key = st[0] if st is not None else id(p)
-                if p.dim() >= 2 and key not in seen:
-                    seen.add(key)
-                    matmul += p.numel()
         return {
-            "n_params": n,
-            "n_trainable": n_train,
-            "matmul_weight_numel": matmul,
-            "module_classes": classes,
+            **model_sizes(self.model),
             "unmeasured_saved_tensors": self._unmeasured,
             "peak_source": type(self._peak.source).__name__ if self._peak.source is not None else None,
             "peak_note": self.peak_note,
@@ -595,72 +570,19 @@ class MemoryTracker:
         out: set[StorageKey] = set()
         for t in tensors:
             for leaf in _plain_tensors(t):
-                st = _storage(leaf)
+                st = self._storage_of(leaf)
                 if st is not None:
                     out.add(st[0])
         return out
 
-    def _counters(self) -> dict[str, int]:
-        assert self._cuda is not None
-        index = self._cuda.index if self._cuda.index is not None else torch.cuda.current_device()
-        return _compat.cuda_memory_counters(index)
-
-    def _max_counters(self) -> tuple[int, int]:
-        c = self._counters()
-        return c.get("allocated_bytes.all.peak", 0), c.get("reserved_bytes.all.peak", 0)
-
-    def _live_counters(self) -> tuple[int, int]:
-        c = self._counters()
-        return c.get("allocated_bytes.all.current", 0), c.get("reserved_bytes.all.current", 0)
-
     def _sample_live(self) -> None:
-        """Note the memory allocated now (a hook point of a sampled step): the lower bound of the phase's
-        peak when the process's peak did not grow in it. Host counters, no sync."""
-        if self._cuda is not None and self._sampled:
-            live = self._live_counters()
-            self._phase_live = (max(self._phase_live[0], live[0]), max(self._phase_live[1], live[1]))
+        if self._sampled:
+            self._counts.sample_live()
 
     def _mark_phase(self, new_phase: str) -> None:
         """A phase boundary: a new segment of the step, placed in the allocator's events, and the phase's
-        counter peaks where there is no replay (host only, no sync; the process's peak counters are reset
-        only with ``reset_peaks``)."""
+        counter peaks where there is no replay (``capture/counters.py``)."""
         if not self._sampled:
             return
         self._peak.phase(new_phase)
-        if self._cuda is not None:
-            maxima = self._max_counters()
-            self._sample_live()
-            for i, (comp, value) in enumerate(
-                zip((T.ALLOCATOR_PEAK, T.ALLOCATOR_RESERVED_PEAK), maxima, strict=True)
-            ):
-                if self.reset_peaks or value > self._seen_max[i]:
-                    key = (comp, self._phase)  # the counter grew in this phase: its value is the phase's peak
-                    self._peaks[key] = max(self._peaks.get(key, 0), value)
-                elif i == 0:  # a lower bound: what the hooks saw
-                    key = (T.ALLOCATOR_SEEN_MAX, self._phase)
-                    self._peaks[key] = max(self._peaks.get(key, 0), self._phase_live[0])
-            if self.reset_peaks:
-                torch.cuda.reset_peak_memory_stats(self._cuda)
-            self._seen_max = self._max_counters()
-            self._phase_live = self._live_counters()
-        self._phase = new_phase
-
-    def _device_memory(self) -> dict[str, int]:
-        """NVML used/total of the model's GPU; {} on CPU or without a driver (a driver query, no sync)."""
-        if self._cuda is None or self._nvml is False:
-            return {}
-        try:
-            import pynvml
-
-            if self._nvml is None:
-                pynvml.nvmlInit()
-                index = self._cuda.index if self._cuda.index is not None else torch.cuda.current_device()
-                # NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES renumbers them for torch.
-                to_nvml = getattr(torch.cuda, "_get_nvml_device_index", None)
-                nvml_index = to_nvml(index) if to_nvml is not None else index
-                self._nvml = pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
-            info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
-            return {T.DEVICE_USED: int(info.used), T.DEVICE_TOTAL: int(info.total)}
-        except Exception:  # no nvidia-ml-py, no driver, NVML error: the rows are simply absent
-            self._nvml = False
-            return {}
+        self._counts.mark(new_phase)

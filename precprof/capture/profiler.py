@@ -31,18 +31,16 @@ import math
 import os
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from precprof import _compat, parts, rundir
+from precprof import _compat, rundir
 from precprof import stats as st
 from precprof import tables as T
-from precprof._run_finisher import machine_describer
 from precprof.capture import clipwatch
-from precprof.capture.block_budget import DEFAULT_SHARE, BlockBudget
+from precprof.capture.block_budget import DEFAULT_SHARE, BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.hooks import StepHooks
 from precprof.capture.memory_tracker import MemoryTracker
@@ -53,7 +51,6 @@ from precprof.capture.reducer import RankReducer
 from precprof.capture.results import ProfilerResults
 from precprof.capture.sampling import DEFAULT_BUDGET, LandedValues, Sampler
 from precprof.capture.scaler import ScalerWatch
-from precprof.capture.stream import StreamWriter
 from precprof.capture.updates import UpdateSampler
 from precprof.export.live import LiveDashboards
 
@@ -197,12 +194,7 @@ class Profiler(ProfilerResults):
         self.update_sample = update_sample
         self.chunk = chunk
         self._block_formats = bool(block_formats) if block_formats is not None else block_formats_from_env()
-        self._block_groups_spec = block_groups
-        self._block_budget_share = float(block_budget)
-        self._block_budget = BlockBudget(self._block_budget_share, block_groups, n_layers=0)
-        self._block_loads: list[int] = [1]
-        self._block_turn = 0
-        self._block_samples = 0  # sampled steps so far: the block groups take turns by it
+        self._blocks = BlockDeal(float(block_budget), block_groups)
         self._first_step = first_step
         # steps are sampled from here (a resumed run's start: it keeps the original run's rhythm)
         self._sample_origin = first_step
@@ -314,8 +306,9 @@ class Profiler(ProfilerResults):
             dtypes=sorted({p.dtype for p in self.model.parameters() if p.is_floating_point()}, key=str),
         )
         self._reducer = self._resolve_reducer()
+        self._sampler.synchronized = self._reducer is not None
         self._open_stream()
-        self._deal_block_groups()
+        self._blocks.deal(plan)
         if self.weight_updates and self.optimizer is not None:
             # sampled where each parameter lives at the step (one group per device: an offloaded layer on the
             # CPU, the rest on the GPU); a parameter on ``meta`` has no data and is not sampled
@@ -349,50 +342,6 @@ class Profiler(ProfilerResults):
         clipwatch.watch(self._clip_norms)
         # a re-attached Profiler goes on counting where it stopped: its steps were recorded once, by number
         self._begin_step()
-
-    def _open_stream(self) -> None:
-        """With ``out``: claim the run directory (the writer rank), open this attachment's segment of its stream
-        and hand the recording a stream writer. The sampling origin becomes the run's first segment's start."""
-        if self._out is None:
-            return
-        if self._recorded.sink is not None:  # re-attached: the same segment goes on, parts numbered on
-            self._recorded.sink.reopen()
-            return
-        if not self.is_writer:
-            self._recorded = Recorded(keep=False)  # rank 0 writes; the others keep their steps rows only
-            return
-        if isinstance(self._out, rundir.RunDir):
-            run = self._out
-        else:
-            first = {
-                T.SUMMARY_CAPTURE: {"sample_every": self.sample_every, "sample_origin": self._first_step}
-            }
-            describe = machine_describer()
-            if describe is not None:  # a run killed before it saves is still planned for this machine
-                # never at the cost of the user's attach: the end of the run detects it again
-                with contextlib.suppress(Exception):
-                    first.update(describe(str(self._device)))
-            run = self._owned_run = rundir.claim(
-                self._out, overwrite=self._overwrite, resume=self._resume, summary=first, option="out"
-            )
-        segment = parts.new_segment(run.path, self._first_step)
-        self._sample_origin = self._sampler.origin = parts.segments(run.path)[0].start
-        self._recorded = Recorded(StreamWriter(run.path, segment))
-
-    def _close_stream(self) -> None:
-        sink = self._recorded.sink
-        if sink is not None:
-            sink.close()
-
-    @property
-    def run_dir(self) -> Path | None:
-        """The run directory this Profiler streams into (``out``), None without one."""
-        sink = self._recorded.sink
-        if sink is not None:
-            return Path(sink.run_dir)
-        if isinstance(self._out, rundir.RunDir):
-            return self._out.path
-        return Path(self._out) if self._out is not None else None
 
     def _resolve_reducer(self) -> Any:
         spec = self._reducer_spec
@@ -444,39 +393,23 @@ class Profiler(ProfilerResults):
     @property
     def block_groups(self) -> int:
         """How many groups the block-format what-if is dealt into now (see ``block_groups``)."""
-        return self._block_budget.groups
-
-    def _deal_block_groups(self, groups: int | None = None) -> None:
-        """Deal the layers whose operands get the block-format what-if into ``groups`` groups (at attach: the
-        budget's start; ``CapturePlan.deal_block_groups``)."""
-        assert self._plan is not None
-        if groups is None:  # at attach: a re-attached Profiler keeps what its budget measured
-            n = len(self._plan.block_slots())
-            if self._block_budget.n_layers != n:
-                self._block_budget = BlockBudget(
-                    self._block_budget_share, self._block_groups_spec, n_layers=n
-                )
-            groups = self._block_budget.groups
-        self._block_loads = self._plan.deal_block_groups(groups)
+        return self._blocks.groups
 
     def _adapt_block_groups(self, step: int, step_s: float) -> None:
-        """After a sampled step's host copy: measure what its block what-if cost and re-deal the layers when
-        the budget asks for another number of groups (the same decision on every rank)."""
-        assert self._buffer is not None
+        """After a sampled step's host copy: what its block what-if cost, for the number of groups."""
+        assert self._buffer is not None and self._plan is not None
         block_s = self._buffer.block_timer.read_s()  # the device finished this step's work at the copy
-        budget = self._block_budget
-        if not (self._block_formats and budget.adaptive):
+        if not self._block_formats:
             return
-        total = sum(self._block_loads)
-        share = self._block_loads[self._block_turn] / total if total else 0.0
-        ratio = budget.estimate(step_s, block_s, share)
-        if self._reducer is not None:
+        reducer, device = self._reducer, self._device
+
+        def mean(ratio: float | None) -> float | None:
             # every rank must deal alike: the mean of the ranks' estimates (a rank without one counts 0)
-            t = torch.tensor([ratio or 0.0, ratio is not None], dtype=torch.float64, device=self._device)
-            mean, n = self._reducer.reduce_sum(t).cpu().tolist()
-            ratio = mean / n if n else None
-        if budget.observe(step, ratio):
-            self._deal_block_groups(budget.groups)
+            t = torch.tensor([ratio or 0.0, ratio is not None], dtype=torch.float64, device=device)
+            total, n = reducer.reduce_sum(t).cpu().tolist()
+            return total / n if n else None
+
+        self._blocks.adapt(self._plan, step, step_s, block_s, mean if reducer is not None else None)
 
     # ----------------------------------------------------------------------------------------- steps
     def _begin_step(self) -> None:
@@ -486,16 +419,14 @@ class Profiler(ProfilerResults):
             self._tracker.begin_step(self._step, self._sampling)
         if not self._sampling:
             return
-        # the block groups take turns over the sampled steps (the same turn on every rank: same schedule)
-        self._block_turn = self._block_samples % self.block_groups
-        self._block_samples += 1
         assert self._plan is not None and self._hooks is not None
         if self._buffer is not None:
             self._buffer.reset()
         if self._updates is not None:
             self._updates.reset()
         self._plan.rows.begin_step()
-        self._hooks.install(self._block_turn)
+        # the block groups take turns over the sampled steps (the same turn on every rank: same schedule)
+        self._hooks.install(self._blocks.next_turn())
         self._stance = _compat.force_eager()
 
     def _end_sampled_hooks(self) -> None:
@@ -520,7 +451,7 @@ class Profiler(ProfilerResults):
             loss = loss.detach().reshape(-1)[0] if loss.numel() else None
         if isinstance(grad_norm, torch.Tensor):
             grad_norm = grad_norm.detach().reshape(())
-        if self._sampler.budgeted and not partial:
+        if self._sampler.budgeted and not self._sampler.synchronized and not partial:
             # the loss and the skip flag on their way to the host, for the next sampling decisions (no sync)
             for value, skipped in self._landed.put(loss, found):
                 self._sampler.observe_values(value, skipped)
@@ -566,6 +497,15 @@ class Profiler(ProfilerResults):
                 if self._buffer is not None:
                     self._adapt_block_groups(self._step, step_s)
         self._sampler.observe(self._step, self._sample_reason, step_s)
+        if (
+            self._sampling
+            and self._sampler.synchronized
+            and self._sampler.budgeted
+            and self._reducer is not None
+        ):
+            # every rank samples the same steps: the next one planned now, the latest of the ranks' plans
+            gap = torch.tensor([self._sampler.plan_gap()], dtype=torch.int64, device=self._device)
+            self._sampler.next_step = self._step + int(self._reducer.reduce_max(gap).item())
         self._step += 1
         self._begin_step()
 

@@ -360,6 +360,14 @@ class RankReducer:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
 
+    def reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """Maximum of ``t`` over ranks (a new tensor). Device-side collective."""
+        out = t.clone()
+        if not self._unwinding():
+            dist = _dist()
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out
+
     def reduce_memory(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Rank 0's memory rows stay the table; every rank's per-component totals go to the summary.
 

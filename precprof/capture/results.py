@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -11,17 +12,18 @@ import pandas as pd
 import torch
 from torch import nn
 
-from precprof import rundir
+from precprof import parts, rundir
 from precprof import stats as st
 from precprof import tables as T
-from precprof._run_finisher import run_finisher
+from precprof._run_finisher import machine_describer, run_finisher
 from precprof._version import __version__
-from precprof.capture.block_budget import BlockBudget
+from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.plan import CapturePlan
 from precprof.capture.recorded import Recorded
 from precprof.capture.sampling import Sampler
 from precprof.capture.scaler import ScalerWatch
+from precprof.capture.stream import StreamWriter
 from precprof.capture.updates import UpdateSampler
 
 
@@ -49,18 +51,17 @@ class ProfilerResults:
     _scaler_watch: ScalerWatch | None
     _sampler: Sampler
     _block_formats: bool
-    _block_budget: BlockBudget
+    _blocks: BlockDeal
     _first_step: int
     _sample_origin: int
     _loss_dtypes: dict[str, int]
     _owned_run: rundir.RunDir | None
+    _out: Any
+    _overwrite: bool
+    _resume: bool
 
     @property
     def _autocast_seen(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    @property
-    def run_dir(self) -> Path | None:
         raise NotImplementedError
 
     @property
@@ -77,6 +78,51 @@ class ProfilerResults:
     @property
     def scratch_bytes(self) -> int:
         raise NotImplementedError
+
+    # ------------------------------------------------------------------------- the run directory
+    def _open_stream(self) -> None:
+        """With ``out``: claim the run directory (the writer rank), open this attachment's segment of its stream
+        and hand the recording a stream writer. The sampling origin becomes the run's first segment's start."""
+        if self._out is None:
+            return
+        if self._recorded.sink is not None:  # re-attached: the same segment goes on, parts numbered on
+            self._recorded.sink.reopen()
+            return
+        if not self.is_writer:
+            self._recorded = Recorded(keep=False)  # rank 0 writes; the others keep their steps rows only
+            return
+        if isinstance(self._out, rundir.RunDir):
+            run = self._out
+        else:
+            first = {
+                T.SUMMARY_CAPTURE: {"sample_every": self.sample_every, "sample_origin": self._first_step}
+            }
+            describe = machine_describer()
+            if describe is not None:  # a run killed before it saves is still planned for this machine
+                # never at the cost of the user's attach: the end of the run detects it again
+                with contextlib.suppress(Exception):
+                    first.update(describe(str(self._device)))
+            run = self._owned_run = rundir.claim(
+                self._out, overwrite=self._overwrite, resume=self._resume, summary=first, option="out"
+            )
+        segment = parts.new_segment(run.path, self._first_step)
+        self._sample_origin = self._sampler.origin = parts.segments(run.path)[0].start
+        self._recorded = Recorded(StreamWriter(run.path, segment))
+
+    def _close_stream(self) -> None:
+        sink = self._recorded.sink
+        if sink is not None:
+            sink.close()
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run directory this Profiler streams into (``out``), None without one."""
+        sink = self._recorded.sink
+        if sink is not None:
+            return Path(sink.run_dir)
+        if isinstance(self._out, rundir.RunDir):
+            return self._out.path
+        return Path(self._out) if self._out is not None else None
 
     # ------------------------------------------------------------------------------------ results
     def tables(self) -> dict[str, pd.DataFrame]:
@@ -142,7 +188,7 @@ class ProfilerResults:
         return {
             "sample_every": self.sample_every,
             "sampling": self._sampler.describe(),
-            "block_formats": (self._block_budget.describe() if self._block_formats else False),
+            "block_formats": (self._blocks.budget.describe() if self._block_formats else False),
             "device": str(self._device),
             "stats_engine": {
                 **st.engine_status([self._device]),

@@ -15,6 +15,12 @@ run's time, 3% by default). It samples
   ``TRIGGER_HEADROOM`` times the budget;
 - otherwise, the next step whenever sampling it keeps the overhead so far within the budget.
 
+Under torch.distributed every rank must sample the same steps (a sampled step ends in collectives), while
+each measures its own times: there the next budgeted step is planned at the end of each sampled step
+(``plan_gap``: the fewest steps that keep the overhead within the budget, assuming unsampled steps take their
+median time), and the ranks take the largest of their plans (one more small collective at a sampled step);
+the steps that matter are then not sampled on their own, as a rank's loss is its own.
+
 The overhead of a sampled step is its time beyond the median of recent unsampled steps (measured by
 ``Profiler.step``'s clock, which on a GPU includes waiting for the device at the sampled step's copy); the
 run's first step is left out (its time is warm-up: allocations, compilation, precprof's first use of its
@@ -39,6 +45,7 @@ SPIKE_SIGMAS = 4.0  # ... and this many standard deviations above it
 SPIKE_WINDOW = 50  # losses the recent mean and deviation are taken over
 SPIKE_MIN = 10  # losses needed before a spike can be called
 UNSAMPLED_WINDOW = 64  # unsampled step times the median is taken over
+FIRST_GAP = 10  # synchronized: the first planned gap, before an unsampled step was timed
 
 # why a step was sampled (the steps table's sample_reason)
 REASON_INTERVAL = "interval"  # every N-th step (sample_every=N)
@@ -66,6 +73,8 @@ class Sampler:
     _unsampled: deque[float] = field(default_factory=lambda: deque(maxlen=UNSAMPLED_WINDOW))
     _losses: deque[float] = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
     _pending_trigger: str = ""
+    synchronized: bool = False  # every rank samples the same steps: planned ones only (see the docstring)
+    next_step: int | None = None  # with ``synchronized``, the next budgeted step
 
     def __post_init__(self) -> None:
         if self.every is not None and self.every < 0:
@@ -83,6 +92,11 @@ class Sampler:
             return REASON_INTERVAL if self.every > 0 and (step - self.origin) % self.every == 0 else ""
         if step - self.origin < FIRST_STEPS:
             return REASON_FIRST
+        if self.synchronized:
+            if self.next_step is not None and step >= self.next_step:
+                self.next_step = None
+                return REASON_BUDGET
+            return ""
         trigger, self._pending_trigger = self._pending_trigger, ""
         if trigger and (trigger not in self.reasons or self._fits(TRIGGER_HEADROOM * self.budget)):
             return trigger
@@ -96,6 +110,17 @@ class Sampler:
         cost = self.step_cost_s(base)
         spent = self.spent_s(base)
         return spent + cost <= limit * (self.total_s + base + cost)
+
+    def plan_gap(self) -> int:
+        """In how many steps the next budgeted sample keeps the overhead within the budget, unsampled steps
+        taking their median time (``FIRST_GAP`` before one was timed)."""
+        base = self.unsampled_s
+        if base is None or base <= 0:
+            return FIRST_GAP
+        cost = self.step_cost_s(base)
+        # g unsampled-or-sampled steps from now: spent + cost <= budget * (total + g * base + cost)
+        need = (self.spent_s(base) + cost) / self.budget - self.total_s - cost
+        return max(1, math.ceil(need / base))
 
     @property
     def unsampled_s(self) -> float | None:
@@ -131,7 +156,7 @@ class Sampler:
     def observe_values(self, loss: float, skipped: bool) -> None:
         """A step's loss and whether the GradScaler skipped it, once they reached the host: the next decision
         samples right after a step that matters (budgeted sampling only)."""
-        if not self.budgeted:
+        if not self.budgeted or self.synchronized:
             return
         if not math.isfinite(loss):
             self._pending_trigger = REASON_NONFINITE
@@ -164,6 +189,7 @@ class Sampler:
         }
         if self.budgeted:
             out["budget"] = self.budget
+            out["synchronized"] = self.synchronized
         overhead = self.overhead
         out["overhead"] = overhead
         base = self.unsampled_s

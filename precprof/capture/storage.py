@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from precprof import taxonomy
+
 # A storage is known by its address alone: CUDA's unified virtual addressing keeps host and device (and
 # device-to-device) addresses apart, and an int key keeps the tracker's own footprint small.
 StorageKey = int
@@ -48,13 +50,44 @@ def _storage(t: torch.Tensor) -> tuple[StorageKey, int] | None:
     return int(ptr), int(nbytes)
 
 
-def _by_dtype(tensors: Iterable[torch.Tensor], exclude: set[StorageKey] | None = None) -> dict[str, int]:
-    """Bytes per dtype name, each storage once (storages in ``exclude`` skipped; ``exclude`` is not changed)."""
+class StorageMemo:
+    """``_storage`` of tensors read before, by their id and data pointer: the parameters, buffers and optimizer
+    states a sampled step's memory rows read several times, step after step (``untyped_storage()`` makes a
+    Python object per call). Holds no tensor; an entry whose tensor is gone is replaced when its id comes back
+    with another data pointer, and the memo is emptied when it grows past ``limit`` entries."""
+
+    def __init__(self, limit: int = 1 << 16) -> None:
+        self._entries: dict[int, tuple[int, tuple[StorageKey, int] | None]] = {}
+        self._limit = limit
+
+    def __call__(self, t: torch.Tensor) -> tuple[StorageKey, int] | None:
+        try:
+            ptr = t.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return _storage(t)
+        hit = self._entries.get(id(t))
+        if hit is not None and hit[0] == ptr:
+            return hit[1]
+        if len(self._entries) >= self._limit:
+            self._entries.clear()
+        st = _storage(t)
+        self._entries[id(t)] = (ptr, st)
+        return st
+
+
+def _by_dtype(
+    tensors: Iterable[torch.Tensor],
+    exclude: set[StorageKey] | None = None,
+    storage: Any = None,
+) -> dict[str, int]:
+    """Bytes per dtype name, each storage once (storages in ``exclude`` skipped; ``exclude`` is not changed).
+    ``storage``: how a storage is found (``_storage``, or a ``StorageMemo``)."""
+    storage = storage or _storage
     seen: set[StorageKey] = set()
     out: dict[str, int] = {}
     for t in tensors:
         for leaf in _plain_tensors(t):
-            st = _storage(leaf)
+            st = storage(leaf)
             if st is None:
                 continue
             key, nbytes = st
@@ -184,3 +217,38 @@ def is_weight_copy(t: torch.Tensor, module: nn.Module | None, param_keys: set[St
         return False
     st = _storage(var)
     return st is not None and st[0] in param_keys
+
+
+def model_sizes(model: nn.Module) -> dict[str, Any]:
+    """``n_params`` (unique parameter elements: shared storages once, as in the parameters rows),
+    ``n_trainable``, ``matmul_weight_numel`` (elements of >=2-D weights of matmul modules: what autocast casts)
+    and ``module_classes`` (module name -> ``taxonomy.autocast_class``)."""
+    seen: set[int] = set()
+    n = n_train = 0
+    for p in model.parameters():
+        st = _storage(p)
+        key = st[0] if st is not None else id(p)
+        if key not in seen:  # shared storages once, as in the parameters rows
+            seen.add(key)
+            n += p.numel()
+            n_train += p.numel() if p.requires_grad else 0
+    seen = set()
+    classes: dict[str, str] = {}
+    matmul = 0
+    for name, mod in model.named_modules():
+        cls = taxonomy.autocast_class(mod)
+        classes[name] = cls
+        if cls != taxonomy.CLASS_MATMUL:
+            continue
+        for p in mod.parameters(recurse=False):
+            st = _storage(p)
+            key = st[0] if st is not None else id(p)
+            if p.dim() >= 2 and key not in seen:
+                seen.add(key)
+                matmul += p.numel()
+    return {
+        "n_params": n,
+        "n_trainable": n_train,
+        "matmul_weight_numel": matmul,
+        "module_classes": classes,
+    }
