@@ -167,3 +167,53 @@ def test_fixed_sampling_stays_as_it_was() -> None:
     prof = _train({"sample_every": 10, "memory": False}, 25, poison_at=3)
     assert _reasons(prof) == {0: "interval", 10: "interval", 20: "interval"}
     assert prof.summary()["sampling"]["mode"] == "every"
+
+
+# ------------------------------------------------------------------------- kernels compiled beside training
+def test_no_step_waits_for_the_statistics_kernels_to_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton engine's kernels compile on a thread beside the training (here the interpreter's engine on
+    CPU tensors, its compile made to take a second): attach returns at once, no step waits, the steps taken
+    meanwhile are not sampled, and the first steps sampled are the first ones once the kernels are ready."""
+    import time
+
+    from precprof.stats import buffer as buffer_mod
+    from precprof.stats import triton_engine
+
+    if triton_engine.unavailable(torch.device("cpu")) is not None:
+        pytest.skip("needs triton with TRITON_INTERPRET=1")
+    monkeypatch.setenv("PRECPROF_STATS_ENGINE", "triton")
+    real = buffer_mod.StatsBuffer._triton_warm
+
+    def slow_compile(self: buffer_mod.StatsBuffer, part: object) -> None:
+        time.sleep(1.0)  # what a cold compile takes (16 s on an H200)
+        real(self, part)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(buffer_mod.StatsBuffer, "_triton_warm", slow_compile)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    t0 = time.perf_counter()
+    prof = precprof.Profiler(model, optimizer=opt, memory=False).attach()
+    attach_s = time.perf_counter() - t0
+    step_s = []
+    try:
+        for _ in range(400):
+            t = time.perf_counter()
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+            step_s.append(time.perf_counter() - t)
+            if prof.summary()["sampling"]["reasons"].get("first", 0) >= S.FIRST_STEPS:
+                break
+            time.sleep(0.005)
+    finally:
+        prof.detach()
+    sampling = prof.summary()["sampling"]
+    assert sampling["held_for_compile"] > 0 and sampling["first_sampled_step"] > 0
+    # (the interpreter's sampled steps are slow themselves: the steps before them are the ones that could wait)
+    assert attach_s < 0.9 and max(step_s[: sampling["first_sampled_step"]]) < 0.9
+    reasons = _reasons(prof)
+    first = sampling["first_sampled_step"]
+    assert reasons[first] == reasons[first + 1] == "first" and min(reasons) == first
+    assert prof.summary()["stats_engine"]["compiled_beside_training_s"] >= 1.0

@@ -262,3 +262,27 @@ def test_nothing_compiles_in_a_hook() -> None:
         torch.use_deterministic_algorithms(False)
     assert _compiled(kernels) == before
     assert buf.blocks_seen.any()
+
+
+@pytest.mark.gpu
+def test_the_direct_launch_writes_the_rows_tritons_own_launch_writes() -> None:
+    """Every row variant compiled at attach is launched straight through its launcher; the rows equal those of
+    Triton's own launch (the self-check at attach), and a tensor read both ways gives the same row."""
+    pytest.importorskip("triton")
+    from precprof.stats import triton_engine
+
+    direct = StatsBuffer(2, "cuda", engine="triton")
+    part = direct.primary
+    assert part is not None and part._triton is not None
+    assert part._triton._direct, part._triton.direct_status
+    plain = StatsBuffer(2, "cuda", engine="triton")
+    assert plain.primary is not None and plain.primary._triton is not None
+    plain.primary._triton._direct.clear()  # Triton's launch only
+    g = torch.Generator(device="cpu").manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = (torch.randn(70_001, generator=g) * 30).to(dtype).cuda()
+        for buf in (direct, plain):
+            buf.accumulate(x, 0)
+            buf.accumulate(x.view(7, -1)[:, ::3], 1)  # strided
+    assert torch.equal(direct.dense(), plain.dense())
+    assert triton_engine.variant(x) in part._triton._direct

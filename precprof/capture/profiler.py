@@ -297,16 +297,18 @@ class Profiler(ProfilerResults):
         real = [d for d in devices if d.type != "meta"]
         self._device = _compat.indexed_device(real[0]) if real else torch.device("cpu")
         plan = self._plan = CapturePlan.of(self.model, self.module_filter, self._block_formats)
+        self._reducer = self._resolve_reducer()
+        self._sampler.synchronized = self._reducer is not None
         self._buffer = st.StatsBuffer(
             max(len(plan.rows), 1),
             self._device,
             chunk=self.chunk,
             block_rows=plan.block_rows(),
-            # the Triton kernels of the model's dtypes compile here, at attach, not in a hook
+            # the Triton kernels of the model's dtypes compile now, never in a hook: beside the training (steps
+            # are sampled once they are ready), or here for every rank alike (ranks sample the same steps)
             dtypes=sorted({p.dtype for p in self.model.parameters() if p.is_floating_point()}, key=str),
+            background=self._reducer is None,
         )
-        self._reducer = self._resolve_reducer()
-        self._sampler.synchronized = self._reducer is not None
         self._open_stream()
         self._blocks.deal(plan)
         if self.weight_updates and self.optimizer is not None:
@@ -413,7 +415,8 @@ class Profiler(ProfilerResults):
 
     # ----------------------------------------------------------------------------------------- steps
     def _begin_step(self) -> None:
-        self._sample_reason = self._sampler.decide(self._step)
+        ready = self._buffer is None or self._buffer.ready
+        self._sample_reason = self._sampler.decide(self._step, ready)
         self._sampling = bool(self._sample_reason)
         if self._tracker is not None:
             self._tracker.begin_step(self._step, self._sampling)

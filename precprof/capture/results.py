@@ -193,6 +193,9 @@ class ProfilerResults:
             "stats_engine": {
                 **st.engine_status([self._device]),
                 "used": self._buffer.engines if self._buffer is not None else {},
+                "launch": self._buffer.launches if self._buffer is not None else {},
+                "compiled_beside_training_s": self._buffer.warm_s if self._buffer is not None else None,
+                "compile_error": self._buffer.warm_error if self._buffer is not None else None,
             },
             "skipped_tensors": self.skipped_tensors(),
             "steps_recorded": self._recorded.steps_recorded,

@@ -6,7 +6,8 @@ Budgeted (``sample_every=None``): the Profiler keeps its measured overhead withi
 run's time, 3% by default). It samples
 
 - the first steps (``FIRST_STEPS`` of them): the numbers of a run's start, and a first measure of a sampled
-  step's cost;
+  step's cost (when the statistics kernels compile beside the training, the first steps once they are ready:
+  no step waits for a compile);
 - a step right after one that matters, as soon as precprof learns of it without a sync: a non-finite loss, a
   step the GradScaler skipped, or a loss spike (above ``SPIKE_FACTOR`` times the recent mean and
   ``SPIKE_SIGMAS`` standard deviations above it). On a GPU the loss and the skip flag reach the host by a
@@ -74,6 +75,9 @@ class Sampler:
     _losses: deque[float] = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
     _pending_trigger: str = ""
     synchronized: bool = False  # every rank samples the same steps: planned ones only (see the docstring)
+    held: int = 0  # steps not sampled because the statistics kernels were still compiling
+    first_sampled: int | None = None  # the first step sampled
+    _firsts: int = 0
     next_step: int | None = None  # with ``synchronized``, the next budgeted step
 
     def __post_init__(self) -> None:
@@ -86,11 +90,24 @@ class Sampler:
     def budgeted(self) -> bool:
         return self.every is None
 
-    def decide(self, step: int) -> str:
-        """Why ``step`` is sampled, or "" when it is not."""
+    def decide(self, step: int, ready: bool = True) -> str:
+        """Why ``step`` is sampled, or "" when it is not. ``ready``: whether the statistics kernels can run
+        (compiled beside the training, ``StatsBuffer(background=True)``); until then no step is sampled, and
+        a budgeted run's first sampled steps are the first ones after."""
+        reason = self._decide(step)
+        if reason and not ready:
+            self.held += 1
+            return ""
+        if reason == REASON_FIRST:
+            self._firsts += 1
+        if reason and self.first_sampled is None:
+            self.first_sampled = step
+        return reason
+
+    def _decide(self, step: int) -> str:
         if self.every is not None:
             return REASON_INTERVAL if self.every > 0 and (step - self.origin) % self.every == 0 else ""
-        if step - self.origin < FIRST_STEPS:
+        if self._firsts < FIRST_STEPS:
             return REASON_FIRST
         if self.synchronized:
             if self.next_step is not None and step >= self.next_step:
@@ -197,6 +214,8 @@ class Sampler:
         out["sampled_step_added_s"] = (
             self.step_cost_s(base) if base is not None and self.sampled_times else None
         )
+        out["first_sampled_step"] = self.first_sampled
+        out["held_for_compile"] = self.held
         return out
 
 

@@ -27,6 +27,8 @@ the unscaled histogram (a shift of bins by log2 s, exact for power-of-two scales
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -70,6 +72,9 @@ class StatsBuffer:
 
     ``device`` is where the rows are merged (the model's device); ``engine`` forces an engine (default:
     ``PRECPROF_STATS_ENGINE``, else "auto"); ``host_rows=False`` runs the device code path on the CPU (tests).
+    ``background=True`` compiles the model device's Triton kernels on a thread beside the training (``ready``
+    says when they are loaded; ``warm_s`` how long it took, ``warm_error`` what went wrong) instead of in the
+    constructor: with an empty kernel cache that takes seconds (16 s on an H200), which no step should wait.
     """
 
     def __init__(
@@ -83,8 +88,13 @@ class StatsBuffer:
         layout: RowLayout = LAYOUT,
         block_rows: Sequence[int] | None = None,
         dtypes: Sequence[torch.dtype] | None = None,
+        background: bool = False,
     ) -> None:
         self.device = _compat.indexed_device(device)
+        self._background = background
+        self._warming: list[threading.Thread] = []
+        self.warm_s: float | None = None
+        self.warm_error: str | None = None
         # the dtypes whose Triton kernels are compiled at attach (``_triton_warm``): the common three and any
         # others given (the model's parameters' dtypes)
         self.dtypes = tuple(
@@ -129,9 +139,38 @@ class StatsBuffer:
             )
             if name == "triton":
                 assert isinstance(part, DeviceRows)
-                self._triton_warm(part)
+                if self._background and device == self.device:
+                    thread = threading.Thread(
+                        target=self._warm_beside, args=(part,), name="precprof-triton-warm", daemon=True
+                    )
+                    self._warming.append(thread)
+                    thread.start()
+                else:
+                    self._triton_warm(part)
             self._parts[device] = part
         return part
+
+    def _warm_beside(self, part: DeviceRows) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._triton_warm(part)
+        except Exception as e:  # the kernels then compile at their first launch; the run goes on
+            self.warm_error = f"{type(e).__name__}: {e}"
+        self.warm_s = time.perf_counter() - t0
+
+    @property
+    def ready(self) -> bool:
+        """Whether every kernel compiled in the background is loaded (a tensor can be read without a compile)."""
+        if any(t.is_alive() for t in self._warming):
+            return False
+        self._warming.clear()
+        return True
+
+    def wait_ready(self) -> None:
+        """Block until the background compile is done."""
+        for t in self._warming:
+            t.join()
+        self._warming.clear()
 
     def rows_of(self, device: torch.device) -> Rows:
         """The rows of ``device`` (made, with its engine, at the first call): the hooks add into them directly."""
@@ -150,6 +189,7 @@ class StatsBuffer:
             if block_dtypes:
                 kernels += triton_block.warm(part.device, block_dtypes, _blocks.RECIPES, load=False)
         triton_engine.load_kernels(kernels)
+        part._triton.adopt_compiled()  # the row kernels launched directly from now on
 
     @property
     def primary(self) -> Rows | None:
@@ -160,6 +200,15 @@ class StatsBuffer:
     def engines(self) -> dict[str, str]:
         """Which engine filled which device's rows."""
         return {str(d): p.engine for d, p in self._parts.items()}
+
+    @property
+    def launches(self) -> dict[str, str]:
+        """How the Triton kernels are launched on each device that runs them (directly, or by Triton)."""
+        return {
+            str(d): p._triton.direct_status
+            for d, p in self._parts.items()
+            if isinstance(p, DeviceRows) and p._triton is not None
+        }
 
     # the primary rows' switches (tests compare engines through them)
     @property

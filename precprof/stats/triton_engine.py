@@ -218,6 +218,8 @@ def load_kernels(kernels: Iterable[Any]) -> int:
     (none in the interpreter, which compiles nothing)."""
     n = 0
     for kernel in kernels:
+        if hasattr(kernel, "result"):  # a compile of parallel_compile's, done by now
+            kernel = kernel.result()
         init = getattr(kernel, "_init_handles", None)
         if init is not None:
             init()
@@ -276,6 +278,9 @@ class TritonRows:
             else:
                 max_programs = 4  # the interpreter runs programs one after another
         self.max_programs = max_programs
+        self._direct: dict[Variant, _DirectLaunch] = {}
+        self._pending_compiled: list[tuple[Variant, Any]] = []
+        self.direct_status = "not compiled yet"
         lay = layout
         self._common = dict(
             WIDTH=lay.width,
@@ -333,32 +338,126 @@ class TritonRows:
         """Compile (without launching: no GPU work, no sync) every variant ``add`` can launch for tensors of
         ``dtypes``; returns the compiled kernels (Triton's futures under :func:`parallel_compile`), loaded onto
         the device unless ``load=False`` (then :func:`load` them once the compiles are done). Nothing to
-        compile in the interpreter."""
+        compile in the interpreter. The compiled kernels are kept for ``add``'s direct launch."""
         rows = self.layout.empty_rows(1, self.device)
+        variants = variants_of(dtypes)
         kernels = [
             self._launch(v, (1,), _example(v, self.device), (1, 0, 1, 1, 1, 1, 1), rows, 0, True)
-            for v in variants_of(dtypes)
+            for v in variants
         ]
+        self._pending_compiled = list(zip(variants, kernels, strict=True))
         if load:
             load_kernels(kernels)
+            self.adopt_compiled()
         return kernels
 
-    def add(self, x: torch.Tensor, rows: torch.Tensor, row: int) -> bool:
-        """Add the statistics of ``x`` into ``rows[row]`` (``rows``: a contiguous [n, layout.width] int64
-        tensor on this device): one launch, no sync. False when the dtype or layout is not one this engine
-        reads (the caller takes the torch-op path)."""
-        v = variant(x)
-        if v is None:
-            return False
-        shape = _dims(x)
+    def adopt_compiled(self) -> None:
+        """Take the kernels ``warm`` compiled (their compiles done) for the direct launch, after checking
+        once, on a small tensor of each variant, that the direct launch writes the very row Triton's own
+        launch writes (a sync, at attach); a variant that fails the check keeps Triton's launch, and
+        ``direct_status`` says why."""
+        pending, self._pending_compiled = self._pending_compiled, []
+        if interpreting() or self.device.type != "cuda":
+            self.direct_status = "Triton's launch (no compiled kernel in the interpreter)"
+            return
+        why = []
+        for v, kernel in pending:
+            compiled = kernel.result() if hasattr(kernel, "result") else kernel
+            try:
+                launcher = _DirectLaunch(
+                    self._strided if v.strided else self._contig, compiled, self._constexprs(v)
+                )
+                if self._self_check(v, launcher):
+                    self._direct[v] = launcher
+                else:
+                    why.append(f"{v}: rows differ")
+            except Exception as e:  # a Triton whose launcher takes other arguments: its own launch stays
+                why.append(f"{v}: {type(e).__name__}: {e}")
+        self.direct_status = f"direct launch of {len(self._direct)} compiled variants" + (
+            f"; Triton's launch for the others ({'; '.join(why)})" if why else ""
+        )
+
+    def _self_check(self, v: Variant, launcher: _DirectLaunch) -> bool:
+        """The direct launch and Triton's write the same row for a small tensor of variant ``v``."""
+        x = _example(v, self.device)
+        g = torch.Generator(device="cpu").manual_seed(v.kind)
+        bits = torch.randint(-(2**15), 2**15, x.shape, generator=g, dtype=torch.int64)
+        x.copy_(
+            bits.to(x.dtype).to(self.device)
+            if x.dtype != torch.uint8
+            else (bits % 256).to(torch.uint8).to(self.device)
+        )
+        got = self.layout.empty_rows(1, self.device)
+        want = self.layout.empty_rows(1, self.device)
+        geometry = self._geometry(x)
+        self._launch(v, (1,), x, geometry, want, 0, False)
+        launcher(
+            1,
+            self._stream(),
+            (x, *geometry, got, 0, self.scratch, self.lo64 if v.kind == 5 else self.lo32, self.uf, self.fp8),
+        )
+        return bool(torch.equal(got, want))
+
+    def _stream(self) -> int:
+        return int(torch._C._cuda_getCurrentRawStream(self.device.index))
+
+    @staticmethod
+    def _geometry(xi: torch.Tensor) -> tuple[int, ...]:
+        """(n, full blocks, size1, size2, stride0, stride1, stride2) of a tensor the kernel reads."""
+        shape = _dims(xi)
         assert shape is not None
         ndim, dims = shape
         dims = dims + [(1, 0)] * (3 - ndim)
         (_, st0), (s1, st1), (s2, st2) = dims
-        n = x.numel()
-        programs = max(1, min(self.max_programs, -(-n // BLOCK)))
-        int_dtype = KINDS[x.dtype][1]
-        self._launch(
-            v, (programs,), x.view(int_dtype), (n, n // BLOCK, s1, s2, st0, st1, st2), rows, row, False
-        )
+        n = xi.numel()
+        return (n, n // BLOCK, s1, s2, st0, st1, st2)
+
+    def add(self, x: torch.Tensor, rows: torch.Tensor, row: int) -> bool:
+        """Add the statistics of ``x`` into ``rows[row]`` (``rows``: a contiguous [n, layout.width] int64
+        tensor on this device): one launch, no sync. False when the dtype or layout is not one this engine
+        reads (the caller takes the torch-op path). The launch goes straight to the compiled kernel when
+        ``warm`` compiled its variant (``_DirectLaunch``: a few microseconds of host work instead of Triton's
+        argument binding and specialisation on every call)."""
+        v = variant(x)
+        if v is None:
+            return False
+        xi = x.view(KINDS[x.dtype][1])
+        geometry = self._geometry(xi)
+        programs = max(1, min(self.max_programs, -(-geometry[0] // BLOCK)))
+        direct = self._direct.get(v)
+        if direct is not None:
+            lo = self.lo64 if v.kind == 5 else self.lo32
+            direct(programs, self._stream(), (xi, *geometry, rows, row, self.scratch, lo, self.uf, self.fp8))
+            return True
+        self._launch(v, (programs,), xi, geometry, rows, row, False)
         return True
+
+
+class _DirectLaunch:
+    """A compiled variant of ``_rows`` launched straight through its launcher, as Triton's own
+    ``JITFunction.run`` does once it has bound and specialised the arguments (Triton 3.3 and later: every
+    argument, constexprs included, in the kernel's order); launch hooks (a profiler's) are honoured."""
+
+    def __init__(self, kernel: Any, compiled: Any, constexprs: dict[str, Any]) -> None:
+        import triton
+
+        self._runtime = triton.knobs.runtime
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:
+            init()
+        self._compiled = compiled
+        self._run = compiled.run
+        self._function = compiled.function
+        self._packed = compiled.packed_metadata
+        names = list(kernel.arg_names)
+        self._n_args = len(names) - len(constexprs)
+        assert names[self._n_args :] == list(constexprs), "the constexprs come last, in this order"
+        self._constexprs = tuple(constexprs.values())
+
+    def __call__(self, programs: int, stream: int, args: tuple[Any, ...]) -> None:
+        assert len(args) == self._n_args
+        full = (*args, *self._constexprs)
+        meta = self._compiled.launch_metadata((programs, 1, 1), stream, *full)
+        rt = self._runtime
+        self._run(programs, 1, 1, stream, self._function, self._packed, meta, rt.launch_enter_hook,
+                  rt.launch_exit_hook, *full)  # fmt: skip
