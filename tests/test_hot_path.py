@@ -228,3 +228,38 @@ def test_a_sampled_step_of_a_compiled_model_runs_eagerly_and_restores_the_stance
     assert stances == ["force_eager", "default", "force_eager"]
     assert ef._stance.stance == "default"
     assert copy.copy(prof.tables()["steps"][T.SAMPLED].tolist()) == [True, False, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_no_recompile_with_autocast_and_gradient_accumulation(dtype: torch.dtype) -> None:
+    """bf16 or fp16 autocast, four micro-batches per step, memory tracking on (its saved-tensor hooks used to
+    recompile per micro-batch): Dynamo's counters with precprof equal those without it, and no recompile."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    def run(profile: bool) -> tuple[int, int, int]:
+        torch._dynamo.reset()
+        counters.clear()
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        compiled = torch.compile(model, backend="eager")
+        prof = precprof.Profiler(model, optimizer=opt, sample_every=3) if profile else None
+        if prof is not None:
+            prof.attach()
+        for i, x in enumerate(_batches(24)):
+            with torch.autocast("cpu", dtype=dtype):
+                loss = compiled(x).float().square().mean() / 4
+            loss.backward()
+            if i % 4 == 3:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if prof is not None:
+                    prof.step(loss=loss.detach())
+        if prof is not None:
+            prof.detach()
+            assert len(set(prof.tables()["layers"][T.STEP])) == 2  # steps 0 and 3 of 6
+        recompiles = int(counters["recompiles"].get("total", 0)) if "recompiles" in counters else 0
+        return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values())), recompiles
+
+    plain, profiled = run(False), run(True)
+    assert profiled == plain and plain[2] == 0

@@ -289,3 +289,39 @@ def test_trainer_counts_are_real_casts_and_training_is_unchanged(tmp_path: Path)
     assert {s for s, _, _ in check.seen} == set(range(0, STEPS, SAMPLE_EVERY)) == set(layers[T.STEP])
     assert len(check.seen) == 2 * 8 * 2  # sampled steps x Conv1D layers x (output, output gradient)
     assert check.compare(layers) > 0
+
+
+def test_a_compiled_trainer_keeps_its_graphs_and_every_conv1d_is_recorded(tmp_path: Path) -> None:
+    """``torch_compile=True`` (Dynamo with its "eager" backend, to stay fast on the CPU: the graphs, breaks
+    and recompiles are Dynamo's own): with the callback the Trainer compiles the same graphs as without it,
+    no graph break and no recompile, trains bitwise the same, and every Conv1D's output and output gradient
+    are recorded on every sampled step."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    got: dict[str, Any] = {}
+    for name, callbacks in (("plain", []), ("profiled", [PrecprofCallback(out=tmp_path / "run", sample_every=2)])):
+        torch._dynamo.reset()
+        counters.clear()
+        targs = training_args(
+            tmp_path / name, max_steps=STEPS, torch_compile=True, torch_compile_backend="eager"
+        )
+        trainer = Trainer(model=tiny_gpt2(), args=targs, train_dataset=TokenData(), callbacks=callbacks)
+        trainer.train()
+        got[name] = (
+            int(counters["stats"]["unique_graphs"]),
+            int(sum(counters["graph_break"].values())),
+            [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            trainer.model.state_dict(),
+        )
+    (graphs, breaks, losses, weights), (graphs_p, breaks_p, losses_p, weights_p) = got["plain"], got["profiled"]
+    assert graphs_p == graphs > 0 and breaks_p == breaks
+    assert losses_p == losses and len(losses) == STEPS
+    for k, a in weights.items():
+        assert torch.equal(a, weights_p[k]), k
+    layers = T.read_tables(tmp_path / "run")["layers"]
+    conv = layers[layers[T.MODULE_TYPE] == "Conv1D"]
+    for kind in (T.ACTIVATION, T.ACTIVATION_GRAD):
+        rows = conv[conv[T.TENSOR] == kind]
+        assert set(rows[T.STEP]) == set(range(0, STEPS, SAMPLE_EVERY)), kind
+        assert rows.groupby(T.STEP)[T.MODULE].nunique().eq(8).all(), kind

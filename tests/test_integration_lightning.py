@@ -210,3 +210,37 @@ def test_counts_are_real_casts_and_training_is_unchanged(tmp_path: Path) -> None
     layers = T.read_tables(tmp_path / "run")["layers"]
     assert {s for s, _, _ in check.seen} == {0, 2} == set(layers[T.STEP])
     check.compare(layers)
+
+
+def test_a_module_the_user_compiled_is_recorded_and_trains_the_same(tmp_path: Path) -> None:
+    """``trainer.fit(torch.compile(module))`` (Dynamo's "eager" backend, fast on the CPU): with the callback no
+    graph and no graph break beyond those of the run without it (the module's own ``loss.item()`` breaks its
+    graph; sampled steps run eagerly, so they compile nothing), the same losses, and each Linear's output, output
+    gradient and weight gradient recorded on the sampled steps."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    got = {}
+    for name in ("plain", "profiled"):
+        torch._dynamo.reset()
+        counters.clear()
+        module = TinyLM()
+        cb = PrecprofCallback(out=tmp_path / "run", sample_every=2)
+        trainer = quiet_trainer(tmp_path / name, cb, max_steps=4, precision="bf16-mixed")
+        if name == "plain":
+            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, PrecprofCallback)]
+        trainer.fit(torch.compile(module, backend="eager"), loader())
+        got[name] = (
+            int(counters["stats"]["unique_graphs"]),
+            int(sum(counters["graph_break"].values())),
+            list(module.losses),
+        )
+    (graphs, breaks, losses), (graphs_p, breaks_p, losses_p) = got["plain"], got["profiled"]
+    assert 0 < graphs_p <= graphs and breaks_p <= breaks
+    assert losses_p == losses and len(losses) == 4
+    layers = T.read_tables(tmp_path / "run")["layers"]
+    lin = layers[layers[T.MODULE_TYPE] == "Linear"]
+    for kind in (T.ACTIVATION, T.ACTIVATION_GRAD, T.WEIGHT_GRAD):
+        rows = lin[lin[T.TENSOR] == kind]
+        assert set(rows[T.STEP]) == {0, 2}, kind
+        assert set(rows[T.MODULE]) == {"net.1", "net.3"}, kind
