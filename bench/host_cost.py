@@ -187,7 +187,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parts["copy and flush (inside Profiler.step)"] = results["sampled"]["step_call_s"]
         if "hooks only" in mean:
             parts["hooks, lookups and per-step bookkeeping (all parts off)"] = mean["hooks only"] - base_s
-        parts = {k: {"s": v, "share_of_added": v / added if added else float("nan")} for k, v in parts.items()}
+        parts = {
+            k: {"s": v, "share_of_added": v / added if added else float("nan")} for k, v in parts.items()
+        }
     for p in (s["prof"] for s in state.values()):
         if p is not None:
             p.detach()

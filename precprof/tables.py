@@ -81,7 +81,9 @@ SKIPPED = "skipped"
 GRAD_NORM = "grad_norm"
 TIME_S = "time_s"
 SAMPLED = "sampled"
-SAMPLE_REASON = "sample_reason"  # why the step was sampled (precprof.capture.sampling.REASONS), "" if it was not
+SAMPLE_REASON = (
+    "sample_reason"  # why the step was sampled (precprof.capture.sampling.REASONS), "" if it was not
+)
 TOKENS = "tokens"
 RESUMED = "resumed"  # the first step of a run resumed from its checkpoint (precprof.parts: segments)
 

@@ -300,7 +300,10 @@ def test_a_compiled_trainer_keeps_its_graphs_and_every_conv1d_is_recorded(tmp_pa
     from torch._dynamo.utils import counters
 
     got: dict[str, Any] = {}
-    for name, callbacks in (("plain", []), ("profiled", [PrecprofCallback(out=tmp_path / "run", sample_every=2)])):
+    for name, callbacks in (
+        ("plain", []),
+        ("profiled", [PrecprofCallback(out=tmp_path / "run", sample_every=2)]),
+    ):
         torch._dynamo.reset()
         counters.clear()
         targs = training_args(
@@ -314,7 +317,10 @@ def test_a_compiled_trainer_keeps_its_graphs_and_every_conv1d_is_recorded(tmp_pa
             [h["loss"] for h in trainer.state.log_history if "loss" in h],
             trainer.model.state_dict(),
         )
-    (graphs, breaks, losses, weights), (graphs_p, breaks_p, losses_p, weights_p) = got["plain"], got["profiled"]
+    (graphs, breaks, losses, weights), (graphs_p, breaks_p, losses_p, weights_p) = (
+        got["plain"],
+        got["profiled"],
+    )
     assert graphs_p == graphs > 0 and breaks_p == breaks
     assert losses_p == losses and len(losses) == STEPS
     for k, a in weights.items():

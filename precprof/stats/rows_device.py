@@ -53,7 +53,9 @@ class DeviceRows(_rows.Rows):
         self._pow2_idx = torch.tensor(
             [2 * (j + _F64_BIAS) + 1 for j in layout.underflow_exps], dtype=torch.int64, device=device
         )
-        self._fp8_max_bits = torch.tensor([f64_bits(f.max) for f in layout.fp8], dtype=torch.int64, device=device)
+        self._fp8_max_bits = torch.tensor(
+            [f64_bits(f.max) for f in layout.fp8], dtype=torch.int64, device=device
+        )
         self._fp8_uf_exp = torch.tensor(layout.fp8_underflow_exps, dtype=torch.int64, device=device)
         self.reset()
 
