@@ -208,6 +208,56 @@ class NaiveItem(Monitor):
             h.remove()
 
 
+PHASES = ("forward", "backward", "optimizer", "profiler_step")
+
+
+class Marks:
+    """Host times (and on CUDA device times, by events: no sync) at the phase boundaries of one step:
+    forward and loss, backward, optimizer step and zero_grad, the monitor's step (precprof's copy)."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.cuda = dev.type == "cuda"
+        self.host = [time.perf_counter()]
+        self.events = [self._event()] if self.cuda else []
+
+    def _event(self) -> Any:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def mark(self) -> None:
+        self.host.append(time.perf_counter())
+        if self.cuda:
+            self.events.append(self._event())
+
+    def total_s(self) -> float:
+        return time.perf_counter() - self.host[0]
+
+    def phases(self) -> dict[str, dict[str, float]]:
+        """Per phase: host seconds, and device seconds between the events around it (after the step's sync)."""
+        out = {p: {"host_s": b - a} for p, a, b in zip(PHASES, self.host, self.host[1:], strict=False)}
+        for p, a, b in zip(PHASES, self.events, self.events[1:], strict=False):
+            out[p]["device_s"] = a.elapsed_time(b) / 1e3
+        return out
+
+
+def phase_means(steps: list[tuple[bool, dict[str, dict[str, float]]]]) -> dict[str, Any]:
+    """Mean host (and device) seconds per phase of the sampled and the unsampled steps: where a sampled step's
+    extra time goes (every step sampled against one in ten, say)."""
+    out: dict[str, Any] = {}
+    for label, want in (("sampled", True), ("unsampled", False)):
+        chosen = [ph for sampled, ph in steps if sampled == want]
+        if not chosen:
+            continue
+        out[label] = {"steps": len(chosen)}
+        for p in PHASES:
+            for k in ("host_s", "device_s"):
+                vals = [ph[p][k] for ph in chosen if p in ph and k in ph[p]]
+                if vals:
+                    out[label][f"{p}_{k}"] = statistics.fmean(vals)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -277,7 +327,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         m = copy.deepcopy(base_model)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
         scaler = torch.amp.GradScaler(dev.type, enabled=args.precision == "fp16")
-        state[n] = {"model": m, "opt": opt, "scaler": scaler, "monitor": makers[n](), "times": []}
+        state[n] = {
+            "model": m,
+            "opt": opt,
+            "scaler": scaler,
+            "monitor": makers[n](),
+            "times": [],
+            "phases": [],
+        }
 
     def sync() -> None:
         if dev.type == "cuda":
@@ -290,19 +347,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         try:
             for i in range(steps):
                 x, y = batches[i % len(batches)]
+                prof = getattr(mon, "prof", None)
+                sampled = bool(prof is not None and prof.sampling)
                 sync()
-                t0 = time.perf_counter()
+                marks = Marks(dev)
                 with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                     logits = model(x)
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+                marks.mark()
                 scaler.scale(loss).backward()
+                marks.mark()
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad(set_to_none=True)
+                marks.mark()
                 mon.after_step(loss.detach())
+                marks.mark()
                 sync()
                 if record:
-                    s["times"].append(time.perf_counter() - t0)
+                    s["times"].append(marks.total_s())
+                    s["phases"].append((sampled, marks.phases()))
         finally:
             mon.detach()
 
@@ -324,6 +388,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "ratio_median": med / base_med,
             "ratio_mean": mean / base_mean,
             "steps_timed": len(t),
+            "phases": phase_means(state[n]["phases"]),
             **state[n]["monitor"].info(),
         }
         if dev.type == "cuda":
