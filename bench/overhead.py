@@ -12,6 +12,7 @@ Configurations:
                   touching the data at all
   precprof_1      precprof.Profiler, every step sampled
   precprof_10     precprof.Profiler(sample_every=10)
+  precprof_auto   precprof.Profiler() as users get it: sampling within its overhead budget (3% of the run)
   precprof_1_noblocks  every step sampled, without the block-format what-if (block_formats=False): what the
                   block formats cost (precprof_1 evaluates them for as many of the linear layers per
                   sampled step as fit the default block budget: block_groups=None, capture/block_budget.py)
@@ -107,13 +108,13 @@ class Floor(Monitor):
 
 class Precprof(Monitor):
     def __init__(
-        self, sample_every: int, block_formats: bool = True, block_groups: int | None = None
+        self, sample_every: int | None, block_formats: bool = True, block_groups: int | None = None
     ) -> None:
         self.sample_every = sample_every
         self.block_formats = block_formats
         self.block_groups = block_groups
         suffix = "_noblocks" if not block_formats else ("_allblocks" if block_groups == 1 else "")
-        self.name = f"precprof_{sample_every}{suffix}"
+        self.name = f"precprof_{sample_every if sample_every is not None else 'auto'}{suffix}"
         self.prof: Profiler | None = None
         self.last_info: dict[str, Any] = {}
 
@@ -153,6 +154,7 @@ class Precprof(Monitor):
                 "profiler_scratch_bytes": self.prof.scratch_bytes,
                 # how the block what-if was dealt (the groups the budget settled on, and its changes)
                 "block_formats": self.prof.summary()["block_formats"],
+                "sampling": self.prof.summary()["sampling"],
             }
         )
 
@@ -283,7 +285,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
         "--configs",
-        default="baseline,floor,precprof_1,precprof_1_noblocks,precprof_1_allblocks,precprof_10,debug_uo,naive_item",
+        default="baseline,floor,precprof_1,precprof_1_noblocks,precprof_1_allblocks,precprof_10,precprof_auto,"
+        "debug_uo,naive_item",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -311,6 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "floor": Floor,
         "precprof_1": lambda: Precprof(1),
         "precprof_10": lambda: Precprof(10),
+        "precprof_auto": lambda: Precprof(None),
         "precprof_1_noblocks": lambda: Precprof(1, block_formats=False),
         "precprof_1_allblocks": lambda: Precprof(1, block_groups=1),
         "debug_uo": DebugUO,

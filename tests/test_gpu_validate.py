@@ -28,14 +28,15 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
     stages = data["stages"]
     assert list(stages) == [
         "env",
-        "tests",
-        "kernels",
-        "compile",
+        "host",
+        "overhead",
         "first_step",
+        "kernels",
         "profile",
         "syncs",
-        "overhead",
         "memory",
+        "compile",
+        "tests",
     ]
     for name, rec in stages.items():
         assert rec["status"] in ("ok", "skipped"), (name, rec)
@@ -56,9 +57,14 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
     )
     for label in ("cold", "warm"):
         first = stages["first_step"][label]
-        assert len(first["steps_s"]) == 6 and first["first_over_later_sampled"] > 0
+        assert len(first["steps_s"]) >= 6 and sum(first["sampled"]) >= 3
+        assert first["worst_step_over_later_sampled"] > 0 and first["sampling"]["first_sampled_step"] is not None
+    host = stages["host"]["host_cost"]
+    assert host["inspected_tensors_per_sampled_step"] > 0 and host["host_us_per_tensor"] is not None
     results = stages["overhead"]["overhead"]["results"]
-    assert set(results) == {"baseline", "precprof_1", "precprof_10"}
+    assert set(results) == {"baseline", "precprof_1", "precprof_10", "precprof_auto"}
+    assert results["precprof_10"]["phases"]["sampled"]["profiler_step_host_s"] >= 0
+    assert results["precprof_auto"]["sampling"]["mode"] == "budget"
     for precision in ("bf16", "fp32"):
         mem = stages["memory"][precision]
         # every byte of the peak in one part (on the CPU: the profiler's replay, as the built-in loop runs it)
