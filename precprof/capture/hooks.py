@@ -59,7 +59,8 @@ class StepHooks:
 
     ``device``: the model's device, whose rows the hooks add into directly (a tensor elsewhere goes through
     ``StatsBuffer.accumulate``); ``updates``: the weight-update sampler, whose optimizer hooks are installed
-    with the others (needs ``optimizer``)."""
+    with the others (needs ``optimizer``); ``autocast_seen``: filled with autocast's state at the first recorded
+    forward (``precision_seen``)."""
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class StepHooks:
         *,
         optimizer: Any = None,
         updates: UpdateSampler | None = None,
+        autocast_seen: dict[str, Any] | None = None,
     ) -> None:
         self.plan = plan
         self.rows = plan.rows
@@ -93,8 +95,8 @@ class StepHooks:
         self._weights_read: set[int] | None = None  # rows of the parameters read this step
         # this step's module outputs a linear layer may read: identity -> (the tensor, its activation row)
         self._block_outputs: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int]] = {}
-        # autocast as the first recorded forward saw it (kept over the run)
-        self.autocast_seen: dict[str, Any] = {}
+        # autocast as the first recorded forward saw it (the Profiler's dict, kept over the run)
+        self.autocast_seen: dict[str, Any] = autocast_seen if autocast_seen is not None else {}
 
     # ------------------------------------------------------------------------------------ install/remove
     def install(self, turn: int) -> None:
@@ -221,7 +223,7 @@ class StepHooks:
                 rows.calls[act] += 1
                 self.has_data = True
                 if not self.autocast_seen:
-                    self.autocast_seen = _autocast_state(self._device.type)
+                    self.autocast_seen.update(_autocast_state(self._device.type))
             return None
 
         return fwd_hook

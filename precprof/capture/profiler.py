@@ -227,7 +227,7 @@ class Profiler(ProfilerResults):
         self._pending: list[_PendingStep] = []
 
         self._recorded = Recorded()
-        self._autocast_kept: dict[str, Any] = {}
+        self._autocast: dict[str, Any] = {}  # autocast as the first recorded forward saw it
         # the dtypes of the loss tensors step() was given (name -> steps): a 16-bit loss is a finding
         self._loss_dtypes: dict[str, int] = {}
         self._status = T.STATUS_COMPLETE
@@ -260,9 +260,7 @@ class Profiler(ProfilerResults):
 
     @property
     def _autocast_seen(self) -> dict[str, Any]:
-        if not self._autocast_kept and self._hooks is not None:
-            self._autocast_kept = self._hooks.autocast_seen
-        return self._autocast_kept
+        return self._autocast
 
     # what tests and benches read of the plan
     @property
@@ -317,7 +315,12 @@ class Profiler(ProfilerResults):
             tracked = [ps for ps in plan.params if ps.grad_row >= 0]
             self._updates = UpdateSampler(tracked, self.update_sample, self._device)
         self._hooks = StepHooks(
-            plan, self._buffer, self._device, optimizer=self.optimizer, updates=self._updates
+            plan,
+            self._buffer,
+            self._device,
+            optimizer=self.optimizer,
+            updates=self._updates,
+            autocast_seen=self._autocast,
         )
         if self.scaler is not None and hasattr(self.scaler, "update"):
             self._scaler_watch = ScalerWatch(self.scaler, self._device, lambda: self._attached)
@@ -378,7 +381,6 @@ class Profiler(ProfilerResults):
             return
         self._attached = False
         has_data = self._hooks is not None and self._hooks.has_data
-        self._autocast_seen  # noqa: B018  (kept: the hooks go with this attachment)
         self._remove_hooks()
         # a step that was in progress (crash, Ctrl-C, or hooks removed mid-step) keeps what it recorded
         if self._sampling and has_data:
