@@ -183,8 +183,27 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
         out.append((f"tokens/s ({basis})", F.num(tp["tokens_per_s"])))
     elif final.get("tokens_per_s") is not None:
         out.append(("tokens/s", F.num(final["tokens_per_s"])))
-    if math.isfinite(tp["sampled_step_cost"]):
-        out.append(("a sampled step", f"{tp['sampled_step_cost']:.2f}× an unsampled one"))
+    cost = tp["sampled_step_cost"]
+    n_s, n_u = tp["steps_timed_sampled"], tp["steps_timed_unsampled"]
+    if math.isfinite(cost) and cost >= 1:
+        out.append(("a sampled step", f"{cost:.2f}× an unsampled one"))
+    elif math.isfinite(cost):
+        # a step that records more cannot take less time: the timings are noise (a busy machine, a sync that
+        # landed on other steps), not a cost
+        out.append(
+            (
+                "a sampled step",
+                f"cost not measured (median {F.num(tp['step_time_sampled_median_s'], 3)} s over {F.count(n_s)} "
+                f"sampled steps, {F.num(tp['step_time_unsampled_median_s'], 3)} s over {F.count(n_u)} unsampled: noise)",
+            )
+        )
+    elif n_s and n_u:
+        out.append(
+            (
+                "a sampled step",
+                f"cost not measured ({F.count(n_s)} sampled, {F.count(n_u)} unsampled steps timed)",
+            )
+        )
     if final.get("time_s") is not None:
         out.append(("time (s)", F.num(final["time_s"])))
     if not layers.empty:
