@@ -119,10 +119,15 @@ def _verdict(
     current = S.requested_precision(summary)
     # the run's training memory: precprof's own buffers and scratch are not part of what a format changes
     own = float((measured.get("components") or {}).get(T.PROFILER_BUFFERS) or 0.0)
-    saving = S.expected_saving(records, float(measured.get("total") or 0.0) - own, current, fmt)
+    saving = S.expected_saving(records, float(measured.get("total") or 0.0) - own, current, fmt, measured)
+    diverged = next(
+        (f.get("numbers") or {} for f in rec.get("findings") or [] if f.get("code") == "run_diverged"), None
+    )
     return {
         "format": fmt,
         "format_label": formats.label(fmt),
+        # a run that diverged: the box says so beside the format, which rests on the steps before it
+        "diverged": {"step": diverged.get("step"), "last": diverged.get("last_step")} if diverged else None,
         "measured_format": str(rec.get("measured_format") or ""),
         "measured_label": formats.label(str(rec.get("measured_format") or "")),
         "loss_scale": _f(rec.get("loss_scale")),
@@ -506,7 +511,8 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
     return {
         "img": _img(fig, "Stacked bars of memory per component: this run as measured and projected per mode"),
         "measured": measured,
-        "projection": S.memory_table(records, "measured+projected"),
+        # the projection per mode; this run's measurement is the measured table's, said once
+        "projection": S.memory_table(records, "projected"),
         "textbook": S.memory_table(records, "textbook"),
         "claim": claim.get("text")
         if isinstance(claim, Mapping)

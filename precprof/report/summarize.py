@@ -378,7 +378,7 @@ PEAK_PART_LABELS: dict[str, str] = {
     T.ACTIVATIONS: "activations saved for backward",
     T.INPUTS: "model inputs (the batch)",
     T.OUTPUTS: "model outputs (logits)",
-    T.PROFILER_BUFFERS: "precprof's own buffers",
+    T.PROFILER_BUFFERS: "precprof's buffers allocated by then",
     T.OTHER_MEMORY: "other (allocated before the step, not named)",
     T.ALLOCATOR_CACHE: "allocator cache (reserved, not allocated)",
 }
@@ -539,16 +539,102 @@ def memory_table(records: list[dict[str, Any]], source: str) -> dict[str, Any]:
     return {"components": comps, "rows": rows}
 
 
+# components the projection changes with the format; every other part of the peak (temporaries, inputs,
+# outputs, precprof's own, other) is taken as measured
+PROJECTED_COMPONENTS: tuple[str, ...] = (
+    T.PARAMETERS,
+    T.GRADIENTS,
+    T.OPTIMIZER_STATES,
+    T.MASTER_WEIGHTS,
+    T.BUFFERS,
+    T.ACTIVATIONS,
+    T.AUTOCAST_WEIGHT_COPIES,
+)
+
+
+def projected_peaks(
+    measured: Mapping[str, Any], records: list[dict[str, Any]], current: str
+) -> dict[str, Any] | None:
+    """The allocator's peak of this run and what it would be in each projected mode.
+
+    Each component the projection changes is scaled, in the part of it alive at the peak, by its projection in
+    the other mode over its projection in this run's mode (so that the projection's own error cancels); a
+    component this run did not hold (autocast's weight copies in an fp32 run) is added whole. Temporaries, the
+    batch, the outputs and precprof's buffers are taken as measured. Without a breakdown of the peak every
+    component held at the end of the step is taken as alive at the peak.
+
+    Returns {"peak", "basis": "parts at the peak" | "parts held at the step's end", "modes": {mode: bytes}} or
+    None without an allocator peak or a projection of this run's mode.
+    """
+    at_peak = measured.get("at_peak")
+    peak = (
+        float(at_peak["allocated"])
+        if at_peak
+        else float((measured.get("peaks") or {}).get(T.ALLOCATOR_PEAK) or 0)
+    )
+    if peak <= 0:
+        return None
+    if at_peak:
+        alive = {str(p["part"]): float(p["bytes"]) for p in at_peak.get("parts") or []}
+        basis = "parts at the peak"
+    else:
+        alive = {str(c): float(b) for c, b in (measured.get("components") or {}).items()}
+        basis = "parts held at the step's end"
+    proj: dict[str, dict[str, float]] = {}
+    for r in records:
+        if r["source"] == "projected" and r["component"] in PROJECTED_COMPONENTS:
+            proj.setdefault(r["mode"], {})[r["component"]] = r["bytes"]
+    base = proj.get(current)
+    if not base:
+        return None
+    modes = {}
+    for mode, comps in proj.items():
+        delta = 0.0
+        for c in PROJECTED_COMPONENTS:
+            now, then = base.get(c, 0.0), comps.get(c, 0.0)
+            if now > 0:
+                delta += alive.get(c, 0.0) * (then / now - 1.0)
+            else:
+                delta += then
+        modes[mode] = peak + delta
+    return {"peak": peak, "basis": basis, "modes": modes}
+
+
 def expected_saving(
-    records: list[dict[str, Any]], measured_total: float, current: str, recommended: str
+    records: list[dict[str, Any]],
+    measured_total: float,
+    current: str,
+    recommended: str,
+    measured: Mapping[str, Any] | None = None,
 ) -> dict[str, Any] | None:
     """Memory of the recommended mode against this run and against fp32, from the memory projection.
 
-    This run's total is its measured record (else its projection, else the measured tables); the recommended
+    With ``measured`` (``measured_memory``) and an allocator peak, the figures are peaks (``projected_peaks``,
+    "basis": "peak"): a saving of memory is a saving of the peak. Otherwise (no peak recorded) they are the
+    components held at the end of a step ("basis": "held"): this run's total is its measured record (else its projection, else the measured tables); the recommended
     mode's is its projection (else textbook). The fp32 baseline is the fp32 projection. Returns {"current",
     "recommended", "saved", "share", "fp32", "share_vs_fp32", "same_mode"} or None when the recommended mode
     has no projection. ``recommended`` may be "fp8": its projection is looked up under that name.
     """
+    if not recommended:
+        return None
+    peaks = projected_peaks(measured, records, current) if measured else None
+    if peaks is not None and (recommended in peaks["modes"] or current == recommended):
+        # a memory saving is a saving of the peak: what the run needs the device to hold
+        rec_peak = peaks["modes"].get(recommended, peaks["peak"]) if current != recommended else peaks["peak"]
+        fp32_peak = peaks["modes"].get("fp32")
+        cur_peak = peaks["peak"]
+        return {
+            "basis": "peak",
+            "peak_basis": peaks["basis"],
+            "current": cur_peak,
+            "recommended": rec_peak,
+            "saved": cur_peak - rec_peak,
+            "share": (cur_peak - rec_peak) / cur_peak if cur_peak else None,
+            "fp32": fp32_peak,
+            "share_vs_fp32": (fp32_peak - rec_peak) / fp32_peak if fp32_peak else None,
+            "same_mode": current == recommended,
+        }
     tot = memory_totals(records)
 
     def pick(mode: str, sources: tuple[str, ...]) -> float | None:
@@ -557,8 +643,6 @@ def expected_saving(
                 return tot[(mode, src)]
         return None
 
-    if not recommended:
-        return None
     cur = pick(current, ("measured", "projected"))
     if cur is None and measured_total > 0:
         cur = measured_total
@@ -569,6 +653,7 @@ def expected_saving(
         return None
     fp32 = pick("fp32", ("projected", "measured"))
     return {
+        "basis": "held",
         "current": cur,
         "recommended": rec,
         "saved": cur - rec if cur is not None else None,
