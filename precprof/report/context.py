@@ -18,8 +18,8 @@ from precprof import __version__, formats
 from precprof import tables as T
 from precprof.analysis import snippets as snippet_code
 from precprof.analysis.throughput import throughput
+from precprof.report import environment, plots, timeline
 from precprof.report import filters as F
-from precprof.report import plots, timeline
 from precprof.report import summarize as S
 
 SEVERITY_ORDER = {"critical": 0, "error": 0, "warning": 1, "info": 2}
@@ -405,102 +405,6 @@ def _blocks(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] |
     }
 
 
-# config/capture keys shown under "numerics settings" (matched as whole words of the key)
-_NUMERICS_WORDS = frozenset(
-    {"autocast", "precision", "scaler", "amp", "tf32", "fp8", "dtype", "fp16", "bf16"}
-)
-
-
-# capture keys whose name alone does not say what the number is: (label, formatter)
-_CAPTURE_LABELS: dict[str, tuple[str, Any]] = {
-    "param_bytes": ("parameters (bytes)", F.nbytes),
-    "profiler_buffer_bytes": ("profiler buffers (bytes)", F.nbytes),
-    "profiler_scratch_bytes": ("profiler scratch (bytes)", F.nbytes),
-    "profiler_buffer_share_of_params": ("profiler buffers, as a share of the parameters' bytes", F.pct),
-    "n_params": ("parameters", F.count),
-    "block_formats": ("block-format what-if", lambda v: _block_setting(v)),
-}
-
-
-def _block_setting(v: Any) -> str:
-    """The capture's ``block_formats`` setting in words (``capture.block_budget.BlockBudget.describe``)."""
-    if not isinstance(v, Mapping):
-        return "on" if v else "off"
-    n = int(v.get("groups") or 1)
-    turns = (
-        "every linear layer on every sampled step"
-        if n <= 1
-        else f"each linear layer on every {F.ordinal(n)} sampled step ({n} groups taking turns)"
-    )
-    if not v.get("adaptive"):
-        return f"on, {turns} (block_groups={n})"
-    out = f"on, {turns}: as many groups as keep the what-if within {F.pct(float(v.get('budget') or 0))} of a sampled step"
-    cost = v.get("every_layer_cost")
-    if isinstance(cost, (int, float)) and math.isfinite(cost):
-        out += f" (every layer at once was measured to add {F.pct(float(cost))})"
-    return out
-
-
-def _is_tf32_key(key: str) -> bool:
-    return "tf32" in key.lower()
-
-
-def _environment(summary: Mapping[str, Any]) -> dict[str, Any]:
-    cfg = dict(summary.get(T.SUMMARY_CONFIG) or {})
-    hw = dict(summary.get(T.SUMMARY_HARDWARE) or {})
-    capture = dict(summary.get(T.SUMMARY_CAPTURE) or {})
-    if hw and hw.get("device") != "cuda":
-        # TF32 is a CUDA matmul/cuDNN mode: its flags say nothing on another device
-        hw = {k: v for k, v in hw.items() if not _is_tf32_key(k)}
-        cfg = {k: v for k, v in cfg.items() if not _is_tf32_key(k)}
-    capture = {
-        (_CAPTURE_LABELS[k][0] if k in _CAPTURE_LABELS else k): (
-            _CAPTURE_LABELS[k][1](v) if k in _CAPTURE_LABELS and v is not None else v
-        )
-        for k, v in capture.items()
-    }
-    # the per-module list is the per-layer table's business; here only its length
-    if isinstance(capture.get("modules"), list):
-        capture["modules"] = f"{len(capture['modules'])} modules (see the per-layer table)"
-    command = None
-    for src in (cfg, summary):
-        for key in ("command", "command_line", "cmdline", "argv"):
-            if src.get(key):
-                command = src[key]
-                break
-        if command is not None:
-            break
-    settings: list[tuple[str, Any]] = []
-    for key, label in (
-        ("tf32_matmul_enabled", "TF32 matmul (torch.backends.cuda.matmul.allow_tf32)"),
-        ("tf32_cudnn_enabled", "TF32 cuDNN (torch.backends.cudnn.allow_tf32)"),
-        ("float32_matmul_precision", "torch.get_float32_matmul_precision()"),
-    ):
-        if key in hw:
-            settings.append((label, hw[key]))
-    for src_name, src in (("config", cfg), ("capture", capture)):
-        for k, v in src.items():
-            if any(
-                w in k.lower() for w in ("autocast", "precision", "loss_scal", "scaler", "amp", "tf32", "fp8")
-            ):
-                settings.append((f"{k} ({src_name})", v))
-    device = hw.get("name") or hw.get("device")
-    if hw.get("compute_capability"):
-        device = f"{device} (compute capability {hw['compute_capability']})"
-    return {
-        "device": device,
-        "command": command,
-        "settings": settings,
-        "groups": [
-            ("Hardware", hw),
-            ("Versions", dict(summary.get(T.SUMMARY_VERSIONS) or {})),
-            ("Run configuration", cfg),
-            ("Model", dict(summary.get(T.SUMMARY_MODEL) or {})),
-            ("Capture", capture),
-        ],
-    }
-
-
 def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> dict[str, Any]:
     measured = S.measured_memory(tables["memory"])
     records = S.memory_records(summary)
@@ -606,5 +510,5 @@ def build_context(
         "layers": S.layer_records(layers),
         "memory": memory,
         "verification": S.precision_check(layers, tabs["memory"], summary),
-        "environment": _environment(summary),
+        "environment": environment.environment(summary),
     }
