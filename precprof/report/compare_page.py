@@ -21,6 +21,7 @@ from precprof.analysis.comparison import (
     finite,
 )
 from precprof.modes import MODE_COLORS
+from precprof.report import environment as env_words
 from precprof.report.plots import COMPONENT_COLORS, data_uri, png_bytes
 from precprof.report.render import environment
 
@@ -225,7 +226,16 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
             loss_figure(comparison), "loss curves of every run overlaid, and relative to the reference"
         ),
         "resources_img": _img(resources_figure(comparison), "memory per component and throughput per run"),
-        "config": {k: v for k, v in cfg.items() if k != "command_line" and (k != "model_args" or v)},
+        # the shared settings in the words of the report's environment (each run trained in this one process)
+        "setup": [
+            *([("model", str(cfg["model"]))] if cfg.get("model") else []),
+            *(
+                [("model settings", ", ".join(f"{k}={v}" for k, v in cfg["model_args"].items()))]
+                if isinstance(cfg.get("model_args"), dict) and cfg["model_args"]
+                else []
+            ),
+            *[(k, v) for k, v in env_words.config_rows(cfg) if k != "run directory"],
+        ],
         "notes": comparison.notes,
         "command": cfg.get("command_line"),
         "wall_s": comparison.wall_s,

@@ -67,6 +67,23 @@ def pct(v: Any) -> str:
     return f"{p:.3g}%"
 
 
+def signed_pct(v: Any) -> str:
+    """A signed relative change as a percentage: ``+1.23%``, ``−0.004%`` (two decimals, or the first significant
+    digit below 0.01%), ``0%`` for exactly nothing; never a signed zero such as -0.00%."""
+    f = _float(v)
+    if f is None:
+        return MISSING
+    if f == 0:
+        return "0%"
+    p = 100 * f
+    sign = "+" if p > 0 else "−"
+    a = abs(p)
+    if a >= 0.01:
+        return f"{sign}{a:.2f}%"
+    digits = -math.floor(math.log10(a))
+    return f"{sign}{a:.{digits}f}%"
+
+
 def nbytes(v: Any) -> str:
     """Bytes in IEC units (KiB, MiB, GiB)."""
     f = _float(v)
@@ -142,6 +159,7 @@ FILTERS: dict[str, Callable[..., str]] = {
     "num": num,
     "count": count,
     "pct": pct,
+    "signed_pct": signed_pct,
     "nbytes": nbytes,
     "pow2": pow2,
     "log2mag": log2mag,
