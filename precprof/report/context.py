@@ -218,8 +218,25 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
     return out
 
 
+def heatmap_focus(summary: Mapping[str, Any], rec: Mapping[str, Any] | None) -> tuple[str, str]:
+    """(format, why) whose losses choose the heatmaps' rows and fill their side panel: the run's own FP16 or FP8,
+    else the recommended one, else FP16 (the format whose range is narrowest at scale 1)."""
+    ran = S.requested_precision(summary)
+    if ran.startswith("fp8"):
+        return "fp8", "this run trained in FP8"
+    if ran.startswith("fp16"):
+        return "fp16", "this run trained in FP16"
+    fmt = str((rec or {}).get("format") or "")
+    if fmt in ("fp8", "fp16"):
+        return fmt, f"the recommended format is {fmt.upper()}"
+    return "fp16", "FP16 has the narrowest range of the formats a run can train in"
+
+
 def _heatmaps(
-    tables: Mapping[str, pd.DataFrame], rec: dict[str, Any] | None, totals: pd.DataFrame | None = None
+    tables: Mapping[str, pd.DataFrame],
+    rec: dict[str, Any] | None,
+    totals: pd.DataFrame | None = None,
+    summary: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     layers = tables["layers"]
     hist = T.sum_histogram_frame(totals if totals is not None else tables["histograms"])
@@ -228,9 +245,10 @@ def _heatmaps(
         rec_scale = (
             _f(rec.get("loss_scale")) if rec.get("format") == "fp16" else _f(rec.get("fp16_loss_scale"))
         )
+    focus, why = heatmap_focus(summary or {}, rec)
     out: list[dict[str, Any]] = []
     for kind in HEATMAP_KINDS:
-        hm = plots.signature_heatmap(hist, layers, kind, recommended_scale=rec_scale)
+        hm = plots.signature_heatmap(hist, layers, kind, recommended_scale=rec_scale, focus=focus)
         title = S.KIND_LABELS[kind].capitalize()
         if hm is None:
             out.append({"kind": kind, "title": title, "img": None, "notes": []})
@@ -259,14 +277,20 @@ def _heatmaps(
             "so that its largest value lands just below the format's max; the what-if table's "
             "“current scaling” columns count that recipe."
         )
+        notes.append(
+            f"The columns are the binades that hold values, 2^{round(hm.x_range[0])} to 2^{round(hm.x_range[1])}; "
+            "a window beyond them is named in the strip (← → where it reaches past)."
+        )
+        notes.append(f"The right panel: the share of each row lost in {hm.focus_label} ({why}).")
         if hm.rows_shown < hm.rows_total:
             notes.append(
-                f"Showing {hm.rows_shown} of {hm.rows_total} rows: the first and last, and those that lose the most "
-                "in FP16; every row is in the tables below."
+                f"Showing {hm.rows_shown} of {hm.rows_total} rows: the first and last, and the "
+                f"{hm.rows_shown - 2} that lose the most in {hm.focus_label} ({why}); every row is in the tables "
+                "below."
             )
         alt = (
             f"Heatmap of {S.KIND_LABELS[kind]}: {hm.rows_shown} rows in forward order by log2 magnitude, "
-            "with FP16, BF16, FP8 E4M3 and E5M2 windows"
+            f"with FP16, BF16, FP8 E4M3 and E5M2 windows; right: lost in {hm.focus_label}"
         )
         out.append({"kind": kind, "title": title, "img": _img(hm.figure, alt), "notes": notes})
     return out

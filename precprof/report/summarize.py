@@ -124,18 +124,25 @@ def heatmap_matrix(
 
 
 def lost_share_by_row(
-    layers: pd.DataFrame, kind: str, fmt: str
+    layers: pd.DataFrame, kind: str, fmt: str, current_scaling: bool = False
 ) -> dict[tuple[str, str], tuple[float, float, float]]:
     """(underflow, overflow, inf/nan) shares per (module, param) row of ``kind``, summed over sampled steps.
 
     Underflow and overflow in ``fmt`` are at the recorded scales; inf/nan are values that were already
-    non-finite when recorded (in an fp16 run, usually what overflow produced upstream).
+    non-finite when recorded (in an fp16 run, usually what overflow produced upstream). ``current_scaling``
+    (FP8 formats): underflow under per-tensor current scaling, which puts each tensor's largest value just below
+    the format's maximum, so that nothing overflows (overflow 0).
     """
-    cols = [T.NUMEL, T.underflow_col(fmt), T.overflow_col(fmt), T.NAN, T.INF]
-    sub = layers.loc[layers[T.TENSOR] == kind, [*cols, T.MODULE, T.PARAM]]
+    under = T.underflow_cs_col(fmt) if current_scaling else T.underflow_col(fmt)
+    over = None if current_scaling else T.overflow_col(fmt)
+    cols = [T.NUMEL, under, over or under, T.NAN, T.INF]
+    sub = layers.loc[layers[T.TENSOR] == kind, [*dict.fromkeys(cols), T.MODULE, T.PARAM]]
     if sub.empty:
         return {}
-    num = sub[cols].apply(pd.to_numeric, errors="coerce").fillna(0)
+    num = sub[list(dict.fromkeys(cols))].apply(pd.to_numeric, errors="coerce").fillna(0)
+    if over is None:
+        num["_no_overflow"] = 0.0
+        cols[2] = "_no_overflow"
     num[T.MODULE] = sub[T.MODULE].to_numpy()
     num[T.PARAM] = T.texts(sub[T.PARAM]).to_numpy()
     g = num.groupby([T.MODULE, T.PARAM], sort=False)[cols].sum()

@@ -11,7 +11,10 @@ The package, one module per figure: ``common`` (embedding, text and margins), ``
 
 from precprof.report.plots.common import (
     DPI,
+    FIG_WIDTH_IN,
+    FIG_WIDTH_PX,
     MARGIN_PAD_PX,
+    MIN_FONT_PT,
     ROW_LABEL_MAX,
     data_uri,
     elide,
@@ -20,7 +23,7 @@ from precprof.report.plots.common import (
     pow2_text,
     svg_bytes,
 )
-from precprof.report.plots.heatmap import LOST_COLORS, Heatmap, signature_heatmap
+from precprof.report.plots.heatmap import LOST_COLORS, Heatmap, share_norm, signature_heatmap
 from precprof.report.plots.memory import COMPONENT_COLORS, memory_figure
 from precprof.report.plots.training import RESTART_COLOR, SKIP_COLOR, training_figure
 from precprof.report.plots.windows import Window, format_window, heatmap_windows
@@ -28,8 +31,11 @@ from precprof.report.plots.windows import Window, format_window, heatmap_windows
 __all__ = [
     "COMPONENT_COLORS",
     "DPI",
+    "FIG_WIDTH_IN",
+    "FIG_WIDTH_PX",
     "LOST_COLORS",
     "MARGIN_PAD_PX",
+    "MIN_FONT_PT",
     "RESTART_COLOR",
     "ROW_LABEL_MAX",
     "SKIP_COLOR",
@@ -43,6 +49,7 @@ __all__ = [
     "memory_figure",
     "png_bytes",
     "pow2_text",
+    "share_norm",
     "signature_heatmap",
     "svg_bytes",
     "training_figure",

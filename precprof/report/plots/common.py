@@ -16,6 +16,11 @@ from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
 DPI = 100
+# Every figure is drawn for the page's narrowest column (800 px window, 32 px margins: 736 px), so that it is shown
+# at its own pixels there and at any wider window; its texts are never smaller than MIN_FONT_PT (10 px).
+FIG_WIDTH_PX = 720
+FIG_WIDTH_IN = FIG_WIDTH_PX / DPI
+MIN_FONT_PT = 7.5
 
 
 def png_bytes(fig: Figure, dpi: int = DPI) -> bytes:
@@ -65,7 +70,7 @@ def _pct(x: float, _pos: Any = None) -> str:
 
 
 ROW_LABEL_MAX = (
-    64  # characters of a heatmap row name; a longer one keeps its start and end around an ellipsis
+    44  # characters of a heatmap row name; a longer one keeps its start and end around an ellipsis
 )
 MARGIN_PAD_PX = 6  # white space kept between the outermost text and the figure's edge
 

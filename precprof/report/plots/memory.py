@@ -3,6 +3,7 @@ projection."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ from matplotlib.patches import Patch
 from precprof import tables as T
 from precprof.report import filters
 from precprof.report import summarize as S
-from precprof.report.plots.common import fit_margins
+from precprof.report.plots.common import FIG_WIDTH_IN, MIN_FONT_PT, fit_margins
 
 COMPONENT_COLORS: dict[str, str] = {  # also the stacking order
     T.PARAMETERS: "#4c72b0",
@@ -98,14 +99,13 @@ def memory_figure(
         colors[c] = COMPONENT_COLORS.get(c) or next(extra)
     biggest = max(max(sum(st.values()), pk or 0) for _, st, pk in bars)
     div, unit = _unit(biggest)
-    fig = Figure(figsize=(12, 0.42 * len(bars) + 1.6))
+    # drawn for the page's narrowest width: bar names on the left, the legend under the bars
+    legend_rows = math.ceil((len(comp_names) + 1) / 3)
+    height = 0.34 * len(bars) + 0.9 + 0.2 * legend_rows
+    fig = Figure(figsize=(FIG_WIDTH_IN, height))
     ax = fig.subplots()
-    label_in = 0.25 + 0.068 * max(len(b[0]) for b in bars)
     fig.subplots_adjust(
-        left=min(0.4, label_in / 12),
-        right=0.8,
-        top=1 - 0.35 / (0.42 * len(bars) + 1.6),
-        bottom=0.7 / (0.42 * len(bars) + 1.6),
+        left=0.35, right=0.97, top=1 - 0.15 / height, bottom=(0.55 + 0.2 * legend_rows) / height
     )
     for i, (_label, st, pk) in enumerate(bars):
         left = 0.0
@@ -114,14 +114,15 @@ def memory_figure(
             if v > 0:
                 ax.barh(i, v, left=left, color=colors[c], height=0.66, edgecolor="white", lw=0.5)
                 left += v
-        ax.text(left, i, " " + filters.nbytes(sum(st.values())), va="center", fontsize=8.5)
+        ax.text(left, i, " " + filters.nbytes(sum(st.values())), va="center", fontsize=8)
         if pk:
             ax.plot([pk / div, pk / div], [i - 0.4, i + 0.4], color="black", lw=2.2)
     ax.set_yticks(range(len(bars)))
-    ax.set_yticklabels([b[0] for b in bars], fontsize=9)
+    ax.set_yticklabels([b[0] for b in bars], fontsize=8)
+    ax.tick_params(axis="x", labelsize=8)
     ax.set_ylim(len(bars) - 0.5, -0.5)
-    ax.set_xlim(0, biggest / div * 1.15)
-    ax.set_xlabel(f"memory ({unit})")
+    ax.set_xlim(0, biggest / div * 1.22)
+    ax.set_xlabel(f"memory ({unit})", fontsize=8.5)
     ax.grid(True, axis="x", alpha=0.3)
     names = {T.PROFILER_BUFFERS: "profiler buffers (precprof's own)", T.OTHER_MEMORY: "other (not named)"}
 
@@ -132,6 +133,6 @@ def memory_figure(
     handles: list[Any] = [Patch(color=colors[c], label=legend(c)) for c in comp_names]
     if any(pk for _, _, pk in bars):
         handles.append(Line2D([], [], color="black", lw=2.2, label="allocator peak"))
-    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8.5, frameon=False)
-    fit_margins(fig)  # the bar names on the left and the legend on the right, inside the figure
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=MIN_FONT_PT, frameon=False)
+    fit_margins(fig)  # the bar names on the left, inside the figure
     return fig

@@ -13,7 +13,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from precprof import tables as T
-from precprof.report.plots.common import _pow2_label
+from precprof.report.plots.common import FIG_WIDTH_IN, _pow2_label
 
 SKIP_COLOR = "#d62728"
 RESTART_COLOR = "#2c7fb8"
@@ -28,9 +28,11 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
     x = pd.to_numeric(df[T.STEP], errors="coerce").to_numpy(dtype=float)
     skipped = T.flags(df[T.SKIPPED]).to_numpy()
     restarts = x[T.flags(df[T.RESUMED]).to_numpy()] if T.RESUMED in df else np.zeros(0)
-    fig = Figure(figsize=(13.5, 3.4))
-    axes = fig.subplots(1, 3)
-    fig.subplots_adjust(left=0.055, right=0.99, top=0.9, bottom=0.24, wspace=0.28)
+    # drawn for the page's narrowest width: the loss across the top, loss scale and gradient norm below it
+    fig = Figure(figsize=(FIG_WIDTH_IN, 5.4))
+    gs = fig.add_gridspec(2, 2, hspace=0.62, wspace=0.34)
+    axes = [fig.add_subplot(gs[0, :]), fig.add_subplot(gs[1, 0]), fig.add_subplot(gs[1, 1])]
+    fig.subplots_adjust(left=0.1, right=0.98, top=0.95, bottom=0.2)
 
     def mark_skipped(ax: Any) -> None:
         if skipped.sum() > 200:  # one collection, not a patch per step: a long run may skip thousands
@@ -130,5 +132,10 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
         handles.append(Line2D([], [], color=RESTART_COLOR, ls="--", lw=1.3, label=label))
     if np.isinf(gn).any():
         handles.append(Line2D([], [], color=SKIP_COLOR, marker="^", ls="", label="gradient norm inf"))
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9)
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 2), frameon=False, fontsize=8.5)
+    for a in axes:
+        a.title.set_fontsize(10)
+        a.xaxis.label.set_fontsize(9)
+        a.yaxis.label.set_fontsize(9)
+        a.tick_params(labelsize=8.5)
     return fig
