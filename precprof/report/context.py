@@ -77,6 +77,10 @@ def recommendation_dict(recommendation: Any) -> dict[str, Any] | None:
     return d
 
 
+def _missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
 def _f(v: Any) -> float | None:
     try:
         f = float(v)
@@ -500,6 +504,7 @@ def build_context(
     )
     status = str(summary.get(T.SUMMARY_STATUS) or T.STATUS_COMPLETE)
     training_fig = plots.training_figure(steps)
+    layer_rows = S.layer_records(layers)
     hw = summary.get(T.SUMMARY_HARDWARE) or {}
     target = str((rec or {}).get("target") or "")
     recorded_on = {str(hw.get(k) or "").lower() for k in ("name", "preset")} - {""}
@@ -529,9 +534,14 @@ def build_context(
             "restarts": _restarts(steps),
             "timeline": _timeline(layers, steps),
         },
-        "heatmaps": _heatmaps(tabs, rec, histogram_totals),
+        "heatmaps": _heatmaps(tabs, rec, histogram_totals, summary),
         "whatif": _whatif(layers, summary, rec),
-        "layers": S.layer_records(layers),
+        "layers": layer_rows,
+        # columns of the per-layer table that only some runs fill: left out when no row has them
+        "layers_cols": {
+            "lost_updates": any(not _missing(r.get("lost_update_bf16")) for r in layer_rows),
+            "nonfinite": any(r.get("nonfinite_first") for r in layer_rows),
+        },
         "memory": memory,
         "verification": S.precision_check(layers, tabs["memory"], summary),
         "environment": environment.environment(summary),

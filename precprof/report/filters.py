@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 MISSING = "—"
-PLAIN_MAX_ITEMS = 12  # longer lists in config/environment tables are cut, with their length
 
 
 def _float(v: Any) -> float | None:
@@ -142,9 +141,9 @@ def plain(v: Any) -> str:
     if isinstance(v, Mapping):
         return ", ".join(f"{k}={plain(x)}" for k, x in v.items()) or MISSING
     if isinstance(v, (list, tuple, set)):
-        items = list(v)
-        shown = ", ".join(plain(x) for x in items[:PLAIN_MAX_ITEMS]) or MISSING
-        return shown + (f" … ({len(items)} in all)" if len(items) > PLAIN_MAX_ITEMS else "")
+        return (
+            ", ".join(plain(x) for x in v) or MISSING
+        )  # every item: a list cut short hides what a reader needs
     return str(v)
 
 
