@@ -30,6 +30,7 @@ from precprof import formats, pipeline
 from precprof import tables as T
 from precprof.errors import UserError
 from precprof.report import filters, plots, render_html, render_report, render_run_dir, templates_dir
+from precprof.report import memory_summary as M
 from precprof.report import numbers as report_numbers
 from precprof.report import summarize as S
 from precprof.report.context import SECTIONS
@@ -120,7 +121,7 @@ def test_real_run_report_shows_recommendation_and_numbers_from_the_tables(run: P
     )
     assert row is not None and f">{filters.pct(share)}</td>" in row.group(1)
     # memory: the measured total of the memory table
-    measured = S.measured_memory(tabs["memory"])
+    measured = M.measured_memory(tabs["memory"])
     assert filters.nbytes(measured["total"]) in section(page, "memory")
     # environment: the command line the run was started with
     assert "gpt-nano" in section(page, "environment")

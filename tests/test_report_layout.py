@@ -20,6 +20,7 @@ from report_fixtures import gpt_layers, synthetic_run
 
 from precprof import tables as T
 from precprof.report import filters, plots, render
+from precprof.report import memory_summary as M
 from precprof.report import summarize as S
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "reports" / "templates"
@@ -117,8 +118,8 @@ def test_memory_bar_and_table_show_one_total(mode: str) -> None:
     summary's measured records leave precprof's own buffers out; its number is the table's, character for
     character."""
     tabs, summary = synthetic_run(mode, layers=gpt_layers(n_layer=1), steps=4, sample_every=2)
-    measured = S.measured_memory(tabs["memory"])
-    records = S.memory_records(summary)
+    measured = M.measured_memory(tabs["memory"])
+    records = M.memory_records(summary)
     assert T.PROFILER_BUFFERS in measured["components"]
     rec_measured = sum(r["bytes"] for r in records if r["source"] == "measured")
     assert filters.nbytes(rec_measured) != filters.nbytes(measured["total"])  # the two sources differ here
@@ -176,8 +177,8 @@ def test_the_peak_bar_and_table_show_every_part(monkeypatch: pytest.MonkeyPatch)
         for c, m, dt, b in parts
     ]
     with_peak = T.frame("memory", pd.concat([mem, pd.DataFrame(rows)], ignore_index=True))
-    measured = S.measured_memory(with_peak)
-    assert measured["components"] == S.measured_memory(mem)["components"]
+    measured = M.measured_memory(with_peak)
+    assert measured["components"] == M.measured_memory(mem)["components"]
     check = S.precision_check(tabs["layers"], with_peak, summary)["rows"]
     assert check == S.precision_check(tabs["layers"], mem, summary)["rows"]  # optimizer states counted once
     at = measured["at_peak"]
@@ -191,7 +192,7 @@ def test_the_peak_bar_and_table_show_every_part(monkeypatch: pytest.MonkeyPatch)
     ]
     assert at["named_share"] == pytest.approx(5900 / 6100)
 
-    fig = plots.memory_figure(measured, S.memory_records(summary), "bf16")
+    fig = plots.memory_figure(measured, M.memory_records(summary), "bf16")
     assert fig is not None and texts_outside(fig) == []
     ax = fig.axes[0]
     names = [t.get_text() for t in ax.get_yticklabels()]
@@ -208,7 +209,7 @@ def test_the_peak_bar_and_table_show_every_part(monkeypatch: pytest.MonkeyPatch)
     assert "At the allocator's peak" in section
     for label, share in (
         ("activations saved for backward", 3000 / 6100),
-        (S.TEMPORARY_LABELS[T.PHASE_BACKWARD], 1500 / 6100),
+        (M.TEMPORARY_LABELS[T.PHASE_BACKWARD], 1500 / 6100),
         ("other (allocated before the step, not named)", 200 / 6100),
     ):
         assert f"<td>{label}</td><td>" in section and filters.pct(share) in section, label
@@ -231,7 +232,7 @@ def test_every_figure_is_drawn_for_the_narrow_page() -> None:
         hm = plots.signature_heatmap(hist, tabs["layers"], kind)
         assert hm is not None
         figs[kind] = hm.figure
-    figs["memory"] = plots.memory_figure(S.measured_memory(tabs["memory"]), S.memory_records(summary), "fp16")
+    figs["memory"] = plots.memory_figure(M.measured_memory(tabs["memory"]), M.memory_records(summary), "fp16")
     for name, fig in figs.items():
         assert fig is not None
         assert fig.bbox.width <= plots.FIG_WIDTH_PX + 0.5, (name, fig.bbox.width)
