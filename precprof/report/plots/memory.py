@@ -133,6 +133,9 @@ def memory_figure(
     handles: list[Any] = [Patch(color=colors[c], label=legend(c)) for c in comp_names]
     if any(pk for _, _, pk in bars):
         handles.append(Line2D([], [], color="black", lw=2.2, label="allocator peak"))
-    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=MIN_FONT_PT, frameon=False)
     fit_margins(fig)  # the bar names on the left, inside the figure
+    # the legend under the axis label: room kept for it below the axes (fit_margins took the bottom margin in)
+    bottom = (0.55 + 0.2 * legend_rows) / height
+    fig.subplots_adjust(bottom=bottom, top=max(fig.subplotpars.top, bottom + 0.1))
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=MIN_FONT_PT, frameon=False)
     return fig
