@@ -305,7 +305,12 @@ def usual_format(info: HardwareInfo) -> tuple[str, str]:
     numbers; this is the answer ``precprof env`` gives without a run."""
     if not info.is_cuda:
         if info.bf16_native:
-            return "bf16", "CPU with native bf16 (AVX512-BF16/AMX): bf16 autocast is faster than fp32"
+            # bf16 matmuls in hardware do not make a training step faster by themselves (conversions, the ops
+            # autocast keeps in fp32): no speed is claimed that nothing here measured
+            return "fp32", (
+                "CPU with native bf16 (AVX512-BF16/AMX): bf16 matmuls run in hardware, but whether bf16 autocast "
+                "trains faster than fp32 depends on the model; precprof compare --precisions fp32,bf16 measures it"
+            )
         return "fp32", "CPU without native bf16: low precision is emulated and brings no speed"
     cc = info.compute_capability or (0, 0)
     if info.fp8_supported:

@@ -10,7 +10,7 @@ from torch import nn
 from precprof import tables as T
 from precprof.capture import Profiler
 from precprof.capture.block_budget import BlockBudget
-from precprof.report.context import _block_setting
+from precprof.report.environment import block_setting as _block_setting
 
 
 def test_the_groups_follow_the_median_estimate() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -19,6 +20,7 @@ from report_fixtures import gpt_layers, synthetic_run
 
 from precprof import tables as T
 from precprof.report import filters, plots, render
+from precprof.report import memory_summary as M
 from precprof.report import summarize as S
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "reports" / "templates"
@@ -85,7 +87,9 @@ def test_heatmap_texts_lie_inside_the_figure(case: str, kind: str) -> None:
     assert hm is not None
     assert texts_outside(hm.figure) == []
     labels = [t.get_text() for t in hm.figure.findobj(Text)]
-    assert "share of the layer's nonzero values (log scale)" in labels  # the colour-bar label is drawn
+    assert (
+        "share of the row's nonzero values (log below 10%, linear above)" in labels
+    )  # the colour bar's label
     assert any(lab.startswith("FP8 E5M2") for lab in labels)
     if case == "long-names":
         long_rows = [lab for lab in labels if lab.startswith("model.encoder.")]
@@ -114,8 +118,8 @@ def test_memory_bar_and_table_show_one_total(mode: str) -> None:
     summary's measured records leave precprof's own buffers out; its number is the table's, character for
     character."""
     tabs, summary = synthetic_run(mode, layers=gpt_layers(n_layer=1), steps=4, sample_every=2)
-    measured = S.measured_memory(tabs["memory"])
-    records = S.memory_records(summary)
+    measured = M.measured_memory(tabs["memory"])
+    records = M.memory_records(summary)
     assert T.PROFILER_BUFFERS in measured["components"]
     rec_measured = sum(r["bytes"] for r in records if r["source"] == "measured")
     assert filters.nbytes(rec_measured) != filters.nbytes(measured["total"])  # the two sources differ here
@@ -142,7 +146,7 @@ def test_memory_bar_and_table_show_one_total(mode: str) -> None:
             if r["mode"] == m and r["source"] == "projected" and r["component"] not in S.PEAK_COMPONENTS
         )
         assert value == filters.nbytes(want), name
-    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert "profiler buffers (precprof's own)" in legend
 
 
@@ -173,8 +177,8 @@ def test_the_peak_bar_and_table_show_every_part(monkeypatch: pytest.MonkeyPatch)
         for c, m, dt, b in parts
     ]
     with_peak = T.frame("memory", pd.concat([mem, pd.DataFrame(rows)], ignore_index=True))
-    measured = S.measured_memory(with_peak)
-    assert measured["components"] == S.measured_memory(mem)["components"]
+    measured = M.measured_memory(with_peak)
+    assert measured["components"] == M.measured_memory(mem)["components"]
     check = S.precision_check(tabs["layers"], with_peak, summary)["rows"]
     assert check == S.precision_check(tabs["layers"], mem, summary)["rows"]  # optimizer states counted once
     at = measured["at_peak"]
@@ -188,13 +192,13 @@ def test_the_peak_bar_and_table_show_every_part(monkeypatch: pytest.MonkeyPatch)
     ]
     assert at["named_share"] == pytest.approx(5900 / 6100)
 
-    fig = plots.memory_figure(measured, S.memory_records(summary), "bf16")
+    fig = plots.memory_figure(measured, M.memory_records(summary), "bf16")
     assert fig is not None and texts_outside(fig) == []
     ax = fig.axes[0]
     names = [t.get_text() for t in ax.get_yticklabels()]
     values = [t.get_text().strip() for t in ax.texts]
     assert names[1] == "bf16 · at the peak (backward)" and values[1] == filters.nbytes(6100)
-    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert "temporaries (backward)" in legend and "other (not named)" in legend
 
     # the page, from this repository's templates (an installed precprof may carry others)
@@ -205,8 +209,101 @@ def test_the_peak_bar_and_table_show_every_part(monkeypatch: pytest.MonkeyPatch)
     assert "At the allocator's peak" in section
     for label, share in (
         ("activations saved for backward", 3000 / 6100),
-        (S.TEMPORARY_LABELS[T.PHASE_BACKWARD], 1500 / 6100),
+        (M.TEMPORARY_LABELS[T.PHASE_BACKWARD], 1500 / 6100),
         ("other (allocated before the step, not named)", 200 / 6100),
     ):
         assert f"<td>{label}</td><td>" in section and filters.pct(share) in section, label
     assert filters.nbytes(6100) in section and filters.nbytes(700) in section
+
+
+def test_every_figure_is_drawn_for_the_narrow_page() -> None:
+    """At 800 px the page's column is 736 px: every figure is drawn at most ``FIG_WIDTH_PX`` wide, so the page
+    shows it at its own pixels (a 1,350-px figure was shown at 54%, its text 4-6 px), with no text smaller than
+    ``MIN_FONT_PT`` and every text inside the figure."""
+    from precprof.report import timeline
+
+    tabs, summary = synthetic_run("fp16", layers=gpt_layers(n_layer=2), steps=8, sample_every=1)
+    hist = T.sum_histogram_frame(tabs["histograms"])
+    figs = {"training": plots.training_figure(tabs["steps"])}
+    tl = timeline.timeline(tabs["layers"])
+    assert tl is not None
+    figs["timeline"] = timeline.timeline_figure(tl)
+    for kind in (T.ACTIVATION_GRAD, T.ACTIVATION, T.WEIGHT_GRAD):
+        hm = plots.signature_heatmap(hist, tabs["layers"], kind)
+        assert hm is not None
+        figs[kind] = hm.figure
+    figs["memory"] = plots.memory_figure(M.measured_memory(tabs["memory"]), M.memory_records(summary), "fp16")
+    for name, fig in figs.items():
+        assert fig is not None
+        assert fig.bbox.width <= plots.FIG_WIDTH_PX + 0.5, (name, fig.bbox.width)
+        assert texts_outside(fig) == [], name
+        sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+        assert min(sizes) >= plots.MIN_FONT_PT, (name, min(sizes))
+
+
+def heat_axes(fig: Figure) -> Any:
+    return next(a for a in fig.axes if a.images)
+
+
+def test_heatmap_draws_the_binades_that_hold_values() -> None:
+    """Weights sit in a band of ~15 binades; FP16's window at scale 1 spans 41 and BF16's 262: the heatmap draws
+    the band (and an FP16 edge within reach of it), not the empty range around it."""
+    tabs, _ = synthetic_run("fp16", layers=gpt_layers(n_layer=1), steps=4, sample_every=1)
+    hist = T.sum_histogram_frame(tabs["histograms"])
+    hm = plots.signature_heatmap(hist, tabs["layers"], T.WEIGHT)
+    assert hm is not None
+    _rows, exps, mat = S.heatmap_matrix(hist, tabs["layers"], T.WEIGHT)
+    held = exps[(mat > 0).any(axis=0)]
+    x0, x1 = hm.x_range
+    assert heat_axes(hm.figure).get_xlim() == (x0, x1)
+    assert x0 <= held.min() and x1 >= held.max() + 1  # every value drawn
+    reach = 2 + 2 * 3  # a binade each side, and an FP16 edge up to 3 binades beyond
+    assert (x1 - x0) <= (held.max() + 1 - held.min()) + reach, (x0, x1, held.min(), held.max())
+    fp16 = hm.windows[0]
+    assert x1 - x0 < 0.8 * (fp16.hi - fp16.lo)  # the old range held FP16's whole window, and more
+
+
+def test_heatmap_colours_tell_26_from_84_percent() -> None:
+    """A row with a quarter of its values in one binade and one with five sixths: two colours, as far apart on
+    the colour map as 0.1% and 10% (a log scale to 100% drew them nearly alike, both near its top)."""
+    tabs, _ = synthetic_run("fp16", layers=gpt_layers(n_layer=1), steps=4, sample_every=1)
+    hm = plots.signature_heatmap(T.sum_histogram_frame(tabs["histograms"]), tabs["layers"], T.ACTIVATION_GRAD)
+    assert hm is not None
+    im = heat_axes(hm.figure).images[0]
+    u26, u84 = float(im.norm(0.26)), float(im.norm(0.84))
+    assert u84 - u26 >= 0.2
+    assert u84 - u26 >= 0.8 * (float(im.norm(0.1)) - float(im.norm(0.001)))
+
+    def luminance(rgba: tuple[float, ...]) -> float:
+        r, g, b = rgba[:3]
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+    assert luminance(im.cmap(u26)) - luminance(im.cmap(u84)) >= 0.2
+    # the tails stay visible: one value in a million is coloured, below the linear half
+    assert 0 <= float(im.norm(1e-6)) < float(im.norm(1e-3)) < float(im.norm(0.1)) <= 0.6 + 1e-9
+
+
+def test_an_fp8_run_chooses_its_heatmap_rows_by_what_fp8_loses() -> None:
+    """Too many rows for one heatmap: an FP8 run keeps those that lose the most in FP8 under current scaling
+    (E5M2 for gradients), not in FP16; the caption says which rows are shown and why."""
+    tabs, summary = synthetic_run("bf16", layers=gpt_layers(n_layer=4), steps=4, sample_every=2)
+    hist, layers = T.sum_histogram_frame(tabs["histograms"]), tabs["layers"]
+    kind, keep = T.ACTIVATION_GRAD, 10
+    rows = S.row_order(layers, kind)
+    assert len(rows) > keep
+
+    def chosen(lost: dict) -> list[tuple[str, str]]:
+        bad = {r: sum(v for v in lost.get(r, ()) if v == v) for r in rows}
+        top = sorted(rows[1:-1], key=lambda r: (-bad[r], rows.index(r)))[: keep - 2]
+        return [r for r in rows if r in {rows[0], rows[-1], *top}]
+
+    fp8 = chosen(S.lost_share_by_row(layers, kind, "fp8_e5m2", current_scaling=True))
+    fp16 = chosen(S.lost_share_by_row(layers, kind, "fp16"))
+    assert fp8 != fp16  # the two formats lose in different rows here
+    hm = plots.signature_heatmap(hist, layers, kind, max_rows=keep, focus="fp8")
+    assert hm is not None and hm.rows == fp8 and hm.focus_label == "FP8 E5M2, current scaling"
+    assert plots.signature_heatmap(hist, layers, kind, max_rows=keep).rows == fp16  # an FP16 run, as before
+    summary = {**summary, T.SUMMARY_CONFIG: {**summary.get(T.SUMMARY_CONFIG, {}), "precision": "fp8"}}
+    page = render.render_html(tabs, summary)
+    caption = page.split('id="signature-activation_grad"', 1)[1].split("</figcaption>", 1)[0]
+    assert "lost in FP8 E5M2, current scaling (this run trained in FP8)" in caption

@@ -63,7 +63,7 @@ def test_missing_times_and_tokens() -> None:
 def test_a_training_run_reports_and_renders_the_unsampled_rate(tmp_path: Path) -> None:
     cfg = TrainConfig(
         model="gpt-nano",
-        steps=12,
+        steps=13,  # steps 4, 8 and 12 sampled: three of each kind timed, the least a cost is measured from
         sample_every=4,
         batch_size=2,
         seq_len=16,
@@ -82,7 +82,12 @@ def test_a_training_run_reports_and_renders_the_unsampled_rate(tmp_path: Path) -
     assert final["tokens_per_s_wall"] > 0
     head = dict(_headline(result.summary, steps, pd.DataFrame()))
     assert "tokens/s (unsampled steps, median of 9)" in head
-    assert head["a sampled step"].endswith("× an unsampled one")
+    # the ratio when a sampled step took longer; on a loaded machine the medians can come out the other way,
+    # and then the page says the cost was not measured rather than call a sampled step cheaper
+    if final["sampled_step_cost"] >= 1:
+        assert head["a sampled step"] == f"{final['sampled_step_cost']:.2f}× an unsampled one"
+    else:
+        assert head["a sampled step"].startswith("cost not measured")
 
 
 def test_a_reattached_profiler_does_not_count_the_time_it_was_detached() -> None:

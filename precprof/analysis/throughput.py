@@ -5,7 +5,9 @@ run pays for warm-up (allocator, kernel selection, compilation), so a wall-clock
 little about the training itself. The throughput precprof reports is the rate of the steps it left alone:
 median tokens per step over median time per step, over the unsampled steps, the first step left out. When
 fewer than three such steps exist (every step sampled), every step but the first counts, and the result says
-so. The sampled steps' median time beside it, as a ratio, is what profiling a step costs.
+so. The sampled steps' median time beside it, as a ratio, is what profiling a step costs, when at least
+``MIN_STEPS`` steps of each kind were timed (a run killed after a few steps has one or two of each: no ratio of
+their times measures anything).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def throughput(steps: pd.DataFrame) -> dict[str, Any]:
     Returns ``tokens_per_s`` (median tokens / median seconds of the counted steps; NaN without tokens),
     ``tokens_per_s_basis`` (``"unsampled steps"`` or ``"all steps"``), ``tokens_per_s_steps`` (how many steps
     count), ``step_time_unsampled_median_s`` and ``step_time_sampled_median_s`` (the first step left out of
-    both) and ``sampled_step_cost`` (their ratio: NaN unless both kinds of step were timed).
+    both), ``steps_timed_unsampled`` and ``steps_timed_sampled`` (how many of each were timed) and
+    ``sampled_step_cost`` (their ratio: NaN unless at least ``MIN_STEPS`` of each kind were timed).
     """
     out: dict[str, Any] = {
         "tokens_per_s": math.nan,
@@ -43,6 +46,8 @@ def throughput(steps: pd.DataFrame) -> dict[str, Any]:
         "step_time_unsampled_median_s": math.nan,
         "step_time_sampled_median_s": math.nan,
         "sampled_step_cost": math.nan,
+        "steps_timed_unsampled": 0,
+        "steps_timed_sampled": 0,
     }
     if steps.empty or T.TIME_S not in steps:
         return out
@@ -55,7 +60,9 @@ def throughput(steps: pd.DataFrame) -> dict[str, Any]:
     plain, profiled = timed & ~sampled, timed & sampled
     out["step_time_unsampled_median_s"] = _median(time[plain])
     out["step_time_sampled_median_s"] = _median(time[profiled])
-    if plain.any() and profiled.any():
+    out["steps_timed_unsampled"] = int(plain.sum())
+    out["steps_timed_sampled"] = int(profiled.sum())
+    if int(plain.sum()) >= MIN_STEPS and int(profiled.sum()) >= MIN_STEPS:
         out["sampled_step_cost"] = out["step_time_sampled_median_s"] / out["step_time_unsampled_median_s"]
     use = plain if int(plain.sum()) >= MIN_STEPS else timed
     out["tokens_per_s_basis"] = BASIS_UNSAMPLED if use is plain else BASIS_ALL

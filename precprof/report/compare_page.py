@@ -21,7 +21,8 @@ from precprof.analysis.comparison import (
     finite,
 )
 from precprof.modes import MODE_COLORS
-from precprof.report.plots import COMPONENT_COLORS, data_uri, png_bytes
+from precprof.report import environment as env_words
+from precprof.report.plots import COMPONENT_COLORS, FIG_WIDTH_IN, data_uri, png_bytes
 from precprof.report.render import environment
 
 TEMPLATE = "compare.html.j2"
@@ -46,9 +47,10 @@ def loss_figure(comparison: Comparison) -> Any:
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    fig = Figure(figsize=(13.5, 4.0))
-    ax_loss, ax_rel = fig.subplots(1, 2)
-    fig.subplots_adjust(left=0.055, right=0.99, top=0.9, bottom=0.14, wspace=0.2)
+    # drawn for the page's narrowest width (plots.FIG_WIDTH_PX), one panel above the other
+    fig = Figure(figsize=(FIG_WIDTH_IN, 6.4))
+    ax_loss, ax_rel = fig.subplots(2, 1)
+    fig.subplots_adjust(left=0.13, right=0.98, top=0.95, bottom=0.09, hspace=0.42)
     ref = comparison.run(comparison.reference)
     n = max((len(r.curve_loss) for r in comparison.runs), default=0)
     w = max(1, n // 25)
@@ -121,10 +123,10 @@ def resources_figure(comparison: Comparison) -> Any | None:
     comps += sorted(
         {c for r in runs for c in r.memory if c not in comps and c not in T.MEMORY_PEAK_COMPONENTS}
     )
-    height = 1.7 + 0.5 * len(runs)  # inches: bars plus fixed room for titles, axis labels and the legend
-    fig = Figure(figsize=(13.5, height))
-    ax_mem, ax_tp = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.2, 1]})
-    fig.subplots_adjust(left=0.09, right=0.99, top=1 - 0.4 / height, bottom=1.05 / height, wspace=0.12)
+    height = 2.0 + 0.45 * len(runs)  # inches: bars plus fixed room for titles, axis labels and the legend
+    fig = Figure(figsize=(FIG_WIDTH_IN, height))
+    ax_mem, ax_tp = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
+    fig.subplots_adjust(left=0.16, right=0.97, top=1 - 0.4 / height, bottom=1.3 / height, wspace=0.12)
     labels = [r.label for r in runs]
     y = np.arange(len(runs))[::-1]
     biggest = max((r.memory_total for r in runs), default=0)
@@ -142,18 +144,18 @@ def resources_figure(comparison: Comparison) -> Any | None:
         )
         left += vals
     for yi, tot in zip(y, left, strict=True):
-        ax_mem.text(tot, yi, f" {tot:.3g} {unit}", va="center", fontsize=9)
+        ax_mem.text(tot, yi, f" {tot:.3g} {unit}", va="center", fontsize=8)
     ax_mem.set_yticks(y, labels)
     ax_mem.set_xlim(0, max(left.max() * 1.18, 1e-9) if len(left) else 1)
     ax_mem.set_xlabel(unit)
-    ax_mem.set_title("Memory per component (last sampled step)")
+    ax_mem.set_title("Memory per component\n(last sampled step)", fontsize=9.5)
     fig.legend(
         *ax_mem.get_legend_handles_labels(),
         loc="lower left",
-        bbox_to_anchor=(0.09, 0.0),
-        ncol=min(len(comps), 7),
+        bbox_to_anchor=(0.01, 0.0),
+        ncol=min(len(comps), 3),
         frameon=False,
-        fontsize=9,
+        fontsize=8,
     )
     tps = np.array([r.tokens_per_s if math.isfinite(r.tokens_per_s) else 0 for r in runs])
     ax_tp.barh(y, tps, color=[_style(r, i)[0] for i, r in enumerate(runs)])
@@ -163,11 +165,11 @@ def resources_figure(comparison: Comparison) -> Any | None:
             if r.speedup is not None and r is not comparison.run(comparison.reference)
             else ""
         )
-        ax_tp.text(v, yi, f" {v:,.0f}{sp}", va="center", fontsize=9)
+        ax_tp.text(v, yi, f" {v:,.0f}{sp}", va="center", fontsize=8)
     ax_tp.set_yticks(y, [""] * len(runs))
-    ax_tp.set_xlim(0, max(tps.max() * 1.45, 1))
+    ax_tp.set_xlim(0, max(tps.max() * 1.9, 1))
     ax_tp.set_xlabel("tokens / s")
-    ax_tp.set_title("Throughput (steps without layer capture)")
+    ax_tp.set_title("Throughput\n(steps without layer capture)", fontsize=9.5)
     for a in (ax_mem, ax_tp):
         a.grid(True, axis="x", alpha=0.3)
     return fig
@@ -225,7 +227,16 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
             loss_figure(comparison), "loss curves of every run overlaid, and relative to the reference"
         ),
         "resources_img": _img(resources_figure(comparison), "memory per component and throughput per run"),
-        "config": {k: v for k, v in cfg.items() if k != "command_line" and (k != "model_args" or v)},
+        # the shared settings in the words of the report's environment (each run trained in this one process)
+        "setup": [
+            *([("model", str(cfg["model"]))] if cfg.get("model") else []),
+            *(
+                [("model settings", ", ".join(f"{k}={v}" for k, v in cfg["model_args"].items()))]
+                if isinstance(cfg.get("model_args"), dict) and cfg["model_args"]
+                else []
+            ),
+            *[(k, v) for k, v in env_words.config_rows(cfg) if k != "run directory"],
+        ],
         "notes": comparison.notes,
         "command": cfg.get("command_line"),
         "wall_s": comparison.wall_s,

@@ -18,8 +18,9 @@ from precprof import __version__, formats
 from precprof import tables as T
 from precprof.analysis import snippets as snippet_code
 from precprof.analysis.throughput import throughput
+from precprof.report import blocks, environment, plots, timeline
 from precprof.report import filters as F
-from precprof.report import plots, timeline
+from precprof.report import memory_summary as M
 from precprof.report import summarize as S
 
 SEVERITY_ORDER = {"critical": 0, "error": 0, "warning": 1, "info": 2}
@@ -77,6 +78,10 @@ def recommendation_dict(recommendation: Any) -> dict[str, Any] | None:
     return d
 
 
+def _missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
 def _f(v: Any) -> float | None:
     try:
         f = float(v)
@@ -119,10 +124,15 @@ def _verdict(
     current = S.requested_precision(summary)
     # the run's training memory: precprof's own buffers and scratch are not part of what a format changes
     own = float((measured.get("components") or {}).get(T.PROFILER_BUFFERS) or 0.0)
-    saving = S.expected_saving(records, float(measured.get("total") or 0.0) - own, current, fmt)
+    saving = M.expected_saving(records, float(measured.get("total") or 0.0) - own, current, fmt, measured)
+    diverged = next(
+        (f.get("numbers") or {} for f in rec.get("findings") or [] if f.get("code") == "run_diverged"), None
+    )
     return {
         "format": fmt,
         "format_label": formats.label(fmt),
+        # a run that diverged: the box says so beside the format, which rests on the steps before it
+        "diverged": {"step": diverged.get("step"), "last": diverged.get("last_step")} if diverged else None,
         "measured_format": str(rec.get("measured_format") or ""),
         "measured_label": formats.label(str(rec.get("measured_format") or "")),
         "loss_scale": _f(rec.get("loss_scale")),
@@ -130,7 +140,7 @@ def _verdict(
         "growth_interval": rec.get("growth_interval"),
         "keep_fp32": list(rec.get("keep_fp32") or []),
         "fp8_layers": list(rec.get("fp8_layers") or []),
-        "block_plan": _block_plan_groups(
+        "block_plan": blocks.plan_groups(
             rec.get("block_plan"), (rec.get("block_what_if") or {}).get("plan_labels") or {}
         ),
         "reasons": [str(r) for r in rec.get("reasons") or []],
@@ -139,21 +149,6 @@ def _verdict(
         "saving": saving,
         "snippets": snippet_code.snippets(rec),
     }
-
-
-def _block_plan_groups(plan: Any, plan_labels: Mapping[str, str]) -> list[dict[str, Any]]:
-    """The recommendation's block plan (layer -> format) as groups in the plan's order (the advisor's labels:
-    NVFP4, MXFP4, MXFP8, BF16), each with its layers."""
-    if not isinstance(plan, Mapping) or not plan:
-        return []
-    order = list(plan_labels)
-    groups: dict[str, list[str]] = {}
-    for module, fmt in plan.items():
-        groups.setdefault(str(fmt), []).append(str(module))
-    return [
-        {"format": f, "label": plan_labels.get(f, f.upper()), "modules": groups[f]}
-        for f in sorted(groups, key=lambda f: order.index(f) if f in order else len(order))
-    ]
 
 
 def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFrame) -> list[tuple[str, str]]:
@@ -183,8 +178,27 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
         out.append((f"tokens/s ({basis})", F.num(tp["tokens_per_s"])))
     elif final.get("tokens_per_s") is not None:
         out.append(("tokens/s", F.num(final["tokens_per_s"])))
-    if math.isfinite(tp["sampled_step_cost"]):
-        out.append(("a sampled step", f"{tp['sampled_step_cost']:.2f}× an unsampled one"))
+    cost = tp["sampled_step_cost"]
+    n_s, n_u = tp["steps_timed_sampled"], tp["steps_timed_unsampled"]
+    if math.isfinite(cost) and cost >= 1:
+        out.append(("a sampled step", f"{cost:.2f}× an unsampled one"))
+    elif math.isfinite(cost):
+        # a step that records more cannot take less time: the timings are noise (a busy machine, a sync that
+        # landed on other steps), not a cost
+        out.append(
+            (
+                "a sampled step",
+                f"cost not measured (median {F.num(tp['step_time_sampled_median_s'], 3)} s over {F.count(n_s)} "
+                f"sampled steps, {F.num(tp['step_time_unsampled_median_s'], 3)} s over {F.count(n_u)} unsampled: noise)",
+            )
+        )
+    elif n_s and n_u:
+        out.append(
+            (
+                "a sampled step",
+                f"cost not measured ({F.count(n_s)} sampled, {F.count(n_u)} unsampled steps timed)",
+            )
+        )
     if final.get("time_s") is not None:
         out.append(("time (s)", F.num(final["time_s"])))
     if not layers.empty:
@@ -194,8 +208,25 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
     return out
 
 
+def heatmap_focus(summary: Mapping[str, Any], rec: Mapping[str, Any] | None) -> tuple[str, str]:
+    """(format, why) whose losses choose the heatmaps' rows and fill their side panel: the run's own FP16 or FP8,
+    else the recommended one, else FP16 (the format whose range is narrowest at scale 1)."""
+    ran = S.requested_precision(summary)
+    if ran.startswith("fp8"):
+        return "fp8", "this run trained in FP8"
+    if ran.startswith("fp16"):
+        return "fp16", "this run trained in FP16"
+    fmt = str((rec or {}).get("format") or "")
+    if fmt in ("fp8", "fp16"):
+        return fmt, f"the recommended format is {fmt.upper()}"
+    return "fp16", "FP16 has the narrowest range of the formats a run can train in"
+
+
 def _heatmaps(
-    tables: Mapping[str, pd.DataFrame], rec: dict[str, Any] | None, totals: pd.DataFrame | None = None
+    tables: Mapping[str, pd.DataFrame],
+    rec: dict[str, Any] | None,
+    totals: pd.DataFrame | None = None,
+    summary: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     layers = tables["layers"]
     hist = T.sum_histogram_frame(totals if totals is not None else tables["histograms"])
@@ -204,9 +235,10 @@ def _heatmaps(
         rec_scale = (
             _f(rec.get("loss_scale")) if rec.get("format") == "fp16" else _f(rec.get("fp16_loss_scale"))
         )
+    focus, why = heatmap_focus(summary or {}, rec)
     out: list[dict[str, Any]] = []
     for kind in HEATMAP_KINDS:
-        hm = plots.signature_heatmap(hist, layers, kind, recommended_scale=rec_scale)
+        hm = plots.signature_heatmap(hist, layers, kind, recommended_scale=rec_scale, focus=focus)
         title = S.KIND_LABELS[kind].capitalize()
         if hm is None:
             out.append({"kind": kind, "title": title, "img": None, "notes": []})
@@ -235,14 +267,20 @@ def _heatmaps(
             "so that its largest value lands just below the format's max; the what-if table's "
             "“current scaling” columns count that recipe."
         )
+        notes.append(
+            f"The columns are the binades that hold values, 2^{round(hm.x_range[0])} to 2^{round(hm.x_range[1])}; "
+            "a window beyond them is named in the strip (← → where it reaches past)."
+        )
+        notes.append(f"The right panel: the share of each row lost in {hm.focus_label} ({why}).")
         if hm.rows_shown < hm.rows_total:
             notes.append(
-                f"Showing {hm.rows_shown} of {hm.rows_total} rows: the first and last, and those that lose the most "
-                "in FP16; every row is in the tables below."
+                f"Showing {hm.rows_shown} of {hm.rows_total} rows: the first and last, and the "
+                f"{hm.rows_shown - 2} that lose the most in {hm.focus_label} ({why}); every row is in the tables "
+                "below."
             )
         alt = (
             f"Heatmap of {S.KIND_LABELS[kind]}: {hm.rows_shown} rows in forward order by log2 magnitude, "
-            "with FP16, BF16, FP8 E4M3 and E5M2 windows"
+            f"with FP16, BF16, FP8 E4M3 and E5M2 windows; right: lost in {hm.focus_label}"
         )
         out.append({"kind": kind, "title": title, "img": _img(hm.figure, alt), "notes": notes})
     return out
@@ -292,194 +330,13 @@ def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any
         "groups": groups,
         "rows": rows,
         "overview": overview,
-        "blocks": _blocks(rec, (summary.get(T.SUMMARY_CAPTURE) or {}).get("block_formats")),
-    }
-
-
-# the block recipes of the compact table (the details show every recipe the layers table holds)
-BLOCK_TABLE_RECIPES: tuple[str, ...] = ("mxfp8_e4m3_rceil", "mxfp6_e2m3", "mxfp4", "nvfp4")
-
-
-def db_text(v: Any) -> str:
-    """An SQNR as the page writes it: "31.2 dB", "lossless" for inf, "not finite" for nan."""
-    f = F._float(v)
-    if f is None:
-        return "not finite"
-    return "lossless" if f == math.inf else f"{f:.1f} dB"
-
-
-def _block_cell(cell: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """One recipe's cell: SQNR of the worst operand, the largest flushed and saturated shares, and whether the
-    plan's rule for that recipe passes ("warn" when it does not)."""
-    if not cell:
-        return None
-    return {
-        "sqnr": db_text(cell.get("sqnr_db")),
-        "sqnr_v": cell.get("sqnr_db"),
-        "flushed": cell.get("flushed_share"),
-        "saturated": cell.get("saturated_share"),
-        "worst": cell.get("worst"),
-        "cls": "warn" if cell.get("fails") else "",
-    }
-
-
-def _blocks(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | None:
-    """The block-scaled what-if as the advisor stored it (``Recommendation.block_what_if``): per linear layer and
-    recipe the worst operand's SQNR and the largest flushed and saturated shares, the plan (for the target when
-    it runs block formats, else what a B200 would get), and per operand the details. None without it (no
-    recommendation, an older run, or no block statistics). ``capture``: the run's ``block_formats`` capture
-    setting (``{"groups": n}``: each layer evaluated on every n-th sampled step)."""
-    data = (rec or {}).get("block_what_if") or {}
-    layers = data.get("layers") or []
-    if not layers:
-        return None
-    labels = dict(data.get("labels") or {})
-    plan_labels = dict(data.get("plan_labels") or {})
-    present = {r for lb in layers for r in (lb.get("recipes") or {})}
-    shown = [r for r in BLOCK_TABLE_RECIPES if r in present]
-    every = [r for r in T.BLOCK_RECIPES if r in present]
-    rows, details = [], []
-    for lb in layers:
-        choice = str(lb.get("choice") or "")
-        recipes = lb.get("recipes") or {}
-        rows.append(
-            {
-                "module": S.module_label(str(lb.get("module", ""))),
-                "module_type": lb.get("module_type"),
-                "plan": plan_labels.get(choice, choice),
-                "plan_format": choice,
-                "why": lb.get("why") or "",
-                "input_from": S.module_label(lb["input_from"]) if lb.get("input_from") is not None else None,
-                "cells": [_block_cell(recipes.get(r)) for r in shown],
-            }
-        )
-        for op in lb.get("operands") or []:
-            cells = [_block_cell((op.get("recipes") or {}).get(r)) for r in every]
-            if any(c is not None for c in cells):
-                details.append(
-                    {
-                        "module": S.module_label(str(lb.get("module", ""))),
-                        "operand": op.get("operand"),
-                        "gemm": op.get("gemm"),
-                        "axis": op.get("axis"),
-                        "cells": cells,
-                    }
-                )
-    rules = data.get("rules") or {}
-    return {
-        "recipes": [{"name": r, "label": labels.get(r, r)} for r in shown],
-        "all_recipes": [{"name": r, "label": labels.get(r, r)} for r in every],
-        "rows": rows,
-        "details": details,
-        "groups": int(capture.get("groups") or 1) if isinstance(capture, Mapping) else 1,
-        "on_target": bool(data.get("on_target")),
-        "target": str(data.get("target") or ""),
-        "fp4_sqnr_min_db": rules.get("fp4_sqnr_min_db"),
-        "fp4_flushed_max": rules.get("fp4_flushed_max"),
-        "mxfp8_lost_max": rules.get("mxfp8_lost_max"),
-        "mxfp8_sqnr_min_db": rules.get("mxfp8_sqnr_min_db"),
-    }
-
-
-# config/capture keys shown under "numerics settings" (matched as whole words of the key)
-_NUMERICS_WORDS = frozenset(
-    {"autocast", "precision", "scaler", "amp", "tf32", "fp8", "dtype", "fp16", "bf16"}
-)
-
-
-# capture keys whose name alone does not say what the number is: (label, formatter)
-_CAPTURE_LABELS: dict[str, tuple[str, Any]] = {
-    "param_bytes": ("parameters (bytes)", F.nbytes),
-    "profiler_buffer_bytes": ("profiler buffers (bytes)", F.nbytes),
-    "profiler_scratch_bytes": ("profiler scratch (bytes)", F.nbytes),
-    "profiler_buffer_share_of_params": ("profiler buffers, as a share of the parameters' bytes", F.pct),
-    "n_params": ("parameters", F.count),
-    "block_formats": ("block-format what-if", lambda v: _block_setting(v)),
-}
-
-
-def _block_setting(v: Any) -> str:
-    """The capture's ``block_formats`` setting in words (``capture.block_budget.BlockBudget.describe``)."""
-    if not isinstance(v, Mapping):
-        return "on" if v else "off"
-    n = int(v.get("groups") or 1)
-    turns = (
-        "every linear layer on every sampled step"
-        if n <= 1
-        else f"each linear layer on every {F.ordinal(n)} sampled step ({n} groups taking turns)"
-    )
-    if not v.get("adaptive"):
-        return f"on, {turns} (block_groups={n})"
-    out = f"on, {turns}: as many groups as keep the what-if within {F.pct(float(v.get('budget') or 0))} of a sampled step"
-    cost = v.get("every_layer_cost")
-    if isinstance(cost, (int, float)) and math.isfinite(cost):
-        out += f" (every layer at once was measured to add {F.pct(float(cost))})"
-    return out
-
-
-def _is_tf32_key(key: str) -> bool:
-    return "tf32" in key.lower()
-
-
-def _environment(summary: Mapping[str, Any]) -> dict[str, Any]:
-    cfg = dict(summary.get(T.SUMMARY_CONFIG) or {})
-    hw = dict(summary.get(T.SUMMARY_HARDWARE) or {})
-    capture = dict(summary.get(T.SUMMARY_CAPTURE) or {})
-    if hw and hw.get("device") != "cuda":
-        # TF32 is a CUDA matmul/cuDNN mode: its flags say nothing on another device
-        hw = {k: v for k, v in hw.items() if not _is_tf32_key(k)}
-        cfg = {k: v for k, v in cfg.items() if not _is_tf32_key(k)}
-    capture = {
-        (_CAPTURE_LABELS[k][0] if k in _CAPTURE_LABELS else k): (
-            _CAPTURE_LABELS[k][1](v) if k in _CAPTURE_LABELS and v is not None else v
-        )
-        for k, v in capture.items()
-    }
-    # the per-module list is the per-layer table's business; here only its length
-    if isinstance(capture.get("modules"), list):
-        capture["modules"] = f"{len(capture['modules'])} modules (see the per-layer table)"
-    command = None
-    for src in (cfg, summary):
-        for key in ("command", "command_line", "cmdline", "argv"):
-            if src.get(key):
-                command = src[key]
-                break
-        if command is not None:
-            break
-    settings: list[tuple[str, Any]] = []
-    for key, label in (
-        ("tf32_matmul_enabled", "TF32 matmul (torch.backends.cuda.matmul.allow_tf32)"),
-        ("tf32_cudnn_enabled", "TF32 cuDNN (torch.backends.cudnn.allow_tf32)"),
-        ("float32_matmul_precision", "torch.get_float32_matmul_precision()"),
-    ):
-        if key in hw:
-            settings.append((label, hw[key]))
-    for src_name, src in (("config", cfg), ("capture", capture)):
-        for k, v in src.items():
-            if any(
-                w in k.lower() for w in ("autocast", "precision", "loss_scal", "scaler", "amp", "tf32", "fp8")
-            ):
-                settings.append((f"{k} ({src_name})", v))
-    device = hw.get("name") or hw.get("device")
-    if hw.get("compute_capability"):
-        device = f"{device} (compute capability {hw['compute_capability']})"
-    return {
-        "device": device,
-        "command": command,
-        "settings": settings,
-        "groups": [
-            ("Hardware", hw),
-            ("Versions", dict(summary.get(T.SUMMARY_VERSIONS) or {})),
-            ("Run configuration", cfg),
-            ("Model", dict(summary.get(T.SUMMARY_MODEL) or {})),
-            ("Capture", capture),
-        ],
+        "blocks": blocks.table(rec, (summary.get(T.SUMMARY_CAPTURE) or {}).get("block_formats")),
     }
 
 
 def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> dict[str, Any]:
-    measured = S.measured_memory(tables["memory"])
-    records = S.memory_records(summary)
+    measured = M.measured_memory(tables["memory"])
+    records = M.memory_records(summary)
     fig = plots.memory_figure(measured, records, S.requested_precision(summary))
     mem = summary.get(T.SUMMARY_MEMORY)
     mem = mem if isinstance(mem, Mapping) else {}
@@ -487,8 +344,9 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
     return {
         "img": _img(fig, "Stacked bars of memory per component: this run as measured and projected per mode"),
         "measured": measured,
-        "projection": S.memory_table(records, "measured+projected"),
-        "textbook": S.memory_table(records, "textbook"),
+        # the projection per mode; this run's measurement is the measured table's, said once
+        "projection": M.memory_table(records, "projected"),
+        "textbook": M.memory_table(records, "textbook"),
         "claim": claim.get("text")
         if isinstance(claim, Mapping)
         else (claim if isinstance(claim, str) else None),
@@ -535,7 +393,7 @@ def build_context(
         recommendation = summary.get(T.SUMMARY_RECOMMENDATION)
     rec = recommendation_dict(recommendation)
     memory = _memory(tabs, summary)
-    records = S.memory_records(summary)
+    records = M.memory_records(summary)
     verdict = _verdict(rec, summary, memory["measured"], records)
     findings = sorted_findings(rec.get("findings", []) if rec else [])
     cfg = summary.get(T.SUMMARY_CONFIG) or {}
@@ -547,6 +405,7 @@ def build_context(
     )
     status = str(summary.get(T.SUMMARY_STATUS) or T.STATUS_COMPLETE)
     training_fig = plots.training_figure(steps)
+    layer_rows = S.layer_records(layers)
     hw = summary.get(T.SUMMARY_HARDWARE) or {}
     target = str((rec or {}).get("target") or "")
     recorded_on = {str(hw.get(k) or "").lower() for k in ("name", "preset")} - {""}
@@ -576,10 +435,15 @@ def build_context(
             "restarts": _restarts(steps),
             "timeline": _timeline(layers, steps),
         },
-        "heatmaps": _heatmaps(tabs, rec, histogram_totals),
+        "heatmaps": _heatmaps(tabs, rec, histogram_totals, summary),
         "whatif": _whatif(layers, summary, rec),
-        "layers": S.layer_records(layers),
+        "layers": layer_rows,
+        # columns of the per-layer table that only some runs fill: left out when no row has them
+        "layers_cols": {
+            "lost_updates": any(not _missing(r.get("lost_update_bf16")) for r in layer_rows),
+            "nonfinite": any(r.get("nonfinite_first") for r in layer_rows),
+        },
         "memory": memory,
         "verification": S.precision_check(layers, tabs["memory"], summary),
-        "environment": _environment(summary),
+        "environment": environment.environment(summary),
     }

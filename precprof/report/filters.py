@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 MISSING = "—"
-PLAIN_MAX_ITEMS = 12  # longer lists in config/environment tables are cut, with their length
 
 
 def _float(v: Any) -> float | None:
@@ -65,6 +64,23 @@ def pct(v: Any) -> str:
     if abs(p) < 1e-4:
         return "<0.0001%"
     return f"{p:.3g}%"
+
+
+def signed_pct(v: Any) -> str:
+    """A signed relative change as a percentage: ``+1.23%``, ``−0.004%`` (two decimals, or the first significant
+    digit below 0.01%), ``0%`` for exactly nothing; never a signed zero such as -0.00%."""
+    f = _float(v)
+    if f is None:
+        return MISSING
+    if f == 0:
+        return "0%"
+    p = 100 * f
+    sign = "+" if p > 0 else "−"
+    a = abs(p)
+    if a >= 0.01:
+        return f"{sign}{a:.2f}%"
+    digits = -math.floor(math.log10(a))
+    return f"{sign}{a:.{digits}f}%"
 
 
 def nbytes(v: Any) -> str:
@@ -125,9 +141,9 @@ def plain(v: Any) -> str:
     if isinstance(v, Mapping):
         return ", ".join(f"{k}={plain(x)}" for k, x in v.items()) or MISSING
     if isinstance(v, (list, tuple, set)):
-        items = list(v)
-        shown = ", ".join(plain(x) for x in items[:PLAIN_MAX_ITEMS]) or MISSING
-        return shown + (f" … ({len(items)} in all)" if len(items) > PLAIN_MAX_ITEMS else "")
+        return (
+            ", ".join(plain(x) for x in v) or MISSING
+        )  # every item: a list cut short hides what a reader needs
     return str(v)
 
 
@@ -142,6 +158,7 @@ FILTERS: dict[str, Callable[..., str]] = {
     "num": num,
     "count": count,
     "pct": pct,
+    "signed_pct": signed_pct,
     "nbytes": nbytes,
     "pow2": pow2,
     "log2mag": log2mag,

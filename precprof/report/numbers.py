@@ -90,6 +90,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "first_ok_scale": ("scale of the first step that went through", "scale"),
     "recommended_scale": ("recommended initial loss scale", "scale"),
     ("scaler_skipped_steps", "steps"): ("steps in the run", "count"),
+    "skipped_after_divergence": ("steps skipped from the divergence on (loss non-finite)", "count"),
+    "steps_before_divergence": ("steps before the divergence", "count"),
     "growths": ("times the scale grew", "count"),
     "later_skips": ("skips after the first good step", "count"),
     "steps_after": ("steps after the first good step", "count"),
@@ -170,7 +172,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     ("block_format_plan", "checked"): ("linear layers with block statistics", "count"),
     ("block_format_what_if", "checked"): ("linear layers with block statistics", "count"),
     # the decision
-    "demoted_from": ("severity before the decision", "text"),
+    "demoted_from": ("the advisor's severity for an fp16 run", "text"),
 }
 
 

@@ -9,7 +9,7 @@ effect on each step (the ``scale`` column), exactly as recorded.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -124,18 +124,25 @@ def heatmap_matrix(
 
 
 def lost_share_by_row(
-    layers: pd.DataFrame, kind: str, fmt: str
+    layers: pd.DataFrame, kind: str, fmt: str, current_scaling: bool = False
 ) -> dict[tuple[str, str], tuple[float, float, float]]:
     """(underflow, overflow, inf/nan) shares per (module, param) row of ``kind``, summed over sampled steps.
 
     Underflow and overflow in ``fmt`` are at the recorded scales; inf/nan are values that were already
-    non-finite when recorded (in an fp16 run, usually what overflow produced upstream).
+    non-finite when recorded (in an fp16 run, usually what overflow produced upstream). ``current_scaling``
+    (FP8 formats): underflow under per-tensor current scaling, which puts each tensor's largest value just below
+    the format's maximum, so that nothing overflows (overflow 0).
     """
-    cols = [T.NUMEL, T.underflow_col(fmt), T.overflow_col(fmt), T.NAN, T.INF]
-    sub = layers.loc[layers[T.TENSOR] == kind, [*cols, T.MODULE, T.PARAM]]
+    under = T.underflow_cs_col(fmt) if current_scaling else T.underflow_col(fmt)
+    over = None if current_scaling else T.overflow_col(fmt)
+    cols = [T.NUMEL, under, over or under, T.NAN, T.INF]
+    sub = layers.loc[layers[T.TENSOR] == kind, [*dict.fromkeys(cols), T.MODULE, T.PARAM]]
     if sub.empty:
         return {}
-    num = sub[cols].apply(pd.to_numeric, errors="coerce").fillna(0)
+    num = sub[list(dict.fromkeys(cols))].apply(pd.to_numeric, errors="coerce").fillna(0)
+    if over is None:
+        num["_no_overflow"] = 0.0
+        cols[2] = "_no_overflow"
     num[T.MODULE] = sub[T.MODULE].to_numpy()
     num[T.PARAM] = T.texts(sub[T.PARAM]).to_numpy()
     g = num.groupby([T.MODULE, T.PARAM], sort=False)[cols].sum()
@@ -364,216 +371,3 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     else:
         verdict, ok = "Full precision: every activation of a module with parameters is float32.", True
     return {"requested": requested, "rows": census_rows, "active": active, "verdict": verdict, "ok": ok}
-
-
-# What each part of the allocator's peak is, in the report's words (``moment == "peak"`` rows); temporaries
-# are labelled by the phase that allocated them.
-PEAK_PART_LABELS: dict[str, str] = {
-    T.PARAMETERS: "parameters",
-    T.BUFFERS: "module buffers",
-    T.MASTER_WEIGHTS: "master weights",
-    T.OPTIMIZER_STATES: "optimizer states",
-    T.GRADIENTS: "gradients",
-    T.AUTOCAST_WEIGHT_COPIES: "autocast weight copies",
-    T.ACTIVATIONS: "activations saved for backward",
-    T.INPUTS: "model inputs (the batch)",
-    T.OUTPUTS: "model outputs (logits)",
-    T.PROFILER_BUFFERS: "precprof's own buffers",
-    T.OTHER_MEMORY: "other (allocated before the step, not named)",
-    T.ALLOCATOR_CACHE: "allocator cache (reserved, not allocated)",
-}
-TEMPORARY_LABELS: dict[str, str] = {
-    T.PHASE_FORWARD: "temporaries allocated in forward, still alive",
-    T.PHASE_BACKWARD: "temporaries allocated after forward: the loss, gradients of activations in flight, "
-    "workspaces",
-    T.PHASE_OPTIMIZER: "temporaries of the optimizer step",
-    T.PHASE_OTHER: "temporaries allocated outside forward, backward and the optimizer step",
-}
-
-
-def peak_parts(memory: pd.DataFrame) -> dict[str, Any] | None:
-    """What was allocated at the allocator's peak of the last step that has it, part by part.
-
-    Returns {"step", "phase" (of the peak), "allocated" (the parts' sum: the allocator's peak), "cache"
-    (reserved - allocated then; 0 without a caching allocator), "parts": [{"part", "label", "bytes", "share"}]
-    (largest first, "other" and the cache last; share of ``allocated``), "named_share"} or None when no step has
-    them (a CPU run outside the built-in loop, or a run recorded before they existed)."""
-    rows = T.memory_at(memory, T.MOMENT_PEAK) if not memory.empty else memory
-    if rows.empty:
-        return None
-    step = rows[T.STEP].max()
-    last = rows[rows[T.STEP] == step]
-    b = pd.to_numeric(last[T.BYTES], errors="coerce").fillna(0)
-    comp, module = T.texts(last[T.COMPONENT]), T.texts(last[T.MODULE])
-    key = comp.where(comp != T.TEMPORARIES, T.TEMPORARIES + ":" + module)
-    per = b.groupby(key).sum()
-    cache = float(per.get(T.ALLOCATOR_CACHE, 0.0))
-    allocated = float(per.sum()) - cache
-    parts: list[dict[str, Any]] = []
-    for k, v in per.items():
-        name, _, phase = str(k).partition(":")
-        if name == T.ALLOCATOR_CACHE:
-            continue
-        label = TEMPORARY_LABELS.get(phase, f"temporaries ({phase})") if name == T.TEMPORARIES else None
-        parts.append(
-            {
-                "part": str(k),
-                "label": label or PEAK_PART_LABELS.get(name, name.replace("_", " ")),
-                "bytes": float(v),
-                "share": float(v) / allocated if allocated else math.nan,
-            }
-        )
-    parts.sort(key=lambda p: (p["part"] == T.OTHER_MEMORY, -p["bytes"]))
-    other = float(per.get(T.OTHER_MEMORY, 0.0))
-    return {
-        "step": int(step),
-        "phase": str(T.texts(last[T.PHASE]).iloc[0]),
-        "allocated": allocated,
-        "cache": cache,
-        "parts": parts,
-        "named_share": (allocated - other) / allocated if allocated else math.nan,
-    }
-
-
-def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
-    """Totals per component at the last step with memory rows, the peaks over every step apart, top activation
-    modules, and what was allocated at the allocator's peak (``peak_parts``).
-
-    Returns {"step", "components": {component: bytes}, "peaks": {component: bytes}, "top_activations":
-    [(module, bytes)], "total": bytes of the stacked components, "at_peak": ``peak_parts`` or None}.
-    """
-    at_peak = peak_parts(memory)
-    memory = T.memory_at(memory) if not memory.empty else memory
-    if memory.empty:
-        return {
-            "step": None,
-            "components": {},
-            "peaks": {},
-            "top_activations": [],
-            "total": 0.0,
-            "at_peak": None,
-        }
-    last = memory[memory[T.STEP] == memory[T.STEP].max()]
-    b = pd.to_numeric(last[T.BYTES], errors="coerce").fillna(0)
-    per = b.groupby(last[T.COMPONENT]).sum()
-    comps = {str(c): float(v) for c, v in per.items() if c not in PEAK_COMPONENTS and v > 0}
-    # peaks are per phase: their max is the peak, never their sum; over every sampled step, since in a user's
-    # loop a step that stays below an earlier peak has only a lower bound (tables.ALLOCATOR_SEEN_MAX)
-    peak = pd.to_numeric(memory[T.BYTES], errors="coerce").groupby(memory[T.COMPONENT]).max()
-    peaks = {str(c): float(v) for c, v in peak.items() if c in PEAK_COMPONENTS}
-    acts = last[last[T.COMPONENT] == T.ACTIVATIONS]
-    top = (
-        pd.to_numeric(acts[T.BYTES], errors="coerce")
-        .groupby(acts[T.MODULE])
-        .sum()
-        .sort_values(ascending=False)
-    )
-    return {
-        "step": int(last[T.STEP].iloc[0]),
-        "components": comps,
-        "peaks": peaks,
-        "top_activations": [(str(m), float(v)) for m, v in top.head(10).items()],
-        "total": float(sum(comps.values())),
-        "at_peak": at_peak,
-    }
-
-
-def memory_records(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """summary["memory"] as flat records {mode, component, bytes, source}; tolerant of a dict-of-modes layout."""
-    mem = summary.get(T.SUMMARY_MEMORY)
-    if not mem:
-        return []
-    recs = (mem.get("records") or mem.get("projection") or []) if isinstance(mem, Mapping) else mem
-    out = []
-    for r in recs if isinstance(recs, Iterable) else []:
-        if isinstance(r, Mapping) and "bytes" in r and "component" in r:
-            out.append(
-                {
-                    "mode": str(r.get("mode", "")),
-                    "component": str(r["component"]),
-                    "bytes": float(r["bytes"] or 0),
-                    "source": str(r.get("source", "projected")),
-                }
-            )
-    return out
-
-
-def memory_totals(records: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
-    """Total bytes per (mode, source), peaks excluded."""
-    tot: dict[tuple[str, str], float] = {}
-    for r in records:
-        if r["component"] in PEAK_COMPONENTS:
-            continue
-        key = (r["mode"], r["source"])
-        tot[key] = tot.get(key, 0.0) + r["bytes"]
-    return tot
-
-
-def memory_table(records: list[dict[str, Any]], source: str) -> dict[str, Any]:
-    """Records of one source (or "measured+projected") as a table: components with bytes somewhere, and one row
-    per (mode, source) with bytes per component, the total and the saving against fp32 of the same source.
-
-    Returns {"components": [...], "rows": [{"mode", "source", "cells", "total", "saving_vs_fp32"}]}.
-    """
-    sources = ("measured", "projected") if source == "measured+projected" else (source,)
-    recs = [r for r in records if r["source"] in sources and r["component"] not in PEAK_COMPONENTS]
-    comps = list(dict.fromkeys(r["component"] for r in recs if r["bytes"] > 0))
-    grid: dict[tuple[str, str], dict[str, float]] = {}
-    for r in recs:
-        cell = grid.setdefault((r["mode"], r["source"]), {})
-        cell[r["component"]] = cell.get(r["component"], 0.0) + r["bytes"]
-    tot = memory_totals(records)
-    rows = []
-    for (mode, src), cells in grid.items():
-        total = sum(cells.values())
-        base = tot.get(("fp32", "textbook" if src == "textbook" else "projected"))
-        rows.append(
-            {
-                "mode": mode,
-                "source": src,
-                "cells": [cells.get(c) for c in comps],
-                "total": total,
-                "saving_vs_fp32": (base - total) / base if base else math.nan,
-            }
-        )
-    return {"components": comps, "rows": rows}
-
-
-def expected_saving(
-    records: list[dict[str, Any]], measured_total: float, current: str, recommended: str
-) -> dict[str, Any] | None:
-    """Memory of the recommended mode against this run and against fp32, from the memory projection.
-
-    This run's total is its measured record (else its projection, else the measured tables); the recommended
-    mode's is its projection (else textbook). The fp32 baseline is the fp32 projection. Returns {"current",
-    "recommended", "saved", "share", "fp32", "share_vs_fp32", "same_mode"} or None when the recommended mode
-    has no projection. ``recommended`` may be "fp8": its projection is looked up under that name.
-    """
-    tot = memory_totals(records)
-
-    def pick(mode: str, sources: tuple[str, ...]) -> float | None:
-        for src in sources:
-            if (mode, src) in tot:
-                return tot[(mode, src)]
-        return None
-
-    if not recommended:
-        return None
-    cur = pick(current, ("measured", "projected"))
-    if cur is None and measured_total > 0:
-        cur = measured_total
-    rec = pick(recommended, ("projected", "measured", "textbook"))
-    if rec is None and current == recommended:
-        rec = cur
-    if rec is None:
-        return None
-    fp32 = pick("fp32", ("projected", "measured"))
-    return {
-        "current": cur,
-        "recommended": rec,
-        "saved": cur - rec if cur is not None else None,
-        "share": (cur - rec) / cur if cur else None,
-        "fp32": fp32,
-        "share_vs_fp32": (fp32 - rec) / fp32 if fp32 else None,
-        "same_mode": current == recommended,
-    }

@@ -22,6 +22,7 @@ from matplotlib.ticker import FuncFormatter
 
 from precprof import tables as T
 from precprof.report import summarize as S
+from precprof.report.plots.common import FIG_WIDTH_IN, MIN_FONT_PT, fit_margins
 
 MAX_COLUMNS = 120
 FORMAT = "fp16"
@@ -132,9 +133,10 @@ def timeline_figure(tl: Timeline, restarts: list[int] | None = None) -> Figure:
     """Tensor kinds (rows) by columns of sampled steps, coloured by the share lost in FP16 (log scale); exact
     columns of a long run marked above, restarts of a resumed run drawn as dashed lines."""
     n = len(tl.starts)
-    fig = Figure(figsize=(13.5, 1.2 + 0.42 * len(tl.kinds)))
+    height = 1.3 + 0.36 * len(tl.kinds)
+    fig = Figure(figsize=(FIG_WIDTH_IN, height))  # drawn for the page's narrowest width
     ax = fig.add_subplot(1, 1, 1)
-    fig.subplots_adjust(left=0.16, right=0.9, top=0.78, bottom=0.3)
+    fig.subplots_adjust(left=0.24, right=0.86, top=1 - 0.42 / height, bottom=0.62 / height)
     # nothing lost (below the floor) is white, like a column without data
     data = np.ma.masked_invalid(np.where(tl.share < FLOOR, FLOOR / 2, tl.share))
     im = ax.imshow(
@@ -149,13 +151,15 @@ def timeline_figure(tl: Timeline, restarts: list[int] | None = None) -> Figure:
     )
     ax.set_yticks(np.arange(len(tl.kinds)) + 0.5)
     ax.set_yticklabels([S.KIND_LABELS.get(k, k) for k in tl.kinds], fontsize=8.5)
-    ticks = np.unique(np.linspace(0, n - 1, min(n, 10)).round().astype(int))
+    ticks = np.unique(np.linspace(0, n - 1, min(n, 6)).round().astype(int))
     ax.set_xticks(ticks + 0.5)
     ax.set_xticklabels(
         [f"{tl.starts[t]}" if tl.starts[t] == tl.ends[t] else f"{tl.starts[t]}–{tl.ends[t]}" for t in ticks],
         fontsize=8,
     )
-    ax.set_xlabel("sampled step" + (" (windows of consecutive sampled steps)" if tl.aggregated else ""))
+    ax.set_xlabel(
+        "sampled step" + (" (windows of consecutive sampled steps)" if tl.aggregated else ""), fontsize=8.5
+    )
     for c, what in tl.exact.items():
         ax.annotate(
             f"{what}\n{tl.starts[c]}",
@@ -164,7 +168,7 @@ def timeline_figure(tl: Timeline, restarts: list[int] | None = None) -> Figure:
             textcoords="offset points",
             ha="center",
             va="bottom",
-            fontsize=7.5,
+            fontsize=MIN_FONT_PT,
             annotation_clip=False,
         )
         ax.axvline(c, color="#555", lw=0.4)
@@ -173,8 +177,12 @@ def timeline_figure(tl: Timeline, restarts: list[int] | None = None) -> Figure:
         col = int(np.searchsorted(tl.ends, r))
         if col < n:
             ax.axvline(col, color="#2c7fb8", ls="--", lw=1.4)
-    cax = fig.add_axes((0.915, 0.3, 0.012, 0.48))
+    fit_margins(fig)  # the kinds' names on the left, the step labels below
+    fig.subplots_adjust(right=0.8)  # room for the colour bar, added beside the axes where they now are
+    box = ax.get_position()
+    cax = fig.add_axes((box.x1 + 0.015, box.y0, 0.014, box.height))
     cb = fig.colorbar(im, cax=cax, format=FuncFormatter(lambda v, _p: f"{100 * v:.2g}%"))
-    cb.set_label("lost in FP16 (white: nothing)", fontsize=8)
+    cb.set_label("lost in FP16\n(white: nothing)", fontsize=MIN_FONT_PT)
+    cb.ax.tick_params(labelsize=MIN_FONT_PT)
     cb.minorticks_off()
     return fig

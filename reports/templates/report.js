@@ -1,11 +1,41 @@
-// Optional enhancements: the page reads fully without JavaScript. Click a header to sort, type to filter.
+// Optional enhancements: the page reads fully without JavaScript. Click a header to sort, type to filter; a long
+// table shows its first rows and a button for the rest; a table wider than its box is stacked, one block per
+// row; printing opens every fold.
 (function () {
   document.documentElement.classList.add("js");
+  var FIRST_ROWS = 25;
+  function rows(table) { return Array.prototype.slice.call(table.tBodies[0].rows); }
   function cellValue(td) {
     var v = td.getAttribute("data-v");
     if (v !== null) { return v === "" ? null : parseFloat(v); }
     return td.textContent.trim().toLowerCase();
   }
+  // long tables: rows past the first FIRST_ROWS (of those the filter keeps) wait for the button
+  function collapse(table) {
+    if (!table.classList.contains("long")) { return; }
+    var all = rows(table), kept = 0, open = table.getAttribute("data-open") === "1";
+    all.forEach(function (r) {
+      if (r.style.display === "none") { r.classList.remove("extra"); return; }
+      kept += 1;
+      r.classList.toggle("extra", !open && kept > FIRST_ROWS);
+    });
+    var button = table.parentNode.nextElementSibling;
+    if (!button || !button.classList.contains("more-rows")) { return; }
+    button.hidden = kept <= FIRST_ROWS;
+    button.textContent = open ? "Show the first " + FIRST_ROWS + " rows" : "Show all " + kept + " rows";
+  }
+  document.querySelectorAll("table.long").forEach(function (table) {
+    if (rows(table).length <= FIRST_ROWS) { return; }
+    var button = document.createElement("button");
+    button.type = "button";
+    button.className = "more-rows";
+    button.addEventListener("click", function () {
+      table.setAttribute("data-open", table.getAttribute("data-open") === "1" ? "0" : "1");
+      collapse(table);
+    });
+    table.parentNode.parentNode.insertBefore(button, table.parentNode.nextSibling);
+    collapse(table);
+  });
   document.querySelectorAll("table.sortable").forEach(function (table) {
     var headers = table.querySelectorAll("thead th");
     headers.forEach(function (th, col) {
@@ -14,8 +44,8 @@
         headers.forEach(function (h) { h.removeAttribute("aria-sort"); });
         th.setAttribute("aria-sort", asc ? "ascending" : "descending");
         var body = table.tBodies[0];
-        var rows = Array.prototype.slice.call(body.rows);
-        rows.sort(function (a, b) {
+        var sorted = rows(table);
+        sorted.sort(function (a, b) {
           var x = cellValue(a.cells[col]), y = cellValue(b.cells[col]);
           if (x === null && y === null) { return 0; }
           if (x === null) { return 1; }
@@ -23,7 +53,8 @@
           var c = (typeof x === "number" && typeof y === "number") ? x - y : String(x).localeCompare(String(y));
           return asc ? c : -c;
         });
-        rows.forEach(function (r) { body.appendChild(r); });
+        sorted.forEach(function (r) { body.appendChild(r); });
+        collapse(table);
       });
     });
   });
@@ -32,9 +63,31 @@
     if (!table) { return; }
     input.addEventListener("input", function () {
       var q = input.value.trim().toLowerCase();
-      Array.prototype.forEach.call(table.tBodies[0].rows, function (r) {
+      rows(table).forEach(function (r) {
         r.style.display = !q || r.textContent.toLowerCase().indexOf(q) >= 0 ? "" : "none";
       });
+      collapse(table);
     });
   });
+  // a table wider than its box: one block per row, each value under its column's name
+  function fit() {
+    document.querySelectorAll("table.stackable").forEach(function (table) {
+      table.classList.remove("stacked");
+      var box = table.parentNode;
+      if (box.scrollWidth > box.clientWidth + 1) { table.classList.add("stacked"); }
+    });
+  }
+  var pending = null;
+  window.addEventListener("resize", function () {
+    if (pending) { clearTimeout(pending); }
+    pending = setTimeout(fit, 100);
+  });
+  fit();
+  // print: every fold open (the rows of long tables print by the stylesheet), folds restored after
+  var opened = [];
+  window.addEventListener("beforeprint", function () {
+    opened = Array.prototype.filter.call(document.querySelectorAll("details"), function (d) { return !d.open; });
+    opened.forEach(function (d) { d.open = true; });
+  });
+  window.addEventListener("afterprint", function () { opened.forEach(function (d) { d.open = false; }); });
 })();

@@ -127,12 +127,16 @@ def recommend(
         run.types = layers.groupby(T.MODULE)[T.MODULE_TYPE].first().to_dict()
     plan = _Plan(loss_scale_log2=cfg.default_loss_scale_log2, growth_interval=cfg.default_growth_interval)
     plan.matmul_layers = _matmul_leaves(run)
+    plan.measured = not run.layers.empty
+    plan.gradients_measured = not run.kind(*T.GRADIENT_KINDS).empty
     dims = _layer_dims(run)
 
     _rule_hardware(run, plan)
     fwd_bad = _rule_nonfinite(run, plan)
     _rule_diverged(run, plan)
     if plan.diverged is not None:
+        after = run.steps[T.STEP] >= plan.diverged[0]
+        plan.skipped_after_divergence = int(run.steps[T.SKIPPED][after].sum())
         # what was recorded from the divergence on is of a broken run: the format rules read the steps before
         before = run.layers[T.STEP] < plan.diverged[0]
         if before.any():

@@ -11,6 +11,16 @@ from precprof.analysis.advisor.model import INFO, WARNING, Recommendation
 from precprof.analysis.advisor.text import _g, _listing, _pct, _scale
 
 
+def _not_measured(plan: _Plan) -> str:
+    """What a reason says of a figure no sampled step recorded."""
+    if not plan.measured:
+        return (
+            "not measured: this run recorded no per-layer statistics (--sample-every 0 records none); profile "
+            "with --sample-every N to measure it"
+        )
+    return "not measured: no gradient was recorded on a sampled step (no backward pass was seen)"
+
+
 def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     """Why FP8 is not advised on FP8 hardware ("" when it is): no eligible layer, too small a share of the
     matmul FLOPs in the eligible layers (FP8 pays only when the converted layers do most of the matmul work:
@@ -67,8 +77,18 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
     elif bf16_ok and not plan.bf16_block:
         fmt = "bf16"
         reasons.append(
-            f"{where} runs bf16 natively; bf16 has fp32's exponent range, so no loss scale is needed and the "
-            "measured gradients do not underflow it."
+            f"{where} runs bf16 natively; bf16 has fp32's exponent range, so no loss scale is needed"
+            + (
+                " and the measured gradients do not underflow it."
+                if plan.gradients_measured
+                else f"; whether this model's gradients underflow it was {_not_measured(plan)}."
+            )
+            + (
+                " Its speed against fp32 on this CPU is not measured by one run: precprof compare "
+                "--precisions fp32,bf16 times both."
+                if hw.device == "cpu"
+                else ""
+            )
         )
         if fp8_why_not:
             reasons.append(f"Not FP8: {fp8_why_not}.")
@@ -106,6 +126,9 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             f"Start GradScaler at init_scale={_scale(k)} (2^{k}): the largest gradient seen, {_g(gm)}, times "
             f"2^{k} stays below 65504 / {2**cfg.fp16_margin_log2}; activation-gradient underflow falls from "
             f"{_pct(plan.underflow_at_1)} at scale 1 to {_pct(plan.underflow_at_rec)}."
+            if plan.gradients_measured
+            else f"Start GradScaler at its default init_scale={_scale(k)} (2^{k}): the loss scale that keeps this "
+            f"model's gradients in fp16's range was {_not_measured(plan)}."
         )
         if plan.keep_fp16:
             reasons.append(
@@ -117,13 +140,21 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
     if plan.n_params is not None and plan.n_params < cfg.small_model_params and fmt not in ("fp32", "tf32"):
         # The guide's decision matrix: under 100M parameters the default is fp32 (mixed precision saves little
         # time or memory there, and its pitfalls stay); the measurements say what the evidence would allow.
+        allow = (
+            f"The measurements allow {measured} on {target}: train it when a run measures a speed or memory gain "
+            f"(precprof compare --precisions fp32,{measured} measures both); what {measured} needs follows."
+            if plan.measured
+            else f"On {target} the decision tree alone would give {measured}; whether this model's values fit it "
+            f"was {_not_measured(plan)}."
+        )
         reasons = [
             f"The model has {plan.n_params / 1e6:.3g}M parameters, under {cfg.small_model_params / 1e6:g}M: the "
             f"guide's default is fp32, where mixed precision saves little time or memory and keeps its pitfalls. "
-            f"The measurements allow {measured} on {target}: train it when a run measures a speed or memory gain "
-            f"(precprof compare --precisions fp32,{measured} measures both); what {measured} needs follows."
+            + allow
         ] + [f"{measured}: {r}" for r in reasons]
         fmt = "fp32"
+    if not plan.measured:
+        measured = ""  # nothing was measured: no format is "what the measurements allow"
     if plan.diverged is not None:
         first, last = plan.diverged
         reasons.insert(
@@ -136,7 +167,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             )
             + "; fix the divergence (see the critical findings) and profile again before trusting it.",
         )
-    _demote_what_ifs(run, plan, fmt, measured)
+    _demote_what_ifs(run, plan, fmt, measured or fmt)
     keep = list({"fp16": plan.keep_fp16, "bf16": plan.keep_bf16, "fp8": plan.keep_bf16}.get(fmt, []))
     if fmt not in ("fp32", "tf32"):
         # norms, softmax and losses found running in 16-bit: fp32 whatever the format (rules/fp32_ops)
@@ -156,9 +187,11 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
 
 
 def _runs_fp16(run: _Run) -> bool:
-    """Whether the run itself trained in fp16 (asked for by name, fp16 autocast seen, or an enabled scaler)."""
-    if run.precision.startswith("fp16"):
-        return True
+    """Whether the run itself trained in fp16: asked for by name; for a loop that names no precision (the user's
+    own), fp16 autocast seen or an enabled scaler. A run that asked for another precision did not, whatever scaler
+    it kept (``--precision fp32 --loss-scale dynamic`` scales fp32 gradients)."""
+    if run.precision:
+        return run.precision.startswith("fp16")
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     if not isinstance(capture, Mapping):
         return False

@@ -329,6 +329,12 @@ class _Plan:
     # (first, last) step of the non-finite loss the run ended with (rules/nonfinite._rule_diverged)
     diverged: tuple[int, int] | None = None
     diverged_sampled_before: int = 0  # sampled steps before it, which the format rules then read
+    skipped_after_divergence: int = 0  # steps the scaler skipped from the divergence on (the loss non-finite)
+    # whether any gradient was recorded (a sampled step with a backward pass): without one, nothing was measured
+    # against a format, and no reason may say it was
+    gradients_measured: bool = True
+    # whether any per-layer statistic was recorded: without one no format is "what the measurements allow"
+    measured: bool = True
 
     def add(self, f: Finding) -> None:
         self.findings.append(f)

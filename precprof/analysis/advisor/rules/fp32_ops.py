@@ -48,11 +48,13 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
                 )
                 remedy = "Nothing to do on a GPU; on this device, wrap them in torch.autocast(enabled=False)."
             else:
-                severity = WARNING if fmt == "fp16" else INFO
-                how = f" Autocast runs these in fp32; a model cast with .to({dtype}) or .half() does not."
+                # the guide keeps these reductions in fp32 whatever the format: a hand cast (a model cast
+                # whole, or these modules cast alone inside an fp32 run) is a warning in bf16 as in fp16
+                severity = WARNING
+                how = f" Autocast runs these in fp32; a model cast with .to({dtype}) or .half(), or a module cast by hand, does not."
                 remedy = (
-                    "Keep them in fp32: train under torch.autocast with fp32 weights, or cast these modules back "
-                    "with .float() and their inputs with them."
+                    f"Keep them in fp32: cast {_listing(mods, run.cfg.max_listed_modules)} back with .float() "
+                    "and their inputs with them (x.float()), or train under torch.autocast with fp32 weights."
                 )
                 plan.keep_fp32_ops += [m for m in mods if m not in plan.keep_fp32_ops]
             plan.add(

@@ -21,8 +21,11 @@ def _rule_hardware(run: _Run, plan: _Plan) -> None:
                     "bf16_native",
                     INFO,
                     f"bf16 is native on {label}",
-                    f"This CPU ({hw.name}) has AVX512-BF16 or AMX: bf16 matmuls run in hardware.",
-                    "Use bf16 autocast on this CPU to save memory and time.",
+                    f"This CPU ({hw.name}) has AVX512-BF16 or AMX: bf16 matmuls run in hardware. Whether bf16 "
+                    "autocast trains this model faster than fp32 is not something one run measures: the casts, "
+                    "and the ops autocast keeps in fp32, cost time too.",
+                    "Time both on this CPU before switching: precprof compare --precisions fp32,bf16 measures "
+                    "their speed and memory.",
                     numbers=nums,
                 )
             )

@@ -14,10 +14,14 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
     run_gi = run.run_config.get("growth_interval")
     run_gi = int(run_gi) if isinstance(run_gi, (int, float)) and run_gi > 0 else cfg.default_growth_interval
     plan.growth_interval = cfg.default_growth_interval
+    if plan.diverged is not None:
+        # the steps from the divergence on were skipped because the loss was already non-finite: counted apart
+        st = st[st[T.STEP] < plan.diverged[0]].reset_index(drop=True)
     if st.empty or st[T.LOSS_SCALE].isna().all():
         return
     skipped = st[T.SKIPPED]
     n = int(skipped.sum())
+    after = plan.skipped_after_divergence if plan.diverged is not None else 0
     k = plan.loss_scale_log2
     rec = 2.0**k
     scale = st[T.LOSS_SCALE]
@@ -56,8 +60,17 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                     f"{_pow2(k)} (gradient spikes, or non-finite values that no scale fixes)"
                 )
             parts.append(part)
+        if plan.diverged is not None:
+            first = plan.diverged[0]
+            lead = (
+                f"The dynamic loss scaler skipped {n + after:,} optimizer steps in all: {after:,} from step {first} "
+                f"on, where the run diverged (its loss non-finite), which no loss scale avoids, and {n:,} of the "
+                f"{len(st):,} steps before it (scale started at {start:g}"
+            )
+        else:
+            lead = f"The dynamic loss scaler skipped {n:,} of {len(st):,} optimizer steps (scale started at {start:g}"
         msg = (
-            f"The dynamic loss scaler skipped {n:,} of {len(st):,} optimizer steps (scale started at {start:g}"
+            lead
             + (f", first successful step at scale {settled:g}" if settled is not None else "")
             + "). "
             + ". ".join(parts)
@@ -68,16 +81,23 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
             if avoid or not model
             else "Remove the source of the nan/inf (see the non-finite finding); the loss scale is not the cause."
         )
+        title = f"{n} optimizer steps skipped by the loss scaler"
+        if plan.diverged is not None:
+            title += f" before the run diverged at step {plan.diverged[0]} ({n + after:,} in all)"
         plan.add(
             Finding(
                 "scaler_skipped_steps",
                 WARNING,
-                f"{n} optimizer steps skipped by the loss scaler",
+                title,
                 msg,
                 remedy,
                 numbers={
                     "skipped": n,
-                    "steps": len(st),
+                    **(
+                        {"skipped_after_divergence": after, "steps_before_divergence": len(st)}
+                        if plan.diverged is not None
+                        else {"steps": len(st)}
+                    ),
                     "avoidable": avoid,
                     "from_model": model,
                     "start_scale": start,

@@ -1,0 +1,187 @@
+"""Comparing runs of the same model in several precisions: the variants, each run's figures read from its
+run directory, its outcome against the reference run, and the advisor's warnings checked against what the
+runs did. Pure and host-side: ``precprof.compare`` trains the runs, ``precprof.report.compare_page`` draws them.
+
+Outcome of a run against the reference: ``diverged`` (non-finite final loss), ``stalled`` (it removed less
+than a quarter of the loss the reference removed), ``matched`` (final loss within ``tolerance``, relative),
+else ``behind`` or ``ahead``.
+
+Every sentence states what the run directories measured: a format is "confirmed" on speed only when its run
+reached ``SMALL_MODEL_MIN_SPEEDUP`` times the reference's throughput on the machine the advisor planned for
+(``speed_status`` holds that rule), the warnings quoted are those the reference profile's advisor gave, and a
+scaled run's loss scale is the one its steps table records, with the times it grew and backed off.
+
+The package: ``runs`` (variants, reading a run, its outcome), ``wording`` (the sentences about a run), ``checks``
+(the verdict check); ``analyse`` puts them together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from precprof import hardware
+from precprof.analysis.comparison.checks import (
+    ASPECT_LOSS,
+    ASPECT_LOSS_SCALE,
+    ASPECT_SPEED,
+    ASPECT_WARNINGS,
+    CONFIRMED,
+    CONTRADICTED,
+    MISSED,
+    NOT_BORNE_OUT,
+    NOT_MEASURED,
+    OVERRIDDEN,
+    SMALL_MODEL_MIN_SPEEDUP,
+    SPEED_CODES,
+    STATUS_MEANING,
+    Check,
+    check_against_runs,
+    format_warnings,
+    predicted_trouble,
+    speed_status,
+)
+from precprof.analysis.comparison.runs import (
+    ADVISED,
+    AHEAD,
+    BAD_OUTCOMES,
+    BEHIND,
+    DEFAULT_TOLERANCE,
+    DIVERGED,
+    FAILED,
+    MATCHED,
+    REFERENCE,
+    REFERENCE_PREFERENCE,
+    STALL_PROGRESS,
+    STALLED,
+    RunResult,
+    Variant,
+    classify,
+    finite,
+    parse_precisions,
+    read_run,
+    reference_index,
+    smoothing_window,
+)
+from precprof.analysis.comparison.wording import describe_run, describe_scale, outcome_sentence
+from precprof.errors import UserError
+
+__all__ = [
+    "ADVISED",
+    "AHEAD",
+    "ASPECT_LOSS",
+    "ASPECT_LOSS_SCALE",
+    "ASPECT_SPEED",
+    "ASPECT_WARNINGS",
+    "BAD_OUTCOMES",
+    "BEHIND",
+    "CONFIRMED",
+    "CONTRADICTED",
+    "DEFAULT_TOLERANCE",
+    "DIVERGED",
+    "FAILED",
+    "MATCHED",
+    "MISSED",
+    "NOT_BORNE_OUT",
+    "NOT_MEASURED",
+    "OVERRIDDEN",
+    "REFERENCE",
+    "REFERENCE_PREFERENCE",
+    "SMALL_MODEL_MIN_SPEEDUP",
+    "SPEED_CODES",
+    "STALLED",
+    "STALL_PROGRESS",
+    "STATUS_MEANING",
+    "Check",
+    "Comparison",
+    "RunResult",
+    "Variant",
+    "analyse",
+    "check_against_runs",
+    "classify",
+    "describe_run",
+    "describe_scale",
+    "finite",
+    "format_warnings",
+    "outcome_sentence",
+    "parse_precisions",
+    "predicted_trouble",
+    "read_run",
+    "reference_index",
+    "smoothing_window",
+    "speed_status",
+]
+
+
+@dataclass
+class Comparison:
+    """The comparison: runs (reference first in ``reference``), verdict check, shared configuration."""
+
+    runs: list[RunResult]
+    reference: str
+    tolerance: float
+    checks: list[Check]
+    summary_lines: list[str]
+    config: dict[str, Any]
+    wall_s: float = math.nan
+    notes: list[str] = field(default_factory=list)
+
+    def run(self, label: str) -> RunResult:
+        return next(r for r in self.runs if r.label == label)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "reference": self.reference,
+            "tolerance": self.tolerance,
+            "wall_s": self.wall_s,
+            "summary": self.summary_lines,
+            "checks": [c.to_dict() for c in self.checks],
+            "config": self.config,
+            "notes": self.notes,
+            "runs": [r.to_dict() for r in self.runs],
+        }
+
+
+def analyse(
+    runs: Sequence[tuple[Variant, Path]],
+    tolerance: float = DEFAULT_TOLERANCE,
+    config: Mapping[str, Any] | None = None,
+) -> Comparison:
+    """Read the runs' directories, classify each against the reference and check the advisor's verdict."""
+    if not runs:
+        raise UserError("nothing to compare")
+    results = [read_run(v, Path(d)) for v, d in runs]
+    ref = results[reference_index([v for v, _ in runs])]
+    for r in results:
+        if r is ref:
+            r.outcome, r.gap = (REFERENCE if r.steps else FAILED), 0.0
+        else:
+            r.outcome, r.gap = classify(r, ref, tolerance)
+        if math.isfinite(r.tokens_per_s) and math.isfinite(ref.tokens_per_s) and ref.tokens_per_s > 0:
+            r.speedup = r.tokens_per_s / ref.tokens_per_s
+    checks = check_against_runs(results, ref)
+    lines = [outcome_sentence(r, ref, tolerance) for r in results if r is not ref]
+    return Comparison(
+        runs=results,
+        reference=ref.label,
+        tolerance=tolerance,
+        checks=checks,
+        summary_lines=lines,
+        config=dict(config or {}),
+        notes=_notes(results, config or {}),
+    )
+
+
+def _notes(runs: Sequence[RunResult], config: Mapping[str, Any]) -> list[str]:
+    """Caveats for reading the throughput column."""
+    notes = []
+    fp16 = [r.label for r in runs if r.precision.startswith("fp16")]
+    if fp16 and str(config.get("device", "")).startswith("cpu") and not hardware.cpu_fp16_native():
+        notes.append(
+            f"This CPU has no fp16 arithmetic (AVX512-FP16 / AMX-FP16): torch emulates it, so the throughput of "
+            f"{', '.join(fp16)} says nothing about fp16 on a GPU; its numerics are the real ones."
+        )
+    return notes

@@ -1,0 +1,410 @@
+"""The verdict check: the advisor's recommendation and per-format warnings, given on the reference run's profile,
+against what the other runs did.
+
+Every sentence states what the run directories measured: a format is "confirmed" on speed only when its run
+reached ``SMALL_MODEL_MIN_SPEEDUP`` times the reference's throughput on the machine the advisor planned for
+(``speed_status`` holds that rule), and the warnings quoted are those the reference profile's advisor gave.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from precprof.analysis.comparison.runs import (
+    ADVISED,
+    AHEAD,
+    BAD_OUTCOMES,
+    FAILED,
+    MATCHED,
+    REFERENCE,
+    RunResult,
+)
+from precprof.analysis.comparison.wording import _fmt_scale, _steps, outcome_sentence
+
+CONFIRMED, CONTRADICTED, NOT_BORNE_OUT, MISSED, NOT_MEASURED, OVERRIDDEN = (
+    "confirmed",
+    "contradicted",
+    "not borne out",
+    "missed",
+    "not measured",
+    "overridden by measurement",
+)
+# the speedup over the reference that counts as a gain: it confirms a low-precision recommendation's speed and
+# overrides the advisor's fp32 default for a small model
+SMALL_MODEL_MIN_SPEEDUP = 1.1
+_GAIN = f"{SMALL_MODEL_MIN_SPEEDUP:.2f}x the reference's throughput or more"
+# what each status means (the page's legend)
+STATUS_MEANING = {
+    CONFIRMED: "loss: the run matched or beat the reference, or went wrong where a warning said it would; "
+    f"speed: on the machine the advisor planned for, the format said to be faster reached {_GAIN}, or the "
+    "format said to be slow or not worth it did not",
+    CONTRADICTED: "loss: the recommended format's run fell behind, stalled or diverged; speed: on the machine the "
+    f"advisor planned for, the recommended format stayed below {_GAIN}, or a format it passed over reached it",
+    NOT_BORNE_OUT: "the profile warned about this format, and the run did not suffer from it",
+    MISSED: "the run went wrong and the profile gave no warning that bears on it",
+    NOT_MEASURED: "no run in this comparison measures it: no run in that format, a failed run, no throughput, "
+    "or speed on a machine other than this one",
+    OVERRIDDEN: "the advisor's fp32 default for a small model, against a run in the format its measurements "
+    f"allowed that matched and reached {_GAIN}",
+}
+# aspects a check covers
+ASPECT_LOSS, ASPECT_SPEED, ASPECT_LOSS_SCALE, ASPECT_WARNINGS = "loss", "speed", "loss scale", "warnings"
+# finding codes about a format's speed on the target, not about its numerics
+SPEED_CODES = frozenset({"bf16_emulated", "bf16_unsupported", "fp8_library_missing"})
+
+
+@dataclass
+class Check:
+    """One line of the verdict check: what was predicted or observed, and whether the runs bear it out."""
+
+    status: str
+    text: str
+    run: str | None = None
+    aspect: str = ASPECT_LOSS  # what the line checks: loss, speed, loss scale or warnings
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _findings(rec: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    return list((rec or {}).get("findings") or [])
+
+
+def _family(precision: str) -> str | None:
+    for fmt in ("fp16", "bf16", "fp8"):
+        if precision.startswith(fmt):
+            return fmt
+    return None
+
+
+def format_warnings(rec: Mapping[str, Any] | None, fmt: str) -> list[dict[str, Any]]:
+    """The warnings (and criticals) the advisor gave for ``fmt`` (finding codes ``<fmt>_...``), as the profile
+    holds them; a what-if the advisor demoted to information (the verdict is another format) keeps its
+    ``numbers["demoted_from"]`` and counts as the warning it was."""
+    out = []
+    for f in _findings(rec):
+        code = str(f.get("code", ""))
+        sev = str((f.get("numbers") or {}).get("demoted_from") or f.get("severity", "")).lower()
+        if code.startswith(fmt + "_") and sev in ("warning", "critical"):
+            out.append(f)
+    return out
+
+
+def _beside_the_point(f: Mapping[str, Any], run: RunResult) -> str | None:
+    """Why a warning for ``run``'s format says nothing about this run's loss, or None when it does."""
+    code, sev = str(f.get("code", "")), str(f.get("severity", "")).lower()
+    if code in SPEED_CODES:
+        return "about speed"
+    if code.endswith("lost_updates") and not run.precision.endswith("-pure"):
+        return "about weights held in that format; this run kept fp32 master weights"
+    if code == "fp16_gradient_underflow" and run.loss_scaling != "none" and sev != "critical":
+        return "about fp16 at loss scale 1; this run scaled its loss"
+    return None
+
+
+def predicted_trouble(rec: Mapping[str, Any] | None, run: RunResult) -> list[dict[str, Any]]:
+    """Of the reference profile's warnings for ``run``'s format, those that predict trouble for its loss.
+
+    Left out (``_beside_the_point``): speed warnings (emulated or unsupported format), lost updates in an
+    autocast run (fp32 master weights: a what-if there), and the non-critical fp16 gradient-underflow warning in
+    a scaled run (it is about scale 1; a scaled run is what it recommends).
+    """
+    fmt = _family(run.precision)
+    if fmt is None:
+        return []
+    return [f for f in format_warnings(rec, fmt) if _beside_the_point(f, run) is None]
+
+
+def _title(f: Mapping[str, Any]) -> str:
+    return str(f.get("title") or f.get("code"))
+
+
+def _planned_here(rec: Mapping[str, Any], ref: RunResult) -> bool:
+    """Whether the advisor planned for the machine the runs trained on (a preset target is another machine)."""
+    target = rec.get("target")
+    return target is None or ref.target is None or str(target) == ref.target
+
+
+def speed_status(speedup: float | None, planned_here: bool) -> str:
+    """The one rule for speed. A format's claim to be faster than the reference is CONFIRMED when its run
+    reached ``SMALL_MODEL_MIN_SPEEDUP`` times the reference's throughput, CONTRADICTED when it did not; both only
+    on the machine the advisor planned for. NOT_MEASURED without a throughput, or for another machine."""
+    if speedup is None or not math.isfinite(speedup) or not planned_here:
+        return NOT_MEASURED
+    return CONFIRMED if speedup >= SMALL_MODEL_MIN_SPEEDUP else CONTRADICTED
+
+
+def _ran_at(r: RunResult, ref: RunResult, who: bool = True) -> str:
+    said = f"ran at {r.speedup:.2f}x {ref.label}'s throughput on this machine ({r.machine})"
+    return f"{r.label} {said}" if who else said
+
+
+def _gain() -> str:
+    return f"{SMALL_MODEL_MIN_SPEEDUP:.2f}x or more counts as a gain"
+
+
+def _short_of_gain(r: RunResult, ref: RunResult) -> str:
+    s = r.speedup or 0.0
+    return (
+        f"slower than {ref.label}"
+        if s < 1
+        else f"below the {SMALL_MODEL_MIN_SPEEDUP:.2f}x that counts as a gain"
+    )
+
+
+def _elsewhere(rec: Mapping[str, Any]) -> str:
+    return f"the advisor planned for {rec.get('target')}, whose speed this comparison did not measure"
+
+
+def _recommendation_checks(
+    rec: Mapping[str, Any], ref: RunResult, others: Sequence[RunResult]
+) -> list[Check]:
+    """The recommended format against the runs: its loss (the run in that format matched?) and its speed (the
+    run in that format against ``speed_status``); for an fp32 recommendation, the speed of each run that
+    matched, which confirms it (no gain), overrides it (the format its measurements allowed, with a gain) or
+    contradicts it."""
+    fmt = str(rec.get("format", ""))
+    scale = rec.get("loss_scale") if fmt == "fp16" else None
+    target = rec.get("target")
+    said = (
+        f"the advisor, on the {ref.label} run's profile, recommends {fmt}"
+        + (f" with init_scale {_fmt_scale(float(scale))}" if scale else "")
+        + (f" for {target}" if target else "")
+    )
+    here = _planned_here(rec, ref)
+    checks: list[Check] = []
+    finished = [r for r in others if r.outcome not in (FAILED, REFERENCE)]
+    if fmt in ("fp32", "tf32", ref.precision):
+        measured = str(rec.get("measured_format") or "")
+        small = bool(measured) and measured not in ("fp32", "tf32", fmt)
+        lead = (
+            f"the advisor's default for a model this small is {fmt}; the measurements allowed {measured}"
+            if small
+            else said
+        )
+        rivals = [r for r in finished if r.outcome in (MATCHED, AHEAD)]
+        if not finished:
+            checks.append(
+                Check(
+                    NOT_MEASURED,
+                    f"Loss: {lead}; no other run finished to set it against.",
+                    ref.label,
+                    ASPECT_LOSS,
+                )
+            )
+        elif not rivals:
+            names = ", ".join(r.label for r in finished)
+            checks.append(
+                Check(
+                    CONFIRMED,
+                    f"Loss: {lead}; no run in another format matched {ref.label}'s loss ({names}).",
+                    ref.label,
+                    ASPECT_LOSS,
+                )
+            )
+        for r in rivals:
+            did = "matched" if r.outcome == MATCHED else "beat"
+            if r.speedup is None or not math.isfinite(r.speedup):
+                checks.append(
+                    Check(
+                        NOT_MEASURED,
+                        f"Speed: {lead}; the {r.label} run {did} {ref.label}'s loss, and no throughput was measured.",
+                        r.label,
+                        ASPECT_SPEED,
+                    )
+                )
+                continue
+            head = (
+                f"Speed: {lead}; the {r.label} run {did} {ref.label}'s loss and {_ran_at(r, ref, who=False)}"
+            )
+            st = speed_status(r.speedup, here)
+            if st == CONFIRMED and small and r.precision == measured:
+                checks.append(
+                    Check(
+                        OVERRIDDEN,
+                        f"{head}: the measured gain overrides the default, use {measured}.",
+                        r.label,
+                        ASPECT_SPEED,
+                    )
+                )
+            elif st == CONFIRMED:
+                checks.append(
+                    Check(
+                        CONTRADICTED,
+                        f"{head}: a gain ({_gain()}) that the recommendation forgoes.",
+                        r.label,
+                        ASPECT_SPEED,
+                    )
+                )
+            elif st == CONTRADICTED:
+                checks.append(
+                    Check(
+                        CONFIRMED,
+                        f"{head}: no gain worth it ({_short_of_gain(r, ref)}), keep {fmt}.",
+                        r.label,
+                        ASPECT_SPEED,
+                    )
+                )
+            else:
+                checks.append(Check(NOT_MEASURED, f"{head}; {_elsewhere(rec)}.", r.label, ASPECT_SPEED))
+        return checks
+    family = [r for r in others if r.precision == fmt]
+    if fmt == "fp16":
+        family = [r for r in family if r.loss_scaling != "none"] or family
+    if not family:
+        checks.append(
+            Check(
+                NOT_MEASURED,
+                f"Loss: {said}; no {fmt} run in this comparison to check it against.",
+                None,
+                ASPECT_LOSS,
+            )
+        )
+    for r in family:
+        if r.outcome == FAILED:
+            checks.append(
+                Check(NOT_MEASURED, f"Loss: {said}: {outcome_sentence(r, ref, 0)}", r.label, ASPECT_LOSS)
+            )
+            continue
+        ok = r.outcome in (MATCHED, AHEAD)
+        checks.append(
+            Check(
+                CONFIRMED if ok else CONTRADICTED,
+                f"Loss: {said}: {outcome_sentence(r, ref, 0)}",
+                r.label,
+                ASPECT_LOSS,
+            )
+        )
+        st = speed_status(r.speedup, here)
+        if r.speedup is None or not math.isfinite(r.speedup):
+            text = f"Speed: no throughput was measured for {r.label} and {ref.label}."
+        elif st == CONFIRMED:
+            text = f"Speed: {_ran_at(r, ref)}, a gain ({_gain()})."
+        elif st == CONTRADICTED:
+            text = (
+                f"Speed: {_ran_at(r, ref)}, the machine the advisor planned for: {_short_of_gain(r, ref)}, not the "
+                f"gain recommending {fmt} assumes ({_gain()})."
+            )
+        else:
+            text = f"Speed: {_ran_at(r, ref)}; {_elsewhere(rec)}."
+        checks.append(Check(st, text, r.label, ASPECT_SPEED))
+    return checks
+
+
+def _warning_checks(rec: Mapping[str, Any] | None, r: RunResult, ref: RunResult) -> list[Check]:
+    """The reference profile's warnings for ``r``'s format, quoted as the advisor gave them, against what ``r``
+    did: its loss (warnings that bear on it) and its speed (warnings about speed)."""
+    if r.outcome in (FAILED, REFERENCE):
+        return [Check(NOT_MEASURED, f"Warnings: {outcome_sentence(r, ref, 0)}", r.label, ASPECT_WARNINGS)]
+    fmt = _family(r.precision)
+    given = format_warnings(rec, fmt) if fmt else []
+    trouble = [f for f in given if _beside_the_point(f, r) is None]
+    aside = [f for f in given if _beside_the_point(f, r) is not None]
+    bad = r.outcome in BAD_OUTCOMES
+    said = "; ".join(_title(f) for f in trouble)
+    aside_text = "; ".join(f"{_title(f)} ({_beside_the_point(f, r)})" for f in aside)
+    if trouble and bad:
+        status, why = CONFIRMED, f"The advisor had warned: {said}."
+    elif trouble:
+        status, why = NOT_BORNE_OUT, f"The advisor had warned ({said}), yet it did not hurt this run."
+    elif bad:
+        status = MISSED
+        why = (
+            f"None of the profile's {fmt} warnings bears on this run's loss: {aside_text}."
+            if aside
+            else "The advisor's profile gave no warning for this format."
+        )
+    else:
+        status = CONFIRMED
+        why = (
+            f"As the advisor expected: the profile's {fmt} warnings do not bear on this run's loss: {aside_text}."
+            if aside
+            else "As the advisor expected (no warning for this format)."
+        )
+    if trouble and aside:
+        why += f" Not about this run's loss: {aside_text}."
+    skipped = f" {_steps(r.skipped_steps)} skipped." if r.skipped_steps else ""
+    checks = [
+        Check(
+            status,
+            f"Warnings for {r.label}: {outcome_sentence(r, ref, 0)} {why}{skipped}",
+            r.label,
+            ASPECT_WARNINGS,
+        )
+    ]
+    speed_w = [f for f in given if str(f.get("code", "")) in SPEED_CODES]
+    if speed_w:
+        q = "; ".join(_title(f) for f in speed_w)
+        st = speed_status(r.speedup, _planned_here(rec or {}, ref))
+        if st == NOT_MEASURED:
+            tail = (
+                f"{_ran_at(r, ref)}; {_elsewhere(rec or {})}"
+                if r.speedup is not None and math.isfinite(r.speedup)
+                else f"no throughput was measured for {r.label} and {ref.label}"
+            )
+            checks.append(
+                Check(
+                    NOT_MEASURED,
+                    f"Warnings for {r.label}: the advisor had warned: {q}; {tail}.",
+                    r.label,
+                    ASPECT_SPEED,
+                )
+            )
+        elif st == CONTRADICTED:  # no gain: the speed warning is borne out
+            checks.append(
+                Check(
+                    CONFIRMED,
+                    f"Warnings for {r.label}: the advisor had warned: {q}; {_ran_at(r, ref)}, {_short_of_gain(r, ref)}.",
+                    r.label,
+                    ASPECT_SPEED,
+                )
+            )
+        else:
+            checks.append(
+                Check(
+                    NOT_BORNE_OUT,
+                    f"Warnings for {r.label}: the advisor had warned ({q}), yet {_ran_at(r, ref)}, a gain ({_gain()}).",
+                    r.label,
+                    ASPECT_SPEED,
+                )
+            )
+    return checks
+
+
+def check_against_runs(runs: Sequence[RunResult], ref: RunResult) -> list[Check]:
+    """The advisor's verdict (from the reference run's profile) against what the other runs did."""
+    rec = ref.recommendation
+    checks: list[Check] = []
+    others = [r for r in runs if r is not ref]
+    if rec:
+        checks += _recommendation_checks(rec, ref, others)
+        advised = rec.get("fp16_loss_scale")
+        for r in others:
+            if r.loss_scale != ADVISED or r.outcome == FAILED:
+                continue
+            ok = r.outcome in (MATCHED, AHEAD)
+            checks.append(
+                Check(
+                    CONFIRMED if ok else CONTRADICTED,
+                    f"Loss scale: the advisor sized fp16's loss scale at init_scale {_fmt_scale(advised)} on the "
+                    f"{ref.label} profile; trained with it, {outcome_sentence(r, ref, 0)}",
+                    r.label,
+                    ASPECT_LOSS_SCALE,
+                )
+            )
+    else:
+        checks.append(
+            Check(
+                NOT_MEASURED,
+                f"Loss: the {ref.label} run has no recommendation to check.",
+                ref.label,
+                ASPECT_LOSS,
+            )
+        )
+    for r in others:
+        checks += _warning_checks(rec, r, ref)
+    return checks

@@ -1,0 +1,276 @@
+"""The runs of a comparison: the variants (precision mode and loss scaling), each run's figures read back from its
+run directory, and its outcome against the reference run.
+
+Outcome of a run against the reference: ``diverged`` (non-finite final loss), ``stalled`` (it removed less
+than a quarter of the loss the reference removed), ``matched`` (final loss within ``tolerance``, relative),
+else ``behind`` or ``ahead``. A scaled run's loss scale is the one its steps table records, with the times it
+grew and backed off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from precprof import tables as T
+from precprof.analysis.throughput import throughput
+from precprof.errors import UserError
+from precprof.modes import PRECISIONS, parse_loss_scale
+
+REFERENCE_PREFERENCE = ("fp32", "tf32")
+DEFAULT_TOLERANCE = 0.02  # relative final-loss gap within which a run "matched" the reference
+STALL_PROGRESS = 0.25  # a run that removed less than this share of the reference's loss decrease "stalled"
+ADVISED = "advised"  # loss scaling spec: dynamic, from the init_scale the advisor gave on the reference run
+
+# outcomes
+REFERENCE, MATCHED, BEHIND, AHEAD, STALLED, DIVERGED, FAILED = (
+    "reference",
+    "matched",
+    "behind",
+    "ahead",
+    "stalled",
+    "diverged",
+    "failed",
+)
+BAD_OUTCOMES = frozenset({BEHIND, STALLED, DIVERGED})
+# verdict-check statuses
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One run of a comparison: a precision mode and its loss scaling spec ("auto", "dynamic", "none",
+    "static:N", or "advised": dynamic scaling starting at the init_scale the advisor recommends on the
+    reference run's profile, so that the recommendation itself is trained and checked)."""
+
+    precision: str
+    loss_scale: str = "auto"
+
+    @property
+    def label(self) -> str:
+        """Display name and run-directory name: ``fp16``, ``fp16-none``, ``fp16-static-8192``."""
+        if self.loss_scale == "auto":
+            return self.precision
+        spec = self.loss_scale.replace(":", "-")
+        if spec.startswith("static-"):
+            with contextlib.suppress(ValueError):  # static:8192.0 -> static-8192
+                spec = f"static-{float(spec[7:]):g}"
+        return f"{self.precision}-{spec}"
+
+
+def parse_precisions(spec: str | Sequence[str]) -> list[Variant]:
+    """``"fp32,bf16,fp16,fp16:none"`` -> variants; UserError for an unknown mode, a bad scaling spec or a
+    duplicate."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[Variant] = []
+    for raw in items:
+        item = raw.strip().lower()
+        if not item:
+            continue
+        precision, _, scale = item.partition(":")
+        if precision not in PRECISIONS:
+            raise UserError(
+                f"--precisions: unknown precision {precision!r}; choose from {', '.join(PRECISIONS)} "
+                "(optionally with a loss scaling spec, e.g. fp16:none or fp16:static:8192)"
+            )
+        scale = scale or "auto"
+        if scale == ADVISED:
+            if not precision.startswith("fp16"):
+                raise UserError(
+                    f"--precisions {item!r}: 'advised' is a loss scale, for fp16 and fp16-pure only"
+                )
+        else:
+            parse_loss_scale(scale)
+        v = Variant(precision, scale)
+        if v in out:
+            raise UserError(f"--precisions: {v.label} is listed twice")
+        out.append(v)
+    if len(out) < 2:
+        raise UserError("--precisions: give at least two precisions to compare, e.g. fp32,bf16,fp16")
+    return out
+
+
+def reference_index(variants: Sequence[Variant]) -> int:
+    """The run the others are compared with: fp32 (then tf32) with default scaling, else the first."""
+    for name in REFERENCE_PREFERENCE:
+        for i, v in enumerate(variants):
+            if v.precision == name:
+                return i
+    return 0
+
+
+@dataclass
+class RunResult:
+    """What one run of the comparison did, read back from its run directory."""
+
+    label: str
+    precision: str
+    loss_scale: str
+    run_dir: str
+    status: str
+    reason: str | None
+    steps: int
+    initial_loss: float
+    final_loss: float  # mean over the final window
+    final_window: int
+    gap: float | None  # (final - reference final) / reference final; None for the reference itself
+    outcome: str
+    tokens_per_s: float
+    speedup: float | None
+    skipped_steps: int
+    first_nonfinite_step: int | None
+    loss_scaling: str  # resolved: dynamic | static | none
+    final_scale: float | None  # loss scale in effect on the last step with a finite one (scaled runs)
+    init_scale: float | None  # the scaler's initial scale (scaled runs)
+    scale_growths: int  # steps whose loss scale is above the previous step's
+    scale_backoffs: int  # steps whose loss scale is below the previous step's
+    last_scale_change_step: int | None  # the first step at the final scale, when the scale ever changed
+    steps_at_final_scale: int  # steps (rows with a finite scale) from the last change to the end
+    machine: str  # where the run trained: "cpu: AMD EPYC", "cuda: NVIDIA H100 80GB HBM3"
+    target: str | None  # hardware name the run's summary records (what the advisor plans for by default)
+    memory: dict[str, int]
+    memory_total: int
+    recommendation: dict[str, Any] | None
+    wall_s: float
+    report: str | None
+    curve_steps: list[int] = field(default_factory=list)
+    curve_loss: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def smoothing_window(n: int) -> int:
+    return max(5, n // 10) if n else 0
+
+
+def finite(values: np.ndarray) -> np.ndarray:
+    return values[np.isfinite(values)]
+
+
+def _tokens_per_s(steps: pd.DataFrame) -> float:
+    """Tokens per second of the steps without per-layer capture (``analysis.throughput``)."""
+    return float(throughput(steps)["tokens_per_s"])
+
+
+def _memory(summary: Mapping[str, Any]) -> dict[str, int]:
+    measured = (summary.get(T.SUMMARY_MEMORY) or {}).get("measured") or {}
+    return {str(k): int(v) for k, v in measured.items() if v is not None and k != T.PROFILER_BUFFERS}
+
+
+@dataclass(frozen=True)
+class _ScaleHistory:
+    final: float | None
+    growths: int
+    backoffs: int
+    last_change_step: int | None
+    steps_at_final: int
+
+
+def _scale_history(steps: pd.DataFrame) -> _ScaleHistory:
+    """The loss scale a run ended at and how it moved, from the steps table (each row: the scale in effect
+    during that step). Rows without a finite scale are left out."""
+    if steps.empty:
+        return _ScaleHistory(None, 0, 0, None, 0)
+    scales = steps[T.LOSS_SCALE].astype(float).to_numpy()
+    ok = np.isfinite(scales)
+    s, step = scales[ok], steps[T.STEP].to_numpy()[ok]
+    if not len(s):
+        return _ScaleHistory(None, 0, 0, None, 0)
+    d = np.diff(s)
+    changes = np.nonzero(d != 0)[0]
+    last = int(changes[-1]) + 1 if len(changes) else None  # index of the first row at the final scale
+    return _ScaleHistory(
+        final=float(s[-1]),
+        growths=int((d > 0).sum()),
+        backoffs=int((d < 0).sum()),
+        last_change_step=int(step[last]) if last is not None else None,
+        steps_at_final=len(s) - (last or 0),
+    )
+
+
+def read_run(variant: Variant, run_dir: Path) -> RunResult:
+    """A run's facts from its run directory (outcome and gap are filled in by ``analyse``)."""
+    summary = T.read_summary(run_dir)
+    steps = T.read_tables(run_dir)["steps"].sort_values(T.STEP)
+    loss = steps[T.LOSS].astype(float).to_numpy() if not steps.empty else np.array([])
+    win = smoothing_window(len(loss))
+    tail = finite(loss[-win:]) if win else np.array([])
+    bad = np.nonzero(~np.isfinite(loss))[0]
+    # a run that went non-finite at its end has no meaningful final loss
+    final = float(tail.mean()) if len(tail) and np.isfinite(loss[-1]) else math.nan
+    first = finite(loss[:1])
+    cfg = summary.get(T.SUMMARY_CONFIG) or {}
+    kind = str(
+        cfg.get("loss_scaling") or ("none" if variant.loss_scale in ("auto", "none") else variant.loss_scale)
+    )
+    scale = _scale_history(steps) if kind != "none" else _ScaleHistory(None, 0, 0, None, 0)
+    hw = summary.get(T.SUMMARY_HARDWARE) or {}
+    device, name = hw.get("device"), hw.get("name")
+    machine = ": ".join(str(x) for x in (device, name) if x) or "unknown"
+    mem = _memory(summary)
+    init_scale = (
+        cfg.get("static_scale") if kind == "static" else cfg.get("init_scale") if kind == "dynamic" else None
+    )
+    report = run_dir / T.REPORT_FILE
+    final_block = summary.get(T.SUMMARY_FINAL) or {}
+    return RunResult(
+        label=variant.label,
+        precision=variant.precision,
+        loss_scale=variant.loss_scale,
+        run_dir=str(run_dir),
+        status=str(summary.get(T.SUMMARY_STATUS) or "missing"),
+        reason=summary.get(T.SUMMARY_INCOMPLETE_REASON),
+        steps=len(steps),
+        initial_loss=float(first[0]) if len(first) else math.nan,
+        final_loss=final,
+        final_window=win,
+        gap=None,
+        outcome=FAILED if not len(loss) else REFERENCE,
+        tokens_per_s=_tokens_per_s(steps),
+        speedup=None,
+        skipped_steps=int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
+        first_nonfinite_step=int(steps[T.STEP].iloc[bad[0]]) if len(bad) else None,
+        loss_scaling=kind,
+        final_scale=scale.final,
+        init_scale=float(init_scale) if isinstance(init_scale, (int, float)) else None,
+        scale_growths=scale.growths,
+        scale_backoffs=scale.backoffs,
+        last_scale_change_step=scale.last_change_step,
+        steps_at_final_scale=scale.steps_at_final,
+        machine=machine,
+        target=str(name) if name else None,
+        memory=mem,
+        memory_total=sum(v for k, v in mem.items() if k not in T.MEMORY_PEAK_COMPONENTS),
+        recommendation=summary.get(T.SUMMARY_RECOMMENDATION),
+        wall_s=float(final_block.get("wall_s", math.nan) or math.nan),
+        report=str(report) if report.exists() else None,
+        curve_steps=[int(s) for s in steps[T.STEP]] if not steps.empty else [],
+        curve_loss=[float(v) for v in loss],
+    )
+
+
+def classify(run: RunResult, ref: RunResult, tolerance: float) -> tuple[str, float | None]:
+    """(outcome, relative gap) of ``run`` against the reference run."""
+    if run.status == "missing" or not run.steps:
+        return FAILED, None
+    if not math.isfinite(run.final_loss):
+        return DIVERGED, None
+    if not math.isfinite(ref.final_loss) or ref.final_loss == 0:
+        return FAILED, None
+    gap = (run.final_loss - ref.final_loss) / abs(ref.final_loss)
+    if run.initial_loss > 0 and run.final_loss > 1.5 * run.initial_loss:
+        return DIVERGED, gap
+    ref_drop = ref.initial_loss - ref.final_loss
+    if ref_drop > 0 and (run.initial_loss - run.final_loss) < STALL_PROGRESS * ref_drop:
+        return STALLED, gap
+    if abs(gap) <= tolerance:
+        return MATCHED, gap
+    return (BEHIND if gap > 0 else AHEAD), gap

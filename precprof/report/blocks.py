@@ -1,0 +1,113 @@
+"""The block-scaled what-if as the page shows it: the plan's groups for the verdict, and per linear layer and
+recipe the worst operand's SQNR and the largest flushed and saturated shares, as the advisor stored them
+(``Recommendation.block_what_if``). Plain data; the templates write it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from precprof import tables as T
+from precprof.report import filters as F
+from precprof.report import summarize as S
+
+
+def plan_groups(plan: Any, plan_labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The recommendation's block plan (layer -> format) as groups in the plan's order (the advisor's labels:
+    NVFP4, MXFP4, MXFP8, BF16), each with its layers."""
+    if not isinstance(plan, Mapping) or not plan:
+        return []
+    order = list(plan_labels)
+    groups: dict[str, list[str]] = {}
+    for module, fmt in plan.items():
+        groups.setdefault(str(fmt), []).append(str(module))
+    return [
+        {"format": f, "label": plan_labels.get(f, f.upper()), "modules": groups[f]}
+        for f in sorted(groups, key=lambda f: order.index(f) if f in order else len(order))
+    ]
+
+
+# the block recipes of the compact table (the details show every recipe the layers table holds)
+BLOCK_TABLE_RECIPES: tuple[str, ...] = ("mxfp8_e4m3_rceil", "mxfp6_e2m3", "mxfp4", "nvfp4")
+
+
+def db_text(v: Any) -> str:
+    """An SQNR as the page writes it: "31.2 dB", "lossless" for inf, "not finite" for nan."""
+    f = F._float(v)
+    if f is None:
+        return "not finite"
+    return "lossless" if f == math.inf else f"{f:.1f} dB"
+
+
+def _block_cell(cell: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """One recipe's cell: SQNR of the worst operand, the largest flushed and saturated shares, and whether the
+    plan's rule for that recipe passes ("warn" when it does not)."""
+    if not cell:
+        return None
+    return {
+        "sqnr": db_text(cell.get("sqnr_db")),
+        "sqnr_v": cell.get("sqnr_db"),
+        "flushed": cell.get("flushed_share"),
+        "saturated": cell.get("saturated_share"),
+        "worst": cell.get("worst"),
+        "cls": "warn" if cell.get("fails") else "",
+    }
+
+
+def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | None:
+    """The block-scaled what-if as the advisor stored it (``Recommendation.block_what_if``): per linear layer and
+    recipe the worst operand's SQNR and the largest flushed and saturated shares, the plan (for the target when
+    it runs block formats, else what a B200 would get), and per operand the details. None without it (no
+    recommendation, an older run, or no block statistics). ``capture``: the run's ``block_formats`` capture
+    setting (``{"groups": n}``: each layer evaluated on every n-th sampled step)."""
+    data = (rec or {}).get("block_what_if") or {}
+    layers = data.get("layers") or []
+    if not layers:
+        return None
+    labels = dict(data.get("labels") or {})
+    plan_labels = dict(data.get("plan_labels") or {})
+    present = {r for lb in layers for r in (lb.get("recipes") or {})}
+    shown = [r for r in BLOCK_TABLE_RECIPES if r in present]
+    every = [r for r in T.BLOCK_RECIPES if r in present]
+    rows, details = [], []
+    for lb in layers:
+        choice = str(lb.get("choice") or "")
+        recipes = lb.get("recipes") or {}
+        rows.append(
+            {
+                "module": S.module_label(str(lb.get("module", ""))),
+                "module_type": lb.get("module_type"),
+                "plan": plan_labels.get(choice, choice),
+                "plan_format": choice,
+                "why": lb.get("why") or "",
+                "input_from": S.module_label(lb["input_from"]) if lb.get("input_from") is not None else None,
+                "cells": [_block_cell(recipes.get(r)) for r in shown],
+            }
+        )
+        for op in lb.get("operands") or []:
+            cells = [_block_cell((op.get("recipes") or {}).get(r)) for r in every]
+            if any(c is not None for c in cells):
+                details.append(
+                    {
+                        "module": S.module_label(str(lb.get("module", ""))),
+                        "operand": op.get("operand"),
+                        "gemm": op.get("gemm"),
+                        "axis": op.get("axis"),
+                        "cells": cells,
+                    }
+                )
+    rules = data.get("rules") or {}
+    return {
+        "recipes": [{"name": r, "label": labels.get(r, r)} for r in shown],
+        "all_recipes": [{"name": r, "label": labels.get(r, r)} for r in every],
+        "rows": rows,
+        "details": details,
+        "groups": int(capture.get("groups") or 1) if isinstance(capture, Mapping) else 1,
+        "on_target": bool(data.get("on_target")),
+        "target": str(data.get("target") or ""),
+        "fp4_sqnr_min_db": rules.get("fp4_sqnr_min_db"),
+        "fp4_flushed_max": rules.get("fp4_flushed_max"),
+        "mxfp8_lost_max": rules.get("mxfp8_lost_max"),
+        "mxfp8_sqnr_min_db": rules.get("mxfp8_sqnr_min_db"),
+    }

@@ -1,0 +1,451 @@
+"""The report's environment section in words: the machine, the software, the run's settings and what the
+profiler captured, each fact once, with its unit, and nothing that is empty.
+
+``summary.json`` keeps every setting under its machine name (``memory_total_bytes``, ``loss_scale`` beside the
+resolved ``loss_scaling``); a reader wants "140 GiB of memory" and "dynamic loss scaling from 65,536 (2^16)".
+Each group is a list of (label, text) rows. A setting this module does not know is still shown, under its own
+name, so that nothing recorded is hidden; ``config_rows`` is also the comparison page's setup.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from precprof import tables as T
+from precprof.report import filters as F
+
+Rows = list[tuple[str, str]]
+
+
+def _keys(names: str) -> frozenset[str]:
+    return frozenset(names.split())
+
+
+# config keys a row below says in words (or that say nothing about the run: progress bars, file handling)
+_CONFIG_SAID = _keys(
+    "model model_args precision loss_scale loss_scaling init_scale growth_factor backoff_factor "
+    "growth_interval static_scale plan fp8_layers tf32_matmul optimizer optimizer_class lr "
+    "weight_decay grad_clip steps batch_size seq_len seed device device_requested data out "
+    "sample_every progress refresh_every report command_line command cmdline argv distributed "
+    "world_size overwrite memory_estimate precisions"
+)
+# capture keys said elsewhere on the page (precision check, memory, per-layer table) or internal bookkeeping
+_CAPTURE_SAID = _keys(
+    "sample_every sample_origin sampled_steps steps_recorded modules_captured modules stats_engine "
+    "block_formats weight_update_sample skipped_tensors stream memory_error histogram_shift_exact "
+    "loss_dtypes device n_params param_bytes profiler_buffer_bytes profiler_scratch_bytes "
+    "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled "
+    "static_loss_scale low_precision_buffers fp8_recipe"
+)
+_HARDWARE_SAID = _keys(
+    "device name compute_capability bf16_supported bf16_native fp16_tensor_cores tf32_supported "
+    "fp8_supported fp8_library tf32_matmul_enabled tf32_cudnn_enabled float32_matmul_precision "
+    "memory_total_bytes memory_used_bytes driver_version cuda_version device_count cpu_capability "
+    "nvml block_formats preset extra"
+)
+_LIBRARIES = {
+    "precprof": "precprof",
+    "python": "Python",
+    "torch": "PyTorch",
+    "cuda": "CUDA",
+    "cudnn": "cuDNN",
+    "triton": "Triton",
+    "numpy": "NumPy",
+    "pandas": "pandas",
+    "transformers": "transformers",
+    "accelerate": "accelerate",
+    "lightning": "Lightning",
+    "torchao": "torchao",
+    "transformer_engine": "Transformer Engine",
+    "nvidia-ml-py": "nvidia-ml-py",
+}
+_ENGINES = {"c": "the C kernel", "triton": "the Triton kernel", "torch": "torch operations"}
+
+
+def _map(v: Any) -> dict[str, Any]:
+    return dict(v) if isinstance(v, Mapping) else {}
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == "" or v == [] or v == {} or (isinstance(v, float) and math.isnan(v))
+
+
+def _label(key: str) -> str:
+    return key.replace("_", " ")
+
+
+def _int(v: Any) -> int | None:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _cudnn(v: Any) -> str:
+    """cuDNN's version number in dotted form: 91900 -> 9.19.0 (cuDNN 9), 8902 -> 8.9.2 (cuDNN 8)."""
+    n = _int(v) if not isinstance(v, str) else (int(v) if v.isdigit() else None)
+    if n is None:
+        return str(v)
+    if n >= 10000:
+        return f"{n // 10000}.{(n % 10000) // 100}.{n % 100}"
+    return f"{n // 1000}.{(n % 1000) // 100}.{n % 100}"
+
+
+def machine_rows(hw: Mapping[str, Any]) -> Rows:
+    """The machine the run trained on: device, number formats it runs natively, TF32 (CUDA), driver."""
+    rows: Rows = []
+    if not hw:
+        return rows
+    cuda = hw.get("device") == "cuda"
+    name = str(hw.get("name") or hw.get("device") or "unknown")
+    if cuda:
+        text = name
+        if hw.get("compute_capability"):
+            text += f", compute capability {hw['compute_capability']}"
+        total = _int(hw.get("memory_total_bytes"))
+        if total:
+            text += f", {F.nbytes(total)} of memory"
+            used = _int(hw.get("memory_used_bytes"))
+            if used is not None:
+                text += f" ({F.nbytes(used)} in use when the run began)"
+        count = _int(hw.get("device_count"))
+        if count and count > 1:
+            text += f"; {count} GPUs in the machine"
+        rows.append(("GPU", text))
+    else:
+        cap = f", {hw['cpu_capability']}" if hw.get("cpu_capability") else ""
+        rows.append(("CPU", f"{name}{cap}"))
+    formats: list[str] = []
+    if hw.get("bf16_native"):
+        formats.append("bf16 in hardware" if not cuda else "bf16 tensor cores")
+    elif hw.get("bf16_supported"):
+        formats.append("bf16 emulated (no bf16 arithmetic in hardware)")
+    if cuda:
+        formats.append("fp16 tensor cores" if hw.get("fp16_tensor_cores") else "no fp16 tensor cores")
+        if hw.get("fp8_supported"):
+            lib = hw.get("fp8_library")
+            formats.append(
+                f"FP8 tensor cores ({lib})" if lib else "FP8 tensor cores (no FP8 library installed)"
+            )
+    blocks = hw.get("block_formats") or []
+    if blocks:
+        formats.append("block-scaled formats in hardware: " + ", ".join(str(b).upper() for b in blocks))
+    if formats:
+        rows.append(("number formats", "; ".join(formats)))
+    if cuda:
+        tf32 = []
+        if "tf32_matmul_enabled" in hw:
+            tf32.append(f"matmuls {'on' if hw['tf32_matmul_enabled'] else 'off'}")
+        if "tf32_cudnn_enabled" in hw:
+            tf32.append(f"cuDNN {'on' if hw['tf32_cudnn_enabled'] else 'off'}")
+        if hw.get("float32_matmul_precision"):
+            tf32.append(f"float32 matmul precision {hw['float32_matmul_precision']!r}")
+        if tf32:
+            rows.append(("TF32", ", ".join(tf32)))
+        driver = [
+            f"NVIDIA driver {hw['driver_version']}" if hw.get("driver_version") else "",
+            f"CUDA {hw['cuda_version']}" if hw.get("cuda_version") else "",
+        ]
+        if any(driver):
+            rows.append(("driver", ", ".join(d for d in driver if d)))
+    if hw.get("preset"):
+        rows.append(("planned as", f"the preset {hw['preset']}"))
+    rows += [(_label(k), F.plain(v)) for k, v in hw.items() if k not in _HARDWARE_SAID and not _empty(v)]
+    return rows
+
+
+def software_rows(versions: Mapping[str, Any]) -> Rows:
+    """Versions of what is installed, one row each; what is not installed in one row."""
+    rows: Rows = []
+    missing: list[str] = []
+    for key, v in versions.items():
+        name = _LIBRARIES.get(key, key)
+        if _empty(v):
+            missing.append(name)
+        elif key == "cudnn":
+            rows.append((name, _cudnn(v)))
+        elif key == "platform":
+            rows.append(("operating system", str(v)))
+        else:
+            rows.append((name, str(v)))
+    if missing:
+        rows.append(("not installed", ", ".join(missing)))
+    return rows
+
+
+def _loss_scaling(cfg: Mapping[str, Any]) -> str:
+    kind = str(cfg.get("loss_scaling") or "")
+    if not kind and cfg.get("loss_scale") not in (None, "auto"):
+        kind = str(cfg.get("loss_scale")).partition(":")[0]
+    if kind == "dynamic":
+        text = "dynamic loss scaling"
+        if cfg.get("init_scale") is not None:
+            text += f" from {F.pow2(cfg['init_scale'])}"
+        gf, bf, gi = cfg.get("growth_factor"), cfg.get("backoff_factor"), cfg.get("growth_interval")
+        if gf is not None and gi is not None:
+            text += f", ×{F.num(gf)} after {F.count(gi)} steps without overflow"
+        if bf is not None:
+            text += f", ×{F.num(bf)} on overflow"
+        return text
+    if kind == "static":
+        scale = cfg.get("static_scale")
+        return f"a static loss scale of {F.pow2(scale)}" if scale is not None else "a static loss scale"
+    if kind == "none":
+        return "no loss scaling"
+    return ""
+
+
+def precision_text(cfg: Mapping[str, Any]) -> str:
+    """The precision mode and what it means here: autocast dtype, weights, FP8 layers, TF32, loss scaling."""
+    precision = str(cfg.get("precision") or "")
+    if not precision:
+        return ""
+    plan = _map(cfg.get("plan"))
+    parts: list[str] = []
+    autocast = plan.get("autocast_dtype")
+    params = plan.get("param_dtype")
+    if precision == "fp8":
+        n = _int(cfg.get("fp8_layers"))
+        lib = plan.get("fp8_library") or "an FP8 library"
+        parts.append(
+            f"{F.count(n)} linear layers in FP8 through {lib}" if n is not None else f"FP8 through {lib}"
+        )
+        parts.append(f"the rest under {autocast or 'bfloat16'} autocast")
+    elif autocast:
+        parts.append(f"autocast to {autocast}, {params or 'float32'} weights")
+    elif params and params != "float32":
+        parts.append(f"weights in {params}, no autocast")
+    else:
+        parts.append("no autocast")
+    tf32 = plan.get("tf32", cfg.get("tf32_matmul"))
+    if tf32 is not None and precision in ("fp32", "tf32") and str(cfg.get("device") or "").startswith("cuda"):
+        parts.append(f"TF32 {'on' if tf32 else 'off'}")
+    scaling = _loss_scaling(cfg)
+    if scaling:
+        parts.append(scaling)
+    return f"{precision}: " + "; ".join(parts)
+
+
+def _model(model: Mapping[str, Any], cfg: Mapping[str, Any], capture: Mapping[str, Any]) -> Rows:
+    name = model.get("name") or cfg.get("model") or capture.get("model_class")
+    if not name:
+        return []
+    what = [str(x) for x in (model.get("kind"), model.get("class")) if x]
+    rows: Rows = [("model", f"{name}" + (f" ({', '.join(what)})" if what else ""))]
+    n = _int(model.get("n_params") or capture.get("n_params"))
+    shape: list[str] = []
+    if n is not None:
+        shape.append(f"{F.count(n)} parameters")
+    for key, unit in (
+        ("n_layer", "layers"),
+        ("n_head", "attention heads"),
+        ("n_embd", "wide"),
+        ("hidden_size", "wide"),
+        ("vocab_size", "tokens in the vocabulary"),
+        ("max_seq_len", "positions at most"),
+    ):
+        v = _int(model.get(key))
+        if v is not None:
+            shape.append(f"{F.count(v)} {unit}")
+    known = {"name", "kind", "class", "n_params", "n_layer", "n_head", "n_embd", "hidden_size", "vocab_size"}
+    known |= {"max_seq_len", "parameters"}
+    shape += [f"{_label(k)} {F.plain(v)}" for k, v in model.items() if k not in known and not _empty(v)]
+    if shape:
+        rows.append(("size", ", ".join(shape)))
+    args = _map(cfg.get("model_args"))
+    if args:
+        rows.append(("model settings", ", ".join(f"{k}={F.plain(v)}" for k, v in args.items())))
+    return rows
+
+
+def _data(data: Any) -> str:
+    d = _map(data)
+    if not d:
+        return F.plain(data) if not _empty(data) else ""
+    if d.get("name") == "synthetic":
+        text = "synthetic"
+        if d.get("kind") == "markov_chain":
+            text += (
+                f": a first-order Markov chain over {F.count(d.get('vocab_size'))} tokens, "
+                f"{F.count(d.get('branching'))} successors each"
+            )
+        if d.get("entropy_rate_nats") is not None:
+            text += f" (best possible loss {F.num(d['entropy_rate_nats'])} nats"
+            if d.get("uniform_loss_nats") is not None:
+                text += f", {F.num(d['uniform_loss_nats'])} at the start"
+            text += ")"
+        return text
+    if d.get("name") == "text":
+        text = f"the text file {d.get('path')}, read as bytes"
+        if d.get("bytes") is not None:
+            text += f" ({F.count(d['bytes'])} bytes"
+            if d.get("unigram_entropy_nats") is not None:
+                text += f", byte entropy {F.num(d['unigram_entropy_nats'])} nats"
+            text += ")"
+        return text
+    return F.plain(d)
+
+
+def _memory_estimate(est: Any) -> str:
+    e = _map(est)
+    if not e or e.get("total") is None:
+        return ""
+    parts = ", ".join(
+        f"{_label(k)} {F.nbytes(e[k])}"
+        for k in ("parameters", "gradients", "optimizer_states", "activations")
+        if e.get(k) is not None
+    )
+    return (
+        f"{F.nbytes(e['total'])}"
+        + (f" ({parts})" if parts else "")
+        + (f": {e['note']}" if e.get("note") else "")
+    )
+
+
+def config_rows(cfg: Mapping[str, Any]) -> Rows:
+    """The run's settings in words (the built-in loop's ``summary["config"]``; the comparison's shared one)."""
+    rows: Rows = []
+    precision = precision_text(cfg)
+    if precision:
+        rows.append(("precision", precision))
+    if cfg.get("precisions"):
+        rows.append(("precisions compared", F.plain(cfg["precisions"])))
+    opt = cfg.get("optimizer_class") or cfg.get("optimizer")
+    if opt:
+        hyper = [f"learning rate {F.num(cfg['lr'])}" if cfg.get("lr") is not None else ""]
+        if cfg.get("weight_decay") is not None:
+            hyper.append(f"weight decay {F.num(cfg['weight_decay'])}")
+        hyper = [h for h in hyper if h]
+        rows.append(("optimizer", f"{opt}" + (f" ({', '.join(hyper)})" if hyper else "")))
+    if cfg.get("grad_clip") is not None:
+        clip = float(cfg["grad_clip"])
+        rows.append(("gradient clipping", f"global norm at most {F.num(clip)}" if clip > 0 else "off"))
+    b, s = _int(cfg.get("batch_size")), _int(cfg.get("seq_len"))
+    if b is not None and s is not None:
+        rows.append(
+            ("batch", f"{F.count(b)} sequences × {F.count(s)} tokens = {F.count(b * s)} tokens a step")
+        )
+    if cfg.get("steps") is not None:
+        rows.append(("steps", F.count(cfg["steps"])))
+    data = _data(cfg.get("data"))
+    if data:
+        rows.append(("data", data))
+    if cfg.get("seed") is not None:
+        rows.append(("seed", str(cfg["seed"])))
+    if cfg.get("device"):
+        asked = cfg.get("device_requested")
+        rows.append(
+            (
+                "training device",
+                f"{cfg['device']}" + (f" (asked for: {asked})" if asked and asked != cfg["device"] else ""),
+            )
+        )
+    world = _int(cfg.get("world_size"))
+    if world is not None and world > 1:
+        rows.append(("distributed", f"{cfg.get('distributed')} over {F.count(world)} processes"))
+    est = _memory_estimate(cfg.get("memory_estimate"))
+    if est:
+        rows.append(("memory estimated before training", est))
+    if cfg.get("out"):
+        rows.append(("run directory", str(cfg["out"])))
+    rows += [(_label(k), F.plain(v)) for k, v in cfg.items() if k not in _CONFIG_SAID and not _empty(v)]
+    return rows
+
+
+def _engines(engine: Any) -> str:
+    e = _map(engine)
+    used = _map(e.get("used"))
+    if used:
+        return "; ".join(f"{_ENGINES.get(str(v), str(v))} on {dev}" for dev, v in used.items())
+    return F.plain(e.get("requested")) if e.get("requested") else ""
+
+
+def _ordinal_every(n: int) -> str:
+    return "every step" if n == 1 else f"every {F.ordinal(n)} step"
+
+
+def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
+    """What the profiler recorded: which steps, which modules, with which engine, and what it left out."""
+    rows: Rows = []
+    every = _int(capture.get("sample_every", cfg.get("sample_every")))
+    sampled, recorded = _int(capture.get("sampled_steps")), _int(capture.get("steps_recorded"))
+    if every is not None:
+        if every <= 0:
+            text = "no step: per-step figures only (loss, loss scale, time), no per-layer statistics"
+        else:
+            origin = _int(capture.get("sample_origin")) or 0
+            text = _ordinal_every(every) + (f" from step {origin}" if origin else "")
+            if sampled is not None and recorded is not None:
+                text += f": {F.count(sampled)} of {F.count(recorded)} steps"
+        rows.append(("steps sampled", text))
+    if capture.get("modules_captured") is not None:
+        rows.append(("modules captured", F.count(capture["modules_captured"])))
+    engines = _engines(capture.get("stats_engine"))
+    if engines:
+        rows.append(("statistics computed by", engines))
+    if "block_formats" in capture:
+        rows.append(("block-format what-if", block_setting(capture["block_formats"])))
+    if capture.get("weight_update_sample") is not None:
+        rows.append(
+            (
+                "weight updates read on",
+                f"{F.count(capture['weight_update_sample'])} elements of each parameter, before and after the "
+                "optimizer step",
+            )
+        )
+    skipped = capture.get("skipped_tensors") or []
+    if skipped:
+        rows.append(("tensors not measured", f"{F.count(len(skipped))} on the meta device (see the banner)"))
+    if capture.get("histogram_shift_exact") is False:
+        rows.append(("histograms", "unscaled by a loss scale that is not a power of two: within one binade"))
+    stream_error = _map(capture.get("stream")).get("error")
+    if stream_error:
+        rows.append(("streaming to disk", f"stopped: {stream_error}"))
+    if capture.get("memory_error"):
+        rows.append(("memory breakdown", f"failed: {capture['memory_error']}"))
+    rows += [(_label(k), F.plain(v)) for k, v in capture.items() if k not in _CAPTURE_SAID and not _empty(v)]
+    return rows
+
+
+def block_setting(v: Any) -> str:
+    """The capture's ``block_formats`` setting in words (``capture.block_budget.BlockBudget.describe``)."""
+    if not isinstance(v, Mapping):
+        return "on" if v else "off"
+    n = int(v.get("groups") or 1)
+    turns = (
+        "every linear layer on every sampled step"
+        if n <= 1
+        else f"each linear layer on every {F.ordinal(n)} sampled step ({n} groups taking turns)"
+    )
+    if not v.get("adaptive"):
+        return f"on, {turns} (block_groups={n})"
+    out = f"on, {turns}: as many groups as keep the what-if within {F.pct(float(v.get('budget') or 0))} of a sampled step"
+    cost = v.get("every_layer_cost")
+    if isinstance(cost, (int, float)) and math.isfinite(cost):
+        out += f" (every layer at once was measured to add {F.pct(float(cost))})"
+    return out
+
+
+def environment(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """The environment section: the device (for the page's header), the command line, and the groups of rows."""
+    cfg = _map(summary.get(T.SUMMARY_CONFIG))
+    hw = _map(summary.get(T.SUMMARY_HARDWARE))
+    capture = _map(summary.get(T.SUMMARY_CAPTURE))
+    command = None
+    for src in (cfg, summary):
+        for key in ("command", "command_line", "cmdline", "argv"):
+            if src.get(key):
+                command = src[key]
+                break
+        if command is not None:
+            break
+    device = hw.get("name") or hw.get("device")
+    if hw.get("compute_capability"):
+        device = f"{device} (compute capability {hw['compute_capability']})"
+    groups = [
+        ("Machine", machine_rows(hw)),
+        ("Software", software_rows(_map(summary.get(T.SUMMARY_VERSIONS)))),
+        ("Model", _model(_map(summary.get(T.SUMMARY_MODEL)), cfg, capture)),
+        ("Run", config_rows(cfg)),
+        ("Capture", capture_rows(capture, cfg)),
+    ]
+    return {"device": device, "command": command, "groups": [(n, rows) for n, rows in groups if rows]}

@@ -1,0 +1,315 @@
+"""Memory as the report shows it: what this run held per component, what was allocated at its allocator's peak
+part by part, the projection per precision mode as tables, and what the recommended format would save of the
+peak. Pure pandas over the memory table and ``summary["memory"]``; no plotting, no HTML.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pandas as pd
+
+from precprof import tables as T
+
+# memory components that are totals of the whole process or device, not parts of a stack
+PEAK_COMPONENTS = T.MEMORY_PEAK_COMPONENTS
+
+
+# What each part of the allocator's peak is, in the report's words (``moment == "peak"`` rows); temporaries
+# are labelled by the phase that allocated them.
+PEAK_PART_LABELS: dict[str, str] = {
+    T.PARAMETERS: "parameters",
+    T.BUFFERS: "module buffers",
+    T.MASTER_WEIGHTS: "master weights",
+    T.OPTIMIZER_STATES: "optimizer states",
+    T.GRADIENTS: "gradients",
+    T.AUTOCAST_WEIGHT_COPIES: "autocast weight copies",
+    T.ACTIVATIONS: "activations saved for backward",
+    T.INPUTS: "model inputs (the batch)",
+    T.OUTPUTS: "model outputs (logits)",
+    T.PROFILER_BUFFERS: "precprof's buffers allocated by then",
+    T.OTHER_MEMORY: "other (allocated before the step, not named)",
+    T.ALLOCATOR_CACHE: "allocator cache (reserved, not allocated)",
+}
+TEMPORARY_LABELS: dict[str, str] = {
+    T.PHASE_FORWARD: "temporaries allocated in forward, still alive",
+    T.PHASE_BACKWARD: "temporaries allocated after forward: the loss, gradients of activations in flight, "
+    "workspaces",
+    T.PHASE_OPTIMIZER: "temporaries of the optimizer step",
+    T.PHASE_OTHER: "temporaries allocated outside forward, backward and the optimizer step",
+}
+
+
+def peak_parts(memory: pd.DataFrame) -> dict[str, Any] | None:
+    """What was allocated at the allocator's peak of the last step that has it, part by part.
+
+    Returns {"step", "phase" (of the peak), "allocated" (the parts' sum: the allocator's peak), "cache"
+    (reserved - allocated then; 0 without a caching allocator), "parts": [{"part", "label", "bytes", "share"}]
+    (largest first, "other" and the cache last; share of ``allocated``), "named_share"} or None when no step has
+    them (a CPU run outside the built-in loop, or a run recorded before they existed)."""
+    rows = T.memory_at(memory, T.MOMENT_PEAK) if not memory.empty else memory
+    if rows.empty:
+        return None
+    step = rows[T.STEP].max()
+    last = rows[rows[T.STEP] == step]
+    b = pd.to_numeric(last[T.BYTES], errors="coerce").fillna(0)
+    comp, module = T.texts(last[T.COMPONENT]), T.texts(last[T.MODULE])
+    key = comp.where(comp != T.TEMPORARIES, T.TEMPORARIES + ":" + module)
+    per = b.groupby(key).sum()
+    cache = float(per.get(T.ALLOCATOR_CACHE, 0.0))
+    allocated = float(per.sum()) - cache
+    parts: list[dict[str, Any]] = []
+    for k, v in per.items():
+        name, _, phase = str(k).partition(":")
+        if name == T.ALLOCATOR_CACHE:
+            continue
+        label = TEMPORARY_LABELS.get(phase, f"temporaries ({phase})") if name == T.TEMPORARIES else None
+        parts.append(
+            {
+                "part": str(k),
+                "label": label or PEAK_PART_LABELS.get(name, name.replace("_", " ")),
+                "bytes": float(v),
+                "share": float(v) / allocated if allocated else math.nan,
+            }
+        )
+    parts.sort(key=lambda p: (p["part"] == T.OTHER_MEMORY, -p["bytes"]))
+    other = float(per.get(T.OTHER_MEMORY, 0.0))
+    return {
+        "step": int(step),
+        "phase": str(T.texts(last[T.PHASE]).iloc[0]),
+        "allocated": allocated,
+        "cache": cache,
+        "parts": parts,
+        "named_share": (allocated - other) / allocated if allocated else math.nan,
+    }
+
+
+def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
+    """Totals per component at the last step with memory rows, the peaks over every step apart, top activation
+    modules, and what was allocated at the allocator's peak (``peak_parts``).
+
+    Returns {"step", "components": {component: bytes}, "peaks": {component: bytes}, "top_activations":
+    [(module, bytes)], "total": bytes of the stacked components, "at_peak": ``peak_parts`` or None}.
+    """
+    at_peak = peak_parts(memory)
+    memory = T.memory_at(memory) if not memory.empty else memory
+    if memory.empty:
+        return {
+            "step": None,
+            "components": {},
+            "peaks": {},
+            "top_activations": [],
+            "total": 0.0,
+            "at_peak": None,
+        }
+    last = memory[memory[T.STEP] == memory[T.STEP].max()]
+    b = pd.to_numeric(last[T.BYTES], errors="coerce").fillna(0)
+    per = b.groupby(last[T.COMPONENT]).sum()
+    comps = {str(c): float(v) for c, v in per.items() if c not in PEAK_COMPONENTS and v > 0}
+    # peaks are per phase: their max is the peak, never their sum; over every sampled step, since in a user's
+    # loop a step that stays below an earlier peak has only a lower bound (tables.ALLOCATOR_SEEN_MAX)
+    peak = pd.to_numeric(memory[T.BYTES], errors="coerce").groupby(memory[T.COMPONENT]).max()
+    peaks = {str(c): float(v) for c, v in peak.items() if c in PEAK_COMPONENTS}
+    acts = last[last[T.COMPONENT] == T.ACTIVATIONS]
+    top = (
+        pd.to_numeric(acts[T.BYTES], errors="coerce")
+        .groupby(acts[T.MODULE])
+        .sum()
+        .sort_values(ascending=False)
+    )
+    return {
+        "step": int(last[T.STEP].iloc[0]),
+        "components": comps,
+        "peaks": peaks,
+        "top_activations": [(str(m), float(v)) for m, v in top.head(10).items()],
+        "total": float(sum(comps.values())),
+        "at_peak": at_peak,
+    }
+
+
+def memory_records(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """summary["memory"] as flat records {mode, component, bytes, source}; tolerant of a dict-of-modes layout."""
+    mem = summary.get(T.SUMMARY_MEMORY)
+    if not mem:
+        return []
+    recs = (mem.get("records") or mem.get("projection") or []) if isinstance(mem, Mapping) else mem
+    out = []
+    for r in recs if isinstance(recs, Iterable) else []:
+        if isinstance(r, Mapping) and "bytes" in r and "component" in r:
+            out.append(
+                {
+                    "mode": str(r.get("mode", "")),
+                    "component": str(r["component"]),
+                    "bytes": float(r["bytes"] or 0),
+                    "source": str(r.get("source", "projected")),
+                }
+            )
+    return out
+
+
+def memory_totals(records: list[dict[str, Any]]) -> dict[tuple[str, str], float]:
+    """Total bytes per (mode, source), peaks excluded."""
+    tot: dict[tuple[str, str], float] = {}
+    for r in records:
+        if r["component"] in PEAK_COMPONENTS:
+            continue
+        key = (r["mode"], r["source"])
+        tot[key] = tot.get(key, 0.0) + r["bytes"]
+    return tot
+
+
+def memory_table(records: list[dict[str, Any]], source: str) -> dict[str, Any]:
+    """Records of one source (or "measured+projected") as a table: components with bytes somewhere, and one row
+    per (mode, source) with bytes per component, the total and the saving against fp32 of the same source.
+
+    Returns {"components": [...], "rows": [{"mode", "source", "cells", "total", "saving_vs_fp32"}]}.
+    """
+    sources = ("measured", "projected") if source == "measured+projected" else (source,)
+    recs = [r for r in records if r["source"] in sources and r["component"] not in PEAK_COMPONENTS]
+    comps = list(dict.fromkeys(r["component"] for r in recs if r["bytes"] > 0))
+    grid: dict[tuple[str, str], dict[str, float]] = {}
+    for r in recs:
+        cell = grid.setdefault((r["mode"], r["source"]), {})
+        cell[r["component"]] = cell.get(r["component"], 0.0) + r["bytes"]
+    tot = memory_totals(records)
+    rows = []
+    for (mode, src), cells in grid.items():
+        total = sum(cells.values())
+        base = tot.get(("fp32", "textbook" if src == "textbook" else "projected"))
+        rows.append(
+            {
+                "mode": mode,
+                "source": src,
+                "cells": [cells.get(c) for c in comps],
+                "total": total,
+                "saving_vs_fp32": (base - total) / base if base else math.nan,
+            }
+        )
+    return {"components": comps, "rows": rows}
+
+
+# components the projection changes with the format; every other part of the peak (temporaries, inputs,
+# outputs, precprof's own, other) is taken as measured
+PROJECTED_COMPONENTS: tuple[str, ...] = (
+    T.PARAMETERS,
+    T.GRADIENTS,
+    T.OPTIMIZER_STATES,
+    T.MASTER_WEIGHTS,
+    T.BUFFERS,
+    T.ACTIVATIONS,
+    T.AUTOCAST_WEIGHT_COPIES,
+)
+
+
+def projected_peaks(
+    measured: Mapping[str, Any], records: list[dict[str, Any]], current: str
+) -> dict[str, Any] | None:
+    """The allocator's peak of this run and what it would be in each projected mode.
+
+    Each component the projection changes is scaled, in the part of it alive at the peak, by its projection in
+    the other mode over its projection in this run's mode (so that the projection's own error cancels); a
+    component this run did not hold (autocast's weight copies in an fp32 run) is added whole. Temporaries, the
+    batch, the outputs and precprof's buffers are taken as measured. Without a breakdown of the peak every
+    component held at the end of the step is taken as alive at the peak.
+
+    Returns {"peak", "basis": "parts at the peak" | "parts held at the step's end", "modes": {mode: bytes}} or
+    None without an allocator peak or a projection of this run's mode.
+    """
+    at_peak = measured.get("at_peak")
+    peak = (
+        float(at_peak["allocated"])
+        if at_peak
+        else float((measured.get("peaks") or {}).get(T.ALLOCATOR_PEAK) or 0)
+    )
+    if peak <= 0:
+        return None
+    if at_peak:
+        alive = {str(p["part"]): float(p["bytes"]) for p in at_peak.get("parts") or []}
+        basis = "parts at the peak"
+    else:
+        alive = {str(c): float(b) for c, b in (measured.get("components") or {}).items()}
+        basis = "parts held at the step's end"
+    proj: dict[str, dict[str, float]] = {}
+    for r in records:
+        if r["source"] == "projected" and r["component"] in PROJECTED_COMPONENTS:
+            proj.setdefault(r["mode"], {})[r["component"]] = r["bytes"]
+    base = proj.get(current)
+    if not base:
+        return None
+    modes = {}
+    for mode, comps in proj.items():
+        delta = 0.0
+        for c in PROJECTED_COMPONENTS:
+            now, then = base.get(c, 0.0), comps.get(c, 0.0)
+            if now > 0:
+                delta += alive.get(c, 0.0) * (then / now - 1.0)
+            else:
+                delta += then
+        modes[mode] = peak + delta
+    return {"peak": peak, "basis": basis, "modes": modes}
+
+
+def expected_saving(
+    records: list[dict[str, Any]],
+    measured_total: float,
+    current: str,
+    recommended: str,
+    measured: Mapping[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """Memory of the recommended mode against this run and against fp32, from the memory projection.
+
+    With ``measured`` (``measured_memory``) and an allocator peak, the figures are peaks (``projected_peaks``,
+    "basis": "peak"): a saving of memory is a saving of the peak. Otherwise (no peak recorded) they are the
+    components held at the end of a step ("basis": "held"): this run's total is its measured record (else its projection, else the measured tables); the recommended
+    mode's is its projection (else textbook). The fp32 baseline is the fp32 projection. Returns {"current",
+    "recommended", "saved", "share", "fp32", "share_vs_fp32", "same_mode"} or None when the recommended mode
+    has no projection. ``recommended`` may be "fp8": its projection is looked up under that name.
+    """
+    if not recommended:
+        return None
+    peaks = projected_peaks(measured, records, current) if measured else None
+    if peaks is not None and (recommended in peaks["modes"] or current == recommended):
+        # a memory saving is a saving of the peak: what the run needs the device to hold
+        rec_peak = peaks["modes"].get(recommended, peaks["peak"]) if current != recommended else peaks["peak"]
+        fp32_peak = peaks["modes"].get("fp32")
+        cur_peak = peaks["peak"]
+        return {
+            "basis": "peak",
+            "peak_basis": peaks["basis"],
+            "current": cur_peak,
+            "recommended": rec_peak,
+            "saved": cur_peak - rec_peak,
+            "share": (cur_peak - rec_peak) / cur_peak if cur_peak else None,
+            "fp32": fp32_peak,
+            "share_vs_fp32": (fp32_peak - rec_peak) / fp32_peak if fp32_peak else None,
+            "same_mode": current == recommended,
+        }
+    tot = memory_totals(records)
+
+    def pick(mode: str, sources: tuple[str, ...]) -> float | None:
+        for src in sources:
+            if (mode, src) in tot:
+                return tot[(mode, src)]
+        return None
+
+    cur = pick(current, ("measured", "projected"))
+    if cur is None and measured_total > 0:
+        cur = measured_total
+    rec = pick(recommended, ("projected", "measured", "textbook"))
+    if rec is None and current == recommended:
+        rec = cur
+    if rec is None:
+        return None
+    fp32 = pick("fp32", ("projected", "measured"))
+    return {
+        "basis": "held",
+        "current": cur,
+        "recommended": rec,
+        "saved": cur - rec if cur is not None else None,
+        "share": (cur - rec) / cur if cur else None,
+        "fp32": fp32,
+        "share_vs_fp32": (fp32 - rec) / fp32 if fp32 else None,
+        "same_mode": current == recommended,
+    }

@@ -1,0 +1,333 @@
+"""The signature heatmap: layers by log2 magnitude for one tensor kind, with the format windows over it, a strip
+naming the windows, and a side panel of what each row loses."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import matplotlib
+import matplotlib.transforms
+import numpy as np
+import pandas as pd
+from matplotlib.colors import FuncNorm, to_rgba
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
+
+from precprof import formats
+from precprof import tables as T
+from precprof.report import summarize as S
+from precprof.report.plots.common import FIG_WIDTH_IN, MIN_FONT_PT, _hbars, _pct, elide, fit_margins
+from precprof.report.plots.windows import Window, heatmap_windows
+
+# the side panel of the heatmaps: what a row loses in the focus format, and values that were already inf/nan
+LOST_COLORS: dict[str, str] = {"underflow": "#d62728", "overflow": "#111111", "inf/nan (recorded)": "#8e44ad"}
+# the format whose losses choose the rows and fill the side panel: FP16 at the recorded loss scale, or FP8 under
+# per-tensor current scaling (E4M3 for forward tensors, E5M2 for gradients, as FP8 training casts them)
+FOCUS_FORMATS = ("fp16", "fp8")
+# the colour scale: log below SHARE_KNEE (the tails, down to SHARE_FLOOR) over the first KNEE_AT of the colour
+# map, linear above it (where a narrow row's values sit): 26% and 84% of a row are as far apart on the map as
+# 0.1% and 10%, where a log scale to 100% drew them in one shade
+SHARE_FLOOR = 1e-6
+SHARE_KNEE = 0.1
+KNEE_AT = 0.6
+SHARE_TICKS = (1e-6, 1e-4, 1e-2, 0.1, 0.25, 0.5, 0.75, 1.0)
+BINADES_MIN = 10  # the narrowest exponent range drawn
+EDGE_REACH = 3  # an FP16 window edge this many binades or fewer beyond the data is drawn too
+
+
+def _share_unit(x: Any) -> Any:
+    """Share -> position on the colour scale in [0, 1]: log from SHARE_FLOOR to SHARE_KNEE, then linear."""
+    x = np.asarray(x, dtype=float)
+    lo, knee = math.log10(SHARE_FLOOR), math.log10(SHARE_KNEE)
+    below = KNEE_AT * (np.log10(np.clip(x, SHARE_FLOOR, SHARE_KNEE)) - lo) / (knee - lo)
+    above = KNEE_AT + (1 - KNEE_AT) * (np.clip(x, SHARE_KNEE, 1.0) - SHARE_KNEE) / (1.0 - SHARE_KNEE)
+    return np.where(x <= SHARE_KNEE, below, above)
+
+
+def _unit_share(u: Any) -> Any:
+    u = np.asarray(u, dtype=float)
+    lo, knee = math.log10(SHARE_FLOOR), math.log10(SHARE_KNEE)
+    below = 10.0 ** (lo + np.clip(u, 0.0, KNEE_AT) / KNEE_AT * (knee - lo))
+    above = SHARE_KNEE + (np.clip(u, KNEE_AT, 1.0) - KNEE_AT) / (1 - KNEE_AT) * (1.0 - SHARE_KNEE)
+    return np.where(u <= KNEE_AT, below, above)
+
+
+def share_norm() -> FuncNorm:
+    """The heatmaps' colour norm (``_share_unit``)."""
+    return FuncNorm((_share_unit, _unit_share), vmin=SHARE_FLOOR, vmax=1.0)
+
+
+def focus_label(kind: str, focus: str) -> str:
+    """What the side panel counts for ``kind``: "FP16 at the recorded scale", "FP8 E5M2, current scaling"."""
+    if focus == "fp8":
+        fmt = "fp8_e5m2" if kind in T.GRADIENT_KINDS else "fp8_e4m3"
+        return f"{formats.label(fmt)}, current scaling"
+    return "FP16 at the recorded scale" if kind in T.GRADIENT_KINDS else "FP16"
+
+
+def lost_in_focus(
+    layers: pd.DataFrame, kind: str, focus: str
+) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """Per row: (underflow, overflow, inf/nan) shares in the focus format (``focus_label``)."""
+    if focus == "fp8":
+        fmt = "fp8_e5m2" if kind in T.GRADIENT_KINDS else "fp8_e4m3"
+        return S.lost_share_by_row(layers, kind, fmt, current_scaling=True)
+    return S.lost_share_by_row(layers, kind, "fp16")
+
+
+def _select_rows(
+    rows: list[tuple[str, str]], lost: Mapping[tuple[str, str], tuple[float, ...]], max_rows: int
+) -> list[int]:
+    """Indices of the rows to draw: all of them, or the ``max_rows`` that lose the most (``lost``: the focus
+    format's shares), plus the first and last, kept in forward order."""
+    if len(rows) <= max_rows:
+        return list(range(len(rows)))
+
+    def badness(i: int) -> float:
+        return sum(0.0 if math.isnan(v) else v for v in lost.get(rows[i], ()))
+
+    keep = {0, len(rows) - 1}
+    for i in sorted(range(len(rows)), key=lambda i: (-badness(i), i)):
+        if len(keep) >= max_rows:
+            break
+        keep.add(i)
+    return sorted(keep)
+
+
+@dataclass
+class Heatmap:
+    """A signature heatmap and what its caption needs to say: the rows shown and why (the focus format, whose
+    losses chose them), the loss scale of its windows, the exponent range drawn."""
+
+    figure: Figure
+    kind: str
+    rows_total: int
+    rows_shown: int
+    scale: dict[str, float]
+    windows: list[Window]
+    focus: str = "fp16"
+    focus_label: str = "FP16"
+    x_range: tuple[float, float] = (0.0, 0.0)
+    rows: list[tuple[str, str]] = field(default_factory=list)  # the (module, param) rows drawn, top to bottom
+
+
+def _x_range(exps: np.ndarray, share: np.ndarray, fp16: Window) -> tuple[float, float]:
+    """The exponents drawn: the binades that hold values (one more each side), reaching out to an FP16 window
+    edge that lies within ``EDGE_REACH`` binades of them, and at least ``BINADES_MIN`` wide."""
+    cols = np.flatnonzero((share > 0).any(axis=0))
+    lo, hi = float(exps[cols[0]]), float(exps[cols[-1]] + 1)
+    x0, x1 = lo - 1, hi + 1
+    for edge in (fp16.lo, fp16.hi):
+        if x0 - EDGE_REACH <= edge < x0:
+            x0 = math.floor(edge) - 1
+        if x1 < edge <= x1 + EDGE_REACH:
+            x1 = math.ceil(edge) + 1
+    if x1 - x0 < BINADES_MIN:
+        pad = (BINADES_MIN - (x1 - x0)) / 2
+        x0, x1 = math.floor(x0 - pad), math.ceil(x1 + pad)
+    return float(x0), float(x1)
+
+
+def signature_heatmap(
+    histograms: pd.DataFrame,
+    layers: pd.DataFrame,
+    kind: str = T.ACTIVATION_GRAD,
+    *,
+    recommended_scale: float | None = None,
+    max_rows: int = 90,
+    focus: str = "fp16",
+) -> Heatmap | None:
+    """Layers (rows, forward order) by log2 |value| (columns) for one tensor kind, with format windows on top,
+    drawn for the page's narrowest width (``FIG_WIDTH_PX``).
+
+    Colour: share of the row's nonzero values in each binade (``share_norm``: log below 10%, linear above),
+    summed over sampled steps; the columns drawn are those that hold values (``_x_range``). Vertical lines: where
+    each format's window starts (underflow: at or below) and ends (overflow), in unscaled units; fp16 at the
+    loss scale of the last sampled step for gradients; a window beyond the range drawn is named in the strip.
+    Right panel: share of the row's values lost in the ``focus`` format ("fp16" at the recorded scales, or
+    "fp8" under current scaling). With more than ``max_rows`` rows, the rows that lose the most there are shown.
+    """
+    if focus not in FOCUS_FORMATS:
+        raise ValueError(f"focus must be one of {', '.join(FOCUS_FORMATS)}, not {focus!r}")
+    rows, exps, mat = S.heatmap_matrix(histograms, layers, kind)
+    if not rows or mat.size == 0 or mat.sum() <= 0:
+        return None
+    lost = lost_in_focus(layers, kind, focus)
+    what = focus_label(kind, focus)
+    rows_total = len(rows)
+    sel = _select_rows(rows, lost, max_rows)
+    rows = [rows[i] for i in sel]
+    mat = mat[sel]
+    tot = mat.sum(axis=1, keepdims=True)
+    share = np.divide(mat, tot, out=np.zeros_like(mat), where=tot > 0)
+    scale = S.scale_in_effect(layers, kind)
+    wins = heatmap_windows(kind, scale["last"], recommended_scale)
+
+    fp16 = wins[0]
+    x0, x1 = _x_range(exps, share, fp16)
+    n = len(rows)
+    labels = [elide(S.row_label(m, p)) for m, p in rows]
+    fs = MIN_FONT_PT if n > 40 else 8.0
+    row_h = 0.14 if n > 40 else 0.19
+    heat_h = max(1.6, n * row_h)
+    strip_h = 0.24 * len(wins) + 0.25
+    fig_h = heat_h + strip_h + 1.25
+    width = FIG_WIDTH_IN
+    fig = Figure(figsize=(width, fig_h))
+    gs = fig.add_gridspec(
+        2, 3, height_ratios=[strip_h, heat_h], width_ratios=[1.0, 0.28, 0.03], hspace=0.05, wspace=0.05
+    )
+    fig.subplots_adjust(left=0.35, right=0.9, top=1 - 0.35 / fig_h, bottom=0.7 / fig_h)
+    ax_strip = fig.add_subplot(gs[0, 0])
+    ax = fig.add_subplot(gs[1, 0], sharex=ax_strip)
+    # not sharey: a shared axis would build a second set of ~n tick objects, the slowest part of the figure
+    ax_lost = fig.add_subplot(gs[1, 1])
+    cax = fig.add_subplot(gs[1, 2])
+
+    masked = np.ma.masked_less_equal(share, 0)
+    cmap = matplotlib.colormaps["Blues"].with_extremes(bad="white")
+    im = ax.imshow(
+        masked,
+        aspect="auto",
+        interpolation="nearest",
+        extent=(float(exps[0]), float(exps[-1] + 1), n, 0),
+        cmap=cmap,
+        norm=share_norm(),
+    )
+    ax.set_xlim(x0, x1)
+    ax.set_ylim(n, 0)
+    # row names as plain texts: tick objects cost ~3 ms each to build and measure, texts a fraction of that
+    ax.set_yticks([])
+    label_tf = matplotlib.transforms.blended_transform_factory(ax.transAxes, ax.transData)
+    for i, lab in enumerate(labels):
+        ax.text(-0.008, i + 0.5, lab, transform=label_tf, ha="right", va="center", fontsize=fs, clip_on=False)
+    ax.set_xlabel("log2 |value|, unscaled (column k: [2^k, 2^(k+1)))", fontsize=8.5)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(True, axis="x", color="#000", alpha=0.06)
+    for w in wins:
+        for xv in (w.lo, w.hi):
+            if x0 < xv < x1:
+                ax.axvline(xv, color=w.color, ls=w.style, lw=1.6 if w.key == "fp16" else 1.2)
+    # percentages, as the right panel's: LogNorm's own labels (10^-6) are mathtext, ~15 ms each to lay out
+    cb = fig.colorbar(im, cax=cax, format=FuncFormatter(_pct))
+    cb.set_ticks(list(SHARE_TICKS))
+    cb.ax.tick_params(labelsize=MIN_FONT_PT)
+    cb.set_label("share of the row's nonzero values (log below 10%, linear above)", fontsize=8)
+    cb.minorticks_off()  # each minor tick is a marker deep-copied at draw time: ~2 ms apiece
+
+    # window strip: one bar per format, clipped to the plotted range, subnormal part lighter; names on the left
+    ax_strip.set_ylim(len(wins) - 0.5, -0.5)
+    bars: list[tuple[float, float, float, str, float]] = []
+    for i, w in enumerate(wins):
+        lo, hi = max(w.lo, x0), min(w.hi, x1)
+        nlo = min(max(w.normal_lo, x0), x1)
+        if lo < nlo:
+            bars.append((i, lo, nlo, w.color, 0.28))
+        if nlo < hi:
+            bars.append((i, nlo, hi, w.color, 0.75))
+        if hi > lo:
+            beyond = ("← " if w.lo < x0 else "") + ("→" if w.hi > x1 else "")
+            rng = f"2^{round(w.lo)} … 2^{round(w.hi)}" + (
+                f" {beyond.strip()}" if beyond else ""
+            )  # 2^0, never 2^-0
+            narrow = hi - lo < 0.3 * (x1 - x0)  # too short a bar for its text: the text goes beside it
+            ax_strip.text(
+                lo - 0.3 if narrow else (lo + hi) / 2,
+                i,
+                rng,
+                ha="right" if narrow else "center",
+                va="center",
+                fontsize=MIN_FONT_PT,
+                clip_on=True,
+                bbox={"boxstyle": "round,pad=0.12", "fc": "white", "ec": "none", "alpha": 0.85},
+            )
+        else:
+            side = "below" if w.lo >= x1 else "above"
+            ax_strip.text(
+                (x0 + x1) / 2,
+                i,
+                f"2^{round(w.lo)} … 2^{round(w.hi)}: all {side} this range",
+                ha="center",
+                va="center",
+                fontsize=MIN_FONT_PT,
+                color="#555",
+            )
+    if bars:
+        ys, lefts, rights, colors, alphas = zip(*bars, strict=True)
+        _hbars(
+            ax_strip, ys, lefts, rights, 0.62, [to_rgba(c, a) for c, a in zip(colors, alphas, strict=True)]
+        )
+    ax_strip.set_yticks(range(len(wins)))
+    ax_strip.set_yticklabels([w.label for w in wins], fontsize=8)
+    for t, w in zip(ax_strip.get_yticklabels(), wins, strict=True):
+        t.set_color(w.color)
+    ax_strip.tick_params(axis="y", length=0)
+    ax_strip.tick_params(axis="x", labelbottom=False)
+    ax_strip.set_title(
+        f"{S.KIND_LABELS.get(kind, kind).capitalize()} by layer and binade",
+        fontsize=9.5,
+        loc="left",
+    )
+    for sp in ("top", "right", "left"):
+        ax_strip.spines[sp].set_visible(False)
+    # shade what fp16 (at the scale in effect) cannot hold, so the lost tails stand out
+    if fp16.lo > x0:
+        ax.axvspan(x0, fp16.lo, color=fp16.color, alpha=0.07, lw=0)
+    if fp16.hi < x1:
+        ax.axvspan(fp16.hi, x1, color=fp16.color, alpha=0.07, lw=0)
+
+    # right panel: share lost in the focus format, stacked on a log axis (ends at the total)
+    shares = np.nan_to_num(np.array([lost.get(r, (0.0, 0.0, 0.0)) for r in rows], dtype=float).reshape(n, 3))
+    floor = SHARE_FLOOR
+    y = np.arange(n) + 0.5
+    ends = np.maximum(np.cumsum(shares, axis=1), floor)
+    starts = np.hstack([np.full((n, 1), floor), ends[:, :-1]])
+    for j, color in enumerate(LOST_COLORS.values()):
+        _hbars(ax_lost, y, starts[:, j], ends[:, j], 0.75, to_rgba(color, 0.85))
+    ax_lost.set_xscale("log")
+    ax_lost.set_xlim(floor, 1.0)
+    ax_lost.xaxis.set_major_formatter(FuncFormatter(_pct))
+    ax_lost.set_xticks([1e-4, 1.0])
+    ax_lost.xaxis.set_minor_locator(NullLocator())
+    ax_lost.set_ylim(n, 0)
+    ax_lost.set_yticks([])
+    ax_lost.tick_params(axis="x", labelsize=MIN_FONT_PT)
+    ax_lost.set_xlabel(
+        "lost in " + what.replace(", ", ",\n").replace(" at the", "\nat the"), fontsize=MIN_FONT_PT
+    )
+    ax_lost.grid(True, axis="x", alpha=0.3)
+    # the legend sits in the empty cell above the panel, where it hides no bar
+    ax_leg = fig.add_subplot(gs[0, 1:])
+    ax_leg.axis("off")
+    kinds = ("underflow", "inf/nan (recorded)") if focus == "fp8" else tuple(LOST_COLORS)
+    handles = [Patch(color=LOST_COLORS[k], alpha=0.85, label=k) for k in kinds]
+    ax_leg.legend(
+        handles=handles,
+        loc="lower left",
+        fontsize=MIN_FONT_PT,
+        frameon=False,
+        title="right: lost",
+        title_fontsize=MIN_FONT_PT,
+        alignment="left",
+        handlelength=1.0,
+        borderaxespad=0.0,
+    )
+    if not (shares > 0).any():
+        ax_lost.text(
+            0.5,
+            0.5,
+            "nothing\nlost",
+            transform=ax_lost.transAxes,
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="#2a7a2a",
+        )
+    # margins from the texts themselves: long row or format names on the left, the colour bar's label on the right
+    fit_margins(fig)
+    return Heatmap(fig, kind, rows_total, n, scale, wins, focus, what, (x0, x1), rows)

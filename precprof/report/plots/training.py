@@ -1,0 +1,141 @@
+"""The training figure: loss, loss scale and gradient norm over the steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.artist import Artist
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+from precprof import tables as T
+from precprof.report.plots.common import FIG_WIDTH_IN, _pow2_label
+
+SKIP_COLOR = "#d62728"
+RESTART_COLOR = "#2c7fb8"
+
+
+def training_figure(steps: pd.DataFrame) -> Figure | None:
+    """Loss, loss scale (log2 axis, skipped steps marked) and gradient norm over steps, side by side; the steps
+    a resumed run restarted from (``resumed``) as dashed lines on the loss and the loss scale."""
+    if steps.empty:
+        return None
+    df = steps.sort_values(T.STEP)
+    x = pd.to_numeric(df[T.STEP], errors="coerce").to_numpy(dtype=float)
+    skipped = T.flags(df[T.SKIPPED]).to_numpy()
+    restarts = x[T.flags(df[T.RESUMED]).to_numpy()] if T.RESUMED in df else np.zeros(0)
+    # drawn for the page's narrowest width: the loss across the top, loss scale and gradient norm below it
+    fig = Figure(figsize=(FIG_WIDTH_IN, 5.4))
+    gs = fig.add_gridspec(2, 2, hspace=0.62, wspace=0.34)
+    axes = [fig.add_subplot(gs[0, :]), fig.add_subplot(gs[1, 0]), fig.add_subplot(gs[1, 1])]
+    fig.subplots_adjust(left=0.1, right=0.98, top=0.95, bottom=0.2)
+
+    def mark_skipped(ax: Any) -> None:
+        if skipped.sum() > 200:  # one collection, not a patch per step: a long run may skip thousands
+            ax.vlines(x[skipped], 0, 1, transform=ax.get_xaxis_transform(), color=SKIP_COLOR, alpha=0.12)
+            return
+        for s in x[skipped]:
+            ax.axvspan(s - 0.5, s + 0.5, color=SKIP_COLOR, alpha=0.12, lw=0)
+
+    def mark_restarts(ax: Any) -> None:
+        for r in restarts:
+            ax.axvline(r, color=RESTART_COLOR, ls="--", lw=1.3)
+
+    loss = pd.to_numeric(df[T.LOSS], errors="coerce").to_numpy(dtype=float)
+    ax = axes[0]
+    mark_skipped(ax)
+    mark_restarts(ax)
+    ax.plot(x, loss, color="#1f4e79", lw=1.4, marker="." if len(x) <= 60 else None, label="loss")
+    bad = ~np.isfinite(loss)
+    if bad.any():
+        top = np.nanmax(loss[~bad]) if (~bad).any() else 1.0
+        ax.plot(x[bad], np.full(bad.sum(), top), "X", color=SKIP_COLOR, ms=8, label="loss not finite")
+    ax.set_title("Training loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+
+    ax = axes[1]
+    mark_skipped(ax)
+    mark_restarts(ax)
+    ls = pd.to_numeric(df[T.LOSS_SCALE], errors="coerce").to_numpy(dtype=float)
+    ok = np.isfinite(ls) & (ls > 0)
+    sk = np.zeros_like(ok)
+    if ok.any():
+        y = np.log2(ls[ok])
+        ax.step(x[ok], y, where="post", color="#1f4e79", lw=1.4, label="loss scale")
+        sk = skipped & ok & bool((ls[ok] != 1).any())  # a run without loss scaling backs nothing off
+        if sk.any():
+            ax.plot(x[sk], np.log2(ls[sk]), "v", color=SKIP_COLOR, ms=7, label="skipped step (inf/nan grads)")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+        ax.yaxis.set_major_formatter(FuncFormatter(_pow2_label))
+        if np.nanmax(y) - np.nanmin(y) < 1:
+            ax.set_ylim(np.nanmin(y) - 1, np.nanmax(y) + 1)
+        if bool(np.all(ls[ok] == 1)):
+            ax.text(0.5, 0.6, "no loss scaling (scale 1)", ha="center", transform=ax.transAxes, color="#555")
+    else:
+        ax.text(0.5, 0.5, "no loss scale recorded", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(f"Loss scale ({int(skipped.sum())} skipped step{'s' if skipped.sum() != 1 else ''})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss scale (log2)")
+
+    ax = axes[2]
+    mark_skipped(ax)
+    gn = pd.to_numeric(df[T.GRAD_NORM], errors="coerce").to_numpy(dtype=float)
+    fin = np.isfinite(gn) & (gn > 0)
+    if fin.any():
+        ax.plot(
+            x[fin], gn[fin], color="#1f4e79", lw=1.4, marker="." if len(x) <= 60 else None, label="grad norm"
+        )
+        if np.nanmax(gn[fin]) / np.nanmin(gn[fin]) > 30:
+            ax.set_yscale("log")
+        inf = np.isinf(gn)
+        if inf.any():
+            ax.plot(
+                x[inf],
+                np.full(inf.sum(), np.nanmax(gn[fin]) * 1.5),
+                "^",
+                color=SKIP_COLOR,
+                ms=7,
+                label="inf/nan gradient",
+            )
+    else:
+        ax.text(0.5, 0.5, "no gradient norm recorded", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title("Gradient norm (unscaled)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("‖g‖₂" + (" (log scale)" if ax.get_yscale() == "log" else ""))
+    for a in axes:
+        a.grid(True, alpha=0.3)
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    # the legend names only what this run's plots draw
+    handles: list[Artist] = [Line2D([], [], color="#1f4e79", lw=1.4, label="recorded value")]
+    if skipped.any():
+        handles.append(Patch(color=SKIP_COLOR, alpha=0.25, label="skipped optimizer step"))
+    if sk.any():
+        handles.append(
+            Line2D(
+                [],
+                [],
+                color=SKIP_COLOR,
+                marker="v",
+                ls="",
+                label="scaler skipped the step (inf/nan gradients)",
+            )
+        )
+    if bad.any():
+        handles.append(Line2D([], [], color=SKIP_COLOR, marker="X", ls="", label="loss not finite (nan/inf)"))
+    if len(restarts):
+        label = "resumed from a checkpoint" + (f" (step {int(restarts[0])})" if len(restarts) == 1 else "")
+        handles.append(Line2D([], [], color=RESTART_COLOR, ls="--", lw=1.3, label=label))
+    if np.isinf(gn).any():
+        handles.append(Line2D([], [], color=SKIP_COLOR, marker="^", ls="", label="gradient norm inf"))
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 2), frameon=False, fontsize=8.5)
+    for a in axes:
+        a.title.set_fontsize(10)
+        a.xaxis.label.set_fontsize(9)
+        a.yaxis.label.set_fontsize(9)
+        a.tick_params(labelsize=8.5)
+    return fig

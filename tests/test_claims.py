@@ -1,0 +1,260 @@
+"""What the advisor and the report claim is what the run measured: each test trains a tiny real run that has the
+problem (nothing sampled, a hand-cast model, a CPU, a diverged fp16 run, a killed run, an fp32 run with a
+scaler, a comparison) and checks the words the user reads against what was recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import hardware
+from precprof import tables as T
+from precprof.analysis.advisor import AdvisorConfig
+from precprof.report import filters
+from precprof.training import TrainConfig, train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = {"n_layer": 1, "n_embd": 32}
+
+
+def tiny(out: Path, **kw: Any) -> Path:
+    """A real ``precprof train`` run of a one-layer gpt-nano (batch 2 x 16), its report rendered."""
+    cfg: dict[str, Any] = dict(
+        model="gpt-nano",
+        model_args=dict(TINY),
+        steps=3,
+        batch_size=2,
+        seq_len=16,
+        sample_every=1,
+        progress=False,
+        out=out,
+        report=True,
+    )
+    cfg.update(kw)
+    torch.manual_seed(0)
+    train(TrainConfig(**cfg))
+    return out
+
+
+def section(page: str, sid: str) -> str:
+    m = re.search(rf'<section id="{sid}">(.*?)</section>', page, re.S)
+    assert m is not None, sid
+    return m.group(1)
+
+
+def words(fragment: str) -> str:
+    """The text of an HTML fragment, as a reader sees it (tags out, entities decoded, spaces collapsed)."""
+    text = re.sub(r"<[^>]+>", " ", re.sub(r"<img[^>]*>", " ", fragment))
+    return re.sub(r"\s+", " ", html.unescape(text)).strip()
+
+
+# ------------------------------------------------------------------------------------------------ item 8
+def test_a_run_that_sampled_nothing_claims_no_measurement(tmp_path: Path) -> None:
+    """``--sample-every 0``: no layer rows, so no gradient was measured against any format. The reasons say
+    so; nothing says "the measured gradients do not underflow it", "the measurements allow" or "as measured"."""
+    run = tiny(tmp_path / "s0", sample_every=0)
+    assert T.read_tables(run)["layers"].empty
+    rec = T.read_summary(run)[T.SUMMARY_RECOMMENDATION]
+    reasons = " ".join(rec["reasons"])
+    assert "do not underflow" not in reasons and "measurements allow" not in reasons
+    assert "not measured" in reasons and "--sample-every" in reasons
+    assert not rec.get("measured_format")
+    page = (run / T.REPORT_FILE).read_text()
+    verdict = words(section(page, "verdict"))
+    assert "as measured" not in verdict and "measurements allow" not in verdict
+    assert "not measured" in verdict
+    # where the format is chosen for the machine alone, the reason says the gradients were not measured
+    big = precprof.recommend(run, hardware="h100", config=AdvisorConfig(small_model_params=0))
+    assert big.format == "bf16"
+    assert "do not underflow" not in " ".join(big.reasons)
+    assert "not measured" in " ".join(big.reasons)
+
+
+# ------------------------------------------------------------------------------------------------ item 9
+class HandCast(nn.Module):
+    """An fp32 model whose LayerNorm and softmax were cast to bf16 by hand (no autocast anywhere)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.ln = nn.LayerNorm(32).to(torch.bfloat16)
+        self.attn = nn.Softmax(dim=-1)
+        self.out = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(self.inp(x).to(torch.bfloat16))
+        return self.out((h * self.attn(h)).float())
+
+
+def test_norm_and_softmax_cast_to_bf16_in_an_fp32_run_is_a_warning_that_names_them() -> None:
+    torch.manual_seed(0)
+    model = HandCast()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1)
+    with prof:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    rec = precprof.recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
+    found = [f for f in rec.findings if f.code == "bf16_fp32_ops"]
+    assert len(found) == 1
+    f = found[0]
+    assert f.severity == "warning"
+    assert set(f.modules) == {"ln", "attn"}
+    assert "ln" in f.message and "attn" in f.message
+    assert ".float()" in f.remedy
+
+
+# ----------------------------------------------------------------------------------------------- item 10
+def test_on_a_cpu_no_text_claims_bf16_is_faster_than_it_measured(tmp_path: Path) -> None:
+    """One answer on a CPU with native bf16: the advisor's verdict for a small model is fp32, and neither its
+    finding about the CPU nor ``precprof env`` says bf16 autocast saves time, which no single run measures:
+    both point at ``precprof compare``, which times it."""
+    run = tiny(tmp_path / "cpu")
+    cpu = dataclasses.replace(hardware.detect(torch.device("cpu")), bf16_native=True, name="AMD EPYC")
+    rec = precprof.recommend(run, hardware=cpu)
+    assert rec.format == "fp32"
+    native = next(f for f in rec.findings if f.code == "bf16_native")
+    said = f"{native.title} {native.message} {native.remedy}".lower()
+    assert "is faster" not in said and "save memory and time" not in said
+    assert "precprof compare" in said
+    fmt, why = hardware.usual_format(cpu)
+    assert fmt == rec.format == "fp32"
+    assert "is faster than fp32" not in why and "precprof compare" in why
+
+
+# ----------------------------------------------------------------------------------------------- item 11
+def test_the_memory_saving_is_a_saving_of_the_peak_and_each_figure_is_named_once(tmp_path: Path) -> None:
+    run = tiny(tmp_path / "mem", precision="bf16")
+    mem = T.read_tables(run)["memory"]
+    at_peak = T.memory_at(mem, T.MOMENT_PEAK)
+    assert not at_peak.empty  # the built-in loop breaks the allocator's peak down
+    last = at_peak[(at_peak[T.STEP] == at_peak[T.STEP].max()) & (at_peak[T.COMPONENT] != T.ALLOCATOR_CACHE)]
+    peak = float(last[T.BYTES].sum())
+    page = (run / T.REPORT_FILE).read_text()
+    verdict = words(section(page, "verdict"))
+    saving = re.search(r"expected memory saving (.*?)(?: Configuration to paste| Why|$)", verdict)
+    assert saving is not None, verdict
+    # the verdict's saving is of the allocator's peak, quoted as the memory section quotes it
+    assert "peak" in saving.group(1) and filters.nbytes(peak) in saving.group(1), saving.group(1)
+    memory = words(section(page, "memory"))
+    assert filters.nbytes(peak) in memory
+    # precprof's own buffers: one figure, named once on the page, not again in the environment
+    env = words(section(page, "environment"))
+    assert "profiler buffers" not in env.lower() and "profiler scratch" not in env.lower()
+    assert memory.count("precprof's own buffers") == 1, memory
+    # one measured total: the projection table does not repeat this run's measurement as a row of its own
+    assert not re.search(r"\bbf16 measured\b", memory)
+
+
+# ----------------------------------------------------------------------------------------------- item 12
+def test_a_diverged_fp16_run_counts_every_skipped_step_and_the_verdict_says_it_diverged(
+    tmp_path: Path,
+) -> None:
+    run = tiny(tmp_path / "div", precision="fp16", lr=3.0, grad_clip=0.0, steps=16, sample_every=4)
+    steps = T.read_tables(run)["steps"]
+    skipped = int(T.flags(steps[T.SKIPPED]).sum())
+    first_bad = int(steps[T.STEP][~np.isfinite(steps[T.LOSS].to_numpy(dtype=float))].min())
+    assert first_bad < 11 and skipped > 1  # the run diverged and the scaler skipped steps on both sides
+    rec = T.read_summary(run)[T.SUMMARY_RECOMMENDATION]
+    f = next(f for f in rec["findings"] if f["code"] == "scaler_skipped_steps")
+    before = int(T.flags(steps[T.SKIPPED][steps[T.STEP] < first_bad]).sum())
+    assert f["numbers"]["skipped"] == before
+    assert f["numbers"]["skipped_after_divergence"] == skipped - before
+    assert f"{skipped:,}" in f["message"] and f"step {first_bad}" in f["message"]
+    page = (run / T.REPORT_FILE).read_text()
+    verdict = section(page, "verdict")
+    assert 'id="verdict-diverged"' in verdict
+    assert f"diverged at step {first_bad}" in words(verdict)
+
+
+KILL_AT = 7  # sampled every 3rd step: steps 3 and 6 sampled, 1, 2, 4 and 5 not, once step 0 is left out
+KILLED = textwrap.dedent(
+    f"""
+    import os, signal, sys, time, torch
+    from precprof.training import Callback, TrainConfig, train
+    class Kill(Callback):
+        def on_step_end(self, run):
+            if run.step == {KILL_AT}:
+                time.sleep(2.0)  # the writer thread puts the last flush on disk
+                os.kill(os.getpid(), signal.SIGKILL)
+    torch.set_num_threads(1)
+    train(TrainConfig(model="gpt-nano", model_args={TINY!r}, steps=50, batch_size=2, seq_len=16,
+                      sample_every=3, progress=False, out=sys.argv[1]), callbacks=[Kill()])
+    """
+)
+
+
+def test_a_killed_run_claims_no_cost_of_a_sampled_step_from_too_few_steps(tmp_path: Path) -> None:
+    """A run killed after a handful of steps has one or two steps of each kind: no ratio of their times is a
+    measured cost of profiling, and the page gives none (it says how many steps of each kind were timed)."""
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])}
+    res = subprocess.run([sys.executable, "-c", KILLED, str(out)], env=env, capture_output=True, timeout=300)
+    assert res.returncode == -signal.SIGKILL, res.stderr.decode()[-2000:]
+    page = precprof.report.render.render_run_dir(out).read_text()
+    assert "The run was cut off" in page
+    headline = words(page.split('<ul class="headline">', 1)[1].split("</ul>", 1)[0])
+    assert "× an unsampled one" not in headline, headline
+    assert "not measured" in headline
+
+
+def test_an_fp32_run_with_a_dynamic_scaler_gets_no_fp16_warning(tmp_path: Path) -> None:
+    """``--precision fp32 --loss-scale dynamic``: the run never trained in fp16, its measurements allow bf16
+    here, so what fp16 would lose is information, as in any fp32 run."""
+    # batch 8 x 64: gradients small enough that more than 1% of them would vanish in fp16 at scale 1
+    run = tiny(tmp_path / "fp32dyn", loss_scale="dynamic", batch_size=8, seq_len=64, steps=2)
+    rec = precprof.recommend(run, config=AdvisorConfig(small_model_params=0))
+    assert rec.measured_format == "bf16"
+    warned = [f.code for f in rec.findings if f.code.startswith("fp16_") and f.severity != "info"]
+    assert warned == []
+
+
+def test_compare_page_says_what_ran_and_no_signed_zero(tmp_path: Path) -> None:
+    """A real comparison in one process: its setup names no distributed strategy (none ran), and a gap too
+    small for two decimals is never written as -0.00%."""
+    from precprof.compare import compare
+
+    base = TrainConfig(
+        model="gpt-nano",
+        model_args=dict(TINY),
+        steps=3,
+        batch_size=2,
+        seq_len=16,
+        sample_every=1,
+        progress=False,
+        report=False,
+    )
+    comparison = compare(base, "fp32,bf16", out=tmp_path / "cmp")
+    page = (tmp_path / "cmp" / "compare.html").read_text()
+    setup = words(section(page, "setup"))
+    assert "ddp" not in setup and "distributed" not in setup
+    assert json.loads((tmp_path / "cmp" / "compare.json").read_text())["reference"] == "fp32"
+    assert comparison.run("bf16").gap is not None
+    for gap in (-1e-7, -4e-5, 0.0, 3e-6):
+        assert filters.signed_pct(gap) not in ("-0.00%", "+0.00%", "-0%")
+    assert filters.signed_pct(-0.0123) == "−1.23%" and filters.signed_pct(0.0004) == "+0.04%"
+    assert filters.signed_pct(-4e-5) == "−0.004%"
+    assert "-0.00%" not in page and "+0.00%" not in page

@@ -1,0 +1,78 @@
+"""The report's environment section reads as words: each fact once, with its unit and thousands separators,
+no machine names (``memory_total_bytes``), no dictionary dumped as ``k=v``, no empty rows, nothing that does not
+apply to the run (an FP8 recipe in an fp32 run, TF32 on a CPU).
+
+Checked on the summary of a real gpt2-small fp8 run on an H200 (``tests/data``) and on a real CPU run.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from pathlib import Path
+
+import pytest
+from report_fixtures import real_run
+
+from precprof import tables as T
+from precprof.report import render
+
+H200 = Path(__file__).parent / "data" / "h200_fp8_summary.json"
+
+
+def env_rows(page: str) -> tuple[list[tuple[str, str]], str]:
+    """The environment section's (label, value) rows and its whole text."""
+    m = re.search(r'<section id="environment">(.*?)</section>', page, re.S)
+    assert m is not None
+    body = m.group(1)
+    rows = [
+        (html.unescape(re.sub(r"<[^>]+>", "", k)).strip(), html.unescape(re.sub(r"<[^>]+>", "", v)).strip())
+        for k, v in re.findall(r'<th scope="row">(.*?)</th><td>(.*?)</td>', body, re.S)
+    ]
+    text = re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", body)))
+    return rows, text
+
+
+def check_words(rows: list[tuple[str, str]], text: str) -> None:
+    labels = [k for k, _ in rows]
+    assert rows, "no rows"
+    assert [k for k in labels if "_" in k] == [], "machine names as labels"
+    assert len(set(labels)) == len(labels), f"a label twice: {labels}"
+    assert [k for k, v in rows if v in ("", "—")] == [], "empty rows"
+    # no dictionary written out as k=v pairs (a command line or a model's own settings may hold "=")
+    dumped = [(k, v) for k, v in rows if k not in ("model settings",) and re.search(r"\b\w+=\S", v)]
+    assert dumped == [], dumped
+    for raw in ("in_use", "not loaded yet", "severity before"):
+        assert raw not in text
+    assert sum("sampl" in k.lower() for k in labels) == 1  # the sampling is said once
+
+
+def test_an_h200_fp8_run_environment_in_words() -> None:
+    summary = json.loads(H200.read_text())
+    page = render.render_html({}, summary)
+    rows, text = env_rows(page)
+    check_words(rows, text)
+    got = dict(rows)
+    assert "150754820096" not in text and "124439808" not in text and "7598811333" not in text
+    assert "140 GiB of memory" in got["GPU"] and "compute capability 9.0" in got["GPU"]
+    assert "124,439,808 parameters" in got["size"]
+    assert got["precision"].startswith("fp8: 48 linear layers in FP8 through torchao")
+    assert text.count("loss scaling") == 1 and "no loss scaling" in got["precision"]
+    assert got["statistics computed by"] == "the Triton kernel on cuda:0"
+    assert got["steps sampled"] == "every 10th step: 4 of 40 steps"
+    assert got["batch"] == "8 sequences × 1,024 tokens = 8,192 tokens a step"
+    assert got["cuDNN"] == "9.19.0"
+    assert "Transformer Engine" in got["not installed"]
+    assert got["memory estimated before training"].startswith("7.08 GiB (parameters 475 MiB")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_cpu_fp32_run_environment_has_nothing_that_does_not_apply(tmp_path: Path) -> None:
+    run = real_run("fp32", tmp_path)
+    rows, text = env_rows((run / T.REPORT_FILE).read_text())
+    check_words(rows, text)
+    got = dict(rows)
+    assert "TF32" not in got and "GPU" not in got and "CPU" in got
+    assert "current scaling" not in text and "fp8" not in text.lower()
+    assert got["precision"] == "fp32: no autocast; no loss scaling"
