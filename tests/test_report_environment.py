@@ -76,3 +76,28 @@ def test_a_cpu_fp32_run_environment_has_nothing_that_does_not_apply(tmp_path: Pa
     assert "TF32" not in got and "GPU" not in got and "CPU" in got
     assert "current scaling" not in text and "fp8" not in text.lower()
     assert got["precision"] == "fp32: no autocast; no loss scaling"
+
+
+def test_a_budgeted_runs_sampling_in_words(tmp_path: Path) -> None:
+    """A user's loop with the default Profiler (sampling within its overhead budget): the environment says the
+    budget, the overhead it took, the sampled steps by reason and when sampling began, in one row."""
+    import torch
+    from torch import nn
+
+    import precprof
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with precprof.Profiler(model, optimizer=opt, memory=False) as prof:
+        for _ in range(40):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    prof.report(tmp_path / "run")
+    rows, text = env_rows((tmp_path / "run" / "report.html").read_text())
+    check_words(rows, text)
+    sampled = dict(rows)["steps sampled"]
+    assert sampled.startswith("as many as keep precprof within 3% of the run's time")
+    assert "of 40 steps" in sampled and "2 first" in sampled

@@ -37,7 +37,7 @@ _CAPTURE_SAID = _keys(
     "block_formats weight_update_sample skipped_tensors stream memory_error histogram_shift_exact "
     "loss_dtypes device n_params param_bytes profiler_buffer_bytes profiler_scratch_bytes "
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled "
-    "static_loss_scale low_precision_buffers fp8_recipe"
+    "static_loss_scale low_precision_buffers fp8_recipe sampling"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_tensor_cores tf32_supported "
@@ -368,7 +368,10 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
     rows: Rows = []
     every = _int(capture.get("sample_every", cfg.get("sample_every")))
     sampled, recorded = _int(capture.get("sampled_steps")), _int(capture.get("steps_recorded"))
-    if every is not None:
+    sampling = _map(capture.get("sampling"))
+    if sampling.get("mode") == "budget":
+        rows.append(("steps sampled", sampling_text(sampling, sampled, recorded)))
+    elif every is not None:
         if every <= 0:
             text = "no step: per-step figures only (loss, loss scale, time), no per-layer statistics"
         else:
@@ -404,6 +407,39 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
         rows.append(("memory breakdown", f"failed: {capture['memory_error']}"))
     rows += [(_label(k), F.plain(v)) for k, v in capture.items() if k not in _CAPTURE_SAID and not _empty(v)]
     return rows
+
+
+# why a step was sampled (capture.sampling.REASONS), as the environment says it
+_REASONS = {
+    "first": "first",
+    "budget": "within the budget",
+    "interval": "on the interval",
+    "nonfinite loss": "right after a non-finite loss",
+    "skipped step": "right after a skipped step",
+    "loss spike": "right after a loss spike",
+}
+
+
+def sampling_text(s: Mapping[str, Any], sampled: int | None, recorded: int | None) -> str:
+    """Budgeted sampling (``capture.sampling.Sampler.describe``) in words: the budget, the overhead reached,
+    the sampled steps by reason, and when sampling began if the kernels compiled beside the training."""
+    text = f"as many as keep precprof within {F.pct(float(s.get('budget') or 0))} of the run's time"
+    overhead = s.get("overhead")
+    if isinstance(overhead, (int, float)) and math.isfinite(overhead):
+        text += f" (it took {F.pct(float(overhead))})"
+    if sampled is not None and recorded is not None:
+        text += f": {F.count(sampled)} of {F.count(recorded)} steps"
+    reasons = [
+        f"{F.count(int(n))} {_REASONS.get(str(r), str(r))}" for r, n in _map(s.get("reasons")).items() if n
+    ]
+    if reasons:
+        text += " (" + ", ".join(reasons) + ")"
+    held, first = _int(s.get("held_for_compile")), _int(s.get("first_sampled_step"))
+    if held and first is not None:
+        text += f"; from step {F.count(first)}, once the statistics kernels had compiled beside the training"
+    if s.get("synchronized"):
+        text += "; every rank sampled the same steps"
+    return text
 
 
 def block_setting(v: Any) -> str:
