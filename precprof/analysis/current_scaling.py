@@ -12,11 +12,14 @@ s, so the unscaled histograms and the unscaled amax give the same k - log2(s).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from precprof import formats
+from precprof import tables as T
 from precprof.formats import NumberFormat
 
 
@@ -57,3 +60,23 @@ def windows(fmt: str, amax: np.ndarray) -> list[TensorWindow | None]:
     k = exponents(f, np.asarray(amax, dtype=float))
     lo0, nlo0, hi0 = math.log2(f.underflow_max), math.log2(f.smallest_normal), math.log2(f.overflow_min)
     return [None if math.isnan(v) else TensorWindow(lo0 - v, nlo0 - v, hi0 - v) for v in k.tolist()]
+
+
+def row_windows(
+    layers: pd.DataFrame,
+    kind: str,
+    rows: Sequence[tuple[str, str]],
+    fmts: Sequence[str] = formats.FP8_FORMATS,
+) -> dict[str, list[TensorWindow | None]]:
+    """Per format, the window each (module, param) row of tensor ``kind`` gets under current scaling, at the
+    row's largest magnitude over the sampled steps (the step whose scale flushes the most: the window the
+    verdict's worst step assumes). None for a row without a finite nonzero absmax. What the report's heatmaps
+    draw per row instead of a window at scale 1, which no FP8 recipe uses."""
+    sel = layers.loc[layers[T.TENSOR] == kind, [T.MODULE, T.PARAM, T.ABSMAX]]
+    amax_of: dict[tuple[str, str], float] = {}
+    if not sel.empty:
+        a = pd.to_numeric(sel[T.ABSMAX], errors="coerce")
+        g = a.groupby([T.texts(sel[T.MODULE]).astype(object), T.texts(sel[T.PARAM]).astype(object)]).max()
+        amax_of = {(str(m), str(p)): float(v) for (m, p), v in g.items()}
+    amax = np.array([amax_of.get((str(m), str(p)), math.nan) for m, p in rows], dtype=float)
+    return {f: windows(f, amax) for f in fmts}

@@ -30,6 +30,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
 from precprof import formats
 from precprof import tables as T
+from precprof.analysis import current_scaling
 from precprof.report import filters
 from precprof.report import summarize as S
 
@@ -250,9 +251,13 @@ def format_window(fmt: str, scale: float = 1.0, label: str | None = None, style:
     )
 
 
-def heatmap_windows(kind: str, scale: float, recommended_scale: float | None = None) -> list[Window]:
+def heatmap_windows(
+    kind: str, scale: float, recommended_scale: float | None = None, fp8_amax: float | None = None
+) -> list[Window]:
     """Windows drawn over a heatmap of ``kind``: fp16 at the scale in effect (and at the recommended scale when
-    that differs), bf16, e4m3 and e5m2 at scale 1 (static windows, no per-tensor scaling)."""
+    that differs), bf16 at scale 1, e4m3 and e5m2 under per-tensor current scaling, the recipe the FP8 advice
+    assumes: at the largest magnitude of the rows, ``fp8_amax`` (each row gets its own on the heatmap,
+    ``analysis.current_scaling.row_windows``); at scale 1 when it is unknown."""
     scaled = kind in T.GRADIENT_KINDS
     s = scale if scaled else 1.0
     wins = [format_window("fp16", s, f"FP16 at scale {pow2_text(s)}" if scaled else "FP16")]
@@ -263,11 +268,13 @@ def heatmap_windows(kind: str, scale: float, recommended_scale: float | None = N
                 rec, label=f"FP16 at recommended {pow2_text(recommended_scale)}", color="#7f0000", style=":"
             )
         )
-    wins += [
-        format_window("bf16", 1.0, style="-."),
-        format_window("fp8_e4m3", 1.0, "FP8 E4M3 (static, scale 1)", style="--"),
-        format_window("fp8_e5m2", 1.0, "FP8 E5M2 (static, scale 1)", style=(0, (5, 1, 1, 1))),  # type: ignore[arg-type]
-    ]
+    fp8 = {"fp8_e4m3": "--", "fp8_e5m2": (0, (5, 1, 1, 1))}
+    wins.append(format_window("bf16", 1.0, style="-."))
+    for fmt, style in fp8.items():
+        ok = fp8_amax is not None and math.isfinite(fp8_amax) and fp8_amax > 0
+        k = formats.current_scaling_exponent(formats.get(fmt), fp8_amax) if ok else 0  # type: ignore[arg-type]
+        what = "current scaling, per row" if ok else "scale 1"
+        wins.append(format_window(fmt, 2.0**k, f"{formats.label(fmt)} ({what})", style=style))  # type: ignore[arg-type]
     return wins
 
 
@@ -388,7 +395,10 @@ def signature_heatmap(
     tot = mat.sum(axis=1, keepdims=True)
     share = np.divide(mat, tot, out=np.zeros_like(mat), where=tot > 0)
     scale = S.scale_in_effect(layers, kind)
-    wins = heatmap_windows(kind, scale["last"], recommended_scale)
+    fp8_rows = current_scaling.row_windows(layers, kind, rows)  # FP8's windows slide with each row's amax
+    anchors = any(w is not None for w in fp8_rows[formats.FP8_E4M3.name])
+    amax = float(pd.to_numeric(layers.loc[layers[T.TENSOR] == kind, T.ABSMAX], errors="coerce").max())
+    wins = heatmap_windows(kind, scale["last"], recommended_scale, amax if anchors else None)
 
     fp16 = wins[0]
     x0 = float(min(exps[0], math.floor(fp16.lo))) - 1
@@ -436,6 +446,14 @@ def signature_heatmap(
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=16))
     ax.grid(True, axis="x", color="#000", alpha=0.06)
     for w in wins:
+        per_row = fp8_rows.get(w.key) if anchors else None
+        if per_row is not None:  # current scaling: each row's window, a segment on its own row
+            segs = [(xv, i) for i, tw in enumerate(per_row) if tw is not None for xv in (tw.lo, tw.hi)]
+            segs = [(xv, i) for xv, i in segs if x0 < xv < x1]
+            if segs:
+                xs, ys = zip(*segs, strict=True)
+                ax.vlines(xs, np.array(ys), np.array(ys) + 1, color=w.color, linestyles=w.style, lw=1.2)
+            continue
         for xv in (w.lo, w.hi):
             if x0 < xv < x1:
                 ax.axvline(xv, color=w.color, ls=w.style, lw=1.6 if w.key == "fp16" else 1.2)
