@@ -178,6 +178,9 @@ class RunResult:
     report: str | None
     curve_steps: list[int] = field(default_factory=list)
     curve_loss: list[float] = field(default_factory=list)
+    # how the loop ran the model ("compiled (torch.compile), the default for fp8", "eager, --no-compile"); None
+    # for a run recorded before the loop said
+    compiled: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -332,6 +335,7 @@ def read_run(variant: Variant, run_dir: Path) -> RunResult:
         report=str(report) if report.exists() else None,
         curve_steps=[int(s) for s in steps[T.STEP]] if not steps.empty else [],
         curve_loss=[float(v) for v in loss],
+        compiled=str(cfg["compiled"]) if isinstance(cfg.get("compiled"), str) else None,
     )
 
 
@@ -815,5 +819,13 @@ def _notes(runs: Sequence[RunResult], config: Mapping[str, Any]) -> list[str]:
         notes.append(
             f"This CPU has no fp16 arithmetic (AVX512-FP16 / AMX-FP16): torch emulates it, so the throughput of "
             f"{', '.join(fp16)} says nothing about fp16 on a GPU; its numerics are the real ones."
+        )
+    ran = [(r.label, r.compiled) for r in runs if r.compiled]
+    if ran:
+        notes.append(
+            "How each run ran: "
+            + "; ".join(f"{label} {how}" for label, how in ran)
+            + ". Each mode runs as its users run it for speed (fp8 only compiled, by default); the first step, "
+            "which compiles, is left out of the throughput."
         )
     return notes

@@ -452,7 +452,7 @@ def signature_heatmap(
             segs = [(xv, i) for xv, i in segs if x0 < xv < x1]
             if segs:
                 xs, ys = zip(*segs, strict=True)
-                ax.vlines(xs, np.array(ys), np.array(ys) + 1, color=w.color, linestyles=w.style, lw=1.2)
+                ax.vlines(xs, np.array(ys), np.array(ys) + 1, color=w.color, linestyles=w.style, lw=1.2)  # type: ignore[arg-type]
             continue
         for xv in (w.lo, w.hi):
             if x0 < xv < x1:
