@@ -53,7 +53,12 @@ def check_can_compile(device: torch.device) -> None:
 
 def compile_model(model: nn.Module) -> nn.Module:
     """``torch.compile(model)`` with inductor, the default backend (a compiled wrapper; parameters, buffers and
-    submodules stay the module's own)."""
+    submodules stay the module's own).
+
+    Dynamo's caches are reset first: the built-in loop owns the process, and ``precprof compare`` trains one
+    model after another in it, whose frames (the same model class, other modules: fp8's Float8Linear) would
+    otherwise count as recompiles of the earlier ones' and, past ``recompile_limit``, run eager."""
+    torch.compiler.reset()
     return torch.compile(model)  # type: ignore[return-value]
 
 
