@@ -9,7 +9,7 @@ multiple-of-16 check, and a 0.5M-parameter gpt-nano with ``n_embd=100`` got ``fo
 - ``train_run(path, n_embd=100)``: every dimension off the multiple of 16 and the head tied: nothing is
   eligible, and the advice is not fp8;
 - ``train_run(path)`` (gpt-nano's n_embd=96): every dimension a multiple of 16, the head still tied: the other
-  16 layers are eligible, but the model is too small for FP8;
+  16 layers are eligible, but its GEMMs are too small for FP8 to pay;
 - ``live_model(n_embd)``: the same model, live, for the layer-by-layer check against ``convert_fp8``;
 - ``train_run(path, model=WIDE_MLP_GPT)`` (issue 34): gpt-nano whose ``mlp.c_fc`` layers feed a SiLU widely
   spread pre-activations (``wide_mlp_gpt``): the activation's derivative far out on the negative side decays
