@@ -136,3 +136,39 @@ def test_block_recipe_bounds_follow_block_formats(name: str) -> None:
             amax = float(x.abs().max())
             limit = 2.0**b.underflow_log2 * max(amax * b.scale_max, b.scale_floor)
             assert float(x[gone].abs().max()) <= limit, (name, mag)
+
+
+@pytest.mark.parametrize("categorical", [False, True])
+def test_each_histogram_row_finds_its_tensor(categorical: bool) -> None:
+    """The join the FP8 and block rules make from histogram rows to their tensors' layers rows, by integer
+    keys: a missing module is the root's "", a tensor the rows do not hold is -1, a repeated key its first."""
+    import pandas as pd
+
+    from precprof import tables as T
+    from precprof.analysis.advisor.evidence import _row_index
+
+    rows = pd.DataFrame(
+        [
+            (0, "a", "activation", ""),
+            (0, "a", "weight", "weight"),
+            (1, "", "activation", ""),
+            (1, "a", "activation", ""),
+            (1, "a", "activation", ""),  # repeated: the first holds the key
+        ],
+        columns=[T.STEP, T.MODULE, T.TENSOR, T.PARAM],
+    )
+    hist = pd.DataFrame(
+        [
+            (0, "a", "activation", "", -3, 1),
+            (0, "a", "weight", "weight", -5, 2),
+            (1, None, "activation", "", 0, 3),
+            (1, "a", "activation", "", 1, 4),
+            (2, "a", "activation", "", 1, 5),  # a step the rows do not have
+            (0, "b", "activation", "", 1, 6),  # a module they do not have
+            (0, "a", "weight", "bias", 1, 7),
+        ],
+        columns=[T.STEP, T.MODULE, T.TENSOR, T.PARAM, T.EXPONENT, T.COUNT],
+    )
+    if categorical:
+        hist = hist.astype({c: "category" for c in (T.MODULE, T.TENSOR, T.PARAM)})
+    assert _row_index(hist, rows).tolist() == [0, 1, 2, 3, -1, -1, -1]

@@ -17,12 +17,14 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from precprof.errors import UserError
 from precprof.modes import Precision
+
+if TYPE_CHECKING:  # torch only where a model is compiled: precprof compare's checks and --help need none
+    import torch
+    from torch import nn
 
 # the modes that compile when neither --compile nor --no-compile is given
 COMPILED_BY_DEFAULT: frozenset[str] = frozenset({Precision.FP8.value})
@@ -37,6 +39,8 @@ def should_compile(requested: bool | None, precision: str) -> bool:
 def check_can_compile(device: torch.device) -> None:
     """UserError, before anything is built, when ``torch.compile`` cannot run here: Python 3.13+ before torch
     2.6, or, on the CPU, no C++ compiler for inductor's C++ backend."""
+    import torch
+
     if sys.version_info >= (3, 13) and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 6):
         raise UserError(
             f"--compile needs torch 2.6+ on Python {sys.version_info.major}.{sys.version_info.minor} "
@@ -58,6 +62,8 @@ def compile_model(model: nn.Module) -> nn.Module:
     Dynamo's caches are reset first: the built-in loop owns the process, and ``precprof compare`` trains one
     model after another in it, whose frames (the same model class, other modules: fp8's Float8Linear) would
     otherwise count as recompiles of the earlier ones' and, past ``recompile_limit``, run eager."""
+    import torch
+
     torch.compiler.reset()
     return torch.compile(model)  # type: ignore[return-value]
 

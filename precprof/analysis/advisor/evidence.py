@@ -237,6 +237,41 @@ def _rows_of_kinds(tensor: pd.Series, kinds: Iterable[str]) -> np.ndarray:
     return tensor.isin(kinds).to_numpy()
 
 
+def _text_codes(col: pd.Series, cats: pd.Index) -> np.ndarray:
+    """Each value's position in ``cats`` (-1 where absent), a missing text read as "": a categorical column by
+    its few categories (millions of rows are never turned into strings)."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        names = ["" if c is None else str(c) for c in col.cat.categories] + [""]  # code -1: missing
+        return cats.get_indexer(pd.Index(names, dtype=object))[col.cat.codes.to_numpy().astype(np.int64)]
+    return cats.get_indexer(pd.Index(T.texts(col).astype(object).to_numpy(), dtype=object))
+
+
+def _row_index(hist: pd.DataFrame, rows: pd.DataFrame) -> np.ndarray:
+    """For each histogram row, the position in ``rows`` of its (step, module, tensor, param) tensor; -1 where
+    ``rows`` has none (a repeated key in ``rows``: its first). Integer keys throughout: a join of the
+    histograms' millions of rows by text tuples took seconds."""
+    if hist.empty or rows.empty:
+        return np.full(len(hist), -1, dtype=np.int64)
+    step_r = pd.to_numeric(rows[T.STEP], errors="coerce").to_numpy(dtype=float)
+    steps = pd.Index(pd.unique(step_r))
+    key_r = steps.get_indexer(step_r).astype(np.int64)
+    key_h = steps.get_indexer(pd.to_numeric(hist[T.STEP], errors="coerce").to_numpy(dtype=float)).astype(
+        np.int64
+    )
+    ok = key_h >= 0
+    for k in (T.MODULE, T.TENSOR, T.PARAM):
+        cats = pd.Index(pd.unique(T.texts(rows[k]).astype(str).to_numpy()), dtype=object)
+        code_r, code_h = _text_codes(rows[k], cats), _text_codes(hist[k], cats)
+        ok &= code_h >= 0
+        key_r = key_r * len(cats) + code_r
+        key_h = key_h * len(cats) + np.where(code_h >= 0, code_h, 0)
+    index = pd.Index(key_r)
+    first = ~index.duplicated()
+    pos = np.flatnonzero(first)
+    at = pd.Index(key_r[first]).get_indexer(key_h)
+    return np.where(ok & (at >= 0), pos[np.clip(at, 0, None)], -1)
+
+
 def _exponent_counts(hist: pd.DataFrame, kinds: Iterable[str]) -> pd.Series:
     """Counts per exponent (index, ascending) of the rows of ``kinds``, summed over steps and modules."""
     sel = _rows_of_kinds(hist[T.TENSOR], kinds)

@@ -23,6 +23,7 @@ import pandas as pd
 
 from precprof import tables as T
 from precprof.analysis import lost_norm
+from precprof.analysis.advisor.evidence import _row_index
 
 
 @dataclass(frozen=True)
@@ -192,25 +193,7 @@ class Columns:
         for c in cols:
             has |= ~np.isnan(self.get(c))  # type: ignore[arg-type]
         rows = np.flatnonzero(has)
-        keys = [T.STEP, T.MODULE, T.TENSOR, T.PARAM]
-        lay = self.layers.iloc[rows]
-        index = pd.MultiIndex.from_arrays(
-            [
-                pd.to_numeric(lay[T.STEP]).to_numpy(dtype=float),
-                *(T.texts(lay[k]).astype(object).to_numpy() for k in keys[1:]),
-            ]
-        )
-        first = ~index.duplicated()  # a table merged from ranks may repeat a row: the first holds the key
-        index, rows = index[first], rows[first]
-        mods = set(T.texts(lay[T.MODULE]).astype(object))
-        h = h[h[T.MODULE].isin(mods)]
-        hkeys = pd.MultiIndex.from_arrays(
-            [
-                pd.to_numeric(h[T.STEP]).to_numpy(dtype=float),
-                *(T.texts(h[k]).astype(object).to_numpy() for k in keys[1:]),
-            ]
-        )
-        at = index.get_indexer(hkeys)
+        at = _row_index(h, self.layers.iloc[rows])  # each histogram row's position among ``rows``
         ok = at >= 0
         self._hist_rows = (
             h[T.EXPONENT].to_numpy(dtype=float)[ok],

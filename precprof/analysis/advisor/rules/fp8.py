@@ -20,7 +20,7 @@ import pandas as pd
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis import current_scaling, fp8_speed, lost_norm
-from precprof.analysis.advisor.evidence import _Plan, _Run
+from precprof.analysis.advisor.evidence import _Plan, _row_index, _Run
 from precprof.analysis.advisor.model import INFO, WARNING, Finding
 from precprof.analysis.advisor.rules.shapes import _fp8_shapes
 from precprof.analysis.advisor.text import _listing, _name, _pct
@@ -62,17 +62,8 @@ def fp8_losses(run: _Run, modules: list[str]) -> pd.DataFrame:
         current_scaling.underflow_limit_log2(FP8_E4M3, amax),
     )
     flushed = np.where(is_grad, rows[e5].to_numpy(dtype=float), rows[e4].to_numpy(dtype=float))
-    hist = run.hist
-    hsel = hist[T.MODULE].isin(modules) & hist[T.TENSOR].isin(kinds)
-    h = hist.loc[hsel, [*keys, T.EXPONENT, T.COUNT]]
-    index = pd.MultiIndex.from_frame(rows[keys])
-    hkeys = pd.MultiIndex.from_arrays(
-        [
-            pd.to_numeric(h[T.STEP]).to_numpy(),
-            *(T.texts(h[k]).astype(object).to_numpy() for k in (T.MODULE, T.TENSOR, T.PARAM)),
-        ]
-    )
-    group = index.get_indexer(hkeys) if len(h) else np.zeros(0, dtype=np.int64)
+    h = run.hist
+    group = _row_index(h, rows)  # each histogram row's tensor (-1: not one of these)
     share = lost_norm.lost_share_bound(
         h[T.EXPONENT].to_numpy(),
         h[T.COUNT].to_numpy(),
