@@ -62,6 +62,13 @@ SampleEvery = Annotated[
 ]
 Progress = Annotated[bool, typer.Option(help="Show the progress bar.")]
 Report = Annotated[bool, typer.Option(help="Write report.html for each run.")]
+Compile = Annotated[
+    bool | None,
+    typer.Option(
+        "--compile/--no-compile",
+        help="torch.compile the model (default: only for fp8, which torchao makes fast only compiled).",
+    ),
+]
 Distributed = Annotated[
     str,
     typer.Option(
@@ -94,6 +101,7 @@ SHARED: tuple[tuple[str, Any], ...] = (
     ("progress", Progress),
     ("report", Report),
     ("distributed", Distributed),
+    ("compile", Compile),
 )
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 _DEFAULTS.update(

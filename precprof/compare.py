@@ -4,8 +4,9 @@ check the runs against each other and against what the advisor said.
 ``compare(base, ["fp32", "bf16", "fp16", "fp16:none"])`` runs ``precprof.training.train`` once per variant (a
 precision mode, optionally with a loss scaling spec after a colon: ``fp16:none``, ``fp16:static:8192``, or
 ``fp16:advised`` — dynamic scaling from the init_scale the advisor recommends on the reference run, which
-therefore trains first), each in its own run directory with its own report, then writes ``compare.json`` and
-``compare.html`` next to them (``precprof.analysis.comparison`` reads and checks the runs, ``precprof.report.compare_page``
+therefore trains first), each in its own run directory with its own report, each compiled or not as its mode
+is run for speed (``precprof.training.compiling``: fp8 compiled, the others eager, unless ``TrainConfig.compile``
+says), then writes ``compare.json`` and ``compare.html`` next to them (``precprof.analysis.comparison`` reads and checks the runs, ``precprof.report.compare_page``
 draws the page).
 """
 
@@ -32,6 +33,7 @@ from precprof.analysis.comparison import (
 )
 from precprof.errors import UserError
 from precprof.report import compare_page
+from precprof.training import compiling
 
 COMPARE_JSON = "compare.json"
 COMPARE_HTML = "compare.html"
@@ -66,6 +68,8 @@ def compare(
     hw = hardware.detect(device)
     for v in variants:
         training.plan_precision(v.precision, device, hw)
+        if compiling.should_compile(base.compile, v.precision):
+            compiling.check_can_compile(device)
     if out is None:
         stem = training.default_out_dir(base).name.replace(f"-{base.precision}-", "-")
         out = Path("runs") / f"compare-{stem}"
@@ -81,8 +85,11 @@ def compare(
     shared = {
         k: v
         for k, v in base.to_dict().items()
-        if k not in ("precision", "loss_scale", "out", "progress", "report", "refresh_every")
+        if k not in ("precision", "loss_scale", "out", "progress", "report", "refresh_every", "compile")
     }
+    # each run compiles as its mode is run for speed unless --compile/--no-compile said: the runs record how
+    # (summary.json's config "compiled"), the comparison says it
+    shared["compile_requested"] = base.compile
     shared["sample_every"] = sample_every
     shared["device"] = str(device)
     shared["precisions"] = [v.label for v in variants]

@@ -222,6 +222,27 @@ def float32_matmul_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
     return sorted(m for m, d in dtypes.items() if d == "float32"), len(dtypes)
 
 
+# the module types whose matmuls run in FP8: torchao's float8 training layer (convert_to_float8_training swaps
+# nn.Linear for it). Transformer Engine's te.Linear is named "Linear", like nn.Linear: its type says nothing.
+FP8_MODULE_TYPES: frozenset[str] = frozenset({"Float8Linear"})
+
+
+def fp8_linear_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
+    """(linear layers whose module type runs its GEMMs in FP8, how many linear layers there were), from the
+    layers table's module types: what confirms that an fp8 run's FP8 GEMMs ran, which the dtypes cannot (a
+    Float8Linear's output is bf16 under autocast, as a bf16 layer's)."""
+    if layers.empty or T.MODULE_TYPE not in layers:
+        return [], 0
+    types = layers[[T.MODULE, T.MODULE_TYPE]].drop_duplicates()
+    types = types[types[T.MODULE_TYPE].astype(str).map(is_linear_type)]
+    fp8 = sorted(
+        str(m)
+        for m, t in zip(types[T.MODULE], types[T.MODULE_TYPE], strict=True)
+        if str(t) in FP8_MODULE_TYPES
+    )
+    return fp8, int(types[T.MODULE].nunique())
+
+
 def mixed_precision_check(requested: str, layers: pd.DataFrame) -> dict[str, Any]:
     """Whether the requested low precision is what the matmul layers ran in.
 

@@ -107,7 +107,7 @@ def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | N
         "on_target": bool(data.get("on_target")),
         "target": str(data.get("target") or ""),
         "fp4_sqnr_min_db": rules.get("fp4_sqnr_min_db"),
-        "fp4_flushed_max": rules.get("fp4_flushed_max"),
-        "mxfp8_lost_max": rules.get("mxfp8_lost_max"),
+        "lost_norm_max": rules.get("lost_norm_max"),
+        "rule": rules.get("text") or "",
         "mxfp8_sqnr_min_db": rules.get("mxfp8_sqnr_min_db"),
     }

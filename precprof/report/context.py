@@ -262,10 +262,11 @@ def _heatmaps(
         else:
             notes.append("Forward tensors are not loss-scaled: every window is at scale 1.")
         notes.append(
-            "BF16, FP8 E4M3 and E5M2 windows are static (scale 1, no per-tensor scaling). Under FP8 current scaling "
-            "(Transformer Engine's per-tensor recipe, scale 2^floor(log2(fmax/amax))) each tensor's window slides "
-            "so that its largest value lands just below the format's max; the what-if table's "
-            "“current scaling” columns count that recipe."
+            "The BF16 window is static (scale 1). FP8 E4M3 and E5M2 are drawn under per-tensor current scaling, "
+            "the recipe the FP8 advice assumes (Transformer Engine's and torchao's, scale 2^floor(log2(fmax/amax))): "
+            "each row's window slides so that its largest value over the sampled steps lands just below the "
+            "format's max, and is marked on that row; the strip shows it for the row with the largest value. The "
+            "what-if table's “current scaling” columns count that recipe."
         )
         notes.append(
             f"The columns are the binades that hold values, 2^{round(hm.x_range[0])} to 2^{round(hm.x_range[1])}; "

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from precprof import formats
+from precprof import formats, taxonomy
 from precprof import tables as T
 
 # tensor kinds with histograms, in the order the report shows them
@@ -321,9 +321,13 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     """What the tensors really were: dtype census per kind, optimizer state dtypes, and whether mixed precision
     is active (some activation of a module with parameters is in a 16- or 8-bit format).
 
-    Returns {"requested", "rows": [{"what", "census"}], "active": bool, "verdict": str, "ok": bool}.
+    For an fp8 run it also confirms that FP8 GEMMs ran (``taxonomy.fp8_linear_layers``).
+
+    Returns {"requested", "rows": [{"what", "census"}], "active": bool, "verdict": str, "ok": bool, "banner":
+    str (the banner's headline when not ok, "" for the usual one)}.
     """
     requested = requested_precision(summary)
+    fp8_layers, n_linear = taxonomy.fp8_linear_layers(layers) if "fp8" in requested else ([], 0)
     layers = layers[
         [T.STEP, T.MODULE, T.TENSOR, T.DTYPE, T.NUMEL]
     ]  # the columns it reads: filters stay narrow
@@ -370,4 +374,39 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
         ok = True
     else:
         verdict, ok = "Full precision: every activation of a module with parameters is float32.", True
-    return {"requested": requested, "rows": census_rows, "active": active, "verdict": verdict, "ok": ok}
+    banner = ""  # the page's banner when not ok: "Mixed precision is not active." unless said otherwise
+    if "fp8" in requested and ok:
+        verdict, ok = _fp8_verdict(verdict, fp8_layers, n_linear, summary)
+        banner = "" if ok else "FP8 did not run."
+    return {
+        "requested": requested,
+        "rows": census_rows,
+        "active": active,
+        "verdict": verdict,
+        "ok": ok,
+        "banner": banner,
+    }
+
+
+def _fp8_verdict(
+    verdict: str, fp8_layers: list[str], n_linear: int, summary: Mapping[str, Any]
+) -> tuple[str, bool]:
+    """An fp8 run's check: whether FP8 GEMMs ran (torchao Float8Linear layers recorded), not only that
+    activations are bf16, which a Float8Linear's and a bf16 layer's both are."""
+    cfg = summary.get(T.SUMMARY_CONFIG) or {}
+    plan = cfg.get("plan") if isinstance(cfg, Mapping) else None
+    library = plan.get("fp8_library") if isinstance(plan, Mapping) else None
+    if fp8_layers:
+        return (
+            f"{verdict} FP8 GEMMs ran: {len(fp8_layers)} of {n_linear} linear layers are torchao Float8Linear "
+            "(they cast their input, weight and output gradient to FP8 for their matmuls; their outputs are bf16)."
+        ), True
+    if library == "transformer_engine":
+        return (
+            f"{verdict} FP8 ran through Transformer Engine ({cfg.get('fp8_layers', '?')} te.Linear layers, by "
+            "the run's configuration): its layers are named Linear, so the tables cannot confirm them."
+        ), True
+    return (
+        f"FP8 was asked for but no linear layer ran as a torchao Float8Linear: its {n_linear} linear layers "
+        "ran their matmuls in bf16. " + verdict
+    ), False

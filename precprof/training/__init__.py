@@ -16,6 +16,9 @@ Precision modes (``--precision``):
   embedding) converted to float8 training by torchao (``convert_to_float8_training``) or replaced by
   Transformer Engine's ``te.Linear`` under ``te.fp8_autocast``, whichever is installed; CUDA 8.9+ only.
 
+Compiling (``--compile`` / ``--no-compile``, ``TrainConfig.compile``): fp8 compiles by default, being fast only
+compiled; the other modes run eager unless asked (``precprof.training.compiling``).
+
 Loss scaling (``--loss-scale``, default ``dynamic`` for fp16 and fp16-pure, ``none`` otherwise):
 ``dynamic`` is ``torch.amp.GradScaler(init_scale, growth_factor, backoff_factor, growth_interval)``;
 ``static:N`` is a GradScaler whose scale stays N (growth and backoff factors 1): it still checks every step

@@ -37,6 +37,8 @@ class TrainConfig:
     ``sample_every``: profile layers every N steps; None picks N so that about 100 steps are sampled.
     ``out``: run directory; None means ``runs/<model>-<precision>-<timestamp>``.
     ``refresh_every``: steps between progress-bar refreshes (each refresh syncs with the device).
+    ``compile``: ``torch.compile`` the model (True), not (False), or as the mode is run for speed (None: fp8
+    only, see ``precprof.training.compiling``).
     """
 
     model: str = DEFAULT_MODEL
@@ -65,6 +67,9 @@ class TrainConfig:
     command_line: str | None = None
     distributed: str = "ddp"  # under torchrun: ddp | fsdp2 | fsdp1 (precprof.training.distributed.wrap_model)
     overwrite: bool = False  # replace the run already in ``out`` (else an existing run is refused)
+    # torch.compile the model: True, False, or None for the mode's default (only fp8 compiles:
+    # precprof.training.compiling)
+    compile: bool | None = None
 
     def validate(self) -> None:
         """Raise UserError for a value no run can use (checked before anything is built)."""

@@ -28,6 +28,7 @@ from precprof.data import TokenSource, load_data
 from precprof.errors import UserError
 from precprof.models import BUILTIN_MODELS, BuiltModel, build_model
 from precprof.modes import FP16_MODES, resolve_loss_scale
+from precprof.training import compiling
 from precprof.training import distributed as launch
 from precprof.training.config import TrainConfig, default_out_dir, default_sample_every
 from precprof.training.precision import (
@@ -288,6 +289,9 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     hw = hardware.detect(device)
     plan = plan_precision(config.precision, device, hw)
     loss_kind, static_scale = resolve_loss_scale(config.loss_scale, config.precision)
+    compiled = compiling.should_compile(config.compile, config.precision)
+    if compiled:
+        compiling.check_can_compile(device)
     data = load_data(config.data, seed=config.seed + (dist_info.rank if dist_info is not None else 0))
     data.check(config.seq_len)
     _refuse_before_building(config, plan, data, device)
@@ -310,6 +314,8 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
         model = launch.wrap_model(model, config.distributed, device=device)
         profiler_kwargs = {"reducer": RankReducer(wrapped=model), **(profiler_kwargs or {})}
     optimizer = make_optimizer(config, model, plan)
+    if compiled:  # the loop calls the compiled model; the Profiler and the optimizer hold the module's own
+        model = compiling.compile_model(model)
     scaler = make_scaler(config, plan, device)
     sample_every = (
         config.sample_every if config.sample_every is not None else default_sample_every(config.steps)
@@ -335,6 +341,7 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
             "sample_every": prof_kwargs["sample_every"],
             "plan": plan.to_dict(),
             "fp8_layers": n_fp8,
+            **compiling.summary(config.compile, compiled, config.precision),  # compiled or eager, and why
             "optimizer_class": type(optimizer).__name__,
             "data": data.describe(),
             "tf32_matmul": plan.tf32 if device.type == "cuda" else False,
@@ -360,6 +367,8 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
             "than fp32 (bf16 runs natively or close to it)",
             file=sys.stderr,
         )
+    if (note := compiling.note(config.precision, compiled)) and config.progress and writer:
+        print(f"precprof: note: {note}", file=sys.stderr)
     return _Setup(
         config=config,
         summary=summary,

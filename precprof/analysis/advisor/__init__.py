@@ -46,11 +46,12 @@ from precprof.analysis.advisor.model import (
 from precprof.analysis.advisor.rules.active import _rule_mixed_precision_active
 from precprof.analysis.advisor.rules.blocks import _rule_block_formats
 from precprof.analysis.advisor.rules.clipping import _rule_scaled_clipping
+from precprof.analysis.advisor.rules.fp8 import _rule_fp8
 from precprof.analysis.advisor.rules.fp16 import _rule_fp16_activations, _rule_loss_scale
 from precprof.analysis.advisor.rules.fp32_ops import _rule_fp32_ops
 from precprof.analysis.advisor.rules.hardware import _rule_hardware, _rule_small_model
 from precprof.analysis.advisor.rules.nonfinite import _rule_diverged, _rule_nonfinite
-from precprof.analysis.advisor.rules.shapes import _rule_alignment, _rule_fp8
+from precprof.analysis.advisor.rules.shapes import _rule_alignment
 from precprof.analysis.advisor.rules.updates import _rule_bf16_range, _rule_lost_updates
 from precprof.hardware import HardwareInfo
 

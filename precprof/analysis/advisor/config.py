@@ -51,9 +51,19 @@ class AdvisorConfig:
     lost_update_warn: float = 0.01
     # bf16 is blocked when more than this share of nonzero gradient values underflow bf16 at scale 1.
     bf16_underflow_block: float = 0.01
-    # FP8 eligibility: e4m3 (forward) and e5m2 (activation gradients) underflow shares under per-tensor
-    # current scaling must both be at or below this.
-    fp8_underflow_max: float = 0.01
+    # Every what-if cast (per-tensor FP8 under current scaling, MXFP8's elements, like fp16's
+    # ``fp16_underflow_norm_ok``) is judged by the share of a tensor's L2 norm it loses to underflow (and, for
+    # block formats, to saturation), an upper bound from the exponent histograms (analysis/lost_norm.py), never
+    # by the count of values it flushes. At most 0.1%: a bf16 cast moves a tensor by 0.17% of its norm (torch's
+    # own casts of 4M Gaussian or Laplace values), so a cast that loses less changes a tensor less than the bf16
+    # autocast every mixed-precision run already applies; FP8's own rounding moves it by 2.7% (e4m3) and 5.3%
+    # (e5m2). Per-tensor FP8 reads the median over the sampled steps: one step's share does not flip a layer.
+    lost_norm_max: float = 1e-3
+    # FP8 is advised only where its estimated speed on the eligible layers' GEMM shapes (analysis/fp8_speed.py,
+    # from measured FP8/bf16 speedups) is above this: the estimate came out 0.90x for gpt2-small at 8 x 1024
+    # tokens, whose whole step measured 0.75x on an H200, and 1.34x for Llama3-8B, whose step measured 1.25x on
+    # H100s: it errs towards FP8 by 0.1 to 0.15, so it must clear 1.1 to promise a gain.
+    fp8_speedup_min: float = 1.1
     # Tensor-core alignment: dims multiple of 8 for fp16/bf16/tf32, of 16 for fp8.
     alignment: int = 8
     fp8_alignment: int = 16
@@ -73,23 +83,21 @@ class AdvisorConfig:
     # Block-scaled formats (Blackwell: rules/blocks.py), judged per matmul layer over every operand its three
     # GEMMs quantise, from the layers table's block columns summed over the sampled steps.
     # MXFP8 (E4M3 elements, as Transformer Engine's MXFP8BlockScaling and torchao's MX training use for forward
-    # and backward alike; E8M0 scales per 32 values, rounded up as cuBLAS and TE compute them, "rceil") "loses
-    # nothing measurable" when at most this share of an operand's nonzero values is flushed to 0 or clamped at
-    # the element max...
-    block_mxfp8_lost_max: float = 1e-4
+    # and backward alike; E8M0 scales per 32 values, rounded up as cuBLAS and TE compute them, "rceil") is judged
+    # like per-tensor FP8: flushing and saturation lose at most ``lost_norm_max`` of each operand's norm...
     # ...and its SQNR is at least this: E4M3's 3 mantissa bits give 30-31.5 dB on Gaussian, Laplace and
     # Student-t blocks (precprof.block_formats on 4M values); 28 dB allows twice that noise power, for elements
     # that land in E4M3's subnormals, and no more.
     block_mxfp8_sqnr_min_db: float = 28.0
-    # NVFP4 / MXFP4 (FP4 E2M1 elements) where every operand's SQNR is at least this and at most
-    # ``block_fp4_flushed_max`` of its nonzero values are flushed. NVIDIA's NVFP4 pretraining recipe (arXiv
-    # 2509.25149: a 12B model on 10T tokens, within about 1% of FP8's validation loss) applies a random Hadamard
-    # transform to the weight-gradient GEMM's inputs precisely to make each block's contents Gaussian-like, and
-    # keeps about the last 15% of the layers in bf16. Round-to-nearest FP4 of Gaussian blocks gives 20.4 dB in
-    # NVFP4 and 18.8 dB in MXFP4 (Laplace: 20.7 / 17.9 dB); 18 dB admits what that recipe trains on and
-    # rejects tensors whose blocks are worse than Gaussian.
+    # NVFP4 / MXFP4 (FP4 E2M1 elements) where every operand's SQNR is at least this: the norm of its whole error,
+    # what FP4 flushes by design included (E2M1 keeps nothing below a quarter of a block's scale: 7-9% of the
+    # values of Gaussian blocks, 13-16% of Laplace ones, carrying 1.4-2.0% and 2.4-3.5% of their norm in NVFP4
+    # and MXFP4, precprof.block_formats on 4M values: more than ``lost_norm_max``, and trained on). NVIDIA's NVFP4
+    # pretraining recipe (arXiv 2509.25149: a 12B model on 10T tokens, within about 1% of FP8's validation loss)
+    # applies a random Hadamard transform to the weight-gradient GEMM's inputs precisely to make each block's
+    # contents Gaussian-like, and keeps about the last 15% of the layers in bf16. Round-to-nearest FP4 of
+    # Gaussian blocks gives 20.4 dB in NVFP4 and 18.8 dB in MXFP4 (Laplace: 20.7 / 17.9 dB); 18 dB admits what
+    # that recipe trains on and rejects tensors whose blocks are worse than Gaussian. The count of values
+    # flushed is not judged (a block dominated by one outlier flushes the others, which carry little of its
+    # norm: the SQNR says how much).
     block_fp4_sqnr_min_db: float = 18.0
-    # FP4 flushes 7-9% of Gaussian and 13-17% of Laplace values (those under 1/24 of the block's largest); a
-    # block dominated by one outlier flushes nearly all the others (15 of 16) while its SQNR, carried by the
-    # outlier, stays high: above a quarter, the small values' information is gone.
-    block_fp4_flushed_max: float = 0.25

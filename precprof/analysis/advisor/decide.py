@@ -21,12 +21,10 @@ def _not_measured(plan: _Plan) -> str:
     return "not measured: no gradient was recorded on a sampled step (no backward pass was seen)"
 
 
-def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
-    """Why FP8 is not advised on FP8 hardware ("" when it is): no eligible layer, too small a share of the
-    matmul FLOPs in the eligible layers (FP8 pays only when the converted layers do most of the matmul work:
-    below ``cfg.fp8_flops_share_min`` the casts and scaling and the bf16 rest outweigh what FP8 saves), or too
-    small a model (``cfg.small_model_params``)."""
-    small_params = cfg.small_model_params
+def _fp8_numbers_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
+    """Why what FP8 would do to the numbers rules it out ("" when it allows it): no eligible layer, or too small
+    a share of the matmul FLOPs in the eligible layers (below ``cfg.fp8_flops_share_min`` the bf16 rest does
+    most of the work anyway)."""
     if not plan.fp8_checked:
         return "no linear layer was recorded, so none can be shown to be FP8-eligible"
     why = plan.fp8_why_not
@@ -43,15 +41,71 @@ def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
             f"{_pct(share)} of their matmul FLOPs, not more than {_pct(cfg.fp8_flops_share_min)}{causes}: the rest "
             "would run in bf16 anyway"
         )
-    n = plan.n_params
-    if n is None:
-        return "the model's size is unknown, so it cannot be shown to be large enough for FP8"
-    if n < small_params:
+    return ""
+
+
+def _fp8_speed_text(plan: _Plan) -> str:
+    est = plan.fp8_speed
+    if est is None:
+        return ""
+    return (
+        f"at these GEMM shapes FP8 would run the eligible layers at an estimated {est.speedup:.2f}x of bf16's "
+        f"speed (from measured FP8/bf16 speedups, not measured on this run: see the finding on FP8's speed)"
+    )
+
+
+def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
+    """Why FP8 is not advised on FP8 hardware, saying what decided it ("" when it is advised): what FP8 would do
+    to the numbers (``_fp8_numbers_why_not``), or, where the numbers allow it, its speed: FP8's estimated
+    speedup at these GEMM shapes not above ``cfg.fp8_speedup_min`` (the casts cost more than its matmuls save,
+    ``analysis.fp8_speed``)."""
+    numbers = _fp8_numbers_why_not(plan, cfg)
+    speed = _fp8_speed_text(plan)
+    if numbers:
+        return f"what FP8 would do to the numbers decided: {numbers}" + (
+            f"; besides, {speed}" if speed else ""
+        )
+    est = plan.fp8_speed
+    if est is None:
         return (
-            f"the model is too small for FP8 ({n / 1e6:.3g}M parameters, below {small_params / 1e6:g}M): "
-            "its matmuls are too small for FP8's casts and scaling to pay off"
+            "the speed decided: it cannot be estimated (the eligible layers' tokens per call are unknown), so FP8 "
+            "cannot be shown to pay"
+        )
+    if est.speedup <= cfg.fp8_speedup_min:
+        return (
+            f"the speed decided: what FP8 does to the numbers allows it ({len(plan.fp8_eligible)} of "
+            f"{plan.fp8_checked} linear layers are FP8-eligible, carrying {_pct(plan.fp8_flops_share)} of their "
+            f"matmul FLOPs), but {speed}, not above {cfg.fp8_speedup_min:g}x: the casts cost more than its matmuls "
+            "save"
         )
     return ""
+
+
+def _fp8_story(run: _Run, plan: _Plan, fmt: str, measured: str, why: str) -> None:
+    """One story on the page: when the verdict is not fp8, no finding tells the user to convert layers to FP8;
+    the FP8 findings say why not instead."""
+    if fmt == "fp8":
+        return
+    hw = run.hw
+    if why:
+        keep = f"Keep them in {fmt}: FP8 is not advised here ({why})."
+    elif not hw.fp8_supported:
+        keep = (
+            f"Nothing to convert on {hw.preset or hw.name}: it has no FP8 tensor cores (compute capability 8.9+); "
+            "these are the layers FP8 would not harm where it runs."
+        )
+    elif measured == "fp8":
+        keep = (
+            f"Nothing to convert under the {fmt} verdict; should a measured gain make fp8 the choice "
+            "(precprof compare --precisions fp32,fp8), these are its layers."
+        )
+    else:
+        keep = f"Nothing to convert under the {fmt} verdict: FP8 is advised only beside bf16, which is ruled out."
+    for f in plan.findings:
+        if f.code == "fp8_eligibility":
+            f.remedy = keep
+        elif f.code == "fp8_supported":
+            f.remedy = f"Train in {fmt}: FP8 is not advised for this model" + (f" ({why})." if why else ".")
 
 
 def _decide(run: _Run, plan: _Plan) -> Recommendation:
@@ -70,8 +124,9 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         reasons.append(
             f"{where} has FP8 tensor cores and {hw.fp8_library}: {len(plan.fp8_eligible)} of "
             f"{plan.fp8_checked} linear layers, carrying {_pct(plan.fp8_flops_share)} of their matmul FLOPs, "
-            "are FP8-eligible (convertible, dims and tokens per call multiples of 16, e4m3/e5m2 underflow at "
-            f"or below {_pct(cfg.fp8_underflow_max)} under per-tensor current scaling), so they can run in "
+            "are FP8-eligible (convertible, dims and tokens per call multiples of 16, per-tensor current scaling "
+            f"losing at most {_pct(cfg.lost_norm_max)} of each tensor's norm to underflow), and "
+            f"{_fp8_speed_text(plan)}, above {cfg.fp8_speedup_min:g}x: both the numbers and the speed allow "
             "FP8; the rest runs in bf16 autocast."
         )
     elif bf16_ok and not plan.bf16_block:
@@ -168,6 +223,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             + "; fix the divergence (see the critical findings) and profile again before trusting it.",
         )
     _demote_what_ifs(run, plan, fmt, measured or fmt)
+    _fp8_story(run, plan, fmt, measured, fp8_why_not)
     keep = list({"fp16": plan.keep_fp16, "bf16": plan.keep_bf16, "fp8": plan.keep_bf16}.get(fmt, []))
     if fmt not in ("fp32", "tf32"):
         # norms, softmax and losses found running in 16-bit: fp32 whatever the format (rules/fp32_ops)

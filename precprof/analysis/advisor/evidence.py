@@ -14,9 +14,11 @@ import pandas as pd
 
 from precprof import tables as T
 from precprof import taxonomy
+from precprof.analysis import lost_norm
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.model import Finding, Number
 from precprof.analysis.advisor.text import _log2i
+from precprof.analysis.fp8_speed import Estimate
 from precprof.formats import FP16, NumberFormat
 from precprof.hardware import HardwareInfo
 
@@ -235,6 +237,41 @@ def _rows_of_kinds(tensor: pd.Series, kinds: Iterable[str]) -> np.ndarray:
     return tensor.isin(kinds).to_numpy()
 
 
+def _text_codes(col: pd.Series, cats: pd.Index) -> np.ndarray:
+    """Each value's position in ``cats`` (-1 where absent), a missing text read as "": a categorical column by
+    its few categories (millions of rows are never turned into strings)."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        names = ["" if c is None else str(c) for c in col.cat.categories] + [""]  # code -1: missing
+        return cats.get_indexer(pd.Index(names, dtype=object))[col.cat.codes.to_numpy().astype(np.int64)]
+    return cats.get_indexer(pd.Index(T.texts(col).astype(object).to_numpy(), dtype=object))
+
+
+def _row_index(hist: pd.DataFrame, rows: pd.DataFrame) -> np.ndarray:
+    """For each histogram row, the position in ``rows`` of its (step, module, tensor, param) tensor; -1 where
+    ``rows`` has none (a repeated key in ``rows``: its first). Integer keys throughout: a join of the
+    histograms' millions of rows by text tuples took seconds."""
+    if hist.empty or rows.empty:
+        return np.full(len(hist), -1, dtype=np.int64)
+    step_r = pd.to_numeric(rows[T.STEP], errors="coerce").to_numpy(dtype=float)
+    steps = pd.Index(pd.unique(step_r))
+    key_r = steps.get_indexer(step_r).astype(np.int64)
+    key_h = steps.get_indexer(pd.to_numeric(hist[T.STEP], errors="coerce").to_numpy(dtype=float)).astype(
+        np.int64
+    )
+    ok = key_h >= 0
+    for k in (T.MODULE, T.TENSOR, T.PARAM):
+        cats = pd.Index(pd.unique(T.texts(rows[k]).astype(str).to_numpy()), dtype=object)
+        code_r, code_h = _text_codes(rows[k], cats), _text_codes(hist[k], cats)
+        ok &= code_h >= 0
+        key_r = key_r * len(cats) + code_r
+        key_h = key_h * len(cats) + np.where(code_h >= 0, code_h, 0)
+    index = pd.Index(key_r)
+    first = ~index.duplicated()
+    pos = np.flatnonzero(first)
+    at = pd.Index(key_r[first]).get_indexer(key_h)
+    return np.where(ok & (at >= 0), pos[np.clip(at, 0, None)], -1)
+
+
 def _exponent_counts(hist: pd.DataFrame, kinds: Iterable[str]) -> pd.Series:
     """Counts per exponent (index, ascending) of the rows of ``kinds``, summed over steps and modules."""
     sel = _rows_of_kinds(hist[T.TENSOR], kinds)
@@ -264,27 +301,22 @@ def _shifted_underflow(counts: pd.Series, fmt: NumberFormat, k: int) -> tuple[fl
 
 
 def _lost_norm_share(hist: pd.DataFrame, fmt: NumberFormat, k: int) -> pd.Series:
-    """Per module: the share of the L2 norm held by values that underflow ``fmt`` at scale 2^k.
-
-    Estimated from the histogram, each value taken as 2^e (its bin's lower edge for every bin alike, so the
-    ratio is within a factor of 2 of the truth): sqrt(sum over lost bins of count*4^e / sum over all of count*4^e).
-    """
+    """Per module: an upper bound of the share of the L2 norm held by the values that underflow ``fmt`` at
+    scale 2^k (``precprof.analysis.lost_norm``, the bound every what-if is judged by): the binades wholly at
+    or below fmt.underflow_max / 2^k, each value at its binade's upper edge against the others at their lower
+    edges. Values lying exactly on the limit, which a histogram cannot tell apart, are not counted (the fp16 rule
+    reports them apart)."""
     if hist.empty:
         return pd.Series(dtype=float)
-    e = hist[T.EXPONENT].to_numpy(dtype=float)
-    energy = hist[T.COUNT].to_numpy(dtype=float) * 4.0**e
-    lost = energy * ((e + k + 1) <= _log2i(fmt.underflow_max))
     modules = hist[T.MODULE]
     if not isinstance(modules.dtype, pd.CategoricalDtype):
         modules = modules.astype("category")
     names = np.asarray(modules.cat.categories, dtype=object)
-    codes = modules.cat.codes.to_numpy().astype(np.int64)
-    keep = codes >= 0  # a row without a module name belongs to no module (as a groupby drops it)
-    present, e_sum = _group_sum(codes[keep], energy[keep], len(names))
-    _, l_sum = _group_sum(codes[keep], lost[keep], len(names))
-    by = pd.DataFrame({"energy": e_sum, "lost": l_sum}, index=pd.Index(names[present], name=T.MODULE))
-    by = by[by["energy"] > 0].sort_index()
-    return (by["lost"] / by["energy"]) ** 0.5
+    codes = modules.cat.codes.to_numpy().astype(np.int64)  # -1: a row without a module belongs to none
+    limit = np.full(len(names), float(_log2i(fmt.underflow_max) - k))
+    share = lost_norm.lost_share_bound(hist[T.EXPONENT].to_numpy(), hist[T.COUNT].to_numpy(), codes, limit)
+    by = pd.Series(share, index=pd.Index(names, name=T.MODULE))
+    return by.dropna().sort_index()
 
 
 def _shifted_overflow(counts: pd.Series, fmt: NumberFormat, k: int) -> float:
@@ -320,6 +352,9 @@ class _Plan:
     # layers carry: the decision needs both.
     fp8_why_not: dict[str, str] = field(default_factory=dict)
     fp8_flops_share: float | None = None
+    # FP8's estimated speed on the eligible layers' GEMM shapes (analysis.fp8_speed.Estimate; None without
+    # eligible layers of known shape and tokens)
+    fp8_speed: Estimate | None = None
     growth_interval: int = 2000
     matmul_layers: list[str] = field(default_factory=list)
     n_params: int | None = None

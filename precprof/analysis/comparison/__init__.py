@@ -184,4 +184,12 @@ def _notes(runs: Sequence[RunResult], config: Mapping[str, Any]) -> list[str]:
             f"This CPU has no fp16 arithmetic (AVX512-FP16 / AMX-FP16): torch emulates it, so the throughput of "
             f"{', '.join(fp16)} says nothing about fp16 on a GPU; its numerics are the real ones."
         )
+    ran = [(r.label, r.compiled) for r in runs if r.compiled]
+    if ran:
+        notes.append(
+            "How each run ran: "
+            + "; ".join(f"{label} {how}" for label, how in ran)
+            + ". Each mode runs as its users run it for speed (fp8 only compiled, by default); the first step, "
+            "which compiles, is left out of the throughput."
+        )
     return notes

@@ -142,6 +142,9 @@ class RunResult:
     report: str | None
     curve_steps: list[int] = field(default_factory=list)
     curve_loss: list[float] = field(default_factory=list)
+    # how the loop ran the model ("compiled (torch.compile), the default for fp8", "eager, --no-compile"); None
+    # for a run recorded before the loop said
+    compiled: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -254,6 +257,7 @@ def read_run(variant: Variant, run_dir: Path) -> RunResult:
         report=str(report) if report.exists() else None,
         curve_steps=[int(s) for s in steps[T.STEP]] if not steps.empty else [],
         curve_loss=[float(v) for v in loss],
+        compiled=str(cfg["compiled"]) if isinstance(cfg.get("compiled"), str) else None,
     )
 
 

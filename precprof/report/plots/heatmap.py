@@ -19,6 +19,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
 from precprof import formats
 from precprof import tables as T
+from precprof.analysis import current_scaling
 from precprof.report import summarize as S
 from precprof.report.plots.common import FIG_WIDTH_IN, MIN_FONT_PT, _hbars, _pct, elide, fit_margins
 from precprof.report.plots.windows import Window, heatmap_windows
@@ -165,7 +166,10 @@ def signature_heatmap(
     tot = mat.sum(axis=1, keepdims=True)
     share = np.divide(mat, tot, out=np.zeros_like(mat), where=tot > 0)
     scale = S.scale_in_effect(layers, kind)
-    wins = heatmap_windows(kind, scale["last"], recommended_scale)
+    fp8_rows = current_scaling.row_windows(layers, kind, rows)  # FP8's windows slide with each row's amax
+    anchors = any(w is not None for w in fp8_rows[formats.FP8_E4M3.name])
+    amax = float(pd.to_numeric(layers.loc[layers[T.TENSOR] == kind, T.ABSMAX], errors="coerce").max())
+    wins = heatmap_windows(kind, scale["last"], recommended_scale, amax if anchors else None)
 
     fp16 = wins[0]
     x0, x1 = _x_range(exps, share, fp16)
@@ -210,6 +214,14 @@ def signature_heatmap(
     ax.tick_params(axis="x", labelsize=8)
     ax.grid(True, axis="x", color="#000", alpha=0.06)
     for w in wins:
+        per_row = fp8_rows.get(w.key) if anchors else None
+        if per_row is not None:  # current scaling: each row's window, a segment on its own row
+            segs = [(xv, i) for i, tw in enumerate(per_row) if tw is not None for xv in (tw.lo, tw.hi)]
+            segs = [(xv, i) for xv, i in segs if x0 < xv < x1]
+            if segs:
+                xs, ys = zip(*segs, strict=True)
+                ax.vlines(xs, np.array(ys), np.array(ys) + 1, color=w.color, linestyles=w.style, lw=1.2)  # type: ignore[arg-type]
+            continue
         for xv in (w.lo, w.hi):
             if x0 < xv < x1:
                 ax.axvline(xv, color=w.color, ls=w.style, lw=1.6 if w.key == "fp16" else 1.2)

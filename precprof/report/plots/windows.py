@@ -1,5 +1,6 @@
 """The format windows drawn over the heatmaps: where each format's representable range starts and ends, in unscaled
-log2 units, at the loss scale in effect (FP16 for gradients) or at scale 1 (BF16, FP8 E4M3 and E5M2)."""
+log2 units, at the loss scale in effect (FP16 for gradients), at scale 1 (BF16), and for FP8 E4M3 and E5M2 under
+per-tensor current scaling (each row of a heatmap its own window)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,13 @@ def format_window(fmt: str, scale: float = 1.0, label: str | None = None, style:
     )
 
 
-def heatmap_windows(kind: str, scale: float, recommended_scale: float | None = None) -> list[Window]:
+def heatmap_windows(
+    kind: str, scale: float, recommended_scale: float | None = None, fp8_amax: float | None = None
+) -> list[Window]:
     """Windows drawn over a heatmap of ``kind``: fp16 at the scale in effect (and at the recommended scale when
-    that differs), bf16, e4m3 and e5m2 at scale 1 (static windows, no per-tensor scaling)."""
+    that differs), bf16 at scale 1, e4m3 and e5m2 under per-tensor current scaling, the recipe the FP8 advice
+    assumes: at the largest magnitude of the rows, ``fp8_amax`` (each row gets its own on the heatmap,
+    ``analysis.current_scaling.row_windows``); at scale 1 when it is unknown."""
     scaled = kind in T.GRADIENT_KINDS
     s = scale if scaled else 1.0
     wins = [format_window("fp16", s, f"FP16 at scale {pow2_text(s)}" if scaled else "FP16")]
@@ -53,9 +58,11 @@ def heatmap_windows(kind: str, scale: float, recommended_scale: float | None = N
                 rec, label=f"FP16 at recommended {pow2_text(recommended_scale)}", color="#7f0000", style=":"
             )
         )
-    wins += [
-        format_window("bf16", 1.0, style="-."),
-        format_window("fp8_e4m3", 1.0, "FP8 E4M3 (static, scale 1)", style="--"),
-        format_window("fp8_e5m2", 1.0, "FP8 E5M2 (static, scale 1)", style=(0, (5, 1, 1, 1))),  # type: ignore[arg-type]
-    ]
+    fp8 = {"fp8_e4m3": "--", "fp8_e5m2": (0, (5, 1, 1, 1))}
+    wins.append(format_window("bf16", 1.0, style="-."))
+    for fmt, style in fp8.items():
+        ok = fp8_amax is not None and math.isfinite(fp8_amax) and fp8_amax > 0
+        k = formats.current_scaling_exponent(formats.get(fmt), fp8_amax) if ok else 0  # type: ignore[arg-type]
+        what = "current scaling, per row" if ok else "scale 1"
+        wins.append(format_window(fmt, 2.0**k, f"{formats.label(fmt)} ({what})", style=style))  # type: ignore[arg-type]
     return wins

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,8 +29,19 @@ from precprof import taxonomy
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import _layer_dims, _matmul_leaves, _Plan, _prepare, _Run
 from precprof.analysis.advisor.model import INFO, Finding, Number
+from precprof.analysis.advisor.rules.block_losses import (
+    Columns,
+    LayerBlocks,
+    OperandLoss,
+    RecipeSummary,
+    Rows,
+    db_text,
+    losses,
+)
 from precprof.analysis.advisor.rules.shapes import _fp8_shapes
 from precprof.analysis.advisor.text import _listing, _name, _pct
+
+__all__ = ["LayerBlocks", "OperandLoss", "RecipeSummary", "block_table", "db_text", "decide", "fails"]
 
 INPUT, WEIGHT, GRAD = "input", "weight", "output gradient"
 # (operand, orientation along the GEMM's reduction dimension for an nn.Linear, the GEMM that reads it)
@@ -66,154 +77,6 @@ RECIPE_LABELS: dict[str, str] = {
     "nvfp4": "NVFP4",
 }
 WHAT_IF_TARGET = "b200"  # the preset a run planned elsewhere is told about
-
-
-@dataclass
-class OperandLoss:
-    """What one recipe loses on one operand of one layer, summed over the sampled steps."""
-
-    operand: str
-    orientation: str
-    gemm: str
-    nonzero: float  # finite nonzero values of the rows evaluated
-    flushed: float
-    saturated: float
-    poisoned: float
-    sum_x2: float
-    sum_err2: float
-
-    @property
-    def label(self) -> str:
-        return f"{self.operand} ({self.gemm})"
-
-    @property
-    def flushed_share(self) -> float:
-        return self.flushed / self.nonzero if self.nonzero > 0 else 0.0
-
-    @property
-    def saturated_share(self) -> float:
-        return self.saturated / self.nonzero if self.nonzero > 0 else 0.0
-
-    @property
-    def sqnr_db(self) -> float:
-        """10 log10(sum x^2 / sum err^2); inf when nothing was lost (an all-zero operand included); nan when a
-        sum is not finite (a tensor the recipe cannot quantise: NVFP4 of values so small that the per-tensor
-        scale underflows fp32)."""
-        if not (math.isfinite(self.sum_x2) and math.isfinite(self.sum_err2)):
-            return math.nan
-        if self.sum_err2 <= 0.0:
-            return math.inf
-        if self.sum_x2 <= 0.0:
-            return -math.inf
-        return 10.0 * math.log10(self.sum_x2 / self.sum_err2)
-
-
-@dataclass
-class RecipeSummary:
-    """A recipe over a layer's operands: the worst SQNR (and its operand), the largest shares."""
-
-    sqnr_db: float
-    worst: str
-    flushed_share: float
-    saturated_share: float
-    poisoned: float
-
-
-@dataclass
-class LayerBlocks:
-    """One linear layer: its operands' losses per recipe, where its input came from, and the plan's choice."""
-
-    module: str
-    module_type: str
-    input_from: str | None
-    losses: dict[str, list[OperandLoss]] = field(default_factory=dict)
-    choice: str = ""
-    why: str = ""  # why the better formats were not chosen
-    head: bool = False  # the last linear layer in forward order (the output head): never planned in FP4
-
-    def summary(self, recipe: str) -> RecipeSummary | None:
-        ops = self.losses.get(recipe) or []
-        if not ops:
-            return None
-        worst = min(ops, key=lambda o: -math.inf if math.isnan(o.sqnr_db) else o.sqnr_db)
-        return RecipeSummary(
-            worst.sqnr_db,
-            worst.label,
-            max(o.flushed_share for o in ops),
-            max(o.saturated_share for o in ops),
-            sum(o.poisoned for o in ops),
-        )
-
-    @property
-    def operands_evaluated(self) -> int:
-        return max((len(v) for v in self.losses.values()), default=0)
-
-
-def db_text(v: float) -> str:
-    """An SQNR as the page and the messages write it: "31.2 dB", "lossless" for inf, "not finite" for nan."""
-    if math.isnan(v):
-        return "not finite"
-    return "lossless" if v == math.inf else f"{v:.1f} dB"
-
-
-class _Columns:
-    """The layers table's numeric columns as float arrays, each converted once, when first read."""
-
-    def __init__(self, layers: pd.DataFrame) -> None:
-        self.layers = layers
-        self._done: dict[str, np.ndarray] = {}
-
-    def get(self, name: str) -> np.ndarray | None:
-        got = self._done.get(name)
-        if got is None and name in self.layers:
-            col = pd.to_numeric(self.layers[name], errors="coerce")
-            got = self._done[name] = col.to_numpy(dtype=float, na_value=np.nan)
-        return got
-
-
-class _Rows:
-    """Some rows of the layers table, their columns read as float arrays on first use (``_losses`` reads a few
-    of the 70 block columns per layer; 2,700 selections of pandas columns took half a second on a thousand
-    sampled steps)."""
-
-    def __init__(self, columns: _Columns, index: np.ndarray) -> None:
-        self.columns, self.index, self.n = columns, index, len(index)
-        self._cols: dict[str, np.ndarray] = {}
-
-    def col(self, name: str) -> np.ndarray:
-        """The column ``name`` of these rows (all nan when the table has no such column)."""
-        got = self._cols.get(name)
-        if got is None:
-            full = self.columns.get(name)
-            got = self._cols[name] = full[self.index] if full is not None else np.full(self.n, math.nan)
-        return got
-
-
-def _losses(rows: _Rows, operand: str, orientation: str, gemm: str, recipe: str) -> OperandLoss | None:
-    """The recipe's stats summed over ``rows`` where it was evaluated (None where it never was)."""
-    if not rows.n:
-        return None
-    sel = ~np.isnan(rows.col(T.block_col(recipe, "flushed", orientation)))
-    if not sel.any():
-        return None
-
-    def total(stat: str) -> float:
-        # a nan sum (block_formats could not quantise the tensor) stays nan: it must not read as no error
-        return float(rows.col(T.block_col(recipe, stat, orientation))[sel].sum())
-
-    # finite nonzero values, as _nonzero counts them: clipped at 0 row by row, a row without counts skipped
-    nonzero = np.clip(rows.col(T.NUMEL) - rows.col(T.ZEROS) - rows.col(T.NAN) - rows.col(T.INF), 0, None)
-    return OperandLoss(
-        operand,
-        orientation,
-        gemm,
-        float(np.nansum(nonzero[sel])),
-        total("flushed"),
-        total("saturated"),
-        total("poisoned"),
-        total("sum_x2"),
-        total("sum_err2"),
-    )
 
 
 def _input_of(
@@ -285,14 +148,14 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
     # the numeric columns _losses reads (as arrays, each once), and each (module, tensor, param)'s rows found in
     # one groupby: a filter of the whole table per layer and operand took seconds on a thousand sampled steps,
     # and row selections of text columns are slow too
-    columns = _Columns(run.layers)
+    columns = Columns(run.layers, run.hist)
     where: dict[tuple[str, str], list[tuple[str, np.ndarray]]] = {}
     for (m, t, p), i in run.layers.groupby([T.MODULE, T.TENSOR, T.PARAM], sort=False).indices.items():
         where.setdefault((str(m), str(t)), []).append((str(p), i))
 
-    def rows_of(module: str, tensor: str, param: str | None = None) -> _Rows:
+    def rows_of(module: str, tensor: str, param: str | None = None) -> Rows:
         idx = [i for p, i in where.get((module, tensor), []) if param in (None, p)]
-        return _Rows(columns, np.sort(np.concatenate(idx)) if idx else np.zeros(0, dtype=np.int64))
+        return Rows(columns, np.sort(np.concatenate(idx)) if idx else np.zeros(0, dtype=np.int64))
 
     first = _first_activations(run)
     out: list[LayerBlocks] = []
@@ -317,7 +180,7 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
                     operand == WEIGHT and t == "Conv1D"
                 ):  # (in, out); a tied embedding's (num, dim) is (out, in)
                     o = {"row": "col", "col": "row"}[o]
-                loss = _losses(df, operand, o, gemm, recipe)
+                loss = losses(df, operand, o, gemm, recipe)
                 if loss is not None:
                     ops.append(loss)
             if ops:
@@ -330,7 +193,11 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
 
 def fails(lb: LayerBlocks, name: str, cfg: AdvisorConfig) -> str:
     """Why plan format ``name`` does not qualify for the layer ("" when it does), naming the first operand that
-    fails: FP4 (nvfp4, mxfp4) by SQNR and flushed share, MXFP8 by flushed + saturated share and SQNR."""
+    fails. Every format by what it does to the operand's L2 norm: its SQNR (the norm of the whole error:
+    rounding, flushing and saturation) at least the format's minimum, and for MXFP8 the share of the norm lost
+    to flushing and saturation (``block_losses``: the median over sampled steps of an upper bound) at most
+    ``cfg.lost_norm_max``, the bound per-tensor FP8 and fp16 are held to. FP4 flushes by design (E2M1 keeps
+    nothing below a quarter of a block's scale): its SQNR bound covers what it flushes."""
     ops = lb.losses.get(PLAN_RECIPES[name]) or []
     if not ops:
         return "not evaluated"
@@ -340,10 +207,8 @@ def fails(lb: LayerBlocks, name: str, cfg: AdvisorConfig) -> str:
             return f"nan/inf in the blocks of its {o.label}"
         if math.isnan(o.sqnr_db):
             return f"its {o.label} cannot be quantised (the error sum is not finite)"
-        if fp4 and o.flushed_share > cfg.block_fp4_flushed_max:
-            return f"{_pct(o.flushed_share)} of its {o.label} flushed to 0"
-        if not fp4 and o.flushed_share + o.saturated_share > cfg.block_mxfp8_lost_max:
-            return f"{_pct(o.flushed_share)} flushed and {_pct(o.saturated_share)} saturated on its {o.label}"
+        if not fp4 and o.lost_norm > cfg.lost_norm_max:
+            return f"up to {_pct(o.lost_norm)} of its {o.label}'s norm lost to flushing or saturation"
         if o.sqnr_db < (cfg.block_fp4_sqnr_min_db if fp4 else cfg.block_mxfp8_sqnr_min_db):
             return f"SQNR {db_text(o.sqnr_db)} on its {o.label}"
     return ""
@@ -374,11 +239,16 @@ def decide(lb: LayerBlocks, cfg: AdvisorConfig, allowed: tuple[str, ...]) -> Non
 
 
 def block_table(
-    layers: pd.DataFrame, summary: Mapping[str, Any] | None = None, cfg: AdvisorConfig | None = None
+    layers: pd.DataFrame,
+    summary: Mapping[str, Any] | None = None,
+    cfg: AdvisorConfig | None = None,
+    histograms: pd.DataFrame | None = None,
 ) -> list[LayerBlocks]:
-    """Per linear layer, the block recipes' losses and the plan a Blackwell GPU would get, from a layers table
-    and summary.json's content (for the layers' shapes): what the report's what-if section shows."""
-    lay, hist, steps = _prepare({"layers": layers})
+    """Per linear layer, the block recipes' losses and the plan a Blackwell GPU would get, from a layers table,
+    summary.json's content (for the layers' shapes) and the histograms (for the norm bounds; without them the
+    recorded error sums bound the norm lost): what the report's what-if section shows."""
+    tables = {"layers": layers} if histograms is None else {"layers": layers, "histograms": histograms}
+    lay, hist, steps = _prepare(tables)
     run = _Run(
         lay, hist, steps, dict(summary or {}), hw_mod.preset(WHAT_IF_TARGET), True, cfg or AdvisorConfig()
     )
@@ -401,14 +271,30 @@ class BlockPlan:
     what_if: dict[str, Any]
 
 
-def _cell(sqnr: float, flushed: float, saturated: float, worst: str, fails: str = "") -> dict[str, Any]:
+def _cell(
+    sqnr: float, flushed: float, saturated: float, worst: str, fails: str = "", lost_norm: float = math.nan
+) -> dict[str, Any]:
     return {
         "sqnr_db": sqnr,
         "flushed_share": flushed,
         "saturated_share": saturated,
+        "lost_norm": None if math.isnan(lost_norm) else lost_norm,
         "worst": worst,
         "fails": fails,
     }
+
+
+def rule_text(cfg: AdvisorConfig) -> str:
+    """The plan's rule in one sentence, as the finding and the report state it."""
+    return (
+        f"NVFP4, else MXFP4, where every operand keeps an SQNR of at least {cfg.block_fp4_sqnr_min_db:g} dB (the "
+        "norm of the whole error: FP4 flushes what lies below a quarter of a block's scale by design, and that "
+        "is part of it); else MXFP8 (E4M3 elements for every operand, scales rounded up as cuBLAS and "
+        f"Transformer Engine compute them) where flushing and saturation lose at most {_pct(cfg.lost_norm_max)} of "
+        "each operand's L2 norm (the median over the sampled steps of an upper bound from its histogram and the "
+        "exact counts, the bound per-tensor FP8 and fp16 are held to) and the SQNR is at least "
+        f"{cfg.block_mxfp8_sqnr_min_db:g} dB; else bf16. The count of values flushed is shown, not judged."
+    )
 
 
 def what_if_data(
@@ -427,14 +313,16 @@ def what_if_data(
                 continue
             plan_name = next((n for n, pr in PLAN_RECIPES.items() if pr == r), None)
             fail = fails(lb, plan_name, cfg) if plan_name is not None else ""
-            recipes[r] = _cell(sm.sqnr_db, sm.flushed_share, sm.saturated_share, sm.worst, fail)
+            recipes[r] = _cell(sm.sqnr_db, sm.flushed_share, sm.saturated_share, sm.worst, fail, sm.lost_norm)
         operands = []
         for operand, _, gemm in OPERANDS:
             cells = {}
             for r, ops in lb.losses.items():
                 o = next((o for o in ops if (o.operand, o.gemm) == (operand, gemm)), None)
                 if o is not None:
-                    cells[r] = _cell(o.sqnr_db, o.flushed_share, o.saturated_share, o.label)
+                    cells[r] = _cell(
+                        o.sqnr_db, o.flushed_share, o.saturated_share, o.label, lost_norm=o.lost_norm
+                    )
             if cells:
                 operands.append({"operand": operand, "gemm": gemm, "axis": GEMM_AXIS[gemm], "recipes": cells})
         layers.append(
@@ -455,9 +343,9 @@ def what_if_data(
         "plan_labels": dict(PLAN_LABELS),
         "rules": {
             "fp4_sqnr_min_db": cfg.block_fp4_sqnr_min_db,
-            "fp4_flushed_max": cfg.block_fp4_flushed_max,
-            "mxfp8_lost_max": cfg.block_mxfp8_lost_max,
+            "lost_norm_max": cfg.lost_norm_max,
             "mxfp8_sqnr_min_db": cfg.block_mxfp8_sqnr_min_db,
+            "text": rule_text(cfg),
         },
         "layers": layers,
     }
@@ -509,12 +397,8 @@ def _rule_block_formats(
     rule = (
         f"Each of the {len(table)} linear layers is judged on every operand its three GEMMs would quantise "
         "(forward: its input and weight along in_features; input gradient: its output gradient and weight "
-        "along out_features; weight gradient: its output gradient and input along the tokens), summed over "
-        f"{sampled} sampled step(s). NVFP4, else MXFP4, where every operand keeps an SQNR of at least "
-        f"{cfg.block_fp4_sqnr_min_db:g} dB and at most {_pct(cfg.block_fp4_flushed_max)} of its values are "
-        "flushed to 0; else MXFP8 (E4M3 elements for every operand, scales rounded up as cuBLAS and Transformer "
-        f"Engine compute them) where at most {_pct(cfg.block_mxfp8_lost_max)} are flushed or saturated and the "
-        f"SQNR is at least {cfg.block_mxfp8_sqnr_min_db:g} dB; else bf16."
+        "along out_features; weight gradient: its output gradient and input along the tokens), over "
+        f"{sampled} sampled step(s). {rule_text(cfg)}"
     )
     result = ". ".join(s for s in (listed(k) for k in (*PLAN_RECIPES, "bf16")) if s)
     note = (
@@ -534,11 +418,11 @@ def _rule_block_formats(
         "mxfp4_worst_sqnr_db": worst("mxfp4", "sqnr_db"),
         "mxfp4_max_flushed_share": worst("mxfp4", "flushed_share"),
         "mxfp8_worst_sqnr_db": worst("mxfp8", "sqnr_db"),
+        "mxfp8_max_lost_norm": worst("mxfp8", "lost_norm"),
         "mxfp8_max_flushed_share": worst("mxfp8", "flushed_share"),
         "mxfp8_max_saturated_share": worst("mxfp8", "saturated_share"),
         "fp4_sqnr_min_db": cfg.block_fp4_sqnr_min_db,
-        "fp4_flushed_max": cfg.block_fp4_flushed_max,
-        "mxfp8_lost_max": cfg.block_mxfp8_lost_max,
+        "lost_norm_max": cfg.lost_norm_max,
         "mxfp8_sqnr_min_db": cfg.block_mxfp8_sqnr_min_db,
     }
     recipe_hint = (

@@ -324,7 +324,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     if (atk or 0) > cfg.fp16_underflow_ok and norm_k is not None and norm_mod is not None:
         msg += (
             f" The values still lost at {_pow2(k)} (all below 2^{_log2i(FP16.underflow_max) - k}) carry at most "
-            f"{_pct(norm_k)} of a module's activation-gradient L2 norm ({_name(norm_mod)}; estimated from the "
+            f"{_pct(norm_k)} of a module's activation-gradient L2 norm ({_name(norm_mod)}; an upper bound from the "
             "histogram)"
             + (": a whole layer's gradients are lost." if residual_matters else ": a negligible tail.")
         )

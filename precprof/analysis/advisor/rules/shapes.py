@@ -1,4 +1,4 @@
-"""Tensor-core alignment and FP8 eligibility from the layers' shapes."""
+"""Tensor-core alignment, and what the FP8 rules need of each linear layer's shape (rules/fp8.py, rules/blocks.py)."""
 
 from __future__ import annotations
 
@@ -6,20 +6,16 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import pandas as pd
-
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.advisor.evidence import (
     _model_dims,
     _Plan,
     _Run,
-    _share,
     _tokens_per_call,
 )
 from precprof.analysis.advisor.model import INFO, WARNING, Finding, Number
-from precprof.analysis.advisor.text import _listing, _name, _pct
-from precprof.formats import FP8_E4M3, FP8_E5M2
+from precprof.analysis.advisor.text import _name
 
 
 def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
@@ -163,127 +159,3 @@ def _fp8_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -
             if m in out and not out[m].shared and out[m].in_features == dim:
                 out[m].tied_to = e
     return out
-
-
-def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
-    cfg = run.cfg
-    linear = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
-    if not linear:
-        return
-    shapes = _fp8_shapes(run, linear, dims)
-    e4, e5 = T.underflow_cs_col(FP8_E4M3.name), T.underflow_cs_col(FP8_E5M2.name)
-    cols = [T.MODULE, T.TENSOR, T.NUMEL, T.ZEROS, T.NAN, T.INF, e4, e5]
-    lay = run.layers.loc[run.layers[T.MODULE].isin(linear), cols]  # the columns read: a narrow copy
-    # per (module, tensor kind): the sums the shares need, in one groupby (a filter per layer took seconds on
-    # a thousand sampled steps); a row's nonzero count is clipped at 0 row by row, as _nonzero does
-    sums = (
-        pd.DataFrame(
-            {
-                T.MODULE: T.texts(lay[T.MODULE]).astype(object),
-                T.TENSOR: T.texts(lay[T.TENSOR]).astype(object),
-                "nonzero": (lay[T.NUMEL] - lay[T.ZEROS] - lay[T.NAN] - lay[T.INF]).clip(lower=0),
-                "nonfinite": lay[T.NAN] + lay[T.INF],
-                e4: lay[e4],
-                e5: lay[e5],
-            }
-        )
-        .groupby([T.MODULE, T.TENSOR], sort=False)
-        .sum()
-    )
-
-    def summed(m: str, kinds: tuple[str, ...], col: str) -> float:
-        return float(sum(sums.at[(m, k), col] for k in kinds if (m, k) in sums.index))
-
-    nonfinite = sums["nonfinite"].groupby(level=0).sum()  # per module, every tensor kind
-    rows: list[tuple[str, float | None, float | None, str]] = []
-    for m in linear:
-        fwd = (T.ACTIVATION, T.WEIGHT)
-        f_share = _share(summed(m, fwd, e4), summed(m, fwd, "nonzero"))
-        b_share = _share(summed(m, (T.ACTIVATION_GRAD,), e5), summed(m, (T.ACTIVATION_GRAD,), "nonzero"))
-        sh = shapes[m]
-        # the shape rule is taxonomy's, the one --precision fp8 (convert_fp8) applies to the live model
-        why = taxonomy.fp8_ineligible_reason(
-            sh.in_features, sh.out_features, sh.tied_to is not None, sh.tokens
-        )
-        if not taxonomy.fp8_convertible_type(run.types.get(m, "")):
-            why = f"a {run.types.get(m, '')}, not an nn.Linear: float8 conversion does not swap it"
-        elif sh.tied_to is not None:
-            why = f"tied to the embedding {_name(sh.tied_to)}: the shared weight is a gather's too"
-        elif sh.in_features is None:
-            why += (
-                ": its weight is recorded under another module (shared, maybe tied to an embedding)"
-                if sh.shared
-                else ": none was recorded for it"
-            )
-        elif why:
-            pass
-        elif nonfinite.get(m, 0) > 0:
-            why = "non-finite values"
-        elif f_share is None or b_share is None:
-            why = "no forward or backward statistics"
-        elif f_share > cfg.fp8_underflow_max:
-            why = f"e4m3 forward underflow {_pct(f_share)}"
-        elif b_share > cfg.fp8_underflow_max:
-            why = f"e5m2 gradient underflow {_pct(b_share)}"
-        rows.append((m, f_share, b_share, why))
-    plan.fp8_checked = len(rows)
-    plan.fp8_eligible = [m for m, _, _, why in rows if not why]
-    plan.fp8_why_not = {m: why for m, _, _, why in rows if why}
-    known = {m: f for m in linear if (f := shapes[m].flops_per_token) is not None}
-    total = sum(known.values())
-    plan.fp8_flops_share = sum(known.get(m, 0) for m in plan.fp8_eligible) / total if total > 0 else None
-    unknown = [m for m in linear if m not in known]
-    tied = [m for m in linear if shapes[m].tied_to is not None]
-    # tied layers first: the cause a shape table does not show
-    bad = sorted(((m, why) for m, _, _, why in rows if why), key=lambda mw: mw[0] not in tied)
-    fmax = max((f for _, f, _, _ in rows if f is not None), default=None)
-    bmax = max((b for _, _, b, _ in rows if b is not None), default=None)
-    plan.add(
-        Finding(
-            "fp8_eligibility",
-            WARNING if run.hw.fp8_supported and not plan.fp8_eligible else INFO,
-            f"{len(plan.fp8_eligible)} of {len(rows)} linear layers are FP8-eligible",
-            "A linear layer is FP8-eligible when --precision fp8 would convert it (an nn.Linear not tied to an "
-            f"embedding, both dimensions and the tokens per call multiples of {taxonomy.FP8_DIM_MULTIPLE}) and, "
-            f"under per-tensor current scaling (scale 2^floor(log2(fmax/amax)), Transformer Engine's "
-            f"current-scaling recipe), at most {_pct(cfg.fp8_underflow_max)} of its "
-            "nonzero weight and output values underflow e4m3 and of its output gradients underflow e5m2 "
-            "(its input is the previous module's output, checked there). "
-            f"{len(plan.fp8_eligible)} of {len(rows)} qualify, carrying {_pct(plan.fp8_flops_share)} of the "
-            "linear layers' matmul FLOPs (2 x in x out per token"
-            + (f"; {len(unknown)} layer(s) of unknown shape not counted" if unknown else "")
-            + f"); worst shares: e4m3 {_pct(fmax)}, e5m2 {_pct(bmax)}"
-            + (
-                ". Not eligible: "
-                + "; ".join(f"{_name(m)} ({w})" for m, w in bad[: cfg.max_listed_modules])
-                + (
-                    f" and {len(bad) - cfg.max_listed_modules} more"
-                    if len(bad) > cfg.max_listed_modules
-                    else ""
-                )
-                if bad
-                else ""
-            )
-            + ".",
-            ("Convert" if run.hw.fp8_supported else "On FP8 hardware (compute capability 8.9+), convert")
-            + " the eligible layers to FP8 (torchao convert_to_float8_training with a module filter) and keep "
-            "the others in bf16"
-            + (
-                f" ({_listing(tied, cfg.max_listed_modules)}: tied to an embedding, "
-                f"{'it stays' if len(tied) == 1 else 'they stay'} in bf16)."
-                if tied
-                else "."
-            ),
-            modules=plan.fp8_eligible,
-            numbers={
-                "eligible": len(plan.fp8_eligible),
-                "checked": len(rows),
-                "tied": len(tied),
-                "unknown_shape": len(unknown),
-                "eligible_flops_share": plan.fp8_flops_share,
-                "max_e4m3_share": fmax,
-                "max_e5m2_share": bmax,
-                "threshold": cfg.fp8_underflow_max,
-            },
-        )
-    )

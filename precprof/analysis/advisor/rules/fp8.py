@@ -1,0 +1,309 @@
+"""FP8 eligibility per linear layer, judged by what per-tensor FP8 would do to training, and FP8's estimated speed.
+
+A linear layer is FP8-eligible when ``--precision fp8`` would convert it (``taxonomy.fp8_ineligible_reason``:
+an nn.Linear not tied to an embedding, dimensions and tokens per call multiples of 16), no tensor of it held
+nan/inf, and per-tensor current scaling (``analysis.current_scaling``) loses at most
+``AdvisorConfig.lost_norm_max`` of the L2 norm of its weight and output (e4m3) and of its output gradient (e5m2)
+to underflow. The lost share is an upper bound from each step's histogram and the exact count of flushed values
+(``analysis.lost_norm``, the bound the fp16 and block rules use too), and the rule reads its median over the
+sampled steps: a share that one step in ten reaches does not flip a layer between runs. Nothing saturates under
+current scaling (the scale puts each tensor's largest value at or below the format's max). The count of flushed
+values is reported beside it, not judged: tens of percent of a gradient's values may flush while carrying a
+millionth of its norm (GPT-2's ``mlp.c_fc`` behind GELU).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from precprof import tables as T
+from precprof import taxonomy
+from precprof.analysis import current_scaling, fp8_speed, lost_norm
+from precprof.analysis.advisor.evidence import _Plan, _row_index, _Run
+from precprof.analysis.advisor.model import INFO, WARNING, Finding
+from precprof.analysis.advisor.rules.shapes import _fp8_shapes
+from precprof.analysis.advisor.text import _listing, _name, _pct
+from precprof.formats import FP8_E4M3, FP8_E5M2, NumberFormat
+
+# the format each tensor kind takes in the usual hybrid recipe (torchao's Float8Linear and Transformer Engine's
+# defaults): e4m3 forward (input, weight), e5m2 for the output gradient
+KIND_FORMAT: dict[str, NumberFormat] = {
+    T.ACTIVATION: FP8_E4M3,
+    T.WEIGHT: FP8_E4M3,
+    T.ACTIVATION_GRAD: FP8_E5M2,
+}
+FORWARD, BACKWARD = "forward", "backward"
+
+
+def fp8_losses(run: _Run, modules: list[str]) -> pd.DataFrame:
+    """Per (module, tensor kind, param, step) of ``modules``: what per-tensor current scaling in the kind's FP8
+    format loses. Columns: ``lost_norm`` (upper bound of the share of the L2 norm lost to underflow),
+    ``lost_values`` (share of the nonzero finite values flushed, exact), ``side`` ("forward": output and weight
+    in e4m3; "backward": output gradient in e5m2)."""
+    lay = run.layers
+    kinds = tuple(KIND_FORMAT)
+    sel = lay[T.MODULE].isin(modules) & lay[T.TENSOR].isin(kinds)
+    sel &= (lay[T.TENSOR] != T.WEIGHT) | (lay[T.PARAM] == "weight")
+    e4, e5 = T.underflow_cs_col(FP8_E4M3.name), T.underflow_cs_col(FP8_E5M2.name)
+    keys = [T.STEP, T.MODULE, T.TENSOR, T.PARAM]
+    rows = lay.loc[sel, [*keys, T.ABSMAX, T.CALLS, T.NUMEL, T.ZEROS, T.NAN, T.INF, e4, e5]]
+    if rows.empty:
+        return pd.DataFrame(columns=[*keys, "side", "lost_norm", "lost_values"])
+    rows = rows.assign(**{k: T.texts(rows[k]).astype(object) for k in (T.MODULE, T.TENSOR, T.PARAM)})
+    # one row per tensor and step (a table merged from ranks may repeat one): counts add, amax is the largest
+    agg = {c: "sum" for c in (T.CALLS, T.NUMEL, T.ZEROS, T.NAN, T.INF, e4, e5)}
+    rows = rows.groupby(keys, sort=False).agg({**agg, T.ABSMAX: "max"}).reset_index()
+    is_grad = (rows[T.TENSOR] == T.ACTIVATION_GRAD).to_numpy()
+    amax = pd.to_numeric(rows[T.ABSMAX], errors="coerce").to_numpy(dtype=float)
+    limit = np.where(
+        is_grad,
+        current_scaling.underflow_limit_log2(FP8_E5M2, amax),
+        current_scaling.underflow_limit_log2(FP8_E4M3, amax),
+    )
+    flushed = np.where(is_grad, rows[e5].to_numpy(dtype=float), rows[e4].to_numpy(dtype=float))
+    h = run.hist
+    group = _row_index(h, rows)  # each histogram row's tensor (-1: not one of these)
+    share = lost_norm.lost_share_bound(
+        h[T.EXPONENT].to_numpy(),
+        h[T.COUNT].to_numpy(),
+        group,
+        limit,
+        lost=flushed,
+        exact=(rows[T.CALLS].to_numpy(dtype=float) <= 1),
+    )
+    nonzero = (rows[T.NUMEL] - rows[T.ZEROS] - rows[T.NAN] - rows[T.INF]).clip(lower=0).to_numpy(dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        values = np.where(nonzero > 0, flushed / nonzero, np.nan)
+    out = rows[keys].copy()
+    out["side"] = np.where(is_grad, BACKWARD, FORWARD)
+    out["lost_norm"] = share
+    out["lost_values"] = values
+    return out
+
+
+def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
+    """Per (module, side): the median over sampled steps of the lost-norm bound (the larger of the output's and
+    the weight's on the forward side), its worst step, and the median share of values flushed."""
+    if losses.empty:
+        return pd.DataFrame(columns=["norm", "norm_worst", "values", "steps"])
+    per = (
+        losses.groupby([T.MODULE, T.TENSOR, "side"], sort=False)
+        .agg(
+            norm=("lost_norm", "median"),
+            norm_worst=("lost_norm", "max"),
+            values=("lost_values", "median"),
+            steps=("lost_norm", "count"),
+        )
+        .reset_index()
+    )
+    return per.groupby([T.MODULE, "side"], sort=False).agg(
+        norm=("norm", "max"),
+        norm_worst=("norm_worst", "max"),
+        values=("values", "max"),
+        steps=("steps", "max"),
+    )
+
+
+def _get(summary: pd.DataFrame, m: str, side: str, col: str) -> float | None:
+    if (m, side) not in summary.index:
+        return None
+    v = float(summary.at[(m, side), col])
+    return v if np.isfinite(v) else None
+
+
+def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
+    cfg = run.cfg
+    linear = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
+    if not linear:
+        return
+    shapes = _fp8_shapes(run, linear, dims)
+    lay = run.layers.loc[run.layers[T.MODULE].isin(linear), [T.MODULE, T.NAN, T.INF]]
+    nonfinite = (lay[T.NAN] + lay[T.INF]).groupby(T.texts(lay[T.MODULE]).astype(object)).sum()
+    summary = fp8_summary(fp8_losses(run, linear))
+    lim = cfg.lost_norm_max
+    rows: list[tuple[str, str]] = []
+    for m in linear:
+        sh = shapes[m]
+        fwd, bwd = _get(summary, m, FORWARD, "norm"), _get(summary, m, BACKWARD, "norm")
+        # the shape rule is taxonomy's, the one --precision fp8 (convert_fp8) applies to the live model
+        why = taxonomy.fp8_ineligible_reason(
+            sh.in_features, sh.out_features, sh.tied_to is not None, sh.tokens
+        )
+        if not taxonomy.fp8_convertible_type(run.types.get(m, "")):
+            why = f"a {run.types.get(m, '')}, not an nn.Linear: float8 conversion does not swap it"
+        elif sh.tied_to is not None:
+            why = f"tied to the embedding {_name(sh.tied_to)}: the shared weight is a gather's too"
+        elif sh.in_features is None:
+            why += (
+                ": its weight is recorded under another module (shared, maybe tied to an embedding)"
+                if sh.shared
+                else ": none was recorded for it"
+            )
+        elif why:
+            pass
+        elif nonfinite.get(m, 0) > 0:
+            why = "non-finite values"
+        elif fwd is None or bwd is None:
+            why = "no forward or backward statistics"
+        elif fwd > lim:
+            why = f"e4m3 loses up to {_pct(fwd)} of its output's or weight's norm"
+        elif bwd > lim:
+            why = f"e5m2 loses up to {_pct(bwd)} of its output gradient's norm"
+        rows.append((m, why))
+    plan.fp8_checked = len(rows)
+    plan.fp8_eligible = [m for m, why in rows if not why]
+    plan.fp8_why_not = {m: why for m, why in rows if why}
+    known = {m: f for m in linear if (f := shapes[m].flops_per_token) is not None}
+    total = sum(known.values())
+    plan.fp8_flops_share = sum(known.get(m, 0) for m in plan.fp8_eligible) / total if total > 0 else None
+    plan.fp8_speed = fp8_speed.estimate(
+        (sh.tokens, sh.in_features, sh.out_features)
+        for m in plan.fp8_eligible
+        if (sh := shapes[m]).tokens and sh.in_features and sh.out_features
+        for _ in range(max(sh.calls, 1))
+    )
+    unknown = [m for m in linear if m not in known]
+    tied = [m for m in linear if shapes[m].tied_to is not None]
+    # tied layers first: the cause a shape table does not show
+    bad = sorted(((m, why) for m, why in rows if why), key=lambda mw: mw[0] not in tied)
+
+    def worst(side: str, col: str) -> tuple[float | None, str | None]:
+        if summary.empty:
+            return None, None
+        s = (
+            summary.xs(side, level="side")[col].dropna()
+            if side in summary.index.get_level_values(1)
+            else None
+        )
+        if s is None or s.empty:
+            return None, None
+        return float(s.max()), (str(s.idxmax()) if s.max() > 0 else None)
+
+    fmax, fmod = worst(FORWARD, "norm")
+    bmax, bmod = worst(BACKWARD, "norm")
+    fval, fvmod = worst(FORWARD, "values")
+    bval, bvmod = worst(BACKWARD, "values")
+    steps = int(summary["steps"].max()) if not summary.empty else 0
+    # a layer the count of flushed values would have ruled out (the rule before issue 34: over 1% of values)
+    counted = [
+        m
+        for m in plan.fp8_eligible
+        if max(_get(summary, m, FORWARD, "values") or 0.0, _get(summary, m, BACKWARD, "values") or 0.0) > 0.01
+    ]
+    msg = (
+        "A linear layer is FP8-eligible when --precision fp8 would convert it (an nn.Linear not tied to an "
+        f"embedding, both dimensions and the tokens per call multiples of {taxonomy.FP8_DIM_MULTIPLE}), none of "
+        "its tensors held nan/inf, and per-tensor current scaling (scale 2^floor(log2(fmax/amax)) per tensor, "
+        f"Transformer Engine's current-scaling recipe and torchao's tensorwise one) loses at most {_pct(lim)} of "
+        "the L2 norm of its weight and output (e4m3) and of its output gradient (e5m2) to underflow: the median "
+        f"over the {steps} sampled step(s) of an upper bound from the step's exponent histogram (each flushed "
+        "value at its binade's upper edge, the exact count of flushed values; its input is the previous module's "
+        "output, checked there). Nothing saturates under current scaling. Why "
+        f"{_pct(lim)}: {LOST_NORM_EVIDENCE} "
+        f"{len(plan.fp8_eligible)} of {len(rows)} qualify, carrying {_pct(plan.fp8_flops_share)} of the linear "
+        "layers' matmul FLOPs (2 x in x out per token"
+        + (f"; {len(unknown)} layer(s) of unknown shape not counted" if unknown else "")
+        + f"). Largest norm lost: e4m3 {_pct(fmax)}"
+        + (f" ({_name(fmod)})" if fmod is not None else "")
+        + f", e5m2 {_pct(bmax)}"
+        + (f" ({_name(bmod)})" if bmod is not None else "")
+        + f". Values flushed, which do not decide: up to {_pct(fval)} forward"
+        + (f" ({_name(fvmod)})" if fvmod is not None else "")
+        + f" and {_pct(bval)} of the output gradients"
+        + (f" ({_name(bvmod)})" if bvmod is not None else "")
+        + (
+            f"; {_listing(counted, cfg.max_listed_modules)} flush more than 1% of their values yet lose no "
+            "measurable share of the norm"
+            if counted
+            else ""
+        )
+        + (
+            ". Not eligible: "
+            + "; ".join(f"{_name(m)} ({w})" for m, w in bad[: cfg.max_listed_modules])
+            + (f" and {len(bad) - cfg.max_listed_modules} more" if len(bad) > cfg.max_listed_modules else "")
+            if bad
+            else ""
+        )
+        + "."
+    )
+    plan.add(
+        Finding(
+            "fp8_eligibility",
+            WARNING if run.hw.fp8_supported and not plan.fp8_eligible else INFO,
+            f"{len(plan.fp8_eligible)} of {len(rows)} linear layers are FP8-eligible",
+            msg,
+            # the decision replaces this remedy when the verdict is not fp8 (decide._fp8_story)
+            ("Convert" if run.hw.fp8_supported else "On FP8 hardware (compute capability 8.9+), convert")
+            + " the eligible layers to FP8 (torchao convert_to_float8_training with a module filter) and keep "
+            "the others in bf16"
+            + (
+                f" ({_listing(tied, cfg.max_listed_modules)}: tied to an embedding, "
+                f"{'it stays' if len(tied) == 1 else 'they stay'} in bf16)."
+                if tied
+                else "."
+            ),
+            modules=plan.fp8_eligible,
+            numbers={
+                "eligible": len(plan.fp8_eligible),
+                "checked": len(rows),
+                "tied": len(tied),
+                "unknown_shape": len(unknown),
+                "eligible_flops_share": plan.fp8_flops_share,
+                "max_e4m3_lost_norm": fmax,
+                "max_e5m2_lost_norm": bmax,
+                "max_e4m3_share": fval,
+                "max_e5m2_share": bval,
+                "lost_norm_max": lim,
+                "sampled_steps": steps,
+            },
+        )
+    )
+    _speed_finding(run, plan)
+
+
+LOST_NORM_EVIDENCE = (
+    "the values lost carry so little of the tensor that the cast changes it less than the bf16 rounding every "
+    "mixed-precision run already applies (a bf16 cast moves a Gaussian or Laplace tensor by 0.17% of its norm; "
+    "e4m3's own rounding moves it by 2.7% and e5m2's by 5.3%, measured with torch's casts on 4M values), and it "
+    "is the bound the fp16 and block-format rules apply."
+)
+
+
+def _speed_finding(run: _Run, plan: _Plan) -> None:
+    est = plan.fp8_speed
+    if est is None or not run.hw.fp8_supported:  # the question is asked on FP8 hardware only
+        return
+    cfg = run.cfg
+    pays = est.speedup > cfg.fp8_speedup_min
+    beyond = {
+        "below": " (some layers are smaller than the smallest measured shape: the estimate is the speedup "
+        "measured there, and theirs is likely lower)",
+        "above": " (some layers are larger than the largest measured shape: the speedup measured there)",
+    }.get(est.beyond, "")
+    plan.add(
+        Finding(
+            "fp8_speed",
+            INFO,
+            f"FP8 {'would pay' if pays else 'would not pay'} at these GEMM shapes: an estimated "
+            f"{est.speedup:.2f}x of bf16's speed",
+            f"An estimate, not a measurement of this run: the {est.layers} FP8-eligible linear layers' GEMMs "
+            f"(tokens x in x out per call; FLOPs-weighted intensity M K N / (M K + K N + M N) = "
+            f"{est.intensity:.0f}) would run at {est.speedup:.2f}x of bf16's speed in tensorwise FP8, compiled"
+            f"{beyond}. FP8 halves the GEMMs' tensor-core time but casts every input, weight and output gradient "
+            "(read for its amax, written in FP8 twice): the casts grow as M K + K N + M N and the saving as M K N, "
+            "so small GEMMs lose. Interpolated in log(intensity) between measured speedups; FP8 is advised only "
+            f"above {cfg.fp8_speedup_min:g}x. Sources: {fp8_speed.sources()}",
+            "Measure it on the target: precprof compare --precisions bf16,fp8 (both compiled) times both."
+            if pays
+            else "Keep these layers in bf16 on this model; FP8 pays for larger GEMMs (wider layers or more "
+            "tokens per call).",
+            modules=[],
+            numbers={
+                "estimated_speedup": est.speedup,
+                "intensity": est.intensity,
+                "layers": est.layers,
+                "speedup_min": cfg.fp8_speedup_min,
+            },
+        )
+    )

@@ -1,0 +1,98 @@
+"""The built-in loop runs each mode as its users would for speed (issue 34, item 4): ``--compile`` /
+``--no-compile``, fp8 compiled by default (torchao's float8 training is fast only compiled), the others eager;
+``precprof compare`` records and says how each run ran. On the CPU, inductor's C++ backend compiles a tiny MLP
+(FP8 needs a GPU: its default is checked, and its refusal here is the plan's clear error)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from precprof import cli
+from precprof import tables as T
+from precprof.compare import compare
+from precprof.errors import UserError
+from precprof.training import TrainConfig, compiling, train
+
+TINY = {"model": "mlp", "model_args": {"hidden": 32, "n_embd": 16}, "batch_size": 2, "seq_len": 16}
+
+
+def _config(out: Path, **kw: object) -> TrainConfig:
+    base: dict[str, object] = {**TINY, "steps": 3, "device": "cpu", "progress": False, "report": False}
+    return TrainConfig(out=out, **{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_each_mode_compiles_as_its_users_run_it() -> None:
+    assert compiling.should_compile(None, "fp8")  # fast only compiled
+    for mode in ("fp32", "tf32", "bf16", "fp16", "bf16-pure", "fp16-pure"):
+        assert not compiling.should_compile(None, mode), mode
+    assert compiling.should_compile(True, "fp32") and not compiling.should_compile(False, "fp8")
+    assert "fast only compiled" in compiling.note("fp8", compiled=False)
+    assert compiling.note("fp8", compiled=True) == "" == compiling.note("bf16", compiled=False)
+    assert compiling.describe(None, True, "fp8") == "compiled (torch.compile), the default for fp8"
+    assert compiling.describe(False, False, "bf16") == "eager, --no-compile"
+
+
+def test_the_options_reach_the_config(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from precprof import training
+
+    seen: list[TrainConfig] = []
+
+    def record(config: TrainConfig, **_: object) -> None:
+        seen.append(config)
+        raise KeyboardInterrupt  # stop before anything trains: the configuration is what is checked
+
+    monkeypatch.setattr(training, "train", record)
+    for flag, want in (("--compile", True), ("--no-compile", False), (None, None)):
+        with pytest.raises(SystemExit):
+            cli.main(["train", "--steps", "1", "--no-progress", "--device", "cpu", *([flag] if flag else [])])
+        capsys.readouterr()
+        assert seen[-1].compile is want, flag
+
+
+def test_fp8_is_refused_on_the_cpu_before_anything_is_built(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"--precision fp8 needs an NVIDIA GPU with FP8 tensor cores"):
+        train(_config(tmp_path / "fp8", precision="fp8"))
+    assert not (tmp_path / "fp8").exists()
+
+
+def test_a_compiled_run_on_the_cpu(tmp_path: Path) -> None:
+    """--compile on a CPU run: inductor compiles the model the loop calls, the run says so, and it trains as
+    the eager run does (same losses to float precision)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = train(_config(tmp_path / "c", compile=True, sample_every=0))
+    assert counters["stats"]["unique_graphs"] >= 1  # dynamo compiled the forward (and its backward)
+    eager = train(_config(tmp_path / "e", sample_every=0))
+    cfg = json.loads((tmp_path / "c" / T.SUMMARY_FILE).read_text())[T.SUMMARY_CONFIG]
+    assert cfg["compile"] is True and cfg["compile_requested"] is True
+    assert cfg["compiled"] == "compiled (torch.compile), --compile"
+    ecfg = eager.summary[T.SUMMARY_CONFIG]
+    assert ecfg["compile"] is False and ecfg["compiled"] == "eager, the default for fp32"
+    assert compiled.steps[T.LOSS].tolist() == pytest.approx(eager.steps[T.LOSS].tolist(), rel=1e-5)
+
+
+def test_compare_says_how_each_mode_ran(tmp_path: Path) -> None:
+    comparison = compare(
+        _config(tmp_path / "unused", steps=2, sample_every=1), "fp32,bf16", out=tmp_path / "cmp"
+    )
+    how = {r.label: r.compiled for r in comparison.runs}
+    assert how == {"fp32": "eager, the default for fp32", "bf16": "eager, the default for bf16"}
+    assert any(
+        n.startswith("How each run ran: fp32 eager, the default for fp32; bf16 eager")
+        for n in comparison.notes
+    )
+    saved = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert [r["compiled"] for r in saved["runs"]] == [
+        "eager, the default for fp32",
+        "eager, the default for bf16",
+    ]
+    assert saved["config"]["compile_requested"] is None
+    assert "How each run ran" in (tmp_path / "cmp" / "compare.html").read_text()

@@ -1,0 +1,56 @@
+"""One story on the page for FP8 (issue 34, item 3): an fp8 run's precision check confirms that FP8 GEMMs ran
+(torchao Float8Linear layers recorded), not only that activations are bf16, and says so when they did not.
+
+torchao is not installed here and FP8 GEMMs need a GPU: the layers below are a stand-in class named like
+torchao's (``Float8Linear``, an nn.Linear subclass, as torchao's is), captured by the real Profiler on the CPU
+under bf16 autocast, which is what the layers table of a torchao run holds: their type, and bf16 outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import precprof
+from precprof import tables as T
+from precprof.report import summarize as S
+
+
+class Float8Linear(nn.Linear):
+    """Named as torchao.float8's layer: the report reads the module type the Profiler records."""
+
+
+def _capture(fp8: bool) -> dict:
+    torch.manual_seed(0)
+    lin = Float8Linear if fp8 else nn.Linear
+    model = nn.Sequential(lin(32, 64), nn.GELU(), lin(64, 32), nn.GELU(), nn.Linear(32, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
+    with prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(16, 32)).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    return prof.tables()
+
+
+def test_an_fp8_run_confirms_its_fp8_gemms() -> None:
+    tables = _capture(fp8=True)
+    summary = {T.SUMMARY_CONFIG: {"precision": "fp8", "plan": {"fp8_library": "torchao"}}}
+    check = S.precision_check(tables["layers"], tables["memory"], summary)
+    assert check["ok"] and check["active"]
+    assert "FP8 GEMMs ran: 2 of 3 linear layers are torchao Float8Linear" in check["verdict"]
+
+
+def test_an_fp8_run_without_float8_layers_says_its_matmuls_ran_in_bf16() -> None:
+    tables = _capture(fp8=False)  # bf16 activations all the same: the dtypes cannot tell
+    summary = {T.SUMMARY_CONFIG: {"precision": "fp8", "plan": {"fp8_library": "torchao"}}}
+    check = S.precision_check(tables["layers"], tables["memory"], summary)
+    assert check["active"] and not check["ok"] and check["banner"] == "FP8 did not run."
+    assert check["verdict"].startswith("FP8 was asked for but no linear layer ran as a torchao Float8Linear")
+    # a bf16 run is not asked about FP8
+    bf16 = S.precision_check(tables["layers"], tables["memory"], {T.SUMMARY_CONFIG: {"precision": "bf16"}})
+    assert bf16["ok"] and "FP8" not in bf16["verdict"]

@@ -1,0 +1,174 @@
+"""The one bound every what-if is judged by (issue 34): the share of a tensor's L2 norm a cast loses, from its
+exponent histogram (precprof.analysis.lost_norm), and the per-tensor current scaling it assumes for FP8
+(precprof.analysis.current_scaling). Checked against real casts (``x.to(torch.float8_e5m2)``) of hand-built
+tensors, independently of precprof's statistics engines."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from precprof import block_formats as B
+from precprof import formats
+from precprof.analysis import current_scaling, lost_norm
+from precprof.analysis.advisor.rules.block_losses import RECIPE_BOUNDS
+
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def hist(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """floor(log2 |x|) histogram of the finite nonzero values, via frexp."""
+    x = x[torch.isfinite(x) & (x != 0)]
+    e, c = torch.unique(torch.frexp(x)[1] - 1, return_counts=True)
+    return e.numpy(), c.numpy()
+
+
+def cast_lost(x: torch.Tensor, fmt: str) -> tuple[float, int]:
+    """(share of the L2 norm, count) of the nonzero values a real cast to ``fmt`` flushes after per-tensor
+    current scaling."""
+    k = math.floor(math.log2(formats.get(fmt).max / float(x.abs().max())))
+    gone = (x != 0) & ((x.double() * 2.0**k).float().to(FP8[fmt]).float() == 0)
+    return float(x.double()[gone].norm() / x.double().norm()), int(gone.sum())
+
+
+def tensors() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    n = 20_000
+    wide = 2.0 ** (-40 * torch.rand(n, generator=g)) * torch.randn(n, generator=g)
+    ties = wide.clone()
+    ties[:300] = 2.0**-20  # exact powers of two, some on the limit of one of the formats below
+    spike = 2.0 + 2.0 * torch.rand(n, generator=g)
+    spike[0] = 2.0**24
+    normal = torch.randn(n, generator=g)
+    return [wide, ties, spike, normal]
+
+
+@pytest.mark.parametrize("fmt", list(FP8))
+@pytest.mark.parametrize("i", range(4))
+def test_current_scaling_bound_against_real_casts(fmt: str, i: int) -> None:
+    x = tensors()[i]
+    f = formats.get(fmt)
+    amax = np.array([float(x.abs().max())])
+    assert current_scaling.exponents(f, amax)[0] == formats.current_scaling_exponent(f, float(amax[0]))
+    true, n_lost = cast_lost(x, fmt)
+    e, c = hist(x)
+    limit = current_scaling.underflow_limit_log2(f, amax)
+    group = np.zeros(len(e), dtype=np.int64)
+    exact = lost_norm.lost_share_bound(e, c, group, limit, lost=np.array([n_lost]), exact=np.array([True]))[0]
+    loose = lost_norm.lost_share_bound(e, c, group, limit, lost=np.array([n_lost]), exact=np.array([False]))[
+        0
+    ]
+    # an upper bound, within 4x of the truth (each lost value at most 2x its binade's lower edge, each kept
+    # one at least its lower edge), and the one-call bound at least as tight as the general one
+    assert true <= exact <= loose
+    assert exact <= 4 * true + (0.0 if n_lost else 1e-300)
+    if n_lost == 0:
+        assert exact == 0.0
+
+
+def test_values_on_the_limit_are_counted_exactly() -> None:
+    """Values exactly on 2^limit round to 0 (the tie goes to the even neighbour): with the exact count of
+    what was lost, the bound takes their energy exactly, not at their binade's upper edge."""
+    x = torch.cat([torch.full((1000,), 2.0**-20), torch.tensor([2.0**12])])  # e5m2: k = 3, limit 2^-20
+    f = formats.FP8_E5M2
+    true, n_lost = cast_lost(x, "fp8_e5m2")
+    assert n_lost == 1000
+    e, c = hist(x)
+    limit = current_scaling.underflow_limit_log2(f, np.array([float(x.abs().max())]))
+    assert limit[0] == -20
+    got = lost_norm.lost_share_bound(
+        e, c, np.zeros(len(e), np.int64), limit, lost=np.array([1000]), exact=[True]
+    )
+    assert got[0] == pytest.approx(true, rel=1e-12)
+
+
+def test_without_counts_only_whole_binades_below_the_limit() -> None:
+    """The fp16 rule's form (no exact count): values in binades wholly at or below the limit, at their upper
+    edges, against the others at their lower edges; groups apart."""
+    e = np.array([-30, -30, 2, -3, -26, -25])
+    c = np.array([3, 4, 1, 7, 5, 9])
+    g = np.array([0, 0, 0, 1, 2, 2])
+    got = lost_norm.lost_share_bound(e, c, g, np.full(3, -25.0))
+    assert got[0] == pytest.approx(math.sqrt(7 * 4.0**-29 / (7 * 4.0**-29 + 4.0**2)))
+    assert got[1] == 0.0
+    # -26: wholly below 2^-25; -25 holds the limit (only values exactly on it would be lost): kept here
+    assert got[2] == pytest.approx(math.sqrt(5 * 4.0**-25 / (5 * 4.0**-25 + 9 * 4.0**-25)))
+    empty = lost_norm.lost_share_bound(np.zeros(0), np.zeros(0), np.zeros(0, np.int64), np.full(2, -25.0))
+    assert np.isnan(empty).all()
+
+
+def test_top_energy_bound() -> None:
+    x = torch.tensor([100.0, 90.0, 3.0, 3.0, 0.5])
+    e, c = hist(x)
+    top, total = lost_norm.top_energy_bound(e, c, np.zeros(len(e), np.int64), 1, np.array([2.0]))
+    assert float((x[:2] ** 2).sum()) <= top[0] <= 4 * float((x[:2] ** 2).sum())
+    assert total[0] <= float((x**2).sum())
+
+
+def test_windows_slide_with_each_tensors_largest_value() -> None:
+    w = current_scaling.windows("fp8_e4m3", np.array([448.0, 1.0, 0.0]))
+    assert w[0] is not None and w[0].lo == -10 and w[0].normal_lo == -6
+    assert w[1] is not None and w[1].lo == -10 - 8  # 1 * 2^8 <= 448 < 2^9: k = 8
+    assert w[2] is None
+    assert w[1].hi > 0  # nothing of a tensor reaches its format's overflow under current scaling
+
+
+@pytest.mark.parametrize("name", sorted(RECIPE_BOUNDS))
+def test_block_recipe_bounds_follow_block_formats(name: str) -> None:
+    """The advisor's bounds (no torch) match the recipes block_formats quantises with."""
+    recipe = next(r for r in B.column_recipes() if r.name == name)
+    b = RECIPE_BOUNDS[name]
+    assert b.underflow_log2 == math.log2(recipe.element.underflow_max)
+    if recipe.scale_format == "e8m0" and recipe.scale_mode == B.ScaleMode.FLOOR:
+        emax = recipe.element.max_exponent
+        assert b.scale_max == 2.0**-emax and b.rho == 1 - recipe.element.max / 2.0 ** (emax + 1)
+    # no value the recipe flushes lies above u * scale_max * amax, on tensors of every magnitude
+    g = torch.Generator().manual_seed(1)
+    for mag in (1.0, 2.0**-100, 2.0**-140):
+        x = torch.randn(64, 64, generator=g) * mag
+        x[3, ::16] *= 50
+        q = B.quantize(x, recipe)
+        gone = (x != 0) & (q == 0)
+        if gone.any():
+            amax = float(x.abs().max())
+            limit = 2.0**b.underflow_log2 * max(amax * b.scale_max, b.scale_floor)
+            assert float(x[gone].abs().max()) <= limit, (name, mag)
+
+
+@pytest.mark.parametrize("categorical", [False, True])
+def test_each_histogram_row_finds_its_tensor(categorical: bool) -> None:
+    """The join the FP8 and block rules make from histogram rows to their tensors' layers rows, by integer
+    keys: a missing module is the root's "", a tensor the rows do not hold is -1, a repeated key its first."""
+    import pandas as pd
+
+    from precprof import tables as T
+    from precprof.analysis.advisor.evidence import _row_index
+
+    rows = pd.DataFrame(
+        [
+            (0, "a", "activation", ""),
+            (0, "a", "weight", "weight"),
+            (1, "", "activation", ""),
+            (1, "a", "activation", ""),
+            (1, "a", "activation", ""),  # repeated: the first holds the key
+        ],
+        columns=[T.STEP, T.MODULE, T.TENSOR, T.PARAM],
+    )
+    hist = pd.DataFrame(
+        [
+            (0, "a", "activation", "", -3, 1),
+            (0, "a", "weight", "weight", -5, 2),
+            (1, None, "activation", "", 0, 3),
+            (1, "a", "activation", "", 1, 4),
+            (2, "a", "activation", "", 1, 5),  # a step the rows do not have
+            (0, "b", "activation", "", 1, 6),  # a module they do not have
+            (0, "a", "weight", "bias", 1, 7),
+        ],
+        columns=[T.STEP, T.MODULE, T.TENSOR, T.PARAM, T.EXPONENT, T.COUNT],
+    )
+    if categorical:
+        hist = hist.astype({c: "category" for c in (T.MODULE, T.TENSOR, T.PARAM)})
+    assert _row_index(hist, rows).tolist() == [0, 1, 2, 3, -1, -1, -1]
