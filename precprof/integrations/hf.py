@@ -7,7 +7,7 @@
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[PrecprofCallback(out="runs/hf")])
     trainer.train()                          # runs/hf/report.html at the end of training
     # or, so that a crash also leaves a run directory marked incomplete, with its cause:
-    profile_trainer(trainer, out="runs/hf", sample_every=10)
+    profile_trainer(trainer, out="runs/hf")
 
 What the callback does:
 
@@ -132,7 +132,8 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
 
     Args:
         out: the run directory (default: ``<args.output_dir>/precprof``).
-        sample_every: record per-layer statistics every N optimizer steps (step 0 included).
+        sample_every: record per-layer statistics every N optimizer steps (step 0 included); None (the default):
+            as many steps as keep the overhead within ``overhead_budget`` (``precprof.Profiler``'s default).
         report: render report.html at the end of training.
         **profiler_kwargs: further ``precprof.Profiler`` arguments (``modules``, ``memory``, ``update_sample``, ...).
 
@@ -142,7 +143,7 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
     def __init__(
         self,
         out: str | Path | None = None,
-        sample_every: int = 10,
+        sample_every: int | None = None,
         report: bool = True,
         **profiler_kwargs: Any,
     ) -> None:
@@ -343,7 +344,7 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
 def profile_trainer(
     trainer: Any,
     out: str | Path | None = None,
-    sample_every: int = 10,
+    sample_every: int | None = None,
     report: bool = True,
     train_kwargs: dict[str, Any] | None = None,
     **profiler_kwargs: Any,

@@ -4,7 +4,7 @@
 
     from precprof.integrations.lightning import PrecprofCallback
 
-    trainer = L.Trainer(precision="bf16-mixed", callbacks=[PrecprofCallback(out="runs/pl", sample_every=10)])
+    trainer = L.Trainer(precision="bf16-mixed", callbacks=[PrecprofCallback(out="runs/pl")])
     trainer.fit(module, loader)              # runs/pl/report.html at the end of fit
 
 What the callback does:
@@ -73,7 +73,8 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
 
     Args:
         out: the run directory (default: ``<trainer.default_root_dir>/precprof``).
-        sample_every: record per-layer statistics every N optimizer steps (step 0 included).
+        sample_every: record per-layer statistics every N optimizer steps (step 0 included); None (the default):
+            as many steps as keep the overhead within ``overhead_budget`` (``precprof.Profiler``'s default).
         report: render report.html at the end of fit.
         **profiler_kwargs: further ``precprof.Profiler`` arguments (``modules``, ``memory``, ...).
 
@@ -83,7 +84,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
     def __init__(
         self,
         out: str | Path | None = None,
-        sample_every: int = 10,
+        sample_every: int | None = None,
         report: bool = True,
         **profiler_kwargs: Any,
     ) -> None:
