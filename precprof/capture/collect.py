@@ -116,16 +116,16 @@ class Collector:
             data, blocks = buffer.from_host(stats_host)
             if self.updates is not None:
                 counts = self.updates.host_counts(counts_host)
-        active = [r for r in rows.info if rows.calls[r.index] > 0]
-        if active:
+        active = np.flatnonzero(np.asarray(rows.calls, dtype=np.int64) > 0)
+        if len(active):
             cols, hist = columns.layer_columns(step, rows, active, data, scale, order)
-            cols.update(columns.block_columns(active, blocks, buffer.blocks_seen, scale))
+            cols.update(columns.block_columns(rows, active, blocks, buffer.blocks_seen, scale))
             recorded.add_layers(step, cols, hist)
         if self.updates is not None and counts is not None:
             types = {slot.name: slot.module_type for slot in self.plan.modules}
-            updates = self.updates.rows(counts, step, order, types)
-            if updates:
-                recorded.add_layers(step, {c: [u[c] for u in updates] for c in updates[0]})
+            updates = self.updates.columns(counts, step, order, types)
+            if updates is not None:
+                recorded.add_layers(step, updates)
 
     def _collect_memory(self, recorded: Recorded, step: int) -> None:
         if self.tracker is not None:

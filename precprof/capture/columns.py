@@ -5,39 +5,41 @@ them), and the block-format accumulator into the layers table's ``BLOCK_COLUMNS`
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from precprof import stats as st
 from precprof import tables as T
-from precprof.capture.records import RowInfo, RowTable
+from precprof.capture.records import RowTable
 from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
 
 
 def layer_columns(
     step: int,
     rows: RowTable,
-    active: Sequence[RowInfo],
+    active: np.ndarray,
     data: np.ndarray,
     scale: float,
     order: dict[str, int],
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The layers columns of the ``active`` rows of ``data`` (the step's host rows; ``rows`` says what each
-    took) and their histogram columns (None when every histogram is empty). Gradient rows are unscaled by
-    ``scale``, the loss scale in effect during the step's backward."""
-    scales = np.array([scale if r.tensor in T.GRADIENT_KINDS else 1.0 for r in active])
-    d = st.decode_rows(data[[r.index for r in active]], scales)
+    """The layers columns of the ``active`` rows (their indices) of ``data`` (the step's host rows; ``rows`` says
+    what each took) and their histogram columns (None when every histogram is empty). Gradient rows are unscaled
+    by ``scale``, the loss scale in effect during the step's backward."""
+    fixed = rows.columns()
+    modules = fixed["module"][active]
+    scales = np.where(fixed["gradient"][active], scale, 1.0)
+    d = st.decode_rows(data[active], scales)
+    n = len(active)
     cols: dict[str, Any] = {
-        T.STEP: np.full(len(active), step, dtype=np.int64),
-        T.ORDER: np.array([order.get(r.module, -1) for r in active], dtype=np.int64),
-        T.MODULE: [r.module for r in active],
-        T.MODULE_TYPE: [r.module_type for r in active],
-        T.TENSOR: [r.tensor for r in active],
-        T.PARAM: [r.param for r in active],
-        T.DTYPE: ["|".join(rows.dtypes(r.index)) for r in active],
-        T.CALLS: np.array([rows.calls[r.index] for r in active], dtype=np.int64),
+        T.STEP: np.full(n, step, dtype=np.int64),
+        T.ORDER: np.array([order.get(m, -1) for m in modules], dtype=np.int64),
+        T.MODULE: modules.tolist(),
+        T.MODULE_TYPE: fixed["module_type"][active].tolist(),
+        T.TENSOR: fixed["tensor"][active].tolist(),
+        T.PARAM: fixed["param"][active].tolist(),
+        T.DTYPE: [rows.dtype_text(i) for i in active.tolist()],
+        T.CALLS: np.array([rows.calls[i] for i in active.tolist()], dtype=np.int64),
         T.NUMEL: d["numel"],
         T.ZEROS: d["zeros"],
         T.NAN: d["nan"],
@@ -45,8 +47,8 @@ def layer_columns(
         T.ABSMAX: d["absmax"],
         T.ABSMIN: d["absmin"],
         T.SCALE: scales,
-        T.LOST_UPDATE_BF16: np.full(len(active), math.nan),
-        T.LOST_UPDATE_FP16: np.full(len(active), math.nan),
+        T.LOST_UPDATE_BF16: np.full(n, math.nan),
+        T.LOST_UPDATE_FP16: np.full(n, math.nan),
     }
     for f in WHATIF_FORMATS:
         cols[T.underflow_col(f)] = d["underflow"][f]
@@ -56,11 +58,12 @@ def layer_columns(
     r_idx, bins = np.nonzero(d["hist"])
     if not len(r_idx):
         return cols, None
+    at = active[r_idx]
     hist = {
         T.STEP: np.full(len(r_idx), step, dtype=np.int64),
-        T.MODULE: np.array(cols[T.MODULE], dtype=object)[r_idx],
-        T.TENSOR: np.array(cols[T.TENSOR], dtype=object)[r_idx],
-        T.PARAM: np.array(cols[T.PARAM], dtype=object)[r_idx],
+        T.MODULE: fixed["module"][at],
+        T.TENSOR: fixed["tensor"][at],
+        T.PARAM: fixed["param"][at],
         T.EXPONENT: st.EXP_MIN + bins - d["shift"][r_idx],
         T.COUNT: d["hist"][r_idx, bins],
     }
@@ -72,16 +75,16 @@ _SQUARED_STATS = frozenset({"sum_x2", "sum_err2"})
 
 
 def block_columns(
-    active: Sequence[RowInfo], blocks: np.ndarray, seen: np.ndarray, scale: float
+    rows: RowTable, active: np.ndarray, blocks: np.ndarray, seen: np.ndarray, scale: float
 ) -> dict[str, np.ndarray]:
-    """The ``T.BLOCK_COLUMNS`` of the ``active`` rows from the step's block accumulator (float64 [rows,
-    orientation, recipe, stat], ``StatsBuffer.blocks_to_host``) and ``seen`` (rows evaluated; the others are
-    NaN). Gradient rows were evaluated as they arrived, at loss scale ``scale``: their counts are those of the
-    scaled values (what the low-precision GEMM reads), their sums are unscaled by ``scale**2`` like every
+    """The ``T.BLOCK_COLUMNS`` of the ``active`` rows (their indices) from the step's block accumulator (float64
+    [rows, orientation, recipe, stat], ``StatsBuffer.blocks_to_host``) and ``seen`` (rows evaluated; the others
+    are NaN). Gradient rows were evaluated as they arrived, at loss scale ``scale``: their counts are those of
+    the scaled values (what the low-precision GEMM reads), their sums are unscaled by ``scale**2`` like every
     other column."""
-    idx = np.array([r.index for r in active], dtype=np.int64)
+    idx = active
+    grad = rows.columns()["gradient"][active]
     sub = blocks[idx].astype(np.float64, copy=True)  # [active, 2, recipes, stats]
-    grad = np.array([r.tensor in T.GRADIENT_KINDS for r in active], dtype=bool)
     squared = np.array([s in _SQUARED_STATS for s in T.BLOCK_STATS])
     if 0 < scale < math.inf and scale != 1.0:
         sub[grad] /= np.where(squared, scale * scale, 1.0)

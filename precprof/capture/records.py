@@ -50,6 +50,9 @@ def dtype_bit(dtype: torch.dtype) -> int:
     return bit
 
 
+_DTYPE_TEXT: dict[int, str] = {}  # dtype bits -> "float32|bfloat16"
+
+
 def dtype_names(bits: int) -> list[str]:
     """The dtype names of a :attr:`RowTable.dtype_bits` entry, in the order they were first seen."""
     return [name for i, name in enumerate(_DTYPE_NAMES) if bits >> i & 1]
@@ -65,6 +68,7 @@ class RowTable:
         self.info: list[RowInfo] = []
         self.calls: list[int] = []
         self.dtype_bits: list[int] = []
+        self._columns: dict[str, np.ndarray] | None = None
 
     def new(self, module: str, module_type: str, tensor: str, param: str = "") -> int:
         index = len(self.info)
@@ -88,6 +92,29 @@ class RowTable:
 
     def dtypes(self, row: int) -> list[str]:
         return dtype_names(self.dtype_bits[row])
+
+    def dtype_text(self, row: int) -> str:
+        """The dtypes seen in ``row``, as the layers table writes them ("float32|bfloat16")."""
+        bits = self.dtype_bits[row]
+        text = _DTYPE_TEXT.get(bits)
+        if text is None:
+            text = _DTYPE_TEXT[bits] = "|".join(dtype_names(bits))
+        return text
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The rows' fixed descriptions as arrays (module, module type, tensor, param as object arrays; whether
+        each is a gradient), made once: a sampled step's columns index them."""
+        if self._columns is None or len(self._columns["module"]) != len(self.info):
+            from precprof import tables as T
+
+            self._columns = {
+                "module": np.array([r.module for r in self.info], dtype=object),
+                "module_type": np.array([r.module_type for r in self.info], dtype=object),
+                "tensor": np.array([r.tensor for r in self.info], dtype=object),
+                "param": np.array([r.param for r in self.info], dtype=object),
+                "gradient": np.array([r.tensor in T.GRADIENT_KINDS for r in self.info], dtype=bool),
+            }
+        return self._columns
 
 
 @dataclass

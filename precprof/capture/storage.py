@@ -101,6 +101,9 @@ def _by_dtype(
 
 def _state_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Tensors inside an optimizer state entry (dicts and lists of them, a few levels deep)."""
+    if depth == 0 and type(obj) is dict and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        yield from obj.values()  # the usual entry (Adam's step, exp_avg, exp_avg_sq): no recursion
+        return
     if isinstance(obj, torch.Tensor):
         yield obj
     elif depth < 4 and isinstance(obj, Mapping):

@@ -178,35 +178,39 @@ class UpdateSampler:
             out.index_copy_(0, idx, g.counts.to(dev))
         return out
 
-    def rows(
+    def columns(
         self, counts: Any, step: int, order: dict[str, int], module_type: dict[str, str]
-    ) -> list[dict[str, Any]]:
-        """``weight_update`` rows of the layers table from ``counts`` (``self.counts`` on the host, reduced
-        over ranks when distributed); parameters with no sampled element are left out."""
-        out: list[dict[str, Any]] = []
-        for ps in self.tracked:
-            n, zeros, lost_bf16, lost_fp16 = (int(v) for v in counts[ps.update_index])
-            if n == 0:
-                continue
-            rec: dict[str, Any] = {c: 0 for c in T.COUNT_COLUMNS}
-            rec.update(
-                {
-                    T.STEP: step,
-                    T.ORDER: order.get(ps.module, -1),
-                    T.MODULE: ps.module,
-                    T.MODULE_TYPE: module_type.get(ps.module, ""),
-                    T.TENSOR: T.WEIGHT_UPDATE,
-                    T.PARAM: ps.param,
-                    T.DTYPE: str(ps.tensor.dtype).removeprefix("torch."),
-                    T.CALLS: 1,
-                    T.NUMEL: n,
-                    T.ZEROS: zeros,
-                    T.ABSMAX: math.nan,
-                    T.ABSMIN: math.nan,
-                    T.SCALE: 1.0,
-                    T.LOST_UPDATE_BF16: lost_bf16,
-                    T.LOST_UPDATE_FP16: lost_fp16,
-                }
-            )
-            out.append(rec)
-        return out
+    ) -> dict[str, Any] | None:
+        """``weight_update`` rows of the layers table, as columns, from ``counts`` (the host counts, reduced
+        over ranks when distributed); parameters with no sampled element are left out (None: none left)."""
+        counts = np.asarray(counts, dtype=np.int64)
+        idx = np.array([ps.update_index for ps in self.tracked], dtype=np.int64)
+        if not len(idx):
+            return None
+        c = counts[idx]
+        keep = np.flatnonzero(c[:, 0] > 0)
+        if not len(keep):
+            return None
+        kept = [self.tracked[i] for i in keep.tolist()]
+        n = len(kept)
+        cols: dict[str, Any] = {col: np.zeros(n, dtype=np.int64) for col in T.COUNT_COLUMNS}
+        cols.update(
+            {
+                T.STEP: np.full(n, step, dtype=np.int64),
+                T.ORDER: np.array([order.get(ps.module, -1) for ps in kept], dtype=np.int64),
+                T.MODULE: [ps.module for ps in kept],
+                T.MODULE_TYPE: [module_type.get(ps.module, "") for ps in kept],
+                T.TENSOR: [T.WEIGHT_UPDATE] * n,
+                T.PARAM: [ps.param for ps in kept],
+                T.DTYPE: [str(ps.tensor.dtype).removeprefix("torch.") for ps in kept],
+                T.CALLS: np.ones(n, dtype=np.int64),
+                T.NUMEL: c[keep, 0].copy(),
+                T.ZEROS: c[keep, 1].copy(),
+                T.ABSMAX: np.full(n, math.nan),
+                T.ABSMIN: np.full(n, math.nan),
+                T.SCALE: np.ones(n),
+                T.LOST_UPDATE_BF16: c[keep, 2].copy(),
+                T.LOST_UPDATE_FP16: c[keep, 3].copy(),
+            }
+        )
+        return cols

@@ -236,7 +236,20 @@ def _f32_bits(value: float) -> int:
     return int(a.view(np.uint32))
 
 
+_RECIPE_CONFIGS: dict[tuple[BlockRecipe, ...], np.ndarray] = {}
+
+
 def recipe_config(recipes: Sequence[BlockRecipe]) -> np.ndarray:
+    """:func:`make_recipe_config`, made once per set of recipes (a sampled step asks for it per tensor)."""
+    key = tuple(recipes)
+    cfg = _RECIPE_CONFIGS.get(key)
+    if cfg is None:
+        cfg = _RECIPE_CONFIGS[key] = make_recipe_config(key)
+        cfg.setflags(write=False)
+    return cfg
+
+
+def make_recipe_config(recipes: Sequence[BlockRecipe]) -> np.ndarray:
     """The recipes as pp_block reads them: per recipe kind (0 MX floor, 1 MX rceil, 2 NVFP4), the element's
     mantissa bits, smallest normal exponent, largest exponent and max (fp32 bits), then NVFP4's E4M3 block
     scale (mantissa bits, smallest normal exponent, max and the clamp's minimum as fp32 bits)."""
