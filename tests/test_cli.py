@@ -48,6 +48,14 @@ FACTORY = "def make(**kw):\n    raise RuntimeError('the factory failed on purpos
         (["train", "--model-arg", "n_lyer=2"], ["n_lyer", "n_layer"]),
         (["train", "--model-arg", "n_layer=two"], ["n_layer", "integer"]),
         (["train", "--loss-scale", "static:x"], ["static:N"]),
+        (["train", "--loss-scale", "static:1e39"], ["static:1e39", "3.4e+38"]),
+        (["train", "--init-scale", "inf"], ["--init-scale", "inf", "3.4e+38"]),
+        (["train", "--init-scale", "1e39"], ["--init-scale", "1e+39", "fp32"]),
+        (["train", "--growth-factor", "inf"], ["--growth-factor", "finite", "inf"]),
+        (["train", "--backoff-factor", "nan"], ["--backoff-factor", "nan"]),
+        (["train", "--weight-decay", "inf"], ["--weight-decay", "finite", "inf"]),
+        (["compare", "--precisions", "fp32,fp16:static:1e39"], ["static:1e39", "3.4e+38"]),
+        (["compare", "--precisions", "fp32,fp16", "--init-scale", "inf"], ["--init-scale", "inf"]),
         (["train", "--steps", "0"], ["--steps"]),
         (["train", "--steps", "many"], ["--steps"]),
         (["train", "--bogus"], ["--bogus"]),
@@ -60,8 +68,8 @@ FACTORY = "def make(**kw):\n    raise RuntimeError('the factory failed on purpos
 def test_user_mistakes_exit_2_with_one_line(
     args: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if args[0] == "train":
-        args = ["train", *TINY, *args[1:]]  # the last occurrence of an option wins
+    if args[0] in ("train", "compare"):
+        args = [args[0], *TINY, *args[1:]]  # the last occurrence of an option wins
     rc, _, err = run_main(args, capsys)
     assert_one_line_error(rc, err, *needles)
 
