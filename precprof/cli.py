@@ -128,8 +128,9 @@ def train(
         ),
     ] = "auto",
     out: Annotated[
-        Path | None,
+        str | None,  # as typed: typer's Path would turn "" into "." (the current directory)
         typer.Option(
+            metavar="DIR",
             help="Run directory (default: a new one in runs/, named after the model, the precision and the "
             "time). An existing run there is refused unless --overwrite.",
         ),
@@ -250,8 +251,9 @@ def compare(
         ),
     ] = "fp32,bf16,fp16",
     out: Annotated[
-        Path | None,
+        str | None,  # as typed (see train's --out)
         typer.Option(
+            metavar="DIR",
             help="Folder for the runs and compare.html (default: a new one in runs/, named after the model "
             "and the time).",
         ),

@@ -56,12 +56,51 @@ def _describe_existing(path: Path) -> str:
     return f"{path} already holds a precprof run ({status})"
 
 
+def shown(path: str | os.PathLike[str]) -> str:
+    """``path`` as one line shows it: bytes that are not UTF-8 as ``\\xff``, a very long name shortened."""
+    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return text if len(text) <= 100 else f"{text[:60]}...{text[-30:]}"
+
+
+def check_name(path: str | os.PathLike[str], option: str = "--out") -> Path:
+    """Refuse, with a one-line RunDirError, a name no run directory should have: empty (it would be the
+    current directory), blank, or not UTF-8 (Arrow cannot open such a path, and the name goes into the
+    summary and the report). Returns it as a Path; touches nothing."""
+    raw = os.fsdecode(os.fspath(path))
+    if raw == "":
+        raise RunDirError(
+            f"{option} is empty; give the directory to write the run to (e.g. {option} runs/mine)"
+        )
+    if not raw.strip():
+        raise RunDirError(f"{option} {raw!r} is blank; give the directory to write the run to")
+    try:
+        os.fsencode(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        raise RunDirError(
+            f"{option} {shown(raw)!r}: the name is not valid UTF-8 (the tables cannot be written under it); "
+            f"choose another {option}"
+        ) from None
+    return Path(raw)
+
+
 def check_target(
     path: str | os.PathLike[str], *, overwrite: bool = False, option: str = "--out", resume: bool = False
 ) -> Path:
     """Refuse, with a one-line RunDirError, a run directory that cannot be used; creates nothing. With
     ``resume`` a run already there is accepted (it is continued)."""
-    p = Path(path)
+    p = check_name(path, option)
+    try:
+        return _check_target(p, overwrite=overwrite, option=option, resume=resume)
+    except OSError as e:  # a name too long, a loop of symbolic links, a disk error while looking
+        hint = (
+            " (a name in it is longer than the file system allows, usually 255 bytes)"
+            if e.errno == errno.ENAMETOOLONG
+            else ""
+        )
+        raise RunDirError(f"{option} {shown(p)}: {e.strerror or e}{hint}; choose another {option}") from None
+
+
+def _check_target(p: Path, *, overwrite: bool, option: str, resume: bool) -> Path:
     if p.exists() and not p.is_dir():
         raise RunDirError(f"{option} {p}: is a file, not a directory; choose another {option}")
     if p.is_dir():

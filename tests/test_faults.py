@@ -82,6 +82,53 @@ def test_out_that_cannot_be_created_is_refused_before_training(
     assert one_line_error(err).startswith("precprof: error: --out ")
 
 
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("", "--out is empty"),
+        (" ", "--out ' ' is blank"),
+        ("x" * 300, "File name too long"),
+        (os.fsdecode(b"run-\xff"), "not valid UTF-8"),
+    ],
+    ids=["empty", "blank", "300-characters", "not-utf-8"],
+)
+def test_out_names_that_cannot_hold_a_run_are_refused_before_training(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    needle: str,
+) -> None:
+    """`--out ""` wrote into the current directory, `--out " "` made a folder named " ", a 300-character name
+    and a name that is not UTF-8 (pyarrow cannot open it) were tracebacks after training."""
+    monkeypatch.chdir(tmp_path)
+    for command in (["train"], ["compare", "--precisions", "fp32,bf16"]):
+        rc, _, err = run_main([*command, "--out", name, *TINY, "--steps", "100000"], capsys)
+        assert rc == 2
+        line = one_line_error(err)
+        assert needle in line and "--out" in line, line
+        assert list(tmp_path.iterdir()) == []  # nothing created, here or under the name
+
+
+def test_a_data_file_whose_name_is_not_utf_8_trains_and_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The name goes into summary.json and the page: the run gave no report (rc 0) and `precprof report` on
+    it was a traceback every time."""
+    data = tmp_path / os.fsdecode(b"text-\xff.txt")
+    data.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "run"
+    rc, _, err = run_main(["train", "--out", str(out), "--data", str(data), *TINY, "--steps", "2"], capsys)
+    assert rc == 0 and "Traceback" not in err, err
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE and not summary.get(T.SUMMARY_ERRORS)
+    assert os.fsencode(summary[T.SUMMARY_CONFIG]["data"]["path"]) == os.fsencode(data)  # the name, exactly
+    page = (out / T.REPORT_FILE).read_bytes().decode("utf-8")  # valid UTF-8: the byte shows as U+FFFD
+    assert "text-\ufffd.txt" in page
+    rc, _, err = run_main(["report", str(out)], capsys)
+    assert rc == 0 and "Traceback" not in err, err
+
+
 def test_an_existing_run_is_never_overwritten_silently(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
