@@ -4,6 +4,7 @@ the offline wandb run file with a reader of its record log, and compared with th
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -245,6 +246,48 @@ def test_export_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
         cli.main(["export", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "--tensorboard DIR and/or --wandb-project" in err[0]
+
+
+def _read_only(monkeypatch: pytest.MonkeyPatch, folder: Path) -> Path:
+    """``folder`` as a read-only file system shows it to every process, root included: creating anything in it
+    fails with EROFS (a real read-only mount needs root to make; the suite must not)."""
+    folder.mkdir()
+    real = os.makedirs
+
+    def makedirs(name: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(name).is_relative_to(folder) and not Path(name).is_dir():
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(name))
+        real(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    return folder / "tb"
+
+
+@pytest.mark.parametrize("where", ["a-file", "/proc/precprof-tb", "read-only"])
+def test_export_to_a_place_that_cannot_hold_a_log_is_one_line(
+    run: dict[str, Any],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+) -> None:
+    """An existing file, /proc and a read-only folder were tracebacks."""
+    if where == "a-file":
+        target = tmp_path / "a-file"
+        target.write_text("mine")
+    elif where == "read-only":
+        target = _read_only(monkeypatch, tmp_path / "ro")
+    else:
+        if not Path("/proc/self").is_dir():
+            pytest.skip("needs Linux's /proc")
+        target = Path(where)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", str(run["root"] / "run"), "--tensorboard", str(target)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"precprof: error: --tensorboard {target}: ") and "choose another" in err[0], err
+    if where == "a-file":
+        assert target.read_text() == "mine"
 
 
 @pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
