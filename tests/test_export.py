@@ -67,6 +67,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         prof = _train({"tensorboard": root / "live", "wandb": True if wandb else None})
         if wb_run is not None:
             wb_run.finish()
+            _wandb_files_closed()
         prof.save(root / "run")
         yield {
             "root": root,
@@ -79,6 +80,17 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _wandb_files_closed() -> None:
+    """Wait until wandb's service has written and closed the files of every run it had. ``Run.finish()``
+    returns once the service has processed the run's exit, but the service writes the last, partial 32 KiB
+    block of the run's .wandb log when it closes the run's stream, which ``finish`` asks for without waiting
+    (``inform_finish``). Under load a reader then saw the first two blocks alone: steps 0-3 of 0-5 (under
+    strace, 2 reads in 3 right after ``finish`` found 65,536 of 71,774 bytes, the rest written 1.5 ms later).
+    ``wandb.teardown()`` waits for the service to exit, which closes every stream first; the next
+    ``wandb.init`` starts a new one."""
+    wandb.teardown()
 
 
 def _accumulator(path: Path) -> EventAccumulator:
@@ -297,6 +309,7 @@ def test_export_to_wandb_offline_matches_the_live_run(run: dict[str, Any]) -> No
     exporting.export_run(
         run["root"] / "run", wandb_project="precprof-test", wandb_mode="offline", wandb_dir=out
     )
+    _wandb_files_closed()  # the exported run's log is complete on disk (the flake read it before)
     (exported,) = (out / "wandb").glob("offline-run-*")
     live, again = _wandb_history(run["wandb_dir"]), _wandb_history(exported)
     assert sorted(live) == sorted(again)
