@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _cx  # type: ignore[no-redef]
 
 from precprof import _cli_options as O
-from precprof import _signals, hardware, pipeline, training
+from precprof import _signals, hardware, pipeline, rundir, training
 from precprof import compare as comparing
 from precprof import export as exporting
 from precprof import tables as T
@@ -228,11 +228,14 @@ def report(
         raise UserError(
             f"--target {target!r}: unknown machine; known targets: {', '.join(hardware.PRESET_NAMES)}"
         )
+    newer = rundir.newer_version_note(run_dir, T.read_summary(run_dir))
     try:
         path = pipeline.rerender(run_dir, out=out, target=target)
     except OSError as e:
         dest = out if out is not None else run_dir / "report.html"
         raise UserError(f"cannot write {dest}: {e.strerror or e}; choose another --out") from None
+    if newer:
+        typer.echo(f"precprof: note: {newer}", err=True)
     typer.echo(str(path))
 
 

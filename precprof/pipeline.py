@@ -27,7 +27,7 @@ from typing import Any
 
 import pandas as pd
 
-from precprof import _atomic, _run_finisher, _signals, hardware, parts
+from precprof import _atomic, _run_finisher, _signals, hardware, parts, rundir
 from precprof import tables as T
 from precprof.analysis import advisor, memory_projection
 from precprof.errors import UserError
@@ -163,6 +163,9 @@ def rerender(
     advise = target is not None or not summary.get(T.SUMMARY_RECOMMENDATION)
     # read once, for the advisor and the page; the page alone needs only the histograms summed over steps
     read = T.read_run(rd, categorical=True, histogram_totals=not advise) if T.is_run_dir(rd) else None
+    newer = rundir.newer_version_note(rd, summary)
+    if read is not None and newer:
+        read.notices.append(newer)
     if read is not None and advise:
         machine: Any = None
         if target is not None:

@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import errno
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 
 from precprof import _atomic, parts
 from precprof import tables as T
+from precprof._version import __version__
 from precprof.errors import UserError
 
 try:  # POSIX; elsewhere a run directory is not locked (the other checks still hold)
@@ -38,6 +40,28 @@ RUNNING_REASON = (
     "running (pid {pid}, started {started}); if it still says this, the process was killed before it could "
     "save (e.g. SIGKILL or out of memory)"
 )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The release numbers a version string starts with ("0.10.2rc1" -> (0, 10, 2)); () for none."""
+    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else ()
+
+
+def newer_version_note(run_dir: str | os.PathLike[str], summary: dict[str, Any]) -> str | None:
+    """One line when ``summary`` (run_dir's) was written by a newer precprof than this one, else None: what
+    that version recorded and this one does not know is not in the report this one renders."""
+    theirs = summary.get(T.SUMMARY_VERSION)
+    if not isinstance(theirs, str) or not _release(theirs):
+        return None
+    a, b = _release(theirs), _release(__version__)
+    width = max(len(a), len(b))
+    if a + (0,) * (width - len(a)) <= b + (0,) * (width - len(b)):
+        return None
+    return (
+        f"{run_dir} was written by precprof {theirs} and this is precprof {__version__}: the report leaves out "
+        "what the newer version recorded and this one does not know; upgrade precprof to see all of it"
+    )
 
 
 class RunDirError(UserError):

@@ -255,6 +255,14 @@ TABLES: dict[str, tuple[str, ...]] = {
     "memory": MEMORY_COLUMNS,
 }
 
+# the columns a table of any precprof version has: a Parquet file without them is not precprof's (read_run)
+KEY_COLUMNS: dict[str, tuple[str, ...]] = {
+    "layers": (STEP, MODULE, TENSOR),
+    "histograms": (STEP, MODULE, TENSOR, EXPONENT, COUNT),
+    "steps": (STEP,),
+    "memory": (STEP, COMPONENT, BYTES),
+}
+
 _INT_COLUMNS = {STEP, ORDER, CALLS, EXPONENT, COUNT, BYTES, *COUNT_COLUMNS}
 # columns of text: written as Arrow strings in every part, so that parts concatenate whatever they hold
 _TEXT_COLUMNS = {MODULE, MODULE_TYPE, TENSOR, PARAM, DTYPE, COMPONENT, PHASE}
@@ -475,7 +483,8 @@ def missing_tables(run_dir: str | Path) -> list[str]:
 class RunTables:
     """A run directory's tables as read, and what the reading learned. ``streamed``: read from the parts
     written while training (the run never saved its tables: killed, or still running); then ``last_step``
-    is the last step flushed and ``notices`` say what was skipped. ``restarts``: the steps a resumed run
+    is the last step flushed and ``notices`` say what was skipped (``precprof.pipeline.rerender`` adds what
+    else the reader of the report should know: a run written by a newer precprof, a run still being written). ``restarts``: the steps a resumed run
     restarted from. ``histogram_totals``: when read with ``histogram_totals=True``, the histogram counts
     summed over steps (``HISTOGRAM_TOTALS_COLUMNS``), and ``tables["histograms"]`` is then left empty."""
 
@@ -507,6 +516,7 @@ def read_run(run_dir: str | Path, *, categorical: bool = False, histogram_totals
         if not path.exists():
             out[name] = empty(name)
             continue
+        _check_foreign(path, name)
         try:
             if name == "histograms" and histogram_totals:
                 out[name] = empty(name)
@@ -530,6 +540,23 @@ def read_run(run_dir: str | Path, *, categorical: bool = False, histogram_totals
     steps = out["steps"]
     restarts = sorted({int(s) for s in steps[STEP][flags(steps[RESUMED])]}) if not steps.empty else []
     return RunTables(out, restarts=restarts, histogram_totals=totals)
+
+
+def _check_foreign(path: Path, name: str) -> None:
+    """DamagedRunDirError, naming the file, when table ``name``'s Parquet file lacks its ``KEY_COLUMNS`` (a
+    file of someone else's under precprof's name would render as an empty run, or fail deep in the report).
+    Reads the file's footer only; a file that is no Parquet at all is left to the reader's own error."""
+    try:
+        columns = pq.read_schema(path).names
+    except Exception:  # not Parquet, truncated: the read that follows names the fault
+        return
+    missing = [c for c in KEY_COLUMNS[name] if c not in columns]
+    if missing:
+        have = ", ".join(columns[:6]) + (", ..." if len(columns) > 6 else "") if columns else "none"
+        raise DamagedRunDirError(
+            f"{path} is not a precprof {name} table (no column {', '.join(missing)}; it has columns {have}); "
+            "delete it to render the report without it"
+        )
 
 
 HISTOGRAM_TOTALS_COLUMNS: tuple[str, ...] = (TENSOR, MODULE, PARAM, EXPONENT, COUNT)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+import precprof
 from precprof import _atomic, cli, pipeline, rundir
 from precprof import tables as T
 from precprof.training import TrainConfig, train
@@ -500,6 +501,34 @@ def test_report_on_a_damaged_run_directory_is_one_line(
     assert rc == 2
     line = one_line_error(err)
     assert expected in line and str(run_dir) in line
+
+
+@pytest.mark.parametrize("table", list(T.TABLE_FILES))
+def test_report_on_a_foreign_table_is_one_line(
+    good_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], table: str
+) -> None:
+    """A Parquet file of someone else's under a table's name: memory's was an IndexError, layers' and steps'
+    rendered silently as an empty run."""
+    run_dir = damaged_copy(good_run, tmp_path)
+    pd.DataFrame({"a": [1, 2, 3], "b": ["x", "y", "z"]}).to_parquet(run_dir / T.TABLE_FILES[table])
+    rc, _, err = run_main(["report", str(run_dir)], capsys)
+    assert rc == 2
+    line = one_line_error(err)
+    assert f"{run_dir / T.TABLE_FILES[table]} is not a precprof {table} table" in line, line
+    assert "columns a, b" in line and "delete it" in line, line
+
+
+def test_report_on_a_run_from_a_newer_precprof_says_so(
+    good_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = damaged_copy(good_run, tmp_path)
+    summary = T.read_summary(run_dir)
+    T.write_summary(run_dir, {**summary, T.SUMMARY_VERSION: "99.1.0"})
+    rc, out, err = run_main(["report", str(run_dir)], capsys)
+    assert rc == 0 and out.strip() == str(run_dir / T.REPORT_FILE)
+    line = one_line_error(err)
+    assert "precprof 99.1.0" in line and f"this is precprof {precprof.__version__}" in line, line
+    assert "upgrade precprof" in line, line
 
 
 def test_report_to_an_unwritable_place_is_one_line(
