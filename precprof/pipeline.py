@@ -153,19 +153,27 @@ def rerender(
     """Render a run directory's report again (``precprof report``): with the stored recommendation, or one
     computed now by the advisor when ``target`` (a hardware preset: "a100", "t4"...) is given or none is
     stored. summary.json is never rewritten, and neither is the run's own report.html when planning for a target:
-    that page goes to ``report-<target>.html`` beside it unless ``out`` says otherwise. Returns the HTML path."""
+    that page goes to ``report-<target>.html`` beside it unless ``out`` says otherwise. Returns the HTML path.
+
+    A run still being written (``rundir.live_writer``: its lock is held) is rendered from what it has streamed,
+    and the page says so; a page that the run (or another reader) wrote while this one rendered is newer, and
+    is never replaced by this one."""
     rd = Path(run_dir)
     if out is None and target is not None:
         out = rd / f"report-{target.strip().lower()}.html"
+    live = rundir.live_writer(rd) is not None  # before reading: a live run is read from its stream
     summary = T.read_summary(rd) if T.is_run_dir(rd) else {}
     rec: Any = None
     advisor_error = None
     advise = target is not None or not summary.get(T.SUMMARY_RECOMMENDATION)
     # read once, for the advisor and the page; the page alone needs only the histograms summed over steps
     read = T.read_run(rd, categorical=True, histogram_totals=not advise) if T.is_run_dir(rd) else None
-    newer = rundir.newer_version_note(rd, summary)
-    if read is not None and newer:
-        read.notices.append(newer)
+    if read is not None:
+        notes = (
+            rundir.newer_version_note(rd, summary),
+            rundir.live_note(rd, read.last_step) if live else None,
+        )
+        read.notices.extend(n for n in notes if n)
     if read is not None and advise:
         machine: Any = None
         if target is not None:
@@ -177,7 +185,27 @@ def rerender(
             rec = advisor.recommend(read.tables, hardware=machine, summary=summary)
         except Exception as e:  # the evidence still renders; the page says why there is no verdict
             advisor_error = f"{type(e).__name__}: {e}"
-    return render_run_dir(rd, out=out, recommendation=rec, advisor_error=advisor_error, read=read)
+    if not live:
+        return render_run_dir(rd, out=out, recommendation=rec, advisor_error=advisor_error, read=read)
+    final = Path(out) if out is not None else rd / T.REPORT_FILE
+    before = _written_at(final)
+    page = render_run_dir(
+        rd, out=_atomic.tmp_name(final), recommendation=rec, advisor_error=advisor_error, read=read
+    )
+    if _written_at(final) != before:  # the run ended and wrote its own report meanwhile: that one stays
+        with contextlib.suppress(OSError):
+            page.unlink()
+    else:
+        os.replace(page, final)
+    return final
+
+
+def _written_at(path: Path) -> int | None:
+    """``path``'s modification time in ns, None when it does not exist."""
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 def describe_machine(device: str | None) -> dict[str, Any]:

@@ -5,7 +5,9 @@ created, or that already holds a run (unless ``overwrite``). ``claim(path)`` the
 takes an exclusive lock on ``.precprof.lock`` (``fcntl.flock``: released by the kernel when the process dies,
 so a killed run never leaves a stale lock), checks again under the lock, and writes a first summary.json with
 status "incomplete": a run killed with SIGKILL, or whose final save fails, still says what it is. The writer
-replaces that summary last (``precprof.pipeline``).
+replaces that summary last (``precprof.pipeline``). ``release()`` removes the lock file while it still holds
+it (a finished run leaves none); a claimer that locked the file just removed notices that it is no longer
+the one in the directory and locks the new one. ``live_writer(path)`` names the process writing a run.
 
 ``claim(path, resume=True)`` accepts a directory that holds a run and continues it: a run that streamed
 (``precprof.parts``) keeps its stream, one that saved its tables has them adopted as the stream's first segment,
@@ -157,6 +159,9 @@ class RunDir:
     def release(self) -> None:
         if self._fd is not None:
             with contextlib.suppress(OSError):
+                if _same_file(self._fd, self.path / LOCK_FILE):  # removed while held: no one else has it
+                    (self.path / LOCK_FILE).unlink()
+            with contextlib.suppress(OSError):
                 os.close(self._fd)  # closing the descriptor releases the flock
             self._fd = None
 
@@ -167,13 +172,26 @@ class RunDir:
         self.release()
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` is still the file open as ``fd`` (not removed, not replaced by another)."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def _lock(path: Path, option: str) -> int:
     lock = path / LOCK_FILE
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise RunDirError(f"{option} {path}: not writable ({e.strerror}); choose another {option}") from None
-    if fcntl is not None:
+    for _ in range(100):  # each retry means another process released the directory meanwhile
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(
+                f"{option} {path}: not writable ({e.strerror}); choose another {option}"
+            ) from None
+        if fcntl is None:
+            break
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -188,9 +206,50 @@ def _lock(path: Path, option: str) -> int:
                 f"{option} {path}: another precprof process (pid {owner}) is writing this run directory; "
                 f"wait for it or choose another {option}"
             ) from None
+        if _same_file(fd, lock):
+            break
+        os.close(fd)  # the holder removed it between our open and our lock: lock the one there now
+    else:
+        raise RunDirError(f"{option} {path}: cannot lock it (its lock file keeps changing); try again")
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
+
+
+def live_writer(path: str | os.PathLike[str]) -> int | None:
+    """The process id of the precprof process writing run directory ``path`` now (0 when its lock does not
+    say), None when none is: a run still training, or a Profiler that streams into it and has not saved.
+    Reads the lock and takes none (creates nothing)."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(Path(path) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None
+            text = os.read(fd, 64).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else 0
+        return None  # no one holds it: the process ended (a killed run leaves its lock file, unheld)
+    finally:
+        os.close(fd)
+
+
+def live_note(path: str | os.PathLike[str], last_step: int | None = None) -> str | None:
+    """One line when run directory ``path`` is still being written (``live_writer``), else None."""
+    pid = live_writer(path)
+    if pid is None:
+        return None
+    who = f"process {pid}" if pid else "another process"
+    upto = f", up to step {last_step}" if last_step is not None else ""
+    return (
+        f"{path} is still being written by {who}: this report shows the steps streamed so far{upto}; "
+        f"run precprof report again for more (the run writes its own report when it ends)"
+    )
 
 
 def claim(
