@@ -2,12 +2,13 @@
 precprof.report.
 
 Every user mistake (UserError, or a usage error of the command line) is printed as one line on stderr and
-exits with code 2; Ctrl-C exits with 130 and SIGTERM with 143, after the training loop has saved the partial
-run.
+exits with code 2; Ctrl-C exits with 130, SIGTERM with 143 and SIGHUP with 129, after the training loop has
+saved the partial run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
@@ -51,6 +52,13 @@ def _exit_code(e: KeyboardInterrupt) -> int:
 def _stopped(e: KeyboardInterrupt) -> str:
     interrupted = _signals.as_interrupted(e)
     return interrupted.reason if interrupted is not None else "interrupted"
+
+
+def _tell(text: str) -> None:
+    """One message on stderr after a signal; after SIGHUP the terminal may be gone (EIO): the run is saved, and
+    its summary says why it stopped."""
+    with contextlib.suppress(OSError):
+        typer.echo(text, err=True)
 
 
 def _tidy_params(params: list[Any]) -> list[Any]:
@@ -152,7 +160,7 @@ def train(
             result = training.train(config)
     except KeyboardInterrupt as e:
         where = getattr(e, "precprof_run_dir", None)
-        typer.echo(f"\n{_stopped(e)}" + (f": the partial run is in {where}" if where else ""), err=True)
+        _tell(f"\n{_stopped(e)}" + (f": the partial run is in {where}" if where else ""))
         raise typer.Exit(_exit_code(e)) from None
     if os.environ.get("RANK", "0") not in ("", "0"):
         return  # under torchrun rank 0 wrote the run and prints it
@@ -234,8 +242,9 @@ def report(
     except OSError as e:
         dest = out if out is not None else run_dir / "report.html"
         raise UserError(f"cannot write {dest}: {e.strerror or e}; choose another --out") from None
-    if newer:
-        typer.echo(f"precprof: note: {newer}", err=True)
+    for note in (newer, rundir.live_note(run_dir)):  # live: still, after rendering
+        if note:
+            typer.echo(f"precprof: note: {note}", err=True)
     typer.echo(str(path))
 
 
@@ -280,7 +289,7 @@ def compare(
     except KeyboardInterrupt as e:
         html = getattr(e, "precprof_compare_html", None)
         done = f": the runs that finished are compared in {html}" if html else ": no run finished to compare"
-        typer.echo(f"\n{_stopped(e)}{done}", err=True)
+        _tell(f"\n{_stopped(e)}{done}")
         raise typer.Exit(_exit_code(e)) from None
     for check in result.checks:
         typer.echo(f"[{check.status}] {check.text}")

@@ -200,6 +200,7 @@ def test_two_processes_on_the_same_out(tmp_path: Path) -> None:
     summary = T.read_summary(out)
     steps = T.read_tables(out)["steps"]
     assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE and len(steps) == 20
+    assert not (out / rundir.LOCK_FILE).exists()  # a finished run leaves no lock file
     # the steps table and the summary come from the same run
     assert summary[T.SUMMARY_FINAL]["final_loss"] == pytest.approx(float(steps[T.LOSS].iloc[-1]))
     winner_seed = summary[T.SUMMARY_CONFIG]["seed"]
@@ -301,13 +302,14 @@ def training_started(out: Path) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "Ctrl-C")]
+    ("sig", "code", "word"),
+    [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "Ctrl-C"), (signal.SIGHUP, 129, "hangup")],
 )
 def test_a_signal_saves_the_run(tmp_path: Path, sig: int, code: int, word: str) -> None:
     out = tmp_path / "run"
     proc = start_training(out, "--steps", "100000", "--sample-every", "1")
-    wait_for(lambda: training_started(out), proc)
-    time.sleep(3)  # some steps (a gpt-nano step takes about 1 s on a busy 2-core machine)
+    # a step recorded (each sampled step streams a steps part): a fixed wait was too short on a busy machine
+    wait_for(lambda: any(out.glob("stream/*/*.steps.parquet")), proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err
@@ -321,6 +323,54 @@ def test_a_signal_saves_the_run(tmp_path: Path, sig: int, code: int, word: str) 
     steps = T.read_tables(out)["steps"]
     assert steps[T.LOSS].notna().sum() >= 1
     assert (out / T.REPORT_FILE).exists() and no_tmp_files(out)
+    assert not (out / rundir.LOCK_FILE).exists()  # nobody holds the directory any more
+
+
+def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path: Path) -> None:
+    """Ctrl-C while precprof's modules load (the first second of any command) printed a KeyboardInterrupt
+    traceback and exited by the signal. ``-X importtime`` lists each module as it finishes loading: the
+    signal is sent once typer (the command line's first import) has loaded, while the rest still loads."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-X", "importtime", "-m", "precprof", "train", "--out", str(out), *TINY]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.split("|")[-1].strip() == "typer":
+            proc.send_signal(signal.SIGINT)
+            break
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(ln for ln in [*seen, *rest.splitlines(keepends=True)] if "import time:" not in ln)
+    assert proc.returncode == 130, err
+    assert err.strip() == "precprof: interrupted", err
+    assert not out.exists()
+
+
+def test_a_released_lock_is_never_held_by_two(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished run removes its .precprof.lock (it stayed behind). A process that opened the old file just
+    before it was removed, and locks it after, holds a lock on a file no one else sees: it must notice and
+    lock the file that is there instead, or two processes would write one directory."""
+    out = tmp_path / "run"
+    rundir.claim(out).release()
+    assert not (out / rundir.LOCK_FILE).exists()
+    real = rundir.fcntl.flock
+    swapped = []
+
+    def flock_after_the_holder_left(fd: int, op: int) -> None:
+        if not swapped:  # between our open and our flock, the holder released and removed the file ...
+            swapped.append(os.fstat(fd).st_ino)
+            (out / rundir.LOCK_FILE).unlink()
+            (out / rundir.LOCK_FILE).write_text("")  # ... and another claimer made a new one
+        real(fd, op)
+
+    monkeypatch.setattr(rundir.fcntl, "flock", flock_after_the_holder_left)
+    held = rundir.claim(out, overwrite=True)
+    try:
+        assert held._fd is not None
+        assert os.fstat(held._fd).st_ino == os.stat(out / rundir.LOCK_FILE).st_ino != swapped[0]
+    finally:
+        held.release()
 
 
 def test_a_second_ctrl_c_still_leaves_a_consistent_directory(tmp_path: Path) -> None:

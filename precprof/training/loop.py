@@ -537,7 +537,8 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 cb.on_end(run)
     except BaseException as e:
         with _signals.deferred():  # a second Ctrl-C must not cut the save short
-            bar.close()
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone: the run still saves
+                bar.close()
             interrupted = _signals.as_interrupted(e)
             if interrupted is not None:
                 _signals.consume()
