@@ -12,6 +12,8 @@ import contextlib
 import os
 import shlex
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,9 +31,10 @@ from precprof import export as exporting
 from precprof import tables as T
 from precprof._version import __version__
 from precprof.analysis.advisor import Recommendation
-from precprof.errors import UserError
+from precprof.errors import RunNotSavedWarning, UserError
 from precprof.modes import Precision
 
+EXIT_NOT_SAVED = 1  # the run trained but its directory could not be written whole (a full disk)
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM exits with 143
 
@@ -59,6 +62,25 @@ def _tell(text: str) -> None:
     its summary says why it stopped."""
     with contextlib.suppress(OSError):
         typer.echo(text, err=True)
+
+
+@contextlib.contextmanager
+def _not_saved() -> Iterator[list[str]]:
+    """Collect the RunNotSavedWarnings of what runs inside (what a full disk kept and lost), for the command to
+    print as its own error lines instead of Python's warning lines; other warnings show as usual."""
+    notes: list[str] = []
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+            if issubclass(category, RunNotSavedWarning):
+                notes.append(str(message).removeprefix("precprof: "))
+            else:
+                shown(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
+        warnings.simplefilter("always", RunNotSavedWarning)
+        yield notes
 
 
 def _tidy_params(params: list[Any]) -> list[Any]:
@@ -156,11 +178,13 @@ def train(
     # through, would print two lines per sampled step (profiler_start, profiler_stop)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
-        with _signals.handling():
+        with _signals.handling(), _not_saved() as not_saved:
             result = training.train(config)
     except KeyboardInterrupt as e:
         where = getattr(e, "precprof_run_dir", None)
         _tell(f"\n{_stopped(e)}" + (f": the partial run is in {where}" if where else ""))
+        for note in not_saved:
+            _tell(f"precprof: error: {note}")
         raise typer.Exit(_exit_code(e)) from None
     if os.environ.get("RANK", "0") not in ("", "0"):
         return  # under torchrun rank 0 wrote the run and prints it
@@ -175,6 +199,12 @@ def train(
         typer.echo(Recommendation.from_dict(rec).describe())
     html = result.run_dir / "report.html"
     typer.echo(f"run directory: {result.run_dir}" + (f"\nreport: {html}" if html.exists() else ""))
+    if result.summary.get(T.SUMMARY_STATUS) != T.STATUS_COMPLETE:  # it trained; the disk did not take it all
+        for note in not_saved or [
+            f"{result.run_dir} was not saved whole: {result.summary.get(T.SUMMARY_INCOMPLETE_REASON)}"
+        ]:
+            typer.echo(f"precprof: error: {note}", err=True)
+        raise typer.Exit(EXIT_NOT_SAVED)
 
 
 @app.command(cls=_Command)

@@ -319,6 +319,8 @@ def _adopt_saved_tables(p: Path) -> None:
     origin = capture.get("sample_origin")
     start = int(origin) if isinstance(origin, int) else 0
     parts.adopt_tables(p, files, start, T.to_arrow("steps", T.empty("steps")))
+    for path in files.values():  # in the stream now: a table file beside a stream is read in its place
+        path.unlink()
 
 
 def claim_new(base: str | os.PathLike[str], *, summary: dict[str, Any] | None = None) -> RunDir:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,8 +22,9 @@ import pandas as pd
 import pytest
 
 import precprof
-from precprof import _atomic, cli, pipeline, rundir
+from precprof import _atomic, _saving, cli, pipeline, rundir
 from precprof import tables as T
+from precprof.errors import RunNotSavedWarning
 from precprof.training import TrainConfig, train
 
 TINY = ["--batch-size", "2", "--seq-len", "8", "--device", "cpu", "--no-progress"]
@@ -222,14 +224,136 @@ def test_disk_full_is_an_incomplete_run_with_the_cause(
 
     monkeypatch.setattr(pd.DataFrame, "to_parquet", fill_the_disk)
     out = tmp_path / "run"
-    result = train(tiny_config(out))
+    with pytest.warns(RunNotSavedWarning, match=f"{out} was not saved whole"):
+        result = train(tiny_config(out))
     summary = T.read_summary(out)
     assert summary == result.summary
     assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
-    assert "No space left on device" in summary[T.SUMMARY_INCOMPLETE_REASON]
-    assert "tables could not be written" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    reason = summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert "No space left on device" in reason and "tables could not be written" in reason
+    # the histograms' parts streamed while training are their record; the tables that were saved are whole
+    assert "histograms.parquet: stream/ keeps steps 0-3 of them" in reason, reason
+    assert "saved: steps.parquet, memory.parquet, layers.parquet" in reason, reason
     assert not (out / T.TABLE_FILES["histograms"]).exists()  # no half-written table under the real name
     assert no_tmp_files(out)
+    read = T.read_run(out)
+    assert read.streamed and len(read.tables["steps"]) == 4 and len(read.tables["histograms"])
+    assert any("saved whole" in n for n in read.notices)
+
+
+def small_disk(monkeypatch: pytest.MonkeyPatch, root: Path, size: int) -> None:
+    """Make ``root`` behave as a file system of ``size`` bytes: a file written under it fails with ENOSPC when
+    it is flushed (precprof's every file is written to a temporary name and fsynced before its rename,
+    ``precprof._atomic``) while the files there, it included, take more than ``size``; removing files frees
+    room. A real small file system needs root to mount (``test_disk_full_on_a_real_tmpfs``)."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs Linux's /proc/self/fd")
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if root in path.parents:
+            used = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+            if used > size:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def assert_says_what_it_kept(out: Path, err: str) -> dict[str, object]:
+    """The terminal names the run directory and the cause; summary.json keeps the configuration and says
+    what was not saved; every file that is there reads back whole; no temporary file is left."""
+    assert "Traceback" not in err, err
+    assert f"precprof: error: {out} was not saved whole" in err and "No space left on device" in err, err
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert summary[T.SUMMARY_CONFIG]["steps"] == 12  # the configuration survives
+    reason = summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert "No space left on device" in reason and reason in " ".join(err.split()), (reason, err)
+    for name in T.TABLE_FILES.values():  # what is there is whole; what is not is named
+        if (out / name).exists():
+            pd.read_parquet(out / name)
+        elif not (out / "stream").exists():
+            assert name in reason.split("not saved:")[1], (name, reason)
+    if not (out / T.REPORT_FILE).exists():
+        assert T.REPORT_FILE in reason, reason
+    assert no_tmp_files(out)
+    return summary
+
+
+@pytest.mark.parametrize("size", [120_000, 60_000, 12_000])
+def test_a_disk_that_fills_up_keeps_what_fits_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """It exited 0 with nothing on the terminal: on 400 KiB no stream part and no table, on 600 KiB no report,
+    on 120 KiB a summary.json of status and cause alone (the configuration gone). A disk of 120 kB here holds
+    the tables and a trimmed summary but not the report; 60 kB the small tables; 12 kB a summary."""
+    out = tmp_path / "run"
+    small_disk(monkeypatch, out, size)
+    rc, stdout, err = run_main(["train", "--out", str(out), *TINY, "--steps", "12"], capsys)
+    assert rc == 1, err
+    summary = assert_says_what_it_kept(out, err)
+    assert f"run directory: {out}" in stdout
+    # every step is either in the directory (its tables, or the stream when they did not fit) or named lost
+    kept = sorted(T.read_run(out).tables["steps"][T.STEP]) if T.is_run_dir(out) else []
+    lost = re.search(r"steps (\d+)-(\d+) were not saved", summary[T.SUMMARY_INCOMPLETE_REASON])
+    named = list(range(int(lost.group(1)), int(lost.group(2)) + 1)) if lost else []
+    if kept or named:
+        assert sorted(set(kept) | set(named)) == list(range(12)), (kept, named)
+    if (out / T.TABLE_FILES["steps"]).exists():  # the loss curve, whole, whenever it fits
+        assert kept == list(range(12))
+    if size >= 60_000:
+        assert kept, "the rows that fit are kept"
+
+
+def test_a_full_disk_keeps_the_summary_before_the_tables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the tables fit and no summary.json does, the tables go: a run directory without its configuration
+    cannot be read, or told from another."""
+    out = tmp_path / "run"
+    tables = train(tiny_config(tmp_path / "ref", steps=12, report=False)).summary
+    ref = tmp_path / "ref"
+    claimed = rundir.claim(out, summary={T.SUMMARY_CONFIG: tables[T.SUMMARY_CONFIG]})
+    try:
+        room = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+        room += sum((ref / f).stat().st_size for f in T.TABLE_FILES.values()) + 500  # not a full summary
+        small_disk(monkeypatch, out, room)
+        with pytest.warns(UserWarning, match=f"{out} was not saved whole"):
+            written = pipeline.finish_run(out, T.read_tables(ref), tables, render=True)
+    finally:
+        claimed.release()
+    assert written[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    on_disk = T.read_summary(out)
+    assert on_disk[T.SUMMARY_CONFIG] == tables[T.SUMMARY_CONFIG]
+    assert on_disk[T.SUMMARY_INCOMPLETE_REASON] == written[T.SUMMARY_INCOMPLETE_REASON]
+    assert "left out of summary.json" in written[T.SUMMARY_INCOMPLETE_REASON]
+    assert no_tmp_files(out)
+
+
+def test_each_smaller_summary_keeps_what_the_larger_one_had_but_its_bulk() -> None:
+    full = {
+        T.SUMMARY_CONFIG: {"steps": 3},
+        T.SUMMARY_CAPTURE: {"modules": [1, 2], "device": "cpu"},
+        T.SUMMARY_RECOMMENDATION: {"format": "bf16", "block_what_if": {"x": 1}, "findings": [1]},
+        T.SUMMARY_MEMORY: {"a": 1},
+        T.SUMMARY_STATUS: T.STATUS_COMPLETE,
+    }
+    levels = list(_saving.summary_levels(full))
+    assert levels[0] == (full, [])  # the first is the whole summary, untouched by the later ones
+    assert levels[-1] == (
+        {T.SUMMARY_CONFIG: {"steps": 3}, T.SUMMARY_STATUS: T.STATUS_COMPLETE},
+        [
+            "recommendation.block_what_if",
+            "memory",
+            "capture.modules",
+            "recommendation.findings",
+            "capture",
+            "recommendation",
+        ],
+    )
+    assert full[T.SUMMARY_RECOMMENDATION]["findings"] == [1]
 
 
 def test_disk_full_on_a_real_tmpfs(tmp_path: Path) -> None:

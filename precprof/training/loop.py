@@ -556,11 +556,15 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
     steps_table = _save(s, prof, wall_s, steps_done, None)
     if s.dist_info is not None and s.dist_info.owns_group:
         launch.shutdown()  # after rank 0 wrote: its barrier waits for it
+    summary = T.read_summary(s.run_dir)
+    saved = prof.status  # the save's own word: a summary that did not fit is not on disk
+    if (summary.get(T.SUMMARY_STATUS), summary.get(T.SUMMARY_INCOMPLETE_REASON)) != saved:
+        summary = {**summary, T.SUMMARY_STATUS: saved[0], T.SUMMARY_INCOMPLETE_REASON: saved[1]}
     return TrainResult(
         run_dir=s.run_dir,
         final_loss=float(s.summary[T.SUMMARY_FINAL]["final_loss"]),
         steps=steps_table,
-        summary=T.read_summary(s.run_dir),
+        summary=summary,
     )
 
 
