@@ -174,9 +174,6 @@ def train(
         command_line=_command_line(),
     )
     config.validate()
-    # precprof owns this process: Kineto, which the loop's torch.profiler reads the CPU allocator's events
-    # through, would print two lines per sampled step (profiler_start, profiler_stop)
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         with _signals.handling(), _not_saved() as not_saved:
             result = training.train(config)
@@ -381,9 +378,21 @@ def _arrow_memory_pool() -> None:
         pass
 
 
+def _quiet_torch() -> None:
+    """This process is precprof's own, and torch is not loaded yet (``precprof.__main__``): its C++ side's
+    messages about precprof's own measuring stay off the terminal, unless the environment asks for them.
+    Kineto, which the loop's torch.profiler reads the CPU allocator's events through, prints two lines per
+    sampled step (``USDT ... profiler_start``, ``profiler_stop``); c10 warns on the first sampled step that a
+    block allocated before the profiler started was freed (``CPUAllocator.cpp:245``), which the peak's replay
+    already accounts for. ``TORCH_CPP_LOG_LEVEL=WARNING`` brings torch's C++ warnings back."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``precprof`` console script and ``python -m precprof``."""
     _arrow_memory_pool()
+    _quiet_torch()
     command = typer.main.get_command(app)
     args = list(sys.argv[1:] if argv is None else argv)
     _argv[:] = args

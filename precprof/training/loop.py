@@ -516,14 +516,19 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 with _signals.deferred(note=None):  # the step is recorded and counted, or neither
                     prof.step(loss=run.loss, grad_norm=norm, tokens=s.tokens_per_step)
                     steps_done = step + 1
+                if steps_done == 1:  # the first step warms up (allocations, kernels, autotuning): the rate
+                    if device.type == "cuda":  # starts after it (one sync, once: its kernels are done)
+                        torch.cuda.synchronize(device)
+                    t_refresh, steps_at_refresh = time.perf_counter(), 1
                 if steps_done % config.refresh_every == 0 or steps_done == config.steps:
                     # the only host syncs of the loop: loss value, scale, throughput since the last refresh
                     now = time.perf_counter()
-                    rate = (steps_done - steps_at_refresh) * s.tokens_per_step / (now - t_refresh)
                     postfix = {"loss": f"{run.loss.item():.4f}"}
                     if scaler.is_enabled():
                         postfix["scale"] = f"{scaler.get_scale():g}"
-                    postfix["tok/s"] = f"{rate:,.0f}"
+                    if steps_done > steps_at_refresh:
+                        rate = (steps_done - steps_at_refresh) * s.tokens_per_step / (now - t_refresh)
+                        postfix["tok/s"] = f"{rate:,.0f}"
                     bar.set_postfix(postfix, refresh=False)
                     t_refresh, steps_at_refresh = now, steps_done
                 bar.update(1)
