@@ -311,16 +311,32 @@ def compare(
         options, model_args=options["model_arg"], command_line=_command_line()
     )
     try:
-        with _signals.handling():
+        with _signals.handling(), _not_saved() as not_saved:
             result = comparing.compare(config, variants, out=out, tolerance=tolerance)
+    except OSError as e:  # compare.json or compare.html (a full disk): the runs themselves are saved
+        for note in not_saved:
+            typer.echo(f"precprof: error: {note}", err=True)
+        where = f" in {out}" if out is not None else ""
+        typer.echo(
+            f"precprof: error: the comparison could not be written{where} ([Errno {e.errno}] "
+            f"{os.strerror(e.errno) if e.errno else e}); the runs are saved beside it",
+            err=True,
+        )
+        raise typer.Exit(EXIT_NOT_SAVED) from None
     except KeyboardInterrupt as e:
         html = getattr(e, "precprof_compare_html", None)
         done = f": the runs that finished are compared in {html}" if html else ": no run finished to compare"
         _tell(f"\n{_stopped(e)}{done}")
+        for note in not_saved:
+            _tell(f"precprof: error: {note}")
         raise typer.Exit(_exit_code(e)) from None
     for check in result.checks:
         typer.echo(f"[{check.status}] {check.text}")
     typer.echo(f"comparison: {Path(result.runs[0].run_dir).parent / comparing.COMPARE_HTML}")
+    for note in not_saved:  # a run that trained and could not be saved whole (a full disk)
+        typer.echo(f"precprof: error: {note}", err=True)
+    if not_saved:
+        raise typer.Exit(EXIT_NOT_SAVED)
 
 
 @app.command(cls=_Command)

@@ -307,6 +307,40 @@ def test_a_disk_that_fills_up_keeps_what_fits_and_exits_1(
         assert kept, "the rows that fit are kept"
 
 
+def test_compare_on_a_full_disk_says_so_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compare.html that does not fit was a traceback; a run that did not fit passed in silence."""
+    out = tmp_path / "cmp"
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", _no_room_for("layers"))
+    real = _atomic.write_text
+
+    def no_room_for_the_page(path: object, text: str) -> Path:
+        if str(path).endswith("compare.html"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, text)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_atomic, "write_text", no_room_for_the_page)
+    argv = ["compare", "--out", str(out), "--precisions", "fp32,bf16", *TINY, "--steps", "2", "--no-report"]
+    rc, _, err = run_main(argv, capsys)
+    assert rc == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert f"precprof: error: {out / 'fp32'} was not saved whole" in lines[0], lines
+    assert lines[-1].startswith(f"precprof: error: the comparison could not be written in {out}"), lines
+    assert "No space left on device" in lines[-1], lines
+
+
+def _no_room_for(table: str) -> object:
+    real = pd.DataFrame.to_parquet
+
+    def to_parquet(self: pd.DataFrame, path: object, *args: object, **kwargs: object) -> None:
+        if f"{table}.parquet" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(self, path, *args, **kwargs)  # type: ignore[arg-type]
+
+    return to_parquet
+
+
 def test_a_full_disk_keeps_the_summary_before_the_tables(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
