@@ -75,7 +75,8 @@ class Saving:
     failure: str | None = None  # what failed first, with its cause: "the tables could not be written ..."
     streamed: str | None = None  # what the stream keeps when it stays the run's record
     tables_ok: bool = True
-    summary_error: OSError | None = None  # the last failure to write summary.json
+    summary_error: OSError | None = None  # why summary.json could not be written (None once it was)
+    left_out: list[str] = field(default_factory=list)  # what the summary written leaves out
 
     def _fail(self, what: str, e: OSError) -> None:
         if self.failure is None:

@@ -118,7 +118,7 @@ def finish_run(
             )
     with _signals.deferred():
         written = _write_summary(run_dir, full, saving, report)
-    if written[T.SUMMARY_STATUS] != T.STATUS_COMPLETE and (saving.failure or saving.lost):
+    if saving.failure or saving.lost or saving.left_out or saving.summary_error:
         warnings.warn(
             RunNotSavedWarning(
                 f"precprof: {run_dir} was not saved whole: {written[T.SUMMARY_INCOMPLETE_REASON]}"
@@ -150,6 +150,7 @@ def _write_summary(
         except OSError as e:
             saving.summary_error = e
             return None
+        saving.summary_error, saving.left_out = None, left_out
         return out
 
     levels = list(_saving.summary_levels(full))
@@ -169,9 +170,9 @@ def _write_summary(
             if done is not None:
                 return done
     failed = dict(full)
-    e = saving.summary_error
+    e = saving.summary_error or OSError("no room")
     cause = saving.reason([]) or "summary.json could not be written"
-    _incomplete(failed, f"{cause}; summary.json could not be written ({_saving.why(e) if e else 'no room'})")
+    _incomplete(failed, f"{cause}; summary.json could not be written ({_saving.why(e)})")
     return failed
 
 
