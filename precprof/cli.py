@@ -174,6 +174,7 @@ def train(
         command_line=_command_line(),
     )
     config.validate()
+    not_saved: list[str] = []  # bound even when a signal comes before the block below is entered
     try:
         with _signals.handling(), _not_saved() as not_saved:
             result = training.train(config)
@@ -310,6 +311,7 @@ def compare(
     config = training.TrainConfig.from_options(
         options, model_args=options["model_arg"], command_line=_command_line()
     )
+    not_saved: list[str] = []
     try:
         with _signals.handling(), _not_saved() as not_saved:
             result = comparing.compare(config, variants, out=out, tolerance=tolerance)
