@@ -10,8 +10,10 @@ Public API::
     prof.save("runs/x")      # run directory; prof.report("runs/x/report.html")
     precprof.recommend("runs/x")
 
-``precprof.Profiler`` is loaded when first used: reading run directories (`precprof report`, ``recommend``)
-never imports torch.
+Each name is loaded when first used: ``precprof.Profiler`` imports torch, which reading run directories
+(`precprof report`, ``recommend``) never needs; ``recommend``, ``Recommendation`` and ``finish_run`` import
+pandas, Arrow and the report. ``import precprof`` itself loads nothing else, so that the command line loads
+its modules under its own Ctrl-C handler (``precprof.__main__``).
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from precprof._version import __version__
-from precprof.analysis.advisor import Recommendation, recommend
-from precprof.pipeline import finish_run  # registers itself as the way Profiler.save ends a run
 
 if TYPE_CHECKING:
+    from precprof.analysis.advisor import Recommendation, recommend
     from precprof.capture import Profiler
+    from precprof.pipeline import finish_run
 
 __all__ = ["Profiler", "Recommendation", "__version__", "finish_run", "recommend"]
+
+_FROM_PIPELINE = ("Recommendation", "recommend", "finish_run")
 
 
 def __getattr__(name: str) -> Any:
@@ -34,6 +38,16 @@ def __getattr__(name: str) -> Any:
 
         globals()["Profiler"] = Profiler
         return Profiler
+    if name in _FROM_PIPELINE:
+        from precprof import pipeline  # registers itself as the way Profiler.save ends a run
+
+        found = {
+            "Recommendation": pipeline.advisor.Recommendation,
+            "recommend": pipeline.advisor.recommend,
+            "finish_run": pipeline.finish_run,
+        }
+        globals().update(found)
+        return found[name]
     raise AttributeError(f"module 'precprof' has no attribute {name!r}")
 
 

@@ -48,9 +48,22 @@ def write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     return Path(path)
 
 
+def utf8(text: str) -> bytes:
+    """``text`` as UTF-8. A name read from the file system that is not UTF-8 holds lone surrogates
+    (``os.fsdecode``'s escapes of its bytes), which UTF-8 cannot encode: each such byte becomes U+FFFD."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            raw = text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:  # a surrogate that is no escaped byte
+            raw = text.encode("utf-8", "replace")
+        return raw.decode("utf-8", "replace").encode("utf-8")
+
+
 def write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` atomically."""
-    return write_bytes(path, text.encode("utf-8"))
+    """Write ``text`` (UTF-8, see ``utf8``) to ``path`` atomically."""
+    return write_bytes(path, utf8(text))
 
 
 def write_with(path: str | os.PathLike[str], writer: Callable[[Path], object]) -> Path:

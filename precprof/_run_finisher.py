@@ -1,5 +1,5 @@
 """The two functions the recorder hands run directories to, registered here by ``precprof.pipeline`` when it is
-imported (``import precprof`` imports it):
+imported (the first time a run needs one of them, if nothing imported it before):
 
 - the run finisher, ``precprof.pipeline.finish_run``: what ``Profiler.save`` hands a finished (or crashed) run to;
 - the machine describer: the ``hardware`` block a streamed run directory's first summary records, so that a run
@@ -25,8 +25,17 @@ def set_run_finisher(finisher: RunFinisher) -> None:
     _finisher = finisher
 
 
+def _load_pipeline() -> None:
+    """Import ``precprof.pipeline``, which registers both functions: ``import precprof`` leaves it (pandas, Arrow,
+    the report, the advisor) to the first run that ends or streams, so that the command line can load it under
+    its own Ctrl-C handler (``precprof.__main__``)."""
+    if _finisher is None or _describer is None:
+        import precprof.pipeline  # noqa: F401
+
+
 def run_finisher() -> RunFinisher | None:
-    """The registered function, None before ``precprof.pipeline`` is imported."""
+    """The registered function (``precprof.pipeline`` is imported for it when nothing did before)."""
+    _load_pipeline()
     return _finisher
 
 
@@ -37,5 +46,6 @@ def set_machine_describer(describer: MachineDescriber) -> None:
 
 
 def machine_describer() -> MachineDescriber | None:
-    """The registered function, None before ``precprof.pipeline`` is imported."""
+    """The registered function (``precprof.pipeline`` is imported for it when nothing did before)."""
+    _load_pipeline()
     return _describer

@@ -1,8 +1,10 @@
-"""Ctrl-C and SIGTERM for the command line: stop training at once, save what was recorded, never lose it.
+"""Ctrl-C, SIGTERM and SIGHUP for the command line: stop training at once, save what was recorded, never lose it.
 
-``handling()`` (used by the CLI around ``train`` and ``compare``) turns SIGINT and SIGTERM into
-``Interrupted``, a KeyboardInterrupt that remembers its signal, so that every ``except KeyboardInterrupt``
-already in the code saves the run and the CLI exits with 128 + the signal number (130, 143).
+``handling()`` (used by the CLI around ``train`` and ``compare``) turns SIGINT, SIGTERM and SIGHUP (the
+terminal closed, an ssh session dropped) into ``Interrupted``, a KeyboardInterrupt that remembers its signal,
+so that every ``except KeyboardInterrupt`` already in the code saves the run and the CLI exits with 128 + the
+signal number (130, 143, 129). A signal the process was started ignoring (``nohup``, a background job) stays
+ignored.
 
 Two ways a signal gets lost are closed here:
 
@@ -24,7 +26,14 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-HANDLED = (signal.SIGINT, signal.SIGTERM)
+HANDLED: tuple[int, ...] = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()),  # POSIX
+)
+_WHAT: dict[int, str] = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "terminated"}
+if hasattr(signal, "SIGHUP"):
+    _WHAT[signal.SIGHUP] = "hangup: the terminal closed"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -42,7 +51,7 @@ class Interrupted(KeyboardInterrupt):
     @property
     def reason(self) -> str:
         """What the run directory's ``incomplete_reason`` says."""
-        what = "Ctrl-C" if self.signum == signal.SIGINT else "terminated"
+        what = _WHAT.get(self.signum, "signal")
         return f"interrupted ({what}, {signal.Signals(self.signum).name})"
 
 
@@ -71,7 +80,8 @@ def handling() -> Iterator[None]:
         yield
         return
     previous = {s: signal.getsignal(s) for s in HANDLED}
-    for s in HANDLED:
+    previous = {s: h for s, h in previous.items() if h is not signal.SIG_IGN}  # nohup: the user's choice
+    for s in previous:
         signal.signal(s, _handler)
     _state.installed, _state.pending = True, None
     try:

@@ -2,15 +2,18 @@
 precprof.report.
 
 Every user mistake (UserError, or a usage error of the command line) is printed as one line on stderr and
-exits with code 2; Ctrl-C exits with 130 and SIGTERM with 143, after the training loop has saved the partial
-run.
+exits with code 2; Ctrl-C exits with 130, SIGTERM with 143 and SIGHUP with 129, after the training loop has
+saved the partial run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,15 +25,16 @@ except ImportError:  # pragma: no cover - depends on the installed typer
     from click import exceptions as _cx  # type: ignore[no-redef]
 
 from precprof import _cli_options as O
-from precprof import _signals, hardware, pipeline, training
+from precprof import _signals, hardware, pipeline, rundir, training
 from precprof import compare as comparing
 from precprof import export as exporting
 from precprof import tables as T
 from precprof._version import __version__
 from precprof.analysis.advisor import Recommendation
-from precprof.errors import UserError
+from precprof.errors import RunNotSavedWarning, UserError
 from precprof.modes import Precision
 
+EXIT_NOT_SAVED = 1  # the run trained but its directory could not be written whole (a full disk)
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM exits with 143
 
@@ -51,6 +55,32 @@ def _exit_code(e: KeyboardInterrupt) -> int:
 def _stopped(e: KeyboardInterrupt) -> str:
     interrupted = _signals.as_interrupted(e)
     return interrupted.reason if interrupted is not None else "interrupted"
+
+
+def _tell(text: str) -> None:
+    """One message on stderr after a signal; after SIGHUP the terminal may be gone (EIO): the run is saved, and
+    its summary says why it stopped."""
+    with contextlib.suppress(OSError):
+        typer.echo(text, err=True)
+
+
+@contextlib.contextmanager
+def _not_saved() -> Iterator[list[str]]:
+    """Collect the RunNotSavedWarnings of what runs inside (what a full disk kept and lost), for the command to
+    print as its own error lines instead of Python's warning lines; other warnings show as usual."""
+    notes: list[str] = []
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+            if issubclass(category, RunNotSavedWarning):
+                notes.append(str(message).removeprefix("precprof: "))
+            else:
+                shown(message, category, *args, **kwargs)
+
+        warnings.showwarning = show
+        warnings.simplefilter("always", RunNotSavedWarning)
+        yield notes
 
 
 def _tidy_params(params: list[Any]) -> list[Any]:
@@ -128,8 +158,9 @@ def train(
         ),
     ] = "auto",
     out: Annotated[
-        Path | None,
+        str | None,  # as typed: typer's Path would turn "" into "." (the current directory)
         typer.Option(
+            metavar="DIR",
             help="Run directory (default: a new one in runs/, named after the model, the precision and the "
             "time). An existing run there is refused unless --overwrite.",
         ),
@@ -143,15 +174,15 @@ def train(
         command_line=_command_line(),
     )
     config.validate()
-    # precprof owns this process: Kineto, which the loop's torch.profiler reads the CPU allocator's events
-    # through, would print two lines per sampled step (profiler_start, profiler_stop)
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    not_saved: list[str] = []  # bound even when a signal comes before the block below is entered
     try:
-        with _signals.handling():
+        with _signals.handling(), _not_saved() as not_saved:
             result = training.train(config)
     except KeyboardInterrupt as e:
         where = getattr(e, "precprof_run_dir", None)
-        typer.echo(f"\n{_stopped(e)}" + (f": the partial run is in {where}" if where else ""), err=True)
+        _tell(f"\n{_stopped(e)}" + (f": the partial run is in {where}" if where else ""))
+        for note in not_saved:
+            _tell(f"precprof: error: {note}")
         raise typer.Exit(_exit_code(e)) from None
     if os.environ.get("RANK", "0") not in ("", "0"):
         return  # under torchrun rank 0 wrote the run and prints it
@@ -166,6 +197,12 @@ def train(
         typer.echo(Recommendation.from_dict(rec).describe())
     html = result.run_dir / "report.html"
     typer.echo(f"run directory: {result.run_dir}" + (f"\nreport: {html}" if html.exists() else ""))
+    if result.summary.get(T.SUMMARY_STATUS) != T.STATUS_COMPLETE:  # it trained; the disk did not take it all
+        for note in not_saved or [
+            f"{result.run_dir} was not saved whole: {result.summary.get(T.SUMMARY_INCOMPLETE_REASON)}"
+        ]:
+            typer.echo(f"precprof: error: {note}", err=True)
+        raise typer.Exit(EXIT_NOT_SAVED)
 
 
 @app.command(cls=_Command)
@@ -227,11 +264,15 @@ def report(
         raise UserError(
             f"--target {target!r}: unknown machine; known targets: {', '.join(hardware.PRESET_NAMES)}"
         )
+    newer = rundir.newer_version_note(run_dir, T.read_summary(run_dir))
     try:
         path = pipeline.rerender(run_dir, out=out, target=target)
     except OSError as e:
         dest = out if out is not None else run_dir / "report.html"
         raise UserError(f"cannot write {dest}: {e.strerror or e}; choose another --out") from None
+    for note in (newer, rundir.live_note(run_dir)):  # live: still, after rendering
+        if note:
+            typer.echo(f"precprof: note: {note}", err=True)
     typer.echo(str(path))
 
 
@@ -250,8 +291,9 @@ def compare(
         ),
     ] = "fp32,bf16,fp16",
     out: Annotated[
-        Path | None,
+        str | None,  # as typed (see train's --out)
         typer.Option(
+            metavar="DIR",
             help="Folder for the runs and compare.html (default: a new one in runs/, named after the model "
             "and the time).",
         ),
@@ -269,17 +311,34 @@ def compare(
     config = training.TrainConfig.from_options(
         options, model_args=options["model_arg"], command_line=_command_line()
     )
+    not_saved: list[str] = []
     try:
-        with _signals.handling():
+        with _signals.handling(), _not_saved() as not_saved:
             result = comparing.compare(config, variants, out=out, tolerance=tolerance)
+    except OSError as e:  # compare.json or compare.html (a full disk): the runs themselves are saved
+        for note in not_saved:
+            typer.echo(f"precprof: error: {note}", err=True)
+        where = f" in {out}" if out is not None else ""
+        typer.echo(
+            f"precprof: error: the comparison could not be written{where} ([Errno {e.errno}] "
+            f"{os.strerror(e.errno) if e.errno else e}); the runs are saved beside it",
+            err=True,
+        )
+        raise typer.Exit(EXIT_NOT_SAVED) from None
     except KeyboardInterrupt as e:
         html = getattr(e, "precprof_compare_html", None)
         done = f": the runs that finished are compared in {html}" if html else ": no run finished to compare"
-        typer.echo(f"\n{_stopped(e)}{done}", err=True)
+        _tell(f"\n{_stopped(e)}{done}")
+        for note in not_saved:
+            _tell(f"precprof: error: {note}")
         raise typer.Exit(_exit_code(e)) from None
     for check in result.checks:
         typer.echo(f"[{check.status}] {check.text}")
     typer.echo(f"comparison: {Path(result.runs[0].run_dir).parent / comparing.COMPARE_HTML}")
+    for note in not_saved:  # a run that trained and could not be saved whole (a full disk)
+        typer.echo(f"precprof: error: {note}", err=True)
+    if not_saved:
+        raise typer.Exit(EXIT_NOT_SAVED)
 
 
 @app.command(cls=_Command)
@@ -337,9 +396,21 @@ def _arrow_memory_pool() -> None:
         pass
 
 
+def _quiet_torch() -> None:
+    """This process is precprof's own, and torch is not loaded yet (``precprof.__main__``): its C++ side's
+    messages about precprof's own measuring stay off the terminal, unless the environment asks for them.
+    Kineto, which the loop's torch.profiler reads the CPU allocator's events through, prints two lines per
+    sampled step (``USDT ... profiler_start``, ``profiler_stop``); c10 warns on the first sampled step that a
+    block allocated before the profiler started was freed (``CPUAllocator.cpp:245``), which the peak's replay
+    already accounts for. ``TORCH_CPP_LOG_LEVEL=WARNING`` brings torch's C++ warnings back."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``precprof`` console script and ``python -m precprof``."""
     _arrow_memory_pool()
+    _quiet_torch()
     command = typer.main.get_command(app)
     args = list(sys.argv[1:] if argv is None else argv)
     _argv[:] = args

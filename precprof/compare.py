@@ -63,6 +63,8 @@ def compare(
     (default ``runs/compare-<model>-<timestamp>``), each run in ``out/<label>/``.
     """
     variants = _variants(precisions)
+    if out is not None:
+        out = rundir.check_name(out, "--out")
     base.validate()
     device = training.resolve_device(base.device)
     hw = hardware.detect(device)

@@ -29,3 +29,8 @@ class DamagedRunDirError(UserError):
 
     The message names the file and what is wrong with it.
     """
+
+
+class RunNotSavedWarning(UserWarning):
+    """A run directory could not be written whole (a full disk, a read-only file system): the message says what
+    was not saved and what was. ``precprof train`` prints it as its own error line and exits with code 1."""

@@ -65,6 +65,16 @@ MODE_COLORS: dict[str, str] = {
 assert set(MODE_COLORS) == set(PRECISIONS), "every precision mode has a colour"
 
 
+# The largest loss scale a GradScaler can hold: it keeps the scale in an fp32 tensor (larger values fail with
+# "value cannot be converted to type float without overflow" at the first step)
+MAX_LOSS_SCALE = (2 - 2.0**-23) * 2.0**127
+
+
+def valid_loss_scale(value: float) -> bool:
+    """Whether ``value`` can be a loss scale: positive, finite and at most ``MAX_LOSS_SCALE``."""
+    return math.isfinite(value) and 0 < value <= MAX_LOSS_SCALE
+
+
 def parse_loss_scale(spec: str) -> tuple[str, float | None]:
     """``"auto" | "dynamic" | "none" | "static:N"`` -> (kind, N); UserError for anything else."""
     s = spec.strip().lower()
@@ -75,10 +85,11 @@ def parse_loss_scale(spec: str) -> tuple[str, float | None]:
             value = float(s.split(":", 1)[1])
         except ValueError:
             value = math.nan
-        if math.isfinite(value) and value > 0:
+        if valid_loss_scale(value):
             return "static", value
     raise UserError(
-        f"--loss-scale {spec!r}: expected dynamic, none or static:N with N > 0 (e.g. static:1024)"
+        f"--loss-scale {spec!r}: expected dynamic, none or static:N with 0 < N <= {MAX_LOSS_SCALE:.1e} "
+        "(the scaler holds it in fp32), e.g. static:1024"
     )
 
 

@@ -27,10 +27,10 @@ from typing import Any
 
 import pandas as pd
 
-from precprof import _atomic, _run_finisher, _signals, hardware, parts
+from precprof import _atomic, _run_finisher, _saving, _signals, hardware, rundir
 from precprof import tables as T
 from precprof.analysis import advisor, memory_projection
-from precprof.errors import UserError
+from precprof.errors import RunNotSavedWarning, UserError
 from precprof.report.render import render_html, render_run_dir
 
 
@@ -53,19 +53,13 @@ def post_process(
     return out
 
 
-def _incomplete(summary: dict[str, Any], cause: str) -> None:
-    """Mark ``summary`` incomplete; a cause already there (the crash) stays first."""
-    before = (
-        summary.get(T.SUMMARY_INCOMPLETE_REASON)
-        if summary.get(T.SUMMARY_STATUS) != T.STATUS_COMPLETE
-        else None
-    )
+def _incomplete(summary: dict[str, Any], cause: str, before: str | None = None) -> None:
+    """Mark ``summary`` incomplete; a cause already there (the crash, given as ``before`` or read from
+    ``summary``) stays first."""
+    if before is None and summary.get(T.SUMMARY_STATUS) != T.STATUS_COMPLETE:
+        before = summary.get(T.SUMMARY_INCOMPLETE_REASON)
     summary[T.SUMMARY_STATUS] = T.STATUS_INCOMPLETE
     summary[T.SUMMARY_INCOMPLETE_REASON] = f"{before}; then {cause}" if before else cause
-
-
-def _why(e: OSError) -> str:
-    return f"[Errno {e.errno}] {e.strerror}" if e.strerror else f"{type(e).__name__}: {e}"
 
 
 def finish_run(
@@ -77,11 +71,14 @@ def finish_run(
     render: bool = True,
     report_path: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
-    """Write the run directory in the order of the module docstring; returns the summary as written.
+    """Write the run directory in the order of the module docstring; returns the summary as written (or, when
+    none could be, as it would have been).
 
     ``summary`` must already carry its status (``complete``/``incomplete``) and reason; its hardware block is
     detected for the capture's device when missing. ``report_path`` defaults to RUN_DIR/report.html. Raises only
-    KeyboardInterrupt (after saving), never for a failure to write: that becomes the run's incomplete cause.
+    KeyboardInterrupt (after saving), never for a failure to write: that becomes the run's incomplete cause,
+    saying what was not saved (``precprof._saving``: on a full disk what fits is kept, the configuration
+    first), and a ``RunNotSavedWarning``.
     """
     run_dir = Path(run_dir)
     full = dict(summary)
@@ -89,28 +86,19 @@ def finish_run(
     full.setdefault(T.SUMMARY_INCOMPLETE_REASON, None)
     if T.SUMMARY_HARDWARE not in full:
         full.update(describe_machine((full.get(T.SUMMARY_CAPTURE) or {}).get("device")))
-    tables_ok = True
+    saving = _saving.Saving(run_dir)
     with _signals.deferred():
         full.update(post_process(tables, full, facts))
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            T.write_tables(run_dir, tables)
-            parts.retire(
-                run_dir
-            )  # the stream's rows are in the tables now (its reader prefers it until then)
-        except OSError as e:
-            tables_ok = False
-            _incomplete(full, f"the tables could not be written to {run_dir} ({_why(e)})")
-            if parts.has_stream(run_dir):  # it still holds every row: the tables beside it only take the room
-                for name in T.TABLE_FILES.values():  # that summary.json needs on a full disk
-                    with contextlib.suppress(OSError):
-                        (run_dir / name).unlink()
+        saving.write_tables(tables)
     interrupted: KeyboardInterrupt | None = None
     report = Path(report_path) if report_path is not None else run_dir / T.REPORT_FILE
-    if render and tables_ok:
+    if render and not saving.tables_ok:
+        saving.lost.append(report.name)  # rendered from the tables, when they are all there
+    elif render:
         try:
             report.parent.mkdir(parents=True, exist_ok=True)
             _atomic.write_text(report, render_html(tables, full))
+            saving.saved.append(report.name)
         except KeyboardInterrupt as e:
             _signals.consume()
             interrupted = e
@@ -120,7 +108,7 @@ def finish_run(
                 f"`precprof report {run_dir}` renders it",
             )
         except OSError as e:
-            _incomplete(full, f"{T.REPORT_FILE} could not be written ({_why(e)})")
+            saving.report_failed(report.name, e)
         except Exception as e:  # a bug in rendering must not lose the run: the data is saved
             full.setdefault(T.SUMMARY_ERRORS, []).append(f"report: {type(e).__name__}: {e}")
             warnings.warn(
@@ -129,22 +117,63 @@ def finish_run(
                 stacklevel=2,
             )
     with _signals.deferred():
-        try:
-            T.write_summary(run_dir, full)
-        except OSError as e:
-            _incomplete(full, f"summary.json could not be written ({_why(e)})")
-            warnings.warn(
-                f"precprof: could not save {run_dir}: {full[T.SUMMARY_INCOMPLETE_REASON]}", stacklevel=2
-            )
-            with contextlib.suppress(OSError):  # the report would claim a status the summary does not have
-                report.unlink()
-            with contextlib.suppress(OSError):  # a short summary may still fit where the full one did not
-                T.write_summary(
-                    run_dir, {k: full.get(k) for k in (T.SUMMARY_STATUS, T.SUMMARY_INCOMPLETE_REASON)}
-                )
+        written = _write_summary(run_dir, full, saving, report)
+    if saving.failure or saving.lost or saving.left_out or saving.summary_error:
+        warnings.warn(
+            RunNotSavedWarning(
+                f"precprof: {run_dir} was not saved whole: {written[T.SUMMARY_INCOMPLETE_REASON]}"
+            ),
+            stacklevel=3,
+        )
     if interrupted is not None:
         raise interrupted
-    return full
+    return written
+
+
+def _write_summary(
+    run_dir: Path, full: dict[str, Any], saving: _saving.Saving, report: Path
+) -> dict[str, Any]:
+    """Write summary.json, the largest version of it that fits (``precprof._saving``), with the cause of what
+    was not saved; returns ``full`` with that status and cause."""
+    status, before = full[T.SUMMARY_STATUS], full[T.SUMMARY_INCOMPLETE_REASON]
+
+    def attempt(doc: dict[str, Any], left_out: list[str]) -> dict[str, Any] | None:
+        cause = saving.reason(left_out)
+        out = dict(full)
+        out[T.SUMMARY_STATUS], out[T.SUMMARY_INCOMPLETE_REASON] = status, before
+        if cause is not None:
+            _incomplete(out, cause, before if status != T.STATUS_COMPLETE else None)
+        doc = {**doc, T.SUMMARY_STATUS: out[T.SUMMARY_STATUS]}
+        doc[T.SUMMARY_INCOMPLETE_REASON] = out[T.SUMMARY_INCOMPLETE_REASON]
+        try:
+            T.write_summary(run_dir, doc)
+        except OSError as e:
+            saving.summary_error = e
+            return None
+        saving.summary_error, saving.left_out = None, left_out
+        return out
+
+    levels = list(_saving.summary_levels(full))
+    done = attempt(*levels[0])
+    # the page claims the status the summary was about to have, and is the largest file: it goes first
+    if done is None and saving.drop_report(report):
+        done = attempt(*levels[0])
+    for doc, left in levels[1:]:
+        if done is not None:
+            return done
+        done = attempt(doc, left)
+    if done is not None:
+        return done
+    for _gone in saving.free_room():  # a summary without the rows rather than rows no one can read
+        for doc, left in levels[-2:]:
+            done = attempt(doc, left)
+            if done is not None:
+                return done
+    failed = dict(full)
+    e = saving.summary_error or OSError("no room")
+    cause = saving.reason([]) or "summary.json could not be written"
+    _incomplete(failed, f"{cause}; summary.json could not be written ({_saving.why(e)})")
+    return failed
 
 
 def rerender(
@@ -153,16 +182,27 @@ def rerender(
     """Render a run directory's report again (``precprof report``): with the stored recommendation, or one
     computed now by the advisor when ``target`` (a hardware preset: "a100", "t4"...) is given or none is
     stored. summary.json is never rewritten, and neither is the run's own report.html when planning for a target:
-    that page goes to ``report-<target>.html`` beside it unless ``out`` says otherwise. Returns the HTML path."""
+    that page goes to ``report-<target>.html`` beside it unless ``out`` says otherwise. Returns the HTML path.
+
+    A run still being written (``rundir.live_writer``: its lock is held) is rendered from what it has streamed,
+    and the page says so; a page that the run (or another reader) wrote while this one rendered is newer, and
+    is never replaced by this one."""
     rd = Path(run_dir)
     if out is None and target is not None:
         out = rd / f"report-{target.strip().lower()}.html"
+    live = rundir.live_writer(rd) is not None  # before reading: a live run is read from its stream
     summary = T.read_summary(rd) if T.is_run_dir(rd) else {}
     rec: Any = None
     advisor_error = None
     advise = target is not None or not summary.get(T.SUMMARY_RECOMMENDATION)
     # read once, for the advisor and the page; the page alone needs only the histograms summed over steps
     read = T.read_run(rd, categorical=True, histogram_totals=not advise) if T.is_run_dir(rd) else None
+    if read is not None:
+        notes = (
+            rundir.newer_version_note(rd, summary),
+            rundir.live_note(rd, read.last_step) if live else None,
+        )
+        read.notices.extend(n for n in notes if n)
     if read is not None and advise:
         machine: Any = None
         if target is not None:
@@ -174,7 +214,27 @@ def rerender(
             rec = advisor.recommend(read.tables, hardware=machine, summary=summary)
         except Exception as e:  # the evidence still renders; the page says why there is no verdict
             advisor_error = f"{type(e).__name__}: {e}"
-    return render_run_dir(rd, out=out, recommendation=rec, advisor_error=advisor_error, read=read)
+    if not live:
+        return render_run_dir(rd, out=out, recommendation=rec, advisor_error=advisor_error, read=read)
+    final = Path(out) if out is not None else rd / T.REPORT_FILE
+    before = _written_at(final)
+    page = render_run_dir(
+        rd, out=_atomic.tmp_name(final), recommendation=rec, advisor_error=advisor_error, read=read
+    )
+    if _written_at(final) != before:  # the run ended and wrote its own report meanwhile: that one stays
+        with contextlib.suppress(OSError):
+            page.unlink()
+    else:
+        os.replace(page, final)
+    return final
+
+
+def _written_at(path: Path) -> int | None:
+    """``path``'s modification time in ns, None when it does not exist."""
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
 
 
 def describe_machine(device: str | None) -> dict[str, Any]:

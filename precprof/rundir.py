@@ -5,7 +5,9 @@ created, or that already holds a run (unless ``overwrite``). ``claim(path)`` the
 takes an exclusive lock on ``.precprof.lock`` (``fcntl.flock``: released by the kernel when the process dies,
 so a killed run never leaves a stale lock), checks again under the lock, and writes a first summary.json with
 status "incomplete": a run killed with SIGKILL, or whose final save fails, still says what it is. The writer
-replaces that summary last (``precprof.pipeline``).
+replaces that summary last (``precprof.pipeline``). ``release()`` removes the lock file while it still holds
+it (a finished run leaves none); a claimer that locked the file just removed notices that it is no longer
+the one in the directory and locks the new one. ``live_writer(path)`` names the process writing a run.
 
 ``claim(path, resume=True)`` accepts a directory that holds a run and continues it: a run that streamed
 (``precprof.parts``) keeps its stream, one that saved its tables has them adopted as the stream's first segment,
@@ -18,6 +20,7 @@ import contextlib
 import datetime
 import errno
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +28,7 @@ from typing import Any
 
 from precprof import _atomic, parts
 from precprof import tables as T
+from precprof._version import __version__
 from precprof.errors import UserError
 
 try:  # POSIX; elsewhere a run directory is not locked (the other checks still hold)
@@ -38,6 +42,28 @@ RUNNING_REASON = (
     "running (pid {pid}, started {started}); if it still says this, the process was killed before it could "
     "save (e.g. SIGKILL or out of memory)"
 )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The release numbers a version string starts with ("0.10.2rc1" -> (0, 10, 2)); () for none."""
+    m = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else ()
+
+
+def newer_version_note(run_dir: str | os.PathLike[str], summary: dict[str, Any]) -> str | None:
+    """One line when ``summary`` (run_dir's) was written by a newer precprof than this one, else None: what
+    that version recorded and this one does not know is not in the report this one renders."""
+    theirs = summary.get(T.SUMMARY_VERSION)
+    if not isinstance(theirs, str) or not _release(theirs):
+        return None
+    a, b = _release(theirs), _release(__version__)
+    width = max(len(a), len(b))
+    if a + (0,) * (width - len(a)) <= b + (0,) * (width - len(b)):
+        return None
+    return (
+        f"{run_dir} was written by precprof {theirs} and this is precprof {__version__}: the report leaves out "
+        "what the newer version recorded and this one does not know; upgrade precprof to see all of it"
+    )
 
 
 class RunDirError(UserError):
@@ -56,12 +82,51 @@ def _describe_existing(path: Path) -> str:
     return f"{path} already holds a precprof run ({status})"
 
 
+def shown(path: str | os.PathLike[str]) -> str:
+    """``path`` as one line shows it: bytes that are not UTF-8 as ``\\xff``, a very long name shortened."""
+    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return text if len(text) <= 100 else f"{text[:60]}...{text[-30:]}"
+
+
+def check_name(path: str | os.PathLike[str], option: str = "--out") -> Path:
+    """Refuse, with a one-line RunDirError, a name no run directory should have: empty (it would be the
+    current directory), blank, or not UTF-8 (Arrow cannot open such a path, and the name goes into the
+    summary and the report). Returns it as a Path; touches nothing."""
+    raw = os.fsdecode(os.fspath(path))
+    if raw == "":
+        raise RunDirError(
+            f"{option} is empty; give the directory to write the run to (e.g. {option} runs/mine)"
+        )
+    if not raw.strip():
+        raise RunDirError(f"{option} {raw!r} is blank; give the directory to write the run to")
+    try:
+        os.fsencode(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        raise RunDirError(
+            f"{option} {shown(raw)!r}: the name is not valid UTF-8 (the tables cannot be written under it); "
+            f"choose another {option}"
+        ) from None
+    return Path(raw)
+
+
 def check_target(
     path: str | os.PathLike[str], *, overwrite: bool = False, option: str = "--out", resume: bool = False
 ) -> Path:
     """Refuse, with a one-line RunDirError, a run directory that cannot be used; creates nothing. With
     ``resume`` a run already there is accepted (it is continued)."""
-    p = Path(path)
+    p = check_name(path, option)
+    try:
+        return _check_target(p, overwrite=overwrite, option=option, resume=resume)
+    except OSError as e:  # a name too long, a loop of symbolic links, a disk error while looking
+        hint = (
+            " (a name in it is longer than the file system allows, usually 255 bytes)"
+            if e.errno == errno.ENAMETOOLONG
+            else ""
+        )
+        raise RunDirError(f"{option} {shown(p)}: {e.strerror or e}{hint}; choose another {option}") from None
+
+
+def _check_target(p: Path, *, overwrite: bool, option: str, resume: bool) -> Path:
     if p.exists() and not p.is_dir():
         raise RunDirError(f"{option} {p}: is a file, not a directory; choose another {option}")
     if p.is_dir():
@@ -94,6 +159,9 @@ class RunDir:
     def release(self) -> None:
         if self._fd is not None:
             with contextlib.suppress(OSError):
+                if _same_file(self._fd, self.path / LOCK_FILE):  # removed while held: no one else has it
+                    (self.path / LOCK_FILE).unlink()
+            with contextlib.suppress(OSError):
                 os.close(self._fd)  # closing the descriptor releases the flock
             self._fd = None
 
@@ -104,13 +172,26 @@ class RunDir:
         self.release()
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` is still the file open as ``fd`` (not removed, not replaced by another)."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def _lock(path: Path, option: str) -> int:
     lock = path / LOCK_FILE
-    try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise RunDirError(f"{option} {path}: not writable ({e.strerror}); choose another {option}") from None
-    if fcntl is not None:
+    for _ in range(100):  # each retry means another process released the directory meanwhile
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(
+                f"{option} {path}: not writable ({e.strerror}); choose another {option}"
+            ) from None
+        if fcntl is None:
+            break
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -125,9 +206,50 @@ def _lock(path: Path, option: str) -> int:
                 f"{option} {path}: another precprof process (pid {owner}) is writing this run directory; "
                 f"wait for it or choose another {option}"
             ) from None
+        if _same_file(fd, lock):
+            break
+        os.close(fd)  # the holder removed it between our open and our lock: lock the one there now
+    else:
+        raise RunDirError(f"{option} {path}: cannot lock it (its lock file keeps changing); try again")
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
+
+
+def live_writer(path: str | os.PathLike[str]) -> int | None:
+    """The process id of the precprof process writing run directory ``path`` now (0 when its lock does not
+    say), None when none is: a run still training, or a Profiler that streams into it and has not saved.
+    Reads the lock and takes none (creates nothing)."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(Path(path) / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None
+            text = os.read(fd, 64).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else 0
+        return None  # no one holds it: the process ended (a killed run leaves its lock file, unheld)
+    finally:
+        os.close(fd)
+
+
+def live_note(path: str | os.PathLike[str], last_step: int | None = None) -> str | None:
+    """One line when run directory ``path`` is still being written (``live_writer``), else None."""
+    pid = live_writer(path)
+    if pid is None:
+        return None
+    who = f"process {pid}" if pid else "another process"
+    upto = f", up to step {last_step}" if last_step is not None else ""
+    return (
+        f"{path} is still being written by {who}: this report shows the steps streamed so far{upto}; "
+        f"run precprof report again for more (the run writes its own report when it ends)"
+    )
 
 
 def claim(
@@ -197,6 +319,8 @@ def _adopt_saved_tables(p: Path) -> None:
     origin = capture.get("sample_origin")
     start = int(origin) if isinstance(origin, int) else 0
     parts.adopt_tables(p, files, start, T.to_arrow("steps", T.empty("steps")))
+    for path in files.values():  # in the stream now: a table file beside a stream is read in its place
+        path.unlink()
 
 
 def claim_new(base: str | os.PathLike[str], *, summary: dict[str, Any] | None = None) -> RunDir:

@@ -259,6 +259,14 @@ TABLES: dict[str, tuple[str, ...]] = {
     "memory": MEMORY_COLUMNS,
 }
 
+# the columns a table of any precprof version has: a Parquet file without them is not precprof's (read_run)
+KEY_COLUMNS: dict[str, tuple[str, ...]] = {
+    "layers": (STEP, MODULE, TENSOR),
+    "histograms": (STEP, MODULE, TENSOR, EXPONENT, COUNT),
+    "steps": (STEP,),
+    "memory": (STEP, COMPONENT, BYTES),
+}
+
 _INT_COLUMNS = {STEP, ORDER, CALLS, EXPONENT, COUNT, BYTES, *COUNT_COLUMNS}
 # columns of text: written as Arrow strings in every part, so that parts concatenate whatever they hold
 _TEXT_COLUMNS = {MODULE, MODULE_TYPE, TENSOR, PARAM, DTYPE, COMPONENT, PHASE, SAMPLE_REASON}
@@ -469,7 +477,8 @@ def to_arrow(name: str, rows: list[dict[str, Any]] | pd.DataFrame | Mapping[str,
 
 
 def missing_tables(run_dir: str | Path) -> list[str]:
-    """Names of the four tables whose Parquet file is absent from ``run_dir`` (none while a stream holds them)."""
+    """Names of the four tables whose Parquet file is absent from ``run_dir`` (none while a stream holds them;
+    a table saved whole beside a stream is read in place of its parts, ``read_run``)."""
     if parts.has_stream(run_dir):
         return []
     return [name for name, fname in TABLE_FILES.items() if not (Path(run_dir) / fname).exists()]
@@ -479,7 +488,8 @@ def missing_tables(run_dir: str | Path) -> list[str]:
 class RunTables:
     """A run directory's tables as read, and what the reading learned. ``streamed``: read from the parts
     written while training (the run never saved its tables: killed, or still running); then ``last_step``
-    is the last step flushed and ``notices`` say what was skipped. ``restarts``: the steps a resumed run
+    is the last step flushed and ``notices`` say what was skipped (``precprof.pipeline.rerender`` adds what
+    else the reader of the report should know: a run written by a newer precprof, a run still being written). ``restarts``: the steps a resumed run
     restarted from. ``histogram_totals``: when read with ``histogram_totals=True``, the histogram counts
     summed over steps (``HISTOGRAM_TOTALS_COLUMNS``), and ``tables["histograms"]`` is then left empty."""
 
@@ -493,7 +503,8 @@ class RunTables:
 
 def read_run(run_dir: str | Path, *, categorical: bool = False, histogram_totals: bool = False) -> RunTables:
     """The four tables of a run directory, from its stream when it has one (``precprof.parts``: a damaged part
-    is skipped with a notice), else from its Parquet files (a missing file gives an empty table of the right
+    is skipped with a notice; a table whose Parquet file is there beside the stream, saved whole, from that
+    file), else from its Parquet files (a missing file gives an empty table of the right
     columns; a damaged one raises DamagedRunDirError, naming the file). ``categorical``: the layers' and the
     histograms' text columns as pandas categoricals (``CATEGORICAL_COLUMNS``; the report and the advisor read
     millions of rows that way), else as text like every other table. ``histogram_totals``: the histograms
@@ -511,29 +522,50 @@ def read_run(run_dir: str | Path, *, categorical: bool = False, histogram_totals
         if not path.exists():
             out[name] = empty(name)
             continue
-        try:
-            if name == "histograms" and histogram_totals:
-                out[name] = empty(name)
-                totals = sum_histograms(
-                    pq.read_table(
-                        path,
-                        columns=list(HISTOGRAM_TOTALS_COLUMNS),
-                        read_dictionary=list(CATEGORICAL_COLUMNS[name]),
-                    )
-                )
-                continue
-            table = pq.read_table(path, read_dictionary=list(cats.get(name, ())) or None)
-            out[name] = frame(name, _to_pandas(table, cats.get(name, ())))
-        except Exception as e:  # pyarrow raises ArrowInvalid, OSError and others for a damaged file
-            msg = " ".join(str(e).split())[:160]
-            raise DamagedRunDirError(
-                f"{path} is damaged ({type(e).__name__}: {msg}); re-run, or delete it to render without it"
-            ) from None
+        out[name], found = _read_file(path, name, cats, histogram_totals)
+        totals = found if found is not None else totals
     if histogram_totals and totals is None:
         totals = sum_histograms(None)
     steps = out["steps"]
     restarts = sorted({int(s) for s in steps[STEP][flags(steps[RESUMED])]}) if not steps.empty else []
     return RunTables(out, restarts=restarts, histogram_totals=totals)
+
+
+def _read_file(
+    path: Path, name: str, cats: Mapping[str, tuple[str, ...]], histogram_totals: bool
+) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """Table ``name`` from its Parquet file, and with ``histogram_totals`` the histograms' totals instead of
+    their rows (the table is then empty). DamagedRunDirError, naming the file, for a foreign or damaged one."""
+    _check_foreign(path, name)
+    try:
+        if name == "histograms" and histogram_totals:
+            read_as = list(CATEGORICAL_COLUMNS[name])
+            columns = list(HISTOGRAM_TOTALS_COLUMNS)
+            return empty(name), sum_histograms(pq.read_table(path, columns=columns, read_dictionary=read_as))
+        table = pq.read_table(path, read_dictionary=list(cats.get(name, ())) or None)
+        return frame(name, _to_pandas(table, cats.get(name, ()))), None
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError and others for a damaged file
+        msg = " ".join(str(e).split())[:160]
+        raise DamagedRunDirError(
+            f"{path} is damaged ({type(e).__name__}: {msg}); re-run, or delete it to render without it"
+        ) from None
+
+
+def _check_foreign(path: Path, name: str) -> None:
+    """DamagedRunDirError, naming the file, when table ``name``'s Parquet file lacks its ``KEY_COLUMNS`` (a
+    file of someone else's under precprof's name would render as an empty run, or fail deep in the report).
+    Reads the file's footer only; a file that is no Parquet at all is left to the reader's own error."""
+    try:
+        columns = pq.read_schema(path).names
+    except Exception:  # not Parquet, truncated: the read that follows names the fault
+        return
+    missing = [c for c in KEY_COLUMNS[name] if c not in columns]
+    if missing:
+        have = ", ".join(columns[:6]) + (", ..." if len(columns) > 6 else "") if columns else "none"
+        raise DamagedRunDirError(
+            f"{path} is not a precprof {name} table (no column {', '.join(missing)}; it has columns {have}); "
+            "delete it to render the report without it"
+        )
 
 
 HISTOGRAM_TOTALS_COLUMNS: tuple[str, ...] = (TENSOR, MODULE, PARAM, EXPONENT, COUNT)
@@ -637,6 +669,18 @@ def _read_stream(
         steps[RESUMED] = steps[STEP].isin(restarts).to_numpy()
         restarts = sorted({int(s) for s in steps[STEP][steps[RESUMED]]})
     last = int(steps[STEP].max()) if not steps.empty else None
+    # a table saved whole beside the stream (a run whose larger tables did not fit on its disk, or that was
+    # killed while it saved them) holds every step: it is read instead of its parts, which may stop early
+    whole = [name for name, fname in TABLE_FILES.items() if (run_dir / fname).exists()]
+    for name in whole:
+        out[name], found = _read_file(run_dir / TABLE_FILES[name], name, cats, histogram_totals)
+        totals = found if found is not None else totals
+    if whole:
+        read.notices.append(
+            f"{', '.join(TABLE_FILES[n] for n in whole)} hold every step (saved whole); the other tables "
+            f"are read from the parts streamed while the run trained"
+            + (f", up to step {last}" if last is not None else "")
+        )
     return RunTables(
         out,
         streamed=True,

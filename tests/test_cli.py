@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,14 @@ FACTORY = "def make(**kw):\n    raise RuntimeError('the factory failed on purpos
         (["train", "--model-arg", "n_lyer=2"], ["n_lyer", "n_layer"]),
         (["train", "--model-arg", "n_layer=two"], ["n_layer", "integer"]),
         (["train", "--loss-scale", "static:x"], ["static:N"]),
+        (["train", "--loss-scale", "static:1e39"], ["static:1e39", "3.4e+38"]),
+        (["train", "--init-scale", "inf"], ["--init-scale", "inf", "3.4e+38"]),
+        (["train", "--init-scale", "1e39"], ["--init-scale", "1e+39", "fp32"]),
+        (["train", "--growth-factor", "inf"], ["--growth-factor", "finite", "inf"]),
+        (["train", "--backoff-factor", "nan"], ["--backoff-factor", "nan"]),
+        (["train", "--weight-decay", "inf"], ["--weight-decay", "finite", "inf"]),
+        (["compare", "--precisions", "fp32,fp16:static:1e39"], ["static:1e39", "3.4e+38"]),
+        (["compare", "--precisions", "fp32,fp16", "--init-scale", "inf"], ["--init-scale", "inf"]),
         (["train", "--steps", "0"], ["--steps"]),
         (["train", "--steps", "many"], ["--steps"]),
         (["train", "--bogus"], ["--bogus"]),
@@ -60,8 +70,8 @@ FACTORY = "def make(**kw):\n    raise RuntimeError('the factory failed on purpos
 def test_user_mistakes_exit_2_with_one_line(
     args: list[str], needles: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if args[0] == "train":
-        args = ["train", *TINY, *args[1:]]  # the last occurrence of an option wins
+    if args[0] in ("train", "compare"):
+        args = [args[0], *TINY, *args[1:]]  # the last occurrence of an option wins
     rc, _, err = run_main(args, capsys)
     assert_one_line_error(rc, err, *needles)
 
@@ -267,6 +277,60 @@ def test_progress_in_a_log_file_is_plain_lines(tmp_path: Path) -> None:
     steps = [line for line in text.decode().splitlines() if ": step " in line]
     assert [line.split(": step ")[1].split()[0] for line in steps] == ["10/30", "20/30", "30/30"]
     assert all("loss=" in line and "tok/s=" in line for line in steps)
+
+
+def test_the_first_progress_line_leaves_the_warm_up_step_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first line's tok/s counted the first step, which warms up (allocations, kernels; on a GPU compiles
+    and autotunes): it said 1,171 tok/s on an H200. Here the first step takes 4 s longer than it would."""
+    from precprof import training
+
+    class SlowFirstStep(training.Callback):
+        def after_backward(self, run: training.TrainRun) -> None:
+            if run.step == 0:
+                time.sleep(4.0)
+
+    config = training.TrainConfig(
+        steps=4,
+        batch_size=2,
+        seq_len=8,
+        device="cpu",
+        progress=True,
+        refresh_every=2,
+        report=False,
+        out=tmp_path / "run",
+        sample_every=0,
+    )
+    training.train(config, callbacks=[SlowFirstStep()])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ": step " in ln]
+    assert [ln.split(": step ")[1].split()[0] for ln in lines] == ["2/4", "4/4"], lines
+    rate = float(re.search(r"tok/s=([\d,.]+)", lines[0]).group(1).replace(",", ""))  # type: ignore[union-attr]
+    # with the first step: 2 steps x 16 tokens in more than 4 s, under 8 tok/s; without it, the second
+    # step's 16 tokens alone (8 tok/s would take a 2 s step on this tiny model)
+    assert rate > 2 * 16 / 4.0, lines[0]
+
+
+def test_train_and_compare_print_nothing_of_torch_s_own(tmp_path: Path) -> None:
+    """Every `precprof train` on a CPU printed torch's CPUAllocator.cpp:245 warning (the memory profiler of a
+    sampled step sees a block freed that was allocated before it started), and `compare` two Kineto lines
+    (USDT ... profiler_start/stop) per sampled step."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    common = ["--steps", "4", "--sample-every", "2", "--device", "cpu", "--no-progress", "--no-report"]
+    for args in (
+        ["train", "--out", str(tmp_path / "run"), "--batch-size", "8", "--seq-len", "64"],
+        ["compare", "--out", str(tmp_path / "cmp"), "--precisions", "fp32,bf16", *TINY],
+    ):
+        res = subprocess.run(
+            [sys.executable, "-m", "precprof", *args, *common],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert res.returncode == 0, res.stderr
+        assert "CPUAllocator" not in res.stderr and "USDT" not in res.stderr, res.stderr
+        assert res.stderr.strip() == "", res.stderr
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ the offline wandb run file with a reader of its record log, and compared with th
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -66,6 +67,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         prof = _train({"tensorboard": root / "live", "wandb": True if wandb else None})
         if wb_run is not None:
             wb_run.finish()
+            _wandb_files_closed()
         prof.save(root / "run")
         yield {
             "root": root,
@@ -78,6 +80,17 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _wandb_files_closed() -> None:
+    """Wait until wandb's service has written and closed the files of every run it had. ``Run.finish()``
+    returns once the service has processed the run's exit, but the service writes the last, partial 32 KiB
+    block of the run's .wandb log when it closes the run's stream, which ``finish`` asks for without waiting
+    (``inform_finish``). Under load a reader then saw the first two blocks alone: steps 0-3 of 0-5 (under
+    strace, 2 reads in 3 right after ``finish`` found 65,536 of 71,774 bytes, the rest written 1.5 ms later).
+    ``wandb.teardown()`` waits for the service to exit, which closes every stream first; the next
+    ``wandb.init`` starts a new one."""
+    wandb.teardown()
 
 
 def _accumulator(path: Path) -> EventAccumulator:
@@ -247,6 +260,48 @@ def test_export_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert e.value.code == 2 and len(err) == 1 and "--tensorboard DIR and/or --wandb-project" in err[0]
 
 
+def _read_only(monkeypatch: pytest.MonkeyPatch, folder: Path) -> Path:
+    """``folder`` as a read-only file system shows it to every process, root included: creating anything in it
+    fails with EROFS (a real read-only mount needs root to make; the suite must not)."""
+    folder.mkdir()
+    real = os.makedirs
+
+    def makedirs(name: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(name).is_relative_to(folder) and not Path(name).is_dir():
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(name))
+        real(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    return folder / "tb"
+
+
+@pytest.mark.parametrize("where", ["a-file", "/proc/precprof-tb", "read-only"])
+def test_export_to_a_place_that_cannot_hold_a_log_is_one_line(
+    run: dict[str, Any],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+) -> None:
+    """An existing file, /proc and a read-only folder were tracebacks."""
+    if where == "a-file":
+        target = tmp_path / "a-file"
+        target.write_text("mine")
+    elif where == "read-only":
+        target = _read_only(monkeypatch, tmp_path / "ro")
+    else:
+        if not Path("/proc/self").is_dir():
+            pytest.skip("needs Linux's /proc")
+        target = Path(where)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", str(run["root"] / "run"), "--tensorboard", str(target)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"precprof: error: --tensorboard {target}: ") and "choose another" in err[0], err
+    if where == "a-file":
+        assert target.read_text() == "mine"
+
+
 @pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
 def test_export_to_wandb_offline_matches_the_live_run(run: dict[str, Any]) -> None:
     out = run["root"] / "wandb-export"
@@ -254,6 +309,7 @@ def test_export_to_wandb_offline_matches_the_live_run(run: dict[str, Any]) -> No
     exporting.export_run(
         run["root"] / "run", wandb_project="precprof-test", wandb_mode="offline", wandb_dir=out
     )
+    _wandb_files_closed()  # the exported run's log is complete on disk (the flake read it before)
     (exported,) = (out / "wandb").glob("offline-run-*")
     live, again = _wandb_history(run["wandb_dir"]), _wandb_history(exported)
     assert sorted(live) == sorted(again)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,8 +21,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from precprof import _atomic, cli, pipeline, rundir
+import precprof
+from precprof import _atomic, _saving, cli, pipeline, rundir
 from precprof import tables as T
+from precprof.errors import RunNotSavedWarning
 from precprof.training import TrainConfig, train
 
 TINY = ["--batch-size", "2", "--seq-len", "8", "--device", "cpu", "--no-progress"]
@@ -80,6 +83,53 @@ def test_out_that_cannot_be_created_is_refused_before_training(
     rc, _, err = run_main(["train", "--out", where, *TINY, "--steps", "100000"], capsys)
     assert rc == 2
     assert one_line_error(err).startswith("precprof: error: --out ")
+
+
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [
+        ("", "--out is empty"),
+        (" ", "--out ' ' is blank"),
+        ("x" * 300, "File name too long"),
+        (os.fsdecode(b"run-\xff"), "not valid UTF-8"),
+    ],
+    ids=["empty", "blank", "300-characters", "not-utf-8"],
+)
+def test_out_names_that_cannot_hold_a_run_are_refused_before_training(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    needle: str,
+) -> None:
+    """`--out ""` wrote into the current directory, `--out " "` made a folder named " ", a 300-character name
+    and a name that is not UTF-8 (pyarrow cannot open it) were tracebacks after training."""
+    monkeypatch.chdir(tmp_path)
+    for command in (["train"], ["compare", "--precisions", "fp32,bf16"]):
+        rc, _, err = run_main([*command, "--out", name, *TINY, "--steps", "100000"], capsys)
+        assert rc == 2
+        line = one_line_error(err)
+        assert needle in line and "--out" in line, line
+        assert list(tmp_path.iterdir()) == []  # nothing created, here or under the name
+
+
+def test_a_data_file_whose_name_is_not_utf_8_trains_and_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The name goes into summary.json and the page: the run gave no report (rc 0) and `precprof report` on
+    it was a traceback every time."""
+    data = tmp_path / os.fsdecode(b"text-\xff.txt")
+    data.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "run"
+    rc, _, err = run_main(["train", "--out", str(out), "--data", str(data), *TINY, "--steps", "2"], capsys)
+    assert rc == 0 and "Traceback" not in err, err
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE and not summary.get(T.SUMMARY_ERRORS)
+    assert os.fsencode(summary[T.SUMMARY_CONFIG]["data"]["path"]) == os.fsencode(data)  # the name, exactly
+    page = (out / T.REPORT_FILE).read_bytes().decode("utf-8")  # valid UTF-8: the byte shows as U+FFFD
+    assert "text-\ufffd.txt" in page
+    rc, _, err = run_main(["report", str(out)], capsys)
+    assert rc == 0 and "Traceback" not in err, err
 
 
 def test_an_existing_run_is_never_overwritten_silently(
@@ -152,6 +202,7 @@ def test_two_processes_on_the_same_out(tmp_path: Path) -> None:
     summary = T.read_summary(out)
     steps = T.read_tables(out)["steps"]
     assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE and len(steps) == 20
+    assert not (out / rundir.LOCK_FILE).exists()  # a finished run leaves no lock file
     # the steps table and the summary come from the same run
     assert summary[T.SUMMARY_FINAL]["final_loss"] == pytest.approx(float(steps[T.LOSS].iloc[-1]))
     winner_seed = summary[T.SUMMARY_CONFIG]["seed"]
@@ -173,14 +224,170 @@ def test_disk_full_is_an_incomplete_run_with_the_cause(
 
     monkeypatch.setattr(pd.DataFrame, "to_parquet", fill_the_disk)
     out = tmp_path / "run"
-    result = train(tiny_config(out))
+    with pytest.warns(RunNotSavedWarning, match=f"{out} was not saved whole"):
+        result = train(tiny_config(out))
     summary = T.read_summary(out)
     assert summary == result.summary
     assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
-    assert "No space left on device" in summary[T.SUMMARY_INCOMPLETE_REASON]
-    assert "tables could not be written" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    reason = summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert "No space left on device" in reason and "tables could not be written" in reason
+    # the histograms' parts streamed while training are their record; the tables that were saved are whole
+    assert "histograms.parquet: stream/ keeps steps 0-3 of them" in reason, reason
+    assert "saved: steps.parquet, memory.parquet, layers.parquet" in reason, reason
     assert not (out / T.TABLE_FILES["histograms"]).exists()  # no half-written table under the real name
     assert no_tmp_files(out)
+    read = T.read_run(out)
+    assert read.streamed and len(read.tables["steps"]) == 4 and len(read.tables["histograms"])
+    assert any("saved whole" in n for n in read.notices)
+
+
+def small_disk(monkeypatch: pytest.MonkeyPatch, root: Path, size: int) -> None:
+    """Make ``root`` behave as a file system of ``size`` bytes: a file written under it fails with ENOSPC when
+    it is flushed (precprof's every file is written to a temporary name and fsynced before its rename,
+    ``precprof._atomic``) while the files there, it included, take more than ``size``; removing files frees
+    room. A real small file system needs root to mount (``test_disk_full_on_a_real_tmpfs``)."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs Linux's /proc/self/fd")
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        if root in path.parents:
+            used = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+            if used > size:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def assert_says_what_it_kept(out: Path, err: str) -> dict[str, object]:
+    """The terminal names the run directory and the cause; summary.json keeps the configuration and says
+    what was not saved; every file that is there reads back whole; no temporary file is left."""
+    assert "Traceback" not in err, err
+    assert f"precprof: error: {out} was not saved whole" in err and "No space left on device" in err, err
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert summary[T.SUMMARY_CONFIG]["steps"] == 12  # the configuration survives
+    reason = summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert "No space left on device" in reason and reason in " ".join(err.split()), (reason, err)
+    for name in T.TABLE_FILES.values():  # what is there is whole; what is not is named
+        if (out / name).exists():
+            pd.read_parquet(out / name)
+        elif not (out / "stream").exists():
+            assert name in reason.split("not saved:")[1], (name, reason)
+    if not (out / T.REPORT_FILE).exists():
+        assert T.REPORT_FILE in reason, reason
+    assert no_tmp_files(out)
+    return summary
+
+
+@pytest.mark.parametrize("size", [120_000, 60_000, 12_000])
+def test_a_disk_that_fills_up_keeps_what_fits_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """It exited 0 with nothing on the terminal: on 400 KiB no stream part and no table, on 600 KiB no report,
+    on 120 KiB a summary.json of status and cause alone (the configuration gone). A disk of 120 kB here holds
+    the tables and a trimmed summary but not the report; 60 kB the small tables; 12 kB a summary."""
+    out = tmp_path / "run"
+    small_disk(monkeypatch, out, size)
+    rc, stdout, err = run_main(["train", "--out", str(out), *TINY, "--steps", "12"], capsys)
+    assert rc == 1, err
+    summary = assert_says_what_it_kept(out, err)
+    assert f"run directory: {out}" in stdout
+    # every step is either in the directory (its tables, or the stream when they did not fit) or named lost
+    kept = sorted(T.read_run(out).tables["steps"][T.STEP]) if T.is_run_dir(out) else []
+    lost = re.search(r"steps (\d+)-(\d+) were not saved", summary[T.SUMMARY_INCOMPLETE_REASON])
+    named = list(range(int(lost.group(1)), int(lost.group(2)) + 1)) if lost else []
+    if kept or named:
+        assert sorted(set(kept) | set(named)) == list(range(12)), (kept, named)
+    if (out / T.TABLE_FILES["steps"]).exists():  # the loss curve, whole, whenever it fits
+        assert kept == list(range(12))
+    if size >= 60_000:
+        assert kept, "the rows that fit are kept"
+
+
+def test_compare_on_a_full_disk_says_so_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compare.html that does not fit was a traceback; a run that did not fit passed in silence."""
+    out = tmp_path / "cmp"
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", _no_room_for("layers"))
+    real = _atomic.write_text
+
+    def no_room_for_the_page(path: object, text: str) -> Path:
+        if str(path).endswith("compare.html"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, text)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_atomic, "write_text", no_room_for_the_page)
+    argv = ["compare", "--out", str(out), "--precisions", "fp32,bf16", *TINY, "--steps", "2", "--no-report"]
+    rc, _, err = run_main(argv, capsys)
+    assert rc == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert f"precprof: error: {out / 'fp32'} was not saved whole" in lines[0], lines
+    assert lines[-1].startswith(f"precprof: error: the comparison could not be written in {out}"), lines
+    assert "No space left on device" in lines[-1], lines
+
+
+def _no_room_for(table: str) -> object:
+    real = pd.DataFrame.to_parquet
+
+    def to_parquet(self: pd.DataFrame, path: object, *args: object, **kwargs: object) -> None:
+        if f"{table}.parquet" in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(self, path, *args, **kwargs)  # type: ignore[arg-type]
+
+    return to_parquet
+
+
+def test_a_full_disk_keeps_the_summary_before_the_tables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the tables fit and no summary.json does, the tables go: a run directory without its configuration
+    cannot be read, or told from another."""
+    out = tmp_path / "run"
+    tables = train(tiny_config(tmp_path / "ref", steps=12, report=False)).summary
+    ref = tmp_path / "ref"
+    claimed = rundir.claim(out, summary={T.SUMMARY_CONFIG: tables[T.SUMMARY_CONFIG]})
+    try:
+        room = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+        room += sum((ref / f).stat().st_size for f in T.TABLE_FILES.values()) + 500  # not a full summary
+        small_disk(monkeypatch, out, room)
+        with pytest.warns(UserWarning, match=f"{out} was not saved whole"):
+            written = pipeline.finish_run(out, T.read_tables(ref), tables, render=True)
+    finally:
+        claimed.release()
+    assert written[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    on_disk = T.read_summary(out)
+    assert on_disk[T.SUMMARY_CONFIG] == tables[T.SUMMARY_CONFIG]
+    assert on_disk[T.SUMMARY_INCOMPLETE_REASON] == written[T.SUMMARY_INCOMPLETE_REASON]
+    assert "left out of summary.json" in written[T.SUMMARY_INCOMPLETE_REASON]
+    assert no_tmp_files(out)
+
+
+def test_each_smaller_summary_keeps_what_the_larger_one_had_but_its_bulk() -> None:
+    full = {
+        T.SUMMARY_CONFIG: {"steps": 3},
+        T.SUMMARY_CAPTURE: {"modules": [1, 2], "device": "cpu"},
+        T.SUMMARY_RECOMMENDATION: {"format": "bf16", "block_what_if": {"x": 1}, "findings": [1]},
+        T.SUMMARY_MEMORY: {"a": 1},
+        T.SUMMARY_STATUS: T.STATUS_COMPLETE,
+    }
+    levels = list(_saving.summary_levels(full))
+    assert levels[0] == (full, [])  # the first is the whole summary, untouched by the later ones
+    assert levels[-1] == (
+        {T.SUMMARY_CONFIG: {"steps": 3}, T.SUMMARY_STATUS: T.STATUS_COMPLETE},
+        [
+            "recommendation.block_what_if",
+            "memory",
+            "capture.modules",
+            "recommendation.findings",
+            "capture",
+            "recommendation",
+        ],
+    )
+    assert full[T.SUMMARY_RECOMMENDATION]["findings"] == [1]
 
 
 def test_disk_full_on_a_real_tmpfs(tmp_path: Path) -> None:
@@ -253,13 +460,14 @@ def training_started(out: Path) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("sig", "code", "word"), [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "Ctrl-C")]
+    ("sig", "code", "word"),
+    [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "Ctrl-C"), (signal.SIGHUP, 129, "hangup")],
 )
 def test_a_signal_saves_the_run(tmp_path: Path, sig: int, code: int, word: str) -> None:
     out = tmp_path / "run"
     proc = start_training(out, "--steps", "100000", "--sample-every", "1")
-    wait_for(lambda: training_started(out), proc)
-    time.sleep(3)  # some steps (a gpt-nano step takes about 1 s on a busy 2-core machine)
+    # a step recorded (each sampled step streams a steps part): a fixed wait was too short on a busy machine
+    wait_for(lambda: any(out.glob("stream/*/*.steps.parquet")), proc)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == code, err
@@ -273,6 +481,54 @@ def test_a_signal_saves_the_run(tmp_path: Path, sig: int, code: int, word: str) 
     steps = T.read_tables(out)["steps"]
     assert steps[T.LOSS].notna().sum() >= 1
     assert (out / T.REPORT_FILE).exists() and no_tmp_files(out)
+    assert not (out / rundir.LOCK_FILE).exists()  # nobody holds the directory any more
+
+
+def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path: Path) -> None:
+    """Ctrl-C while precprof's modules load (the first second of any command) printed a KeyboardInterrupt
+    traceback and exited by the signal. ``-X importtime`` lists each module as it finishes loading: the
+    signal is sent once typer (the command line's first import) has loaded, while the rest still loads."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-X", "importtime", "-m", "precprof", "train", "--out", str(out), *TINY]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.split("|")[-1].strip() == "typer":
+            proc.send_signal(signal.SIGINT)
+            break
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(ln for ln in [*seen, *rest.splitlines(keepends=True)] if "import time:" not in ln)
+    assert proc.returncode == 130, err
+    assert err.strip() == "precprof: interrupted", err
+    assert not out.exists()
+
+
+def test_a_released_lock_is_never_held_by_two(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A finished run removes its .precprof.lock (it stayed behind). A process that opened the old file just
+    before it was removed, and locks it after, holds a lock on a file no one else sees: it must notice and
+    lock the file that is there instead, or two processes would write one directory."""
+    out = tmp_path / "run"
+    rundir.claim(out).release()
+    assert not (out / rundir.LOCK_FILE).exists()
+    real = rundir.fcntl.flock
+    swapped = []
+
+    def flock_after_the_holder_left(fd: int, op: int) -> None:
+        if not swapped:  # between our open and our flock, the holder released and removed the file ...
+            swapped.append(os.fstat(fd).st_ino)
+            (out / rundir.LOCK_FILE).unlink()
+            (out / rundir.LOCK_FILE).write_text("")  # ... and another claimer made a new one
+        real(fd, op)
+
+    monkeypatch.setattr(rundir.fcntl, "flock", flock_after_the_holder_left)
+    held = rundir.claim(out, overwrite=True)
+    try:
+        assert held._fd is not None
+        assert os.fstat(held._fd).st_ino == os.stat(out / rundir.LOCK_FILE).st_ino != swapped[0]
+    finally:
+        held.release()
 
 
 def test_a_second_ctrl_c_still_leaves_a_consistent_directory(tmp_path: Path) -> None:
@@ -453,6 +709,34 @@ def test_report_on_a_damaged_run_directory_is_one_line(
     assert rc == 2
     line = one_line_error(err)
     assert expected in line and str(run_dir) in line
+
+
+@pytest.mark.parametrize("table", list(T.TABLE_FILES))
+def test_report_on_a_foreign_table_is_one_line(
+    good_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], table: str
+) -> None:
+    """A Parquet file of someone else's under a table's name: memory's was an IndexError, layers' and steps'
+    rendered silently as an empty run."""
+    run_dir = damaged_copy(good_run, tmp_path)
+    pd.DataFrame({"a": [1, 2, 3], "b": ["x", "y", "z"]}).to_parquet(run_dir / T.TABLE_FILES[table])
+    rc, _, err = run_main(["report", str(run_dir)], capsys)
+    assert rc == 2
+    line = one_line_error(err)
+    assert f"{run_dir / T.TABLE_FILES[table]} is not a precprof {table} table" in line, line
+    assert "columns a, b" in line and "delete it" in line, line
+
+
+def test_report_on_a_run_from_a_newer_precprof_says_so(
+    good_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = damaged_copy(good_run, tmp_path)
+    summary = T.read_summary(run_dir)
+    T.write_summary(run_dir, {**summary, T.SUMMARY_VERSION: "99.1.0"})
+    rc, out, err = run_main(["report", str(run_dir)], capsys)
+    assert rc == 0 and out.strip() == str(run_dir / T.REPORT_FILE)
+    line = one_line_error(err)
+    assert "precprof 99.1.0" in line and f"this is precprof {precprof.__version__}" in line, line
+    assert "upgrade precprof" in line, line
 
 
 def test_report_to_an_unwritable_place_is_one_line(

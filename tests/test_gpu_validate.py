@@ -58,7 +58,9 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
     for label in ("cold", "warm"):
         first = stages["first_step"][label]
         assert len(first["steps_s"]) >= 6 and sum(first["sampled"]) >= 3
-        assert first["worst_step_over_later_sampled"] > 0 and first["sampling"]["first_sampled_step"] is not None
+        assert (
+            first["worst_step_over_later_sampled"] > 0 and first["sampling"]["first_sampled_step"] is not None
+        )
     host = stages["host"]["host_cost"]
     assert host["inspected_tensors_per_sampled_step"] > 0 and host["host_us_per_tensor"] is not None
     results = stages["overhead"]["overhead"]["results"]

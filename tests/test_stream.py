@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import precprof
-from precprof import parts, pipeline, rundir
+from precprof import cli, parts, pipeline, rundir
 from precprof import tables as T
 from precprof.errors import UserError
 
@@ -179,6 +179,53 @@ def test_precprof_report_on_a_killed_run(tmp_path: Path, monkeypatch: pytest.Mon
 
     monkeypatch.setattr(precprof.hardware, "detect", not_this_machine)
     assert precprof.recommend(out).format
+
+
+def test_precprof_report_on_a_run_still_being_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "cut off after step 4, never saved its tables": the run is live, its lock names its process.
+    The page is what was streamed, and it says the run is still being written; once the run saves, its
+    directory has its own report and no lock file."""
+    out = tmp_path / "run"
+    prof = tiny_run(out, 5)  # detached, not saved yet: this process still holds the run directory
+    with pytest.raises(SystemExit) as e:
+        cli.main(["report", str(out)])
+    stdout, err = capsys.readouterr()
+    assert e.value.code in (0, None) and stdout.strip() == str(out / T.REPORT_FILE), err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"precprof: note: {out} is still being written by process {os.getpid()}"), line
+    assert "run precprof report again" in line, line
+    html = (out / T.REPORT_FILE).read_text()
+    assert f"still being written by process {os.getpid()}" in html and "up to step 4" in html
+    assert len(T.read_run(out).tables["steps"]) == 5  # what was streamed, every step of it
+    prof.save()  # the run ends: its own report, and the lock goes with it
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert not (out / rundir.LOCK_FILE).exists()
+    with pytest.raises(SystemExit):
+        cli.main(["report", str(out)])
+    assert capsys.readouterr().err == ""
+
+
+def test_a_report_rendered_while_the_run_ends_never_replaces_the_runs_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`precprof report` on a live run renders the parts streamed so far; if the run writes its own
+    report.html meanwhile (it ended), the older page must not replace it."""
+    out = tmp_path / "run"
+    prof = tiny_run(out, 3)
+    real = pipeline.render_run_dir
+
+    def the_run_ends_meanwhile(*args: object, **kwargs: object) -> Path:
+        page = real(*args, **kwargs)  # type: ignore[arg-type]
+        prof.save(render=True)  # the run's own report.html, from its saved tables
+        return page
+
+    monkeypatch.setattr(pipeline, "render_run_dir", the_run_ends_meanwhile)
+    assert pipeline.rerender(out) == out / T.REPORT_FILE
+    html = (out / T.REPORT_FILE).read_text()
+    assert "still being written" not in html and 'id="cut-off"' not in html
+    assert [p for p in out.iterdir() if p.name.startswith(".") and p.name != rundir.LOCK_FILE] == []
 
 
 def test_a_torn_last_part_is_skipped_with_a_notice(tmp_path: Path) -> None:

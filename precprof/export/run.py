@@ -23,7 +23,11 @@ def export_run(
 ) -> int:
     """Write the run's events to a TensorBoard log directory (or SummaryWriter) and/or a new wandb run in
     ``wandb_project`` (named after the run directory; ``wandb_mode`` "online" or "offline"). Returns how many
-    events were written to each sink."""
+    events were written to each sink.
+
+    The wandb run is finished before this returns, but wandb's service writes the end of an offline run's
+    ``.wandb`` file when it closes the run, a moment later: a reader in the same process waits for
+    ``wandb.teardown()`` (the process's exit does it for ``precprof export``)."""
     run_dir = Path(run_dir)
     if not T.is_run_dir(run_dir):
         raise UserError(f"{str(run_dir)!r} is not a precprof run directory (no summary.json or tables in it)")

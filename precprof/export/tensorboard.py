@@ -7,8 +7,9 @@ The histogram's ``sum`` and ``sum_squares`` are over the bins' exponents e (floo
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -27,14 +28,32 @@ def summary_writer_class(option: str = "tensorboard=...") -> Any:
     return SummaryWriter
 
 
+def check_log_dir(path: str, option: str) -> None:
+    """Refuse, with a one-line UserError, a log directory that cannot be: a file, or in a place that does not
+    exist or cannot be written. Creates nothing (the writer makes it at its first event)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{option} {path}: is a file, not a directory; choose another {option}")
+    here = os.path.abspath(path)
+    while not os.path.exists(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        raise UserError(f"{option} {path}: {here} is a file, not a directory; choose another {option}")
+    if not os.access(here, os.W_OK | os.X_OK):
+        what = "is not writable" if here == os.path.abspath(path) else f"cannot be created in {here}"
+        raise UserError(f"{option} {path}: {what}; choose another {option}")
+
+
 class TensorBoardSink:
     """Writes events to a SummaryWriter: ``target`` is a log directory (a writer is created there, and closed
-    by ``close``) or a SummaryWriter the caller owns (flushed, never closed, by ``close``)."""
+    by ``close``) or a SummaryWriter the caller owns (flushed, never closed, by ``close``). A log directory
+    that cannot be written is a one-line UserError: when made (a file, an unwritable place) or when the
+    writer fails to create or write it (a read-only file system, a full disk)."""
 
     def __init__(self, target: Any, option: str = "tensorboard=...") -> None:
         writer_class = summary_writer_class(option)
         if isinstance(target, (str, os.PathLike)):
             self.target: Any = os.fspath(target)
+            check_log_dir(self.target, option)
             self._owned = True
         elif isinstance(target, writer_class) or hasattr(target, "add_histogram_raw"):
             self.target = target
@@ -45,16 +64,36 @@ class TensorBoardSink:
                 f"got {type(target).__name__}"
             )
         self._writer_class = writer_class
+        self._option = option
         self._writer: Any = None if self._owned else target
 
     @property
     def writer(self) -> Any:
         """The SummaryWriter (created in the log directory at the first write)."""
         if self._writer is None:
-            self._writer = self._writer_class(log_dir=self.target)
+            with self._cannot_write():
+                self._writer = self._writer_class(log_dir=self.target)
         return self._writer
 
+    @contextlib.contextmanager
+    def _cannot_write(self) -> Iterator[None]:
+        """An OSError writing a log directory precprof made as one line naming it (never for a writer the
+        caller owns: that one's errors are the caller's)."""
+        try:
+            yield
+        except OSError as e:
+            if not self._owned:
+                raise
+            raise UserError(
+                f"{self._option} {self.target}: cannot write the log there ({e.strerror or e}); "
+                f"choose another {self._option}"
+            ) from None
+
     def write(self, events: Iterable[Event]) -> None:
+        with self._cannot_write():
+            self._write(events)
+
+    def _write(self, events: Iterable[Event]) -> None:
         w = self.writer
         for e in events:
             if isinstance(e, Scalar):
@@ -79,6 +118,7 @@ class TensorBoardSink:
         if self._writer is None:
             return
         if self._owned:
-            self._writer.close()
+            with self._cannot_write():
+                self._writer.close()
         else:
             self._writer.flush()

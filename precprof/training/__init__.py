@@ -28,7 +28,8 @@ One optimizer step: forward and loss (under autocast), ``scaler.scale(loss).back
 ``scaler.unscale_`` (so the gradient norm and clipping see true gradients), the gradient norm (and clipping
 to ``--grad-clip``), ``scaler.step`` + ``scaler.update()``, ``zero_grad(set_to_none=True)``, then
 ``Profiler.step(loss, grad_norm, tokens)``. The loop itself syncs with the device only to refresh the progress
-bar (every ``refresh_every`` steps); GradScaler.step syncs once per step, as it always does.
+bar (every ``refresh_every`` steps, and once after the first step, which the bar's tokens/s leaves out: it
+warms up); GradScaler.step syncs once per step, as it always does.
 """
 
 from __future__ import annotations

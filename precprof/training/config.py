@@ -20,11 +20,13 @@ from precprof.errors import UserError
 from precprof.modes import (
     DEFAULT_MODEL,
     DEVICES,
+    MAX_LOSS_SCALE,
     PRECISIONS,
     STRATEGIES,
     OptimizerName,
     parse_loss_scale,
     parse_model_args,
+    valid_loss_scale,
 )
 
 
@@ -83,10 +85,20 @@ class TrainConfig:
             (self.batch_size >= 1, f"--batch-size must be at least 1, got {self.batch_size}"),
             (self.seq_len >= 1, f"--seq-len must be at least 1, got {self.seq_len}"),
             (self.lr > 0 and math.isfinite(self.lr), f"--lr must be a positive number, got {self.lr}"),
-            (self.weight_decay >= 0, f"--weight-decay must not be negative, got {self.weight_decay}"),
+            (
+                0 <= self.weight_decay < math.inf,
+                f"--weight-decay must be a finite number >= 0, got {self.weight_decay}",
+            ),
             (self.grad_clip >= 0, f"--grad-clip must be >= 0 (0 disables clipping), got {self.grad_clip}"),
-            (self.init_scale > 0, f"--init-scale must be positive, got {self.init_scale}"),
-            (self.growth_factor > 1, f"--growth-factor must be > 1, got {self.growth_factor}"),
+            (
+                valid_loss_scale(self.init_scale),
+                f"--init-scale must be a positive number at most {MAX_LOSS_SCALE:.1e} (the scaler holds it in "
+                f"fp32), got {self.init_scale}; e.g. 65536",
+            ),
+            (
+                1 < self.growth_factor < math.inf,
+                f"--growth-factor must be a finite number > 1, got {self.growth_factor}",
+            ),
             (0 < self.backoff_factor < 1, f"--backoff-factor must be in (0, 1), got {self.backoff_factor}"),
             (self.growth_interval >= 1, f"--growth-interval must be at least 1, got {self.growth_interval}"),
             (self.refresh_every >= 1, f"refresh_every must be at least 1, got {self.refresh_every}"),

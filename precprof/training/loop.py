@@ -525,14 +525,19 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 with _signals.deferred(note=None):  # the step is recorded and counted, or neither
                     prof.step(loss=run.loss, grad_norm=norm, tokens=s.tokens_per_step)
                     steps_done = step + 1
+                if steps_done == 1:  # the first step warms up (allocations, kernels, autotuning): the rate
+                    if device.type == "cuda":  # starts after it (one sync, once: its kernels are done)
+                        torch.cuda.synchronize(device)
+                    t_refresh, steps_at_refresh = time.perf_counter(), 1
                 if steps_done % config.refresh_every == 0 or steps_done == config.steps:
                     # the only host syncs of the loop: loss value, scale, throughput since the last refresh
                     now = time.perf_counter()
-                    rate = (steps_done - steps_at_refresh) * s.tokens_per_step / (now - t_refresh)
                     postfix = {"loss": f"{run.loss.item():.4f}"}
                     if scaler.is_enabled():
                         postfix["scale"] = f"{scaler.get_scale():g}"
-                    postfix["tok/s"] = f"{rate:,.0f}"
+                    if steps_done > steps_at_refresh:
+                        rate = (steps_done - steps_at_refresh) * s.tokens_per_step / (now - t_refresh)
+                        postfix["tok/s"] = f"{rate:,.0f}"
                     bar.set_postfix(postfix, refresh=False)
                     t_refresh, steps_at_refresh = now, steps_done
                 bar.update(1)
@@ -546,7 +551,8 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 cb.on_end(run)
     except BaseException as e:
         with _signals.deferred():  # a second Ctrl-C must not cut the save short
-            bar.close()
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone: the run still saves
+                bar.close()
             interrupted = _signals.as_interrupted(e)
             if interrupted is not None:
                 _signals.consume()
@@ -564,11 +570,15 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
     steps_table = _save(s, prof, wall_s, steps_done, None)
     if s.dist_info is not None and s.dist_info.owns_group:
         launch.shutdown()  # after rank 0 wrote: its barrier waits for it
+    summary = T.read_summary(s.run_dir)
+    saved = prof.status  # the save's own word: a summary that did not fit is not on disk
+    if (summary.get(T.SUMMARY_STATUS), summary.get(T.SUMMARY_INCOMPLETE_REASON)) != saved:
+        summary = {**summary, T.SUMMARY_STATUS: saved[0], T.SUMMARY_INCOMPLETE_REASON: saved[1]}
     return TrainResult(
         run_dir=s.run_dir,
         final_loss=float(s.summary[T.SUMMARY_FINAL]["final_loss"]),
         steps=steps_table,
-        summary=T.read_summary(s.run_dir),
+        summary=summary,
     )
 
 
