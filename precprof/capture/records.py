@@ -13,6 +13,8 @@ import pandas as pd
 import torch
 from torch import nn
 
+from precprof import tables as T
+
 MAX_PENDING_STEPS = 256  # steps kept on the device between flushes when sampling is rare or off
 
 
@@ -105,8 +107,6 @@ class RowTable:
         """The rows' fixed descriptions as arrays (module, module type, tensor, param as object arrays; whether
         each is a gradient), made once: a sampled step's columns index them."""
         if self._columns is None or len(self._columns["module"]) != len(self.info):
-            from precprof import tables as T
-
             self._columns = {
                 "module": np.array([r.module for r in self.info], dtype=object),
                 "module_type": np.array([r.module_type for r in self.info], dtype=object),
