@@ -17,7 +17,7 @@ all alike); means of the timed steps:
   -rows        ... with the row statistics replaced by a no-op (the hooks, lookups and bookkeeping stay)
   hooks only   every part above off at once: the hooks and the per-step bookkeeping alone
 
-Per part: its cost is ``sampled - (sampled without it)``; "copy and flush" is timed inside ``Profiler.step()``
+Per part: its cost is ``sampled - (sampled without it)`` (medians); "copy and flush" is timed inside ``Profiler.step()``
 of the sampled configuration. The headline is ``(sampled - baseline) / inspected tensors``.
 
 Clock: on the CPU the thread's own CPU time (``time.thread_time``, one torch thread): host work is what is
@@ -167,13 +167,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         layers = sampled.tables()["layers"]
         last = layers[layers[T.STEP] == layers[T.STEP].max()]
         tensors = int(last.loc[last[T.TENSOR] != T.WEIGHT_UPDATE, T.CALLS].sum())
-    mean = {n: statistics.fmean(state[n]["times"]) for n in names}
+    # every step of a configuration is alike (all sampled, or none): the median step, robust to the garbage
+    # collections that land in one configuration's window or another's (each mean is kept beside it)
+    mean = {n: statistics.median(state[n]["times"]) for n in names}
     base_s = mean.get("baseline", float("nan"))
     results: dict[str, Any] = {}
     for n in names:
         results[n] = {
-            "mean_s": mean[n],
-            "median_s": statistics.median(state[n]["times"]),
+            "mean_s": statistics.fmean(state[n]["times"]),
+            "median_s": mean[n],
             "added_s": mean[n] - base_s,
             "ratio": mean[n] / base_s,
             "step_call_s": statistics.fmean(state[n]["flush"]) if n != "baseline" else 0.0,
@@ -223,9 +225,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{args.blocks} x (Linear({args.width}) + GELU) on {device_name}, {tensors} tensors per sampled step, "
         f"{clock_name} clock"
     )
-    print(f"{'config':<12}{'mean ms':>10}{'added ms':>10}{'x':>8}")
+    print(f"{'config':<12}{'median ms':>10}{'added ms':>10}{'x':>8}{'mean ms':>10}")
     for n, r in results.items():
-        print(f"{n:<12}{r['mean_s'] * 1e3:>10.2f}{r['added_s'] * 1e3:>10.2f}{r['ratio']:>8.2f}")
+        print(
+            f"{n:<12}{r['median_s'] * 1e3:>10.2f}{r['added_s'] * 1e3:>10.2f}{r['ratio']:>8.2f}"
+            f"{r['mean_s'] * 1e3:>10.2f}"
+        )
     if out["host_us_per_tensor"] is not None:
         print(f"sampled step: {out['host_us_per_tensor']:.1f} us of host work per inspected tensor")
     if out["unsampled_us_per_tensor"] is not None:

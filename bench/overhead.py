@@ -13,6 +13,8 @@ Configurations:
   precprof_1      precprof.Profiler, every step sampled
   precprof_10     precprof.Profiler(sample_every=10)
   precprof_auto   precprof.Profiler() as users get it: sampling within its overhead budget (3% of the run)
+  precprof_0      attached, no step sampled (sample_every=0): what an unsampled step costs
+  baseline_b      a second un-profiled copy: how far two identical configurations differ in the same run
   precprof_1_noblocks  every step sampled, without the block-format what-if (block_formats=False): what the
                   block formats cost (precprof_1 evaluates them for as many of the linear layers per
                   sampled step as fit the default block budget: block_groups=None, capture/block_budget.py)
@@ -311,10 +313,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     makers: dict[str, Callable[[], Monitor]] = {
         "baseline": Monitor,
+        "baseline_b": lambda: Monitor(),  # a second un-profiled copy: how far two identical configurations differ
         "floor": Floor,
         "precprof_1": lambda: Precprof(1),
         "precprof_10": lambda: Precprof(10),
         "precprof_auto": lambda: Precprof(None),
+        "precprof_0": lambda: Precprof(0),
         "precprof_1_noblocks": lambda: Precprof(1, block_formats=False),
         "precprof_1_allblocks": lambda: Precprof(1, block_groups=1),
         "debug_uo": DebugUO,
@@ -356,7 +360,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 sync()
                 marks = Marks(dev)
                 with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                    logits = model(x)
+                    out = model(x)
+                logits = getattr(out, "logits", out)  # a Hugging Face model returns a ModelOutput
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
                 marks.mark()
                 scaler.scale(loss).backward()
