@@ -280,7 +280,7 @@ def test_the_direct_launch_writes_the_rows_tritons_own_launch_writes() -> None:
     plain.primary._triton._direct.clear()  # Triton's launch only
     g = torch.Generator(device="cpu").manual_seed(3)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        x = (torch.randn(70_001, generator=g) * 30).to(dtype).cuda()
+        x = (torch.randn(70_007, generator=g) * 30).to(dtype).cuda()
         for buf in (direct, plain):
             buf.accumulate(x, 0)
             buf.accumulate(x.view(7, -1)[:, ::3], 1)  # strided
