@@ -294,11 +294,12 @@ profiled = sys.argv[6] == "profiled"
 sync(); t = time.perf_counter()
 # the kernels compile beside the training: steps run unsampled until they are loaded, then every other step
 prof = precprof.Profiler(model, optimizer=opt, sample_every=2).attach() if profiled else None
-sync(); out = {"attach_s": time.perf_counter() - t, "steps_s": [], "sampled": []}
+sync(); out = {"attach_s": time.perf_counter() - t, "steps_s": [], "sampled": [], "step_starts_s": []}
+t_attach = t
 t_end = time.perf_counter() + float(sys.argv[7])
 while len(out["steps_s"]) < 6 or (profiled and sum(out["sampled"]) < 3 and time.perf_counter() < t_end):
     out["sampled"].append(bool(prof is not None and prof.sampling))
-    sync(); t = time.perf_counter()
+    sync(); t = time.perf_counter(); out["step_starts_s"].append(t - t_attach)
     with torch.autocast(dev.type, dtype=torch.bfloat16):
         logits = model(x)
     F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
@@ -310,8 +311,23 @@ if prof is not None:
     s = prof.summary()
     out["sampling"] = s["sampling"]; out["compiled_beside_training_s"] = s["stats_engine"].get("compiled_beside_training_s")
     out["launch"] = s["stats_engine"].get("launch")
+    # the compile's phases, in seconds from attach's start like the steps' starts
+    t0 = prof._buffer.warm_t0 if prof._buffer is not None else None
+    out["compile_phases_s"] = {
+        k: [round(a + t0 - t_attach, 3), round(b + t0 - t_attach, 3)]
+        for k, (a, b) in (s["stats_engine"].get("compile_phases_s") or {}).items()
+    } if t0 is not None else {}
 print("RESULT " + json.dumps(out))
 """
+
+
+def _overlapping(res: dict[str, Any], i: int) -> list[str]:
+    """The parts of the compile beside the training (compile, load, check) that step ``i`` overlapped."""
+    starts = res.get("step_starts_s") or []
+    if i >= len(starts):
+        return []
+    a, b = starts[i], starts[i] + res["steps_s"][i]
+    return [k for k, (p0, p1) in (res.get("compile_phases_s") or {}).items() if p0 < b and a < p1]
 
 
 def stage_first_step(run: Run) -> dict[str, Any]:
@@ -340,6 +356,7 @@ def stage_first_step(run: Run) -> dict[str, Any]:
             later_plain = [t for t, s in zip(steps[1:], sampled[1:], strict=True) if not s]
             if later_sampled:
                 res["worst_step_over_later_sampled"] = max(steps) / statistics.median(later_sampled)
+            res["worst_step_during"] = _overlapping(res, steps.index(max(steps))) if steps else []
             if later_sampled and later_plain:
                 res["sampled_over_unsampled"] = statistics.median(later_sampled) / statistics.median(
                     later_plain

@@ -28,7 +28,7 @@ def test_profiled_gpt2_small_step_never_syncs(precision: str) -> None:
     scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
     x = torch.randint(0, 256, (4, 256), device=dev)
     y = torch.randint(0, 256, (4, 256), device=dev)
-    prof = precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1)
+    prof = precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, compile_beside=False)
     with prof:
         for _ in range(2):
             torch.cuda.set_sync_debug_mode("error")

@@ -525,7 +525,7 @@ def test_exception_mid_forward_then_detach(exc: type[BaseException]) -> None:
     if exc is RuntimeError:
         assert top is None  # the always-called post-hook popped the saved-tensor hooks at once
     else:
-        assert top is not None and top[0] == tr._pack_fn  # stale: nothing ran after the interrupt
+        assert top is not None and top[0] == tr._pack  # stale: nothing ran after the interrupt
     tr.detach()
     assert_no_hooks(model)
 
@@ -809,3 +809,28 @@ def test_hf_gpt2_conv1d_weight_copies_and_saved_tensors() -> None:
     matmul_weights = sum(m.weight.numel() for m in conv1d) + model.lm_head.weight.numel()
     assert total(rows, T.AUTOCAST_WEIGHT_COPIES, dtype="bfloat16") == 2 * matmul_weights
     assert tr.model_facts()["matmul_weight_numel"] == matmul_weights
+
+
+def test_a_detached_tracker_keeps_nothing_alive() -> None:
+    """After detach, dropping the model and the tracker frees the model at once (reference counting), without
+    waiting for the garbage collector: no hook closure or bound method of the tracker refers back to it."""
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    tr = MemoryTracker(model, None)
+    tr.attach()
+    tr.begin_step(0, True)
+    x = torch.randn(4, 8)
+    F.mse_loss(model(x), x).backward()
+    tr.end_step(0)
+    tr.detach()
+    alive = weakref.ref(model), weakref.ref(tr)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del model, tr
+        assert alive[0]() is None and alive[1]() is None
+    finally:
+        if was:
+            gc.enable()

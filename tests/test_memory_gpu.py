@@ -3,6 +3,7 @@ in one part, the process's peak counters untouched, NVML, no host sync."""
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -113,6 +114,9 @@ def test_a_users_peak_counters_read_the_same_with_the_tracker() -> None:
         step(model, opt, None, i)
 
     def user_peak(tr: MemoryTracker | None) -> tuple[int, int]:
+        # what earlier tests left to the garbage collector (an optimizer is a reference cycle in torch itself:
+        # an H200 run freed the previous test's model and AdamW states, 96 MiB, between the two measurements)
+        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()  # the user's own reset, before their measured steps
         for i in range(3, 6):
@@ -142,7 +146,8 @@ def test_a_program_recording_the_allocator_history_is_left_alone() -> None:
         torch.cuda.memory._record_memory_history(None)
         tr.detach()
     assert "history itself" in tr.peak_note
-    assert total(rows, T.ALLOCATOR_PEAK) == 0 and total(rows, T.PARAMETERS) > 0
+    # no replay: no parts at the peak; the phase peaks come from the process's counters, as without a history
+    assert not [r for r in rows if r[T.MOMENT] == T.MOMENT_PEAK] and total(rows, T.PARAMETERS) > 0
 
 
 def test_nvml_rows_when_a_driver_is_there() -> None:

@@ -96,3 +96,21 @@ def test_each_element_is_read_once_but_a_window_probe(monkeypatch: pytest.Monkey
             assert set(of_x) == set(want), where  # every element, nothing else of the storage
             assert all(of_x[a] >= n for a, n in want.items()), where
             assert 0 <= sum(of_x.values()) - sum(want.values()) <= most_extra, where
+
+
+def test_kernels_compiled_beside_the_training_are_ready_and_say_how_long() -> None:
+    """``background=True``: the compile runs on a thread; ``ready`` turns true once it is done, with its time and
+    its parts (compile, load, check) in order, and the rows then read what the constructor's compile reads."""
+    beside = StatsBuffer(2, "cpu", engine="triton", host_rows=False, background=True)
+    beside.wait_ready()
+    assert beside.ready and beside.warm_error is None and beside.warm_s is not None
+    phases = beside.warm_phases
+    assert list(phases) == ["compile", "load", "check"]
+    ends = [b for _, b in phases.values()]
+    assert all(a <= b for a, b in phases.values()) and ends == sorted(ends) and ends[-1] <= beside.warm_s
+    at_once = StatsBuffer(2, "cpu", engine="triton", host_rows=False)
+    assert at_once.ready and at_once.warm_s is None  # compiled in the constructor, nothing beside
+    x = torch.linspace(-3, 3, 999)
+    for buf in (beside, at_once):
+        buf.accumulate(x, 1)
+    assert torch.equal(beside.dense(), at_once.dense())

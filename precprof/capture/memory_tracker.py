@@ -135,8 +135,6 @@ class MemoryTracker:
         self._stack: list[tuple[str, nn.Module | None]] = []  # running modules, innermost last
         self._recording = False  # inside a sampled forward with our saved-tensor hooks pushed
         self._saved_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
-        self._pack_fn: Callable[[torch.Tensor], torch.Tensor] = self._pack
-        self._unpack_fn: Callable[[torch.Tensor], torch.Tensor] = self._unpack
         self._unpacks = 0  # saved tensors read back by backward (any step): tells forwards apart
         self._unpacks_mark = -1
         self._groups: list[_Group] = []
@@ -204,6 +202,8 @@ class MemoryTracker:
         self._peak.stop()
         self._pop_saved_hooks(final=True)
         self._uninstall()
+        # the hooks' closures refer back to the tracker: dropped, nothing keeps the model alive through them
+        self._module_hooks, self._hookset = [], None
         self._stack.clear()
         self._recording = False
         self._attached = False
@@ -471,7 +471,7 @@ class MemoryTracker:
             # Backward ran since the previous forward started: its saved tensors are gone, start a new group.
             self._groups.append(_Group())
         self._unpacks_mark = self._unpacks
-        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack_fn, self._unpack_fn)
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         try:
             ctx.__enter__()
         except RuntimeError:
@@ -520,8 +520,8 @@ class MemoryTracker:
             return
         top = _compat.top_saved_tensors_hooks()
         if top is _compat.NO_QUERY:
-            top = (self._pack_fn, self._unpack_fn)
-        if top is not None and top[0] == self._pack_fn:
+            top = (self._pack, self._unpack)
+        if top is not None and top[0] == self._pack:
             ctx.__exit__(None, None, None)
             self._saved_ctx = None
         elif final:

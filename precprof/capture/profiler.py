@@ -120,6 +120,12 @@ class Profiler(ProfilerResults):
             by the new ones, sampling keeps the original run's rhythm, and the steps table marks the restart
             (``resumed``). A directory without a run starts one.
         overwrite: with ``out``, replace a run already there (precprof's files only).
+        compile_beside: on a GPU, compile the statistics kernels (Triton) on a thread beside the training, and
+            sample steps once they are ready (True, the default: with an empty kernel cache no step waits for
+            a compile; the summary says how many steps were held). False: compile them at ``attach()``, which
+            then takes as long as the compile (seconds with Triton's cache, minutes on a machine's first run),
+            so that the steps asked for are sampled from the first one (tests, short runs). Under
+            torch.distributed the kernels always compile at attach, so that every rank samples the same steps.
 
     On a step that is not sampled precprof has no hook on the model (they are installed for a sampled step
     and removed at its end: ``capture/hooks.py``), so a ``torch.compile``d model runs the graph it runs
@@ -156,6 +162,7 @@ class Profiler(ProfilerResults):
         out: Any = None,
         resume: bool = False,
         overwrite: bool = False,
+        compile_beside: bool = True,
     ) -> None:
         if sample_every is not None and sample_every < 0:
             raise ValueError("sample_every must be >= 0 (0 records steps only) or None (an overhead budget)")
@@ -203,6 +210,7 @@ class Profiler(ProfilerResults):
         self._out = out
         self._resume = resume
         self._overwrite = overwrite
+        self._compile_beside = bool(compile_beside)
         self._owned_run: rundir.RunDir | None = None
         self._reducer_spec = reducer
         self._reducer: Any = None
@@ -305,7 +313,7 @@ class Profiler(ProfilerResults):
             # the Triton kernels of the model's dtypes compile now, never in a hook: beside the training (steps
             # are sampled once they are ready), or here for every rank alike (ranks sample the same steps)
             dtypes=sorted({p.dtype for p in self.model.parameters() if p.is_floating_point()}, key=str),
-            background=self._reducer is None,
+            background=self._compile_beside and self._reducer is None,
         )
         self._open_stream()
         self._blocks.deal(plan)

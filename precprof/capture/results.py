@@ -196,6 +196,7 @@ class ProfilerResults:
                 "launch": self._buffer.launches if self._buffer is not None else {},
                 "compiled_beside_training_s": self._buffer.warm_s if self._buffer is not None else None,
                 "compile_error": self._buffer.warm_error if self._buffer is not None else None,
+                "compile_phases_s": self._buffer.warm_phases if self._buffer is not None else {},
             },
             "skipped_tensors": self.skipped_tensors(),
             "steps_recorded": self._recorded.steps_recorded,

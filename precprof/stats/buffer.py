@@ -62,6 +62,12 @@ def make_rows(
     return kind(rows, device, chunk, engine=engine, layout=layout, block_slot=block_slot)
 
 
+# compile threads beside the training: each holds the interpreter lock through the Python part of a compile, so
+# the training thread's share of it shrinks with every thread (at attach, with nothing to share it with, as many
+# as there are kernels)
+BESIDE_WORKERS = 2
+
+
 class StatsBuffer:
     """Per-step statistics of ``rows`` tensor slots, on every device the tensors live on.
 
@@ -95,6 +101,10 @@ class StatsBuffer:
         self._warming: list[threading.Thread] = []
         self.warm_s: float | None = None
         self.warm_error: str | None = None
+        # when each part of the compile beside the training began and ended (seconds from its start:
+        # "compile", "load", "check"), to tell which one a slow training step overlapped
+        self.warm_phases: dict[str, tuple[float, float]] = {}
+        self.warm_t0: float | None = None
         # the dtypes whose Triton kernels are compiled at attach (``_triton_warm``): the common three and any
         # others given (the model's parameters' dtypes)
         self.dtypes = tuple(
@@ -151,9 +161,9 @@ class StatsBuffer:
         return part
 
     def _warm_beside(self, part: DeviceRows) -> None:
-        t0 = time.perf_counter()
+        t0 = self.warm_t0 = time.perf_counter()
         try:
-            self._triton_warm(part)
+            self._triton_warm(part, workers=BESIDE_WORKERS)
         except Exception as e:  # the kernels then compile at their first launch; the run goes on
             self.warm_error = f"{type(e).__name__}: {e}"
         self.warm_s = time.perf_counter() - t0
@@ -176,7 +186,7 @@ class StatsBuffer:
         """The rows of ``device`` (made, with its engine, at the first call): the hooks add into them directly."""
         return self._parts.get(device) or self._part(device)
 
-    def _triton_warm(self, part: DeviceRows) -> None:
+    def _triton_warm(self, part: DeviceRows, workers: int | None = None) -> None:
         """Compile, when the rows are made (the Profiler's attach), every Triton kernel variant a tensor of
         ``self.dtypes`` can launch (the row statistics; the block kernels when rows hold block statistics),
         so that nothing compiles inside a hook (an H100's first sampled step stalled 18.8 s compiling). Launches
@@ -184,12 +194,22 @@ class StatsBuffer:
         assert part._triton is not None
         block_dtypes = [d for d in self.dtypes if d in _BLOCK_DTYPES] if len(self.block_rows) else []
         tasks = 3 * len(self.dtypes) + 2 * len(block_dtypes)
-        with triton_engine.parallel_compile(tasks):  # the compiles run side by side, all done at its exit
+        t0 = time.perf_counter()
+        # the compiles run side by side, all done at the block's exit
+        with triton_engine.parallel_compile(tasks, workers):
             kernels = part._triton.warm(self.dtypes, load=False)
             if block_dtypes:
                 kernels += triton_block.warm(part.device, block_dtypes, _blocks.RECIPES, load=False)
+        t1 = time.perf_counter()
         triton_engine.load_kernels(kernels)
+        t2 = time.perf_counter()
         part._triton.adopt_compiled()  # the row kernels launched directly from now on
+        t3 = time.perf_counter()
+        start = self.warm_t0 if self.warm_t0 is not None else t0
+        self.warm_phases = {
+            name: (round(a - start, 3), round(b - start, 3))
+            for name, a, b in (("compile", t0, t1), ("load", t1, t2), ("check", t2, t3))
+        }
 
     @property
     def primary(self) -> Rows | None:

@@ -228,11 +228,12 @@ def load_kernels(kernels: Iterable[Any]) -> int:
 
 
 @contextlib.contextmanager
-def parallel_compile(tasks: int) -> Iterator[None]:
+def parallel_compile(tasks: int, workers: int | None = None) -> Iterator[None]:
     """Compile the Triton kernels asked for inside the block on a pool of threads (Triton's own
     ``AsyncCompileMode``: a ``warmup`` returns a future; all are done when the block exits). Serial where this
     Triton has no such mode, in the interpreter, or for one task. Compiling the 15 kernels of three dtypes
-    one after another took 130 s on an H100 machine's first run (8-14 s each)."""
+    one after another took 130 s on an H100 machine's first run (8-14 s each). ``workers``: at most this many
+    threads (default: one per task, up to the CPUs and 16)."""
     if interpreting() or triton_missing() is not None:
         yield
         return
@@ -240,7 +241,7 @@ def parallel_compile(tasks: int) -> Iterator[None]:
 
     mode = getattr(triton, "AsyncCompileMode", None)
     active = getattr(getattr(getattr(triton, "runtime", None), "_async_compile", None), "active_mode", None)
-    workers = min(tasks, os.cpu_count() or 1, 16)
+    workers = min(tasks, os.cpu_count() or 1, 16, workers or tasks)
     if mode is None or workers < 2 or (active is not None and active.get() is not None):  # one at a time
         yield
         return
