@@ -184,9 +184,9 @@ def test_no_step_waits_for_the_statistics_kernels_to_compile(monkeypatch: pytest
     monkeypatch.setenv("PRECPROF_STATS_ENGINE", "triton")
     real = buffer_mod.StatsBuffer._triton_warm
 
-    def slow_compile(self: buffer_mod.StatsBuffer, part: object) -> None:
+    def slow_compile(self: buffer_mod.StatsBuffer, part: object, **kw: object) -> None:
         time.sleep(1.0)  # what a cold compile takes (16 s on an H200)
-        real(self, part)  # type: ignore[arg-type]
+        real(self, part, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(buffer_mod.StatsBuffer, "_triton_warm", slow_compile)
     torch.manual_seed(0)

@@ -63,8 +63,10 @@ class PhaseCounters:
     def mark(self, new_phase: str) -> None:
         """A phase boundary: the ending phase's counter peaks."""
         if self.cuda is not None:
-            maxima = self._max()
-            self.sample_live()
+            c = self._counters()  # one read of the allocator's statistics (a dict of ~100 entries)
+            maxima = c.get("allocated_bytes.all.peak", 0), c.get("reserved_bytes.all.peak", 0)
+            live = c.get("allocated_bytes.all.current", 0), c.get("reserved_bytes.all.current", 0)
+            self._phase_live = (max(self._phase_live[0], live[0]), max(self._phase_live[1], live[1]))
             for i, (comp, value) in enumerate(
                 zip((T.ALLOCATOR_PEAK, T.ALLOCATOR_RESERVED_PEAK), maxima, strict=True)
             ):
@@ -76,8 +78,10 @@ class PhaseCounters:
                     self.peaks[key] = max(self.peaks.get(key, 0), self._phase_live[0])
             if self.reset_peaks:
                 torch.cuda.reset_peak_memory_stats(self.cuda)
-            self._seen_max = self._max()
-            self._phase_live = self._live()
+                self._seen_max = self._max()
+                self._phase_live = self._live()
+            else:  # nothing changed since the read above
+                self._seen_max, self._phase_live = maxima, live
         self.phase = new_phase
 
     def device_memory(self) -> dict[str, int]:

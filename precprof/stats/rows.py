@@ -49,6 +49,10 @@ class Rows:
         # threads per C kernel call (0: torch.get_num_threads()); decided on first use
         self.kernel_threads: int | None = None
         self._last_stream: Any = None
+        self._last_raw_stream: int | None = None
+        # rows written (counts or block statistics) since the last reset of all rows: an ``assign`` into a row
+        # that was not needs no clearing (the hook of every weight gradient assigns)
+        self._written = np.zeros(rows, dtype=bool)
         # the torch-op path's scratch, grown to the largest chunk seen
         self._scratch_len = 0
         self._f64 = torch.empty(0, dtype=torch.float64, device=device)
@@ -104,6 +108,7 @@ class Rows:
     def reset(self, rows: slice | None = None) -> None:
         """Zero the counts of all rows (or ``rows``) and their block statistics; device ops, no sync."""
         sl = rows if rows is not None else slice(None)
+        self._written[sl] = False
         self._blocks_added.clear()
         self._reset_blocks(sl)
         self.reset_counts(sl)
@@ -123,13 +128,16 @@ class Rows:
         scratch are shared. An event, not a host sync."""
         if self.device.type != "cuda":
             return
+        raw = torch._C._cuda_getCurrentRawStream(self.device.index)  # an int: no Stream object per call
+        if raw == self._last_raw_stream:
+            return
         cur = torch.cuda.current_stream(self.device)
         last = self._last_stream
         if last is not None and last != cur:
             event = torch.cuda.Event()
             event.record(last)
             cur.wait_event(event)
-        self._last_stream = cur
+        self._last_stream, self._last_raw_stream = cur, raw
 
     def _ensure_scratch(self, n: int) -> None:
         if n <= self._scratch_len:
@@ -189,6 +197,7 @@ class Rows:
         slot = int(self._block_slot[row])
         if slot < 0:
             return
+        self._written[row] = True
         version = _compat.tensor_version(x)
         key = (id(x), row)
         if version is not None:

@@ -87,8 +87,9 @@ class DeviceRows(_rows.Rows):
         one Triton launch, or torch ops in chunks. Never syncs."""
         if _rows.NO_READ:
             return
-        if assign:
+        if assign and self._written[row]:
             self.reset(slice(row, row + 1))
+        self._written[row] = True
         if x.numel() == 0:
             return
         self._order_stream()

@@ -163,6 +163,12 @@ def _dims(x: torch.Tensor) -> tuple[int, list[tuple[int, int]]] | None:
     return len(merged), merged
 
 
+def _geometry_of(n: int, ndim: int, dims: list[tuple[int, int]]) -> tuple[int, ...]:
+    """(n, full blocks, size1, size2, stride0, stride1, stride2) from ``_dims``' dimensions."""
+    (_, st0), (s1, st1), (s2, st2) = dims + [(1, 0)] * (3 - ndim)
+    return (n, n // BLOCK, s1, s2, st0, st1, st2)
+
+
 class Variant(NamedTuple):
     """What makes Triton compile ``_rows`` anew: the dtype's kind, strided or contiguous, and (contiguous
     only) whether the data pointer is 16-byte aligned. Every other argument is a constant of the layout or an
@@ -407,11 +413,7 @@ class TritonRows:
         """(n, full blocks, size1, size2, stride0, stride1, stride2) of a tensor the kernel reads."""
         shape = _dims(xi)
         assert shape is not None
-        ndim, dims = shape
-        dims = dims + [(1, 0)] * (3 - ndim)
-        (_, st0), (s1, st1), (s2, st2) = dims
-        n = xi.numel()
-        return (n, n // BLOCK, s1, s2, st0, st1, st2)
+        return _geometry_of(xi.numel(), *shape)
 
     def add(self, x: torch.Tensor, rows: torch.Tensor, row: int) -> bool:
         """Add the statistics of ``x`` into ``rows[row]`` (``rows``: a contiguous [n, layout.width] int64
@@ -419,11 +421,15 @@ class TritonRows:
         reads (the caller takes the torch-op path). The launch goes straight to the compiled kernel when
         ``warm`` compiled its variant (``_DirectLaunch``: a few microseconds of host work instead of Triton's
         argument binding and specialisation on every call)."""
-        v = variant(x)
-        if v is None:
+        kind = KINDS.get(x.dtype)
+        shape = _dims(x) if kind is not None else None
+        if kind is None or shape is None:
             return False
-        xi = x.view(KINDS[x.dtype][1])
-        geometry = self._geometry(xi)
+        ndim, dims = shape
+        xi = x.view(kind[1])
+        strided = not (ndim == 1 and dims[0][1] == 1)
+        v = Variant(kind[0], strided, not strided and xi.data_ptr() % 16 == 0)  # what variant(x) says
+        geometry = _geometry_of(xi.numel(), ndim, dims)
         programs = max(1, min(self.max_programs, -(-geometry[0] // BLOCK)))
         direct = self._direct.get(v)
         if direct is not None:
