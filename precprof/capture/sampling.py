@@ -25,7 +25,9 @@ the steps that matter are then not sampled on their own, as a rank's loss is its
 The overhead of a sampled step is its time beyond the median of recent unsampled steps (measured by
 ``Profiler.step``'s clock, which on a GPU includes waiting for the device at the sampled step's copy); the
 run's first step is left out (its time is warm-up: allocations, compilation, precprof's first use of its
-kernels). The overhead reached is their sum over the time of every step. Past sampled steps are re-costed
+kernels), and so is the first unsampled step: a ``torch.compile``d model's sampled steps run eagerly, so its
+first unsampled step is its first compiled one, whose time is Dynamo's and inductor's (seconds, against
+milliseconds a step: taken as the unsampled median, it made every later step look free to sample). The overhead reached is their sum over the time of every step. Past sampled steps are re-costed
 whenever the unsampled median moves, so the first steps, taken before any unsampled step was timed, are
 costed like the others.
 """
@@ -78,6 +80,7 @@ class Sampler:
     held: int = 0  # steps not sampled because the statistics kernels were still compiling
     first_sampled: int | None = None  # the first step sampled
     _firsts: int = 0
+    _unsampled_seen: bool = False  # the first unsampled step (warm-up of the unsampled path) has passed
     next_step: int | None = None  # with ``synchronized``, the next budgeted step
 
     def __post_init__(self) -> None:
@@ -167,8 +170,10 @@ class Sampler:
             return
         if reason:
             self.sampled_times.append(time_s)
-        else:
+        elif self._unsampled_seen:
             self._unsampled.append(time_s)
+        else:  # the first unsampled step: a compiled model's first compiled run (see the module docstring)
+            self._unsampled_seen = True
 
     def observe_values(self, loss: float, skipped: bool) -> None:
         """A step's loss and whether the GradScaler skipped it, once they reached the host: the next decision
