@@ -157,11 +157,20 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     known = {m: f for m in linear if (f := shapes[m].flops_per_token) is not None}
     total = sum(known.values())
     plan.fp8_flops_share = sum(known.get(m, 0) for m in plan.fp8_eligible) / total if total > 0 else None
+
+    def calls(modules: list[str]) -> list[tuple[int, int, int]]:
+        """The forward (tokens, in, out) of each call of these modules, those of unknown shape left out."""
+        return [
+            (sh.tokens, sh.in_features, sh.out_features)
+            for m in modules
+            if (sh := shapes[m]).tokens and sh.in_features and sh.out_features
+            for _ in range(max(sh.calls, 1))
+        ]
+
+    # the step's speed: the eligible layers FP8 would convert, beside the linear layers left in bf16
+    eligible = set(plan.fp8_eligible)
     plan.fp8_speed = fp8_speed.estimate(
-        (sh.tokens, sh.in_features, sh.out_features)
-        for m in plan.fp8_eligible
-        if (sh := shapes[m]).tokens and sh.in_features and sh.out_features
-        for _ in range(max(sh.calls, 1))
+        calls(plan.fp8_eligible), calls([m for m in linear if m not in eligible])
     )
     unknown = [m for m in linear if m not in known]
     tied = [m for m in linear if shapes[m].tied_to is not None]
@@ -276,24 +285,23 @@ def _speed_finding(run: _Run, plan: _Plan) -> None:
         return
     cfg = run.cfg
     pays = est.speedup > cfg.fp8_speedup_min
+    lo, hi = fp8_speed.FITTED_INTENSITY
     beyond = {
-        "below": " (some layers are smaller than the smallest measured shape: the estimate is the speedup "
-        "measured there, and theirs is likely lower)",
-        "above": " (some layers are larger than the largest measured shape: the speedup measured there)",
+        "below": f" Their intensity is below that of every step the constants were measured on ({lo:.0f} to "
+        f"{hi:.0f}): extrapolated, towards smaller GEMMs, where FP8 only loses more.",
+        "above": f" Their intensity is above that of every step the constants were measured on ({lo:.0f} to "
+        f"{hi:.0f}): extrapolated; other stacks measured FP8 faster there than this estimates (see the sources).",
     }.get(est.beyond, "")
     plan.add(
         Finding(
             "fp8_speed",
             INFO,
             f"FP8 {'would pay' if pays else 'would not pay'} at these GEMM shapes: an estimated "
-            f"{est.speedup:.2f}x of bf16's speed",
-            f"An estimate, not a measurement of this run: the {est.layers} FP8-eligible linear layers' GEMMs "
-            f"(tokens x in x out per call; FLOPs-weighted intensity M K N / (M K + K N + M N) = "
-            f"{est.intensity:.0f}) would run at {est.speedup:.2f}x of bf16's speed in tensorwise FP8, compiled"
-            f"{beyond}. FP8 halves the GEMMs' tensor-core time but casts every input, weight and output gradient "
-            "(read for its amax, written in FP8 twice): the casts grow as M K + K N + M N and the saving as M K N, "
-            "so small GEMMs lose. Interpolated in log(intensity) between measured speedups; FP8 is advised only "
-            f"above {cfg.fp8_speedup_min:g}x. Sources: {fp8_speed.sources()}",
+            f"{est.speedup:.2f}x of bf16's speed a training step",
+            f"An estimate, not a measurement of this run (tensorwise FP8, compiled, against bf16, compiled): "
+            f"{est.explain()}{beyond} The constants come from whole training steps measured on an "
+            f"{est.constants.device} (analysis/fp8_speed.py); FP8 is advised only above "
+            f"{cfg.fp8_speedup_min:g}x. Sources: {fp8_speed.sources()}",
             "Measure it on the target: precprof compare --precisions bf16,fp8 (both compiled) times both."
             if pays
             else "Keep these layers in bf16 on this model; FP8 pays for larger GEMMs (wider layers or more "
@@ -301,8 +309,11 @@ def _speed_finding(run: _Run, plan: _Plan) -> None:
             modules=[],
             numbers={
                 "estimated_speedup": est.speedup,
+                "layers_speedup": est.layers_speedup,
+                "gemm_share": est.gemm_share,
                 "intensity": est.intensity,
                 "layers": est.layers,
+                "layers_bf16": est.others,
                 "speedup_min": cfg.fp8_speedup_min,
             },
         )
