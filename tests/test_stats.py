@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -523,11 +524,15 @@ def test_accumulate_twice_is_sum() -> None:
     assert observed(r) == expected
 
 
-def test_assign_replaces_and_rows_are_independent() -> None:
+@pytest.mark.parametrize("device_rows", [False, True], ids=["host rows", "device rows"])
+def test_assign_replaces_and_rows_are_independent(device_rows: bool) -> None:
+    """An assign replaces what a row holds (the device rows clear a row only when it was written since the last
+    reset of all rows: a first assign after it has nothing to clear)."""
     a = random_values(400, 31).float()
     b = random_values(200, 32).float()
-    fresh = StatsBuffer(3, "cpu").to_host()
-    buf = StatsBuffer(3, "cpu")
+    kw: dict[str, Any] = {"engine": "torch", "host_rows": False} if device_rows else {}
+    fresh = StatsBuffer(3, "cpu", **kw).to_host()
+    buf = StatsBuffer(3, "cpu", **kw)
     buf.accumulate(a, 0)
     buf.accumulate(a, 2)
     buf.accumulate(b, 2, assign=True)
@@ -537,6 +542,11 @@ def test_assign_replaces_and_rows_are_independent() -> None:
     assert np.array_equal(host[2], _row(b))
     buf.accumulate(torch.empty(0), 0, assign=True)
     assert np.array_equal(buf.to_host()[0], fresh[0])
+    buf.reset()
+    buf.accumulate(b, 1, assign=True)  # nothing written since the reset
+    buf.accumulate(a, 1, assign=True)  # written: cleared first
+    host = buf.to_host()
+    assert np.array_equal(host[1], _row(a)) and np.array_equal(host[0], fresh[0])
 
 
 def test_reset() -> None:

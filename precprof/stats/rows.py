@@ -179,6 +179,11 @@ class Rows:
         if sl == slice(None):
             self._blocks.zero_()
             return
+        if sl.stop is not None and sl.start is not None and sl.stop - sl.start == 1:  # one row: its slot, if any
+            slot = int(self._block_slot[sl.start])
+            if slot >= 0:
+                self._blocks[slot].zero_()
+            return
         slots = self._block_slot[sl]
         slots = slots[slots >= 0]
         # zeroed in runs of consecutive slots, by views: an index tensor would be a host-to-device copy (from

@@ -46,6 +46,7 @@ class DeviceRows(_rows.Rows):
         super().__init__(rows, device, engine=engine, layout=layout, block_slot=block_slot)
         self.chunk = DEVICE_CHUNK if chunk is None else chunk
         self._data = layout.empty_rows(rows, device)
+        self._empty_row = layout.empty_rows(1, device)
         self._triton: triton_engine.TritonRows | None = None
         if engine == "triton":
             self._triton = triton_engine.TritonRows(device, layout)
@@ -78,6 +79,9 @@ class DeviceRows(_rows.Rows):
     def reset_counts(self, sl: slice) -> None:
         self._order_stream()
         target = self._data[sl]
+        if target.shape[0] == 1:  # one row (an assign into a row written before): one copy, not two kernels
+            target.copy_(self._empty_row)
+            return
         target.zero_()
         target[:, self.layout.absmin_bits] = _NO_MIN_BITS
 
