@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     makers: dict[str, Callable[[], Monitor]] = {
         "baseline": Monitor,
-        "baseline_b": lambda: Monitor(),  # a second un-profiled copy: how far two identical configurations differ
+        # a second un-profiled copy: how far two identical configurations differ
+        "baseline_b": lambda: Monitor(),
         "floor": Floor,
         "precprof_1": lambda: Precprof(1),
         "precprof_10": lambda: Precprof(10),
