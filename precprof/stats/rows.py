@@ -179,7 +179,8 @@ class Rows:
         if sl == slice(None):
             self._blocks.zero_()
             return
-        if sl.stop is not None and sl.start is not None and sl.stop - sl.start == 1:  # one row: its slot, if any
+        # one row (an assign into a row written before): its slot alone, if it has one
+        if sl.stop is not None and sl.start is not None and sl.stop - sl.start == 1:
             slot = int(self._block_slot[sl.start])
             if slot >= 0:
                 self._blocks[slot].zero_()
