@@ -109,6 +109,23 @@ def test_a_loose_budget_keeps_every_layer_on_every_step() -> None:
     assert "every linear layer on every sampled step" in _block_setting(prof.summary()["block_formats"])
 
 
+@pytest.mark.parametrize(("steps", "budget"), [(7, 1e-9), (6, 1e9), (2, 1e-9)])
+def test_the_summary_says_how_many_layers_were_covered_and_how_often(steps: int, budget: float) -> None:
+    """The summary's and the report's coverage is the layers table's: layers whose operands got block
+    statistics, and the fewest and most sampled steps that evaluated one."""
+    prof = _run(steps, block_budget=budget)
+    per_layer: dict[str, int] = {}
+    for layers in _evaluated(prof).values():
+        for name in layers:
+            per_layer[name] = per_layer.get(name, 0) + 1
+    counts = [per_layer.get(f"layers.{i}", 0) for i in range(4)]
+    desc = prof.summary()["block_formats"]
+    assert desc["layers"] == 4 and desc["layers_evaluated"] == sum(c > 0 for c in counts)
+    assert desc["evaluations"] == [min(counts), max(counts)]
+    text = _block_setting(desc)
+    assert f"{desc['layers_evaluated']} of 4 layers evaluated" in text
+
+
 def test_a_reattached_profiler_keeps_what_its_budget_measured() -> None:
     prof = _run(4, block_budget=1e-9)
     assert prof.block_groups == 4

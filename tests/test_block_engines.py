@@ -297,7 +297,13 @@ def test_block_groups_take_turns_and_give_the_same_numbers(block_formats_on: Non
         np.testing.assert_array_equal(got, want, err_msg=str(key))
         evaluated += 1
     assert evaluated == 2 * 3 + 2 * 3  # fc1's 3 operands on steps 0 and 2, fc2's 3 on steps 1 and 3
-    assert turns.summary()["block_formats"] == {"groups": 2, "adaptive": False}
+    assert turns.summary()["block_formats"] == {
+        "groups": 2,
+        "adaptive": False,
+        "layers": 2,  # fc1 and fc2
+        "layers_evaluated": 2,
+        "evaluations": [2, 2],  # each on 2 of the 4 sampled steps
+    }
     with pytest.raises(ValueError, match="block_groups must be >= 1"):
         Profiler(MLP(), block_groups=0)
 

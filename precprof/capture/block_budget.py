@@ -98,6 +98,8 @@ class BlockDeal:
         self.loads: list[int] = [1]
         self.turn = 0
         self._samples = 0  # sampled steps so far
+        self._slots: list[Any] = []  # the plan's layers that get the what-if (their ``block_group``)
+        self.turns: dict[str, int] = {}  # layer -> sampled steps that evaluated its block formats
 
     @property
     def groups(self) -> int:
@@ -106,8 +108,11 @@ class BlockDeal:
     def deal(self, plan: Any, groups: int | None = None) -> None:
         """Deal ``plan``'s layers into ``groups`` groups (at attach: the budget's start; a re-attached
         Profiler keeps what its budget measured). ``plan``: a ``capture.plan.CapturePlan``."""
+        self._slots = plan.block_slots()
+        for slot in self._slots:
+            self.turns.setdefault(slot.name, 0)
         if groups is None:
-            n = len(plan.block_slots())
+            n = len(self._slots)
             if self.budget.n_layers != n:
                 self.budget = BlockBudget(self.share, self.fixed, n_layers=n)
             groups = self.budget.groups
@@ -118,6 +123,24 @@ class BlockDeal:
         self.turn = self._samples % self.groups
         self._samples += 1
         return self.turn
+
+    def count_turn(self) -> None:
+        """The sampled step that began with ``next_turn`` recorded its statistics: its group's layers were
+        evaluated once more."""
+        for slot in self._slots:
+            if slot.block_group == self.turn:
+                self.turns[slot.name] = self.turns.get(slot.name, 0) + 1
+
+    def describe(self) -> dict[str, Any]:
+        """The ``block_formats`` entry of the capture summary: the budget's, and how many layers the sampled
+        steps covered and how often (``layers``, ``layers_evaluated``, ``evaluations``: fewest and most sampled
+        steps that evaluated a layer)."""
+        out = self.budget.describe()
+        counts = list(self.turns.values())
+        out["layers"] = len(counts)
+        out["layers_evaluated"] = sum(c > 0 for c in counts)
+        out["evaluations"] = [min(counts), max(counts)] if counts else [0, 0]
+        return out
 
     def adapt(self, plan: Any, step: int, step_s: float, block_s: float, mean: Any = None) -> None:
         """After a sampled step's host copy: from what its what-if cost (``block_s`` of ``step_s``), re-deal the

@@ -392,6 +392,8 @@ class Profiler(ProfilerResults):
         self._remove_hooks()
         # a step that was in progress (crash, Ctrl-C, or hooks removed mid-step) keeps what it recorded
         if self._sampling and has_data:
+            if self._block_formats:
+                self._blocks.count_turn()
             self._pending.append(self._make_pending(None, None, None, partial=True))
             self._flush(sampled_step_done=True)
         else:
@@ -495,6 +497,8 @@ class Profiler(ProfilerResults):
         started = self._t_last  # this step's start (the previous step's end)
         if self._sampling:
             self._end_sampled_hooks()
+            if self._block_formats:
+                self._blocks.count_turn()
         clipped = self._clip_norms.take() if self._clip_norms is not None else None
         if grad_norm is None:
             grad_norm = clipped

@@ -188,7 +188,7 @@ class ProfilerResults:
         return {
             "sample_every": self.sample_every,
             "sampling": self._sampler.describe(),
-            "block_formats": (self._blocks.budget.describe() if self._block_formats else False),
+            "block_formats": (self._blocks.describe() if self._block_formats else False),
             "device": str(self._device),
             "stats_engine": {
                 **st.engine_status([self._device]),

@@ -453,12 +453,29 @@ def block_setting(v: Any) -> str:
         else f"each linear layer on every {F.ordinal(n)} sampled step ({n} groups taking turns)"
     )
     if not v.get("adaptive"):
-        return f"on, {turns} (block_groups={n})"
+        return f"on, {turns} (block_groups={n})" + _coverage(v)
     out = f"on, {turns}: as many groups as keep the what-if within {F.pct(float(v.get('budget') or 0))} of a sampled step"
     cost = v.get("every_layer_cost")
     if isinstance(cost, (int, float)) and math.isfinite(cost):
         out += f" (every layer at once was measured to add {F.pct(float(cost))})"
-    return out
+    return out + _coverage(v)
+
+
+def _coverage(v: Mapping[str, Any]) -> str:
+    """How many linear layers the sampled steps evaluated, and on how many steps each ("" when not recorded)."""
+    layers, done, ev = _int(v.get("layers")), _int(v.get("layers_evaluated")), v.get("evaluations")
+    if not layers or done is None:
+        return ""
+    text = f"; {F.count(done)} of {F.count(layers)} layers evaluated"
+    if not (isinstance(ev, (list, tuple)) and len(ev) == 2) or not done:
+        return text
+    lo, hi = _int(ev[0]), _int(ev[1])
+    if hi is None:
+        return text
+    steps = lambda n: f"{F.count(n)} sampled step{'' if n == 1 else 's'}"  # noqa: E731
+    if done < layers or lo is None:
+        return text + f", each on at most {steps(hi)}"
+    return text + (f", each on {steps(lo)}" if lo == hi else f", each on {F.count(lo)} to {steps(hi)}")
 
 
 def environment(summary: Mapping[str, Any]) -> dict[str, Any]:
