@@ -275,7 +275,46 @@ def stage_kernels(run: Run) -> dict[str, Any]:
                 rec[f"blocks_{block_engine}_vs_sum"] = t_sum / t
             rows.append(rec)
             del x
-    return {"rows": rows, "goals": {"rows_gbps_64M": 1000, "blocks_gbps_16M": 300}}
+    return {
+        "rows": rows,
+        "block_tiles": _block_tiles(run),
+        "goals": {"rows_gbps_64M": 1000, "blocks_gbps_16M": 300},
+    }
+
+
+def _block_tiles(run: Run) -> list[dict[str, Any]]:
+    """The Triton block kernel's throughput by tile (lines per tile) at 16M elements, each orientation: compiled
+    for sm_90, a 32-line tile takes 255 registers and spills (2 programs of 4 warps per SM), an 8-line tile 111
+    and none, for 1.75x the instructions per element; which wins is the GPU's to say."""
+    from precprof.stats import triton_block
+
+    out: list[dict[str, Any]] = []
+    if run.device.type != "cuda" or triton_block.unavailable(run.device) is not None:
+        return out  # (Triton's interpreter takes minutes for these calls: a dry run leaves them out)
+    recipes = list(blocks.RECIPES)
+    n = 1 << 24
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(n, device=run.device).to(dtype).view(-1, 1024)
+        nbytes = x.numel() * x.element_size()
+        for axis in (-1, -2):
+            for ta in (4, 8, 16, 32):
+                if run.left() < 30:
+                    return out
+                t = _time_s(
+                    lambda x=x, axis=axis, ta=ta: triton_block.block_stats_triton(x, recipes, axis, tile=ta),
+                    run.device,
+                    3,
+                )
+                out.append(
+                    {
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "axis": axis,
+                        "tile": ta,
+                        "gbps": nbytes / t / 1e9,
+                    }
+                )
+        del x
+    return out
 
 
 _FIRST_STEP = r"""
