@@ -197,12 +197,12 @@ def rerender(
     advise = target is not None or not summary.get(T.SUMMARY_RECOMMENDATION)
     # read once, for the advisor and the page; the page alone needs only the histograms summed over steps
     read = T.read_run(rd, categorical=True, histogram_totals=not advise) if T.is_run_dir(rd) else None
+    live_line = None
     if read is not None:
-        notes = (
-            rundir.newer_version_note(rd, summary),
-            rundir.live_note(rd, read.last_step) if live else None,
-        )
-        read.notices.extend(n for n in notes if n)
+        note = rundir.newer_version_note(rd, summary)
+        if note:
+            read.notices.append(note)
+        live_line = rundir.live_note(rd, read.last_step) if live else None
     if read is not None and advise:
         machine: Any = None
         if target is not None:
@@ -219,7 +219,12 @@ def rerender(
     final = Path(out) if out is not None else rd / T.REPORT_FILE
     before = _written_at(final)
     page = render_run_dir(
-        rd, out=_atomic.tmp_name(final), recommendation=rec, advisor_error=advisor_error, read=read
+        rd,
+        out=_atomic.tmp_name(final),
+        recommendation=rec,
+        advisor_error=advisor_error,
+        read=read,
+        live=live_line,
     )
     if _written_at(final) != before:  # the run ended and wrote its own report meanwhile: that one stays
         with contextlib.suppress(OSError):

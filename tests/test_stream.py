@@ -198,6 +198,9 @@ def test_precprof_report_on_a_run_still_being_written(
     assert "run precprof report again" in line, line
     html = (out / T.REPORT_FILE).read_text()
     assert f"still being written by process {os.getpid()}" in html and "up to step 4" in html
+    # one story at the top of the page: a run in progress, never "cut off" nor "killed before it could save"
+    assert 'id="live"' in html and 'id="cut-off"' not in html and 'id="incomplete"' not in html
+    assert "killed" not in html and "cut off" not in html
     assert len(T.read_run(out).tables["steps"]) == 5  # what was streamed, every step of it
     prof.save()  # the run ends: its own report, and the lock goes with it
     assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE

@@ -75,12 +75,15 @@ def render_html(
     advisor_error: str | None = None,
     missing_tables: list[str] | None = None,
     stream: T.RunTables | None = None,
+    live: str | None = None,
 ) -> str:
     """The report as an HTML string. ``recommendation``: a ``Recommendation`` or its dict form; None uses the
     one stored in ``summary`` (if any). ``advisor_error`` explains in the page why there is none;
     ``missing_tables`` names the Parquet files a run directory lacks (a notice at the top of the page);
     ``stream``: how the tables were read, when from the parts of a run that never saved them (the page says
-    where the run was cut off and which parts it skipped; its ``histogram_totals``, when read, are drawn)."""
+    where the run was cut off and which parts it skipped; its ``histogram_totals``, when read, are drawn).
+    ``live``: the run is still being written (``rundir.live_note``): the page says so, and neither that it was
+    cut off nor that it is incomplete."""
     totals = stream.histogram_totals if stream is not None else None
     ctx = build_context(tables, summary, recommendation, histogram_totals=totals)
     ctx["advisor_error"] = advisor_error
@@ -90,6 +93,9 @@ def render_html(
         if stream is not None and stream.streamed
         else None
     )
+    ctx["live"] = live
+    if live:  # its summary says "running" (incomplete) until it ends: not a cut-off run
+        ctx["incomplete"] = False
     return environment().get_template(TEMPLATE).render(**ctx)
 
 
@@ -115,6 +121,7 @@ def render_run_dir(
     recommendation: Any = None,
     advisor_error: str | None = None,
     read: T.RunTables | None = None,
+    live: str | None = None,
 ) -> Path:
     """Render the report of a run directory (``precprof train`` output or ``Profiler.save``).
 
@@ -122,7 +129,8 @@ def render_run_dir(
     the page says so, with ``advisor_error`` when there is a reason). Writes ``out`` (default
     RUN_DIR/report.html) and returns its path; summary.json is left as it is. A new recommendation (for
     another target machine) comes from ``precprof.pipeline.rerender``. ``read``: the run's tables when the
-    caller read them already (``tables.read_run``).
+    caller read them already (``tables.read_run``). ``live``: the line saying the run is still being written
+    (``rundir.live_note``), for the page's banner.
     """
     rd = Path(run_dir)
     if not T.is_run_dir(rd):
@@ -141,7 +149,13 @@ def render_run_dir(
     rec = recommendation if recommendation is not None else summary.get(T.SUMMARY_RECOMMENDATION)
     path = Path(out) if out is not None else rd / T.REPORT_FILE
     html = render_html(
-        tabs, summary, rec, advisor_error=advisor_error, missing_tables=T.missing_tables(rd), stream=read
+        tabs,
+        summary,
+        rec,
+        advisor_error=advisor_error,
+        missing_tables=T.missing_tables(rd),
+        stream=read,
+        live=live,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomic.write_text(path, html)
