@@ -1,0 +1,366 @@
+"""The run directory's files: their names, summary.json (its keys; written atomically, read with its damage
+named), and the four tables as Parquet files or, while a run streams, as its parts (``precprof.parts``).
+
+Reading checks that a file is precprof's (``KEY_COLUMNS``), reads text columns as categoricals on request and
+sums the histograms over steps in Arrow. The columns are ``precprof.schema``'s; saving on a disk that fills up
+is ``precprof._saving``'s; owning the directory (checks, lock, resume) is ``precprof.rundir``'s. Read all of it
+through the façade ``precprof.tables``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from precprof import _atomic, parts
+from precprof.errors import DamagedRunDirError
+from precprof.schema import (
+    COUNT,
+    DTYPE,
+    EXPONENT,
+    KEY_COLUMNS,
+    MODULE,
+    MODULE_TYPE,
+    PARAM,
+    RESUMED,
+    STEP,
+    TABLES,
+    TENSOR,
+    empty,
+    flags,
+    frame,
+    texts,
+)
+
+# ---------------------------------------------------------------------------------------- run directory
+REPORT_FILE = "report.html"
+SUMMARY_FILE = "summary.json"
+TABLE_FILES = {name: f"{name}.parquet" for name in TABLES}
+
+# summary.json keys (top level)
+SUMMARY_VERSION = "precprof_version"
+SUMMARY_STATUS = "status"  # "complete" | "incomplete"
+SUMMARY_INCOMPLETE_REASON = "incomplete_reason"  # the cause when status == "incomplete", else null
+SUMMARY_CONFIG = "config"  # run configuration: model, precision, loss scaling, steps, command line, ...
+SUMMARY_HARDWARE = "hardware"  # precprof.hardware.HardwareInfo.to_dict()
+SUMMARY_VERSIONS = "versions"  # python, torch, cuda, transformers, ...
+SUMMARY_MODEL = "model"  # name, class, parameter count, dims (for alignment checks)
+SUMMARY_CAPTURE = "capture"  # sample_every, modules captured, mixed precision observed, profiler bytes
+SUMMARY_FINAL = "final"  # headline numbers: final loss, steps, skipped steps, tokens/s, time
+SUMMARY_MEMORY = "memory"  # per-component totals and the projection per precision mode
+SUMMARY_RECOMMENDATION = "recommendation"  # precprof.analysis.advisor.Recommendation.to_dict()
+SUMMARY_ERRORS = "errors"  # post-processing steps that failed (memory projection, advisor): one line each
+
+STATUS_COMPLETE = "complete"
+STATUS_INCOMPLETE = "incomplete"
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    if isinstance(o, Path):
+        return str(o)
+    return str(o)
+
+
+def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:
+    """Write summary.json atomically (a crash or a full disk mid-write never leaves a truncated file)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(summary, indent=2, default=_json_default, allow_nan=True) + "\n"
+    return _atomic.write_text(run_dir / SUMMARY_FILE, text)
+
+
+# summary.json sections that are JSON objects whenever they are present
+_OBJECT_SECTIONS = (
+    SUMMARY_CONFIG,
+    SUMMARY_HARDWARE,
+    SUMMARY_VERSIONS,
+    SUMMARY_MODEL,
+    SUMMARY_CAPTURE,
+    SUMMARY_FINAL,
+    SUMMARY_RECOMMENDATION,
+)
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any]:
+    """summary.json of a run directory ({} when there is none).
+
+    Raises DamagedRunDirError, naming the file and the fault, when it is not a JSON object or one of its
+    sections has the wrong type (e.g. ``"config": 42``).
+    """
+    path = Path(run_dir) / SUMMARY_FILE
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DamagedRunDirError(
+            f"{path} is damaged (not valid JSON: {e}); delete it to render the report from the tables alone"
+        ) from None
+    except OSError as e:
+        raise DamagedRunDirError(f"{path} cannot be read: {e.strerror or e}") from None
+    if not isinstance(data, dict):
+        raise DamagedRunDirError(f"{path} is damaged: expected a JSON object, found {type(data).__name__}")
+    for key in _OBJECT_SECTIONS:
+        value = data.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise DamagedRunDirError(
+                f"{path} is damaged: {key!r} should be an object, found {json.dumps(value)[:40]}"
+            )
+    if not isinstance(data.get(SUMMARY_STATUS, ""), str):
+        raise DamagedRunDirError(f"{path} is damaged: {SUMMARY_STATUS!r} should be a string")
+    return data
+
+
+def write_tables(run_dir: str | Path, tables: Mapping[str, pd.DataFrame]) -> None:
+    """Write each table as Parquet, atomically per file (OSError, e.g. ENOSPC, leaves no partial file)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, df in tables.items():
+        out = frame(name, df)
+
+        def write(tmp: Path, out: pd.DataFrame = out) -> None:
+            out.to_parquet(tmp, index=False)
+
+        _atomic.write_with(run_dir / TABLE_FILES[name], write)
+
+
+def missing_tables(run_dir: str | Path) -> list[str]:
+    """Names of the four tables whose Parquet file is absent from ``run_dir`` (none while a stream holds them;
+    a table saved whole beside a stream is read in place of its parts, ``read_run``)."""
+    if parts.has_stream(run_dir):
+        return []
+    return [name for name, fname in TABLE_FILES.items() if not (Path(run_dir) / fname).exists()]
+
+
+@dataclass
+class RunTables:
+    """A run directory's tables as read, and what the reading learned. ``streamed``: read from the parts
+    written while training (the run never saved its tables: killed, or still running); then ``last_step``
+    is the last step flushed and ``notices`` say what was skipped (``precprof.pipeline.rerender`` adds what
+    else the reader of the report should know: a run written by a newer precprof, a run still being written). ``restarts``: the steps a resumed run
+    restarted from. ``histogram_totals``: when read with ``histogram_totals=True``, the histogram counts
+    summed over steps (``HISTOGRAM_TOTALS_COLUMNS``), and ``tables["histograms"]`` is then left empty."""
+
+    tables: dict[str, pd.DataFrame]
+    streamed: bool = False
+    last_step: int | None = None
+    notices: list[str] = field(default_factory=list)
+    restarts: list[int] = field(default_factory=list)
+    histogram_totals: pd.DataFrame | None = None
+
+
+def read_run(run_dir: str | Path, *, categorical: bool = False, histogram_totals: bool = False) -> RunTables:
+    """The four tables of a run directory, from its stream when it has one (``precprof.parts``: a damaged part
+    is skipped with a notice; a table whose Parquet file is there beside the stream, saved whole, from that
+    file), else from its Parquet files (a missing file gives an empty table of the right
+    columns; a damaged one raises DamagedRunDirError, naming the file). ``categorical``: the layers' and the
+    histograms' text columns as pandas categoricals (``CATEGORICAL_COLUMNS``; the report and the advisor read
+    millions of rows that way), else as text like every other table. ``histogram_totals``: the histograms
+    summed over steps by Arrow (``RunTables.histogram_totals``) instead of the per-step table, which stays
+    empty: what the report's heatmaps draw, without the millions of rows in pandas (the advisor needs
+    the steps)."""
+    run_dir = Path(run_dir)
+    cats = CATEGORICAL_COLUMNS if categorical else {}
+    if parts.has_stream(run_dir):
+        return _read_stream(run_dir, cats, histogram_totals)
+    out: dict[str, pd.DataFrame] = {}
+    totals = None
+    for name, fname in TABLE_FILES.items():
+        path = run_dir / fname
+        if not path.exists():
+            out[name] = empty(name)
+            continue
+        out[name], found = _read_file(path, name, cats, histogram_totals)
+        totals = found if found is not None else totals
+    if histogram_totals and totals is None:
+        totals = sum_histograms(None)
+    steps = out["steps"]
+    restarts = sorted({int(s) for s in steps[STEP][flags(steps[RESUMED])]}) if not steps.empty else []
+    return RunTables(out, restarts=restarts, histogram_totals=totals)
+
+
+def _read_file(
+    path: Path, name: str, cats: Mapping[str, tuple[str, ...]], histogram_totals: bool
+) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """Table ``name`` from its Parquet file, and with ``histogram_totals`` the histograms' totals instead of
+    their rows (the table is then empty). DamagedRunDirError, naming the file, for a foreign or damaged one."""
+    _check_foreign(path, name)
+    try:
+        if name == "histograms" and histogram_totals:
+            read_as = list(CATEGORICAL_COLUMNS[name])
+            columns = list(HISTOGRAM_TOTALS_COLUMNS)
+            return empty(name), sum_histograms(pq.read_table(path, columns=columns, read_dictionary=read_as))
+        table = pq.read_table(path, read_dictionary=list(cats.get(name, ())) or None)
+        return frame(name, _to_pandas(table, cats.get(name, ()))), None
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError and others for a damaged file
+        msg = " ".join(str(e).split())[:160]
+        raise DamagedRunDirError(
+            f"{path} is damaged ({type(e).__name__}: {msg}); re-run, or delete it to render without it"
+        ) from None
+
+
+def _check_foreign(path: Path, name: str) -> None:
+    """DamagedRunDirError, naming the file, when table ``name``'s Parquet file lacks its ``KEY_COLUMNS`` (a
+    file of someone else's under precprof's name would render as an empty run, or fail deep in the report).
+    Reads the file's footer only; a file that is no Parquet at all is left to the reader's own error."""
+    try:
+        columns = pq.read_schema(path).names
+    except Exception:  # not Parquet, truncated: the read that follows names the fault
+        return
+    missing = [c for c in KEY_COLUMNS[name] if c not in columns]
+    if missing:
+        have = ", ".join(columns[:6]) + (", ..." if len(columns) > 6 else "") if columns else "none"
+        raise DamagedRunDirError(
+            f"{path} is not a precprof {name} table (no column {', '.join(missing)}; it has columns {have}); "
+            "delete it to render the report without it"
+        )
+
+
+HISTOGRAM_TOTALS_COLUMNS: tuple[str, ...] = (TENSOR, MODULE, PARAM, EXPONENT, COUNT)
+
+
+def sum_histograms(table: pa.Table | None) -> pd.DataFrame:
+    """The histograms' counts summed over steps, one row per (tensor, module, param, exponent): columns
+    ``HISTOGRAM_TOTALS_COLUMNS``, a missing text as "". Arrow's hash aggregation takes the 15M rows of
+    gpt2-medium x 1,000 sampled steps in a fraction of a second, where pandas would first build them."""
+    keys = list(HISTOGRAM_TOTALS_COLUMNS[:-1])
+    if table is None or not table.num_rows:
+        return pd.DataFrame(
+            {
+                c: pd.Series(dtype="int64" if c in (EXPONENT, COUNT) else "object")
+                for c in HISTOGRAM_TOTALS_COLUMNS
+            }
+        )
+    cols = {}
+    for c in HISTOGRAM_TOTALS_COLUMNS:
+        col = table.column(c) if c in table.column_names else None
+        if col is None or pa.types.is_null(col.type):  # a column no row had a value in
+            col = pa.nulls(table.num_rows, pa.int64() if c in (EXPONENT, COUNT) else pa.string())
+        cols[c] = col
+    # text keys grouped as dictionaries (their codes, never a string per row), merged across parts first
+    g = pa.table(cols).unify_dictionaries().group_by(keys).aggregate([(COUNT, "sum")])
+    for i, f in enumerate(g.schema):
+        if pa.types.is_dictionary(f.type):
+            g = g.set_column(i, f.name, g.column(i).cast(f.type.value_type))
+    out = pd.DataFrame({k: g.column(k).to_pandas() for k in keys})
+    for c in keys[:-1]:  # text keys: a missing one is "", one group with the ""s already there
+        out[c] = texts(out[c])
+    out[COUNT] = g.column(f"{COUNT}_sum").to_pandas()
+    out[EXPONENT] = out[EXPONENT].astype("int64")
+    out[COUNT] = out[COUNT].fillna(0).astype("int64")
+    return out.groupby(keys, sort=False)[COUNT].sum().reset_index()
+
+
+def sum_histogram_frame(histograms: pd.DataFrame) -> pd.DataFrame:
+    """``sum_histograms`` of a histograms table already in pandas (the per-step table, or totals: summing
+    totals again changes nothing): the report's heatmaps and the advisor's rules read this small result
+    instead of the per-step rows."""
+    h = histograms[[c for c in HISTOGRAM_TOTALS_COLUMNS if c in histograms.columns]]
+    if h.empty:
+        return sum_histograms(None)
+    try:
+        return sum_histograms(pa.Table.from_pandas(h, preserve_index=False))
+    except (pa.ArrowException, TypeError, ValueError):  # a column Arrow cannot take: pandas alone
+        keys = list(HISTOGRAM_TOTALS_COLUMNS[:-1])
+        h = h.assign(**{c: texts(h[c]) for c in keys[:3]})  # a missing text is "": one group with ""
+        return h.groupby(keys, sort=False)[COUNT].sum().reset_index()
+
+
+# text columns read back as pandas categoricals: the histograms table repeats a few hundred module names over
+# millions of rows (15M rows for gpt2-medium x 1,000 sampled steps), and categories compare, filter and group
+# by their integer codes
+CATEGORICAL_COLUMNS: dict[str, tuple[str, ...]] = {
+    "histograms": (MODULE, TENSOR, PARAM),
+    "layers": (MODULE, MODULE_TYPE, TENSOR, PARAM, DTYPE),
+}
+
+
+def _to_pandas(table: pa.Table, categorical: tuple[str, ...] = ()) -> pd.DataFrame:
+    """An Arrow table as pandas, its columns ``categorical`` as categoricals whose categories are in text order
+    (so that sorting by them sorts as text would), any other dictionary column as text."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_dictionary(f.type) and f.name not in categorical:
+            table = table.set_column(i, f.name, table.column(i).cast(f.type.value_type))
+    cat = [c for c in categorical if c in table.column_names]
+    for c in cat:
+        col = table.column(c)
+        if not pa.types.is_dictionary(col.type) and not pa.types.is_null(col.type):
+            table = table.set_column(table.column_names.index(c), c, pc.dictionary_encode(col))
+    df = table.to_pandas()
+    for c in cat:
+        if isinstance(df[c].dtype, pd.CategoricalDtype):
+            cats = df[c].cat.categories
+            df[c] = df[c].cat.reorder_categories(sorted(cats, key=str))
+    return df
+
+
+def _read_stream(
+    run_dir: Path, cats: Mapping[str, tuple[str, ...]], histogram_totals: bool = False
+) -> RunTables:
+    if histogram_totals:  # the text keys as dictionaries: read without a string per row
+        cats = {**cats, "histograms": CATEGORICAL_COLUMNS["histograms"]}
+    read = parts.read_stream(run_dir, tuple(TABLES), STEP, cats)
+    out: dict[str, pd.DataFrame] = {}
+    totals = None
+    for name in TABLES:
+        t = parts.concat(read.tables[name])
+        if name == "histograms" and histogram_totals:
+            out[name] = empty(name)
+            totals = sum_histograms(t)
+            continue
+        out[name] = (
+            frame(name, _to_pandas(t, cats.get(name, ()))) if t is not None and t.num_rows else empty(name)
+        )
+    restarts = [s.start for s in read.segments[1:]]
+    steps = out["steps"]
+    if not steps.empty:
+        steps[RESUMED] = steps[STEP].isin(restarts).to_numpy()
+        restarts = sorted({int(s) for s in steps[STEP][steps[RESUMED]]})
+    last = int(steps[STEP].max()) if not steps.empty else None
+    # a table saved whole beside the stream (a run whose larger tables did not fit on its disk, or that was
+    # killed while it saved them) holds every step: it is read instead of its parts, which may stop early
+    whole = [name for name, fname in TABLE_FILES.items() if (run_dir / fname).exists()]
+    for name in whole:
+        out[name], found = _read_file(run_dir / TABLE_FILES[name], name, cats, histogram_totals)
+        totals = found if found is not None else totals
+    if whole:
+        read.notices.append(
+            f"{', '.join(TABLE_FILES[n] for n in whole)} hold every step (saved whole); the other tables "
+            f"are read from the parts streamed while the run trained"
+            + (f", up to step {last}" if last is not None else "")
+        )
+    return RunTables(
+        out,
+        streamed=True,
+        last_step=last,
+        notices=read.notices,
+        restarts=restarts,
+        histogram_totals=totals,
+    )
+
+
+def read_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
+    """The four tables of a run directory (``read_run``)."""
+    return read_run(run_dir).tables
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """True if ``path`` looks like a precprof run directory."""
+    p = Path(path)
+    return p.is_dir() and (
+        (p / SUMMARY_FILE).exists() or (p / TABLE_FILES["layers"]).exists() or parts.has_stream(p)
+    )

@@ -1,0 +1,372 @@
+"""Host-side schema of precprof's tables: their columns, the values some columns take, and their types.
+
+Every column name used anywhere in precprof is a constant here (read them through the façade
+``precprof.tables``; the run directory's files are ``precprof.runfiles``). The four tables (pandas DataFrames):
+
+``layers`` — one row per (step, module, tensor, param) on sampled steps:
+    step, order (forward order of the module, 0 = first to run), module (qualified name, "" for the root),
+    module_type, tensor (activation | activation_grad | weight | weight_grad | weight_update), param
+    (parameter name relative to the module, "" for activations), dtype (torch dtype name, e.g. "bfloat16"),
+    calls (how many tensors were aggregated: a module called twice per step has calls=2), numel, zeros, nan,
+    inf, absmax (largest finite |x|, unscaled), absmin (smallest nonzero finite |x|, unscaled; NaN when there
+    is none), scale (loss scale in effect when the tensor was seen: 1 in the forward pass),
+    underflow_<fmt> / overflow_<fmt> for fmt in fp16, bf16, fp8_e4m3, fp8_e5m2 (exact counts of what a real
+    cast of x*scale does), underflow_<fmt>_cs for fp8 formats (underflow after per-tensor current scaling,
+    scale 2^floor(log2(fmax/amax)) per tensor), and for tensor == "weight_update" rows lost_update_bf16 /
+    lost_update_fp16 (update elements that are nonzero but vanish when added to the weight held in that
+    format) — NaN on other rows.
+
+``histograms`` — step, module, tensor, param, exponent (floor(log2|x|) of the unscaled value), count.
+    Zeros, nan and inf are not in it (they are columns of ``layers``).
+
+``steps`` — step, loss, loss_scale (in effect during that step's backward), skipped (optimizer step skipped
+    because of inf/nan gradients), grad_norm (NaN where unknown), time_s (host wall time of the step),
+    sampled (whether layers/histograms were recorded), tokens (NaN where unknown), resumed (True on the step a
+    run restarted from its checkpoint with ``Profiler(..., resume=True)``; False elsewhere).
+
+``memory`` — step, component, module ("" except for activations), dtype ("" for allocator and device rows),
+    bytes, phase (allocator rows only: forward | backward | optimizer | other, the part of the step whose peak
+    the row holds; "" on other rows), moment. Components in MEMORY_PEAK_COMPONENTS are totals of the whole
+    device, not parts of a stack: take their max over rows, never their sum.
+    ``moment`` "" (or missing, in older runs): a component's own size (gradients when they exist, the saved
+    activations of the largest group of forwards, ...). ``moment`` "peak": what was allocated at the moment of
+    the step's allocator peak, by part (``MEMORY_PEAK_PARTS``; every byte in exactly one row, so these rows
+    add up to the step's ``allocator_peak``, and with ``allocator_cache`` to what the allocator reserved at that
+    moment); ``phase`` is the phase the peak fell in, and the module of a ``temporaries`` row is the phase that
+    allocated them. Sum components over ``moment == ""`` rows or over ``moment == "peak"`` rows, never both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
+
+# ----------------------------------------------------------------------------------------------- columns
+STEP = "step"
+ORDER = "order"
+MODULE = "module"
+MODULE_TYPE = "module_type"
+TENSOR = "tensor"
+PARAM = "param"
+DTYPE = "dtype"
+CALLS = "calls"
+NUMEL = "numel"
+ZEROS = "zeros"
+NAN = "nan"
+INF = "inf"
+ABSMAX = "absmax"
+ABSMIN = "absmin"
+SCALE = "scale"
+EXPONENT = "exponent"
+COUNT = "count"
+LOST_UPDATE_BF16 = "lost_update_bf16"
+LOST_UPDATE_FP16 = "lost_update_fp16"
+
+LOSS = "loss"
+LOSS_SCALE = "loss_scale"
+SKIPPED = "skipped"
+GRAD_NORM = "grad_norm"
+TIME_S = "time_s"
+SAMPLED = "sampled"
+SAMPLE_REASON = (
+    "sample_reason"  # why the step was sampled (precprof.capture.sampling.REASONS), "" if it was not
+)
+TOKENS = "tokens"
+RESUMED = "resumed"  # the first step of a run resumed from its checkpoint (precprof.parts: segments)
+
+COMPONENT = "component"
+BYTES = "bytes"
+PHASE = "phase"
+MOMENT = "moment"
+
+
+def underflow_col(fmt: str) -> str:
+    """Column with the count of values that become 0 when cast to ``fmt`` at the scale in effect."""
+    return f"underflow_{fmt}"
+
+
+def overflow_col(fmt: str) -> str:
+    """Column with the count of finite values that overflow ``fmt`` at the scale in effect."""
+    return f"overflow_{fmt}"
+
+
+def underflow_cs_col(fmt: str) -> str:
+    """Column with the underflow count of an fp8 cast after per-tensor current scaling."""
+    return f"underflow_{fmt}_cs"
+
+
+# Block-scaled what-if (precprof.block_formats): per row, per recipe and orientation, what quantising the
+# tensor in that recipe loses. "row": blocks along the tensor's last dimension (the reduction dimension of the
+# matmul that reads it: activations and weights in the forward GEMM, output gradients in the input-gradient
+# GEMM); "col": blocks along the leading dimensions flattened (the transpose: the weight-gradient GEMM reads
+# activations and output gradients along tokens, the input-gradient GEMM reads weights along out_features).
+# Stats: "flushed" (nonzero values that become 0), "saturated" (values clamped to the element max), "poisoned"
+# (values in a block, for NVFP4 a tensor, holding nan/inf), "sum_x2" and "sum_err2" (float64 sums of x^2 and
+# of (x - q)^2 over the values not poisoned; SQNR = 10 log10(sum_x2 / sum_err2)). Missing (NaN) where the
+# recipe was not evaluated for the row (a 1-D tensor has no "col" orientation). Names: block_formats.RECIPES.
+BLOCK_RECIPES: tuple[str, ...] = (
+    "mxfp8_e4m3",
+    "mxfp8_e4m3_rceil",
+    "mxfp8_e5m2",
+    "mxfp6_e2m3",
+    "mxfp6_e3m2",
+    "mxfp4",
+    "nvfp4",
+)
+BLOCK_STATS: tuple[str, ...] = ("flushed", "saturated", "poisoned", "sum_x2", "sum_err2")
+BLOCK_ORIENTATIONS: tuple[str, ...] = ("row", "col")
+
+
+def block_col(recipe: str, stat: str, orientation: str = "row") -> str:
+    """Column of one block-format statistic, e.g. ``blk_row_mxfp4_flushed``."""
+    return f"blk_{orientation}_{recipe}_{stat}"
+
+
+BLOCK_COLUMNS: tuple[str, ...] = tuple(
+    block_col(r, s, o) for o in BLOCK_ORIENTATIONS for r in BLOCK_RECIPES for s in BLOCK_STATS
+)
+
+# ----------------------------------------------------------------------------------------- tensor kinds
+ACTIVATION = "activation"
+ACTIVATION_GRAD = "activation_grad"
+WEIGHT = "weight"
+WEIGHT_GRAD = "weight_grad"
+WEIGHT_UPDATE = "weight_update"
+TENSOR_KINDS = (ACTIVATION, ACTIVATION_GRAD, WEIGHT, WEIGHT_GRAD, WEIGHT_UPDATE)
+GRADIENT_KINDS = (ACTIVATION_GRAD, WEIGHT_GRAD)
+# A linear layer's input that no captured module produced (an attention's output, a function's): recorded as
+# the activation of a pseudo-module named after the layer, so the block formats judge that operand too
+INPUT_SUFFIX = ":input"
+INPUT_MODULE_TYPE = "(function output)"
+
+
+def input_module(module: str) -> str:
+    """The pseudo-module whose activation rows hold ``module``'s input when no captured module produced it."""
+    return module + INPUT_SUFFIX
+
+
+# ------------------------------------------------------------------------------------ memory components
+PARAMETERS = "parameters"
+GRADIENTS = "gradients"
+OPTIMIZER_STATES = "optimizer_states"
+ACTIVATIONS = "activations"
+AUTOCAST_WEIGHT_COPIES = "autocast_weight_copies"
+ALLOCATOR_PEAK = "allocator_peak"
+ALLOCATOR_RESERVED_PEAK = "allocator_reserved_peak"
+# the most memory allocated that the hooks saw in a phase whose peak stayed below the process's earlier peak
+# (the process's peak counters are not reset in a user's loop): a lower bound of that phase's peak
+ALLOCATOR_SEEN_MAX = "allocator_seen_max"
+PROFILER_BUFFERS = "profiler_buffers"
+MASTER_WEIGHTS = "master_weights"  # parameters the optimizer holds that are not the model's (fp32 masters)
+BUFFERS = "buffers"  # module buffers (running stats, masks), each storage once, not parameters
+DEVICE_USED = "device_used"  # NVML: memory used on the device by every process, at the end of the step
+DEVICE_TOTAL = "device_total"  # NVML: the device's memory
+# Not additive: peaks and whole-device numbers (max over rows, never a sum with the other components).
+MEMORY_PEAK_COMPONENTS: frozenset[str] = frozenset(
+    {ALLOCATOR_PEAK, ALLOCATOR_RESERVED_PEAK, ALLOCATOR_SEEN_MAX, DEVICE_USED, DEVICE_TOTAL}
+)
+# parts of the allocator's peak that are not components above (``moment == "peak"`` rows)
+INPUTS = "inputs"  # tensors passed to the model's forward (the batch)
+OUTPUTS = "outputs"  # tensors the model's forward returned (logits; a loss computed inside forward)
+TEMPORARIES = "temporaries"  # allocated during the step and none of the above; module: the allocating phase
+ALLOCATOR_CACHE = "allocator_cache"  # reserved but not allocated at the peak (CUDA's caching allocator)
+OTHER_MEMORY = "other"  # allocated before the step and none of the above (a loop's own tensors, workspaces)
+# The parts of a peak, in the order the report stacks them.
+MEMORY_PEAK_PARTS: tuple[str, ...] = (
+    PARAMETERS,
+    BUFFERS,
+    MASTER_WEIGHTS,
+    OPTIMIZER_STATES,
+    GRADIENTS,
+    AUTOCAST_WEIGHT_COPIES,
+    ACTIVATIONS,
+    INPUTS,
+    OUTPUTS,
+    PROFILER_BUFFERS,
+    TEMPORARIES,
+    OTHER_MEMORY,
+    ALLOCATOR_CACHE,
+)
+# values of the moment column
+MOMENT_PEAK = "peak"
+# values of the phase column (allocator rows)
+PHASE_FORWARD = "forward"
+PHASE_BACKWARD = "backward"
+PHASE_OPTIMIZER = "optimizer"
+PHASE_OTHER = "other"  # before the first forward, after the optimizer step (zero_grad, scaler.update)
+MEMORY_PHASES: tuple[str, ...] = (PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER, PHASE_OTHER)
+LOSS_SCOPE = "(loss)"  # module of activations saved outside the model's forward (the loss), by default
+
+# ------------------------------------------------------------------------------------------- the tables
+COUNT_COLUMNS: tuple[str, ...] = (
+    NUMEL,
+    ZEROS,
+    NAN,
+    INF,
+    *(c for f in WHATIF_FORMATS for c in (underflow_col(f), overflow_col(f))),
+    *(underflow_cs_col(f) for f in FP8_FORMATS),
+)
+
+LAYERS_COLUMNS: tuple[str, ...] = (
+    STEP,
+    ORDER,
+    MODULE,
+    MODULE_TYPE,
+    TENSOR,
+    PARAM,
+    DTYPE,
+    CALLS,
+    *COUNT_COLUMNS,
+    ABSMAX,
+    ABSMIN,
+    SCALE,
+    LOST_UPDATE_BF16,
+    LOST_UPDATE_FP16,
+    *BLOCK_COLUMNS,
+)
+HISTOGRAMS_COLUMNS: tuple[str, ...] = (STEP, MODULE, TENSOR, PARAM, EXPONENT, COUNT)
+STEPS_COLUMNS: tuple[str, ...] = (
+    STEP,
+    LOSS,
+    LOSS_SCALE,
+    SKIPPED,
+    GRAD_NORM,
+    TIME_S,
+    SAMPLED,
+    TOKENS,
+    RESUMED,
+    SAMPLE_REASON,
+)
+MEMORY_COLUMNS: tuple[str, ...] = (STEP, COMPONENT, MODULE, DTYPE, BYTES, PHASE, MOMENT)
+
+TABLES: dict[str, tuple[str, ...]] = {
+    "layers": LAYERS_COLUMNS,
+    "histograms": HISTOGRAMS_COLUMNS,
+    "steps": STEPS_COLUMNS,
+    "memory": MEMORY_COLUMNS,
+}
+
+# the columns a table of any precprof version has: a Parquet file without them is not precprof's (read_run)
+KEY_COLUMNS: dict[str, tuple[str, ...]] = {
+    "layers": (STEP, MODULE, TENSOR),
+    "histograms": (STEP, MODULE, TENSOR, EXPONENT, COUNT),
+    "steps": (STEP,),
+    "memory": (STEP, COMPONENT, BYTES),
+}
+
+_INT_COLUMNS = {STEP, ORDER, CALLS, EXPONENT, COUNT, BYTES, *COUNT_COLUMNS}
+# columns of text: written as Arrow strings in every part, so that parts concatenate whatever they hold
+_TEXT_COLUMNS = {MODULE, MODULE_TYPE, TENSOR, PARAM, DTYPE, COMPONENT, PHASE, SAMPLE_REASON}
+
+
+def flags(column: pd.Series) -> pd.Series:
+    """A yes/no column (``skipped``, ``sampled``) as plain bool, whatever dtype it was read back in: missing
+    (None, NaN) is False. ``fillna(False)`` on a float column is deprecated in pandas."""
+    return column.map(lambda v: False if v is None or v != v else bool(v)).astype(bool)
+
+
+def texts(column: pd.Series) -> pd.Series:
+    """A text column (module, param, dtype) with missing values as "", whatever dtype it was read back in
+    (a categorical stays one, its categories as text: millions of rows are not turned into strings)."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        cats = [str(c) for c in column.cat.categories]
+        codes = column.cat.codes.to_numpy()
+        missing = bool((codes < 0).any())
+        uniq = sorted(set(cats) | ({""} if missing else set()))  # text order; "" for missing values
+        pos = {c: k for k, c in enumerate(uniq)}
+        remap = np.array([pos[c] for c in cats] + [pos.get("", 0)], dtype=np.int64)  # code -1: the last
+        cat = pd.Categorical.from_codes(remap[codes], categories=uniq)
+        return pd.Series(cat, index=column.index, name=column.name)
+    if isinstance(column.dtype, pd.StringDtype):  # text already: only its missing values change
+        return column.fillna("").astype(str) if column.hasnans else column.astype(str)
+    return column.astype(object).where(column.notna(), "").astype(str)
+
+
+class LossTail:
+    """The non-finite loss a run ended with: steps ``first``..``last`` (``steps`` recorded steps), after a
+    last finite ``last_finite`` at ``last_finite_step``; ``kind`` is "nan" or "inf"."""
+
+    def __init__(
+        self, first: int, last: int, steps: int, last_finite: float, last_finite_step: int, kind: str
+    ):
+        self.first, self.last, self.steps, self.kind = first, last, steps, kind
+        self.last_finite, self.last_finite_step = last_finite, last_finite_step
+
+
+def nonfinite_loss_tail(steps: pd.DataFrame) -> LossTail | None:
+    """The run of non-finite losses at the end of a steps table, None when its last loss is finite.
+
+    A loss the loop did not pass reads as nan too (Parquet stores both as null), so a table with no finite loss
+    (a loop that passes none), or with gaps on more than half the steps before its tail (a loop that passes its
+    loss now and then), has no tail: only a run that had a finite loss all along and lost it at the end does.
+    """
+    if steps.empty or STEP not in steps or LOSS not in steps:
+        return None
+    rec = steps[[STEP, LOSS]].copy()
+    rec[STEP] = pd.to_numeric(rec[STEP], errors="coerce")
+    rec = rec.dropna(subset=[STEP]).sort_values(STEP, kind="stable")
+    values = pd.to_numeric(rec[LOSS], errors="coerce").astype(float).tolist()
+    finite = [math.isfinite(v) for v in values]
+    if not finite or finite[-1] or not any(finite):
+        return None
+    i_ok = max(i for i, ok in enumerate(finite) if ok)
+    before = finite[: i_ok + 1]
+    if before.count(False) * 2 > len(before):
+        return None
+    at = [int(s) for s in rec[STEP]]
+    kind = "inf" if math.isinf(values[i_ok + 1]) else "nan"
+    return LossTail(at[i_ok + 1], at[-1], len(values) - i_ok - 1, values[i_ok], at[i_ok], kind)
+
+
+def memory_at(memory: pd.DataFrame, moment: str = "") -> pd.DataFrame:
+    """The rows of a memory table at one ``moment``: "" (each component's own size, and every row of a run
+    recorded before the column existed) or ``MOMENT_PEAK`` (what was allocated at the step's peak)."""
+    if MOMENT not in memory.columns:
+        return memory if moment == "" else memory.iloc[0:0]
+    return memory[texts(memory[MOMENT]) == moment]
+
+
+def empty(name: str) -> pd.DataFrame:
+    """An empty table with the right columns."""
+    return pd.DataFrame(
+        {c: pd.Series(dtype="int64" if c in _INT_COLUMNS else "object") for c in TABLES[name]}
+    )
+
+
+def frame(name: str, rows: list[dict[str, Any]] | pd.DataFrame) -> pd.DataFrame:
+    """Build table ``name`` from rows, with every schema column present and in schema order.
+
+    Missing columns are filled with NaN (floats) so that tables from older runs or partial captures load.
+    """
+    df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows)
+    if df.empty and not len(df.columns):
+        return empty(name)
+    cols = TABLES[name]
+    for c in cols:
+        if c not in df.columns:
+            df[c] = math.nan
+    extra = [c for c in df.columns if c not in cols]
+    return df[[*cols, *extra]].reset_index(drop=True)
+
+
+def to_arrow(name: str, rows: list[dict[str, Any]] | pd.DataFrame | Mapping[str, Any]) -> pa.Table:
+    """Table ``name`` as Arrow, for a part of a run's stream (``precprof.parts``): every schema column, text
+    columns as strings (null where missing) whatever a part holds, so parts concatenate."""
+    df = frame(name, rows if not isinstance(rows, Mapping) else pd.DataFrame(dict(rows)))
+    arrays = []
+    for c in df.columns:
+        v = df[c]
+        if c in _TEXT_COLUMNS:
+            arrays.append(
+                pa.array(v.astype(object).where(v.notna(), None), type=pa.string(), from_pandas=True)
+            )
+        else:
+            arrays.append(pa.array(v, from_pandas=True))
+    return pa.Table.from_arrays(arrays, names=[str(c) for c in df.columns])
