@@ -336,3 +336,34 @@ def test_histogram_counts_match_numel_minus_specials() -> None:
         key = (r[T.MODULE], r[T.TENSOR], r[T.PARAM])
         assert sums.get(key, 0) == r[T.NUMEL] - r[T.ZEROS] - r[T.NAN] - r[T.INF]
     assert np.all(t["layers"][T.NUMEL] > 0)
+
+
+def test_weight_update_samples_follow_a_parameter_whose_storage_was_replaced() -> None:
+    """The samples are views of the parameters made once; a parameter given new storage (``p.data = ...``,
+    as some loaders and quantizers do) is read from the new one, never from a stale view."""
+    from precprof.capture.records import _ParamSlot
+    from precprof.capture.updates import UpdateSampler
+
+    lin = nn.Linear(16, 16)
+    slots = [_ParamSlot("lin", n, p, 0, -1) for n, p in lin.named_parameters()]
+    sampler = UpdateSampler(slots, 8, torch.device("cpu"))
+    (group,) = sampler._groups
+
+    def expected() -> torch.Tensor:
+        return torch.cat(
+            [
+                p.detach().reshape(-1)[:: s.sample_stride][: s.sample_len]
+                for s, p in zip(slots, lin.parameters(), strict=True)
+            ]
+        ).float()
+
+    assert torch.equal(group.samples(), expected())
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # in place: the same storage, the view sees it
+    assert torch.equal(group.samples(), expected())
+    lin.weight.data = torch.randn(16, 16)  # new storage
+    assert torch.equal(group.samples(), expected())
+    before = group.samples()
+    with torch.no_grad():
+        lin.weight.mul_(2.0)
+    assert not torch.equal(before, group.samples())  # a snapshot, not a view

@@ -18,14 +18,21 @@ from precprof import taxonomy
 StorageKey = int
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (the dtype column's spelling)."""
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
     """``t`` itself, or for a wrapper subclass (torchao's Float8 tensors, DTensor) the tensors inside it."""
-    if type(t) in (torch.Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+    if type(t) in _PLAIN or not hasattr(t, "__tensor_flatten__"):
         yield t
         return
     names, _ = t.__tensor_flatten__()
@@ -86,7 +93,7 @@ def _by_dtype(
     seen: set[StorageKey] = set()
     out: dict[str, int] = {}
     for t in tensors:
-        for leaf in _plain_tensors(t):
+        for leaf in (t,) if type(t) in _PLAIN else _plain_tensors(t):  # a plain tensor without a generator
             st = storage(leaf)
             if st is None:
                 continue

@@ -30,6 +30,8 @@ import torch
 from precprof import tables as T
 from precprof.capture.records import _local, _ParamSlot
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 
 class _DeviceGroup:
     """The tracked parameters of one device and one dtype, sampled together: one ``torch.cat`` never mixes
@@ -47,21 +49,36 @@ class _DeviceGroup:
         self.ends = (lens.cumsum(0) - 1).to(device)  # each member's last sampled element
         self.before: torch.Tensor | None = None
         self.intended: torch.Tensor | None = None
+        # each plain member's strided sample as a view of its parameter, made once: (data pointer, view); a
+        # parameter whose storage was replaced (``p.data = ...``) gets a new one, a DTensor's shard is read anew
+        self._views: list[tuple[int, torch.Tensor] | None] = [None] * len(members)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.counts, self.lens, self.ends))
 
+    def _sample_view(self, i: int, ps: _ParamSlot) -> torch.Tensor:
+        t = ps.tensor
+        if type(t) not in _PLAIN:
+            return _local(t.detach()).reshape(-1)[:: ps.sample_stride][: ps.sample_len]
+        ptr = t.data_ptr()
+        held = self._views[i]
+        if held is None or held[0] != ptr:
+            held = self._views[i] = (ptr, t.detach().reshape(-1)[:: ps.sample_stride][: ps.sample_len])
+        return held[1]
+
     def samples(self) -> torch.Tensor:
-        return torch.cat(
-            [
-                _local(ps.tensor.detach()).reshape(-1)[:: ps.sample_stride][: ps.sample_len].float()
-                for ps in self.members
-            ]
+        """The members' samples, now, in fp32: one concatenation of views, one cast (the group has one dtype)."""
+        views = [self._sample_view(i, ps) for i, ps in enumerate(self.members)]
+        return (
+            torch.cat(views).float()
+            if len({v.dtype for v in views}) == 1
+            else torch.cat([v.float() for v in views])
         )
 
     def grad_nonzero(self) -> torch.Tensor:
-        """Per sampled element, whether its gradient is nonzero (False where a parameter has no gradient)."""
+        """Per sampled element, whether its gradient is nonzero (False where a parameter has no gradient): the
+        gradients' samples concatenated, compared with zero once."""
         parts = []
         for ps in self.members:
             g = ps.tensor.grad
