@@ -633,6 +633,28 @@ def stage_overhead(run: Run) -> dict[str, Any]:
             "--configs",
             "baseline,floor,precprof_1,precprof_1_noblocks,precprof_10,precprof_auto,debug_uo",
         ]
+    data, table = _overhead(run, args, out)
+    result: dict[str, Any] = {"overhead": data, "table": table}
+    # the default overhead budget over a run long enough for it to sample by budget (a sampled step costs a few
+    # unsampled ones, so at 3% it samples about one step in a hundred): blocks of 80 steps against the baseline
+    budget_args = list(args)
+    i = budget_args.index("--configs")
+    budget_args[i + 1] = "baseline,precprof_auto"
+    if run.dry:
+        budget_args[budget_args.index("--steps") + 1] = "20"
+    else:
+        budget_args[budget_args.index("--blocks") + 1] = "4"
+        budget_args[budget_args.index("--steps") + 1] = "80"
+    if run.left() > (30 if run.dry else 120):
+        data, table = _overhead(run, budget_args, out.with_name("budget.json"))
+        result["budget"] = {"overhead": data, "table": table}
+    else:
+        result["budget"] = {"status": "skipped", "reason": f"budget: {run.left():.0f} s left"}
+    return result
+
+
+def _overhead(run: Run, args: list[str], out: Path) -> tuple[dict[str, Any], str]:
+    """bench/overhead.py with ``args``: its JSON and the end of its table."""
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "overhead.py"), *args, "--out", str(out)],
         capture_output=True,
@@ -642,8 +664,7 @@ def stage_overhead(run: Run) -> dict[str, Any]:
     )
     if r.returncode != 0 or not out.exists():
         raise RuntimeError(f"bench/overhead.py exited {r.returncode}: {(r.stdout + r.stderr)[-1500:]}")
-    data = json.loads(out.read_text())
-    return {"overhead": data, "table": r.stdout[-3000:]}
+    return json.loads(out.read_text()), r.stdout[-3000:]
 
 
 def stage_memory(run: Run) -> dict[str, Any]:
