@@ -59,7 +59,7 @@ class _DeviceGroup:
 
     def _sample_view(self, i: int, ps: _ParamSlot) -> torch.Tensor:
         t = ps.tensor
-        if type(t) not in _PLAIN:
+        if type(t) not in _PLAIN or not t.is_contiguous():  # (a non-contiguous one's reshape is a copy)
             return _local(t.detach()).reshape(-1)[:: ps.sample_stride][: ps.sample_len]
         ptr = t.data_ptr()
         held = self._views[i]
