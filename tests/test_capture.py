@@ -367,7 +367,9 @@ def test_weight_update_samples_follow_a_parameter_whose_storage_was_replaced() -
     with torch.no_grad():
         lin.weight.mul_(2.0)
     assert not torch.equal(before, group.samples())  # a snapshot, not a view
-    lin.weight.data = torch.randn(16, 16).t()  # non-contiguous: its flat sample is a copy, made anew each time
+    lin.weight.data = torch.randn(
+        16, 16
+    ).t()  # non-contiguous: its flat sample is a copy, made anew each time
     assert torch.equal(group.samples(), expected())
     with torch.no_grad():
         lin.weight.add_(1.0)
