@@ -27,7 +27,8 @@ The overhead of a sampled step is its time beyond the median of recent unsampled
 run's first step is left out (its time is warm-up: allocations, compilation, precprof's first use of its
 kernels), and so is the first unsampled step: a ``torch.compile``d model's sampled steps run eagerly, so its
 first unsampled step is its first compiled one, whose time is Dynamo's and inductor's (seconds, against
-milliseconds a step: taken as the unsampled median, it made every later step look free to sample). The overhead reached is their sum over the time of every step. Past sampled steps are re-costed
+milliseconds a step: taken as the unsampled median, it made every later step look free to sample). The
+overhead reached is their sum over the time of every step. Past sampled steps are re-costed
 whenever the unsampled median moves, so the first steps, taken before any unsampled step was timed, are
 costed like the others.
 """

@@ -68,7 +68,8 @@ class _DeviceGroup:
         return held[1]
 
     def samples(self) -> torch.Tensor:
-        """The members' samples, now, in fp32: one concatenation of views, one cast (the group has one dtype)."""
+        """The members' samples, now, in fp32: one concatenation of views, and one cast when the members share a
+        dtype (a group is one device and one bf16-or-not flag: fp32 and fp16 members may sit together)."""
         views = [self._sample_view(i, ps) for i, ps in enumerate(self.members)]
         return (
             torch.cat(views).float()
@@ -77,8 +78,7 @@ class _DeviceGroup:
         )
 
     def grad_nonzero(self) -> torch.Tensor:
-        """Per sampled element, whether its gradient is nonzero (False where a parameter has no gradient): the
-        gradients' samples concatenated, compared with zero once."""
+        """Per sampled element, whether its gradient is nonzero (False where a parameter has no gradient)."""
         parts = []
         for ps in self.members:
             g = ps.tensor.grad

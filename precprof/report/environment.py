@@ -472,10 +472,11 @@ def _coverage(v: Mapping[str, Any]) -> str:
     lo, hi = _int(ev[0]), _int(ev[1])
     if hi is None:
         return text
-    steps = lambda n: f"{F.count(n)} sampled step{'' if n == 1 else 's'}"  # noqa: E731
+    unit = "sampled step" if hi == 1 else "sampled steps"
     if done < layers or lo is None:
-        return text + f", each on at most {steps(hi)}"
-    return text + (f", each on {steps(lo)}" if lo == hi else f", each on {F.count(lo)} to {steps(hi)}")
+        return text + f", each on at most {F.count(hi)} {unit}"
+    span = F.count(lo) if lo == hi else f"{F.count(lo)} to {F.count(hi)}"
+    return text + f", each on {span} {unit}"
 
 
 def environment(summary: Mapping[str, Any]) -> dict[str, Any]:
