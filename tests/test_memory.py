@@ -834,3 +834,63 @@ def test_a_detached_tracker_keeps_nothing_alive() -> None:
     finally:
         if was:
             gc.enable()
+
+
+def test_steady_components_follow_the_tensors_step_after_step() -> None:
+    """Parameters, buffers, master weights and optimizer states are computed again only when those tensors
+    changed (``storage.Steady``): every step's rows equal a fresh tracker's over a run where the states appear
+    (none at the first step's start), the model is cast to bf16 between steps and its states made anew, a
+    parameter gets new data on a larger storage, and the optimizer gets a tensor of its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, D_HID), nn.BatchNorm1d(D_HID), nn.Linear(D_HID, D_OUT))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    steady = (T.PARAMETERS, T.BUFFERS, T.MASTER_WEIGHTS, T.OPTIMIZER_STATES)
+    extra = nn.Parameter(torch.zeros(7))
+
+    def fresh(step: int) -> dict[tuple[str, str], int]:
+        ref = MemoryTracker(model, opt)  # not attached: walks the model, no cache yet
+        ref.begin_step(step, True)
+        return {(c, dt): b for (c, dt), b in by_component(ref.end_step(step)).items() if c in steady}
+
+    def by_component(rows: list[dict[str, Any]]) -> dict[tuple[str, str], int]:
+        return {(r[T.COMPONENT], r[T.DTYPE]): r[T.BYTES] for r in rows if r[T.MODULE] == ""}
+
+    seen = []
+    try:
+        for step in range(6):
+            if step == 2:
+                model.to(torch.bfloat16)  # new storages, another dtype
+                opt.state.clear()  # and new states, made by this step's optimizer step
+            if step == 3:
+                model[2].weight.data = torch.zeros(D_OUT, 2 * D_HID, dtype=torch.bfloat16)[:, :D_HID]
+            if step == 4:
+                opt.add_param_group({"params": [extra]})  # a tensor of the optimizer's alone
+            x, y = batch(step + 1)
+            _, rows = one_step(model, opt, tr, step, x=x.to(model[0].weight.dtype), y=y)
+            got = {k: b for k, b in by_component(rows).items() if k[0] in steady}
+            assert got == fresh(step), step
+            seen.append(got)
+    finally:
+        tr.detach()
+    assert seen[0][(T.PARAMETERS, "float32")] == 4 * (D_IN * D_HID + D_HID + D_HID * D_OUT + D_OUT + 2 * D_HID)
+    assert (T.PARAMETERS, "bfloat16") in seen[2] and (T.PARAMETERS, "float32") not in seen[2]
+    # the view of a [D_OUT, 2 D_HID] storage counts the whole storage
+    assert seen[3][(T.PARAMETERS, "bfloat16")] - seen[2][(T.PARAMETERS, "bfloat16")] == 2 * D_OUT * D_HID
+    assert seen[1][(T.BUFFERS, "float32")] == 4 * 2 * D_HID and seen[1][(T.BUFFERS, "int64")] == 8
+    assert seen[4][(T.MASTER_WEIGHTS, "float32")] == 4 * 7 and (T.MASTER_WEIGHTS, "float32") not in seen[3]
+    assert seen[0][(T.OPTIMIZER_STATES, "float32")] == seen[1][(T.OPTIMIZER_STATES, "float32")] > 0
+
+
+def test_module_tensors_are_parameters_and_buffers_in_order() -> None:
+    from precprof.capture.storage import module_tensors
+
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, D_IN)
+    head = nn.Linear(D_IN, 10, bias=False)
+    head.weight = emb.weight  # tied: once
+    model = nn.Sequential(emb, nn.LayerNorm(D_IN), nn.BatchNorm1d(4), head)
+    params, buffers = module_tensors([m for _, m in model.named_modules()])
+    assert [id(p) for p in params] == [id(p) for p in model.parameters()]
+    assert [id(b) for b in buffers] == [id(b) for b in model.buffers()]

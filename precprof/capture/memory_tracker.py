@@ -64,6 +64,7 @@ from precprof import tables as T
 from precprof.capture.counters import PhaseCounters
 from precprof.capture.peak import END, CudaHistory, Label, PeakRecorder, ProfilerMemory
 from precprof.capture.storage import (
+    Steady,
     StorageKey,
     StorageMemo,
     _by_dtype,
@@ -72,10 +73,13 @@ from precprof.capture.storage import (
     _sizeof,
     _state_tensors,
     _storage,
+    _storage_keys,
     _tensors_in,
     dtype_name,
     is_weight_copy,
     model_sizes,
+    module_tensors,
+    steady_bytes,
 )
 from precprof.tables import LOSS_SCOPE
 
@@ -127,7 +131,12 @@ class MemoryTracker:
         # per module of the model: (module, pre-hook, post-hook), installed for sampled steps
         self._module_hooks: list[tuple[nn.Module, Any, Any]] = []
         self._hookset: _compat.HookSet | None = None
-        self._params: list[nn.Parameter] = []  # the model's parameters, listed at the sampled step's start
+        self._modules: list[nn.Module] = []  # the model's modules as attach found them
+        # the model's parameters and buffers listed at the sampled step's start; their storages, and the bytes
+        # of them and of the optimizer's tensors (computed again only when one of those tensors changed)
+        self._params: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []
+        self._model_keys, self._steady = Steady(), Steady()
         self._storage_of = StorageMemo()  # storages of the parameters and states read step after step
         self._attached = False
         self._step = 0
@@ -164,6 +173,7 @@ class MemoryTracker:
             return
         self._module_hooks = []
         self._hookset = None
+        self._modules = [mod for _, mod in self.model.named_modules()]
         for name, mod in self.model.named_modules():  # a module reached twice keeps its first name
             if mod is self.model:
                 self._module_hooks.append((mod, self._root_pre_hook, self._root_post_hook))
@@ -203,7 +213,7 @@ class MemoryTracker:
         self._pop_saved_hooks(final=True)
         self._uninstall()
         # the hooks' closures refer back to the tracker: dropped, nothing keeps the model alive through them
-        self._module_hooks, self._hookset = [], None
+        self._module_hooks, self._hookset, self._modules = [], None, []
         self._stack.clear()
         self._recording = False
         self._attached = False
@@ -225,8 +235,9 @@ class MemoryTracker:
             return
         if self._attached:
             self._install()
-        self._params = list(self.model.parameters())
-        self._param_keys = self._keys(self._params + list(self.model.buffers()))
+        self._params, self._buffers = self._model_tensors()
+        both = self._params + self._buffers
+        self._param_keys = self._model_keys.get(both, lambda: self._keys(both))
         self._counts.begin()
         if self._attached:
             # the source of allocator events, chosen on the first sampled step
@@ -270,18 +281,22 @@ class MemoryTracker:
                     }
                 )
 
-        params = self._params or list(self.model.parameters())
-        param_keys = self._keys(params)
-        memo = self._storage_of
-        add(T.PARAMETERS, _by_dtype(params, storage=memo))
-        add(T.BUFFERS, _by_dtype(self.model.buffers(), exclude=param_keys, storage=memo))
-        add(T.GRADIENTS, self._gradients(params))
+        params, buffers = (self._params, self._buffers) if self._params else self._model_tensors()
+        opt_params: list[torch.Tensor] = []
+        states: list[torch.Tensor] = []
         if self.optimizer is not None:
             opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            masters = [p for p in opt_params if not (self._keys([p]) & param_keys)]
-            add(T.MASTER_WEIGHTS, _by_dtype(masters, storage=memo))
-            states = (t for s in self.optimizer.state.values() for t in _state_tensors(s))
-            add(T.OPTIMIZER_STATES, _by_dtype(states, exclude=param_keys | self._keys(masters), storage=memo))
+            states = [t for s in self.optimizer.state.values() for t in _state_tensors(s)]
+        steady = self._steady.get(
+            [*params, *buffers, *opt_params, *states],
+            lambda: steady_bytes(params, buffers, opt_params, states, self._storage_of),
+        )
+        add(T.PARAMETERS, steady[T.PARAMETERS])
+        add(T.BUFFERS, steady[T.BUFFERS])
+        add(T.GRADIENTS, self._gradients(params))
+        if self.optimizer is not None:
+            add(T.MASTER_WEIGHTS, steady.get(T.MASTER_WEIGHTS, {}))
+            add(T.OPTIMIZER_STATES, steady.get(T.OPTIMIZER_STATES, {}))
         group = max(self._groups, key=_Group.total) if self._groups else None
         if group is not None:
             for (comp, module, dt), b in sorted(group.bytes.items()):
@@ -330,9 +345,9 @@ class MemoryTracker:
                     if st is not None and st[0] not in out:
                         out[st[0]] = Label(component, "", dtype_name(leaf.dtype), END, st[1])
 
-        params = list(self.model.parameters())
+        params, buffers = (self._params, self._buffers) if self._params else self._model_tensors()
         put(T.PARAMETERS, params)
-        put(T.BUFFERS, self.model.buffers())
+        put(T.BUFFERS, buffers)
         if self.optimizer is not None:
             put(T.MASTER_WEIGHTS, (p for g in self.optimizer.param_groups for p in g["params"]))
             put(T.OPTIMIZER_STATES, (t for s in self.optimizer.state.values() for t in _state_tensors(s)))
@@ -388,7 +403,7 @@ class MemoryTracker:
         }
 
     # ------------------------------------------------------------------------------------- gradients
-    def _gradients(self, params: list[nn.Parameter]) -> dict[str, int]:
+    def _gradients(self, params: list[torch.Tensor]) -> dict[str, int]:
         if self._grad_snapshot is not None:
             return self._grad_snapshot
         if self._grad_seen:
@@ -415,7 +430,7 @@ class MemoryTracker:
             return
         self._mark_phase(T.PHASE_OPTIMIZER)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        grads += [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads += [p.grad for p in self._params or self.model.parameters() if p.grad is not None]
         self._grad_snapshot = _by_dtype(grads)
         if self._peak.measuring:
             self._label(T.GRADIENTS, grads)
@@ -490,19 +505,11 @@ class MemoryTracker:
 
     @contextlib.contextmanager
     def scope(self, name: str = LOSS_SCOPE) -> Iterator[None]:
-        """Count what autograd saves inside this block as activations of module ``name``.
-
-        For work outside the model's forward that still belongs to the step's saved activations, above all a
-        loss computed in the training loop (``F.cross_entropy`` saves fp32 log-probabilities, B*T*vocab*4
-        bytes)::
-
-            logits = model(x)
-            with tracker.scope():          # module "(loss)"
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-        Does nothing on steps that are not sampled, under no_grad, or inside the model's own forward (which
-        is recorded already). Host only; no sync.
-        """
+        """Count what autograd saves inside this block as activations of module ``name`` (default "(loss)"):
+        work outside the model's forward whose saved tensors belong to the step, above all a loss computed in
+        the training loop (``F.cross_entropy`` saves fp32 log-probabilities, B*T*vocab*4 bytes). Does nothing
+        on steps that are not sampled, under no_grad, or inside the model's own forward (recorded already).
+        Host only; no sync."""
         if self._recording or self._saved_ctx is not None:
             yield
             return
@@ -566,14 +573,14 @@ class MemoryTracker:
             self._peak.label(key, *k, nbytes)
 
     # ----------------------------------------------------------------------------------------- device
+    def _model_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The model's parameters and buffers now (from the modules attach listed; walked when not attached)."""
+        if self._modules:
+            return module_tensors(self._modules)
+        return list(self.model.parameters()), list(self.model.buffers())
+
     def _keys(self, tensors: Iterable[torch.Tensor]) -> set[StorageKey]:
-        out: set[StorageKey] = set()
-        for t in tensors:
-            for leaf in _plain_tensors(t):
-                st = self._storage_of(leaf)
-                if st is not None:
-                    out.add(st[0])
-        return out
+        return _storage_keys(tensors, self._storage_of)
 
     def _sample_live(self) -> None:
         # the lower bound of a phase's peak where a step has no replay; a replay measures the peak itself (and a

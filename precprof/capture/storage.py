@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from precprof import tables as T
 from precprof import taxonomy
 
 # A storage is known by its address alone: CUDA's unified virtual addressing keeps host and device (and
@@ -103,6 +104,97 @@ def _by_dtype(
             seen.add(key)
             name = dtype_name(leaf.dtype)
             out[name] = out.get(name, 0) + nbytes
+    return out
+
+
+def module_tensors(modules: Iterable[nn.Module]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters and the buffers of ``modules`` (a model's ``named_modules()``, listed once), each tensor
+    once and in the order ``model.parameters()`` and ``model.buffers()`` give them, without walking the
+    module tree again (a walk of 200 modules costs 0.2 ms). Each module's own ``_parameters`` and ``_buffers``
+    are read now: a parameter replaced since the modules were listed is the new one."""
+    params: list[torch.Tensor] = []
+    buffers: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for m in modules:
+        for t in m._parameters.values():
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                params.append(t)
+    seen.clear()
+    for m in modules:
+        for b in m._buffers.values():
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                buffers.append(b)
+    return params, buffers
+
+
+_PLAIN_TYPES = frozenset(_PLAIN)
+
+
+def _fingerprint(tensors: list[torch.Tensor]) -> tuple[list[int], list[int]] | None:
+    """The objects (ids) and the data pointers of plain tensors: what their storages are, without a storage
+    object per tensor. None where one is a wrapper subclass (its storages are inside it) or has no data."""
+    if not set(map(type, tensors)) <= _PLAIN_TYPES:
+        return None
+    try:
+        return list(map(id, tensors)), [t.data_ptr() for t in tensors]
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+class Steady:
+    """A value computed from tensors that usually outlive many steps (parameters, buffers, optimizer states),
+    computed again only when they changed: other objects, or the same ones on other storages (``p.data = ...``,
+    a model moved, a state made). Holds no tensor: their ids and data pointers. A tensor freed and replaced
+    by a new object at the same address, on a storage at the same address, of another size would not be seen:
+    the optimizer states and parameters that this holds are updated in place."""
+
+    def __init__(self) -> None:
+        self._key: tuple[list[int], list[int]] | None = None
+        self._value: Any = None
+
+    def get(self, tensors: list[torch.Tensor], compute: Any) -> Any:
+        """``compute()``, or its value for the same ``tensors`` last time."""
+        key = _fingerprint(tensors)
+        if key is None or key != self._key:
+            self._value = compute()
+            self._key = key
+        return self._value
+
+
+def steady_bytes(
+    params: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    opt_params: list[torch.Tensor],
+    states: list[torch.Tensor],
+    storage: Any,
+) -> dict[str, dict[str, int]]:
+    """Bytes per dtype of the model's parameters and buffers, the optimizer's master weights (its tensors that
+    are not the model's parameters: the fp32 copy of a pure-bf16 model) and states, each storage once and in
+    one component only (a buffer sharing a parameter's storage counts as the parameter)."""
+    keys = _storage_keys(params, storage)
+    out = {
+        T.PARAMETERS: _by_dtype(params, storage=storage),
+        T.BUFFERS: _by_dtype(buffers, exclude=keys, storage=storage),
+    }
+    if opt_params or states:
+        masters = [p for p in opt_params if not (_storage_keys([p], storage) & keys)]
+        out[T.MASTER_WEIGHTS] = _by_dtype(masters, storage=storage)
+        exclude = keys | _storage_keys(masters, storage)
+        out[T.OPTIMIZER_STATES] = _by_dtype(states, exclude=exclude, storage=storage)
+    return out
+
+
+def _storage_keys(tensors: Iterable[torch.Tensor], storage: Any = None) -> set[StorageKey]:
+    """The storages under ``tensors`` (wrapper subclasses by the tensors inside them)."""
+    storage = storage or _storage
+    out: set[StorageKey] = set()
+    for t in tensors:
+        for leaf in (t,) if type(t) in _PLAIN else _plain_tensors(t):
+            st = storage(leaf)
+            if st is not None:
+                out.add(st[0])
     return out
 
 

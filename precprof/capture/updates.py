@@ -77,17 +77,27 @@ class _DeviceGroup:
             else torch.cat([v.float() for v in views])
         )
 
+    @torch.no_grad()
     def grad_nonzero(self) -> torch.Tensor:
-        """Per sampled element, whether its gradient is nonzero (False where a parameter has no gradient)."""
+        """Per sampled element, whether its gradient is nonzero (False where a parameter has no gradient): the
+        gradients' strided samples as views, one concatenation and one compare (gradients are new tensors each
+        step under ``zero_grad(set_to_none=True)``: no view of them is kept)."""
         parts = []
         for ps in self.members:
             g = ps.tensor.grad
             if g is None:
-                parts.append(torch.zeros(ps.sample_len, dtype=torch.bool, device=self.device))
+                parts.append(torch.zeros(ps.sample_len, dtype=ps.tensor.dtype, device=self.device))
+                continue
+            if type(g) not in _PLAIN:
+                g = _local(g)
+            if g.device != self.device:  # a gradient kept on another device: a copy of its sample
+                g = g.reshape(-1)[:: ps.sample_stride][: ps.sample_len].to(self.device)
+            elif g.is_contiguous():  # one view op: the sample's elements are every sample_stride-th one
+                g = g.as_strided((ps.sample_len,), (ps.sample_stride,), g.storage_offset())
             else:
-                g = _local(g.detach()).reshape(-1)[:: ps.sample_stride][: ps.sample_len]
-                parts.append(g.to(self.device) != 0)  # a gradient kept on another device: a copy
-        return torch.cat(parts)
+                g = g.reshape(-1)[:: ps.sample_stride][: ps.sample_len]
+            parts.append(g)
+        return torch.cat(parts) != 0
 
     @torch.no_grad()
     def classify(self) -> bool:
