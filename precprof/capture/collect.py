@@ -122,8 +122,7 @@ class Collector:
             cols.update(columns.block_columns(rows, active, blocks, buffer.blocks_seen, scale))
             recorded.add_layers(step, cols, hist)
         if self.updates is not None and counts is not None:
-            types = {slot.name: slot.module_type for slot in self.plan.modules}
-            updates = self.updates.columns(counts, step, order, types)
+            updates = self.updates.columns(counts, step, order, self.plan.module_types())
             if updates is not None:
                 recorded.add_layers(step, updates)
 

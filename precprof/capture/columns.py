@@ -11,6 +11,7 @@ import numpy as np
 
 from precprof import stats as st
 from precprof import tables as T
+from precprof.capture import records
 from precprof.capture.records import RowTable
 from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
 
@@ -31,6 +32,9 @@ def layer_columns(
     scales = np.where(fixed["gradient"][active], scale, 1.0)
     d = st.decode_rows(data[active], scales)
     n = len(active)
+    # per row the same few dtype texts: each distinct one made once
+    bits, which = np.unique(np.asarray(rows.dtype_bits, dtype=np.int64)[active], return_inverse=True)
+    texts = np.array([records.dtype_text_of(int(b)) for b in bits], dtype=object)
     cols: dict[str, Any] = {
         T.STEP: np.full(n, step, dtype=np.int64),
         T.ORDER: np.array([order.get(m, -1) for m in modules], dtype=np.int64),
@@ -38,8 +42,8 @@ def layer_columns(
         T.MODULE_TYPE: fixed["module_type"][active].tolist(),
         T.TENSOR: fixed["tensor"][active].tolist(),
         T.PARAM: fixed["param"][active].tolist(),
-        T.DTYPE: [rows.dtype_text(i) for i in active.tolist()],
-        T.CALLS: np.array([rows.calls[i] for i in active.tolist()], dtype=np.int64),
+        T.DTYPE: texts[which.reshape(-1)].tolist(),
+        T.CALLS: np.asarray(rows.calls, dtype=np.int64)[active],
         T.NUMEL: d["numel"],
         T.ZEROS: d["zeros"],
         T.NAN: d["nan"],
@@ -55,9 +59,14 @@ def layer_columns(
         cols[T.overflow_col(f)] = d["overflow"][f]
     for f in FP8_FORMATS:
         cols[T.underflow_cs_col(f)] = d["underflow_cs"][f]
-    r_idx, bins = np.nonzero(d["hist"])
-    if not len(r_idx):
+    # the nonzero bins, looked for only between the first and the last column any row uses (a row's values
+    # span tens of the 277 bins): the same (row, bin) pairs in the same order, at a third of the cost
+    used = np.flatnonzero(d["hist"].any(axis=0))
+    if not len(used):
         return cols, None
+    lo = int(used[0])
+    r_idx, bins = np.nonzero(d["hist"][:, lo : int(used[-1]) + 1])
+    bins += lo
     at = active[r_idx]
     hist = {
         T.STEP: np.full(len(r_idx), step, dtype=np.int64),

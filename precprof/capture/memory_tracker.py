@@ -79,6 +79,7 @@ from precprof.capture.storage import (
     is_weight_copy,
     model_sizes,
     module_tensors,
+    state_tensors,
     steady_bytes,
 )
 from precprof.tables import LOSS_SCOPE
@@ -286,7 +287,7 @@ class MemoryTracker:
         states: list[torch.Tensor] = []
         if self.optimizer is not None:
             opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            states = [t for s in self.optimizer.state.values() for t in _state_tensors(s)]
+            states = state_tensors(self.optimizer.state)
         steady = self._steady.get(
             [*params, *buffers, *opt_params, *states],
             lambda: steady_bytes(params, buffers, opt_params, states, self._storage_of),
@@ -415,15 +416,17 @@ class MemoryTracker:
 
     def _grad_hook(self, p: torch.Tensor) -> None:
         # Records sizes only: holding the gradient would keep it alive past the user's zero_grad.
-        if not self._sampled or p.grad is None:
+        g = p.grad
+        if not self._sampled or g is None:
             return
-        self._sample_live()
-        for leaf in _plain_tensors(p.grad):
+        if self._counts.cuda is not None and not self._peak.measuring:
+            self._counts.sample_live()
+        for leaf in (g,) if type(g) is torch.Tensor else _plain_tensors(g):
             st = _storage(leaf)
             if st is not None:
                 self._grad_seen[st[0]] = (dtype_name(leaf.dtype), st[1])
         if self._peak.measuring:
-            self._label(T.GRADIENTS, (p.grad,))
+            self._label(T.GRADIENTS, (g,))
 
     def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._sampled:
@@ -431,6 +434,7 @@ class MemoryTracker:
         self._mark_phase(T.PHASE_OPTIMIZER)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         grads += [p.grad for p in self._params or self.model.parameters() if p.grad is not None]
+        grads = list({id(g): g for g in grads}.values())  # usually the same tensors twice
         self._grad_snapshot = _by_dtype(grads)
         if self._peak.measuring:
             self._label(T.GRADIENTS, grads)
@@ -449,11 +453,13 @@ class MemoryTracker:
 
     def _make_post_hook(self, name: str) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self._recording or not self._stack:
+            stack = self._stack
+            if not self._recording or not stack:
                 return
-            self._sample_live()
-            if self._stack[-1][1] is module:
-                self._stack.pop()
+            if self._counts.cuda is not None:
+                self._sample_live()
+            if stack[-1][1] is module:
+                stack.pop()
                 return
             # An exception unwound past inner modules: drop them with this one.
             for i in range(len(self._stack) - 1, -1, -1):
@@ -555,7 +561,7 @@ class MemoryTracker:
 
     def _record_saved(self, t: torch.Tensor) -> None:
         group = self._groups[-1]
-        for leaf in _plain_tensors(t):
+        for leaf in (t,) if type(t) is torch.Tensor else _plain_tensors(t):
             st = _storage(leaf)
             if st is None:
                 self._unmeasured += 1
@@ -564,13 +570,14 @@ class MemoryTracker:
             if key in self._param_keys or key in group.seen:
                 continue
             group.seen.add(key)
-            if is_weight_copy(leaf, self._stack[-1][1] if self._stack else None, self._param_keys):
+            name, module = self._stack[-1] if self._stack else ("", None)
+            if is_weight_copy(leaf, module, self._param_keys):
                 k = (T.AUTOCAST_WEIGHT_COPIES, "", dtype_name(leaf.dtype))
             else:
-                module = self._stack[-1][0] if self._stack else ""
-                k = (T.ACTIVATIONS, module, dtype_name(leaf.dtype))
+                k = (T.ACTIVATIONS, name, dtype_name(leaf.dtype))
             group.bytes[k] = group.bytes.get(k, 0) + nbytes
-            self._peak.label(key, *k, nbytes)
+            if self._peak.measuring:
+                self._peak.label(key, *k, nbytes)
 
     # ----------------------------------------------------------------------------------------- device
     def _model_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

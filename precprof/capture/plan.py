@@ -54,6 +54,7 @@ class CapturePlan:
     params: list[_ParamSlot] = field(default_factory=list)
     rows: RowTable = field(default_factory=RowTable)
     block_formats: bool = False
+    _types: dict[str, str] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, model: nn.Module, module_filter: ModuleFilter, block_formats: bool) -> CapturePlan:
@@ -124,6 +125,12 @@ class CapturePlan:
             slot.block_group = g
             loads[g] += cost(slot)
         return loads
+
+    def module_types(self) -> dict[str, str]:
+        """Module name -> its type, made once (the modules are fixed at attach)."""
+        if self._types is None or len(self._types) != len(self.modules):
+            self._types = {s.name: s.module_type for s in self.modules}
+        return self._types
 
     def order(self) -> dict[str, int]:
         """Module name -> forward order in the step just recorded (-1: not called), input rows included."""

@@ -60,6 +60,14 @@ def dtype_names(bits: int) -> list[str]:
     return [name for i, name in enumerate(_DTYPE_NAMES) if bits >> i & 1]
 
 
+def dtype_text_of(bits: int) -> str:
+    """A :attr:`RowTable.dtype_bits` entry as the layers table writes it ("float32|bfloat16")."""
+    text = _DTYPE_TEXT.get(bits)
+    if text is None:
+        text = _DTYPE_TEXT[bits] = "|".join(dtype_names(bits))
+    return text
+
+
 class RowTable:
     """The buffer rows' descriptions (``info``, fixed at attach) and, per sampled step, what each row took:
     ``calls`` (tensors, or for a module's activation row forward calls) and ``dtype_bits`` (``dtype_bit`` of
@@ -97,11 +105,7 @@ class RowTable:
 
     def dtype_text(self, row: int) -> str:
         """The dtypes seen in ``row``, as the layers table writes them ("float32|bfloat16")."""
-        bits = self.dtype_bits[row]
-        text = _DTYPE_TEXT.get(bits)
-        if text is None:
-            text = _DTYPE_TEXT[bits] = "|".join(dtype_names(bits))
-        return text
+        return dtype_text_of(self.dtype_bits[row])
 
     def columns(self) -> dict[str, np.ndarray]:
         """The rows' fixed descriptions as arrays (module, module type, tensor, param as object arrays; whether

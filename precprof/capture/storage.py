@@ -45,9 +45,9 @@ def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
 
 def _storage(t: torch.Tensor) -> tuple[StorageKey, int] | None:
     """(key, nbytes) of the storage under ``t``; None where there is no real storage (meta, fake, sparse)."""
-    if t.device.type == "meta":
-        return None
     try:
+        if t.is_meta:
+            return None
         s = t.untyped_storage()
         ptr = s.data_ptr()
         nbytes = s.nbytes()
@@ -198,6 +198,18 @@ def _storage_keys(tensors: Iterable[torch.Tensor], storage: Any = None) -> set[S
     return out
 
 
+def state_tensors(state: Mapping[Any, Any]) -> list[torch.Tensor]:
+    """The tensors of an optimizer's ``state`` (``_state_tensors`` of each entry), in one list; the usual entry,
+    a dict of plain tensors (Adam's step, exp_avg, exp_avg_sq), without a generator."""
+    out: list[torch.Tensor] = []
+    for s in state.values():
+        if type(s) is dict and set(map(type, s.values())) <= _PLAIN_TYPES:
+            out += s.values()
+        else:
+            out += _state_tensors(s)
+    return out
+
+
 def _state_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Tensors inside an optimizer state entry (dicts and lists of them, a few levels deep)."""
     if depth == 0 and type(obj) is dict and all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -225,8 +237,13 @@ def _sizeof(obj: Any, memo: set[int], depth: int = 0) -> int:
     if isinstance(obj, Mapping):
         size += sum(_sizeof(k, memo, depth + 1) + _sizeof(v, memo, depth + 1) for k, v in obj.items())
     elif isinstance(obj, (list, tuple, set, frozenset)):
+        if set(map(type, obj)) <= _SCALARS:  # storage addresses, sizes: summed without a call per item
+            return size + sum(map(sys.getsizeof, obj))
         size += sum(_sizeof(v, memo, depth + 1) for v in obj)
     return size
+
+
+_SCALARS = frozenset({int, float, str, bool})
 
 
 def _tensors_in(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:

@@ -29,6 +29,7 @@ import torch
 
 from precprof import tables as T
 from precprof.capture.records import _local, _ParamSlot
+from precprof.capture.storage import dtype_name
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -220,16 +221,17 @@ class UpdateSampler:
             return None
         kept = [self.tracked[i] for i in keep.tolist()]
         n = len(kept)
+        modules = [ps.module for ps in kept]
         cols: dict[str, Any] = {col: np.zeros(n, dtype=np.int64) for col in T.COUNT_COLUMNS}
         cols.update(
             {
                 T.STEP: np.full(n, step, dtype=np.int64),
-                T.ORDER: np.array([order.get(ps.module, -1) for ps in kept], dtype=np.int64),
-                T.MODULE: [ps.module for ps in kept],
-                T.MODULE_TYPE: [module_type.get(ps.module, "") for ps in kept],
+                T.ORDER: np.array([order.get(m, -1) for m in modules], dtype=np.int64),
+                T.MODULE: modules,
+                T.MODULE_TYPE: [module_type.get(m, "") for m in modules],
                 T.TENSOR: [T.WEIGHT_UPDATE] * n,
                 T.PARAM: [ps.param for ps in kept],
-                T.DTYPE: [str(ps.tensor.dtype).removeprefix("torch.") for ps in kept],
+                T.DTYPE: [dtype_name(ps.tensor.dtype) for ps in kept],
                 T.CALLS: np.ones(n, dtype=np.int64),
                 T.NUMEL: c[keep, 0].copy(),
                 T.ZEROS: c[keep, 1].copy(),
