@@ -30,7 +30,7 @@ def layer_columns(
     fixed = rows.columns()
     modules = fixed["module"][active]
     scales = np.where(fixed["gradient"][active], scale, 1.0)
-    d = st.decode_rows(data[active], scales)
+    d = st.decode_rows(data if len(active) == len(data) else data[active], scales)
     n = len(active)
     # per row the same few dtype texts: each distinct one made once
     bits, which = np.unique(np.asarray(rows.dtype_bits, dtype=np.int64)[active], return_inverse=True)
@@ -61,11 +61,10 @@ def layer_columns(
         cols[T.underflow_cs_col(f)] = d["underflow_cs"][f]
     # the nonzero bins, looked for only between the first and the last column any row uses (a row's values
     # span tens of the 277 bins): the same (row, bin) pairs in the same order, at a third of the cost
-    used = np.flatnonzero(d["hist"].any(axis=0))
-    if not len(used):
+    lo, hi = d["hist_used"]
+    if hi <= lo:
         return cols, None
-    lo = int(used[0])
-    r_idx, bins = np.nonzero(d["hist"][:, lo : int(used[-1]) + 1])
+    r_idx, bins = np.nonzero(d["hist"][:, lo:hi])
     bins += lo
     at = active[r_idx]
     hist = {

@@ -98,17 +98,22 @@ def decode_rows(rows: np.ndarray, scales: np.ndarray) -> dict[str, Any]:
 
     Returns arrays over rows: ``numel``, ``zeros``, ``nan``, ``inf``, ``absmax``, ``absmin`` (unscaled),
     ``underflow`` / ``overflow`` / ``underflow_cs`` (dicts of arrays by format), ``hist`` (the raw
-    [rows, N_BINS] bins, a view of ``rows``) and ``shift`` (per row: exponent of bin i is ``EXP_MIN + i - shift``).
+    [rows, N_BINS] bins, a view of ``rows``), ``hist_used`` (the bins ``lo:hi`` that hold every nonzero one) and
+    ``shift`` (per row: exponent of bin i is ``EXP_MIN + i - shift``).
     """
     rows = np.asarray(rows, dtype=np.int64).reshape(-1, ROW_WIDTH)
     scales = np.asarray(scales, dtype=np.float64).reshape(-1)
     hist = rows[:, COL_HIST : COL_HIST + N_BINS]
     inf = rows[:, COL_INF]
+    # the bins any row uses: tens of the N_BINS, the sums below run over those alone
+    used = np.flatnonzero(hist.any(axis=0))
+    lo, hi = (int(used[0]), int(used[-1]) + 1) if len(used) else (0, 0)
     underflow, overflow = {}, {}
     for i, name in enumerate(formats.WHATIF_FORMATS):
-        idx = min(max(LAYOUT.underflow_exps[i] - EXP_MIN, 0), N_BINS)
+        idx = min(max(LAYOUT.underflow_exps[i] - EXP_MIN, 0), hi)
         # values <= 2^j: the bins below j (a sum per format, not a cumulative sum of every bin), and 2^j itself
-        underflow[name] = hist[:, :idx].sum(axis=1) + rows[:, COL_POW2_AT + i]
+        below = hist[:, lo:idx].sum(axis=1) if idx > lo else np.zeros(len(rows), dtype=np.int64)
+        underflow[name] = below + rows[:, COL_POW2_AT + i]
         overflow[name] = rows[:, COL_OVERFLOW + i] - inf
     max_bits = rows[:, COL_ABSMAX_BITS]
     raw_absmax = np.where(max_bits > 0, max_bits.view(np.float64), 0.0)
@@ -136,6 +141,7 @@ def decode_rows(rows: np.ndarray, scales: np.ndarray) -> dict[str, Any]:
             name: rows[:, COL_UNDERFLOW_CS + i].copy() for i, name in enumerate(formats.FP8_FORMATS)
         },
         "hist": hist,
+        "hist_used": (lo, hi),
         "shift": shift,
     }
 
