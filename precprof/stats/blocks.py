@@ -90,7 +90,7 @@ def tensor_block_stats(
 
 def _c_reads(x: torch.Tensor) -> bool:
     return (
-        x.device.type == "cpu"
+        x.is_cpu
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and _cpu_kernel.load() is not None
     )

@@ -354,8 +354,7 @@ class StatsBuffer:
             and x.dtype in _BLOCK_DTYPES
             and self._block_slot[row] >= 0
         ):
-            with self.block_timer.timing(x.device):
-                part.accumulate_blocks(x.detach(), row)
+            self.block_timer.call(x.device, part.accumulate_blocks, x.detach(), row)
             self.blocks_seen[row] = True
         return True
 
@@ -369,8 +368,7 @@ class StatsBuffer:
         if self._block_slot[row] < 0:  # a row without a slot holds no block statistics
             return
         part = self._parts.get(x.device) or self._part(x.device)
-        with self.block_timer.timing(x.device):
-            part.accumulate_blocks(x, row)
+        self.block_timer.call(x.device, part.accumulate_blocks, x, row)
         self.blocks_seen[row] = True
 
     def device_tensors(self) -> list[torch.Tensor]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import re
@@ -241,12 +242,26 @@ _RECIPE_CONFIGS: dict[tuple[BlockRecipe, ...], np.ndarray] = {}
 
 def recipe_config(recipes: Sequence[BlockRecipe]) -> np.ndarray:
     """:func:`make_recipe_config`, made once per set of recipes (a sampled step asks for it per tensor)."""
+    return _recipe_config(recipes)[0]
+
+
+def _recipe_config(recipes: Sequence[BlockRecipe]) -> tuple[np.ndarray, int]:
+    """The config and its address, found by the identity of ``recipes`` first (hashing 7 recipes costs 10 us,
+    more than the kernel takes for a small tensor), by their value else."""
+    held = _RECIPE_BY_ID.get(id(recipes))
+    if held is not None and held[0] is recipes:
+        return held[1], held[2]
     key = tuple(recipes)
     cfg = _RECIPE_CONFIGS.get(key)
     if cfg is None:
         cfg = _RECIPE_CONFIGS[key] = make_recipe_config(key)
         cfg.setflags(write=False)
-    return cfg
+    if isinstance(recipes, tuple):  # immutable: its identity stands for its value while it is held here
+        _RECIPE_BY_ID[id(recipes)] = (recipes, cfg, cfg.ctypes.data)
+    return cfg, cfg.ctypes.data
+
+
+_RECIPE_BY_ID: dict[int, tuple[tuple[BlockRecipe, ...], np.ndarray, int]] = {}
 
 
 def make_recipe_config(recipes: Sequence[BlockRecipe]) -> np.ndarray:
@@ -301,20 +316,20 @@ def block_stats_2d(
     if lib is None:
         raise UserError(f"the C kernel is not available here ({_status['reason']})")
     code = _BLOCK_DTYPES.get(x.dtype)
-    if code is None or x.device.type != "cpu" or x.dim() == 0:
+    if code is None or not x.is_cpu or x.dim() == 0:
         raise UserError(
             f"the C block kernel reads CPU tensors of fp32, bf16 or fp16 with 1 dimension or more, "
             f"got a {x.dim()}-d {x.dtype} tensor on {x.device}"
         )
-    cfg = recipe_config(recipes)
-    out = np.full((2, len(recipes), N_BLOCK_STATS), np.nan)
+    _, cfg_ptr = _recipe_config(recipes)
+    out = torch.full((2, len(recipes), N_BLOCK_STATS), math.nan, dtype=torch.float64)
     x = x.detach()
     last = x.shape[-1]
     flat = x.contiguous()
     rows = flat.numel() // last if last else 0
     if flat.numel() == 0:
         out[[o for o in (0, 1) if orients >> o & 1]] = 0.0
-        return torch.from_numpy(out)
+        return out
     rc = lib.pp_block(
         flat.data_ptr(),
         rows,
@@ -322,13 +337,13 @@ def block_stats_2d(
         code,
         orients,
         len(recipes),
-        cfg.ctypes.data,
+        cfg_ptr,
         threads or torch.get_num_threads(),
-        out.ctypes.data,
+        out.data_ptr(),
     )
     if rc != 0:
         raise MemoryError("precprof: the C block kernel could not allocate its scratch")
-    return torch.from_numpy(out)
+    return out
 
 
 def block_stats_c(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,6 +38,18 @@ class WorkTimer:
         t0 = time.perf_counter()
         try:
             yield
+        finally:
+            self._host_s += time.perf_counter() - t0
+
+    def call(self, device: torch.device, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` timed as :meth:`timing` times its block; on the CPU without a generator's cost (a few
+        microseconds per call, on the hot path of every block-format evaluation)."""
+        if device.type == "cuda":
+            with self.timing(device):
+                return fn(*args)
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
         finally:
             self._host_s += time.perf_counter() - t0
 
