@@ -60,6 +60,33 @@ def test_add_many_gives_the_rows_of_one_add_per_tensor() -> None:
     assert np.array_equal(many.to_host(), ops.to_host())
 
 
+def test_add_many_again_reads_the_tensors_as_they_are_now() -> None:
+    """``add_many`` of the same tensors keeps the arrays it read them from: a second call reads their new values,
+    and a tensor given new data (another size, another dtype, not contiguous) is read as it is now."""
+    _kernel_or_skip()
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(40, generator=g), torch.randn(8, 8, generator=g), torch.randn(5, generator=g).half()]
+    rows = [0, 1, 2]
+    many = StatsBuffer(3, "cpu")
+    host = many.rows_of(torch.device("cpu"))
+    changes = [
+        lambda: xs[0].mul_(1e-20),  # the same memory, new values
+        lambda: xs[0].resize_(7),  # the same memory, fewer elements
+        lambda: xs[1].set_(torch.randn(3, 3, generator=g)),  # new memory and size
+        lambda: xs.__setitem__(1, torch.randn(3, 3, generator=g).double()),  # another tensor, another dtype
+        lambda: xs[2].set_(torch.randn(6, 4, generator=g).half().t()),  # not contiguous (then never kept)
+        lambda: xs[2].mul_(2.0),
+    ]
+    for change in [lambda: None, *changes]:
+        change()
+        many.reset()
+        host.add_many(xs, rows)
+        one = StatsBuffer(3, "cpu")
+        for x, r in zip(xs, rows, strict=True):
+            one.accumulate(x, r)
+        assert np.array_equal(many.to_host(), one.to_host())
+
+
 def test_an_assigning_add_keeps_only_the_last_tensor() -> None:
     """A weight gradient's row after several accumulations holds the last one only (kernel and torch ops)."""
     xs = _cases()

@@ -49,6 +49,24 @@ def _count_le_pow2_keys(keys2: np.ndarray, j: int) -> int:
     return int(keys2[:f].sum() - keys2[0, 1] + keys2[f, 1])
 
 
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
+def _many_key(tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> tuple[Any, ...] | None:
+    """What ``add_many`` reads, without reading it: the rows, and per tensor its object, data pointer, size,
+    dtype and contiguity (None for a wrapper subclass)."""
+    if not set(map(type, tensors)) <= _PLAIN:
+        return None
+    return (
+        tuple(rows),
+        tuple(map(id, tensors)),
+        tuple(t.data_ptr() for t in tensors),
+        tuple(t.numel() for t in tensors),
+        tuple(t.dtype for t in tensors),
+        tuple(t.is_contiguous() for t in tensors),
+    )
+
+
 def _hist_of_keys(keys2: np.ndarray) -> np.ndarray:
     """The N_BINS exponent histogram of a [2048, 2] key histogram (fp64-only exponents fold into the ends)."""
     all_in_bin = keys2[:, 0] + keys2[:, 1]
@@ -99,6 +117,9 @@ class HostRows(_rows.Rows):
         )
         self._ctx_ptr = self._ctx.ctypes.data
         self._last: tuple[weakref.ref[torch.Tensor], int] | None = None
+        # add_many's last tensors (``_many_key``) and the arrays the kernel read them from, with their addresses
+        self._many_key: tuple[Any, ...] | None = None
+        self._many_arrays: tuple[list[np.ndarray], list[int]] = ([], [])
         self.reset()
 
     # -- sizes
@@ -205,6 +226,11 @@ class HostRows(_rows.Rows):
             for t, r in zip(tensors, rows, strict=True):
                 self.add(t, r)
             return
+        # the same tensors as last time (the step's parameters, step after step): the same arrays
+        key = _many_key(tensors, rows)
+        if key is not None and key == self._many_key:
+            self._add_many_arrays(self._many_arrays)
+            return
         ptrs, ns, strides, codes, at = [], [], [], [], []
         keep = []  # flattened copies stay alive until the kernel has read them
         for t, r in zip(tensors, rows, strict=True):
@@ -225,19 +251,28 @@ class HostRows(_rows.Rows):
             at.append(r)
         if not ptrs:
             return
-        self._ctx[_CTX_THREADS] = self._threads()
         arrays = [np.asarray(v, dtype=np.int64) for v in (ptrs, ns, strides, codes, at)]
-        k, start = len(ptrs), 0
+        # kept for the next call only where every tensor was read in place (no flattened copy, every dtype the
+        # kernel's: the arrays then say all there is to read)
+        keyed = key is not None and not keep and len(ptrs) == len(tensors)
+        self._many_key = key if keyed else None
+        self._many_arrays = (arrays, [a.ctypes.data for a in arrays])
+        self._add_many_arrays(self._many_arrays)
+        del keep
+
+    def _add_many_arrays(self, held: tuple[list[np.ndarray], list[int]]) -> None:
+        arrays, addresses = held
+        self._ctx[_CTX_THREADS] = self._threads()
+        k, start = len(arrays[0]), 0
         self._last = None
         while start < k:
-            done = int(self._lib.pp_add_many(self._ctx_ptr, k, *(a.ctypes.data for a in arrays), start))
+            done = int(self._lib.pp_add_many(self._ctx_ptr, k, *addresses, start))
             if done >= k:
                 break
             if done < 0:
                 self._kernel_failed(-1, int(arrays[4][-1 - done]))
             self._merge_call(int(arrays[4][done]))
             start = done + 1
-        del keep
 
     def _kernel_failed(self, rc: int, row: int) -> None:
         if rc == 1:  # the call's bins fall outside the window
