@@ -24,7 +24,10 @@ Clock: on the CPU the thread's own CPU time (``time.thread_time``, one torch thr
 measured, and a machine shared with other work (CI, a laptop) barely moves it, where wall time moved by 2x.
 ``--clock wall`` (the default on CUDA, where the device's time counts) measures wall time.
 
-Usage: python bench/host_cost.py [--device cpu|cuda] [--blocks 100] [--rounds 8] [--steps 8]
+Many short rounds (32 of 2 steps) rather than a few long ones: this machine's speed drifts over seconds, and
+short rounds spread the drift over every configuration alike.
+
+Usage: python bench/host_cost.py [--device cpu|cuda] [--blocks 100] [--rounds 32] [--steps 2]
 Writes bench/results/host_cost_<device>.json.
 """
 
@@ -103,8 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--blocks", type=int, default=100)
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=8, help="interleaved rounds per configuration")
-    ap.add_argument("--steps", type=int, default=8, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=32, help="interleaved rounds per configuration")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per round")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--clock", choices=["thread", "wall"], default=None, help="thread on CPU, wall on CUDA")

@@ -874,7 +874,9 @@ def test_steady_components_follow_the_tensors_step_after_step() -> None:
             seen.append(got)
     finally:
         tr.detach()
-    assert seen[0][(T.PARAMETERS, "float32")] == 4 * (D_IN * D_HID + D_HID + D_HID * D_OUT + D_OUT + 2 * D_HID)
+    assert seen[0][(T.PARAMETERS, "float32")] == 4 * (
+        D_IN * D_HID + D_HID + D_HID * D_OUT + D_OUT + 2 * D_HID
+    )
     assert (T.PARAMETERS, "bfloat16") in seen[2] and (T.PARAMETERS, "float32") not in seen[2]
     # the view of a [D_OUT, 2 D_HID] storage counts the whole storage
     assert seen[3][(T.PARAMETERS, "bfloat16")] - seen[2][(T.PARAMETERS, "bfloat16")] == 2 * D_OUT * D_HID

@@ -420,7 +420,7 @@ class MemoryTracker:
         if not self._sampled or g is None:
             return
         if self._counts.cuda is not None and not self._peak.measuring:
-            self._counts.sample_live()
+            self._counts.sample_live()  # the phase's lower bound where there is no replay (~20 us a read)
         for leaf in (g,) if type(g) is torch.Tensor else _plain_tensors(g):
             st = _storage(leaf)
             if st is not None:
@@ -456,8 +456,8 @@ class MemoryTracker:
             stack = self._stack
             if not self._recording or not stack:
                 return
-            if self._counts.cuda is not None:
-                self._sample_live()
+            if self._counts.cuda is not None and self._sampled and not self._peak.measuring:
+                self._counts.sample_live()  # the phase's lower bound where there is no replay
             if stack[-1][1] is module:
                 stack.pop()
                 return
@@ -581,19 +581,14 @@ class MemoryTracker:
 
     # ----------------------------------------------------------------------------------------- device
     def _model_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The model's parameters and buffers now (from the modules attach listed; walked when not attached)."""
+        """The model's parameters and buffers now, from the modules attach listed (a module added to the model
+        since is not seen, as it has no hooks either; re-attach to take it in); walked when not attached."""
         if self._modules:
             return module_tensors(self._modules)
         return list(self.model.parameters()), list(self.model.buffers())
 
     def _keys(self, tensors: Iterable[torch.Tensor]) -> set[StorageKey]:
         return _storage_keys(tensors, self._storage_of)
-
-    def _sample_live(self) -> None:
-        # the lower bound of a phase's peak where a step has no replay; a replay measures the peak itself (and a
-        # read of the allocator's statistics costs ~20 us, at every module and gradient hook)
-        if self._sampled and not self._peak.measuring:
-            self._counts.sample_live()
 
     def _mark_phase(self, new_phase: str) -> None:
         """A phase boundary: a new segment of the step, placed in the allocator's events, and the phase's
