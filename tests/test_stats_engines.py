@@ -74,10 +74,15 @@ def test_hand_built_values_every_engine_and_real_casts(dtype: torch.dtype) -> No
 @needs_interpreter
 @pytest.mark.parametrize("dtype", list(INPUT_DTYPES.values()), ids=list(INPUT_DTYPES))
 def test_random_odd_sizes_every_engine(dtype: torch.dtype) -> None:
-    for n, seed in ((1, 0), (7, 1), (1023, 2), (1025, 3), (5000, 4)):
+    """Sizes on both sides of the C kernel's small-tensor path (at most 4096 values: straight into the keys),
+    with specials and subnormals, and values of few mantissa bits (powers of two among them)."""
+    for n, seed in ((1, 0), (7, 1), (1023, 2), (1025, 3), (4096, 5), (4097, 6), (5000, 4)):
         x = random_values(n, seed, -140.0, 127.99).to(dtype)
         row = all_engines_agree(x)
         assert observed(decode(row)) == reference(x)
+        coarse = random_values(n, seed + 10, -30.0, 30.0, special=0.0).to(torch.bfloat16).to(dtype)
+        row = all_engines_agree(coarse)
+        assert observed(decode(row)) == reference(coarse)
 
 
 @needs_interpreter

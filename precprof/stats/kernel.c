@@ -121,14 +121,47 @@ static inline void extremes(acc_t* a, double vmax, double vmin_nz, int have_max,
     if (have_min) { uint64_t b = dbits(vmin_nz); if (b < a->mn) a->mn = b; }
 }
 
+/* run_f32 of a small tensor: each value's key straight into the keys (subnormals by their exact key) */
+static void run_f32_small(const uint32_t* q, int64_t m, acc_t* a, const cfg_t* cfg) {
+    uint32_t rawmax = 0, vmin = 0xFFFFFFFFu;
+    for (int64_t i = 0; i < m; i++) {
+        uint32_t u = q[i] & 0x7FFFFFFFu, v = u - 1;
+        rawmax = u > rawmax ? u : rawmax;
+        vmin = v < vmin ? v : vmin;
+        if (__builtin_expect(u != 0 && u < 0x00800000u, 0)) a->keys[key_of_bits(dbits(u32_to_double(u)))]++;
+        else a->keys[TAB_F32[((u >> 22) & 0x1FEu) | ((u & 0x7FFFFFu) == 0)]]++;
+    }
+    uint32_t fmax = rawmax;
+    if (__builtin_expect(rawmax >= 0x7F800000u, 0)) {
+        fmax = 0;
+        for (int64_t i = 0; i < m; i++) {
+            uint32_t u = q[i] & 0x7FFFFFFFu;
+            if (u < 0x7F800000u && u > fmax) fmax = u;
+        }
+    }
+    if (__builtin_expect(rawmax >= cfg->big32, 0)) {
+        for (int64_t i = 0; i < m; i++) {
+            uint32_t u = q[i] & 0x7FFFFFFFu;
+            if (u >= cfg->big32 && u <= 0x7F800000u) overflow_of(a, u32_to_double(u), cfg);
+        }
+    }
+    extremes(a, u32_to_double(fmax), u32_to_double(vmin + 1), fmax != 0, vmin < 0x7F7FFFFFu);
+}
+
 /* contiguous fp32. Per block of BLOCK values: vectorisable single-reduction passes (largest |x|, smallest
    |x| - 1, smallest mantissa) decide whether the block holds anything rare (|x| >= 256, inf, nan,
    subnormals, exact powers of two); a block without them needs only its exponent histogram, one with
    powers of two the (exponent, mantissa-is-zero) histogram, both counted into four interleaved
    sub-histograms (no store-to-load stalls between neighbours in the same bin); subnormals take the exact
-   per-element path. */
+   per-element path. A tensor of at most SMALL values is counted straight into the keys: clearing and folding
+   the sub-histograms (12 KiB) cost more than its values. */
+#define SMALL 4096
 static void run_f32(const uint32_t* p, int64_t n, acc_t* a, const cfg_t* cfg) {
     uint32_t sub[4][256], sub9[4][512];
+    if (n <= SMALL) {
+        run_f32_small(p, n, a, cfg);
+        return;
+    }
     memset(sub, 0, sizeof(sub));
     memset(sub9, 0, sizeof(sub9));
     int64_t since = 0;
@@ -208,7 +241,33 @@ static void run_f32(const uint32_t* p, int64_t n, acc_t* a, const cfg_t* cfg) {
 /* contiguous bf16 / fp16: the key of every 15-bit magnitude comes from a table */
 static void run_16(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, const uint16_t* tab,
                    uint16_t inf16, uint16_t big16, double (*widen)(uint16_t)) {
-    uint32_t (*sub)[NKEYS] = calloc(4, sizeof(uint32_t[NKEYS]));
+    /* a small tensor straight into the keys: the sub-histograms' 64 KiB cost more than its values */
+    uint32_t (*sub)[NKEYS] = n <= SMALL ? NULL : calloc(4, sizeof(uint32_t[NKEYS]));
+    if (n <= SMALL) {
+        uint16_t rawmax = 0, vmin = 0xFFFF;
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t u = p[i] & 0x7FFF, v = (uint16_t)(u - 1);
+            rawmax = u > rawmax ? u : rawmax;
+            vmin = v < vmin ? v : vmin;
+            a->keys[tab[u]]++;
+        }
+        uint16_t fmax = rawmax;
+        if (__builtin_expect(rawmax >= inf16, 0)) {
+            fmax = 0;
+            for (int64_t i = 0; i < n; i++) {
+                uint16_t u = p[i] & 0x7FFF;
+                if (u < inf16 && u > fmax) fmax = u;
+            }
+        }
+        if (__builtin_expect(rawmax >= big16, 0)) {
+            for (int64_t i = 0; i < n; i++) {
+                uint16_t u = p[i] & 0x7FFF;
+                if (u >= big16 && u <= inf16) overflow_of(a, widen(u), cfg);
+            }
+        }
+        extremes(a, widen(fmax), widen((uint16_t)(vmin + 1)), fmax != 0, vmin < (uint16_t)(inf16 - 1));
+        return;
+    }
     if (!sub) { for (int64_t i = 0; i < n; i++) add_bits(a, dbits(widen(p[i])), cfg); return; }
     int64_t since = 0;
     for (int64_t s = 0; s < n; s += BLOCK) {
