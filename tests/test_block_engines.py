@@ -116,6 +116,25 @@ def test_c_kernel_sums_repeat_bit_for_bit_over_thread_counts() -> None:
     assert_same(one, blocks.tensor_block_stats(x, engine="torch"), "large")
 
 
+@needs_c
+def test_c_kernel_adds_into_the_accumulator_as_an_addition_of_its_result() -> None:
+    """``add_tensor_block_stats`` (the C kernel adding into an accumulator slot) gives bitwise what adding
+    ``tensor_block_stats`` gives, over several tensors of each dtype, a non-contiguous one among them; a slot
+    that is not contiguous takes the addition path."""
+    acc = torch.zeros(3, 2, len(RECIPES), 5, dtype=torch.float64)
+    want = acc.clone()
+    for seed, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16, torch.float32)):
+        x = hard_tensor((24, 64), seed, dtype)
+        if seed == 3:
+            x = x.t()
+        blocks.add_tensor_block_stats(x, acc[1], engine="c", threads=1)
+        want[1] += blocks.tensor_block_stats(x, engine="c", threads=1)
+    assert torch.equal(acc, want) and acc[1].abs().sum() > 0 and not acc[0].any() and not acc[2].any()
+    strided = torch.zeros(2, len(RECIPES), 5, 2, dtype=torch.float64)[..., 0]
+    blocks.add_tensor_block_stats(hard_tensor((8, 32), 5, torch.float32), strided, engine="c", threads=1)
+    assert torch.equal(strided, blocks.tensor_block_stats(hard_tensor((8, 32), 5, torch.float32), engine="c"))
+
+
 def test_dispatch_engines_agree_and_reject_what_they_cannot_read() -> None:
     x = hard_tensor((20, 70), 9, torch.bfloat16)
     torch_ops = blocks.tensor_block_stats(x, engine="torch")

@@ -88,6 +88,19 @@ def tensor_block_stats(
     return torch.stack([block_stats(x2, recipes, a, engine=engine, threads=threads) for a in AXES])
 
 
+def add_tensor_block_stats(
+    x: torch.Tensor, into: torch.Tensor, *, engine: str = "torch", threads: int = 0
+) -> None:
+    """``into += tensor_block_stats(x, engine=engine, threads=threads)`` (the recipes of the layers table); the
+    C kernel adds into ``into`` itself (the same sums: one float64 addition per value), with no tensor in
+    between, when it reads ``x`` and ``into`` is a contiguous float64 CPU tensor."""
+    x2 = as_2d(x.detach())
+    if engine == "c" and into.is_cpu and into.is_contiguous() and _c_reads(x2):
+        _cpu_kernel.add_block_stats(x2, RECIPES, threads, into)
+        return
+    into += tensor_block_stats(x2, engine=engine, threads=threads)
+
+
 def _c_reads(x: torch.Tensor) -> bool:
     return (
         x.is_cpu

@@ -776,7 +776,8 @@ static inline uint32_t absbits_at(const void* d, int dtype, int64_t i) {
 /* Block statistics of a contiguous [rows, last] tensor (dtype 0 fp32, 1 bf16, 2 fp16) for nr recipes (config:
    REC_LEN int64 each) in the orientations of the bit mask orients (1: row, 2: col), into out[2][nr][5]
    (flushed, saturated, poisoned, sum_x2, sum_err2 as doubles; an orientation not asked for is left as it
-   is). Returns 0, or -1 when out of host memory. */
+   is; with bit 4 of orients the statistics are added into out, an accumulator, instead of written).
+   Returns 0, or -1 when out of host memory. */
 int pp_block(const void* data, int64_t rows, int64_t last, int dtype, int orients, int nr, const int64_t* config,
              int nthreads, double* out) {
     if (nr < 1 || nr > MAXR) return -2;
@@ -833,8 +834,13 @@ int pp_block(const void* data, int64_t rows, int64_t last, int dtype, int orient
                 fl += s->flushed; sat += s->saturated; po += s->poisoned; x2 += s->x2; e2 += s->err2;
             }
             if (rec[k].kind == 2 && !job.nvfp4_ok) po = n;
-            dst[k * 5 + 0] = (double)fl; dst[k * 5 + 1] = (double)sat; dst[k * 5 + 2] = (double)po;
-            dst[k * 5 + 3] = x2; dst[k * 5 + 4] = e2;
+            if (orients & 4) {
+                dst[k * 5 + 0] += (double)fl; dst[k * 5 + 1] += (double)sat; dst[k * 5 + 2] += (double)po;
+                dst[k * 5 + 3] += x2; dst[k * 5 + 4] += e2;
+            } else {
+                dst[k * 5 + 0] = (double)fl; dst[k * 5 + 1] = (double)sat; dst[k * 5 + 2] = (double)po;
+                dst[k * 5 + 3] = x2; dst[k * 5 + 4] = e2;
+            }
         }
         free(part);
         if (failed) return -1;

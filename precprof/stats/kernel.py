@@ -346,6 +346,34 @@ def block_stats_2d(
     return out
 
 
+def add_block_stats(
+    x: torch.Tensor, recipes: Sequence[BlockRecipe], threads: int, into: torch.Tensor
+) -> None:
+    """Add the block statistics of ``x`` in both orientations (as :func:`block_stats_2d` gives them) into
+    ``into``, a contiguous float64 CPU tensor of [2, len(recipes), 5] (a slot of the block accumulator), in
+    place: each value added as ``into += block_stats_2d(...)`` adds it, without the intermediate tensor. ``x``
+    as :func:`block_stats_2d` takes it."""
+    lib = load()
+    code = _BLOCK_DTYPES.get(x.dtype)
+    if lib is None or code is None or not x.is_cpu or x.dim() == 0:
+        into += block_stats_2d(x, recipes, 3, threads)  # raises the error that says why
+        return
+    if not (into.is_contiguous() and into.dtype == torch.float64 and into.is_cpu):
+        raise ValueError("add_block_stats adds into a contiguous float64 CPU tensor")
+    x = x.detach()
+    last = x.shape[-1]
+    flat = x.contiguous()
+    if flat.numel() == 0:
+        return
+    _, cfg_ptr = _recipe_config(recipes)
+    rc = lib.pp_block(
+        flat.data_ptr(), flat.numel() // last, last, code, 3 | 4, len(recipes), cfg_ptr,
+        threads or torch.get_num_threads(), into.data_ptr(),
+    )  # fmt: skip
+    if rc != 0:
+        raise MemoryError("precprof: the C block kernel could not allocate its scratch")
+
+
 def block_stats_c(
     x: torch.Tensor, recipes: Sequence[BlockRecipe], axis: int, threads: int = 0
 ) -> torch.Tensor:

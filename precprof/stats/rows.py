@@ -215,7 +215,7 @@ class Rows:
         # threads are the C kernel's alone: asking for them loads (and on a machine's first run builds) it, which
         # on an H100 ran the C compiler inside the first sampled step's first block-format hook
         threads = self._threads() if engine == "c" else 0
-        self._blocks[slot] += _blocks.tensor_block_stats(x, engine=engine, threads=threads)
+        _blocks.add_tensor_block_stats(x, self._blocks[slot], engine=engine, threads=threads)
         if version is not None:
             self._blocks_added[key] = (weakref.ref(x), version)
 
