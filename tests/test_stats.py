@@ -18,6 +18,7 @@ The helpers take a ``device`` so that ``test_stats_gpu.py`` runs the same checks
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections import Counter
 from typing import Any
@@ -715,14 +716,16 @@ def test_same_tensor_twice_is_read_once_and_counted_twice(monkeypatch: pytest.Mo
     _kernel_or_skip()
     lib = engine._kernel()
     reads: list[int] = []
-    real_add = lib.pp_add
+    real_add = lib.pp_add_at
 
-    def counting_add(*args: object) -> int:
-        if not int(args[6]) & 2:  # type: ignore[call-overload]  # flag 2: merged from the last call, not read
-            reads.append(int(args[2]))  # type: ignore[call-overload]
-        return int(real_add(*args))
+    def counting_add(ctx: int) -> int:
+        # pp_add_at's arguments sit in the context: data, n, stride, dtype, row, flags from index 9
+        args = (ctypes.c_int64 * 15).from_address(ctx)
+        if not args[14] & 2:  # flag 2: merged from the last call, not read
+            reads.append(int(args[10]))
+        return int(real_add(ctx))
 
-    monkeypatch.setattr(lib, "pp_add", counting_add)
+    monkeypatch.setattr(lib, "pp_add_at", counting_add)
     x = random_values(3000, 71).float()
     fresh = StatsBuffer(4, "cpu")
     fresh.use_kernel = False

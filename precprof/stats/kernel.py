@@ -13,9 +13,11 @@ histogram, the extremes). This kernel reads it from memory once, in blocks of 20
 - the 4096 keys then fold into a statistics row (counts, the 277-bin histogram, fp8 current scaling with the
   exact frexp/ldexp search of ``formats.current_scaling_exponent``) in C, and merge into the buffer row in
   the same call: ``pp_add`` (``pp_call``, the statistics of one tensor into a call row, then ``pp_merge``,
-  the call row added into a buffer row and its histogram window); ``pp_add_many`` does it for a list of
-  tensors (a sampled step's parameters) in one call. A tensor of fewer than 65536 values is read on the
-  calling thread with static per-thread scratch: no allocation per call.
+  the call row added into a buffer row and its histogram window; ``pp_add_at`` takes its arguments from the
+  context array, one ctypes argument instead of seven); ``pp_add_many`` does it for a list of tensors (a
+  sampled step's parameters) in one call. A tensor of fewer than 65536 values is read on the calling thread
+  with static per-thread scratch: no allocation per call; one of at most 4096 is counted straight into the
+  keys.
 
 Tensors of 65536 values and more are split over OpenMP threads. The kernel links ``libgomp.so.1``; where
 torch runs on that same runtime (the PyPI CPU wheels ship ``torch/lib/libgomp.so.1``) the loader reuses it,
@@ -200,6 +202,8 @@ def load() -> ctypes.CDLL | None:
         lib.pp_merge.argtypes = [p, p, p, i64, i64, p, p]
         lib.pp_add.restype = i32
         lib.pp_add.argtypes = [p, p, i64, i64, i32, i64, i32]
+        lib.pp_add_at.restype = i32
+        lib.pp_add_at.argtypes = [p]
         lib.pp_add_many.restype = i64
         lib.pp_add_many.argtypes = [p, i64, p, p, p, p, p, i64]
         lib.pp_openmp.restype = ctypes.c_int

@@ -10,6 +10,7 @@ submodule's output, and that output's gradient) is merged from the kernel's last
 
 from __future__ import annotations
 
+import ctypes
 import math
 import weakref
 from collections.abc import Sequence
@@ -35,8 +36,9 @@ from precprof.stats.layout import (
     f64_bits,
 )
 
-# pp_add's context (kernel.c CTX_*): config, call row, merge rule, threads, counts, counts width, window, wlo, w
-_CTX_THREADS, _CTX_WINDOW, _CTX_WLO, _CTX_W = 3, 6, 7, 8
+# pp_add's context (kernel.c CTX_*): config, call row, merge rule, threads, counts, counts width, window, wlo, w,
+# then pp_add_at's arguments (data, n, stride, dtype, row, flags)
+_CTX_THREADS, _CTX_WINDOW, _CTX_WLO, _CTX_W, _CTX_ARGS, _CTX_LEN = 3, 6, 7, 8, 9, 15
 
 
 def _count_le_pow2_keys(keys2: np.ndarray, j: int) -> int:
@@ -112,10 +114,14 @@ class HostRows(_rows.Rows):
                 self._hist.ctypes.data,
                 0,
                 0,
+                *[0] * (_CTX_LEN - _CTX_ARGS),
             ],
             dtype=np.int64,
         )
         self._ctx_ptr = self._ctx.ctypes.data
+        # pp_add_at's arguments, as a ctypes view of the context (its item writes cost a third of numpy's)
+        self._args = (ctypes.c_int64 * (_CTX_LEN - _CTX_ARGS)).from_address(self._ctx_ptr + 8 * _CTX_ARGS)
+        self._add_at: Any = self._lib.pp_add_at if self._lib is not None else None
         self._last: tuple[weakref.ref[torch.Tensor], int] | None = None
         # add_many's last tensors (``_many_key``) and the arrays the kernel read them from, with their addresses
         self._many_key: tuple[Any, ...] | None = None
@@ -201,18 +207,22 @@ class HostRows(_rows.Rows):
         except RuntimeError:  # an inference tensor has no version counter: always read
             version = None
         last = self._last
+        args = self._args
+        args[1], args[3], args[4] = n, code, row
         if last is not None and version is not None and last[1] == version and last[0]() is x:
-            rc = self._lib.pp_add(self._ctx_ptr, 0, n, 1, code, row, flags | 2)  # merged, not read again
+            args[0], args[2], args[5] = 0, 1, flags | 2  # merged, not read again
+            rc = self._add_at(self._ctx_ptr)
         else:
             if n >= 65536:  # the kernel splits such a tensor over threads
                 self._ctx[_CTX_THREADS] = self._threads()
             if x.is_contiguous():
-                ptr, stride = x.data_ptr(), 1
+                args[0], args[2] = x.data_ptr(), 1
             else:
                 flat = x.detach().reshape(-1)  # a view where one stride reads it, else a copy
-                ptr, stride = flat.data_ptr(), flat.stride(0)
+                args[0], args[2] = flat.data_ptr(), flat.stride(0)
+            args[5] = flags
             self._last = None
-            rc = self._lib.pp_add(self._ctx_ptr, ptr, n, stride, code, row, flags)
+            rc = self._add_at(self._ctx_ptr)
             if version is not None:
                 self._last = (weakref.ref(x), version)
         if rc:
