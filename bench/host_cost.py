@@ -16,6 +16,10 @@ all alike); means of the timed steps:
   -updates     ... without the weight-update sample (``weight_updates=False``)
   -rows        ... with the row statistics replaced by a no-op (the hooks, lookups and bookkeeping stay)
   hooks only   every part above off at once: the hooks and the per-step bookkeeping alone
+  empty hooks  no profiler: the hooks a sampled step installs, doing nothing (two forward pre-hooks and two
+               forward hooks on every module: the statistics' and the memory tracker's; a gradient hook on
+               every output; two post-accumulate-grad hooks on every parameter; saved-tensor hooks around
+               the forward): what hooking a step from Python costs at the least, the floor under "sampled"
 
 Per part: its cost is ``sampled - (sampled without it)`` (medians); "copy and flush" is timed inside ``Profiler.step()``
 of the sampled configuration. The headline is ``(sampled - baseline) / inspected tensors``.
@@ -70,6 +74,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "weight_updates": False,
         "_rows_off": True,
     },
+    "empty hooks": {"_empty_hooks": True},
 }
 PARTS = {
     "row statistics": "-rows",
@@ -84,6 +89,26 @@ def tiny_stack(blocks: int, width: int) -> nn.Module:
     for _ in range(blocks):
         layers += [nn.Linear(width, width), nn.GELU()]
     return nn.Sequential(*layers)
+
+
+def empty_hooks(model: nn.Module) -> None:
+    """The hooks a sampled step installs, doing nothing (the ``empty hooks`` configuration)."""
+
+    def on_grad(g: torch.Tensor) -> None:
+        return None
+
+    def on_output(module: nn.Module, args: Any, out: Any) -> None:
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(on_grad)
+
+    for m in model.modules():
+        for _ in range(2):  # the statistics' and the memory tracker's
+            m.register_forward_pre_hook(lambda module, args: None)
+        m.register_forward_hook(on_output)
+        m.register_forward_hook(lambda module, args, out: None)
+    for prm in model.parameters():
+        for _ in range(2):
+            prm.register_post_accumulate_grad_hook(lambda p: None)
 
 
 @contextlib.contextmanager
@@ -127,7 +152,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         kw = {k: v for k, v in CONFIGS[n].items() if not k.startswith("_")}
-        prof = Profiler(model, optimizer=opt, **kw).attach() if n != "baseline" else None
+        prof = Profiler(model, optimizer=opt, **kw).attach() if n not in ("baseline", "empty hooks") else None
+        if CONFIGS[n].get("_empty_hooks"):
+            empty_hooks(model)
         state[n] = {"model": model, "opt": opt, "prof": prof, "times": [], "flush": []}
 
     def sync() -> None:
@@ -139,7 +166,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model, opt, prof = s["model"], s["opt"], s["prof"]
         sync()
         t0 = clock()
-        loss = model(x).square().mean()
+        if CONFIGS[n].get("_empty_hooks"):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                out = model(x)
+            loss = out.square().mean()
+        else:
+            loss = model(x).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -192,6 +224,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parts["copy and flush (inside Profiler.step)"] = results["sampled"]["step_call_s"]
         if "hooks only" in mean:
             parts["hooks, lookups and per-step bookkeeping (all parts off)"] = mean["hooks only"] - base_s
+        if "empty hooks" in mean:
+            parts["of which hooks that do nothing would cost (no profiler)"] = mean["empty hooks"] - base_s
         parts = {
             k: {"s": v, "share_of_added": v / added if added else float("nan")} for k, v in parts.items()
         }

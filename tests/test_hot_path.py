@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 import numpy as np
+import pandas.testing as pd_testing
 import pytest
 import torch
 from torch import nn
@@ -132,6 +133,35 @@ def test_no_hook_anywhere_between_sampled_steps() -> None:
     assert sorted(set(layers[T.STEP])) == [0, 3, 6]
     kinds = set(layers[T.TENSOR])
     assert {T.ACTIVATION, T.ACTIVATION_GRAD, T.WEIGHT, T.WEIGHT_GRAD, T.WEIGHT_UPDATE} <= kinds
+
+
+def test_consecutive_sampled_steps_keep_their_hooks_and_record_the_same() -> None:
+    """A sampled step followed by another keeps its hooks in place (paused inside ``prof.step()``, not
+    removed and installed again), and records what a step sampled on its own records: every step of a run
+    sampling each step equals the same step of a run sampling every other one, bitwise."""
+    runs = {}
+    for every in (1, 2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        counts = []
+        with precprof.Profiler(model, optimizer=opt, sample_every=every) as prof:
+            for _ in range(5):
+                counts.append(_hooks_on(model, opt) if prof.sampling else 0)
+                model(torch.randn(5, 8, generator=g)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                prof.step()
+        assert _hooks_on(model, opt) == 0
+        assert len(set(c for c in counts if c)) == 1  # the same hooks at every sampled step
+        runs[every] = prof.tables()["layers"]
+    every_step, every_other = runs[1], runs[2]
+    assert sorted(set(every_step[T.STEP])) == [0, 1, 2, 3, 4]
+    for step in (0, 2, 4):
+        a = every_step[every_step[T.STEP] == step].reset_index(drop=True)
+        b = every_other[every_other[T.STEP] == step].reset_index(drop=True)
+        pd_testing.assert_frame_equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------- compile

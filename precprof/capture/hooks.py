@@ -2,7 +2,8 @@
 
 On a step that is not sampled precprof has no hook anywhere: the model runs exactly as without it, eager or
 compiled (a compiled model runs the very graph it runs without precprof: nothing is traced, nothing guards on
-precprof's state). A sampled step installs, for its duration (``StepHooks.install`` / ``remove``):
+precprof's state). A sampled step installs, for its duration (``StepHooks.install`` / ``remove``; a sampled
+step followed by another keeps them in place between the two, doing nothing, ``pause``):
 
 - a forward pre-hook and a forward hook on every captured module, made at attach for its slot
   (``capture/plan.py``). The first captured module's pre-hook reads every captured parameter, per device in
@@ -108,13 +109,20 @@ class StepHooks:
         self._block_outputs.clear()
         for slot in self.plan.modules:
             slot.order = slot.input_order = -1
-        if self.installed:
+        self.installed = True
+        if self._hookset.installed:  # kept from the sampled step before (``pause``)
             return
         self._hookset.install()
         if self.updates is not None and self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
             self._handles.append(self.optimizer.register_step_post_hook(self._opt_post_hook))
-        self.installed = True
+
+    def pause(self) -> None:
+        """End the sampled step, its hooks left in place but doing nothing (a gradient hook that has not fired
+        yet included) until the next ``install`` (the next step is sampled too: removing and installing them
+        again would cost a millisecond per thousand hooks) or ``remove`` (it is not). Idempotent."""
+        self.installed = False
+        self._block_outputs.clear()
 
     def remove(self) -> None:
         """End the sampled step: every hook removed (a module output's gradient hook that has not fired yet
@@ -161,7 +169,7 @@ class StepHooks:
         weight_blocks = self.block_formats and reads_block_operands(slot.module_type)
 
         def pre_hook(module: nn.Module, args: Any) -> None:
-            if not torch.is_grad_enabled():
+            if not self.installed or not torch.is_grad_enabled():
                 return None
             if self._weights_read is None:
                 self._weights_read = self._read_weights()
@@ -203,7 +211,7 @@ class StepHooks:
         grad_hook = self._make_grad_hook(slot)
 
         def fwd_hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not torch.is_grad_enabled():
+            if not self.installed or not torch.is_grad_enabled():
                 return None
             if isinstance(output, _Tensor):
                 tensors: Any = (output,) if output.is_floating_point() else ()
@@ -265,12 +273,12 @@ class StepHooks:
         return hook
 
     def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.updates is not None:
+        if self.updates is not None and self.installed:
             self.updates.before_step()
         return None
 
     def _opt_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.updates is not None and self.updates.after_step():
+        if self.updates is not None and self.installed and self.updates.after_step():
             self.has_data = True
         return None
 

@@ -43,7 +43,8 @@
   otherwise).
 
 Outside sampled steps the tracker has no hook at all (``begin_step`` installs them for a sampled step and
-``end_hooks`` removes them). The tracker holds no tensor: only storage addresses, sizes,
+``end_hooks`` removes them, or with ``keep`` leaves them doing nothing until the next ``begin_step`` arms them
+for a sampled step or removes them). The tracker holds no tensor: only storage addresses, sizes,
 totals and its hook handles (``buffer_bytes``). The pack hook returns the tensor unchanged: training is bitwise the same.
 
 What the memory table means per mode is ``precprof.analysis.memory_projection``'s business.
@@ -62,16 +63,14 @@ from torch import nn
 from precprof import _compat
 from precprof import tables as T
 from precprof.capture.counters import PhaseCounters
-from precprof.capture.peak import END, CudaHistory, Label, PeakRecorder, ProfilerMemory
+from precprof.capture.peak import CudaHistory, Label, PeakRecorder, ProfilerMemory
 from precprof.capture.storage import (
     Steady,
     StorageKey,
     StorageMemo,
     _by_dtype,
-    _held_tensors,
     _plain_tensors,
     _sizeof,
-    _state_tensors,
     _storage,
     _storage_keys,
     _tensors_in,
@@ -79,6 +78,7 @@ from precprof.capture.storage import (
     is_weight_copy,
     model_sizes,
     module_tensors,
+    persistent_labels,
     state_tensors,
     steady_bytes,
 )
@@ -142,6 +142,7 @@ class MemoryTracker:
         self._attached = False
         self._step = 0
         self._sampled = False
+        self._live = False  # the hooks act (a sampled step's forward to its end_hooks)
         self._stack: list[tuple[str, nn.Module | None]] = []  # running modules, innermost last
         self._recording = False  # inside a sampled forward with our saved-tensor hooks pushed
         self._saved_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
@@ -236,6 +237,7 @@ class MemoryTracker:
             return
         if self._attached:
             self._install()
+        self._live = True
         self._params, self._buffers = self._model_tensors()
         both = self._params + self._buffers
         self._param_keys = self._model_keys.get(both, lambda: self._keys(both))
@@ -324,10 +326,13 @@ class MemoryTracker:
         self._sampled = False
         return rows
 
-    def end_hooks(self) -> None:
+    def end_hooks(self, keep: bool = False) -> None:
         """The sampled step's forward, backward and optimizer step are over: its hooks come off (``end_step``
-        reads what they saw)."""
-        self._uninstall()
+        reads what they saw); with ``keep`` they stay in place doing nothing, for a next step that may be
+        sampled too (``begin_step`` arms them again, or removes them for a step that is not sampled)."""
+        self._live = False
+        if not keep:
+            self._uninstall()
 
     @property
     def peak_note(self) -> str:
@@ -337,29 +342,8 @@ class MemoryTracker:
     def _persistent(self) -> dict[StorageKey, Label]:
         """Storages that outlive the step, read now (host only): the model's parameters and buffers, the
         optimizer's master weights and states, gradients that exist, precprof's own buffers."""
-        out: dict[StorageKey, Label] = {}
-
-        def put(component: str, tensors: Iterable[torch.Tensor]) -> None:
-            for t in tensors:
-                for leaf in _plain_tensors(t):
-                    st = self._storage_of(leaf)
-                    if st is not None and st[0] not in out:
-                        out[st[0]] = Label(component, "", dtype_name(leaf.dtype), END, st[1])
-
         params, buffers = (self._params, self._buffers) if self._params else self._model_tensors()
-        put(T.PARAMETERS, params)
-        put(T.BUFFERS, buffers)
-        if self.optimizer is not None:
-            put(T.MASTER_WEIGHTS, (p for g in self.optimizer.param_groups for p in g["params"]))
-            put(T.OPTIMIZER_STATES, (t for s in self.optimizer.state.values() for t in _state_tensors(s)))
-            put(
-                T.GRADIENTS,
-                (p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None),
-            )
-        put(T.GRADIENTS, (p.grad for p in params if p.grad is not None))
-        if self._own is not None:
-            put(T.PROFILER_BUFFERS, (t for o in self._own() for t in _held_tensors(o)))
-        return out
+        return persistent_labels(params, buffers, self.optimizer, self._own, self._storage_of)
 
     def _label(self, component: str, tensors: Iterable[torch.Tensor]) -> None:
         """Note the storages of ``tensors`` as ``component`` in the current phase (for the peak's parts)."""
@@ -417,7 +401,7 @@ class MemoryTracker:
     def _grad_hook(self, p: torch.Tensor) -> None:
         # Records sizes only: holding the gradient would keep it alive past the user's zero_grad.
         g = p.grad
-        if not self._sampled or g is None:
+        if not (self._sampled and self._live) or g is None:
             return
         if self._counts.cuda is not None and not self._peak.measuring:
             self._counts.sample_live()  # the phase's lower bound where there is no replay (~20 us a read)
@@ -429,7 +413,7 @@ class MemoryTracker:
             self._label(T.GRADIENTS, (g,))
 
     def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._sampled:
+        if not (self._sampled and self._live):
             return
         self._mark_phase(T.PHASE_OPTIMIZER)
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -440,7 +424,7 @@ class MemoryTracker:
             self._label(T.GRADIENTS, grads)
 
     def _opt_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._sampled:
+        if self._sampled and self._live:
             self._mark_phase(T.PHASE_OTHER)
 
     # ---------------------------------------------------------------------------------- forward hooks
@@ -485,7 +469,7 @@ class MemoryTracker:
     def _start_recording(self, name: str, module: nn.Module | None) -> None:
         self._stack.clear()
         self._recording = False
-        if not self._sampled or not torch.is_grad_enabled() or self._saved_ctx is not None:
+        if not (self._sampled and self._live) or not torch.is_grad_enabled() or self._saved_ctx is not None:
             return
         self._mark_phase(T.PHASE_FORWARD)
         if self._unpacks != self._unpacks_mark or not self._groups:

@@ -431,8 +431,10 @@ class Profiler(ProfilerResults):
         self._sample_reason = self._sampler.decide(self._step, ready)
         self._sampling = bool(self._sample_reason)
         if self._tracker is not None:
-            self._tracker.begin_step(self._step, self._sampling)
+            self._tracker.begin_step(self._step, self._sampling)  # (removes its hooks when not sampling)
         if not self._sampling:
+            if self._hooks is not None:
+                self._hooks.remove()  # left in place by the sampled step before, if it was
             return
         assert self._plan is not None and self._hooks is not None
         if self._buffer is not None:
@@ -445,11 +447,12 @@ class Profiler(ProfilerResults):
         self._stance = _compat.force_eager()
 
     def _end_sampled_hooks(self) -> None:
-        """The sampled step's hooks come off (and compiled code runs compiled again) before its copy."""
+        """The sampled step's hooks stop acting (and compiled code runs compiled again) before its copy; they
+        come off in ``_begin_step`` unless the next step is sampled too."""
         if self._hooks is not None:
-            self._hooks.remove()
+            self._hooks.pause()
         if self._tracker is not None:
-            self._tracker.end_hooks()
+            self._tracker.end_hooks(keep=True)
         _compat.restore_stance(self._stance)
         self._stance = None
 

@@ -5,7 +5,7 @@ autocast's copies of a weight."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -13,6 +13,7 @@ from torch import nn
 
 from precprof import tables as T
 from precprof import taxonomy
+from precprof.capture.peak import END, Label
 
 # A storage is known by its address alone: CUDA's unified virtual addressing keeps host and device (and
 # device-to-device) addresses apart, and an int key keeps the tracker's own footprint small.
@@ -371,3 +372,35 @@ def model_sizes(model: nn.Module) -> dict[str, Any]:
         "matmul_weight_numel": matmul,
         "module_classes": classes,
     }
+
+
+def persistent_labels(
+    params: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    optimizer: Any,
+    own: Callable[[], Iterable[Any]] | None,
+    storage: Any,
+) -> dict[StorageKey, Label]:
+    """The storages that outlive a step, each labelled with the first component that holds it: the model's
+    parameters and buffers, the optimizer's master weights and states, gradients that exist, precprof's own
+    buffers (the objects ``own()`` returns). Host only."""
+    out: dict[StorageKey, Label] = {}
+
+    def put(component: str, tensors: Iterable[torch.Tensor]) -> None:
+        for t in tensors:
+            for leaf in _plain_tensors(t):
+                st = storage(leaf)
+                if st is not None and st[0] not in out:
+                    out[st[0]] = Label(component, "", dtype_name(leaf.dtype), END, st[1])
+
+    put(T.PARAMETERS, params)
+    put(T.BUFFERS, buffers)
+    if optimizer is not None:
+        opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+        put(T.MASTER_WEIGHTS, opt_params)
+        put(T.OPTIMIZER_STATES, state_tensors(optimizer.state))
+        put(T.GRADIENTS, (p.grad for p in opt_params if p.grad is not None))
+    put(T.GRADIENTS, (p.grad for p in params if p.grad is not None))
+    if own is not None:
+        put(T.PROFILER_BUFFERS, (t for o in own() for t in _held_tensors(o)))
+    return out
