@@ -1,4 +1,5 @@
-"""The hooks of a sampled step: installed when the step begins, removed when it ends.
+"""The hooks of a sampled step: installed when the step begins, removed when it ends (kept, paused, for a next
+step that is sampled too).
 
 On a step that is not sampled precprof has no hook anywhere: the model runs exactly as without it, eager or
 compiled (a compiled model runs the very graph it runs without precprof: nothing is traced, nothing guards on
