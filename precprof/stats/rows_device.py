@@ -85,10 +85,10 @@ class DeviceRows(_rows.Rows):
         target.zero_()
         target[:, self.layout.absmin_bits] = _NO_MIN_BITS
 
-    @torch.no_grad()
     def add(self, x: torch.Tensor, row: int, assign: bool = False) -> None:
         """Add the statistics of ``x`` (floating, on this device) into ``row`` (cleared first with ``assign``):
-        one Triton launch, or torch ops in chunks. Never syncs."""
+        one Triton launch, or torch ops in chunks. Never syncs. No ``torch.no_grad()`` around the launch (it
+        costs 1.7 us a call, and ``x`` is read detached)."""
         if _rows.NO_READ:
             return
         if assign and self._written[row]:
@@ -103,6 +103,7 @@ class DeviceRows(_rows.Rows):
         flat = x.reshape(-1)
         self._accumulate_device(flat, row, self.chunk if self.chunk and self.chunk > 0 else flat.numel())
 
+    @torch.no_grad()
     def _accumulate_device(self, flat: torch.Tensor, row: int, chunk: int) -> None:
         """Torch ops in chunks of at most ``chunk`` values: bounded scratch, no host sync."""
         assert self._data is not None
