@@ -121,16 +121,9 @@ static inline void extremes(acc_t* a, double vmax, double vmin_nz, int have_max,
     if (have_min) { uint64_t b = dbits(vmin_nz); if (b < a->mn) a->mn = b; }
 }
 
-/* run_f32 of a small tensor: each value's key straight into the keys (subnormals by their exact key) */
-static void run_f32_small(const uint32_t* q, int64_t m, acc_t* a, const cfg_t* cfg) {
-    uint32_t rawmax = 0, vmin = 0xFFFFFFFFu;
-    for (int64_t i = 0; i < m; i++) {
-        uint32_t u = q[i] & 0x7FFFFFFFu, v = u - 1;
-        rawmax = u > rawmax ? u : rawmax;
-        vmin = v < vmin ? v : vmin;
-        if (__builtin_expect(u != 0 && u < 0x00800000u, 0)) a->keys[key_of_bits(dbits(u32_to_double(u)))]++;
-        else a->keys[TAB_F32[((u >> 22) & 0x1FEu) | ((u & 0x7FFFFFu) == 0)]]++;
-    }
+/* one block of fp32 values whose largest |x| pattern is rawmax: its largest finite value (a second pass only
+   when inf or nan is there) and its overflow counts (compares only when a value reaches the shortcut) */
+static inline uint32_t rare_f32(const uint32_t* q, int64_t m, uint32_t rawmax, acc_t* a, const cfg_t* cfg) {
     uint32_t fmax = rawmax;
     if (__builtin_expect(rawmax >= 0x7F800000u, 0)) {
         fmax = 0;
@@ -145,6 +138,20 @@ static void run_f32_small(const uint32_t* q, int64_t m, acc_t* a, const cfg_t* c
             if (u >= cfg->big32 && u <= 0x7F800000u) overflow_of(a, u32_to_double(u), cfg);
         }
     }
+    return fmax;
+}
+
+/* run_f32 of a small tensor: each value's key straight into the keys (subnormals by their exact key) */
+static void run_f32_small(const uint32_t* q, int64_t m, acc_t* a, const cfg_t* cfg) {
+    uint32_t rawmax = 0, vmin = 0xFFFFFFFFu;
+    for (int64_t i = 0; i < m; i++) {
+        uint32_t u = q[i] & 0x7FFFFFFFu, v = u - 1;
+        rawmax = u > rawmax ? u : rawmax;
+        vmin = v < vmin ? v : vmin;
+        if (__builtin_expect(u != 0 && u < 0x00800000u, 0)) a->keys[key_of_bits(dbits(u32_to_double(u)))]++;
+        else a->keys[TAB_F32[((u >> 22) & 0x1FEu) | ((u & 0x7FFFFFu) == 0)]]++;
+    }
+    uint32_t fmax = rare_f32(q, m, rawmax, a, cfg);
     extremes(a, u32_to_double(fmax), u32_to_double(vmin + 1), fmax != 0, vmin < 0x7F7FFFFFu);
 }
 
@@ -176,20 +183,7 @@ static void run_f32(const uint32_t* p, int64_t n, acc_t* a, const cfg_t* cfg) {
             uint32_t w = (q[i] & 0x7FFFFFu) + ((q[i] & 0x7FFFFFFFu) == 0);
             pmin = w < pmin ? w : pmin;
         }
-        uint32_t fmax = rawmax;
-        if (__builtin_expect(rawmax >= 0x7F800000u, 0)) { /* inf or nan here: the largest finite value */
-            fmax = 0;
-            for (int64_t i = 0; i < m; i++) {
-                uint32_t u = q[i] & 0x7FFFFFFFu;
-                if (u < 0x7F800000u && u > fmax) fmax = u;
-            }
-        }
-        if (__builtin_expect(rawmax >= cfg->big32, 0)) { /* values >= the shortcut (or inf/nan): compares */
-            for (int64_t i = 0; i < m; i++) {
-                uint32_t u = q[i] & 0x7FFFFFFFu;
-                if (u >= cfg->big32 && u <= 0x7F800000u) overflow_of(a, u32_to_double(u), cfg);
-            }
-        }
+        uint32_t fmax = rare_f32(q, m, rawmax, a, cfg); /* inf/nan, values >= the shortcut: extra passes */
         if (__builtin_expect(vmin < 0x007FFFFFu, 0)) { /* a subnormal: the exact key of every element */
             for (int64_t i = 0; i < m; i++) {
                 uint32_t u = q[i] & 0x7FFFFFFFu;
@@ -238,6 +232,27 @@ static void run_f32(const uint32_t* p, int64_t n, acc_t* a, const cfg_t* cfg) {
     }
 }
 
+/* one block of 16-bit values whose largest |x| pattern is rawmax: its largest finite value (a second pass only
+   when inf or nan is there) and its overflow counts (a pass only when a value reaches the shortcut) */
+static inline uint16_t rare_16(const uint16_t* q, int64_t m, uint16_t rawmax, acc_t* a, const cfg_t* cfg,
+                               uint16_t inf16, uint16_t big16, double (*widen)(uint16_t)) {
+    uint16_t fmax = rawmax;
+    if (__builtin_expect(rawmax >= inf16, 0)) {
+        fmax = 0;
+        for (int64_t i = 0; i < m; i++) {
+            uint16_t u = q[i] & 0x7FFF;
+            if (u < inf16 && u > fmax) fmax = u;
+        }
+    }
+    if (__builtin_expect(rawmax >= big16, 0)) {
+        for (int64_t i = 0; i < m; i++) {
+            uint16_t u = q[i] & 0x7FFF;
+            if (u >= big16 && u <= inf16) overflow_of(a, widen(u), cfg);
+        }
+    }
+    return fmax;
+}
+
 /* contiguous bf16 / fp16: the key of every 15-bit magnitude comes from a table */
 static void run_16(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, const uint16_t* tab,
                    uint16_t inf16, uint16_t big16, double (*widen)(uint16_t)) {
@@ -251,20 +266,7 @@ static void run_16(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, con
             vmin = v < vmin ? v : vmin;
             a->keys[tab[u]]++;
         }
-        uint16_t fmax = rawmax;
-        if (__builtin_expect(rawmax >= inf16, 0)) {
-            fmax = 0;
-            for (int64_t i = 0; i < n; i++) {
-                uint16_t u = p[i] & 0x7FFF;
-                if (u < inf16 && u > fmax) fmax = u;
-            }
-        }
-        if (__builtin_expect(rawmax >= big16, 0)) {
-            for (int64_t i = 0; i < n; i++) {
-                uint16_t u = p[i] & 0x7FFF;
-                if (u >= big16 && u <= inf16) overflow_of(a, widen(u), cfg);
-            }
-        }
+        uint16_t fmax = rare_16(p, n, rawmax, a, cfg, inf16, big16, widen);
         extremes(a, widen(fmax), widen((uint16_t)(vmin + 1)), fmax != 0, vmin < (uint16_t)(inf16 - 1));
         return;
     }
@@ -276,20 +278,7 @@ static void run_16(const uint16_t* p, int64_t n, acc_t* a, const cfg_t* cfg, con
         uint16_t rawmax = 0, vmin = 0xFFFF;
         for (int64_t i = 0; i < m; i++) { uint16_t u = q[i] & 0x7FFF; rawmax = u > rawmax ? u : rawmax; }
         for (int64_t i = 0; i < m; i++) { uint16_t v = (uint16_t)((q[i] & 0x7FFF) - 1); vmin = v < vmin ? v : vmin; }
-        uint16_t fmax = rawmax;
-        if (__builtin_expect(rawmax >= inf16, 0)) {
-            fmax = 0;
-            for (int64_t i = 0; i < m; i++) {
-                uint16_t u = q[i] & 0x7FFF;
-                if (u < inf16 && u > fmax) fmax = u;
-            }
-        }
-        if (__builtin_expect(rawmax >= big16, 0)) {
-            for (int64_t i = 0; i < m; i++) {
-                uint16_t u = q[i] & 0x7FFF;
-                if (u >= big16 && u <= inf16) overflow_of(a, widen(u), cfg);
-            }
-        }
+        uint16_t fmax = rare_16(q, m, rawmax, a, cfg, inf16, big16, widen);
         int64_t i = 0;
         for (; i + 4 <= m; i += 4) {
             sub[0][tab[q[i] & 0x7FFF]]++;
