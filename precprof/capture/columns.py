@@ -90,13 +90,16 @@ def block_columns(
     are NaN). Gradient rows were evaluated as they arrived, at loss scale ``scale``: their counts are those of
     the scaled values (what the low-precision GEMM reads), their sums are unscaled by ``scale**2`` like every
     other column."""
-    idx = active
-    grad = rows.columns()["gradient"][active]
-    sub = blocks[idx].astype(np.float64, copy=True)  # [active, 2, recipes, stats]
-    squared = np.array([s in _SQUARED_STATS for s in T.BLOCK_STATS])
-    if 0 < scale < math.inf and scale != 1.0:
-        sub[grad] /= np.where(squared, scale * scale, 1.0)
-    sub[~seen[idx]] = math.nan
+    # NaN but for the rows evaluated this step (a few of the layers, in turn): only those are copied
+    sub = np.full((len(active), *blocks.shape[1:]), math.nan)  # [active, 2, recipes, stats]
+    evaluated = np.flatnonzero(seen[active])
+    if len(evaluated):
+        values = blocks[active[evaluated]].astype(np.float64, copy=True)
+        if 0 < scale < math.inf and scale != 1.0:
+            squared = np.array([s in _SQUARED_STATS for s in T.BLOCK_STATS])
+            grad = rows.columns()["gradient"][active[evaluated]]
+            values[grad] /= np.where(squared, scale * scale, 1.0)
+        sub[evaluated] = values
     out: dict[str, np.ndarray] = {}
     for o, orient in enumerate(T.BLOCK_ORIENTATIONS):
         for r, recipe in enumerate(T.BLOCK_RECIPES):
