@@ -96,7 +96,7 @@ def add_tensor_block_stats(
     between, when it reads ``x`` and ``into`` is a contiguous float64 CPU tensor."""
     x2 = as_2d(x.detach())
     if engine == "c" and into.is_cpu and into.is_contiguous() and _c_reads(x2):
-        _cpu_kernel.add_block_stats(x2, RECIPES, threads, into)
+        _cpu_kernel.block_stats_2d(x2, RECIPES, 3, threads, into=into)
         return
     into += tensor_block_stats(x2, engine=engine, threads=threads)
 

@@ -308,14 +308,20 @@ def make_recipe_config(recipes: Sequence[BlockRecipe]) -> np.ndarray:
 
 
 def block_stats_2d(
-    x: torch.Tensor, recipes: Sequence[BlockRecipe], orients: int = 3, threads: int = 0
+    x: torch.Tensor,
+    recipes: Sequence[BlockRecipe],
+    orients: int = 3,
+    threads: int = 0,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block statistics of ``x`` viewed as 2-D [prod(leading), last] in the orientations of the bit mask
     ``orients`` (1: "row", blocks along the last dimension; 2: "col", blocks down the columns): a float64
     [2, len(recipes), 5] CPU tensor (flushed, saturated, poisoned, sum_x2, sum_err2; an orientation not asked
     for is NaN). One read of the tensor per orientation, plus one max pass when an NVFP4 recipe is asked for.
-    ``threads``: OpenMP threads (0: ``torch.get_num_threads()``). Raises UserError when the kernel cannot
-    read ``x`` (not a CPU tensor of fp32, bf16 or fp16, or 0-d) or is not built."""
+    ``threads``: OpenMP threads (0: ``torch.get_num_threads()``). ``into``: a contiguous float64 CPU tensor of
+    that shape (a slot of the block accumulator) that the statistics are added into, and returned: each value
+    added as ``into += block_stats_2d(...)`` adds it, without the tensor in between. Raises UserError when the
+    kernel cannot read ``x`` (not a CPU tensor of fp32, bf16 or fp16, or 0-d) or is not built."""
     lib = load()
     if lib is None:
         raise UserError(f"the C kernel is not available here ({_status['reason']})")
@@ -326,13 +332,19 @@ def block_stats_2d(
             f"got a {x.dim()}-d {x.dtype} tensor on {x.device}"
         )
     _, cfg_ptr = _recipe_config(recipes)
-    out = torch.full((2, len(recipes), N_BLOCK_STATS), math.nan, dtype=torch.float64)
+    if into is None:
+        out = torch.full((2, len(recipes), N_BLOCK_STATS), math.nan, dtype=torch.float64)
+    elif into.is_contiguous() and into.dtype == torch.float64 and into.is_cpu:
+        out, orients = into, orients | 4  # bit 4: pp_block adds into out
+    else:
+        raise ValueError("block_stats_2d adds into a contiguous float64 CPU tensor")
     x = x.detach()
     last = x.shape[-1]
     flat = x.contiguous()
     rows = flat.numel() // last if last else 0
     if flat.numel() == 0:
-        out[[o for o in (0, 1) if orients >> o & 1]] = 0.0
+        if into is None:
+            out[[o for o in (0, 1) if orients >> o & 1]] = 0.0
         return out
     rc = lib.pp_block(
         flat.data_ptr(),
@@ -348,34 +360,6 @@ def block_stats_2d(
     if rc != 0:
         raise MemoryError("precprof: the C block kernel could not allocate its scratch")
     return out
-
-
-def add_block_stats(
-    x: torch.Tensor, recipes: Sequence[BlockRecipe], threads: int, into: torch.Tensor
-) -> None:
-    """Add the block statistics of ``x`` in both orientations (as :func:`block_stats_2d` gives them) into
-    ``into``, a contiguous float64 CPU tensor of [2, len(recipes), 5] (a slot of the block accumulator), in
-    place: each value added as ``into += block_stats_2d(...)`` adds it, without the intermediate tensor. ``x``
-    as :func:`block_stats_2d` takes it."""
-    lib = load()
-    code = _BLOCK_DTYPES.get(x.dtype)
-    if lib is None or code is None or not x.is_cpu or x.dim() == 0:
-        into += block_stats_2d(x, recipes, 3, threads)  # raises the error that says why
-        return
-    if not (into.is_contiguous() and into.dtype == torch.float64 and into.is_cpu):
-        raise ValueError("add_block_stats adds into a contiguous float64 CPU tensor")
-    x = x.detach()
-    last = x.shape[-1]
-    flat = x.contiguous()
-    if flat.numel() == 0:
-        return
-    _, cfg_ptr = _recipe_config(recipes)
-    rc = lib.pp_block(
-        flat.data_ptr(), flat.numel() // last, last, code, 3 | 4, len(recipes), cfg_ptr,
-        threads or torch.get_num_threads(), into.data_ptr(),
-    )  # fmt: skip
-    if rc != 0:
-        raise MemoryError("precprof: the C block kernel could not allocate its scratch")
 
 
 def block_stats_c(
