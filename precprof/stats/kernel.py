@@ -47,12 +47,13 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from precprof import formats
-from precprof.block_formats import NVFP4_SCALE_MIN, BlockRecipe, ScaleMode
+from precprof.block_formats import NVFP4_SCALE_MIN, BlockRecipe, ScaleMode, per_recipes
 from precprof.errors import UserError
 from precprof.stats import kernel_cache as _kernel_cache
 
@@ -250,22 +251,22 @@ def recipe_config(recipes: Sequence[BlockRecipe]) -> np.ndarray:
 
 
 def _recipe_config(recipes: Sequence[BlockRecipe]) -> tuple[np.ndarray, int]:
-    """The config and its address, found by the identity of ``recipes`` first (hashing 7 recipes costs 10 us,
-    more than the kernel takes for a small tensor), by their value else."""
-    held = _RECIPE_BY_ID.get(id(recipes))
-    if held is not None and held[0] is recipes:
-        return held[1], held[2]
-    key = tuple(recipes)
-    cfg = _RECIPE_CONFIGS.get(key)
-    if cfg is None:
-        cfg = _RECIPE_CONFIGS[key] = make_recipe_config(key)
-        cfg.setflags(write=False)
-    if isinstance(recipes, tuple):  # immutable: its identity stands for its value while it is held here
-        _RECIPE_BY_ID[id(recipes)] = (recipes, cfg, cfg.ctypes.data)
-    return cfg, cfg.ctypes.data
+    """The config and its address, found by the identity of ``recipes`` first (``block_formats.per_recipes``),
+    by their value else."""
+
+    def compute() -> tuple[np.ndarray, int]:
+        key = tuple(recipes)
+        cfg = _RECIPE_CONFIGS.get(key)
+        if cfg is None:
+            cfg = _RECIPE_CONFIGS[key] = make_recipe_config(key)
+            cfg.setflags(write=False)
+        return cfg, cfg.ctypes.data
+
+    held: tuple[np.ndarray, int] = per_recipes(_RECIPE_BY_ID, recipes, compute)
+    return held
 
 
-_RECIPE_BY_ID: dict[int, tuple[tuple[BlockRecipe, ...], np.ndarray, int]] = {}
+_RECIPE_BY_ID: dict[int, tuple[Any, Any]] = {}
 
 
 def make_recipe_config(recipes: Sequence[BlockRecipe]) -> np.ndarray:
