@@ -74,7 +74,18 @@ def hard_tensor(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.
 @needs_c
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
-    "shape,seed", [((7, 45), 0), ((33, 64), 1), ((65, 31), 2), ((3, 2, 50), 3), ((40, 96), 4), ((1, 17), 5)]
+    "shape,seed",
+    [
+        ((7, 45), 0),
+        ((33, 64), 1),
+        ((65, 31), 2),
+        ((3, 2, 50), 3),
+        ((40, 96), 4),
+        ((1, 17), 5),
+        # every block shorter than half a block (NVFP4's) in a row tile, a tile's lanes partly empty
+        ((9, 8), 6),
+        ((70, 3), 7),
+    ],
 )
 def test_c_kernel_equals_the_reference(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> None:
     x = hard_tensor(shape, seed, dtype)
@@ -461,6 +472,32 @@ def test_buffer_adds_blocks_over_calls_and_devices_rows_merge() -> None:
     assert torch.equal(buf.blocks_dense(), torch.from_numpy(host))
     buf.reset()
     assert not buf.blocks_seen.any() and np.all(buf.blocks_to_host() == 0)
+
+
+@needs_c
+def test_c_buffer_adds_blocks_as_the_general_path_does() -> None:
+    """The CPU rows' own C path (``HostRows.accumulate_blocks``, arguments in one array) adds bitwise what the
+    general path (``blocks.add_tensor_block_stats``) adds, over dtypes, a 3-d and a transposed tensor, into
+    the right slot (the second); the same tensor again adds nothing, changed in place it adds again."""
+    tensors = [
+        hard_tensor((24, 64), 0, torch.float32),
+        hard_tensor((4, 3, 40), 1, torch.bfloat16),
+        hard_tensor((9, 8), 2, torch.float16),
+        hard_tensor((48, 40), 3, torch.float32).t(),
+    ]
+    buf = StatsBuffer(3, "cpu", engine="c", block_rows=[2, 0])
+    want = torch.zeros(2, len(RECIPES), 5, dtype=torch.float64)
+    for t in tensors:
+        buf.accumulate_blocks(t, 2)
+        blocks.add_tensor_block_stats(t, want, engine="c", threads=1)
+    buf.accumulate_blocks(tensors[0], 2)  # the same tensor, unchanged: counted once
+    host = buf.blocks_to_host()
+    assert torch.equal(torch.from_numpy(host[2]), want) and want[..., 3].min() > 0
+    assert np.all(host[0] == 0) and np.all(host[1] == 0)
+    tensors[0].mul_(2.0)  # changed in place: read again
+    buf.accumulate_blocks(tensors[0], 2)
+    blocks.add_tensor_block_stats(tensors[0], want, engine="c", threads=1)
+    assert torch.equal(torch.from_numpy(buf.blocks_to_host()[2]), want)
 
 
 def test_buffer_keeps_block_slots_only_for_the_rows_that_can_hold_them() -> None:

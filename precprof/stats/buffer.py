@@ -358,7 +358,6 @@ class StatsBuffer:
             self.blocks_seen[row] = True
         return True
 
-    @torch.no_grad()
     def accumulate_blocks(self, x: torch.Tensor, row: int) -> None:
         """Add only the block-format what-if of ``x`` into ``row`` (a tensor whose other statistics were
         accumulated already, e.g. a module's output that a linear layer then reads). Never syncs; a tensor

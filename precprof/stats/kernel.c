@@ -605,7 +605,7 @@ typedef struct {
    * deq[g]; counts and sums per lane, in registers over the tile. With a power-of-two (MX) scale, x - q is
    exact in fp32 (q is 0, or within a factor of two of x); NVFP4's q carries an fp32 rounding of its own, so
    its difference is taken in fp64, as the reference takes both. */
-static inline void tile_recipe(const float* restrict buf, const float* restrict mul0,
+static inline void tile_recipe(const float* restrict buf, int n_i, const float* restrict mul0,
                                const float* restrict deq0, const float* restrict mul1,
                                const float* restrict deq1, int half, int pow2_scale, const brec_t* r,
                                int32_t* restrict fl, int32_t* restrict sat, double* restrict err) {
@@ -614,7 +614,7 @@ static inline void tile_recipe(const float* restrict buf, const float* restrict 
     int32_t f[BG], st[BG];
     double e[BG];
     for (int g = 0; g < BG; g++) { f[g] = 0; st[g] = 0; e[g] = 0.0; }
-    for (int i = 0; i < BT; i++) {
+    for (int i = 0; i < n_i; i++) {
         const float* restrict x = buf + i * BG;
         const float* restrict mul = i < half ? mul0 : mul1;
         const float* restrict dq = i < half ? deq0 : deq1;
@@ -656,8 +656,12 @@ static inline float load_x(const void* d, int dtype, int64_t i) {
     return h2f(((const uint16_t*)d)[i]);
 }
 
-/* load tile t into buf[BT][BG]; valid[g]: how many of block g's values are real (not padding) */
-static void load_tile(const bjob_t* j, int64_t t, float* buf, int* valid) {
+/* load tile t into buf[BT][BG]; valid[g]: how many of block g's values are real (not padding). Returns the
+   longest block's length: the tile's rows from there on are padding alone, zeros, which add nothing to any
+   count or sum (a zero is never flushed nor saturated, its error is 0), so they are not evaluated (a tensor
+   narrower or shorter than a block, a small layer's, costs its values rather than whole tiles). */
+static int load_tile(const bjob_t* j, int64_t t, float* buf, int* valid) {
+    int longest = 0;
     int64_t R = j->rows, L = j->last;
     if (j->orient == 0) {
         int64_t nbl = (L + BT - 1) / BT, nb = R * nbl;
@@ -671,6 +675,7 @@ static void load_tile(const bjob_t* j, int64_t t, float* buf, int* valid) {
                 base = r * L + c0;
             }
             valid[g] = len;
+            longest = len > longest ? len : longest;
             if (len == BT && j->dtype == 0) {
                 const float* s = (const float*)j->data + base;
                 for (int i = 0; i < BT; i++) buf[i * BG + g] = s[i];
@@ -695,7 +700,9 @@ static void load_tile(const bjob_t* j, int64_t t, float* buf, int* valid) {
                 for (int g = 0; g < BG; g++) o[g] = (i < len && g < w) ? load_x(j->data, j->dtype, base + g) : 0.0f;
             }
         }
+        longest = w > 0 ? len : 0;
     }
+    return longest;
 }
 
 static void run_tiles(const bjob_t* j, int64_t t0, int64_t t1, bsum_t* out) {
@@ -703,24 +710,29 @@ static void run_tiles(const bjob_t* j, int64_t t0, int64_t t1, bsum_t* out) {
     int valid[BG];
     uint32_t am0[BG], am1[BG];
     float mul0[BG], deq0[BG], mul1[BG], deq1[BG];
-    lanes_t* ln = calloc(1, sizeof(lanes_t));
-    if (!ln) { out[0].poisoned = -1; return; }
+    lanes_t lanes; /* 6 KiB on this thread's stack: no allocation per call */
+    lanes_t* ln = &lanes;
     const int nr = j->nr;
+    for (int k = 0; k < nr; k++)
+        for (int g = 0; g < BG; g++) { ln->fl[k][g] = 0; ln->sat[k][g] = 0; ln->err[k][g] = 0.0; }
+    for (int g = 0; g < BG; g++) ln->x2[g] = 0.0;
+    ln->pois = 0;
     for (int64_t t = t0; t < t1; t++) {
-        load_tile(j, t, buf, valid);
+        const int n_i = load_tile(j, t, buf, valid);
+        const int h_i = n_i < BT / 2 ? n_i : BT / 2;
         for (int g = 0; g < BG; g++) { am0[g] = 0; am1[g] = 0; }
-        for (int i = 0; i < BT / 2; i++)
+        for (int i = 0; i < h_i; i++)
             for (int g = 0; g < BG; g++) { uint32_t u = fbits(buf[i * BG + g]) & 0x7FFFFFFFu; am0[g] = u > am0[g] ? u : am0[g]; }
-        for (int i = BT / 2; i < BT; i++)
+        for (int i = BT / 2; i < n_i; i++)
             for (int g = 0; g < BG; g++) { uint32_t u = fbits(buf[i * BG + g]) & 0x7FFFFFFFu; am1[g] = u > am1[g] ? u : am1[g]; }
         for (int g = 0; g < BG; g++) {
             if ((am0[g] > am1[g] ? am0[g] : am1[g]) >= 0x7F800000u) { /* nan or inf: a poisoned MX block */
                 ln->pois += valid[g];
-                for (int i = 0; i < BT; i++) buf[i * BG + g] = 0.0f;
+                for (int i = 0; i < n_i; i++) buf[i * BG + g] = 0.0f;
                 am0[g] = am1[g] = 0;
             }
         }
-        for (int i = 0; i < BT; i++)
+        for (int i = 0; i < n_i; i++)
             for (int g = 0; g < BG; g++) { double x = (double)buf[i * BG + g]; ln->x2[g] += x * x; }
         for (int k = 0; k < nr; k++) {
             const brec_t* r = &j->rec[k];
@@ -737,14 +749,14 @@ static void run_tiles(const bjob_t* j, int64_t t0, int64_t t1, bsum_t* out) {
                         (h ? deq1 : deq0)[g] = j->p * s;
                     }
                 }
-                tile_recipe(buf, mul0, deq0, mul1, deq1, BT / 2, 0, r, ln->fl[k], ln->sat[k], ln->err[k]);
+                tile_recipe(buf, n_i, mul0, deq0, mul1, deq1, BT / 2, 0, r, ln->fl[k], ln->sat[k], ln->err[k]);
             } else {
                 for (int g = 0; g < BG; g++) {
                     int e = mx_exponent(am0[g] > am1[g] ? am0[g] : am1[g], r);
                     mul0[g] = pow2f(-e);
                     deq0[g] = pow2f(e);
                 }
-                tile_recipe(buf, mul0, deq0, mul0, deq0, BT, 1, r, ln->fl[k], ln->sat[k], ln->err[k]);
+                tile_recipe(buf, n_i, mul0, deq0, mul0, deq0, BT, 1, r, ln->fl[k], ln->sat[k], ln->err[k]);
             }
         }
     }
@@ -761,7 +773,6 @@ static void run_tiles(const bjob_t* j, int64_t t0, int64_t t1, bsum_t* out) {
         if (j->rec[k].kind == 2) o->x2 = j->nvfp4_ok ? x2 : 0.0; /* no poisoned block when the amax is finite */
         else { o->x2 = x2; o->poisoned = ln->pois; }
     }
-    free(ln);
 }
 
 static inline uint32_t absbits_at(const void* d, int dtype, int64_t i) {
@@ -795,10 +806,14 @@ int pp_block(const void* data, int64_t rows, int64_t last, int dtype, int orient
     bjob_t job = {data, rows, last, dtype, 0, nr, rec, 1, 1.0f, 1.0f};
     if (any_nv) { /* the tensor's amax: the largest |x| bit pattern (nan > inf > finite) */
         uint32_t amax = 0;
+        if (nthreads > 1) {
 #ifdef _OPENMP
-        #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(max : amax) if (nthreads > 1)
+            #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(max : amax)
 #endif
-        for (int64_t i = 0; i < n; i++) { uint32_t u = absbits_at(data, dtype, i); amax = u > amax ? u : amax; }
+            for (int64_t i = 0; i < n; i++) { uint32_t u = absbits_at(data, dtype, i); amax = u > amax ? u : amax; }
+        } else { /* no parallel region: entering one, even to run it on this thread alone, costs microseconds */
+            for (int64_t i = 0; i < n; i++) { uint32_t u = absbits_at(data, dtype, i); amax = u > amax ? u : amax; }
+        }
         job.nvfp4_ok = amax < 0x7F800000u;
         if (amax > 0 && job.nvfp4_ok) {
             job.p = bitsf(amax) / 2688.0f; /* fl(amax / (448 * 6)), at least the smallest fp32 whose */
@@ -812,23 +827,30 @@ int pp_block(const void* data, int64_t rows, int64_t last, int dtype, int orient
         int64_t tiles = o == 0 ? (rows * ((last + BT - 1) / BT) + BG - 1) / BG
                                : ((rows + BT - 1) / BT) * ((last + BG - 1) / BG);
         int64_t nch = (tiles + CHUNK_TILES - 1) / CHUNK_TILES;
-        bsum_t* part = calloc((size_t)(nch > 0 ? nch : 1) * nr, sizeof(bsum_t));
+        bsum_t one[MAXR]; /* a tensor of one chunk (a small one) needs no allocation */
+        bsum_t* part = nch <= 1 ? one : calloc((size_t)nch * nr, sizeof(bsum_t));
         if (!part) return -1;
+        if (nch < 1) memset(one, 0, sizeof(one));
+        if (nthreads > 1 && nch > 1) {
 #ifdef _OPENMP
-        #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && nch > 1)
+            #pragma omp parallel for num_threads(nthreads) schedule(static)
 #endif
-        for (int64_t c = 0; c < nch; c++) {
-            int64_t t0 = c * CHUNK_TILES, t1 = t0 + CHUNK_TILES < tiles ? t0 + CHUNK_TILES : tiles;
-            run_tiles(&job, t0, t1, part + c * nr);
+            for (int64_t c = 0; c < nch; c++) {
+                int64_t t0 = c * CHUNK_TILES, t1 = t0 + CHUNK_TILES < tiles ? t0 + CHUNK_TILES : tiles;
+                run_tiles(&job, t0, t1, part + c * nr);
+            }
+        } else {
+            for (int64_t c = 0; c < nch; c++) {
+                int64_t t0 = c * CHUNK_TILES, t1 = t0 + CHUNK_TILES < tiles ? t0 + CHUNK_TILES : tiles;
+                run_tiles(&job, t0, t1, part + c * nr);
+            }
         }
         double* dst = out + o * nr * 5;
-        int failed = 0;
         for (int k = 0; k < nr; k++) {
             int64_t fl = 0, sat = 0, po = 0;
             double x2 = 0.0, e2 = 0.0;
             for (int64_t c = 0; c < nch; c++) { /* in chunk order: the same sums for any thread count */
                 const bsum_t* s = &part[c * nr + k];
-                if (s->poisoned < 0) failed = 1;
                 fl += s->flushed; sat += s->saturated; po += s->poisoned; x2 += s->x2; e2 += s->err2;
             }
             if (rec[k].kind == 2 && !job.nvfp4_ok) po = n;
@@ -840,8 +862,14 @@ int pp_block(const void* data, int64_t rows, int64_t last, int dtype, int orient
                 dst[k * 5 + 3] = x2; dst[k * 5 + 4] = e2;
             }
         }
-        free(part);
-        if (failed) return -1;
+        if (part != one) free(part);
     }
     return 0;
+}
+
+/* pp_block with its arguments in an int64 array (data, rows, last, dtype, orients, nr, config, nthreads, out):
+   one argument for ctypes to convert instead of nine (see pp_add_at), on every block-format evaluation */
+int pp_block_at(const int64_t* a) {
+    return pp_block((const void*)(intptr_t)a[0], a[1], a[2], (int)a[3], (int)a[4], (int)a[5],
+                    (const int64_t*)(intptr_t)a[6], (int)a[7], (double*)(intptr_t)a[8]);
 }

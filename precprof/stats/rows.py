@@ -174,7 +174,6 @@ class Rows:
         return a, bits, key
 
     # -- block formats
-    @torch.no_grad()
     def _reset_blocks(self, sl: slice) -> None:
         if sl == slice(None):
             self._blocks.zero_()
@@ -193,31 +192,42 @@ class Rows:
         for run in np.split(slots, breaks) if len(slots) else []:
             self._blocks[int(run[0]) : int(run[-1]) + 1].zero_()
 
-    @torch.no_grad()
     def accumulate_blocks(self, x: torch.Tensor, row: int) -> None:
         """Add the block-format statistics of ``x`` (ndim >= 2, on this device; both orientations, every
         recipe of ``stats.blocks.RECIPES``) into ``row``'s slot of the block accumulator (a row without one
         is left alone). Never syncs. A tensor (object and in-place version) already added into ``row`` since the
         last ``reset`` is not added again: a module output that several linear layers read (q, k and v
-        projections) counts once, like its other statistics, so its shares keep their denominator."""
-        slot = int(self._block_slot[row])
+        projections) counts once, like its other statistics, so its shares keep their denominator. Only
+        ``x``'s data is read (no autograd op is recorded)."""
+        slot, version = self._blocks_due(x, row)
         if slot < 0:
             return
-        self._written[row] = True
-        version = _compat.tensor_version(x)
-        key = (id(x), row)
-        if version is not None:
-            done = self._blocks_added.get(key)
-            if done is not None and done[0]() is x and done[1] == version:
-                return
         self._order_stream()
         engine = "torch" if self.engine == "c" and not self.use_kernel else self.engine
         # threads are the C kernel's alone: asking for them loads (and on a machine's first run builds) it, which
         # on an H100 ran the C compiler inside the first sampled step's first block-format hook
         threads = self._threads() if engine == "c" else 0
-        _blocks.add_tensor_block_stats(x, self._blocks[slot], engine=engine, threads=threads)
+        _blocks.add_tensor_block_stats(x.detach(), self._blocks[slot], engine=engine, threads=threads)
+        self._blocks_done(x, row, version)
+
+    def _blocks_due(self, x: torch.Tensor, row: int) -> tuple[int, int | None]:
+        """``row``'s block slot when ``x`` is to be added into it (-1: the row has none, or ``x`` as it is now was
+        added already), and ``x``'s in-place version for :meth:`_blocks_done`."""
+        slot = int(self._block_slot[row])
+        if slot < 0:
+            return -1, None
+        self._written[row] = True
+        version = _compat.tensor_version(x)
         if version is not None:
-            self._blocks_added[key] = (weakref.ref(x), version)
+            done = self._blocks_added.get((id(x), row))
+            if done is not None and done[0]() is x and done[1] == version:
+                return -1, None
+        return slot, version
+
+    def _blocks_done(self, x: torch.Tensor, row: int, version: int | None) -> None:
+        """``x`` (at ``version``) was added into ``row``'s slot: not again until the next reset."""
+        if version is not None:
+            self._blocks_added[(id(x), row)] = (weakref.ref(x), version)
 
     def blocks_dense(self) -> torch.Tensor:
         """The block accumulator, float64 [slots, 2, n_recipes, 5], on this device."""
