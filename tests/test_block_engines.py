@@ -378,6 +378,44 @@ def test_an_output_read_by_two_linear_layers_counts_once(block_formats_on: None)
     assert_same(got, want, "act read by q and k")
 
 
+class ViewReaders(TwoReaders):
+    """q and k read act's output through new tensor objects over its memory (``view``), as FSDP2's hooks hand
+    a layer a tensor of its own; the objects die before the next module runs, and one reader's tensor has
+    another shape (another tensor, for the block formats)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        return self.q(h.view(h.shape)) + self.k(h.view(-1, h.shape[-1])).view(h.shape[:-1] + (40,))
+
+
+def test_a_new_object_over_a_modules_output_is_that_output(block_formats_on: None) -> None:
+    """A linear layer's input that is another tensor object over the memory of a module's output, with its
+    shape and strides, is matched to that output (counted once, under act's row); one of another shape is not
+    (a row of its own, its block cells those of the 2-D tensor the layer read)."""
+    torch.manual_seed(0)
+    model = ViewReaders()
+    seen: list[torch.Tensor] = []
+    model.act.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    _, prof = train(model, 1, {"sample_every": 1, "memory": False, "block_groups": 1})
+    assert prof is not None
+    layers = prof.tables()["layers"]
+    acts = layers[layers[T.TENSOR] == T.ACTIVATION]
+    assert set(acts[T.MODULE]) == {T.input_module("fc1"), "fc1", "act", "q", "k", T.input_module("k")}
+    (h,) = seen
+    h2 = h.reshape(-1, h.shape[-1])
+    for module in ("act", T.input_module("k")):
+        row = acts[acts[T.MODULE] == module].iloc[0]
+        got = torch.tensor(
+            [
+                [[row[T.block_col(r, st, o)] for st in T.BLOCK_STATS] for r in T.BLOCK_RECIPES]
+                for o in T.BLOCK_ORIENTATIONS
+            ],
+            dtype=torch.float64,
+        )
+        assert int(row[T.NUMEL]) == h.numel()
+        assert_same(got, torch.stack([reference(h2, -1), reference(h2, -2)]), module)
+
+
 class Attention(nn.Module):
     """The output projection reads a function's output (scaled_dot_product_attention), as in every GPT."""
 

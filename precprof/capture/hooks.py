@@ -95,8 +95,13 @@ class StepHooks:
         self.order = 0  # forward order counter
         self.has_data = False
         self._weights_read: set[int] | None = None  # rows of the parameters read this step
-        # this step's module outputs a linear layer may read: identity -> (the tensor, its activation row)
-        self._block_outputs: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int]] = {}
+        # this step's module outputs a linear layer may read, each (the tensor, its activation row): by object
+        # (``id``), and in order, for the index by memory (``_same_data``) that a lookup by object that misses
+        # builds (a wrapper's new tensor object over the same memory); most steps never need it
+        self._block_outputs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._outputs_made: list[tuple[weakref.ref[torch.Tensor], int]] = []
+        self._outputs_by_data: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._indexed = 0  # how many of ``_outputs_made`` the index by memory covers
         # autocast as the first recorded forward saw it (the Profiler's dict, kept over the run)
         self.autocast_seen: dict[str, Any] = autocast_seen if autocast_seen is not None else {}
 
@@ -107,7 +112,7 @@ class StepHooks:
         self.order = 0
         self.has_data = False
         self._weights_read = None
-        self._block_outputs.clear()
+        self._clear_outputs()
         for slot in self.plan.modules:
             slot.order = slot.input_order = -1
         self.installed = True
@@ -123,7 +128,7 @@ class StepHooks:
         yet included) until the next ``install`` (the next step is sampled too: removing and installing them
         again would cost a millisecond per thousand hooks) or ``remove`` (it is not). Idempotent."""
         self.installed = False
-        self._block_outputs.clear()
+        self._clear_outputs()
 
     def remove(self) -> None:
         """End the sampled step: every hook removed (a module output's gradient hook that has not fired yet
@@ -133,7 +138,13 @@ class StepHooks:
             h.remove()
         self._handles.clear()
         self.installed = False
+        self._clear_outputs()
+
+    def _clear_outputs(self) -> None:
         self._block_outputs.clear()
+        self._outputs_made.clear()
+        self._outputs_by_data.clear()
+        self._indexed = 0
 
     # ------------------------------------------------------------------------------------------ reading
     def _add(self, x: torch.Tensor, row: int, assign: bool = False) -> bool:
@@ -194,8 +205,11 @@ class StepHooks:
     def _gemm_input(self, slot: _ModuleSlot, x: torch.Tensor, turn: bool) -> None:
         """The input a linear layer's GEMM would quantise: the output of the module that made it, or, when no
         captured module did (an attention's output), a row of its own."""
-        found = self._block_outputs.get(_same_data(x))
+        found = self._block_outputs.get(id(x))
         made = found[0]() if found is not None else None
+        if made is not x:
+            found = self._output_by_data(x)
+            made = found[0]() if found is not None else None
         if found is not None and made is not None:
             if turn:  # read as the output that made it: several readers count it once
                 self.buffer.accumulate_blocks(_local(made), found[1])
@@ -205,6 +219,17 @@ class StepHooks:
             if slot.input_order < 0:
                 slot.input_order = self.order
                 self.order += 1
+
+    def _output_by_data(self, x: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], int] | None:
+        """The output registered this step over the memory ``x`` views (``_same_data``), a later one winning as
+        by object; the index grows over the outputs registered since it was last looked at."""
+        index, made = self._outputs_by_data, self._outputs_made
+        for entry in made[self._indexed :]:
+            t = entry[0]()
+            if t is not None:
+                index[_same_data(t)] = entry
+        self._indexed = len(made)
+        return index.get(_same_data(x))
 
     def _make_fwd_hook(self, slot: _ModuleSlot) -> Callable[[nn.Module, Any, Any], None]:
         act = slot.activation
@@ -225,7 +250,9 @@ class StepHooks:
                 any_tensor = True
                 rows.dtype_bits[act] |= dtype_bit(t.dtype)
                 if self.block_formats and t.dim() >= 2:
-                    self._block_outputs[_same_data(t)] = (weakref.ref(t), act)
+                    entry = (weakref.ref(t), act)
+                    self._block_outputs[id(t)] = entry
+                    self._outputs_made.append(entry)
                 if t.requires_grad:
                     t.register_hook(grad_hook)
             if any_tensor:
