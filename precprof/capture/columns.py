@@ -28,10 +28,17 @@ def layer_columns(
     what each took) and their histogram columns (None when every histogram is empty). Gradient rows are unscaled
     by ``scale``, the loss scale in effect during the step's backward."""
     fixed = rows.columns()
-    modules = fixed["module"][active]
-    scales = np.where(fixed["gradient"][active], scale, 1.0)
-    d = st.decode_rows(data if len(active) == len(data) else data[active], scales)
     n = len(active)
+    # every row decoded and the active ones picked from the decoded columns: copying the active rows out of
+    # ``data`` (hundreds of rows of ~300 int64) cost more than decoding the few inactive ones
+    every = n == len(data)
+
+    def pick(a: np.ndarray) -> np.ndarray:
+        return a if every else a[active]
+
+    d = st.decode_rows(data, np.where(fixed["gradient"], scale, 1.0))
+    scales = pick(np.where(fixed["gradient"], scale, 1.0))
+    modules = fixed["module"][active]
     # per row the same few dtype texts: each distinct one made once
     bits, which = np.unique(np.asarray(rows.dtype_bits, dtype=np.int64)[active], return_inverse=True)
     texts = np.array([records.dtype_text_of(int(b)) for b in bits], dtype=object)
@@ -44,36 +51,42 @@ def layer_columns(
         T.PARAM: fixed["param"][active].tolist(),
         T.DTYPE: texts[which.reshape(-1)].tolist(),
         T.CALLS: np.asarray(rows.calls, dtype=np.int64)[active],
-        T.NUMEL: d["numel"],
-        T.ZEROS: d["zeros"],
-        T.NAN: d["nan"],
-        T.INF: d["inf"],
-        T.ABSMAX: d["absmax"],
-        T.ABSMIN: d["absmin"],
+        T.NUMEL: pick(d["numel"]),
+        T.ZEROS: pick(d["zeros"]),
+        T.NAN: pick(d["nan"]),
+        T.INF: pick(d["inf"]),
+        T.ABSMAX: pick(d["absmax"]),
+        T.ABSMIN: pick(d["absmin"]),
         T.SCALE: scales,
         T.LOST_UPDATE_BF16: np.full(n, math.nan),
         T.LOST_UPDATE_FP16: np.full(n, math.nan),
     }
     for f in WHATIF_FORMATS:
-        cols[T.underflow_col(f)] = d["underflow"][f]
-        cols[T.overflow_col(f)] = d["overflow"][f]
+        cols[T.underflow_col(f)] = pick(d["underflow"][f])
+        cols[T.overflow_col(f)] = pick(d["overflow"][f])
     for f in FP8_FORMATS:
-        cols[T.underflow_cs_col(f)] = d["underflow_cs"][f]
+        cols[T.underflow_cs_col(f)] = pick(d["underflow_cs"][f])
     # the nonzero bins, looked for only between the first and the last column any row uses (a row's values
     # span tens of the 277 bins): the same (row, bin) pairs in the same order, at a third of the cost
     lo, hi = d["hist_used"]
     if hi <= lo:
         return cols, None
-    r_idx, bins = np.nonzero(d["hist"][:, lo:hi])
+    at, bins = np.nonzero(d["hist"][:, lo:hi])
+    if not every:  # the active rows' bins alone
+        keep = np.zeros(len(data), dtype=bool)
+        keep[active] = True
+        keep = keep[at]
+        at, bins = at[keep], bins[keep]
+        if not len(at):
+            return cols, None
     bins += lo
-    at = active[r_idx]
     hist = {
-        T.STEP: np.full(len(r_idx), step, dtype=np.int64),
+        T.STEP: np.full(len(at), step, dtype=np.int64),
         T.MODULE: fixed["module"][at],
         T.TENSOR: fixed["tensor"][at],
         T.PARAM: fixed["param"][at],
-        T.EXPONENT: st.EXP_MIN + bins - d["shift"][r_idx],
-        T.COUNT: d["hist"][r_idx, bins],
+        T.EXPONENT: st.EXP_MIN + bins - d["shift"][at],
+        T.COUNT: d["hist"][at, bins],
     }
     return cols, hist
 
