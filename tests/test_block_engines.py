@@ -538,6 +538,39 @@ def test_c_buffer_adds_blocks_as_the_general_path_does() -> None:
     assert torch.equal(torch.from_numpy(buf.blocks_to_host()[2]), want)
 
 
+@pytest.mark.parametrize("engine", ["c", "torch"])
+def test_many_tensors_add_blocks_as_one_by_one(engine: str) -> None:
+    """``accumulate_blocks_many`` (a sampled step's weights: one C call) adds what ``accumulate_blocks`` of each
+    adds: over dtypes, a transposed tensor (read through a copy), a 1-D one and a row without a slot (neither
+    evaluated); called again after the tensors changed in place (the kept arrays, the same memory), it reads
+    the new values."""
+    if engine == "c" and kernel.load() is None:
+        pytest.skip("the C kernel does not build here")
+    tensors = [
+        hard_tensor((24, 64), 0, torch.float32),
+        hard_tensor((16, 40), 1, torch.bfloat16),
+        hard_tensor((48, 40), 3, torch.float32).t(),
+        hard_tensor((9, 8), 2, torch.float16),
+        hard_tensor((33,), 4, torch.float32),
+        hard_tensor((8, 8), 5, torch.float32),
+    ]
+    rows = [0, 1, 2, 3, 4, 5]
+    many = StatsBuffer(6, "cpu", engine=engine, block_rows=[0, 1, 2, 3, 4])
+    one = StatsBuffer(6, "cpu", engine=engine, block_rows=[0, 1, 2, 3, 4])
+    for _ in range(2):
+        many.accumulate_blocks_many(tensors, rows)
+        for t, r in zip(tensors, rows):
+            one.accumulate_blocks(t, r)
+        got, want = many.blocks_to_host(), one.blocks_to_host()
+        np.testing.assert_array_equal(got, want)
+        assert many.blocks_seen.tolist() == one.blocks_seen.tolist() == [True] * 4 + [False] * 2
+        assert np.all(got[:4, :, 0, 3] > 0) and np.all(got[4:] == 0)
+        for t in tensors:
+            t.mul_(-3.0)
+        one.reset()  # a fresh start for the one-by-one path (its tensors' versions changed anyway)
+        many.reset()
+
+
 def test_buffer_keeps_block_slots_only_for_the_rows_that_can_hold_them() -> None:
     """block_rows=[1, 3] of 4 rows: two slots; rows 0 and 2 take no block statistics (neither through
     accumulate(blocks=True) nor accumulate_blocks), the slots land back in rows 1 and 3, a partial reset

@@ -88,6 +88,8 @@ class StepHooks:
         )
         # the parameters read at the step's first captured forward, and each one's row
         self._weights = [(p, row) for s in plan.modules for _, p, row in s.weights]
+        # the matrix weights of the block group whose turn it is, read with the others: (turn, deal) -> them
+        self._turn_weights: tuple[tuple[int, int], list[tuple[nn.Parameter, int]]] = ((-1, -1), [])
         self._handles: list[Any] = []
         self.installed = False
         # this sampled step's state
@@ -174,12 +176,29 @@ class StepHooks:
             done.add(row)
         for dev, (tensors, rows) in by_device.items():
             self.buffer.rows_of(dev).add_many(tensors, rows)
+        if self.block_formats:
+            turn = [(_local(p), row) for p, row in self._block_weights() if row in done]
+            if turn:
+                self.buffer.accumulate_blocks_many([t for t, _ in turn], [r for _, r in turn])
         return done
+
+    def _block_weights(self) -> list[tuple[nn.Parameter, int]]:
+        """The matrix weights a block-scaled GEMM reads of this step's block group (``turn``), and their rows:
+        read with the other parameters, in one call (their layers' pre-hooks read them one by one before)."""
+        key = (self.turn, self.plan.deals)
+        if self._turn_weights[0] != key:
+            weights = [
+                (p, row)
+                for s in self.plan.modules
+                if s.block_group == self.turn and reads_block_operands(s.module_type)
+                for _, p, row in s.weights
+                if p.dim() >= 2
+            ]
+            self._turn_weights = (key, weights)
+        return self._turn_weights[1]
 
     # ------------------------------------------------------------------------------------------- hooks
     def _make_pre_hook(self, slot: _ModuleSlot) -> Callable[[nn.Module, Any], None]:
-        weight_blocks = self.block_formats and reads_block_operands(slot.module_type)
-
         def pre_hook(module: nn.Module, args: Any) -> None:
             if not self.installed or not torch.is_grad_enabled():
                 return None
@@ -196,8 +215,6 @@ class StepHooks:
                 if row in self._weights_read:
                     self.rows.seen(row, p.dtype)
                     self.has_data = True
-                    if weight_blocks and turn and p.dim() >= 2:
-                        self.buffer.accumulate_blocks(_local(p), row)
             return None
 
         return pre_hook

@@ -54,6 +54,7 @@ class CapturePlan:
     params: list[_ParamSlot] = field(default_factory=list)
     rows: RowTable = field(default_factory=RowTable)
     block_formats: bool = False
+    deals: int = 0  # how many times the block groups were dealt (what a hook's cache of a group is keyed on)
     _types: dict[str, str] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -116,6 +117,7 @@ class CapturePlan:
         what its input and output gradient add per token; the weight itself is a small share). Returns each
         group's load."""
         loads = [0] * groups
+        self.deals += 1
 
         def cost(slot: _ModuleSlot) -> int:
             return max((sum(p.shape) for _, p, _ in slot.weights if p.dim() == 2), default=1)

@@ -370,6 +370,22 @@ class StatsBuffer:
         self.block_timer.call(x.device, part.accumulate_blocks, x, row)
         self.blocks_seen[row] = True
 
+    def accumulate_blocks_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> None:
+        """:meth:`accumulate_blocks` of each tensor into its row, per device in one call of its rows (one C call
+        for the CPU's: a sampled step's weights)."""
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
+        slots = self._block_slot
+        for x, row in zip(tensors, rows, strict=True):
+            if slots[row] < 0 or x.dtype not in _BLOCK_DTYPES or x.dim() < 2 or x.device.type == "meta":
+                continue
+            ts, rs = by_device.setdefault(x.device, ([], []))
+            ts.append(x)
+            rs.append(row)
+        for dev, (ts, rs) in by_device.items():
+            part = self._parts.get(dev) or self._part(dev)
+            self.block_timer.call(dev, part.accumulate_blocks_many, ts, rs)
+            self.blocks_seen[rs] = True
+
     def device_tensors(self) -> list[torch.Tensor]:
         """Each device's rows and block accumulator (``[rows, width]`` int64, ``[slots, 2, recipes, 5]``
         float64), on their devices, not copied: what a sampled step copies to the host together with the rest

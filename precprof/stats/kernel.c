@@ -873,3 +873,16 @@ int pp_block_at(const int64_t* a) {
     return pp_block((const void*)(intptr_t)a[0], a[1], a[2], (int)a[3], (int)a[4], (int)a[5],
                     (const int64_t*)(intptr_t)a[6], (int)a[7], (double*)(intptr_t)a[8]);
 }
+
+/* pp_block_at over k tensors: a[] as pp_block_at's (its data, rows, last, dtype and out unused), each tensor's
+   from the arrays (data pointers, rows, last dimensions, dtypes, out pointers). The block-format what-if of a
+   sampled step's weights, in one call. Returns 0, or -1 - i when tensor i's scratch could not be allocated. */
+int64_t pp_block_many(const int64_t* a, int64_t k, const int64_t* ptrs, const int64_t* rows, const int64_t* lasts,
+                      const int64_t* dtypes, const int64_t* outs) {
+    for (int64_t i = 0; i < k; i++) {
+        int rc = pp_block((const void*)(intptr_t)ptrs[i], rows[i], lasts[i], (int)dtypes[i], (int)a[4], (int)a[5],
+                          (const int64_t*)(intptr_t)a[6], (int)a[7], (double*)(intptr_t)outs[i]);
+        if (rc) return -1 - i;
+    }
+    return 0;
+}

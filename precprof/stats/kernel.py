@@ -213,6 +213,8 @@ def load() -> ctypes.CDLL | None:
         lib.pp_block.argtypes = [p, i64, i64, i32, i32, i32, p, i32, p]
         lib.pp_block_at.restype = i32
         lib.pp_block_at.argtypes = [p]
+        lib.pp_block_many.restype = i64
+        lib.pp_block_many.argtypes = [p, i64, p, p, p, p, p]
         lib.pp_init()
     except (OSError, AttributeError, subprocess.SubprocessError) as e:
         _status.update(in_use=False, reason=f"could not be built or loaded: {e}", **_cache_status())

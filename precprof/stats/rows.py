@@ -210,6 +210,11 @@ class Rows:
         _blocks.add_tensor_block_stats(x.detach(), self._blocks[slot], engine=engine, threads=threads)
         self._blocks_done(x, row, version)
 
+    def accumulate_blocks_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> None:
+        """:meth:`accumulate_blocks` of each tensor into its row (an engine may read them all in one call)."""
+        for t, r in zip(tensors, rows, strict=True):
+            self.accumulate_blocks(t, r)
+
     def _blocks_due(self, x: torch.Tensor, row: int) -> tuple[int, int | None]:
         """``row``'s block slot when ``x`` is to be added into it (-1: the row has none, or ``x`` as it is now was
         added already), and ``x``'s in-place version for :meth:`_blocks_done`."""

@@ -140,6 +140,9 @@ class HostRows(_rows.Rows):
             self._block_args[6] = _cpu_kernel._recipe_config(_blocks.RECIPES)[1]
         self._block_args_ptr = ctypes.addressof(self._block_args)
         self._slot_bytes = self._blocks[0].numel() * 8 if len(self._blocks) else 0
+        # accumulate_blocks_many's last tensors (``_many_key``) and the arrays the kernel read them from
+        self._blocks_many_key: tuple[Any, ...] | None = None
+        self._blocks_many: tuple[list[np.ndarray], list[int], np.ndarray] = ([], [], np.zeros(0, np.int64))
         self.reset()
 
     # -- sizes
@@ -266,6 +269,47 @@ class HostRows(_rows.Rows):
             if self._block_at(self._block_args_ptr):
                 raise MemoryError("precprof: the C block kernel could not allocate its scratch")
         self._blocks_done(x, row, version)
+
+    def accumulate_blocks_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> None:
+        """:meth:`accumulate_blocks` of each tensor into its row, those the kernel reads in place in one call
+        (``pp_block_many``; the step's weights, whose arrays are kept while the same tensors sit on the same
+        memory, as ``add_many``'s). Each tensor is added once per call, whatever was added before: a weight is
+        read once a step."""
+        if self._block_at is None or not self.use_kernel:
+            super().accumulate_blocks_many(tensors, rows)
+            return
+        key = _many_key(tensors, rows)
+        if key is None or key != self._blocks_many_key:
+            ptrs, lines, lasts, codes, outs, at = [], [], [], [], [], []
+            for t, r in zip(tensors, rows, strict=True):
+                code = _cpu_kernel._BLOCK_DTYPES.get(t.dtype)
+                slot = int(self._block_slot[r])
+                if slot < 0 or not t.numel():
+                    continue
+                if code is None or t.dim() == 0 or not t.is_contiguous():
+                    self.accumulate_blocks(t, r)
+                    continue
+                last = t.shape[-1]
+                ptrs.append(t.data_ptr())
+                lines.append(t.numel() // last)
+                lasts.append(last)
+                codes.append(code)
+                outs.append(self._blocks.data_ptr() + slot * self._slot_bytes)
+                at.append(r)
+            arrays = [np.asarray(v, dtype=np.int64) for v in (ptrs, lines, lasts, codes, outs)]
+            self._blocks_many = (arrays, [a.ctypes.data for a in arrays], np.asarray(at, dtype=np.int64))
+            # kept where every tensor was read in place: the arrays then say all there is to read
+            self._blocks_many_key = key if len(at) == len(tensors) else None
+        arrays, addresses, at = self._blocks_many
+        if not len(at):
+            return
+        self._written[at] = True
+        args = self._block_args
+        if not args[7]:
+            args[7] = self._threads()
+        rc = int(self._lib.pp_block_many(self._block_args_ptr, len(at), *addresses))
+        if rc:
+            raise MemoryError("precprof: the C block kernel could not allocate its scratch")
 
     def add_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> None:
         """:meth:`add` of each tensor into its row, the kernel's dtypes in one call (the others one by one)."""
