@@ -118,9 +118,8 @@ class Collector:
                 counts = self.updates.host_counts(counts_host)
         active = np.flatnonzero(np.asarray(rows.calls, dtype=np.int64) > 0)
         if len(active):
-            cols, hist = columns.layer_columns(step, rows, active, data, scale, order)
-            cols.update(columns.block_columns(rows, active, blocks, buffer.blocks_seen, scale))
-            recorded.add_layers(step, cols, hist)
+            seen = buffer.blocks_seen
+            recorded.add_layers(step, columns.StepRows(step, rows, active, data, scale, order, blocks, seen))
         if self.updates is not None and counts is not None:
             updates = self.updates.columns(counts, step, order, self.plan.module_types())
             if updates is not None:

@@ -1,6 +1,6 @@
-"""A sampled step's rows, decoded into the columns of the ``layers`` and ``histograms`` tables (arrays, not
-frames: building frames in the training loop would cost milliseconds per sampled step; ``tables()`` joins
-them), and the block-format accumulator into the layers table's ``BLOCK_COLUMNS``."""
+"""A sampled step's rows, kept as the copy brought them and decoded into the columns of the ``layers`` and
+``histograms`` tables when those are read (arrays, not frames: ``tables()`` joins them), the block-format
+accumulator into the layers table's ``BLOCK_COLUMNS``."""
 
 from __future__ import annotations
 
@@ -15,107 +15,136 @@ from precprof.capture import records
 from precprof.capture.records import RowTable
 from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
 
-
-def layer_columns(
-    step: int,
-    rows: RowTable,
-    active: np.ndarray,
-    data: np.ndarray,
-    scale: float,
-    order: dict[str, int],
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The layers columns of the ``active`` rows (their indices) of ``data`` (the step's host rows; ``rows`` says
-    what each took) and their histogram columns (None when every histogram is empty). Gradient rows are unscaled
-    by ``scale``, the loss scale in effect during the step's backward."""
-    fixed = rows.columns()
-    n = len(active)
-    # every row decoded and the active ones picked from the decoded columns: copying the active rows out of
-    # ``data`` (hundreds of rows of ~300 int64) cost more than decoding the few inactive ones
-    every = n == len(data)
-
-    def pick(a: np.ndarray) -> np.ndarray:
-        return a if every else a[active]
-
-    d = st.decode_rows(data, np.where(fixed["gradient"], scale, 1.0))
-    scales = pick(np.where(fixed["gradient"], scale, 1.0))
-    modules = fixed["module"][active]
-    # per row the same few dtype texts: each distinct one made once
-    bits, which = np.unique(np.asarray(rows.dtype_bits, dtype=np.int64)[active], return_inverse=True)
-    texts = np.array([records.dtype_text_of(int(b)) for b in bits], dtype=object)
-    cols: dict[str, Any] = {
-        T.STEP: np.full(n, step, dtype=np.int64),
-        T.ORDER: np.array([order.get(m, -1) for m in modules], dtype=np.int64),
-        T.MODULE: modules.tolist(),
-        T.MODULE_TYPE: fixed["module_type"][active].tolist(),
-        T.TENSOR: fixed["tensor"][active].tolist(),
-        T.PARAM: fixed["param"][active].tolist(),
-        T.DTYPE: texts[which.reshape(-1)].tolist(),
-        T.CALLS: np.asarray(rows.calls, dtype=np.int64)[active],
-        T.NUMEL: pick(d["numel"]),
-        T.ZEROS: pick(d["zeros"]),
-        T.NAN: pick(d["nan"]),
-        T.INF: pick(d["inf"]),
-        T.ABSMAX: pick(d["absmax"]),
-        T.ABSMIN: pick(d["absmin"]),
-        T.SCALE: scales,
-        T.LOST_UPDATE_BF16: np.full(n, math.nan),
-        T.LOST_UPDATE_FP16: np.full(n, math.nan),
-    }
-    for f in WHATIF_FORMATS:
-        cols[T.underflow_col(f)] = pick(d["underflow"][f])
-        cols[T.overflow_col(f)] = pick(d["overflow"][f])
-    for f in FP8_FORMATS:
-        cols[T.underflow_cs_col(f)] = pick(d["underflow_cs"][f])
-    # the nonzero bins, looked for only between the first and the last column any row uses (a row's values
-    # span tens of the 277 bins): the same (row, bin) pairs in the same order, at a third of the cost
-    lo, hi = d["hist_used"]
-    if hi <= lo:
-        return cols, None
-    at, bins = np.nonzero(d["hist"][:, lo:hi])
-    if not every:  # the active rows' bins alone
-        keep = np.zeros(len(data), dtype=bool)
-        keep[active] = True
-        keep = keep[at]
-        at, bins = at[keep], bins[keep]
-        if not len(at):
-            return cols, None
-    bins += lo
-    hist = {
-        T.STEP: np.full(len(at), step, dtype=np.int64),
-        T.MODULE: fixed["module"][at],
-        T.TENSOR: fixed["tensor"][at],
-        T.PARAM: fixed["param"][at],
-        T.EXPONENT: st.EXP_MIN + bins - d["shift"][at],
-        T.COUNT: d["hist"][at, bins],
-    }
-    return cols, hist
-
-
 # the float64 sums of a block statistic scale with the square of the values (sum_x2, sum_err2)
 _SQUARED_STATS = frozenset({"sum_x2", "sum_err2"})
 
 
-def block_columns(
-    rows: RowTable, active: np.ndarray, blocks: np.ndarray, seen: np.ndarray, scale: float
-) -> dict[str, np.ndarray]:
-    """The ``T.BLOCK_COLUMNS`` of the ``active`` rows (their indices) from the step's block accumulator (float64
-    [rows, orientation, recipe, stat], ``StatsBuffer.blocks_to_host``) and ``seen`` (rows evaluated; the others
-    are NaN). Gradient rows were evaluated as they arrived, at loss scale ``scale``: their counts are those of
-    the scaled values (what the low-precision GEMM reads), their sums are unscaled by ``scale**2`` like every
-    other column."""
-    # NaN but for the rows evaluated this step (a few of the layers, in turn): only those are copied
-    sub = np.full((len(active), *blocks.shape[1:]), math.nan)  # [active, 2, recipes, stats]
-    evaluated = np.flatnonzero(seen[active])
-    if len(evaluated):
-        values = blocks[active[evaluated]].astype(np.float64, copy=True)
-        if 0 < scale < math.inf and scale != 1.0:
-            squared = np.array([s in _SQUARED_STATS for s in T.BLOCK_STATS])
-            grad = rows.columns()["gradient"][active[evaluated]]
-            values[grad] /= np.where(squared, scale * scale, 1.0)
-        sub[evaluated] = values
-    out: dict[str, np.ndarray] = {}
-    for o, orient in enumerate(T.BLOCK_ORIENTATIONS):
-        for r, recipe in enumerate(T.BLOCK_RECIPES):
-            for s, stat in enumerate(T.BLOCK_STATS):
-                out[T.block_col(recipe, stat, orient)] = sub[:, o, r, s]
-    return out
+class StepRows:
+    """A sampled step's rows as its copy brought them, kept compact, and decoded into the columns of the layers
+    and histograms tables only when those are read (``decode``: by ``tables()``, the stream writer's thread or
+    the live dashboards). Decoding costs a sampled step more than keeping its numbers does, and the compact form
+    is smaller than the decoded one: the active rows' counts, the histogram bins any row uses (tens of the
+    277), and the block statistics of the rows evaluated this step.
+
+    ``active``: the indices of the rows that took data; ``data``: the step's host rows (``rows`` says what
+    each took); ``blocks`` / ``seen``: the block accumulator per row and which rows were evaluated; gradient rows
+    are unscaled by ``scale``, the loss scale in effect during the step's backward."""
+
+    def __init__(
+        self,
+        step: int,
+        rows: RowTable,
+        active: np.ndarray,
+        data: np.ndarray,
+        scale: float,
+        order: dict[str, int],
+        blocks: np.ndarray,
+        seen: np.ndarray,
+    ) -> None:
+        self.step, self.scale, self.order = step, scale, order
+        self.fixed = rows.columns()  # made once per row table: shared, never copied
+        self.active = active
+        self.calls = np.asarray(rows.calls, dtype=np.int64)[active]
+        self.dtype_bits = np.asarray(rows.dtype_bits, dtype=np.int64)[active]
+        hist = data[:, st.COL_HIST :]
+        used = np.flatnonzero(hist.any(axis=0))
+        self.lo, self.hi = (int(used[0]), int(used[-1]) + 1) if len(used) else (0, 0)
+        # the active rows' counts, and their nonzero bins (a row's values span a few of the bins all rows use):
+        # copies, a view would keep the whole step's array alive
+        self.counts = data[active, : st.COL_HIST]
+        window = data[active, st.COL_HIST + self.lo : st.COL_HIST + self.hi].ravel()
+        self.bin_at = np.flatnonzero(window)  # positions in the [active, hi - lo] window, row by row
+        self.bin_counts = window[self.bin_at]
+        self.evaluated = np.flatnonzero(seen[active])  # positions in ``active`` of the rows with block numbers
+        self.block_values = blocks[active[self.evaluated]]
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.active, self.calls, self.dtype_bits, self.counts, self.bin_at, self.bin_counts)
+        arrays += (self.evaluated, self.block_values)
+        return sum(int(a.nbytes) for a in arrays)
+
+    def decode(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The layers columns of the active rows (their block columns included) and their histogram columns
+        (None when every histogram is empty)."""
+        n, w = len(self.active), self.hi - self.lo
+        window = np.zeros(n * w, dtype=np.int64)
+        window[self.bin_at] = self.bin_counts
+        data = np.zeros((n, st.ROW_WIDTH), dtype=np.int64)
+        data[:, : st.COL_HIST] = self.counts
+        data[:, st.COL_HIST + self.lo : st.COL_HIST + self.hi] = window.reshape(n, w)
+        cols, hist = self._layer_columns(data)
+        cols.update(self._block_columns())
+        return cols, hist
+
+    def _layer_columns(self, data: np.ndarray) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        fixed, active, step = self.fixed, self.active, self.step
+        n = len(active)
+        scales = np.where(fixed["gradient"][active], self.scale, 1.0)
+        d = st.decode_rows(data, scales)
+        modules = fixed["module"][active]
+        # per row the same few dtype texts: each distinct one made once
+        bits, which = np.unique(self.dtype_bits, return_inverse=True)
+        texts = np.array([records.dtype_text_of(int(b)) for b in bits], dtype=object)
+        order = self.order
+        cols: dict[str, Any] = {
+            T.STEP: np.full(n, step, dtype=np.int64),
+            T.ORDER: np.array([order.get(m, -1) for m in modules], dtype=np.int64),
+            T.MODULE: modules.tolist(),
+            T.MODULE_TYPE: fixed["module_type"][active].tolist(),
+            T.TENSOR: fixed["tensor"][active].tolist(),
+            T.PARAM: fixed["param"][active].tolist(),
+            T.DTYPE: texts[which.reshape(-1)].tolist(),
+            T.CALLS: self.calls,
+            T.NUMEL: d["numel"],
+            T.ZEROS: d["zeros"],
+            T.NAN: d["nan"],
+            T.INF: d["inf"],
+            T.ABSMAX: d["absmax"],
+            T.ABSMIN: d["absmin"],
+            T.SCALE: scales,
+            T.LOST_UPDATE_BF16: np.full(n, math.nan),
+            T.LOST_UPDATE_FP16: np.full(n, math.nan),
+        }
+        for f in WHATIF_FORMATS:
+            cols[T.underflow_col(f)] = d["underflow"][f]
+            cols[T.overflow_col(f)] = d["overflow"][f]
+        for f in FP8_FORMATS:
+            cols[T.underflow_cs_col(f)] = d["underflow_cs"][f]
+        # the nonzero bins, looked for only between the first and the last column any row uses
+        lo, hi = d["hist_used"]
+        if hi <= lo:
+            return cols, None
+        r_idx, bins = np.nonzero(d["hist"][:, lo:hi])
+        bins += lo
+        at = active[r_idx]
+        hist = {
+            T.STEP: np.full(len(r_idx), step, dtype=np.int64),
+            T.MODULE: fixed["module"][at],
+            T.TENSOR: fixed["tensor"][at],
+            T.PARAM: fixed["param"][at],
+            T.EXPONENT: st.EXP_MIN + bins - d["shift"][r_idx],
+            T.COUNT: d["hist"][r_idx, bins],
+        }
+        return cols, hist
+
+    def _block_columns(self) -> dict[str, np.ndarray]:
+        """The ``T.BLOCK_COLUMNS``: NaN but for the rows evaluated this step. Gradient rows were evaluated as
+        they arrived, at the loss scale: their counts are those of the scaled values (what the low-precision
+        GEMM reads), their sums are unscaled by ``scale**2`` like every other column."""
+        sub = np.full((len(self.active), *self.block_values.shape[1:]), math.nan)  # [active, 2, recipes, stats]
+        if len(self.evaluated):
+            values = self.block_values.astype(np.float64, copy=True)
+            scale = self.scale
+            if 0 < scale < math.inf and scale != 1.0:
+                squared = np.array([s in _SQUARED_STATS for s in T.BLOCK_STATS])
+                grad = self.fixed["gradient"][self.active[self.evaluated]]
+                values[grad] /= np.where(squared, scale * scale, 1.0)
+            sub[self.evaluated] = values
+        out: dict[str, np.ndarray] = {}
+        for o, orient in enumerate(T.BLOCK_ORIENTATIONS):
+            for r, recipe in enumerate(T.BLOCK_RECIPES):
+                for k, stat in enumerate(T.BLOCK_STATS):
+                    out[T.block_col(recipe, stat, orient)] = sub[:, o, r, k]
+        return out
+

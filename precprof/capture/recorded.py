@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from precprof import tables as T
+from precprof.capture.columns import StepRows
 from precprof.capture.records import HostFloats, _join_columns, _PendingStep
 
 
@@ -26,7 +27,8 @@ class Flush:
     layer and histogram columns and memory rows."""
 
     step_rows: list[dict[str, Any]] = field(default_factory=list)
-    layer_parts: list[dict[str, Any]] = field(default_factory=list)
+    # columns, or a sampled step's rows not decoded yet (``columns.StepRows``): ``decoded`` decodes them
+    layer_parts: list[dict[str, Any] | StepRows] = field(default_factory=list)
     hist_parts: list[dict[str, Any]] = field(default_factory=list)
     memory_rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -40,12 +42,26 @@ class Flush:
         self.hist_parts += other.hist_parts
         self.memory_rows += other.memory_rows
 
+    def decoded(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The layer and histogram columns, every sampled step's rows decoded (once: each is replaced by its
+        columns, its histogram columns appended in step order)."""
+        for i, part in enumerate(self.layer_parts):
+            if isinstance(part, StepRows):
+                cols, hist = part.decode()
+                self.layer_parts[i] = cols
+                if hist is not None:
+                    self.hist_parts.append(hist)
+        return self.layer_parts, self.hist_parts  # type: ignore[return-value]
+
     @property
     def nbytes(self) -> int:
         """Host bytes these rows hold: arrays' buffers, and each list, dict and scalar of the row lists (Python
         object sizes, ``sys.getsizeof``; strings shared between rows counted each time: an upper bound)."""
         total = 0
         for part in (*self.layer_parts, *self.hist_parts):
+            if isinstance(part, StepRows):
+                total += part.nbytes
+                continue
             total += sys.getsizeof(part)
             for v in part.values():
                 total += int(v.nbytes) if isinstance(v, np.ndarray) else _list_bytes(v)
@@ -57,12 +73,11 @@ class Flush:
 
     def frames(self) -> dict[str, pd.DataFrame]:
         """The four tables of these rows (see precprof/tables.py for the schema)."""
+        layer_parts, hist_parts = self.decoded()
         return {
-            "layers": T.frame("layers", _join_columns(self.layer_parts))
-            if self.layer_parts
-            else T.empty("layers"),
-            "histograms": T.frame("histograms", _join_columns(self.hist_parts))
-            if self.hist_parts
+            "layers": T.frame("layers", _join_columns(layer_parts)) if layer_parts else T.empty("layers"),
+            "histograms": T.frame("histograms", _join_columns(hist_parts))
+            if hist_parts
             else T.empty("histograms"),
             "steps": T.frame("steps", self.step_rows) if self.step_rows else T.empty("steps"),
             "memory": T.frame("memory", self.memory_rows) if self.memory_rows else T.empty("memory"),
@@ -121,8 +136,10 @@ class Recorded:
         self.steps_recorded += len(pending)
         return values[-3]
 
-    def add_layers(self, step: int, cols: dict[str, Any], hist: dict[str, Any] | None = None) -> None:
-        """Layer rows of a sampled step (columns), and their histogram rows."""
+    def add_layers(
+        self, step: int, cols: dict[str, Any] | StepRows, hist: dict[str, Any] | None = None
+    ) -> None:
+        """Layer rows of a sampled step (columns, or its rows to decode when read), and their histogram rows."""
         if step != self._last_sampled:
             self.sampled_steps += 1
             self._last_sampled = step
@@ -156,6 +173,7 @@ class Recorded:
         """The four tables (see precprof/tables.py for the schema): with a stream, the run directory's parts
         (every segment of a resumed run) after the writer drained, and any flush it could not write."""
         if self.sink is None:
+            self.kept.decoded()  # in place: the next call reads the columns
             whole = Flush()
             whole.extend(self.kept)
             whole.extend(self.new)

@@ -40,7 +40,7 @@ class LiveDashboards:
 
     def write(self, flush: Any) -> None:
         """Write the rows of one flush (a ``Flush``: rows copied to the host since the previous one)."""
-        steps, layer_parts, hist_parts = flush.step_rows, flush.layer_parts, flush.hist_parts
+        steps, (layer_parts, hist_parts) = flush.step_rows, flush.decoded()
         if not (steps or layer_parts or hist_parts) or not self.sinks:
             return
         events = self.stream.feed(
