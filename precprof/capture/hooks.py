@@ -230,7 +230,9 @@ class StepHooks:
         if found is not None and made is not None:
             if turn:  # read as the output that made it: several readers count it once
                 self.buffer.accumulate_blocks(_local(made), found[1])
-        elif self.buffer.accumulate(_local(x), slot.input, blocks=turn):
+        elif self._add(local := _local(x), slot.input):
+            if turn:
+                self.buffer.accumulate_blocks(local, slot.input)
             self.rows.seen(slot.input, x.dtype)
             self.has_data = True
             if slot.input_order < 0:
@@ -290,11 +292,9 @@ class StepHooks:
             if g is None or not self.installed:
                 return None
             x = g if type(g) is _Tensor else _local(g)
-            if gemm_blocks and slot.block_group == self.turn:
-                ok = self.buffer.accumulate(x, row, blocks=True)
-            else:
-                ok = self._add(x, row)
-            if ok:
+            if self._add(x, row):
+                if gemm_blocks and slot.block_group == self.turn:
+                    self.buffer.accumulate_blocks(x, row)
                 self.rows.seen(row, g.dtype)
             return None
 

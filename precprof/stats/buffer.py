@@ -347,32 +347,36 @@ class StatsBuffer:
                 if p is not part:
                     p.reset(slice(row, row + 1))
         part.add(x, row, assign)
-        if (
-            blocks
-            and x.dim() >= 2
-            and x.numel() > 0
-            and x.dtype in _BLOCK_DTYPES
-            and self._block_slot[row] >= 0
-        ):
-            self.block_timer.call(x.device, part.accumulate_blocks, x.detach(), row)
-            self.blocks_seen[row] = True
+        if blocks:
+            self.accumulate_blocks(x, row)
         return True
 
     def accumulate_blocks(self, x: torch.Tensor, row: int) -> None:
         """Add only the block-format what-if of ``x`` into ``row`` (a tensor whose other statistics were
         accumulated already, e.g. a module's output that a linear layer then reads). Never syncs; a tensor
-        that is not fp32/bf16/fp16 with ndim >= 2 and data, or on ``meta``, is not evaluated."""
-        if x.device.type == "meta" or not (x.dim() >= 2 and x.numel() > 0 and x.dtype in _BLOCK_DTYPES):
+        that is not fp32/bf16/fp16 with ndim >= 2 and data, or on ``meta``, is not evaluated.
+
+        ``block_timer`` takes what the call costs: on a CUDA device the kernels' time, elsewhere the whole
+        call's (its checks and lookups too: for small tensors they cost as much as the kernel)."""
+        t0 = time.perf_counter()
+        dev = x.device
+        if dev.type == "meta" or not (x.dim() >= 2 and x.numel() > 0 and x.dtype in _BLOCK_DTYPES):
             return
         if self._block_slot[row] < 0:  # a row without a slot holds no block statistics
             return
-        part = self._parts.get(x.device) or self._part(x.device)
-        self.block_timer.call(x.device, part.accumulate_blocks, x, row)
+        part = self._parts.get(dev) or self._part(dev)
+        if dev.type == "cuda":
+            self.block_timer.call(dev, part.accumulate_blocks, x, row)
+        else:
+            part.accumulate_blocks(x, row)
         self.blocks_seen[row] = True
+        if dev.type != "cuda":
+            self.block_timer.add_host_s(time.perf_counter() - t0)
 
     def accumulate_blocks_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> None:
         """:meth:`accumulate_blocks` of each tensor into its row, per device in one call of its rows (one C call
         for the CPU's: a sampled step's weights)."""
+        t0 = time.perf_counter()
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
         slots = self._block_slot
         for x, row in zip(tensors, rows, strict=True):
@@ -381,10 +385,17 @@ class StatsBuffer:
             ts, rs = by_device.setdefault(x.device, ([], []))
             ts.append(x)
             rs.append(row)
+        host = True
         for dev, (ts, rs) in by_device.items():
             part = self._parts.get(dev) or self._part(dev)
-            self.block_timer.call(dev, part.accumulate_blocks_many, ts, rs)
+            if dev.type == "cuda":
+                self.block_timer.call(dev, part.accumulate_blocks_many, ts, rs)
+                host = False
+            else:
+                part.accumulate_blocks_many(ts, rs)
             self.blocks_seen[rs] = True
+        if host:  # as accumulate_blocks: the whole call's time off a CUDA device
+            self.block_timer.add_host_s(time.perf_counter() - t0)
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Each device's rows and block accumulator (``[rows, width]`` int64, ``[slots, 2, recipes, 5]``

@@ -53,6 +53,10 @@ class WorkTimer:
         finally:
             self._host_s += time.perf_counter() - t0
 
+    def add_host_s(self, seconds: float) -> None:
+        """Add host seconds its caller timed itself (around more than one call)."""
+        self._host_s += seconds
+
     def read_s(self) -> float:
         """The seconds timed since the last read, and start again. Call after the device finished the work (the
         sampled step's copy to the host): reading a CUDA event pair waits for its second event."""
