@@ -33,6 +33,17 @@ def reference(x: torch.Tensor, axis: int) -> torch.Tensor:
     )
 
 
+def row_cells(row: pd.Series) -> torch.Tensor:
+    """A layers row's block cells as float64 [orientation, recipe, stat]."""
+    return torch.tensor(
+        [
+            [[row[T.block_col(r, st, o)] for st in T.BLOCK_STATS] for r in T.BLOCK_RECIPES]
+            for o in T.BLOCK_ORIENTATIONS
+        ],
+        dtype=torch.float64,
+    )
+
+
 def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     counts = [T.BLOCK_STATS.index(s) for s in ("flushed", "saturated", "poisoned")]
     sums = [T.BLOCK_STATS.index(s) for s in ("sum_x2", "sum_err2")]
@@ -275,13 +286,7 @@ def test_profiled_model_block_columns_equal_block_stats_of_the_same_tensors(
     checked = 0
     for _, row in layers.iterrows():
         key = (int(row[T.STEP]), row[T.MODULE], row[T.TENSOR])
-        got = torch.tensor(
-            [
-                [[row[T.block_col(r, s, o)] for s in T.BLOCK_STATS] for r in T.BLOCK_RECIPES]
-                for o in T.BLOCK_ORIENTATIONS
-            ],
-            dtype=torch.float64,
-        )
+        got = row_cells(row)
         if key not in want or (row[T.TENSOR] == T.WEIGHT and row[T.PARAM] != "weight"):
             # not read by a block-scaled GEMM: not evaluated (weight gradients, biases, fc1's output, which
             # only GELU reads, fc2's output, act's gradient)
@@ -356,26 +361,22 @@ class TwoReaders(nn.Module):
 def test_an_output_read_by_two_linear_layers_counts_once(block_formats_on: None) -> None:
     """The block cells of act's output equal block_stats of that tensor once, like its numel: the share of a
     tensor that two GEMMs read is not doubled."""
+    h2, layers = act_seen_and_layers(TwoReaders())
+    row = layers[(layers[T.MODULE] == "act") & (layers[T.TENSOR] == T.ACTIVATION)].iloc[0]
+    assert int(row[T.NUMEL]) == h2.numel()
+    assert_same(row_cells(row), torch.stack([reference(h2, -1), reference(h2, -2)]), "act read by q and k")
+
+
+def act_seen_and_layers(model: TwoReaders) -> tuple[torch.Tensor, pd.DataFrame]:
+    """``model`` trained one sampled step, every layer's block formats evaluated: act's output as a plain hook
+    saw it (2-D), and the layers table."""
     torch.manual_seed(0)
-    model = TwoReaders()
     seen: list[torch.Tensor] = []
     model.act.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
     _, prof = train(model, 1, {"sample_every": 1, "memory": False, "block_groups": 1})
     assert prof is not None
-    layers = prof.tables()["layers"]
-    row = layers[(layers[T.MODULE] == "act") & (layers[T.TENSOR] == T.ACTIVATION)].iloc[0]
     (h,) = seen
-    h2 = h.reshape(-1, h.shape[-1])
-    want = torch.stack([reference(h2, -1), reference(h2, -2)])
-    got = torch.tensor(
-        [
-            [[row[T.block_col(r, st, o)] for st in T.BLOCK_STATS] for r in T.BLOCK_RECIPES]
-            for o in T.BLOCK_ORIENTATIONS
-        ],
-        dtype=torch.float64,
-    )
-    assert int(row[T.NUMEL]) == h.numel()
-    assert_same(got, want, "act read by q and k")
+    return h.reshape(-1, h.shape[-1]), prof.tables()["layers"]
 
 
 class ViewReaders(TwoReaders):
@@ -392,28 +393,13 @@ def test_a_new_object_over_a_modules_output_is_that_output(block_formats_on: Non
     """A linear layer's input that is another tensor object over the memory of a module's output, with its
     shape and strides, is matched to that output (counted once, under act's row); one of another shape is not
     (a row of its own, its block cells those of the 2-D tensor the layer read)."""
-    torch.manual_seed(0)
-    model = ViewReaders()
-    seen: list[torch.Tensor] = []
-    model.act.register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
-    _, prof = train(model, 1, {"sample_every": 1, "memory": False, "block_groups": 1})
-    assert prof is not None
-    layers = prof.tables()["layers"]
+    h2, layers = act_seen_and_layers(ViewReaders())
     acts = layers[layers[T.TENSOR] == T.ACTIVATION]
     assert set(acts[T.MODULE]) == {T.input_module("fc1"), "fc1", "act", "q", "k", T.input_module("k")}
-    (h,) = seen
-    h2 = h.reshape(-1, h.shape[-1])
     for module in ("act", T.input_module("k")):
         row = acts[acts[T.MODULE] == module].iloc[0]
-        got = torch.tensor(
-            [
-                [[row[T.block_col(r, st, o)] for st in T.BLOCK_STATS] for r in T.BLOCK_RECIPES]
-                for o in T.BLOCK_ORIENTATIONS
-            ],
-            dtype=torch.float64,
-        )
-        assert int(row[T.NUMEL]) == h.numel()
-        assert_same(got, torch.stack([reference(h2, -1), reference(h2, -2)]), module)
+        assert int(row[T.NUMEL]) == h2.numel()
+        assert_same(row_cells(row), torch.stack([reference(h2, -1), reference(h2, -2)]), module)
 
 
 class Attention(nn.Module):
@@ -450,13 +436,7 @@ def test_a_linear_input_no_module_produced_gets_a_row_of_its_own(block_formats_o
     assert int(row[T.NUMEL]) == h.numel() and float(row[T.ABSMAX]) == float(h.abs().max())
     assert int(row[T.ORDER]) == int(acts[acts[T.MODULE] == "proj"].iloc[0][T.ORDER]) - 1  # just before proj
     h2 = h.reshape(-1, h.shape[-1])
-    got = torch.tensor(
-        [
-            [[row[T.block_col(r, st, o)] for st in T.BLOCK_STATS] for r in T.BLOCK_RECIPES]
-            for o in T.BLOCK_ORIENTATIONS
-        ],
-        dtype=torch.float64,
-    )
+    got = row_cells(row)
     assert_same(got, torch.stack([reference(h2, -1), reference(h2, -2)]), "proj's input")
     from precprof.analysis.advisor.rules.blocks import block_table
 
