@@ -8,7 +8,8 @@ step followed by another keeps them in place between the two, doing nothing, ``p
 
 - a forward pre-hook and a forward hook on every captured module, made at attach for its slot
   (``capture/plan.py``). The first captured module's pre-hook reads every captured parameter, per device in
-  one call of the engine (``Rows.add_many``: one C call on the CPU); a module's output is read in its forward
+  one call of the engine (``Rows.add_many``: one C call on the CPU; the block what-if of the step's group's
+  weights in one more, ``Rows.accumulate_blocks_many``); a module's output is read in its forward
   hook and, when it requires grad, gets a tensor hook for its gradient (``register_full_backward_hook`` breaks
   on in-place ops such as ``ReLU(inplace=True)``). Per-module hooks, not global ones: ``torch.compile(module)``
   warns when global module hooks exist, and they would fire for every module of the process;
@@ -159,7 +160,8 @@ class StepHooks:
         return self.buffer.accumulate(x, row, assign=assign)
 
     def _read_weights(self) -> set[int]:
-        """Every captured parameter, per device in one call of its engine; returns the rows read."""
+        """Every captured parameter, per device in one call of its engine, and the block what-if of this step's
+        group's matrix weights; returns the rows read."""
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
         done: set[int] = set()
         for p, row in self._weights:
