@@ -28,7 +28,7 @@ from precprof.errors import RunNotSavedWarning
 from precprof.training import TrainConfig, train
 
 TINY = ["--batch-size", "2", "--seq-len", "8", "--device", "cpu", "--no-progress"]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -452,6 +452,22 @@ def wait_for(predicate: object, proc: subprocess.Popen[str], timeout: float = 12
         time.sleep(0.1)
 
 
+def communicate_or_dump(proc: subprocess.Popen[str], timeout: float = 120) -> str:
+    """The process's stderr once it ended; when it has not ended within ``timeout``, every thread's Python stack
+    (``PYTHONFAULTHANDLER``: SIGABRT dumps them) in the failure, to say where it hung."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            err = proc.communicate(timeout=30)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            err = proc.communicate()[1]
+        stacks = err.split("\nExtension modules:")[0][-8000:]  # faulthandler lists the loaded modules last
+        raise AssertionError(f"still running {timeout:.0f} s after the signal; its threads:\n{stacks}") from None
+
+
 def training_started(out: Path) -> bool:
     try:
         return "running (pid" in (T.read_summary(out).get(T.SUMMARY_INCOMPLETE_REASON) or "")
@@ -469,7 +485,7 @@ def test_a_signal_saves_the_run(tmp_path: Path, sig: int, code: int, word: str) 
     # a step recorded (each sampled step streams a steps part): a fixed wait was too short on a busy machine
     wait_for(lambda: any(out.glob("stream/*/*.steps.parquet")), proc)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
+    err = communicate_or_dump(proc)
     assert proc.returncode == code, err
     assert "Traceback" not in err and f"the partial run is in {out}" in err
     summary = T.read_summary(out)
