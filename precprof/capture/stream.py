@@ -23,9 +23,10 @@ import os
 import queue
 import shutil
 import threading
+import time
 from pathlib import Path
 
-from precprof import parts
+from precprof import _signals, parts
 from precprof import tables as T
 from precprof.capture.recorded import Flush
 
@@ -58,13 +59,25 @@ class StreamWriter:
             self._thread.start()
 
     def put(self, flush: Flush) -> None:
-        """Queue one flush for writing; blocks while ``max_queued`` flushes wait (bounded memory)."""
+        """Queue one flush for writing; waits while ``max_queued`` flushes wait (bounded memory).
+
+        The queue takes it with signals deferred (``precprof._signals``): a Ctrl-C raised inside ``Queue.put``
+        between its count of unfinished flushes and its notify would leave the writer asleep on an empty queue
+        and the save that follows waiting for it forever. The wait for room is outside, where a signal stops
+        it."""
         if flush.empty:
             return
-        if not self._thread.is_alive():  # closed: keep it in memory rather than lose it
-            self.unwritten.append(flush)
-            return
-        self._queue.put(flush)
+        while True:
+            if not self._thread.is_alive():  # closed: keep it in memory rather than lose it
+                self.unwritten.append(flush)
+                return
+            with _signals.deferred(None):
+                try:
+                    self._queue.put_nowait(flush)
+                    return
+                except queue.Full:
+                    pass
+            time.sleep(0.005)  # the writer is behind the training: wait for it
 
     def held(self) -> list[Flush]:
         """The flushes in host memory: queued, being written, or kept after a failure to write."""
