@@ -11,8 +11,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -487,3 +489,44 @@ def test_histogram_totals_sum_each_key_over_steps() -> None:
     assert list(got.columns) == list(T.HISTOGRAM_TOTALS_COLUMNS)
     empty = T.sum_histograms(None)
     assert empty.empty and list(empty.columns) == list(T.HISTOGRAM_TOTALS_COLUMNS)
+
+
+def test_a_flush_decoded_on_two_threads_at_once_holds_each_step_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled step's rows are decoded when first read, and a flush can be read on two threads at once (the
+    stream writer's, and the live dashboards' on the training thread): each step's layer and histogram columns
+    end up in it once, the same as one thread decodes."""
+    from precprof.capture import columns
+    from precprof.capture.recorded import Flush
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    prof = precprof.Profiler(model, opt, sample_every=1, memory=False)
+    with prof:
+        for _ in range(3):
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    kept = prof._recorded.kept
+    assert sum(isinstance(p, columns.StepRows) for p in kept.layer_parts) == 3
+    alone, shared = Flush(), Flush()
+    alone.extend(kept)
+    shared.extend(kept)
+    want = alone.frames()
+    decode = columns.StepRows.decode
+
+    def slow_decode(self: columns.StepRows) -> Any:
+        time.sleep(0.05)  # both threads inside the loop at once, were it not for the lock
+        return decode(self)
+
+    monkeypatch.setattr(columns.StepRows, "decode", slow_decode)
+    threads = [threading.Thread(target=shared.decoded) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = shared.frames()
+    assert len(shared.hist_parts) == 3  # one per sampled step
+    for name in ("layers", "histograms"):
+        pd.testing.assert_frame_equal(got[name], want[name])

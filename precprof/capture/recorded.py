@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ class Flush:
     layer_parts: list[dict[str, Any] | StepRows] = field(default_factory=list)
     hist_parts: list[dict[str, Any]] = field(default_factory=list)
     memory_rows: list[dict[str, Any]] = field(default_factory=list)
+    # ``decoded`` may run on two threads at once: the stream writer's and the live dashboards'
+    _decoding: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def empty(self) -> bool:
@@ -45,12 +48,13 @@ class Flush:
     def decoded(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The layer and histogram columns, every sampled step's rows decoded (once: each is replaced by its
         columns, its histogram columns appended in step order)."""
-        for i, part in enumerate(self.layer_parts):
-            if isinstance(part, StepRows):
-                cols, hist = part.decode()
-                self.layer_parts[i] = cols
-                if hist is not None:
-                    self.hist_parts.append(hist)
+        with self._decoding:
+            for i, part in enumerate(self.layer_parts):
+                if isinstance(part, StepRows):
+                    cols, hist = part.decode()
+                    self.layer_parts[i] = cols
+                    if hist is not None:
+                        self.hist_parts.append(hist)
         return self.layer_parts, self.hist_parts  # type: ignore[return-value]
 
     @property
