@@ -480,6 +480,8 @@ def training_started(out: Path) -> bool:
     [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "Ctrl-C"), (signal.SIGHUP, 129, "hangup")],
 )
 def test_a_signal_saves_the_run(tmp_path: Path, sig: int, code: int, word: str) -> None:
+    if signal.getsignal(sig) == signal.SIG_IGN:  # under nohup: the child ignores SIGHUP too, as it should
+        pytest.skip(f"{signal.Signals(sig).name} is ignored here, and so by the training started from here")
     out = tmp_path / "run"
     proc = start_training(out, "--steps", "100000", "--sample-every", "1")
     # a step recorded (each sampled step streams a steps part): a fixed wait was too short on a busy machine
