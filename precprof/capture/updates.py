@@ -53,6 +53,9 @@ class _DeviceGroup:
         # each plain member's strided sample as a view of its parameter, made once: (data pointer, view); a
         # parameter whose storage was replaced (``p.data = ...``) gets a new one, a DTensor's shard is read anew
         self._views: list[tuple[int, torch.Tensor] | None] = [None] * len(members)
+        # every member's view, while the members are plain contiguous tensors on the same memory: (their data
+        # pointers, the views), read with one C-level map per step instead of a Python call per member
+        self._all_views: tuple[list[int], list[torch.Tensor]] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -68,10 +71,24 @@ class _DeviceGroup:
             held = self._views[i] = (ptr, t.detach().reshape(-1)[:: ps.sample_stride][: ps.sample_len])
         return held[1]
 
+    def _member_views(self) -> list[torch.Tensor]:
+        tensors = [ps.tensor for ps in self.members]
+        held = self._all_views
+        if held is not None:
+            try:
+                if list(map(torch.Tensor.data_ptr, tensors)) == held[0]:
+                    return held[1]
+            except (RuntimeError, TypeError):  # a wrapper without storage of its own
+                pass
+        views = [self._sample_view(i, ps) for i, ps in enumerate(self.members)]
+        plain = all(type(t) in _PLAIN and t.is_contiguous() for t in tensors)
+        self._all_views = (list(map(torch.Tensor.data_ptr, tensors)), views) if plain else None
+        return views
+
     def samples(self) -> torch.Tensor:
         """The members' samples, now, in fp32: one concatenation of views, and one cast when the members share a
         dtype (a group is one device and one bf16-or-not flag: fp32 and fp16 members may sit together)."""
-        views = [self._sample_view(i, ps) for i, ps in enumerate(self.members)]
+        views = self._member_views()
         return (
             torch.cat(views).float()
             if len({v.dtype for v in views}) == 1
@@ -147,7 +164,9 @@ class UpdateSampler:
 
     def _regroup(self) -> None:
         """One group per device and dtype the tracked parameters are on now (rebuilt only when one moved)."""
-        placement = tuple(_local(ps.tensor.detach()).device for ps in self.tracked)
+        placement = tuple(
+            t.device if type(t) in _PLAIN else _local(t.detach()).device for t in (ps.tensor for ps in self.tracked)
+        )
         if placement == self._placement:
             return
         groups: dict[tuple[torch.device, bool], list[_ParamSlot]] = {}
