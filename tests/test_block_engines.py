@@ -386,7 +386,7 @@ class ViewReaders(TwoReaders):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.act(self.fc1(x))
-        return self.q(h.view(h.shape)) + self.k(h.view(-1, h.shape[-1])).view(h.shape[:-1] + (40,))
+        return self.q(h.view(h.shape)) + self.k(h.view(-1, h.shape[-1])).view(*h.shape[:-1], 40)
 
 
 def test_a_new_object_over_a_modules_output_is_that_output(block_formats_on: None) -> None:
@@ -539,7 +539,7 @@ def test_many_tensors_add_blocks_as_one_by_one(engine: str) -> None:
     one = StatsBuffer(6, "cpu", engine=engine, block_rows=[0, 1, 2, 3, 4])
     for _ in range(2):
         many.accumulate_blocks_many(tensors, rows)
-        for t, r in zip(tensors, rows):
+        for t, r in zip(tensors, rows, strict=True):
             one.accumulate_blocks(t, r)
         got, want = many.blocks_to_host(), one.blocks_to_host()
         np.testing.assert_array_equal(got, want)

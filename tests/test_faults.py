@@ -465,7 +465,9 @@ def communicate_or_dump(proc: subprocess.Popen[str], timeout: float = 120) -> st
             proc.kill()
             err = proc.communicate()[1]
         stacks = err.split("\nExtension modules:")[0][-8000:]  # faulthandler lists the loaded modules last
-        raise AssertionError(f"still running {timeout:.0f} s after the signal; its threads:\n{stacks}") from None
+        raise AssertionError(
+            f"still running {timeout:.0f} s after the signal; its threads:\n{stacks}"
+        ) from None
 
 
 def training_started(out: Path) -> bool:

@@ -108,7 +108,9 @@ def test_kernels_compiled_beside_the_training_are_ready_and_say_how_long() -> No
     assert list(phases) == ["compile", "load", "check"]
     ends = [b for _, b in phases.values()]
     assert all(a <= b for a, b in phases.values()) and ends == sorted(ends)
-    assert ends[-1] <= beside.warm_s + 0.0005  # the phases are rounded to the millisecond (a cached compile: <1 ms)
+    assert (
+        ends[-1] <= beside.warm_s + 0.0005
+    )  # the phases are rounded to the millisecond (a cached compile: <1 ms)
     at_once = StatsBuffer(2, "cpu", engine="triton", host_rows=False)
     assert at_once.ready and at_once.warm_s is None  # compiled in the constructor, nothing beside
     x = torch.linspace(-3, 3, 999)

@@ -55,14 +55,14 @@ class StepRows:
         window = data[active, st.COL_HIST + self.lo : st.COL_HIST + self.hi].ravel()
         self.bin_at = np.flatnonzero(window)  # positions in the [active, hi - lo] window, row by row
         self.bin_counts = window[self.bin_at]
-        self.evaluated = np.flatnonzero(seen[active])  # positions in ``active`` of the rows with block numbers
+        # positions in ``active`` of the rows with block numbers
+        self.evaluated = np.flatnonzero(seen[active])
         self.block_values = blocks[active[self.evaluated]]
 
     @property
     def nbytes(self) -> int:
-        arrays = (self.active, self.calls, self.dtype_bits, self.counts, self.bin_at, self.bin_counts)
-        arrays += (self.evaluated, self.block_values)
-        return sum(int(a.nbytes) for a in arrays)
+        kept = (self.active, self.calls, self.dtype_bits, self.counts, self.bin_at, self.bin_counts)
+        return sum(int(a.nbytes) for a in (*kept, self.evaluated, self.block_values))
 
     def decode(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The layers columns of the active rows (their block columns included) and their histogram columns
@@ -132,7 +132,9 @@ class StepRows:
         """The ``T.BLOCK_COLUMNS``: NaN but for the rows evaluated this step. Gradient rows were evaluated as
         they arrived, at the loss scale: their counts are those of the scaled values (what the low-precision
         GEMM reads), their sums are unscaled by ``scale**2`` like every other column."""
-        sub = np.full((len(self.active), *self.block_values.shape[1:]), math.nan)  # [active, 2, recipes, stats]
+        sub = np.full(
+            (len(self.active), *self.block_values.shape[1:]), math.nan
+        )  # [active, 2, recipes, stats]
         if len(self.evaluated):
             values = self.block_values.astype(np.float64, copy=True)
             scale = self.scale
@@ -147,4 +149,3 @@ class StepRows:
                 for k, stat in enumerate(T.BLOCK_STATS):
                     out[T.block_col(recipe, stat, orient)] = sub[:, o, r, k]
         return out
-

@@ -164,9 +164,8 @@ class UpdateSampler:
 
     def _regroup(self) -> None:
         """One group per device and dtype the tracked parameters are on now (rebuilt only when one moved)."""
-        placement = tuple(
-            t.device if type(t) in _PLAIN else _local(t.detach()).device for t in (ps.tensor for ps in self.tracked)
-        )
+        tensors = [ps.tensor for ps in self.tracked]
+        placement = tuple(t.device if type(t) in _PLAIN else _local(t.detach()).device for t in tensors)
         if placement == self._placement:
             return
         groups: dict[tuple[torch.device, bool], list[_ParamSlot]] = {}

@@ -369,14 +369,12 @@ class StatsBuffer:
             self.block_timer.call(dev, part.accumulate_blocks, x, row)
         else:
             part.accumulate_blocks(x, row)
-        self.blocks_seen[row] = True
-        if dev.type != "cuda":
             self.block_timer.add_host_s(time.perf_counter() - t0)
+        self.blocks_seen[row] = True
 
     def accumulate_blocks_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> None:
         """:meth:`accumulate_blocks` of each tensor into its row, per device in one call of its rows (one C call
         for the CPU's: a sampled step's weights)."""
-        t0 = time.perf_counter()
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
         slots = self._block_slot
         for x, row in zip(tensors, rows, strict=True):
@@ -385,17 +383,10 @@ class StatsBuffer:
             ts, rs = by_device.setdefault(x.device, ([], []))
             ts.append(x)
             rs.append(row)
-        host = True
         for dev, (ts, rs) in by_device.items():
             part = self._parts.get(dev) or self._part(dev)
-            if dev.type == "cuda":
-                self.block_timer.call(dev, part.accumulate_blocks_many, ts, rs)
-                host = False
-            else:
-                part.accumulate_blocks_many(ts, rs)
+            self.block_timer.call(dev, part.accumulate_blocks_many, ts, rs)
             self.blocks_seen[rs] = True
-        if host:  # as accumulate_blocks: the whole call's time off a CUDA device
-            self.block_timer.add_host_s(time.perf_counter() - t0)
 
     def device_tensors(self) -> list[torch.Tensor]:
         """Each device's rows and block accumulator (``[rows, width]`` int64, ``[slots, 2, recipes, 5]``

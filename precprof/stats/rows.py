@@ -198,7 +198,7 @@ class Rows:
         is left alone). Never syncs. A tensor (object and in-place version) already added into ``row`` since the
         last ``reset`` is not added again: a module output that several linear layers read (q, k and v
         projections) counts once, like its other statistics, so its shares keep their denominator. Only
-        ``x``'s data is read (no autograd op is recorded)."""
+        ``x``'s data is read (``add_tensor_block_stats`` detaches it: no autograd op is recorded)."""
         slot, version = self._blocks_due(x, row)
         if slot < 0:
             return
@@ -207,7 +207,7 @@ class Rows:
         # threads are the C kernel's alone: asking for them loads (and on a machine's first run builds) it, which
         # on an H100 ran the C compiler inside the first sampled step's first block-format hook
         threads = self._threads() if engine == "c" else 0
-        _blocks.add_tensor_block_stats(x.detach(), self._blocks[slot], engine=engine, threads=threads)
+        _blocks.add_tensor_block_stats(x, self._blocks[slot], engine=engine, threads=threads)
         self._blocks_done(x, row, version)
 
     def accumulate_blocks_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> None:

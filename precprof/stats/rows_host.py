@@ -300,14 +300,14 @@ class HostRows(_rows.Rows):
             self._blocks_many = (arrays, [a.ctypes.data for a in arrays], np.asarray(at, dtype=np.int64))
             # kept where every tensor was read in place: the arrays then say all there is to read
             self._blocks_many_key = key if len(at) == len(tensors) else None
-        arrays, addresses, at = self._blocks_many
-        if not len(at):
+        _, addresses, read = self._blocks_many
+        if not len(read):
             return
-        self._written[at] = True
+        self._written[read] = True
         args = self._block_args
         if not args[7]:
             args[7] = self._threads()
-        rc = int(self._lib.pp_block_many(self._block_args_ptr, len(at), *addresses))
+        rc = int(self._lib.pp_block_many(self._block_args_ptr, len(read), *addresses))
         if rc:
             raise MemoryError("precprof: the C block kernel could not allocate its scratch")
 
