@@ -375,6 +375,81 @@ def test_saved_activations_match_autograds_saved_tensors(autocast: torch.dtype |
         assert total(rows, T.AUTOCAST_WEIGHT_COPIES) > 0
 
 
+class Refuses(nn.Linear):
+    """A captured leaf (it owns parameters) whose forward raises: its parent falls back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no fast path here")
+
+
+class WithFallback(nn.Module):
+    """Catches its child's exception and computes by another path, saving tensors of its own."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.fast = Refuses(dim, dim)
+        self.slow = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.fast(x)
+        except RuntimeError:
+            pass
+        return torch.tanh(self.slow(x)) * x  # tanh's output and both factors saved here, in this module
+
+
+class GPTWithFallback(TinyGPT):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fallback = WithFallback()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx) + self.fallback(self.wte(idx)).sum()
+
+
+@pytest.mark.parametrize("modules", [None, ["blocks.0.*", "fallback.fast"]])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_a_profiler_attributes_activations_as_a_standalone_tracker(
+    autocast: torch.dtype | None, modules: list[str] | None
+) -> None:
+    """A Profiler attributes saved tensors to modules as a standalone tracker does: nested modules, a subset of
+    them captured, a captured leaf that raises and whose parent falls back."""
+    from precprof.capture import Profiler
+
+    def activations(profiled: bool) -> dict[tuple[str, str, str], int]:
+        torch.manual_seed(0)
+        model = GPTWithFallback()
+        idx = torch.randint(0, 32, (2, 12))
+        if profiled:
+            prof = Profiler(model, sample_every=1, modules=modules).attach()
+        else:
+            tr = MemoryTracker(model)
+            tr.attach()
+            tr.begin_step(0, True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast is not None):
+            logits = model(idx)
+        logits.float().square().mean().backward()
+        if profiled:
+            prof.step()
+            prof.detach()
+            mem = prof.tables()["memory"]
+            rows = mem[mem[T.STEP] == 0].to_dict("records")
+            assert_no_hooks(model)
+        else:
+            rows = tr.end_step(0)
+            tr.detach()
+        out = {
+            (r[T.COMPONENT], r[T.MODULE], r[T.DTYPE]): r[T.BYTES]
+            for r in rows
+            if r[T.COMPONENT] in (T.ACTIVATIONS, T.AUTOCAST_WEIGHT_COPIES)
+        }
+        assert out[(T.ACTIVATIONS, "fallback", "float32" if autocast is None else "bfloat16")] > 0
+        assert (T.ACTIVATIONS, "fallback.fast", "float32") not in out
+        return out
+
+    assert activations(True) == activations(False)
+
+
 def test_autocast_weight_copies_equal_bf16_weight_bytes() -> None:
     model = mlp()
     tr = MemoryTracker(model)
