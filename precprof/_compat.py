@@ -253,6 +253,35 @@ def restore_stance(token: Any) -> None:
 # ------------------------------------------------------------------------------------------- hooks
 
 
+def reserve_hook_ids(n: int) -> range:
+    """``n`` hook ids of ``RemovableHandle``'s counter, for hooks added straight into torch's hook dictionaries:
+    no one else's hook gets them."""
+    from torch.utils.hooks import RemovableHandle
+
+    first = RemovableHandle.next_id
+    RemovableHandle.next_id += n
+    return range(first, RemovableHandle.next_id)
+
+
+def add_grad_hook(t: torch.Tensor, hook_id: int, hook: Any) -> None:
+    """``t.register_hook(hook)`` under ``hook_id`` (from :func:`reserve_hook_ids`) without the
+    ``RemovableHandle`` it makes and returns (3.2 us a call against 0.8 us, on every module output of a sampled
+    step): for a plain tensor that requires grad, what ``Tensor.register_hook`` does, step by step; anything
+    else through it. The hook stays as long as ``t`` does, as a registered hook whose handle is dropped."""
+    if type(t) is not torch.Tensor or not hasattr(t, "_backward_hooks"):
+        t.register_hook(hook)
+        return
+    hooks = t._backward_hooks
+    if hooks is None:
+        from collections import OrderedDict
+
+        t._backward_hooks = hooks = OrderedDict()
+        fn = t.grad_fn
+        if fn is not None:
+            fn._register_hook_dict(t)
+    hooks[hook_id] = hook
+
+
 class HookSet:
     """Module forward hooks and parameter post-accumulate-grad hooks installed and removed in bulk, once per
     sampled step: straight into the hook dictionaries that ``register_forward_pre_hook``,
@@ -266,13 +295,9 @@ class HookSet:
         modules: list[tuple[Any, Any, Any, bool]],
         params: list[tuple[torch.Tensor, Any]],
     ) -> None:
-        from torch.utils.hooks import RemovableHandle
-
         self._modules = modules  # (module, pre-hook or None, forward hook or None, always_call)
         self._params = params  # (parameter, hook)
-        first = RemovableHandle.next_id
-        RemovableHandle.next_id += 2 * len(modules) + len(params)
-        self._ids = range(first, RemovableHandle.next_id)
+        self._ids = reserve_hook_ids(2 * len(modules) + len(params))
         self._direct = all(
             isinstance(getattr(m, "_forward_pre_hooks", None), dict)
             and isinstance(getattr(m, "_forward_hooks", None), dict)

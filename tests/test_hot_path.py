@@ -113,6 +113,44 @@ def _hooks_on(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return n
 
 
+class _Wrapped(torch.Tensor):
+    """A tensor subclass: its hooks go through ``register_hook`` itself."""
+
+
+@pytest.mark.parametrize("kind", ["output", "leaf", "subclass", "hooked before"])
+def test_a_gradient_hook_without_a_handle_fires_as_a_registered_one(kind: str) -> None:
+    """``_compat.add_grad_hook`` (a module output's gradient hook of a sampled step, without the handle
+    ``register_hook`` makes) sees the gradient ``register_hook``'s hook sees, once per backward, in order with
+    the hooks around it, and leaves the gradients as they were."""
+    from precprof import _compat
+
+    def run(direct: bool) -> tuple[list[Any], torch.Tensor]:
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 3)
+        x = torch.randn(2, 4, requires_grad=True)
+        t = x if kind == "leaf" else lin(x)
+        if kind == "subclass":
+            t = t.as_subclass(_Wrapped)
+        calls: list[Any] = []
+        if kind == "hooked before":
+            t.register_hook(lambda g: calls.append(("user before", g.clone())))
+        ours = lambda g: calls.append(("ours", g.clone()))  # noqa: E731
+        if direct:
+            _compat.add_grad_hook(t, _compat.reserve_hook_ids(1)[0], ours)
+        else:
+            t.register_hook(ours)
+        t.register_hook(lambda g: calls.append(("user after", g.clone())))
+        (t * torch.arange(t.numel(), dtype=t.dtype).reshape(t.shape)).sum().backward()
+        return calls, x.grad
+
+    calls, grad = run(True)
+    want, want_grad = run(False)
+    assert [c for c, _ in calls] == [c for c, _ in want]
+    assert "ours" in [c for c, _ in calls]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(calls, want, strict=True))
+    assert torch.equal(grad, want_grad)
+
+
 def test_no_hook_anywhere_between_sampled_steps() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.LayerNorm(16), nn.Linear(16, 4))

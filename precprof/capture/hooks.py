@@ -256,6 +256,8 @@ class StepHooks:
         act = slot.activation
         rows = self.rows
         grad_hook = self._make_grad_hook(slot)
+        hook_id = _compat.reserve_hook_ids(1)[0]  # its key in each output's hook dictionary
+        add_grad_hook = _compat.add_grad_hook
 
         def fwd_hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self.installed or not torch.is_grad_enabled():
@@ -275,7 +277,7 @@ class StepHooks:
                     self._block_outputs[id(t)] = entry
                     self._outputs_made.append(entry)
                 if t.requires_grad:
-                    t.register_hook(grad_hook)
+                    add_grad_hook(t, hook_id, grad_hook)
             if any_tensor:
                 rows.calls[act] += 1
                 self.has_data = True
