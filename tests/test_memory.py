@@ -230,6 +230,37 @@ def test_gradients_on_a_step_gradscaler_skipped() -> None:
     assert total(rows, T.OPTIMIZER_STATES) == 0  # AdamW never ran, so it has no state yet
 
 
+@pytest.mark.parametrize("modules", [None, ["0"]])
+@pytest.mark.parametrize("case", ["no optimizer", "skipped step"])
+def test_a_profilers_gradients_are_measured_where_the_optimizer_does_not_run(case: str, modules: Any) -> None:
+    """In a Profiler the gradient sizes come from its statistics' post-accumulate-grad hooks (the tracker's own
+    only on parameters it does not capture, ``modules=["0"]``): no optimizer, or a step GradScaler skipped, with
+    the gradients freed before ``step()``, still gives every gradient's bytes, once."""
+    from precprof.capture import Profiler
+
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if case == "skipped step" else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    prof = Profiler(model, optimizer=opt, scaler=scaler if opt else None, sample_every=1, modules=modules)
+    prof.attach()
+    x, y = batch()
+    loss = F.mse_loss(model(x), y)
+    if opt is None:
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    else:
+        scaler.scale(loss * torch.tensor(float("nan"))).backward()
+        scaler.step(opt)  # nan gradients: optimizer.step() never runs, nor its hooks
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+    prof.step()
+    prof.detach()
+    mem = prof.tables()["memory"]
+    rows = mem[mem[T.STEP] == 0].to_dict("records")
+    assert total(rows, T.GRADIENTS) == 4 * N_MLP
+    assert_no_hooks(model, opt)
+
+
 # ----------------------------------------------------------------------------------- saved activations
 def test_saved_activations_of_an_mlp_by_hand() -> None:
     model = mlp()
