@@ -306,12 +306,29 @@ _VIEW_NODES = frozenset(
 _MAX_VIEW_DEPTH = 8
 
 
+# autograd node type -> _OTHER_NODE, _VIEW_NODE or _TO_COPY_NODE (a node type per op: its name read once)
+_OTHER_NODE, _VIEW_NODE, _TO_COPY_NODE = 0, 1, 2
+_NODE_KINDS: dict[type, int] = {}
+
+
+def _node_kind(fn: Any) -> int:
+    kind = _NODE_KINDS.get(type(fn))
+    if kind is None:
+        name = fn.name()
+        kind = _VIEW_NODE if name in _VIEW_NODES else _TO_COPY_NODE if name == "ToCopyBackward0" else _OTHER_NODE
+        if type(fn).__name__ == name:  # one type per op (not a Python Function's node): its kind is its type's
+            _NODE_KINDS[type(fn)] = kind
+    return kind
+
+
 def is_weight_copy(t: torch.Tensor, module: nn.Module | None, param_keys: set[StorageKey]) -> bool:
     """Whether a saved tensor is a cast of a parameter (autocast's low-precision weight copy): its grad_fn is
     ``ToCopyBackward0`` of a parameter's ``AccumulateGrad`` (``param_keys``), possibly behind views; a frozen
     parameter's cast has no graph and is matched against ``module``'s (the running module's) frozen
     parameters by shape and dtype. Host only."""
     fn = t.grad_fn
+    if fn is not None and _node_kind(fn) == _OTHER_NODE:  # most saved tensors: an op's output
+        return False
     if fn is None:
         # A frozen weight's cast has no graph: match it against the running module's frozen parameters.
         if t.requires_grad or module is None:
@@ -323,13 +340,13 @@ def is_weight_copy(t: torch.Tensor, module: nn.Module | None, param_keys: set[St
                 return True
         return False
     for _ in range(_MAX_VIEW_DEPTH):
-        if fn.name() not in _VIEW_NODES:
+        if _node_kind(fn) != _VIEW_NODE:
             break
         nxt = fn.next_functions
         if not nxt or nxt[0][0] is None:
             return False
         fn = nxt[0][0]
-    if fn.name() != "ToCopyBackward0" or not fn.next_functions:
+    if _node_kind(fn) != _TO_COPY_NODE or not fn.next_functions:
         return False
     src = fn.next_functions[0][0]
     var = getattr(src, "variable", None)  # AccumulateGrad of a leaf
