@@ -315,8 +315,12 @@ def _node_kind(fn: Any) -> int:
     kind = _NODE_KINDS.get(type(fn))
     if kind is None:
         name = fn.name()
-        kind = _VIEW_NODE if name in _VIEW_NODES else _TO_COPY_NODE if name == "ToCopyBackward0" else _OTHER_NODE
-        if type(fn).__name__ == name:  # one type per op (not a Python Function's node): its kind is its type's
+        kind = (
+            _VIEW_NODE if name in _VIEW_NODES else _TO_COPY_NODE if name == "ToCopyBackward0" else _OTHER_NODE
+        )
+        if (
+            type(fn).__name__ == name
+        ):  # one type per op (not a Python Function's node): its kind is its type's
             _NODE_KINDS[type(fn)] = kind
     return kind
 
