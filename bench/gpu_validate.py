@@ -284,8 +284,9 @@ def stage_kernels(run: Run) -> dict[str, Any]:
 
 def _block_tiles(run: Run) -> list[dict[str, Any]]:
     """The Triton block kernel's throughput by tile (lines per tile) at 16M elements, each orientation: compiled
-    for sm_90, a 32-line tile takes 255 registers and spills (2 programs of 4 warps per SM), an 8-line tile 111
-    and none, for 1.75x the instructions per element; which wins is the GPU's to say."""
+    for sm_90 (triton 3.9), a 32-line tile takes 80 registers and about 390 instructions per value, an 8-line
+    tile 48 registers and twice the instructions per value (the tile's reductions are shared by fewer values),
+    a 64-line tile 139 registers; which wins is the GPU's to say."""
     from precprof.stats import triton_block
 
     out: list[dict[str, Any]] = []

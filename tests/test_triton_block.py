@@ -30,6 +30,10 @@ WHY = tb.unavailable(DEV)
 if WHY is not None:
     pytest.skip(WHY, allow_module_level=True)
 
+# the kernels' fp32 arithmetic meets inf and nan on purpose (a block at fp32's max, a nan tensor's NVFP4
+# scales): numpy, which runs it in the interpreter, warns where the GPU computes the same values silently
+pytestmark = pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
+
 RECIPES = [
     bf.get_recipe(name.removesuffix("_rceil"), "rceil" if name.endswith("_rceil") else None)
     for name in T.BLOCK_RECIPES
@@ -257,3 +261,52 @@ def test_user_errors() -> None:
             case()
         assert "\n" not in str(err.value)
     assert [tb.slot(r) for r in RECIPES] == [0, 1, 2, 4, 6, 8, 10]
+
+
+_PTX_OF_SM90 = r"""
+import json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from precprof.stats import blocks, triton_block as tb, triton_block_kernels as k
+out = {}
+for kind, fusion in ((0, False), (2, False), (0, True)):
+    signature = {"x_ptr": "*i32" if kind == 0 else "*i16", "tmax_ptr": "*i32", "part_ptr": "*fp64"}
+    signature.update(dict.fromkeys(["n_along", "n_across", "st_along", "st_across", "tiles", "iters"], "i64"))
+    consts = dict(KIND=kind, TA=32, MASK=tb._mask([tb.slot(r) for r in blocks.RECIPES]), **tb._constants())
+    signature.update(dict.fromkeys(consts, "constexpr"))
+    options = {**tb.LAUNCH_OPTIONS, **({"enable_fp_fusion": True} if fusion else {})}
+    source = ASTSource(k._blocks, signature=signature, constexprs=consts)
+    out[f"{kind}{'+fusion' if fusion else ''}"] = compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+json.dump(out, sys.stdout)
+"""
+
+
+def test_the_kernel_compiled_for_sm90_keeps_its_arithmetic_exact() -> None:
+    """The kernel matches the reference because its fp32 operations are IEEE ones in the reference's order.
+    Compiled for an H100 (sm_90: no GPU needed, in a process without the interpreter) with the launch's
+    options, its PTX holds no fused multiply-add of fp32 values, no flush of subnormals (``.ftz``) and no
+    approximate division, for fp32 and for fp16 (decoded by the exact conversion instruction); with fusion on,
+    the same source would contract (what the option is there for)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _PTX_OF_SM90],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = json.loads(done.stdout)
+    for kind in ("0", "2"):
+        exact = ptx[kind]
+        for forbidden in ("fma.rn.f32", "fma.f32", ".ftz", "div.full", "div.approx", "rcp.approx.f32"):
+            assert forbidden not in exact, (kind, forbidden)
+        assert exact.count("div.rn.f32") >= 5  # every division correctly rounded (rceil's, NVFP4's scales)
+    assert "cvt.f32.f16" in ptx["2"]
+    assert "fma.rn.f32" in ptx["0+fusion"]
