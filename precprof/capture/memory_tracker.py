@@ -301,9 +301,19 @@ class MemoryTracker:
             add(T.MASTER_WEIGHTS, steady.get(T.MASTER_WEIGHTS, {}))
             add(T.OPTIMIZER_STATES, steady.get(T.OPTIMIZER_STATES, {}))
         group = max(self._groups, key=_Group.total) if self._groups else None
-        if group is not None:
-            for (comp, module, dt), b in sorted(group.bytes.items()):
-                add(comp, {dt: b}, module=module)
+        if group is not None:  # a row per module and dtype: built here, not through ``add`` (hundreds a step)
+            rows += [
+                {
+                    T.STEP: step,
+                    T.COMPONENT: comp,
+                    T.MODULE: module,
+                    T.DTYPE: dt,
+                    T.BYTES: int(b),
+                    T.PHASE: "",
+                    T.MOMENT: "",
+                }
+                for (comp, module, dt), b in sorted(group.bytes.items())
+            ]
         if peak is not None:
             for phase in T.MEMORY_PHASES:
                 allocated, reserved = peak.phase_peaks.get(phase, (None, None))

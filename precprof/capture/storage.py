@@ -139,7 +139,7 @@ def _fingerprint(tensors: list[torch.Tensor]) -> tuple[list[int], list[int]] | N
     if not set(map(type, tensors)) <= _PLAIN_TYPES:
         return None
     try:
-        return list(map(id, tensors)), [t.data_ptr() for t in tensors]
+        return list(map(id, tensors)), list(map(torch.Tensor.data_ptr, tensors))
     except (RuntimeError, NotImplementedError, TypeError):
         return None
 
