@@ -253,6 +253,20 @@ def restore_stance(token: Any) -> None:
 # ------------------------------------------------------------------------------------------- hooks
 
 
+def queue_backward_callback(fn: Any) -> bool:
+    """Run ``fn()`` when the backward pass now running ends (autograd's own queue, which DDP and FSDP use too);
+    False when it cannot be queued (no backward is running, or this torch has no such queue)."""
+    engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:
+        return False
+    try:
+        queue(fn)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass."
+        return False
+    return True
+
+
 def reserve_hook_ids(n: int) -> range:
     """``n`` hook ids of ``RemovableHandle``'s counter, for hooks added straight into torch's hook dictionaries:
     no one else's hook gets them."""

@@ -105,6 +105,111 @@ def test_an_assigning_add_keeps_only_the_last_tensor() -> None:
         assert np.array_equal(buf.to_host(), fresh.to_host()), use_kernel
 
 
+def test_an_assigning_add_many_gives_the_rows_of_assigning_adds() -> None:
+    """``add_many(assign=True)`` (a step's weight gradients in one call) clears each row first, as one assigning
+    ``add`` per tensor does, kernel and torch ops alike; the rows beside keep what they held."""
+    xs = _cases()
+    for use_kernel in (True, False):
+        many = StatsBuffer(len(xs), "cpu")
+        one = StatsBuffer(len(xs), "cpu")
+        for buf in (many, one):
+            buf.use_kernel = use_kernel
+            for i, x in enumerate(reversed(xs)):
+                buf.accumulate(x, i)  # something to clear first
+        many.rows_of(torch.device("cpu")).add_many(xs[:7], list(range(7)), assign=True)
+        for i, x in enumerate(xs[:7]):
+            one.rows_of(torch.device("cpu")).add(x, i, assign=True)
+        assert np.array_equal(many.to_host(), one.to_host()), use_kernel
+
+
+class _Tied(nn.Module):
+    """Tied weights, a reentrant checkpoint and a parameter used outside any module's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = checkpoint(self.body, self.emb(idx), use_reentrant=True)
+        return self.head(x) * self.temperature
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_weight_gradients_read_when_backward_ends_are_those_the_hooks_saw(
+    accumulate: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sampled step's weight gradients are read together when each backward pass ends (one call of the
+    engine): bf16 autocast, a GradScaler, gradient accumulation, tied weights and a reentrant checkpoint give the
+    layers table that reading each one in its own hook gives (as under torch.distributed), and training is
+    bitwise the same."""
+    from precprof.capture import hooks
+
+    def run(at_end: bool) -> tuple[Any, list[float], int]:
+        monkeypatch.setattr(hooks, "_distributed", lambda: not at_end)
+        torch.manual_seed(0)
+        model = _Tied()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        batched = 0
+        with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=2) as prof:
+            rows = prof._buffer.rows_of(torch.device("cpu"))
+            add_many = rows.add_many
+
+            def spy(tensors: Any, rows_: Any, assign: bool = False) -> None:
+                nonlocal batched
+                batched += assign
+                add_many(tensors, rows_, assign)
+
+            rows.add_many = spy
+            losses = []
+            g = torch.Generator().manual_seed(1)
+            for _ in range(4):
+                for _ in range(accumulate):
+                    idx = torch.randint(0, 16, (4, 6), generator=g)
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = model(idx).float().logsumexp(-1).mean() / accumulate
+                    scaler.scale(loss).backward()
+                    losses.append(loss.item())
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                prof.step(loss=loss.detach())
+        layers = prof.tables()["layers"]
+        return layers[layers[T.TENSOR] == T.WEIGHT_GRAD].reset_index(drop=True), losses, batched
+
+    at_end, losses, batched = run(True)
+    each, losses_each, batched_each = run(False)
+    assert batched == 2 * accumulate and batched_each == 0  # one read per backward of the 2 sampled steps
+    assert len(at_end) == 2 * 6  # 6 gradients (the tied one once) on each sampled step
+    pd_testing.assert_frame_equal(at_end, each)
+    assert losses == losses_each
+
+
+def test_under_torch_distributed_each_weight_gradient_is_read_in_its_hook(tmp_path: Any) -> None:
+    """With a process group up, a gradient may be a view of a DDP bucket whose all-reduce is in flight when the
+    backward ends: each is read in its own hook there (as it accumulates), and still recorded."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        with precprof.Profiler(model, sample_every=1) as prof:
+            model(torch.randn(4, 8)).sum().backward()
+            assert prof._hooks is not None and not prof._hooks.grads_at_end
+            prof.step()
+        layers = prof.tables()["layers"]
+        assert (layers[T.TENSOR] == T.WEIGHT_GRAD).sum() == 4
+    finally:
+        dist.destroy_process_group()
+
+
 def _hooks_on(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     """Every hook a module, a parameter or the optimizer of the model holds."""
     n = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())

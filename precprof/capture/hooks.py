@@ -13,7 +13,11 @@ step followed by another keeps them in place between the two, doing nothing, ``p
   hook and, when it requires grad, gets a tensor hook for its gradient (``register_full_backward_hook`` breaks
   on in-place ops such as ``ReLU(inplace=True)``). Per-module hooks, not global ones: ``torch.compile(module)``
   warns when global module hooks exist, and they would fire for every module of the process;
-- a post-accumulate-grad hook on every captured parameter (the last accumulation of the step wins);
+- a post-accumulate-grad hook on every captured parameter (the last accumulation of the step wins): the
+  gradients its hooks announce are read together when the backward pass ends, those on the model's device in
+  one call of its engine (``Rows.add_many``; autograd's own end-of-backward callback, before GradScaler
+  unscales them or anything clips them); under torch.distributed, where a gradient may be a view of a DDP
+  bucket whose all-reduce is in flight by then, each is read in its own hook;
 - with weight updates, the optimizer's step pre- and post-hooks (``capture/updates.py``).
 
 A hook is a lookup and one call into the engine of the tensor's device (``stats.rows``): everything else was
@@ -98,6 +102,10 @@ class StepHooks:
         self.order = 0  # forward order counter
         self.has_data = False
         self._weights_read: set[int] | None = None  # rows of the parameters read this step
+        # parameters whose gradient was accumulated in the backward pass now running, read together when it
+        # ends (``_read_grads``); per parameter at once under torch.distributed (``grads_at_end``)
+        self._grads_due: list[_ParamSlot] = []
+        self.grads_at_end = True
         # this step's module outputs a linear layer may read, each (the tensor, its activation row): by object
         # (``id``), and in order, for the index by memory (``_same_data``) that a lookup by object that misses
         # builds (a wrapper's new tensor object over the same memory); most steps never need it
@@ -116,6 +124,7 @@ class StepHooks:
         self.has_data = False
         self._weights_read = None
         self._clear_outputs()
+        self.grads_at_end = not _distributed()
         for slot in self.plan.modules:
             slot.order = slot.input_order = -1
         self.installed = True
@@ -144,6 +153,7 @@ class StepHooks:
         self._clear_outputs()
 
     def _clear_outputs(self) -> None:
+        self._grads_due.clear()
         self._block_outputs.clear()
         self._outputs_made.clear()
         self._outputs_by_data.clear()
@@ -305,21 +315,59 @@ class StepHooks:
         return grad_hook
 
     def _make_param_hook(self, ps: _ParamSlot) -> Callable[[torch.Tensor], None]:
-        row = ps.grad_row
-
         def hook(p: torch.Tensor) -> None:
             g = p.grad
             if g is None or not self.installed:
                 return None
-            if not self._add(g if type(g) is _Tensor else _local(g), row, assign=True):
-                return None
-            rows = self.rows
-            rows.calls[row] = 1
-            rows.dtype_bits[row] |= dtype_bit(g.dtype)
-            self.has_data = True
+            if self.grads_at_end:
+                due = self._grads_due
+                if due or _compat.queue_backward_callback(self._read_grads):
+                    due.append(ps)
+                    return None
+            self._read_grad(ps, g)
             return None
 
         return hook
+
+    def _read_grad(self, ps: _ParamSlot, g: torch.Tensor) -> None:
+        """One parameter's accumulated gradient into its row (the last accumulation of the step wins)."""
+        if self._add(g if type(g) is _Tensor else _local(g), ps.grad_row, assign=True):
+            self._grad_seen(ps.grad_row, g.dtype)
+
+    def _grad_seen(self, row: int, dtype: torch.dtype) -> None:
+        rows = self.rows
+        rows.calls[row] = 1
+        rows.dtype_bits[row] |= dtype_bit(dtype)
+        self.has_data = True
+
+    def _read_grads(self) -> None:
+        """The backward pass ended: the gradients its post-accumulate-grad hooks announced, those on the model's
+        device in one call of its engine (``Rows.add_many``), each as it is now (the last accumulation wins;
+        GradScaler has not unscaled it yet, nor has any clipping run: the same values the hooks saw, one
+        read instead of one per parameter). Not under torch.distributed, where a gradient may be a view of a
+        bucket whose all-reduce is in flight by then: each is read in its own hook there."""
+        due, self._grads_due = self._grads_due, []
+        if not self.installed:
+            return
+        primary = self._primary
+        tensors: list[torch.Tensor] = []
+        rows: list[int] = []
+        dtypes: list[torch.dtype] = []
+        for ps in {ps.grad_row: ps for ps in due}.values():  # a gradient accumulated twice: read once
+            g = ps.tensor.grad
+            if g is None:
+                continue
+            x = g if type(g) is _Tensor else _local(g)
+            if primary is not None and x.device == self._device:
+                tensors.append(x)
+                rows.append(ps.grad_row)
+                dtypes.append(g.dtype)
+            else:
+                self._read_grad(ps, g)
+        if primary is not None and tensors:
+            primary.add_many(tensors, rows, assign=True)
+            for row, dtype in zip(rows, dtypes, strict=True):
+                self._grad_seen(row, dtype)
 
     def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.updates is not None and self.installed:
@@ -344,3 +392,10 @@ def _autocast_state(device_type: str) -> dict[str, Any]:
         "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
         "device_type": device_type,
     }
+
+
+def _distributed() -> bool:
+    """Whether a torch.distributed process group is up (DDP, FSDP, tensor parallel may hold the gradients)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()

@@ -8,8 +8,9 @@ What is recorded on a sampled step, for every captured module (see ``Profiler``'
   registered from the forward hook (``register_full_backward_hook`` breaks on in-place ops such as
   ``ReLU(inplace=True)``);
 - ``weight``: the module's own parameters, as the forward pass sees them (first call of the step);
-- ``weight_grad``: the accumulated gradient of each parameter (``register_post_accumulate_grad_hook``; with
-  gradient accumulation the last accumulation of the step wins);
+- ``weight_grad``: the accumulated gradient of each parameter (``register_post_accumulate_grad_hook``, the
+  gradients read together when the backward pass ends; with gradient accumulation the last accumulation of
+  the step wins);
 - ``weight_update``: for a strided sample of each parameter's elements, the update the optimizer applied,
   and how many nonzero updates would vanish if the weight were held in bf16 / fp16.
 

@@ -505,14 +505,15 @@ int pp_add_at(const int64_t* ctx) {
                   ctx[CTX_ROW], (int)ctx[CTX_FLAGS]);
 }
 
-/* pp_add of k tensors (data pointers, sizes, strides, dtypes, rows), from index start: the parameters of a
-   sampled step, read in one call. Returns k when all are merged; i when tensor i's bins fall outside the
-   window (its call row holds its statistics: grow the window, pp_merge it, go on from i + 1); -1 - i when
-   tensor i could not be read (no scratch, or a layout this kernel cannot hold). */
+/* pp_add of k tensors (data pointers, sizes, strides, dtypes, rows), from index start, each with pp_add's
+   flags (1: clear its row first): the parameters of a sampled step, or their gradients, read in one call.
+   Returns k when all are merged; i when tensor i's bins fall outside the window (its call row holds its
+   statistics: grow the window, pp_merge it, go on from i + 1); -1 - i when tensor i could not be read (no
+   scratch, or a layout this kernel cannot hold). */
 int64_t pp_add_many(const int64_t* ctx, int64_t k, const int64_t* ptrs, const int64_t* ns, const int64_t* strides,
-                    const int64_t* dtypes, const int64_t* rows, int64_t start) {
+                    const int64_t* dtypes, const int64_t* rows, int64_t start, int64_t flags) {
     for (int64_t i = start; i < k; i++) {
-        int rc = pp_add(ctx, (const void*)(intptr_t)ptrs[i], ns[i], strides[i], (int)dtypes[i], rows[i], 0);
+        int rc = pp_add(ctx, (const void*)(intptr_t)ptrs[i], ns[i], strides[i], (int)dtypes[i], rows[i], (int)flags);
         if (rc == 1) return i;
         if (rc < 0) return -1 - i;
     }

@@ -206,7 +206,7 @@ def load() -> ctypes.CDLL | None:
         lib.pp_add_at.restype = i32
         lib.pp_add_at.argtypes = [p]
         lib.pp_add_many.restype = i64
-        lib.pp_add_many.argtypes = [p, i64, p, p, p, p, p, i64]
+        lib.pp_add_many.argtypes = [p, i64, p, p, p, p, p, i64, i64]
         lib.pp_openmp.restype = ctypes.c_int
         lib.pp_openmp.argtypes = []
         lib.pp_block.restype = i32

@@ -76,10 +76,11 @@ class Rows:
     def add(self, x: torch.Tensor, row: int, assign: bool = False) -> None:
         raise NotImplementedError
 
-    def add_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> None:
-        """:meth:`add` of each tensor into its row (an engine may read them all in one call)."""
+    def add_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], assign: bool = False) -> None:
+        """:meth:`add` of each tensor into its row (an engine may read them all in one call); ``assign`` clears
+        each row first."""
         for t, r in zip(tensors, rows, strict=True):
-            self.add(t, r)
+            self.add(t, r, assign)
 
     def dense(self) -> torch.Tensor:
         raise NotImplementedError

@@ -128,9 +128,9 @@ class HostRows(_rows.Rows):
         self._args = (ctypes.c_int64 * (_CTX_LEN - _CTX_ARGS)).from_address(self._ctx_ptr + 8 * _CTX_ARGS)
         self._add_at: Any = self._lib.pp_add_at if self._lib is not None else None
         self._last: tuple[weakref.ref[torch.Tensor], int] | None = None
-        # add_many's last tensors (``_many_key``) and the arrays the kernel read them from, with their addresses
-        self._many_key: tuple[Any, ...] | None = None
-        self._many_arrays: tuple[list[np.ndarray], list[int]] = ([], [])
+        # add_many's last tensors (``_many_key``) and the arrays the kernel read them from, with their addresses,
+        # per ``assign`` (the step's parameters, and their gradients)
+        self._many: dict[bool, tuple[tuple[Any, ...] | None, tuple[list[np.ndarray], list[int]]]] = {}
         # pp_block_at's arguments (``accumulate_blocks``): the fixed ones now, the tensor's per call
         self._block_args = (ctypes.c_int64 * _BLOCK_ARGS)()
         self._block_at: Any = None
@@ -311,28 +311,33 @@ class HostRows(_rows.Rows):
         if rc:
             raise MemoryError("precprof: the C block kernel could not allocate its scratch")
 
-    def add_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> None:
-        """:meth:`add` of each tensor into its row, the kernel's dtypes in one call (the others one by one)."""
+    def add_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], assign: bool = False) -> None:
+        """:meth:`add` of each tensor into its row, the kernel's dtypes in one call (the others one by one);
+        ``assign`` clears each row first (a step's weight gradients: the last accumulation wins)."""
         if _rows.NO_READ or not tensors:
             return
         if not self.use_kernel or self._lib is None:
             for t, r in zip(tensors, rows, strict=True):
-                self.add(t, r)
+                self.add(t, r, assign)
             return
-        # the same tensors as last time (the step's parameters, step after step): the same arrays
+        if assign:
+            for r in rows:
+                if self._block_slot[r] >= 0:
+                    self._reset_blocks(slice(r, r + 1))
+        # the same tensors as last time (the step's parameters, step after step): the same arrays (one set per
+        # ``assign``: the parameters and their gradients alternate)
         key = _many_key(tensors, rows)
-        if key is not None and key == self._many_key:
-            self._add_many_arrays(self._many_arrays)
+        held_key, held = self._many.get(assign, (None, None))
+        if key is not None and key == held_key and held is not None:
+            self._add_many_arrays(held, assign)
             return
         ptrs, ns, strides, codes, at = [], [], [], [], []
         keep = []  # flattened copies stay alive until the kernel has read them
         for t, r in zip(tensors, rows, strict=True):
             code = _KERNEL_DTYPES.get(t.dtype)
-            if code is None:
-                self.add(t, r)
-                continue
             n = t.numel()
-            if n == 0:
+            if code is None or n == 0:
+                self.add(t, r, assign)  # (an empty tensor: an assigning add clears its row)
                 continue
             if not t.is_contiguous():
                 t = t.detach().reshape(-1)
@@ -345,21 +350,21 @@ class HostRows(_rows.Rows):
         if not ptrs:
             return
         arrays = [np.asarray(v, dtype=np.int64) for v in (ptrs, ns, strides, codes, at)]
+        made = (arrays, [a.ctypes.data for a in arrays])
         # kept for the next call only where every tensor was read in place (no flattened copy, every dtype the
         # kernel's: the arrays then say all there is to read)
         keyed = key is not None and not keep and len(ptrs) == len(tensors)
-        self._many_key = key if keyed else None
-        self._many_arrays = (arrays, [a.ctypes.data for a in arrays])
-        self._add_many_arrays(self._many_arrays)
+        self._many[assign] = (key if keyed else None, made)
+        self._add_many_arrays(made, assign)
         del keep
 
-    def _add_many_arrays(self, held: tuple[list[np.ndarray], list[int]]) -> None:
+    def _add_many_arrays(self, held: tuple[list[np.ndarray], list[int]], assign: bool = False) -> None:
         arrays, addresses = held
         self._ctx[_CTX_THREADS] = self._threads()
         k, start = len(arrays[0]), 0
         self._last = None
         while start < k:
-            done = int(self._lib.pp_add_many(self._ctx_ptr, k, *addresses, start))
+            done = int(self._lib.pp_add_many(self._ctx_ptr, k, *addresses, start, 1 if assign else 0))
             if done >= k:
                 break
             if done < 0:
