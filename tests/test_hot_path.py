@@ -24,7 +24,8 @@ from torch import nn
 
 import precprof
 from precprof import tables as T
-from precprof.stats import StatsBuffer
+from precprof.stats import COL_HIST, StatsBuffer
+from precprof.stats.transfer import to_host as transfer_to_host
 from tests.test_stats import _kernel_or_skip, random_values
 
 
@@ -45,9 +46,15 @@ def _cases() -> list[torch.Tensor]:
     ]
 
 
-def test_add_many_gives_the_rows_of_one_add_per_tensor() -> None:
+@pytest.mark.parametrize("which", ["mixed", "plain contiguous"])
+def test_add_many_gives_the_rows_of_one_add_per_tensor(which: str) -> None:
+    """Any mix of layouts and dtypes, and plain contiguous tensors of the kernel's dtypes only (its arrays made
+    straight from what identifies them)."""
     _kernel_or_skip()
     xs = _cases()
+    if which != "mixed":
+        xs = [x for x in xs if x.is_contiguous() and x.numel() and x.dtype != torch.float8_e4m3fn]
+        assert len(xs) >= 5
     rows = [i % 4 for i in range(len(xs))]
     many = StatsBuffer(4, "cpu")
     many.rows_of(torch.device("cpu")).add_many(xs, rows)
@@ -120,6 +127,36 @@ def test_an_assigning_add_many_gives_the_rows_of_assigning_adds() -> None:
         for i, x in enumerate(xs[:7]):
             one.rows_of(torch.device("cpu")).add(x, i, assign=True)
         assert np.array_equal(many.to_host(), one.to_host()), use_kernel
+
+
+def test_the_cpu_rows_copied_as_held_decode_as_their_dense_copy() -> None:
+    """A sampled step's CPU rows are copied as the rows hold them (counts, histogram window, block slots:
+    ``StatsBuffer.host_windowed``) instead of as a dense [rows, width] array: the step's layers and histogram
+    columns decode the same from either."""
+    from precprof.capture.columns import HeldRows, StepRows
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    prof = precprof.Profiler(model, sample_every=1, block_formats=True, block_groups=1).attach()
+    x = torch.randn(6, 8) * torch.exp2(torch.randint(-30, 30, (6, 1)).float())
+    (model(x) * 1e-20).sum().backward()  # gradients far below the activations: a wide window
+    buf, rows = prof._buffer, prof._plan.rows
+    held = buf.host_windowed()
+    assert held is not None and held[2] > 0  # the window starts past bin 0
+    data, slots = buf.from_host(transfer_to_host(buf.device_tensors()))
+    active = np.flatnonzero(np.asarray(rows.calls) > 0)
+    assert len(active) and buf.blocks_seen.any()
+    made = [
+        StepRows(0, rows, active, h, 1.0, {}, buf.block_slot, buf.blocks_seen).decode()
+        for h in (HeldRows(*held), HeldRows(data[:, :COL_HIST], data[:, COL_HIST:], 0, slots))
+    ]
+    prof.detach()
+    (cols_a, hist_a), (cols_b, hist_b) = made
+    assert cols_a.keys() == cols_b.keys() and hist_a is not None and hist_b is not None
+    for k in cols_a:
+        np.testing.assert_array_equal(np.asarray(cols_a[k]), np.asarray(cols_b[k]), err_msg=k)
+    for k in hist_a:
+        np.testing.assert_array_equal(np.asarray(hist_a[k]), np.asarray(hist_b[k]), err_msg=k)
 
 
 class _Tied(nn.Module):

@@ -49,11 +49,13 @@ class Collector:
         tensors = [floats.device] if floats.device is not None else []
         order = self.plan.order()
         n_stats = 0
+        windowed = None
         if layers:
             if self.reducer is not None:
                 order, stats_part, counts_part = self._reduce_sampled(step, order)
             else:
-                stats_part = self.buffer.device_tensors()
+                windowed = self.buffer.host_windowed()  # the CPU's rows alone: copied as they are held
+                stats_part = self.buffer.device_tensors() if windowed is None else []
                 counts_part = self.updates.device_counts() if self.updates else []
             n_stats = len(stats_part)
             tensors += stats_part + counts_part
@@ -63,7 +65,7 @@ class Collector:
         )
         if not layers:
             return
-        self._collect_layers(recorded, step, step_scale, order, host[:n_stats], host[n_stats:])
+        self._collect_layers(recorded, step, step_scale, order, host[:n_stats], host[n_stats:], windowed)
         self._collect_memory(recorded, step)
 
     def _reduce_sampled(
@@ -105,21 +107,27 @@ class Collector:
         order: dict[str, int],
         stats_host: list[np.ndarray],
         counts_host: list[np.ndarray],
+        windowed: tuple[np.ndarray, np.ndarray, int, np.ndarray] | None = None,
     ) -> None:
-        """Layer, histogram and weight-update rows of a sampled step from the host copies of its tensors."""
+        """Layer, histogram and weight-update rows of a sampled step from the host copies of its tensors (the
+        CPU's rows as they are held: ``windowed``, from ``StatsBuffer.host_windowed``)."""
         buffer, rows = self.buffer, self.plan.rows
         counts: np.ndarray | None = None
-        if self.reducer is not None:
-            data, blocks = stats_host[0], buffer.expand_blocks(stats_host[1])
-            counts = counts_host[0] if counts_host else None
+        if windowed is not None:
+            held = columns.HeldRows(*windowed)
         else:
-            data, blocks = buffer.from_host(stats_host)
-            if self.updates is not None:
-                counts = self.updates.host_counts(counts_host)
+            data, slots = (
+                (stats_host[0], stats_host[1]) if self.reducer is not None else buffer.from_host(stats_host)
+            )
+            held = columns.HeldRows(data[:, : st.COL_HIST], data[:, st.COL_HIST :], 0, slots)
+        if self.reducer is not None:
+            counts = counts_host[0] if counts_host else None
+        elif self.updates is not None:
+            counts = self.updates.host_counts(counts_host)
         active = np.flatnonzero(np.asarray(rows.calls, dtype=np.int64) > 0)
         if len(active):
-            seen = buffer.blocks_seen
-            recorded.add_layers(step, columns.StepRows(step, rows, active, data, scale, order, blocks, seen))
+            seen, slot_of = buffer.blocks_seen, buffer.block_slot
+            recorded.add_layers(step, columns.StepRows(step, rows, active, held, scale, order, slot_of, seen))
         if self.updates is not None and counts is not None:
             updates = self.updates.columns(counts, step, order, self.plan.module_types())
             if updates is not None:

@@ -5,7 +5,7 @@ accumulator into the layers table's ``BLOCK_COLUMNS``."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -19,6 +19,18 @@ from precprof.formats import FP8_FORMATS, WHATIF_FORMATS
 _SQUARED_STATS = frozenset({"sum_x2", "sum_err2"})
 
 
+class HeldRows(NamedTuple):
+    """A sampled step's rows on the host: ``counts`` [rows, COL_HIST], the histogram columns from bin ``wlo``
+    on (``window``, [rows, w]; the bins outside it are zeros), and the block accumulator's ``slots`` ([slots, 2,
+    recipes, stats]; ``StatsBuffer.block_slot`` says each row's). The CPU's rows are held so; a dense copy is
+    its first ``COL_HIST`` columns, the rest from bin 0."""
+
+    counts: np.ndarray
+    window: np.ndarray
+    wlo: int
+    slots: np.ndarray
+
+
 class StepRows:
     """A sampled step's rows as its copy brought them, kept compact, and decoded into the columns of the layers
     and histograms tables only when those are read (``decode``: by ``tables()``, the stream writer's thread or
@@ -26,19 +38,19 @@ class StepRows:
     is smaller than the decoded one: the active rows' counts, the histogram bins any row uses (tens of the
     277), and the block statistics of the rows evaluated this step.
 
-    ``active``: the indices of the rows that took data; ``data``: the step's host rows (``rows`` says what
-    each took); ``blocks`` / ``seen``: the block accumulator per row and which rows were evaluated; gradient rows
-    are unscaled by ``scale``, the loss scale in effect during the step's backward."""
+    ``active``: the indices of the rows that took data; ``held``: the step's host rows (``rows`` says what
+    each took); ``slot_of`` / ``seen``: each row's slot of the block accumulator and which rows were evaluated;
+    gradient rows are unscaled by ``scale``, the loss scale in effect during the step's backward."""
 
     def __init__(
         self,
         step: int,
         rows: RowTable,
         active: np.ndarray,
-        data: np.ndarray,
+        held: HeldRows,
         scale: float,
         order: dict[str, int],
-        blocks: np.ndarray,
+        slot_of: np.ndarray,
         seen: np.ndarray,
     ) -> None:
         self.step, self.scale, self.order = step, scale, order
@@ -46,18 +58,20 @@ class StepRows:
         self.active = active
         self.calls = np.asarray(rows.calls, dtype=np.int64)[active]
         self.dtype_bits = np.asarray(rows.dtype_bits, dtype=np.int64)[active]
-        hist = data[:, st.COL_HIST :]
-        used = np.flatnonzero(hist.any(axis=0))
-        self.lo, self.hi = (int(used[0]), int(used[-1]) + 1) if len(used) else (0, 0)
+        wlo = held.wlo
+        used = np.flatnonzero(np.bitwise_or.reduce(held.window[active], axis=0))  # (counts are >= 0)
+        self.lo, self.hi = (wlo + int(used[0]), wlo + int(used[-1]) + 1) if len(used) else (0, 0)
         # the active rows' counts, and their nonzero bins (a row's values span a few of the bins all rows use):
         # copies, a view would keep the whole step's array alive
-        self.counts = data[active, : st.COL_HIST]
-        window = data[active, st.COL_HIST + self.lo : st.COL_HIST + self.hi].ravel()
+        self.counts = held.counts[active]
+        window = (
+            held.window[active, self.lo - wlo : self.hi - wlo].ravel() if len(used) else np.zeros(0, np.int64)
+        )
         self.bin_at = np.flatnonzero(window)  # positions in the [active, hi - lo] window, row by row
         self.bin_counts = window[self.bin_at]
         # positions in ``active`` of the rows with block numbers
         self.evaluated = np.flatnonzero(seen[active])
-        self.block_values = blocks[active[self.evaluated]]
+        self.block_values = held.slots[slot_of[active[self.evaluated]]]
 
     @property
     def nbytes(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -64,14 +65,17 @@ def _many_key(tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> tuple[Any
     dtype and contiguity (None for a wrapper subclass)."""
     if not set(map(type, tensors)) <= _PLAIN:
         return None
-    return (
+    return (  # C-level maps: a sampled step's parameters are hundreds of tensors
         tuple(rows),
         tuple(map(id, tensors)),
-        tuple(t.data_ptr() for t in tensors),
-        tuple(t.numel() for t in tensors),
-        tuple(t.dtype for t in tensors),
-        tuple(t.is_contiguous() for t in tensors),
+        tuple(map(torch.Tensor.data_ptr, tensors)),
+        tuple(map(torch.Tensor.numel, tensors)),
+        tuple(map(_dtype_of, tensors)),
+        tuple(map(torch.Tensor.is_contiguous, tensors)),
     )
+
+
+_dtype_of = operator.attrgetter("dtype")
 
 
 def _hist_of_keys(keys2: np.ndarray) -> np.ndarray:
@@ -162,6 +166,11 @@ class HostRows(_rows.Rows):
         w = self._hist.shape[1]
         out[:, hist + self._wlo : hist + self._wlo + w] = self._hist
         return torch.from_numpy(out)
+
+    def windowed(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """Copies of the counts ([rows, hist]) and of the histogram window ([rows, w]), and the window's first bin:
+        :meth:`dense` without its columns of zeros, for a sampled step's copy."""
+        return self._counts.copy(), self._hist.copy(), self._wlo
 
     def reset_counts(self, sl: slice) -> None:
         self._counts[sl] = 0
@@ -330,6 +339,17 @@ class HostRows(_rows.Rows):
         held_key, held = self._many.get(assign, (None, None))
         if key is not None and key == held_key and held is not None:
             self._add_many_arrays(held, assign)
+            return
+        if key is not None and all(key[5]) and 0 not in key[3] and set(key[4]) <= _KERNEL_DTYPES.keys():
+            # plain contiguous tensors of the kernel's dtypes, all with values (the usual case): the arrays
+            # straight from the key's columns
+            codes = [_KERNEL_DTYPES[d] for d in key[4]]
+            arrays = [
+                np.asarray(v, dtype=np.int64) for v in (key[2], key[3], [1] * len(codes), codes, key[0])
+            ]
+            made = (arrays, [a.ctypes.data for a in arrays])
+            self._many[assign] = (key, made)
+            self._add_many_arrays(made, assign)
             return
         ptrs, ns, strides, codes, at = [], [], [], [], []
         keep = []  # flattened copies stay alive until the kernel has read them
