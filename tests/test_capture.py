@@ -374,3 +374,32 @@ def test_weight_update_samples_follow_a_parameter_whose_storage_was_replaced() -
     with torch.no_grad():
         lin.weight.add_(1.0)
     assert torch.equal(group.samples(), expected())
+
+
+@pytest.mark.parametrize("case", ["plain", "one without gradient", "a transposed gradient"])
+def test_the_update_samples_gradient_flags_are_each_sampled_elements(case: str) -> None:
+    """``_DeviceGroup.grad_nonzero``: per sampled element of each parameter (every ``sample_stride``-th value,
+    ``sample_len`` of them), whether its gradient is nonzero, against the samples taken by hand; plain
+    contiguous gradients go through C-level maps, anything else one by one."""
+    from precprof.capture.records import _ParamSlot
+    from precprof.capture.updates import UpdateSampler
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(7, 5)), nn.Parameter(torch.randn(300)), nn.Parameter(torch.randn(3))]
+    for p in params:
+        p.grad = torch.randn_like(p) * (torch.rand_like(p) < 0.5)
+    if case == "one without gradient":
+        params[1].grad = None
+    if case == "a transposed gradient":
+        params[0].grad = torch.randn(5, 7).t() * (torch.rand(7, 5) < 0.5)
+    slots = [_ParamSlot("m", f"p{i}", p, i, -1) for i, p in enumerate(params)]
+    sampler = UpdateSampler(slots, 16, torch.device("cpu"))
+    (group,) = sampler._groups
+    want = []
+    for ps in slots:
+        g = ps.tensor.grad
+        flat = torch.zeros(ps.tensor.numel()) if g is None else g.reshape(-1)
+        want.append(flat[:: ps.sample_stride][: ps.sample_len] != 0)
+    assert [ps.sample_stride for ps in slots] == [3, 19, 1]
+    assert torch.equal(group.grad_nonzero(), torch.cat(want))
+

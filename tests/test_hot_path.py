@@ -148,7 +148,10 @@ def test_the_cpu_rows_copied_as_held_decode_as_their_dense_copy() -> None:
     assert len(active) and buf.blocks_seen.any()
     made = [
         StepRows(0, rows, active, h, 1.0, {}, buf.block_slot, buf.blocks_seen).decode()
-        for h in (HeldRows(*held), HeldRows(data[:, :COL_HIST], data[:, COL_HIST:], 0, slots))
+        for h in (
+            HeldRows(*held[:3], held[3].numpy().copy()),
+            HeldRows(data[:, :COL_HIST], data[:, COL_HIST:], 0, slots),
+        )
     ]
     prof.detach()
     (cols_a, hist_a), (cols_b, hist_b) = made

@@ -55,7 +55,7 @@ class Collector:
                 order, stats_part, counts_part = self._reduce_sampled(step, order)
             else:
                 windowed = self.buffer.host_windowed()  # the CPU's rows alone: copied as they are held
-                stats_part = self.buffer.device_tensors() if windowed is None else []
+                stats_part = self.buffer.device_tensors() if windowed is None else [windowed[3]]
                 counts_part = self.updates.device_counts() if self.updates else []
             n_stats = len(stats_part)
             tensors += stats_part + counts_part
@@ -107,14 +107,14 @@ class Collector:
         order: dict[str, int],
         stats_host: list[np.ndarray],
         counts_host: list[np.ndarray],
-        windowed: tuple[np.ndarray, np.ndarray, int, np.ndarray] | None = None,
+        windowed: tuple[np.ndarray, np.ndarray, int, torch.Tensor] | None = None,
     ) -> None:
         """Layer, histogram and weight-update rows of a sampled step from the host copies of its tensors (the
         CPU's rows as they are held: ``windowed``, from ``StatsBuffer.host_windowed``)."""
         buffer, rows = self.buffer, self.plan.rows
         counts: np.ndarray | None = None
         if windowed is not None:
-            held = columns.HeldRows(*windowed)
+            held = columns.HeldRows(*windowed[:3], stats_host[0])
         else:
             data, slots = (
                 (stats_host[0], stats_host[1]) if self.reducer is not None else buffer.from_host(stats_host)

@@ -413,11 +413,12 @@ class StatsBuffer:
             )
         return rows, blocks
 
-    def host_windowed(self) -> tuple[np.ndarray, np.ndarray, int, np.ndarray] | None:
+    def host_windowed(self) -> tuple[np.ndarray, np.ndarray, int, torch.Tensor] | None:
         """Where the CPU's rows are all there is: copies of their counts, of their histogram window and the
-        window's first bin (``HostRows.windowed``), and of the block accumulator's slots. A sampled step's copy
-        then moves what the rows use, not a dense [rows, width] array built and copied again (0.8 ms of a
-        sampled step of 800 small tensors). None where another device holds rows (``device_tensors``)."""
+        window's first bin (``HostRows.windowed``), and the block accumulator's slots (a tensor, for the step's
+        one ``transfer.to_host``). A sampled step's copy then moves what the rows use, not a dense [rows, width]
+        array built and copied again (0.8 ms of a sampled step of 800 small tensors). None where another device
+        holds rows (``device_tensors``)."""
         if len(self._parts) != 1:
             return None
         (part,) = self._parts.values()
@@ -425,7 +426,7 @@ class StatsBuffer:
         if windowed is None:
             return None
         counts, window, wlo = windowed()
-        return counts, window, wlo, part.blocks_dense().numpy().copy()
+        return counts, window, wlo, part.blocks_dense()
 
     @property
     def block_slot(self) -> np.ndarray:
