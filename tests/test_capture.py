@@ -402,4 +402,3 @@ def test_the_update_samples_gradient_flags_are_each_sampled_elements(case: str) 
         want.append(flat[:: ps.sample_stride][: ps.sample_len] != 0)
     assert [ps.sample_stride for ps in slots] == [3, 19, 1]
     assert torch.equal(group.grad_nonzero(), torch.cat(want))
-
