@@ -268,21 +268,23 @@ class MemoryTracker:
         peak = self._peak.finish(self._persistent)
         rows: list[dict[str, Any]] = []
 
+        def row(
+            component: str, module: str, dt: str, b: int, phase: str = "", moment: str = ""
+        ) -> dict[str, Any]:
+            return {
+                T.STEP: step,
+                T.COMPONENT: component,
+                T.MODULE: module,
+                T.DTYPE: dt,
+                T.BYTES: int(b),
+                T.PHASE: phase,
+                T.MOMENT: moment,
+            }
+
         def add(
             component: str, per_dtype: Mapping[str, int], module: str = "", phase: str = "", moment: str = ""
         ) -> None:
-            for dt, b in sorted(per_dtype.items()):
-                rows.append(
-                    {
-                        T.STEP: step,
-                        T.COMPONENT: component,
-                        T.MODULE: module,
-                        T.DTYPE: dt,
-                        T.BYTES: int(b),
-                        T.PHASE: phase,
-                        T.MOMENT: moment,
-                    }
-                )
+            rows.extend(row(component, module, dt, b, phase, moment) for dt, b in sorted(per_dtype.items()))
 
         params, buffers = (self._params, self._buffers) if self._params else self._model_tensors()
         opt_params: list[torch.Tensor] = []
@@ -302,18 +304,7 @@ class MemoryTracker:
             add(T.OPTIMIZER_STATES, steady.get(T.OPTIMIZER_STATES, {}))
         group = max(self._groups, key=_Group.total) if self._groups else None
         if group is not None:  # a row per module and dtype: built here, not through ``add`` (hundreds a step)
-            rows += [
-                {
-                    T.STEP: step,
-                    T.COMPONENT: comp,
-                    T.MODULE: module,
-                    T.DTYPE: dt,
-                    T.BYTES: int(b),
-                    T.PHASE: "",
-                    T.MOMENT: "",
-                }
-                for (comp, module, dt), b in sorted(group.bytes.items())
-            ]
+            rows += [row(comp, module, dt, b) for (comp, module, dt), b in sorted(group.bytes.items())]
         if peak is not None:
             for phase in T.MEMORY_PHASES:
                 allocated, reserved = peak.phase_peaks.get(phase, (None, None))
