@@ -284,9 +284,9 @@ def stage_kernels(run: Run) -> dict[str, Any]:
 
 def _block_tiles(run: Run) -> list[dict[str, Any]]:
     """The Triton block kernel's throughput by tile (lines per tile) at 16M elements, each orientation: compiled
-    for sm_90 (triton 3.9), a 32-line tile takes 80 registers and about 390 instructions per value, an 8-line
-    tile 48 registers and twice the instructions per value (the tile's reductions are shared by fewer values),
-    a 64-line tile 139 registers; which wins is the GPU's to say."""
+    for sm_90 by triton 3.6 (the GPU machine's), a 32-line tile takes 168 registers and 567 instructions per
+    value, a 16-line tile 114 and 688, an 8-line tile 96 and 916 (the tile's reductions are shared by fewer
+    values); which wins is the GPU's to say."""
     from precprof.stats import triton_block
 
     out: list[dict[str, Any]] = []

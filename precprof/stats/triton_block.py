@@ -24,9 +24,10 @@ s = E4M3(clamp(fl(fl(amax_block / 6) / p), 2^-6, 448)), element fl(|x| * fl(r / 
 saturation, dequantised fl(q * fl(p * s)). Errors are (|x| - |q|)^2 in float64 from exact values. That holds
 as compiled only without fused multiply-adds (``LAUNCH_OPTIONS``) and with subnormals kept, which Triton's
 fp32 instructions do (no ``.ftz``): a test reads the PTX compiled for sm_90. The former kernel emulated
-every rounding in int64 integer arithmetic: 255 registers with spills and 2.6 k instructions per value at
-its best tile (8 lines), 6 GB/s on an H200; this one, 80 registers, no spill, about 390 instructions per
-value at 32 lines (SASS for sm_90, triton 3.9).
+every rounding in int64 integer arithmetic: compiled for sm_90 by triton 3.6 at a 32-line tile, 3,222
+instructions per value, 255 registers and spills (6 GB/s on an H200); this one 567 instructions per value
+and 168 registers without spilling (triton 3.9: 388 and 80). Which of the tile's orientations Triton lays out
+best depends on its version: a [lines, 32] tile took 401 per value by triton 3.6 but 557 by 3.9.
 
 NVFP4 needs the tensor's amax before its blocks: a first kernel (``_amax``) reduces it with an integer atomic
 max into a 4-byte scratch (a second read of x, only when NVFP4 is requested). Sums are deterministic: each
