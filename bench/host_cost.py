@@ -29,7 +29,8 @@ measured, and a machine shared with other work (CI, a laptop) barely moves it, w
 ``--clock wall`` (the default on CUDA, where the device's time counts) measures wall time.
 
 Many short rounds (32 of 2 steps) rather than a few long ones: this machine's speed drifts over seconds, and
-short rounds spread the drift over every configuration alike.
+short rounds spread the drift over every configuration alike; each round starts one configuration later than the
+one before, so that none always runs last.
 
 Usage: python bench/host_cost.py [--device cpu|cuda] [--blocks 100] [--rounds 32] [--steps 2]
 Writes bench/results/host_cost_<device>.json.
@@ -192,8 +193,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     for n in names:  # warm-up: the first sampled steps build what they reuse
         run(n, 3, record=False)
-    for _ in range(args.rounds):
-        for n in names:
+    for r in range(args.rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:  # each round starts one later
             run(n, args.steps, record=True)
 
     tensors = 0

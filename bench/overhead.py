@@ -1,7 +1,8 @@
 """Profiling overhead of precprof against an un-profiled loop, the floor, and peer monitors.
 
 Every configuration trains its own copy of the same model on the same batches; configurations run in
-interleaved blocks inside one process, so that machine noise hits all of them alike. Per configuration it
+interleaved blocks inside one process, each block starting one configuration later than the one before (no
+configuration always runs last), so that machine noise hits all of them alike. Per configuration it
 reports the median and the mean step time (the mean amortises sampled steps, which the median hides), their
 ratios to the un-profiled loop of the same run, precprof's own memory, and how many tensors and elements a
 sampled step inspects.
@@ -382,8 +383,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     for n in names:
         run_block(n, args.warmup, record=False)
-    for _ in range(args.blocks):
-        for n in names:
+    for b in range(args.blocks):
+        # each block starts one configuration later: a slowdown within a block (the machine's, or what the
+        # configurations before leave behind) falls on every configuration alike, not on the last ones
+        for n in names[b % len(names) :] + names[: b % len(names)]:
             run_block(n, args.steps, record=True)
 
     base_med = statistics.median(state["baseline"]["times"]) if "baseline" in state else float("nan")
