@@ -318,9 +318,8 @@ def _node_kind(fn: Any) -> int:
         kind = (
             _VIEW_NODE if name in _VIEW_NODES else _TO_COPY_NODE if name == "ToCopyBackward0" else _OTHER_NODE
         )
-        if (
-            type(fn).__name__ == name
-        ):  # one type per op (not a Python Function's node): its kind is its type's
+        # one type per op (not a Python Function's node, whose type many share): its kind is its type's
+        if type(fn).__name__ == name:
             _NODE_KINDS[type(fn)] = kind
     return kind
 

@@ -340,40 +340,36 @@ class HostRows(_rows.Rows):
         if key is not None and key == held_key and held is not None:
             self._add_many_arrays(held, assign)
             return
-        if key is not None and all(key[5]) and 0 not in key[3] and set(key[4]) <= _KERNEL_DTYPES.keys():
-            # plain contiguous tensors of the kernel's dtypes, all with values (the usual case): the arrays
-            # straight from the key's columns
-            codes = [_KERNEL_DTYPES[d] for d in key[4]]
-            arrays = [
-                np.asarray(v, dtype=np.int64) for v in (key[2], key[3], [1] * len(codes), codes, key[0])
-            ]
-            made = (arrays, [a.ctypes.data for a in arrays])
-            self._many[assign] = (key, made)
-            self._add_many_arrays(made, assign)
-            return
-        ptrs, ns, strides, codes, at = [], [], [], [], []
         keep = []  # flattened copies stay alive until the kernel has read them
-        for t, r in zip(tensors, rows, strict=True):
-            code = _KERNEL_DTYPES.get(t.dtype)
-            n = t.numel()
-            if code is None or n == 0:
-                self.add(t, r, assign)  # (an empty tensor: an assigning add clears its row)
-                continue
-            if not t.is_contiguous():
-                t = t.detach().reshape(-1)
-                keep.append(t)
-            ptrs.append(t.data_ptr())
-            ns.append(n)
-            strides.append(t.stride(0) if t.dim() == 1 and not t.is_contiguous() else 1)
-            codes.append(code)
-            at.append(r)
-        if not ptrs:
+        if key is not None and all(key[5]) and 0 not in key[3] and set(key[4]) <= _KERNEL_DTYPES.keys():
+            # plain contiguous tensors of the kernel's dtypes, all with values (the usual case): the columns are
+            # the key's own
+            codes = [_KERNEL_DTYPES[d] for d in key[4]]
+            columns: tuple[Sequence[int], ...] = (key[2], key[3], [1] * len(codes), codes, key[0])
+        else:
+            ptrs, ns, strides, codes, at = [], [], [], [], []
+            for t, r in zip(tensors, rows, strict=True):
+                code = _KERNEL_DTYPES.get(t.dtype)
+                n = t.numel()
+                if code is None or n == 0:
+                    self.add(t, r, assign)  # (an empty tensor: an assigning add clears its row)
+                    continue
+                if not t.is_contiguous():
+                    t = t.detach().reshape(-1)
+                    keep.append(t)
+                ptrs.append(t.data_ptr())
+                ns.append(n)
+                strides.append(t.stride(0) if t.dim() == 1 and not t.is_contiguous() else 1)
+                codes.append(code)
+                at.append(r)
+            columns = (ptrs, ns, strides, codes, at)
+        if not columns[0]:
             return
-        arrays = [np.asarray(v, dtype=np.int64) for v in (ptrs, ns, strides, codes, at)]
+        arrays = [np.asarray(v, dtype=np.int64) for v in columns]
         made = (arrays, [a.ctypes.data for a in arrays])
         # kept for the next call only where every tensor was read in place (no flattened copy, every dtype the
         # kernel's: the arrays then say all there is to read)
-        keyed = key is not None and not keep and len(ptrs) == len(tensors)
+        keyed = key is not None and not keep and len(columns[0]) == len(tensors)
         self._many[assign] = (key if keyed else None, made)
         self._add_many_arrays(made, assign)
         del keep
