@@ -10,7 +10,10 @@ all alike); means of the timed steps:
 
   baseline     no profiler
   unsampled    attached, no step sampled (``sample_every`` larger than the run)
-  sampled      every step sampled, the Profiler's defaults
+  sampled      every step sampled, the Profiler's defaults (memory measured on 1 sampled step in 4,
+               ``memory_every``)
+  memory each  ... with memory measured on every sampled step (``memory_every=1``): what a sampled step
+               that measures memory costs
   -blocks      ... without the block-format what-if (``block_formats=False``)
   -memory      ... without memory tracking (``memory=False``)
   -updates     ... without the weight-update sample (``weight_updates=False``)
@@ -21,8 +24,11 @@ all alike); means of the timed steps:
                every output; two post-accumulate-grad hooks on every parameter; saved-tensor hooks around
                the forward): what hooking a step from Python costs at the least, the floor under "sampled"
 
-Per part: its cost is ``sampled - (sampled without it)`` (medians); "copy and flush" is timed inside ``Profiler.step()``
-of the sampled configuration. The headline is ``(sampled - baseline) / inspected tensors``.
+A configuration's step time is the median of its steps, taken apart for the steps that measure memory and
+those that do not where a configuration has both, weighted by how many of each it ran (the mean of a
+schedule's cycle, robust to the garbage collections that land in one window or another). Per part: its cost is
+``sampled - (sampled without it)``; "copy and flush" is timed inside ``Profiler.step()`` of the sampled
+configuration. The headline is ``(sampled - baseline) / inspected tensors``.
 
 Clock: on the CPU the thread's own CPU time (``time.thread_time``, one torch thread): host work is what is
 measured, and a machine shared with other work (CI, a laptop) barely moves it, where wall time moved by 2x.
@@ -64,6 +70,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "baseline": {},
     "unsampled": {"sample_every": 10**9},
     "sampled": {"sample_every": 1},
+    "memory each": {"sample_every": 1, "memory_every": 1},
     "-blocks": {"sample_every": 1, "block_formats": False},
     "-memory": {"sample_every": 1, "memory": False},
     "-updates": {"sample_every": 1, "weight_updates": False},
@@ -80,7 +87,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 PARTS = {
     "row statistics": "-rows",
     "block what-if": "-blocks",
-    "memory tracking": "-memory",
+    "memory tracking (1 sampled step in 4, the default)": "-memory",
     "weight-update sample": "-updates",
 }
 
@@ -110,6 +117,14 @@ def empty_hooks(model: nn.Module) -> None:
     for prm in model.parameters():
         for _ in range(2):
             prm.register_post_accumulate_grad_hook(lambda p: None)
+
+
+def typical_step(times: list[float], measured: list[bool]) -> float:
+    """A configuration's step: the median step of each kind (memory measured or not), weighted by their
+    counts; the plain median where every step is alike."""
+    kinds = [[t for t, m in zip(times, measured, strict=True) if m == k] for k in (True, False)]
+    kinds = [k for k in kinds if k]
+    return sum(len(k) * statistics.median(k) for k in kinds) / len(times)
 
 
 @contextlib.contextmanager
@@ -156,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prof = Profiler(model, optimizer=opt, **kw).attach() if n not in ("baseline", "empty hooks") else None
         if CONFIGS[n].get("_empty_hooks"):
             empty_hooks(model)
-        state[n] = {"model": model, "opt": opt, "prof": prof, "times": [], "flush": []}
+        state[n] = {"model": model, "opt": opt, "prof": prof, "times": [], "flush": [], "memory": []}
 
     def sync() -> None:
         if dev.type == "cuda":
@@ -177,6 +192,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         t1 = clock()
+        tracker = getattr(prof, "_tracker", None)
+        measured = bool(tracker is not None and tracker.schedule.measuring)
         if prof is not None:
             prof.step(loss=loss.detach())
         sync()
@@ -184,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if record:
             s["times"].append(t2 - t0)
             s["flush"].append(t2 - t1)
+            s["memory"].append(measured)
 
     def run(n: str, steps: int, record: bool) -> None:
         ctx = rows_off(state[n]["prof"]) if CONFIGS[n].get("_rows_off") else contextlib.nullcontext()
@@ -203,13 +221,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         layers = sampled.tables()["layers"]
         last = layers[layers[T.STEP] == layers[T.STEP].max()]
         tensors = int(last.loc[last[T.TENSOR] != T.WEIGHT_UPDATE, T.CALLS].sum())
-    # every step of a configuration is alike (all sampled, or none): the median step, robust to the garbage
-    # collections that land in one configuration's window or another's (each mean is kept beside it)
-    mean = {n: statistics.median(state[n]["times"]) for n in names}
+    mean = {n: typical_step(state[n]["times"], state[n]["memory"]) for n in names}
     base_s = mean.get("baseline", float("nan"))
     results: dict[str, Any] = {}
     for n in names:
+        kinds = state[n]["memory"]
         results[n] = {
+            "memory_measured_share": sum(kinds) / len(kinds) if kinds else 0.0,
             "mean_s": statistics.fmean(state[n]["times"]),
             "median_s": mean[n],
             "added_s": mean[n] - base_s,
@@ -223,6 +241,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if cfg in mean:
                 parts[part] = mean["sampled"] - mean[cfg]
         parts["copy and flush (inside Profiler.step)"] = results["sampled"]["step_call_s"]
+        if "memory each" in mean and "-memory" in mean:
+            parts["memory tracking on a step that measures it"] = mean["memory each"] - mean["-memory"]
         if "hooks only" in mean:
             parts["hooks, lookups and per-step bookkeeping (all parts off)"] = mean["hooks only"] - base_s
         if "empty hooks" in mean:

@@ -72,8 +72,16 @@ def main(mode: str, out: Path, checkpoint: Path | None) -> None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         first = CHECKPOINT_AT
+    # memory on every sampled step: a resumed process measures its own first sampled steps, so only then do
+    # the memory tables of the resumed and the uninterrupted run compare row for row
     prof = precprof.Profiler(
-        model, opt, sample_every=SAMPLE_EVERY, out=out, resume=mode == "resume", first_step=first
+        model,
+        opt,
+        sample_every=SAMPLE_EVERY,
+        out=out,
+        resume=mode == "resume",
+        first_step=first,
+        memory_every=1,
     )
     with prof:
         for step in range(first, STEPS):

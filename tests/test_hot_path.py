@@ -329,7 +329,8 @@ def test_consecutive_sampled_steps_keep_their_hooks_and_record_the_same() -> Non
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(1)
         counts = []
-        with precprof.Profiler(model, optimizer=opt, sample_every=every) as prof:
+        # memory measured on every sampled step: its hooks too stay from one sampled step to the next
+        with precprof.Profiler(model, optimizer=opt, sample_every=every, memory_every=1) as prof:
             for _ in range(5):
                 counts.append(_hooks_on(model, opt) if prof.sampling else 0)
                 model(torch.randn(5, 8, generator=g)).square().mean().backward()

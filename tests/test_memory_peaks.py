@@ -99,7 +99,8 @@ def _train(model: nn.Module, fake: FakeAllocator, prof: precprof.Profiler | None
 def _profiled(fake: FakeAllocator, **kw: Any) -> tuple[list[int], precprof.Profiler]:
     model = _model(fake)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False, **kw)
+    # every sampled step measures memory: the steps after the first hold lower bounds only, checked here
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False, memory_every=1, **kw)
     with prof:
         assert prof._tracker is not None
         prof._tracker._cuda = torch.device("cuda", 0)  # the stand-in plays this model's CUDA device

@@ -143,6 +143,8 @@ class Collector:
             if self.reducer is not None and hasattr(self.reducer, "reduce_memory"):
                 mem = self.reducer.reduce_memory(mem)  # collective: every rank, every sampled step
             recorded.add_memory(mem)
+            if not getattr(getattr(self.tracker, "schedule", None), "measuring", True):
+                return  # a sampled step that does not measure memory: no memory rows at all
         recorded.add_memory(
             [
                 {

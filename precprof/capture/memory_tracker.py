@@ -63,8 +63,10 @@ from torch import nn
 from precprof import _compat
 from precprof import tables as T
 from precprof.capture.counters import PhaseCounters
+from precprof.capture.memory_schedule import MemorySchedule
 from precprof.capture.peak import CudaHistory, Label, PeakRecorder, ProfilerMemory
 from precprof.capture.storage import (
+    SavedGroup,
     Steady,
     StorageKey,
     StorageMemo,
@@ -85,19 +87,6 @@ from precprof.capture.storage import (
 from precprof.tables import LOSS_SCOPE
 
 
-class _Group:
-    """Saved tensors of forwards that were alive together: de-duplication set and byte totals."""
-
-    __slots__ = ("bytes", "seen")
-
-    def __init__(self) -> None:
-        self.seen: set[StorageKey] = set()
-        self.bytes: dict[tuple[str, str, str], int] = {}  # (component, module, dtype) -> bytes
-
-    def total(self) -> int:
-        return sum(self.bytes.values())
-
-
 class MemoryTracker:
     """Memory per component of one model (and optimizer), measured on sampled steps.
 
@@ -112,6 +101,7 @@ class MemoryTracker:
     the objects holding precprof's own device buffers, named ``profiler_buffers`` at the peak.
     ``reset_peaks``: reset the process's CUDA peak counters at phase boundaries (exact counter peaks per phase
     where there is no replay); only where no one else reads them, i.e. in precprof's own loop.
+    ``every``, ``watch_shapes``: which sampled steps are measured (``capture/memory_schedule.py``; 1: all).
     """
 
     def __init__(
@@ -122,7 +112,10 @@ class MemoryTracker:
         peak: bool | None = None,
         own: Callable[[], Iterable[Any]] | None = None,
         reset_peaks: bool = False,
+        every: int = 1,
+        watch_shapes: bool = True,
     ) -> None:
+        self.schedule = MemorySchedule(every, watch_shapes)
         self.model = model
         self.reset_peaks = reset_peaks
         self.optimizer = optimizer
@@ -148,7 +141,7 @@ class MemoryTracker:
         self._saved_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self._unpacks = 0  # saved tensors read back by backward (any step): tells forwards apart
         self._unpacks_mark = -1
-        self._groups: list[_Group] = []
+        self._groups: list[SavedGroup] = []
         self._param_keys: set[StorageKey] = set()
         self._grad_snapshot: dict[str, int] | None = None
         self._grad_seen: dict[StorageKey, tuple[str, int]] = {}  # storage -> (dtype, bytes)
@@ -214,6 +207,7 @@ class MemoryTracker:
         self._peak.stop()
         self._pop_saved_hooks(final=True)
         self._uninstall()
+        self.schedule.unwatch()
         # the hooks' closures refer back to the tracker: dropped, nothing keeps the model alive through them
         self._module_hooks, self._hookset, self._modules = [], None, []
         self._stack.clear()
@@ -223,18 +217,30 @@ class MemoryTracker:
 
     # ------------------------------------------------------------------------------------------- steps
     def begin_step(self, step: int, sampled: bool) -> None:
-        """Start ``step``; on sampled steps arm the hooks and start reading the allocator's events (host
-        only, no sync)."""
+        """Start ``step``; on sampled steps the schedule measures, arm the hooks and start reading the
+        allocator's events (host only, no sync)."""
         self._peak.abort()  # a sampled step that never reached end_step
         self._step = step
-        self._sampled = sampled
         self._groups = []
         self._unpacks_mark = -1
         self._grad_snapshot = None
         self._grad_seen = {}
-        if not sampled:
+        model = self.model if self._attached else None
+        self._sampled = self.schedule.begin(step, sampled, model, self._arm_at_forward)
+        if not self._sampled:
             self._uninstall()
             return
+        self._arm()
+
+    def _arm_at_forward(self, root: nn.Module, args: Any) -> None:
+        """A sampled step the schedule did not measure turns out to run new shapes (the schedule's watch, in
+        the root's forward pre-hook): measure it from here, its root pre-hook called by hand (the one installed
+        now runs from the next forward on)."""
+        self._sampled = True
+        self._arm()
+        self._root_pre_hook(root, args)
+
+    def _arm(self) -> None:
         if self._attached:
             self._install()
         self._live = True
@@ -262,6 +268,7 @@ class MemoryTracker:
 
     def end_step(self, step: int) -> list[dict[str, Any]]:
         """Memory rows of ``step`` (``[]`` when it was not sampled). Host only; no device sync."""
+        self.schedule.done(step)
         if not self._sampled:
             return []
         self._mark_phase(T.PHASE_OTHER)
@@ -302,7 +309,7 @@ class MemoryTracker:
         if self.optimizer is not None:
             add(T.MASTER_WEIGHTS, steady.get(T.MASTER_WEIGHTS, {}))
             add(T.OPTIMIZER_STATES, steady.get(T.OPTIMIZER_STATES, {}))
-        group = max(self._groups, key=_Group.total) if self._groups else None
+        group = max(self._groups, key=SavedGroup.total) if self._groups else None
         if group is not None:  # a row per module and dtype: built here, not through ``add`` (hundreds a step)
             rows += [row(comp, module, dt, b) for (comp, module, dt), b in sorted(group.bytes.items())]
         if peak is not None:
@@ -332,6 +339,7 @@ class MemoryTracker:
         reads what they saw); with ``keep`` they stay in place doing nothing, for a next step that may be
         sampled too (``begin_step`` arms them again, or removes them for a step that is not sampled)."""
         self._live = False
+        self.schedule.pause()
         if not keep:
             self._uninstall()
 
@@ -475,7 +483,7 @@ class MemoryTracker:
         self._mark_phase(T.PHASE_FORWARD)
         if self._unpacks != self._unpacks_mark or not self._groups:
             # Backward ran since the previous forward started: its saved tensors are gone, start a new group.
-            self._groups.append(_Group())
+            self._groups.append(SavedGroup())
         self._unpacks_mark = self._unpacks
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         try:

@@ -44,6 +44,7 @@ from precprof.capture import clipwatch
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.hooks import StepHooks
+from precprof.capture.memory_schedule import check_every
 from precprof.capture.memory_tracker import MemoryTracker
 from precprof.capture.plan import CapturePlan, ModuleFilter, selected
 from precprof.capture.recorded import Recorded
@@ -73,6 +74,9 @@ class Profiler(ProfilerResults):
             directly; otherwise a list of qualified-name patterns (``fnmatch``, e.g. ``"transformer.h.*.mlp.*"``)
             and/or module types.
         memory: track memory per component (``precprof.capture.memory_tracker``) on sampled steps.
+        memory_every: which sampled steps measure memory: the first two, every ``memory_every``-th after them,
+            and the one after a sampled step whose inputs had shapes no measured step had
+            (``capture/memory_schedule.py``: a step's memory changes with its shapes). 1: every sampled step.
         memory_peak: also replay the allocator's events of sampled steps, for each phase's peak and what was
             allocated at the step's peak, by part (``precprof.capture.peak``). None (the default): on CUDA
             (the caching allocator's history; host calls only), off on the CPU, where it needs torch.profiler's
@@ -147,6 +151,7 @@ class Profiler(ProfilerResults):
         overhead_budget: float = DEFAULT_BUDGET,
         modules: ModuleFilter = None,
         memory: bool = True,
+        memory_every: int = 4,
         memory_peak: bool | None = None,
         reset_peak_memory: bool = False,
         weight_updates: bool = True,
@@ -196,6 +201,7 @@ class Profiler(ProfilerResults):
         self.overhead_budget = float(overhead_budget)
         self.module_filter = modules
         self.memory_enabled = memory
+        self.memory_every = check_every(memory_every)
         self.memory_peak = memory_peak
         self.reset_peak_memory = reset_peak_memory
         self.weight_updates = weight_updates and optimizer is not None
@@ -341,6 +347,8 @@ class Profiler(ProfilerResults):
                 peak=self.memory_peak,
                 reset_peaks=self.reset_peak_memory,
                 own=lambda: (self._buffer, self._updates),  # named profiler_buffers at the peak
+                every=self.memory_every,
+                watch_shapes=self._reducer is None,  # every rank measures the same steps
             )
             self._tracker.attach()
         self._collector = Collector(

@@ -222,6 +222,7 @@ class ProfilerResults:
             "weight_update_sample": self.update_sample if self.weight_updates else 0,
             "fp8_recipe": "per-tensor current scaling, scale = 2^floor(log2(fmax / amax))",
             "memory_error": self._collector.memory_error if self._collector is not None else None,
+            "memory_steps": self._tracker.schedule.describe() if hasattr(self._tracker, "schedule") else None,
         }
 
     def _stream_summary(self) -> dict[str, Any] | None:

@@ -424,3 +424,16 @@ def persistent_labels(
     if own is not None:
         put(T.PROFILER_BUFFERS, (t for o in own() for t in _held_tensors(o)))
     return out
+
+
+class SavedGroup:
+    """Saved tensors of forwards that were alive together: de-duplication set and byte totals."""
+
+    __slots__ = ("bytes", "seen")
+
+    def __init__(self) -> None:
+        self.seen: set[StorageKey] = set()
+        self.bytes: dict[tuple[str, str, str], int] = {}  # (component, module, dtype) -> bytes
+
+    def total(self) -> int:
+        return sum(self.bytes.values())

@@ -37,7 +37,7 @@ _CAPTURE_SAID = _keys(
     "block_formats weight_update_sample skipped_tensors stream memory_error histogram_shift_exact "
     "loss_dtypes device n_params param_bytes profiler_buffer_bytes profiler_scratch_bytes "
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled "
-    "static_loss_scale low_precision_buffers fp8_recipe sampling"
+    "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_tensor_cores tf32_supported "
@@ -403,6 +403,8 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
     stream_error = _map(capture.get("stream")).get("error")
     if stream_error:
         rows.append(("streaming to disk", f"stopped: {stream_error}"))
+    if isinstance(capture.get("memory_steps"), Mapping):
+        rows.append(("memory measured on", memory_setting(capture["memory_steps"])))
     if capture.get("memory_error"):
         rows.append(("memory breakdown", f"failed: {capture['memory_error']}"))
     rows += [(_label(k), F.plain(v)) for k, v in capture.items() if k not in _CAPTURE_SAID and not _empty(v)]
@@ -439,6 +441,28 @@ def sampling_text(s: Mapping[str, Any], sampled: int | None, recorded: int | Non
         text += f"; from step {F.count(first)}, once the statistics kernels had compiled beside the training"
     if s.get("synchronized"):
         text += "; every rank sampled the same steps"
+    return text
+
+
+def memory_setting(v: Mapping[str, Any]) -> str:
+    """Which sampled steps measured memory (``capture.memory_schedule.MemorySchedule.describe``), in words."""
+    every = _int(v.get("every")) or 1
+    if every == 1:
+        text = "every sampled step"
+    else:
+        text = f"the first 2 sampled steps and every {F.ordinal(every)} after them"
+        if v.get("shapes_watched"):
+            text += ", and any sampled step whose inputs had shapes no measured step had"
+    n, of, last = _int(v.get("measured_steps")), _int(v.get("sampled_steps")), _int(v.get("last_measured"))
+    if n is not None and of is not None:
+        text += f": {F.count(n)} of {F.count(of)}"
+        if last is not None:
+            text += f" (the report's memory is step {F.count(last)}'s)"
+    new = [int(s) for s in v.get("measured_for_new_shapes") or [] if isinstance(s, (int, float))]
+    if new:
+        text += f"; measured for new input shapes: step{'s' if len(new) > 1 else ''} " + ", ".join(
+            F.count(s) for s in new
+        )
     return text
 
 

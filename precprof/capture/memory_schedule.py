@@ -1,0 +1,139 @@
+"""Which sampled steps measure memory: what a step keeps in memory changes only when its shapes do.
+
+Measuring memory per component (``capture/memory_tracker.py``) hooks every module, every saved tensor and every
+parameter of a step: on a model of tiny layers it is about a quarter of what a sampled step adds
+(``bench/host_cost.py``). What it measures (the parameters, gradients, optimizer states, the activations each
+module keeps for backward, the allocator's peak) is the same on every step that runs the same shapes, and the
+report reads the last measured step. So memory is measured on the first two sampled steps (the first one
+creates the optimizer's states and fills the allocator's cache), on every ``every``-th sampled step after them,
+and on any sampled step whose forward has model inputs of shapes or dtypes that no measured step had (a longer
+sequence, a last smaller batch). ``every=1`` measures every sampled step.
+
+The inputs' shapes are read by a forward pre-hook on the model's root, installed for sampled steps only (a
+compiled model's other steps run without it, as they run without the tracker's hooks). When it sees shapes no
+measured step had, it arms the tracker there, before any submodule ran (``arm``): the step is measured from its
+forward on. Under torch.distributed every rank must measure the same steps (their rows are reduced together),
+so there the shapes are not watched: the cadence alone decides, the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from precprof.capture.storage import _tensors_in
+
+FIRST = 2  # the first sampled steps, always measured
+MAX_SIGNATURES = 4096  # input signatures remembered; past this many the set starts again
+
+
+def signature(args: Any, kwargs: Any) -> tuple[tuple[Any, ...], ...]:
+    """The shapes and dtypes of a forward's tensor inputs (positional and keyword, nested a few levels)."""
+    return tuple((tuple(t.shape), t.dtype) for t in (*_tensors_in(args), *_tensors_in(kwargs)))
+
+
+def check_every(every: Any) -> int:
+    """``every`` as given, or a one-line ValueError saying what it must be."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"memory_every must be an integer >= 1 (1: every sampled step), got {every!r}")
+    return every
+
+
+class MemorySchedule:
+    """Decides per step whether memory is measured (``begin``) and watches the model's inputs on sampled steps.
+
+    ``every``: after the first two sampled steps, every ``every``-th sampled step is measured (1: all).
+    ``watch_shapes``: also measure a sampled step whose inputs have shapes no measured step had.
+    """
+
+    def __init__(self, every: int = 1, watch_shapes: bool = True) -> None:
+        self.every = check_every(every)
+        self.watch_shapes = watch_shapes
+        self.sampled = 0  # sampled steps that ended (``done``)
+        self.measured: list[int] = []  # the steps that ended measured
+        self.new_shapes: list[int] = []  # ... of them, measured for their new shapes (not due by the cadence)
+        self.measuring = False  # the step in progress is measured
+        self._for_shapes = False  # ... because its inputs had new shapes
+        self._begun = 0  # sampled steps begun (the cadence counts them)
+        self._arm: Callable[[nn.Module, Any], None] | None = None
+        self._known: set[tuple[Any, ...]] = set()
+        self._handle: Any = None
+        self._armed = False
+        self._step = -1
+
+    def begin(
+        self,
+        step: int,
+        sampled: bool,
+        model: nn.Module | None = None,
+        arm: Callable[[nn.Module, Any], None] | None = None,
+    ) -> bool:
+        """Start ``step``: True when it is sampled and due to measure memory. On sampled steps the input watch
+        goes onto ``model``'s root (active until :meth:`pause`); on the others it comes off. ``arm(root, args)``
+        starts measuring mid-step, from the root's forward pre-hook, when the inputs' shapes are new."""
+        self._step = step if sampled else -1  # the sampled step in progress
+        if not sampled:
+            self.measuring = False
+            self.unwatch()
+            return False
+        k = self._begun
+        self._begun += 1
+        self.measuring = self.every == 1 or k < FIRST or (k - 1) % self.every == 0
+        self._for_shapes = False
+        self._arm = arm
+        if self.watch_shapes and self.every > 1 and model is not None:
+            if self._handle is None:
+                self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+            self._armed = True
+        return self.measuring
+
+    def pause(self) -> None:
+        """The sampled step's forward and backward are over: the watch stays in place, doing nothing."""
+        self._armed = False
+
+    def unwatch(self) -> None:
+        """The watch comes off, and the schedule lets go of ``arm`` (a tracker's bound method: no cycle)."""
+        self._armed = False
+        self._arm = None
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not self._armed or not torch.is_grad_enabled():
+            return None
+        sig = signature(args, kwargs)
+        if sig in self._known:
+            return None
+        if len(self._known) >= MAX_SIGNATURES:
+            self._known.clear()
+        self._known.add(sig)  # measured in this step: known from here on
+        if not self.measuring and self._arm is not None:
+            self.measuring = self._for_shapes = True
+            self._arm(module, args)
+        return None
+
+    def done(self, step: int) -> None:
+        """The sampled ``step`` ended (its rows were collected): count it (a step begun but never run is not)."""
+        if step != self._step or step < 0:
+            return
+        self.sampled += 1
+        if self.measuring:
+            self.measured.append(step)
+            if self._for_shapes:
+                self.new_shapes.append(step)
+        self._step = -1
+
+    def describe(self) -> dict[str, Any]:
+        """The ``memory_steps`` entry of the capture summary."""
+        return {
+            "every": self.every,
+            "shapes_watched": self.watch_shapes and self.every > 1,
+            "sampled_steps": self.sampled,
+            "measured_steps": len(self.measured),
+            "last_measured": self.measured[-1] if self.measured else None,
+            "measured_for_new_shapes": list(self.new_shapes[-20:]),
+        }

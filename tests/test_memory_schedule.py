@@ -1,0 +1,144 @@
+"""Which sampled steps measure memory (``capture/memory_schedule.py``): the first two, every N-th after them,
+and any whose inputs have shapes no measured step had; the rows of a measured step are those of a Profiler
+that measures every step."""
+
+from __future__ import annotations
+
+import copy
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from precprof import tables as T
+from precprof.capture import Profiler
+from precprof.capture.memory_schedule import MemorySchedule, signature
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+
+
+def _train(model: nn.Module, batches: list[int], **kw: object) -> Profiler:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = Profiler(model, optimizer=opt, block_formats=False, **kw)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(1)
+    with prof:
+        for b in batches:
+            x = torch.randn(b, 16, generator=gen)
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    return prof
+
+
+def _rows(mem: pd.DataFrame, step: int) -> list[tuple[object, ...]]:
+    at = mem[mem[T.STEP] == step]
+    cols = [T.COMPONENT, T.MODULE, T.DTYPE, T.PHASE, T.MOMENT, T.BYTES]
+    return sorted(map(tuple, at[cols].astype(str).to_numpy().tolist()))
+
+
+def test_the_cadence_counts_sampled_steps_only() -> None:
+    sched = MemorySchedule(every=4)
+    measured = []
+    for s in range(40):
+        if sched.begin(s, sampled=s % 2 == 0):
+            measured.append(s)
+        sched.done(s)
+    # sampled steps 0, 2, 4, ...: the first two, then every 4th sampled step after the second
+    assert measured == [0, 2, 10, 18, 26, 34] == sched.measured
+    sched.begin(40, sampled=True)  # begun, never ended: not counted
+    info = sched.describe()
+    assert info["measured_steps"] == 6 and info["sampled_steps"] == 20 and info["last_measured"] == 34
+    every = MemorySchedule(every=1)
+    assert [s for s in range(6) if every.begin(s, sampled=True)] == list(range(6))
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "4"])
+def test_a_bad_memory_every_is_one_clear_error(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"memory_every must be an integer >= 1"):
+        Profiler(_mlp(), memory_every=bad)  # type: ignore[arg-type]
+
+
+def test_signature_reads_positional_and_keyword_tensors() -> None:
+    a, b = torch.zeros(2, 3), torch.zeros(4, dtype=torch.int64)
+    assert signature((a,), {"ids": b, "n": 3}) == (((2, 3), torch.float32), ((4,), torch.int64))
+    assert signature((a,), {}) != signature((torch.zeros(3, 3),), {})
+
+
+def test_measured_steps_have_the_rows_of_a_profiler_that_measures_every_step() -> None:
+    base = _mlp()
+    batches = [4] * 9
+    every = _train(copy.deepcopy(base), batches, sample_every=1, memory_every=1)
+    some = _train(copy.deepcopy(base), batches, sample_every=1, memory_every=3)
+    mem_all, mem = every.tables()["memory"], some.tables()["memory"]
+    assert sorted(set(mem[T.STEP])) == [0, 1, 4, 7]  # no row at all on the other sampled steps
+    assert sorted(set(mem_all[T.STEP])) == list(range(9))
+    for step in (0, 1, 4, 7):
+        got = _rows(mem, step)
+        assert any(r[0] == T.ACTIVATIONS for r in got)
+        assert got == _rows(mem_all, step)
+    info = some.summary()["memory_steps"]
+    assert info["every"] == 3 and info["measured_steps"] == 4 and info["last_measured"] == 7
+    assert info["measured_for_new_shapes"] == []
+    # the statistics themselves are recorded on every sampled step
+    assert sorted(set(some.tables()["layers"][T.STEP])) == list(range(9))
+
+
+def test_new_shapes_are_measured_in_the_step_that_runs_them() -> None:
+    base = _mlp()
+    batches = [4, 4, 4, 8, 4, 4, 4, 2, 8]
+    some = _train(copy.deepcopy(base), batches, sample_every=1, memory_every=10)
+    every = _train(copy.deepcopy(base), batches, sample_every=1, memory_every=1)
+    mem, mem_all = some.tables()["memory"], every.tables()["memory"]
+    # steps 0 and 1 by the cadence, 3 (batch 8) and 7 (batch 2) for their shapes; step 8's batch of 8 was
+    # measured at step 3 already
+    assert sorted(set(mem[T.STEP])) == [0, 1, 3, 7]
+    for step in (3, 7):
+        assert _rows(mem, step) == _rows(mem_all, step)
+    acts = mem[mem[T.COMPONENT] == T.ACTIVATIONS].groupby(T.STEP)[T.BYTES].sum()
+    assert acts[3] == 2 * acts[1] and acts[7] == acts[1] // 2  # activations scale with the batch
+    info = some.summary()["memory_steps"]
+    assert info["measured_for_new_shapes"] == [3, 7]
+
+
+def test_without_watching_shapes_the_cadence_alone_decides() -> None:
+    sched = MemorySchedule(every=10, watch_shapes=False)
+    model = _mlp()
+    armed: list[int] = []
+    for step, b in enumerate([4, 4, 4, 8]):
+        sched.begin(step, True, model, lambda root, args, s=step: armed.append(s))
+        model(torch.randn(b, 16))
+        sched.done(step)
+    assert armed == [] and sched.measured == [0, 1]
+    assert not model._forward_pre_hooks  # nothing watches the inputs
+
+
+def test_the_watch_is_on_the_root_only_on_sampled_steps() -> None:
+    model = _mlp()
+    sched = MemorySchedule(every=4)
+    sched.begin(0, True, model, lambda root, args: None)
+    assert len(model._forward_pre_hooks) == 1
+    sched.begin(1, False, model)
+    assert not model._forward_pre_hooks
+    sched.begin(2, True, model, lambda root, args: None)
+    sched.unwatch()
+    assert not model._forward_pre_hooks
+
+
+def test_under_no_grad_the_watch_does_not_arm() -> None:
+    model = _mlp()
+    sched = MemorySchedule(every=10)
+    armed: list[int] = []
+    for step in range(3):  # the first two are measured; the third is not due
+        sched.begin(step, True, model, lambda root, args: armed.append(1))
+        model(torch.randn(4, 16))
+    with torch.no_grad():
+        model(torch.randn(7, 16))  # an evaluation inside a sampled step: keeps nothing for backward
+    assert armed == []
+    model(torch.randn(7, 16))
+    assert armed == [1]
