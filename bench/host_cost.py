@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         t1 = clock()
-        tracker = getattr(prof, "_tracker", None)
-        measured = bool(tracker is not None and tracker.schedule.measuring)
+        tracker = getattr(prof, "_tracker", None)  # (a Profiler before memory_every measured every step)
+        measured = tracker is not None and getattr(getattr(tracker, "schedule", None), "measuring", True)
         if prof is not None:
             prof.step(loss=loss.detach())
         sync()
