@@ -9,7 +9,7 @@ from torch import nn
 
 from precprof import tables as T
 from precprof.capture import Profiler
-from precprof.capture.block_budget import BlockBudget
+from precprof.capture.block_budget import BlockBudget, TimerCalibration, is_control
 from precprof.report.environment import block_setting as _block_setting
 
 
@@ -53,6 +53,62 @@ def test_a_fixed_count_never_changes_and_estimates_need_data() -> None:
         Profiler(nn.Linear(2, 2), block_budget=-1)
 
 
+def test_the_timer_is_scaled_by_what_evaluating_steps_add_over_controls() -> None:
+    """Controls (steps evaluating no block format) time a sampled step without the what-if; an evaluating step's
+    time beyond them, over what the timer read, scales the timer. Steps that measure memory are compared with
+    their own kind; controls too spread out to tell the difference leave the factor as it was."""
+
+    def calibrated(
+        controls: list[float], evals: list[tuple[float, float]], memory: bool = False
+    ) -> TimerCalibration:
+        cal = TimerCalibration()
+        for t in controls:
+            cal.control(t, memory=memory)
+        for step_s, block_s in evals:
+            cal.evaluated(step_s, block_s, memory=memory)
+        return cal
+
+    assert TimerCalibration().factor == 1.0  # nothing measured yet
+    ctrl = [0.100, 0.102, 0.101]
+    cal = calibrated(ctrl, [(0.121, 0.010), (0.122, 0.010), (0.120, 0.010)])
+    assert cal.factor == pytest.approx(2.0)  # (0.121 - 0.101) / 0.010, the median of three
+    assert calibrated(ctrl[:2], [(0.121, 0.010)] * 3).factor == 1.0  # two controls: not yet
+    # steps that measured memory, timed against their own controls
+    cal.control(0.160, memory=True)
+    for _ in range(3):
+        cal.evaluated(0.190, 0.010, memory=True)
+    assert cal.factor == pytest.approx(2.0)  # one memory control: that kind does not count yet
+    cal.control(0.161, memory=True)
+    cal.control(0.159, memory=True)
+    # (0.190 - 0.160) / 0.010 = 3, three times, now weighs in: the median of 1.9, 2.0, 2.1, 3, 3, 3
+    assert cal.factor == pytest.approx(2.55)
+    # a timer that read more than the step gained (noise): never below 1; never above MAX_FACTOR
+    assert calibrated(ctrl, [(0.102, 0.010)] * 3).factor == 1.0
+    assert calibrated(ctrl, [(0.300, 0.010)] * 3).factor == 4.0
+    # a timed what-if too small against the step does not calibrate, nor do controls spread wider than half
+    # what the timer reads: the factor stays what it was
+    assert calibrated(ctrl, [(0.110, 0.001)] * 3).factor == 1.0
+    noisy = calibrated([0.100, 0.090, 0.130], [(0.121, 0.010)] * 3)
+    assert noisy.factor == 1.0
+    for t in [0.050, 0.150] * 4:  # a shared machine's noise: the non-memory controls spread out
+        cal.control(t, memory=False)
+    assert cal.factor == pytest.approx(3.0)  # the memory kind alone calibrates now
+    steady = calibrated(ctrl, [(0.121, 0.010)] * 3)
+    assert steady.factor == pytest.approx(2.0)
+    for t in [0.050, 0.150] * 4:
+        steady.control(t, memory=False)
+    assert steady.factor == pytest.approx(2.0)  # no kind clear enough: the last factor stands
+    # the budget reads the scaled timer: twice the timer, twice the estimate
+    b = BlockBudget(share=0.1, fixed=None, n_layers=8)
+    plain = b.estimate(0.121, 0.010, 0.5)
+    scaled = b.estimate(0.121, 0.020, 0.5)
+    assert plain is not None and scaled is not None and scaled > 2 * plain
+
+
+def test_control_steps_are_the_3rd_the_5th_and_one_in_8() -> None:
+    assert [k for k in range(40) if is_control(k)] == [2, 4, 10, 18, 26, 34]
+
+
 class Stack(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -91,25 +147,29 @@ def test_a_tight_budget_deals_one_layer_per_group_whatever_the_speed() -> None:
     assert prof.block_groups == 4
     seen = _evaluated(prof)
     steps = [seen.get(s, set()) for s in range(7)]
-    assert all(len(s) == 1 for s in steps)  # one layer per sampled step, taking turns
-    assert set().union(*steps[:4]) == {f"layers.{i}" for i in range(4)}
+    # one layer per sampled step, taking turns, but for the 3rd and 5th, which evaluate none (controls)
+    assert [len(s) for s in steps] == [1, 1, 0, 1, 0, 1, 1]
+    assert set().union(*steps[:6]) == {f"layers.{i}" for i in range(4)}
+    assert steps[6] == steps[0]
     desc = prof.summary()["block_formats"]
     assert desc["adaptive"] and desc["groups"] == 4 and desc["changes"] == []
+    assert desc["control_steps"] == 2 and desc["timer_factor"] >= 1.0
     text = _block_setting(desc)
     assert "every 4th sampled step" in text and "within <0.0001% of a sampled step" in text
 
 
 def test_a_loose_budget_keeps_every_layer_on_every_step() -> None:
-    prof = _run(6, block_budget=1e9)
+    prof = _run(8, block_budget=1e9)
     assert prof.block_groups == 1
     seen = _evaluated(prof)
-    # one layer per sampled step until three estimates agree (steps 1 to 3), then every layer
-    assert [len(seen[s]) for s in range(6)] == [1, 1, 1, 1, 4, 4]
-    assert prof.summary()["block_formats"]["changes"] == [{"step": 3, "groups": 1, "from": 4}]
+    # one layer per sampled step until three estimates agree (steps 1, 3 and 5: 2 and 4 are controls), then
+    # every layer
+    assert [len(seen.get(s, ())) for s in range(8)] == [1, 1, 0, 1, 0, 1, 4, 4]
+    assert prof.summary()["block_formats"]["changes"] == [{"step": 5, "groups": 1, "from": 4}]
     assert "every linear layer on every sampled step" in _block_setting(prof.summary()["block_formats"])
 
 
-@pytest.mark.parametrize(("steps", "budget"), [(7, 1e-9), (6, 1e9), (2, 1e-9)])
+@pytest.mark.parametrize(("steps", "budget"), [(7, 1e-9), (8, 1e9), (2, 1e-9)])
 def test_the_summary_says_how_many_layers_were_covered_and_how_often(steps: int, budget: float) -> None:
     """The summary's and the report's coverage is the layers table's: layers whose operands got block
     statistics, and the fewest and most sampled steps that evaluated one."""

@@ -8,15 +8,25 @@ left to precprof, the number of groups follows what the what-if is measured to c
 per group, so the first sampled steps cost the least whatever the kernels' speed; after each sampled step
 (the first, which pays for warm-up, aside) the time of the group just evaluated is scaled by its share of the
 deal's cost to what every layer would take, relative to the rest of the step; the groups are then the fewest
-that keep one group's time within ``share`` of the rest of the step, from the median of those estimates (one
-noisy step does not re-deal the layers), and never more than one group per layer. More groups follow the first
+that keep one group's time within ``share`` of the rest of the step, from the median of the recent estimates
+(``ESTIMATE_WINDOW``; one noisy step does not re-deal the layers), and never more than one group per layer. More groups follow the first
 estimate that asks for them; fewer wait for three estimates.
+
+The what-if's timer reads its calls, but a sampled step pays more than that: on the CPU the calls cost about
+twice as much among the training's work as in a loop of their own and slow the code that runs after them by as
+much again; on CUDA the launches' host time is not in the kernels' events. So a few sampled steps evaluate no
+block format at all (the 3rd and 5th sampled steps, then one in ``CONTROL_EVERY``; only with the budget
+adapting): their time is that of a sampled step without the what-if, and an evaluating step's time beyond it is
+what the what-if really added. The timer's readings are scaled by the median of those ratios (at least 1, at
+most ``MAX_FACTOR``), compared like with like (steps that measure memory with steps that do), once the
+controls' times are steady enough to tell the difference.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +34,61 @@ DEFAULT_SHARE = 0.1  # the block what-if may add this much to the rest of a samp
 # fewer groups (more layers per sampled step) only on this many estimates: quick to protect the budget, slow
 # to spend it (one estimate from one small layer is mostly its per-call overhead)
 MIN_ESTIMATES_TO_WIDEN = 3
+ESTIMATE_WINDOW = 16  # the groups follow the median of this many recent estimates
+CONTROL_FIRST = (2, 4)  # sampled steps (counted from 0) that evaluate no block format ...
+CONTROL_EVERY = 8  # ... and one in this many after them
+CONTROL_TURN = -1  # the turn of such a step: no group's
+CALIBRATION_WINDOW = 8  # recent steps of each kind the calibration reads
+MIN_TIMED_SHARE = (
+    0.02  # an evaluating step calibrates when its timed what-if is at least this share of a step
+)
+MAX_FACTOR = 4.0
+NOISE_SHARE = 0.5  # the controls' spread (median deviation) beyond which they do not calibrate
+
+
+def is_control(k: int) -> bool:
+    """Whether the ``k``-th sampled step (from 0) evaluates no block format, to measure a step without it."""
+    return k in CONTROL_FIRST or (k > CONTROL_FIRST[-1] and k % CONTROL_EVERY == CONTROL_FIRST[0])
+
+
+class TimerCalibration:
+    """What the block what-if adds to a sampled step against what its timer reads, from the times of steps that
+    evaluated none (controls) and of steps that evaluated some; each kind kept per ``memory`` flag (a step that
+    measures memory costs more: it is compared with its own kind). Where the controls' times spread by more
+    than ``NOISE_SHARE`` of what the timer reads (a machine shared with other work), their difference says
+    nothing: the factor stays what it was."""
+
+    def __init__(self) -> None:
+        self.controls: dict[bool, deque[float]] = {m: deque(maxlen=CALIBRATION_WINDOW) for m in (False, True)}
+        self.evals: deque[tuple[bool, float, float]] = deque(maxlen=2 * CALIBRATION_WINDOW)
+        self._factor = 1.0
+
+    def control(self, step_s: float, memory: bool) -> None:
+        if math.isfinite(step_s) and step_s > 0:
+            self.controls[memory].append(step_s)
+
+    def evaluated(self, step_s: float, block_s: float, memory: bool) -> None:
+        if math.isfinite(step_s) and block_s > 0:
+            self.evals.append((memory, step_s, block_s))
+
+    @property
+    def factor(self) -> float:
+        """Seconds a sampled step gains per second the timer read: the median over the recent evaluating steps
+        of their time beyond the controls' median, over their timer's reading, within [1, ``MAX_FACTOR``]; 1
+        until three controls and three evaluating steps of one kind were timed clearly enough."""
+        ratios: list[float] = []
+        for memory, ctrl in self.controls.items():
+            ev = [(s, b) for m, s, b in self.evals if m == memory]
+            if len(ctrl) < 3 or len(ev) < 3:
+                continue
+            rest = statistics.median(ctrl)
+            spread = statistics.median(abs(c - rest) for c in ctrl)
+            timed = statistics.median(b for _, b in ev)
+            if timed >= MIN_TIMED_SHARE * rest and spread <= NOISE_SHARE * timed:
+                ratios += [(s - rest) / b for s, b in ev]
+        if len(ratios) >= 3:
+            self._factor = min(MAX_FACTOR, max(1.0, statistics.median(ratios)))
+        return self._factor
 
 
 @dataclass
@@ -69,7 +134,8 @@ class BlockBudget:
         if not self.adaptive or ratio is None or self._observed == 1:  # the first sampled step warms up
             return False
         self.ratios.append(ratio)
-        want = max(1, min(self.n_layers or 1, math.ceil(statistics.median(self.ratios) / self.share - 1e-9)))
+        recent = statistics.median(self.ratios[-ESTIMATE_WINDOW:])
+        want = max(1, min(self.n_layers or 1, math.ceil(recent / self.share - 1e-9)))
         if want == self.groups or (want < self.groups and len(self.ratios) < MIN_ESTIMATES_TO_WIDEN):
             return False
         self.history.append({"step": step, "groups": want, "from": self.groups})
@@ -83,7 +149,8 @@ class BlockBudget:
             out["budget"] = self.share
             out["changes"] = list(self.history)
             if self.ratios:
-                out["every_layer_cost"] = statistics.median(self.ratios)  # x the rest of a sampled step
+                # x the rest of a sampled step, as the groups were last chosen from
+                out["every_layer_cost"] = statistics.median(self.ratios[-ESTIMATE_WINDOW:])
         return out
 
 
@@ -98,6 +165,9 @@ class BlockDeal:
         self.loads: list[int] = [1]
         self.turn = 0
         self._samples = 0  # sampled steps so far
+        self._rotation = 0  # sampled steps that evaluated a group (the groups' turns)
+        self.control_steps = 0  # sampled steps that evaluated none, to calibrate the timer
+        self.calibration = TimerCalibration()
         self._slots: list[Any] = []  # the plan's layers that get the what-if (their ``block_group``)
         self.turns: dict[str, int] = {}  # layer -> sampled steps that evaluated its block formats
 
@@ -119,14 +189,22 @@ class BlockDeal:
         self.loads = plan.deal_block_groups(groups)
 
     def next_turn(self) -> int:
-        """The group the sampled step beginning now evaluates."""
-        self.turn = self._samples % self.groups
+        """The group the sampled step beginning now evaluates (``CONTROL_TURN``: none, a control step)."""
+        k = self._samples
         self._samples += 1
+        if self.budget.adaptive and self._slots and is_control(k):
+            self.turn = CONTROL_TURN
+            self.control_steps += 1
+            return self.turn
+        self.turn = self._rotation % self.groups
+        self._rotation += 1
         return self.turn
 
     def count_turn(self) -> None:
         """The sampled step that began with ``next_turn`` recorded its statistics: its group's layers were
         evaluated once more."""
+        if self.turn == CONTROL_TURN:
+            return
         for slot in self._slots:
             if slot.block_group == self.turn:
                 self.turns[slot.name] = self.turns.get(slot.name, 0) + 1
@@ -136,21 +214,32 @@ class BlockDeal:
         steps covered and how often (``layers``, ``layers_evaluated``, ``evaluations``: fewest and most sampled
         steps that evaluated a layer)."""
         out = self.budget.describe()
+        if self.budget.adaptive:
+            out["control_steps"] = self.control_steps
+            out["timer_factor"] = self.calibration.factor
         counts = list(self.turns.values())
         out["layers"] = len(counts)
         out["layers_evaluated"] = sum(c > 0 for c in counts)
         out["evaluations"] = [min(counts), max(counts)] if counts else [0, 0]
         return out
 
-    def adapt(self, plan: Any, step: int, step_s: float, block_s: float, mean: Any = None) -> None:
-        """After a sampled step's host copy: from what its what-if cost (``block_s`` of ``step_s``), re-deal the
-        layers when the budget asks for another number of groups. ``mean``: turns one rank's estimate into the
-        mean over ranks (a collective), so that every rank deals alike."""
+    def adapt(
+        self, plan: Any, step: int, step_s: float, block_s: float, mean: Any = None, memory: bool = False
+    ) -> None:
+        """After a sampled step's host copy: from what its what-if cost (``block_s`` of ``step_s``, as its timer
+        read it, scaled by the calibration), re-deal the layers when the budget asks for another number of groups.
+        ``mean``: turns one rank's estimate into the mean over ranks (a collective), so that every rank deals
+        alike. ``memory``: the step measured memory (the calibration compares steps of the same kind)."""
         if not self.budget.adaptive:
             return
+        if self.turn == CONTROL_TURN:  # the same steps on every rank: no collective skipped on one alone
+            self.calibration.control(step_s, memory)
+            return
+        if self._samples > 1:  # (the first sampled step warms up)
+            self.calibration.evaluated(step_s, block_s, memory)
         total = sum(self.loads)
         share = self.loads[self.turn] / total if total else 0.0
-        ratio = self.budget.estimate(step_s, block_s, share)
+        ratio = self.budget.estimate(step_s, block_s * self.calibration.factor, share)
         if mean is not None:
             ratio = mean(ratio)
         if self.budget.observe(step, ratio):

@@ -111,7 +111,8 @@ class Profiler(ProfilerResults):
             ``block_groups``-th sampled step, and a sampled step pays for a ``1 / block_groups`` share of the
             what-if (bench/overhead.py). 1: every layer on every sampled step. None (the default): as many
             groups as keep the what-if within ``block_budget`` of the rest of a sampled step, from its measured
-            cost (``capture/block_budget.py``; the summary and the report say how many it took).
+            cost (``capture/block_budget.py``: a few sampled steps evaluate none, to measure what it adds; the
+            summary and the report say how many it took).
         block_budget: with ``block_groups=None``, the share of the rest of a sampled step that the block
             what-if may add (0.1).
         out: a run directory to stream into while training runs (a path, or a ``precprof.rundir.RunDir``
@@ -432,7 +433,9 @@ class Profiler(ProfilerResults):
             total, n = reducer.reduce_sum(t).cpu().tolist()
             return total / n if n else None
 
-        self._blocks.adapt(self._plan, step, step_s, block_s, mean if reducer is not None else None)
+        schedule = getattr(self._tracker, "schedule", None)
+        memory = bool(schedule is not None and schedule.measuring)
+        self._blocks.adapt(self._plan, step, step_s, block_s, mean if reducer is not None else None, memory)
 
     # ----------------------------------------------------------------------------------------- steps
     def _begin_step(self) -> None:

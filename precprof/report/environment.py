@@ -482,6 +482,14 @@ def block_setting(v: Any) -> str:
     cost = v.get("every_layer_cost")
     if isinstance(cost, (int, float)) and math.isfinite(cost):
         out += f" (every layer at once was measured to add {F.pct(float(cost))})"
+    controls, factor = _int(v.get("control_steps")), v.get("timer_factor")
+    if controls:
+        out += (
+            f"; {F.count(controls)} sampled step{'s' if controls > 1 else ''} evaluated none, to measure what"
+            " the what-if adds"
+        )
+        if isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 1:
+            out += f": {factor:.1f} times what its own timer reads"
     return out + _coverage(v)
 
 
