@@ -181,6 +181,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         s = state[n]
         model, opt, prof = s["model"], s["opt"], s["prof"]
         sync()
+        if prof is not None:
+            # the Profiler times its steps from one step() to the next: here the other configurations' steps run
+            # in between, which it would take for its own (its block budget and its sampler read those times);
+            # its step starts now, as in a loop of its own
+            prof._t_last = time.perf_counter()
         t0 = clock()
         if CONFIGS[n].get("_empty_hooks"):
             with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
@@ -250,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parts = {
             k: {"s": v, "share_of_added": v / added if added else float("nan")} for k, v in parts.items()
         }
+    sampled_capture = sampled.summary() if sampled is not None else {}
     for p in (s["prof"] for s in state.values()):
         if p is not None:
             p.detach()
@@ -278,6 +284,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ),
         "results": results,
         "parts": parts,
+        # how the sampled configuration's block budget dealt the layers, and which steps measured memory
+        "sampled_block_formats": sampled_capture.get("block_formats"),
+        "sampled_memory_steps": sampled_capture.get("memory_steps"),
     }
     print(
         f"{args.blocks} x (Linear({args.width}) + GELU) on {device_name}, {tensors} tensors per sampled step, "

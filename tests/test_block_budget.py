@@ -53,51 +53,59 @@ def test_a_fixed_count_never_changes_and_estimates_need_data() -> None:
         Profiler(nn.Linear(2, 2), block_budget=-1)
 
 
+def _calibrated(steps: list[tuple[str, float, float]]) -> TimerCalibration:
+    """A calibration fed sampled steps in order: ("c" control | "e" evaluating | "C"/"E" the same measuring
+    memory, step seconds, timer seconds)."""
+    cal = TimerCalibration()
+    for kind, step_s, block_s in steps:
+        if kind.lower() == "c":
+            cal.control(step_s, memory=kind.isupper())
+        else:
+            cal.evaluated(step_s, block_s, memory=kind.isupper())
+    return cal
+
+
 def test_the_timer_is_scaled_by_what_evaluating_steps_add_over_controls() -> None:
-    """Controls (steps evaluating no block format) time a sampled step without the what-if; an evaluating step's
-    time beyond them, over what the timer read, scales the timer. Steps that measure memory are compared with
-    their own kind; controls too spread out to tell the difference leave the factor as it was."""
-
-    def calibrated(
-        controls: list[float], evals: list[tuple[float, float]], memory: bool = False
-    ) -> TimerCalibration:
-        cal = TimerCalibration()
-        for t in controls:
-            cal.control(t, memory=memory)
-        for step_s, block_s in evals:
-            cal.evaluated(step_s, block_s, memory=memory)
-        return cal
-
+    """Controls (steps evaluating no block format) time a sampled step without the what-if; the evaluating steps
+    around each, beyond it, over what their timer read, scale the timer. Steps that measure memory are compared
+    with their own kind, each control with its neighbours (a machine's drift cancels), and local ratios that
+    disagree leave the factor as it was."""
     assert TimerCalibration().factor == 1.0  # nothing measured yet
-    ctrl = [0.100, 0.102, 0.101]
-    cal = calibrated(ctrl, [(0.121, 0.010), (0.122, 0.010), (0.120, 0.010)])
-    assert cal.factor == pytest.approx(2.0)  # (0.121 - 0.101) / 0.010, the median of three
-    assert calibrated(ctrl[:2], [(0.121, 0.010)] * 3).factor == 1.0  # two controls: not yet
-    # steps that measured memory, timed against their own controls
-    cal.control(0.160, memory=True)
-    for _ in range(3):
-        cal.evaluated(0.190, 0.010, memory=True)
-    assert cal.factor == pytest.approx(2.0)  # one memory control: that kind does not count yet
-    cal.control(0.161, memory=True)
-    cal.control(0.159, memory=True)
-    # (0.190 - 0.160) / 0.010 = 3, three times, now weighs in: the median of 1.9, 2.0, 2.1, 3, 3, 3
-    assert cal.factor == pytest.approx(2.55)
-    # a timer that read more than the step gained (noise): never below 1; never above MAX_FACTOR
-    assert calibrated(ctrl, [(0.102, 0.010)] * 3).factor == 1.0
-    assert calibrated(ctrl, [(0.300, 0.010)] * 3).factor == 4.0
-    # a timed what-if too small against the step does not calibrate, nor do controls spread wider than half
-    # what the timer reads: the factor stays what it was
-    assert calibrated(ctrl, [(0.110, 0.001)] * 3).factor == 1.0
-    noisy = calibrated([0.100, 0.090, 0.130], [(0.121, 0.010)] * 3)
-    assert noisy.factor == 1.0
-    for t in [0.050, 0.150] * 4:  # a shared machine's noise: the non-memory controls spread out
-        cal.control(t, memory=False)
-    assert cal.factor == pytest.approx(3.0)  # the memory kind alone calibrates now
-    steady = calibrated(ctrl, [(0.121, 0.010)] * 3)
-    assert steady.factor == pytest.approx(2.0)
-    for t in [0.050, 0.150] * 4:
-        steady.control(t, memory=False)
-    assert steady.factor == pytest.approx(2.0)  # no kind clear enough: the last factor stands
+    ev = ("e", 0.121, 0.010)
+    three = [ev, ("c", 0.100, 0), ev, ("c", 0.101, 0), ev, ("c", 0.099, 0), ev]
+    assert _calibrated(three).factor == pytest.approx(2.0, abs=0.11)  # (0.121 - ~0.100) / 0.010
+    assert _calibrated(three[:-1]).factor == 1.0  # the last control has no step after it: two are not enough
+    # a machine that slows down over the run: each control is read against its neighbours, not the run's median
+    drift = []
+    for i in range(4):
+        base = 0.100 + 0.020 * i
+        drift += [("e", base + 0.020, 0.010), ("c", base, 0), ("e", base + 0.020, 0.010)]
+    assert _calibrated(drift).factor == pytest.approx(2.0)
+    # a step that measures memory (capitals) is compared with its own kind only
+    mixed = [
+        ("e", 0.121, 0.010),
+        ("E", 0.190, 0.010),
+        ("c", 0.100, 0),
+        ("e", 0.121, 0.010),
+        ("C", 0.160, 0),
+        ("E", 0.190, 0.010),
+        ("c", 0.100, 0),
+        ("e", 0.121, 0.010),
+    ]
+    # 2.1, 3.0 (the memory control against its own kind) and 2.1: the median is 2.1; read against the nearest
+    # steps of either kind, the first control would give (0.1555 - 0.100) / 0.010 = 5.55
+    assert _calibrated(mixed).factor == pytest.approx(2.1)
+    # never below 1 (a timer that read more than the step gained), never above MAX_FACTOR
+    assert _calibrated([("e", 0.101, 0.010), ("c", 0.100, 0)] * 3 + [("e", 0.101, 0.010)]).factor == 1.0
+    assert _calibrated([("e", 0.200, 0.010), ("c", 0.100, 0)] * 3 + [("e", 0.200, 0.010)]).factor == 3.0
+    # a timed what-if too small against the step does not calibrate
+    assert _calibrated([("e", 0.110, 0.001), ("c", 0.100, 0)] * 3 + [("e", 0.110, 0.001)]).factor == 1.0
+    # local ratios that disagree (a shared machine) leave the factor as it was
+    cal = _calibrated(three)
+    for control_s in (0.050, 0.150, 0.050, 0.150, 0.050):  # controls 50 ms either side of the steps around them
+        cal.control(control_s, memory=False)
+        cal.evaluated(0.121, 0.010, memory=False)
+    assert cal.factor == pytest.approx(2.0, abs=0.11)
     # the budget reads the scaled timer: twice the timer, twice the estimate
     b = BlockBudget(share=0.1, fixed=None, n_layers=8)
     plain = b.estimate(0.121, 0.010, 0.5)

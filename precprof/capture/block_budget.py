@@ -16,10 +16,10 @@ The what-if's timer reads its calls, but a sampled step pays more than that: on 
 twice as much among the training's work as in a loop of their own and slow the code that runs after them by as
 much again; on CUDA the launches' host time is not in the kernels' events. So a few sampled steps evaluate no
 block format at all (the 3rd and 5th sampled steps, then one in ``CONTROL_EVERY``; only with the budget
-adapting): their time is that of a sampled step without the what-if, and an evaluating step's time beyond it is
-what the what-if really added. The timer's readings are scaled by the median of those ratios (at least 1, at
-most ``MAX_FACTOR``), compared like with like (steps that measure memory with steps that do), once the
-controls' times are steady enough to tell the difference.
+adapting): their time is that of a sampled step without the what-if, and the evaluating steps' time beyond it,
+around each control, is what the what-if really added. The timer's readings are scaled by the median of those
+ratios over their timer's (at least 1, at most ``MAX_FACTOR``), compared like with like (steps that measure
+memory with steps that do), once the ratios agree well enough to tell.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ ESTIMATE_WINDOW = 16  # the groups follow the median of this many recent estimat
 CONTROL_FIRST = (2, 4)  # sampled steps (counted from 0) that evaluate no block format ...
 CONTROL_EVERY = 8  # ... and one in this many after them
 CONTROL_TURN = -1  # the turn of such a step: no group's
-CALIBRATION_WINDOW = 8  # recent steps of each kind the calibration reads
+CALIBRATION_WINDOW = 8  # about this many recent controls calibrate
 MIN_TIMED_SHARE = (
     0.02  # an evaluating step calibrates when its timed what-if is at least this share of a step
 )
-MAX_FACTOR = 4.0
-NOISE_SHARE = 0.5  # the controls' spread (median deviation) beyond which they do not calibrate
+MAX_FACTOR = 3.0
+MAX_SPREAD = 0.5  # the local ratios' median deviation beyond which they do not calibrate
 
 
 def is_control(k: int) -> bool:
@@ -52,43 +52,61 @@ def is_control(k: int) -> bool:
 
 
 class TimerCalibration:
-    """What the block what-if adds to a sampled step against what its timer reads, from the times of steps that
-    evaluated none (controls) and of steps that evaluated some; each kind kept per ``memory`` flag (a step that
-    measures memory costs more: it is compared with its own kind). Where the controls' times spread by more
-    than ``NOISE_SHARE`` of what the timer reads (a machine shared with other work), their difference says
-    nothing: the factor stays what it was."""
+    """What the block what-if adds to a sampled step against what its timer reads, from the sampled steps in
+    their order: each control (a step that evaluated none) against the evaluating steps of its kind right before
+    and after it (a step that measures memory costs more: it is compared with its own kind), so that a machine
+    whose speed drifts over seconds compares steps of the same moment. Where those local ratios disagree by
+    more than ``MAX_SPREAD`` (their median deviation; a machine shared with other work), they say nothing: the
+    factor stays what it was."""
 
     def __init__(self) -> None:
-        self.controls: dict[bool, deque[float]] = {m: deque(maxlen=CALIBRATION_WINDOW) for m in (False, True)}
-        self.evals: deque[tuple[bool, float, float]] = deque(maxlen=2 * CALIBRATION_WINDOW)
+        # (control, memory, step_s, block_s) per sampled step, oldest first
+        self._steps: deque[tuple[bool, bool, float, float]] = deque(
+            maxlen=CALIBRATION_WINDOW * CONTROL_EVERY + 2
+        )
         self._factor = 1.0
 
     def control(self, step_s: float, memory: bool) -> None:
         if math.isfinite(step_s) and step_s > 0:
-            self.controls[memory].append(step_s)
+            self._steps.append((True, memory, step_s, 0.0))
+            self._update()
 
     def evaluated(self, step_s: float, block_s: float, memory: bool) -> None:
         if math.isfinite(step_s) and block_s > 0:
-            self.evals.append((memory, step_s, block_s))
+            self._steps.append((False, memory, step_s, block_s))
+            self._update()
+
+    def _neighbours(self, j: int, memory: bool) -> list[tuple[float, float]]:
+        """The evaluating steps of kind ``memory`` nearest before and after step ``j`` (step_s, block_s)."""
+        steps, out = self._steps, []
+        for side in (range(j - 1, -1, -1), range(j + 1, len(steps))):
+            for i in side:
+                control, kind, step_s, block_s = steps[i]
+                if not control and kind == memory:
+                    out.append((step_s, block_s))
+                    break
+        return out
 
     @property
     def factor(self) -> float:
-        """Seconds a sampled step gains per second the timer read: the median over the recent evaluating steps
-        of their time beyond the controls' median, over their timer's reading, within [1, ``MAX_FACTOR``]; 1
-        until three controls and three evaluating steps of one kind were timed clearly enough."""
-        ratios: list[float] = []
-        for memory, ctrl in self.controls.items():
-            ev = [(s, b) for m, s, b in self.evals if m == memory]
-            if len(ctrl) < 3 or len(ev) < 3:
-                continue
-            rest = statistics.median(ctrl)
-            spread = statistics.median(abs(c - rest) for c in ctrl)
-            timed = statistics.median(b for _, b in ev)
-            if timed >= MIN_TIMED_SHARE * rest and spread <= NOISE_SHARE * timed:
-                ratios += [(s - rest) / b for s, b in ev]
-        if len(ratios) >= 3:
-            self._factor = min(MAX_FACTOR, max(1.0, statistics.median(ratios)))
+        """Seconds a sampled step gains per second the timer read: the median over recent controls of (their
+        neighbours' mean time - theirs) / their neighbours' mean timer reading, within [1, ``MAX_FACTOR``]; 1
+        until three controls with a neighbour on each side agree."""
         return self._factor
+
+    def _update(self) -> None:
+        ratios: list[float] = []
+        for j, (control, memory, step_s, _) in enumerate(self._steps):
+            near = self._neighbours(j, memory) if control else []
+            if len(near) < 2:
+                continue
+            timed = statistics.fmean(b for _, b in near)
+            if timed >= MIN_TIMED_SHARE * step_s:
+                ratios.append((statistics.fmean(s for s, _ in near) - step_s) / timed)
+        if len(ratios) >= 3:
+            mid = statistics.median(ratios)
+            if statistics.median(abs(r - mid) for r in ratios) <= MAX_SPREAD:
+                self._factor = min(MAX_FACTOR, max(1.0, mid))
 
 
 @dataclass
