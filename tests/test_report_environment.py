@@ -78,8 +78,9 @@ def test_a_cpu_fp32_run_environment_has_nothing_that_does_not_apply(tmp_path: Pa
     assert got["precision"] == "fp32: no autocast; no loss scaling"
 
 
-def test_the_steps_that_measured_memory_in_words(tmp_path: Path) -> None:
-    """A Profiler that measures memory on some sampled steps says which, and whose memory the report shows."""
+def _user_loop_rows(tmp_path: Path, batches: list[int], **kw: object) -> tuple[list[tuple[str, str]], str]:
+    """A user's loop of a small MLP under a Profiler made with ``kw``, one step per batch size; its report's
+    environment rows and text."""
     import torch
     from torch import nn
 
@@ -88,8 +89,8 @@ def test_the_steps_that_measured_memory_in_words(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory_every=3, block_formats=False) as prof:
-        for batch in [4] * 6 + [2]:
+    with precprof.Profiler(model, optimizer=opt, **kw) as prof:  # type: ignore[arg-type]
+        for batch in batches:
             model(torch.randn(batch, 8)).square().mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -97,6 +98,12 @@ def test_the_steps_that_measured_memory_in_words(tmp_path: Path) -> None:
     prof.report(tmp_path / "run")
     rows, text = env_rows((tmp_path / "run" / "report.html").read_text())
     check_words(rows, text)
+    return rows, text
+
+
+def test_the_steps_that_measured_memory_in_words(tmp_path: Path) -> None:
+    """A Profiler that measures memory on some sampled steps says which, and whose memory the report shows."""
+    rows, _ = _user_loop_rows(tmp_path, [4] * 6 + [2], sample_every=1, memory_every=3, block_formats=False)
     assert dict(rows)["memory measured on"] == (
         "the first 2 sampled steps and every 3rd after them, and any sampled step whose inputs had shapes no "
         "measured step had: 4 of 7 (the report's memory is step 6's); measured for new input shapes: step 6"
@@ -106,23 +113,7 @@ def test_the_steps_that_measured_memory_in_words(tmp_path: Path) -> None:
 def test_a_budgeted_runs_sampling_in_words(tmp_path: Path) -> None:
     """A user's loop with the default Profiler (sampling within its overhead budget): the environment says the
     budget, the overhead it took, the sampled steps by reason and when sampling began, in one row."""
-    import torch
-    from torch import nn
-
-    import precprof
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with precprof.Profiler(model, optimizer=opt, memory=False) as prof:
-        for _ in range(40):
-            model(torch.randn(4, 8)).square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            prof.step()
-    prof.report(tmp_path / "run")
-    rows, text = env_rows((tmp_path / "run" / "report.html").read_text())
-    check_words(rows, text)
+    rows, _ = _user_loop_rows(tmp_path, [4] * 40, memory=False)
     sampled = dict(rows)["steps sampled"]
     assert sampled.startswith("as many as keep precprof within 3% of the run's time")
     assert "of 40 steps" in sampled and "2 first" in sampled
