@@ -151,13 +151,16 @@ class Precprof(Monitor):
                 "tensor_calls_per_sampled_step": int(first[T.CALLS].sum()),
                 "elements_per_sampled_step": int(first[T.NUMEL].sum()),
             }
+        summary = self.prof.summary()
         self.last_info.update(
             {
                 "profiler_buffer_bytes": self.prof.buffer_bytes,
                 "profiler_scratch_bytes": self.prof.scratch_bytes,
-                # how the block what-if was dealt (the groups the budget settled on, and its changes)
-                "block_formats": self.prof.summary()["block_formats"],
-                "sampling": self.prof.summary()["sampling"],
+                # how the block what-if was dealt (the groups the budget settled on, its changes, its timer's
+                # calibration), which steps were sampled and which of them measured memory
+                "block_formats": summary["block_formats"],
+                "sampling": summary["sampling"],
+                "memory_steps": summary["memory_steps"],
             }
         )
 
