@@ -9,8 +9,8 @@ per group, so the first sampled steps cost the least whatever the kernels' speed
 (the first, which pays for warm-up, aside) the time of the group just evaluated is scaled by its share of the
 deal's cost to what every layer would take, relative to the rest of the step; the groups are then the fewest
 that keep one group's time within ``share`` of the rest of the step, from the median of the recent estimates
-(``ESTIMATE_WINDOW``; one noisy step does not re-deal the layers), and never more than one group per layer. More groups follow the first
-estimate that asks for them; fewer wait for three estimates.
+(``ESTIMATE_WINDOW``; one noisy step does not re-deal the layers), and never more than one group per layer.
+More groups follow the first estimate that asks for them; fewer wait for three estimates.
 
 The what-if's timer reads its calls, but a sampled step pays more than that: on the CPU the calls cost about
 twice as much among the training's work as in a loop of their own and slow the code that runs after them by as
@@ -39,10 +39,9 @@ CONTROL_FIRST = (2, 4)  # sampled steps (counted from 0) that evaluate no block 
 CONTROL_EVERY = 8  # ... and one in this many after them
 CONTROL_TURN = -1  # the turn of such a step: no group's
 CALIBRATION_WINDOW = 8  # about this many recent controls calibrate
-MIN_TIMED_SHARE = (
-    0.02  # an evaluating step calibrates when its timed what-if is at least this share of a step
-)
-MAX_FACTOR = 3.0
+# an evaluating step calibrates when its timed what-if is at least this share of the control's time
+MIN_TIMED_SHARE = 0.02
+MAX_FACTOR = 3.0  # the most the timer's reading is scaled by
 MAX_SPREAD = 0.5  # the local ratios' median deviation beyond which they do not calibrate
 
 
@@ -53,9 +52,9 @@ def is_control(k: int) -> bool:
 
 class TimerCalibration:
     """What the block what-if adds to a sampled step against what its timer reads, from the sampled steps in
-    their order: each control (a step that evaluated none) against the evaluating steps of its kind right before
-    and after it (a step that measures memory costs more: it is compared with its own kind), so that a machine
-    whose speed drifts over seconds compares steps of the same moment. Where those local ratios disagree by
+    their order: each control (a step that evaluated none) against the evaluating steps of its kind right
+    before and after it (a step that measures memory costs more: it is compared with its own kind), so that a
+    machine whose speed drifts over seconds compares steps of the same moment. Where those local ratios disagree by
     more than ``MAX_SPREAD`` (their median deviation; a machine shared with other work), they say nothing: the
     factor stays what it was."""
 
@@ -244,10 +243,10 @@ class BlockDeal:
     def adapt(
         self, plan: Any, step: int, step_s: float, block_s: float, mean: Any = None, memory: bool = False
     ) -> None:
-        """After a sampled step's host copy: from what its what-if cost (``block_s`` of ``step_s``, as its timer
-        read it, scaled by the calibration), re-deal the layers when the budget asks for another number of groups.
-        ``mean``: turns one rank's estimate into the mean over ranks (a collective), so that every rank deals
-        alike. ``memory``: the step measured memory (the calibration compares steps of the same kind)."""
+        """After a sampled step's host copy: from what its what-if cost (``block_s`` of ``step_s``, as its
+        timer read it, scaled by the calibration), re-deal the layers when the budget asks for another number of
+        groups. ``mean``: turns one rank's estimate into the mean over ranks (a collective), so that every rank
+        deals alike. ``memory``: the step measured memory (the calibration compares steps of the same kind)."""
         if not self.budget.adaptive:
             return
         if self.turn == CONTROL_TURN:  # the same steps on every rank: no collective skipped on one alone

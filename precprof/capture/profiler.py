@@ -75,7 +75,7 @@ class Profiler(ProfilerResults):
             and/or module types.
         memory: track memory per component (``precprof.capture.memory_tracker``) on sampled steps.
         memory_every: which sampled steps measure memory: the first two, every ``memory_every``-th after them,
-            and the one after a sampled step whose inputs had shapes no measured step had
+            and any whose model inputs have shapes no measured step had, from its forward on
             (``capture/memory_schedule.py``: a step's memory changes with its shapes). 1: every sampled step.
         memory_peak: also replay the allocator's events of sampled steps, for each phase's peak and what was
             allocated at the step's peak, by part (``precprof.capture.peak``). None (the default): on CUDA
