@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from precprof import _compat
 from precprof import tables as T
 from precprof.capture import Profiler
 from precprof.capture.memory_schedule import MemorySchedule, signature
@@ -142,3 +143,47 @@ def test_under_no_grad_the_watch_does_not_arm() -> None:
     assert armed == []
     model(torch.randn(7, 16))
     assert armed == [1]
+
+
+def test_a_failure_to_measure_from_the_forward_leaves_training_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Arming the tracker inside the user's forward (new shapes) fails: the forward, the training and the
+    statistics go on exactly as without precprof; the step has no memory rows, and the summary says why."""
+    from precprof.capture.memory_tracker import MemoryTracker
+
+    base = _mlp()
+    batches = [4, 4, 4, 8, 4]
+    plain = copy.deepcopy(base)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for b in batches:
+        loss = plain(torch.randn(b, 16, generator=gen)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+
+    arm = MemoryTracker._arm
+
+    def broken(self: MemoryTracker) -> None:
+        arm(self)  # hooks installed, the peak begun: then it fails, half done
+        if self.schedule.measuring and self.schedule._for_shapes:  # only when armed from the forward
+            raise RuntimeError("allocator history unavailable")
+
+    monkeypatch.setattr(MemoryTracker, "_arm", broken)
+    model = copy.deepcopy(base)
+    prof = _train(model, batches, sample_every=1, memory_every=10)
+    got = prof.tables()["steps"][T.LOSS].tolist()
+    assert got == losses
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+    mem = prof.tables()["memory"]
+    assert 3 not in set(mem[T.STEP])  # the step with new shapes went unmeasured
+    assert sorted(set(prof.tables()["layers"][T.STEP])) == list(range(5))  # its statistics were recorded
+    summary = prof.summary()
+    assert summary["memory_error"] == "RuntimeError: allocator history unavailable"
+    assert summary["memory_steps"]["measured_for_new_shapes"] == []
+    assert not model._forward_pre_hooks and not model._forward_hooks  # detached: nothing left behind
+    assert _compat.top_saved_tensors_hooks() is None  # no saved-tensor hooks left

@@ -140,6 +140,7 @@ class Collector:
             except Exception as e:  # memory accounting must never take training down
                 mem = []
                 self.memory_error = f"{type(e).__name__}: {e}"
+            self.memory_error = getattr(self.tracker, "arm_error", None) or self.memory_error
             if self.reducer is not None and hasattr(self.reducer, "reduce_memory"):
                 mem = self.reducer.reduce_memory(mem)  # collective: every rank, every sampled step
             recorded.add_memory(mem)

@@ -146,6 +146,7 @@ class MemoryTracker:
         self._grad_snapshot: dict[str, int] | None = None
         self._grad_seen: dict[StorageKey, tuple[str, int]] = {}  # storage -> (dtype, bytes)
         self._unmeasured = 0  # saved tensors without a real storage (fake, sparse): not counted
+        self.arm_error: str | None = None  # why measuring a step from its forward failed, if it did
         self._on_cpu = True
         self._peak = PeakRecorder(None)
         # the counters' phase peaks (CUDA steps without a replay)
@@ -235,10 +236,16 @@ class MemoryTracker:
     def _arm_at_forward(self, root: nn.Module, args: Any) -> None:
         """A sampled step the schedule did not measure turns out to run new shapes (the schedule's watch, in
         the root's forward pre-hook): measure it from here, its root pre-hook called by hand (the one installed
-        now runs from the next forward on)."""
-        self._sampled = True
-        self._arm()
-        self._root_pre_hook(root, args)
+        now runs from the next forward on). A failure leaves the step unmeasured, never the forward failed."""
+        try:
+            self._sampled = True
+            self._arm()
+            self._root_pre_hook(root, args)
+        except Exception as e:  # memory accounting must never take training down
+            self.arm_error = f"{type(e).__name__}: {e}"
+            self._sampled = self.schedule.measuring = False
+            self.end_hooks()
+            self._pop_saved_hooks()
 
     def _arm(self) -> None:
         if self._attached:
