@@ -887,3 +887,100 @@ int64_t pp_block_many(const int64_t* a, int64_t k, const int64_t* ptrs, const in
     }
     return 0;
 }
+
+/* ---- weight-update samples (precprof.capture.updates): a strided sample of each of k parameters (member m:
+   data pointer, stride, length and dtype 0 fp32, 1 bf16, 2 fp16), gathered and classified on the host in one
+   call per optimizer hook, where the torch path takes a view per parameter and some twenty small ops. Every
+   step is the torch path's, in the same fp32 arithmetic (tests compare both, rounding boundaries included). */
+static inline float upd_load(const void* base, int dtype, int64_t i) {
+    if (dtype == 0) return ((const float*)base)[i];
+    uint16_t h = ((const uint16_t*)base)[i];
+    return dtype == 1 ? bitsf((uint32_t)h << 16) : h2f(h);
+}
+
+/* fp32 -> bf16 -> fp32, round to nearest even (torch's conversion; a nan stays a nan) */
+static inline float upd_bf16(float f) {
+    if (f != f) return f;
+    uint32_t u = fbits(f);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return bitsf(u & 0xFFFF0000u);
+}
+
+/* fp32 -> fp16 -> fp32, round to nearest even: a multiple of the spacing of the value's binade (2^-24 below
+   fp16's smallest normal), and infinity from 65520 (halfway between 65504 and 2^16) up */
+static inline float upd_f16(float f) {
+    if (f != f) return f;
+    float a = fabsf(f);
+    if (a >= 65520.0f) return copysignf(INFINITY, f);
+    int e = a < 0x1p-14f ? -14 : floor_log2_bits(fbits(a));
+    float t = a * pow2f(10 - e); /* exact: a power-of-two scaling, t < 2^11 */
+    float q = ((t + 0x1p23f) - 0x1p23f) * pow2f(e - 10); /* round half to even at 1 (t < 2^22) */
+    return copysignf(q, f);
+}
+
+/* The members' samples, now, in fp32, one after the other into out; returns how many. */
+int64_t pp_upd_gather(int64_t k, const int64_t* ptrs, const int64_t* strides, const int64_t* lens,
+                      const int64_t* dtypes, float* out) {
+    int64_t j = 0;
+    for (int64_t m = 0; m < k; m++) {
+        const void* base = (const void*)(intptr_t)ptrs[m];
+        int dt = (int)dtypes[m];
+        int64_t s = strides[m];
+        for (int64_t i = 0; i < lens[m]; i++) out[j++] = upd_load(base, dt, i * s);
+    }
+    return j;
+}
+
+/* Per sampled element, whether the gradient is nonzero (a nan is; a member with a null pointer has no
+   gradient: zeros), into out as 0/1 bytes; returns how many. */
+int64_t pp_upd_nonzero(int64_t k, const int64_t* ptrs, const int64_t* strides, const int64_t* lens,
+                       const int64_t* dtypes, uint8_t* out) {
+    int64_t j = 0;
+    for (int64_t m = 0; m < k; m++) {
+        const char* base = (const char*)(intptr_t)ptrs[m];
+        int64_t s = strides[m], n = lens[m];
+        if (!base) {
+            memset(out + j, 0, (size_t)n);
+        } else if (dtypes[m] == 0) {
+            for (int64_t i = 0; i < n; i++) out[j + i] = ((const float*)base)[i * s] != 0.0f;
+        } else {
+            for (int64_t i = 0; i < n; i++) out[j + i] = (((const uint16_t*)base)[i * s] & 0x7FFFu) != 0;
+        }
+        j += n;
+    }
+    return j;
+}
+
+/* The updates of the step just taken: the samples now against before (pp_upd_gather's, before the step) and
+   intended (pp_upd_nonzero's), added into counts[k][4] (sampled, no update, lost in bf16, lost in fp16) as
+   precprof.capture.updates._DeviceGroup.classify counts them. held_bf16: the weights are held in bf16 (an
+   update that did not land then says nothing of fp16). Returns how many elements were read. */
+int64_t pp_upd_classify(int64_t k, const int64_t* ptrs, const int64_t* strides, const int64_t* lens,
+                        const int64_t* dtypes, const float* before, const uint8_t* intended, int held_bf16,
+                        int64_t* counts) {
+    int64_t j = 0;
+    for (int64_t m = 0; m < k; m++) {
+        const void* base = (const void*)(intptr_t)ptrs[m];
+        int dt = (int)dtypes[m];
+        int64_t s = strides[m], n = lens[m], none = 0, bf = 0, hf = 0;
+        for (int64_t i = 0; i < n; i++, j++) {
+            float b = before[j];
+            float delta = upd_load(base, dt, i * s) - b;
+            int moved = delta != 0.0f; /* a nan delta moved */
+            int meant = intended[j] != 0;
+            int stuck = meant && !moved;
+            none += !(moved || meant);
+            float hb = upd_bf16(b);
+            int lost = moved && upd_bf16(hb + delta) == hb;
+            bf += lost || stuck;
+            float hh = upd_f16(b);
+            lost = moved && upd_f16(hh + delta) == hh;
+            hf += held_bf16 ? lost : (lost || stuck);
+        }
+        counts[4 * m] += n;
+        counts[4 * m + 1] += none;
+        counts[4 * m + 2] += bf;
+        counts[4 * m + 3] += hf;
+    }
+    return j;
+}

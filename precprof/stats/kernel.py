@@ -215,6 +215,12 @@ def load() -> ctypes.CDLL | None:
         lib.pp_block_at.argtypes = [p]
         lib.pp_block_many.restype = i64
         lib.pp_block_many.argtypes = [p, i64, p, p, p, p, p]
+        lib.pp_upd_gather.restype = i64
+        lib.pp_upd_gather.argtypes = [i64, p, p, p, p, p]
+        lib.pp_upd_nonzero.restype = i64
+        lib.pp_upd_nonzero.argtypes = [i64, p, p, p, p, p]
+        lib.pp_upd_classify.restype = i64
+        lib.pp_upd_classify.argtypes = [i64, p, p, p, p, p, p, i32, p]
         lib.pp_init()
     except (OSError, AttributeError, subprocess.SubprocessError) as e:
         _status.update(in_use=False, reason=f"could not be built or loaded: {e}", **_cache_status())

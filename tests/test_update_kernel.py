@@ -1,0 +1,209 @@
+"""The weight-update samples through the C kernel (``capture.updates._HostSamples``) against the torch path
+(``_DeviceGroup.samples`` / ``grad_nonzero`` / ``classify``, real casts), element by element: one parameter per
+value, so that a member's counts are that element's flags, on values built at the rounding boundaries of bf16
+and fp16 (ties, fp16 subnormals, the edge of fp16's range, signed zeros, inf, nan) and on random ones."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from precprof.capture.records import _ParamSlot
+from precprof.capture.updates import UpdateSampler
+from precprof.stats import kernel as cpu_kernel
+
+pytestmark = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler: the torch path runs alone")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _run(
+    before: list[float],
+    after: list[float],
+    grads: list[float | None],
+    dtype: torch.dtype,
+    host: bool,
+) -> torch.Tensor:
+    """[elements, 4] counts (sampled, no update, lost in bf16, lost in fp16) of one optimizer step that takes
+    each one-element parameter from ``before`` to ``after`` with gradient ``grads`` (None: no gradient)."""
+    params = [nn.Parameter(torch.tensor([b], dtype=dtype)) for b in before]
+    slots = [_ParamSlot("m", f"p{i}", p, -1, -1) for i, p in enumerate(params)]
+    sampler = UpdateSampler(slots, 4, torch.device("cpu"))
+    (group,) = sampler._groups
+    if not host:
+        group._host = None
+    for p, g in zip(params, grads, strict=True):
+        p.grad = None if g is None else torch.tensor([g], dtype=dtype)
+    sampler.before_step()
+    assert group._host_read == host
+    with torch.no_grad():
+        for p, a in zip(params, after, strict=True):
+            p.fill_(a)
+    assert sampler.after_step()
+    return group.counts.clone()
+
+
+def _boundary_cases() -> tuple[list[float], list[float], list[float | None]]:
+    """(before, after, gradient) triples at the boundaries of what bf16 and fp16 keep."""
+    rows: list[tuple[float, float, float | None]] = []
+    for w in (
+        1.0,
+        -1.0,
+        3.0,
+        2.0**-14,
+        2.0**-20,
+        5.96e-8,
+        1000.0,
+        65504.0,
+        65519.0,
+        65520.0,
+        1e30,
+        0.0,
+        -0.0,
+    ):
+        for d in (
+            2.0**-8,
+            2.0**-7,
+            2.0**-11,
+            2.0**-10,
+            2.0**-24,
+            2.0**-25,
+            2.0**-30,
+            3 * 2.0**-9,
+            16.0,
+            32.0,
+        ):
+            for sign in (1.0, -1.0):
+                rows.append((w, w + sign * d * max(abs(w), 2.0**-14), 1.0))
+        rows.append((w, w, 1.0))  # intended, did not move
+        rows.append((w, w, 0.0))  # nothing meant, nothing moved
+        rows.append((w, w, -0.0))
+        rows.append((w, w, None))
+        rows.append((w, w, math.nan))
+        rows.append((w, -w, 0.0))  # moved without a gradient (weight decay)
+    for w, a in (
+        (math.inf, math.inf),
+        (1.0, math.inf),
+        (math.nan, math.nan),
+        (1.0, math.nan),
+        (-math.inf, 0.0),
+    ):
+        rows.append((w, a, 1.0))
+    before, after, grads = zip(*rows, strict=True)
+    return list(before), list(after), list(grads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_the_kernels_update_counts_are_the_torch_paths_at_the_rounding_boundaries(dtype: torch.dtype) -> None:
+    before, after, grads = _boundary_cases()
+    host = _run(before, after, grads, dtype, host=True)
+    torch_path = _run(before, after, grads, dtype, host=False)
+    assert torch.equal(host, torch_path)
+    # the boundaries are hit: some updates are lost in each format, some kept, some not meant
+    for col in (1, 2, 3):
+        assert 0 < int(host[:, col].sum()) < len(before)
+
+
+def test_the_kernels_update_counts_match_hand_computed_flags() -> None:
+    """fp32 weights at 1.0: bf16 keeps steps of 2^-7 (2^-8 is a tie, to even: lost), fp16 of 2^-10 (2^-11
+    lost, 3 * 2^-11 rounds to 2^-9: kept); 2^-30 does not even land in fp32 (intended, stuck: lost in both)."""
+    before = [1.0] * 6
+    after = [1.0 + 2.0**-8, 1.0 + 2.0**-7, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, 1.0 + 2.0**-30, 1.0]
+    grads: list[float | None] = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    counts = _run(before, after, grads, torch.float32, host=True)
+    assert counts[:, 0].tolist() == [1] * 6
+    assert counts[:, 1].tolist() == [0, 0, 0, 0, 0, 1]  # the last: nothing meant, nothing moved
+    assert counts[:, 2].tolist() == [1, 0, 1, 1, 1, 0]  # lost in bf16
+    assert counts[:, 3].tolist() == [0, 0, 1, 0, 1, 0]  # lost in fp16
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_the_kernels_update_counts_are_the_torch_paths_on_random_values(dtype: torch.dtype) -> None:
+    """Weights across every binade fp16 has and beyond, updates of a few quarter spacings of bf16 or fp16 at the
+    weight (ties among them) and random ones, gradients zero for a third."""
+    rng = np.random.default_rng(0)
+    n = 3000
+    w = rng.choice([-1.0, 1.0], n) * np.exp2(rng.uniform(-27, 18, n)) * (1 + rng.integers(0, 8, n) / 8)
+    spacing = np.exp2(np.floor(np.log2(np.abs(w))) - np.where(rng.random(n) < 0.5, 7, 10))
+    delta = np.where(rng.random(n) < 0.8, rng.integers(-6, 7, n) * spacing / 4, rng.normal(0, 1, n) * spacing)
+    after = (w.astype(np.float32) + delta.astype(np.float32)).astype(np.float64)
+    grads: list[float | None] = [0.0 if r < 0.33 else 1.0 for r in rng.random(n)]
+    host = _run(w.tolist(), after.tolist(), grads, dtype, host=True)
+    assert torch.equal(host, _run(w.tolist(), after.tolist(), grads, dtype, host=False))
+    assert 0 < int(host[:, 2].sum()) < n and 0 < int(host[:, 3].sum()) < n
+
+
+def test_the_kernel_reads_strided_samples_of_whole_layers_like_the_torch_path() -> None:
+    """A real optimizer step on a small model (several samples per parameter, a bf16 copy of the weights held
+    in bf16, a parameter without gradient): the same counts both ways."""
+    torch.manual_seed(0)
+    counts = []
+    for host in (True, False):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = nn.Sequential(nn.Linear(40, 30), nn.GELU(), nn.Linear(30, 5), nn.Linear(5, 5)).to(dtype)
+            model.load_state_dict({k: v.to(dtype) for k, v in _reference_state().items()})
+            params = list(model.named_parameters())
+            slots = [_ParamSlot("m", n, p, -1, -1) for n, p in params]
+            sampler = UpdateSampler(slots, 16, torch.device("cpu"))
+            (group,) = sampler._groups
+            if not host:
+                group._host = None
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+            for _ in range(3):
+                model[:3](torch.ones(8, 40, dtype=dtype)).float().square().mean().backward()
+                sampler.before_step()
+                assert group._host_read == host
+                opt.step()
+                assert sampler.after_step()
+                opt.zero_grad()
+            counts.append(group.counts.clone())
+    assert torch.equal(counts[0], counts[2]) and torch.equal(counts[1], counts[3])
+    assert int(counts[1][:, 2].sum()) > 0  # bf16 weights lose updates
+
+
+def _reference_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    shapes = {"0.weight": (30, 40), "0.bias": (30,), "2.weight": (5, 30), "2.bias": (5,), "3.weight": (5, 5)}
+    state = {k: torch.randn(s, generator=g) * 0.1 for k, s in shapes.items()}
+    state["3.bias"] = torch.zeros(5)
+    return state
+
+
+def test_a_parameter_the_kernel_cannot_read_in_place_takes_the_torch_path() -> None:
+    """A non-contiguous weight, a non-contiguous gradient, or a weight given new storage during the step: the
+    torch path counts that step, and the counts are what it would have counted."""
+    torch.manual_seed(0)
+
+    def step(case: str, host: bool) -> torch.Tensor:
+        lin = nn.Linear(6, 4)
+        with torch.no_grad():
+            lin.weight.copy_(torch.arange(24.0).reshape(4, 6) / 7)
+            lin.bias.copy_(torch.arange(4.0) / 3)
+        if case == "transposed weight":
+            lin.weight.data = lin.weight.data.t().contiguous().t()
+        slots = [_ParamSlot("lin", n, p, -1, -1) for n, p in lin.named_parameters()]
+        sampler = UpdateSampler(slots, 8, torch.device("cpu"))
+        (group,) = sampler._groups
+        if not host:
+            group._host = None
+        lin.weight.grad = torch.ones(4, 6) * (torch.arange(24).reshape(4, 6) % 3 == 0)
+        lin.bias.grad = torch.ones(4)
+        if case == "transposed gradient":
+            lin.weight.grad = lin.weight.grad.t().contiguous().t()
+        sampler.before_step()
+        assert group._host_read == (host and case in ("plain", "new storage"))
+        with torch.no_grad():
+            if case == "new storage":
+                lin.weight.data = lin.weight.data + 2.0**-9
+            else:
+                lin.weight.add_(2.0**-9)
+            lin.bias.sub_(1.0)
+        assert sampler.after_step()
+        return group.counts.clone()
+
+    for case in ("plain", "transposed weight", "transposed gradient", "new storage"):
+        assert torch.equal(step(case, True), step(case, False)), case
