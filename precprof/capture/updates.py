@@ -61,7 +61,7 @@ class _HostSamples:
         self.intended = np.zeros(total, dtype=np.uint8)
         self._held: list[int] | None = None  # the members' data pointers the arrays were made for
 
-    def _params(self, tensors: list[torch.Tensor]) -> bool:
+    def _params(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Point at the members' data now; False when one cannot be read in place."""
         try:
             ptrs = list(map(torch.Tensor.data_ptr, tensors))
@@ -70,23 +70,23 @@ class _HostSamples:
         if ptrs == self._held:
             return True
         self._held = None
-        codes = [_HOST_DTYPES.get(t.dtype) for t in tensors]
-        if any(c is None for c in codes) or not all(type(t) in _PLAIN and t.is_contiguous() for t in tensors):
+        codes = [_HOST_DTYPES.get(t.dtype, -1) for t in tensors]
+        if -1 in codes or not all(type(t) in _PLAIN and t.is_contiguous() for t in tensors):
             return False
         self.ptrs[:] = ptrs
         self.dtypes[:] = codes
         self._held = ptrs
         return True
 
-    def read_before(self, tensors: list[torch.Tensor]) -> bool:
+    def read_before(self, tensors: Sequence[torch.Tensor]) -> bool:
         """The samples and whether each one's gradient is nonzero, before the optimizer step."""
         if not self._params(tensors):
             return False
-        grads = [t.grad for t in tensors]
+        maybe = [t.grad for t in tensors]
         gp = self.grad_ptrs
-        at = [i for i, g in enumerate(grads) if g is not None]  # (``None in grads`` would compare tensors)
-        if len(at) < len(grads):
-            grads = [grads[i] for i in at]
+        at = [i for i, g in enumerate(maybe) if g is not None]  # (``None in`` would compare tensors)
+        grads: list[torch.Tensor] = [g for g in maybe if g is not None] if len(at) < self.k else maybe  # type: ignore[assignment]
+        if len(at) < self.k:
             gp[:] = 0
         # a gradient has its parameter's dtype and device (torch checks both when it is set)
         if not (set(map(type, grads)) <= _PLAIN_SET and all(map(torch.Tensor.is_contiguous, grads))):
@@ -102,7 +102,7 @@ class _HostSamples:
         )
         return True
 
-    def classify(self, tensors: list[torch.Tensor], held_bf16: bool, counts: torch.Tensor) -> bool:
+    def classify(self, tensors: Sequence[torch.Tensor], held_bf16: bool, counts: torch.Tensor) -> bool:
         """Add the step's updates into ``counts`` ([members, 4] int64, contiguous, on the CPU)."""
         if not self._params(tensors):
             return False
