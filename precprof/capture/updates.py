@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -85,7 +85,7 @@ class _HostSamples:
         maybe = [t.grad for t in tensors]
         gp = self.grad_ptrs
         at = [i for i, g in enumerate(maybe) if g is not None]  # (``None in`` would compare tensors)
-        grads: list[torch.Tensor] = [g for g in maybe if g is not None] if len(at) < self.k else maybe  # type: ignore[assignment]
+        grads = [g for g in maybe if g is not None] if len(at) < self.k else cast(list[torch.Tensor], maybe)
         if len(at) < self.k:
             gp[:] = 0
         # a gradient has its parameter's dtype and device (torch checks both when it is set)
