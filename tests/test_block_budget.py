@@ -9,7 +9,7 @@ from torch import nn
 
 from precprof import tables as T
 from precprof.capture import Profiler
-from precprof.capture.block_budget import BlockBudget, TimerCalibration, is_control
+from precprof.capture.block_budget import PRIOR_FACTOR, BlockBudget, TimerCalibration, is_control
 from precprof.report.environment import block_setting as _block_setting
 
 
@@ -102,7 +102,13 @@ def test_the_timer_is_scaled_by_what_evaluating_steps_add_over_controls() -> Non
     assert _calibrated([("e", 0.110, 0.001), ("c", 0.100, 0)] * 3 + [("e", 0.110, 0.001)]).factor == 1.0
     # local ratios that disagree (a shared machine) leave the factor as it was
     cal = _calibrated(three)
-    for control_s in (0.050, 0.150, 0.050, 0.150, 0.050):  # controls 50 ms either side of the steps around them
+    for control_s in (
+        0.050,
+        0.150,
+        0.050,
+        0.150,
+        0.050,
+    ):  # controls 50 ms either side of the steps around them
         cal.control(control_s, memory=False)
         cal.evaluated(0.121, 0.010, memory=False)
     assert cal.factor == pytest.approx(2.0, abs=0.11)
@@ -111,6 +117,46 @@ def test_the_timer_is_scaled_by_what_evaluating_steps_add_over_controls() -> Non
     plain = b.estimate(0.121, 0.010, 0.5)
     scaled = b.estimate(0.121, 0.020, 0.5)
     assert plain is not None and scaled is not None and scaled > 2 * plain
+
+
+def test_until_the_controls_agree_the_timer_is_scaled_by_the_devices_prior() -> None:
+    """On the CPU the timer's reading starts scaled by what the controls found there (``PRIOR_FACTOR``): at 1
+    a 10% budget let the what-if add 17-19% wherever the step times varied too much to calibrate. Controls that
+    agree replace it (lower too); ones that disagree leave it; a device with no measured prior starts at 1."""
+    cal = TimerCalibration()
+    cal.use_prior("cpu")
+    assert cal.factor == PRIOR_FACTOR["cpu"] == 2.0
+    # local ratios 7.1, 2.1, -2.9, 5.1 and -0.9: their median deviation is 3
+    noisy = [s for c in (0.050, 0.100, 0.150, 0.070, 0.130) for s in (("e", 0.121, 0.010), ("c", c, 0))]
+    noisy.append(("e", 0.121, 0.010))
+    for kind, step_s, block_s in noisy:
+        if kind == "c":
+            cal.control(step_s, memory=False)
+        else:
+            cal.evaluated(step_s, block_s, memory=False)
+    assert cal.factor == 2.0  # disagreeing controls say nothing
+    told = TimerCalibration()
+    told.use_prior("cpu")
+    for kind, step_s, block_s in [("e", 0.1115, 0.010), ("c", 0.100, 0)] * 3 + [("e", 0.1115, 0.010)]:
+        if kind == "c":
+            told.control(step_s, memory=False)
+        else:
+            told.evaluated(step_s, block_s, memory=False)
+    assert told.factor == pytest.approx(1.15)
+    told.use_prior("cpu")  # a re-attach keeps what the controls told
+    assert told.factor == pytest.approx(1.15)
+    cuda = TimerCalibration()
+    cuda.use_prior("cuda")
+    assert cuda.factor == 1.0
+    # the Profiler gives its deal the model's device at attach; the summary and the report say whose factor it is
+    with Profiler(nn.Linear(4, 4), sample_every=1) as prof:
+        assert prof._blocks.calibration.factor == PRIOR_FACTOR["cpu"]
+    desc = prof._blocks.describe()
+    assert desc["timer_factor"] == 2.0 and desc["timer_factor_measured"] is False
+    desc["control_steps"] = 3
+    assert "too uneven to tell: its timer's reading taken 2.0 times" in _block_setting(desc)
+    desc["timer_factor_measured"] = True
+    assert "2.0 times what its own timer reads" in _block_setting(desc)
 
 
 def test_control_steps_are_the_3rd_the_5th_and_one_in_8() -> None:

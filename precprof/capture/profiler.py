@@ -324,7 +324,7 @@ class Profiler(ProfilerResults):
             background=self._compile_beside and self._reducer is None,
         )
         self._open_stream()
-        self._blocks.deal(plan)
+        self._blocks.deal(plan, device_type=self._device.type)
         if self.weight_updates and self.optimizer is not None:
             # sampled where each parameter lives at the step (one group per device: an offloaded layer on the
             # CPU, the rest on the GPU); a parameter on ``meta`` has no data and is not sampled

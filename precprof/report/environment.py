@@ -489,7 +489,12 @@ def block_setting(v: Any) -> str:
             " the what-if adds"
         )
         if isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 1:
-            out += f": {factor:.1f} times what its own timer reads"
+            if v.get("timer_factor_measured", True):
+                out += f": {factor:.1f} times what its own timer reads"
+            else:  # the controls' times spread too widely to tell: the device's prior
+                out += (
+                    f" (too uneven to tell: its timer's reading taken {factor:.1f} times, as on such devices)"
+                )
     return out + _coverage(v)
 
 
