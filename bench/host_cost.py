@@ -11,10 +11,11 @@ all alike); means of the timed steps:
   baseline     no profiler
   unsampled    attached, no step sampled (``sample_every`` larger than the run)
   sampled      every step sampled, the Profiler's defaults (memory measured on 1 sampled step in 4,
-               ``memory_every``)
+               ``memory_every``; the block what-if's groups adapted to its budget)
+  -blocks      ... without the block-format what-if (``block_formats=False``)
+  fixed deal   every step sampled, the layers dealt into ``FIXED`` (3) block groups, as in each of:
   memory each  ... with memory measured on every sampled step (``memory_every=1``): what a sampled step
                that measures memory costs
-  -blocks      ... without the block-format what-if (``block_formats=False``)
   -memory      ... without memory tracking (``memory=False``)
   -updates     ... without the weight-update sample (``weight_updates=False``)
   -rows        ... with the row statistics replaced by a no-op (the hooks, lookups and bookkeeping stay)
@@ -27,8 +28,10 @@ all alike); means of the timed steps:
 A configuration's step time is the median of its steps, taken apart for the steps that measure memory and
 those that do not where a configuration has both, weighted by how many of each it ran (the mean of a
 schedule's cycle, robust to the garbage collections that land in one window or another). Per part: its cost is
-``sampled - (sampled without it)``; "copy and flush" is timed inside ``Profiler.step()`` of the sampled
-configuration. The headline is ``(sampled - baseline) / inspected tensors``.
+``fixed deal - (fixed deal without it)`` (with each configuration's budget adapting, each would settle on its
+own number of groups from its own noisy steps, moving a part by a millisecond), the block what-if's
+``sampled - -blocks``; "copy and flush" is timed inside ``Profiler.step()`` of the sampled configuration. The
+headline is ``(sampled - baseline) / inspected tensors``.
 
 Clock: on the CPU the thread's own CPU time (``time.thread_time``, one torch thread): host work is what is
 measured, and a machine shared with other work (CI, a laptop) barely moves it, where wall time moved by 2x.
@@ -66,15 +69,20 @@ import precprof  # noqa: E402
 from precprof import tables as T  # noqa: E402
 from precprof.capture import Profiler  # noqa: E402
 
+# the parts other than the block what-if are measured with the layers dealt into this many groups in each of
+# their configurations (about what the budget settles on here): adapting, each configuration's budget would
+# settle on its own number of groups from its own noisy steps, and the what-if's cost would move the parts
+FIXED = 3
 CONFIGS: dict[str, dict[str, Any]] = {
     "baseline": {},
     "unsampled": {"sample_every": 10**9},
     "sampled": {"sample_every": 1},
-    "memory each": {"sample_every": 1, "memory_every": 1},
+    "fixed deal": {"sample_every": 1, "block_groups": FIXED},
+    "memory each": {"sample_every": 1, "memory_every": 1, "block_groups": FIXED},
     "-blocks": {"sample_every": 1, "block_formats": False},
-    "-memory": {"sample_every": 1, "memory": False},
-    "-updates": {"sample_every": 1, "weight_updates": False},
-    "-rows": {"sample_every": 1, "_rows_off": True},
+    "-memory": {"sample_every": 1, "memory": False, "block_groups": FIXED},
+    "-updates": {"sample_every": 1, "weight_updates": False, "block_groups": FIXED},
+    "-rows": {"sample_every": 1, "_rows_off": True, "block_groups": FIXED},
     "hooks only": {
         "sample_every": 1,
         "block_formats": False,
@@ -84,11 +92,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     "empty hooks": {"_empty_hooks": True},
 }
-PARTS = {
-    "row statistics": "-rows",
-    "block what-if": "-blocks",
-    "memory tracking (1 sampled step in 4, the default)": "-memory",
-    "weight-update sample": "-updates",
+PARTS = {  # part: (the configuration with it, the one without)
+    "row statistics": ("fixed deal", "-rows"),
+    "block what-if": ("sampled", "-blocks"),
+    "memory tracking (1 sampled step in 4, the default)": ("fixed deal", "-memory"),
+    "weight-update sample": ("fixed deal", "-updates"),
 }
 
 
@@ -242,9 +250,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parts: dict[str, Any] = {}
     if "sampled" in mean:
         added = mean["sampled"] - base_s
-        for part, cfg in PARTS.items():
-            if cfg in mean:
-                parts[part] = mean["sampled"] - mean[cfg]
+        for part, (with_it, without) in PARTS.items():
+            if with_it in mean and without in mean:
+                parts[part] = mean[with_it] - mean[without]
         parts["copy and flush (inside Profiler.step)"] = results["sampled"]["step_call_s"]
         if "memory each" in mean and "-memory" in mean:
             parts["memory tracking on a step that measures it"] = mean["memory each"] - mean["-memory"]
