@@ -504,3 +504,45 @@ def test_no_recompile_with_autocast_and_gradient_accumulation(dtype: torch.dtype
 
     plain, profiled = run(False), run(True)
     assert profiled == plain and plain[2] == 0
+
+
+def test_the_rows_that_name_a_step_are_made_once_and_follow_what_changes() -> None:
+    """``CapturePlan.order`` and the weight-update columns' names are made once while nothing changes (the
+    steps' rows share them) and made anew when the forward order or a weight's dtype changes: a step whose
+    forward skips a module records it as not called, a weight cast to bf16 is named bf16 from then on."""
+
+    class Skip(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.skip = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x) if self.skip else self.b(self.a(x))
+
+    model = Skip()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False) as prof:
+        orders = []
+        for step in range(4):
+            model.skip = step == 2
+            if step == 3:
+                model.b.weight.data = model.b.weight.data.bfloat16()
+            x = torch.randn(2, 4)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=step == 3):
+                model(x).float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            orders.append(prof._plan.order())
+            prof.step()
+    assert orders[1] is orders[0] and orders[2] is not orders[1]
+    assert orders[2]["b"] == -1 and orders[1]["b"] == orders[1]["a"] + 1 == orders[3]["b"]
+    layers = prof.tables()["layers"]
+    b = layers[layers[T.TENSOR] == T.ACTIVATION].set_index([T.STEP, T.MODULE])
+    assert (2, "b") not in b.index and b.loc[(1, "b"), T.ORDER] == orders[1]["b"]
+    wu = layers[(layers[T.TENSOR] == T.WEIGHT_UPDATE) & (layers[T.MODULE] == "b")].set_index(
+        [T.STEP, T.PARAM]
+    )
+    assert wu.loc[(2, "weight"), T.DTYPE] == "float32" and wu.loc[(3, "weight"), T.DTYPE] == "bfloat16"
+    assert wu.loc[(3, "bias"), T.DTYPE] == "float32"
+    assert wu.loc[(2, "weight"), T.ORDER] == -1 and wu.loc[(1, "weight"), T.ORDER] == orders[1]["b"]

@@ -59,15 +59,18 @@ class StepRows:
         self.calls = np.asarray(rows.calls, dtype=np.int64)[active]
         self.dtype_bits = np.asarray(rows.dtype_bits, dtype=np.int64)[active]
         wlo = held.wlo
-        used = np.flatnonzero(np.bitwise_or.reduce(held.window[active], axis=0))  # (counts are >= 0)
+        # the bins any row uses (counts are >= 0; a row that took no data holds zeros, and could only widen
+        # the range): read over every row in place, not over a copy of the active ones
+        used = np.flatnonzero(np.bitwise_or.reduce(held.window, axis=0))
         self.lo, self.hi = (wlo + int(used[0]), wlo + int(used[-1]) + 1) if len(used) else (0, 0)
         # the active rows' counts, and their nonzero bins (a row's values span a few of the bins all rows use):
-        # copies, a view would keep the whole step's array alive
+        # copies (the CPU's rows are handed over as held, and reset after this), never views
         self.counts = held.counts[active]
         window = (
             held.window[active, self.lo - wlo : self.hi - wlo].ravel() if len(used) else np.zeros(0, np.int64)
         )
-        self.bin_at = np.flatnonzero(window)  # positions in the [active, hi - lo] window, row by row
+        # positions in the [active, hi - lo] window, row by row (nonzero of a mask: 5x faster than of int64)
+        self.bin_at = np.flatnonzero(window != 0)
         self.bin_counts = window[self.bin_at]
         # positions in ``active`` of the rows with block numbers
         self.evaluated = np.flatnonzero(seen[active])
@@ -129,7 +132,7 @@ class StepRows:
         lo, hi = d["hist_used"]
         if hi <= lo:
             return cols, None
-        r_idx, bins = np.nonzero(d["hist"][:, lo:hi])
+        r_idx, bins = np.nonzero(d["hist"][:, lo:hi] != 0)
         bins += lo
         at = active[r_idx]
         hist = {

@@ -56,6 +56,9 @@ class CapturePlan:
     block_formats: bool = False
     deals: int = 0  # how many times the block groups were dealt (what a hook's cache of a group is keyed on)
     _types: dict[str, str] | None = field(default=None, repr=False, compare=False)
+    _order: tuple[list[tuple[int, int]], dict[str, int]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @classmethod
     def of(cls, model: nn.Module, module_filter: ModuleFilter, block_formats: bool) -> CapturePlan:
@@ -135,7 +138,12 @@ class CapturePlan:
         return self._types
 
     def order(self) -> dict[str, int]:
-        """Module name -> forward order in the step just recorded (-1: not called), input rows included."""
+        """Module name -> forward order in the step just recorded (-1: not called), input rows included: the
+        dictionary of the step before while no order changed (the steps' rows share it; nothing changes it)."""
+        orders = [(s.order, s.input_order) for s in self.modules]
+        if self._order is not None and self._order[0] == orders:
+            return self._order[1]
         out = {s.name: s.order for s in self.modules}
         out |= {T.input_module(s.name): s.input_order for s in self.modules if s.input >= 0}
+        self._order = (orders, out)
         return out

@@ -273,6 +273,9 @@ class UpdateSampler:
             ps.update_index = i
         self.tracked = tracked
         self.device = device
+        self._update_idx = np.array([ps.update_index for ps in tracked], dtype=np.int64)
+        # the last named columns of ``columns``: (kept, order, module types, dtypes, columns)
+        self._named: tuple[np.ndarray, Any, Any, list[torch.dtype], dict[str, Any]] | None = None
         self._placement: tuple[torch.device, ...] | None = None
         self._groups: list[_DeviceGroup] = []
         self._regroup()
@@ -342,22 +345,50 @@ class UpdateSampler:
         self, counts: Any, step: int, order: dict[str, int], module_type: dict[str, str]
     ) -> dict[str, Any] | None:
         """``weight_update`` rows of the layers table, as columns, from ``counts`` (the host counts, reduced
-        over ranks when distributed); parameters with no sampled element are left out (None: none left)."""
+        over ranks when distributed); parameters with no sampled element are left out (None: none left). The
+        columns that name the rows are made once while the same parameters, dtypes and order come back (the
+        steps' columns share them: they are read, never changed)."""
         counts = np.asarray(counts, dtype=np.int64)
-        idx = np.array([ps.update_index for ps in self.tracked], dtype=np.int64)
-        if not len(idx):
+        if not self.tracked:
             return None
-        c = counts[idx]
+        c = counts[self._update_idx]
         keep = np.flatnonzero(c[:, 0] > 0)
         if not len(keep):
             return None
-        kept = [self.tracked[i] for i in keep.tolist()]
-        n = len(kept)
-        modules = [ps.module for ps in kept]
-        cols: dict[str, Any] = {col: np.zeros(n, dtype=np.int64) for col in T.COUNT_COLUMNS}
+        named = self._named_columns(keep, order, module_type)
+        n = len(keep)
+        cols: dict[str, Any] = dict(named)
         cols.update(
             {
                 T.STEP: np.full(n, step, dtype=np.int64),
+                T.NUMEL: c[keep, 0].copy(),
+                T.ZEROS: c[keep, 1].copy(),
+                T.LOST_UPDATE_BF16: c[keep, 2].copy(),
+                T.LOST_UPDATE_FP16: c[keep, 3].copy(),
+            }
+        )
+        return cols
+
+    def _named_columns(
+        self, keep: np.ndarray, order: dict[str, int], module_type: dict[str, str]
+    ) -> dict[str, Any]:
+        """The columns of ``columns`` that are the same from step to step for the same kept parameters."""
+        dtypes = [ps.tensor.dtype for ps in self.tracked]
+        held = self._named
+        if (
+            held is not None
+            and held[1] is order
+            and held[2] is module_type
+            and held[3] == dtypes
+            and np.array_equal(held[0], keep)
+        ):
+            return held[4]
+        kept = [self.tracked[i] for i in keep.tolist()]
+        n = len(kept)
+        modules = [ps.module for ps in kept]
+        named: dict[str, Any] = {col: np.zeros(n, dtype=np.int64) for col in T.COUNT_COLUMNS}
+        named.update(
+            {
                 T.ORDER: np.array([order.get(m, -1) for m in modules], dtype=np.int64),
                 T.MODULE: modules,
                 T.MODULE_TYPE: [module_type.get(m, "") for m in modules],
@@ -365,13 +396,10 @@ class UpdateSampler:
                 T.PARAM: [ps.param for ps in kept],
                 T.DTYPE: [dtype_name(ps.tensor.dtype) for ps in kept],
                 T.CALLS: np.ones(n, dtype=np.int64),
-                T.NUMEL: c[keep, 0].copy(),
-                T.ZEROS: c[keep, 1].copy(),
                 T.ABSMAX: np.full(n, math.nan),
                 T.ABSMIN: np.full(n, math.nan),
                 T.SCALE: np.ones(n),
-                T.LOST_UPDATE_BF16: c[keep, 2].copy(),
-                T.LOST_UPDATE_FP16: c[keep, 3].copy(),
             }
         )
-        return cols
+        self._named = (keep, order, module_type, dtypes, named)
+        return named

@@ -168,9 +168,10 @@ class HostRows(_rows.Rows):
         return torch.from_numpy(out)
 
     def windowed(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """Copies of the counts ([rows, hist]) and of the histogram window ([rows, w]), and the window's first bin:
-        :meth:`dense` without its columns of zeros, for a sampled step's copy."""
-        return self._counts.copy(), self._hist.copy(), self._wlo
+        """The counts ([rows, hist]) and the histogram window ([rows, w]) as held, not copies, and the window's
+        first bin: :meth:`dense` without its columns of zeros, for a sampled step's copy, which copies what it
+        keeps (``capture.columns.StepRows``: the rows that took data) before the rows are reset."""
+        return self._counts, self._hist, self._wlo
 
     def reset_counts(self, sl: slice) -> None:
         self._counts[sl] = 0
