@@ -1036,3 +1036,23 @@ def test_rules_read_the_same_from_histograms_summed_over_steps(categorical: bool
         assert got.to_dict() == pytest.approx(by_hand)
     assert run.exponent_counts(T.WEIGHT_GRAD).to_dict() == {-20: 7.0}
     assert run.exponent_counts(T.ACTIVATION_GRAD).to_dict() == {-64: 0.0, -30: 13.0, -3: 7.0, 2: 1.0}
+
+
+def test_the_loss_change_is_told_only_from_a_finite_first_loss() -> None:
+    """The fp16 finding's "the loss did not move" reads the change from the first recorded loss to the last; a
+    run whose first loss is inf says nothing (inf - inf is no change to report), one that ends in inf moved."""
+    from dataclasses import replace
+
+    from precprof.analysis.advisor.evidence import _Run
+    from precprof.analysis.advisor.rules.fp16 import _loss_change
+
+    def run(losses: list[float]) -> _Run:
+        empty = pd.DataFrame()
+        steps = pd.DataFrame({T.STEP: range(len(losses)), T.LOSS: losses})
+        base = _Run(empty, empty, steps, {}, preset("h100"), False, AdvisorConfig())
+        return replace(base, steps=steps)
+
+    assert _loss_change(run([2.0, float("nan"), 1.0])) == -0.5
+    assert _loss_change(run([math.inf, 1.0, math.inf])) is None
+    assert _loss_change(run([1.0, math.inf])) == math.inf
+    assert _loss_change(run([0.0, 1.0])) is None and _loss_change(run([1.0])) is None

@@ -448,8 +448,9 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
 
 
 def _loss_change(run: _Run) -> float | None:
-    """The relative change of the loss from the first to the last recorded step (None with fewer than two)."""
+    """The relative change of the loss from the first to the last recorded step (None with fewer than two, or
+    where the first is not finite: no change can be told from it)."""
     loss = run.steps[T.LOSS].dropna() if T.LOSS in run.steps else None
-    if loss is None or len(loss) < 2 or not loss.iloc[0]:
+    if loss is None or len(loss) < 2 or not loss.iloc[0] or not math.isfinite(loss.iloc[0]):
         return None
     return float((loss.iloc[-1] - loss.iloc[0]) / abs(loss.iloc[0]))
