@@ -7,6 +7,7 @@ When torch changes one of these, this is the one file to update; every function 
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -286,9 +287,7 @@ def add_grad_hook(t: torch.Tensor, hook_id: int, hook: Any) -> None:
         t.register_hook(hook)
         return
     hooks = t._backward_hooks
-    if hooks is None:
-        from collections import OrderedDict
-
+    if hooks is None:  # (OrderedDict imported once, at module level: an import per output cost 0.3 us)
         t._backward_hooks = hooks = OrderedDict()
         fn = t.grad_fn
         if fn is not None:
@@ -347,8 +346,6 @@ class HookSet:
         for p, hook in self._params:
             hooks = p._post_accumulate_grad_hooks
             if hooks is None:
-                from collections import OrderedDict
-
                 hooks = p._post_accumulate_grad_hooks = OrderedDict()
             hooks[next(ids)] = hook
 
