@@ -9,7 +9,7 @@ from torch import nn
 
 from precprof import tables as T
 from precprof.capture import Profiler
-from precprof.capture.block_budget import PRIOR_FACTOR, BlockBudget, TimerCalibration, is_control
+from precprof.capture.block_budget import MAX_FACTOR, PRIOR_CALL_S, BlockBudget, TimerCalibration, is_control
 from precprof.report.environment import block_setting as _block_setting
 
 
@@ -119,13 +119,19 @@ def test_the_timer_is_scaled_by_what_evaluating_steps_add_over_controls() -> Non
     assert plain is not None and scaled is not None and scaled > 2 * plain
 
 
-def test_until_the_controls_agree_the_timer_is_scaled_by_the_devices_prior() -> None:
-    """On the CPU the timer's reading starts scaled by what the controls found there (``PRIOR_FACTOR``): at 1
-    a 10% budget let the what-if add 17-19% wherever the step times varied too much to calibrate. Controls that
-    agree replace it (lower too); ones that disagree leave it; a device with no measured prior starts at 1."""
+def test_until_the_controls_agree_each_call_the_timer_read_adds_the_devices_prior() -> None:
+    """On the CPU each call the timer read is taken to add ``PRIOR_CALL_S`` beyond its reading until the controls
+    tell: at a factor of 1 a 10% budget let the what-if of tiny layers add 17-19% (calls of about 15 us, as many
+    again around them), while a flat factor of 2 halved what a larger model's few long calls covered. Controls
+    that agree replace it (lower too); ones that disagree leave it; a device with no measured prior counts 1."""
     cal = TimerCalibration()
     cal.use_prior("cpu")
-    assert cal.factor == PRIOR_FACTOR["cpu"] == 2.0
+    per_call = PRIOR_CALL_S["cpu"]
+    assert cal.factor_for(67 * per_call, 67) == pytest.approx(2.0)  # tiny layers: calls as long as the prior
+    assert cal.factor_for(0.040, 12) == pytest.approx(1.0 + 12 * per_call / 0.040)  # gpt-mini: 1.0045
+    assert cal.factor_for(1e-4, 100) == MAX_FACTOR
+    assert cal.factor_for(0.0, 0) == MAX_FACTOR  # nothing read: the last factor stays
+    cal.factor_for(67 * per_call, 67)
     # local ratios 7.1, 2.1, -2.9, 5.1 and -0.9: their median deviation is 3
     noisy = [s for c in (0.050, 0.100, 0.150, 0.070, 0.130) for s in (("e", 0.121, 0.010), ("c", c, 0))]
     noisy.append(("e", 0.121, 0.010))
@@ -134,7 +140,7 @@ def test_until_the_controls_agree_the_timer_is_scaled_by_the_devices_prior() -> 
             cal.control(step_s, memory=False)
         else:
             cal.evaluated(step_s, block_s, memory=False)
-    assert cal.factor == 2.0  # disagreeing controls say nothing
+    assert not cal.told and cal.factor == pytest.approx(2.0)  # disagreeing controls say nothing
     told = TimerCalibration()
     told.use_prior("cpu")
     for kind, step_s, block_s in [("e", 0.1115, 0.010), ("c", 0.100, 0)] * 3 + [("e", 0.1115, 0.010)]:
@@ -142,18 +148,17 @@ def test_until_the_controls_agree_the_timer_is_scaled_by_the_devices_prior() -> 
             told.control(step_s, memory=False)
         else:
             told.evaluated(step_s, block_s, memory=False)
-    assert told.factor == pytest.approx(1.15)
-    told.use_prior("cpu")  # a re-attach keeps what the controls told
-    assert told.factor == pytest.approx(1.15)
+    assert told.told and told.factor == pytest.approx(1.15)
+    assert told.factor_for(1e-4, 100) == pytest.approx(1.15)  # the controls' factor, whatever the calls
     cuda = TimerCalibration()
     cuda.use_prior("cuda")
-    assert cuda.factor == 1.0
-    # the Profiler gives its deal the model's device at attach; the summary and the report say whose factor it is
-    with Profiler(nn.Linear(4, 4), sample_every=1) as prof:
-        assert prof._blocks.calibration.factor == PRIOR_FACTOR["cpu"]
+    assert cuda.factor_for(1e-4, 100) == 1.0
+    # the Profiler gives its deal the model's device at attach and the timer's calls after each sampled step;
+    # the summary and the report say whose factor it is
+    prof = _run(3, block_budget=0.1)
     desc = prof._blocks.describe()
-    assert desc["timer_factor"] == 2.0 and desc["timer_factor_measured"] is False
-    desc["control_steps"] = 3
+    assert desc["timer_factor_measured"] is False and 1.0 < desc["timer_factor"] <= MAX_FACTOR
+    desc["control_steps"], desc["timer_factor"] = 3, 2.0
     assert "too uneven to tell: its timer's reading taken 2.0 times" in _block_setting(desc)
     desc["timer_factor_measured"] = True
     assert "2.0 times what its own timer reads" in _block_setting(desc)

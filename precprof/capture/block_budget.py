@@ -20,8 +20,11 @@ adapting): their time is that of a sampled step without the what-if, and the eva
 around each control, is what the what-if really added. The timer's readings are scaled by the median of those
 ratios over their timer's (at least 1, at most ``MAX_FACTOR``), compared like with like (steps that measure
 memory with steps that do), once the ratios agree well enough to tell. Until they do (a machine whose step
-time varies by more than the what-if's cost never tells), the readings are scaled by what the steps that did
-tell found where the timer runs (``PRIOR_FACTOR``): at 1, a CPU budget of 10% let the what-if add 17-19%.
+time varies by more than the what-if's cost never tells), each call the timer read is taken to add what the
+steps that did tell found a call adds beyond its reading where the timer runs (``PRIOR_CALL_S``): a cost per
+call, so that thousands of tiny tensors count it and a few large ones barely do (at a factor of 1, a CPU
+budget of 10% let the what-if of tiny layers add 17-19%; a flat factor of 2 halved the layers a larger model
+evaluated, where the controls that told found 1.0).
 """
 
 from __future__ import annotations
@@ -45,9 +48,11 @@ CALIBRATION_WINDOW = 8  # about this many recent controls calibrate
 MIN_TIMED_SHARE = 0.02
 MAX_FACTOR = 3.0  # the most the timer's reading is scaled by
 MAX_SPREAD = 0.5  # the local ratios' median deviation beyond which they do not calibrate
-# the factor before the controls agree, per device type: on the CPU the runs of bench/host_cost.py steady enough
-# to calibrate found 1.1 to 3.0 (median about 1.9, 2026-11-27); on CUDA it is not measured yet
-PRIOR_FACTOR = {"cpu": 2.0}
+# before the controls agree, what a call of the what-if adds to a step beyond what the timer read of it, per
+# device type: on the CPU the runs of bench/host_cost.py steady enough to calibrate found factors of 1.1 to 3.0
+# (median about 1.9, 2026-11-27) on calls the timer read at 14-17 us each, so about 15 us a call; on gpt-mini
+# (bench/overhead.py, 12 calls of about 4 ms) they found 1.0. On CUDA it is not measured yet.
+PRIOR_CALL_S = {"cpu": 15e-6}
 
 
 def is_control(k: int) -> bool:
@@ -70,17 +75,24 @@ class TimerCalibration:
         )
         self._factor = 1.0
         self._told = False  # the controls agreed once: the factor is theirs
+        self._per_call = 0.0  # the prior: seconds a call adds beyond the timer's reading
 
     @property
     def told(self) -> bool:
-        """Whether the factor is the controls' (else the prior)."""
+        """Whether the factor is the controls' (else the prior's)."""
         return self._told
 
     def use_prior(self, device_type: str) -> None:
-        """Start from the factor such steps found where the timer runs (``PRIOR_FACTOR``; 1 where none was
-        measured), unless the controls have told already."""
-        if not self._told:
-            self._factor = PRIOR_FACTOR.get(device_type, 1.0)
+        """Until the controls tell, take each call to add what such steps found a call adds where the timer
+        runs (``PRIOR_CALL_S``; nothing where none was measured)."""
+        self._per_call = PRIOR_CALL_S.get(device_type, 0.0)
+
+    def factor_for(self, block_s: float, calls: int) -> float:
+        """The factor for a step whose timer read ``block_s`` over ``calls`` calls: the controls' once they
+        told, else ``1 + calls * PRIOR_CALL_S / block_s`` (at most ``MAX_FACTOR``), kept as :attr:`factor`."""
+        if not self._told and block_s > 0:
+            self._factor = min(MAX_FACTOR, 1.0 + calls * self._per_call / block_s)
+        return self._factor
 
     def control(self, step_s: float, memory: bool) -> None:
         if math.isfinite(step_s) and step_s > 0:
@@ -107,7 +119,8 @@ class TimerCalibration:
     def factor(self) -> float:
         """Seconds a sampled step gains per second the timer read: the median over recent controls of (their
         neighbours' mean time - theirs) / their neighbours' mean timer reading, within [1, ``MAX_FACTOR``]; the
-        prior (``use_prior``; 1 without one) until three controls with a neighbour on each side agree."""
+        prior's for the last step (:meth:`factor_for`; 1 without one) until three controls with a neighbour on
+        each side agree."""
         return self._factor
 
     def _update(self) -> None:
@@ -263,12 +276,20 @@ class BlockDeal:
         return out
 
     def adapt(
-        self, plan: Any, step: int, step_s: float, block_s: float, mean: Any = None, memory: bool = False
+        self,
+        plan: Any,
+        step: int,
+        step_s: float,
+        block_s: float,
+        mean: Any = None,
+        memory: bool = False,
+        calls: int = 0,
     ) -> None:
         """After a sampled step's host copy: from what its what-if cost (``block_s`` of ``step_s``, as its
         timer read it, scaled by the calibration), re-deal the layers when the budget asks for another number of
         groups. ``mean``: turns one rank's estimate into the mean over ranks (a collective), so that every rank
-        deals alike. ``memory``: the step measured memory (the calibration compares steps of the same kind)."""
+        deals alike. ``memory``: the step measured memory (the calibration compares steps of the same kind);
+        ``calls``: how many calls the timer read (the calibration's prior counts them)."""
         if not self.budget.adaptive:
             return
         if self.turn == CONTROL_TURN:  # the same steps on every rank: no collective skipped on one alone
@@ -278,7 +299,7 @@ class BlockDeal:
             self.calibration.evaluated(step_s, block_s, memory)
         total = sum(self.loads)
         share = self.loads[self.turn] / total if total else 0.0
-        ratio = self.budget.estimate(step_s, block_s * self.calibration.factor, share)
+        ratio = self.budget.estimate(step_s, block_s * self.calibration.factor_for(block_s, calls), share)
         if mean is not None:
             ratio = mean(ratio)
         if self.budget.observe(step, ratio):

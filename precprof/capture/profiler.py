@@ -49,7 +49,7 @@ from precprof.capture.memory_tracker import MemoryTracker
 from precprof.capture.plan import CapturePlan, ModuleFilter, selected
 from precprof.capture.recorded import Recorded
 from precprof.capture.records import MAX_PENDING_STEPS, RowInfo, _ModuleSlot, _PendingStep
-from precprof.capture.reducer import RankReducer
+from precprof.capture.reducer import RankReducer, mean_over_ranks
 from precprof.capture.results import ProfilerResults
 from precprof.capture.sampling import DEFAULT_BUDGET, LandedValues, Sampler
 from precprof.capture.scaler import ScalerWatch
@@ -425,17 +425,10 @@ class Profiler(ProfilerResults):
         block_s = self._buffer.block_timer.read_s()  # the device finished this step's work at the copy
         if not self._block_formats:
             return
-        reducer, device = self._reducer, self._device
-
-        def mean(ratio: float | None) -> float | None:
-            # every rank must deal alike: the mean of the ranks' estimates (a rank without one counts 0)
-            t = torch.tensor([ratio or 0.0, ratio is not None], dtype=torch.float64, device=device)
-            total, n = reducer.reduce_sum(t).cpu().tolist()
-            return total / n if n else None
-
-        schedule = getattr(self._tracker, "schedule", None)
+        schedule, calls = getattr(self._tracker, "schedule", None), self._buffer.block_timer.last_calls
         memory = bool(schedule is not None and schedule.measuring)
-        self._blocks.adapt(self._plan, step, step_s, block_s, mean if reducer is not None else None, memory)
+        mean = None if self._reducer is None else mean_over_ranks(self._reducer, self._device)
+        self._blocks.adapt(self._plan, step, step_s, block_s, mean, memory, calls)
 
     # ----------------------------------------------------------------------------------------- steps
     def _begin_step(self) -> None:

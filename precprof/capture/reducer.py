@@ -39,7 +39,7 @@ and every rank would hang); it reduces its own rows only and says so.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -451,3 +451,15 @@ class RankReducer:
         if self._local_only_reason:
             info["local_only"] = self._local_only_reason
         return info
+
+
+def mean_over_ranks(reducer: Any, device: torch.device) -> Callable[[float | None], float | None]:
+    """A function of one rank's number (None: it has none) that returns the mean over the ranks that have one
+    (None where no rank has): a collective, so that every rank decides alike (the block budget's deal)."""
+
+    def mean(value: float | None) -> float | None:
+        t = torch.tensor([value or 0.0, value is not None], dtype=torch.float64, device=device)
+        total, n = reducer.reduce_sum(t).cpu().tolist()
+        return total / n if n else None
+
+    return mean

@@ -488,13 +488,11 @@ def block_setting(v: Any) -> str:
             f"; {F.count(controls)} sampled step{'s' if controls > 1 else ''} evaluated none, to measure what"
             " the what-if adds"
         )
-        if isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 1:
+        if isinstance(factor, (int, float)) and math.isfinite(factor) and round(factor, 1) > 1:  # as shown
             if v.get("timer_factor_measured", True):
                 out += f": {factor:.1f} times what its own timer reads"
-            else:  # the controls' times spread too widely to tell: the device's prior
-                out += (
-                    f" (too uneven to tell: its timer's reading taken {factor:.1f} times, as on such devices)"
-                )
+            else:  # the controls' times spread too widely to tell: the device's prior per call
+                out += f" (too uneven to tell: its timer's reading taken {factor:.1f} times, for what a call adds here)"
     return out + _coverage(v)
 
 

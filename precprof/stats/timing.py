@@ -16,15 +16,19 @@ import torch
 
 
 class WorkTimer:
-    """Seconds spent inside :meth:`timing` since the last :meth:`read_s`, on the host or the device."""
+    """Seconds spent inside :meth:`timing` since the last :meth:`read_s`, on the host or the device, and how
+    many calls took them."""
 
     def __init__(self) -> None:
         self._host_s = 0.0
         self._events: list[tuple[Any, Any]] = []
+        self._calls = 0
+        self.last_calls = 0  # the calls timed before the last :meth:`read_s`
 
     @contextlib.contextmanager
     def timing(self, device: torch.device) -> Iterator[None]:
         """Time the work in the ``with`` block, queued on ``device``'s current stream. Never syncs."""
+        self._calls += 1
         if device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
@@ -47,6 +51,7 @@ class WorkTimer:
         if device.type == "cuda":
             with self.timing(device):
                 return fn(*args)
+        self._calls += 1
         t0 = time.perf_counter()
         try:
             return fn(*args)
@@ -54,8 +59,9 @@ class WorkTimer:
             self._host_s += time.perf_counter() - t0
 
     def add_host_s(self, seconds: float) -> None:
-        """Add host seconds its caller timed itself (around more than one call)."""
+        """Add host seconds its caller timed itself around one call."""
         self._host_s += seconds
+        self._calls += 1
 
     def read_s(self) -> float:
         """The seconds timed since the last read, and start again. Call after the device finished the work (the
@@ -63,4 +69,5 @@ class WorkTimer:
         total = self._host_s + sum(s.elapsed_time(e) for s, e in self._events) / 1e3
         self._host_s = 0.0
         self._events.clear()
+        self.last_calls, self._calls = self._calls, 0
         return total
