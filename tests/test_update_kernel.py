@@ -174,8 +174,9 @@ def _reference_state() -> dict[str, torch.Tensor]:
 
 
 def test_a_parameter_the_kernel_cannot_read_in_place_takes_the_torch_path() -> None:
-    """A non-contiguous weight, a non-contiguous gradient, or a weight given new storage during the step: the
-    torch path counts that step, and the counts are what it would have counted."""
+    """A non-contiguous weight, a non-contiguous gradient, a gradient of another dtype than its weight, or a
+    weight given new storage during the step: the torch path counts that step, and the counts are what it
+    would have counted."""
     torch.manual_seed(0)
 
     def step(case: str, host: bool) -> torch.Tensor:
@@ -194,6 +195,8 @@ def test_a_parameter_the_kernel_cannot_read_in_place_takes_the_torch_path() -> N
         lin.bias.grad = torch.ones(4)
         if case == "transposed gradient":
             lin.weight.grad = lin.weight.grad.t().contiguous().t()
+        if case == "bf16 gradient":  # (``.data`` lets a gradient's dtype differ from its parameter's)
+            lin.weight.grad.data = lin.weight.grad.data.bfloat16()
         sampler.before_step()
         assert group._host_read == (host and case in ("plain", "new storage"))
         with torch.no_grad():
@@ -205,5 +208,5 @@ def test_a_parameter_the_kernel_cannot_read_in_place_takes_the_torch_path() -> N
         assert sampler.after_step()
         return group.counts.clone()
 
-    for case in ("plain", "transposed weight", "transposed gradient", "new storage"):
+    for case in ("plain", "transposed weight", "transposed gradient", "bf16 gradient", "new storage"):
         assert torch.equal(step(case, True), step(case, False)), case

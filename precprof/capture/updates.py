@@ -60,6 +60,7 @@ class _HostSamples:
         self.before = np.zeros(total, dtype=np.float32)
         self.intended = np.zeros(total, dtype=np.uint8)
         self._held: list[int] | None = None  # the members' data pointers the arrays were made for
+        self._param_dtypes: list[torch.dtype] = []
 
     def _params(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Point at the members' data now; False when one cannot be read in place."""
@@ -75,6 +76,7 @@ class _HostSamples:
             return False
         self.ptrs[:] = ptrs
         self.dtypes[:] = codes
+        self._param_dtypes = [t.dtype for t in tensors]
         self._held = ptrs
         return True
 
@@ -88,8 +90,14 @@ class _HostSamples:
         grads = [g for g in maybe if g is not None] if len(at) < self.k else cast(list[torch.Tensor], maybe)
         if len(at) < self.k:
             gp[:] = 0
-        # a gradient has its parameter's dtype and device (torch checks both when it is set)
-        if not (set(map(type, grads)) <= _PLAIN_SET and all(map(torch.Tensor.is_contiguous, grads))):
+        # read with its parameter's dtype code: a gradient of another dtype (set through ``.data``) takes the
+        # torch path, as does one not laid out as its parameter (its shape and device are its parameter's)
+        dtypes = self._param_dtypes if len(at) == self.k else [self._param_dtypes[i] for i in at]
+        if not (
+            set(map(type, grads)) <= _PLAIN_SET
+            and [g.dtype for g in grads] == dtypes
+            and all(map(torch.Tensor.is_contiguous, grads))
+        ):
             return False
         if len(at) == self.k:
             gp[:] = list(map(torch.Tensor.data_ptr, grads))
