@@ -51,7 +51,7 @@ MAX_SPREAD = 0.5  # the local ratios' median deviation beyond which they do not 
 # before the controls agree, what a call of the what-if adds to a step beyond what the timer read of it, per
 # device type: on the CPU the runs of bench/host_cost.py steady enough to calibrate found factors of 1.1 to 3.0
 # (median about 1.9, 2026-11-27) on calls the timer read at 14-17 us each, so about 15 us a call; on gpt-mini
-# (bench/overhead.py, 12 calls of about 4 ms) they found 1.0. On CUDA it is not measured yet.
+# in fp32 (bench/overhead.py), whose calls read whole layers, they found 1.0. On CUDA it is not measured yet.
 PRIOR_CALL_S = {"cpu": 15e-6}
 
 
