@@ -492,7 +492,8 @@ def block_setting(v: Any) -> str:
             if v.get("timer_factor_measured", True):
                 out += f": {factor:.1f} times what its own timer reads"
             else:  # the controls' times spread too widely to tell: the device's prior per call
-                out += f" (too uneven to tell: its timer's reading taken {factor:.1f} times, for what a call adds here)"
+                taken = f"its timer's reading taken {factor:.1f} times, for what a call adds here"
+                out += f" (too uneven to tell: {taken})"
     return out + _coverage(v)
 
 

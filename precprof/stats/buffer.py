@@ -416,9 +416,9 @@ class StatsBuffer:
     def host_windowed(self) -> tuple[np.ndarray, np.ndarray, int, torch.Tensor] | None:
         """Where the CPU's rows are all there is: their counts, their histogram window (as held: the caller
         copies what it keeps before the rows are reset) and the window's first bin (``HostRows.windowed``), and
-        the block accumulator's slots (a tensor, for the step's one ``transfer.to_host``). A sampled step's copy then moves what the rows use, not a dense [rows, width]
-        array built and copied again (0.8 ms of a sampled step of 800 small tensors). None where another device
-        holds rows (``device_tensors``)."""
+        the block accumulator's slots (a tensor, for the step's one ``transfer.to_host``). A sampled step's copy
+        then moves what the rows use, not a dense [rows, width] array built and copied again (0.8 ms of a
+        sampled step of 800 small tensors). None where another device holds rows (``device_tensors``)."""
         if len(self._parts) != 1:
             return None
         (part,) = self._parts.values()
