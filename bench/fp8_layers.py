@@ -105,7 +105,9 @@ def _time(
     return first, statistics.median(times)
 
 
-def measure(k: int, n: int, m: int, fp8: bool, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    k: int, n: int, m: int, fp8: bool, device: torch.device, args: argparse.Namespace
+) -> dict[str, Any]:
     torch.manual_seed(0)
     layer = _layer(k, n, fp8, device)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -139,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             print("no CUDA device: use --dry-run on the CPU", file=sys.stderr)
             return 2
         if importlib.util.find_spec("torchao") is None:
-            print("torchao is not installed: pip install its wheel first (0.17 matches torch 2.11)", file=sys.stderr)
+            print(
+                "torchao is not installed: pip install its wheel first (0.17 matches torch 2.11)",
+                file=sys.stderr,
+            )
             return 2
     device = torch.device("cpu" if dry else "cuda")
     m = 64 if dry else args.tokens
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             rec["bf16"] = measure(k, n, m, False, device, args)
             rec["fp8"] = measure(k, n, m, not dry, device, args)
             rec["speedup"] = rec["bf16"]["time_s"] / rec["fp8"]["time_s"]
-        except Exception as exc:  # noqa: BLE001 - a shape that fails is recorded, the rest still run
+        except Exception as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
         data["shapes"].append(rec)
         print(json.dumps({k_: v for k_, v in rec.items()}), flush=True)
@@ -187,7 +192,7 @@ def _version(module: str) -> str | None:
         from importlib.metadata import version
 
         return version(module)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 

@@ -1,48 +1,75 @@
 """When FP8 pays: an estimate of the speed per-tensor (tensorwise) FP8 brings to a whole training step, from the
 GEMM shapes of its linear layers. An estimate, never a measurement of the run: the report says so.
 
-A linear layer of forward shape (M tokens, K = in_features, N = out_features) runs three GEMMs of 2 M K N FLOPs
-each (forward, input gradient, weight gradient), and in FP8 casts its input (M x K), weight (K x N) and output
-gradient (M x N): each read for its amax and written in FP8, twice for the transposes. So, in units of one
-bf16 M K N of GEMM work (6 FLOPs at bf16's rate):
+Each linear layer's forward and backward (three GEMMs, and in FP8 the casts of its input, weight and output
+gradient) was timed alone on an H200, in bf16 autocast and as torchao's ``Float8Linear``, both compiled, at 23
+shapes and 8,192 tokens a call (``LAYER_TIMES``, from ``bench/fp8_layers.py``). A step is then
 
-    a converted layer, bf16:   W = M K N
-    a converted layer, FP8:    g W + cast (M K + K N + M N)
-    the rest of the step:      rest (M K + M N) per linear layer, converted or not, unchanged by FP8
+    bf16:  the sum of its linear layers' bf16 times + rest (M K + M N) per linear layer
+    FP8:   the same, each converted layer's bf16 time replaced by its FP8 time
 
-``g`` is the FP8 GEMM's time over bf16's, 0.5 from the tensor cores' rates (989 against 1979 dense TFLOPS on an
-H100 or H200). ``cast`` is what casting one element costs; ``rest`` is what the step's other work (attention,
-norms, activations, residuals, the loss, the optimizer, the embedding: memory-bound work that grows with the
-tokens and the widths, as M K + M N does, while a GEMM grows as M K N) costs per element of a linear layer's
-input and output. A linear layer FP8 does not convert (``others``: an output head tied to its embedding, or one
-a 16 does not divide) runs its GEMMs in bf16 in both. The step's speedup is then
+``rest`` is what the step's other work (attention, norms, activations, residuals, the loss, the optimizer, the
+embedding: memory-bound work that grows with the tokens and the widths, as M K + M N does) costs per element of
+a linear layer's input and output. It is the model's one fitted constant: least squares on the bf16 times of
+the whole steps in ``MEASURED`` whose ``role`` is "fit" (three models on an H200, torch 2.11, torchao 0.17,
+compiled). A shape the table lacks takes the time per M K N of its nearest timed shapes (in log K and log N),
+and a layer of other than 8,192 tokens scales with them. FP8 is no single rate: at 8,192 tokens the large GEMMs
+ran at 1.46-1.55x in FP8, 2048 x 2048 at 0.47x (its FP8 GEMM and casts 1.43 ms against 0.67), and 1024-wide
+layers near 0.45-0.7x, so the table, not a formula of the intensity, decides.
 
-    (W_all + rest A_all) / (W_all + rest A_all - (1 - g) W_conv + cast C_conv)
+What the fit leaves: the three steps come out at 0.84x (measured 0.75x), 0.85x (0.86x) and 1.23x (1.25x), and
+gpt2-small without precprof, not fitted on, at 0.84x (0.75x). Small layers are host-bound when timed alone
+(bf16 768 x 768 takes 0.70 ms, 41 TFLOPS): their table times are floors of launch cost, not GEMM time, which
+is why gpt2-small's estimate errs by 0.09 towards FP8. "check" measurements must fall on their side of 1 and
+of the advisor's threshold (tests/test_fp8_speed.py); "reference" ones, other stacks, are reported beside it.
 
-the time in converted GEMMs FP8 saves, less its casts, over the whole step: at most 1 / (1 - share / 2), share
-being the converted GEMMs' part of a bf16 step. The converted layers on their own run at 1 / (g + cast / I), I
-the intensity M K N / (M K + K N + M N) summed over them: they gain only above I = cast / (1 - g).
-
-``cast`` takes in all FP8 adds to a converted layer, the casts' memory traffic and whatever else its kernels
-cost; ``cast`` and ``rest`` are measured: ``fit`` solves for them from the whole-step measurements in ``MEASURED``
-whose ``role`` is "fit" (gpt2-small and a Qwen2 config on an H200, torch 2.11, torchao 0.17, both compiled);
-"check" measurements must come out on their side of 1 (tests/test_fp8_speed.py); "reference" ones, other
-stacks, are reported beside the estimate, which lies below each of them. Fitted: cast = 1008 units, some 6,000
-bf16 FLOPs per element: 9 ps at the 660 TFLOPS qwen2-2048's bf16 step implies, 44 bytes of the H200's 4.8 TB/s,
-several times the 6 to 8 bytes torchao's roofline counts (torchao/testing/training/roofline_utils.py); so a
-converted layer gains only above an intensity of about 2,000 (Llama3-8B's layers lie between 745 and 2,294).
-rest = 1168 units, some 40 bytes per element of the linear layers' inputs and outputs.
+History: until 2026-11-27 the estimate had two fitted constants (a cast cost per element and ``rest``) fitted
+on gpt2-small and qwen2-2048 alone. It reproduced them by construction, and the third model, qwen2 with
+Llama3-8B's block shapes, refuted it: estimated 1.01x, measured 1.25x (``bench/results/README_h200_2026-11-27b.md``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 Shape = tuple[int, int, int]  # forward (M tokens, K = in_features, N = out_features) of one call
 
-# FP8 GEMM time over bf16's: the tensor cores' dense rates (H100 and H200: 1979 against 989 TFLOPS)
-GEMM_RATIO = 0.5
+# tokens per call of LAYER_TIMES
+TABLE_TOKENS = 8 * 1024
+# (K, N) -> (bf16, FP8) microseconds of one linear layer's forward and backward at TABLE_TOKENS tokens, fp32
+# weights, bf16 autocast against torchao 0.17 Float8Linear (tensorwise), both torch.compile'd: median of 3 x 20
+# calls timed with CUDA events on an NVIDIA H200, torch 2.11, triton 3.6
+# (bench/results/fp8_layers_nvidia-h200_2026-11-27.json)
+LAYER_TIMES: dict[tuple[int, int], tuple[float, float]] = {
+    (768, 2304): (873, 878),
+    (768, 768): (704, 1046),
+    (768, 3072): (792, 977),
+    (3072, 768): (632, 923),
+    (2048, 2048): (672, 1430),
+    (2048, 8192): (1184, 983),
+    (8192, 2048): (1296, 1027),
+    (2048, 32768): (5047, 3622),
+    (4096, 4096): (1223, 969),
+    (4096, 1024): (856, 1223),
+    (4096, 14336): (4404, 2980),
+    (14336, 4096): (4477, 3047),
+    (4096, 32768): (10076, 6651),
+    (1024, 1024): (528, 1196),
+    (1024, 4096): (882, 948),
+    (1024, 16384): (1219, 1212),
+    (2048, 1024): (571, 949),
+    (2048, 4096): (622, 1067),
+    (2048, 16384): (2456, 1953),
+    (4096, 16384): (5093, 3484),
+    (8192, 1024): (700, 840),
+    (8192, 4096): (2646, 1752),
+    (8192, 16384): (10213, 6606),
+}
+TABLE_DEVICE = "NVIDIA H200"
+# how many timed shapes a shape the table lacks is interpolated from
+_NEAREST = 4
 
 
 @dataclass(frozen=True)
@@ -52,7 +79,8 @@ class Measurement:
     ``scope``: "linear" (one linear layer's forward and backward, its neighbours' work included) or "step" (a
     whole training step, attention and the optimizer included). ``shapes``: the forward (M, K, N) of the
     linear layers FP8 converted, one per layer and call; ``others``: those it left in bf16. ``role``: "fit"
-    (sets the constants), "check" (must fall on its side of 1) or "reference" (another stack: reported)."""
+    (sets ``rest`` from ``bf16_s``, the bf16 step's time), "check" (must fall on its side of 1) or "reference"
+    (another stack: reported)."""
 
     name: str
     scope: str
@@ -62,69 +90,79 @@ class Measurement:
     source: str
     others: tuple[Shape, ...] = ()
     role: str = "reference"
+    bf16_s: float | None = None
 
 
 @dataclass(frozen=True)
 class Constants:
-    """The model's constants, in units of one bf16 M K N of GEMM work: ``gemm`` (FP8 GEMM time / bf16's),
-    ``cast`` (per element FP8 casts), ``rest`` (per element of a linear layer's input and output: the step's
-    other work), ``fitted_on`` (the measurements they were solved from) and ``device`` (theirs)."""
+    """The model's fitted constant ``rest`` (seconds per element of a linear layer's input and output: the
+    step's other work), ``fitted_on`` (the measurements it was solved from) and ``device`` (theirs and the
+    layer table's)."""
 
-    gemm: float
-    cast: float
     rest: float
     fitted_on: tuple[str, ...]
     device: str
 
-    @property
-    def break_even(self) -> float:
-        """The intensity above which converted layers run faster in FP8 (the rest of the step aside)."""
-        return self.cast / (1 - self.gemm)
-
 
 def intensity(m: int, k: int, n: int) -> float:
-    """M K N / (M K + K N + M N): GEMM work per element FP8 casts, the quantity a layer's FP8 speed follows."""
+    """M K N / (M K + K N + M N): GEMM work per element FP8 casts."""
     return m * k * n / (m * k + k * n + m * n)
 
 
+def layer_times(m: int, k: int, n: int) -> tuple[float, float]:
+    """(bf16, FP8) seconds of one linear layer's forward and backward of forward shape (m, k, n): from
+    ``LAYER_TIMES`` for a timed (k, n), else the geometric mean of the time per M K N of the ``_NEAREST``
+    nearest timed shapes in (log K, log N), weighted by inverse squared distance; scaled by m / TABLE_TOKENS."""
+    hit = LAYER_TIMES.get((k, n))
+    if hit is not None:
+        return hit[0] * 1e-6 * m / TABLE_TOKENS, hit[1] * 1e-6 * m / TABLE_TOKENS
+    lk, ln = math.log2(k), math.log2(n)
+    near = sorted(((math.log2(tk) - lk) ** 2 + (math.log2(tn) - ln) ** 2, tk, tn) for tk, tn in LAYER_TIMES)[
+        :_NEAREST
+    ]
+    wsum = lb = lf = 0.0
+    for d2, tk, tn in near:
+        w = 1.0 / d2
+        tb, tf = LAYER_TIMES[(tk, tn)]
+        per = 1e-6 / (TABLE_TOKENS * tk * tn)  # seconds per M K N
+        lb += w * math.log(tb * per)
+        lf += w * math.log(tf * per)
+        wsum += w
+    mkn = m * k * n
+    return math.exp(lb / wsum) * mkn, math.exp(lf / wsum) * mkn
+
+
 def _sums(shapes: Iterable[Shape]) -> tuple[float, float, float]:
-    """(GEMM work M K N, elements of inputs and outputs M K + M N, elements cast M K + K N + M N), summed."""
-    w = a = c = 0.0
+    """(bf16 seconds, FP8 seconds, elements of inputs and outputs M K + M N), summed over the layers."""
+    b = f = a = 0.0
     for m, k, n in shapes:
-        w += m * k * n
+        tb, tf = layer_times(m, k, n)
+        b += tb
+        f += tf
         a += m * k + m * n
-        c += m * k + k * n + m * n
-    return w, a, c
+    return b, f, a
 
 
-def fit(measurements: Iterable[Measurement], gemm: float = GEMM_RATIO) -> Constants:
-    """``cast`` and ``rest`` from the whole-step measurements whose role is "fit", by least squares (exact for
-    two). Each is linear in them: speedup s = T / (T - (1 - g) W_conv + cast C_conv), T = W_all + rest A_all,
-    gives cast (s C_conv) + rest ((s - 1) A_all) = (1 - s) W_all + s (1 - g) W_conv; each equation divided by
-    W_all, so each step weighs alike."""
-    rows: list[tuple[float, float, float]] = []
+def fit(measurements: Iterable[Measurement]) -> Constants:
+    """``rest`` from the whole-step measurements whose role is "fit": the bf16 step is the sum of its linear
+    layers' bf16 times plus rest times their inputs' and outputs' elements; least squares on each step's
+    relative error, so each weighs alike."""
+    num = den = 0.0
     names: list[str] = []
     devices: set[str] = set()
     for ms in measurements:
-        if ms.role != "fit" or ms.scope != "step":
+        if ms.role != "fit" or ms.scope != "step" or ms.bf16_s is None:
             continue
-        wc, ac, cc = _sums(ms.shapes)
-        wo, ao, _ = _sums(ms.others)
-        s, wa = ms.speedup, wc + wo
-        rows.append((s * cc / wa, (s - 1) * (ac + ao) / wa, ((1 - s) * wa + s * (1 - gemm) * wc) / wa))
+        b, _, a = _sums(ms.shapes + ms.others)
+        num += (ms.bf16_s - b) * a / ms.bf16_s**2
+        den += a * a / ms.bf16_s**2
         names.append(ms.name)
         devices.add(ms.device)
-    if len(rows) < 2:
-        raise ValueError("two whole-step measurements are needed to fit the FP8 speed model")
-    # normal equations of the 2 x 2 least-squares problem
-    s11 = sum(r[0] * r[0] for r in rows)
-    s12 = sum(r[0] * r[1] for r in rows)
-    s22 = sum(r[1] * r[1] for r in rows)
-    b1 = sum(r[0] * r[2] for r in rows)
-    b2 = sum(r[1] * r[2] for r in rows)
-    det = s11 * s22 - s12 * s12
-    cast, rest = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
-    return Constants(gemm, cast, rest, tuple(names), ", ".join(sorted(devices)))
+    if not names:
+        raise ValueError(
+            "a whole-step measurement with its bf16 step time is needed to fit the FP8 speed model"
+        )
+    return Constants(num / den, tuple(names), ", ".join(sorted(devices | {TABLE_DEVICE})))
 
 
 def _blocks(n: int, block: Sequence[tuple[int, int]], tokens: int) -> tuple[Shape, ...]:
@@ -141,11 +179,20 @@ GPT2_SMALL_HEAD = ((_TOKENS, 768, 50257),)
 # (2048 -> 32768) is converted too (29 Float8Linear in the run)
 QWEN2_2048 = _blocks(4, ((2048, 2048),) * 4 + ((2048, 8192),) * 2 + ((8192, 2048),), _TOKENS)
 QWEN2_2048_HEAD = ((_TOKENS, 2048, 32768),)
-_LLAMA3_8B = _blocks(
-    32,
-    ((4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336), (4096, 14336), (14336, 4096)),
-    _TOKENS,
+# Llama3-8B's blocks: q, o (4096 -> 4096), k, v (4096 -> 1024: 8 key-value heads of 128), gate, up (4096 ->
+# 14336), down (14336 -> 4096)
+_LLAMA3_BLOCK = (
+    (4096, 4096),
+    (4096, 1024),
+    (4096, 1024),
+    (4096, 4096),
+    (4096, 14336),
+    (4096, 14336),
+    (14336, 4096),
 )
+# bench/fp8_vs_bf16.py's qwen2-4096: 4 of those blocks and an untied head 4096 -> 32768, all 29 converted
+QWEN2_4096 = (*_blocks(4, _LLAMA3_BLOCK, _TOKENS), (_TOKENS, 4096, 32768))
+_LLAMA3_8B = _blocks(32, _LLAMA3_BLOCK, _TOKENS)
 _H200_BENCH = (
     "bench/results/fp8_vs_bf16_nvidia-h200_2026-11-27.json (bench/fp8_vs_bf16.py, 2026-11-27: NVIDIA H200, "
     "torch 2.11, triton 3.6, torchao 0.17 Float8Linear tensorwise, precprof's loop with the Profiler recording "
@@ -162,6 +209,7 @@ MEASURED: tuple[Measurement, ...] = (
         f"{_H200_BENCH}: 48 Float8Linear, bf16 54.4 ms against fp8 72.3 ms a step",
         GPT2_SMALL_HEAD,
         "fit",
+        0.05442013350000252,
     ),
     Measurement(
         "qwen2-2048, Hugging Face Qwen2 from a config",
@@ -172,6 +220,19 @@ MEASURED: tuple[Measurement, ...] = (
         "the same bench run, the same file: 29 Float8Linear, bf16 44.4 ms against fp8 51.7 ms a step",
         (),
         "fit",
+        0.04436811050004508,
+    ),
+    Measurement(
+        "qwen2-4096, Hugging Face Qwen2 with Llama3-8B's block shapes",
+        "step",
+        "NVIDIA H200",
+        QWEN2_4096,
+        0.1122165825000252 / 0.08947757049998017,
+        "bench/results/fp8_vs_bf16_nvidia-h200_2026-11-27b.json (the same bench, its second run of the day, 200 "
+        "steps): 29 Float8Linear, bf16 112.2 ms against fp8 89.5 ms a step, matching losses",
+        (),
+        "fit",
+        0.1122165825000252,
     ),
     Measurement(
         "gpt2-small without precprof",
@@ -217,20 +278,27 @@ MEASURED: tuple[Measurement, ...] = (
     ),
 )
 CONSTANTS: Constants = fit(MEASURED)
-# the intensities (summed over the converted layers) of the fitted steps: the estimate interpolates between them
-FITTED_INTENSITY: tuple[float, float] = (
-    min(_sums(m.shapes)[0] / _sums(m.shapes)[2] for m in MEASURED if m.role == "fit"),
-    max(_sums(m.shapes)[0] / _sums(m.shapes)[2] for m in MEASURED if m.role == "fit"),
+# the range of intensities (at TABLE_TOKENS tokens) of the timed shapes: a step's converted layers beyond it
+# are extrapolated
+TABLE_INTENSITY: tuple[float, float] = (
+    min(intensity(TABLE_TOKENS, k, n) for k, n in LAYER_TIMES),
+    max(intensity(TABLE_TOKENS, k, n) for k, n in LAYER_TIMES),
+)
+
+# the slowest and fastest FP8 layer of the table (bf16 time / FP8 time)
+TABLE_SPEEDUPS: tuple[float, float] = (
+    min(b / f for b, f in LAYER_TIMES.values()),
+    max(b / f for b, f in LAYER_TIMES.values()),
 )
 
 
 @dataclass(frozen=True)
 class Estimate:
     """FP8's estimated speed on a training step whose ``layers`` linear layers (one per call) FP8 converts and
-    ``others`` it leaves in bf16: ``speedup`` (bf16 step time / FP8's), ``layers_speedup`` (the converted layers'
-    GEMMs and casts alone), ``gemm_share`` (the converted GEMMs' estimated share of a bf16 step: the speedup is
-    at most 1 / (1 - gemm_share / 2)), ``intensity`` (M K N / (M K + K N + M N) summed over the converted
-    layers), ``beyond`` ("below" or "above" when that intensity lies outside the fitted measurements', else "")
+    ``others`` it leaves in bf16: ``speedup`` (bf16 step time / FP8's), ``layers_speedup`` (the converted layers
+    alone), ``gemm_share`` (the converted layers' estimated share of a bf16 step), ``intensity`` (M K N / (M K +
+    K N + M N) summed over the converted layers), ``beyond`` ("below" or "above" when that intensity lies
+    outside the timed shapes', else ""), ``timed`` (how many converted layers have a shape the table timed)
     and ``constants``."""
 
     speedup: float
@@ -240,31 +308,40 @@ class Estimate:
     beyond: str
     layers: int
     others: int
+    timed: int
     constants: Constants
 
     def explain(self) -> str:
         """How the estimate was reached, in two sentences the report shows."""
         c = self.constants
+        lo, hi = TABLE_SPEEDUPS
         kept = (
             f", the {self.others} linear layer{'s' if self.others > 1 else ''} left in bf16"
             if self.others
             else ""
         )
+        timed = (
+            "all at shapes timed"
+            if self.timed == self.layers
+            else f"{self.timed} at shapes timed, the others interpolated from the nearest timed shapes"
+        )
         return (
-            f"FP8 would run the {self.layers} converted linear layers' GEMMs and casts at {self.layers_speedup:.2f}x "
-            f"of bf16's speed: it halves their GEMMs' time, but casting each input, weight and output gradient "
-            f"costs {c.cast:.0f} units of GEMM work (M K N) per element, so a layer gains only where its intensity "
-            f"M K N / (M K + K N + M N) exceeds {c.break_even:.0f}, and theirs is {self.intensity:.0f}. Their GEMMs "
-            f"take an estimated {self.gemm_share * 100:.0f}% of a bf16 step; the rest (attention, norms, the "
-            f"optimizer{kept}: {c.rest:.0f} units per element of each linear layer's input and output) FP8 leaves "
-            f"as it is, so the step would run at {self.speedup:.2f}x."
+            f"FP8 would run the {self.layers} converted linear layers' forward and backward at "
+            f"{self.layers_speedup:.2f}x of bf16's speed, by each shape's bf16 and FP8 times measured alone on an "
+            f"{TABLE_DEVICE} ({timed}): FP8 halves a GEMM's time at the tensor cores' rate, but its casts and "
+            f"extra kernels cost more than that saves on small GEMMs (the timed layers ran from {lo:.2f}x to "
+            f"{hi:.2f}x). These layers take an estimated {self.gemm_share * 100:.0f}% of a bf16 step; the rest "
+            f"(attention, norms, the "
+            f"optimizer{kept}: {c.rest * 1e12:.1f} ps per element of each linear layer's input and output) FP8 "
+            f"leaves as it is, so the step would run at {self.speedup:.2f}x."
         )
 
 
-def layer_speedup(m: int, k: int, n: int, constants: Constants = CONSTANTS) -> float:
-    """The estimated FP8 speedup of one converted linear layer of forward shape (m, k, n), its GEMMs and casts
-    alone (no rest of the step around it): 1 / (g + cast / I)."""
-    return 1.0 / (constants.gemm + constants.cast / intensity(m, k, n))
+def layer_speedup(m: int, k: int, n: int) -> float:
+    """The estimated FP8 speedup of one converted linear layer of forward shape (m, k, n), its forward and
+    backward alone (no rest of the step around it)."""
+    tb, tf = layer_times(m, k, n)
+    return tb / tf
 
 
 def estimate(
@@ -277,31 +354,41 @@ def estimate(
     if not conv:
         return None
     kept = [s for s in others if all(v > 0 for v in s)]
-    wc, ac, cc = _sums(conv)
-    wo, ao, _ = _sums(kept)
-    bf16 = wc + wo + constants.rest * (ac + ao)
-    fp8 = bf16 - (1 - constants.gemm) * wc + constants.cast * cc
-    i = wc / cc
-    lo, hi = FITTED_INTENSITY
+    cb, cf, ca = _sums(conv)
+    ob, _, oa = _sums(kept)
+    bf16 = cb + ob + constants.rest * (ca + oa)
+    fp8 = bf16 - cb + cf
+    w = c = 0.0
+    for m, k, n in conv:
+        w += m * k * n
+        c += m * k + k * n + m * n
+    i = w / c
+    lo, hi = TABLE_INTENSITY
     beyond = "below" if i < lo * 0.999 else ("above" if i > hi * 1.001 else "")
     return Estimate(
         speedup=bf16 / fp8,
-        layers_speedup=wc / (constants.gemm * wc + constants.cast * cc),
-        gemm_share=wc / bf16,
+        layers_speedup=cb / cf,
+        gemm_share=cb / bf16,
         intensity=i,
         beyond=beyond,
         layers=len(conv),
         others=len(kept),
+        timed=sum((k, n) in LAYER_TIMES for _, k, n in conv),
         constants=constants,
     )
 
 
 def sources() -> str:
-    """Where the estimate's numbers come from, in one sentence per measurement."""
+    """Where the estimate's numbers come from, in one sentence per measurement and one for the table."""
     role = {"fit": "fitted", "check": "checked", "reference": "reference"}
-    out = []
+    out = [
+        f"Layer times: bench/results/fp8_layers_nvidia-h200_2026-11-27.json (bench/fp8_layers.py: {len(LAYER_TIMES)} "
+        f"shapes at {TABLE_TOKENS} tokens, {TABLE_DEVICE}, torch 2.11, torchao 0.17 Float8Linear tensorwise, both "
+        "compiled)."
+    ]
     for m in MEASURED:
         est = estimate(m.shapes, m.others)
-        got = f", estimated {est.speedup:.2f}x" if est is not None and m.role != "fit" else ""
+        value = None if est is None else (est.speedup if m.scope == "step" else est.layers_speedup)
+        got = f", estimated {value:.2f}x" if value is not None else ""
         out.append(f"{m.name} ({m.device}, {m.speedup:.2f}x{got}; {role.get(m.role, m.role)}): {m.source}.")
     return " ".join(out)

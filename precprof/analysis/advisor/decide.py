@@ -50,8 +50,9 @@ def _fp8_speed_text(plan: _Plan) -> str:
         return ""
     return (
         f"at these GEMM shapes FP8 would run a training step at an estimated {est.speedup:.2f}x of bf16's speed "
-        f"(the eligible layers' GEMMs and casts at {est.layers_speedup:.2f}x, {_pct(est.gemm_share)} of the step; "
-        "from measured FP8/bf16 steps, not measured on this run: see the finding on FP8's speed)"
+        f"(the eligible layers at {est.layers_speedup:.2f}x, {_pct(est.gemm_share)} of the step; from each layer "
+        "shape's times measured alone and whole steps measured in FP8 and bf16, not from this run: see the "
+        "finding on FP8's speed)"
     )
 
 
@@ -59,7 +60,7 @@ def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     """Why FP8 is not advised on FP8 hardware, saying what decided it ("" when it is advised): what FP8 would do
     to the numbers (``_fp8_numbers_why_not``), or, where the numbers allow it, its speed: FP8's estimated
     speedup of a training step at these GEMM shapes not above ``cfg.fp8_speedup_min`` (``analysis.fp8_speed``:
-    below 1, the casts cost more than its matmuls save)."""
+    below 1, its casts and extra kernels cost more than its faster matmuls save)."""
     numbers = _fp8_numbers_why_not(plan, cfg)
     speed = _fp8_speed_text(plan)
     if numbers:
@@ -78,7 +79,7 @@ def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
             f"{plan.fp8_checked} linear layers are FP8-eligible, carrying {_pct(plan.fp8_flops_share)} of their "
             f"matmul FLOPs), but {speed}, not above {cfg.fp8_speedup_min:g}x: "
             + (
-                "the casts cost more than its matmuls save"
+                "its casts and extra kernels cost more than its faster matmuls save"
                 if est.speedup < 1
                 else "too small a gain to promise one on another model or stack"
             )

@@ -285,12 +285,12 @@ def _speed_finding(run: _Run, plan: _Plan) -> None:
         return
     cfg = run.cfg
     pays = est.speedup > cfg.fp8_speedup_min
-    lo, hi = fp8_speed.FITTED_INTENSITY
+    lo, hi = fp8_speed.TABLE_INTENSITY
     beyond = {
-        "below": f" Their intensity is below that of every step the constants were measured on ({lo:.0f} to "
-        f"{hi:.0f}): extrapolated, towards smaller GEMMs, where FP8 only loses more.",
-        "above": f" Their intensity is above that of every step the constants were measured on ({lo:.0f} to "
-        f"{hi:.0f}): extrapolated; other stacks measured FP8 faster there than this estimates (see the sources).",
+        "below": f" Their intensity is below that of every layer shape timed ({lo:.0f} to {hi:.0f} at "
+        f"{fp8_speed.TABLE_TOKENS} tokens): extrapolated, towards smaller GEMMs, where FP8 only loses more.",
+        "above": f" Their intensity is above that of every layer shape timed ({lo:.0f} to {hi:.0f} at "
+        f"{fp8_speed.TABLE_TOKENS} tokens): extrapolated; the largest timed GEMMs gained 1.5x in FP8.",
     }.get(est.beyond, "")
     plan.add(
         Finding(
@@ -299,7 +299,7 @@ def _speed_finding(run: _Run, plan: _Plan) -> None:
             f"FP8 {'would pay' if pays else 'would not pay'} at these GEMM shapes: an estimated "
             f"{est.speedup:.2f}x of bf16's speed a training step",
             f"An estimate, not a measurement of this run (tensorwise FP8, compiled, against bf16, compiled): "
-            f"{est.explain()}{beyond} The constants come from whole training steps measured on an "
+            f"{est.explain()}{beyond} The layer times and the rest's constant were measured on an "
             f"{est.constants.device} (analysis/fp8_speed.py); FP8 is advised only above "
             f"{cfg.fp8_speedup_min:g}x. Sources: {fp8_speed.sources()}",
             "Measure it on the target: precprof compare --precisions bf16,fp8 (both compiled) times both."
