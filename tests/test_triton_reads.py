@@ -5,6 +5,7 @@ each element (issue 26's "reads per tensor"). They run in Triton's interpreter o
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -105,7 +106,7 @@ def test_kernels_compiled_beside_the_training_are_ready_and_say_how_long() -> No
     beside.wait_ready()
     assert beside.ready and beside.warm_error is None and beside.warm_s is not None
     phases = beside.warm_phases
-    assert list(phases) == ["compile", "load", "check"]
+    assert list(phases) == ["wait", "compile", "load", "check"]
     ends = [b for _, b in phases.values()]
     assert all(a <= b for a, b in phases.values()) and ends == sorted(ends)
     assert (
@@ -117,3 +118,28 @@ def test_kernels_compiled_beside_the_training_are_ready_and_say_how_long() -> No
     for buf in (beside, at_once):
         buf.accumulate(x, 1)
     assert torch.equal(beside.dense(), at_once.dense())
+
+
+def test_a_second_compile_of_the_same_kernels_waits_for_the_one_in_flight() -> None:
+    """Profilers attached back to back compile one at a time in a process: a buffer whose kernels another
+    buffer is compiling waits (its "wait" phase) and then loads them from the cache, rather than compiling
+    beside it (on an H200, five such compiles at once slowed the training thread's steps up to 11x)."""
+    from precprof.stats import buffer as B
+
+    first = StatsBuffer(2, "cpu", engine="triton", host_rows=False)  # its kernels: those the next one needs
+    blocks = bool(len(first.block_rows))
+    lock = B._compile_lock(torch.device("cpu"), first.dtypes, blocks)
+    assert lock is B._compile_lock(torch.device("cpu"), first.dtypes, blocks)  # one per kernel set
+    with lock:  # a compile of these kernels in flight
+        waiting = StatsBuffer(2, "cpu", engine="triton", host_rows=False, background=True)
+        time.sleep(0.3)
+        assert not waiting.ready and waiting.warm_s is None
+    waiting.wait_ready()
+    assert waiting.warm_error is None
+    wait0, wait1 = waiting.warm_phases["wait"]
+    assert wait0 == 0.0 and wait1 >= 0.25
+    assert waiting.warm_phases["compile"][0] >= wait1
+    x = torch.linspace(-3, 3, 999)
+    for buf in (first, waiting):
+        buf.accumulate(x, 1)
+    assert torch.equal(first.dense(), waiting.dense())

@@ -67,6 +67,19 @@ def make_rows(
 # as there are kernels)
 BESIDE_WORKERS = 2
 
+# one compile of a kernel set at a time in a process: a Profiler attached while another's compile of the same
+# kernels is in flight waits for it, then loads them from Triton's cache (a second of work), instead of
+# compiling them again beside it (on an H200, five Profilers attached in a row, each compiling for 28 s beside
+# the others, slowed the training thread's steps up to 11x)
+_COMPILING: dict[tuple[str, tuple[str, ...], bool], threading.Lock] = {}
+_COMPILING_LOCK = threading.Lock()
+
+
+def _compile_lock(device: torch.device, dtypes: Sequence[torch.dtype], blocks: bool) -> threading.Lock:
+    key = (str(device), tuple(str(d) for d in dtypes), blocks)
+    with _COMPILING_LOCK:
+        return _COMPILING.setdefault(key, threading.Lock())
+
 
 class StatsBuffer:
     """Per-step statistics of ``rows`` tensor slots, on every device the tensors live on.
@@ -101,8 +114,9 @@ class StatsBuffer:
         self._warming: list[threading.Thread] = []
         self.warm_s: float | None = None
         self.warm_error: str | None = None
-        # when each part of the compile beside the training began and ended (seconds from its start:
-        # "compile", "load", "check"), to tell which one a slow training step overlapped
+        # when each part of the compile beside the training began and ended (seconds from its start: "wait"
+        # for another buffer's compile of the same kernels, "compile", "load", "check"), to tell which one a
+        # slow training step overlapped
         self.warm_phases: dict[str, tuple[float, float]] = {}
         self.warm_t0: float | None = None
         # the dtypes whose Triton kernels are compiled at attach (``_triton_warm``): the common three and any
@@ -194,21 +208,23 @@ class StatsBuffer:
         assert part._triton is not None
         block_dtypes = [d for d in self.dtypes if d in _BLOCK_DTYPES] if len(self.block_rows) else []
         tasks = 3 * len(self.dtypes) + 2 * len(block_dtypes)
-        t0 = time.perf_counter()
-        # the compiles run side by side, all done at the block's exit
-        with triton_engine.parallel_compile(tasks, workers):
-            kernels = part._triton.warm(self.dtypes, load=False)
-            if block_dtypes:
-                kernels += triton_block.warm(part.device, block_dtypes, _blocks.RECIPES, load=False)
-        t1 = time.perf_counter()
+        tw = time.perf_counter()
+        with _compile_lock(part.device, self.dtypes, bool(block_dtypes)):
+            t0 = time.perf_counter()
+            # the compiles run side by side, all done at the block's exit
+            with triton_engine.parallel_compile(tasks, workers):
+                kernels = part._triton.warm(self.dtypes, load=False)
+                if block_dtypes:
+                    kernels += triton_block.warm(part.device, block_dtypes, _blocks.RECIPES, load=False)
+            t1 = time.perf_counter()
         triton_engine.load_kernels(kernels)
         t2 = time.perf_counter()
         part._triton.adopt_compiled()  # the row kernels launched directly from now on
         t3 = time.perf_counter()
-        start = self.warm_t0 if self.warm_t0 is not None else t0
+        start = self.warm_t0 if self.warm_t0 is not None else tw
         self.warm_phases = {
             name: (round(a - start, 3), round(b - start, 3))
-            for name, a, b in (("compile", t0, t1), ("load", t1, t2), ("check", t2, t3))
+            for name, a, b in (("wait", tw, t0), ("compile", t0, t1), ("load", t1, t2), ("check", t2, t3))
         }
 
     @property
