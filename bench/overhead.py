@@ -132,6 +132,10 @@ class Precprof(Monitor):
             sample_every=self.sample_every,
             block_formats=self.block_formats,
             block_groups=self.block_groups,
+            # the kernels compiled at attach, before any timed step: with an empty Triton cache a compile beside
+            # the training outlasted every configuration's steps on an H200 (28 s), none of them sampled, and
+            # the timings measured the compile's contention (the first_step stage of gpu_validate measures that)
+            compile_beside=False,
         )
         self.prof.attach()
 
