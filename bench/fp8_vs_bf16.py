@@ -27,7 +27,9 @@ from shrinking to nothing when the two seeds happen to agree.
 
 Models: ``gpt2-small`` (the built-in GPT-2 124M at 8 x 1024 tokens: 768-wide GEMMs, where the issue measured
 FP8 slower) and ``hf:qwen2`` built from a config (hidden 2048, intermediate 8192, 4 layers, 8 x 1024 tokens:
-GEMMs where the estimate said FP8 pays, 1.19x, until the 2026-11-27 H200 run measured it 0.86x). Each run's
+GEMMs where the estimate said FP8 pays, 1.19x, until the 2026-11-27 H200 run measured it 0.86x), and
+``qwen2-4096``, Llama3-8B's block shapes in 4 layers (run second on 2026-11-27: 1.25x, matching losses, where
+the estimate of the time said 1.01x; ``analysis/fp8_speed.py`` was rebuilt on per-layer times). Each run's
 figures are written to the JSON as soon as it ends, so a command stopped at its time limit keeps what it
 measured; ``--budget-s`` skips a model whose runs would not fit.
 
