@@ -143,3 +143,27 @@ def test_a_second_compile_of_the_same_kernels_waits_for_the_one_in_flight() -> N
     for buf in (first, waiting):
         buf.accumulate(x, 1)
     assert torch.equal(first.dense(), waiting.dense())
+
+
+def test_the_compiler_is_imported_before_the_compile_threads_start() -> None:
+    """``preload_compiler`` imports, in the calling thread (the Profiler's attach), what a first compile would
+    import on the compile threads, where it held the interpreter lock from the training thread
+    (bench/compile_contention.py). Run without the interpreter (nothing compiles under it: it imports nothing)."""
+    import os
+    import subprocess
+    import sys
+
+    assert triton_engine.preload_compiler() == []  # the suite runs under TRITON_INTERPRET=1
+    code = (
+        "import sys, json\n"
+        "from precprof.stats import triton_engine as te\n"
+        "done = te.preload_compiler()\n"
+        "print(json.dumps([done, [m for m in te._COMPILER_MODULES if m in sys.modules], te.preload_compiler()]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    import json
+
+    done, present, again = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "triton.compiler.code_generator" in done and set(done) <= set(present)
+    assert again == []  # once imported, nothing more to do

@@ -164,6 +164,7 @@ class StatsBuffer:
             if name == "triton":
                 assert isinstance(part, DeviceRows)
                 if self._background and device == self.device:
+                    triton_engine.preload_compiler()  # here, not on the compile's threads
                     thread = threading.Thread(
                         target=self._warm_beside, args=(part,), name="precprof-triton-warm", daemon=True
                     )

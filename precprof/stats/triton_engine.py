@@ -233,6 +233,38 @@ def load_kernels(kernels: Iterable[Any]) -> int:
     return n
 
 
+# what a first compile imports lazily: on threads beside the training these imports held the interpreter lock
+# while the training thread waited (bench/compile_contention.py)
+_COMPILER_MODULES = (
+    "triton.compiler.compiler",
+    "triton.compiler.code_generator",
+    "triton.backends.nvidia.compiler",
+    "triton.backends.nvidia.driver",
+)
+
+
+def preload_compiler() -> list[str]:
+    """Import, in the calling thread, the modules a Triton compile imports at its first use; returns those
+    imported. The Profiler's attach calls it before compiling beside the training, so that the compile threads
+    do not take the interpreter lock from the training thread for their imports. Nothing in the interpreter
+    (no compile) or without Triton; a module this Triton lacks is passed over."""
+    if interpreting() or triton_missing() is not None:
+        return []
+    import importlib
+    import sys
+
+    done = []
+    for name in _COMPILER_MODULES:
+        if name in sys.modules:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another Triton's layout: its compile imports what it needs
+            continue
+        done.append(name)
+    return done
+
+
 @contextlib.contextmanager
 def parallel_compile(tasks: int, workers: int | None = None) -> Iterator[None]:
     """Compile the Triton kernels asked for inside the block on a pool of threads (Triton's own
