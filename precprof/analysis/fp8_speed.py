@@ -14,8 +14,8 @@ a linear layer's input and output. It is the model's one fitted constant: least 
 the whole steps in ``MEASURED`` whose ``role`` is "fit" (three models on an H200, torch 2.11, torchao 0.17,
 compiled). A shape the table lacks takes the time per M K N of its nearest timed shapes (in log K and log N),
 and a layer of other than 8,192 tokens scales with them. FP8 is no single rate: at 8,192 tokens the large GEMMs
-ran at 1.46-1.55x in FP8, 2048 x 2048 at 0.47x (its FP8 GEMM and casts 1.43 ms against 0.67), and 1024-wide
-layers near 0.45-0.7x, so the table, not a formula of the intensity, decides.
+ran at 1.46-1.55x in FP8, 2048 x 2048 at 0.47x (its FP8 GEMM and casts 1.43 ms against 0.67), and layers
+with a 1024-wide side at 0.44-1.0x, so the table, not a formula of the intensity, decides.
 
 What the fit leaves: the three steps come out at 0.84x (measured 0.75x), 0.85x (0.86x) and 1.23x (1.25x), and
 gpt2-small without precprof, not fitted on, at 0.84x (0.75x). Small layers are host-bound when timed alone
@@ -145,8 +145,8 @@ def _sums(shapes: Iterable[Shape]) -> tuple[float, float, float]:
 
 def fit(measurements: Iterable[Measurement]) -> Constants:
     """``rest`` from the whole-step measurements whose role is "fit": the bf16 step is the sum of its linear
-    layers' bf16 times plus rest times their inputs' and outputs' elements; least squares on each step's
-    relative error, so each weighs alike."""
+    layers' bf16 times plus rest times their inputs' and outputs' elements; least squares on the relative error
+    of each step's bf16 time, so each weighs alike."""
     num = den = 0.0
     names: list[str] = []
     devices: set[str] = set()
