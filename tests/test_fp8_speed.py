@@ -133,9 +133,11 @@ def test_the_estimate_explains_itself_and_says_where_its_numbers_come_from() -> 
     assert "the 1 linear layer left in bf16" in text
     mixed = S.estimate([(TOKENS, 4096, 4096), (TOKENS, 4096, 12288)])
     assert mixed is not None and "1 at shapes timed, the others interpolated" in mixed.explain()
+    alone = S.estimate([(TOKENS, 4096, 12288)])
+    assert alone is not None and "none at a shape timed: each interpolated" in alone.explain()
     sources = S.sources()
     for m in S.MEASURED:
-        assert m.source and m.name in sources and m.device in sources
+        assert m.source and m.cite and m.name in sources and m.device in sources and m.cite in sources
     for f in ("fp8_vs_bf16_nvidia-h200_2026-11-27.json", "fp8_vs_bf16_nvidia-h200_2026-11-27b.json"):
         assert f in sources
     assert "fp8_layers_nvidia-h200_2026-11-27.json" in sources

@@ -80,7 +80,7 @@ class Measurement:
     whole training step, attention and the optimizer included). ``shapes``: the forward (M, K, N) of the
     linear layers FP8 converted, one per layer and call; ``others``: those it left in bf16. ``role``: "fit"
     (sets ``rest`` from ``bf16_s``, the bf16 step's time), "check" (must fall on its side of 1) or "reference"
-    (another stack: reported)."""
+    (another stack: reported). ``cite``: where to find it, in a few words (``source`` says it all)."""
 
     name: str
     scope: str
@@ -91,6 +91,7 @@ class Measurement:
     others: tuple[Shape, ...] = ()
     role: str = "reference"
     bf16_s: float | None = None
+    cite: str = ""
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,7 @@ MEASURED: tuple[Measurement, ...] = (
         GPT2_SMALL_HEAD,
         "fit",
         0.05442013350000252,
+        cite="bench/results/fp8_vs_bf16_nvidia-h200_2026-11-27.json",
     ),
     Measurement(
         "qwen2-2048, Hugging Face Qwen2 from a config",
@@ -221,6 +223,7 @@ MEASURED: tuple[Measurement, ...] = (
         (),
         "fit",
         0.04436811050004508,
+        cite="bench/results/fp8_vs_bf16_nvidia-h200_2026-11-27.json",
     ),
     Measurement(
         "qwen2-4096, Hugging Face Qwen2 with Llama3-8B's block shapes",
@@ -233,6 +236,7 @@ MEASURED: tuple[Measurement, ...] = (
         (),
         "fit",
         0.1122165825000252,
+        cite="bench/results/fp8_vs_bf16_nvidia-h200_2026-11-27b.json",
     ),
     Measurement(
         "gpt2-small without precprof",
@@ -245,6 +249,7 @@ MEASURED: tuple[Measurement, ...] = (
         "24.4 ms against fp8 32.6 ms a step",
         GPT2_SMALL_HEAD,
         "check",
+        cite="this project's H200 run of 2026-11-26",
     ),
     Measurement(
         "Llama3-8B, torchtitan",
@@ -257,6 +262,7 @@ MEASURED: tuple[Measurement, ...] = (
         "another stack: FSDP2's float8 all-gather halves the weights' communication, which this model leaves "
         "out; its output head (4096 -> 128256) counted as left in bf16",
         ((_TOKENS, 4096, 128256),),
+        cite="torchao README, training benchmarks: FSDP2 with float8 all-gather",
     ),
     Measurement(
         "torchao Float8Linear, small shapes",
@@ -267,6 +273,7 @@ MEASURED: tuple[Measurement, ...] = (
         "torchao README, torchao/float8/README.md, section Performance, example 1 (pytorch/ao commit "
         "e850b90d2, 2025): M, K, N = 1024, 2048, 1024, benchmark speedup 0.80, tensorwise scaling, compiled; "
         "GPU kernel time of LayerNorm, Linear, Sigmoid (benchmarks/float8/float8_roofline.py), no step around it",
+        cite="torchao/float8/README.md, Performance",
     ),
     Measurement(
         "torchao Float8Linear, large shapes",
@@ -275,6 +282,7 @@ MEASURED: tuple[Measurement, ...] = (
         ((4096, 8192, 16384),),
         1.39,
         "the same README, example 2: M, K, N = 4096, 8192, 16384, benchmark speedup 1.39",
+        cite="torchao/float8/README.md, Performance",
     ),
 )
 CONSTANTS: Constants = fit(MEASURED)
@@ -320,11 +328,12 @@ class Estimate:
             if self.others
             else ""
         )
-        timed = (
-            "all at shapes timed"
-            if self.timed == self.layers
-            else f"{self.timed} at shapes timed, the others interpolated from the nearest timed shapes"
-        )
+        if self.timed == self.layers:
+            timed = "all at shapes timed"
+        elif self.timed == 0:
+            timed = "none at a shape timed: each interpolated from the nearest timed shapes"
+        else:
+            timed = f"{self.timed} at shapes timed, the others interpolated from the nearest timed shapes"
         return (
             f"FP8 would run the {self.layers} converted linear layers' forward and backward at "
             f"{self.layers_speedup:.2f}x of bf16's speed, by each shape's bf16 and FP8 times measured alone on an "
@@ -379,16 +388,20 @@ def estimate(
 
 
 def sources() -> str:
-    """Where the estimate's numbers come from, in one sentence per measurement and one for the table."""
+    """Where the estimate's numbers come from, briefly: the layer table, then each measurement with what the
+    estimate makes of it (``Measurement.source`` says the rest, in this module)."""
     role = {"fit": "fitted", "check": "checked", "reference": "reference"}
-    out = [
-        f"Layer times: bench/results/fp8_layers_nvidia-h200_2026-11-27.json (bench/fp8_layers.py: {len(LAYER_TIMES)} "
-        f"shapes at {TABLE_TOKENS} tokens, {TABLE_DEVICE}, torch 2.11, torchao 0.17 Float8Linear tensorwise, both "
-        "compiled)."
-    ]
+    out = []
     for m in MEASURED:
         est = estimate(m.shapes, m.others)
         value = None if est is None else (est.speedup if m.scope == "step" else est.layers_speedup)
         got = f", estimated {value:.2f}x" if value is not None else ""
-        out.append(f"{m.name} ({m.device}, {m.speedup:.2f}x{got}; {role.get(m.role, m.role)}): {m.source}.")
-    return " ".join(out)
+        what = "a step" if m.scope == "step" else "one layer"
+        out.append(
+            f"{m.name} ({m.device}, {what} {m.speedup:.2f}x{got}; {role.get(m.role, m.role)}; {m.cite})"
+        )
+    return (
+        f"layer times from bench/results/fp8_layers_nvidia-h200_2026-11-27.json ({len(LAYER_TIMES)} shapes at "
+        f"{TABLE_TOKENS} tokens on an {TABLE_DEVICE}, torch 2.11, torchao 0.17 Float8Linear tensorwise, both "
+        f"compiled); measured: {'; '.join(out)}. Each source in full: analysis/fp8_speed.py."
+    )
