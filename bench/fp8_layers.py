@@ -24,7 +24,6 @@ On an H100 or H200 (torch 2.11, triton 3.6; torchao 0.17 carried as a wheel), fr
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -39,6 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from precprof import hardware  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8_vs_bf16 import gpu_missing  # noqa: E402
 
 TOKENS = 8 * 1024
 # (K, N) of the layers the models of bench/fp8_vs_bf16.py convert, then a grid around them: the model shapes
@@ -136,16 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, toy sizes, bf16 standing in for fp8")
     args = ap.parse_args(argv)
     dry = args.dry_run
-    if not dry:
-        if not torch.cuda.is_available():
-            print("no CUDA device: use --dry-run on the CPU", file=sys.stderr)
-            return 2
-        if importlib.util.find_spec("torchao") is None:
-            print(
-                "torchao is not installed: pip install its wheel first (0.17 matches torch 2.11)",
-                file=sys.stderr,
-            )
-            return 2
+    missing = None if dry else gpu_missing()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     device = torch.device("cpu" if dry else "cuda")
     m = 64 if dry else args.tokens
     shapes = DRY_SHAPES if dry else MODEL_SHAPES + (() if args.no_grid else GRID)
@@ -157,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         "(tensorwise), fp32 weights, both torch.compile'd; median over repeats of the mean of iters calls",
         "device": hw.name,
         "torch": torch.__version__,
-        "torchao": _version("torchao"),
+        "torchao": hardware.software_versions().get("torchao"),
         "dry_run": dry,
         "fp8_stand_in": None if not dry else "bf16 (fp8 needs a GPU with compute capability 8.9+)",
         "compiled": not args.eager,
@@ -185,15 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     data["wall_s"] = time.perf_counter() - t_start
     args.out.write_text(json.dumps(data, indent=1))
     return 0
-
-
-def _version(module: str) -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version(module)
-    except Exception:
-        return None
 
 
 if __name__ == "__main__":

@@ -289,6 +289,15 @@ def _write(out: Path, data: dict) -> None:
     out.write_text(json.dumps(data, indent=2, default=str, allow_nan=True) + "\n")
 
 
+def gpu_missing() -> str | None:
+    """What a GPU run of this bench (or of ``fp8_layers.py``) lacks here, in a line; None when nothing."""
+    if not torch.cuda.is_available():
+        return "no CUDA device: use --dry-run on the CPU"
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed: pip install its wheel first (0.17 matches torch 2.11)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="the JSON to write")
@@ -309,16 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=None, help="where the run directories go (a temporary one)")
     args = ap.parse_args(argv)
     dry = args.dry_run
-    if not dry:
-        if not torch.cuda.is_available():
-            print("no CUDA device: use --dry-run on the CPU", file=sys.stderr)
-            return 2
-        if importlib.util.find_spec("torchao") is None:
-            print(
-                "torchao is not installed: pip install its wheel first (0.17 matches torch 2.11)",
-                file=sys.stderr,
-            )
-            return 2
+    missing = None if dry else gpu_missing()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     device = "cpu" if dry else "cuda"
     models = DRY_MODELS if dry else GPU_MODELS
     if args.models:
@@ -329,13 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     stand_in = "bf16" if dry else "fp8"
     hw = hardware.detect(torch.device(device))
     work = args.work or Path(tempfile.mkdtemp(prefix="fp8_vs_bf16_"))
+    versions = hardware.software_versions()
     data: dict[str, Any] = {
         "what": "bf16 against fp8 training, both compiled, and the advisor's FP8 verdict against the outcome",
         "device": hw.name,
         "compute_capability": hw.compute_capability,
         "torch": torch.__version__,
-        "torchao": _version("torchao"),
-        "transformers": _version("transformers"),
+        "torchao": versions.get("torchao"),
+        "transformers": versions.get("transformers"),
         "dry_run": dry,
         "fp8_stand_in": None if not dry else "bf16 (fp8 needs a GPU with compute capability 8.9+)",
         "steps": steps,
@@ -408,15 +412,6 @@ def main(argv: list[str] | None = None) -> int:
         o = rec.get("outcome") or {}
         print(f"{name}: {json.dumps(o) if o else rec.get('skipped') or 'failed: see the JSON'}")
     return 0
-
-
-def _version(module: str) -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version(module)
-    except Exception:
-        return None
 
 
 if __name__ == "__main__":
