@@ -18,7 +18,8 @@ ran at 1.46-1.55x in FP8, 2048 x 2048 at 0.47x (its FP8 GEMM and casts 1.43 ms a
 with a 1024-wide side at 0.44-1.0x, so the table, not a formula of the intensity, decides.
 
 What the fit leaves: the three steps come out at 0.84x (measured 0.75x), 0.85x (0.86x) and 1.23x (1.25x), and
-gpt2-small without precprof, not fitted on, at 0.84x (0.75x). Small layers are host-bound when timed alone
+gpt2-small without precprof, not fitted on, at 0.84x (0.75x). Each step left out of the fit (its constant from
+the other two) comes out at 0.84x, 0.86x and 1.23x: the table, not the fit, carries the verdicts. Small layers are host-bound when timed alone
 (bf16 768 x 768 takes 0.70 ms, 41 TFLOPS): their table times are floors of launch cost, not GEMM time, which
 is why gpt2-small's estimate errs by 0.09 towards FP8. "check" measurements must fall on their side of 1 and
 of the advisor's threshold (tests/test_fp8_speed.py); "reference" ones, other stacks, are reported beside it.
