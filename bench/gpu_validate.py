@@ -278,6 +278,7 @@ def stage_kernels(run: Run) -> dict[str, Any]:
     return {
         "rows": rows,
         "block_tiles": _block_tiles(run),
+        "row_shapes": _row_shapes(run),
         "goals": {"rows_gbps_64M": 1000, "blocks_gbps_16M": 300},
     }
 
@@ -315,6 +316,67 @@ def _block_tiles(run: Run) -> list[dict[str, Any]]:
                     }
                 )
         del x
+    return out
+
+
+# (values a program reads per iteration, warps) of the row kernel: compiled for sm_90 by triton 3.6 (the GPU
+# machine's; it lowers the 64-slot histogram to ballots, 3.9 to shared-memory atomics), the default 4096 x 4
+# takes 255 registers and spills 64 bytes a thread: two programs of 4 warps fit an SM, 8 warps of 64. 4096 x 8:
+# 255 and no spill; 2048 x 8: 183; 1024 x 8: 128; 4096 x 16: 128 and spills. Which reads fastest is the GPU's
+# to say (TritonRows(block=, num_warps=)); the first is the default.
+ROW_SHAPES = ((4096, 4), (4096, 8), (2048, 8), (1024, 8), (2048, 4), (4096, 16))
+
+
+def _row_shapes(run: Run) -> list[dict[str, Any]]:
+    """The Triton row kernel's throughput at 64M elements by ``ROW_SHAPES``, fp32 and bf16, beside ``x.sum()``
+    (a dry run: 4,096 elements in Triton's interpreter, where the engine is available)."""
+    from precprof.stats import triton_engine as te
+    from precprof.stats.layout import LAYOUT
+
+    out: list[dict[str, Any]] = []
+    if (run.device.type != "cuda" and not run.dry) or te.unavailable(run.device) is not None:
+        return out
+    n = 1 << 26 if run.device.type == "cuda" else 1 << 12  # a dry run: the plumbing, in the interpreter
+    dtypes = [torch.float32, torch.bfloat16]
+    # the aligned contiguous variant of each dtype (what a 64M tensor launches), every shape's compiled side by
+    # side, then loaded and checked against Triton's own launch (TritonRows.warm's steps, for these only)
+    variants = [te.Variant(te.KINDS[d][0], False, True) for d in dtypes]
+    shapes = {bw: te.TritonRows(run.device, LAYOUT, block=bw[0], num_warps=bw[1]) for bw in ROW_SHAPES}
+    t0 = time.perf_counter()
+    example = (1, 0, 1, 1, 1, 1, 1)
+    with te.parallel_compile(len(shapes) * len(variants)):
+        for rows in shapes.values():
+            empty = LAYOUT.empty_rows(1, run.device)
+            kernels = [
+                rows._launch(v, (1,), te._example(v, run.device), example, empty, 0, True) for v in variants
+            ]
+            rows._pending_compiled = list(zip(variants, kernels, strict=True))
+    for rows in shapes.values():
+        te.load_kernels(k for _, k in rows._pending_compiled)
+        rows.adopt_compiled()
+    compile_s = time.perf_counter() - t0
+    for (block, warps), rows in shapes.items():
+        if run.left() < 30:
+            return out
+        target = LAYOUT.empty_rows(1, run.device)
+        for dtype in dtypes:
+            x = torch.randn(n, device=run.device).to(dtype)
+            nbytes = x.numel() * x.element_size()
+            reps = 10 if run.device.type == "cuda" else 1
+            t_sum = _time_s(lambda x=x: x.sum(), run.device, reps)
+            t = _time_s(lambda x=x, rows=rows, target=target: rows.add(x, target, 0), run.device, reps)
+            out.append(
+                {
+                    "block": block,
+                    "num_warps": warps,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "gbps": nbytes / t / 1e9,
+                    "vs_sum": t_sum / t,
+                    "compile_all_s": compile_s,
+                    "launch": rows.direct_status,
+                }
+            )
+            del x
     return out
 
 

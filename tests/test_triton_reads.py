@@ -167,3 +167,23 @@ def test_the_compiler_is_imported_before_the_compile_threads_start() -> None:
     done, present, again = json.loads(out.stdout.strip().splitlines()[-1])
     assert "triton.compiler.code_generator" in done and set(done) <= set(present)
     assert again == []  # once imported, nothing more to do
+
+
+def test_another_block_and_warps_write_the_same_rows() -> None:
+    """``TritonRows(block=, num_warps=)`` (the sizes gpu_validate sweeps on a GPU for the kernel's registers
+    and occupancy): the full blocks, the partial last one and the programs follow the block, and every layout
+    gives the default's rows, the C kernel's."""
+    from precprof.stats.layout import LAYOUT
+
+    default = triton_engine.TritonRows(torch.device("cpu"), LAYOUT)
+    for block, warps in ((1024, 8), (2048, 4), (8192, 16)):
+        other = triton_engine.TritonRows(torch.device("cpu"), LAYOUT, block=block, num_warps=warps)
+        assert (other.block, other.num_warps) == (block, warps)
+        for dtype in (torch.float32, torch.bfloat16):
+            for x in [*layouts(dtype), torch.linspace(-5, 5, 3 * block + 17).to(dtype)]:
+                want, got = (
+                    LAYOUT.empty_rows(1, torch.device("cpu")),
+                    LAYOUT.empty_rows(1, torch.device("cpu")),
+                )
+                assert default.add(x, want, 0) and other.add(x, got, 0)
+                assert torch.equal(got, want), (block, dtype, tuple(x.shape), x.stride())

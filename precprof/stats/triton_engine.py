@@ -59,6 +59,7 @@ KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
 _BIAS = {0: 127, 1: 127, 2: 15, 3: 7, 4: 15, 5: 1023}
 _FIELD_ALL = {0: 255, 1: 255, 2: 31, 3: 15, 4: 31, 5: 2047}
 BLOCK = 4096
+NUM_WARPS = 4  # Triton's default
 # scratch: keys[4096], overflow[16], absmax bits, absmin bits, programs finished (triton_kernels' _OV.._DONE)
 _OV = _N_KEYS
 _MX = _OV + 16
@@ -163,10 +164,11 @@ def _dims(x: torch.Tensor) -> tuple[int, list[tuple[int, int]]] | None:
     return len(merged), merged
 
 
-def _geometry_of(n: int, ndim: int, dims: list[tuple[int, int]]) -> tuple[int, ...]:
-    """(n, full blocks, size1, size2, stride0, stride1, stride2) from ``_dims``' dimensions."""
+def _geometry_of(n: int, ndim: int, dims: list[tuple[int, int]], block: int = BLOCK) -> tuple[int, ...]:
+    """(n, full blocks of ``block`` values, size1, size2, stride0, stride1, stride2) from ``_dims``'
+    dimensions."""
     (_, st0), (s1, st1), (s2, st2) = dims + [(1, 0)] * (3 - ndim)
-    return (n, n // BLOCK, s1, s2, st0, st1, st2)
+    return (n, n // block, s1, s2, st0, st1, st2)
 
 
 class Variant(NamedTuple):
@@ -293,7 +295,14 @@ class TritonRows:
     """The Triton engine's scratch and launch parameters on one device, for one row layout. Making one
     compiles nothing and never synchronises; ``warm`` compiles."""
 
-    def __init__(self, device: torch.device, layout: RowLayout, max_programs: int | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        layout: RowLayout,
+        max_programs: int | None = None,
+        block: int = BLOCK,
+        num_warps: int = NUM_WARPS,
+    ) -> None:
         kernels = _kernels()
         if isinstance(kernels, str):
             raise RuntimeError(kernels)
@@ -317,6 +326,9 @@ class TritonRows:
             else:
                 max_programs = 4  # the interpreter runs programs one after another
         self.max_programs = max_programs
+        # values a program reads per iteration, and its warps: the kernel's registers and occupancy follow
+        # them (gpu_validate's kernels stage sweeps them on a GPU)
+        self.block, self.num_warps = block, num_warps
         self._direct: dict[Variant, _DirectLaunch] = {}
         self._pending_compiled: list[tuple[Variant, Any]] = []
         self.direct_status = "not compiled yet"
@@ -340,7 +352,7 @@ class TritonRows:
             NBINS=N_BINS,
             LO=1023 + EXP_MIN,
             HI=1023 + EXP_MAX,
-            BLOCK=BLOCK,
+            BLOCK=block,
         )
 
     @property
@@ -369,8 +381,8 @@ class TritonRows:
         args = (*(xi, *geometry), rows, row, self.scratch, self.lo64 if v.kind == 5 else self.lo32)
         args = (*args, self.uf, self.fp8)
         if warm:
-            return kernel.run(*args, grid=grid, warmup=True, **self._constexprs(v))
-        kernel[grid](*args, **self._constexprs(v))
+            return kernel.run(*args, grid=grid, warmup=True, num_warps=self.num_warps, **self._constexprs(v))
+        kernel[grid](*args, num_warps=self.num_warps, **self._constexprs(v))
         return None
 
     def warm(self, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES, *, load: bool = True) -> list[Any]:
@@ -440,12 +452,11 @@ class TritonRows:
     def _stream(self) -> int:
         return int(torch._C._cuda_getCurrentRawStream(self.device.index))
 
-    @staticmethod
-    def _geometry(xi: torch.Tensor) -> tuple[int, ...]:
+    def _geometry(self, xi: torch.Tensor) -> tuple[int, ...]:
         """(n, full blocks, size1, size2, stride0, stride1, stride2) of a tensor the kernel reads."""
         shape = _dims(xi)
         assert shape is not None
-        return _geometry_of(xi.numel(), *shape)
+        return _geometry_of(xi.numel(), *shape, self.block)
 
     def add(self, x: torch.Tensor, rows: torch.Tensor, row: int) -> bool:
         """Add the statistics of ``x`` into ``rows[row]`` (``rows``: a contiguous [n, layout.width] int64
@@ -461,8 +472,8 @@ class TritonRows:
         xi = x.view(kind[1])
         strided = not (ndim == 1 and dims[0][1] == 1)
         v = Variant(kind[0], strided, not strided and xi.data_ptr() % 16 == 0)  # what variant(x) says
-        geometry = _geometry_of(xi.numel(), ndim, dims)
-        programs = max(1, min(self.max_programs, -(-geometry[0] // BLOCK)))
+        geometry = _geometry_of(xi.numel(), ndim, dims, self.block)
+        programs = max(1, min(self.max_programs, -(-geometry[0] // self.block)))
         direct = self._direct.get(v)
         if direct is not None:
             lo = self.lo64 if v.kind == 5 else self.lo32
