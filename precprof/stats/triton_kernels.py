@@ -9,6 +9,12 @@ block of 1,024 values, the overflow compares and extremes of every value) spent 
 second launch (``_finish``); ``_rows`` spends 30 per fp32 value, 26 per bf16 and 19 per fp16 value in blocks
 without rare values (triton 3.9 lowers ``tl.histogram`` to one shared-memory atomic per value; older tritons
 use ballots, whose cost grows with the number of slots: 64 here instead of 1,024).
+
+Triton 3.6, the GPU machine's, compiles the fp32 variant for sm_90 to 255 registers a thread with 64 bytes
+spilled (3.9: 255 and 56), its histogram to 276 ``VOTE`` and 220 ``POPC`` per loop body: two programs of 4 warps
+fit an SM, 8 warps of 64, which would leave the loads' latency unhidden. On an H200 it read 598 GB/s at 64M fp32
+values (18% of ``x.sum()``). ``TritonRows(block=, num_warps=)`` and gpu_validate's ``row_shapes`` measure the
+alternatives.
 """
 
 import triton
