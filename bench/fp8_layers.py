@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from precprof import hardware  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fp8_vs_bf16 import gpu_missing  # noqa: E402
+from fp8_vs_bf16 import refuse_without_gpu  # noqa: E402
 
 TOKENS = 8 * 1024
 # (K, N) of the layers the models of bench/fp8_vs_bf16.py convert, then a grid around them: the model shapes
@@ -138,9 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, toy sizes, bf16 standing in for fp8")
     args = ap.parse_args(argv)
     dry = args.dry_run
-    missing = None if dry else gpu_missing()
-    if missing:
-        print(missing, file=sys.stderr)
+    if refuse_without_gpu(dry):
         return 2
     device = torch.device("cpu" if dry else "cuda")
     m = 64 if dry else args.tokens
@@ -175,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
         data["shapes"].append(rec)
-        print(json.dumps({k_: v for k_, v in rec.items()}), flush=True)
+        print(json.dumps(rec), flush=True)
         args.out.write_text(json.dumps(data, indent=1))
         torch._dynamo.reset()
     data["wall_s"] = time.perf_counter() - t_start

@@ -306,13 +306,18 @@ def _write(out: Path, data: dict) -> None:
     out.write_text(json.dumps(data, indent=2, default=str, allow_nan=True) + "\n")
 
 
-def gpu_missing() -> str | None:
-    """What a GPU run of this bench (or of ``fp8_layers.py``) lacks here, in a line; None when nothing."""
+def refuse_without_gpu(dry: bool) -> bool:
+    """Whether a GPU run of this bench (or of ``fp8_layers.py``) cannot run here, saying why in one line."""
+    why = None
+    if dry:
+        return False
     if not torch.cuda.is_available():
-        return "no CUDA device: use --dry-run on the CPU"
-    if importlib.util.find_spec("torchao") is None:
-        return "torchao is not installed: pip install its wheel first (0.17 matches torch 2.11)"
-    return None
+        why = "no CUDA device: use --dry-run on the CPU"
+    elif importlib.util.find_spec("torchao") is None:
+        why = "torchao is not installed: pip install its wheel first (0.17 matches torch 2.11)"
+    if why:
+        print(why, file=sys.stderr)
+    return why is not None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,9 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=None, help="where the run directories go (a temporary one)")
     args = ap.parse_args(argv)
     dry = args.dry_run
-    missing = None if dry else gpu_missing()
-    if missing:
-        print(missing, file=sys.stderr)
+    if refuse_without_gpu(dry):
         return 2
     device = "cpu" if dry else "cuda"
     models = DRY_MODELS if dry else GPU_MODELS

@@ -339,20 +339,14 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
     n = 1 << 26 if run.device.type == "cuda" else 1 << 12  # a dry run: the plumbing, in the interpreter
     dtypes = [torch.float32, torch.bfloat16]
     # the aligned contiguous variant of each dtype (what a 64M tensor launches), every shape's compiled side by
-    # side, then loaded and checked against Triton's own launch (TritonRows.warm's steps, for these only)
+    # side, then loaded and checked against Triton's own launch
     variants = [te.Variant(te.KINDS[d][0], False, True) for d in dtypes]
     shapes = {bw: te.TritonRows(run.device, LAYOUT, block=bw[0], num_warps=bw[1]) for bw in ROW_SHAPES}
     t0 = time.perf_counter()
-    example = (1, 0, 1, 1, 1, 1, 1)
     with te.parallel_compile(len(shapes) * len(variants)):
-        for rows in shapes.values():
-            empty = LAYOUT.empty_rows(1, run.device)
-            kernels = [
-                rows._launch(v, (1,), te._example(v, run.device), example, empty, 0, True) for v in variants
-            ]
-            rows._pending_compiled = list(zip(variants, kernels, strict=True))
-    for rows in shapes.values():
-        te.load_kernels(k for _, k in rows._pending_compiled)
+        compiled = [rows.warm(load=False, variants=variants) for rows in shapes.values()]
+    for rows, kernels in zip(shapes.values(), compiled, strict=True):
+        te.load_kernels(kernels)
         rows.adopt_compiled()
     compile_s = time.perf_counter() - t0
     for (block, warps), rows in shapes.items():

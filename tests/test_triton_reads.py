@@ -179,6 +179,9 @@ def test_another_block_and_warps_write_the_same_rows() -> None:
     for block, warps in ((1024, 8), (2048, 4), (8192, 16)):
         other = triton_engine.TritonRows(torch.device("cpu"), LAYOUT, block=block, num_warps=warps)
         assert (other.block, other.num_warps) == (block, warps)
+        # a chosen few variants compile alone (gpu_validate's sweep: the aligned contiguous one per dtype)
+        one = [triton_engine.Variant(triton_engine.KINDS[torch.float32][0], False, True)]
+        assert len(other.warm(variants=one)) == 1 and len(default.warm([torch.float32])) > 1
         for dtype in (torch.float32, torch.bfloat16):
             for x in [*layouts(dtype), torch.linspace(-5, 5, 3 * block + 17).to(dtype)]:
                 want, got = (

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -385,13 +385,20 @@ class TritonRows:
         kernel[grid](*args, num_warps=self.num_warps, **self._constexprs(v))
         return None
 
-    def warm(self, dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES, *, load: bool = True) -> list[Any]:
+    def warm(
+        self,
+        dtypes: Iterable[torch.dtype] = DEFAULT_DTYPES,
+        *,
+        load: bool = True,
+        variants: Sequence[Variant] | None = None,
+    ) -> list[Any]:
         """Compile (without launching: no GPU work, no sync) every variant ``add`` can launch for tensors of
-        ``dtypes``; returns the compiled kernels (Triton's futures under :func:`parallel_compile`), loaded onto
-        the device unless ``load=False`` (then :func:`load` them once the compiles are done). Nothing to
-        compile in the interpreter. The compiled kernels are kept for ``add``'s direct launch."""
+        ``dtypes`` (or just ``variants``); returns the compiled kernels (Triton's futures under
+        :func:`parallel_compile`), loaded onto the device unless ``load=False`` (then :func:`load` them once the
+        compiles are done). Nothing to compile in the interpreter. The compiled kernels are kept for ``add``'s
+        direct launch."""
         rows = self.layout.empty_rows(1, self.device)
-        variants = variants_of(dtypes)
+        variants = list(variants) if variants is not None else variants_of(dtypes)
         kernels = [
             self._launch(v, (1,), _example(v, self.device), (1, 0, 1, 1, 1, 1, 1), rows, 0, True)
             for v in variants
