@@ -107,20 +107,56 @@ def test_the_dry_run_writes_every_stage(tmp_path: Path) -> None:
     assert set(rec["outcome"]) >= {"measured_speedup", "verdict_right", "advisor_recommended_fp8"}
 
 
-def test_the_layer_bench_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
-    """bench/fp8_layers.py --dry-run: its plumbing (compile per shape and format, timing, the JSON rewritten
-    after each shape), with bf16 standing in for FP8."""
+def _layers_bench():  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location("fp8_layers", ROOT / "bench" / "fp8_layers.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_layer_bench_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
+    """bench/fp8_layers.py --dry-run: its plumbing (compile per shape and format, both timings, the JSON
+    rewritten after each shape), with bf16 standing in for FP8 and, the CPU having no CUDA graphs, the host's
+    wall time standing in for the graph replays, labelled so."""
+    mod = _layers_bench()
     out = tmp_path / "layers.json"
     assert mod.main(["--dry-run", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["dry_run"] and data["fp8_stand_in"] and data["compiled"]
+    assert data["graph_stand_in"] == mod.CPU_FALLBACK and "stopped" not in data
     assert [(r["k"], r["n"]) for r in data["shapes"]] == list(mod.DRY_SHAPES)
     for r in data["shapes"]:
         assert "error" not in r, r
         for fmt in ("bf16", "fp8"):
-            assert r[fmt]["time_s"] > 0 and r[fmt]["first_call_s"] > 0 and r[fmt]["tflops"] > 0
+            t = r[fmt]
+            assert t["timing"] == mod.CPU_FALLBACK
+            assert t["time_s"] == t["graph_s"] > 0 and t["eager_launch_s"] > 0
+            assert t["first_call_s"] > 0 and t["tflops"] > 0
         assert r["speedup"] == pytest.approx(r["bf16"]["time_s"] / r["fp8"]["time_s"])
+        assert r["speedup_eager_launch"] == pytest.approx(
+            r["bf16"]["eager_launch_s"] / r["fp8"]["eager_launch_s"]
+        )
+
+
+def test_the_layer_bench_times_the_shapes_it_is_given_within_its_budget(tmp_path: Path) -> None:
+    """--shapes K x N,...: those shapes alone, in that order; --budget-s stops starting shapes (the JSON says
+    how many it measured); the models' shapes come first, qwen2-3072's among them."""
+    mod = _layers_bench()
+    assert mod.parse_shapes("3072x3072, 3072X1024") == ((3072, 3072), (3072, 1024))
+    for bad in ("3072", "3072x", "ax1024", "0x8", "3072x1024,"):
+        with pytest.raises(Exception, match="not K x N"):
+            mod.parse_shapes(bad)
+    with pytest.raises(SystemExit):
+        mod.main(["--dry-run", "--out", str(tmp_path / "x.json"), "--shapes", "3072"])
+    out = tmp_path / "shapes.json"
+    assert mod.main(["--dry-run", "--out", str(out), "--shapes", "48x80"]) == 0
+    data = json.loads(out.read_text())
+    assert [(r["k"], r["n"], r["m"]) for r in data["shapes"]] == [(48, 80, 64)]
+    assert "error" not in data["shapes"][0] and data["shapes"][0]["speedup"] > 0
+    assert mod.main(["--dry-run", "--out", str(out), "--shapes", "48x80,16x16", "--budget-s", "-1"]) == 0
+    data = json.loads(out.read_text())
+    assert data["shapes"] == [] and data["stopped"] == "budget: 0 of 2 shapes measured"
+    qwen2_3072 = [(3072, 3072), (3072, 1024), (3072, 8192), (8192, 3072), (3072, 32768)]
+    assert mod.MODEL_SHAPES[-5:] == tuple(qwen2_3072)
+    assert len(set(mod.MODEL_SHAPES + mod.GRID)) == len(mod.MODEL_SHAPES + mod.GRID) == 28

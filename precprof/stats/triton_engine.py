@@ -307,6 +307,8 @@ class TritonRows:
         if isinstance(kernels, str):
             raise RuntimeError(kernels)
         self._contig, self._strided = kernels
+        if device.type == "cuda" and device.index is None:  # the raw stream and the launch need an index
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.layout = layout
         self.scratch = torch.zeros(SCRATCH_WORDS, dtype=torch.int64, device=device)
@@ -320,6 +322,12 @@ class TritonRows:
             for v in (f64_bits(f.max), j)
         ]
         self.fp8 = _device_const(fp8 or [0, 0], device)
+        # the direct launch passes pointers as integers: Triton's launcher then neither calls data_ptr() nor
+        # asks the driver whether each pointer is a device one (cuPointerGetAttribute), six times a launch
+        self._ptrs = {
+            k: (t.data_ptr(), self.scratch.data_ptr(), self.uf.data_ptr(), self.fp8.data_ptr())
+            for k, t in ((5, self.lo64), (0, self.lo32))
+        }
         if max_programs is None:
             if device.type == "cuda":
                 max_programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
@@ -449,11 +457,8 @@ class TritonRows:
         want = self.layout.empty_rows(1, self.device)
         geometry = self._geometry(x)
         self._launch(v, (1,), x, geometry, want, 0, False)
-        launcher(
-            1,
-            self._stream(),
-            (x, *geometry, got, 0, self.scratch, self.lo64 if v.kind == 5 else self.lo32, self.uf, self.fp8),
-        )
+        lo, scratch, uf, fp8 = self._ptrs[5 if v.kind == 5 else 0]
+        launcher(1, self._stream(), (x.data_ptr(), *geometry, got.data_ptr(), 0, scratch, lo, uf, fp8))
         return bool(torch.equal(got, want))
 
     def _stream(self) -> int:
@@ -483,8 +488,9 @@ class TritonRows:
         programs = max(1, min(self.max_programs, -(-geometry[0] // self.block)))
         direct = self._direct.get(v)
         if direct is not None:
-            lo = self.lo64 if v.kind == 5 else self.lo32
-            direct(programs, self._stream(), (xi, *geometry, rows, row, self.scratch, lo, self.uf, self.fp8))
+            lo, scratch, uf, fp8 = self._ptrs[5 if v.kind == 5 else 0]
+            args = (xi.data_ptr(), *geometry, rows.data_ptr(), row, scratch, lo, uf, fp8)
+            direct(programs, self._stream(), args)
             return True
         self._launch(v, (programs,), xi, geometry, rows, row, False)
         return True
