@@ -215,10 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cpu" if dry else "cuda")
     m = 64 if dry else args.tokens
-    if args.shapes:
-        shapes = args.shapes
-    else:
-        shapes = DRY_SHAPES if dry else MODEL_SHAPES + (() if args.no_grid else GRID)
+    shapes = args.shapes or (DRY_SHAPES if dry else MODEL_SHAPES + (() if args.no_grid else GRID))
     if dry:
         args.warmup, args.iters, args.repeats = 1, 2, 2
     hw = hardware.detect(device)
