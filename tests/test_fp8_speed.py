@@ -110,9 +110,11 @@ def test_checks_and_references_fall_on_their_side_of_the_threshold() -> None:
     """gpt2-small measured without precprof on 2026-11-26 (24.4 ms against 32.6 ms): not fitted on. Other
     stacks: Llama3-8B on 8 H100s with torchtitan (1.25x) and torchao's single-layer H100 microbenchmarks
     (0.80x, 1.39x), whose layers are compared with the layers' estimate (on their side of 1 only: at 1,024 and
-    4,096 tokens they lie outside the table's 8,192, whose small shapes are floors of launch cost)."""
+    4,096 tokens they lie outside the table's 8,192, whose small shapes are floors of launch cost).
+    qwen2-3072 (bench/results/fp8_vs_bf16_nvidia-h200_2026-11-27c.json) is the check it misses: see
+    test_the_out_of_sample_check_is_a_known_miss_at_interpolated_shapes."""
     cut = AdvisorConfig().fp8_speedup_min
-    others = [m for m in S.MEASURED if m.role in ("check", "reference")]
+    others = [m for m in S.MEASURED if m.role in ("check", "reference") and not m.miss]
     assert len(others) == 4
     for m in others:
         est = S.estimate(m.shapes, m.others)
@@ -122,6 +124,60 @@ def test_checks_and_references_fall_on_their_side_of_the_threshold() -> None:
         if m.scope == "step":
             assert (got > cut) == (m.speedup > cut), (m.name, got, m.speedup)
             assert abs(got - m.speedup) < 0.1, (m.name, got, m.speedup)
+
+
+def test_the_out_of_sample_check_is_a_known_miss_at_interpolated_shapes() -> None:
+    """KNOWN MISS, asserted as it stands: qwen2-3072 (Llama-3.2-3B's blocks, 4 layers and its head, 29
+    Float8Linear) ran at 1.19x on the H200 (bf16 61.9 ms against fp8 51.8 ms a step, fp8's loss within the bf16
+    seeds' noise), and none of its shapes is in the table. Interpolated, it is estimated at 1.09x: on the right
+    side of 1 but under the advisor's 1.1x, so the advisor says bf16 where FP8 paid. Reason: its neighbours'
+    small shapes (2048 x 2048 at 0.47x, 4096 x 1024 at 0.70x) were timed at the host's launch rate, which the
+    step's queue hides. The interpolation chosen on the table's own errors
+    (test_the_interpolation_is_chosen_by_leave_one_out) does not reach 1.1x; only the nearest shape alone, the
+    worst by those errors, would (1.105x), and choosing it for that would tune to the check. This test fails the
+    day the estimate moves (the table re-measured by bench/fp8_layers.py with graph replays and qwen2-3072's
+    shapes): then make it an ordinary check, or state the new miss. That it would pass with its shapes timed
+    cannot be asserted before they are."""
+    cut = AdvisorConfig().fp8_speedup_min
+    (m,) = [m for m in S.MEASURED if m.miss]
+    assert m.name.startswith("qwen2-3072") and m.role == "check" and m.scope == "step"
+    assert m.shapes == S.QWEN2_3072 and len(m.shapes) == 29 and not m.others
+    assert m.speedup == pytest.approx(61.93 / 51.84, abs=1e-3) and m.bf16_s == pytest.approx(
+        0.06193, abs=1e-5
+    )
+    assert "fp8_vs_bf16_nvidia-h200_2026-11-27c.json" in m.source and m.cite in m.source
+    est = S.estimate(m.shapes, m.others)
+    assert est is not None and est.timed == 0  # every shape interpolated: where the miss lies
+    measured = f"measured {m.speedup:.2f}x"
+    assert (est.speedup > 1) == (m.speedup > 1), (est.speedup, measured)
+    assert est.speedup <= cut < m.speedup, f"the known miss moved: estimated {est.speedup:.3f}x, {measured}"
+    assert est.speedup == pytest.approx(1.089, abs=0.005), (est.speedup, measured)
+    assert f"estimated {est.speedup:.2f}x" in m.miss and measured in m.miss
+    # the 4-neighbour interpolation before the leave-one-out said 1.06x: further still
+    assert est.speedup > 1.063
+
+
+def test_the_interpolation_is_chosen_by_leave_one_out() -> None:
+    """Each timed shape predicted from the other 22 (``leave_one_out``): the count of neighbours, 1 to 8, is
+    the one whose error of a layer's FP8 speedup is least, judged on the table alone (not on qwen2-3072, the
+    out-of-sample check). Two: 18% RMS (20% with the four of before, 31% with one), though its bf16 times err
+    more (35% against 30%); the errors are the table's launch floors more than the interpolation's."""
+    runs = {n: S.leave_one_out(n) for n in range(1, 9)}
+    best = min(runs, key=lambda n: runs[n].speedup)
+    assert S._NEAREST == best == 2
+    two, four, one = runs[2], runs[4], runs[1]
+    assert two.speedup == pytest.approx(0.181, abs=0.002) and four.speedup == pytest.approx(0.201, abs=0.002)
+    assert one.speedup == pytest.approx(0.310, abs=0.002)
+    assert two.interior == pytest.approx(0.183, abs=0.002) and four.interior == pytest.approx(
+        0.217, abs=0.002
+    )
+    assert two.bf16 == pytest.approx(0.352, abs=0.002) and four.bf16 == pytest.approx(0.297, abs=0.002)
+    assert two.worst[:2] == (1024, 1024) and two.worst[2] == pytest.approx(0.393, abs=0.002)
+    # the method itself: a table whose time per M K N is one constant per format is interpolated exactly
+    exact = {(k, n): (2e-6 * k * n, 1.5e-6 * k * n) for k in (512, 1024, 4096) for n in (768, 2048, 8192)}
+    for n in (1, 2, 4):
+        e = S.leave_one_out(n, exact)
+        assert max(e.bf16, e.fp8, e.speedup, e.interior) < 1e-9 and e.nearest == n
 
 
 def test_the_estimate_explains_itself_and_says_where_its_numbers_come_from() -> None:
@@ -135,11 +191,19 @@ def test_the_estimate_explains_itself_and_says_where_its_numbers_come_from() -> 
     assert mixed is not None and "1 at shapes timed, the others interpolated" in mixed.explain()
     alone = S.estimate([(TOKENS, 4096, 12288)])
     assert alone is not None and "none at a shape timed: each interpolated" in alone.explain()
+    # where shapes are interpolated, the known miss there is said; where all were timed, not
+    for e in (mixed, alone):
+        assert "misled the estimate out of sample (qwen2-3072 ran at 1.19x, estimated 1.09x)" in e.explain()
+    assert "out of sample" not in text
     sources = S.sources()
     for m in S.MEASURED:
         assert m.source and m.cite and m.name in sources and m.device in sources and m.cite in sources
     for f in ("fp8_vs_bf16_nvidia-h200_2026-11-27.json", "fp8_vs_bf16_nvidia-h200_2026-11-27b.json"):
         assert f in sources
+    assert (
+        "a step 1.19x, estimated 1.09x; checked, a known miss; bench/results/fp8_vs_bf16_nvidia-h200_2026-11-27c"
+        in sources
+    )
     assert "fp8_layers_nvidia-h200_2026-11-27.json" in sources
 
 
