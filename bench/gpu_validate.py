@@ -319,12 +319,22 @@ def _block_tiles(run: Run) -> list[dict[str, Any]]:
     return out
 
 
-# (values a program reads per iteration, warps) of the row kernel: compiled for sm_90 by triton 3.6 (the GPU
-# machine's; it lowers the 64-slot histogram to ballots, 3.9 to shared-memory atomics), the default 4096 x 4
-# takes 255 registers and spills 64 bytes a thread: two programs of 4 warps fit an SM, 8 warps of 64. 4096 x 8:
-# 255 and no spill; 2048 x 8: 183; 1024 x 8: 128; 4096 x 16: 128 and spills. Which reads fastest is the GPU's
-# to say (TritonRows(block=, num_warps=)); the first is the default.
-ROW_SHAPES = ((4096, 4), (4096, 8), (2048, 8), (1024, 8), (2048, 4), (4096, 16))
+# (values a program reads per iteration, warps, rare values in a second loop) of the row kernel, compiled for
+# sm_90 by triton 3.6 (the GPU machine's; it lowers the 64-slot histogram to ballots, 3.9 to shared-memory
+# atomics). The H200 of 2026-11-27c read 570-713 GB/s fp32 with every block x warps of the former kernel, whose
+# rare path's 1,024-slot histogram held 214-255 registers a thread. With it in two levels of 64 slots,
+# registers a thread (fp32, bf16): 4096 x 4 255 (spilling); 1024 x 4 162, 183; with the rare values after the
+# loop: 1024 x 4 165, 183; 1024 x 8 107, 118; 2048 x 4 194, 181; 512 x 4 105, 110 (that loop holds them: the
+# main loop alone takes 64). The first is the default.
+ROW_SHAPES = (
+    (4096, 4, False),
+    (1024, 4, False),
+    (1024, 4, True),
+    (1024, 8, True),
+    (2048, 4, True),
+    (512, 4, True),
+    (4096, 8, False),
+)
 
 
 def _row_shapes(run: Run) -> list[dict[str, Any]]:
@@ -341,7 +351,10 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
     # the aligned contiguous variant of each dtype (what a 64M tensor launches), every shape's compiled side by
     # side, then loaded and checked against Triton's own launch
     variants = [te.Variant(te.KINDS[d][0], False, True) for d in dtypes]
-    shapes = {bw: te.TritonRows(run.device, LAYOUT, block=bw[0], num_warps=bw[1]) for bw in ROW_SHAPES}
+    shapes = {
+        bw: te.TritonRows(run.device, LAYOUT, block=bw[0], num_warps=bw[1], rare_after=bw[2])
+        for bw in ROW_SHAPES
+    }
     t0 = time.perf_counter()
     with te.parallel_compile(len(shapes) * len(variants)):
         compiled = [rows.warm(load=False, variants=variants) for rows in shapes.values()]
@@ -349,12 +362,24 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
         te.load_kernels(kernels)
         rows.adopt_compiled()
     compile_s = time.perf_counter() - t0
-    for (block, warps), rows in shapes.items():
+    # randn (no value outside a program's window of 31 binades), then one value in 1,000 scaled by 2^-40: every
+    # program meets rare values (a second read of its blocks with rare_after). The same values for every shape
+    g = torch.Generator(device=run.device).manual_seed(0)
+    plain = torch.randn(n, device=run.device, generator=g)
+    rare = plain.clone()
+    rare[::1000] *= 2.0**-40
+    inputs = {(dt, data): x.to(dt) for dt in dtypes for data, x in (("randn", plain), ("rare 1e-3", rare))}
+    del plain, rare
+    reference: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+    for (block, warps, after), rows in shapes.items():
         if run.left() < 30:
-            return out
+            break
         target = LAYOUT.empty_rows(1, run.device)
-        for dtype in dtypes:
-            x = torch.randn(n, device=run.device).to(dtype)
+        for (dtype, data), x in inputs.items():
+            # one row from a cleared target: the default shape's is the reference of the others'
+            got = LAYOUT.empty_rows(1, run.device)
+            rows.add(x, got, 0)
+            ref = reference.setdefault((dtype, data), got)
             nbytes = x.numel() * x.element_size()
             reps = 10 if run.device.type == "cuda" else 1
             t_sum = _time_s(lambda x=x: x.sum(), run.device, reps)
@@ -363,14 +388,17 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
                 {
                     "block": block,
                     "num_warps": warps,
+                    "rare_after": after,
                     "dtype": str(dtype).removeprefix("torch."),
+                    "data": data,
                     "gbps": nbytes / t / 1e9,
                     "vs_sum": t_sum / t,
+                    "same_row_as_default": bool(torch.equal(got, ref)),
                     "compile_all_s": compile_s,
                     "launch": rows.direct_status,
                 }
             )
-            del x
+    del inputs
     return out
 
 

@@ -466,13 +466,18 @@ def test_a_failed_triton_import_is_cached_only_when_triton_is_missing(
 
 
 @needs_interpreter
+@pytest.mark.parametrize("rare_after", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_triton_window_and_rare_values(dtype: torch.dtype) -> None:
+def test_triton_window_and_rare_values(
+    dtype: torch.dtype, rare_after: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The Triton kernel's two paths give the C kernel's row: values in the program's window of binades, and
     the rare ones (subnormals, far below or above the window, past the overflow shortcut, inf, nan), which a
     block with few of them counts by one atomic each and a block with many by a histogram. Blocks of 4096:
     a few rare values in a block, blocks made of them, an all-nan tensor, and a first block of zeros (the
-    window then sits around 1)."""
+    window then sits around 1). ``rare_after``: the rare values in a second loop over the program's blocks
+    (``triton_engine.RARE_AFTER``), with the last, partial block's among them."""
+    monkeypatch.setattr(triton_engine, "RARE_AFTER", rare_after)
     g = torch.Generator().manual_seed(3)
     calm = torch.randn(3 * 4096, generator=g) * 0.01
     few = calm.clone()
@@ -481,7 +486,8 @@ def test_triton_window_and_rare_values(dtype: torch.dtype) -> None:
         2 * 4096, generator=g
     )
     zeros_first = torch.cat([torch.zeros(4096), calm[:5000] * 1e-3])
-    cases = [few, wild, torch.full((5000,), math.nan), zeros_first, torch.cat([calm, wild])]
+    rare_last = torch.cat([calm[:4100], torch.tensor([math.inf, 2.0**-60, 1e-41])])  # in the partial block
+    cases = [few, wild, torch.full((5000,), math.nan), zeros_first, torch.cat([calm, wild]), rare_last]
     for x in cases:
         x = x.to(dtype)
         got, want = rows_of(x, "triton"), rows_of(x, "c")

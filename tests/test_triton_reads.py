@@ -170,15 +170,17 @@ def test_the_compiler_is_imported_before_the_compile_threads_start() -> None:
 
 
 def test_another_block_and_warps_write_the_same_rows() -> None:
-    """``TritonRows(block=, num_warps=)`` (the sizes gpu_validate sweeps on a GPU for the kernel's registers
-    and occupancy): the full blocks, the partial last one and the programs follow the block, and every layout
+    """``TritonRows(block=, num_warps=, rare_after=)`` (the shapes gpu_validate sweeps on a GPU for the
+    kernel's registers and occupancy): the full blocks, the partial last one and the programs follow the block, and every layout
     gives the default's rows, the C kernel's."""
     from precprof.stats.layout import LAYOUT
 
     default = triton_engine.TritonRows(torch.device("cpu"), LAYOUT)
-    for block, warps in ((1024, 8), (2048, 4), (8192, 16)):
-        other = triton_engine.TritonRows(torch.device("cpu"), LAYOUT, block=block, num_warps=warps)
-        assert (other.block, other.num_warps) == (block, warps)
+    for block, warps, after in ((1024, 8, False), (2048, 4, False), (8192, 16, False), (1024, 4, True)):
+        other = triton_engine.TritonRows(
+            torch.device("cpu"), LAYOUT, block=block, num_warps=warps, rare_after=after
+        )
+        assert (other.block, other.num_warps, other.rare_after) == (block, warps, after)
         # a chosen few variants compile alone (gpu_validate's sweep: the aligned contiguous one per dtype)
         one = [triton_engine.Variant(triton_engine.KINDS[torch.float32][0], False, True)]
         assert len(other.warm(variants=one)) == 1 and len(default.warm([torch.float32])) > 1

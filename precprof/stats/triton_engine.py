@@ -60,6 +60,8 @@ _BIAS = {0: 127, 1: 127, 2: 15, 3: 7, 4: 15, 5: 1023}
 _FIELD_ALL = {0: 255, 1: 255, 2: 31, 3: 15, 4: 31, 5: 2047}
 BLOCK = 4096
 NUM_WARPS = 4  # Triton's default
+# rare values in a second loop, only over the blocks of a program that met any (triton_kernels' RARE_AFTER)
+RARE_AFTER = False
 # scratch: keys[4096], overflow[16], absmax bits, absmin bits, programs finished (triton_kernels' _OV.._DONE)
 _OV = _N_KEYS
 _MX = _OV + 16
@@ -302,6 +304,7 @@ class TritonRows:
         max_programs: int | None = None,
         block: int = BLOCK,
         num_warps: int = NUM_WARPS,
+        rare_after: bool | None = None,
     ) -> None:
         kernels = _kernels()
         if isinstance(kernels, str):
@@ -337,6 +340,8 @@ class TritonRows:
         # values a program reads per iteration, and its warps: the kernel's registers and occupancy follow
         # them (gpu_validate's kernels stage sweeps them on a GPU)
         self.block, self.num_warps = block, num_warps
+        # the rare values in a second loop over a program's blocks, only when it met any (triton_kernels)
+        self.rare_after = RARE_AFTER if rare_after is None else rare_after
         self._direct: dict[Variant, _DirectLaunch] = {}
         self._pending_compiled: list[tuple[Variant, Any]] = []
         self.direct_status = "not compiled yet"
@@ -361,6 +366,7 @@ class TritonRows:
             LO=1023 + EXP_MIN,
             HI=1023 + EXP_MAX,
             BLOCK=block,
+            RARE_AFTER=self.rare_after,
         )
 
     @property
