@@ -325,15 +325,16 @@ def _block_tiles(run: Run) -> list[dict[str, Any]]:
 # rare path's 1,024-slot histogram held 214-255 registers a thread. With it in two levels of 64 slots,
 # registers a thread (fp32, bf16): 4096 x 4 255 (spilling); 1024 x 4 162, 183; with the rare values after the
 # loop: 1024 x 4 165, 183; 1024 x 8 107, 118; 2048 x 4 194, 181; 512 x 4 105, 110 (that loop holds them: the
-# main loop alone takes 64). The first is the default.
+# main loop alone takes 64). The H200 then read 868 GB/s fp32 with 512 x 4 after the loop (randn), 928 with
+# 1024 x 4, 633 with the former 4096 x 4 in the loop; 412, 332 and 373 when 1 value in 1,000 is rare
+# (bench/results/README_h200_2026-11-27c.md). The first is the default.
 ROW_SHAPES = (
-    (4096, 4, False),
-    (1024, 4, False),
-    (1024, 4, True),
-    (1024, 8, True),
-    (2048, 4, True),
     (512, 4, True),
-    (4096, 8, False),
+    (4096, 4, False),
+    (1024, 4, True),
+    (256, 4, True),
+    (512, 8, True),
+    (512, 2, True),
 )
 
 

@@ -10,8 +10,10 @@ are never converted by float arithmetic (no flush-to-zero can touch a subnormal)
   binades (all of fp16's and fp8's; for fp32, bf16 and fp64 the binades around its first block's largest
   value) with a 64-slot ``tl.histogram``, and keeps the largest and smallest of those values per lane;
 - counts every other value ("rare": subnormals, values outside the window, at or above the layout's overflow
-  shortcut, inf, nan) in the histogram's slot 0; only a block holding one gives each its exact fp64 key by a
-  relaxed integer atomic into the scratch, and makes the overflow compares and extremes for them;
+  shortcut, inf, nan) in the histogram's slot 0; a program that met any reads its blocks a second time, and
+  only a block holding one gives each its exact fp64 key by a relaxed integer atomic into the scratch (a
+  histogram in two levels of 64 slots when it holds many), and makes the overflow compares and extremes for
+  them (``RARE_AFTER``: the main loop then carries no rare path);
 - adds its window into the scratch (one atomic per nonzero slot), its overflow counts and extremes.
 
 The last program to finish (an atomic counter in the scratch) turns the scratch into the row (the exponent
@@ -30,7 +32,10 @@ compiled in its on-disk cache (``~/.triton/cache``), so a second run loads it in
 Cost, measured without a GPU (the SASS of the loop compiled for sm_90 by triton 3.9, divided by the values a
 thread reads per iteration): 30 instructions per fp32 value, 26 per bf16 and 19 per fp16 value in blocks
 without rare values, against 72 for the former two-launch engine (a 1,024-key histogram per block of 1,024).
-A block with many rare values histograms their exact keys (1,024 slots) instead of one atomic each.
+On an H200 (triton 3.6, 64M values, bench/results/README_h200_2026-11-27c.md) the default, blocks of 512 with
+the rare values after the loop, read 868 GB/s fp32 and 423 bf16 from randn (26% and 16% of ``x.sum()``), and
+412 and 214 when one value in 1,000 is rare and every program reads its blocks twice: more than blocks of
+4,096 with the rare path in the loop read in either case (633 and 408; 373 and 206).
 ``TRITON_INTERPRET=1`` runs the same kernel on CPU tensors: that is how the suite tests it bit for bit
 against the C kernel, the torch-op path and real casts.
 """
@@ -58,10 +63,12 @@ KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
 # per kind: exponent bias and all-ones exponent field of the format the kernel reads natively
 _BIAS = {0: 127, 1: 127, 2: 15, 3: 7, 4: 15, 5: 1023}
 _FIELD_ALL = {0: 255, 1: 255, 2: 31, 3: 15, 4: 31, 5: 2047}
-BLOCK = 4096
+# values a program reads per iteration, its warps, and the rare values in a second loop over the blocks of a
+# program that met any (triton_kernels' RARE_AFTER): the fastest of gpu_validate's row sweep on an H200, on
+# data with and without rare values (2026-11-27c)
+BLOCK = 512
 NUM_WARPS = 4  # Triton's default
-# rare values in a second loop, only over the blocks of a program that met any (triton_kernels' RARE_AFTER)
-RARE_AFTER = False
+RARE_AFTER = True
 # scratch: keys[4096], overflow[16], absmax bits, absmin bits, programs finished (triton_kernels' _OV.._DONE)
 _OV = _N_KEYS
 _MX = _OV + 16
