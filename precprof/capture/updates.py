@@ -249,16 +249,18 @@ class _DeviceGroup:
         delta = self.samples() - before
         nonzero = delta != 0
         stuck = intended & ~nonzero  # meant to move, did not
-        flags = torch.empty((len(before), 3), dtype=torch.int64, device=before.device)
-        flags[:, 0] = ~(nonzero | intended)
+        # one row per column (a scan along rows: a [n, 3] tensor's scan along dim 0 ran as three threads on CUDA,
+        # 5 ms of an H200's time for gpt2-small's samples)
+        flags = torch.empty((3, len(before)), dtype=torch.int64, device=before.device)
+        flags[0] = ~(nonzero | intended)
         for col, dtype in ((1, torch.bfloat16), (2, torch.float16)):
             held = before.to(dtype)
             landed_but_lost = ((held.float() + delta).to(dtype) == held) & nonzero
             # a stuck update in a bf16 weight says nothing of fp16, which is finer
             counts_stuck = dtype == torch.bfloat16 or not self.held_bf16
-            flags[:, col] = (landed_but_lost | stuck) if counts_stuck else landed_but_lost
+            flags[col] = (landed_but_lost | stuck) if counts_stuck else landed_but_lost
         # per member: sums over its segment of samples, from the running sum at each segment's end
-        at_end = flags.cumsum(0)[self.ends]
+        at_end = flags.cumsum(1)[:, self.ends].t()
         at_end[1:] -= at_end[:-1].clone()
         self.counts[:, 0] += self.lens
         self.counts[:, 1:] += at_end
