@@ -473,9 +473,9 @@ def test_triton_window_and_rare_values(
 ) -> None:
     """The Triton kernel's two paths give the C kernel's row: values in the program's window of binades, and
     the rare ones (subnormals, far below or above the window, past the overflow shortcut, inf, nan), which a
-    block with few of them counts by one atomic each and a block with many by a histogram. Blocks of 4096:
-    a few rare values in a block, blocks made of them, an all-nan tensor, and a first block of zeros (the
-    window then sits around 1). ``rare_after``: the rare values in a second loop over the program's blocks
+    block with few of them counts by one atomic each and a block with many by a histogram. Blocks of 512 (the
+    default): a few rare values in a block, blocks made of them, an all-nan tensor, and first blocks of zeros
+    (the window then sits around 1). ``rare_after``: the rare values in a second loop over the program's blocks
     (``triton_engine.RARE_AFTER``), with the last, partial block's among them."""
     monkeypatch.setattr(triton_engine, "RARE_AFTER", rare_after)
     g = torch.Generator().manual_seed(3)
