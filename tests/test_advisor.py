@@ -535,9 +535,9 @@ def test_bf16_gradient_underflow_falls_back_to_fp16(request: pytest.FixtureReque
 
 def _large_gemms(summ: dict[str, Any], width: int = 16384) -> dict[str, Any]:
     """``summ`` declaring fc1..fc3 as ``width`` x ``width`` layers run on 8 x 1024 tokens: GEMMs large enough
-    for FP8 to pay (analysis.fp8_speed: two of the three converted, a step estimated at 1.17x; 4096-wide ones
-    came out 0.95x once the H200's whole steps set the estimate), while the tables' small tensors stand in for
-    their values."""
+    for FP8 to pay (analysis.fp8_speed: two of the three converted, a step estimated at 1.26x host-bound and
+    1.25x GPU-bound; 4096-wide ones came out 0.95x once the H200's whole steps set the estimate), while the
+    tables' small tensors stand in for their values."""
     summ[T.SUMMARY_CONFIG].update(batch_size=8, seq_len=1024)
     summ[T.SUMMARY_CAPTURE] = {
         "modules": [

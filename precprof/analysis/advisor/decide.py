@@ -49,18 +49,19 @@ def _fp8_speed_text(plan: _Plan) -> str:
     if est is None:
         return ""
     return (
-        f"at these GEMM shapes FP8 would run a training step at an estimated {est.speedup:.2f}x of bf16's speed "
-        f"(the eligible layers at {est.layers_speedup:.2f}x, {_pct(est.gemm_share)} of the step; from each layer "
-        "shape's times measured alone and whole steps measured in FP8 and bf16, not from this run: see the "
-        "finding on FP8's speed)"
+        f"at these GEMM shapes FP8 would run a training step at an estimated {est.speedup_launch_bound:.2f}x of "
+        f"bf16's speed with launches as timed call by call, {est.speedup_gpu_bound:.2f}x if the host keeps ahead "
+        "of the GPU (from each layer shape's times measured alone and whole steps measured in FP8 and bf16, not "
+        "from this run: see the finding on FP8's speed)"
     )
 
 
 def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     """Why FP8 is not advised on FP8 hardware, saying what decided it ("" when it is advised): what FP8 would do
-    to the numbers (``_fp8_numbers_why_not``), or, where the numbers allow it, its speed: FP8's estimated
-    speedup of a training step at these GEMM shapes not above ``cfg.fp8_speedup_min`` (``analysis.fp8_speed``:
-    below 1, its casts and extra kernels cost more than its faster matmuls save)."""
+    to the numbers (``_fp8_numbers_why_not``), or, where the numbers allow it, its speed: the conservative end of
+    FP8's estimated speedup of a training step at these GEMM shapes (``analysis.fp8_speed``: the lower of the
+    host-bound and the GPU-bound estimate) not above ``cfg.fp8_speedup_min``. Where the other end is above it,
+    the text says FP8 may pay on such a step, to be measured."""
     numbers = _fp8_numbers_why_not(plan, cfg)
     speed = _fp8_speed_text(plan)
     if numbers:
@@ -73,16 +74,22 @@ def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
             "the speed decided: it cannot be estimated (the eligible layers' tokens per call are unknown), so FP8 "
             "cannot be shown to pay"
         )
-    if est.speedup <= cfg.fp8_speedup_min:
+    cut = cfg.fp8_speedup_min
+    if est.speedup <= cut:
+        if est.speedup_gpu_bound > cut:
+            why = f", only the latter above {cut:g}x: FP8 may pay on a GPU-bound step; measure it"
+        elif est.speedup_launch_bound > cut:
+            why = f", only the former above {cut:g}x: FP8 may pay on a step its host's launches bound; measure it"
+        else:
+            why = f", neither above {cut:g}x: " + (
+                "its casts and extra kernels cost more than its faster matmuls save"
+                if max(est.speedup_launch_bound, est.speedup_gpu_bound) < 1
+                else "too small a gain to promise one on another model or stack"
+            )
         return (
             f"the speed decided: what FP8 does to the numbers allows it ({len(plan.fp8_eligible)} of "
             f"{plan.fp8_checked} linear layers are FP8-eligible, carrying {_pct(plan.fp8_flops_share)} of their "
-            f"matmul FLOPs), but {speed}, not above {cfg.fp8_speedup_min:g}x: "
-            + (
-                "its casts and extra kernels cost more than its faster matmuls save"
-                if est.speedup < 1
-                else "too small a gain to promise one on another model or stack"
-            )
+            f"matmul FLOPs), but {speed}{why}"
         )
     return ""
 
@@ -132,7 +139,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             f"{plan.fp8_checked} linear layers, carrying {_pct(plan.fp8_flops_share)} of their matmul FLOPs, "
             "are FP8-eligible (convertible, dims and tokens per call multiples of 16, per-tensor current scaling "
             f"losing at most {_pct(cfg.lost_norm_max)} of each tensor's norm to underflow), and "
-            f"{_fp8_speed_text(plan)}, above {cfg.fp8_speedup_min:g}x: both the numbers and the speed allow "
+            f"{_fp8_speed_text(plan)}, each above {cfg.fp8_speedup_min:g}x: both the numbers and the speed allow "
             "FP8; the rest runs in bf16 autocast."
         )
     elif bf16_ok and not plan.bf16_block:

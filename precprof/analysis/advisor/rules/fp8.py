@@ -284,7 +284,18 @@ def _speed_finding(run: _Run, plan: _Plan) -> None:
     if est is None or not run.hw.fp8_supported:  # the question is asked on FP8 hardware only
         return
     cfg = run.cfg
-    pays = est.speedup > cfg.fp8_speedup_min
+    cut = cfg.fp8_speedup_min
+    pays = est.speedup > cut
+    # the conservative end decides; the other end above the threshold: FP8 may pay on such a step
+    may = not pays and max(est.speedup_launch_bound, est.speedup_gpu_bound) > cut
+    verdict = (
+        "would pay"
+        if pays
+        else f"may pay only on a {'GPU' if est.speedup_gpu_bound > cut else 'host'}-bound step"
+        if may
+        else "would not pay"
+    )
+    ends = f"{est.speedup_launch_bound:.2f}x (host-bound) to {est.speedup_gpu_bound:.2f}x (GPU-bound)"
     lo, hi = fp8_speed.TABLE_INTENSITY
     beyond = {
         "below": f" Their intensity is below that of every layer shape timed ({lo:.0f} to {hi:.0f} at "
@@ -296,14 +307,13 @@ def _speed_finding(run: _Run, plan: _Plan) -> None:
         Finding(
             "fp8_speed",
             INFO,
-            f"FP8 {'would pay' if pays else 'would not pay'} at these GEMM shapes: an estimated "
-            f"{est.speedup:.2f}x of bf16's speed a training step",
+            f"FP8 {verdict} at these GEMM shapes: an estimated {ends} of bf16's speed a training step",
             f"An estimate, not a measurement of this run (tensorwise FP8, compiled, against bf16, compiled): "
-            f"{est.explain()}{beyond} The layer times and the rest's constant were measured on an "
+            f"{est.explain()}{beyond} The layer times and the rest's constants were measured on an "
             f"{est.constants.device} (analysis/fp8_speed.py); FP8 is advised only above "
-            f"{cfg.fp8_speedup_min:g}x. Sources: {fp8_speed.sources()}",
+            f"{cut:g}x at the lower end. Sources: {fp8_speed.sources()}",
             "Measure it on the target: precprof compare --precisions bf16,fp8 (both compiled) times both."
-            if pays
+            if pays or may
             else "Keep these layers in bf16 on this model; FP8 pays for larger GEMMs (wider layers or more "
             "tokens per call).",
             modules=[],
@@ -314,7 +324,7 @@ def _speed_finding(run: _Run, plan: _Plan) -> None:
                 "intensity": est.intensity,
                 "layers": est.layers,
                 "layers_bf16": est.others,
-                "speedup_min": cfg.fp8_speedup_min,
+                "speedup_min": cut,
             },
         )
     )
