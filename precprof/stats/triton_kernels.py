@@ -183,50 +183,51 @@ def _rare(
     NWP: tl.constexpr,
     MANY: tl.constexpr,
 ):
-    # A block's rare values (``rare`` of them, > 0): each gets its exact fp64 key by one relaxed integer atomic
-    # into the scratch, and the overflow compares and finite extremes are made for them
-    r = key == 0  # lanes outside the tensor read 0: key 1
-    if KIND == 5:
-        big = mag
-        key64 = kn
-        finite = mag < 0x7FF0000000000000
-        notnan = mag <= 0x7FF0000000000000
-    else:
-        big = _f32_of(mag, KIND)
-        key64 = _key_of_f32(big)
-        finite = big < 0x7F800000
-        notnan = big <= 0x7F800000
-    if rare > MANY:
-        # many rare values (an all-nan tensor, values far past the window): a histogram of their keys
-        # (fp32's compact: 2 * fp64 field + (mantissa == 0) from fp32's smallest subnormal up, then nan
-        # and inf), one atomic per nonzero key, so that no address takes one atomic per value. In two levels
-        # of 64 slots (which groups of 64 keys the block holds, then each of those): one histogram of 1,024
-        # or 4,096 slots held the kernel's registers (1024 x 4, triton 3.6, sm_90: 214 a thread, now 162)
-        NGROUP: tl.constexpr = 64 if KIND == 5 else 16
-        if KIND == 5:  # noqa: SIM108 (a constexpr branch of the kernel)
-            compact = key64
+    # A block's rare values (``rare`` of them; nothing when none): each gets its exact fp64 key by one relaxed
+    # integer atomic into the scratch, and the overflow compares and finite extremes are made for them
+    if rare > 0:
+        r = key == 0  # lanes outside the tensor read 0: key 1
+        if KIND == 5:
+            big = mag
+            key64 = kn
+            finite = mag < 0x7FF0000000000000
+            notnan = mag <= 0x7FF0000000000000
         else:
-            compact = tl.where(key64 >= 4094, key64 - 3072, key64 - 1748)
-        group = compact >> 6
-        groups = tl.histogram(group, NGROUP, mask=r)
-        gslot = tl.arange(0, NGROUP)
-        idx = tl.arange(0, 64)
-        for g in range(0, NGROUP):
-            if tl.sum(tl.where(gslot == g, groups, 0)) > 0:
-                hr = tl.histogram(compact & 63, 64, mask=r & (group == g))
-                k = g * 64 + idx
-                if KIND != 5:
-                    k = tl.where(k >= 1022, k + 3072, k + 1748)
-                tl.atomic_add(scratch_ptr + k, hr.to(tl.int64), mask=hr != 0, sem="relaxed")
-    else:
-        tl.atomic_add(scratch_ptr + key64, tl.full(key64.shape, 1, tl.int64), mask=r, sem="relaxed")
-    fmt = tl.arange(0, NWP)
-    for j in tl.static_range(NW):
-        lo = tl.load(lo_ptr + j)
-        ov += tl.where(fmt == j, tl.sum((r & notnan & (big >= lo)).to(tl.int32)), 0)
-    ok = r & finite
-    mx = tl.maximum(mx, tl.where(ok, mag, 0))
-    mn = tl.minimum(mn, tl.where(ok, mag, mn))
+            big = _f32_of(mag, KIND)
+            key64 = _key_of_f32(big)
+            finite = big < 0x7F800000
+            notnan = big <= 0x7F800000
+        if rare > MANY:
+            # many rare values (an all-nan tensor, values far past the window): a histogram of their keys
+            # (fp32's compact: 2 * fp64 field + (mantissa == 0) from fp32's smallest subnormal up, then nan
+            # and inf), one atomic per nonzero key, so that no address takes one atomic per value. In two levels
+            # of 64 slots (which groups of 64 keys the block holds, then each of those): one histogram of 1,024
+            # or 4,096 slots held the kernel's registers (1024 x 4, triton 3.6, sm_90: 214 a thread, now 162)
+            NGROUP: tl.constexpr = 64 if KIND == 5 else 16
+            if KIND == 5:  # noqa: SIM108 (a constexpr branch of the kernel)
+                compact = key64
+            else:
+                compact = tl.where(key64 >= 4094, key64 - 3072, key64 - 1748)
+            group = compact >> 6
+            groups = tl.histogram(group, NGROUP, mask=r)
+            gslot = tl.arange(0, NGROUP)
+            idx = tl.arange(0, 64)
+            for g in range(0, NGROUP):
+                if tl.sum(tl.where(gslot == g, groups, 0)) > 0:
+                    hr = tl.histogram(compact & 63, 64, mask=r & (group == g))
+                    k = g * 64 + idx
+                    if KIND != 5:
+                        k = tl.where(k >= 1022, k + 3072, k + 1748)
+                    tl.atomic_add(scratch_ptr + k, hr.to(tl.int64), mask=hr != 0, sem="relaxed")
+        else:
+            tl.atomic_add(scratch_ptr + key64, tl.full(key64.shape, 1, tl.int64), mask=r, sem="relaxed")
+        fmt = tl.arange(0, NWP)
+        for j in tl.static_range(NW):
+            lo = tl.load(lo_ptr + j)
+            ov += tl.where(fmt == j, tl.sum((r & notnan & (big >= lo)).to(tl.int32)), 0)
+        ok = r & finite
+        mx = tl.maximum(mx, tl.where(ok, mag, 0))
+        mn = tl.minimum(mn, tl.where(ok, mag, mn))
     return mx, mn, ov
 
 
@@ -414,8 +415,7 @@ def _rows(
         acc, mx, mn, h, mag, kn, key = _block(u, lane >= 0, base, acc, mx, mn, KIND, KCAP, False)
         if not RARE_AFTER:
             rare = tl.sum(tl.where(slot == 0, h, 0))
-            if rare > 0:
-                mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
+            mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
     last = pid == nfull % nprog
     if last:  # the last, partial block
         i = nfull * BLOCK + lane
@@ -424,32 +424,24 @@ def _rows(
         acc, mx, mn, h, mag, kn, key = _block(u, inside, base, acc, mx, mn, KIND, KCAP, True)
         if not RARE_AFTER:
             rare = tl.sum(tl.where(slot == 0, h, 0))
-            if rare > 0:
-                mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
+            mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
     if RARE_AFTER:  # noqa: SIM102 (a constexpr branch, then a runtime one)
         # The loop above only counted the rare values (slot 0). When this program met any, it reads its
         # blocks again and makes their exact keys, overflow compares and extremes: the main loop carries no
         # rare path, so it holds fewer registers and no per-block reduction
         if tl.sum(tl.where(slot == 0, acc, 0)) > 0:
-            for blk in range(pid, nfull, nprog):
+            for blk in range(pid, nfull, nprog):  # unmasked loads, as in the main loop
                 i = blk * BLOCK + lane
                 u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED))
                 mag, kn, key = _window_key(u, base, KIND, KCAP)
                 rare = tl.sum((key == 0).to(tl.int32))
-                if rare > 0:
-                    mx, mn, ov = _rare(
-                        rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY
-                    )
-            if last:
+                mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
+            if last:  # lanes past the tensor's end read 0: no rare value
                 i = nfull * BLOCK + lane
-                inside = i < n
-                u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED), mask=inside, other=0)
+                u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED), mask=i < n, other=0)
                 mag, kn, key = _window_key(u, base, KIND, KCAP)
                 rare = tl.sum((key == 0).to(tl.int32))
-                if rare > 0:
-                    mx, mn, ov = _rare(
-                        rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY
-                    )
+                mx, mn, ov = _rare(rare, mag, kn, key, mx, mn, ov, scratch_ptr, lo_ptr, KIND, NW, NWP, MANY)
     # this program's window into the scratch: one atomic per nonzero slot
     s = tl.arange(0, _WIN)
     kn = s + base
