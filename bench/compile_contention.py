@@ -20,6 +20,13 @@ a GPU machine's 16 cores must say what is left (``gpu_validate.py``'s first_step
 
     python bench/compile_contention.py --out bench/results/compile_contention_cpu.json
 
+``--where process`` runs the same compiles in another process (as ``stats/triton_ahead.py`` does since
+2026-11-27c), the main thread measured here. On the 2-core machine, 2 workers, 2 repeats
+(``bench/results/compile_contention_process_cpu.json``): the main thread ran at 0.95-0.96 of its rate in the
+first second against 0.24-0.47 with threads, its worst quarter second at 0.33-0.39 against 0.02-0.17, its mean
+at 0.62-0.81 against 0.48-0.53; the compile took 9.3 s against 5.3-6.6 (the other process imports torch and
+triton first). What is left of the main thread's loss there is the two cores shared with the compile.
+
 Each configuration runs in a fresh process with an empty Triton cache.
 """
 
@@ -73,8 +80,22 @@ def _compile(kind: int, tile: int) -> None:
     compile(source, target=GPUTarget("cuda", 90, 32), options=dict(tb.LAUNCH_OPTIONS))
 
 
-def child(workers: int, variants: int, preload: bool) -> dict[str, Any]:
-    """One configuration, in this (fresh) process."""
+def _todo(variants: int) -> list[tuple[int, int]]:
+    return [(kind, tile) for kind in (0, 2) for tile in (32, 16, 8, 4, 64)][:variants]
+
+
+def compile_only(workers: int, variants: int) -> None:
+    """The compiles alone, on ``workers`` threads (the other process of ``child(..., process=True)``)."""
+    sys.path.insert(0, str(ROOT))
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda kt: _compile(*kt), _todo(variants)))
+
+
+def child(workers: int, variants: int, preload: bool, process: bool = False) -> dict[str, Any]:
+    """One configuration, in this (fresh) process; ``process``: the compiles in another process (as
+    ``stats/triton_ahead.py`` runs them), the main thread here."""
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -92,7 +113,7 @@ def child(workers: int, variants: int, preload: bool) -> dict[str, Any]:
         triton_engine.preload_compiler()
         preload_s = time.perf_counter() - t0
     alone = _rate(2.0)
-    todo = [(kind, tile) for kind in (0, 2) for tile in (32, 16, 8, 4, 64)][:variants]
+    todo = _todo(variants)
     spans: list[tuple[float, float]] = []
     t_start = time.perf_counter()
 
@@ -102,6 +123,12 @@ def child(workers: int, variants: int, preload: bool) -> dict[str, Any]:
         spans.append((a - t_start, time.perf_counter() - t_start))
 
     def run() -> None:
+        if process:
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            cmd = [sys.executable, __file__, "--compile-only", f"{workers},{variants}"]
+            subprocess.run(cmd, env=env, check=True)
+            spans.append((0.0, time.perf_counter() - t_start))
+            return
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(workers) as pool:
@@ -123,6 +150,7 @@ def child(workers: int, variants: int, preload: bool) -> dict[str, Any]:
         "workers": workers,
         "variants": variants,
         "preload": preload,
+        "where": "process" if process else "threads",
         "triton": triton.__version__,
         "imported_at_attach_s": imported_s,
         "preload_s": preload_s,
@@ -142,25 +170,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", default="1,2", help="compile threads to try (1,2)")
     ap.add_argument("--variants", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--where", default="threads,process", help="where the compiles run (threads,process)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--compile-only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.compile_only:
+        w, v = args.compile_only.split(",")
+        compile_only(int(w), int(v))
+        return 0
     if args.child:
-        w, v, p = args.child.split(",")
-        print(json.dumps(child(int(w), int(v), p == "1")))
+        w, v, p, where = args.child.split(",")
+        print(json.dumps(child(int(w), int(v), p == "1", where == "process")))
         return 0
     results = []
     for rep in range(args.repeats):
         for workers in (int(w) for w in args.workers.split(",")):
-            for preload in (False, True):
+            for where, preload in [(w, p) for w in args.where.split(",") for p in (False, True)]:
+                if where == "process" and not preload:
+                    continue  # the main thread imports nothing of the compile's then
                 env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
                 env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="pp-contention-")
-                cmd = [sys.executable, __file__, "--child", f"{workers},{args.variants},{int(preload)}"]
+                spec = f"{workers},{args.variants},{int(preload)},{where}"
+                cmd = [sys.executable, __file__, "--child", spec]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
                 rec = json.loads(out.strip().splitlines()[-1])
                 rec["repeat"] = rep
                 results.append(rec)
                 print(
-                    f"workers {workers} preload {'yes' if preload else 'no '}: main thread at "
+                    f"{where:8s} workers {workers} preload {'yes' if preload else 'no '}: main thread at "
                     f"{rec['first_second_share']:.2f} of its rate in the first second, worst quarter second "
                     f"{rec['worst_quarter_second_share']:.2f}, mean {rec['mean_share']:.2f} over "
                     f"{rec['compile_wall_s']:.1f} s of compile"

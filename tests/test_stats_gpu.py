@@ -7,7 +7,12 @@ CPU references and with the C kernel bit for bit. Skipped as a whole without CUD
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -286,3 +291,42 @@ def test_the_direct_launch_writes_the_rows_tritons_own_launch_writes() -> None:
             buf.accumulate(x.view(7, -1)[:, ::3], 1)  # strided
     assert torch.equal(direct.dense(), plain.dense())
     assert triton_engine.variant(x) in part._triton._direct
+
+
+_AHEAD_THEN_HERE = r"""
+import json, pathlib, sys, torch
+from precprof.stats import StatsBuffer, triton_ahead
+root = pathlib.Path(sys.argv[1])
+cubins = lambda: sorted(str(p) for p in root.rglob("*.cubin"))
+seen = {}
+real = triton_ahead.compile_ahead
+def ahead(spec, *a, **k):
+    why = real(spec, *a, **k)
+    seen.update(why=why, ahead=cubins())
+    return why
+triton_ahead.compile_ahead = ahead
+buf = StatsBuffer(2, "cuda", background=True)  # the other process, then this one with the real driver
+buf.wait_ready()
+buf.accumulate(torch.randn(1000, device="cuda"), 0)
+phases = buf.warm_phases
+print(json.dumps({**seen, "after": cubins(), "error": buf.ahead_error, "phases": phases}))
+"""
+
+
+def test_the_training_process_finds_the_other_processs_kernels(tmp_path: Path) -> None:
+    """A fresh process's background warm on the GPU: the other process compiles for this GPU with CPU tensors
+    and no driver, then this one compiles the same variants with the real driver and CUDA tensors and writes
+    no kernel the other did not (every one a hit in the cache: the keys agree)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", _AHEAD_THEN_HERE, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["why"] is None and got["error"] is None
+    assert "ahead" in got["phases"] and len(got["ahead"]) >= 9 and got["after"] == got["ahead"], got

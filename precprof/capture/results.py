@@ -197,6 +197,7 @@ class ProfilerResults:
                 "compiled_beside_training_s": self._buffer.warm_s if self._buffer is not None else None,
                 "compile_error": self._buffer.warm_error if self._buffer is not None else None,
                 "compile_phases_s": self._buffer.warm_phases if self._buffer is not None else {},
+                "compile_ahead_error": self._buffer.ahead_error if self._buffer is not None else None,
             },
             "skipped_tensors": self.skipped_tensors(),
             "steps_recorded": self._recorded.steps_recorded,

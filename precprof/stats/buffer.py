@@ -36,7 +36,7 @@ import torch
 
 from precprof import _compat
 from precprof.stats import blocks as _blocks
-from precprof.stats import triton_block, triton_engine
+from precprof.stats import triton_ahead, triton_block, triton_engine
 from precprof.stats.engine import resolve_engine
 from precprof.stats.layout import LAYOUT, RowLayout, merge_rows
 from precprof.stats.rows import Rows
@@ -114,6 +114,7 @@ class StatsBuffer:
         self._warming: list[threading.Thread] = []
         self.warm_s: float | None = None
         self.warm_error: str | None = None
+        self.ahead_error: str | None = None  # why the compile in another process failed, when it did
         # when each part of the compile beside the training began and ended (seconds from its start: "wait"
         # for another buffer's compile of the same kernels, "compile", "load", "check"), to tell which one a
         # slow training step overlapped
@@ -178,7 +179,7 @@ class StatsBuffer:
     def _warm_beside(self, part: DeviceRows) -> None:
         t0 = self.warm_t0 = time.perf_counter()
         try:
-            self._triton_warm(part, workers=BESIDE_WORKERS)
+            self._triton_warm(part, workers=BESIDE_WORKERS, ahead=part.device.type == "cuda")
         except Exception as e:  # the kernels then compile at their first launch; the run goes on
             self.warm_error = f"{type(e).__name__}: {e}"
         self.warm_s = time.perf_counter() - t0
@@ -201,16 +202,26 @@ class StatsBuffer:
         """The rows of ``device`` (made, with its engine, at the first call): the hooks add into them directly."""
         return self._parts.get(device) or self._part(device)
 
-    def _triton_warm(self, part: DeviceRows, workers: int | None = None) -> None:
+    def _triton_warm(self, part: DeviceRows, workers: int | None = None, ahead: bool = False) -> None:
         """Compile, when the rows are made (the Profiler's attach), every Triton kernel variant a tensor of
         ``self.dtypes`` can launch (the row statistics; the block kernels when rows hold block statistics),
         so that nothing compiles inside a hook (an H100's first sampled step stalled 18.8 s compiling). Launches
-        nothing, never syncs; Triton keeps the kernels in its on-disk cache for the next run."""
+        nothing, never syncs; Triton keeps the kernels in its on-disk cache for the next run. ``ahead``:
+        another process compiles them first (``triton_ahead``: beside the training, threads would take the
+        interpreter lock from it), and this one loads them from the cache; ``ahead_error`` says why not, when
+        it could not."""
         assert part._triton is not None
         block_dtypes = [d for d in self.dtypes if d in _BLOCK_DTYPES] if len(self.block_rows) else []
         tasks = 3 * len(self.dtypes) + 2 * len(block_dtypes)
         tw = time.perf_counter()
         with _compile_lock(part.device, self.dtypes, bool(block_dtypes)):
+            ta = time.perf_counter()
+            if ahead:
+                capability = torch.cuda.get_device_capability(part.device)
+                spec = triton_ahead.spec_of(
+                    part._triton, capability, self.dtypes, block_dtypes, _blocks.RECIPES
+                )
+                self.ahead_error = triton_ahead.compile_ahead(spec)
             t0 = time.perf_counter()
             # the compiles run side by side, all done at the block's exit
             with triton_engine.parallel_compile(tasks, workers):
@@ -225,7 +236,13 @@ class StatsBuffer:
         start = self.warm_t0 if self.warm_t0 is not None else tw
         self.warm_phases = {
             name: (round(a - start, 3), round(b - start, 3))
-            for name, a, b in (("wait", tw, t0), ("compile", t0, t1), ("load", t1, t2), ("check", t2, t3))
+            for name, a, b in (
+                ("wait", tw, ta),
+                *((("ahead", ta, t0),) if ahead else ()),
+                ("compile", t0, t1),
+                ("load", t1, t2),
+                ("check", t2, t3),
+            )
         }
 
     @property

@@ -263,6 +263,17 @@ def warm(
     ``triton_engine.TritonRows.warm``)."""
     if interpreting() or unavailable(device) is not None:
         return []
+    kernels = compile_kernels(device, dtypes, recipes)
+    if load:
+        load_kernels(kernels)
+    return kernels
+
+
+def compile_kernels(
+    device: torch.device, dtypes: Sequence[torch.dtype], recipes: Sequence[bf.BlockRecipe]
+) -> list[Any]:
+    """``warm``'s compiles, for Triton's active target, with example tensors on ``device`` (only their dtypes
+    and alignment count: ``triton_ahead`` compiles for a GPU with CPU tensors, in another process)."""
     mask = _mask([slot(r) for r in recipes])
     tmax = torch.zeros(1, dtype=torch.int32, device=device)
     part = torch.empty(1, SLOTS, STATS_PAD, dtype=torch.float64, device=device)
@@ -273,6 +284,4 @@ def warm(
         code, int_dtype = KINDS[dt]
         xi = torch.zeros(32, 32, dtype=int_dtype, device=device)
         kernels += _launch(xi, tmax, part, (32, 32, 32, 1, 1, 1), code, 32, mask, (1,), warm=True)
-    if load:
-        load_kernels(kernels)
     return kernels

@@ -1,0 +1,139 @@
+"""Compile a StatsBuffer's Triton kernels in another process, before the training's own process loads them.
+
+Why: a compile beside the training on threads holds the interpreter lock through the Python part of every
+compile (Triton's frontend walks the kernel's AST in Python). With an empty cache on an H200 the first sampled
+gpt2-small step took 2.38 s against 0.48 s without precprof while 34 s of compiles ran beside it
+(``bench/results/README_h200_2026-11-27c.md``). A process has its own interpreter lock.
+
+How: another Python process runs ``main``, which reads a pickled ``Ahead`` on stdin and compiles, for the GPU's
+target, exactly the variants the training's process would (``TritonRows.warm``, ``triton_block``'s), into
+Triton's on-disk cache. It never touches CUDA: no context, no GPU memory. Triton's JIT runs there with a driver
+that only names the target (``_TargetDriver``), and CPU tensors stand in for the GPU's: Triton specialises a
+kernel on its arguments' dtypes and 16-byte alignment, which they share, not on their device. The training's
+process then compiles the same kernels, and each is a hit in the cache (the compile lock of
+``stats/buffer.py`` is held throughout). Where the other process fails or its keys differ (another Triton),
+that compile is the former one, on threads: nothing is lost but the other process's time, and
+``warm_phases``' "compile" says which happened (a hit takes about half a second, a compile tens).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from precprof.stats import triton_block, triton_engine
+from precprof.stats.layout import RowLayout
+
+# the other process's limit: a compile of every variant took 34 s on an H200 machine's 16 cores
+TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """What the other process compiles: for a GPU of ``capability`` (major, minor), the row kernels of
+    ``layout`` for ``dtypes`` (TritonRows' ``block``, ``num_warps``, ``rare_after``), and the block kernels
+    for ``block_dtypes`` and ``recipes``."""
+
+    capability: tuple[int, int]
+    layout: RowLayout
+    dtypes: tuple[torch.dtype, ...]
+    block: int
+    num_warps: int
+    rare_after: bool
+    block_dtypes: tuple[torch.dtype, ...] = ()
+    recipes: tuple[Any, ...] = ()
+
+
+class _TargetDriver:
+    """The part of a Triton driver its JIT asks for while it compiles without launching (``warmup``): the
+    target, a device index and a stream, none of which touches a GPU."""
+
+    def __init__(self, capability: tuple[int, int]) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+
+def compile_here(spec: Ahead) -> int:
+    """Compile ``spec``'s kernels in this process for its target, into Triton's cache; how many kernels."""
+    from triton.runtime import driver
+
+    driver.set_active(_TargetDriver(spec.capability))
+    cpu = torch.device("cpu")
+    rows = triton_engine.TritonRows(
+        cpu, spec.layout, block=spec.block, num_warps=spec.num_warps, rare_after=spec.rare_after
+    )
+    tasks = 3 * len(spec.dtypes) + 2 * len(spec.block_dtypes)
+    with triton_engine.parallel_compile(tasks):
+        kernels = rows.warm(spec.dtypes, load=False)
+        if spec.block_dtypes:
+            kernels += triton_block.compile_kernels(cpu, spec.block_dtypes, spec.recipes)
+    return len([k.result() if hasattr(k, "result") else k for k in kernels])
+
+
+def compile_ahead(spec: Ahead, timeout_s: float = TIMEOUT_S) -> str | None:
+    """Run ``compile_here(spec)`` in another Python process (this one waits without the interpreter lock);
+    None when it compiled, else why not, in one line."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the package as this process imports it (a source tree on sys.path, not installed, included)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", "import sys, precprof.stats.triton_ahead as t; sys.exit(t.main())"],
+            input=pickle.dumps(spec),
+            env=env,
+            capture_output=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{type(e).__name__}: {e}"
+    if done.returncode != 0:
+        tail = done.stderr.decode(errors="replace").strip().splitlines()
+        return f"exit {done.returncode}: {tail[-1] if tail else 'no message'}"
+    return None
+
+
+def spec_of(
+    rows: Any,
+    capability: tuple[int, int],
+    dtypes: Sequence[torch.dtype],
+    block_dtypes: Sequence[torch.dtype],
+    recipes: Sequence[Any],
+) -> Ahead:
+    """The ``Ahead`` that compiles what ``rows`` (a ``TritonRows``) and the block kernels will compile."""
+    return Ahead(
+        capability=capability,
+        layout=rows.layout,
+        dtypes=tuple(dtypes),
+        block=rows.block,
+        num_warps=rows.num_warps,
+        rare_after=rows.rare_after,
+        block_dtypes=tuple(block_dtypes),
+        recipes=tuple(recipes),
+    )
+
+
+def main() -> int:
+    """The other process: an ``Ahead`` pickled on stdin (``compile_ahead`` runs it)."""
+    spec = pickle.loads(sys.stdin.buffer.read())
+    assert isinstance(spec, Ahead)
+    print(compile_here(spec))
+    return 0

@@ -1,0 +1,118 @@
+"""The compile in another process (``stats/triton_ahead.py``): it compiles for a GPU's target without a GPU,
+into Triton's on-disk cache, so that the training's process then finds every kernel there.
+
+On the CPU the other process compiles for sm_90 for real (ptxas comes with Triton); that the training's own
+process on a GPU then hits the cache is ``test_stats_gpu``'s to show, where the real driver runs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from precprof.stats import blocks, triton_ahead, triton_engine
+from precprof.stats.layout import LAYOUT
+
+pytestmark = pytest.mark.skipif(
+    triton_engine.triton_missing() is not None, reason=str(triton_engine.triton_missing())
+)
+
+
+def _files(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+
+def _spec(**kw: object) -> triton_ahead.Ahead:
+    args: dict = dict(
+        capability=(9, 0),
+        layout=LAYOUT,
+        dtypes=(torch.float32, torch.bfloat16),
+        block=triton_engine.BLOCK,
+        num_warps=triton_engine.NUM_WARPS,
+        rare_after=triton_engine.RARE_AFTER,
+        block_dtypes=(torch.float32,),
+        recipes=tuple(blocks.RECIPES),
+    )
+    args.update(kw)
+    return triton_ahead.Ahead(**args)
+
+
+def test_the_other_process_fills_the_cache_and_a_second_finds_every_kernel_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiled for sm_90 in another process (no GPU, the interpreter off there): the row kernels of two
+    dtypes (3 variants each) and the block kernels land in the cache given by TRITON_CACHE_DIR, with their
+    cubins; the same spec compiled again writes nothing (every kernel a hit), and other rows (another block)
+    are other kernels."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert triton_ahead.compile_ahead(_spec()) is None
+    first = _files(tmp_path)
+    cubins = [f for f in first if f.endswith(".cubin")]
+    assert len(cubins) >= 6 + 1, sorted(first)  # 6 row variants, at least one block kernel
+    t0 = time.perf_counter()
+    assert triton_ahead.compile_ahead(_spec()) is None
+    again_s = time.perf_counter() - t0
+    assert _files(tmp_path) == first
+    assert triton_ahead.compile_ahead(_spec(block=1024, block_dtypes=())) is None
+    more = _files(tmp_path) - first
+    assert len([f for f in more if f.endswith(".cubin")]) == 6
+    assert again_s < 60  # a lookup, not a compile (no timing claim beyond "did not hang")
+
+
+def test_a_failure_of_the_other_process_is_one_line_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A target Triton cannot compile for (capability 0.0) fails in the other process; the caller gets a
+    one-line reason, no exception, and the cache holds no kernel of it."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    why = triton_ahead.compile_ahead(_spec(capability=(0, 0), block_dtypes=()))
+    assert why is not None and why.startswith("exit ") and "\n" not in why
+    assert not [f for f in _files(tmp_path) if f.endswith(".cubin")]
+    assert triton_ahead.compile_ahead(_spec(), timeout_s=0.01) is not None  # a timeout, reported
+
+
+def test_spec_of_names_what_the_rows_compile() -> None:
+    """``spec_of`` takes the rows' layout and kernel shape, so that the other process compiles the very
+    variants the training's process will ask for."""
+    rows = triton_engine.TritonRows(torch.device("cpu"), LAYOUT, block=1024, num_warps=8, rare_after=False)
+    spec = triton_ahead.spec_of(rows, (9, 0), [torch.float16], [torch.float16], blocks.RECIPES)
+    assert (spec.layout, spec.block, spec.num_warps, spec.rare_after) == (LAYOUT, 1024, 8, False)
+    assert spec.dtypes == (torch.float16,) and spec.recipes == tuple(blocks.RECIPES)
+
+
+def test_the_buffers_background_warm_runs_it_first_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``StatsBuffer``'s warm with ``ahead`` (the background warm on CUDA) runs the other process inside the
+    compile lock, before its own compiles, and records it as the phase "ahead"; a failure there is
+    ``ahead_error`` and the warm goes on (here: the interpreter's, the rows right either way)."""
+    from precprof.stats import StatsBuffer
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    buf = StatsBuffer(2, "cpu", engine="triton", host_rows=False)
+    part = buf.primary
+    asked: list[triton_ahead.Ahead] = []
+    real = triton_ahead.compile_ahead
+
+    def ahead(spec: triton_ahead.Ahead, *a: object) -> str | None:
+        asked.append(spec)
+        return real(spec) if len(asked) == 1 else "exit 1: RuntimeError: no"
+
+    monkeypatch.setattr(triton_ahead, "compile_ahead", ahead)
+    for want_error in (None, "exit 1: RuntimeError: no"):
+        buf._triton_warm(part, ahead=True)  # type: ignore[arg-type]
+        assert buf.ahead_error == want_error
+        phases = buf.warm_phases
+        assert list(phases) == ["wait", "ahead", "compile", "load", "check"]
+        assert phases["wait"][1] == phases["ahead"][0] and phases["ahead"][1] == phases["compile"][0]
+    assert asked[0].dtypes == buf.dtypes and asked[0].layout == buf.layout
+    assert [f for f in _files(tmp_path) if f.endswith(".cubin")]  # the first really compiled, for sm_90
+    x = torch.linspace(-3, 3, 1000)
+    buf.accumulate(x, 0)
+    ref = StatsBuffer(1, "cpu", engine="c")
+    ref.accumulate(x, 0)
+    assert (buf.to_host()[0] == ref.to_host()[0]).all()
