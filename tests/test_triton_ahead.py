@@ -72,6 +72,9 @@ def test_a_failure_of_the_other_process_is_one_line_and_nothing_else(
     assert why is not None and why.startswith("exit ") and "\n" not in why
     assert not [f for f in _files(tmp_path) if f.endswith(".cubin")]
     assert triton_ahead.compile_ahead(_spec(), timeout_s=0.01) is not None  # a timeout, reported
+    unpicklable = _spec(recipes=(lambda: None,))
+    why = triton_ahead.compile_ahead(unpicklable)
+    assert why is not None and "\n" not in why and "pickle" in why.lower()
 
 
 def test_spec_of_names_what_the_rows_compile() -> None:

@@ -116,8 +116,8 @@ class StatsBuffer:
         self.warm_error: str | None = None
         self.ahead_error: str | None = None  # why the compile in another process failed, when it did
         # when each part of the compile beside the training began and ended (seconds from its start: "wait"
-        # for another buffer's compile of the same kernels, "compile", "load", "check"), to tell which one a
-        # slow training step overlapped
+        # for another buffer's compile of the same kernels, "ahead" in another process, "compile", "load",
+        # "check"), to tell which one a slow training step overlapped
         self.warm_phases: dict[str, tuple[float, float]] = {}
         self.warm_t0: float | None = None
         # the dtypes whose Triton kernels are compiled at attach (``_triton_warm``): the common three and any

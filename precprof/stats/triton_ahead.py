@@ -94,7 +94,7 @@ def compile_ahead(spec: Ahead, timeout_s: float = TIMEOUT_S) -> str | None:
     # the package as this process imports it (a source tree on sys.path, not installed, included)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    try:
+    try:  # whatever goes wrong here (a layout that does not pickle, no interpreter to start) is reported
         done = subprocess.run(
             [sys.executable, "-c", "import sys, precprof.stats.triton_ahead as t; sys.exit(t.main())"],
             input=pickle.dumps(spec),
@@ -103,8 +103,8 @@ def compile_ahead(spec: Ahead, timeout_s: float = TIMEOUT_S) -> str | None:
             timeout=timeout_s,
             check=False,
         )
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"{type(e).__name__}: {e}"
+    except Exception as e:
+        return f"{type(e).__name__}: {e}".splitlines()[0]
     if done.returncode != 0:
         tail = done.stderr.decode(errors="replace").strip().splitlines()
         return f"exit {done.returncode}: {tail[-1] if tail else 'no message'}"
