@@ -17,7 +17,7 @@ from torch import nn
 from precprof import block_formats as bf
 from precprof import tables as T
 from precprof.capture import Profiler
-from precprof.stats import StatsBuffer, blocks, kernel
+from precprof.stats import StatsBuffer, blocks, kernel, triton_block
 from precprof.stats.engine import ENGINE_ENV
 
 RECIPES = bf.column_recipes()
@@ -248,23 +248,31 @@ def plain_capture(model: nn.Module, plain: dict) -> list:
     return handles
 
 
-@pytest.mark.parametrize("engine", ["c", "torch"])
+@pytest.mark.parametrize("engine", ["c", "torch", "triton"])
 def test_profiled_model_block_columns_equal_block_stats_of_the_same_tensors(
     engine: str, monkeypatch: pytest.MonkeyPatch, block_formats_on: None
 ) -> None:
     if engine == "c" and kernel.load() is None:
         pytest.skip("the C kernel does not build here")
+    if engine == "triton" and triton_block.unavailable(torch.device("cpu")) is not None:
+        pytest.skip(str(triton_block.unavailable(torch.device("cpu"))))
     monkeypatch.setenv(ENGINE_ENV, engine)
     torch.manual_seed(0)
     model = MLP()
     ref_model = copy.deepcopy(model)
     plain: dict = {"scales": [], "tensors": []}
     handles = plain_capture(model, plain)
-    losses, prof = train(model, 2, {"sample_every": 1, "memory": False, "block_groups": 1}, plain)
+    # (compiled at attach: the Triton engine samples from the first step, as the others do)
+    kw = {"sample_every": 1, "memory": False, "block_groups": 1, "compile_beside": False}
+    losses, prof = train(model, 2, kw, plain)
     for h in handles:
         h.remove()
     assert prof is not None and prof._buffer is not None
     assert set(prof._buffer.engines.values()) == {engine}
+    if (
+        engine == "triton"
+    ):  # the Triton block kernels read them, both orientations into the slot in one launch
+        assert prof._buffer.primary._triton_blocks is not None  # type: ignore[union-attr]
     assert len(set(plain["scales"])) == 2  # the scale grew between the steps: both unscalings are checked
 
     # training unchanged, bit for bit, with the block statistics on

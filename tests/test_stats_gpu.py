@@ -293,6 +293,37 @@ def test_the_direct_launch_writes_the_rows_tritons_own_launch_writes() -> None:
     assert triton_engine.variant(x) in part._triton._direct
 
 
+@pytest.mark.gpu
+def test_the_block_kernels_direct_launch_adds_what_tritons_launch_adds() -> None:
+    """The block what-if's kernels compiled at attach are launched straight through their launchers (both
+    orientations of a tensor into its slot); they add what Triton's own launch adds, bit for bit, and what the
+    torch-op reference computes (counts exactly, sums to 1e-12), for each dtype, a transposed view included."""
+    pytest.importorskip("triton")
+    from precprof.stats import blocks
+
+    direct = StatsBuffer(2, "cuda", engine="triton")
+    part = direct.primary
+    assert part is not None and part._triton_blocks is not None
+    assert len(part._triton_blocks._direct) == 3, part._triton_blocks.direct_status
+    plain = StatsBuffer(2, "cuda", engine="triton")
+    assert plain.primary is not None and plain.primary._triton_blocks is not None
+    plain.primary._triton_blocks._direct.clear()  # Triton's launch only
+    g = torch.Generator(device="cpu").manual_seed(5)
+    want = torch.zeros(2, 2, blocks.N_RECIPES, blocks.N_STATS, dtype=torch.float64)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        scale = torch.exp2(torch.randint(-12, 12, (700, 1), generator=g).float())
+        x = (torch.randn(700, 1000, generator=g) * scale).to(dtype).cuda()
+        for buf in (direct, plain):
+            buf.accumulate_blocks(x, 0)
+            buf.accumulate_blocks(x.t(), 1)
+        for row, t in ((0, x), (1, x.t())):
+            want[row] += blocks.tensor_block_stats(t, engine="torch").cpu()
+    got = direct.blocks_to_host()
+    np.testing.assert_array_equal(got, plain.blocks_to_host())
+    np.testing.assert_array_equal(got[..., :3], want[..., :3].numpy())
+    np.testing.assert_allclose(got[..., 3:], want[..., 3:].numpy(), rtol=1e-12, atol=0)
+
+
 _AHEAD_THEN_HERE = r"""
 import json, pathlib, sys, torch
 from precprof.stats import StatsBuffer, triton_ahead

@@ -8,7 +8,9 @@ tensor's device (``tables.BLOCK_STATS`` order: flushed, saturated, poisoned, sum
 Which engine computes it follows the statistics engine of the device (``precprof.stats.engine``):
 
 - "c" (the CPU): the C kernel's ``pp_block`` (``kernel.block_stats_2d``), both orientations from one call;
-- "triton" (CUDA): ``precprof.stats.triton_block.block_stats_triton`` when that module imports, else torch ops;
+- "triton" (CUDA): ``precprof.stats.triton_block.block_stats_triton`` when that module imports, else torch ops
+  (a sampled step's hooks take ``triton_block.TritonBlocks`` instead, through ``rows_device.DeviceRows``: both
+  orientations into the accumulator in one launch);
 - "torch" (and wherever the others cannot run): the reference itself, ``block_formats.block_stats``, whose
   0-d device tensors are stacked: no host sync.
 

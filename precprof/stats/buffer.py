@@ -36,7 +36,7 @@ import torch
 
 from precprof import _compat
 from precprof.stats import blocks as _blocks
-from precprof.stats import triton_ahead, triton_block, triton_engine
+from precprof.stats import triton_ahead, triton_engine
 from precprof.stats.engine import resolve_engine
 from precprof.stats.layout import LAYOUT, RowLayout, merge_rows
 from precprof.stats.rows import Rows
@@ -226,12 +226,14 @@ class StatsBuffer:
             # the compiles run side by side, all done at the block's exit
             with triton_engine.parallel_compile(tasks, workers):
                 kernels = part._triton.warm(self.dtypes, load=False)
-                if block_dtypes:
-                    kernels += triton_block.warm(part.device, block_dtypes, _blocks.RECIPES, load=False)
+                if block_dtypes and part._triton_blocks is not None:
+                    kernels += part._triton_blocks.warm(block_dtypes, load=False)
             t1 = time.perf_counter()
         triton_engine.load_kernels(kernels)
         t2 = time.perf_counter()
         part._triton.adopt_compiled()  # the row kernels launched directly from now on
+        if part._triton_blocks is not None:
+            part._triton_blocks.adopt_compiled()  # ... and the block kernels
         t3 = time.perf_counter()
         start = self.warm_t0 if self.warm_t0 is not None else tw
         self.warm_phases = {
@@ -260,6 +262,7 @@ class StatsBuffer:
         """How the Triton kernels are launched on each device that runs them (directly, or by Triton)."""
         return {
             str(d): p._triton.direct_status
+            + (f"; block what-if: {p._triton_blocks.direct_status}" if p._triton_blocks is not None else "")
             for d, p in self._parts.items()
             if isinstance(p, DeviceRows) and p._triton is not None
         }

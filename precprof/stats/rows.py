@@ -204,12 +204,16 @@ class Rows:
         if slot < 0:
             return
         self._order_stream()
+        self._add_blocks(x, slot)
+        self._blocks_done(x, row, version)
+
+    def _add_blocks(self, x: torch.Tensor, slot: int) -> None:
+        """Add the block statistics of ``x`` into the accumulator's ``slot`` (the engines' general path)."""
         engine = "torch" if self.engine == "c" and not self.use_kernel else self.engine
         # threads are the C kernel's alone: asking for them loads (and on a machine's first run builds) it, which
         # on an H100 ran the C compiler inside the first sampled step's first block-format hook
         threads = self._threads() if engine == "c" else 0
         _blocks.add_tensor_block_stats(x, self._blocks[slot], engine=engine, threads=threads)
-        self._blocks_done(x, row, version)
 
     def accumulate_blocks_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int]) -> None:
         """:meth:`accumulate_blocks` of each tensor into its row (an engine may read them all in one call)."""

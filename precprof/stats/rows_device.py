@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from precprof.stats import blocks as _blocks
 from precprof.stats import rows as _rows
-from precprof.stats import triton_engine
+from precprof.stats import triton_block, triton_engine
 from precprof.stats.layout import (
     _F64_BIAS,
     _F64_EXP_ALL,
@@ -48,8 +49,13 @@ class DeviceRows(_rows.Rows):
         self._data = layout.empty_rows(rows, device)
         self._empty_row = layout.empty_rows(1, device)
         self._triton: triton_engine.TritonRows | None = None
+        # the block what-if in Triton: both orientations of a tensor into its slot in one launch (two with
+        # NVFP4), where the rows hold block statistics
+        self._triton_blocks: triton_block.TritonBlocks | None = None
         if engine == "triton":
             self._triton = triton_engine.TritonRows(device, layout)
+            if len(self._blocks) and triton_block.unavailable(device) is None:
+                self._triton_blocks = triton_block.TritonBlocks(device, _blocks.RECIPES)
         self._key_edges = torch.arange(_N_KEYS + 1, dtype=torch.int64, device=device)
         self._pow2_idx = torch.tensor(
             [2 * (j + _F64_BIAS) + 1 for j in layout.underflow_exps], dtype=torch.int64, device=device
@@ -69,7 +75,13 @@ class DeviceRows(_rows.Rows):
         held = super().scratch_bytes
         if self._triton is not None:
             held += self._triton.nbytes
+        if self._triton_blocks is not None:
+            held += self._triton_blocks.nbytes
         return held
+
+    def _add_blocks(self, x: torch.Tensor, slot: int) -> None:
+        if self._triton_blocks is None or not self._triton_blocks.add(x.detach(), self._blocks[slot]):
+            super()._add_blocks(x, slot)
 
     def dense(self) -> torch.Tensor:
         """The rows themselves (after this device's pending work, in stream order)."""

@@ -31,8 +31,17 @@ best depends on its version: a [lines, 32] tile took 401 per value by triton 3.6
 
 NVFP4 needs the tensor's amax before its blocks: a first kernel (``_amax``) reduces it with an integer atomic
 max into a 4-byte scratch (a second read of x, only when NVFP4 is requested). Sums are deterministic: each
-program accumulates its tiles in a fixed order and writes a [16, 8] float64 partial; ``sum(0)`` over the
-programs (a fixed number for a given device and shape) adds them in a fixed order; no float atomics.
+program accumulates its tiles in a fixed order and writes a [16, 8] float64 partial; the last program to
+finish (a counter in the scratch) adds the programs' partials, in program order and in chunks of ``CHUNK``,
+into the accumulator and zeroes the scratch for the next launch; no float atomics.
+
+The hot path is ``TritonBlocks.add`` (a sampled step's hooks, through ``rows_device.DeviceRows``): both
+orientations of a tensor in one launch (its programs split between them) adding straight into the tensor's
+slot of the block accumulator, launched directly through the compiled kernel (``triton_engine._DirectLaunch``)
+with the scratch allocated once per device. The former path cost, per tensor, four launches through Triton's
+argument binding (its amax kernel and its blocks kernel per orientation) and about 20 small torch ops
+(scratch, the partials' sum, one index per recipe, the stacks, the addition): the 19 ms of forward host time
+the block what-if added to a sampled gpt2-small step on an H200 (bench/results/README_h200_2026-11-27c.md).
 ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors (how the tests check them).
 """
 
@@ -46,7 +55,13 @@ import torch
 from precprof import block_formats as bf
 from precprof import tables as T
 from precprof.errors import UserError
-from precprof.stats.triton_engine import device_unsupported, interpreting, load_kernels, triton_missing
+from precprof.stats.triton_engine import (
+    _DirectLaunch,
+    device_unsupported,
+    interpreting,
+    load_kernels,
+    triton_missing,
+)
 
 # dtype -> (kind code, the integer dtype of the same width the kernel reads)
 KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
@@ -141,12 +156,33 @@ def slot(recipe: bf.BlockRecipe) -> int:
 
 
 def _programs(device: torch.device, tiles: int, most: int | None) -> int:
-    if most is None:
-        # the interpreter runs programs one after another: one is enough there
-        most = (
-            4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        )
-    return max(1, min(most, tiles))
+    return max(1, min(most if most is not None else _most_programs(device), tiles))
+
+
+def _most_programs(device: torch.device) -> int:
+    # the interpreter runs programs one after another: one is enough there
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _tile_default() -> int:
+    return 1024 if interpreting() else 32
+
+
+def _geometry(
+    n_along: int, n_across: int, st_along: int, st_across: int, ta: int, most: int
+) -> tuple[tuple[int, ...], int]:
+    """(n_along, n_across, st_along, st_across, tiles, iters) of one orientation, and its programs."""
+    tiles = -(-n_along // 32) * -(-n_across // ta)
+    programs = max(1, min(most, tiles))
+    return (n_along, n_across, st_along, st_across, tiles, -(-tiles // programs)), programs
+
+
+def _orientations(x2: torch.Tensor, ta: int, most: int) -> tuple[tuple[int, ...], int, tuple[int, ...], int]:
+    """Both orientations of a 2-D view: blocks along its last dimension ("row"), then down its columns."""
+    (rows, cols), (st_r, st_c) = x2.shape, x2.stride()
+    g0, p0 = _geometry(cols, rows, st_c, st_r, ta, most)
+    g1, p1 = _geometry(rows, cols, st_r, st_c, ta, most)
+    return g0, p0, g1, p1
 
 
 def block_stats_triton(
@@ -164,9 +200,10 @@ def block_stats_triton(
     blocks along the last dimension) or -2 ("col": along the leading dimensions flattened, i.e. axis -2 of
     ``x.reshape(-1, x.shape[-1])``; needs x.dim() >= 2). ``tile`` (lines per tile, a power of two; default 32
     on CUDA, 1024 in the interpreter, whose cost is per operation) and ``max_programs`` (default 4 per SM on
-    CUDA, 1 in the interpreter) change no count, and the sums only by float64 rounding. Two launches (one more when NVFP4 is asked for),
-    no host sync. UserError for a dtype, axis or recipe these kernels do not take; RuntimeError when Triton
-    cannot run here (``unavailable`` says why).
+    CUDA, 1 in the interpreter) change no count, and the sums only by float64 rounding. One launch (one more
+    when NVFP4 is asked for), no host sync. UserError for a dtype, axis or recipe these kernels do not take;
+    RuntimeError when Triton cannot run here (``unavailable`` says why). The hot path is ``TritonBlocks.add``:
+    both orientations into an accumulator, in the same launches.
     """
     if not isinstance(x, torch.Tensor):
         raise UserError(f"block statistics need a torch.Tensor, got {type(x).__name__}")
@@ -178,34 +215,35 @@ def block_stats_triton(
     if x.dim() == 0 or (axis in (-2, 0) and x.dim() < 2):
         raise UserError(f"axis {axis} needs a tensor of at least {2 if axis in (-2, 0) else 1} dimensions")
     slots = _slots(recipes)
+    ta = tile if tile is not None else _tile_default()
+    if ta < 1 or ta & (ta - 1):
+        raise UserError(f"tile must be a power of two, got {ta}")
     if x.numel() == 0 or not slots:
         return torch.zeros(len(slots), len(T.BLOCK_STATS), dtype=torch.float64, device=x.device)
     why = unavailable(x.device)
     if why is not None:
         raise RuntimeError(why)
     code, int_dtype = kind
-    x2 = x.reshape(-1, x.shape[-1])  # (lines, last): a view when the leading dims merge, else a copy
-    (rows, cols), (st_r, st_c) = x2.shape, x2.stride()
-    if axis in (-1, 1):
-        n_along, n_across, st_along, st_across = cols, rows, st_c, st_r
-    else:
-        n_along, n_across, st_along, st_across = rows, cols, st_r, st_c
-    ta = tile if tile is not None else (1024 if interpreting() else 32)
-    if ta < 1 or ta & (ta - 1):
-        raise UserError(f"tile must be a power of two, got {ta}")
-    tiles = -(-n_along // 32) * -(-n_across // ta)
-    programs = _programs(x.device, tiles, max_programs)
-    iters = -(-tiles // programs)
-    xi = x2.view(int_dtype)
-    geometry = (n_along, n_across, st_along, st_across, tiles, iters)
-    tmax = torch.zeros(1, dtype=torch.int32, device=x.device)
-    part = torch.empty(programs, SLOTS, STATS_PAD, dtype=torch.float64, device=x.device)
-    _launch(xi, tmax, part, geometry, code, ta, _mask(slots), (programs,), warm=False)
-    total = part.sum(0)[:, : len(T.BLOCK_STATS)]  # fixed order: programs in index order
-    return torch.stack([total[s] for s in slots])
+    xi = x.reshape(-1, x.shape[-1]).view(int_dtype)  # (lines, last): a view when the leading dims merge
+    most = max_programs if max_programs is not None else _most_programs(x.device)
+    g0, p0, g1, p1 = _orientations(xi, ta, most)
+    if axis in (-2, 0):
+        g0, p0 = g1, p1
+    scratch = torch.zeros(2, dtype=torch.int32, device=x.device)
+    part = torch.empty(p0, SLOTS, STATS_PAD, dtype=torch.float64, device=x.device)
+    out = []
+    for i in range(0, len(slots), MAX_RECIPES):  # a launch writes at most MAX_RECIPES recipes
+        group = slots[i : i + MAX_RECIPES]
+        acc = torch.zeros(2, len(group), len(T.BLOCK_STATS), dtype=torch.float64, device=x.device)
+        consts = _consts(code, ta, group)
+        _launch(consts, xi, scratch, part, acc, g0, p0, g0, 0)
+        out.append(acc[0])
+    return torch.cat(out)
 
 
 _SLOTS_BY_ID: dict[int, tuple[Any, Any]] = {}
+MAX_RECIPES = 15  # recipes a launch adds into its accumulator (4 bits of SLOTMAP each, in an int64)
+CHUNK = 32  # partials the last program adds per step
 
 
 def _slots(recipes: Sequence[bf.BlockRecipe]) -> tuple[int, ...]:
@@ -222,30 +260,189 @@ def _mask(slots: Sequence[int]) -> int:
     return mask
 
 
+def _consts(code: int, ta: int, slots: Sequence[int]) -> dict[str, Any]:
+    """The constexprs of ``_blocks`` for a dtype's kind, a tile and the accumulator's recipes (their slots), in
+    the kernel's order."""
+    assert 0 < len(slots) <= MAX_RECIPES
+    slotmap = 0
+    for i, s in enumerate(slots):
+        slotmap |= s << (4 * i)
+    nrp = 1 << max(0, (len(slots) - 1).bit_length())
+    return dict(
+        KIND=code, TA=ta, MASK=_mask(slots), SLOTMAP=slotmap, NR=len(slots), NRP=nrp, CH=CHUNK, **_constants()
+    )
+
+
+def _nv(consts: dict[str, Any]) -> bool:
+    return bool(consts["MASK"] >> NVFP4_SLOT & 1)
+
+
 def _launch(
-    xi: torch.Tensor,
-    tmax: torch.Tensor,
-    part: torch.Tensor,
-    geometry: tuple[int, ...],
-    code: int,
-    ta: int,
-    mask: int,
-    grid: tuple[int],
+    consts: dict[str, Any],
+    xi: Any,
+    scratch: Any,
+    part: Any,
+    out: Any,
+    g0: tuple[int, ...],
+    p0: int,
+    g1: tuple[int, ...],
+    p1: int,
     *,
-    warm: bool,
+    warm: bool = False,
 ) -> list[Any]:
-    """Launch (or with ``warm``, only compile: no GPU work) the kernels of one call; the compiled kernels."""
+    """Launch by Triton (or with ``warm``, only compile: no GPU work) the kernels of one tensor: the tensor's
+    amax when NVFP4 is asked for (``_amax``, over orientation 0's tiles), then ``_blocks``, ``p0`` programs
+    of orientation 0 and ``p1`` of orientation 1, adding into ``out``; returns the compiled kernels."""
     amax_kernel, blocks_kernel = _kernels()
-    calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
-    if mask >> NVFP4_SLOT & 1:
-        calls.append((amax_kernel, (xi, tmax, *geometry), dict(KIND=code, TA=ta)))
-    consts = dict(KIND=code, TA=ta, MASK=mask, **LAUNCH_OPTIONS, **_constants())
-    calls.append((blocks_kernel, (xi, tmax, part, *geometry), consts))
+    calls: list[tuple[Any, tuple[int], tuple[Any, ...], dict[str, Any]]] = []
+    if _nv(consts):
+        calls.append((amax_kernel, (p0,), (xi, scratch, *g0), dict(KIND=consts["KIND"], TA=consts["TA"])))
+    args = (xi, scratch, part, out, *g0, p0, *g1)
+    calls.append((blocks_kernel, (p0 + p1,), args, {**consts, **LAUNCH_OPTIONS}))
     if warm:
-        return [k.run(*args, grid=grid, warmup=True, **kw) for k, args, kw in calls]
-    for k, args, kw in calls:
-        k[grid](*args, **kw)
+        return [k.run(*a, grid=grid, warmup=True, **kw) for k, grid, a, kw in calls]
+    for k, grid, a, kw in calls:
+        k[grid](*a, **kw)
     return []
+
+
+class TritonBlocks:
+    """The block what-if of a device's tensors, both orientations, added into an accumulator: ``add`` is one
+    launch (two with NVFP4's amax), no host sync, no temporary tensor. Its scratch: the tensor's amax and a
+    count of programs finished (int32 [2], zeroed by each launch's last program), the programs' partials
+    (float64 [2 * programs, 16, 8]). ``warm`` compiles the variants (one per dtype), ``adopt_compiled`` takes
+    them for a direct launch (``triton_engine._DirectLaunch``) once a small tensor shows it writes what
+    Triton's own launch writes."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        recipes: Sequence[bf.BlockRecipe],
+        *,
+        tile: int | None = None,
+        max_programs: int | None = None,
+    ) -> None:
+        why = unavailable(device)
+        if why is not None:
+            raise RuntimeError(why)
+        if device.type == "cuda" and device.index is None:  # the raw stream and the launch need an index
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.slots = tuple(slot(r) for r in recipes)
+        if not 0 < len(self.slots) <= MAX_RECIPES:
+            raise UserError(f"TritonBlocks adds 1 to {MAX_RECIPES} recipes, got {len(self.slots)}")
+        self.tile = tile if tile is not None else _tile_default()
+        self.most = max_programs if max_programs is not None else _most_programs(device)
+        self.scratch = torch.zeros(2, dtype=torch.int32, device=device)
+        self.part = torch.empty(2 * self.most, SLOTS, STATS_PAD, dtype=torch.float64, device=device)
+        self._ptrs = (self.scratch.data_ptr(), self.part.data_ptr())
+        self._consts = {code: _consts(code, self.tile, self.slots) for code, _ in KINDS.values()}
+        self._direct: dict[int, tuple[Any, Any]] = {}
+        self._pending: list[tuple[int, list[Any]]] = []
+        self.direct_status = "not compiled yet"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.scratch, self.part))
+
+    def _args(self, x: torch.Tensor) -> tuple[int, Any, tuple[int, ...], int, tuple[int, ...], int]:
+        code, int_dtype = KINDS[x.dtype]
+        xi = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).view(int_dtype)
+        return (code, xi, *_orientations(xi, self.tile, self.most))
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """``out += `` the statistics of ``x`` (ndim >= 2, data on this device), "row" then "col": ``out`` a
+        contiguous float64 [2, len(recipes), 5] tensor on this device (a slot of the block accumulator). No
+        sync. False when ``x`` is not a tensor these kernels read (the caller takes another engine)."""
+        if x.dtype not in KINDS or x.dim() < 2 or x.numel() == 0:
+            return False
+        code, xi, g0, p0, g1, p1 = self._args(x)
+        direct = self._direct.get(code)
+        if direct is None:
+            _launch(self._consts[code], xi, self.scratch, self.part, out, g0, p0, g1, p1)
+            return True
+        amax, blocks = direct
+        stream = int(torch._C._cuda_getCurrentRawStream(self.device.index))
+        scratch, part = self._ptrs
+        ptr = xi.data_ptr()
+        if amax is not None:
+            amax(p0, stream, (ptr, scratch, *g0))
+        blocks(p0 + p1, stream, (ptr, scratch, part, out.data_ptr(), *g0, p0, *g1))
+        return True
+
+    def warm(self, dtypes: Sequence[torch.dtype], *, load: bool = True) -> list[Any]:
+        """Compile (no GPU work, no sync) the kernels ``add`` launches for tensors of ``dtypes``; returns them
+        (Triton's futures under ``triton_engine.parallel_compile``), kept for ``adopt_compiled``, and loaded
+        onto the device unless ``load=False``. Nothing in the interpreter."""
+        if interpreting():
+            return []
+        out: list[Any] = []
+        self._pending = []
+        for dt in dict.fromkeys(dtypes):
+            if dt not in KINDS:
+                continue
+            kernels = _compile(self._consts[KINDS[dt][0]], dt, self.device)
+            self._pending.append((KINDS[dt][0], kernels))
+            out += kernels
+        if load:
+            load_kernels(out)
+            self.adopt_compiled()
+        return out
+
+    def adopt_compiled(self) -> None:
+        """Take the kernels ``warm`` compiled (done by now) for the direct launch, each dtype's after a check
+        (a sync, at attach) that it adds what Triton's launch adds for a small tensor; a dtype that fails keeps
+        Triton's launch, and ``direct_status`` says why."""
+        pending, self._pending = self._pending, []
+        if interpreting() or self.device.type != "cuda":
+            self.direct_status = "Triton's launch (no compiled kernel in the interpreter)"
+            return
+        amax_kernel, blocks_kernel = _kernels()
+        why = []
+        for code, kernels in pending:
+            compiled = [k.result() if hasattr(k, "result") else k for k in kernels]
+            consts = self._consts[code]
+            try:
+                blocks = _DirectLaunch(blocks_kernel, compiled[-1], consts)
+                amax = None
+                if _nv(consts):
+                    amax = _DirectLaunch(amax_kernel, compiled[0], dict(KIND=code, TA=consts["TA"]))
+                if self._self_check(code, (amax, blocks)):
+                    self._direct[code] = (amax, blocks)
+                else:
+                    why.append(f"kind {code}: sums differ")
+            except Exception as e:  # a Triton whose launcher takes other arguments: its own launch stays
+                why.append(f"kind {code}: {type(e).__name__}: {e}")
+        self.direct_status = f"direct launch of {len(self._direct)} compiled dtypes" + (
+            f"; Triton's launch for the others ({'; '.join(why)})" if why else ""
+        )
+
+    def _self_check(self, code: int, direct: tuple[Any, Any]) -> bool:
+        dtype = next(d for d, (c, _) in KINDS.items() if c == code)
+        g = torch.Generator(device="cpu").manual_seed(code)
+        x = (torch.randn(40, 72, generator=g) * 2.0 ** torch.randint(-30, 30, (40, 1), generator=g)).to(dtype)
+        x = x.to(self.device)
+        n = len(self.slots)
+        want = torch.zeros(2, n, len(T.BLOCK_STATS), dtype=torch.float64, device=self.device)
+        got = torch.zeros_like(want)
+        self.add(x, want)
+        self._direct[code] = direct
+        try:
+            self.add(x, got)
+        finally:
+            del self._direct[code]
+        return bool(torch.equal(got, want))
+
+
+def _compile(consts: dict[str, Any], dtype: torch.dtype, device: torch.device) -> list[Any]:
+    """Compile ``_launch``'s kernels for tensors of ``dtype`` with example tensors on ``device`` (only their
+    dtypes count: no argument is specialised on its value or alignment)."""
+    xi = torch.zeros(32, 32, dtype=KINDS[dtype][1], device=device)
+    scratch = torch.zeros(2, dtype=torch.int32, device=device)
+    part = torch.empty(2, SLOTS, STATS_PAD, dtype=torch.float64, device=device)
+    out = torch.zeros(2, consts["NR"], len(T.BLOCK_STATS), dtype=torch.float64, device=device)
+    g = (32, 32, 1, 32, 1, 1)
+    return _launch(consts, xi, scratch, part, out, g, 1, g, 1, warm=True)
 
 
 def warm(
@@ -255,12 +452,11 @@ def warm(
     *,
     load: bool = True,
 ) -> list[Any]:
-    """Compile, before any hook runs, the block kernels ``block_stats_triton(x, recipes, axis)`` launches on
-    ``device`` for tensors of ``dtypes`` (their integer arguments are int64, unspecialised, the pointer's
-    alignment too: one variant per dtype and recipe set), and load them onto the device. No GPU work, no
-    sync; Triton's on-disk cache makes a second run's warm-up a lookup. Returns the compiled kernels (none in
-    the interpreter or where the kernels cannot run), loaded onto the device unless ``load=False`` (as
-    ``triton_engine.TritonRows.warm``)."""
+    """Compile, before any hook runs, the block kernels ``TritonBlocks(device, recipes).add`` launches on
+    ``device`` for tensors of ``dtypes`` (one variant per dtype and recipe list), and load them onto the
+    device. No GPU work, no sync; Triton's on-disk cache makes a second run's warm-up a lookup. Returns the
+    compiled kernels (none in the interpreter or where the kernels cannot run), loaded onto the device unless
+    ``load=False`` (as ``triton_engine.TritonRows.warm``)."""
     if interpreting() or unavailable(device) is not None:
         return []
     kernels = compile_kernels(device, dtypes, recipes)
@@ -273,15 +469,13 @@ def compile_kernels(
     device: torch.device, dtypes: Sequence[torch.dtype], recipes: Sequence[bf.BlockRecipe]
 ) -> list[Any]:
     """``warm``'s compiles, for Triton's active target, with example tensors on ``device`` (only their dtypes
-    and alignment count: ``triton_ahead`` compiles for a GPU with CPU tensors, in another process)."""
-    mask = _mask([slot(r) for r in recipes])
-    tmax = torch.zeros(1, dtype=torch.int32, device=device)
-    part = torch.empty(1, SLOTS, STATS_PAD, dtype=torch.float64, device=device)
+    count: ``triton_ahead`` compiles for a GPU with CPU tensors, in another process)."""
+    slots = [slot(r) for r in recipes]
+    if not slots:
+        return []
+    ta = _tile_default()
     kernels: list[Any] = []
     for dt in dict.fromkeys(dtypes):
-        if dt not in KINDS or not mask:
-            continue
-        code, int_dtype = KINDS[dt]
-        xi = torch.zeros(32, 32, dtype=int_dtype, device=device)
-        kernels += _launch(xi, tmax, part, (32, 32, 32, 1, 1, 1), code, 32, mask, (1,), warm=True)
+        if dt in KINDS:
+            kernels += _compile(_consts(KINDS[dt][0], ta, slots), dt, device)
     return kernels

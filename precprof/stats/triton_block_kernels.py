@@ -116,14 +116,13 @@ def _tile_bits(x_ptr, t, n_along, n_across, st_along, st_across, tiles, KIND: tl
 
 
 def _jit(fn: Any) -> Any:
-    # Integer arguments are int64 and not specialised on their values, nor the tensor's pointer on its
-    # alignment (the tiles are gathers through runtime strides): one compiled variant per dtype and recipe
-    # set, which ``triton_block.warm`` compiles before any hook runs.
-    kw: dict[str, Any] = {
-        "do_not_specialize": ["n_along", "n_across", "st_along", "st_across", "tiles", "iters"]
-    }
+    # Integer arguments are int64 and not specialised on their values, nor the pointers on their alignment
+    # (the tiles are gathers through runtime strides; the accumulator's slot is wherever it is): one compiled
+    # variant per dtype and recipe set, which ``triton_block.warm`` compiles before any hook runs.
+    ints = [a for a in fn.__code__.co_varnames[: fn.__code__.co_argcount] if not a.isupper()]
+    kw: dict[str, Any] = {"do_not_specialize": [a for a in ints if not a.endswith("_ptr")]}
     try:
-        return triton.jit(fn, do_not_specialize_on_alignment=["x_ptr"], **kw)
+        return triton.jit(fn, do_not_specialize_on_alignment=[a for a in ints if a.endswith("_ptr")], **kw)
     except TypeError:  # a triton without do_not_specialize_on_alignment
         return triton.jit(fn, **kw)
 
@@ -155,17 +154,29 @@ def _amax(
 @_jit
 def _blocks(
     x_ptr,
-    tmax_ptr,
+    scr_ptr,
     part_ptr,
-    n_along: tl.int64,
-    n_across: tl.int64,
-    st_along: tl.int64,
-    st_across: tl.int64,
-    tiles: tl.int64,
-    iters: tl.int64,
+    out_ptr,
+    n_along0: tl.int64,
+    n_across0: tl.int64,
+    st_along0: tl.int64,
+    st_across0: tl.int64,
+    tiles0: tl.int64,
+    iters0: tl.int64,
+    progs0: tl.int64,
+    n_along1: tl.int64,
+    n_across1: tl.int64,
+    st_along1: tl.int64,
+    st_across1: tl.int64,
+    tiles1: tl.int64,
+    iters1: tl.int64,
     KIND: tl.constexpr,
     TA: tl.constexpr,
     MASK: tl.constexpr,
+    SLOTMAP: tl.constexpr,
+    NR: tl.constexpr,
+    NRP: tl.constexpr,
+    CH: tl.constexpr,
     MB0: tl.constexpr,
     EMIN0: tl.constexpr,
     FMAX0: tl.constexpr,
@@ -187,22 +198,36 @@ def _blocks(
 ):
     # Slots: MX element format f (0..4, the MB/EMIN/FMAX constants) in scale mode floor (2f) or rceil
     # (2f + 1); NVFP4 is slot 10 (element format 4, block scale in format 0). MASK: the slots to compute.
-    # Writes this program's partial sums to part_ptr[pid, slot, stat] ([programs, 16, 8] float64).
+    # Both orientations of one tensor in one launch: programs [0, progs0) read it with geometry 0 (its blocks
+    # along the 2-D view's last dimension), the others with geometry 1 (down its columns). Each writes its
+    # partial sums to part_ptr[pid] ([programs, 16, 8] float64); the last program to finish adds, per
+    # orientation o, recipe r (kernel slot (SLOTMAP >> 4r) & 15, r < NR) and statistic s < 5, the programs'
+    # partials in program order into out_ptr[o, r, s] (float64 [2, NR, 5]), and zeroes the scratch (scr_ptr:
+    # the tensor's amax bits, the count of programs finished) for the next launch.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
+    second = pid >= progs0
+    t0 = tl.where(second, pid - progs0, pid)  # this program's first tile and the stride between its tiles
+    nstep = tl.where(second, nprog - progs0, progs0)
+    n_along = tl.where(second, n_along1, n_along0)
+    n_across = tl.where(second, n_across1, n_across0)
+    st_along = tl.where(second, st_along1, st_along0)
+    st_across = tl.where(second, st_across1, st_across0)
+    tiles = tl.where(second, tiles1, tiles0)
+    iters = tl.where(second, iters1, iters0)
     acc = tl.zeros([16, 8], dtype=tl.float64)
     lane = tl.arange(0, 32)[:, None]
     NV: tl.constexpr = (MASK >> 10) & 1
     if NV:
         # the per-tensor scale p = fl(amax / (448 * 6)) (1 for an all-zero tensor), at least NV_PMIN (the
         # smallest fp32 whose reciprocal is finite; positive fp32 bits order as their values), and r = fl(1 / p)
-        tmax = tl.load(tmax_ptr)
+        tmax = tl.load(scr_ptr)
         p = tl.where(tmax > 0, tl.div_rn(_f32(tmax), _cf(NV_DIV)), 1.0)
         p = tl.where(p < _cf(NV_PMIN), _cf(NV_PMIN), p)
         r = tl.div_rn(p * 0 + 1.0, p)
         tensor_ok = tmax < _INF
     for it in range(0, iters):
-        t = pid + it * nprog
+        t = t0 + it * nstep
         mag, inside = _tile_bits(x_ptr, t, n_along, n_across, st_along, st_across, tiles, KIND, TA)
         if (MASK & 0x3FF) != 0:
             ab = tl.max(mag, axis=0)  # [TA]: each column of the tile is one block of 32
@@ -271,4 +296,30 @@ def _blocks(
             po = tl.sum((inside & ~ok).to(tl.int32))
             acc = _put(acc, 10, f, sat, po, tl.sum(a64 * a64), tl.sum(tl.where(ok, d * d, 0.0)))
     rows = tl.arange(0, 16)[:, None] * 8 + tl.arange(0, 8)[None, :]
-    tl.store(part_ptr + pid.to(tl.int64) * 128 + rows, acc)
+    # (an L2 store, read back by whichever program finishes last: an L1 line of another SM is never stale)
+    tl.store(part_ptr + pid.to(tl.int64) * 128 + rows, acc, cache_modifier=".cg")
+    # the last program to finish (an acq_rel counter after a barrier: every thread's stores are ordered before
+    # it) adds the partials into the accumulator: no second launch, no host work
+    tl.debug_barrier()
+    done = tl.atomic_add(scr_ptr + 1, 1, sem="acq_rel")
+    if done == nprog - 1:
+        rec = tl.arange(0, NRP)
+        slot = (tl.full([NRP], SLOTMAP, tl.int64) >> (4 * rec).to(tl.int64)) & 15
+        col = slot[:, None] * 8 + tl.arange(0, 8)[None, :]  # [NRP, 8]: recipe r's statistics in a partial
+        want = (rec < NR)[:, None] & (tl.arange(0, 8) < 5)[None, :]
+        dst = rec[:, None] * 5 + tl.arange(0, 8)[None, :]
+        chunk = tl.arange(0, CH).to(tl.int64)[:, None, None]
+        for o in tl.static_range(2):
+            lo = progs0 * o  # orientation o's programs: [0, progs0) or [progs0, nprog)
+            hi = progs0 + (nprog - progs0) * o
+            total = tl.zeros([NRP, 8], dtype=tl.float64)
+            for c in range(lo, hi, CH):
+                q = c + chunk
+                ptrs = part_ptr + q * 128 + col[None, :, :]
+                part = tl.load(ptrs, mask=(q < hi) & want[None, :, :], other=0.0, cache_modifier=".cg")
+                total += tl.sum(part, axis=0)
+            if hi > lo:
+                o_ptr = out_ptr + o * NR * 5 + dst
+                tl.store(o_ptr, tl.load(o_ptr, mask=want, other=0.0) + total, mask=want)
+        tl.atomic_xchg(scr_ptr, 0, sem="relaxed")
+        tl.atomic_xchg(scr_ptr + 1, 0, sem="relaxed")
