@@ -21,13 +21,18 @@ command stopped at its time limit still leaves what it measured:
   overhead    bench/overhead.py: gpt2-small bf16 8x1024, every configuration interleaved (the default sampling
               included), each phase's host and device time of sampled and unsampled steps
   memory      the memory table's components against the allocator's peak (bf16 and fp32)
+  memory_cost where the host time of a sampled step that measures memory goes: whole steps with and without
+              each part of the memory tracking (gpt2-small bf16 8x1024 and the host stage's tiny blocks),
+              precprof's own calls timed from outside (allocator history on/off, snapshot, conversion, replay),
+              and cheaper ways to read the allocator's history
 
 On the H100 (one command of at most 10 minutes, 30 device-minutes a session), from the repository root:
 
     PYTHONPATH=. PYTHONUNBUFFERED=1 python3 bench/gpu_validate.py --budget-s 540 --out $OUT/gpu_validate.json
 
 then commit the JSON that comes back as ``bench/results/gpu_validate_<device>.json``. ``--stages`` runs a
-subset (e.g. ``--stages tests`` in one call, the rest in another). ``--dry-run`` runs every stage on the CPU at
+subset (e.g. ``--stages tests`` in one call, the rest in another; ``--stages env,memory_cost --budget-s 60``
+alone takes about a minute). ``--dry-run`` runs every stage on the CPU at
 toy sizes (the tests collected, not run; the CUDA-only checks skipped with a reason), in under a minute, so
 that the plumbing is tested where no GPU is (tests/test_gpu_validate.py).
 """
@@ -35,6 +40,7 @@ that the plumbing is tested where no GPU is (tests/test_gpu_validate.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import hashlib
 import json
@@ -67,6 +73,7 @@ STAGES = (
     "profile",
     "syncs",
     "memory",
+    "memory_cost",
     "compile",
     "tests",
 )
@@ -823,6 +830,532 @@ def stage_memory(run: Run) -> dict[str, Any]:
     return out
 
 
+# ------------------------------------------------------------------------------------------- memory_cost
+# A sampled step (every step sampled, no block what-if, memory_peak=True) in each configuration; what a part of a
+# step that measures memory costs is the difference of two of them (MEMORY_COST_DIFFS). Keys starting with "_"
+# are applied to the tracker after attach (bench only: the product code is unchanged).
+MEMORY_COST_CONFIGS: dict[str, dict[str, Any]] = {
+    "baseline": {},  # no profiler
+    "no_memory": {"memory": False},
+    # the tracker attached, its hooks armed on sampled steps; after the first two, no step measured
+    "memory_unmeasured": {"memory_every": 10**6},
+    "measured": {"memory_every": 1},
+    "measured_no_peak": {"memory_every": 1, "memory_peak": False},
+    "measured_no_saved_record": {"memory_every": 1, "_no_saved_record": True},
+    "measured_root_hooks_only": {"memory_every": 1, "_root_hooks_only": True},
+}
+MEMORY_COST_DIFFS = {  # part: (the configuration with it, the one without)
+    "memory_measured": ("measured", "memory_unmeasured"),
+    "peak_source": ("measured", "measured_no_peak"),  # history on/off, snapshot, conversion, labels, replay
+    "tracker_hooks_and_rows": ("measured_no_peak", "memory_unmeasured"),
+    "saved_tensor_recording": ("measured", "measured_no_saved_record"),
+    "per_module_hooks": ("measured", "measured_root_hooks_only"),
+    "tracker_attached_unmeasured": ("memory_unmeasured", "no_memory"),
+    "sampled_without_memory": ("no_memory", "baseline"),
+}
+_BOGUS_POOL = (1 << 62, 1 << 62)  # a mempool id no pool has: a snapshot of it holds no segment
+_MISSING = object()
+
+
+class _Timer:
+    """Host seconds of wrapped calls, summed per key (the device synchronised before and after each call)."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self.dev = dev
+        self.s: dict[str, float] = {}
+        self.n: dict[str, int] = {}
+        self.seen: dict[str, Any] = {}  # what a call returned or was given, read after the step (sizes)
+        self.active: list[str] = []  # the wrapped calls under way, outermost first
+
+    def add(self, key: str, seconds: float) -> None:
+        self.s[key] = self.s.get(key, 0.0) + seconds
+        self.n[key] = self.n.get(key, 0) + 1
+
+    def wrap(
+        self, key: str | Callable[..., str], fn: Callable[..., Any], keep: bool = False
+    ) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            name = key(*args, **kwargs) if callable(key) else key
+            self.active.append(name)
+            _sync(self.dev)
+            t = time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                _sync(self.dev)
+                self.add(name, time.perf_counter() - t)
+                self.active.pop()
+            if keep:
+                self.seen[name] = (args, out)
+            return out
+
+        return timed
+
+
+class _Patched:
+    """Attributes replaced for a while (module functions, instance attributes); put back on exit."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        self._saved.append((obj, name, vars(obj).get(name, _MISSING)))
+        setattr(obj, name, value)
+
+    def __enter__(self) -> _Patched:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for obj, name, old in reversed(self._saved):
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+        self._saved.clear()
+
+
+def _cost_workload(
+    run: Run, kind: str
+) -> tuple[dict[str, Any], Callable[[], torch.nn.Module], Callable[[torch.nn.Module], torch.Tensor]]:
+    """(what it is, a fresh copy of the model on the device, its loss): the transformer of the other stages
+    (gpt2-small bf16 8x1024 on CUDA, gpt-nano 2x32 on the CPU) or the host stage's 100 tiny blocks."""
+    import copy
+
+    import torch.nn.functional as F
+
+    dev = run.device
+    torch.manual_seed(0)
+    if kind == "transformer":
+        from precprof.models import build_model
+
+        name, batch, seq = ("gpt2-small", 8, 1024) if run.cuda else ("gpt-nano", 2, 32)
+        base = build_model(name, vocab_size=256, seq_len=seq).module
+        x = torch.randint(0, 256, (batch, seq), device=dev)
+
+        def loss_fn(model: torch.nn.Module) -> torch.Tensor:
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                logits = model(x)
+            return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x.reshape(-1))
+
+        info: dict[str, Any] = {"model": name, "batch": batch, "seq": seq, "precision": "bf16 autocast"}
+    else:
+        n_blocks, width, batch = 100, 8, 4
+        layers: list[torch.nn.Module] = []
+        for _ in range(n_blocks):
+            layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+        base = torch.nn.Sequential(*layers)
+        xt = torch.randn(batch, width, device=dev)
+
+        def loss_fn(model: torch.nn.Module) -> torch.Tensor:
+            return model(xt).square().mean()
+
+        info = {"model": f"{n_blocks} x (Linear({width}) + GELU)", "batch": batch, "precision": "fp32"}
+    return info, lambda: copy.deepcopy(base).to(dev), loss_fn
+
+
+def _cost_step(
+    run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, prof: Any, loss_fn: Callable[..., Any]
+) -> dict[str, Any]:
+    """One training step: ``step_s`` whole (synchronised at both ends and before ``prof.step()``), ``host_s``
+    from its start until the host returned from zero_grad (no sync: the host's own time unless the launch
+    queue filled), ``step_call_s`` of ``prof.step()`` (synchronised before and after)."""
+    dev = run.device
+    _sync(dev)
+    t0 = time.perf_counter()
+    loss_fn(model).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t1 = time.perf_counter()
+    tracker = getattr(prof, "_tracker", None)
+    measured = bool(tracker is not None and tracker.schedule.measuring)
+    _sync(dev)
+    t2 = time.perf_counter()
+    if prof is not None:
+        prof.step()
+    _sync(dev)
+    t3 = time.perf_counter()
+    return {"step_s": t3 - t0, "host_s": t1 - t0, "step_call_s": t3 - t2, "measured": measured}
+
+
+def _root_hooks_only(tracker: Any) -> None:
+    """The tracker's per-module hooks off, its root's kept (the module stack then holds the root alone): built
+    again, without them, at the next sampled step."""
+    tracker._uninstall()
+    tracker._hookset = None
+    tracker._module_hooks = [h for h in tracker._module_hooks if h[0] is tracker.model]
+
+
+def _snapshot_sizes(snap: Any, index: int) -> dict[str, Any]:
+    """Trace entries (of device ``index``, by action), segments and blocks of a ``_snapshot()``."""
+    if not isinstance(snap, dict):
+        return {}
+    traces = snap.get("device_traces") or []
+    trace = traces[index] if index < len(traces) else []
+    actions: dict[str, int] = {}
+    for e in trace:
+        a = str(e.get("action"))
+        actions[a] = actions.get(a, 0) + 1
+    segments = snap.get("segments") or []
+    return {
+        "trace_entries": len(trace),
+        "trace_entries_all_devices": sum(len(t) for t in traces),
+        "actions": actions,
+        "keys_per_entry": len(trace[0]) if trace else 0,
+        "segments": len(segments),
+        "blocks": sum(len(s.get("blocks") or []) for s in segments),
+    }
+
+
+def _instrumented_steps(
+    run: Run, model: torch.nn.Module, opt: Any, prof: Any, loss_fn: Callable[..., Any], n: int
+) -> dict[str, Any]:
+    """Steps of the ``measured`` configuration with precprof's own calls timed from outside (module functions
+    and the tracker's methods wrapped, the device synchronised around each): per step (its body and its
+    ``prof.step()``, which ends it and begins the next), median seconds of each part, and what the last one
+    read."""
+    from precprof import _compat
+    from precprof.capture import peak as peak_mod
+
+    tracker = prof._tracker
+    source = tracker._peak.source
+    timer = _Timer(run.device)
+    per_step: list[dict[str, float]] = []
+    calls: dict[str, int] = {}
+    n_saved = [0]
+    record_saved = tracker._record_saved
+
+    def counting_record_saved(t: torch.Tensor) -> None:
+        n_saved[0] += 1
+        record_saved(t)
+
+    def persistent_key() -> str:  # read when the step begins (the CPU's source), and when it ends
+        return "persistent_labels_end" if "peak_finish" in timer.active else "persistent_labels_begin"
+
+    with _Patched() as p:
+        w = timer.wrap
+        p.set(
+            _compat,
+            "cuda_record_history",
+            w(lambda on, n: "history_on" if on else "history_off", _compat.cuda_record_history),
+        )
+        p.set(_compat, "cuda_snapshot", w("snapshot", _compat.cuda_snapshot, keep=True))
+        p.set(_compat, "cuda_memory_counters", w("memory_counters", _compat.cuda_memory_counters))
+        p.set(_compat, "profiler_memory_start", w("profiler_memory_start", _compat.profiler_memory_start))
+        p.set(_compat, "profiler_memory_stop", w("profiler_memory_stop", _compat.profiler_memory_stop))
+        p.set(peak_mod, "replay", w("replay", peak_mod.replay, keep=True))
+        p.set(tracker, "begin_step", w("tracker_begin_step", tracker.begin_step))
+        p.set(tracker, "end_step", w("tracker_end_step", tracker.end_step))
+        p.set(tracker, "_persistent", w(persistent_key, tracker._persistent))
+        p.set(tracker, "_record_saved", counting_record_saved)
+        p.set(tracker._peak, "finish", w("peak_finish", tracker._peak.finish))
+        p.set(tracker._counts, "device_memory", w("nvml_device_memory", tracker._counts.device_memory))
+        if source is not None:
+            p.set(source, "start", w("source_start", source.start))
+            p.set(source, "stop", w("source_stop", source.stop))
+        steps = []
+        for _ in range(n):
+            timer.s, timer.n, n_saved[0] = {}, {}, 0
+            steps.append(_cost_step(run, model, opt, prof, loss_fn))
+            per_step.append(dict(timer.s))
+            calls = dict(timer.n)
+    keys = sorted({k for s in per_step for k in s})
+    parts = {f"{k}_s": statistics.median(s.get(k, 0.0) for s in per_step) for k in keys}
+
+    def part(k: str) -> float:
+        return parts.get(f"{k}_s", 0.0)
+
+    # what the wrapped calls leave over: precprof's own Python around them
+    if "source_stop_s" in parts:
+        inner = part("snapshot") + part("history_off") + part("profiler_memory_stop")
+        parts["conversion_s"] = (
+            part("source_stop") - inner
+        )  # CudaHistory.stop / ProfilerMemory.stop beyond them
+    if "peak_finish_s" in parts:
+        parts["finish_other_s"] = (
+            part("peak_finish") - part("source_stop") - part("persistent_labels_end") - part("replay")
+        )
+    if "tracker_end_step_s" in parts:
+        parts["end_step_rows_s"] = part("tracker_end_step") - part("peak_finish") - part("nvml_device_memory")
+    if "tracker_begin_step_s" in parts:
+        # (the CPU's source reads the storages alive when the step begins)
+        parts["begin_step_other_s"] = (
+            part("tracker_begin_step") - part("source_start") - part("persistent_labels_begin")
+        )
+    out: dict[str, Any] = {
+        "steps": n,
+        "source": type(source).__name__ if source is not None else None,
+        "parts": parts,
+        "calls_per_step": calls,
+        "saved_tensors_recorded": n_saved[0],
+        "step_s": statistics.median(s["step_s"] for s in steps),
+        "step_call_s": statistics.median(s["step_call_s"] for s in steps),
+    }
+    if "snapshot" in timer.seen:
+        index = getattr(source, "index", 0)
+        out["snapshot"] = _snapshot_sizes(timer.seen["snapshot"][1], index)
+    if "replay" in timer.seen:
+        ev = timer.seen["replay"][0][0]
+        out["replayed_events"] = len(ev.kinds)
+        out["replayed_segments"] = len(timer.seen["replay"][0][1])
+    return out
+
+
+def _history_calls(run: Run, model: torch.nn.Module, opt: Any, loss_fn: Callable[..., Any]) -> dict[str, Any]:
+    """The CUDA allocator's history calls alone, on the unprofiled model's allocator state: turning it on and
+    off (median of 5), ``_snapshot()`` with it off (the segments alone), then one training step recorded with
+    precprof's ``CudaHistory``: its snapshot, the conversion of ``stop()`` beyond the snapshot (given the
+    snapshot already taken), turning off a history that holds a step, the replay (no labels); and cheaper
+    reads: the segments without the trace, the trace without segments (a mempool id of no pool), and a
+    history that skips the actions precprof ignores."""
+    import inspect
+
+    from precprof import _compat
+    from precprof.capture import peak as P
+
+    if not run.cuda:
+        return {"status": "skipped: no CUDA"}
+    if _compat.cuda_history_enabled():
+        return {"status": "skipped: the allocator's history is on already"}
+    dev = run.device
+    index = torch.cuda.current_device()
+    out: dict[str, Any] = {"status": "ok"}
+
+    def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+        _sync(dev)
+        t = time.perf_counter()
+        r = fn()
+        _sync(dev)
+        return time.perf_counter() - t, r
+
+    on, off = [], []
+    for _ in range(5):
+        on.append(timed(lambda: _compat.cuda_record_history(True, P.MAX_HISTORY_ENTRIES))[0])
+        off.append(timed(lambda: _compat.cuda_record_history(False, P.MAX_HISTORY_ENTRIES))[0])
+    out["history_on_s"] = statistics.median(on)
+    out["history_off_empty_s"] = statistics.median(off)
+    snaps = [timed(_compat.cuda_snapshot) for _ in range(3)]
+    out["snapshot_history_off_s"] = statistics.median(t for t, _ in snaps)
+    out["snapshot_history_off"] = _snapshot_sizes(snaps[-1][1], index)
+    del snaps
+
+    def body() -> None:
+        loss_fn(model).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    # one step recorded by precprof's own source, phase marks where the tracker places them
+    h = P.CudaHistory(dev)
+    out["source_start_s"], reason = timed(h.start)
+    if reason:
+        return {**out, "status": f"skipped: {reason}"}
+    _sync(dev)
+    t = time.perf_counter()
+    loss = loss_fn(model)
+    h.mark()
+    loss.backward()
+    h.mark()
+    opt.step()
+    h.mark()
+    opt.zero_grad(set_to_none=True)
+    out["recorded_step_host_s"] = time.perf_counter() - t
+    _sync(dev)
+    snap_times = []
+    snap: Any = None
+    for _ in range(2):
+        t_snap, snap = timed(_compat.cuda_snapshot)
+        snap_times.append(t_snap)
+    out["snapshot_s"] = statistics.median(snap_times)
+    out["snapshot"] = _snapshot_sizes(snap, index)
+    # cheaper reads of the same history
+    variants: dict[str, Any] = {}
+    # torch 2.11+ takes (pool id, pool id, include_traces), older ones the pool id alone
+    tries: dict[str, list[tuple[Any, ...]]] = {
+        "segments_only": [(0, 0, False)],
+        "traces_only": [(*_BOGUS_POOL, True), _BOGUS_POOL],
+    }
+    for label, args in tries.items():
+        errors = []
+        for arg in args:
+            try:
+                t_v, got = timed(functools.partial(torch._C._cuda_memorySnapshot, arg))
+            except Exception as e:  # not this torch's argument: say so, try the next
+                errors.append(f"{list(arg)}: {type(e).__name__}: {e}")
+                continue
+            variants[label] = {"s": t_v, "arg": list(arg), **_snapshot_sizes(got, index)}
+            del got
+            break
+        if errors:
+            variants.setdefault(label, {})["errors"] = errors
+    # CudaHistory.stop()'s conversion alone: the snapshot it would take handed to it, the history left on
+    with _Patched() as p:
+        p.set(_compat, "cuda_snapshot", lambda: snap)
+        p.set(_compat, "cuda_record_history", lambda on, n: None)
+        out["conversion_s"], (ev, note) = timed(h.stop)
+    out["history_off_after_step_s"] = timed(
+        lambda: _compat.cuda_record_history(False, P.MAX_HISTORY_ENTRIES)
+    )[0]
+    snap = None  # (the history and its snapshot are freed)
+    if ev is not None:
+        segments = [T.PHASE_OTHER, T.PHASE_FORWARD, T.PHASE_BACKWARD, T.PHASE_OPTIMIZER]
+        out["replay_no_labels_s"] = timed(lambda: P.replay(ev, segments, lambda k: []))[0]
+        out["events"] = len(ev.kinds)
+    else:
+        out["conversion_note"] = note
+    # a history that skips what precprof ignores (free_completed, snapshot): fewer entries to build and read
+    params = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    if "skip_actions" in params:
+        skip = ["free_completed", "snapshot"]
+        torch.cuda.memory._record_memory_history(
+            "all", context=None, stacks="python", max_entries=P.MAX_HISTORY_ENTRIES, skip_actions=skip
+        )
+        try:
+            body()
+            t_skip, snap_skip = timed(_compat.cuda_snapshot)
+            variants["skip_free_completed"] = {
+                "s": t_skip,
+                "skip_actions": skip,
+                **_snapshot_sizes(snap_skip, index),
+            }
+            del snap_skip
+        finally:
+            _compat.cuda_record_history(False, P.MAX_HISTORY_ENTRIES)
+    else:
+        variants["skip_free_completed"] = {"error": "this torch's _record_memory_history has no skip_actions"}
+    out["variants"] = variants
+    return out
+
+
+def _history_api() -> dict[str, Any]:
+    """What this torch offers for the history (parameter names) and what precprof passes it (recorded by
+    calling ``_compat.cuda_record_history`` with torch's function replaced: nothing runs)."""
+    import inspect
+
+    from precprof import _compat
+
+    out: dict[str, Any] = {"torch": torch.__version__}
+    mem = torch.cuda.memory
+    for name in ("_record_memory_history", "memory_snapshot", "_snapshot"):
+        fn = getattr(mem, name, None)
+        try:
+            out[name] = list(inspect.signature(fn).parameters) if fn is not None else None
+        except (TypeError, ValueError):
+            out[name] = None
+    got: list[Any] = []
+    with _Patched() as p:
+        p.set(mem, "_record_memory_history", lambda *a, **k: got.append({"args": list(a), "kwargs": k}))
+        _compat.cuda_record_history(True, 2_000_000)
+    out["precprof_enable_call"] = got[0] if got else None
+    return out
+
+
+def _failure(e: BaseException) -> dict[str, Any]:
+    return {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+
+
+def _cost_config(
+    run: Run,
+    name: str,
+    build: Callable[[], torch.nn.Module],
+    loss_fn: Callable[..., Any],
+    counts: tuple[int, int, int],
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """One configuration on a fresh copy of the model: warm-up, then timed steps (medians and every value);
+    the ``measured`` one then its instrumented steps, the ``baseline`` one the history's calls alone (into
+    ``extra``). A failure of those is recorded beside what was measured."""
+    warmup, steps, instrumented = counts
+    spec = MEMORY_COST_CONFIGS[name]
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    prof = None
+    try:
+        t = time.perf_counter()
+        if name != "baseline":
+            kw: dict[str, Any] = {"sample_every": 1, "block_formats": False, "compile_beside": False}
+            kw["memory_peak"] = True  # CUDA: the allocator's history (its default); CPU: torch.profiler's
+            kw.update({k: v for k, v in spec.items() if not k.startswith("_")})
+            prof = precprof.Profiler(model, optimizer=opt, **kw).attach()
+            tracker = prof._tracker
+            if spec.get("_no_saved_record"):  # saved tensors still go through the hook, unrecorded
+                vars(tracker)["_record_saved"] = lambda t: None
+            if spec.get("_root_hooks_only"):
+                _root_hooks_only(tracker)
+        rec: dict[str, Any] = {"status": "ok", "attach_s": time.perf_counter() - t}
+        got = [_cost_step(run, model, opt, prof, loss_fn) for _ in range(warmup + steps)][warmup:]
+        for k in ("step_s", "host_s", "step_call_s"):
+            rec[k] = statistics.median(g[k] for g in got)
+            rec[f"{k}_all"] = [round(g[k], 6) for g in got]
+        rec["measured_share"] = sum(g["measured"] for g in got) / len(got)
+        if name == "measured" and instrumented:
+            try:
+                rec["instrumented"] = _instrumented_steps(run, model, opt, prof, loss_fn, instrumented)
+            except Exception as e:  # what the timed steps measured stays
+                rec["instrumented"] = _failure(e)
+        if name == "baseline":
+            try:
+                extra["history_calls"] = _history_calls(run, model, opt, loss_fn)
+            except Exception as e:
+                extra["history_calls"] = _failure(e)
+        return rec
+    finally:
+        if prof is not None:
+            prof.detach()
+        del model, opt, prof
+        gc.collect()  # the hooks hold the model in a cycle
+        if run.cuda:
+            torch.cuda.empty_cache()
+
+
+def _cost_model(run: Run, kind: str, counts: tuple[int, int, int]) -> dict[str, Any]:
+    info, build, loss_fn = _cost_workload(run, kind)
+    out: dict[str, Any] = {**info, "warmup": counts[0], "timed_steps": counts[1], "configs": {}}
+    medians: dict[str, dict[str, float]] = {}
+    for name in MEMORY_COST_CONFIGS:
+        if run.left() < (8 if run.cuda else 2):
+            out["configs"][name] = {"status": "skipped", "reason": f"budget: {run.left():.0f} s left"}
+            continue
+        try:
+            rec = _cost_config(run, name, build, loss_fn, counts, out)
+        except Exception as e:  # the next configuration runs
+            rec = _failure(e)
+        out["configs"][name] = rec
+        if rec["status"] == "ok":
+            medians[name] = {k: rec[k] for k in ("step_s", "host_s", "step_call_s")}
+    out["added_s"] = {
+        part: {k: medians[a][k] - medians[b][k] for k in ("step_s", "host_s", "step_call_s")}
+        for part, (a, b) in MEMORY_COST_DIFFS.items()
+        if a in medians and b in medians
+    }
+    return out
+
+
+def stage_memory_cost(run: Run) -> dict[str, Any]:
+    """Where the host time of a sampled step that measures memory goes (on an H200 92-100 ms against ~45 ms for
+    a whole unprofiled gpt2-small step): on the transformer of the other stages and on the host stage's 100
+    tiny blocks, every configuration of ``MEMORY_COST_CONFIGS`` in turn, each a fresh copy of the model (the
+    allocator then holds one model's blocks, as in a real run), warm-up steps, then timed steps; ``added_s``:
+    the differences of their medians (``MEMORY_COST_DIFFS``). The ``measured`` configuration then runs steps
+    with precprof's own calls timed from outside (``instrumented``: history on/off, snapshot, conversion,
+    labels, replay, counters, NVML, the tracker's begin/end), and the unprofiled one times the history's calls
+    alone and cheaper ways to read it (``history_calls``: CUDA only). ``api``: what this torch's history
+    functions take and what precprof passes them."""
+    counts = (3, 6, 3) if run.cuda else (2, 3, 2)  # warm-up, timed and instrumented steps
+    out: dict[str, Any] = {"api": _history_api(), "device": run.device.type, "diffs": MEMORY_COST_DIFFS}
+    threads = torch.get_num_threads()
+    if not run.cuda:
+        torch.set_num_threads(1)  # host work is what is measured: other work on the machine moves it less
+    out["torch_threads"] = torch.get_num_threads()
+    try:
+        for kind in ("transformer", "tiny"):
+            if run.left() < (12 if run.cuda else 3):
+                out[kind] = {"status": "skipped", "reason": f"budget: {run.left():.0f} s left"}
+                continue
+            out[kind] = _cost_model(run, kind, counts)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
 def _device_slug(run: Run) -> str:
     name = torch.cuda.get_device_name(0) if run.cuda else "cpu"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
@@ -863,6 +1396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "syncs": 20,
         "overhead": 60,
         "memory": 20,
+        "memory_cost": 45,
     }
     fns = {
         "env": stage_env,
@@ -875,6 +1409,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "syncs": stage_syncs,
         "overhead": stage_overhead,
         "memory": stage_memory,
+        "memory_cost": stage_memory_cost,
     }
     for name in stages:
         run.stage(name, fns[name], needs[name] if not args.dry_run else 1)

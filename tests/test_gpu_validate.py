@@ -4,6 +4,7 @@ a GPU session will fill in (so the GPU's scarce minutes go to measuring, not deb
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
         "profile",
         "syncs",
         "memory",
+        "memory_cost",
         "compile",
         "tests",
     ]
@@ -71,6 +73,60 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
         mem = stages["memory"][precision]
         # every byte of the peak in one part (on the CPU: the profiler's replay, as the built-in loop runs it)
         assert mem["parts_at_peak"]["parameters"] > 0 and mem["parts_bytes"] == mem["allocator_peak"]
+
+
+@pytest.mark.slow
+def test_the_memory_cost_stage_times_each_part_on_the_cpu(tmp_path: Path) -> None:
+    """The memory_cost stage's dry run (about 10 s): whole sampled steps with and without each part of the
+    memory tracking, the measured one's parts timed from outside (torch.profiler's source on the CPU), the
+    CUDA history's own calls skipped with the reason."""
+    out = tmp_path / "memory_cost.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_validate.py"), "--dry-run", "--stages", "memory_cost"]
+    r = subprocess.run(
+        [*cmd, "--budget-s", "300", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads(out.read_text())["stages"]["memory_cost"]
+    assert rec["status"] == "ok", rec
+    api = rec["api"]
+    assert "max_entries" in api["_record_memory_history"] and "mempool_id" in api["memory_snapshot"]
+    assert api["precprof_enable_call"]["kwargs"]["context"] is None  # no stack traces: the cheap setting
+
+    def number(x: object) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    configs = {c for pair in rec["diffs"].values() for c in pair}  # every configuration a difference reads
+    for kind in ("transformer", "tiny"):
+        model = rec[kind]
+        assert configs <= set(model["configs"])
+        for name, c in model["configs"].items():
+            assert c["status"] == "ok", (kind, name, c)
+            assert all(number(c[k]) and c[k] >= 0 for k in ("step_s", "host_s", "step_call_s")), (kind, name)
+            assert c["step_s"] > 0 and len(c["step_s_all"]) == model["timed_steps"]
+        shares = {n: c["measured_share"] for n, c in model["configs"].items()}
+        assert shares["measured"] == 1.0 and shares["measured_no_peak"] == 1.0
+        assert shares["memory_unmeasured"] == 0.0 and shares["no_memory"] == 0.0
+        assert set(model["added_s"]) == set(rec["diffs"])
+        assert all(number(v) for d in model["added_s"].values() for v in d.values())
+        ins = model["configs"]["measured"]["instrumented"]
+        assert ins["source"] == "ProfilerMemory" and ins["replayed_events"] > 0
+        parts = ins["parts"]
+        for k in (
+            "source_start_s",
+            "source_stop_s",
+            "profiler_memory_stop_s",
+            "replay_s",
+            "tracker_end_step_s",
+        ):
+            assert number(parts[k]) and parts[k] > 0, (kind, k, parts)
+        # the parts nest: what is left of each enclosing call is never below zero
+        for k in ("conversion_s", "finish_other_s", "end_step_rows_s", "begin_step_other_s"):
+            assert number(parts[k]) and parts[k] >= 0, (kind, k, parts)
+        assert parts["tracker_end_step_s"] >= parts["source_stop_s"] >= parts["profiler_memory_stop_s"]
+        assert (
+            model["history_calls"]["status"].startswith("skipped")
+            and "CUDA" in model["history_calls"]["status"]
+        )
 
 
 def test_a_bad_stage_is_one_line() -> None:
