@@ -30,6 +30,11 @@ WHY = tb.unavailable(DEV)
 if WHY is not None:
     pytest.skip(WHY, allow_module_level=True)
 
+import triton  # noqa: E402  (there is a Triton to run: the kernels' own functions are tested too)
+import triton.language as tl  # noqa: E402
+
+from precprof.stats import triton_block_kernels as tbk  # noqa: E402
+
 # the kernels' fp32 arithmetic meets inf and nan on purpose (a block at fp32's max, a nan tensor's NVFP4
 # scales): numpy, which runs it in the interpreter, warns where the GPU computes the same values silently
 pytestmark = pytest.mark.filterwarnings("ignore:(overflow|invalid value) encountered:RuntimeWarning")
@@ -209,6 +214,51 @@ def test_a_sampled_tensor_is_one_launch_with_no_torch_work_around_it(monkeypatch
         assert len(launches) == 1
         views = {"aten.detach.default", "aten.select.int", "aten.view.dtype", "aten.view.default"}
         assert set(ops.seen) <= views, ops.seen
+
+
+@triton.jit
+def _both_roundings(x_ptr, fast_ptr, general_ptr, n, MB: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr):
+    i = tl.arange(0, 1024) + tl.program_id(0) * 1024
+    a = tl.load(x_ptr + i, mask=i < n, other=0).to(tl.float32, bitcast=True)
+    tl.store(fast_ptr + i, tbk._round_value(a, MB, EMIN, FMAX), mask=i < n)
+    tl.store(general_ptr + i, tbk._round_elem(a, MB, EMIN, FMAX), mask=i < n)
+
+
+def test_the_rounding_on_bits_equals_the_general_rounding_and_real_casts() -> None:
+    """``_round_value`` (the per-value rounding: integer rounding of the bits for values normal in the format,
+    the magic-number sum below) equals ``_round_elem`` (the general one, kept for NVFP4's block scales) on a
+    dense set of fp32 magnitudes of every element format: each binade's ulps of the format around 2^EMIN,
+    around the max, every tie and its neighbours, fp32 subnormals, zero and values past the max; and equals
+    the real fp8 casts (torch's e4m3fn and e5m2, after the clamp to the max)."""
+    consts = tb._constants()
+    for f, name in enumerate(tb.ELEMENTS):
+        mb, emin, fmax_bits = consts[f"MB{f}"], consts[f"EMIN{f}"], consts[f"FMAX{f}"]
+        fmax = torch.tensor(fmax_bits, dtype=torch.int32).view(torch.float32).item()
+        # every fp32 pattern within 2^12 ulps of each power of two from below 2^(EMIN - MB - 2) to past the max
+        # (ties of the format and their neighbours included: a format ulp is 2^(23 - MB) fp32 ulps), the fp32
+        # subnormals near 0 and near the normal range, and every multiple of a quarter format ulp below 2^EMIN
+        pows = torch.arange(emin - mb - 3, int(math.log2(fmax)) + 3, dtype=torch.int32)
+        around = ((pows + 127) << 23)[:, None] + torch.arange(-(2**12), 2**12, dtype=torch.int32)[None, :]
+        sub = torch.cat([torch.arange(0, 4096), torch.arange(0x7FF000, 0x800000)]).to(torch.int32)
+        quarter = torch.arange(0, 4 << mb).float() * 2.0 ** (emin - mb - 2)
+        # every tie between two neighbours of the format in its normal binades, and the fp32 values beside it
+        sh = 23 - mb
+        ties = ((pows + 127) << 23)[:, None] + (torch.arange(1 << mb, dtype=torch.int32) << sh)[None, :]
+        ties = (ties + (1 << (sh - 1))).flatten()[:, None] + torch.arange(-2, 3, dtype=torch.int32)[None, :]
+        parts = [around.flatten(), ties.flatten(), sub, quarter.view(torch.int32)]
+        bits = torch.cat([*parts, torch.tensor([0x7F7FFFFF], dtype=torch.int32)])
+        bits = bits[bits >= 0]
+        fast = torch.empty(bits.numel(), dtype=torch.float32)
+        general = torch.empty_like(fast)
+        grid = (-(-bits.numel() // 1024),)
+        bits, fast, general = bits.to(DEV), fast.to(DEV), general.to(DEV)
+        _both_roundings[grid](bits, fast, general, bits.numel(), MB=mb, EMIN=emin, FMAX=fmax_bits)
+        bits, fast, general = bits.cpu(), fast.cpu(), general.cpu()
+        assert torch.equal(fast.view(torch.int32), general.view(torch.int32)), name
+        cast = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(name)
+        if cast is not None:
+            a = bits.view(torch.float32).clamp(max=fmax)
+            assert torch.equal(fast, a.to(cast).float()), name
 
 
 # ------------------------------------------------------------------------ the reference tests' blocks

@@ -7,11 +7,14 @@ exactly, the sums to float64 rounding (they are added in another order). Nothing
 How it reads the tensor. x is viewed 2-D as [prod(leading dims), last] (a view when the leading dimensions
 merge into one stride, else ``reshape`` copies); orientation "row" (axis -1) puts blocks along the last
 dimension, "col" (axis -2) along the first of that view (``tables.py``: the leading dimensions flattened),
-read in place through the strides: no transposed copy. A tile is 32 positions along the block axis times
-``TA`` lines across it: one MX block (32) or two NVFP4 blocks (16) per line. Each program loads a tile once,
-in x's dtype through an integer view (fp32, bf16: magnitudes become fp32 bit patterns by integer arithmetic;
-fp16 through the conversion instruction, exact for subnormals too), takes each block's amax once and then runs
-every requested recipe on it: the scale, the element rounding, the counts and the error.
+read in place through the strides: no transposed copy. A tile is ``TA`` lines across the block axis (128 on
+CUDA: a line per thread of the 4 warps), 32 positions along each: one MX block (32) or two NVFP4 blocks (16)
+per line. A thread reads its block twice, a position at a time (the interpreter, which pays per operation,
+takes all 32 at once: the same code), in x's dtype through an integer view (fp32, bf16: magnitudes become
+fp32 bit patterns by integer arithmetic; fp16 through the conversion instruction, exact for subnormals too):
+first for the block's amax (and its halves', NVFP4's), then, the block's scales taken, every requested recipe
+on each value: the element rounding, the counts and the error, added into the thread's own accumulators. They
+are added across the program's threads once, when it ends: no barrier, no shuffle inside the loop.
 
 Exactness. The arithmetic is the C kernel's (``stats/kernel.c``), IEEE fp32 operations in the torch-op
 reference's order, each exact or rounded once as the reference rounds it: MX scales are powers of two (floor:
@@ -23,11 +26,17 @@ the smallest fp32 whose reciprocal is finite, ``block_formats.NVFP4_TENSOR_SCALE
 s = E4M3(clamp(fl(fl(amax_block / 6) / p), 2^-6, 448)), element fl(|x| * fl(r / s)) rounded to E2M1 with
 saturation, dequantised fl(q * fl(p * s)). Errors are (|x| - |q|)^2 in float64 from exact values. That holds
 as compiled only without fused multiply-adds (``LAUNCH_OPTIONS``) and with subnormals kept, which Triton's
-fp32 instructions do (no ``.ftz``): a test reads the PTX compiled for sm_90. The former kernel emulated
-every rounding in int64 integer arithmetic: compiled for sm_90 by triton 3.6 at a 32-line tile, 3,222
-instructions per value, 255 registers and spills (6 GB/s on an H200); this one 567 instructions per value
-and 168 registers without spilling (triton 3.9: 388 and 80). Which of the tile's orientations Triton lays out
-best depends on its version: a [lines, 32] tile took 401 per value by triton 3.6 but 557 by 3.9.
+fp32 instructions do (no ``.ftz``): a test reads the PTX compiled for sm_90. (The element's rounding runs on
+its bits where it is normal in its format, ``triton_block_kernels._round_value``, tested equal to the general
+rounding on every tie and binade edge; the squared errors are fused multiply-adds of float64, exact products.)
+
+Cost, compiled for sm_90 by triton 3.6 (the GPU machine's), fp32, the seven recipes of the layers table:
+the first kernel emulated every rounding in int64 arithmetic, 3,222 instructions per value, 255 registers and
+spills (6 GB/s on an H200); the second took [32 along, 32 lines] tiles and added each statistic across the tile
+at every step (three reductions per recipe through shared memory and barriers): 567 instructions per value,
+168 registers, 45 GB/s on an H200 for both orientations; this one 212 per value (192 in the second read's loop,
+20 in the first's), 80 registers, no reduction in the loop. Its speed is the GPU's to say (``gpu_validate``'s
+kernels stage).
 
 NVFP4 needs the tensor's amax before its blocks: a first kernel (``_amax``) reduces it with an integer atomic
 max into a 4-byte scratch (a second read of x, only when NVFP4 is requested). Sums are deterministic: each
@@ -165,7 +174,8 @@ def _most_programs(device: torch.device) -> int:
 
 
 def _tile_default() -> int:
-    return 1024 if interpreting() else 32
+    # a line of the tile is a thread's (num_warps 4: 128 threads); the interpreter pays per operation
+    return 1024 if interpreting() else 128
 
 
 def _geometry(
@@ -198,8 +208,8 @@ def block_stats_triton(
 
     ``x``: float32, bfloat16 or float16, CUDA (or CPU under ``TRITON_INTERPRET=1``). ``axis``: -1 ("row":
     blocks along the last dimension) or -2 ("col": along the leading dimensions flattened, i.e. axis -2 of
-    ``x.reshape(-1, x.shape[-1])``; needs x.dim() >= 2). ``tile`` (lines per tile, a power of two; default 32
-    on CUDA, 1024 in the interpreter, whose cost is per operation) and ``max_programs`` (default 4 per SM on
+    ``x.reshape(-1, x.shape[-1])``; needs x.dim() >= 2). ``tile`` (lines per tile, a power of two; default 128
+    on CUDA, a line per thread, 1024 in the interpreter, whose cost is per operation) and ``max_programs`` (default 4 per SM on
     CUDA, 1 in the interpreter) change no count, and the sums only by float64 rounding. One launch (one more
     when NVFP4 is asked for), no host sync. UserError for a dtype, axis or recipe these kernels do not take;
     RuntimeError when Triton cannot run here (``unavailable`` says why). The hot path is ``TritonBlocks.add``:
@@ -269,7 +279,15 @@ def _consts(code: int, ta: int, slots: Sequence[int]) -> dict[str, Any]:
         slotmap |= s << (4 * i)
     nrp = 1 << max(0, (len(slots) - 1).bit_length())
     return dict(
-        KIND=code, TA=ta, MASK=_mask(slots), SLOTMAP=slotmap, NR=len(slots), NRP=nrp, CH=CHUNK, **_constants()
+        KIND=code,
+        TA=ta,
+        MASK=_mask(slots),
+        SLOTMAP=slotmap,
+        NR=len(slots),
+        NRP=nrp,
+        CH=CHUNK,
+        **_constants(),
+        JV=32 if interpreting() else 1,  # positions a thread reads at a time (the interpreter pays per op)
     )
 
 
@@ -375,6 +393,7 @@ class TritonBlocks:
         (Triton's futures under ``triton_engine.parallel_compile``), kept for ``adopt_compiled``, and loaded
         onto the device unless ``load=False``. Nothing in the interpreter."""
         if interpreting():
+            self.direct_status = "Triton's launch (no compiled kernel in the interpreter)"
             return []
         out: list[Any] = []
         self._pending = []
