@@ -368,14 +368,16 @@ def _block_tiles(run: Run) -> list[dict[str, Any]]:
 # loop: 1024 x 4 165, 183; 1024 x 8 107, 118; 2048 x 4 194, 181; 512 x 4 105, 110 (that loop holds them: the
 # main loop alone takes 64). The H200 then read 868 GB/s fp32 with 512 x 4 after the loop (randn), 928 with
 # 1024 x 4, 633 with the former 4096 x 4 in the loop; 412, 332 and 373 when 1 value in 1,000 is rare
-# (bench/results/README_h200_2026-11-27c.md). The first is the default.
+# (bench/results/README_h200_2026-11-27c.md). The fourth number: the main loop's software pipelining
+# (``triton_engine.STAGES``; 3 stages compile, by triton 3.6 for sm_90, to asynchronous copies into shared memory,
+# 106 registers at 512 x 4), not timed on a GPU yet. The first is the default.
 ROW_SHAPES = (
-    (512, 4, True),
-    (4096, 4, False),
-    (1024, 4, True),
-    (256, 4, True),
-    (512, 8, True),
-    (512, 2, True),
+    (512, 4, True, 1),
+    (512, 4, True, 2),
+    (512, 4, True, 3),
+    (1024, 4, True, 1),
+    (1024, 4, True, 3),
+    (512, 8, True, 3),
 )
 
 
@@ -394,7 +396,7 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
     # side, then loaded and checked against Triton's own launch
     variants = [te.Variant(te.KINDS[d][0], False, True) for d in dtypes]
     shapes = {
-        bw: te.TritonRows(run.device, LAYOUT, block=bw[0], num_warps=bw[1], rare_after=bw[2])
+        bw: te.TritonRows(run.device, LAYOUT, block=bw[0], num_warps=bw[1], rare_after=bw[2], stages=bw[3])
         for bw in ROW_SHAPES
     }
     t0 = time.perf_counter()
@@ -413,7 +415,7 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
     inputs = {(dt, data): x.to(dt) for dt in dtypes for data, x in (("randn", plain), ("rare 1e-3", rare))}
     del plain, rare
     reference: dict[tuple[torch.dtype, str], torch.Tensor] = {}
-    for (block, warps, after), rows in shapes.items():
+    for (block, warps, after, stages), rows in shapes.items():
         if run.left() < 30:
             break
         target = LAYOUT.empty_rows(1, run.device)
@@ -431,6 +433,7 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
                     "block": block,
                     "num_warps": warps,
                     "rare_after": after,
+                    "stages": stages,
                     "dtype": str(dtype).removeprefix("torch."),
                     "data": data,
                     "gbps": nbytes / t / 1e9,

@@ -466,18 +466,20 @@ def test_a_failed_triton_import_is_cached_only_when_triton_is_missing(
 
 
 @needs_interpreter
-@pytest.mark.parametrize("rare_after", [False, True])
+@pytest.mark.parametrize(("rare_after", "stages"), [(False, 1), (True, 1), (True, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_triton_window_and_rare_values(
-    dtype: torch.dtype, rare_after: bool, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, rare_after: bool, stages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The Triton kernel's two paths give the C kernel's row: values in the program's window of binades, and
     the rare ones (subnormals, far below or above the window, past the overflow shortcut, inf, nan), which a
     block with few of them counts by one atomic each and a block with many by a histogram. Blocks of 512 (the
     default): a few rare values in a block, blocks made of them, an all-nan tensor, and first blocks of zeros
     (the window then sits around 1). ``rare_after``: the rare values in a second loop over the program's blocks
-    (``triton_engine.RARE_AFTER``), with the last, partial block's among them."""
+    (``triton_engine.RARE_AFTER``), with the last, partial block's among them. ``stages``: the main loop
+    pipelined (``triton_engine.STAGES``; the interpreter runs it as written, a GPU with asynchronous copies)."""
     monkeypatch.setattr(triton_engine, "RARE_AFTER", rare_after)
+    monkeypatch.setattr(triton_engine, "STAGES", stages)
     g = torch.Generator().manual_seed(3)
     calm = torch.randn(3 * 4096, generator=g) * 0.01
     few = calm.clone()

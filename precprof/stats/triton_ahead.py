@@ -38,7 +38,7 @@ TIMEOUT_S = 600.0
 @dataclass(frozen=True)
 class Ahead:
     """What the other process compiles: for a GPU of ``capability`` (major, minor), the row kernels of
-    ``layout`` for ``dtypes`` (TritonRows' ``block``, ``num_warps``, ``rare_after``), and the block kernels
+    ``layout`` for ``dtypes`` (TritonRows' ``block``, ``num_warps``, ``rare_after``, ``stages``), and the block kernels
     for ``block_dtypes`` and ``recipes``."""
 
     capability: tuple[int, int]
@@ -49,6 +49,7 @@ class Ahead:
     rare_after: bool
     block_dtypes: tuple[torch.dtype, ...] = ()
     recipes: tuple[Any, ...] = ()
+    stages: int = triton_engine.STAGES
 
 
 class _TargetDriver:
@@ -77,7 +78,12 @@ def compile_here(spec: Ahead) -> int:
     driver.set_active(_TargetDriver(spec.capability))
     cpu = torch.device("cpu")
     rows = triton_engine.TritonRows(
-        cpu, spec.layout, block=spec.block, num_warps=spec.num_warps, rare_after=spec.rare_after
+        cpu,
+        spec.layout,
+        block=spec.block,
+        num_warps=spec.num_warps,
+        rare_after=spec.rare_after,
+        stages=spec.stages,
     )
     tasks = 3 * len(spec.dtypes) + 2 * len(spec.block_dtypes)
     with triton_engine.parallel_compile(tasks):
@@ -128,6 +134,7 @@ def spec_of(
         rare_after=rows.rare_after,
         block_dtypes=tuple(block_dtypes),
         recipes=tuple(recipes),
+        stages=rows.stages,
     )
 
 

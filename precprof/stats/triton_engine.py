@@ -69,6 +69,10 @@ _FIELD_ALL = {0: 255, 1: 255, 2: 31, 3: 15, 4: 31, 5: 2047}
 BLOCK = 512
 NUM_WARPS = 4  # Triton's default
 RARE_AFTER = True
+# the main loop's software pipelining (1: none). Compiled for sm_90 by triton 3.6, 3 stages turn the loop's
+# loads into asynchronous copies into shared memory (LDGSTS), a program then having two blocks in flight beside
+# the one it counts; not yet timed on a GPU (gpu_validate's row sweep), so off
+STAGES = 1
 # scratch: keys[4096], overflow[16], absmax bits, absmin bits, programs finished (triton_kernels' _OV.._DONE)
 _OV = _N_KEYS
 _MX = _OV + 16
@@ -312,6 +316,7 @@ class TritonRows:
         block: int = BLOCK,
         num_warps: int = NUM_WARPS,
         rare_after: bool | None = None,
+        stages: int | None = None,
     ) -> None:
         kernels = _kernels()
         if isinstance(kernels, str):
@@ -349,6 +354,7 @@ class TritonRows:
         self.block, self.num_warps = block, num_warps
         # the rare values in a second loop over a program's blocks, only when it met any (triton_kernels)
         self.rare_after = RARE_AFTER if rare_after is None else rare_after
+        self.stages = STAGES if stages is None else stages  # the main loop's software pipelining
         self._direct: dict[Variant, _DirectLaunch] = {}
         self._pending_compiled: list[tuple[Variant, Any]] = []
         self.direct_status = "not compiled yet"
@@ -374,6 +380,7 @@ class TritonRows:
             HI=1023 + EXP_MAX,
             BLOCK=block,
             RARE_AFTER=self.rare_after,
+            STAGES=self.stages,
         )
 
     @property

@@ -382,6 +382,7 @@ def _rows(
     HI: tl.constexpr,
     BLOCK: tl.constexpr,
     RARE_AFTER: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     MANY: tl.constexpr = BLOCK // 64
     pid = tl.program_id(0).to(tl.int64)
@@ -409,7 +410,9 @@ def _rows(
     else:
         base = pid.to(tl.int32) * 0
     slot = tl.arange(0, _WIN)
-    for blk in range(pid, nfull, nprog):
+    # STAGES > 1: Triton pipelines the loop's loads (asynchronous copies into shared memory, STAGES - 1 blocks
+    # ahead), so that a program has more than one block in flight (a thread's 16 bytes otherwise)
+    for blk in tl.range(pid, nfull, nprog, num_stages=STAGES):
         i = blk * BLOCK + lane
         u = tl.load(x_ptr + _offsets(i, size1, size2, st0, st1, st2, STRIDED))
         acc, mx, mn, h, mag, kn, key = _block(u, lane >= 0, base, acc, mx, mn, KIND, KCAP, False)
