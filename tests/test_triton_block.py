@@ -168,6 +168,19 @@ def test_accumulator_gets_both_orientations_in_one_launch_and_adds(dtype: torch.
         assert_same(acc, both(t, RECIPES))
 
 
+def test_a_position_at_a_time_as_a_gpu_reads_gives_the_same_statistics() -> None:
+    """The GPU's way through a block (a thread reads one position of its line at a time: ``positions=1``),
+    which the interpreter otherwise leaves to the GPU (it reads all 32 at once): the same counts, the same sums
+    to 1e-12, for every recipe, both orientations, NVFP4's two halves of a block included (fp16: the dtype
+    only changes how a value is decoded; the interpreter pays per operation, 64 a block here)."""
+    x = rough((12, 36), torch.float16, seed=11)
+    eng = tb.TritonBlocks(DEV, RECIPES, tile=16, max_programs=2, positions=1)
+    acc = torch.zeros(2, len(RECIPES), 5, dtype=torch.float64, device=DEV)
+    assert eng.add(x.to(DEV), acc)
+    assert_same(acc, both(x, RECIPES))
+    assert (acc[..., 0] > 0).any() and (acc[..., 1] > 0).any()  # values flushed and saturated both ways
+
+
 def test_accumulator_slot_of_a_larger_tensor_and_what_it_does_not_read() -> None:
     """``out`` is a slot of the block accumulator (a view inside a larger tensor): nothing around it is
     written; a tensor of another dtype, of one dimension or without values is not read (False)."""

@@ -270,7 +270,7 @@ def _mask(slots: Sequence[int]) -> int:
     return mask
 
 
-def _consts(code: int, ta: int, slots: Sequence[int]) -> dict[str, Any]:
+def _consts(code: int, ta: int, slots: Sequence[int], positions: int | None = None) -> dict[str, Any]:
     """The constexprs of ``_blocks`` for a dtype's kind, a tile and the accumulator's recipes (their slots), in
     the kernel's order."""
     assert 0 < len(slots) <= MAX_RECIPES
@@ -287,7 +287,8 @@ def _consts(code: int, ta: int, slots: Sequence[int]) -> dict[str, Any]:
         NRP=nrp,
         CH=CHUNK,
         **_constants(),
-        JV=32 if interpreting() else 1,  # positions a thread reads at a time (the interpreter pays per op)
+        # positions a thread reads at a time: 1 on a GPU, all 32 in the interpreter (which pays per operation)
+        JV=positions if positions is not None else (32 if interpreting() else 1),
     )
 
 
@@ -330,7 +331,8 @@ class TritonBlocks:
     count of programs finished (int32 [2], zeroed by each launch's last program), the programs' partials
     (float64 [2 * programs, 16, 8]). ``warm`` compiles the variants (one per dtype), ``adopt_compiled`` takes
     them for a direct launch (``triton_engine._DirectLaunch``) once a small tensor shows it writes what
-    Triton's own launch writes."""
+    Triton's own launch writes. ``tile``, ``max_programs``: as ``block_stats_triton``'s; ``positions``: of a
+    block, read by a thread at a time (1 on a GPU, 32 in the interpreter; a power of two up to 32)."""
 
     def __init__(
         self,
@@ -339,6 +341,7 @@ class TritonBlocks:
         *,
         tile: int | None = None,
         max_programs: int | None = None,
+        positions: int | None = None,
     ) -> None:
         why = unavailable(device)
         if why is not None:
@@ -354,7 +357,7 @@ class TritonBlocks:
         self.scratch = torch.zeros(2, dtype=torch.int32, device=device)
         self.part = torch.empty(2 * self.most, SLOTS, STATS_PAD, dtype=torch.float64, device=device)
         self._ptrs = (self.scratch.data_ptr(), self.part.data_ptr())
-        self._consts = {code: _consts(code, self.tile, self.slots) for code, _ in KINDS.values()}
+        self._consts = {code: _consts(code, self.tile, self.slots, positions) for code, _ in KINDS.values()}
         self._direct: dict[int, tuple[Any, Any]] = {}
         self._pending: list[tuple[int, list[Any]]] = []
         self.direct_status = "not compiled yet"
