@@ -230,7 +230,9 @@ def test_a_sampled_tensor_is_one_launch_with_no_torch_work_around_it(monkeypatch
 
 
 @triton.jit
-def _both_roundings(x_ptr, fast_ptr, general_ptr, n, MB: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr):
+def _both_roundings(
+    x_ptr, fast_ptr, general_ptr, n, MB: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr
+):
     i = tl.arange(0, 1024) + tl.program_id(0) * 1024
     a = tl.load(x_ptr + i, mask=i < n, other=0).to(tl.float32, bitcast=True)
     tl.store(fast_ptr + i, tbk._round_value(a, MB, EMIN, FMAX), mask=i < n)
