@@ -158,9 +158,8 @@ def _tile_bits(x_ptr, t, n_along, n_across, st_along, st_across, tiles, KIND: tl
     nba = (n_along + 31) // 32
     along = (t % nba) * 32 + tl.arange(0, 32).to(tl.int64)
     across = (t // nba) * TA + tl.arange(0, TA).to(tl.int64)
-    lim = tl.where(
-        t < tiles, n_along, 0
-    )  # (an integer bound: the interpreter mis-types bool scalar & tensor)
+    # (an integer bound: the interpreter mis-types a bool scalar & a tensor)
+    lim = tl.where(t < tiles, n_along, 0)
     inside = (along < lim)[:, None] & (across < n_across)[None, :]
     u = tl.load(x_ptr + along[:, None] * st_along + across[None, :] * st_across, mask=inside, other=0)
     return _mag(u, KIND), inside
@@ -306,9 +305,9 @@ def _blocks(
         nba = (n_along + 31) // 32
         along0 = (t % nba) * 32
         across = (t // nba) * TA + lines
-        lim = tl.where(
-            t < tiles, n_along, 0
-        )  # (an integer bound: the interpreter mis-types bool scalar & tensor)
+        # past the last tile, no position is inside (an integer bound: the interpreter mis-types a bool scalar
+        # & a tensor)
+        lim = tl.where(t < tiles, n_along, 0)
         base = x_ptr + across * st_across
         # first read: each block's amax bits, its halves' (NVFP4's blocks of 16) apart
         amax_a = zb
