@@ -193,8 +193,9 @@ def test_accumulator_slot_of_a_larger_tensor_and_what_it_does_not_read() -> None
     for bad in (x.double(), torch.ones(40), torch.ones(0, 32)):
         assert not eng.add(bad.to(DEV), blocks[0])
     assert blocks[0].eq(7).all()
-    with pytest.raises(UserError):
-        tb.TritonBlocks(DEV, [])
+    for bad_args in (dict(recipes=[]), dict(tile=24), dict(positions=3), dict(positions=64)):
+        with pytest.raises(UserError):
+            tb.TritonBlocks(DEV, **{"recipes": FP4, **bad_args})  # type: ignore[arg-type]
 
 
 def test_a_sampled_tensor_is_one_launch_with_no_torch_work_around_it(monkeypatch: pytest.MonkeyPatch) -> None:

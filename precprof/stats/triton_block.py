@@ -164,10 +164,6 @@ def slot(recipe: bf.BlockRecipe) -> int:
     )
 
 
-def _programs(device: torch.device, tiles: int, most: int | None) -> int:
-    return max(1, min(most if most is not None else _most_programs(device), tiles))
-
-
 def _most_programs(device: torch.device) -> int:
     # the interpreter runs programs one after another: one is enough there
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -209,11 +205,11 @@ def block_stats_triton(
     ``x``: float32, bfloat16 or float16, CUDA (or CPU under ``TRITON_INTERPRET=1``). ``axis``: -1 ("row":
     blocks along the last dimension) or -2 ("col": along the leading dimensions flattened, i.e. axis -2 of
     ``x.reshape(-1, x.shape[-1])``; needs x.dim() >= 2). ``tile`` (lines per tile, a power of two; default 128
-    on CUDA, a line per thread, 1024 in the interpreter, whose cost is per operation) and ``max_programs`` (default 4 per SM on
-    CUDA, 1 in the interpreter) change no count, and the sums only by float64 rounding. One launch (one more
-    when NVFP4 is asked for), no host sync. UserError for a dtype, axis or recipe these kernels do not take;
-    RuntimeError when Triton cannot run here (``unavailable`` says why). The hot path is ``TritonBlocks.add``:
-    both orientations into an accumulator, in the same launches.
+    on CUDA, a line per thread, 1024 in the interpreter, whose cost is per operation) and ``max_programs``
+    (default 4 per SM on CUDA, 1 in the interpreter) change no count, and the sums only by float64 rounding.
+    One launch (one more when NVFP4 is asked for), no host sync. UserError for a dtype, axis or recipe these
+    kernels do not take; RuntimeError when Triton cannot run here (``unavailable`` says why). The hot path is
+    ``TritonBlocks.add``: both orientations into an accumulator, in the same launches.
     """
     if not isinstance(x, torch.Tensor):
         raise UserError(f"block statistics need a torch.Tensor, got {type(x).__name__}")
@@ -353,6 +349,10 @@ class TritonBlocks:
         if not 0 < len(self.slots) <= MAX_RECIPES:
             raise UserError(f"TritonBlocks adds 1 to {MAX_RECIPES} recipes, got {len(self.slots)}")
         self.tile = tile if tile is not None else _tile_default()
+        if self.tile < 1 or self.tile & (self.tile - 1):
+            raise UserError(f"tile must be a power of two, got {self.tile}")
+        if positions is not None and positions not in (1, 2, 4, 8, 16, 32):
+            raise UserError(f"positions must be a power of two from 1 to 32, got {positions}")
         self.most = max_programs if max_programs is not None else _most_programs(device)
         self.scratch = torch.zeros(2, dtype=torch.int32, device=device)
         self.part = torch.empty(2 * self.most, SLOTS, STATS_PAD, dtype=torch.float64, device=device)
