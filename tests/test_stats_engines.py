@@ -512,3 +512,27 @@ def test_block_formats_off_the_c_engine_never_touch_the_c_kernel(monkeypatch: py
     buf = StatsBuffer(2, "cpu", engine="torch")
     assert buf.accumulate(torch.randn(8, 64), 0, blocks=True)
     assert buf.blocks_seen[0] and buf.blocks_to_host()[0].any()
+
+
+def test_a_direct_launch_is_kept_only_where_its_check_passes() -> None:
+    """``triton_engine.adopt_direct``: a launcher whose check passes is kept; one whose check fails, or whose
+    making raises (a Triton whose launcher takes other arguments), leaves its key to Triton's launch, and the
+    status says which and why."""
+
+    def make(key: str, compiled: int) -> int:
+        if compiled < 0:
+            raise TypeError("launcher takes other arguments")
+        return compiled * 10
+
+    into: dict[str, int] = {}
+    why = triton_engine.adopt_direct(
+        into, [("a", 1), ("b", 2), ("c", -1)], make, lambda key, launcher: launcher != 20, "rows differ"
+    )
+    assert into == {"a": 10}
+    assert why == ["b: rows differ", "c: TypeError: launcher takes other arguments"]
+    status = triton_engine.direct_status(len(into), "variants", why)
+    assert status == (
+        "direct launch of 1 compiled variants; Triton's launch for the others "
+        "(b: rows differ; c: TypeError: launcher takes other arguments)"
+    )
+    assert triton_engine.direct_status(3, "dtypes", []) == "direct launch of 3 compiled dtypes"

@@ -66,7 +66,9 @@ from precprof import tables as T
 from precprof.errors import UserError
 from precprof.stats.triton_engine import (
     _DirectLaunch,
+    adopt_direct,
     device_unsupported,
+    direct_status,
     interpreting,
     load_kernels,
     triton_missing,
@@ -420,24 +422,17 @@ class TritonBlocks:
             self.direct_status = "Triton's launch (no compiled kernel in the interpreter)"
             return
         amax_kernel, blocks_kernel = _kernels()
-        why = []
-        for code, kernels in pending:
+
+        def make(code: int, kernels: list[Any]) -> tuple[Any, Any]:
             compiled = [k.result() if hasattr(k, "result") else k for k in kernels]
             consts = self._consts[code]
-            try:
-                blocks = _DirectLaunch(blocks_kernel, compiled[-1], consts)
-                amax = None
-                if _nv(consts):
-                    amax = _DirectLaunch(amax_kernel, compiled[0], dict(KIND=code, TA=consts["TA"]))
-                if self._self_check(code, (amax, blocks)):
-                    self._direct[code] = (amax, blocks)
-                else:
-                    why.append(f"kind {code}: sums differ")
-            except Exception as e:  # a Triton whose launcher takes other arguments: its own launch stays
-                why.append(f"kind {code}: {type(e).__name__}: {e}")
-        self.direct_status = f"direct launch of {len(self._direct)} compiled dtypes" + (
-            f"; Triton's launch for the others ({'; '.join(why)})" if why else ""
-        )
+            amax = None
+            if _nv(consts):
+                amax = _DirectLaunch(amax_kernel, compiled[0], dict(KIND=code, TA=consts["TA"]))
+            return amax, _DirectLaunch(blocks_kernel, compiled[-1], consts)
+
+        why = adopt_direct(self._direct, pending, make, self._self_check, "sums differ")
+        self.direct_status = direct_status(len(self._direct), "dtypes", why)
 
     def _self_check(self, code: int, direct: tuple[Any, Any]) -> bool:
         dtype = next(d for d, (c, _) in KINDS.items() if c == code)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -446,22 +446,13 @@ class TritonRows:
         if interpreting() or self.device.type != "cuda":
             self.direct_status = "Triton's launch (no compiled kernel in the interpreter)"
             return
-        why = []
-        for v, kernel in pending:
+
+        def make(v: Variant, kernel: Any) -> _DirectLaunch:
             compiled = kernel.result() if hasattr(kernel, "result") else kernel
-            try:
-                launcher = _DirectLaunch(
-                    self._strided if v.strided else self._contig, compiled, self._constexprs(v)
-                )
-                if self._self_check(v, launcher):
-                    self._direct[v] = launcher
-                else:
-                    why.append(f"{v}: rows differ")
-            except Exception as e:  # a Triton whose launcher takes other arguments: its own launch stays
-                why.append(f"{v}: {type(e).__name__}: {e}")
-        self.direct_status = f"direct launch of {len(self._direct)} compiled variants" + (
-            f"; Triton's launch for the others ({'; '.join(why)})" if why else ""
-        )
+            return _DirectLaunch(self._strided if v.strided else self._contig, compiled, self._constexprs(v))
+
+        why = adopt_direct(self._direct, pending, make, self._self_check, "rows differ")
+        self.direct_status = direct_status(len(self._direct), "variants", why)
 
     def _self_check(self, v: Variant, launcher: _DirectLaunch) -> bool:
         """The direct launch and Triton's write the same row for a small tensor of variant ``v``."""
@@ -514,6 +505,37 @@ class TritonRows:
             return True
         self._launch(v, (programs,), xi, geometry, rows, row, False)
         return True
+
+
+def adopt_direct(
+    into: dict[Any, Any],
+    pending: Iterable[tuple[Any, Any]],
+    make: Callable[[Any, Any], Any],
+    check: Callable[[Any, Any], bool],
+    differ: str,
+) -> list[str]:
+    """For each (key, compiled) of ``pending``: its direct launcher ``make(key, compiled)``, kept in ``into``
+    when ``check(key, launcher)`` finds it writes what Triton's own launch writes. Returns why the others keep
+    Triton's launch (``differ`` when the check failed; the error when making it did: a Triton whose launcher
+    takes other arguments)."""
+    why = []
+    for key, compiled in pending:
+        try:
+            launcher = make(key, compiled)
+            if check(key, launcher):
+                into[key] = launcher
+            else:
+                why.append(f"{key}: {differ}")
+        except Exception as e:
+            why.append(f"{key}: {type(e).__name__}: {e}")
+    return why
+
+
+def direct_status(n: int, what: str, why: Sequence[str]) -> str:
+    """How a kernel set is launched, in words (``adopt_direct``'s count and reasons)."""
+    return f"direct launch of {n} compiled {what}" + (
+        f"; Triton's launch for the others ({'; '.join(why)})" if why else ""
+    )
 
 
 class _DirectLaunch:
