@@ -268,7 +268,9 @@ def test_the_rounding_on_bits_equals_the_general_rounding_and_real_casts() -> No
         general = torch.empty_like(fast)
         grid = (-(-bits.numel() // 1024),)
         bits, fast, general = bits.to(DEV), fast.to(DEV), general.to(DEV)
-        _both_roundings[grid](bits, fast, general, bits.numel(), MB=mb, EMIN=emin, FMAX=fmax_bits)
+        _both_roundings[grid](
+            bits, fast, general, bits.numel(), MB=mb, EMIN=emin, FMAX=fmax_bits, **tb.LAUNCH_OPTIONS
+        )
         bits, fast, general = bits.cpu(), fast.cpu(), general.cpu()
         assert torch.equal(fast.view(torch.int32), general.view(torch.int32)), name
         cast = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(name)
