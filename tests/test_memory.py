@@ -14,6 +14,7 @@ from torch import nn
 
 from precprof import tables as T
 from precprof.analysis.memory_projection import MODES, infer_mode, project, textbook
+from precprof.capture import storage
 from precprof.capture.memory_tracker import MemoryTracker
 from precprof.taxonomy import autocast_class as module_class
 
@@ -940,6 +941,27 @@ def test_a_detached_tracker_keeps_nothing_alive() -> None:
     finally:
         if was:
             gc.enable()
+
+
+def test_a_tensor_on_a_smaller_storage_at_the_same_address_is_read_again() -> None:
+    """The memo of storages and the steady components' fingerprint key a tensor by its id, data pointer and
+    size: the same object at the same address on a storage of half the bytes (a state freed and made anew in
+    bf16 where the allocator put the fp32 one: the suite met it, one run in about 60) is read again."""
+    whole = torch.UntypedStorage(800)
+    half = whole[0:400]  # the same memory, the same address, half the bytes
+    assert half.data_ptr() == whole.data_ptr()
+    t = torch.empty(0).set_(whole, 0, (200,))
+    memo, steady, computed = storage.StorageMemo(), storage.Steady(), []
+
+    def compute() -> int:
+        computed.append(1)
+        return storage._by_dtype([t], storage=memo)["float32"]
+
+    assert memo(t) == (whole.data_ptr(), 800) and steady.get([t], compute) == 800
+    assert steady.get([t], compute) == 800 and len(computed) == 1  # unchanged: not computed again
+    t.set_(half, 0, (100,))
+    assert t.data_ptr() == whole.data_ptr()
+    assert memo(t) == (whole.data_ptr(), 400) and steady.get([t], compute) == 400 and len(computed) == 2
 
 
 def test_steady_components_follow_the_tensors_step_after_step() -> None:

@@ -60,27 +60,29 @@ def _storage(t: torch.Tensor) -> tuple[StorageKey, int] | None:
 
 
 class StorageMemo:
-    """``_storage`` of tensors read before, by their id and data pointer: the parameters, buffers and optimizer
-    states a sampled step's memory rows read several times, step after step (``untyped_storage()`` makes a
-    Python object per call). Holds no tensor; an entry whose tensor is gone is replaced when its id comes back
-    with another data pointer, and the memo is emptied when it grows past ``limit`` entries."""
+    """``_storage`` of tensors read before, by their id, data pointer and size: the parameters, buffers and
+    optimizer states a sampled step's memory rows read several times, step after step (``untyped_storage()``
+    makes a Python object per call). Holds no tensor; an entry whose tensor is gone is replaced when its id
+    comes back with another data pointer or size (a state freed and made anew, in another dtype, where the
+    allocator put the old one's bytes: the suite met it), and the memo is emptied when it grows past ``limit``
+    entries."""
 
     def __init__(self, limit: int = 1 << 16) -> None:
-        self._entries: dict[int, tuple[int, tuple[StorageKey, int] | None]] = {}
+        self._entries: dict[int, tuple[int, int, tuple[StorageKey, int] | None]] = {}
         self._limit = limit
 
     def __call__(self, t: torch.Tensor) -> tuple[StorageKey, int] | None:
         try:
-            ptr = t.data_ptr()
+            ptr, nbytes = t.data_ptr(), t.nbytes
         except (RuntimeError, NotImplementedError, TypeError):
             return _storage(t)
         hit = self._entries.get(id(t))
-        if hit is not None and hit[0] == ptr:
-            return hit[1]
+        if hit is not None and hit[0] == ptr and hit[1] == nbytes:
+            return hit[2]
         if len(self._entries) >= self._limit:
             self._entries.clear()
         st = _storage(t)
-        self._entries[id(t)] = (ptr, st)
+        self._entries[id(t)] = (ptr, nbytes, st)
         return st
 
 
@@ -133,13 +135,17 @@ def module_tensors(modules: Iterable[nn.Module]) -> tuple[list[torch.Tensor], li
 _PLAIN_TYPES = frozenset(_PLAIN)
 
 
-def _fingerprint(tensors: list[torch.Tensor]) -> tuple[list[int], list[int]] | None:
-    """The objects (ids) and the data pointers of plain tensors: what their storages are, without a storage
+def _fingerprint(tensors: list[torch.Tensor]) -> tuple[list[int], list[int], list[int]] | None:
+    """The objects (ids), data pointers and sizes of plain tensors: what their storages are, without a storage
     object per tensor. None where one is a wrapper subclass (its storages are inside it) or has no data."""
     if not set(map(type, tensors)) <= _PLAIN_TYPES:
         return None
     try:
-        return list(map(id, tensors)), list(map(torch.Tensor.data_ptr, tensors))
+        return (
+            list(map(id, tensors)),
+            list(map(torch.Tensor.data_ptr, tensors)),
+            [t.nbytes for t in tensors],
+        )
     except (RuntimeError, NotImplementedError, TypeError):
         return None
 
@@ -147,12 +153,12 @@ def _fingerprint(tensors: list[torch.Tensor]) -> tuple[list[int], list[int]] | N
 class Steady:
     """A value computed from tensors that usually outlive many steps (parameters, buffers, optimizer states),
     computed again only when they changed: other objects, or the same ones on other storages (``p.data = ...``,
-    a model moved, a state made). Holds no tensor: their ids and data pointers. A tensor freed and replaced
-    by a new object at the same address, on a storage at the same address, of another size would not be seen:
-    the optimizer states and parameters that this holds are updated in place."""
+    a model moved, a state made). Holds no tensor: their ids, data pointers and sizes. A tensor freed and
+    replaced by a new object at the same address, of the same size, on a storage of another size would not be
+    seen: the optimizer states and parameters that this holds are updated in place."""
 
     def __init__(self) -> None:
-        self._key: tuple[list[int], list[int]] | None = None
+        self._key: tuple[list[int], list[int], list[int]] | None = None
         self._value: Any = None
 
     def get(self, tensors: list[torch.Tensor], compute: Any) -> Any:
