@@ -61,14 +61,17 @@ def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def _sass(cubin: bytes) -> tuple[list[str], dict[str, int]]:
-    """The kernel's instructions, in order (predicates kept), and the index each branch label stands at."""
+def _run(cubin: bytes, tool: str, *args: str) -> str:
+    """What one of Triton's CUDA tools prints for ``cubin``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run(
-            [_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True
-        ).stdout
+        return subprocess.run([_tool(tool), *args, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _sass(cubin: bytes) -> tuple[list[str], dict[str, int]]:
+    """The kernel's instructions, in order (predicates kept), and the index each branch label stands at."""
+    text = _run(cubin, "nvdisasm", "-c")
     out: list[str] = []
     labels: dict[str, int] = {}
     for line in text.splitlines():
@@ -83,12 +86,7 @@ def _sass(cubin: bytes) -> tuple[list[str], dict[str, int]]:
 
 
 def _resources(cubin: bytes) -> dict[str, int]:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run(
-            [_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
-        ).stdout
+    text = _run(cubin, "cuobjdump", "--dump-resource-usage")
     found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text))
     return {k.lower(): int(v) for k, v in found.items()}
 
