@@ -213,12 +213,10 @@ def gpu_test_files() -> list[Path]:
     return out
 
 
-def _run_test_file(run: Run, p: Path, timeout_s: float) -> dict[str, Any]:
+def _run_test_file(p: Path, timeout_s: float) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(p)]
     if "pytest.mark.gpu" in p.read_text():
         cmd += ["-m", "gpu"]  # that file's GPU tests; its CPU tests run in CI
-    if run.dry:
-        cmd.append("--collect-only")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t = time.perf_counter()
     try:
@@ -227,8 +225,6 @@ def _run_test_file(run: Run, p: Path, timeout_s: float) -> dict[str, Any]:
         return {"status": "timeout", "timeout_s": timeout_s, "tail": str(e.stdout or "")[-2000:]}
     text = r.stdout + r.stderr
     counts = {k: int(n) for n, k in _SUMMARY.findall(text.splitlines()[-1] if text.strip() else "")}
-    if run.dry:
-        counts = {"collected": len(re.findall(r"::", r.stdout))}
     rec: dict[str, Any] = {"rc": r.returncode, "seconds": round(time.perf_counter() - t, 1), **counts}
     if r.returncode not in (0, 5):
         rec["tail"] = text[-3000:]
@@ -242,11 +238,38 @@ def stage_tests(run: Run) -> dict[str, Any]:
 
     files = gpu_test_files()
     timeout_s = max(30.0, min(240.0, run.left() - 60))
-    with ThreadPoolExecutor(max_workers=1 if run.dry else 4) as pool:
-        futures = {p.name: pool.submit(_run_test_file, run, p, timeout_s) for p in files}
-        results = {name: f.result() for name, f in futures.items()}
+    if run.dry:  # the plumbing: collected in two processes (GPU-marked files and the others), not one a file
+        results = {}
+        for marked in (True, False):
+            group = [p for p in files if ("pytest.mark.gpu" in p.read_text()) == marked]
+            results.update(_collect_files(group, marked, timeout_s))
+    else:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            futures = {p.name: pool.submit(_run_test_file, p, timeout_s) for p in files}
+            results = {name: f.result() for name, f in futures.items()}
     failed = [n for n, r in results.items() if r.get("rc") not in (0, 5)]
     return {"files": results, "failed_files": failed, "collected_only": run.dry}
+
+
+def _collect_files(files: list[Path], gpu_marked: bool, timeout_s: float) -> dict[str, dict[str, Any]]:
+    """``pytest --collect-only`` of ``files`` in one process (only their GPU tests when ``gpu_marked``): per
+    file, the process's return code and the tests collected."""
+    if not files:
+        return {}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "--collect-only"]
+    cmd += [*(["-m", "gpu"] if gpu_marked else []), *(str(p) for p in files)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
+    seconds = round(time.perf_counter() - t, 1)
+    out: dict[str, dict[str, Any]] = {}
+    for p in files:
+        rec: dict[str, Any] = {"rc": r.returncode, "seconds": seconds}
+        rec["collected"] = len(re.findall(rf"^tests/{re.escape(p.name)}::", r.stdout, re.M))
+        if r.returncode not in (0, 5):
+            rec["tail"] = (r.stdout + r.stderr)[-3000:]
+        out[p.name] = rec
+    return out
 
 
 def stage_kernels(run: Run) -> dict[str, Any]:
