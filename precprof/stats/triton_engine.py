@@ -71,8 +71,10 @@ NUM_WARPS = 4  # Triton's default
 RARE_AFTER = True
 # the main loop's software pipelining (1: none). Compiled for sm_90 by triton 3.6, 3 stages turn the loop's
 # loads into asynchronous copies into shared memory (LDGSTS), a program then having two blocks in flight beside
-# the one it counts; not yet timed on a GPU (gpu_validate's row sweep), so off
-STAGES = 1
+# the one it counts. On an H200 (gpu_validate's row sweep, 2026-11-27, bench/results/gpu_validate_nvidia-
+# h200_2026-11-27e.json) 64M randn values read 1014 GB/s fp32 and 510 bf16 with 3 stages against 879 and 442 with
+# none, 2 stages no better than none, and as fast with one value in 1,000 rare (434 and 222 against 419, 214)
+STAGES = 3
 # scratch: keys[4096], overflow[16], absmax bits, absmin bits, programs finished (triton_kernels' _OV.._DONE)
 _OV = _N_KEYS
 _MX = _OV + 16
