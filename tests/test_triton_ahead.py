@@ -77,6 +77,25 @@ def test_a_failure_of_the_other_process_is_one_line_and_nothing_else(
     assert why is not None and "\n" not in why and "pickle" in why.lower()
 
 
+def test_the_other_process_compiles_at_the_lowest_priority() -> None:
+    """The other process lowers its own priority first (its ptxas processes inherit it), so that its compiles
+    take only the CPUs the training leaves: ``main`` says the niceness it compiled at."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys, precprof.stats.triton_ahead as t; sys.exit(t.main())"],
+        input=pickle.dumps(_spec(dtypes=(), block_dtypes=())),
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.decode().split() == ["0", "kernels", "at", "niceness", str(triton_ahead.NICENESS)]
+
+
 def test_spec_of_names_what_the_rows_compile() -> None:
     """``spec_of`` takes the rows' layout and kernel shape, so that the other process compiles the very
     variants the training's process will ask for."""
