@@ -657,7 +657,7 @@ def stage_profile(run: Run) -> dict[str, Any]:
     model = build_model(name, vocab_size=256, seq_len=seq).module.to(run.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, 256, (batch, seq), device=run.device)
-    prof = precprof.Profiler(model, optimizer=opt, sample_every=1).attach()
+    prof: precprof.Profiler | None = None
 
     def step() -> None:
         with torch.autocast(run.device.type, dtype=torch.bfloat16):
@@ -665,25 +665,50 @@ def stage_profile(run: Run) -> dict[str, Any]:
         F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), x.reshape(-1)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        prof.step()
+        if prof is not None:
+            prof.step()
         _sync(run.device)
 
-    for _ in range(3):
-        step()
     acts = [torch.profiler.ProfilerActivity.CPU]
     if run.cuda:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=acts) as tp:
-        step()
-    ka = tp.key_averages()
+
+    def profiled() -> Any:
+        for _ in range(3):
+            step()
+        with torch.profiler.profile(activities=acts) as tp:
+            step()
+        return tp.key_averages()
+
+    # the same step without precprof first: what a sampled step adds, kernel by kernel
+    plain = profiled()
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1).attach()
+    if prof._buffer is not None:
+        prof._buffer.wait_ready()  # the kernels precprof launches once its compile is done, not a first compile
+    ka = profiled()
     dev_key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
     out: dict[str, Any] = {"model": name, "batch": batch, "seq": seq}
     if run.cuda:
-        kernels = [e for e in ka if getattr(e, dev_key, 0) > 0]
-        out["device_ms_total"] = sum(getattr(e, dev_key) for e in kernels) / 1e3
+
+        def kernels(avg: Any) -> dict[str, tuple[int, float]]:
+            return {
+                e.key[:120]: (e.count, getattr(e, dev_key) / 1e3) for e in avg if getattr(e, dev_key, 0) > 0
+            }
+
+        sampled, before = kernels(ka), kernels(plain)
+        out["device_ms_total"] = sum(ms for _, ms in sampled.values())
+        out["plain_device_ms_total"] = sum(ms for _, ms in before.values())
         out["device_top"] = [
-            {"name": e.key[:120], "calls": e.count, "ms": getattr(e, dev_key) / 1e3}
-            for e in sorted(kernels, key=lambda e: -getattr(e, dev_key))[:25]
+            {"name": k, "calls": c, "ms": ms}
+            for k, (c, ms) in sorted(sampled.items(), key=lambda kv: -kv[1][1])[:25]
+        ]
+        added = {
+            k: (c - before.get(k, (0, 0.0))[0], ms - before.get(k, (0, 0.0))[1])
+            for k, (c, ms) in sampled.items()
+        }
+        out["device_added_top"] = [
+            {"name": k, "calls": c, "ms": ms}
+            for k, (c, ms) in sorted(added.items(), key=lambda kv: -kv[1][1])[:30]
         ]
         launches = [e for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")]
         out["kernel_launches"] = sum(e.count for e in launches)
