@@ -15,7 +15,8 @@ command stopped at its time limit still leaves what it measured:
               empty Triton cache (cold) and again with the cache it left (warm): goal worst step / a later
               sampled step <= 1.5
   profile     where a sampled step's time goes: torch.profiler's CUDA kernels and CPU ops of one sampled step
-              of gpt2-small bf16 8x1024 (top 25 each, launches counted), and cProfile's Python functions
+              of gpt2-small bf16 8x1024 (top 25 each, launches counted), the kernels' device time beside the
+              same step without precprof (what it adds, kernel by kernel), and cProfile's Python functions
   syncs       a sampled step's hooks under set_sync_debug_mode("error"), the device-to-host copies in
               prof.step() (goal 1), and the user's max_memory_allocated() with and without precprof (equal)
   overhead    bench/overhead.py: gpt2-small bf16 8x1024, every configuration interleaved (the default sampling
