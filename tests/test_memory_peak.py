@@ -7,6 +7,8 @@ allocator); the CPU runs the real thing: torch.profiler's memory events.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from precprof import _compat
 from precprof import tables as T
 from precprof.analysis.advisor import recommend
 from precprof.analysis.memory_projection import project
@@ -46,12 +49,14 @@ class FakeCudaAllocator:
         self.cached: dict[int, list[int]] = {}  # size -> freed addresses
         self.next_addr = 1 << 32
         self.history = False
-        self.trace: list[dict[str, Any]] = []
+        self.trace: list[
+            tuple[str, int, int]
+        ] = []  # (action, address, bytes): dicts when read, as torch makes
         self.resets: list[Any] = []
 
     def _record(self, action: str, addr: int, size: int) -> None:
         if self.history:
-            self.trace.append({"action": action, "addr": addr, "size": size, "stream": 0})
+            self.trace.append((action, addr, size))
 
     def malloc(self, nbytes: int) -> int:
         size = -(-nbytes // 512) * 512
@@ -126,7 +131,8 @@ class FakeCudaAllocator:
     def snapshot(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         blocks = [{"address": a, "size": s, "state": "active_allocated"} for a, s in self.blocks.items()]
         seg = {"device": 0, "address": 1 << 40, "total_size": self.reserved, "blocks": blocks}
-        return {"segments": [seg], "device_traces": [list(self.trace)]}
+        trace = [{"action": a, "addr": addr, "size": n, "stream": 0} for a, addr, n in self.trace]
+        return {"segments": [seg], "device_traces": [trace]}
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         for name in (
@@ -342,6 +348,52 @@ def test_the_history_counts_each_block_as_the_allocator_counts_it(monkeypatch: p
     assert running == dev.memory_allocated()
     dev.free(grad)
     dev.free(held)
+
+
+def test_the_snapshot_is_read_with_the_garbage_collector_held_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The allocator's snapshot is a dict per event, made at the step's end and let go once read: read with the
+    collector running, their numbers set off collections (a full one, which walks every object of the process,
+    cost an H200's gpt2-small step at 1 in 10 about 250 ms once); held off, none runs, and the collector is left
+    as the program had it (on, or off)."""
+    dev = FakeCudaAllocator()
+    dev.install(monkeypatch)
+
+    def step_end(pause: bool) -> tuple[list[int], Events | None]:
+        history = CudaHistory(torch.device("cuda", 0))
+        assert history.start() is None
+        for _ in range(5000):
+            dev.free(dev.malloc(1000))
+        started: list[int] = []
+
+        def seen(phase: str, info: dict[str, Any]) -> None:
+            if phase == "start":
+                started.append(info["generation"])
+
+        gc.callbacks.append(seen)
+        try:
+            if pause:
+                events, note = history.stop()
+            else:
+                with monkeypatch.context() as m:
+                    m.setattr(_compat, "gc_paused", contextlib.nullcontext)
+                    events, note = history.stop()
+        finally:
+            gc.callbacks.remove(seen)
+        assert note == ""
+        return started, events
+
+    assert gc.isenabled()
+    started, events = step_end(pause=True)
+    assert started == [] and gc.isenabled()
+    assert events is not None and (events.kinds.count(ALLOC), events.kinds.count(FREE)) == (5000, 5000)
+    started, _ = step_end(pause=False)
+    assert started  # the test tells: without the pause the same snapshot sets collections off
+    gc.disable()
+    try:
+        step_end(pause=True)
+        assert not gc.isenabled()  # the program's own setting, kept
+    finally:
+        gc.enable()
 
 
 # ------------------------------------------------------------------------------------------ the replay

@@ -46,6 +46,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -151,23 +152,32 @@ class CudaHistory:
     def stop(self) -> tuple[Events | None, str]:
         if not self._on:
             return None, ""
-        try:
-            snap = _compat.cuda_snapshot()
-        finally:
-            self.abort()
+        # the snapshot is a dict per event, made, read and let go here: the collector waits (_compat.gc_paused)
+        # until every one of them is gone
+        with _compat.gc_paused():
+            try:
+                snap = _compat.cuda_snapshot()
+            finally:
+                self.abort()
+            out = self._events(snap)
+            del snap
+        return out
+
+    def _events(self, snap: dict[str, Any]) -> tuple[Events | None, str]:
+        """The step's ``Events`` from the allocator's snapshot at its end."""
         traces = snap.get("device_traces") or []
         trace = traces[self.index] if self.index < len(traces) else []
         if len(trace) >= MAX_HISTORY_ENTRIES:
             return None, f"more than {MAX_HISTORY_ENTRIES} allocator events in the step"
         ev = Events()
+        kinds, ptrs, sizes = ev.kinds, ev.ptrs, ev.sizes
         for e in trace:
-            action = e.get("action")
-            kind = _CUDA_ACTIONS.get(str(action))
+            kind = _CUDA_ACTIONS.get(str(e.get("action")))
             if kind is not None:
-                ev.kinds.append(kind)
-                ev.ptrs.append(int(e.get("addr", 0)))
+                kinds.append(kind)
+                ptrs.append(int(e.get("addr", 0)))
                 size = int(e.get("size", 0))
-                ev.sizes.append(size if kind in (SEGMENT_ALLOC, SEGMENT_FREE) else block_bytes(size))
+                sizes.append(size if kind >= SEGMENT_ALLOC else block_bytes(size))
         # the blocks and segments held now, walked back through the history: those held when the step began
         live: dict[int, int] = {}
         reserved = 0
@@ -178,7 +188,7 @@ class CudaHistory:
             for b in seg.get("blocks") or []:
                 if b.get("state") == "active_allocated":
                     live[int(b["address"])] = int(b["size"])
-        for kind, ptr, size in zip(reversed(ev.kinds), reversed(ev.ptrs), reversed(ev.sizes), strict=True):
+        for kind, ptr, size in zip(reversed(kinds), reversed(ptrs), reversed(sizes), strict=True):
             if kind == ALLOC:
                 live.pop(ptr, None)
             elif kind == FREE:
@@ -266,19 +276,21 @@ class ProfilerMemory:
                 self._stopped = None
 
     def stop(self) -> tuple[Events | None, str]:
-        self.abort()
-        got, self._stopped = self._stopped, None
-        if got is None:
-            return None, ""
-        allocs, marks = got
-        allocs = sorted((a for a in allocs if a[3] == "cpu"), key=lambda a: a[0])
-        ev = Events(start=self._start)
-        for _, ptr, size, _dev in allocs:
-            ev.kinds.append(ALLOC if size > 0 else FREE)
-            ev.ptrs.append(ptr)
-            ev.sizes.append(abs(size))
-        times = [a[0] for a in allocs]
-        ev.marks = [bisect.bisect_right(times, t) for t in sorted(marks)]
+        # the profiler's events, a tuple each, made and let go here: the collector waits (as in CudaHistory)
+        with _compat.gc_paused():
+            self.abort()
+            got, self._stopped = self._stopped, None
+            if got is None:
+                return None, ""
+            allocs = sorted((a for a in got[0] if a[3] == "cpu"), key=lambda a: a[0])
+            ev = Events(start=self._start)
+            for _, ptr, size, _dev in allocs:
+                ev.kinds.append(ALLOC if size > 0 else FREE)
+                ev.ptrs.append(ptr)
+                ev.sizes.append(abs(size))
+            times = [a[0] for a in allocs]
+            ev.marks = [bisect.bisect_right(times, t) for t in sorted(got[1])]
+            del got, allocs, times
         return ev, ""
 
 
