@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import platform
 import statistics
@@ -351,6 +352,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "monitor": makers[n](),
             "times": [],
             "phases": [],
+            "full_gc": 0,  # timed steps in which Python's collector ran a full collection
+            "sampled_s": [],  # the times of the timed sampled steps, in order
         }
 
     def sync() -> None:
@@ -367,6 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 prof = getattr(mon, "prof", None)
                 sampled = bool(prof is not None and prof.sampling)
                 sync()
+                full = gc.get_stats()[-1]["collections"]
                 marks = Marks(dev)
                 with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                     out = model(x)
@@ -385,6 +389,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if record:
                     s["times"].append(marks.total_s())
                     s["phases"].append((sampled, marks.phases()))
+                    s["full_gc"] += gc.get_stats()[-1]["collections"] != full
+                    if sampled:
+                        s["sampled_s"].append(s["times"][-1])
         finally:
             mon.detach()
 
@@ -409,6 +416,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "ratio_mean": mean / base_mean,
             "steps_timed": len(t),
             "phases": phase_means(state[n]["phases"]),
+            # a one-off in a few sampled steps (a full collection walks every object of the process: 70-220
+            # ms with torch and transformers loaded) moves a mean of three
+            "steps_with_full_gc": state[n]["full_gc"],
+            "sampled_steps_s": [round(t, 4) for t in state[n]["sampled_s"]],
             **state[n]["monitor"].info(),
         }
         if dev.type == "cuda":
