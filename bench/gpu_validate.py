@@ -674,11 +674,16 @@ def stage_profile(run: Run) -> dict[str, Any]:
     if run.cuda:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
 
+    launched: list[tuple[int, str]] = []  # (elements, dtype) of each row kernel the profiled step launched
+    events: list[Any] = []
+
     def profiled() -> Any:
         for _ in range(3):
             step()
+        launched.clear()
         with torch.profiler.profile(activities=acts) as tp:
             step()
+        events[:] = list(tp.events())
         return tp.key_averages()
 
     # the same step without precprof first: what a sampled step adds, kernel by kernel
@@ -686,7 +691,21 @@ def stage_profile(run: Run) -> dict[str, Any]:
     prof = precprof.Profiler(model, optimizer=opt, sample_every=1).attach()
     if prof._buffer is not None:
         prof._buffer.wait_ready()  # the kernels precprof launches once its compile is done, not a first compile
-    ka = profiled()
+    from precprof.stats import triton_engine
+
+    add = triton_engine.TritonRows.add
+
+    def counted_add(self: Any, x: torch.Tensor, rows: torch.Tensor, row: int) -> bool:
+        done = add(self, x, rows, row)
+        if done:
+            launched.append((x.numel(), str(x.dtype).removeprefix("torch.")))
+        return done
+
+    triton_engine.TritonRows.add = counted_add  # type: ignore[method-assign]
+    try:
+        ka = profiled()
+    finally:
+        triton_engine.TritonRows.add = add  # type: ignore[method-assign]
     dev_key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
     out: dict[str, Any] = {"model": name, "batch": batch, "seq": seq}
     if run.cuda:
@@ -711,6 +730,7 @@ def stage_profile(run: Run) -> dict[str, Any]:
             {"name": k, "calls": c, "ms": ms}
             for k, (c, ms) in sorted(added.items(), key=lambda kv: -kv[1][1])[:30]
         ]
+        out["row_kernels"] = _row_kernel_fit(events, launched)
         launches = [e for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")]
         out["kernel_launches"] = sum(e.count for e in launches)
     out["cpu_top"] = [
@@ -731,6 +751,43 @@ def stage_profile(run: Run) -> dict[str, Any]:
     out["cprofile_tottime"] = buf.getvalue()[-7000:]
     prof.detach()
     return out  # the model and optimizer go with this frame; the next stage empties the cache
+
+
+def _row_kernel_fit(events: list[Any], launched: list[tuple[int, str]]) -> dict[str, Any]:
+    """Each row kernel's device time in a sampled step, matched in order to the tensor it read: per dtype a fit
+    ``us = fixed + elements / rate`` (what a launch costs the device whatever its size, and the real data's
+    rate, against randn's in the kernels stage), and the launches far above the fit (a second read, when a
+    program meets values outside its window)."""
+    import numpy as np
+
+    kernels = sorted(
+        (e for e in events if e.name == "_rows" and str(getattr(e, "device_type", "")).endswith("CUDA")),
+        key=lambda e: e.time_range.start,
+    )
+    us = [float(e.time_range.end - e.time_range.start) for e in kernels]
+    out: dict[str, Any] = {"kernels": len(us), "launches": len(launched), "device_ms": sum(us) / 1e3}
+    if not us or len(us) != len(launched):
+        out["note"] = "kernels and launches do not pair up"
+        return out
+    for dtype in sorted({d for _, d in launched}):
+        pick = [i for i, (_, d) in enumerate(launched) if d == dtype]
+        n = np.array([launched[i][0] for i in pick], dtype=np.float64)
+        t = np.array([us[i] for i in pick])
+        rec: dict[str, Any] = {
+            "launches": len(pick),
+            "elements": int(n.sum()),
+            "device_ms": float(t.sum() / 1e3),
+        }
+        if len(pick) >= 3 and np.ptp(n) > 0:
+            slope, fixed = np.polyfit(n, t, 1)
+            fit = fixed + slope * n
+            rec["fixed_us"] = float(fixed)
+            rec["gelem_per_s"] = float(1e-3 / slope) if slope > 0 else None
+            rec["fixed_share"] = float(fixed * len(pick) / t.sum())
+            rec["over_2x_fit"] = int((t > 2 * fit).sum())
+        rec["smallest"] = {"elements": int(n.min()), "us": float(t[int(n.argmin())])}
+        out[dtype] = rec
+    return out
 
 
 def stage_syncs(run: Run) -> dict[str, Any]:
