@@ -198,7 +198,7 @@ def _amax(
         t = pid + it * nprog
         mag, _ = _tile_bits(x_ptr, t, n_along, n_across, st_along, st_across, tiles, KIND, TA)
         best = tl.maximum(best, mag)
-    tl.atomic_max(out_ptr, tl.max(tl.max(best, axis=1), axis=0))
+    tl.atomic_max(out_ptr, tl.max(tl.max(best, axis=1), axis=0), sem="relaxed")  # read by the next launch
 
 
 @_jit

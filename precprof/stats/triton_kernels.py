@@ -265,21 +265,38 @@ def _finish(
 ):
     # The scratch (every program's counts) into the row, with the layout's merge rule (add; max for absmax;
     # min for absmin), each update an atomic: Triton replicates small tensors over a program's threads.
-    # The scratch is zeroed as it is read, ready for the next tensor.
-    zeros = tl.atomic_xchg(scratch_ptr + 1, 0, sem="relaxed")
-    sub64 = tl.atomic_xchg(scratch_ptr, 0, sem="relaxed")  # fp64 subnormals (key 0): below every bin
-    nan = tl.atomic_xchg(scratch_ptr + 4094, 0, sem="relaxed")
-    inf = tl.atomic_xchg(scratch_ptr + 4095, 0, sem="relaxed")
+    # The scratch is zeroed as it is read, ready for the next tensor. Every atomic is relaxed: the row is
+    # read after the kernel ends, which orders them; at the default (acq_rel) each took a fence (MEMBAR.GPU,
+    # a wait for every write in flight) on the program's way, ten in a row.
+    # The format tables first, in one load each beside the scratch's reads: loaded one scalar at a time
+    # where each is used, between reductions and atomics, they were a chain of round trips to memory, paid
+    # once a tensor by the program that finishes (a launch of a 768-value tensor took 12.8 us on an H200)
     fmt = tl.arange(0, NWP)
     wmask = fmt < NW
+    uf = tl.load(uf_ptr + fmt, mask=wmask, other=0)
+    if NF > 0:
+        f8 = tl.arange(0, NFP)
+        fp8_max = tl.load(fp8_ptr + 2 * f8, mask=f8 < NF, other=0)
+        fp8_uf = tl.load(fp8_ptr + 2 * f8 + 1, mask=f8 < NF, other=0)
+    # the single words in one exchange (one at a time, each waited for its answer before the next went out):
+    # fp64 subnormals (key 0, below every bin), zeros, nan, inf, the largest and smallest magnitudes
+    w = tl.arange(0, 8)
+    at = tl.where(w == 0, 0, tl.where(w == 1, 1, tl.where(w == 2, 4094, tl.where(w == 3, 4095, _MX + w - 4))))
+    words = tl.atomic_xchg(
+        scratch_ptr + at, tl.where(w == 5, _NO_MIN, 0).to(tl.int64), mask=w < 6, sem="relaxed"
+    )
     ov = _take(scratch_ptr + _OV + fmt, wmask)
-    amax = tl.atomic_xchg(scratch_ptr + _MX, 0, sem="relaxed")
-    amin = tl.atomic_xchg(scratch_ptr + _MN, _NO_MIN, sem="relaxed")
     # fp64 exponent fields LO .. LO + 511 (fp32's fields are LO..HI), counts with a zero mantissa and all
     f = LO + tl.arange(0, 512)
     fm = f < 2047
     c1 = _take(scratch_ptr + 2 * f + 1, fm)
     cnt = _take(scratch_ptr + 2 * f, fm) + c1
+    sub64 = tl.sum(tl.where(w == 0, words, 0))
+    zeros = tl.sum(tl.where(w == 1, words, 0))
+    nan = tl.sum(tl.where(w == 2, words, 0))
+    inf = tl.sum(tl.where(w == 3, words, 0))
+    amax = tl.sum(tl.where(w == 4, words, 0))
+    amin = tl.sum(tl.where(w == 5, words, 0))
     below_lo = sub64
     if WIDE:  # fp64: the fields below LO and above LO + 511
         fl = 1 + tl.arange(0, 1024)
@@ -291,32 +308,31 @@ def _finish(
         h1 = _take(scratch_ptr + 2 * fh + 1, fhm)
         hcnt = _take(scratch_ptr + 2 * fh, fhm) + h1
         below_lo += tl.sum(lcnt)
-    tl.atomic_add(rp + C_NUMEL, n)
-    tl.atomic_add(rp + C_ZEROS, zeros)
-    tl.atomic_add(rp + C_NAN, nan)
-    tl.atomic_add(rp + C_INF, inf)
-    tl.atomic_add(rp + C_OV + fmt, ov, mask=wmask)
+    tl.atomic_add(rp + C_NUMEL, n, sem="relaxed")
+    tl.atomic_add(rp + C_ZEROS, zeros, sem="relaxed")
+    tl.atomic_add(rp + C_NAN, nan, sem="relaxed")
+    tl.atomic_add(rp + C_INF, inf, sem="relaxed")
+    tl.atomic_add(rp + C_OV + fmt, ov, mask=wmask, sem="relaxed")
     # values exactly on each format's underflow boundary 2^j: zero mantissa at field j + 1023
     pw = tl.zeros([NWP], tl.int64)
     for j in tl.static_range(NW):
-        fj = tl.load(uf_ptr + j) + 1023
+        fj = tl.sum(tl.where(fmt == j, uf, 0)) + 1023
         on = tl.sum(tl.where(f == fj, c1, 0))
         if WIDE:
             on += tl.sum(tl.where(fl == fj, l1, 0)) + tl.sum(tl.where(fh == fj, h1, 0))
         pw += tl.where(fmt == j, on, 0)
-    tl.atomic_add(rp + C_POW2 + fmt, pw, mask=wmask)
-    tl.atomic_max(rp + C_MX, amax)
-    tl.atomic_min(rp + C_MN, tl.where(amin == _NO_MIN, amin, amin - 1))
+    tl.atomic_add(rp + C_POW2 + fmt, pw, mask=wmask, sem="relaxed")
+    tl.atomic_max(rp + C_MX, amax, sem="relaxed")
+    tl.atomic_min(rp + C_MN, tl.where(amin == _NO_MIN, amin, amin - 1), sem="relaxed")
     # fp8 current scaling of this tensor: k = floor(log2(fmax / amax)) from the exponents and mantissas of
     # fmax and amax; x * 2^k underflows iff |x| <= 2^(j - k): the finite nonzero values below field
     # j - k + 1023, and those exactly on it
     if NF > 0:
-        f8 = tl.arange(0, NFP)
         cs = tl.zeros([NFP], tl.int64)
         for i in tl.static_range(NF):
-            fmax = tl.load(fp8_ptr + 2 * i)
+            fmax = tl.sum(tl.where(f8 == i, fp8_max, 0))
             k = (fmax >> 52) - (amax >> 52) - ((amax & _M52) > (fmax & _M52)).to(tl.int64)
-            ff = tl.load(fp8_ptr + 2 * i + 1) - k + 1023
+            ff = tl.sum(tl.where(f8 == i, fp8_uf, 0)) - k + 1023
             below = sub64 + tl.sum(tl.where(f < ff, cnt, 0))
             on = tl.sum(tl.where(f == ff, c1, 0))
             if WIDE:
@@ -324,7 +340,7 @@ def _finish(
                 on += tl.sum(tl.where(fl == ff, l1, 0)) + tl.sum(tl.where(fh == ff, h1, 0))
             v = tl.where(ff <= 0, 0, below + on)
             cs += tl.where(f8 == i, tl.where(amax > 0, v, 0), 0)
-        tl.atomic_add(rp + C_CS + f8, cs, mask=f8 < NF)
+        tl.atomic_add(rp + C_CS + f8, cs, mask=f8 < NF, sem="relaxed")
     # the exponent histogram: bin b is field LO + b; below LO (and fp64 subnormals) folds into the first
     # bin, above HI into the last
     b = tl.arange(0, 512)
@@ -332,7 +348,7 @@ def _finish(
     if WIDE:
         high += tl.sum(hcnt)
     hist = tl.where(b < NBINS, cnt, 0) + tl.where(b == 0, below_lo, 0) + tl.where(b == NBINS - 1, high, 0)
-    tl.atomic_add(rp + C_HIST + b, hist, mask=(b < NBINS) & (hist != 0))
+    tl.atomic_add(rp + C_HIST + b, hist, mask=(b < NBINS) & (hist != 0), sem="relaxed")
 
 
 # how the kernels are jitted (tests rebuild them with these to read Triton's own specialisation keys): the
