@@ -1013,6 +1013,46 @@ def test_steady_components_follow_the_tensors_step_after_step() -> None:
     assert seen[0][(T.OPTIMIZER_STATES, "float32")] == seen[1][(T.OPTIMIZER_STATES, "float32")] > 0
 
 
+def test_persistent_labels_follow_the_tensors_step_after_step() -> None:
+    """The names of the storages that outlive a step (what the peak's blocks are called) keep the parameters',
+    buffers', master weights' and states' labels of the step before while those tensors are the same, and
+    equal labels made afresh at every step of a run where the states appear, the model is cast to bf16, a
+    parameter gets new data and the optimizer a tensor of its own; gradients are read every time."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D_IN, D_HID), nn.BatchNorm1d(D_HID), nn.Linear(D_HID, D_OUT))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    extra = nn.Parameter(torch.zeros(7))
+    kept = []
+    try:
+        for step in range(6):
+            if step == 2:
+                model.to(torch.bfloat16)
+                opt.state.clear()
+            if step == 3:
+                model[2].weight.data = torch.zeros(D_OUT, 2 * D_HID, dtype=torch.bfloat16)[:, :D_HID]
+            if step == 4:
+                opt.add_param_group({"params": [extra]})
+            x, y = batch(step + 1)
+            x, y = x.to(model[0].weight.dtype), y.to(model[0].weight.dtype)
+            model(x).float().sub(y.float()).square().mean().backward()  # gradients that exist now
+            labels = tr._persistent()
+            fresh = storage.persistent_labels(
+                list(model.parameters()), list(model.buffers()), opt, tr._own, storage._storage
+            )
+            assert labels == fresh, step
+            assert any(lab.component == T.GRADIENTS for lab in labels.values())
+            kept.append(tr._steady_labels._value)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        tr.detach()
+    # made again where the tensors changed (step 0: no states; 1: states; 2: bf16; 3: new data; 4: a group),
+    # kept at step 5
+    assert [kept[i] is kept[i - 1] for i in range(1, 6)] == [False, False, False, False, True]
+
+
 def test_module_tensors_are_parameters_and_buffers_in_order() -> None:
     from precprof.capture.storage import module_tensors
 

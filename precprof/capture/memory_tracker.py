@@ -130,7 +130,7 @@ class MemoryTracker:
         # of them and of the optimizer's tensors (computed again only when one of those tensors changed)
         self._params: list[torch.Tensor] = []
         self._buffers: list[torch.Tensor] = []
-        self._model_keys, self._steady = Steady(), Steady()
+        self._model_keys, self._steady, self._steady_labels = Steady(), Steady(), Steady()
         self._storage_of = StorageMemo()  # storages of the parameters and states read step after step
         self._attached = False
         self._step = 0
@@ -356,10 +356,11 @@ class MemoryTracker:
         return self._peak.note
 
     def _persistent(self) -> dict[StorageKey, Label]:
-        """Storages that outlive the step, read now (host only): the model's parameters and buffers, the
-        optimizer's master weights and states, gradients that exist, precprof's own buffers."""
+        """Storages that outlive the step, read now (host only; ``persistent_labels`` says which)."""
         params, buffers = (self._params, self._buffers) if self._params else self._model_tensors()
-        return persistent_labels(params, buffers, self.optimizer, self._own, self._storage_of)
+        return persistent_labels(
+            params, buffers, self.optimizer, self._own, self._storage_of, self._steady_labels
+        )
 
     def _label(self, component: str, tensors: Iterable[torch.Tensor]) -> None:
         """Note the storages of ``tensors`` as ``component`` in the current phase (for the peak's parts)."""

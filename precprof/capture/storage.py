@@ -406,29 +406,39 @@ def persistent_labels(
     optimizer: Any,
     own: Callable[[], Iterable[Any]] | None,
     storage: Any,
+    steady: Steady | None = None,
 ) -> dict[StorageKey, Label]:
     """The storages that outlive a step, each labelled with the first component that holds it: the model's
     parameters and buffers, the optimizer's master weights and states, gradients that exist, precprof's own
-    buffers (the objects ``own()`` returns). Host only."""
-    out: dict[StorageKey, Label] = {}
+    buffers (the objects ``own()`` returns). Host only. ``steady``: the labels of the parameters, buffers,
+    master weights and states are those of the last call while those tensors are (10 ms a call for gpt2-small
+    and AdamW's 740 storages, on a CPU of the project's machine, against 0.5 ms to see that they are)."""
 
-    def put(component: str, tensors: Iterable[torch.Tensor]) -> None:
+    def put(out: dict[StorageKey, Label], component: str, tensors: Iterable[torch.Tensor]) -> None:
         for t in tensors:
             for leaf in _plain_tensors(t):
                 st = storage(leaf)
                 if st is not None and st[0] not in out:
                     out[st[0]] = Label(component, "", dtype_name(leaf.dtype), END, st[1])
 
-    put(T.PARAMETERS, params)
-    put(T.BUFFERS, buffers)
-    if optimizer is not None:
-        opt_params = [p for g in optimizer.param_groups for p in g["params"]]
-        put(T.MASTER_WEIGHTS, opt_params)
-        put(T.OPTIMIZER_STATES, state_tensors(optimizer.state))
-        put(T.GRADIENTS, (p.grad for p in opt_params if p.grad is not None))
-    put(T.GRADIENTS, (p.grad for p in params if p.grad is not None))
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+    states = state_tensors(optimizer.state) if optimizer is not None else []
+
+    def lasting() -> dict[StorageKey, Label]:
+        out: dict[StorageKey, Label] = {}
+        put(out, T.PARAMETERS, params)
+        put(out, T.BUFFERS, buffers)
+        put(out, T.MASTER_WEIGHTS, opt_params)
+        put(out, T.OPTIMIZER_STATES, states)
+        return out
+
+    out = (
+        lasting() if steady is None else dict(steady.get([*params, *buffers, *opt_params, *states], lasting))
+    )
+    put(out, T.GRADIENTS, (p.grad for p in opt_params if p.grad is not None))
+    put(out, T.GRADIENTS, (p.grad for p in params if p.grad is not None))
     if own is not None:
-        put(T.PROFILER_BUFFERS, (t for o in own() for t in _held_tensors(o)))
+        put(out, T.PROFILER_BUFFERS, (t for o in own() for t in _held_tensors(o)))
     return out
 
 
