@@ -496,18 +496,17 @@ class TritonRows:
         if kind is None or shape is None:
             return False
         ndim, dims = shape
-        xi = x.view(kind[1])
+        ptr = x.data_ptr()  # the integer view's (the kernel reads the bits), without making the view
         strided = not (ndim == 1 and dims[0][1] == 1)
-        v = Variant(kind[0], strided, not strided and xi.data_ptr() % 16 == 0)  # what variant(x) says
-        geometry = _geometry_of(xi.numel(), ndim, dims, self.block)
+        v = Variant(kind[0], strided, not strided and ptr % 16 == 0)  # what variant(x) says
+        geometry = _geometry_of(x.numel(), ndim, dims, self.block)
         programs = max(1, min(self.max_programs, -(-geometry[0] // self.block)))
         direct = self._direct.get(v)
         if direct is not None:
             lo, scratch, uf, fp8 = self._ptrs[5 if v.kind == 5 else 0]
-            args = (xi.data_ptr(), *geometry, rows.data_ptr(), row, scratch, lo, uf, fp8)
-            direct(programs, self._stream(), args)
+            direct(programs, self._stream(), (ptr, *geometry, rows.data_ptr(), row, scratch, lo, uf, fp8))
             return True
-        self._launch(v, (programs,), xi, geometry, rows, row, False)
+        self._launch(v, (programs,), x.detach().view(kind[1]), geometry, rows, row, False)
         return True
 
 
