@@ -254,12 +254,19 @@ class Marks:
         return out
 
 
-def phase_means(steps: list[tuple[bool, dict[str, dict[str, float]]]]) -> dict[str, Any]:
+def phase_means(steps: list[tuple[str, dict[str, dict[str, float]]]]) -> dict[str, Any]:
     """Mean host (and device) seconds per phase of the sampled and the unsampled steps: where a sampled step's
-    extra time goes (every step sampled against one in ten, say)."""
+    extra time goes (every step sampled against one in ten, say). ``steps``: (kind, phases) with kind
+    "unsampled", "memory" (sampled, memory measured) or "sampled" (the other sampled steps); the sampled steps
+    are also split by whether they measured memory."""
     out: dict[str, Any] = {}
-    for label, want in (("sampled", True), ("unsampled", False)):
-        chosen = [ph for sampled, ph in steps if sampled == want]
+    for label, want in (
+        ("sampled", ("sampled", "memory")),
+        ("unsampled", ("unsampled",)),
+        ("sampled_memory_measured", ("memory",)),
+        ("sampled_memory_not_measured", ("sampled",)),
+    ):
+        chosen = [ph for kind, ph in steps if kind in want]
         if not chosen:
             continue
         out[label] = {"steps": len(chosen)}
@@ -383,12 +390,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 scaler.update()
                 opt.zero_grad(set_to_none=True)
                 marks.mark()
+                tracker = getattr(prof, "_tracker", None)
+                measured = sampled and bool(tracker is not None and tracker.schedule.measuring)
                 mon.after_step(loss.detach())
                 marks.mark()
                 sync()
                 if record:
                     s["times"].append(marks.total_s())
-                    s["phases"].append((sampled, marks.phases()))
+                    kind = "memory" if measured else "sampled" if sampled else "unsampled"
+                    s["phases"].append((kind, marks.phases()))
                     s["full_gc"] += gc.get_stats()[-1]["collections"] != full
                     if sampled:
                         s["sampled_s"].append(s["times"][-1])
