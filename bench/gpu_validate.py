@@ -675,7 +675,9 @@ def stage_profile(run: Run) -> dict[str, Any]:
     if run.cuda:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
 
-    launched: list[tuple[int, str]] = []  # (elements, dtype) of each row kernel the profiled step launched
+    launched: list[
+        tuple[int, str, tuple[int, ...]]
+    ] = []  # (elements, dtype, shape) of each row kernel launched
     events: list[Any] = []
 
     def profiled() -> Any:
@@ -699,7 +701,7 @@ def stage_profile(run: Run) -> dict[str, Any]:
     def counted_add(self: Any, x: torch.Tensor, rows: torch.Tensor, row: int) -> bool:
         done = add(self, x, rows, row)
         if done:
-            launched.append((x.numel(), str(x.dtype).removeprefix("torch.")))
+            launched.append((x.numel(), str(x.dtype).removeprefix("torch."), tuple(x.shape)))
         return done
 
     triton_engine.TritonRows.add = counted_add  # type: ignore[method-assign]
@@ -754,7 +756,7 @@ def stage_profile(run: Run) -> dict[str, Any]:
     return out  # the model and optimizer go with this frame; the next stage empties the cache
 
 
-def _row_kernel_fit(events: list[Any], launched: list[tuple[int, str]]) -> dict[str, Any]:
+def _row_kernel_fit(events: list[Any], launched: list[tuple[int, str, tuple[int, ...]]]) -> dict[str, Any]:
     """Each row kernel's device time in a sampled step, matched in order to the tensor it read: per dtype a fit
     ``us = fixed + elements / rate`` (what a launch costs the device whatever its size, and the real data's
     rate, against randn's in the kernels stage), and the launches far above the fit (a second read, when a
@@ -770,8 +772,8 @@ def _row_kernel_fit(events: list[Any], launched: list[tuple[int, str]]) -> dict[
     if not us or len(us) != len(launched):
         out["note"] = "kernels and launches do not pair up"
         return out
-    for dtype in sorted({d for _, d in launched}):
-        pick = [i for i, (_, d) in enumerate(launched) if d == dtype]
+    for dtype in sorted({d for _, d, _ in launched}):
+        pick = [i for i, (_, d, _) in enumerate(launched) if d == dtype]
         n = np.array([launched[i][0] for i in pick], dtype=np.float64)
         t = np.array([us[i] for i in pick])
         rec: dict[str, Any] = {
@@ -786,6 +788,10 @@ def _row_kernel_fit(events: list[Any], launched: list[tuple[int, str]]) -> dict[
             rec["gelem_per_s"] = float(1e-3 / slope) if slope > 0 else None
             rec["fixed_share"] = float(fixed * len(pick) / t.sum())
             rec["over_2x_fit"] = int((t > 2 * fit).sum())
+            rec["over_2x_fit_shapes"] = [
+                {"shape": list(launched[pick[j]][2]), "us": float(t[j]), "fit_us": float(fit[j])}
+                for j in np.flatnonzero(t > 2 * fit)[:20]
+            ]
         rec["smallest"] = {"elements": int(n.min()), "us": float(t[int(n.argmin())])}
         out[dtype] = rec
     return out

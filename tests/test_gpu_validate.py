@@ -131,3 +131,45 @@ def test_a_bad_stage_is_one_line() -> None:
         cwd=ROOT,
     )
     assert r.returncode == 2 and "unknown stage(s) nope" in r.stderr
+
+
+def test_the_row_kernel_fit_finds_the_fixed_cost_and_the_slow_launches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The profile stage pairs each row kernel's device time (torch.profiler's kernel events, in the order they
+    ran, other kernels among them) with the tensor it read, and fits per dtype a cost a launch and a rate: from
+    launches made to cost 5 us + 1 us per 200,000 values exactly, it finds them, and names the launch that took
+    three times its share (a second read of its blocks)."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_validate
+
+    events, launched, t = [], [], 0.0
+    sizes = [768, 10**6, 4 * 10**6, 10**7, 2 * 10**6, 5 * 10**6]
+    for i, n in enumerate(sizes):
+        us = (5 + n / 200e3) * (3 if i == 5 else 1)
+        events.append(
+            SimpleNamespace(
+                name="_rows", device_type="DeviceType.CUDA", time_range=SimpleNamespace(start=t, end=t + us)
+            )
+        )
+        events.append(
+            SimpleNamespace(
+                name="gemm",
+                device_type="DeviceType.CUDA",
+                time_range=SimpleNamespace(start=t + us, end=t + us + 9),
+            )
+        )
+        launched.append((n, "float32", (n,)))
+        t += us + 10
+    clean = gpu_validate._row_kernel_fit(events[:-2], launched[:-1])
+    assert clean["kernels"] == clean["launches"] == 5
+    assert clean["float32"]["fixed_us"] == pytest.approx(5, abs=1e-6)
+    assert clean["float32"]["gelem_per_s"] == pytest.approx(200, rel=1e-9)
+    assert clean["float32"]["over_2x_fit"] == 0 and clean["float32"]["smallest"]["elements"] == 768
+    slow = gpu_validate._row_kernel_fit(events, launched)["float32"]
+    assert slow["over_2x_fit"] == 1 and slow["over_2x_fit_shapes"][0]["shape"] == [5 * 10**6]
+    assert (
+        gpu_validate._row_kernel_fit(events, launched[:-1])["note"] == "kernels and launches do not pair up"
+    )
