@@ -4,14 +4,14 @@
 # written under $OUT. Its own time stays under BUDGET_S (default 480 s) so that a 580 s call leaves room. The
 # tests compile their kernels (Triton's cache is empty on a fresh machine): up to 200 s of the budget.
 #
-#   STAGES   gpu_validate's stages (default: env,kernels,first_step,overhead,host,memory_cost)
+#   STAGES   gpu_validate's stages (default: env,profile,kernels,first_step,overhead,host,memory_cost)
 #   TESTS    pytest -k expression for the GPU tests run first ("" to skip them)
 #   BUDGET_S seconds for the whole script
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-480}
-STAGES=${STAGES:-env,kernels,first_step,overhead,host,memory_cost}
+STAGES=${STAGES:-env,profile,kernels,first_step,overhead,host,memory_cost}
 TESTS=${TESTS-other_process or block_kernels_direct or direct_launch or accumulator or rounding_on_bits}
 start=$(date +%s)
 if ls .whl/*.whl >/dev/null 2>&1; then
