@@ -111,7 +111,8 @@ class DeviceRows(_rows.Rows):
             return
         self._order_stream()
         # the launch reads ``x``'s memory as it is: no detached tensor made for it (the torch ops' path's)
-        if self._triton is not None and self._triton.add(x, self._data, row):
+        # (the stream ordered on is the launch's: read once)
+        if self._triton is not None and self._triton.add(x, self._data, row, self._last_raw_stream):
             return
         flat = x.detach().reshape(-1)
         self._accumulate_device(flat, row, self.chunk if self.chunk and self.chunk > 0 else flat.numel())

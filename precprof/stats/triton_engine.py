@@ -488,12 +488,13 @@ class TritonRows:
         assert shape is not None
         return _geometry_of(xi.numel(), *shape, self.block)
 
-    def add(self, x: torch.Tensor, rows: torch.Tensor, row: int) -> bool:
+    def add(self, x: torch.Tensor, rows: torch.Tensor, row: int, stream: int | None = None) -> bool:
         """Add the statistics of ``x`` into ``rows[row]`` (``rows``: a contiguous [n, layout.width] int64
         tensor on this device): one launch, no sync. False when the dtype or layout is not one this engine
         reads (the caller takes the torch-op path). The launch goes straight to the compiled kernel when
         ``warm`` compiled its variant (``_DirectLaunch``: a few microseconds of host work instead of Triton's
-        argument binding and specialisation on every call)."""
+        argument binding and specialisation on every call). ``stream``: the current raw CUDA stream, when the
+        caller has just read it."""
         kind = KINDS.get(x.dtype)
         shape = _dims(x) if kind is not None else None
         if kind is None or shape is None:
@@ -507,7 +508,8 @@ class TritonRows:
         direct = self._direct.get(v)
         if direct is not None:
             lo, scratch, uf, fp8 = self._ptrs[5 if v.kind == 5 else 0]
-            direct(programs, self._stream(), (ptr, *geometry, rows.data_ptr(), row, scratch, lo, uf, fp8))
+            raw = self._stream() if stream is None else stream
+            direct(programs, raw, (ptr, *geometry, rows.data_ptr(), row, scratch, lo, uf, fp8))
             return True
         self._launch(v, (programs,), x.detach().view(kind[1]), geometry, rows, row, False)
         return True
