@@ -410,6 +410,7 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
     """The Triton row kernel's throughput at 64M elements by ``ROW_SHAPES``, fp32 and bf16, beside ``x.sum()``
     (a dry run: 4,096 elements in Triton's interpreter, where the engine is available)."""
     from precprof.stats import triton_engine as te
+    from precprof.stats import triton_launch
     from precprof.stats.layout import LAYOUT
 
     out: list[dict[str, Any]] = []
@@ -428,7 +429,7 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
     with te.parallel_compile(len(shapes) * len(variants)):
         compiled = [rows.warm(load=False, variants=variants) for rows in shapes.values()]
     for rows, kernels in zip(shapes.values(), compiled, strict=True):
-        te.load_kernels(kernels)
+        triton_launch.load_kernels(kernels)
         rows.adopt_compiled()
     compile_s = time.perf_counter() - t0
     # randn (no value outside a program's window of 31 binades), then one value in 1,000 scaled by 2^-40: every
@@ -589,7 +590,7 @@ def stage_host(run: Run) -> dict[str, Any]:
 _COMPILE = r"""
 import json, os, sys, time, torch
 sys.path.insert(0, sys.argv[1])
-from precprof.stats import StatsBuffer, triton_engine as te, triton_block as tb
+from precprof.stats import StatsBuffer, triton_engine as te, triton_block as tb, triton_launch
 from precprof.stats import blocks as _blocks
 from precprof.stats.layout import LAYOUT
 dev = torch.device("cuda", 0)
@@ -602,8 +603,8 @@ if sys.argv[2] == "serial":  # each kernel alone, one after another: what each c
         name = str(dt).removeprefix("torch.")
         for v in te.variants_of([dt]):
             t = time.perf_counter()
-            te.load_kernels([rows._launch(v, (1,), te._example(v, dev), (1, 0, 1, 1, 1, 1, 1), rows.layout.empty_rows(1, dev), 0, True)])
-            kind = "strided" if v.strided else "aligned" if v.aligned else "unaligned"
+            triton_launch.load_kernels([rows._warm_one(v, rows.layout.empty_rows(1, dev))])
+            kind = "many" if v.many else "strided" if v.strided else "aligned" if v.aligned else "unaligned"
             out[f"rows_{name}_{kind}_s"] = time.perf_counter() - t
         t = time.perf_counter()
         out[f"blocks_{name}_kernels"] = len(tb.warm(dev, [dt], _blocks.RECIPES))

@@ -1,7 +1,7 @@
 """What the statistics kernels compile to for a GPU, without a GPU: registers, spills and each loop's SASS.
 
 Between GPU sessions the instructions a kernel's loops execute per value are the guide to its speed. This
-compiles the row kernel (``triton_kernels._rows``) and the block kernel (``triton_block_kernels._blocks``)
+compiles the row kernels (``triton_kernels._rows``, and ``_rows_many``: up to 16 tensors a launch) and the block kernel (``triton_block_kernels._blocks``)
 exactly as the Profiler's warm-up does (``TritonRows.warm``, ``triton_block._compile``), for sm_90 by default,
 through the driver ``triton_ahead`` uses to compile for a GPU it does not have, and reads the binaries with the
 disassembler Triton ships. Per kernel: registers, local memory (spills), shared memory, the instructions of
@@ -144,21 +144,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cpu, LAYOUT, block=block, num_warps=warps, rare_after=after, stages=stages
         )
         for dtype in (torch.float32, torch.bfloat16):
-            variant = triton_engine.Variant(triton_engine.KINDS[dtype][0], False, True)
-            (kernel,) = rows.warm([dtype], load=False, variants=[variant])
-            rec = analyse(_cubin(kernel))
-            rec.update(
-                block=block,
-                num_warps=warps,
-                rare_after=after,
-                stages=stages,
-                dtype=str(dtype).removeprefix("torch."),
-                values_per_thread_per_iteration=block // (32 * warps),
-            )
-            out["rows"].append(rec)
-            print(
-                f"rows {block}x{warps} stages {stages} {dtype}: {rec['reg']} registers, loops {[lp['instructions'] for lp in rec['loops']]}"
-            )
+            for many in (False, True):  # one tensor a launch (_rows), or up to 16 (_rows_many)
+                variant = triton_engine.Variant(triton_engine.KINDS[dtype][0], False, True, many)
+                (kernel,) = rows.warm([dtype], load=False, variants=[variant])
+                rec = analyse(_cubin(kernel))
+                rec.update(
+                    kernel="_rows_many" if many else "_rows",
+                    block=block,
+                    num_warps=warps,
+                    rare_after=after,
+                    stages=stages,
+                    dtype=str(dtype).removeprefix("torch."),
+                    values_per_thread_per_iteration=block // (32 * warps),
+                )
+                out["rows"].append(rec)
+                print(
+                    f"{rec['kernel']} {block}x{warps} stages {stages} {dtype}: {rec['reg']} registers, loops {[lp['instructions'] for lp in rec['loops']]}"
+                )
     slots = [triton_block.slot(r) for r in blocks.RECIPES]
     for dtype in (torch.float32, torch.bfloat16):
         code = triton_block.KINDS[dtype][0]

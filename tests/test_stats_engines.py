@@ -18,7 +18,7 @@ from test_stats import INPUT_DTYPES, _shapes, hand_built, observed, random_value
 
 from precprof import formats, stats
 from precprof.errors import UserError
-from precprof.stats import LAYOUT, RowLayout, StatsBuffer, decode, merge_rows, triton_engine
+from precprof.stats import LAYOUT, RowLayout, StatsBuffer, decode, merge_rows, triton_engine, triton_launch
 from precprof.stats import engine as engine_mod
 
 try:
@@ -355,7 +355,7 @@ def _triton_keys(kernel: object, calls: list[tuple[tuple, dict]]) -> set[str]:
 
     from precprof.stats import triton_kernels as tk
 
-    kw = tk.JIT_KW_STRIDED if kernel is tk._rows_strided else tk.JIT_KW
+    kw = {tk._rows_strided: tk.JIT_KW_STRIDED, tk._rows_many: tk.JIT_KW_MANY}.get(kernel, tk.JIT_KW)
     jf = JITFunction(kernel.fn, **kw)  # type: ignore[attr-defined]
     binder = create_function_from_signature(jf.signature, jf.params, make_backend(GPUTarget("cuda", 90, 32)))
     return {str(binder(*args, **kwargs)[1:]) for args, kwargs in calls}
@@ -365,13 +365,14 @@ def _triton_keys(kernel: object, calls: list[tuple[tuple, dict]]) -> set[str]:
 def test_warm_up_compiles_every_variant_a_tensor_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     """The warm-up at attach hands Triton every specialisation ``accumulate`` later launches: tensors of every
     dtype read by the engine, contiguous (aligned or not, any size, including past 2^31-element strides'
-    int32 range in their arguments' values), strided, transposed, expanded, 0-dim, in any row. Checked on
+    int32 range in their arguments' values), strided, transposed, expanded, 0-dim, in any row, one a launch
+    or many (``add_many``). Checked on
     Triton's own keys (its binder for an sm_90 target), so a specialisation the engine does not model (an
     integer's value, a pointer's alignment) would show."""
     from precprof.stats import triton_kernels as tk
 
     calls: dict[str, list[tuple[tuple, dict]]] = {"warm": [], "launch": []}
-    for kernel in (tk._rows, tk._rows_strided):
+    for kernel in (tk._rows, tk._rows_strided, tk._rows_many):
         run = kernel.run
 
         def spy(*args: object, grid: object, warmup: bool, _run=run, _k=kernel, **kwargs: object) -> object:
@@ -383,15 +384,16 @@ def test_warm_up_compiles_every_variant_a_tensor_launches(monkeypatch: pytest.Mo
     buf = StatsBuffer(7, "cpu", engine="triton", dtypes=dtypes)
     part = buf.primary
     assert part is not None and part._triton is not None
-    assert len(calls["warm"]) == 3 * len(dtypes) and not calls["launch"]
+    assert len(calls["warm"]) == 4 * len(dtypes) and not calls["launch"]
     for i, dtype in enumerate(dtypes):
         x = random_values(5000, i, -20.0, 20.0).to(dtype)
         cases = [x, x[1:], x[3:4099], x[::2], x.view(50, 100).t(), x.view(50, 100)[:, 1:], x[7], x[:1]]
         cases += [x[:10].view(2, 5).expand(3, 2, 5), x.view(5, 10, 100)[:, ::2, 1::3]]
         for j, t in enumerate(cases):
             buf.accumulate(t, j % 7)
+        part.add_many(cases, [j % 7 for j in range(len(cases))])
     assert calls["launch"]
-    for kernel in (tk._rows, tk._rows_strided):
+    for kernel in (tk._rows, tk._rows_strided, tk._rows_many):
         warm = _triton_keys(kernel, [(a, k) for kk, a, k in calls["warm"] if kk is kernel])
         launched = _triton_keys(kernel, [(a, k) for kk, a, k in calls["launch"] if kk is kernel])
         assert launched and launched <= warm, launched - warm
@@ -524,7 +526,7 @@ def test_block_formats_off_the_c_engine_never_touch_the_c_kernel(monkeypatch: py
 
 
 def test_a_direct_launch_is_kept_only_where_its_check_passes() -> None:
-    """``triton_engine.adopt_direct``: a launcher whose check passes is kept; one whose check fails, or whose
+    """``triton_launch.adopt_direct``: a launcher whose check passes is kept; one whose check fails, or whose
     making raises (a Triton whose launcher takes other arguments), leaves its key to Triton's launch, and the
     status says which and why."""
 
@@ -534,14 +536,14 @@ def test_a_direct_launch_is_kept_only_where_its_check_passes() -> None:
         return compiled * 10
 
     into: dict[str, int] = {}
-    why = triton_engine.adopt_direct(
+    why = triton_launch.adopt_direct(
         into, [("a", 1), ("b", 2), ("c", -1)], make, lambda key, launcher: launcher != 20, "rows differ"
     )
     assert into == {"a": 10}
     assert why == ["b: rows differ", "c: TypeError: launcher takes other arguments"]
-    status = triton_engine.direct_status(len(into), "variants", why)
+    status = triton_launch.direct_status(len(into), "variants", why)
     assert status == (
         "direct launch of 1 compiled variants; Triton's launch for the others "
         "(b: rows differ; c: TypeError: launcher takes other arguments)"
     )
-    assert triton_engine.direct_status(3, "dtypes", []) == "direct launch of 3 compiled dtypes"
+    assert triton_launch.direct_status(3, "dtypes", []) == "direct launch of 3 compiled dtypes"

@@ -238,7 +238,7 @@ def test_nothing_compiles_in_a_hook() -> None:
     from precprof.stats import triton_block_kernels as tbk
     from precprof.stats import triton_kernels as tk
 
-    kernels = [tk._rows, tk._rows_strided, tbk._amax, tbk._blocks]
+    kernels = [tk._rows, tk._rows_strided, tk._rows_many, tbk._amax, tbk._blocks]
     dev = torch.device("cuda", torch.cuda.current_device())
     buf = StatsBuffer(4, dev, engine="triton", dtypes=DTYPES)
     torch.cuda.synchronize()
@@ -262,6 +262,8 @@ def test_nothing_compiles_in_a_hook() -> None:
     try:
         for i, x in enumerate(inputs):
             buf.accumulate(x, i % 4, blocks=x.dim() >= 2)
+        assert buf.primary is not None
+        buf.primary.add_many(inputs, [i % 4 for i in range(len(inputs))])  # many a launch
     finally:
         torch.cuda.set_sync_debug_mode(0)
         torch.use_deterministic_algorithms(False)
@@ -291,6 +293,35 @@ def test_the_direct_launch_writes_the_rows_tritons_own_launch_writes() -> None:
             buf.accumulate(x.view(7, -1)[:, ::3], 1)  # strided
     assert torch.equal(direct.dense(), plain.dense())
     assert triton_engine.variant(x) in part._triton._direct
+
+
+@pytest.mark.gpu
+def test_many_tensors_in_one_direct_launch_write_the_rows_of_one_launch_each() -> None:
+    """``add_many``: 40 tensors of three dtypes (one value to a million, a strided and an unaligned view among
+    them) in launches of up to 16, through the direct launcher and through Triton's, give the rows of one
+    launch each, bit for bit."""
+    pytest.importorskip("triton")
+    from precprof.stats import triton_engine
+
+    g = torch.Generator(device="cpu").manual_seed(4)
+    tensors = []
+    for i in range(36):
+        n = int(2 ** (i % 21))
+        tensors.append((torch.randn(n, generator=g) * 2.0 ** (i % 40 - 20)).to(DTYPES[i % 3]).cuda())
+    base = torch.randn(9000, generator=g).cuda()
+    tensors += [base[1:], base.view(90, 100)[:, ::7], torch.zeros(0, device="cuda"), base.bfloat16()]
+    rows = [i % 13 for i in range(len(tensors))]
+    bufs = [StatsBuffer(13, "cuda", engine="triton") for _ in range(3)]
+    assert all(b.primary is not None and b.primary._triton is not None for b in bufs)
+    many, plain, one = (b.primary for b in bufs)
+    assert many is not None and plain is not None and one is not None
+    assert triton_engine.Variant(0, False, True, True) in many._triton._direct, many._triton.direct_status
+    plain._triton._direct.clear()  # Triton's launch only
+    many.add_many(tensors, rows)
+    plain.add_many(tensors, rows)
+    for t, r in zip(tensors, rows, strict=True):
+        one.add(t, r)
+    assert torch.equal(many.dense(), one.dense()) and torch.equal(plain.dense(), one.dense())
 
 
 @pytest.mark.gpu

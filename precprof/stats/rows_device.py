@@ -6,6 +6,8 @@ the max on CUDA)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -116,6 +118,33 @@ class DeviceRows(_rows.Rows):
             return
         flat = x.detach().reshape(-1)
         self._accumulate_device(flat, row, self.chunk if self.chunk and self.chunk > 0 else flat.numel())
+
+    def add_many(self, tensors: Sequence[torch.Tensor], rows: Sequence[int], assign: bool = False) -> None:
+        """:meth:`add` of each tensor into its row; with the Triton engine the contiguous aligned tensors of a
+        dtype go up to 16 a launch (``TritonRows.add_many``: a sampled step's 148 gpt2-small parameters in
+        about 10 launches instead of 148). Never syncs."""
+        if (
+            self._triton is None
+            or _rows.NO_READ
+            or len(tensors) < 2
+            or (assign and len(set(rows)) < len(rows))
+        ):
+            super().add_many(tensors, rows, assign)  # (a row given twice with ``assign``: the last one wins)
+            return
+        live, at = [], []
+        for t, row in zip(tensors, rows, strict=True):
+            if assign and self._written[row]:
+                self.reset(slice(row, row + 1))
+            self._written[row] = True
+            if t.numel():
+                live.append(t)
+                at.append(row)
+        self._order_stream()
+        for i in self._triton.add_many(live, self._data, at, self._last_raw_stream):
+            flat = live[i].detach().reshape(-1)
+            self._accumulate_device(
+                flat, at[i], self.chunk if self.chunk and self.chunk > 0 else flat.numel()
+            )
 
     @torch.no_grad()
     def _accumulate_device(self, flat: torch.Tensor, row: int, chunk: int) -> None:

@@ -91,7 +91,7 @@ def compile_here(spec: Ahead) -> int:
         rare_after=spec.rare_after,
         stages=spec.stages,
     )
-    tasks = 3 * len(spec.dtypes) + 2 * len(spec.block_dtypes)
+    tasks = 4 * len(spec.dtypes) + 2 * len(spec.block_dtypes)
     with triton_engine.parallel_compile(tasks):
         kernels = rows.warm(spec.dtypes, load=False)
         if spec.block_dtypes:

@@ -46,7 +46,7 @@ into the accumulator and zeroes the scratch for the next launch; no float atomic
 
 The hot path is ``TritonBlocks.add`` (a sampled step's hooks, through ``rows_device.DeviceRows``): both
 orientations of a tensor in one launch (its programs split between them) adding straight into the tensor's
-slot of the block accumulator, launched directly through the compiled kernel (``triton_engine._DirectLaunch``)
+slot of the block accumulator, launched directly through the compiled kernel (``triton_launch._DirectLaunch``)
 with the scratch allocated once per device. The former path cost, per tensor, four launches through Triton's
 argument binding (its amax kernel and its blocks kernel per orientation) and about 20 small torch ops
 (scratch, the partials' sum, one index per recipe, the stacks, the addition): the 19 ms of forward host time
@@ -64,15 +64,8 @@ import torch
 from precprof import block_formats as bf
 from precprof import tables as T
 from precprof.errors import UserError
-from precprof.stats.triton_engine import (
-    _DirectLaunch,
-    adopt_direct,
-    device_unsupported,
-    direct_status,
-    interpreting,
-    load_kernels,
-    triton_missing,
-)
+from precprof.stats.triton_engine import device_unsupported, interpreting, triton_missing
+from precprof.stats.triton_launch import _DirectLaunch, adopt_direct, direct_status, load_kernels
 
 # dtype -> (kind code, the integer dtype of the same width the kernel reads)
 KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
@@ -328,7 +321,7 @@ class TritonBlocks:
     launch (two with NVFP4's amax), no host sync, no temporary tensor. Its scratch: the tensor's amax and a
     count of programs finished (int32 [2], zeroed by each launch's last program), the programs' partials
     (float64 [2 * programs, 16, 8]). ``warm`` compiles the variants (one per dtype), ``adopt_compiled`` takes
-    them for a direct launch (``triton_engine._DirectLaunch``) once a small tensor shows it writes what
+    them for a direct launch (``triton_launch._DirectLaunch``) once a small tensor shows it writes what
     Triton's own launch writes. ``tile``, ``max_programs``: as ``block_stats_triton``'s; ``positions``: of a
     block, read by a thread at a time (1 on a GPU, 32 in the interpreter; a power of two up to 32)."""
 

@@ -47,12 +47,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from precprof.stats.layout import _N_KEYS, _NO_MIN_BITS, EXP_MAX, EXP_MIN, N_BINS, RowLayout, f64_bits
+from precprof.stats.triton_launch import _DirectLaunch, adopt_direct, direct_status, load_kernels
 
 # dtype -> (kind code, the integer dtype of the same width the kernel reads)
 KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
@@ -63,6 +64,8 @@ KINDS: dict[torch.dtype, tuple[int, torch.dtype]] = {
     torch.float8_e5m2: (4, torch.uint8),
     torch.float64: (5, torch.int64),
 }
+# kind code -> the integer dtype the kernel reads
+KIND_INT = {code: int_dtype for code, int_dtype in KINDS.values()}
 # per kind: exponent bias and all-ones exponent field of the format the kernel reads natively
 _BIAS = {0: 127, 1: 127, 2: 15, 3: 7, 4: 15, 5: 1023}
 _FIELD_ALL = {0: 255, 1: 255, 2: 31, 3: 15, 4: 31, 5: 2047}
@@ -84,6 +87,8 @@ _MX = _OV + 16
 _MN = _MX + 1
 _DONE = _MN + 1
 SCRATCH_WORDS = _DONE + 1
+# tensors a launch of ``_rows_many`` reads (``TritonRows.add_many``), each with its own SCRATCH_WORDS
+SLOTS = 16
 # the dtypes whose kernels are compiled when no list is given: those of mixed-precision training
 DEFAULT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -153,12 +158,12 @@ def _kernels() -> Any:
     return _state["kernels"]
 
 
-def _define() -> tuple[Any, Any]:
+def _define() -> tuple[Any, Any, Any]:
     # the one precprof import inside a function (tests/test_architecture.py): the kernels' module imports
     # triton, which takes a second or two, only when the Triton engine runs
     from precprof.stats import triton_kernels
 
-    return triton_kernels._rows, triton_kernels._rows_strided
+    return triton_kernels._rows, triton_kernels._rows_strided, triton_kernels._rows_many
 
 
 def _pow2(n: int) -> int:
@@ -192,13 +197,15 @@ def _geometry_of(n: int, ndim: int, dims: list[tuple[int, int]], block: int = BL
 
 
 class Variant(NamedTuple):
-    """What makes Triton compile ``_rows`` anew: the dtype's kind, strided or contiguous, and (contiguous
-    only) whether the data pointer is 16-byte aligned. Every other argument is a constant of the layout or an
-    int64 that is not specialised."""
+    """What makes Triton compile a row kernel anew: the dtype's kind, strided or contiguous, and (contiguous
+    only) whether the data pointer is 16-byte aligned; ``many``: ``_rows_many`` (contiguous and aligned
+    tensors, up to ``SLOTS`` a launch) rather than ``_rows``. Every other argument is a constant of the layout
+    or an int64 that is not specialised."""
 
     kind: int
     strided: bool
     aligned: bool
+    many: bool = False
 
 
 def variant(x: torch.Tensor) -> Variant | None:
@@ -219,14 +226,14 @@ def variants_of(dtypes: Iterable[torch.dtype]) -> list[Variant]:
         if dt in KINDS:
             code = KINDS[dt][0]
             out += [Variant(code, False, True), Variant(code, False, False), Variant(code, True, False)]
+            out.append(Variant(code, False, True, True))
     return out
 
 
 def _example(v: Variant, device: torch.device) -> torch.Tensor:
     """A small tensor of variant ``v``, integer-viewed as the kernel reads it (a fresh allocation is aligned;
     one element in, it is not; a transposed view is strided)."""
-    int_dtype = next(i for c, i in KINDS.values() if c == v.kind)
-    t = torch.zeros(64, dtype=int_dtype, device=device)
+    t = torch.zeros(64, dtype=KIND_INT[v.kind], device=device)
     if v.strided:
         return t.view(8, 8).t()
     return t if v.aligned else t[1:]
@@ -239,20 +246,6 @@ def _device_const(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
-
-
-def load_kernels(kernels: Iterable[Any]) -> int:
-    """Load compiled kernels onto their device now, not at their first launch (inside a hook); returns how many
-    (none in the interpreter, which compiles nothing)."""
-    n = 0
-    for kernel in kernels:
-        if hasattr(kernel, "result"):  # a compile of parallel_compile's, done by now
-            kernel = kernel.result()
-        init = getattr(kernel, "_init_handles", None)
-        if init is not None:
-            init()
-            n += 1
-    return n
 
 
 # what a first compile imports lazily: on threads beside the training these imports held the interpreter lock
@@ -328,13 +321,14 @@ class TritonRows:
         kernels = _kernels()
         if isinstance(kernels, str):
             raise RuntimeError(kernels)
-        self._contig, self._strided = kernels
+        self._contig, self._strided, self._many = kernels
         if device.type == "cuda" and device.index is None:  # the raw stream and the launch need an index
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.layout = layout
-        self.scratch = torch.zeros(SCRATCH_WORDS, dtype=torch.int64, device=device)
-        self.scratch[_MN : _MN + 1].fill_(_NO_MIN_BITS)  # a fill kernel: indexing one element would copy
+        # one scratch per tensor of a ``_rows_many`` launch; a one-tensor launch takes the first
+        self.scratch = torch.zeros(SLOTS * SCRATCH_WORDS, dtype=torch.int64, device=device)
+        self.scratch.view(SLOTS, SCRATCH_WORDS)[:, _MN].fill_(_NO_MIN_BITS)  # a fill kernel: no copy
         self.lo32 = _device_const(list(layout.overflow_f32_lo_bits), device)
         self.lo64 = _device_const(list(layout.overflow_f64_lo_bits), device)
         self.uf = _device_const(list(layout.underflow_exps), device)
@@ -405,20 +399,36 @@ class TritonRows:
     def _launch(
         self,
         v: Variant,
-        grid: tuple[int],
+        grid: tuple[int, ...],
         xi: Any,
-        geometry: tuple[int, ...],
+        geometry: Sequence[int],
         rows: Any,
-        row: int,
+        row: Any,
         warm: bool,
     ) -> Any:
-        kernel = self._strided if v.strided else self._contig
-        args = (*(xi, *geometry), rows, row, self.scratch, self.lo64 if v.kind == 5 else self.lo32)
-        args = (*args, self.uf, self.fp8)
+        """Triton's own launch (or with ``warm``, compile) of variant ``v``. ``_rows_many``: ``xi``, ``geometry``
+        and ``row`` are lists of up to ``SLOTS`` tensors, sizes and rows (padded here with the first's, never
+        read: the grid's second dimension is their count)."""
+        lo = self.lo64 if v.kind == 5 else self.lo32
+        if v.many:
+            pad = SLOTS - len(xi)
+            head = (*xi, *[xi[0]] * pad, *geometry, *[0] * pad, *row, *[0] * pad, self.max_programs, rows)
+            args: tuple[Any, ...] = (*head, self.scratch, lo, self.uf, self.fp8)
+            kernel = self._many
+        else:
+            args = (xi, *geometry, rows, row, self.scratch, lo, self.uf, self.fp8)
+            kernel = self._strided if v.strided else self._contig
         if warm:
             return kernel.run(*args, grid=grid, warmup=True, num_warps=self.num_warps, **self._constexprs(v))
         kernel[grid](*args, num_warps=self.num_warps, **self._constexprs(v))
         return None
+
+    def _warm_one(self, v: Variant, rows: torch.Tensor) -> Any:
+        """Compile variant ``v`` (without launching) on a small example tensor."""
+        x = _example(v, self.device)
+        if v.many:
+            return self._launch(v, (1, 1), [x], [1], rows, [0], True)
+        return self._launch(v, (1,), x, (1, 0, 1, 1, 1, 1, 1), rows, 0, True)
 
     def warm(
         self,
@@ -434,10 +444,7 @@ class TritonRows:
         direct launch."""
         rows = self.layout.empty_rows(1, self.device)
         variants = list(variants) if variants is not None else variants_of(dtypes)
-        kernels = [
-            self._launch(v, (1,), _example(v, self.device), (1, 0, 1, 1, 1, 1, 1), rows, 0, True)
-            for v in variants
-        ]
+        kernels = [self._warm_one(v, rows) for v in variants]
         self._pending_compiled = list(zip(variants, kernels, strict=True))
         if load:
             load_kernels(kernels)
@@ -446,7 +453,7 @@ class TritonRows:
 
     def adopt_compiled(self) -> None:
         """Take the kernels ``warm`` compiled (their compiles done) for the direct launch, after checking
-        once, on a small tensor of each variant, that the direct launch writes the very row Triton's own
+        once, on small tensors of each variant, that the direct launch writes the very rows Triton's own
         launch writes (a sync, at attach); a variant that fails the check keeps Triton's launch, and
         ``direct_status`` says why."""
         pending, self._pending_compiled = self._pending_compiled, []
@@ -456,28 +463,51 @@ class TritonRows:
 
         def make(v: Variant, kernel: Any) -> _DirectLaunch:
             compiled = kernel.result() if hasattr(kernel, "result") else kernel
-            return _DirectLaunch(self._strided if v.strided else self._contig, compiled, self._constexprs(v))
+            jit = self._many if v.many else self._strided if v.strided else self._contig
+            return _DirectLaunch(jit, compiled, self._constexprs(v))
 
         why = adopt_direct(self._direct, pending, make, self._self_check, "rows differ")
         self.direct_status = direct_status(len(self._direct), "variants", why)
 
     def _self_check(self, v: Variant, launcher: _DirectLaunch) -> bool:
-        """The direct launch and Triton's write the same row for a small tensor of variant ``v``."""
-        x = _example(v, self.device)
+        """The direct launch and Triton's write the same rows for small tensors of variant ``v`` (three of
+        different sizes for ``_rows_many``)."""
         g = torch.Generator(device="cpu").manual_seed(v.kind)
-        bits = torch.randint(-(2**15), 2**15, x.shape, generator=g, dtype=torch.int64)
-        x.copy_(
-            bits.to(x.dtype).to(self.device)
-            if x.dtype != torch.uint8
-            else (bits % 256).to(torch.uint8).to(self.device)
-        )
-        got = self.layout.empty_rows(1, self.device)
-        want = self.layout.empty_rows(1, self.device)
-        geometry = self._geometry(x)
-        self._launch(v, (1,), x, geometry, want, 0, False)
+        xs = []
+        for n in (64, 700, 3000) if v.many else (0,):
+            x = (
+                _example(v, self.device)
+                if not n
+                else torch.empty(n, dtype=KIND_INT[v.kind], device=self.device)
+            )
+            bits = torch.randint(-(2**15), 2**15, x.shape, generator=g, dtype=torch.int64)
+            x.copy_((bits if x.dtype != torch.uint8 else bits % 256).to(x.dtype).to(self.device))
+            xs.append(x)
+        got = self.layout.empty_rows(len(xs), self.device)
+        want = self.layout.empty_rows(len(xs), self.device)
         lo, scratch, uf, fp8 = self._ptrs[5 if v.kind == 5 else 0]
-        launcher(1, self._stream(), (x.data_ptr(), *geometry, got.data_ptr(), 0, scratch, lo, uf, fp8))
+        if v.many:
+            ns, at = [x.numel() for x in xs], list(range(len(xs)))
+            grid = (max(1, min(self.max_programs, -(-max(ns) // self.block))), len(xs))
+            self._launch(v, grid, xs, ns, want, at, False)
+            launcher(grid[0], self._stream(), self._many_args(xs, ns, got, at, scratch, lo, uf, fp8), len(xs))
+        else:
+            geometry = self._geometry(xs[0])
+            self._launch(v, (1,), xs[0], geometry, want, 0, False)
+            launcher(
+                1, self._stream(), (xs[0].data_ptr(), *geometry, got.data_ptr(), 0, scratch, lo, uf, fp8)
+            )
         return bool(torch.equal(got, want))
+
+    def _many_args(
+        self, xs: Sequence[Any], ns: Sequence[int], rows: torch.Tensor, at: Sequence[int], *tail: int
+    ) -> tuple[int, ...]:
+        """``_rows_many``'s arguments for a direct launch: ``xs`` (tensors or data pointers) padded to ``SLOTS``
+        with the first's, their sizes and rows (zeros past them), then the rows' pointer and ``tail``."""
+        ptrs = [x if isinstance(x, int) else x.data_ptr() for x in xs]
+        pad = SLOTS - len(ptrs)
+        ptrs += [ptrs[0]] * pad
+        return (*ptrs, *ns, *[0] * pad, *at, *[0] * pad, self.max_programs, rows.data_ptr(), *tail)
 
     def _stream(self) -> int:
         return int(torch._C._cuda_getCurrentRawStream(self.device.index))
@@ -514,63 +544,47 @@ class TritonRows:
         self._launch(v, (programs,), x.detach().view(kind[1]), geometry, rows, row, False)
         return True
 
+    def add_many(
+        self, xs: Sequence[torch.Tensor], rows: torch.Tensor, at: Sequence[int], stream: int | None = None
+    ) -> list[int]:
+        """Add the statistics of each ``xs[i]`` (none empty) into ``rows[at[i]]``: the contiguous, 16-byte
+        aligned tensors of each dtype up to ``SLOTS`` a launch of ``_rows_many`` (by size, so that a launch's
+        tensors take about as many programs), the others one ``add`` each. Returns the indices of the tensors
+        this engine does not read (the caller's torch-op path). Rows add, so the order does not matter."""
+        left: list[int] = []
+        by_kind: dict[int, list[tuple[int, int, int, torch.Tensor]]] = {}
+        for i, x in enumerate(xs):
+            kind = KINDS.get(x.dtype)
+            if kind is not None and x.is_contiguous() and x.data_ptr() % 16 == 0:
+                by_kind.setdefault(kind[0], []).append((x.numel(), x.data_ptr(), at[i], x))
+            elif not self.add(x, rows, at[i], stream):
+                left.append(i)
+        for code, items in by_kind.items():
+            items.sort(key=lambda item: item[0])
+            for s in range(0, len(items), SLOTS):
+                self._add_chunk(Variant(code, False, True, True), items[s : s + SLOTS], rows, stream)
+        return left
 
-def adopt_direct(
-    into: dict[Any, Any],
-    pending: Iterable[tuple[Any, Any]],
-    make: Callable[[Any, Any], Any],
-    check: Callable[[Any, Any], bool],
-    differ: str,
-) -> list[str]:
-    """For each (key, compiled) of ``pending``: its direct launcher ``make(key, compiled)``, kept in ``into``
-    when ``check(key, launcher)`` finds it writes what Triton's own launch writes. Returns why the others keep
-    Triton's launch (``differ`` when the check failed; the error when making it did: a Triton whose launcher
-    takes other arguments)."""
-    why = []
-    for key, compiled in pending:
-        try:
-            launcher = make(key, compiled)
-            if check(key, launcher):
-                into[key] = launcher
-            else:
-                why.append(f"{key}: {differ}")
-        except Exception as e:
-            why.append(f"{key}: {type(e).__name__}: {e}")
-    return why
-
-
-def direct_status(n: int, what: str, why: Sequence[str]) -> str:
-    """How a kernel set is launched, in words (``adopt_direct``'s count and reasons)."""
-    return f"direct launch of {n} compiled {what}" + (
-        f"; Triton's launch for the others ({'; '.join(why)})" if why else ""
-    )
-
-
-class _DirectLaunch:
-    """A compiled variant of ``_rows`` launched straight through its launcher, as Triton's own
-    ``JITFunction.run`` does once it has bound and specialised the arguments (Triton 3.3 and later: every
-    argument, constexprs included, in the kernel's order); launch hooks (a profiler's) are honoured."""
-
-    def __init__(self, kernel: Any, compiled: Any, constexprs: dict[str, Any]) -> None:
-        import triton
-
-        self._runtime = triton.knobs.runtime
-        init = getattr(compiled, "_init_handles", None)
-        if init is not None:
-            init()
-        self._compiled = compiled
-        self._run = compiled.run
-        self._function = compiled.function
-        self._packed = compiled.packed_metadata
-        names = list(kernel.arg_names)
-        self._n_args = len(names) - len(constexprs)
-        assert names[self._n_args :] == list(constexprs), "the constexprs come last, in this order"
-        self._constexprs = tuple(constexprs.values())
-
-    def __call__(self, programs: int, stream: int, args: tuple[Any, ...]) -> None:
-        assert len(args) == self._n_args
-        full = (*args, *self._constexprs)
-        meta = self._compiled.launch_metadata((programs, 1, 1), stream, *full)
-        rt = self._runtime
-        self._run(programs, 1, 1, stream, self._function, self._packed, meta, rt.launch_enter_hook,
-                  rt.launch_exit_hook, *full)  # fmt: skip
+    def _add_chunk(
+        self,
+        v: Variant,
+        chunk: list[tuple[int, int, int, torch.Tensor]],
+        rows: torch.Tensor,
+        stream: int | None,
+    ) -> None:
+        """One launch of ``_rows_many`` for ``chunk``'s (size, pointer, row, tensor), sorted by size."""
+        if len(chunk) == 1:
+            self.add(chunk[0][3], rows, chunk[0][2], stream)
+            return
+        ns, at = [c[0] for c in chunk], [c[2] for c in chunk]
+        programs = max(1, min(self.max_programs, -(-ns[-1] // self.block)))
+        direct = self._direct.get(v)
+        if direct is not None:
+            lo, scratch, uf, fp8 = self._ptrs[5 if v.kind == 5 else 0]
+            raw = self._stream() if stream is None else stream
+            direct(programs, raw, self._many_args([c[1] for c in chunk], ns, rows, at, scratch, lo, uf, fp8),
+                   len(chunk))  # fmt: skip
+            return
+        int_dtype = KIND_INT[v.kind]
+        xs = [c[3].detach().view(int_dtype) for c in chunk]
+        self._launch(v, (programs, len(chunk)), xs, ns, rows, at, False)

@@ -1,7 +1,8 @@
-"""The Triton kernel of the statistics engine (``precprof.stats.triton_engine`` explains it). Imported only
+"""The Triton kernels of the statistics engine (``precprof.stats.triton_engine`` explains them). Imported only
 when the Triton engine is used: this module imports ``triton`` at the top.
 
-One launch per tensor: ``_rows`` reads the tensor once and its last program to finish writes the row.
+``_rows`` reads one tensor once, and its last program to finish writes the row; ``_rows_many`` does the same
+for up to 16 contiguous tensors of one dtype in one launch (a sampled step's parameters, then its gradients).
 
 Instructions per element, measured without a GPU: the SASS of the main loop compiled for sm_90 (triton 3.9),
 divided by the values a thread reads per iteration. The former ``_pass`` (a 1,024-key ``tl.histogram`` per
@@ -10,16 +11,13 @@ second launch (``_finish``); ``_rows`` spends 30 per fp32 value, 26 per bf16 and
 without rare values (triton 3.9 lowers ``tl.histogram`` to one shared-memory atomic per value; older tritons
 use ballots, whose cost grows with the number of slots: 64 here instead of 1,024).
 
-Triton 3.6, the GPU machine's, compiled the former kernel (blocks of 4,096, the rare path in the loop with a
-1,024-slot histogram for blocks of many rare values) for sm_90 to 255 registers a thread with 64 bytes spilled,
-its 64-slot histogram to 276 ``VOTE`` and 220 ``POPC`` per loop body: two programs of 4 warps fit an SM. On an
-H200 it read 570-633 GB/s at 64M fp32 values (18% of ``x.sum()``), and no block x warps of it did better than
-713. What held the registers was the rare path's large histogram: in two levels of 64 slots, 1024 x 4 takes
-162 registers instead of 214; the main loop alone takes 64. ``RARE_AFTER`` moves the rare path out of the main
-loop, into a second loop over the program's blocks run only when it met a rare value; with blocks of 512
-(105 registers fp32, 110 bf16) it read 868 GB/s fp32 from randn, and still 412 when one value in 1,000 is rare
-(every program reads twice). ``TritonRows(block=, num_warps=, rare_after=)`` and gpu_validate's
-``row_shapes`` measure the alternatives.
+Triton 3.6, the GPU machine's, compiled the former kernel (blocks of 4,096, the rare path in the loop) for
+sm_90 to 255 registers a thread with 64 bytes spilled: two programs of 4 warps fit an SM, and an H200 read
+570-633 GB/s at 64M fp32 values (18% of ``x.sum()``). What held the registers was the rare path's large
+histogram. ``RARE_AFTER`` moves the rare path out of the main loop, into a second loop over the program's
+blocks run only when it met a rare value; with blocks of 512 (105 registers fp32, 110 bf16) it read 868 GB/s
+fp32 from randn, and still 412 when one value in 1,000 is rare (every program reads twice).
+``TritonRows(block=, num_warps=, rare_after=)`` and gpu_validate's ``row_shapes`` measure the alternatives.
 """
 
 import triton
@@ -358,22 +356,24 @@ JIT_KW: dict = {"do_not_specialize": ["n", "nfull", "size1", "size2", "st0", "st
 JIT_KW_STRIDED: dict = {**JIT_KW, "do_not_specialize_on_alignment": ["x_ptr"]}
 
 
-@triton.jit(**JIT_KW)
-def _rows(
+@triton.jit
+def _rows_of(
     x_ptr,
-    n: tl.int64,
-    nfull: tl.int64,
-    size1: tl.int64,
-    size2: tl.int64,
-    st0: tl.int64,
-    st1: tl.int64,
-    st2: tl.int64,
+    n,
+    nfull,
+    size1,
+    size2,
+    st0,
+    st1,
+    st2,
     rows_ptr,
-    row: tl.int64,
+    row,
     scratch_ptr,
     lo_ptr,
     uf_ptr,
     fp8_ptr,
+    pid,
+    nprog,
     KIND: tl.constexpr,
     STRIDED: tl.constexpr,
     KCAP: tl.constexpr,
@@ -400,9 +400,9 @@ def _rows(
     RARE_AFTER: tl.constexpr,
     STAGES: tl.constexpr,
 ):
+    # One tensor's statistics by program ``pid`` of the ``nprog`` that read it (int64 both), into ``row``:
+    # the body of ``_rows`` (one tensor a launch) and of ``_rows_many`` (up to 16)
     MANY: tl.constexpr = BLOCK // 64
-    pid = tl.program_id(0).to(tl.int64)
-    nprog = tl.num_programs(0).to(tl.int64)
     lane = tl.arange(0, BLOCK).to(tl.int64)
     wide: tl.constexpr = KIND == 5
     if wide:
@@ -509,6 +509,84 @@ def _rows(
             HI,
         )
         tl.atomic_xchg(scratch_ptr + _DONE, 0, sem="relaxed")
+
+
+@triton.jit(**JIT_KW)
+def _rows(
+    x_ptr, n: tl.int64, nfull: tl.int64, size1: tl.int64, size2: tl.int64, st0: tl.int64, st1: tl.int64,
+    st2: tl.int64, rows_ptr, row: tl.int64, scratch_ptr, lo_ptr, uf_ptr, fp8_ptr,
+    KIND: tl.constexpr, STRIDED: tl.constexpr, KCAP: tl.constexpr, BIAS: tl.constexpr, WIDTH: tl.constexpr,
+    C_NUMEL: tl.constexpr, C_ZEROS: tl.constexpr, C_NAN: tl.constexpr, C_INF: tl.constexpr,
+    C_OV: tl.constexpr, C_MX: tl.constexpr, C_MN: tl.constexpr, C_CS: tl.constexpr, C_POW2: tl.constexpr,
+    C_HIST: tl.constexpr, NW: tl.constexpr, NWP: tl.constexpr, NF: tl.constexpr, NFP: tl.constexpr,
+    NBINS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, BLOCK: tl.constexpr, RARE_AFTER: tl.constexpr,
+    STAGES: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0).to(tl.int64)
+    nprog = tl.num_programs(0).to(tl.int64)
+    _rows_of(
+        x_ptr, n, nfull, size1, size2, st0, st1, st2, rows_ptr, row, scratch_ptr, lo_ptr, uf_ptr, fp8_ptr,
+        pid, nprog, KIND, STRIDED, KCAP, BIAS, WIDTH, C_NUMEL, C_ZEROS, C_NAN, C_INF, C_OV, C_MX, C_MN,
+        C_CS, C_POW2, C_HIST, NW, NWP, NF, NFP, NBINS, LO, HI, BLOCK, RARE_AFTER, STAGES,
+    )  # fmt: skip
+
+
+# the tensors one launch of ``_rows_many`` reads (each its own pointer, size and row argument)
+SLOTS = 16
+# scratch words per tensor (triton_engine's SCRATCH_WORDS): ``_rows_many``'s slot t has its own
+_SCRATCH = tl.constexpr(4115)
+
+
+@triton.jit
+def _pick(t, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
+    # argument t of sixteen (scalars: a select each; no indexing of arguments in Triton)
+    lo = tl.where(t == 0, a0, tl.where(t == 1, a1, tl.where(t == 2, a2, tl.where(t == 3, a3, a4))))
+    lo = tl.where(t < 5, lo, tl.where(t == 5, a5, tl.where(t == 6, a6, tl.where(t == 7, a7, a8))))
+    hi = tl.where(t == 9, a9, tl.where(t == 10, a10, tl.where(t == 11, a11, tl.where(t == 12, a12, a13))))
+    hi = tl.where(t < 14, hi, tl.where(t == 14, a14, a15))
+    return tl.where(t < 9, lo, hi)
+
+
+# every size and row is an int64 not specialised on its value; the pointers are all 16-byte aligned (the
+# engine batches only those), so that the main loop's loads stay vector loads through the select
+JIT_KW_MANY: dict = {"do_not_specialize": [f"{c}{i}" for c in "nr" for i in range(SLOTS)] + ["programs"]}
+
+
+@triton.jit(**JIT_KW_MANY)
+def _rows_many(
+    x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
+    n0: tl.int64, n1: tl.int64, n2: tl.int64, n3: tl.int64, n4: tl.int64, n5: tl.int64, n6: tl.int64, n7: tl.int64,
+    n8: tl.int64, n9: tl.int64, n10: tl.int64, n11: tl.int64, n12: tl.int64, n13: tl.int64, n14: tl.int64, n15: tl.int64,
+    r0: tl.int64, r1: tl.int64, r2: tl.int64, r3: tl.int64, r4: tl.int64, r5: tl.int64, r6: tl.int64, r7: tl.int64,
+    r8: tl.int64, r9: tl.int64, r10: tl.int64, r11: tl.int64, r12: tl.int64, r13: tl.int64, r14: tl.int64, r15: tl.int64,
+    programs: tl.int64,
+    rows_ptr,
+    scratch_ptr,
+    lo_ptr,
+    uf_ptr,
+    fp8_ptr,
+    KIND: tl.constexpr, STRIDED: tl.constexpr, KCAP: tl.constexpr, BIAS: tl.constexpr, WIDTH: tl.constexpr,
+    C_NUMEL: tl.constexpr, C_ZEROS: tl.constexpr, C_NAN: tl.constexpr, C_INF: tl.constexpr,
+    C_OV: tl.constexpr, C_MX: tl.constexpr, C_MN: tl.constexpr, C_CS: tl.constexpr, C_POW2: tl.constexpr,
+    C_HIST: tl.constexpr, NW: tl.constexpr, NWP: tl.constexpr, NF: tl.constexpr, NFP: tl.constexpr,
+    NBINS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, BLOCK: tl.constexpr, RARE_AFTER: tl.constexpr,
+    STAGES: tl.constexpr,
+):  # fmt: skip
+    # Up to 16 contiguous tensors of one dtype in one launch: grid (programs, tensors). Tensor t (x_t, n_t
+    # values, into row r_t) is read by the first min(programs, its blocks) programs of column t, with slot t of
+    # the scratch: ``_rows``' programs on each, and one launch's host work and fixed device cost for all
+    t = tl.program_id(1)
+    x_ptr = _pick(t, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+    n = _pick(t, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15)
+    row = _pick(t, r0, r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, r15)
+    pid = tl.program_id(0).to(tl.int64)
+    nprog = tl.minimum(programs, tl.maximum((n + BLOCK - 1) // BLOCK, 1))
+    if pid < nprog:
+        _rows_of(
+            x_ptr, n, n // BLOCK, 1, 1, 1, 1, 1, rows_ptr, row, scratch_ptr + t * _SCRATCH, lo_ptr, uf_ptr,
+            fp8_ptr, pid, nprog, KIND, STRIDED, KCAP, BIAS, WIDTH, C_NUMEL, C_ZEROS, C_NAN, C_INF, C_OV, C_MX, C_MN,
+            C_CS, C_POW2, C_HIST, NW, NWP, NF, NFP, NBINS, LO, HI, BLOCK, RARE_AFTER, STAGES,
+        )  # fmt: skip
 
 
 def _strided_variant() -> triton.runtime.JITFunction:

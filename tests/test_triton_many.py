@@ -1,0 +1,155 @@
+"""Many tensors in one launch of the Triton row kernel (``triton_kernels._rows_many``, ``TritonRows.add_many``):
+a sampled step's parameters, then its gradients, read up to 16 a launch. Run in Triton's interpreter on CPU
+tensors (conftest sets ``TRITON_INTERPRET=1`` without CUDA); the rows are checked against the C kernel, an
+independent implementation, and against one launch per tensor, bit for bit."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from precprof.stats import StatsBuffer, triton_engine
+
+pytestmark = pytest.mark.skipif(
+    triton_engine.unavailable(torch.device("cpu")) is not None or not triton_engine.interpreting(),
+    reason="needs triton with TRITON_INTERPRET=1 (pip install triton; conftest sets it without CUDA)",
+)
+
+
+def _hand_built(n: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` values of ``dtype`` holding what the kernel treats apart: zeros, powers of two (on the what-if
+    formats' underflow boundaries among them), fp32 and fp16 subnormals, values far above and below the
+    program's window, inf and nan (where the dtype has them), the rest spread over 2^-30..2^30."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.exp2(torch.rand(n, generator=g, dtype=torch.float64) * 60 - 30)
+    x = torch.where(torch.rand(n, generator=g) < 0.5, -x, x)
+    special = [
+        0.0,
+        2.0**-24,
+        2.0**-133,
+        2.0**-149,
+        2.0**-126,
+        2.0**-14,
+        2.0**-9,
+        2.0**-6,
+        2.0**100,
+        2.0**-100,
+    ]
+    special += [65504.0, 448.0, 3e38, 1.5 * 2.0**-140, math.inf, -math.inf, math.nan]
+    for i, v in enumerate(special):
+        if 3 * i < n:
+            x[3 * i] = v
+    return x.to(dtype)
+
+
+def _c_rows(tensors: list[torch.Tensor], rows: list[int], n_rows: int) -> np.ndarray:
+    c = StatsBuffer(n_rows, "cpu", engine="c")
+    for t, r in zip(tensors, rows, strict=True):
+        c.accumulate(t.contiguous(), r)
+    return c.to_host()
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
+    """Every launch (not compile) of the three row kernels: (kernel, grid)."""
+    from precprof.stats import triton_kernels as tk
+
+    launches: list[tuple[str, Any]] = []
+    for name in ("_rows", "_rows_strided", "_rows_many"):
+        kernel = getattr(tk, name)
+
+        def spy(*args: object, grid: object, warmup: bool, _run=kernel.run, _n=name, **kw: object) -> object:
+            if not warmup:
+                launches.append((_n, grid))
+            return _run(*args, grid=grid, warmup=warmup, **kw)
+
+        monkeypatch.setattr(kernel, "run", spy)
+    return launches
+
+
+def test_a_dtypes_tensors_go_sixteen_a_launch_with_the_rows_of_one_launch_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """20 fp32 tensors (from one value to several programs' blocks, each with rare values) in two launches,
+    bf16, fp16, fp8 and fp64 ones in one each; a strided view, a view off a 16-byte boundary and an empty
+    tensor beside them take their own path. Every row equals the C kernel's, and the rows of one launch per
+    tensor, bit for bit."""
+    launches = _spy(monkeypatch)
+    sizes = [1, 2, 7, 33, 511, 512, 513, 700, 1024, 1500, 2048, 2049, 3000, 4096, 5000, 9, 64, 100, 257, 6000]
+    tensors = [_hand_built(n, i, torch.float32) for i, n in enumerate(sizes)]
+    for j, dtype in enumerate((torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float64)):
+        tensors += [_hand_built(n, 100 + 10 * j + k, dtype) for k, n in enumerate((5, 600, 2500))]
+    odd = [
+        _hand_built(900, 7, torch.float32).view(30, 30)[:, :17],
+        _hand_built(901, 8, torch.float32)[1:],
+        torch.zeros(0),
+    ]
+    tensors += odd
+    rows = list(range(len(tensors)))[::-1]  # any row for any tensor
+    buf = StatsBuffer(len(tensors), "cpu", engine="triton", dtypes=list(triton_engine.KINDS))
+    part = buf.primary
+    assert part is not None and part._triton is not None
+    launches.clear()
+    part.add_many(tensors, rows)
+    many = [grid for name, grid in launches if name == "_rows_many"]
+    assert sorted(g[1] for g in many) == [3, 3, 3, 3, 4, 16]  # 20 fp32 in 16 + 4, three of each other dtype
+    # a launch's programs are those of its largest tensor (the engine sorts a dtype's tensors by size)
+    assert all(g[0] <= part._triton.max_programs for g in many)
+    assert sorted(name for name, _ in launches if name != "_rows_many") == ["_rows", "_rows_strided"]
+    got = buf.to_host()
+    assert np.array_equal(got, _c_rows(tensors, rows, len(tensors)))
+    one = StatsBuffer(len(tensors), "cpu", engine="triton", dtypes=list(triton_engine.KINDS))
+    for t, r in zip(tensors, rows, strict=True):
+        one.accumulate(t, r)
+    assert np.array_equal(got, one.to_host())
+    # the scratch of every slot is left zeroed (its absmin word at the "none yet" sentinel) for the next launch
+    scratch = part._triton.scratch.view(triton_engine.SLOTS, triton_engine.SCRATCH_WORDS)
+    assert not scratch[:, : triton_engine._MN].any() and not scratch[:, triton_engine._DONE].any()
+
+
+def test_assign_clears_rows_written_before_and_a_row_given_twice_keeps_the_last() -> None:
+    """``add_many(..., assign=True)`` (the gradients of a step) replaces what the rows held; a row named twice
+    with ``assign`` keeps the last tensor, as one ``add`` each does."""
+    a, b = _hand_built(3000, 1, torch.float32), _hand_built(40, 2, torch.float32)
+    c, d = _hand_built(700, 3, torch.bfloat16), _hand_built(9, 4, torch.float32)
+    buf = StatsBuffer(3, "cpu", engine="triton")
+    part = buf.primary
+    assert part is not None
+    part.add_many([d, d, d], [0, 1, 2])
+    part.add_many([a, b, c], [0, 1, 2], assign=True)
+    assert np.array_equal(buf.to_host(), _c_rows([a, b, c], [0, 1, 2], 3))
+    part.add_many([a, b, c], [1, 1, 2], assign=True)
+    assert np.array_equal(buf.to_host()[1:], _c_rows([b, c], [0, 1], 2))
+
+
+def test_each_tensor_of_a_launch_is_read_once_but_a_window_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One pass per tensor in a shared launch too: each element of each tensor is loaded at least once, and
+    the only second reads are each program's first block (its exponent window's probe); no program reads
+    another slot's tensor."""
+    from triton.runtime import interpreter
+
+    reads: Counter[int] = Counter()
+    real = interpreter.InterpreterBuilder.create_masked_load
+
+    def counted(self: object, ptrs: Any, mask: Any, *args: object) -> object:
+        reads.update(ptrs.data[mask.data].tolist())
+        return real(self, ptrs, mask, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counted)
+    # values inside every program's window (no rare value: a program that meets one reads its blocks again)
+    tensors = [torch.linspace(-3, 3, n).bfloat16() for n in (3, 512, 1100, 4000)]
+    buf = StatsBuffer(4, "cpu", engine="triton")
+    part = buf.primary
+    assert part is not None and part._triton is not None
+    part.add_many(tensors, [0, 1, 2, 3])
+    most_extra = part._triton.max_programs * triton_engine.BLOCK
+    for x in tensors:
+        lo = x.data_ptr()
+        mine = Counter({a: k for a, k in reads.items() if lo <= a < lo + x.numel() * x.element_size()})
+        want = {lo + 2 * i for i in range(x.numel())}
+        assert set(mine) == want
+        assert 0 <= sum(mine.values()) - len(want) <= most_extra
