@@ -308,8 +308,86 @@ def stage_kernels(run: Run) -> dict[str, Any]:
         "rows": rows,
         "block_tiles": _block_tiles(run),
         "row_shapes": _row_shapes(run),
+        "param_launches": _param_launches(run),
         "goals": {"rows_gbps_64M": 1000, "blocks_gbps_16M": 300},
     }
+
+
+def _gpt2_small_params() -> list[tuple[int, ...]]:
+    """The 148 parameter shapes of GPT-2 small (12 layers, width 768, 50,257 tokens, 1,024 positions)."""
+    e = 768
+    layer = [
+        (e,),
+        (e,),
+        (e, 3 * e),
+        (3 * e,),
+        (e, e),
+        (e,),
+        (e,),
+        (e,),
+        (e, 4 * e),
+        (4 * e,),
+        (4 * e, e),
+        (e,),
+    ]
+    return [(50257, e), (1024, e), *layer * 12, (e,), (e,)]
+
+
+def _param_launches(run: Run) -> list[dict[str, Any]]:
+    """A sampled step's parameters (GPT-2 small's 148, fp32 and bf16) read one launch each (``add``) and 16 a
+    launch (``add_many``, what the hooks call): the host time to enqueue them (no sync), the device time, and
+    whether both write the same rows. A dry run: the shapes divided by 64, in Triton's interpreter."""
+    from precprof.stats import triton_engine as te
+
+    if (run.device.type != "cuda" and not run.dry) or te.unavailable(run.device) is not None:
+        return []
+    dev, reps = run.device, (2 if run.dry else 20)
+    shapes = _gpt2_small_params()
+    if run.dry:
+        shapes = [tuple(max(1, d // 64) for d in s) for s in shapes[:20]]
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        if run.left() < 30:
+            break
+        g = torch.Generator(device="cpu").manual_seed(0)
+        xs = [(torch.randn(s, generator=g) * 0.02).to(dtype).to(dev) for s in shapes]
+        at = list(range(len(xs)))
+        rec: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "tensors": len(xs)}
+        rec["values"] = sum(x.numel() for x in xs)
+        written = []
+        for how in ("one_each", "many"):
+            buf = StatsBuffer(len(xs), dev, engine="triton", dtypes=[dtype])
+            part = buf.primary
+            assert part is not None
+            host, device = [], []
+            for _ in range(reps):
+                part.reset()
+                _sync(dev)
+                start = torch.cuda.Event(enable_timing=True) if run.cuda else None
+                end = torch.cuda.Event(enable_timing=True) if run.cuda else None
+                if start is not None:
+                    start.record()
+                t = time.perf_counter()
+                if how == "many":
+                    part.add_many(xs, at)
+                else:
+                    for x, r in zip(xs, at, strict=True):
+                        part.add(x, r)
+                host.append(time.perf_counter() - t)
+                if end is not None:
+                    end.record()
+                _sync(dev)
+                if start is not None and end is not None:
+                    device.append(start.elapsed_time(end) / 1e3)
+            written.append(buf.to_host())
+            rec[f"{how}_host_us_per_tensor"] = statistics.median(host) / len(xs) * 1e6
+            if device:
+                rec[f"{how}_device_ms"] = statistics.median(device) * 1e3
+            if buf.primary is not None and buf.primary._triton is not None:
+                rec[f"{how}_launch"] = buf.primary._triton.direct_status
+        rec["same_rows"] = bool((written[0] == written[1]).all())
+        out.append(rec)
+    return out
 
 
 _BLOCK_ENGINES: dict[str, Any] = {}

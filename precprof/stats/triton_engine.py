@@ -19,9 +19,16 @@ are never converted by float arithmetic (no flush-to-zero can touch a subnormal)
 The last program to finish (an atomic counter in the scratch) turns the scratch into the row (the exponent
 histogram, zeros, nan, inf, the values on each underflow boundary, the fp8 current-scaling counts of this
 tensor from its amax), adds it into ``rows[row]`` with the layout's merge rule (relaxed atomics: the kernel's
-end orders them), and zeroes the scratch as it reads it. The scratch is ``SCRATCH_WORDS`` int64 (33 KiB) per device, whatever the tensor's size. Integer
-atomics give the same sums in any order, so results are bitwise deterministic, also under
-``torch.use_deterministic_algorithms(True)``.
+end orders them), and zeroes the scratch as it reads it. The scratch is ``SCRATCH_WORDS`` int64 (33 KiB) per
+tensor of a launch, whatever the tensor's size. Integer atomics give the same sums in any order, so results are
+bitwise deterministic, also under ``torch.use_deterministic_algorithms(True)``.
+
+``TritonRows.add_many`` (the hooks' reads of a sampled step's parameters, then of its gradients) launches
+``triton_kernels._rows_many`` for up to ``SLOTS`` (16) contiguous, 16-byte aligned tensors of one dtype at a
+time: a grid of (programs, tensors), each column ``_rows``' programs on its tensor with its own scratch. GPT-2
+small's 148 parameters take 10 launches instead of 148; on an H200 a row launch cost about 30 us of host work
+and 13 us of device time whatever the tensor's size (bench/results/README_h200_2026-11-27e.md). The main loop
+compiles to the same instructions as ``_rows``' (sm_90, triton 3.6: bench/kernel_sass.py).
 
 Nothing compiles in a hook: ``TritonRows.warm`` compiles, when the rows are made (the Profiler's attach),
 every variant ``add`` can launch for the dtypes it is given (``variant`` is the one function both use: the
