@@ -153,3 +153,47 @@ def test_each_tensor_of_a_launch_is_read_once_but_a_window_probe(monkeypatch: py
         want = {lo + 2 * i for i in range(x.numel())}
         assert set(mine) == want
         assert 0 <= sum(mine.values()) - len(want) <= most_extra
+
+
+def test_the_direct_launcher_calls_the_compiled_launcher_as_tritons_launch_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_DirectLaunch``: the grid (programs, tensors, 1), the stream, the kernel's arguments then its
+    constexprs in order; no launch metadata and no hook when there is no hook to call (Triton's default, an
+    empty chain of hooks), and Triton's own metadata with the hook when a profiler set one."""
+    import triton
+
+    from precprof.stats import triton_kernels as tk
+    from precprof.stats.triton_launch import _DirectLaunch
+
+    calls: list[tuple[Any, ...]] = []
+
+    class Compiled:
+        function, packed_metadata = "fn", "packed"
+
+        def run(self, *a: Any) -> None:
+            calls.append(a)
+
+        def launch_metadata(self, grid: Any, stream: int, *args: Any) -> Any:
+            return ("meta", grid, stream, len(args))
+
+    consts = {name: i for i, name in enumerate(tk._rows_many.arg_names[54:])}
+    assert tk._rows_many.arg_names[:2] == ["x0", "x1"] and next(iter(consts)) == "KIND"
+    launch = _DirectLaunch(tk._rows_many, Compiled(), consts)
+    args = tuple(range(54))
+    launch(7, 123, args, 3)
+    assert calls[-1] == (7, 3, 1, 123, "fn", "packed", None, None, None, *args, *consts.values())
+    # Triton's own default: empty chains of hooks (none to call), or no hook at all
+    chain_type = type(triton.knobs.runtime.launch_enter_hook)
+    for nothing in (chain_type(), None):
+        monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", nothing)
+        monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", nothing)
+        launch(7, 123, args, 3)
+        assert calls[-1] == (7, 3, 1, 123, "fn", "packed", None, None, None, *args, *consts.values())
+    seen: list[Any] = []
+    chain = chain_type()
+    chain.add(seen.append)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", chain)
+    launch(2, 5, args)
+    meta = ("meta", (2, 1, 1), 5, 54 + len(consts))
+    assert calls[-1] == (2, 1, 1, 5, "fn", "packed", meta, chain, None, *args, *consts.values())

@@ -83,7 +83,17 @@ class _DirectLaunch:
         """Launch a grid of (``programs``, ``tensors``) on the raw CUDA ``stream``."""
         assert len(args) == self._n_args
         full = (*args, *self._constexprs)
-        meta = self._compiled.launch_metadata((programs, tensors, 1), stream, *full)
         rt = self._runtime
-        self._run(programs, tensors, 1, stream, self._function, self._packed, meta, rt.launch_enter_hook,
-                  rt.launch_exit_hook, *full)  # fmt: skip
+        enter, leave = _hook(rt.launch_enter_hook), _hook(rt.launch_exit_hook)
+        # the launch's metadata is for the launch hooks (a profiler's, such as proton's) only
+        meta = (
+            None if enter is None else self._compiled.launch_metadata((programs, tensors, 1), stream, *full)
+        )
+        self._run(programs, tensors, 1, stream, self._function, self._packed, meta, enter, leave, *full)
+
+
+def _hook(hook: Any) -> Any:
+    """A launch hook, or None when there is none to call: Triton 3.4 and later keep an empty chain of hooks
+    (``knobs.HookChain``), which its own launch asks for the launch's metadata (a dictionary made in Python)
+    and calls twice a launch, to do nothing; its launcher takes None for no hook."""
+    return None if hook is None or getattr(hook, "calls", True) == [] else hook
