@@ -758,11 +758,13 @@ def stage_profile(run: Run) -> dict[str, Any]:
         tuple[int, str, tuple[int, ...]]
     ] = []  # (elements, dtype, shape) of each row kernel launched
     events: list[Any] = []
+    chunks: list[tuple[int, int]] = []  # (tensors, elements) of each launch of _rows_many
 
     def profiled() -> Any:
         for _ in range(3):
             step()
         launched.clear()
+        chunks.clear()
         with torch.profiler.profile(activities=acts) as tp:
             step()
         events[:] = list(tp.events())
@@ -783,11 +785,20 @@ def stage_profile(run: Run) -> dict[str, Any]:
             launched.append((x.numel(), str(x.dtype).removeprefix("torch."), tuple(x.shape)))
         return done
 
+    add_chunk = triton_engine.TritonRows._add_chunk
+
+    def counted_chunk(self: Any, v: Any, chunk: list[Any], rows: torch.Tensor, stream: Any) -> None:
+        if len(chunk) > 1:
+            chunks.append((len(chunk), sum(c[0] for c in chunk)))
+        add_chunk(self, v, chunk, rows, stream)
+
     triton_engine.TritonRows.add = counted_add  # type: ignore[method-assign]
+    triton_engine.TritonRows._add_chunk = counted_chunk  # type: ignore[method-assign]
     try:
         ka = profiled()
     finally:
         triton_engine.TritonRows.add = add  # type: ignore[method-assign]
+        triton_engine.TritonRows._add_chunk = add_chunk  # type: ignore[method-assign]
     dev_key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
     out: dict[str, Any] = {"model": name, "batch": batch, "seq": seq}
     if run.cuda:
@@ -813,6 +824,19 @@ def stage_profile(run: Run) -> dict[str, Any]:
             for k, (c, ms) in sorted(added.items(), key=lambda kv: -kv[1][1])[:30]
         ]
         out["row_kernels"] = _row_kernel_fit(events, launched)
+        many = [
+            float(e.time_range.end - e.time_range.start)
+            for e in events
+            if e.name == "_rows_many" and str(getattr(e, "device_type", "")).endswith("CUDA")
+        ]
+        out["row_kernels_many"] = {  # the parameters, then the gradients, up to 16 a launch
+            "kernels": len(many),
+            "launches": len(chunks),
+            "tensors": sum(c[0] for c in chunks),
+            "elements": sum(c[1] for c in chunks),
+            "device_ms": sum(many) / 1e3,
+            "us_per_kernel": [round(u, 1) for u in many],
+        }
         launches = [e for e in ka if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")]
         out["kernel_launches"] = sum(e.count for e in launches)
     out["cpu_top"] = [

@@ -197,3 +197,22 @@ def test_the_direct_launcher_calls_the_compiled_launcher_as_tritons_launch_does(
     launch(2, 5, args)
     meta = ("meta", (2, 1, 1), 5, 54 + len(consts))
     assert calls[-1] == (2, 1, 1, 5, "fn", "packed", meta, chain, None, *args, *consts.values())
+
+
+def test_the_row_launch_bench_reads_gpt2_smalls_parameters_in_ten_launches(tmp_path: Any) -> None:
+    """``bench/row_launch_host.py`` (precprof's Python up to the launcher, the launcher a no-op): GPT-2 small's
+    148 parameters take 148 launches one by one and 10 with ``add_many`` (9 of 16, one of 4), each tensor in
+    exactly one."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "row_launch_host.py"
+    spec = importlib.util.spec_from_file_location("_row_launch_host", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(["--rounds", "1", "--reps", "2", "--out", str(tmp_path / "r.json")])
+    assert out["one_each"]["launches"] == 148 and out["one_each"]["tensors_launched"] == 148
+    assert out["many"]["launches"] == 10 and out["many"]["tensors_launched"] == 148
+    assert json.loads((tmp_path / "r.json").read_text())["tensors"] == 148
