@@ -216,3 +216,35 @@ def test_the_row_launch_bench_reads_gpt2_smalls_parameters_in_ten_launches(tmp_p
     assert out["one_each"]["launches"] == 148 and out["one_each"]["tensors_launched"] == 148
     assert out["many"]["launches"] == 10 and out["many"]["tensors_launched"] == 148
     assert json.loads((tmp_path / "r.json").read_text())["tensors"] == 148
+
+
+def test_the_direct_launch_passes_what_tritons_launch_binds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct launch (a GPU's) and Triton's own (the interpreter's) get the same arguments in the same
+    order, tensors as their data pointers, for one tensor (``_rows``) and for many (``_rows_many``): what the
+    attach's self-check then confirms on the device, checked here without one."""
+    from precprof.stats import triton_kernels as tk
+    from precprof.stats.layout import LAYOUT
+
+    tensors = [_hand_built(n, n, torch.bfloat16) for n in (3, 700, 5000)]
+    engine = triton_engine.TritonRows(torch.device("cpu"), LAYOUT)
+    rows = LAYOUT.empty_rows(9, torch.device("cpu"))
+    direct: list[tuple[int, tuple[Any, ...], int]] = []
+    for v in triton_engine.variants_of([torch.bfloat16]):
+        engine._direct[v] = lambda programs, stream, args, tensors=1: direct.append((programs, args, tensors))
+    bound: list[tuple[Any, tuple[Any, ...]]] = []
+    for kernel in (tk._rows, tk._rows_many):
+
+        def spy(*args: Any, grid: Any, warmup: bool, **kw: Any) -> None:
+            bound.append((grid, tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)))
+
+        monkeypatch.setattr(kernel, "run", spy)
+    engine.add_many(tensors, rows, [4, 8, 2], stream=0)
+    engine.add(tensors[1], rows, 5, stream=0)
+    engine._direct.clear()
+    engine.add_many(tensors, rows, [4, 8, 2], stream=0)
+    engine.add(tensors[1], rows, 5, stream=0)
+    assert len(direct) == len(bound) == 2
+    for (programs, args, count), (grid, targs) in zip(direct, bound, strict=True):
+        assert args == targs
+        assert (programs, count) == ((grid[0], grid[1]) if len(grid) == 2 else (grid[0], 1))
+    assert bound[0][0] == (4, 3)  # 5,000 values: 4 programs (the interpreter's most); three tensors
