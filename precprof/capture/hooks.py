@@ -8,11 +8,12 @@ step followed by another keeps them in place between the two, doing nothing, ``p
 
 - a forward pre-hook and a forward hook on every captured module, made at attach for its slot
   (``capture/plan.py``). The first captured module's pre-hook reads every captured parameter, per device in
-  one call of the engine (``Rows.add_many``: one C call on the CPU; the block what-if of the step's group's
-  weights in one more, ``Rows.accumulate_blocks_many``); a module's output is read in its forward
-  hook and, when it requires grad, gets a tensor hook for its gradient (``register_full_backward_hook`` breaks
-  on in-place ops such as ``ReLU(inplace=True)``). Per-module hooks, not global ones: ``torch.compile(module)``
-  warns when global module hooks exist, and they would fire for every module of the process;
+  one call of the engine (``Rows.add_many``: one C call on the CPU, up to 16 tensors a launch on CUDA; the
+  block what-if of the step's group's weights in one more, ``Rows.accumulate_blocks_many``); a module's
+  output is read in its forward hook and, when it requires grad, gets a tensor hook for its gradient
+  (``register_full_backward_hook`` breaks on in-place ops such as ``ReLU(inplace=True)``). Per-module hooks,
+  not global ones: ``torch.compile(module)`` warns when global module hooks exist, and they would fire for
+  every module of the process;
 - a post-accumulate-grad hook on every captured parameter (the last accumulation of the step wins): the
   gradients its hooks announce are read together when the backward pass ends, those on the model's device in
   one call of its engine (``Rows.add_many``; autograd's own end-of-backward callback, before GradScaler
