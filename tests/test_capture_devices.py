@@ -205,3 +205,60 @@ def test_a_buffer_named_by_another_spelling_keeps_one_row_set() -> None:
     one = StatsBuffer(1, "cpu")
     one.accumulate(x, 0)
     assert np.array_equal(buf.to_host(), one.to_host())
+
+
+@pytest.mark.parametrize("engine", ["c", "triton"])
+def test_a_sparse_gradient_is_skipped_counted_and_reported_and_training_goes_on(
+    engine: str, monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    """``nn.Embedding(sparse=True)``'s gradient is a sparse tensor: the gradient read at the end of backward
+    raised (no data pointer), and the update sampler's gradient sample in ``optimizer.step()``'s pre-hook
+    raised. Its row is skipped, counted and said why (summary and report); every other row is the C kernel's
+    rows of the same tensors, and training is bitwise what it is without precprof."""
+    if engine == "triton":
+        from precprof.stats import triton_engine
+
+        if triton_engine.unavailable(torch.device("cpu")) is not None:
+            pytest.skip(str(triton_engine.unavailable(torch.device("cpu"))))
+    monkeypatch.setenv("PRECPROF_STATS_ENGINE", engine)
+
+    def run(profiled: bool) -> tuple[nn.Module, list[float], precprof.Profiler | None, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(50, 8, sparse=True), nn.Linear(8, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        prof = precprof.Profiler(model, optimizer=opt, sample_every=1).attach() if profiled else None
+        losses, last_linear_grad = [], []
+        for _ in range(3):
+            x = torch.randint(0, 50, (6, 5))
+            loss = model(x).square().mean()
+            loss.backward()
+            last_linear_grad = [model[1].weight.grad.clone()]
+            opt.step()
+            opt.zero_grad()
+            if prof is not None:
+                prof.step()
+            losses.append(loss.item())
+        return model, losses, prof, last_linear_grad
+
+    plain, plain_losses, _, _ = run(False)
+    model, losses, prof, (grad,) = run(True)
+    assert prof is not None
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+    summary = prof.summary()
+    (skipped,) = summary["skipped_tensors"]
+    assert (skipped["module"], skipped["tensor"], skipped["param"]) == ("0", T.WEIGHT_GRAD, "weight")
+    assert skipped["count"] == summary["sampled_steps"] >= 2  # (a first step may wait for Triton's compile)
+    assert "sparse_coo" in skipped["reason"]
+    layers = prof.tables()["layers"]
+    step = layers[(layers[T.STEP] == 2) & (layers[T.MODULE] == "1") & (layers[T.TENSOR] == T.WEIGHT_GRAD)]
+    c = StatsBuffer(1, "cpu", engine="c")
+    c.accumulate(grad, 0)
+    assert int(step[T.NUMEL].iloc[0]) == 32 and int(step[T.ZEROS].iloc[0]) == int(
+        c.to_host()[0][c.layout.zeros]
+    )
+    assert not ((layers[T.MODULE] == "0") & (layers[T.TENSOR] == T.WEIGHT_GRAD)).any()
+    prof.save(tmp_path / "run", render=True)  # type: ignore[operator]
+    html = (tmp_path / "run" / "report.html").read_text()  # type: ignore[operator]
+    assert 'id="skipped-tensors"' in html and "sparse_coo tensor" in html
+    prof.detach()

@@ -50,6 +50,7 @@ from precprof.capture.records import _iter_tensors, _local, _ModuleSlot, _ParamS
 from precprof.capture.updates import UpdateSampler
 
 _Tensor = torch.Tensor
+_STRIDED = torch.strided  # the layout the engines read (a sparse tensor is skipped and counted)
 
 
 def _same_data(t: torch.Tensor) -> tuple[Any, ...]:
@@ -162,10 +163,10 @@ class StepHooks:
 
     # ------------------------------------------------------------------------------------------ reading
     def _add(self, x: torch.Tensor, row: int, assign: bool = False) -> bool:
-        """Read ``x`` into ``row``: the model device's rows directly, any other device through the buffer
-        (which skips and counts a ``meta`` tensor: then False)."""
+        """Read ``x`` into ``row``: the model device's rows directly, any other device (or a sparse tensor)
+        through the buffer (which skips and counts a tensor it cannot read: then False)."""
         primary = self._primary
-        if primary is not None and x.device == self._device:
+        if primary is not None and x.device == self._device and x.layout is _STRIDED:
             primary.add(x, row, assign)
             return True
         return self.buffer.accumulate(x, row, assign=assign)
@@ -180,7 +181,7 @@ class StepHooks:
                 continue
             x = _local(p)
             dev = x.device
-            if dev.type == "meta":
+            if dev.type == "meta" or x.layout is not _STRIDED:
                 self.buffer.accumulate(x, row)  # skipped and counted
                 continue
             tensors, rows = by_device.setdefault(dev, ([], []))
@@ -359,7 +360,7 @@ class StepHooks:
             if g is None:
                 continue
             x = g if type(g) is _Tensor else _local(g)
-            if primary is not None and x.device == self._device:
+            if primary is not None and x.device == self._device and x.layout is _STRIDED:
                 tensors.append(x)
                 rows.append(ps.grad_row)
                 dtypes.append(g.dtype)

@@ -153,8 +153,8 @@ class ProfilerResults:
         return out
 
     def skipped_tensors(self) -> list[dict[str, Any]]:
-        """Tensors the statistics could not read (on the ``meta`` device: no data), per row, with how many
-        times over the run."""
+        """Tensors the statistics could not read (``stats.buffer.unreadable``: on the ``meta`` device, or
+        sparse), per row, with how many times over the run and why."""
         if self._buffer is None or self._plan is None:
             return []
         out = []
@@ -167,7 +167,7 @@ class ProfilerResults:
                         "tensor": r.tensor,
                         "param": r.param,
                         "count": count,
-                        "reason": "on the meta device (no data to read)",
+                        "reason": self._buffer.skipped_why.get(r.index, "not readable"),
                     }
                 )
         return out

@@ -201,13 +201,14 @@ class _DeviceGroup:
 
     @torch.no_grad()
     def grad_nonzero(self) -> torch.Tensor:
-        """Per sampled element, whether its gradient is nonzero (False where a parameter has no gradient): the
+        """Per sampled element, whether its gradient is nonzero (False where a parameter has no gradient, or a
+        sparse one, ``nn.Embedding(sparse=True)``'s, whose sample would need the gradient made dense): the
         gradients' strided samples as views, one concatenation and one compare (gradients are new tensors each
         step under ``zero_grad(set_to_none=True)``: no view of them is kept)."""
         parts = []
         for ps in self.members:
             g = ps.tensor.grad
-            if g is None:
+            if g is None or g.layout is not torch.strided:  # a sparse gradient: no intent read from it
                 parts.append(torch.zeros(ps.sample_len, dtype=ps.tensor.dtype, device=self.device))
                 continue
             if type(g) not in _PLAIN:

@@ -397,7 +397,9 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
         )
     skipped = capture.get("skipped_tensors") or []
     if skipped:
-        rows.append(("tensors not measured", f"{F.count(len(skipped))} on the meta device (see the banner)"))
+        rows.append(
+            ("tensors not measured", f"{F.count(len(skipped))} precprof could not read (see the banner)")
+        )
     if capture.get("histogram_shift_exact") is False:
         rows.append(("histograms", "unscaled by a loss scale that is not a power of two: within one binade"))
     stream_error = _map(capture.get("stream")).get("error")

@@ -81,13 +81,26 @@ def _compile_lock(device: torch.device, dtypes: Sequence[torch.dtype], blocks: b
         return _COMPILING.setdefault(key, threading.Lock())
 
 
+def unreadable(x: torch.Tensor) -> str | None:
+    """Why no engine reads ``x``'s values, in words; None when they can. A ``meta`` tensor has no data; a sparse
+    one (``nn.Embedding(sparse=True)``'s gradient) holds its values apart from its zeros, and adding duplicate
+    indices (``coalesce``) would synchronise with a GPU."""
+    if x.device.type == "meta":
+        return "on the meta device, which holds no data (a module not materialised, or offloaded without its values)"
+    if x.layout is not torch.strided:
+        layout = str(x.layout).removeprefix("torch.")
+        return f"a {layout} tensor, whose values precprof does not read (summing its duplicates would sync a GPU)"
+    return None
+
+
 class StatsBuffer:
     """Per-step statistics of ``rows`` tensor slots, on every device the tensors live on.
 
     Each tensor is read on its own device, by that device's engine (``precprof.stats.engine``), into that
     device's rows (:class:`DeviceRows`, made at the first tensor seen there); no engine ever receives another
     device's pointer. ``to_host``/``dense`` merge the devices' rows with :func:`~precprof.stats.layout.merge_rows`
-    at the flush. A tensor on the ``meta`` device has no data: it is skipped and counted in ``skipped``.
+    at the flush. A tensor no engine can read (``unreadable``: on the ``meta`` device, or sparse) is skipped and
+    counted in ``skipped``, and why in ``skipped_why``.
 
     ``device`` is where the rows are merged (the model's device); ``engine`` forces an engine (default:
     ``PRECPROF_STATS_ENGINE``, else "auto"); ``host_rows=False`` runs the device code path on the CPU (tests).
@@ -139,8 +152,9 @@ class StatsBuffer:
         self.requested = engine
         self._host_rows = host_rows
         self._parts: dict[torch.device, Rows] = {}
-        self.skipped = np.zeros(rows, dtype=np.int64)  # meta tensors per row since the last reset
+        self.skipped = np.zeros(rows, dtype=np.int64)  # unreadable tensors per row since the last reset
         self.skipped_total = np.zeros(rows, dtype=np.int64)  # over the whole run
+        self.skipped_why: dict[int, str] = {}  # row -> why its last skipped tensor was (``unreadable``)
         # rows whose block-format statistics were evaluated since the last reset (host-side flags)
         self.blocks_seen = np.zeros(rows, dtype=bool)
         # time spent in the block-format what-if (capture's block budget reads it after each sampled step)
@@ -372,11 +386,13 @@ class StatsBuffer:
         Each call is one tensor for the fp8 current-scaling counts (its own amax and scale). ``blocks=True``
         also adds the block-format what-if of ``x`` (``stats.blocks``; fp32, bf16 or fp16 with ndim >= 2 and
         data; others are not evaluated) and marks the row in ``blocks_seen``. Returns False when ``x`` was
-        skipped (a ``meta`` tensor), True when it was read.
+        skipped (``unreadable``), True when it was read.
         """
-        if x.device.type == "meta":
+        why = unreadable(x)
+        if why is not None:
             self.skipped[row] += 1
             self.skipped_total[row] += 1
+            self.skipped_why[row] = why
             return False
         part = self._parts.get(x.device) or self._part(x.device)
         if assign:
@@ -397,7 +413,7 @@ class StatsBuffer:
         call's (its checks and lookups too: for small tensors they cost as much as the kernel)."""
         t0 = time.perf_counter()
         dev = x.device
-        if dev.type == "meta" or not (x.dim() >= 2 and x.numel() > 0 and x.dtype in _BLOCK_DTYPES):
+        if unreadable(x) is not None or not (x.dim() >= 2 and x.numel() > 0 and x.dtype in _BLOCK_DTYPES):
             return
         if self._block_slot[row] < 0:  # a row without a slot holds no block statistics
             return
@@ -415,7 +431,7 @@ class StatsBuffer:
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
         slots = self._block_slot
         for x, row in zip(tensors, rows, strict=True):
-            if slots[row] < 0 or x.dtype not in _BLOCK_DTYPES or x.dim() < 2 or x.device.type == "meta":
+            if slots[row] < 0 or x.dtype not in _BLOCK_DTYPES or x.dim() < 2 or unreadable(x) is not None:
                 continue
             ts, rs = by_device.setdefault(x.device, ([], []))
             ts.append(x)
