@@ -262,3 +262,52 @@ def test_a_sparse_gradient_is_skipped_counted_and_reported_and_training_goes_on(
     html = (tmp_path / "run" / "report.html").read_text()  # type: ignore[operator]
     assert 'id="skipped-tensors"' in html and "sparse_coo tensor" in html
     prof.detach()
+
+
+class _ComplexMix(nn.Module):
+    """A complex parameter (as an SSM's) beside a real linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, dtype=torch.complex64))
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin((torch.fft.fft(x) * self.w).real)
+
+
+def test_a_complex_parameter_is_skipped_counted_and_reported_and_training_goes_on() -> None:
+    """A complex parameter's gradient was read as its real part (torch's warning about discarding the imaginary
+    part came from precprof's statistics), and its weight not at all. Both are skipped, counted and said why;
+    the update sample leaves it out; no warning; training is bitwise what it is without precprof."""
+    import warnings
+
+    def run(profiled: bool) -> tuple[nn.Module, list[float], precprof.Profiler | None]:
+        torch.manual_seed(0)
+        model = _ComplexMix()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        prof = precprof.Profiler(model, optimizer=opt, sample_every=1).attach() if profiled else None
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if prof is not None:
+                prof.step()
+            losses.append(loss.item())
+        return model, losses, prof
+
+    plain, plain_losses, _ = run(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, losses, prof = run(True)
+    assert prof is not None and losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+    skipped = {(s["tensor"], s["param"], s["count"]) for s in prof.summary()["skipped_tensors"]}
+    assert skipped == {(T.WEIGHT, "w", 3), (T.WEIGHT_GRAD, "w", 3)}
+    assert all("complex64" in s["reason"] for s in prof.summary()["skipped_tensors"])
+    layers = prof.tables()["layers"]
+    assert not (layers[T.PARAM] == "w").any()
+    assert set(layers[layers[T.MODULE] == "lin"][T.TENSOR]) >= {T.WEIGHT, T.WEIGHT_GRAD, T.ACTIVATION}
+    prof.detach()

@@ -177,11 +177,11 @@ class StepHooks:
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
         done: set[int] = set()
         for p, row in self._weights:
-            if not p.is_floating_point() or p.numel() == 0:
+            if not (p.is_floating_point() or p.is_complex()) or p.numel() == 0:
                 continue
             x = _local(p)
             dev = x.device
-            if dev.type == "meta" or x.layout is not _STRIDED:
+            if dev.type == "meta" or x.layout is not _STRIDED or x.is_complex():
                 self.buffer.accumulate(x, row)  # skipped and counted
                 continue
             tensors, rows = by_device.setdefault(dev, ([], []))
@@ -332,9 +332,12 @@ class StepHooks:
         return hook
 
     def _read_grad(self, ps: _ParamSlot, g: torch.Tensor) -> None:
-        """One parameter's accumulated gradient into its row (the last accumulation of the step wins)."""
-        if self._add(g if type(g) is _Tensor else _local(g), ps.grad_row, assign=True):
-            self._grad_seen(ps.grad_row, g.dtype)
+        """One parameter's accumulated gradient into its row (the last accumulation of the step wins); a
+        complex one is skipped and counted."""
+        x = g if type(g) is _Tensor else _local(g)
+        row = ps.grad_row
+        if self.buffer.accumulate(x, row, assign=True) if x.is_complex() else self._add(x, row, assign=True):
+            self._grad_seen(row, g.dtype)
 
     def _grad_seen(self, row: int, dtype: torch.dtype) -> None:
         rows = self.rows
@@ -360,7 +363,12 @@ class StepHooks:
             if g is None:
                 continue
             x = g if type(g) is _Tensor else _local(g)
-            if primary is not None and x.device == self._device and x.layout is _STRIDED:
+            if (
+                primary is not None
+                and x.device == self._device
+                and x.layout is _STRIDED
+                and not x.is_complex()
+            ):
                 tensors.append(x)
                 rows.append(ps.grad_row)
                 dtypes.append(g.dtype)

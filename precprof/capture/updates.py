@@ -299,7 +299,7 @@ class UpdateSampler:
             return
         groups: dict[tuple[torch.device, bool], list[_ParamSlot]] = {}
         for ps, dev in zip(self.tracked, placement, strict=True):
-            if dev.type != "meta" and ps.sample_len:
+            if dev.type != "meta" and ps.sample_len and not ps.tensor.is_complex():  # (real values only)
                 groups.setdefault((dev, ps.tensor.dtype == torch.bfloat16), []).append(ps)
         self._groups = [_DeviceGroup(dev, bf16, members) for (dev, bf16), members in groups.items()]
         self._placement = placement

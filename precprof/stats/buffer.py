@@ -84,12 +84,15 @@ def _compile_lock(device: torch.device, dtypes: Sequence[torch.dtype], blocks: b
 def unreadable(x: torch.Tensor) -> str | None:
     """Why no engine reads ``x``'s values, in words; None when they can. A ``meta`` tensor has no data; a sparse
     one (``nn.Embedding(sparse=True)``'s gradient) holds its values apart from its zeros, and adding duplicate
-    indices (``coalesce``) would synchronise with a GPU."""
+    indices (``coalesce``) would synchronise with a GPU; a complex one (an SSM's parameters) has two floats a
+    value, which the formats' what-if does not model."""
     if x.device.type == "meta":
         return "on the meta device, which holds no data (a module not materialised, or offloaded without its values)"
     if x.layout is not torch.strided:
         layout = str(x.layout).removeprefix("torch.")
         return f"a {layout} tensor, whose values precprof does not read (summing its duplicates would sync a GPU)"
+    if x.is_complex():
+        return f"a complex tensor ({str(x.dtype).removeprefix('torch.')}): precprof reads real floating-point values"
     return None
 
 
