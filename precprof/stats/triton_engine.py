@@ -562,9 +562,12 @@ class TritonRows:
         by_kind: dict[int, list[tuple[int, int, int, torch.Tensor]]] = {}
         for i, x in enumerate(xs):
             kind = KINDS.get(x.dtype)
-            if kind is not None and x.is_contiguous() and x.data_ptr() % 16 == 0:
-                by_kind.setdefault(kind[0], []).append((x.numel(), x.data_ptr(), at[i], x))
-            elif not self.add(x, rows, at[i], stream):
+            if kind is not None and x.is_contiguous():
+                ptr = x.data_ptr()
+                if ptr % 16 == 0:
+                    by_kind.setdefault(kind[0], []).append((x.numel(), ptr, at[i], x))
+                    continue
+            if not self.add(x, rows, at[i], stream):
                 left.append(i)
         for code, items in by_kind.items():
             items.sort(key=lambda item: item[0])
