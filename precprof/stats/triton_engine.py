@@ -23,12 +23,11 @@ end orders them), and zeroes the scratch as it reads it. The scratch is ``SCRATC
 tensor of a launch, whatever the tensor's size. Integer atomics give the same sums in any order, so results are
 bitwise deterministic, also under ``torch.use_deterministic_algorithms(True)``.
 
-``TritonRows.add_many`` (the hooks' reads of a sampled step's parameters, then of its gradients) launches
-``triton_kernels._rows_many`` for up to ``SLOTS`` (16) contiguous, 16-byte aligned tensors of one dtype at a
-time: a grid of (programs, tensors), each column ``_rows``' programs on its tensor with its own scratch. GPT-2
-small's 148 parameters take 10 launches instead of 148; on an H200 a row launch cost about 30 us of host work
-and 13 us of device time whatever the tensor's size (bench/results/README_h200_2026-11-27e.md). The main loop
-compiles to the same instructions as ``_rows``' (sm_90, triton 3.6: bench/kernel_sass.py).
+``TritonRows.add_many`` (a sampled step's parameters, then its gradients) launches ``triton_kernels._rows_many``
+for up to ``SLOTS`` (16) contiguous, 16-byte aligned tensors of one dtype: a grid of (programs, tensors), each
+column ``_rows``' programs on its tensor, with its own scratch. GPT-2 small's 148 parameters take 10 launches,
+not 148 of about 30 us of host work and 13 us of device time each on an H200 (README_h200_2026-11-27e.md); the
+main loop compiles to ``_rows``' instructions (sm_90, triton 3.6: bench/kernel_sass.py).
 
 Nothing compiles in a hook: ``TritonRows.warm`` compiles, when the rows are made (the Profiler's attach),
 every variant ``add`` can launch for the dtypes it is given (``variant`` is the one function both use: the
@@ -96,6 +95,7 @@ _DONE = _MN + 1
 SCRATCH_WORDS = _DONE + 1
 # tensors a launch of ``_rows_many`` reads (``TritonRows.add_many``), each with its own SCRATCH_WORDS
 SLOTS = 16
+_GRID_PID = (0, 0)  # ``_rows``' pid and nprog arguments where its own grid gives them (GRID): unread
 # the dtypes whose kernels are compiled when no list is given: those of mixed-precision training
 DEFAULT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -401,7 +401,8 @@ class TritonRows:
         se = self.layout.overflow_shortcut_exp
         # native keys from the field of the overflow shortcut up (and inf/nan) are never in the window
         kcap = 2 * min(se + _BIAS[v.kind], _FIELD_ALL[v.kind])
-        return dict(KIND=v.kind, STRIDED=v.strided, KCAP=kcap, BIAS=_BIAS[v.kind], **self._common)
+        out = dict(KIND=v.kind, STRIDED=v.strided, KCAP=kcap, BIAS=_BIAS[v.kind], **self._common)
+        return out if v.many else {**out, "GRID": True}  # (a launch of ``_rows``' own: pid from its grid)
 
     def _launch(
         self,
@@ -423,7 +424,7 @@ class TritonRows:
             args: tuple[Any, ...] = (*head, self.scratch, lo, self.uf, self.fp8)
             kernel = self._many
         else:
-            args = (xi, *geometry, rows, row, self.scratch, lo, self.uf, self.fp8)
+            args = (xi, *geometry, rows, row, self.scratch, lo, self.uf, self.fp8, *_GRID_PID)
             kernel = self._strided if v.strided else self._contig
         if warm:
             return kernel.run(*args, grid=grid, warmup=True, num_warps=self.num_warps, **self._constexprs(v))
@@ -501,9 +502,8 @@ class TritonRows:
         else:
             geometry = self._geometry(xs[0])
             self._launch(v, (1,), xs[0], geometry, want, 0, False)
-            launcher(
-                1, self._stream(), (xs[0].data_ptr(), *geometry, got.data_ptr(), 0, scratch, lo, uf, fp8)
-            )
+            args = (xs[0].data_ptr(), *geometry, got.data_ptr(), 0, scratch, lo, uf, fp8, *_GRID_PID)
+            launcher(1, self._stream(), args)
         return bool(torch.equal(got, want))
 
     def _many_args(
@@ -546,7 +546,7 @@ class TritonRows:
         if direct is not None:
             lo, scratch, uf, fp8 = self._ptrs[5 if v.kind == 5 else 0]
             raw = self._stream() if stream is None else stream
-            direct(programs, raw, (ptr, *geometry, rows.data_ptr(), row, scratch, lo, uf, fp8))
+            direct(programs, raw, (ptr, *geometry, rows.data_ptr(), row, scratch, lo, uf, fp8, *_GRID_PID))
             return True
         self._launch(v, (programs,), x.detach().view(kind[1]), geometry, rows, row, False)
         return True

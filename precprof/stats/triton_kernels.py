@@ -352,28 +352,30 @@ def _finish(
 # how the kernels are jitted (tests rebuild them with these to read Triton's own specialisation keys): the
 # integers are typed int64 and not specialised on their values; the strided variant's pointer is not
 # specialised on its alignment either (its gathers gain nothing from it)
-JIT_KW: dict = {"do_not_specialize": ["n", "nfull", "size1", "size2", "st0", "st1", "st2", "row"]}
+JIT_KW: dict = {
+    "do_not_specialize": ["n", "nfull", "size1", "size2", "st0", "st1", "st2", "row", "pid", "nprog"]
+}
 JIT_KW_STRIDED: dict = {**JIT_KW, "do_not_specialize_on_alignment": ["x_ptr"]}
 
 
-@triton.jit
-def _rows_of(
+@triton.jit(**JIT_KW)
+def _rows(
     x_ptr,
-    n,
-    nfull,
-    size1,
-    size2,
-    st0,
-    st1,
-    st2,
+    n: tl.int64,
+    nfull: tl.int64,
+    size1: tl.int64,
+    size2: tl.int64,
+    st0: tl.int64,
+    st1: tl.int64,
+    st2: tl.int64,
     rows_ptr,
-    row,
+    row: tl.int64,
     scratch_ptr,
     lo_ptr,
     uf_ptr,
     fp8_ptr,
-    pid,
-    nprog,
+    pid: tl.int64,
+    nprog: tl.int64,
     KIND: tl.constexpr,
     STRIDED: tl.constexpr,
     KCAP: tl.constexpr,
@@ -399,9 +401,14 @@ def _rows_of(
     BLOCK: tl.constexpr,
     RARE_AFTER: tl.constexpr,
     STAGES: tl.constexpr,
+    GRID: tl.constexpr,
 ):
-    # One tensor's statistics by program ``pid`` of the ``nprog`` that read it (int64 both), into ``row``:
-    # the body of ``_rows`` (one tensor a launch) and of ``_rows_many`` (up to 16)
+    # One tensor's statistics by program ``pid`` of the ``nprog`` that read it, into ``row``. GRID: a launch of
+    # its own (one tensor), whose grid gives ``pid`` and ``nprog`` (passed as 0); else inlined in
+    # ``_rows_many``, which gives them
+    if GRID:
+        pid = tl.program_id(0).to(tl.int64)
+        nprog = tl.num_programs(0).to(tl.int64)
     MANY: tl.constexpr = BLOCK // 64
     lane = tl.arange(0, BLOCK).to(tl.int64)
     wide: tl.constexpr = KIND == 5
@@ -511,26 +518,6 @@ def _rows_of(
         tl.atomic_xchg(scratch_ptr + _DONE, 0, sem="relaxed")
 
 
-@triton.jit(**JIT_KW)
-def _rows(
-    x_ptr, n: tl.int64, nfull: tl.int64, size1: tl.int64, size2: tl.int64, st0: tl.int64, st1: tl.int64,
-    st2: tl.int64, rows_ptr, row: tl.int64, scratch_ptr, lo_ptr, uf_ptr, fp8_ptr,
-    KIND: tl.constexpr, STRIDED: tl.constexpr, KCAP: tl.constexpr, BIAS: tl.constexpr, WIDTH: tl.constexpr,
-    C_NUMEL: tl.constexpr, C_ZEROS: tl.constexpr, C_NAN: tl.constexpr, C_INF: tl.constexpr,
-    C_OV: tl.constexpr, C_MX: tl.constexpr, C_MN: tl.constexpr, C_CS: tl.constexpr, C_POW2: tl.constexpr,
-    C_HIST: tl.constexpr, NW: tl.constexpr, NWP: tl.constexpr, NF: tl.constexpr, NFP: tl.constexpr,
-    NBINS: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr, BLOCK: tl.constexpr, RARE_AFTER: tl.constexpr,
-    STAGES: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    nprog = tl.num_programs(0).to(tl.int64)
-    _rows_of(
-        x_ptr, n, nfull, size1, size2, st0, st1, st2, rows_ptr, row, scratch_ptr, lo_ptr, uf_ptr, fp8_ptr,
-        pid, nprog, KIND, STRIDED, KCAP, BIAS, WIDTH, C_NUMEL, C_ZEROS, C_NAN, C_INF, C_OV, C_MX, C_MN,
-        C_CS, C_POW2, C_HIST, NW, NWP, NF, NFP, NBINS, LO, HI, BLOCK, RARE_AFTER, STAGES,
-    )  # fmt: skip
-
-
 # the tensors one launch of ``_rows_many`` reads (each its own pointer, size and row argument)
 SLOTS = 16
 # scratch words per tensor (triton_engine's SCRATCH_WORDS): ``_rows_many``'s slot t has its own
@@ -582,10 +569,10 @@ def _rows_many(
     pid = tl.program_id(0).to(tl.int64)
     nprog = tl.minimum(programs, tl.maximum((n + BLOCK - 1) // BLOCK, 1))
     if pid < nprog:
-        _rows_of(
+        _rows(
             x_ptr, n, n // BLOCK, 1, 1, 1, 1, 1, rows_ptr, row, scratch_ptr + t * _SCRATCH, lo_ptr, uf_ptr,
             fp8_ptr, pid, nprog, KIND, STRIDED, KCAP, BIAS, WIDTH, C_NUMEL, C_ZEROS, C_NAN, C_INF, C_OV, C_MX, C_MN,
-            C_CS, C_POW2, C_HIST, NW, NWP, NF, NFP, NBINS, LO, HI, BLOCK, RARE_AFTER, STAGES,
+            C_CS, C_POW2, C_HIST, NW, NWP, NF, NFP, NBINS, LO, HI, BLOCK, RARE_AFTER, STAGES, False,
         )  # fmt: skip
 
 
