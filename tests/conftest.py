@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +25,22 @@ os.environ.setdefault("PRECPROF_BLOCK_FORMATS", "0")
 def block_formats_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """Profilers made in the test evaluate the block formats (the suite's default is off, see above)."""
     monkeypatch.setenv("PRECPROF_BLOCK_FORMATS", "1")
+
+
+@pytest.fixture
+def interpreter_loads(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
+    """Every address Triton's interpreter loads from in the test (masked-off lanes not counted), how often."""
+    from triton.runtime import interpreter
+
+    reads: Counter[int] = Counter()
+    real = interpreter.InterpreterBuilder.create_masked_load
+
+    def counted(self: object, ptrs: Any, mask: Any, *args: object) -> object:
+        reads.update(ptrs.data[mask.data].tolist())
+        return real(self, ptrs, mask, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counted)
+    return reads
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

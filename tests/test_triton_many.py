@@ -126,20 +126,11 @@ def test_assign_clears_rows_written_before_and_a_row_given_twice_keeps_the_last(
     assert np.array_equal(buf.to_host()[1:], _c_rows([b, c], [0, 1], 2))
 
 
-def test_each_tensor_of_a_launch_is_read_once_but_a_window_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_tensor_of_a_launch_is_read_once_but_a_window_probe(interpreter_loads: Counter[int]) -> None:
     """One pass per tensor in a shared launch too: each element of each tensor is loaded at least once, and
     the only second reads are each program's first block (its exponent window's probe); no program reads
     another slot's tensor."""
-    from triton.runtime import interpreter
-
-    reads: Counter[int] = Counter()
-    real = interpreter.InterpreterBuilder.create_masked_load
-
-    def counted(self: object, ptrs: Any, mask: Any, *args: object) -> object:
-        reads.update(ptrs.data[mask.data].tolist())
-        return real(self, ptrs, mask, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counted)
+    reads = interpreter_loads
     # values inside every program's window (no rare value: a program that meets one reads its blocks again)
     tensors = [torch.linspace(-3, 3, n).bfloat16() for n in (3, 512, 1100, 4000)]
     buf = StatsBuffer(4, "cpu", engine="triton")

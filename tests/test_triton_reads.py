@@ -6,7 +6,7 @@ each element (issue 26's "reads per tensor"). They run in Triton's interpreter o
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -64,23 +64,12 @@ def _element_addresses(x: torch.Tensor) -> list[int]:
     return (x.data_ptr() + offsets.reshape(-1) * x.element_size()).tolist()
 
 
-def test_each_element_is_read_once_but_a_window_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_element_is_read_once_but_a_window_probe(interpreter_loads: Counter[int]) -> None:
     """One pass per tensor: every load of the tensor's storage that the interpreter executes is counted. Each
     logical element is read at least once, and the only second reads are each program's first block, which it
     reads once more to place its exponent window: at most ``max_programs x BLOCK`` elements, whatever the size
     (a 256M-element tensor on an H100: 528 x 4,096 = 0.8% more)."""
-    from collections import Counter
-
-    from triton.runtime import interpreter
-
-    reads: Counter[int] = Counter()
-    real = interpreter.InterpreterBuilder.create_masked_load
-
-    def counted(self: object, ptrs: Any, mask: Any, *args: object) -> object:
-        reads.update(ptrs.data[mask.data].tolist())
-        return real(self, ptrs, mask, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", counted)
+    reads = interpreter_loads
     buf = StatsBuffer(1, "cpu", engine="triton", dtypes=ALL_DTYPES)
     part = buf.primary
     assert part is not None and part._triton is not None
