@@ -311,3 +311,57 @@ def test_a_complex_parameter_is_skipped_counted_and_reported_and_training_goes_o
     assert not (layers[T.PARAM] == "w").any()
     assert set(layers[layers[T.MODULE] == "lin"][T.TENSOR]) >= {T.WEIGHT, T.WEIGHT_GRAD, T.ACTIVATION}
     prof.detach()
+
+
+@pytest.mark.parametrize("engine", ["c", "triton"])
+def test_a_wrapper_subclass_parameter_is_skipped_and_training_goes_on(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A parameter that is a wrapper tensor subclass (``TwoTensor`` here; torchao's NF4 weights are one) has no
+    storage of its own: its ``data_ptr()`` is 0, and the C kernel reading it ended the process (a segmentation
+    fault in the first forward). It is skipped, counted and said why, as is everything it spreads to (its
+    layer's outputs and gradients are TwoTensors too); its update is not sampled; the other layer's weight is
+    read; training is bitwise what it is without precprof."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    if engine == "triton":
+        from precprof.stats import triton_engine
+
+        if triton_engine.unavailable(torch.device("cpu")) is not None:
+            pytest.skip(str(triton_engine.unavailable(torch.device("cpu"))))
+    monkeypatch.setenv("PRECPROF_STATS_ENGINE", engine)
+
+    def run(profiled: bool) -> tuple[nn.Module, list[float], precprof.Profiler | None]:
+        torch.manual_seed(0)
+        first = nn.Linear(8, 8)
+        w = first.weight.detach()
+        first.weight = nn.Parameter(TwoTensor(w.clone(), w.clone()))
+        model = nn.Sequential(first, nn.Linear(8, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        prof = precprof.Profiler(model, optimizer=opt, sample_every=1).attach() if profiled else None
+        torch.manual_seed(1)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if prof is not None:
+                prof.step()
+            losses.append(float(loss.detach()))
+        return model, losses, prof
+
+    plain, plain_losses, _ = run(False)
+    model, losses, prof = run(True)
+    assert prof is not None and losses == plain_losses
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a.a, b.a) if isinstance(a, TwoTensor) else torch.equal(a, b)
+    summary = prof.summary()
+    skipped = {(s["module"], s["tensor"], s["param"]) for s in summary["skipped_tensors"]}
+    assert ("0", T.WEIGHT, "weight") in skipped and ("0", T.WEIGHT_GRAD, "weight") in skipped
+    assert all("TwoTensor" in s["reason"] for s in summary["skipped_tensors"])
+    layers = prof.tables()["layers"]
+    read = set(zip(layers[T.MODULE], layers[T.TENSOR], layers[T.PARAM], strict=True))
+    assert ("1", T.WEIGHT, "weight") in read and ("0", T.WEIGHT, "weight") not in read
+    assert ("0", T.WEIGHT_UPDATE, "weight") not in read and ("1", T.WEIGHT_UPDATE, "weight") in read
+    prof.detach()

@@ -53,6 +53,12 @@ _Tensor = torch.Tensor
 _STRIDED = torch.strided  # the layout the engines read (a sparse tensor is skipped and counted)
 
 
+def _plain(x: torch.Tensor) -> bool:
+    """Whether the engines read ``x`` in place: strided, and a tensor with a storage of its own (a wrapper
+    subclass's ``data_ptr()`` is 0; ``StatsBuffer.accumulate`` skips and counts it)."""
+    return x.layout is _STRIDED and (type(x) is _Tensor or not hasattr(x, "__tensor_flatten__"))
+
+
 def _same_data(t: torch.Tensor) -> tuple[Any, ...]:
     """What identifies a tensor's values without reading them (host metadata, no sync): a wrapper that hands a
     layer a new tensor object viewing the same memory (FSDP2's forward hooks do) still matches the output that
@@ -166,7 +172,12 @@ class StepHooks:
         """Read ``x`` into ``row``: the model device's rows directly, any other device (or a sparse tensor)
         through the buffer (which skips and counts a tensor it cannot read: then False)."""
         primary = self._primary
-        if primary is not None and x.device == self._device and x.layout is _STRIDED:
+        if (
+            primary is not None
+            and x.device == self._device
+            and x.layout is _STRIDED
+            and (type(x) is _Tensor or not hasattr(x, "__tensor_flatten__"))  # ``_plain``, inline: per tensor
+        ):
             primary.add(x, row, assign)
             return True
         return self.buffer.accumulate(x, row, assign=assign)
@@ -181,7 +192,7 @@ class StepHooks:
                 continue
             x = _local(p)
             dev = x.device
-            if dev.type == "meta" or x.layout is not _STRIDED or x.is_complex():
+            if dev.type == "meta" or not _plain(x) or x.is_complex():
                 self.buffer.accumulate(x, row)  # skipped and counted
                 continue
             tensors, rows = by_device.setdefault(dev, ([], []))
@@ -363,12 +374,7 @@ class StepHooks:
             if g is None:
                 continue
             x = g if type(g) is _Tensor else _local(g)
-            if (
-                primary is not None
-                and x.device == self._device
-                and x.layout is _STRIDED
-                and not x.is_complex()
-            ):
+            if primary is not None and x.device == self._device and _plain(x) and not x.is_complex():
                 tensors.append(x)
                 rows.append(ps.grad_row)
                 dtypes.append(g.dtype)

@@ -42,6 +42,13 @@ _PLAIN_SET = frozenset(_PLAIN)
 _HOST_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # kernel.c's pp_upd_* dtype codes
 
 
+def _sampled_in_place(t: torch.Tensor) -> bool:
+    """Whether a parameter's values can be sampled: real floating point, in a storage of its own (this rank's
+    shard of a DTensor; not a wrapper subclass such as torchao's NF4 weights, nor a complex parameter)."""
+    local = t if type(t) in _PLAIN_SET else _local(t.detach())
+    return not local.is_complex() and (type(local) in _PLAIN_SET or not hasattr(local, "__tensor_flatten__"))
+
+
 class _HostSamples:
     """A CPU group's samples through the C kernel (``pp_upd_gather``, ``pp_upd_nonzero``,
     ``pp_upd_classify``): the parameters' data and gradients read in place by pointer, while every member is
@@ -299,7 +306,7 @@ class UpdateSampler:
             return
         groups: dict[tuple[torch.device, bool], list[_ParamSlot]] = {}
         for ps, dev in zip(self.tracked, placement, strict=True):
-            if dev.type != "meta" and ps.sample_len and not ps.tensor.is_complex():  # (real values only)
+            if dev.type != "meta" and ps.sample_len and _sampled_in_place(ps.tensor):
                 groups.setdefault((dev, ps.tensor.dtype == torch.bfloat16), []).append(ps)
         self._groups = [_DeviceGroup(dev, bf16, members) for (dev, bf16), members in groups.items()]
         self._placement = placement

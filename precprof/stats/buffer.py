@@ -81,11 +81,15 @@ def _compile_lock(device: torch.device, dtypes: Sequence[torch.dtype], blocks: b
         return _COMPILING.setdefault(key, threading.Lock())
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def unreadable(x: torch.Tensor) -> str | None:
     """Why no engine reads ``x``'s values, in words; None when they can. A ``meta`` tensor has no data; a sparse
     one (``nn.Embedding(sparse=True)``'s gradient) holds its values apart from its zeros, and adding duplicate
     indices (``coalesce``) would synchronise with a GPU; a complex one (an SSM's parameters) has two floats a
-    value, which the formats' what-if does not model."""
+    value, which the formats' what-if does not model; a wrapper subclass (torchao's NF4 weights) has no data
+    pointer of its own (``data_ptr()`` is 0: a kernel reading it faulted)."""
     if x.device.type == "meta":
         return "on the meta device, which holds no data (a module not materialised, or offloaded without its values)"
     if x.layout is not torch.strided:
@@ -93,6 +97,8 @@ def unreadable(x: torch.Tensor) -> str | None:
         return f"a {layout} tensor, whose values precprof does not read (summing its duplicates would sync a GPU)"
     if x.is_complex():
         return f"a complex tensor ({str(x.dtype).removeprefix('torch.')}): precprof reads real floating-point values"
+    if type(x) not in _PLAIN and hasattr(x, "__tensor_flatten__"):
+        return f"a {type(x).__name__}, a tensor subclass whose values are not in a storage of its own"
     return None
 
 
