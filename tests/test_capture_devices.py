@@ -365,3 +365,62 @@ def test_a_wrapper_subclass_parameter_is_skipped_and_training_goes_on(
     assert ("1", T.WEIGHT, "weight") in read and ("0", T.WEIGHT, "weight") not in read
     assert ("0", T.WEIGHT_UPDATE, "weight") not in read and ("1", T.WEIGHT_UPDATE, "weight") in read
     prof.detach()
+
+
+class _QLoRA(nn.Module):
+    """A frozen NF4 base weight (torchao's, as QLoRA fine-tuning holds it) and a trained low-rank adapter."""
+
+    def __init__(self, d: int = 256, r: int = 4) -> None:
+        super().__init__()
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        base = nn.Linear(d, d, bias=False).weight.detach().bfloat16()
+        self.weight = nn.Parameter(to_nf4(base), requires_grad=False)
+        self.a = nn.Linear(d, r, bias=False)
+        self.b = nn.Linear(r, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x, self.weight) + self.b(self.a(x.float())).to(x.dtype)
+
+
+def test_qlora_with_torchaos_nf4_weights_trains_the_same_and_reads_the_adapters() -> None:
+    """QLoRA as torchao holds it: the frozen base weights are NF4 tensors (a wrapper subclass, ``data_ptr()``
+    0), which ended the process in the first sampled forward. They are skipped and said why; the adapters'
+    weights, gradients and updates and every activation are read; training is bitwise unchanged."""
+    pytest.importorskip("torchao")
+
+    def run(profiled: bool) -> tuple[nn.Module, list[float], precprof.Profiler | None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(_QLoRA(), _QLoRA())
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        prof = precprof.Profiler(model, optimizer=opt, sample_every=1).attach() if profiled else None
+        torch.manual_seed(1)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(8, 256, dtype=torch.bfloat16)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if prof is not None:
+                prof.step()
+            losses.append(float(loss.detach()))
+        return model, losses, prof
+
+    plain, plain_losses, _ = run(False)
+    model, losses, prof = run(True)
+    assert prof is not None and losses == plain_losses
+    adapters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert len(adapters) == 4
+    assert all(torch.equal(p, dict(plain.named_parameters())[n]) for n, p in adapters)
+    skipped = {
+        (s["module"], s["tensor"], s["reason"].split(",")[0]) for s in prof.summary()["skipped_tensors"]
+    }
+    assert skipped == {("0", T.WEIGHT, "a NF4Tensor"), ("1", T.WEIGHT, "a NF4Tensor")}
+    layers = prof.tables()["layers"]
+    read = set(zip(layers[T.MODULE], layers[T.TENSOR], strict=True))
+    for m in ("0.a", "0.b", "1.a", "1.b"):
+        assert {(m, T.WEIGHT), (m, T.WEIGHT_GRAD), (m, T.WEIGHT_UPDATE), (m, T.ACTIVATION)} <= read
+    assert ("0", T.ACTIVATION) in read and ("1", T.ACTIVATION_GRAD) in read
+    prof.detach()
