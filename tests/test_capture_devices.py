@@ -424,3 +424,33 @@ def test_qlora_with_torchaos_nf4_weights_trains_the_same_and_reads_the_adapters(
         assert {(m, T.WEIGHT), (m, T.WEIGHT_GRAD), (m, T.WEIGHT_UPDATE), (m, T.ACTIVATION)} <= read
     assert ("0", T.ACTIVATION) in read and ("1", T.ACTIVATION_GRAD) in read
     prof.detach()
+
+
+def test_what_the_engines_cannot_read_is_named_and_the_rest_is_read() -> None:
+    """``stats.buffer.unreadable``: a reason for each kind of tensor no engine reads in place, None for the
+    rest (a parameter, a view, a 0-dim tensor, fp8)."""
+    import warnings
+
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from precprof.stats.buffer import unreadable
+
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch: sparse CSR support is in beta)
+        csr = x.to_sparse_csr()
+    nested = torch.nested.nested_tensor([torch.randn(2, 4), torch.randn(3, 4)], layout=torch.jagged)
+    cases = {
+        "meta device": torch.empty(3, device="meta"),
+        "sparse_coo tensor, whose values precprof does not read (summing": x.to_sparse(),
+        "sparse_csr tensor, whose values precprof does not read": csr,
+        "jagged tensor": nested,
+        "complex tensor (complex64)": torch.randn(3, dtype=torch.complex64),
+        "a TwoTensor, a tensor subclass": TwoTensor(x, x.clone()),
+    }
+    for words, t in cases.items():
+        why = unreadable(t)
+        assert why is not None and words in why, (words, why)
+    assert unreadable(csr) is not None and "duplicates" not in str(unreadable(csr))
+    for t in (nn.Parameter(x), x.t()[1:], x[0, 0], x.to(torch.float8_e4m3fn), x.bfloat16()):
+        assert unreadable(t) is None

@@ -94,7 +94,8 @@ def unreadable(x: torch.Tensor) -> str | None:
         return "on the meta device, which holds no data (a module not materialised, or offloaded without its values)"
     if x.layout is not torch.strided:
         layout = str(x.layout).removeprefix("torch.")
-        return f"a {layout} tensor, whose values precprof does not read (summing its duplicates would sync a GPU)"
+        why = " (summing its duplicates would sync a GPU)" if layout == "sparse_coo" else ""
+        return f"a {layout} tensor, whose values precprof does not read{why}"
     if x.is_complex():
         return f"a complex tensor ({str(x.dtype).removeprefix('torch.')}): precprof reads real floating-point values"
     if type(x) not in _PLAIN and hasattr(x, "__tensor_flatten__"):
