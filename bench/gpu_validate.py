@@ -309,8 +309,63 @@ def stage_kernels(run: Run) -> dict[str, Any]:
         "block_tiles": _block_tiles(run),
         "row_shapes": _row_shapes(run),
         "param_launches": _param_launches(run),
+        "launch_costs": _launch_costs(run),
         "goals": {"rows_gbps_64M": 1000, "blocks_gbps_16M": 300},
     }
+
+
+def _launch_costs(run: Run) -> dict[str, Any]:
+    """Host time of one launch, layer by layer, on a 1,024-value fp32 tensor (no sync inside the timed loop):
+    a PyTorch kernel (``torch.add(..., out=)``) for reference; ``TritonRows.add`` (precprof's Python, then the
+    launcher); the direct launcher alone (``_DirectLaunch``: the launch metadata and hooks, then Triton's
+    launcher); Triton's launcher alone (its Python wrapper and the C launch into the driver). On an H200 a row
+    launch cost about 30 us of host time in a sampled step, 6-8 us of it precprof's Python on a CPU: this says
+    where the rest goes. The Python threads alive are listed: one holding the interpreter lock when the C
+    launch gives it up makes the launch wait for it."""
+    import threading
+
+    from precprof.stats import triton_engine as te
+
+    if (run.device.type != "cuda" and not run.dry) or te.unavailable(run.device) is not None:
+        return {}
+    dev, reps = run.device, (3 if run.dry else 2000)
+    x = torch.randn(1024, device=dev)
+    y = torch.empty_like(x)
+    buf = StatsBuffer(1, dev, engine="triton", dtypes=[torch.float32])
+    part = buf.primary
+    assert part is not None and part._triton is not None
+    rows_engine, data = part._triton, part.dense()
+    stream = rows_engine._stream() if run.cuda else 0
+
+    def per_call_us(fn: Callable[[], Any]) -> float:
+        fn()
+        _sync(dev)
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        host = time.perf_counter() - t
+        _sync(dev)
+        return host / reps * 1e6
+
+    out: dict[str, Any] = {
+        "threads": [t.name for t in threading.enumerate()],
+        "launch": rows_engine.direct_status,
+    }
+    out["torch_add_us"] = per_call_us(lambda: torch.add(x, 1.0, out=y))
+    out["rows_add_us"] = per_call_us(lambda: rows_engine.add(x, data, 0, stream))
+    direct = rows_engine._direct.get(te.Variant(0, False, x.data_ptr() % 16 == 0))
+    if direct is not None:
+        lo, scratch, uf, fp8 = rows_engine._ptrs[0]
+        geometry = rows_engine._geometry(x)
+        args = (x.data_ptr(), *geometry, data.data_ptr(), 0, scratch, lo, uf, fp8, *te._GRID_PID)
+        out["direct_launcher_us"] = per_call_us(lambda: direct(1, stream, args))
+        full = (*args, *direct._constexprs)
+        run_ = direct._run
+        fn, packed = direct._function, direct._packed
+        out["triton_launcher_us"] = per_call_us(
+            lambda: run_(1, 1, 1, stream, fn, packed, None, None, None, *full)
+        )
+    return out
 
 
 def _gpt2_small_params() -> list[tuple[int, ...]]:
