@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 BUDGET_S=${BUDGET_S:-480}
 STAGES=${STAGES:-env,profile,kernels,first_step,overhead,host,memory_cost}
-TESTS=${TESTS-other_process or block_kernels_direct or direct_launch or accumulator or rounding_on_bits or hand_built_cuda or bit_for_bit or current_scaling_ties}
+TESTS=${TESTS-other_process or block_kernels_direct or direct_launch or nothing_compiles or accumulator or rounding_on_bits or hand_built_cuda or bit_for_bit or current_scaling_ties}
 start=$(date +%s)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
