@@ -169,8 +169,9 @@ class StepHooks:
 
     # ------------------------------------------------------------------------------------------ reading
     def _add(self, x: torch.Tensor, row: int, assign: bool = False) -> bool:
-        """Read ``x`` into ``row``: the model device's rows directly, any other device (or a sparse tensor)
-        through the buffer (which skips and counts a tensor it cannot read: then False)."""
+        """Read ``x`` into ``row``: the model device's rows directly, any other device (or a tensor the engines
+        cannot read in place: sparse, a wrapper subclass) through the buffer (which skips and counts a tensor
+        it cannot read: then False)."""
         primary = self._primary
         if (
             primary is not None

@@ -153,8 +153,8 @@ class ProfilerResults:
         return out
 
     def skipped_tensors(self) -> list[dict[str, Any]]:
-        """Tensors the statistics could not read (``stats.buffer.unreadable``: on the ``meta`` device, or
-        sparse), per row, with how many times over the run and why."""
+        """Tensors the statistics could not read (``stats.buffer.unreadable``: on the ``meta`` device, sparse,
+        complex, a wrapper subclass), per row, with how many times over the run and why."""
         if self._buffer is None or self._plan is None:
             return []
         out = []

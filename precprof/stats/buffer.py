@@ -109,8 +109,8 @@ class StatsBuffer:
     Each tensor is read on its own device, by that device's engine (``precprof.stats.engine``), into that
     device's rows (:class:`DeviceRows`, made at the first tensor seen there); no engine ever receives another
     device's pointer. ``to_host``/``dense`` merge the devices' rows with :func:`~precprof.stats.layout.merge_rows`
-    at the flush. A tensor no engine can read (``unreadable``: on the ``meta`` device, or sparse) is skipped and
-    counted in ``skipped``, and why in ``skipped_why``.
+    at the flush. A tensor no engine can read in place (``unreadable``: on the ``meta`` device, sparse, complex,
+    a wrapper subclass) is skipped and counted in ``skipped``, and why in ``skipped_why``.
 
     ``device`` is where the rows are merged (the model's device); ``engine`` forces an engine (default:
     ``PRECPROF_STATS_ENGINE``, else "auto"); ``host_rows=False`` runs the device code path on the CPU (tests).
