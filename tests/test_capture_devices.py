@@ -261,6 +261,7 @@ def test_a_sparse_gradient_is_skipped_counted_and_reported_and_training_goes_on(
     prof.save(tmp_path / "run", render=True)  # type: ignore[operator]
     html = (tmp_path / "run" / "report.html").read_text()  # type: ignore[operator]
     assert 'id="skipped-tensors"' in html and "sparse_coo tensor" in html
+    assert 'id="verdict-not-measured">1 tensor precprof could not read' in html
     prof.detach()
 
 
