@@ -391,15 +391,15 @@ def _gpt2_small_params() -> list[tuple[int, ...]]:
 def _param_launches(run: Run) -> list[dict[str, Any]]:
     """A sampled step's parameters (GPT-2 small's 148, fp32 and bf16) read one launch each (``add``) and 16 a
     launch (``add_many``, what the hooks call): the host time to enqueue them (no sync), the device time, and
-    whether both write the same rows. A dry run: the shapes divided by 64, in Triton's interpreter."""
+    whether both write the same rows. A dry run: six of the shapes divided by 64, in Triton's interpreter."""
     from precprof.stats import triton_engine as te
 
     if (run.device.type != "cuda" and not run.dry) or te.unavailable(run.device) is not None:
         return []
-    dev, reps = run.device, (2 if run.dry else 20)
+    dev, reps = run.device, (1 if run.dry else 20)
     shapes = _gpt2_small_params()
-    if run.dry:
-        shapes = [tuple(max(1, d // 64) for d in s) for s in shapes[:20]]
+    if run.dry:  # the plumbing: a few shapes, small, in the interpreter (a launch there takes tens of ms)
+        shapes = [tuple(max(1, d // 64) for d in s) for s in shapes[:6]]
     out = []
     for dtype in (torch.float32, torch.bfloat16):
         if run.left() < 30:
