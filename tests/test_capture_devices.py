@@ -458,3 +458,54 @@ def test_what_the_engines_cannot_read_is_named_and_the_rest_is_read() -> None:
     assert unreadable(csr) is not None and "duplicates" not in str(unreadable(csr))
     for t in (nn.Parameter(x), x.t()[1:], x[0, 0], x.to(torch.float8_e4m3fn), x.bfloat16()):
         assert unreadable(t) is None
+
+
+def test_torchaos_float8_weight_wrapper_is_read_through_to_the_weight_it_wraps() -> None:
+    """torchao's weight for FSDP2's float8 all-gather (``WeightWithDynamicFloat8CastTensor``) wraps the bf16
+    or fp32 weight itself; its own ``data_ptr()`` is 0. precprof reads the tensor inside: the weight's rows
+    (read before the step's update) equal the C kernel's rows of the wrapped tensor, its update is sampled,
+    nothing is skipped, and training is bitwise what it is without precprof."""
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    def run(profiled: bool) -> tuple[nn.Module, list[float], precprof.Profiler | None, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        first = nn.Linear(16, 16)
+        w = first.weight.detach().clone()
+        first.weight = nn.Parameter(
+            WeightWithDynamicFloat8CastTensor(w, LinearMMConfig(), torch.float8_e4m3fn)
+        )
+        model = nn.Sequential(first, nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        prof = precprof.Profiler(model, optimizer=opt, sample_every=1).attach() if profiled else None
+        torch.manual_seed(1)
+        losses, before = [], []
+        for _ in range(3):
+            before = [first.weight._tensor.detach().clone()]  # the values the step's weight read sees
+            loss = model(torch.randn(8, 16)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if prof is not None:
+                prof.step()
+            losses.append(float(loss.detach()))
+        return model, losses, prof, before
+
+    assert nn.Linear(2, 2).weight.data_ptr() != 0
+    plain, plain_losses, _, _ = run(False)
+    model, losses, prof, (last,) = run(True)
+    assert prof is not None and losses == plain_losses
+    assert model[0].weight.data_ptr() == 0  # (the wrapper's own: nothing to read there)
+    assert torch.equal(model[0].weight._tensor, plain[0].weight._tensor)
+    assert not prof.summary()["skipped_tensors"]
+    layers = prof.tables()["layers"]
+    row = layers[(layers[T.STEP] == 2) & (layers[T.MODULE] == "0") & (layers[T.TENSOR] == T.WEIGHT)]
+    row = row[row[T.PARAM] == "weight"]
+    c = StatsBuffer(1, "cpu", engine="c")
+    c.accumulate(last, 0)
+    want = c.to_host()[0]
+    assert int(row[T.NUMEL].iloc[0]) == 256 and int(row[T.ZEROS].iloc[0]) == int(want[c.layout.zeros])
+    assert float(row[T.ABSMAX].iloc[0]) == float(last.abs().max())
+    assert ((layers[T.MODULE] == "0") & (layers[T.TENSOR] == T.WEIGHT_UPDATE)).any()
+    prof.detach()

@@ -164,10 +164,35 @@ class _PendingStep:
     reason: str = ""  # why the step was sampled (capture.sampling), "" when it was not
 
 
+_PLAIN_TYPES = frozenset({torch.Tensor, nn.Parameter})
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP2, tensor parallel); any other tensor as it is."""
+    """This rank's shard of a DTensor (FSDP2, tensor parallel), and the tensor inside a wrapper that holds the
+    values as they are (torchao's float8 weight for FSDP2's all-gather, ``WeightWithDynamicFloat8CastTensor``:
+    its ``data_ptr()`` is 0, its values those of the bf16 or fp32 tensor it wraps); any other tensor as it
+    is (another wrapper subclass, such as torchao's NF4 weight, whose values are not in one tensor, is then
+    skipped and counted: ``stats.buffer.unreadable``)."""
     to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+    if callable(to_local):
+        t = to_local()
+    if type(t) in _PLAIN_TYPES or not hasattr(t, "__tensor_flatten__"):
+        return t
+    return _values_inside(t)
+
+
+def _values_inside(t: torch.Tensor) -> torch.Tensor:
+    """The one tensor inside wrapper ``t`` with ``t``'s shape and dtype, when every other tensor inside is a
+    scalar (a scale); else ``t``."""
+    try:
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        inner = [x for x in (getattr(t, n, None) for n in names) if isinstance(x, torch.Tensor)]
+    except Exception:  # a wrapper that cannot say what it holds
+        return t
+    same = [x for x in inner if x.shape == t.shape and x.dtype == t.dtype]
+    if len(same) != 1 or any(x.numel() > 1 for x in inner if x is not same[0]):
+        return t
+    return _local(same[0])
 
 
 def _iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
