@@ -8,6 +8,8 @@ transfer per device (``precprof.stats.transfer.to_host``), the Profiler's one sy
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -207,6 +209,35 @@ def test_a_buffer_named_by_another_spelling_keeps_one_row_set() -> None:
     assert np.array_equal(buf.to_host(), one.to_host())
 
 
+def _three_steps(
+    make: Callable[[], tuple[nn.Module, torch.optim.Optimizer]],
+    inputs: Callable[[], torch.Tensor],
+    profiled: bool,
+    before_step: Callable[[nn.Module], None] | None = None,
+) -> tuple[nn.Module, list[float], precprof.Profiler | None]:
+    """Three training steps of the model ``make`` builds (seed 0) on ``inputs()`` (seed 1), the loss the mean
+    square of the output, with a Profiler sampling every step (its kernels compiled at attach: a compile
+    beside the training may hold sampling past three steps) or without; ``before_step(model)`` after each
+    backward. Returns the model, the losses and the Profiler."""
+    torch.manual_seed(0)
+    model, opt = make()
+    kw = {"sample_every": 1, "compile_beside": False}
+    prof = precprof.Profiler(model, optimizer=opt, **kw).attach() if profiled else None
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(3):
+        loss = model(inputs()).float().square().mean()
+        loss.backward()
+        if before_step is not None:
+            before_step(model)
+        opt.step()
+        opt.zero_grad()
+        if prof is not None:
+            prof.step()
+        losses.append(float(loss.detach()))
+    return model, losses, prof
+
+
 @pytest.mark.parametrize("engine", ["c", "triton"])
 def test_a_sparse_gradient_is_skipped_counted_and_reported_and_training_goes_on(
     engine: str, monkeypatch: pytest.MonkeyPatch, tmp_path: object
@@ -222,28 +253,15 @@ def test_a_sparse_gradient_is_skipped_counted_and_reported_and_training_goes_on(
             pytest.skip(str(triton_engine.unavailable(torch.device("cpu"))))
     monkeypatch.setenv("PRECPROF_STATS_ENGINE", engine)
 
-    def run(profiled: bool) -> tuple[nn.Module, list[float], precprof.Profiler | None, list[torch.Tensor]]:
-        torch.manual_seed(0)
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
         model = nn.Sequential(nn.Embedding(50, 8, sparse=True), nn.Linear(8, 4))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        # kernels compiled at attach: a compile beside the training may hold sampling past the three steps
-        kw = {"sample_every": 1, "compile_beside": False}
-        prof = precprof.Profiler(model, optimizer=opt, **kw).attach() if profiled else None
-        losses, last_linear_grad = [], []
-        for _ in range(3):
-            x = torch.randint(0, 50, (6, 5))
-            loss = model(x).square().mean()
-            loss.backward()
-            last_linear_grad = [model[1].weight.grad.clone()]
-            opt.step()
-            opt.zero_grad()
-            if prof is not None:
-                prof.step()
-            losses.append(loss.item())
-        return model, losses, prof, last_linear_grad
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
-    plain, plain_losses, _, _ = run(False)
-    model, losses, prof, (grad,) = run(True)
+    grads: list[torch.Tensor] = []
+    plain, plain_losses, _ = _three_steps(make, lambda: torch.randint(0, 50, (6, 5)), False)
+    model, losses, prof = _three_steps(make, lambda: torch.randint(0, 50, (6, 5)), True,
+                                       lambda m: grads.append(m[1].weight.grad.clone()))  # fmt: skip
+    grad = grads[-1]
     assert prof is not None
     assert losses == plain_losses
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
@@ -285,26 +303,14 @@ def test_a_complex_parameter_is_skipped_counted_and_reported_and_training_goes_o
     the update sample leaves it out; no warning; training is bitwise what it is without precprof."""
     import warnings
 
-    def run(profiled: bool) -> tuple[nn.Module, list[float], precprof.Profiler | None]:
-        torch.manual_seed(0)
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
         model = _ComplexMix()
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-        prof = precprof.Profiler(model, optimizer=opt, sample_every=1).attach() if profiled else None
-        losses = []
-        for _ in range(3):
-            loss = model(torch.randn(4, 8)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if prof is not None:
-                prof.step()
-            losses.append(loss.item())
-        return model, losses, prof
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
-    plain, plain_losses, _ = run(False)
+    plain, plain_losses, _ = _three_steps(make, lambda: torch.randn(4, 8), False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        model, losses, prof = run(True)
+        model, losses, prof = _three_steps(make, lambda: torch.randn(4, 8), True)
     assert prof is not None and losses == plain_losses
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
     skipped = {(s["tensor"], s["param"], s["count"]) for s in prof.summary()["skipped_tensors"]}
@@ -334,29 +340,15 @@ def test_a_wrapper_subclass_parameter_is_skipped_and_training_goes_on(
             pytest.skip(str(triton_engine.unavailable(torch.device("cpu"))))
     monkeypatch.setenv("PRECPROF_STATS_ENGINE", engine)
 
-    def run(profiled: bool) -> tuple[nn.Module, list[float], precprof.Profiler | None]:
-        torch.manual_seed(0)
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
         first = nn.Linear(8, 8)
         w = first.weight.detach()
         first.weight = nn.Parameter(TwoTensor(w.clone(), w.clone()))
         model = nn.Sequential(first, nn.Linear(8, 4))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        kw = {"sample_every": 1, "compile_beside": False}  # (every step sampled, Triton's too)
-        prof = precprof.Profiler(model, optimizer=opt, **kw).attach() if profiled else None
-        torch.manual_seed(1)
-        losses = []
-        for _ in range(3):
-            loss = model(torch.randn(4, 8)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if prof is not None:
-                prof.step()
-            losses.append(float(loss.detach()))
-        return model, losses, prof
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
-    plain, plain_losses, _ = run(False)
-    model, losses, prof = run(True)
+    plain, plain_losses, _ = _three_steps(make, lambda: torch.randn(4, 8), False)
+    model, losses, prof = _three_steps(make, lambda: torch.randn(4, 8), True)
     assert prof is not None and losses == plain_losses
     for a, b in zip(model.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a.a, b.a) if isinstance(a, TwoTensor) else torch.equal(a, b)
@@ -395,25 +387,15 @@ def test_qlora_with_torchaos_nf4_weights_trains_the_same_and_reads_the_adapters(
     weights, gradients and updates and every activation are read; training is bitwise unchanged."""
     pytest.importorskip("torchao")
 
-    def run(profiled: bool) -> tuple[nn.Module, list[float], precprof.Profiler | None]:
-        torch.manual_seed(0)
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
         model = nn.Sequential(_QLoRA(), _QLoRA())
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        prof = precprof.Profiler(model, optimizer=opt, sample_every=1).attach() if profiled else None
-        torch.manual_seed(1)
-        losses = []
-        for _ in range(3):
-            loss = model(torch.randn(8, 256, dtype=torch.bfloat16)).float().square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if prof is not None:
-                prof.step()
-            losses.append(float(loss.detach()))
-        return model, losses, prof
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 
-    plain, plain_losses, _ = run(False)
-    model, losses, prof = run(True)
+    def inputs() -> torch.Tensor:
+        return torch.randn(8, 256, dtype=torch.bfloat16)
+
+    plain, plain_losses, _ = _three_steps(make, inputs, False)
+    model, losses, prof = _three_steps(make, inputs, True)
     assert prof is not None and losses == plain_losses
     adapters = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     assert len(adapters) == 4
@@ -469,32 +451,21 @@ def test_torchaos_float8_weight_wrapper_is_read_through_to_the_weight_it_wraps()
     from torchao.float8.float8_training_tensor import LinearMMConfig
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    def run(profiled: bool) -> tuple[nn.Module, list[float], precprof.Profiler | None, list[torch.Tensor]]:
-        torch.manual_seed(0)
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
         first = nn.Linear(16, 16)
         w = first.weight.detach().clone()
         first.weight = nn.Parameter(
             WeightWithDynamicFloat8CastTensor(w, LinearMMConfig(), torch.float8_e4m3fn)
         )
         model = nn.Sequential(first, nn.Linear(16, 4))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        prof = precprof.Profiler(model, optimizer=opt, sample_every=1).attach() if profiled else None
-        torch.manual_seed(1)
-        losses, before = [], []
-        for _ in range(3):
-            before = [first.weight._tensor.detach().clone()]  # the values the step's weight read sees
-            loss = model(torch.randn(8, 16)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if prof is not None:
-                prof.step()
-            losses.append(float(loss.detach()))
-        return model, losses, prof, before
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
+    weights: list[torch.Tensor] = []  # the values each step's weight read saw (before its update)
     assert nn.Linear(2, 2).weight.data_ptr() != 0
-    plain, plain_losses, _, _ = run(False)
-    model, losses, prof, (last,) = run(True)
+    plain, plain_losses, _ = _three_steps(make, lambda: torch.randn(8, 16), False)
+    model, losses, prof = _three_steps(make, lambda: torch.randn(8, 16), True,
+                                       lambda m: weights.append(m[0].weight._tensor.detach().clone()))  # fmt: skip
+    last = weights[-1]
     assert prof is not None and losses == plain_losses
     assert model[0].weight.data_ptr() == 0  # (the wrapper's own: nothing to read there)
     assert torch.equal(model[0].weight._tensor, plain[0].weight._tensor)
