@@ -75,8 +75,8 @@ def test_a_dtypes_tensors_go_sixteen_a_launch_with_the_c_kernels_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """20 fp32 tensors (from one value to several blocks a program, each with rare values) in two launches,
-    bf16, fp16, fp8 and fp64 ones in one each; a strided view, a view off a 16-byte boundary and an empty
-    tensor beside them take their own path. Every row equals the C kernel's, bit for bit."""
+    bf16, fp16, fp8 and fp64 ones in one each; a strided view, a view off a 16-byte boundary, a view of four
+    strided dimensions (the torch-op path) and an empty tensor beside them take their own path. Every row equals the C kernel's, bit for bit."""
     launches = _spy(monkeypatch)
     # (the interpreter runs 4 programs: from 1,537 values up, a program reads more than one block)
     sizes = [1, 2, 7, 33, 511, 512, 513, 700, 1024, 1500, 2048, 2049, 2600, 3, 17, 9, 64, 100, 257, 1100]
@@ -87,6 +87,7 @@ def test_a_dtypes_tensors_go_sixteen_a_launch_with_the_c_kernels_rows(
         _hand_built(900, 7, torch.float32).view(30, 30)[:, :17],
         _hand_built(901, 8, torch.float32)[1:],
         torch.zeros(0),
+        _hand_built(4096, 9, torch.float32).view(8, 8, 8, 8)[::2, 1::2, ::2, 1::2],  # 4 strides: torch ops
     ]
     tensors += odd
     rows = list(range(len(tensors)))[::-1]  # any row for any tensor

@@ -116,6 +116,10 @@ class DeviceRows(_rows.Rows):
         # (the stream ordered on is the launch's: read once)
         if self._triton is not None and self._triton.add(x, self._data, row, self._last_raw_stream):
             return
+        self._by_torch_ops(x, row)
+
+    def _by_torch_ops(self, x: torch.Tensor, row: int) -> None:
+        """``x`` into ``row`` by torch ops, in chunks (a dtype or layout the Triton kernel does not read)."""
         flat = x.detach().reshape(-1)
         self._accumulate_device(flat, row, self.chunk if self.chunk and self.chunk > 0 else flat.numel())
 
@@ -141,10 +145,7 @@ class DeviceRows(_rows.Rows):
                 at.append(row)
         self._order_stream()
         for i in self._triton.add_many(live, self._data, at, self._last_raw_stream):
-            flat = live[i].detach().reshape(-1)
-            self._accumulate_device(
-                flat, at[i], self.chunk if self.chunk and self.chunk > 0 else flat.numel()
-            )
+            self._by_torch_ops(live[i], at[i])
 
     @torch.no_grad()
     def _accumulate_device(self, flat: torch.Tensor, row: int, chunk: int) -> None:
