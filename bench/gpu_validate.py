@@ -275,7 +275,7 @@ def _collect_files(files: list[Path], gpu_marked: bool, timeout_s: float) -> dic
 
 def stage_kernels(run: Run) -> dict[str, Any]:
     dev = run.device
-    sizes = [1 << 20] if run.dry else [1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28]
+    sizes = [1 << 16] if run.dry else [1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28]
     row_engines = ["c", "torch"] if dev.type == "cpu" else ["triton", "torch"]
     block_engine = "c" if dev.type == "cpu" else "triton"
     reps = 3 if run.dry else 10
@@ -666,6 +666,11 @@ def stage_first_step(run: Run) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="precprof-triton-cache-") as cache:
         # the same empty cache, then the one the first run left; then no profiler (a first step is slow anyway)
         for label in ("cold", "warm", "plain"):
+            if (
+                label == "warm" and not run.cuda
+            ):  # the CPU's kernel is C, compiled once: "warm" repeats "cold"
+                out[label] = {"status": "skipped", "reason": "no CUDA: no Triton cache to warm"}
+                continue
             if run.left() < 60:
                 out[label] = {"status": "skipped", "reason": "budget"}
                 continue
@@ -707,7 +712,11 @@ def stage_host(run: Run) -> dict[str, Any]:
     """bench/host_cost.py on the device: host work per inspected tensor of a sampled step (launches included)
     on a stack of 100 tiny blocks, and a sampled step's added time by part (goal: <= 15 us per tensor)."""
     out = Path(tempfile.mkdtemp(prefix="precprof-host-")) / "host_cost.json"
-    args = ["--device", "cpu", "--rounds", "1", "--steps", "2"] if run.dry else ["--device", "cuda"]
+    args = (
+        ["--device", "cpu", "--rounds", "1", "--steps", "2", "--blocks", "20"]
+        if run.dry
+        else ["--device", "cuda"]
+    )
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "host_cost.py"), *args, "--out", str(out)],
         capture_output=True,

@@ -44,20 +44,21 @@ def _spec(**kw: object) -> triton_ahead.Ahead:
 def test_the_other_process_fills_the_cache_and_a_second_finds_every_kernel_there(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Compiled for sm_90 in another process (no GPU, the interpreter off there): the row kernels of two
-    dtypes (4 variants each) and the block kernels land in the cache given by TRITON_CACHE_DIR, with their
-    cubins; the same spec compiled again writes nothing (every kernel a hit), and other rows (another block)
-    are other kernels."""
+    """Compiled for sm_90 in another process (no GPU, the interpreter off there): the row kernels of a dtype
+    (4 variants) and the block kernels land in the cache given by TRITON_CACHE_DIR, with their cubins; the
+    same spec compiled again writes nothing (every kernel a hit), and other rows (another block) are other
+    kernels. (One dtype: each kernel's compile for sm_90 takes seconds of the suite.)"""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    assert triton_ahead.compile_ahead(_spec()) is None
+    fp32 = _spec(dtypes=(torch.float32,))
+    assert triton_ahead.compile_ahead(fp32) is None
     first = _files(tmp_path)
     cubins = [f for f in first if f.endswith(".cubin")]
-    assert len(cubins) >= 8 + 1, sorted(first)  # 8 row variants, at least one block kernel
+    assert len(cubins) >= 4 + 1, sorted(first)  # 4 row variants, at least one block kernel
     # every kernel that finishes in its last program: one ordered atomic (the counter of programs done) and
     # every other global atomic relaxed (at the default, acq_rel, each cost the program a fence: a launch of a
     # 768-value tensor took 12.8 us on an H200)
     row_ptx = [f for f in first if f.endswith(("_rows.ptx", "_rows_many.ptx"))]
-    assert len(row_ptx) == 8, row_ptx
+    assert len(row_ptx) == 4, row_ptx
     for ptx in row_ptx + [f for f in first if f.endswith("_blocks.ptx")]:
         ops = re.findall(r"^\s*(?:@%p\d+\s+)?((?:atom|red)\.global\S*)", (tmp_path / ptx).read_text(), re.M)
         ordered = [op for op in ops if ".relaxed" not in op]
@@ -66,12 +67,12 @@ def test_the_other_process_fills_the_cache_and_a_second_finds_every_kernel_there
             ordered,
         )
     t0 = time.perf_counter()
-    assert triton_ahead.compile_ahead(_spec()) is None
+    assert triton_ahead.compile_ahead(fp32) is None
     again_s = time.perf_counter() - t0
     assert _files(tmp_path) == first
     assert triton_ahead.compile_ahead(_spec(block=1024, dtypes=(torch.float32,), block_dtypes=())) is None
     more = _files(tmp_path) - first
-    assert len([f for f in more if f.endswith(".cubin")]) == 4  # one dtype's 4 row variants, anew
+    assert len([f for f in more if f.endswith(".cubin")]) == 4  # the dtype's 4 row variants, anew
     assert again_s < 60  # a lookup, not a compile (no timing claim beyond "did not hang")
 
 
