@@ -370,3 +370,25 @@ def to_arrow(name: str, rows: list[dict[str, Any]] | pd.DataFrame | Mapping[str,
         else:
             arrays.append(pa.array(v, from_pandas=True))
     return pa.Table.from_arrays(arrays, names=[str(c) for c in df.columns])
+
+
+def arrow_of_columns(name: str, cols: Mapping[str, np.ndarray | list[Any] | pa.Array]) -> pa.Table:
+    """:func:`to_arrow` of columns that are already arrays of one length (a sampled step's decoded layer or
+    histogram columns), the same table without building a pandas frame twice on the way: the stream writer's
+    thread spent two thirds of a flush there, holding the interpreter lock the training wants. A schema column
+    missing from ``cols`` is null (as :func:`frame`'s NaN becomes), text columns are strings."""
+    n = len(next(iter(cols.values()))) if cols else 0
+    names = [*TABLES[name], *(c for c in cols if c not in TABLES[name])]
+    arrays = []
+    for c in names:
+        v = cols.get(c)
+        text = c in _TEXT_COLUMNS
+        if v is None:
+            arrays.append(pa.nulls(n, pa.string() if text else pa.float64()))
+        elif isinstance(v, pa.Array):
+            arrays.append(v.cast(pa.string()) if text and v.type != pa.string() else v)
+        elif text:
+            arrays.append(pa.array(np.asarray(v, dtype=object), type=pa.string(), from_pandas=True))
+        else:
+            arrays.append(pa.array(np.asarray(v), from_pandas=True))
+    return pa.Table.from_arrays(arrays, names=[str(c) for c in names])

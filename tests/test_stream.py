@@ -297,6 +297,8 @@ def test_resume_adopts_a_run_that_saved_its_tables(tmp_path: Path) -> None:
 
 
 def test_the_recording_memory_stays_bounded(tmp_path: Path) -> None:
+    from precprof.capture.recorded import Flush
+
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(32, 32) for _ in range(6)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -311,13 +313,16 @@ def test_the_recording_memory_stays_bounded(tmp_path: Path) -> None:
                 prof.step()
                 if step % 10 == 0 or step == 119:
                     sizes[how].append(prof._recorded.host_bytes)
-            if how == "memory":  # a step's rows decoded (as the writer thread holds the one it writes)
+            if how == "memory":  # one step's flush as the stream holds it: its rows and its Arrow tables
                 prof.tables()
-                decoded = prof._recorded.host_bytes / 120
+                kept = prof._recorded.kept
+                one = Flush(kept.step_rows[:1], kept.layer_parts[:1], kept.hist_parts[:1])
+                one.arrow()
+                per_flush = one.nbytes  # decoded rows, an upper bound of the compact ones the stream holds
     # kept in memory, the recording grows with the run (120 sampled steps)
     assert sizes["memory"][-1] > 100 * sizes["memory"][0]
     # streamed, it holds what waits for the writer: at most the queue, the flush being written and a new one
-    assert max(sizes["stream"]) <= 4 * max(decoded, sizes["memory"][0])
+    assert max(sizes["stream"]) <= 4 * per_flush < sizes["memory"][-1] / 4
     assert len(T.read_tables(tmp_path / "run")["steps"]) == 120
 
 
@@ -527,3 +532,76 @@ def test_a_flush_decoded_on_two_threads_at_once_holds_each_step_once(monkeypatch
     assert len(shared.layer_parts) == len(shared.hist_parts) == 3  # one per sampled step
     for name in ("layers", "histograms"):
         pd.testing.assert_frame_equal(got[name], want[name])
+
+
+@pytest.mark.usefixtures("block_formats_on")
+def test_the_stream_writes_each_flush_as_the_frames_path_would_type_for_type() -> None:
+    """The stream writer turns a flush's layer and histogram columns into Arrow without a pandas frame on the
+    way (``Flush.arrow``): every table equals, schema and values, what ``to_arrow`` makes of ``frames()``, for
+    flushes of one sampled step, of several (block columns on some steps only: NaN on the others), with fp16
+    loss scaling, memory rows, a step that recorded no layer, and a skipped tensor."""
+    from precprof.capture.recorded import Flush, Recorded
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    flushes: list[Flush] = []
+    take = Recorded.take
+
+    def kept(self: Recorded) -> Flush:
+        flush = take(self)
+        flushes.append(flush)
+        return flush
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Recorded, "take", kept)
+        prof = precprof.Profiler(model, opt, scaler=scaler, sample_every=2, block_groups=2)
+        with prof:
+            for _ in range(6):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(torch.randn(4, 8)).float().square().mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                prof.step(loss=loss.detach())
+    assert any(f.memory_rows for f in flushes) and any(f.layer_parts for f in flushes)
+    whole = Flush()
+    for f in flushes:
+        whole.extend(f)
+    for flush in [*flushes, whole]:
+        frames = flush.frames()
+        got = flush.arrow()
+        for name in T.TABLES:
+            if frames[name].empty and name != "steps":
+                assert name not in got
+                continue
+            want = T.to_arrow(name, frames[name])
+            assert got[name].schema == want.schema, (name, got[name].schema, want.schema)
+            assert got[name].equals(want), name
+    blocks = whole.frames()["layers"][T.BLOCK_COLUMNS[0]]
+    assert blocks.isna().any() and blocks.notna().any()  # rows with block numbers and rows without
+
+
+def test_columns_joined_from_arrow_lists_and_missing_pieces_make_the_frames_table() -> None:
+    """Parts of a flush may hold a text column as Arrow strings (decoded for the stream), as a list, or not at
+    all, and a number column as integers in one part and missing in another: joined, the Arrow table equals
+    ``to_arrow`` of the pandas frame the same parts make (whose missing texts were the text "nan" before)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from precprof.capture.records import _join_columns, _joined
+
+    parts = [
+        {T.STEP: np.array([1, 1]), T.MODULE: pa.array(["a", "b"]), T.CALLS: np.array([1, 2])},
+        {T.STEP: np.array([2]), T.MODULE: ["<c>"], T.NUMEL: np.array([7.0])},
+        {T.STEP: np.array([3, 3]), T.CALLS: np.array([3, 4])},
+    ]
+    pandas_parts = [{k: v.to_pylist() if isinstance(v, pa.Array) else v for k, v in p.items()} for p in parts]
+    want = T.to_arrow("layers", T.frame("layers", _join_columns(pandas_parts)))
+    got = T.arrow_of_columns("layers", _joined(parts))
+    assert got.schema == want.schema and got.equals(want)
+    assert got.column(T.MODULE).to_pylist() == ["a", "b", "<c>", None, None]
+    assert _join_columns(pandas_parts)[T.MODULE].isna().tolist() == [False] * 3 + [True] * 2  # not "nan"
+    assert got.column(T.CALLS).to_pylist() == [1.0, 2.0, None, 3.0, 4.0]

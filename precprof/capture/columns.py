@@ -8,6 +8,7 @@ import math
 from typing import Any, NamedTuple
 
 import numpy as np
+import pyarrow as pa
 
 from precprof import stats as st
 from precprof import tables as T
@@ -81,21 +82,24 @@ class StepRows:
         kept = (self.active, self.calls, self.dtype_bits, self.counts, self.bin_at, self.bin_counts)
         return sum(int(a.nbytes) for a in (*kept, self.evaluated, self.block_values))
 
-    def decode(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def decode(self, arrow: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """The layers columns of the active rows (their block columns included) and their histogram columns
-        (None when every histogram is empty)."""
+        (None when every histogram is empty). ``arrow``: the text columns as Arrow strings, taken from the
+        row table's texts made into Arrow once (the stream's tables: a list of Python strings per column and
+        step took a third of the time of making them)."""
         n, w = len(self.active), self.hi - self.lo
         window = np.zeros(n * w, dtype=np.int64)
         window[self.bin_at] = self.bin_counts
         data = np.zeros((n, st.ROW_WIDTH), dtype=np.int64)
         data[:, : st.COL_HIST] = self.counts
         data[:, st.COL_HIST + self.lo : st.COL_HIST + self.hi] = window.reshape(n, w)
-        cols, hist = self._layer_columns(data)
+        cols, hist = self._layer_columns(data, arrow)
         cols.update(self._block_columns())
         return cols, hist
 
-    def _layer_columns(self, data: np.ndarray) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def _layer_columns(self, data: np.ndarray, arrow: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
         fixed, active, step = self.fixed, self.active, self.step
+        text = _arrow_texts(fixed) if arrow else _list_texts(fixed)
         n = len(active)
         scales = np.where(fixed["gradient"][active], self.scale, 1.0)
         d = st.decode_rows(data, scales)
@@ -103,15 +107,16 @@ class StepRows:
         # per row the same few dtype texts: each distinct one made once
         bits, which = np.unique(self.dtype_bits, return_inverse=True)
         texts = np.array([records.dtype_text_of(int(b)) for b in bits], dtype=object)
+        which = which.reshape(-1)
         order = self.order
         cols: dict[str, Any] = {
             T.STEP: np.full(n, step, dtype=np.int64),
             T.ORDER: np.array([order.get(m, -1) for m in modules], dtype=np.int64),
-            T.MODULE: modules.tolist(),
-            T.MODULE_TYPE: fixed["module_type"][active].tolist(),
-            T.TENSOR: fixed["tensor"][active].tolist(),
-            T.PARAM: fixed["param"][active].tolist(),
-            T.DTYPE: texts[which.reshape(-1)].tolist(),
+            T.MODULE: text("module", active),
+            T.MODULE_TYPE: text("module_type", active),
+            T.TENSOR: text("tensor", active),
+            T.PARAM: text("param", active),
+            T.DTYPE: pa.array(texts, pa.string()).take(which) if arrow else texts[which].tolist(),
             T.CALLS: self.calls,
             T.NUMEL: d["numel"],
             T.ZEROS: d["zeros"],
@@ -137,9 +142,9 @@ class StepRows:
         at = active[r_idx]
         hist = {
             T.STEP: np.full(len(r_idx), step, dtype=np.int64),
-            T.MODULE: fixed["module"][at],
-            T.TENSOR: fixed["tensor"][at],
-            T.PARAM: fixed["param"][at],
+            T.MODULE: text("module", at, False),
+            T.TENSOR: text("tensor", at, False),
+            T.PARAM: text("param", at, False),
             T.EXPONENT: st.EXP_MIN + bins - d["shift"][r_idx],
             T.COUNT: d["hist"][r_idx, bins],
         }
@@ -166,3 +171,24 @@ class StepRows:
                 for k, stat in enumerate(T.BLOCK_STATS):
                     out[T.block_col(recipe, stat, orient)] = sub[:, o, r, k]
         return out
+
+
+_TEXTS = ("module", "module_type", "tensor", "param")
+# per row table (its ``columns()``, made once and replaced when rows are added): its texts as Arrow strings
+_ARROW_TEXTS: dict[int, tuple[np.ndarray, dict[str, pa.Array]]] = {}
+
+
+def _list_texts(fixed: dict[str, np.ndarray]) -> Any:
+    return lambda name, at, listed=True: fixed[name][at].tolist() if listed else fixed[name][at]
+
+
+def _arrow_texts(fixed: dict[str, np.ndarray]) -> Any:
+    """``fixed``'s text columns as Arrow strings, made once per row table and taken at ``at`` per step."""
+    key = fixed["module"]
+    held = _ARROW_TEXTS.get(id(key))
+    if held is None or held[0] is not key:  # two threads may both make it: the same arrays
+        if len(_ARROW_TEXTS) >= 8:
+            _ARROW_TEXTS.clear()
+        held = _ARROW_TEXTS[id(key)] = (key, {k: pa.array(fixed[k], pa.string()) for k in _TEXTS})
+    made = held[1]
+    return lambda name, at, listed=True: made[name].take(at)

@@ -127,13 +127,13 @@ class StreamWriter:
             )
         seq = self._seq
         self._seq += 1
-        frames = flush.frames()
+        tables = flush.arrow()
         # the steps part last: it commits the flush (a kill before it leaves the others unread)
         for name in (*(n for n in T.TABLES if n != parts.COMMIT_TABLE), parts.COMMIT_TABLE):
-            df = frames.get(name)
-            if df is None or (df.empty and name != parts.COMMIT_TABLE):
+            table = tables.get(name)
+            if table is None or (table.num_rows == 0 and name != parts.COMMIT_TABLE):
                 continue
-            parts.write_part(parts.part_path(self.segment.path, seq, name), T.to_arrow(name, df))
+            parts.write_part(parts.part_path(self.segment.path, seq, name), table)
             self.parts_written += 1
         if (seq + 1) % parts.COMPACT_EVERY == 0:
             try:  # the last COMPACT_EVERY flushes as one part per table: what a reader opens stays few files
