@@ -621,7 +621,9 @@ def sync():
 profiled = sys.argv[6] == "profiled"
 sync(); t = time.perf_counter()
 # the kernels compile beside the training: steps run unsampled until they are loaded, then every other step
-prof = precprof.Profiler(model, optimizer=opt, sample_every=2).attach() if profiled else None
+import tempfile
+run_dir = tempfile.TemporaryDirectory()  # a run directory, as users get one: the rows stream into it
+prof = precprof.Profiler(model, optimizer=opt, sample_every=2, out=run_dir.name).attach() if profiled else None
 sync(); out = {"attach_s": time.perf_counter() - t, "steps_s": [], "sampled": [], "step_starts_s": []}
 t_attach = t
 t_end = time.perf_counter() + float(sys.argv[7])
@@ -837,7 +839,9 @@ def stage_profile(run: Run) -> dict[str, Any]:
     # the same step without precprof first: what a sampled step adds, kernel by kernel
     plain = profiled()
     plain_split = _device_split(events)
-    prof = precprof.Profiler(model, optimizer=opt, sample_every=1).attach()
+    # streaming into a run directory, as users' runs do (the stream's thread is part of what a step costs)
+    run_dir = tempfile.TemporaryDirectory()
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, out=run_dir.name).attach()
     if prof._buffer is not None:
         prof._buffer.wait_ready()  # the kernels precprof launches once its compile is done, not a first compile
     from precprof.stats import triton_engine
@@ -937,6 +941,8 @@ def stage_profile(run: Run) -> dict[str, Any]:
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
     out["cprofile_tottime"] = buf.getvalue()[-7000:]
     prof.detach()
+    prof.tables()  # the stream written, then its folder removed
+    run_dir.cleanup()
     return out  # the model and optimizer go with this frame; the next stage empties the cache
 
 

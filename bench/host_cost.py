@@ -19,6 +19,9 @@ all alike); means of the timed steps:
   -memory      ... without memory tracking (``memory=False``)
   -updates     ... without the weight-update sample (``weight_updates=False``)
   -rows        ... with the row statistics replaced by a no-op (the hooks, lookups and bookkeeping stay)
+  -stream      ... with the rows kept in memory (no ``out=``): every other configuration streams them into a
+               run directory (a temporary folder) as ``precprof train`` and the callbacks do, its writer
+               thread drained after each round, untimed (``--no-stream``: none streams)
   hooks only   every part above off at once: the hooks and the per-step bookkeeping alone
   empty hooks  no profiler: the hooks a sampled step installs, doing nothing (two forward pre-hooks and two
                forward hooks on every module: the statistics' and the memory tracker's; a gradient hook on
@@ -48,12 +51,15 @@ Writes bench/results/host_cost_<device>.json.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import copy
 import json
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,12 +89,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "-memory": {"sample_every": 1, "memory": False, "block_groups": FIXED},
     "-updates": {"sample_every": 1, "weight_updates": False, "block_groups": FIXED},
     "-rows": {"sample_every": 1, "_rows_off": True, "block_groups": FIXED},
+    "-stream": {"sample_every": 1, "_no_stream": True, "block_groups": FIXED},
     "hooks only": {
         "sample_every": 1,
         "block_formats": False,
         "memory": False,
         "weight_updates": False,
         "_rows_off": True,
+        "_no_stream": True,
     },
     "empty hooks": {"_empty_hooks": True},
 }
@@ -97,6 +105,7 @@ PARTS = {  # part: (the configuration with it, the one without)
     "block what-if": ("sampled", "-blocks"),
     "memory tracking (1 sampled step in 4, the default)": ("fixed deal", "-memory"),
     "weight-update sample": ("fixed deal", "-updates"),
+    "stream (the rows made Arrow tables for the writer thread)": ("fixed deal", "-stream"),
 }
 
 
@@ -161,6 +170,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--clock", choices=["thread", "wall"], default=None, help="thread on CPU, wall on CUDA")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="the Profilers keep their rows in memory (no run directory; before 2026-11-28 every run did)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
@@ -176,6 +190,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = copy.deepcopy(base)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         kw = {k: v for k, v in CONFIGS[n].items() if not k.startswith("_")}
+        if not CONFIGS[n].get("_no_stream") and not args.no_stream:  # a run directory, as users get one
+            kw["out"] = tempfile.mkdtemp(prefix="precprof-host-cost-")
+            atexit.register(shutil.rmtree, kw["out"], True)
         # compile_beside=False: on a GPU the kernels compile at attach, before any timed step (as in overhead.py)
         prof = (
             Profiler(model, optimizer=opt, compile_beside=False, **kw).attach()
@@ -226,6 +243,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with ctx:
             for _ in range(steps):
                 one_step(n, record)
+        sink = getattr(getattr(state[n]["prof"], "_recorded", None), "sink", None)
+        if sink is not None:  # its writer thread done before the next configuration's steps, untimed
+            sink.drain()
 
     for n in names:  # warm-up: the first sampled steps build what they reuse
         run(n, 3, record=False)
@@ -286,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch": args.batch,
         "rounds": args.rounds,
         "steps_per_round": args.steps,
+        "stream": not args.no_stream,
         "torch": torch.__version__,
         "precprof": precprof.__version__,
         "inspected_tensors_per_sampled_step": tensors,

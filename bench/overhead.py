@@ -24,6 +24,11 @@ Configurations:
   naive_item      a home-made per-module monitor calling .item() for absmax / nan / inf of every output and
                   gradient (what people write by hand)
 
+Every precprof configuration streams its rows into a run directory (a temporary folder), as ``precprof
+train``, the Hugging Face callback and the Lightning callback do: the stream writer's thread shares the
+interpreter lock with the training. ``--no-stream`` keeps the rows in memory instead (``Profiler()`` without
+``out=``), which is what every run of this bench measured before 2026-11-28.
+
 Usage: python bench/overhead.py [--model gpt-mini] [-a n_layer=4 ...] [--device auto] [--precision bf16] [--blocks 6]
 Writes bench/results/overhead_<device>_<model>[_<key><value>...].json.
 """
@@ -31,12 +36,15 @@ Writes bench/results/overhead_<device>_<model>[_<key><value>...].json.
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import gc
 import json
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -110,6 +118,15 @@ class Floor(Monitor):
             h.remove()
 
 
+STREAM = True  # ``--no-stream`` turns it off: the Profiler keeps its rows in memory (no ``out=``)
+
+
+def _run_dir(name: str) -> str:
+    path = tempfile.mkdtemp(prefix=f"precprof-bench-{name}-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 class Precprof(Monitor):
     def __init__(
         self, sample_every: int | None, block_formats: bool = True, block_groups: int | None = None
@@ -137,6 +154,8 @@ class Precprof(Monitor):
             # the training outlasted every configuration's steps on an H200 (28 s), none of them sampled, and
             # the timings measured the compile's contention (the first_step stage of gpu_validate measures that)
             compile_beside=False,
+            # a run directory, as every user-facing entry point gives one (removed when the bench ends)
+            out=_run_dir(self.name) if STREAM else None,
         )
         self.prof.attach()
 
@@ -307,7 +326,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "debug_uo,naive_item",
     )
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="precprof keeps its rows in memory (no run directory) instead of streaming them to one",
+    )
     args = ap.parse_args(argv)
+    global STREAM
+    STREAM = not args.no_stream
 
     if args.device == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -456,6 +482,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seq": seq,
         "blocks": args.blocks,
         "steps_per_block": args.steps,
+        "stream": STREAM,
         "torch": torch.__version__,
         "precprof": precprof.__version__,
         "results": results,
