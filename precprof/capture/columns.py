@@ -88,11 +88,12 @@ class StepRows:
         row table's texts made into Arrow once (the stream's tables: a list of Python strings per column and
         step took a third of the time of making them)."""
         n, w = len(self.active), self.hi - self.lo
+        # the counts, then the bins lo..hi alone (every other bin is zero): not the rows' whole width
         window = np.zeros(n * w, dtype=np.int64)
         window[self.bin_at] = self.bin_counts
-        data = np.zeros((n, st.ROW_WIDTH), dtype=np.int64)
+        data = np.empty((n, st.COL_HIST + w), dtype=np.int64)
         data[:, : st.COL_HIST] = self.counts
-        data[:, st.COL_HIST + self.lo : st.COL_HIST + self.hi] = window.reshape(n, w)
+        data[:, st.COL_HIST :] = window.reshape(n, w)
         cols, hist = self._layer_columns(data, arrow)
         cols.update(self._block_columns())
         return cols, hist
@@ -102,7 +103,7 @@ class StepRows:
         text = _arrow_texts(fixed) if arrow else _list_texts(fixed)
         n = len(active)
         scales = np.where(fixed["gradient"][active], self.scale, 1.0)
-        d = st.decode_rows(data, scales)
+        d = st.decode_rows(data, scales, first_bin=self.lo)
         modules = fixed["module"][active]
         # per row the same few dtype texts: each distinct one made once
         bits, which = np.unique(self.dtype_bits, return_inverse=True)
@@ -137,7 +138,8 @@ class StepRows:
         lo, hi = d["hist_used"]
         if hi <= lo:
             return cols, None
-        r_idx, bins = np.nonzero(d["hist"][:, lo:hi] != 0)
+        first = d["hist_first"]
+        r_idx, bins = np.nonzero(d["hist"][:, lo - first : hi - first] != 0)
         bins += lo
         at = active[r_idx]
         hist = {
@@ -146,7 +148,7 @@ class StepRows:
             T.TENSOR: text("tensor", at, False),
             T.PARAM: text("param", at, False),
             T.EXPONENT: st.EXP_MIN + bins - d["shift"][r_idx],
-            T.COUNT: d["hist"][r_idx, bins],
+            T.COUNT: d["hist"][r_idx, bins - first],
         }
         return cols, hist
 

@@ -93,26 +93,33 @@ def decode(row: np.ndarray, scale: float = 1.0) -> RowStats:
     )
 
 
-def decode_rows(rows: np.ndarray, scales: np.ndarray) -> dict[str, Any]:
+def decode_rows(rows: np.ndarray, scales: np.ndarray, first_bin: int = 0) -> dict[str, Any]:
     """:func:`decode` of many rows at once (vectorised; the same numbers, row by row).
 
+    ``rows``: [rows, ROW_WIDTH]; with ``first_bin``, [rows, COL_HIST + k], the histogram's bins ``first_bin`` to
+    ``first_bin + k`` alone (every other bin zero: a sampled step's rows hold tens of the N_BINS).
+
     Returns arrays over rows: ``numel``, ``zeros``, ``nan``, ``inf``, ``absmax``, ``absmin`` (unscaled),
-    ``underflow`` / ``overflow`` / ``underflow_cs`` (dicts of arrays by format), ``hist`` (the raw
-    [rows, N_BINS] bins, a view of ``rows``), ``hist_used`` (the bins ``lo:hi`` that hold every nonzero one) and
+    ``underflow`` / ``overflow`` / ``underflow_cs`` (dicts of arrays by format), ``hist`` (the raw bins from
+    ``hist_first`` on, a view of ``rows``), ``hist_used`` (the bins ``lo:hi`` that hold every nonzero one) and
     ``shift`` (per row: exponent of bin i is ``EXP_MIN + i - shift``).
     """
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1, ROW_WIDTH)
+    rows = np.asarray(rows, dtype=np.int64)
+    rows = rows.reshape(-1, rows.shape[-1] if rows.ndim == 2 else ROW_WIDTH)
     scales = np.asarray(scales, dtype=np.float64).reshape(-1)
-    hist = rows[:, COL_HIST : COL_HIST + N_BINS]
+    hist = rows[:, COL_HIST : COL_HIST + N_BINS - first_bin]
     inf = rows[:, COL_INF]
     # the bins any row uses: tens of the N_BINS, the sums below run over those alone
-    used = np.flatnonzero(hist.any(axis=0))
+    used = np.flatnonzero(hist.any(axis=0)) + first_bin
     lo, hi = (int(used[0]), int(used[-1]) + 1) if len(used) else (0, 0)
     underflow, overflow = {}, {}
+    # values <= 2^j: the bins below j, and 2^j itself; one running sum over the used bins serves every format
+    running = np.cumsum(hist[:, lo - first_bin : hi - first_bin], axis=1) if hi > lo else None
     for i, name in enumerate(formats.WHATIF_FORMATS):
         idx = min(max(LAYOUT.underflow_exps[i] - EXP_MIN, 0), hi)
-        # values <= 2^j: the bins below j (a sum per format, not a cumulative sum of every bin), and 2^j itself
-        below = hist[:, lo:idx].sum(axis=1) if idx > lo else np.zeros(len(rows), dtype=np.int64)
+        below = (
+            running[:, idx - lo - 1] if running is not None and idx > lo else np.zeros(len(rows), np.int64)
+        )
         underflow[name] = below + rows[:, COL_POW2_AT + i]
         overflow[name] = rows[:, COL_OVERFLOW + i] - inf
     max_bits = rows[:, COL_ABSMAX_BITS]
@@ -141,6 +148,7 @@ def decode_rows(rows: np.ndarray, scales: np.ndarray) -> dict[str, Any]:
             name: rows[:, COL_UNDERFLOW_CS + i].copy() for i, name in enumerate(formats.FP8_FORMATS)
         },
         "hist": hist,
+        "hist_first": first_bin,
         "hist_used": (lo, hi),
         "shift": shift,
     }
