@@ -10,6 +10,12 @@ from typing import Any
 import pytest
 import torch
 
+# The processes tests start (``precprof train``, the stream's workers, the benches' dry runs) train tiny models on
+# a machine whose cores the pytest workers already share: one intra-op thread each, never two spinning OpenMP
+# threads per process on 2 cores. Set after torch started in this process, which keeps its own threads: the
+# tests here still run the C kernel's and torch's multi-threaded paths.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Without CUDA the Triton engine's kernels run on CPU tensors in Triton's interpreter. It must be chosen before
 # anything imports triton (transformers and lightning do): set after, nested @triton.jit calls fail.
 if not torch.cuda.is_available():
