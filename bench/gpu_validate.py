@@ -541,7 +541,8 @@ ROW_SHAPES = (
 
 def _row_shapes(run: Run) -> list[dict[str, Any]]:
     """The Triton row kernel's throughput at 64M elements by ``ROW_SHAPES``, fp32 and bf16, beside ``x.sum()``
-    (a dry run: 4,096 elements in Triton's interpreter, where the engine is available)."""
+    (a dry run: 4,096 elements and the first two shapes in Triton's interpreter, where the engine is
+    available: a launch there takes a second)."""
     from precprof.stats import triton_engine as te
     from precprof.stats import triton_launch
     from precprof.stats.layout import LAYOUT
@@ -556,7 +557,7 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
     variants = [te.Variant(te.KINDS[d][0], False, True) for d in dtypes]
     shapes = {
         bw: te.TritonRows(run.device, LAYOUT, block=bw[0], num_warps=bw[1], rare_after=bw[2], stages=bw[3])
-        for bw in ROW_SHAPES
+        for bw in (ROW_SHAPES[:2] if run.dry else ROW_SHAPES)
     }
     t0 = time.perf_counter()
     with te.parallel_compile(len(shapes) * len(variants)):
