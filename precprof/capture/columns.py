@@ -134,13 +134,11 @@ class StepRows:
             cols[T.overflow_col(f)] = d["overflow"][f]
         for f in FP8_FORMATS:
             cols[T.underflow_cs_col(f)] = d["underflow_cs"][f]
-        # the nonzero bins, looked for only between the first and the last column any row uses
-        lo, hi = d["hist_used"]
-        if hi <= lo:
+        # the nonzero bins: where the copy found them (row by row, in the window of the bins any row uses)
+        if not len(self.bin_at):
             return cols, None
-        first = d["hist_first"]
-        r_idx, bins = np.nonzero(d["hist"][:, lo - first : hi - first] != 0)
-        bins += lo
+        r_idx, bins = np.divmod(self.bin_at, self.hi - self.lo)
+        bins += self.lo
         at = active[r_idx]
         hist = {
             T.STEP: np.full(len(r_idx), step, dtype=np.int64),
@@ -148,7 +146,7 @@ class StepRows:
             T.TENSOR: text("tensor", at, False),
             T.PARAM: text("param", at, False),
             T.EXPONENT: st.EXP_MIN + bins - d["shift"][r_idx],
-            T.COUNT: d["hist"][r_idx, bins - first],
+            T.COUNT: self.bin_counts.copy(),  # the hist columns outlive this step's rows, not shared
         }
         return cols, hist
 
