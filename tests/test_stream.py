@@ -605,3 +605,23 @@ def test_columns_joined_from_arrow_lists_and_missing_pieces_make_the_frames_tabl
     assert got.column(T.MODULE).to_pylist() == ["a", "b", "<c>", None, None]
     assert _join_columns(pandas_parts)[T.MODULE].isna().tolist() == [False] * 3 + [True] * 2  # not "nan"
     assert got.column(T.CALLS).to_pylist() == [1.0, 2.0, None, 3.0, 4.0]
+
+
+def test_a_flush_that_cannot_become_arrow_ends_no_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream's tables are made on the training thread (``Recorded.take``): when that fails, the step goes
+    on, the writer's thread meets the failure again, says why, and keeps the rows in memory, where ``tables()``
+    reads them."""
+
+    def broken(name: str, cols: object) -> object:
+        raise ValueError("no Arrow today")
+
+    monkeypatch.setattr(T, "arrow_of_columns", broken)
+    kept = tiny_run(None, 5, sample_every=2).tables()
+    streamed = tiny_run(tmp_path / "run", 5, sample_every=2)
+    sink = streamed._recorded.sink
+    assert sink is not None and sink.error == "ValueError: no Arrow today"
+    tables = streamed.tables()
+    assert len(tables["steps"]) == 5
+    pd.testing.assert_frame_equal(tables["layers"], kept["layers"], check_dtype=False)
