@@ -263,7 +263,7 @@ KEY_COLUMNS: dict[str, tuple[str, ...]] = {
 
 _INT_COLUMNS = {STEP, ORDER, CALLS, EXPONENT, COUNT, BYTES, *COUNT_COLUMNS}
 # columns of text: written as Arrow strings in every part, so that parts concatenate whatever they hold
-_TEXT_COLUMNS = {MODULE, MODULE_TYPE, TENSOR, PARAM, DTYPE, COMPONENT, PHASE, SAMPLE_REASON}
+_TEXT_COLUMNS = {MODULE, MODULE_TYPE, TENSOR, PARAM, DTYPE, COMPONENT, PHASE, SAMPLE_REASON, MOMENT}
 
 
 def flags(column: pd.Series) -> pd.Series:

@@ -119,14 +119,42 @@ class Flush:
             out["layers"] = T.arrow_of_columns("layers", _joined(layer_parts))
         if hist_parts:
             out["histograms"] = T.arrow_of_columns("histograms", _joined(hist_parts))
-        rows = self.step_rows
-        if rows and all(r.keys() == rows[0].keys() for r in rows):  # as ``add_steps`` makes them: no frame
-            out["steps"] = T.arrow_of_columns("steps", {k: [r[k] for r in rows] for k in rows[0]})
-        else:
-            out["steps"] = T.to_arrow("steps", T.frame("steps", rows) if rows else T.empty("steps"))
-        if self.memory_rows:
-            out["memory"] = T.to_arrow("memory", self.memory_rows)
+        for name, rows in (("steps", self.step_rows), ("memory", self.memory_rows)):
+            if not rows and name != "steps":
+                continue
+            cols = _row_columns(rows)
+            if cols is not None:
+                out[name] = T.arrow_of_columns(name, cols)
+            else:  # rows of other keys, or a number column with gaps: pandas' own inference, as before
+                out[name] = T.to_arrow(name, T.frame(name, rows) if rows else T.empty(name))
         return out
+
+
+def _row_columns(rows: list[dict[str, Any]]) -> dict[str, np.ndarray] | None:
+    """Rows as columns typed as a pandas frame of them types them (the union of their keys, in order; texts
+    with gaps as None, numbers with gaps as float NaN), so that ``arrow_of_columns`` of them is ``to_arrow`` of
+    the frame, without the frame. None for no rows, and for a column of other values (a flag with gaps, a mix)."""
+    if not rows:
+        return None
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    cols: dict[str, np.ndarray] = {}
+    for k in keys:
+        values = [r.get(k) for r in rows]
+        present = [v for v in values if v is not None]
+        whole = len(present) == len(values)
+        if all(isinstance(v, str) for v in present):
+            cols[k] = np.array(values, dtype=object)
+        elif all(
+            isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in present
+        ):
+            cols[k] = (
+                np.asarray(values) if whole else np.array([math.nan if v is None else v for v in values])
+            )
+        elif whole and all(isinstance(v, (bool, np.bool_)) for v in present):
+            cols[k] = np.asarray(values, dtype=bool)
+        else:
+            return None
+    return cols
 
 
 def _list_bytes(v: Any) -> int:
