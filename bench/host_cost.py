@@ -105,7 +105,10 @@ PARTS = {  # part: (the configuration with it, the one without)
     "block what-if": ("sampled", "-blocks"),
     "memory tracking (1 sampled step in 4, the default)": ("fixed deal", "-memory"),
     "weight-update sample": ("fixed deal", "-updates"),
-    "stream (the rows made Arrow tables for the writer thread)": ("fixed deal", "-stream"),
+    "stream (its tables made in Profiler.step, its writer thread beside the steps)": (
+        "fixed deal",
+        "-stream",
+    ),
 }
 
 
