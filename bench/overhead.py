@@ -20,6 +20,8 @@ Configurations:
                   block formats cost (precprof_1 evaluates them for as many of the linear layers per
                   sampled step as fit the default block budget: block_groups=None, capture/block_budget.py)
   precprof_1_allblocks every step sampled, every linear layer's block formats on each (block_groups=1)
+  precprof_1_memory    every step sampled, its rows kept in memory (no run directory): what the stream costs,
+                  and the setting of every result before 2026-11-28
   debug_uo        transformers' DebugUnderflowOverflow (when transformers is installed)
   naive_item      a home-made per-module monitor calling .item() for absmax / nan / inf of every output and
                   gradient (what people write by hand)
@@ -129,12 +131,18 @@ def _run_dir(name: str) -> str:
 
 class Precprof(Monitor):
     def __init__(
-        self, sample_every: int | None, block_formats: bool = True, block_groups: int | None = None
+        self,
+        sample_every: int | None,
+        block_formats: bool = True,
+        block_groups: int | None = None,
+        stream: bool | None = None,  # None: the bench's setting (``--no-stream``)
     ) -> None:
         self.sample_every = sample_every
         self.block_formats = block_formats
         self.block_groups = block_groups
+        self.stream = stream
         suffix = "_noblocks" if not block_formats else ("_allblocks" if block_groups == 1 else "")
+        suffix += "_memory" if stream is False else ""
         self.name = f"precprof_{sample_every if sample_every is not None else 'auto'}{suffix}"
         self.prof: Profiler | None = None
         self.last_info: dict[str, Any] = {}
@@ -155,7 +163,7 @@ class Precprof(Monitor):
             # the timings measured the compile's contention (the first_step stage of gpu_validate measures that)
             compile_beside=False,
             # a run directory, as every user-facing entry point gives one (removed when the bench ends)
-            out=_run_dir(self.name) if STREAM else None,
+            out=_run_dir(self.name) if (STREAM if self.stream is None else self.stream) else None,
         )
         self.prof.attach()
 
@@ -364,6 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "precprof_0": lambda: Precprof(0),
         "precprof_1_noblocks": lambda: Precprof(1, block_formats=False),
         "precprof_1_allblocks": lambda: Precprof(1, block_groups=1),
+        "precprof_1_memory": lambda: Precprof(1, stream=False),
         "debug_uo": DebugUO,
         "naive_item": NaiveItem,
     }

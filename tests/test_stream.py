@@ -625,3 +625,35 @@ def test_a_flush_that_cannot_become_arrow_ends_no_training(
     tables = streamed.tables()
     assert len(tables["steps"]) == 5
     pd.testing.assert_frame_equal(tables["layers"], kept["layers"], check_dtype=False)
+
+
+def test_a_step_waits_for_a_writer_behind_it_only_until_there_is_room(tmp_path: Path) -> None:
+    """``put`` on a full queue waits for the writer's thread to take a flush, woken by it (not polling), and
+    every flush is written in order; bounded memory: never more than the queue and the flush being written."""
+    from precprof.capture.recorded import Flush
+    from precprof.capture.stream import StreamWriter
+
+    writer = StreamWriter(tmp_path, parts.new_segment(tmp_path, 0), max_queued=1)
+    gate = threading.Event()
+    real = writer._write
+    written: list[int] = []
+
+    def slow(flush: Flush) -> None:
+        gate.wait(10)
+        real(flush)
+        written.append(int(flush.step_rows[0][T.STEP]))
+
+    writer._write = slow  # type: ignore[method-assign]
+    flushes = [Flush(step_rows=[{T.STEP: i, T.LOSS: 1.0}]) for i in range(3)]
+    writer.put(flushes[0])  # taken by the thread, which waits at the gate
+    writer.put(flushes[1])  # queued: the queue is full
+    done = threading.Event()
+    third = threading.Thread(target=lambda: (writer.put(flushes[2]), done.set()))
+    third.start()
+    assert not done.wait(0.3)  # no room: the third waits
+    assert len(writer.held()) == 2
+    gate.set()
+    assert done.wait(5)
+    third.join()
+    writer.close()
+    assert written == [0, 1, 2] and writer.error is None

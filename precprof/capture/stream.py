@@ -23,7 +23,6 @@ import os
 import queue
 import shutil
 import threading
-import time
 from pathlib import Path
 
 from precprof import _signals, parts
@@ -77,7 +76,11 @@ class StreamWriter:
                     return
                 except queue.Full:
                     pass
-            time.sleep(0.005)  # the writer is behind the training: wait for it
+            # the writer is behind the training: wait until it takes a flush (its ``get`` notifies at once; a
+            # sleep of 5 ms had kept a step waiting that long after the room was there)
+            with self._queue.not_full:  # (the queue's own lock: ``full()`` would take it again)
+                if len(self._queue.queue) >= self._queue.maxsize:
+                    self._queue.not_full.wait(0.05)
 
     def held(self) -> list[Flush]:
         """The flushes in host memory: queued, being written, or kept after a failure to write."""
