@@ -669,9 +669,8 @@ def stage_first_step(run: Run) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="precprof-triton-cache-") as cache:
         # the same empty cache, then the one the first run left; then no profiler (a first step is slow anyway)
         for label in ("cold", "warm", "plain"):
-            if (
-                label == "warm" and not run.cuda
-            ):  # the CPU's kernel is C, compiled once: "warm" repeats "cold"
+            # without CUDA the kernel is the C one, compiled once: a "warm" run would repeat "cold"
+            if label == "warm" and not run.cuda:
                 out[label] = {"status": "skipped", "reason": "no CUDA: no Triton cache to warm"}
                 continue
             if run.left() < 60:
