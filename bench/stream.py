@@ -43,8 +43,9 @@ sys.path.insert(0, str(ROOT))
 from precprof import parts, pipeline, rundir  # noqa: E402
 from precprof import tables as T  # noqa: E402
 from precprof.capture import Profiler  # noqa: E402
-from precprof.capture.recorded import Flush, Recorded  # noqa: E402
+from precprof.capture.recorded import Recorded  # noqa: E402
 from precprof.capture.stream import StreamWriter  # noqa: E402
+from precprof.flush import Flush  # noqa: E402
 from precprof.models import build_model  # noqa: E402
 
 SEQ = 64

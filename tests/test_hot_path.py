@@ -133,7 +133,7 @@ def test_the_cpu_rows_copied_as_held_decode_as_their_dense_copy() -> None:
     """A sampled step's CPU rows are copied as the rows hold them (counts, histogram window, block slots:
     ``StatsBuffer.host_windowed``) instead of as a dense [rows, width] array: the step's layers and histogram
     columns decode the same from either."""
-    from precprof.capture.columns import HeldRows, StepRows
+    from precprof.flush import HeldRows, StepRows
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))

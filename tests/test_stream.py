@@ -297,7 +297,7 @@ def test_resume_adopts_a_run_that_saved_its_tables(tmp_path: Path) -> None:
 
 
 def test_the_recording_memory_stays_bounded(tmp_path: Path) -> None:
-    from precprof.capture.recorded import Flush
+    from precprof.flush import Flush
 
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(32, 32) for _ in range(6)))
@@ -500,8 +500,8 @@ def test_a_flush_decoded_on_two_threads_at_once_holds_each_step_once(monkeypatch
     """A sampled step's rows are decoded when first read, and a flush can be read on two threads at once (the
     stream writer's, and the live dashboards' on the training thread): each step's layer and histogram columns
     end up in it once, the same as one thread decodes."""
-    from precprof.capture import columns
-    from precprof.capture.recorded import Flush
+    from precprof import flush as columns
+    from precprof.flush import Flush
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
@@ -540,7 +540,8 @@ def test_the_stream_writes_each_flush_as_the_frames_path_would_type_for_type() -
     way (``Flush.arrow``): every table equals, schema and values, what ``to_arrow`` makes of ``frames()``, for
     flushes of one sampled step, of several (block columns on some steps only: NaN on the others), with fp16
     loss scaling, memory rows, a step that recorded no layer, and a skipped tensor."""
-    from precprof.capture.recorded import Flush, Recorded
+    from precprof.capture.recorded import Recorded
+    from precprof.flush import Flush
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
@@ -591,7 +592,7 @@ def test_columns_joined_from_arrow_lists_and_missing_pieces_make_the_frames_tabl
     import numpy as np
     import pyarrow as pa
 
-    from precprof.capture.records import _join_columns, _joined
+    from precprof.flush import _join_columns, _joined
 
     parts = [
         {T.STEP: np.array([1, 1]), T.MODULE: pa.array(["a", "b"]), T.CALLS: np.array([1, 2])},
@@ -630,8 +631,8 @@ def test_a_flush_that_cannot_become_arrow_ends_no_training(
 def test_a_step_waits_for_a_writer_behind_it_only_until_there_is_room(tmp_path: Path) -> None:
     """``put`` on a full queue waits for the writer's thread to take a flush, woken by it (not polling), and
     every flush is written in order; bounded memory: never more than the queue and the flush being written."""
-    from precprof.capture.recorded import Flush
     from precprof.capture.stream import StreamWriter
+    from precprof.flush import Flush
 
     writer = StreamWriter(tmp_path, parts.new_segment(tmp_path, 0), max_queued=1)
     gate = threading.Event()

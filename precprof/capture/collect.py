@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from precprof import flush
 from precprof import stats as st
 from precprof import tables as T
-from precprof.capture import columns
 from precprof.capture.plan import CapturePlan
 from precprof.capture.recorded import Recorded
 from precprof.capture.records import _PendingStep, name_bit
@@ -119,12 +119,12 @@ class Collector:
         buffer, rows = self.buffer, self.plan.rows
         counts: np.ndarray | None = None
         if windowed is not None:
-            held = columns.HeldRows(*windowed[:3], stats_host[0])
+            held = flush.HeldRows(*windowed[:3], stats_host[0])
         else:
             data, slots = (
                 (stats_host[0], stats_host[1]) if self.reducer is not None else buffer.from_host(stats_host)
             )
-            held = columns.HeldRows(data[:, : st.COL_HIST], data[:, st.COL_HIST :], 0, slots)
+            held = flush.HeldRows(data[:, : st.COL_HIST], data[:, st.COL_HIST :], 0, slots)
         if self.reducer is not None:
             counts = counts_host[0] if counts_host else None
         elif self.updates is not None:
@@ -132,7 +132,7 @@ class Collector:
         active = np.flatnonzero(np.asarray(rows.calls, dtype=np.int64) > 0)
         if len(active):
             seen, slot_of = buffer.blocks_seen, buffer.block_slot
-            recorded.add_layers(step, columns.StepRows(step, rows, active, held, scale, order, slot_of, seen))
+            recorded.add_layers(step, flush.StepRows(step, rows, active, held, scale, order, slot_of, seen))
         if self.updates is not None and counts is not None:
             updates = self.updates.columns(counts, step, order, self.plan.module_types())
             if updates is not None:

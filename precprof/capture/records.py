@@ -9,8 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pandas as pd
-import pyarrow as pa
 import torch
 from torch import nn
 
@@ -107,6 +105,12 @@ class RowTable:
     def dtype_text(self, row: int) -> str:
         """The dtypes seen in ``row``, as the layers table writes them ("float32|bfloat16")."""
         return dtype_text_of(self.dtype_bits[row])
+
+    @property
+    def known_dtypes(self) -> tuple[str, ...]:
+        """The dtype names that ``dtype_bits`` index (bit i: the i-th; process-wide), for a decoder in another
+        process (the stream's writer)."""
+        return tuple(_DTYPE_NAMES)
 
     def columns(self) -> dict[str, np.ndarray]:
         """The rows' fixed descriptions as arrays (module, module type, tensor, param as object arrays; whether
@@ -236,47 +240,3 @@ class HostFloats:
             for i, v in zip(self._idx, host.tolist(), strict=True):
                 out[i] = float(v)
         return out
-
-
-def _join_columns(parts: list[dict[str, Any]]) -> pd.DataFrame:
-    """One frame from column dicts (arrays or lists, equal keys within a part), in order; a column missing
-    from a part is NaN there."""
-    return pd.DataFrame(_joined(parts))
-
-
-def _joined(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """:func:`_join_columns`' columns before any frame: one part's as they are (arrays, lists or Arrow arrays),
-    several parts' concatenated (Arrow arrays where a part has one, e.g. ``StepRows.decode(arrow=True)``'s
-    texts; else NumPy arrays)."""
-    if len(parts) == 1:
-        return dict(parts[0])
-    names: list[str] = []
-    for part in parts:
-        names.extend(c for c in part if c not in names)
-    sizes = [len(next(iter(part.values()))) for part in parts]
-    out: dict[str, Any] = {}
-    for c in names:
-        values = [part.get(c) for part in parts]
-        typ = next((v.type for v in values if isinstance(v, pa.Array)), None)
-        if typ is not None:
-            out[c] = pa.concat_arrays(
-                [
-                    v
-                    if isinstance(v, pa.Array)
-                    else pa.nulls(n, typ)
-                    if v is None
-                    else pa.array(np.asarray(v, dtype=object), typ, from_pandas=True)
-                    for n, v in zip(sizes, values, strict=True)
-                ]
-            )
-            continue
-        arrays = [None if v is None else np.asarray(v) for v in values]
-        if any(a is not None and a.dtype.kind in "OUS" for a in arrays):  # text: missing is None, not "nan"
-            arrays = [None if v is None else np.asarray(v, dtype=object) for v in values]
-            fill: Any = None
-        else:
-            fill = math.nan
-        out[c] = np.concatenate(
-            [np.full(n, fill) if a is None else a for n, a in zip(sizes, arrays, strict=True)]
-        )
-    return out

@@ -1,7 +1,7 @@
 """The live writer the Profiler calls after each flush: the rows copied to the host since its last call, as
 dashboard events, into every sink.
 
-It is handed each flush's new rows (``precprof.capture.recorded.Flush``: ``step_rows``, ``layer_parts``,
+It is handed each flush's new rows (``precprof.flush.Flush``: ``step_rows``, ``layer_parts``,
 ``hist_parts``), so each row is written once. It never touches
 a device: it runs after the Profiler's one sync point, on data already on the host. A sink that fails (a full
 disk, a closed wandb run) is reported once as a warning and dropped: dashboards never take training down.

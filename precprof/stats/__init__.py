@@ -1,10 +1,11 @@
 """One tensor's statistics in one pass, on its device: the row layout and its merge rule (``layout``), the
 engines (the C kernel ``kernel`` with its private cache ``kernel_cache`` on the CPU, the Triton kernel
 ``triton_engine`` on CUDA, torch ops anywhere, chosen by ``engine``), the per-step, per-device buffer
-(``buffer``) and the decoding of rows into numbers (``decode``)."""
+(``buffer``) and the decoding of rows into numbers (``decode``; many rows at once: ``precprof.rowlayout``)."""
 
+from precprof.rowlayout import decode_rows
 from precprof.stats.buffer import StatsBuffer
-from precprof.stats.decode import RowStats, decode, decode_rows, is_power_of_two, tensor_stats
+from precprof.stats.decode import RowStats, decode, is_power_of_two, tensor_stats
 from precprof.stats.engine import engine_status
 from precprof.stats.layout import (
     COL_ABSMAX_BITS,

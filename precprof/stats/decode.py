@@ -1,11 +1,11 @@
-"""From rows to numbers: one row (``decode``) or a sampled step's rows at once (``decode_rows``), unscaled by
-the loss scale in effect (a shift of the histogram, exact for powers of two)."""
+"""From rows to numbers: one row (``decode``), unscaled by the loss scale in effect (a shift of the histogram,
+exact for powers of two); a sampled step's rows at once is ``precprof.rowlayout.decode_rows`` (free of torch:
+the stream's writer process decodes with it)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -29,7 +29,6 @@ from precprof.stats.layout import (
     EXP_MIN,
     LAYOUT,
     N_BINS,
-    ROW_WIDTH,
     f64_value,
 )
 
@@ -91,67 +90,6 @@ def decode(row: np.ndarray, scale: float = 1.0) -> RowStats:
         overflow=overflow,
         underflow_cs=underflow_cs,
     )
-
-
-def decode_rows(rows: np.ndarray, scales: np.ndarray, first_bin: int = 0) -> dict[str, Any]:
-    """:func:`decode` of many rows at once (vectorised; the same numbers, row by row).
-
-    ``rows``: [rows, ROW_WIDTH]; with ``first_bin``, [rows, COL_HIST + k], the histogram's bins ``first_bin`` to
-    ``first_bin + k`` alone (every other bin zero: a sampled step's rows hold tens of the N_BINS).
-
-    Returns arrays over rows: ``numel``, ``zeros``, ``nan``, ``inf``, ``absmax``, ``absmin`` (unscaled),
-    ``underflow`` / ``overflow`` / ``underflow_cs`` (dicts of arrays by format), ``hist`` (the raw bins from
-    ``hist_first`` on, a view of ``rows``), ``hist_used`` (the bins ``lo:hi`` that hold every nonzero one) and
-    ``shift`` (per row: exponent of bin i is ``EXP_MIN + i - shift``).
-    """
-    rows = np.asarray(rows, dtype=np.int64)
-    rows = rows.reshape(-1, rows.shape[-1] if rows.ndim == 2 else ROW_WIDTH)
-    scales = np.asarray(scales, dtype=np.float64).reshape(-1)
-    hist = rows[:, COL_HIST : COL_HIST + N_BINS - first_bin]
-    inf = rows[:, COL_INF]
-    # the bins any row uses: tens of the N_BINS, the sums below run over those alone
-    used = np.flatnonzero(hist.any(axis=0)) + first_bin
-    lo, hi = (int(used[0]), int(used[-1]) + 1) if len(used) else (0, 0)
-    underflow, overflow = {}, {}
-    # values <= 2^j: the bins below j, and 2^j itself; one running sum over the used bins serves every format
-    running = np.cumsum(hist[:, lo - first_bin : hi - first_bin], axis=1) if hi > lo else None
-    for i, name in enumerate(formats.WHATIF_FORMATS):
-        idx = min(max(LAYOUT.underflow_exps[i] - EXP_MIN, 0), hi)
-        below = (
-            running[:, idx - lo - 1] if running is not None and idx > lo else np.zeros(len(rows), np.int64)
-        )
-        underflow[name] = below + rows[:, COL_POW2_AT + i]
-        overflow[name] = rows[:, COL_OVERFLOW + i] - inf
-    max_bits = rows[:, COL_ABSMAX_BITS]
-    raw_absmax = np.where(max_bits > 0, max_bits.view(np.float64), 0.0)
-    min_field = rows[:, COL_ABSMIN_BITS]
-    min_bits = np.where(min_field != _NO_MIN_BITS, min_field + 1, 0)
-    raw_absmin = np.where((min_bits > 0) & (min_bits < _INF_BITS), min_bits.view(np.float64), math.nan)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        divide = scales != 0
-        absmax = np.where(divide, raw_absmax / np.where(divide, scales, 1.0), raw_absmax)
-        absmin = np.where(divide, raw_absmin / np.where(divide, scales, 1.0), raw_absmin)
-        usable = (scales > 0) & np.isfinite(scales)
-        shift = np.where(usable, np.round(np.log2(np.where(usable, scales, 1.0))), 0).astype(np.int64)
-    # the per-row columns are copies: callers keep them per sampled step, and a view would keep the whole
-    # [rows, ROW_WIDTH] array alive with them
-    return {
-        "numel": rows[:, COL_NUMEL].copy(),
-        "zeros": rows[:, COL_ZEROS].copy(),
-        "nan": rows[:, COL_NAN].copy(),
-        "inf": inf.copy(),
-        "absmax": absmax,
-        "absmin": absmin,
-        "underflow": underflow,
-        "overflow": overflow,
-        "underflow_cs": {
-            name: rows[:, COL_UNDERFLOW_CS + i].copy() for i, name in enumerate(formats.FP8_FORMATS)
-        },
-        "hist": hist,
-        "hist_first": first_bin,
-        "hist_used": (lo, hi),
-        "shift": shift,
-    }
 
 
 def is_power_of_two(value: float) -> bool:

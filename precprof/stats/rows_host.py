@@ -170,7 +170,7 @@ class HostRows(_rows.Rows):
     def windowed(self) -> tuple[np.ndarray, np.ndarray, int]:
         """The counts ([rows, hist]) and the histogram window ([rows, w]) as held, not copies, and the window's
         first bin: :meth:`dense` without its columns of zeros, for a sampled step's copy, which copies what it
-        keeps (``capture.columns.StepRows``: the rows that took data) before the rows are reset."""
+        keeps (``precprof.flush.StepRows``: the rows that took data) before the rows are reset."""
         return self._counts, self._hist, self._wlo
 
     def reset_counts(self, sl: slice) -> None:
