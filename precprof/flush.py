@@ -221,6 +221,9 @@ class Flush:
     _decoding: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     # ``arrow()``'s tables, made once (on the training thread, before the flush is queued: see ``take``)
     _arrow: dict[str, pa.Table] | None = field(default=None, repr=False, compare=False)
+    # the flush pickled for the stream's writer process, and the shared objects it refers to by key
+    # (``precprof.stream_child.Wire.encode``, on the training thread, before the flush is queued)
+    _wire: tuple[bytes, dict[int, Any]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def empty(self) -> bool:
@@ -243,7 +246,7 @@ class Flush:
         self.layer_parts += other.layer_parts
         self.hist_parts += other.hist_parts
         self.memory_rows += other.memory_rows
-        self._arrow = None
+        self._arrow = self._wire = None
 
     def decoded(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """The layer and histogram columns, every sampled step's rows decoded (once: each is replaced by its
@@ -261,7 +264,7 @@ class Flush:
     def nbytes(self) -> int:
         """Host bytes these rows hold: arrays' buffers, and each list, dict and scalar of the row lists (Python
         object sizes, ``sys.getsizeof``; strings shared between rows counted each time: an upper bound), and
-        the Arrow tables made of them for the stream."""
+        the Arrow tables or the pickle made of them for the stream."""
         total = 0
         for part in (*self.layer_parts, *self.hist_parts):
             if isinstance(part, StepRows):
@@ -276,6 +279,8 @@ class Flush:
                 total += sys.getsizeof(row) + sum(sys.getsizeof(v) for v in row.values())
         if self._arrow is not None:
             total += sum(int(t.nbytes) for t in self._arrow.values())
+        if self._wire is not None:
+            total += len(self._wire[0])
         return total
 
     def frames(self) -> dict[str, pd.DataFrame]:

@@ -24,6 +24,7 @@ import pytest
 import precprof
 from precprof import _atomic, _saving, cli, pipeline, rundir
 from precprof import tables as T
+from precprof.capture import stream
 from precprof.errors import RunNotSavedWarning
 from precprof.training import TrainConfig, train
 
@@ -245,9 +246,12 @@ def small_disk(monkeypatch: pytest.MonkeyPatch, root: Path, size: int) -> None:
     """Make ``root`` behave as a file system of ``size`` bytes: a file written under it fails with ENOSPC when
     it is flushed (precprof's every file is written to a temporary name and fsynced before its rename,
     ``precprof._atomic``) while the files there, it included, take more than ``size``; removing files frees
-    room. A real small file system needs root to mount (``test_disk_full_on_a_real_tmpfs``)."""
+    room. A real small file system needs root to mount (``test_disk_full_on_a_real_tmpfs``, which streams
+    through the writer process). The file system made here is this process's alone: the stream's thread
+    writes its parts here, as where its process cannot start."""
     if not Path("/proc/self/fd").is_dir():
         pytest.skip("needs Linux's /proc/self/fd")
+    monkeypatch.setattr(stream, "USE_PROCESS", False)
     real = os.fsync
 
     def fsync(fd: int) -> None:

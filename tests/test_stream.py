@@ -611,21 +611,81 @@ def test_columns_joined_from_arrow_lists_and_missing_pieces_make_the_frames_tabl
 def test_a_flush_that_cannot_become_arrow_ends_no_training(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The stream's tables are made on the training thread (``Recorded.take``): when that fails, the step goes
-    on, the writer's thread meets the failure again, says why, and keeps the rows in memory, where ``tables()``
+    """Where the writer thread writes (``stream.USE_PROCESS`` off, as where the process cannot start), the
+    stream's tables are made on the training thread (``StreamWriter.put``): when that fails, the step goes on,
+    the writer's thread meets the failure again, says why, and keeps the rows in memory, where ``tables()``
     reads them."""
+    from precprof.capture import stream
 
     def broken(name: str, cols: object) -> object:
         raise ValueError("no Arrow today")
 
+    monkeypatch.setattr(stream, "USE_PROCESS", False)
     monkeypatch.setattr(T, "arrow_of_columns", broken)
     kept = tiny_run(None, 5, sample_every=2).tables()
     streamed = tiny_run(tmp_path / "run", 5, sample_every=2)
     sink = streamed._recorded.sink
-    assert sink is not None and sink.error == "ValueError: no Arrow today"
+    assert sink is not None and sink.writer == "thread" and sink.error == "ValueError: no Arrow today"
     tables = streamed.tables()
     assert len(tables["steps"]) == 5
     pd.testing.assert_frame_equal(tables["layers"], kept["layers"], check_dtype=False)
+
+
+def test_a_writer_process_that_dies_ends_no_training_and_loses_no_row(tmp_path: Path) -> None:
+    """The writer process ignores Ctrl-C (the training's handler saves the run, then closes the pipe); killed
+    (the OOM killer), the training goes on, ``error`` says the process ended, the flushes it had not written
+    stay in memory, and ``tables()`` holds every step, as a run kept in memory does."""
+    kept = tiny_run(None, 8, sample_every=2).tables()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    prof = precprof.Profiler(model, opt, sample_every=2, out=tmp_path / "run")
+    with prof:
+        sink = prof._recorded.sink
+        assert sink is not None
+        for step in range(8):
+            if step == 2:
+                sink.drain()
+                assert sink._proc is not None and sink.writer == "process"
+                sink._proc.send_signal(signal.SIGINT)
+            if step == 4:
+                sink.drain()
+                assert sink._proc.poll() is None, "Ctrl-C ended the writer process"
+                assert sink.error is None and sink.parts_written > 0
+                sink._proc.kill()
+                sink._proc.wait()
+            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    assert sink.error is not None and "the stream's writer process ended (exit code -9)" in sink.error
+    assert sink.unwritten
+    tables = prof.tables()
+    for name in ("steps", "layers", "histograms"):
+        assert len(tables[name]) == len(kept[name]), name
+    pd.testing.assert_frame_equal(tables["layers"], kept["layers"], check_dtype=False)
+    pd.testing.assert_frame_equal(
+        tables["steps"].drop(columns=[T.TIME_S, T.RESUMED]),  # (resumed: False read from parts, else NaN)
+        kept["steps"].drop(columns=[T.TIME_S, T.RESUMED]),
+        check_dtype=False,
+    )
+
+
+def test_where_the_writer_process_cannot_start_the_thread_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No Python to start (a frozen application): the writer thread writes the parts itself, the summary says
+    so and why, and the run reads as one kept in memory."""
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    kept = tiny_run(None, 5, sample_every=2).tables()
+    streamed = tiny_run(tmp_path / "run", 5, sample_every=2)
+    streamed.save()
+    stream = T.read_summary(tmp_path / "run")[T.SUMMARY_CAPTURE]["stream"]
+    assert stream["writer"] == "thread" and stream["error"] is None and stream["parts_written"] > 0
+    assert "the stream's writer process did not start (FileNotFoundError" in stream["writer_note"]
+    got = T.read_tables(tmp_path / "run")
+    pd.testing.assert_frame_equal(got["layers"], kept["layers"], check_dtype=False)
 
 
 def test_a_step_waits_for_a_writer_behind_it_only_until_there_is_room(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ whatever the run's length, and ``tables()`` reads the run directory's parts back
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any
 
@@ -91,12 +90,6 @@ class Recorded:
         dashboards."""
         new, self.new = self.new, Flush()
         if self.sink is not None:
-            # decoded into Arrow here, not on the writer's thread: there these few milliseconds of Python took
-            # the interpreter lock from the training's every op for the flush's whole write, and a sampled step
-            # of 800 small tensors on 2 CPU cores took 12 ms longer instead of 4. A failure here never ends the
-            # training: the writer's thread meets it again, records it and keeps the flush in memory
-            with contextlib.suppress(Exception):
-                new.arrow()
             self.sink.put(new)
         elif self._keep:
             self.kept.extend(new)

@@ -234,6 +234,8 @@ class ProfilerResults:
             "segment": sink.segment.path.name,
             "parts_written": sink.parts_written,
             "error": sink.error,
+            "writer": sink.writer,  # "process" (its own), or "thread" where the process could not start
+            "writer_note": sink.writer_note,
             "resumed_from": self._first_step if sink.segment.index > 0 else None,
         }
 

@@ -1,37 +1,55 @@
 """The Profiler's stream writer: each flush's host rows become Parquet parts of the run directory
-(``precprof.parts``), written on a background thread so that a training step never waits for the disk.
+(``precprof.parts``), written by a process of their own (``precprof.stream_child``) so that a training step
+never waits for the disk, nor for the decoding and the writing, which held the interpreter lock that every op
+of the training takes.
+
+The training's thread pickles each flush (its sampled steps' rows compact, as the copy brought them: about
+0.1 ms) and queues it; the writer thread hands it to the process and waits, without the lock, until the
+process says its parts are on disk. Where the process cannot start (no Python executable, a frozen
+application), the thread writes itself, as before: ``writer`` says which, ``writer_note`` why.
 
 Invariants:
 
-- Bounded memory: at most ``max_queued`` flushes wait for the thread (plus the one it writes). When the disk
+- Bounded memory: at most ``max_queued`` flushes wait for the writer (plus the one it writes). When the disk
   is slower than training, ``put`` blocks the step that flushes until one is written: memory stays bounded
   rather than training running ahead of the disk.
 - What is on disk is consistent at every moment: each part is atomic, and a flush's steps part is written
-  last (it commits the flush; see ``precprof.parts``).
-- A failure to write (a full disk, a read-only file system) never raises into training: the flush that failed
-  and every later one are kept in memory instead (``unwritten``), ``error`` says why, and the tables still
-  hold every row. The stream also stops while less than ``RESERVE_BYTES`` are free, so that the end of the run
-  still has room to write summary.json with the cause.
-- ``drain()`` returns when everything queued is on disk; ``close()`` also ends the thread, and ``reopen()``
-  starts it again. None touches a device: the rows were copied to the host by the Profiler's one sync.
+  last (it commits the flush; see ``precprof.parts``). A flush is held here until it is on disk.
+- A failure to write (a full disk, a read-only file system, the process ended) never raises into training: the
+  flush that failed and every later one are kept in memory instead (``unwritten``), ``error`` says why, and
+  the tables still hold every row. The stream also stops while less than ``RESERVE_BYTES`` are free, so that
+  the end of the run still has room to write summary.json with the cause.
+- ``drain()`` returns when everything queued is on disk; ``close()`` also ends the thread and the process, and
+  ``reopen()`` starts them again. None touches a device: the rows were copied to the host by the Profiler's
+  one sync.
 """
 
 from __future__ import annotations
 
-import errno
+import contextlib
+import json
 import os
 import queue
-import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
+from typing import IO, Any
 
-from precprof import _signals, parts
-from precprof import tables as T
-from precprof.capture.recorded import Flush
+from precprof import _signals, parts, stream_child
+from precprof.flush import Flush
+from precprof.stream_child import RESERVE_BYTES
 
 # flushes that may wait for the writer thread: with the one being written, three sampled steps in host memory
 MAX_QUEUED = 2
-RESERVE_BYTES = 1 << 20  # left free on the run directory's file system for the end of the run
+# False: the writer thread writes the parts itself, as where the process cannot start (the tests that fake a
+# failure inside this process set it)
+USE_PROCESS = True
+_PACKAGE_ROOT = str(
+    Path(stream_child.__file__).resolve().parents[1]
+)  # where the process imports precprof from
+
+__all__ = ["MAX_QUEUED", "RESERVE_BYTES", "USE_PROCESS", "StreamWriter"]
 
 
 class StreamWriter:
@@ -44,15 +62,21 @@ class StreamWriter:
         self.unwritten: list[Flush] = []
         self.parts_written = 0
         self.compact_error: str | None = None  # why the last merge of parts failed (they stay single)
+        self.writer = (
+            "process" if USE_PROCESS else "thread"
+        )  # who writes: a process of its own, or the thread
+        self.writer_note: str | None = None  # why the thread writes, where the process could not
         self._seq = 0
         self._current: Flush | None = None
         self._queue: queue.Queue[Flush | None] = queue.Queue(maxsize=max(1, max_queued))
         self._thread = threading.Thread()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._wire = stream_child.Wire()
         self.reopen()
 
     def reopen(self) -> None:
-        """Start the writer thread (again, after ``close()``: a re-attached Profiler's flushes go on into the
-        same segment, numbered after the last part). Idempotent."""
+        """Start the writer thread and its process (again, after ``close()``: a re-attached Profiler's flushes
+        go on into the same segment, numbered after the last part). Idempotent."""
         if not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="precprof-stream", daemon=True)
             self._thread.start()
@@ -60,12 +84,22 @@ class StreamWriter:
     def put(self, flush: Flush) -> None:
         """Queue one flush for writing; waits while ``max_queued`` flushes wait (bounded memory).
 
+        The flush is made ready for the writer here, on the training's thread: pickled for the process, or
+        its Arrow tables made for the thread (there, these milliseconds of Python would hold the interpreter
+        lock against the training's every op for the flush's whole write). A failure to do so never ends the
+        training: the writer's thread meets it again, records it and keeps the flush in memory.
+
         The queue takes it with signals deferred (``precprof._signals``): a Ctrl-C raised inside ``Queue.put``
         between its count of unfinished flushes and its notify would leave the writer asleep on an empty queue
         and the save that follows waiting for it forever. The wait for room is outside, where a signal stops
         it."""
         if flush.empty:
             return
+        with _signals.deferred(None), contextlib.suppress(Exception):
+            if self.writer == "process":
+                flush._wire = self._wire.encode(flush)
+            else:
+                flush.arrow()
         while True:
             if not self._thread.is_alive():  # closed: keep it in memory rather than lose it
                 self.unwritten.append(flush)
@@ -95,51 +129,135 @@ class StreamWriter:
             self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued and end the thread. Idempotent."""
+        """Write what is queued and end the thread and the process. Idempotent."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
 
     def _run(self) -> None:
-        while True:
-            flush = self._queue.get()
-            try:
-                if flush is None:
-                    return
-                if self.error is not None:
-                    self.unwritten.append(flush)
-                    continue
-                self._current = flush
+        if self.writer == "process":
+            self._start_process()
+        try:
+            while True:
+                flush = self._queue.get()
                 try:
-                    self._write(flush)
-                except Exception as e:  # writing must never take training down; the rows stay in memory
-                    self.error = f"{type(e).__name__}: {e}"
-                    self.unwritten.append(flush)
+                    if flush is None:
+                        return
+                    if self.error is not None:
+                        self.unwritten.append(flush)
+                        continue
+                    self._current = flush
+                    try:
+                        self._write(flush)
+                    except Exception as e:  # writing must never take training down; the rows stay in memory
+                        self.error = str(e) if isinstance(e, _WriteError) else f"{type(e).__name__}: {e}"
+                        self.unwritten.append(flush)
+                    finally:
+                        self._current = None
                 finally:
-                    self._current = None
-            finally:
-                self._queue.task_done()
+                    self._queue.task_done()
+        finally:
+            self._end_process()
 
     def _write(self, flush: Flush) -> None:
-        free = shutil.disk_usage(self.segment.path).free
-        if free < RESERVE_BYTES:
-            raise OSError(
-                errno.ENOSPC,
-                f"{os.strerror(errno.ENOSPC)} (less than {RESERVE_BYTES >> 20} MiB left: the stream stopped to "
-                "leave room for summary.json)",
-            )
         seq = self._seq
         self._seq += 1
-        tables = flush.arrow()
-        # the steps part last: it commits the flush (a kill before it leaves the others unread)
-        for name in (*(n for n in T.TABLES if n != parts.COMMIT_TABLE), parts.COMMIT_TABLE):
-            table = tables.get(name)
-            if table is None or (table.num_rows == 0 and name != parts.COMMIT_TABLE):
-                continue
-            parts.write_part(parts.part_path(self.segment.path, seq, name), table)
-            self.parts_written += 1
-        if (seq + 1) % parts.COMPACT_EVERY == 0:
-            try:  # the last COMPACT_EVERY flushes as one part per table: what a reader opens stays few files
-                parts.compact(self.segment.path, seq + 1 - parts.COMPACT_EVERY, seq, T.TABLES)
-            except Exception as e:  # the single parts are still there and read as before
-                self.compact_error = f"{type(e).__name__}: {e}"
+        wire, flush._wire = flush._wire, None
+        if self._proc is None or wire is None:  # the thread writes (no process, or the flush was not pickled)
+            written, compact_error = stream_child.write_flush(
+                self.segment.path, seq, flush, parts.COMPACT_EVERY
+            )
+        else:
+            written, compact_error = self._hand_over(seq, *wire)
+        self.parts_written += written
+        if compact_error is not None:
+            self.compact_error = compact_error
+
+    # ------------------------------------------------------------------------------------ the process
+    def _start_process(self) -> None:
+        """Start the writer process and wait for it to say it is ready; where it cannot start, the thread
+        writes (``writer_note`` says why)."""
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        proc = None
+        try:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "precprof.stream_child",
+                    str(self.segment.path),
+                    str(parts.COMPACT_EVERY),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                process_group=0,  # a terminal's Ctrl-C reaches the training alone, which closes the pipe
+            )
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if line != stream_child.READY:
+                raise RuntimeError(f"it said {line!r}{_said(proc)}")
+        except Exception as e:
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+            self.writer = "thread"
+            self.writer_note = f"the stream's writer process did not start ({type(e).__name__}: {e})"
+            return
+        self._proc = proc
+        self._wire.restart()
+
+    def _hand_over(self, seq: int, body: bytes, refs: dict[int, Any]) -> tuple[int, str | None]:
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        try:
+            for chunk in self._wire.message(seq, body, refs):
+                _write_all(proc.stdin, chunk)
+            line = proc.stdout.readline()
+        except OSError:  # the pipe broke: the process is gone
+            line = b""
+        if not line:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+            raise _WriteError(f"the stream's writer process ended (exit code {proc.returncode}){_said(proc)}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise _WriteError(answer["error"])
+        return int(answer["parts"]), answer.get("compact_error")
+
+    def _end_process(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.close()  # it has written every flush it was handed, and exits
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+class _WriteError(Exception):
+    """A write that failed in the process, as it said it (``TypeName: message``), or the process's end."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _write_all(stream: IO[bytes], data: bytes) -> None:
+    stream.write(data)
+    stream.flush()
+
+
+def _said(proc: subprocess.Popen[bytes]) -> str:
+    """The end of what a process that ended wrote to stderr, as ``: ...`` (empty when nothing)."""
+    if proc.poll() is None or proc.stderr is None:
+        return ""
+    with contextlib.suppress(OSError, ValueError):
+        text = proc.stderr.read().decode(errors="replace").strip()
+        if text:
+            return ": " + text.splitlines()[-1][:300]
+    return ""

@@ -1,0 +1,180 @@
+"""The stream's writer process: it decodes the flushes a training process hands it and writes them as Parquet
+parts of the run directory (``precprof.parts``), so that none of that work, nor the interpreter lock it would
+hold, is the training's. ``precprof.capture.stream.StreamWriter`` starts it (``python -m
+precprof.stream_child SEGMENT COMPACT_EVERY``) and talks to it over two pipes; it imports no torch (``precprof.flush``).
+
+The hand-over (``Wire``): on the training's thread a flush is pickled, its sampled steps' rows compact as the
+copy brought them (``flush.StepRows``). What those rows share from step to step (the row table's texts, the
+modules' order) is sent once, by key, and referred to after.
+
+Messages in: ``struct HEAD`` (the lengths of two pickles), then ``(seq, reset, shared)`` (the objects this
+flush refers to that the process has not had yet; ``reset``: forget the earlier ones), then the flush. One
+JSON line out per message, once its parts are on disk: ``{"seq", "parts", "compact_error"}`` or ``{"seq",
+"error"}``. The first line out is ``ready``.
+
+The process ignores SIGINT (and starts in a process group of its own, so that a terminal's Ctrl-C reaches the
+training alone, which saves the run and closes the pipe). When its input closes, cut short or not (the
+training ended, or was killed), it has written every whole message it received and exits: a killed training
+loses at most the flush it was handing over.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import json
+import os
+import pickle
+import shutil
+import signal
+import struct
+import sys
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from precprof import parts
+from precprof import tables as T
+from precprof.flush import Flush, StepRows
+
+HEAD = struct.Struct("<QQ")
+READY = b"ready\n"
+RESERVE_BYTES = 1 << 20  # left free on the run directory's file system for the end of the run
+_SHARED = ("fixed", "order")  # what a StepRows shares with the steps before it
+
+
+def write_flush(segment: Path, seq: int, flush: Flush, compact_every: int) -> tuple[int, str | None]:
+    """Write ``flush`` as the parts numbered ``seq`` of ``segment`` (the steps part last: it commits the flush),
+    and every ``compact_every`` flushes merge the last ones (``parts.COMPACT_EVERY``). Returns the parts written and why a merge
+    failed (None when none did: the single parts are still there and read as before). Raises when a part
+    cannot be written, and while less than ``RESERVE_BYTES`` are free (room left for summary.json)."""
+    free = shutil.disk_usage(segment).free
+    if free < RESERVE_BYTES:
+        raise OSError(
+            errno.ENOSPC,
+            f"{os.strerror(errno.ENOSPC)} (less than {RESERVE_BYTES >> 20} MiB left: the stream stopped to "
+            "leave room for summary.json)",
+        )
+    tables = flush.arrow()
+    written = 0
+    for name in (*(n for n in T.TABLES if n != parts.COMMIT_TABLE), parts.COMMIT_TABLE):
+        table = tables.get(name)
+        if table is None or (table.num_rows == 0 and name != parts.COMMIT_TABLE):
+            continue
+        parts.write_part(parts.part_path(segment, seq, name), table)
+        written += 1
+    compact_error = None
+    if (seq + 1) % compact_every == 0:
+        try:  # the last flushes as one part per table: what a reader opens stays few files
+            parts.compact(segment, seq + 1 - compact_every, seq, T.TABLES)
+        except Exception as e:
+            compact_error = f"{type(e).__name__}: {e}"
+    return written, compact_error
+
+
+class Wire:
+    """The training's side of the hand-over: a flush pickled with its shared objects as keys (``encode``,
+    on the training's thread), and what the process has of them (``message``, on the sending thread)."""
+
+    MAX_SHARED = 16  # objects the process keeps; past that it is told to forget them and gets them again
+
+    def __init__(self) -> None:
+        self._keys: dict[int, tuple[Any, int]] = {}  # id -> (the object, held so its id stays its own; key)
+        self._next = 0
+        self._sent: set[int] = set()  # keys the process has
+
+    def encode(self, flush: Flush) -> tuple[bytes, dict[int, Any]]:
+        """The flush pickled, and the shared objects it refers to by key."""
+        refs: dict[int, Any] = {}
+        layer_parts: list[Any] = []
+        for part in flush.layer_parts:
+            if isinstance(part, StepRows):
+                part = copy.copy(part)
+                for name in _SHARED:
+                    obj = getattr(part, name)
+                    key = self._key(obj)
+                    refs[key] = obj
+                    setattr(part, name, key)
+            layer_parts.append(part)
+        wire = Flush(flush.step_rows, layer_parts, flush.hist_parts, flush.memory_rows)
+        return pickle.dumps(wire, protocol=pickle.HIGHEST_PROTOCOL), refs
+
+    def _key(self, obj: Any) -> int:
+        held = self._keys.get(id(obj))
+        if held is None:
+            if len(self._keys) >= self.MAX_SHARED:
+                self._keys.clear()  # new keys from here on: the process is sent each object again
+            held = self._keys[id(obj)] = (obj, self._next)
+            self._next += 1
+        return held[1]
+
+    def message(self, seq: int, body: bytes, refs: dict[int, Any]) -> list[bytes]:
+        """The bytes that hand the process flush ``seq`` (``encode``'s ``body`` and ``refs``)."""
+        new = {k: v for k, v in refs.items() if k not in self._sent}
+        reset = len(self._sent) + len(new) > self.MAX_SHARED
+        if reset:
+            self._sent.clear()
+            new = dict(refs)
+        self._sent |= new.keys()
+        head = pickle.dumps((seq, reset, new), protocol=pickle.HIGHEST_PROTOCOL)
+        return [HEAD.pack(len(head), len(body)), head, body]
+
+    def restart(self) -> None:
+        """A new process has none of the shared objects."""
+        self._sent.clear()
+
+
+def _read(stream: BinaryIO, n: int) -> bytes | None:
+    """Exactly ``n`` bytes, or None when the input ends first."""
+    data = stream.read(n)
+    return data if data is not None and len(data) == n else None
+
+
+def serve(segment: Path, compact_every: int, inp: BinaryIO, out: BinaryIO) -> None:
+    """Read flushes from ``inp`` until it ends, write each and answer on ``out``."""
+    shared: dict[int, Any] = {}
+    _answer(out, READY)
+    while True:
+        head = _read(inp, HEAD.size)
+        if head is None:
+            return
+        n_head, n_body = HEAD.unpack(head)
+        meta, body = _read(inp, n_head), _read(inp, n_body)
+        if meta is None or body is None:  # cut off while it was handed over: the training was killed
+            return
+        seq, reset, new = pickle.loads(meta)
+        if reset:
+            shared.clear()
+        shared.update(new)
+        try:
+            flush = pickle.loads(body)
+            for part in flush.layer_parts:
+                if isinstance(part, StepRows):
+                    for name in _SHARED:
+                        setattr(part, name, shared[getattr(part, name)])
+            written, compact_error = write_flush(segment, seq, flush, compact_every)
+            answer = {"seq": seq, "parts": written, "compact_error": compact_error}
+        except Exception as e:  # said to the training, which keeps this flush and the later ones in memory
+            answer = {"seq": seq, "error": f"{type(e).__name__}: {e}"}
+        _answer(out, json.dumps(answer).encode() + b"\n")
+
+
+def _answer(out: BinaryIO, line: bytes) -> None:
+    try:
+        out.write(line)
+        out.flush()
+    except (BrokenPipeError, ValueError):  # the training is gone: go on writing what it sent
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or not args[1].isdigit() or int(args[1]) < 1:
+        print("usage: python -m precprof.stream_child SEGMENT_DIR COMPACT_EVERY", file=sys.stderr)
+        return 2
+    serve(Path(args[0]), int(args[1]), sys.stdin.buffer, sys.stdout.buffer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
