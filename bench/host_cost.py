@@ -21,7 +21,9 @@ all alike); means of the timed steps:
   -rows        ... with the row statistics replaced by a no-op (the hooks, lookups and bookkeeping stay)
   -stream      ... with the rows kept in memory (no ``out=``): every other configuration streams them into a
                run directory (a temporary folder) as ``precprof train`` and the callbacks do, its writer
-               thread drained after each round, untimed (``--no-stream``: none streams)
+               drained after each round, untimed (``--no-stream``: none streams)
+  thread writer ... streaming with the writer thread writing the parts itself (``stream.USE_PROCESS`` off,
+               as where the writer process cannot start, and as every stream before 2026-11-28c)
   hooks only   every part above off at once: the hooks and the per-step bookkeeping alone
   empty hooks  no profiler: the hooks a sampled step installs, doing nothing (two forward pre-hooks and two
                forward hooks on every module: the statistics' and the memory tracker's; a gradient hook on
@@ -73,7 +75,7 @@ sys.path.insert(0, str(ROOT))
 
 import precprof  # noqa: E402
 from precprof import tables as T  # noqa: E402
-from precprof.capture import Profiler  # noqa: E402
+from precprof.capture import Profiler, stream  # noqa: E402
 
 # the parts other than the block what-if are measured with the layers dealt into this many groups in each of
 # their configurations (about what the budget settles on here): adapting, each configuration's budget would
@@ -90,6 +92,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "-updates": {"sample_every": 1, "weight_updates": False, "block_groups": FIXED},
     "-rows": {"sample_every": 1, "_rows_off": True, "block_groups": FIXED},
     "-stream": {"sample_every": 1, "_no_stream": True, "block_groups": FIXED},
+    "thread writer": {"sample_every": 1, "_thread_writer": True, "block_groups": FIXED},
     "hooks only": {
         "sample_every": 1,
         "block_formats": False,
@@ -105,9 +108,13 @@ PARTS = {  # part: (the configuration with it, the one without)
     "block what-if": ("sampled", "-blocks"),
     "memory tracking (1 sampled step in 4, the default)": ("fixed deal", "-memory"),
     "weight-update sample": ("fixed deal", "-updates"),
-    "stream (its tables made in Profiler.step, its writer thread beside the steps)": (
+    "stream (the flush pickled in Profiler.step, the writer process beside the steps)": (
         "fixed deal",
         "-stream",
+    ),
+    "the writer thread's own writes instead of the process (the tables made in Profiler.step)": (
+        "thread writer",
+        "fixed deal",
     ),
 }
 
@@ -197,11 +204,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             kw["out"] = tempfile.mkdtemp(prefix="precprof-host-cost-")
             atexit.register(shutil.rmtree, kw["out"], True)
         # compile_beside=False: on a GPU the kernels compile at attach, before any timed step (as in overhead.py)
+        stream.USE_PROCESS = not CONFIGS[n].get("_thread_writer")  # read when the stream opens, at attach
         prof = (
             Profiler(model, optimizer=opt, compile_beside=False, **kw).attach()
             if n not in ("baseline", "empty hooks")
             else None
         )
+        stream.USE_PROCESS = True
         if CONFIGS[n].get("_empty_hooks"):
             empty_hooks(model)
         state[n] = {"model": model, "opt": opt, "prof": prof, "times": [], "flush": [], "memory": []}

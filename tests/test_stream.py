@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -645,8 +646,9 @@ def test_a_writer_process_that_dies_ends_no_training_and_loses_no_row(tmp_path: 
         assert sink is not None
         for step in range(8):
             if step == 2:
-                sink.drain()
                 assert sink._proc is not None and sink.writer == "process"
+                # once it said it is ready (its imports done, Ctrl-C ignored)
+                assert select.select([sink._proc.stdout], [], [], 30)[0]
                 sink._proc.send_signal(signal.SIGINT)
             if step == 4:
                 sink.drain()
@@ -672,28 +674,38 @@ def test_a_writer_process_that_dies_ends_no_training_and_loses_no_row(tmp_path: 
     )
 
 
+@pytest.mark.parametrize("python", ["missing", "echo"])
 def test_where_the_writer_process_cannot_start_the_thread_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python: str
 ) -> None:
-    """No Python to start (a frozen application): the writer thread writes the parts itself, the summary says
-    so and why, and the run reads as one kept in memory."""
-    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    """No Python to start (a frozen application), or one that says something else than ready: the writer
+    thread writes the parts itself, the summary says so and why, and the run reads as one kept in memory."""
+    executable = {"missing": str(tmp_path / "no-python"), "echo": "/bin/echo"}[python]
+    why = {"missing": "(FileNotFoundError", "echo": "(RuntimeError: it said b'-m precprof.stream_child"}[
+        python
+    ]
+    monkeypatch.setattr(sys, "executable", executable)
     kept = tiny_run(None, 5, sample_every=2).tables()
     streamed = tiny_run(tmp_path / "run", 5, sample_every=2)
     streamed.save()
     stream = T.read_summary(tmp_path / "run")[T.SUMMARY_CAPTURE]["stream"]
-    assert stream["writer"] == "thread" and stream["error"] is None and stream["parts_written"] > 0
-    assert "the stream's writer process did not start (FileNotFoundError" in stream["writer_note"]
+    assert stream["error"] is None and stream["parts_written"] > 0
+    assert stream["writer"] == "thread", stream
+    assert f"the stream's writer process did not start {why}" in stream["writer_note"]
     got = T.read_tables(tmp_path / "run")
     pd.testing.assert_frame_equal(got["layers"], kept["layers"], check_dtype=False)
 
 
-def test_a_step_waits_for_a_writer_behind_it_only_until_there_is_room(tmp_path: Path) -> None:
+def test_a_step_waits_for_a_writer_behind_it_only_until_there_is_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``put`` on a full queue waits for the writer's thread to take a flush, woken by it (not polling), and
     every flush is written in order; bounded memory: never more than the queue and the flush being written."""
+    from precprof.capture import stream
     from precprof.capture.stream import StreamWriter
     from precprof.flush import Flush
 
+    monkeypatch.setattr(stream, "USE_PROCESS", False)  # the queue's own semantics, whoever writes
     writer = StreamWriter(tmp_path, parts.new_segment(tmp_path, 0), max_queued=1)
     gate = threading.Event()
     real = writer._write

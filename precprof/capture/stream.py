@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import queue
+import select
 import subprocess
 import sys
 import threading
@@ -71,6 +72,7 @@ class StreamWriter:
         self._queue: queue.Queue[Flush | None] = queue.Queue(maxsize=max(1, max_queued))
         self._thread = threading.Thread()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._ready = False  # the process said it is ready
         self._wire = stream_child.Wire()
         self.reopen()
 
@@ -78,6 +80,8 @@ class StreamWriter:
         """Start the writer thread and its process (again, after ``close()``: a re-attached Profiler's flushes
         go on into the same segment, numbered after the last part). Idempotent."""
         if not self._thread.is_alive():
+            if self.writer == "process":
+                self._start_process()
             self._thread = threading.Thread(target=self._run, name="precprof-stream", daemon=True)
             self._thread.start()
 
@@ -135,8 +139,6 @@ class StreamWriter:
             self._thread.join()
 
     def _run(self) -> None:
-        if self.writer == "process":
-            self._start_process()
         try:
             while True:
                 flush = self._queue.get()
@@ -163,7 +165,7 @@ class StreamWriter:
         seq = self._seq
         self._seq += 1
         wire, flush._wire = flush._wire, None
-        if self._proc is None or wire is None:  # the thread writes (no process, or the flush was not pickled)
+        if wire is None or not self._process_ready():  # the thread writes (no process yet, or no pickle)
             written, compact_error = stream_child.write_flush(
                 self.segment.path, seq, flush, parts.COMPACT_EVERY
             )
@@ -175,13 +177,12 @@ class StreamWriter:
 
     # ------------------------------------------------------------------------------------ the process
     def _start_process(self) -> None:
-        """Start the writer process and wait for it to say it is ready; where it cannot start, the thread
-        writes (``writer_note`` says why)."""
+        """Start the writer process; it says when it is ready (``_process_ready``). Where it cannot start,
+        the thread writes (``writer_note`` says why)."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        proc = None
         try:
-            proc = subprocess.Popen(
+            self._proc = subprocess.Popen(
                 [
                     sys.executable,
                     "-m",
@@ -195,19 +196,37 @@ class StreamWriter:
                 env=env,
                 process_group=0,  # a terminal's Ctrl-C reaches the training alone, which closes the pipe
             )
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            if line != stream_child.READY:
-                raise RuntimeError(f"it said {line!r}{_said(proc)}")
         except Exception as e:
-            if proc is not None:
+            self._no_process(e)
+            return
+        self._ready = False
+        self._wire.restart()
+
+    def _process_ready(self) -> bool:
+        """Whether the process is there to hand flushes to. While it starts (imports take about 0.4 s) the
+        thread writes the flushes itself rather than hold them: a step never waits for it, and what is held
+        stays bounded."""
+        proc = self._proc
+        if proc is None:
+            return False
+        if not self._ready:
+            assert proc.stdout is not None
+            if not select.select([proc.stdout], [], [], 0)[0]:
+                return False  # still starting
+            line = proc.stdout.readline()
+            if line != stream_child.READY:  # it ended, or is not ours
                 proc.kill()
                 proc.wait()
-            self.writer = "thread"
-            self.writer_note = f"the stream's writer process did not start ({type(e).__name__}: {e})"
-            return
-        self._proc = proc
-        self._wire.restart()
+                why = RuntimeError(f"it said {line!r}{_said(proc)}")
+                self._end_process()
+                self._no_process(why)
+                return False
+            self._ready = True
+        return True
+
+    def _no_process(self, e: Exception) -> None:
+        self.writer = "thread"
+        self.writer_note = f"the stream's writer process did not start ({type(e).__name__}: {e})"
 
     def _hand_over(self, seq: int, body: bytes, refs: dict[int, Any]) -> tuple[int, str | None]:
         proc = self._proc
