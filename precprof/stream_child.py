@@ -12,8 +12,8 @@ flush refers to that the process has not had yet; ``reset``: forget the earlier 
 JSON line out per message, once its parts are on disk: ``{"seq", "parts", "compact_error"}`` or ``{"seq",
 "error"}``. The first line out is ``ready``.
 
-The process ignores SIGINT (and starts in a process group of its own, so that a terminal's Ctrl-C reaches the
-training alone, which saves the run and closes the pipe). When its input closes, cut short or not (the
+The process ignores SIGINT, SIGTERM and SIGHUP (and starts in a process group of its own, so that a terminal's
+Ctrl-C reaches the training alone, which saves the run and closes the pipe). When its input closes, cut short or not (the
 training ended, or was killed), it has written every whole message it received and exits: a killed training
 loses at most the flush it was handing over.
 """
@@ -40,6 +40,7 @@ HEAD = struct.Struct("<QQ")
 READY = b"ready\n"
 RESERVE_BYTES = 1 << 20  # left free on the run directory's file system for the end of the run
 _SHARED = ("fixed", "order")  # what a StepRows shares with the steps before it
+_IGNORED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 
 def write_flush(segment: Path, seq: int, flush: Flush, compact_every: int) -> tuple[int, str | None]:
@@ -167,7 +168,10 @@ def _answer(out: BinaryIO, line: bytes) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C, and the SIGTERM that Slurm sends every process of a job: the training saves the run and closes
+    # the pipe, or dies and the pipe closes; either way this process writes what it was handed, then exits
+    for sig in _IGNORED:
+        signal.signal(sig, signal.SIG_IGN)
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or not args[1].isdigit() or int(args[1]) < 1:
         print("usage: python -m precprof.stream_child SEGMENT_DIR COMPACT_EVERY", file=sys.stderr)

@@ -633,9 +633,9 @@ def test_a_flush_that_cannot_become_arrow_ends_no_training(
 
 
 def test_a_writer_process_that_dies_ends_no_training_and_loses_no_row(tmp_path: Path) -> None:
-    """The writer process ignores Ctrl-C (the training's handler saves the run, then closes the pipe); killed
-    (the OOM killer), the training goes on, ``error`` says the process ended, the flushes it had not written
-    stay in memory, and ``tables()`` holds every step, as a run kept in memory does."""
+    """The writer process ignores Ctrl-C and SIGTERM (the training's handler saves the run, then closes the
+    pipe); killed (the OOM killer), the training goes on, ``error`` says the process ended, the flushes it had
+    not written stay in memory, and ``tables()`` holds every step, as a run kept in memory does."""
     kept = tiny_run(None, 8, sample_every=2).tables()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -650,9 +650,10 @@ def test_a_writer_process_that_dies_ends_no_training_and_loses_no_row(tmp_path: 
                 # once it said it is ready (its imports done, Ctrl-C ignored)
                 assert select.select([sink._proc.stdout], [], [], 30)[0]
                 sink._proc.send_signal(signal.SIGINT)
+                sink._proc.send_signal(signal.SIGTERM)  # (what Slurm sends every process of a job)
             if step == 4:
                 sink.drain()
-                assert sink._proc.poll() is None, "Ctrl-C ended the writer process"
+                assert sink._proc.poll() is None, "Ctrl-C or SIGTERM ended the writer process"
                 assert sink.error is None and sink.parts_written > 0
                 sink._proc.kill()
                 sink._proc.wait()
