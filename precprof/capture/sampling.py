@@ -50,6 +50,7 @@ SPIKE_WINDOW = 50  # losses the recent mean and deviation are taken over
 SPIKE_MIN = 10  # losses needed before a spike can be called
 UNSAMPLED_WINDOW = 64  # unsampled step times the median is taken over
 FIRST_GAP = 10  # synchronized: the first planned gap, before an unsampled step was timed
+REFRESH_EVERY = 16  # budgeted steps sampled in a row before an unsampled one is timed again
 
 # why a step was sampled (the steps table's sample_reason)
 REASON_INTERVAL = "interval"  # every N-th step (sample_every=N)
@@ -82,6 +83,7 @@ class Sampler:
     first_sampled: int | None = None  # the first step sampled
     _firsts: int = 0
     _unsampled_seen: bool = False  # the first unsampled step (warm-up of the unsampled path) has passed
+    _since_unsampled: int = 0  # steps sampled since the last unsampled one
     next_step: int | None = None  # with ``synchronized``, the next budgeted step
 
     def __post_init__(self) -> None:
@@ -121,7 +123,23 @@ class Sampler:
         trigger, self._pending_trigger = self._pending_trigger, ""
         if trigger and (trigger not in self.reasons or self._fits(TRIGGER_HEADROOM * self.budget)):
             return trigger
+        if self._base_in_doubt():
+            return ""
         return REASON_BUDGET if self._fits(self.budget) else ""
+
+    def _base_in_doubt(self) -> bool:
+        """Whether the next step must be an unsampled one, timed: when recent sampled steps took no longer
+        than the unsampled median (a sampled step does more, so that median holds a slow step: a checkpoint
+        written, another process starting; taken as it is, it made every step look free to sample, and with
+        every step sampled none was timed to correct it: a GPT-2 run on 2 CPU cores sampled 59 of 60 steps),
+        and after ``REFRESH_EVERY`` sampled steps in a row (the run's step time drifts)."""
+        base = self.unsampled_s
+        if base is None:
+            return False
+        recent = self.sampled_times[-8:]
+        return (len(recent) >= 2 and statistics.median(recent) <= base) or (
+            self._since_unsampled >= REFRESH_EVERY
+        )
 
     def _fits(self, limit: float) -> bool:
         """Whether one more sampled step keeps the overhead within ``limit``."""
@@ -164,6 +182,7 @@ class Sampler:
         """A step ended after ``time_s`` seconds, sampled for ``reason`` ("" when it was not)."""
         if reason:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        self._since_unsampled = self._since_unsampled + 1 if reason else 0
         if not math.isfinite(time_s):
             return
         self.total_s += time_s
