@@ -1,7 +1,8 @@
 """The stream's writer process: it decodes the flushes a training process hands it and writes them as Parquet
 parts of the run directory (``precprof.parts``), so that none of that work, nor the interpreter lock it would
-hold, is the training's. ``precprof.capture.stream.StreamWriter`` starts it (``python -m
-precprof.stream_child SEGMENT COMPACT_EVERY``) and talks to it over two pipes; it imports no torch (``precprof.flush``).
+hold, is the training's. ``precprof.capture.stream.StreamWriter`` starts it (its ``main``, as ``python -m
+precprof.stream_child SEGMENT COMPACT_EVERY`` would, but importing nothing from the working directory) and
+talks to it over two pipes; it imports no torch (``precprof.flush``).
 
 The hand-over (``Wire``): on the training's thread a flush is pickled, its sampled steps' rows compact as the
 copy brought them (``flush.StepRows``). What those rows share from step to step (the row table's texts, the

@@ -675,6 +675,27 @@ def test_a_writer_process_that_dies_ends_no_training_and_loses_no_row(tmp_path: 
     )
 
 
+def test_the_writer_process_imports_nothing_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A training started in a folder that holds a json.py (or any name of the standard library's): the
+    writer process imports precprof and the standard library, not that file, and writes."""
+    (tmp_path / "json.py").write_text("raise ImportError('the working directory was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    model = nn.Sequential(nn.Linear(8, 4))
+    prof = precprof.Profiler(model, sample_every=1, out=tmp_path / "run").attach()
+    sink = prof._recorded.sink
+    assert sink is not None and sink._proc is not None
+    assert select.select([sink._proc.stdout], [], [], 30)[0]  # it said something, or ended
+    for _ in range(4):
+        model(torch.randn(2, 8)).sum().backward()
+        prof.step()
+    sink.drain()
+    assert sink.writer == "process" and sink._ready and sink.error is None, (sink.writer_note, sink.error)
+    prof.detach()
+    assert len(prof.tables()["steps"]) == 4
+
+
 @pytest.mark.parametrize("python", ["missing", "echo"])
 def test_where_the_writer_process_cannot_start_the_thread_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python: str
@@ -682,9 +703,7 @@ def test_where_the_writer_process_cannot_start_the_thread_writes(
     """No Python to start (a frozen application), or one that says something else than ready: the writer
     thread writes the parts itself, the summary says so and why, and the run reads as one kept in memory."""
     executable = {"missing": str(tmp_path / "no-python"), "echo": "/bin/echo"}[python]
-    why = {"missing": "(FileNotFoundError", "echo": "(RuntimeError: it said b'-m precprof.stream_child"}[
-        python
-    ]
+    why = {"missing": "(FileNotFoundError", "echo": "(RuntimeError: it said b'-c import sys"}[python]
     monkeypatch.setattr(sys, "executable", executable)
     kept = tiny_run(None, 5, sample_every=2).tables()
     streamed = tiny_run(tmp_path / "run", 5, sample_every=2)

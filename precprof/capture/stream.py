@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import queue
 import select
 import subprocess
@@ -46,9 +45,19 @@ MAX_QUEUED = 2
 # False: the writer thread writes the parts itself, as where the process cannot start (the tests that fake a
 # failure inside this process set it)
 USE_PROCESS = True
-_PACKAGE_ROOT = str(
-    Path(stream_child.__file__).resolve().parents[1]
-)  # where the process imports precprof from
+# The process's program: it imports this very precprof (from the folder that holds it: a source tree run with
+# its path added at run time too), and nothing from the working directory, which ``python -m`` would put first
+# (a user's json.py there would shadow the standard library's)
+_ROOT = str(Path(stream_child.__file__).resolve().parents[1])
+_PROGRAM = (
+    "import sys\n"
+    "if sys.path and sys.path[0] == '':\n"
+    "    del sys.path[0]\n"
+    f"if {_ROOT!r} not in sys.path:\n"
+    f"    sys.path.insert(0, {_ROOT!r})\n"
+    "from precprof.stream_child import main\n"
+    "sys.exit(main())\n"
+)
 
 __all__ = ["MAX_QUEUED", "RESERVE_BYTES", "USE_PROCESS", "StreamWriter"]
 
@@ -63,9 +72,8 @@ class StreamWriter:
         self.unwritten: list[Flush] = []
         self.parts_written = 0
         self.compact_error: str | None = None  # why the last merge of parts failed (they stay single)
-        self.writer = (
-            "process" if USE_PROCESS else "thread"
-        )  # who writes: a process of its own, or the thread
+        # who writes: a process of its own, or this writer's thread
+        self.writer = "process" if USE_PROCESS else "thread"
         self.writer_note: str | None = None  # why the thread writes, where the process could not
         self._seq = 0
         self._current: Flush | None = None
@@ -179,21 +187,12 @@ class StreamWriter:
     def _start_process(self) -> None:
         """Start the writer process; it says when it is ready (``_process_ready``). Where it cannot start,
         the thread writes (``writer_note`` says why)."""
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         try:
             self._proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "precprof.stream_child",
-                    str(self.segment.path),
-                    str(parts.COMPACT_EVERY),
-                ],
+                [sys.executable, "-c", _PROGRAM, str(self.segment.path), str(parts.COMPACT_EVERY)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env=env,
                 process_group=0,  # a terminal's Ctrl-C reaches the training alone, which closes the pipe
             )
         except Exception as e:
