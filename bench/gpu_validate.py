@@ -1089,7 +1089,8 @@ def stage_overhead(run: Run) -> dict[str, Any]:
         args = ["--device", "cuda", "--blocks", str(blocks_n), "--steps", "10"]
         args += [
             "--configs",
-            "baseline,floor,precprof_1,precprof_1_memory,precprof_1_noblocks,precprof_10,precprof_auto,debug_uo",
+            "baseline,floor,precprof_1,precprof_1_memory,precprof_1_thread,precprof_1_noblocks,precprof_10,"
+            "precprof_auto,debug_uo",
         ]
     data, table = _overhead(run, args, out)
     result: dict[str, Any] = {"overhead": data, "table": table}

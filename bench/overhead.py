@@ -22,6 +22,8 @@ Configurations:
   precprof_1_allblocks every step sampled, every linear layer's block formats on each (block_groups=1)
   precprof_1_memory    every step sampled, its rows kept in memory (no run directory): what the stream costs,
                   and the setting of every result before 2026-11-28
+  precprof_1_thread    every step sampled, streaming with the writer thread writing the parts itself
+                  (``stream.USE_PROCESS`` off, as before the writer process, 2026-11-28c): what the process saves
   debug_uo        transformers' DebugUnderflowOverflow (when transformers is installed)
   naive_item      a home-made per-module monitor calling .item() for absmax / nan / inf of every output and
                   gradient (what people write by hand)
@@ -136,13 +138,15 @@ class Precprof(Monitor):
         block_formats: bool = True,
         block_groups: int | None = None,
         stream: bool | None = None,  # None: the bench's setting (``--no-stream``)
+        thread_writer: bool = False,  # the stream written by the writer thread, not its process
     ) -> None:
         self.sample_every = sample_every
         self.block_formats = block_formats
         self.block_groups = block_groups
         self.stream = stream
+        self.thread_writer = thread_writer
         suffix = "_noblocks" if not block_formats else ("_allblocks" if block_groups == 1 else "")
-        suffix += "_memory" if stream is False else ""
+        suffix += "_memory" if stream is False else ("_thread" if thread_writer else "")
         self.name = f"precprof_{sample_every if sample_every is not None else 'auto'}{suffix}"
         self.prof: Profiler | None = None
         self.last_info: dict[str, Any] = {}
@@ -151,6 +155,7 @@ class Precprof(Monitor):
         if self.prof is not None:  # one Profiler for the whole run, attached for each block of steps
             self.prof.attach()
             return
+        stream.USE_PROCESS = not self.thread_writer  # read when the stream opens, at attach
         self.prof = Profiler(
             model,
             optimizer=opt,
@@ -166,6 +171,7 @@ class Precprof(Monitor):
             out=_run_dir(self.name) if (STREAM if self.stream is None else self.stream) else None,
         )
         self.prof.attach()
+        stream.USE_PROCESS = True
 
     def after_step(self, loss: torch.Tensor) -> None:
         assert self.prof is not None
@@ -373,6 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "precprof_1_noblocks": lambda: Precprof(1, block_formats=False),
         "precprof_1_allblocks": lambda: Precprof(1, block_groups=1),
         "precprof_1_memory": lambda: Precprof(1, stream=False),
+        "precprof_1_thread": lambda: Precprof(1, thread_writer=True),
         "debug_uo": DebugUO,
         "naive_item": NaiveItem,
     }

@@ -73,8 +73,9 @@ def test_a_streamed_run_equals_one_kept_in_memory(tmp_path: Path) -> None:
 
 def test_a_reattached_profiler_counts_on_and_streams_on(tmp_path: Path) -> None:
     """Detached (for an evaluation, say) and attached again, the Profiler goes on from the step it stopped at
-    and streams on into the same run: the run equals one that stayed attached. It restarted at step 0 and
-    recorded steps 0 and 1 twice, merged into one step each."""
+    and streams on into the same run, through the same writer process: the run equals one that stayed
+    attached. Saved, the process ends."""
+    pids: list[int] = []
 
     def run(out: Path, pause_after: int | None) -> dict[str, pd.DataFrame]:
         torch.manual_seed(0)
@@ -88,15 +89,24 @@ def test_a_reattached_profiler_counts_on_and_streams_on(tmp_path: Path) -> None:
                 with torch.no_grad():  # an evaluation, not recorded
                     model(torch.randn(4, 8))
                 prof.attach()
+            sink = prof._recorded.sink
+            assert sink is not None and sink._proc is not None
+            pids.append(sink._proc.pid)
             loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
             loss.backward()
             opt.step()
             opt.zero_grad()
             prof.step(loss=loss.detach())
         prof.detach()
-        return T.read_run(out).tables  # what a kill now leaves: the stream, never saved
+        tables = T.read_run(out).tables  # what a kill now leaves: the stream, never saved
+        proc = sink._proc
+        assert proc is not None and proc.poll() is None  # detached, it waits for a re-attach
+        prof.save()
+        assert sink._proc is None and proc.poll() is not None
+        return tables
 
     once, paused = run(tmp_path / "once", None), run(tmp_path / "paused", 3)
+    assert len(set(pids[7:])) == 1  # one process through the detach
     assert paused["steps"][T.STEP].tolist() == list(range(7))
     assert sorted(set(paused["layers"][T.STEP])) == [0, 2, 4, 6]
     for name in ("layers", "histograms"):

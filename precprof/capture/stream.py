@@ -33,6 +33,7 @@ import select
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import IO, Any
 
@@ -82,13 +83,15 @@ class StreamWriter:
         self._proc: subprocess.Popen[bytes] | None = None
         self._ready = False  # the process said it is ready
         self._wire = stream_child.Wire()
+        self._release: weakref.finalize[Any, Any] = weakref.finalize(self, lambda: None)
         self.reopen()
 
     def reopen(self) -> None:
-        """Start the writer thread and its process (again, after ``close()``: a re-attached Profiler's flushes
-        go on into the same segment, numbered after the last part). Idempotent."""
+        """Start the writer thread, and its process unless it is there (again, after ``close()``: a re-attached
+        Profiler's flushes go on into the same segment, numbered after the last part). Idempotent."""
         if not self._thread.is_alive():
-            if self.writer == "process":
+            if self.writer == "process" and (self._proc is None or self._proc.poll() is not None):
+                self._end_process()  # (one that ended while the Profiler was detached)
                 self._start_process()
             self._thread = threading.Thread(target=self._run, name="precprof-stream", daemon=True)
             self._thread.start()
@@ -141,33 +144,38 @@ class StreamWriter:
             self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued and end the thread and the process. Idempotent."""
+        """Write what is queued and end the thread. Idempotent. The process stays, idle, for ``reopen()`` (a
+        Profiler detached and attached again, around each evaluation say, would start one each time: 0.4 s of
+        imports beside the training); ``end()`` ends it, and so does this writer's collection or the
+        interpreter's exit (its pipe closes)."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
 
+    def end(self) -> None:
+        """``close()``, and end the process (the run is saved). Idempotent; ``reopen()`` starts another."""
+        self.close()
+        self._end_process()
+
     def _run(self) -> None:
-        try:
-            while True:
-                flush = self._queue.get()
+        while True:
+            flush = self._queue.get()
+            try:
+                if flush is None:
+                    return
+                if self.error is not None:
+                    self.unwritten.append(flush)
+                    continue
+                self._current = flush
                 try:
-                    if flush is None:
-                        return
-                    if self.error is not None:
-                        self.unwritten.append(flush)
-                        continue
-                    self._current = flush
-                    try:
-                        self._write(flush)
-                    except Exception as e:  # writing must never take training down; the rows stay in memory
-                        self.error = str(e) if isinstance(e, _WriteError) else f"{type(e).__name__}: {e}"
-                        self.unwritten.append(flush)
-                    finally:
-                        self._current = None
+                    self._write(flush)
+                except Exception as e:  # writing must never take training down; the rows stay in memory
+                    self.error = str(e) if isinstance(e, _WriteError) else f"{type(e).__name__}: {e}"
+                    self.unwritten.append(flush)
                 finally:
-                    self._queue.task_done()
-        finally:
-            self._end_process()
+                    self._current = None
+            finally:
+                self._queue.task_done()
 
     def _write(self, flush: Flush) -> None:
         seq = self._seq
@@ -200,6 +208,7 @@ class StreamWriter:
             return
         self._ready = False
         self._wire.restart()
+        self._release = weakref.finalize(self, _release, self._proc)  # on collection, and at exit
 
     def _process_ready(self) -> bool:
         """Whether the process is there to hand flushes to. While it starts (imports take about 0.4 s) the
@@ -247,15 +256,20 @@ class StreamWriter:
 
     def _end_process(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        with contextlib.suppress(OSError):
-            assert proc.stdin is not None
-            proc.stdin.close()  # it has written every flush it was handed, and exits
-        proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+        if proc is not None:
+            self._release()
+
+
+def _release(proc: subprocess.Popen[bytes]) -> None:
+    """Close the process's pipe: it has written every flush it was handed, and exits; wait for that."""
+    with contextlib.suppress(OSError, ValueError):
+        assert proc.stdin is not None
+        proc.stdin.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(60)
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
 
 
 class _WriteError(Exception):
