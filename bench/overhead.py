@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 
 import precprof  # noqa: E402
 from precprof import tables as T  # noqa: E402
-from precprof.capture import Profiler  # noqa: E402
+from precprof.capture import Profiler, stream  # noqa: E402
 from precprof.capture.plan import selected  # noqa: E402
 from precprof.capture.records import _iter_tensors  # noqa: E402
 from precprof.models import build_model  # noqa: E402
