@@ -13,7 +13,7 @@ flush refers to that the process has not had yet; ``reset``: forget the earlier 
 JSON line out per message, once its parts are on disk: ``{"seq", "parts", "compact_error"}`` or ``{"seq",
 "error"}``. The first line out is ``ready``.
 
-The process ignores SIGINT, SIGTERM and SIGHUP (and starts in a process group of its own, so that a terminal's
+The process ignores SIGINT, SIGTERM and SIGHUP (and starts in a session of its own, so that a terminal's
 Ctrl-C reaches the training alone, which saves the run and closes the pipe). When its input closes, cut short or not (the
 training ended, or was killed), it has written every whole message it received and exits: a killed training
 loses at most the flush it was handing over.

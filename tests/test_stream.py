@@ -706,14 +706,22 @@ def test_the_writer_process_imports_nothing_from_the_working_directory(
     assert len(prof.tables()["steps"]) == 4
 
 
-@pytest.mark.parametrize("python", ["missing", "echo"])
+@pytest.mark.parametrize("python", ["missing", "echo", "fails"])
 def test_where_the_writer_process_cannot_start_the_thread_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python: str
 ) -> None:
-    """No Python to start (a frozen application), or one that says something else than ready: the writer
-    thread writes the parts itself, the summary says so and why, and the run reads as one kept in memory."""
-    executable = {"missing": str(tmp_path / "no-python"), "echo": "/bin/echo"}[python]
-    why = {"missing": "(FileNotFoundError", "echo": "(RuntimeError: it said b'-c import sys"}[python]
+    """No Python to start (a frozen application), one that says something else than ready, or one that fails
+    saying why on stderr: the writer thread writes the parts itself, the summary says so and why, and the run
+    reads as one kept in memory."""
+    fails = tmp_path / "fails.sh"
+    fails.write_text("#!/bin/sh\necho 'ModuleNotFoundError: No module named pyarrow' >&2\nexit 3\n")
+    fails.chmod(0o755)
+    executable = {"missing": str(tmp_path / "no-python"), "echo": "/bin/echo", "fails": str(fails)}[python]
+    why = {
+        "missing": "(FileNotFoundError",
+        "echo": "(RuntimeError: it said b'-c import sys",
+        "fails": "(RuntimeError: it said b'': ModuleNotFoundError: No module named pyarrow)",
+    }[python]
     monkeypatch.setattr(sys, "executable", executable)
     kept = tiny_run(None, 5, sample_every=2).tables()
     streamed = tiny_run(tmp_path / "run", 5, sample_every=2)
