@@ -43,10 +43,10 @@ class HeldRows(NamedTuple):
 
 class StepRows:
     """A sampled step's rows as its copy brought them, kept compact, and decoded into the columns of the layers
-    and histograms tables only when those are read (``decode``: by ``tables()``, the stream writer's thread or
-    the live dashboards). Decoding costs a sampled step more than keeping its numbers does, and the compact form
-    is smaller than the decoded one: the active rows' counts, the histogram bins any row uses (tens of the
-    277), and the block statistics of the rows evaluated this step.
+    and histograms tables only when those are read (``decode``: by ``tables()``, the stream's writer process
+    or thread, or the live dashboards). Decoding costs a sampled step more than keeping its numbers does, and
+    the compact form is smaller than the decoded one: the active rows' counts, the histogram bins any row uses
+    (tens of the 277), and the block statistics of the rows evaluated this step.
 
     ``active``: the indices of the rows that took data; ``held``: the step's host rows (``rows`` says what
     each took); ``slot_of`` / ``seen``: each row's slot of the block accumulator and which rows were evaluated;
@@ -217,9 +217,11 @@ class Flush:
     layer_parts: list[dict[str, Any] | StepRows] = field(default_factory=list)
     hist_parts: list[dict[str, Any]] = field(default_factory=list)
     memory_rows: list[dict[str, Any]] = field(default_factory=list)
-    # ``decoded`` may run on two threads at once: the stream writer's and the live dashboards'
+    # ``decoded`` may run on two threads at once: the stream writer's (where the thread writes) and the live
+    # dashboards'
     _decoding: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    # ``arrow()``'s tables, made once (on the training thread, before the flush is queued: see ``take``)
+    # ``arrow()``'s tables, made once (by the writer process; where the thread writes, on the training thread
+    # before the flush is queued: ``StreamWriter.put``)
     _arrow: dict[str, pa.Table] | None = field(default=None, repr=False, compare=False)
     # the flush pickled for the stream's writer process, and the shared objects it refers to by key
     # (``precprof.stream_child.Wire.encode``, on the training thread, before the flush is queued)

@@ -14,9 +14,9 @@ JSON line out per message, once its parts are on disk: ``{"seq", "parts", "compa
 "error"}``. The first line out is ``ready``.
 
 The process ignores SIGINT, SIGTERM and SIGHUP (and starts in a session of its own, so that a terminal's
-Ctrl-C reaches the training alone, which saves the run and closes the pipe). When its input closes, cut short or not (the
-training ended, or was killed), it has written every whole message it received and exits: a killed training
-loses at most the flush it was handing over.
+Ctrl-C reaches the training alone, which saves the run and closes the pipe). When its input closes, cut short
+or not (the training ended, or was killed), it has written every whole message it received and exits: a
+killed training loses at most the flush it was handing over.
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ _IGNORED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if 
 
 
 def write_flush(segment: Path, seq: int, flush: Flush, compact_every: int) -> tuple[int, str | None]:
-    """Write ``flush`` as the parts numbered ``seq`` of ``segment`` (the steps part last: it commits the flush),
-    and every ``compact_every`` flushes merge the last ones (``parts.COMPACT_EVERY``). Returns the parts written and why a merge
-    failed (None when none did: the single parts are still there and read as before). Raises when a part
-    cannot be written, and while less than ``RESERVE_BYTES`` are free (room left for summary.json)."""
+    """Write ``flush`` as the parts numbered ``seq`` of ``segment`` (the steps part last: it commits the
+    flush), and every ``compact_every`` flushes merge the last ones (``parts.COMPACT_EVERY``). Returns the
+    parts written and why a merge failed (None when none did: the single parts are still there and read as
+    before). Raises when a part cannot be written, and while less than ``RESERVE_BYTES`` are free (room left
+    for summary.json)."""
     free = shutil.disk_usage(segment).free
     if free < RESERVE_BYTES:
         raise OSError(

@@ -537,9 +537,9 @@ class Profiler(ProfilerResults):
     # ------------------------------------------------------------------------------------- host side
     def _flush(self, sampled_step_done: bool, timed: _PendingStep | None = None) -> None:
         """Copy pending step records (and, after a sampled step, its statistics) to the host. Syncs. Then hand
-        the new rows to the stream writer (queued for its thread: the step does not wait for the disk) and the
-        dashboards (host data only: no further sync). ``timed``: the sampled step just ended, whose time in the
-        steps table then includes this copy."""
+        the new rows to the stream writer (pickled and queued for its process: the step does not wait for the
+        disk) and the dashboards (host data only: no further sync). ``timed``: the sampled step just ended,
+        whose time in the steps table then includes this copy."""
         pending, self._pending = self._pending, []
         layers = sampled_step_done and self._buffer is not None and self._collector is not None
         step = pending[-1].step if pending else self._step

@@ -4,8 +4,8 @@ never waits for the disk, nor for the decoding and the writing, which held the i
 of the training takes.
 
 The training's thread pickles each flush (its sampled steps' rows compact, as the copy brought them: 0.2-0.3
-ms for 800 rows) and queues it; the writer thread hands it to the process and waits, without the lock, until the
-process says its parts are on disk. Where the process cannot start (no Python executable, a frozen
+ms for 800 rows) and queues it; the writer thread hands it to the process and waits, without the lock, until
+the process says its parts are on disk. Where the process cannot start (no Python executable, a frozen
 application), the thread writes itself, as before: ``writer`` says which, ``writer_note`` why.
 
 Invariants:
@@ -89,8 +89,9 @@ class StreamWriter:
         self.reopen()
 
     def reopen(self) -> None:
-        """Start the writer thread, and its process unless it is there (again, after ``close()``: a re-attached
-        Profiler's flushes go on into the same segment, numbered after the last part). Idempotent."""
+        """Start the writer thread, and its process unless it is there (again, after ``close()``: a
+        re-attached Profiler's flushes go on into the same segment, numbered after the last part).
+        Idempotent."""
         if not self._thread.is_alive():
             if self.writer == "process" and (self._proc is None or self._proc.poll() is not None):
                 self._end_process()  # (one that ended while the Profiler was detached)
@@ -209,8 +210,8 @@ class StreamWriter:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
-                # a session of its own: a terminal's Ctrl-C (or hangup) reaches the training alone, which saves
-                # the run and closes the pipe
+                # a session of its own: a terminal's Ctrl-C (or hangup) reaches the training alone, which
+                # saves the run and closes the pipe
                 start_new_session=True,
             )
             self._err = err
@@ -300,7 +301,8 @@ def _write_all(stream: IO[bytes], data: bytes) -> None:
 
 
 def _said(proc: subprocess.Popen[bytes], err: IO[bytes] | None) -> str:
-    """The last line a process that ended wrote to stderr (``err``, its file), as ``: ...`` (empty when none)."""
+    """The last line a process that ended wrote to stderr (``err``, its file), as ``: ...`` (empty when
+    none)."""
     if proc.poll() is None or err is None:
         return ""
     with contextlib.suppress(OSError, ValueError):
