@@ -1,17 +1,20 @@
 """The stream's writer process: it decodes the flushes a training process hands it and writes them as Parquet
 parts of the run directory (``precprof.parts``), so that none of that work, nor the interpreter lock it would
-hold, is the training's. ``precprof.capture.stream.StreamWriter`` starts it (its ``main``, as ``python -m
-precprof.stream_child SEGMENT COMPACT_EVERY`` would, but importing nothing from the working directory) and
-talks to it over two pipes; it imports no torch (``precprof.flush``).
+hold, is the training's. ``precprof.capture.stream.StreamWriter`` (through
+``precprof.capture.writer_process``: one process per Python process, each run streaming from it on a channel of
+its own) starts it (its ``main``, as ``python -m precprof.stream_child`` would, but importing nothing from the
+working directory) and talks to it over two pipes; it imports no torch (``precprof.flush``).
 
 The hand-over (``Wire``): on the training's thread a flush is pickled, its sampled steps' rows compact as the
 copy brought them (``flush.StepRows``). What those rows share from step to step (the row table's texts, the
 modules' order) is sent once, by key, and referred to after.
 
-Messages in: ``struct HEAD`` (the lengths of two pickles), then ``(seq, reset, shared)`` (the objects this
-flush refers to that the process has not had yet; ``reset``: forget the earlier ones), then the flush. One
-JSON line out per message, once its parts are on disk: ``{"seq", "parts", "compact_error"}`` or ``{"seq",
-"error"}``. The first line out is ``ready``.
+Messages in: ``struct HEAD`` (the lengths of two pickles), then ``(channel, seq, reset, shared, segment,
+compact_every, drops)`` (the run's channel; the objects this flush refers to that the process has not had yet
+from it, ``reset``: forget the channel's earlier ones; the segment folder its parts go into, and how often they
+merge; ``drops``: channels whose runs ended, to forget), then the flush. One JSON line out per message, once
+its parts are on disk: ``{"seq", "parts", "compact_error"}`` or ``{"seq", "error"}``. The first line out is
+``ready``.
 
 The process ignores SIGINT, SIGTERM and SIGHUP (and starts in a session of its own, so that a terminal's
 Ctrl-C reaches the training alone, which saves the run and closes the pipe). When its input closes, cut short
@@ -84,6 +87,7 @@ class Wire:
         self._keys: dict[int, tuple[Any, int]] = {}  # id -> (the object, held so its id stays its own; key)
         self._next = 0
         self._sent: set[int] = set()  # keys the process has
+        self.generation = 0  # the process that has them (``restart``)
 
     def encode(self, flush: Flush) -> tuple[bytes, dict[int, Any]]:
         """The flush pickled, and the shared objects it refers to by key."""
@@ -110,20 +114,32 @@ class Wire:
             self._next += 1
         return held[1]
 
-    def message(self, seq: int, body: bytes, refs: dict[int, Any]) -> list[bytes]:
-        """The bytes that hand the process flush ``seq`` (``encode``'s ``body`` and ``refs``)."""
+    def message(
+        self,
+        channel: int,
+        seq: int,
+        segment: str,
+        compact_every: int,
+        drops: list[int],
+        body: bytes,
+        refs: dict[int, Any],
+    ) -> list[bytes]:
+        """The bytes that hand the process flush ``seq`` of ``channel`` (``encode``'s ``body`` and ``refs``),
+        to be written into ``segment``, with the ``drops`` of channels it may forget."""
         new = {k: v for k, v in refs.items() if k not in self._sent}
         reset = len(self._sent) + len(new) > self.MAX_SHARED
         if reset:
             self._sent.clear()
             new = dict(refs)
         self._sent |= new.keys()
-        head = pickle.dumps((seq, reset, new), protocol=pickle.HIGHEST_PROTOCOL)
+        meta = (channel, seq, reset, new, segment, compact_every, drops)
+        head = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         return [HEAD.pack(len(head), len(body)), head, body]
 
-    def restart(self) -> None:
-        """A new process has none of the shared objects."""
+    def restart(self, generation: int) -> None:
+        """A new process (``generation``) has none of the shared objects."""
         self._sent.clear()
+        self.generation = generation
 
 
 def _read(stream: BinaryIO, n: int) -> bytes | None:
@@ -132,9 +148,9 @@ def _read(stream: BinaryIO, n: int) -> bytes | None:
     return data if data is not None and len(data) == n else None
 
 
-def serve(segment: Path, compact_every: int, inp: BinaryIO, out: BinaryIO) -> None:
+def serve(inp: BinaryIO, out: BinaryIO) -> None:
     """Read flushes from ``inp`` until it ends, write each and answer on ``out``."""
-    shared: dict[int, Any] = {}
+    channels: dict[int, dict[int, Any]] = {}  # what each run's flushes share
     _answer(out, READY)
     while True:
         head = _read(inp, HEAD.size)
@@ -144,7 +160,10 @@ def serve(segment: Path, compact_every: int, inp: BinaryIO, out: BinaryIO) -> No
         meta, body = _read(inp, n_head), _read(inp, n_body)
         if meta is None or body is None:  # cut off while it was handed over: the training was killed
             return
-        seq, reset, new = pickle.loads(meta)
+        channel, seq, reset, new, segment, compact_every, drops = pickle.loads(meta)
+        for gone in drops:
+            channels.pop(gone, None)
+        shared = channels.setdefault(channel, {})
         if reset:
             shared.clear()
         shared.update(new)
@@ -154,7 +173,7 @@ def serve(segment: Path, compact_every: int, inp: BinaryIO, out: BinaryIO) -> No
                 if isinstance(part, StepRows):
                     for name in _SHARED:
                         setattr(part, name, shared[getattr(part, name)])
-            written, compact_error = write_flush(segment, seq, flush, compact_every)
+            written, compact_error = write_flush(Path(segment), seq, flush, compact_every)
             answer = {"seq": seq, "parts": written, "compact_error": compact_error}
         except Exception as e:  # said to the training, which keeps this flush and the later ones in memory
             answer = {"seq": seq, "error": f"{type(e).__name__}: {e}"}
@@ -175,10 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in _IGNORED:
         signal.signal(sig, signal.SIG_IGN)
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or not args[1].isdigit() or int(args[1]) < 1:
-        print("usage: python -m precprof.stream_child SEGMENT_DIR COMPACT_EVERY", file=sys.stderr)
+    if args:
+        print("usage: python -m precprof.stream_child (flushes on stdin, from a training)", file=sys.stderr)
         return 2
-    serve(Path(args[0]), int(args[1]), sys.stdin.buffer, sys.stdout.buffer)
+    serve(sys.stdin.buffer, sys.stdout.buffer)
     # every part is written and closed (each atomically, fsynced): skip the interpreter's teardown of pandas
     # and Arrow (0.15 s a run, which a save waiting for the process paid)
     sys.stdout.flush()

@@ -24,6 +24,7 @@ from torch import nn
 import precprof
 from precprof import cli, parts, pipeline, rundir
 from precprof import tables as T
+from precprof.capture import writer_process
 from precprof.errors import UserError
 
 WORKER = Path(__file__).with_name("stream_worker.py")
@@ -33,6 +34,14 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(Path(__file__).r
 def worker(mode: str, out: Path, checkpoint: Path | None = None) -> subprocess.Popen[str]:
     args = [sys.executable, str(WORKER), mode, str(out), *([str(checkpoint)] if checkpoint else [])]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def wait_ready(sink: Any) -> None:
+    """Until the run's writer process said it is ready (or failed)."""
+    deadline = time.monotonic() + 30
+    while not sink._proc.is_ready() and sink._proc.failed is None and time.monotonic() < deadline:
+        select.select([sink._proc.proc.stdout], [], [], 0.5)
+    assert sink._proc.ready, sink._proc.failed
 
 
 def tiny_run(out: Path | None, steps: int, sample_every: int = 1, **kw: object) -> precprof.Profiler:
@@ -74,7 +83,7 @@ def test_a_streamed_run_equals_one_kept_in_memory(tmp_path: Path) -> None:
 def test_a_reattached_profiler_counts_on_and_streams_on(tmp_path: Path) -> None:
     """Detached (for an evaluation, say) and attached again, the Profiler goes on from the step it stopped at
     and streams on into the same run, through the same writer process: the run equals one that stayed
-    attached. Saved, the process ends."""
+    attached. Saved, the run gives the process back, and the next run streams through it."""
     pids: list[int] = []
 
     def run(out: Path, pause_after: int | None) -> dict[str, pd.DataFrame]:
@@ -91,7 +100,7 @@ def test_a_reattached_profiler_counts_on_and_streams_on(tmp_path: Path) -> None:
                 prof.attach()
             sink = prof._recorded.sink
             assert sink is not None and sink._proc is not None
-            pids.append(sink._proc.pid)
+            pids.append(sink._proc.proc.pid)
             loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
             loss.backward()
             opt.step()
@@ -100,13 +109,13 @@ def test_a_reattached_profiler_counts_on_and_streams_on(tmp_path: Path) -> None:
         prof.detach()
         tables = T.read_run(out).tables  # what a kill now leaves: the stream, never saved
         proc = sink._proc
-        assert proc is not None and proc.poll() is None  # detached, it waits for a re-attach
+        assert proc is not None and proc.users > 0 and proc.proc.poll() is None  # detached, still the run's
         prof.save()
-        assert sink._proc is None and proc.poll() is not None
+        assert sink._proc is None and proc.proc.poll() is None  # given back, alive for the next run
         return tables
 
     once, paused = run(tmp_path / "once", None), run(tmp_path / "paused", 3)
-    assert len(set(pids[7:])) == 1  # one process through the detach
+    assert len(set(pids)) == 1  # one process through the detach, and for the next run
     assert paused["steps"][T.STEP].tolist() == list(range(7))
     assert sorted(set(paused["layers"][T.STEP])) == [0, 2, 4, 6]
     for name in ("layers", "histograms"):
@@ -657,16 +666,16 @@ def test_a_writer_process_that_dies_ends_no_training_and_loses_no_row(tmp_path: 
         for step in range(8):
             if step == 2:
                 assert sink._proc is not None and sink.writer == "process"
-                # once it said it is ready (its imports done, Ctrl-C ignored)
-                assert select.select([sink._proc.stdout], [], [], 30)[0]
-                sink._proc.send_signal(signal.SIGINT)
-                sink._proc.send_signal(signal.SIGTERM)  # (what Slurm sends every process of a job)
+                proc = sink._proc.proc
+                wait_ready(sink)  # (its imports done, Ctrl-C ignored)
+                proc.send_signal(signal.SIGINT)
+                proc.send_signal(signal.SIGTERM)  # (what Slurm sends every process of a job)
             if step == 4:
                 sink.drain()
-                assert sink._proc.poll() is None, "Ctrl-C or SIGTERM ended the writer process"
+                assert proc.poll() is None, "Ctrl-C or SIGTERM ended the writer process"
                 assert sink.error is None and sink.parts_written > 0
-                sink._proc.kill()
-                sink._proc.wait()
+                proc.kill()
+                proc.wait()
             loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
             loss.backward()
             opt.step()
@@ -692,18 +701,100 @@ def test_the_writer_process_imports_nothing_from_the_working_directory(
     writer process imports precprof and the standard library, not that file, and writes."""
     (tmp_path / "json.py").write_text("raise ImportError('the working directory was imported')\n")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(writer_process, "_current", None)  # a process started here, not an earlier test's
     model = nn.Sequential(nn.Linear(8, 4))
     prof = precprof.Profiler(model, sample_every=1, out=tmp_path / "run").attach()
     sink = prof._recorded.sink
     assert sink is not None and sink._proc is not None
-    assert select.select([sink._proc.stdout], [], [], 30)[0]  # it said something, or ended
+    wait_ready(sink)
     for _ in range(4):
         model(torch.randn(2, 8)).sum().backward()
         prof.step()
     sink.drain()
-    assert sink.writer == "process" and sink._ready and sink.error is None, (sink.writer_note, sink.error)
+    assert sink.writer == "process" and sink._proc.ready and sink.error is None, (
+        sink.writer_note,
+        sink.error,
+    )
     prof.detach()
     assert len(prof.tables()["steps"]) == 4
+
+
+def test_runs_of_one_python_share_one_writer_process_each_into_its_own_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs streaming at once (two Profilers, their steps interleaved) and a third after them, from
+    another working directory with a relative ``out``: one writer process writes each into its own run, each
+    equal to the run kept in memory. Used by no run for ``IDLE_S`` it ends; the next run starts another."""
+    monkeypatch.setattr(writer_process, "_current", None)  # this test's process, not an earlier test's
+    monkeypatch.setattr(writer_process, "IDLE_S", 0.3)
+    kept = tiny_run(None, 6, sample_every=2).tables()
+    profs, models, opts = [], [], []
+    for name in ("a", "b"):
+        torch.manual_seed(0)
+        models.append(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)))
+        opts.append(torch.optim.SGD(models[-1].parameters(), lr=0.05))
+        profs.append(precprof.Profiler(models[-1], opts[-1], sample_every=2, out=tmp_path / name).attach())
+    procs = [p._recorded.sink._proc for p in profs]  # type: ignore[union-attr]
+    assert procs[0] is procs[1] and procs[0] is not None and procs[0].users == 2
+    wait_ready(profs[0]._recorded.sink)
+    for step in range(6):
+        for prof, model, opt in zip(profs, models, opts, strict=True):
+            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    for prof in profs:
+        prof.detach()
+        prof.save()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    third = tiny_run(Path("run"), 6, sample_every=2)
+    assert third._recorded.sink._proc is procs[0]  # type: ignore[union-attr]
+    third.save()
+    for run in (tmp_path / "a", tmp_path / "b", tmp_path / "elsewhere" / "run"):
+        summary = T.read_summary(run)[T.SUMMARY_CAPTURE]["stream"]
+        assert summary["writer"] == "process" and summary["error"] is None, summary
+        got = T.read_tables(run)
+        for name in ("layers", "histograms"):
+            pd.testing.assert_frame_equal(got[name], kept[name], check_dtype=False)
+        assert got["steps"][T.STEP].tolist() == list(range(6))
+    proc = procs[0].proc
+    proc.wait(30)  # idle: it ends
+    later = tiny_run(tmp_path / "later", 3)
+    assert later._recorded.sink._proc.proc.pid != proc.pid  # type: ignore[union-attr]
+    later.save()
+
+
+def test_a_forked_child_holds_no_pipe_of_the_writer_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DataLoader's workers, forked (Linux's default) and persistent, copy the process's pipes. Held open
+    there, the process would not see its input end while they live (a save had waited 60 s for it). The
+    child's copies are pointed at /dev/null at the fork: the process ends when the training lets it go, and
+    the workers' batches are what they are without a profiler."""
+    monkeypatch.setattr(writer_process, "_current", None)
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8))
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=4, num_workers=2, persistent_workers=True, multiprocessing_context="fork"
+    )
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    prof = precprof.Profiler(model, sample_every=2, out=tmp_path / "run")
+    seen = []
+    with prof:
+        for _ in range(2):
+            for (x,) in loader:  # the workers fork at the first epoch, and stay
+                seen.append(x)
+                model(x).square().mean().backward()
+                prof.step()
+    prof.save()
+    assert torch.equal(torch.cat(seen), torch.cat([data.tensors[0]] * 2))
+    wp = writer_process._current
+    assert wp is not None and wp.users == 0 and loader._iterator is not None  # the workers are alive
+    writer_process._end(wp, wait=30)
+    assert wp.proc.poll() is not None, "a forked worker holds the writer process's input open"
+    assert len(T.read_tables(tmp_path / "run")["steps"]) == 16
 
 
 @pytest.mark.parametrize("python", ["missing", "echo", "fails"])

@@ -5,8 +5,9 @@ of the training takes.
 
 The training's thread pickles each flush (its sampled steps' rows compact, as the copy brought them: 0.2-0.3
 ms for 800 rows) and queues it; the writer thread hands it to the process and waits, without the lock, until
-the process says its parts are on disk. Where the process cannot start (no Python executable, a frozen
-application), the thread writes itself, as before: ``writer`` says which, ``writer_note`` why.
+the process says its parts are on disk. The process is shared by the runs of this Python process
+(``precprof.capture.writer_process``). Where it cannot start (no Python executable, a frozen application),
+the thread writes itself, as before: ``writer`` says which, ``writer_note`` why.
 
 Invariants:
 
@@ -20,25 +21,22 @@ Invariants:
   the tables still hold every row. The stream also stops while less than ``RESERVE_BYTES`` are free, so that
   the end of the run still has room to write summary.json with the cause.
 - ``drain()`` returns when everything queued is on disk; ``close()`` also ends the thread, and ``reopen()``
-  starts it again (the process waits, idle, for it; ``end()`` ends it). None touches a device: the rows were
+  starts it again (the process stays the run's; ``end()`` gives it back). None touches a device: the rows were
   copied to the host by the Profiler's one sync.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import os
 import queue
-import select
-import subprocess
-import sys
-import tempfile
 import threading
 import weakref
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from precprof import _signals, parts, stream_child
+from precprof.capture import writer_process
 from precprof.flush import Flush
 from precprof.stream_child import RESERVE_BYTES
 
@@ -47,19 +45,6 @@ MAX_QUEUED = 2
 # False: the writer thread writes the parts itself, as where the process cannot start (the tests that fake a
 # failure inside this process set it)
 USE_PROCESS = True
-# The process's program: it imports this very precprof (from the folder that holds it: a source tree run with
-# its path added at run time too), and nothing from the working directory, which ``python -m`` would put first
-# (a user's json.py there would shadow the standard library's)
-_ROOT = str(Path(stream_child.__file__).resolve().parents[1])
-_PROGRAM = (
-    "import sys\n"
-    "if sys.path and sys.path[0] == '':\n"
-    "    del sys.path[0]\n"
-    f"if {_ROOT!r} not in sys.path:\n"
-    f"    sys.path.insert(0, {_ROOT!r})\n"
-    "from precprof.stream_child import main\n"
-    "sys.exit(main())\n"
-)
 
 __all__ = ["MAX_QUEUED", "RESERVE_BYTES", "USE_PROCESS", "StreamWriter"]
 
@@ -81,21 +66,24 @@ class StreamWriter:
         self._current: Flush | None = None
         self._queue: queue.Queue[Flush | None] = queue.Queue(maxsize=max(1, max_queued))
         self._thread = threading.Thread()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._ready = False  # the process said it is ready
-        self._err: IO[bytes] | None = None  # its stderr, a file
+        self._compact_every = parts.COMPACT_EVERY
+        # where the parts go, whatever the working directory of the process (started by an earlier run, from
+        # another folder) or of the training later
+        self._where = Path(os.path.abspath(segment.path))
+        self._proc: writer_process.WriterProcess | None = None  # the process this run hands its flushes to
+        self._channel = -1  # this run's, in it
         self._wire = stream_child.Wire()
-        self._release: weakref.finalize[Any, Any] = weakref.finalize(self, lambda: None)
+        self._release: weakref.finalize[Any, Any] | None = None  # gives the process back at collection
         self.reopen()
 
     def reopen(self) -> None:
-        """Start the writer thread, and its process unless it is there (again, after ``close()``: a
-        re-attached Profiler's flushes go on into the same segment, numbered after the last part).
-        Idempotent."""
+        """Start the writer thread, and take the writer process unless this run has it (again, after
+        ``close()``: a re-attached Profiler's flushes go on into the same segment, numbered after the last
+        part). Idempotent."""
         if not self._thread.is_alive():
-            if self.writer == "process" and (self._proc is None or self._proc.poll() is not None):
-                self._end_process()  # (one that ended while the Profiler was detached)
-                self._start_process()
+            if self.writer == "process" and (self._proc is None or not self._proc.alive()):
+                self._give_back()  # (one that ended while the Profiler was detached)
+                self._take_process()
             self._thread = threading.Thread(target=self._run, name="precprof-stream", daemon=True)
             self._thread.start()
 
@@ -147,20 +135,20 @@ class StreamWriter:
             self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued and end the thread. Idempotent. The process stays, idle, for ``reopen()`` (a
-        Profiler detached and attached again, around each evaluation say, would start one each time: 0.4 s of
-        imports beside the training); ``end()`` ends it, and so does this writer's collection or the
-        interpreter's exit (its pipe closes)."""
+        """Write what is queued and end the thread. Idempotent. The process stays this run's for ``reopen()``
+        (a Profiler detached and attached again, around each evaluation say); ``end()`` gives it back, and so
+        does this writer's collection."""
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
-        if self._proc is not None and not self._ready and self._proc.poll() is not None:
+        if self._proc is not None and not self._proc.ready and self._proc.proc.poll() is not None:
             self._process_ready()  # it ended before a flush asked: say why (``writer_note``)
 
     def end(self) -> None:
-        """``close()``, and end the process (the run is saved). Idempotent; ``reopen()`` starts another."""
+        """``close()``, and give the process back (the run is saved). Idempotent; ``reopen()`` takes it
+        again."""
         self.close()
-        self._end_process()
+        self._give_back()
 
     def _run(self) -> None:
         while True:
@@ -175,7 +163,9 @@ class StreamWriter:
                 try:
                     self._write(flush)
                 except Exception as e:  # writing must never take training down; the rows stay in memory
-                    self.error = str(e) if isinstance(e, _WriteError) else f"{type(e).__name__}: {e}"
+                    self.error = (
+                        str(e) if isinstance(e, writer_process.WriteError) else f"{type(e).__name__}: {e}"
+                    )
                     self.unwritten.append(flush)
                 finally:
                     self._current = None
@@ -187,42 +177,26 @@ class StreamWriter:
         self._seq += 1
         wire, flush._wire = flush._wire, None
         if wire is None or not self._process_ready():  # the thread writes (no process yet, or no pickle)
-            written, compact_error = stream_child.write_flush(
-                self.segment.path, seq, flush, parts.COMPACT_EVERY
-            )
+            written, compact_error = stream_child.write_flush(self._where, seq, flush, self._compact_every)
         else:
-            written, compact_error = self._hand_over(seq, *wire)
+            assert self._proc is not None
+            written, compact_error = self._proc.hand_over(
+                self._wire, self._channel, seq, self._where, self._compact_every, *wire
+            )
         self.parts_written += written
         if compact_error is not None:
             self.compact_error = compact_error
 
     # ------------------------------------------------------------------------------------ the process
-    def _start_process(self) -> None:
-        """Start the writer process; it says when it is ready (``_process_ready``). Where it cannot start,
-        the thread writes (``writer_note`` says why)."""
-        err = None
+    def _take_process(self) -> None:
+        """Take the writer process (started unless this Python has one); it says when it is ready
+        (``_process_ready``). Where it cannot start, the thread writes (``writer_note`` says why)."""
         try:
-            # what it says on stderr (a traceback, warnings) goes to a file, read when it ends: a pipe nobody
-            # reads would stop it once full
-            err = tempfile.TemporaryFile()  # noqa: SIM115 (closed by ``_release``, with the process)
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", _PROGRAM, str(self.segment.path), str(parts.COMPACT_EVERY)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                # a session of its own: a terminal's Ctrl-C (or hangup) reaches the training alone, which
-                # saves the run and closes the pipe
-                start_new_session=True,
-            )
-            self._err = err
+            self._proc, self._channel = writer_process.acquire()
         except Exception as e:
-            if err is not None:
-                err.close()
             self._no_process(e)
             return
-        self._ready = False
-        self._wire.restart()
-        self._release = weakref.finalize(self, _release, self._proc, err)  # on collection, and at exit
+        self._release = weakref.finalize(self, writer_process.release, self._proc, self._channel)
 
     def _process_ready(self) -> bool:
         """Whether the process is there to hand flushes to. While it starts (imports take about 0.4 s) the
@@ -231,84 +205,18 @@ class StreamWriter:
         proc = self._proc
         if proc is None:
             return False
-        if not self._ready:
-            assert proc.stdout is not None
-            if not select.select([proc.stdout], [], [], 0)[0]:
-                return False  # still starting
-            line = proc.stdout.readline()
-            if line != stream_child.READY:  # it ended, or is not ours
-                proc.kill()
-                proc.wait()
-                why = RuntimeError(f"it said {line!r}{_said(proc, self._err)}")
-                self._end_process()
-                self._no_process(why)
-                return False
-            self._ready = True
-        return True
+        if proc.is_ready():
+            return True
+        if proc.failed is not None:  # it ended, or is not ours
+            self._give_back()
+            self._no_process(RuntimeError(proc.failed))
+        return False
 
     def _no_process(self, e: Exception) -> None:
         self.writer = "thread"
         self.writer_note = f"the stream's writer process did not start ({type(e).__name__}: {e})"
 
-    def _hand_over(self, seq: int, body: bytes, refs: dict[int, Any]) -> tuple[int, str | None]:
-        proc = self._proc
-        assert proc is not None and proc.stdin is not None and proc.stdout is not None
-        try:
-            for chunk in self._wire.message(seq, body, refs):
-                _write_all(proc.stdin, chunk)
-            line = proc.stdout.readline()
-        except OSError:  # the pipe broke: the process is gone
-            line = b""
-        if not line:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5)
-            raise _WriteError(
-                f"the stream's writer process ended (exit code {proc.returncode}){_said(proc, self._err)}"
-            )
-        answer = json.loads(line)
-        if "error" in answer:
-            raise _WriteError(answer["error"])
-        return int(answer["parts"]), answer.get("compact_error")
-
-    def _end_process(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            self._release()
-
-
-def _release(proc: subprocess.Popen[bytes], err: IO[bytes]) -> None:
-    """Close the process's pipe: it has written every flush it was handed, and exits; wait for that."""
-    with contextlib.suppress(OSError, ValueError):
-        assert proc.stdin is not None
-        proc.stdin.close()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(60)
-    for stream in (proc.stdout, err):
-        if stream is not None:
-            stream.close()
-
-
-class _WriteError(Exception):
-    """A write that failed in the process, as it said it (``TypeName: message``), or the process's end."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-def _write_all(stream: IO[bytes], data: bytes) -> None:
-    stream.write(data)
-    stream.flush()
-
-
-def _said(proc: subprocess.Popen[bytes], err: IO[bytes] | None) -> str:
-    """The last line a process that ended wrote to stderr (``err``, its file), as ``: ...`` (empty when
-    none)."""
-    if proc.poll() is None or err is None:
-        return ""
-    with contextlib.suppress(OSError, ValueError):
-        err.seek(0, 2)
-        err.seek(max(0, err.tell() - 4096))
-        text = err.read().decode(errors="replace").strip()
-        if text:
-            return ": " + text.splitlines()[-1][:300]
-    return ""
+    def _give_back(self) -> None:
+        release, self._release, self._proc = self._release, None, None
+        if release is not None:
+            release()
