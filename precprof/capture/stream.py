@@ -11,9 +11,10 @@ the thread writes itself, as before: ``writer`` says which, ``writer_note`` why.
 
 Invariants:
 
-- Bounded memory: at most ``max_queued`` flushes wait for the writer (plus the one it writes). When the disk
-  is slower than training, ``put`` blocks the step that flushes until one is written: memory stays bounded
-  rather than training running ahead of the disk.
+- Bounded memory: at most ``max_queued`` flushes wait for the writer (plus those it writes: the ones it found
+  queued, written as one, since most of a write's cost is per file). When the disk is slower than training,
+  ``put`` blocks the step that flushes until the writer takes what waits: memory stays bounded rather than
+  training running ahead of the disk.
 - What is on disk is consistent at every moment: each part is atomic, and a flush's steps part is written
   last (it commits the flush; see ``precprof.parts``). A flush is held here until it is on disk.
 - A failure to write (a full disk, a read-only file system, the process ended) never raises into training: the
@@ -40,7 +41,7 @@ from precprof.capture import writer_process
 from precprof.flush import Flush
 from precprof.stream_child import RESERVE_BYTES
 
-# flushes that may wait for the writer thread: with the one being written, three sampled steps in host memory
+# flushes that may wait for the writer thread: with those being written, at most five sampled steps in host memory
 MAX_QUEUED = 2
 # False: the writer thread writes the parts itself, as where the process cannot start (the tests that fake a
 # failure inside this process set it)
@@ -63,7 +64,7 @@ class StreamWriter:
         self.writer = "process" if USE_PROCESS else "thread"
         self.writer_note: str | None = None  # why the thread writes, where the process could not
         self._seq = 0
-        self._current: Flush | None = None
+        self._current: list[Flush] = []  # the flushes being written
         self._queue: queue.Queue[Flush | None] = queue.Queue(maxsize=max(1, max_queued))
         self._thread = threading.Thread()
         self._compact_every = parts.COMPACT_EVERY
@@ -72,6 +73,7 @@ class StreamWriter:
         self._where = Path(os.path.abspath(segment.path))
         self._proc: writer_process.WriterProcess | None = None  # the process this run hands its flushes to
         self._channel = -1  # this run's, in it
+        self._handed = False  # flushes handed to it since the last ``_sync``
         self._wire = stream_child.Wire()
         self._release: weakref.finalize[Any, Any] | None = None  # gives the process back at collection
         self.reopen()
@@ -126,8 +128,7 @@ class StreamWriter:
         """The flushes in host memory: queued, being written, or kept after a failure to write."""
         with self._queue.mutex:
             queued = [f for f in self._queue.queue if f is not None]
-        current = self._current
-        return [*queued, *([current] if current is not None else []), *self.unwritten]
+        return [*queued, *self._current, *self.unwritten]
 
     def drain(self) -> None:
         """Wait until every queued flush is written (or kept in ``unwritten``)."""
@@ -152,37 +153,94 @@ class StreamWriter:
 
     def _run(self) -> None:
         while True:
-            flush = self._queue.get()
+            batch = self._take()
             try:
-                if flush is None:
-                    return
+                flushes = [f for f in batch if f is not None]
                 if self.error is not None:
-                    self.unwritten.append(flush)
-                    continue
-                self._current = flush
-                try:
-                    self._write(flush)
-                except Exception as e:  # writing must never take training down; the rows stay in memory
-                    self.error = (
-                        str(e) if isinstance(e, writer_process.WriteError) else f"{type(e).__name__}: {e}"
-                    )
-                    self.unwritten.append(flush)
-                finally:
-                    self._current = None
+                    self.unwritten += flushes
+                else:
+                    self._current = flushes
+                    try:
+                        self._write_batch(flushes)
+                    except Exception as e:  # writing must never take training down; the rows stay in memory
+                        self.error = (
+                            str(e) if isinstance(e, writer_process.WriteError) else f"{type(e).__name__}: {e}"
+                        )
+                        self.unwritten += self._current
+                    finally:
+                        self._current = []
+                if batch[-1] is None:
+                    self._sync()
             finally:
-                self._queue.task_done()
+                for _ in batch:
+                    self._queue.task_done()
+            if batch[-1] is None:
+                return
+
+    def _sync(self) -> None:
+        """Closing: wait for the process's merge of this run's parts (it merges beside the writing), so that
+        the run is read, and saved, whole."""
+        proc = self._proc
+        if self._handed and proc is not None and self.error is None:
+            self._handed = False
+            try:
+                how = proc.hand_over(self._wire, self._channel, -1, self._where, self._compact_every, [], {})
+            except Exception as e:  # every flush is on disk already: only a merge may be missing
+                self.compact_error = f"{type(e).__name__}: {e}"
+            else:
+                self._wrote(*how)
+
+    def _take(self) -> list[Flush | None]:
+        """The next flush, and every flush queued behind it (a writer behind the training writes them as one:
+        most of a write's cost is per file), up to the end (None) if it is queued."""
+        batch = [self._queue.get()]
+        while batch[-1] is not None:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _write_batch(self, batch: list[Flush]) -> None:
+        """Write ``batch``: handed over to the process as one flush where each was pickled for it, else one by
+        one (by the process or this thread)."""
+        wires = [f._wire for f in batch]
+        if len(batch) > 1 and all(w is not None for w in wires) and self._process_ready():
+            for f in batch:
+                f._wire = None
+            self._hand_over([w for w in wires if w is not None])
+            return
+        for flush in batch:
+            self._write(flush)
+            batch = batch[1:]
+            self._current = batch  # (written: no longer held here)
 
     def _write(self, flush: Flush) -> None:
-        seq = self._seq
-        self._seq += 1
         wire, flush._wire = flush._wire, None
         if wire is None or not self._process_ready():  # the thread writes (no process yet, or no pickle)
-            written, compact_error = stream_child.write_flush(self._where, seq, flush, self._compact_every)
+            seq = self._next_seq()
+            self._wrote(*stream_child.write_flush(self._where, seq, flush, self._compact_every))
         else:
-            assert self._proc is not None
-            written, compact_error = self._proc.hand_over(
-                self._wire, self._channel, seq, self._where, self._compact_every, *wire
+            self._hand_over([wire])
+
+    def _hand_over(self, wires: list[tuple[bytes, dict[int, Any]]]) -> None:
+        assert self._proc is not None
+        refs = {k: v for _, r in wires for k, v in r.items()}
+        bodies = [body for body, _ in wires]
+        seq = self._next_seq()
+        self._handed = True
+        self._wrote(
+            *self._proc.hand_over(
+                self._wire, self._channel, seq, self._where, self._compact_every, bodies, refs
             )
+        )
+
+    def _next_seq(self) -> int:
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def _wrote(self, written: int, compact_error: str | None) -> None:
         self.parts_written += written
         if compact_error is not None:
             self.compact_error = compact_error

@@ -116,11 +116,12 @@ class WriterProcess:
         seq: int,
         segment: Path,
         compact_every: int,
-        body: bytes,
+        bodies: list[bytes],
         refs: dict[int, Any],
     ) -> tuple[int, str | None]:
-        """Send flush ``seq`` of ``channel`` (``wire.encode``'s ``body`` and ``refs``), to be written into
-        ``segment``, and wait until its parts are on disk: the parts written, and why a merge failed."""
+        """Send flushes (``wire.encode``'s ``bodies`` and their ``refs``) of ``channel``, to be written into
+        ``segment`` as its parts ``seq``, one flush of them all, and wait until they are on disk: the parts
+        written, and why a merge failed."""
         with self._io:
             proc = self.proc
             if proc.stdin is None or proc.stdout is None:
@@ -129,7 +130,7 @@ class WriterProcess:
                 wire.restart(self.generation)
             drops, self._drops = self._drops, []
             try:
-                for chunk in wire.message(channel, seq, str(segment), compact_every, drops, body, refs):
+                for chunk in wire.message(channel, seq, str(segment), compact_every, drops, bodies, refs):
                     proc.stdin.write(chunk)
                 proc.stdin.flush()
                 line = proc.stdout.readline()
