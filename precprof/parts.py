@@ -50,6 +50,7 @@ COMMIT_TABLE = "steps"  # the part written last in each flush: its presence comm
 _SEGMENT = re.compile(r"^s(\d{3,})@(-?\d+)$")
 _PART = re.compile(r"^(\d{8,})(?:-(\d{8,}))?\.([a-z_]+)\.parquet$")
 COMPACT_EVERY = 64  # flushes merged into one part per table
+SINGLE_COMPRESSION = "lz4"  # a single flush's parts (the merge writes zstd)
 
 
 def stream_dir(run_dir: str | os.PathLike[str]) -> Path:
@@ -171,14 +172,16 @@ def compact(
     return hi - lo + 1
 
 
-def write_part(path: Path, table: pa.Table) -> None:
+def write_part(path: Path, table: pa.Table, compression: str = "zstd") -> None:
     """Write one part atomically (temporary name, fsync, rename): a kill leaves the whole file or none. No
     dictionary pages and no column statistics (no reader filters on them): a flush's part of 800 layer rows
-    takes 2.8 ms instead of 4.3 of the writer thread's CPU, and is smaller."""
+    takes 2.8 ms instead of 4.3 of the writer's CPU, and is smaller. A single flush's parts, merged soon
+    after, are written with ``SINGLE_COMPRESSION``: the three parts of a flush of 800 layer rows take 3.2 ms
+    of CPU to write rather than 4.9-6.2 with zstd, and 76 KB rather than 58."""
     _atomic.write_with(
         path,
         lambda tmp: pq.write_table(
-            table, tmp, compression="zstd", use_dictionary=False, write_statistics=False
+            table, tmp, compression=compression, use_dictionary=False, write_statistics=False
         ),
     )
 

@@ -130,7 +130,7 @@ def write_flush(
         table = tables.get(name)
         if table is None or (table.num_rows == 0 and name != parts.COMMIT_TABLE):
             continue
-        parts.write_part(parts.part_path(segment, seq, name), table)
+        parts.write_part(parts.part_path(segment, seq, name), table, parts.SINGLE_COMPRESSION)
         written += 1
     if merging is not None:
         merging.keep(seq, tables)
