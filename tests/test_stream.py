@@ -45,6 +45,15 @@ def wait_ready(sink: Any) -> None:
     assert sink._proc.ready, sink._proc.failed
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, prof: precprof.Profiler, step: int) -> None:
+    """One step of the tiny runs: its batch a function of ``step`` alone."""
+    loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    prof.step(loss=loss.detach())
+
+
 def tiny_run(out: Path | None, steps: int, sample_every: int = 1, **kw: object) -> precprof.Profiler:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -52,11 +61,7 @@ def tiny_run(out: Path | None, steps: int, sample_every: int = 1, **kw: object) 
     prof = precprof.Profiler(model, opt, sample_every=sample_every, out=out, **kw)
     with prof:
         for step in range(steps):
-            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss.detach())
+            train_step(model, opt, prof, step)
     return prof
 
 
@@ -106,11 +111,7 @@ def test_a_reattached_profiler_counts_on_and_streams_on(tmp_path: Path) -> None:
             sink = prof._recorded.sink
             assert sink is not None and sink._proc is not None
             pids.append(sink._proc.proc.pid)
-            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss.detach())
+            train_step(model, opt, prof, step)
         prof.detach()
         tables = T.read_run(out).tables  # what a kill now leaves: the stream, never saved
         proc = sink._proc
@@ -695,11 +696,7 @@ def test_a_writer_process_that_dies_ends_no_training_and_loses_no_row(tmp_path: 
                 assert sink.error is None and sink.parts_written > 0
                 proc.kill()
                 proc.wait()
-            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss.detach())
+            train_step(model, opt, prof, step)
     assert sink.error is not None and "the stream's writer process ended (exit code -9)" in sink.error
     assert sink.unwritten
     tables = prof.tables()
@@ -758,11 +755,7 @@ def test_runs_of_one_python_share_one_writer_process_each_into_its_own_run(
     wait_ready(profs[0]._recorded.sink)
     for step in range(6):
         for prof, model, opt in zip(profs, models, opts, strict=True):
-            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss.detach())
+            train_step(model, opt, prof, step)
     for prof in profs:
         prof.detach()
         prof.save()
@@ -813,11 +806,7 @@ def test_flushes_queued_behind_a_busy_writer_are_written_as_one(tmp_path: Path) 
             if step == 3:  # flushes 1 and 2 queued behind it
                 assert len(sink._queue.queue) == 2 and len(sink.held()) == 3, handed
                 gate.set()
-            loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss.detach())
+            train_step(model, opt, prof, step)
         prof.detach()
     finally:
         gate.set()
