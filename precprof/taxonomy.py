@@ -77,8 +77,10 @@ def _matmul_types() -> tuple[type[nn.Module], ...]:
     )
 
 
+@functools.lru_cache(maxsize=4096)
 def kind_of_type(module_type: str) -> str:
-    """The kind of a module from its class name (the tables' ``module_type``): one of ``KINDS``."""
+    """The kind of a module from its class name (the tables' ``module_type``): one of ``KINDS``. Cached: the
+    block-format deal asks it of every module each time it deals (a sampled step's host work)."""
     name = module_type or ""
     for kind, pattern in _BY_NAME:
         if pattern.search(name):
