@@ -888,6 +888,43 @@ def test_a_segment_merged_while_it_is_read_is_read_again(
         pd.testing.assert_frame_equal(got.tables[name], df, check_dtype=False)
 
 
+def test_the_writer_process_ends_with_a_training_that_exits_unsaved(tmp_path: Path) -> None:
+    """A script that streams and exits without saving (nor detaching): its writer process writes what it was
+    handed and ends with it, leaving no process behind, and the run reads every step that was written."""
+    script = (
+        "import sys, torch, precprof\n"
+        "from torch import nn\n"
+        "model = nn.Sequential(nn.Linear(8, 4))\n"
+        "prof = precprof.Profiler(model, sample_every=1, out=sys.argv[1]).attach()\n"
+        "for _ in range(5):\n"
+        "    model(torch.randn(2, 8)).sum().backward()\n"
+        "    prof.step()\n"
+        "prof._recorded.sink.drain()\n"
+        "print(prof._recorded.sink._proc.proc.pid, flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "run")],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.split()[-1])
+
+    def running() -> bool:  # (an ended process no one reaped yet is a zombie: ended)
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    deadline = time.monotonic() + 30
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(), "the writer process outlived its training"
+    assert T.read_run(tmp_path / "run").tables["steps"][T.STEP].tolist() == list(range(5))
+
+
 def test_a_forked_child_holds_no_pipe_of_the_writer_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -253,15 +253,17 @@ def _end(wp: WriterProcess, wait: float = 0.0) -> None:
 
 @atexit.register
 def _at_exit() -> None:
-    """Close every process's input: each writes what it was handed, then exits (in a session of its own, it
-    needs no one to wait for it)."""
+    """Close the input of every process no run holds: each writes what it was handed, then exits (in a session
+    of its own, it needs no one to wait for it). One a run still holds stays open for an exit handler
+    registered before this one (a callback's, which saves its run); the pipe closes when this process ends."""
     global _exiting, _current
     _exiting = True
     with _lock:
-        known, _current = list(_known), None
-        _known.clear()
-    for wp in known:
-        wp.close()
+        idle = [wp for wp in _known if wp.users == 0]
+        if _current in idle:
+            _current = None
+    for wp in idle:
+        _end(wp)
 
 
 def _after_fork_in_child() -> None:
