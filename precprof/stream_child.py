@@ -14,9 +14,9 @@ shared, segment, compact_every, drops, sizes)`` (the run's channel; the objects 
 process has not had yet from it, ``reset``: forget the channel's earlier ones; the segment folder their parts
 go into, and how often they merge; ``drops``: channels whose runs ended, to forget; ``sizes``: each flush's
 pickle), then the flushes: one, or those a writer behind the training found queued, written as one flush (most
-of a write's cost is per file). One JSON line out per message, once
-its parts are on disk: ``{"seq", "parts", "compact_error"}`` or ``{"seq", "error"}``. The first line out is
-``ready``.
+of a write's cost is per file); none (``SYNC``): wait for the channel's merge. One JSON line out per message,
+once its parts are on disk: ``{"seq", "parts", "compact_error"}`` or ``{"seq", "error"}``. The first line out
+is ``ready``.
 
 The process ignores SIGINT, SIGTERM and SIGHUP (and starts in a session of its own, so that a terminal's
 Ctrl-C reaches the training alone, which saves the run and closes the pipe). When its input closes, cut short
