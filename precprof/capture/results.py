@@ -331,7 +331,7 @@ class ProfilerResults:
         self._status = written[T.SUMMARY_STATUS]
         self._reason = written[T.SUMMARY_INCOMPLETE_REASON]
         sink = self._recorded.sink
-        if sink is not None and not self._attached:  # the run is saved: its stream's writer process ends
+        if sink is not None and not self._attached:  # the run is saved: it gives the writer process back
             sink.end()
         if self._owned_run is not None and not self._attached and run_dir == self._owned_run.path:
             self._owned_run.release()
