@@ -210,10 +210,9 @@ class StreamWriter:
                 f._wire = None
             self._hand_over([w for w in wires if w is not None])
             return
-        for flush in batch:
+        for i, flush in enumerate(batch):
             self._write(flush)
-            batch = batch[1:]
-            self._current = batch  # (written: no longer held here)
+            self._current = batch[i + 1 :]  # (written: no longer held here)
 
     def _write(self, flush: Flush) -> None:
         wire, flush._wire = flush._wire, None
