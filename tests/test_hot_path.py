@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -229,6 +230,66 @@ def test_weight_gradients_read_when_backward_ends_are_those_the_hooks_saw(
     assert len(at_end) == 2 * 6  # 6 gradients (the tied one once) on each sampled step
     pd_testing.assert_frame_equal(at_end, each)
     assert losses == losses_each
+
+
+class _Recast(nn.Module):
+    """A layer that casts its weight to its input's dtype: its parameters' data may be replaced between steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.extra = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w.to(x.dtype) + self.extra.sum().to(x.dtype)
+
+
+def test_a_parameter_whose_data_is_replaced_is_read_as_it_is_now() -> None:
+    """Where each parameter is read is decided once and kept (``StepHooks._read_weights``) while the parameters'
+    types, dtypes, devices and sizes stay: a parameter whose ``.data`` becomes another dtype, another size, new
+    values, complex (skipped and counted) or empty (nothing to read) between sampled steps is read as it is at
+    the next one."""
+    torch.manual_seed(0)
+    model = _Recast()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    changes = {
+        2: lambda: setattr(model.w, "data", torch.full((4, 4), 3.0, dtype=torch.float64)),
+        3: lambda: setattr(model.extra, "data", torch.tensor([-8.0, 0.0, 2.0, 0.5, 0.25])),
+        4: lambda: model.extra.data.mul_(2.0),  # in place: the same tensor, new values
+        5: lambda: setattr(model.w, "data", torch.full((4, 4), 0.125, dtype=torch.bfloat16)),
+        6: lambda: setattr(model.extra, "data", torch.tensor([1 + 1j, 2.0])),
+        7: lambda: setattr(model.extra, "data", torch.zeros(0)),
+        8: lambda: setattr(model.extra, "data", torch.tensor([4.0, -1.0])),
+    }
+    expected = {}
+    with (
+        warnings.catch_warnings(),
+        precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, weight_updates=False) as prof,
+    ):
+        warnings.simplefilter("ignore", UserWarning)  # (a complex sum cast to a real one)
+        for step in range(9):
+            if step in changes:
+                changes[step]()
+            expected.update(
+                {
+                    (step, name): (
+                        p.numel(),
+                        str(p.dtype).removeprefix("torch."),
+                        float(p.detach().abs().max()),
+                    )
+                    for name, p in (("w", model.w), ("extra", model.extra))
+                    if p.numel() and not p.is_complex()
+                }
+            )
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    layers = prof.tables()["layers"]
+    weights = layers[layers[T.TENSOR] == T.WEIGHT]
+    assert {(r.step, r.param): (r.numel, r.dtype, r.absmax) for r in weights.itertuples()} == expected
+    skipped = {(s["tensor"], s["param"]): s["count"] for s in prof.summary()["skipped_tensors"]}
+    assert skipped == {(T.WEIGHT, "extra"): 1, (T.WEIGHT_GRAD, "extra"): 1}  # the complex one, at step 6
 
 
 def test_under_torch_distributed_each_weight_gradient_is_read_in_its_hook(tmp_path: Any) -> None:

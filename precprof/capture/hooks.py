@@ -36,9 +36,10 @@ reads, a weight gradient, a norm's weight, are never quantised by such a GEMM.
 
 from __future__ import annotations
 
+import operator
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ from torch import nn
 from precprof import _compat
 from precprof import stats as st
 from precprof.capture.plan import CapturePlan, reads_block_operands
-from precprof.capture.records import _iter_tensors, _local, _ModuleSlot, _ParamSlot, dtype_bit
+from precprof.capture.records import _PLAIN_TYPES, _iter_tensors, _local, _ModuleSlot, _ParamSlot, dtype_bit
 from precprof.capture.updates import UpdateSampler
 
 _Tensor = torch.Tensor
@@ -57,6 +58,23 @@ def _plain(x: torch.Tensor) -> bool:
     """Whether the engines read ``x`` in place: strided, and a tensor with a storage of its own (a wrapper
     subclass's ``data_ptr()`` is 0; ``StatsBuffer.accumulate`` skips and counts it)."""
     return x.layout is _STRIDED and (type(x) is _Tensor or not hasattr(x, "__tensor_flatten__"))
+
+
+_dtype_of = operator.attrgetter("dtype")
+_device_of = operator.attrgetter("device")
+_layout_of = operator.attrgetter("layout")
+_TENSOR_ONLY = {_Tensor}
+_STRIDED_ONLY = {_STRIDED}
+_COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
+
+
+def _weights_key(params: Sequence[torch.Tensor]) -> tuple[Any, ...] | None:
+    """What decides where ``_read_weights`` reads each parameter (its type, dtype, device and size), read by
+    C-level maps (a sampled step's parameters are hundreds of tensors); None when one is a wrapper subclass
+    (DTensor: its local shard is a new object each step), whose reading is decided each time."""
+    if not set(map(type, params)) <= _PLAIN_TYPES:
+        return None
+    return (tuple(map(_dtype_of, params)), tuple(map(_device_of, params)), tuple(map(_Tensor.numel, params)))
 
 
 def _same_data(t: torch.Tensor) -> tuple[Any, ...]:
@@ -101,6 +119,9 @@ class StepHooks:
         )
         # the parameters read at the step's first captured forward, and each one's row
         self._weights = [(p, row) for s in plan.modules for _, p, row in s.weights]
+        self._weight_tensors = [p for p, _ in self._weights]
+        # ``_sort_weights``'s answer, and the ``_weights_key`` it holds for
+        self._weights_held: tuple[Any, ...] | None = None
         # the matrix weights of the block group whose turn it is, read with the others: (turn, deal) -> them
         self._turn_weights: tuple[tuple[int, int], list[tuple[nn.Parameter, int]]] = ((-1, -1), [])
         self._handles: list[Any] = []
@@ -185,21 +206,17 @@ class StepHooks:
 
     def _read_weights(self) -> set[int]:
         """Every captured parameter, per device in one call of its engine, and the block what-if of this step's
-        group's matrix weights; returns the rows read."""
-        by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
-        done: set[int] = set()
-        for p, row in self._weights:
-            if not (p.is_floating_point() or p.is_complex()) or p.numel() == 0:
-                continue
-            x = _local(p)
-            dev = x.device
-            if dev.type == "meta" or not _plain(x) or x.is_complex():
-                self.buffer.accumulate(x, row)  # skipped and counted
-                continue
-            tensors, rows = by_device.setdefault(dev, ([], []))
-            tensors.append(x)
-            rows.append(row)
-            done.add(row)
+        group's matrix weights; returns the rows read. Which parameter goes where is decided once and kept while
+        the parameters' types, dtypes, devices and sizes stay as they were (``_weights_key``): step after step,
+        a sampled step's first pre-hook is the engine calls alone."""
+        key = _weights_key(self._weight_tensors)
+        held = self._weights_held
+        if key is None or held is None or held[0] != key:
+            held = (key, *self._sort_weights())
+            self._weights_held = held if key is not None else None
+        _, by_device, skipped, done = held
+        for x, row in skipped:
+            self.buffer.accumulate(x, row)  # skipped and counted
         for dev, (tensors, rows) in by_device.items():
             self.buffer.rows_of(dev).add_many(tensors, rows)
         if self.block_formats:
@@ -207,6 +224,30 @@ class StepHooks:
             if turn:
                 self.buffer.accumulate_blocks_many([t for t, _ in turn], [r for _, r in turn])
         return done
+
+    def _sort_weights(
+        self,
+    ) -> tuple[
+        dict[torch.device, tuple[list[torch.Tensor], list[int]]], list[tuple[torch.Tensor, int]], set[int]
+    ]:
+        """Where each captured parameter is read: per device, the engine's (tensors, rows); those it cannot read
+        (``meta``, a wrapper without values of its own, complex), to be skipped and counted; the rows read."""
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
+        skipped: list[tuple[torch.Tensor, int]] = []
+        done: set[int] = set()
+        for p, row in self._weights:
+            if not (p.is_floating_point() or p.is_complex()) or p.numel() == 0:
+                continue
+            x = _local(p)
+            dev = x.device
+            if dev.type == "meta" or not _plain(x) or x.is_complex():
+                skipped.append((x, row))
+                continue
+            tensors, rows = by_device.setdefault(dev, ([], []))
+            tensors.append(x)
+            rows.append(row)
+            done.add(row)
+        return by_device, skipped, done
 
     def _block_weights(self) -> list[tuple[nn.Parameter, int]]:
         """The matrix weights a block-scaled GEMM reads of this step's block group (``turn``), and their rows:
@@ -367,23 +408,41 @@ class StepHooks:
         if not self.installed:
             return
         primary = self._primary
+        slots = list({ps.grad_row: ps for ps in due}.values())  # a gradient accumulated twice: read once
+        grads = [ps.tensor.grad for ps in slots]
+        if (
+            primary is not None
+            and set(map(type, grads)) == _TENSOR_ONLY  # (no None, no wrapper subclass)
+            and set(map(_device_of, grads)) == {self._device}
+            and set(map(_layout_of, grads)) == _STRIDED_ONLY
+            and not _COMPLEX & (dtypes := set(map(_dtype_of, grads)))
+        ):  # the usual case, decided by C-level maps over the step's hundreds of gradients
+            present = cast(list[torch.Tensor], grads)
+            rows = [ps.grad_row for ps in slots]
+            primary.add_many(present, rows, assign=True)
+            calls, dtype_bits = self.rows.calls, self.rows.dtype_bits
+            bits = {dt: dtype_bit(dt) for dt in dtypes}
+            for row, t in zip(rows, present, strict=True):
+                calls[row] = 1
+                dtype_bits[row] |= bits[t.dtype]
+            self.has_data = True
+            return
         tensors: list[torch.Tensor] = []
-        rows: list[int] = []
-        dtypes: list[torch.dtype] = []
-        for ps in {ps.grad_row: ps for ps in due}.values():  # a gradient accumulated twice: read once
-            g = ps.tensor.grad
+        at: list[int] = []
+        kinds: list[torch.dtype] = []
+        for ps, g in zip(slots, grads, strict=True):
             if g is None:
                 continue
             x = g if type(g) is _Tensor else _local(g)
             if primary is not None and x.device == self._device and _plain(x) and not x.is_complex():
                 tensors.append(x)
-                rows.append(ps.grad_row)
-                dtypes.append(g.dtype)
+                at.append(ps.grad_row)
+                kinds.append(g.dtype)
             else:
                 self._read_grad(ps, g)
         if primary is not None and tensors:
-            primary.add_many(tensors, rows, assign=True)
-            for row, dtype in zip(rows, dtypes, strict=True):
+            primary.add_many(tensors, at, assign=True)
+            for row, dtype in zip(at, kinds, strict=True):
                 self._grad_seen(row, dtype)
 
     def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
