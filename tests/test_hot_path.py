@@ -163,6 +163,46 @@ def test_the_cpu_rows_copied_as_held_decode_as_their_dense_copy() -> None:
         np.testing.assert_array_equal(np.asarray(hist_a[k]), np.asarray(hist_b[k]), err_msg=k)
 
 
+@pytest.mark.parametrize("engine", ["c", "torch"])
+def test_a_reset_clears_and_a_copy_reads_the_bins_the_step_used(engine: str) -> None:
+    """The CPU rows track the histogram bins used since their last reset (the kernel's merges, a merge after the
+    window grew, the torch-op path): a reset clears those alone, and the copy of a step reads those alone
+    (``HostRows.windowed``). Over steps whose values move across the whole exponent range, each step's copy
+    holds what a fresh set of rows given the same tensors holds, and a reset leaves rows equal to fresh ones."""
+    if engine == "c":
+        _kernel_or_skip()
+    g = torch.Generator().manual_seed(3)
+    ranges = [(-30, -20), (100, 120), (-140, -120), (-5, 5), (0, 0)]
+
+    def make() -> StatsBuffer:
+        buf = StatsBuffer(6, "cpu", chunk=256)
+        buf.use_kernel = engine == "c"
+        return buf
+
+    kept = make()
+    for lo, hi in ranges:
+        xs = [
+            random_values(300, int(torch.randint(0, 99, (1,), generator=g)), lo, hi).float() for _ in range(4)
+        ]
+        at = [0, 3, 5, 3]
+        if lo == hi:
+            xs, at = [], []  # a step that read nothing
+        fresh = make()
+        for buf in (kept, fresh):
+            for x, r in zip(xs, at, strict=True):
+                buf.accumulate(x, r)
+        rows = kept.rows_of(torch.device("cpu"))
+        counts, window, wlo = rows.windowed()
+        dense = np.zeros_like(fresh.to_host())
+        dense[:, :COL_HIST] = counts
+        dense[:, COL_HIST + wlo : COL_HIST + wlo + window.shape[1]] = window
+        np.testing.assert_array_equal(dense, fresh.to_host())
+        np.testing.assert_array_equal(kept.to_host(), fresh.to_host())
+        kept.reset()
+        np.testing.assert_array_equal(kept.to_host(), make().to_host())
+    assert rows.windowed()[1].shape[1] == 0  # nothing used since the last reset
+
+
 class _Tied(nn.Module):
     """Tied weights, a reentrant checkpoint and a parameter used outside any module's forward."""
 

@@ -474,14 +474,17 @@ int pp_merge(const int64_t* call, int64_t* counts, int64_t* window, int64_t wlo,
    columns before the histogram) and the histogram window (rows x w bins, from bin wlo). */
 enum { CTX_CONFIG, CTX_CALL, CTX_OPS, CTX_THREADS, CTX_COUNTS, CTX_COUNTS_WIDTH, CTX_WINDOW, CTX_WLO, CTX_W,
        /* pp_add_at's arguments, written into the context by the caller */
-       CTX_DATA, CTX_N, CTX_STRIDE, CTX_DTYPE, CTX_ROW, CTX_FLAGS };
+       CTX_DATA, CTX_N, CTX_STRIDE, CTX_DTYPE, CTX_ROW, CTX_FLAGS,
+       /* the first and last histogram bin any call merged since the caller last set them (its reset of the rows
+          zeroes those bins alone, and a sampled step's copy reads them alone) */
+       CTX_USED_LO, CTX_USED_HI };
 
 /* pp_call, then pp_merge into row ``row``, in one call. flags: 1 clears the row first (a weight gradient: the
    last accumulation wins), 2 merges the call row as it is (it already holds this tensor: a tensor added again
    right away is not read again). Returns 0; 1 when the call's bins fall outside the window (the call row holds
    the statistics, the row is untouched but for the clearing: grow the window, then pp_merge); -1 when the
    scratch could not be allocated; -2 for a layout this kernel cannot hold. */
-int pp_add(const int64_t* ctx, const void* data, int64_t n, int64_t stride, int dtype, int64_t row, int flags) {
+int pp_add(int64_t* ctx, const void* data, int64_t n, int64_t stride, int dtype, int64_t row, int flags) {
     const int64_t* config = (const int64_t*)(intptr_t)ctx[CTX_CONFIG];
     int64_t* call = (int64_t*)(intptr_t)ctx[CTX_CALL];
     int64_t w = ctx[CTX_W];
@@ -495,12 +498,18 @@ int pp_add(const int64_t* ctx, const void* data, int64_t n, int64_t stride, int 
         if (w > 0) memset(window, 0, sizeof(int64_t) * w);
     }
     if (!(flags & 2) && call_stats(data, n, stride, dtype, (int)ctx[CTX_THREADS], &cfg, call) < 0) return -1;
-    return pp_merge(call, counts, window, ctx[CTX_WLO], w, config, (const int64_t*)(intptr_t)ctx[CTX_OPS]);
+    int rc = pp_merge(call, counts, window, ctx[CTX_WLO], w, config, (const int64_t*)(intptr_t)ctx[CTX_OPS]);
+    const int64_t lo = call[cfg.width], hi = call[cfg.width + 1];
+    if (rc == 0 && lo >= 0) {
+        if (lo < ctx[CTX_USED_LO]) ctx[CTX_USED_LO] = lo;
+        if (hi > ctx[CTX_USED_HI]) ctx[CTX_USED_HI] = hi;
+    }
+    return rc;
 }
 
 /* pp_add with its arguments in the context (CTX_DATA..CTX_FLAGS): a call with one argument costs a sixth of one
    with seven through ctypes, which converts each argument (1.7 us against 0.25 us), on every tensor of a step */
-int pp_add_at(const int64_t* ctx) {
+int pp_add_at(int64_t* ctx) {
     return pp_add(ctx, (const void*)(intptr_t)ctx[CTX_DATA], ctx[CTX_N], ctx[CTX_STRIDE], (int)ctx[CTX_DTYPE],
                   ctx[CTX_ROW], (int)ctx[CTX_FLAGS]);
 }
@@ -510,7 +519,7 @@ int pp_add_at(const int64_t* ctx) {
    Returns k when all are merged; i when tensor i's bins fall outside the window (its call row holds its
    statistics: grow the window, pp_merge it, go on from i + 1); -1 - i when tensor i could not be read (no
    scratch, or a layout this kernel cannot hold). */
-int64_t pp_add_many(const int64_t* ctx, int64_t k, const int64_t* ptrs, const int64_t* ns, const int64_t* strides,
+int64_t pp_add_many(int64_t* ctx, int64_t k, const int64_t* ptrs, const int64_t* ns, const int64_t* strides,
                     const int64_t* dtypes, const int64_t* rows, int64_t start, int64_t flags) {
     for (int64_t i = start; i < k; i++) {
         int rc = pp_add(ctx, (const void*)(intptr_t)ptrs[i], ns[i], strides[i], (int)dtypes[i], rows[i], (int)flags);

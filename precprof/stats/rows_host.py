@@ -40,8 +40,8 @@ from precprof.stats.layout import (
 )
 
 # pp_add's context (kernel.c CTX_*): config, call row, merge rule, threads, counts, counts width, window, wlo, w,
-# then pp_add_at's arguments (data, n, stride, dtype, row, flags)
-_CTX_THREADS, _CTX_WINDOW, _CTX_WLO, _CTX_W, _CTX_ARGS, _CTX_LEN = 3, 6, 7, 8, 9, 15
+# then pp_add_at's arguments (data, n, stride, dtype, row, flags), then the first and last bin used since the reset
+_CTX_THREADS, _CTX_WINDOW, _CTX_WLO, _CTX_W, _CTX_ARGS, _CTX_USED, _CTX_LEN = 3, 6, 7, 8, 9, 15, 17
 # pp_block_at's arguments: data, rows, last, dtype, orientations (both, added into out), recipes, config,
 # threads, out
 _BLOCK_ARGS = 9
@@ -123,13 +123,15 @@ class HostRows(_rows.Rows):
                 self._hist.ctypes.data,
                 0,
                 0,
-                *[0] * (_CTX_LEN - _CTX_ARGS),
+                *[0] * (_CTX_USED - _CTX_ARGS),
+                N_BINS,  # no bin used yet
+                -1,
             ],
             dtype=np.int64,
         )
         self._ctx_ptr = self._ctx.ctypes.data
         # pp_add_at's arguments, as a ctypes view of the context (its item writes cost a third of numpy's)
-        self._args = (ctypes.c_int64 * (_CTX_LEN - _CTX_ARGS)).from_address(self._ctx_ptr + 8 * _CTX_ARGS)
+        self._args = (ctypes.c_int64 * (_CTX_USED - _CTX_ARGS)).from_address(self._ctx_ptr + 8 * _CTX_ARGS)
         self._add_at: Any = self._lib.pp_add_at if self._lib is not None else None
         self._last: tuple[weakref.ref[torch.Tensor], int] | None = None
         # add_many's last tensors (``_many_key``) and the arrays the kernel read them from, with their addresses,
@@ -168,15 +170,36 @@ class HostRows(_rows.Rows):
         return torch.from_numpy(out)
 
     def windowed(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """The counts ([rows, hist]) and the histogram window ([rows, w]) as held, not copies, and the window's
-        first bin: :meth:`dense` without its columns of zeros, for a sampled step's copy, which copies what it
-        keeps (``precprof.flush.StepRows``: the rows that took data) before the rows are reset."""
-        return self._counts, self._hist, self._wlo
+        """The counts ([rows, hist]) and the histogram bins used since the rows were reset ([rows, w]), as held
+        (views, not copies), and the first of those bins: :meth:`dense` without its columns of zeros, for a
+        sampled step's copy, which copies what it keeps (``precprof.flush.StepRows``: the rows that took data)
+        before the rows are reset."""
+        lo, hi = self._used_bins()
+        if lo > hi:
+            return self._counts, self._hist[:, :0], self._wlo
+        return self._counts, self._hist[:, lo - self._wlo : hi + 1 - self._wlo], lo
+
+    def _used_bins(self) -> tuple[int, int]:
+        """The first and last histogram bin any add used since the rows were reset (first > last: none)."""
+        ctx = self._ctx
+        return int(ctx[_CTX_USED]), int(ctx[_CTX_USED + 1])
+
+    def _use_bins(self, lo: int, hi: int) -> None:
+        ctx = self._ctx
+        ctx[_CTX_USED], ctx[_CTX_USED + 1] = min(int(ctx[_CTX_USED]), lo), max(int(ctx[_CTX_USED + 1]), hi)
 
     def reset_counts(self, sl: slice) -> None:
         self._counts[sl] = 0
         self._counts[sl, self.layout.absmin_bits] = _NO_MIN_BITS
-        self._hist[sl] = 0
+        if sl != slice(None):
+            self._hist[sl] = 0
+            return
+        # every row: the bins any add used alone (the rest are zeros; the window spans every bin the run ever
+        # used, 2 MB to clear for 900 rows of 277 bins)
+        lo, hi = self._used_bins()
+        if lo <= hi:
+            self._hist[:, lo - self._wlo : hi + 1 - self._wlo] = 0
+        self._ctx[_CTX_USED], self._ctx[_CTX_USED + 1] = N_BINS, -1
 
     def _grow_window(self, lo: int, hi: int) -> None:
         """Make the histogram window cover bins lo..hi (inclusive), with a little room to spare."""
@@ -195,7 +218,8 @@ class HostRows(_rows.Rows):
     def _merge_call(self, row: int) -> None:
         """Merge the call row into ``row``, growing the window to its bins."""
         width = self.layout.width
-        self._grow_window(int(self._call[width]), int(self._call[width + 1]))
+        lo, hi = int(self._call[width]), int(self._call[width + 1])
+        self._grow_window(lo, hi)
         ctx = self._ctx
         rc = self._lib.pp_merge(
             self._call.ctypes.data,
@@ -207,6 +231,8 @@ class HostRows(_rows.Rows):
             self._ops.ctypes.data,
         )
         assert rc == 0, "the window was grown to the call's bins"
+        if lo >= 0:
+            self._use_bins(lo, hi)
 
     # -- the hot path
     def add(self, x: torch.Tensor, row: int, assign: bool = False) -> None:
@@ -435,6 +461,7 @@ class HostRows(_rows.Rows):
             lo, hi = int(nz[0]), int(nz[-1])
             self._grow_window(lo, hi)
             self._hist[row, lo - self._wlo : hi + 1 - self._wlo] += hist[lo : hi + 1]
+            self._use_bins(lo, hi)
 
     def _extremes(self, a: torch.Tensor, counts: np.ndarray, keys: np.ndarray) -> float:
         """Overflow counts and extremes of one chunk, skipping the passes its key histogram proves needless
