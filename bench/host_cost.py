@@ -36,7 +36,8 @@ schedule's cycle, robust to the garbage collections that land in one window or a
 ``fixed deal - (fixed deal without it)`` (with each configuration's budget adapting, each would settle on its
 own number of groups from its own noisy steps, moving a part by a millisecond), the block what-if's
 ``sampled - -blocks``; "copy and flush" is timed inside ``Profiler.step()`` of the sampled configuration. The
-headline is ``(sampled - baseline) / inspected tensors``.
+headline is ``(sampled - baseline) / inspected tensors``; beside it, the same from the differences within each
+round (a trimmed mean over rounds), which this machine's drift over minutes moves less.
 
 Clock: on the CPU the thread's own CPU time (``time.thread_time``, one torch thread): host work is what is
 measured, and a machine shared with other work (CI, a laptop) barely moves it, where wall time moved by 2x.
@@ -154,6 +155,15 @@ def typical_step(times: list[float], measured: list[bool]) -> float:
     return sum(len(k) * statistics.median(k) for k in kinds) / len(times)
 
 
+def paired_added(with_it: list[float], without: list[float], trim: float = 0.1) -> float:
+    """The mean over rounds of ``with_it[r] - without[r]`` (each round's mean step of two configurations), the
+    ``trim`` share of the highest and of the lowest differences left out."""
+    diffs = sorted(a - b for a, b in zip(with_it, without, strict=True))
+    k = int(len(diffs) * trim)
+    kept = diffs[k : len(diffs) - k] or diffs
+    return statistics.fmean(kept)
+
+
 @contextlib.contextmanager
 def rows_off(prof: Profiler) -> Iterator[None]:
     """The row statistics replaced by a no-op for this configuration's steps (bench only): every tensor still
@@ -255,6 +265,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with ctx:
             for _ in range(steps):
                 one_step(n, record)
+        if record:  # this round's mean step, for the paired estimate
+            state[n].setdefault("rounds", []).append(statistics.fmean(state[n]["times"][-steps:]))
         sink = getattr(getattr(state[n]["prof"], "_recorded", None), "sink", None)
         if sink is not None:  # its writer thread done before the next configuration's steps, untimed
             sink.drain()
@@ -325,6 +337,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "host_us_per_tensor": (
             (mean["sampled"] - base_s) / tensors * 1e6 if tensors and "sampled" in mean else None
         ),
+        # the same from each round's own pair (its sampled steps less its baseline steps, run within the same
+        # second), a trimmed mean over the rounds: this machine's speed drifts by half over minutes, which moves
+        # each configuration's median, not a difference taken within a round
+        "host_us_per_tensor_paired": (
+            paired_added(state["sampled"]["rounds"], state["baseline"]["rounds"]) / tensors * 1e6
+            if tensors and "sampled" in mean and "baseline" in mean
+            else None
+        ),
         "unsampled_us_per_tensor": (
             (mean["unsampled"] - base_s) / tensors * 1e6 if tensors and "unsampled" in mean else None
         ),
@@ -345,7 +365,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{r['mean_s'] * 1e3:>10.2f}"
         )
     if out["host_us_per_tensor"] is not None:
-        print(f"sampled step: {out['host_us_per_tensor']:.1f} us of host work per inspected tensor")
+        print(
+            f"sampled step: {out['host_us_per_tensor']:.1f} us of host work per inspected tensor "
+            f"({out['host_us_per_tensor_paired']:.1f} us paired within rounds; the baseline step "
+            f"{base_s * 1e3:.2f} ms)"
+        )
     if out["unsampled_us_per_tensor"] is not None:
         print(f"unsampled step: {out['unsampled_us_per_tensor']:.2f} us per tensor it would inspect")
     for part, v in parts.items():
