@@ -41,7 +41,7 @@ from precprof.stats.layout import (
 
 # pp_add's context (kernel.c CTX_*): config, call row, merge rule, threads, counts, counts width, window, wlo, w,
 # then pp_add_at's arguments (data, n, stride, dtype, row, flags), then the first and last bin used since the reset
-_CTX_THREADS, _CTX_WINDOW, _CTX_WLO, _CTX_W, _CTX_ARGS, _CTX_USED, _CTX_LEN = 3, 6, 7, 8, 9, 15, 17
+_CTX_THREADS, _CTX_WINDOW, _CTX_WLO, _CTX_W, _CTX_ARGS, _CTX_USED = 3, 6, 7, 8, 9, 15
 # pp_block_at's arguments: data, rows, last, dtype, orientations (both, added into out), recipes, config,
 # threads, out
 _BLOCK_ARGS = 9
