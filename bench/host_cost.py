@@ -78,6 +78,12 @@ import precprof  # noqa: E402
 from precprof import tables as T  # noqa: E402
 from precprof.capture import Profiler, stream  # noqa: E402
 
+# the unprofiled step of the default stack (100 blocks, d = 8, batch 4, one thread) on the machine where goal 1
+# (<= 15 us per tensor) was first measured, an AMD EPYC (bench/results/host_cost_cpu.json, 2026-11-27): host
+# work scales with the machine's speed as the step does, and this machine's CPU changes between sessions (an
+# Intel Xeon ran the same step in 20-24 ms on 2026-11-29), so each run also says its figure at that speed
+REFERENCE_BASELINE_S = 0.01338
+
 # the parts other than the block what-if are measured with the layers dealt into this many groups in each of
 # their configurations (about what the budget settles on here): adapting, each configuration's budget would
 # settle on its own number of groups from its own noisy steps, and the what-if's cost would move the parts
@@ -340,6 +346,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # the same from each round's own pair (its sampled steps less its baseline steps, run within the same
         # second), a trimmed mean over the rounds: this machine's speed drifts by half over minutes, which moves
         # each configuration's median, not a difference taken within a round
+        # the headline scaled to the reference machine's speed (REFERENCE_BASELINE_S), for the default stack alone
+        "reference_baseline_s": REFERENCE_BASELINE_S,
+        "host_us_per_tensor_at_reference_speed": (
+            (mean["sampled"] - base_s) / tensors * 1e6 * REFERENCE_BASELINE_S / base_s
+            if tensors
+            and "sampled" in mean
+            and (args.device, args.threads, args.blocks, args.width, args.batch) == ("cpu", 1, 100, 8, 4)
+            else None
+        ),
         "host_us_per_tensor_paired": (
             paired_added(state["sampled"]["rounds"], state["baseline"]["rounds"]) / tensors * 1e6
             if tensors and "sampled" in mean and "baseline" in mean
@@ -369,6 +384,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"sampled step: {out['host_us_per_tensor']:.1f} us of host work per inspected tensor "
             f"({out['host_us_per_tensor_paired']:.1f} us paired within rounds; the baseline step "
             f"{base_s * 1e3:.2f} ms)"
+        )
+    if out["host_us_per_tensor_at_reference_speed"] is not None:
+        print(
+            f"  at the speed of the machine goal 1 was set on (its baseline step {REFERENCE_BASELINE_S * 1e3:.2f} "
+            f"ms): {out['host_us_per_tensor_at_reference_speed']:.1f} us"
         )
     if out["unsampled_us_per_tensor"] is not None:
         print(f"unsampled step: {out['unsampled_us_per_tensor']:.2f} us per tensor it would inspect")
