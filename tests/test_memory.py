@@ -211,6 +211,76 @@ def test_gradients_without_optimizer_after_zero_grad() -> None:
     assert total(rows, T.OPTIMIZER_STATES) == 0
 
 
+class _Checkpointed(nn.Module):
+    """A reentrant checkpoint between two layers: its inner backward pass ends before the outer one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(D_IN, D_HID), nn.Linear(D_HID, D_HID), nn.Linear(D_HID, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.c(checkpoint(self.b, self.a(x).relu(), use_reentrant=True).relu())
+
+
+def test_gradients_read_when_each_backward_ends_count_every_gradient_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without an optimizer step, the gradients are read when each backward pass ends, once per pass, not in
+    each parameter's hook: two micro-batches, a reentrant checkpoint (its inner pass ends first, before every
+    gradient exists) and the gradients freed before ``end_step`` give every gradient's bytes once."""
+    from precprof.capture import memory_grads
+
+    reads, adds = [], []
+    real_read, real_add = memory_grads.GradientBytes._read, memory_grads.GradientBytes.add
+    monkeypatch.setattr(
+        memory_grads.GradientBytes, "_read", lambda self, ps: reads.append(1) or real_read(self, ps)
+    )
+    monkeypatch.setattr(
+        memory_grads.GradientBytes, "add", lambda self, g: adds.append(1) or real_add(self, g)
+    )
+    model = _Checkpointed()
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    for seed in (1, 2):
+        x, _ = batch(seed)
+        model(x).square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    rows = tr.end_step(0)
+    tr.detach()
+    n = sum(p.numel() for p in model.parameters())
+    assert total(rows, T.GRADIENTS) == 4 * n
+    assert not adds and 2 <= len(reads) <= 4  # per pass (the checkpoint's inner one too), not per gradient
+
+
+def test_the_optimizer_reads_gradients_anew_when_their_memory_changed() -> None:
+    """The optimizer's pre-hook takes the storages read when the backward ended only for the same gradient
+    tensors on the same memory: gradients moved into one larger buffer (``.data``, the same tensor objects) in
+    between count that buffer once."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    tr.begin_step(0, True)
+    x, y = batch()
+    F.mse_loss(model(x), y).backward()
+    flat = torch.zeros(N_MLP + 100)
+    at = 0
+    for p in model.parameters():
+        assert p.grad is not None
+        flat[at : at + p.numel()] = p.grad.reshape(-1)
+        p.grad.data = flat[at : at + p.numel()].view_as(p)
+        at += p.numel()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    rows = tr.end_step(0)
+    tr.detach()
+    assert total(rows, T.GRADIENTS) == 4 * (N_MLP + 100)
+
+
 def test_gradients_on_a_step_gradscaler_skipped() -> None:
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -540,9 +610,9 @@ def test_unsampled_steps_record_nothing() -> None:
     x, y = batch()
     F.mse_loss(model(x), y).backward()
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-    assert not tr._groups and not tr._grad_seen
+    assert not tr._groups and not tr._grads.seen
     opt.step()
-    assert tr._grad_snapshot is None
+    assert tr._grads.snapshot is None
     assert tr.end_step(0) == []
     tr.detach()
 

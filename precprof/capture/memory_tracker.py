@@ -6,8 +6,8 @@
 - ``parameters``, ``buffers``: the model's, per dtype, each storage once (tied or shared weights once: storages
   are de-duplicated by ``untyped_storage().data_ptr()``, so a view of a flat buffer counts the whole buffer);
 - ``gradients``: per dtype, measured while they exist — in the optimizer's step pre-hook (users often call
-  ``zero_grad(set_to_none=True)`` before ``Profiler.step()``), else from post-accumulate-grad hooks (a step that
-  GradScaler skipped, or no optimizer), else ``.grad`` at ``end_step``;
+  ``zero_grad(set_to_none=True)`` before ``Profiler.step()``), else when each backward pass ended (a step that
+  GradScaler skipped, or no optimizer), else ``.grad`` at ``end_step`` (``capture/memory_grads.py``);
 - ``optimizer_states``: every tensor in ``optimizer.state`` (exp_avg, exp_avg_sq, step counters, momentum
   buffers), per dtype, measured at ``end_step``; ``master_weights``: tensors in the optimizer's param groups that
   are not the model's parameters (the fp32 master copy of a pure-bf16/fp16 model; their gradients count as
@@ -63,6 +63,7 @@ from torch import nn
 from precprof import _compat
 from precprof import tables as T
 from precprof.capture.counters import PhaseCounters
+from precprof.capture.memory_grads import GradientBytes
 from precprof.capture.memory_schedule import MemorySchedule
 from precprof.capture.peak import CudaHistory, Label, PeakRecorder, ProfilerMemory
 from precprof.capture.storage import (
@@ -70,7 +71,6 @@ from precprof.capture.storage import (
     Steady,
     StorageKey,
     StorageMemo,
-    _by_dtype,
     _plain_tensors,
     _sizeof,
     _storage,
@@ -143,8 +143,7 @@ class MemoryTracker:
         self._unpacks_mark = -1
         self._groups: list[SavedGroup] = []
         self._param_keys: set[StorageKey] = set()
-        self._grad_snapshot: dict[str, int] | None = None
-        self._grad_seen: dict[StorageKey, tuple[str, int]] = {}  # storage -> (dtype, bytes)
+        self._grads = GradientBytes()
         self._unmeasured = 0  # saved tensors without a real storage (fake, sparse): not counted
         self.arm_error: str | None = None  # why measuring a step from its forward failed, if it did
         self._on_cpu = True
@@ -224,8 +223,7 @@ class MemoryTracker:
         self._step = step
         self._groups = []
         self._unpacks_mark = -1
-        self._grad_snapshot = None
-        self._grad_seen = {}
+        self._grads.reset()
         model = self.model if self._attached else None
         self._sampled = self.schedule.begin(step, sampled, model, self._arm_at_forward)
         if not self._sampled:
@@ -312,7 +310,7 @@ class MemoryTracker:
         )
         add(T.PARAMETERS, steady[T.PARAMETERS])
         add(T.BUFFERS, steady[T.BUFFERS])
-        add(T.GRADIENTS, self._gradients(params))
+        add(T.GRADIENTS, self._grads.bytes(params))
         if self.optimizer is not None:
             add(T.MASTER_WEIGHTS, steady.get(T.MASTER_WEIGHTS, {}))
             add(T.OPTIMIZER_STATES, steady.get(T.OPTIMIZER_STATES, {}))
@@ -336,8 +334,7 @@ class MemoryTracker:
             add(comp, {"": b})
         # Keep nothing between steps but the module names: buffer_bytes stays flat over a run.
         self._groups = []
-        self._grad_seen = {}
-        self._grad_snapshot = None
+        self._grads.reset()
         self._sampled = False
         return rows
 
@@ -382,8 +379,8 @@ class MemoryTracker:
                 self._groups,
                 [(g.seen, g.bytes) for g in self._groups],
                 self._param_keys,
-                self._grad_seen,
-                self._grad_snapshot,
+                self._grads.seen,
+                self._grads.snapshot,
                 self._peak.segments,
                 self._peak.labels,
                 self._counts.peaks,
@@ -405,27 +402,17 @@ class MemoryTracker:
         }
 
     # ------------------------------------------------------------------------------------- gradients
-    def _gradients(self, params: list[torch.Tensor]) -> dict[str, int]:
-        if self._grad_snapshot is not None:
-            return self._grad_snapshot
-        if self._grad_seen:
-            out: dict[str, int] = {}
-            for dt, nbytes in self._grad_seen.values():
-                out[dt] = out.get(dt, 0) + nbytes
-            return out
-        return _by_dtype(p.grad for p in params if p.grad is not None)
-
     def _grad_hook(self, p: torch.Tensor) -> None:
         # Records sizes only: holding the gradient would keep it alive past the user's zero_grad.
         g = p.grad
         if not (self._sampled and self._live) or g is None:
             return
-        if self._counts.cuda is not None and not self._peak.measuring:
+        if self._counts.cuda is None and not self._peak.measuring:  # nothing to do at this gradient's moment
+            if self._grads.read_at_backward_end(lambda: self._params or list(self.model.parameters())):
+                return
+        elif self._counts.cuda is not None and not self._peak.measuring:
             self._counts.sample_live()  # the phase's lower bound where there is no replay (~20 us a read)
-        for leaf in (g,) if type(g) is torch.Tensor else _plain_tensors(g):
-            st = _storage(leaf)
-            if st is not None:
-                self._grad_seen[st[0]] = (dtype_name(leaf.dtype), st[1])
+        self._grads.add(g)
         if self._peak.measuring:
             self._label(T.GRADIENTS, (g,))
 
@@ -436,7 +423,7 @@ class MemoryTracker:
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         grads += [p.grad for p in self._params or self.model.parameters() if p.grad is not None]
         grads = list({id(g): g for g in grads}.values())  # usually the same tensors twice
-        self._grad_snapshot = _by_dtype(grads)
+        self._grads.at_optimizer(grads)
         if self._peak.measuring:
             self._label(T.GRADIENTS, grads)
 
