@@ -165,6 +165,8 @@ def paired_added(with_it: list[float], without: list[float], trim: float = 0.1) 
     """The mean over rounds of ``with_it[r] - without[r]`` (each round's mean step of two configurations), the
     ``trim`` share of the highest and of the lowest differences left out."""
     diffs = sorted(a - b for a, b in zip(with_it, without, strict=True))
+    if not diffs:
+        return float("nan")
     k = int(len(diffs) * trim)
     kept = diffs[k : len(diffs) - k] or diffs
     return statistics.fmean(kept)
@@ -356,7 +358,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             else None
         ),
         "host_us_per_tensor_paired": (
-            paired_added(state["sampled"]["rounds"], state["baseline"]["rounds"]) / tensors * 1e6
+            paired_added(state["sampled"].get("rounds", []), state["baseline"].get("rounds", []))
+            / tensors
+            * 1e6
             if tensors and "sampled" in mean and "baseline" in mean
             else None
         ),
