@@ -256,17 +256,25 @@ def test_gradients_read_when_each_backward_ends_count_every_gradient_once(
     assert not adds and 2 <= len(reads) <= 4  # per pass (the checkpoint's inner one too), not per gradient
 
 
+def _after_a_backward(
+    optimizer: Any, sampled: bool
+) -> tuple[nn.Module, torch.optim.Optimizer, MemoryTracker]:
+    """The MLP, an ``optimizer`` of it and an attached tracker, step 0 begun (``sampled``) and its backward done."""
+    model = mlp()
+    opt = optimizer(model.parameters(), lr=1e-2)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    tr.begin_step(0, sampled)
+    x, y = batch()
+    F.mse_loss(model(x), y).backward()
+    return model, opt, tr
+
+
 def test_the_optimizer_reads_gradients_anew_when_their_memory_changed() -> None:
     """The optimizer's pre-hook takes the storages read when the backward ended only for the same gradient
     tensors on the same memory: gradients moved into one larger buffer (``.data``, the same tensor objects) in
     between count that buffer once."""
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    tr = MemoryTracker(model, opt)
-    tr.attach()
-    tr.begin_step(0, True)
-    x, y = batch()
-    F.mse_loss(model(x), y).backward()
+    model, opt, tr = _after_a_backward(torch.optim.SGD, sampled=True)
     flat = torch.zeros(N_MLP + 100)
     at = 0
     for p in model.parameters():
@@ -602,13 +610,7 @@ def test_gradient_accumulation_reports_one_micro_batch() -> None:
 
 
 def test_unsampled_steps_record_nothing() -> None:
-    model = mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tr = MemoryTracker(model, opt)
-    tr.attach()
-    tr.begin_step(0, False)
-    x, y = batch()
-    F.mse_loss(model(x), y).backward()
+    _, opt, tr = _after_a_backward(torch.optim.AdamW, sampled=False)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert not tr._groups and not tr._grads.seen
     opt.step()

@@ -408,13 +408,17 @@ class MemoryTracker:
         if not (self._sampled and self._live) or g is None:
             return
         if self._counts.cuda is None and not self._peak.measuring:  # nothing to do at this gradient's moment
-            if self._grads.read_at_backward_end(lambda: self._params or list(self.model.parameters())):
+            if self._grads.read_at_backward_end(self._grad_params):
                 return
         elif self._counts.cuda is not None and not self._peak.measuring:
             self._counts.sample_live()  # the phase's lower bound where there is no replay (~20 us a read)
         self._grads.add(g)
         if self._peak.measuring:
             self._label(T.GRADIENTS, (g,))
+
+    def _grad_params(self) -> list[torch.Tensor]:
+        """The parameters whose gradients a backward pass's end reads: the step's, else the model's now."""
+        return self._params or list(self.model.parameters())
 
     def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not (self._sampled and self._live):
