@@ -20,9 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from precprof import _compat
-from precprof.capture.storage import StorageKey, _by_dtype, _plain_tensors, _storage, dtype_name
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+from precprof.capture.storage import _PLAIN, StorageKey, _by_dtype, _plain_tensors, _storage, dtype_name
 
 
 class GradientBytes:
@@ -61,10 +59,7 @@ class GradientBytes:
         """Every gradient that exists at the optimizer's step (``grads``, each tensor once)."""
         last = self._last
         if last is not None and _pointers(grads) == last[0]:  # the ones the last backward left, as they were
-            out: dict[str, int] = {}
-            for dt, nbytes in last[1].values():
-                out[dt] = out.get(dt, 0) + nbytes
-            self.snapshot = out
+            self.snapshot = _per_dtype(last[1])
         else:
             self.snapshot = _by_dtype(grads)
 
@@ -73,11 +68,15 @@ class GradientBytes:
         if self.snapshot is not None:
             return self.snapshot
         if self.seen:
-            out: dict[str, int] = {}
-            for dt, nbytes in self.seen.values():
-                out[dt] = out.get(dt, 0) + nbytes
-            return out
+            return _per_dtype(self.seen)
         return _by_dtype(p.grad for p in params if p.grad is not None)
+
+
+def _per_dtype(storages: dict[StorageKey, tuple[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for dt, nbytes in storages.values():
+        out[dt] = out.get(dt, 0) + nbytes
+    return out
 
 
 def _storages(grads: Iterable[torch.Tensor]) -> dict[StorageKey, tuple[str, int]]:
