@@ -49,8 +49,48 @@ def interpreter_loads(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
     return reads
 
 
+# Modules whose module- or session-scoped fixtures train or start processes for seconds (the distributed run,
+# the real runs of the report's pages, the fp8 runs): under pytest-xdist each worker given one of their tests ran
+# those fixtures again (the distributed run twice, 18 s each). Their tests go to one worker, per group; the two
+# report modules share theirs, since both read ``real_run``'s runs from the worker's base directory.
+SHARED_FIXTURES = {
+    "test_distributed.py": "distributed",
+    "test_fp8_eligibility.py": "fp8-runs",
+    "test_report.py": "report-runs",
+    "test_report_browser.py": "report-runs",
+    "test_compare.py": "compare-runs",
+    "test_export.py": "export-runs",
+    "test_block_training.py": "block-training-runs",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``--dist loadgroup`` a pytest-xdist worker names each grouped test ``nodeid@group`` by writing
+    ``item._nodeid``; pytest 9.2 reads node ids from elsewhere (pytest-xdist issue 1386), so the groups are
+    silently not kept (the GPU tests would share the device with others, the fixtures above run twice). Refuse,
+    with the fix, rather than run ungrouped."""
+    if config.getoption("dist", "no") != "loadgroup" or hasattr(config, "workerinput"):
+        return
+    import inspect
+
+    from _pytest import nodes
+    from xdist import remote
+
+    writes = "_nodeid" in inspect.getsource(remote.WorkerInteractor.pytest_collection_modifyitems)
+    if writes and "_nodeid" not in inspect.getsource(nodes.Node.nodeid.fget):  # type: ignore[attr-defined]
+        raise pytest.UsageError(
+            f"pytest {pytest.__version__} drops pytest-xdist's test groups (xdist issue 1386): "
+            "install the test extra's pytest (pip install 'pytest<9.2')"
+        )
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its loadgroup names nodes by them)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu = [item for item in items if "gpu" in item.keywords]
+    for item in items:
+        group = SHARED_FIXTURES.get(item.path.name)
+        if group is not None and "gpu" not in item.keywords:
+            item.add_marker(pytest.mark.xdist_group(group))
     if torch.cuda.is_available():
         # under pytest-xdist (-n, --dist loadgroup) the GPU tests share one worker: they measure the device's
         # memory and time, which tests running beside them on the same device would change
