@@ -1017,3 +1017,42 @@ def test_a_step_waits_for_a_writer_behind_it_only_until_there_is_room(
     third.join()
     writer.close()
     assert written == [0, 1, 2] and writer.error is None
+
+
+def _niceness_and_group(pid: int | str) -> tuple[int, str | None]:
+    """A process's niceness (``/proc/PID/stat``'s 19th field) and its autogroup line, None without one."""
+    nice = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+    group = Path(f"/proc/{pid}/autogroup")
+    return nice, group.read_text().strip() if group.exists() else None
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_the_writer_process_runs_at_the_lowest_priority_and_the_training_at_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer takes only the CPU the training leaves (its start beside the first steps made the first
+    sampled step of gpt-nano on 2 cores 4x slower): niceness 19, and, a session of its own, its autogroup's too
+    (between autogroups niceness does not count). The training's own niceness and autogroup are as they were."""
+    from precprof import _priority
+
+    monkeypatch.setattr(writer_process, "_current", None)  # a process of this test's own
+    before = _niceness_and_group("self")
+    prof = precprof.Profiler(nn.Linear(8, 4), out=tmp_path / "run").attach()
+    try:
+        sink = prof._recorded.sink
+        wait_ready(sink)
+        nice, group = _niceness_and_group(sink._proc.proc.pid)  # type: ignore[union-attr]
+        assert nice == _priority.LOWEST
+        assert group is None or group.endswith(f"nice {_priority.LOWEST}"), group
+        assert _niceness_and_group("self") == before
+    finally:
+        prof.detach()
+    # a process inside the training's session (the Triton compile beside it) lowers itself, never its group
+    code = (
+        "import os\n"
+        "from precprof._priority import lower_own_priority\n"
+        "print(lower_own_priority(7), lower_own_priority(3), os.nice(0))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, check=True)
+    assert res.stdout.split() == [str(max(7, before[0]))] * 3  # raised once, never lowered
+    assert _niceness_and_group("self") == before

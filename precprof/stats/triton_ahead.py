@@ -18,7 +18,6 @@ that compile is the former one, on threads: nothing is lost but the other proces
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import subprocess
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from precprof._priority import LOWEST, lower_own_priority
 from precprof.stats import triton_block, triton_engine
 from precprof.stats.layout import RowLayout
 
@@ -38,7 +38,7 @@ TIMEOUT_S = 600.0
 # CPUs the training leaves. At the default, its compiles on every core made an unsampled first gpt2-small step
 # on an H200 take 2.07 s against 0.58 s with the kernels already in the cache (gpu_validate's first_step,
 # bench/results/gpu_validate_nvidia-h200_2026-11-27e.json)
-NICENESS = 19
+NICENESS = LOWEST
 
 
 @dataclass(frozen=True)
@@ -148,9 +148,6 @@ def main() -> int:
     """The other process: an ``Ahead`` pickled on stdin (``compile_ahead`` runs it)."""
     spec = pickle.loads(sys.stdin.buffer.read())
     assert isinstance(spec, Ahead)
-    nice = getattr(os, "nice", None)  # (none on Windows)
-    with contextlib.suppress(OSError):  # a sandbox that forbids it: the compile runs at the priority given
-        if nice is not None:
-            nice(NICENESS - nice(0))
-    print(f"{compile_here(spec)} kernels at niceness {nice(0) if nice is not None else 'unknown'}")
+    niceness = lower_own_priority(NICENESS)  # (a sandbox that forbids it: the priority given)
+    print(f"{compile_here(spec)} kernels at niceness {niceness if niceness is not None else 'unknown'}")
     return 0

@@ -1,0 +1,35 @@
+"""A helper process's own CPU priority, lowered: the stream's writer and the Triton compile beside the training
+take only the CPU time the training leaves.
+
+On Linux, with the kernel's autogroups (on by default on desktops and many servers), CPU time is shared between
+sessions first and niceness only orders the processes of one session: the writer, a session of its own (so that a
+terminal's Ctrl-C reaches the training alone), also lowers its session's group. Measured on 2 cores (gpt-nano,
+``sample_every=2``): with the writer at the training's priority its start (pandas and Arrow imports) made the
+first sampled step 0.65-0.75 s against 0.15 s lowered, and 40 steps took 1.8-2.1 s against 1.3-1.5 s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+LOWEST = 19  # the niceness of a process that should run only when nothing else wants the CPU
+
+
+def lower_own_priority(niceness: int = LOWEST) -> int | None:
+    """Raise this process's niceness to ``niceness`` (never lowers it); a session leader also sets its autogroup's
+    (``/proc/self/autogroup``, where there is one), which a process inside the training's session must never do:
+    it would lower the training with it. Returns the niceness reached, None where there is none (Windows). Never
+    raises: a sandbox that forbids it leaves the priority as it was."""
+    nice = getattr(os, "nice", None)
+    if nice is None:
+        return None
+    with contextlib.suppress(OSError):
+        now = nice(0)
+        if niceness > now:
+            nice(niceness - now)
+    getsid = getattr(os, "getsid", None)
+    if getsid is not None and getsid(0) == os.getpid():
+        with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as f:
+            f.write(str(niceness))
+    return int(nice(0))
