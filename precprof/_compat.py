@@ -287,6 +287,16 @@ def queue_backward_callback(fn: Any) -> bool:
     return True
 
 
+def backward_pass_id() -> int | None:
+    """The id of the backward pass now running (autograd's graph task: a new one each ``backward()``, a nested
+    one for a reentrant checkpoint's), None outside one or where this torch does not say."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    if current is None:
+        return None
+    task = int(current())
+    return task if task >= 0 else None
+
+
 def reserve_hook_ids(n: int) -> range:
     """``n`` hook ids of ``RemovableHandle``'s counter, for hooks added straight into torch's hook dictionaries:
     no one else's hook gets them."""

@@ -272,6 +272,47 @@ def test_weight_gradients_read_when_backward_ends_are_those_the_hooks_saw(
     assert losses == losses_each
 
 
+def test_a_backward_that_raised_on_a_sampled_step_leaves_the_next_ones_gradients_read() -> None:
+    """A sampled step whose first backward raises midway (a hook of the user's), caught, then runs its forward and
+    backward again: the gradients that pass announced were never read (its queued read runs only when a pass
+    ends well), and the step's weight gradients were all missing, the retry's pass finding a read "queued". The
+    step records the retry's gradients, as a step without the failed attempt does, and trains the same."""
+
+    def run(fail_first: bool) -> tuple[Any, list[float]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+            for step in range(3):
+                x = torch.randn(4, 8, generator=g)
+                if fail_first and step == 1:
+                    h = model[0](x)
+
+                    def fail(grad: torch.Tensor) -> None:
+                        raise RuntimeError("a check of the user's")
+
+                    h.register_hook(fail)  # the last layers' gradients are in by then
+                    with pytest.raises(RuntimeError, match="a check of the user's"):
+                        model[1:](h).square().mean().backward()
+                    opt.zero_grad(set_to_none=True)
+                loss = model(x).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                prof.step(loss=loss.detach())
+                losses.append(loss.item())
+        layers = prof.tables()["layers"]
+        return layers[layers[T.TENSOR] == T.WEIGHT_GRAD].reset_index(drop=True), losses
+
+    clean, clean_losses = run(False)
+    failed, failed_losses = run(True)
+    assert len(clean) == 3 * 6 and clean[T.STEP].value_counts().tolist() == [6, 6, 6]
+    pd_testing.assert_frame_equal(failed, clean)
+    assert failed_losses == clean_losses
+
+
 class _Recast(nn.Module):
     """A layer that casts its weight to its input's dtype: its parameters' data may be replaced between steps."""
 

@@ -132,7 +132,8 @@ class StepHooks:
         self.has_data = False
         self._weights_read: set[int] | None = None  # rows of the parameters read this step
         # parameters whose gradient was accumulated in the backward pass now running, read together when it
-        # ends (``_read_grads``); per parameter at once under torch.distributed (``grads_at_end``)
+        # ends (``_read_grads``); per parameter at once under torch.distributed (``grads_at_end``). Left over
+        # only by a pass that raised (its read never ran): the next forward's first pre-hook reads them
         self._grads_due: list[_ParamSlot] = []
         self.grads_at_end = True
         # this step's module outputs a linear layer may read, each (the tensor, its activation row): by object
@@ -271,6 +272,8 @@ class StepHooks:
                 return None
             if self._weights_read is None:
                 self._weights_read = self._read_weights()
+            if self._grads_due and _compat.backward_pass_id() is None:
+                self._read_grads()  # announced by a backward pass that raised, whose read never ran
             turn = slot.block_group == self.turn
             if slot.input >= 0 and args and isinstance(args[0], _Tensor):
                 self._gemm_input(slot, args[0], turn)
