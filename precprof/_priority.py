@@ -4,8 +4,9 @@ take only the CPU time the training leaves.
 On Linux, with the kernel's autogroups (on by default on desktops and many servers), CPU time is shared between
 sessions first and niceness only orders the processes of one session: the writer, a session of its own (so that a
 terminal's Ctrl-C reaches the training alone), also lowers its session's group. Measured on 2 cores (gpt-nano,
-``sample_every=2``): with the writer at the training's priority its start (pandas and Arrow imports) made the
-first sampled step 0.65-0.75 s against 0.15 s lowered, and 40 steps took 1.8-2.1 s against 1.3-1.5 s.
+``sample_every=2``, 4 alternated pairs, ``bench/results/first_step_cpu_writer_priority_2026-11-29.json``): with
+the writer at the training's priority its start (pandas and Arrow imports) made the first sampled step
+0.56-0.59 s against 0.13-0.22 s lowered, and 40 steps took 1.5-2.2 s against 1.2-1.7 s.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def lower_own_priority(niceness: int = LOWEST) -> int | None:
         if niceness > now:
             nice(niceness - now)
     getsid = getattr(os, "getsid", None)
-    if getsid is not None and getsid(0) == os.getpid():
-        with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as f:
-            f.write(str(niceness))
+    with contextlib.suppress(OSError):
+        if getsid is not None and getsid(0) == os.getpid():
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(niceness))
     return int(nice(0))
