@@ -445,3 +445,30 @@ def test_single_rank_group(tmp_path: Path) -> None:
         assert info["memory_max_over_ranks"] == info["memory_by_rank"]["0"] and info["memory_step"] == 7
     finally:
         dist.destroy_process_group()
+
+
+def test_only_the_writing_rank_checks_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun every rank validates the configuration, but only rank 0 claims ``--out``: a rank that
+    started a moment after rank 0 had claimed it found "already holds a precprof run (incomplete)" and exited,
+    leaving rank 0 in a collective until torchrun's timeout (once in a CI run). Rank 1 leaves ``--out`` to
+    rank 0; rank 0, and a process outside torchrun, still refuse a run already there."""
+    from precprof.training import TrainConfig
+
+    out = tmp_path / "run"
+    out.mkdir()
+    T.write_summary(out, {T.SUMMARY_STATUS: T.STATUS_INCOMPLETE})
+    config = TrainConfig(out=out, device="cpu")
+    for env, refused in (
+        ({}, True),
+        ({"WORLD_SIZE": "2", "RANK": "0"}, True),
+        ({"WORLD_SIZE": "2", "RANK": "1"}, False),
+    ):
+        for name in ("WORLD_SIZE", "RANK"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        if refused:
+            with pytest.raises(precprof.rundir.RunDirError, match="already holds a precprof run"):
+                config.validate()
+        else:
+            config.validate()

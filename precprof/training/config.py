@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,15 @@ from precprof.modes import (
     parse_model_args,
     valid_loss_scale,
 )
+
+
+def writes_run_dir() -> bool:
+    """Whether this process writes the run directory: any but a rank other than 0 under torchrun (its ``RANK``,
+    read before the process group exists), which trains beside rank 0. Such a rank checking ``--out`` itself
+    raced rank 0: started a moment later, it found the run rank 0 had just claimed ("already holds a precprof
+    run (incomplete)"), and rank 0 waited for it in a collective until torchrun's timeout."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return world <= 1 or int(os.environ.get("RANK", "0") or 0) == 0
 
 
 @dataclass
@@ -116,7 +126,7 @@ class TrainConfig:
             )
         if not (self.device in DEVICES or self.device.startswith("cuda:")):
             raise UserError(f"unknown device {self.device!r}; choose auto, cpu or cuda")
-        if self.out is not None:
+        if self.out is not None and writes_run_dir():
             rundir.check_target(self.out, overwrite=self.overwrite)
 
     def to_dict(self) -> dict[str, Any]:
