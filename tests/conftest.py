@@ -73,12 +73,11 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     import inspect
 
-    from _pytest import nodes
     from xdist import remote
 
     try:
         writes = "_nodeid" in inspect.getsource(remote.WorkerInteractor.pytest_collection_modifyitems)
-        reads = "_nodeid" in inspect.getsource(nodes.Node.nodeid.fget)  # type: ignore[attr-defined]
+        reads = "_nodeid" in inspect.getsource(pytest.Item.nodeid.fget)  # type: ignore[attr-defined]
     except (OSError, TypeError, AttributeError):  # installed without sources, or changed: nothing to tell
         return
     if writes and not reads:
