@@ -1136,3 +1136,28 @@ def test_module_tensors_are_parameters_and_buffers_in_order() -> None:
     params, buffers = module_tensors([m for _, m in model.named_modules()])
     assert [id(p) for p in params] == [id(p) for p in model.parameters()]
     assert [id(b) for b in buffers] == [id(b) for b in model.buffers()]
+
+
+def test_a_backward_that_raised_leaves_the_next_pass_its_read_of_the_gradients() -> None:
+    """Without an optimizer the gradients are counted when each backward pass ends. A pass that raised (a user's
+    check, caught) never ends well, so its queued read never ran and the step's next pass took a read for
+    queued: the step counted no gradient once the user set them to None. The next forward clears it."""
+    model = mlp()
+    tr = MemoryTracker(model, None)
+    tr.attach()
+    tr.begin_step(0, True)
+    x, y = batch()
+    h = model[0](x)
+
+    def fail(grad: torch.Tensor) -> None:
+        raise RuntimeError("a check of the user's")
+
+    h.register_hook(fail)
+    with pytest.raises(RuntimeError, match="a check of the user's"):
+        F.mse_loss(model[1:](h), y).backward()
+    model.zero_grad(set_to_none=True)
+    F.mse_loss(model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    rows = tr.end_step(0)
+    tr.detach()
+    assert total(rows, T.GRADIENTS) == 4 * N_MLP

@@ -43,6 +43,12 @@ class GradientBytes:
             self._due = _compat.queue_backward_callback(lambda: self._read(params()))
         return self._due
 
+    def forward_began(self) -> None:
+        """A forward outside any backward pass: a read still due was queued by a pass that raised, whose end never
+        came (autograd runs the queue only when a pass ends well); the next pass queues its own."""
+        if self._due and _compat.backward_pass_id() is None:
+            self._due = False
+
     def _read(self, params: Sequence[torch.Tensor]) -> None:
         self._due = False
         grads = [g for g in (p.grad for p in params) if g is not None]

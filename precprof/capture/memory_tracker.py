@@ -438,6 +438,7 @@ class MemoryTracker:
     # ---------------------------------------------------------------------------------- forward hooks
     def _make_pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
+            self._grads.forward_began()
             if self._recording:
                 self._stack.append((name, module))
 
