@@ -236,7 +236,8 @@ def fp8_linear_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
     if layers.empty or T.MODULE_TYPE not in layers:
         return [], 0
     types = layers[[T.MODULE, T.MODULE_TYPE]].drop_duplicates()
-    types = types[types[T.MODULE_TYPE].astype(str).map(is_linear_type)]
+    # a missing type reads as "" (pandas 3's astype(str) keeps NaN a NaN)
+    types = types[types[T.MODULE_TYPE].fillna("").astype(str).map(is_linear_type)]
     fp8 = sorted(
         str(m)
         for m, t in zip(types[T.MODULE], types[T.MODULE_TYPE], strict=True)

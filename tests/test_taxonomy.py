@@ -108,3 +108,15 @@ def test_linear_types_are_the_matmuls_fp8_converts() -> None:
     assert not any(
         X.is_linear_type(t) for t in ["Conv2d", "Bilinear", "Embedding", "LayerNorm", "Conv1DWrapper"]
     )
+
+
+def test_fp8_linear_layers_reads_a_missing_module_type_as_none() -> None:
+    # a layers table whose module type is missing for a row (read back as NaN: pandas 3's astype(str) keeps
+    # it NaN, and the type's regular expressions raised TypeError; found by the advisor's property test)
+    layers = pd.DataFrame(
+        {
+            T.MODULE: ["a", "b", "c", "d"],
+            T.MODULE_TYPE: pd.Series(["Float8Linear", None, "Linear", float("nan")], dtype="str"),
+        }
+    )
+    assert X.fp8_linear_layers(layers) == (["a"], 2)
