@@ -929,6 +929,29 @@ def test_alignment_from_profiler_shapes_and_flat_model_dims() -> None:
     assert f.numbers["tokens"] == 16
 
 
+def test_tokens_per_call_without_a_sequence_length_are_measured() -> None:
+    # a configuration with a batch size and no sequence length (a Trainer's): the rows of each GEMM are the
+    # linear layers' output elements per call over their out_features, the most common value (here 2 x 5 =
+    # 10 for the two layers run on the sequences, 2 for the classifier on the pooled rows), never the batch
+    b = RunBuilder()
+    b.add(0, 0, "fc1", "Linear", T.ACTIVATION, torch.randn(2 * 10, 64), calls=2)
+    b.add(0, 1, "fc2", "Linear", T.ACTIVATION, torch.randn(10, 32))
+    b.add(0, 2, "cls", "Linear", T.ACTIVATION, torch.randn(2, 16))
+    summ = summary_for(batch=2)
+    del summ[T.SUMMARY_CONFIG]["seq_len"]
+    modules = [
+        {"name": "fc1", "type": "Linear", "params": {"weight": [64, 32]}},
+        {"name": "fc2", "type": "Linear", "params": {"weight": [32, 64]}},
+        {"name": "cls", "type": "Linear", "params": {"weight": [16, 32]}},
+    ]
+    summ[T.SUMMARY_CAPTURE] = {"modules": modules}
+    f = must(recommend(b.tables(), hardware="h100", summary=summ), "tensor_core_alignment")
+    assert f.numbers["tokens"] == 10 and "batch x sequence = 10" in f.message and f.modules == []
+    # nothing to measure them from (no recorded shapes): no claim about them
+    summ[T.SUMMARY_CAPTURE] = {}
+    assert "tensor_core_alignment" not in codes(recommend(b.tables(), hardware="h100", summary=summ))
+
+
 def test_a_real_run_whose_scaler_backs_off_below_1_keeps_its_verdict_and_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], one_thread: None
 ) -> None:

@@ -255,6 +255,25 @@ def test_accumulated_loss_and_grad_norm_are_the_trainers(
     assert "training_step" not in vars(trainer) and "clip_grad_norm_" not in vars(trainer.accelerator)
 
 
+def test_the_advisor_reads_a_trainers_tokens_per_call_from_the_layers(tmp_path: Path) -> None:
+    """A Trainer knows its batch size, not its sequences' length: the advisor measures the rows of each GEMM
+    (batch x sequence, 4 x 16 here) from the linear layers' outputs. Taking the batch alone (4) made a false
+    "Dimensions not a multiple of 8: batch x sequence = 4" finding in every such run (a warning on a GPU),
+    and left the head tied to the embedding of unknown shape for the FP8 rule."""
+    from precprof.analysis.advisor import recommend
+
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False)
+    targs = training_args(tmp_path, max_steps=2, gradient_accumulation_steps=2, bf16=True)
+    Trainer(model=tiny_gpt2(), args=targs, train_dataset=TokenData(), callbacks=[cb]).train()
+    assert T.read_summary(cb.run_dir)[T.SUMMARY_CONFIG].get("seq_len") is None  # the Trainer does not say
+    rec = recommend(cb.run_dir, hardware="h100")
+    # every dimension of this model (32, 64, 16 a head, 4 x 16 tokens a call) is a multiple of 8
+    assert "tensor_core_alignment" not in {f.code for f in rec.findings}
+    fp8 = next(f for f in rec.findings if f.code == "fp8_eligibility")
+    assert fp8.numbers["tied"] == 1 and fp8.numbers["unknown_shape"] == 0, fp8.numbers
+    assert "lm_head" in fp8.message and "tied to the embedding transformer.wte" in fp8.message
+
+
 class StepOf(TrainerCallback):
     """The optimizer step the Trainer is computing (its global_step when the step begins)."""
 

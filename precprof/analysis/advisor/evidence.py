@@ -398,21 +398,44 @@ def _grad_absmax(run: _Run) -> tuple[float | None, float | None]:
 
 
 def _tokens_per_call(run: _Run) -> int | None:
+    """Rows of a linear layer's GEMM per forward call (batch x sequence): the run's configuration's
+    ``batch_size`` x ``seq_len`` where it says both (the built-in loop); else measured, the most common of the
+    linear layers' output elements per call over their ``out_features`` (a Trainer knows its batch size, not
+    its sequences' length); None when neither tells."""
     c = run.run_config
     b, t = c.get("batch_size"), c.get("seq_len")
-    if isinstance(b, int) and b > 0:
-        return b * (t if isinstance(t, int) and t > 0 else 1)
-    return None
+    if isinstance(b, int) and b > 0 and isinstance(t, int) and t > 0:
+        return b * t
+    return _measured_tokens_per_call(run)
 
 
-def _layer_dims(run: _Run) -> dict[str, dict[str, int]]:
-    """Dimensions of linear layers ({"in", "out"}) and embeddings ({"num_embeddings", "dim"}).
+def _measured_tokens_per_call(run: _Run) -> int | None:
+    """The most common rows per call of the linear layers whose shapes the Profiler recorded, at the first
+    sampled step (ties: the smallest); None without one."""
+    dims = _recorded_dims(run)
+    if run.layers.empty or not dims:
+        return None
+    first = run.layers[run.layers[T.STEP] == run.layers[T.STEP].min()]
+    acts = first[first[T.TENSOR] == T.ACTIVATION].groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
+    seen: dict[int, int] = {}
+    for m, d in dims.items():
+        out = d.get("out")
+        if not out or m not in acts.index:
+            continue
+        numel, calls = float(acts.loc[m, T.NUMEL]), float(acts.loc[m, T.CALLS])
+        if not (math.isfinite(numel) and math.isfinite(calls)) or numel <= 0 or calls < 1:
+            continue
+        per = int(calls) * out
+        if int(numel) % per == 0:
+            rows = int(numel) // per
+            seen[rows] = seen.get(rows, 0) + 1
+    return min(seen, key=lambda r: (-seen[r], r)) if seen else None
 
-    From the parameter shapes the Profiler records in summary["capture"]["modules"] when present (Linear
-    weights are (out, in), HF Conv1D weights (in, out), Embedding weights (num, dim)). Otherwise inferred from
-    numels: a (..., out) output with batch*seq tokens per call gives out = numel / (calls * tokens), and the
-    other dim = weight numel / out; layers where that does not divide are left out.
-    """
+
+def _recorded_dims(run: _Run) -> dict[str, dict[str, int]]:
+    """Dimensions of linear layers ({"in", "out"}) and embeddings ({"num_embeddings", "dim"}) from the
+    parameter shapes the Profiler records in summary["capture"]["modules"] (Linear weights are (out, in), HF
+    Conv1D weights (in, out), Embedding weights (num, dim))."""
     out: dict[str, dict[str, int]] = {}
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     mods = capture.get("modules") if isinstance(capture, Mapping) else None
@@ -429,6 +452,17 @@ def _layer_dims(run: _Run) -> dict[str, dict[str, int]]:
             out[name] = {"in": shape[0], "out": shape[1]}
         elif taxonomy.is_linear_type(t):
             out[name] = {"in": shape[1], "out": shape[0]}
+    return out
+
+
+def _layer_dims(run: _Run) -> dict[str, dict[str, int]]:
+    """Dimensions of linear layers ({"in", "out"}) and embeddings ({"num_embeddings", "dim"}).
+
+    From the parameter shapes the Profiler records (``_recorded_dims``) when present. Otherwise inferred from
+    numels: a (..., out) output with batch*seq tokens per call gives out = numel / (calls * tokens), and the
+    other dim = weight numel / out; layers where that does not divide are left out.
+    """
+    out = _recorded_dims(run)
     tokens = _tokens_per_call(run)
     if tokens is None or run.layers.empty:
         return out
