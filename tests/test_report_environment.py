@@ -16,6 +16,7 @@ import pytest
 from report_fixtures import real_run
 
 from precprof import tables as T
+from precprof.report import filters as F
 from precprof.report import render
 
 H200 = Path(__file__).parent / "data" / "h200_fp8_summary.json"
@@ -117,3 +118,12 @@ def test_a_budgeted_runs_sampling_in_words(tmp_path: Path) -> None:
     sampled = dict(rows)["steps sampled"]
     assert sampled.startswith("as many as keep precprof within 3% of the run's time")
     assert "of 40 steps" in sampled and "2 first" in sampled
+    # the page's headline says the overhead too, as the summary has it: the number a user decides by whether
+    # to leave precprof on (a short run times too few sampled steps for the sampled step's own ratio)
+    page = (tmp_path / "run" / "report.html").read_text()
+    cards = dict(re.findall(r'<li><span class="k">([^<]*)</span><span class="v">([^<]*)</span></li>', page))
+    overhead = T.read_summary(tmp_path / "run")[T.SUMMARY_CAPTURE]["sampling"]["overhead"]
+    assert (
+        html.unescape(cards["precprof&#39;s overhead"]) == f"{F.pct(overhead)} of the run's time (budget 3%)"
+    )
+    assert "a sampled step" not in cards  # its "cost not measured" said less

@@ -180,6 +180,9 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
         out.append(("tokens/s", F.num(final["tokens_per_s"])))
     cost = tp["sampled_step_cost"]
     n_s, n_u = tp["steps_timed_sampled"], tp["steps_timed_unsampled"]
+    overhead = _overhead(summary)
+    if overhead:  # what the sampler measured precprof took of the run (its steps' added time over the run's)
+        out.append(("precprof's overhead", overhead))
     if math.isfinite(cost) and cost >= 1:
         out.append(("a sampled step", f"{cost:.2f}× an unsampled one"))
     elif math.isfinite(cost):
@@ -192,7 +195,7 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
                 f"sampled steps, {F.num(tp['step_time_unsampled_median_s'], 3)} s over {F.count(n_u)} unsampled: noise)",
             )
         )
-    elif n_s and n_u:
+    elif n_s and n_u and not overhead:
         out.append(
             (
                 "a sampled step",
@@ -206,6 +209,22 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
         modules = layers[T.MODULE].dropna().unique()
         out.append(("layers profiled", F.count(sum(not str(m).endswith(T.INPUT_SUFFIX) for m in modules))))
     return out
+
+
+def _overhead(summary: Mapping[str, Any]) -> str:
+    """The share of the run's time precprof took, as its sampler measured it (``capture.sampling``), and the
+    budget it kept to: "2.9% of the run's time (budget 3%)"; "" where the summary does not say."""
+    capture = summary.get(T.SUMMARY_CAPTURE)
+    sampling = capture.get("sampling") if isinstance(capture, Mapping) else None
+    if not isinstance(sampling, Mapping):
+        return ""
+    share, budget = sampling.get("overhead"), sampling.get("budget")
+    if not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
+        return ""
+    text = f"{F.pct(float(share))} of the run's time"
+    if sampling.get("mode") == "budget" and isinstance(budget, (int, float)) and math.isfinite(budget):
+        text += f" (budget {F.pct(float(budget))})"
+    return text
 
 
 def heatmap_focus(summary: Mapping[str, Any], rec: Mapping[str, Any] | None) -> tuple[str, str]:
