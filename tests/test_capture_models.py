@@ -213,3 +213,59 @@ def test_profiler_memory_is_under_one_percent_of_gpt_mini_parameters(block_forma
     # recorded on each sampled step (the histogram window may grow, the memory tracker's records go at detach)
     assert len(own) == 2 and own[-1] >= prof.buffer_bytes
     assert max(own) < 0.01 * param_bytes
+
+
+def test_a_weight_its_parent_reads_without_calling_its_module_is_recorded() -> None:
+    """``nn.MultiheadAttention`` reads ``out_proj.weight`` directly, never calling ``out_proj``: its weight
+    rows are recorded with its gradient's, the values it held when the step's forward began; a module that takes
+    no part in the step (no forward, no gradient) records no weight."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, 32)
+            self.block = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+            self.spare = nn.Linear(32, 32)  # never used
+            self.head = nn.Linear(32, VOCAB)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.block(self.emb(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before: list[dict[str, torch.Tensor]] = []
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False) as prof:
+        for x, y in _batches(2):
+            before.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    layers = prof.tables()["layers"]
+    for step, params in enumerate(before):
+        rows = layers[layers[T.STEP] == step]
+        pairs = {
+            kind: {
+                tuple(r) for r in rows[rows[T.TENSOR] == kind][[T.MODULE, T.PARAM]].itertuples(index=False)
+            }
+            for kind in (T.WEIGHT, T.WEIGHT_GRAD)
+        }
+        assert pairs[T.WEIGHT] == pairs[T.WEIGHT_GRAD]
+        assert ("block.self_attn.out_proj", "weight") in pairs[T.WEIGHT]
+        assert not any(m == "spare" for m, _ in pairs[T.WEIGHT] | pairs[T.WEIGHT_GRAD])
+        for param in ("weight", "bias"):
+            w = params[f"block.self_attn.out_proj.{param}"]
+            row = rows[
+                (rows[T.MODULE] == "block.self_attn.out_proj")
+                & (rows[T.TENSOR] == T.WEIGHT)
+                & (rows[T.PARAM] == param)
+            ].iloc[0]
+            assert row[T.NUMEL] == w.numel() and row[T.ZEROS] == int((w == 0).sum())
+            assert row[T.ABSMAX] == float(w.abs().max())
+            lost = int(((w != 0) & (w.to(torch.bfloat16) == 0)).sum())
+            assert row["underflow_bf16"] == lost
+    # the unused module: only its weight-update samples, every one "no update" (the optimizer skips a
+    # parameter without a gradient)
+    spare = layers[layers[T.MODULE] == "spare"]
+    assert set(spare[T.TENSOR]) == {T.WEIGHT_UPDATE} and (spare[T.ZEROS] == spare[T.NUMEL]).all()

@@ -119,6 +119,13 @@ class StepHooks:
         )
         # the parameters read at the step's first captured forward, and each one's row
         self._weights = [(p, row) for s in plan.modules for _, p, row in s.weights]
+        # per module with parameters, each parameter's row and gradient row (-1: none), for ``_unrun_weights``
+        grad_rows = {id(ps.tensor): ps.grad_row for ps in plan.params}
+        self._weight_grads = [
+            (s, [(p, row, grad_rows.get(id(p), -1)) for _, p, row in s.weights])
+            for s in plan.modules
+            if s.weights
+        ]
         self._weight_tensors = [p for p, _ in self._weights]
         # ``_sort_weights``'s answer, and the ``_weights_key`` it holds for
         self._weights_held: tuple[Any, ...] | None = None
@@ -169,18 +176,37 @@ class StepHooks:
         """End the sampled step, its hooks left in place but doing nothing (a gradient hook that has not fired
         yet included) until the next ``install`` (the next step is sampled too: removing and installing them
         again would cost a millisecond per thousand hooks) or ``remove`` (it is not). Idempotent."""
+        self._unrun_weights()
         self.installed = False
         self._clear_outputs()
 
     def remove(self) -> None:
         """End the sampled step: every hook removed (a module output's gradient hook that has not fired yet
         does nothing from now on). Idempotent."""
+        self._unrun_weights()
         self._hookset.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self.installed = False
         self._clear_outputs()
+
+    def _unrun_weights(self) -> None:
+        """The weights of modules whose forward never ran this step but whose gradient was recorded: a parent
+        used them directly (``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``).
+        They were read with the others at the step's first forward; kept as a module's that ran (a module
+        that did not take part, without a gradient, records nothing)."""
+        read = self._weights_read
+        if not self.installed or not read:
+            return
+        rows = self.rows
+        calls = rows.calls
+        for slot, params in self._weight_grads:
+            if slot.order >= 0:
+                continue
+            for p, row, grad_row in params:
+                if row in read and grad_row >= 0 and calls[grad_row] and not calls[row]:
+                    rows.seen(row, p.dtype)
 
     def _clear_outputs(self) -> None:
         self._grads_due.clear()
