@@ -297,6 +297,26 @@ def backward_pass_id() -> int | None:
     return task if task >= 0 else None
 
 
+def recomputing() -> bool:
+    """Whether a non-reentrant activation checkpoint (``torch.utils.checkpoint(use_reentrant=False)``, torch's
+    default and Hugging Face's gradient checkpointing) is running its block's forward again, inside a backward
+    pass, to remake what it did not keep: the modules it runs ran in the step's forward, whose outputs were
+    read then (the same values). Told by the saved-tensor hooks it pushes for that run (``_recomputation_hook``,
+    on top of the stack); False outside a backward pass, and where this torch does not say. A reentrant
+    checkpoint's forward runs under ``no_grad`` and its recomputation is the only run the hooks read."""
+    if _GRAPH_TASK is None or _TOP_SAVED_HOOKS is None or _GRAPH_TASK() < 0:  # (every forward hook asks)
+        return False
+    try:
+        top = _TOP_SAVED_HOOKS(False)
+    except (RuntimeError, TypeError):
+        return False
+    return bool(top) and "_recomputation_hook" in getattr(top[0], "__qualname__", "")
+
+
+_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
+_TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def reserve_hook_ids(n: int) -> range:
     """``n`` hook ids of ``RemovableHandle``'s counter, for hooks added straight into torch's hook dictionaries:
     no one else's hook gets them."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -269,3 +271,61 @@ def test_a_weight_its_parent_reads_without_calling_its_module_is_recorded() -> N
     # parameter without a gradient)
     spare = layers[layers[T.MODULE] == "spare"]
     assert set(spare[T.TENSOR]) == {T.WEIGHT_UPDATE} and (spare[T.ZEROS] == spare[T.NUMEL]).all()
+
+
+class _Checkpointed(nn.Module):
+    """An embedding, then a block of four modules run under ``torch.utils.checkpoint`` (``how``: None, or its
+    ``use_reentrant``), then a head: what Hugging Face's ``gradient_checkpointing`` does per decoder layer."""
+
+    def __init__(self, how: bool | None) -> None:
+        super().__init__()
+        self.how = how
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.block = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.emb(x)
+        h = self.block(h) if self.how is None else checkpoint(self.block, h, use_reentrant=self.how)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_block_is_recorded_once(reentrant: bool) -> None:
+    """Activation checkpointing runs a block's forward again inside the backward pass; the step records what the
+    same step without checkpointing records, every count and every call (the non-reentrant recomputation, the
+    default of torch and of Hugging Face's gradient checkpointing, was recorded a second time: each of the
+    block's activations twice), and training is bitwise the same as without the profiler."""
+
+    def run(how: bool | None, profile: bool) -> tuple[pd.DataFrame | None, list[float]]:
+        torch.manual_seed(0)
+        model = _Checkpointed(how)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        prof = (
+            precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False) if profile else None
+        )
+        losses = []
+        with prof if prof is not None else contextlib.nullcontext():
+            for x, y in _batches(3):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = F.cross_entropy(model(x).float().reshape(-1, VOCAB), y.reshape(-1))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+                if prof is not None:
+                    prof.step()
+        return (prof.tables()["layers"] if prof is not None else None), losses
+
+    plain, plain_losses = run(None, True)
+    checkpointed, losses = run(reentrant, True)
+    assert plain is not None and checkpointed is not None
+    key = [T.STEP, T.MODULE, T.TENSOR, T.PARAM]
+    cols = [c for c in plain.columns if c != T.ORDER]  # a reentrant recomputation runs in the backward pass
+    a = plain[cols].sort_values(key).reset_index(drop=True)
+    b = checkpointed[cols].sort_values(key).reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b)
+    assert set(a.loc[a[T.TENSOR] == T.ACTIVATION, T.CALLS]) == {1}
+    assert losses == plain_losses == run(reentrant, False)[1]

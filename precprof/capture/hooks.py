@@ -23,7 +23,10 @@ step followed by another keeps them in place between the two, doing nothing, ``p
 
 A hook is a lookup and one call into the engine of the tensor's device (``stats.rows``): everything else was
 decided at attach. Hooks never synchronise with the device and return None (a returned value would replace the
-module's output). ``torch.no_grad()`` forwards (evaluation between training steps) are ignored.
+module's output). ``torch.no_grad()`` forwards (evaluation between training steps) are ignored, and so is the
+forward an activation checkpoint runs again inside the backward pass when it read the block's outputs in the
+step's forward already (non-reentrant, ``_compat.recomputing``); a reentrant checkpoint's forward runs under
+``no_grad``, and its recomputation is the run read.
 
 On sampled steps, the operands a block-scaled GEMM would quantise also get the block-format what-if
 (``precprof.stats.blocks``), unless the Profiler was made with ``block_formats=False``: the weight and the output
@@ -51,6 +54,7 @@ from precprof.capture.records import _PLAIN_TYPES, _iter_tensors, _local, _Modul
 from precprof.capture.updates import UpdateSampler
 
 _Tensor = torch.Tensor
+recomputing = _compat.recomputing  # a checkpoint's forward run again in the backward pass: read once already
 _STRIDED = torch.strided  # the layout the engines read (a sparse tensor is skipped and counted)
 
 
@@ -294,7 +298,7 @@ class StepHooks:
     # ------------------------------------------------------------------------------------------- hooks
     def _make_pre_hook(self, slot: _ModuleSlot) -> Callable[[nn.Module, Any], None]:
         def pre_hook(module: nn.Module, args: Any) -> None:
-            if not self.installed or not torch.is_grad_enabled():
+            if not self.installed or not torch.is_grad_enabled() or recomputing():
                 return None
             if self._weights_read is None:
                 self._weights_read = self._read_weights()
@@ -354,7 +358,7 @@ class StepHooks:
         add_grad_hook = _compat.add_grad_hook
 
         def fwd_hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self.installed or not torch.is_grad_enabled():
+            if not self.installed or not torch.is_grad_enabled() or recomputing():
                 return None
             if isinstance(output, _Tensor):
                 tensors: Any = (output,) if output.is_floating_point() else ()
