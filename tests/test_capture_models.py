@@ -295,7 +295,8 @@ class _Checkpointed(nn.Module):
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_checkpointed_block_is_recorded_once(reentrant: bool) -> None:
     """Activation checkpointing runs a block's forward again inside the backward pass; the step records what the
-    same step without checkpointing records, every count and every call (the non-reentrant recomputation, the
+    same step without checkpointing records, every count and every call, the block-format what-if of every
+    linear layer's operands included (the non-reentrant recomputation, the
     default of torch and of Hugging Face's gradient checkpointing, was recorded a second time: each of the
     block's activations twice), and training is bitwise the same as without the profiler."""
 
@@ -303,9 +304,7 @@ def test_a_checkpointed_block_is_recorded_once(reentrant: bool) -> None:
         torch.manual_seed(0)
         model = _Checkpointed(how)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        prof = (
-            precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False) if profile else None
-        )
+        prof = precprof.Profiler(model, optimizer=opt, sample_every=1, block_groups=1) if profile else None
         losses = []
         with prof if prof is not None else contextlib.nullcontext():
             for x, y in _batches(3):
