@@ -296,9 +296,9 @@ class _Checkpointed(nn.Module):
 def test_a_checkpointed_block_is_recorded_once(reentrant: bool) -> None:
     """Activation checkpointing runs a block's forward again inside the backward pass; the step records what the
     same step without checkpointing records, every count and every call, the block-format what-if of every
-    linear layer's operands included (the non-reentrant recomputation, the
-    default of torch and of Hugging Face's gradient checkpointing, was recorded a second time: each of the
-    block's activations twice), and training is bitwise the same as without the profiler."""
+    linear layer's operands included (the non-reentrant recomputation, the default of torch and of Hugging
+    Face's gradient checkpointing, was recorded a second time: each of the block's activations twice), and
+    training is bitwise the same as without the profiler."""
 
     def run(how: bool | None, profile: bool) -> tuple[pd.DataFrame | None, list[float]]:
         torch.manual_seed(0)
