@@ -287,13 +287,16 @@ def queue_backward_callback(fn: Any) -> bool:
     return True
 
 
+_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
+_TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def backward_pass_id() -> int | None:
     """The id of the backward pass now running (autograd's graph task: a new one each ``backward()``, a nested
     one for a reentrant checkpoint's), None outside one or where this torch does not say."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    if current is None:
+    if _GRAPH_TASK is None:
         return None
-    task = int(current())
+    task = int(_GRAPH_TASK())
     return task if task >= 0 else None
 
 
@@ -311,10 +314,6 @@ def recomputing() -> bool:
     except (RuntimeError, TypeError):
         return False
     return bool(top) and "_recomputation_hook" in getattr(top[0], "__qualname__", "")
-
-
-_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
-_TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 def reserve_hook_ids(n: int) -> range:

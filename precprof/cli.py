@@ -184,7 +184,7 @@ def train(
         for note in not_saved:
             _tell(f"precprof: error: {note}")
         raise typer.Exit(_exit_code(e)) from None
-    if os.environ.get("RANK", "0") not in ("", "0"):
+    if not training.writes_run_dir():
         return  # under torchrun rank 0 wrote the run and prints it
     final = result.summary.get("final", {})
     floor = final.get("loss_floor_nats")

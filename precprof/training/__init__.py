@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from precprof.modes import parse_loss_scale, resolve_loss_scale
-from precprof.training.config import TrainConfig, default_out_dir, default_sample_every
+from precprof.training.config import TrainConfig, default_out_dir, default_sample_every, writes_run_dir
 
 if TYPE_CHECKING:
     from precprof.training.loop import (
@@ -92,6 +92,7 @@ __all__ = [
     "resolve_loss_scale",
     "tf32_flags",
     "train",
+    "writes_run_dir",
 ]
 
 

@@ -415,8 +415,7 @@ def _measured_tokens_per_call(run: _Run) -> int | None:
     dims = _recorded_dims(run)
     if run.layers.empty or not dims:
         return None
-    first = run.layers[run.layers[T.STEP] == run.layers[T.STEP].min()]
-    acts = first[first[T.TENSOR] == T.ACTIVATION].groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
+    acts = _first_activations(run)
     seen: dict[int, int] = {}
     for m, d in dims.items():
         out = d.get("out")
@@ -430,6 +429,16 @@ def _measured_tokens_per_call(run: _Run) -> int | None:
             rows = int(numel) // per
             seen[rows] = seen.get(rows, 0) + 1
     return min(seen, key=lambda r: (-seen[r], r)) if seen else None
+
+
+def _first_activations(run: _Run) -> pd.DataFrame:
+    """Per module, its output elements and calls at the first sampled step (columns ``T.NUMEL``, ``T.CALLS``,
+    indexed by module): what a layer's shape and tokens per call are read from."""
+    layers = run.layers
+    if layers.empty:
+        return pd.DataFrame(columns=[T.NUMEL, T.CALLS])
+    first = layers[(layers[T.STEP] == layers[T.STEP].min()) & (layers[T.TENSOR] == T.ACTIVATION)]
+    return first.groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
 
 
 def _recorded_dims(run: _Run) -> dict[str, dict[str, int]]:
@@ -467,7 +476,7 @@ def _layer_dims(run: _Run) -> dict[str, dict[str, int]]:
     if tokens is None or run.layers.empty:
         return out
     first = run.layers[run.layers[T.STEP] == run.layers[T.STEP].min()]
-    acts = first[first[T.TENSOR] == T.ACTIVATION].groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
+    acts = _first_activations(run)
     w = first[(first[T.TENSOR] == T.WEIGHT) & (first[T.PARAM] == "weight")].groupby(T.MODULE)[T.NUMEL].sum()
     for m, wn in w.items():
         m = str(m)

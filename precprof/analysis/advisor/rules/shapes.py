@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.advisor.evidence import (
+    _first_activations,
     _model_dims,
     _Plan,
     _Run,
@@ -112,8 +113,7 @@ def _fp8_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -
     """
     own, order = _own_weights(run)
     config_tokens = _tokens_per_call(run)
-    first = run.layers[run.layers[T.STEP] == run.layers[T.STEP].min()]
-    acts = first[first[T.TENSOR] == T.ACTIVATION].groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
+    acts = _first_activations(run)
 
     def act(m: str) -> tuple[int, int] | None:
         """(output elements, calls) at the first sampled step."""
