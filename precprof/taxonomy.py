@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 from precprof import tables as T
+from precprof.schema import texts
 
 MATMUL = "matmul"  # autocast runs it in the low precision: its inputs and outputs are 16-bit
 NORM = "norm"  # LayerNorm, RMSNorm, BatchNorm, GroupNorm: autocast keeps fp32
@@ -236,8 +237,8 @@ def fp8_linear_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
     if layers.empty or T.MODULE_TYPE not in layers:
         return [], 0
     types = layers[[T.MODULE, T.MODULE_TYPE]].drop_duplicates()
-    # a missing type reads as "" (pandas 3's astype(str) keeps NaN a NaN)
-    types = types[types[T.MODULE_TYPE].fillna("").astype(str).map(is_linear_type)]
+    # a missing type reads as "" (pandas 3's astype(str) keeps NaN a NaN; a column of NaN alone is float64)
+    types = types[texts(types[T.MODULE_TYPE]).map(is_linear_type)]
     fp8 = sorted(
         str(m)
         for m, t in zip(types[T.MODULE], types[T.MODULE_TYPE], strict=True)

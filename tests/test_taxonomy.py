@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pandas as pd
 import pytest
 import torch
@@ -120,3 +122,11 @@ def test_fp8_linear_layers_reads_a_missing_module_type_as_none() -> None:
         }
     )
     assert X.fp8_linear_layers(layers) == (["a"], 2)
+
+
+def test_fp8_linear_layers_reads_a_column_of_missing_types_without_a_warning() -> None:
+    # every type missing: the column is float64, and ``fillna("")`` on it warns that a future pandas raises
+    layers = pd.DataFrame({T.MODULE: ["a", "b"], T.MODULE_TYPE: [float("nan")] * 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert X.fp8_linear_layers(layers) == ([], 0)
