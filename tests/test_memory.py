@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from precprof import tables as T
 from precprof.analysis.memory_projection import MODES, infer_mode, project, textbook
@@ -483,6 +484,47 @@ def test_saved_activations_match_autograds_saved_tensors(autocast: torch.dtype |
         assert total(rows, T.AUTOCAST_WEIGHT_COPIES) == 0
     else:
         assert total(rows, T.AUTOCAST_WEIGHT_COPIES) > 0
+
+
+class CheckpointedGPT(TinyGPT):
+    """TinyGPT whose blocks run under activation checkpointing, called from the model's own forward."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.use_reentrant = use_reentrant
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for blk in self.blocks:
+            x = checkpoint(blk, x, use_reentrant=self.use_reentrant)
+        return self.head(self.ln_f(x))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointed_blocks_keep_their_inputs_and_nothing_else(use_reentrant: bool) -> None:
+    """Under activation checkpointing a block keeps only its input until the backward pass recomputes the
+    rest: the tracker counts each block's input, under the module that called the checkpoint (here the model
+    itself, ""), and nothing saved inside the blocks; outside them it counts what the plain model saves."""
+    idx = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def measured(model: nn.Module) -> dict[tuple[str, str], int]:
+        tr = MemoryTracker(model)
+        tr.attach()
+        tr.begin_step(0, True)
+        model(idx).square().mean().backward()
+        rows = tr.end_step(0)
+        tr.detach()
+        return by_module(rows)
+
+    torch.manual_seed(0)
+    plain = measured(TinyGPT())
+    torch.manual_seed(0)
+    model = CheckpointedGPT(use_reentrant)
+    acts = measured(model)
+    expected = {k: v for k, v in plain.items() if not k[0].startswith("blocks.")}
+    expected[("", "float32")] = len(model.blocks) * 2 * 12 * 16 * 4  # each block's input, (2, 12, 16) fp32
+    assert acts == expected
+    assert all(k[0].startswith("blocks.") for k in plain.keys() - expected.keys())  # the blocks saved some
 
 
 class Refuses(nn.Linear):

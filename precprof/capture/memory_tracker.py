@@ -16,11 +16,13 @@
   them) and per dtype, through ``torch.autograd.graph.saved_tensors_hooks`` pushed in the model's forward
   pre-hook and popped in its forward post-hook. Each storage counts once per forward pass; parameters and
   buffers are not activations. Tensors saved outside the model's forward (a loss computed in the training loop)
-  are seen only inside ``MemoryTracker.scope()`` (module ``"(loss)"``). Regions under non-reentrant activation
-  checkpointing save through the checkpoint's own hooks: they are not counted (they keep nothing), and neither
-  are the inputs the checkpoint keeps for recomputation. Under gradient accumulation the saved tensors of one
-  micro-batch are freed by its backward, so the step reports the largest group of forwards that were alive
-  together (forwards with no backward between them add up);
+  are seen only inside ``MemoryTracker.scope()`` (module ``"(loss)"``). Under activation checkpointing a region
+  keeps only its inputs until the backward pass recomputes the rest: those inputs are counted, under the module
+  running when the checkpoint was called (Hugging Face's checkpointed layers: the layer itself), and what the
+  region saves is not (non-reentrant: through the checkpoint's own hooks, which keep nothing; reentrant: its
+  forward runs without grad). Under gradient accumulation the saved tensors of one micro-batch are freed by its
+  backward, so the step reports the largest group of forwards that were alive together (forwards with no
+  backward between them add up);
 - ``autocast_weight_copies``: saved tensors that are casts of a parameter (grad_fn ``ToCopyBackward0`` whose
   input is the parameter's ``AccumulateGrad``, possibly behind a view such as ``t()``), and for frozen
   parameters (no grad_fn) a saved tensor of the running module with a frozen parameter's shape and another
