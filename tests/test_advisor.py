@@ -17,10 +17,12 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
+from torch import nn
 
 from precprof import cli
 from precprof import tables as T
 from precprof.analysis.advisor import AdvisorConfig, Finding, Recommendation, recommend
+from precprof.capture import Profiler
 from precprof.hardware import HardwareInfo, preset
 from precprof.taxonomy import is_matmul_type as is_matmul_layer
 from precprof.training import TrainConfig, train
@@ -1079,3 +1081,76 @@ def test_the_loss_change_is_told_only_from_a_finite_first_loss() -> None:
     assert _loss_change(run([math.inf, 1.0, math.inf])) is None
     assert _loss_change(run([1.0, math.inf])) == math.inf
     assert _loss_change(run([0.0, 1.0])) is None and _loss_change(run([1.0])) is None
+
+
+class RotaryEmbedding(nn.Module):
+    """A rotary position embedding as Hugging Face's: no weight, (cos, sin) of (sequence, 32) per call."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angle = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * torch.arange(1, 33) / 32
+        return angle.cos(), angle.sin()
+
+
+class Adapted(nn.Module):
+    """A frozen Linear with a trainable low-rank adapter beside it (peft's LoRA: base_layer, lora_A, lora_B)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(32, 32).requires_grad_(False)
+        self.lora_a = nn.Linear(32, 16, bias=False)
+        self.lora_b = nn.Linear(16, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+class LoraLM(nn.Module):
+    """A frozen embedding and first layer, an adapted layer, a rotary embedding registered after them and an
+    output head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(64, 32).requires_grad_(False)
+        self.frozen = nn.Linear(32, 32).requires_grad_(False)
+        self.attn = Adapted()
+        self.rotary = RotaryEmbedding()
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        cos, sin = self.rotary(x)
+        x = self.attn(torch.relu(self.frozen(x)) * cos + sin)
+        return self.head(x)
+
+
+def test_fp8_eligibility_of_a_real_adapter_run_names_the_true_tie_and_judges_frozen_layers_forward(
+    tmp_path: Path,
+) -> None:
+    """A LoRA-like model trained for real (4 x 8 tokens a call). The rotary embedding has no weight, and its
+    output over the tokens per call, 2 x 8 x 32 / 32 = 16, equals lora_b's in_features: the advisor took it
+    for an embedding whose weight lora_b shares and called lora_b "tied to the embedding rotary" (seen on a peft
+    Llama with rank 8). The capture now records which weights are shared (the head's is wte's). The frozen
+    layers before the adapter had an output needing no gradient, and were "not eligible: no forward or backward
+    statistics"; they run no backward GEMM and are judged on their forward."""
+    torch.manual_seed(0)
+    model = LoraLM()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    out = tmp_path / "lora"
+    with Profiler(model, optimizer=opt, sample_every=1, out=out) as prof:
+        for _ in range(3):
+            idx = torch.randint(0, 64, (4, 8))
+            loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    prof.save()
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_CAPTURE]["shared_params"] == {"head": {"weight": "wte"}}
+    rec = recommend(T.read_tables(out), hardware="h100", summary=summary)
+    f = must(rec, "fp8_eligibility")
+    assert "rotary" not in f.message
+    assert f.numbers["tied"] == 1 and "head (tied to the embedding wte" in f.message
+    assert f.numbers["forward_only"] == 2 and "(frozen, attn.base: frozen with nothing trainable" in f.message
+    assert sorted(f.modules) == ["attn.base", "attn.lora_a", "attn.lora_b", "frozen"]

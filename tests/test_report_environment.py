@@ -127,3 +127,33 @@ def test_a_budgeted_runs_sampling_in_words(tmp_path: Path) -> None:
         html.unescape(cards["precprof&#39;s overhead"]) == f"{F.pct(overhead)} of the run's time (budget 3%)"
     )
     assert "a sampled step" not in cards  # its "cost not measured" said less
+
+
+def test_a_tied_weight_is_said_with_its_owner_and_escaped(tmp_path: Path) -> None:
+    """A tied output head has no weight rows of its own: the environment says whose weight it is (the module
+    names escaped, as every name on the page)."""
+    import torch
+    from torch import nn
+
+    import precprof
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("<i>emb", nn.Embedding(16, 8))
+    model.add_module("<b>head", nn.Linear(8, 16, bias=False))
+    model[1].weight = model[0].weight
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for _ in range(2):
+            model(torch.randint(0, 16, (4,))).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    prof.report(tmp_path / "run")
+    page = (tmp_path / "run" / "report.html").read_text()
+    rows, text = env_rows(page)
+    check_words(rows, text)
+    assert dict(rows)["tied or shared weights"] == (
+        "<b>head.weight is <i>emb's (recorded once, under its first owner)"
+    )
+    assert "<b>head" not in page and "&lt;b&gt;head.weight is &lt;i&gt;emb" in page

@@ -64,7 +64,7 @@ class CapturePlan:
     def of(cls, model: nn.Module, module_filter: ModuleFilter, block_formats: bool) -> CapturePlan:
         plan = cls(block_formats=block_formats)
         rows = plan.rows
-        seen_params: set[int] = set()
+        owner: dict[int, str] = {}  # each captured parameter's first owner
         for name, module in model.named_modules():
             if not selected(name, module, module_filter):
                 continue
@@ -81,9 +81,10 @@ class CapturePlan:
             if block_formats and slot.gemm:
                 slot.input = rows.new(T.input_module(name), T.INPUT_MODULE_TYPE, T.ACTIVATION)
             for pname, p in module.named_parameters(recurse=False):
-                if id(p) in seen_params:
+                if id(p) in owner:
+                    slot.shared[pname] = owner[id(p)]
                     continue
-                seen_params.add(id(p))
+                owner[id(p)] = name
                 slot.weights.append((pname, p, rows.new(name, mtype, T.WEIGHT, pname)))
                 grad_row = rows.new(name, mtype, T.WEIGHT_GRAD, pname) if p.requires_grad else -1
                 plan.params.append(_ParamSlot(name, pname, p, grad_row, -1))

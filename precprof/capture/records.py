@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -134,6 +134,9 @@ class _ModuleSlot:
     activation_grad: int
     weights: list[tuple[str, nn.Parameter, int]]
     module_type: str = ""
+    # its parameters recorded under another module (a tied or shared weight: the first owner's rows), by name:
+    # that module's name
+    shared: dict[str, str] = field(default_factory=dict)
     gemm: bool = False  # a linear layer (taxonomy.is_linear_type)
     block_group: int = (
         0  # the sampled steps whose block-format what-if reads this module's operands (hooks.py)

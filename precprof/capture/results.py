@@ -183,6 +183,10 @@ class ProfilerResults:
                     "params": {pname: list(p.shape) for pname, p, _ in slot.weights},
                 }
             )
+        # per module, its parameters recorded under another module (a tied head: {"weight": its embedding})
+        shared = (
+            {slot.name: dict(slot.shared) for slot in self._plan.modules if slot.shared} if self._plan else {}
+        )
         n_params = sum(p.numel() for p in self.model.parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return {
@@ -206,6 +210,7 @@ class ProfilerResults:
             "stream": self._stream_summary(),
             "modules_captured": len(self._plan.modules) if self._plan is not None else 0,
             "modules": modules,
+            "shared_params": shared,
             "n_params": n_params,
             "param_bytes": param_bytes,
             "profiler_buffer_bytes": self.buffer_bytes,

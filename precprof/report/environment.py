@@ -37,7 +37,7 @@ _CAPTURE_SAID = _keys(
     "block_formats weight_update_sample skipped_tensors stream memory_error histogram_shift_exact "
     "loss_dtypes device n_params param_bytes profiler_buffer_bytes profiler_scratch_bytes "
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled "
-    "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps"
+    "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps shared_params"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_tensor_cores tf32_supported "
@@ -382,6 +382,9 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
         rows.append(("steps sampled", text))
     if capture.get("modules_captured") is not None:
         rows.append(("modules captured", F.count(capture["modules_captured"])))
+    shared = _shared_text(capture.get("shared_params"))
+    if shared:
+        rows.append(("tied or shared weights", shared))
     engines = _engines(capture.get("stats_engine"))
     if engines:
         rows.append(("statistics computed by", engines))
@@ -422,6 +425,20 @@ _REASONS = {
     "skipped step": "right after a skipped step",
     "loss spike": "right after a loss spike",
 }
+
+
+def _shared_text(shared: Any, listed: int = 6) -> str:
+    """The parameters recorded under another module (``capture.shared_params``), in words: their rows are that
+    module's."""
+    pairs = [
+        f"{module}.{param} is {owner}'s"
+        for module, params in _map(shared).items()
+        for param, owner in _map(params).items()
+    ]
+    if not pairs:
+        return ""
+    more = f" and {len(pairs) - listed} more" if len(pairs) > listed else ""
+    return "; ".join(pairs[:listed]) + more + " (recorded once, under its first owner)"
 
 
 def sampling_text(s: Mapping[str, Any], sampled: int | None, recorded: int | None) -> str:

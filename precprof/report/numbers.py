@@ -161,6 +161,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "intensity": ("GEMM intensity M K N / (M K + K N + M N), summed over them", "number"),
     "speedup_min": ("speedup FP8 must exceed", "number"),
     "tied": ("tied to an embedding", "count"),
+    "forward_only": ("judged on the forward alone (no output gradient)", "count"),
     "unknown_shape": ("shape unknown", "count"),
     # block-scaled formats (rules/blocks.py)
     "layers_nvfp4": ("layers planned in NVFP4", "count"),

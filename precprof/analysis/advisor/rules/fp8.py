@@ -122,6 +122,11 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     nonfinite = (lay[T.NAN] + lay[T.INF]).groupby(T.texts(lay[T.MODULE]).astype(object)).sum()
     summary = fp8_summary(fp8_losses(run, linear))
     lim = cfg.lost_norm_max
+    # modules whose output gradient was recorded: in a run that recorded some, a layer without one on any sampled
+    # step had an output that needed none (a frozen layer that nothing trainable feeds, as a LoRA model's first
+    # layers, or an output that does not reach the loss): it runs no backward GEMM, and is judged on its forward
+    grads = run.layers.loc[run.layers[T.TENSOR] == T.ACTIVATION_GRAD, T.MODULE]
+    with_grad = set(T.texts(grads).astype(object))
     rows: list[tuple[str, str]] = []
     for m in linear:
         sh = shapes[m]
@@ -144,11 +149,13 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             pass
         elif nonfinite.get(m, 0) > 0:
             why = "non-finite values"
-        elif fwd is None or bwd is None:
-            why = "no forward or backward statistics"
+        elif fwd is None:
+            why = "no forward statistics"
+        elif bwd is None and (m in with_grad or not with_grad):
+            why = "no backward statistics" + ("" if with_grad else ": no backward pass was recorded")
         elif fwd > lim:
             why = f"e4m3 loses up to {_pct(fwd)} of its output's or weight's norm"
-        elif bwd > lim:
+        elif bwd is not None and bwd > lim:
             why = f"e5m2 loses up to {_pct(bwd)} of its output gradient's norm"
         rows.append((m, why))
     plan.fp8_checked = len(rows)
@@ -174,6 +181,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     )
     unknown = [m for m in linear if m not in known]
     tied = [m for m in linear if shapes[m].tied_to is not None]
+    forward_only = [m for m in linear if with_grad and m not in with_grad]
     # tied layers first: the cause a shape table does not show
     bad = sorted(((m, why) for m, why in rows if why), key=lambda mw: mw[0] not in tied)
 
@@ -228,6 +236,14 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             else ""
         )
         + (
+            f". {len(forward_only)} layer(s) had no output gradient on any sampled step "
+            f"({_listing(forward_only, cfg.max_listed_modules)}: frozen with nothing trainable before them, or "
+            "an output that does not reach the loss): they run no backward GEMM and are judged on their forward "
+            "alone"
+            if forward_only
+            else ""
+        )
+        + (
             ". Not eligible: "
             + "; ".join(f"{_name(m)} ({w})" for m, w in bad[: cfg.max_listed_modules])
             + (f" and {len(bad) - cfg.max_listed_modules} more" if len(bad) > cfg.max_listed_modules else "")
@@ -257,6 +273,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 "eligible": len(plan.fp8_eligible),
                 "checked": len(rows),
                 "tied": len(tied),
+                "forward_only": len(forward_only),
                 "unknown_shape": len(unknown),
                 "eligible_flops_share": plan.fp8_flops_share,
                 "max_e4m3_lost_norm": fmax,

@@ -102,15 +102,34 @@ def _own_weights(run: _Run) -> tuple[dict[str, bool], list[str]]:
     return own, order
 
 
+def _shared_weights(run: _Run) -> dict[str, str] | None:
+    """Module -> the module its weight is recorded under (a tied or shared weight), as the capture recorded it
+    (summary["capture"]["shared_params"]); None for a run recorded before it did."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    shared = capture.get("shared_params") if isinstance(capture, Mapping) else None
+    if not isinstance(shared, Mapping):
+        return None
+    return {
+        str(m): str(params["weight"])
+        for m, params in shared.items()
+        if isinstance(params, Mapping) and isinstance(params.get("weight"), str)
+    }
+
+
 def _fp8_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -> dict[str, _Fp8Shape]:
     """Shape, tie and tokens per call of each linear layer, for ``taxonomy.fp8_ineligible_reason``.
 
-    A layer without a weight of its own shares one: when an embedding with its own (num, dim) weight fits its
-    output (num columns), it is tied to that embedding and has its shape (in=dim, out=num); otherwise its
-    shape is unknown. An embedding without a weight of its own shares the weight of a module listed before it
-    (a head registered before the embedding): the linear layers listed before it whose in_features equal its
-    dim are taken as tied to it.
+    Which weights are shared the capture says (``_shared_weights``): a layer whose weight is an embedding's is
+    tied to it and has its shape (in=dim, out=num), and so is a layer whose weight an embedding listed after
+    it shares (a head registered before its embedding). A run recorded before the capture said so is read from
+    shapes: a layer without a weight of its own shares one, and when an embedding with its own (num, dim)
+    weight fits its output (num columns), it is tied to that embedding; an embedding without a weight of its
+    own shares the weight of a module listed before it: the linear layers listed before it whose in_features
+    equal its dim are taken as tied to it.
     """
+    shared = _shared_weights(run)
+    if shared is not None:
+        return _recorded_ties(run, linear, dims, shared)
     own, order = _own_weights(run)
     config_tokens = _tokens_per_call(run)
     acts = _first_activations(run)
@@ -158,4 +177,40 @@ def _fp8_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -
         for m in order[:i]:
             if m in out and not out[m].shared and out[m].in_features == dim:
                 out[m].tied_to = e
+    return out
+
+
+def _recorded_ties(
+    run: _Run, linear: list[str], dims: dict[str, dict[str, int]], shared: dict[str, str]
+) -> dict[str, _Fp8Shape]:
+    """``_fp8_shapes`` of a run whose capture recorded which weights are shared (``shared``)."""
+    config_tokens = _tokens_per_call(run)
+    acts = _first_activations(run)
+    out: dict[str, _Fp8Shape] = {}
+    for m in linear:
+        s = _Fp8Shape()
+        if m in acts.index:
+            numel, calls = float(acts.loc[m, T.NUMEL]), float(acts.loc[m, T.CALLS])
+            s.calls = int(calls) if math.isfinite(calls) and calls >= 1 else 1
+        else:
+            numel = math.nan
+        owner = shared.get(m)
+        if owner is not None:
+            s.shared = True
+            d = dims.get(owner, {})
+            if "num_embeddings" in d:  # an output head tied to its embedding
+                s.tied_to, s.in_features, s.out_features = owner, d["dim"], d["num_embeddings"]
+            elif "in" in d:  # a layer sharing another layer's weight
+                s.in_features, s.out_features = d["in"], d["out"]
+        elif m in dims and "in" in dims[m]:
+            s.in_features, s.out_features = dims[m]["in"], dims[m]["out"]
+        last = s.out_features
+        if last and math.isfinite(numel) and numel > 0 and int(numel) % (s.calls * last) == 0:
+            s.tokens = int(numel) // (s.calls * last)
+        else:
+            s.tokens = config_tokens
+        out[m] = s
+    for e, owner in shared.items():  # an embedding sharing the weight of a head registered before it
+        if owner in out and taxonomy.kind_of_type(run.types.get(e, "")) == taxonomy.EMBEDDING:
+            out[owner].tied_to = e
     return out
