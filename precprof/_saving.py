@@ -37,6 +37,7 @@ BULKY: tuple[tuple[str, str | None], ...] = (
     (T.SUMMARY_RECOMMENDATION, "block_what_if"),
     (T.SUMMARY_MEMORY, None),
     (T.SUMMARY_CAPTURE, "modules"),
+    (T.SUMMARY_CAPTURE, "gemm_inputs"),
     (T.SUMMARY_RECOMMENDATION, "findings"),
 )
 ESSENTIAL: tuple[str, ...] = (

@@ -437,3 +437,54 @@ def test_a_head_tied_to_the_embedding_has_its_input_judged(block_formats_on: Non
         ("input", "weight gradient"),
     }
     assert head["choice"] in ("mxfp8", "bf16") and rb.HEAD_WHY in head["why"]
+
+
+class SharedInput(nn.Module):
+    """An attention's projections as a Llama has them: q, k and v each read the norm's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.q, self.k, self.v = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.out = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return self.out(self.q(h) * torch.sigmoid(self.k(h)) + self.v(h))
+
+
+def test_layers_reading_one_input_have_it_judged_as_it_was(block_formats_on: None) -> None:
+    """k and v read the norm's output, as q does. The plan found a layer's input from the module that ran just
+    before it with an output of the input's size: k's input was taken to be q's output (the same size) and v's
+    to be k's, so their input operands were judged on other tensors' numbers. The capture records which output
+    each GEMM read; the input operand's SQNR is the norm output's, computed here from the tensors with
+    ``block_formats`` (row blocks along in_features, sums over the sampled steps)."""
+    from precprof.capture import Profiler
+
+    torch.manual_seed(0)
+    model = SharedInput()
+    normed: list[torch.Tensor] = []
+    model.norm.register_forward_hook(lambda m, a, out: normed.append(out.detach().clone()))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = Profiler(model, optimizer=opt, sample_every=1, memory=False, block_groups=1).attach()
+    try:
+        for _ in range(2):
+            model(torch.randn(BATCH, SEQ, WIDTH)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+        tables, summary = prof.tables(), prof.summary()
+    finally:
+        prof.detach()
+    assert summary["gemm_inputs"] == {m: ["norm"] for m in ("q", "k", "v")} | {"out": []}
+    rec = recommend(tables, hardware="b200", summary={T.SUMMARY_CAPTURE: summary})
+    layers = {lb["module"]: lb for lb in rec.block_what_if["layers"]}
+    assert {m: layers[m]["input_from"] for m in "qkv"} == {m: "norm" for m in "qkv"}
+    assert layers["out"]["input_from"] == T.input_module("out")  # a function's output: its own row
+    sums = [B.block_stats(h.reshape(-1, WIDTH), recipe_of("nvfp4"), axis=-1) for h in normed]
+    expected = 10 * math.log10(
+        sum(float(s["sum_x2"]) for s in sums) / sum(float(s["sum_err2"]) for s in sums)
+    )
+    for m in "qkv":
+        (op,) = [o for o in layers[m]["operands"] if (o["operand"], o["gemm"]) == ("input", "forward")]
+        assert op["recipes"]["nvfp4"]["sqnr_db"] == pytest.approx(expected, rel=1e-9)

@@ -92,8 +92,8 @@ def test_heatmap_texts_lie_inside_the_figure(case: str, kind: str) -> None:
     )  # the colour bar's label
     assert any(lab.startswith("FP8 E5M2") for lab in labels)
     if case == "long-names":
-        long_rows = [lab for lab in labels if lab.startswith("model.encoder.")]
-        assert long_rows and all(len(lab) == plots.ROW_LABEL_MAX and "…" in lab for lab in long_rows)
+        long_rows = [lab for lab in labels if lab.startswith("model.encoder")]
+        assert long_rows and all(len(lab) <= plots.ROW_LABEL_MAX and "…" in lab for lab in long_rows)
         assert any("projection" in lab[-20:] for lab in long_rows)  # the name's end is kept
 
 
@@ -104,6 +104,32 @@ def test_heatmap_margin_is_no_wider_than_its_labels() -> None:
     assert hm is not None
     leftmost = min(x0 for _, (x0, _, _, _) in drawn_texts(hm.figure))
     assert plots.MARGIN_PAD_PX - 1 <= leftmost <= plots.MARGIN_PAD_PX + 1
+
+
+def test_row_labels_keep_what_tells_layers_apart() -> None:
+    """A peft LoRA model's weight gradients: a plain middle cut made all eight rows
+    ``base_model.model.mode….lora_A.default.weight`` (or ``_B``). The labels leave out the prefix all share
+    (said once, in the title) and the components every row has, and keep the layer, projection and adapter."""
+    names = [
+        f"base_model.model.model.layers.{i}.self_attn.{q}_proj.lora_{a}.default.weight"
+        for i in (0, 11)
+        for q in "qv"
+        for a in "AB"
+    ]
+    labels, under = plots.row_labels(names)
+    assert under == "base_model.model.model."
+    assert labels[0] == "layers.0…q_proj.lora_A.default.weight"
+    assert labels[-1] == "layers.11…v_proj.lora_B.default.weight"
+    assert len(set(labels)) == len(names) and all(len(lab) <= plots.ROW_LABEL_MAX for lab in labels)
+    # names that fit are kept whole, prefix and all
+    assert plots.row_labels(["transformer.h.0.attn.c_attn", "lm_head"]) == (
+        ["transformer.h.0.attn.c_attn", "lm_head"],
+        "",
+    )
+    # two names that differ only where a cut would fall stay apart
+    a, b = "x." + "a" * 30 + ".mid.y.end", "x." + "a" * 30 + ".mid.z.end"
+    labels, _ = plots.row_labels([a, b, "x.q." + "b" * 40 + ".mid.y.end"], limit=30)
+    assert len(set(labels)) == 3 and all(len(lab) <= 30 for lab in labels)
 
 
 def test_elide_keeps_start_and_end() -> None:

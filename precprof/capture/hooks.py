@@ -328,6 +328,7 @@ class StepHooks:
             found = self._output_by_data(x)
             made = found[0]() if found is not None else None
         if found is not None and made is not None:
+            slot.input_from.add(found[1])
             if turn:  # read as the output that made it: several readers count it once
                 self.buffer.accumulate_blocks(_local(made), found[1])
         elif self._add(local := _local(x), slot.input):

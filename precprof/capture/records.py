@@ -143,6 +143,9 @@ class _ModuleSlot:
     )
     # a linear layer's input when no captured module produced it (T.input_module), with block formats on
     input: int = -1
+    # the rows of the captured modules whose outputs its GEMM read as its input (``input`` has the others): what
+    # the block what-if judges as the layer's input operand (summary capture.gemm_inputs)
+    input_from: set[int] = field(default_factory=set)
     # per sampled step (reset by StepHooks): forward order of the module and of its input row (-1: not called)
     order: int = -1
     input_order: int = -1

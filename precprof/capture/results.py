@@ -183,9 +183,18 @@ class ProfilerResults:
                     "params": {pname: list(p.shape) for pname, p, _ in slot.weights},
                 }
             )
+        plan = self._plan
         # per module, its parameters recorded under another module (a tied head: {"weight": its embedding})
-        shared = (
-            {slot.name: dict(slot.shared) for slot in self._plan.modules if slot.shared} if self._plan else {}
+        shared = {slot.name: dict(slot.shared) for slot in plan.modules if slot.shared} if plan else {}
+        # with block formats, per linear layer the captured modules whose outputs its GEMM read as its input
+        gemm_inputs = (
+            {
+                slot.name: sorted({plan.rows.info[r].module for r in slot.input_from})
+                for slot in plan.modules
+                if slot.input >= 0
+            }
+            if plan is not None and self._block_formats
+            else None
         )
         n_params = sum(p.numel() for p in self.model.parameters())
         param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -211,6 +220,7 @@ class ProfilerResults:
             "modules_captured": len(self._plan.modules) if self._plan is not None else 0,
             "modules": modules,
             "shared_params": shared,
+            **({"gemm_inputs": gemm_inputs} if gemm_inputs is not None else {}),
             "n_params": n_params,
             "param_bytes": param_bytes,
             "profiler_buffer_bytes": self.buffer_bytes,

@@ -21,6 +21,7 @@ from precprof.report.plots.common import (
     fit_margins,
     png_bytes,
     pow2_text,
+    row_labels,
     svg_bytes,
 )
 from precprof.report.plots.heatmap import LOST_COLORS, Heatmap, share_norm, signature_heatmap
@@ -49,6 +50,7 @@ __all__ = [
     "memory_figure",
     "png_bytes",
     "pow2_text",
+    "row_labels",
     "share_norm",
     "signature_heatmap",
     "svg_bytes",

@@ -8,6 +8,8 @@ from __future__ import annotations
 import base64
 import io
 import math
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -81,6 +83,61 @@ def elide(text: str, limit: int = ROW_LABEL_MAX) -> str:
         return text
     head = (limit - 1) // 2
     return text[:head] + "…" + text[len(text) - (limit - 1 - head) :]
+
+
+def row_labels(names: Sequence[str], limit: int = ROW_LABEL_MAX) -> tuple[list[str], str]:
+    """Row labels of dotted layer names, each at most ``limit`` characters and as distinct as the names, and the
+    leading components left out of all of them ("" when none).
+
+    Names that fit are kept whole. Otherwise the leading components every name shares are left out (to be said
+    once: a wrapper's ``base_model.model.``); then, in each name still too long, components that other names
+    share at the same place are replaced by an ellipsis, the most shared (and the longest) first, never an index
+    or the component it indexes (``layers.0``), so that what tells the layers apart stays (``model.layers.0…q_proj.lora_A.default.weight``: the layer's index, its
+    projection and adapter); then :func:`elide`. A cut that made two different names alike is undone for them
+    (they are elided as they are). A plain middle cut had made every LoRA weight of a peft model read
+    ``base_model.model.mode….lora_A.default.weight``."""
+    if all(len(n) <= limit for n in names):
+        return list(names), ""
+    parts = [n.split(".") for n in names]
+    k = 0  # the leading components all share, each name keeping one at least
+    while all(len(p) > k + 1 for p in parts) and len({p[k] for p in parts}) == 1:
+        k += 1
+    while k and any(p[k].isdigit() for p in parts):  # ``layers.0``, not a bare ``0``
+        k -= 1
+    prefix = ".".join(parts[0][:k]) + "." if k else ""
+    parts = [p[k:] for p in parts]
+    shared = Counter((i, c) for p in parts for i, c in enumerate(p))
+    labels: list[str] = []
+    for p in parts:
+        keep = [True] * len(p)
+        label = ".".join(p)
+        # never the last component (the layer's own name, or its parameter's), an index or what it indexes
+        cut = [i for i in range(len(p) - 1) if not (p[i].isdigit() or p[i + 1].isdigit())]
+        for i in sorted(cut, key=lambda i: (-shared[(i, p[i])], -len(p[i]), i)):
+            if len(label) <= limit or shared[(i, p[i])] < 2:
+                break
+            keep[i] = False
+            label = _joined(p, keep)
+        labels.append(elide(label, limit))
+    by_label: dict[str, set[str]] = {}
+    for label, p in zip(labels, parts, strict=True):
+        by_label.setdefault(label, set()).add(".".join(p))
+    return [
+        lab if len(by_label[lab]) == 1 else elide(".".join(p), limit)
+        for lab, p in zip(labels, parts, strict=True)
+    ], prefix
+
+
+def _joined(parts: Sequence[str], keep: Sequence[bool]) -> str:
+    """``parts`` joined by dots, each run of parts not kept one ellipsis (no dot beside it)."""
+    out = ""
+    for i, (part, kept) in enumerate(zip(parts, keep, strict=True)):
+        if not kept:
+            if not out.endswith("…"):
+                out += "…"
+        else:
+            out += ("." if i and not out.endswith("…") and out else "") + part
+    return out
 
 
 def fit_margins(fig: Figure, *, max_left: float = 0.6, min_right: float = 0.55) -> None:

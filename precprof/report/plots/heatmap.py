@@ -21,7 +21,15 @@ from precprof import formats
 from precprof import tables as T
 from precprof.analysis import current_scaling
 from precprof.report import summarize as S
-from precprof.report.plots.common import FIG_WIDTH_IN, MIN_FONT_PT, _hbars, _pct, elide, fit_margins
+from precprof.report.plots.common import (
+    FIG_WIDTH_IN,
+    MIN_FONT_PT,
+    _hbars,
+    _pct,
+    elide,
+    fit_margins,
+    row_labels,
+)
 from precprof.report.plots.windows import Window, heatmap_windows
 
 # the side panel of the heatmaps: what a row loses in the focus format, and values that were already inf/nan
@@ -174,7 +182,7 @@ def signature_heatmap(
     fp16 = wins[0]
     x0, x1 = _x_range(exps, share, fp16)
     n = len(rows)
-    labels = [elide(S.row_label(m, p)) for m, p in rows]
+    labels, under = row_labels([S.row_label(m, p) for m, p in rows])
     fs = MIN_FONT_PT if n > 40 else 8.0
     row_h = 0.14 if n > 40 else 0.19
     heat_h = max(1.6, n * row_h)
@@ -281,7 +289,8 @@ def signature_heatmap(
     ax_strip.tick_params(axis="y", length=0)
     ax_strip.tick_params(axis="x", labelbottom=False)
     ax_strip.set_title(
-        f"{S.KIND_LABELS.get(kind, kind).capitalize()} by layer and binade",
+        f"{S.KIND_LABELS.get(kind, kind).capitalize()} by layer and binade"
+        + (f" (layers under {elide(under, 36)})" if under else ""),
         fontsize=9.5,
         loc="left",
     )

@@ -86,13 +86,22 @@ def _input_of(
     dims: Mapping[str, Mapping[str, int]],
     first: tuple[set[str], pd.DataFrame] | None = None,
 ) -> str | None:
-    """The module whose output is ``m``'s input: the leaf that started just before it in forward order, when
-    its output has the size ``m`` reads (tokens x in_features, from ``m``'s own output and shape); None when
-    that cannot be shown (an attention projection reads a function's output, not a module's). A run that
-    recorded the input itself (``T.input_module``: no captured module produced it) names that row.
+    """The module whose output is ``m``'s input, as the capture found it (summary capture.gemm_inputs: the
+    output its GEMM read, or its own input row ``T.input_module`` when no captured module produced it); None
+    when it read more than one, or none was recorded. A run recorded before the capture said so: its own input
+    row when it has one, else the leaf that started just before it in forward order, when its output has the
+    size ``m`` reads (tokens x in_features, from ``m``'s own output and shape) — which a layer reading the same
+    input as the one before it fails (a Llama's k_proj after q_proj, whose output has k_proj's input size).
     ``first``: ``_first_activations(run)``, when the caller asks for many layers."""
     modules, first_step = first if first is not None else _first_activations(run)
     own = T.input_module(m)
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    recorded = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
+    if isinstance(recorded, Mapping):
+        found = recorded.get(m)
+        sources = [str(s) for s in found if str(s) in modules] if isinstance(found, list) else []
+        sources += [own] if own in modules else []
+        return sources[0] if len(sources) == 1 else None
     if own in modules:
         return own
     order = run.order.get(m)
