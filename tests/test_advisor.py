@@ -824,8 +824,9 @@ def test_tensor_core_alignment(request: pytest.FixtureRequest) -> None:
     rec = recommend(b.tables(), hardware="a100", summary=summ)
     f = must(rec, "tensor_core_alignment")
     assert f.severity == "warning"
-    assert f.modules == ["wte", "fc", "head"]
-    assert "wte (num_embeddings=50257)" in f.message
+    # wte's 50257 x 48 is a gather's table (the head has its own weight): the vocabulary is said as a model dim
+    assert f.modules == ["fc", "head"]
+    assert "wte" not in f.message and "vocab_size=50257" in f.message
     assert "fc (out=100)" in f.message and "head (in=100)" in f.message
     assert (
         f.numbers["dim_vocab_size"] == 50257 and f.numbers["dim_head_dim"] == 6 and f.numbers["tokens"] == 21
@@ -921,8 +922,8 @@ def test_alignment_from_profiler_shapes_and_flat_model_dims() -> None:
     }
     rec = recommend(b.tables(), hardware="h100", summary=summ)
     f = must(rec, "tensor_core_alignment")
-    assert f.modules == ["wte", "h.0.mlp.c_fc"]
-    assert "wte (num_embeddings=250)" in f.message and "h.0.mlp.c_fc (out=100)" in f.message
+    assert f.modules == ["h.0.mlp.c_fc"]  # wte is a gather's table, tied to no head
+    assert "h.0.mlp.c_fc (out=100)" in f.message and "vocab_size=250" in f.message
     assert (
         f.numbers["dim_vocab_size"] == 250
         and "dim_n_embd" not in f.numbers
@@ -1154,3 +1155,46 @@ def test_fp8_eligibility_of_a_real_adapter_run_names_the_true_tie_and_judges_fro
     assert f.numbers["tied"] == 1 and "head (tied to the embedding wte" in f.message
     assert f.numbers["forward_only"] == 2 and "(frozen, attn.base: frozen with nothing trainable" in f.message
     assert sorted(f.modules) == ["attn.base", "attn.lora_a", "attn.lora_b", "frozen"]
+
+
+class BiasedLM(nn.Module):
+    """A token embedding of 50 rows tied to the output head, and a T5-style relative position bias: an
+    embedding of 32 buckets x 4 heads, a gather whose width is no GEMM's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(50, 32)
+        self.bias = nn.Embedding(32, 4)
+        self.fc = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 50, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        buckets = torch.arange(idx.shape[1]) % 32
+        x = x + self.bias(buckets).mean(-1)[None, :, None]
+        return self.head(torch.relu(self.fc(x)))
+
+
+def test_alignment_names_a_tied_heads_vocabulary_and_no_gathers_table(tmp_path: Path) -> None:
+    """A real run (4 x 16 tokens): the tied head's 50-row vocabulary is a GEMM dimension (named under the
+    embedding that holds it); the position bias's 4 columns are a gather's and were reported as "dim=4" (a
+    warning on a GPU target, seen on a T5)."""
+    torch.manual_seed(0)
+    model = BiasedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Profiler(model, optimizer=opt, sample_every=1, out=tmp_path / "run") as prof:
+        for _ in range(2):
+            idx = torch.randint(0, 50, (4, 16))
+            loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    prof.save()
+    summary = T.read_summary(tmp_path / "run")
+    f = must(
+        recommend(T.read_tables(tmp_path / "run"), hardware="h100", summary=summary), "tensor_core_alignment"
+    )
+    assert f.modules == ["wte"] and "wte (num_embeddings=50)" in f.message
+    assert "bias" not in f.message and f.numbers["tokens"] == 64

@@ -22,8 +22,13 @@ from precprof.analysis.advisor.text import _name
 def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     cfg = run.cfg
     a = cfg.alignment
+    # an embedding is a gather: its shape matters only where a linear layer shares its weight (a tied head)
+    linear = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
+    tied = {sh.tied_to for sh in _fp8_shapes(run, linear, dims).values() if sh.tied_to is not None}
     bad: dict[str, str] = {}
     for m, d in dims.items():
+        if "num_embeddings" in d and m not in tied:
+            continue
         off = [f"{lbl}={v}" for lbl, v in d.items() if v % a]
         if off:
             bad[m] = ", ".join(off)
