@@ -1084,6 +1084,24 @@ def test_the_loss_change_is_told_only_from_a_finite_first_loss() -> None:
     assert _loss_change(run([0.0, 1.0])) is None and _loss_change(run([1.0])) is None
 
 
+def _train_lm(
+    model: nn.Module, out: Path, *, vocab: int, shape: tuple[int, int], steps: int
+) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
+    """``steps`` AdamW steps of a language model on random tokens of ``shape``, every step sampled into the run
+    directory ``out``; its tables and summary."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with Profiler(model, optimizer=opt, sample_every=1, out=out) as prof:
+        for _ in range(steps):
+            idx = torch.randint(0, vocab, shape)
+            loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    prof.save()
+    return T.read_tables(out), T.read_summary(out)
+
+
 class RotaryEmbedding(nn.Module):
     """A rotary position embedding as Hugging Face's: no weight, (cos, sin) of (sequence, 32) per call."""
 
@@ -1135,21 +1153,9 @@ def test_fp8_eligibility_of_a_real_adapter_run_names_the_true_tie_and_judges_fro
     layers before the adapter had an output needing no gradient, and were "not eligible: no forward or backward
     statistics"; they run no backward GEMM and are judged on their forward."""
     torch.manual_seed(0)
-    model = LoraLM()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    out = tmp_path / "lora"
-    with Profiler(model, optimizer=opt, sample_every=1, out=out) as prof:
-        for _ in range(3):
-            idx = torch.randint(0, 64, (4, 8))
-            loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            prof.step(loss=loss)
-    prof.save()
-    summary = T.read_summary(out)
+    tables, summary = _train_lm(LoraLM(), tmp_path / "lora", vocab=64, shape=(4, 8), steps=3)
     assert summary[T.SUMMARY_CAPTURE]["shared_params"] == {"head": {"weight": "wte"}}
-    rec = recommend(T.read_tables(out), hardware="h100", summary=summary)
+    rec = recommend(tables, hardware="h100", summary=summary)
     f = must(rec, "fp8_eligibility")
     assert "rotary" not in f.message
     assert f.numbers["tied"] == 1 and "head (tied to the embedding wte" in f.message
@@ -1181,20 +1187,7 @@ def test_alignment_names_a_tied_heads_vocabulary_and_no_gathers_table(tmp_path: 
     embedding that holds it); the position bias's 4 columns are a gather's and were reported as "dim=4" (a
     warning on a GPU target, seen on a T5)."""
     torch.manual_seed(0)
-    model = BiasedLM()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with Profiler(model, optimizer=opt, sample_every=1, out=tmp_path / "run") as prof:
-        for _ in range(2):
-            idx = torch.randint(0, 50, (4, 16))
-            loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            prof.step(loss=loss)
-    prof.save()
-    summary = T.read_summary(tmp_path / "run")
-    f = must(
-        recommend(T.read_tables(tmp_path / "run"), hardware="h100", summary=summary), "tensor_core_alignment"
-    )
+    tables, summary = _train_lm(BiasedLM(), tmp_path / "run", vocab=50, shape=(4, 16), steps=2)
+    f = must(recommend(tables, hardware="h100", summary=summary), "tensor_core_alignment")
     assert f.modules == ["wte"] and "wte (num_embeddings=50)" in f.message
     assert "bias" not in f.message and f.numbers["tokens"] == 64

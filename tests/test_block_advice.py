@@ -400,31 +400,41 @@ def test_report_for_b200(run: Any, tmp_path: Path) -> None:
     assert [r["plan"] for r in blocks["rows"]] == ["NVFP4", "NVFP4", "BF16"]
 
 
+def _profiled(model: nn.Module, loss: Callable[[], torch.Tensor]) -> tuple[dict[str, pd.DataFrame], dict]:
+    """Two SGD steps of ``model`` on ``loss()`` under a Profiler evaluating every layer's block formats on every
+    step; its tables and its capture summary."""
+    from precprof.capture import Profiler
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = Profiler(model, optimizer=opt, sample_every=1, memory=False, block_groups=1).attach()
+    try:
+        for _ in range(2):
+            loss().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+        return prof.tables(), prof.summary()
+    finally:
+        prof.detach()
+
+
 def test_a_head_tied_to_the_embedding_has_its_input_judged(block_formats_on: None) -> None:
     """gpt-nano's lm_head shares wte's weight, which the Profiler records under wte: the plan still finds
     the head's input (ln_f's output) from the embedding's shape and judges all six operands."""
     import torch.nn.functional as F
 
-    from precprof.capture import Profiler
     from precprof.models import build_model
 
     torch.manual_seed(0)
     built = build_model("gpt-nano", vocab_size=64, seq_len=32)
     model = built.module
     assert model.lm_head.weight is model.transformer.wte.weight
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    prof = Profiler(model, optimizer=opt, sample_every=1, memory=False, block_groups=1).attach()
-    try:
-        for _ in range(2):
-            ids = torch.randint(0, 64, (2, 33))
-            logits = model(ids[:, :-1])
-            F.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1)).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            prof.step()
-        tables, summary = prof.tables(), prof.summary()
-    finally:
-        prof.detach()
+
+    def loss() -> torch.Tensor:
+        ids = torch.randint(0, 64, (2, 33))
+        return F.cross_entropy(model(ids[:, :-1]).reshape(-1, 64), ids[:, 1:].reshape(-1))
+
+    tables, summary = _profiled(model, loss)
     rec = recommend(tables, hardware="b200", summary={T.SUMMARY_CAPTURE: summary})
     (head,) = [lb for lb in rec.block_what_if["layers"] if lb["module"] == "lm_head"]
     assert head["input_from"] == "transformer.ln_f"
@@ -459,23 +469,12 @@ def test_layers_reading_one_input_have_it_judged_as_it_was(block_formats_on: Non
     to be k's, so their input operands were judged on other tensors' numbers. The capture records which output
     each GEMM read; the input operand's SQNR is the norm output's, computed here from the tensors with
     ``block_formats`` (row blocks along in_features, sums over the sampled steps)."""
-    from precprof.capture import Profiler
 
     torch.manual_seed(0)
     model = SharedInput()
     normed: list[torch.Tensor] = []
     model.norm.register_forward_hook(lambda m, a, out: normed.append(out.detach().clone()))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    prof = Profiler(model, optimizer=opt, sample_every=1, memory=False, block_groups=1).attach()
-    try:
-        for _ in range(2):
-            model(torch.randn(BATCH, SEQ, WIDTH)).square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            prof.step()
-        tables, summary = prof.tables(), prof.summary()
-    finally:
-        prof.detach()
+    tables, summary = _profiled(model, lambda: model(torch.randn(BATCH, SEQ, WIDTH)).square().mean())
     assert summary["gemm_inputs"] == {m: ["norm"] for m in ("q", "k", "v")} | {"out": []}
     rec = recommend(tables, hardware="b200", summary={T.SUMMARY_CAPTURE: summary})
     layers = {lb["module"]: lb for lb in rec.block_what_if["layers"]}
