@@ -128,9 +128,12 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     grads = run.layers.loc[run.layers[T.TENSOR] == T.ACTIVATION_GRAD, T.MODULE]
     with_grad = set(T.texts(grads).astype(object))
     rows: list[tuple[str, str]] = []
+    forward_only: list[str] = []
     for m in linear:
         sh = shapes[m]
         fwd, bwd = _get(summary, m, FORWARD, "norm"), _get(summary, m, BACKWARD, "norm")
+        if fwd is not None and with_grad and m not in with_grad:
+            forward_only.append(m)
         # the shape rule is taxonomy's, the one --precision fp8 (convert_fp8) applies to the live model
         why = taxonomy.fp8_ineligible_reason(
             sh.in_features, sh.out_features, sh.tied_to is not None, sh.tokens
@@ -181,7 +184,6 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     )
     unknown = [m for m in linear if m not in known]
     tied = [m for m in linear if shapes[m].tied_to is not None]
-    forward_only = [m for m in linear if with_grad and m not in with_grad]
     # tied layers first: the cause a shape table does not show
     bad = sorted(((m, why) for m, why in rows if why), key=lambda mw: mw[0] not in tied)
 
