@@ -350,3 +350,66 @@ def test_a_compiled_trainer_keeps_its_graphs_and_every_conv1d_is_recorded(tmp_pa
         rows = conv[conv[T.TENSOR] == kind]
         assert set(rows[T.STEP]) == set(range(0, STEPS, SAMPLE_EVERY)), kind
         assert rows.groupby(T.STEP)[T.MODULE].nunique().eq(8).all(), kind
+
+
+def _mixtral(experts_implementation: str) -> Any:
+    """A 2-layer Mixtral of 4 experts (2 a token) built from a config, its experts run by ``experts_implementation``
+    (transformers 5 holds each layer's experts as 3-D weights in one ``MixtralExperts`` module)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=N_EMBD,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        experts_implementation=experts_implementation,
+    )
+    model = MixtralForCausalLM(cfg)
+    if getattr(model.config, "_experts_implementation", None) != experts_implementation:
+        pytest.skip("this transformers has no experts implementations (transformers 5 added them)")
+    return model
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_experts_multiplied_in_fp32_under_autocast_are_found(tmp_path: Path, implementation: str) -> None:
+    """A Mixtral under bf16 autocast on the CPU, each expert implementation, checked by a plain hook on the
+    experts' activation function: transformers' default ("grouped_mm") calls torch._grouped_mm, which autocast
+    does not cast, so the experts (most of a mixture of experts' weights) multiply in float32 while the
+    attention runs in bf16; "batched_mm" calls bmm, which it casts. The finding is there exactly when it
+    happened, and names the expert modules."""
+    from precprof.analysis.advisor import recommend
+    from precprof.capture import Profiler
+
+    model = _mixtral(implementation)
+    seen: set[torch.dtype] = set()
+    for layer in model.model.layers:
+        layer.mlp.experts.act_fn.register_forward_hook(lambda m, args, out: seen.add(args[0].dtype))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for i in range(2):
+            ids = TokenData()[i]["input_ids"].repeat(BATCH, 1)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    rec = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
+    found = rec.finding("experts_fp32")
+    assert seen == ({torch.float32} if implementation == "grouped_mm" else {torch.bfloat16})
+    if implementation == "batched_mm":
+        assert found is None
+        return
+    assert found is not None and found.severity == "warning"
+    assert found.modules == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert "bf16 autocast on" in found.message and 'experts_implementation="batched_mm"' in found.remedy
+    n = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for layer in model.model.layers for p in layer.mlp.experts.parameters())
+    assert found.numbers["expert_params"] == experts and found.numbers["share_of_params"] == pytest.approx(
+        experts / n
+    )

@@ -127,6 +127,10 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "fp32_layers": ("matmul layers in FP32", "count"),
     "matmul_layers": ("matmul layers", "count"),
     "autocast_enabled": ("autocast on during the forward pass", "yes_no"),
+    # expert weights multiplied in float32 (rules/active.py)
+    "banks": ("mixture-of-experts modules in FP32", "count"),
+    "expert_params": ("their expert parameters", "count"),
+    "share_of_params": ("share of the model's parameters", "share"),
     # keep-in-fp32 modules, buffers, optimizer states
     "autocast": ("under autocast", "yes_no"),
     "buffers": ("buffers", "count"),

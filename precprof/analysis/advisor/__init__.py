@@ -43,7 +43,7 @@ from precprof.analysis.advisor.model import (
     Finding,
     Recommendation,
 )
-from precprof.analysis.advisor.rules.active import _rule_mixed_precision_active
+from precprof.analysis.advisor.rules.active import _rule_experts_fp32, _rule_mixed_precision_active
 from precprof.analysis.advisor.rules.blocks import _rule_block_formats
 from precprof.analysis.advisor.rules.clipping import _rule_scaled_clipping
 from precprof.analysis.advisor.rules.fp8 import _rule_fp8
@@ -147,6 +147,7 @@ def recommend(
             run.steps = run.steps[run.steps[T.STEP] < plan.diverged[0]]
             plan.diverged_sampled_before = int(run.layers[T.STEP].nunique())
     _rule_mixed_precision_active(run, plan)
+    _rule_experts_fp32(run, plan)
     _rule_fp16_activations(run, plan)
     _rule_loss_scale(run, plan, fwd_bad)
     _rule_scaled_clipping(run, plan)

@@ -1,13 +1,15 @@
-"""Mixed precision asked for but not active: matmul layers still producing float32."""
+"""Mixed precision asked for but not active: matmul layers still producing float32, and a mixture of experts'
+expert weights multiplied in float32."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.advisor.evidence import _Plan, _Run
-from precprof.analysis.advisor.model import CRITICAL, INFO, Finding, Number
+from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding, Number
 from precprof.analysis.advisor.text import _listing, _pct
 
 
@@ -72,3 +74,78 @@ def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:
                 numbers=nums,
             )
         )
+
+
+def _expert_banks(run: _Run) -> dict[str, int]:
+    """Modules holding a bank of expert weights (a mixture of experts' 3-D parameters, experts x out x in, as
+    transformers 5 stores them), from the shapes the capture recorded: name -> their elements. A module whose
+    kind says what it is (a Conv1d's weight is 3-D too) is not one."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    mods = capture.get("modules") if isinstance(capture, Mapping) else None
+    banks: dict[str, int] = {}
+    for entry in mods if isinstance(mods, list) else []:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("params"), Mapping):
+            continue
+        if taxonomy.kind_of_type(str(entry.get("type", ""))) != taxonomy.OTHER:
+            continue
+        shapes = [
+            v for v in entry["params"].values() if isinstance(v, list) and all(isinstance(d, int) for d in v)
+        ]
+        if any(len(v) == 3 for v in shapes):
+            banks[str(entry.get("name", ""))] = sum(math.prod(v) for v in shapes)
+    return banks
+
+
+def _rule_experts_fp32(run: _Run, plan: _Plan) -> None:
+    """Expert weights multiplied in float32 while the run asked for a 16-bit precision: seen in the dtype of what
+    the expert matmuls hand on, the activations of the bank's own modules (its activation function); the bank's
+    output says nothing (transformers adds the experts' outputs into a copy of its float32 input)."""
+    requested = taxonomy.summary_requested(run.summary, default=run.precision)
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    seen = capture.get("autocast") if isinstance(capture, Mapping) else None
+    if not requested and isinstance(seen, Mapping) and seen.get("enabled"):
+        # the user's own loop asks for nothing but turned autocast on: that is the request
+        requested = {"bfloat16": "bf16", "float16": "fp16"}.get(str(seen.get("dtype")), "")
+        asked = f"{requested} autocast on"
+    else:
+        asked = f"{requested} requested"
+    low = taxonomy.requested_low_dtype(requested)
+    banks = _expert_banks(run)
+    if low is None or not banks or run.layers.empty:
+        return
+    acts = run.kind(T.ACTIVATION)
+    names = T.texts(acts[T.MODULE]).astype(object)
+    dtypes = T.texts(acts[T.DTYPE]).astype(object)
+    fp32: dict[str, list[str]] = {}
+    for bank in banks:
+        inner = (names.str.startswith(bank + ".") if bank else names != "").to_numpy()
+        seen = {d for v in dtypes[inner] for d in str(v).split("|") if d}
+        if seen == {"float32"}:
+            fp32[bank] = sorted(set(names[inner]))
+    if not fp32:
+        return
+    n_params = capture.get("n_params") if isinstance(capture, Mapping) else None
+    elements = sum(banks[b] for b in fp32)
+    share = elements / n_params if isinstance(n_params, int) and n_params > 0 else None
+    modules = run.sort(list(fp32))
+    inner = sorted({m for ms in fp32.values() for m in ms})
+    plan.add(
+        Finding(
+            "experts_fp32",
+            WARNING,
+            f"Expert weights multiplied in float32 under {requested}",
+            f"With {asked}, the experts of {len(fp32)} mixture-of-experts module(s) "
+            f"({_listing(modules, run.cfg.max_listed_modules)}"
+            + (f"; {_pct(share)} of the model's parameters" if share is not None else "")
+            + ") ran their matmuls in float32: what the expert matmuls hand on, the activations of "
+            f"{_listing(inner, run.cfg.max_listed_modules)}, was float32 on every sampled step. Autocast casts "
+            "the inputs of the ops it lists (linear, mm, bmm and others), and an op it does not list runs in its "
+            "inputs' dtype: torch._grouped_mm, which transformers' default experts implementation "
+            '("grouped_mm") calls, is not listed.',
+            'Run the experts through ops autocast casts: in transformers, experts_implementation="batched_mm" '
+            '(or "eager") in the model\'s config or from_pretrained; then check that these activations are '
+            f"{requested} in a new run.",
+            modules=modules,
+            numbers={"banks": len(fp32), "expert_params": elements, "share_of_params": share},
+        )
+    )
