@@ -1164,14 +1164,17 @@ def test_fp8_eligibility_of_a_real_adapter_run_names_the_true_tie_and_judges_fro
 
 
 class BiasedLM(nn.Module):
-    """A token embedding of 50 rows tied to the output head, and a T5-style relative position bias: an
-    embedding of 32 buckets x 4 heads, a gather whose width is no GEMM's."""
+    """A token embedding of 50 rows tied to the output head, a T5-style relative position bias (an embedding of
+    32 buckets x 4 heads, a gather whose width is no GEMM's) and a gate of one output per token (an MoE's
+    shared_expert_gate: 32 of the 7,776 matmul FLOPs per token)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.wte = nn.Embedding(50, 32)
         self.bias = nn.Embedding(32, 4)
-        self.fc = nn.Linear(32, 32)
+        self.fc = nn.Linear(32, 96)
+        self.fc2 = nn.Linear(96, 32)
+        self.gate = nn.Linear(32, 1)
         self.head = nn.Linear(32, 50, bias=False)
         self.head.weight = self.wte.weight
 
@@ -1179,15 +1182,18 @@ class BiasedLM(nn.Module):
         x = self.wte(idx)
         buckets = torch.arange(idx.shape[1]) % 32
         x = x + self.bias(buckets).mean(-1)[None, :, None]
-        return self.head(torch.relu(self.fc(x)))
+        x = self.fc2(torch.relu(self.fc(x))) * torch.sigmoid(self.gate(x))
+        return self.head(x)
 
 
 def test_alignment_names_a_tied_heads_vocabulary_and_no_gathers_table(tmp_path: Path) -> None:
     """A real run (4 x 16 tokens): the tied head's 50-row vocabulary is a GEMM dimension (named under the
     embedding that holds it); the position bias's 4 columns are a gather's and were reported as "dim=4" (a
-    warning on a GPU target, seen on a T5)."""
+    warning on a GPU target, seen on a T5); the gate's one output was "out=1" (seen on a Qwen2-MoE), a GEMM too
+    small to pad."""
     torch.manual_seed(0)
     tables, summary = _train_lm(BiasedLM(), tmp_path / "run", vocab=50, shape=(4, 16), steps=2)
     f = must(recommend(tables, hardware="h100", summary=summary), "tensor_core_alignment")
     assert f.modules == ["wte"] and "wte (num_embeddings=50)" in f.message
     assert "bias" not in f.message and f.numbers["tokens"] == 64
+    assert "gate" not in f.message and f.numbers["small_layers_left_out"] == 1

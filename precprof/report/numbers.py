@@ -167,6 +167,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "tied": ("tied to an embedding", "count"),
     "forward_only": ("judged on the forward alone (no output gradient)", "count"),
     "unknown_shape": ("shape unknown", "count"),
+    "small_layers_left_out": ("misaligned layers too small to matter, left out", "count"),
     # block-scaled formats (rules/blocks.py)
     "layers_nvfp4": ("layers planned in NVFP4", "count"),
     "layers_mxfp4": ("layers planned in MXFP4", "count"),

@@ -16,7 +16,7 @@ from precprof.analysis.advisor.evidence import (
     _tokens_per_call,
 )
 from precprof.analysis.advisor.model import INFO, WARNING, Finding, Number
-from precprof.analysis.advisor.text import _name
+from precprof.analysis.advisor.text import _name, _pct
 
 
 def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
@@ -24,12 +24,24 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> 
     a = cfg.alignment
     # an embedding is a gather: its shape matters only where a linear layer shares its weight (a tied head)
     linear = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
-    tied = {sh.tied_to for sh in _fp8_shapes(run, linear, dims).values() if sh.tied_to is not None}
+    shapes = _fp8_shapes(run, linear, dims)
+    tied = {sh.tied_to for sh in shapes.values() if sh.tied_to is not None}
+    # each layer's matmul FLOPs per token (a tied head's are its embedding's): a layer carrying a negligible
+    # share of them is not worth padding
+    flops = {m: f for m, sh in shapes.items() if (f := sh.flops_per_token) is not None}
+    for m, sh in shapes.items():
+        if sh.tied_to is not None and m in flops:
+            flops[sh.tied_to] = flops.get(sh.tied_to, 0) + flops.pop(m)
+    total = sum(flops.values())
     bad: dict[str, str] = {}
+    small = 0
     for m, d in dims.items():
         if "num_embeddings" in d and m not in tied:
             continue
         off = [f"{lbl}={v}" for lbl, v in d.items() if v % a]
+        if off and total > 0 and flops.get(m, total) < cfg.alignment_min_flops_share * total:
+            small += 1
+            continue
         if off:
             bad[m] = ", ".join(off)
     model_off = {k: v for k, v in _model_dims(run).items() if v % a}
@@ -49,6 +61,8 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> 
     if tok_off:
         parts.append(f"batch x sequence = {tokens}")
     numbers: dict[str, Number] = {"alignment": a, "layers": len(bad), "tokens": tokens}
+    if small:
+        numbers["small_layers_left_out"] = small
     numbers.update({f"dim_{k}": v for k, v in model_off.items()})
     plan.add(
         Finding(
@@ -56,7 +70,14 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> 
             WARNING if run.hw.device == "cuda" else INFO,
             f"Dimensions not a multiple of {a}",
             f"Tensor cores run fp16/bf16 matmuls at full speed when every dimension is a multiple of {a} "
-            f"({cfg.fp8_alignment} for FP8); these are not: {'; '.join(parts)}.",
+            f"({cfg.fp8_alignment} for FP8); these are not: {'; '.join(parts)}"
+            + (
+                f" ({small} misaligned layer(s) carrying under {_pct(cfg.alignment_min_flops_share)} of the "
+                "linear layers' matmul FLOPs each left out: too small to pad)"
+                if small
+                else ""
+            )
+            + ".",
             f"Pad them to a multiple of {a} or 64 (nanoGPT pads GPT-2's vocabulary from 50257 to 50304).",
             modules=run.sort(bad),
             numbers=numbers,
