@@ -1197,3 +1197,39 @@ def test_alignment_names_a_tied_heads_vocabulary_and_no_gathers_table(tmp_path: 
     assert f.modules == ["wte"] and "wte (num_embeddings=50)" in f.message
     assert "bias" not in f.message and f.numbers["tokens"] == 64
     assert "gate" not in f.message and f.numbers["small_layers_left_out"] == 1
+
+
+class PatchEmbed(nn.Module):
+    """A vision model's patch embedding: a 1 x patches x width position table (a 3-D parameter) and a LayerNorm,
+    whose output is float32 under autocast on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, 16, 32) * 0.02)
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.pos)
+
+
+def test_a_position_table_is_no_bank_of_experts(tmp_path: Path) -> None:
+    """A 3-D parameter of one leading row is a position table, not experts: its module's float32 LayerNorm under
+    bf16 autocast is no expert matmul in float32."""
+    torch.manual_seed(0)
+    model = nn.Sequential(PatchEmbed(), nn.Linear(32, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 16, 32)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    tables = prof.tables()
+    norm = tables["layers"][
+        (tables["layers"][T.MODULE] == "0.norm") & (tables["layers"][T.TENSOR] == T.ACTIVATION)
+    ]
+    assert set(norm[T.DTYPE]) == {"float32"}  # what the rule reads of a bank, here of a position table
+    rec = recommend(tables, summary={T.SUMMARY_CAPTURE: prof.summary()})
+    assert rec.finding("experts_fp32") is None

@@ -79,7 +79,8 @@ def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:
 def _expert_banks(run: _Run) -> dict[str, int]:
     """Modules holding a bank of expert weights (a mixture of experts' 3-D parameters, experts x out x in, as
     transformers 5 stores them), from the shapes the capture recorded: name -> their elements. A module whose
-    kind says what it is (a Conv1d's weight is 3-D too) is not one."""
+    kind says what it is (a Conv1d's weight is 3-D too) is not one, nor a 3-D parameter of one leading row (a
+    position embedding's 1 x positions x width)."""
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     mods = capture.get("modules") if isinstance(capture, Mapping) else None
     banks: dict[str, int] = {}
@@ -91,7 +92,7 @@ def _expert_banks(run: _Run) -> dict[str, int]:
         shapes = [
             v for v in entry["params"].values() if isinstance(v, list) and all(isinstance(d, int) for d in v)
         ]
-        if any(len(v) == 3 for v in shapes):
+        if any(len(v) == 3 and v[0] >= 2 for v in shapes):
             banks[str(entry.get("name", ""))] = sum(math.prod(v) for v in shapes)
     return banks
 
