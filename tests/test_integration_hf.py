@@ -413,3 +413,45 @@ def test_experts_multiplied_in_fp32_under_autocast_are_found(tmp_path: Path, imp
     assert found.numbers["expert_params"] == experts and found.numbers["share_of_params"] == pytest.approx(
         experts / n
     )
+
+
+def test_fp8_counts_the_experts_it_would_not_convert(tmp_path: Path) -> None:
+    """A Mixtral's experts (3-D weights in one module per layer) carry most of its matmul FLOPs, and float8
+    conversion swaps nn.Linear alone: the FP8 rule counted the linear layers only ("9 of 9 qualify, carrying
+    100% of the linear layers' FLOPs"), so FP8 could be advised for a model whose matmuls would mostly stay in
+    bf16. The share is checked against the model's own shapes: 2 x in x out per token for each nn.Linear, and
+    for the experts 2 x (tokens each goes to: num_experts_per_tok) x out x in of each expert weight."""
+    from precprof.analysis.advisor import recommend
+    from precprof.capture import Profiler
+
+    model = _mixtral("batched_mm")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for i in range(2):
+            ids = TokenData()[i]["input_ids"].repeat(BATCH, 1)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    f = recommend(prof.tables(), hardware="h100", summary={T.SUMMARY_CAPTURE: prof.summary()}).finding(
+        "fp8_eligibility"
+    )
+    assert f is not None
+    linear = {
+        n: 2 * m.in_features * m.out_features
+        for n, m in model.named_modules()
+        if type(m).__name__ == "Linear"
+    }
+    k = model.config.num_experts_per_tok
+    experts = sum(
+        2 * k * w.shape[1] * w.shape[2]
+        for layer in model.model.layers
+        for w in layer.mlp.experts.parameters()
+    )
+    total = sum(linear.values()) + experts
+    assert f.numbers["checked"] == len(linear)
+    assert f.numbers["eligible_flops_share"] == pytest.approx(sum(linear[m] for m in f.modules) / total)
+    assert f.numbers["experts_flops_share"] == pytest.approx(experts / total) and experts / total > 0.5
+    assert "model.layers.0.mlp.experts, model.layers.1.mlp.experts" in f.message

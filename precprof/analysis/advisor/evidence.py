@@ -441,6 +441,65 @@ def _first_activations(run: _Run) -> pd.DataFrame:
     return first.groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
 
 
+def _expert_banks(run: _Run) -> dict[str, list[list[int]]]:
+    """Modules holding a bank of expert weights (a mixture of experts' 3-D parameters, experts x out x in, as
+    transformers 5 stores them), from the shapes the capture recorded: name -> the shapes of its 3-D parameters.
+    A module whose kind says what it is (a Conv1d's weight is 3-D too) is not one, nor a 3-D parameter of one
+    leading row (a position embedding's 1 x positions x width)."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    mods = capture.get("modules") if isinstance(capture, Mapping) else None
+    banks: dict[str, list[list[int]]] = {}
+    for entry in mods if isinstance(mods, list) else []:
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("params"), Mapping):
+            continue
+        if taxonomy.kind_of_type(str(entry.get("type", ""))) != taxonomy.OTHER:
+            continue
+        shapes = [
+            list(v)
+            for v in entry["params"].values()
+            if isinstance(v, list)
+            and len(v) == 3
+            and all(isinstance(d, int) and d > 0 for d in v)
+            and v[0] >= 2
+        ]
+        if shapes:
+            banks[str(entry.get("name", ""))] = shapes
+    return banks
+
+
+def _expert_gemms(run: _Run) -> dict[str, list[tuple[int, int, int]]]:
+    """Per bank of experts (``_expert_banks``), its forward GEMMs of the first sampled step as (rows, in, out)
+    each, rows being the tokens routed to the experts (each token once per expert it went to). Read from the
+    bank's output (tokens x hidden: the hidden size) and its activation function's output (routed rows x the
+    intermediate size, the smallest dimension of its weights other than the hidden size). Banks whose numbers
+    do not divide are left out."""
+    tokens = _tokens_per_call(run)
+    banks = _expert_banks(run)
+    if not tokens or not banks:
+        return {}
+    acts = _first_activations(run)
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    for bank, shapes in banks.items():
+        if bank not in acts.index:
+            continue
+        numel, calls = int(acts.loc[bank, T.NUMEL]), max(int(acts.loc[bank, T.CALLS]), 1)
+        if numel % (calls * tokens):
+            continue
+        hidden = numel // (calls * tokens)
+        others = [b if a == hidden else a for _, a, b in shapes if hidden in (a, b)]
+        if len(others) != len(shapes):
+            continue
+        inter = min(others)
+        inner = [
+            m for m in acts.index if str(m).startswith(bank + ".") and int(acts.loc[m, T.NUMEL]) % inter == 0
+        ]
+        if not inner:
+            continue
+        routed = int(acts.loc[inner[0], T.NUMEL]) // inter
+        out[bank] = [(routed, b, a) for _, a, b in shapes]  # (rows, in, out) of a weight held (out, in)
+    return out
+
+
 def _recorded_dims(run: _Run) -> dict[str, dict[str, int]]:
     """Dimensions of linear layers ({"in", "out"}) and embeddings ({"num_embeddings", "dim"}) from the
     parameter shapes the Profiler records in summary["capture"]["modules"] (Linear weights are (out, in), HF

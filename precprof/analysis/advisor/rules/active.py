@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from precprof import tables as T
 from precprof import taxonomy
-from precprof.analysis.advisor.evidence import _Plan, _Run
+from precprof.analysis.advisor.evidence import _expert_banks, _Plan, _Run
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding, Number
 from precprof.analysis.advisor.text import _listing, _pct
 
@@ -76,27 +76,6 @@ def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:
         )
 
 
-def _expert_banks(run: _Run) -> dict[str, int]:
-    """Modules holding a bank of expert weights (a mixture of experts' 3-D parameters, experts x out x in, as
-    transformers 5 stores them), from the shapes the capture recorded: name -> their elements. A module whose
-    kind says what it is (a Conv1d's weight is 3-D too) is not one, nor a 3-D parameter of one leading row (a
-    position embedding's 1 x positions x width)."""
-    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
-    mods = capture.get("modules") if isinstance(capture, Mapping) else None
-    banks: dict[str, int] = {}
-    for entry in mods if isinstance(mods, list) else []:
-        if not isinstance(entry, Mapping) or not isinstance(entry.get("params"), Mapping):
-            continue
-        if taxonomy.kind_of_type(str(entry.get("type", ""))) != taxonomy.OTHER:
-            continue
-        shapes = [
-            v for v in entry["params"].values() if isinstance(v, list) and all(isinstance(d, int) for d in v)
-        ]
-        if any(len(v) == 3 and v[0] >= 2 for v in shapes):
-            banks[str(entry.get("name", ""))] = sum(math.prod(v) for v in shapes)
-    return banks
-
-
 def _rule_experts_fp32(run: _Run, plan: _Plan) -> None:
     """Expert weights multiplied in float32 while the run asked for a 16-bit precision: seen in the dtype of what
     the expert matmuls hand on, the activations of the bank's own modules (its activation function); the bank's
@@ -126,7 +105,7 @@ def _rule_experts_fp32(run: _Run, plan: _Plan) -> None:
     if not fp32:
         return
     n_params = capture.get("n_params") if isinstance(capture, Mapping) else None
-    elements = sum(banks[b] for b in fp32)
+    elements = sum(math.prod(v) for b in fp32 for v in banks[b])
     share = elements / n_params if isinstance(n_params, int) and n_params > 0 else None
     modules = run.sort(list(fp32))
     inner = sorted({m for ms in fp32.values() for m in ms})

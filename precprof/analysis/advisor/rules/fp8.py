@@ -20,7 +20,7 @@ import pandas as pd
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis import current_scaling, fp8_speed, lost_norm
-from precprof.analysis.advisor.evidence import _Plan, _row_index, _Run
+from precprof.analysis.advisor.evidence import _expert_gemms, _Plan, _row_index, _Run, _tokens_per_call
 from precprof.analysis.advisor.model import INFO, WARNING, Finding
 from precprof.analysis.advisor.rules.shapes import _fp8_shapes
 from precprof.analysis.advisor.text import _listing, _name, _pct
@@ -165,8 +165,16 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     plan.fp8_eligible = [m for m, why in rows if not why]
     plan.fp8_why_not = {m: why for m, why in rows if why}
     known = {m: f for m in linear if (f := shapes[m].flops_per_token) is not None}
-    total = sum(known.values())
+    # a mixture of experts' banks of expert weights: matmuls float8 conversion does not swap (it swaps nn.Linear
+    # alone), counted in the step's FLOPs (per token of a call, as the layers': their routed rows over the tokens)
+    tokens = _tokens_per_call(run)
+    experts = _expert_gemms(run) if tokens else {}
+    expert_flops = {
+        b: sum(2 * rows * k * n for rows, k, n in gemms) / tokens for b, gemms in experts.items() if tokens
+    }
+    total = sum(known.values()) + sum(expert_flops.values())
     plan.fp8_flops_share = sum(known.get(m, 0) for m in plan.fp8_eligible) / total if total > 0 else None
+    experts_share = sum(expert_flops.values()) / total if expert_flops and total > 0 else None
 
     def calls(modules: list[str]) -> list[tuple[int, int, int]]:
         """The forward (tokens, in, out) of each call of these modules, those of unknown shape left out."""
@@ -180,7 +188,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     # the step's speed: the eligible layers FP8 would convert, beside the linear layers left in bf16
     eligible = set(plan.fp8_eligible)
     plan.fp8_speed = fp8_speed.estimate(
-        calls(plan.fp8_eligible), calls([m for m in linear if m not in eligible])
+        calls(plan.fp8_eligible),
+        calls([m for m in linear if m not in eligible]) + [g for gemms in experts.values() for g in gemms],
     )
     unknown = [m for m in linear if m not in known]
     tied = [m for m in linear if shapes[m].tied_to is not None]
@@ -220,10 +229,19 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         "value at its binade's upper edge, the exact count of flushed values; its input is the previous module's "
         "output, checked there). Nothing saturates under current scaling. Why "
         f"{_pct(lim)}: {LOST_NORM_EVIDENCE} "
-        f"{len(plan.fp8_eligible)} of {len(rows)} qualify, carrying {_pct(plan.fp8_flops_share)} of the linear "
-        "layers' matmul FLOPs (2 x in x out per token"
+        f"{len(plan.fp8_eligible)} of {len(rows)} qualify, carrying {_pct(plan.fp8_flops_share)} of the "
+        + ("matmul FLOPs, the experts' included" if expert_flops else "linear layers' matmul FLOPs")
+        + " (2 x in x out per token"
         + (f"; {len(unknown)} layer(s) of unknown shape not counted" if unknown else "")
-        + f"). Largest norm lost: e4m3 {_pct(fmax)}"
+        + ")"
+        + (
+            f"; the experts of {len(expert_flops)} mixture-of-experts module(s) "
+            f"({_listing(run.sort(list(expert_flops)), cfg.max_listed_modules)}), {_pct(experts_share)} of "
+            "them, stay in bf16: float8 conversion swaps nn.Linear alone"
+            if expert_flops
+            else ""
+        )
+        + f". Largest norm lost: e4m3 {_pct(fmax)}"
         + (f" ({_name(fmod)})" if fmod is not None else "")
         + f", e5m2 {_pct(bmax)}"
         + (f" ({_name(bmod)})" if bmod is not None else "")
@@ -278,6 +296,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 "forward_only": len(forward_only),
                 "unknown_shape": len(unknown),
                 "eligible_flops_share": plan.fp8_flops_share,
+                "experts_flops_share": experts_share,
                 "max_e4m3_lost_norm": fmax,
                 "max_e5m2_lost_norm": bmax,
                 "max_e4m3_share": fval,
