@@ -375,20 +375,10 @@ def _mixtral(experts_implementation: str) -> Any:
     return model
 
 
-@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
-def test_experts_multiplied_in_fp32_under_autocast_are_found(tmp_path: Path, implementation: str) -> None:
-    """A Mixtral under bf16 autocast on the CPU, each expert implementation, checked by a plain hook on the
-    experts' activation function: transformers' default ("grouped_mm") calls torch._grouped_mm, which autocast
-    does not cast, so the experts (most of a mixture of experts' weights) multiply in float32 while the
-    attention runs in bf16; "batched_mm" calls bmm, which it casts. The finding is there exactly when it
-    happened, and names the expert modules."""
-    from precprof.analysis.advisor import recommend
+def _bf16_steps(model: torch.nn.Module) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
+    """Two AdamW steps of a causal LM under bf16 autocast, every step sampled: its tables and summary."""
     from precprof.capture import Profiler
 
-    model = _mixtral(implementation)
-    seen: set[torch.dtype] = set()
-    for layer in model.model.layers:
-        layer.mlp.experts.act_fn.register_forward_hook(lambda m, args, out: seen.add(args[0].dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
         for i in range(2):
@@ -399,7 +389,24 @@ def test_experts_multiplied_in_fp32_under_autocast_are_found(tmp_path: Path, imp
             opt.step()
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss)
-    rec = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
+    return prof.tables(), {T.SUMMARY_CAPTURE: prof.summary()}
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_experts_multiplied_in_fp32_under_autocast_are_found(tmp_path: Path, implementation: str) -> None:
+    """A Mixtral under bf16 autocast on the CPU, each expert implementation, checked by a plain hook on the
+    experts' activation function: transformers' default ("grouped_mm") calls torch._grouped_mm, which autocast
+    does not cast, so the experts (most of a mixture of experts' weights) multiply in float32 while the
+    attention runs in bf16; "batched_mm" calls bmm, which it casts. The finding is there exactly when it
+    happened, and names the expert modules."""
+    from precprof.analysis.advisor import recommend
+
+    model = _mixtral(implementation)
+    seen: set[torch.dtype] = set()
+    for layer in model.model.layers:
+        layer.mlp.experts.act_fn.register_forward_hook(lambda m, args, out: seen.add(args[0].dtype))
+    tables, summary = _bf16_steps(model)
+    rec = recommend(tables, summary=summary)
     found = rec.finding("experts_fp32")
     assert seen == ({torch.float32} if implementation == "grouped_mm" else {torch.bfloat16})
     if implementation == "batched_mm":
@@ -422,22 +429,10 @@ def test_fp8_counts_the_experts_it_would_not_convert(tmp_path: Path) -> None:
     bf16. The share is checked against the model's own shapes: 2 x in x out per token for each nn.Linear, and
     for the experts 2 x (tokens each goes to: num_experts_per_tok) x out x in of each expert weight."""
     from precprof.analysis.advisor import recommend
-    from precprof.capture import Profiler
 
     model = _mixtral("batched_mm")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
-        for i in range(2):
-            ids = TokenData()[i]["input_ids"].repeat(BATCH, 1)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            prof.step(loss=loss)
-    f = recommend(prof.tables(), hardware="h100", summary={T.SUMMARY_CAPTURE: prof.summary()}).finding(
-        "fp8_eligibility"
-    )
+    tables, summary = _bf16_steps(model)
+    f = recommend(tables, hardware="h100", summary=summary).finding("fp8_eligibility")
     assert f is not None
     linear = {
         n: 2 * m.in_features * m.out_features
