@@ -432,7 +432,8 @@ def test_fp8_counts_the_experts_it_would_not_convert(tmp_path: Path) -> None:
 
     model = _mixtral("batched_mm")
     tables, summary = _bf16_steps(model)
-    f = recommend(tables, hardware="h100", summary=summary).finding("fp8_eligibility")
+    rec = recommend(tables, hardware="h100", summary=summary)
+    f = rec.finding("fp8_eligibility")
     assert f is not None
     linear = {
         n: 2 * m.in_features * m.out_features
@@ -450,3 +451,4 @@ def test_fp8_counts_the_experts_it_would_not_convert(tmp_path: Path) -> None:
     assert f.numbers["eligible_flops_share"] == pytest.approx(sum(linear[m] for m in f.modules) / total)
     assert f.numbers["experts_flops_share"] == pytest.approx(experts / total) and experts / total > 0.5
     assert "model.layers.0.mlp.experts, model.layers.1.mlp.experts" in f.message
+    assert "of the matmul FLOPs (the experts' 70.6% included, which stay in bf16)" in " ".join(rec.reasons)

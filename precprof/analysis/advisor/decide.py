@@ -38,7 +38,7 @@ def _fp8_numbers_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     if share is None or share <= cfg.fp8_flops_share_min:
         return (
             f"the {len(plan.fp8_eligible)} FP8-eligible of {plan.fp8_checked} linear layers carry "
-            f"{_pct(share)} of their matmul FLOPs, not more than {_pct(cfg.fp8_flops_share_min)}{causes}: the rest "
+            f"{_pct(share)} of {_flops_whose(plan)}, not more than {_pct(cfg.fp8_flops_share_min)}{causes}: the rest "
             "would run in bf16 anyway"
         )
     return ""
@@ -54,6 +54,14 @@ def _fp8_speed_text(plan: _Plan) -> str:
         "of the GPU (from each layer shape's times measured alone and whole steps measured in FP8 and bf16, not "
         "from this run: see the finding on FP8's speed)"
     )
+
+
+def _flops_whose(plan: _Plan) -> str:
+    """Whose matmul FLOPs the eligible layers' share is of: the linear layers', or the step's with a mixture of
+    experts' expert GEMMs counted (which float8 conversion leaves in bf16)."""
+    if plan.fp8_experts_share is None:
+        return "their matmul FLOPs"
+    return f"the matmul FLOPs (the experts' {_pct(plan.fp8_experts_share)} included, which stay in bf16)"
 
 
 def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
@@ -136,7 +144,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         fmt = "fp8"
         reasons.append(
             f"{where} has FP8 tensor cores and {hw.fp8_library}: {len(plan.fp8_eligible)} of "
-            f"{plan.fp8_checked} linear layers, carrying {_pct(plan.fp8_flops_share)} of their matmul FLOPs, "
+            f"{plan.fp8_checked} linear layers, carrying {_pct(plan.fp8_flops_share)} of {_flops_whose(plan)}, "
             "are FP8-eligible (convertible, dims and tokens per call multiples of 16, per-tensor current scaling "
             f"losing at most {_pct(cfg.lost_norm_max)} of each tensor's norm to underflow), and "
             f"{_fp8_speed_text(plan)}, each above {cfg.fp8_speedup_min:g}x: both the numbers and the speed allow "

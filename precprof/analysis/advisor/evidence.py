@@ -352,6 +352,7 @@ class _Plan:
     # layers carry: the decision needs both.
     fp8_why_not: dict[str, str] = field(default_factory=dict)
     fp8_flops_share: float | None = None
+    fp8_experts_share: float | None = None  # a mixture of experts' expert GEMMs: counted, left in bf16
     # FP8's estimated speed on the eligible layers' GEMM shapes (analysis.fp8_speed.Estimate; None without
     # eligible layers of known shape and tokens)
     fp8_speed: Estimate | None = None

@@ -175,6 +175,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     total = sum(known.values()) + sum(expert_flops.values())
     plan.fp8_flops_share = sum(known.get(m, 0) for m in plan.fp8_eligible) / total if total > 0 else None
     experts_share = sum(expert_flops.values()) / total if expert_flops and total > 0 else None
+    plan.fp8_experts_share = experts_share
 
     def calls(modules: list[str]) -> list[tuple[int, int, int]]:
         """The forward (tokens, in, out) of each call of these modules, those of unknown shape left out."""
