@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import pandas as pd
+
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.advisor.evidence import (
@@ -128,6 +130,25 @@ def _own_weights(run: _Run) -> tuple[dict[str, bool], list[str]]:
     return own, order
 
 
+def _output_of(acts: pd.DataFrame, m: str) -> tuple[int, int] | None:
+    """(output elements, calls) of module ``m`` at the first sampled step (``_first_activations``)."""
+    if m not in acts.index:
+        return None
+    numel, calls = float(acts.loc[m, T.NUMEL]), float(acts.loc[m, T.CALLS])
+    if not (math.isfinite(numel) and numel > 0):
+        return None
+    return int(numel), int(calls) if math.isfinite(calls) and calls >= 1 else 1
+
+
+def _rows_per_call(acts: pd.DataFrame, m: str, last: int | None, config_tokens: int | None) -> int | None:
+    """Rows per call of a module whose output's last dimension is ``last`` (batch x sequence); the
+    configuration's tokens per call where that does not divide."""
+    a = _output_of(acts, m)
+    if a is None or not last or a[0] % (a[1] * last):
+        return config_tokens
+    return a[0] // (a[1] * last)
+
+
 def _shared_weights(run: _Run) -> dict[str, str] | None:
     """Module -> the module its weight is recorded under (a tied or shared weight), as the capture recorded it
     (summary["capture"]["shared_params"]); None for a run recorded before it did."""
@@ -160,26 +181,10 @@ def _fp8_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -
     config_tokens = _tokens_per_call(run)
     acts = _first_activations(run)
 
-    def act(m: str) -> tuple[int, int] | None:
-        """(output elements, calls) at the first sampled step."""
-        if m not in acts.index:
-            return None
-        numel, calls = float(acts.loc[m, T.NUMEL]), float(acts.loc[m, T.CALLS])
-        if not (math.isfinite(numel) and numel > 0):
-            return None
-        return int(numel), int(calls) if math.isfinite(calls) and calls >= 1 else 1
-
-    def rows(m: str, last: int | None) -> int | None:
-        """Rows per call of a module whose output's last dimension is ``last`` (batch x sequence)."""
-        a = act(m)
-        if a is None or not last or a[0] % (a[1] * last):
-            return config_tokens
-        return a[0] // (a[1] * last)
-
     embeddings = [m for m in run.sort(dims) if "num_embeddings" in dims[m] and own.get(m, True)]
     out: dict[str, _Fp8Shape] = {}
     for m in linear:
-        a = act(m)
+        a = _output_of(acts, m)
         s = _Fp8Shape(calls=a[1] if a else 1)
         if not own.get(m, True):
             s.shared = True
@@ -191,12 +196,12 @@ def _fp8_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -
                     break
         elif m in dims:
             s.in_features, s.out_features = dims[m]["in"], dims[m]["out"]
-        s.tokens = rows(m, s.out_features)
+        s.tokens = _rows_per_call(acts, m, s.out_features, config_tokens)
         out[m] = s
     for i, e in enumerate(order):
         if own[e] or taxonomy.kind_of_type(run.types.get(e, "")) != taxonomy.EMBEDDING:
             continue
-        a = act(e)
+        a = _output_of(acts, e)
         if a is None or not config_tokens or a[0] % (a[1] * config_tokens):
             continue
         dim = a[0] // (a[1] * config_tokens)
@@ -214,12 +219,8 @@ def _recorded_ties(
     acts = _first_activations(run)
     out: dict[str, _Fp8Shape] = {}
     for m in linear:
-        s = _Fp8Shape()
-        if m in acts.index:
-            numel, calls = float(acts.loc[m, T.NUMEL]), float(acts.loc[m, T.CALLS])
-            s.calls = int(calls) if math.isfinite(calls) and calls >= 1 else 1
-        else:
-            numel = math.nan
+        a = _output_of(acts, m)
+        s = _Fp8Shape(calls=a[1] if a else 1)
         owner = shared.get(m)
         if owner is not None:
             s.shared = True
@@ -230,11 +231,7 @@ def _recorded_ties(
                 s.in_features, s.out_features = d["in"], d["out"]
         elif m in dims and "in" in dims[m]:
             s.in_features, s.out_features = dims[m]["in"], dims[m]["out"]
-        last = s.out_features
-        if last and math.isfinite(numel) and numel > 0 and int(numel) % (s.calls * last) == 0:
-            s.tokens = int(numel) // (s.calls * last)
-        else:
-            s.tokens = config_tokens
+        s.tokens = _rows_per_call(acts, m, s.out_features, config_tokens)
         out[m] = s
     for e, owner in shared.items():  # an embedding sharing the weight of a head registered before it
         if owner in out and taxonomy.kind_of_type(run.types.get(e, "")) == taxonomy.EMBEDDING:
