@@ -1233,3 +1233,52 @@ def test_a_position_table_is_no_bank_of_experts(tmp_path: Path) -> None:
     assert set(norm[T.DTYPE]) == {"float32"}  # what the rule reads of a bank, here of a position table
     rec = recommend(tables, summary={T.SUMMARY_CAPTURE: prof.summary()})
     assert rec.finding("experts_fp32") is None
+
+
+class Constants(nn.Module):
+    """Three buffers added to its input: a causal mask (0 and 1, exact in any format), positions 0..299 as
+    floats (bf16 holds the integers up to 256 exactly, then every second one) and a bias table of thirds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tril(torch.ones(8, 8)))
+        self.register_buffer("positions", torch.arange(300.0))
+        self.register_buffer("table", torch.arange(1.0, 9.0) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.mask + self.table + self.positions[:8]
+
+
+class Buffered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.consts = Constants()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.consts(self.lin(x))
+
+
+def test_buffers_a_cast_rounded_are_told_from_those_it_cannot_have_changed() -> None:
+    """A model cast to bf16 trained for real: the mask's values are exact, no finding; the positions past 256 and
+    the thirds were rounded, an information finding bounding the error by half a bf16 unit in the last place of
+    the largest rounded value: 256..299 are 2 apart (1), 8/3 lies in [2, 4) (2^-7)."""
+    torch.manual_seed(0)
+    model = Buffered().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(2):
+            loss = model(torch.randn(4, 8, dtype=torch.bfloat16)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    bufs = {b["buffer"]: b for b in prof.summary()["low_precision_buffers"]}
+    assert bufs["mask"]["exact"] is True and "rounding" not in bufs["mask"]
+    assert bufs["positions"] == {**bufs["positions"], "exact": False, "rounding": 1.0}
+    assert bufs["table"]["rounding"] == 2.0**-7 and bufs["table"]["module_type"] == "Constants"
+    rec = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
+    f = must(rec, "low_precision_constants")
+    assert f.severity == "info" and f.numbers == {"buffers": 2, "buffer_error": 1.0}
+    assert f.modules == ["consts"] and "consts.positions (bfloat16)" in f.message and "mask" not in f.message
+    assert rec.finding("low_precision_buffers") is None and rec.finding("low_precision_rope") is None

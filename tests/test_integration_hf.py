@@ -452,3 +452,60 @@ def test_fp8_counts_the_experts_it_would_not_convert(tmp_path: Path) -> None:
     assert f.numbers["experts_flops_share"] == pytest.approx(experts / total) and experts / total > 0.5
     assert "model.layers.0.mlp.experts, model.layers.1.mlp.experts" in f.message
     assert "of the matmul FLOPs (the experts' 70.6% included, which stay in bf16)" in " ".join(rec.reasons)
+
+
+def _llama_steps(model: torch.nn.Module) -> Any:
+    """Two sampled AdamW steps of a Llama without autocast (as cast, or as built): its recommendation."""
+    from precprof.analysis.advisor import recommend
+    from precprof.capture import Profiler
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Profiler(model, optimizer=opt, sample_every=1, memory=False, weight_updates=False) as prof:
+        for i in range(2):
+            ids = TokenData()[i]["input_ids"].repeat(BATCH, 1)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    return recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
+
+
+def test_rotary_frequencies_a_cast_rounded_are_found_and_bounded() -> None:
+    """A Llama cast with .to(torch.bfloat16), as a user's loop or Lightning's "bf16-true" does: the cast rounds
+    the rotary embedding's inverse frequencies (buffers) to 8 significant bits, and the angle at position p
+    moves by p times the error. This was reported as "normalisation buffers ... running statistics (momentum
+    0.1 of a batch statistic)". The finding bounds the error by half a bf16 unit in the last place of the largest
+    frequency that is not a power of two (10000^(-2/128) = 0.93 lies in [0.5, 1): 2^-9), at or above the true
+    error (the frequencies recomputed in fp32 as built) and, with a head of 128 as Llama's, within 2x of it.
+    Built in bf16 (transformers keeps these buffers in fp32), there is no finding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=N_EMBD,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=SEQ,
+    )
+    cast = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    exact = LlamaForCausalLM(cfg).model.rotary_emb.inv_freq  # fp32, as built
+    assert cast.model.rotary_emb.inv_freq.dtype == torch.bfloat16 and exact.dtype == torch.float32
+    error = float((cast.model.rotary_emb.inv_freq.float() - exact).abs().max())
+    rec = _llama_steps(cast)
+    f = rec.finding("low_precision_rope")
+    assert f is not None and f.severity == "warning"
+    assert f.modules == ["model.rotary_emb"] and f.numbers["buffers"] == 2  # inv_freq, original_inv_freq
+    assert f.numbers["frequency_error"] == 2.0**-9 and 0.5 <= 10000 ** (-2 / 128) < 1
+    assert error <= f.numbers["frequency_error"] <= 2 * error
+    assert f.numbers["angle_error_at_4096"] == 4096 * f.numbers["frequency_error"]
+    assert "model.rotary_emb.inv_freq (bfloat16)" in f.message and "running statistics" not in f.message
+    assert rec.finding("low_precision_buffers") is None and "model.rotary_emb" not in rec.keep_fp32
+    built = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    assert built.model.rotary_emb.inv_freq.dtype == torch.float32
+    rec = _llama_steps(built)
+    assert rec.finding("low_precision_rope") is None and rec.finding("low_precision_constants") is None

@@ -140,15 +140,22 @@ class ProfilerResults:
     def status(self) -> tuple[str, str | None]:
         return self._status, self._reason
 
-    def _low_precision_buffers(self) -> list[dict[str, str]]:
+    def _low_precision_buffers(self) -> list[dict[str, Any]]:
         """Floating buffers of the captured modules held in fp16 or bf16 (BatchNorm running statistics after
-        ``model.half()``, say): the guide keeps them in fp32."""
+        ``model.half()``, a rotary embedding's frequencies after ``model.to(torch.bfloat16)``): their module, its
+        type, and what their values say about the rounding (``_buffer_rounding``; read here, at save)."""
         out = []
         for slot in self._plan.modules if self._plan is not None else []:
             for bname, buf in slot.module.named_buffers(recurse=False):
                 if buf is not None and buf.dtype in (torch.float16, torch.bfloat16):
                     out.append(
-                        {"module": slot.name, "buffer": bname, "dtype": str(buf.dtype).removeprefix("torch.")}
+                        {
+                            "module": slot.name,
+                            "module_type": slot.module_type,
+                            "buffer": bname,
+                            "dtype": str(buf.dtype).removeprefix("torch."),
+                            **_buffer_rounding(buf),
+                        }
                     )
         return out
 
@@ -365,6 +372,34 @@ class ProfilerResults:
         run_dir = path.parent if html else path
         self.save(run_dir, summary=summary, render=True, report_path=path if html else None)
         return path if html else run_dir / T.REPORT_FILE
+
+
+_ROUNDING_READ_MAX = 1 << 26  # elements: a larger 16-bit buffer is listed without reading its values
+
+
+def _buffer_rounding(buf: torch.Tensor) -> dict[str, Any]:
+    """What a 16-bit floating buffer's values say about a cast that rounded them: ``exact`` when every finite
+    value is one the cast cannot have changed (an integer the format holds exactly, as 0/1 masks and positions
+    up to 256 in bf16, or a power of two), else ``rounding``: the largest half unit in the last place of a value
+    that is neither, how far each may lie from what it was before the cast. {} when the values cannot be read (on
+    the meta device, a wrapper subclass, larger than ``_ROUNDING_READ_MAX``). One read of the buffer, at save."""
+    bits = 7 if buf.dtype == torch.bfloat16 else 10  # stored mantissa bits
+    normal_min = -126 if buf.dtype == torch.bfloat16 else -14
+    try:
+        if buf.numel() > _ROUNDING_READ_MAX or buf.is_meta:
+            return {}
+        with torch.no_grad():
+            v = buf.detach().float().flatten()
+            v = v[torch.isfinite(v) & (v != 0)]
+            mant, exp = torch.frexp(v)  # v = mant * 2^exp, 0.5 <= |mant| < 1
+            integer = (v == v.round()) & (v.abs() <= 2.0 ** (bits + 1))
+            inexact = ~integer & (mant.abs() != 0.5)
+            if not bool(inexact.any()):
+                return {"exact": True}
+            top = int(exp[inexact].max()) - 1  # the binade [2^top, 2^(top+1)) of the largest such value
+        return {"exact": False, "rounding": 2.0 ** (max(top, normal_min) - bits - 1)}
+    except Exception:  # a buffer it cannot read is listed without what its values say
+        return {}
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:

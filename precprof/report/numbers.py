@@ -134,6 +134,9 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     # keep-in-fp32 modules, buffers, optimizer states
     "autocast": ("under autocast", "yes_no"),
     "buffers": ("buffers", "count"),
+    "frequency_error": ("largest error a cast may have put in a frequency", "number"),
+    "angle_error_at_4096": ("angle error at position 4,096 (rad)", "number"),
+    "buffer_error": ("largest error a cast may have put in a value", "number"),
     "low_precision_bytes": ("in 16-bit", "bytes"),
     "bytes": ("in all", "bytes"),
     # hardware

@@ -5,6 +5,7 @@ states (the memory table's dtypes)."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -73,24 +74,7 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
                 )
             )
     _rule_low_precision_loss(run, plan, capture)
-    bufs = capture.get("low_precision_buffers") if isinstance(capture, Mapping) else None
-    if bufs:
-        mods = run.sort(list(dict.fromkeys(str(b.get("module", "")) for b in bufs)))
-        names = [f"{b.get('module')}.{b.get('buffer')} ({b.get('dtype')})" for b in bufs]
-        plan.keep_fp32_ops += [m for m in mods if m not in plan.keep_fp32_ops]
-        plan.add(
-            Finding(
-                "low_precision_buffers",
-                WARNING,
-                f"{len(bufs)} normalisation buffer(s) held in 16-bit",
-                f"{_listing(names, run.cfg.max_listed_modules)}: running statistics accumulate small updates "
-                "(momentum 0.1 of a batch statistic) that a 16-bit value rounds away, and fp16's range clips a "
-                "running variance.",
-                "Keep normalisation modules and their buffers in fp32 (module.float()).",
-                modules=mods,
-                numbers={"buffers": len(bufs)},
-            )
-        )
+    _rule_low_precision_buffers(run, plan, capture)
     opt = _optimizer_state_dtypes(run)
     low = {d: b for d, b in opt.items() if d in _LOW}
     if low:
@@ -107,6 +91,109 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
                 "Keep optimizer states in fp32 (fp32 master weights with autocast do), or use an optimizer "
                 "built for 16-bit states (Kahan summation, stochastic rounding).",
                 numbers={"low_precision_bytes": sum(low.values()), "bytes": total},
+            )
+        )
+
+
+_FREQUENCIES = re.compile(r"freq|theta", re.IGNORECASE)  # inv_freq, original_inv_freq, freqs, theta
+
+
+def _rule_low_precision_buffers(run: _Run, plan: _Plan, capture: Mapping[str, Any]) -> None:
+    """Floating buffers held in 16-bit (``capture.low_precision_buffers``), by what they hold: a normalisation's
+    running statistics (small updates accumulate in them: keep the module in fp32); a rotary embedding's
+    frequencies (a cast rounded them, and the angle's error grows with the position); other constants a cast
+    rounded (information). Buffers whose values a cast cannot have changed (0/1 masks, small integers, powers of
+    two: ``exact``) are no finding."""
+    bufs = [b for b in capture.get("low_precision_buffers") or [] if isinstance(b, Mapping)]
+    if not bufs:
+        return
+    acts = run.kind(T.ACTIVATION)
+    types = dict(zip(acts[T.MODULE], acts[T.MODULE_TYPE], strict=True)) if not acts.empty else {}
+
+    def named(group: list[Mapping[str, Any]]) -> str:
+        return _listing(
+            [f"{b.get('module')}.{b.get('buffer')} ({b.get('dtype')})" for b in group],
+            run.cfg.max_listed_modules,
+        )
+
+    stats, freqs, consts = [], [], []
+    for b in bufs:
+        mtype = str(b.get("module_type") or types.get(str(b.get("module", "")), ""))
+        if taxonomy.kind_of_type(mtype) == taxonomy.NORM or str(b.get("buffer", "")).startswith("running_"):
+            stats.append(b)
+        elif b.get("exact") is True:
+            continue
+        elif _FREQUENCIES.search(str(b.get("buffer", ""))):
+            freqs.append(b)
+        else:
+            consts.append(b)
+    if stats:
+        mods = run.sort(list(dict.fromkeys(str(b.get("module", "")) for b in stats)))
+        plan.keep_fp32_ops += [m for m in mods if m not in plan.keep_fp32_ops]
+        plan.add(
+            Finding(
+                "low_precision_buffers",
+                WARNING,
+                f"{len(stats)} normalisation buffer(s) held in 16-bit",
+                f"{named(stats)}: running statistics accumulate small updates (momentum 0.1 of a batch statistic) "
+                "that a 16-bit value rounds away, and fp16's range clips a running variance.",
+                "Keep normalisation modules and their buffers in fp32 (module.float()).",
+                modules=mods,
+                numbers={"buffers": len(stats)},
+            )
+        )
+    cast = "a cast of the whole model (model.to(torch.bfloat16), model.half()) casts its buffers with its parameters"
+    if freqs:
+        rounding = [float(b["rounding"]) for b in freqs if isinstance(b.get("rounding"), (int, float))]
+        worst = max(rounding) if rounding else None
+        dtypes = sorted({str(b.get("dtype")) for b in freqs})
+        bits = min(formats.get("bf16" if d == "bfloat16" else "fp16").mantissa_bits + 1 for d in dtypes)
+        how_far = (
+            f"each may lie up to {worst:.3g} from its value before the cast (half a unit in the last place), which "
+            f"turns the angle at position 1,024 by up to {1024 * worst:.3g} rad and at position 4,096 by up to "
+            f"{4096 * worst:.3g} rad (3.14 rad is half a turn)"
+            if worst is not None
+            else "the error of each grows with the position it turns"
+        )
+        plan.add(
+            Finding(
+                "low_precision_rope",
+                WARNING,
+                f"Rotary position frequencies held in {' and '.join(dtypes)}",
+                f"{named(freqs)}: a rotary position embedding turns the vectors at position p by p times each "
+                f"frequency. Held in {bits} significant bits, {how_far}. A model pretrained with fp32 frequencies, "
+                "or evaluated or served with them, attends by other angles than these; a model trained from scratch "
+                f"in this run learns with other constants. {cast[0].upper()}{cast[1:]}.",
+                "Build or load the model in 16-bit rather than casting it (transformers' "
+                "from_pretrained(..., dtype=torch.bfloat16) keeps these buffers in fp32), or recompute them in fp32 "
+                "after the cast: .float() restores their dtype, not the bits the cast rounded away.",
+                modules=run.sort(list(dict.fromkeys(str(b.get("module", "")) for b in freqs))),
+                numbers={
+                    "buffers": len(freqs),
+                    "frequency_error": worst,
+                    "angle_error_at_4096": (4096 * worst if worst is not None else None),
+                },
+            )
+        )
+    if consts:
+        rounding = [float(b["rounding"]) for b in consts if isinstance(b.get("rounding"), (int, float))]
+        plan.add(
+            Finding(
+                "low_precision_constants",
+                INFO,
+                f"{len(consts)} constant buffer(s) rounded to 16-bit",
+                f"{named(consts)}: buffers the forward reads that are not normalisation statistics (nothing "
+                "accumulates in them), holding values 16-bit rounds"
+                + (
+                    f" (each may lie up to {max(rounding):.3g} from its value before a cast)"
+                    if rounding
+                    else ""
+                )
+                + f". Where {cast}, the model computes with other constants than it was built or pretrained with.",
+                "If a cast rounded them, build or load the model in 16-bit rather than casting it, or recompute "
+                "them in fp32 after the cast.",
+                modules=run.sort(list(dict.fromkeys(str(b.get("module", "")) for b in consts))),
+                numbers={"buffers": len(consts), "buffer_error": max(rounding) if rounding else None},
             )
         )
 
