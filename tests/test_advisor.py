@@ -1282,3 +1282,98 @@ def test_buffers_a_cast_rounded_are_told_from_those_it_cannot_have_changed() -> 
     assert f.severity == "info" and f.numbers == {"buffers": 2, "buffer_error": 1.0}
     assert f.modules == ["consts"] and "consts.positions (bfloat16)" in f.message and "mask" not in f.message
     assert rec.finding("low_precision_buffers") is None and rec.finding("low_precision_rope") is None
+
+
+class UpcastNorm(nn.Module):
+    """An RMSNorm as transformers' Gemma: statistics in fp32, the result cast back to the input's dtype."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class InputDtypeNorm(nn.Module):
+    """An RMSNorm computed in its input's dtype, its weight cast to it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight.to(x.dtype)
+
+
+class Norms(nn.Module):
+    """Each norm after a Linear, whose output autocast makes bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1, self.l2, self.l3 = (nn.Linear(16, 16) for _ in range(4))
+        self.ln, self.upcast, self.low = nn.LayerNorm(16), UpcastNorm(16), InputDtypeNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(self.low(self.l2(self.upcast(self.l1(self.ln(self.l0(x)))))))
+
+
+def test_cuda_autocast_table_is_the_dispatchers() -> None:
+    """The modules the fp32-ops rule says CUDA autocast runs in fp32 are those whose op has an AutocastCUDA
+    kernel in this torch; BatchNorm's and InstanceNorm's have none."""
+    from precprof.analysis.advisor.rules.fp32_ops import CUDA_AUTOCAST_FP32
+
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    assert all(has(op, "AutocastCUDA") for op in CUDA_AUTOCAST_FP32.values())
+    assert not has("aten::batch_norm", "AutocastCUDA") and not has("aten::instance_norm", "AutocastCUDA")
+
+
+def test_norms_under_autocast_are_told_by_what_chose_their_dtype() -> None:
+    """Three norms under CPU bf16 autocast, each after a Linear (bf16 output), each returning bf16. The rule
+    said of all "autocast on cpu ran them in bf16; CUDA autocast runs normalisation in fp32": true of
+    nn.LayerNorm (layer_norm has an AutocastCUDA kernel), false of a module's own code, which autocast does
+    not cast on any device (Gemma's norms drew it on every run). The norm that upcasts kept fp32 tensors for
+    its backward (checked with saved-tensor hooks): no finding for it. The one computing in bf16 kept none:
+    listed as its own code's choice, with how to upcast inside."""
+    torch.manual_seed(0)
+    model = Norms()
+    x = torch.randn(4, 8, 16)
+
+    def saved(module: nn.Module) -> set[torch.dtype]:
+        dtypes: set[torch.dtype] = set()
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: dtypes.add(t.dtype) or t, lambda t: t),
+        ):
+            module(x.bfloat16())
+        return dtypes
+
+    kept = {"upcast": saved(model.upcast), "low": saved(model.low)}
+    assert torch.float32 in kept["upcast"] and kept["low"] == {torch.bfloat16}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Profiler(model, optimizer=opt, sample_every=1, memory_every=1) as prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    acts = prof.tables()["layers"]
+    acts = acts[acts[T.TENSOR] == T.ACTIVATION]
+    assert set(acts[acts[T.MODULE].isin(["ln", "upcast", "low"])][T.DTYPE]) == {"bfloat16"}
+    rec = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
+    f = must(rec, "bf16_fp32_ops")
+    assert f.severity == "info" and f.modules == ["ln", "low"]
+    assert f.message.startswith(
+        "ln produced bfloat16 outputs: autocast on cpu ran them in bf16, and CUDA autocast"
+    )
+    assert (
+        "low produced bfloat16 outputs by their own code" in f.message
+        and "they computed in bf16" in f.message
+    )
+    assert "(upcast also produced bfloat16 outputs and kept fp32 tensors" in f.message
+    assert "For low: compute the statistics in fp32 inside the module" in f.remedy
+    assert not {"ln", "upcast", "low"} & set(rec.keep_fp32)

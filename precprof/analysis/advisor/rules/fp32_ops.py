@@ -9,6 +9,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import pandas as pd
+
 from precprof import formats, taxonomy
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import _dtype_has, _Plan, _Run
@@ -40,28 +42,20 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
             what = sorted({_WHY[taxonomy.kind_of_type(t)] for t in rows[T.MODULE_TYPE]})
             fmt = "fp16" if dtype == "float16" else "bf16"
             if autocast:
-                # autocast chose this (CPU autocast keeps norms and softmax in the low precision; CUDA
-                # autocast runs them in fp32): information, and nothing to add to the keep list
-                severity = INFO
-                how = (
-                    f" Autocast on {device or 'this device'} ran them in {fmt}; CUDA autocast runs normalisation, "
-                    "softmax and losses in fp32."
-                )
-                remedy = "Nothing to do on a GPU; on this device, wrap them in torch.autocast(enabled=False)."
-            else:
-                # the guide keeps these reductions in fp32 whatever the format: a hand cast (a model cast
-                # whole, or these modules cast alone inside an fp32 run) is a warning in bf16 as in fp16
-                severity = WARNING
-                how = f" Autocast runs these in fp32; a model cast with .to({dtype}) or .half(), or a module cast by hand, does not."
-                remedy = (
-                    f"Keep them in fp32: cast {_listing(mods, run.cfg.max_listed_modules)} back with .float() "
-                    "and their inputs with them (x.float()), or train under torch.autocast with fp32 weights."
-                )
-                plan.keep_fp32_ops += [m for m in mods if m not in plan.keep_fp32_ops]
+                _under_autocast(run, plan, rows, dtype, device)
+                continue
+            # the guide keeps these reductions in fp32 whatever the format: a hand cast (a model cast whole, or
+            # these modules cast alone inside an fp32 run) is a warning in bf16 as in fp16
+            how = f" Autocast runs these in fp32; a model cast with .to({dtype}) or .half(), or a module cast by hand, does not."
+            remedy = (
+                f"Keep them in fp32: cast {_listing(mods, run.cfg.max_listed_modules)} back with .float() "
+                "and their inputs with them (x.float()), or train under torch.autocast with fp32 weights."
+            )
+            plan.keep_fp32_ops += [m for m in mods if m not in plan.keep_fp32_ops]
             plan.add(
                 Finding(
                     f"{fmt}_fp32_ops",
-                    severity,
+                    WARNING,
                     f"{len(mods)} module(s) the guide keeps in fp32 ran in {fmt}",
                     f"{_listing(mods, run.cfg.max_listed_modules)} produced {dtype} outputs: "
                     f"{', '.join(what)} lose accuracy in {fmt}"
@@ -70,7 +64,7 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
                     + how,
                     remedy,
                     modules=mods,
-                    numbers={"modules": len(mods), "autocast": int(autocast)},
+                    numbers={"modules": len(mods), "autocast": 0},
                 )
             )
     _rule_low_precision_loss(run, plan, capture)
@@ -96,6 +90,112 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
 
 
 _FREQUENCIES = re.compile(r"freq|theta", re.IGNORECASE)  # inv_freq, original_inv_freq, freqs, theta
+
+
+# torch's own modules whose op CUDA autocast runs in fp32 (its AutocastCUDA kernel: tests check this table
+# against the dispatcher); BatchNorm and InstanceNorm are not among them, on any device
+CUDA_AUTOCAST_FP32 = {
+    "LayerNorm": "aten::layer_norm",
+    "GroupNorm": "aten::group_norm",
+    "RMSNorm": "aten::rms_norm",
+    "Softmax": "aten::softmax.int",
+    "Softmin": "aten::softmax.int",
+    "LogSoftmax": "aten::log_softmax.int",
+    "CrossEntropyLoss": "aten::log_softmax.int",
+    "NLLLoss": "aten::nll_loss",
+    "MSELoss": "aten::mse_loss",
+    "L1Loss": "aten::l1_loss",
+    "SmoothL1Loss": "aten::smooth_l1_loss",
+    "HuberLoss": "aten::huber_loss",
+    "KLDivLoss": "aten::kl_div",
+    "BCEWithLogitsLoss": "aten::binary_cross_entropy_with_logits",
+    "PoissonNLLLoss": "aten::poisson_nll_loss",
+    "CosineEmbeddingLoss": "aten::cosine_embedding_loss",
+    "MarginRankingLoss": "aten::margin_ranking_loss",
+    "HingeEmbeddingLoss": "aten::hinge_embedding_loss",
+    "SoftMarginLoss": "aten::soft_margin_loss",
+    "TripletMarginLoss": "aten::triplet_margin_loss",
+    "MultiLabelMarginLoss": "aten::multilabel_margin_loss",
+    "MultiMarginLoss": "aten::multi_margin_loss",
+}
+
+
+def _under_autocast(run: _Run, plan: _Plan, rows: pd.DataFrame, dtype: str, device: str) -> None:
+    """Norms, softmax and losses that produced 16-bit outputs under autocast, which casts the inputs of the ops
+    it lists, not modules. Torch's own modules whose op CUDA autocast runs in fp32 (``CUDA_AUTOCAST_FP32``): this
+    device's autocast chose 16-bit (CPU autocast lists no norm or softmax), information. Any other module (the
+    model's own code, as transformers' RMSNorm, or BatchNorm) produces what its code computes on every device:
+    one that kept fp32 tensors for its backward (the memory table) computed in fp32 and rounded only its output,
+    no finding; the others are information, with how to compute their statistics in fp32."""
+    fmt = "fp16" if dtype == "float16" else "bf16"
+    types = dict(zip(rows[T.MODULE], rows[T.MODULE_TYPE], strict=True))
+    mods = run.sort(list(types))
+    cast_there = [m for m in mods if types[m] in CUDA_AUTOCAST_FP32] if device != "cuda" else []
+    saved = _saved_activation_dtypes(run)
+    own = [m for m in mods if m not in cast_there]
+    in_fp32 = [m for m in own if "float32" in saved.get(m, ())]
+    own = [m for m in own if m not in in_fp32]
+    if not cast_there and not own:
+        return
+    listed = run.cfg.max_listed_modules
+    what = sorted({_WHY[taxonomy.kind_of_type(types[m])] for m in cast_there + own})
+    parts, remedies = [], []
+    if cast_there:
+        parts.append(
+            f"{_listing(cast_there, listed)} produced {dtype} outputs: autocast on {device or 'this device'} ran them "
+            f"in {fmt}, and CUDA autocast runs them in fp32."
+        )
+        remedies.append("Nothing to do on a GPU; on this device, wrap them in torch.autocast(enabled=False).")
+    if own:
+        measured = all(m in saved for m in own)
+        parts.append(
+            f"{_listing(own, listed)} produced {dtype} outputs by their own code: autocast casts the inputs of the "
+            "ops it lists, not modules, so on any device they compute what their code says"
+            + (
+                f", and they kept no fp32 tensor for their backward: they computed in {fmt}."
+                if measured
+                else f"; where that is {fmt}, they compute in it."
+            )
+        )
+        remedies.append(
+            f"{'For ' + _listing(own, listed) + ': c' if cast_there else 'C'}ompute the statistics in fp32 inside the "
+            "module: upcast its input (x.float()) before the reduction and cast the result back to x's dtype, as "
+            "transformers' RMSNorm does."
+        )
+    rest = (
+        f" ({_listing(in_fp32, listed)} also produced {dtype} outputs and kept fp32 tensors for their backward: they "
+        "computed in fp32 and rounded only their outputs.)"
+        if in_fp32
+        else ""
+    )
+    plan.add(
+        Finding(
+            f"{fmt}_fp32_ops",
+            INFO,
+            f"{len(cast_there) + len(own)} module(s) the guide keeps in fp32 ran in {fmt}",
+            " ".join(parts)
+            + f" {', '.join(what)[0].upper()}{', '.join(what)[1:]} lose accuracy in {fmt}"
+            + (", and fp16's range overflows or underflows there" if fmt == "fp16" else "")
+            + "."
+            + rest,
+            " ".join(remedies),
+            modules=cast_there + own,
+            numbers={"modules": len(cast_there) + len(own), "autocast": 1},
+        )
+    )
+
+
+def _saved_activation_dtypes(run: _Run) -> dict[str, set[str]]:
+    """Per module, the dtypes of the activations it kept for its backward on the steps that measured memory
+    (the memory table; empty without one)."""
+    mem = run.memory
+    if mem.empty or T.COMPONENT not in mem:
+        return {}
+    acts = mem[(mem[T.COMPONENT] == T.ACTIVATIONS) & (mem[T.BYTES] > 0)]
+    out: dict[str, set[str]] = {}
+    for module, dtype in zip(acts[T.MODULE], acts[T.DTYPE], strict=True):
+        out.setdefault(str(module), set()).add(str(dtype))
+    return out
 
 
 def _rule_low_precision_buffers(run: _Run, plan: _Plan, capture: Mapping[str, Any]) -> None:
