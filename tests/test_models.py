@@ -4,6 +4,7 @@ model arguments, hf: models and user factories."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -185,6 +186,24 @@ def test_hf_model_from_config() -> None:
         build_model("hf:gpt2", args, vocab_size=256, seq_len=64)
     with pytest.raises(UserError, match="vocabulary"):
         build_model("hf:gpt2", {**args, "vocab_size": "100"}, vocab_size=256, seq_len=16)
+
+
+@needs_hf
+def test_a_hf_model_too_big_is_told_sizes_that_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hf:llama's default config is 7B parameters: the refusal gives --model-arg settings, and the model they
+    name builds, with the parameter count the message gives."""
+    monkeypatch.setattr(base, "_available_ram", lambda: 2**31)
+    with pytest.raises(UserError) as e:
+        build_model("hf:llama", vocab_size=256, seq_len=16)
+    message = str(e.value)
+    assert (
+        "\n" not in message and "pass smaller sizes with --model-arg, e.g. -a num_hidden_layers=2" in message
+    )
+    args = dict(a.split("=") for a in re.findall(r"-a (\S+=\S+)", message))
+    assert set(args) >= {"num_hidden_layers", "hidden_size", "num_attention_heads"}
+    built = build_model("hf:llama", args, vocab_size=256, seq_len=16)
+    n = sum(p.numel() for p in built.module.parameters())
+    assert f"({n / 1e6:,.1f}M parameters)" in message
 
 
 def test_hf_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,16 +97,19 @@ def _coerce_to(name: str, value: Any, like: Any, where: str) -> Any:
 _MIN_BYTES_PER_PARAM_TRAINING = 8
 
 
-def _check_size(name: str, n_params: int) -> None:
+def _check_size(name: str, n_params: int, example: Callable[[], str | None] | None = None) -> None:
     """UserError when training ``n_params`` parameters cannot fit in this machine's RAM in any precision mode
-    (``_MIN_BYTES_PER_PARAM_TRAINING`` bytes each against the memory available, cgroup limit included)."""
+    (``_MIN_BYTES_PER_PARAM_TRAINING`` bytes each against the memory available, cgroup limit included).
+    ``example``, asked only then: --model-arg settings that make the model small, or None."""
     avail = _available_ram()
     need = n_params * _MIN_BYTES_PER_PARAM_TRAINING
     if avail is not None and need > avail:
+        e = example() if example is not None else None
         raise UserError(
             f"{name} has {n_params / 1e6:,.0f}M parameters: even the leanest precision mode needs at least "
             f"{size_text(need)} to train them (16-bit weights and gradients, one fp32 optimizer state), more "
             f"than the {size_text(avail)} of memory available; pass smaller sizes with --model-arg"
+            + (f", e.g. {e}" if e else "")
         )
 
 

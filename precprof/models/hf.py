@@ -42,7 +42,7 @@ def _build_hf(model_type: str, args: Mapping[str, Any], seq_len: int) -> BuiltMo
             meta = AutoModelForCausalLM.from_config(config)
         n_params = count_params(meta)
         del meta
-        _check_size(f"hf:{model_type}", n_params)
+        _check_size(f"hf:{model_type}", n_params, lambda: _small_example(model_type, config))
         module = AutoModelForCausalLM.from_config(config)
     except UserError:
         raise
@@ -74,3 +74,34 @@ def _build_hf(model_type: str, args: Mapping[str, Any], seq_len: int) -> BuiltMo
         max_seq_len=max_len,
         dims=dims,
     )
+
+
+# a small model's sizes, under the first name a config has for each (GPT-2's n_layer is num_hidden_layers too)
+_SMALL = (
+    (("num_hidden_layers", "n_layer", "num_layers"), 2),
+    (("hidden_size", "n_embd", "d_model"), 256),
+    (("intermediate_size", "n_inner", "ffn_dim"), 1024),
+    (("num_attention_heads", "n_head"), 4),
+    (("num_key_value_heads",), 4),
+)
+
+
+def _small_example(model_type: str, config: Any) -> str | None:
+    """--model-arg settings that make ``model_type`` small (2 layers of width 256 where its config has those
+    fields), as typed on the command line with the parameter count; checked by building it on the meta device;
+    None when that fails."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes: dict[str, int] = {}
+    for names, value in _SMALL:
+        name = next((n for n in names if isinstance(getattr(config, n, None), int)), None)
+        if name is not None:
+            sizes[name] = value
+    if not sizes:
+        return None
+    try:
+        with torch.device("meta"):
+            n = count_params(AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes)))
+    except Exception:  # only a suggestion: the error stands without it
+        return None
+    return " ".join(f"-a {k}={v}" for k, v in sizes.items()) + f" ({n / 1e6:,.1f}M parameters)"
