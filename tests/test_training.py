@@ -94,6 +94,32 @@ def test_three_steps_in_every_cpu_mode(
         assert not acts.empty and set(acts[T.DTYPE]) == {str(LOW[precision]).removeprefix("torch.")}
 
 
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_a_pure_hf_llama_keeps_its_rotary_frequencies_in_fp32(tmp_path: Path) -> None:
+    """bf16-pure on hf:llama casts the model as transformers' from_pretrained(..., dtype=torch.bfloat16) loads it:
+    parameters bf16 (the fp32 initialisation rounded, as every mode starts from), the rotary frequencies fp32
+    and exact. The loop's .to(torch.bfloat16) rounded them, and its own report then warned of it
+    (low_precision_rope) with a remedy the user of precprof train cannot apply."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from precprof.models.hf import cast_as_loaded
+
+    sizes = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+    torch.manual_seed(0)
+    built = LlamaForCausalLM(AutoConfig.for_model("llama", vocab_size=256, **sizes))
+    exact = {n: b.clone() for n, b in built.named_buffers()}
+    weights = {n: p.detach().clone() for n, p in built.named_parameters()}
+    cast = cast_as_loaded(built, torch.bfloat16)
+    assert exact.keys() == {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
+    assert all(torch.equal(b, exact[n]) and b.dtype == torch.float32 for n, b in cast.named_buffers())
+    assert all(torch.equal(p, weights[n].bfloat16()) for n, p in cast.named_parameters())
+    args = {"vocab_size": "256", **{k: str(v) for k, v in sizes.items()}}
+    result = train(tiny(tmp_path, model="hf:llama", model_args=args, precision="bf16-pure", steps=2))
+    summary = T.read_summary(result.run_dir)
+    assert summary[T.SUMMARY_CAPTURE]["low_precision_buffers"] == []
+    assert "low_precision_rope" not in {f["code"] for f in summary[T.SUMMARY_RECOMMENDATION]["findings"]}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_loss_falls_over_200_steps(tmp_path: Path, precision: str) -> None:

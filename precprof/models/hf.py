@@ -105,3 +105,25 @@ def _small_example(model_type: str, config: Any) -> str | None:
     except Exception:  # only a suggestion: the error stands without it
         return None
     return " ".join(f"-a {k}={v}" for k, v in sizes.items()) + f" ({n / 1e6:,.1f}M parameters)"
+
+
+def cast_as_loaded(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast a transformers model built in fp32 to ``dtype`` (the pure modes), leaving it as
+    ``from_pretrained(..., dtype=dtype)`` would have built it: parameters and buffers in ``dtype``, except the
+    floating buffers transformers creates in a dtype of their own (a rotary embedding's ``inv_freq`` is fp32),
+    found by building the model in ``dtype`` on the meta device. ``module.to(dtype)`` alone rounds those too (the
+    advisor's ``low_precision_rope``). Weights are the fp32 initialisation rounded, as every mode starts from."""
+    import copy
+
+    try:
+        with torch.device("meta"):
+            ref = type(module)._from_config(copy.deepcopy(module.config), dtype=dtype)  # type: ignore[attr-defined]
+        keep = {n for n, b in ref.named_buffers() if b.is_floating_point() and b.dtype != dtype}
+    except Exception:  # a model transformers cannot build that way again: cast as .to() does
+        keep = set()
+    kept = {n: b for n, b in module.named_buffers() if n in keep}
+    module.to(dtype)
+    for name, buf in kept.items():
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner)._buffers[leaf] = buf
+    return module

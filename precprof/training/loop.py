@@ -27,6 +27,7 @@ from precprof.capture.reducer import RankReducer
 from precprof.data import TokenSource, load_data
 from precprof.errors import UserError
 from precprof.models import BUILTIN_MODELS, BuiltModel, build_model
+from precprof.models.hf import cast_as_loaded
 from precprof.modes import FP16_MODES, resolve_loss_scale
 from precprof.training import compiling
 from precprof.training import distributed as launch
@@ -301,7 +302,10 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     )
     model = built.module.to(device)
     if plan.param_dtype != torch.float32:
-        model.to(plan.param_dtype)
+        if built.kind == "hf":  # as from_pretrained(..., dtype=) loads it: its rotary frequencies stay fp32
+            cast_as_loaded(model, plan.param_dtype)
+        else:
+            model.to(plan.param_dtype)
     n_fp8 = (
         convert_fp8(model, plan.fp8_library, tokens=config.batch_size * config.seq_len)
         if plan.fp8_library
