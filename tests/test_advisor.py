@@ -1377,3 +1377,7 @@ def test_norms_under_autocast_are_told_by_what_chose_their_dtype() -> None:
     assert "(upcast also produced bfloat16 outputs and kept fp32 tensors" in f.message
     assert "For low: compute the statistics in fp32 inside the module" in f.remedy
     assert not {"ln", "upcast", "low"} & set(rec.keep_fp32)
+    # without the memory table (memory=False) what the norms computed in is not known, and said so
+    tables = {**prof.tables(), "memory": prof.tables()["memory"].iloc[0:0]}
+    f = must(recommend(tables, summary={T.SUMMARY_CAPTURE: prof.summary()}), "bf16_fp32_ops")
+    assert f.modules == ["ln", "upcast", "low"] and "whether that is bf16 inside is not known" in f.message

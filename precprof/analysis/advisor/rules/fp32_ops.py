@@ -154,7 +154,8 @@ def _under_autocast(run: _Run, plan: _Plan, rows: pd.DataFrame, dtype: str, devi
             + (
                 f", and they kept no fp32 tensor for their backward: they computed in {fmt}."
                 if measured
-                else f"; where that is {fmt}, they compute in it."
+                else f" (whether that is {fmt} inside is not known: no sampled step measured what they kept for "
+                "their backward)."
             )
         )
         remedies.append(
