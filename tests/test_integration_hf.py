@@ -127,6 +127,34 @@ def test_fp16_on_cpu_is_reported_as_not_active(tmp_path: Path) -> None:
     assert "mixed_precision_inactive" in codes
 
 
+def test_weights_loaded_in_bf16_under_autocast_lose_updates_and_are_told_how_to_keep_them(
+    tmp_path: Path,
+) -> None:
+    """A model loaded in bf16 (from_pretrained(..., dtype=torch.bfloat16)) trained with the Trainer's bf16=True:
+    autocast casts ops' inputs and keeps no fp32 copy, so AdamW's small updates round away in the bf16 weights.
+    The final norm's weight (all ones, updates near the learning rate, 5e-5, against half a bf16 ulp of 1,
+    2^-8) has not moved at all, its bias (from 0, where bf16 is fine) has: half the module's updates lost, as
+    the finding says. The finding called this "a bf16-pure run" and said "bf16 autocast does" keep fp32
+    master weights: this run had autocast on."""
+    model = tiny_gpt2().to(torch.bfloat16)
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, memory=False, report=False)
+    trainer = Trainer(
+        model=model,
+        args=training_args(tmp_path, max_steps=STEPS, bf16=True),
+        train_dataset=TokenData(),
+        callbacks=[cb],
+    )
+    trainer.train()
+    ln_f = model.transformer.ln_f
+    assert torch.equal(ln_f.weight, torch.ones_like(ln_f.weight)) and bool((ln_f.bias != 0).all())
+    summary = T.read_summary(cb.run_dir)
+    assert summary[T.SUMMARY_CAPTURE]["autocast"]["enabled"] is True
+    f = next(f for f in summary[T.SUMMARY_RECOMMENDATION]["findings"] if f["code"] == "bf16_lost_updates")
+    assert f["severity"] == "critical" and "transformer.ln_f 50%" in f["message"]
+    assert "holds its weights in bf16 under bf16 autocast" in f["message"] and "bf16-pure" not in f["message"]
+    assert f["remedy"].startswith("Hold the weights in fp32 and let bf16 autocast cast the matmuls")
+
+
 class _Boom(TrainerCallback):  # type: ignore[misc]
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step == 2:

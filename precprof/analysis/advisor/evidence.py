@@ -155,6 +155,14 @@ class _Run:
         seen = capture.get("precision_seen") if isinstance(capture, Mapping) else None
         return self.precision or str(seen or "").lower()
 
+    @property
+    def autocast(self) -> Mapping[str, Any]:
+        """What the hooks saw of autocast on the first recorded forward (``capture.autocast``: ``enabled``,
+        ``dtype``, ``device_type``); {} when the summary has none."""
+        capture = self.summary.get(T.SUMMARY_CAPTURE) or {}
+        seen = capture.get("autocast") if isinstance(capture, Mapping) else None
+        return seen if isinstance(seen, Mapping) else {}
+
 
 _NUMERIC_LAYER_COLS = (
     T.STEP,

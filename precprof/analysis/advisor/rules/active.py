@@ -40,8 +40,7 @@ def _rule_mixed_precision_active(run: _Run, plan: _Plan) -> None:
         "share": share,
     }
     listing = _listing(fp32, run.cfg.max_listed_modules)
-    seen = capture.get("autocast") if isinstance(capture, Mapping) else None
-    autocast_off = isinstance(seen, Mapping) and seen.get("enabled") is False
+    autocast_off = run.autocast.get("enabled") is False
     if autocast_off:
         nums["autocast_enabled"] = 0
     if share >= run.cfg.mp_inactive_share:
@@ -82,10 +81,9 @@ def _rule_experts_fp32(run: _Run, plan: _Plan) -> None:
     output says nothing (transformers adds the experts' outputs into a copy of its float32 input)."""
     requested = taxonomy.summary_requested(run.summary, default=run.precision)
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
-    seen = capture.get("autocast") if isinstance(capture, Mapping) else None
-    if not requested and isinstance(seen, Mapping) and seen.get("enabled"):
+    if not requested and run.autocast.get("enabled"):
         # the user's own loop asks for nothing but turned autocast on: that is the request
-        requested = {"bfloat16": "bf16", "float16": "fp16"}.get(str(seen.get("dtype")), "")
+        requested = {"bfloat16": "bf16", "float16": "fp16"}.get(str(run.autocast.get("dtype")), "")
         asked = f"{requested} autocast on"
     else:
         asked = f"{requested} requested"

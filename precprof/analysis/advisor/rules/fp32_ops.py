@@ -27,9 +27,8 @@ _WHY = {
 
 def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
-    seen = capture.get("autocast") if isinstance(capture, Mapping) else None
-    autocast = isinstance(seen, Mapping) and bool(seen.get("enabled"))
-    device = str(seen.get("device_type") or "") if isinstance(seen, Mapping) else ""
+    autocast = bool(run.autocast.get("enabled"))
+    device = str(run.autocast.get("device_type") or "")
     acts = run.kind(T.ACTIVATION)
     if not acts.empty:
         kinds = acts[T.MODULE_TYPE].map(taxonomy.kind_of_type)

@@ -46,6 +46,9 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         # a pure run: asked for by name, or (the user's own loop) its weights are held in the format
         held = formats.get(fmt).dtype_name
         is_pure = run.precision == pure or bool((rows[T.DTYPE] == held).mean() > 0.5)
+        # weights held in the format in a loop that is not the pure mode by name: a model loaded in bf16 and
+        # trained under bf16 autocast (the HF Trainer's bf16=True on from_pretrained(..., dtype=torch.bfloat16))
+        held_under_autocast = is_pure and run.precision != pure and bool(run.autocast.get("enabled"))
         # With fp32 master weights (autocast, fp32) this is a what-if: it only hurts a run that holds its
         # weights in the format, and it is the reason to keep fp32 master weights.
         if share > cfg.lost_update_warn and is_pure:
@@ -63,7 +66,12 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements ({_pct(share)}; "
                     f"a nonzero gradient or a moved weight) left their {fmt} weight unchanged: the update is "
                     f"smaller than half a {fmt} ulp of the weight (relative resolution {resolution}) and this "
-                    f"{pure} run holds its weights in {fmt}"
+                    + (
+                        f"run holds its weights in {fmt} under {fmt} autocast, which casts the inputs of ops and keeps no "
+                        f"fp32 copy of a {fmt} weight"
+                        if held_under_autocast
+                        else f"{pure} run holds its weights in {fmt}"
+                    )
                     if is_pure
                     else f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements "
                     f"({_pct(share)}) are smaller than half a {fmt} ulp of their weight (relative resolution "
@@ -78,7 +86,13 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     else ""
                 )
                 + ". Mixed Precision Training (2018) keeps an fp32 master copy for this reason.",
-                f"Keep fp32 master weights ({fmt} autocast does); do not train {pure}.",
+                (
+                    f"Hold the weights in fp32 and let {fmt} autocast cast the matmuls: a model built or loaded in "
+                    f"{fmt} (from_pretrained(..., dtype=torch.{held})) has no fp32 copy of its weights, under "
+                    "autocast too."
+                    if held_under_autocast
+                    else f"Keep fp32 master weights ({fmt} autocast does); do not train {pure}."
+                ),
                 modules=worst,
                 numbers={"lost": int(lost), "nonzero_updates": int(nz), "share": share},
             )
