@@ -403,15 +403,18 @@ def _mixtral(experts_implementation: str) -> Any:
     return model
 
 
-def _bf16_steps(model: torch.nn.Module) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
-    """Two AdamW steps of a causal LM under bf16 autocast, every step sampled: its tables and summary."""
+def _bf16_steps(
+    model: torch.nn.Module, autocast: bool = True
+) -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
+    """Two AdamW steps of a causal LM, under bf16 autocast or (``autocast=False``) as the model's dtype has it,
+    every step sampled: its tables and summary."""
     from precprof.capture import Profiler
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
         for i in range(2):
             ids = TokenData()[i]["input_ids"].repeat(BATCH, 1)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
@@ -482,23 +485,6 @@ def test_fp8_counts_the_experts_it_would_not_convert(tmp_path: Path) -> None:
     assert "of the matmul FLOPs (the experts' 70.6% included, which stay in bf16)" in " ".join(rec.reasons)
 
 
-def _llama_steps(model: torch.nn.Module) -> Any:
-    """Two sampled AdamW steps of a Llama without autocast (as cast, or as built): its recommendation."""
-    from precprof.analysis.advisor import recommend
-    from precprof.capture import Profiler
-
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with Profiler(model, optimizer=opt, sample_every=1, memory=False, weight_updates=False) as prof:
-        for i in range(2):
-            ids = TokenData()[i]["input_ids"].repeat(BATCH, 1)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            prof.step(loss=loss)
-    return recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
-
-
 def test_rotary_frequencies_a_cast_rounded_are_found_and_bounded() -> None:
     """A Llama cast with .to(torch.bfloat16), as a user's loop or Lightning's "bf16-true" does: the cast rounds
     the rotary embedding's inverse frequencies (buffers) to 8 significant bits, and the angle at position p
@@ -508,6 +494,8 @@ def test_rotary_frequencies_a_cast_rounded_are_found_and_bounded() -> None:
     error (the frequencies recomputed in fp32 as built) and, with a head of 128 as Llama's, within 2x of it.
     Built in bf16 (transformers keeps these buffers in fp32), there is no finding."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from precprof.analysis.advisor import recommend
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -524,7 +512,8 @@ def test_rotary_frequencies_a_cast_rounded_are_found_and_bounded() -> None:
     exact = LlamaForCausalLM(cfg).model.rotary_emb.inv_freq  # fp32, as built
     assert cast.model.rotary_emb.inv_freq.dtype == torch.bfloat16 and exact.dtype == torch.float32
     error = float((cast.model.rotary_emb.inv_freq.float() - exact).abs().max())
-    rec = _llama_steps(cast)
+    tables, summary = _bf16_steps(cast, autocast=False)
+    rec = recommend(tables, summary=summary)
     f = rec.finding("low_precision_rope")
     assert f is not None and f.severity == "warning"
     assert f.modules == ["model.rotary_emb"] and f.numbers["buffers"] == 2  # inv_freq, original_inv_freq
@@ -535,5 +524,6 @@ def test_rotary_frequencies_a_cast_rounded_are_found_and_bounded() -> None:
     assert rec.finding("low_precision_buffers") is None and "model.rotary_emb" not in rec.keep_fp32
     built = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
     assert built.model.rotary_emb.inv_freq.dtype == torch.float32
-    rec = _llama_steps(built)
+    tables, summary = _bf16_steps(built, autocast=False)
+    rec = recommend(tables, summary=summary)
     assert rec.finding("low_precision_rope") is None and rec.finding("low_precision_constants") is None
