@@ -527,3 +527,33 @@ def test_rotary_frequencies_a_cast_rounded_are_found_and_bounded() -> None:
     tables, summary = _bf16_steps(built, autocast=False)
     rec = recommend(tables, summary=summary)
     assert rec.finding("low_precision_rope") is None and rec.finding("low_precision_constants") is None
+
+
+def test_the_remedy_for_norms_of_a_cast_llama_runs_as_written() -> None:
+    """A Llama cast to bf16: its RMSNorms are "kept in fp32" by the remedy. Done as it was written (the modules
+    and their inputs in fp32), the next bf16 Linear refuses the fp32 output; done as it now reads (the outputs
+    cast back to bf16), a training step runs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from precprof.analysis.advisor import recommend
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=N_EMBD, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    tables, summary = _bf16_steps(model, autocast=False)
+    f = recommend(tables, summary=summary).finding("bf16_fp32_ops")
+    assert f is not None and f.severity == "warning"
+    assert "their outputs back to bfloat16 for the layers that read them" in f.remedy
+    norms = [model.get_submodule(m) for m in f.modules]
+    assert {type(m).__name__ for m in norms} == {"LlamaRMSNorm"}
+    ids = TokenData()[0]["input_ids"].repeat(BATCH, 1)
+    for m in norms:
+        m.float().register_forward_pre_hook(lambda mod, args: (args[0].float(),))
+    with pytest.raises(RuntimeError, match="same dtype"):
+        model(input_ids=ids, labels=ids)
+    for m in norms:
+        m.register_forward_hook(lambda mod, args, out: out.to(torch.bfloat16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(m.weight.grad is not None and m.weight.grad.dtype == torch.float32 for m in norms)

@@ -47,8 +47,10 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
             # these modules cast alone inside an fp32 run) is a warning in bf16 as in fp16
             how = f" Autocast runs these in fp32; a model cast with .to({dtype}) or .half(), or a module cast by hand, does not."
             remedy = (
-                f"Keep them in fp32: cast {_listing(mods, run.cfg.max_listed_modules)} back with .float() "
-                "and their inputs with them (x.float()), or train under torch.autocast with fp32 weights."
+                f"Keep them in fp32: cast {_listing(mods, run.cfg.max_listed_modules)} back with .float(), "
+                f"their inputs with them (x.float()) and their outputs back to {dtype} for the layers that read them "
+                f"(a {dtype} Linear refuses an fp32 input), or train under torch.autocast with fp32 weights, which "
+                "casts op by op."
             )
             plan.keep_fp32_ops += [m for m in mods if m not in plan.keep_fp32_ops]
             plan.add(
