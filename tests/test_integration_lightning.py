@@ -244,3 +244,59 @@ def test_a_module_the_user_compiled_is_recorded_and_trains_the_same(tmp_path: Pa
         rows = lin[lin[T.TENSOR] == kind]
         assert set(rows[T.STEP]) == {0, 2}, kind
         assert set(rows[T.MODULE]) == {"net.1", "net.3"}, kind
+
+
+class LlamaLM(L.LightningModule):
+    """A transformers Llama; ``rebuild_rope``: its rotary embedding built again in on_fit_start, as the advisor's
+    remedy for Lightning's "bf16-true" says."""
+
+    def __init__(self, rebuild_rope: bool) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HID,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+        )
+        self.model = LlamaForCausalLM(cfg)
+        self.rebuild_rope = rebuild_rope
+
+    def on_fit_start(self) -> None:
+        rope = self.model.model.rotary_emb
+        assert rope.inv_freq.dtype == torch.bfloat16  # Lightning cast the whole module before this hook
+        if self.rebuild_rope:
+            self.model.model.rotary_emb = type(rope)(rope.config).to(rope.inv_freq.device)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, _ = batch
+        return self.model(input_ids=x, labels=x).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("rebuild_rope", [False, True])
+def test_bf16_true_rounds_rotary_frequencies_and_the_remedy_keeps_them(
+    tmp_path: Path, rebuild_rope: bool
+) -> None:
+    """precision="bf16-true" casts a Llama with .to(), its rotary frequencies included, whatever loaded it: the
+    finding's remedy says where to rebuild them (on_fit_start, after Lightning's cast), and done so, the next run
+    has no 16-bit buffer and no finding."""
+    pytest.importorskip("transformers")
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, memory=False, report=False)
+    module = LlamaLM(rebuild_rope)
+    fit(tmp_path, "bf16-true", cb, module)
+    summary = T.read_summary(cb.run_dir)
+    found = {f["code"]: f for f in summary[T.SUMMARY_RECOMMENDATION]["findings"]}
+    if rebuild_rope:
+        assert module.model.model.rotary_emb.inv_freq.dtype == torch.float32
+        assert summary[T.SUMMARY_CAPTURE]["low_precision_buffers"] == [] and "low_precision_rope" not in found
+        return
+    f = found["low_precision_rope"]
+    assert f["modules"] == ["model.model.rotary_emb"]
+    assert 'Lightning\'s precision="bf16-true" casts the whole module' in f["remedy"]
+    assert "on_fit_start" in f["remedy"] and "type(m)(m.config)" in f["remedy"]

@@ -266,9 +266,7 @@ def _rule_low_precision_buffers(run: _Run, plan: _Plan, capture: Mapping[str, An
                 f"frequency. Held in {bits} significant bits, {how_far}. A model pretrained with fp32 frequencies, "
                 "or evaluated or served with them, attends by other angles than these; a model trained from scratch "
                 f"in this run learns with other constants. {cast[0].upper()}{cast[1:]}.",
-                "Build or load the model in 16-bit rather than casting it (transformers' "
-                "from_pretrained(..., dtype=torch.bfloat16) keeps these buffers in fp32), or recompute them in fp32 "
-                "after the cast: .float() restores their dtype, not the bits the cast rounded away.",
+                _rope_remedy(run),
                 modules=run.sort(list(dict.fromkeys(str(b.get("module", "")) for b in freqs))),
                 numbers={
                     "buffers": len(freqs),
@@ -298,6 +296,27 @@ def _rule_low_precision_buffers(run: _Run, plan: _Plan, capture: Mapping[str, An
                 numbers={"buffers": len(consts), "buffer_error": max(rounding) if rounding else None},
             )
         )
+
+
+def _rope_remedy(run: _Run) -> str:
+    """How to keep rotary frequencies in fp32: load the model in 16-bit rather than cast it, or recompute them
+    after the cast; under Lightning's "-true" precisions the cast is Lightning's (``HalfPrecision.convert_module``
+    casts the whole module with .to() before ``on_fit_start``, however the model was loaded)."""
+    config = run.run_config
+    after = ".float() restores their dtype, not the bits the cast rounded away."
+    if config.get("source") == "lightning.Trainer" and str(config.get("lightning_precision", "")).endswith(
+        "-true"
+    ):
+        return (
+            f'Lightning\'s precision="{config["lightning_precision"]}" casts the whole module with .to() before '
+            "on_fit_start, buffers included, however the model was loaded: recompute them in fp32 in the "
+            "LightningModule's on_fit_start (a transformers rotary embedding m: replace it with type(m)(m.config), "
+            f"built again, on m's device). {after}"
+        )
+    return (
+        "Build or load the model in 16-bit rather than casting it (transformers' from_pretrained(..., "
+        f"dtype=torch.bfloat16) keeps these buffers in fp32), or recompute them in fp32 after the cast: {after}"
+    )
 
 
 def _rule_low_precision_loss(run: _Run, plan: _Plan, capture: Mapping[str, Any]) -> None:
