@@ -1381,3 +1381,77 @@ def test_norms_under_autocast_are_told_by_what_chose_their_dtype() -> None:
     tables = {**prof.tables(), "memory": prof.tables()["memory"].iloc[0:0]}
     f = must(recommend(tables, summary={T.SUMMARY_CAPTURE: prof.summary()}), "bf16_fp32_ops")
     assert f.modules == ["ln", "upcast", "low"] and "whether that is bf16 inside is not known" in f.message
+
+
+class RoutedExperts(nn.Module):
+    """Four experts as 3-D weights with their router inside, each token sent to one: 2 x (64 x 32) x 2 FLOPs per
+    token, most of the model's. ``act_module``: SiLU as a module of the bank (transformers' experts); else
+    applied inline (much hand-written MoE code)."""
+
+    def __init__(self, act_module: bool) -> None:
+        super().__init__()
+        self.gate = nn.Linear(32, 4)  # the router; its name sorts before silu's
+        self.w_in = nn.Parameter(torch.randn(4, 64, 32) / 8)
+        self.w_out = nn.Parameter(torch.randn(4, 32, 64) / 8)
+        self.silu = nn.SiLU() if act_module else nn.functional.silu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, 32)
+        choice = self.gate(flat).argmax(-1)
+        hidden, order = [], []
+        for e in range(4):
+            rows = (choice == e).nonzero()[:, 0]
+            hidden.append(flat[rows] @ self.w_in[e].T)
+            order.append(rows)
+        h = self.silu(torch.cat(hidden))  # one call over every routed row, as transformers' experts
+        out = torch.zeros_like(flat)
+        start = 0
+        for e, rows in enumerate(order):
+            part = h[start : start + len(rows)] @ self.w_out[e].T
+            out = out.index_put((rows,), part.to(out.dtype))
+            start += len(rows)
+        return out.reshape(x.shape)
+
+
+class MoELM(nn.Module):
+    def __init__(self, act_module: bool) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(64, 32)
+        self.moe = RoutedExperts(act_module)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        return self.head(x + self.moe(x))
+
+
+@pytest.mark.parametrize("act_module", [True, False])
+def test_experts_flops_are_read_from_their_activation_not_their_router(act_module: bool) -> None:
+    """A mixture of experts with its router inside the bank: the rows routed to the experts were read from the
+    first module inside, by name, whose output divided by the intermediate size: the router "gate" before
+    "silu" (a row per token of 4 values: 4 routed rows of 64), counting a sixteenth of the experts' FLOPs. Read from the activation module,
+    the share is the model's own: 2 x 64 x 32 x 2 per token for the experts, 2 x 32 x 4 and 2 x 32 x 64 for
+    the router and the head. A bank applying its activation inline has no rows to read: the finding said
+    "carrying X% of the linear layers' matmul FLOPs" as if there were no experts, and now names it as not
+    counted."""
+    torch.manual_seed(0)
+    model = MoELM(act_module)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(2):
+            idx = torch.randint(0, 64, (4, 16))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(model(idx).flatten(0, 1).float(), idx.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    rec = recommend(prof.tables(), hardware="h100", summary={T.SUMMARY_CAPTURE: prof.summary()})
+    f = must(rec, "fp8_eligibility")
+    if act_module:
+        experts, linear = 2 * 64 * 32 * 2, 2 * 32 * 4 + 2 * 32 * 64
+        assert f.numbers["experts_uncounted"] == 0
+        assert f.numbers["experts_flops_share"] == pytest.approx(experts / (experts + linear))
+        return
+    assert f.numbers["experts_uncounted"] == 1 and f.numbers["experts_flops_share"] is None
+    assert "the experts of moe (3-D expert weights) are not counted" in f.message

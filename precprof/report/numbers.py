@@ -129,6 +129,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "autocast_enabled": ("autocast on during the forward pass", "yes_no"),
     # expert weights multiplied in float32 (rules/active.py)
     "banks": ("mixture-of-experts modules in FP32", "count"),
+    "experts_uncounted": ("mixture-of-experts modules whose FLOPs are not counted", "count"),
     "expert_params": ("their expert parameters", "count"),
     "share_of_params": ("share of the model's parameters", "share"),
     # keep-in-fp32 modules, buffers, optimizer states

@@ -59,9 +59,14 @@ def _fp8_speed_text(plan: _Plan) -> str:
 def _flops_whose(plan: _Plan) -> str:
     """Whose matmul FLOPs the eligible layers' share is of: the linear layers', or the step's with a mixture of
     experts' expert GEMMs counted (which float8 conversion leaves in bf16)."""
+    missing = (
+        f" (the experts of {_listing(plan.fp8_experts_uncounted, 4)} not counted: they stay in bf16)"
+        if plan.fp8_experts_uncounted
+        else ""
+    )
     if plan.fp8_experts_share is None:
-        return "their matmul FLOPs"
-    return f"the matmul FLOPs (the experts' {_pct(plan.fp8_experts_share)} included, which stay in bf16)"
+        return f"their matmul FLOPs{missing}"
+    return f"the matmul FLOPs (the experts' {_pct(plan.fp8_experts_share)} included, which stay in bf16){missing}"
 
 
 def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:

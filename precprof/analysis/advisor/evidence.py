@@ -361,6 +361,7 @@ class _Plan:
     fp8_why_not: dict[str, str] = field(default_factory=dict)
     fp8_flops_share: float | None = None
     fp8_experts_share: float | None = None  # a mixture of experts' expert GEMMs: counted, left in bf16
+    fp8_experts_uncounted: list[str] = field(default_factory=list)  # banks whose routed rows are unknown
     # FP8's estimated speed on the eligible layers' GEMM shapes (analysis.fp8_speed.Estimate; None without
     # eligible layers of known shape and tokens)
     fp8_speed: Estimate | None = None
@@ -476,6 +477,22 @@ def _expert_banks(run: _Run) -> dict[str, list[list[int]]]:
     return banks
 
 
+def _bank_activations(run: _Run, bank: str) -> list[str]:
+    """The modules inside ``bank`` of elementwise kind (its activation function, a dropout after it), in the
+    order recorded: what the expert matmuls hand on, one row per token routed to an expert. A router or any other
+    layer inside the bank is not one (its output has a row per token, not per routed token, and its own dtype)."""
+    acts = run.kind(T.ACTIVATION)
+    if acts.empty:
+        return []
+    types = dict(zip(T.texts(acts[T.MODULE]), T.texts(acts[T.MODULE_TYPE]), strict=True))
+    prefix = f"{bank}." if bank else ""
+    return [
+        m
+        for m, t in types.items()
+        if m.startswith(prefix) and m != bank and taxonomy.kind_of_type(t) == taxonomy.ELEMENTWISE
+    ]
+
+
 def _expert_gemms(run: _Run) -> dict[str, list[tuple[int, int, int]]]:
     """Per bank of experts (``_expert_banks``), its forward GEMMs of the first sampled step as (rows, in, out)
     each, rows being the tokens routed to the experts (each token once per expert it went to). Read from the
@@ -500,7 +517,9 @@ def _expert_gemms(run: _Run) -> dict[str, list[tuple[int, int, int]]]:
             continue
         inter = min(others)
         inner = [
-            m for m in acts.index if str(m).startswith(bank + ".") and int(acts.loc[m, T.NUMEL]) % inter == 0
+            m
+            for m in _bank_activations(run, bank)
+            if m in acts.index and int(acts.loc[m, T.NUMEL]) % inter == 0
         ]
         if not inner:
             continue

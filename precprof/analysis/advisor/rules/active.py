@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from precprof import tables as T
 from precprof import taxonomy
-from precprof.analysis.advisor.evidence import _expert_banks, _Plan, _Run
+from precprof.analysis.advisor.evidence import _bank_activations, _expert_banks, _Plan, _Run
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding, Number
 from precprof.analysis.advisor.text import _listing, _pct
 
@@ -96,7 +96,7 @@ def _rule_experts_fp32(run: _Run, plan: _Plan) -> None:
     dtypes = T.texts(acts[T.DTYPE]).astype(object)
     fp32: dict[str, list[str]] = {}
     for bank in banks:
-        inner = (names.str.startswith(bank + ".") if bank else names != "").to_numpy()
+        inner = names.isin(_bank_activations(run, bank)).to_numpy()
         seen = {d for v in dtypes[inner] for d in str(v).split("|") if d}
         if seen == {"float32"}:
             fp32[bank] = sorted(set(names[inner]))

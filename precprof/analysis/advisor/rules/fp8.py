@@ -20,7 +20,14 @@ import pandas as pd
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis import current_scaling, fp8_speed, lost_norm
-from precprof.analysis.advisor.evidence import _expert_gemms, _Plan, _row_index, _Run, _tokens_per_call
+from precprof.analysis.advisor.evidence import (
+    _expert_banks,
+    _expert_gemms,
+    _Plan,
+    _row_index,
+    _Run,
+    _tokens_per_call,
+)
 from precprof.analysis.advisor.model import INFO, WARNING, Finding
 from precprof.analysis.advisor.rules.shapes import _fp8_shapes
 from precprof.analysis.advisor.text import _listing, _name, _pct
@@ -176,6 +183,10 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     plan.fp8_flops_share = sum(known.get(m, 0) for m in plan.fp8_eligible) / total if total > 0 else None
     experts_share = sum(expert_flops.values()) / total if expert_flops and total > 0 else None
     plan.fp8_experts_share = experts_share
+    # banks whose GEMMs cannot be read (no activation module of their own to count the routed rows from): their
+    # FLOPs are missing from the total, and the share is said to be without them
+    uncounted = run.sort([b for b in _expert_banks(run) if b not in expert_flops])
+    plan.fp8_experts_uncounted = uncounted
 
     def calls(modules: list[str]) -> list[tuple[int, int, int]]:
         """The forward (tokens, in, out) of each call of these modules, those of unknown shape left out."""
@@ -242,6 +253,13 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             if expert_flops
             else ""
         )
+        + (
+            f"; the experts of {_listing(uncounted, cfg.max_listed_modules)} (3-D expert weights) are not counted: "
+            "the rows routed to a bank are read from an activation module inside it, and they have none; their "
+            "matmuls stay in bf16 under FP8 all the same"
+            if uncounted
+            else ""
+        )
         + f". Largest norm lost: e4m3 {_pct(fmax)}"
         + (f" ({_name(fmod)})" if fmod is not None else "")
         + f", e5m2 {_pct(bmax)}"
@@ -298,6 +316,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 "unknown_shape": len(unknown),
                 "eligible_flops_share": plan.fp8_flops_share,
                 "experts_flops_share": experts_share,
+                "experts_uncounted": len(uncounted),
                 "max_e4m3_lost_norm": fmax,
                 "max_e5m2_lost_norm": bmax,
                 "max_e4m3_share": fval,
