@@ -98,9 +98,9 @@ def test_three_steps_in_every_cpu_mode(
 def test_a_pure_hf_llama_keeps_its_rotary_frequencies_in_fp32(tmp_path: Path) -> None:
     """bf16-pure on hf:llama casts the model as transformers' from_pretrained(..., dtype=torch.bfloat16) loads it:
     parameters bf16 (the fp32 initialisation rounded, as every mode starts from), the rotary frequencies fp32
-    and exact. The loop's .to(torch.bfloat16) rounded them, and its own report then warned of it
+    and exact, and a module the model keeps in fp32 (DeepSeek-V3's router) fp32 and as built. The loop's .to(torch.bfloat16) rounded them, and its own report then warned of it
     (low_precision_rope) with a remedy the user of precprof train cannot apply."""
-    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
     from precprof.models.hf import cast_as_loaded
 
@@ -113,6 +113,27 @@ def test_a_pure_hf_llama_keeps_its_rotary_frequencies_in_fp32(tmp_path: Path) ->
     assert exact.keys() == {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
     assert all(torch.equal(b, exact[n]) and b.dtype == torch.float32 for n, b in cast.named_buffers())
     assert all(torch.equal(p, weights[n].bfloat16()) for n, p in cast.named_parameters())
+    # DeepSeek-V3 keeps its router in fp32 (_keep_in_fp32_modules_strict), as from_pretrained loads it
+    torch.manual_seed(0)
+    deepseek = AutoConfig.for_model(
+        "deepseek_v3",
+        vocab_size=256,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=0,
+        moe_intermediate_size=16,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        **sizes,
+    )
+    built = AutoModelForCausalLM.from_config(deepseek)
+    gate = built.model.layers[0].mlp.gate.weight.detach().clone()
+    cast = cast_as_loaded(built, torch.bfloat16)
+    assert cast.model.layers[0].mlp.gate.weight.dtype == torch.float32
+    assert torch.equal(cast.model.layers[0].mlp.gate.weight, gate)
+    assert cast.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
     args = {"vocab_size": "256", **{k: str(v) for k, v in sizes.items()}}
     result = train(tiny(tmp_path, model="hf:llama", model_args=args, precision="bf16-pure", steps=2))
     summary = T.read_summary(result.run_dir)

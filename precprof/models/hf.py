@@ -109,21 +109,29 @@ def _small_example(model_type: str, config: Any) -> str | None:
 
 def cast_as_loaded(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Cast a transformers model built in fp32 to ``dtype`` (the pure modes), leaving it as
-    ``from_pretrained(..., dtype=dtype)`` would have built it: parameters and buffers in ``dtype``, except the
-    floating buffers transformers creates in a dtype of their own (a rotary embedding's ``inv_freq`` is fp32),
-    found by building the model in ``dtype`` on the meta device. ``module.to(dtype)`` alone rounds those too (the
-    advisor's ``low_precision_rope``). Weights are the fp32 initialisation rounded, as every mode starts from."""
+    ``from_pretrained(..., dtype=dtype)`` would have built it: parameters and buffers in ``dtype``, except those
+    transformers keeps in a dtype of their own: the floating buffers it creates in one (a rotary embedding's
+    ``inv_freq`` is fp32) and the modules a model keeps in fp32 (``_keep_in_fp32_modules_strict``: DeepSeek-V3's
+    router), found by building the model in ``dtype`` on the meta device. ``module.to(dtype)`` alone rounds those
+    too (the advisor's ``low_precision_rope``). Weights are the fp32 initialisation rounded, as every mode starts
+    from."""
     import copy
 
     try:
         with torch.device("meta"):
             ref = type(module)._from_config(copy.deepcopy(module.config), dtype=dtype)  # type: ignore[attr-defined]
-        keep = {n for n, b in ref.named_buffers() if b.is_floating_point() and b.dtype != dtype}
+        keep_buffers = {n for n, b in ref.named_buffers() if b.is_floating_point() and b.dtype != dtype}
+        keep_params = {n for n, p in ref.named_parameters() if p.is_floating_point() and p.dtype != dtype}
     except Exception:  # a model transformers cannot build that way again: cast as .to() does
-        keep = set()
-    kept = {n: b for n, b in module.named_buffers() if n in keep}
+        keep_buffers, keep_params = set(), set()
+    buffers = {n: b for n, b in module.named_buffers() if n in keep_buffers}  # .to() replaces buffer tensors
+    params = {
+        n: p.detach().clone() for n, p in module.named_parameters() if n in keep_params
+    }  # it casts p.data
     module.to(dtype)
-    for name, buf in kept.items():
+    for name, buf in buffers.items():
         owner, _, leaf = name.rpartition(".")
         module.get_submodule(owner)._buffers[leaf] = buf
+    for name, data in params.items():
+        module.get_parameter(name).data = data
     return module
