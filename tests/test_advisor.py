@@ -1236,17 +1236,19 @@ def test_a_position_table_is_no_bank_of_experts(tmp_path: Path) -> None:
 
 
 class Constants(nn.Module):
-    """Three buffers added to its input: a causal mask (0 and 1, exact in any format), positions 0..299 as
-    floats (bf16 holds the integers up to 256 exactly, then every second one) and a bias table of thirds."""
+    """Four buffers: a causal mask (0 and 1, exact in any format), positions 0..299 as floats (bf16 holds the
+    integers up to 256 exactly, then every second one), a bias table of thirds, and scales of at most 4
+    significant bits (a cast from fp32 leaves such values as they were)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("mask", torch.tril(torch.ones(8, 8)))
         self.register_buffer("positions", torch.arange(300.0))
         self.register_buffer("table", torch.arange(1.0, 9.0) / 3)
+        self.register_buffer("scales", torch.tensor([0.75, 1.5, 0.375, 0.6875]))  # 2 to 4 significant bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.mask + self.table + self.positions[:8]
+        return (x @ self.mask + self.table + self.positions[:8]) * self.scales.repeat(2)
 
 
 class Buffered(nn.Module):
@@ -1260,9 +1262,10 @@ class Buffered(nn.Module):
 
 
 def test_buffers_a_cast_rounded_are_told_from_those_it_cannot_have_changed() -> None:
-    """A model cast to bf16 trained for real: the mask's values are exact, no finding; the positions past 256 and
-    the thirds were rounded, an information finding bounding the error by half a bf16 unit in the last place of
-    the largest rounded value: 256..299 are 2 apart (1), 8/3 lies in [2, 4) (2^-7)."""
+    """A model cast to bf16 trained for real: the mask's values and the short scales are as they were, no
+    finding; the positions past 256 and the thirds were rounded, an information finding bounding the error by half
+    a bf16 unit in the last place of the largest rounded value: 256..299 are 2 apart (1), 8/3 lies in [2, 4)
+    (2^-7)."""
     torch.manual_seed(0)
     model = Buffered().to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -1275,12 +1278,14 @@ def test_buffers_a_cast_rounded_are_told_from_those_it_cannot_have_changed() -> 
             prof.step(loss=loss)
     bufs = {b["buffer"]: b for b in prof.summary()["low_precision_buffers"]}
     assert bufs["mask"]["exact"] is True and "rounding" not in bufs["mask"]
+    assert bufs["scales"] == {**bufs["scales"], "exact": True}
     assert bufs["positions"] == {**bufs["positions"], "exact": False, "rounding": 1.0}
     assert bufs["table"]["rounding"] == 2.0**-7 and bufs["table"]["module_type"] == "Constants"
     rec = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
     f = must(rec, "low_precision_constants")
     assert f.severity == "info" and f.numbers == {"buffers": 2, "buffer_error": 1.0}
-    assert f.modules == ["consts"] and "consts.positions (bfloat16)" in f.message and "mask" not in f.message
+    assert f.modules == ["consts"] and "consts.positions (bfloat16)" in f.message
+    assert "mask" not in f.message and "scales" not in f.message
     assert rec.finding("low_precision_buffers") is None and rec.finding("low_precision_rope") is None
 
 

@@ -379,10 +379,12 @@ _ROUNDING_READ_MAX = 1 << 26  # elements: a larger 16-bit buffer is listed witho
 
 def _buffer_rounding(buf: torch.Tensor) -> dict[str, Any]:
     """What a 16-bit floating buffer's values say about a cast that rounded them: ``exact`` when every finite
-    value is one the cast cannot have changed (an integer the format holds exactly, as 0/1 masks and positions
-    up to 256 in bf16, or a power of two), else ``rounding``: the largest half unit in the last place of a value
-    that is neither, how far each may lie from what it was before the cast. {} when the values cannot be read (on
-    the meta device, a wrapper subclass, larger than ``_ROUNDING_READ_MAX``). One read of the buffer, at save."""
+    value is one the cast cannot have changed: an integer the format holds exactly (0/1 masks, positions up to
+    256 in bf16), or a value of at most half the format's significant bits (powers of two, 0.75, 1.5: a cast
+    rounds a value of full fp32 precision to one of those once in 16 (bf16) or 32 (fp16), so a buffer of them was
+    that short before the cast). Else ``rounding``: the largest half unit in the last place of any other value,
+    how far each may lie from what it was before the cast. {} when the values cannot be read (on the meta
+    device, a wrapper subclass, larger than ``_ROUNDING_READ_MAX``). One read of the buffer, at save."""
     bits = 7 if buf.dtype == torch.bfloat16 else 10  # stored mantissa bits
     normal_min = -126 if buf.dtype == torch.bfloat16 else -14
     try:
@@ -393,7 +395,8 @@ def _buffer_rounding(buf: torch.Tensor) -> dict[str, Any]:
             v = v[torch.isfinite(v) & (v != 0)]
             mant, exp = torch.frexp(v)  # v = mant * 2^exp, 0.5 <= |mant| < 1
             integer = (v == v.round()) & (v.abs() <= 2.0 ** (bits + 1))
-            inexact = ~integer & (mant.abs() != 0.5)
+            short = mant * 2.0 ** ((bits + 1) // 2)  # an integer for a value of at most half the bits
+            inexact = ~integer & (short != short.round())
             if not bool(inexact.any()):
                 return {"exact": True}
             top = int(exp[inexact].max()) - 1  # the binade [2^top, 2^(top+1)) of the largest such value
