@@ -485,6 +485,22 @@ def test_fp8_counts_the_experts_it_would_not_convert(tmp_path: Path) -> None:
     assert "of the matmul FLOPs (the experts' 70.6% included, which stay in bf16)" in " ".join(rec.reasons)
 
 
+def _llama_config(**over: Any) -> Any:
+    """A one-layer Llama of this file's sizes (two heads, grouped as two), ``over`` changing any of it."""
+    from transformers import LlamaConfig
+
+    sizes: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=N_EMBD,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+    )
+    return LlamaConfig(**{**sizes, **over})
+
+
 def test_rotary_frequencies_a_cast_rounded_are_found_and_bounded() -> None:
     """A Llama cast with .to(torch.bfloat16), as a user's loop or Lightning's "bf16-true" does: the cast rounds
     the rotary embedding's inverse frequencies (buffers) to 8 significant bits, and the angle at position p
@@ -493,21 +509,12 @@ def test_rotary_frequencies_a_cast_rounded_are_found_and_bounded() -> None:
     frequency that is not a power of two (10000^(-2/128) = 0.93 lies in [0.5, 1): 2^-9), at or above the true
     error (the frequencies recomputed in fp32 as built) and, with a head of 128 as Llama's, within 2x of it.
     Built in bf16 (transformers keeps these buffers in fp32), there is no finding."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from precprof.analysis.advisor import recommend
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=N_EMBD,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=128,
-        max_position_embeddings=SEQ,
-    )
+    cfg = _llama_config(head_dim=128)
     cast = LlamaForCausalLM(cfg).to(torch.bfloat16)
     exact = LlamaForCausalLM(cfg).model.rotary_emb.inv_freq  # fp32, as built
     assert cast.model.rotary_emb.inv_freq.dtype == torch.bfloat16 and exact.dtype == torch.float32
@@ -533,14 +540,12 @@ def test_the_remedy_for_norms_of_a_cast_llama_runs_as_written() -> None:
     """A Llama cast to bf16: its RMSNorms are "kept in fp32" by the remedy. Done as it was written (the modules
     and their inputs in fp32), the next bf16 Linear refuses the fp32 output; done as it now reads (the outputs
     cast back to bf16), a training step runs."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from precprof.analysis.advisor import recommend
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=N_EMBD, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
-    )
+    cfg = _llama_config()
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     tables, summary = _bf16_steps(model, autocast=False)
     f = recommend(tables, summary=summary).finding("bf16_fp32_ops")

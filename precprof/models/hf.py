@@ -37,11 +37,7 @@ def _build_hf(model_type: str, args: Mapping[str, Any], seq_len: int) -> BuiltMo
         kwargs[k] = _coerce_to(k, v, getattr(default, k), f"hf:{model_type}")
     try:
         config = AutoConfig.for_model(model_type, **kwargs)
-        # meta device first: a default config can be billions of parameters (hf:llama is 7B)
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config)
-        n_params = count_params(meta)
-        del meta
+        n_params = _params_on_meta(config)  # a default config can be billions of parameters (hf:llama is 7B)
         _check_size(f"hf:{model_type}", n_params, lambda: _small_example(model_type, config))
         module = AutoModelForCausalLM.from_config(config)
     except UserError:
@@ -76,6 +72,14 @@ def _build_hf(model_type: str, args: Mapping[str, Any], seq_len: int) -> BuiltMo
     )
 
 
+def _params_on_meta(config: Any) -> int:
+    """The parameters of ``config``'s causal LM, built on the meta device (no memory, whatever its size)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return count_params(AutoModelForCausalLM.from_config(config))
+
+
 # a small model's sizes, under the first name a config has for each (GPT-2's n_layer is num_hidden_layers too)
 _SMALL = (
     (("num_hidden_layers", "n_layer", "num_layers"), 2),
@@ -90,7 +94,7 @@ def _small_example(model_type: str, config: Any) -> str | None:
     """--model-arg settings that make ``model_type`` small (2 layers of width 256 where its config has those
     fields), as typed on the command line with the parameter count; checked by building it on the meta device;
     None when that fails."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     sizes: dict[str, int] = {}
     for names, value in _SMALL:
@@ -100,8 +104,7 @@ def _small_example(model_type: str, config: Any) -> str | None:
     if not sizes:
         return None
     try:
-        with torch.device("meta"):
-            n = count_params(AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **sizes)))
+        n = _params_on_meta(AutoConfig.for_model(model_type, **sizes))
     except Exception:  # only a suggestion: the error stands without it
         return None
     return " ".join(f"-a {k}={v}" for k, v in sizes.items()) + f" ({n / 1e6:,.1f}M parameters)"
