@@ -1373,7 +1373,8 @@ def test_norms_under_autocast_are_told_by_what_chose_their_dtype() -> None:
     f = must(rec, "bf16_fp32_ops")
     assert f.severity == "info" and f.modules == ["ln", "low"]
     assert f.message.startswith(
-        "ln produced bfloat16 outputs: autocast on cpu ran them in bf16, and CUDA autocast"
+        "ln produced bfloat16 outputs: autocast on cpu runs them in their input's dtype (bf16 here), and CUDA "
+        "autocast runs them in fp32"
     )
     assert (
         "low produced bfloat16 outputs by their own code" in f.message
@@ -1386,6 +1387,54 @@ def test_norms_under_autocast_are_told_by_what_chose_their_dtype() -> None:
     tables = {**prof.tables(), "memory": prof.tables()["memory"].iloc[0:0]}
     f = must(recommend(tables, summary={T.SUMMARY_CAPTURE: prof.summary()}), "bf16_fp32_ops")
     assert f.modules == ["ln", "upcast", "low"] and "whether that is bf16 inside is not known" in f.message
+
+
+class LayerNormAfterLinear(nn.Module):
+    """Linear -> LayerNorm -> Linear; ``remedy``: the LayerNorm as a remedy has it called (None: as is)."""
+
+    def __init__(self, remedy: str | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l0, self.ln, self.l1 = nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16)
+        self.remedy = remedy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l0(x)
+        if self.remedy == "autocast off":  # the remedy as it read
+            with torch.autocast("cpu", enabled=False):
+                h = self.ln(h)
+            return self.l1(h)
+        return self.l1(self.ln(h.float() if self.remedy == "fp32 input" else h))
+
+
+@pytest.mark.parametrize("remedy", [None, "autocast off", "fp32 input"])
+def test_the_remedy_for_torchs_norms_under_cpu_autocast_works_as_written(remedy: str | None) -> None:
+    """nn.LayerNorm after a Linear under CPU bf16 autocast returns bf16: CPU autocast leaves layer_norm in its
+    input's dtype. The remedy said to wrap it in torch.autocast(enabled=False), which leaves its bf16 input, and
+    so its output, as they were: followed, the finding stayed. Called on an fp32 input as it now says, the norm
+    returns fp32, the next Linear under autocast takes it, and the finding is gone."""
+    model = LayerNormAfterLinear(remedy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 8, 16)
+    with Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    acts = prof.tables()["layers"]
+    ln_dtypes = set(acts[(acts[T.TENSOR] == T.ACTIVATION) & (acts[T.MODULE] == "ln")][T.DTYPE])
+    f = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}).finding("bf16_fp32_ops")
+    if remedy == "fp32 input":
+        assert ln_dtypes == {"float32"} and f is None
+        return
+    assert ln_dtypes == {"bfloat16"} and f is not None and f.modules == ["ln"]
+    assert "Normalisation (a mean and a variance over many values) loses accuracy in bf16" in f.message
+    assert f.remedy.startswith(
+        "Nothing to do on a GPU; on this device, call them on an fp32 input (x.float())"
+    )
 
 
 class RoutedExperts(nn.Module):

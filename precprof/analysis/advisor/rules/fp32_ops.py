@@ -25,6 +25,11 @@ _WHY = {
 }
 
 
+def _lose(what: list[str]) -> str:
+    """The verb after ``_WHY``'s nouns: "normalisation (...) loses", "softmax (...), the loss (...) lose"."""
+    return "loses" if len(what) == 1 else "lose"
+
+
 def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     autocast = bool(run.autocast.get("enabled"))
@@ -59,7 +64,7 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
                     WARNING,
                     f"{len(mods)} module(s) the guide keeps in fp32 ran in {fmt}",
                     f"{_listing(mods, run.cfg.max_listed_modules)} produced {dtype} outputs: "
-                    f"{', '.join(what)} lose accuracy in {fmt}"
+                    f"{', '.join(what)} {_lose(what)} accuracy in {fmt}"
                     + (", and fp16's range overflows or underflows there" if fmt == "fp16" else "")
                     + "."
                     + how,
@@ -143,10 +148,14 @@ def _under_autocast(run: _Run, plan: _Plan, rows: pd.DataFrame, dtype: str, devi
     parts, remedies = [], []
     if cast_there:
         parts.append(
-            f"{_listing(cast_there, listed)} produced {dtype} outputs: autocast on {device or 'this device'} ran them "
-            f"in {fmt}, and CUDA autocast runs them in fp32."
+            f"{_listing(cast_there, listed)} produced {dtype} outputs: autocast on {device or 'this device'} runs "
+            f"them in their input's dtype ({fmt} here), and CUDA autocast runs them in fp32."
         )
-        remedies.append("Nothing to do on a GPU; on this device, wrap them in torch.autocast(enabled=False).")
+        remedies.append(
+            "Nothing to do on a GPU; on this device, call them on an fp32 input (x.float()): the next layer's "
+            "autocast casts their fp32 output back, and torch.autocast(enabled=False) around them alone changes "
+            f"nothing, as their input stays {fmt}."
+        )
     if own:
         measured = all(m in saved for m in own)
         parts.append(
@@ -176,7 +185,7 @@ def _under_autocast(run: _Run, plan: _Plan, rows: pd.DataFrame, dtype: str, devi
             INFO,
             f"{len(cast_there) + len(own)} module(s) the guide keeps in fp32 ran in {fmt}",
             " ".join(parts)
-            + f" {', '.join(what)[0].upper()}{', '.join(what)[1:]} lose accuracy in {fmt}"
+            + f" {', '.join(what)[0].upper()}{', '.join(what)[1:]} {_lose(what)} accuracy in {fmt}"
             + (", and fp16's range overflows or underflows there" if fmt == "fp16" else "")
             + "."
             + rest,
