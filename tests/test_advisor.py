@@ -742,6 +742,88 @@ def test_nonfinite_forward_and_backward(request: pytest.FixtureRequest) -> None:
     check_golden(request, rec)
 
 
+def _fp16_adam_run(mode: str, tmp_path: Path | None = None) -> tuple[Profiler, dict[str, Any]]:
+    """An MLP trained 4 steps with AdamW on small gradients: ``pure`` (the model .half(), eps 1e-8), ``eps``
+    (the same, eps 1e-4) or ``autocast`` (fp32 weights under fp16 autocast with a GradScaler). Returns the
+    Profiler (sampling every step) and, for ``pure``, step 0's weight gradients and the optimizer's states
+    after step 0, copied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    if mode != "autocast":
+        model.half()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4 if mode == "eps" else 1e-8)
+    scaler = torch.amp.GradScaler("cpu") if mode == "autocast" else None
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    seen: dict[str, Any] = {}
+    with Profiler(model, optimizer=opt, scaler=scaler, sample_every=1) as prof:
+        for step in range(4):
+            if scaler is not None:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = (model(x).float() - y).square().mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss = (model(x.half()).float() - y).square().mean()
+                loss.backward()
+                if step == 0:
+                    seen["grads"] = [p.grad.float().clone() for p in model.parameters()]  # type: ignore[union-attr]
+                opt.step()
+                if step == 0:
+                    seen["states"] = [
+                        (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+                        for p in model.parameters()
+                    ]
+                    seen["weights"] = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    if tmp_path is not None:
+        prof.save(tmp_path)
+    return prof, seen
+
+
+def test_adam_on_fp16_weights_is_found_writing_the_nan_and_told_why(tmp_path: Path) -> None:
+    """The model .half() and AdamW with its default eps: the loss is nan from step 1 on. The finding named the
+    first module's forward pass and said "a division, log or exp without a guard, or an fp16 overflow". What
+    happened: eps (1e-8) is 0 in fp16, and (1 - beta2) g^2 rounds to 0 for |g| < 5.5e-3, so for most elements
+    the second moment stays 0 and the update divides by zero: the optimizer step of step 0 wrote inf into
+    weights that were finite, from finite gradients. Checked against the optimizer's own states: the weights
+    that became non-finite are exactly those whose second moment is 0. Followed, the remedy trains."""
+    prof, seen = _fp16_adam_run("pure", tmp_path)
+    rec = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
+    f = must(rec, "nonfinite_forward")
+    assert f.title == "nan/inf first appears in the weights: the optimizer step of step 0 wrote it"
+    assert f.modules == ["0", "2"] and f.numbers["weights_step"] == 0 and f.numbers["step"] == 1
+    # independent: the non-finite weights after step 0 are those whose second moment is 0
+    bad = sum(int((~torch.isfinite(w)).sum()) for w in seen["weights"])
+    v_zero = sum(int((v == 0).sum()) for _, v in seen["states"])
+    assert bad == v_zero == f.numbers["nan"] + f.numbers["inf"]
+    assert all(
+        torch.equal(~torch.isfinite(w), v == 0)
+        for w, (_, v) in zip(seen["weights"], seen["states"], strict=True)
+    )
+    assert f.numbers["eps"] == 1e-8 and f.numbers["beta2"] == 0.999
+    bound = float(f.numbers["gradient_bound"] or 0)
+    assert bound == pytest.approx(math.sqrt(2.0**-25 / 1e-3))
+    # a lower bound from whole binades: at least the gradients below bound's binade, at most those below bound
+    g = torch.cat([t.flatten() for t in seen["grads"]])  # both modules' parameters, biases too
+    g = g[g != 0].abs()
+    assert f.numbers["gradients"] == g.numel()
+    floor = 2.0 ** math.floor(math.log2(bound))
+    assert int((g < floor).sum()) <= int(f.numbers["gradients_below"] or 0) <= int((g < bound).sum())
+    assert "AdamW's eps (1e-08) is 0 in fp16" in f.message and "divides by zero" in f.message
+    assert f.remedy.startswith("Keep the weights and the optimizer's states in fp32")
+    html = Path(prof.report(tmp_path / "report.html")).read_text()
+    assert "AdamW (eps 1.00e-08, beta2 0.999)" in html
+    # the remedy, followed: fp32 weights under fp16 autocast with a GradScaler, or an eps fp16 holds
+    for mode in ("autocast", "eps"):
+        prof, _ = _fp16_adam_run(mode)
+        losses = prof.tables()["steps"][T.LOSS]
+        assert losses.map(math.isfinite).all(), mode
+        rec = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
+        assert rec.finding("nonfinite_forward") is None and rec.finding("run_diverged") is None
+
+
 def test_scaler_inf_gradients_are_not_a_nonfinite_finding() -> None:
     b = RunBuilder()
     g = torch.randn(8, 8)

@@ -37,7 +37,7 @@ _CAPTURE_SAID = _keys(
     "block_formats weight_update_sample skipped_tensors stream memory_error histogram_shift_exact "
     "loss_dtypes device n_params param_bytes profiler_buffer_bytes profiler_scratch_bytes "
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled "
-    "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps shared_params gemm_inputs"
+    "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps shared_params gemm_inputs optimizer"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_tensor_cores tf32_supported "
@@ -390,6 +390,12 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
         rows.append(("statistics computed by", engines))
     if "block_formats" in capture:
         rows.append(("block-format what-if", block_setting(capture["block_formats"])))
+    opt = _map(capture.get("optimizer"))
+    if opt.get("class") and not (
+        cfg.get("optimizer_class") or cfg.get("optimizer")
+    ):  # else config_rows says it
+        settings = [f"{k} {F.num(opt[k])}" for k in ("eps", "beta2") if isinstance(opt.get(k), (int, float))]
+        rows.append(("optimizer", str(opt["class"]) + (f" ({', '.join(settings)})" if settings else "")))
     if capture.get("weight_update_sample") is not None:
         rows.append(
             (

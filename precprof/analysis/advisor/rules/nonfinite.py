@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from precprof import tables as T
@@ -210,6 +211,10 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
     if not fwd.empty:
         step = int(fwd[T.STEP].min())
         at = fwd[fwd[T.STEP] == step]
+        written = _written_by_the_optimizer(run, streaks, step, at)
+        if written is not None:
+            plan.add(written)
+            return fwd_steps
         origins = run.sort(_innermost(at[T.MODULE]))
         first = origins[0]
         row = at[at[T.MODULE] == first]
@@ -300,6 +305,124 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
             )
         )
     return fwd_steps
+
+
+def _written_by_the_optimizer(
+    run: _Run, streaks: list[tuple[int, int]], step: int, at: pd.DataFrame
+) -> Finding | None:
+    """The first non-finite forward pass at ``step`` when it begins in the weights, which were finite on the
+    sampled step before, whose every tensor was finite and whose optimizer step went through: the optimizer
+    turned finite gradients into non-finite weights (``nonfinite_forward``, told so). With Adam on fp16
+    weights whose ``eps`` rounds to 0 in fp16, says why from the measured gradients. None otherwise."""
+    weights = at[at[T.TENSOR] == T.WEIGHT]
+    before = _sampled_before(run, step)
+    if weights.empty or before is None:
+        return None
+    then = run.layers[run.layers[T.STEP] == before]
+    mods = set(weights[T.MODULE])
+    had = then[(then[T.TENSOR] == T.WEIGHT) & then[T.MODULE].isin(mods)]
+    facts = _step_facts(run, streaks, before)
+    if had.empty or int((then[T.NAN] + then[T.INF]).sum()) or facts.skipped:
+        return None
+    modules = run.sort(mods)
+    first = modules[0]
+    nan, inf = int(weights[T.NAN].sum()), int(weights[T.INF].sum())
+    numel = int(weights[T.NUMEL].sum())
+    adjacent = before == step - 1
+    which = (
+        f"the optimizer step of step {before}"
+        if adjacent
+        else f"an optimizer step from step {before} to step {step - 1} (the steps between were not sampled)"
+    )
+    nums: dict[str, Number] = {
+        "step": step,
+        "nan": nan,
+        "inf": inf,
+        "steps_affected": int(run.layers[(run.layers[T.NAN] + run.layers[T.INF]) > 0][T.STEP].nunique()),
+        "weights_step": before,
+        "weight_modules": len(modules),
+        "skipped": 0 if facts.recorded else None,
+    }
+    message = (
+        f"At step {step}, the weights of {len(modules)} module(s) hold {nan:,} nan and {inf:,} inf values "
+        f"({_percent(nan + inf, numel)} of their {numel:,}; first in forward order: {_name(first)}, "
+        f"{run.types.get(first, '?')}). At step {before} every weight and every gradient recorded was finite"
+        + (", and its optimizer step was not skipped" if facts.recorded else "")
+        + f": {which} turned finite gradients into non-finite weights."
+    )
+    remedy = (
+        f"Look at the optimizer's arithmetic in the weights' dtype ({', '.join(sorted(set(weights[T.DTYPE])))}): "
+        "an update that overflows, or a division by a state that underflowed to 0; keep fp32 master weights "
+        "(train under torch.autocast with fp32 parameters) so that it runs in fp32."
+    )
+    adam = _adam_divides_by_zero(run, weights, then, before)
+    if adam is not None:
+        why, adam_nums = adam
+        message += " " + why
+        nums.update(adam_nums)
+        remedy = (
+            "Keep the weights and the optimizer's states in fp32 and train under torch.autocast(dtype=torch.float16) "
+            "with a GradScaler: Adam's arithmetic then runs in fp32. Keeping fp16 weights, an eps that fp16 holds "
+            "(1e-4) ends the division by zero, not the underflow of the second moment."
+        )
+    return Finding(
+        "nonfinite_forward",
+        CRITICAL,
+        f"nan/inf first appears in the weights: {which.split(' (')[0]} wrote it",
+        message,
+        remedy,
+        modules=modules,
+        numbers=nums,
+    )
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.3g}%" if whole else "all"
+
+
+def _adam_divides_by_zero(
+    run: _Run, weights: pd.DataFrame, then: pd.DataFrame, before: int
+) -> tuple[str, dict[str, Number]] | None:
+    """Why Adam wrote nan/inf into fp16 weights: its ``eps`` is 0 in fp16, so where the second moment is 0 the
+    update divides by zero; and the second moment's increment (1 - beta2) g^2 rounds to 0 in fp16 below
+    |g| = sqrt(2^-25 / (1 - beta2)) (fp16 rounds 2^-25 and below to 0), for at least the weight-gradient values of step ``before`` whose whole
+    binade lies below it (its histogram). None unless the optimizer (the capture summary) is an Adam whose eps
+    rounds to 0 in fp16 and the non-finite weights are fp16."""
+    opt = (run.summary.get(T.SUMMARY_CAPTURE) or {}).get("optimizer") or {}
+    eps, beta2, cls = opt.get("eps"), opt.get("beta2"), str(opt.get("class") or "")
+    if "Adam" not in cls or not isinstance(eps, (int, float)) or "float16" not in set(weights[T.DTYPE]):
+        return None
+    if float(np.float16(eps)) != 0.0:
+        return None
+    why = (
+        f"{cls}'s eps ({eps:g}) is 0 in fp16 (its smallest subnormal is {FP16.smallest_subnormal:.2g}), so wherever its "
+        "second moment v is 0, its update m / (sqrt(v) + eps) divides by zero."
+    )
+    nums: dict[str, Number] = {"eps": float(eps)}
+    if isinstance(beta2, (int, float)) and 0 < beta2 < 1:
+        bound = math.sqrt(FP16.underflow_max / (1 - beta2))
+        hist = run.hist[
+            (run.hist[T.STEP] == before)
+            & (run.hist[T.TENSOR] == T.WEIGHT_GRAD)
+            & run.hist[T.MODULE].isin(set(weights[T.MODULE]))
+        ]
+        total = int(hist[T.COUNT].sum())
+        below = int(hist[(2.0 ** (hist[T.EXPONENT] + 1)) <= bound][T.COUNT].sum())
+        why += (
+            f" v grows by (1 - beta2) g^2, which rounds to 0 in fp16 for |g| below {bound:.2g} (beta2 = {beta2:g}): "
+            f"an element whose gradients stay below it keeps v = 0"
+        )
+        if total:
+            why += (
+                f"; at step {before} at least {below:,} of these modules' {total:,} nonzero weight-gradient values "
+                f"({_percent(below, total)}) were below it."
+            )
+        else:
+            why += "."
+        nums.update(
+            {"beta2": float(beta2), "gradient_bound": bound, "gradients_below": below, "gradients": total}
+        )
+    return why, nums
 
 
 def _rule_diverged(run: _Run, plan: _Plan) -> None:
