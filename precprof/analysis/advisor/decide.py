@@ -8,7 +8,9 @@ from precprof import tables as T
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import _Plan, _Run
 from precprof.analysis.advisor.model import INFO, WARNING, Recommendation
+from precprof.analysis.advisor.rules.fp8 import tokens_remedy
 from precprof.analysis.advisor.text import _g, _listing, _pct, _scale
+from precprof.taxonomy import FP8_DIM_MULTIPLE
 
 
 def _not_measured(plan: _Plan) -> str:
@@ -32,6 +34,13 @@ def _fp8_numbers_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     causes = (
         f" ({_listing(tied, 4)} {'is' if len(tied) == 1 else 'are'} tied to an embedding)" if tied else ""
     )
+    if plan.fp8_tokens:
+        counts = ", ".join(map(str, sorted(set(plan.fp8_tokens.values()))))
+        n = len(plan.fp8_tokens)
+        causes += (
+            f" ({'its' if n == 1 else 'the'} tokens per call of {n} of them, {counts}, "
+            f"{'is' if len(set(plan.fp8_tokens.values())) == 1 else 'are'} not a multiple of {FP8_DIM_MULTIPLE})"
+        )
     if not plan.fp8_eligible:
         return f"none of its {plan.fp8_checked} linear layers is FP8-eligible{causes}"
     share = plan.fp8_flops_share
@@ -78,9 +87,12 @@ def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     numbers = _fp8_numbers_why_not(plan, cfg)
     speed = _fp8_speed_text(plan)
     if numbers:
-        return f"what FP8 would do to the numbers decided: {numbers}" + (
-            f"; besides, {speed}" if speed else ""
-        )
+        shapes = plan.fp8_why_not and set(plan.fp8_why_not) <= plan.fp8_shape_blocked
+        return (
+            f"the layers' shapes decided, not what FP8 would do to the numbers: {numbers}"
+            if shapes
+            else f"what FP8 would do to the numbers decided: {numbers}"
+        ) + (f"; besides, {speed}" if speed else "")
     est = plan.fp8_speed
     if est is None:
         return (
@@ -127,6 +139,8 @@ def _fp8_story(run: _Run, plan: _Plan, fmt: str, measured: str, why: str) -> Non
         )
     else:
         keep = f"Nothing to convert under the {fmt} verdict: FP8 is advised only beside bf16, which is ruled out."
+    if hw.fp8_supported:
+        keep += tokens_remedy(plan)
     for f in plan.findings:
         if f.code == "fp8_eligibility":
             f.remedy = keep

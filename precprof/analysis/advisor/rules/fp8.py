@@ -119,6 +119,34 @@ def _get(summary: pd.DataFrame, m: str, side: str, col: str) -> float | None:
     return v if np.isfinite(v) else None
 
 
+TOKENS_REASON = f"tokens per call, not a multiple of {taxonomy.FP8_DIM_MULTIPLE}"  # taxonomy's words
+
+
+def tokens_remedy(plan: _Plan) -> str:
+    """How to lift the tokens per call that hold layers back from FP8 ("" when none does)."""
+    if not plan.fp8_tokens:
+        return ""
+    m = taxonomy.FP8_DIM_MULTIPLE
+    counts = ", ".join(map(str, sorted(set(plan.fp8_tokens.values()))))
+    return (
+        f" The layers held back by their tokens per call ({counts}) "
+        f"qualify once batch x sequence is a multiple of {m}: a batch size or sequence length that makes it one, "
+        f"pad_to_multiple_of={m} in a Hugging Face data collator, or torchao padding it "
+        "(Float8LinearConfig(pad_inner_dim=True))."
+    )
+
+
+def _not_eligible(bad: list[tuple[str, str]], limit: int) -> str:
+    """The layers that are not FP8-eligible, those with the same reason together ("a, b and 3 more (68 tokens
+    per call, not a multiple of 16); c (dims ...)"), at most ``limit`` reasons."""
+    by: dict[str, list[str]] = {}
+    for m, why in bad:
+        by.setdefault(why, []).append(m)
+    parts = [f"{_listing(ms, limit)} ({why})" for why, ms in by.items()]
+    rest = sum(len(ms) for ms in list(by.values())[limit:])
+    return "; ".join(parts[:limit]) + (f" and {rest} more" if rest else "")
+
+
 def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     cfg = run.cfg
     linear = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
@@ -155,8 +183,10 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 if sh.shared
                 else ": none was recorded for it"
             )
-        elif why:
-            pass
+        elif why and sh.tokens is not None and why.endswith(TOKENS_REASON):
+            plan.fp8_tokens[m] = sh.tokens
+        if why:
+            plan.fp8_shape_blocked.add(m)
         elif nonfinite.get(m, 0) > 0:
             why = "non-finite values"
         elif fwd is None:
@@ -282,13 +312,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             if forward_only
             else ""
         )
-        + (
-            ". Not eligible: "
-            + "; ".join(f"{_name(m)} ({w})" for m, w in bad[: cfg.max_listed_modules])
-            + (f" and {len(bad) - cfg.max_listed_modules} more" if len(bad) > cfg.max_listed_modules else "")
-            if bad
-            else ""
-        )
+        + (". Not eligible: " + _not_eligible(bad, cfg.max_listed_modules) if bad else "")
         + "."
     )
     plan.add(
@@ -306,7 +330,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 f"{'it stays' if len(tied) == 1 else 'they stay'} in bf16)."
                 if tied
                 else "."
-            ),
+            )
+            + tokens_remedy(plan),
             modules=plan.fp8_eligible,
             numbers={
                 "eligible": len(plan.fp8_eligible),

@@ -80,7 +80,17 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> 
                 else ""
             )
             + ".",
-            f"Pad them to a multiple of {a} or 64 (nanoGPT pads GPT-2's vocabulary from 50257 to 50304).",
+            (
+                f"Pad them to a multiple of {a} or 64 (nanoGPT pads GPT-2's vocabulary from 50257 to 50304)."
+                if bad or model_off
+                else ""
+            )
+            + (
+                f"{' For' if bad or model_off else 'For'} the tokens: a batch size or sequence length that makes "
+                f"batch x sequence a multiple of {a}, or pad_to_multiple_of={a} in a Hugging Face data collator."
+                if tok_off
+                else ""
+            ),
             modules=run.sort(bad),
             numbers=numbers,
         )
