@@ -199,18 +199,17 @@ class _Mlp(nn.Module):
         return self.down(self.act(self.up(x)))
 
 
-def _tokens_run(seq: int) -> tuple[dict[str, object], dict[str, object]]:
-    """A batch of 4 sequences of ``seq`` tokens through ``_Mlp`` under CPU bf16 autocast (a ViT's 17 tokens, a
-    CLS token and 16 patches, make 68 tokens per call): its tables and capture summary."""
+def _tokens_run(*seqs: int) -> tuple[dict[str, object], dict[str, object]]:
+    """A batch of 4 sequences of ``seqs[i]`` tokens at step i through ``_Mlp`` under CPU bf16 autocast (a ViT's
+    17 tokens, a CLS token and 16 patches, make 68 tokens per call): its tables and capture summary."""
     from precprof import Profiler
 
     model = _Mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(4, seq, 32)
     with Profiler(model, optimizer=opt, sample_every=1) as prof:
-        for _ in range(2):
+        for seq in seqs:
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x).float().square().mean()
+                loss = model(torch.randn(4, seq, 32)).float().square().mean()
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -225,7 +224,7 @@ def test_layers_held_back_by_their_tokens_per_call_are_told_so_and_how_to_lift_i
     finding: nanoGPT's padded vocabulary). Followed, the remedy (16 tokens a sequence) makes both eligible."""
     from precprof.analysis.advisor import recommend
 
-    tables, summary = _tokens_run(17)
+    tables, summary = _tokens_run(17, 17)
     rec = recommend(tables, hardware="h100", summary=summary)
     f = rec.finding("fp8_eligibility")
     assert f is not None and f.numbers["eligible"] == 0 and f.numbers["checked"] == 2
@@ -240,8 +239,25 @@ def test_layers_held_back_by_their_tokens_per_call_are_told_so_and_how_to_lift_i
     assert (
         a.remedy.startswith("For the tokens: a batch size or sequence length") and "nanoGPT" not in a.remedy
     )
-    tables, summary = _tokens_run(16)
+    tables, summary = _tokens_run(16, 16)
     rec = recommend(tables, hardware="h100", summary=summary)
     f = rec.finding("fp8_eligibility")
     assert f is not None and f.modules == ["up", "down"] and rec.finding("tensor_core_alignment") is None
     assert "pad_inner_dim" not in f.remedy
+
+
+def test_tokens_per_call_that_vary_from_step_to_step_are_read_on_every_sampled_step() -> None:
+    """Padding each batch to its longest sequence (a Hugging Face collator's default) varies the tokens per
+    call from step to step; FP8's GEMMs refuse the first step whose count is not a multiple of 16. Read at the
+    first sampled step alone (64 tokens), both layers were eligible, and step 1's 68 tokens would have stopped
+    the FP8 run."""
+    from precprof.analysis.advisor import recommend
+
+    tables, summary = _tokens_run(16, 17, 16)
+    f = recommend(tables, hardware="h100", summary=summary).finding("fp8_eligibility")
+    assert f is not None and f.modules == []
+    assert (
+        "up, down (68 tokens per call, not a multiple of 16 at step 1: they vary from step to step)"
+        in f.message
+    )
+    assert "The layers held back by their tokens per call (68) qualify" in f.remedy

@@ -173,6 +173,10 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         why = taxonomy.fp8_ineligible_reason(
             sh.in_features, sh.out_features, sh.tied_to is not None, sh.tokens
         )
+        if not why and sh.odd_tokens is not None:
+            why = taxonomy.fp8_ineligible_reason(sh.in_features, sh.out_features, False, sh.odd_tokens[1])
+        if why.endswith(TOKENS_REASON) and sh.odd_tokens is not None:  # a later step's, not the first's
+            why += f" at step {sh.odd_tokens[0]}: they vary from step to step"
         if not taxonomy.fp8_convertible_type(run.types.get(m, "")):
             why = f"a {run.types.get(m, '')}, not an nn.Linear: float8 conversion does not swap it"
         elif sh.tied_to is not None:
@@ -183,8 +187,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 if sh.shared
                 else ": none was recorded for it"
             )
-        elif why and sh.tokens is not None and why.endswith(TOKENS_REASON):
-            plan.fp8_tokens[m] = sh.tokens
+        elif TOKENS_REASON in why:
+            plan.fp8_tokens[m] = sh.odd_tokens[1] if sh.odd_tokens is not None else sh.tokens or 0
         if why:
             plan.fp8_shape_blocked.add(m)
         elif nonfinite.get(m, 0) > 0:

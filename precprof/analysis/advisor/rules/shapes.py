@@ -106,6 +106,7 @@ class _Fp8Shape:
     tied_to: str | None = None  # the embedding whose weight it shares
     shared: bool = False  # its weight is recorded under another module (capture records a weight once)
     tokens: int | None = None  # rows per call: the leading dimensions of its input (batch x sequence)
+    odd_tokens: tuple[int, int] | None = None  # (step, rows per call) of a later step not a multiple of FP8's
     calls: int = 1
 
     @property
@@ -174,7 +175,28 @@ def _shared_weights(run: _Run) -> dict[str, str] | None:
 
 
 def _fp8_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -> dict[str, _Fp8Shape]:
-    """Shape, tie and tokens per call of each linear layer, for ``taxonomy.fp8_ineligible_reason``.
+    """Shape, tie and tokens per call of each linear layer, for ``taxonomy.fp8_ineligible_reason`` (``_read_shapes``),
+    and the first sampled step whose tokens per call are not a multiple of FP8's where the first step's are
+    (``_Fp8Shape.odd_tokens``: padding to the longest sequence of each batch varies them from step to step)."""
+    shapes = _read_shapes(run, linear, dims)
+    acts = run.kind(T.ACTIVATION)
+    acts = acts[acts[T.MODULE].isin([m for m, sh in shapes.items() if sh.out_features])]
+    if acts.empty or acts[T.STEP].nunique() < 2:
+        return shapes
+    per = acts.groupby([T.MODULE, T.STEP], observed=True)[[T.NUMEL, T.CALLS]].sum()
+    m16 = taxonomy.FP8_DIM_MULTIPLE
+    for (m, step), (numel, calls) in zip(per.index, per.to_numpy().tolist(), strict=True):
+        sh = shapes[str(m)]
+        if sh.odd_tokens is not None or (sh.tokens is not None and sh.tokens % m16) or not sh.out_features:
+            continue
+        rows = int(calls) * sh.out_features
+        if calls >= 1 and numel > 0 and int(numel) % rows == 0 and (int(numel) // rows) % m16:
+            sh.odd_tokens = (int(step), int(numel) // rows)
+    return shapes
+
+
+def _read_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -> dict[str, _Fp8Shape]:
+    """Shape, tie and tokens per call (at the first sampled step) of each linear layer.
 
     Which weights are shared the capture says (``_shared_weights``): a layer whose weight is an embedding's is
     tied to it and has its shape (in=dim, out=num), and so is a layer whose weight an embedding listed after
