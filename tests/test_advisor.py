@@ -824,6 +824,78 @@ def test_adam_on_fp16_weights_is_found_writing_the_nan_and_told_why(tmp_path: Pa
         assert rec.finding("nonfinite_forward") is None and rec.finding("run_diverged") is None
 
 
+class LayerScaleBlock(nn.Module):
+    """A ConvNeXt-like residual block: x + gamma * fc(x), gamma an fp32 parameter of 1e-7 (ConvNeXt starts its
+    at 1e-6): under autocast the product is fp32 (gamma promotes it) and tiny. ``tiny_bf16``: a second Linear
+    whose output autocast makes 16-bit and tiny (weights of 1e-8), which a fp16 run would flush."""
+
+    def __init__(self, tiny_16bit: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.scale = nn.Linear(32, 32), LayerScale(32)
+        self.tiny = nn.Linear(32, 32) if tiny_16bit else None
+        if self.tiny is not None:
+            nn.init.normal_(self.tiny.weight, std=1e-9)
+            nn.init.zeros_(self.tiny.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.scale(self.fc(x))
+        return h + self.tiny(h).float() * 1e8 if self.tiny is not None else h
+
+
+class LayerScale(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((d,), 1e-7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tiny_16bit"), [("bfloat16", False), ("float16", False), ("bfloat16", True)]
+)
+def test_fp32_tensors_of_an_autocast_run_are_no_fp16_underflow(dtype: str, tiny_16bit: bool) -> None:
+    """ConvNeXt under fp16 autocast was warned "7.75% of activation values flush to zero in fp16 ... Keep these
+    modules in fp32", of its layer-scaled branches: fp32 tensors (the fp32 layer scale promotes the product),
+    which no autocast casts to fp16, and which flushed nowhere. Under autocast the what-if now counts the tensors
+    autocast made 16-bit, and fp32 ones a matmul reads (autocast casts them there); a 16-bit output with values
+    below 2^-25 is still found."""
+    model = LayerScaleBlock(tiny_16bit)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu") if dtype == "float16" else None
+    x = torch.randn(8, 32)
+    with Profiler(model, optimizer=opt, scaler=scaler, sample_every=1) as prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=getattr(torch, dtype)):
+                loss = model(x).float().square().mean()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    acts = prof.tables()["layers"]
+    acts = acts[acts[T.TENSOR] == T.ACTIVATION]
+    scale = acts[acts[T.MODULE] == "scale"]
+    assert set(scale[T.DTYPE]) == {"float32"}
+    first = scale[scale[T.STEP] == 0]  # before AdamW moves gamma to about its learning rate
+    assert int(first[T.underflow_col("fp16")].sum()) > int(first[T.NUMEL].sum()) // 4  # what fp16 would flush
+    f = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}).finding(
+        "fp16_activation_underflow"
+    )
+    if not tiny_16bit:
+        assert f is None
+        return
+    tiny = acts[acts[T.MODULE] == "tiny"]
+    assert set(tiny[T.DTYPE]) == {dtype} and int(tiny[T.underflow_col("fp16")].sum()) > 0
+    assert f is not None and f.modules == ["tiny"]
+    assert f.numbers["underflow_values"] == int(tiny[T.underflow_col("fp16")].sum())
+
+
 def test_scaler_inf_gradients_are_not_a_nonfinite_finding() -> None:
     b = RunBuilder()
     g = torch.randn(8, 8)

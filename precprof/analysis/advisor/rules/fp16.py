@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 
 import pandas as pd
@@ -116,6 +117,8 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
             )
     # Forward underflow: activations flushing to zero in fp16 (no loss scale applies to the forward pass).
     lo = acts[~_dtype_has(acts, "float16")]
+    if run.autocast.get("enabled"):
+        lo = lo[_cast_under_fp16_autocast(run, lo)]
     nz = _nonzero(lo)
     uf = float(lo[T.underflow_col("fp16")].sum())
     uf_share = _share(uf, nz)
@@ -135,6 +138,23 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 numbers={"underflow_values": int(uf), "nonzero_values": int(nz), "share": uf_share},
             )
         )
+
+
+def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series:
+    """The activation rows of an autocast run that fp16 autocast would hold in fp16: those this run's autocast
+    produced in bf16, and fp32 ones a matmul reads as its input (capture.gemm_inputs: autocast casts them
+    there). Any other fp32 tensor stays fp32 under fp16 autocast as it did here (a layer scale's fp32 parameter
+    promotes its product; a residual sum), and its tiny values flush nowhere."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    inputs = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
+    read = (
+        {str(p) for v in inputs.values() if isinstance(v, list) for p in v}
+        if isinstance(inputs, Mapping)
+        else set()
+    )
+    # a layer's own input row (T.input_module: no captured module produced its input) is a matmul's input
+    own_input = T.texts(acts[T.MODULE]).str.endswith(T.INPUT_SUFFIX)
+    return _dtype_has(acts, "bfloat16") | acts[T.MODULE].isin(read) | own_input
 
 
 def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
