@@ -287,6 +287,54 @@ def test_weight_update_lost_in_bf16_counts_real_casts() -> None:
     assert wu[T.LOST_UPDATE_FP16] == lost_fp16 + int(stuck.sum()) == 2
 
 
+def _two_optimizer_updates(given: str) -> tuple[pd.DataFrame, dict[str, object]]:
+    """An MLP whose matrices one AdamW steps and whose biases and norm another does (as Muon and AdamW split a
+    model), trained 3 steps under bf16 autocast; ``given``: which the Profiler is told of ("matrices",
+    "both"), or "one" for a single AdamW over every parameter (two groups: the same update per element).
+    Returns the weight-update rows by (module, param) and the capture summary."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256), nn.Linear(256, 64))
+    mat = [p for p in m.parameters() if p.ndim == 2]
+    rest = [p for p in m.parameters() if p.ndim < 2]
+    if given == "one":
+        opts = [torch.optim.AdamW([{"params": mat}, {"params": rest}], lr=1e-3)]
+    else:
+        opts = [torch.optim.AdamW(mat, lr=1e-3), torch.optim.AdamW(rest, lr=1e-3)]
+    told: object = opts if given in ("one", "both") else opts[0]
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    with precprof.Profiler(m, optimizer=told, sample_every=1) as prof:  # type: ignore[arg-type]
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = (m(x).float() - y).square().mean()
+            loss.backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+            prof.step(loss=loss.detach())
+    layers = prof.tables()["layers"]
+    rows = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE].astype({T.MODULE: str, T.PARAM: str})
+    cols = [T.STEP, T.MODULE, T.PARAM, T.NUMEL, T.ZEROS, T.LOST_UPDATE_BF16, T.LOST_UPDATE_FP16]
+    return rows[cols].sort_values(cols[:3]).reset_index(drop=True), prof.summary()
+
+
+def test_each_optimizer_samples_the_updates_of_the_parameters_it_steps() -> None:
+    """Two optimizers, the Profiler told of the one stepping the matrices: every bias and norm parameter, which
+    the other moves outside its hooks, was counted as an intended update that never landed, "lost in bf16":
+    "61.9% of weight updates vanish with bf16 master weights", in an fp32-weight run. Told of one, only its
+    parameters are sampled; told of both, each parameter is read around its own optimizer's step, and the
+    counts are those of one AdamW over every parameter."""
+    one, _ = _two_optimizer_updates("one")
+    both, summary = _two_optimizer_updates("both")
+    matrices, _ = _two_optimizer_updates("matrices")
+    assert set(one[T.PARAM]) == {"weight", "bias"} and len(one) == 3 * 6
+    pd.testing.assert_frame_equal(both, one)
+    assert set(matrices[T.PARAM]) == {"weight"} and set(matrices[T.MODULE]) == {"0", "3"}
+    pd.testing.assert_frame_equal(
+        matrices, one[one[T.MODULE].isin(["0", "3"]) & (one[T.PARAM] == "weight")].reset_index(drop=True)
+    )
+    assert summary["optimizer"] == {"class": "AdamW", "eps": 1e-8, "beta2": 0.999}
+
+
 def test_save_writes_run_directory(tmp_path) -> None:  # type: ignore[no-untyped-def]
     model = nn.Sequential(nn.Linear(4, 4))
     with precprof.Profiler(model, sample_every=1) as prof:

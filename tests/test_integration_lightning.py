@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -300,3 +301,50 @@ def test_bf16_true_rounds_rotary_frequencies_and_the_remedy_keeps_them(
     assert f["modules"] == ["model.model.rotary_emb"]
     assert 'Lightning\'s precision="bf16-true" casts the whole module' in f["remedy"]
     assert "on_fit_start" in f["remedy"] and "type(m)(m.config)" in f["remedy"]
+
+
+class TwoOptimizerLM(TinyLM):
+    """TinyLM with its embedding stepped by one AdamW and its Linears by another, in manual optimization (as a
+    GAN's two networks, or Muon beside AdamW); ``groups``: one AdamW with the same two parameter groups (the
+    same update per element) instead."""
+
+    def __init__(self, groups: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.groups = groups
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        opts = self.optimizers()
+        opts = opts if isinstance(opts, list) else [opts]
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in opts:
+            opt.step()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        embedding = list(self.net[0].parameters())
+        linears = [p for m in self.net[1:] for p in m.parameters()]
+        if self.groups:
+            return torch.optim.AdamW([{"params": embedding}, {"params": linears}], lr=1e-2)
+        return [torch.optim.AdamW(embedding, lr=1e-2), torch.optim.AdamW(linears, lr=1e-2)]
+
+
+def test_two_optimizers_each_sample_the_updates_of_the_parameters_they_step(tmp_path: Path) -> None:
+    """The callback attached the first optimizer alone: the Linears, which the second steps, had every
+    sampled update counted as intended and never landed ("lost in bf16"), in an fp32 run. Every optimizer is
+    attached now, and the weight-update rows are those of one AdamW with the same two parameter groups."""
+    rows = {}
+    for groups in (False, True):
+        cb = PrecprofCallback(out=tmp_path / f"run{groups}", sample_every=1, report=False, memory=False)
+        quiet_trainer(tmp_path, cb, max_steps=4 if not groups else 2).fit(TwoOptimizerLM(groups), loader())
+        layers = T.read_tables(cb.run_dir)["layers"]
+        got = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE].astype({T.MODULE: str, T.PARAM: str})
+        cols = [T.MODULE, T.PARAM, T.NUMEL, T.ZEROS, T.LOST_UPDATE_BF16, T.LOST_UPDATE_FP16]
+        rows[groups] = (
+            got[cols].sort_values(cols[:2], kind="stable").reset_index(drop=True)
+        )  # two optimizer steps a batch
+    assert set(rows[False][T.MODULE]) == {"net.0", "net.1", "net.3"}
+    pd.testing.assert_frame_equal(rows[False], rows[True])

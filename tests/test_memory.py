@@ -346,7 +346,7 @@ def test_saved_activations_of_an_mlp_by_hand() -> None:
     model = mlp()
     tr = MemoryTracker(model, torch.optim.SGD(model.parameters(), lr=0.1))
     tr.attach()
-    _, rows = one_step(model, tr.optimizer, tr)
+    _, rows = one_step(model, tr.optimizers[0], tr)
     tr.detach()
     # Linear 0 (addmm): saves its input x for the weight gradient, (B, D_IN) fp32. It does not save its
     #   weight: x does not require grad, so no input gradient is computed (and weights are never activations).
@@ -1153,7 +1153,7 @@ def test_persistent_labels_follow_the_tensors_step_after_step() -> None:
             model(x).float().sub(y.float()).square().mean().backward()  # gradients that exist now
             labels = tr._persistent()
             fresh = storage.persistent_labels(
-                list(model.parameters()), list(model.buffers()), opt, tr._own, storage._storage
+                list(model.parameters()), list(model.buffers()), [opt], tr._own, storage._storage
             )
             assert labels == fresh, step
             assert any(lab.component == T.GRADIENTS for lab in labels.values())

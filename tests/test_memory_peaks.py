@@ -84,7 +84,7 @@ def _train(model: nn.Module, fake: FakeAllocator, prof: precprof.Profiler | None
     """The user's loop; after each step it reads the process's peak, as its logging would."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if prof is not None:
-        prof.optimizer = opt
+        prof.optimizers = [opt]
     seen = []
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)

@@ -39,6 +39,7 @@ reads, a weight gradient, a norm's weight, are never quantised by such a GEMM.
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from collections.abc import Callable, Sequence
@@ -105,7 +106,7 @@ class StepHooks:
         buffer: st.StatsBuffer,
         device: torch.device,
         *,
-        optimizer: Any = None,
+        optimizers: Sequence[Any] = (),
         updates: UpdateSampler | None = None,
         autocast_seen: dict[str, Any] | None = None,
     ) -> None:
@@ -113,7 +114,7 @@ class StepHooks:
         self.rows = plan.rows
         self.buffer = buffer
         self.block_formats = plan.block_formats
-        self.optimizer = optimizer
+        self.optimizers = list(optimizers)
         self.updates = updates
         self._device = device
         self._primary = buffer.rows_of(device) if device.type != "meta" else None
@@ -172,9 +173,9 @@ class StepHooks:
         if self._hookset.installed:  # kept from the sampled step before (``pause``)
             return
         self._hookset.install()
-        if self.updates is not None and self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
-            self._handles.append(self.optimizer.register_step_post_hook(self._opt_post_hook))
+        for k, opt in enumerate(self.optimizers if self.updates is not None else []):
+            self._handles.append(opt.register_step_pre_hook(functools.partial(self._opt_pre_hook, k)))
+            self._handles.append(opt.register_step_post_hook(functools.partial(self._opt_post_hook, k)))
 
     def pause(self) -> None:
         """End the sampled step, its hooks left in place but doing nothing (a gradient hook that has not fired
@@ -479,13 +480,13 @@ class StepHooks:
             for row, dtype in zip(at, kinds, strict=True):
                 self._grad_seen(row, dtype)
 
-    def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _opt_pre_hook(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.updates is not None and self.installed:
-            self.updates.before_step()
+            self.updates.before_step(k)
         return None
 
-    def _opt_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.updates is not None and self.installed and self.updates.after_step():
+    def _opt_post_hook(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.updates is not None and self.installed and self.updates.after_step(k):
             self.has_data = True
         return None
 

@@ -109,7 +109,7 @@ class MemoryTracker:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: Any = None,
         *,
         peak: bool | None = None,
         own: Callable[[], Iterable[Any]] | None = None,
@@ -120,7 +120,9 @@ class MemoryTracker:
         self.schedule = MemorySchedule(every, watch_shapes)
         self.model = model
         self.reset_peaks = reset_peaks
-        self.optimizer = optimizer
+        self.optimizers = (
+            list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer else []
+        )
         self.peak = peak
         self._own = own
         self._handles: list[Any] = []
@@ -192,9 +194,9 @@ class MemoryTracker:
         if self._hookset.installed:
             return
         self._hookset.install()
-        if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._opt_pre_hook))
-            self._handles.append(self.optimizer.register_step_post_hook(self._opt_post_hook))
+        for opt in self.optimizers:
+            self._handles.append(opt.register_step_pre_hook(self._opt_pre_hook))
+            self._handles.append(opt.register_step_post_hook(self._opt_post_hook))
 
     def _uninstall(self) -> None:
         if self._hookset is not None:
@@ -303,9 +305,9 @@ class MemoryTracker:
         params, buffers = (self._params, self._buffers) if self._params else self._model_tensors()
         opt_params: list[torch.Tensor] = []
         states: list[torch.Tensor] = []
-        if self.optimizer is not None:
-            opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            states = state_tensors(self.optimizer.state)
+        for opt in self.optimizers:
+            opt_params += [p for g in opt.param_groups for p in g["params"]]
+            states += state_tensors(opt.state)
         steady = self._steady.get(
             [*params, *buffers, *opt_params, *states],
             lambda: steady_bytes(params, buffers, opt_params, states, self._storage_of),
@@ -313,7 +315,7 @@ class MemoryTracker:
         add(T.PARAMETERS, steady[T.PARAMETERS])
         add(T.BUFFERS, steady[T.BUFFERS])
         add(T.GRADIENTS, self._grads.bytes(params))
-        if self.optimizer is not None:
+        if self.optimizers:
             add(T.MASTER_WEIGHTS, steady.get(T.MASTER_WEIGHTS, {}))
             add(T.OPTIMIZER_STATES, steady.get(T.OPTIMIZER_STATES, {}))
         group = max(self._groups, key=SavedGroup.total) if self._groups else None
@@ -358,7 +360,7 @@ class MemoryTracker:
         """Storages that outlive the step, read now (host only; ``persistent_labels`` says which)."""
         params, buffers = (self._params, self._buffers) if self._params else self._model_tensors()
         return persistent_labels(
-            params, buffers, self.optimizer, self._own, self._storage_of, self._steady_labels
+            params, buffers, self.optimizers, self._own, self._storage_of, self._steady_labels
         )
 
     def _label(self, component: str, tensors: Iterable[torch.Tensor]) -> None:

@@ -31,7 +31,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ from precprof.capture.plan import CapturePlan, ModuleFilter, selected
 from precprof.capture.recorded import Recorded
 from precprof.capture.records import MAX_PENDING_STEPS, RowInfo, _ModuleSlot, _PendingStep
 from precprof.capture.reducer import RankReducer, mean_over_ranks
-from precprof.capture.results import ProfilerResults
+from precprof.capture.results import ProfilerResults, unwrap_optimizer
 from precprof.capture.sampling import DEFAULT_BUDGET, LandedValues, Sampler
 from precprof.capture.scaler import ScalerWatch
 from precprof.capture.updates import UpdateSampler
@@ -62,7 +62,8 @@ class Profiler(ProfilerResults):
 
     Args:
         model: the module to watch (also a DDP/FSDP wrapper or a ``torch.compile``d module).
-        optimizer: optional; enables ``weight_update`` rows and gradient/optimizer-state memory.
+        optimizer: optional, one or a list (Muon for the matrices, AdamW for the rest); enables ``weight_update``
+            rows (each parameter read around the step of the optimizer that holds it) and optimizer-state memory.
         scaler: optional ``torch.amp.GradScaler``; its scale and skipped steps are recorded and gradients are
             stored unscaled.
         sample_every: record layers every N steps (step 0 is sampled); 0 records steps only. None (the
@@ -145,7 +146,7 @@ class Profiler(ProfilerResults):
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         scaler: Any = None,
         *,
         sample_every: int | None = None,
@@ -187,13 +188,10 @@ class Profiler(ProfilerResults):
             if not (math.isfinite(loss_scale) and loss_scale > 0):
                 raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}")
         self.model = model
-        # wrappers such as accelerate's AcceleratedOptimizer hold the real optimizer, whose hooks fire
-        while optimizer is not None and not hasattr(optimizer, "_optimizer_step_pre_hooks"):
-            inner = getattr(optimizer, "optimizer", None)
-            if inner is None or inner is optimizer:
-                break
-            optimizer = inner
-        self.optimizer = optimizer
+        # several optimizers (Muon for the matrices and AdamW for the rest, say): each samples its own parameters
+        given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer else []
+        self.optimizers = [unwrap_optimizer(o) for o in given]
+        self.optimizer = self.optimizers[0] if self.optimizers else None
         self.scaler = scaler
         # a manual static loss scale ((loss * s).backward(), then the gradients divided by s): the gradients
         # are read at scale s, and the tables are unscaled by it
@@ -325,16 +323,21 @@ class Profiler(ProfilerResults):
         )
         self._open_stream()
         self._blocks.deal(plan, device_type=self._device.type)
-        if self.weight_updates and self.optimizer is not None:
+        if self.weight_updates and self.optimizers:
             # sampled where each parameter lives at the step (one group per device: an offloaded layer on the
-            # CPU, the rest on the GPU); a parameter on ``meta`` has no data and is not sampled
-            tracked = [ps for ps in plan.params if ps.grad_row >= 0]
-            self._updates = UpdateSampler(tracked, self.update_sample, self._device)
+            # CPU, the rest on the GPU), in the step of the optimizer that holds it (none: not sampled, as its
+            # weight moves in no step precprof sees); a parameter on ``meta`` has no data and is not sampled
+            held = {
+                id(p): k for k, o in enumerate(self.optimizers) for g in o.param_groups for p in g["params"]
+            }
+            tracked = [ps for ps in plan.params if ps.grad_row >= 0 and id(ps.tensor) in held]
+            owners = [held[id(ps.tensor)] for ps in tracked]
+            self._updates = UpdateSampler(tracked, self.update_sample, self._device, owners)
         self._hooks = StepHooks(
             plan,
             self._buffer,
             self._device,
-            optimizer=self.optimizer,
+            optimizers=self.optimizers,
             updates=self._updates,
             autocast_seen=self._autocast,
         )
@@ -344,7 +347,7 @@ class Profiler(ProfilerResults):
         if self.memory_enabled:
             self._tracker = MemoryTracker(
                 self.model,
-                self.optimizer,
+                self.optimizers,
                 peak=self.memory_peak,
                 reset_peaks=self.reset_peak_memory,
                 own=lambda: (self._buffer, self._updates),  # named profiler_buffers at the peak

@@ -33,6 +33,7 @@ class ProfilerResults:
     model: nn.Module
     scaler: Any
     optimizer: Any
+    optimizers: list[Any]
     sample_every: int | None
     loss_scale: float | None
     weight_updates: bool
@@ -244,7 +245,7 @@ class ProfilerResults:
             "loss_dtypes": dict(self._loss_dtypes),
             "histogram_shift_exact": not (self._scaler_watch is not None and self._scaler_watch.non_pow2),
             "weight_update_sample": self.update_sample if self.weight_updates else 0,
-            "optimizer": optimizer_settings(self.optimizer),
+            "optimizer": optimizer_settings(self.optimizers),
             "fp8_recipe": "per-tensor current scaling, scale = 2^floor(log2(fmax / amax))",
             "memory_error": self._collector.memory_error if self._collector is not None else None,
             "memory_steps": self._tracker.schedule.describe() if hasattr(self._tracker, "schedule") else None,
@@ -433,21 +434,31 @@ def _scaler_enabled(scaler: Any) -> bool:
     return bool(is_enabled()) if callable(is_enabled) else True
 
 
-def optimizer_settings(optimizer: Any) -> dict[str, Any] | None:
-    """What the advisor reads of the optimizer: its class, and over its parameter groups the smallest ``eps``
-    and the largest second-moment decay (``betas[1]``), the settings that decide whether Adam's update divides
-    by zero in fp16; a setting held as a tensor (a tensor ``lr`` or ``betas``) is left out rather than read
-    from the device. None without an optimizer."""
-    if optimizer is None:
+def optimizer_settings(optimizers: list[Any]) -> dict[str, Any] | None:
+    """What the advisor reads of the optimizers: their classes ("Muon + AdamW"), and over their parameter groups
+    the smallest ``eps`` and the largest second-moment decay (``betas[1]``), the settings that decide whether
+    Adam's update divides by zero in fp16; a setting held as a tensor (a tensor ``lr`` or ``betas``) is left out
+    rather than read from the device. None without an optimizer."""
+    if not optimizers:
         return None
-    groups = list(getattr(optimizer, "param_groups", None) or [])
+    groups = [g for o in optimizers for g in getattr(o, "param_groups", None) or []]
     eps = [g["eps"] for g in groups if isinstance(g.get("eps"), (int, float))]
     betas = [g.get("betas") for g in groups]
     beta2 = [
         b[1] for b in betas if isinstance(b, (tuple, list)) and len(b) > 1 and isinstance(b[1], (int, float))
     ]
     return {
-        "class": type(optimizer).__name__,
+        "class": " + ".join(dict.fromkeys(type(o).__name__ for o in optimizers)),
         "eps": float(min(eps)) if eps else None,
         "beta2": float(max(beta2)) if beta2 else None,
     }
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer whose hooks fire: wrappers such as accelerate's AcceleratedOptimizer hold the real one."""
+    while not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer

@@ -5,7 +5,7 @@ autocast's copies of a weight."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -403,7 +403,7 @@ def model_sizes(model: nn.Module) -> dict[str, Any]:
 def persistent_labels(
     params: list[torch.Tensor],
     buffers: list[torch.Tensor],
-    optimizer: Any,
+    optimizers: Sequence[Any],
     own: Callable[[], Iterable[Any]] | None,
     storage: Any,
     steady: Steady | None = None,
@@ -421,8 +421,8 @@ def persistent_labels(
                 if st is not None and st[0] not in out:
                     out[st[0]] = Label(component, "", dtype_name(leaf.dtype), END, st[1])
 
-    opt_params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
-    states = state_tensors(optimizer.state) if optimizer is not None else []
+    opt_params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    states = [t for o in optimizers for t in state_tensors(o.state)]
 
     def lasting() -> dict[StorageKey, Label]:
         out: dict[StorageKey, Label] = {}

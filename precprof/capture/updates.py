@@ -283,7 +283,9 @@ class UpdateSampler:
     device has no data and is not sampled. ``device`` is where :meth:`combined` gathers the counts.
     """
 
-    def __init__(self, tracked: list[_ParamSlot], per_param: int, device: torch.device) -> None:
+    def __init__(
+        self, tracked: list[_ParamSlot], per_param: int, device: torch.device, owners: Sequence[int] = ()
+    ) -> None:
         for i, ps in enumerate(tracked):
             n = _local(ps.tensor.detach()).numel()
             ps.sample_stride = max(1, -(-n // per_param))
@@ -291,6 +293,9 @@ class UpdateSampler:
             ps.update_index = i
         self.tracked = tracked
         self.device = device
+        # the optimizer (an index) whose step moves each tracked parameter: its groups are read in its hooks
+        self._owners = list(owners) or [0] * len(tracked)
+        self._group_owner: list[int] = []
         self._update_idx = np.array([ps.update_index for ps in tracked], dtype=np.int64)
         # the last named columns of ``columns``: (kept, order, module types, dtypes, columns)
         self._named: tuple[np.ndarray, Any, Any, list[torch.dtype], dict[str, Any]] | None = None
@@ -304,11 +309,12 @@ class UpdateSampler:
         placement = tuple(t.device if type(t) in _PLAIN else _local(t.detach()).device for t in tensors)
         if placement == self._placement:
             return
-        groups: dict[tuple[torch.device, bool], list[_ParamSlot]] = {}
-        for ps, dev in zip(self.tracked, placement, strict=True):
+        groups: dict[tuple[int, torch.device, bool], list[_ParamSlot]] = {}
+        for ps, dev, k in zip(self.tracked, placement, self._owners, strict=True):
             if dev.type != "meta" and ps.sample_len and _sampled_in_place(ps.tensor):
-                groups.setdefault((dev, ps.tensor.dtype == torch.bfloat16), []).append(ps)
-        self._groups = [_DeviceGroup(dev, bf16, members) for (dev, bf16), members in groups.items()]
+                groups.setdefault((k, dev, ps.tensor.dtype == torch.bfloat16), []).append(ps)
+        self._groups = [_DeviceGroup(dev, bf16, members) for (_, dev, bf16), members in groups.items()]
+        self._group_owner = [k for k, _, _ in groups]
         self._placement = placement
 
     @property
@@ -324,16 +330,18 @@ class UpdateSampler:
         for g in self._groups:
             g.counts.zero_()
 
-    def before_step(self) -> None:
-        """Read the samples before the optimizer step (on each parameter's device; no sync)."""
+    def before_step(self, k: int = 0) -> None:
+        """Read the samples of optimizer ``k``'s parameters before its step (on each parameter's device; no
+        sync)."""
         self._regroup()
-        for g in self._groups:
-            g.read_before()
+        for g, owner in zip(self._groups, self._group_owner, strict=True):
+            if owner == k:
+                g.read_before()
 
     @torch.no_grad()
-    def after_step(self) -> bool:
-        """Classify the updates of the step just taken; False when ``before_step`` did not run."""
-        done = [g.classify() for g in self._groups]
+    def after_step(self, k: int = 0) -> bool:
+        """Classify the updates of optimizer ``k``'s step just taken; False when ``before_step`` did not run."""
+        done = [g.classify() for g, owner in zip(self._groups, self._group_owner, strict=True) if owner == k]
         return bool(done) and all(done)
 
     def device_counts(self) -> list[torch.Tensor]:

@@ -9,7 +9,7 @@
 
 What the callback does:
 
-- ``on_train_start``: attaches a ``precprof.Profiler`` to the LightningModule, its (first) optimizer and the
+- ``on_train_start``: attaches a ``precprof.Profiler`` to the LightningModule, its optimizers and the
   precision plugin's GradScaler (``16-mixed`` on a GPU), starting at ``trainer.global_step``;
 - ``on_train_batch_end``: keeps the loss ``training_step`` returned (a device tensor: no sync; Lightning hands it
   over divided by ``accumulate_grad_batches``, which is undone) and the tokens fed to the model (see below); when ``trainer.global_step`` has moved (an optimizer step happened, after gradient accumulation),
@@ -136,7 +136,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
                 "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
                 "max_steps": getattr(trainer, "max_steps", None),
                 "optimizers": len(optimizers),
-                "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+                "optimizer_class": " + ".join(dict.fromkeys(type(o).__name__ for o in optimizers)) or None,
                 "sample_every": self.sample_every,
                 "device": str(pl_module.device),
             },
@@ -160,7 +160,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._reset_step()
         self._session.start(
             pl_module,
-            optimizer,
+            optimizers if len(optimizers) > 1 else optimizer,  # each samples the parameters it steps
             scaler,
             summary,
             first_step=self._last_global_step,
