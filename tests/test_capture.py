@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -333,6 +334,42 @@ def test_each_optimizer_samples_the_updates_of_the_parameters_it_steps() -> None
         matrices, one[one[T.MODULE].isin(["0", "3"]) & (one[T.PARAM] == "weight")].reset_index(drop=True)
     )
     assert summary["optimizer"] == {"class": "AdamW", "eps": 1e-8, "beta2": 0.999}
+
+
+@pytest.mark.parametrize(
+    ("model", "optimizer", "said"),
+    [
+        ("gpt2", None, "Profiler(model): expected a torch.nn.Module, got str 'gpt2'"),
+        (
+            None,
+            "adam",
+            "Profiler(optimizer=...): expected a torch.optim.Optimizer or a list of them, got str 'adam'",
+        ),
+        (None, ["sgd", "x"], "expected a torch.optim.Optimizer or a list of them, got str 'x'"),
+    ],
+)
+def test_a_profiler_of_something_else_is_one_line_naming_it(model: Any, optimizer: Any, said: str) -> None:
+    """A string where a module or an optimizer goes was an AttributeError from deep in attach(), with a
+    traceback through precprof's hooks."""
+    real = nn.Linear(4, 4)
+    if optimizer is not None and isinstance(optimizer, list):
+        optimizer = [torch.optim.SGD(real.parameters(), lr=0.1), optimizer[1]]
+    with pytest.raises(TypeError) as e:
+        precprof.Profiler(real if model is None else model, optimizer=optimizer)
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_optimizer_of_another_model_is_said_and_samples_nothing() -> None:
+    model, other = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with (
+        pytest.warns(UserWarning, match="holds none of the model's parameters"),
+        precprof.Profiler(model, optimizer=opt, sample_every=1) as prof,
+    ):
+        model(torch.randn(2, 4)).sum().backward()
+        prof.step()
+    layers = prof.tables()["layers"]
+    assert T.WEIGHT_UPDATE not in set(layers[T.TENSOR]) and T.WEIGHT_GRAD in set(layers[T.TENSOR])
 
 
 def test_save_writes_run_directory(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -31,6 +31,7 @@ import contextlib
 import math
 import os
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -50,7 +51,7 @@ from precprof.capture.plan import CapturePlan, ModuleFilter, selected
 from precprof.capture.recorded import Recorded
 from precprof.capture.records import MAX_PENDING_STEPS, RowInfo, _ModuleSlot, _PendingStep
 from precprof.capture.reducer import RankReducer, mean_over_ranks
-from precprof.capture.results import ProfilerResults, unwrap_optimizer
+from precprof.capture.results import NOT_HELD, ProfilerResults, checked_model, given_optimizers
 from precprof.capture.sampling import DEFAULT_BUDGET, LandedValues, Sampler
 from precprof.capture.scaler import ScalerWatch
 from precprof.capture.updates import UpdateSampler
@@ -187,10 +188,9 @@ class Profiler(ProfilerResults):
                 )
             if not (math.isfinite(loss_scale) and loss_scale > 0):
                 raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}")
-        self.model = model
+        self.model = checked_model(model)
         # several optimizers (Muon for the matrices and AdamW for the rest, say): each samples its own parameters
-        given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer] if optimizer else []
-        self.optimizers = [unwrap_optimizer(o) for o in given]
+        self.optimizers = given_optimizers(optimizer)
         self.optimizer = self.optimizers[0] if self.optimizers else None
         self.scaler = scaler
         # a manual static loss scale ((loss * s).backward(), then the gradients divided by s): the gradients
@@ -332,6 +332,8 @@ class Profiler(ProfilerResults):
             }
             tracked = [ps for ps in plan.params if ps.grad_row >= 0 and id(ps.tensor) in held]
             owners = [held[id(ps.tensor)] for ps in tracked]
+            if not tracked and any(ps.grad_row >= 0 for ps in plan.params):
+                warnings.warn(NOT_HELD, stacklevel=3)
             self._updates = UpdateSampler(tracked, self.update_sample, self._device, owners)
         self._hooks = StepHooks(
             plan,

@@ -454,11 +454,38 @@ def optimizer_settings(optimizers: list[Any]) -> dict[str, Any] | None:
     }
 
 
-def unwrap_optimizer(optimizer: Any) -> Any:
-    """The optimizer whose hooks fire: wrappers such as accelerate's AcceleratedOptimizer hold the real one."""
-    while not hasattr(optimizer, "_optimizer_step_pre_hooks"):
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None or inner is optimizer:
-            break
-        optimizer = inner
-    return optimizer
+NOT_HELD = (
+    "precprof: the optimizer given to the Profiler holds none of the model's parameters, so no weight update is "
+    "sampled; give it the optimizer (or the list of optimizers) that steps this model"
+)
+
+
+def checked_model(model: Any) -> nn.Module:
+    """``model``, a TypeError naming it when it is not a module."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"Profiler(model): expected a torch.nn.Module, got {type(model).__name__} {model!r:.60}"
+        )
+    return model
+
+
+def given_optimizers(optimizer: Any) -> list[Any]:
+    """``Profiler(optimizer=...)`` as a list: none, one or several, each unwrapped to the optimizer whose hooks
+    fire (accelerate's AcceleratedOptimizer holds the real one). Anything else is a TypeError naming it."""
+    given = (
+        list(optimizer) if isinstance(optimizer, (list, tuple)) else [] if optimizer is None else [optimizer]
+    )
+    out = []
+    for opt in given:
+        while not hasattr(opt, "_optimizer_step_pre_hooks"):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None or inner is opt:
+                break
+            opt = inner
+        if not (hasattr(opt, "param_groups") and hasattr(opt, "register_step_pre_hook")):
+            raise TypeError(
+                "Profiler(optimizer=...): expected a torch.optim.Optimizer or a list of them, got "
+                f"{type(opt).__name__} {opt!r:.60}"
+            )
+        out.append(opt)
+    return out
