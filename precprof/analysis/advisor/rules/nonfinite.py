@@ -211,7 +211,7 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
     if not fwd.empty:
         step = int(fwd[T.STEP].min())
         at = fwd[fwd[T.STEP] == step]
-        written = _written_by_the_optimizer(run, streaks, step, at)
+        written = _written_by_the_optimizer(run, streaks, step, at, len(fwd_steps))
         if written is not None:
             plan.add(written)
             return fwd_steps
@@ -308,7 +308,7 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
 
 
 def _written_by_the_optimizer(
-    run: _Run, streaks: list[tuple[int, int]], step: int, at: pd.DataFrame
+    run: _Run, streaks: list[tuple[int, int]], step: int, at: pd.DataFrame, affected: int
 ) -> Finding | None:
     """The first non-finite forward pass at ``step`` when it begins in the weights, which were finite on the
     sampled step before, whose every tensor was finite and whose optimizer step went through: the optimizer
@@ -338,7 +338,7 @@ def _written_by_the_optimizer(
         "step": step,
         "nan": nan,
         "inf": inf,
-        "steps_affected": int(run.layers[(run.layers[T.NAN] + run.layers[T.INF]) > 0][T.STEP].nunique()),
+        "steps_affected": affected,
         "weights_step": before,
         "weight_modules": len(modules),
         "skipped": 0 if facts.recorded else None,
@@ -355,7 +355,7 @@ def _written_by_the_optimizer(
         "an update that overflows, or a division by a state that underflowed to 0; keep fp32 master weights "
         "(train under torch.autocast with fp32 parameters) so that it runs in fp32."
     )
-    adam = _adam_divides_by_zero(run, weights, then, before)
+    adam = _adam_divides_by_zero(run, weights, before)
     if adam is not None:
         why, adam_nums = adam
         message += " " + why
@@ -381,13 +381,13 @@ def _percent(part: int, whole: int) -> str:
 
 
 def _adam_divides_by_zero(
-    run: _Run, weights: pd.DataFrame, then: pd.DataFrame, before: int
+    run: _Run, weights: pd.DataFrame, before: int
 ) -> tuple[str, dict[str, Number]] | None:
     """Why Adam wrote nan/inf into fp16 weights: its ``eps`` is 0 in fp16, so where the second moment is 0 the
-    update divides by zero; and the second moment's increment (1 - beta2) g^2 rounds to 0 in fp16 below
-    |g| = sqrt(2^-25 / (1 - beta2)) (fp16 rounds 2^-25 and below to 0), for at least the weight-gradient values of step ``before`` whose whole
-    binade lies below it (its histogram). None unless the optimizer (the capture summary) is an Adam whose eps
-    rounds to 0 in fp16 and the non-finite weights are fp16."""
+    update divides by zero; and the second moment's increment (1 - beta2) g^2 rounds to 0 in fp16 (2^-25 and
+    below do) for |g| below sqrt(2^-25 / (1 - beta2)): at least the weight-gradient values of step ``before``
+    whose whole binade lies below it (its histogram). None unless the optimizer (the capture summary) is an
+    Adam whose eps rounds to 0 in fp16 and the non-finite weights are fp16."""
     opt = (run.summary.get(T.SUMMARY_CAPTURE) or {}).get("optimizer") or {}
     eps, beta2, cls = opt.get("eps"), opt.get("beta2"), str(opt.get("class") or "")
     if "Adam" not in cls or not isinstance(eps, (int, float)) or "float16" not in set(weights[T.DTYPE]):

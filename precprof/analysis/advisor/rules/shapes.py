@@ -175,9 +175,9 @@ def _shared_weights(run: _Run) -> dict[str, str] | None:
 
 
 def _fp8_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -> dict[str, _Fp8Shape]:
-    """Shape, tie and tokens per call of each linear layer, for ``taxonomy.fp8_ineligible_reason`` (``_read_shapes``),
-    and the first sampled step whose tokens per call are not a multiple of FP8's where the first step's are
-    (``_Fp8Shape.odd_tokens``: padding to the longest sequence of each batch varies them from step to step)."""
+    """Shape, tie and tokens per call of each linear layer, for ``taxonomy.fp8_ineligible_reason``
+    (``_read_shapes``), and the first sampled step whose tokens per call are not a multiple of FP8's where the
+    first step's are (``_Fp8Shape.odd_tokens``: padding each batch to its longest sequence varies them)."""
     shapes = _read_shapes(run, linear, dims)
     acts = run.kind(T.ACTIVATION)
     acts = acts[acts[T.MODULE].isin([m for m, sh in shapes.items() if sh.out_features])]
