@@ -142,11 +142,20 @@ def tied_weight_ids(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
 
 
+PARAMETRIZED = (
+    "Parametrized"  # torch.nn.utils.parametrize names a parametrized Linear's class ParametrizedLinear
+)
+
+
 def fp8_convertible_type(module_type: str) -> bool:
     """Module types a float8 conversion swaps: ``nn.Linear`` and its subclasses by name. Hugging Face's
     ``Conv1D`` is a Linear in what it computes but not an ``nn.Linear``: torchao and Transformer Engine leave it
-    alone, so it stays in bf16."""
-    return is_linear_type(module_type) and module_type != "Conv1D"
+    alone, so it stays in bf16. A Linear whose weight a parametrization computes (``weight_norm``,
+    ``spectral_norm``: its class is ``ParametrizedLinear``) cannot be swapped: torchao's conversion fails on it
+    ("cannot assign 'torch.FloatTensor' as parameter 'weight'"), and a swap would drop the parametrization."""
+    return (
+        is_linear_type(module_type) and module_type != "Conv1D" and not module_type.startswith(PARAMETRIZED)
+    )
 
 
 def fp8_ineligible_reason(
@@ -182,9 +191,12 @@ def fp8_eligible(module: nn.Module, tied: set[int], tokens: int | None = None) -
     """Whether ``module`` (an ``nn.Linear``) can be converted to float8 training; ``tied`` is
     ``tied_weight_ids(model)``; see ``fp8_ineligible_reason``."""
     from torch import nn
+    from torch.nn.utils import parametrize
 
-    return isinstance(module, nn.Linear) and fp8_eligible_shape(
-        module.in_features, module.out_features, id(module.weight) in tied, tokens
+    return (
+        isinstance(module, nn.Linear)
+        and not parametrize.is_parametrized(module)
+        and fp8_eligible_shape(module.in_features, module.out_features, id(module.weight) in tied, tokens)
     )
 
 

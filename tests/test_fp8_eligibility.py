@@ -230,7 +230,10 @@ def test_layers_held_back_by_their_tokens_per_call_are_told_so_and_how_to_lift_i
     assert f is not None and f.numbers["eligible"] == 0 and f.numbers["checked"] == 2
     assert "Not eligible: up, down (68 tokens per call, not a multiple of 16)." in f.message
     reasons = " ".join(rec.reasons)
-    assert "Not FP8: the layers' shapes decided, not what FP8 would do to the numbers" in reasons
+    assert (
+        "Not FP8: the layers themselves decided (their type, shape, tie or tokens per call), not what"
+        in reasons
+    )
     assert "the tokens per call of 2 of them, 68, is not a multiple of 16" in reasons
     assert "pad_to_multiple_of=16 in a Hugging Face data collator" in f.remedy
     assert "Float8LinearConfig(pad_inner_dim=True)" in f.remedy
@@ -261,3 +264,39 @@ def test_tokens_per_call_that_vary_from_step_to_step_are_read_on_every_sampled_s
         in f.message
     )
     assert "The layers held back by their tokens per call (68) qualify" in f.remedy
+
+
+def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Linear under weight_norm or spectral_norm (audio and GAN models) is a ParametrizedLinear, an nn.Linear
+    whose weight a parametrization computes. torchao's conversion fails on it ("cannot assign
+    'torch.FloatTensor' as parameter 'weight'"), yet --precision fp8 passed it to torchao, and the advisor said
+    "weight shape unknown: none was recorded for it". Both leave it out now and say why; a plain Linear beside
+    it is converted."""
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    from precprof import Profiler
+    from precprof.analysis.advisor import recommend
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        weight_norm(nn.Linear(32, 64)), nn.GELU(), spectral_norm(nn.Linear(64, 64)), nn.Linear(64, 32)
+    )
+    assert taxonomy.fp8_eligible_names(model, tokens=64) == ["3"]
+    swapped = _fake_torchao(monkeypatch)
+    assert convert_fp8(model, "torchao", tokens=64) == 1 and swapped == ["3"]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 16, 32)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    f = recommend(prof.tables(), hardware="h100", summary={"capture": prof.summary()}).finding(
+        "fp8_eligibility"
+    )
+    assert f is not None and f.modules == ["3"]
+    assert "Not eligible: 0, 2 (its weight is computed by a parametrization, as weight_norm's" in f.message

@@ -89,7 +89,8 @@ def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     if numbers:
         shapes = plan.fp8_why_not and set(plan.fp8_why_not) <= plan.fp8_shape_blocked
         return (
-            f"the layers' shapes decided, not what FP8 would do to the numbers: {numbers}"
+            f"the layers themselves decided (their type, shape, tie or tokens per call), not what FP8 would do to "
+            f"the numbers: {numbers}"
             if shapes
             else f"what FP8 would do to the numbers decided: {numbers}"
         ) + (f"; besides, {speed}" if speed else "")

@@ -177,7 +177,11 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             why = taxonomy.fp8_ineligible_reason(sh.in_features, sh.out_features, False, sh.odd_tokens[1])
         if why.endswith(TOKENS_REASON) and sh.odd_tokens is not None:  # a later step's, not the first's
             why += f" at step {sh.odd_tokens[0]}: they vary from step to step"
-        if not taxonomy.fp8_convertible_type(run.types.get(m, "")):
+        if run.types.get(m, "").startswith(taxonomy.PARAMETRIZED):
+            why = (
+                "its weight is computed by a parametrization, as weight_norm's: float8 conversion fails on it"
+            )
+        elif not taxonomy.fp8_convertible_type(run.types.get(m, "")):
             why = f"a {run.types.get(m, '')}, not an nn.Linear: float8 conversion does not swap it"
         elif sh.tied_to is not None:
             why = f"tied to the embedding {_name(sh.tied_to)}: the shared weight is a gather's too"
