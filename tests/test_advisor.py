@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
+from scenarios.loop import activations, square_mean, train_profiled
 from torch import nn
 
 from precprof import cli
@@ -861,32 +862,22 @@ def test_fp32_tensors_of_an_autocast_run_are_no_fp16_underflow(dtype: str, tiny_
     which no autocast casts to fp16, and which flushed nowhere. Under autocast the what-if now counts the tensors
     autocast made 16-bit, and fp32 ones a matmul reads (autocast casts them there); a 16-bit output with values
     below 2^-25 is still found."""
-    model = LayerScaleBlock(tiny_16bit)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu") if dtype == "float16" else None
     x = torch.randn(8, 32)
-    with Profiler(model, optimizer=opt, scaler=scaler, sample_every=1) as prof:
-        for _ in range(2):
-            with torch.autocast("cpu", dtype=getattr(torch, dtype)):
-                loss = model(x).float().square().mean()
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss.detach())
-    acts = prof.tables()["layers"]
-    acts = acts[acts[T.TENSOR] == T.ACTIVATION]
+    precision, scale = ("fp16", 65536.0) if dtype == "float16" else ("bf16", None)
+    run = train_profiled(
+        LayerScaleBlock(tiny_16bit),
+        lambda _: (x, x),
+        square_mean,
+        precision=precision,
+        loss_scale=scale,
+        steps=2,
+    )
+    acts = activations(run.tables)
     scale = acts[acts[T.MODULE] == "scale"]
     assert set(scale[T.DTYPE]) == {"float32"}
     first = scale[scale[T.STEP] == 0]  # before AdamW moves gamma to about its learning rate
     assert int(first[T.underflow_col("fp16")].sum()) > int(first[T.NUMEL].sum()) // 4  # what fp16 would flush
-    f = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}).finding(
-        "fp16_activation_underflow"
-    )
+    f = run.recommend().finding("fp16_activation_underflow")
     if not tiny_16bit:
         assert f is None
         return
@@ -1567,20 +1558,13 @@ def test_the_remedy_for_torchs_norms_under_cpu_autocast_works_as_written(remedy:
     input's dtype. The remedy said to wrap it in torch.autocast(enabled=False), which leaves its bf16 input, and
     so its output, as they were: followed, the finding stayed. Called on an fp32 input as it now says, the norm
     returns fp32, the next Linear under autocast takes it, and the finding is gone."""
-    model = LayerNormAfterLinear(remedy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(4, 8, 16)
-    with Profiler(model, optimizer=opt, sample_every=1) as prof:
-        for _ in range(2):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(x).float().square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss)
-    acts = prof.tables()["layers"]
-    ln_dtypes = set(acts[(acts[T.TENSOR] == T.ACTIVATION) & (acts[T.MODULE] == "ln")][T.DTYPE])
-    f = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}).finding("bf16_fp32_ops")
+    run = train_profiled(
+        LayerNormAfterLinear(remedy), lambda _: (x, x), square_mean, precision="bf16", steps=2
+    )
+    acts = activations(run.tables)
+    ln_dtypes = set(acts[acts[T.MODULE] == "ln"][T.DTYPE])
+    f = run.recommend().finding("bf16_fp32_ops")
     if remedy == "fp32 input":
         assert ln_dtypes == {"float32"} and f is None
         return

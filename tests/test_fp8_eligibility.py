@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from scenarios import fp8_eligibility as scen
+from scenarios.loop import square_mean, train_profiled
 from torch import nn
 
 from precprof import taxonomy
-from precprof.analysis.advisor import AdvisorConfig
+from precprof.analysis.advisor import AdvisorConfig, Recommendation
 from precprof.errors import UserError
 from precprof.training import convert_fp8
 
@@ -199,22 +200,18 @@ class _Mlp(nn.Module):
         return self.down(self.act(self.up(x)))
 
 
-def _tokens_run(*seqs: int) -> tuple[dict[str, object], dict[str, object]]:
-    """A batch of 4 sequences of ``seqs[i]`` tokens at step i through ``_Mlp`` under CPU bf16 autocast (a ViT's
-    17 tokens, a CLS token and 16 patches, make 68 tokens per call): its tables and capture summary."""
-    from precprof import Profiler
-
-    model = _Mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with Profiler(model, optimizer=opt, sample_every=1) as prof:
-        for seq in seqs:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(torch.randn(4, seq, 32)).float().square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss)
-    return prof.tables(), {"capture": prof.summary()}
+def _advice(model: nn.Module, *seqs: int) -> Recommendation:
+    """``model`` trained on a batch of 4 sequences of ``seqs[i]`` tokens at step i under CPU bf16 autocast (a
+    ViT's 17 tokens, a CLS token and 16 patches, make 68 tokens per call), advised for an H100 (the advisor as
+    users get it)."""
+    run = train_profiled(
+        model,
+        lambda step: (torch.randn(4, seqs[step], 32),) * 2,
+        square_mean,
+        precision="bf16",
+        steps=len(seqs),
+    )
+    return run.recommend("h100", config=AdvisorConfig())
 
 
 def test_layers_held_back_by_their_tokens_per_call_are_told_so_and_how_to_lift_it() -> None:
@@ -222,10 +219,7 @@ def test_layers_held_back_by_their_tokens_per_call_are_told_so_and_how_to_lift_i
     whatever the numbers. The decision said "what FP8 would do to the numbers decided", which was not so, listed
     every layer with the same reason one by one, and neither finding said how to lift it (for the alignment
     finding: nanoGPT's padded vocabulary). Followed, the remedy (16 tokens a sequence) makes both eligible."""
-    from precprof.analysis.advisor import recommend
-
-    tables, summary = _tokens_run(17, 17)
-    rec = recommend(tables, hardware="h100", summary=summary)
+    rec = _advice(_Mlp(), 17, 17)
     f = rec.finding("fp8_eligibility")
     assert f is not None and f.numbers["eligible"] == 0 and f.numbers["checked"] == 2
     assert "Not eligible: up, down (68 tokens per call, not a multiple of 16)." in f.message
@@ -242,8 +236,7 @@ def test_layers_held_back_by_their_tokens_per_call_are_told_so_and_how_to_lift_i
     assert (
         a.remedy.startswith("For the tokens: a batch size or sequence length") and "nanoGPT" not in a.remedy
     )
-    tables, summary = _tokens_run(16, 16)
-    rec = recommend(tables, hardware="h100", summary=summary)
+    rec = _advice(_Mlp(), 16, 16)
     f = rec.finding("fp8_eligibility")
     assert f is not None and f.modules == ["up", "down"] and rec.finding("tensor_core_alignment") is None
     assert "pad_inner_dim" not in f.remedy
@@ -254,10 +247,7 @@ def test_tokens_per_call_that_vary_from_step_to_step_are_read_on_every_sampled_s
     call from step to step; FP8's GEMMs refuse the first step whose count is not a multiple of 16. Read at the
     first sampled step alone (64 tokens), both layers were eligible, and step 1's 68 tokens would have stopped
     the FP8 run."""
-    from precprof.analysis.advisor import recommend
-
-    tables, summary = _tokens_run(16, 17, 16)
-    f = recommend(tables, hardware="h100", summary=summary).finding("fp8_eligibility")
+    f = _advice(_Mlp(), 16, 17, 16).finding("fp8_eligibility")
     assert f is not None and f.modules == []
     assert (
         "up, down (68 tokens per call, not a multiple of 16 at step 1: they vary from step to step)"
@@ -276,9 +266,6 @@ def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_sa
     it is converted."""
     from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
-    from precprof import Profiler
-    from precprof.analysis.advisor import recommend
-
     torch.manual_seed(0)
     model = nn.Sequential(
         weight_norm(nn.Linear(32, 64)), nn.GELU(), spectral_norm(nn.Linear(64, 64)), nn.Linear(64, 32)
@@ -286,17 +273,6 @@ def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_sa
     assert taxonomy.fp8_eligible_names(model, tokens=64) == ["3"]
     swapped = _fake_torchao(monkeypatch)
     assert convert_fp8(model, "torchao", tokens=64) == 1 and swapped == ["3"]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with Profiler(model, optimizer=opt, sample_every=1) as prof:
-        for _ in range(2):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(torch.randn(4, 16, 32)).float().square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss)
-    f = recommend(prof.tables(), hardware="h100", summary={"capture": prof.summary()}).finding(
-        "fp8_eligibility"
-    )
+    f = _advice(model, 16, 16).finding("fp8_eligibility")
     assert f is not None and f.modules == ["3"]
     assert "Not eligible: 0, 2 (its weight is computed by a parametrization, as weight_norm's" in f.message

@@ -122,6 +122,11 @@ def train_profiled(
     return ProfiledRun(prof.tables(), summary, losses)
 
 
+def square_mean(out: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    """A loss of the output alone (``train_profiled``'s ``loss_fn`` for a model without a target)."""
+    return out.float().square().mean()
+
+
 def regression_batches(n_in: int, batch: int = 64, seed: int = 0) -> Callable[[int], Batch]:
     """Deterministic (x, y) batches for a smooth regression target, one per step."""
 
