@@ -257,7 +257,7 @@ def test_tokens_per_call_that_vary_from_step_to_step_are_read_on_every_sampled_s
 
 
 def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_says_why(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, block_formats_on: None
 ) -> None:
     """A Linear under weight_norm or spectral_norm (audio and GAN models) is a ParametrizedLinear, an nn.Linear
     whose weight a parametrization computes. torchao's conversion fails on it ("cannot assign
@@ -273,6 +273,10 @@ def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_sa
     assert taxonomy.fp8_eligible_names(model, tokens=64) == ["3"]
     swapped = _fake_torchao(monkeypatch)
     assert convert_fp8(model, "torchao", tokens=64) == 1 and swapped == ["3"]
-    f = _advice(model, 16, 16).finding("fp8_eligibility")
+    rec = _advice(model, 16, 16)
+    f = rec.finding("fp8_eligibility")
     assert f is not None and f.modules == ["3"]
     assert "Not eligible: 0, 2 (its weight is computed by a parametrization, as weight_norm's" in f.message
+    # nor does the block-format plan give them a block format: torchao's MX training fails on them too
+    planned = [lay for lay in rec.block_what_if["layers"] if lay["module_type"] == "ParametrizedLinear"]
+    assert planned and all(lay["choice"] == "bf16" and "parametrization" in lay["why"] for lay in planned)

@@ -229,10 +229,19 @@ HEAD_WHY = (
 )
 
 
+PARAMETRIZED_WHY = (
+    "its weight is computed by a parametrization, as weight_norm's: a conversion to a block-scaled Linear "
+    "(torchao's, as its float8 one) fails on it"
+)
+
+
 def decide(lb: LayerBlocks, cfg: AdvisorConfig, allowed: tuple[str, ...]) -> None:
     """Choose the layer's format among ``allowed`` plan names: NVFP4, else MXFP4, where FP4's bound holds on
     every operand (never for the output head); else MXFP8 where it loses nothing measurable; else bf16. Sets
     ``choice`` and ``why``."""
+    if lb.module_type.startswith(taxonomy.PARAMETRIZED):
+        lb.choice, lb.why = "bf16", PARAMETRIZED_WHY
+        return
     why: list[str] = []
     if lb.head and any(n in allowed for n in ("nvfp4", "mxfp4")):
         why.append(HEAD_WHY)
