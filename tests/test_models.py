@@ -182,6 +182,11 @@ def test_hf_model_from_config() -> None:
         build_model("hf:gpt2", {"n_lyer": "1"}, vocab_size=256, seq_len=16)
     with pytest.raises(UserError, match="unknown Hugging Face model type"):
         build_model("hf:not-a-model", {}, vocab_size=256, seq_len=16)
+    # an encoder-decoder has no causal LM: said, with where to profile it (was "Unrecognized configuration class")
+    with pytest.raises(
+        UserError, match=r"hf:t5 \(T5Config\) is not a causal language model.*precprof\.Profiler"
+    ):
+        build_model("hf:t5", {}, vocab_size=256, seq_len=16)
     with pytest.raises(UserError, match="positions"):
         build_model("hf:gpt2", args, vocab_size=256, seq_len=64)
     with pytest.raises(UserError, match="vocabulary"):

@@ -27,6 +27,7 @@ def _build_hf(model_type: str, args: Mapping[str, Any], seq_len: int) -> BuiltMo
         raise UserError(
             f"unknown Hugging Face model type {model_type!r}; use a model_type such as {examples}"
         ) from None
+    _check_causal(model_type, default)
     kwargs: dict[str, Any] = {}
     for k, v in args.items():
         if not hasattr(default, k):
@@ -70,6 +71,21 @@ def _build_hf(model_type: str, args: Mapping[str, Any], seq_len: int) -> BuiltMo
         max_seq_len=max_len,
         dims=dims,
     )
+
+
+def _check_causal(model_type: str, config: Any) -> None:
+    """A UserError naming the fix when transformers has no causal language model for ``model_type`` (an
+    encoder-decoder such as T5, a vision model such as ViT): ``precprof train`` trains next-token prediction."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
+    except ImportError:  # another transformers layout: from_config's own error says it
+        return
+    if model_type not in causal:
+        raise UserError(
+            f"hf:{model_type} ({type(config).__name__}) is not a causal language model, and precprof train trains "
+            "next-token prediction (hf:gpt2, hf:llama, ...); profile it in your own training loop with "
+            "precprof.Profiler, or under the Hugging Face Trainer with precprof.integrations.hf.PrecprofCallback"
+        )
 
 
 def _params_on_meta(config: Any) -> int:
