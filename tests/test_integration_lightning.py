@@ -348,3 +348,25 @@ def test_two_optimizers_each_sample_the_updates_of_the_parameters_they_step(tmp_
         )  # two optimizer steps a batch
     assert set(rows[False][T.MODULE]) == {"net.0", "net.1", "net.3"}
     pd.testing.assert_frame_equal(rows[False], rows[True])
+
+
+def test_the_norm_lightning_clips_by_is_recorded(tmp_path: Path) -> None:
+    """With ``gradient_clip_val`` Lightning clips through torch.nn.utils.clip_grad_norm_, whose return the
+    Profiler records (integrations.md said no gradient norm is recorded under Lightning): the norm of the
+    accumulated gradients before clipping, read by a callback of our own in ``on_before_optimizer_step``."""
+    norms: list[float] = []
+
+    class Probe(L.Callback):  # type: ignore[misc]
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            norms.append(
+                float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+            )
+
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False, memory=False)
+    trainer = quiet_trainer(
+        tmp_path, cb, max_steps=4, precision="bf16-mixed", gradient_clip_val=0.5, accumulate_grad_batches=2
+    )
+    trainer.callbacks.append(Probe())
+    trainer.fit(TinyLM(), loader())
+    assert T.read_tables(cb.run_dir)["steps"][T.GRAD_NORM].tolist() == norms and len(norms) == 4
