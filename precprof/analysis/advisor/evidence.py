@@ -361,6 +361,9 @@ class _Plan:
     fp8_why_not: dict[str, str] = field(default_factory=dict)
     fp8_shape_blocked: set[str] = field(default_factory=set)  # those whose reason is their shape, not numbers
     fp8_tokens: dict[str, int] = field(default_factory=dict)  # those held back by their tokens per call alone
+    fp8_tokens_vary: bool = (
+        False  # ... at a later sampled step than the first (the tokens vary from step to step)
+    )
     fp8_flops_share: float | None = None
     fp8_experts_share: float | None = None  # a mixture of experts' expert GEMMs: counted, left in bf16
     fp8_experts_uncounted: list[str] = field(default_factory=list)  # banks whose routed rows are unknown

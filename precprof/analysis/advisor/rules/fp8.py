@@ -133,6 +133,12 @@ def tokens_remedy(plan: _Plan) -> str:
         f"qualify once batch x sequence is a multiple of {m}: a batch size or sequence length that makes it one, "
         f"pad_to_multiple_of={m} in a Hugging Face data collator, or torchao padding it "
         "(Float8LinearConfig(pad_inner_dim=True))."
+        + (
+            " As they vary from step to step, every batch must be one: a last, smaller batch too "
+            "(DataLoader(drop_last=True))."
+            if plan.fp8_tokens_vary
+            else ""
+        )
     )
 
 
@@ -193,6 +199,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             )
         elif TOKENS_REASON in why:
             plan.fp8_tokens[m] = sh.odd_tokens[1] if sh.odd_tokens is not None else sh.tokens or 0
+            plan.fp8_tokens_vary |= sh.odd_tokens is not None
         if why:
             plan.fp8_shape_blocked.add(m)
         elif nonfinite.get(m, 0) > 0:
