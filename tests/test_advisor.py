@@ -743,6 +743,58 @@ def test_nonfinite_forward_and_backward(request: pytest.FixtureRequest) -> None:
     check_golden(request, rec)
 
 
+class Amplified(nn.Module):
+    """x times an fp32 scale of 1e5 (fp32 under autocast, beyond fp16's 65504), then ``direct``: a Linear reads
+    it (autocast casts it to fp16 there), else a residual through a LayerNorm, which leaves it fp32."""
+
+    def __init__(self, direct: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale = LayerScale(32)
+        with torch.no_grad():
+            self.scale.gamma.fill_(1e5)
+        self.norm, self.fc, self.norm2, self.head = (
+            nn.LayerNorm(32),
+            nn.Linear(32, 32),
+            nn.LayerNorm(32),
+            nn.Linear(32, 8),
+        )
+        self.direct = direct
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.scale(x)
+        if self.direct:
+            return self.head(self.fc(h).float().clamp(-1, 1))
+        h = h + self.fc(self.norm(h))
+        return self.head(self.norm2(h))
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_an_fp32_tensor_autocast_leaves_alone_is_no_fp16_overflow(
+    direct: bool, block_formats_on: None
+) -> None:
+    """An fp32 residual of 1e5 (an fp32 scale promotes it) read through LayerNorms: a bf16 run was told
+    "Activations overflow fp16 in 1 module(s)", and so was the real fp16 autocast run, which held no inf and
+    trained. fp16 autocast leaves that tensor fp32: no finding now. The same tensor read by a Linear, which
+    autocast casts to fp16: the bf16 run's what-if names it, and the real fp16 run does overflow there."""
+    x = torch.randn(16, 32)
+    runs = {
+        prec: train_profiled(
+            Amplified(direct), lambda _: (x, x), square_mean, precision=prec, loss_scale=scale, steps=2
+        )
+        for prec, scale in (("bf16", None), ("fp16", 1024.0))
+    }
+    real = activations(runs["fp16"].tables)
+    real_bad = int((real[T.INF] + real[T.NAN]).sum())
+    f = runs["bf16"].recommend().finding("fp16_activation_overflow")
+    if not direct:
+        assert real_bad == 0 and all(math.isfinite(v) for v in runs["fp16"].losses)
+        assert f is None and runs["fp16"].recommend().finding("fp16_activation_overflow") is None
+        return
+    assert real_bad > 0  # the Linear's fp16 input overflowed: its output is nan
+    assert f is not None and "scale" in f.modules  # fc's bf16 output, beyond 65504 too, with it
+
+
 def _fp16_adam_run(mode: str, tmp_path: Path | None = None) -> tuple[Profiler, dict[str, Any]]:
     """An MLP trained 4 steps with AdamW on small gradients: ``pure`` (the model .half(), eps 1e-8), ``eps``
     (the same, eps 1e-4) or ``autocast`` (fp32 weights under fp16 autocast with a GradScaler). Returns the
@@ -856,7 +908,9 @@ class LayerScale(nn.Module):
 @pytest.mark.parametrize(
     ("dtype", "tiny_16bit"), [("bfloat16", False), ("float16", False), ("bfloat16", True)]
 )
-def test_fp32_tensors_of_an_autocast_run_are_no_fp16_underflow(dtype: str, tiny_16bit: bool) -> None:
+def test_fp32_tensors_of_an_autocast_run_are_no_fp16_underflow(
+    dtype: str, tiny_16bit: bool, block_formats_on: None
+) -> None:
     """ConvNeXt under fp16 autocast was warned "7.75% of activation values flush to zero in fp16 ... Keep these
     modules in fp32", of its layer-scaled branches: fp32 tensors (the fp32 layer scale promotes the product),
     which no autocast casts to fp16, and which flushed nowhere. Under autocast the what-if now counts the tensors

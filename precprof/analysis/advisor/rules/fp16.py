@@ -35,7 +35,11 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     acts = run.kind(T.ACTIVATION)
     if acts.empty:
         return
-    # What-if: exact fp16 overflow counts of tensors that were not fp16 (scale is 1 in the forward pass).
+    # What-if: exact fp16 overflow counts of tensors that were not fp16 (scale is 1 in the forward pass); under
+    # autocast, of those fp16 autocast would hold in fp16 (an fp32 tensor it leaves alone overflows nothing)
+    cast = _cast_under_fp16_autocast(run, acts) if run.autocast.get("enabled") else None
+    if cast is not None:
+        acts = acts[_dtype_has(acts, "float16") | cast]
     whatif = acts[~_dtype_has(acts, "float16") & (acts[T.overflow_col("fp16")] > 0)]
     over = set(whatif[T.MODULE])
     # Observed: fp16 tensors already holding inf. The inf propagates downstream, so only the first module
@@ -115,10 +119,9 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 f"fp16 would have to leave {len(kept)} of {len(plan.matmul_layers)} matmul layers "
                 f"({_pct(share)}) in fp32 because their activations overflow"
             )
-    # Forward underflow: activations flushing to zero in fp16 (no loss scale applies to the forward pass).
+    # Forward underflow: activations flushing to zero in fp16 (no loss scale applies to the forward pass); under
+    # autocast, of the tensors fp16 autocast would hold in fp16 (selected above)
     lo = acts[~_dtype_has(acts, "float16")]
-    if run.autocast.get("enabled"):
-        lo = lo[_cast_under_fp16_autocast(run, lo)]
     nz = _nonzero(lo)
     uf = float(lo[T.underflow_col("fp16")].sum())
     uf_share = _share(uf, nz)
@@ -140,19 +143,18 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
         )
 
 
-def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series:
+def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series | None:
     """The activation rows of an autocast run that fp16 autocast would hold in fp16: those this run's autocast
-    produced in bf16, and fp32 ones a matmul reads as its input (capture.gemm_inputs: autocast casts them
-    there). Any other fp32 tensor stays fp32 under fp16 autocast as it did here (a layer scale's fp32 parameter
-    promotes its product; a residual sum), and its tiny values flush nowhere."""
+    produced in bf16, and fp32 ones a matmul reads as its input (capture.gemm_inputs, and a layer's own input
+    row: autocast casts them there). Any other fp32 tensor stays fp32 under fp16 autocast as it did here (a
+    layer scale's fp32 parameter promotes its product; a residual sum before its norm), and neither overflows
+    nor flushes. None when the capture did not record which tensors the matmuls read (the block-format what-if
+    off): every tensor counts then, as in a run without autocast."""
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     inputs = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
-    read = (
-        {str(p) for v in inputs.values() if isinstance(v, list) for p in v}
-        if isinstance(inputs, Mapping)
-        else set()
-    )
-    # a layer's own input row (T.input_module: no captured module produced its input) is a matmul's input
+    if not isinstance(inputs, Mapping):
+        return None
+    read = {str(p) for v in inputs.values() if isinstance(v, list) for p in v}
     own_input = T.texts(acts[T.MODULE]).str.endswith(T.INPUT_SUFFIX)
     return _dtype_has(acts, "bfloat16") | acts[T.MODULE].isin(read) | own_input
 
