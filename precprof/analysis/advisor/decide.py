@@ -8,7 +8,7 @@ from precprof import tables as T
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import _Plan, _Run
 from precprof.analysis.advisor.model import INFO, WARNING, Recommendation
-from precprof.analysis.advisor.rules.fp8 import tokens_remedy
+from precprof.analysis.advisor.rules.fp8 import token_counts, tokens_remedy
 from precprof.analysis.advisor.text import _g, _listing, _pct, _scale
 from precprof.taxonomy import FP8_DIM_MULTIPLE
 
@@ -35,10 +35,9 @@ def _fp8_numbers_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
         f" ({_listing(tied, 4)} {'is' if len(tied) == 1 else 'are'} tied to an embedding)" if tied else ""
     )
     if plan.fp8_tokens:
-        counts = ", ".join(map(str, sorted(set(plan.fp8_tokens.values()))))
         n = len(plan.fp8_tokens)
         causes += (
-            f" ({'its' if n == 1 else 'the'} tokens per call of {n} of them, {counts}, "
+            f" ({'its' if n == 1 else 'the'} tokens per call of {n} of them, {token_counts(plan)}, "
             f"{'is' if len(set(plan.fp8_tokens.values())) == 1 else 'are'} not a multiple of {FP8_DIM_MULTIPLE})"
         )
     if not plan.fp8_eligible:

@@ -122,14 +122,18 @@ def _get(summary: pd.DataFrame, m: str, side: str, col: str) -> float | None:
 TOKENS_REASON = f"tokens per call, not a multiple of {taxonomy.FP8_DIM_MULTIPLE}"  # taxonomy's words
 
 
+def token_counts(plan: _Plan) -> str:
+    """The tokens per call that hold layers back from FP8, as a list ("68, 100")."""
+    return ", ".join(map(str, sorted(set(plan.fp8_tokens.values()))))
+
+
 def tokens_remedy(plan: _Plan) -> str:
     """How to lift the tokens per call that hold layers back from FP8 ("" when none does)."""
     if not plan.fp8_tokens:
         return ""
     m = taxonomy.FP8_DIM_MULTIPLE
-    counts = ", ".join(map(str, sorted(set(plan.fp8_tokens.values()))))
     return (
-        f" The layers held back by their tokens per call ({counts}) "
+        f" The layers held back by their tokens per call ({token_counts(plan)}) "
         f"qualify once batch x sequence is a multiple of {m}: a batch size or sequence length that makes it one, "
         f"pad_to_multiple_of={m} in a Hugging Face data collator, or torchao padding it "
         "(Float8LinearConfig(pad_inner_dim=True))."

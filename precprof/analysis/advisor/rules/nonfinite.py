@@ -19,7 +19,7 @@ import pandas as pd
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import _innermost, _Plan, _Run
 from precprof.analysis.advisor.model import CRITICAL, Finding, Number
-from precprof.analysis.advisor.text import _g, _log2i, _name, _pow2
+from precprof.analysis.advisor.text import _g, _log2i, _name, _pct, _pow2
 from precprof.formats import FP16
 
 # How the messages name a tensor kind.
@@ -345,7 +345,7 @@ def _written_by_the_optimizer(
     }
     message = (
         f"At step {step}, the weights of {len(modules)} module(s) hold {nan:,} nan and {inf:,} inf values "
-        f"({_percent(nan + inf, numel)} of their {numel:,}; first in forward order: {_name(first)}, "
+        f"({_pct((nan + inf) / numel if numel else None)} of their {numel:,}; first in forward order: {_name(first)}, "
         f"{run.types.get(first, '?')}). At step {before} every weight and every gradient recorded was finite"
         + (", and its optimizer step was not skipped" if facts.recorded else "")
         + f": {which} turned finite gradients into non-finite weights."
@@ -374,10 +374,6 @@ def _written_by_the_optimizer(
         modules=modules,
         numbers=nums,
     )
-
-
-def _percent(part: int, whole: int) -> str:
-    return f"{100 * part / whole:.3g}%" if whole else "all"
 
 
 def _adam_divides_by_zero(
@@ -415,7 +411,7 @@ def _adam_divides_by_zero(
         if total:
             why += (
                 f"; at step {before} at least {below:,} of these modules' {total:,} nonzero weight-gradient values "
-                f"({_percent(below, total)}) were below it."
+                f"({_pct(below / total)}) were below it."
             )
         else:
             why += "."
