@@ -877,6 +877,48 @@ def test_adam_on_fp16_weights_is_found_writing_the_nan_and_told_why(tmp_path: Pa
         assert rec.finding("nonfinite_forward") is None and rec.finding("run_diverged") is None
 
 
+@pytest.mark.parametrize("blown_by", ["adamw", "sgd"])
+def test_beside_another_optimizer_adam_is_told_of_its_own_weights_only(blown_by: str) -> None:
+    """An fp16 model stepped by two optimizers: SGD for the linear layers, AdamW (eps 1e-8, 0 in fp16) for the
+    LayerNorm. The Adam clause matched "Adam" in "SGD + AdamW" and judged every non-finite weight: an SGD whose
+    learning rate overflows its fp16 weights was explained by AdamW's eps. Now only the weights an Adam holds
+    are judged and counted. ``adamw``: small gradients, AdamW writes inf into the LayerNorm (the elements whose
+    second moment is 0) and SGD's weights stay finite; ``sgd``: large gradients, SGD's update overflows its
+    weights and AdamW's stay finite. Checked against the weights after step 0 and the gradients of step 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.Linear(256, 64)).half()
+    adam = torch.optim.AdamW(model[1].parameters(), lr=1e-3)
+    sgd = torch.optim.SGD(
+        [*model[0].parameters(), *model[2].parameters()], lr=6e4 if blown_by == "sgd" else 1.0
+    )
+    x, y = torch.randn(32, 64).half(), torch.randn(32, 64)
+    seen: dict[str, Any] = {}
+    with Profiler(model, optimizer=[sgd, adam], sample_every=1) as prof:
+        for step in range(3):
+            loss = (model(x).float() - y).square().mean() * (1e4 if blown_by == "sgd" else 100.0)
+            loss.backward()
+            if step == 0:
+                seen["ln_grads"] = torch.cat([p.grad.flatten().float() for p in model[1].parameters()])  # type: ignore[union-attr]
+            sgd.step()
+            adam.step()
+            if step == 0:
+                seen["finite"] = [bool(torch.isfinite(p).all()) for p in model.parameters()]
+            sgd.zero_grad()
+            adam.zero_grad()
+            prof.step(loss=loss.detach())
+    assert prof.summary()["optimizer"]["adam_modules"] == ["1"]
+    f = must(recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}), "nonfinite_forward")
+    assert f.title == "nan/inf first appears in the weights: the optimizer step of step 0 wrote it"
+    if blown_by == "sgd":  # the linear layers' weights and biases, not the LayerNorm's
+        assert seen["finite"] == [False, False, True, True, False, False] and f.modules == ["0", "2"]
+        assert "eps" not in f.numbers and "AdamW" not in f.message and "overflows" in f.remedy
+    else:
+        assert seen["finite"] == [True, True, False, False, True, True] and f.modules == ["1"]
+        g = seen["ln_grads"]
+        assert f.numbers["eps"] == 1e-8 and f.numbers["gradients"] == int((g != 0).sum())
+        assert "AdamW's eps (1e-08) is 0 in fp16" in f.message
+
+
 class LayerScaleBlock(nn.Module):
     """A ConvNeXt-like residual block: x + gamma * fc(x), gamma an fp32 parameter of 1e-7 (ConvNeXt starts its
     at 1e-6): under autocast the product is fp32 (gamma promotes it) and tiny. ``tiny_bf16``: a second Linear

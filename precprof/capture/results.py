@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +246,9 @@ class ProfilerResults:
             "loss_dtypes": dict(self._loss_dtypes),
             "histogram_shift_exact": not (self._scaler_watch is not None and self._scaler_watch.non_pow2),
             "weight_update_sample": self.update_sample if self.weight_updates else 0,
-            "optimizer": optimizer_settings(self.optimizers),
+            "optimizer": optimizer_settings(
+                self.optimizers, self._plan.params if self._plan is not None else ()
+            ),
             "fp8_recipe": "per-tensor current scaling, scale = 2^floor(log2(fmax / amax))",
             "memory_error": self._collector.memory_error if self._collector is not None else None,
             "memory_steps": self._tracker.schedule.describe() if hasattr(self._tracker, "schedule") else None,
@@ -434,24 +437,33 @@ def _scaler_enabled(scaler: Any) -> bool:
     return bool(is_enabled()) if callable(is_enabled) else True
 
 
-def optimizer_settings(optimizers: list[Any]) -> dict[str, Any] | None:
-    """What the advisor reads of the optimizers: their classes ("Muon + AdamW"), and over their parameter groups
-    the smallest ``eps`` and the largest second-moment decay (``betas[1]``), the settings that decide whether
-    Adam's update divides by zero in fp16; a setting held as a tensor (a tensor ``lr`` or ``betas``) is left out
-    rather than read from the device. None without an optimizer."""
+def optimizer_settings(optimizers: list[Any], params: Sequence[Any] = ()) -> dict[str, Any] | None:
+    """What the advisor reads of the optimizers: their classes ("Muon + AdamW"), and over the parameter groups
+    of the Adams among them (of all of them when none is an Adam) the smallest ``eps`` and the largest
+    second-moment decay (``betas[1]``), the settings that decide whether Adam's update divides by zero in fp16
+    (Muon's own ``eps`` is no Adam's); a setting held as a tensor (a tensor ``lr`` or ``betas``) is left out
+    rather than read from the device. Beside an optimizer that is no Adam, ``adam_modules`` names the captured
+    modules (``params``: the plan's parameter slots) whose parameters an Adam holds, so that a finding about
+    Adam speaks of its parameters only. None without an optimizer."""
     if not optimizers:
         return None
-    groups = [g for o in optimizers for g in getattr(o, "param_groups", None) or []]
+    adams = [o for o in optimizers if "Adam" in type(o).__name__]
+    groups = [g for o in adams or optimizers for g in getattr(o, "param_groups", None) or []]
     eps = [g["eps"] for g in groups if isinstance(g.get("eps"), (int, float))]
     betas = [g.get("betas") for g in groups]
     beta2 = [
         b[1] for b in betas if isinstance(b, (tuple, list)) and len(b) > 1 and isinstance(b[1], (int, float))
     ]
-    return {
+    out: dict[str, Any] = {
         "class": " + ".join(dict.fromkeys(type(o).__name__ for o in optimizers)),
         "eps": float(min(eps)) if eps else None,
         "beta2": float(max(beta2)) if beta2 else None,
     }
+    if adams and len(adams) < len(optimizers):
+        held = {id(p) for o in adams for g in o.param_groups for p in g["params"]}
+        out["adam_class"] = " + ".join(dict.fromkeys(type(o).__name__ for o in adams))
+        out["adam_modules"] = sorted({ps.module for ps in params if id(ps.tensor) in held})
+    return out
 
 
 NOT_HELD = (

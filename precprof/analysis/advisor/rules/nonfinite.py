@@ -383,9 +383,13 @@ def _adam_divides_by_zero(
     update divides by zero; and the second moment's increment (1 - beta2) g^2 rounds to 0 in fp16 (2^-25 and
     below do) for |g| below sqrt(2^-25 / (1 - beta2)): at least the weight-gradient values of step ``before``
     whose whole binade lies below it (its histogram). None unless the optimizer (the capture summary) is an
-    Adam whose eps rounds to 0 in fp16 and the non-finite weights are fp16."""
+    Adam whose eps rounds to 0 in fp16 and the non-finite weights are fp16; beside an optimizer that is no Adam
+    (Muon for the matrices, AdamW for the rest) only the weights an Adam holds are judged and counted."""
     opt = (run.summary.get(T.SUMMARY_CAPTURE) or {}).get("optimizer") or {}
-    eps, beta2, cls = opt.get("eps"), opt.get("beta2"), str(opt.get("class") or "")
+    eps, beta2 = opt.get("eps"), opt.get("beta2")
+    cls = str(opt.get("adam_class") or opt.get("class") or "")
+    if isinstance(opt.get("adam_modules"), list):  # beside another optimizer: the weights an Adam holds
+        weights = weights[weights[T.MODULE].isin(set(opt["adam_modules"]))]
     if "Adam" not in cls or not isinstance(eps, (int, float)) or "float16" not in set(weights[T.DTYPE]):
         return None
     if float(np.float16(eps)) != 0.0:
