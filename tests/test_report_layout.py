@@ -7,10 +7,12 @@ figure and measures every visible text's extent in pixels against the figure's o
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -333,3 +335,58 @@ def test_an_fp8_run_chooses_its_heatmap_rows_by_what_fp8_loses() -> None:
     page = render.render_html(tabs, summary)
     caption = page.split('id="signature-activation_grad"', 1)[1].split("</figcaption>", 1)[0]
     assert "lost in FP8 E5M2, current scaling (this run trained in FP8)" in caption
+
+
+def overlapping_tick_labels(fig: Figure, gap_px: float = 2.0) -> list[tuple[str, str]]:
+    """Pairs of neighbouring tick labels on one axis of ``fig`` closer than ``gap_px`` (or overlapping): a
+    run of 3,000 steps wrote "1200160020002400" under a third of the page's width."""
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    out = []
+    for ax in fig.axes:
+        for axis, lo_i, hi_i in ((ax.xaxis, 0, 2), (ax.yaxis, 1, 3)):
+            lo, hi = sorted(axis.get_view_interval())
+            boxes = sorted(
+                (
+                    (tuple(t.label1.get_window_extent(renderer).extents), t.label1.get_text())
+                    for t in axis.get_major_ticks()
+                    if t.label1.get_visible() and t.label1.get_text().strip() and lo <= t.get_loc() <= hi
+                ),
+                key=lambda b: b[0][lo_i],
+            )
+            for (a, ta), (b, tb) in itertools.pairwise(boxes):
+                if b[lo_i] - a[hi_i] < gap_px:
+                    out.append((ta, tb))
+    return out
+
+
+@pytest.mark.parametrize("n_steps", [12, 3_000, 250_000])
+def test_the_training_plots_tick_labels_never_run_together(n_steps: int) -> None:
+    """The loss scale and gradient norm plots, a third of the narrow page each, had ten step ticks: at 3,000
+    steps their labels ran into one another ("0 400 800 1200160020002400 2800"). Every axis of the training
+    figure keeps its tick labels apart, from a dozen steps to a quarter of a million."""
+    step = np.arange(n_steps)
+    steps = pd.DataFrame(
+        {
+            T.STEP: step,
+            T.LOSS: 5.0 / np.sqrt(step + 1.0),
+            T.LOSS_SCALE: 2.0 ** (16 + (step > n_steps // 2)),
+            T.GRAD_NORM: 1.0 + 0.5 / np.sqrt(step + 1.0),
+            T.SKIPPED: step == n_steps // 3,
+            T.RESUMED: False,
+        }
+    )
+    fig = plots.training_figure(steps)
+    assert fig is not None
+    assert overlapping_tick_labels(fig) == []
+    assert texts_outside(fig) == []
+
+
+def test_the_timeline_tick_labels_never_run_together() -> None:
+    """The per-step strip of values lost, over a long run's sampled steps."""
+    from precprof.report import timeline
+
+    tabs, _ = synthetic_run("fp16", layers=gpt_layers(n_layer=1), steps=3_000, sample_every=30)
+    tl = timeline.timeline(tabs["layers"])
+    assert tl is not None
+    assert overlapping_tick_labels(timeline.timeline_figure(tl)) == []

@@ -107,9 +107,10 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
     ax.set_title("Gradient norm (unscaled)")
     ax.set_xlabel("step")
     ax.set_ylabel("‖g‖₂" + (" (log scale)" if ax.get_yscale() == "log" else ""))
-    for a in axes:
+    for a, bins in zip(axes, (8, 4, 4), strict=True):  # the two lower plots are a third of the page wide
         a.grid(True, alpha=0.3)
-        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+        a.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=bins))
+        a.xaxis.set_major_formatter(FuncFormatter(step_label))
     # the legend names only what this run's plots draw
     handles: list[Artist] = [Line2D([], [], color="#1f4e79", lw=1.4, label="recorded value")]
     if skipped.any():
@@ -139,3 +140,10 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
         a.yaxis.label.set_fontsize(9)
         a.tick_params(labelsize=8.5)
     return fig
+
+
+def step_label(x: float, _pos: Any = None) -> str:
+    """A step number short enough to sit beside its neighbours: 2400, 30k, 62.5k, 1.5M."""
+    if abs(x) >= 1e6:
+        return f"{x / 1e6:g}M"
+    return f"{x / 1e3:g}k" if abs(x) >= 1e4 else f"{x:g}"
