@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from figure_checks import overlapping_tick_labels
 
 import precprof
 from precprof import compare as C
@@ -247,6 +248,15 @@ def test_comparison_page(comparison: tuple[A.Comparison, Path]) -> None:
     assert any(n.startswith("How each run ran: ") for n in comp.notes)
     assert all(n.replace("'", "&#39;") in html for n in comp.notes)
     assert "Verdict check" in html and comp.checks[0].text.split(":")[0] in html.replace("&#39;", "'")
+
+
+def test_comparison_loss_plots_tick_labels_never_run_together(comparison: tuple[A.Comparison, Path]) -> None:
+    """The loss curves of runs of 250,000 steps: the steps read 50k, 100k, apart from one another."""
+    comp, _ = comparison
+    long = [dataclasses.replace(r, curve_steps=[s * 10_000 for s in r.curve_steps]) for r in comp.runs]
+    fig = compare_page.loss_figure(dataclasses.replace(comp, runs=long))
+    assert overlapping_tick_labels(fig) == []
+    assert any(t.get_text().endswith("k") for t in fig.axes[0].get_xticklabels())
 
 
 def test_comparison_page_escapes_user_text(comparison: tuple[A.Comparison, Path]) -> None:

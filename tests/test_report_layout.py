@@ -7,7 +7,6 @@ figure and measures every visible text's extent in pixels against the figure's o
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+from figure_checks import overlapping_tick_labels
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.text import Text
@@ -335,29 +335,6 @@ def test_an_fp8_run_chooses_its_heatmap_rows_by_what_fp8_loses() -> None:
     page = render.render_html(tabs, summary)
     caption = page.split('id="signature-activation_grad"', 1)[1].split("</figcaption>", 1)[0]
     assert "lost in FP8 E5M2, current scaling (this run trained in FP8)" in caption
-
-
-def overlapping_tick_labels(fig: Figure, gap_px: float = 2.0) -> list[tuple[str, str]]:
-    """Pairs of neighbouring tick labels on one axis of ``fig`` closer than ``gap_px`` (or overlapping): a
-    run of 3,000 steps wrote "1200160020002400" under a third of the page's width."""
-    FigureCanvasAgg(fig).draw()
-    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
-    out = []
-    for ax in fig.axes:
-        for axis, lo_i, hi_i in ((ax.xaxis, 0, 2), (ax.yaxis, 1, 3)):
-            lo, hi = sorted(axis.get_view_interval())
-            boxes = sorted(
-                (
-                    (tuple(t.label1.get_window_extent(renderer).extents), t.label1.get_text())
-                    for t in axis.get_major_ticks()
-                    if t.label1.get_visible() and t.label1.get_text().strip() and lo <= t.get_loc() <= hi
-                ),
-                key=lambda b: b[0][lo_i],
-            )
-            for (a, ta), (b, tb) in itertools.pairwise(boxes):
-                if b[lo_i] - a[hi_i] < gap_px:
-                    out.append((ta, tb))
-    return out
 
 
 @pytest.mark.parametrize("n_steps", [12, 3_000, 250_000])

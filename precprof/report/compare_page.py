@@ -23,6 +23,7 @@ from precprof.analysis.comparison import (
 from precprof.modes import MODE_COLORS
 from precprof.report import environment as env_words
 from precprof.report.plots import COMPONENT_COLORS, FIG_WIDTH_IN, data_uri, png_bytes
+from precprof.report.plots.training import step_label
 from precprof.report.render import environment
 
 TEMPLATE = "compare.html.j2"
@@ -108,7 +109,8 @@ def loss_figure(comparison: Comparison) -> Any:
     ax_rel.legend(frameon=False, fontsize=9)
     for a in (ax_loss, ax_rel):
         a.grid(True, alpha=0.3)
-        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+        a.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
+        a.xaxis.set_major_formatter(FuncFormatter(step_label))
     return fig
 
 
