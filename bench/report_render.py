@@ -3,9 +3,11 @@
 The tables are synthetic (tests/report_fixtures.py) but shaped by GPT-2 small's real module list: the model is
 built from transformers' GPT2Config on the meta device (no weights, no download), and every leaf module gets
 activation, activation-gradient, weight, weight-gradient and weight-update rows on each of the 100 sampled steps.
-Target: under 10 s on a 2-core CPU machine. Writes bench/results/report_render_cpu.json.
+Target: under 10 s on a 2-core CPU machine. Writes bench/results/report_render_cpu.json. ``--n-layer 96``:
+the same blocks 96 deep (1,160 modules: a module count of the largest dense LLMs, or of an MoE whose experts
+are Linear modules), into report_render_cpu_96_layers.json.
 
-    python bench/report_render.py [--steps 100] [--repeat 3]
+    python bench/report_render.py [--steps 100] [--repeat 3] [--n-layer 12]
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ import precprof  # noqa: E402
 from precprof.report import render_report  # noqa: E402
 
 
-def gpt2_small_layers() -> list:
-    """GPT-2 small's leaf modules in forward order, from the real transformers class on the meta device."""
+def gpt2_small_layers(n_layer: int = 12) -> list:
+    """GPT-2 small's leaf modules in forward order, from the real transformers class on the meta device
+    (``n_layer`` blocks)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     with torch.device("meta"):
-        model = GPT2LMHeadModel(GPT2Config())
+        model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer))
     return layers_from_module(model, tokens=8 * 1024)
 
 
@@ -43,10 +46,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100, help="sampled steps in the run")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "report_render_cpu.json"))
+    ap.add_argument("--n-layer", type=int, default=12, help="GPT-2 blocks (12: gpt2-small)")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    name = "report_render_cpu" + (f"_{args.n_layer}_layers" if args.n_layer != 12 else "")
+    args.out = args.out or str(ROOT / "bench" / "results" / f"{name}.json")
 
-    layers = gpt2_small_layers()
+    layers = gpt2_small_layers(args.n_layer)
     t0 = time.perf_counter()
     tables, summary = synthetic_run("fp16", layers=layers, steps=args.steps, sample_every=1, seed=0)
     t_build = time.perf_counter() - t0
@@ -67,6 +73,7 @@ def main() -> None:
     result = {
         "benchmark": "report_render",
         "what": "render_report() of a gpt2-small-sized run (synthetic tables at GPT-2 small's module list)",
+        "n_layer": args.n_layer,
         "sampled_steps": args.steps,
         "modules": len(layers),
         "table_rows": sizes,

@@ -212,13 +212,23 @@ def whatif_overview(layers: pd.DataFrame) -> pd.DataFrame:
     return out[[T.TENSOR, T.NUMEL, *count_cols]]
 
 
-def _dtypes(rows: pd.DataFrame) -> str:
-    vals = [str(v) for v in rows[T.DTYPE].dropna().unique() if str(v)]
-    return ", ".join(vals)
+def _dtype_lists(hist: pd.DataFrame) -> dict[tuple[str, str], str]:
+    """(tensor kind, module) -> its dtypes in the order they first appear ("float32, bfloat16"), from the
+    distinct triples (a module's dtypes rarely change: thousands of steps reduce to a row or two per key)."""
+    rows = hist[[T.TENSOR, T.MODULE, T.DTYPE]].dropna(subset=[T.DTYPE]).drop_duplicates()
+    out: dict[tuple[str, str], list[str]] = {}
+    for kind, module, dtype in zip(
+        rows[T.TENSOR].astype(str), rows[T.MODULE].astype(str), rows[T.DTYPE].astype(str), strict=True
+    ):
+        if dtype:
+            out.setdefault((kind, module), []).append(dtype)
+    return {k: ", ".join(v) for k, v in out.items()}
 
 
-def _dtype_join(v: pd.Series) -> str:
-    return ", ".join(str(x) for x in pd.unique(v.dropna()) if str(x))
+def _by_key(series: pd.Series) -> dict[Any, Any]:
+    """A Series as a dict, its missing values (None, NaN) left out: a lookup per module is a dict's, not
+    pandas' ``.loc`` (a model of thousands of modules spent seconds there)."""
+    return {k: v for k, v in series.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
 
 
 def layer_records(layers: pd.DataFrame) -> list[dict[str, Any]]:
@@ -239,60 +249,48 @@ def layer_records(layers: pd.DataFrame) -> list[dict[str, Any]]:
         df[c] = pd.to_numeric(layers[c], errors="coerce")
     df.loc[~(df[T.ABSMIN] > 0), T.ABSMIN] = math.nan
     hist = df[df[T.TENSOR].isin(HIST_KINDS)]
-    by_kind = hist.groupby([T.TENSOR, T.MODULE], sort=False)
-    dtypes = by_kind[T.DTYPE].agg(_dtype_join)
-    amax = by_kind[T.ABSMAX].max()
-    amin = by_kind[T.ABSMIN].min()
-    sums = hist.groupby(T.MODULE, sort=False)[[T.NUMEL, T.ZEROS, *count_cols]].sum(min_count=1)
-    types = df.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE]
+    by_kind = hist.groupby([T.TENSOR, T.MODULE], sort=False, observed=True)
+    dtypes = _dtype_lists(hist)
+    amax = _by_key(by_kind[T.ABSMAX].max())
+    amin = _by_key(by_kind[T.ABSMIN].min())
+    sums = hist.groupby(T.MODULE, sort=False, observed=True)[[T.NUMEL, T.ZEROS, *count_cols]].sum(min_count=1)
+    totals = {c: _by_key(sums[c]) for c in (T.NUMEL, T.ZEROS, *count_cols)}
+    types = _by_key(df.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE])
     upd = df[df[T.TENSOR] == T.WEIGHT_UPDATE]
     upd = upd[upd[T.LOST_UPDATE_BF16].notna()]
-    lost = upd.groupby(T.MODULE)[T.LOST_UPDATE_BF16].sum() / upd.groupby(T.MODULE)[T.NUMEL].sum()
+    by_upd = upd.groupby(T.MODULE, observed=True)
+    lost = _by_key(by_upd[T.LOST_UPDATE_BF16].sum() / by_upd[T.NUMEL].sum())
     bad = hist[hist[T.NAN].fillna(0) + hist[T.INF].fillna(0) > 0]
     first: dict[str, str] = {}
     if not bad.empty:
-        s0 = bad.groupby(T.MODULE)[T.STEP].transform("min")
-        for m, g in bad[bad[T.STEP] == s0].groupby(T.MODULE, sort=False):
+        s0 = bad.groupby(T.MODULE, observed=True)[T.STEP].transform("min")
+        for m, g in bad[bad[T.STEP] == s0].groupby(T.MODULE, sort=False, observed=True):
             ks = [KIND_LABELS.get(str(k), str(k)) for k in pd.unique(g[T.TENSOR])]
             first[str(m)] = f"step {int(g[T.STEP].iloc[0])} ({', '.join(ks)})"
-
-    def get(series: pd.Series, key: Any, default: Any = math.nan) -> Any:
-        try:
-            v = series.loc[key]
-        except KeyError:
-            return default
-        return default if v is None or (isinstance(v, float) and math.isnan(v)) else v
-
-    out: list[dict[str, Any]] = []
-    for m in order:
-        row = sums.loc[m] if m in sums.index else None
-
-        def total(col: str, row: pd.Series | None = row) -> float:
-            return float(row[col]) if row is not None and pd.notna(row[col]) else 0.0
-
-        out.append(
-            {
-                "module": m,
-                "module_type": str(get(types, m, "")),
-                "param_dtype": get(dtypes, (T.WEIGHT, m), ""),
-                "act_dtype": get(dtypes, (T.ACTIVATION, m), ""),
-                "act_grad_dtype": get(dtypes, (T.ACTIVATION_GRAD, m), ""),
-                "weight_grad_dtype": get(dtypes, (T.WEIGHT_GRAD, m), ""),
-                "act_absmax": float(get(amax, (T.ACTIVATION, m))),
-                "act_grad_absmax": float(get(amax, (T.ACTIVATION_GRAD, m))),
-                "act_grad_absmin": float(get(amin, (T.ACTIVATION_GRAD, m))),
-                "weight_grad_absmax": float(get(amax, (T.WEIGHT_GRAD, m))),
-                "numel": total(T.NUMEL),
-                "zeros": total(T.ZEROS),
-                "underflow_fp16": total(T.underflow_col("fp16")),
-                "overflow_fp16": total(T.overflow_col("fp16")),
-                "underflow_bf16": total(T.underflow_col("bf16")),
-                "overflow_bf16": total(T.overflow_col("bf16")),
-                "lost_update_bf16": float(get(lost, m)),
-                "nonfinite_first": first.get(m, ""),
-            }
-        )
-    return out
+    nan = math.nan
+    return [
+        {
+            "module": m,
+            "module_type": str(types.get(m, "")),
+            "param_dtype": dtypes.get((T.WEIGHT, m), ""),
+            "act_dtype": dtypes.get((T.ACTIVATION, m), ""),
+            "act_grad_dtype": dtypes.get((T.ACTIVATION_GRAD, m), ""),
+            "weight_grad_dtype": dtypes.get((T.WEIGHT_GRAD, m), ""),
+            "act_absmax": float(amax.get((T.ACTIVATION, m), nan)),
+            "act_grad_absmax": float(amax.get((T.ACTIVATION_GRAD, m), nan)),
+            "act_grad_absmin": float(amin.get((T.ACTIVATION_GRAD, m), nan)),
+            "weight_grad_absmax": float(amax.get((T.WEIGHT_GRAD, m), nan)),
+            "numel": float(totals[T.NUMEL].get(m, 0.0)),
+            "zeros": float(totals[T.ZEROS].get(m, 0.0)),
+            "underflow_fp16": float(totals[T.underflow_col("fp16")].get(m, 0.0)),
+            "overflow_fp16": float(totals[T.overflow_col("fp16")].get(m, 0.0)),
+            "underflow_bf16": float(totals[T.underflow_col("bf16")].get(m, 0.0)),
+            "overflow_bf16": float(totals[T.overflow_col("bf16")].get(m, 0.0)),
+            "lost_update_bf16": float(lost.get(m, nan)),
+            "nonfinite_first": first.get(m, ""),
+        }
+        for m in order
+    ]
 
 
 def _dtype_census(rows: pd.DataFrame) -> list[dict[str, Any]]:
