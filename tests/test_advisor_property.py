@@ -263,3 +263,38 @@ def test_a_recommendation_read_back_with_any_loss_scale_describes_itself(scale: 
     rec = advisor.Recommendation("fp16", scale, 2.0**16, 2000)  # type: ignore[arg-type]
     assert f"init_scale={scale!r}" in rec.describe()
     assert "init_scale=0.125 (2^-3)" in advisor.Recommendation("fp16", 0.125, 0.125, 2000).describe()
+
+
+# module names of a model's tree: the root "", dotted paths, and layers' own input rows ("a.b:input")
+_segment = st.sampled_from(["a", "b", "h", "0", "1", "mlp", "mlp_1", "experts"])
+_module = st.one_of(
+    st.just(""),
+    st.builds(
+        lambda parts, inp: ".".join(parts) + (T.INPUT_SUFFIX if inp else ""),
+        st.lists(_segment, min_size=1, max_size=4),
+        st.booleans(),
+    ),
+)
+
+
+def _descends(child: str, parent: str) -> bool:
+    """What "descendant" means, pair by pair (the advisor once compared every pair: quadratic in modules)."""
+    return child != parent and (parent == "" or child.startswith(parent + "."))
+
+
+@given(st.lists(_module, max_size=30), st.lists(_module, max_size=5))
+@settings(max_examples=300, deadline=None)
+def test_innermost_and_kept_modules_equal_the_pairwise_definition(ms: list[str], parents: list[str]) -> None:
+    """``_innermost``, ``_under_any`` and ``_modules_to_keep`` look ancestors up in sets (linear in modules, for
+    an MoE with tens of thousands): the same answers as comparing every pair."""
+    from precprof.analysis.advisor import evidence as E
+
+    uniq = list(dict.fromkeys(ms))
+    assert E._innermost(ms) == [m for m in uniq if not any(_descends(o, m) for o in uniq)]
+    for m in ms:
+        assert E._under_any(m, set(parents)) == any(_descends(m, p) for p in parents)
+    owners = list(dict.fromkeys(E._owner(m) for m in uniq if m.endswith(T.INPUT_SUFFIX)))
+    real = [m for m in uniq if not m.endswith(T.INPUT_SUFFIX)]
+    real = [m for m in real if not any(_descends(o, m) for o in real)]
+    expected = list(dict.fromkeys([*owners, *(m for m in real if not any(_descends(m, o) for o in owners))]))
+    assert E._modules_to_keep(ms) == expected

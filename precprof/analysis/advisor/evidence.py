@@ -64,8 +64,19 @@ def _dtype_has(df: pd.DataFrame, dtype: str) -> pd.Series:
     return col.isin(having).astype(bool)
 
 
-def _is_descendant(child: str, parent: str) -> bool:
-    return child != parent and (parent == "" or child.startswith(parent + "."))
+def _ancestors(module: str) -> list[str]:
+    """The modules ``module`` is a descendant of: the root "" (of every other module) and each dotted prefix
+    ("a" and "a.b" of "a.b.c"; not "a.b" of "a.b:input", a layer's own input row)."""
+    if module == "":
+        return []
+    parts = module.split(".")
+    return ["", *(".".join(parts[:i]) for i in range(1, len(parts)))]
+
+
+def _under_any(module: str, parents: set[str]) -> bool:
+    """Whether ``module`` is a descendant of one of ``parents``: a set lookup per ancestor, so that a model of
+    tens of thousands of modules (an MoE whose experts are Linear modules) is not compared pair by pair."""
+    return any(a in parents for a in _ancestors(module))
 
 
 def _owner(module: str) -> str:
@@ -84,13 +95,15 @@ def _modules_to_keep(modules: Iterable[str]) -> list[str]:
     ms = list(dict.fromkeys(modules))
     owners = list(dict.fromkeys(_owner(m) for m in ms if m.endswith(T.INPUT_SUFFIX)))
     real = _innermost(m for m in ms if not m.endswith(T.INPUT_SUFFIX))
-    return list(dict.fromkeys([*owners, *(m for m in real if not any(_is_descendant(m, o) for o in owners))]))
+    held = set(owners)
+    return list(dict.fromkeys([*owners, *(m for m in real if not _under_any(m, held))]))
 
 
 def _innermost(modules: Iterable[str]) -> list[str]:
     """Drop modules that have a descendant in the set: the descendant is where the effect arises."""
     ms = list(dict.fromkeys(modules))
-    return [m for m in ms if not any(_is_descendant(o, m) for o in ms)]
+    inner = {a for o in ms for a in _ancestors(o)}
+    return [m for m in ms if m not in inner]
 
 
 @dataclass

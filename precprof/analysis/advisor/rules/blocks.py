@@ -27,7 +27,7 @@ from precprof import hardware as hw_mod
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.advisor.config import AdvisorConfig
-from precprof.analysis.advisor.evidence import _layer_dims, _matmul_leaves, _Plan, _prepare, _Run
+from precprof.analysis.advisor.evidence import _innermost, _layer_dims, _matmul_leaves, _Plan, _prepare, _Run
 from precprof.analysis.advisor.model import INFO, Finding, Number
 from precprof.analysis.advisor.rules.block_losses import (
     Columns,
@@ -138,12 +138,8 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
     if not linear:
         return []
     act_modules = [str(m) for m in run.kind(T.ACTIVATION)[T.MODULE].unique()]
-    leaves = [
-        m
-        for m in act_modules
-        if not any(o != m and (m == "" or o.startswith(m + ".")) for o in act_modules)
-        and not m.endswith(T.INPUT_SUFFIX)  # a layer's own input row is never another layer's input
-    ]
+    # a layer's own input row is never another layer's input
+    leaves = [m for m in _innermost(act_modules) if not m.endswith(T.INPUT_SUFFIX)]
     shapes = _fp8_shapes(run, linear, {k: dict(v) for k, v in dims.items()})
     # a head tied to an embedding has no weight of its own in the tables: its shape comes from the embedding's
     dims = {

@@ -13,7 +13,6 @@ from precprof.analysis.advisor.evidence import (
     _dtype_has,
     _grad_absmax,
     _innermost,
-    _is_descendant,
     _lost_norm_share,
     _modules_to_keep,
     _nonzero,
@@ -23,6 +22,7 @@ from precprof.analysis.advisor.evidence import (
     _share,
     _shifted_overflow,
     _shifted_underflow,
+    _under_any,
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
 from precprof.analysis.advisor.rules.scaler import _rule_scaler
@@ -112,7 +112,8 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     # a layer's own input row (a function's output) is kept in fp32 through the module that ran the function
     plan.keep_fp16 = run.sort(_modules_to_keep([*overflow_mods, *near_mods]))
     if plan.matmul_layers:
-        kept = [m for m in plan.matmul_layers if any(m == k or _is_descendant(m, k) for k in plan.keep_fp16)]
+        keep = set(plan.keep_fp16)
+        kept = [m for m in plan.matmul_layers if m in keep or _under_any(m, keep)]
         share = len(kept) / len(plan.matmul_layers)
         if share > cfg.fp16_keep_share_max:
             plan.fp16_block.append(
