@@ -122,6 +122,8 @@ class _Run:
     _kinds: dict[tuple[str, ...], pd.DataFrame] = field(default_factory=dict, init=False, repr=False)
     # hist_totals(), likewise
     _totals: pd.DataFrame | None = field(default=None, init=False, repr=False)
+    # _first_activations(), likewise
+    _first: dict[str, tuple[float, float]] | None = field(default=None, init=False, repr=False)
 
     def sort(self, modules: Iterable[str]) -> list[str]:
         return sorted(set(modules), key=lambda m: (self.order.get(m, 1 << 30), m))
@@ -447,9 +449,9 @@ def _measured_tokens_per_call(run: _Run) -> int | None:
     seen: dict[int, int] = {}
     for m, d in dims.items():
         out = d.get("out")
-        if not out or m not in acts.index:
+        if not out or m not in acts:
             continue
-        numel, calls = float(acts.loc[m, T.NUMEL]), float(acts.loc[m, T.CALLS])
+        numel, calls = acts[m]
         if not (math.isfinite(numel) and math.isfinite(calls)) or numel <= 0 or calls < 1:
             continue
         per = int(calls) * out
@@ -459,14 +461,24 @@ def _measured_tokens_per_call(run: _Run) -> int | None:
     return min(seen, key=lambda r: (-seen[r], r)) if seen else None
 
 
-def _first_activations(run: _Run) -> pd.DataFrame:
-    """Per module, its output elements and calls at the first sampled step (columns ``T.NUMEL``, ``T.CALLS``,
-    indexed by module): what a layer's shape and tokens per call are read from."""
-    layers = run.layers
-    if layers.empty:
-        return pd.DataFrame(columns=[T.NUMEL, T.CALLS])
-    first = layers[(layers[T.STEP] == layers[T.STEP].min()) & (layers[T.TENSOR] == T.ACTIVATION)]
-    return first.groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
+def _first_activations(run: _Run) -> dict[str, tuple[float, float]]:
+    """Per module, its output elements and calls at the first sampled step, ``(numel, calls)``: what a layer's
+    shape and tokens per call are read from. Computed once per run, as a dict: the rules look up every linear
+    layer, several times each (a ``.loc`` per lookup took seconds for an MoE of thousands of Linear experts)."""
+    if run._first is None:
+        layers = run.layers
+        if layers.empty:
+            run._first = {}
+        else:
+            first = layers[(layers[T.STEP] == layers[T.STEP].min()) & (layers[T.TENSOR] == T.ACTIVATION)]
+            g = first.groupby(T.MODULE, observed=True)[[T.NUMEL, T.CALLS]].sum()
+            run._first = {
+                str(m): (float(n), float(c))
+                for m, n, c in zip(
+                    g.index, g[T.NUMEL].to_numpy(float), g[T.CALLS].to_numpy(float), strict=True
+                )
+            }
+    return run._first
 
 
 def _expert_banks(run: _Run) -> dict[str, list[list[int]]]:
@@ -524,9 +536,9 @@ def _expert_gemms(run: _Run) -> dict[str, list[tuple[int, int, int]]]:
     acts = _first_activations(run)
     out: dict[str, list[tuple[int, int, int]]] = {}
     for bank, shapes in banks.items():
-        if bank not in acts.index:
+        if bank not in acts:
             continue
-        numel, calls = int(acts.loc[bank, T.NUMEL]), max(int(acts.loc[bank, T.CALLS]), 1)
+        numel, calls = int(acts[bank][0]), max(int(acts[bank][1]), 1)
         if numel % (calls * tokens):
             continue
         hidden = numel // (calls * tokens)
@@ -534,14 +546,10 @@ def _expert_gemms(run: _Run) -> dict[str, list[tuple[int, int, int]]]:
         if len(others) != len(shapes):
             continue
         inter = min(others)
-        inner = [
-            m
-            for m in _bank_activations(run, bank)
-            if m in acts.index and int(acts.loc[m, T.NUMEL]) % inter == 0
-        ]
+        inner = [m for m in _bank_activations(run, bank) if m in acts and int(acts[m][0]) % inter == 0]
         if not inner:
             continue
-        routed = int(acts.loc[inner[0], T.NUMEL]) // inter
+        routed = int(acts[inner[0]][0]) // inter
         out[bank] = [(routed, b, a) for _, a, b in shapes]  # (rows, in, out) of a weight held (out, in)
     return out
 
@@ -589,10 +597,10 @@ def _layer_dims(run: _Run) -> dict[str, dict[str, int]]:
         if (
             m in out
             or not (taxonomy.is_linear_type(t) or taxonomy.kind_of_type(t) == taxonomy.EMBEDDING)
-            or m not in acts.index
+            or m not in acts
         ):
             continue
-        numel, calls = int(acts.loc[m, T.NUMEL]), int(acts.loc[m, T.CALLS] or 1)
+        numel, calls = int(acts[m][0]), int(acts[m][1] or 1)
         per = calls * tokens
         if per <= 0 or numel % per:
             continue

@@ -84,7 +84,7 @@ def _input_of(
     m: str,
     leaves: list[str],
     dims: Mapping[str, Mapping[str, int]],
-    first: tuple[set[str], pd.DataFrame] | None = None,
+    first: tuple[set[str], dict[str, tuple[float, float]]] | None = None,
 ) -> str | None:
     """The module whose output is ``m``'s input, as the capture found it (summary capture.gemm_inputs: the
     output its GEMM read, or its own input row ``T.input_module`` when no captured module produced it); None
@@ -112,18 +112,22 @@ def _input_of(
     if not before:
         return None
     prev = max(before, key=lambda o: run.order[o])
-    if m not in first_step.index or prev not in first_step.index:
+    if m not in first_step or prev not in first_step:
         return None
-    per_call = float(first_step.loc[m, T.NUMEL]) / max(float(first_step.loc[m, T.CALLS]), 1.0)
-    prev_per_call = float(first_step.loc[prev, T.NUMEL]) / max(float(first_step.loc[prev, T.CALLS]), 1.0)
+    per_call = first_step[m][0] / max(first_step[m][1], 1.0)
+    prev_per_call = first_step[prev][0] / max(first_step[prev][1], 1.0)
     return prev if per_call * d["in"] == prev_per_call * d["out"] else None
 
 
-def _first_activations(run: _Run) -> tuple[set[str], pd.DataFrame]:
-    """The modules with activation rows, and per module (index) the activation elements and calls of the
-    first sampled step."""
+def _first_activations(run: _Run) -> tuple[set[str], dict[str, tuple[float, float]]]:
+    """The modules with activation rows, and per module the activation elements and calls of the first
+    sampled step, ``(numel, calls)``."""
     acts = run.kind(T.ACTIVATION)
-    first = acts[acts[T.STEP] == acts[T.STEP].min()].groupby(T.MODULE)[[T.NUMEL, T.CALLS]].sum()
+    g = acts[acts[T.STEP] == acts[T.STEP].min()].groupby(T.MODULE, observed=True)[[T.NUMEL, T.CALLS]].sum()
+    first = {
+        str(m): (float(n), float(c))
+        for m, n, c in zip(g.index, g[T.NUMEL].to_numpy(float), g[T.CALLS].to_numpy(float), strict=True)
+    }
     return {str(m) for m in acts[T.MODULE].unique()}, first
 
 

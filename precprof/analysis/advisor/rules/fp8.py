@@ -14,6 +14,10 @@ millionth of its norm (GPT-2's ``mlp.c_fc`` behind GELU).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import pandas as pd
 
@@ -112,10 +116,11 @@ def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-def _get(summary: pd.DataFrame, m: str, side: str, col: str) -> float | None:
-    if (m, side) not in summary.index:
-        return None
-    v = float(summary.at[(m, side), col])
+def _get(by_key: Mapping[Any, Mapping[str, Any]], m: str, side: str, col: str) -> float | None:
+    """Column ``col`` of ``fp8_summary``'s row (``m``, ``side``), from ``by_key`` (the summary as a dict, made
+    once: a MultiIndex lookup per layer took a second on thousands of layers); None when absent or not finite."""
+    row = by_key.get((m, side))
+    v = float(row[col]) if row is not None else math.nan
     return v if np.isfinite(v) else None
 
 
@@ -166,6 +171,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     lay = run.layers.loc[run.layers[T.MODULE].isin(linear), [T.MODULE, T.NAN, T.INF]]
     nonfinite = (lay[T.NAN] + lay[T.INF]).groupby(T.texts(lay[T.MODULE]).astype(object)).sum()
     summary = fp8_summary(fp8_losses(run, linear))
+    by_key = summary.to_dict("index")
     lim = cfg.lost_norm_max
     # modules whose output gradient was recorded: in a run that recorded some, a layer without one on any sampled
     # step had an output that needed none (a frozen layer that nothing trainable feeds, as a LoRA model's first
@@ -176,7 +182,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     forward_only: list[str] = []
     for m in linear:
         sh = shapes[m]
-        fwd, bwd = _get(summary, m, FORWARD, "norm"), _get(summary, m, BACKWARD, "norm")
+        fwd, bwd = _get(by_key, m, FORWARD, "norm"), _get(by_key, m, BACKWARD, "norm")
         if fwd is not None and with_grad and m not in with_grad:
             forward_only.append(m)
         # the shape rule is taxonomy's, the one --precision fp8 (convert_fp8) applies to the live model
@@ -278,7 +284,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     counted = [
         m
         for m in plan.fp8_eligible
-        if max(_get(summary, m, FORWARD, "values") or 0.0, _get(summary, m, BACKWARD, "values") or 0.0) > 0.01
+        if max(_get(by_key, m, FORWARD, "values") or 0.0, _get(by_key, m, BACKWARD, "values") or 0.0) > 0.01
     ]
     msg = (
         "A linear layer is FP8-eligible when --precision fp8 would convert it (an nn.Linear not tied to an "

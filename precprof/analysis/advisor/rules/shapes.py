@@ -6,8 +6,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import pandas as pd
-
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.advisor.evidence import (
@@ -141,17 +139,19 @@ def _own_weights(run: _Run) -> tuple[dict[str, bool], list[str]]:
     return own, order
 
 
-def _output_of(acts: pd.DataFrame, m: str) -> tuple[int, int] | None:
+def _output_of(acts: Mapping[str, tuple[float, float]], m: str) -> tuple[int, int] | None:
     """(output elements, calls) of module ``m`` at the first sampled step (``_first_activations``)."""
-    if m not in acts.index:
+    if m not in acts:
         return None
-    numel, calls = float(acts.loc[m, T.NUMEL]), float(acts.loc[m, T.CALLS])
+    numel, calls = acts[m]
     if not (math.isfinite(numel) and numel > 0):
         return None
     return int(numel), int(calls) if math.isfinite(calls) and calls >= 1 else 1
 
 
-def _rows_per_call(acts: pd.DataFrame, m: str, last: int | None, config_tokens: int | None) -> int | None:
+def _rows_per_call(
+    acts: Mapping[str, tuple[float, float]], m: str, last: int | None, config_tokens: int | None
+) -> int | None:
     """Rows per call of a module whose output's last dimension is ``last`` (batch x sequence); the
     configuration's tokens per call where that does not divide."""
     a = _output_of(acts, m)
