@@ -142,6 +142,21 @@ def tied_weight_ids(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
 
 
+def routed_expert(module: str) -> bool:
+    """Whether ``module`` is one of a mixture of experts' routed experts held as modules: a path under a
+    container named for them (``mlp.experts.3.up_proj``, Switch's ``experts.expert_0.wi``, DeepSpeed's
+    ``deepspeed_experts.0``). Each gets the tokens the router sends it, not the batch x sequence the other
+    layers see; a shared expert (``shared_expert``, ``shared_experts``), which every token goes through, is
+    not one."""
+    for seg in module.split(".")[:-1]:
+        low = seg.lower()
+        if low.startswith("shared"):
+            return False
+        if low in ("expert", "experts") or low.startswith("expert_") or low.endswith("_experts"):
+            return True
+    return False
+
+
 PARAMETRIZED = (
     "Parametrized"  # torch.nn.utils.parametrize names a parametrized Linear's class ParametrizedLinear
 )

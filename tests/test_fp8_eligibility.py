@@ -16,6 +16,8 @@ from scenarios import fp8_eligibility as scen
 from scenarios.loop import square_mean, train_profiled
 from torch import nn
 
+import precprof
+from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.advisor import AdvisorConfig, Recommendation
 from precprof.errors import UserError
@@ -281,3 +283,66 @@ def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_sa
     # nor does the block-format plan give them a block format: torchao's MX training fails on them too
     planned = [lay for lay in rec.block_what_if["layers"] if lay["module_type"] == "ParametrizedLinear"]
     assert planned and all(lay["choice"] == "bf16" and "parametrization" in lay["why"] for lay in planned)
+
+
+class _LinearExpertsMoE(nn.Module):
+    """A mixture of experts held as modules (research code, transformers 4's Mixtral): ``inp``, a router
+    (``gate``) that weighs the experts, eight experts of two Linear layers each, and ``out``. Which expert a
+    token goes to is fixed (token i to ``ROUTE[i]``): experts 0-3 get 12 tokens of a batch of 64, experts 4-7
+    get 4."""
+
+    ROUTE = [e for e in range(4) for _ in range(12)] + [e for e in range(4, 8) for _ in range(4)]
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.gate, self.out = nn.Linear(32, 32), nn.Linear(32, 8), nn.Linear(32, 32)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(8)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).flatten(0, 1)
+        weight = self.gate(h).softmax(-1)
+        route = torch.tensor(self.ROUTE)
+        moe = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            tok = (route == e).nonzero().squeeze(1)
+            moe = moe.index_add(0, tok, expert(h[tok]) * weight[tok, e, None])
+        return self.out(h + moe).view_as(x)
+
+
+def test_routed_experts_are_held_back_by_their_routed_tokens_and_do_not_set_batch_x_sequence() -> None:
+    """An MoE whose experts are Linear modules, 64 tokens a batch: the 16 expert layers outnumber the others,
+    so the tokens per call measured as the linear layers' most common rows were an expert's (4): "batch x
+    sequence = 4" and a remedy to change the batch size, which sets no expert's share. The experts are now left
+    out of that measure (64, aligned: no finding), and the FP8 finding says they are held back by the tokens
+    routed to them, which no batch size lifts, and what does (torchao's padding, a grouped GEMM). Checked
+    against the tokens each expert received, counted by hooks of the test's own."""
+    model = _LinearExpertsMoE()
+    rows: dict[str, set[int]] = {}
+    for i, expert in enumerate(model.experts):
+        for j in (0, 2):
+            name = f"experts.{i}.{j}"
+            expert[j].register_forward_pre_hook(
+                lambda mod, args, name=name: rows.setdefault(name, set()).add(args[0].shape[0])
+            )
+    run = train_profiled(
+        model, lambda step: (torch.randn(4, 16, 32),) * 2, square_mean, precision="bf16", steps=2
+    )
+    # as a Profiler in the user's own loop saves it: no configuration says the batch's tokens
+    own_loop = {T.SUMMARY_CAPTURE: run.summary[T.SUMMARY_CAPTURE]}
+    rec = precprof.recommend(run.tables, hardware="h100", config=AdvisorConfig(), summary=own_loop)
+    assert rec.finding("tensor_core_alignment") is None
+    f = rec.finding("fp8_eligibility")
+    assert f is not None
+    held = {m for m, counts in rows.items() if any(c % 16 for c in counts)}
+    assert len(held) == 16 and set(f.modules).isdisjoint(held) and {"inp", "out"} <= set(f.modules)
+    listed = f.message.split("Not eligible: ")[1]
+    assert all(
+        m in listed for m in held if m != "experts.7.2" and m < "experts.2"
+    )  # the first ones are named
+    assert "(routed experts: the tokens routed to each per call are not a multiple of 16" in listed
+    assert "tokens per call, not a multiple of 16)" not in listed  # no layer is told its batch is at fault
+    assert "The 16 routed experts held back by the tokens routed to them (4 to 12 per call" in f.remedy
+    assert "pad_inner_dim=True" in f.remedy and "qualify once batch x sequence" not in f.remedy

@@ -130,3 +130,24 @@ def test_fp8_linear_layers_reads_a_column_of_missing_types_without_a_warning() -
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert X.fp8_linear_layers(layers) == ([], 0)
+
+
+@pytest.mark.parametrize(
+    ("name", "routed"),
+    [
+        ("model.layers.0.mlp.experts.3.up_proj", True),  # transformers 4's Mixtral, Qwen2-MoE, DeepSeek
+        ("model.layers.0.block_sparse_moe.experts.7.w1", True),
+        ("encoder.block.1.layer.1.mlp.experts.expert_0.wi", True),  # Switch Transformers
+        ("layers.2.deepspeed_moe.experts.deepspeed_experts.0.fc1", True),  # DeepSpeed-MoE
+        ("model.layers.0.mlp.shared_expert.up_proj", False),  # Qwen2-MoE's expert every token goes through
+        ("model.layers.0.mlp.shared_experts.up_proj", False),  # DeepSeek's
+        ("model.layers.0.mlp.gate", False),  # the router sees every token
+        (
+            "model.layers.0.mlp.experts",
+            False,
+        ),  # a bank of 3-D weights (transformers 5): a module, not inside one
+        ("transformer.h.0.mlp.c_fc", False),
+    ],
+)
+def test_routed_experts_are_told_from_shared_experts_and_routers(name: str, routed: bool) -> None:
+    assert X.routed_expert(name) is routed

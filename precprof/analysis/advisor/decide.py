@@ -40,6 +40,11 @@ def _fp8_numbers_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
             f" ({'its' if n == 1 else 'the'} tokens per call of {n} of them, {token_counts(plan)}, "
             f"{'is' if len(set(plan.fp8_tokens.values())) == 1 else 'are'} not a multiple of {FP8_DIM_MULTIPLE})"
         )
+    if plan.fp8_expert_tokens:
+        causes += (
+            f" ({len(plan.fp8_expert_tokens)} of them are routed experts whose tokens per call follow the routing, "
+            f"not a multiple of {FP8_DIM_MULTIPLE})"
+        )
     if not plan.fp8_eligible:
         return f"none of its {plan.fp8_checked} linear layers is FP8-eligible{causes}"
     share = plan.fp8_flops_share

@@ -379,6 +379,8 @@ class _Plan:
     fp8_tokens_vary: bool = (
         False  # ... at a later sampled step than the first (the tokens vary from step to step)
     )
+    # routed experts held back by the tokens routed to them (module -> tokens per call): no batch size lifts it
+    fp8_expert_tokens: dict[str, int] = field(default_factory=dict)
     fp8_flops_share: float | None = None
     fp8_experts_share: float | None = None  # a mixture of experts' expert GEMMs: counted, left in bf16
     fp8_experts_uncounted: list[str] = field(default_factory=list)  # banks whose routed rows are unknown
@@ -441,10 +443,14 @@ def _tokens_per_call(run: _Run) -> int | None:
 
 def _measured_tokens_per_call(run: _Run) -> int | None:
     """The most common rows per call of the linear layers whose shapes the Profiler recorded, at the first
-    sampled step (ties: the smallest); None without one."""
+    sampled step (ties: the smallest); None without one. A mixture of experts' routed experts
+    (``taxonomy.routed_expert``) are left out where other layers were recorded: each sees the tokens routed to
+    it, and thousands of them outvoted the batch x sequence every other layer read."""
     dims = _recorded_dims(run)
     if run.layers.empty or not dims:
         return None
+    dense = {m: d for m, d in dims.items() if not taxonomy.routed_expert(m)}
+    dims = dense or dims
     acts = _first_activations(run)
     seen: dict[int, int] = {}
     for m, d in dims.items():

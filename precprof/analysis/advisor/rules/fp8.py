@@ -125,6 +125,10 @@ def _get(by_key: Mapping[Any, Mapping[str, Any]], m: str, side: str, col: str) -
 
 
 TOKENS_REASON = f"tokens per call, not a multiple of {taxonomy.FP8_DIM_MULTIPLE}"  # taxonomy's words
+EXPERT_TOKENS_REASON = (
+    f"routed experts: the tokens routed to each per call are not a multiple of {taxonomy.FP8_DIM_MULTIPLE}, "
+    "and follow the routing"
+)
 
 
 def token_counts(plan: _Plan) -> str:
@@ -134,6 +138,26 @@ def token_counts(plan: _Plan) -> str:
 
 def tokens_remedy(plan: _Plan) -> str:
     """How to lift the tokens per call that hold layers back from FP8 ("" when none does)."""
+    return _batch_tokens_remedy(plan) + _expert_tokens_remedy(plan)
+
+
+def _expert_tokens_remedy(plan: _Plan) -> str:
+    """How to lift the routed tokens that hold a mixture of experts' experts back ("" when none does)."""
+    if not plan.fp8_expert_tokens:
+        return ""
+    counts = sorted(set(plan.fp8_expert_tokens.values()))
+    shown = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+    m = taxonomy.FP8_DIM_MULTIPLE
+    return (
+        f" The {len(plan.fp8_expert_tokens)} routed experts held back by the tokens routed to them ({shown} per "
+        "call on the sampled steps) take whatever share of the batch the router gives them, so no batch size "
+        f"makes every share a multiple of {m}: torchao pads them (Float8LinearConfig(pad_inner_dim=True)), or a "
+        "grouped GEMM over all experts (torchao's MoE training) runs them as one matmul."
+    )
+
+
+def _batch_tokens_remedy(plan: _Plan) -> str:
+    """How to lift the batch x sequence that holds layers back from FP8 ("" when it holds none)."""
     if not plan.fp8_tokens:
         return ""
     m = taxonomy.FP8_DIM_MULTIPLE
@@ -207,6 +231,9 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 if sh.shared
                 else ": none was recorded for it"
             )
+        elif TOKENS_REASON in why and taxonomy.routed_expert(m):
+            plan.fp8_expert_tokens[m] = sh.odd_tokens[1] if sh.odd_tokens is not None else sh.tokens or 0
+            why = EXPERT_TOKENS_REASON
         elif TOKENS_REASON in why:
             plan.fp8_tokens[m] = sh.odd_tokens[1] if sh.odd_tokens is not None else sh.tokens or 0
             plan.fp8_tokens_vary |= sh.odd_tokens is not None
