@@ -264,7 +264,8 @@ def report(
         raise UserError(
             f"--target {target!r}: unknown machine; known targets: {', '.join(hardware.PRESET_NAMES)}"
         )
-    newer = rundir.newer_version_note(run_dir, T.read_summary(run_dir))
+    summary = T.read_summary(run_dir)
+    newer = rundir.newer_version_note(run_dir, summary) or rundir.older_advice_note(run_dir, summary)
     try:
         path = pipeline.rerender(run_dir, out=out, target=target)
     except OSError as e:

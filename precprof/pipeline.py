@@ -180,8 +180,8 @@ def rerender(
     run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, target: str | None = None
 ) -> Path:
     """Render a run directory's report again (``precprof report``): with the stored recommendation, or one
-    computed now by the advisor when ``target`` (a hardware preset: "a100", "t4"...) is given or none is
-    stored. summary.json is never rewritten, and neither is the run's own report.html when planning for a target:
+    computed now by the advisor when ``target`` (a hardware preset: "a100", "t4"...) is given, none is stored,
+    or an older precprof stored it (``rundir.older_advice_note``, which the page's notices then carry). summary.json is never rewritten, and neither is the run's own report.html when planning for a target:
     that page goes to ``report-<target>.html`` beside it unless ``out`` says otherwise. Returns the HTML path.
 
     A run still being written (``rundir.live_writer``: its lock is held) is rendered from what it has streamed,
@@ -194,14 +194,16 @@ def rerender(
     summary = T.read_summary(rd) if T.is_run_dir(rd) else {}
     rec: Any = None
     advisor_error = None
-    advise = target is not None or not summary.get(T.SUMMARY_RECOMMENDATION)
+    # advised again: for another machine, for a run without advice, or over an older precprof's advice
+    older = rundir.older_advice_note(rd, summary)
+    advise = target is not None or not summary.get(T.SUMMARY_RECOMMENDATION) or older is not None
     # read once, for the advisor and the page; the page alone needs only the histograms summed over steps
     read = T.read_run(rd, categorical=True, histogram_totals=not advise) if T.is_run_dir(rd) else None
     live_line = None
     if read is not None:
-        note = rundir.newer_version_note(rd, summary)
-        if note:
-            read.notices.append(note)
+        for note in (rundir.newer_version_note(rd, summary), older):
+            if note:
+                read.notices.append(note)
         live_line = rundir.live_note(rd, read.last_step) if live else None
     if read is not None and advise:
         machine: Any = None

@@ -66,6 +66,23 @@ def newer_version_note(run_dir: str | os.PathLike[str], summary: dict[str, Any])
     )
 
 
+def older_advice_note(run_dir: str | os.PathLike[str], summary: dict[str, Any]) -> str | None:
+    """One line when ``summary`` (run_dir's) holds a recommendation an older precprof made, else None: its
+    advisor may have been wrong where this one is right, so the report advises again (``pipeline.rerender``),
+    for the machine the run recorded."""
+    theirs = summary.get(T.SUMMARY_VERSION)
+    if not summary.get(T.SUMMARY_RECOMMENDATION) or not isinstance(theirs, str) or not _release(theirs):
+        return None
+    a, b = _release(theirs), _release(__version__)
+    width = max(len(a), len(b))
+    if a + (0,) * (width - len(a)) >= b + (0,) * (width - len(b)):
+        return None
+    return (
+        f"{run_dir} was advised by precprof {theirs}; the report shows the advice of this precprof "
+        f"({__version__}), given now from the run's tables for the machine it recorded (summary.json keeps the old)"
+    )
+
+
 class RunDirError(UserError):
     """The run directory cannot be used: a file, not writable, holding a run, or in use by another process."""
 

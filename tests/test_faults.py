@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from html import unescape
 from pathlib import Path
 
 import pandas as pd
@@ -772,6 +773,33 @@ def test_report_on_a_run_from_a_newer_precprof_says_so(
     line = one_line_error(err)
     assert "precprof 99.1.0" in line and f"this is precprof {precprof.__version__}" in line, line
     assert "upgrade precprof" in line, line
+
+
+@pytest.mark.parametrize("version", ["0.0.1", precprof.__version__])
+def test_report_on_a_run_an_older_precprof_advised_advises_again(
+    good_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], version: str
+) -> None:
+    """``precprof report`` rendered the recommendation stored in the run: a run advised by an older precprof
+    kept its verdict after an upgrade that fixed the advisor (today's wrong Adam verdict, say). Over an older
+    version's advice it now advises again, for the machine the run recorded, and says so on the terminal (and
+    among a streamed run's notices in the page, as for a newer version's run); summary.json keeps what was
+    stored. The same version's advice is rendered as stored."""
+    run_dir = damaged_copy(good_run, tmp_path)
+    summary = T.read_summary(run_dir)
+    stale = {**summary[T.SUMMARY_RECOMMENDATION], "reasons": ["A STALE REASON FROM AN OLD ADVISOR"]}
+    T.write_summary(run_dir, {**summary, T.SUMMARY_VERSION: version, T.SUMMARY_RECOMMENDATION: stale})
+    rc, out, err = run_main(["report", str(run_dir)], capsys)
+    assert rc == 0 and out.strip() == str(run_dir / T.REPORT_FILE)
+    html = (run_dir / T.REPORT_FILE).read_text()
+    assert T.read_summary(run_dir)[T.SUMMARY_RECOMMENDATION] == stale
+    if version == precprof.__version__:
+        assert err == "" and "A STALE REASON FROM AN OLD ADVISOR" in html
+        return
+    line = one_line_error(err)
+    assert "was advised by precprof 0.0.1" in line and f"this precprof ({precprof.__version__})" in line, line
+    assert "A STALE REASON FROM AN OLD ADVISOR" not in html
+    fresh = precprof.recommend(run_dir)
+    assert fresh.reasons and all(r in unescape(html) for r in fresh.reasons)
 
 
 def test_report_to_an_unwritable_place_is_one_line(
