@@ -773,6 +773,7 @@ def test_report_on_a_run_from_a_newer_precprof_says_so(
     line = one_line_error(err)
     assert "precprof 99.1.0" in line and f"this is precprof {precprof.__version__}" in line, line
     assert "upgrade precprof" in line, line
+    assert "was written by precprof 99.1.0" in (run_dir / T.REPORT_FILE).read_text()  # the page says it too
 
 
 @pytest.mark.parametrize("version", ["0.0.1", precprof.__version__])
@@ -781,9 +782,8 @@ def test_report_on_a_run_an_older_precprof_advised_advises_again(
 ) -> None:
     """``precprof report`` rendered the recommendation stored in the run: a run advised by an older precprof
     kept its verdict after an upgrade that fixed the advisor (today's wrong Adam verdict, say). Over an older
-    version's advice it now advises again, for the machine the run recorded, and says so on the terminal (and
-    among a streamed run's notices in the page, as for a newer version's run); summary.json keeps what was
-    stored. The same version's advice is rendered as stored."""
+    version's advice it now advises again, for the machine the run recorded, and says so on the terminal and
+    in the page; summary.json keeps what was stored. The same version's advice is rendered as stored."""
     run_dir = damaged_copy(good_run, tmp_path)
     summary = T.read_summary(run_dir)
     stale = {**summary[T.SUMMARY_RECOMMENDATION], "reasons": ["A STALE REASON FROM AN OLD ADVISOR"]}
@@ -797,7 +797,7 @@ def test_report_on_a_run_an_older_precprof_advised_advises_again(
         return
     line = one_line_error(err)
     assert "was advised by precprof 0.0.1" in line and f"this precprof ({precprof.__version__})" in line, line
-    assert "A STALE REASON FROM AN OLD ADVISOR" not in html
+    assert "A STALE REASON FROM AN OLD ADVISOR" not in html and "was advised by precprof 0.0.1" in html
     fresh = precprof.recommend(run_dir)
     assert fresh.reasons and all(r in unescape(html) for r in fresh.reasons)
 

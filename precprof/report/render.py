@@ -93,6 +93,9 @@ def render_html(
         if stream is not None and stream.streamed
         else None
     )
+    # what reading a saved run learned (a newer precprof wrote it, an older one advised it): a streamed run's
+    # banner carries these already
+    ctx["notices"] = list(stream.notices) if stream is not None and not stream.streamed and not live else []
     ctx["live"] = live
     if live:  # its summary says "running" (incomplete) until it ends: not a cut-off run
         ctx["incomplete"] = False
