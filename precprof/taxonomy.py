@@ -147,7 +147,8 @@ def routed_expert(module: str) -> bool:
     container named for them (``mlp.experts.3.up_proj``, Switch's ``experts.expert_0.wi``, DeepSpeed's
     ``deepspeed_experts.0``). Each gets the tokens the router sends it, not the batch x sequence the other
     layers see; a shared expert (``shared_expert``, ``shared_experts``), which every token goes through, is
-    not one."""
+    not one. The name alone cannot tell a multi-gate mixture's experts, which see every token: the advisor
+    also asks that the tokens per call differ from the batch's."""
     for seg in module.split(".")[:-1]:
         low = seg.lower()
         if low.startswith("shared"):

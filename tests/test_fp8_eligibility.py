@@ -346,3 +346,29 @@ def test_routed_experts_are_held_back_by_their_routed_tokens_and_do_not_set_batc
     assert "tokens per call, not a multiple of 16)" not in listed  # no layer is told its batch is at fault
     assert "The 16 routed experts held back by the tokens routed to them (4 to 12 per call" in f.remedy
     assert "pad_inner_dim=True" in f.remedy and "qualify once batch x sequence" not in f.remedy
+
+
+class _SoftExperts(nn.Module):
+    """A multi-gate mixture of experts (recommender models' MMoE): every expert sees every token and a softmax
+    gate weighs their outputs, so an expert's tokens per call are the batch's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate = nn.Linear(32, 4)
+        self.experts = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.gate(x).softmax(-1)
+        return sum(w[..., e, None] * expert(x) for e, expert in enumerate(self.experts))  # type: ignore[return-value]
+
+
+def test_experts_that_see_every_token_are_held_back_by_the_batch_as_any_layer() -> None:
+    """Named experts, but not routed: each reads the batch's 68 tokens (4 x 17). They are held back by the
+    tokens per call like any layer, and the remedy is the batch's (a multiple of 16), not the routed experts'."""
+    f = _advice(_SoftExperts(), 17, 17).finding("fp8_eligibility")
+    assert f is not None and f.modules == []
+    assert (
+        "experts.0, experts.1, experts.2, experts.3 (68 tokens per call, not a multiple of 16)" in f.message
+    )
+    assert "routed" not in f.message + f.remedy and "qualify once batch x sequence" in f.remedy

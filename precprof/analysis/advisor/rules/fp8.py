@@ -204,8 +204,10 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     with_grad = set(T.texts(grads).astype(object))
     rows: list[tuple[str, str]] = []
     forward_only: list[str] = []
+    batch_tokens = _tokens_per_call(run)
     for m in linear:
         sh = shapes[m]
+        held_tokens = sh.odd_tokens[1] if sh.odd_tokens is not None else sh.tokens or 0
         fwd, bwd = _get(by_key, m, FORWARD, "norm"), _get(by_key, m, BACKWARD, "norm")
         if fwd is not None and with_grad and m not in with_grad:
             forward_only.append(m)
@@ -231,11 +233,12 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 if sh.shared
                 else ": none was recorded for it"
             )
-        elif TOKENS_REASON in why and taxonomy.routed_expert(m):
-            plan.fp8_expert_tokens[m] = sh.odd_tokens[1] if sh.odd_tokens is not None else sh.tokens or 0
+        elif TOKENS_REASON in why and taxonomy.routed_expert(m) and held_tokens != batch_tokens:
+            # routed: a share of the batch (an expert that sees every token, as a multi-gate mixture's, is not)
+            plan.fp8_expert_tokens[m] = held_tokens
             why = EXPERT_TOKENS_REASON
         elif TOKENS_REASON in why:
-            plan.fp8_tokens[m] = sh.odd_tokens[1] if sh.odd_tokens is not None else sh.tokens or 0
+            plan.fp8_tokens[m] = held_tokens
             plan.fp8_tokens_vary |= sh.odd_tokens is not None
         if why:
             plan.fp8_shape_blocked.add(m)
