@@ -181,8 +181,9 @@ def rerender(
 ) -> Path:
     """Render a run directory's report again (``precprof report``): with the stored recommendation, or one
     computed now by the advisor when ``target`` (a hardware preset: "a100", "t4"...) is given, none is stored,
-    or an older precprof stored it (``rundir.older_advice_note``, which the page's notices then carry). summary.json is never rewritten, and neither is the run's own report.html when planning for a target:
-    that page goes to ``report-<target>.html`` beside it unless ``out`` says otherwise. Returns the HTML path.
+    or an older precprof stored it (``rundir.older_advice_note``, which the page's notices then carry).
+    summary.json is never rewritten, and neither is the run's own report.html when planning for a target: that
+    page goes to ``report-<target>.html`` beside it unless ``out`` says otherwise. Returns the HTML path.
 
     A run still being written (``rundir.live_writer``: its lock is held) is rendered from what it has streamed,
     and the page says so; a page that the run (or another reader) wrote while this one rendered is newer, and

@@ -50,19 +50,27 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in m.group(1).split(".")) if m else ()
 
 
-def newer_version_note(run_dir: str | os.PathLike[str], summary: dict[str, Any]) -> str | None:
-    """One line when ``summary`` (run_dir's) was written by a newer precprof than this one, else None: what
-    that version recorded and this one does not know is not in the report this one renders."""
+def _against_ours(summary: dict[str, Any]) -> int | None:
+    """How the precprof that wrote ``summary`` compares with this one, by release numbers: -1 older, 0 the
+    same, 1 newer; None when the summary names no version this can read."""
     theirs = summary.get(T.SUMMARY_VERSION)
     if not isinstance(theirs, str) or not _release(theirs):
         return None
     a, b = _release(theirs), _release(__version__)
     width = max(len(a), len(b))
-    if a + (0,) * (width - len(a)) <= b + (0,) * (width - len(b)):
+    a, b = a + (0,) * (width - len(a)), b + (0,) * (width - len(b))
+    return (a > b) - (a < b)
+
+
+def newer_version_note(run_dir: str | os.PathLike[str], summary: dict[str, Any]) -> str | None:
+    """One line when ``summary`` (run_dir's) was written by a newer precprof than this one, else None: what
+    that version recorded and this one does not know is not in the report this one renders."""
+    if _against_ours(summary) != 1:
         return None
     return (
-        f"{run_dir} was written by precprof {theirs} and this is precprof {__version__}: the report leaves out "
-        "what the newer version recorded and this one does not know; upgrade precprof to see all of it"
+        f"{run_dir} was written by precprof {summary[T.SUMMARY_VERSION]} and this is precprof {__version__}: the "
+        "report leaves out what the newer version recorded and this one does not know; upgrade precprof to see "
+        "all of it"
     )
 
 
@@ -70,16 +78,12 @@ def older_advice_note(run_dir: str | os.PathLike[str], summary: dict[str, Any]) 
     """One line when ``summary`` (run_dir's) holds a recommendation an older precprof made, else None: its
     advisor may have been wrong where this one is right, so the report advises again (``pipeline.rerender``),
     for the machine the run recorded."""
-    theirs = summary.get(T.SUMMARY_VERSION)
-    if not summary.get(T.SUMMARY_RECOMMENDATION) or not isinstance(theirs, str) or not _release(theirs):
-        return None
-    a, b = _release(theirs), _release(__version__)
-    width = max(len(a), len(b))
-    if a + (0,) * (width - len(a)) >= b + (0,) * (width - len(b)):
+    if not summary.get(T.SUMMARY_RECOMMENDATION) or _against_ours(summary) != -1:
         return None
     return (
-        f"{run_dir} was advised by precprof {theirs}; the report shows the advice of this precprof "
-        f"({__version__}), given now from the run's tables for the machine it recorded (summary.json keeps the old)"
+        f"{run_dir} was advised by precprof {summary[T.SUMMARY_VERSION]}; the report shows the advice of this "
+        f"precprof ({__version__}), given now from the run's tables for the machine it recorded (summary.json "
+        "keeps the old)"
     )
 
 
