@@ -22,8 +22,7 @@ from precprof.analysis.comparison import (
 )
 from precprof.modes import MODE_COLORS
 from precprof.report import environment as env_words
-from precprof.report.plots import COMPONENT_COLORS, FIG_WIDTH_IN, data_uri, png_bytes
-from precprof.report.plots.training import step_label
+from precprof.report.plots import COMPONENT_COLORS, FIG_WIDTH_IN, data_uri, png_bytes, step_label
 from precprof.report.render import environment
 
 TEMPLATE = "compare.html.j2"

@@ -477,14 +477,17 @@ def _first_activations(run: _Run) -> dict[str, tuple[float, float]]:
             run._first = {}
         else:
             first = layers[(layers[T.STEP] == layers[T.STEP].min()) & (layers[T.TENSOR] == T.ACTIVATION)]
-            g = first.groupby(T.MODULE, observed=True)[[T.NUMEL, T.CALLS]].sum()
-            run._first = {
-                str(m): (float(n), float(c))
-                for m, n, c in zip(
-                    g.index, g[T.NUMEL].to_numpy(float), g[T.CALLS].to_numpy(float), strict=True
-                )
-            }
+            run._first = _numel_calls(first)
     return run._first
+
+
+def _numel_calls(rows: pd.DataFrame) -> dict[str, tuple[float, float]]:
+    """Per module of ``rows``, its elements and calls summed, ``(numel, calls)``."""
+    g = rows.groupby(T.MODULE, observed=True)[[T.NUMEL, T.CALLS]].sum()
+    return {
+        str(m): (float(n), float(c))
+        for m, n, c in zip(g.index, g[T.NUMEL].to_numpy(float), g[T.CALLS].to_numpy(float), strict=True)
+    }
 
 
 def _expert_banks(run: _Run) -> dict[str, list[list[int]]]:

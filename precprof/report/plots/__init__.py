@@ -22,6 +22,7 @@ from precprof.report.plots.common import (
     png_bytes,
     pow2_text,
     row_labels,
+    step_label,
     svg_bytes,
 )
 from precprof.report.plots.heatmap import LOST_COLORS, Heatmap, share_norm, signature_heatmap
@@ -53,6 +54,7 @@ __all__ = [
     "row_labels",
     "share_norm",
     "signature_heatmap",
+    "step_label",
     "svg_bytes",
     "training_figure",
 ]

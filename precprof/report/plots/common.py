@@ -53,6 +53,13 @@ def _pow2_label(x: float, _pos: Any = None) -> str:
     return f"$2^{{{k}}}$" if abs(x - k) < 1e-9 else ""
 
 
+def step_label(x: float, _pos: Any = None) -> str:
+    """A step number short enough to sit beside its neighbours: 2400, 30k, 62.5k, 1.5M."""
+    if abs(x) >= 1e6:
+        return f"{x / 1e6:g}M"
+    return f"{x / 1e3:g}k" if abs(x) >= 1e4 else f"{x:g}"
+
+
 def pow2_text(v: float) -> str:
     """``2^k`` for powers of two, else the value with 3 significant digits (plain text, for captions)."""
     if v > 0 and math.isfinite(v):

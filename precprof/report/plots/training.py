@@ -13,7 +13,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from precprof import tables as T
-from precprof.report.plots.common import FIG_WIDTH_IN, _pow2_label
+from precprof.report.plots.common import FIG_WIDTH_IN, _pow2_label, step_label
 
 SKIP_COLOR = "#d62728"
 RESTART_COLOR = "#2c7fb8"
@@ -140,10 +140,3 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
         a.yaxis.label.set_fontsize(9)
         a.tick_params(labelsize=8.5)
     return fig
-
-
-def step_label(x: float, _pos: Any = None) -> str:
-    """A step number short enough to sit beside its neighbours: 2400, 30k, 62.5k, 1.5M."""
-    if abs(x) >= 1e6:
-        return f"{x / 1e6:g}M"
-    return f"{x / 1e3:g}k" if abs(x) >= 1e4 else f"{x:g}"

@@ -27,7 +27,15 @@ from precprof import hardware as hw_mod
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.advisor.config import AdvisorConfig
-from precprof.analysis.advisor.evidence import _innermost, _layer_dims, _matmul_leaves, _Plan, _prepare, _Run
+from precprof.analysis.advisor.evidence import (
+    _innermost,
+    _layer_dims,
+    _matmul_leaves,
+    _numel_calls,
+    _Plan,
+    _prepare,
+    _Run,
+)
 from precprof.analysis.advisor.model import INFO, Finding, Number
 from precprof.analysis.advisor.rules.block_losses import (
     Columns,
@@ -123,12 +131,7 @@ def _first_activations(run: _Run) -> tuple[set[str], dict[str, tuple[float, floa
     """The modules with activation rows, and per module the activation elements and calls of the first
     sampled step, ``(numel, calls)``."""
     acts = run.kind(T.ACTIVATION)
-    g = acts[acts[T.STEP] == acts[T.STEP].min()].groupby(T.MODULE, observed=True)[[T.NUMEL, T.CALLS]].sum()
-    first = {
-        str(m): (float(n), float(c))
-        for m, n, c in zip(g.index, g[T.NUMEL].to_numpy(float), g[T.CALLS].to_numpy(float), strict=True)
-    }
-    return {str(m) for m in acts[T.MODULE].unique()}, first
+    return {str(m) for m in acts[T.MODULE].unique()}, _numel_calls(acts[acts[T.STEP] == acts[T.STEP].min()])
 
 
 def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None) -> list[LayerBlocks]:
