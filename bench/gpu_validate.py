@@ -239,11 +239,8 @@ def stage_tests(run: Run) -> dict[str, Any]:
 
     files = gpu_test_files()
     timeout_s = max(30.0, min(240.0, run.left() - 60))
-    if run.dry:  # the plumbing: collected in two processes (GPU-marked files and the others), not one a file
-        results = {}
-        for marked in (True, False):
-            group = [p for p in files if ("pytest.mark.gpu" in p.read_text()) == marked]
-            results.update(_collect_files(group, marked, timeout_s))
+    if run.dry:  # the plumbing: every file collected in one process, not one a file
+        results = _collect_files(files, timeout_s)
     else:
         with ThreadPoolExecutor(max_workers=4) as pool:
             futures = {p.name: pool.submit(_run_test_file, p, timeout_s) for p in files}
@@ -252,13 +249,13 @@ def stage_tests(run: Run) -> dict[str, Any]:
     return {"files": results, "failed_files": failed, "collected_only": run.dry}
 
 
-def _collect_files(files: list[Path], gpu_marked: bool, timeout_s: float) -> dict[str, dict[str, Any]]:
-    """``pytest --collect-only`` of ``files`` in one process (only their GPU tests when ``gpu_marked``): per
-    file, the process's return code and the tests collected."""
+def _collect_files(files: list[Path], timeout_s: float) -> dict[str, dict[str, Any]]:
+    """``pytest --collect-only`` of ``files`` in one process: per file, the process's return code and the
+    tests collected (all of a file's tests, the GPU-marked ones among them)."""
     if not files:
         return {}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "--collect-only"]
-    cmd += [*(["-m", "gpu"] if gpu_marked else []), *(str(p) for p in files)]
+    cmd += [str(p) for p in files]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t = time.perf_counter()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -1099,12 +1096,11 @@ def stage_overhead(run: Run) -> dict[str, Any]:
     budget_args = list(args)
     i = budget_args.index("--configs")
     budget_args[i + 1] = "baseline,precprof_auto"
-    if run.dry:
-        budget_args[budget_args.index("--steps") + 1] = "20"
-    else:
-        budget_args[budget_args.index("--blocks") + 1] = "4"
-        budget_args[budget_args.index("--steps") + 1] = "80"
-    if run.left() > (30 if run.dry else 120):
+    budget_args[budget_args.index("--blocks") + 1] = "4"
+    budget_args[budget_args.index("--steps") + 1] = "80"
+    if run.dry:  # the same call with other numbers: the first call ran precprof_auto already
+        result["budget"] = {"status": "skipped", "reason": "dry run", "args": budget_args}
+    elif run.left() > 120:
         data, table = _overhead(run, budget_args, out.with_name("budget.json"))
         result["budget"] = {"overhead": data, "table": table}
     else:

@@ -22,7 +22,7 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
         [sys.executable, str(ROOT / "bench" / "gpu_validate.py"), "--dry-run", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=900,  # 40 s on 2 quiet cores; a loaded machine took over 300 s
+        timeout=900,  # 55 s on 2 quiet cores; a loaded machine took over 300 s
         cwd=ROOT,
     )
     assert r.returncode == 0, r.stdout + r.stderr
@@ -69,6 +69,11 @@ def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
     assert set(results) == {"baseline", "precprof_1", "precprof_10", "precprof_auto"}
     assert results["precprof_10"]["phases"]["sampled"]["profiler_step_host_s"] >= 0
     assert results["precprof_auto"]["sampling"]["mode"] == "budget"
+    # the GPU's second call (the budget over longer blocks) is the same call with other numbers, not run here
+    budget = stages["overhead"]["budget"]
+    assert budget["status"] == "skipped" and budget["reason"] == "dry run"
+    configs = budget["args"][budget["args"].index("--configs") + 1].split(",")
+    assert configs == ["baseline", "precprof_auto"] and set(configs) <= set(results)
     for precision in ("bf16", "fp32"):
         mem = stages["memory"][precision]
         # every byte of the peak in one part (on the CPU: the profiler's replay, as the built-in loop runs it)
