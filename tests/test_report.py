@@ -30,7 +30,7 @@ import precprof
 from precprof import formats, pipeline
 from precprof import tables as T
 from precprof.errors import UserError
-from precprof.report import filters, plots, render_html, render_report, render_run_dir, templates_dir
+from precprof.report import filters, plots, render, render_html, render_report, render_run_dir, templates_dir
 from precprof.report import memory_summary as M
 from precprof.report import numbers as report_numbers
 from precprof.report import summarize as S
@@ -117,7 +117,7 @@ def test_real_run_report_shows_recommendation_and_numbers_from_the_tables(run: P
     # what-if table: the e4m3 underflow share of that layer's activations, summed over the sampled steps
     share = fc[T.underflow_col("fp8_e4m3")].sum() / fc[T.NUMEL].sum()
     row = re.search(
-        r"<tr><td class=\"mod\"[^>]*><code>transformer\.h\.0\.mlp\.c_fc</code></td><td[^>]*>[^<]*</td><td[^>]*>activations</td>(.*?)</tr>",
+        r"<tr(?: class=\"extra\")?><td class=\"mod\"[^>]*><code>transformer\.h\.0\.mlp\.c_fc</code></td><td[^>]*>[^<]*</td><td[^>]*>activations</td>(.*?)</tr>",
         section(page, "whatif"),
     )
     assert row is not None and f">{filters.pct(share)}</td>" in row.group(1)
@@ -210,7 +210,8 @@ def test_module_names_and_config_are_escaped(tmp_path: Path) -> None:
     escaped = str(escape(EVIL))
     assert f"<code>{escaped}</code>" in section(page, "layers")
     assert "&lt;img src=x onerror=alert(2)&gt;" in section(page, "environment")
-    assert page.count("<script>") == 1  # the page's own small sorting script
+    # the page's own scripts: the head's line that marks the page as scripted, and the small sorting script
+    assert page.count("<script>") == 2
     # the layer's statistics are there under its escaped name: 2 sampled steps x 4 values per row
     assert escaped in section(page, "whatif")
 
@@ -239,6 +240,25 @@ def test_findings_most_severe_first_with_numbers_and_remedies(synthetic_page: st
     assert "init_scale = 32,768 (2^15)" in verdict and "growth_interval = 2,000" in verdict
     for m in recommendation_dict()["keep_fp32"]:
         assert f"<li><code>{m}</code></li>" in verdict
+
+
+def test_a_per_layer_row_is_its_values_not_their_labels() -> None:
+    """The tables of a row per layer name their columns once, in a style element the stacked layout reads, not
+    in each cell: a what-if row was 1,040 bytes with a label per cell (an MoE of 8,227 modules made a 39 MB
+    page). Past the first rows, their rows come marked for the "Show all" button, so that a browser never lays
+    out thousands of rows before the page's script hides them (that MoE's page opened in 49 s, now in 4 s)."""
+    tabs, summary = synthetic_run("fp16", layers=gpt_layers(n_layer=3), steps=2, sample_every=1)
+    page = render_html(tabs, summary, recommendation_dict())
+    for tid in ("whatif-table", "layer-table"):
+        before, table = page.split(f'id="{tid}"', 1)
+        head, body = table.split("</tbody>", 1)[0].split("<tbody>", 1)
+        rows = re.findall(r"<tr[^>]*>.*?</tr>", body, re.S)
+        assert len(rows) > render.FIRST_ROWS and "data-label" not in body
+        assert len(body.encode()) / len(rows) < 700, tid
+        marked = [re.match(r'<tr(?: class="([^"]*)")?>', r).group(1) or "" for r in rows]  # type: ignore[union-attr]
+        assert ["extra" in c.split() for c in marked] == [i >= render.FIRST_ROWS for i in range(len(rows))]
+        style = before.rsplit("<style>", 1)[1].split("</style>", 1)[0]
+        assert style.count(f"#{tid} > tbody > tr > :nth-child(") == len(re.findall(r"<th[ >]", head))
 
 
 def test_training_plot_marks_skipped_steps(synthetic: tuple[dict[str, pd.DataFrame], dict]) -> None:
@@ -503,6 +523,27 @@ def test_filters() -> None:
     assert filters.cmdline(["train.py", "--name", "a b"]) == "train.py --name 'a b'"
     assert filters.plain(list(range(20))).endswith(", 18, 19")  # every item, none cut (issue 35)
     assert filters.share_class(0.02) == "bad" and filters.share_class(0.0) == "zero"
+    # the sorting script's keys: parseFloat reads each back to the value ("" sorts last)
+    keys = {0.0: "0", 320.0: "320", 0.090625: "0.090625", 2.0**-24: repr(2.0**-24), -3.0: "-3", 1e20: "1e+20"}
+    assert {v: filters.sortkey(v) for v in keys} == keys and float(filters.sortkey(2.0**-24)) == 2.0**-24
+    assert (
+        filters.sortkey(math.inf) == "1e308"
+        and filters.sortkey(math.nan) == ""
+        and filters.sortkey(None) == ""
+    )
+
+
+@pytest.mark.parametrize(
+    "label",
+    ["FP8 E4M3 underflow, current scaling", 'a "quoted" \\ label', "</style><script>x</script>", "μ · ½"],
+)
+def test_a_css_label_is_one_string_that_reads_back(label: str) -> None:
+    """A column label written into a style element: one quoted CSS string, nothing in it that ends the string
+    or the element, and CSS's own unescaping (a hex escape and the one space after it) gives the label back."""
+    text = str(filters.css_string(label))
+    body = text[1:-1]
+    assert text[0] == text[-1] == '"' and not set('"<>') & set(body)
+    assert re.sub(r"\\([0-9a-f]{1,6}) ?", lambda m: chr(int(m.group(1), 16)), body) == label
 
 
 def test_templates_found_in_the_source_tree() -> None:

@@ -57,7 +57,10 @@ window.addEventListener("unhandledrejection", function (e) { window.__errors.pus
 # - raw: label/value cells of key-value tables that look like machine names or k=v dumps;
 # - errors: JavaScript errors and console.error calls;
 # - print: with the page's print styles in force (@media print rules applied, @media screen ones dropped, and
-#   the beforeprint event fired), the rows of every table that are not displayed, and <details> left closed.
+#   the beforeprint event fired), the rows of every table that are not displayed, and <details> left closed;
+# - labels: there (every stackable table stacked, one block per row), cells not labelled with their column;
+# - long: per long table on screen, its rows, those shown, its button, and the rows shown once it is clicked
+#   and without the page's script.
 LAYOUT_PROBE = """<script>
 window.addEventListener("load", function () { setTimeout(function () {
   function name(el) {
@@ -94,11 +97,50 @@ window.addEventListener("load", function () { setTimeout(function () {
     if (/_/.test(kt) || dump || vt === "" || vt === "—") { raw.push(kt + ": " + vt); }
   });
   var rows = document.querySelectorAll("tbody tr").length;
+  // long tables on screen: the rows shown, the button's text, the rows shown once it is clicked (then clicked
+  // back), and the rows shown without the page's script (the .js mark taken off, then put back)
+  function shownRows(t) {
+    return Array.prototype.filter.call(t.tBodies[0].rows, function (r) {
+      return getComputedStyle(r).display !== "none";
+    }).length;
+  }
+  var long = {};
+  document.querySelectorAll("table.long").forEach(function (t) {
+    var b = t.parentNode.nextElementSibling, rec = {rows: t.tBodies[0].rows.length, shown: shownRows(t)};
+    b = b && b.classList.contains("more-rows") && !b.hidden ? b : null;
+    rec.button = b ? b.textContent : null;
+    if (b) { b.click(); rec.opened = shownRows(t); b.click(); }
+    document.documentElement.classList.remove("js");
+    rec.unscripted = shownRows(t);
+    document.documentElement.classList.add("js");
+    long[t.id || t.className] = rec;
+  });
   // print: the page's print rules in force, its screen-only rules off
   Array.prototype.forEach.call(document.querySelectorAll("style"), function (st) {
     st.textContent = st.textContent.replace(/@media\\s+print/g, "@media all").replace(/@media\\s+screen/g, "@media not all");
   });
   window.dispatchEvent(new Event("beforeprint"));
+  // printed, every stackable table is stacked: each cell of a table with one header row shows its column's
+  // label (the header's title, or the start of its text)
+  var labels = [];
+  document.querySelectorAll("table.stackable").forEach(function (t) {
+    if (!t.tHead || t.tHead.rows.length !== 1) { return; }
+    var heads = Array.prototype.map.call(t.tHead.rows[0].cells, function (th) {
+      var c = th.cloneNode(true);
+      c.querySelectorAll("br").forEach(function (b) { b.replaceWith(" "); });
+      return {text: c.textContent.replace(/\\s+/g, " ").trim(), title: th.title};
+    });
+    Array.prototype.forEach.call(t.tBodies[0].rows, function (r) {
+      Array.prototype.forEach.call(r.cells, function (td, i) {
+        if (td.tagName !== "TD" || td.classList.contains("mod") || td.classList.contains("first")) { return; }
+        var shown = getComputedStyle(td, "::before").content, h = heads[i];
+        var got = shown.charAt(0) === '"' ? JSON.parse(shown) : "";
+        if (!got || !h || !(got === h.title || h.text.indexOf(got) === 0)) {
+          if (labels.length < 10) { labels.push((t.id || t.className) + "[" + i + "]: " + shown + " under " + (h && h.text)); }
+        }
+      });
+    });
+  });
   var unprinted = Array.prototype.filter.call(document.querySelectorAll("tbody tr"), function (r) {
     return getComputedStyle(r).display === "none" || r.hidden;
   }).length;
@@ -109,7 +151,7 @@ window.addEventListener("load", function () { setTimeout(function () {
     page: document.documentElement.scrollWidth, window: window.innerWidth, cut: cut, clipped: clipped,
     scrollboxes: scrollboxes, images: images, more: more, raw: raw, errors: window.__errors || ["no probe"],
     js: document.documentElement.classList.contains("js"), rows: rows,
-    print: {unprinted: unprinted, closed: closed}}));
+    print: {unprinted: unprinted, closed: closed}, labels: labels, long: long}));
 }, 0); });
 </script>"""
 LAYOUT_WIDTHS = (1400, 800)
@@ -227,6 +269,15 @@ def check_layout(page: Path, tmp: Path) -> None:
         assert found["more"] == [], f"lists cut short {at}: {found['more']}"
         assert found["raw"] == [], f"raw values {at}: {found['raw']}"
         assert found["print"] == {"unprinted": 0, "closed": 0}, f"printed {at}: {found['print']}"
+        assert found["labels"] == [], f"stacked cells without their column's label {at}: {found['labels']}"
+        for name, t in found["long"].items():  # the first rows, and a button for all of them
+            if t["rows"] > render.FIRST_ROWS:
+                assert t["shown"] == render.FIRST_ROWS, (name, t)
+                assert t["button"] == f"Show all {t['rows']:,} rows", (name, t)
+                assert t["opened"] == t["rows"], (name, t)
+            else:
+                assert t["shown"] == t["rows"] and t["button"] is None, (name, t)
+            assert t["unscripted"] == t["rows"], (name, t)  # no script, no button: every row shows
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -265,5 +316,5 @@ def test_page_of_a_large_model_hides_no_row_and_cuts_no_list(tmp_path: Path) -> 
     assert all(f"<code>{name}</code>" in verdict for name in linear)
     whatif = text.split('id="whatif-table"', 1)[1].split("</table>", 1)[0]
     # the what-if table holds every (layer, kind) row: 379 here
-    assert whatif.count("<tr>") - 1 == len(S.whatif_by_layer(tabs["layers"])) > 300
+    assert whatif.count("<tr") - 1 == len(S.whatif_by_layer(tabs["layers"])) > 300
     check_layout(page, tmp_path)

@@ -316,7 +316,7 @@ def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any
             "overflow": "overflow",
             "underflow_cs": "underflow, current scaling",
         }[what]
-        headers.append({"col": col, "format": fmt, "label": label, "what": sub})
+        headers.append({"col": col, "format": fmt, "label": label, "what": sub, "full": f"{label} {sub}"})
     by_layer = S.whatif_by_layer(layers)
     rows = []
     for r in by_layer.to_dict("records"):

@@ -11,6 +11,8 @@ import shlex
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from markupsafe import Markup
+
 MISSING = "—"
 
 
@@ -127,7 +129,22 @@ def sortkey(v: Any) -> str:
         return ""
     if math.isinf(f):
         return "1e308" if f > 0 else "-1e308"
+    # "0", not "0.0": the key is in every cell of a table of thousands of rows
+    if f.is_integer() and abs(f) < 1e15:
+        return str(int(f))
     return repr(f)
+
+
+_CSS_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ,.-_()/#%+")
+
+
+def css_string(v: Any) -> Markup:
+    """``v`` as a quoted CSS string for a ``<style>`` element: every character but letters, digits and a few
+    plain marks as a CSS escape, so that nothing in it can end the string or the element (``"``, ``\\``,
+    ``</style>``). Markup: autoescape must not turn its quotes into entities, which a style element does not
+    decode."""
+    body = "".join(c if c in _CSS_PLAIN else f"\\{ord(c):x} " for c in str(v))
+    return Markup(f'"{body}"')
 
 
 def plain(v: Any) -> str:
@@ -163,6 +180,7 @@ FILTERS: dict[str, Callable[..., str]] = {
     "pow2": pow2,
     "log2mag": log2mag,
     "sortkey": sortkey,
+    "css_string": css_string,
     "plain": plain,
     "cmdline": cmdline,
 }

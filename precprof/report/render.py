@@ -24,6 +24,9 @@ from precprof.report import filters, numbers
 from precprof.report.context import build_context
 
 TEMPLATE = "report.html.j2"
+# a long table's rows shown before its "Show all" button (where the page's script runs); the page marks the
+# others from the start, so that a browser never lays out the what-if table of thousands of modules at once
+FIRST_ROWS = 25
 
 
 def templates_dir() -> Path:
@@ -72,6 +75,7 @@ def _environment(folder: str) -> jinja2.Environment:
     env.filters.update(filters.FILTERS)
     env.globals["finding_numbers"] = numbers.shown
     env.globals["format_colors_css"] = format_colors_css()
+    env.globals["first_rows"] = FIRST_ROWS
     return env
 
 

@@ -2,8 +2,8 @@
 // table shows its first rows and a button for the rest; a table wider than its box is stacked, one block per
 // row; printing opens every fold.
 (function () {
-  document.documentElement.classList.add("js");
-  var FIRST_ROWS = 25;
+  document.documentElement.classList.add("js");  // done in the page's head already, before the tables
+  var FIRST_ROWS = {{ first_rows }};
   function rows(table) { return Array.prototype.slice.call(table.tBodies[0].rows); }
   function cellValue(td) {
     var v = td.getAttribute("data-v");
@@ -22,7 +22,7 @@
     var button = table.parentNode.nextElementSibling;
     if (!button || !button.classList.contains("more-rows")) { return; }
     button.hidden = kept <= FIRST_ROWS;
-    button.textContent = open ? "Show the first " + FIRST_ROWS + " rows" : "Show all " + kept + " rows";
+    button.textContent = open ? "Show the first " + FIRST_ROWS + " rows" : "Show all " + kept.toLocaleString("en-US") + " rows";
   }
   document.querySelectorAll("table.long").forEach(function (table) {
     if (rows(table).length <= FIRST_ROWS) { return; }
