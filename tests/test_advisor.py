@@ -769,14 +769,18 @@ class Amplified(nn.Module):
         return self.head(self.norm2(h))
 
 
+@pytest.mark.parametrize("blocks", ["1", "0"])
 @pytest.mark.parametrize("direct", [False, True])
 def test_an_fp32_tensor_autocast_leaves_alone_is_no_fp16_overflow(
-    direct: bool, block_formats_on: None
+    direct: bool, blocks: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An fp32 residual of 1e5 (an fp32 scale promotes it) read through LayerNorms: a bf16 run was told
     "Activations overflow fp16 in 1 module(s)", and so was the real fp16 autocast run, which held no inf and
     trained. fp16 autocast leaves that tensor fp32: no finding now. The same tensor read by a Linear, which
-    autocast casts to fp16: the bf16 run's what-if names it, and the real fp16 run does overflow there."""
+    autocast casts to fp16: the bf16 run's what-if names it, and the real fp16 run does overflow there. With
+    the block-format what-if on and off (off, the capture did not record what the matmuls read, and the false
+    finding came back)."""
+    monkeypatch.setenv("PRECPROF_BLOCK_FORMATS", blocks)
     x = torch.randn(16, 32)
     runs = {
         prec: train_profiled(
@@ -947,17 +951,19 @@ class LayerScale(nn.Module):
         return x * self.gamma
 
 
+@pytest.mark.parametrize("blocks", ["1", "0"])
 @pytest.mark.parametrize(
     ("dtype", "tiny_16bit"), [("bfloat16", False), ("float16", False), ("bfloat16", True)]
 )
 def test_fp32_tensors_of_an_autocast_run_are_no_fp16_underflow(
-    dtype: str, tiny_16bit: bool, block_formats_on: None
+    dtype: str, tiny_16bit: bool, blocks: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ConvNeXt under fp16 autocast was warned "7.75% of activation values flush to zero in fp16 ... Keep these
     modules in fp32", of its layer-scaled branches: fp32 tensors (the fp32 layer scale promotes the product),
     which no autocast casts to fp16, and which flushed nowhere. Under autocast the what-if now counts the tensors
     autocast made 16-bit, and fp32 ones a matmul reads (autocast casts them there); a 16-bit output with values
-    below 2^-25 is still found."""
+    below 2^-25 is still found. With the block-format what-if on and off."""
+    monkeypatch.setenv("PRECPROF_BLOCK_FORMATS", blocks)
     x = torch.randn(8, 32)
     precision, scale = ("fp16", 65536.0) if dtype == "float16" else ("bf16", None)
     run = train_profiled(
@@ -981,6 +987,55 @@ def test_fp32_tensors_of_an_autocast_run_are_no_fp16_underflow(
     assert set(tiny[T.DTYPE]) == {dtype} and int(tiny[T.underflow_col("fp16")].sum()) > 0
     assert f is not None and f.modules == ["tiny"]
     assert f.numbers["underflow_values"] == int(tiny[T.underflow_col("fp16")].sum())
+
+
+class ConvScaled(nn.Module):
+    """A convolution, an fp32 layer scale of 1e-7 per channel (its product stays fp32 under autocast), and a
+    second convolution that reads that product: autocast casts it to 16 bits there, and fp16 flushes most of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1, self.conv2 = nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 4, 3, padding=1)
+        self.scale = ChannelScale(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv2(self.scale(self.conv1(x)))
+
+
+class ChannelScale(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((c, 1, 1), 1e-7))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+@pytest.mark.parametrize("blocks", ["1", "0"])
+def test_an_fp32_tensor_a_convolution_reads_is_fp16_underflow(
+    blocks: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny fp32 product of a layer scale, read by a convolution: fp16 autocast casts it to fp16 as the
+    convolution's input, and most of it flushes. The capture recorded only what linear layers read, so under
+    bf16 autocast the what-if left it out and nothing was said. The finding's count is the flush a real cast to
+    fp16 makes of the convolution's input (counted by the test's own hook, step by step)."""
+    monkeypatch.setenv("PRECPROF_BLOCK_FORMATS", blocks)
+    model, flushed = ConvScaled(), []
+
+    def count(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        x = args[0].detach()
+        flushed.append(int(((x != 0) & (x.to(torch.float16) == 0)).sum()))
+
+    model.conv2.register_forward_pre_hook(count)
+    x = torch.randn(2, 4, 8, 8)
+    run = train_profiled(model, lambda _: (x, x), square_mean, precision="bf16", steps=2)
+    acts = activations(run.tables)
+    scale = acts[acts[T.MODULE] == "scale"]
+    assert set(scale[T.DTYPE]) == {"float32"} and flushed[0] > scale[T.NUMEL].iloc[0] // 4
+    assert run.summary[T.SUMMARY_CAPTURE]["gemm_inputs"]["conv2"] == ["scale"]
+    f = run.recommend().finding("fp16_activation_underflow")
+    assert f is not None and f.modules == ["scale"] and f.numbers["underflow_values"] == sum(flushed)
 
 
 def test_scaler_inf_gradients_are_not_a_nonfinite_finding() -> None:

@@ -114,6 +114,8 @@ class StepHooks:
         self.rows = plan.rows
         self.buffer = buffer
         self.block_formats = plan.block_formats
+        # module outputs are kept by object for the lookups of the matmuls that read them (``_gemm_input``)
+        self._track_outputs = any(s.reads_input for s in plan.modules)
         self.optimizers = list(optimizers)
         self.updates = updates
         self._device = device
@@ -306,7 +308,7 @@ class StepHooks:
             if self._grads_due and _compat.backward_pass_id() is None:
                 self._read_grads()  # announced by a backward pass that raised, whose read never ran
             turn = slot.block_group == self.turn
-            if slot.input >= 0 and args and isinstance(args[0], _Tensor):
+            if slot.reads_input and args and isinstance(args[0], _Tensor):
                 self._gemm_input(slot, args[0], turn)
             if slot.order >= 0:
                 return None
@@ -321,8 +323,9 @@ class StepHooks:
         return pre_hook
 
     def _gemm_input(self, slot: _ModuleSlot, x: torch.Tensor, turn: bool) -> None:
-        """The input a linear layer's GEMM would quantise: the output of the module that made it, or, when no
-        captured module did (an attention's output), a row of its own."""
+        """The input a matmul reads (autocast casts it; a linear layer's GEMM would quantise it): the output of
+        the module that made it, or, with block formats on, when no captured module did (an attention's output),
+        a linear layer's row of its own."""
         found = self._block_outputs.get(id(x))
         made = found[0]() if found is not None else None
         if made is not x:
@@ -330,9 +333,9 @@ class StepHooks:
             made = found[0]() if found is not None else None
         if found is not None and made is not None:
             slot.input_from.add(found[1])
-            if turn:  # read as the output that made it: several readers count it once
+            if turn and slot.input >= 0:  # read as the output that made it: several readers count it once
                 self.buffer.accumulate_blocks(_local(made), found[1])
-        elif self._add(local := _local(x), slot.input):
+        elif slot.input >= 0 and self._add(local := _local(x), slot.input):
             if turn:
                 self.buffer.accumulate_blocks(local, slot.input)
             self.rows.seen(slot.input, x.dtype)
@@ -372,7 +375,7 @@ class StepHooks:
                     continue
                 any_tensor = True
                 rows.dtype_bits[act] |= dtype_bit(t.dtype)
-                if self.block_formats and t.dim() >= 2:
+                if self._track_outputs and t.dim() >= 2:
                     entry = (weakref.ref(t), act)
                     self._block_outputs[id(t)] = entry
                     self._outputs_made.append(entry)

@@ -77,6 +77,7 @@ class CapturePlan:
                 weights=[],
                 module_type=mtype,
                 gemm=taxonomy.is_linear_type(mtype),
+                reads_input=taxonomy.is_matmul_type(mtype),
             )
             if block_formats and slot.gemm:
                 slot.input = rows.new(T.input_module(name), T.INPUT_MODULE_TYPE, T.ACTIVATION)

@@ -138,13 +138,17 @@ class _ModuleSlot:
     # that module's name
     shared: dict[str, str] = field(default_factory=dict)
     gemm: bool = False  # a linear layer (taxonomy.is_linear_type)
+    # a matmul whose input autocast casts (taxonomy.is_matmul_type: linear layers and convolutions): the
+    # captured module whose output it read is recorded (``input_from``), block formats on or off
+    reads_input: bool = False
     block_group: int = (
         0  # the sampled steps whose block-format what-if reads this module's operands (hooks.py)
     )
     # a linear layer's input when no captured module produced it (T.input_module), with block formats on
     input: int = -1
     # the rows of the captured modules whose outputs its GEMM read as its input (``input`` has the others): what
-    # the block what-if judges as the layer's input operand (summary capture.gemm_inputs)
+    # the block what-if judges as the layer's input operand, and the tensors an fp16 autocast would cast to fp16
+    # (summary capture.gemm_inputs)
     input_from: set[int] = field(default_factory=set)
     # per sampled step (reset by StepHooks): forward order of the module and of its input row (-1: not called)
     order: int = -1

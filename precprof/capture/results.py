@@ -196,14 +196,15 @@ class ProfilerResults:
         plan = self._plan
         # per module, its parameters recorded under another module (a tied head: {"weight": its embedding})
         shared = {slot.name: dict(slot.shared) for slot in plan.modules if slot.shared} if plan else {}
-        # with block formats, per linear layer the captured modules whose outputs its GEMM read as its input
+        # per matmul, the captured modules whose outputs it read as its input: every linear layer with block
+        # formats on (an empty list: it read its own input row), else those that read one
         gemm_inputs = (
             {
                 slot.name: sorted({plan.rows.info[r].module for r in slot.input_from})
                 for slot in plan.modules
-                if slot.input >= 0
+                if slot.input >= 0 or slot.input_from
             }
-            if plan is not None and self._block_formats
+            if plan is not None
             else None
         )
         n_params = sum(p.numel() for p in self.model.parameters())

@@ -105,7 +105,7 @@ def _input_of(
     own = T.input_module(m)
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     recorded = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
-    if isinstance(recorded, Mapping):
+    if isinstance(recorded, Mapping) and m in recorded:  # every linear layer, with block formats on
         found = recorded.get(m)
         sources = [str(s) for s in found if str(s) in modules] if isinstance(found, list) else []
         sources += [own] if own in modules else []

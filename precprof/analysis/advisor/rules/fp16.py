@@ -149,8 +149,9 @@ def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series | None
     produced in bf16, and fp32 ones a matmul reads as its input (capture.gemm_inputs, and a layer's own input
     row: autocast casts them there). Any other fp32 tensor stays fp32 under fp16 autocast as it did here (a
     layer scale's fp32 parameter promotes its product; a residual sum before its norm), and neither overflows
-    nor flushes. None when the capture did not record which tensors the matmuls read (the block-format what-if
-    off): every tensor counts then, as in a run without autocast."""
+    nor flushes. The matmuls are linear layers and convolutions. None when the capture did not record which
+    tensors the matmuls read (a run recorded by an older precprof, or before it with block formats off): every
+    tensor counts then, as in a run without autocast."""
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     inputs = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
     if not isinstance(inputs, Mapping):
