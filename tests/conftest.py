@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import processes
 import pytest
 import torch
 
@@ -25,6 +26,13 @@ if not torch.cuda.is_available():
 # keeps to its time budget by leaving it off in profiled runs that do not test it. The tests that do
 # (test_block_engines.py, test_block_advice.py's real run) turn it on with the ``block_formats_on`` fixture.
 os.environ.setdefault("PRECPROF_BLOCK_FORMATS", "0")
+
+
+@pytest.fixture(autouse=True)
+def _no_started_process_outlives_its_test() -> Iterator[None]:
+    """The processes a test started with ``processes.popen`` are killed when it ends (a failed one too)."""
+    yield
+    processes.reap()
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 
 Modes:
 
-- ``forever``: trains until it is killed, every step sampled, and prints "streaming" once its first flush is on
+- ``forever``: trains until it is killed, every step sampled, and prints "streaming PID" (its writer process) once its first flush is on
   disk (the test kills it at a random moment after that);
 - ``full``: steps 0..STEPS-1 uninterrupted, then ``prof.save()``;
 - ``crash``: steps 0..CRASH_AT, writing the checkpoint (model, optimizer) when step CHECKPOINT_AT begins, then
@@ -62,7 +62,9 @@ def main(mode: str, out: Path, checkpoint: Path | None) -> None:
                 train_step(model, opt, prof, step)
                 if step == 1:
                     prof.tables()  # waits for the writer: the first flushes are on disk
-                    print("streaming", flush=True)
+                    sink = prof._recorded.sink
+                    writer = sink._proc.proc.pid if sink is not None and sink._proc is not None else 0
+                    print(f"streaming {writer}", flush=True)  # the writer process's pid (0: a thread)
                 step += 1
     assert checkpoint is not None or mode == "full"
     first = 0

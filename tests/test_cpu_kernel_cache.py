@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import processes
 import pytest
 from conftest import kernel_required
 
@@ -237,7 +238,7 @@ def test_concurrent_processes_build_once(cache: Path, tmp_path: Path) -> None:
     }
     env.pop("PRECPROF_CPU_KERNEL", None)
     procs = [
-        subprocess.Popen([sys.executable, "-c", probe], env=env, stdout=subprocess.PIPE, text=True)
+        processes.popen([sys.executable, "-c", probe], env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(3)
     ]
     try:

@@ -20,6 +20,7 @@ from html import unescape
 from pathlib import Path
 
 import pandas as pd
+import processes
 import pytest
 
 import precprof
@@ -191,7 +192,7 @@ def test_two_processes_on_the_same_out(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "precprof", "train", "--out", str(out), *TINY, "--steps", "20"]
     procs = [
-        subprocess.Popen(
+        processes.popen(
             [*cmd, "--seed", str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         for seed in (1, 2)
@@ -441,7 +442,15 @@ def test_disk_full_on_a_real_tmpfs(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- signals
 def start_training(out: Path, *extra: str, command: str = "train") -> subprocess.Popen[str]:
     args = [sys.executable, "-m", "precprof", command, "--out", str(out), *TINY, *extra]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return processes.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def test_a_process_a_test_started_ends_with_the_test() -> None:
+    """What the suite's autouse fixture does after each test: a process a test started and left running is
+    killed (a failed test's 100,000-step training once ran on through the rest of a CI run)."""
+    proc = processes.popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    assert processes.reap() == [proc.pid] and proc.returncode == -signal.SIGKILL
+    assert processes.reap() == []
 
 
 def wait_for(predicate: object, proc: subprocess.Popen[str], timeout: float = 120) -> None:
@@ -515,7 +524,7 @@ def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path: Path) -> None:
     signal is sent once typer (the command line's first import) has loaded, while the rest still loads."""
     out = tmp_path / "run"
     args = [sys.executable, "-X", "importtime", "-m", "precprof", "train", "--out", str(out), *TINY]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    proc = processes.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     assert proc.stderr is not None
     seen = []
     for line in proc.stderr:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import processes
 import pytest
 import torch
 from torch import nn
@@ -34,7 +35,35 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(Path(__file__).r
 
 def worker(mode: str, out: Path, checkpoint: Path | None = None) -> subprocess.Popen[str]:
     args = [sys.executable, str(WORKER), mode, str(out), *([str(checkpoint)] if checkpoint else [])]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return processes.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def streaming(proc: subprocess.Popen[str]) -> int:
+    """Wait for a ``forever`` worker's first flushes on disk; the pid of its writer process (0: none)."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline().split()
+    assert line[:1] == ["streaming"], proc.stderr.read() if proc.stderr else ""
+    return int(line[1])
+
+
+def wait_ended(pid: int, timeout: float = 60) -> None:
+    """Wait until process ``pid`` (not a child of this one) has ended: a killed training's writer process
+    goes on writing the flushes it was handed, then ends."""
+    deadline = time.monotonic() + timeout
+    while pid and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # ended, not yet reaped
+                    return
+        except FileNotFoundError:
+            return
+        except OSError:  # no /proc: ask the kernel
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+        time.sleep(0.05)
+    assert not pid or time.monotonic() < deadline, f"the writer process {pid} did not end"
 
 
 def wait_ready(sink: Any) -> None:
@@ -162,12 +191,11 @@ def test_killed_at_three_moments_every_flushed_step_is_readable(tmp_path: Path) 
     for i, wait_s in enumerate((0.0, 0.23, 0.57)):
         out = tmp_path / f"run{i}"
         proc = worker("forever", out)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # the first flushes are on disk
-        assert line.strip() == "streaming", proc.stderr.read() if proc.stderr else ""
+        writer = streaming(proc)
         time.sleep(wait_s)
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=60)
+        wait_ended(writer)  # what it was handed, on disk (read before, the page could say a later step)
         read = T.read_run(out)
         steps = read.tables["steps"]
         assert read.streamed and read.last_step is not None and read.last_step >= 1
@@ -186,9 +214,10 @@ def test_killed_at_three_moments_every_flushed_step_is_readable(tmp_path: Path) 
 def test_precprof_report_on_a_killed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "run"
     proc = worker("forever", out)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "streaming"
+    writer = streaming(proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
+    wait_ended(writer)
     res = subprocess.run(
         [sys.executable, "-m", "precprof", "report", str(out)], capture_output=True, text=True, env=ENV
     )
