@@ -272,6 +272,49 @@ def flags(column: pd.Series) -> pd.Series:
     return column.map(lambda v: False if v is None or v != v else bool(v)).astype(bool)
 
 
+def module_order(layers: pd.DataFrame) -> pd.Series:
+    """Per module of a layers table, its place in forward order (0, 1, ...), merged over the steps: each step's
+    modules in their ``order``, a module a step runs first placed just before the next module of that step
+    already placed (after all of them when none is). A routed expert runs on some steps only: the smallest
+    order over steps put the output head before the experts of a step that ran more of them, and the -1 a step
+    writes in the rows of a module it did not run (the weights and the update AdamW still makes) put those
+    first. NaN for a module that never ran."""
+    order = pd.to_numeric(layers[ORDER], errors="coerce")
+    steps = pd.to_numeric(layers[STEP], errors="coerce").fillna(-1) if STEP in layers else 0
+    ran = pd.DataFrame({"s": steps, "o": order, "m": texts(layers[MODULE])})[order >= 0]
+    names = pd.unique(texts(layers[MODULE]))
+    if ran.empty:
+        return pd.Series(np.nan, index=names, dtype=float)
+    ran = ran.drop_duplicates(["s", "m"]).sort_values(["s", "o"], kind="stable")
+    first_step = ran.groupby("m", sort=False)["s"].min()
+    nxt: dict[str, str | None] = {}  # a linked list of the modules placed: each one's next (None: the end)
+    prv: dict[str, str | None] = {}
+    last: str | None = None
+    # only the steps that run a module for the first time add to it
+    intro = ran[ran["s"].isin(set(first_step))].groupby("s", sort=True)["m"].agg(list)
+    for seq in intro:
+        after: str | None = None  # the next module of this step already placed (None: the end)
+        for m in reversed(seq):
+            if m in nxt:
+                after = m
+                continue
+            before = prv[after] if after is not None else last
+            nxt[m], prv[m] = after, before
+            if before is not None:
+                nxt[before] = m
+            if after is not None:
+                prv[after] = m
+            else:
+                last = m
+            after = m
+    rank: dict[str, float] = {}
+    m = next((k for k, p in prv.items() if p is None), None)
+    while m is not None:
+        rank[m] = float(len(rank))
+        m = nxt[m]
+    return pd.Series([rank.get(str(n), np.nan) for n in names], index=names, dtype=float)
+
+
 def texts(column: pd.Series) -> pd.Series:
     """A text column (module, param, dtype) with missing values as "", whatever dtype it was read back in
     (a categorical stays one, its categories as text: millions of rows are not turned into strings)."""

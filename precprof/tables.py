@@ -5,7 +5,7 @@ The names live where they change together:
 
 - ``precprof.schema``: the four tables' columns (the schema, documented there), the values some columns take
   (tensor kinds, memory components and phases), their types, and helpers that read columns (``flags``,
-  ``texts``, ``memory_at``, ``nonfinite_loss_tail``);
+  ``texts``, ``memory_at``, ``module_order``, ``nonfinite_loss_tail``);
 - ``precprof.runfiles``: the run directory's files (``summary.json`` and its keys, the tables' Parquet files
   and streamed parts), reading them back (``read_run``) and summing the histograms over steps.
 
@@ -134,6 +134,7 @@ from precprof.schema import (
     frame,
     input_module,
     memory_at,
+    module_order,
     nonfinite_loss_tail,
     overflow_col,
     texts,
@@ -252,6 +253,7 @@ __all__ = [
     "is_run_dir",
     "memory_at",
     "missing_tables",
+    "module_order",
     "nonfinite_loss_tail",
     "overflow_col",
     "read_run",

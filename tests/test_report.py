@@ -261,6 +261,70 @@ def test_a_per_layer_row_is_its_values_not_their_labels() -> None:
         assert style.count(f"#{tid} > tbody > tr > :nth-child(") == len(re.findall(r"<th[ >]", head))
 
 
+class _Routed(nn.Module):
+    """A norm, three experts with a fixed routing (step 0: expert 0; step 1: expert 2; expert 1 never), and a
+    head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm, self.head = nn.LayerNorm(8), nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.experts[2 * self.step](self.norm(x)))
+
+
+def test_a_module_skipped_on_a_step_keeps_its_place_in_forward_order(tmp_path: Path) -> None:
+    """An MoE's per-layer table began with experts deep in its second layer, its embedding at row 4,527: a
+    module that does not run on a step (an expert no token went to) writes order -1 in that step's rows (its
+    weights, and the update AdamW still makes), and the smallest order of any step put it first. The order is
+    now each module's smallest over the steps it ran in, as the test's own hooks see the calls: per step, the
+    modules in the order of their first call, ties to the one called first in the run; a module that never ran
+    comes last."""
+    model = _Routed()
+    seen: list[list[str]] = []
+    for name, m in model.named_modules():
+        if name:
+            m.register_forward_pre_hook(
+                lambda mod, args, name=name: None if name in seen[-1] else seen[-1].append(name)
+            )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # weight decay moves every weight, run or not
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for step in range(2):
+            model.step = step
+            seen.append([])
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    layers = prof.tables()["layers"]
+    assert (layers.loc[layers[T.MODULE] == "experts.1", T.ORDER] == -1).all()  # rows of a module not run
+    calls = [(s.index(m), step, m) for step, s in enumerate(seen) for m in s]
+    expected = list(dict.fromkeys(m for _, _, m in sorted(calls)))  # each at its smallest (index, step)
+    assert expected == ["norm", "experts.0", "experts.2", "head"]
+    assert S.forward_order(layers) == [*expected, "experts.1"]
+    page = render_report(prof.tables(), {}, tmp_path / "report.html").read_text()
+    table = page.split('id="layer-table"', 1)[1].split("</table>", 1)[0]
+    names = [re.sub("<[^>]+>", "", c) for c in re.findall(r'<td class="mod"><code>(.*?)</code>', table)]
+    assert names == [*expected, "experts.1"]
+
+
+def test_forward_order_merges_the_steps_that_ran_other_modules() -> None:
+    """Step 0 runs expert 0, step 1 experts 1 and 2: the smallest order over steps tied expert 2 with the head
+    (2 each) and put the head first, as the step that ran it came first. Merged step by step, a module first
+    run on a step goes just before the next module of that step already placed: the head stays last. Rows
+    of order -1 (a module a step did not run) do not count; a module that never ran comes last."""
+    calls = {0: ["a", "e0", "head"], 1: ["a", "e1", "e2", "head"]}
+    rows = [(s, i, m) for s, seq in calls.items() for i, m in enumerate(seq)]
+    rows += [(0, -1, "e1"), (0, -1, "e2"), (1, -1, "e0"), (0, -1, "e3"), (1, -1, "e3")]
+    layers = pd.DataFrame(rows, columns=[T.STEP, T.ORDER, T.MODULE])
+    assert S.forward_order(layers) == ["a", "e0", "e1", "e2", "head", "e3"]
+    order = T.module_order(layers)
+    assert order.drop("e3").tolist() == [0, 1, 4, 2, 3] and np.isnan(order["e3"])
+
+
 def test_training_plot_marks_skipped_steps(synthetic: tuple[dict[str, pd.DataFrame], dict]) -> None:
     steps = synthetic[0]["steps"]
     fig = plots.training_figure(steps)

@@ -41,10 +41,12 @@ def forward_order(layers: pd.DataFrame) -> list[str]:
     """Module names in forward order (the ``order`` column; first appearance breaks ties and fills gaps)."""
     if layers.empty:
         return []
-    df = layers[[T.MODULE, T.ORDER]].copy()
-    df["_first"] = np.arange(len(df))
-    df[T.ORDER] = pd.to_numeric(df[T.ORDER], errors="coerce")
-    g = df.groupby(T.MODULE, sort=False).agg(order=(T.ORDER, "min"), first=("_first", "min"))
+    first = (
+        pd.Series(np.arange(len(layers)), index=layers.index)
+        .groupby(layers[T.MODULE], sort=False, observed=True)
+        .min()
+    )
+    g = pd.DataFrame({"order": T.module_order(layers), "first": first})
     g["order"] = g["order"].fillna(math.inf)
     return [str(m) for m in g.sort_values(["order", "first"]).index]
 

@@ -124,7 +124,7 @@ def recommend(
     if isinstance(memory, pd.DataFrame):
         run.memory = T.memory_at(memory)  # each component's own size; the peak's parts would count it twice
     if not layers.empty:
-        run.order = layers.groupby(T.MODULE)[T.ORDER].min().fillna(1 << 30).astype(int).to_dict()
+        run.order = T.module_order(layers).fillna(1 << 30).astype(int).to_dict()
         run.types = layers.groupby(T.MODULE)[T.MODULE_TYPE].first().to_dict()
     plan = _Plan(loss_scale_log2=cfg.default_loss_scale_log2, growth_interval=cfg.default_growth_interval)
     plan.matmul_layers = _matmul_leaves(run)

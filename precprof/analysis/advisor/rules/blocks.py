@@ -144,6 +144,10 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
     linear = [m for m in matmuls if taxonomy.is_linear_type(run.types.get(m, ""))]
     if not linear:
         return []
+    # the output head: the last linear layer in forward order of those that ran (a routed expert no token went
+    # to on any sampled step has no place in it, and sorts after every other)
+    ran = [m for m in linear if run.order.get(m, 1 << 30) < 1 << 30]
+    head = (ran or linear)[-1]
     act_modules = [str(m) for m in run.kind(T.ACTIVATION)[T.MODULE].unique()]
     # a layer's own input row is never another layer's input
     leaves = [m for m in _innermost(act_modules) if not m.endswith(T.INPUT_SUFFIX)]
@@ -197,7 +201,7 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
                     ops.append(loss)
             if ops:
                 lb.losses[recipe] = ops
-        lb.head = m == linear[-1]
+        lb.head = m == head
         if lb.losses:
             out.append(lb)
     return out
@@ -274,7 +278,7 @@ def block_table(
         lay, hist, steps, dict(summary or {}), hw_mod.preset(WHAT_IF_TARGET), True, cfg or AdvisorConfig()
     )
     if not lay.empty:
-        run.order = lay.groupby(T.MODULE)[T.ORDER].min().fillna(1 << 30).astype(int).to_dict()
+        run.order = T.module_order(lay).fillna(1 << 30).astype(int).to_dict()
         run.types = lay.groupby(T.MODULE)[T.MODULE_TYPE].first().to_dict()
     out = layer_blocks(run)
     for lb in out:
