@@ -325,6 +325,27 @@ def test_forward_order_merges_the_steps_that_ran_other_modules() -> None:
     assert order.drop("e3").tolist() == [0, 1, 4, 2, 3] and np.isnan(order["e3"])
 
 
+def test_a_weight_owner_that_never_runs_takes_its_first_users_place() -> None:
+    """T5's ``shared`` embedding never runs (``encoder.embed_tokens`` reads its weight, recorded under
+    ``shared``): with forward order taken over the steps a module ran, it came last, and a finding on nan
+    weights named a LayerNorm as the first in forward order instead of the embedding. It takes its first
+    user's place."""
+    from precprof.analysis.advisor import _place_weight_owners
+
+    order = {
+        "encoder.embed_tokens": 0,
+        "ln": 2,
+        "decoder.embed_tokens": 9,
+        "shared": 1 << 30,
+        "other": 1 << 30,
+    }
+    shared = {"encoder.embed_tokens": {"weight": "shared"}, "decoder.embed_tokens": {"weight": "shared"}}
+    _place_weight_owners(order, {T.SUMMARY_CAPTURE: {"shared_params": shared}})
+    assert order["shared"] == 0 and order["other"] == 1 << 30 and order["ln"] == 2
+    _place_weight_owners(order, {})  # an older run's summary: nothing to place
+    assert order["shared"] == 0
+
+
 def test_training_plot_marks_skipped_steps(synthetic: tuple[dict[str, pd.DataFrame], dict]) -> None:
     steps = synthetic[0]["steps"]
     fig = plots.training_figure(steps)
