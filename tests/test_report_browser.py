@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -106,10 +107,14 @@ window.addEventListener("load", function () { setTimeout(function () {
   }
   var long = {};
   document.querySelectorAll("table.long").forEach(function (t) {
-    var b = t.parentNode.nextElementSibling, rec = {rows: t.tBodies[0].rows.length, shown: shownRows(t)};
-    b = b && b.classList.contains("more-rows") && !b.hidden ? b : null;
-    rec.button = b ? b.textContent : null;
-    if (b) { b.click(); rec.opened = shownRows(t); b.click(); }
+    var box = t.parentNode.nextElementSibling, rec = {rows: t.tBodies[0].rows.length, shown: shownRows(t)};
+    box = box && box.classList.contains("more-rows") && !box.hidden ? box : null;
+    var next = box && box.querySelector("button.next"), rest = box && box.querySelector("button.rest");
+    next = next && !next.hidden ? next : null;
+    rec.next = next ? next.textContent : null;
+    rec.button = rest ? rest.textContent : null;
+    if (next) { next.click(); rec.more = shownRows(t); rec.after_next = rest.textContent; }
+    if (rest) { rest.click(); rec.opened = shownRows(t); rec.back = rest.textContent; rest.click(); rec.closed = shownRows(t); }
     document.documentElement.classList.remove("js");
     rec.unscripted = shownRows(t);
     document.documentElement.classList.add("js");
@@ -270,14 +275,29 @@ def check_layout(page: Path, tmp: Path) -> None:
         assert found["raw"] == [], f"raw values {at}: {found['raw']}"
         assert found["print"] == {"unprinted": 0, "closed": 0}, f"printed {at}: {found['print']}"
         assert found["labels"] == [], f"stacked cells without their column's label {at}: {found['labels']}"
-        for name, t in found["long"].items():  # the first rows, and a button for all of them
-            if t["rows"] > render.FIRST_ROWS:
-                assert t["shown"] == render.FIRST_ROWS, (name, t)
-                assert t["button"] == f"Show all {t['rows']:,} rows", (name, t)
-                assert t["opened"] == t["rows"], (name, t)
-            else:
-                assert t["shown"] == t["rows"] and t["button"] is None, (name, t)
+        for name, t in found["long"].items():  # the first rows, and buttons for the next ones and for all
+            check_long_table(name, t)
             assert t["unscripted"] == t["rows"], (name, t)  # no script, no button: every row shows
+
+
+def check_long_table(name: str, t: dict[str, Any]) -> None:
+    """A long table as the layout probe found it: its first rows shown; a button for the next ``MORE_ROWS``
+    where more than that many are left, which shows them; a button for all, which shows every row and then
+    offers the first rows again, which it shows."""
+    first, more = render.FIRST_ROWS, render.MORE_ROWS
+    if t["rows"] <= first:
+        assert t["shown"] == t["rows"] and t["button"] is None and t["next"] is None, (name, t)
+        return
+    assert t["shown"] == first, (name, t)
+    assert t["button"] == f"Show all {t['rows']:,} rows", (name, t)
+    if t["rows"] - first > more:
+        assert t["next"] == f"Show the next {more} rows" and t["more"] == first + more, (name, t)
+        want = f"Show all {t['rows']:,} rows" if t["rows"] > first + more else f"Show the first {first} rows"
+        assert t["after_next"] == want, (name, t)
+    else:
+        assert t["next"] is None, (name, t)
+    assert t["opened"] == t["rows"] and t["back"] == f"Show the first {first} rows", (name, t)
+    assert t["closed"] == first, (name, t)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -300,11 +320,11 @@ def test_page_of_a_run_that_went_nan_fits(tmp_path: Path) -> None:
 
 
 def test_page_of_a_large_model_hides_no_row_and_cuts_no_list(tmp_path: Path) -> None:
-    """A 12-block GPT (113 modules, 452 what-if rows, 49 linear layers FP8-eligible and named by a finding):
-    every row is on the page (long tables show their first rows and expand; print shows them all), every
-    module of a list is named, and the page still fits at both widths."""
+    """A 20-block GPT (185 modules, 618 what-if rows, 81 linear layers FP8-eligible and named by a finding):
+    every row is on the page (long tables show their first rows, then the next ones, then all; print shows them
+    all), every module of a list is named, and the page still fits at both widths."""
     browser()
-    layers = gpt_layers(n_layer=12)
+    layers = gpt_layers(n_layer=20)
     tabs, summary = synthetic_run("fp16", layers=layers, steps=4, sample_every=2)
     rec = recommendation_dict("fp16")
     linear = [ly.name for ly in layers if ly.type in ("Conv1D", "Linear")]
@@ -315,6 +335,10 @@ def test_page_of_a_large_model_hides_no_row_and_cuts_no_list(tmp_path: Path) -> 
     verdict = text.split('id="verdict"', 1)[1].split("</section>", 1)[0]
     assert all(f"<code>{name}</code>" in verdict for name in linear)
     whatif = text.split('id="whatif-table"', 1)[1].split("</table>", 1)[0]
-    # the what-if table holds every (layer, kind) row: 379 here
-    assert whatif.count("<tr") - 1 == len(S.whatif_by_layer(tabs["layers"])) > 300
+    # the what-if table holds every (layer, kind) row, more than its first rows and the next ones
+    assert (
+        whatif.count("<tr") - 1
+        == len(S.whatif_by_layer(tabs["layers"]))
+        > render.FIRST_ROWS + render.MORE_ROWS
+    )
     check_layout(page, tmp_path)

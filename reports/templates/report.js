@@ -10,30 +10,49 @@
     if (v !== null) { return v === "" ? null : parseFloat(v); }
     return td.textContent.trim().toLowerCase();
   }
-  // long tables: rows past the first FIRST_ROWS (of those the filter keeps) wait for the button
+  // long tables: rows past the first FIRST_ROWS (of those the filter keeps) wait for the buttons, which show the
+  // next MORE_ROWS, all of them, or the first ones again (all of 25,000 rows take a browser half a minute to lay
+  // out; the next few hundred, a blink)
+  var MORE_ROWS = {{ more_rows }};
+  function limit(table) { var n = parseFloat(table.getAttribute("data-shown")); return isNaN(n) ? FIRST_ROWS : n; }
   function collapse(table) {
     if (!table.classList.contains("long")) { return; }
-    var all = rows(table), kept = 0, open = table.getAttribute("data-open") === "1";
+    var all = rows(table), kept = 0, shown = limit(table);
     all.forEach(function (r) {
       if (r.style.display === "none") { r.classList.remove("extra"); return; }
       kept += 1;
-      r.classList.toggle("extra", !open && kept > FIRST_ROWS);
+      r.classList.toggle("extra", kept > shown);
     });
-    var button = table.parentNode.nextElementSibling;
-    if (!button || !button.classList.contains("more-rows")) { return; }
-    button.hidden = kept <= FIRST_ROWS;
-    button.textContent = open ? "Show the first " + FIRST_ROWS + " rows" : "Show all " + kept.toLocaleString("en-US") + " rows";
+    var box = table.parentNode.nextElementSibling;
+    if (!box || !box.classList.contains("more-rows")) { return; }
+    var more = box.querySelector(".next"), rest = box.querySelector(".rest"), open = kept <= shown;
+    box.hidden = kept <= FIRST_ROWS;
+    more.hidden = open || kept - shown <= MORE_ROWS;
+    more.textContent = "Show the next " + MORE_ROWS.toLocaleString("en-US") + " rows";
+    rest.textContent = open ? "Show the first " + FIRST_ROWS + " rows" : "Show all " + kept.toLocaleString("en-US") + " rows";
+    rest.setAttribute("data-open", open ? "1" : "0");
+  }
+  function button(cls, onclick) {
+    var b = document.createElement("button");
+    b.type = "button";
+    b.className = cls;
+    b.addEventListener("click", onclick);
+    return b;
   }
   document.querySelectorAll("table.long").forEach(function (table) {
     if (rows(table).length <= FIRST_ROWS) { return; }
-    var button = document.createElement("button");
-    button.type = "button";
-    button.className = "more-rows";
-    button.addEventListener("click", function () {
-      table.setAttribute("data-open", table.getAttribute("data-open") === "1" ? "0" : "1");
+    var box = document.createElement("div");
+    box.className = "more-rows";
+    box.appendChild(button("next", function () {
+      table.setAttribute("data-shown", String(limit(table) + MORE_ROWS));
+      collapse(table);
+    }));
+    var rest = button("rest", function () {
+      table.setAttribute("data-shown", rest.getAttribute("data-open") === "1" ? String(FIRST_ROWS) : "Infinity");
       collapse(table);
     });
-    table.parentNode.parentNode.insertBefore(button, table.parentNode.nextSibling);
+    box.appendChild(rest);
+    table.parentNode.parentNode.insertBefore(box, table.parentNode.nextSibling);
     collapse(table);
   });
   document.querySelectorAll("table.sortable").forEach(function (table) {
