@@ -95,6 +95,14 @@ _OBJECT_SECTIONS = (
 )
 
 
+def shared_params(summary: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The capture's ``shared_params`` of a summary (a module -> {param: the module its weight is recorded
+    under}); {} for a run recorded before the capture wrote them."""
+    capture = (summary or {}).get(SUMMARY_CAPTURE)
+    shared = capture.get("shared_params") if isinstance(capture, Mapping) else None
+    return dict(shared) if isinstance(shared, Mapping) else {}
+
+
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
     """summary.json of a run directory ({} when there is none).
 

@@ -272,17 +272,21 @@ def flags(column: pd.Series) -> pd.Series:
     return column.map(lambda v: False if v is None or v != v else bool(v)).astype(bool)
 
 
-def module_order(layers: pd.DataFrame) -> pd.Series:
+def module_order(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> pd.Series:
     """Per module of a layers table, its place in forward order (0, 1, ...), merged over the steps: each step's
     modules in their ``order``, a module a step runs first placed just before the next module of that step
     already placed (after all of them when none is). A routed expert runs on some steps only: the smallest
     order over steps put the output head before the experts of a step that ran more of them, and the -1 a step
     writes in the rows of a module it did not run (the weights and the update AdamW still makes) put those
-    first. NaN for a module that never ran."""
+    first. NaN for a module that never ran, except one that owns a weight others read (``shared``: the
+    capture's ``shared_params``, user -> {param: owner}, e.g. T5's ``shared`` embedding, read by
+    ``encoder.embed_tokens``): its weight is recorded under its name and read where its first user runs, so it
+    goes just before that user."""
+    module = texts(layers[MODULE])
+    names = pd.unique(module)
     order = pd.to_numeric(layers[ORDER], errors="coerce")
     steps = pd.to_numeric(layers[STEP], errors="coerce").fillna(-1) if STEP in layers else 0
-    ran = pd.DataFrame({"s": steps, "o": order, "m": texts(layers[MODULE])})[order >= 0]
-    names = pd.unique(texts(layers[MODULE]))
+    ran = pd.DataFrame({"s": steps, "o": order, "m": module})[order >= 0]
     if ran.empty:
         return pd.Series(np.nan, index=names, dtype=float)
     ran = ran.drop_duplicates(["s", "m"]).sort_values(["s", "o"], kind="stable")
@@ -312,6 +316,15 @@ def module_order(layers: pd.DataFrame) -> pd.Series:
     while m is not None:
         rank[m] = float(len(rank))
         m = nxt[m]
+    placed, known = False, {str(n) for n in names}
+    for user, params in (shared or {}).items():
+        for owner in params.values() if isinstance(params, Mapping) else ():
+            place = rank.get(str(user))
+            if place is not None and str(owner) not in nxt and str(owner) in known:
+                rank[str(owner)] = min(rank.get(str(owner), math.inf), place - 0.5)
+                placed = True
+    if placed:  # numbered again: 0, 1, ...
+        rank = {k: float(i) for i, k in enumerate(sorted(rank, key=rank.__getitem__))}
     return pd.Series([rank.get(str(n), np.nan) for n in names], index=names, dtype=float)
 
 

@@ -325,25 +325,66 @@ def test_forward_order_merges_the_steps_that_ran_other_modules() -> None:
     assert order.drop("e3").tolist() == [0, 1, 4, 2, 3] and np.isnan(order["e3"])
 
 
-def test_a_weight_owner_that_never_runs_takes_its_first_users_place() -> None:
+class _SharedEmbedding(nn.Module):
+    """T5's layout: ``shared`` owns the embedding and never runs; the encoder's and decoder's ``embed_tokens``
+    read its weight (the same Parameter), which the capture records under ``shared``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(16, 8)
+        self.encoder = nn.ModuleDict({"embed_tokens": nn.Embedding(16, 8), "ln": nn.LayerNorm(8)})
+        self.decoder = nn.ModuleDict({"embed_tokens": nn.Embedding(16, 8), "head": nn.Linear(8, 16)})
+        self.encoder["embed_tokens"].weight = self.shared.weight
+        self.decoder["embed_tokens"].weight = self.shared.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        enc = self.encoder["ln"](self.encoder["embed_tokens"](idx))
+        return self.decoder["head"](self.decoder["embed_tokens"](idx) + enc.mean(1, keepdim=True))
+
+
+def test_a_weight_owner_that_never_runs_takes_its_first_users_place(tmp_path: Path) -> None:
     """T5's ``shared`` embedding never runs (``encoder.embed_tokens`` reads its weight, recorded under
     ``shared``): with forward order taken over the steps a module ran, it came last, and a finding on nan
-    weights named a LayerNorm as the first in forward order instead of the embedding. It takes its first
-    user's place."""
-    from precprof.analysis.advisor import _place_weight_owners
-
-    order = {
-        "encoder.embed_tokens": 0,
-        "ln": 2,
-        "decoder.embed_tokens": 9,
-        "shared": 1 << 30,
-        "other": 1 << 30,
+    weights named a LayerNorm as the first in forward order instead of the embedding; the report's per-layer
+    tables and weight heatmap listed it after the output head. It goes just before its first user, in the
+    advisor and in every table of the report."""
+    torch.manual_seed(0)
+    model = _SharedEmbedding()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for step in range(3):
+            if step == 2:  # as an optimizer step gone wrong would leave them: a finding names the weights
+                with torch.no_grad():
+                    model.shared.weight[3, 0] = math.nan
+                    model.encoder["ln"].weight[0] = math.nan
+            model(torch.randint(0, 16, (2, 4))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    tables, summary = prof.tables(), {T.SUMMARY_CAPTURE: prof.summary()}
+    shared = T.shared_params(summary)
+    assert shared == {
+        "encoder.embed_tokens": {"weight": "shared"},
+        "decoder.embed_tokens": {"weight": "shared"},
     }
-    shared = {"encoder.embed_tokens": {"weight": "shared"}, "decoder.embed_tokens": {"weight": "shared"}}
-    _place_weight_owners(order, {T.SUMMARY_CAPTURE: {"shared_params": shared}})
-    assert order["shared"] == 0 and order["other"] == 1 << 30 and order["ln"] == 2
-    _place_weight_owners(order, {})  # an older run's summary: nothing to place
-    assert order["shared"] == 0
+    layers = tables["layers"]
+    ran = ["encoder.embed_tokens", "encoder.ln", "decoder.embed_tokens", "decoder.head"]
+    assert S.forward_order(layers) == [*ran, "shared"]  # without the owners: never ran, last
+    assert S.forward_order(layers, shared) == ["shared", *ran]
+    assert T.module_order(layers, shared)[["shared", *ran]].tolist() == [0, 1, 2, 3, 4]
+    assert T.module_order(layers, {}).equals(T.module_order(layers))  # an older run: nothing to place
+    rows, _, _ = S.heatmap_matrix(tables["histograms"], layers, T.WEIGHT, shared)
+    assert rows[0] == ("shared", "weight")
+    page = render_report(tables, summary, tmp_path / "report.html").read_text()
+    for table in ("layer-table", "whatif-table"):
+        body = page.split(f'id="{table}"', 1)[1].split("</table>", 1)[0]
+        names = [re.sub("<[^>]+>", "", c) for c in re.findall(r'<td class="mod"><code>(.*?)</code>', body)]
+        assert list(dict.fromkeys(names))[:2] == ["shared", "encoder.embed_tokens"], table
+    from precprof.analysis.advisor import recommend
+
+    found = [f for f in recommend(tables, summary=summary).findings if "first in forward order" in f.message]
+    assert len(found) == 1 and found[0].modules[:2] == ["shared", "encoder.ln"], found
+    assert "first in forward order: shared, Embedding" in found[0].message
 
 
 def test_training_plot_marks_skipped_steps(synthetic: tuple[dict[str, pd.DataFrame], dict]) -> None:

@@ -257,7 +257,9 @@ def _heatmaps(
     focus, why = heatmap_focus(summary or {}, rec)
     out: list[dict[str, Any]] = []
     for kind in HEATMAP_KINDS:
-        hm = plots.signature_heatmap(hist, layers, kind, recommended_scale=rec_scale, focus=focus)
+        hm = plots.signature_heatmap(
+            hist, layers, kind, recommended_scale=rec_scale, focus=focus, shared=T.shared_params(summary)
+        )
         title = S.KIND_LABELS[kind].capitalize()
         if hm is None:
             out.append({"kind": kind, "title": title, "img": None, "notes": []})
@@ -317,7 +319,7 @@ def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any
             "underflow_cs": "underflow, current scaling",
         }[what]
         headers.append({"col": col, "format": fmt, "label": label, "what": sub, "full": f"{label} {sub}"})
-    by_layer = S.whatif_by_layer(layers)
+    by_layer = S.whatif_by_layer(layers, T.shared_params(summary))
     rows = []
     for r in by_layer.to_dict("records"):
         rows.append(
@@ -425,7 +427,7 @@ def build_context(
     )
     status = str(summary.get(T.SUMMARY_STATUS) or T.STATUS_COMPLETE)
     training_fig = plots.training_figure(steps)
-    layer_rows = S.layer_records(layers)
+    layer_rows = S.layer_records(layers, T.shared_params(summary))
     hw = summary.get(T.SUMMARY_HARDWARE) or {}
     target = str((rec or {}).get("target") or "")
     recorded_on = {str(hw.get(k) or "").lower() for k in ("name", "preset")} - {""}

@@ -37,8 +37,9 @@ def module_label(name: str) -> str:
     return name if name else ROOT_LABEL
 
 
-def forward_order(layers: pd.DataFrame) -> list[str]:
-    """Module names in forward order (the ``order`` column; first appearance breaks ties and fills gaps)."""
+def forward_order(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> list[str]:
+    """Module names in forward order (``tables.module_order``, a never-running owner of a weight others read
+    placed by ``shared``, the capture's ``shared_params``; first appearance breaks ties and fills gaps)."""
     if layers.empty:
         return []
     first = (
@@ -46,17 +47,20 @@ def forward_order(layers: pd.DataFrame) -> list[str]:
         .groupby(layers[T.MODULE], sort=False, observed=True)
         .min()
     )
-    g = pd.DataFrame({"order": T.module_order(layers), "first": first})
+    g = pd.DataFrame({"order": T.module_order(layers, shared), "first": first})
     g["order"] = g["order"].fillna(math.inf)
     return [str(m) for m in g.sort_values(["order", "first"]).index]
 
 
-def row_order(layers: pd.DataFrame, kind: str) -> list[tuple[str, str]]:
-    """(module, param) rows of tensor kind ``kind`` in forward order; params in order of first appearance."""
+def row_order(
+    layers: pd.DataFrame, kind: str, shared: Mapping[str, Any] | None = None
+) -> list[tuple[str, str]]:
+    """(module, param) rows of tensor kind ``kind`` in forward order (``forward_order``); params in order of
+    first appearance."""
     sub = layers.loc[layers[T.TENSOR] == kind, [T.MODULE, T.PARAM]]  # the columns it reads: a narrow copy
     if sub.empty:
         return []
-    rank = {m: i for i, m in enumerate(forward_order(layers))}
+    rank = {m: i for i, m in enumerate(forward_order(layers, shared))}
     # a few hundred distinct rows, as plain text: a categorical would map to a categorical and sort by its codes
     keys = sub[[T.MODULE, T.PARAM]].apply(T.texts).drop_duplicates().astype(object)
     keys = keys.assign(_r=keys[T.MODULE].map(rank).fillna(len(rank)), _i=np.arange(len(keys)))
@@ -100,13 +104,13 @@ def scale_in_effect(layers: pd.DataFrame, kind: str) -> dict[str, float]:
 
 
 def heatmap_matrix(
-    histograms: pd.DataFrame, layers: pd.DataFrame, kind: str
+    histograms: pd.DataFrame, layers: pd.DataFrame, kind: str, shared: Mapping[str, Any] | None = None
 ) -> tuple[list[tuple[str, str]], np.ndarray, np.ndarray]:
     """Rows (module, param) in forward order, exponents, and counts[row, exponent] summed over sampled steps.
 
     ``histograms``: the histograms table, or its ``tables.sum_histogram_frame`` (faster when called per kind)."""
     h = histograms[histograms[T.TENSOR] == kind]
-    rows = row_order(layers, kind)
+    rows = row_order(layers, kind, shared)
     if h.empty:
         return rows, np.zeros(0, dtype=np.int64), np.zeros((len(rows), 0))
     # rows seen only in the histograms (older runs without layer rows) go last, in order of appearance
@@ -168,7 +172,7 @@ def whatif_columns() -> list[tuple[str, str, str]]:
     return cols
 
 
-def whatif_by_layer(layers: pd.DataFrame) -> pd.DataFrame:
+def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> pd.DataFrame:
     """Per (module, tensor kind): numel and the share of values lost in each what-if format.
 
     Columns: module, module_type, tensor, numel, scale (last), then one share column per entry of
@@ -192,7 +196,7 @@ def whatif_by_layer(layers: pd.DataFrame) -> pd.DataFrame:
     out[T.MODULE_TYPE] = T.texts(out[T.MODULE].map(types))
     scales = {k: scale_in_effect(sub, k)["last"] for k in HIST_KINDS}
     out[T.SCALE] = out[T.TENSOR].map(scales)
-    rank = {m: i for i, m in enumerate(forward_order(layers))}
+    rank = {m: i for i, m in enumerate(forward_order(layers, shared))}
     kind_rank = {k: i for i, k in enumerate(HIST_KINDS)}
     out = out.assign(_r=out[T.MODULE].map(rank), _k=out[T.TENSOR].map(kind_rank))
     out = out.sort_values(["_r", "_k"]).drop(columns=["_r", "_k"]).reset_index(drop=True)
@@ -233,7 +237,7 @@ def _by_key(series: pd.Series) -> dict[Any, Any]:
     return {k: v for k, v in series.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
 
 
-def layer_records(layers: pd.DataFrame) -> list[dict[str, Any]]:
+def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """One record per module, forward order: type, dtypes, extreme magnitudes, fp16/bf16 losses, first nan/inf.
 
     Keys: module, module_type, param_dtype, act_dtype, act_grad_dtype, weight_grad_dtype, act_absmax,
@@ -243,7 +247,7 @@ def layer_records(layers: pd.DataFrame) -> list[dict[str, Any]]:
     """
     if layers.empty:
         return []
-    order = forward_order(layers)
+    order = forward_order(layers, shared)
     df = layers[[T.STEP, T.MODULE, T.MODULE_TYPE, T.TENSOR, T.DTYPE]].copy()
     num_cols = [T.NUMEL, T.ZEROS, T.NAN, T.INF, T.ABSMAX, T.ABSMIN, T.LOST_UPDATE_BF16]
     count_cols = [c for f in ("fp16", "bf16") for c in (T.underflow_col(f), T.overflow_col(f))]

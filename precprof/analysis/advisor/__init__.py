@@ -102,21 +102,6 @@ def _hardware(hardware: str | HardwareInfo | None, summary: Mapping[str, Any]) -
     return hw_mod.detect(), False
 
 
-def _place_weight_owners(order: dict[str, int], summary: Mapping[str, Any]) -> None:
-    """A module that never runs but owns a weight other modules use (T5's ``shared`` embedding, read by
-    ``encoder.embed_tokens``; capture.shared_params) takes the place of its first user in forward order: its
-    weight is recorded under its name, and read there."""
-    capture = summary.get(T.SUMMARY_CAPTURE) or {}
-    shared = capture.get("shared_params") if isinstance(capture, Mapping) else None
-    if not isinstance(shared, Mapping):
-        return
-    for user, params in shared.items():
-        for owner in params.values() if isinstance(params, Mapping) else ():
-            place = order.get(str(user), 1 << 30)
-            if order.get(str(owner), 1 << 30) == 1 << 30 and place < 1 << 30:
-                order[str(owner)] = min(order.get(str(owner), 1 << 30), place)
-
-
 def recommend(
     tables_or_run_dir: Any,
     hardware: str | HardwareInfo | None = None,
@@ -139,8 +124,7 @@ def recommend(
     if isinstance(memory, pd.DataFrame):
         run.memory = T.memory_at(memory)  # each component's own size; the peak's parts would count it twice
     if not layers.empty:
-        run.order = T.module_order(layers).fillna(1 << 30).astype(int).to_dict()
-        _place_weight_owners(run.order, summ)
+        run.order = T.module_order(layers, T.shared_params(summ)).fillna(1 << 30).astype(int).to_dict()
         run.types = layers.groupby(T.MODULE)[T.MODULE_TYPE].first().to_dict()
     plan = _Plan(loss_scale_log2=cfg.default_loss_scale_log2, growth_interval=cfg.default_growth_interval)
     plan.matmul_layers = _matmul_leaves(run)

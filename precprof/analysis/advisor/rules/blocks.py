@@ -278,7 +278,7 @@ def block_table(
         lay, hist, steps, dict(summary or {}), hw_mod.preset(WHAT_IF_TARGET), True, cfg or AdvisorConfig()
     )
     if not lay.empty:
-        run.order = T.module_order(lay).fillna(1 << 30).astype(int).to_dict()
+        run.order = T.module_order(lay, T.shared_params(summary)).fillna(1 << 30).astype(int).to_dict()
         run.types = lay.groupby(T.MODULE)[T.MODULE_TYPE].first().to_dict()
     out = layer_blocks(run)
     for lb in out:
