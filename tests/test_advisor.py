@@ -454,6 +454,56 @@ def test_fp16_wide_tail_is_not_blocking(request: pytest.FixtureRequest) -> None:
     check_golden(request, rec)
 
 
+def _fp16_overflowing_run(init_scale: float, out: Path | None, steps: int = 3) -> list[bool]:
+    """A real fp16 autocast run whose gradients (max about 1e3: the loss is 1e5 x an MSE) overflow fp16 at every
+    scale from 2^16 down to 2^11; which steps GradScaler skipped. Profiled, every step sampled, into ``out``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    prof = Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, out=out).attach() if out else None
+    skipped = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = 1e5 * nn.functional.mse_loss(model(x).float(), y)
+        before = scaler.get_scale()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < before)
+        opt.zero_grad(set_to_none=True)
+        if prof is not None:
+            prof.step(loss=loss.detach())
+    if prof is not None:
+        prof.detach()
+        prof.save()
+    return skipped
+
+
+def test_a_loss_scale_from_a_lower_bound_promises_nothing(tmp_path: Path) -> None:
+    """Every sampled step overflowed fp16, so the largest gradient is known only as a lower bound (65520 / the
+    lowest scale that overflowed). The advisor said "starting GradScaler at 2^11 avoids them" of the skips; a
+    run started there skips every step too. It now gives 2^11 as the most a start can be, says that the run
+    cannot tell whether it avoids the skips, and how to measure the gradients."""
+    assert _fp16_overflowing_run(2.0**16, tmp_path / "run") == [True, True, True]
+    rec = recommend(tmp_path / "run", hardware="v100")
+    scale = must(rec, "fp16_loss_scale")
+    k = int(scale.numbers["loss_scale_log2"])
+    assert k == 11 and scale.numbers["grad_absmax"] == 65520 / 2**14  # the lowest scale that overflowed: 2^14
+    assert scale.title == "fp16 loss scale 2^11 (2048) at the most"
+    assert "is at least 4: fp16 gradients became inf at scale 1.64e+04" in scale.message
+    assert "every sampled step had inf gradients" in scale.message
+    assert "init_scale=2048 at the most" in scale.remedy and "bf16 or fp32" in scale.remedy
+    skips = must(rec, "scaler_skipped_steps")
+    assert "init_scale=2048) avoids" not in skips.message and "starting GradScaler at" not in skips.message
+    assert "whether a start there avoids them the run cannot tell" in skips.message
+    assert skips.remedy == "Use GradScaler(init_scale=2048) or lower."
+    # the promise it made before, tested: a run started at 2^11 still skips every step
+    assert _fp16_overflowing_run(2.0**k, None) == [True, True, True]
+
+
 def test_scaler_skipped_steps_and_thrashing(request: pytest.FixtureRequest) -> None:
     # an fp16 run with GradScaler: starts at 2^16, skips while backing off to 2^11, later grows and overflows
     g = torch.Generator().manual_seed(3)

@@ -357,6 +357,10 @@ class _Plan:
     findings: list[Finding] = field(default_factory=list)
     loss_scale_log2: int = 16
     grad_absmax: float | None = None
+    # grad_absmax is a lower bound: it comes from a step where some gradient was inf (fp16 overflow at the
+    # scale in effect), larger than every step without one measured; the loss scale is then the most a start
+    # can be, and whether it avoids overflow the run cannot tell
+    grad_absmax_bound: bool = False
     underflow_now: float | None = None
     underflow_at_1: float | None = None
     underflow_at_rec: float | None = None
@@ -413,20 +417,24 @@ def _matmul_leaves(run: _Run) -> list[str]:
     return run.sort(_innermost(mods))
 
 
-def _grad_absmax(run: _Run) -> tuple[float | None, float | None]:
-    """(largest finite unscaled gradient magnitude, lower bound implied by fp16 gradients that became inf).
+def _grad_absmax(run: _Run) -> tuple[float | None, float | None, float | None]:
+    """(largest finite unscaled gradient magnitude, lower bound implied by fp16 gradients that became inf,
+    largest finite one of the steps none of whose gradients was inf).
 
-    An fp16 gradient that is inf at loss scale s was at least 65520/s before scaling.
+    An fp16 gradient that is inf at loss scale s was at least 65520/s before scaling. On a step where some
+    gradient was inf, the finite ones are lower bounds too: only the last figure is a step's measured maximum.
     """
     g = run.kind(*T.GRADIENT_KINDS)
     if g.empty:
-        return None, None
-    finite = g[T.ABSMAX].dropna()
-    finite = finite[(finite > 0) & np.isfinite(finite.to_numpy(dtype=float))]
+        return None, None, None
+    absmax = pd.to_numeric(g[T.ABSMAX], errors="coerce")
+    finite = absmax[(absmax > 0) & np.isfinite(absmax.to_numpy(dtype=float))]
     amax = float(finite.max()) if not finite.empty else None
     infs = g[(g[T.INF] > 0) & _dtype_has(g, "float16") & (g[T.SCALE] > 0)]
     bound = float((FP16.overflow_min / infs[T.SCALE]).max()) if not infs.empty else None
-    return amax, bound
+    overflowed = set(g.loc[pd.to_numeric(g[T.INF], errors="coerce") > 0, T.STEP])
+    clean = finite[~g.loc[finite.index, T.STEP].isin(overflowed)]
+    return amax, bound, (float(clean.max()) if not clean.empty else None)
 
 
 def _tokens_per_call(run: _Run) -> int | None:

@@ -172,9 +172,11 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
             layers=run.layers[~run.layers[T.STEP].isin(fwd_bad_steps)],
             hist=run.hist[~run.hist[T.STEP].isin(fwd_bad_steps)],
         )
-    amax, bound = _grad_absmax(run)
+    amax, bound, clean = _grad_absmax(run)
     gmax = max([x for x in (amax, bound) if x is not None], default=None)
     plan.grad_absmax = gmax
+    # no step measured it: it comes from a step where some gradient was inf, above every step without one
+    plan.grad_absmax_bound = gmax is not None and (clean is None or gmax > clean)
     limit = FP16.max / 2.0**cfg.fp16_margin_log2
     if gmax is None or gmax <= 0:
         k = cfg.default_loss_scale_log2
@@ -213,26 +215,44 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
         clamp = ""
         if k != raw:
             clamp = f" (clamped from 2^{raw} to the configured range 2^{cfg.min_loss_scale_log2}..2^{cfg.max_loss_scale_log2})"
-        src = (
-            f" (a lower bound: fp16 gradients became inf at scale {_g(FP16.overflow_min / bound)})"
-            if bound is not None and bound >= (amax or 0)
+        out = (
+            f" (leaving out {excluded} sampled step(s) whose forward pass was already non-finite)"
+            if excluded
             else ""
         )
+        keeps = (
+            f"{_pow2(k)} is the largest power of two that keeps it below 65504 / {2**cfg.fp16_margin_log2} = "
+            f"{_g(limit)} (max|g| x 2^{k} = {_g(math.ldexp(gmax, k))}){clamp}"
+        )
+        if plan.grad_absmax_bound:
+            src = (
+                f"fp16 gradients became inf at scale {_g(FP16.overflow_min / bound)}"
+                if bound is not None and bound >= (amax or 0)
+                else "a step on which other gradients became inf held it"
+            )
+            measured = (
+                f"the largest on a step with no inf gradient was {_g(clean)}"
+                if clean is not None
+                else "every sampled step had inf gradients"
+            )
+            message = (
+                f"The largest gradient magnitude is at least {_g(gmax)}: {src}, so no step measured it "
+                f"({measured}){out}. {keeps}; the true largest gradient may need a lower start."
+            )
+            remedy = (
+                f"Start GradScaler at init_scale={_scale(k)} at the most. To size it, profile a few steps at a "
+                "lower scale, or in bf16 or fp32, where the gradients do not overflow."
+            )
+        else:
+            message = f"The largest gradient magnitude seen is {_g(gmax)}{out}; {keeps}."
+            remedy = f"Start GradScaler at init_scale={_scale(k)}."
         plan.add(
             Finding(
                 "fp16_loss_scale",
                 INFO,
-                f"fp16 loss scale {_pow2(k)}",
-                f"The largest gradient magnitude seen is {_g(gmax)}{src}"
-                + (
-                    f" (leaving out {excluded} sampled step(s) whose forward pass was already non-finite)"
-                    if excluded
-                    else ""
-                )
-                + f"; {_pow2(k)} is the largest power of "
-                f"two that keeps it below 65504 / {2**cfg.fp16_margin_log2} = {_g(limit)} "
-                f"(max|g| x 2^{k} = {_g(math.ldexp(gmax, k))}){clamp}.",
-                f"Start GradScaler at init_scale={_scale(k)}.",
+                f"fp16 loss scale {_pow2(k)}" + (" at the most" if plan.grad_absmax_bound else ""),
+                message,
+                remedy,
                 numbers={
                     "loss_scale_log2": k,
                     "loss_scale": 2.0**k,

@@ -44,7 +44,13 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
             )
         if others:
             lead = f"Of the other {others}, {avoid}" if model else f"{avoid} of those skips"
-            if avoid:
+            if avoid and plan.grad_absmax_bound:
+                part = (
+                    f"{lead} happened at a scale above {_pow2(k)}, the most a start can be; whether a start "
+                    f"there avoids them the run cannot tell: it measured the largest gradient only as a lower "
+                    f"bound (fp16_loss_scale)"
+                )
+            elif avoid:
                 part = (
                     f"{lead} happened at a scale above the recommended {_pow2(k)}: starting GradScaler at "
                     f"{_scale(k)} avoids them"
@@ -77,7 +83,7 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
             + "."
         )
         remedy = (
-            f"Use GradScaler(init_scale={_scale(k)})."
+            f"Use GradScaler(init_scale={_scale(k)})" + (" or lower." if plan.grad_absmax_bound else ".")
             if avoid or not model
             else "Remove the source of the nan/inf (see the non-finite finding); the loss scale is not the cause."
         )
