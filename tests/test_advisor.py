@@ -504,6 +504,81 @@ def test_a_loss_scale_from_a_lower_bound_promises_nothing(tmp_path: Path) -> Non
     assert _fp16_overflowing_run(2.0**k, None) == [True, True, True]
 
 
+def _fp16_tail_run(out: Path) -> list[torch.Tensor]:
+    """A real fp16 autocast run on the CPU (every activation gradient fp16: CPU autocast keeps GELU in fp16)
+    with GradScaler at 2^16 and no skipped step: half of the first layer's units sit at -6, where GELU's slope
+    is about 1e-8, so their gradients are a tail of tiny values that carries next to none of the layer's norm.
+    Three steps, each sampled; the activation gradients as the test's own hooks saw them (scaled, fp16)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 32))
+    with torch.no_grad():
+        model[0].weight[:128].mul_(0.005)
+        model[0].bias[:128].fill_(-6.0)
+    seen: list[torch.Tensor] = []
+
+    def keep(mod: nn.Module, args: Any, y: torch.Tensor) -> None:
+        y.register_hook(lambda g: seen.append(g.detach().clone()))
+
+    for m in model:
+        m.register_forward_hook(keep)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, out=out) as prof:
+        for step in range(3):
+            x = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = 60 * model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    prof.save()
+    assert scaler.get_scale() == 2.0**16  # no step skipped
+    return seen
+
+
+def test_fp16_underflow_of_a_scaled_run_whose_gradients_are_all_fp16(tmp_path: Path) -> None:
+    """Every activation gradient was fp16 (as CPU autocast leaves norms and GELU), and the run's loss scale was
+    read from the other rows only: as 1, so a run scaled by 2^16 that lost nothing was warned "Scale the loss"
+    (seen on diffusers' UNet and timm's ResNet). And a recommended scale below the run's whose extra losses carry
+    none of the gradients' norm ruled fp16 out ("no fp16 loss scale fits": timm's ViT, whose tail of GELU
+    gradients the finding itself called negligible). Now the run's scale is every row's, and a tail that
+    carries no norm blocks nothing."""
+    seen = _fp16_tail_run(tmp_path / "run")
+    assert {g.dtype for g in seen} == {torch.float16}
+    unscaled = torch.cat([g.float().flatten() / 2.0**16 for g in seen])
+    unscaled = unscaled[unscaled != 0]
+
+    def flushed(k: int) -> float:  # a real cast at 2^k of the values the run held
+        return float(((unscaled * 2.0**k).to(torch.float16) == 0).float().mean())
+
+    def kept_norm(k: int) -> float:
+        back = (unscaled * 2.0**k).to(torch.float16).float() / 2.0**k
+        return float(back.square().sum() / unscaled.square().sum())
+
+    assert flushed(0) > 0.2 and flushed(16) == 0.0
+    rec = recommend(tmp_path / "run", hardware="v100")
+    f = must(rec, "fp16_gradient_underflow")
+    assert f.numbers["run_scale_log2"] == 16 and f.numbers["share_now"] is None
+    assert f.numbers["share_at_scale_1"] == pytest.approx(flushed(0), abs=0.01)
+    assert f.severity == "info" and "Scale the loss" not in f.remedy
+    assert f.remedy.startswith("Nothing to fix: at the run's loss scale 2^16 (65536), 0% of the values")
+    # the tail the recommended 2^14 flushes, made to count (0.1% allowed instead of 1%): it holds no norm
+    k = int(must(rec, "fp16_loss_scale").numbers["loss_scale_log2"])
+    strict = recommend(tmp_path / "run", hardware="v100", config=AdvisorConfig(fp16_underflow_ok=0.001))
+    f = must(strict, "fp16_gradient_underflow")
+    assert k == 14 and flushed(14) > 0.001 and f.numbers["nonzero_values"] == unscaled.numel()
+    # the histogram's count: the values surely flushed, and those lying on the rounding boundary (2^-25 at
+    # 2^14), which a real cast rounds to 0 as well
+    n = round(flushed(14) * unscaled.numel())
+    sure, tie = f.numbers["underflow_at_recommended"], f.numbers["boundary_values_at_recommended"]
+    assert sure <= n <= sure + tie and sure / unscaled.numel() > 0.001
+    assert 1 - kept_norm(14) < 1e-6 and f.numbers["max_module_norm_share_at_recommended"] < 1e-6
+    assert f.severity == "info" and "negligible tail" in f.remedy and "bf16 or fp32" not in f.remedy
+    assert "Do not lower" not in must(strict, "fp16_loss_scale").remedy
+
+
 def test_scaler_skipped_steps_and_thrashing(request: pytest.FixtureRequest) -> None:
     # an fp16 run with GradScaler: starts at 2^16, skips while backing off to 2^11, later grows and overflows
     g = torch.Generator().manual_seed(3)

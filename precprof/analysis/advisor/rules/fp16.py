@@ -276,6 +276,19 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
     _rule_scaler(run, plan)
 
 
+def _runs_into_floor(is16: pd.DataFrame, zero16: float | None, zero_share: float) -> bool:
+    """Whether the fp16 activation gradients show values flushed at the scale they were held at: more than
+    ``zero_share`` of them exact zeros, and the smallest nonzero one, scaled, among fp16's subnormals. A value
+    flushed inside an fp16 tensor is a zero, which the counts cannot tell from a true one."""
+    if is16.empty or zero16 is None or zero16 <= zero_share:
+        return False
+    absmin = pd.to_numeric(is16[T.ABSMIN], errors="coerce") * pd.to_numeric(
+        is16[T.SCALE], errors="coerce"
+    ).fillna(1.0)
+    floor = float(absmin[absmin > 0].min()) if (absmin > 0).any() else math.nan
+    return 0 < floor < FP16.smallest_normal
+
+
 def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     k = plan.loss_scale_log2
@@ -297,11 +310,21 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     over_k = _shifted_overflow(counts, FP16, k)
     at1 = _share(sure1, total)
     atk = _share(sure_k, total)
-    # The scale the run had (1 without a scaler): a recommended scale below it that loses more gradient
-    # values than the run did is no remedy; the gradients span more than fp16 holds.
-    k_run = round(math.log2(float(pd.Series(scales).median()))) if scales and min(scales) > 0 else 0
+    # The scale the run had (1 without a scaler), from every activation-gradient row: a run whose activation
+    # gradients are all fp16 (CPU autocast keeps its norms in fp16) was read as unscaled and told to scale its
+    # loss. A recommended scale below it that loses more of the gradients' values than the run did is no
+    # remedy when those values carry some of a module's gradient norm: the gradients span more than fp16 holds.
+    run_scales = sorted(set(pd.to_numeric(ag[T.SCALE], errors="coerce").dropna().tolist()))
+    k_run = round(math.log2(float(pd.Series(run_scales).median()))) if run_scales and run_scales[0] > 0 else 0
     at_run = _share(_shifted_underflow(counts, FP16, k_run)[0], total)
-    worse_than_run = k < k_run and atk is not None and (atk - (at_run or 0.0)) > cfg.fp16_underflow_ok
+    totals = run.hist_totals()
+    norm = _lost_norm_share(totals[totals[T.TENSOR] == T.ACTIVATION_GRAD], FP16, k)
+    norm_k = float(norm.max()) if not norm.empty else None
+    norm_mod = str(norm.idxmax()) if not norm.empty else None
+    residual_matters = norm_k is None or norm_k > cfg.fp16_underflow_norm_ok
+    worse_than_run = (
+        k < k_run and atk is not None and (atk - (at_run or 0.0)) > cfg.fp16_underflow_ok and residual_matters
+    )
     if worse_than_run:
         plan.fp16_scale_raises_underflow = True
         plan.fp16_block.append(
@@ -312,11 +335,6 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     wg = run.exponent_counts(T.WEIGHT_GRAD)
     wg_sure, _ = _shifted_underflow(wg, FP16, k)
     wg_share = _share(wg_sure, float(wg.sum()))
-    totals = run.hist_totals()
-    norm = _lost_norm_share(totals[totals[T.TENSOR] == T.ACTIVATION_GRAD], FP16, k)
-    norm_k = float(norm.max()) if not norm.empty else None
-    norm_mod = str(norm.idxmax()) if not norm.empty else None
-    residual_matters = norm_k is None or norm_k > cfg.fp16_underflow_norm_ok
     now_txt = (
         f"{_pct(now)} of {int(nz_now):,} nonzero activation-gradient values flush to zero in fp16 at the scale "
         f"in effect ({_scales(scales)}; exact counts)"
@@ -399,6 +417,23 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         remedy = (
             f"Scale the loss: GradScaler(init_scale={_scale(k)}), the largest scale the measured gradients allow, "
             "lifts them off fp16's floor; or train in bf16."
+        )
+    elif (
+        (at1 or 0) > cfg.fp16_underflow_ok
+        and k_run > 0
+        and (at_run or 0) <= cfg.fp16_underflow_ok
+        and (now or 0) <= cfg.fp16_underflow_ok
+        and (not residual_matters or not _runs_into_floor(is16, zero16, cfg.fp16_flushed_zero_share))
+    ):
+        severity = INFO  # lost at scale 1, but the run scales its loss, and enough
+        remedy = (
+            f"Nothing to fix: at the run's loss scale {_pow2(k_run)}, {_pct(at_run)} of the values recorded flush"
+            + (
+                f"; at the recommended {_pow2(k)}, {_pct(atk)}, carrying at most {_pct(norm_k)} of a module's "
+                "gradient norm: a negligible tail."
+                if (atk or 0) > cfg.fp16_underflow_ok
+                else "."
+            )
         )
     elif (at1 or 0) > cfg.fp16_underflow_ok or (now or 0) > cfg.fp16_underflow_ok:
         severity = WARNING
