@@ -494,7 +494,7 @@ def test_a_loss_scale_from_a_lower_bound_promises_nothing(tmp_path: Path) -> Non
     assert k == 11 and scale.numbers["grad_absmax"] == 65520 / 2**14  # the lowest scale that overflowed: 2^14
     assert scale.title == "fp16 loss scale 2^11 (2048) at the most"
     assert "is at least 4: fp16 gradients became inf at scale 1.64e+04" in scale.message
-    assert "every sampled step had inf gradients" in scale.message
+    assert "every sampled step had inf or nan gradients" in scale.message
     assert "init_scale=2048 at the most" in scale.remedy and "bf16 or fp32" in scale.remedy
     skips = must(rec, "scaler_skipped_steps")
     assert "init_scale=2048) avoids" not in skips.message and "starting GradScaler at" not in skips.message
@@ -577,6 +577,47 @@ def test_fp16_underflow_of_a_scaled_run_whose_gradients_are_all_fp16(tmp_path: P
     assert 1 - kept_norm(14) < 1e-6 and f.numbers["max_module_norm_share_at_recommended"] < 1e-6
     assert f.severity == "info" and "negligible tail" in f.remedy and "bf16 or fp32" not in f.remedy
     assert "Do not lower" not in must(strict, "fp16_loss_scale").remedy
+
+
+def test_gradients_summed_over_micro_batches_overflowed_nothing(tmp_path: Path) -> None:
+    """fp16 autocast, four micro-batches a step: each micro-batch's fp16 weight gradient stays below 65504 at
+    the scale, their fp32 sum (the ``.grad`` recorded) does not. Nothing overflowed, and GradScaler skipped
+    nothing, but the advisor warned "Gradients overflow fp16 ... GradScaler skips those steps" of the sums
+    (seen on a GPT-2 with gradient accumulation). An fp32 gradient of an fp16 run is what fp16 would do."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        model(x).float().sum().backward()
+    one = max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
+    scale = 2.0 ** math.floor(math.log2(40000 / one))  # one micro-batch: below 65504; four: above
+    model.zero_grad(set_to_none=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the same gradient every micro-batch and step
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    with Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, out=tmp_path / "run") as prof:
+        for _ in range(2):
+            for _ in range(4):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(x).float().sum()
+                scaler.scale(loss).backward()
+            summed = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    prof.save()
+    assert scaler.get_scale() == scale  # nothing skipped: no fp16 gradient overflowed
+    layers = T.read_tables(tmp_path / "run")["layers"]
+    wg = layers[(layers[T.TENSOR] == T.WEIGHT_GRAD) & (layers[T.STEP] == 1)]
+    for _, row in wg.iterrows():  # the what-if the rows count: a real cast of the summed .grad
+        g = summed[f"{row[T.MODULE]}.{row[T.PARAM]}"]
+        assert row[T.DTYPE] == "float32" and row[T.overflow_col("fp16")] == int(
+            g.to(torch.float16).isinf().sum()
+        )
+    assert int(wg[T.overflow_col("fp16")].sum()) > 0
+    f = must(recommend(tmp_path / "run", hardware="v100"), "fp16_gradient_overflow")
+    assert f.severity == "info" and f.title.startswith("Gradients would overflow fp16")
+    assert "these gradients are fp32 in this fp16 run" in f.message and "nothing overflowed here" in f.message
 
 
 def test_scaler_skipped_steps_and_thrashing(request: pytest.FixtureRequest) -> None:

@@ -422,7 +422,8 @@ def _grad_absmax(run: _Run) -> tuple[float | None, float | None, float | None]:
     largest finite one of the steps none of whose gradients was inf).
 
     An fp16 gradient that is inf at loss scale s was at least 65520/s before scaling. On a step where some
-    gradient was inf, the finite ones are lower bounds too: only the last figure is a step's measured maximum.
+    gradient was inf or nan, the finite ones are lower bounds too: only the last figure is a step's measured
+    maximum.
     """
     g = run.kind(*T.GRADIENT_KINDS)
     if g.empty:
@@ -432,7 +433,9 @@ def _grad_absmax(run: _Run) -> tuple[float | None, float | None, float | None]:
     amax = float(finite.max()) if not finite.empty else None
     infs = g[(g[T.INF] > 0) & _dtype_has(g, "float16") & (g[T.SCALE] > 0)]
     bound = float((FP16.overflow_min / infs[T.SCALE]).max()) if not infs.empty else None
-    overflowed = set(g.loc[pd.to_numeric(g[T.INF], errors="coerce") > 0, T.STEP])
+    # a step whose gradients held inf or nan (an overflow's inf turns to nan in the matmuls after it)
+    bad = (pd.to_numeric(g[T.INF], errors="coerce") > 0) | (pd.to_numeric(g[T.NAN], errors="coerce") > 0)
+    overflowed = set(g.loc[bad, T.STEP])
     clean = finite[~g.loc[finite.index, T.STEP].isin(overflowed)]
     return amax, bound, (float(clean.max()) if not clean.empty else None)
 

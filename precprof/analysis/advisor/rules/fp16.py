@@ -228,12 +228,12 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
             src = (
                 f"fp16 gradients became inf at scale {_g(FP16.overflow_min / bound)}"
                 if bound is not None and bound >= (amax or 0)
-                else "a step on which other gradients became inf held it"
+                else "a step on which other gradients became inf or nan held it"
             )
             measured = (
                 f"the largest on a step with no inf gradient was {_g(clean)}"
                 if clean is not None
-                else "every sampled step had inf gradients"
+                else "every sampled step had inf or nan gradients"
             )
             message = (
                 f"The largest gradient magnitude is at least {_g(gmax)}: {src}, so no step measured it "
@@ -492,15 +492,22 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
     steps = sorted(int(s) for s in g[T.STEP].unique())
     n = int(g[T.overflow_col("fp16")].sum() + g[_dtype_has(g, "float16")][T.INF].sum())
     scales = sorted({float(s) for s in g[T.SCALE].unique()})
-    # In a run whose gradients are not fp16 (bf16 autocast with a GradScaler, fp32) nothing overflowed: it is
-    # what fp16 would do at that scale.
-    real = run.precision_trained in ("fp16", "fp16-pure", "") or bool(_dtype_has(g, "float16").any())
+    # Only fp16 gradients overflow fp16. In a run whose gradients are not fp16 (bf16 autocast with a
+    # GradScaler, fp32) nothing overflowed: it is what fp16 would do at that scale. In an fp16 autocast run the
+    # fp32 ones (a weight's gradient summed over micro-batches, one computed in fp32) did not either: each
+    # micro-batch's fp16 part stayed finite, or an inf would be there.
+    real = run.precision_trained == "" or bool(_dtype_has(g, "float16").any())
     what = (
         "GradScaler skips those steps (and lowers its scale), loss scaling without an inf check would apply the "
         "inf/nan updates."
         if real
-        else f"this {run.precision_trained} run's gradients are not fp16, so nothing overflowed here; in fp16 "
-        "GradScaler would skip those steps and lower its scale."
+        else (
+            "these gradients are fp32 in this fp16 run (a weight's gradient summed over micro-batches, or one "
+            "computed in fp32), so nothing overflowed here; held in fp16, GradScaler would skip those steps."
+            if run.precision_trained.startswith("fp16")
+            else f"this {run.precision_trained} run's gradients are not fp16, so nothing overflowed here; in fp16 "
+            "GradScaler would skip those steps and lower its scale."
+        )
     )
     plan.add(
         Finding(
