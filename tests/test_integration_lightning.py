@@ -101,6 +101,10 @@ def test_bf16_mixed_produces_a_report(tmp_path: Path) -> None:
             assert act[T.NUMEL] == BATCH * SEQ * out_features
     if importlib.util.find_spec("precprof.report.render") is not None:
         assert cb.report_path is not None and cb.report_path.exists()
+        # the Run section says the autocast the hooks saw: the callback's configuration has no plan to say it
+        # (it said "bf16: no autocast")
+        page = cb.report_path.read_text()
+        assert "precision</th><td>bf16: autocast to bfloat16; no loss scaling" in page
 
 
 def test_bf16_true_holds_weights_in_bf16_and_accumulates(tmp_path: Path) -> None:

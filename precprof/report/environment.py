@@ -194,14 +194,17 @@ def _loss_scaling(cfg: Mapping[str, Any]) -> str:
     return ""
 
 
-def precision_text(cfg: Mapping[str, Any]) -> str:
-    """The precision mode and what it means here: autocast dtype, weights, FP8 layers, TF32, loss scaling."""
+def precision_text(cfg: Mapping[str, Any], capture: Mapping[str, Any] | None = None) -> str:
+    """The precision mode and what it means here: autocast dtype, weights, FP8 layers, TF32, loss scaling. The
+    built-in loop's plan says them; a run of the callbacks (HF, Lightning) has none, and the autocast the hooks
+    saw (``capture.autocast``) says it there."""
     precision = str(cfg.get("precision") or "")
     if not precision:
         return ""
     plan = _map(cfg.get("plan"))
     parts: list[str] = []
-    autocast = plan.get("autocast_dtype")
+    seen = _map(_map(capture).get("autocast"))
+    autocast = plan.get("autocast_dtype") or (seen.get("dtype") if seen.get("enabled") else None)
     params = plan.get("param_dtype")
     if precision == "fp8":
         n = _int(cfg.get("fp8_layers"))
@@ -211,7 +214,8 @@ def precision_text(cfg: Mapping[str, Any]) -> str:
         )
         parts.append(f"the rest under {autocast or 'bfloat16'} autocast")
     elif autocast:
-        parts.append(f"autocast to {autocast}, {params or 'float32'} weights")
+        weights = params or ("float32" if plan else None)  # the hooks saw the autocast, not the weights
+        parts.append(f"autocast to {autocast}" + (f", {weights} weights" if weights else ""))
     elif params and params != "float32":
         parts.append(f"weights in {params}, no autocast")
     else:
@@ -301,10 +305,11 @@ def _memory_estimate(est: Any) -> str:
     )
 
 
-def config_rows(cfg: Mapping[str, Any]) -> Rows:
-    """The run's settings in words (the built-in loop's ``summary["config"]``; the comparison's shared one)."""
+def config_rows(cfg: Mapping[str, Any], capture: Mapping[str, Any] | None = None) -> Rows:
+    """The run's settings in words (the built-in loop's ``summary["config"]``; the comparison's shared one),
+    ``capture`` (``summary["capture"]``) telling what the configuration does not."""
     rows: Rows = []
-    precision = precision_text(cfg)
+    precision = precision_text(cfg, capture)
     if precision:
         rows.append(("precision", precision))
     if cfg.get("precisions"):
@@ -560,7 +565,7 @@ def environment(summary: Mapping[str, Any]) -> dict[str, Any]:
         ("Machine", machine_rows(hw)),
         ("Software", software_rows(_map(summary.get(T.SUMMARY_VERSIONS)))),
         ("Model", _model(_map(summary.get(T.SUMMARY_MODEL)), cfg, capture)),
-        ("Run", config_rows(cfg)),
+        ("Run", config_rows(cfg, capture)),
         ("Capture", capture_rows(capture, cfg)),
     ]
     return {"device": device, "command": command, "groups": [(n, rows) for n, rows in groups if rows]}
