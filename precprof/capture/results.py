@@ -271,7 +271,9 @@ class ProfilerResults:
     def precision_seen(self) -> str | None:
         """The precision mode this loop trains in, as the built-in loop names them (``precprof.modes``), read
         from what the hooks saw: autocast and its dtype on the first recorded forward pass, a torchao Float8
-        linear layer, a GradScaler, the parameters' dtype. None before any forward pass was recorded."""
+        linear layer, a GradScaler, a wrapper's mixed precision (FSDP's ``MixedPrecisionPolicy(param_dtype=
+        torch.bfloat16)`` over fp32 parameters: bf16, as autocast over them), the parameters' dtype. None before
+        any forward pass was recorded."""
         autocast = self._autocast_seen
         if not autocast:
             return None
@@ -281,6 +283,13 @@ class ProfilerResults:
         if autocast.get("enabled"):
             dtype = autocast.get("dtype")
             return {"bfloat16": "bf16", "float16": "fp16"}.get(str(dtype), f"autocast {dtype}")
+        if self._reducer is not None:  # FSDP's (or DDP's) mixed precision: fp32 masters, 16-bit compute
+            from precprof.capture.reducer import wrapper_info
+
+            info = wrapper_info(self.model)
+            mixed = {"bfloat16": "bf16", "float16": "fp16"}.get(str(info.get("param_dtype")))
+            if mixed and info.get("storage_dtypes") == ["float32"]:
+                return mixed
         sizes: dict[torch.dtype, int] = {}
         for p in model.parameters():
             if p.is_floating_point():
