@@ -447,6 +447,11 @@ def test_single_rank_group(tmp_path: Path) -> None:
         info = reducer.describe()
         assert info["memory_by_rank"] == {"0": {T.PARAMETERS: 100, T.ACTIVATIONS: 42, T.ALLOCATOR_PEAK: 800}}
         assert info["memory_max_over_ranks"] == info["memory_by_rank"]["0"] and info["memory_step"] == 7
+        # a later sampled step that does not measure memory (most of them: memory_every) has no rows: the last
+        # measured step's totals stay (they were emptied, and memory_step became None, in most runs)
+        assert reducer.reduce_memory([]) == []
+        assert reducer.describe()["memory_by_rank"] == info["memory_by_rank"]
+        assert reducer.describe()["memory_step"] == 7
     finally:
         dist.destroy_process_group()
 

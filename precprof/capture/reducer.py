@@ -391,8 +391,9 @@ class RankReducer:
         else:
             gathered = [None] * self.world_size
             _dist().all_gather_object(gathered, totals, group=self.group)
-        self._memory_by_rank = {r: g for r, g in enumerate(gathered) if g is not None}
-        self._memory_step = int(step) if step is not None else None
+        if any(gathered):  # a step that measured memory (every rank measures the same steps): the last one's
+            self._memory_by_rank = {r: g for r, g in enumerate(gathered) if g is not None}
+            self._memory_step = int(step) if step is not None else None
         return [dict(r) for r in rows]
 
     # ------------------------------------------------------------------------------------ description
