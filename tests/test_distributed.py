@@ -318,6 +318,27 @@ def test_summary_describes_fsdp2_mixed_precision(runs: Path) -> None:
     assert set(weights[T.DTYPE]) == {"float32"}  # the sharded fp32 masters
 
 
+def test_memory_projection_of_an_fsdp_rank_is_its_shard(runs: Path) -> None:
+    """FSDP2 in fp32: a rank holds its shard of the parameters and of their gradients. The projection took the
+    parameters from the rank's measured shard and the gradients from the whole model's count, the world size
+    times too many; projected to the mode it ran in, the rank's memory is now what was measured."""
+    from precprof.analysis import memory_projection as MP
+
+    run = run_dir(runs, "fsdp2")
+    summary, memory = T.read_summary(run), T.read_tables(run)["memory"]
+    got = MP.project(memory, summary)
+    measured = got["measured"]
+    assert got["measured_mode"] == "fp32" and measured[T.GRADIENTS] == measured[T.PARAMETERS]
+    fp32 = {
+        r["component"]: r["bytes"]
+        for r in got["records"]
+        if r["mode"] == "fp32" and r["source"] == "projected"
+    }
+    assert fp32[T.PARAMETERS] == fp32[T.GRADIENTS] == measured[T.GRADIENTS]
+    full = summary["memory"]["model"]["n_params"]
+    assert got["n_params"] * 4 == measured[T.PARAMETERS] and 0 < got["n_params"] < full  # the shard
+
+
 def test_nan_on_one_rank_is_kept(runs: Path) -> None:
     """Rank 1's batch holds a nan at a sampled step: the summary names rank 1 and the first module."""
     info = T.read_summary(run_dir(runs, "ddp"))["capture"]["distributed"]

@@ -5,7 +5,7 @@
     {
       "measured_mode": "bf16",                # precision mode of the run (config, else inferred from dtypes)
       "step": 9,                              # the sampled step the numbers come from (the last one)
-      "n_params": 124439808,                  # unique parameter elements
+      "n_params": 124439808,                  # unique parameter elements (under FSDP: this rank's shard)
       "measured": {component: bytes},         # per-component totals of that step (peaks: max over phases)
       "records": [                            # flat: pd.DataFrame(records) is the comparison table
         {"mode": "fp32", "component": "parameters", "bytes": 497759232, "source": "projected"},
@@ -167,6 +167,14 @@ def project(
     p_elems, p_fixed = _elements(comp(T.PARAMETERS))
     n_params = int(facts.get("n_params", round(p_elems)))
     n_trainable = int(facts.get("n_trainable", n_params))
+    # Under FSDP a rank holds its shard of the parameters, their gradients and states: the parameters measured
+    # are the shard, and the model's counts scale to it (the gradients were the whole model's, the world size
+    # times what a rank holds)
+    capture = summary.get(T.SUMMARY_CAPTURE)
+    dist = capture.get("distributed") if isinstance(capture, Mapping) else None
+    if isinstance(dist, Mapping) and str(dist.get("wrapper")) in ("FSDP1", "FSDP2") and 0 < p_elems < n_params:
+        n_trainable = round(n_trainable * p_elems / n_params)
+        n_params = round(p_elems)
     g_fixed = _elements(comp(T.GRADIENTS))[1]
     b_elems, b_fixed = _elements(comp(T.BUFFERS))
     o_elems, o_fixed = _elements(comp(T.OPTIMIZER_STATES))
