@@ -454,13 +454,15 @@ def test_fp16_wide_tail_is_not_blocking(request: pytest.FixtureRequest) -> None:
     check_golden(request, rec)
 
 
-def _fp16_overflowing_run(init_scale: float, out: Path | None, steps: int = 3) -> list[bool]:
+def _fp16_overflowing_run(
+    init_scale: float, out: Path | None, steps: int = 3, growth_interval: int = 2000, lr: float = 1e-3
+) -> list[bool]:
     """A real fp16 autocast run whose gradients (max about 1e3: the loss is 1e5 x an MSE) overflow fp16 at every
     scale from 2^16 down to 2^11; which steps GradScaler skipped. Profiled, every step sampled, into ``out``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
     prof = Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, out=out).attach() if out else None
     skipped = []
     for step in range(steps):
@@ -577,6 +579,18 @@ def test_fp16_underflow_of_a_scaled_run_whose_gradients_are_all_fp16(tmp_path: P
     assert 1 - kept_norm(14) < 1e-6 and f.numbers["max_module_norm_share_at_recommended"] < 1e-6
     assert f.severity == "info" and "negligible tail" in f.remedy and "bf16 or fp32" not in f.remedy
     assert "Do not lower" not in must(strict, "fp16_loss_scale").remedy
+
+
+def test_thrashing_in_an_own_loop_reads_the_scalers_growth_interval(tmp_path: Path) -> None:
+    """A Profiler given a GradScaler(growth_interval=2) that thrashes (it grows every 2 steps into an overflow):
+    the advisor read the growth interval from the built-in loop's configuration only, said "with
+    growth_interval 2000" and advised 4000. It reads the scaler's now."""
+    skipped = _fp16_overflowing_run(2.0**4, tmp_path / "run", steps=24, growth_interval=2, lr=0.0)
+    assert 3 <= sum(skipped) < 24
+    assert T.read_summary(tmp_path / "run")[T.SUMMARY_CAPTURE]["scaler_growth_interval"] == 2
+    f = must(recommend(tmp_path / "run", hardware="v100"), "scaler_thrashing")
+    assert f.numbers["growth_interval"] == 2 and "with growth_interval 2;" in f.message
+    assert f.numbers["recommended_growth_interval"] == 2000 and f.remedy.endswith("growth_interval to 2000.")
 
 
 def test_gradients_summed_over_micro_batches_overflowed_nothing(tmp_path: Path) -> None:

@@ -172,7 +172,11 @@ def project(
     # times what a rank holds)
     capture = summary.get(T.SUMMARY_CAPTURE)
     dist = capture.get("distributed") if isinstance(capture, Mapping) else None
-    if isinstance(dist, Mapping) and str(dist.get("wrapper")) in ("FSDP1", "FSDP2") and 0 < p_elems < n_params:
+    if (
+        isinstance(dist, Mapping)
+        and str(dist.get("wrapper")) in ("FSDP1", "FSDP2")
+        and 0 < p_elems < n_params
+    ):
         n_trainable = round(n_trainable * p_elems / n_params)
         n_params = round(p_elems)
     g_fixed = _elements(comp(T.GRADIENTS))[1]

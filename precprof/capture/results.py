@@ -242,6 +242,7 @@ class ProfilerResults:
             "autocast": self._autocast_seen or {"enabled": False, "dtype": None},
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
+            "scaler_growth_interval": _growth_interval(self.scaler),
             "static_loss_scale": self.loss_scale,
             "low_precision_buffers": self._low_precision_buffers(),
             "loss_dtypes": dict(self._loss_dtypes),
@@ -445,6 +446,16 @@ def _scaler_enabled(scaler: Any) -> bool:
     """Whether a GradScaler (or a scaler like it) scales at all: ``GradScaler(enabled=False)`` is a no-op."""
     is_enabled = getattr(scaler, "is_enabled", None)
     return bool(is_enabled()) if callable(is_enabled) else True
+
+
+def _growth_interval(scaler: Any) -> int | None:
+    """A dynamic scaler's growth interval (``GradScaler.get_growth_interval()``), which the advisor's thrashing
+    rule reads; None without one (or a scaler that does not say)."""
+    get = getattr(scaler, "get_growth_interval", None)
+    try:
+        return int(get()) if callable(get) else None
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
 def optimizer_settings(optimizers: list[Any], params: Sequence[Any] = ()) -> dict[str, Any] | None:

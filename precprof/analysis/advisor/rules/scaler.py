@@ -11,7 +11,9 @@ from precprof.analysis.advisor.text import _pow2, _scale
 def _rule_scaler(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     st = run.steps
-    run_gi = run.run_config.get("growth_interval")
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    # the run's configuration (the built-in loop, the callbacks), else the scaler the Profiler was given
+    run_gi = run.run_config.get("growth_interval") or capture.get("scaler_growth_interval")
     run_gi = int(run_gi) if isinstance(run_gi, (int, float)) and run_gi > 0 else cfg.default_growth_interval
     plan.growth_interval = cfg.default_growth_interval
     if plan.diverged is not None:
