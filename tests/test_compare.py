@@ -248,6 +248,15 @@ def test_comparison_page(comparison: tuple[A.Comparison, Path]) -> None:
     assert any(n.startswith("How each run ran: ") for n in comp.notes)
     assert all(n.replace("'", "&#39;") in html for n in comp.notes)
     assert "Verdict check" in html and comp.checks[0].text.split(":")[0] in html.replace("&#39;", "'")
+    assert all(r.tokens_per_s_basis == "unsampled steps" for r in comp.runs)
+    assert "median step without per-layer capture (profiling excluded);" in html
+    # one run timed only on profiled steps: not compared with the others' unprofiled ones
+    mixed = dataclasses.replace(
+        comp, runs=[comp.runs[0], dataclasses.replace(comp.runs[1], tokens_per_s_basis="all steps")]
+    )
+    assert compare_page.throughput_basis(mixed).endswith(
+        "except for bf16, whose every step was profiled (its speed is not comparable)"
+    )
 
 
 def test_comparison_loss_plots_tick_labels_never_run_together(comparison: tuple[A.Comparison, Path]) -> None:
@@ -321,6 +330,15 @@ def test_cli_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert (tmp_path / C.COMPARE_HTML).exists() and T.is_run_dir(tmp_path / "bf16")
     saved = json.loads((tmp_path / C.COMPARE_JSON).read_text())
     assert saved["config"]["steps"] == 6 and saved["config"]["model_args"] == {"n_layer": "1"}
+    # a run this short records every step: its speeds are of profiled steps, and the page says so (it said
+    # "profiling excluded")
+    assert all(r["tokens_per_s_basis"] == "all steps" for r in saved["runs"])
+    steps = T.read_tables(tmp_path / "bf16")["steps"]
+    assert steps[T.SAMPLED].astype(bool).all()
+    html = (tmp_path / C.COMPARE_HTML).read_text()
+    assert (
+        "profiling excluded" not in html and "every step of these runs recorded per-layer statistics" in html
+    )
 
 
 def test_cli_compare_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

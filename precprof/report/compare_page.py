@@ -20,6 +20,7 @@ from precprof.analysis.comparison import (
     describe_scale,
     finite,
 )
+from precprof.analysis.throughput import BASIS_ALL, BASIS_UNSAMPLED
 from precprof.modes import MODE_COLORS
 from precprof.report import environment as env_words
 from precprof.report.plots import COMPONENT_COLORS, FIG_WIDTH_IN, data_uri, png_bytes, step_label
@@ -195,6 +196,26 @@ def _rel(path: str | None, base_dir: Path | None) -> str | None:
     return p.resolve().as_uri()
 
 
+def throughput_basis(comparison: Comparison) -> str:
+    """Which steps the runs' tokens per second come from, in words: those without per-layer capture, or, in
+    a run too short to have enough of them (a comparison of up to about 100 steps samples every step), every
+    step, profiling included: the page said "profiling excluded" of both."""
+    unsampled = {r.label for r in comparison.runs if r.tokens_per_s_basis == BASIS_UNSAMPLED}
+    every = [r.label for r in comparison.runs if r.tokens_per_s_basis == BASIS_ALL]
+    if not every:
+        return "without per-layer capture (profiling excluded)"
+    if not unsampled:
+        return (
+            "of all steps, profiling included: every step of these runs recorded per-layer statistics, as a "
+            "short run does, so the speeds compare profiled steps"
+        )
+    return (
+        "without per-layer capture (profiling excluded), except for "
+        + ", ".join(every)
+        + ", whose every step was profiled (its speed is not comparable)"
+    )
+
+
 def render(comparison: Comparison, base_dir: Path | None = None) -> str:
     """The comparison page (HTML string): the report's look (its CSS and number filters), autoescaped."""
     ref = comparison.run(comparison.reference)
@@ -223,6 +244,7 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
             s: m for s, m in STATUS_MEANING.items() if any(c.status == s for c in comparison.checks)
         },
         "runs": runs,
+        "throughput_basis": throughput_basis(comparison),
         "components": comps,
         "loss_img": _img(
             loss_figure(comparison), "loss curves of every run overlaid, and relative to the reference"

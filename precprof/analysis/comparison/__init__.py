@@ -160,7 +160,14 @@ def analyse(
             r.outcome, r.gap = (REFERENCE if r.steps else FAILED), 0.0
         else:
             r.outcome, r.gap = classify(r, ref, tolerance)
-        if math.isfinite(r.tokens_per_s) and math.isfinite(ref.tokens_per_s) and ref.tokens_per_s > 0:
+        # like with like: steps without per-layer capture against the same, or profiled against profiled
+        same_basis = r.tokens_per_s_basis == ref.tokens_per_s_basis
+        if (
+            same_basis
+            and math.isfinite(r.tokens_per_s)
+            and math.isfinite(ref.tokens_per_s)
+            and ref.tokens_per_s > 0
+        ):
             r.speedup = r.tokens_per_s / ref.tokens_per_s
     checks = check_against_runs(results, ref)
     lines = [outcome_sentence(r, ref, tolerance) for r in results if r is not ref]

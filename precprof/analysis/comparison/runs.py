@@ -145,6 +145,10 @@ class RunResult:
     # how the loop ran the model ("compiled (torch.compile), the default for fp8", "eager, --no-compile"); None
     # for a run recorded before the loop said
     compiled: str | None = None
+    # the steps tokens_per_s comes from: those without per-layer capture, else every step (a short run samples
+    # every step): ``analysis.throughput``'s basis and how many steps count
+    tokens_per_s_basis: str = ""
+    tokens_per_s_steps: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -156,11 +160,6 @@ def smoothing_window(n: int) -> int:
 
 def finite(values: np.ndarray) -> np.ndarray:
     return values[np.isfinite(values)]
-
-
-def _tokens_per_s(steps: pd.DataFrame) -> float:
-    """Tokens per second of the steps without per-layer capture (``analysis.throughput``)."""
-    return float(throughput(steps)["tokens_per_s"])
 
 
 def _memory(summary: Mapping[str, Any]) -> dict[str, int]:
@@ -224,6 +223,7 @@ def read_run(variant: Variant, run_dir: Path) -> RunResult:
     )
     report = run_dir / T.REPORT_FILE
     final_block = summary.get(T.SUMMARY_FINAL) or {}
+    tp = throughput(steps)  # tokens per second of the steps without per-layer capture, where there are some
     return RunResult(
         label=variant.label,
         precision=variant.precision,
@@ -237,7 +237,9 @@ def read_run(variant: Variant, run_dir: Path) -> RunResult:
         final_window=win,
         gap=None,
         outcome=FAILED if not len(loss) else REFERENCE,
-        tokens_per_s=_tokens_per_s(steps),
+        tokens_per_s=float(tp["tokens_per_s"]),
+        tokens_per_s_basis=str(tp["tokens_per_s_basis"]),
+        tokens_per_s_steps=int(tp["tokens_per_s_steps"]),
         speedup=None,
         skipped_steps=int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
         first_nonfinite_step=int(steps[T.STEP].iloc[bad[0]]) if len(bad) else None,
