@@ -83,6 +83,59 @@ def test_factory_that_raises(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert_one_line_error(rc, err, "the factory failed on purpose", "RuntimeError")
 
 
+IMAGE_MODEL = (
+    "from torch import nn\n"
+    "def make(**kw):\n"
+    "    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(288, 10))\n"
+)
+LAZY_MODEL = (
+    "from torch import nn\n"
+    "def make(**kw):\n"
+    "    return nn.Sequential(nn.Embedding(256, 16), nn.LazyLinear(256))\n"
+)
+
+
+def test_a_model_that_is_no_language_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An image model from a factory: its first forward pass fails on the token ids the loop feeds it. That was
+    a hundred lines of traceback ending in conv2d's complaint; it is one line that says what precprof train
+    feeds, what it trains, and where another model goes. The partial run is kept."""
+    f = tmp_path / "vision.py"
+    f.write_text(IMAGE_MODEL)
+    out = tmp_path / "run"
+    rc, _, err = run_main(["train", "--model", f"{f}:make", "--out", str(out), *TINY], capsys)
+    assert_one_line_error(
+        rc, err, "failed on its first forward pass", "token ids of shape", "precprof.Profiler"
+    )
+    assert "shape (2, 8) (torch.int64): RuntimeError:" in err
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+
+
+def test_a_model_with_lazy_modules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """nn.LazyLinear before its first forward pass: precprof's memory check, and attach in a user's loop, read
+    its uninitialized parameters and crashed. A one-line error names them and the fix."""
+    f = tmp_path / "lazy.py"
+    f.write_text(LAZY_MODEL)
+    rc, _, err = run_main(["train", "--model", f"{f}:make", *TINY], capsys)
+    assert_one_line_error(
+        rc, err, "2 uninitialized parameter(s) of lazy modules (1.weight, 1.bias)", "factory"
+    )
+    import torch
+    from torch import nn
+
+    from precprof.capture import Profiler
+    from precprof.errors import UserError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(3))
+    with pytest.raises(UserError, match=r"run one forward pass on an example batch before attaching"):
+        Profiler(model).attach()
+    model(torch.zeros(2, 4))  # the fix: its shapes known, it attaches and records the lazy layer
+    with Profiler(model, sample_every=1) as prof:
+        model(torch.zeros(2, 4)).sum().backward()
+        prof.step()
+    layers = prof.tables()["layers"]
+    assert set(layers.loc[layers[T.MODULE] == "1", T.TENSOR]) >= {T.WEIGHT, T.ACTIVATION, T.WEIGHT_GRAD}
+
+
 def test_report_unknown_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     T.write_summary(tmp_path, {T.SUMMARY_STATUS: T.STATUS_COMPLETE})
     rc, _, err = run_main(["report", str(tmp_path), "--target", "z80"], capsys)

@@ -21,6 +21,7 @@ from torch import nn
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.capture.records import RowTable, _ModuleSlot, _ParamSlot
+from precprof.errors import UserError
 
 ModuleFilter = Sequence[str | type[nn.Module]] | None
 
@@ -29,6 +30,21 @@ def reads_block_operands(module_type: str) -> bool:
     """Modules whose own operands get the block-format what-if: linear layers (weight, output gradient and the
     input they read) and embeddings (their weight, for an output head tied to it)."""
     return taxonomy.is_linear_type(module_type) or "Embedding" in module_type
+
+
+def refuse_lazy(model: nn.Module) -> None:
+    """A one-line error for a model whose lazy modules (``nn.LazyLinear``, ``nn.LazyConv2d``) have not run yet:
+    their parameters have no shape to plan rows, memory or kernels for, and became real ones in place later
+    (precprof crashed on them at attach, and ``precprof train``'s memory check did)."""
+    from torch.nn.parameter import is_lazy
+
+    lazy = [name for name, p in model.named_parameters() if is_lazy(p)]
+    if lazy:
+        raise UserError(
+            f"the model has {len(lazy)} uninitialized parameter(s) of lazy modules ({', '.join(lazy[:3])}"
+            f"{', ...' if len(lazy) > 3 else ''}): run one forward pass on an example batch before attaching "
+            "precprof (for precprof train: in the model's factory), so that they have their shapes"
+        )
 
 
 def selected(name: str, module: nn.Module, module_filter: ModuleFilter) -> bool:
@@ -62,6 +78,7 @@ class CapturePlan:
 
     @classmethod
     def of(cls, model: nn.Module, module_filter: ModuleFilter, block_formats: bool) -> CapturePlan:
+        refuse_lazy(model)
         plan = cls(block_formats=block_formats)
         rows = plan.rows
         owner: dict[int, str] = {}  # each captured parameter's first owner

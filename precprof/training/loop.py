@@ -23,6 +23,7 @@ from precprof import _signals, footprint, hardware, rundir
 from precprof import tables as T
 from precprof.analysis.throughput import throughput
 from precprof.capture import Profiler
+from precprof.capture.plan import refuse_lazy
 from precprof.capture.reducer import RankReducer
 from precprof.data import TokenSource, load_data
 from precprof.errors import UserError
@@ -312,6 +313,7 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
         else 0
     )
     model.train()
+    refuse_lazy(model)  # before the memory check, which measures every parameter
     fp = _check_memory(config, built, model, plan, data, device)
     inner = model
     if dist_info is not None:  # the Profiler watches the inner module (plain names); the reducer the wrapper
@@ -514,7 +516,12 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 run.step = step
                 x, y = data.batch(config.batch_size, config.seq_len, device)
                 with autocast, fp8_context(s.plan):
-                    out = model(x, targets=y) if s.built.pass_targets else model(x)
+                    try:
+                        out = model(x, targets=y) if s.built.pass_targets else model(x)
+                    except (RuntimeError, TypeError, ValueError, IndexError) as e:
+                        if step or s.built.kind != "factory":
+                            raise
+                        raise not_a_language_model(s.built.name, x, e) from e
                     with prof.memory_scope():  # what the loss saves for backward counts as activations
                         loss = loss_from_output(out, y, data.vocab_size)
                 run.loss = loss.detach()
@@ -583,6 +590,17 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
         final_loss=float(s.summary[T.SUMMARY_FINAL]["final_loss"]),
         steps=steps_table,
         summary=summary,
+    )
+
+
+def not_a_language_model(name: str, x: torch.Tensor, e: BaseException) -> UserError:
+    """The one-line error for a user's model whose first forward pass fails on the token ids the loop feeds
+    it: most likely not a language model (an image model's convolution refuses (batch, seq) ids)."""
+    what = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return UserError(
+        f"{name} failed on its first forward pass, given token ids of shape {tuple(x.shape)} ({x.dtype}): "
+        f"{type(e).__name__}: {what[:200]}. precprof train trains language models (forward(ids) -> logits, "
+        "or an output with .logits or .loss); profile any other model in your own loop with precprof.Profiler"
     )
 
 
