@@ -8,8 +8,9 @@ Every column name used anywhere in precprof is a constant here (read them throug
     module_type, tensor (activation | activation_grad | weight | weight_grad | weight_update), param
     (parameter name relative to the module, "" for activations), dtype (torch dtype name, e.g. "bfloat16"),
     calls (how many tensors were aggregated: a module called twice per step has calls=2), numel, zeros, nan,
-    inf, absmax (largest finite |x|, unscaled; 0 when no value is finite), absmin (smallest nonzero finite |x|, unscaled; NaN when there
-    is none), scale (loss scale in effect when the tensor was seen: 1 in the forward pass),
+    inf, absmax (largest finite |x|, unscaled; 0 when no value is finite), absmin (smallest nonzero finite
+    |x|, unscaled; NaN when there is none), scale (loss scale in effect when the tensor was seen: 1 in the
+    forward pass),
     underflow_<fmt> / overflow_<fmt> for fmt in fp16, bf16, fp8_e4m3, fp8_e5m2 (exact counts of what a real
     cast of x*scale does), underflow_<fmt>_cs for fp8 formats (underflow after per-tensor current scaling,
     scale 2^floor(log2(fmax/amax)) per tensor), and for tensor == "weight_update" rows lost_update_bf16 /
