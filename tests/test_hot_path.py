@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -611,6 +612,29 @@ def test_a_sampled_step_of_a_compiled_model_runs_eagerly_and_restores_the_stance
     assert stances == ["force_eager", "default", "force_eager"]
     assert ef._stance.stance == "default"
     assert copy.copy(prof.tables()["steps"][T.SAMPLED].tolist()) == [True, False, True]
+
+
+def test_the_summary_and_the_page_say_what_was_compiled(tmp_path: Path) -> None:
+    """Regional compilation (each block's ``.compile()``, as torchtitan and transformers compile) and a whole
+    compiled model: the summary says what ran compiled, and the page that the sampled steps ran it eagerly
+    (neither said anything: a sampled step's statistics and time are eager PyTorch's)."""
+    from precprof.report import render_report
+
+    model = _model()
+    for i in (0, 3):
+        model[i].compile(backend="eager")
+    with precprof.Profiler(model, sample_every=2, memory=False) as prof:
+        for x in _batches(3):
+            model(x).sum().backward()
+            prof.step()
+    summary = {T.SUMMARY_CAPTURE: prof.summary()}
+    assert summary[T.SUMMARY_CAPTURE]["compiled"] == "2 of its modules (regional)"
+    page = render_report(prof.tables(), summary, tmp_path / "report.html").read_text()
+    assert "torch.compile</th><td>2 of its modules (regional): the steps not sampled ran compiled" in page
+    assert (
+        precprof.Profiler(torch.compile(_model(), backend="eager")).summary()["compiled"] == "the whole model"
+    )
+    assert precprof.Profiler(_model()).summary()["compiled"] is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

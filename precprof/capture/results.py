@@ -243,6 +243,7 @@ class ProfilerResults:
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
             "scaler_growth_interval": _growth_interval(self.scaler),
+            "compiled": compiled_parts(self.model),
             "static_loss_scale": self.loss_scale,
             "low_precision_buffers": self._low_precision_buffers(),
             "loss_dtypes": dict(self._loss_dtypes),
@@ -446,6 +447,21 @@ def _scaler_enabled(scaler: Any) -> bool:
     """Whether a GradScaler (or a scaler like it) scales at all: ``GradScaler(enabled=False)`` is a no-op."""
     is_enabled = getattr(scaler, "is_enabled", None)
     return bool(is_enabled()) if callable(is_enabled) else True
+
+
+def compiled_parts(model: nn.Module) -> str | None:
+    """What of ``model`` runs under ``torch.compile``, in words: the whole model (a ``torch.compile(model)``
+    or ``model.compile()``), or how many of its modules (regional compilation, as torchtitan compiles each
+    block); None when nothing is. Sampled steps run those eagerly (``force_eager``)."""
+    if type(model).__name__ == "OptimizedModule" or getattr(model, "_compiled_call_impl", None) is not None:
+        return "the whole model"
+    n = sum(
+        1
+        for m in model.modules()
+        if m is not model
+        and (type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None)
+    )
+    return f"{n} of its modules (regional)" if n else None
 
 
 def _growth_interval(scaler: Any) -> int | None:

@@ -37,6 +37,7 @@ _CAPTURE_SAID = _keys(
     "block_formats weight_update_sample skipped_tensors stream memory_error histogram_shift_exact "
     "loss_dtypes device n_params param_bytes profiler_buffer_bytes profiler_scratch_bytes "
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled scaler_growth_interval "
+    "compiled "
     "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps shared_params gemm_inputs optimizer"
 )
 _HARDWARE_SAID = _keys(
@@ -387,6 +388,14 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
         rows.append(("steps sampled", text))
     if capture.get("modules_captured") is not None:
         rows.append(("modules captured", F.count(capture["modules_captured"])))
+    if capture.get("compiled") and not cfg.get("compiled"):  # the built-in loop's run section says it
+        rows.append(
+            (
+                "torch.compile",
+                f"{capture['compiled']}: the steps not sampled ran compiled; the sampled ones ran it eagerly "
+                "(for the hooks), so their statistics are eager PyTorch's values and their time is eager's",
+            )
+        )
     shared = _shared_text(capture.get("shared_params"))
     if shared:
         rows.append(("tied or shared weights", shared))
