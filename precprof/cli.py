@@ -280,6 +280,15 @@ def report(
 @app.command(cls=_Command)
 @O.training_options(steps=200)
 def compare(
+    runs: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="RUN_DIR",
+            help="Run directories already recorded (your own loop, the HF or Lightning callback, precprof "
+            "train) to compare instead of training: nothing trains, and the training options are not used.",
+            show_default=False,
+        ),
+    ] = None,
     precisions: Annotated[
         str,
         typer.Option(
@@ -304,10 +313,22 @@ def compare(
     ] = 0.02,
     **options: Any,
 ) -> None:
-    """Train the same model, data and seed once per precision and compare the runs (compare.html)."""
-    variants = comparing.parse_precisions(precisions)
+    """Train the same model, data and seed once per precision and compare the runs (compare.html); or compare
+    run directories already recorded."""
     if not 0 < tolerance < 1:
         raise UserError(f"--tolerance must be in (0, 1), got {tolerance}")
+    if runs:
+        try:
+            recorded, page = comparing.compare_runs(runs, out=out, tolerance=tolerance)
+        except OSError as e:
+            raise UserError(
+                f"the comparison could not be written ({e.strerror or e}); choose another --out"
+            ) from None
+        for check in recorded.checks:
+            typer.echo(f"[{check.status}] {check.text}")
+        typer.echo(f"comparison: {page}")
+        return
+    variants = comparing.parse_precisions(precisions)
     # each run's own directory is out/<label>; compare's --out is the folder that holds them
     config = training.TrainConfig.from_options(
         options, model_args=options["model_arg"], command_line=_command_line()

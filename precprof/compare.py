@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -164,6 +165,66 @@ def _advised_config(cfg: Any, ref_dir: Path) -> Any:
         init_scale=float(scale) if isinstance(scale, (int, float)) and scale > 0 else cfg.init_scale,
         growth_interval=int(interval) if isinstance(interval, int) and interval > 0 else cfg.growth_interval,
     )
+
+
+def compare_runs(
+    run_dirs: Sequence[str | Path], out: str | Path | None = None, tolerance: float = DEFAULT_TOLERANCE
+) -> tuple[Comparison, Path]:
+    """Compare runs already recorded (a user's own loop, the callbacks, ``precprof train``): each named by its
+    precision (the run's configuration, else what the Profiler saw it train in), or by its folder where two
+    share one; fp32 (then tf32) is the reference, else the first. Writes compare.json and compare.html into
+    ``out`` (default: the folder holding the runs); returns the comparison and the page's path."""
+    dirs = [Path(d) for d in run_dirs]
+    if len(dirs) < 2:
+        raise UserError("give at least two run directories to compare")
+    for d in dirs:
+        if not T.is_run_dir(d):
+            raise UserError(f"{str(d)!r} is not a precprof run directory (no summary.json or tables in it)")
+    if len({d.resolve() for d in dirs}) < len(dirs):
+        raise UserError("a run directory is given twice")
+    summaries = [T.read_summary(d) for d in dirs]
+    models = [_model_of(s) for s in summaries]
+    if len(set(models)) > 1:
+        raise UserError(
+            "these runs trained different models ("
+            + "; ".join(dict.fromkeys(models))
+            + "): compare runs of one model, in the precisions to choose between"
+        )
+    precisions = [_precision_of(s) for s in summaries]
+    # a run goes by its precision; runs of one precision by their folders (a callback's is "precprof": its
+    # parent's name with it)
+    names = [
+        p if precisions.count(p) == 1 else (d.name if d.name != "precprof" else f"{d.parent.name}/{d.name}")
+        for p, d in zip(precisions, dirs, strict=True)
+    ]
+    names = [n if names.count(n) == 1 else f"{n}-{i + 1}" for i, n in enumerate(names)]
+    variants = [Variant(p, name=n) for p, n in zip(precisions, names, strict=True)]
+    # the settings every run had alike (the page's setup); the model by name where no run's settings say it
+    configs = [dict(s.get(T.SUMMARY_CONFIG) or {}) for s in summaries]
+    shared = {k: v for k, v in configs[0].items() if all(k in c and c[k] == v for c in configs[1:])}
+    shared.pop("precision", None)
+    shared.setdefault("model", models[0].split(" of ")[0])
+    comparison = analyse(list(zip(variants, dirs, strict=True)), tolerance, shared)
+    comparison.recorded = True
+    where = Path(out) if out is not None else Path(os.path.commonpath([str(d.resolve()) for d in dirs]))
+    if where in {d.resolve() for d in dirs}:  # one run directory holds the others: the page goes beside it
+        where = where.parent
+    return comparison, write(comparison, where)
+
+
+def _precision_of(summary: dict[str, Any]) -> str:
+    cfg = summary.get(T.SUMMARY_CONFIG) or {}
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    return str(cfg.get("precision") or capture.get("precision_seen") or "run").lower()
+
+
+def _model_of(summary: dict[str, Any]) -> str:
+    """A run's model in words, to tell runs of different models apart: its class and size."""
+    model = summary.get(T.SUMMARY_MODEL) or {}
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    name = model.get("name") or capture.get("model_class") or "a model"
+    n = model.get("n_params") or capture.get("n_params")
+    return f"{name} of {int(n):,} parameters" if isinstance(n, (int, float)) else str(name)
 
 
 def write(comparison: Comparison, out: str | Path) -> Path:

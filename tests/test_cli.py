@@ -248,7 +248,7 @@ def test_train_and_compare_accept_the_same_training_options() -> None:
     only_train = options["train"] - options["compare"]
     only_compare = options["compare"] - options["train"]
     assert only_train == {"--precision", "-p", "--loss-scale"} - options["compare"]
-    assert only_compare == {"--precisions", "--tolerance"}
+    assert only_compare == {"--precisions", "--tolerance", "runs"}  # runs: the run directories to compare
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     set_by_cli = fields - {"precision", "loss_scale", "refresh_every", "command_line", "model_args"}
     for name in ("train", "compare"):

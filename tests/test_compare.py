@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +258,44 @@ def test_comparison_page(comparison: tuple[A.Comparison, Path]) -> None:
     assert compare_page.throughput_basis(mixed).endswith(
         "except for bf16, whose every step was profiled (its speed is not comparable)"
     )
+
+
+def test_runs_recorded_elsewhere_are_compared_from_their_directories(
+    comparison: tuple[A.Comparison, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``precprof compare RUN_DIR RUN_DIR ...``: runs of a user's own loop or of the callbacks could not be
+    compared (the command only trained). Read from their directories they give the comparison the training
+    gave, named by their precisions, fp32 the reference; the page says they were recorded on their own. Runs of
+    different models are refused in one line."""
+    from precprof.cli import main
+
+    comp, out = comparison
+    dirs = [str(out / label) for label in ("bf16", "fp16", "fp32")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", *dirs, "--out", str(tmp_path / "cmp")])
+    assert exit_info.value.code == 0
+    assert f"comparison: {tmp_path / 'cmp' / C.COMPARE_HTML}" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "cmp" / C.COMPARE_JSON).read_text())
+    assert saved["reference"] == "fp32" and saved["recorded"] is True
+    trained = {r.label: r for r in comp.runs}
+    for r in saved["runs"]:
+        assert (
+            r["final_loss"] == trained[r["label"]].final_loss and r["outcome"] == trained[r["label"]].outcome
+        )
+        assert r["loss_scaling"] == trained[r["label"]].loss_scaling
+    html = (tmp_path / "cmp" / C.COMPARE_HTML).read_text()
+    assert "Runs recorded on their own" in html and "Same model, data and seed" not in html
+    other = tmp_path / "other"
+    shutil.copytree(out / "bf16", other)
+    summary = T.read_summary(other)
+    summary[T.SUMMARY_MODEL] = {**summary[T.SUMMARY_MODEL], "name": "another-model"}
+    T.write_summary(other, summary)
+    with pytest.raises(
+        UserError, match=r"these runs trained different models \(gpt-nano of [\d,]+ parameters; another"
+    ):
+        C.compare_runs([out / "fp32", other])
+    with pytest.raises(UserError, match="is not a precprof run directory"):
+        C.compare_runs([out / "fp32", tmp_path / "nothing"])
 
 
 def test_comparison_loss_plots_tick_labels_never_run_together(comparison: tuple[A.Comparison, Path]) -> None:

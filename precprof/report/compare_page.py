@@ -245,6 +245,7 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
         },
         "runs": runs,
         "throughput_basis": throughput_basis(comparison),
+        "recorded": comparison.recorded,
         "components": comps,
         "loss_img": _img(
             loss_figure(comparison), "loss curves of every run overlaid, and relative to the reference"

@@ -128,6 +128,9 @@ class Comparison:
     config: dict[str, Any]
     wall_s: float = math.nan
     notes: list[str] = field(default_factory=list)
+    # the runs were recorded elsewhere and read from their directories (``precprof compare RUN_DIR ...``):
+    # their data and seed are their own, not one comparison's
+    recorded: bool = False
 
     def run(self, label: str) -> RunResult:
         return next(r for r in self.runs if r.label == label)
@@ -141,6 +144,7 @@ class Comparison:
             "checks": [c.to_dict() for c in self.checks],
             "config": self.config,
             "notes": self.notes,
+            "recorded": self.recorded,
             "runs": [r.to_dict() for r in self.runs],
         }
 

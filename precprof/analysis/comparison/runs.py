@@ -52,10 +52,13 @@ class Variant:
 
     precision: str
     loss_scale: str = "auto"
+    name: str = ""  # a run read from its directory (``precprof compare RUN_DIR ...``) goes by this name
 
     @property
     def label(self) -> str:
         """Display name and run-directory name: ``fp16``, ``fp16-none``, ``fp16-static-8192``."""
+        if self.name:
+            return self.name
         if self.loss_scale == "auto":
             return self.precision
         spec = self.loss_scale.replace(":", "-")
@@ -210,8 +213,15 @@ def read_run(variant: Variant, run_dir: Path) -> RunResult:
     final = float(tail.mean()) if len(tail) and np.isfinite(loss[-1]) else math.nan
     first = finite(loss[:1])
     cfg = summary.get(T.SUMMARY_CONFIG) or {}
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    # a run of a user's own loop says its scaling by what the Profiler was given: a GradScaler, a static scale
+    seen = (
+        "dynamic" if capture.get("scaler_enabled") else "static" if capture.get("static_loss_scale") else None
+    )
     kind = str(
-        cfg.get("loss_scaling") or ("none" if variant.loss_scale in ("auto", "none") else variant.loss_scale)
+        cfg.get("loss_scaling")
+        or seen
+        or ("none" if variant.loss_scale in ("auto", "none") else variant.loss_scale)
     )
     scale = _scale_history(steps) if kind != "none" else _ScaleHistory(None, 0, 0, None, 0)
     hw = summary.get(T.SUMMARY_HARDWARE) or {}
