@@ -303,6 +303,8 @@ def test_summary_describes_fsdp2_mixed_precision(runs: Path) -> None:
     # bf16 compute over fp32 masters, as torchtitan trains: bf16 (it said fp32, and so did the report)
     assert summary["capture"]["precision_seen"] == "bf16"
     assert T.read_summary(run_dir(runs, "fsdp2"))["capture"]["precision_seen"] == "fp32"
+    # the class the user wrote, not fully_shard's subclass of it (FSDPSequential)
+    assert summary["capture"]["model_class"] == "Sequential"
     fsdp = summary["capture"]["distributed"]
     assert fsdp["wrapper"] == "FSDP2"
     assert (fsdp["param_dtype"], fsdp["reduce_dtype"], fsdp["storage_dtypes"]) == (

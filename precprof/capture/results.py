@@ -237,7 +237,7 @@ class ProfilerResults:
             "profiler_buffer_bytes": self.buffer_bytes,
             "profiler_scratch_bytes": self.scratch_bytes,
             "profiler_buffer_share_of_params": self.buffer_bytes / param_bytes if param_bytes else None,
-            "model_class": type(_unwrapped(self.model)).__name__,
+            "model_class": model_class_name(_unwrapped(self.model)),
             "precision_seen": self.precision_seen(),
             "autocast": self._autocast_seen or {"enabled": False, "dtype": None},
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
@@ -447,6 +447,16 @@ def _scaler_enabled(scaler: Any) -> bool:
     """Whether a GradScaler (or a scaler like it) scales at all: ``GradScaler(enabled=False)`` is a no-op."""
     is_enabled = getattr(scaler, "is_enabled", None)
     return bool(is_enabled()) if callable(is_enabled) else True
+
+
+def model_class_name(model: nn.Module) -> str:
+    """The model's class name as its user wrote it: FSDP2's ``fully_shard`` swaps the class for a subclass of
+    its own (``FSDPLlamaForCausalLM``), whose first base other than ``FSDPModule`` is the model's."""
+    cls = type(model)
+    bases = [c for c in cls.__mro__[1:] if c.__name__ != "FSDPModule"]
+    if cls.__name__.startswith("FSDP") and any(c.__name__ == "FSDPModule" for c in cls.__mro__) and bases:
+        return bases[0].__name__
+    return cls.__name__
 
 
 def compiled_parts(model: nn.Module) -> str | None:
