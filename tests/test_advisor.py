@@ -593,6 +593,20 @@ def test_thrashing_in_an_own_loop_reads_the_scalers_growth_interval(tmp_path: Pa
     assert f.numbers["recommended_growth_interval"] == 2000 and f.remedy.endswith("growth_interval to 2000.")
 
 
+def test_a_disabled_grad_scaler_has_no_growth_interval() -> None:
+    """nanoGPT hands its loop ``GradScaler(enabled=(dtype == "float16"))``: disabled outside fp16, where it has
+    no growth interval (``get_growth_interval()`` raises). The summary read it and raised at the end of the run."""
+    model = nn.Linear(4, 4)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with pytest.raises(AttributeError):
+        scaler.get_growth_interval()
+    with Profiler(model, scaler=scaler, sample_every=1) as prof:
+        model(torch.ones(2, 4)).sum().backward()
+        prof.step()
+    summary = prof.summary()
+    assert summary["scaler_enabled"] is False and summary["scaler_growth_interval"] is None
+
+
 def test_gradients_summed_over_micro_batches_overflowed_nothing(tmp_path: Path) -> None:
     """fp16 autocast, four micro-batches a step: each micro-batch's fp16 weight gradient stays below 65504 at
     the scale, their fp32 sum (the ``.grad`` recorded) does not. Nothing overflowed, and GradScaler skipped

@@ -478,9 +478,11 @@ def _growth_interval(scaler: Any) -> int | None:
     """A dynamic scaler's growth interval (``GradScaler.get_growth_interval()``), which the advisor's thrashing
     rule reads; None without one (or a scaler that does not say)."""
     get = getattr(scaler, "get_growth_interval", None)
+    if not callable(get) or not _scaler_enabled(scaler):  # a disabled GradScaler has no interval to read
+        return None
     try:
-        return int(get()) if callable(get) else None
-    except (TypeError, ValueError, RuntimeError):
+        return int(get())
+    except (AttributeError, TypeError, ValueError, RuntimeError):
         return None
 
 
