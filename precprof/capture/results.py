@@ -22,6 +22,7 @@ from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.plan import CapturePlan
 from precprof.capture.recorded import Recorded
+from precprof.capture.reducer import wrapper_info
 from precprof.capture.sampling import Sampler
 from precprof.capture.scaler import ScalerWatch
 from precprof.capture.stream import StreamWriter
@@ -286,8 +287,6 @@ class ProfilerResults:
             dtype = autocast.get("dtype")
             return {"bfloat16": "bf16", "float16": "fp16"}.get(str(dtype), f"autocast {dtype}")
         if self._reducer is not None:  # FSDP's (or DDP's) mixed precision: fp32 masters, 16-bit compute
-            from precprof.capture.reducer import wrapper_info
-
             info = wrapper_info(self.model)
             mixed = {"bfloat16": "bf16", "float16": "fp16"}.get(str(info.get("param_dtype")))
             if mixed and info.get("storage_dtypes") == ["float32"]:

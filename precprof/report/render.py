@@ -24,8 +24,9 @@ from precprof.report import filters, numbers
 from precprof.report.context import build_context
 
 TEMPLATE = "report.html.j2"
-# a long table's rows shown before its buttons (the next rows, all of them) (where the page's script runs); the page marks the
-# others from the start, so that a browser never lays out the what-if table of thousands of modules at once
+# a long table's rows shown before its buttons (the next rows, all of them), where the page's script runs; the
+# page marks the others from the start, so that a browser never lays out the what-if table of thousands of
+# modules at once
 FIRST_ROWS = 25
 # the rows its "Show the next" button adds: a few hundred lay out in a blink, where all of 25,000 rows took
 # Chromium half a minute

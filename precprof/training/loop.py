@@ -519,8 +519,8 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                     try:
                         out = model(x, targets=y) if s.built.pass_targets else model(x)
                     except (RuntimeError, TypeError, ValueError, IndexError) as e:
-                        if step or s.built.kind != "factory":
-                            raise
+                        if step or s.built.kind != "factory" or not _no_token_model(model, e):
+                            raise  # a language model's own failure keeps its traceback
                         raise not_a_language_model(s.built.name, x, e) from e
                     with prof.memory_scope():  # what the loss saves for backward counts as activations
                         loss = loss_from_output(out, y, data.vocab_size)
@@ -591,6 +591,14 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
         steps=steps_table,
         summary=summary,
     )
+
+
+def _no_token_model(model: nn.Module, e: BaseException) -> bool:
+    """Whether a factory's model that failed on its first forward pass is plainly no language model: it has no
+    embedding to read token ids with (an image model), and the failure is not the device's memory."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return False
+    return not any(isinstance(m, nn.Embedding) for m in model.modules())
 
 
 def not_a_language_model(name: str, x: torch.Tensor, e: BaseException) -> UserError:

@@ -357,8 +357,8 @@ class _Plan:
     findings: list[Finding] = field(default_factory=list)
     loss_scale_log2: int = 16
     grad_absmax: float | None = None
-    # grad_absmax is a lower bound: it comes from a step where some gradient was inf (fp16 overflow at the
-    # scale in effect), larger than every step without one measured; the loss scale is then the most a start
+    # grad_absmax is a lower bound: it comes from a step where some gradient was inf or nan (fp16 overflow at
+    # the scale in effect), larger than every step without one measured; the loss scale is then the most a start
     # can be, and whether it avoids overflow the run cannot tell
     grad_absmax_bound: bool = False
     underflow_now: float | None = None
@@ -419,7 +419,7 @@ def _matmul_leaves(run: _Run) -> list[str]:
 
 def _grad_absmax(run: _Run) -> tuple[float | None, float | None, float | None]:
     """(largest finite unscaled gradient magnitude, lower bound implied by fp16 gradients that became inf,
-    largest finite one of the steps none of whose gradients was inf).
+    largest finite one of the steps none of whose gradients was inf or nan).
 
     An fp16 gradient that is inf at loss scale s was at least 65520/s before scaling. On a step where some
     gradient was inf or nan, the finite ones are lower bounds too: only the last figure is a step's measured

@@ -175,7 +175,7 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
     amax, bound, clean = _grad_absmax(run)
     gmax = max([x for x in (amax, bound) if x is not None], default=None)
     plan.grad_absmax = gmax
-    # no step measured it: it comes from a step where some gradient was inf, above every step without one
+    # no step measured it: it comes from a step where some gradient was inf or nan, above every step without
     plan.grad_absmax_bound = gmax is not None and (clean is None or gmax > clean)
     limit = FP16.max / 2.0**cfg.fp16_margin_log2
     if gmax is None or gmax <= 0:
@@ -231,7 +231,7 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                 else "a step on which other gradients became inf or nan held it"
             )
             measured = (
-                f"the largest on a step with no inf gradient was {_g(clean)}"
+                f"the largest on a step with no inf or nan gradient was {_g(clean)}"
                 if clean is not None
                 else "every sampled step had inf or nan gradients"
             )
