@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -108,6 +109,27 @@ def test_a_model_that_is_no_language_model(tmp_path: Path, capsys: pytest.Captur
     )
     assert "shape (2, 8) (torch.int64): RuntimeError:" in err
     assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+
+
+BROKEN_LM = (
+    "from torch import nn\n"
+    "def make(**kw):\n"
+    "    return nn.Sequential(nn.Embedding(256, 16), nn.Linear(17, 256))  # a bug of its own: 17, not 16\n"
+)
+
+
+def test_a_language_models_own_bug_keeps_its_traceback(tmp_path: Path) -> None:
+    """A model with an embedding is a language model: its first forward pass failing is its own bug, which
+    keeps its exception and traceback (only a model with no embedding gets the one line above)."""
+    from precprof import training
+    from precprof.errors import UserError
+
+    f = tmp_path / "broken.py"
+    f.write_text(BROKEN_LM)
+    cfg = training.TrainConfig(model=f"{f}:make", steps=2, batch_size=2, seq_len=8, progress=False, report=False)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied") as info:
+        training.train(dataclasses.replace(cfg, out=str(tmp_path / "run")))
+    assert not isinstance(info.value, UserError)
 
 
 def test_a_model_with_lazy_modules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
