@@ -126,7 +126,9 @@ def test_a_language_models_own_bug_keeps_its_traceback(tmp_path: Path) -> None:
 
     f = tmp_path / "broken.py"
     f.write_text(BROKEN_LM)
-    cfg = training.TrainConfig(model=f"{f}:make", steps=2, batch_size=2, seq_len=8, progress=False, report=False)
+    cfg = training.TrainConfig(
+        model=f"{f}:make", steps=2, batch_size=2, seq_len=8, progress=False, report=False
+    )
     with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied") as info:
         training.train(dataclasses.replace(cfg, out=str(tmp_path / "run")))
     assert not isinstance(info.value, UserError)
