@@ -94,6 +94,22 @@ def fsdp2_policy(module: Any) -> tuple[Any, Any]:
     return getattr(state, "_mp_policy", None), getattr(state, "_fsdp_param_group", None)
 
 
+def module_name(name: str) -> str:
+    """A module's qualified name without ``torch.compile``'s wrapper: a block replaced by ``torch.compile(block)``
+    (torchtitan's way) holds it as ``_orig_mod``, so its layers were named ``layers.0._orig_mod.mlp``, not
+    ``layers.0.mlp`` as in the same model compiled in place (``get_submodule`` finds either: the wrapper
+    hands attribute lookups to the module it wraps)."""
+    if "_orig_mod" not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def is_compile_wrapper(module: Any) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper (``OptimizedModule``): its forward is the wrapped
+    module's, captured under the same name."""
+    return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+
+
 def indexed_device(device: torch.device | str) -> torch.device:
     """``device`` as a tensor on it reports it: an accelerator with its index (``cuda`` -> ``cuda:N``, N the
     current device), the CPU without one (``cpu:0`` -> ``cpu``). State kept per device and keyed by this matches

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pandas.testing as pd_testing
 import pytest
 import torch
@@ -635,6 +636,49 @@ def test_the_summary_and_the_page_say_what_was_compiled(tmp_path: Path) -> None:
         precprof.Profiler(torch.compile(_model(), backend="eager")).summary()["compiled"] == "the whole model"
     )
     assert precprof.Profiler(_model()).summary()["compiled"] is None
+
+
+def test_blocks_replaced_by_their_compiled_wrappers_keep_their_names() -> None:
+    """torchtitan's regional compilation replaces each block by ``torch.compile(block)``: its layers were named
+    ``2._orig_mod.0`` (126 such names in a Llama's report) where the same model compiled in place names them
+    ``2.0``. They keep their own names now, with the same rows as the eager model's, and the memory table's
+    modules too."""
+
+    def blocks() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(16, 32),
+            nn.Sequential(nn.GELU(), nn.Linear(32, 32)),
+            nn.Sequential(nn.ReLU(), nn.Linear(32, 8)),
+        )
+
+    def run(model: nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
+        with precprof.Profiler(model, sample_every=1) as prof:
+            for x in _batches(2):
+                model(x).square().mean().backward()
+                prof.step()
+        return prof.tables()["layers"], prof.tables()["memory"]
+
+    eager_layers, _ = run(blocks())
+    compiled = blocks()
+    for i in (1, 2):
+        compiled[i] = torch.compile(compiled[i], backend="eager")
+    assert any("_orig_mod" in name for name, _ in compiled.named_modules())
+    layers, memory = run(compiled)
+    assert not any("_orig_mod" in str(m) for m in [*layers[T.MODULE], *memory[T.MODULE]])
+    key = [T.STEP, T.MODULE, T.TENSOR, T.PARAM]
+    cols = [
+        *key,
+        T.NUMEL,
+        T.ZEROS,
+        T.ABSMAX,
+        *[c for c in layers.columns if c.startswith(("underflow_", "overflow_"))],
+    ]
+    pd_testing.assert_frame_equal(
+        layers[cols].sort_values(key).reset_index(drop=True),
+        eager_layers[cols].sort_values(key).reset_index(drop=True),
+        check_dtype=False,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

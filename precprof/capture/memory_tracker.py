@@ -173,7 +173,8 @@ class MemoryTracker:
         self._module_hooks = []
         self._hookset = None
         self._modules = [mod for _, mod in self.model.named_modules()]
-        for name, mod in self.model.named_modules():  # a module reached twice keeps its first name
+        for raw, mod in self.model.named_modules():  # a module reached twice keeps its first name
+            name = _compat.module_name(raw)
             if mod is self.model:
                 self._module_hooks.append((mod, self._root_pre_hook, self._root_post_hook))
             else:

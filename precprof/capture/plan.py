@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from precprof import _compat, taxonomy
 from precprof import tables as T
-from precprof import taxonomy
 from precprof.capture.records import RowTable, _ModuleSlot, _ParamSlot
 from precprof.errors import UserError
 
@@ -82,8 +82,9 @@ class CapturePlan:
         plan = cls(block_formats=block_formats)
         rows = plan.rows
         owner: dict[int, str] = {}  # each captured parameter's first owner
-        for name, module in model.named_modules():
-            if not selected(name, module, module_filter):
+        for raw, module in model.named_modules():
+            name = _compat.module_name(raw)  # a compiled block's layers by their own names
+            if _compat.is_compile_wrapper(module) or not selected(name, module, module_filter):
                 continue
             mtype = type(module).__name__
             slot = _ModuleSlot(

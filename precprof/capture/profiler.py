@@ -586,7 +586,10 @@ class Profiler(ProfilerResults):
 
 def iter_module_names(model: nn.Module) -> Iterable[str]:
     """Qualified names of the modules a default Profiler captures, in registration order."""
-    return [name for name, m in model.named_modules() if selected(name, m, None)]
+    named = (
+        (_compat.module_name(n), m) for n, m in model.named_modules() if not _compat.is_compile_wrapper(m)
+    )
+    return [name for name, m in named if selected(name, m, None)]
 
 
 BLOCK_FORMATS_ENV = "PRECPROF_BLOCK_FORMATS"

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from precprof import _compat, taxonomy
 from precprof import tables as T
-from precprof import taxonomy
 from precprof.capture.peak import END, Label
 
 # A storage is known by its address alone: CUDA's unified virtual addressing keeps host and device (and
@@ -381,7 +381,10 @@ def model_sizes(model: nn.Module) -> dict[str, Any]:
     seen = set()
     classes: dict[str, str] = {}
     matmul = 0
-    for name, mod in model.named_modules():
+    for raw, mod in model.named_modules():
+        if _compat.is_compile_wrapper(mod):  # the module it wraps goes by the same name
+            continue
+        name = _compat.module_name(raw)
         cls = taxonomy.autocast_class(mod)
         classes[name] = cls
         if cls != taxonomy.CLASS_MATMUL:
