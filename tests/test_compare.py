@@ -298,6 +298,35 @@ def test_runs_recorded_elsewhere_are_compared_from_their_directories(
         C.compare_runs([out / "fp32", tmp_path / "nothing"])
 
 
+def test_a_run_whose_steps_are_too_uneven_gets_no_speed(
+    comparison: tuple[A.Comparison, Path], tmp_path: Path
+) -> None:
+    """A machine busy with other work: steps of 0.02 s and 1.4 s in one run, and three identical comparisons
+    gave bf16 at 8.2x, 0.04x and 15x fp32's throughput, flipping the speed verdict. A run whose counted steps'
+    middle half spans more than ``MAX_STEP_TIME_SPREAD`` of their median gets no speed-up, and the checks say
+    why."""
+    from precprof.analysis.throughput import throughput
+
+    _, out = comparison
+    uneven = tmp_path / "bf16"
+    shutil.copytree(out / "bf16", uneven)
+    tables = T.read_tables(uneven)
+    steps = tables["steps"].sort_values(T.STEP).reset_index(drop=True)
+    slow = (steps.index % 3 == 1) & ~steps[T.SAMPLED].astype(bool)  # one step in three 70x slower
+    steps.loc[slow, T.TIME_S] = steps.loc[slow, T.TIME_S] * 70
+    T.write_tables(uneven, {**tables, "steps": steps})
+    timed = steps.iloc[1:]
+    timed = timed.loc[~timed[T.SAMPLED].astype(bool), T.TIME_S].to_numpy(dtype=float)
+    spread = (np.quantile(timed, 0.75) - np.quantile(timed, 0.25)) / np.median(timed)
+    assert throughput(steps)["step_time_spread"] == pytest.approx(spread) and spread > A.MAX_STEP_TIME_SPREAD
+    comp, _ = C.compare_runs([out / "fp32", uneven], out=tmp_path / "cmp")
+    r = comp.run("bf16")
+    assert r.speedup is None and r.speed_not_taken.startswith("bf16's step times were too uneven to compare")
+    speed = [c.text for c in comp.checks if c.aspect == "speed" and c.run == "bf16"]
+    assert speed and all("too uneven to compare" in t for t in speed), speed
+    assert comp.run("fp32").speedup == 1.0  # the reference, even
+
+
 def test_comparison_loss_plots_tick_labels_never_run_together(comparison: tuple[A.Comparison, Path]) -> None:
     """The loss curves of runs of 250,000 steps: the steps read 50k, 100k, apart from one another."""
     comp, _ = comparison

@@ -37,7 +37,9 @@ def throughput(steps: pd.DataFrame) -> dict[str, Any]:
     ``tokens_per_s_basis`` (``"unsampled steps"`` or ``"all steps"``), ``tokens_per_s_steps`` (how many steps
     count), ``step_time_unsampled_median_s`` and ``step_time_sampled_median_s`` (the first step left out of
     both), ``steps_timed_unsampled`` and ``steps_timed_sampled`` (how many of each were timed) and
-    ``sampled_step_cost`` (their ratio: NaN unless at least ``MIN_STEPS`` of each kind were timed).
+    ``sampled_step_cost`` (their ratio: NaN unless at least ``MIN_STEPS`` of each kind were timed) and
+    ``step_time_spread`` (the interquartile range of the counted steps' times over their median; NaN with
+    fewer than 4: a machine busy with other work makes it large, and a rate from such steps says little).
     """
     out: dict[str, Any] = {
         "tokens_per_s": math.nan,
@@ -48,6 +50,7 @@ def throughput(steps: pd.DataFrame) -> dict[str, Any]:
         "sampled_step_cost": math.nan,
         "steps_timed_unsampled": 0,
         "steps_timed_sampled": 0,
+        "step_time_spread": math.nan,
     }
     if steps.empty or T.TIME_S not in steps:
         return out
@@ -71,4 +74,7 @@ def throughput(steps: pd.DataFrame) -> dict[str, Any]:
     if counted.any():
         t = _median(time[counted])
         out["tokens_per_s"] = _median(tokens[counted]) / t if t > 0 else math.nan
+        times = time[counted]
+        if len(times) >= 4 and t > 0:  # the middle half of the counted steps' times, over their median
+            out["step_time_spread"] = float(times.quantile(0.75) - times.quantile(0.25)) / t
     return out

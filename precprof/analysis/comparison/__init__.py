@@ -67,6 +67,7 @@ from precprof.analysis.comparison.runs import (
     smoothing_window,
 )
 from precprof.analysis.comparison.wording import describe_run, describe_scale, outcome_sentence
+from precprof.analysis.throughput import BASIS_ALL
 from precprof.errors import UserError
 
 __all__ = [
@@ -164,15 +165,17 @@ def analyse(
             r.outcome, r.gap = (REFERENCE if r.steps else FAILED), 0.0
         else:
             r.outcome, r.gap = classify(r, ref, tolerance)
-        # like with like: steps without per-layer capture against the same, or profiled against profiled
-        same_basis = r.tokens_per_s_basis == ref.tokens_per_s_basis
         if (
-            same_basis
+            r is not ref
             and math.isfinite(r.tokens_per_s)
             and math.isfinite(ref.tokens_per_s)
             and ref.tokens_per_s > 0
         ):
-            r.speedup = r.tokens_per_s / ref.tokens_per_s
+            r.speed_not_taken = speed_not_taken(r, ref)
+            if not r.speed_not_taken:
+                r.speedup = r.tokens_per_s / ref.tokens_per_s
+        elif r is ref and math.isfinite(r.tokens_per_s):
+            r.speedup = 1.0
     checks = check_against_runs(results, ref)
     lines = [outcome_sentence(r, ref, tolerance) for r in results if r is not ref]
     return Comparison(
@@ -184,6 +187,31 @@ def analyse(
         config=dict(config or {}),
         notes=_notes(results, config or {}),
     )
+
+
+# the counted steps' interquartile range over their median above which a run's speed is not compared: steps
+# of a few milliseconds still warming up spread by 0.6-1.2 (gpt-nano on 2 cores); a 2-core machine shared with
+# other work gave steps of 0.02 s and 1.4 s in one run, and three identical comparisons gave bf16 at 8.2x,
+# 0.04x and 15x fp32's throughput
+MAX_STEP_TIME_SPREAD = 2.0
+
+
+def speed_not_taken(r: RunResult, ref: RunResult) -> str:
+    """Why ``r``'s speed against ``ref`` is not compared ("" when it is): like with like (steps without
+    per-layer capture against the same, or profiled against profiled), and steps even enough to time."""
+    if r.tokens_per_s_basis != ref.tokens_per_s_basis:
+        profiled, plain = (r, ref) if r.tokens_per_s_basis == BASIS_ALL else (ref, r)
+        return (
+            f"{profiled.label}'s steps were all profiled and {plain.label}'s unprofiled ones timed: their speeds "
+            "do not compare"
+        )
+    for run in (ref, r):
+        if math.isfinite(run.step_time_spread) and run.step_time_spread > MAX_STEP_TIME_SPREAD:
+            return (
+                f"{run.label}'s step times were too uneven to compare (the middle half of them spans "
+                f"{run.step_time_spread:.0%} of their median: a machine busy with other work)"
+            )
+    return ""
 
 
 def _notes(runs: Sequence[RunResult], config: Mapping[str, Any]) -> list[str]:

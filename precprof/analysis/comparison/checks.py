@@ -212,7 +212,7 @@ def _recommendation_checks(
                 checks.append(
                     Check(
                         NOT_MEASURED,
-                        f"Speed: {lead}; the {r.label} run {did} {ref.label}'s loss, and no throughput was measured.",
+                        f"Speed: {lead}; the {r.label} run {did} {ref.label}'s loss, and {_unmeasured(r, ref)}.",
                         r.label,
                         ASPECT_SPEED,
                     )
@@ -281,7 +281,7 @@ def _recommendation_checks(
         )
         st = speed_status(r.speedup, here)
         if r.speedup is None or not math.isfinite(r.speedup):
-            text = f"Speed: no throughput was measured for {r.label} and {ref.label}."
+            text = f"Speed: {_unmeasured(r, ref)}."
         elif st == CONFIRMED:
             text = f"Speed: {_ran_at(r, ref)}, a gain ({_gain()})."
         elif st == CONTRADICTED:
@@ -293,6 +293,11 @@ def _recommendation_checks(
             text = f"Speed: {_ran_at(r, ref)}; {_elsewhere(rec)}."
         checks.append(Check(st, text, r.label, ASPECT_SPEED))
     return checks
+
+
+def _unmeasured(r: RunResult, ref: RunResult) -> str:
+    """Why there is no speed of ``r`` against ``ref``, in words (``RunResult.speed_not_taken``)."""
+    return r.speed_not_taken or f"no throughput was measured for {r.label} and {ref.label}"
 
 
 def _warning_checks(rec: Mapping[str, Any] | None, r: RunResult, ref: RunResult) -> list[Check]:
@@ -344,7 +349,7 @@ def _warning_checks(rec: Mapping[str, Any] | None, r: RunResult, ref: RunResult)
             tail = (
                 f"{_ran_at(r, ref)}; {_elsewhere(rec or {})}"
                 if r.speedup is not None and math.isfinite(r.speedup)
-                else f"no throughput was measured for {r.label} and {ref.label}"
+                else _unmeasured(r, ref)
             )
             checks.append(
                 Check(

@@ -152,6 +152,9 @@ class RunResult:
     # every step): ``analysis.throughput``'s basis and how many steps count
     tokens_per_s_basis: str = ""
     tokens_per_s_steps: int = 0
+    step_time_spread: float = math.nan  # the counted steps' interquartile range over their median
+    # why no speed-up against the reference was taken ("" when one was, or nothing was timed)
+    speed_not_taken: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -250,6 +253,7 @@ def read_run(variant: Variant, run_dir: Path) -> RunResult:
         tokens_per_s=float(tp["tokens_per_s"]),
         tokens_per_s_basis=str(tp["tokens_per_s_basis"]),
         tokens_per_s_steps=int(tp["tokens_per_s_steps"]),
+        step_time_spread=float(tp["step_time_spread"]),
         speedup=None,
         skipped_steps=int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
         first_nonfinite_step=int(steps[T.STEP].iloc[bad[0]]) if len(bad) else None,
