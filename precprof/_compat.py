@@ -22,6 +22,18 @@ def scaler_enabled(scaler: Any) -> bool:
     return bool(getattr(scaler, "_enabled", True))
 
 
+def scaler_growth_interval(scaler: Any) -> int | None:
+    """A dynamic scaler's growth interval; None without a scaler, for a disabled one (``GradScaler(enabled=False)``
+    has none: ``get_growth_interval()`` raises, as nanoGPT's scaler outside fp16), or one that does not say."""
+    get = getattr(scaler, "get_growth_interval", None)
+    if scaler is None or not callable(get) or not scaler_enabled(scaler):
+        return None
+    try:
+        return int(get())
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return None
+
+
 def scaler_scale_tensor(scaler: Any) -> torch.Tensor | None:
     """The scaler's current scale as its device tensor (reading it does not sync); None before the first
     ``scale()`` call or for a disabled scaler."""

@@ -605,6 +605,11 @@ def test_a_disabled_grad_scaler_has_no_growth_interval() -> None:
         prof.step()
     summary = prof.summary()
     assert summary["scaler_enabled"] is False and summary["scaler_growth_interval"] is None
+    # the one reading the HF and Lightning callbacks use too (they read it unguarded)
+    from precprof import _compat
+
+    assert _compat.scaler_growth_interval(None) is None
+    assert _compat.scaler_growth_interval(torch.amp.GradScaler("cpu", growth_interval=7)) == 7
 
 
 def test_gradients_summed_over_micro_batches_overflowed_nothing(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from precprof import parts, rundir
+from precprof import _compat, parts, rundir
 from precprof import stats as st
 from precprof import tables as T
 from precprof._run_finisher import machine_describer, run_finisher
@@ -243,7 +243,7 @@ class ProfilerResults:
             "autocast": self._autocast_seen or {"enabled": False, "dtype": None},
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
-            "scaler_growth_interval": _growth_interval(self.scaler),
+            "scaler_growth_interval": _compat.scaler_growth_interval(self.scaler),
             "compiled": compiled_parts(self.model),
             "static_loss_scale": self.loss_scale,
             "low_precision_buffers": self._low_precision_buffers(),
@@ -471,18 +471,6 @@ def compiled_parts(model: nn.Module) -> str | None:
         and (type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None)
     )
     return f"{n} of its modules (regional)" if n else None
-
-
-def _growth_interval(scaler: Any) -> int | None:
-    """A dynamic scaler's growth interval (``GradScaler.get_growth_interval()``), which the advisor's thrashing
-    rule reads; None without one (or a scaler that does not say)."""
-    get = getattr(scaler, "get_growth_interval", None)
-    if not callable(get) or not _scaler_enabled(scaler):  # a disabled GradScaler has no interval to read
-        return None
-    try:
-        return int(get())
-    except (AttributeError, TypeError, ValueError, RuntimeError):
-        return None
 
 
 def optimizer_settings(optimizers: list[Any], params: Sequence[Any] = ()) -> dict[str, Any] | None:

@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from precprof import _compat
 from precprof import tables as T
 from precprof.errors import MissingDependencyError
 from precprof.integrations._common import Session, first_token_count, model_info
@@ -260,6 +261,9 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
         trainer = self.trainer
         if scaler is None and trainer is not None:
             scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
+        enabled = scaler is not None and _compat.scaler_enabled(
+            scaler
+        )  # GradScaler(enabled=False) scales nothing
         requested = requested_precision(args)
         accel = getattr(trainer, "accelerator", None) if trainer is not None else None
         summary: dict[str, Any] = {
@@ -270,9 +274,9 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
                 "bf16": bool(getattr(args, "bf16", False)),
                 "tf32": getattr(args, "tf32", None),
                 "accelerate_mixed_precision": str(getattr(accel, "mixed_precision", "")) or None,
-                "loss_scaling": "dynamic" if scaler is not None else "none",
-                "init_scale": float(scaler.get_scale()) if scaler is not None else None,
-                "growth_interval": int(scaler.get_growth_interval()) if scaler is not None else None,
+                "loss_scaling": "dynamic" if enabled else "none",
+                "init_scale": float(scaler.get_scale()) if enabled and scaler is not None else None,
+                "growth_interval": _compat.scaler_growth_interval(scaler),
                 "device": str(getattr(args, "device", "")),
                 "batch_size": getattr(args, "per_device_train_batch_size", None),
                 "gradient_accumulation_steps": getattr(args, "gradient_accumulation_steps", None),

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from precprof import _compat
 from precprof import tables as T
 from precprof.errors import MissingDependencyError
 from precprof.integrations._common import LIGHTNING_PRECISIONS, Session, first_token_count, model_info
@@ -121,6 +122,9 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             trainer.strategy, "precision_plugin", None
         )
         scaler = getattr(plugin, "scaler", None)
+        enabled = scaler is not None and _compat.scaler_enabled(
+            scaler
+        )  # GradScaler(enabled=False) scales nothing
         lightning_precision = str(getattr(trainer, "precision", ""))
         requested = precprof_precision(lightning_precision)
         summary: dict[str, Any] = {
@@ -129,9 +133,9 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
                 "precision": requested,
                 "lightning_precision": lightning_precision,
                 "precision_plugin": type(plugin).__name__ if plugin is not None else None,
-                "loss_scaling": "dynamic" if scaler is not None else "none",
-                "init_scale": float(scaler.get_scale()) if scaler is not None else None,
-                "growth_interval": int(scaler.get_growth_interval()) if scaler is not None else None,
+                "loss_scaling": "dynamic" if enabled else "none",
+                "init_scale": float(scaler.get_scale()) if enabled and scaler is not None else None,
+                "growth_interval": _compat.scaler_growth_interval(scaler),
                 "strategy": type(trainer.strategy).__name__,
                 "accumulate_grad_batches": getattr(trainer, "accumulate_grad_batches", None),
                 "max_steps": getattr(trainer, "max_steps", None),
