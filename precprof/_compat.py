@@ -122,6 +122,12 @@ def is_compile_wrapper(module: Any) -> bool:
     return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
 
 
+def is_compiled(module: Any) -> bool:
+    """Whether ``module`` runs under ``torch.compile``: its wrapper, or compiled in place (``module.compile()``
+    sets the call it makes instead of its own)."""
+    return is_compile_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None
+
+
 def indexed_device(device: torch.device | str) -> torch.device:
     """``device`` as a tensor on it reports it: an accelerator with its index (``cuda`` -> ``cuda:N``, N the
     current device), the CPU without one (``cpu:0`` -> ``cpu``). State kept per device and keyed by this matches

@@ -209,6 +209,8 @@ def compare_runs(
     where = Path(out) if out is not None else Path(os.path.commonpath([str(d.resolve()) for d in dirs]))
     if where in {d.resolve() for d in dirs}:  # one run directory holds the others: the page goes beside it
         where = where.parent
+    if out is None and where == Path(where.anchor):  # runs in unrelated places: not the filesystem's root
+        where = Path.cwd()
     return comparison, write(comparison, where)
 
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from precprof import _compat, taxonomy
 from precprof import tables as T
@@ -36,8 +37,6 @@ def refuse_lazy(model: nn.Module) -> None:
     """A one-line error for a model whose lazy modules (``nn.LazyLinear``, ``nn.LazyConv2d``) have not run yet:
     their parameters have no shape to plan rows, memory or kernels for, and became real ones in place later
     (precprof crashed on them at attach, and ``precprof train``'s memory check did)."""
-    from torch.nn.parameter import is_lazy
-
     lazy = [name for name, p in model.named_parameters() if is_lazy(p)]
     if lazy:
         raise UserError(

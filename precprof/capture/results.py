@@ -462,14 +462,9 @@ def compiled_parts(model: nn.Module) -> str | None:
     """What of ``model`` runs under ``torch.compile``, in words: the whole model (a ``torch.compile(model)``
     or ``model.compile()``), or how many of its modules (regional compilation, as torchtitan compiles each
     block); None when nothing is. Sampled steps run those eagerly (``force_eager``)."""
-    if type(model).__name__ == "OptimizedModule" or getattr(model, "_compiled_call_impl", None) is not None:
+    if _compat.is_compiled(model):
         return "the whole model"
-    n = sum(
-        1
-        for m in model.modules()
-        if m is not model
-        and (type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None)
-    )
+    n = sum(1 for m in model.modules() if m is not model and _compat.is_compiled(m))
     return f"{n} of its modules (regional)" if n else None
 
 
