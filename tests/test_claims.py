@@ -87,6 +87,39 @@ def test_a_run_that_sampled_nothing_claims_no_measurement(tmp_path: Path) -> Non
     assert "not measured" in " ".join(big.reasons)
 
 
+def test_a_run_whose_first_forward_failed_claims_no_measurement(tmp_path: Path) -> None:
+    """The first layer's matmul fails on the first step (the data has 15 features, the layer takes 16): the run
+    recorded the layer's weights and the model's input, no layer's output and no gradient. Nothing a format
+    rule reads was measured, so no format is "what the measurements allow"."""
+
+    class TwoLayers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    model = TwoLayers()
+    prof = precprof.Profiler(model, optimizer=torch.optim.AdamW(model.parameters()), sample_every=1)
+    with pytest.raises(RuntimeError), prof:
+        model(torch.randn(4, 15))
+    layers = prof.tables()["layers"]
+    assert T.WEIGHT in set(layers[T.TENSOR]) <= {T.ACTIVATION, T.WEIGHT}  # weights, and the input at most
+    assert T.texts(layers[layers[T.TENSOR] == T.ACTIVATION][T.MODULE]).str.endswith(T.INPUT_SUFFIX).all()
+    rec = precprof.recommend(prof, config=AdvisorConfig(small_model_params=0))
+    reasons = " ".join(rec.reasons)
+    assert not rec.measured_format
+    assert "no forward pass finished a layer" in reasons and "do not underflow" not in reasons
+    # one layer's output is a measurement: a run whose second layer failed keeps its verdict
+    bad_b = TwoLayers()
+    bad_b.b = nn.Linear(15, 16)
+    prof = precprof.Profiler(bad_b, sample_every=1)
+    with pytest.raises(RuntimeError), prof:
+        bad_b(torch.randn(4, 16))
+    assert precprof.recommend(prof, config=AdvisorConfig(small_model_params=0)).measured_format == "bf16"
+
+
 # ------------------------------------------------------------------------------------------------ item 9
 class HandCast(nn.Module):
     """An fp32 model whose LayerNorm and softmax were cast to bf16 by hand (no autocast anywhere)."""

@@ -128,8 +128,12 @@ def recommend(
         run.types = layers.groupby(T.MODULE)[T.MODULE_TYPE].first().to_dict()
     plan = _Plan(loss_scale_log2=cfg.default_loss_scale_log2, growth_interval=cfg.default_growth_interval)
     plan.matmul_layers = _matmul_leaves(run)
-    plan.measured = not run.layers.empty
     plan.gradients_measured = not run.kind(*T.GRADIENT_KINDS).empty
+    # a layer's output or a gradient: the model's input (the data a first layer read) and weights alone are
+    # what a run whose first forward pass failed records
+    outputs = run.kind(T.ACTIVATION)[T.MODULE]
+    plan.measured = plan.gradients_measured or not T.texts(outputs).str.endswith(T.INPUT_SUFFIX).all()
+    plan.weights_only = not plan.measured and not run.layers.empty
     dims = _layer_dims(run)
 
     _rule_hardware(run, plan)

@@ -15,6 +15,11 @@ from precprof.taxonomy import FP8_DIM_MULTIPLE
 
 def _not_measured(plan: _Plan) -> str:
     """What a reason says of a figure no sampled step recorded."""
+    if plan.weights_only:
+        return (
+            "not measured: this run recorded weights and inputs but no layer's output or gradient (no "
+            "forward pass finished a layer on a sampled step)"
+        )
     if not plan.measured:
         return (
             "not measured: this run recorded no per-layer statistics (--sample-every 0 records none); profile "

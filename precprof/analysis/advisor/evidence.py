@@ -404,8 +404,10 @@ class _Plan:
     # whether any gradient was recorded (a sampled step with a backward pass): without one, nothing was measured
     # against a format, and no reason may say it was
     gradients_measured: bool = True
-    # whether any per-layer statistic was recorded: without one no format is "what the measurements allow"
+    # whether a layer's output or a gradient was recorded: without one no format is "what the measurements
+    # allow" (a run whose first forward pass failed may have recorded a weight and the model's input, no more)
     measured: bool = True
+    weights_only: bool = False  # rows were recorded, but only weights and the model's inputs
 
     def add(self, f: Finding) -> None:
         self.findings.append(f)
