@@ -192,8 +192,11 @@ def label(name: str) -> str:
 def current_scaling_exponent(fmt: NumberFormat, amax: float) -> int:
     """Per-tensor current scaling, power-of-two variant: k such that 2^k = 2^floor(log2(fmt.max / amax)).
 
-    This is the scale Transformer Engine's current-scaling recipe applies (with power-of-two scales) so that
-    the tensor's largest magnitude lands just below the format's max. amax must be finite and > 0.
+    This is the scale Transformer Engine's current-scaling recipe applies with power-of-two scales
+    (``power_2_scale``; torchao's tensorwise recipe with ``round_scales_to_power_of_2=True``) so that the tensor's
+    largest magnitude lands just below the format's max. Their default scale, fmax / amax, is at least 2^k and
+    flushes no value this one keeps (torchao clamps amax to at least 1e-12, so a tensor smaller than that
+    flushes more there). amax must be finite and > 0.
     """
     # exact: the largest k with amax * 2^k <= fmax (log2 of the quotient can round up across a power of two)
     k = math.frexp(fmt.max)[1] - math.frexp(amax)[1]

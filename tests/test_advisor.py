@@ -793,7 +793,7 @@ def test_fp8_eligibility(request: pytest.FixtureRequest) -> None:
     assert values4 > 0.99 and norm4 > 1e-3
     lost4 = f.numbers["max_e4m3_lost_norm"]
     assert isinstance(lost4, float) and norm4 <= lost4 <= 4 * norm4
-    assert f"fc2 (e4m3 loses up to {lost4 * 100:.3g}% of its output's or weight's norm)" in f.message
+    assert f"fc2 (e4m3 loses up to {lost4 * 100:.3g}% of its input's or weight's norm)" in f.message
     assert "fc3 flush more than 1% of their values yet lose no measurable share of the norm" in f.message
     assert "both the numbers and the speed allow FP8" in " ".join(rec.reasons)
     speed = must(rec, "fp8_speed").numbers

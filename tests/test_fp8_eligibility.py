@@ -372,3 +372,49 @@ def test_experts_that_see_every_token_are_held_back_by_the_batch_as_any_layer() 
         "experts.0, experts.1, experts.2, experts.3 (68 tokens per call, not a multiple of 16)" in f.message
     )
     assert "routed" not in f.message + f.remedy and "qualify once batch x sequence" in f.remedy
+
+
+@pytest.mark.parametrize("made_by", ["the data", "a ReLU"])
+@pytest.mark.parametrize("block_formats", [True, False])
+def test_a_layer_whose_input_fp8_would_flush_is_not_eligible(made_by: str, block_formats: bool) -> None:
+    """FP8 GEMMs read a linear layer's input, weight and output gradient; its output stays bf16. Here the input
+    holds one value at e4m3's max and the rest at its flush point (2^-10 under a scale of 1): a real e4m3 cast
+    flushes 0.16% of the input's norm, over the 0.1% allowed; the layer's output loses 0.001%. The input is
+    the data (the layer's own input row, recorded with the block-format what-if on) or a ReLU's output (a module
+    precprof watches, read with the what-if on or off)."""
+    x = torch.full((512, 1024), 2.0**-10)
+    x[0, 0] = 448.0
+    torch.manual_seed(0)
+    model = nn.Sequential(*([nn.ReLU()] if made_by == "a ReLU" else []), nn.Linear(1024, 16, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=block_formats)
+    with prof:
+        for _ in range(2):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+
+    # independent: real casts under per-tensor current scaling (a power-of-two scale; 1 for the input)
+    def lost_share(t: torch.Tensor) -> float:
+        t = t.detach().double()
+        k = torch.floor(torch.log2(448.0 / t.abs().max()))
+        flushed = ((t * 2.0**k).float().to(torch.float8_e4m3fn) == 0) & (t != 0)
+        return float((t[flushed] ** 2).sum() / (t**2).sum()) ** 0.5
+
+    assert lost_share(x) > 1e-3
+    assert lost_share(model(x)) < 1e-4  # what the rule read before: the output, which FP8 does not cast
+    rec = precprof.recommend(prof, hardware="h100", config=ALL)
+    f = rec.finding("fp8_eligibility")
+    assert f is not None
+    layer = "1" if made_by == "a ReLU" else "0"
+    if made_by == "the data" and not block_formats:  # no row holds the data: said, and judged without it
+        assert f.modules == [layer]
+        assert f"The input of 1 layer(s) was not recorded ({layer}:" in f.message
+        return
+    assert (
+        f.modules == [] and f"{layer} (e4m3 loses up to" in f.message and "input's or weight's" in f.message
+    )
+    lost = f.numbers["max_e4m3_lost_norm"]
+    assert isinstance(lost, float) and lost_share(x) <= lost <= 4 * lost_share(x)  # a bound, within a binade

@@ -1,6 +1,8 @@
 """Per-tensor current scaling, the FP8 recipe every FP8 what-if assumes: each tensor is multiplied by
-2^k, k = floor(log2(fmax / amax)) (Transformer Engine's current-scaling recipe with power-of-two scales, and
-``formats.current_scaling_exponent``), before the cast. Pure host-side numpy: the exponent of many tensors at
+2^k, k = floor(log2(fmax / amax)) (Transformer Engine's current-scaling recipe with power-of-two scales, torchao's
+tensorwise one with ``round_scales_to_power_of_2=True``; ``formats.current_scaling_exponent``), before the cast.
+Both recipes' default scale, fmax / amax, is at least 2^k: it flushes no value this one keeps, so the counts and
+the lost norm here bound theirs from above (but for torchao's amax floor of 1e-12, below which it flushes more). Pure host-side numpy: the exponent of many tensors at
 once, and the window of log2 magnitudes a format keeps for each.
 
 Under this scaling nothing overflows (amax * 2^k <= fmax by construction) and a value x underflows iff

@@ -253,7 +253,7 @@ class ProfilerResults:
             "optimizer": optimizer_settings(
                 self.optimizers, self._plan.params if self._plan is not None else ()
             ),
-            "fp8_recipe": "per-tensor current scaling, scale = 2^floor(log2(fmax / amax))",
+            "fp8_recipe": "per-tensor current scaling with power-of-two scales, scale = 2^floor(log2(fmax / amax))",
             "memory_error": self._collector.memory_error if self._collector is not None else None,
             "memory_steps": self._tracker.schedule.describe() if hasattr(self._tracker, "schedule") else None,
         }

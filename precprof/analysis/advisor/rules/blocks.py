@@ -94,9 +94,22 @@ def _input_of(
     dims: Mapping[str, Mapping[str, int]],
     first: tuple[set[str], dict[str, tuple[float, float]]] | None = None,
 ) -> str | None:
-    """The module whose output is ``m``'s input, as the capture found it (summary capture.gemm_inputs: the
-    output its GEMM read, or its own input row ``T.input_module`` when no captured module produced it); None
-    when it read more than one, or none was recorded. A run recorded before the capture said so: its own input
+    """The module whose output is ``m``'s input (``inputs_of``); None when it read more than one, or none was
+    recorded."""
+    sources = inputs_of(run, m, leaves, dims, first)
+    return sources[0] if len(sources) == 1 else None
+
+
+def inputs_of(
+    run: _Run,
+    m: str,
+    leaves: list[str],
+    dims: Mapping[str, Mapping[str, int]],
+    first: tuple[set[str], dict[str, tuple[float, float]]] | None = None,
+) -> list[str]:
+    """The modules whose outputs ``m``'s GEMM read as its input, as the capture found them (summary
+    capture.gemm_inputs: the outputs it read, and its own input row ``T.input_module`` when no captured module
+    produced one), those with activation rows; [] when none was recorded. A run recorded before the capture said so: its own input
     row when it has one, else the leaf that started just before it in forward order, when its output has the
     size ``m`` reads (tokens x in_features, from ``m``'s own output and shape) — which a layer reading the same
     input as the one before it fails (a Llama's k_proj after q_proj, whose output has k_proj's input size).
@@ -108,23 +121,22 @@ def _input_of(
     if isinstance(recorded, Mapping) and m in recorded:  # every linear layer, with block formats on
         found = recorded.get(m)
         sources = [str(s) for s in found if str(s) in modules] if isinstance(found, list) else []
-        sources += [own] if own in modules else []
-        return sources[0] if len(sources) == 1 else None
+        return sources + ([own] if own in modules else [])
     if own in modules:
-        return own
+        return [own]
     order = run.order.get(m)
     d = dims.get(m)
     if order is None or not d or "in" not in d:
-        return None
+        return []
     before = [o for o in leaves if run.order.get(o, 1 << 30) < order]
     if not before:
-        return None
+        return []
     prev = max(before, key=lambda o: run.order[o])
     if m not in first_step or prev not in first_step:
-        return None
+        return []
     per_call = first_step[m][0] / max(first_step[m][1], 1.0)
     prev_per_call = first_step[prev][0] / max(first_step[prev][1], 1.0)
-    return prev if per_call * d["in"] == prev_per_call * d["out"] else None
+    return [prev] if per_call * d["in"] == prev_per_call * d["out"] else []
 
 
 def _first_activations(run: _Run) -> tuple[set[str], dict[str, tuple[float, float]]]:

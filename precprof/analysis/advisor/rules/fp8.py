@@ -3,8 +3,10 @@
 A linear layer is FP8-eligible when ``--precision fp8`` would convert it (``taxonomy.fp8_ineligible_reason``:
 an nn.Linear not tied to an embedding, dimensions and tokens per call multiples of 16), no tensor of it held
 nan/inf, and per-tensor current scaling (``analysis.current_scaling``) loses at most
-``AdvisorConfig.lost_norm_max`` of the L2 norm of its weight and output (e4m3) and of its output gradient (e5m2)
-to underflow. The lost share is an upper bound from each step's histogram and the exact count of flushed values
+``AdvisorConfig.lost_norm_max`` of the L2 norm of what its FP8 GEMMs read to underflow: its input (the output of
+the module that made it, ``capture.gemm_inputs``, or its own input row) and its weight in e4m3, its output
+gradient in e5m2. Its own output stays bf16 and is not judged (it is the next layer's input, judged there when
+that layer is linear). The lost share is an upper bound from each step's histogram and the exact count of flushed values
 (``analysis.lost_norm``, the bound the fp16 and block rules use too), and the rule reads its median over the
 sampled steps: a share that one step in ten reaches does not flip a layer between runs. Nothing saturates under
 current scaling (the scale puts each tensor's largest value at or below the format's max). The count of flushed
@@ -27,35 +29,51 @@ from precprof.analysis import current_scaling, fp8_speed, lost_norm
 from precprof.analysis.advisor.evidence import (
     _expert_banks,
     _expert_gemms,
+    _innermost,
     _Plan,
     _row_index,
     _Run,
     _tokens_per_call,
 )
 from precprof.analysis.advisor.model import INFO, WARNING, Finding
+from precprof.analysis.advisor.rules.blocks import _first_activations, inputs_of
 from precprof.analysis.advisor.rules.shapes import _fp8_shapes
 from precprof.analysis.advisor.text import _listing, _name, _pct
 from precprof.formats import FP8_E4M3, FP8_E5M2, NumberFormat
 
-# the format each tensor kind takes in the usual hybrid recipe (torchao's Float8Linear and Transformer Engine's
-# defaults): e4m3 forward (input, weight), e5m2 for the output gradient
+# the format each tensor a linear layer's FP8 GEMMs read takes in the usual hybrid recipe (torchao's Float8Linear
+# and Transformer Engine's defaults): e4m3 forward (its input, the output of the module that made it, and its
+# weight), e5m2 for its output gradient. The layer's own output stays in bf16.
 KIND_FORMAT: dict[str, NumberFormat] = {
     T.ACTIVATION: FP8_E4M3,
     T.WEIGHT: FP8_E4M3,
     T.ACTIVATION_GRAD: FP8_E5M2,
 }
 FORWARD, BACKWARD = "forward", "backward"
+INPUT = "input"  # the tensor column of a layer's input rows in ``fp8_losses``
 
 
-def fp8_losses(run: _Run, modules: list[str]) -> pd.DataFrame:
-    """Per (module, tensor kind, param, step) of ``modules``: what per-tensor current scaling in the kind's FP8
-    format loses. Columns: ``lost_norm`` (upper bound of the share of the L2 norm lost to underflow),
-    ``lost_values`` (share of the nonzero finite values flushed, exact), ``side`` ("forward": output and weight
-    in e4m3; "backward": output gradient in e5m2)."""
+def gemm_inputs(run: _Run, linear: list[str], dims: Mapping[str, Mapping[str, int]]) -> dict[str, list[str]]:
+    """Per linear layer, the recorded modules whose outputs its GEMM read as its input (``blocks.inputs_of``:
+    the capture's ``gemm_inputs``, or its own input row); [] where none was recorded."""
+    act_modules = [str(m) for m in run.kind(T.ACTIVATION)[T.MODULE].unique()]
+    leaves = [m for m in _innermost(act_modules) if not m.endswith(T.INPUT_SUFFIX)]
+    first = _first_activations(run)
+    return {m: inputs_of(run, m, leaves, dims, first) for m in linear}
+
+
+def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -> pd.DataFrame:
+    """Per (module, tensor, param, step) of ``modules``: what per-tensor current scaling in the FP8 format its
+    GEMMs would read it in loses: its weight and its input (tensor ``INPUT``: the output of each module in
+    ``inputs[module]``, which its GEMM read) in e4m3, its output gradient in e5m2. Columns: ``lost_norm`` (upper
+    bound of the share of the L2 norm lost to underflow), ``lost_values`` (share of the nonzero finite values
+    flushed, exact), ``side`` ("forward": input and weight; "backward": output gradient)."""
     lay = run.layers
-    kinds = tuple(KIND_FORMAT)
-    sel = lay[T.MODULE].isin(modules) & lay[T.TENSOR].isin(kinds)
-    sel &= (lay[T.TENSOR] != T.WEIGHT) | (lay[T.PARAM] == "weight")
+    sources = {s for m in modules for s in inputs.get(m, [])}
+    own = lay[T.MODULE].isin(modules) & (
+        (lay[T.TENSOR] == T.ACTIVATION_GRAD) | ((lay[T.TENSOR] == T.WEIGHT) & (lay[T.PARAM] == "weight"))
+    )
+    sel = own | (lay[T.MODULE].isin(sources) & (lay[T.TENSOR] == T.ACTIVATION))
     e4, e5 = T.underflow_cs_col(FP8_E4M3.name), T.underflow_cs_col(FP8_E5M2.name)
     keys = [T.STEP, T.MODULE, T.TENSOR, T.PARAM]
     rows = lay.loc[sel, [*keys, T.ABSMAX, T.CALLS, T.NUMEL, T.ZEROS, T.NAN, T.INF, e4, e5]]
@@ -90,11 +108,17 @@ def fp8_losses(run: _Run, modules: list[str]) -> pd.DataFrame:
     out["side"] = np.where(is_grad, BACKWARD, FORWARD)
     out["lost_norm"] = share
     out["lost_values"] = values
-    return out
+    # each layer's rows: its weight and output gradient, and the outputs it read as its input, as its own
+    mine = out[out[T.TENSOR] != T.ACTIVATION]
+    outputs = out[out[T.TENSOR] == T.ACTIVATION]
+    read = pd.DataFrame([(m, s) for m in modules for s in inputs.get(m, [])], columns=["_reader", T.MODULE])
+    as_input = outputs.merge(read, on=T.MODULE).drop(columns=T.MODULE).rename(columns={"_reader": T.MODULE})
+    as_input[T.TENSOR] = INPUT
+    return pd.concat([mine[mine[T.MODULE].isin(modules)], as_input[out.columns]], ignore_index=True)
 
 
 def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
-    """Per (module, side): the median over sampled steps of the lost-norm bound (the larger of the output's and
+    """Per (module, side): the median over sampled steps of the lost-norm bound (the larger of the input's and
     the weight's on the forward side), its worst step, and the median share of values flushed."""
     if losses.empty:
         return pd.DataFrame(columns=["norm", "norm_worst", "values", "steps"])
@@ -194,7 +218,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     shapes = _fp8_shapes(run, linear, dims)
     lay = run.layers.loc[run.layers[T.MODULE].isin(linear), [T.MODULE, T.NAN, T.INF]]
     nonfinite = (lay[T.NAN] + lay[T.INF]).groupby(T.texts(lay[T.MODULE]).astype(object)).sum()
-    summary = fp8_summary(fp8_losses(run, linear))
+    inputs = gemm_inputs(run, linear, dims)
+    summary = fp8_summary(fp8_losses(run, linear, inputs))
     by_key = summary.to_dict("index")
     lim = cfg.lost_norm_max
     # modules whose output gradient was recorded: in a run that recorded some, a layer without one on any sampled
@@ -249,7 +274,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         elif bwd is None and (m in with_grad or not with_grad):
             why = "no backward statistics" + ("" if with_grad else ": no backward pass was recorded")
         elif fwd > lim:
-            why = f"e4m3 loses up to {_pct(fwd)} of its output's or weight's norm"
+            why = f"e4m3 loses up to {_pct(fwd)} of its input's or weight's norm"
         elif bwd is not None and bwd > lim:
             why = f"e5m2 loses up to {_pct(bwd)} of its output gradient's norm"
         rows.append((m, why))
@@ -310,6 +335,9 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     fval, fvmod = worst(FORWARD, "values")
     bval, bvmod = worst(BACKWARD, "values")
     steps = int(summary["steps"].max()) if not summary.empty else 0
+    # layers whose input no row records (made by no captured module, with the block-format what-if off, which
+    # records a layer's own input): judged on their weight and output gradient
+    unread = [m for m in linear if not inputs[m] and m not in plan.fp8_shape_blocked]
     # a layer the count of flushed values would have ruled out (the rule before issue 34: over 1% of values)
     counted = [
         m
@@ -319,12 +347,15 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     msg = (
         "A linear layer is FP8-eligible when --precision fp8 would convert it (an nn.Linear not tied to an "
         f"embedding, both dimensions and the tokens per call multiples of {taxonomy.FP8_DIM_MULTIPLE}), none of "
-        "its tensors held nan/inf, and per-tensor current scaling (scale 2^floor(log2(fmax/amax)) per tensor, "
-        f"Transformer Engine's current-scaling recipe and torchao's tensorwise one) loses at most {_pct(lim)} of "
-        "the L2 norm of its weight and output (e4m3) and of its output gradient (e5m2) to underflow: the median "
-        f"over the {steps} sampled step(s) of an upper bound from the step's exponent histogram (each flushed "
-        "value at its binade's upper edge, the exact count of flushed values; its input is the previous module's "
-        "output, checked there). Nothing saturates under current scaling. Why "
+        "its tensors held nan/inf, and per-tensor current scaling with power-of-two scales (scale "
+        "2^floor(log2(fmax/amax)) per tensor: Transformer Engine's current-scaling recipe with power_2_scale, "
+        "torchao's tensorwise one with round_scales_to_power_of_2; their default scale, fmax/amax, flushes at "
+        f"most what this one does) loses at most {_pct(lim)} of "
+        "the L2 norm of what its FP8 GEMMs read: its input and weight (e4m3) and its output gradient (e5m2), "
+        "its input being the output of the module that made it, or the layer's own input row; its output "
+        f"stays bf16. The figure is the median over the {steps} sampled step(s) of an upper bound from the "
+        "step's exponent histogram (each flushed value at its binade's upper edge, the exact count of flushed "
+        "values). Nothing saturates under current scaling. Why "
         f"{_pct(lim)}: {LOST_NORM_EVIDENCE} "
         f"{len(plan.fp8_eligible)} of {len(rows)} qualify, carrying {_pct(plan.fp8_flops_share)} of the "
         + ("matmul FLOPs, the experts' included" if expert_flops else "linear layers' matmul FLOPs")
@@ -365,6 +396,14 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             "an output that does not reach the loss): they run no backward GEMM and are judged on their forward "
             "alone"
             if forward_only
+            else ""
+        )
+        + (
+            f". The input of {len(unread)} layer(s) was not recorded "
+            f"({_listing(unread, cfg.max_listed_modules)}: made by no module precprof watches, and the "
+            "block-format what-if, which records a layer's own input, was off): they are judged on their weight "
+            "and output gradient"
+            if unread
             else ""
         )
         + (". Not eligible: " + _not_eligible(bad, cfg.max_listed_modules) if bad else "")
