@@ -749,3 +749,38 @@ def test_reading_advising_and_rendering_a_run_never_import_torch(tmp_path: Path)
     assert first.endswith("report-a100.html False"), res.stdout
     assert second == "True" and third == "precprof.training.loop"
     assert (tmp_path / "cli.html").read_text().lstrip().lower().startswith("<!doctype html")
+
+
+class DollarNet(nn.Module):
+    """Layers whose names hold ``$``: matplotlib reads ``$...$`` as math, and a name it cannot parse as math
+    (``cost_$5_and_$6``) had the report fail to draw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({"cost_$5_and_$6": nn.Linear(8, 16), "$x$": nn.Linear(16, 4)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers["$x$"](torch.relu(self.layers["cost_$5_and_$6"](x)))
+
+
+def test_module_names_with_dollars_are_drawn_as_they_are(tmp_path: Path) -> None:
+    from matplotlib.text import Text
+
+    from precprof.report.plots import plain
+
+    torch.manual_seed(0)
+    model = DollarNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1)
+    with prof:
+        for _ in range(2):
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    page = prof.report(tmp_path / "run" / "report.html").read_text()
+    assert "layers.cost_$5_and_$6" in section(page, "layers")
+    assert page.count("data:image/png;base64") >= 3  # the heatmaps were drawn
+    for name in ("layers.cost_$5_and_$6", "layers.$x$", "$2^{3}$ plain"):
+        assert Text(text=plain(name))._preprocess_math(plain(name)) == (name, False)  # letter for letter

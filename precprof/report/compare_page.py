@@ -23,7 +23,7 @@ from precprof.analysis.comparison import (
 from precprof.analysis.throughput import BASIS_ALL, BASIS_UNSAMPLED
 from precprof.modes import MODE_COLORS
 from precprof.report import environment as env_words
-from precprof.report.plots import COMPONENT_COLORS, FIG_WIDTH_IN, data_uri, png_bytes, step_label
+from precprof.report.plots import COMPONENT_COLORS, FIG_WIDTH_IN, data_uri, plain, png_bytes, step_label
 from precprof.report.render import environment
 
 TEMPLATE = "compare.html.j2"
@@ -70,7 +70,7 @@ def loss_figure(comparison: Comparison) -> Any:
         width = 1.3 if r is ref else 2.6
         ax_loss.plot(x, y, color=color, lw=0.7, alpha=0.3, ls=ls)
         ys = _smooth(y, w)
-        ax_loss.plot(x, ys, color=color, lw=width, ls=ls, label=r.label, zorder=3 if r is ref else 2)
+        ax_loss.plot(x, ys, color=color, lw=width, ls=ls, label=plain(r.label), zorder=3 if r is ref else 2)
         finite_all.extend(finite(y).tolist())
         bad = ~np.isfinite(y)
         if bad.any():
@@ -81,7 +81,7 @@ def loss_figure(comparison: Comparison) -> Any:
             m = min(len(ys), len(ref_s))
             if m and np.array_equal(x[:m], ref_steps[:m]):
                 rel = (ys[:m] - ref_s[:m]) / np.abs(ref_s[:m])
-                ax_rel.plot(x[:m], rel, color=color, lw=1.6, ls=ls, label=r.label)
+                ax_rel.plot(x[:m], rel, color=color, lw=1.6, ls=ls, label=plain(r.label))
     if finite_all:
         lo, hi = np.percentile(finite_all, 0.5), np.percentile(finite_all, 99.5)
         pad = 0.05 * (hi - lo if hi > lo else 1.0)
@@ -94,17 +94,17 @@ def loss_figure(comparison: Comparison) -> Any:
     handles, labels = ax_loss.get_legend_handles_labels()
     by_label = dict(zip(labels, handles, strict=True))
     ax_loss.legend(
-        [by_label[r.label] for r in comparison.runs if r.label in by_label],
-        [r.label for r in comparison.runs if r.label in by_label],
+        [by_label[plain(r.label)] for r in comparison.runs if plain(r.label) in by_label],
+        [plain(r.label) for r in comparison.runs if plain(r.label) in by_label],
         frameon=False,
         fontsize=9,
     )
     tol = comparison.tolerance
     ax_rel.axhspan(-tol, tol, color="#2ca02c", alpha=0.12, lw=0, label=f"±{tol:.0%}: matched")
     ax_rel.axhline(0, color=MODE_COLORS.get(ref.precision, "#1f4e79"), lw=1.2)
-    ax_rel.set_title(f"Loss relative to {ref.label} (smoothed)")
+    ax_rel.set_title(f"Loss relative to {plain(ref.label)} (smoothed)")
     ax_rel.set_xlabel("step")
-    ax_rel.set_ylabel(f"(loss − {ref.label}) / {ref.label}")
+    ax_rel.set_ylabel(f"(loss − {plain(ref.label)}) / {plain(ref.label)}")
     ax_rel.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{100 * v:+.2g}%" if v else "0%"))
     ax_rel.legend(frameon=False, fontsize=9)
     for a in (ax_loss, ax_rel):
@@ -129,7 +129,7 @@ def resources_figure(comparison: Comparison) -> Any | None:
     fig = Figure(figsize=(FIG_WIDTH_IN, height))
     ax_mem, ax_tp = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
     fig.subplots_adjust(left=0.16, right=0.97, top=1 - 0.4 / height, bottom=1.3 / height, wspace=0.12)
-    labels = [r.label for r in runs]
+    labels = [plain(r.label) for r in runs]
     y = np.arange(len(runs))[::-1]
     biggest = max((r.memory_total for r in runs), default=0)
     div, unit = (2**30, "GiB") if biggest >= 2**30 else (2**20, "MiB") if biggest >= 2**20 else (2**10, "KiB")

@@ -84,6 +84,12 @@ ROW_LABEL_MAX = (
 MARGIN_PAD_PX = 6  # white space kept between the outermost text and the figure's edge
 
 
+def plain(text: str) -> str:
+    """``text`` as matplotlib draws it letter for letter: a user's name (a module's, a run's) may hold ``$``,
+    which matplotlib reads as the start of math (``cost_$5_and_$6`` failed to parse, and no report was drawn)."""
+    return text.replace("$", r"\$")
+
+
 def elide(text: str, limit: int = ROW_LABEL_MAX) -> str:
     """``text`` cut in the middle to ``limit`` characters (start and end kept, joined by an ellipsis)."""
     if len(text) <= limit:

@@ -28,6 +28,7 @@ from precprof.report.plots.common import (
     _pct,
     elide,
     fit_margins,
+    plain,
     row_labels,
 )
 from precprof.report.plots.windows import Window, heatmap_windows
@@ -218,7 +219,16 @@ def signature_heatmap(
     ax.set_yticks([])
     label_tf = matplotlib.transforms.blended_transform_factory(ax.transAxes, ax.transData)
     for i, lab in enumerate(labels):
-        ax.text(-0.008, i + 0.5, lab, transform=label_tf, ha="right", va="center", fontsize=fs, clip_on=False)
+        ax.text(
+            -0.008,
+            i + 0.5,
+            plain(lab),
+            transform=label_tf,
+            ha="right",
+            va="center",
+            fontsize=fs,
+            clip_on=False,
+        )
     ax.set_xlabel("log2 |value|, unscaled (column k: [2^k, 2^(k+1)))", fontsize=8.5)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
     ax.tick_params(axis="x", labelsize=8)
@@ -292,7 +302,7 @@ def signature_heatmap(
     ax_strip.tick_params(axis="x", labelbottom=False)
     ax_strip.set_title(
         f"{S.KIND_LABELS.get(kind, kind).capitalize()} by layer and binade"
-        + (f" (layers under {elide(under, 36)})" if under else ""),
+        + (f" (layers under {plain(elide(under, 36))})" if under else ""),
         fontsize=9.5,
         loc="left",
     )
