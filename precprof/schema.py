@@ -82,6 +82,9 @@ SAMPLE_REASON = (
 )
 TOKENS = "tokens"
 RESUMED = "resumed"  # the first step of a run resumed from its checkpoint (precprof.parts: segments)
+# the step in progress when the run stopped (a crash, Ctrl-C): it recorded what it reached, but never finished, and
+# its null loss is no loss at all (``finished_steps``)
+CUT_OFF = "cut_off"
 
 COMPONENT = "component"
 BYTES = "bytes"
@@ -245,6 +248,7 @@ STEPS_COLUMNS: tuple[str, ...] = (
     TOKENS,
     RESUMED,
     SAMPLE_REASON,
+    CUT_OFF,
 )
 MEMORY_COLUMNS: tuple[str, ...] = (STEP, COMPONENT, MODULE, DTYPE, BYTES, PHASE, MOMENT)
 
@@ -358,6 +362,14 @@ class LossTail:
         self.last_finite, self.last_finite_step = last_finite, last_finite_step
 
 
+def finished_steps(steps: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a steps table but the step a crash or Ctrl-C cut off (``CUT_OFF``), whose loss, never
+    computed, would read as nan: a run stopped in a sampled step had "diverged" at its last step."""
+    if steps.empty or CUT_OFF not in steps:
+        return steps
+    return steps[~flags(steps[CUT_OFF]).to_numpy()]
+
+
 def nonfinite_loss_tail(steps: pd.DataFrame) -> LossTail | None:
     """The run of non-finite losses at the end of a steps table, None when its last loss is finite.
 
@@ -365,6 +377,7 @@ def nonfinite_loss_tail(steps: pd.DataFrame) -> LossTail | None:
     (a loop that passes none), or with gaps on more than half the steps before its tail (a loop that passes its
     loss now and then), has no tail: only a run that had a finite loss all along and lost it at the end does.
     """
+    steps = finished_steps(steps)
     if steps.empty or STEP not in steps or LOSS not in steps:
         return None
     rec = steps[[STEP, LOSS]].copy()

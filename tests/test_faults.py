@@ -22,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 import processes
 import pytest
+import torch
 
 import precprof
 from precprof import _atomic, _saving, cli, pipeline, rundir
@@ -861,3 +862,47 @@ def test_gradients_too_large_for_any_fp16_scale_still_get_a_verdict_and_a_report
     assert summary[T.SUMMARY_RECOMMENDATION]["format"] and (out / T.REPORT_FILE).exists()
     rc, _, err = run_main(["report", str(out)], capsys)
     assert rc == 0 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_crash_in_a_sampled_step_is_not_a_divergence(tmp_path: Path, streamed: bool) -> None:
+    """A healthy fp32 loop whose own code raises mid-step (after the forward pass of a sampled step): the step
+    it cut off keeps what it recorded, but it has no loss. Read as a nan loss, it had the report and compare say
+    the run diverged at its last step."""
+    from torch import nn
+
+    from precprof.analysis.comparison.runs import read_run
+    from precprof.compare import Variant
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 32), torch.randint(0, 8, (16,))
+    out = tmp_path / "run"
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, out=out if streamed else None)
+    with pytest.raises(RuntimeError, match="user bug"), prof:
+        for step in range(10):
+            loss = nn.functional.cross_entropy(model(x), y)
+            if step == 6:
+                raise RuntimeError("user bug at step 6")
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    prof.save(out, status=T.STATUS_INCOMPLETE, reason="RuntimeError: user bug at step 6")
+    steps = T.read_tables(out)["steps"]
+    assert T.flags(steps[T.CUT_OFF]).tolist() == [False] * 6 + [True]  # step 6: recorded, never finished
+    layers = T.read_tables(out)["layers"]
+    assert 6 in set(layers[T.STEP])  # what the cut-off step reached is kept
+    assert T.nonfinite_loss_tail(steps) is None
+    rec = precprof.recommend(out)
+    assert not [f.code for f in rec.findings if f.severity != "info"], rec.findings
+    assert "diverged" not in " ".join(rec.reasons)
+    page = precprof.report.render.render_run_dir(out).read_text()
+    body = re.sub(r"<(style|script)>.*?</\1>", " ", page, flags=re.S)
+    text = re.sub(r"\s+", " ", unescape(re.sub(r"<[^>]+>", " ", body)))
+    assert "diverged" not in text and "loss nan" not in text and "loss not finite" not in text
+    got = read_run(Variant("fp32", "fp32"), out)
+    assert got.first_nonfinite_step is None and got.final_loss == pytest.approx(
+        float(steps[T.LOSS].iloc[5]), rel=0.2
+    )

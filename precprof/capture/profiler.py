@@ -483,19 +483,10 @@ class Profiler(ProfilerResults):
             # the loss and the skip flag on their way to the host, for the next sampling decisions (no sync)
             for value, skipped in self._landed.put(loss, found):
                 self._sampler.observe_values(value, skipped)
-        pending = _PendingStep(
-            step=self._step,
-            loss=loss,
-            scale=scale,
-            found_inf=found,
-            grad_norm=grad_norm,
-            time_s=math.nan if partial else now - self._t_last,
-            sampled=self._sampling,
-            tokens=tokens,
-            reason=self._sample_reason,
-        )
+        time_s = math.nan if partial else now - self._t_last
         self._t_last = now
-        return pending
+        step, reason, sampled = self._step, self._sample_reason, self._sampling
+        return _PendingStep(step, loss, scale, found, grad_norm, time_s, sampled, tokens, reason, partial)
 
     def step(self, loss: Any = None, grad_norm: Any = None, tokens: int | None = None) -> None:
         """End the step in progress: call once per optimizer step, after ``scaler.update()``.

@@ -58,6 +58,7 @@ class Recorded:
                     T.TIME_S: p.time_s,
                     T.SAMPLED: p.sampled,
                     T.SAMPLE_REASON: p.reason,
+                    T.CUT_OFF: p.cut_off,
                     T.TOKENS: float(p.tokens) if p.tokens is not None else math.nan,
                 }
             )

@@ -177,6 +177,7 @@ class _PendingStep:
     sampled: bool
     tokens: int | None
     reason: str = ""  # why the step was sampled (capture.sampling), "" when it was not
+    cut_off: bool = False  # the step in progress when the profiler was detached mid-step (T.CUT_OFF)
 
 
 _PLAIN_TYPES = frozenset({torch.Tensor, nn.Parameter})

@@ -75,6 +75,7 @@ def model_info(model: nn.Module, name: str | None = None) -> dict[str, Any]:
 
 def final_block(steps: pd.DataFrame, wall_s: float) -> dict[str, Any]:
     """The ``final`` block of summary.json from the steps table (the keys precprof.training writes)."""
+    steps = T.finished_steps(steps)  # a step a crash cut off has no loss
     losses = steps[T.LOSS].astype(float) if not steps.empty else pd.Series(dtype=float)
     finite = losses.dropna()
     times = steps[T.TIME_S].astype(float).dropna() if not steps.empty else pd.Series(dtype=float)

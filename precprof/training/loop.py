@@ -621,7 +621,7 @@ def _save(s: _Setup, prof: Profiler, wall_s: float, steps_done: int, reason: str
     try:
         steps_table = prof.tables()["steps"]
         s.summary[T.SUMMARY_FINAL] = _final(
-            steps_table, wall_s, s.data.describe(), steps_done, s.tokens_per_step
+            T.finished_steps(steps_table), wall_s, s.data.describe(), steps_done, s.tokens_per_step
         )
         status = T.STATUS_COMPLETE if reason is None else T.STATUS_INCOMPLETE
         render = s.config.report and s.writer

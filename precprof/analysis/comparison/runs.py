@@ -207,7 +207,7 @@ def _scale_history(steps: pd.DataFrame) -> _ScaleHistory:
 def read_run(variant: Variant, run_dir: Path) -> RunResult:
     """A run's facts from its run directory (outcome and gap are filled in by ``analyse``)."""
     summary = T.read_summary(run_dir)
-    steps = T.read_tables(run_dir)["steps"].sort_values(T.STEP)
+    steps = T.finished_steps(T.read_tables(run_dir)["steps"]).sort_values(T.STEP)
     loss = steps[T.LOSS].astype(float).to_numpy() if not steps.empty else np.array([])
     win = smoothing_window(len(loss))
     tail = finite(loss[-win:]) if win else np.array([])

@@ -24,7 +24,7 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
     a resumed run restarted from (``resumed``) as dashed lines on the loss and the loss scale."""
     if steps.empty:
         return None
-    df = steps.sort_values(T.STEP)
+    df = T.finished_steps(steps).sort_values(T.STEP)  # a step a crash cut off has no loss to draw
     x = pd.to_numeric(df[T.STEP], errors="coerce").to_numpy(dtype=float)
     skipped = T.flags(df[T.SKIPPED]).to_numpy()
     restarts = x[T.flags(df[T.RESUMED]).to_numpy()] if T.RESUMED in df else np.zeros(0)
