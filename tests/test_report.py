@@ -519,7 +519,8 @@ def test_layer_records_forward_order_and_extremes(synthetic: tuple[dict[str, pd.
     hist_rows = sub[sub[T.TENSOR].isin(S.HIST_KINDS)]
     assert proj["overflow_fp16"] == hist_rows[T.overflow_col("fp16")].sum() > 0
     upd = sub[sub[T.TENSOR] == T.WEIGHT_UPDATE]
-    assert proj["lost_update_bf16"] == pytest.approx(upd[T.LOST_UPDATE_BF16].sum() / upd[T.NUMEL].sum())
+    intended = (upd[T.NUMEL] - upd[T.ZEROS].fillna(0)).clip(lower=0).sum()  # the fixture writes no zeros
+    assert proj["lost_update_bf16"] == pytest.approx(upd[T.LOST_UPDATE_BF16].sum() / intended)
 
 
 def test_not_active_mixed_precision_is_flagged() -> None:
@@ -784,3 +785,59 @@ def test_module_names_with_dollars_are_drawn_as_they_are(tmp_path: Path) -> None
     assert page.count("data:image/png;base64") >= 3  # the heatmaps were drawn
     for name in ("layers.cost_$5_and_$6", "layers.$x$", "$2^{3}$ plain"):
         assert Text(text=plain(name))._preprocess_math(plain(name)) == (name, False)  # letter for letter
+
+
+class EmbedHead(nn.Module):
+    """An embedding whose unused rows get no gradient (no intended update) and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(idx)).squeeze(-1)
+
+
+def _embed_head_run(
+    dtype: torch.dtype, steps: int = 4
+) -> tuple[dict[str, pd.DataFrame], precprof.Recommendation]:
+    """A real loop training EmbedHead held in ``dtype`` at lr 1e-5 (updates far below half a bf16 ulp), only
+    tokens 0..15 used, every step sampled and every update element recorded; its tables and the advisor's
+    recommendation."""
+    from precprof.analysis.advisor import AdvisorConfig
+
+    torch.manual_seed(0)
+    model = EmbedHead().to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, update_sample=1 << 16)
+    with prof:
+        for _ in range(steps):
+            idx, y = torch.randint(0, 16, (8, 4)), torch.randn(8, 4)
+            loss = nn.functional.mse_loss(model(idx).float(), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    tabs = prof.tables()
+    summary = {T.SUMMARY_CAPTURE: prof.summary(), T.SUMMARY_MODEL: {"n_params": 2_113}}
+    return tabs, precprof.recommend(tabs, config=AdvisorConfig(small_model_params=0), summary=summary)
+
+
+def test_layer_table_lost_updates_are_the_findings_share() -> None:
+    """The per-layer table's 'updates lost in BF16 weights' and the bf16_lost_updates finding divide by the
+    same intended updates (nonzero gradient or moved weight): the embedding's 48 unused rows are no update
+    lost, so the two numbers agree (by every sampled element the table said 22%, the finding 99.8%)."""
+    tabs, rec = _embed_head_run(torch.bfloat16)
+    upd = tabs["layers"][tabs["layers"][T.TENSOR] == T.WEIGHT_UPDATE]
+    by = upd.groupby(T.MODULE)[[T.LOST_UPDATE_BF16, T.NUMEL, T.ZEROS]].sum()
+    assert by.loc["embed", T.ZEROS] >= 48 * 32 * 4  # rows 16..63 get no gradient on any of the 4 steps
+    table = {r["module"]: r["lost_update_bf16"] for r in S.layer_records(tabs["layers"])}
+    finding = rec.finding("bf16_lost_updates")
+    assert finding is not None and finding.severity == "critical"
+    for m in ("embed", "head"):
+        share = by.loc[m, T.LOST_UPDATE_BF16] / (by.loc[m, T.NUMEL] - by.loc[m, T.ZEROS])
+        assert table[m] == pytest.approx(share) and share > 0.9
+        shown = re.search(rf"\b{m} ([0-9.]+)%", finding.message)
+        assert shown is not None and float(shown.group(1)) == pytest.approx(100 * table[m], abs=0.06)
+    assert by.loc["embed", T.LOST_UPDATE_BF16] / by.loc["embed", T.NUMEL] < 0.5  # the old denominator's

@@ -242,8 +242,10 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
 
     Keys: module, module_type, param_dtype, act_dtype, act_grad_dtype, weight_grad_dtype, act_absmax,
     act_grad_absmax, act_grad_absmin, weight_grad_absmax, numel, zeros, underflow_fp16, overflow_fp16,
-    underflow_bf16, overflow_bf16, lost_update_bf16 (share of weight-update elements lost in a bf16 weight,
-    NaN without weight_update rows), nonfinite_first (step and kind of the first nan/inf, "" when none).
+    underflow_bf16, overflow_bf16, lost_update_bf16 (share of the intended weight updates, elements with a
+    nonzero gradient or a moved weight, lost in a bf16 weight: the advisor's bf16_lost_updates share per
+    module; NaN without weight_update rows or intended updates), nonfinite_first (step and kind of the first
+    nan/inf, "" when none).
     """
     if layers.empty:
         return []
@@ -264,8 +266,13 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     types = _by_key(df.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE])
     upd = df[df[T.TENSOR] == T.WEIGHT_UPDATE]
     upd = upd[upd[T.LOST_UPDATE_BF16].notna()]
-    by_upd = upd.groupby(T.MODULE, observed=True)
-    lost = _by_key(by_upd[T.LOST_UPDATE_BF16].sum() / by_upd[T.NUMEL].sum())
+    # over the intended updates (a nonzero gradient or a moved weight: numel - zeros of the update rows), the
+    # advisor's bf16_lost_updates denominator: an embedding's rows without gradient are no update lost (a row
+    # without a zeros count, which the capture always writes, counts every element as intended)
+    upd = upd.assign(_intended=(upd[T.NUMEL] - upd[T.ZEROS].fillna(0)).clip(lower=0))
+    by_upd = upd.groupby(T.MODULE, observed=True)[[T.LOST_UPDATE_BF16, "_intended"]].sum()
+    by_upd = by_upd[by_upd["_intended"] > 0]
+    lost = _by_key(by_upd[T.LOST_UPDATE_BF16] / by_upd["_intended"])
     bad = hist[hist[T.NAN].fillna(0) + hist[T.INF].fillna(0) > 0]
     first: dict[str, str] = {}
     if not bad.empty:
