@@ -291,3 +291,29 @@ def test_compare_page_says_what_ran_and_no_signed_zero(tmp_path: Path) -> None:
     assert filters.signed_pct(-0.0123) == "−1.23%" and filters.signed_pct(0.0004) == "+0.04%"
     assert filters.signed_pct(-4e-5) == "−0.004%"
     assert "-0.00%" not in page and "+0.00%" not in page
+
+
+@pytest.mark.parametrize("loss_scale", ["static:1e30", "dynamic"])
+def test_a_loss_scale_far_too_high_is_blamed_on_the_scale_not_the_model(
+    tmp_path: Path, loss_scale: str
+) -> None:
+    """fp16 at a scale of 1e30, static or dynamic (backing off from it): every gradient overflows, none is finite,
+    every step is skipped. Persisting skips had the advisor say the nan/inf came from the model's backward and
+    "a lower loss scale will not help", and size a start from a lower bound as if it were a fix. A rerun at 2^15
+    trains with no skip: the scale was the cause."""
+    run = tiny(
+        tmp_path / "huge", precision="fp16", loss_scale=loss_scale, init_scale=1e30, steps=10, report=False
+    )
+    steps = T.read_tables(run)["steps"]
+    assert T.flags(steps[T.SKIPPED]).all()
+    rec = precprof.recommend(run)
+    codes = {f.code: f for f in rec.findings}
+    assert "nonfinite_backward" not in codes
+    skipped = codes["scaler_skipped_steps"]
+    assert "not the cause" not in skipped.remedy and "from the model" not in skipped.message
+    assert ("static (it never backs off)" in skipped.message) == loss_scale.startswith("static")
+    overflow = codes["fp16_gradient_overflow"]
+    assert "at the most" in overflow.remedy and "lower bound" in overflow.remedy
+    assert ("never lowers" in overflow.message) == loss_scale.startswith("static")
+    fixed = tiny(tmp_path / "fixed", precision="fp16", loss_scale="static:32768", steps=3, report=False)
+    assert not T.flags(T.read_tables(fixed)["steps"][T.SKIPPED]).any()

@@ -413,6 +413,20 @@ class _Plan:
         self.findings.append(f)
 
 
+def _static_scale(steps: pd.DataFrame) -> bool:
+    """Whether the run's loss scaler kept its scale after the steps it skipped (a static scale: GradScaler with
+    a back-off factor of 1, ``--loss-scale static:N``): a dynamic one lowers it after every skip. False when no
+    skipped step is followed by another."""
+    if steps.empty or T.LOSS_SCALE not in steps:
+        return False
+    st = steps.sort_values(T.STEP)
+    scale = pd.to_numeric(st[T.LOSS_SCALE], errors="coerce").to_numpy(dtype=float)
+    skipped = T.flags(st[T.SKIPPED]).to_numpy()[:-1]
+    if not skipped.any():
+        return False
+    return bool(np.array_equal(scale[1:][skipped], scale[:-1][skipped]))
+
+
 def _matmul_leaves(run: _Run) -> list[str]:
     acts = run.kind(T.ACTIVATION)
     mods = [m for m in acts[T.MODULE].unique() if taxonomy.is_matmul_type(run.types.get(m, ""))]

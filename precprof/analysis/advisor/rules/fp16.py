@@ -22,6 +22,7 @@ from precprof.analysis.advisor.evidence import (
     _share,
     _shifted_overflow,
     _shifted_underflow,
+    _static_scale,
     _under_any,
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
@@ -497,9 +498,11 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
     # fp32 ones (a weight's gradient summed over micro-batches, one computed in fp32) did not either: each
     # micro-batch's fp16 part stayed finite, or an inf would be there.
     real = run.precision_trained == "" or bool(_dtype_has(g, "float16").any())
+    static = _static_scale(run.steps)
     what = (
-        "GradScaler skips those steps (and lowers its scale), loss scaling without an inf check would apply the "
-        "inf/nan updates."
+        "GradScaler skips those steps"
+        + (" (its static scale never lowers)" if static else " (and lowers its scale)")
+        + ", loss scaling without an inf check would apply the inf/nan updates."
         if real
         else (
             "these gradients are fp32 in this fp16 run (a weight's gradient summed over micro-batches, or one "
@@ -524,6 +527,11 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
                 "Use bf16 or fp32: the loss scale that keeps these gradients finite in fp16 "
                 f"({_pow2(plan.loss_scale_log2)}) flushes more of the small ones than this run lost."
                 if plan.fp16_scale_raises_underflow
+                else f"Start at {_pow2(plan.loss_scale_log2)} at the most: every sampled step overflowed, so the run "
+                "measured the largest gradient only as a lower bound, and a start there may overflow too. A dynamic "
+                "GradScaler (init_scale=65536, its default) backs off until steps go through, or a few steps at a "
+                "low scale (--loss-scale static:1) measure the gradients to size it."
+                if plan.grad_absmax_bound
                 else f"Start at the recommended loss scale {_pow2(plan.loss_scale_log2)}, which keeps the largest "
                 "gradient below the limit."
             ),

@@ -184,6 +184,10 @@ def _scaler_cannot_fix(run: _Run, streak: tuple[int, int]) -> bool:
     if peak is not None and math.isfinite(start) and peak * start >= FP16.max:
         return False
     lowest = _scale_at(steps, b)
+    if peak is None and not (math.isfinite(lowest) and lowest <= 2.0**run.cfg.max_loss_scale_log2):
+        # no finite gradient to size the overflow by, at a scale never down to one a run would use (a static
+        # 1e30, or a scaler backing off from 2^99): every gradient overflowing is what such a scale does
+        return False
     ok_before = steps[(steps[T.STEP] < a) & ~steps[T.SKIPPED]]
     last_ok = float(ok_before[T.LOSS_SCALE].iloc[-1]) if len(ok_before) else math.nan
     finite = math.isfinite(last_ok) and math.isfinite(lowest) and lowest > 0 and last_ok > 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from precprof import tables as T
-from precprof.analysis.advisor.evidence import _Plan, _Run
+from precprof.analysis.advisor.evidence import _Plan, _Run, _static_scale
 from precprof.analysis.advisor.model import WARNING, Finding
 from precprof.analysis.advisor.text import _pow2, _scale
 
@@ -68,15 +68,20 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                     f"{_pow2(k)} (gradient spikes, or non-finite values that no scale fixes)"
                 )
             parts.append(part)
+        who = (
+            "The loss scaler, static (it never backs off),"
+            if _static_scale(st)
+            else "The dynamic loss scaler"
+        )
         if plan.diverged is not None:
             first = plan.diverged[0]
             lead = (
-                f"The dynamic loss scaler skipped {n + after:,} optimizer steps in all: {after:,} from step {first} "
+                f"{who} skipped {n + after:,} optimizer steps in all: {after:,} from step {first} "
                 f"on, where the run diverged (its loss non-finite), which no loss scale avoids, and {n:,} of the "
                 f"{len(st):,} steps before it (scale started at {start:g}"
             )
         else:
-            lead = f"The dynamic loss scaler skipped {n:,} of {len(st):,} optimizer steps (scale started at {start:g}"
+            lead = f"{who} skipped {n:,} of {len(st):,} optimizer steps (scale started at {start:g}"
         msg = (
             lead
             + (f", first successful step at scale {settled:g}" if settled is not None else "")
