@@ -841,3 +841,33 @@ def test_layer_table_lost_updates_are_the_findings_share() -> None:
         shown = re.search(rf"\b{m} ([0-9.]+)%", finding.message)
         assert shown is not None and float(shown.group(1)) == pytest.approx(100 * table[m], abs=0.06)
     assert by.loc["embed", T.LOST_UPDATE_BF16] / by.loc["embed", T.NUMEL] < 0.5  # the old denominator's
+
+
+def test_timeline_weight_update_row_shows_the_lost_updates() -> None:
+    """The 'over the run' figure's weight-update row is the share of intended updates lost in the weights'
+    format, step by step: bf16 for a run holding bf16 weights, fp16 (what fp16 master weights would lose) for
+    fp32 weights; it read underflow_fp16 of the update rows, always 0, and was white while the findings said
+    nearly every update was lost."""
+    from precprof.report import timeline
+
+    for dtype, fmt, col in (
+        (torch.bfloat16, "bf16", T.LOST_UPDATE_BF16),
+        (torch.float32, "fp16", T.LOST_UPDATE_FP16),
+    ):
+        tabs, rec = _embed_head_run(dtype)
+        finding = rec.finding(f"{fmt}_lost_updates")
+        assert finding is not None and finding.numbers["share"] > 0.5
+        upd = tabs["layers"][tabs["layers"][T.TENSOR] == T.WEIGHT_UPDATE]
+        per_step = upd.groupby(T.STEP)[[col, T.NUMEL, T.ZEROS]].sum()
+        tl = timeline.timeline(tabs["layers"])
+        assert tl is not None and tl.update_format == fmt and not tl.aggregated
+        row = tl.share[tl.kinds.index(T.WEIGHT_UPDATE)]
+        want = per_step[col] / (per_step[T.NUMEL] - per_step[T.ZEROS])
+        assert list(tl.starts) == list(per_step.index)
+        np.testing.assert_allclose(row, want.to_numpy())
+        assert (row > 0.5).all()  # red on every step, as the finding says
+        assert per_step[col].sum() == finding.numbers["lost"]
+        assert tl.label(T.WEIGHT_UPDATE) == f"weight updates lost\nin {fmt.upper()} weights"
+        fig = timeline.timeline_figure(tl)
+        labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+        assert f"weight updates lost\nin {fmt.upper()} weights" in labels

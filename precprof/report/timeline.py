@@ -1,5 +1,7 @@
 """The report's time axis over sampled steps: what each tensor kind loses in FP16, step by step, with as many
-columns as a page can show.
+columns as a page can show. The weight-update row is the share of intended updates (nonzero gradient or moved
+weight) that did not land in a 16-bit weight: in the format the run holds its weights in (bf16 or fp16: a pure
+run), else in FP16 weights (what FP16 master weights would lose), the advisor's ``*_lost_updates`` share.
 
 A run of a few sampled steps gets one column per step. A long run (more sampled steps than ``MAX_COLUMNS``) has
 its steps dealt into windows of consecutive sampled steps, each column the counts of its steps summed and
@@ -20,6 +22,7 @@ from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
+from precprof import formats
 from precprof import tables as T
 from precprof.report import summarize as S
 from precprof.report.plots.common import FIG_WIDTH_IN, MIN_FONT_PT, fit_margins
@@ -41,6 +44,13 @@ class Timeline:
     exact: dict[int, str]
     n_steps: int
     window: int
+    update_format: str = ""  # the weights' format whose lost updates the weight-update row shows
+
+    def label(self, kind: str) -> str:
+        """A row's name; the weight-update row says what it counts."""
+        if kind == T.WEIGHT_UPDATE and self.update_format:
+            return f"weight updates lost\nin {self.update_format.upper()} weights"
+        return S.KIND_LABELS.get(kind, kind)
 
     @property
     def aggregated(self) -> bool:
@@ -58,19 +68,51 @@ class Timeline:
         )
 
 
+def update_format(layers: pd.DataFrame, fmt: str = FORMAT) -> str:
+    """The format whose lost updates the weight-update row shows: bf16 or fp16 when most weight-update rows
+    hold their weight in it (a pure run, as the advisor judges it), else ``fmt``; "" when no weight-update row
+    has a lost-update count for it."""
+    if layers.empty or T.TENSOR not in layers:
+        return ""
+    upd = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
+    held = fmt
+    if T.DTYPE in upd and not upd.empty:
+        for f in ("bf16", "fp16"):
+            if bool((upd[T.DTYPE] == formats.get(f).dtype_name).mean() > 0.5):
+                held = f
+    col = T.LOST_UPDATE_BF16 if held == "bf16" else T.LOST_UPDATE_FP16
+    if (
+        held not in ("bf16", "fp16")
+        or col not in upd
+        or pd.to_numeric(upd[col], errors="coerce").isna().all()
+    ):
+        return ""
+    return held
+
+
 def lost_by_step(layers: pd.DataFrame, fmt: str = FORMAT) -> pd.DataFrame:
     """Per (step, tensor kind): values lost in ``fmt`` at the recorded scale (underflow, overflow, and values
-    already inf/nan) and values seen, summed over the step's rows."""
+    already inf/nan) and values seen, summed over the step's rows. Weight-update rows count instead the updates
+    lost in ``update_format``'s weights over the intended updates (numel - zeros)."""
     cols = [T.underflow_col(fmt), T.overflow_col(fmt), T.NAN, T.INF]
     if layers.empty or any(c not in layers for c in [*cols, T.NUMEL]):
         return pd.DataFrame(columns=[T.STEP, T.TENSOR, "lost", T.NUMEL])
     num = layers[[*cols, T.NUMEL]].apply(pd.to_numeric, errors="coerce").fillna(0)
+    lost = num[cols].sum(axis=1)
+    seen = num[T.NUMEL]
+    held = update_format(layers, fmt)
+    if held:
+        is_upd = layers[T.TENSOR] == T.WEIGHT_UPDATE
+        col = T.LOST_UPDATE_BF16 if held == "bf16" else T.LOST_UPDATE_FP16
+        zeros = pd.to_numeric(layers[T.ZEROS], errors="coerce").fillna(0) if T.ZEROS in layers else 0
+        lost = lost.where(~is_upd, pd.to_numeric(layers[col], errors="coerce").fillna(0))
+        seen = seen.where(~is_upd, (seen - zeros).clip(lower=0))
     out = pd.DataFrame(
         {
             T.STEP: pd.to_numeric(layers[T.STEP], errors="coerce").to_numpy(),
             T.TENSOR: layers[T.TENSOR].to_numpy(),
-            "lost": num[cols].sum(axis=1).to_numpy(),
-            T.NUMEL: num[T.NUMEL].to_numpy(),
+            "lost": lost.to_numpy(),
+            T.NUMEL: seen.to_numpy(),
         }
     ).dropna(subset=[T.STEP])
     return out.groupby([T.STEP, T.TENSOR], sort=True)[["lost", T.NUMEL]].sum().reset_index()
@@ -126,6 +168,7 @@ def timeline(layers: pd.DataFrame, max_columns: int = MAX_COLUMNS, fmt: str = FO
         exact={col_of[i]: what for i, what in exact_idx.items()},
         n_steps=n,
         window=window,
+        update_format=update_format(layers, fmt) if T.WEIGHT_UPDATE in kinds else "",
     )
 
 
@@ -150,7 +193,7 @@ def timeline_figure(tl: Timeline, restarts: list[int] | None = None) -> Figure:
         extent=(0, n, len(tl.kinds), 0),
     )
     ax.set_yticks(np.arange(len(tl.kinds)) + 0.5)
-    ax.set_yticklabels([S.KIND_LABELS.get(k, k) for k in tl.kinds], fontsize=8.5)
+    ax.set_yticklabels([tl.label(k) for k in tl.kinds], fontsize=8.5)
     ticks = np.unique(np.linspace(0, n - 1, min(n, 6)).round().astype(int))
     ax.set_xticks(ticks + 0.5)
     ax.set_xticklabels(
@@ -182,7 +225,13 @@ def timeline_figure(tl: Timeline, restarts: list[int] | None = None) -> Figure:
     box = ax.get_position()
     cax = fig.add_axes((box.x1 + 0.015, box.y0, 0.014, box.height))
     cb = fig.colorbar(im, cax=cax, format=FuncFormatter(lambda v, _p: f"{100 * v:.2g}%"))
-    cb.set_label("lost in FP16\n(white: nothing)", fontsize=MIN_FONT_PT)
+    held = tl.update_format.upper()
+    cb.set_label(
+        "lost in FP16"
+        + (f"\n(updates: in {held}\nweights)" if held and held != FORMAT.upper() else "")
+        + "\n(white: nothing)",
+        fontsize=MIN_FONT_PT,
+    )
     cb.ax.tick_params(labelsize=MIN_FONT_PT)
     cb.minorticks_off()
     return fig
