@@ -67,7 +67,7 @@ from precprof.analysis.comparison.runs import (
     smoothing_window,
 )
 from precprof.analysis.comparison.wording import describe_run, describe_scale, outcome_sentence
-from precprof.analysis.throughput import BASIS_ALL
+from precprof.analysis.throughput import BASIS_ALL, MIN_STEPS
 from precprof.errors import UserError
 
 __all__ = [
@@ -197,8 +197,16 @@ MAX_STEP_TIME_SPREAD = 2.0
 
 
 def speed_not_taken(r: RunResult, ref: RunResult) -> str:
-    """Why ``r``'s speed against ``ref`` is not compared ("" when it is): like with like (steps without
-    per-layer capture against the same, or profiled against profiled), and steps even enough to time."""
+    """Why ``r``'s speed against ``ref`` is not compared ("" when it is): steps without per-layer capture on
+    both sides, even enough to time. Profiled against profiled is not like with like: a profiled step's time is
+    much of it precprof's, whose cost follows the tensors' bytes and so the format (two identical comparisons of
+    such steps gave bf16 at 1.44x and 0.88x fp32's speed; unprofiled, it was 0.4-0.9x)."""
+    if r.tokens_per_s_basis == ref.tokens_per_s_basis == BASIS_ALL:
+        return (
+            f"every step of {ref.label} and {r.label} was profiled, and a profiled step's time is much of it "
+            f"precprof's, whose cost differs by format: their speeds do not compare (a run with at least "
+            f"{MIN_STEPS} unprofiled steps after the first times them: more --steps, or --sample-every N)"
+        )
     if r.tokens_per_s_basis != ref.tokens_per_s_basis:
         profiled, plain = (r, ref) if r.tokens_per_s_basis == BASIS_ALL else (ref, r)
         return (
