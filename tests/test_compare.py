@@ -701,3 +701,30 @@ def test_loss_scale_history(
     assert (r.final_scale, r.scale_backoffs, r.scale_growths, r.final_window) == (final, backoffs, growths, 5)
     assert r.skipped_steps == backoffs
     assert A.describe_run(r) == f"fp16 with dynamic loss scaling ({said})"
+
+
+def test_recorded_runs_of_different_lengths_compare_at_the_last_step_all_finished(tmp_path: Path) -> None:
+    """Two fp32 runs of one seed, 6 and 18 steps: compared as they were, the longer one was "ahead" by what
+    12 more steps of training gave it. Up to step 5, the last both finished, they are the same run."""
+    from precprof.training import train
+
+    for name, steps in (("short", 6), ("long", 18)):
+        train(
+            TrainConfig(
+                model="gpt-nano",
+                model_args={"n_layer": "1"},
+                steps=steps,
+                batch_size=2,
+                seq_len=16,
+                sample_every=3,
+                progress=False,
+                report=False,
+                out=tmp_path / name,
+            )
+        )
+    comp, _ = C.compare_runs([tmp_path / "short", tmp_path / "long"], out=tmp_path / "cmp")
+    short, long = comp.runs
+    assert long.steps == short.steps == 6 and long.final_loss == short.final_loss
+    assert long.outcome == A.MATCHED
+    assert comp.notes[0].startswith("The runs trained for different numbers of steps (short: 6, long: 18)")
+    assert "up to step 5" in comp.notes[0]

@@ -61,6 +61,7 @@ from precprof.analysis.comparison.runs import (
     Variant,
     classify,
     finite,
+    last_step,
     parse_precisions,
     read_run,
     reference_index,
@@ -107,6 +108,7 @@ __all__ = [
     "describe_scale",
     "finite",
     "format_warnings",
+    "last_step",
     "outcome_sentence",
     "parse_precisions",
     "predicted_trouble",
@@ -154,11 +156,13 @@ def analyse(
     runs: Sequence[tuple[Variant, Path]],
     tolerance: float = DEFAULT_TOLERANCE,
     config: Mapping[str, Any] | None = None,
+    until: int | None = None,
 ) -> Comparison:
-    """Read the runs' directories, classify each against the reference and check the advisor's verdict."""
+    """Read the runs' directories, classify each against the reference and check the advisor's verdict, on
+    their steps up to ``until`` (all when None)."""
     if not runs:
         raise UserError("nothing to compare")
-    results = [read_run(v, Path(d)) for v, d in runs]
+    results = [read_run(v, Path(d), until) for v, d in runs]
     ref = results[reference_index([v for v, _ in runs])]
     for r in results:
         if r is ref:

@@ -204,10 +204,19 @@ def _scale_history(steps: pd.DataFrame) -> _ScaleHistory:
     )
 
 
-def read_run(variant: Variant, run_dir: Path) -> RunResult:
-    """A run's facts from its run directory (outcome and gap are filled in by ``analyse``)."""
+def last_step(run_dir: Path) -> int | None:
+    """The last step a run finished (None without one)."""
+    steps = T.finished_steps(T.read_tables(run_dir)["steps"])
+    return int(pd.to_numeric(steps[T.STEP]).max()) if not steps.empty else None
+
+
+def read_run(variant: Variant, run_dir: Path, until: int | None = None) -> RunResult:
+    """A run's facts from its run directory (outcome and gap are filled in by ``analyse``), from its steps up
+    to ``until`` (all of them when None)."""
     summary = T.read_summary(run_dir)
     steps = T.finished_steps(T.read_tables(run_dir)["steps"]).sort_values(T.STEP)
+    if until is not None and not steps.empty:
+        steps = steps[pd.to_numeric(steps[T.STEP]) <= until]
     loss = steps[T.LOSS].astype(float).to_numpy() if not steps.empty else np.array([])
     win = smoothing_window(len(loss))
     tail = finite(loss[-win:]) if win else np.array([])
