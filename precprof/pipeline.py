@@ -96,6 +96,7 @@ def finish_run(
         saving.lost.append(report.name)  # rendered from the tables, when they are all there
     elif render:
         try:
+            _signals.check()  # a Ctrl-C while the tables were written: stop now, as during the render
             report.parent.mkdir(parents=True, exist_ok=True)
             _atomic.write_text(report, render_html(tables, full))
             saving.saved.append(report.name)
@@ -104,7 +105,7 @@ def finish_run(
             interrupted = e
             _incomplete(
                 full,
-                f"interrupted while rendering {T.REPORT_FILE}; the tables are complete: "
+                f"interrupted before or while rendering {T.REPORT_FILE}; the tables are complete: "
                 f"`precprof report {run_dir}` renders it",
             )
         except OSError as e:
@@ -127,6 +128,7 @@ def finish_run(
         )
     if interrupted is not None:
         raise interrupted
+    _signals.check()  # a Ctrl-C while the run was written (whole, no report asked): the exit code says it
     return written
 
 

@@ -658,11 +658,36 @@ def test_ctrl_c_while_the_report_renders(tmp_path: Path, monkeypatch: pytest.Mon
         train(tiny_config(out))
     summary = T.read_summary(out)
     assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
-    assert "interrupted while rendering report.html" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert "interrupted before or while rendering report.html" in summary[T.SUMMARY_INCOMPLETE_REASON]
     assert f"precprof report {out}" in summary[T.SUMMARY_INCOMPLETE_REASON]
     assert len(T.read_tables(out)["steps"]) == 4 and not (out / T.REPORT_FILE).exists()
     assert T.SUMMARY_RECOMMENDATION in summary  # the analysis was done before rendering
     assert no_tmp_files(out)
+
+
+def test_ctrl_c_while_the_tables_are_written_is_not_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C that lands while the finished run's tables are written is held until they are whole; it then
+    stops the command (no report rendered, exit 130) instead of being forgotten (the run had said complete and
+    exited 0 after rendering its report)."""
+    from precprof import _signals
+
+    write = _saving.Saving.write_tables
+
+    def write_then_ctrl_c(self: _saving.Saving, tables: object) -> None:
+        write(self, tables)  # type: ignore[arg-type]
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(_saving.Saving, "write_tables", write_then_ctrl_c)
+    out = tmp_path / "run"
+    with _signals.handling(), pytest.raises(_signals.Interrupted) as info:
+        train(tiny_config(out))
+    assert info.value.exit_code == 130
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert "interrupted before or while rendering report.html" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert len(T.read_tables(out)["steps"]) == 4 and not (out / T.REPORT_FILE).exists()
 
 
 # ---------------------------------------------------------------------------- models that cannot train
