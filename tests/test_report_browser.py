@@ -342,3 +342,32 @@ def test_page_of_a_large_model_hides_no_row_and_cuts_no_list(tmp_path: Path) -> 
         > render.FIRST_ROWS + render.MORE_ROWS
     )
     check_layout(page, tmp_path)
+
+
+def test_page_with_a_200_character_module_name_fits(tmp_path: Path) -> None:
+    """A 200-character module name (a key generated from a config path) in a finding's text, in its numbers
+    ('that module'), in its inline module list and first in a folded one, in the verdict's lists and reasons:
+    the name breaks where it must and the page does not scroll sideways at 1400 or 800 px (it widened the page
+    to 1,776 px: findings' text has no <wbr> as tables do)."""
+    browser()
+    long = "blocks." + "L" * 200
+    layers = gpt_layers(n_layer=1)
+    layers[4].name = long
+    tabs, summary = synthetic_run("fp16", layers=layers, steps=4, sample_every=1)
+    rec = recommendation_dict("fp16")
+    others = [ly.name for ly in layers if ly.name != long]
+    rec["keep_fp32"] = [long, "lm_head"]
+    rec["reasons"].append(f"The largest gradient norm share is lost in {long}.")
+    rec["findings"][0].update(
+        message=f"{long} produces values up to 2^19, beyond FP16's 65504; worst: {long} 12.5%.",
+        modules=[long, *others[:2]],
+    )
+    rec["findings"][2].update(
+        numbers={"share_at_scale_1": 0.413, "max_norm_share_module": long}, modules=[long, *others[:20]]
+    )
+    page = render.render_report(tabs, summary, tmp_path / "report.html", rec)
+    text = page.read_text()
+    fold = f'<details class="modlist"><summary>{1 + len(others[:20])} modules: <code>{long}</code>'
+    assert len(others) > 12 and text.count(fold) == 1  # first in a folded list
+    assert text.count(f"<code>{long}</code>") >= 4 and f"worst: {long} 12.5%" in text
+    check_layout(page, tmp_path)
