@@ -194,6 +194,38 @@ def test_hf_model_from_config() -> None:
 
 
 @needs_hf
+def test_an_encoder_s_causal_lm_head_that_sees_ahead_is_refused() -> None:
+    """``hf:bert`` builds BertLMHeadModel, which attends both ways unless its config says is_decoder: trained on
+    next tokens it read the answer (its loss fell below the data's entropy floor). Refused, with the fix; with
+    it, the model is causal and trains."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    from precprof.models.hf import _sees_ahead
+
+    args = {
+        "num_hidden_layers": "1",
+        "hidden_size": "32",
+        "num_attention_heads": "2",
+        "intermediate_size": "64",
+    }
+    # independently: the first positions' logits move when only the last token changes
+    torch.manual_seed(0)
+    bert = BertLMHeadModel(BertConfig(vocab_size=256, **{k: int(v) for k, v in args.items()})).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        a, b = bert(input_ids=ids).logits[:, :3], bert(input_ids=torch.tensor([[5, 6, 7, 9]])).logits[:, :3]
+    assert (a - b).abs().max() > 1e-4
+    with pytest.raises(
+        UserError, match=r"BertLMHeadModel, which attends to later tokens \(-a is_decoder=true"
+    ):
+        build_model("hf:bert", args, vocab_size=256, seq_len=16)
+    built = build_model("hf:bert", {**args, "is_decoder": "true"}, vocab_size=256, seq_len=16)
+    rng = torch.get_rng_state()
+    assert not _sees_ahead(built.module, 256) and _sees_ahead(bert.train(), 256)
+    assert built.module.training and torch.equal(torch.get_rng_state(), rng)  # the probe leaves both as they were
+
+
+@needs_hf
 def test_a_hf_model_too_big_is_told_sizes_that_build(monkeypatch: pytest.MonkeyPatch) -> None:
     """hf:llama's default config is 7B parameters: the refusal gives --model-arg settings, and the model they
     name builds, with the parameter count the message gives."""

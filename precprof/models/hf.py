@@ -54,6 +54,13 @@ def _build_hf(model_type: str, args: Mapping[str, Any], seq_len: int) -> BuiltMo
         ),
         None,
     )
+    if _sees_ahead(module, int(config.vocab_size)):
+        decoder = " (-a is_decoder=true makes it causal)" if hasattr(config, "is_decoder") else ""
+        raise UserError(
+            f"hf:{model_type} builds {type(module).__name__}, which attends to later tokens{decoder}: trained on "
+            "next-token prediction it would see each token it predicts; use a causal model (hf:gpt2, hf:llama, "
+            "...), or profile it in your own loop with precprof.Profiler"
+        )
     if max_len is not None and seq_len > max_len:
         raise UserError(
             f"--seq-len {seq_len} exceeds hf:{model_type}'s {max_len} positions; use a shorter --seq-len"
@@ -86,6 +93,26 @@ def _check_causal(model_type: str, config: Any) -> None:
             "next-token prediction (hf:gpt2, hf:llama, ...); profile it in your own training loop with "
             "precprof.Profiler, or under the Hugging Face Trainer with precprof.integrations.hf.PrecprofCallback"
         )
+
+
+def _sees_ahead(module: torch.nn.Module, vocab_size: int) -> bool:
+    """Whether a causal LM's logits at a position depend on a later token: an encoder's causal-LM head
+    (``BertLMHeadModel``) attends both ways unless its config says ``is_decoder``. Two forward passes of 4 tokens
+    in eval mode, the last one changed; the RNG and the training mode are left as they were. False when the
+    probe cannot run (the training's own first step says why)."""
+    ids = torch.arange(1, 5).remainder(vocab_size).unsqueeze(0)
+    other = ids.clone()
+    other[0, -1] = (int(ids[0, -1]) + 1) % vocab_size
+    was = module.training
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            module.eval()
+            a, b = (module(input_ids=x).logits[:, :-1].float() for x in (ids, other))
+    except Exception:
+        return False
+    finally:
+        module.train(was)
+    return not torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _params_on_meta(config: Any) -> int:
