@@ -150,6 +150,13 @@ def _why_not_the_scale(run: _Run, a: int, b: int) -> str:
     )
 
 
+def _fp16_possible(run: _Run) -> bool:
+    """Whether the run may have held values in fp16: an fp16 mode, or one the run does not say (an own loop
+    whose autocast the profiler did not see). The nan/inf remedies speak of fp16 only then."""
+    mode = run.precision_trained
+    return not mode or mode.startswith("fp16")
+
+
 def _began_before(facts: _StepFacts, step: int) -> str:
     """A sentence when the run of skips around a sampled step began before it (the steps table saw the trouble
     before the layer statistics could), else ""."""
@@ -237,7 +244,11 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
                 f"module in forward order to do so ({len(fwd_steps)} sampled step(s) affected, "
                 f"{at[T.MODULE].nunique()} module(s) at step {step}).{skips}",
                 f"Inspect {_name(first)}'s inputs and weights at step {step}: a division, log or exp "
-                "without a guard, or an fp16 overflow (keep it in fp32).",
+                + (
+                    "without a guard, or an fp16 overflow (keep it in fp32)."
+                    if _fp16_possible(run)
+                    else "without a guard, or values that grew too large (the learning rate, a missing norm)."
+                ),
                 modules=[first],
                 numbers={
                     "step": step,
@@ -283,8 +294,8 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
                 else f"{head}. {skips}."
             )
             remedy = (
-                f"Check the loss and {_name(first)}'s backward at step {step} (e.g. sqrt or log near 0); "
-                "with fp16 use a GradScaler so such steps are skipped."
+                f"Check the loss and {_name(first)}'s backward at step {step} (e.g. sqrt or log near 0)"
+                + ("; with fp16 use a GradScaler so such steps are skipped." if _fp16_possible(run) else ".")
             )
         else:
             a, b = facts.streak
