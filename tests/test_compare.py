@@ -728,3 +728,81 @@ def test_recorded_runs_of_different_lengths_compare_at_the_last_step_all_finishe
     assert long.outcome == A.MATCHED
     assert comp.notes[0].startswith("The runs trained for different numbers of steps (short: 6, long: 18)")
     assert "up to step 5" in comp.notes[0]
+
+
+def _four_runs(**kw: Any) -> A.Comparison:
+    """fp32 and three more runs, two of them bf16 with the default loss scaling (two recorded bf16 runs), with
+    loss curves, memory and a long status reason, for the page and its figures."""
+    steps = list(range(40))
+    runs = [
+        run_result(
+            label,
+            5.0,
+            2.0,
+            precision=prec,
+            loss_scale="auto",
+            curve_steps=steps,
+            curve_loss=[5.0 - 0.075 * s + 0.01 * i for s in steps],
+            memory={T.PARAMETERS: 2**21, T.GRADIENTS: 2**21},
+            memory_total=2**22,
+            **kw,
+        )
+        for i, (label, prec) in enumerate(
+            [("fp32", "fp32"), ("nano_bf16", "bf16"), ("fp16", "fp16"), ("nano_int", "bf16")]
+        )
+    ]
+    runs[3] = dataclasses.replace(
+        runs[3], status=T.STATUS_INCOMPLETE, reason="interrupted (terminated, SIGTERM) after a long while"
+    )
+    return A.Comparison(runs, "fp32", 0.02, [], [], {"model": "gpt-nano"}, recorded=True)
+
+
+def test_two_runs_of_one_format_look_different() -> None:
+    """Two bf16 runs with the default loss scaling (two recorded runs, nano_bf16 and nano_int) had the same
+    orange and the same solid line in both loss plots and the throughput bars: the second gets another shade
+    and another line style; the first of each format keeps its format's colour."""
+    from matplotlib.colors import to_hex
+
+    from precprof.modes import MODE_COLORS
+
+    comp = _four_runs()
+    styles = compare_page.run_styles(comp.runs)
+    got = [styles[id(r)] for r in comp.runs]
+    assert got[:3] == [(MODE_COLORS["fp32"], "-"), (MODE_COLORS["bf16"], "-"), (MODE_COLORS["fp16"], "-")]
+    assert got[3][0] != MODE_COLORS["bf16"] and got[3][1] != "-"
+    assert len(set(got)) == 4
+    fig = compare_page.loss_figure(comp)
+    lines = {ln.get_label(): ln for ln in fig.axes[0].get_lines() if not ln.get_label().startswith("_")}
+    assert (to_hex(lines["nano_int"].get_color()), lines["nano_int"].get_linestyle()) != (
+        to_hex(lines["nano_bf16"].get_color()),
+        lines["nano_bf16"].get_linestyle(),
+    )
+    bars = compare_page.resources_figure(comp).axes[1].patches
+    assert len({to_hex(b.get_facecolor()) for b in bars}) == 4  # four runs, four bar colours
+
+
+@pytest.mark.parametrize(
+    ("bases", "title"),
+    [
+        (["unsampled steps"] * 4, "Throughput\n(steps without layer capture)"),
+        (["all steps"] * 4, "Throughput\n(all steps, profiling included)"),
+        (["all steps", "all steps", "unsampled steps", "unsampled steps"], "capture; *: all, profiled)"),
+    ],
+)
+def test_throughput_panel_says_which_steps_were_timed(bases: list[str], title: str) -> None:
+    """The throughput panel was titled 'steps without layer capture' when every step was profiled."""
+    comp = _four_runs()
+    comp.runs[:] = [
+        dataclasses.replace(r, tokens_per_s_basis=b) for r, b in zip(comp.runs, bases, strict=True)
+    ]
+    ax = compare_page.resources_figure(comp).axes[1]
+    assert ax.get_title().endswith(title)
+    marked = [t.get_text().endswith(" *") for t in ax.texts]
+    assert marked == ([b == "all steps" for b in bases] if len(set(bases)) > 1 else [False] * 4)
+
+
+def test_compare_page_caption_matches_its_stacked_plots() -> None:
+    html = compare_page.render(_four_runs())
+    caption = html.split('<section id="loss">', 1)[1].split("</figcaption>", 1)[0]
+    assert "Top: the loss of each step" in caption and "Bottom: each run" in caption
+    assert "Left:" not in caption and "Right:" not in caption

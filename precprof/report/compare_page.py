@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,30 @@ TEMPLATE = "compare.html.j2"
 _LINESTYLES = ("-", "--", ":", "-.")
 
 
-def _style(run: RunResult, i: int) -> tuple[str, str]:
-    color = MODE_COLORS.get(run.precision, "#555555")
-    same = 0 if run.loss_scale == "auto" else 1 + (i % (len(_LINESTYLES) - 1))
-    return color, _LINESTYLES[same]
+def _shade(color: str, k: int) -> str:
+    """The k-th other shade of a "#rrggbb" colour: darker, lighter, darker still, ... (k = 1, 2, 3, ...)."""
+    rgb = [int(color[j : j + 2], 16) for j in (1, 3, 5)]
+    t = min(0.75, 0.38 * ((k + 1) // 2))
+    to = 0 if k % 2 else 255
+    return "#" + "".join(f"{round(c + (to - c) * t):02x}" for c in rgb)
+
+
+def run_styles(runs: Sequence[RunResult]) -> dict[int, tuple[str, str]]:
+    """Each run's colour and line style, by ``id(run)``: its format's colour, solid for the format's default
+    loss scaling and dashed or dotted for another; a further run of a format already drawn (two recorded bf16
+    runs, or fp16 twice) gets another shade of the colour and a line style of its own, so that no two runs
+    look alike in the loss curves or the throughput bars."""
+    out: dict[int, tuple[str, str]] = {}
+    taken: dict[str, list[str]] = {}
+    for i, r in enumerate(runs):
+        color = MODE_COLORS.get(r.precision, "#555555")
+        styles = taken.setdefault(color, [])
+        ls = _LINESTYLES[0 if r.loss_scale == "auto" else 1 + (i % (len(_LINESTYLES) - 1))]
+        if ls in styles:
+            ls = next((s for s in _LINESTYLES if s not in styles), ls)
+        out[id(r)] = (_shade(color, len(styles)) if styles else color, ls)
+        styles.append(ls)
+    return out
 
 
 def _smooth(y: np.ndarray, w: int) -> np.ndarray:
@@ -58,6 +79,7 @@ def loss_figure(comparison: Comparison) -> Any:
     ref_s = _smooth(np.asarray(ref.curve_loss, dtype=float), w)
     ref_steps = np.asarray(ref.curve_steps)
     finite_all: list[float] = []
+    styles = run_styles(comparison.runs)
     # the reference last and thinnest, on top of wider lines: curves that coincide all stay visible
     order = [i for i, r in enumerate(comparison.runs) if r is not ref] + [comparison.runs.index(ref)]
     for i in order:
@@ -66,7 +88,7 @@ def loss_figure(comparison: Comparison) -> Any:
             continue
         x = np.asarray(r.curve_steps, dtype=float)
         y = np.asarray(r.curve_loss, dtype=float)
-        color, ls = _style(r, i)
+        color, ls = styles[id(r)]
         width = 1.3 if r is ref else 2.6
         ax_loss.plot(x, y, color=color, lw=0.7, alpha=0.3, ls=ls)
         ys = _smooth(y, w)
@@ -160,18 +182,30 @@ def resources_figure(comparison: Comparison) -> Any | None:
         fontsize=8,
     )
     tps = np.array([r.tokens_per_s if math.isfinite(r.tokens_per_s) else 0 for r in runs])
-    ax_tp.barh(y, tps, color=[_style(r, i)[0] for i, r in enumerate(runs)])
+    styles = run_styles(comparison.runs)
+    ax_tp.barh(y, tps, color=[styles[id(r)][0] for r in runs])
+    profiled = {id(r) for r in runs if r.tokens_per_s_basis == BASIS_ALL}
+    mixed = bool(profiled) and len(profiled) < len(runs)
     for yi, v, r in zip(y, tps, runs, strict=True):
         sp = (
             f" ({r.speedup:.2f}×)"
             if r.speedup is not None and r is not comparison.run(comparison.reference)
             else ""
         )
-        ax_tp.text(v, yi, f" {v:,.0f}{sp}", va="center", fontsize=8)
+        mark = " *" if mixed and id(r) in profiled else ""
+        ax_tp.text(v, yi, f" {v:,.0f}{sp}{mark}", va="center", fontsize=8)
     ax_tp.set_yticks(y, [""] * len(runs))
     ax_tp.set_xlim(0, max(tps.max() * 1.9, 1))
     ax_tp.set_xlabel("tokens / s")
-    ax_tp.set_title("Throughput\n(steps without layer capture)", fontsize=9.5)
+    # which steps were timed (throughput_basis says it in words under the runs table)
+    basis = (
+        "all steps, profiling included"
+        if profiled and not mixed
+        else "steps without layer\ncapture; *: all, profiled"
+        if mixed
+        else "steps without layer capture"
+    )
+    ax_tp.set_title(f"Throughput ({basis})" if mixed else f"Throughput\n({basis})", fontsize=9.5)
     for a in (ax_mem, ax_tp):
         a.grid(True, axis="x", alpha=0.3)
     return fig
