@@ -8,6 +8,7 @@ Skipped, with the reason, where no Chromium can be found (``.ci/run`` installs D
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import os
@@ -371,3 +372,38 @@ def test_page_with_a_200_character_module_name_fits(tmp_path: Path) -> None:
     assert len(others) > 12 and text.count(fold) == 1  # first in a folded list
     assert text.count(f"<code>{long}</code>") >= 4 and f"worst: {long} 12.5%" in text
     check_layout(page, tmp_path)
+
+
+def test_compare_page_runs_table_fits_at_1400_and_800_px(tmp_path: Path) -> None:
+    """The compare page (no script: its tables are never stacked at 1400 px) with four runs, one stopped with
+    a long reason: the Runs table scrolled inside its box at 1400 px, the status cut and the 'report' column
+    hidden; its long cells (loss scaling, advisor, status) now wrap and nothing is clipped at either width."""
+    browser()
+    from test_compare import _four_runs
+
+    from precprof.report import compare_page
+
+    comp = _four_runs(
+        loss_scaling="dynamic",
+        init_scale=2.0**16,
+        final_scale=2.0**16,
+        steps=105,
+        steps_at_final_scale=105,
+        tokens_per_s=12_345.0,
+        recommendation={"format": "fp32"},
+        report=str(tmp_path / "run" / "report.html"),
+    )
+    comp.runs[2] = dataclasses.replace(
+        comp.runs[2], status="incomplete", reason="interrupted (Ctrl-C, SIGINT)"
+    )
+    page = tmp_path / "compare.html"
+    page.write_text(compare_page.render(comp, base_dir=tmp_path))
+    text = page.read_text()
+    assert text.count("dynamic · stayed at 2^16, never changed in 105 steps") == 4
+    assert (
+        "incomplete: interrupted (terminated, SIGTERM)" in text and text.count('href="run/report.html"') == 4
+    )
+    for width in LAYOUT_WIDTHS:
+        found = layout(page, width, tmp_path)
+        assert found["errors"] == [] and found["page"] <= width, (width, found["page"], found["errors"])
+        assert found["clipped"] == [], f"content clipped sideways at {width} px: {found['clipped']}"
