@@ -1997,3 +1997,20 @@ def test_experts_flops_are_read_from_their_activation_not_their_router(act_modul
         return
     assert f.numbers["experts_uncounted"] == 1 and f.numbers["experts_flops_share"] is None
     assert "the experts of moe (3-D expert weights) are not counted" in f.message
+
+
+def test_shares_are_written_without_exponents() -> None:
+    """A finding's shares read as a user compares them: 0.000053%, not 5.3e-05% beside a table's <0.0001%."""
+    from precprof.analysis.advisor.text import _pct
+
+    assert [_pct(x) for x in (5.3e-7, 1.7e-7, 9.99e-7, 8e-9, 0.0, 0.000123, 0.0123, 0.5, None)] == [
+        "0.000053%",
+        "0.000017%",
+        "0.00010%",
+        "<0.000001%",
+        "0%",
+        "0.0123%",
+        "1.23%",
+        "50%",
+        "n/a",
+    ]

@@ -222,7 +222,8 @@ def test_an_encoder_s_causal_lm_head_that_sees_ahead_is_refused() -> None:
     built = build_model("hf:bert", {**args, "is_decoder": "true"}, vocab_size=256, seq_len=16)
     rng = torch.get_rng_state()
     assert not _sees_ahead(built.module, 256) and _sees_ahead(bert.train(), 256)
-    assert built.module.training and torch.equal(torch.get_rng_state(), rng)  # the probe leaves both as they were
+    # the probe leaves the mode and the RNG as they were
+    assert built.module.training and torch.equal(torch.get_rng_state(), rng)
 
 
 @needs_hf

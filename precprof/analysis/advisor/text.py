@@ -11,7 +11,16 @@ def _pct(share: float | None) -> str:
     if share == 0:
         return "0%"
     p = share * 100
+    if abs(p) < 1e-4:  # positional, as a reader compares shares (0.000053%, never 5.3e-05%), down to a bound
+        return "<0.000001%" if abs(p) < 1e-6 else f"{_positional(p, 2)}%"
     return f"{p:.2g}%" if p < 0.01 else f"{p:.3g}%"
+
+
+def _positional(x: float, digits: int) -> str:
+    """``x`` to ``digits`` significant digits, written without an exponent (0.000053)."""
+    r = float(f"{x:.{digits}g}")  # rounded first: 9.99e-5 is 0.00010, with its own number of places
+    places = digits - 1 - math.floor(math.log10(abs(r)))
+    return f"{r:.{max(places, 0)}f}"
 
 
 def _pow2(k: int) -> str:
