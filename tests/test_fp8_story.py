@@ -1,13 +1,17 @@
 """One story on the page for FP8 (issue 34, item 3): an fp8 run's precision check confirms that FP8 GEMMs ran
 (torchao Float8Linear layers recorded), not only that activations are bf16, and says so when they did not.
 
-torchao is not installed here and FP8 GEMMs need a GPU: the layers below are a stand-in class named like
-torchao's (``Float8Linear``, an nn.Linear subclass, as torchao's is), captured by the real Profiler on the CPU
-under bf16 autocast, which is what the layers table of a torchao run holds: their type, and bf16 outputs.
+FP8 GEMMs need a GPU: the layers below are a stand-in class named like torchao's (``Float8Linear``, an nn.Linear
+subclass, as torchao's is), captured by the real Profiler on the CPU under bf16 autocast, which is what the layers
+table of a torchao run holds: their type, and bf16 outputs. torchao's own layers run on the CPU emulated
+(``emulate=True``), which the last test checks the page says.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
 
@@ -54,3 +58,34 @@ def test_an_fp8_run_without_float8_layers_says_its_matmuls_ran_in_bf16() -> None
     # a bf16 run is not asked about FP8
     bf16 = S.precision_check(tables["layers"], tables["memory"], {T.SUMMARY_CONFIG: {"precision": "bf16"}})
     assert bf16["ok"] and "FP8" not in bf16["verdict"]
+
+
+def test_emulated_float8_layers_are_not_said_to_run_fp8_gemms(tmp_path: Path) -> None:
+    """torchao's Float8Linear with ``emulate=True`` casts to FP8 and multiplies in high precision: its numbers
+    are FP8's, its speed is not. The check said "FP8 GEMMs ran" of it. Real torchao layers, on the CPU."""
+    float8 = pytest.importorskip("torchao.float8")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    float8.convert_to_float8_training(model, config=float8.Float8LinearConfig(emulate=True))
+    assert [type(m).__name__ for m in model] == ["Float8Linear", "GELU", "Float8Linear"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
+    with prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(16, 32)).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    prof.save(tmp_path / "run")
+    summary = T.read_summary(tmp_path / "run")
+    assert summary[T.SUMMARY_CAPTURE]["fp8_emulated"] == 2
+    summary[T.SUMMARY_CONFIG] = {"precision": "fp8", "plan": {"fp8_library": "torchao"}}
+    tables = T.read_tables(tmp_path / "run")
+    check = S.precision_check(tables["layers"], tables["memory"], summary)
+    assert check["ok"] and "FP8 GEMMs ran" not in check["verdict"]
+    assert (
+        "FP8 was emulated: 2 of 2 linear layers are torchao Float8Linear, 2 of them with emulate=True"
+        in (check["verdict"])
+    )

@@ -240,6 +240,7 @@ class ProfilerResults:
             "profiler_buffer_share_of_params": self.buffer_bytes / param_bytes if param_bytes else None,
             "model_class": model_class_name(_unwrapped(self.model)),
             "precision_seen": self.precision_seen(),
+            "fp8_emulated": _fp8_emulated(_unwrapped(self.model)),
             "autocast": self._autocast_seen or {"enabled": False, "dtype": None},
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
@@ -420,6 +421,16 @@ def _buffer_rounding(buf: torch.Tensor) -> dict[str, Any]:
         return {"exact": False, "rounding": 2.0 ** (max(top, normal_min) - bits - 1)}
     except Exception:  # a buffer it cannot read is listed without what its values say
         return {}
+
+
+def _fp8_emulated(model: nn.Module) -> int:
+    """How many of the model's torchao Float8Linear layers emulate FP8 (``Float8LinearConfig(emulate=True)``:
+    the casts to FP8 are real, the matmuls run in high precision)."""
+    return sum(
+        bool(getattr(getattr(m, "config", None), "emulate", False))
+        for m in model.modules()
+        if type(m).__name__ == "Float8Linear"
+    )
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:

@@ -407,6 +407,14 @@ def _fp8_verdict(
     cfg = summary.get(T.SUMMARY_CONFIG) or {}
     plan = cfg.get("plan") if isinstance(cfg, Mapping) else None
     library = plan.get("fp8_library") if isinstance(plan, Mapping) else None
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    emulated = capture.get("fp8_emulated") if isinstance(capture, Mapping) else None
+    if fp8_layers and isinstance(emulated, int) and emulated > 0:
+        return (
+            f"{verdict} FP8 was emulated: {len(fp8_layers)} of {n_linear} linear layers are torchao Float8Linear, "
+            f"{emulated} of them with emulate=True (they cast their input, weight and output gradient to FP8, "
+            "then multiply in high precision: the numbers are FP8's, the speed is not; their outputs are bf16)."
+        ), True
     if fp8_layers:
         return (
             f"{verdict} FP8 GEMMs ran: {len(fp8_layers)} of {n_linear} linear layers are torchao Float8Linear "
