@@ -37,7 +37,7 @@ _CAPTURE_SAID = _keys(
     "block_formats weight_update_sample skipped_tensors stream memory_error histogram_shift_exact "
     "loss_dtypes device n_params param_bytes profiler_buffer_bytes profiler_scratch_bytes "
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled scaler_growth_interval "
-    "compiled "
+    "compiled fp8_emulated "
     "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps shared_params gemm_inputs optimizer"
 )
 _HARDWARE_SAID = _keys(
