@@ -76,6 +76,9 @@ def test_a_run_that_sampled_nothing_claims_no_measurement(tmp_path: Path) -> Non
     assert "do not underflow" not in reasons and "measurements allow" not in reasons
     assert "not measured" in reasons and "--sample-every" in reasons
     assert not rec.get("measured_format")
+    scale = next(f for f in rec["findings"] if f["code"] == "fp16_loss_scale")
+    assert "recorded no gradient" in scale["message"] and "--sample-every 0" in scale["message"]
+    assert "no finite nonzero gradient" not in scale["message"]  # as if its gradients were all zero
     page = (run / T.REPORT_FILE).read_text()
     verdict = words(section(page, "verdict"))
     assert "as measured" not in verdict and "measurements allow" not in verdict

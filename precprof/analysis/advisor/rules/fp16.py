@@ -192,6 +192,13 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                     "nothing about the loss scale"
                     if excluded
                     else "The run recorded no finite nonzero gradient"
+                    if plan.gradients_measured
+                    else "The run recorded no gradient (no sampled step with a backward pass"
+                    + (
+                        "; it recorded no per-layer statistics at all, as --sample-every 0 does)"
+                        if not plan.measured
+                        else ")"
+                    )
                 )
                 + f"; the loss scale falls back to GradScaler's default start of {_pow2(k)}.",
                 "Profile at least one sampled step with a backward pass to size the loss scale.",
