@@ -256,3 +256,19 @@ def test_a_reattached_profiler_keeps_what_its_budget_measured() -> None:
             2,
             3,
         ]
+
+
+def test_the_block_plan_says_which_linear_layers_it_did_not_evaluate() -> None:
+    """A tight budget on 2 sampled steps evaluates one of the 4 layers per step: the plan judged 2 and said
+    "each of the 2 linear layers", as if the model had no others."""
+    from precprof.analysis.advisor import recommend
+
+    prof = _run(2, block_budget=1e-9)
+    evaluated = set().union(*_evaluated(prof).values())
+    assert 0 < len(evaluated) < 4
+    rec = recommend(prof, hardware="b200")
+    f = next(f for f in rec.findings if "not_evaluated" in f.numbers)
+    assert f.numbers["checked"] == len(evaluated) and f.numbers["not_evaluated"] == 4 - len(evaluated)
+    assert f"The what-if evaluated {len(evaluated)} of the 4 linear layers" in f.message
+    missing = sorted({f"layers.{i}" for i in range(4)} - evaluated)
+    assert all(m in f.message.split("did not reach", 1)[1] for m in missing)

@@ -438,14 +438,26 @@ def _rule_block_formats(
         f"{sampled} sampled step(s). {rule_text(cfg)}"
     )
     result = ". ".join(s for s in (listed(k) for k in (*PLAN_RECIPES, "bf16")) if s)
+    judged = {lb.module for lb in table}
+    unjudged = [
+        m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, "")) and m not in judged
+    ]
     note = (
         f" The input of {_listing([lb.module for lb in partial], 4)} is not a module's output it can be matched "
         "to, so its input operand is not judged."
         if partial
         else ""
+    ) + (
+        f" The what-if evaluated {len(table)} of the {len(table) + len(unjudged)} linear layers: the block budget "
+        "deals them over the sampled steps, and this run's sampled steps did not reach "
+        f"{_listing(unjudged, 4)}, which have no block statistics and no place in this plan (a longer run, or "
+        "a larger Profiler(block_budget=...), covers them)."
+        if unjudged
+        else ""
     )
     numbers: dict[str, Number] = {
         "checked": len(table),
+        "not_evaluated": len(unjudged),
         "layers_nvfp4": len(by["nvfp4"]),
         "layers_mxfp4": len(by["mxfp4"]),
         "layers_mxfp8": len(by["mxfp8"]),
