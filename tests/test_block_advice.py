@@ -487,3 +487,33 @@ def test_layers_reading_one_input_have_it_judged_as_it_was(block_formats_on: Non
     for m in "qkv":
         (op,) = [o for o in layers[m]["operands"] if (o["operand"], o["gemm"]) == ("input", "forward")]
         assert op["recipes"]["nvfp4"]["sqnr_db"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_layer_whose_gemm_axes_are_not_whole_blocks_gets_no_block_format() -> None:
+    """torchao's MX and NVFP4 casts refuse a tensor whose reduced axis is not a multiple of the block (32 values
+    for MX, 16 for NVFP4): its GEMMs cannot run so unpadded, whatever the numbers say. A layer of 64 x 64 on 64
+    tokens is planned by its numbers; one with out_features 40 gets bf16, and the plan says why."""
+    import precprof
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 40))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=True, block_groups=1)
+    with prof:
+        for _ in range(2):
+            loss = model(torch.randn(64, 64)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    rec = recommend(prof, hardware="b200")
+    assert rec.block_plan["2"] == "bf16" and rec.block_plan["0"] != "bf16"
+    layer = next(lb for lb in rec.block_what_if["layers"] if lb["module"] == "2")
+    # the output head gets no FP4 anyway; MXFP8 is refused by its shape
+    assert "MXFP8: its out_features 40 is not a multiple of the 32-value blocks" in layer["why"]
+    # independently: torchao's MX cast of its output gradient along out_features refuses the tensor
+    mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    with pytest.raises(AssertionError, match="divisible by block_size 32"):
+        mx.MXTensor.to_mx(torch.randn(64, 40), torch.float8_e4m3fn, 32)
+    mx.MXTensor.to_mx(torch.randn(64, 64), torch.float8_e4m3fn, 32)  # a whole number of blocks: cast
+    assert {"nvfp4": B.NVFP4.block_size, "mxfp4": B.MXFP4.block_size, "mxfp8": 32} == rb.BLOCK_SIZE

@@ -132,6 +132,9 @@ class LayerBlocks:
     choice: str = ""
     why: str = ""  # why the better formats were not chosen
     head: bool = False  # the last linear layer in forward order (the output head): never planned in FP4
+    # the lengths its three GEMMs reduce along (in_features, out_features, tokens per call), None where unknown:
+    # a block-scaled GEMM needs each a multiple of its blocks
+    axes: dict[str, int | None] = field(default_factory=dict)
 
     def summary(self, recipe: str) -> RecipeSummary | None:
         ops = self.losses.get(recipe) or []

@@ -74,6 +74,9 @@ GEMM_AXIS: dict[str, str] = {
 # OCP "floor" scale clamps a block's largest value whenever its mantissa exceeds E4M3's 1.75.
 PLAN_RECIPES: dict[str, str] = {"nvfp4": "nvfp4", "mxfp4": "mxfp4", "mxfp8": "mxfp8_e4m3_rceil"}
 PLAN_NATIVE: dict[str, str] = {"nvfp4": "nvfp4", "mxfp4": "mxfp4", "mxfp8": "mxfp8_e4m3"}
+# the values a scale covers, along the axis a GEMM reduces: 32 for MX (OCP), 16 for NVFP4 (block_formats' recipes,
+# which import torch: the advisor reads a run without it; tests/test_block_advice.py checks they agree)
+BLOCK_SIZE: dict[str, int] = {"nvfp4": 16, "mxfp4": 32, "mxfp8": 32}
 PLAN_LABELS: dict[str, str] = {"nvfp4": "NVFP4", "mxfp4": "MXFP4", "mxfp8": "MXFP8", "bf16": "BF16"}
 RECIPE_LABELS: dict[str, str] = {
     "mxfp8_e4m3": "MXFP8 E4M3 (floor scale)",
@@ -196,7 +199,11 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
             WEIGHT: rows_of(w_owner or m, T.WEIGHT, "weight"),
             GRAD: rows_of(m, T.ACTIVATION_GRAD),
         }
-        lb = LayerBlocks(m, t, src)
+        sh = shapes[m]
+        tokens = sh.odd_tokens[1] if sh.odd_tokens is not None else sh.tokens
+        lb = LayerBlocks(
+            m, t, src, axes={"in_features": sh.in_features, "out_features": sh.out_features, "tokens": tokens}
+        )
         for recipe in T.BLOCK_RECIPES:
             ops = []
             for operand, orientation, gemm in OPERANDS:
@@ -229,6 +236,13 @@ def fails(lb: LayerBlocks, name: str, cfg: AdvisorConfig) -> str:
     ops = lb.losses.get(PLAN_RECIPES[name]) or []
     if not ops:
         return "not evaluated"
+    size = BLOCK_SIZE[name]
+    odd = [f"{axis} {n}" for axis, n in lb.axes.items() if n and n % size]
+    if odd:
+        return (
+            f"its {' and '.join(odd)} {'is' if len(odd) == 1 else 'are'} not a multiple of the {size}-value blocks "
+            "its GEMMs read along them (the kernels refuse it unpadded)"
+        )
     fp4 = name != "mxfp8"
     for o in ops:
         if o.poisoned:
