@@ -573,7 +573,11 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
         with contextlib.suppress(AttributeError):  # for the CLI's message
             e.precprof_run_dir = s.run_dir  # type: ignore[attr-defined]
         if hasattr(e, "add_note"):
-            e.add_note(f"precprof: the partial run was saved to {s.run_dir}")
+            e.add_note(
+                f"precprof: the partial run was saved to {s.run_dir}"
+                if s.writer
+                else f"precprof: this rank writes no run directory; rank 0 saves what it recorded to {s.run_dir}"
+            )
         if s.dist_info is not None and s.dist_info.owns_group:
             launch.shutdown(barrier=False)
         raise

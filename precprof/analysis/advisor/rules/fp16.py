@@ -344,8 +344,9 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     wg_sure, _ = _shifted_underflow(wg, FP16, k)
     wg_share = _share(wg_sure, float(wg.sum()))
     now_txt = (
-        f"{_pct(now)} of {int(nz_now):,} nonzero activation-gradient values flush to zero in fp16 at the scale "
-        f"in effect ({_scales(scales)}; exact counts)"
+        f"{_pct(now)} of {int(nz_now):,} nonzero activation-gradient values"
+        + (" that were not fp16" if not is16.empty else "")
+        + f" flush to zero in fp16 at the scale in effect ({_scales(scales)}; exact counts)"
         if now is not None
         else "the activation gradients were already fp16, so their flushed values are indistinguishable from zeros"
     )
@@ -373,12 +374,13 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         and 0 < floor16 < FP16.smallest_normal
     )
     loss_change = _loss_change(run)
-    if flushed:
-        msg += (
-            f" This fp16 run trained without loss scaling: {_pct(zero16)} of its fp16 activation-gradient values "
+    stalled = loss_change is not None and abs(loss_change) < cfg.stalled_loss_change
+    if flushed:  # what the run lost comes first: the exact counts above see none of it
+        msg = (
+            f"This fp16 run trained without loss scaling: {_pct(zero16)} of its fp16 activation-gradient values "
             f"are exact zeros and the smallest nonzero one is {floor16:.3g}, among fp16's subnormals (below "
             f"2^-14): the gradients run into fp16's floor and what lies below it was flushed to zero (a value that "
-            "underflowed is a zero, so the counts above cannot see it)"
+            "underflowed is a zero, so the counts that follow cannot see it)"
             + (
                 (
                     f"; the loss did not move (it changed by {_pct(abs(loss_change))} over the run): training "
@@ -389,7 +391,8 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
                 if loss_change is not None
                 else ""
             )
-            + "."
+            + ". "
+            + msg
         )
     if (atk or 0) > cfg.fp16_underflow_ok and norm_k is not None and norm_mod is not None:
         msg += (
@@ -421,7 +424,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         severity = WARNING
         remedy = f"Start GradScaler at {_scale(k)}, and consider bf16: {_pct(atk)} still underflows there."
     elif flushed:
-        severity = WARNING
+        severity = CRITICAL if stalled else WARNING  # a stalled run lost its gradients, not a tail of them
         remedy = (
             f"Scale the loss: GradScaler(init_scale={_scale(k)}), the largest scale the measured gradients allow, "
             "lifts them off fp16's floor; or train in bf16."
