@@ -27,7 +27,11 @@ class Float8Linear(nn.Linear):
 def _capture(fp8: bool) -> dict:
     torch.manual_seed(0)
     lin = Float8Linear if fp8 else nn.Linear
-    model = nn.Sequential(lin(32, 64), nn.GELU(), lin(64, 32), nn.GELU(), nn.Linear(32, 16))
+    return _train(nn.Sequential(lin(32, 64), nn.GELU(), lin(64, 32), nn.GELU(), nn.Linear(32, 16))).tables()
+
+
+def _train(model: nn.Module) -> precprof.Profiler:
+    """Two sampled steps of ``model`` (32 features in) under bf16 autocast on the CPU."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
     with prof:
@@ -38,7 +42,7 @@ def _capture(fp8: bool) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss.detach())
-    return prof.tables()
+    return prof
 
 
 def test_an_fp8_run_confirms_its_fp8_gemms() -> None:
@@ -68,17 +72,7 @@ def test_emulated_float8_layers_are_not_said_to_run_fp8_gemms(tmp_path: Path) ->
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
     float8.convert_to_float8_training(model, config=float8.Float8LinearConfig(emulate=True))
     assert [type(m).__name__ for m in model] == ["Float8Linear", "GELU", "Float8Linear"]
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
-    with prof:
-        for _ in range(2):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(torch.randn(16, 32)).float().pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            prof.step(loss=loss.detach())
-    prof.save(tmp_path / "run")
+    _train(model).save(tmp_path / "run")
     summary = T.read_summary(tmp_path / "run")
     assert summary[T.SUMMARY_CAPTURE]["fp8_emulated"] == 2
     summary[T.SUMMARY_CONFIG] = {"precision": "fp8", "plan": {"fp8_library": "torchao"}}

@@ -191,9 +191,8 @@ class EvilNet(nn.Module):
         return getattr(self, EVIL)(torch.relu(self.inp(x)))
 
 
-def test_module_names_and_config_are_escaped(tmp_path: Path) -> None:
-    torch.manual_seed(0)
-    model = EvilNet()
+def _two_steps(model: nn.Module) -> precprof.Profiler:
+    """Two sampled SGD steps of a model of 8 features in, profiled."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prof = precprof.Profiler(model, optimizer=opt, sample_every=1)
     with prof:
@@ -203,6 +202,12 @@ def test_module_names_and_config_are_escaped(tmp_path: Path) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss)
+    return prof
+
+
+def test_module_names_and_config_are_escaped(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    prof = _two_steps(EvilNet())
     summary = {T.SUMMARY_CONFIG: {"command_line": 'train.py --name "<img src=x onerror=alert(2)>"'}}
     path = prof.report(tmp_path / "run" / "report.html", summary=summary)
     page = path.read_text()
@@ -770,16 +775,7 @@ def test_module_names_with_dollars_are_drawn_as_they_are(tmp_path: Path) -> None
     from precprof.report.plots import plain
 
     torch.manual_seed(0)
-    model = DollarNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    prof = precprof.Profiler(model, optimizer=opt, sample_every=1)
-    with prof:
-        for _ in range(2):
-            loss = model(torch.randn(4, 8)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            prof.step(loss=loss)
+    prof = _two_steps(DollarNet())
     page = prof.report(tmp_path / "run" / "report.html").read_text()
     assert "layers.cost_$5_and_$6" in section(page, "layers")
     assert page.count("data:image/png;base64") >= 3  # the heatmaps were drawn
