@@ -308,7 +308,7 @@ def test_h_unscaled_fp16_that_flushes_its_gradients_is_warned(tmp_path: Path) ->
     """fp16 without loss scaling on a model whose gradients are 2^-20 of the usual (tests/compare_models.py):
     they flush to zero, training stalls, and the counts at scale 1 see nothing (a flushed value is a zero).
     The advisor warns from the evidence (the zeros, the smallest nonzero value among fp16's subnormals, the
-    loss not moving) and recommends the scale that the fp16:advised run of test_compare trains with."""
+    loss not moving), critically as training stalled, and recommends the scale that the fp16:advised run of test_compare trains with."""
     from precprof.training import TrainConfig, train
 
     cfg = TrainConfig(
@@ -329,7 +329,11 @@ def test_h_unscaled_fp16_that_flushes_its_gradients_is_warned(tmp_path: Path) ->
     rec = T.read_summary(tmp_path / "run")[T.SUMMARY_RECOMMENDATION]
     found = {f["code"]: f for f in rec["findings"]}
     under = found["fp16_gradient_underflow"]
-    assert under["severity"] == "warning" and under["title"].startswith("fp16 gradients flushed to zero")
+    # critical, as training stalled, and said first (it opened with "0% ... flush": the exact counts of the
+    # gradients that were not fp16, which see nothing of what flushed)
+    assert under["severity"] == "critical" and under["title"].startswith("fp16 gradients flushed to zero")
+    assert under["message"].startswith("This fp16 run trained without loss scaling")
+    assert "training stalled" in under["message"]
     nums = under["numbers"]
     assert nums["fp16_flushed"] and nums["fp16_zero_share"] > 0.5
     assert 0 < nums["fp16_smallest_nonzero"] < 2.0**-14
