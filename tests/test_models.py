@@ -314,3 +314,16 @@ def test_factory_errors(factory_file: Path) -> None:
     bad.write_text("raise RuntimeError('import-time failure')\n")
     with pytest.raises(UserError, match="import-time failure"):
         build_model(f"{bad}:make", vocab_size=256, seq_len=16)
+
+
+@needs_hf
+def test_a_config_whose_pad_token_is_outside_the_vocabulary_is_one_line() -> None:
+    """hf:phi3 keeps its pad_token_id 32000 when --model-arg vocab_size=256 shrinks the vocabulary: building it
+    raised an AssertionError from the embedding, a traceback. One line now, with the setting that fixes it."""
+    args = {"num_hidden_layers": "1", "hidden_size": "64", "num_attention_heads": "4", "vocab_size": "256"}
+    args |= {"num_key_value_heads": "4", "intermediate_size": "128"}
+    with pytest.raises(
+        UserError, match=r"pad_token_id 32000 is outside the vocabulary: set -a pad_token_id=0"
+    ):
+        build_model("hf:phi3", args, vocab_size=256, seq_len=16)
+    assert build_model("hf:phi3", {**args, "pad_token_id": "0"}, vocab_size=256, seq_len=16).vocab_size == 256
