@@ -29,7 +29,6 @@ from precprof.analysis.comparison import (
     Comparison,
     Variant,
     analyse,
-    last_step,
     parse_precisions,
     reference_index,
 )
@@ -205,22 +204,8 @@ def compare_runs(
     shared = {k: v for k, v in configs[0].items() if all(k in c and c[k] == v for c in configs[1:])}
     shared.pop("precision", None)
     shared.setdefault("model", models[0].split(" of ")[0])
-    # runs of different lengths compare at the last step all of them finished: a loss 240 steps on is not a
-    # loss 40 steps on
-    lasts = [last_step(d) for d in dirs]
-    known = [s for s in lasts if s is not None]
-    until = min(known) if len(set(known)) > 1 else None
-    comparison = analyse(list(zip(variants, dirs, strict=True)), tolerance, shared, until)
+    comparison = analyse(list(zip(variants, dirs, strict=True)), tolerance, shared, common_steps=True)
     comparison.recorded = True
-    if until is not None:
-        comparison.notes.insert(
-            0,
-            "The runs trained for different numbers of steps ("
-            + ", ".join(
-                f"{v.name}: {s + 1 if s is not None else 0}" for v, s in zip(variants, lasts, strict=True)
-            )
-            + f"): each is compared on its steps up to step {until}, the last all of them finished.",
-        )
     where = Path(out) if out is not None else Path(os.path.commonpath([str(d.resolve()) for d in dirs]))
     if where in {d.resolve() for d in dirs}:  # one run directory holds the others: the page goes beside it
         where = where.parent

@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from precprof import hardware
+from precprof import tables as T
 from precprof.analysis.comparison.checks import (
     ASPECT_LOSS,
     ASPECT_LOSS_SCALE,
@@ -61,7 +64,6 @@ from precprof.analysis.comparison.runs import (
     Variant,
     classify,
     finite,
-    last_step,
     parse_precisions,
     read_run,
     reference_index,
@@ -108,7 +110,6 @@ __all__ = [
     "describe_scale",
     "finite",
     "format_warnings",
-    "last_step",
     "outcome_sentence",
     "parse_precisions",
     "predicted_trouble",
@@ -156,13 +157,18 @@ def analyse(
     runs: Sequence[tuple[Variant, Path]],
     tolerance: float = DEFAULT_TOLERANCE,
     config: Mapping[str, Any] | None = None,
-    until: int | None = None,
+    common_steps: bool = False,
 ) -> Comparison:
-    """Read the runs' directories, classify each against the reference and check the advisor's verdict, on
-    their steps up to ``until`` (all when None)."""
+    """Read the runs' directories, classify each against the reference and check the advisor's verdict. With
+    ``common_steps``, runs of different lengths (recorded apart) are read up to the last step all finished,
+    which the notes say: a loss 240 steps on is not a loss 40 steps on."""
     if not runs:
         raise UserError("nothing to compare")
-    results = [read_run(v, Path(d), until) for v, d in runs]
+    steps = [T.finished_steps(T.read_tables(Path(d))["steps"]) for _, d in runs]  # each run's, read once
+    lasts = [int(pd.to_numeric(s[T.STEP]).max()) if not s.empty else None for s in steps]
+    known = {s for s in lasts if s is not None}
+    until = min(known) if common_steps and len(known) > 1 else None
+    results = [read_run(v, Path(d), until, st) for (v, d), st in zip(runs, steps, strict=True)]
     ref = results[reference_index([v for v, _ in runs])]
     for r in results:
         if r is ref:
@@ -189,7 +195,18 @@ def analyse(
         checks=checks,
         summary_lines=lines,
         config=dict(config or {}),
-        notes=_notes(results, config or {}),
+        notes=(
+            [
+                "The runs trained for different numbers of steps ("
+                + ", ".join(
+                    f"{r.label}: {s + 1 if s is not None else 0}" for r, s in zip(results, lasts, strict=True)
+                )
+                + f"): each is compared on its steps up to step {until}, the last all of them finished."
+            ]
+            if until is not None
+            else []
+        )
+        + _notes(results, config or {}),
     )
 
 

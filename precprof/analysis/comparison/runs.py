@@ -204,17 +204,15 @@ def _scale_history(steps: pd.DataFrame) -> _ScaleHistory:
     )
 
 
-def last_step(run_dir: Path) -> int | None:
-    """The last step a run finished (None without one)."""
-    steps = T.finished_steps(T.read_tables(run_dir)["steps"])
-    return int(pd.to_numeric(steps[T.STEP]).max()) if not steps.empty else None
-
-
-def read_run(variant: Variant, run_dir: Path, until: int | None = None) -> RunResult:
+def read_run(
+    variant: Variant, run_dir: Path, until: int | None = None, steps: pd.DataFrame | None = None
+) -> RunResult:
     """A run's facts from its run directory (outcome and gap are filled in by ``analyse``), from its steps up
-    to ``until`` (all of them when None)."""
+    to ``until`` (all of them when None); ``steps``: its steps table when the caller read it already."""
     summary = T.read_summary(run_dir)
-    steps = T.finished_steps(T.read_tables(run_dir)["steps"]).sort_values(T.STEP)
+    if steps is None:
+        steps = T.read_tables(run_dir)["steps"]
+    steps = T.finished_steps(steps).sort_values(T.STEP)
     if until is not None and not steps.empty:
         steps = steps[pd.to_numeric(steps[T.STEP]) <= until]
     loss = steps[T.LOSS].astype(float).to_numpy() if not steps.empty else np.array([])
