@@ -45,7 +45,7 @@ def _build_hf(model_type: str, args: Mapping[str, Any], seq_len: int) -> BuiltMo
         raise
     except (ValueError, TypeError, RuntimeError, AttributeError, AssertionError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        pad = getattr(config if "config" in locals() else default, "pad_token_id", None)
+        pad = kwargs.get("pad_token_id", getattr(default, "pad_token_id", None))
         if "padding_idx" in msg.lower() and isinstance(pad, int):
             msg += f" (its pad_token_id {pad} is outside the vocabulary: set -a pad_token_id=0)"
         raise UserError(f"cannot build hf:{model_type} from its config: {msg}") from None
