@@ -106,14 +106,63 @@ def fsdp2_policy(module: Any) -> tuple[Any, Any]:
     return getattr(state, "_mp_policy", None), getattr(state, "_fsdp_param_group", None)
 
 
-def module_name(name: str) -> str:
-    """A module's qualified name without ``torch.compile``'s wrapper: a block replaced by ``torch.compile(block)``
-    (torchtitan's way) holds it as ``_orig_mod``, so its layers were named ``layers.0._orig_mod.mlp``, not
-    ``layers.0.mlp`` as in the same model compiled in place (``get_submodule`` finds either: the wrapper
-    hands attribute lookups to the module it wraps)."""
-    if "_orig_mod" not in name:
-        return name
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+# Modules whose forward is the forward of the one module they wrap, by class name, with the attribute that holds
+# it: torch.compile's OptimizedModule, DDP, DataParallel, and torch.distributed's activation-checkpoint wrappers.
+# precprof names a wrapped module as if the wrapper were not there (``module.layers.0`` under DDP, a block's
+# ``_orig_mod`` under torch.compile are ``layers.0``), so that the same model reads the same with or without
+# them and two such runs compare layer by layer. FSDP1's FullyShardedDataParallel is not among them: it owns the
+# FlatParameter its layers' weights are views of.
+_WRAPS = {
+    "OptimizedModule": "_orig_mod",
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "CheckpointWrapper": "_checkpoint_wrapped_module",
+    "OffloadWrapper": "_checkpoint_wrapped_module",
+}
+
+
+def wrapped_attr(module: Any) -> str | None:
+    """The attribute through which ``module`` wraps another module (see ``_WRAPS``); None for any other module."""
+    attr = _WRAPS.get(type(module).__name__)
+    children = getattr(module, "_modules", None)
+    return (
+        attr if attr is not None and isinstance(children, dict) and children.get(attr) is not None else None
+    )
+
+
+def named_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``model.named_modules()`` (each module once, in registration order) without the wrappers of ``_WRAPS``:
+    a wrapped module takes its wrapper's name and the wrapper itself is left out."""
+    clean: dict[str, str] = {}
+    wraps: dict[str, str | None] = {}
+    out = []
+    for raw, module in model.named_modules():
+        parent, _, last = raw.rpartition(".")
+        if not raw:
+            name = ""
+        elif wraps.get(parent) == last:
+            name = clean[parent]
+        else:
+            base = clean.get(parent, parent)
+            name = f"{base}.{last}" if base else last
+        clean[raw] = name
+        wraps[raw] = wrapped_attr(module)
+        if wraps[raw] is None:
+            out.append((name, module))
+    return out
+
+
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside the wrappers of ``_WRAPS`` and FSDP1's ``FullyShardedDataParallel`` at the root."""
+    for _ in range(8):
+        attr = wrapped_attr(model)
+        if attr is None and type(model).__name__ == "FullyShardedDataParallel":
+            attr = "_fsdp_wrapped_module"
+        inner = getattr(model, attr, None) if attr else None
+        if not isinstance(inner, torch.nn.Module) or inner is model:
+            break
+        model = inner
+    return model
 
 
 def is_compile_wrapper(module: Any) -> bool:

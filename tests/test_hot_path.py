@@ -638,19 +638,47 @@ def test_the_summary_and_the_page_say_what_was_compiled(tmp_path: Path) -> None:
     assert precprof.Profiler(_model()).summary()["compiled"] is None
 
 
-def test_blocks_replaced_by_their_compiled_wrappers_keep_their_names() -> None:
-    """torchtitan's regional compilation replaces each block by ``torch.compile(block)``: its layers were named
-    ``2._orig_mod.0`` (126 such names in a Llama's report) where the same model compiled in place names them
-    ``2.0``. They keep their own names now, with the same rows as the eager model's, and the memory table's
-    modules too."""
+def _blocks() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 32),
+        nn.Sequential(nn.GELU(), nn.Linear(32, 32)),
+        nn.Sequential(nn.ReLU(), nn.Linear(32, 8)),
+    )
 
-    def blocks() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(
-            nn.Linear(16, 32),
-            nn.Sequential(nn.GELU(), nn.Linear(32, 32)),
-            nn.Sequential(nn.ReLU(), nn.Linear(32, 8)),
-        )
+
+def _compiled_blocks(model: nn.Module) -> nn.Module:
+    for i in (1, 2):
+        model[i] = torch.compile(model[i], backend="eager")
+    return model
+
+
+def _checkpointed_blocks(model: nn.Module) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i in (1, 2):
+        model[i] = checkpoint_wrapper(model[i])
+    return model
+
+
+WRAPPINGS = {
+    # torchtitan's regional compilation: each block replaced by torch.compile(block)
+    "compiled blocks": _compiled_blocks,
+    # nn.DataParallel, named ``module.`` as DDP is (DDP itself: tests/test_distributed.py)
+    "DataParallel": nn.DataParallel,
+    # torch.distributed's activation checkpointing as FSDP users apply it
+    "checkpoint_wrapper": _checkpointed_blocks,
+    "DataParallel of compiled blocks": lambda m: nn.DataParallel(_compiled_blocks(m)),
+}
+
+
+@pytest.mark.parametrize("wrapping", list(WRAPPINGS))
+def test_wrapped_layers_keep_their_names(wrapping: str) -> None:
+    """A wrapper whose forward is its module's is not a layer: torchtitan's regional compilation named layers
+    ``2._orig_mod.0`` (126 such names in a Llama's report) where the same model compiled in place names them
+    ``2.0``, DDP named every layer ``module.*`` so that a DDP run compared with a single process layer by
+    nothing. The layers keep their own names, with the same rows as the bare model's, and the memory table's
+    modules too."""
 
     def run(model: nn.Module) -> tuple[pd.DataFrame, pd.DataFrame]:
         with precprof.Profiler(model, sample_every=1) as prof:
@@ -659,13 +687,14 @@ def test_blocks_replaced_by_their_compiled_wrappers_keep_their_names() -> None:
                 prof.step()
         return prof.tables()["layers"], prof.tables()["memory"]
 
-    eager_layers, _ = run(blocks())
-    compiled = blocks()
-    for i in (1, 2):
-        compiled[i] = torch.compile(compiled[i], backend="eager")
-    assert any("_orig_mod" in name for name, _ in compiled.named_modules())
-    layers, memory = run(compiled)
-    assert not any("_orig_mod" in str(m) for m in [*layers[T.MODULE], *memory[T.MODULE]])
+    eager_layers, eager_memory = run(_blocks())
+    wrapped = WRAPPINGS[wrapping](_blocks())
+    assert {"_orig_mod", "module", "_checkpoint_wrapped_module"} & {
+        part for name, _ in wrapped.named_modules() for part in name.split(".")
+    }
+    layers, memory = run(wrapped)
+    assert set(layers[T.MODULE]) == set(eager_layers[T.MODULE])
+    assert set(memory[T.MODULE]) <= set(eager_memory[T.MODULE]) | {""}
     key = [T.STEP, T.MODULE, T.TENSOR, T.PARAM]
     cols = [
         *key,

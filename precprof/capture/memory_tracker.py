@@ -173,11 +173,9 @@ class MemoryTracker:
         self._module_hooks = []
         self._hookset = None
         self._modules = [mod for _, mod in self.model.named_modules()]
-        for raw, mod in self.model.named_modules():  # a module reached twice keeps its first name
-            name = _compat.module_name(raw)
-            if mod is self.model:
-                self._module_hooks.append((mod, self._root_pre_hook, self._root_post_hook))
-            else:
+        self._module_hooks.append((self.model, self._root_pre_hook, self._root_post_hook))
+        for name, mod in _compat.named_modules(self.model):  # a module reached twice keeps its first name
+            if mod is not self.model and name:  # a wrapper's module ("" under DDP) is the root's forward
                 self._module_hooks.append((mod, self._make_pre_hook(name), self._make_post_hook(name)))
         dev = next((p.device for p in self.model.parameters()), None)
         self._cuda = dev if dev is not None and dev.type == "cuda" and torch.cuda.is_available() else None

@@ -81,9 +81,8 @@ class CapturePlan:
         plan = cls(block_formats=block_formats)
         rows = plan.rows
         owner: dict[int, str] = {}  # each captured parameter's first owner
-        for raw, module in model.named_modules():
-            name = _compat.module_name(raw)  # a compiled block's layers by their own names
-            if _compat.is_compile_wrapper(module) or not selected(name, module, module_filter):
+        for name, module in _compat.named_modules(model):  # by their own names, under DDP or torch.compile
+            if not selected(name, module, module_filter):
                 continue
             mtype = type(module).__name__
             slot = _ModuleSlot(

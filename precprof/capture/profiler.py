@@ -577,10 +577,7 @@ class Profiler(ProfilerResults):
 
 def iter_module_names(model: nn.Module) -> Iterable[str]:
     """Qualified names of the modules a default Profiler captures, in registration order."""
-    named = (
-        (_compat.module_name(n), m) for n, m in model.named_modules() if not _compat.is_compile_wrapper(m)
-    )
-    return [name for name, m in named if selected(name, m, None)]
+    return [name for name, m in _compat.named_modules(model) if selected(name, m, None)]
 
 
 BLOCK_FORMATS_ENV = "PRECPROF_BLOCK_FORMATS"

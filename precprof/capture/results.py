@@ -238,9 +238,9 @@ class ProfilerResults:
             "profiler_buffer_bytes": self.buffer_bytes,
             "profiler_scratch_bytes": self.scratch_bytes,
             "profiler_buffer_share_of_params": self.buffer_bytes / param_bytes if param_bytes else None,
-            "model_class": model_class_name(_unwrapped(self.model)),
+            "model_class": model_class_name(_compat.unwrapped(self.model)),
             "precision_seen": self.precision_seen(),
-            "fp8_emulated": _fp8_emulated(_unwrapped(self.model)),
+            "fp8_emulated": _fp8_emulated(_compat.unwrapped(self.model)),
             "autocast": self._autocast_seen or {"enabled": False, "dtype": None},
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
@@ -281,7 +281,7 @@ class ProfilerResults:
         autocast = self._autocast_seen
         if not autocast:
             return None
-        model = _unwrapped(self.model)
+        model = _compat.unwrapped(self.model)
         if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
             return "fp8"
         if autocast.get("enabled"):
@@ -431,26 +431,6 @@ def _fp8_emulated(model: nn.Module) -> int:
         for m in model.modules()
         if type(m).__name__ == "Float8Linear"
     )
-
-
-def _unwrapped(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP/FSDP1 (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
-    for _ in range(8):
-        attr = _WRAPPERS.get(type(model).__name__)
-        inner = getattr(model, attr, None) if attr else None
-        if not isinstance(inner, nn.Module) or inner is model:
-            break
-        model = inner
-    return model
-
-
-# wrapper class name -> the attribute holding the wrapped module
-_WRAPPERS = {
-    "DistributedDataParallel": "module",
-    "DataParallel": "module",
-    "FullyShardedDataParallel": "_fsdp_wrapped_module",
-    "OptimizedModule": "_orig_mod",
-}
 
 
 def _scaler_enabled(scaler: Any) -> bool:

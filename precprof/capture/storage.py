@@ -381,10 +381,7 @@ def model_sizes(model: nn.Module) -> dict[str, Any]:
     seen = set()
     classes: dict[str, str] = {}
     matmul = 0
-    for raw, mod in model.named_modules():
-        if _compat.is_compile_wrapper(mod):  # the module it wraps goes by the same name
-            continue
-        name = _compat.module_name(raw)
+    for name, mod in _compat.named_modules(model):
         cls = taxonomy.autocast_class(mod)
         classes[name] = cls
         if cls != taxonomy.CLASS_MATMUL:
