@@ -43,19 +43,44 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
             if rows.empty:
                 continue
             mods = run.sort(list(dict.fromkeys(rows[T.MODULE])))
-            what = sorted({_WHY[taxonomy.kind_of_type(t)] for t in rows[T.MODULE_TYPE]})
             fmt = "fp16" if dtype == "float16" else "bf16"
             if autocast:
                 _under_autocast(run, plan, rows, dtype, device)
                 continue
             # the guide keeps these reductions in fp32 whatever the format: a hand cast (a model cast whole, or
-            # these modules cast alone inside an fp32 run) is a warning in bf16 as in fp16
+            # these modules cast alone inside an fp32 run) is a warning in bf16 as in fp16, unless the module
+            # computed in fp32 inside (it kept fp32 tensors for its backward, as transformers' RMSNorm does)
+            saved = _saved_activation_dtypes(run)
+            in_fp32 = [m for m in mods if "float32" in saved.get(m, ())]
+            mods = [m for m in mods if m not in in_fp32]
+            if not mods:
+                continue
+            what = sorted(
+                {
+                    _WHY[taxonomy.kind_of_type(t)]
+                    for m, t in zip(rows[T.MODULE], rows[T.MODULE_TYPE], strict=True)
+                    if m in mods
+                }
+            )
             how = f" Autocast runs these in fp32; a model cast with .to({dtype}) or .half(), or a module cast by hand, does not."
+            if all(m in saved for m in mods):
+                how += f" They kept no fp32 tensor for their backward: they computed in {fmt}."
+            else:
+                how += (
+                    f" (Whether they computed in {fmt} inside is not known: no sampled step measured what they kept "
+                    "for their backward.)"
+                )
+            if in_fp32:
+                how += (
+                    f" ({_listing(in_fp32, run.cfg.max_listed_modules)} also produced {dtype} outputs and kept fp32 "
+                    "tensors for their backward: they computed in fp32 and rounded only their outputs.)"
+                )
             remedy = (
                 f"Keep them in fp32: cast {_listing(mods, run.cfg.max_listed_modules)} back with .float(), "
                 f"their inputs with them (x.float()) and their outputs back to {dtype} for the layers that read them "
-                f"(a {dtype} Linear refuses an fp32 input), or train under torch.autocast with fp32 weights, which "
-                "casts op by op."
+                f"(a {dtype} Linear refuses an fp32 input), or compute the statistics in fp32 inside the module (upcast "
+                "its input before the reduction and cast the result back, as transformers' RMSNorm does), or train "
+                "under torch.autocast with fp32 weights, which casts op by op."
             )
             plan.keep_fp32_ops += [m for m in mods if m not in plan.keep_fp32_ops]
             plan.add(
