@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -299,6 +300,23 @@ def test_summary_describes_ddp(runs: Path) -> None:
     assert ddp["world_size"] == W.WORLD and ddp["backend"] == "gloo"
     assert ddp["wrapper"] == "DDP" and ddp["reduce_dtype"] == "float32" and ddp["comm_hooks"] == []
     assert "replica" in ddp["semantics"]["weights"]
+    # the report says it in words (it was one row of key=value pairs, the dict as it was stored)
+    from precprof.report.environment import environment
+
+    groups = dict(environment(T.read_summary(run_dir(runs, "ddp")))["groups"])
+    rows = dict(groups["Processes"])
+    assert rows["processes"].startswith(f"{W.WORLD} (gloo); rank 0 wrote this run; the statistics of ")
+    assert rows["parallelism"] == (
+        "DDP: replicated (every rank holds every parameter); computes in float32, reduces gradients in float32"
+    )
+    nan = ddp["nonfinite_by_rank"][str(W.NAN_RANK)]["nan"]
+    assert rows["non-finite values by rank"] == (
+        f"rank {W.NAN_RANK}: {nan:,} nan on 1 sampled step(s); first at step {W.NAN_STEP} in module 0 "
+        f"({T.ACTIVATION})"
+    )
+    assert rows["memory of the ranks"].startswith("the most any rank held on step ")
+    assert not any(re.search(r"\w=\w", text) for text in rows.values())  # no key=value
+    assert "distributed" not in dict(groups["Capture"])
 
 
 def test_summary_describes_fsdp2_mixed_precision(runs: Path) -> None:
@@ -507,3 +525,22 @@ def test_only_the_writing_rank_checks_out(tmp_path: Path, monkeypatch: pytest.Mo
                 config.validate()
         else:
             config.validate()
+
+
+def test_a_wrapper_the_profiler_was_not_given_is_not_claimed_absent() -> None:
+    """Under a process group of two ranks, a Profiler holding the module itself (the bare Hugging Face callback
+    is handed the unwrapped model) said "the model is not wrapped; each rank trains its own copy" of a model the
+    Trainer had wrapped in DDP. It says it cannot know; without a process group the model is what it holds."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert wrapper_info(torch.nn.Linear(2, 2))["sharding"].startswith("none (the model is not wrapped")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        info = wrapper_info(torch.nn.Linear(2, 2))
+    finally:
+        dist.destroy_process_group()
+    assert info["wrapper"] == "none" and info["sharding"].startswith(
+        "not known: the Profiler holds the module itself"
+    )
+    assert "profile_trainer(trainer)" in info["sharding"]

@@ -149,9 +149,17 @@ def wrapper_info(model: nn.Module) -> dict[str, Any]:
             "policies": policies,
             "reshard": sorted(reshard),
         }
+    sharding = "none (the model is not wrapped; each rank trains its own copy)"
+    if (
+        is_distributed()
+    ):  # a wrapper the Profiler was not given (a callback handed the unwrapped model) is not seen
+        sharding = (
+            "not known: the Profiler holds the module itself and no wrapper around it (a DDP or FSDP1 wrapper "
+            "made by a trainer is not visible: with the Hugging Face Trainer, profile_trainer(trainer) describes it)"
+        )
     return {
         "wrapper": "none",
-        "sharding": "none (the model is not wrapped; each rank trains its own copy)",
+        "sharding": sharding,
         "param_dtype": "|".join(storage),
         "reduce_dtype": None,
         "storage_dtypes": storage,

@@ -38,7 +38,8 @@ _CAPTURE_SAID = _keys(
     "loss_dtypes device n_params param_bytes profiler_buffer_bytes profiler_scratch_bytes "
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled scaler_growth_interval "
     "compiled fp8_emulated "
-    "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps shared_params gemm_inputs optimizer"
+    "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps shared_params gemm_inputs optimizer "
+    "distributed"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_tensor_cores tf32_supported "
@@ -554,6 +555,94 @@ def _coverage(v: Mapping[str, Any]) -> str:
     return text + f", each on {span} {unit}"
 
 
+_NONFINITE_KINDS = ("nan", "inf")
+
+
+def distributed_rows(d: Mapping[str, Any]) -> Rows:
+    """``capture.distributed`` (``precprof.capture.reducer``) in words: the ranks, the wrapper, what the numbers of
+    a multi-rank run are, non-finite values by rank, and every rank's memory."""
+    if not d:
+        return []
+    rows: Rows = []
+    world, reduced = _int(d.get("world_size")), _int(d.get("sampled_steps_reduced"))
+    backend = f" ({d['backend']})" if d.get("backend") else ""
+    rows.append(
+        (
+            "processes",
+            f"{F.count(world)}{backend}; rank {d.get('writer_rank', 0)} wrote this run"
+            + (
+                f"; the statistics of {F.count(reduced)} sampled step{'s' if reduced != 1 else ''} are every "
+                "rank's together"
+                if reduced is not None
+                else ""
+            ),
+        )
+    )
+    wrapper = str(d.get("wrapper") or "none")
+    dtypes = [
+        f"{what} {d[key]}"
+        for what, key in (("computes in", "param_dtype"), ("reduces gradients in", "reduce_dtype"))
+        if d.get(key)
+    ]
+    if wrapper == "none":
+        parallel = str(d.get("sharding") or "none")
+    else:
+        parallel = (
+            wrapper
+            + (f": {d['sharding']}" if d.get("sharding") else "")
+            + (f"; {', '.join(dtypes)}" if dtypes else "")
+        )
+    rows.append(("parallelism", parallel))
+    sem = _map(d.get("semantics"))
+    said = {
+        "counts": "counts and histograms",
+        "activations": "activations",
+        "weights": "weights",
+        "steps": "steps",
+    }
+    for key, what in said.items():
+        if sem.get(key):
+            rows.append((what, F.plain(sem[key])))
+    by_rank = {str(r): _map(v) for r, v in _map(d.get("nonfinite_by_rank")).items()}
+    bad = [
+        f"rank {r}: "
+        + ", ".join(f"{F.count(v.get(k))} {k}" for k in _NONFINITE_KINDS if _int(v.get(k)))
+        + f" on {F.count(v.get('sampled_steps_with_nonfinite'))} sampled step(s)"
+        for r, v in sorted(by_rank.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0)
+        if any(_int(v.get(k)) for k in _NONFINITE_KINDS)
+    ]
+    events = [_map(e) for e in d.get("nonfinite_events") or []]
+    if events:
+        first = events[0]
+        where = f"module {first.get('module')} ({first.get('tensor')})" if first.get("module") else ""
+        bad.append(f"first at step {first.get('step')}" + (f" in {where}" if where else ""))
+    if sem.get("memory"):
+        rows.append(
+            ("memory", "rank 0's breakdown (the memory section); every rank's totals in the row below")
+        )
+    if by_rank:
+        rows.append(("non-finite values by rank", "; ".join(bad) if bad else "none on any rank"))
+    mem = {str(r): _map(v) for r, v in _map(d.get("memory_by_rank")).items()}
+    if mem:
+        comps = list(dict.fromkeys(c for v in mem.values() for c in v))
+        most = _map(d.get("memory_max_over_ranks"))
+        text = ", ".join(f"{c} {F.nbytes(most.get(c))}" for c in comps if most.get(c) is not None)
+        rank_totals = {
+            r: sum(int(b) for b in v.values() if isinstance(b, (int, float))) for r, v in mem.items()
+        }
+        top = max(rank_totals, key=lambda r: rank_totals[r])
+        spread = len(set(rank_totals.values())) > 1
+        step = f" on step {d['memory_step']}" if d.get("memory_step") is not None else ""
+        rows.append(
+            (
+                "memory of the ranks",
+                f"the most any rank held{step}: {text}"
+                + (f" (rank {top} held the most in all)" if spread else " (every rank the same)"),
+            )
+        )
+    return rows
+
+
 def environment(summary: Mapping[str, Any]) -> dict[str, Any]:
     """The environment section: the device (for the page's header), the command line, and the groups of rows."""
     cfg = _map(summary.get(T.SUMMARY_CONFIG))
@@ -576,5 +665,6 @@ def environment(summary: Mapping[str, Any]) -> dict[str, Any]:
         ("Model", _model(_map(summary.get(T.SUMMARY_MODEL)), cfg, capture)),
         ("Run", config_rows(cfg, capture)),
         ("Capture", capture_rows(capture, cfg)),
+        ("Processes", distributed_rows(_map(capture.get("distributed")))),
     ]
     return {"device": device, "command": command, "groups": [(n, rows) for n, rows in groups if rows]}
