@@ -85,6 +85,9 @@ RESUMED = "resumed"  # the first step of a run resumed from its checkpoint (prec
 # the step in progress when the run stopped (a crash, Ctrl-C): it recorded what it reached, but never finished, and
 # its null loss is no loss at all (``finished_steps``)
 CUT_OFF = "cut_off"
+# the loop passed no loss for the step (``prof.step()`` without ``loss=``): its null loss is no loss, not a nan (a
+# nan and a missing value are both null once written); missing in a table written before the column: a loss given
+NO_LOSS = "no_loss"
 
 COMPONENT = "component"
 BYTES = "bytes"
@@ -249,6 +252,7 @@ STEPS_COLUMNS: tuple[str, ...] = (
     RESUMED,
     SAMPLE_REASON,
     CUT_OFF,
+    NO_LOSS,
 )
 MEMORY_COLUMNS: tuple[str, ...] = (STEP, COMPONENT, MODULE, DTYPE, BYTES, PHASE, MOMENT)
 
@@ -370,14 +374,23 @@ def finished_steps(steps: pd.DataFrame) -> pd.DataFrame:
     return steps[~flags(steps[CUT_OFF]).to_numpy()]
 
 
+def given_losses(steps: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a steps table whose loss the loop passed (``NO_LOSS`` false or missing): the others' null
+    loss is no loss, where a nan loss is null too once written."""
+    if steps.empty or NO_LOSS not in steps:
+        return steps
+    return steps[~flags(steps[NO_LOSS]).to_numpy()]
+
+
 def nonfinite_loss_tail(steps: pd.DataFrame) -> LossTail | None:
     """The run of non-finite losses at the end of a steps table, None when its last loss is finite.
 
-    A loss the loop did not pass reads as nan too (Parquet stores both as null), so a table with no finite loss
-    (a loop that passes none), or with gaps on more than half the steps before its tail (a loop that passes its
-    loss now and then), has no tail: only a run that had a finite loss all along and lost it at the end does.
+    Only the steps the loop passed a loss for count (``given_losses``). A table written before ``NO_LOSS``
+    holds a missing loss as a null, as a nan, so a table with no finite loss (a loop that passes none), or with
+    gaps on more than half the steps before its tail (a loop that passes its loss now and then), has no tail:
+    only a run that had a finite loss all along and lost it at the end does.
     """
-    steps = finished_steps(steps)
+    steps = given_losses(finished_steps(steps))
     if steps.empty or STEP not in steps or LOSS not in steps:
         return None
     rec = steps[[STEP, LOSS]].copy()

@@ -187,6 +187,46 @@ def test_a_run_that_diverges_says_so(tmp_path: Path) -> None:
     assert not any("scaler" in t or "skipped" in t for t in legend)
 
 
+@pytest.mark.parametrize("every", [2, 0])
+def test_steps_without_a_loss_are_no_divergence(tmp_path: Path, every: int) -> None:
+    """``prof.step()`` without ``loss=`` (the loss is optional): a loop that passes it every other step, or on
+    every step but the last, ended with a null loss, which read as nan once written: "This run diverged at step
+    7", a critical finding and "final loss nan" in the header of a run that never had a non-finite loss. The
+    steps table says which steps had no loss (``no_loss``); those are no loss, not a nan."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    given = []
+    with precprof.Profiler(model, opt, sample_every=1, memory=False) as prof:
+        for step in range(8):
+            x, y = batch(step)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if (step % every == 0) if every else step < 7:
+                prof.step(loss=loss.detach())
+                given.append((step, loss.item()))
+            else:
+                prof.step()
+    run_dir = tmp_path / "run"
+    prof.save(run_dir)
+    steps = T.read_tables(run_dir)["steps"]
+    assert T.flags(steps[T.NO_LOSS]).tolist() == [s not in dict(given) for s in range(8)]
+    assert T.nonfinite_loss_tail(steps) is None
+    rec = advisor.recommend(run_dir, config=AdvisorConfig(small_model_params=0))
+    assert rec.finding("run_diverged") is None and not rec.reasons[0].startswith("This run diverged")
+    page = render_run_dir(run_dir, recommendation=rec).read_text()
+    last = given[-1][1]
+    assert (
+        f'<span class="k">final loss</span><span class="v">{precprof.report.filters.num(last, 4)}</span>'
+        in page
+    )
+    fig = plots.training_figure(steps)
+    assert fig is not None
+    assert not any("not finite" in t.get_text() for t in fig.legends[0].get_texts())
+
+
 def test_a_loop_that_passes_its_loss_now_and_then_has_not_diverged() -> None:
     steps = pd.DataFrame({T.STEP: range(10), T.LOSS: [2.0 if s % 5 == 0 else math.nan for s in range(10)]})
     assert T.nonfinite_loss_tail(steps) is None

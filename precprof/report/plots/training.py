@@ -50,7 +50,7 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
     mark_skipped(ax)
     mark_restarts(ax)
     ax.plot(x, loss, color="#1f4e79", lw=1.4, marker="." if len(x) <= 60 else None, label="loss")
-    bad = ~np.isfinite(loss)
+    bad = ~np.isfinite(loss) & ~T.flags(df[T.NO_LOSS]).to_numpy() if T.NO_LOSS in df else ~np.isfinite(loss)
     if bad.any():
         top = np.nanmax(loss[~bad]) if (~bad).any() else 1.0
         ax.plot(x[bad], np.full(bad.sum(), top), "X", color=SKIP_COLOR, ms=8, label="loss not finite")
