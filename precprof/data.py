@@ -245,4 +245,5 @@ def _to_device(seq: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, t
         seq = seq.pin_memory().to(device, non_blocking=True)
     elif device.type != "cpu":
         seq = seq.to(device)
-    return seq[:, :-1], seq[:, 1:]
+    # contiguous, as any DataLoader batch is: a model's ``targets.view(-1)`` (nanoGPT, minGPT) refuses a slice
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()

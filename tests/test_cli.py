@@ -447,3 +447,41 @@ def test_factory_run_dir_is_named_after_its_file(
     assert (
         run.name.startswith("my_model-build-fp32-") and f"run directory: {Path('runs') / run.name}" in stdout
     )
+
+
+NANOGPT_LIKE = """import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class GPT(nn.Module):
+    # nanoGPT's and minGPT's contract: forward(idx, targets=None) -> (logits, loss), targets read with .view
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.wte, self.lm_head = nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size)
+
+    def forward(self, idx, targets=None):
+        logits = self.lm_head(self.wte(idx))
+        if targets is None:
+            return logits[:, [-1], :], None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+def build(vocab_size, seq_len):
+    return GPT(vocab_size)
+"""
+
+
+def test_a_nanogpt_style_factory_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """karpathy's nanoGPT ``GPT`` as ``--model file.py:factory``: the loop's targets were a slice of the batch,
+    which nanoGPT's ``targets.view(-1)`` refuses (a traceback), and its ``(logits, loss)`` tuple was refused
+    ("expected logits ... or a scalar loss"). It trains, on the loss the model computed."""
+    (tmp_path / "nano.py").write_text(NANOGPT_LIKE)
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run_main(["train", "--model", "nano.py:build", *TINY, "--no-report", "--out", "run"], capsys)
+    assert rc == 0, err
+    steps = T.read_tables(tmp_path / "run")["steps"]
+    assert len(steps) == 2 and steps[T.LOSS].notna().all()

@@ -95,11 +95,17 @@ def loss_from_output(out: Any, targets: torch.Tensor, vocab_size: int | None = N
     """The training loss from a model's output (see the model contract in ``precprof.models``).
 
     A scalar tensor or an output's ``loss`` is used as is; logits (B, T, V) give the mean next-token
-    cross-entropy against ``targets`` (B, T), computed in fp32. UserError for any other output, and for logits
-    with fewer classes than ``vocab_size`` (the token ids of the data: cross-entropy would index past them).
+    cross-entropy against ``targets`` (B, T), computed in fp32. A tuple or list (nanoGPT's and minGPT's
+    ``(logits, loss)``) gives its first scalar tensor as the loss, else its first logits. UserError for any
+    other output, and for logits with fewer classes than ``vocab_size`` (the token ids of the data:
+    cross-entropy would index past them).
     """
     loss = logits = None
-    if isinstance(out, torch.Tensor):
+    if isinstance(out, (tuple, list)):
+        tensors = [t for t in out if isinstance(t, torch.Tensor)]
+        loss = next((t for t in tensors if t.ndim == 0), None)
+        logits = next((t for t in tensors if t.ndim == 3 and t.shape[:2] == targets.shape), None)
+    elif isinstance(out, torch.Tensor):
         if out.ndim == 0:
             loss = out
         else:
@@ -118,9 +124,12 @@ def loss_from_output(out: Any, targets: torch.Tensor, vocab_size: int | None = N
             )
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
     shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else None
+    if isinstance(out, (tuple, list)):
+        shape = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in out)
     raise UserError(
         f"the model's forward returned {type(out).__name__}{f' of shape {shape}' if shape else ''}; "
         f"expected logits of shape ({targets.shape[0]}, {targets.shape[1]}, vocab_size) or a scalar loss"
+        + (" among its items" if isinstance(out, (tuple, list)) else "")
     )
 
 
