@@ -339,12 +339,19 @@ class TwoOptimizerLM(TinyLM):
 def test_two_optimizers_each_sample_the_updates_of_the_parameters_they_step(tmp_path: Path) -> None:
     """The callback attached the first optimizer alone: the Linears, which the second steps, had every
     sampled update counted as intended and never landed ("lost in bf16"), in an fp32 run. Every optimizer is
-    attached now, and the weight-update rows are those of one AdamW with the same two parameter groups."""
+    attached now, and the weight-update rows are those of one AdamW with the same two parameter groups. Two
+    optimizers advance Lightning's global_step twice a batch, and each batch was two steps, the second with no
+    forward pass, loss or tokens (sampled empty, timed at nothing): one step a batch now."""
     rows = {}
     for groups in (False, True):
         cb = PrecprofCallback(out=tmp_path / f"run{groups}", sample_every=1, report=False, memory=False)
         quiet_trainer(tmp_path, cb, max_steps=4 if not groups else 2).fit(TwoOptimizerLM(groups), loader())
-        layers = T.read_tables(cb.run_dir)["layers"]
+        tables = T.read_tables(cb.run_dir)
+        steps, layers = tables["steps"], tables["layers"]
+        assert (
+            steps[T.STEP].tolist() == [0, 1] and steps[T.LOSS].notna().all() and steps[T.TOKENS].notna().all()
+        )
+        assert sorted(set(layers[T.STEP])) == [0, 1]
         got = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE].astype({T.MODULE: str, T.PARAM: str})
         cols = [T.MODULE, T.PARAM, T.NUMEL, T.ZEROS, T.LOST_UPDATE_BF16, T.LOST_UPDATE_FP16]
         rows[groups] = (

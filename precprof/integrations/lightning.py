@@ -202,7 +202,9 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._tokens += (fed if fed is not None else first_token_count(batch)) or 0
         if int(trainer.global_step) == self._last_global_step:
             return  # gradient accumulation: no optimizer step yet
-        steps = int(trainer.global_step) - self._last_global_step
+        # one Profiler step per batch that stepped: manual optimization with several optimizers advances
+        # global_step once per optimizer, and a step per optimizer made phantom steps with no forward, loss or
+        # tokens, sampled empty, timed at nothing
         self._last_global_step = int(trainer.global_step)
         mean = None
         if self._loss_sum is not None:
@@ -211,10 +213,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             if not getattr(pl_module, "automatic_optimization", True):
                 norm = 1
             mean = self._loss_sum * (norm / self._micro_batches)
-        for i in range(steps):  # one Profiler step per optimizer step (several optimizers: several steps)
-            self._session.step(
-                loss=mean if i == 0 else None, tokens=(self._tokens or None) if i == 0 else None
-            )
+        self._session.step(loss=mean, tokens=self._tokens or None)
         self._reset_step()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
