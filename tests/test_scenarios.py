@@ -33,6 +33,7 @@ import precprof
 from precprof import tables as T
 from precprof.analysis.advisor import CRITICAL, AdvisorConfig
 from precprof.hardware import HardwareInfo
+from precprof.report.environment import capture_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -377,6 +378,13 @@ def test_k_manual_static_loss_scale_is_read_at_its_scale() -> None:
     b = h1[h1[T.TENSOR].isin(grads)].reset_index(drop=True)
     assert len(a) and a.equals(b)
     assert set(scaled.tables["steps"][T.LOSS_SCALE]) == {1024.0}
+    # a scale that is no power of two shifts the histograms by a rounded log2: within one binade, and said so
+    # (the summary said exact, so the report left its caveat out)
+    assert scaled.summary[T.SUMMARY_CAPTURE]["histogram_shift_exact"] is True
+    odd = own_loop.manual_scaling(1000.0)
+    assert odd.summary[T.SUMMARY_CAPTURE]["histogram_shift_exact"] is False
+    rows = dict(capture_rows(odd.summary[T.SUMMARY_CAPTURE], {}))
+    assert rows["histograms"].startswith("unscaled by a loss scale that is not a power of two")
     with pytest.raises(ValueError, match="with a GradScaler leave it out"):
         precprof.Profiler(torch.nn.Linear(2, 2), scaler=torch.amp.GradScaler("cpu"), loss_scale=8.0)
 

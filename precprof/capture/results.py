@@ -249,7 +249,11 @@ class ProfilerResults:
             "static_loss_scale": self.loss_scale,
             "low_precision_buffers": self._low_precision_buffers(),
             "loss_dtypes": dict(self._loss_dtypes),
-            "histogram_shift_exact": not (self._scaler_watch is not None and self._scaler_watch.non_pow2),
+            # a histogram unscaled by log2(scale) is exact for powers of two only: a scaler's, or a manual one's
+            "histogram_shift_exact": not (
+                (self._scaler_watch is not None and self._scaler_watch.non_pow2)
+                or (self.loss_scale is not None and not st.is_power_of_two(self.loss_scale))
+            ),
             "weight_update_sample": self.update_sample if self.weight_updates else 0,
             "optimizer": optimizer_settings(
                 self.optimizers, self._plan.params if self._plan is not None else ()
