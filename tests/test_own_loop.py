@@ -227,6 +227,36 @@ def test_steps_without_a_loss_are_no_divergence(tmp_path: Path, every: int) -> N
     assert not any("not finite" in t.get_text() for t in fig.legends[0].get_texts())
 
 
+def test_a_loss_accumulator_reused_in_place_is_recorded_as_it_was_at_each_step() -> None:
+    """A loop that sums its micro-batches' losses into one tensor, hands it to ``prof.step(loss=acc)`` and zeroes
+    it in place: the loss waits on the device for the next flush, and every step that flushed later read 0 (28
+    of 30 steps of a default run). Same for a reused grad-norm tensor."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    acc, norm = torch.zeros(()), torch.zeros(())
+    want_loss, want_norm = [], []
+    with precprof.Profiler(model, opt, memory=False) as prof:  # the default sampling: most steps not sampled
+        for step in range(12):
+            for micro in range(2):
+                x, y = batch(2 * step + micro)
+                loss = nn.functional.mse_loss(model(x), y) / 2
+                loss.backward()
+                acc += loss.detach()
+            norm.copy_(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=acc, grad_norm=norm)
+            want_loss.append(acc.item())
+            want_norm.append(norm.item())
+            acc.zero_()
+            norm.zero_()
+    steps = prof.tables()["steps"]
+    assert not steps[T.SAMPLED].all()
+    assert steps[T.LOSS].tolist() == pytest.approx(want_loss, rel=1e-6) and min(want_loss) > 0
+    assert steps[T.GRAD_NORM].tolist() == pytest.approx(want_norm, rel=1e-6)
+
+
 def test_a_loop_that_passes_its_loss_now_and_then_has_not_diverged() -> None:
     steps = pd.DataFrame({T.STEP: range(10), T.LOSS: [2.0 if s % 5 == 0 else math.nan for s in range(10)]})
     assert T.nonfinite_loss_tail(steps) is None

@@ -476,9 +476,11 @@ class Profiler(ProfilerResults):
         if isinstance(loss, torch.Tensor):
             name = str(loss.dtype).removeprefix("torch.")  # host metadata: no sync
             self._loss_dtypes[name] = self._loss_dtypes.get(name, 0) + 1
-            loss = loss.detach().reshape(-1)[0] if loss.numel() else None
+            # copied (on the device, no sync): the value waits there for the next flush, and a loop may reuse the
+            # tensor (a loss accumulator zeroed in place after step(): every unsampled step read 0)
+            loss = loss.detach().reshape(-1)[0].clone() if loss.numel() else None
         if isinstance(grad_norm, torch.Tensor):
-            grad_norm = grad_norm.detach().reshape(())
+            grad_norm = grad_norm.detach().reshape(()).clone()
         if self._sampler.budgeted and not self._sampler.synchronized and not partial:
             # the loss and the skip flag on their way to the host, for the next sampling decisions (no sync)
             for value, skipped in self._landed.put(loss, found):
