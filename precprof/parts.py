@@ -300,7 +300,26 @@ def concat(tables: list[pa.Table]) -> pa.Table | None:
     value and wrote a null column, say): columns promoted, a missing one null."""
     if not tables:
         return None
-    return pa.concat_tables(tables, promote_options="permissive")
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowTypeError, pa.ArrowInvalid):
+        pass
+    # a column no row of a part had a value in was written as float64 nulls (a steps part's ``resumed``), where
+    # another part holds values of another type (the bool of a saved steps table adopted by a resumed run):
+    # the null column takes the other's type
+    types: dict[str, pa.DataType] = {}
+    for t in tables:
+        for f, col in zip(t.schema, t.columns, strict=True):
+            if col.null_count < len(col):
+                types.setdefault(f.name, f.type)
+    fixed = []
+    for t in tables:
+        for i, (f, col) in enumerate(zip(t.schema, t.columns, strict=True)):
+            want = types.get(f.name)
+            if want is not None and f.type != want and col.null_count == len(col):
+                t = t.set_column(i, f.name, pa.nulls(len(col), want))
+        fixed.append(t)
+    return pa.concat_tables(fixed, promote_options="permissive")
 
 
 def adopt_tables(

@@ -274,6 +274,8 @@ KEY_COLUMNS: dict[str, tuple[str, ...]] = {
 _INT_COLUMNS = {STEP, ORDER, CALLS, EXPONENT, COUNT, BYTES, *COUNT_COLUMNS}
 # columns of text: written as Arrow strings in every part, so that parts concatenate whatever they hold
 _TEXT_COLUMNS = {MODULE, MODULE_TYPE, TENSOR, PARAM, DTYPE, COMPONENT, PHASE, SAMPLE_REASON, MOMENT}
+# columns of yes/no: written as Arrow bools (null where missing) in every part, as a saved table holds them
+_BOOL_COLUMNS = {SKIPPED, SAMPLED, RESUMED, CUT_OFF, NO_LOSS}
 
 
 def flags(column: pd.Series) -> pd.Series:
@@ -451,6 +453,8 @@ def to_arrow(name: str, rows: list[dict[str, Any]] | pd.DataFrame | Mapping[str,
             arrays.append(
                 pa.array(v.astype(object).where(v.notna(), None), type=pa.string(), from_pandas=True)
             )
+        elif c in _BOOL_COLUMNS:
+            arrays.append(pa.array([None if x is None or x != x else bool(x) for x in v], type=pa.bool_()))
         else:
             arrays.append(pa.array(v, from_pandas=True))
     return pa.Table.from_arrays(arrays, names=[str(c) for c in df.columns])
@@ -468,7 +472,9 @@ def arrow_of_columns(name: str, cols: Mapping[str, np.ndarray | list[Any] | pa.A
         v = cols.get(c)
         text = c in _TEXT_COLUMNS
         if v is None:
-            arrays.append(pa.nulls(n, pa.string() if text else pa.float64()))
+            arrays.append(
+                pa.nulls(n, pa.string() if text else pa.bool_() if c in _BOOL_COLUMNS else pa.float64())
+            )
         elif isinstance(v, pa.Array):
             arrays.append(v.cast(pa.string()) if text and v.type != pa.string() else v)
         elif text:

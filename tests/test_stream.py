@@ -352,6 +352,45 @@ def test_resume_adopts_a_run_that_saved_its_tables(tmp_path: Path) -> None:
     assert read.last_step == 5 and len(read.tables["layers"]) > 0 and read.restarts == []
 
 
+@pytest.mark.parametrize("status", [T.STATUS_INCOMPLETE, T.STATUS_COMPLETE])
+def test_a_saved_run_resumed_saves_and_reads_whole(tmp_path: Path, status: str) -> None:
+    """A run saved (finished, or stopped and saved as incomplete as the callbacks do on Ctrl-C), then continued
+    with ``Profiler(out=same, resume=True)`` from its step-4 checkpoint: the save failed ("Field resumed has
+    incompatible types: bool vs double": the adopted table's bools beside a streamed part's all-null floats)
+    and left a directory ``precprof report`` could not read. It saves the first attempt's steps 0-3 and the
+    resumed steps 4-7, and reads and renders."""
+    out = tmp_path / "run"
+    tiny_run(out, 6).save(
+        status=status, reason="terminated (SIGTERM)" if status != T.STATUS_COMPLETE else None
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    prof = precprof.Profiler(model, opt, sample_every=1, out=out, resume=True, first_step=4)
+    with prof:
+        for step in range(4, 8):
+            train_step(model, opt, prof, step)
+    prof.save()
+    read = T.read_run(out)
+    steps = read.tables["steps"]
+    assert steps[T.STEP].tolist() == list(range(8)) and read.restarts == [4]
+    assert steps[T.RESUMED].tolist() == [s == 4 for s in range(8)] and steps[T.LOSS].notna().all()
+    assert sorted(set(read.tables["layers"][T.STEP])) == list(range(8))
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert "resumed from a checkpoint at step 4" in pipeline.rerender(out).read_text()
+
+
+def test_parts_with_a_column_of_nulls_read_with_the_type_of_another_part() -> None:
+    """A column no row of a part had a value in, written as float64 nulls before the bool columns had a type of
+    their own, concatenates with the bools of another part."""
+    import pyarrow as pa
+
+    a = pa.table({T.STEP: pa.array([0, 1]), T.RESUMED: pa.array([False, True])})
+    b = pa.table({T.STEP: pa.array([2]), T.RESUMED: pa.nulls(1, pa.float64())})
+    t = parts.concat([a, b])
+    assert t is not None and t.column(T.RESUMED).to_pylist() == [False, True, None]
+
+
 def test_the_recording_memory_stays_bounded(tmp_path: Path) -> None:
     from precprof.flush import Flush
 
