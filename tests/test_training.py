@@ -411,10 +411,14 @@ def test_loss_from_output() -> None:
     torch.testing.assert_close(loss_from_output({"logits": logits.half()}, y), ref, atol=1e-2, rtol=1e-2)
     assert loss_from_output(torch.tensor(2.5), y).item() == 2.5
     assert loss_from_output({"loss": torch.tensor(1.0), "logits": logits}, y).item() == 1.0
-    # nanoGPT's (logits, loss), either order, and a tuple holding logits alone
-    assert loss_from_output((logits, torch.tensor(1.5)), y).item() == 1.5
-    assert loss_from_output([torch.tensor(0.5), logits], y).item() == 0.5
+    # nanoGPT's (logits, loss) from a model given the targets, either order, and a tuple holding logits alone
+    assert loss_from_output((logits, torch.tensor(1.5)), y, passed_targets=True).item() == 1.5
+    assert loss_from_output([torch.tensor(0.5), logits], y, passed_targets=True).item() == 0.5
     torch.testing.assert_close(loss_from_output((logits, None), y), ref)
+    assert loss_from_output((torch.tensor(0.25),), y).item() == 0.25
+    # logits and a scalar from a model that takes no targets: an auxiliary loss (a z-loss) or the loss? refused
+    with pytest.raises(UserError, match="cannot tell whether the scalar is the loss or an auxiliary one"):
+        loss_from_output((logits, torch.tensor(0.002)), y)
     with pytest.raises(UserError, match=r"returned tuple of shape \(\(2, 5\), 'NoneType'\).*among its items"):
         loss_from_output((torch.randn(2, 5), None), y)
     with pytest.raises(UserError, match="expected logits"):

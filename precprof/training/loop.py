@@ -91,20 +91,31 @@ class Callback:
         """After the last step, before the run directory is written."""
 
 
-def loss_from_output(out: Any, targets: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+def loss_from_output(
+    out: Any, targets: torch.Tensor, vocab_size: int | None = None, passed_targets: bool = False
+) -> torch.Tensor:
     """The training loss from a model's output (see the model contract in ``precprof.models``).
 
     A scalar tensor or an output's ``loss`` is used as is; logits (B, T, V) give the mean next-token
-    cross-entropy against ``targets`` (B, T), computed in fp32. A tuple or list (nanoGPT's and minGPT's
-    ``(logits, loss)``) gives its first scalar tensor as the loss, else its first logits. UserError for any
-    other output, and for logits with fewer classes than ``vocab_size`` (the token ids of the data:
-    cross-entropy would index past them).
+    cross-entropy against ``targets`` (B, T), computed in fp32. A tuple or list gives its logits, or, for a
+    model that was given the targets (``passed_targets``: nanoGPT's and minGPT's ``forward(idx, targets)`` ->
+    ``(logits, loss)``), its first scalar tensor. UserError for any other output, for a tuple of logits and a
+    scalar from a model not given the targets (an auxiliary loss, or the loss? precprof cannot tell), and for
+    logits with fewer classes than ``vocab_size`` (the token ids of the data: cross-entropy would index past
+    them).
     """
     loss = logits = None
     if isinstance(out, (tuple, list)):
         tensors = [t for t in out if isinstance(t, torch.Tensor)]
         loss = next((t for t in tensors if t.ndim == 0), None)
         logits = next((t for t in tensors if t.ndim == 3 and t.shape[:2] == targets.shape), None)
+        if loss is not None and logits is not None and not passed_targets:
+            raise UserError(
+                f"the model's forward returned a {type(out).__name__} of logits and a scalar, and takes no targets: "
+                "precprof cannot tell whether the scalar is the loss or an auxiliary one; return the loss alone, "
+                "or the logits alone (the loop adds the next-token cross-entropy), or take a targets argument and "
+                "return (logits, loss)"
+            )
     elif isinstance(out, torch.Tensor):
         if out.ndim == 0:
             loss = out
@@ -123,7 +134,7 @@ def loss_from_output(out: Any, targets: torch.Tensor, vocab_size: int | None = N
                 f"give the model a vocabulary of at least {vocab_size} (e.g. -a vocab_size={vocab_size})"
             )
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else None
+    shape: tuple[Any, ...] | None = tuple(logits.shape) if isinstance(logits, torch.Tensor) else None
     if isinstance(out, (tuple, list)):
         shape = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in out)
     raise UserError(
@@ -444,7 +455,7 @@ def _forward_loss(
         )
         with autocast, fp8_context(plan):
             out = model(x, targets=y) if built.pass_targets else model(x)
-            return loss_from_output(out, y, data.vocab_size)
+            return loss_from_output(out, y, data.vocab_size, built.pass_targets)
 
     return forward_loss
 
@@ -532,7 +543,7 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                             raise  # a language model's own failure keeps its traceback
                         raise not_a_language_model(s.built.name, x, e) from e
                     with prof.memory_scope():  # what the loss saves for backward counts as activations
-                        loss = loss_from_output(out, y, data.vocab_size)
+                        loss = loss_from_output(out, y, data.vocab_size, s.built.pass_targets)
                 run.loss = loss.detach()
                 scaler.scale(loss).backward()
                 for cb in callbacks:
