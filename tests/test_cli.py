@@ -485,3 +485,27 @@ def test_a_nanogpt_style_factory_trains(
     assert rc == 0, err
     steps = T.read_tables(tmp_path / "run")["steps"]
     assert len(steps) == 2 and steps[T.LOSS].notna().all()
+
+
+def test_a_factory_imports_its_neighbours_and_a_package_in_the_current_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--model proj/model.py:build`` whose file imports a module beside it failed ("No module named 'layers'"),
+    where ``python proj/model.py`` finds it; ``--model proj.model:build`` from the folder that holds ``proj``
+    failed too. Both import as Python would."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "__init__.py").write_text("")
+    (proj / "layers_of_a_test.py").write_text("from torch import nn\n\nWIDTH = 8\n")
+    (proj / "model.py").write_text(
+        "from torch import nn\n"
+        "try:\n    from layers_of_a_test import WIDTH\nexcept ImportError:\n"
+        "    from proj.layers_of_a_test import WIDTH\n\n\n"
+        "def build(vocab_size, seq_len):\n"
+        "    return nn.Sequential(nn.Embedding(vocab_size, WIDTH), nn.Linear(WIDTH, vocab_size))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path), str(proj))])
+    for spec, out in (("proj/model.py:build", "a"), ("proj.model:build", "b")):
+        rc, _, err = run_main(["train", "--model", spec, *TINY, "--no-report", "--out", out], capsys)
+        assert rc == 0, (spec, err)

@@ -16,6 +16,11 @@ from precprof.errors import UserError
 from precprof.models.base import BuiltModel, _guess_vocab, accepts_targets, coerce_value
 
 
+def _on_path(folder: str) -> None:
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+
+
 def _load_factory(spec: str) -> Callable[..., Any]:
     target, _, attr = spec.rpartition(":")
     if not target or not attr.isidentifier():
@@ -24,6 +29,8 @@ def _load_factory(spec: str) -> Callable[..., Any]:
         path = Path(target).expanduser()
         if not path.is_file():
             raise UserError(f"--model {spec!r}: no such file {str(path)!r}")
+        # its folder first on the import path, as `python file.py` puts it: a model file imports its neighbours
+        _on_path(str(path.resolve().parent))
         mod_name = f"precprof_user_model_{abs(hash(str(path.resolve())))}"
         file_spec = importlib.util.spec_from_file_location(mod_name, path)
         if file_spec is None or file_spec.loader is None:
@@ -38,6 +45,7 @@ def _load_factory(spec: str) -> Callable[..., Any]:
                 f"--model {spec!r}: importing {str(path)!r} failed: {type(e).__name__}: {e}"
             ) from None
     else:
+        _on_path(str(Path.cwd()))  # as `python -m` does: a package in the current folder
         try:
             module = importlib.import_module(target)
         except Exception as e:
