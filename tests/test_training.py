@@ -254,6 +254,18 @@ def test_grad_norm_matches_clip_grad_norm() -> None:
     h.grad = torch.full((4,), 1000.0, dtype=torch.float16)
     assert float(grad_norm_([h])) == pytest.approx(2000.0)
     assert float(grad_norm_([])) == 0.0
+    # float64 gradients (a model of float64 parameters): vector_norm refused to narrow them to fp32 (a traceback
+    # from precprof's loop); their norms are taken in float64, then clipped as torch clips them
+    d = [nn.Parameter(torch.zeros(3, dtype=torch.float64)), nn.Parameter(torch.zeros(2, dtype=torch.float64))]
+    e = [nn.Parameter(torch.zeros_like(p)) for p in d]
+    for p, q in zip(d, e, strict=True):
+        p.grad = torch.arange(1.0, p.numel() + 1, dtype=torch.float64)
+        q.grad = p.grad.clone()
+    ours = grad_norm_(d, max_norm=1.0)
+    ref = torch.nn.utils.clip_grad_norm_(e, max_norm=1.0)
+    assert ours.dtype == torch.float32 and float(ours) == pytest.approx(float(ref), rel=1e-6)
+    for p, q in zip(d, e, strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])

@@ -148,12 +148,15 @@ def grad_norm_(params: Sequence[torch.Tensor], max_norm: float = 0.0) -> torch.T
     """Global L2 norm of the gradients (an fp32 device tensor; no host sync) and, when ``max_norm > 0``,
     clipping as ``torch.nn.utils.clip_grad_norm_`` does (gradients scaled by min(1, max_norm/(norm+1e-6))).
 
-    Norms are accumulated in fp32 whatever the gradient dtype, so fp16 gradients cannot overflow the sum.
+    Norms are accumulated in fp32 at least, so fp16 gradients cannot overflow the sum; float64 gradients in
+    float64 (vector_norm refuses to narrow them), the total then in fp32.
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+    norms = [
+        torch.linalg.vector_norm(g, dtype=torch.promote_types(g.dtype, torch.float32)).float() for g in grads
+    ]
     total = torch.linalg.vector_norm(torch.stack(norms))
     if hasattr(total, "full_tensor"):  # FSDP2's DTensor gradients: the norm over every rank's shard
         total = total.full_tensor()
