@@ -24,7 +24,10 @@ Model = Annotated[
         "-m",
         metavar="NAME",
         help="gpt-nano (default), gpt-mini, gpt2-small, gpt2-medium, llama-mini, mlp, cnn-bn, "
-        "hf:<model_type>, or a factory of your own: path/to/FILE.py:FACTORY or MODULE:FACTORY.",
+        "hf:<model_type>, or a factory of your own: path/to/FILE.py:FACTORY or MODULE:FACTORY, called with "
+        "the -a values (and vocab_size, seq_len when it takes them) and returning an nn.Module whose forward(x) "
+        "gets int64 token ids (batch, seq-len) and returns logits (batch, seq-len, vocab) or a scalar loss "
+        "(forward(x, targets=y) when it takes targets); README: Your own model.",
     ),
 ]
 ModelArgs = Annotated[

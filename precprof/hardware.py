@@ -357,8 +357,10 @@ def software_versions() -> dict[str, str | None]:
                 "transformers",
                 "accelerate",
                 "lightning",
+                "peft",
                 "torchao",
                 "transformer_engine",
+                "triton",
                 "nvidia-ml-py",
             )
         },
@@ -398,10 +400,21 @@ def env_report(info: HardwareInfo | None = None) -> str:
         lines.append(f"NVML: {info.nvml}")
     fmt, why = usual_format(info)
     lines.append(f"usual format here: {fmt} ({why})")
+    lines.append(f"libraries: numpy {v['numpy'] or '?'}, pandas {v['pandas'] or '?'}")
     lines.append(
         "optional: "
         + ", ".join(
-            f"{k} {v[k] or 'not installed'}" for k in ("transformers", "accelerate", "lightning", "torchao")
+            f"{k} {v[k] or 'not installed'}"
+            for k in (
+                "transformers",
+                "accelerate",
+                "lightning",
+                "peft",
+                "torchao",
+                "transformer_engine",
+                "triton",
+                "nvidia-ml-py",
+            )
         )
     )
     # precprof.stats imports torch; a preset (`precprof report --target`) needs neither

@@ -79,6 +79,10 @@ def test_env_report_text() -> None:
     assert f"usual format here: {hardware.usual_format(info)[0]}" in text
     if info.nvml != "ok":
         assert f"NVML: {info.nvml}" in text
+    # every library the JSON lists is in the text too (peft and triton were in neither)
+    versions = hardware.software_versions()
+    for lib in ("numpy", "pandas", "transformers", "lightning", "peft", "torchao", "triton", "nvidia-ml-py"):
+        assert f"{lib} {versions[lib] or 'not installed'}" in text, lib
     fake = HardwareInfo(
         device="cuda",
         name="H100",

@@ -59,6 +59,7 @@ _LIBRARIES = {
     "transformers": "transformers",
     "accelerate": "accelerate",
     "lightning": "Lightning",
+    "peft": "PEFT",
     "torchao": "torchao",
     "transformer_engine": "Transformer Engine",
     "nvidia-ml-py": "nvidia-ml-py",
