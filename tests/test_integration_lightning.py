@@ -361,6 +361,43 @@ def test_two_optimizers_each_sample_the_updates_of_the_parameters_they_step(tmp_
     pd.testing.assert_frame_equal(rows[False], rows[True])
 
 
+@pytest.mark.filterwarnings("ignore:Using ModelCheckpoint with manual optimization")
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+@pytest.mark.parametrize("groups", [False, True])
+def test_a_run_resumed_from_a_checkpoint_counts_batches_not_optimizer_steps(
+    tmp_path: Path, groups: bool
+) -> None:
+    """Fit 4 batches with a checkpoint every 2, then fit on from the one after batch 2 with ``resume=True``: the
+    resumed attempt replaces steps 2 and 3 and goes on to 5. With two optimizers Lightning's global_step counts
+    two a batch, and the resumed attempt started at step 4: steps 2-3 never replaced, a gap where there was none."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    per_batch = 1 if groups else 2  # global_step per batch
+    out = tmp_path / "run"
+    for attempt, (batches, ckpt) in enumerate(
+        ((4, None), (6, tmp_path / "ckpt" / f"step={2 * per_batch}.ckpt"))
+    ):
+        cb = PrecprofCallback(out=out, sample_every=1, report=False, memory=False, resume=attempt > 0)
+        every = ModelCheckpoint(
+            dirpath=tmp_path / "ckpt", every_n_train_steps=2 * per_batch, save_top_k=-1, filename="{step}"
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+            max_steps=batches * per_batch,
+            callbacks=[cb, every],
+        )
+        trainer.fit(TwoOptimizerLM(groups), loader(), ckpt_path=ckpt)
+    read = T.read_run(out)
+    steps = read.tables["steps"]
+    assert steps[T.STEP].tolist() == list(range(6)) and read.restarts == [2]
+    assert steps[T.LOSS].notna().all() and steps[T.TOKENS].notna().all()
+
+
 def test_the_norm_lightning_clips_by_is_recorded(tmp_path: Path) -> None:
     """With ``gradient_clip_val`` Lightning clips through torch.nn.utils.clip_grad_norm_, whose return the
     Profiler records (integrations.md said no gradient norm is recorded under Lightning): the norm of the

@@ -101,6 +101,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._tokens = 0
         self._embedding_hook: Any = None
         self._fed: int | None = None  # ids the token embedding looked up in this micro-batch (first call)
+        self._start: tuple[Any, ...] | None = None  # the session's start, made at the first batch
 
     @property
     def run_dir(self) -> Path | None:
@@ -162,13 +163,14 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         wrapped = getattr(trainer.strategy, "model", None)
         self._last_global_step = int(trainer.global_step)
         self._reset_step()
-        self._session.start(
+        # started at the first batch: the step it is numbered by, Lightning's count of the batches that stepped,
+        # is restored from a checkpoint only by then (on_train_start reads it one short)
+        self._start = (
             pl_module,
             optimizers if len(optimizers) > 1 else optimizer,  # each samples the parameters it steps
             scaler,
             summary,
-            first_step=self._last_global_step,
-            wrapped=wrapped if wrapped is not None and wrapped is not pl_module else None,
+            wrapped if wrapped is not None and wrapped is not pl_module else None,
         )
 
     def _embedding_input(self, module: Any, args: Any) -> None:
@@ -182,6 +184,11 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._fed = None
+        start, self._start = self._start, None
+        if start is not None and self._session is not None:
+            module, optimizers, scaler, summary, wrapped = start
+            first = _batches_that_stepped(trainer)
+            self._session.start(module, optimizers, scaler, summary, first_step=first, wrapped=wrapped)
 
     def _reset_step(self) -> None:
         self._loss_sum = None
@@ -232,6 +239,17 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
     def finish(self, status: str = T.STATUS_COMPLETE, reason: str | None = None) -> Path | None:
         """End the run: remove the hooks and write the run directory and the report."""
         self._remove_embedding_hook()
+        self._start = None
         if self._session is None:
             return None
         return self._session.finish(status, reason)
+
+
+def _batches_that_stepped(trainer: Any) -> int:
+    """The batches that stepped so far (the callback's step count, restored from a checkpoint on resume, right
+    from the first batch on): Lightning's count of them, which its loggers use, where ``global_step`` counts one
+    per optimizer (twice a batch with two optimizers in manual optimization); ``global_step`` where a Lightning
+    has no such count."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    n = getattr(loop, "_batches_that_stepped", None)
+    return int(n) if isinstance(n, int) else int(trainer.global_step)
