@@ -141,7 +141,10 @@ def write_tables(run_dir: str | Path, tables: Mapping[str, pd.DataFrame]) -> Non
         out = frame(name, df)
 
         def write(tmp: Path, out: pd.DataFrame = out) -> None:
-            out.to_parquet(tmp, index=False)
+            # one thread: Arrow converts a large frame on a pool of Python threads, which an interpreter that is
+            # exiting refuses ("cannot schedule new futures after interpreter shutdown"), and a run saved at exit
+            # (a script that died, the bare callbacks' atexit) was lost
+            pq.write_table(pa.Table.from_pandas(out, preserve_index=False, nthreads=1), tmp)
 
         _atomic.write_with(run_dir / TABLE_FILES[name], write)
 
@@ -281,7 +284,7 @@ def sum_histogram_frame(histograms: pd.DataFrame) -> pd.DataFrame:
     if h.empty:
         return sum_histograms(None)
     try:
-        return sum_histograms(pa.Table.from_pandas(h, preserve_index=False))
+        return sum_histograms(pa.Table.from_pandas(h, preserve_index=False, nthreads=1))
     except (pa.ArrowException, TypeError, ValueError):  # a column Arrow cannot take: pandas alone
         keys = list(HISTOGRAM_TOTALS_COLUMNS[:-1])
         h = h.assign(**{c: texts(h[c]) for c in keys[:3]})  # a missing text is "": one group with ""

@@ -931,3 +931,27 @@ def test_a_crash_in_a_sampled_step_is_not_a_divergence(tmp_path: Path, streamed:
     assert got.first_nonfinite_step is None and got.final_loss == pytest.approx(
         float(steps[T.LOSS].iloc[5]), rel=0.2
     )
+
+
+def test_tables_written_at_interpreter_exit_are_written(tmp_path: Path) -> None:
+    """A run saved at interpreter exit (the bare callbacks' atexit after a crash): Arrow converted a table of
+    more than a hundred rows per column on a pool of Python threads, which an exiting interpreter refuses
+    ("cannot schedule new futures after interpreter shutdown"), so such a run was lost and its report blamed a
+    kill. The tables are converted on the calling thread."""
+    code = textwrap.dedent(
+        f"""
+        import atexit
+        import concurrent.futures.thread  # imported by then in a training process (transformers, torch)
+        import numpy as np, pandas as pd
+        from precprof import tables as T
+
+        n = 20_000
+        h = pd.DataFrame({{T.STEP: np.zeros(n, dtype=np.int64), T.MODULE: "m", T.TENSOR: T.ACTIVATION,
+                          T.PARAM: "", T.EXPONENT: np.arange(n) % 200 - 100, T.COUNT: np.ones(n, dtype=np.int64)}})
+        atexit.register(lambda: T.write_tables({str(tmp_path)!r}, {{"histograms": h}}))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    got = pd.read_parquet(tmp_path / "histograms.parquet")
+    assert len(got) == 20_000 and int(got[T.COUNT].sum()) == 20_000
