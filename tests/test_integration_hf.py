@@ -378,6 +378,21 @@ def test_a_compiled_trainer_keeps_its_graphs_and_every_conv1d_is_recorded(tmp_pa
         rows = conv[conv[T.TENSOR] == kind]
         assert set(rows[T.STEP]) == set(range(0, STEPS, SAMPLE_EVERY)), kind
         assert rows.groupby(T.STEP)[T.MODULE].nunique().eq(8).all(), kind
+    # the summary and the report say the Trainer compiled it (the callback holds the module, which cannot tell),
+    # and that its dropout makes a sampled step draw other masks than inductor's kernels would
+    from precprof.report.environment import capture_rows
+
+    capture = T.read_summary(tmp_path / "run")[T.SUMMARY_CAPTURE]
+    assert capture["compiled"] == "the whole model (the Trainer's torch_compile, backend eager)"
+    dropouts = [m for m in tiny_gpt2().modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    assert capture["dropout_layers"] == len(dropouts) > 0
+    row = dict(capture_rows(capture, {}))["torch.compile"]
+    assert (
+        row.startswith(capture["compiled"]) and "dropout" not in row
+    )  # Dynamo's eager backend: torch's masks
+    inductor = {**capture, "compiled": "the whole model (the Trainer's torch_compile, backend inductor)"}
+    row = dict(capture_rows(inductor, {}))["torch.compile"]
+    assert f"the model has {len(dropouts)} dropout layers: inductor's kernels draw their own random" in row
 
 
 def _mixtral(experts_implementation: str) -> Any:

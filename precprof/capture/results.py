@@ -246,6 +246,7 @@ class ProfilerResults:
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
             "scaler_growth_interval": _compat.scaler_growth_interval(self.scaler),
             "compiled": compiled_parts(self.model),
+            "dropout_layers": _dropout_layers(self.model),
             "static_loss_scale": self.loss_scale,
             "low_precision_buffers": self._low_precision_buffers(),
             "loss_dtypes": dict(self._loss_dtypes),
@@ -322,8 +323,9 @@ class ProfilerResults:
         full[T.SUMMARY_VERSION] = __version__
         full[T.SUMMARY_STATUS] = self._status
         full[T.SUMMARY_INCOMPLETE_REASON] = self._reason
-        capture = dict(full.get(T.SUMMARY_CAPTURE) or {})
-        capture.update(self.summary())
+        given = dict(full.get(T.SUMMARY_CAPTURE) or {})
+        # what the recorder knows, and what the caller knows where it does not (a Trainer's torch_compile)
+        capture = {**given, **{k: v for k, v in self.summary().items() if v is not None or k not in given}}
         if self._reducer is not None and hasattr(self._reducer, "describe"):
             capture["distributed"] = self._reducer.describe(self.model)
         full[T.SUMMARY_CAPTURE] = capture
@@ -451,6 +453,16 @@ def model_class_name(model: nn.Module) -> str:
     if cls.__name__.startswith("FSDP") and any(c.__name__ == "FSDPModule" for c in cls.__mro__) and bases:
         return bases[0].__name__
     return cls.__name__
+
+
+def _dropout_layers(model: nn.Module) -> int:
+    """Dropout modules that drop something (p > 0): a compiled run's sampled steps, run eagerly, draw other
+    random numbers than inductor's kernels do."""
+    return sum(
+        1
+        for m in model.modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and isinstance(m.p, (int, float)) and m.p > 0
+    )
 
 
 def compiled_parts(model: nn.Module) -> str | None:

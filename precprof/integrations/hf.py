@@ -265,7 +265,7 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
             scaler
         )  # GradScaler(enabled=False) scales nothing
         requested = requested_precision(args)
-        accel = getattr(trainer, "accelerator", None) if trainer is not None else None
+        accel = getattr(trainer if trainer is not None else _calling_trainer(), "accelerator", None)
         summary: dict[str, Any] = {
             T.SUMMARY_CONFIG: {
                 "source": "transformers.Trainer",
@@ -286,7 +286,11 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
                 "sample_every": self.sample_every,
             },
             T.SUMMARY_MODEL: model_info(model),
-            T.SUMMARY_CAPTURE: {"integration": "transformers", "mixed_precision_requested": requested},
+            T.SUMMARY_CAPTURE: {
+                "integration": "transformers",
+                "mixed_precision_requested": requested,
+                "compiled": _trainer_compiles(args),
+            },
         }
         out = (
             self.out
@@ -379,3 +383,15 @@ def profile_trainer(
         trainer.remove_callback(cb)
     cb.finish()  # no-op when on_train_end already finished it
     return result
+
+
+def _trainer_compiles(args: Any) -> str | None:
+    """``TrainingArguments(torch_compile=True)`` in words: the Trainer compiles the model it wraps, which the
+    callback is not given (the Profiler holds the module itself and cannot tell)."""
+    if not getattr(args, "torch_compile", False):
+        return None
+    backend = getattr(args, "torch_compile_backend", None) or "inductor"
+    mode = getattr(args, "torch_compile_mode", None)
+    return f"the whole model (the Trainer's torch_compile, backend {backend}" + (
+        f", mode {mode})" if mode else ")"
+    )

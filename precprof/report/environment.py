@@ -37,7 +37,7 @@ _CAPTURE_SAID = _keys(
     "block_formats weight_update_sample skipped_tensors stream memory_error histogram_shift_exact "
     "loss_dtypes device n_params param_bytes profiler_buffer_bytes profiler_scratch_bytes "
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled scaler_growth_interval "
-    "compiled fp8_emulated "
+    "compiled fp8_emulated dropout_layers "
     "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps shared_params gemm_inputs optimizer "
     "distributed"
 )
@@ -390,14 +390,29 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
         rows.append(("steps sampled", text))
     if capture.get("modules_captured") is not None:
         rows.append(("modules captured", F.count(capture["modules_captured"])))
+    dropout = _int(capture.get("dropout_layers")) or 0
+    compiled = str(capture.get("compiled") or cfg.get("compiled") or "")
+    # a backend that runs torch's own ops (eager, aot_eager) draws the masks an eager step draws
+    own_random = "backend " not in compiled or "backend inductor" in compiled
+    random_note = (
+        f"; the model has {F.count(dropout)} dropout layer{'s' if dropout != 1 else ''}: inductor's kernels draw "
+        "their own random numbers, so an eager step draws other masks and leaves the random-number state "
+        "elsewhere, and from the first sampled step on this run trained on other masks than it would have "
+        "without precprof (not bitwise it)"
+        if dropout and own_random
+        else ""
+    )
     if capture.get("compiled") and not cfg.get("compiled"):  # the built-in loop's run section says it
         rows.append(
             (
                 "torch.compile",
                 f"{capture['compiled']}: the steps not sampled ran compiled; the sampled ones ran it eagerly "
-                "(for the hooks), so their statistics are eager PyTorch's values and their time is eager's",
+                "(for the hooks), so their statistics are eager PyTorch's values and their time is eager's"
+                + random_note,
             )
         )
+    elif random_note and compiled:
+        rows.append(("dropout", random_note.removeprefix("; ")))
     shared = _shared_text(capture.get("shared_params"))
     if shared:
         rows.append(("tied or shared weights", shared))
