@@ -398,6 +398,28 @@ def test_a_run_resumed_from_a_checkpoint_counts_batches_not_optimizer_steps(
     assert steps[T.LOSS].notna().all() and steps[T.TOKENS].notna().all()
 
 
+class SilentManualLM(TwoOptimizerLM):
+    """Manual optimization whose training_step logs its loss and returns nothing, as many examples do."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+
+
+def test_a_training_step_that_returns_nothing_is_said_to_have_no_loss(tmp_path: Path) -> None:
+    """No loss reached the callback: the steps have none (no divergence), and the report says why, where the
+    curve was empty without a word."""
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, memory=False)
+    quiet_trainer(tmp_path, cb, max_steps=2).fit(SilentManualLM(groups=True), loader())
+    steps = T.read_tables(cb.run_dir)["steps"]
+    assert T.flags(steps[T.NO_LOSS]).all() and len(steps) == 2
+    page = (cb.run_dir / T.REPORT_FILE).read_text()
+    assert (
+        "No loss was recorded: the loop passed none" in page
+        and "a training_step that returns nothing" in page
+    )
+
+
 def test_the_norm_lightning_clips_by_is_recorded(tmp_path: Path) -> None:
     """With ``gradient_clip_val`` Lightning clips through torch.nn.utils.clip_grad_norm_, whose return the
     Profiler records (integrations.md said no gradient norm is recorded under Lightning): the norm of the

@@ -225,6 +225,8 @@ def test_steps_without_a_loss_are_no_divergence(tmp_path: Path, every: int) -> N
     fig = plots.training_figure(steps)
     assert fig is not None
     assert not any("not finite" in t.get_text() for t in fig.legends[0].get_texts())
+    missing = 8 - len(given)
+    assert f"{missing} of 8 steps have no loss: the loop passed none (prof.step() without loss=" in page
 
 
 def test_a_loss_accumulator_reused_in_place_is_recorded_as_it_was_at_each_step() -> None:

@@ -380,6 +380,24 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
     }
 
 
+def _loss_note(steps: pd.DataFrame) -> str:
+    """What the loss curve lacks: the steps the loop passed no loss for (``T.NO_LOSS``), and why that happens."""
+    if steps.empty or T.NO_LOSS not in steps:
+        return ""
+    missing = int(T.flags(steps[T.NO_LOSS]).sum())
+    if not missing:
+        return ""
+    why = (
+        "the loop passed none (prof.step() without loss=; under Lightning, a training_step that returns nothing, "
+        "as manual optimization often does: return the loss)"
+    )
+    if missing == len(steps):
+        return f"No loss was recorded: {why}."
+    return (
+        f"{F.count(missing)} of {F.count(len(steps))} steps have no loss: {why}; the curve leaves them out."
+    )
+
+
 def _restarts(steps: pd.DataFrame) -> list[int]:
     """The steps a resumed run restarted from."""
     if steps.empty or T.RESUMED not in steps:
@@ -457,6 +475,7 @@ def build_context(
                 training_fig, "Loss, loss scale with skipped steps, and gradient norm over training steps"
             ),
             "restarts": _restarts(steps),
+            "loss_note": _loss_note(steps),
             "timeline": _timeline(layers, steps),
         },
         "heatmaps": _heatmaps(tabs, rec, histogram_totals, summary),
