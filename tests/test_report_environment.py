@@ -157,3 +157,22 @@ def test_a_tied_weight_is_said_with_its_owner_and_escaped(tmp_path: Path) -> Non
         "<b>head.weight is <i>emb's (recorded once, under its first owner)"
     )
     assert "<b>head" not in page and "&lt;b&gt;head.weight is &lt;i&gt;emb" in page
+
+
+def test_a_hugging_face_models_sizes_are_said_once() -> None:
+    """GPT-2's config answers both its own names and the common ones (n_embd and hidden_size, n_head and
+    num_attention_heads): the size row said "32 wide, 32 wide ... num attention heads 2, num hidden layers 2"."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from precprof.integrations._common import model_info
+    from precprof.report.environment import environment
+
+    info = model_info(
+        GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=96, n_positions=32))
+    )
+    assert info["n_embd"] == info["hidden_size"] == 32 and info["num_attention_heads"] == 2
+    size = dict(dict(environment({T.SUMMARY_MODEL: info})["groups"])["Model"])["size"]
+    assert (
+        size
+        == f"{info['n_params']:,} parameters, 2 layers, 2 attention heads, 32 wide, 96 tokens in the vocabulary"
+    )

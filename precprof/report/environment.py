@@ -232,6 +232,15 @@ def precision_text(cfg: Mapping[str, Any], capture: Mapping[str, Any] | None = N
     return f"{precision}: " + "; ".join(parts)
 
 
+_SIZES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("n_layer", "num_hidden_layers", "num_layers"), "layers"),
+    (("n_head", "num_attention_heads"), "attention heads"),
+    (("n_embd", "hidden_size", "d_model"), "wide"),
+    (("vocab_size",), "tokens in the vocabulary"),
+    (("max_seq_len",), "positions at most"),
+)
+
+
 def _model(model: Mapping[str, Any], cfg: Mapping[str, Any], capture: Mapping[str, Any]) -> Rows:
     name = model.get("name") or cfg.get("model") or capture.get("model_class")
     if not name:
@@ -242,19 +251,13 @@ def _model(model: Mapping[str, Any], cfg: Mapping[str, Any], capture: Mapping[st
     shape: list[str] = []
     if n is not None:
         shape.append(f"{F.count(n)} parameters")
-    for key, unit in (
-        ("n_layer", "layers"),
-        ("n_head", "attention heads"),
-        ("n_embd", "wide"),
-        ("hidden_size", "wide"),
-        ("vocab_size", "tokens in the vocabulary"),
-        ("max_seq_len", "positions at most"),
-    ):
-        v = _int(model.get(key))
+    # each size once, under whichever name the model's config gives it (GPT-2's config answers both n_embd and
+    # hidden_size: the row said "32 wide, 32 wide")
+    for keys, unit in _SIZES:
+        v = next((_int(model.get(k)) for k in keys if _int(model.get(k)) is not None), None)
         if v is not None:
             shape.append(f"{F.count(v)} {unit}")
-    known = {"name", "kind", "class", "n_params", "n_layer", "n_head", "n_embd", "hidden_size", "vocab_size"}
-    known |= {"max_seq_len", "parameters"}
+    known = {"name", "kind", "class", "n_params", "parameters", *(k for keys, _ in _SIZES for k in keys)}
     shape += [f"{_label(k)} {F.plain(v)}" for k, v in model.items() if k not in known and not _empty(v)]
     if shape:
         rows.append(("size", ", ".join(shape)))
