@@ -434,8 +434,8 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
         rows.append(
             (
                 "weight updates read on",
-                f"{F.count(capture['weight_update_sample'])} elements of each parameter, before and after the "
-                "optimizer step",
+                f"up to {F.count(capture['weight_update_sample'])} elements of each parameter (all of a smaller "
+                "one), before and after the optimizer step",
             )
         )
     skipped = capture.get("skipped_tensors") or []
