@@ -165,6 +165,14 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def drops(module: Any) -> bool:
+    """Whether ``module`` is one of torch's dropout modules (``nn.Dropout``, ``Dropout1d/2d/3d``,
+    ``AlphaDropout``, ...: their private base ``_DropoutNd``) with a drop probability above 0."""
+    base = getattr(getattr(torch.nn.modules, "dropout", None), "_DropoutNd", None)
+    p = getattr(module, "p", None)
+    return base is not None and isinstance(module, base) and isinstance(p, (int, float)) and p > 0
+
+
 def is_compile_wrapper(module: Any) -> bool:
     """Whether ``module`` is ``torch.compile``'s wrapper (``OptimizedModule``): its forward is the wrapped
     module's, captured under the same name."""

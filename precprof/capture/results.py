@@ -458,11 +458,7 @@ def model_class_name(model: nn.Module) -> str:
 def _dropout_layers(model: nn.Module) -> int:
     """Dropout modules that drop something (p > 0): a compiled run's sampled steps, run eagerly, draw other
     random numbers than inductor's kernels do."""
-    return sum(
-        1
-        for m in model.modules()
-        if isinstance(m, nn.modules.dropout._DropoutNd) and isinstance(m.p, (int, float)) and m.p > 0
-    )
+    return sum(1 for m in model.modules() if _compat.drops(m))
 
 
 def compiled_parts(model: nn.Module) -> str | None:
