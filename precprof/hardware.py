@@ -328,6 +328,19 @@ def usual_format(info: HardwareInfo) -> tuple[str, str]:
     return "fp32", f"compute capability {cc[0]}.{cc[1]}: no tensor cores for low precision"
 
 
+# the libraries precprof uses when they are there, by their distribution names
+OPTIONAL_LIBRARIES = (
+    "transformers",
+    "accelerate",
+    "lightning",
+    "peft",
+    "torchao",
+    "transformer_engine",
+    "triton",
+    "nvidia-ml-py",
+)
+
+
 def software_versions() -> dict[str, str | None]:
     """Versions of python, torch, CUDA/cuDNN and the optional libraries precprof uses (None: not installed).
 
@@ -349,21 +362,7 @@ def software_versions() -> dict[str, str | None]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": str(cudnn) if cudnn else None,
-        **{
-            dist: version(dist)
-            for dist in (
-                "numpy",
-                "pandas",
-                "transformers",
-                "accelerate",
-                "lightning",
-                "peft",
-                "torchao",
-                "transformer_engine",
-                "triton",
-                "nvidia-ml-py",
-            )
-        },
+        **{dist: version(dist) for dist in ("numpy", "pandas", *OPTIONAL_LIBRARIES)},
     }
 
 
@@ -401,22 +400,7 @@ def env_report(info: HardwareInfo | None = None) -> str:
     fmt, why = usual_format(info)
     lines.append(f"usual format here: {fmt} ({why})")
     lines.append(f"libraries: numpy {v['numpy'] or '?'}, pandas {v['pandas'] or '?'}")
-    lines.append(
-        "optional: "
-        + ", ".join(
-            f"{k} {v[k] or 'not installed'}"
-            for k in (
-                "transformers",
-                "accelerate",
-                "lightning",
-                "peft",
-                "torchao",
-                "transformer_engine",
-                "triton",
-                "nvidia-ml-py",
-            )
-        )
-    )
+    lines.append("optional: " + ", ".join(f"{k} {v[k] or 'not installed'}" for k in OPTIONAL_LIBRARIES))
     # precprof.stats imports torch; a preset (`precprof report --target`) needs neither
     from precprof.stats import kernel_cache
 
