@@ -337,7 +337,6 @@ OPTIONAL_LIBRARIES = (
     "torchao",
     "transformer_engine",
     "triton",
-    "nvidia-ml-py",
 )
 
 
@@ -362,7 +361,7 @@ def software_versions() -> dict[str, str | None]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": str(cudnn) if cudnn else None,
-        **{dist: version(dist) for dist in ("numpy", "pandas", *OPTIONAL_LIBRARIES)},
+        **{dist: version(dist) for dist in ("numpy", "pandas", "nvidia-ml-py", *OPTIONAL_LIBRARIES)},
     }
 
 
@@ -399,7 +398,10 @@ def env_report(info: HardwareInfo | None = None) -> str:
         lines.append(f"NVML: {info.nvml}")
     fmt, why = usual_format(info)
     lines.append(f"usual format here: {fmt} ({why})")
-    lines.append(f"libraries: numpy {v['numpy'] or '?'}, pandas {v['pandas'] or '?'}")
+    lines.append(
+        "libraries: "
+        + ", ".join(f"{k} {v[k] or 'not installed'}" for k in ("numpy", "pandas", "nvidia-ml-py"))
+    )
     lines.append("optional: " + ", ".join(f"{k} {v[k] or 'not installed'}" for k in OPTIONAL_LIBRARIES))
     # precprof.stats imports torch; a preset (`precprof report --target`) needs neither
     from precprof.stats import kernel_cache
