@@ -141,12 +141,16 @@ def write_tables(run_dir: str | Path, tables: Mapping[str, pd.DataFrame]) -> Non
         out = frame(name, df)
 
         def write(tmp: Path, out: pd.DataFrame = out) -> None:
-            # one thread: Arrow converts a large frame on a pool of Python threads, which an interpreter that is
-            # exiting refuses ("cannot schedule new futures after interpreter shutdown"), and a run saved at exit
-            # (a script that died, the bare callbacks' atexit) was lost
-            pq.write_table(pa.Table.from_pandas(out, preserve_index=False, nthreads=1), tmp)
+            write_parquet(out, tmp)
 
         _atomic.write_with(run_dir / TABLE_FILES[name], write)
+
+
+def write_parquet(df: pd.DataFrame, path: Path) -> None:
+    """``df`` as a Parquet file, converted on this thread: Arrow converts a large frame on a pool of Python
+    threads, which an interpreter that is exiting refuses ("cannot schedule new futures after interpreter
+    shutdown"), and a run saved at exit (a script that died, the bare callbacks' atexit) was lost."""
+    pq.write_table(pa.Table.from_pandas(df, preserve_index=False, nthreads=1), path)
 
 
 def missing_tables(run_dir: str | Path) -> list[str]:

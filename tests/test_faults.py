@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import precprof
-from precprof import _atomic, _saving, cli, pipeline, rundir
+from precprof import _atomic, _saving, cli, pipeline, rundir, runfiles
 from precprof import tables as T
 from precprof.capture import stream
 from precprof.errors import RunNotSavedWarning
@@ -218,15 +218,15 @@ def test_two_processes_on_the_same_out(tmp_path: Path) -> None:
 def test_disk_full_is_an_incomplete_run_with_the_cause(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = pd.DataFrame.to_parquet
+    real = runfiles.write_parquet
 
-    def fill_the_disk(self: pd.DataFrame, path: object, *args: object, **kwargs: object) -> None:
+    def fill_the_disk(df: pd.DataFrame, path: Path) -> None:
         if "histograms" in str(path):
             Path(str(path)).write_bytes(b"PAR1 half a file")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(self, path, *args, **kwargs)  # type: ignore[arg-type]
+        real(df, path)
 
-    monkeypatch.setattr(pd.DataFrame, "to_parquet", fill_the_disk)
+    monkeypatch.setattr(runfiles, "write_parquet", fill_the_disk)
     out = tmp_path / "run"
     with pytest.warns(RunNotSavedWarning, match=f"{out} was not saved whole"):
         result = train(tiny_config(out))
@@ -319,7 +319,7 @@ def test_compare_on_a_full_disk_says_so_and_exits_1(
 ) -> None:
     """compare.html that does not fit was a traceback; a run that did not fit passed in silence."""
     out = tmp_path / "cmp"
-    monkeypatch.setattr(pd.DataFrame, "to_parquet", _no_room_for("layers"))
+    monkeypatch.setattr(runfiles, "write_parquet", _no_room_for("layers"))
     real = _atomic.write_text
 
     def no_room_for_the_page(path: object, text: str) -> Path:
@@ -338,14 +338,14 @@ def test_compare_on_a_full_disk_says_so_and_exits_1(
 
 
 def _no_room_for(table: str) -> object:
-    real = pd.DataFrame.to_parquet
+    real = runfiles.write_parquet
 
-    def to_parquet(self: pd.DataFrame, path: object, *args: object, **kwargs: object) -> None:
+    def write_parquet(df: pd.DataFrame, path: Path) -> None:
         if f"{table}.parquet" in str(path):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(self, path, *args, **kwargs)  # type: ignore[arg-type]
+        real(df, path)
 
-    return to_parquet
+    return write_parquet
 
 
 def test_a_full_disk_keeps_the_summary_before_the_tables(
