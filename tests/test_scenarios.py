@@ -79,6 +79,48 @@ def test_a_tiny_gradients_get_a_loss_scale_that_works() -> None:
     assert int(grads[T.INF].sum() + grads[T.NAN].sum()) == 0
 
 
+def test_a_every_gradient_flushed_is_critical_and_the_advice_recovers_it() -> None:
+    """fp16 without loss scaling, the loss weighted by 2^-30: every fp16 activation gradient is an exact zero and
+    the loss never moves. The flush test wanted a smallest nonzero value among fp16's subnormals, which a run that
+    lost all of them has not: the worst case got an info finding, "n/a" shares and a verdict saying "the
+    measured gradients do not underflow" bf16. It is critical now, the verdict says nothing was measured, and
+    the fallback scale it gives brings the gradients back."""
+    weight = 2.0**-30
+    dead = tiny_gradients.run("fp16", steps=6, weight=weight)
+    ag = _rows(dead.tables, T.ACTIVATION_GRAD)
+    assert set(ag[T.DTYPE]) == {"float16"} and (ag[T.ZEROS] == ag[T.NUMEL]).all()  # every value zero
+    wg = _rows(dead.tables, T.WEIGHT_GRAD)
+    assert (wg[T.ZEROS] == wg[T.NUMEL]).all()  # nothing trains: every weight's gradient is zero too
+    rec = dead.recommend("v100")
+    f = rec.finding("fp16_gradient_underflow")
+    assert f is not None and f.severity == "critical" and f.numbers["fp16_flushed"]
+    assert f.message.startswith("This fp16 run trained without loss scaling, and every one of its fp16")
+    assert f.numbers["fp16_smallest_nonzero"] is None
+    assert not any("the measured gradients do not underflow" in r for r in rec.reasons)
+    assert not any("the largest gradient seen, n/a" in r for r in rec.reasons)
+    assert (
+        rec.format == "fp16" and rec.loss_scale == 2.0**24 and "GradScaler(init_scale=16777216)" in f.remedy
+    )
+    assert any(r.startswith("Start GradScaler at init_scale=") and "flush point" in r for r in rec.reasons)
+    scale = float(rec.loss_scale)
+    fixed = tiny_gradients.run("fp16", loss_scale=scale, steps=6, weight=weight)
+    assert _fp16_zero_share(fixed.tables) < 0.05
+    wg = _rows(fixed.tables, T.WEIGHT_GRAD)
+    assert (wg[T.ZEROS] < wg[T.NUMEL]).all()
+
+
+def test_a_the_runs_loss_scale_is_the_one_it_trained_at() -> None:
+    """A GradScaler that backs off from 2^16 through five skipped steps to the 2^11 it then trains at: "the run's
+    loss scale", against which a recommended scale is judged, was the median of the distinct scales it visited
+    (2^13 here); it is the scale of the steps taken."""
+    run = tiny_gradients.run("fp16", loss_scale=2.0**16, steps=10, weight=2.0**6)
+    steps = run.tables["steps"]
+    taken = steps[~T.flags(steps[T.SKIPPED])]
+    assert steps[T.SKIPPED].sum() == 5 and set(taken[T.LOSS_SCALE]) == {2.0**11}
+    f = run.recommend("v100").finding("fp16_gradient_underflow")
+    assert f is not None and f.numbers["run_scale_log2"] == 11
+
+
 def test_b_huge_activations_keep_the_layer_in_fp32() -> None:
     rec = huge_activations.run().recommend("v100")
     over = rec.finding("fp16_activation_overflow")

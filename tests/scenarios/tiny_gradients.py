@@ -30,17 +30,20 @@ class TinyGradNet(nn.Module):
         return self.head(self.act2(self.fc2(self.act1(self.fc1(x)))))
 
 
-def weighted_mse(pred: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return LOSS_WEIGHT * nn.functional.mse_loss(pred.float(), y)
+def weighted_mse(pred: torch.Tensor, y: torch.Tensor, weight: float = LOSS_WEIGHT) -> torch.Tensor:
+    return weight * nn.functional.mse_loss(pred.float(), y)
 
 
-def run(precision: str = "fp32", loss_scale: float | None = None, steps: int = 4) -> ProfiledRun:
-    """Train TinyGradNet for a few steps (always from the same initial weights and batches)."""
+def run(
+    precision: str = "fp32", loss_scale: float | None = None, steps: int = 4, weight: float = LOSS_WEIGHT
+) -> ProfiledRun:
+    """Train TinyGradNet for a few steps (always from the same initial weights and batches), its loss weighted
+    by ``weight``."""
     torch.manual_seed(0)
     return train_profiled(
         TinyGradNet(),
         regression_batches(N_IN),
-        weighted_mse,
+        lambda pred, y: weighted_mse(pred, y, weight),
         precision=precision,
         loss_scale=loss_scale,
         steps=steps,

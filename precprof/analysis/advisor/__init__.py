@@ -128,7 +128,12 @@ def recommend(
         run.types = layers.groupby(T.MODULE)[T.MODULE_TYPE].first().to_dict()
     plan = _Plan(loss_scale_log2=cfg.default_loss_scale_log2, growth_interval=cfg.default_growth_interval)
     plan.matmul_layers = _matmul_leaves(run)
-    plan.gradients_measured = not run.kind(*T.GRADIENT_KINDS).empty
+    grads = run.kind(*T.GRADIENT_KINDS)
+    plan.gradients_measured = not grads.empty
+    finite_nonzero = (
+        grads[T.NUMEL].sum() - grads[[T.ZEROS, T.NAN, T.INF]].sum().sum() if not grads.empty else 0
+    )
+    plan.gradients_valueless = plan.gradients_measured and float(finite_nonzero) <= 0
     # a layer's output or a gradient: the model's input (the data a first layer read) and weights alone are
     # what a run whose first forward pass failed records
     outputs = run.kind(T.ACTIVATION)[T.MODULE]

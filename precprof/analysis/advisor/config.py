@@ -21,6 +21,10 @@ class AdvisorConfig:
     max_loss_scale_log2: int = 32
     # Used when the run has no gradient statistics: GradScaler's own default init_scale, 2^16.
     default_loss_scale_log2: int = 16
+    # Used when every gradient value recorded was fp16 at scale 1 and an exact zero (an unscaled fp16 run that
+    # flushed them all): 2^24 puts a gradient at fp16's flush point (2^-25) at 0.5; GradScaler backs off from it,
+    # a skipped step a halving, where something overflows.
+    flushed_loss_scale_log2: int = 24
     # Activation-gradient underflow in fp16: at or below ``fp16_underflow_ok`` it is negligible (the target of
     # the loss-scale rule); above ``fp16_underflow_block`` even at the recommended scale, fp16 is not advised.
     fp16_underflow_ok: float = 0.01

@@ -9,7 +9,7 @@ from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import _Plan, _Run
 from precprof.analysis.advisor.model import INFO, WARNING, Recommendation
 from precprof.analysis.advisor.rules.fp8 import token_counts, tokens_remedy
-from precprof.analysis.advisor.text import _g, _listing, _pct, _scale
+from precprof.analysis.advisor.text import _g, _listing, _pct, _pow2, _scale
 from precprof.taxonomy import FP8_DIM_MULTIPLE
 
 
@@ -24,6 +24,11 @@ def _not_measured(plan: _Plan) -> str:
         return (
             "not measured: this run recorded no per-layer statistics (--sample-every 0 records none); profile "
             "with --sample-every N to measure it"
+        )
+    if plan.gradients_valueless:
+        return (
+            "not measured: every gradient value the sampled steps recorded was zero, inf or nan, none a finite "
+            "nonzero value to place against a format's range"
         )
     return "not measured: no gradient was recorded on a sampled step (no backward pass was seen)"
 
@@ -185,7 +190,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             f"{where} runs bf16 natively; bf16 has fp32's exponent range, so no loss scale is needed"
             + (
                 " and the measured gradients do not underflow it."
-                if plan.gradients_measured
+                if plan.gradients_measured and not plan.gradients_valueless
                 else f"; whether this model's gradients underflow it was {_not_measured(plan)}."
             )
             + (
@@ -231,9 +236,16 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             f"Start GradScaler at init_scale={_scale(k)} (2^{k}): the largest gradient seen, {_g(gm)}, times "
             f"2^{k} stays below 65504 / {2**cfg.fp16_margin_log2}; activation-gradient underflow falls from "
             f"{_pct(plan.underflow_at_1)} at scale 1 to {_pct(plan.underflow_at_rec)}."
-            if plan.gradients_measured
-            else f"Start GradScaler at its default init_scale={_scale(k)} (2^{k}): the loss scale that keeps this "
-            f"model's gradients in fp16's range was {_not_measured(plan)}."
+            if plan.gradients_measured and not plan.gradients_valueless and plan.grad_absmax is not None
+            else f"Start GradScaler at {'its default ' if k == cfg.default_loss_scale_log2 else ''}init_scale="
+            f"{_scale(k)} (2^{k}): the loss scale that keeps this model's gradients in fp16's range was "
+            f"{_not_measured(plan)}"
+            + (
+                f"; {_pow2(k)} lifts a gradient at fp16's flush point (2^-25) to 0.5, and GradScaler backs off "
+                "from it where one overflows."
+                if k == cfg.flushed_loss_scale_log2 and plan.gradients_valueless
+                else "."
+            )
         )
         if plan.keep_fp16:
             reasons.append(

@@ -408,6 +408,9 @@ class _Plan:
     # allow" (a run whose first forward pass failed may have recorded a weight and the model's input, no more)
     measured: bool = True
     weights_only: bool = False  # rows were recorded, but only weights and the model's inputs
+    # gradients were recorded, but not one finite nonzero value among them (every one zero, inf or nan): they
+    # place nothing against a format's range
+    gradients_valueless: bool = False
 
     def add(self, f: Finding) -> None:
         self.findings.append(f)

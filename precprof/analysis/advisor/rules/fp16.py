@@ -162,6 +162,18 @@ def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series | None
     return _dtype_has(acts, "bfloat16") | acts[T.MODULE].isin(read) | own_input
 
 
+def _all_flushed(run: _Run) -> bool:
+    """Whether every gradient value recorded was an exact zero (no nan or inf among them), the activation
+    gradients fp16 at loss scale 1: an unscaled fp16 run that flushed all of them (the weights' gradients, fp32
+    under autocast, are zeros computed from them)."""
+    g = run.kind(*T.GRADIENT_KINDS)
+    ag = g[g[T.TENSOR] == T.ACTIVATION_GRAD]
+    if ag.empty or not _dtype_has(ag, "float16").all():
+        return False
+    unscaled = bool((pd.to_numeric(ag[T.SCALE], errors="coerce").fillna(1.0) == 1.0).all())
+    return unscaled and int(g[T.ZEROS].sum()) == int(g[T.NUMEL].sum()) > 0
+
+
 def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
     cfg = run.cfg
     # Gradients of a step whose forward pass was already non-finite are nan/inf garbage: size the scale on
@@ -179,7 +191,28 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
     # no step measured it: it comes from a step where some gradient was inf or nan, above every step without
     plan.grad_absmax_bound = gmax is not None and (clean is None or gmax > clean)
     limit = FP16.max / 2.0**cfg.fp16_margin_log2
-    if gmax is None or gmax <= 0:
+    if (gmax is None or gmax <= 0) and _all_flushed(run):
+        k = cfg.flushed_loss_scale_log2
+        plan.loss_scale_log2 = k
+        plan.add(
+            Finding(
+                "fp16_loss_scale",
+                INFO,
+                f"fp16 loss scale {_pow2(k)}: every gradient flushed, how far to scale is not measured",
+                "Every gradient value the run recorded was fp16 at loss scale 1 and an exact zero: each lay at or "
+                "below 2^-25, where fp16 rounds to zero, and how far below is not known. "
+                f"{_pow2(k)} lifts a gradient at that point to 0.5.",
+                f"Start GradScaler at init_scale={_scale(k)} and let it back off where a gradient overflows (each "
+                "halving skips a step); profile again to size the scale on measured gradients.",
+                numbers={
+                    "loss_scale_log2": k,
+                    "loss_scale": 2.0**k,
+                    "grad_absmax": None,
+                    "steps_excluded": excluded,
+                },
+            )
+        )
+    elif gmax is None or gmax <= 0:
         k = cfg.default_loss_scale_log2
         plan.loss_scale_log2 = k
         plan.add(
@@ -297,6 +330,22 @@ def _runs_into_floor(is16: pd.DataFrame, zero16: float | None, zero_share: float
     return 0 < floor < FP16.smallest_normal
 
 
+def _run_scale_log2(run: _Run, ag: pd.DataFrame) -> int:
+    """log2 of the loss scale the run trained at: the median over its activation-gradient rows of the steps
+    the optimizer took (a skipped step's scale is one the scaler left), rounded; 0 (scale 1) without any. The
+    median of the distinct scales was read: a scaler that backed off from 2^16 through 2^12 to the 2^11 it then
+    trained at read as 2^14."""
+    rows = ag
+    steps = run.steps
+    if not steps.empty and T.SKIPPED in steps and T.STEP in steps:
+        skipped = set(steps[T.flags(steps[T.SKIPPED]).to_numpy()][T.STEP].astype(int))
+        taken = ag[~ag[T.STEP].astype(int).isin(skipped)]
+        rows = taken if not taken.empty else ag
+    scales = pd.to_numeric(rows[T.SCALE], errors="coerce").dropna()
+    scales = scales[scales > 0]
+    return round(math.log2(float(scales.median()))) if len(scales) else 0
+
+
 def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     k = plan.loss_scale_log2
@@ -322,8 +371,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     # gradients are all fp16 (CPU autocast keeps its norms in fp16) was read as unscaled and told to scale its
     # loss. A recommended scale below it that loses more of the gradients' values than the run did is no
     # remedy when those values carry some of a module's gradient norm: the gradients span more than fp16 holds.
-    run_scales = sorted(set(pd.to_numeric(ag[T.SCALE], errors="coerce").dropna().tolist()))
-    k_run = round(math.log2(float(pd.Series(run_scales).median()))) if run_scales and run_scales[0] > 0 else 0
+    k_run = _run_scale_log2(run, ag)
     at_run = _share(_shifted_underflow(counts, FP16, k_run)[0], total)
     totals = run.hist_totals()
     norm = _lost_norm_share(totals[totals[T.TENSOR] == T.ACTIVATION_GRAD], FP16, k)
@@ -367,20 +415,30 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     # smallest nonzero value among fp16's subnormals (the distribution runs into the floor), is the evidence.
     unscaled16 = is16[is16[T.SCALE].fillna(1.0) == 1.0] if not is16.empty else is16
     floor16 = float(unscaled16[T.ABSMIN].min()) if not unscaled16.empty else math.nan
+    # every value zero: nothing reached fp16's range at all (the worst case, with no smallest value to show)
+    all_zero16 = (
+        not unscaled16.empty and float(unscaled16[T.ZEROS].sum()) == float(unscaled16[T.NUMEL].sum()) > 0
+    )
     flushed = (
         zero16 is not None
         and zero16 > cfg.fp16_flushed_zero_share
         and not unscaled16.empty
-        and 0 < floor16 < FP16.smallest_normal
+        and (0 < floor16 < FP16.smallest_normal or all_zero16)
     )
     loss_change = _loss_change(run)
     stalled = loss_change is not None and abs(loss_change) < cfg.stalled_loss_change
     if flushed:  # what the run lost comes first: the exact counts above see none of it
         msg = (
-            f"This fp16 run trained without loss scaling: {_pct(zero16)} of its fp16 activation-gradient values "
-            f"are exact zeros and the smallest nonzero one is {floor16:.3g}, among fp16's subnormals (below "
-            f"2^-14): the gradients run into fp16's floor and what lies below it was flushed to zero (a value that "
-            "underflowed is a zero, so the counts that follow cannot see it)"
+            (
+                "This fp16 run trained without loss scaling, and every one of its fp16 activation-gradient values "
+                "is an exact zero: no gradient reached fp16's range, all of them were flushed to zero (a value "
+                "that underflowed is a zero, so the counts that follow cannot see it)"
+                if all_zero16
+                else f"This fp16 run trained without loss scaling: {_pct(zero16)} of its fp16 activation-gradient "
+                f"values are exact zeros and the smallest nonzero one is {floor16:.3g}, among fp16's subnormals "
+                "(below 2^-14): the gradients run into fp16's floor and what lies below it was flushed to zero (a "
+                "value that underflowed is a zero, so the counts that follow cannot see it)"
+            )
             + (
                 (
                     f"; the loss did not move (it changed by {_pct(abs(loss_change))} over the run): training "
@@ -424,10 +482,15 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         severity = WARNING
         remedy = f"Start GradScaler at {_scale(k)}, and consider bf16: {_pct(atk)} still underflows there."
     elif flushed:
-        severity = CRITICAL if stalled else WARNING  # a stalled run lost its gradients, not a tail of them
+        # a stalled run, or one whose every gradient value flushed, lost its gradients, not a tail of them
+        severity = CRITICAL if stalled or all_zero16 else WARNING
         remedy = (
-            f"Scale the loss: GradScaler(init_scale={_scale(k)}), the largest scale the measured gradients allow, "
-            "lifts them off fp16's floor; or train in bf16."
+            f"Scale the loss: no gradient reached fp16's range, so how far is not measured; start "
+            f"GradScaler(init_scale={_scale(k)}), which lifts a gradient at fp16's flush point (2^-25) to 0.5, let "
+            "it back off where one overflows, and profile again to size it; or train in bf16."
+            if all_zero16
+            else f"Scale the loss: GradScaler(init_scale={_scale(k)}), the largest scale the measured gradients "
+            "allow, lifts them off fp16's floor; or train in bf16."
         )
     elif (
         (at1 or 0) > cfg.fp16_underflow_ok
@@ -482,7 +545,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
                 "overflow_at_recommended": int(over_k),
                 "fp16_zero_share": zero16,
                 "fp16_flushed": flushed,
-                "fp16_smallest_nonzero": floor16 if flushed else None,
+                "fp16_smallest_nonzero": floor16 if flushed and floor16 > 0 else None,
                 "loss_change": loss_change,
                 "share_at_run_scale": at_run,
                 "run_scale_log2": k_run,
