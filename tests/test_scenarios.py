@@ -27,7 +27,8 @@ from scenarios import (
     summed_loss,
     tiny_gradients,
 )
-from scenarios.loop import regression_batches
+from scenarios.loop import regression_batches, train_profiled
+from torch import nn
 
 import precprof
 from precprof import tables as T
@@ -119,6 +120,50 @@ def test_a_the_runs_loss_scale_is_the_one_it_trained_at() -> None:
     assert steps[T.SKIPPED].sum() == 5 and set(taken[T.LOSS_SCALE]) == {2.0**11}
     f = run.recommend("v100").finding("fp16_gradient_underflow")
     assert f is not None and f.numbers["run_scale_log2"] == 11
+
+
+def test_b_gradients_that_overflow_into_fp32_weight_gradients_are_counted() -> None:
+    """fp16 autocast with a GradScaler, one layer's weight 3000 times too large: the fp16 matmuls computing the
+    weight gradients overflow and the infs land in the fp32 .grad, which made the scaler skip most of its steps.
+    The finding counted the fp16 activation gradients' infs alone: fewer steps than the scaler skipped, and not
+    the modules whose weight gradients overflowed. It names every step the scaler skipped, and those modules."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(
+            nn.Linear(16, 64),
+            nn.ReLU(),
+            nn.Linear(64, 64),
+            nn.ReLU(),
+            nn.Linear(64, 64),
+            nn.ReLU(),
+            nn.Linear(64, 1),
+        )
+        with torch.no_grad():
+            m[2].weight.mul_(3000.0)
+        return m
+
+    run = train_profiled(
+        net(),
+        regression_batches(16),
+        lambda p, y: nn.functional.mse_loss(p.float(), y),
+        precision="fp16",
+        loss_scale=2.0**16,
+        steps=12,
+    )
+    steps, layers = run.tables["steps"], run.tables["layers"]
+    skipped = sorted(int(s) for s in steps[T.flags(steps[T.SKIPPED])][T.STEP])
+    grads = layers[layers[T.TENSOR].isin(T.GRADIENT_KINDS)]
+    inf_wg = grads[(grads[T.TENSOR] == T.WEIGHT_GRAD) & (grads[T.INF] > 0) & (grads[T.DTYPE] == "float32")]
+    assert (
+        len(skipped) >= 6 and not inf_wg.empty
+    )  # infs in fp32 weight gradients: the fp16 matmuls overflowed
+    f = run.recommend("v100").finding("fp16_gradient_overflow")
+    assert f is not None and f.severity == "warning"
+    with_inf = grads[grads[T.INF] > 0]
+    assert f.numbers["steps"] == len(skipped) == with_inf[T.STEP].nunique()
+    assert f.numbers["values"] == int(with_inf[T.INF].sum())
+    assert set(inf_wg[T.MODULE]) <= set(f.modules)
 
 
 def test_b_huge_activations_keep_the_layer_in_fp32() -> None:

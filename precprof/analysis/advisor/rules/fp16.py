@@ -559,18 +559,23 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
 
 def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
     g = run.kind(*T.GRADIENT_KINDS)
-    g = g[(g[T.overflow_col("fp16")] > 0) | (_dtype_has(g, "float16") & (g[T.INF] > 0))]
+    # What overflowed: an inf in an fp16 gradient, and in an fp16 run an inf in an fp32 one too (autocast's fp16
+    # matmul computed a weight's gradient, it overflowed, and the inf was cast into the fp32 .grad: the step the
+    # scaler skipped for it). A finite value beyond 65504 in an fp32 gradient overflowed nothing: it is what fp16
+    # would do at that scale (bf16 autocast with a GradScaler, fp32, or a weight's gradient summed over
+    # micro-batches in an fp16 run).
+    inf_is_overflow = _dtype_has(g, "float16") | run.precision_trained.startswith("fp16")
+    overflowed = g[inf_is_overflow & (g[T.INF] > 0)]
+    real = not overflowed.empty or (
+        run.precision_trained == "" and bool((g[T.overflow_col("fp16")] > 0).any())
+    )
+    g = overflowed if not overflowed.empty else g[g[T.overflow_col("fp16")] > 0]
     if g.empty:
         return
     mods = run.sort(g[T.MODULE])
     steps = sorted(int(s) for s in g[T.STEP].unique())
-    n = int(g[T.overflow_col("fp16")].sum() + g[_dtype_has(g, "float16")][T.INF].sum())
+    n = int(g[T.INF].sum() if not overflowed.empty else g[T.overflow_col("fp16")].sum())
     scales = sorted({float(s) for s in g[T.SCALE].unique()})
-    # Only fp16 gradients overflow fp16. In a run whose gradients are not fp16 (bf16 autocast with a
-    # GradScaler, fp32) nothing overflowed: it is what fp16 would do at that scale. In an fp16 autocast run the
-    # fp32 ones (a weight's gradient summed over micro-batches, one computed in fp32) did not either: each
-    # micro-batch's fp16 part stayed finite, or an inf would be there.
-    real = run.precision_trained == "" or bool(_dtype_has(g, "float16").any())
     static = _static_scale(run.steps)
     what = (
         "GradScaler skips those steps"
