@@ -181,6 +181,11 @@ def test_b_huge_activations_keep_the_layer_in_fp32() -> None:
     rec_bad = bad.recommend("v100")
     assert rec_bad.finding("nonfinite_forward").modules == ["amplify"]  # type: ignore[union-attr]
     assert rec_bad.keep_fp32 == ["amplify"]
+    # every sampled step's forward pass was inf: no reason may say what its gradients measured (it said "the
+    # largest gradient seen, n/a" and, for bf16, "the measured gradients do not underflow it")
+    said = " ".join(rec_bad.reasons + bad.recommend("a100").reasons)
+    assert "n/a" not in said and "the measured gradients do not underflow" not in said
+    assert "every sampled step's forward pass was already non-finite" in said
     good = huge_activations.run("fp16", loss_scale=rec.loss_scale, keep_fp32=rec.keep_fp32)
     layers = good.tables["layers"]
     assert int(layers[T.INF].sum() + layers[T.NAN].sum()) == 0

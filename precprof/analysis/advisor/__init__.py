@@ -143,6 +143,8 @@ def recommend(
 
     _rule_hardware(run, plan)
     fwd_bad = _rule_nonfinite(run, plan)
+    sampled = {int(s) for s in run.layers[T.STEP].unique()} if not run.layers.empty else set()
+    plan.forward_broken = bool(sampled) and sampled <= {int(s) for s in fwd_bad}
     _rule_diverged(run, plan)
     if plan.diverged is not None:
         after = run.steps[T.STEP] >= plan.diverged[0]

@@ -411,6 +411,8 @@ class _Plan:
     # gradients were recorded, but not one finite nonzero value among them (every one zero, inf or nan): they
     # place nothing against a format's range
     gradients_valueless: bool = False
+    # every sampled step's forward pass was non-finite: its gradients are of a broken computation
+    forward_broken: bool = False
 
     def add(self, f: Finding) -> None:
         self.findings.append(f)
