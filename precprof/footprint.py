@@ -203,10 +203,15 @@ def model_state_bytes(model: nn.Module, optimizer: str) -> tuple[int, int, int]:
     return param_bytes, grad_bytes, state_bytes
 
 
-def saved_activation_bytes(model: nn.Module, forward_loss: Callable[[], torch.Tensor]) -> int:
+def saved_activation_bytes(
+    model: nn.Module,
+    forward_loss: Callable[[], torch.Tensor],
+    leave_out: Callable[[torch.Tensor], bool] | None = None,
+) -> int:
     """Bytes of the tensors autograd saves for backward while ``forward_loss()`` runs (each storage once,
-    the model's parameters excluded). The graph is dropped afterwards; nothing is trained. The random state
-    is forked and the module buffers (BatchNorm's running statistics) restored: training is unchanged."""
+    the model's parameters excluded, and those ``leave_out`` picks). The graph is dropped afterwards; nothing
+    is trained. The random state is forked and the module buffers (BatchNorm's running statistics) restored:
+    training is unchanged."""
     params = {_storage_key(p.untyped_storage()) for p in model.parameters()}
     seen: set[int] = set()
     total = 0
@@ -216,7 +221,7 @@ def saved_activation_bytes(model: nn.Module, forward_loss: Callable[[], torch.Te
         with contextlib.suppress(RuntimeError):  # tensor subclasses without a plain storage
             st = t.untyped_storage()
             key = _storage_key(st)
-            if key not in params and key not in seen:
+            if key not in params and key not in seen and not (leave_out is not None and leave_out(t)):
                 seen.add(key)
                 total += st.nbytes()
         return t
@@ -261,6 +266,7 @@ def estimate(
     available: int | None = None,
     what: str = "this run",
     where: str = "this machine",
+    leave_out: Callable[[torch.Tensor], bool] | None = None,
 ) -> Footprint:
     """The footprint of training ``model`` at ``batch_size`` (>= 1) with ``optimizer`` ("adamw" or "sgd").
 
@@ -269,7 +275,9 @@ def estimate(
     states or whose batch 1 cannot fit is refused (UserError) before a larger batch is tried, and batch 2 is
     measured only when batch 1 says it fits. Only a refusal is raised here: when the model's own forward pass
     fails, the estimate is left unmeasured (``measured`` False, ``note`` says why) and training meets the
-    error where it records it. ``what`` and ``where`` name the run and the machine in a refusal.
+    error where it records it. ``what`` and ``where`` name the run and the machine in a refusal. ``leave_out``
+    picks saved tensors not to count (the meta device's attention matrices, which a device's fused kernel does
+    not keep).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -278,7 +286,7 @@ def estimate(
     check_fits(fp, available, what=what, where=where)  # the model alone: nothing measured yet
 
     try:
-        one = _measure(model, forward_loss, 1)
+        one = _measure(model, forward_loss, 1, leave_out)
     except torch.OutOfMemoryError:
         raise _refusal(fp.at_batch(1), available, what=what, where=where, out_of_memory=True) from None
     except Exception as e:  # the model's own error: training reports it, with its run directory
@@ -292,7 +300,7 @@ def estimate(
         check_fits(fp, available, what=what, where=where)  # "use --batch-size 1" from the upper bound
         return fp  # not reached while batch_size >= 2: batch 2 does not fit
     try:
-        two = _measure(model, forward_loss, 2)
+        two = _measure(model, forward_loss, 2, leave_out)
     except torch.OutOfMemoryError:
         raise _refusal(fp.at_batch(2), available, what=what, where=where, out_of_memory=True) from None
     except Exception as e:  # batch 1 ran: keep its upper bound
@@ -305,10 +313,15 @@ def estimate(
     return fp
 
 
-def _measure(model: nn.Module, forward_loss: Callable[[int], torch.Tensor], n: int) -> int:
+def _measure(
+    model: nn.Module,
+    forward_loss: Callable[[int], torch.Tensor],
+    n: int,
+    leave_out: Callable[[torch.Tensor], bool] | None = None,
+) -> int:
     """``saved_activation_bytes`` at batch ``n``; running out of memory raises torch.OutOfMemoryError."""
     try:
-        return saved_activation_bytes(model, lambda: forward_loss(n))
+        return saved_activation_bytes(model, lambda: forward_loss(n), leave_out)
     except Exception as e:
         if not _is_out_of_memory(e):
             raise
