@@ -16,10 +16,12 @@ def main() -> None:
     """Entry point of the ``precprof`` console script."""
     try:
         from precprof.cli import main as run
-    except KeyboardInterrupt:
+
+        run()  # handles a Ctrl-C itself once its command runs; one before that (building it) ends here
+    except KeyboardInterrupt as e:
         print("precprof: interrupted", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
-    run()
+        code = getattr(e, "exit_code", EXIT_INTERRUPTED)  # a SIGTERM's Interrupted: 143
+        sys.exit(code if isinstance(code, int) else EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -509,3 +509,20 @@ def test_a_factory_imports_its_neighbours_and_a_package_in_the_current_folder(
     for spec, out in (("proj/model.py:build", "a"), ("proj.model:build", "b")):
         rc, _, err = run_main(["train", "--model", spec, *TINY, "--no-report", "--out", out], capsys)
         assert rc == 0, (spec, err)
+
+
+def test_a_ctrl_c_while_the_command_is_being_built_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Ctrl-C in the first second, after the command line's modules loaded and before its command ran (while
+    typer built it), was a KeyboardInterrupt traceback: "precprof: interrupted" and 130, as at any moment."""
+    import precprof.__main__ as entry
+
+    def interrupted(app: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.typer.main, "get_command", interrupted)
+    monkeypatch.setattr(sys, "argv", ["precprof", "env"])
+    with pytest.raises(SystemExit) as e:
+        entry.main()
+    assert e.value.code == 130 and capsys.readouterr().err == "precprof: interrupted\n"
