@@ -96,3 +96,18 @@ def test_compare_says_how_each_mode_ran(tmp_path: Path) -> None:
     ]
     assert saved["config"]["compile_requested"] is None
     assert "How each run ran" in (tmp_path / "cmp" / "compare.html").read_text()
+
+
+def test_a_compiled_run_whose_every_step_was_sampled_says_none_ran_compiled(tmp_path: Path) -> None:
+    """`--compile` on a short run whose every step is sampled: a sampled step runs eagerly, so no step ran
+    compiled, while the page said "compiled (torch.compile)" beside eager losses and step times. It says so."""
+    from precprof.report.environment import capture_rows
+
+    train(_config(tmp_path / "c", compile=True, sample_every=1))
+    summary = T.read_summary(tmp_path / "c")
+    assert summary[T.SUMMARY_CONFIG]["compile"] is True
+    row = dict(capture_rows(summary[T.SUMMARY_CAPTURE], summary[T.SUMMARY_CONFIG]))["torch.compile"]
+    assert row.startswith("every step was sampled, and a sampled step runs eagerly: no step of this run ran")
+    train(_config(tmp_path / "e", sample_every=1))  # eager: nothing to say
+    summary = T.read_summary(tmp_path / "e")
+    assert "torch.compile" not in dict(capture_rows(summary[T.SUMMARY_CAPTURE], summary[T.SUMMARY_CONFIG]))

@@ -394,7 +394,15 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
     if capture.get("modules_captured") is not None:
         rows.append(("modules captured", F.count(capture["modules_captured"])))
     dropout = _int(capture.get("dropout_layers")) or 0
-    compiled = str(capture.get("compiled") or cfg.get("compiled") or "")
+    # what ran compiled: the capture's word, or the built-in loop's (its "compiled" is said of eager runs too)
+    compiled = str(capture.get("compiled") or (cfg.get("compiled") if cfg.get("compile") else "") or "")
+    never = (
+        "; every step was sampled, and a sampled step runs eagerly: no step of this run ran compiled, so its "
+        "losses, statistics and step times are eager PyTorch's (sample less often, --sample-every, to see "
+        "compiled steps)"
+        if compiled and sampled is not None and recorded and sampled >= recorded
+        else ""
+    )
     # a backend that runs torch's own ops (eager, aot_eager) draws the masks an eager step draws
     own_random = "backend " not in compiled or "backend inductor" in compiled
     random_note = (
@@ -411,11 +419,11 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
                 "torch.compile",
                 f"{capture['compiled']}: the steps not sampled ran compiled; the sampled ones ran it eagerly "
                 "(for the hooks), so their statistics are eager PyTorch's values and their time is eager's"
-                + random_note,
+                + (never or random_note),
             )
         )
-    elif random_note and compiled:
-        rows.append(("dropout", random_note.removeprefix("; ")))
+    elif compiled and (never or random_note):
+        rows.append(("torch.compile", (never or random_note).removeprefix("; ")))
     shared = _shared_text(capture.get("shared_params"))
     if shared:
         rows.append(("tied or shared weights", shared))
