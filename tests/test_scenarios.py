@@ -196,6 +196,57 @@ def test_b_huge_activations_keep_the_layer_in_fp32() -> None:
     assert set(kept[kept[T.MODULE] == "head"][T.DTYPE]) == {"float16"}  # the rest still runs in fp16
 
 
+class _NaiveLogSoftmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.softmax(x, dim=-1))
+
+
+def test_b_an_inf_from_log_of_an_underflowed_softmax_is_not_called_values_beyond_65504() -> None:
+    """A model cast to fp16 computing log(softmax(x)): softmax underflows to 0, log gives -inf. The finding said
+    the module produced activations beyond 65504 (its largest finite value is about 17) and told the user to
+    normalise its output; it says the inf came from inside it, and that a fused op avoids it. Keeping the module
+    in fp32, what it advises, trains: checked by running it."""
+    import torch.nn.functional as F
+
+    def net(keep: bool) -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), _NaiveLogSoftmax())
+        with torch.no_grad():
+            m[2].weight.mul_(40.0)
+        m = m.half()
+        if keep:
+            m[3].float().register_forward_pre_hook(lambda mod, args: tuple(a.float() for a in args))
+        return m
+
+    def run(keep: bool) -> tuple[precprof.Profiler, list[float]]:
+        m = net(keep)
+        opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0)).half()
+        y = torch.randint(0, 64, (32,), generator=torch.Generator().manual_seed(1))
+        losses = []
+        with precprof.Profiler(m, optimizer=opt, sample_every=1, memory=False) as prof:
+            for _ in range(4):
+                loss = F.nll_loss(m(x).float(), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                prof.step(loss=loss.detach())
+                losses.append(loss.item())
+        return prof, losses
+
+    prof, losses = run(False)
+    acts = prof.tables()["layers"]
+    row = acts[(acts[T.MODULE] == "3") & (acts[T.TENSOR] == T.ACTIVATION) & (acts[T.STEP] == 0)].iloc[0]
+    assert row[T.INF] > 0 and float(row[T.ABSMAX]) < 100 and not math.isfinite(losses[0])
+    rec = precprof.recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}, hardware="t4")
+    f = rec.finding("fp16_activation_overflow")
+    assert f is not None and f.modules == ["3"] and f.title == "fp16 activations turn inf inside 1 module(s)"
+    assert "inf in fp16 though its largest finite value is" in f.message and "beyond" not in f.message
+    assert "F.log_softmax" in f.remedy and "normalise" not in f.remedy
+    _, fixed = run(True)
+    assert all(math.isfinite(v) for v in fixed) and fixed[-1] < fixed[0]
+
+
 def test_c_benign_model_gets_bf16_on_bf16_hardware() -> None:
     run = benign.run()
     for target in (

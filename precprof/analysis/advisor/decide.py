@@ -255,7 +255,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         if plan.keep_fp16:
             reasons.append(
                 f"Keep {_listing(plan.keep_fp16, cfg.max_listed_modules)} in fp32: their activations "
-                "overflow or come within 2x of fp16's 65504."
+                "overflow, turn inf inside them or come within 2x of fp16's 65504."
             )
         reasons.append("Keep fp32 master weights and optimizer states (autocast with an fp32 model does).")
     measured = fmt

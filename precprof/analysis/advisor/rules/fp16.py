@@ -59,26 +59,64 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     near = set(per_mod.index[(per_mod["absmax"] >= limit) & (per_mod["absmax"] < FP16.overflow_min)])
     near -= over | observed
     overflow_mods = run.sort(_innermost(over | observed))
+    # an inf in fp16 from a module whose finite values stay far below 65504 and none of whose values was over
+    # it: not its output beyond fp16's range but an intermediate inside it (an exp that overflowed, a log or a
+    # division of a value that underflowed to zero: log(softmax(x)) gives -inf where softmax flushed)
+    inside = {
+        m
+        for m in observed
+        if int(per_mod.loc[m, "overflow"]) == 0
+        and (not math.isfinite(float(per_mod.loc[m, "absmax"])) or float(per_mod.loc[m, "absmax"]) < limit)
+    }
     if overflow_mods:
         n_over = int(whatif[T.overflow_col("fp16")].sum())
         amax = float(per_mod.loc[overflow_mods, "absmax"].max())
-        detail = "; ".join(
-            f"{_name(m)}: max |x| {_g(per_mod.loc[m, 'absmax'])}, "
-            f"{int(per_mod.loc[m, 'overflow']):,} values over 65504"
-            + (f", {int(per_mod.loc[m, 'inf']):,} inf in fp16" if m in observed else "")
-            for m in overflow_mods[: cfg.max_listed_modules]
-        )
+
+        def said(m: str) -> str:
+            if m in inside:
+                return (
+                    f"{_name(m)}: {int(per_mod.loc[m, 'inf']):,} inf in fp16 though its largest finite value is "
+                    f"{_g(per_mod.loc[m, 'absmax'])}: an intermediate inside it went out of range (an exp that "
+                    "overflowed, or a log or a division of a value that underflowed to zero)"
+                )
+            return (
+                f"{_name(m)}: max |x| {_g(per_mod.loc[m, 'absmax'])}, "
+                f"{int(per_mod.loc[m, 'overflow']):,} values over 65504"
+                + (f", {int(per_mod.loc[m, 'inf']):,} inf in fp16" if m in observed else "")
+            )
+
+        detail = "; ".join(said(m) for m in overflow_mods[: cfg.max_listed_modules])
+        beyond = [m for m in overflow_mods if m not in inside]
         plan.add(
             Finding(
                 "fp16_activation_overflow",
                 CRITICAL if observed else WARNING,
-                f"Activations overflow fp16 in {len(overflow_mods)} module(s)",
-                f"{len(overflow_mods)} module(s) produce activations beyond fp16's 65504 "
-                f"({n_over:,} values in fp32/bf16 tensors would become inf"
-                + (f"; {len(observed)} module(s) already produced inf in fp16" if observed else "")
-                + f"): {detail}. No loss scale helps the forward pass.",
-                "Use bf16, or keep these modules in fp32 (outside autocast) and normalise their output "
-                "before the next fp16 matmul.",
+                f"Activations overflow fp16 in {len(overflow_mods)} module(s)"
+                if beyond
+                else f"fp16 activations turn inf inside {len(overflow_mods)} module(s)",
+                (
+                    f"{len(beyond)} module(s) produce activations beyond fp16's 65504 "
+                    f"({n_over:,} values in fp32/bf16 tensors would become inf"
+                    + (
+                        f"; {len(observed & set(beyond))} module(s) already produced inf in fp16"
+                        if observed
+                        else ""
+                    )
+                    + ")"
+                    + (f", and {len(inside)} turned inf inside" if inside else "")
+                    if beyond
+                    else f"{len(inside)} module(s) produced inf in fp16 from values within its range"
+                )
+                + f": {detail}. No loss scale helps the forward pass.",
+                "Use bf16, or keep these modules in fp32 (outside autocast)"
+                + (" and normalise their output before the next fp16 matmul" if beyond else "")
+                + (
+                    "; a fused op keeps the intermediates in range where there is one (F.log_softmax rather than "
+                    "log(softmax(x)))"
+                    if inside
+                    else ""
+                )
+                + ".",
                 modules=overflow_mods,
                 numbers={
                     "modules": len(overflow_mods),
