@@ -243,6 +243,11 @@ def test_b_an_inf_from_log_of_an_underflowed_softmax_is_not_called_values_beyond
     assert f is not None and f.modules == ["3"] and f.title == "fp16 activations turn inf inside 1 module(s)"
     assert "inf in fp16 though its largest finite value is" in f.message and "beyond" not in f.message
     assert "F.log_softmax" in f.remedy and "normalise" not in f.remedy
+    # the header's final loss is the last one, nan: it read "inf", step 0's, the only one not stored as null
+    from precprof.report.context import _headline
+
+    steps = prof.tables()["steps"]
+    assert math.isnan(losses[-1]) and dict(_headline({}, steps, acts))["final loss"] == "nan"
     _, fixed = run(True)
     assert all(math.isfinite(v) for v in fixed) and fixed[-1] < fixed[0]
 

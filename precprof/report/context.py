@@ -166,8 +166,16 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
         out.append(("skipped steps", F.count(int(T.flags(steps[T.SKIPPED]).sum()))))
         loss = pd.to_numeric(steps[T.LOSS], errors="coerce").dropna()
         tail = T.nonfinite_loss_tail(steps)
+        given = T.given_losses(T.finished_steps(steps)) if T.NO_LOSS in steps else None
+        last = (
+            pd.to_numeric(given[T.LOSS], errors="coerce").iloc[-1]
+            if given is not None and len(given)
+            else None
+        )
         if tail is not None:  # diverged: the last finite loss is not the final one
             out.append(("final loss", f"{tail.kind} from step {tail.first}"))
+        elif last is not None and not math.isfinite(last):  # never finite: the last loss given, nan or inf
+            out.append(("final loss", "inf" if math.isinf(last) else "nan"))
         elif len(loss):
             out.append(("final loss", F.num(loss.iloc[-1], 4)))
     # throughput of the steps precprof left alone, first step out (analysis.throughput), and what a profiled
