@@ -164,6 +164,11 @@ def test_b_gradients_that_overflow_into_fp32_weight_gradients_are_counted() -> N
     assert f.numbers["steps"] == len(skipped) == with_inf[T.STEP].nunique()
     assert f.numbers["values"] == int(with_inf[T.INF].sum())
     assert set(inf_wg[T.MODULE]) <= set(f.modules)
+    # FP8 (bf16 autocast, no loss scale) has none of those infs: they kept the layers from being FP8-eligible
+    # ("non-finite values"); the three layers of a multiple-of-16 shape are eligible
+    fp8 = run.recommend("h100").finding("fp8_eligibility")
+    assert fp8 is not None and fp8.numbers["eligible"] == 3 and "non-finite values" not in fp8.message
+    assert f"The gradients of {len(skipped)} step(s) the loss scaler skipped held nan/inf" in fp8.message
 
 
 def test_b_huge_activations_keep_the_layer_in_fp32() -> None:

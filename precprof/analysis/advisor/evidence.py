@@ -386,6 +386,8 @@ class _Plan:
     # routed experts held back by the tokens routed to them (module -> tokens per call): no batch size lifts it
     fp8_expert_tokens: dict[str, int] = field(default_factory=dict)
     fp8_flops_share: float | None = None
+    # steps whose gradients held nan/inf at the loss scale the scaler then skipped: left out of FP8's judgement
+    fp8_scaler_nonfinite_steps: int = 0
     fp8_experts_share: float | None = None  # a mixture of experts' expert GEMMs: counted, left in bf16
     fp8_experts_uncounted: list[str] = field(default_factory=list)  # banks whose routed rows are unknown
     # FP8's estimated speed on the eligible layers' GEMM shapes (analysis.fp8_speed.Estimate; None without

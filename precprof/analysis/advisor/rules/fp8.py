@@ -210,13 +210,28 @@ def _not_eligible(bad: list[tuple[str, str]], limit: int) -> str:
     return "; ".join(parts[:limit]) + (f" and {rest} more" if rest else "")
 
 
+def _scaler_skipped_steps(run: _Run) -> set[int]:
+    """The steps a loss scaler skipped (a scale above 1 in effect): their gradients' inf and nan are the scale's."""
+    steps = run.steps
+    if steps.empty or T.SKIPPED not in steps or T.LOSS_SCALE not in steps:
+        return set()
+    scaled = pd.to_numeric(steps[T.LOSS_SCALE], errors="coerce").fillna(1.0) > 1.0
+    return {int(s) for s in steps[T.flags(steps[T.SKIPPED]).to_numpy() & scaled.to_numpy()][T.STEP]}
+
+
 def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     cfg = run.cfg
     linear = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
     if not linear:
         return
     shapes = _fp8_shapes(run, linear, dims)
-    lay = run.layers.loc[run.layers[T.MODULE].isin(linear), [T.MODULE, T.NAN, T.INF]]
+    lay = run.layers.loc[run.layers[T.MODULE].isin(linear), [T.STEP, T.MODULE, T.TENSOR, T.NAN, T.INF]]
+    # the gradients of a step a loss scaler skipped overflowed at its scale: FP8 training (bf16 autocast, no
+    # loss scale) has none of those; what the model itself computed non-finite is in the forward pass
+    skipped = _scaler_skipped_steps(run)
+    scaled_out = lay[T.STEP].isin(skipped) & lay[T.TENSOR].isin(T.GRADIENT_KINDS)
+    plan.fp8_scaler_nonfinite_steps = int(lay[scaled_out & ((lay[T.NAN] + lay[T.INF]) > 0)][T.STEP].nunique())
+    lay = lay[~scaled_out]
     nonfinite = (lay[T.NAN] + lay[T.INF]).groupby(T.texts(lay[T.MODULE]).astype(object)).sum()
     inputs = gemm_inputs(run, linear, dims)
     summary = fp8_summary(fp8_losses(run, linear, inputs))
@@ -374,6 +389,12 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             "the rows routed to a bank are read from an activation module inside it, and they have none; their "
             "matmuls stay in bf16 under FP8 all the same"
             if uncounted
+            else ""
+        )
+        + (
+            f". The gradients of {plan.fp8_scaler_nonfinite_steps} step(s) the loss scaler skipped held nan/inf "
+            "at its scale and are left out: FP8 training scales no loss"
+            if plan.fp8_scaler_nonfinite_steps
             else ""
         )
         + f". Largest norm lost: e4m3 {_pct(fmax)}"
