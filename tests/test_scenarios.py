@@ -257,6 +257,50 @@ def test_b_an_inf_from_log_of_an_underflowed_softmax_is_not_called_values_beyond
     assert all(math.isfinite(v) for v in fixed) and fixed[-1] < fixed[0]
 
 
+def test_b_following_keep_fp32_clears_the_finding() -> None:
+    """A layer whose output overflows fp16: the advisor keeps it, the ReLU after it and the layer after that in
+    fp32. Done as written (those modules outside autocast, on fp32 inputs), the re-profile still told the user
+    to keep the ReLU in fp32, because its fp32 output was counted as cast by the Linear that reads it, a Linear
+    that runs outside autocast and casts nothing. The advice followed leaves no overflow finding."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        m = nn.Sequential(
+            nn.Linear(16, 64),
+            nn.ReLU(),
+            nn.Linear(64, 64),
+            nn.ReLU(),
+            nn.Linear(64, 64),
+            nn.ReLU(),
+            nn.Linear(64, 1),
+        )
+        with torch.no_grad():
+            m[2].weight.mul_(1e5)
+        return m
+
+    def run(keep: list[str]) -> object:
+        return train_profiled(
+            net(),
+            regression_batches(16),
+            lambda p, y: nn.functional.mse_loss(p.float(), y),
+            precision="fp16",
+            loss_scale=2.0**-8,
+            steps=3,
+            keep_fp32=keep,
+        )
+
+    first = run([]).recommend("v100", config=AdvisorConfig(small_model_params=0))  # type: ignore[attr-defined]
+    assert first.finding("fp16_activation_overflow") is not None and "2" in first.keep_fp32
+    again = run(first.keep_fp32)
+    layers = again.tables["layers"]  # type: ignore[attr-defined]
+    acts = layers[layers[T.TENSOR] == T.ACTIVATION]
+    assert int(acts[T.INF].sum()) == 0 and set(acts[acts[T.MODULE].isin(first.keep_fp32)][T.DTYPE]) == {
+        "float32"
+    }
+    rec = again.recommend("v100", config=AdvisorConfig(small_model_params=0))  # type: ignore[attr-defined]
+    assert rec.finding("fp16_activation_overflow") is None, rec.finding("fp16_activation_overflow")
+
+
 def test_c_benign_model_gets_bf16_on_bf16_hardware() -> None:
     run = benign.run()
     for target in (

@@ -190,13 +190,18 @@ def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series | None
     layer scale's fp32 parameter promotes its product; a residual sum before its norm), and neither overflows
     nor flushes. The matmuls are linear layers and convolutions. None when the capture did not record which
     tensors the matmuls read (a run recorded by an older precprof, or before it with block formats off): every
-    tensor counts then, as in a run without autocast."""
+    tensor counts then, as in a run without autocast. A matmul that ran outside autocast (its output fp32: the
+    run keeps it in fp32, as keep_fp32 advises) casts nothing: what it reads stays fp32."""
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     inputs = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
     if not isinstance(inputs, Mapping):
         return None
-    read = {str(p) for v in inputs.values() if isinstance(v, list) for p in v}
-    own_input = T.texts(acts[T.MODULE]).str.endswith(T.INPUT_SUFFIX)
+    names = T.texts(acts[T.MODULE])
+    wide = acts[~(_dtype_has(acts, "float16") | _dtype_has(acts, "bfloat16"))]
+    seen16 = set(T.texts(acts[~acts.index.isin(wide.index)][T.MODULE]))
+    outside = {str(m) for m in T.texts(wide[T.MODULE])} - seen16  # matmuls whose every output was fp32
+    read = {str(p) for c, v in inputs.items() if isinstance(v, list) and str(c) not in outside for p in v}
+    own_input = names.str.endswith(T.INPUT_SUFFIX) & ~names.str.removesuffix(T.INPUT_SUFFIX).isin(outside)
     return _dtype_has(acts, "bfloat16") | acts[T.MODULE].isin(read) | own_input
 
 
