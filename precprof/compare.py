@@ -17,7 +17,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -206,12 +206,40 @@ def compare_runs(
     shared.setdefault("model", models[0].split(" of ")[0])
     comparison = analyse(list(zip(variants, dirs, strict=True)), tolerance, shared, common_steps=True)
     comparison.recorded = True
+    differ = _setup_differences(configs, names)
+    if differ:
+        comparison.notes.insert(
+            0,
+            f"These runs differ in more than their precision: {differ}. Their losses and memory are not of one "
+            "setup, so a difference between them is not the precision's alone.",
+        )
     where = Path(out) if out is not None else Path(os.path.commonpath([str(d.resolve()) for d in dirs]))
     if where in {d.resolve() for d in dirs}:  # one run directory holds the others: the page goes beside it
         where = where.parent
     if out is None and where == Path(where.anchor):  # runs in unrelated places: not the filesystem's root
         where = Path.cwd()
     return comparison, write(comparison, where)
+
+
+# the settings that decide what a run's loss and memory are, besides its precision
+_SETUP = {"data": "data", "batch_size": "batch size", "seq_len": "sequence length"}
+
+
+def _setup_differences(configs: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
+    """The settings of ``_SETUP`` that runs recording them differ in, in words ("data: fp32 synthetic, bf16
+    corpus.txt"); "" when every run that says agrees (a user's own loop records none of them)."""
+    out = []
+    for key, what in _SETUP.items():
+        said = [(n, c[key]) for n, c in zip(names, configs, strict=True) if c.get(key) is not None]
+        if len({json.dumps(v, sort_keys=True, default=str) for _, v in said}) > 1:
+            out.append(f"{what}: " + ", ".join(f"{n} {_setting(v)}" for n, v in said))
+    return "; ".join(out)
+
+
+def _setting(v: Any) -> str:
+    if isinstance(v, Mapping):  # the built-in loop's data: its kind and where it came from
+        return str(v.get("path") or v.get("name") or v.get("kind") or json.dumps(v, sort_keys=True, default=str))
+    return str(v)
 
 
 def _precision_of(summary: dict[str, Any]) -> str:

@@ -730,6 +730,36 @@ def test_recorded_runs_of_different_lengths_compare_at_the_last_step_all_finishe
     assert "up to step 5" in comp.notes[0]
 
 
+def test_recorded_runs_of_different_data_and_batches_say_so(tmp_path: Path) -> None:
+    """A run on a text file and one on the synthetic data, at two batch sizes, compared: the page ranked their
+    losses and tabled their memory side by side, and dropped the differing settings from its setup without a
+    word. The notes open with what the runs differ in besides their precision."""
+    from precprof.training import train
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    for name, data, batch in (("a", "synthetic", 2), ("b", str(text), 4)):
+        train(
+            TrainConfig(
+                model="gpt-nano",
+                model_args={"n_layer": "1"},
+                steps=3,
+                batch_size=batch,
+                seq_len=16,
+                data=data,
+                sample_every=3,
+                progress=False,
+                report=False,
+                out=tmp_path / name,
+            )
+        )
+    comp, page = C.compare_runs([tmp_path / "a", tmp_path / "b"], out=tmp_path / "cmp")
+    note = comp.notes[0]
+    assert note.startswith("These runs differ in more than their precision: data: a synthetic, b ")
+    assert "corpus.txt" in note and "batch size: a 2, b 4" in note and "sequence length" not in note
+    assert "differ in more than their precision" in page.read_text()
+
+
 def _four_runs(**kw: Any) -> A.Comparison:
     """fp32 and three more runs, two of them bf16 with the default loss scaling (two recorded bf16 runs), with
     loss curves, memory and a long status reason, for the page and its figures."""
