@@ -238,7 +238,9 @@ def _setup_differences(configs: Sequence[Mapping[str, Any]], names: Sequence[str
 
 def _setting(v: Any) -> str:
     if isinstance(v, Mapping):  # the built-in loop's data: its kind and where it came from
-        return str(v.get("path") or v.get("name") or v.get("kind") or json.dumps(v, sort_keys=True, default=str))
+        return str(
+            v.get("path") or v.get("name") or v.get("kind") or json.dumps(v, sort_keys=True, default=str)
+        )
     return str(v)
 
 

@@ -867,3 +867,20 @@ def test_timeline_weight_update_row_shows_the_lost_updates() -> None:
         fig = timeline.timeline_figure(tl)
         labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
         assert f"weight updates lost\nin {fmt.upper()} weights" in labels
+
+
+def test_a_run_that_sampled_no_step_says_why_it_has_no_memory(tmp_path: Path) -> None:
+    """``sample_every=0``: no step sampled, so no memory measured, and the page said only "No memory was
+    recorded."; it says why and what measures it."""
+    import torch
+
+    import precprof
+
+    model = torch.nn.Linear(4, 4)
+    with precprof.Profiler(model, sample_every=0, out=tmp_path / "run") as prof:
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            prof.step()
+    prof.save()
+    page = render_run_dir(tmp_path / "run").read_text()
+    assert "No memory was recorded. Memory is measured on sampled steps, and no step was sampled" in page

@@ -385,7 +385,27 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
         "assumptions": [str(a) for a in mem.get("assumptions") or []],
         "has_projection": bool(records),
         "peak_note": str((mem.get("model") or {}).get("peak_note") or ""),
+        "none_why": _no_memory_why(summary),
     }
+
+
+def _no_memory_why(summary: Mapping[str, Any]) -> str:
+    """Why a run recorded no memory, when the summary tells: the breakdown failed, or no step was sampled (a
+    sampled step measures it)."""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    if not isinstance(capture, Mapping):
+        return ""
+    if capture.get("memory_error"):
+        return f"The memory breakdown failed: {capture['memory_error']}."
+    steps = capture.get("memory_steps")
+    if isinstance(steps, Mapping) and not steps.get("measured_steps"):
+        if not steps.get("sampled_steps"):
+            return (
+                "Memory is measured on sampled steps, and no step was sampled (--sample-every 0, or "
+                "Profiler(sample_every=0), samples none): sample some steps to measure it."
+            )
+        return "No sampled step measured it."
+    return ""
 
 
 def _loss_note(steps: pd.DataFrame) -> str:
