@@ -1203,3 +1203,20 @@ def test_a_backward_that_raised_leaves_the_next_pass_its_read_of_the_gradients()
     rows = tr.end_step(0)
     tr.detach()
     assert total(rows, T.GRADIENTS) == 4 * N_MLP
+
+
+def test_every_memory_row_has_a_phase_and_a_moment() -> None:
+    """The profiler's own buffers' row had a null phase and moment where every other component's own size has
+    "" in both: a reader filtering ``moment == ""`` lost it."""
+    import precprof
+    from precprof import tables as T
+
+    model = torch.nn.Linear(4, 4)
+    with precprof.Profiler(model, sample_every=1) as prof:
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            prof.step()
+    mem = prof.tables()["memory"]
+    assert T.PROFILER_BUFFERS in set(mem[T.COMPONENT])
+    assert mem[T.PHASE].notna().all() and mem[T.MOMENT].notna().all()
+    assert T.PROFILER_BUFFERS in set(T.memory_at(mem)[T.COMPONENT])

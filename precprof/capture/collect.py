@@ -165,6 +165,8 @@ class Collector:
                     T.MODULE: "",
                     T.DTYPE: "int64",
                     T.BYTES: self._own_bytes(),
+                    T.PHASE: "",  # held through the whole step, as the other components' own sizes
+                    T.MOMENT: "",
                 }
             ]
         )
