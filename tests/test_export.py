@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import struct
 import sys
@@ -316,3 +317,55 @@ def test_export_to_wandb_offline_matches_the_live_run(run: dict[str, Any]) -> No
     for step, row in live.items():
         want = {k: v for k, v in row.items() if not k.startswith("_") and k != "precprof/step_time_s"}
         assert {k: again[step][k] for k in want} == want, step
+
+
+@pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
+def test_a_loop_that_logs_to_wandb_without_a_step_is_told_precprofs_series_are_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The usual loop logs its own metrics with wandb.log({...}), no step=: wandb's step moves on one a call,
+    and precprof's rows, logged at precprof's step, fell below it and were dropped, every one, without a word
+    from precprof (wandb's own warning is silenced with WANDB_SILENT). It warns, once, and says what to do."""
+    for k, v in {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(k, v)
+    wb_run = wandb.init(mode="offline", dir=str(tmp_path), project="precprof-test")
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        told = pytest.warns(RuntimeWarning, match=r"wandb is at step \d+, ahead of precprof's step")
+        with told as caught, precprof.Profiler(model, optimizer=opt, sample_every=1, wandb=True) as prof:
+            for _ in range(4):
+                loss = model(torch.randn(2, 4)).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                wandb.log({"my/loss": loss.item()})
+                prof.step(loss=loss.detach())
+        assert sum("ahead of precprof's step" in str(w.message) for w in caught) == 1
+        assert "step=prof.current_step" in str(caught[0].message)
+    finally:
+        wb_run.finish()
+        _wandb_files_closed()
+
+
+def test_a_step_without_a_loss_logs_no_loss() -> None:
+    """``prof.step()`` without ``loss=`` now and then: those steps' null losses went to the dashboards as nan
+    (a curve that looks diverged); a step with no loss logs none, and a real nan loss still logs nan."""
+    from precprof.export.events import EventStream, Scalar
+
+    steps = pd.DataFrame(
+        {
+            T.STEP: [0, 1, 2, 3],
+            T.LOSS: [2.0, float("nan"), 1.5, float("nan")],
+            T.LOSS_SCALE: [1.0] * 4,
+            T.SKIPPED: [False] * 4,
+            T.NO_LOSS: [False, True, False, False],
+        }
+    )
+    losses = {
+        e.step: e.value
+        for e in EventStream()._step_events(steps)
+        if isinstance(e, Scalar) and e.tag == "precprof/loss"
+    }
+    assert sorted(losses) == [0, 2, 3] and losses[2] == 1.5 and math.isnan(losses[3])

@@ -117,12 +117,14 @@ class EventStream:
             return out
         steps = steps.sort_values(T.STEP, kind="stable")
         skipped = T.flags(steps[T.SKIPPED]).tolist()
-        for rec, skip in zip(steps.to_dict("records"), skipped, strict=True):
+        # a step the loop passed no loss for has none to draw (its null loss is no nan)
+        given = (~T.flags(steps[T.NO_LOSS])).tolist() if T.NO_LOSS in steps else [True] * len(steps)
+        for rec, skip, has_loss in zip(steps.to_dict("records"), skipped, given, strict=True):
             step = int(rec[T.STEP])
             loss = _float(rec[T.LOSS])
             if not math.isnan(loss):
                 self._loss_seen = True
-            if self._loss_seen:
+            if self._loss_seen and has_loss:
                 out.append(Scalar(tag("loss"), step, loss))
             out.append(Scalar(tag("loss_scale"), step, _float(rec[T.LOSS_SCALE])))
             self._skipped_total += int(skip)

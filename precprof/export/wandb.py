@@ -6,6 +6,7 @@ Scalars are logged under their tags; exponent histograms as ``wandb.Histogram`` 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,6 +35,7 @@ class WandbSink:
         self._target = target
         self._option = option
         self._finish = finish
+        self._told = False  # whether the steps wandb would drop were warned of
 
     @property
     def run(self) -> Any:
@@ -50,6 +52,22 @@ class WandbSink:
             return
         run = self.run
         for step, evs in grouped.items():
+            at = getattr(run, "step", None)
+            if isinstance(at, int) and step < at:
+                # wandb drops what is logged to a step below its own, which a loop's own wandb.log without
+                # step= moves on (one a call): say so once, where it drops it with a warning of its own or none
+                if not self._told:
+                    self._told = True
+                    warnings.warn(
+                        f"precprof: wandb is at step {at}, ahead of precprof's step {step}, and drops what is "
+                        "logged below its own step: precprof's series are lost from here on while the loop logs "
+                        "to wandb without step=. Log with step=prof.current_step (precprof's step), or watch "
+                        "this run with tensorboard=... (precprof export RUN_DIR --wandb-project P logs it whole "
+                        "after the run)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                continue
             data: dict[str, Any] = {}
             for e in evs:
                 if isinstance(e, Histogram):
