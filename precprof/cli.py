@@ -254,7 +254,10 @@ def report(
     ] = None,
     target: Annotated[
         str | None,
-        typer.Option(help="Plan for another machine: v100, t4, a100, l4, h100, b200, gb200 or cpu."),
+        typer.Option(
+            help="Plan for another machine: v100, t4, a100, l4, h100, b200, gb200, or cpu (a CPU without "
+            "AVX512-BF16 or AMX; the recording CPU's own features are read without --target)."
+        ),
     ] = None,
 ) -> None:
     """Render (or re-render) report.html of a run directory."""

@@ -288,6 +288,12 @@ def test_hardware_decision(
         assert rec.loss_scale == rec.fp16_loss_scale and rec.growth_interval == 2000
     if target == "cpu":
         assert codes(rec)["bf16_emulated"] == "warning"
+        # the preset said "This CPU (CPU) has neither ...", of a machine that may well have them
+        said = must(rec, "bf16_emulated").message
+        assert (
+            said.startswith("The cpu preset is a CPU with neither AVX512-BF16 nor AMX")
+            and "This CPU" not in said
+        )
     if target == "h100":
         assert rec.fp8_layers == [] and must(rec, "fp8_eligibility").modules == ["fc1", "fc2", "fc3"]
         assert "fp8_supported" in codes(rec)

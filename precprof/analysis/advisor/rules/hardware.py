@@ -35,9 +35,15 @@ def _rule_hardware(run: _Run, plan: _Plan) -> None:
                     "bf16_emulated",
                     WARNING,
                     f"bf16 is emulated on {label}",
-                    f"This CPU ({hw.name}) has neither AVX512-BF16 nor AMX: bf16 autocast runs, but through "
-                    "conversions to fp32, usually slower than plain fp32.",
-                    "Train in fp32 on this CPU, or plan for a GPU with compute capability 8.0+ for bf16.",
+                    (
+                        "The cpu preset is a CPU with neither AVX512-BF16 nor AMX (plan for the CPU a run was "
+                        "recorded on without --target: its own features are read)"
+                        if hw.preset
+                        else f"This CPU ({hw.name}) has neither AVX512-BF16 nor AMX"
+                    )
+                    + ": bf16 autocast runs, but through conversions to fp32, usually slower than plain fp32.",
+                    f"Train in fp32 on {'such a CPU' if hw.preset else 'this CPU'}, or plan for a GPU with compute "
+                    "capability 8.0+ for bf16.",
                     numbers=nums,
                 )
             )
