@@ -197,9 +197,9 @@ def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series | None
     if not isinstance(inputs, Mapping):
         return None
     names = T.texts(acts[T.MODULE])
-    wide = acts[~(_dtype_has(acts, "float16") | _dtype_has(acts, "bfloat16"))]
-    seen16 = set(T.texts(acts[~acts.index.isin(wide.index)][T.MODULE]))
-    outside = {str(m) for m in T.texts(wide[T.MODULE])} - seen16  # matmuls whose every output was fp32
+    low = (_dtype_has(acts, "float16") | _dtype_has(acts, "bfloat16")).to_numpy()
+    seen16 = set(names[low])
+    outside = set(names[~low]) - seen16  # modules (matmuls among them) whose every output was fp32
     read = {str(p) for c, v in inputs.items() if isinstance(v, list) and str(c) not in outside for p in v}
     own_input = names.str.endswith(T.INPUT_SUFFIX) & ~names.str.removesuffix(T.INPUT_SUFFIX).isin(outside)
     return _dtype_has(acts, "bfloat16") | acts[T.MODULE].isin(read) | own_input
