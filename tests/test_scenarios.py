@@ -122,29 +122,31 @@ def test_a_the_runs_loss_scale_is_the_one_it_trained_at() -> None:
     assert f is not None and f.numbers["run_scale_log2"] == 11
 
 
+def _relu_mlp(gain: float) -> nn.Module:
+    """Four Linear layers with ReLUs between them, the second one's weight multiplied by ``gain``."""
+    torch.manual_seed(0)
+    m = nn.Sequential(
+        nn.Linear(16, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 1),
+    )
+    with torch.no_grad():
+        m[2].weight.mul_(gain)
+    return m
+
+
 def test_b_gradients_that_overflow_into_fp32_weight_gradients_are_counted() -> None:
     """fp16 autocast with a GradScaler, one layer's weight 3000 times too large: the fp16 matmuls computing the
     weight gradients overflow and the infs land in the fp32 .grad, which made the scaler skip most of its steps.
     The finding counted the fp16 activation gradients' infs alone: fewer steps than the scaler skipped, and not
     the modules whose weight gradients overflowed. It names every step the scaler skipped, and those modules."""
 
-    def net() -> nn.Module:
-        torch.manual_seed(0)
-        m = nn.Sequential(
-            nn.Linear(16, 64),
-            nn.ReLU(),
-            nn.Linear(64, 64),
-            nn.ReLU(),
-            nn.Linear(64, 64),
-            nn.ReLU(),
-            nn.Linear(64, 1),
-        )
-        with torch.no_grad():
-            m[2].weight.mul_(3000.0)
-        return m
-
     run = train_profiled(
-        net(),
+        _relu_mlp(3000.0),
         regression_batches(16),
         lambda p, y: nn.functional.mse_loss(p.float(), y),
         precision="fp16",
@@ -263,24 +265,9 @@ def test_b_following_keep_fp32_clears_the_finding() -> None:
     to keep the ReLU in fp32, because its fp32 output was counted as cast by the Linear that reads it, a Linear
     that runs outside autocast and casts nothing. The advice followed leaves no overflow finding."""
 
-    def net() -> nn.Module:
-        torch.manual_seed(0)
-        m = nn.Sequential(
-            nn.Linear(16, 64),
-            nn.ReLU(),
-            nn.Linear(64, 64),
-            nn.ReLU(),
-            nn.Linear(64, 64),
-            nn.ReLU(),
-            nn.Linear(64, 1),
-        )
-        with torch.no_grad():
-            m[2].weight.mul_(1e5)
-        return m
-
     def run(keep: list[str]) -> object:
         return train_profiled(
-            net(),
+            _relu_mlp(1e5),
             regression_batches(16),
             lambda p, y: nn.functional.mse_loss(p.float(), y),
             precision="fp16",
