@@ -9,7 +9,9 @@ import json
 import math
 import os
 import struct
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -369,3 +371,62 @@ def test_a_step_without_a_loss_logs_no_loss() -> None:
         if isinstance(e, Scalar) and e.tag == "precprof/loss"
     }
     assert sorted(losses) == [0, 2, 3] and losses[2] == 1.5 and math.isnan(losses[3])
+
+
+_KILLED_AFTER_7 = """
+import os, sys, torch, precprof
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+scaler = torch.amp.GradScaler("cpu", init_scale=2.0**17, growth_interval=2)
+x, y = torch.randn(8, 16), torch.randn(8, 4)
+prof = precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=2, out=sys.argv[1], tensorboard=sys.argv[2])
+prof.attach()
+for _ in range(8):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = (model(x).float() - y).pow(2).mean()
+    scaler.scale(loss).backward(); scaler.step(opt); scaler.update(); opt.zero_grad()
+    prof.step(loss=loss)
+prof.detach()
+os._exit(0)  # killed: nothing saved
+"""
+
+
+def test_a_resumed_run_goes_on_in_tensorboard_where_the_killed_job_stopped(tmp_path: Path) -> None:
+    """A job killed after step 7 and resumed at step 5 into the same log directory: TensorBoard showed the killed
+    job's steps 5-7 beside the new ones, and the live skipped count started again from 0 (export said 2). The
+    restart is a SessionLog START at step 5, on which TensorBoard drops the old points, and the count goes on."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, tb = tmp_path / "run", tmp_path / "tb"
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_AFTER_7, str(out), str(tb)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    time.sleep(1.1)  # a new event file: its name holds the second it was made
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    kw = {"sample_every": 2, "out": out, "tensorboard": tb, "resume": True, "first_step": 5}
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, **kw) as prof:
+        for _ in range(5, 10):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = (model(x).float() - y).pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    prof.save()
+    steps = T.read_tables(out)["steps"]
+    assert steps[T.STEP].tolist() == list(range(10)) and int(T.flags(steps[T.SKIPPED])[:5].sum()) >= 1
+    ea = EventAccumulator(str(tb), size_guidance={"scalars": 0})
+    ea.Reload()
+    loss_steps = [e.step for e in ea.Scalars("precprof/loss")]
+    assert loss_steps == list(range(10))  # one point a step: the killed job's 5-7 dropped
+    live = {e.step: e.value for e in ea.Scalars("precprof/skipped_steps")}
+    want = T.flags(steps[T.SKIPPED]).cumsum().tolist()
+    assert [live[s] for s in range(10)] == want

@@ -112,6 +112,16 @@ class ProfilerResults:
         segment = parts.new_segment(run.path, self._first_step)
         self._sample_origin = self._sampler.origin = parts.segments(run.path)[0].start
         self._recorded = Recorded(StreamWriter(run.path, segment))
+        dashboards = getattr(self, "_dashboards", None)
+        if self._resume and dashboards is not None and parts.segments(run.path)[0].start < self._first_step:
+            # the dashboards go on from the steps the run keeps (its skipped count), and the killed job's
+            # points from the restart on are dropped; never at the cost of the user's attach
+            with contextlib.suppress(Exception):
+                read = parts.read_stream(run.path, ("steps",), T.STEP)
+                table = parts.concat(read.tables.get("steps") or [])
+                kept = table.to_pandas() if table is not None else pd.DataFrame()
+                kept = kept[kept[T.STEP] < self._first_step] if not kept.empty else kept
+                dashboards.resumed(kept, self._first_step)
 
     def _close_stream(self) -> None:
         sink = self._recorded.sink

@@ -111,6 +111,15 @@ class EventStream:
         self._loss_seen = False
 
     # ------------------------------------------------------------------------------------------ steps
+    def resume(self, kept: pd.DataFrame) -> None:
+        """Go on from a resumed run's steps rows before its restart: their skipped count, and whether a loss was
+        seen (a live stream after a restart started both afresh: "skipped_steps" 0 where export said 2)."""
+        if kept.empty:
+            return
+        self._skipped_total = int(T.flags(kept[T.SKIPPED]).sum()) if T.SKIPPED in kept else 0
+        losses = pd.to_numeric(kept[T.LOSS], errors="coerce") if T.LOSS in kept else pd.Series(dtype=float)
+        self._loss_seen = self._loss_seen or bool(losses.notna().any())
+
     def _step_events(self, steps: pd.DataFrame) -> list[Event]:
         out: list[Event] = []
         if steps.empty:

@@ -38,6 +38,14 @@ class LiveDashboards:
             return None
         return cls(tensorboard, wandb)
 
+    def resumed(self, kept: pd.DataFrame, first_step: int) -> None:
+        """A run resumed at ``first_step``, ``kept`` its steps rows before it: the running skipped count goes on
+        from theirs, and TensorBoard drops the killed job's points from ``first_step`` on."""
+        self.stream.resume(kept)
+        for sink in self.sinks:
+            if isinstance(sink, TensorBoardSink):
+                sink.restart(first_step)
+
     def write(self, flush: Any) -> None:
         """Write the rows of one flush (a ``Flush``: rows copied to the host since the previous one)."""
         steps, (layer_parts, hist_parts) = flush.step_rows, flush.decoded()

@@ -114,6 +114,21 @@ class TensorBoardSink:
                 )
         w.flush()  # a live run is watched as it goes: SummaryWriter would otherwise wait up to 2 minutes
 
+    def restart(self, step: int) -> None:
+        """A run resumed at ``step``: a SessionLog START there, on which TensorBoard drops the points the killed
+        job wrote from ``step`` on (the run's tables supersede them the same way)."""
+        import time
+
+        from tensorboard.compat.proto.event_pb2 import Event as TBEvent
+        from tensorboard.compat.proto.event_pb2 import SessionLog
+
+        writer = getattr(self.writer, "file_writer", None) or self.writer._get_file_writer()
+        with self._cannot_write():
+            writer.add_event(
+                TBEvent(step=step, wall_time=time.time(), session_log=SessionLog(status=SessionLog.START))
+            )
+            self.writer.flush()
+
     def close(self) -> None:
         if self._writer is None:
             return
