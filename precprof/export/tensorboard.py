@@ -122,7 +122,9 @@ class TensorBoardSink:
         from tensorboard.compat.proto.event_pb2 import Event as TBEvent
         from tensorboard.compat.proto.event_pb2 import SessionLog
 
-        writer = getattr(self.writer, "file_writer", None) or self.writer._get_file_writer()
+        writer = getattr(self.writer, "file_writer", None)  # SummaryWriter's, made with it
+        if writer is None:
+            return
         with self._cannot_write():
             writer.add_event(
                 TBEvent(step=step, wall_time=time.time(), session_log=SessionLog(status=SessionLog.START))
