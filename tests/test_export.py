@@ -161,6 +161,12 @@ def test_export_writes_what_the_live_run_wrote(
         a = [(h.step, h.histogram_value) for h in live.Histograms(tag)]
         b = [(h.step, h.histogram_value) for h in exported.Histograms(tag)]
         assert a == b, tag
+    # a second export into the same folder (or one into the live run's) drew every series twice: refused
+    for into in (out, run["root"] / "live"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["export", str(run["root"] / "run"), "--tensorboard", str(into)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and "already holds TensorBoard event files" in err[0], err
 
 
 def test_layer_selection_keeps_the_aggregates(run: dict[str, Any]) -> None:

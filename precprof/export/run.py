@@ -36,6 +36,13 @@ def export_run(
     if wandb_mode is not None and wandb_mode not in ("online", "offline"):
         raise UserError(f"--wandb-mode {wandb_mode!r}: expected online or offline")
     sinks: list[Any] = []
+    if isinstance(tensorboard, (str, Path)) and any(Path(tensorboard).glob("events.out.tfevents.*")):
+        # TensorBoard reads every event file of a folder: a second export, or one into the live run's folder,
+        # would draw every series twice
+        raise UserError(
+            f"--tensorboard {tensorboard}: the folder already holds TensorBoard event files, and TensorBoard "
+            "would show every series twice; export into an empty or new folder"
+        )
     if tensorboard is not None:
         sinks.append(TensorBoardSink(tensorboard, option="--tensorboard"))
     if wandb_project is not None:
