@@ -884,3 +884,29 @@ def test_a_run_that_sampled_no_step_says_why_it_has_no_memory(tmp_path: Path) ->
     prof.save()
     page = render_run_dir(tmp_path / "run").read_text()
     assert "No memory was recorded. Memory is measured on sampled steps, and no step was sampled" in page
+
+
+def test_a_loss_given_every_third_step_is_one_line() -> None:
+    """A loop that passes its loss every third step over 300 steps: the curve was drawn through the gaps of
+    the steps without one, every point alone and, past 60 points, without a marker: an empty plot. The steps
+    with a loss are joined."""
+    import pandas as pd
+
+    n = 300
+    steps = T.frame(
+        "steps",
+        pd.DataFrame(
+            {
+                T.STEP: range(n),
+                T.LOSS: [5.0 - s / 100 if s % 3 == 0 else float("nan") for s in range(n)],
+                T.LOSS_SCALE: [1.0] * n,
+                T.SKIPPED: [False] * n,
+                T.NO_LOSS: [s % 3 != 0 for s in range(n)],
+            }
+        ),
+    )
+    fig = plots.training_figure(steps)
+    assert fig is not None
+    (line,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "loss"]
+    xs, ys = line.get_data()
+    assert list(xs) == list(range(0, n, 3)) and all(y == y for y in ys)  # no nan breaks the line

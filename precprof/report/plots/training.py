@@ -49,8 +49,18 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
     ax = axes[0]
     mark_skipped(ax)
     mark_restarts(ax)
-    ax.plot(x, loss, color="#1f4e79", lw=1.4, marker="." if len(x) <= 60 else None, label="loss")
-    bad = ~np.isfinite(loss) & ~T.flags(df[T.NO_LOSS]).to_numpy() if T.NO_LOSS in df else ~np.isfinite(loss)
+    given = ~T.flags(df[T.NO_LOSS]).to_numpy() if T.NO_LOSS in df else np.ones(len(x), dtype=bool)
+    # the steps with a loss, joined: a loop that passes its loss every few steps drew no line at all (each
+    # point alone between gaps, and no markers past 60 steps)
+    ax.plot(
+        x[given],
+        loss[given],
+        color="#1f4e79",
+        lw=1.4,
+        marker="." if given.sum() <= 60 else None,
+        label="loss",
+    )
+    bad = ~np.isfinite(loss) & given
     if bad.any():
         top = np.nanmax(loss[~bad]) if (~bad).any() else 1.0
         ax.plot(x[bad], np.full(bad.sum(), top), "X", color=SKIP_COLOR, ms=8, label="loss not finite")
