@@ -192,7 +192,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             f"{where} runs bf16 natively; bf16 has fp32's exponent range, so no loss scale is needed"
             + (
                 " and the measured gradients do not underflow it."
-                if plan.gradients_measured and not plan.gradients_valueless and not plan.forward_broken
+                if plan.gradients_usable
                 else f"; whether this model's gradients underflow it was {_not_measured(plan)}."
             )
             + (
@@ -238,10 +238,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             f"Start GradScaler at init_scale={_scale(k)} (2^{k}): the largest gradient seen, {_g(gm)}, times "
             f"2^{k} stays below 65504 / {2**cfg.fp16_margin_log2}; activation-gradient underflow falls from "
             f"{_pct(plan.underflow_at_1)} at scale 1 to {_pct(plan.underflow_at_rec)}."
-            if plan.gradients_measured
-            and not plan.gradients_valueless
-            and not plan.forward_broken
-            and plan.grad_absmax is not None
+            if plan.gradients_usable and plan.grad_absmax is not None
             else f"Start GradScaler at {'its default ' if k == cfg.default_loss_scale_log2 else ''}init_scale="
             f"{_scale(k)} (2^{k}): the loss scale that keeps this model's gradients in fp16's range was "
             f"{_not_measured(plan)}"

@@ -416,6 +416,12 @@ class _Plan:
     # every sampled step's forward pass was non-finite: its gradients are of a broken computation
     forward_broken: bool = False
 
+    @property
+    def gradients_usable(self) -> bool:
+        """Whether the gradients recorded say anything of a format's range: some were, with a finite nonzero
+        value among them, from a forward pass that was not already broken."""
+        return self.gradients_measured and not self.gradients_valueless and not self.forward_broken
+
     def add(self, f: Finding) -> None:
         self.findings.append(f)
 
