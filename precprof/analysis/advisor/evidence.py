@@ -426,6 +426,19 @@ class _Plan:
         self.findings.append(f)
 
 
+def _skipped_steps(steps: pd.DataFrame, scaled: bool = False) -> set[int]:
+    """The steps whose optimizer step was skipped; with ``scaled``, only those a loss scaler skipped at a scale
+    above 1 (their gradients' inf and nan are the scale's)."""
+    if steps.empty or T.SKIPPED not in steps or T.STEP not in steps:
+        return set()
+    keep = T.flags(steps[T.SKIPPED]).to_numpy().copy()
+    if scaled:
+        if T.LOSS_SCALE not in steps:
+            return set()
+        keep &= (pd.to_numeric(steps[T.LOSS_SCALE], errors="coerce").fillna(1.0) > 1.0).to_numpy()
+    return {int(s) for s in steps[keep][T.STEP]}
+
+
 def _static_scale(steps: pd.DataFrame) -> bool:
     """Whether the run's loss scaler kept its scale after the steps it skipped (a static scale: GradScaler with
     a back-off factor of 1, ``--loss-scale static:N``): a dynamic one lowers it after every skip. False when no

@@ -22,6 +22,7 @@ from precprof.analysis.advisor.evidence import (
     _share,
     _shifted_overflow,
     _shifted_underflow,
+    _skipped_steps,
     _static_scale,
     _under_any,
 )
@@ -378,12 +379,8 @@ def _run_scale_log2(run: _Run, ag: pd.DataFrame) -> int:
     the optimizer took (a skipped step's scale is one the scaler left), rounded; 0 (scale 1) without any. The
     median of the distinct scales was read: a scaler that backed off from 2^16 through 2^12 to the 2^11 it then
     trained at read as 2^14."""
-    rows = ag
-    steps = run.steps
-    if not steps.empty and T.SKIPPED in steps and T.STEP in steps:
-        skipped = set(steps[T.flags(steps[T.SKIPPED]).to_numpy()][T.STEP].astype(int))
-        taken = ag[~ag[T.STEP].astype(int).isin(skipped)]
-        rows = taken if not taken.empty else ag
+    taken = ag[~ag[T.STEP].astype(int).isin(_skipped_steps(run.steps))]
+    rows = taken if not taken.empty else ag
     scales = pd.to_numeric(rows[T.SCALE], errors="coerce").dropna()
     scales = scales[scales > 0]
     return round(math.log2(float(scales.median()))) if len(scales) else 0

@@ -33,6 +33,7 @@ from precprof.analysis.advisor.evidence import (
     _Plan,
     _row_index,
     _Run,
+    _skipped_steps,
     _tokens_per_call,
 )
 from precprof.analysis.advisor.model import INFO, WARNING, Finding
@@ -210,15 +211,6 @@ def _not_eligible(bad: list[tuple[str, str]], limit: int) -> str:
     return "; ".join(parts[:limit]) + (f" and {rest} more" if rest else "")
 
 
-def _scaler_skipped_steps(run: _Run) -> set[int]:
-    """The steps a loss scaler skipped (a scale above 1 in effect): their gradients' inf and nan are the scale's."""
-    steps = run.steps
-    if steps.empty or T.SKIPPED not in steps or T.LOSS_SCALE not in steps:
-        return set()
-    scaled = pd.to_numeric(steps[T.LOSS_SCALE], errors="coerce").fillna(1.0) > 1.0
-    return {int(s) for s in steps[T.flags(steps[T.SKIPPED]).to_numpy() & scaled.to_numpy()][T.STEP]}
-
-
 def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     cfg = run.cfg
     linear = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
@@ -228,7 +220,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     lay = run.layers.loc[run.layers[T.MODULE].isin(linear), [T.STEP, T.MODULE, T.TENSOR, T.NAN, T.INF]]
     # the gradients of a step a loss scaler skipped overflowed at its scale: FP8 training (bf16 autocast, no
     # loss scale) has none of those; what the model itself computed non-finite is in the forward pass
-    skipped = _scaler_skipped_steps(run)
+    skipped = _skipped_steps(run.steps, scaled=True)
     scaled_out = lay[T.STEP].isin(skipped) & lay[T.TENSOR].isin(T.GRADIENT_KINDS)
     plan.fp8_scaler_nonfinite_steps = int(lay[scaled_out & ((lay[T.NAN] + lay[T.INF]) > 0)][T.STEP].nunique())
     lay = lay[~scaled_out]
