@@ -352,19 +352,16 @@ def _refusal(
 ) -> UserError:
     fits = 0 if available is None or out_of_memory else fp.largest_batch(available)
     has = f"{where} has {size_text(available)} available" if available is not None else f"{where} ran out"
-    states = (
-        f"parameters {size_text(fp.parameters)}, gradients {size_text(fp.gradients)}, "
-        f"optimizer states {size_text(fp.optimizer_states)}"
-    )
+    states = _states_text(fp)
     if fits >= 1:
         return UserError(
-            f"{what} needs at least {size_text(fp.total)} to train ({states}, activations "
+            f"{what} needs about {size_text(fp.total)} to train ({states}, activations "
             f"{size_text(fp.activations)}) but {has}: use --batch-size {fits} or less, or a shorter --seq-len"
         )
     if available is not None and fp.model_states > HEADROOM * available:
         return UserError(
-            f"{what} needs at least {size_text(fp.total)} to train ({states}) but {has}: the model alone "
-            "does not fit; choose a smaller model (--model-arg) or a machine with more memory"
+            f"{what} needs at least {size_text(fp.model_states)} to train ({states}) but {has}: the model "
+            "alone does not fit; choose a smaller model (--model-arg) or a machine with more memory"
         )
     one = fp.at_batch(1)
     if out_of_memory:  # the measuring pass itself failed at batch fp.batch_size (1 or 2)
@@ -378,9 +375,26 @@ def _refusal(
             f"({states}); {has}: {fix}"
         )
     return UserError(
-        f"{what} cannot train here: even batch size 1 needs at least {size_text(one.total)} ({states}, "
+        f"{what} cannot train here: even batch size 1 needs about {size_text(one.total)} ({states}, "
         f"activations {size_text(one.activations)}) but {has}: use a shorter --seq-len or a smaller model "
         "(--model-arg)"
+    )
+
+
+def _states_text(fp: Footprint) -> str:
+    return (
+        f"parameters {size_text(fp.parameters)}, gradients {size_text(fp.gradients)}, "
+        f"optimizer states {size_text(fp.optimizer_states)}"
+    )
+
+
+def line(fp: Footprint) -> str:
+    """The estimate in one line, printed before the first step: the peak and its parts."""
+    if not fp.measured:
+        return f"memory: at least {size_text(fp.model_states)} ({_states_text(fp)}); {fp.note}"
+    return (
+        f"memory: about {size_text(fp.total)} at a step's peak, an estimate ({_states_text(fp)}, "
+        f"activations {size_text(fp.activations)})"
     )
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from precprof import cli
 from precprof import tables as T
+from precprof.footprint import size_text
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = ["--steps", "2", "--batch-size", "2", "--seq-len", "8", "--no-progress", "--device", "cpu"]
@@ -386,6 +387,26 @@ def test_the_first_progress_line_leaves_the_warm_up_step_out(
     # with the first step: 2 steps x 16 tokens in more than 4 s, under 8 tok/s; without it, the second
     # step's 16 tokens alone (8 tok/s would take a 2 s step on this tiny model)
     assert rate > 2 * 16 / 4.0, lines[0]
+
+
+def test_train_prints_its_memory_estimate_before_the_first_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The estimate was only in summary.json: a user sizing a batch saw it after the run, or in a refusal."""
+    from precprof import training
+
+    config = training.TrainConfig(
+        steps=2, batch_size=2, seq_len=8, device="cpu", progress=True, report=False, out=tmp_path / "run"
+    )
+    training.train(config)
+    err = capsys.readouterr().err.splitlines()
+    estimate = json.loads((tmp_path / "run" / "summary.json").read_text())["config"]["memory_estimate"]
+    first_step = next(i for i, ln in enumerate(err) if ": step " in ln)
+    memory = [i for i, ln in enumerate(err) if ln.startswith("precprof: memory: about ")]
+    assert len(memory) == 1 and memory[0] < first_step, err
+    line = err[memory[0]]
+    assert f"activations {size_text(estimate['activations'])})" in line, line
+    assert f"about {size_text(estimate['total'])} at a step's peak" in line, line
 
 
 def test_train_and_compare_print_nothing_of_torch_s_own(tmp_path: Path) -> None:

@@ -186,7 +186,7 @@ def test_gpt2_medium_at_batch_512_x_1024_is_refused_with_a_batch_that_fits() -> 
     fits = fp.largest_batch(available)
     assert 1 <= fits < 512
     expected = (
-        f"{what} needs at least {FP.size_text(fp.total)} to train (parameters 1.3 GiB, gradients 1.3 GiB, "
+        f"{what} needs about {FP.size_text(fp.total)} to train (parameters 1.3 GiB, gradients 1.3 GiB, "
         f"optimizer states 2.6 GiB, activations {FP.size_text(fp.activations)}) but this machine has 24.0 GiB "
         f"available: use --batch-size {fits} or less, or a shorter --seq-len"
     )
@@ -242,7 +242,7 @@ def test_batch_1_that_cannot_fit_is_refused_without_measuring_more() -> None:
     calls.clear()
     # room for the model states and half a sample
     available = int((one.model_states + one.activations // 2) / FP.HEADROOM)
-    with pytest.raises(UserError, match=r"even batch size 1 needs at least .*: use a shorter --seq-len"):
+    with pytest.raises(UserError, match=r"even batch size 1 needs about .*: use a shorter --seq-len"):
         FP.estimate(model, batch_size=64, optimizer="adamw", forward_loss=fl, available=available)
     assert calls == [1]
     # room for one sample but not two (by batch 1's upper bound): batch 2 is not run, batch 1 suggested
@@ -375,7 +375,7 @@ def test_gpt2_medium_at_batch_512_is_refused_before_training(tmp_path: Path) -> 
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1, res.stderr
     # a machine with 8 GiB or more is told the batch that fits; a smaller one that even batch 1 does not
-    assert "gpt2-medium at batch 512 x seq 1024 in fp32 needs at least" in lines[0] or (
+    assert "gpt2-medium at batch 512 x seq 1024 in fp32 needs about" in lines[0] or (
         "gpt2-medium at batch 512 x seq 1024 in fp32 cannot train here" in lines[0]
     )
     assert "--seq-len" in lines[0] and not out.exists()
@@ -409,7 +409,7 @@ def test_meta_device_refuses_only_what_clearly_cannot_fit(
         with pytest.raises(UserError) as info:
             loop._refuse_before_building(config, plan, data, cpu)
         msg = str(info.value)
-        assert msg.startswith(f"gpt-mini at batch {batch} x seq 128 in {precision} needs at least"), msg
+        assert msg.startswith(f"gpt-mini at batch {batch} x seq 128 in {precision} needs about"), msg
         assert "this machine has 1.0 GiB available: use --batch-size" in msg
     else:
         loop._refuse_before_building(config, plan, data, cpu)

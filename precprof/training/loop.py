@@ -398,6 +398,8 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
         )
     if (note := compiling.note(config.precision, compiled)) and config.progress and writer:
         print(f"precprof: note: {note}", file=sys.stderr)
+    if config.progress and writer:
+        print(f"precprof: {footprint.line(fp)}", file=sys.stderr)
     return _Setup(
         config=config,
         summary=summary,
