@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import shutil
+import re
 from pathlib import Path
 from typing import Any
 
@@ -836,3 +837,22 @@ def test_compare_page_caption_matches_its_stacked_plots() -> None:
     caption = html.split('<section id="loss">', 1)[1].split("</figcaption>", 1)[0]
     assert "Top: the loss of each step" in caption and "Bottom: each run" in caption
     assert "Left:" not in caption and "Right:" not in caption
+
+
+def test_the_memory_tables_total_adds_up_its_parts_and_the_peak_stands_apart() -> None:
+    """The table had an "allocator peak" column among the parts, then "total": the parts' sum, without the peak,
+    with no caption. fp32's total (3.23 MiB) read above its allocator peak (3.15 MiB) as if one were wrong."""
+    runs = [
+        dataclasses.replace(
+            r, memory={**r.memory, T.ALLOCATOR_PEAK: 3 * 2**20}, memory_total=sum(r.memory.values())
+        )
+        for r in _four_runs().runs
+    ]
+    html = compare_page.render(dataclasses.replace(_four_runs(), runs=runs))
+    table = html.split('<section id="resources">', 1)[1].split("</table>", 1)[0]
+    heads = [re.sub(r"<[^>]+>", " ", h).split() for h in re.findall(r"<th>(.*?)</th>", table)]
+    assert [h[0] for h in heads] == ["run", "parameters", "gradients", "total", "allocator"], heads
+    assert " ".join(heads[3]) == "total these parts" and " ".join(heads[4]) == "allocator peak not in the total"
+    row = re.findall(r"<td[^>]*>(.*?)</td>", table.split("<tbody>", 1)[1].split("</tr>", 1)[0])
+    assert row[1:] == ["2 MiB", "2 MiB", "4 MiB", "3 MiB"], row
+    assert "the total adds up these parts" in table and "most the allocator held at once" in table
