@@ -6,8 +6,8 @@ import dataclasses
 import itertools
 import json
 import math
-import shutil
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -852,7 +852,9 @@ def test_the_memory_tables_total_adds_up_its_parts_and_the_peak_stands_apart() -
     table = html.split('<section id="resources">', 1)[1].split("</table>", 1)[0]
     heads = [re.sub(r"<[^>]+>", " ", h).split() for h in re.findall(r"<th>(.*?)</th>", table)]
     assert [h[0] for h in heads] == ["run", "parameters", "gradients", "total", "allocator"], heads
-    assert " ".join(heads[3]) == "total these parts" and " ".join(heads[4]) == "allocator peak not in the total"
+    assert (
+        " ".join(heads[3]) == "total these parts" and " ".join(heads[4]) == "allocator peak not in the total"
+    )
     row = re.findall(r"<td[^>]*>(.*?)</td>", table.split("<tbody>", 1)[1].split("</tr>", 1)[0])
     assert row[1:] == ["2 MiB", "2 MiB", "4 MiB", "3 MiB"], row
     assert "the total adds up these parts" in table and "most the allocator held at once" in table
