@@ -436,3 +436,36 @@ def test_a_resumed_run_goes_on_in_tensorboard_where_the_killed_job_stopped(tmp_p
     live = {e.step: e.value for e in ea.Scalars("precprof/skipped_steps")}
     want = T.flags(steps[T.SKIPPED]).cumsum().tolist()
     assert [live[s] for s in range(10)] == want
+
+
+@pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
+@pytest.mark.parametrize("handed_in", [False, True])
+def test_a_wandb_run_finished_inside_the_profiler_is_said_to_be_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, handed_in: bool
+) -> None:
+    """``wandb.finish()`` inside ``with Profiler(wandb=True)``: the steps not yet flushed were lost with a
+    warning that said "wandb=...=True logs to the current wandb run: call wandb.init() first", though it had.
+    The warning says the run was finished early, when to finish it, and how to log the whole run."""
+    for k, v in {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(k, v)
+    wb_run = wandb.init(mode="offline", dir=str(tmp_path), project="precprof-test")
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    told = pytest.warns(UserWarning, match="precprof: stopped writing to wandb")
+    target = wb_run if handed_in else True
+    with told as caught, precprof.Profiler(model, optimizer=opt, sample_every=3, wandb=target) as prof:
+        for _ in range(5):
+            loss = model(torch.randn(2, 4)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+        wb_run.finish()
+    _wandb_files_closed()
+    (msg,) = [str(w.message) for w in caught if "stopped writing to wandb" in str(w.message)]
+    assert "was finished before precprof logged its last steps" in msg, msg
+    assert "call wandb.finish() after the Profiler closes" in msg and "precprof export RUN_DIR" in msg, msg
+    assert "wandb.init() first" not in msg and "UserError" not in msg, msg
+    logged = _wandb_history(next((tmp_path / "wandb").glob("offline-run-*")))
+    assert sorted(logged) == [0, 1, 2, 3]  # step 4 waited for the flush at close, after the finish

@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 
 from precprof import tables as T
+from precprof.errors import UserError
 from precprof.export.events import EventStream, LayerSelection
 from precprof.export.tensorboard import TensorBoardSink
 from precprof.export.wandb import WandbSink
@@ -72,7 +73,8 @@ class LiveDashboards:
     def _drop(self, sink: Any, e: Exception) -> None:
         self.sinks.remove(sink)
         name = "TensorBoard" if isinstance(sink, TensorBoardSink) else "wandb"
-        warnings.warn(f"precprof: stopped writing to {name}: {type(e).__name__}: {e}", stacklevel=3)
+        why = str(e) if isinstance(e, UserError) else f"{type(e).__name__}: {e}"  # ours say what to do
+        warnings.warn(f"precprof: stopped writing to {name}: {why}", stacklevel=3)
 
 
 def _frame(name: str, parts: list[dict[str, Any]]) -> pd.DataFrame | None:

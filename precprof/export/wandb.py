@@ -23,6 +23,13 @@ def wandb_module(option: str = "wandb=...") -> Any:
     return wandb
 
 
+_FINISHED_EARLY = (
+    " before precprof logged its last steps: call wandb.finish() after the Profiler closes (after its with block, "
+    "or after prof.report() or prof.detach()); the run directory keeps every step, and precprof export RUN_DIR "
+    "--wandb-project P logs the whole run"
+)
+
+
 class WandbSink:
     """Logs events to a wandb run: ``target`` True for the current ``wandb.run`` (looked up at the first write,
     so ``wandb.init`` may come after the Profiler is built) or a run object. ``finish`` runs the run's
@@ -36,6 +43,7 @@ class WandbSink:
         self._option = option
         self._finish = finish
         self._told = False  # whether the steps wandb would drop were warned of
+        self._logged = False  # whether a step reached the run: a run gone since then was finished
 
     @property
     def run(self) -> Any:
@@ -43,7 +51,9 @@ class WandbSink:
             return self._target
         run = self._wandb.run
         if run is None:
-            raise UserError(f"{self._option}=True logs to the current wandb run: call wandb.init() first")
+            if self._logged:  # wandb.finish() inside the with block, before the Profiler's last flush
+                raise UserError("the current wandb run was finished" + _FINISHED_EARLY)
+            raise UserError("wandb=True logs to the current wandb run: call wandb.init() first")
         return run
 
     def write(self, events: Iterable[Event]) -> None:
@@ -51,6 +61,8 @@ class WandbSink:
         if not grouped:
             return
         run = self.run
+        if getattr(run, "_is_finished", False):  # a run object that was handed in and finished since
+            raise UserError("the wandb run was finished" + _FINISHED_EARLY)
         for step, evs in grouped.items():
             at = getattr(run, "step", None)
             if isinstance(at, int) and step < at:
@@ -75,6 +87,7 @@ class WandbSink:
                 else:
                     data[e.tag] = e.value
             run.log(data, step=step)
+            self._logged = True
 
     def close(self) -> None:
         if self._finish:
