@@ -223,6 +223,11 @@ def _lock(path: Path, option: str) -> int:
                 owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
             finally:
                 os.close(fd)
+            if owner == str(os.getpid()):  # a Profiler of this process claimed it and has not saved it
+                raise RunDirError(
+                    f"{option} {path}: a Profiler in this process is still writing this run directory; save it "
+                    f"first (prof.save() or prof.report(), which the with block does), or choose another {option}"
+                ) from None
             raise RunDirError(
                 f"{option} {path}: another precprof process (pid {owner}) is writing this run directory; "
                 f"wait for it or choose another {option}"

@@ -28,7 +28,7 @@ import precprof
 from precprof import _atomic, _saving, cli, pipeline, rundir, runfiles
 from precprof import tables as T
 from precprof.capture import stream
-from precprof.errors import RunNotSavedWarning
+from precprof.errors import RunNotSavedWarning, UserError
 from precprof.training import TrainConfig, train
 
 TINY = ["--batch-size", "2", "--seq-len", "8", "--device", "cpu", "--no-progress"]
@@ -179,8 +179,10 @@ def test_one_writer_per_directory(tmp_path: Path) -> None:
     out = tmp_path / "run"
     held = rundir.claim(out)
     try:
-        with pytest.raises(rundir.RunDirError, match=rf"another precprof process \(pid {os.getpid()}\)"):
+        # this process holds it: "another precprof process (pid <its own>)" sent users looking for one
+        with pytest.raises(rundir.RunDirError, match=r"a Profiler in this process is still writing") as e:
             rundir.claim(out, overwrite=True)
+        assert "another precprof" not in str(e.value) and "prof.save() or prof.report()" in str(e.value)
     finally:
         held.release()
     again = rundir.claim(out, overwrite=True)  # the lock went with the release
@@ -955,3 +957,22 @@ def test_tables_written_at_interpreter_exit_are_written(tmp_path: Path) -> None:
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     got = pd.read_parquet(tmp_path / "histograms.parquet")
     assert len(got) == 20_000 and int(got[T.COUNT].sum()) == 20_000
+
+
+def test_a_run_this_process_has_not_saved_is_named_as_ours_when_resumed(tmp_path: Path) -> None:
+    """Detached, not saved, then resumed in the same process (a notebook's next cell): the refusal said
+    "another precprof process (pid <this one>) is writing this run directory"."""
+    import precprof
+
+    model = torch.nn.Linear(4, 4)
+    first = precprof.Profiler(model, out=tmp_path / "run", sample_every=1).attach()
+    model(torch.randn(2, 4)).sum().backward()
+    first.step()
+    first.detach()
+    with pytest.raises(UserError, match="a Profiler in this process is still writing this run directory"):
+        precprof.Profiler(model, out=tmp_path / "run", resume=True).attach()
+    first.save()  # saving gives the directory back
+    with precprof.Profiler(model, out=tmp_path / "run", resume=True, first_step=1) as again:
+        model(torch.randn(2, 4)).sum().backward()
+        again.step()
+    assert again.tables()["steps"]["step"].tolist() == [0, 1]
