@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
@@ -295,10 +296,30 @@ def profiler_memory_start() -> None:
 
     cfg = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
     activities = {ProfilerActivity.CPU}
-    torch.autograd._prepare_profiler(cfg, activities)
-    # only record_function ranges are recorded as ops (the phase markers), not every aten op: a tenth of the
-    # events to collect; allocations are reported whatever the scopes
-    torch.autograd._enable_profiler(cfg, activities, {RecordScope.USER_SCOPE})  # type: ignore[call-arg]
+    with _kineto_quiet():
+        torch.autograd._prepare_profiler(cfg, activities)
+        # only record_function ranges are recorded as ops (the phase markers), not every aten op: a tenth of
+        # the events to collect; allocations are reported whatever the scopes
+        torch.autograd._enable_profiler(cfg, activities, {RecordScope.USER_SCOPE})  # type: ignore[call-arg]
+
+
+@contextlib.contextmanager
+def _kineto_quiet() -> Iterator[None]:
+    """Kineto prints two lines per profiler start and stop (``USDT ... profiler_start``, ``profiler_stop``):
+    two a sampled step in a loop's output. Its log level is read once, when the first profiler starts, from
+    ``KINETO_LOG_LEVEL``: set (where the environment does not) for that start and taken back after, so the
+    environment a program reads is unchanged. A profiler the program started first keeps its own level."""
+    if _KINETO_LOG_LEVEL in os.environ:
+        yield
+        return
+    os.environ[_KINETO_LOG_LEVEL] = "6"  # errors only
+    try:
+        yield
+    finally:
+        os.environ.pop(_KINETO_LOG_LEVEL, None)
+
+
+_KINETO_LOG_LEVEL = "KINETO_LOG_LEVEL"
 
 
 def profiler_memory_stop(marker: str) -> tuple[list[tuple[int, int, int, str]], list[int]]:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import subprocess
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -616,3 +619,31 @@ def test_a_cpu_loop_gets_the_peak_only_when_it_asks() -> None:
     assert "torch.profiler is running" in tr.peak_note
     assert not any(r[T.MOMENT] == T.MOMENT_PEAK for r in rows)
     assert any(e.name == "aten::addmm" for e in user_prof.events())  # the program's profile is whole
+
+
+_USER_LOOP_WITH_PEAK = """
+import os, torch, precprof
+from torch import nn
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with precprof.Profiler(model, optimizer=opt, memory_peak=True, sample_every=1) as prof:
+    for _ in range(3):
+        loss = model(torch.randn(4, 8)).pow(2).mean()
+        loss.backward(); opt.step(); opt.zero_grad()
+        prof.step(loss=loss)
+assert prof.tables()["memory"]["phase"].ne("").any(), "no peak measured"
+print("KINETO_LOG_LEVEL" in os.environ)
+"""
+
+
+def test_a_users_loop_measuring_the_cpu_peak_prints_nothing_of_kinetos() -> None:
+    """``Profiler(memory_peak=True)`` in a loop's own process printed two Kineto lines per sampled step
+    (``USDT ... profiler_start``, ``profiler_stop``); `precprof train` quiets them through its environment,
+    which a user's process does not have. They stay off, and the environment the program reads is unchanged."""
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    res = subprocess.run(
+        [sys.executable, "-c", _USER_LOOP_WITH_PEAK], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert res.returncode == 0, res.stderr
+    assert "USDT" not in res.stderr and "profiler_start" not in res.stderr, res.stderr
+    assert res.stdout.strip() == "False"
