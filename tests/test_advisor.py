@@ -1516,11 +1516,13 @@ def test_a_run_with_many_loss_scales_names_their_range_not_each_one() -> None:
     layers.loc[grads, T.SCALE] = 1024.0 + layers.loc[grads, T.STEP].astype(float)  # 40 distinct scales
     rec = recommend({**tables, "layers": layers}, summary=summary)
     (f,) = [f for f in rec.findings if f.code == "fp16_gradient_underflow"]
-    assert "1024 to 1063, 40 values" in f.message, f.message
+    # "..., 40 values" right after a count of gradient values read as a second count of them
+    assert "at the run's 40 loss scales from 1024 to 1063 (exact counts)" in f.message, f.message
     assert "1030" not in f.message
     small = recommend(tables, summary=summary)  # few scales: each one
     (f,) = [f for f in small.findings if f.code == "fp16_gradient_underflow"]
-    assert "values" not in f.message.split("exact counts")[0].split("in effect (")[1]
+    few = f.message.split(" (exact counts)")[0].split("at the run's ")[1]
+    assert "values" not in few and few.startswith(("loss scale ", "loss scales ")), few
 
 
 @pytest.mark.parametrize("categorical", [False, True])

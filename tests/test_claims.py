@@ -296,6 +296,23 @@ def test_compare_page_says_what_ran_and_no_signed_zero(tmp_path: Path) -> None:
     assert "-0.00%" not in page and "+0.00%" not in page
 
 
+def test_a_static_scale_a_little_too_high_is_blamed_on_the_scale_not_the_model(tmp_path: Path) -> None:
+    """Static 2^24: every step skipped, and the finite gradients recorded (0.00307 at the most) fit fp16 at
+    that scale, as every finite one must. Skips that persist to the end were read as the model's own nan/inf:
+    a critical "nan/inf first appears in the backward pass", "a lower loss scale will not help", and "backed the
+    scale off from 2^24 to 2^24". A scale that never backs off proves nothing by persisting; gradients within
+    2^4 of the limit are an overflow's (a rerun at 2^18, two advices on, skips 9 of 10, and 2^15 none)."""
+    run = tiny(tmp_path / "st24", precision="fp16", loss_scale="static:16777216", steps=10, report=False)
+    assert T.flags(T.read_tables(run)["steps"][T.SKIPPED]).all()
+    codes = {f.code: f for f in precprof.recommend(run).findings}
+    assert "nonfinite_backward" not in codes
+    skipped = codes["scaler_skipped_steps"]
+    assert "from the model" not in skipped.message and "static (it never backs off)" in skipped.message
+    overflow = codes["fp16_gradient_overflow"]
+    assert overflow.severity == "warning" and "at loss scale 1.67772e+07;" in overflow.message
+    assert codes["fp16_loss_scale"].numbers["loss_scale_log2"] < 24
+
+
 @pytest.mark.parametrize("loss_scale", ["static:1e30", "dynamic"])
 def test_a_loss_scale_far_too_high_is_blamed_on_the_scale_not_the_model(
     tmp_path: Path, loss_scale: str

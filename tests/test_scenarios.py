@@ -357,6 +357,26 @@ def test_d2_backward_nan_under_dynamic_scaling_is_dated_and_its_skips_counted(sa
     assert sc is not None and sc.numbers["from_model"] == len(skipped) and sc.numbers["avoidable"] == 0
 
 
+def test_d2_backward_nan_under_a_static_scale_is_still_the_models() -> None:
+    """The same nan, armed to the end of the run, under a static 2^16 (no back-off): its skips persist, and the
+    finite gradients beside the nan come within 2^4 of fp16's limit at that scale. An overflow under a static
+    scale looks like that too, but comes with infs; this nan comes with none, so it stays the model's, and
+    the scaler "kept the scale at" 2^16 (it had said "backed the scale off from 2^16 to 2^16")."""
+    run = backward_nan.run(last=backward_nan.STEPS - 1, static=True)
+    steps = run.tables["steps"]
+    assert _skipped_steps(steps) == list(range(backward_nan.FIRST, backward_nan.STEPS))
+    assert set(steps[T.LOSS_SCALE]) == {2.0**16}
+    layers = run.tables["layers"]
+    armed = layers[layers[T.TENSOR].isin(T.GRADIENT_KINDS) & (layers[T.STEP] >= backward_nan.FIRST)]
+    assert armed[T.INF].sum() == 0 and armed[T.NAN].sum() > 0
+    finite = armed[T.ABSMAX][armed[T.ABSMAX].map(math.isfinite)]
+    assert finite.max() * 2.0**16 * 2**4 >= 65504  # what alone would have read as an overflow's top
+    rec = run.recommend("v100")
+    f = rec.finding("nonfinite_backward")
+    assert f is not None and f.severity == CRITICAL and f.modules == ["inject"]
+    assert "kept the scale at 2^16 (65536)" in f.message and "backed the scale off" not in f.message
+
+
 def test_d3_backward_nan_between_sampled_steps_is_an_upper_bound() -> None:
     """Armed from step 22 with layers sampled every 5 steps: the layer statistics first see the nan at step
     25, the steps table sees the skips from 22. The finding gives 25 as the first *sampled* step, names 20 as

@@ -58,9 +58,9 @@ def backward_nan_net() -> nn.Module:
     return model
 
 
-def run(sample_every: int = 1, first: int = FIRST, last: int = LAST) -> ProfiledRun:
+def run(sample_every: int = 1, first: int = FIRST, last: int = LAST, static: bool = False) -> ProfiledRun:
     """Train ``STEPS`` steps with the nan armed on steps ``first`` to ``last``, layers sampled every
-    ``sample_every`` steps."""
+    ``sample_every`` steps; ``static``: the scale stays at 2^16 (no back-off)."""
     torch.manual_seed(0)
     return train_profiled(
         backward_nan_net(),
@@ -71,4 +71,5 @@ def run(sample_every: int = 1, first: int = FIRST, last: int = LAST) -> Profiled
         steps=STEPS,
         sample_every=sample_every,
         on_step=armed_between(first, last),
+        static=static,
     )

@@ -66,6 +66,7 @@ def train_profiled(
     precision: str = "fp32",
     loss_scale: float | None = None,
     growth_interval: int = 2000,
+    static: bool = False,
     keep_fp32: Sequence[str] = (),
     steps: int = 6,
     lr: float = 1e-3,
@@ -75,7 +76,8 @@ def train_profiled(
     """Train ``model`` for ``steps`` steps with the Profiler attached and return its tables.
 
     ``precision``: "fp32", "bf16" or "fp16" (CPU autocast). ``loss_scale``: GradScaler init_scale (dynamic,
-    ``growth_interval``); None trains without a scaler (scale 1). ``batches(step)`` returns (x, y).
+    ``growth_interval``; ``static``: growth and back-off factors 1, as ``--loss-scale static:N`` makes it);
+    None trains without a scaler (scale 1). ``batches(step)`` returns (x, y).
     ``on_step(model, step)`` runs before each forward (to inject faults).
     """
     keep_in_fp32(model, keep_fp32)
@@ -85,6 +87,9 @@ def train_profiled(
         if loss_scale is not None
         else None
     )
+    if scaler is not None and static:
+        scaler.set_growth_factor(1.0)
+        scaler.set_backoff_factor(1.0)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     losses: list[float] = []
     prof = precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=sample_every, memory=False)

@@ -44,11 +44,14 @@ def _g(x: float | None) -> str:
 
 
 def _scales(scales: list[float], limit: int = 6) -> str:
-    """Loss scales seen, ascending: each one when they are few, else their count and range (a run whose scale
+    """Loss scales seen, ascending, with their noun: "loss scale 1024", "loss scales 512, 1024", or their count
+    and range when there are more than ``limit`` ("13 loss scales from 262144 to 1.07374e+09"; a run whose scale
     was set by hand every step may have thousands)."""
+    if len(scales) == 1:
+        return f"loss scale {scales[0]:g}"
     if len(scales) <= limit:
-        return ", ".join(f"{s:g}" for s in scales)
-    return f"{scales[0]:g} to {scales[-1]:g}, {len(scales)} values"
+        return "loss scales " + ", ".join(f"{s:g}" for s in scales)
+    return f"{len(scales)} loss scales from {scales[0]:g} to {scales[-1]:g}"
 
 
 def _name(module: str) -> str:

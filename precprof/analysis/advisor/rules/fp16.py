@@ -434,7 +434,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     now_txt = (
         f"{_pct(now)} of {int(nz_now):,} nonzero activation-gradient values"
         + (" that were not fp16" if not is16.empty else "")
-        + f" flush to zero in fp16 at the scale in effect ({_scales(scales)}; exact counts)"
+        + f" flush to zero in fp16 at the run's {_scales(scales)} (exact counts)"
         if now is not None
         else "the activation gradients were already fp16, so their flushed values are indistinguishable from zeros"
     )
@@ -639,8 +639,7 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
             else f"Gradients would overflow fp16 at this run's loss scale in {len(mods)} module(s)",
             f"On {len(steps)} sampled step(s) ({_listing([str(s) for s in steps], 6)}), {n:,} gradient values in "
             f"{_listing(mods, run.cfg.max_listed_modules)} "
-            f"{'overflow' if real else 'would overflow'} fp16 at loss scale "
-            f"{_scales(scales)}; {what}",
+            f"{'overflow' if real else 'would overflow'} fp16 at {_scales(scales)}; {what}",
             (
                 "Use bf16 or fp32: the loss scale that keeps these gradients finite in fp16 "
                 f"({_pow2(plan.loss_scale_log2)}) flushes more of the small ones than this run lost."

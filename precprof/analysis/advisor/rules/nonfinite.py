@@ -114,6 +114,15 @@ def _scales(steps: pd.DataFrame, a: int, b: int) -> str:
     return f"from {_pow2(_log2i(hi))} to {_pow2(_log2i(lo))}"
 
 
+def _scale_move(steps: pd.DataFrame, a: int, b: int) -> str:
+    """What the scale did over the skips from ``a`` to ``b``: "backed the scale off from 2^x to 2^y", or "kept
+    the scale at 2^x" (a static scaler, which never backs off)."""
+    lo, hi = _scale_at(steps, b), _scale_at(steps, a)
+    if math.isfinite(lo) and math.isfinite(hi) and lo > 0 and lo == hi:
+        return f"kept the scale at {_pow2(_log2i(hi))}"
+    return f"backed the scale off {_scales(steps, a, b)}"
+
+
 def _skips(facts: _StepFacts, step: int) -> tuple[str, dict[str, Number]]:
     """What the scaler did at ``step``, as a clause without its full stop ("GradScaler skipped every step
     from A to B (N steps, no weight update)"), and its numbers: skipped (1, 0, None when the steps table has no
@@ -177,11 +186,20 @@ def _peak(run: _Run, streak: tuple[int, int]) -> float | None:
     return float(g.max()) if not g.empty else None
 
 
+def _infs(run: _Run, streak: tuple[int, int]) -> bool:
+    """Whether the gradients recorded on the sampled steps of ``streak`` hold inf values (an overflow makes
+    infs, which later operations may turn into nan; a nan from the model makes none)."""
+    a, b = streak
+    g = run.kind(*T.GRADIENT_KINDS)
+    return bool(g[(g[T.STEP] >= a) & (g[T.STEP] <= b)][T.INF].sum() > 0)
+
+
 def _scaler_cannot_fix(run: _Run, streak: tuple[int, int]) -> bool:
     """Whether a run of skipped steps is more than a scale too high.
 
     Not when the gradients recorded around it, times the scale it began at, exceed fp16's 65504: that is an
-    overflow, however many back-offs it took. Otherwise yes when the skips drove the scale
+    overflow, however many back-offs it took. Nor, at a scale that never backed off, when they come within
+    ``nonfinite_backoff_log2`` powers of two of it and infs were recorded. Otherwise yes when the skips drove the scale
     ``nonfinite_backoff_log2`` powers of two below the last scale at which a step went through, or lasted to
     the end of the run over at least ``nonfinite_persist_steps`` steps (see AdvisorConfig).
     """
@@ -191,6 +209,18 @@ def _scaler_cannot_fix(run: _Run, streak: tuple[int, int]) -> bool:
     if peak is not None and math.isfinite(start) and peak * start >= FP16.max:
         return False
     lowest = _scale_at(steps, b)
+    if (
+        peak is not None
+        and math.isfinite(start)
+        and lowest >= start
+        and peak * start * 2.0**run.cfg.nonfinite_backoff_log2 >= FP16.max
+        and _infs(run, streak)
+    ):
+        # a scale that never backed off (a static scaler) proves nothing by persisting: the largest finite
+        # gradient is below fp16's limit at that scale by construction, and one within a few powers of two of
+        # it, beside infs, is the top of a distribution the limit cut off (2^24 on gpt-nano: 0.00307 x 2^24 =
+        # 51,400). A nan from the model comes without infs.
+        return False
     if peak is None and not (math.isfinite(lowest) and lowest <= 2.0**run.cfg.max_loss_scale_log2):
         # no finite gradient to size the overflow by, at a scale never down to one a run would use (a static
         # 1e30, or a scaler backing off from 2^99): every gradient overflowing is what such a scale does
@@ -301,7 +331,7 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
             a, b = facts.streak
             nums["grad_peak"] = _peak(run, facts.streak)
             detail = (
-                f"{head}. {skips} and backed the scale off {_scales(run.steps, a, b)}{_why_not_the_scale(run, a, b)}, "
+                f"{head}. {skips} and {_scale_move(run.steps, a, b)}{_why_not_the_scale(run, a, b)}, "
                 f"not from the scale.{_began_before(facts, step)}"
             )
             remedy = (
