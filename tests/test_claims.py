@@ -337,3 +337,41 @@ def test_a_loss_scale_far_too_high_is_blamed_on_the_scale_not_the_model(
     assert ("never lowers" in overflow.message) == loss_scale.startswith("static")
     fixed = tiny(tmp_path / "fixed", precision="fp16", loss_scale="static:32768", steps=3, report=False)
     assert not T.flags(T.read_tables(fixed)["steps"][T.SKIPPED]).any()
+
+
+def test_a_model_cast_to_fp16_in_a_users_loop_trains_in_fp16_and_is_warned(tmp_path: Path) -> None:
+    """``model.half()`` with fp32 master weights by hand, no autocast, no scaler: the profiler saw "fp16-pure",
+    a quarter of the fp16 activation gradients were flushed, and the finding was demoted to information titled
+    "what fp16 would do", as for a run that never trained in fp16. It stays a warning."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.GELU(),
+        torch.nn.Linear(64, 1),
+    ).half()
+    master = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    opt = torch.optim.AdamW(master, lr=1e-3)
+    with precprof.Profiler(model, sample_every=1, out=tmp_path / "half") as prof:
+        for _ in range(4):
+            x, y = torch.randn(64, 32), torch.randn(64, 1)
+            loss = (model(x.half()).float() - y).pow(2).mean() * 1e-4  # gradients small enough to flush
+            loss.backward()
+            for m, p in zip(master, model.parameters(), strict=True):
+                m.grad = p.grad.float()
+            opt.step()
+            with torch.no_grad():
+                for m, p in zip(master, model.parameters(), strict=True):
+                    p.copy_(m)
+            opt.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    prof.save()
+    summary = json.loads((tmp_path / "half" / "summary.json").read_text())
+    assert summary["capture"]["precision_seen"] == "fp16-pure"
+    grads = prof.tables()["layers"]
+    grads = grads[grads[T.TENSOR] == T.ACTIVATION_GRAD]
+    assert grads[T.ZEROS].sum() / grads[T.NUMEL].sum() > 0.05  # flushed: the fp32 reference has no zeros
+    (f,) = [f for f in precprof.recommend(tmp_path / "half").findings if f.code == "fp16_gradient_underflow"]
+    assert f.severity == "warning" and "what fp16 would do" not in f.title and "demoted_from" not in f.numbers

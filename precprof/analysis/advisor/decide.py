@@ -308,10 +308,14 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
 
 def _runs_fp16(run: _Run) -> bool:
     """Whether the run itself trained in fp16: asked for by name; for a loop that names no precision (the user's
-    own), fp16 autocast seen or an enabled scaler. A run that asked for another precision did not, whatever scaler
-    it kept (``--precision fp32 --loss-scale dynamic`` scales fp32 gradients)."""
-    if run.precision:
-        return run.precision.startswith("fp16")
+    own), the fp16 mode the profiler saw (autocast, or a model cast to fp16: "fp16-pure"), fp16 autocast seen or
+    an enabled scaler. A run that asked for another precision did not, whatever scaler it kept (``--precision
+    fp32 --loss-scale dynamic`` scales fp32 gradients)."""
+    if run.precision_trained:
+        if run.precision_trained.startswith("fp16"):
+            return True
+        if run.precision:
+            return False
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     if not isinstance(capture, Mapping):
         return False
