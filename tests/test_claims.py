@@ -375,3 +375,37 @@ def test_a_model_cast_to_fp16_in_a_users_loop_trains_in_fp16_and_is_warned(tmp_p
     assert grads[T.ZEROS].sum() / grads[T.NUMEL].sum() > 0.05  # flushed: the fp32 reference has no zeros
     (f,) = [f for f in precprof.recommend(tmp_path / "half").findings if f.code == "fp16_gradient_underflow"]
     assert f.severity == "warning" and "what fp16 would do" not in f.title and "demoted_from" not in f.numbers
+
+
+def test_a_grad_scaler_in_a_bf16_loop_is_said_to_have_nothing_to_do(tmp_path: Path) -> None:
+    """bf16 autocast with a dynamic GradScaler (growth every 2 steps): its scale grew from 2^16 to 2^25 in 20
+    steps and nothing said the scaler was needless. An fp16 run's scaler gets no such finding."""
+    found = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+        out = tmp_path / str(dtype).split(".")[-1]
+        with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=5, out=out) as prof:
+            for _ in range(20):
+                with torch.autocast("cpu", dtype=dtype):
+                    loss = (model(torch.randn(8, 16)).float() - torch.randn(8, 1)).pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                prof.step(loss=loss.detach())
+        prof.save()
+        found[dtype] = {f.code: f for f in precprof.recommend(out).findings}
+        steps = prof.tables()["steps"]
+        if dtype is torch.bfloat16:
+            assert not T.flags(steps[T.SKIPPED]).any() and steps[T.LOSS_SCALE].iloc[-1] == 2.0**25
+    f = found[torch.bfloat16]["scaler_unneeded"]
+    assert f.severity == "info" and "bf16 run" in f.title
+    assert (
+        "scaled its loss: the scale started at 2^16 (65536) and grew to 2^25 (33554432) over 20 steps."
+        in f.message
+    )
+    assert f.numbers == {"start_scale": 2.0**16, "last_scale": 2.0**25}
+    assert "scaler_unneeded" not in found[torch.float16]

@@ -87,6 +87,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "avoidable": ("skips a better initial scale avoids", "count"),
     "from_model": ("skips from non-finite values in the model itself", "count"),
     "start_scale": ("initial loss scale", "scale"),
+    "last_scale": ("loss scale at the end", "scale"),
     "first_ok_scale": ("scale of the first step that went through", "scale"),
     "recommended_scale": ("recommended initial loss scale", "scale"),
     ("scaler_skipped_steps", "steps"): ("steps in the run", "count"),

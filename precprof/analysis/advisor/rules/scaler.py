@@ -2,13 +2,55 @@
 
 from __future__ import annotations
 
+import math
+
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import _Plan, _Run, _static_scale
-from precprof.analysis.advisor.model import WARNING, Finding
-from precprof.analysis.advisor.text import _pow2, _scale
+from precprof.analysis.advisor.model import INFO, WARNING, Finding
+from precprof.analysis.advisor.text import _g, _pow2, _scale
+
+
+def _rule_scaler_unneeded(run: _Run, plan: _Plan) -> None:
+    """A loss scale in a run that did not train in fp16 (bf16, fp8 or fp32, as asked for or as the profiler saw
+    it train): those formats have fp32's exponent range, so the gradients need no scaling. The scaler's scale
+    only grows (by growth_factor every growth_interval steps without an inf) until fp32 itself overflows; each
+    step pays its inf check's host sync."""
+    mode = run.precision_trained
+    if not mode or mode.startswith("fp16") or run.steps.empty or T.LOSS_SCALE not in run.steps:
+        return
+    scale = run.steps.sort_values(T.STEP)[T.LOSS_SCALE].astype(float)
+    scale = scale[scale.map(math.isfinite) & (scale > 0)]
+    if scale.empty or (scale == 1.0).all():
+        return
+    first, last = float(scale.iloc[0]), float(scale.iloc[-1])
+
+    def said(x: float) -> str:
+        e = math.log2(x)
+        return _pow2(int(e)) if e == int(e) else _g(x)
+
+    how = (
+        f": the scale started at {said(first)} and grew to {said(last)} over {len(scale):,} steps"
+        if last > first
+        else f" by {said(first)}" + (f" at first, {said(last)} at the end" if last != first else "")
+    )
+    plan.add(
+        Finding(
+            "scaler_unneeded",
+            INFO,
+            f"A loss scaler in a {mode} run: it has nothing to do",
+            f"This run trained in {mode} and scaled its loss{how}. {mode} has fp32's "
+            "exponent range: its gradients neither underflow nor overflow the way fp16's do. A dynamic scaler's scale only grows while no gradient "
+            "overflows, until the scaled gradients overflow fp32 itself and steps are skipped; each step pays "
+            "the scaler's inf check, a host sync.",
+            "Drop the GradScaler (or GradScaler(enabled=False)): scaler.scale(loss) becomes loss, "
+            "scaler.step(opt) becomes opt.step().",
+            numbers={"start_scale": first, "last_scale": last},
+        )
+    )
 
 
 def _rule_scaler(run: _Run, plan: _Plan) -> None:
+    _rule_scaler_unneeded(run, plan)
     cfg = run.cfg
     st = run.steps
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
