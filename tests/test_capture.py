@@ -487,3 +487,51 @@ def test_the_update_samples_gradient_flags_are_each_sampled_elements(case: str) 
         want.append(flat[:: ps.sample_stride][: ps.sample_len] != 0)
     assert [ps.sample_stride for ps in slots] == [3, 19, 1]
     assert torch.equal(group.grad_nonzero(), torch.cat(want))
+
+
+def test_a_gan_records_the_gradient_each_optimizer_applied() -> None:
+    """PyTorch's DCGAN loop: the discriminator steps, then the generator's loss flows back through it and adds
+    to its .grad, which no optimizer applies (it is zeroed at the next iteration). The discriminator's gradient
+    rows were that leftover (absmax 0.159349 where optD applied 0.161338). A parameter's row now keeps the
+    gradient present when its optimizer stepped; checked against the .grad read in each optimizer's pre-hook."""
+    from cast_counts import counts
+
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    D = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    optD = torch.optim.Adam(D.parameters(), lr=2e-4)
+    optG = torch.optim.Adam(G.parameters(), lr=2e-4)
+    names = {id(p): ("D." + n.rsplit(".", 1)[0], n.rsplit(".", 1)[1]) for n, p in D.named_parameters()}
+    names |= {id(p): ("G." + n.rsplit(".", 1)[0], n.rsplit(".", 1)[1]) for n, p in G.named_parameters()}
+    applied: dict[tuple[int, str, str], dict[str, float]] = {}
+    step = [0]
+
+    def read(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                applied[(step[0], *names[id(p)])] = counts(p.grad)
+
+    for opt in (optD, optG):
+        opt.register_step_pre_hook(read)
+    bce = nn.BCEWithLogitsLoss()
+    model = nn.ModuleDict({"G": G, "D": D})
+    with precprof.Profiler(model, optimizer=[optD, optG], sample_every=1) as prof:
+        for i in range(4):
+            step[0] = i
+            real, z = torch.randn(16, 4), torch.randn(16, 8)
+            D.zero_grad()
+            bce(D(real), torch.ones(16, 1)).backward()
+            fake = G(z)
+            bce(D(fake.detach()), torch.zeros(16, 1)).backward()
+            optD.step()
+            G.zero_grad()
+            bce(D(fake), torch.ones(16, 1)).backward()  # adds to D's .grad too
+            optG.step()
+            prof.step()
+    grads = prof.tables()["layers"]
+    grads = grads[grads[T.TENSOR] == T.WEIGHT_GRAD]
+    assert len(grads) == len(applied) == 4 * 8
+    for row in grads.itertuples(index=False):
+        want = applied[(row.step, row.module, row.param)]
+        got = row._asdict()
+        assert {k: got[k] for k in want} == want, (row.step, row.module, row.param)

@@ -145,6 +145,11 @@ class StepHooks:
         self.order = 0  # forward order counter
         self.has_data = False
         self._weights_read: set[int] | None = None  # rows of the parameters read this step
+        # gradient rows of the parameters whose optimizer has stepped in this step: what a later backward adds
+        # to them (a GAN's generator loss flowing back through the discriminator) is no gradient that optimizer
+        # applied, so their rows keep the one it did
+        self._stepped: set[int] = set()
+        self._grad_row_of = {id(ps.tensor): ps.grad_row for ps in plan.params if ps.grad_row >= 0}
         # parameters whose gradient was accumulated in the backward pass now running, read together when it
         # ends (``_read_grads``); per parameter at once under torch.distributed (``grads_at_end``). Left over
         # only by a pass that raised (its read never ran): the next forward's first pre-hook reads them
@@ -167,6 +172,7 @@ class StepHooks:
         self.order = 0
         self.has_data = False
         self._weights_read = None
+        self._stepped = set()
         self._clear_outputs()
         self.grads_at_end = not _distributed()
         for slot in self.plan.modules:
@@ -175,9 +181,10 @@ class StepHooks:
         if self._hookset.installed:  # kept from the sampled step before (``pause``)
             return
         self._hookset.install()
-        for k, opt in enumerate(self.optimizers if self.updates is not None else []):
+        for k, opt in enumerate(self.optimizers):
             self._handles.append(opt.register_step_pre_hook(functools.partial(self._opt_pre_hook, k)))
-            self._handles.append(opt.register_step_post_hook(functools.partial(self._opt_post_hook, k)))
+            if self.updates is not None:
+                self._handles.append(opt.register_step_post_hook(functools.partial(self._opt_post_hook, k)))
 
     def pause(self) -> None:
         """End the sampled step, its hooks left in place but doing nothing (a gradient hook that has not fired
@@ -410,7 +417,7 @@ class StepHooks:
     def _make_param_hook(self, ps: _ParamSlot) -> Callable[[torch.Tensor], None]:
         def hook(p: torch.Tensor) -> None:
             g = p.grad
-            if g is None or not self.installed:
+            if g is None or not self.installed or ps.grad_row in self._stepped:
                 return None
             if self.grads_at_end:
                 due = self._grads_due
@@ -446,7 +453,8 @@ class StepHooks:
         if not self.installed:
             return
         primary = self._primary
-        slots = list({ps.grad_row: ps for ps in due}.values())  # a gradient accumulated twice: read once
+        # a gradient accumulated twice: read once; none whose optimizer stepped since it was announced
+        slots = [ps for ps in {ps.grad_row: ps for ps in due}.values() if ps.grad_row not in self._stepped]
         grads = [ps.tensor.grad for ps in slots]
         if (
             primary is not None
@@ -484,7 +492,15 @@ class StepHooks:
                 self._grad_seen(row, dtype)
 
     def _opt_pre_hook(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.updates is not None and self.installed:
+        if not self.installed:
+            return None
+        if self._grads_due:  # a backward whose end has not been read (the step runs inside it, or it raised)
+            self._read_grads()
+        rows = self._grad_row_of
+        self._stepped.update(
+            r for g in optimizer.param_groups for p in g["params"] if (r := rows.get(id(p), -1)) >= 0
+        )
+        if self.updates is not None:
             self.updates.before_step(k)
         return None
 
