@@ -10,10 +10,13 @@ import contextlib
 import gc
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, ParamSpec, TypeVar
 
 import torch
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 # ------------------------------------------------------------------------------------------- GradScaler
 
@@ -348,6 +351,17 @@ def profiler_memory_stop(marker: str) -> tuple[list[tuple[int, int, int, str]], 
 
 
 # ------------------------------------------------------------------------------------------ compile
+
+
+def never_traced(fn: Callable[_P, _T]) -> Callable[_P, _T]:
+    """``fn`` never traced by Dynamo: called from ``torch.compile``d code (``prof.step()`` inside a compiled
+    train step), the graph breaks there and ``fn`` runs eagerly, as written. Traced, a step's bookkeeping could not
+    turn the next sampled step eager (a stance cannot be set from inside a compiled region), and Dynamo traced the
+    hooks and fed precprof's C kernel from traced code (a segfault). torch's own lazy form of
+    ``torch.compiler.disable``, which imports torch._dynamo at the first call (any backward pass has by then),
+    not at precprof's import (a second there)."""
+    disable = getattr(torch, "_disable_dynamo", None)
+    return disable(fn) if disable is not None else fn
 
 
 def force_eager() -> Any:

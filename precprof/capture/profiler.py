@@ -490,6 +490,7 @@ class Profiler(ProfilerResults):
         step, reason, sampled = self._step, self._sample_reason, self._sampling
         return _PendingStep(step, loss, scale, found, grad_norm, time_s, sampled, tokens, reason, partial)
 
+    @_compat.never_traced  # inside a compiled train step: a graph break, and the step's bookkeeping eager
     def step(self, loss: Any = None, grad_norm: Any = None, tokens: int | None = None) -> None:
         """End the step in progress: call once per optimizer step, after ``scaler.update()``.
 
