@@ -418,3 +418,44 @@ def test_a_layer_whose_input_fp8_would_flush_is_not_eligible(made_by: str, block
     )
     lost = f.numbers["max_e4m3_lost_norm"]
     assert isinstance(lost, float) and lost_share(x) <= lost <= 4 * lost_share(x)  # a bound, within a binade
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.body = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(self.emb(idx))))
+
+
+@pytest.mark.parametrize("modules", [None, [nn.Linear]])
+def test_a_head_tied_to_an_embedding_the_filter_left_out_is_still_tied(
+    tmp_path: Path, modules: list[type] | None
+) -> None:
+    """``modules=[nn.Linear]`` (the README's filter form) captures the head and not its embedding: the tie was
+    looked for among captured modules only, so the head was "FP8-eligible" (2 of 2). It is tied either way, and
+    the report's capture rows say whose weight it is."""
+    torch.manual_seed(0)
+    model = _TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, modules=modules) as prof:
+        for _ in range(2):
+            idx = torch.randint(0, 64, (4, 16))
+            nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    prof.report(tmp_path / "run")
+    (f,) = [f for f in precprof.recommend(tmp_path / "run").findings if f.code == "fp8_eligibility"]
+    assert (f.numbers["eligible"], f.numbers["tied"]) == (1, 1), f.numbers
+    page = (tmp_path / "run" / "report.html").read_text()
+    said = (
+        "head.weight is emb&#39;s"
+        if modules is None
+        else "head.weight is also emb&#39;s (Embedding, not captured)"
+    )
+    assert said in page

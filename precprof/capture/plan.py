@@ -81,7 +81,10 @@ class CapturePlan:
         plan = cls(block_formats=block_formats)
         rows = plan.rows
         owner: dict[int, str] = {}  # each captured parameter's first owner
+        first: dict[int, tuple[str, str]] = {}  # each parameter's first owner, captured or not: (name, type)
         for name, module in _compat.named_modules(model):  # by their own names, under DDP or torch.compile
+            for p in module.parameters(recurse=False):
+                first.setdefault(id(p), (name, type(module).__name__))
             if not selected(name, module, module_filter):
                 continue
             mtype = type(module).__name__
@@ -102,6 +105,8 @@ class CapturePlan:
                     slot.shared[pname] = owner[id(p)]
                     continue
                 owner[id(p)] = name
+                if first[id(p)][0] != name:
+                    slot.shared_outside[pname] = first[id(p)]
                 slot.weights.append((pname, p, rows.new(name, mtype, T.WEIGHT, pname)))
                 grad_row = rows.new(name, mtype, T.WEIGHT_GRAD, pname) if p.requires_grad else -1
                 plan.params.append(_ParamSlot(name, pname, p, grad_row, -1))

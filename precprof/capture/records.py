@@ -137,6 +137,9 @@ class _ModuleSlot:
     # its parameters recorded under another module (a tied or shared weight: the first owner's rows), by name:
     # that module's name
     shared: dict[str, str] = field(default_factory=dict)
+    # its parameters whose first owner is a module not captured (a head tied to an embedding a module filter left
+    # out): recorded here, and the owner named, by parameter name: (owner's name, owner's type)
+    shared_outside: dict[str, tuple[str, str]] = field(default_factory=dict)
     gemm: bool = False  # a linear layer (taxonomy.is_linear_type)
     # a matmul whose input autocast casts (taxonomy.is_matmul_type: linear layers and convolutions): the
     # captured module whose output it read is recorded (``input_from``), block formats on or off

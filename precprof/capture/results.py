@@ -207,6 +207,16 @@ class ProfilerResults:
         plan = self._plan
         # per module, its parameters recorded under another module (a tied head: {"weight": its embedding})
         shared = {slot.name: dict(slot.shared) for slot in plan.modules if slot.shared} if plan else {}
+        # per module, its parameters whose first owner was not captured: {param: {"module", "type"}}
+        outside = (
+            {
+                slot.name: {p: {"module": m, "type": t} for p, (m, t) in slot.shared_outside.items()}
+                for slot in plan.modules
+                if slot.shared_outside
+            }
+            if plan
+            else {}
+        )
         # per matmul, the captured modules whose outputs it read as its input: every linear layer with block
         # formats on (an empty list: it read its own input row), else those that read one
         gemm_inputs = (
@@ -242,6 +252,7 @@ class ProfilerResults:
             "modules_captured": len(self._plan.modules) if self._plan is not None else 0,
             "modules": modules,
             "shared_params": shared,
+            "shared_outside": outside,
             **({"gemm_inputs": gemm_inputs} if gemm_inputs is not None else {}),
             "n_params": n_params,
             "param_bytes": param_bytes,

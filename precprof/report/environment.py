@@ -38,7 +38,8 @@ _CAPTURE_SAID = _keys(
     "loss_dtypes device n_params param_bytes profiler_buffer_bytes profiler_scratch_bytes "
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled scaler_growth_interval "
     "compiled fp8_emulated dropout_layers "
-    "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps shared_params gemm_inputs optimizer "
+    "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps shared_params shared_outside "
+    "gemm_inputs optimizer "
     "distributed"
 )
 _HARDWARE_SAID = _keys(
@@ -424,7 +425,11 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
         )
     elif compiled and (never or random_note):
         rows.append(("torch.compile", (never or random_note).removeprefix("; ")))
-    shared = _shared_text(capture.get("shared_params"))
+    shared = "; ".join(
+        t
+        for t in (_shared_text(capture.get("shared_params")), _outside_text(capture.get("shared_outside")))
+        if t
+    )
     if shared:
         rows.append(("tied or shared weights", shared))
     engines = _engines(capture.get("stats_engine"))
@@ -487,6 +492,18 @@ def _shared_text(shared: Any, listed: int = 6) -> str:
         return ""
     more = f" and {len(pairs) - listed} more" if len(pairs) > listed else ""
     return "; ".join(pairs[:listed]) + more + " (recorded once, under its first owner)"
+
+
+def _outside_text(outside: Any, listed: int = 6) -> str:
+    """The parameters first owned by a module the capture left out (``capture.shared_outside``), in words: their
+    rows are under the captured module."""
+    pairs = [
+        f"{module}.{param} is also {_map(owner).get('module')}'s ({_map(owner).get('type')}, not captured)"
+        for module, params in _map(outside).items()
+        for param, owner in _map(params).items()
+    ]
+    more = f" and {len(pairs) - listed} more" if len(pairs) > listed else ""
+    return "; ".join(pairs[:listed]) + more if pairs else ""
 
 
 def sampling_text(s: Mapping[str, Any], sampled: int | None, recorded: int | None) -> str:

@@ -268,4 +268,22 @@ def _recorded_ties(
     for e, owner in shared.items():  # an embedding sharing the weight of a head registered before it
         if owner in out and taxonomy.kind_of_type(run.types.get(e, "")) == taxonomy.EMBEDDING:
             out[owner].tied_to = e
+    for m, (e, etype) in _tied_outside(run).items():  # tied to an embedding the capture left out
+        if m in out and taxonomy.kind_of_type(etype) == taxonomy.EMBEDDING:
+            out[m].tied_to = e
+    return out
+
+
+def _tied_outside(run: _Run) -> dict[str, tuple[str, str]]:
+    """Module -> (name, type) of the module its weight belongs to first, where that one was not captured (a
+    module filter that keeps a tied head and leaves out its embedding: summary["capture"]["shared_outside"])."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    outside = capture.get("shared_outside") if isinstance(capture, Mapping) else None
+    if not isinstance(outside, Mapping):
+        return {}
+    out: dict[str, tuple[str, str]] = {}
+    for m, params in outside.items():
+        w = params.get("weight") if isinstance(params, Mapping) else None
+        if isinstance(w, Mapping) and isinstance(w.get("module"), str):
+            out[str(m)] = (str(w["module"]), str(w.get("type", "")))
     return out
