@@ -535,3 +535,25 @@ def test_a_gan_records_the_gradient_each_optimizer_applied() -> None:
         want = applied[(row.step, row.module, row.param)]
         got = row._asdict()
         assert {k: got[k] for k in want} == want, (row.step, row.module, row.param)
+
+
+def test_a_module_filter_that_selects_nothing_says_so_and_names_the_modules() -> None:
+    """``modules=["_orig_mod.0"]`` (a compiled model's own state-dict names) or FSDP1's wrapped names matched
+    nothing: nothing recorded, a report rendered from no layer, no word. None selected is a one-line error
+    naming the model's modules as precprof names them; a pattern idle beside others that select is a warning."""
+    from precprof.errors import UserError
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with pytest.raises(UserError) as e:
+        precprof.Profiler(torch.compile(model), modules=["_orig_mod.0"]).attach()
+    msg = str(e.value)
+    assert msg.startswith(
+        "Profiler(modules=[_orig_mod.0]) selects no module of the model; its modules are named 0, 1 ("
+    )
+    assert "\n" not in msg and not _hooks_left(model)
+    with pytest.warns(UserWarning, match=r"pattern\(s\) 'zzz' match no module of the model") as caught:
+        prof = precprof.Profiler(model, modules=["0", "zzz"]).attach()
+    prof.detach()
+    assert caught[0].filename == __file__  # said where the loop attached
+    with pytest.raises(UserError, match=r"Profiler\(modules=\[Conv2d\]\) selects no module"):
+        precprof.Profiler(model, modules=[nn.Conv2d]).attach()

@@ -13,6 +13,7 @@ no captured module produced it (``T.input_module``).
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -59,6 +60,35 @@ def selected(name: str, module: nn.Module, module_filter: ModuleFilter) -> bool:
         elif isinstance(module, f):
             return True
     return False
+
+
+def _check_filter(
+    model: nn.Module, module_filter: Sequence[str | type[nn.Module]], captured: list[str]
+) -> None:
+    """A filter that selects no module is a one-line UserError naming a few of the model's modules as precprof
+    names them (its own names: DDP's ``module.``, torch.compile's ``_orig_mod.`` and FSDP1's
+    ``_fsdp_wrapped_module.`` are not part of them); a pattern that matches nothing, beside others that do, is
+    a warning."""
+    said = ", ".join(f if isinstance(f, str) else f.__name__ for f in module_filter)
+    if not captured:
+        names = [n for n, _ in _compat.named_modules(model) if n][:6]
+        raise UserError(
+            f"Profiler(modules=[{said}]) selects no module of the model; its modules are named "
+            + (", ".join(names) if names else "(none: it has no submodule)")
+            + " (the model's own names, without a wrapper's prefix such as module. or _orig_mod.); "
+            "patterns are fnmatch patterns such as 'transformer.h.*.attn'"
+        )
+    idle = [
+        f
+        for f in module_filter
+        if isinstance(f, str) and not any(fnmatch.fnmatchcase(n, f) for n in captured)
+    ]
+    if idle:
+        warnings.warn(
+            f"precprof: Profiler(modules=...) pattern(s) {', '.join(map(repr, idle))} match no module of the model "
+            "(its own names, without a wrapper's prefix such as module. or _orig_mod.)",
+            stacklevel=5,
+        )
 
 
 @dataclass
@@ -111,6 +141,8 @@ class CapturePlan:
                 grad_row = rows.new(name, mtype, T.WEIGHT_GRAD, pname) if p.requires_grad else -1
                 plan.params.append(_ParamSlot(name, pname, p, grad_row, -1))
             plan.modules.append(slot)
+        if module_filter is not None:
+            _check_filter(model, module_filter, [s.name for s in plan.modules])
         rows.begin_step()
         return plan
 
