@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import precprof
 from precprof import tables as T
 from precprof.analysis.memory_projection import MODES, infer_mode, project, textbook
 from precprof.capture import storage
@@ -1220,3 +1222,23 @@ def test_every_memory_row_has_a_phase_and_a_moment() -> None:
     assert T.PROFILER_BUFFERS in set(mem[T.COMPONENT])
     assert mem[T.PHASE].notna().all() and mem[T.MOMENT].notna().all()
     assert T.PROFILER_BUFFERS in set(T.memory_at(mem)[T.COMPONENT])
+
+
+def test_memory_off_records_no_memory_and_the_report_says_it_was_off(tmp_path: Path) -> None:
+    """``Profiler(memory=False)`` still wrote one memory row a step, precprof's own buffers: the report drew a
+    Memory section "measured" from it, projected 0 B for every mode, and the verdict read "fp32 0 B". The run
+    has no memory table rows, and the page says memory was turned off."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(2):
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    assert prof.tables()["memory"].empty
+    page = prof.report(tmp_path / "run").read_text()
+    memory = page.split('id="memory"', 1)[1].split("</section>", 1)[0]
+    assert "No memory was recorded. Profiler(memory=False) turned it off." in memory
+    assert " 0 B" not in page

@@ -151,7 +151,11 @@ class Collector:
         return mem
 
     def _collect_memory(self, recorded: Recorded, step: int, mem: list[dict[str, Any]] | None) -> None:
-        if self.tracker is not None and mem is not None:
+        if (
+            self.tracker is None
+        ):  # Profiler(memory=False): no memory table, not one of precprof's buffers alone
+            return
+        if mem is not None:
             if self.reducer is not None and hasattr(self.reducer, "reduce_memory"):
                 mem = self.reducer.reduce_memory(mem)  # collective: every rank, every sampled step
             recorded.add_memory(mem)

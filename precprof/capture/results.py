@@ -283,6 +283,7 @@ class ProfilerResults:
             "fp8_recipe": "per-tensor current scaling with power-of-two scales, scale = 2^floor(log2(fmax / amax))",
             "memory_error": self._collector.memory_error if self._collector is not None else None,
             "memory_steps": self._tracker.schedule.describe() if hasattr(self._tracker, "schedule") else None,
+            "memory_enabled": self.memory_enabled,
         }
 
     def _stream_summary(self) -> dict[str, Any] | None:

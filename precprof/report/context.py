@@ -395,6 +395,8 @@ def _no_memory_why(summary: Mapping[str, Any]) -> str:
     capture = summary.get(T.SUMMARY_CAPTURE) or {}
     if not isinstance(capture, Mapping):
         return ""
+    if capture.get("memory_enabled") is False:
+        return "Profiler(memory=False) turned it off."
     if capture.get("memory_error"):
         return f"The memory breakdown failed: {capture['memory_error']}."
     steps = capture.get("memory_steps")
