@@ -40,6 +40,7 @@ class ProfilerResults:
     loss_scale: float | None
     weight_updates: bool
     update_sample: int
+    memory_enabled: bool
     _attached: bool
     _pending: list[Any]
     _recorded: Recorded
