@@ -300,11 +300,16 @@ def test_summary_describes_ddp(runs: Path) -> None:
     assert ddp["world_size"] == W.WORLD and ddp["backend"] == "gloo"
     assert ddp["wrapper"] == "DDP" and ddp["reduce_dtype"] == "float32" and ddp["comm_hooks"] == []
     assert "replica" in ddp["semantics"]["weights"]
+    assert "before DDP's all-reduce" in ddp["semantics"]["weight_gradients"]
+    assert "world_size times" in ddp["semantics"]["activation_gradients"]
+    fsdp2 = T.read_summary(run_dir(runs, "fsdp2"))["capture"]["distributed"]["semantics"]
+    assert fsdp2["weight_gradients"] == "each rank's reduce-scattered shard, as the optimizer gets it"
     # the report says it in words (it was one row of key=value pairs, the dict as it was stored)
     from precprof.report.environment import environment
 
     groups = dict(environment(T.read_summary(run_dir(runs, "ddp")))["groups"])
     rows = dict(groups["Processes"])
+    assert rows["weight gradients"].startswith("each rank's local gradient, read before DDP's all-reduce")
     assert rows["processes"].startswith(f"{W.WORLD} (gloo); rank 0 wrote this run; the statistics of ")
     assert rows["parallelism"] == (
         "DDP: replicated (every rank holds every parameter); computes in float32, reduces gradients in float32"

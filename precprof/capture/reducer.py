@@ -436,12 +436,24 @@ class RankReducer:
         target = self.wrapped if self.wrapped is not None else model
         if target is not None:
             info.update(wrapper_info(target))
+        wrapper = info.get("wrapper")
         info["semantics"] = {
             "counts": "summed over ranks; absmax: max over ranks; absmin: min over ranks",
             "activations": "every rank's local micro-batch (the global batch)",
+            "activation_gradients": (
+                "every rank's, of its own local loss: world_size times those of one process's mean loss over the "
+                "global batch (log2(world_size) binades higher), as the ranks compute them"
+            ),
+            "weight_gradients": (
+                "each rank's reduce-scattered shard, as the optimizer gets it"
+                if wrapper == "FSDP2"
+                else "each rank's local gradient before the reduction (FSDP1: unsharded, before its reduce-scatter)"
+                if wrapper == "FSDP1"
+                else "each rank's local gradient, read before DDP's all-reduce (numel = world_size x parameter size)"
+            ),
             "weights": (
                 "rank-local shards, summing to the full parameters"
-                if info.get("wrapper") in ("FSDP1", "FSDP2")
+                if wrapper in ("FSDP1", "FSDP2")
                 else "every rank's replica (numel = world_size x parameter size; fractions are a replica's)"
             ),
             "steps": "rank 0's: loss, loss scale, skipped, grad norm and time as rank 0 saw them",

@@ -641,7 +641,9 @@ def distributed_rows(d: Mapping[str, Any]) -> Rows:
     said = {
         "counts": "counts and histograms",
         "activations": "activations",
+        "activation_gradients": "activation gradients",
         "weights": "weights",
+        "weight_gradients": "weight gradients",
         "steps": "steps",
     }
     for key, what in said.items():
