@@ -206,6 +206,9 @@ def compare_runs(
     shared.setdefault("model", models[0].split(" of ")[0])
     comparison = analyse(list(zip(variants, dirs, strict=True)), tolerance, shared, common_steps=True)
     comparison.recorded = True
+    ranks = _ranks_note(summaries, names)
+    if ranks:
+        comparison.notes.insert(0, ranks)
     differ = _setup_differences(configs, names)
     if differ:
         comparison.notes.insert(
@@ -234,6 +237,29 @@ def _setup_differences(configs: Sequence[Mapping[str, Any]], names: Sequence[str
         if len({json.dumps(v, sort_keys=True, default=str) for _, v in said}) > 1:
             out.append(f"{what}: " + ", ".join(f"{n} {_setting(v)}" for n, v in said))
     return "; ".join(out)
+
+
+def _ranks_note(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
+    """A note when a run trained on several processes (torch.distributed): its steps table holds rank 0's
+    loss, of rank 0's share of the batch, and its memory is one rank's; "" when every run was one process."""
+    many = []
+    for name, s in zip(names, summaries, strict=True):
+        dist = (s.get(T.SUMMARY_CAPTURE) or {}).get("distributed") or {}
+        n = dist.get("world_size") if isinstance(dist, Mapping) else None
+        if not isinstance(n, int):
+            n = (s.get(T.SUMMARY_CONFIG) or {}).get("world_size")
+        if isinstance(n, int) and n > 1:
+            wrapper = dist.get("wrapper") if isinstance(dist, Mapping) else None
+            many.append(
+                f"{name} on {n} processes" + (f" ({wrapper})" if wrapper and wrapper != "none" else "")
+            )
+    if not many:
+        return ""
+    return (
+        f"Trained on several processes: {', '.join(many)}. Such a run's loss is rank 0's, of its share of the "
+        "batch, not the mean over ranks, so a gap to a one-process run is partly rank 0's batch; its memory is "
+        "one rank's."
+    )
 
 
 def _setting(v: Any) -> str:

@@ -549,3 +549,15 @@ def test_a_wrapper_the_profiler_was_not_given_is_not_claimed_absent() -> None:
         "not known: the Profiler holds the module itself"
     )
     assert "profile_trainer(trainer)" in info["sharding"]
+
+
+def test_compare_says_which_runs_trained_on_several_processes(runs: Path, tmp_path: Path) -> None:
+    """A single-process run and a DDP run that trained alike differed by "+0.62%": the DDP run's loss is rank 0's,
+    of half the batch, and nothing on the page said a run was distributed, nor that its memory is one rank's."""
+    from precprof import compare as C
+
+    comp, page = C.compare_runs([run_dir(runs, "ddp"), run_dir(runs, "fsdp2")], out=tmp_path / "cmp")
+    (note,) = [n for n in comp.notes if n.startswith("Trained on several processes:")]
+    assert f"on {W.WORLD} processes (DDP)" in note and f"on {W.WORLD} processes (FSDP2)" in note
+    assert "rank 0's, of its share of the batch" in note and "its memory is one rank's" in note
+    assert "Trained on several processes" in page.read_text()
