@@ -39,8 +39,9 @@ except ImportError:  # pragma: no cover - Windows
 LOCK_FILE = ".precprof.lock"
 RUN_FILES: tuple[str, ...] = (T.SUMMARY_FILE, T.REPORT_FILE, *T.TABLE_FILES.values())
 RUNNING_REASON = (
-    "running (pid {pid}, started {started}); if it still says this, the process was killed before it could "
-    "save (e.g. SIGKILL or out of memory)"
+    "running (pid {pid}, started {started}); if it still says this, the process ended before it could save: "
+    "killed (SIGKILL, out of memory; SIGTERM, as torchrun sends when another rank fails), or a script that "
+    "never called prof.save() or prof.report()"
 )
 
 

@@ -561,3 +561,24 @@ def test_compare_says_which_runs_trained_on_several_processes(runs: Path, tmp_pa
     assert f"on {W.WORLD} processes (DDP)" in note and f"on {W.WORLD} processes (FSDP2)" in note
     assert "rank 0's, of its share of the batch" in note and "its memory is one rank's" in note
     assert "Trained on several processes" in page.read_text()
+
+
+def test_a_distributed_run_says_so_before_it_saves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank killed under torchrun (SIGTERM when another rank fails) never saves: its first summary.json had no
+    ``capture.distributed``, so the report of what it streamed had no Processes rows, and its summed counts
+    read as one process's. The first summary has it (a one-rank group here, the reducer forced)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(precprof.Profiler, "_resolve_reducer", lambda self: RankReducer())
+        model = nn.Linear(4, 4)
+        prof = precprof.Profiler(model, sample_every=1, out=tmp_path / "run").attach()
+        first = T.read_summary(tmp_path / "run")
+        assert first[T.SUMMARY_CAPTURE]["distributed"]["world_size"] == 1
+        assert "weight_gradients" in first[T.SUMMARY_CAPTURE]["distributed"]["semantics"]
+        assert "SIGTERM, as torchrun sends when another rank fails" in first[T.SUMMARY_INCOMPLETE_REASON]
+        prof.detach()
+        prof.save()
+    finally:
+        dist.destroy_process_group()

@@ -596,7 +596,7 @@ def test_sigkill_leaves_a_directory_that_says_it_is_incomplete(tmp_path: Path) -
     proc.wait(timeout=60)
     summary = T.read_summary(out)
     assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
-    assert "killed before it could save" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert "the process ended before it could save: killed" in summary[T.SUMMARY_INCOMPLETE_REASON]
     assert summary[T.SUMMARY_CONFIG]["steps"] == 100000  # what was running is on record
     # the kernel dropped the dead process's lock: the directory can be reused with --overwrite. Right after the
     # first summary the training starts processes (the C compiler's probes, the writer): killed then, a child

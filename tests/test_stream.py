@@ -224,7 +224,7 @@ def test_precprof_report_on_a_killed_run(tmp_path: Path, monkeypatch: pytest.Mon
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     html = (out / T.REPORT_FILE).read_text()
     assert "The run was cut off after step" in html
-    assert "killed before it could save" in html  # the first summary's cause
+    assert "the process ended before it could save" in html  # the first summary's cause
     # the first summary names the machine the run recorded on, so that the advice is for that machine and
     # never for the one that reads the run (the reader's hardware is not even looked at)
     summary = T.read_summary(out)
@@ -255,7 +255,7 @@ def test_precprof_report_on_a_run_still_being_written(
     assert "run precprof report again" in line, line
     html = (out / T.REPORT_FILE).read_text()
     assert f"still being written by process {os.getpid()}" in html and "up to step 4" in html
-    # one story at the top of the page: a run in progress, never "cut off" nor "killed before it could save"
+    # one story at the top of the page: a run in progress, never "cut off" nor "ended before it could save"
     assert 'id="live"' in html and 'id="cut-off"' not in html and 'id="incomplete"' not in html
     assert "killed" not in html and "cut off" not in html
     assert len(T.read_run(out).tables["steps"]) == 5  # what was streamed, every step of it

@@ -102,6 +102,11 @@ class ProfilerResults:
             first = {
                 T.SUMMARY_CAPTURE: {"sample_every": self.sample_every, "sample_origin": self._first_step}
             }
+            if (
+                self._reducer is not None
+            ):  # a killed distributed run still says it was one (its counts are sums)
+                with contextlib.suppress(Exception):
+                    first[T.SUMMARY_CAPTURE]["distributed"] = self._reducer.describe(self.model)
             describe = machine_describer()
             if describe is not None:  # a run killed before it saves is still planned for this machine
                 # never at the cost of the user's attach: the end of the run detects it again
