@@ -557,6 +557,8 @@ class MemoryTracker:
 
     def _record_saved(self, t: torch.Tensor) -> None:
         group = self._groups[-1]
+        name, module = self._stack[-1] if self._stack else ("", None)
+        own: set[StorageKey] | None = None
         for leaf in (t,) if type(t) is torch.Tensor else _plain_tensors(t):
             st = _storage(leaf)
             if st is None:
@@ -565,8 +567,14 @@ class MemoryTracker:
             key, nbytes = st
             if key in self._param_keys or key in group.seen:
                 continue
+            if own is None:
+                own = self._own_param_keys(module)
+            if key in own:
+                # the running module's parameter as it is now, not as the model listed it at the step's start:
+                # FSDP2's all-gathered weights (a view of the unit's buffer), which a matmul saves and FSDP frees
+                # after the forward. Counted as activations they were a whole unit's unsharded bytes per rank
+                continue
             group.seen.add(key)
-            name, module = self._stack[-1] if self._stack else ("", None)
             if is_weight_copy(leaf, module, self._param_keys):
                 k = (T.AUTOCAST_WEIGHT_COPIES, "", dtype_name(leaf.dtype))
             else:
@@ -574,6 +582,12 @@ class MemoryTracker:
             group.bytes[k] = group.bytes.get(k, 0) + nbytes
             if self._peak.measuring:
                 self._peak.label(key, *k, nbytes)
+
+    def _own_param_keys(self, module: nn.Module | None) -> set[StorageKey]:
+        """The storages of ``module``'s own parameters now (none for no module)."""
+        if module is None:
+            return set()
+        return {st[0] for p in module.parameters(recurse=False) if (st := _storage(p)) is not None}
 
     # ----------------------------------------------------------------------------------------- device
     def _model_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
