@@ -189,6 +189,33 @@ def is_compiled(module: Any) -> bool:
     return is_compile_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None
 
 
+def compile_backend(module: Any) -> str | None:
+    """The name of the backend ``module`` is compiled with ("inductor", "eager", "aot_eager", a custom
+    backend's function name), read from Dynamo's wrapper of it (``torch.compile(module)``) or from the call
+    ``module.compile()`` set; None when it is not compiled or this torch keeps it elsewhere."""
+    callback = getattr(getattr(module, "dynamo_ctx", None), "callback", None)
+    if callback is None:
+        call = getattr(module, "_compiled_call_impl", None)
+        for cell in getattr(call, "__closure__", None) or ():
+            try:
+                found = getattr(cell.cell_contents, "callback", None)
+            except ValueError:  # an empty cell
+                continue
+            if found is not None:
+                callback = found
+                break
+    backend = callback
+    for _ in range(8):  # Dynamo's wrappers around the backend the user named
+        inner = getattr(backend, "_torchdynamo_orig_backend", None)
+        if inner is None:
+            break
+        backend = inner
+    if backend is None:
+        return None
+    name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None)
+    return str(name) if name else None
+
+
 def indexed_device(device: torch.device | str) -> torch.device:
     """``device`` as a tensor on it reports it: an accelerator with its index (``cuda`` -> ``cuda:N``, N the
     current device), the CPU without one (``cpu:0`` -> ``cpu``). State kept per device and keyed by this matches

@@ -663,13 +663,38 @@ def test_the_summary_and_the_page_say_what_was_compiled(tmp_path: Path) -> None:
             model(x).sum().backward()
             prof.step()
     summary = {T.SUMMARY_CAPTURE: prof.summary()}
-    assert summary[T.SUMMARY_CAPTURE]["compiled"] == "2 of its modules (regional)"
+    assert summary[T.SUMMARY_CAPTURE]["compiled"] == "2 of its modules (regional, backend eager)"
     page = render_report(prof.tables(), summary, tmp_path / "report.html").read_text()
-    assert "torch.compile</th><td>2 of its modules (regional): the steps not sampled ran compiled" in page
-    assert (
-        precprof.Profiler(torch.compile(_model(), backend="eager")).summary()["compiled"] == "the whole model"
+    said = (
+        "torch.compile</th><td>2 of its modules (regional, backend eager): the steps not sampled ran compiled"
     )
+    assert said in page
+    for backend in ("eager", "aot_eager", "inductor"):
+        whole = precprof.Profiler(torch.compile(_model(), backend=backend)).summary()["compiled"]
+        assert whole == f"the whole model (backend {backend})"
+        in_place = _model()
+        in_place.compile(backend=backend)
+        assert precprof.Profiler(in_place).summary()["compiled"] == whole
     assert precprof.Profiler(_model()).summary()["compiled"] is None
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_the_dropout_caveat_is_inductors_alone(tmp_path: Path, backend: str) -> None:
+    """A model with dropout compiled with the eager or aot_eager backend trains bitwise as without precprof
+    (torch's own masks): the page said inductor drew other masks and the run was "not bitwise" the unprofiled
+    one, because the summary named no backend and every compile was taken for inductor's."""
+    from precprof.report import render_report
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.Linear(32, 8))
+    compiled = torch.compile(model, backend=backend)
+    with precprof.Profiler(compiled, sample_every=2, memory=False) as prof:
+        pass
+    summary = {T.SUMMARY_CAPTURE: prof.summary()}
+    page = render_report(prof.tables(), summary, tmp_path / "report.html").read_text()
+    row = page.split("torch.compile</th><td>", 1)[1].split("</td>", 1)[0]
+    assert row.startswith(f"the whole model (backend {backend})")
+    assert ("inductor&#39;s kernels draw their own random numbers" in row) == (backend == "inductor")
 
 
 def _blocks() -> nn.Module:

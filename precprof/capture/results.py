@@ -494,9 +494,18 @@ def compiled_parts(model: nn.Module) -> str | None:
     or ``model.compile()``), or how many of its modules (regional compilation, as torchtitan compiles each
     block); None when nothing is. Sampled steps run those eagerly (``force_eager``)."""
     if _compat.is_compiled(model):
-        return "the whole model"
-    n = sum(1 for m in model.modules() if m is not model and _compat.is_compiled(m))
-    return f"{n} of its modules (regional)" if n else None
+        return "the whole model" + _backend_said([model])
+    parts = [m for m in model.modules() if m is not model and _compat.is_compiled(m)]
+    return f"{len(parts)} of its modules (regional{_backend_said(parts, ', ')})" if parts else None
+
+
+def _backend_said(modules: list[nn.Module], lead: str = " (") -> str:
+    """ ", backend eager" (in parentheses by default) when every one of ``modules`` says the same backend (the
+    report tells inductor, whose kernels draw their own random numbers, from backends that run torch's ops)."""
+    names = {_compat.compile_backend(m) for m in modules}
+    if len(names) != 1 or None in names:
+        return ""
+    return f"{lead}backend {names.pop()}" + (")" if lead == " (" else "")
 
 
 def optimizer_settings(optimizers: list[Any], params: Sequence[Any] = ()) -> dict[str, Any] | None:
