@@ -107,7 +107,18 @@ def test_a_compiled_run_whose_every_step_was_sampled_says_none_ran_compiled(tmp_
     summary = T.read_summary(tmp_path / "c")
     assert summary[T.SUMMARY_CONFIG]["compile"] is True
     row = dict(capture_rows(summary[T.SUMMARY_CAPTURE], summary[T.SUMMARY_CONFIG]))["torch.compile"]
-    assert row.startswith("every step was sampled, and a sampled step runs eagerly: no step of this run ran")
+    assert row.startswith(
+        "the whole model: the steps not sampled ran compiled; the sampled ones ran it eagerly"
+    )
+    assert "every step was sampled, and a sampled step runs eagerly: no step of this run ran" in row
+    # some steps unsampled: it said nothing at all of the sampled steps running eagerly (a user's loop did)
+    train(_config(tmp_path / "s", compile=True, sample_every=2, steps=4))
+    summary = T.read_summary(tmp_path / "s")
+    row = dict(capture_rows(summary[T.SUMMARY_CAPTURE], summary[T.SUMMARY_CONFIG]))["torch.compile"]
+    assert row.startswith(
+        "the whole model: the steps not sampled ran compiled; the sampled ones ran it eagerly"
+    )
+    assert "no step of this run ran" not in row
     train(_config(tmp_path / "e", sample_every=1))  # eager: nothing to say
     summary = T.read_summary(tmp_path / "e")
     assert "torch.compile" not in dict(capture_rows(summary[T.SUMMARY_CAPTURE], summary[T.SUMMARY_CONFIG]))

@@ -414,17 +414,17 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
         if dropout and own_random
         else ""
     )
-    if capture.get("compiled") and not cfg.get("compiled"):  # the built-in loop's run section says it
+    # what ran compiled: the Profiler's word for a user's loop, the whole model in the built-in loop's
+    what = capture.get("compiled") or ("the whole model" if cfg.get("compile") else None)
+    if what:
         rows.append(
             (
                 "torch.compile",
-                f"{capture['compiled']}: the steps not sampled ran compiled; the sampled ones ran it eagerly "
+                f"{what}: the steps not sampled ran compiled; the sampled ones ran it eagerly "
                 "(for the hooks), so their statistics are eager PyTorch's values and their time is eager's"
                 + (never or random_note),
             )
         )
-    elif compiled and (never or random_note):
-        rows.append(("torch.compile", (never or random_note).removeprefix("; ")))
     shared = "; ".join(
         t
         for t in (_shared_text(capture.get("shared_params")), _outside_text(capture.get("shared_outside")))
