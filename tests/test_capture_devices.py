@@ -8,6 +8,7 @@ transfer per device (``precprof.stats.transfer.to_host``), the Profiler's one sy
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -480,3 +481,47 @@ def test_torchaos_float8_weight_wrapper_is_read_through_to_the_weight_it_wraps()
     assert float(row[T.ABSMAX].iloc[0]) == float(last.abs().max())
     assert ((layers[T.MODULE] == "0") & (layers[T.TENSOR] == T.WEIGHT_UPDATE)).any()
     prof.detach()
+
+
+@dataclasses.dataclass
+class _Out:
+    hidden: torch.Tensor
+    aux: torch.Tensor
+
+
+def test_a_dataclass_output_is_read_and_a_complex_one_is_said_skipped() -> None:
+    """A module returning a plain ``@dataclass`` of tensors had no activation rows (its weight rows were there,
+    the table showed "act. dtype —"), and one returning a complex tensor recorded nothing, with no word in
+    ``skipped_tensors``, where a sparse gradient is named. The dataclass's tensors are read, as a dict's are;
+    the complex output is skipped and counted."""
+
+    class DC(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> _Out:
+            y = self.lin(x)
+            return _Out(hidden=y, aux=y.square().mean())
+
+    class Spectral(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.fft.rfft(x)
+
+    torch.manual_seed(0)
+    dc, spectral = DC(), Spectral()
+    model = nn.ModuleDict({"dc": dc, "spectral": spectral})
+    x = torch.randn(4, 8)
+    with precprof.Profiler(model, modules=["dc", "spectral"], sample_every=1) as prof:
+        out = dc(x)
+        seen = [out.hidden.detach().clone(), out.aux.detach().clone()]
+        (spectral(out.hidden).abs().sum() + out.aux).backward()
+        prof.step()
+    layers = prof.tables()["layers"]
+    act = layers[(layers[T.MODULE] == "dc") & (layers[T.TENSOR] == T.ACTIVATION)]
+    assert len(act) == 1 and int(act[T.NUMEL].iloc[0]) == 32 + 1 and int(act[T.CALLS].iloc[0]) == 1
+    assert float(act[T.ABSMAX].iloc[0]) == float(torch.cat([t.flatten() for t in seen]).abs().max())
+    assert ((layers[T.MODULE] == "dc") & (layers[T.TENSOR] == T.ACTIVATION_GRAD)).any()
+    (skipped,) = prof.summary()["skipped_tensors"]
+    assert (skipped["module"], skipped["tensor"]) == ("spectral", T.ACTIVATION)
+    assert "complex" in skipped["reason"] and skipped["count"] == 1

@@ -373,11 +373,14 @@ class StepHooks:
             if not self.installed or not torch.is_grad_enabled() or recomputing():
                 return None
             if isinstance(output, _Tensor):
-                tensors: Any = (output,) if output.is_floating_point() else ()
+                tensors: Any = (output,) if output.is_floating_point() or output.is_complex() else ()
             else:
                 tensors = _iter_tensors(output)
             any_tensor = False
             for t in tensors:
+                if t.dtype in _COMPLEX:  # skipped and counted: the report says which module's and why
+                    self.buffer.accumulate(t, act)
+                    continue
                 if not self._add(t if type(t) is _Tensor else _local(t), act):
                     continue
                 any_tensor = True

@@ -3,6 +3,7 @@ and flush share."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -215,9 +216,11 @@ def _values_inside(t: torch.Tensor) -> torch.Tensor:
 
 
 def _iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Floating tensors inside a module output (tensor, tuple/list, dict, ModelOutput), depth-limited."""
+    """Floating and complex tensors inside a module output (tensor, tuple/list, dict, ModelOutput, a
+    dataclass), depth-limited. A complex one is yielded to be skipped and counted (``StatsBuffer.accumulate``):
+    a module's output that precprof cannot read is said, not dropped without a word."""
     if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point():
+        if obj.is_floating_point() or obj.is_complex():
             yield obj
         return
     if depth > 3:
@@ -228,6 +231,9 @@ def _iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for o in obj.values():
             yield from _iter_tensors(o, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _iter_tensors(getattr(obj, f.name, None), depth + 1)
 
 
 class HostFloats:
