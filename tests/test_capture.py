@@ -557,3 +557,34 @@ def test_a_module_filter_that_selects_nothing_says_so_and_names_the_modules() ->
     assert caught[0].filename == __file__  # said where the loop attached
     with pytest.raises(UserError, match=r"Profiler\(modules=\[Conv2d\]\) selects no module"):
         precprof.Profiler(model, modules=[nn.Conv2d]).attach()
+
+
+def test_a_closure_that_runs_the_backward_inside_the_step_keeps_its_gradients() -> None:
+    """``optimizer.step(closure)`` (LBFGS, Lightning's automatic optimization): the backward runs inside the
+    step, after its pre-hook. Freezing a parameter's gradient row when its optimizer stepped must come after
+    the step, or such a loop has no weight gradient at all (every Lightning run had none for a few commits)."""
+    from cast_counts import counts
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    applied: dict[str, dict[str, float]] = {}
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        for n, p in model.named_parameters():
+            applied[n] = counts(p.grad)
+        return loss
+
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        opt.step(closure)
+        prof.step()
+    grads = prof.tables()["layers"]
+    grads = grads[grads[T.TENSOR] == T.WEIGHT_GRAD]
+    assert len(grads) == 4
+    for row in grads.itertuples(index=False):
+        want = applied[f"{row.module}.{row.param}"]
+        assert {k: row._asdict()[k] for k in want} == want

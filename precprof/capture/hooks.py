@@ -182,9 +182,9 @@ class StepHooks:
             return
         self._hookset.install()
         for k, opt in enumerate(self.optimizers):
-            self._handles.append(opt.register_step_pre_hook(functools.partial(self._opt_pre_hook, k)))
             if self.updates is not None:
-                self._handles.append(opt.register_step_post_hook(functools.partial(self._opt_post_hook, k)))
+                self._handles.append(opt.register_step_pre_hook(functools.partial(self._opt_pre_hook, k)))
+            self._handles.append(opt.register_step_post_hook(functools.partial(self._opt_post_hook, k)))
 
     def pause(self) -> None:
         """End the sampled step, its hooks left in place but doing nothing (a gradient hook that has not fired
@@ -495,20 +495,23 @@ class StepHooks:
                 self._grad_seen(row, dtype)
 
     def _opt_pre_hook(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.installed:
-            return None
-        if self._grads_due:  # a backward whose end has not been read (the step runs inside it, or it raised)
-            self._read_grads()
-        rows = self._grad_row_of
-        self._stepped.update(
-            r for g in optimizer.param_groups for p in g["params"] if (r := rows.get(id(p), -1)) >= 0
-        )
-        if self.updates is not None:
+        if self.updates is not None and self.installed:
             self.updates.before_step(k)
         return None
 
     def _opt_post_hook(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.updates is not None and self.installed and self.updates.after_step(k):
+        if not self.installed:
+            return None
+        if self._grads_due:  # a backward whose end has not been read (the step ran inside it, or it raised)
+            self._read_grads()
+        # the gradients this optimizer applied are read: a later backward (a GAN's generator loss through the
+        # discriminator) adds to them what no optimizer applies. After the step, not before: a closure
+        # (Lightning's automatic optimization, LBFGS) runs the backward inside the step
+        rows = self._grad_row_of
+        self._stepped.update(
+            r for g in optimizer.param_groups for p in g["params"] if (r := rows.get(id(p), -1)) >= 0
+        )
+        if self.updates is not None and self.updates.after_step(k):
             self.has_data = True
         return None
 
