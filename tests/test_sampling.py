@@ -109,6 +109,36 @@ def test_a_run_sampled_at_almost_every_step_still_times_unsampled_steps() -> Non
     assert s.unsampled_s == pytest.approx(0.020)
 
 
+@pytest.mark.parametrize("slow", [(1500, 1600), (2, 400)])
+def test_a_stretch_of_slower_steps_buys_no_burst_and_no_drought(slow: tuple[int, int]) -> None:
+    """Every step 6 ms slower for a stretch (another process on the machine, a data loader stalling), a sampled
+    step 3 ms beyond a 1.5 ms one. Every past sampled step was re-costed against the current unsampled median:
+    when steps slowed, past spending vanished and 15 of 29 samples fell in the stretch; when they sped up again,
+    it looked over budget and no step was sampled for the remaining 47% of the run (9.3% reached against 3%).
+    A sampled step is costed against the unsampled steps of its own time: no burst, no drought, the budget
+    holds, and the overhead reported is what the sampled steps added."""
+    s = S.Sampler(every=None, budget=0.03)
+    reasons, added, total = [], 0.0, 0.0
+    for step in range(3000):
+        reason = s.decide(step)
+        extra = 0.006 if slow[0] <= step < slow[1] else 0.0
+        t = 0.0015 + extra + (0.003 if reason else 0.0)
+        s.observe(step, reason, t)
+        reasons.append(reason)
+        if step > 0:
+            added += 0.003 if reason else 0.0
+            total += t
+    sampled = [i for i, r in enumerate(reasons) if r]
+    inside = sum(slow[0] <= i < slow[1] for i in sampled)
+    assert inside <= 0.03 * (slow[1] - slow[0]) * 7.5 / 3 + 2  # no more than the stretch's share buys
+    gaps = [b - a for a, b in zip([*sampled, 3000][:-1], [*sampled, 3000][1:], strict=True)]
+    assert max(gaps) < 200, max(gaps)  # about every 67 steps in the fast part, never a drought
+    assert sum(i >= slow[1] for i in sampled) > 0.5 * 0.03 * (3000 - slow[1]) * 1.5 / 3
+    overhead = s.overhead
+    assert overhead is not None and overhead <= 0.031 and added / total <= 0.031
+    assert overhead == pytest.approx(added / total, rel=0.25)
+
+
 def test_a_cheap_sampled_step_is_sampled_more_often() -> None:
     cheap = drive(S.Sampler(every=None), 2000, unsampled_s=0.010, sampled_s=0.011)
     dear = drive(S.Sampler(every=None), 2000, unsampled_s=0.010, sampled_s=0.100)

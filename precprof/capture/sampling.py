@@ -30,9 +30,12 @@ first unsampled step is its first compiled one, whose time is Dynamo's and induc
 milliseconds a step: taken as the unsampled median, it made every later step look free to sample). The
 overhead reached is their sum over the time of every step but those two: counted, a compile of seconds
 bought a burst of sampled steps right after it (14 of a compiled Llama's first 16 steps were sampled within
-"3%"), where the budget is a share of the training's own time. Past sampled steps are re-costed
-whenever the unsampled median moves, so the first steps, taken before any unsampled step was timed, are
-costed like the others.
+"3%"), where the budget is a share of the training's own time. A sampled step is costed once, when it ends,
+against the median of the last ``RECENT_UNSAMPLED`` unsampled steps (the steps of its own time); those taken
+before any unsampled step was timed (the first steps) are costed against the first one timed. Re-costing every
+past sampled step against the current median made a stretch of slower steps (another process on the machine,
+a data loader stalling) look as if the past had cost nothing, a burst of samples in it, and the faster steps
+after it look over budget: no sample for the rest of the run.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ SPIKE_SIGMAS = 4.0  # ... and this many standard deviations above it
 SPIKE_WINDOW = 50  # losses the recent mean and deviation are taken over
 SPIKE_MIN = 10  # losses needed before a spike can be called
 UNSAMPLED_WINDOW = 64  # unsampled step times the median is taken over
+RECENT_UNSAMPLED = 3  # unsampled step times a sampled step is costed against (those of its own time)
 FIRST_GAP = 10  # synchronized: the first planned gap, before an unsampled step was timed
 REFRESH_EVERY = 16  # budgeted steps sampled in a row before an unsampled one is timed again
 
@@ -78,6 +82,9 @@ class Sampler:
     total_s: float = 0.0  # every step's time but the warm-ups' (the first step, the first unsampled one)
     reasons: dict[str, int] = field(default_factory=dict)  # sampled steps per reason
     _unsampled: deque[float] = field(default_factory=lambda: deque(maxlen=UNSAMPLED_WINDOW))
+    # each sampled step's added time, fixed when it ended (None: before any unsampled step was timed)
+    _added: list[float | None] = field(default_factory=list)
+    _spent: float = 0.0  # the sum of those known
     _losses: deque[float] = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
     _pending_trigger: str = ""
     synchronized: bool = False  # every rank samples the same steps: planned ones only (see the docstring)
@@ -139,9 +146,11 @@ class Sampler:
         if base is None:
             return False
         recent = self.sampled_times[-8:]
-        return (len(recent) >= 2 and statistics.median(recent) <= base) or (
-            self._since_unsampled >= REFRESH_EVERY
-        )
+        # once an unsampled step was timed since the last sampled one, the doubt is answered: the sampled
+        # times it rests on do not change until a step is sampled again (it held a run of 400 slower steps
+        # unsampled)
+        doubt = self._since_unsampled > 0 and len(recent) >= 2 and statistics.median(recent) <= base
+        return doubt or self._since_unsampled >= REFRESH_EVERY
 
     def _fits(self, limit: float) -> bool:
         """Whether one more sampled step keeps the overhead within ``limit``."""
@@ -169,16 +178,28 @@ class Sampler:
         return statistics.median(self._unsampled) if self._unsampled else None
 
     def step_cost_s(self, base: float) -> float:
-        """What a sampled step is expected to add: the median of the recent ones' added times."""
-        recent = self.sampled_times[-8:]
-        return max(0.0, statistics.median(recent) - base) if recent else base
+        """What a sampled step is expected to add: the median of the recent ones' added times (``base``, an
+        unsampled step's time, before any was costed)."""
+        recent = [a for a in self._added[-8:] if a is not None]
+        return statistics.median(recent) if recent else base
 
     def spent_s(self, base: float | None = None) -> float:
-        """The time sampled steps added so far (beyond an unsampled step's ``base``)."""
+        """The time sampled steps added so far: each beyond the unsampled steps of its own time (those taken
+        before any unsampled step was timed beyond ``base``, the unsampled median by default)."""
+        unknown = [t for t, a in zip(self.sampled_times, self._added, strict=True) if a is None]
+        if not unknown:
+            return self._spent
         base = self.unsampled_s if base is None else base
         if base is None:
-            return 0.0
-        return sum(max(0.0, t - base) for t in self.sampled_times)
+            return self._spent
+        return self._spent + sum(max(0.0, t - base) for t in unknown)
+
+    def _recent_base(self) -> float | None:
+        """The median of the last ``RECENT_UNSAMPLED`` unsampled steps' times (None before one was timed)."""
+        if not self._unsampled:
+            return None
+        recent = list(self._unsampled)[-RECENT_UNSAMPLED:]
+        return statistics.median(recent)
 
     def observe(self, step: int, reason: str, time_s: float) -> None:
         """A step ended after ``time_s`` seconds, sampled for ``reason`` ("" when it was not)."""
@@ -191,8 +212,16 @@ class Sampler:
             return
         if reason:
             self.sampled_times.append(time_s)
+            base = self._recent_base()
+            added = None if base is None else max(0.0, time_s - base)
+            self._added.append(added)
+            self._spent += added or 0.0
         elif self._unsampled_seen:
             self._unsampled.append(time_s)
+            if len(self._unsampled) == 1 and None in self._added:  # the first steps, costed now
+                self._added = [max(0.0, t - time_s) if a is None else a for t, a in zip(
+                    self.sampled_times, self._added, strict=True)]  # fmt: skip
+                self._spent = sum(a for a in self._added if a is not None)
         else:  # the first unsampled step: a compiled model's first compiled run (see the module docstring)
             self._unsampled_seen = True
             return
@@ -210,8 +239,9 @@ class Sampler:
             self._pending_trigger = self._pending_trigger or REASON_SKIPPED
         recent = self._losses
         if len(recent) >= SPIKE_MIN and not self._pending_trigger:
-            mean = statistics.fmean(recent)
-            sd = statistics.pstdev(recent)
+            # in floats: statistics.pstdev sums exact fractions, 70 us a step on every unsampled step
+            mean = math.fsum(recent) / len(recent)
+            sd = math.sqrt(math.fsum((x - mean) ** 2 for x in recent) / len(recent))
             if mean > 0 and loss > SPIKE_FACTOR * mean and loss > mean + SPIKE_SIGMAS * sd:
                 self._pending_trigger = REASON_SPIKE
         recent.append(loss)
