@@ -1124,3 +1124,45 @@ def test_the_writer_process_runs_at_the_lowest_priority_and_the_training_at_its_
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, check=True)
     assert res.stdout.split() == [str(max(7, before[0]))] * 3  # raised once, never lowered
     assert _niceness_and_group("self") == before
+
+
+_SAVE_MEMORY = """
+import sys, tempfile, torch, precprof
+from torch import nn
+from precprof import runfiles
+if sys.argv[1] == "kept":
+    runfiles.release_memory = lambda: None
+def rss():
+    return int([l for l in open("/proc/self/status") if l.startswith("VmRSS")][0].split()[1]) * 1024
+torch.set_num_threads(1)
+torch.manual_seed(0)
+layers = []
+for _ in range(20):
+    layers += [nn.Linear(32, 32), nn.ReLU()]
+model = nn.Sequential(*layers, nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, out=tempfile.mkdtemp() + "/r") as prof:
+    for _ in range(300):
+        model(torch.randn(8, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        prof.step()
+before = rss()
+prof.save()
+print(rss() - before)
+"""
+
+
+def test_a_long_runs_save_gives_its_memory_back() -> None:
+    """The save of a long streamed run reads every part into pandas; what Arrow's pool and malloc kept of it
+    stayed resident for the rest of the training process (850 MB after a 3,000-sampled-step run, in a user's
+    test). Given back: 300 sampled steps of 41 modules kept 299 MB without it, 76 MB with it."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs /proc")
+    grown = {}
+    for how in ("kept", "released"):
+        res = subprocess.run(
+            [sys.executable, "-c", _SAVE_MEMORY, how], capture_output=True, text=True, timeout=300, check=True
+        )
+        grown[how] = int(res.stdout.split()[-1])
+    assert grown["released"] < 0.5 * grown["kept"], grown

@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from precprof import _compat, parts, rundir
+from precprof import _compat, parts, rundir, runfiles
 from precprof import stats as st
 from precprof import tables as T
 from precprof._run_finisher import machine_describer, run_finisher
@@ -402,6 +402,7 @@ class ProfilerResults:
         written = finisher(
             run_dir, self.tables(), full, facts=self.model_facts(), render=render, report_path=report_path
         )
+        runfiles.release_memory()  # the tables are dropped: what the allocators kept of them goes back
         self._status = written[T.SUMMARY_STATUS]
         self._reason = written[T.SUMMARY_INCOMPLETE_REASON]
         sink = self._recorded.sink
