@@ -1166,3 +1166,33 @@ def test_a_long_runs_save_gives_its_memory_back() -> None:
         )
         grown[how] = int(res.stdout.split()[-1])
     assert grown["released"] < 0.5 * grown["kept"], grown
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_resume_without_a_first_step_says_it_replaces_what_the_run_recorded(
+    tmp_path: Path, saved: bool
+) -> None:
+    """``resume=True`` without ``first_step`` (0) on a run that recorded 30 steps replaced all of them without a
+    word (a killed job's, or a saved run's). It warns, naming them and the fix; with first_step it does not."""
+    out = tmp_path / "run"
+    model = nn.Linear(4, 4)
+    first = precprof.Profiler(model, sample_every=5, out=out).attach()
+    for _ in range(30):
+        model(torch.randn(2, 4)).sum().backward()
+        first.step()
+    first.detach()
+    if saved:
+        first.save()
+    else:
+        first._owned_run.release()  # as a killed job leaves it: its stream, its lock gone with it
+    with pytest.warns(UserWarning, match=r"resume=True with first_step=0 replaces the 30 steps .* \(0-29\)"):
+        again = precprof.Profiler(model, sample_every=5, out=out, resume=True).attach()
+    again.detach()
+    again.save()
+    import warnings as w
+
+    with w.catch_warnings():
+        w.simplefilter("error")
+        kept = precprof.Profiler(model, sample_every=5, out=out, resume=True, first_step=1).attach()
+    kept.detach()
+    kept.save()
