@@ -152,9 +152,13 @@ def _check_target(p: Path, *, overwrite: bool, option: str, resume: bool) -> Pat
     if p.exists() and not p.is_dir():
         raise RunDirError(f"{option} {p}: is a file, not a directory; choose another {option}")
     if p.is_dir():
+        owner = live_writer(p)
+        if owner is not None:  # first: replacing it would be refused too (it had said "add --overwrite")
+            raise _busy(p, option, str(owner or "?"))
         if _holds_run(p) and not (overwrite or resume):
             raise RunDirError(
-                f"{option} {p}: {_describe_existing(p)}; choose another {option}, or add --overwrite to replace it"
+                f"{option} {p}: {_describe_existing(p)}; choose another {option}, or {_replace_it(option)} to "
+                "replace it"
             )
         if not os.access(p, os.W_OK | os.X_OK):
             raise RunDirError(f"{option} {p}: the directory is not writable; choose another {option}")
@@ -224,15 +228,7 @@ def _lock(path: Path, option: str) -> int:
                 owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
             finally:
                 os.close(fd)
-            if owner == str(os.getpid()):  # a Profiler of this process claimed it and has not saved it
-                raise RunDirError(
-                    f"{option} {path}: a Profiler in this process is still writing this run directory; save it "
-                    f"first (prof.save() or prof.report(), which the with block does), or choose another {option}"
-                ) from None
-            raise RunDirError(
-                f"{option} {path}: another precprof process (pid {owner}) is writing this run directory; "
-                f"wait for it or choose another {option}"
-            ) from None
+            raise _busy(path, option, owner) from None
         if _same_file(fd, lock):
             break
         os.close(fd)  # the holder removed it between our open and our lock: lock the one there now
@@ -241,6 +237,24 @@ def _lock(path: Path, option: str) -> int:
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
+
+
+def _busy(path: Path, option: str, owner: str) -> RunDirError:
+    """The refusal of a run directory whose lock ``owner`` (a pid, "?" when the lock does not say) holds."""
+    if owner == str(os.getpid()):  # a Profiler of this process claimed it and has not saved it
+        return RunDirError(
+            f"{option} {path}: a Profiler in this process is still writing this run directory; save it "
+            f"first (prof.save() or prof.report(), which the with block does), or choose another {option}"
+        )
+    return RunDirError(
+        f"{option} {path}: another precprof process (pid {owner}) is writing this run directory; "
+        f"wait for it or choose another {option}"
+    )
+
+
+def _replace_it(option: str) -> str:
+    """How to replace a run, said in the words of where ``option`` came from: the CLI's flag, or the keyword."""
+    return "add --overwrite" if option.startswith("--") else "pass overwrite=True"
 
 
 def live_writer(path: str | os.PathLike[str]) -> int | None:
@@ -310,7 +324,7 @@ def claim(
         elif _holds_run(p):  # again under the lock: another process may have finished a run here meanwhile
             if not overwrite:
                 raise RunDirError(
-                    f"{option} {p}: {_describe_existing(p)}; choose another {option}, or add --overwrite"
+                    f"{option} {p}: {_describe_existing(p)}; choose another {option}, or {_replace_it(option)}"
                 )
             for name in RUN_FILES:
                 with contextlib.suppress(FileNotFoundError):

@@ -976,3 +976,37 @@ def test_a_run_this_process_has_not_saved_is_named_as_ours_when_resumed(tmp_path
         model(torch.randn(2, 4)).sum().backward()
         again.step()
     assert again.tables()["steps"]["step"].tolist() == [0, 1]
+
+
+_HOLDS_A_RUN = """
+import sys, time
+from precprof import rundir
+run = rundir.claim(sys.argv[1])
+print("claimed", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_run_directory_being_written_is_refused_as_such_before_any_overwrite_advice(tmp_path: Path) -> None:
+    """A second writer on a live run directory was told "already holds a precprof run (incomplete) ... add
+    --overwrite", which was then refused for the lock. The lock is said first, with the writer's pid; and from
+    Python the advice to replace a run names ``overwrite=True``, not the CLI's flag."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDS_A_RUN, str(out)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "claimed"
+        for overwrite in (False, True):
+            with pytest.raises(rundir.RunDirError) as e:
+                rundir.claim(out, overwrite=overwrite)
+            msg = str(e.value)
+            assert f"another precprof process (pid {holder.pid}) is writing this run directory" in msg, msg
+            assert "overwrite" not in msg
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(
+        UserError, match=r"already holds a precprof run \(incomplete\); .* pass overwrite=True"
+    ):
+        precprof.Profiler(torch.nn.Linear(2, 2), out=out).attach()
