@@ -519,6 +519,13 @@ def test_a_signal_saves_the_run(tmp_path: Path, sig: int, code: int, word: str) 
     assert steps[T.LOSS].notna().sum() >= 1
     assert (out / T.REPORT_FILE).exists() and no_tmp_files(out)
     assert not (out / rundir.LOCK_FILE).exists()  # nobody holds the directory any more
+    # where it stopped, of how many (a SIGKILL's page says it; a signal's said only "before the run stopped")
+    banner = (out / T.REPORT_FILE).read_text().split('id="incomplete"', 1)[1].split("</div>", 1)[0]
+    last, n = int(steps[T.STEP].max()), len(steps)
+    assert (
+        f"before the run stopped, after step {last} ({n:,} step{'s' if n != 1 else ''} of the 100,000 planned)"
+        in banner
+    )
 
 
 def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path: Path) -> None:

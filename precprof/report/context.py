@@ -389,6 +389,17 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
     }
 
 
+def _stopped(steps: pd.DataFrame, cfg: Mapping[str, Any]) -> str:
+    """Where an incomplete run stopped, for its banner: "after step 670 (671 steps of the 3,000 planned)"; the
+    planned count where the run's configuration has one (the built-in loop's); "" without steps."""
+    if steps.empty or T.STEP not in steps:
+        return ""
+    last, done = int(steps[T.STEP].max()), len(steps)
+    planned = cfg.get("steps")
+    of = f" of the {F.count(planned)} planned" if isinstance(planned, int) and planned > done else ""
+    return f"after step {last} ({F.count(done)} step{'s' if done != 1 else ''}{of})"
+
+
 def _no_memory_why(summary: Mapping[str, Any]) -> str:
     """Why a run recorded no memory, when the summary tells: the breakdown failed, or no step was sampled (a
     sampled step measures it)."""
@@ -491,6 +502,7 @@ def build_context(
         "incomplete": status == T.STATUS_INCOMPLETE,
         "incomplete_reason": summary.get(T.SUMMARY_INCOMPLETE_REASON)
         or "the run did not finish (cause not recorded)",
+        "stopped": _stopped(steps, cfg),
         "errors": [str(e) for e in summary.get(T.SUMMARY_ERRORS) or []],
         "skipped_tensors": list((summary.get(T.SUMMARY_CAPTURE) or {}).get("skipped_tensors") or []),
         "headline": _headline(summary, steps, layers),
