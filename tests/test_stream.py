@@ -5,6 +5,7 @@ equals an uninterrupted one; the recording's host memory stays bounded."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import select
@@ -17,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import processes
 import pytest
@@ -1196,3 +1198,37 @@ def test_resume_without_a_first_step_says_it_replaces_what_the_run_recorded(
         kept = precprof.Profiler(model, sample_every=5, out=out, resume=True, first_step=1).attach()
     kept.detach()
     kept.save()
+
+
+def test_steps_a_killed_job_never_flushed_are_named_and_the_curve_breaks_there(tmp_path: Path) -> None:
+    """Killed at step 634 having flushed up to 481, resumed from the checkpoint at 600: steps 482-599 were not in
+    any table, nothing said so, and the loss curve joined 481 to 600 with a straight line that looked like data.
+    The caption names the missing steps and why, and the line breaks there."""
+    from precprof.report import context as C
+    from precprof.report.plots import training as P
+
+    out = tmp_path / "run"
+    killed = tiny_run(out, 5, sample_every=2)  # steps 0-4 streamed, never saved: as a killed job leaves them
+    killed._owned_run.release()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with precprof.Profiler(model, opt, sample_every=2, out=out, resume=True, first_step=8) as prof:
+        for step in range(8, 11):
+            train_step(model, opt, prof, step)
+    page = prof.report().read_text()
+    steps = T.read_tables(out)["steps"]
+    assert steps[T.STEP].tolist() == [0, 1, 2, 3, 4, 8, 9, 10]
+    assert C._holes_note(steps) == (
+        "No record of steps 5-7 (3 in all): the job killed before it flushed them was resumed from a later "
+        "checkpoint; the curve breaks there."
+    )
+    assert "No record of steps 5-7 (3 in all)" in page
+    x = steps[T.STEP].to_numpy()
+    y = steps[T.LOSS].to_numpy(dtype=float)
+    bx, by = P._broken_at_holes(x, y, x)
+    assert len(bx) == len(x) + 1 and math.isnan(bx[5]) and bx[4] == 4 and bx[6] == 8
+    assert math.isnan(by[5]) and by[4] == y[4] and by[6] == y[5]
+    # steps present without a loss still join (a loop that passes its loss every few steps)
+    given = np.array([0, 3, 6]), np.array([1.0, 2.0, 3.0])
+    assert len(P._broken_at_holes(*given, np.arange(7))[0]) == 3

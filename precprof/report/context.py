@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from precprof import __version__, formats
@@ -439,6 +440,34 @@ def _loss_note(steps: pd.DataFrame) -> str:
     )
 
 
+def _holes_note(steps: pd.DataFrame) -> str:
+    """The steps between the first and the last that the table has no row for, in words ("" when none): a job
+    killed before it flushed its last steps and resumed from a later checkpoint leaves them; the curve breaks
+    there."""
+    if steps.empty or T.STEP not in steps:
+        return ""
+    present = np.unique(pd.to_numeric(steps[T.STEP], errors="coerce").dropna().astype(np.int64).to_numpy())
+    if len(present) < 2:
+        return ""
+    jumps = np.flatnonzero(np.diff(present) > 1)
+    if jumps.size == 0:
+        return ""
+    ranges = [(int(present[j]) + 1, int(present[j + 1]) - 1) for j in jumps]
+    said = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges[:4]) + (
+        f" and {len(ranges) - 4} more ranges" if len(ranges) > 4 else ""
+    )
+    n = sum(b - a + 1 for a, b in ranges)
+    restarts = set(_restarts(steps))
+    why = (
+        ": the job killed before it flushed them was resumed from a later checkpoint"
+        if any(b + 1 in restarts for _, b in ranges)
+        else ""
+    )
+    return (
+        f"No record of step{'s' if n != 1 else ''} {said} ({F.count(n)} in all){why}; the curve breaks there."
+    )
+
+
 def _restarts(steps: pd.DataFrame) -> list[int]:
     """The steps a resumed run restarted from."""
     if steps.empty or T.RESUMED not in steps:
@@ -517,7 +546,7 @@ def build_context(
                 training_fig, "Loss, loss scale with skipped steps, and gradient norm over training steps"
             ),
             "restarts": _restarts(steps),
-            "loss_note": _loss_note(steps),
+            "loss_note": " ".join(t for t in (_loss_note(steps), _holes_note(steps)) if t),
             "timeline": _timeline(layers, steps),
         },
         "heatmaps": _heatmaps(tabs, rec, histogram_totals, summary),

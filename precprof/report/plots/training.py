@@ -52,9 +52,10 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
     given = ~T.flags(df[T.NO_LOSS]).to_numpy() if T.NO_LOSS in df else np.ones(len(x), dtype=bool)
     # the steps with a loss, joined: a loop that passes its loss every few steps drew no line at all (each
     # point alone between gaps, and no markers past 60 steps)
+    gx, gy = _broken_at_holes(x[given], loss[given], x)
     ax.plot(
-        x[given],
-        loss[given],
+        gx,
+        gy,
         color="#1f4e79",
         lw=1.4,
         marker="." if given.sum() <= 60 else None,
@@ -150,3 +151,19 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
         a.yaxis.label.set_fontsize(9)
         a.tick_params(labelsize=8.5)
     return fig
+
+
+def _broken_at_holes(xs: np.ndarray, ys: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``xs``, ``ys`` with a nan between two points that steps the table has no row for lie between (a resumed
+    run whose killed job had not flushed its last steps): the line breaks there instead of drawing a straight
+    segment that looks like data. Steps present without a loss still join (``T.NO_LOSS``)."""
+    if len(xs) < 2:
+        return xs, ys
+    present = np.unique(steps)
+    # for each segment, how many steps lie strictly between its ends, and how many of those the table has
+    between = np.diff(xs) - 1
+    have = np.searchsorted(present, xs[1:]) - np.searchsorted(present, xs[:-1], side="right")
+    gaps = np.flatnonzero(have < between)
+    if gaps.size == 0:
+        return xs, ys
+    return np.insert(xs.astype(float), gaps + 1, np.nan), np.insert(ys, gaps + 1, np.nan)
