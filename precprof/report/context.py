@@ -393,9 +393,10 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
 def _stopped(steps: pd.DataFrame, cfg: Mapping[str, Any]) -> str:
     """Where an incomplete run stopped, for its banner: "after step 670 (671 steps of the 3,000 planned)"; the
     planned count where the run's configuration has one (the built-in loop's); "" without steps."""
-    if steps.empty or T.STEP not in steps:
+    numbers = pd.to_numeric(steps[T.STEP], errors="coerce").dropna() if T.STEP in steps else pd.Series()
+    if numbers.empty:
         return ""
-    last, done = int(steps[T.STEP].max()), len(steps)
+    last, done = int(numbers.max()), len(numbers)
     planned = cfg.get("steps")
     of = f" of the {F.count(planned)} planned" if isinstance(planned, int) and planned > done else ""
     return f"after step {last} ({F.count(done)} step{'s' if done != 1 else ''}{of})"
