@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -588,3 +589,28 @@ def test_a_closure_that_runs_the_backward_inside_the_step_keeps_its_gradients() 
     for row in grads.itertuples(index=False):
         want = applied[f"{row.module}.{row.param}"]
         assert {k: row._asdict()[k] for k in want} == want
+
+
+def test_gradient_accumulation_is_counted_and_the_weight_gradient_what_if_says_it_is_of_the_sum(
+    tmp_path: Path,
+) -> None:
+    """Four micro-batches per optimizer step: the weight-gradient rows are the accumulated sum (calls = 1),
+    and nothing said so, while autocast computes each micro-batch's gradient in 16-bit, up to 2 binades smaller
+    (with 8, a user's gradients that all flushed in fp16 counted 0 of 64 underflowing). The rows count the
+    backward passes, and the weight-gradient heatmap says what its counts are of."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for _ in range(2):
+            for _ in range(4):
+                (model(torch.randn(4, 8)).square().mean() / 4).backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    layers = prof.tables()["layers"]
+    assert set(layers[layers[T.TENSOR] == T.WEIGHT_GRAD][T.CALLS]) == {4}
+    assert set(layers[layers[T.TENSOR] == T.ACTIVATION_GRAD][T.CALLS]) == {4}
+    page = prof.report(tmp_path / "run").read_text()
+    assert "Gradient accumulation: up to 4 backward passes added into each weight gradient per step" in page
+    assert "log2(4) = 2.0 binades" in page

@@ -442,7 +442,9 @@ class StepHooks:
 
     def _grad_seen(self, row: int, dtype: torch.dtype) -> None:
         rows = self.rows
-        rows.calls[row] = 1
+        rows.calls[row] += (
+            1  # backward passes that accumulated into it (gradient accumulation's micro-batches)
+        )
         rows.dtype_bits[row] |= dtype_bit(dtype)
         self.has_data = True
 
@@ -472,7 +474,7 @@ class StepHooks:
             calls, dtype_bits = self.rows.calls, self.rows.dtype_bits
             bits = {dt: dtype_bit(dt) for dt in dtypes}
             for row, t in zip(rows, present, strict=True):
-                calls[row] = 1
+                calls[row] += 1  # one more backward pass accumulated into it (read once a pass)
                 dtype_bits[row] |= bits[t.dtype]
             self.has_data = True
             return

@@ -289,6 +289,13 @@ def _heatmaps(
                 notes.append(
                     f"The dotted dark-red lines are FP16's window at the recommended scale {F.pow2(rec_scale)}."
                 )
+            if kind == T.WEIGHT_GRAD and (n := _accumulated(layers, summary or {})) > 1:
+                notes.append(
+                    f"Gradient accumulation: up to {n} backward passes added into each weight gradient per "
+                    "step, and these rows are their sum. Under autocast each micro-batch's gradient is computed "
+                    f"in 16-bit before it is added, up to log2({n}) = {math.log2(n):.1f} binades smaller than "
+                    "the sum: more of it underflows than this heatmap shows."
+                )
         else:
             notes.append("Forward tensors are not loss-scaled: every window is at scale 1.")
         notes.append(
@@ -388,6 +395,19 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
         "peak_note": str((mem.get("model") or {}).get("peak_note") or ""),
         "none_why": _no_memory_why(summary),
     }
+
+
+def _accumulated(layers: pd.DataFrame, summary: Mapping[str, Any]) -> int:
+    """The most backward passes that accumulated into one weight gradient in a sampled step on one rank (its
+    row's ``calls``, summed over the ranks of a distributed run): more than 1 under gradient accumulation; 0
+    without weight-gradient rows."""
+    g = layers[layers[T.TENSOR] == T.WEIGHT_GRAD] if T.TENSOR in layers else layers.iloc[:0]
+    calls = pd.to_numeric(g[T.CALLS], errors="coerce") if T.CALLS in g else pd.Series(dtype=float)
+    if not len(calls) or pd.isna(calls.max()):
+        return 0
+    dist = (summary.get(T.SUMMARY_CAPTURE) or {}).get("distributed") or {}
+    ranks = dist.get("world_size") if isinstance(dist, Mapping) else None
+    return int(calls.max()) // (ranks if isinstance(ranks, int) and ranks > 1 else 1)
 
 
 def _stopped(steps: pd.DataFrame, cfg: Mapping[str, Any]) -> str:
