@@ -597,3 +597,28 @@ def test_a_distributed_run_says_so_before_it_saves(tmp_path: Path, monkeypatch: 
         prof.save()
     finally:
         dist.destroy_process_group()
+
+
+def test_wrap_model_as_the_readme_shows_it(tmp_path: Path) -> None:
+    """The README's ``wrap_model(model, S, param_dtype=torch.bfloat16, ...)``: under "ddp" the dtypes were
+    dropped and the run trained in fp32 without a word; "fsdp1" on a CPU needed a ``device=`` the README does
+    not show ("FSDP needs a non-CPU accelerator device"). DDP refuses the dtypes in one line; FSDP1 takes the
+    CPU when no accelerator is there (a one-rank gloo group here)."""
+    import torch.distributed as dist
+
+    from precprof.errors import UserError
+    from precprof.training.distributed import wrap_model
+
+    with pytest.raises(
+        UserError, match=r"wrap_model\(\.\.\., 'ddp'\): DDP has no param_dtype or reduce_dtype"
+    ):
+        wrap_model(nn.Linear(4, 4), "ddp", param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if torch.cuda.is_available():
+        pytest.skip("FSDP1 on this machine's accelerator, not the CPU")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = wrap_model(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), "fsdp1")
+        model(torch.randn(3, 4)).sum().backward()
+        assert type(model).__name__ == "FullyShardedDataParallel"
+    finally:
+        dist.destroy_process_group()

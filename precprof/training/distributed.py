@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from precprof.errors import UserError
 from precprof.modes import STRATEGIES
 
 
@@ -87,14 +88,21 @@ def wrap_model(
 
     ``ddp``: ``DistributedDataParallel``; ``fsdp2``: ``fully_shard`` on each block (``_shard_units``) and on the
     root, with ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``; ``fsdp1``: ``FullyShardedDataParallel`` with
-    ``MixedPrecision(param_dtype, reduce_dtype)`` (needs an accelerator). Returns the module to train (FSDP2
-    shards in place and returns ``model`` itself).
+    ``MixedPrecision(param_dtype, reduce_dtype)`` (on the CPU, gloo, when no accelerator is there and no
+    ``device`` is given). Returns the module to train (FSDP2 shards in place and returns ``model`` itself). DDP
+    has no parameter or reduction dtype: asking it for one is a UserError (16-bit compute under DDP is
+    ``torch.autocast``'s), where it trained in fp32 without a word.
     """
     strategy = strategy.lower()
     cuda_ids = [device.index] if device is not None and device.type == "cuda" else None
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        if param_dtype is not None or reduce_dtype is not None:
+            raise UserError(
+                "wrap_model(..., 'ddp'): DDP has no param_dtype or reduce_dtype (it keeps the model's dtypes); "
+                "compute in 16-bit under torch.autocast, or use 'fsdp2' with its MixedPrecisionPolicy"
+            )
         return DistributedDataParallel(model, device_ids=cuda_ids)
     if strategy == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -112,5 +120,7 @@ def wrap_model(
             if param_dtype or reduce_dtype
             else None
         )
+        if device is None and not torch.cuda.is_available():  # FSDP1 asks for a device; on gloo, the CPU
+            device = torch.device("cpu")
         return FullyShardedDataParallel(model, mixed_precision=mp, device_id=device)
     raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
