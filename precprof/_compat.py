@@ -184,9 +184,20 @@ def is_compile_wrapper(module: Any) -> bool:
 
 
 def is_compiled(module: Any) -> bool:
-    """Whether ``module`` runs under ``torch.compile``: its wrapper, or compiled in place (``module.compile()``
-    sets the call it makes instead of its own)."""
-    return is_compile_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None
+    """Whether ``module`` runs under ``torch.compile``: its wrapper, compiled in place (``module.compile()``
+    sets the call it makes instead of its own), or its forward replaced by a compiled one (``module.forward =
+    torch.compile(module.forward)``)."""
+    return (
+        is_compile_wrapper(module)
+        or getattr(module, "_compiled_call_impl", None) is not None
+        or _compiled_forward(module) is not None
+    )
+
+
+def _compiled_forward(module: Any) -> Any:
+    """The compiled function an instance's ``forward`` was replaced by, or None."""
+    forward = getattr(module, "__dict__", {}).get("forward")
+    return forward if getattr(forward, "_torchdynamo_orig_callable", None) is not None else None
 
 
 def compile_backend(module: Any) -> str | None:
@@ -195,7 +206,7 @@ def compile_backend(module: Any) -> str | None:
     ``module.compile()`` set; None when it is not compiled or this torch keeps it elsewhere."""
     callback = getattr(getattr(module, "dynamo_ctx", None), "callback", None)
     if callback is None:
-        call = getattr(module, "_compiled_call_impl", None)
+        call = getattr(module, "_compiled_call_impl", None) or _compiled_forward(module)
         for cell in getattr(call, "__closure__", None) or ():
             try:
                 found = getattr(cell.cell_contents, "callback", None)

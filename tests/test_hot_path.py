@@ -675,6 +675,14 @@ def test_the_summary_and_the_page_say_what_was_compiled(tmp_path: Path) -> None:
         in_place = _model()
         in_place.compile(backend=backend)
         assert precprof.Profiler(in_place).summary()["compiled"] == whole
+        # its forward replaced by a compiled one, whole or per block: it said nothing (no caveat on the page)
+        forward = _model()
+        forward.forward = torch.compile(forward.forward, backend=backend)  # type: ignore[method-assign]
+        assert precprof.Profiler(forward).summary()["compiled"] == whole
+    blocks = _model()
+    for i in (0, 3):
+        blocks[i].forward = torch.compile(blocks[i].forward, backend="eager")  # type: ignore[method-assign]
+    assert precprof.Profiler(blocks).summary()["compiled"] == "2 of its modules (regional, backend eager)"
     assert precprof.Profiler(_model()).summary()["compiled"] is None
 
 
