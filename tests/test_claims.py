@@ -409,3 +409,39 @@ def test_a_grad_scaler_in_a_bf16_loop_is_said_to_have_nothing_to_do(tmp_path: Pa
     )
     assert f.numbers == {"start_scale": 2.0**16, "last_scale": 2.0**25}
     assert "scaler_unneeded" not in found[torch.float16]
+
+
+def test_nothing_to_fix_says_what_fp16_zeros_may_hide(tmp_path: Path) -> None:
+    """fp16 autocast at a static scale of 1024 and a tiny loss: 5.2% of the fp16 activation gradients are zeros
+    (a rerun at 2^32 has none: they were flushed), and the finding said "Nothing to fix ... 0% of the values
+    recorded flush", which reads as nothing flushed. It says what the zeros may hold."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32),
+        torch.nn.GELU(),
+        torch.nn.Linear(32, 32),
+        torch.nn.GELU(),
+        torch.nn.Linear(32, 4),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**9)
+    scaler.set_growth_factor(1.0)
+    scaler.set_backoff_factor(1.0)
+    g = torch.Generator().manual_seed(1)
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, out=tmp_path / "run") as prof:
+        for _ in range(4):
+            x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = (model(x).float() - y).pow(2).mean() * 1e-6
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    prof.save()
+    (f,) = [f for f in precprof.recommend(tmp_path / "run").findings if f.code == "fp16_gradient_underflow"]
+    assert f.severity == "info" and f.remedy.startswith("Nothing to fix"), f.remedy
+    assert (
+        "already fp16" in f.remedy
+        and "are zeros, which may hold values flushed before precprof read them" in (f.remedy)
+    )
