@@ -1232,3 +1232,23 @@ def test_steps_a_killed_job_never_flushed_are_named_and_the_curve_breaks_there(t
     # steps present without a loss still join (a loop that passes its loss every few steps)
     given = np.array([0, 3, 6]), np.array([1.0, 2.0, 3.0])
     assert len(P._broken_at_holes(*given, np.arange(7))[0]) == 3
+
+
+def test_a_resumed_runs_sampling_row_says_it_is_the_last_attempts(tmp_path: Path) -> None:
+    """A run resumed at step 800: the header said 107 sampled steps (the run's), the sampling row "14 of 2,200
+    steps" (the last attempt's) without saying whose. It says so."""
+    from precprof.report.environment import capture_rows
+
+    out = tmp_path / "run"
+    killed = tiny_run(out, 5, sample_every=None)  # the default budget
+    killed._owned_run.release()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with precprof.Profiler(model, opt, out=out, resume=True, first_step=3) as prof:
+        for step in range(3, 9):
+            train_step(model, opt, prof, step)
+    prof.save()
+    summary = T.read_summary(out)
+    row = dict(capture_rows(summary[T.SUMMARY_CAPTURE], summary.get(T.SUMMARY_CONFIG) or {}))["steps sampled"]
+    assert re.search(r": \d+ of 6 steps of the attempt resumed at step 3 \(", row), row

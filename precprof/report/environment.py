@@ -382,7 +382,8 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
     sampled, recorded = _int(capture.get("sampled_steps")), _int(capture.get("steps_recorded"))
     sampling = _map(capture.get("sampling"))
     if sampling.get("mode") == "budget":
-        rows.append(("steps sampled", sampling_text(sampling, sampled, recorded)))
+        resumed = _int(_map(capture.get("stream")).get("resumed_from"))
+        rows.append(("steps sampled", sampling_text(sampling, sampled, recorded, resumed)))
     elif every is not None:
         if every <= 0:
             text = "no step: per-step figures only (loss, loss scale, time), no per-layer statistics"
@@ -506,15 +507,20 @@ def _outside_text(outside: Any, listed: int = 6) -> str:
     return "; ".join(pairs[:listed]) + more if pairs else ""
 
 
-def sampling_text(s: Mapping[str, Any], sampled: int | None, recorded: int | None) -> str:
+def sampling_text(
+    s: Mapping[str, Any], sampled: int | None, recorded: int | None, resumed: int | None = None
+) -> str:
     """Budgeted sampling (``capture.sampling.Sampler.describe``) in words: the budget, the overhead reached,
-    the sampled steps by reason, and when sampling began if the kernels compiled beside the training."""
+    the sampled steps by reason, and when sampling began if the kernels compiled beside the training. Of a run
+    resumed at step ``resumed``, the figures are the last attempt's, and say so (the header counts the run's)."""
     text = f"as many as keep precprof within {F.pct(float(s.get('budget') or 0))} of the run's time"
     overhead = s.get("overhead")
     if isinstance(overhead, (int, float)) and math.isfinite(overhead):
         text += f" (it took {F.pct(float(overhead))})"
     if sampled is not None and recorded is not None:
         text += f": {F.count(sampled)} of {F.count(recorded)} steps"
+        if resumed is not None:
+            text += f" of the attempt resumed at step {F.count(resumed)}"
     reasons = [
         f"{F.count(int(n))} {_REASONS.get(str(r), str(r))}" for r, n in _map(s.get("reasons")).items() if n
     ]
