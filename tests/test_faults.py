@@ -523,7 +523,7 @@ def test_a_signal_saves_the_run(tmp_path: Path, sig: int, code: int, word: str) 
     banner = (out / T.REPORT_FILE).read_text().split('id="incomplete"', 1)[1].split("</div>", 1)[0]
     last, n = int(steps[T.STEP].max()), len(steps)
     assert (
-        f"before the run stopped, after step {last} ({n:,} step{'s' if n != 1 else ''} of the 100,000 planned)"
+        f"before the run stopped, after step {last:,} ({n:,} step{'s' if n != 1 else ''} of the 100,000 planned)"
         in banner
     )
 

@@ -419,7 +419,7 @@ def _stopped(steps: pd.DataFrame, cfg: Mapping[str, Any]) -> str:
     last, done = int(numbers.max()), len(numbers)
     planned = cfg.get("steps")
     of = f" of the {F.count(planned)} planned" if isinstance(planned, int) and planned > done else ""
-    return f"after step {last} ({F.count(done)} step{'s' if done != 1 else ''}{of})"
+    return f"after step {F.count(last)} ({F.count(done)} step{'s' if done != 1 else ''}{of})"
 
 
 def _no_memory_why(summary: Mapping[str, Any]) -> str:
@@ -474,7 +474,7 @@ def _holes_note(steps: pd.DataFrame) -> str:
     if jumps.size == 0:
         return ""
     ranges = [(int(present[j]) + 1, int(present[j + 1]) - 1) for j in jumps]
-    said = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges[:4]) + (
+    said = ", ".join(F.count(a) if a == b else f"{F.count(a)}-{F.count(b)}" for a, b in ranges[:4]) + (
         f" and {len(ranges) - 4} more ranges" if len(ranges) > 4 else ""
     )
     n = sum(b - a + 1 for a, b in ranges)
