@@ -77,7 +77,7 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
     sk = np.zeros_like(ok)
     if ok.any():
         y = np.log2(ls[ok])
-        ax.step(x[ok], y, where="post", color="#1f4e79", lw=1.4, label="loss scale")
+        ax.step(*_broken_at_holes(x[ok], y, x), where="post", color="#1f4e79", lw=1.4, label="loss scale")
         sk = skipped & ok & bool((ls[ok] != 1).any())  # a run without loss scaling backs nothing off
         if sk.any():
             ax.plot(x[sk], np.log2(ls[sk]), "v", color=SKIP_COLOR, ms=7, label="skipped step (inf/nan grads)")
@@ -99,7 +99,11 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
     fin = np.isfinite(gn) & (gn > 0)
     if fin.any():
         ax.plot(
-            x[fin], gn[fin], color="#1f4e79", lw=1.4, marker="." if len(x) <= 60 else None, label="grad norm"
+            *_broken_at_holes(x[fin], gn[fin], x),
+            color="#1f4e79",
+            lw=1.4,
+            marker="." if len(x) <= 60 else None,
+            label="grad norm",
         )
         if np.nanmax(gn[fin]) / np.nanmin(gn[fin]) > 30:
             ax.set_yscale("log")
