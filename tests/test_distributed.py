@@ -599,6 +599,7 @@ def test_a_distributed_run_says_so_before_it_saves(tmp_path: Path, monkeypatch: 
         dist.destroy_process_group()
 
 
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use:UserWarning")  # one rank: nothing to shard
 def test_wrap_model_as_the_readme_shows_it(tmp_path: Path) -> None:
     """The README's ``wrap_model(model, S, param_dtype=torch.bfloat16, ...)``: under "ddp" the dtypes were
     dropped and the run trained in fp32 without a word; "fsdp1" on a CPU needed a ``device=`` the README does
