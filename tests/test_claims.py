@@ -339,18 +339,23 @@ def test_a_loss_scale_far_too_high_is_blamed_on_the_scale_not_the_model(
     assert not T.flags(T.read_tables(fixed)["steps"][T.SKIPPED]).any()
 
 
+def _gelu_mlp(n_in: int, hidden: int, n_out: int) -> torch.nn.Module:
+    """Linear, GELU, Linear, GELU, Linear; seeded."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(n_in, hidden),
+        torch.nn.GELU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.GELU(),
+        torch.nn.Linear(hidden, n_out),
+    )
+
+
 def test_a_model_cast_to_fp16_in_a_users_loop_trains_in_fp16_and_is_warned(tmp_path: Path) -> None:
     """``model.half()`` with fp32 master weights by hand, no autocast, no scaler: the profiler saw "fp16-pure",
     a quarter of the fp16 activation gradients were flushed, and the finding was demoted to information titled
     "what fp16 would do", as for a run that never trained in fp16. It stays a warning."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(32, 64),
-        torch.nn.GELU(),
-        torch.nn.Linear(64, 64),
-        torch.nn.GELU(),
-        torch.nn.Linear(64, 1),
-    ).half()
+    model = _gelu_mlp(32, 64, 1).half()
     master = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
     opt = torch.optim.AdamW(master, lr=1e-3)
     with precprof.Profiler(model, sample_every=1, out=tmp_path / "half") as prof:
@@ -415,14 +420,7 @@ def test_nothing_to_fix_says_what_fp16_zeros_may_hide(tmp_path: Path) -> None:
     """fp16 autocast at a static scale of 1024 and a tiny loss: 5.2% of the fp16 activation gradients are zeros
     (a rerun at 2^32 has none: they were flushed), and the finding said "Nothing to fix ... 0% of the values
     recorded flush", which reads as nothing flushed. It says what the zeros may hold."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(16, 32),
-        torch.nn.GELU(),
-        torch.nn.Linear(32, 32),
-        torch.nn.GELU(),
-        torch.nn.Linear(32, 4),
-    )
+    model = _gelu_mlp(16, 32, 4)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10**9)
     scaler.set_growth_factor(1.0)

@@ -327,6 +327,22 @@ def test_export_to_wandb_offline_matches_the_live_run(run: dict[str, Any]) -> No
         assert {k: again[step][k] for k in want} == want, step
 
 
+def _offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A wandb run of its own, offline and silent (wandb's own warnings off), in ``tmp_path``."""
+    for k, v in {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(k, v)
+    return wandb.init(mode="offline", dir=str(tmp_path), project="precprof-test")
+
+
+def _sgd_step(model: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    """One SGD step of a tiny regression on random inputs; its loss."""
+    loss = model(torch.randn(2, 4)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
 @pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
 def test_a_loop_that_logs_to_wandb_without_a_step_is_told_precprofs_series_are_dropped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -334,9 +350,7 @@ def test_a_loop_that_logs_to_wandb_without_a_step_is_told_precprofs_series_are_d
     """The usual loop logs its own metrics with wandb.log({...}), no step=: wandb's step moves on one a call,
     and precprof's rows, logged at precprof's step, fell below it and were dropped, every one, without a word
     from precprof (wandb's own warning is silenced with WANDB_SILENT). It warns, once, and says what to do."""
-    for k, v in {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}.items():
-        monkeypatch.setenv(k, v)
-    wb_run = wandb.init(mode="offline", dir=str(tmp_path), project="precprof-test")
+    wb_run = _offline_wandb(tmp_path, monkeypatch)
     try:
         torch.manual_seed(0)
         model = nn.Linear(4, 4)
@@ -344,12 +358,9 @@ def test_a_loop_that_logs_to_wandb_without_a_step_is_told_precprofs_series_are_d
         told = pytest.warns(RuntimeWarning, match=r"wandb is at step \d+, ahead of precprof's step")
         with told as caught, precprof.Profiler(model, optimizer=opt, sample_every=1, wandb=True) as prof:
             for _ in range(4):
-                loss = model(torch.randn(2, 4)).square().mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+                loss = _sgd_step(model, opt)
                 wandb.log({"my/loss": loss.item()})
-                prof.step(loss=loss.detach())
+                prof.step(loss=loss)
         assert sum("ahead of precprof's step" in str(w.message) for w in caught) == 1
         assert "step=prof.current_step" in str(caught[0].message)
     finally:
@@ -446,9 +457,7 @@ def test_a_wandb_run_finished_inside_the_profiler_is_said_to_be_finished(
     """``wandb.finish()`` inside ``with Profiler(wandb=True)``: the steps not yet flushed were lost with a
     warning that said "wandb=...=True logs to the current wandb run: call wandb.init() first", though it had.
     The warning says the run was finished early, when to finish it, and how to log the whole run."""
-    for k, v in {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}.items():
-        monkeypatch.setenv(k, v)
-    wb_run = wandb.init(mode="offline", dir=str(tmp_path), project="precprof-test")
+    wb_run = _offline_wandb(tmp_path, monkeypatch)
     torch.manual_seed(0)
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -456,11 +465,7 @@ def test_a_wandb_run_finished_inside_the_profiler_is_said_to_be_finished(
     target = wb_run if handed_in else True
     with told as caught, precprof.Profiler(model, optimizer=opt, sample_every=3, wandb=target) as prof:
         for _ in range(5):
-            loss = model(torch.randn(2, 4)).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss.detach())
+            prof.step(loss=_sgd_step(model, opt))
         wb_run.finish()
     _wandb_files_closed()
     (msg,) = [str(w.message) for w in caught if "stopped writing to wandb" in str(w.message)]
