@@ -442,9 +442,8 @@ class StepHooks:
 
     def _grad_seen(self, row: int, dtype: torch.dtype) -> None:
         rows = self.rows
-        rows.calls[row] += (
-            1  # backward passes that accumulated into it (gradient accumulation's micro-batches)
-        )
+        # backward passes that accumulated into it (gradient accumulation's micro-batches)
+        rows.calls[row] += 1
         rows.dtype_bits[row] |= dtype_bit(dtype)
         self.has_data = True
 

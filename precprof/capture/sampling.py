@@ -82,9 +82,11 @@ class Sampler:
     total_s: float = 0.0  # every step's time but the warm-ups' (the first step, the first unsampled one)
     reasons: dict[str, int] = field(default_factory=dict)  # sampled steps per reason
     _unsampled: deque[float] = field(default_factory=lambda: deque(maxlen=UNSAMPLED_WINDOW))
-    # each sampled step's added time, fixed when it ended (None: before any unsampled step was timed)
-    _added: list[float | None] = field(default_factory=list)
-    _spent: float = 0.0  # the sum of those known
+    # each sampled step's added time, fixed when it ended; those that ended before any unsampled step was
+    # timed wait in ``_uncosted`` (their times) until one is
+    _added: list[float] = field(default_factory=list)
+    _uncosted: list[float] = field(default_factory=list)
+    _spent: float = 0.0  # the sum of ``_added``
     _losses: deque[float] = field(default_factory=lambda: deque(maxlen=SPIKE_WINDOW))
     _pending_trigger: str = ""
     synchronized: bool = False  # every rank samples the same steps: planned ones only (see the docstring)
@@ -180,19 +182,22 @@ class Sampler:
     def step_cost_s(self, base: float) -> float:
         """What a sampled step is expected to add: the median of the recent ones' added times (``base``, an
         unsampled step's time, before any was costed)."""
-        recent = [a for a in self._added[-8:] if a is not None]
+        recent = self._added[-8:]
         return statistics.median(recent) if recent else base
 
     def spent_s(self, base: float | None = None) -> float:
         """The time sampled steps added so far: each beyond the unsampled steps of its own time (those taken
         before any unsampled step was timed beyond ``base``, the unsampled median by default)."""
-        unknown = [t for t, a in zip(self.sampled_times, self._added, strict=True) if a is None]
-        if not unknown:
+        if not self._uncosted:
             return self._spent
         base = self.unsampled_s if base is None else base
         if base is None:
             return self._spent
-        return self._spent + sum(max(0.0, t - base) for t in unknown)
+        return self._spent + sum(max(0.0, t - base) for t in self._uncosted)
+
+    def _cost(self, added: float) -> None:
+        self._added.append(max(0.0, added))
+        self._spent += self._added[-1]
 
     def _recent_base(self) -> float | None:
         """The median of the last ``RECENT_UNSAMPLED`` unsampled steps' times (None before one was timed)."""
@@ -213,15 +218,18 @@ class Sampler:
         if reason:
             self.sampled_times.append(time_s)
             base = self._recent_base()
-            added = None if base is None else max(0.0, time_s - base)
-            self._added.append(added)
-            self._spent += added or 0.0
+            if base is None:
+                self._uncosted.append(time_s)
+            else:
+                self._cost(time_s - base)
         elif self._unsampled_seen:
             self._unsampled.append(time_s)
-            if len(self._unsampled) == 1 and None in self._added:  # the first steps, costed now
-                self._added = [max(0.0, t - time_s) if a is None else a for t, a in zip(
-                    self.sampled_times, self._added, strict=True)]  # fmt: skip
-                self._spent = sum(a for a in self._added if a is not None)
+            uncosted, self._uncosted = (
+                self._uncosted,
+                [],
+            )  # the first steps, costed against the first one timed
+            for t in uncosted:
+                self._cost(t - time_s)
         else:  # the first unsampled step: a compiled model's first compiled run (see the module docstring)
             self._unsampled_seen = True
             return
