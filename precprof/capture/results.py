@@ -103,9 +103,8 @@ class ProfilerResults:
             first = {
                 T.SUMMARY_CAPTURE: {"sample_every": self.sample_every, "sample_origin": self._first_step}
             }
-            if (
-                self._reducer is not None
-            ):  # a killed distributed run still says it was one (its counts are sums)
+            # a killed distributed run still says it was one (its counts are sums over ranks)
+            if self._reducer is not None:
                 with contextlib.suppress(Exception):
                     first[T.SUMMARY_CAPTURE]["distributed"] = self._reducer.describe(self.model)
             describe = machine_describer()
@@ -117,8 +116,7 @@ class ProfilerResults:
                 self._out, overwrite=self._overwrite, resume=self._resume, summary=first, option="out"
             )
         if self._resume and self._first_step == 0:
-            with contextlib.suppress(Exception):  # a warning, never at the cost of the user's attach
-                _warn_replaced(run.path)
+            _warn_replaced(run.path)
         segment = parts.new_segment(run.path, self._first_step)
         self._sample_origin = self._sampler.origin = parts.segments(run.path)[0].start
         self._recorded = Recorded(StreamWriter(run.path, segment))
@@ -497,12 +495,14 @@ def _dropout_layers(model: nn.Module) -> int:
 def _warn_replaced(run_dir: Path) -> None:
     """``resume=True`` at step 0 (``first_step`` left out) replaces every step the run recorded: said, with
     the fix, when it recorded some (a job restarted from a checkpoint means to keep the steps before it)."""
-    read = parts.read_stream(run_dir, ("steps",), T.STEP)
-    table = parts.concat(read.tables.get("steps") or [])
-    steps = table.column(T.STEP).to_pylist() if table is not None and table.num_rows else []
-    whole = run_dir / T.TABLE_FILES["steps"]
-    if not steps and whole.exists():
-        steps = pd.read_parquet(whole, columns=[T.STEP])[T.STEP].tolist()
+    steps: list[int] = []
+    with contextlib.suppress(Exception):  # a warning, never at the cost of the user's attach
+        read = parts.read_stream(run_dir, ("steps",), T.STEP)
+        table = parts.concat(read.tables.get("steps") or [])
+        steps = table.column(T.STEP).to_pylist() if table is not None and table.num_rows else []
+        whole = run_dir / T.TABLE_FILES["steps"]
+        if not steps and whole.exists():
+            steps = pd.read_parquet(whole, columns=[T.STEP])[T.STEP].tolist()
     if steps:
         warnings.warn(
             f"precprof: resume=True with first_step=0 replaces the {len(steps):,} steps {run_dir} recorded "
