@@ -244,7 +244,7 @@ def _busy(path: Path, option: str, owner: str) -> RunDirError:
     if owner == str(os.getpid()):  # a Profiler of this process claimed it and has not saved it
         return RunDirError(
             f"{option} {path}: a Profiler in this process is still writing this run directory; save it "
-            f"first (prof.save() or prof.report(), which the with block does), or choose another {option}"
+            f"first (prof.save() or prof.report()), or choose another {option}"
         )
     return RunDirError(
         f"{option} {path}: another precprof process (pid {owner}) is writing this run directory; "

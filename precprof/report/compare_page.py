@@ -255,9 +255,8 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
     ref = comparison.run(comparison.reference)
     comps = [c for c in COMPONENT_COLORS if any(r.memory.get(c) for r in comparison.runs)]
     comps += sorted({c for r in comparison.runs for c in r.memory if c not in comps})
-    peaks = [
-        c for c in comps if c in T.MEMORY_PEAK_COMPONENTS
-    ]  # a whole step's peak, not a part of the total
+    # a whole step's peak, not a part of the total
+    peaks = [c for c in comps if c in T.MEMORY_PEAK_COMPONENTS]
     comps = [c for c in comps if c not in peaks]
     runs = []
     for r in comparison.runs:
