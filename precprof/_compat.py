@@ -183,6 +183,16 @@ def is_compile_wrapper(module: Any) -> bool:
     return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
 
 
+def global_numel(p: torch.Tensor) -> int:
+    """The elements of the parameter(s) ``p`` stands for over every rank: an FSDP1 ``FlatParameter``'s
+    original parameters (its own numel is this rank's shard, padding included: half the model on 2 ranks, which
+    the advisor's model-size rules and ``compare``'s same-model check read); a DTensor's numel is global."""
+    numels = getattr(p, "_numels", None)
+    if isinstance(numels, (tuple, list)) and numels and all(isinstance(n, int) for n in numels):
+        return int(sum(numels))
+    return int(p.numel())
+
+
 def is_compiled(module: Any) -> bool:
     """Whether ``module`` runs under ``torch.compile``: its wrapper, compiled in place (``module.compile()``
     sets the call it makes instead of its own), or its forward replaced by a compiled one (``module.forward =

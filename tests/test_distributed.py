@@ -40,6 +40,8 @@ from precprof.capture.reducer import RankReducer, _row_layout, wrapper_info
 HERE = Path(__file__).parent
 SCENARIOS = ("ddp", "fsdp2", "fsdp2-bf16")
 TRAIN_SCENARIOS = ("train-ddp", "train-fsdp2")
+# run, not counted layer by layer: FSDP1's weight rows mix unsharded units with shards (README, torchrun)
+OTHER_SCENARIOS = ("fsdp1",)
 Key = tuple[int, str, str, str]  # step, module, tensor, param
 
 
@@ -56,7 +58,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             f"--nproc_per_node={W.WORLD}",
             str(HERE / "dist_worker.py"),
             str(out),
-            ",".join(SCENARIOS + TRAIN_SCENARIOS),
+            ",".join(SCENARIOS + TRAIN_SCENARIOS + OTHER_SCENARIOS),
         ],
         capture_output=True,
         text=True,
@@ -623,3 +625,13 @@ def test_wrap_model_as_the_readme_shows_it(tmp_path: Path) -> None:
         assert type(model).__name__ == "FullyShardedDataParallel"
     finally:
         dist.destroy_process_group()
+
+
+def test_the_model_size_of_a_sharded_run_is_the_models(runs: Path) -> None:
+    """FSDP1 on 2 ranks: the model's parameter count was rank 0's shard of each FlatParameter, half the model,
+    which the advisor's model-size rules read and ``compare`` refused as "a different model" beside the same
+    model's one-process run. FSDP2's DTensors said the full count already."""
+    full = sum(p.numel() for p in W.build_model().parameters())
+    for scenario in ("fsdp1", "fsdp2", "ddp"):
+        capture = T.read_summary(run_dir(runs, scenario))[T.SUMMARY_CAPTURE]
+        assert capture["n_params"] == full, scenario

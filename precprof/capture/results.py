@@ -236,7 +236,7 @@ class ProfilerResults:
             if plan is not None
             else None
         )
-        n_params = sum(p.numel() for p in self.model.parameters())
+        n_params = sum(_compat.global_numel(p) for p in self.model.parameters())  # the model's, every rank's
         param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return {
             "sample_every": self.sample_every,
