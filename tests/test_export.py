@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -474,3 +475,34 @@ def test_a_wandb_run_finished_inside_the_profiler_is_said_to_be_finished(
     assert "wandb.init() first" not in msg and "UserError" not in msg, msg
     logged = _wandb_history(next((tmp_path / "wandb").glob("offline-run-*")))
     assert sorted(logged) == [0, 1, 2, 3]  # step 4 waited for the flush at close, after the finish
+
+
+def test_a_full_disk_under_a_live_tensorboard_log_is_one_warning_and_no_traceback(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """SummaryWriter wrote on a thread of its own: on a full disk that thread died with a traceback on the
+    terminal beside precprof's one-line warning. precprof's log directory is written on the calling thread:
+    the disk filling up (``/dev/full`` under the event file) is one warning, and training goes on."""
+    if not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    threads = threading.active_count()
+    with pytest.warns(
+        UserWarning, match=r"stopped writing to TensorBoard: .*No space left on device"
+    ) as caught:
+        with precprof.Profiler(model, optimizer=opt, sample_every=1, tensorboard=tmp_path / "tb") as prof:
+            prof.step(loss=_sgd_step(model, opt))
+            (sink,) = prof._dashboards.sinks
+            sink.writer._file = open("/dev/full", "wb")  # noqa: SIM115 (the writer closes it)
+            sink.writer._records = RecordWriter(sink.writer._file)
+            for _ in range(3):
+                prof.step(loss=_sgd_step(model, opt))
+    assert sum("stopped writing to TensorBoard" in str(w.message) for w in caught) == 1
+    assert threading.active_count() == threads
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    assert len(prof.tables()["steps"]) == 4

@@ -63,16 +63,16 @@ class TensorBoardSink:
                 f"{option}: expected a directory or a torch.utils.tensorboard.SummaryWriter, "
                 f"got {type(target).__name__}"
             )
-        self._writer_class = writer_class
         self._option = option
         self._writer: Any = None if self._owned else target
 
     @property
     def writer(self) -> Any:
-        """The SummaryWriter (created in the log directory at the first write)."""
+        """The writer: a log directory's (``SyncEventWriter``, made at the first write), or the caller's
+        SummaryWriter."""
         if self._writer is None:
             with self._cannot_write():
-                self._writer = self._writer_class(log_dir=self.target)
+                self._writer = SyncEventWriter(self.target)
         return self._writer
 
     @contextlib.contextmanager
@@ -139,3 +139,56 @@ class TensorBoardSink:
                 self._writer.close()
         else:
             self._writer.flush()
+
+
+class SyncEventWriter:
+    """A TensorBoard event file written on the calling thread, with what of ``SummaryWriter`` the sink uses
+    (``add_scalar``, ``add_histogram_raw``, ``flush``, ``close``, ``file_writer.add_event``).
+
+    SummaryWriter writes on a thread of its own, which on a full disk died with a traceback on the terminal
+    beside precprof's one-line warning; the sink flushed after every write anyway, so the thread bought no
+    time. Here a write that fails raises OSError to the sink, which says it in one line and stops."""
+
+    def __init__(self, log_dir: str) -> None:
+        import socket
+        import time
+
+        from tensorboard.compat.proto.event_pb2 import Event as TBEvent
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        os.makedirs(log_dir, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.precprof"
+        self._file = open(os.path.join(log_dir, name), "wb")  # noqa: SIM115 (closed by close())
+        self._records = RecordWriter(self._file)
+        self._event_class = TBEvent
+        self.file_writer = self
+        self.add_event(TBEvent(wall_time=time.time(), file_version="brain.Event:2"))
+        self.flush()
+
+    def add_event(self, event: Any) -> None:
+        self._records.write(event.SerializeToString())
+
+    def _summary(self, summary: Any, step: int) -> None:
+        import time
+
+        self.add_event(self._event_class(wall_time=time.time(), step=int(step), summary=summary))
+
+    def add_scalar(self, tag: str, value: float, global_step: int) -> None:
+        from torch.utils.tensorboard.summary import scalar
+
+        self._summary(scalar(tag, float(value)), global_step)
+
+    def add_histogram_raw(self, tag: str, *, global_step: int, **raw: Any) -> None:
+        from torch.utils.tensorboard.summary import histogram_raw
+
+        self._summary(histogram_raw(tag, **raw), global_step)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            try:
+                self._file.flush()
+            finally:
+                self._file.close()
