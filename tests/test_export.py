@@ -491,16 +491,15 @@ def test_a_full_disk_under_a_live_tensorboard_log_is_one_warning_and_no_tracebac
     model = nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     threads = threading.active_count()
-    with pytest.warns(
-        UserWarning, match=r"stopped writing to TensorBoard: .*No space left on device"
-    ) as caught:
-        with precprof.Profiler(model, optimizer=opt, sample_every=1, tensorboard=tmp_path / "tb") as prof:
+    told = pytest.warns(UserWarning, match=r"stopped writing to TensorBoard: .*No space left on device")
+    kw = {"optimizer": opt, "sample_every": 1, "tensorboard": tmp_path / "tb"}
+    with told as caught, precprof.Profiler(model, **kw) as prof:
+        prof.step(loss=_sgd_step(model, opt))
+        (sink,) = prof._dashboards.sinks
+        sink.writer._file = open("/dev/full", "wb")  # noqa: SIM115 (the writer closes it)
+        sink.writer._records = RecordWriter(sink.writer._file)
+        for _ in range(3):
             prof.step(loss=_sgd_step(model, opt))
-            (sink,) = prof._dashboards.sinks
-            sink.writer._file = open("/dev/full", "wb")  # noqa: SIM115 (the writer closes it)
-            sink.writer._records = RecordWriter(sink.writer._file)
-            for _ in range(3):
-                prof.step(loss=_sgd_step(model, opt))
     assert sum("stopped writing to TensorBoard" in str(w.message) for w in caught) == 1
     assert threading.active_count() == threads
     err = capfd.readouterr().err
