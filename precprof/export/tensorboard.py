@@ -1,4 +1,5 @@
-"""Dashboard events into TensorBoard event files, through ``torch.utils.tensorboard.SummaryWriter``.
+"""Dashboard events into TensorBoard event files: a log directory's written on the calling thread
+(``SyncEventWriter``), or through the ``torch.utils.tensorboard.SummaryWriter`` a caller hands in.
 
 Scalars with ``add_scalar``; exponent histograms with ``add_histogram_raw``, bucket limits in log2 units (the
 right edge e + 1 of each binade [e, e+1)), so TensorBoard's histogram view shows the exponent distribution.
