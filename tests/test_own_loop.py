@@ -99,6 +99,32 @@ def test_another_models_clip_is_not_this_models_norm() -> None:
     assert recorded == pytest.approx(norms, rel=1e-6)
 
 
+@pytest.mark.skipif(not hasattr(torch.nn.utils, "clip_grads_with_norm_"), reason="torch < 2.6")
+def test_a_clip_split_in_two_is_recorded_too() -> None:
+    """torch 2.6's ``get_total_norm`` then ``clip_grads_with_norm_`` (torchtitan's clip is built so): the norm
+    was not recorded (every step's grad_norm nan). The norm the loop clipped with is; torch's own functions are
+    back after detach."""
+    original = torch.nn.utils.clip_grads_with_norm_
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    norms = []
+    with precprof.Profiler(model, opt, memory=False) as prof:
+        for step in range(3):
+            x, y = batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            total = torch.nn.utils.get_total_norm(grads)
+            norms.append(float(total))
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.5, total)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    recorded = prof.tables()["steps"].sort_values(T.STEP)[T.GRAD_NORM].to_numpy(dtype=float)
+    assert recorded == pytest.approx(norms, rel=1e-6)
+    assert torch.nn.utils.clip_grads_with_norm_ is original
+
+
 def test_an_explicit_grad_norm_wins() -> None:
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -13,6 +13,8 @@ What is noted:
   all of them, ``sqrt(sum n_i^2)`` (for the default 2-norm; other norms keep the last call's); a second call
   on the same parameters replaces the first (the clipped norm is what was measured last).
 - A distributed tensor (FSDP2) norm is noted only when it is replicated (its local value is the norm).
+- ``clip_grads_with_norm_(parameters, max_norm, total_norm)`` (torch >= 2.6), after ``get_total_norm``: its
+  ``total_norm`` is noted the same way.
 - A name bound before ``attach()`` (``from torch.nn.utils import clip_grad_norm_`` at import time) still
   points at torch's own function and is not seen: pass ``grad_norm=`` there.
 
@@ -34,8 +36,8 @@ from torch.nn.utils import clip_grad as _clip_grad_mod
 
 _lock = threading.Lock()
 _watchers: weakref.WeakSet[ClipNorms] = weakref.WeakSet()
-_original: Callable[..., torch.Tensor] | None = None
-_wrapper: Callable[..., torch.Tensor] | None = None
+# per wrapped function's name: (torch's own, the wrapper installed in its place)
+_installed: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
 class ClipNorms:
@@ -97,29 +99,62 @@ def _make_wrapper(original: Callable[..., torch.Tensor]) -> Callable[..., torch.
     return clip_grad_norm_
 
 
+def _make_with_norm_wrapper(original: Callable[..., None]) -> Callable[..., None]:
+    """``clip_grads_with_norm_(parameters, max_norm, total_norm)`` (torch >= 2.6): the second half of a clip
+    split in two, after ``get_total_norm`` of the gradients (torchtitan's ``clip_grad_norm_`` is built so):
+    ``total_norm`` is the norm the loop clipped with, noted as ``clip_grad_norm_``'s return is (a 2-norm
+    unless the loop asked for another, which this call does not say)."""
+
+    def clip_grads_with_norm_(
+        parameters: Any, max_norm: float, total_norm: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        original(params, max_norm, total_norm, *args, **kwargs)
+        local = _local_norm(total_norm)
+        if local is not None and _watchers:
+            ids = frozenset(id(p) for p in params)
+            for w in list(_watchers):
+                w.note(ids, local, 2.0)
+
+    clip_grads_with_norm_.__doc__ = original.__doc__
+    clip_grads_with_norm_.__wrapped__ = original  # type: ignore[attr-defined]
+    return clip_grads_with_norm_
+
+
+_WRAPPERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "clip_grad_norm_": _make_wrapper,
+    "clip_grads_with_norm_": _make_with_norm_wrapper,
+}
+
+
 def watch(norms: ClipNorms) -> None:
-    """Start noting clip_grad_norm_ calls for ``norms`` (installs the wrapper on the first watcher)."""
-    global _original, _wrapper
+    """Start noting clip_grad_norm_ (and clip_grads_with_norm_) calls for ``norms`` (installs the wrappers on
+    the first watcher)."""
     with _lock:
-        if _wrapper is None:
-            _original = nn_utils.clip_grad_norm_
-            _wrapper = _make_wrapper(_original)
-            nn_utils.clip_grad_norm_ = _wrapper
-            _clip_grad_mod.clip_grad_norm_ = _wrapper  # type: ignore[attr-defined]
+        if not _installed:
+            for name, make in _WRAPPERS.items():
+                original = getattr(nn_utils, name, None)
+                if original is None:  # a torch without it
+                    continue
+                wrapper = make(original)
+                _installed[name] = (original, wrapper)
+                setattr(nn_utils, name, wrapper)
+                if hasattr(_clip_grad_mod, name):
+                    setattr(_clip_grad_mod, name, wrapper)
         _watchers.add(norms)
 
 
 def unwatch(norms: ClipNorms) -> None:
-    """Stop noting for ``norms``; the last watcher puts torch's function back (if the wrapper is still there)."""
-    global _original, _wrapper
+    """Stop noting for ``norms``; the last watcher puts torch's functions back (where the wrappers are still
+    there: one someone else wrapped after precprof stays, and stops noting)."""
     with _lock:
         _watchers.discard(norms)
-        if _watchers or _wrapper is None:
+        if _watchers:
             return
-        original: Any = _original
-        if nn_utils.clip_grad_norm_ is _wrapper:
-            nn_utils.clip_grad_norm_ = original
-        if getattr(_clip_grad_mod, "clip_grad_norm_", None) is _wrapper:
-            _clip_grad_mod.clip_grad_norm_ = original
-        if nn_utils.clip_grad_norm_ is not _wrapper:
-            _original, _wrapper = None, None
+        for name, (original, wrapper) in list(_installed.items()):
+            if getattr(nn_utils, name, None) is wrapper:
+                setattr(nn_utils, name, original)
+            if getattr(_clip_grad_mod, name, None) is wrapper:
+                setattr(_clip_grad_mod, name, original)
+            if getattr(nn_utils, name, None) is not wrapper:
+                del _installed[name]
