@@ -614,3 +614,29 @@ def test_gradient_accumulation_is_counted_and_the_weight_gradient_what_if_says_i
     page = prof.report(tmp_path / "run").read_text()
     assert "Gradient accumulation: up to 4 backward passes added into each weight gradient per step" in page
     assert "log2(4) = 2.0 binades" in page
+
+
+def test_a_loop_that_steps_its_optimizer_after_prof_step_keeps_its_gradients() -> None:
+    """``backward(); prof.step(); optimizer.step()``: each profiler step opens with the previous step's
+    optimizer.step(), then runs its own backward. Keeping a gradient row from its optimizer's step on must
+    only keep rows already read in the step, or such a loop records no weight gradient at all."""
+    from cast_counts import counts
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen: dict[tuple[int, str], dict[str, float]] = {}
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for step in range(3):
+            opt.zero_grad()
+            model(torch.randn(16, 4)).square().mean().backward()
+            for n, p in model.named_parameters():
+                seen[(step, n)] = counts(p.grad)
+            prof.step()
+            opt.step()  # the next profiler step's
+    grads = prof.tables()["layers"]
+    grads = grads[grads[T.TENSOR] == T.WEIGHT_GRAD]
+    assert len(grads) == 3 * 4
+    for row in grads.itertuples(index=False):
+        want = seen[(row.step, f"{row.module}.{row.param}")]
+        assert {k: row._asdict()[k] for k in want} == want

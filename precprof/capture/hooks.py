@@ -505,12 +505,17 @@ class StepHooks:
             return None
         if self._grads_due:  # a backward whose end has not been read (the step ran inside it, or it raised)
             self._read_grads()
-        # the gradients this optimizer applied are read: a later backward (a GAN's generator loss through the
-        # discriminator) adds to them what no optimizer applies. After the step, not before: a closure
-        # (Lightning's automatic optimization, LBFGS) runs the backward inside the step
-        rows = self._grad_row_of
+        # the gradients this optimizer applied were read in this step: a later backward (a GAN's generator loss
+        # through the discriminator) adds to them what no optimizer applies. After the step, not before: a
+        # closure (Lightning's automatic optimization, LBFGS) runs the backward inside the step. Only rows
+        # already read: a loop that steps its optimizer before this step's backward (prof.step() before
+        # optimizer.step()) reads the gradients of the backward that follows
+        rows, calls = self._grad_row_of, self.rows.calls
         self._stepped.update(
-            r for g in optimizer.param_groups for p in g["params"] if (r := rows.get(id(p), -1)) >= 0
+            r
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if (r := rows.get(id(p), -1)) >= 0 and calls[r] > 0
         )
         if self.updates is not None and self.updates.after_step(k):
             self.has_data = True
