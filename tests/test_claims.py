@@ -443,3 +443,35 @@ def test_nothing_to_fix_says_what_fp16_zeros_may_hide(tmp_path: Path) -> None:
         "already fp16" in f.remedy
         and "are zeros, which may hold values flushed before precprof read them" in (f.remedy)
     )
+
+
+@pytest.mark.parametrize("per_micro_batch", [True, False])
+def test_prof_step_per_micro_batch_is_told(tmp_path: Path, per_micro_batch: bool) -> None:
+    """Gradient accumulation over 4 micro-batches with ``prof.step()`` after each: 12 "steps" for 3 optimizer
+    steps, 9 sampled steps with half-accumulated gradients and no update, and no word anywhere, though the
+    optimizer's hooks saw it did not step. Called once per optimizer step, nothing is said."""
+    model = _gelu_mlp(16, 32, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, out=tmp_path / "run") as prof:
+        for _ in range(3):
+            for _ in range(4):
+                loss = model(torch.randn(8, 16)).square().mean() / 4
+                loss.backward()
+                if per_micro_batch:
+                    prof.step(loss=loss.detach())
+            opt.step()
+            opt.zero_grad()
+            if not per_micro_batch:
+                prof.step(loss=loss.detach())
+    prof.save()
+    found = {f.code: f for f in precprof.recommend(tmp_path / "run").findings}
+    if not per_micro_batch:
+        assert "steps_without_update" not in found
+        return
+    f = found["steps_without_update"]
+    # the optimizer stepped after prof.step() of micro-batches 3, 7 and 11, inside steps 4, 8 and 12 (the last
+    # one the with block ended): 2 of the 12 sampled steps with gradients saw an update
+    layers = prof.tables()["layers"]
+    assert sorted(set(layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, T.STEP])) == [4, 8, 12]
+    assert f.numbers == {"steps_without_update": 10, "sampled_steps_with_grads": 12}
+    assert f.severity == "warning" and "once per optimizer step" in f.remedy

@@ -88,6 +88,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "from_model": ("skips from non-finite values in the model itself", "count"),
     "start_scale": ("initial loss scale", "scale"),
     "last_scale": ("loss scale at the end", "scale"),
+    "steps_without_update": ("sampled steps without an optimizer step", "count"),
+    "sampled_steps_with_grads": ("sampled steps with weight gradients", "count"),
     "first_ok_scale": ("scale of the first step that went through", "scale"),
     "recommended_scale": ("recommended initial loss scale", "scale"),
     ("scaler_skipped_steps", "steps"): ("steps in the run", "count"),

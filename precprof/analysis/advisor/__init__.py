@@ -52,7 +52,11 @@ from precprof.analysis.advisor.rules.fp32_ops import _rule_fp32_ops
 from precprof.analysis.advisor.rules.hardware import _rule_hardware, _rule_small_model
 from precprof.analysis.advisor.rules.nonfinite import _rule_diverged, _rule_nonfinite
 from precprof.analysis.advisor.rules.shapes import _rule_alignment
-from precprof.analysis.advisor.rules.updates import _rule_bf16_range, _rule_lost_updates
+from precprof.analysis.advisor.rules.updates import (
+    _rule_bf16_range,
+    _rule_lost_updates,
+    _rule_steps_without_update,
+)
 from precprof.hardware import HardwareInfo
 
 __all__ = [
@@ -164,6 +168,7 @@ def recommend(
     _rule_scaled_clipping(run, plan)
     _rule_fp32_ops(run, plan)
     _rule_lost_updates(run, plan)
+    _rule_steps_without_update(run, plan)
     _rule_bf16_range(run, plan)
     _rule_fp8(run, plan, dims)
     _rule_alignment(run, plan, dims)

@@ -12,7 +12,7 @@ from precprof.analysis.advisor.evidence import (
     _share,
     _shifted_underflow,
 )
-from precprof.analysis.advisor.model import CRITICAL, INFO, Finding
+from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
 from precprof.analysis.advisor.text import _listing, _name, _pct
 from precprof.formats import BF16
 
@@ -136,3 +136,42 @@ def _rule_bf16_range(run: _Run, plan: _Plan) -> None:
                 numbers={"values": int(over[T.overflow_col("bf16")].sum())},
             )
         )
+
+
+def _rule_steps_without_update(run: _Run, plan: _Plan) -> None:
+    """Sampled steps with weight gradients and no optimizer step, in a run whose optimizer steps were seen
+    (``weight_update`` rows on other sampled steps): ``prof.step()`` called more often than the optimizer steps,
+    once per micro-batch under gradient accumulation. A step the loss scaler skipped (no optimizer step by
+    design) and a step a crash cut off are left out. Fires when it is most of the sampled steps that could tell
+    (a loop that steps its optimizer every other step is the same mistake)."""
+    layers = run.layers
+    if layers.empty:
+        return
+    updated = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, T.STEP].astype(int))
+    if not updated:
+        return  # no optimizer given, or its updates not sampled: nothing tells
+    with_grads = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_GRAD, T.STEP].astype(int))
+    steps = run.steps
+    excused: set[int] = set()
+    for col in (T.SKIPPED, T.CUT_OFF):
+        if not steps.empty and col in steps:
+            excused |= set(steps.loc[T.flags(steps[col]), T.STEP].astype(int))
+    told = sorted(with_grads - excused)
+    idle = [s for s in told if s not in updated]
+    if len(idle) < 2 or len(idle) * 2 < len(told):
+        return
+    plan.add(
+        Finding(
+            "steps_without_update",
+            WARNING,
+            "prof.step() is called more often than the optimizer steps",
+            f"On {len(idle)} of {len(told)} sampled steps with weight gradients ({_listing([str(s) for s in idle], 6)})"
+            " the optimizer did not step, and the loss scaler skipped none of them. precprof's step is the "
+            "optimizer's: called once per micro-batch (gradient accumulation), each of its steps is a "
+            "micro-batch, the weight gradients of those steps are partial sums, and the step counts, the loss "
+            "curve and the sampling budget are per micro-batch.",
+            "Call prof.step() once per optimizer step, after optimizer.step() (pass the mean loss of its "
+            "micro-batches).",
+            numbers={"steps_without_update": len(idle), "sampled_steps_with_grads": len(told)},
+        )
+    )
