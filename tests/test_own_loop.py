@@ -125,6 +125,36 @@ def test_a_clip_split_in_two_is_recorded_too() -> None:
     assert torch.nn.utils.clip_grads_with_norm_ is original
 
 
+def test_an_inf_norm_clip_is_named_as_such() -> None:
+    """``clip_grad_norm_(..., norm_type=inf)``: the largest |g| was stored and plotted as "the gradient norm"
+    without a word of its type. The summary says it, and the plot's title."""
+    from precprof.report.plots import training_figure
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    largest = []
+    with precprof.Profiler(model, opt, memory=False) as prof:
+        for step in range(2):
+            x, y = batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            largest.append(max(float(p.grad.abs().max()) for p in model.parameters()))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, norm_type=float("inf"))
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    assert prof.summary()["grad_norm_type"] == "inf"
+    steps = prof.tables()["steps"]
+    assert steps[T.GRAD_NORM].tolist() == pytest.approx(largest)
+    fig = training_figure(steps, "inf")
+    assert fig is not None and fig.axes[2].get_title() == "Gradient norm (unscaled, max |g|)"
+    with precprof.Profiler(model, opt, memory=False) as two:
+        nn.functional.mse_loss(model(batch(0)[0]), batch(0)[1]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        two.step()
+    assert two.summary()["grad_norm_type"] is None
+
+
 def test_an_explicit_grad_norm_wins() -> None:
     model = TinyNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

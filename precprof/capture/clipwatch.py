@@ -47,6 +47,7 @@ class ClipNorms:
         self._ids = {id(p) for p in params}
         self._norms: dict[frozenset[int], torch.Tensor] = {}
         self._p: float = 2.0
+        self.norm_type: float | None = None  # of the last norm noted (None: the loop never clipped)
 
     def note(self, ids: frozenset[int], norm: torch.Tensor, norm_type: float) -> None:
         mine = ids & self._ids
@@ -56,6 +57,7 @@ class ClipNorms:
             self._norms.clear()
             self._p = norm_type
         self._norms[frozenset(mine)] = norm.detach().reshape(()).float()
+        self.norm_type = norm_type
 
     def take(self) -> torch.Tensor | None:
         """The step's norm (a device scalar), None when the loop did not clip; clears it for the next step."""

@@ -42,6 +42,7 @@ class ProfilerResults:
     weight_updates: bool
     update_sample: int
     memory_enabled: bool
+    _clip_norms: Any
     _attached: bool
     _pending: list[Any]
     _recorded: Recorded
@@ -292,6 +293,8 @@ class ProfilerResults:
             "memory_error": self._collector.memory_error if self._collector is not None else None,
             "memory_steps": self._tracker.schedule.describe() if hasattr(self._tracker, "schedule") else None,
             "memory_enabled": self.memory_enabled,
+            # the norm the loop clipped by, when it was not the 2-norm ("inf": max |g|); what grad_norm holds
+            "grad_norm_type": _norm_type(self._clip_norms),
         }
 
     def _stream_summary(self) -> dict[str, Any] | None:
@@ -490,6 +493,14 @@ def _dropout_layers(model: nn.Module) -> int:
     """Dropout modules that drop something (p > 0): a compiled run's sampled steps, run eagerly, draw other
     random numbers than inductor's kernels do."""
     return sum(1 for m in model.modules() if _compat.drops(m))
+
+
+def _norm_type(clips: Any) -> str | None:
+    """The norm type of the clips noted ("inf", "1", ...), None for the 2-norm or no clip."""
+    p = getattr(clips, "norm_type", None)
+    if not isinstance(p, (int, float)) or p == 2.0:
+        return None
+    return "inf" if p == float("inf") else f"{p:g}"
 
 
 def _warn_replaced(run_dir: Path) -> None:

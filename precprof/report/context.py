@@ -537,7 +537,8 @@ def build_context(
         or "model"
     )
     status = str(summary.get(T.SUMMARY_STATUS) or T.STATUS_COMPLETE)
-    training_fig = plots.training_figure(steps)
+    norm_type = (summary.get(T.SUMMARY_CAPTURE) or {}).get("grad_norm_type")
+    training_fig = plots.training_figure(steps, norm_type if isinstance(norm_type, str) else None)
     layer_rows = S.layer_records(layers, T.shared_params(summary))
     hw = summary.get(T.SUMMARY_HARDWARE) or {}
     target = str((rec or {}).get("target") or "")

@@ -19,7 +19,7 @@ SKIP_COLOR = "#d62728"
 RESTART_COLOR = "#2c7fb8"
 
 
-def training_figure(steps: pd.DataFrame) -> Figure | None:
+def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure | None:
     """Loss, loss scale (log2 axis, skipped steps marked) and gradient norm over steps, side by side; the steps
     a resumed run restarted from (``resumed``) as dashed lines on the loss and the loss scale."""
     if steps.empty:
@@ -119,7 +119,9 @@ def training_figure(steps: pd.DataFrame) -> Figure | None:
             )
     else:
         ax.text(0.5, 0.5, "no gradient norm recorded", ha="center", va="center", transform=ax.transAxes)
-    ax.set_title("Gradient norm (unscaled)")
+    # the norm the loop clipped by: an inf-norm is the largest |g|, not what "gradient norm" reads as
+    said = {None: "", "inf": ", max |g|"}.get(norm_type, f", {norm_type}-norm")
+    ax.set_title(f"Gradient norm (unscaled{said})")
     ax.set_xlabel("step")
     ax.set_ylabel("‖g‖₂" + (" (log scale)" if ax.get_yscale() == "log" else ""))
     for a, bins in zip(axes, (8, 4, 4), strict=True):  # the two lower plots are a third of the page wide
