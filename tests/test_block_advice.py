@@ -517,3 +517,26 @@ def test_a_layer_whose_gemm_axes_are_not_whole_blocks_gets_no_block_format() -> 
         mx.MXTensor.to_mx(torch.randn(64, 40), torch.float8_e4m3fn, 32)
     mx.MXTensor.to_mx(torch.randn(64, 64), torch.float8_e4m3fn, 32)  # a whole number of blocks: cast
     assert {"nvfp4": B.NVFP4.block_size, "mxfp4": B.MXFP4.block_size, "mxfp8": 32} == rb.BLOCK_SIZE
+
+
+def test_a_frozen_layer_is_judged_on_its_forward_alone() -> None:
+    """A frozen first layer (nothing trainable before it) runs no backward GEMM; the block table listed its
+    weight "(input gradient)" with numbers all the same, for a GEMM that never ran. It lists the forward's
+    operands alone; the trainable layer after it keeps all six."""
+    import precprof
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=True) as prof:
+        for _ in range(2):
+            model(torch.randn(32, 32)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    tables = prof.tables()
+    table = {lb.module: lb for lb in rb.block_table(tables["layers"], {"capture": prof.summary()})}
+    gemms = {m: {(o.operand, o.gemm) for o in lb.losses["mxfp8_e4m3"]} for m, lb in table.items()}
+    assert gemms["0"] == {(rb.INPUT, "forward"), (rb.WEIGHT, "forward")}
+    assert len(gemms["2"]) == 6

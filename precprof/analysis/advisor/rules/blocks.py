@@ -199,6 +199,9 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
             WEIGHT: rows_of(w_owner or m, T.WEIGHT, "weight"),
             GRAD: rows_of(m, T.ACTIVATION_GRAD),
         }
+        # a layer without an output gradient on any sampled step (frozen, nothing trainable before it) runs no
+        # backward GEMM: those are not judged (it had listed them, with numbers of the weight alone)
+        ran_gemms = {"forward", "input gradient", "weight gradient"} if rows[GRAD].n else {"forward"}
         sh = shapes[m]
         tokens = sh.odd_tokens[1] if sh.odd_tokens is not None else sh.tokens
         lb = LayerBlocks(
@@ -208,7 +211,7 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
             ops = []
             for operand, orientation, gemm in OPERANDS:
                 df = rows[operand]
-                if df is None:
+                if df is None or gemm not in ran_gemms:
                     continue
                 o = orientation
                 if (
