@@ -8,6 +8,7 @@ independently from the gradients and against the steps the loop itself saw.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -99,27 +100,37 @@ def test_another_models_clip_is_not_this_models_norm() -> None:
     assert recorded == pytest.approx(norms, rel=1e-6)
 
 
+def _clipping_loop(steps: int, clip: Callable[[nn.Module], float]) -> tuple[precprof.Profiler, list[float]]:
+    """TinyNet trained ``steps`` steps, clipped each step by ``clip(model)``, which returns the norm it clipped
+    by; the Profiler (detached) and those norms."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    norms = []
+    with precprof.Profiler(model, opt, memory=False) as prof:
+        for step in range(steps):
+            x, y = batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            norms.append(clip(model))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    return prof, norms
+
+
 @pytest.mark.skipif(not hasattr(torch.nn.utils, "clip_grads_with_norm_"), reason="torch < 2.6")
 def test_a_clip_split_in_two_is_recorded_too() -> None:
     """torch 2.6's ``get_total_norm`` then ``clip_grads_with_norm_`` (torchtitan's clip is built so): the norm
     was not recorded (every step's grad_norm nan). The norm the loop clipped with is; torch's own functions are
     back after detach."""
     original = torch.nn.utils.clip_grads_with_norm_
-    torch.manual_seed(0)
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    norms = []
-    with precprof.Profiler(model, opt, memory=False) as prof:
-        for step in range(3):
-            x, y = batch(step)
-            nn.functional.mse_loss(model(x), y).backward()
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            total = torch.nn.utils.get_total_norm(grads)
-            norms.append(float(total))
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.5, total)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            prof.step()
+
+    def clip(model: nn.Module) -> float:
+        total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.5, total)
+        return float(total)
+
+    prof, norms = _clipping_loop(3, clip)
     recorded = prof.tables()["steps"].sort_values(T.STEP)[T.GRAD_NORM].to_numpy(dtype=float)
     assert recorded == pytest.approx(norms, rel=1e-6)
     assert torch.nn.utils.clip_grads_with_norm_ is original
@@ -130,19 +141,14 @@ def test_an_inf_norm_clip_is_named_as_such() -> None:
     without a word of its type. The summary says it, and the plot's title."""
     from precprof.report.plots import training_figure
 
-    torch.manual_seed(0)
-    model = TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    largest = []
-    with precprof.Profiler(model, opt, memory=False) as prof:
-        for step in range(2):
-            x, y = batch(step)
-            nn.functional.mse_loss(model(x), y).backward()
-            largest.append(max(float(p.grad.abs().max()) for p in model.parameters()))
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, norm_type=float("inf"))
-            opt.step()
-            opt.zero_grad()
-            prof.step()
+    def clip(model: nn.Module) -> float:
+        largest = max(float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, norm_type=float("inf"))
+        return largest
+
+    prof, largest = _clipping_loop(2, clip)
+    model = prof.model
+    opt = prof.optimizers[0]
     assert prof.summary()["grad_norm_type"] == "inf"
     steps = prof.tables()["steps"]
     assert steps[T.GRAD_NORM].tolist() == pytest.approx(largest)
