@@ -82,18 +82,23 @@ def _local_norm(norm: Any) -> torch.Tensor | None:
     return norm
 
 
+def _note(params: list[torch.Tensor], norm: Any, norm_type: float) -> None:
+    """Tell every watcher the norm a clip of ``params`` used (a device scalar: no sync)."""
+    local = _local_norm(norm)
+    if local is not None and _watchers:
+        ids = frozenset(id(p) for p in params)
+        for w in list(_watchers):
+            w.note(ids, local, norm_type)
+
+
 def _make_wrapper(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def clip_grad_norm_(
         parameters: Any, max_norm: float, norm_type: float = 2.0, *args: Any, **kwargs: Any
     ) -> Any:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         norm = original(params, max_norm, norm_type, *args, **kwargs)
-        local = _local_norm(norm)
-        if local is not None and _watchers:
-            ids = frozenset(id(p) for p in params)
-            p = float(norm_type)
-            for w in list(_watchers):
-                w.note(ids, local, p if math.isfinite(p) else math.inf)
+        p = float(norm_type)
+        _note(params, norm, p if math.isfinite(p) else math.inf)
         return norm
 
     clip_grad_norm_.__doc__ = original.__doc__
@@ -112,11 +117,7 @@ def _make_with_norm_wrapper(original: Callable[..., None]) -> Callable[..., None
     ) -> None:
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         original(params, max_norm, total_norm, *args, **kwargs)
-        local = _local_norm(total_norm)
-        if local is not None and _watchers:
-            ids = frozenset(id(p) for p in params)
-            for w in list(_watchers):
-                w.note(ids, local, 2.0)
+        _note(params, total_norm, 2.0)
 
     clip_grads_with_norm_.__doc__ = original.__doc__
     clip_grads_with_norm_.__wrapped__ = original  # type: ignore[attr-defined]

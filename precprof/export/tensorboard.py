@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -118,8 +120,6 @@ class TensorBoardSink:
     def restart(self, step: int) -> None:
         """A run resumed at ``step``: a SessionLog START there, on which TensorBoard drops the points the killed
         job wrote from ``step`` on (the run's tables supersede them the same way)."""
-        import time
-
         from tensorboard.compat.proto.event_pb2 import Event as TBEvent
         from tensorboard.compat.proto.event_pb2 import SessionLog
 
@@ -151,9 +151,6 @@ class SyncEventWriter:
     time. Here a write that fails raises OSError to the sink, which says it in one line and stops."""
 
     def __init__(self, log_dir: str) -> None:
-        import socket
-        import time
-
         from tensorboard.compat.proto.event_pb2 import Event as TBEvent
         from tensorboard.summary.writer.record_writer import RecordWriter
 
@@ -170,8 +167,6 @@ class SyncEventWriter:
         self._records.write(event.SerializeToString())
 
     def _summary(self, summary: Any, step: int) -> None:
-        import time
-
         self.add_event(self._event_class(wall_time=time.time(), step=int(step), summary=summary))
 
     def add_scalar(self, tag: str, value: float, global_step: int) -> None:

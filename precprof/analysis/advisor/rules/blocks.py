@@ -194,14 +194,15 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
         t = run.types.get(m, "")
         src = _input_of(run, m, leaves, dims, first)
         w_owner = shapes[m].tied_to if shapes[m].shared and shapes[m].tied_to else m
+        grad = rows_of(m, T.ACTIVATION_GRAD)
         rows = {
             INPUT: rows_of(src, T.ACTIVATION) if src is not None else None,
             WEIGHT: rows_of(w_owner or m, T.WEIGHT, "weight"),
-            GRAD: rows_of(m, T.ACTIVATION_GRAD),
+            GRAD: grad,
         }
         # a layer without an output gradient on any sampled step (frozen, nothing trainable before it) runs no
         # backward GEMM: those are not judged (it had listed them, with numbers of the weight alone)
-        ran_gemms = {"forward", "input gradient", "weight gradient"} if rows[GRAD].n else {"forward"}
+        ran_gemms = {"forward", "input gradient", "weight gradient"} if grad.n else {"forward"}
         sh = shapes[m]
         tokens = sh.odd_tokens[1] if sh.odd_tokens is not None else sh.tokens
         lb = LayerBlocks(

@@ -38,10 +38,10 @@ def _rule_scaler_unneeded(run: _Run, plan: _Plan) -> None:
             "scaler_unneeded",
             INFO,
             f"A loss scaler in a {mode} run: it has nothing to do",
-            f"This run trained in {mode} and scaled its loss{how}. {mode} has fp32's "
-            "exponent range: its gradients neither underflow nor overflow the way fp16's do. A dynamic scaler's scale only grows while no gradient "
-            "overflows, until the scaled gradients overflow fp32 itself and steps are skipped; each step pays "
-            "the scaler's inf check, a host sync.",
+            f"This run trained in {mode} and scaled its loss{how}. {mode} has fp32's exponent range: its "
+            "gradients neither underflow nor overflow the way fp16's do. A dynamic scaler's scale only grows "
+            "while no gradient overflows, until the scaled gradients overflow fp32 itself and steps are "
+            "skipped; each step pays the scaler's inf check, a host sync.",
             "Drop the GradScaler (or GradScaler(enabled=False)): scaler.scale(loss) becomes loss, "
             "scaler.step(opt) becomes opt.step().",
             numbers={"start_scale": first, "last_scale": last},
