@@ -53,6 +53,12 @@ def _wrap(model: nn.Module, scenario: str) -> nn.Module:
 
     if scenario == "fsdp2-bf16":
         return wrap_model(model, "fsdp2", param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if (
+        scenario == "fsdp1-orig"
+    ):  # as accelerate and torch.compile users wrap it: FSDP assigns the shards' .grad
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
     return wrap_model(model, {"ddp": "ddp", "fsdp2": "fsdp2", "fsdp1": "fsdp1"}[scenario])
 
 
@@ -64,6 +70,17 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
     opt = make_optimizer(model.parameters())
     prof = precprof.Profiler(model, optimizer=opt, sample_every=SAMPLE_EVERY)
     losses: list[float] = []
+    # the gradients each optimizer step applied, as it got them (the test sums every rank's)
+    applied: list[dict[str, list[float] | None]] = []
+    if scenario == "fsdp1-orig":
+        opt.register_step_pre_hook(
+            lambda o, a, k: applied.append(
+                {
+                    n: None if p.grad is None else p.grad.flatten().tolist()
+                    for n, p in model.named_parameters()
+                }
+            )
+        )
     with prof:
         assert isinstance(prof._reducer, RankReducer), "the Profiler picks RankReducer under torchrun"
         for step in range(STEPS):
@@ -79,7 +96,7 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
     prof.save(
         run_dir if rank == 0 else out / f"{scenario}-rank{rank}", summary={"config": {"scenario": scenario}}
     )
-    dump: dict[str, object] = {"losses": losses}
+    dump: dict[str, object] = {"losses": losses, "applied": applied}
     if scenario.startswith("fsdp2"):
         # the full parameters after training, gathered from the shards (the reference must match them)
         dump["params"] = {n: p.full_tensor().tolist() for n, p in model.named_parameters()}

@@ -14,6 +14,7 @@ from torch import nn
 
 import precprof
 from precprof import tables as T
+from precprof.capture.hooks import UNSCALED_UNREAD
 
 
 def _hooks_left(model: nn.Module) -> list[str]:
@@ -640,3 +641,64 @@ def test_a_loop_that_steps_its_optimizer_after_prof_step_keeps_its_gradients() -
     for row in grads.itertuples(index=False):
         want = seen[(row.step, f"{row.module}.{row.param}")]
         assert {k: row._asdict()[k] for k in want} == want
+
+
+def test_gradients_assigned_outside_autograd_are_read_as_the_optimizer_gets_them() -> None:
+    """``torch.autograd.grad`` then ``p.grad = g`` (gradient surgery, SAM, a functional step) and FSDP1's
+    ``use_orig_params=True`` assign ``.grad`` without accumulating: no post-accumulate-grad hook fires, and such
+    a loop had no weight-gradient row. They are read in the optimizer's step pre-hook, counted as a real cast
+    counts them (values at fp16's underflow and overflow boundaries)."""
+    from cast_counts import counts
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Scale(13), nn.Linear(13, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    applied: dict[tuple[int, str], dict[str, float]] = {}
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for step in range(2):
+            loss = model(torch.randn(4, 13)).square().mean()
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p.grad = g
+            model[0].w.grad = _hand_values() * (step + 1)
+            for n, p in model.named_parameters():
+                applied[(step, n)] = counts(p.grad)
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    grads = prof.tables()["layers"]
+    grads = grads[grads[T.TENSOR] == T.WEIGHT_GRAD]
+    assert len(grads) == 2 * 3 and set(grads[T.CALLS]) == {1}
+    for row in grads.itertuples(index=False):
+        want = applied[(row.step, f"{row.module}.{row.param}")]
+        assert {k: row._asdict()[k] for k in want} == want
+    assert prof.skipped_tensors() == []
+
+
+def test_gradients_assigned_outside_autograd_and_unscaled_before_the_step_are_skipped_and_said() -> None:
+    """With a GradScaler the same gradients are unscaled in place by ``scaler.step`` before the optimizer's
+    hook sees them, unlike every other gradient row (read at the scale): not read, counted, and the summary
+    says why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Scale(13), nn.Linear(13, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1) as prof:
+        for _ in range(2):
+            loss = model(torch.randn(4, 13)).square().mean()
+            grads = torch.autograd.grad(scaler.scale(loss), list(model.parameters()))
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p.grad = g
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    layers = prof.tables()["layers"]
+    assert not (layers[T.TENSOR] == T.WEIGHT_GRAD).any()
+    skipped = prof.skipped_tensors()
+    assert sorted((s["module"], s["param"], s["count"]) for s in skipped) == [
+        ("0", "w", 2),
+        ("1", "bias", 2),
+        ("1", "weight", 2),
+    ]
+    assert {s["reason"] for s in skipped} == {UNSCALED_UNREAD}

@@ -41,7 +41,7 @@ HERE = Path(__file__).parent
 SCENARIOS = ("ddp", "fsdp2", "fsdp2-bf16")
 TRAIN_SCENARIOS = ("train-ddp", "train-fsdp2")
 # run, not counted layer by layer: FSDP1's weight rows mix unsharded units with shards (README, torchrun)
-OTHER_SCENARIOS = ("fsdp1",)
+OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig")
 Key = tuple[int, str, str, str]  # step, module, tensor, param
 
 
@@ -625,6 +625,35 @@ def test_wrap_model_as_the_readme_shows_it(tmp_path: Path) -> None:
         assert type(model).__name__ == "FullyShardedDataParallel"
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp1_orig_params_weight_gradients_are_the_shards_the_optimizer_applied(runs: Path) -> None:
+    """FSDP1 with ``use_orig_params=True`` (accelerate's default, and torch.compile's need) sets each parameter's
+    ``.grad`` to its reduce-scattered shard outside autograd: no post-accumulate-grad hook fires, and the run had
+    no weight-gradient row at all, without a word. They are read in the optimizer's step pre-hook: each row is
+    the sum over ranks of the shards the optimizer applied (a rank without a shard of it adds nothing)."""
+    rdir = run_dir(runs, "fsdp1-orig")
+    got = entries_from_tables(T.read_tables(rdir))
+    dumps = [json.loads((runs / f"fsdp1-orig-rank{r}.json").read_text()) for r in range(W.WORLD)]
+    model = W.build_model()
+    grad_keys = [k for k in got if k[2] == T.WEIGHT_GRAD]
+    assert len(grad_keys) == len(list(model.parameters())) * len(range(0, W.STEPS, W.SAMPLE_EVERY))
+    for step in range(0, W.STEPS, W.SAMPLE_EVERY):
+        for name, p in model.named_parameters():
+            mod, pname = name.rsplit(".", 1)
+            want = _empty_entry()
+            for d in dumps:
+                shard = d["applied"][step][f"_fsdp_wrapped_module.{name}"]
+                if shard:
+                    _add(want, entry_from_tensor(torch.tensor(shard)))
+            assert want["counts"][T.NUMEL] == p.numel(), name  # the shards make up the parameter
+            (key,) = [k for k in grad_keys if k[0] == step and k[1].endswith(mod) and k[3] == pname]
+            g = got[key]
+            for c in set(g["counts"]) | set(want["counts"]):
+                assert g["counts"].get(c, 0) == want["counts"].get(c, 0), (key, c)
+            assert g["absmax"] == want["absmax"] and dict(g["hist"]) == dict(want["hist"]), key
+    semantics = T.read_summary(rdir)[T.SUMMARY_CAPTURE]["distributed"]["semantics"]["weight_gradients"]
+    assert semantics.startswith("each rank's reduce-scattered shard"), semantics
 
 
 def test_the_model_size_of_a_sharded_run_is_the_models(runs: Path) -> None:

@@ -57,6 +57,11 @@ from precprof.capture.updates import UpdateSampler
 _Tensor = torch.Tensor
 recomputing = _compat.recomputing  # a checkpoint's forward run again in the backward pass: read once already
 _STRIDED = torch.strided  # the layout the engines read (a sparse tensor is skipped and counted)
+# why a gradient assigned outside autograd is not read when the run scales its loss (``_unread_grads``)
+UNSCALED_UNREAD = (
+    "assigned outside autograd (FSDP1 use_orig_params, or by hand): the loss scaler had unscaled it in place "
+    "before the optimizer's hook could read it"
+)
 
 
 def _plain(x: torch.Tensor) -> bool:
@@ -109,6 +114,7 @@ class StepHooks:
         optimizers: Sequence[Any] = (),
         updates: UpdateSampler | None = None,
         autocast_seen: dict[str, Any] | None = None,
+        scaled: Callable[[], bool] = lambda: False,
     ) -> None:
         self.plan = plan
         self.rows = plan.rows
@@ -150,6 +156,7 @@ class StepHooks:
         # applied, so their rows keep the one it did
         self._stepped: set[int] = set()
         self._grad_row_of = {id(ps.tensor): ps.grad_row for ps in plan.params if ps.grad_row >= 0}
+        self._grad_slot = {ps.grad_row: ps for ps in plan.params if ps.grad_row >= 0}
         # parameters whose gradient was accumulated in the backward pass now running, read together when it
         # ends (``_read_grads``); per parameter at once under torch.distributed (``grads_at_end``). Left over
         # only by a pass that raised (its read never ran): the next forward's first pre-hook reads them
@@ -164,6 +171,9 @@ class StepHooks:
         self._indexed = 0  # how many of ``_outputs_made`` the index by memory covers
         # autocast as the first recorded forward saw it (the Profiler's dict, kept over the run)
         self.autocast_seen: dict[str, Any] = autocast_seen if autocast_seen is not None else {}
+        # whether the run scales its loss (a GradScaler, a manual ``loss_scale``): a gradient no hook read is then
+        # unscaled by the time the optimizer's hooks see it (``_unread_grads``)
+        self._scaled = scaled
 
     # ------------------------------------------------------------------------------------ install/remove
     def install(self, turn: int) -> None:
@@ -182,8 +192,7 @@ class StepHooks:
             return
         self._hookset.install()
         for k, opt in enumerate(self.optimizers):
-            if self.updates is not None:
-                self._handles.append(opt.register_step_pre_hook(functools.partial(self._opt_pre_hook, k)))
+            self._handles.append(opt.register_step_pre_hook(functools.partial(self._opt_pre_hook, k)))
             self._handles.append(opt.register_step_post_hook(functools.partial(self._opt_post_hook, k)))
 
     def pause(self) -> None:
@@ -496,15 +505,51 @@ class StepHooks:
                 self._grad_seen(row, dtype)
 
     def _opt_pre_hook(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.updates is not None and self.installed:
+        if not self.installed:
+            return None
+        if self._grads_due:  # a backward whose end has not been read (it raised)
+            self._read_grads()
+        self._unread_grads(optimizer)
+        if self.updates is not None:
             self.updates.before_step(k)
         return None
+
+    def _unread_grads(self, optimizer: Any) -> None:
+        """The gradients this optimizer is about to apply (or has applied: a closure runs the backward inside the
+        step) that no hook read in this step: a wrapper assigned them outside autograd (FSDP1 with
+        ``use_orig_params=True`` sets each parameter's ``.grad`` to its reduce-scattered shard; a loop that sets
+        ``p.grad`` itself). Read as the optimizer gets them. Only after this step's forward ran (before it, the
+        gradients are an earlier step's: ``prof.step()`` called before ``optimizer.step()``); when the run scales
+        its loss they are unscaled by now, unlike every other gradient row: skipped and counted, with why."""
+        if self._weights_read is None:
+            return
+        rows, calls, stepped, tried = self._grad_row_of, self.rows.calls, self._stepped, self.buffer.skipped
+        unread = [
+            (p, r)
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if (r := rows.get(id(p), -1)) >= 0
+            and not calls[r]
+            and not tried[r]  # (a hook found it unreadable: counted once)
+            and r not in stepped
+            and p.grad is not None
+        ]
+        if not unread:
+            return
+        if self._scaled():  # (once a step: the post-hook finds them stepped)
+            for _, r in unread:
+                self.buffer.skip(r, UNSCALED_UNREAD)
+            stepped.update(r for _, r in unread)
+            return
+        for p, r in unread:
+            self._read_grad(self._grad_slot[r], p.grad)
 
     def _opt_post_hook(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.installed:
             return None
         if self._grads_due:  # a backward whose end has not been read (the step ran inside it, or it raised)
             self._read_grads()
+        self._unread_grads(optimizer)  # a closure's backward, inside the step
         # the gradients this optimizer applied were read in this step: a later backward (a GAN's generator loss
         # through the discriminator) adds to them what no optimizer applies. After the step, not before: a
         # closure (Lightning's automatic optimization, LBFGS) runs the backward inside the step. Only rows

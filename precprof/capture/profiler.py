@@ -342,6 +342,7 @@ class Profiler(ProfilerResults):
             optimizers=self.optimizers,
             updates=self._updates,
             autocast_seen=self._autocast,
+            scaled=self._scales_loss,
         )
         if self.scaler is not None and hasattr(self.scaler, "update"):
             self._scaler_watch = ScalerWatch(self.scaler, self._device, lambda: self._attached)
@@ -370,6 +371,12 @@ class Profiler(ProfilerResults):
         clipwatch.watch(self._clip_norms)
         # a re-attached Profiler goes on counting where it stopped: its steps were recorded once, by number
         self._begin_step()
+
+    def _scales_loss(self) -> bool:
+        """Whether the gradients are multiplied by a loss scale (an enabled GradScaler, a manual ``loss_scale``)."""
+        if self.scaler is not None:
+            return _compat.scaler_enabled(self.scaler)
+        return self.loss_scale is not None and self.loss_scale != 1.0
 
     def _resolve_reducer(self) -> Any:
         spec = self._reducer_spec

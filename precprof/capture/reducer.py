@@ -25,6 +25,8 @@ What the numbers mean (also in ``summary.json`` under ``capture.distributed.sema
   parameter (its storage dtype, e.g. fp32 masters under ``MixedPrecisionPolicy(param_dtype=bfloat16)``), so the
   sum over ranks is exactly the full parameter; gradients are the reduce-scattered (averaged) shards.
 - Weights under FSDP1 (``use_orig_params=False``): the rank's shard of each ``FlatParameter``, padding included.
+  With ``use_orig_params=True`` FSDP1 sets each parameter's ``.grad`` to its reduce-scattered shard outside
+  autograd: weight gradients are read in the optimizer's step pre-hook, the shards as the optimizer gets them.
 - fp8 underflow after per-tensor current scaling is counted per call, each tensor with its own amax, so per
   rank and, under FSDP, per shard (each rank's shard scaled by its own amax), then summed.
 - The steps table (loss, loss scale, skipped, grad norm, time) is rank 0's: the loss is what rank 0 passed to
@@ -446,7 +448,7 @@ class RankReducer:
             ),
             "weight_gradients": (
                 "each rank's reduce-scattered shard, as the optimizer gets it"
-                if wrapper == "FSDP2"
+                if wrapper == "FSDP2" or (wrapper == "FSDP1" and info.get("use_orig_params"))
                 else "each rank's local gradient before the reduction (FSDP1: unsharded, before its reduce-scatter)"
                 if wrapper == "FSDP1"
                 else "each rank's local gradient, read before DDP's all-reduce (numel = world_size x parameter size)"

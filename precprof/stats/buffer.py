@@ -400,9 +400,7 @@ class StatsBuffer:
         """
         why = unreadable(x)
         if why is not None:
-            self.skipped[row] += 1
-            self.skipped_total[row] += 1
-            self.skipped_why[row] = why
+            self.skip(row, why)
             return False
         part = self._parts.get(x.device) or self._part(x.device)
         if assign:
@@ -413,6 +411,12 @@ class StatsBuffer:
         if blocks:
             self.accumulate_blocks(x, row)
         return True
+
+    def skip(self, row: int, why: str) -> None:
+        """Count a tensor of ``row`` that was not read, and why (a reason of the caller's, not ``unreadable``)."""
+        self.skipped[row] += 1
+        self.skipped_total[row] += 1
+        self.skipped_why[row] = why
 
     def accumulate_blocks(self, x: torch.Tensor, row: int) -> None:
         """Add only the block-format what-if of ``x`` into ``row`` (a tensor whose other statistics were
