@@ -1242,3 +1242,49 @@ def test_memory_off_records_no_memory_and_the_report_says_it_was_off(tmp_path: P
     memory = page.split('id="memory"', 1)[1].split("</section>", 1)[0]
     assert "No memory was recorded. Profiler(memory=False) turned it off." in memory
     assert " 0 B" not in page
+
+
+@pytest.mark.parametrize("around", ["user_hooks", "checkpoint"])
+def test_saved_tensor_hooks_around_the_model_call_stay_in_force(around: str, tmp_path: Path) -> None:
+    """``save_on_cpu()`` (or any pack hook: offloading, fp8 compression) around the model call, and a checkpoint
+    of the whole model: on a sampled step the tracker pushed its own saved-tensor hooks in the model's forward
+    pre-hook, and autograd calls only the innermost pair, so the user's hooks saw 1 tensor of 6 and the
+    checkpoint kept every activation instead of recomputing them: memory changed on exactly the sampled steps,
+    and the memory table described a run that does not exist. Their hooks now stay in force; the activations
+    are not measured, and the report says why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    packed: list[int] = []
+    forwards = [0]
+    model[0].register_forward_hook(lambda m, a, o: forwards.__setitem__(0, forwards[0] + 1))
+
+    def pack(t: torch.Tensor) -> tuple[str, torch.Tensor]:
+        packed[-1] += 1
+        return ("mine", t)
+
+    def step(prof: precprof.Profiler | None) -> tuple[int, int]:
+        packed.append(0)
+        forwards[0] = 0
+        x = torch.randn(8, 32)
+        if around == "user_hooks":
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p[1]):
+                loss = model(x).pow(2).mean()
+        else:
+            loss = checkpoint(model, x.requires_grad_(), use_reentrant=False).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if prof is not None:
+            prof.step(loss=loss.detach())
+        return packed[-1], forwards[0]
+
+    without = [step(None) for _ in range(2)]
+    with precprof.Profiler(model, optimizer=opt, sample_every=2, out=tmp_path / "run") as prof:
+        with_it = [step(prof) for _ in range(4)]
+    assert with_it == without * 2  # the same tensors packed, the same forwards run again in the backward
+    assert without[0] == ((6, 1) if around == "user_hooks" else (0, 2))
+    memory = prof.tables()["memory"]
+    assert not (memory[T.COMPONENT] == T.ACTIVATIONS).any()
+    page = prof.report(tmp_path / "run").read_text()
+    assert "Saved activations not measured: the model&#39;s forward ran under saved-tensor hooks" in page

@@ -20,7 +20,10 @@
   keeps only its inputs until the backward pass recomputes the rest: those inputs are counted, under the module
   running when the checkpoint was called (Hugging Face's checkpointed layers: the layer itself), and what the
   region saves is not (non-reentrant: through the checkpoint's own hooks, which keep nothing; reentrant: its
-  forward runs without grad). Under gradient accumulation the saved tensors of one micro-batch are freed by its
+  forward runs without grad). A forward that begins under saved-tensor hooks someone else pushed (a checkpoint
+  of the whole model, ``save_on_cpu()`` or an offloading hook around the model call) is left to them and not
+  measured (``model_facts()["activations_note"]`` says so): autograd calls only the innermost pair, and ours
+  would switch theirs off. Under gradient accumulation the saved tensors of one micro-batch are freed by its
   backward, so the step reports the largest group of forwards that were alive together (forwards with no
   backward between them add up);
 - ``autocast_weight_copies``: saved tensors that are casts of a parameter (grad_fn ``ToCopyBackward0`` whose
@@ -88,6 +91,13 @@ from precprof.capture.storage import (
 )
 from precprof.tables import LOSS_SCOPE
 
+# why a run's saved activations were not measured (``model_facts``, the report's memory section)
+FOREIGN_HOOKS = (
+    "the model's forward ran under saved-tensor hooks of its own (an activation checkpoint or save_on_cpu() "
+    "around the model call), which decide what is kept; precprof leaves them in force and does not count "
+    "those activations, so the activations and the projections leave them out"
+)
+
 
 class MemoryTracker:
     """Memory per component of one model (and optimizer), measured on sampled steps.
@@ -149,6 +159,9 @@ class MemoryTracker:
         self._param_keys: set[StorageKey] = set()
         self._grads = GradientBytes()
         self._unmeasured = 0  # saved tensors without a real storage (fake, sparse): not counted
+        # sampled forwards that began under someone else's saved-tensor hooks (a checkpoint or offload around
+        # the model call), left to them: ours would replace theirs (autograd calls only the innermost pair)
+        self._foreign_forwards = 0
         self.arm_error: str | None = None  # why measuring a step from its forward failed, if it did
         self._on_cpu = True
         self._peak = PeakRecorder(None)
@@ -400,6 +413,7 @@ class MemoryTracker:
         return {
             **model_sizes(self.model),
             "unmeasured_saved_tensors": self._unmeasured,
+            "activations_note": FOREIGN_HOOKS if self._foreign_forwards else "",
             "peak_source": type(self._peak.source).__name__ if self._peak.source is not None else None,
             "peak_note": self.peak_note,
         }
@@ -488,6 +502,12 @@ class MemoryTracker:
             # Backward ran since the previous forward started: its saved tensors are gone, start a new group.
             self._groups.append(SavedGroup())
         self._unpacks_mark = self._unpacks
+        top = _compat.top_saved_tensors_hooks()
+        if top is not None and top is not _compat.NO_QUERY:
+            # another pair is in force (``checkpoint(model, x)``, ``save_on_cpu()`` around the call, a recompute):
+            # pushing ours would switch it off for everything the model saves. Not measured
+            self._foreign_forwards += 1
+            return
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         try:
             ctx.__enter__()

@@ -393,6 +393,7 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
         "assumptions": [str(a) for a in mem.get("assumptions") or []],
         "has_projection": bool(records),
         "peak_note": str((mem.get("model") or {}).get("peak_note") or ""),
+        "activations_note": str((mem.get("model") or {}).get("activations_note") or ""),
         "none_why": _no_memory_why(summary),
     }
 
