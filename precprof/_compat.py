@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any, ParamSpec, TypeVar
@@ -487,7 +488,31 @@ def recomputing() -> bool:
         top = _TOP_SAVED_HOOKS(False)
     except (RuntimeError, TypeError):
         return False
-    return bool(top) and "_recomputation_hook" in getattr(top[0], "__qualname__", "")
+    if (
+        not top
+    ):  # no hooks: a reentrant checkpoint's recomputation (its first forward ran without grad), or none
+        return False
+    if "_recomputation_hook" in getattr(top[0], "__qualname__", ""):
+        return True
+    # someone's hooks over the recomputation's: a checkpoint nested in the block (its own pair, pushed again as
+    # the block is recomputed), ``save_on_cpu()`` inside it. The recomputation is a frame further up
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "recompute_fn" and code.co_filename == _CHECKPOINT_FILE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _checkpoint_file() -> str:
+    """The file of ``torch.utils.checkpoint``, whose non-reentrant ``recompute_fn`` runs a block again."""
+    import torch.utils.checkpoint
+
+    return torch.utils.checkpoint.__file__
+
+
+_CHECKPOINT_FILE = _checkpoint_file()
 
 
 def reserve_hook_ids(n: int) -> range:

@@ -225,6 +225,55 @@ def test_no_grad_eval_does_not_pollute_training_step() -> None:
     assert act[T.CALLS].tolist() == [1]
 
 
+@pytest.mark.parametrize("where", ["before_step", "after_step", "after_the_last_step"])
+def test_an_evaluation_in_eval_mode_with_grad_on_is_not_the_steps_training(where: str) -> None:
+    """``model.eval()`` without ``no_grad`` (a validation loss in the loop): its forward was read as the step's
+    training, every activation row mixed with the evaluation batch (calls 2, its absmax), its saved tensors
+    the step's activations; after the last ``prof.step()`` it made a phantom step marked ``cut_off``. A forward
+    in eval mode when the step began in train mode is an evaluation: not read, and counted."""
+
+    def run(evaluate: bool) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        xv = torch.randn(64, 16, generator=g) * 100
+
+        def validation() -> None:
+            model.eval()
+            model(xv).square().mean()
+            model.train()
+
+        with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+            for _ in range(3):
+                loss = model(torch.randn(8, 16, generator=g)).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if evaluate and where == "before_step":
+                    validation()
+                prof.step(loss=loss.detach())
+                if evaluate and where == "after_step":
+                    validation()
+            if evaluate and where == "after_the_last_step":
+                validation()
+        tables = prof.tables()
+        return tables["layers"], tables["memory"], prof.summary()
+
+    layers, memory, summary = run(True)
+    plain_layers, plain_memory, _ = run(False)
+    pd.testing.assert_frame_equal(layers, plain_layers)
+    cols = [T.STEP, T.COMPONENT, T.MODULE, T.DTYPE, T.BYTES]
+    keep = memory[T.COMPONENT] != T.PROFILER_BUFFERS
+    plain_keep = plain_memory[T.COMPONENT] != T.PROFILER_BUFFERS
+    pd.testing.assert_frame_equal(
+        memory.loc[keep, cols].reset_index(drop=True),
+        plain_memory.loc[plain_keep, cols].reset_index(drop=True),
+    )
+    # each of the 4 modules' forward in each validation of a sampled step
+    assert summary["eval_forwards_ignored"] == 4 * (1 if where == "after_the_last_step" else 3)
+
+
 def test_only_sampled_steps_record_layers_and_all_steps_record_losses() -> None:
     model = nn.Sequential(nn.Linear(4, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

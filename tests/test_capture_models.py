@@ -275,9 +275,10 @@ def test_a_weight_its_parent_reads_without_calling_its_module_is_recorded() -> N
 
 class _Checkpointed(nn.Module):
     """An embedding, then a block of four modules run under ``torch.utils.checkpoint`` (``how``: None, or its
-    ``use_reentrant``), then a head: what Hugging Face's ``gradient_checkpointing`` does per decoder layer."""
+    ``use_reentrant``; "nested": a non-reentrant checkpoint inside another; "offload": ``save_on_cpu()`` inside
+    a non-reentrant one), then a head: what Hugging Face's ``gradient_checkpointing`` does per decoder layer."""
 
-    def __init__(self, how: bool | None) -> None:
+    def __init__(self, how: bool | str | None) -> None:
         super().__init__()
         self.how = how
         self.emb = nn.Embedding(VOCAB, 32)
@@ -288,19 +289,39 @@ class _Checkpointed(nn.Module):
         from torch.utils.checkpoint import checkpoint
 
         h = self.emb(x)
-        h = self.block(h) if self.how is None else checkpoint(self.block, h, use_reentrant=self.how)
+        if self.how is None:
+            h = self.block(h)
+        elif isinstance(self.how, bool):
+            h = checkpoint(self.block, h, use_reentrant=self.how)
+        else:
+            h = checkpoint(self._nested if self.how == "nested" else self._offloaded, h, use_reentrant=False)
         return self.head(h)
 
+    def _nested(self, h: torch.Tensor) -> torch.Tensor:  # (a module after the inner one: recomputed past it)
+        from torch.utils.checkpoint import checkpoint
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_a_checkpointed_block_is_recorded_once(reentrant: bool) -> None:
+        h = checkpoint(self.block[1:3], self.block[0](h), use_reentrant=False)
+        return self.block[3](h)
+
+    def _offloaded(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.block[0](h)
+        with torch.autograd.graph.save_on_cpu():
+            h = self.block[1:3](h)
+        return self.block[3](h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True, "nested", "offload"])
+def test_a_checkpointed_block_is_recorded_once(reentrant: bool | str) -> None:
     """Activation checkpointing runs a block's forward again inside the backward pass; the step records what the
     same step without checkpointing records, every count and every call, the block-format what-if of every
     linear layer's operands included (the non-reentrant recomputation, the default of torch and of Hugging
-    Face's gradient checkpointing, was recorded a second time: each of the block's activations twice), and
-    training is bitwise the same as without the profiler."""
+    Face's gradient checkpointing, was recorded a second time: each of the block's activations twice; then
+    still with a checkpoint nested in the block, or ``save_on_cpu()`` inside it, whose hooks hid the
+    recomputation's), in forward order (a reentrant checkpoint's first pass runs without grad, and its blocks
+    were ordered as the backward pass recomputed them, last first: the advisor named the wrong layer as the
+    first to make a nan), and training is bitwise the same as without the profiler."""
 
-    def run(how: bool | None, profile: bool) -> tuple[pd.DataFrame | None, list[float]]:
+    def run(how: bool | str | None, profile: bool) -> tuple[pd.DataFrame | None, list[float]]:
         torch.manual_seed(0)
         model = _Checkpointed(how)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -322,9 +343,8 @@ def test_a_checkpointed_block_is_recorded_once(reentrant: bool) -> None:
     checkpointed, losses = run(reentrant, True)
     assert plain is not None and checkpointed is not None
     key = [T.STEP, T.MODULE, T.TENSOR, T.PARAM]
-    cols = [c for c in plain.columns if c != T.ORDER]  # a reentrant recomputation runs in the backward pass
-    a = plain[cols].sort_values(key).reset_index(drop=True)
-    b = checkpointed[cols].sort_values(key).reset_index(drop=True)
+    a = plain.sort_values(key).reset_index(drop=True)
+    b = checkpointed.sort_values(key).reset_index(drop=True)
     pd.testing.assert_frame_equal(a, b)
     assert set(a.loc[a[T.TENSOR] == T.ACTIVATION, T.CALLS]) == {1}
     assert losses == plain_losses == run(reentrant, False)[1]

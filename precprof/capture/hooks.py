@@ -23,10 +23,12 @@ step followed by another keeps them in place between the two, doing nothing, ``p
 
 A hook is a lookup and one call into the engine of the tensor's device (``stats.rows``): everything else was
 decided at attach. Hooks never synchronise with the device and return None (a returned value would replace the
-module's output). ``torch.no_grad()`` forwards (evaluation between training steps) are ignored, and so is the
+module's output). ``torch.no_grad()`` forwards (evaluation between training steps) are ignored, as are forwards
+of a model in eval mode when the step began with it in train mode (an evaluation with grad on), and the
 forward an activation checkpoint runs again inside the backward pass when it read the block's outputs in the
-step's forward already (non-reentrant, ``_compat.recomputing``); a reentrant checkpoint's forward runs under
-``no_grad``, and its recomputation is the run read.
+step's forward already (non-reentrant, ``_compat.recomputing``, a checkpoint nested in the block included); a
+reentrant checkpoint's forward runs under ``no_grad`` (it takes its place in the forward order then), and its
+recomputation is the run read.
 
 On sampled steps, the operands a block-scaled GEMM would quantise also get the block-format what-if
 (``precprof.stats.blocks``), unless the Profiler was made with ``block_formats=False``: the weight and the output
@@ -115,6 +117,7 @@ class StepHooks:
         updates: UpdateSampler | None = None,
         autocast_seen: dict[str, Any] | None = None,
         scaled: Callable[[], bool] = lambda: False,
+        root: nn.Module | None = None,
     ) -> None:
         self.plan = plan
         self.rows = plan.rows
@@ -174,6 +177,9 @@ class StepHooks:
         # whether the run scales its loss (a GradScaler, a manual ``loss_scale``): a gradient no hook read is then
         # unscaled by the time the optimizer's hooks see it (``_unread_grads``)
         self._scaled = scaled
+        self._root = root if root is not None else nn.Module()  # (a stand-in that trains)
+        self._root_trains = False
+        self.eval_forwards = 0  # module forwards in eval mode with grad on, not read (over the run)
 
     # ------------------------------------------------------------------------------------ install/remove
     def install(self, turn: int) -> None:
@@ -187,6 +193,10 @@ class StepHooks:
         self.grads_at_end = not _distributed()
         for slot in self.plan.modules:
             slot.order = slot.input_order = -1
+            slot.ran = False
+        # a forward of the root in eval mode while the step began in train mode is an evaluation (with grad on:
+        # ``model.eval()`` without ``no_grad``), not the step's training: not read (``_skipped_forward``)
+        self._root_trains = self._root.training
         self.installed = True
         if self._hookset.installed:  # kept from the sampled step before (``pause``)
             return
@@ -225,7 +235,7 @@ class StepHooks:
         rows = self.rows
         calls = rows.calls
         for slot, params in self._weight_grads:
-            if slot.order >= 0:
+            if slot.ran:
                 continue
             for p, row, grad_row in params:
                 if row in read and grad_row >= 0 and calls[grad_row] and not calls[row]:
@@ -317,7 +327,14 @@ class StepHooks:
     # ------------------------------------------------------------------------------------------- hooks
     def _make_pre_hook(self, slot: _ModuleSlot) -> Callable[[nn.Module, Any], None]:
         def pre_hook(module: nn.Module, args: Any) -> None:
-            if not self.installed or not torch.is_grad_enabled() or recomputing():
+            if not self.installed:
+                return None
+            if (
+                not torch.is_grad_enabled()
+                or recomputing()
+                or (self._root_trains and not self._root.training)
+            ):
+                self._skipped_forward(slot)
                 return None
             if self._weights_read is None:
                 self._weights_read = self._read_weights()
@@ -326,10 +343,12 @@ class StepHooks:
             turn = slot.block_group == self.turn
             if slot.reads_input and args and isinstance(args[0], _Tensor):
                 self._gemm_input(slot, args[0], turn)
-            if slot.order >= 0:
+            if slot.order < 0:
+                slot.order = self.order
+                self.order += 1
+            if slot.ran:
                 return None
-            slot.order = self.order
-            self.order += 1
+            slot.ran = True
             for _, p, row in slot.weights:
                 if row in self._weights_read:
                     self.rows.seen(row, p.dtype)
@@ -337,6 +356,22 @@ class StepHooks:
             return None
 
         return pre_hook
+
+    def _skipped_forward(self, slot: _ModuleSlot) -> None:
+        """A forward that is not read: without grad (an evaluation; a reentrant checkpoint's first pass, whose
+        recomputation in the backward pass is the run read), a checkpoint's recomputation (read in the forward
+        already), an evaluation in eval mode with grad on. Not a recomputation, it still takes its place in the
+        forward order (a reentrant checkpoint's blocks are recomputed last block first); an evaluation is counted."""
+        if recomputing():
+            return
+        if torch.is_grad_enabled():
+            self.eval_forwards += 1
+        if slot.order < 0:
+            if slot.input >= 0 and slot.input_order < 0:
+                slot.input_order = self.order
+                self.order += 1
+            slot.order = self.order
+            self.order += 1
 
     def _gemm_input(self, slot: _ModuleSlot, x: torch.Tensor, turn: bool) -> None:
         """The input a matmul reads (autocast casts it; a linear layer's GEMM would quantise it): the output of
@@ -379,7 +414,12 @@ class StepHooks:
         add_grad_hook = _compat.add_grad_hook
 
         def fwd_hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self.installed or not torch.is_grad_enabled() or recomputing():
+            if (
+                not self.installed
+                or not torch.is_grad_enabled()
+                or (self._root_trains and not self._root.training)
+                or recomputing()
+            ):
                 return None
             if isinstance(output, _Tensor):
                 tensors: Any = (output,) if output.is_floating_point() or output.is_complex() else ()

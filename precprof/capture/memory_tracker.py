@@ -162,6 +162,7 @@ class MemoryTracker:
         # sampled forwards that began under someone else's saved-tensor hooks (a checkpoint or offload around
         # the model call), left to them: ours would replace theirs (autograd calls only the innermost pair)
         self._foreign_forwards = 0
+        self._root_trains = False
         self.arm_error: str | None = None  # why measuring a step from its forward failed, if it did
         self._on_cpu = True
         self._peak = PeakRecorder(None)
@@ -240,6 +241,9 @@ class MemoryTracker:
         self._groups = []
         self._unpacks_mark = -1
         self._grads.reset()
+        # the model in train mode at the step's start: a forward in eval mode is an evaluation (with grad on,
+        # ``model.eval()`` without ``no_grad``), whose saved tensors are not the step's
+        self._root_trains = self.model.training
         model = self.model if self._attached else None
         self._sampled = self.schedule.begin(step, sampled, model, self._arm_at_forward)
         if not self._sampled:
@@ -496,6 +500,8 @@ class MemoryTracker:
         self._stack.clear()
         self._recording = False
         if not (self._sampled and self._live) or not torch.is_grad_enabled() or self._saved_ctx is not None:
+            return
+        if self._root_trains and not self.model.training:
             return
         self._mark_phase(T.PHASE_FORWARD)
         if self._unpacks != self._unpacks_mark or not self._groups:

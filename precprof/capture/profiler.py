@@ -343,6 +343,7 @@ class Profiler(ProfilerResults):
             updates=self._updates,
             autocast_seen=self._autocast,
             scaled=self._scales_loss,
+            root=self.model,
         )
         if self.scaler is not None and hasattr(self.scaler, "update"):
             self._scaler_watch = ScalerWatch(self.scaler, self._device, lambda: self._attached)

@@ -154,9 +154,11 @@ class _ModuleSlot:
     # the block what-if judges as the layer's input operand, and the tensors an fp16 autocast would cast to fp16
     # (summary capture.gemm_inputs)
     input_from: set[int] = field(default_factory=set)
-    # per sampled step (reset by StepHooks): forward order of the module and of its input row (-1: not called)
+    # per sampled step (reset by StepHooks): forward order of the module and of its input row (-1: not called;
+    # a forward without grad counts: a reentrant checkpoint's first pass), and whether a forward with grad ran
     order: int = -1
     input_order: int = -1
+    ran: bool = False
 
 
 @dataclass

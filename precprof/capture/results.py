@@ -53,6 +53,7 @@ class ProfilerResults:
     _buffer: st.StatsBuffer | None
     _updates: UpdateSampler | None
     _tracker: Any
+    _hooks: Any
     _reducer: Any
     _collector: Collector | None
     _scaler_watch: ScalerWatch | None
@@ -295,6 +296,8 @@ class ProfilerResults:
             "memory_enabled": self.memory_enabled,
             # the norm the loop clipped by, when it was not the 2-norm ("inf": max |g|); what grad_norm holds
             "grad_norm_type": _norm_type(self._clip_norms),
+            # module forwards of sampled steps that ran in eval mode with grad on (an evaluation): not read
+            "eval_forwards_ignored": self._hooks.eval_forwards if self._hooks is not None else 0,
         }
 
     def _stream_summary(self) -> dict[str, Any] | None:
