@@ -505,6 +505,18 @@ def recomputing() -> bool:
     return False
 
 
+def reentrant_first_pass() -> bool:
+    """Whether a reentrant activation checkpoint (``checkpoint(use_reentrant=True)``) is running its block's
+    first forward (without grad; the backward pass runs it again with grad): its ``CheckpointFunction.forward``
+    is a frame up the stack. Only asked for forwards without grad inside a model's forward with grad."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_FORWARD:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _checkpoint_file() -> str:
     """The file of ``torch.utils.checkpoint``, whose non-reentrant ``recompute_fn`` runs a block again."""
     import torch.utils.checkpoint
@@ -513,6 +525,9 @@ def _checkpoint_file() -> str:
 
 
 _CHECKPOINT_FILE = _checkpoint_file()
+_REENTRANT_FORWARD = getattr(
+    getattr(getattr(torch.utils.checkpoint, "CheckpointFunction", None), "forward", None), "__code__", None
+)
 
 
 def reserve_hook_ids(n: int) -> range:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,53 @@ def test_an_evaluation_in_eval_mode_with_grad_on_is_not_the_steps_training(where
     )
     # each of the 4 modules' forward in each validation of a sampled step
     assert summary["eval_forwards_ignored"] == 4 * (1 if where == "after_the_last_step" else 3)
+
+
+class _FrozenBackbone(nn.Module):
+    """A frozen feature extractor and a trained head (a linear probe; a diffusion model's VAE and text encoder):
+    the backbone under ``no_grad`` inside the forward, or (``no_grad=False``) frozen by ``requires_grad`` alone."""
+
+    def __init__(self, no_grad: bool) -> None:
+        super().__init__()
+        self.no_grad = no_grad
+        self.backbone = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32))
+        self.head = nn.Linear(32, 2)
+        with torch.no_grad():
+            self.backbone[2].weight.mul_(30000.0)  # outputs near 1e5: past fp16's 65504
+        self.backbone.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad() if self.no_grad else contextlib.nullcontext():
+            f = self.backbone(x)
+        return self.head(f * 1e-4)
+
+
+def test_a_frozen_part_run_without_grad_inside_the_forward_is_the_steps_forward() -> None:
+    """``with torch.no_grad(): f = self.backbone(x)`` inside the model's forward: the backbone's activations are
+    the step's (an fp16 run would overflow them), and were never read (no row at all, "layers profiled 1"); now
+    recorded as when the backbone is frozen by ``requires_grad`` alone. An evaluation under ``no_grad`` outside
+    the forward is still not read."""
+
+    def run(no_grad: bool) -> pd.DataFrame:
+        torch.manual_seed(0)
+        model = _FrozenBackbone(no_grad)
+        opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(0)
+        with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+            for _ in range(2):
+                model(torch.randn(64, 16, generator=g) * 4).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad():
+                    model(torch.randn(100, 16, generator=g))  # an evaluation: not read
+                prof.step()
+        return prof.tables()["layers"]
+
+    layers = run(True)
+    pd.testing.assert_frame_equal(layers, run(False))
+    out = layers[(layers[T.MODULE] == "backbone.2") & (layers[T.TENSOR] == T.ACTIVATION)]
+    assert out[T.NUMEL].tolist() == [64 * 32] * 2 and (out[T.CALLS] == 1).all()
+    assert (out[T.overflow_col("fp16")] > 0).all()
 
 
 def test_only_sampled_steps_record_layers_and_all_steps_record_losses() -> None:

@@ -129,8 +129,12 @@ class StepHooks:
         self.updates = updates
         self._device = device
         self._primary = buffer.rows_of(device) if device.type != "meta" else None
+        self._root = root if root is not None else nn.Module()  # (a stand-in that trains)
+        self._root_trains = False
+        self._root_grad = False  # inside the model's forward, begun with grad on (``_reads``)
+        roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
         self._hookset = _compat.HookSet(
-            [(s.module, self._make_pre_hook(s), self._make_fwd_hook(s), False) for s in plan.modules],
+            roots + [(s.module, self._make_pre_hook(s), self._make_fwd_hook(s), False) for s in plan.modules],
             [(ps.tensor, self._make_param_hook(ps)) for ps in plan.params if ps.grad_row >= 0],
         )
         # the parameters read at the step's first captured forward, and each one's row
@@ -177,8 +181,6 @@ class StepHooks:
         # whether the run scales its loss (a GradScaler, a manual ``loss_scale``): a gradient no hook read is then
         # unscaled by the time the optimizer's hooks see it (``_unread_grads``)
         self._scaled = scaled
-        self._root = root if root is not None else nn.Module()  # (a stand-in that trains)
-        self._root_trains = False
         self.eval_forwards = 0  # module forwards in eval mode with grad on, not read (over the run)
 
     # ------------------------------------------------------------------------------------ install/remove
@@ -329,11 +331,7 @@ class StepHooks:
         def pre_hook(module: nn.Module, args: Any) -> None:
             if not self.installed:
                 return None
-            if (
-                not torch.is_grad_enabled()
-                or recomputing()
-                or (self._root_trains and not self._root.training)
-            ):
+            if not self._reads():
                 self._skipped_forward(slot)
                 return None
             if self._weights_read is None:
@@ -357,6 +355,25 @@ class StepHooks:
 
         return pre_hook
 
+    def _reads(self) -> bool:
+        """Whether a module's forward running now is the step's training forward, read. Not: an evaluation (a
+        model in eval mode when the step began in train mode, or a forward without grad outside the model's
+        forward), a checkpoint's recomputation of what its first pass read, a reentrant checkpoint's first pass
+        (without grad: its recomputation is read). A part the model's forward runs without grad (a frozen VAE or
+        text encoder, a frozen backbone, under ``no_grad`` inside a forward with grad) is: its activations are
+        the step's, without gradients."""
+        if self._root_trains and not self._root.training:
+            return False
+        if torch.is_grad_enabled():
+            return not recomputing()
+        return self._root_grad and not _compat.reentrant_first_pass()
+
+    def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
+        self._root_grad = torch.is_grad_enabled()
+
+    def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._root_grad = False
+
     def _skipped_forward(self, slot: _ModuleSlot) -> None:
         """A forward that is not read: without grad (an evaluation; a reentrant checkpoint's first pass, whose
         recomputation in the backward pass is the run read), a checkpoint's recomputation (read in the forward
@@ -364,7 +381,7 @@ class StepHooks:
         forward order (a reentrant checkpoint's blocks are recomputed last block first); an evaluation is counted."""
         if recomputing():
             return
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self._root_trains and not self._root.training:
             self.eval_forwards += 1
         if slot.order < 0:
             if slot.input >= 0 and slot.input_order < 0:
@@ -414,12 +431,7 @@ class StepHooks:
         add_grad_hook = _compat.add_grad_hook
 
         def fwd_hook(module: nn.Module, args: Any, output: Any) -> None:
-            if (
-                not self.installed
-                or not torch.is_grad_enabled()
-                or (self._root_trains and not self._root.training)
-                or recomputing()
-            ):
+            if not self.installed or not self._reads():
                 return None
             if isinstance(output, _Tensor):
                 tensors: Any = (output,) if output.is_floating_point() or output.is_complex() else ()
