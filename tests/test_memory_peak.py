@@ -647,3 +647,36 @@ def test_a_users_loop_measuring_the_cpu_peak_prints_nothing_of_kinetos() -> None
     assert res.returncode == 0, res.stderr
     assert "USDT" not in res.stderr and "profiler_start" not in res.stderr, res.stderr
     assert res.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("closure", [False, True])
+def test_a_closure_steps_optimizer_phase_begins_after_its_backward(closure: bool) -> None:
+    """``optimizer.step(closure)`` (Lightning's automatic optimization) runs the forward and backward inside
+    the step, after its pre-hook: the optimizer phase began there, so the optimizer's own allocations (AdamW's
+    states and temporaries, this step's peak) were labelled "in backward". It begins once the closure ran: the
+    closure's step has the phases of the same step without one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(16, 64)
+
+    def forward_backward() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    with Profiler(model, optimizer=opt, sample_every=1, memory_peak=True) as prof:
+        for _ in range(2):
+            if closure:
+                opt.step(forward_backward)
+            else:
+                forward_backward()
+                opt.step()
+            prof.step()
+    memory = prof.tables()["memory"]
+    peaks = memory[(memory[T.COMPONENT] == T.ALLOCATOR_PEAK) & (memory[T.STEP] == 1)]
+    assert set(peaks[T.PHASE]) >= {T.PHASE_FORWARD, T.PHASE_BACKWARD, T.PHASE_OPTIMIZER}
+    at_peak = T.memory_at(memory[memory[T.STEP] == 1], T.MOMENT_PEAK)
+    assert set(at_peak[T.PHASE]) == {T.PHASE_OPTIMIZER}
+    assert T.OPTIMIZER_STATES in set(at_peak[T.COMPONENT])

@@ -18,8 +18,10 @@ step followed by another keeps them in place between the two, doing nothing, ``p
   gradients its hooks announce are read together when the backward pass ends, those on the model's device in
   one call of its engine (``Rows.add_many``; autograd's own end-of-backward callback, before GradScaler
   unscales them or anything clips them); under torch.distributed, where a gradient may be a view of a DDP
-  bucket whose all-reduce is in flight by then, each is read in its own hook;
-- with weight updates, the optimizer's step pre- and post-hooks (``capture/updates.py``).
+  bucket whose all-reduce is in flight by then, each is read in its own hook (``capture/grad_reads.py``);
+- the optimizers' step pre- and post-hooks: a gradient no hook read (assigned outside autograd: FSDP1's
+  ``use_orig_params``), the weight-update sample (``capture/updates.py``), each gradient row kept from its
+  optimizer's step on; a step given a closure runs them once the closure has run its backward.
 
 A hook is a lookup and one call into the engine of the tensor's device (``stats.rows``): everything else was
 decided at attach. Hooks never synchronise with the device and return None (a returned value would replace the
@@ -42,42 +44,29 @@ reads, a weight gradient, a norm's weight, are never quantised by such a GEMM.
 from __future__ import annotations
 
 import functools
-import operator
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from precprof import _compat
 from precprof import stats as st
+from precprof.capture.grad_reads import _COMPLEX, GradientReads, _device_of, _dtype_of, _plain
 from precprof.capture.plan import CapturePlan, reads_block_operands
-from precprof.capture.records import _PLAIN_TYPES, _iter_tensors, _local, _ModuleSlot, _ParamSlot, dtype_bit
+from precprof.capture.records import (
+    _PLAIN_TYPES,
+    _iter_tensors,
+    _local,
+    _ModuleSlot,
+    _ParamSlot,
+    dtype_bit,
+)
 from precprof.capture.updates import UpdateSampler
 
 _Tensor = torch.Tensor
 recomputing = _compat.recomputing  # a checkpoint's forward run again in the backward pass: read once already
-_STRIDED = torch.strided  # the layout the engines read (a sparse tensor is skipped and counted)
-# why a gradient assigned outside autograd is not read when the run scales its loss (``_unread_grads``)
-UNSCALED_UNREAD = (
-    "assigned outside autograd (FSDP1 use_orig_params, or by hand): the loss scaler had unscaled it in place "
-    "before the optimizer's hook could read it"
-)
-
-
-def _plain(x: torch.Tensor) -> bool:
-    """Whether the engines read ``x`` in place: strided, and a tensor with a storage of its own (a wrapper
-    subclass's ``data_ptr()`` is 0; ``StatsBuffer.accumulate`` skips and counts it)."""
-    return x.layout is _STRIDED and (type(x) is _Tensor or not hasattr(x, "__tensor_flatten__"))
-
-
-_dtype_of = operator.attrgetter("dtype")
-_device_of = operator.attrgetter("device")
-_layout_of = operator.attrgetter("layout")
-_TENSOR_ONLY = {_Tensor}
-_STRIDED_ONLY = {_STRIDED}
-_COMPLEX = {torch.complex32, torch.complex64, torch.complex128}
 
 
 def _weights_key(params: Sequence[torch.Tensor]) -> tuple[Any, ...] | None:
@@ -99,7 +88,7 @@ def _same_data(t: torch.Tensor) -> tuple[Any, ...]:
         return (id(t),)
 
 
-class StepHooks:
+class StepHooks(GradientReads):
     """The hooks of the sampled steps of one attachment (see the module docstring).
 
     ``device``: the model's device, whose rows the hooks add into directly (a tensor elsewhere goes through
@@ -251,21 +240,6 @@ class StepHooks:
         self._indexed = 0
 
     # ------------------------------------------------------------------------------------------ reading
-    def _add(self, x: torch.Tensor, row: int, assign: bool = False) -> bool:
-        """Read ``x`` into ``row``: the model device's rows directly, any other device (or a tensor the engines
-        cannot read in place: sparse, a wrapper subclass) through the buffer (which skips and counts a tensor
-        it cannot read: then False)."""
-        primary = self._primary
-        if (
-            primary is not None
-            and x.device == self._device
-            and x.layout is _STRIDED
-            and (type(x) is _Tensor or not hasattr(x, "__tensor_flatten__"))  # ``_plain``, inline: per tensor
-        ):
-            primary.add(x, row, assign)
-            return True
-        return self.buffer.accumulate(x, row, assign=assign)
-
     def _read_weights(self) -> set[int]:
         """Every captured parameter, per device in one call of its engine, and the block what-if of this step's
         group's matrix weights; returns the rows read. Which parameter goes where is decided once and kept while
@@ -477,146 +451,6 @@ class StepHooks:
             return None
 
         return grad_hook
-
-    def _make_param_hook(self, ps: _ParamSlot) -> Callable[[torch.Tensor], None]:
-        def hook(p: torch.Tensor) -> None:
-            g = p.grad
-            if g is None or not self.installed or ps.grad_row in self._stepped:
-                return None
-            if self.grads_at_end:
-                due = self._grads_due
-                if due or _compat.queue_backward_callback(self._read_grads):
-                    due.append(ps)
-                    return None
-            self._read_grad(ps, g)
-            return None
-
-        return hook
-
-    def _read_grad(self, ps: _ParamSlot, g: torch.Tensor) -> None:
-        """One parameter's accumulated gradient into its row (the last accumulation of the step wins); a
-        complex one is skipped and counted."""
-        x = g if type(g) is _Tensor else _local(g)
-        row = ps.grad_row
-        if self.buffer.accumulate(x, row, assign=True) if x.is_complex() else self._add(x, row, assign=True):
-            self._grad_seen(row, g.dtype)
-
-    def _grad_seen(self, row: int, dtype: torch.dtype) -> None:
-        rows = self.rows
-        # backward passes that accumulated into it (gradient accumulation's micro-batches)
-        rows.calls[row] += 1
-        rows.dtype_bits[row] |= dtype_bit(dtype)
-        self.has_data = True
-
-    def _read_grads(self) -> None:
-        """The backward pass ended: the gradients its post-accumulate-grad hooks announced, those on the model's
-        device in one call of its engine (``Rows.add_many``), each as it is now (the last accumulation wins;
-        GradScaler has not unscaled it yet, nor has any clipping run: the same values the hooks saw, one
-        read instead of one per parameter). Not under torch.distributed, where a gradient may be a view of a
-        bucket whose all-reduce is in flight by then: each is read in its own hook there."""
-        due, self._grads_due = self._grads_due, []
-        if not self.installed:
-            return
-        primary = self._primary
-        # a gradient accumulated twice: read once; none whose optimizer stepped since it was announced
-        slots = [ps for ps in {ps.grad_row: ps for ps in due}.values() if ps.grad_row not in self._stepped]
-        grads = [ps.tensor.grad for ps in slots]
-        if (
-            primary is not None
-            and set(map(type, grads)) == _TENSOR_ONLY  # (no None, no wrapper subclass)
-            and set(map(_device_of, grads)) == {self._device}
-            and set(map(_layout_of, grads)) == _STRIDED_ONLY
-            and not _COMPLEX & (dtypes := set(map(_dtype_of, grads)))
-        ):  # the usual case, decided by C-level maps over the step's hundreds of gradients
-            present = cast(list[torch.Tensor], grads)
-            rows = [ps.grad_row for ps in slots]
-            primary.add_many(present, rows, assign=True)
-            calls, dtype_bits = self.rows.calls, self.rows.dtype_bits
-            bits = {dt: dtype_bit(dt) for dt in dtypes}
-            for row, t in zip(rows, present, strict=True):
-                calls[row] += 1  # one more backward pass accumulated into it (read once a pass)
-                dtype_bits[row] |= bits[t.dtype]
-            self.has_data = True
-            return
-        tensors: list[torch.Tensor] = []
-        at: list[int] = []
-        kinds: list[torch.dtype] = []
-        for ps, g in zip(slots, grads, strict=True):
-            if g is None:
-                continue
-            x = g if type(g) is _Tensor else _local(g)
-            if primary is not None and x.device == self._device and _plain(x) and not x.is_complex():
-                tensors.append(x)
-                at.append(ps.grad_row)
-                kinds.append(g.dtype)
-            else:
-                self._read_grad(ps, g)
-        if primary is not None and tensors:
-            primary.add_many(tensors, at, assign=True)
-            for row, dtype in zip(at, kinds, strict=True):
-                self._grad_seen(row, dtype)
-
-    def _opt_pre_hook(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.installed:
-            return None
-        if self._grads_due:  # a backward whose end has not been read (it raised)
-            self._read_grads()
-        self._unread_grads(optimizer)
-        if self.updates is not None:
-            self.updates.before_step(k)
-        return None
-
-    def _unread_grads(self, optimizer: Any) -> None:
-        """The gradients this optimizer is about to apply (or has applied: a closure runs the backward inside the
-        step) that no hook read in this step: a wrapper assigned them outside autograd (FSDP1 with
-        ``use_orig_params=True`` sets each parameter's ``.grad`` to its reduce-scattered shard; a loop that sets
-        ``p.grad`` itself). Read as the optimizer gets them. Only after this step's forward ran (before it, the
-        gradients are an earlier step's: ``prof.step()`` called before ``optimizer.step()``); when the run scales
-        its loss they are unscaled by now, unlike every other gradient row: skipped and counted, with why."""
-        if self._weights_read is None:
-            return
-        rows, calls, stepped, tried = self._grad_row_of, self.rows.calls, self._stepped, self.buffer.skipped
-        unread = [
-            (p, r)
-            for g in optimizer.param_groups
-            for p in g["params"]
-            if (r := rows.get(id(p), -1)) >= 0
-            and not calls[r]
-            and not tried[r]  # (a hook found it unreadable: counted once)
-            and r not in stepped
-            and p.grad is not None
-        ]
-        if not unread:
-            return
-        if self._scaled():  # (once a step: the post-hook finds them stepped)
-            for _, r in unread:
-                self.buffer.skip(r, UNSCALED_UNREAD)
-            stepped.update(r for _, r in unread)
-            return
-        for p, r in unread:
-            self._read_grad(self._grad_slot[r], p.grad)
-
-    def _opt_post_hook(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.installed:
-            return None
-        if self._grads_due:  # a backward whose end has not been read (the step ran inside it, or it raised)
-            self._read_grads()
-        self._unread_grads(optimizer)  # a closure's backward, inside the step
-        # the gradients this optimizer applied were read in this step: a later backward (a GAN's generator loss
-        # through the discriminator) adds to them what no optimizer applies. After the step, not before: a
-        # closure (Lightning's automatic optimization, LBFGS) runs the backward inside the step. Only rows
-        # already read: a loop that steps its optimizer before this step's backward (prof.step() before
-        # optimizer.step()) reads the gradients of the backward that follows
-        rows, calls = self._grad_row_of, self.rows.calls
-        self._stepped.update(
-            r
-            for g in optimizer.param_groups
-            for p in g["params"]
-            if (r := rows.get(id(p), -1)) >= 0 and calls[r] > 0
-        )
-        if self.updates is not None and self.updates.after_step(k):
-            self.has_data = True
-        return None
 
 
 def _autocast_state(device_type: str) -> dict[str, Any]:

@@ -14,9 +14,9 @@
   ``gradients``);
 - ``activations``: tensors saved for backward, per module (the innermost module running when autograd saved
   them) and per dtype, through ``torch.autograd.graph.saved_tensors_hooks`` pushed in the model's forward
-  pre-hook and popped in its forward post-hook. Each storage counts once per forward pass; parameters and
-  buffers are not activations. Tensors saved outside the model's forward (a loss computed in the training loop)
-  are seen only inside ``MemoryTracker.scope()`` (module ``"(loss)"``). Under activation checkpointing a region
+  pre-hook and popped in its forward post-hook (``capture/memory_saved.py``). Each storage counts once per
+  forward pass; parameters and buffers are not activations. Tensors saved outside the model's forward (a loss
+  computed in the training loop) are seen only inside ``MemoryTracker.scope()`` (module ``"(loss)"``). Under activation checkpointing a region
   keeps only its inputs until the backward pass recomputes the rest: those inputs are counted, under the module
   running when the checkpoint was called (Hugging Face's checkpointed layers: the layer itself), and what the
   region saves is not (non-reentrant: through the checkpoint's own hooks, which keep nothing; reentrant: its
@@ -57,9 +57,7 @@ What the memory table means per mode is ``precprof.analysis.memory_projection``'
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -69,37 +67,26 @@ from precprof import _compat
 from precprof import tables as T
 from precprof.capture.counters import PhaseCounters
 from precprof.capture.memory_grads import GradientBytes
+from precprof.capture.memory_saved import FOREIGN_HOOKS, SavedActivations
 from precprof.capture.memory_schedule import MemorySchedule
 from precprof.capture.peak import CudaHistory, Label, PeakRecorder, ProfilerMemory
+from precprof.capture.records import after_closure
 from precprof.capture.storage import (
     SavedGroup,
     Steady,
     StorageKey,
     StorageMemo,
-    _plain_tensors,
     _sizeof,
-    _storage,
     _storage_keys,
-    _tensors_in,
-    dtype_name,
-    is_weight_copy,
     model_sizes,
     module_tensors,
     persistent_labels,
     state_tensors,
     steady_bytes,
 )
-from precprof.tables import LOSS_SCOPE
-
-# why a run's saved activations were not measured (``model_facts``, the report's memory section)
-FOREIGN_HOOKS = (
-    "the model's forward ran under saved-tensor hooks of its own (an activation checkpoint or save_on_cpu() "
-    "around the model call), which decide what is kept; precprof leaves them in force and does not count "
-    "those activations, so the activations and the projections leave them out"
-)
 
 
-class MemoryTracker:
+class MemoryTracker(SavedActivations):
     """Memory per component of one model (and optimizer), measured on sampled steps.
 
     Drive it as ``attach()``; per step ``begin_step(step, sampled)`` before the forward, the user's forward,
@@ -379,14 +366,6 @@ class MemoryTracker:
             params, buffers, self.optimizers, self._own, self._storage_of, self._steady_labels
         )
 
-    def _label(self, component: str, tensors: Iterable[torch.Tensor]) -> None:
-        """Note the storages of ``tensors`` as ``component`` in the current phase (for the peak's parts)."""
-        for t in tensors:
-            for leaf in _plain_tensors(t):
-                st = _storage(leaf)
-                if st is not None:
-                    self._peak.label(st[0], component, "", dtype_name(leaf.dtype), st[1])
-
     @property
     def buffer_bytes(self) -> int:
         """Host bytes the tracker itself holds (hook handles, storage addresses, totals); no device memory."""
@@ -441,16 +420,23 @@ class MemoryTracker:
         """The parameters whose gradients a backward pass's end reads: the step's, else the model's now."""
         return self._params or list(self.model.parameters())
 
-    def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _opt_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if not (self._sampled and self._live):
-            return
-        self._mark_phase(T.PHASE_OPTIMIZER)
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        grads += [p.grad for p in self._params or self.model.parameters() if p.grad is not None]
-        grads = list({id(g): g for g in grads}.values())  # usually the same tensors twice
-        self._grads.at_optimizer(grads)
-        if self._peak.measuring:
-            self._label(T.GRADIENTS, grads)
+            return None
+
+        def optimizer_phase() -> None:  # (after a closure's forward and backward: ``after_closure``)
+            self._mark_phase(T.PHASE_OPTIMIZER)
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            grads += [p.grad for p in self._params or self.model.parameters() if p.grad is not None]
+            grads = list({id(g): g for g in grads}.values())  # usually the same tensors twice
+            self._grads.at_optimizer(grads)
+            if self._peak.measuring:
+                self._label(T.GRADIENTS, grads)
+
+        wrapped = after_closure(args, kwargs, optimizer_phase)
+        if wrapped is None:
+            optimizer_phase()
+        return wrapped
 
     def _opt_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._sampled and self._live:
@@ -483,138 +469,6 @@ class MemoryTracker:
 
         return hook
 
-    def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
-        if self._saved_ctx is not None:
-            # Left pushed by a forward that never reached its post-hook (KeyboardInterrupt, a nested call).
-            self._pop_saved_hooks()
-        self._start_recording("", module)
-        if self._recording and self._peak.measuring:
-            self._label(T.INPUTS, _tensors_in(args))
-
-    def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._recording and self._peak.measuring:
-            self._label(T.OUTPUTS, _tensors_in(output))
-        self._stop_recording()
-
-    def _start_recording(self, name: str, module: nn.Module | None) -> None:
-        self._stack.clear()
-        self._recording = False
-        if not (self._sampled and self._live) or not torch.is_grad_enabled() or self._saved_ctx is not None:
-            return
-        if self._root_trains and not self.model.training:
-            return
-        self._mark_phase(T.PHASE_FORWARD)
-        if self._unpacks != self._unpacks_mark or not self._groups:
-            # Backward ran since the previous forward started: its saved tensors are gone, start a new group.
-            self._groups.append(SavedGroup())
-        self._unpacks_mark = self._unpacks
-        top = _compat.top_saved_tensors_hooks()
-        if top is not None and top is not _compat.NO_QUERY:
-            # another pair is in force (``checkpoint(model, x)``, ``save_on_cpu()`` around the call, a recompute):
-            # pushing ours would switch it off for everything the model saves. Not measured
-            self._foreign_forwards += 1
-            return
-        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        try:
-            ctx.__enter__()
-        except RuntimeError:
-            # Saved-tensor hooks are disabled here (some FSDP/compile paths): no activation numbers this time.
-            return
-        self._saved_ctx = ctx
-        self._recording = True
-        self._stack.append((name, module))
-
-    def _stop_recording(self) -> None:
-        was_recording = self._recording
-        self._pop_saved_hooks()
-        self._stack.clear()
-        if was_recording:
-            self._mark_phase(T.PHASE_BACKWARD)
-
-    @contextlib.contextmanager
-    def scope(self, name: str = LOSS_SCOPE) -> Iterator[None]:
-        """Count what autograd saves inside this block as activations of module ``name`` (default "(loss)"):
-        work outside the model's forward whose saved tensors belong to the step, above all a loss computed in
-        the training loop (``F.cross_entropy`` saves fp32 log-probabilities, B*T*vocab*4 bytes). Does nothing
-        on steps that are not sampled, under no_grad, or inside the model's own forward (recorded already).
-        Host only; no sync."""
-        if self._recording or self._saved_ctx is not None:
-            yield
-            return
-        self._start_recording(name, None)
-        try:
-            yield
-        finally:
-            self._stop_recording()
-
-    def _pop_saved_hooks(self, final: bool = False) -> None:
-        """Pop our saved-tensor hooks if they are on top of autograd's stack (never someone else's)."""
-        self._recording = False
-        ctx = self._saved_ctx
-        if ctx is None:
-            return
-        top = _compat.top_saved_tensors_hooks()
-        if top is _compat.NO_QUERY:
-            top = (self._pack, self._unpack)
-        if top is not None and top[0] == self._pack:
-            ctx.__exit__(None, None, None)
-            self._saved_ctx = None
-        elif final:
-            # Ours is buried under hooks someone else pushed later; popping would remove theirs. Our pack
-            # hook does nothing once detached, so leaving it costs one function call per saved tensor.
-            warnings.warn(
-                "precprof: saved-tensor hooks left on autograd's stack under another context's; "
-                "they are inert now",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            self._saved_ctx = None
-
-    # ----------------------------------------------------------------------------------- saved tensors
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        if self._recording and self._groups:
-            self._record_saved(t)
-        return t
-
-    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
-        self._unpacks += 1
-        self._peak.unpacked()
-        return t
-
-    def _record_saved(self, t: torch.Tensor) -> None:
-        group = self._groups[-1]
-        name, module = self._stack[-1] if self._stack else ("", None)
-        own: set[StorageKey] | None = None
-        for leaf in (t,) if type(t) is torch.Tensor else _plain_tensors(t):
-            st = _storage(leaf)
-            if st is None:
-                self._unmeasured += 1
-                continue
-            key, nbytes = st
-            if key in self._param_keys or key in group.seen:
-                continue
-            if own is None:
-                own = self._own_param_keys(module)
-            if key in own:
-                # the running module's parameter as it is now, not as the model listed it at the step's start:
-                # FSDP2's all-gathered weights (a view of the unit's buffer), which a matmul saves and FSDP frees
-                # after the forward. Counted as activations they were a whole unit's unsharded bytes per rank
-                continue
-            group.seen.add(key)
-            if is_weight_copy(leaf, module, self._param_keys):
-                k = (T.AUTOCAST_WEIGHT_COPIES, "", dtype_name(leaf.dtype))
-            else:
-                k = (T.ACTIVATIONS, name, dtype_name(leaf.dtype))
-            group.bytes[k] = group.bytes.get(k, 0) + nbytes
-            if self._peak.measuring:
-                self._peak.label(key, *k, nbytes)
-
-    def _own_param_keys(self, module: nn.Module | None) -> set[StorageKey]:
-        """The storages of ``module``'s own parameters now (none for no module)."""
-        if module is None:
-            return set()
-        return {st[0] for p in module.parameters(recurse=False) if (st := _storage(p)) is not None}
-
     # ----------------------------------------------------------------------------------------- device
     def _model_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The model's parameters and buffers now, from the modules attach listed (a module added to the model
@@ -625,11 +479,3 @@ class MemoryTracker:
 
     def _keys(self, tensors: Iterable[torch.Tensor]) -> set[StorageKey]:
         return _storage_keys(tensors, self._storage_of)
-
-    def _mark_phase(self, new_phase: str) -> None:
-        """A phase boundary: a new segment of the step, placed in the allocator's events, and the phase's
-        counter peaks where there is no replay (``capture/counters.py``)."""
-        if not self._sampled:
-            return
-        self._peak.phase(new_phase)
-        self._counts.mark(new_phase)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -262,3 +262,30 @@ class HostFloats:
             for i, v in zip(self._idx, host.tolist(), strict=True):
                 out[i] = float(v)
         return out
+
+
+def after_closure(args: Any, kwargs: Any, fn: Callable[[], None]) -> tuple[Any, Any] | None:
+    """For an optimizer's step pre-hook (``args`` hold the optimizer first): the step's closure wrapped to call
+    ``fn`` once, when it first returns, as the new (args, kwargs) the hook returns; None for a step without a
+    closure. ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS) runs the forward and backward
+    inside the step, after its pre-hooks: what they read of the step (its gradients, where the optimizer's phase
+    begins) is there only once the closure has run, before any update (LBFGS calls it again after updates)."""
+    if kwargs.get("closure") is not None:
+        closure, where = kwargs["closure"], "kwargs"
+    elif len(args) > 1 and callable(args[1]):
+        closure, where = args[1], "args"
+    else:
+        return None
+    done = False
+
+    def wrapped() -> Any:
+        nonlocal done
+        out = closure()
+        if not done:
+            done = True
+            fn()
+        return out
+
+    if where == "kwargs":
+        return args, {**kwargs, "closure": wrapped}
+    return (args[0], wrapped, *args[2:]), kwargs

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,14 @@ from precprof._run_finisher import machine_describer, run_finisher
 from precprof._version import __version__
 from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
+from precprof.capture.model_facts import (
+    buffer_rounding,
+    compiled_parts,
+    dropout_layers,
+    fp8_emulated,
+    model_class_name,
+    optimizer_settings,
+)
 from precprof.capture.plan import CapturePlan
 from precprof.capture.recorded import Recorded
 from precprof.capture.reducer import wrapper_info
@@ -167,7 +174,7 @@ class ProfilerResults:
     def _low_precision_buffers(self) -> list[dict[str, Any]]:
         """Floating buffers of the captured modules held in fp16 or bf16 (BatchNorm running statistics after
         ``model.half()``, a rotary embedding's frequencies after ``model.to(torch.bfloat16)``): their module, its
-        type, and what their values say about the rounding (``_buffer_rounding``; read here, at save)."""
+        type, and what their values say about the rounding (``buffer_rounding``; read here, at save)."""
         out = []
         for slot in self._plan.modules if self._plan is not None else []:
             for bname, buf in slot.module.named_buffers(recurse=False):
@@ -178,7 +185,7 @@ class ProfilerResults:
                             "module_type": slot.module_type,
                             "buffer": bname,
                             "dtype": str(buf.dtype).removeprefix("torch."),
-                            **_buffer_rounding(buf),
+                            **buffer_rounding(buf),
                         }
                     )
         return out
@@ -271,13 +278,13 @@ class ProfilerResults:
             "profiler_buffer_share_of_params": self.buffer_bytes / param_bytes if param_bytes else None,
             "model_class": model_class_name(_compat.unwrapped(self.model)),
             "precision_seen": self.precision_seen(),
-            "fp8_emulated": _fp8_emulated(_compat.unwrapped(self.model)),
+            "fp8_emulated": fp8_emulated(_compat.unwrapped(self.model)),
             "autocast": self._autocast_seen or {"enabled": False, "dtype": None},
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
             "scaler_growth_interval": _compat.scaler_growth_interval(self.scaler),
             "compiled": compiled_parts(self.model),
-            "dropout_layers": _dropout_layers(self.model),
+            "dropout_layers": dropout_layers(self.model),
             "static_loss_scale": self.loss_scale,
             "low_precision_buffers": self._low_precision_buffers(),
             "loss_dtypes": dict(self._loss_dtypes),
@@ -435,67 +442,16 @@ class ProfilerResults:
         return path if html else run_dir / T.REPORT_FILE
 
 
-_ROUNDING_READ_MAX = 1 << 26  # elements: a larger 16-bit buffer is listed without reading its values
-
-
-def _buffer_rounding(buf: torch.Tensor) -> dict[str, Any]:
-    """What a 16-bit floating buffer's values say about a cast that rounded them: ``exact`` when every finite
-    value is one the cast cannot have changed: an integer the format holds exactly (0/1 masks, positions up to
-    256 in bf16), or a value of at most half the format's significant bits (powers of two, 0.75, 1.5: a cast
-    rounds a value of full fp32 precision to one of those once in 16 (bf16) or 32 (fp16), so a buffer of them was
-    that short before the cast). Else ``rounding``: the largest half unit in the last place of any other value,
-    how far each may lie from what it was before the cast. {} when the values cannot be read (on the meta
-    device, a wrapper subclass, larger than ``_ROUNDING_READ_MAX``). One read of the buffer, at save."""
-    bits = 7 if buf.dtype == torch.bfloat16 else 10  # stored mantissa bits
-    normal_min = -126 if buf.dtype == torch.bfloat16 else -14
-    try:
-        if buf.numel() > _ROUNDING_READ_MAX or buf.is_meta:
-            return {}
-        with torch.no_grad():
-            v = buf.detach().float().flatten()
-            v = v[torch.isfinite(v) & (v != 0)]
-            mant, exp = torch.frexp(v)  # v = mant * 2^exp, 0.5 <= |mant| < 1
-            integer = (v == v.round()) & (v.abs() <= 2.0 ** (bits + 1))
-            short = mant * 2.0 ** ((bits + 1) // 2)  # an integer for a value of at most half the bits
-            inexact = ~integer & (short != short.round())
-            if not bool(inexact.any()):
-                return {"exact": True}
-            top = int(exp[inexact].max()) - 1  # the binade [2^top, 2^(top+1)) of the largest such value
-        return {"exact": False, "rounding": 2.0 ** (max(top, normal_min) - bits - 1)}
-    except Exception:  # a buffer it cannot read is listed without what its values say
-        return {}
-
-
-def _fp8_emulated(model: nn.Module) -> int:
-    """How many of the model's torchao Float8Linear layers emulate FP8 (``Float8LinearConfig(emulate=True)``:
-    the casts to FP8 are real, the matmuls run in high precision)."""
-    return sum(
-        bool(getattr(getattr(m, "config", None), "emulate", False))
-        for m in model.modules()
-        if type(m).__name__ == "Float8Linear"
-    )
+NOT_HELD = (
+    "precprof: the optimizer given to the Profiler holds none of the model's parameters, so no weight update is "
+    "sampled; give it the optimizer (or the list of optimizers) that steps this model"
+)
 
 
 def _scaler_enabled(scaler: Any) -> bool:
     """Whether a GradScaler (or a scaler like it) scales at all: ``GradScaler(enabled=False)`` is a no-op."""
     is_enabled = getattr(scaler, "is_enabled", None)
     return bool(is_enabled()) if callable(is_enabled) else True
-
-
-def model_class_name(model: nn.Module) -> str:
-    """The model's class name as its user wrote it: FSDP2's ``fully_shard`` swaps the class for a subclass of
-    its own (``FSDPLlamaForCausalLM``), whose first base other than ``FSDPModule`` is the model's."""
-    cls = type(model)
-    bases = [c for c in cls.__mro__[1:] if c.__name__ != "FSDPModule"]
-    if cls.__name__.startswith("FSDP") and any(c.__name__ == "FSDPModule" for c in cls.__mro__) and bases:
-        return bases[0].__name__
-    return cls.__name__
-
-
-def _dropout_layers(model: nn.Module) -> int:
-    """Dropout modules that drop something (p > 0): a compiled run's sampled steps, run eagerly, draw other
-    random numbers than inductor's kernels do."""
-    return sum(1 for m in model.modules() if _compat.drops(m))
 
 
 def _norm_type(clips: Any) -> str | None:
@@ -524,60 +480,6 @@ def _warn_replaced(run_dir: Path) -> None:
             "to keep the steps before it",
             stacklevel=5,
         )
-
-
-def compiled_parts(model: nn.Module) -> str | None:
-    """What of ``model`` runs under ``torch.compile``, in words: the whole model (a ``torch.compile(model)``
-    or ``model.compile()``), or how many of its modules (regional compilation, as torchtitan compiles each
-    block); None when nothing is. Sampled steps run those eagerly (``force_eager``)."""
-    if _compat.is_compiled(model):
-        return "the whole model" + _backend_said([model])
-    parts = [m for m in model.modules() if m is not model and _compat.is_compiled(m)]
-    return f"{len(parts)} of its modules (regional{_backend_said(parts, ', ')})" if parts else None
-
-
-def _backend_said(modules: list[nn.Module], lead: str = " (") -> str:
-    """ ", backend eager" (in parentheses by default) when every one of ``modules`` says the same backend (the
-    report tells inductor, whose kernels draw their own random numbers, from backends that run torch's ops)."""
-    names = {_compat.compile_backend(m) for m in modules}
-    if len(names) != 1 or None in names:
-        return ""
-    return f"{lead}backend {names.pop()}" + (")" if lead == " (" else "")
-
-
-def optimizer_settings(optimizers: list[Any], params: Sequence[Any] = ()) -> dict[str, Any] | None:
-    """What the advisor reads of the optimizers: their classes ("Muon + AdamW"), and over the parameter groups
-    of the Adams among them (of all of them when none is an Adam) the smallest ``eps`` and the largest
-    second-moment decay (``betas[1]``), the settings that decide whether Adam's update divides by zero in fp16
-    (Muon's own ``eps`` is no Adam's); a setting held as a tensor (a tensor ``lr`` or ``betas``) is left out
-    rather than read from the device. Beside an optimizer that is no Adam, ``adam_modules`` names the captured
-    modules (``params``: the plan's parameter slots) whose parameters an Adam holds, so that a finding about
-    Adam speaks of its parameters only. None without an optimizer."""
-    if not optimizers:
-        return None
-    adams = [o for o in optimizers if "Adam" in type(o).__name__]
-    groups = [g for o in adams or optimizers for g in getattr(o, "param_groups", None) or []]
-    eps = [g["eps"] for g in groups if isinstance(g.get("eps"), (int, float))]
-    betas = [g.get("betas") for g in groups]
-    beta2 = [
-        b[1] for b in betas if isinstance(b, (tuple, list)) and len(b) > 1 and isinstance(b[1], (int, float))
-    ]
-    out: dict[str, Any] = {
-        "class": " + ".join(dict.fromkeys(type(o).__name__ for o in optimizers)),
-        "eps": float(min(eps)) if eps else None,
-        "beta2": float(max(beta2)) if beta2 else None,
-    }
-    if adams and len(adams) < len(optimizers):
-        held = {id(p) for o in adams for g in o.param_groups for p in g["params"]}
-        out["adam_class"] = " + ".join(dict.fromkeys(type(o).__name__ for o in adams))
-        out["adam_modules"] = sorted({ps.module for ps in params if id(ps.tensor) in held})
-    return out
-
-
-NOT_HELD = (
-    "precprof: the optimizer given to the Profiler holds none of the model's parameters, so no weight update is "
-    "sampled; give it the optimizer (or the list of optimizers) that steps this model"
-)
 
 
 def checked_model(model: Any) -> nn.Module:

@@ -229,15 +229,26 @@ class _DeviceGroup:
             parts.append(g)
         return torch.cat(parts) != 0
 
-    def read_before(self) -> None:
+    def read_before(self, idle: set[int] | frozenset[int] = frozenset()) -> None:
         """The samples and the gradients' intent, before the optimizer step: by the C kernel when it can
-        read every member in place, by torch ops else."""
+        read every member in place, by torch ops else. The members in ``idle`` (ids: their group's learning
+        rate is 0 this step, the first step of a warmup from 0) intend nothing: no update is lost."""
         tensors = [ps.tensor for ps in self.members]
         self._host_read = self._host is not None and self._host.read_before(tensors)
         if self._host_read:
             self.before = self.intended = None
         else:
             self.before, self.intended = self.samples(), self.grad_nonzero()
+        if idle:
+            at = 0
+            for ps in self.members:
+                if id(ps.tensor) in idle:
+                    if self._host_read:
+                        assert self._host is not None
+                        self._host.intended[at : at + ps.sample_len] = 0
+                    elif self.intended is not None:
+                        self.intended[at : at + ps.sample_len] = False
+                at += ps.sample_len
 
     @torch.no_grad()
     def classify(self) -> bool:
@@ -273,6 +284,22 @@ class _DeviceGroup:
         self.counts[:, 0] += self.lens
         self.counts[:, 1:] += at_end
         return True
+
+
+def _idle_params(optimizer: Any) -> set[int]:
+    """The ids of ``optimizer``'s parameters whose group's learning rate is 0 now (a warmup from 0 starts
+    there): its step moves none of them, and an update that is not made is not lost to any format. A learning
+    rate the host cannot read without a sync (a device tensor) counts as not 0."""
+    idle: set[int] = set()
+    for group in getattr(optimizer, "param_groups", ()):
+        lr = group.get("lr") if isinstance(group, dict) else None
+        if isinstance(lr, torch.Tensor):
+            if lr.device.type != "cpu" or lr.numel() != 1:
+                continue
+            lr = float(lr)
+        if isinstance(lr, (int, float)) and lr == 0:
+            idle.update(id(p) for p in group["params"])
+    return idle
 
 
 class UpdateSampler:
@@ -330,13 +357,14 @@ class UpdateSampler:
         for g in self._groups:
             g.counts.zero_()
 
-    def before_step(self, k: int = 0) -> None:
+    def before_step(self, k: int = 0, optimizer: Any = None) -> None:
         """Read the samples of optimizer ``k``'s parameters before its step (on each parameter's device; no
         sync)."""
         self._regroup()
+        idle = _idle_params(optimizer)
         for g, owner in zip(self._groups, self._group_owner, strict=True):
             if owner == k:
-                g.read_before()
+                g.read_before(idle)
 
     @torch.no_grad()
     def after_step(self, k: int = 0) -> bool:

@@ -1,0 +1,205 @@
+"""The saved activations of a sampled step, for ``MemoryTracker`` (``capture/memory_tracker.py``, which this is a
+part of): saved-tensor hooks pushed in the model's forward pre-hook and popped in its post-hook, each saved
+storage counted once per forward under the innermost module running, and the phase boundaries and labels the
+peak's parts are named by.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from precprof import _compat
+from precprof import tables as T
+from precprof.capture.counters import PhaseCounters
+from precprof.capture.peak import PeakRecorder
+from precprof.capture.storage import (
+    SavedGroup,
+    StorageKey,
+    _plain_tensors,
+    _storage,
+    _tensors_in,
+    dtype_name,
+    is_weight_copy,
+)
+from precprof.tables import LOSS_SCOPE
+
+# why a run's saved activations were not measured (``model_facts``, the report's memory section)
+FOREIGN_HOOKS = (
+    "the model's forward ran under saved-tensor hooks of its own (an activation checkpoint or save_on_cpu() "
+    "around the model call), which decide what is kept; precprof leaves them in force and does not count "
+    "those activations, so the activations and the projections leave them out"
+)
+
+
+class SavedActivations:
+    """The saved-tensor half of ``MemoryTracker``: its state is the tracker's (declared here, set there)."""
+
+    model: nn.Module
+    _sampled: bool
+    _live: bool
+    _stack: list[tuple[str, nn.Module | None]]
+    _recording: bool
+    _saved_ctx: torch.autograd.graph.saved_tensors_hooks | None
+    _unpacks: int
+    _unpacks_mark: int
+    _groups: list[SavedGroup]
+    _param_keys: set[StorageKey]
+    _unmeasured: int
+    _foreign_forwards: int
+    _root_trains: bool
+    _peak: PeakRecorder
+    _counts: PhaseCounters
+
+    def _label(self, component: str, tensors: Iterable[torch.Tensor]) -> None:
+        """Note the storages of ``tensors`` as ``component`` in the current phase (for the peak's parts)."""
+        for t in tensors:
+            for leaf in _plain_tensors(t):
+                st = _storage(leaf)
+                if st is not None:
+                    self._peak.label(st[0], component, "", dtype_name(leaf.dtype), st[1])
+
+    def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
+        if self._saved_ctx is not None:
+            # Left pushed by a forward that never reached its post-hook (KeyboardInterrupt, a nested call).
+            self._pop_saved_hooks()
+        self._start_recording("", module)
+        if self._recording and self._peak.measuring:
+            self._label(T.INPUTS, _tensors_in(args))
+
+    def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._recording and self._peak.measuring:
+            self._label(T.OUTPUTS, _tensors_in(output))
+        self._stop_recording()
+
+    def _start_recording(self, name: str, module: nn.Module | None) -> None:
+        self._stack.clear()
+        self._recording = False
+        if not (self._sampled and self._live) or not torch.is_grad_enabled() or self._saved_ctx is not None:
+            return
+        if self._root_trains and not self.model.training:
+            return
+        self._mark_phase(T.PHASE_FORWARD)
+        if self._unpacks != self._unpacks_mark or not self._groups:
+            # Backward ran since the previous forward started: its saved tensors are gone, start a new group.
+            self._groups.append(SavedGroup())
+        self._unpacks_mark = self._unpacks
+        top = _compat.top_saved_tensors_hooks()
+        if top is not None and top is not _compat.NO_QUERY:
+            # another pair is in force (``checkpoint(model, x)``, ``save_on_cpu()`` around the call, a recompute):
+            # pushing ours would switch it off for everything the model saves. Not measured
+            self._foreign_forwards += 1
+            return
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        try:
+            ctx.__enter__()
+        except RuntimeError:
+            # Saved-tensor hooks are disabled here (some FSDP/compile paths): no activation numbers this time.
+            return
+        self._saved_ctx = ctx
+        self._recording = True
+        self._stack.append((name, module))
+
+    def _stop_recording(self) -> None:
+        was_recording = self._recording
+        self._pop_saved_hooks()
+        self._stack.clear()
+        if was_recording:
+            self._mark_phase(T.PHASE_BACKWARD)
+
+    @contextlib.contextmanager
+    def scope(self, name: str = LOSS_SCOPE) -> Iterator[None]:
+        """Count what autograd saves inside this block as activations of module ``name`` (default "(loss)"):
+        work outside the model's forward whose saved tensors belong to the step, above all a loss computed in
+        the training loop (``F.cross_entropy`` saves fp32 log-probabilities, B*T*vocab*4 bytes). Does nothing
+        on steps that are not sampled, under no_grad, or inside the model's own forward (recorded already).
+        Host only; no sync."""
+        if self._recording or self._saved_ctx is not None:
+            yield
+            return
+        self._start_recording(name, None)
+        try:
+            yield
+        finally:
+            self._stop_recording()
+
+    def _pop_saved_hooks(self, final: bool = False) -> None:
+        """Pop our saved-tensor hooks if they are on top of autograd's stack (never someone else's)."""
+        self._recording = False
+        ctx = self._saved_ctx
+        if ctx is None:
+            return
+        top = _compat.top_saved_tensors_hooks()
+        if top is _compat.NO_QUERY:
+            top = (self._pack, self._unpack)
+        if top is not None and top[0] == self._pack:
+            ctx.__exit__(None, None, None)
+            self._saved_ctx = None
+        elif final:
+            # Ours is buried under hooks someone else pushed later; popping would remove theirs. Our pack
+            # hook does nothing once detached, so leaving it costs one function call per saved tensor.
+            warnings.warn(
+                "precprof: saved-tensor hooks left on autograd's stack under another context's; "
+                "they are inert now",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._saved_ctx = None
+
+    # ----------------------------------------------------------------------------------- saved tensors
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self._recording and self._groups:
+            self._record_saved(t)
+        return t
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        self._unpacks += 1
+        self._peak.unpacked()
+        return t
+
+    def _record_saved(self, t: torch.Tensor) -> None:
+        group = self._groups[-1]
+        name, module = self._stack[-1] if self._stack else ("", None)
+        own: set[StorageKey] | None = None
+        for leaf in (t,) if type(t) is torch.Tensor else _plain_tensors(t):
+            st = _storage(leaf)
+            if st is None:
+                self._unmeasured += 1
+                continue
+            key, nbytes = st
+            if key in self._param_keys or key in group.seen:
+                continue
+            if own is None:
+                own = self._own_param_keys(module)
+            if key in own:
+                # the running module's parameter as it is now, not as the model listed it at the step's start:
+                # FSDP2's all-gathered weights (a view of the unit's buffer), which a matmul saves and FSDP frees
+                # after the forward. Counted as activations they were a whole unit's unsharded bytes per rank
+                continue
+            group.seen.add(key)
+            if is_weight_copy(leaf, module, self._param_keys):
+                k = (T.AUTOCAST_WEIGHT_COPIES, "", dtype_name(leaf.dtype))
+            else:
+                k = (T.ACTIVATIONS, name, dtype_name(leaf.dtype))
+            group.bytes[k] = group.bytes.get(k, 0) + nbytes
+            if self._peak.measuring:
+                self._peak.label(key, *k, nbytes)
+
+    def _own_param_keys(self, module: nn.Module | None) -> set[StorageKey]:
+        """The storages of ``module``'s own parameters now (none for no module)."""
+        if module is None:
+            return set()
+        return {st[0] for p in module.parameters(recurse=False) if (st := _storage(p)) is not None}
+
+    def _mark_phase(self, new_phase: str) -> None:
+        """A phase boundary: a new segment of the step, placed in the allocator's events, and the phase's
+        counter peaks where there is no replay (``capture/counters.py``)."""
+        if not self._sampled:
+            return
+        self._peak.phase(new_phase)
+        self._counts.mark(new_phase)

@@ -1,0 +1,117 @@
+"""What the capture summary says of the model and its optimizers beyond the rows (``ProfilerResults.summary``):
+buffers held in low precision and how far their values may lie from fp32, FP8-emulating layers, dropout layers,
+the parts torch.compile compiled and with which backend, each optimizer's settings."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from precprof import _compat
+
+_ROUNDING_READ_MAX = 1 << 26  # elements: a larger 16-bit buffer is listed without reading its values
+
+
+def buffer_rounding(buf: torch.Tensor) -> dict[str, Any]:
+    """What a 16-bit floating buffer's values say about a cast that rounded them: ``exact`` when every finite
+    value is one the cast cannot have changed: an integer the format holds exactly (0/1 masks, positions up to
+    256 in bf16), or a value of at most half the format's significant bits (powers of two, 0.75, 1.5: a cast
+    rounds a value of full fp32 precision to one of those once in 16 (bf16) or 32 (fp16), so a buffer of them was
+    that short before the cast). Else ``rounding``: the largest half unit in the last place of any other value,
+    how far each may lie from what it was before the cast. {} when the values cannot be read (on the meta
+    device, a wrapper subclass, larger than ``_ROUNDING_READ_MAX``). One read of the buffer, at save."""
+    bits = 7 if buf.dtype == torch.bfloat16 else 10  # stored mantissa bits
+    normal_min = -126 if buf.dtype == torch.bfloat16 else -14
+    try:
+        if buf.numel() > _ROUNDING_READ_MAX or buf.is_meta:
+            return {}
+        with torch.no_grad():
+            v = buf.detach().float().flatten()
+            v = v[torch.isfinite(v) & (v != 0)]
+            mant, exp = torch.frexp(v)  # v = mant * 2^exp, 0.5 <= |mant| < 1
+            integer = (v == v.round()) & (v.abs() <= 2.0 ** (bits + 1))
+            short = mant * 2.0 ** ((bits + 1) // 2)  # an integer for a value of at most half the bits
+            inexact = ~integer & (short != short.round())
+            if not bool(inexact.any()):
+                return {"exact": True}
+            top = int(exp[inexact].max()) - 1  # the binade [2^top, 2^(top+1)) of the largest such value
+        return {"exact": False, "rounding": 2.0 ** (max(top, normal_min) - bits - 1)}
+    except Exception:  # a buffer it cannot read is listed without what its values say
+        return {}
+
+
+def fp8_emulated(model: nn.Module) -> int:
+    """How many of the model's torchao Float8Linear layers emulate FP8 (``Float8LinearConfig(emulate=True)``:
+    the casts to FP8 are real, the matmuls run in high precision)."""
+    return sum(
+        bool(getattr(getattr(m, "config", None), "emulate", False))
+        for m in model.modules()
+        if type(m).__name__ == "Float8Linear"
+    )
+
+
+def model_class_name(model: nn.Module) -> str:
+    """The model's class name as its user wrote it: FSDP2's ``fully_shard`` swaps the class for a subclass of
+    its own (``FSDPLlamaForCausalLM``), whose first base other than ``FSDPModule`` is the model's."""
+    cls = type(model)
+    bases = [c for c in cls.__mro__[1:] if c.__name__ != "FSDPModule"]
+    if cls.__name__.startswith("FSDP") and any(c.__name__ == "FSDPModule" for c in cls.__mro__) and bases:
+        return bases[0].__name__
+    return cls.__name__
+
+
+def dropout_layers(model: nn.Module) -> int:
+    """Dropout modules that drop something (p > 0): a compiled run's sampled steps, run eagerly, draw other
+    random numbers than inductor's kernels do."""
+    return sum(1 for m in model.modules() if _compat.drops(m))
+
+
+def compiled_parts(model: nn.Module) -> str | None:
+    """What of ``model`` runs under ``torch.compile``, in words: the whole model (a ``torch.compile(model)``
+    or ``model.compile()``), or how many of its modules (regional compilation, as torchtitan compiles each
+    block); None when nothing is. Sampled steps run those eagerly (``force_eager``)."""
+    if _compat.is_compiled(model):
+        return "the whole model" + _backend_said([model])
+    parts = [m for m in model.modules() if m is not model and _compat.is_compiled(m)]
+    return f"{len(parts)} of its modules (regional{_backend_said(parts, ', ')})" if parts else None
+
+
+def _backend_said(modules: list[nn.Module], lead: str = " (") -> str:
+    """ ", backend eager" (in parentheses by default) when every one of ``modules`` says the same backend (the
+    report tells inductor, whose kernels draw their own random numbers, from backends that run torch's ops)."""
+    names = {_compat.compile_backend(m) for m in modules}
+    if len(names) != 1 or None in names:
+        return ""
+    return f"{lead}backend {names.pop()}" + (")" if lead == " (" else "")
+
+
+def optimizer_settings(optimizers: list[Any], params: Sequence[Any] = ()) -> dict[str, Any] | None:
+    """What the advisor reads of the optimizers: their classes ("Muon + AdamW"), and over the parameter groups
+    of the Adams among them (of all of them when none is an Adam) the smallest ``eps`` and the largest
+    second-moment decay (``betas[1]``), the settings that decide whether Adam's update divides by zero in fp16
+    (Muon's own ``eps`` is no Adam's); a setting held as a tensor (a tensor ``lr`` or ``betas``) is left out
+    rather than read from the device. Beside an optimizer that is no Adam, ``adam_modules`` names the captured
+    modules (``params``: the plan's parameter slots) whose parameters an Adam holds, so that a finding about
+    Adam speaks of its parameters only. None without an optimizer."""
+    if not optimizers:
+        return None
+    adams = [o for o in optimizers if "Adam" in type(o).__name__]
+    groups = [g for o in adams or optimizers for g in getattr(o, "param_groups", None) or []]
+    eps = [g["eps"] for g in groups if isinstance(g.get("eps"), (int, float))]
+    betas = [g.get("betas") for g in groups]
+    beta2 = [
+        b[1] for b in betas if isinstance(b, (tuple, list)) and len(b) > 1 and isinstance(b[1], (int, float))
+    ]
+    out: dict[str, Any] = {
+        "class": " + ".join(dict.fromkeys(type(o).__name__ for o in optimizers)),
+        "eps": float(min(eps)) if eps else None,
+        "beta2": float(max(beta2)) if beta2 else None,
+    }
+    if adams and len(adams) < len(optimizers):
+        held = {id(p) for o in adams for g in o.param_groups for p in g["params"]}
+        out["adam_class"] = " + ".join(dict.fromkeys(type(o).__name__ for o in adams))
+        out["adam_modules"] = sorted({ps.module for ps in params if id(ps.tensor) in held})
+    return out
