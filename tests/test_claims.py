@@ -475,3 +475,56 @@ def test_prof_step_per_micro_batch_is_told(tmp_path: Path, per_micro_batch: bool
     assert sorted(set(layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, T.STEP])) == [4, 8, 12]
     assert f.numbers == {"steps_without_update": 10, "sampled_steps_with_grads": 12}
     assert f.severity == "warning" and "once per optimizer step" in f.remedy
+
+
+class _TinyLM(nn.Module):
+    """An embedding, a residual fp16 branch and a head: under fp16 autocast the embedding's output gradient is
+    the fp32 residual sum's (as in any GPT), the branch's and the head's are fp16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.fc = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        return self.head(h + self.fc(h))
+
+
+def test_an_fp16_run_whose_every_gradient_flushed_is_told_the_scale_for_it(tmp_path: Path) -> None:
+    """fp16 autocast without loss scaling and a loss of 1e-9 of its size: every fp16 gradient flushes, and
+    so every gradient computed from them is zero, the embedding's fp32 one too. The rule for "every gradient
+    flushed" wanted every activation gradient fp16, so this run (any GPT's shape) got GradScaler's default 2^16
+    "which lifts a gradient at fp16's flush point (2^-25) to 0.5" (it lifts it to 2^-9), beside a finding that
+    said no gradient was measured. Checked by hooks of the test's own: every activation gradient an exact zero,
+    the embedding's fp32."""
+    torch.manual_seed(0)
+    model = _TinyLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads: list[torch.Tensor] = []
+
+    def keep(m: nn.Module, args: Any, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: grads.append(g.detach().clone()))
+
+    for m in model.children():
+        m.register_forward_hook(keep)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, out=tmp_path / "run") as prof:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(torch.randint(0, 32, (4, 8)))
+            loss = nn.functional.cross_entropy(logits.float().reshape(-1, 32), torch.randint(0, 32, (32,)))
+            (loss * 1e-9).backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    prof.save()
+    assert all(int(g.count_nonzero()) == 0 for g in grads)
+    assert {g.dtype for g in grads} == {torch.float16, torch.float32}
+    rec = precprof.recommend(tmp_path / "run")
+    found = {f.code: f for f in rec.findings}
+    assert found["fp16_loss_scale"].numbers["loss_scale_log2"] == 24
+    assert "every gradient flushed" in found["fp16_loss_scale"].title
+    assert "GradScaler(init_scale=16777216), which lifts a gradient at fp16's flush point (2^-25) to 0.5" in (
+        found["fp16_gradient_underflow"].remedy
+    )

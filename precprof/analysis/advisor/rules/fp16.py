@@ -207,12 +207,13 @@ def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series | None
 
 
 def _all_flushed(run: _Run) -> bool:
-    """Whether every gradient value recorded was an exact zero (no nan or inf among them), the activation
-    gradients fp16 at loss scale 1: an unscaled fp16 run that flushed all of them (the weights' gradients, fp32
-    under autocast, are zeros computed from them)."""
+    """Whether every gradient value recorded was an exact zero (no nan or inf among them), activation gradients
+    in fp16 at loss scale 1: an unscaled fp16 run that flushed all of them (the weights' gradients, fp32 under
+    autocast, are zeros computed from them, and so is an fp32 activation gradient: a GPT's embedding output,
+    whose gradient is the fp32 residual sum's)."""
     g = run.kind(*T.GRADIENT_KINDS)
     ag = g[g[T.TENSOR] == T.ACTIVATION_GRAD]
-    if ag.empty or not _dtype_has(ag, "float16").all():
+    if ag.empty or not _dtype_has(ag, "float16").any():
         return False
     unscaled = bool((pd.to_numeric(ag[T.SCALE], errors="coerce").fillna(1.0) == 1.0).all())
     return unscaled and int(g[T.ZEROS].sum()) == int(g[T.NUMEL].sum()) > 0
@@ -526,8 +527,9 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         severity = CRITICAL if stalled or all_zero16 else WARNING
         remedy = (
             f"Scale the loss: no gradient reached fp16's range, so how far is not measured; start "
-            f"GradScaler(init_scale={_scale(k)}), which lifts a gradient at fp16's flush point (2^-25) to 0.5, let "
-            "it back off where one overflows, and profile again to size it; or train in bf16."
+            f"GradScaler(init_scale={_scale(k)}), which lifts a gradient at fp16's flush point (2^-25) to "
+            f"{_scale(k - 25)}, let it back off where one overflows, and profile again to size it; or train in "
+            "bf16."
             if all_zero16
             else f"Scale the loss: GradScaler(init_scale={_scale(k)}), the largest scale the measured gradients "
             "allow, lifts them off fp16's floor; or train in bf16."
