@@ -47,15 +47,17 @@ def tiny_gpt2() -> GPT2LMHeadModel:
 def training_args(tmp_path: Path, **args: Any) -> TrainingArguments:
     """CPU, no reporting, no checkpoints, a log line every step; ``args`` add to or override these."""
     return TrainingArguments(
-        output_dir=str(tmp_path / "trainer"),
-        per_device_train_batch_size=BATCH,
-        use_cpu=True,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        **args,
+        **{
+            "output_dir": str(tmp_path / "trainer"),
+            "per_device_train_batch_size": BATCH,
+            "use_cpu": True,
+            "report_to": [],
+            "logging_steps": 1,
+            "save_strategy": "no",
+            "disable_tqdm": True,
+            "seed": 0,
+            **args,
+        }
     )
 
 
@@ -589,3 +591,32 @@ def test_norms_of_a_cast_model_are_flagged_when_they_compute_in_bf16_and_the_rem
         m.register_forward_hook(lambda mod, args, out: out.to(torch.bfloat16))
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(m.weight.grad is not None and m.weight.grad.dtype == torch.float32 for m in norms)
+
+
+def test_wandb_beside_the_trainers_own_logs_keeps_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``report_to="wandb"`` with ``PrecprofCallback(wandb=True)``: the Trainer's WandbCallback logs without
+    ``step=`` (evaluations too), wandb's step ran ahead of precprof's, and precprof's series stopped after the
+    first steps with a warning whose remedy (``step=``) a Trainer user cannot apply. Beside the Trainer the rows
+    are logged without ``step=``, each with ``precprof/step``: every step's loss is in the run's history."""
+    wandb = pytest.importorskip("wandb")
+    from test_export import _wandb_files_closed, _wandb_history
+
+    for k, v in {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(k, v)
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False, wandb=True)
+    args = training_args(tmp_path, max_steps=STEPS, report_to=["wandb"], eval_strategy="steps", eval_steps=1)
+    trainer = Trainer(
+        model=tiny_gpt2(), args=args, train_dataset=TokenData(), eval_dataset=TokenData(), callbacks=[cb]
+    )
+    try:
+        trainer.train()
+    finally:
+        wandb.finish()
+        _wandb_files_closed()
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    rows = [r for r in _wandb_history(run_dir).values() if "precprof/loss" in r]
+    steps = T.read_tables(cb.run_dir)["steps"]
+    assert [r["precprof/step"] for r in rows] == steps[T.STEP].tolist() == list(range(STEPS))
+    assert [r["precprof/loss"] for r in rows] == pytest.approx(steps[T.LOSS].tolist())

@@ -23,11 +23,22 @@ def wandb_module(option: str = "wandb=...") -> Any:
     return wandb
 
 
+STEP_TAG = "precprof/step"  # precprof's step, logged in each row beside a trainer (``BesideTrainer``)
 _FINISHED_EARLY = (
     " before precprof logged its last steps: call wandb.finish() after the Profiler closes (after its with block, "
     "or after prof.report() or prof.detach()); the run directory keeps every step, and precprof export RUN_DIR "
     "--wandb-project P logs the whole run"
 )
+
+
+class BesideTrainer:
+    """A wandb target (True: the current ``wandb.run``, or a run object) whose run a trainer also logs to without
+    ``step=`` (the Hugging Face Trainer's ``WandbCallback``: one wandb step per log call, evaluations included),
+    so wandb's step runs ahead of precprof's and would drop every row logged at precprof's. Logged without
+    ``step=``, each row carrying ``precprof/step``, the x-axis its series are defined against: none dropped."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
 
 
 class WandbSink:
@@ -37,6 +48,11 @@ class WandbSink:
 
     def __init__(self, target: Any, option: str = "wandb=...", finish: bool = False) -> None:
         self._wandb = wandb_module(option)
+        # beside a trainer that logs without step=: rows logged without step=, against precprof/step
+        self._beside = isinstance(target, BesideTrainer)
+        self._axis_defined = False
+        if isinstance(target, BesideTrainer):
+            target = target.target
         if target is not True and not hasattr(target, "log"):
             raise UserError(f"{option}: expected True (the current wandb.run) or a wandb run object")
         self._target = target
@@ -63,9 +79,13 @@ class WandbSink:
         run = self.run
         if getattr(run, "_is_finished", False):  # a run object that was handed in and finished since
             raise UserError("the wandb run was finished" + _FINISHED_EARLY)
+        if self._beside and not self._axis_defined:
+            run.define_metric(STEP_TAG)
+            run.define_metric("precprof/*", step_metric=STEP_TAG)
+            self._axis_defined = True
         for step, evs in grouped.items():
             at = getattr(run, "step", None)
-            if isinstance(at, int) and step < at:
+            if isinstance(at, int) and step < at and not self._beside:
                 # wandb drops what is logged to a step below its own, which a loop's own wandb.log without
                 # step= moves on (one a call): say so once, where it drops it with a warning of its own or none
                 if not self._told:
@@ -86,7 +106,10 @@ class WandbSink:
                     data[e.tag] = self._wandb.Histogram(np_histogram=(e.counts.tolist(), e.edges.tolist()))
                 else:
                     data[e.tag] = e.value
-            run.log(data, step=step)
+            if self._beside:
+                run.log({**data, STEP_TAG: step})
+            else:
+                run.log(data, step=step)
             self._logged = True
 
     def close(self) -> None:

@@ -65,6 +65,7 @@ import torch
 from precprof import _compat
 from precprof import tables as T
 from precprof.errors import MissingDependencyError
+from precprof.export.wandb import BesideTrainer
 from precprof.integrations._common import Session, first_token_count, model_info
 
 try:
@@ -298,9 +299,11 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
             else Path(getattr(args, "output_dir", None) or "runs") / "precprof"
         )
         if self._session is None:
-            self._session = Session(
-                out, {"sample_every": self.sample_every, **self.profiler_kwargs}, report=self.report
-            )
+            kwargs = {"sample_every": self.sample_every, **self.profiler_kwargs}
+            if kwargs.get("wandb") not in (None, False) and _reports_to_wandb(args):
+                # the Trainer's WandbCallback logs without step=: precprof's rows beside it, against their own axis
+                kwargs["wandb"] = BesideTrainer(kwargs["wandb"])
+            self._session = Session(out, kwargs, report=self.report)
         self._session.out = out
         wrapped = getattr(trainer, "model_wrapped", None) if trainer is not None else None
         self._session.start(
@@ -395,3 +398,10 @@ def _trainer_compiles(args: Any) -> str | None:
     return f"the whole model (the Trainer's torch_compile, backend {backend}" + (
         f", mode {mode})" if mode else ")"
     )
+
+
+def _reports_to_wandb(args: Any) -> bool:
+    """Whether the Trainer logs to wandb itself (``report_to`` names it, or "all")."""
+    report_to = getattr(args, "report_to", None)
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    return any(str(n).lower() in ("wandb", "all") for n in names)
