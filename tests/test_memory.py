@@ -897,6 +897,53 @@ def test_projection_from_autocast_run_uses_its_dtype_mix() -> None:
     assert r[("bf16", "measured", T.PARAMETERS)] == 4 * N_MLP  # autocast keeps fp32 parameters
 
 
+class _Lora(nn.Module):
+    """A frozen base Linear held in bf16 and a trained fp32 low-rank adapter beside it (LoRA's usual recipe:
+    the base loaded in bf16, peft's adapters in fp32, trained under bf16 autocast)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(64, 64).to(torch.bfloat16).requires_grad_(False)
+        self.down = nn.Linear(64, 4, bias=False)
+        self.up = nn.Linear(4, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+def test_a_frozen_bf16_base_under_fp32_adapters_is_an_autocast_run() -> None:
+    """LoRA on a bf16 base under bf16 autocast: the frozen base is most of the parameter bytes, and the run
+    was taken for bf16-pure ("mixed precision was not active"), its base projected at fp32 size in its own
+    mode (92 KiB projected against 48 KiB measured). Its gradients are fp32: an autocast run, whose frozen
+    16-bit parameters stay as measured in the modes that do not make every weight 16-bit."""
+    torch.manual_seed(0)
+    model = _Lora()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    tr = MemoryTracker(model, opt)
+    tr.attach()
+    rows = []
+    for step in range(2):
+        tr.begin_step(step, True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(8, 64)).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rows += tr.end_step(step)
+    tr.detach()
+    mem = T.frame("memory", rows)
+    assert infer_mode(mem) == "bf16"
+    proj = project(mem, {T.SUMMARY_CONFIG: {"precision": "bf16"}}, facts=tr.model_facts())
+    r = records(proj)
+    base, adapters = 64 * 64 + 64, 64 * 4 * 2
+    assert r[("bf16", "measured", T.PARAMETERS)] == 2 * base + 4 * adapters
+    assert r[("bf16", "projected", T.PARAMETERS)] == r[("bf16", "measured", T.PARAMETERS)]
+    assert r[("fp32", "projected", T.PARAMETERS)] == 2 * base + 4 * adapters
+    assert r[("bf16-pure", "projected", T.PARAMETERS)] == 2 * (base + adapters)
+    assert not any("was not active" in a for a in proj["assumptions"])
+    assert any(f"{base:,} frozen parameter elements held in 16-bit" in a for a in proj["assumptions"])
+
+
 def test_projection_from_pure_run_and_round_trip_through_summary() -> None:
     mem, tr = run_rows("bf16-pure")
     assert infer_mode(mem) == "bf16-pure"

@@ -98,8 +98,10 @@ def _last_step(memory: pd.DataFrame) -> pd.DataFrame:
 
 
 def infer_mode(memory: pd.DataFrame) -> str:
-    """The precision mode a memory table looks like: pure when parameters are 16-bit, autocast when saved
-    activations are, else fp32 (tf32 and fp8 cannot be told apart from fp32 and bf16 by memory alone)."""
+    """The precision mode a memory table looks like: pure when parameters are 16-bit and so are the gradients
+    (a frozen 16-bit base with fp32 adapters, LoRA's usual recipe, is not pure: its gradients are fp32), autocast
+    when saved activations are, else fp32 (tf32 and fp8 cannot be told apart from fp32 and bf16 by memory
+    alone)."""
     last = _last_step(memory)
     if last.empty:
         return "fp32"
@@ -113,13 +115,23 @@ def infer_mode(memory: pd.DataFrame) -> str:
         return "bf16" if by.idxmax() == "bfloat16" else "fp16"
 
     pure = dominant_low(T.PARAMETERS)
-    if pure is not None:
+    trained_fp32 = (last[T.COMPONENT] == T.GRADIENTS).any() and dominant_low(T.GRADIENTS) is None
+    if pure is not None and not trained_fp32:
         return f"{pure}-pure"
     acts = last[last[T.COMPONENT].isin([T.ACTIVATIONS, T.AUTOCAST_WEIGHT_COPIES])]
     low = acts[acts[T.DTYPE].isin(["bfloat16", "float16"])]
     if not low.empty:
         return "bf16" if low.groupby(T.DTYPE)[T.BYTES].sum().idxmax() == "bfloat16" else "fp16"
     return "fp32"
+
+
+def _frozen_low_bytes(params: pd.DataFrame, n_frozen: int, seen_mode: str) -> int:
+    """Bytes of 16-bit parameters that are frozen ones (at most 2 bytes per frozen element), in a run that is
+    not pure (its trained parameters are fp32); 0 otherwise."""
+    if n_frozen <= 0 or seen_mode in PURE_MODES or params.empty:
+        return 0
+    low = params[params[T.DTYPE].isin(["bfloat16", "float16"])]
+    return int(min(pd.to_numeric(low[T.BYTES], errors="coerce").fillna(0).sum(), 2 * n_frozen))
 
 
 def _elements(rows: pd.DataFrame) -> tuple[float, int]:
@@ -180,6 +192,9 @@ def project(
         n_trainable = round(n_trainable * p_elems / n_params)
         n_params = round(p_elems)
     g_fixed = _elements(comp(T.GRADIENTS))[1]
+    # frozen parameters held in 16-bit beside fp32 trained ones (a bf16 base under fp32 LoRA adapters): kept as
+    # measured in every mode that does not make the weights 16-bit anyway
+    frozen_low = _frozen_low_bytes(comp(T.PARAMETERS), n_params - n_trainable, infer_mode(memory))
     b_elems, b_fixed = _elements(comp(T.BUFFERS))
     o_elems, o_fixed = _elements(comp(T.OPTIMIZER_STATES))
     m_elems, m_fixed = _elements(comp(T.MASTER_WEIGHTS))
@@ -232,6 +247,8 @@ def project(
     for target in MODES:
         low = target in PURE_MODES
         param_b = (2 if low else 4) * p_elems + p_fixed
+        if frozen_low and not low:
+            param_b = 4 * (p_elems - frozen_low / 2) + frozen_low + p_fixed
         if measured_pure and low:
             param_b = float(measured.get(T.PARAMETERS, param_b))
         projected[target] = {
@@ -291,6 +308,14 @@ def project(
                 "active, so the projection treats the run as measured in fp32 storage."
             ]
             if inactive
+            else []
+        ),
+        *(
+            [
+                f"The {frozen_low // 2:,} frozen parameter elements held in 16-bit stay so in every mode: "
+                "only the trained ones follow it."
+            ]
+            if frozen_low
             else []
         ),
         "tf32 stores everything in fp32 (it only changes matmul arithmetic), so it takes what fp32 takes.",
