@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -620,3 +621,32 @@ def test_wandb_beside_the_trainers_own_logs_keeps_every_step(
     steps = T.read_tables(cb.run_dir)["steps"]
     assert [r["precprof/step"] for r in rows] == steps[T.STEP].tolist() == list(range(STEPS))
     assert [r["precprof/loss"] for r in rows] == pytest.approx(steps[T.LOSS].tolist())
+
+
+class _Images(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        return {"pixel_values": torch.randn(3, 16, 16, generator=g), "labels": torch.tensor(i % 3)}
+
+
+def test_a_model_without_input_ids_counts_no_tokens(tmp_path: Path) -> None:
+    """A ViT's batch has ``pixel_values`` and ``labels``: its "tokens" were the labels (the first integer tensor
+    of the forward's arguments), 8 a step, shown as tokens/s beside an advisor that said 68 tokens per call.
+    Labels are never tokens: a batch without ``input_ids`` counts none."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    cfg = ViTConfig(
+        image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_labels=3,
+    )  # fmt: skip
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=2, report=False)
+    args = training_args(tmp_path, max_steps=2, gradient_accumulation_steps=2)
+    Trainer(model=ViTForImageClassification(cfg), args=args, train_dataset=_Images(), callbacks=[cb]).train()
+    steps = T.read_tables(cb.run_dir)["steps"]
+    assert len(steps) == 2 and steps[T.TOKENS].isna().all()
+    final = T.read_summary(cb.run_dir)["final"]
+    assert final["tokens_per_s_steps"] == 0 and math.isnan(final["tokens_per_s"])

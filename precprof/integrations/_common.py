@@ -197,19 +197,15 @@ class Session:
 
 
 def first_token_count(batch: Any) -> int | None:
-    """Tokens in a batch: the element count of its first integer tensor (token ids), else None."""
+    """Tokens in a batch: the element count of its token ids, else None. Token ids are ``input_ids`` in a
+    mapping (a mapping without them has none: a ViT's ``pixel_values`` and ``labels`` are no tokens), and the
+    first element of a sequence when it is integer (``(ids, targets)``; ``(images, labels)`` has none: labels
+    are never tokens)."""
     if isinstance(batch, torch.Tensor):
         return int(batch.numel()) if not batch.is_floating_point() and batch.dtype != torch.bool else None
     if isinstance(batch, Mapping):
-        if isinstance(batch.get("input_ids"), torch.Tensor):
-            return int(batch["input_ids"].numel())
-        items: Any = batch.values()
-    elif isinstance(batch, (list, tuple)):
-        items = batch
-    else:
-        return None
-    for item in items:
-        n = first_token_count(item)
-        if n is not None:
-            return n
+        ids = batch.get("input_ids")
+        return first_token_count(ids) if isinstance(ids, torch.Tensor) else None
+    if isinstance(batch, (list, tuple)) and batch:
+        return first_token_count(batch[0])
     return None
