@@ -34,7 +34,7 @@ from torch import nn
 import precprof
 from precprof import stats as st
 from precprof import tables as T
-from precprof.capture.profiler import block_formats_from_env
+from precprof.capture.plan import block_formats_from_env
 from precprof.capture.reducer import RankReducer, _row_layout, wrapper_info
 
 HERE = Path(__file__).parent

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -650,3 +651,30 @@ def test_a_model_without_input_ids_counts_no_tokens(tmp_path: Path) -> None:
     assert len(steps) == 2 and steps[T.TOKENS].isna().all()
     final = T.read_summary(cb.run_dir)["final"]
     assert final["tokens_per_s_steps"] == 0 and math.isnan(final["tokens_per_s"])
+
+
+class _SlowEval(TokenData):
+    """An evaluation set of 4 samples that take 0.1 s each to load: 0.4 s an evaluation."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        time.sleep(0.1)
+        return super().__getitem__(i)
+
+
+def test_the_trainers_evaluation_is_not_the_next_steps_time(tmp_path: Path) -> None:
+    """The Trainer evaluates after ``on_step_end`` (precprof's step) and before the next step: the evaluation's
+    time was the next step's ``time_s``, and with ``eval_steps`` a multiple of the sampling interval it always
+    fell in a sampled step, read as precprof's overhead. ``Trainer.evaluate`` is left out of step times."""
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=2, report=False)
+    args = training_args(
+        tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4
+    )
+    Trainer(
+        model=tiny_gpt2(), args=args, train_dataset=TokenData(), eval_dataset=_SlowEval(), callbacks=[cb]
+    ).train()
+    steps = T.read_tables(cb.run_dir)["steps"]
+    assert steps[T.STEP].tolist() == [0, 1, 2, 3]
+    assert (steps[T.TIME_S] < 0.4).all(), steps[T.TIME_S].tolist()  # a step of this model takes milliseconds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 from typing import Any
 
@@ -440,3 +441,25 @@ def test_the_norm_lightning_clips_by_is_recorded(tmp_path: Path) -> None:
     trainer.callbacks.append(Probe())
     trainer.fit(TinyLM(), loader())
     assert T.read_tables(cb.run_dir)["steps"][T.GRAD_NORM].tolist() == norms and len(norms) == 4
+
+
+class SlowValidationLM(TinyLM):
+    """A validation loop of 0.4 s (two batches of 0.2 s) after every second training batch."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        time.sleep(0.2)
+
+
+def test_validation_is_not_the_next_steps_time(tmp_path: Path) -> None:
+    """The callback steps the Profiler when a training batch ends; Lightning then validates, and that time
+    landed in the next step's ``time_s``: with validation every 4 steps and sampling every 4, a report blamed
+    precprof for 96% of the run's time, and the budget sampler stopped sampling. The validation loop is left
+    out of step times."""
+    cb = PrecprofCallback(sample_every=2, report=False)
+    trainer = quiet_trainer(
+        tmp_path, cb, max_steps=4, val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=0
+    )
+    trainer.fit(SlowValidationLM(), loader(), loader())
+    steps = T.read_tables(cb.run_dir)["steps"]
+    assert steps[T.STEP].tolist() == [0, 1, 2, 3]
+    assert (steps[T.TIME_S] < 0.4).all(), steps[T.TIME_S].tolist()  # a step of this model takes milliseconds

@@ -13,8 +13,9 @@ no captured module produced it (``T.input_module``).
 from __future__ import annotations
 
 import fnmatch
+import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -202,3 +203,16 @@ class CapturePlan:
         out |= {T.input_module(s.name): s.input_order for s in self.modules if s.input >= 0}
         self._order = (orders, out)
         return out
+
+
+def iter_module_names(model: nn.Module) -> Iterable[str]:
+    """Qualified names of the modules a default Profiler captures, in registration order."""
+    return [name for name, m in _compat.named_modules(model) if selected(name, m, None)]
+
+
+BLOCK_FORMATS_ENV = "PRECPROF_BLOCK_FORMATS"
+
+
+def block_formats_from_env() -> bool:
+    """``PRECPROF_BLOCK_FORMATS``: "0", "false", "no" or "off" turn the block-format what-if off; on otherwise."""
+    return os.environ.get(BLOCK_FORMATS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")

@@ -29,10 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +46,7 @@ from precprof.capture.collect import Collector
 from precprof.capture.hooks import StepHooks
 from precprof.capture.memory_schedule import check_every
 from precprof.capture.memory_tracker import MemoryTracker
-from precprof.capture.plan import CapturePlan, ModuleFilter, selected
+from precprof.capture.plan import CapturePlan, ModuleFilter, block_formats_from_env
 from precprof.capture.recorded import Recorded
 from precprof.capture.records import MAX_PENDING_STEPS, RowInfo, _ModuleSlot, _PendingStep
 from precprof.capture.reducer import RankReducer, mean_over_ranks
@@ -238,6 +237,7 @@ class Profiler(ProfilerResults):
         self._sampling = False
         self._sample_reason = ""  # why the step in progress is sampled ("" when it is not)
         self._t_last = time.perf_counter()
+        self._outside_s = 0.0  # this step's time in ``not_training`` blocks: not the step's
         self._pending: list[_PendingStep] = []
 
         self._recorded = Recorded()
@@ -493,8 +493,8 @@ class Profiler(ProfilerResults):
             # the loss and the skip flag on their way to the host, for the next sampling decisions (no sync)
             for value, skipped in self._landed.put(loss, found):
                 self._sampler.observe_values(value, skipped)
-        time_s = math.nan if partial else now - self._t_last
-        self._t_last = now
+        time_s = math.nan if partial else now - self._t_last - self._outside_s
+        self._t_last, self._outside_s = now, 0.0
         step, reason, sampled = self._step, self._sample_reason, self._sampling
         return _PendingStep(step, loss, scale, found, grad_norm, time_s, sampled, tokens, reason, partial)
 
@@ -517,6 +517,7 @@ class Profiler(ProfilerResults):
         clipped = self._clip_norms.take() if self._clip_norms is not None else None
         if grad_norm is None:
             grad_norm = clipped
+        outside = self._outside_s
         pending = self._make_pending(loss, grad_norm, tokens)
         self._pending.append(pending)
         step_s = pending.time_s
@@ -525,7 +526,7 @@ class Profiler(ProfilerResults):
             if self._sampling:
                 # a sampled step's time includes its copy: what it cost, for the budgets and the steps table
                 self._t_last = time.perf_counter()
-                step_s = self._t_last - started
+                step_s = self._t_last - started - outside
                 if self._buffer is not None:
                     self._adapt_block_groups(self._step, step_s)
         self._sampler.observe(self._step, self._sample_reason, step_s)
@@ -540,6 +541,17 @@ class Profiler(ProfilerResults):
             self._sampler.next_step = self._step + int(self._reducer.reduce_max(gap).item())
         self._step += 1
         self._begin_step()
+
+    @contextlib.contextmanager
+    def not_training(self) -> Iterator[None]:
+        """Time spent inside is not the step's: an evaluation or a checkpoint between two steps. Left out of the
+        step it falls in (its ``time_s``, a sampled step's cost, the overhead budget); the Trainer's and
+        Lightning's callbacks wrap their evaluations in it."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._outside_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------- host side
     def _flush(self, sampled_step_done: bool, timed: _PendingStep | None = None) -> None:
@@ -584,16 +596,3 @@ class Profiler(ProfilerResults):
     def scratch_bytes(self) -> int:
         """Bytes of reusable scratch the statistics hold (bounded by the chunk size)."""
         return self._buffer.scratch_bytes if self._buffer is not None else 0
-
-
-def iter_module_names(model: nn.Module) -> Iterable[str]:
-    """Qualified names of the modules a default Profiler captures, in registration order."""
-    return [name for name, m in _compat.named_modules(model) if selected(name, m, None)]
-
-
-BLOCK_FORMATS_ENV = "PRECPROF_BLOCK_FORMATS"
-
-
-def block_formats_from_env() -> bool:
-    """``PRECPROF_BLOCK_FORMATS``: "0", "false", "no" or "off" turn the block-format what-if off; on otherwise."""
-    return os.environ.get(BLOCK_FORMATS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")

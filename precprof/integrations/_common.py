@@ -10,12 +10,13 @@ starts, whichever comes first.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pandas as pd
 import torch
@@ -154,6 +155,13 @@ class Session:
     def step(self, loss: Any = None, grad_norm: Any = None, tokens: int | None = None) -> None:
         if self.prof is not None and self.prof.attached:
             self.prof.step(loss=loss, grad_norm=grad_norm, tokens=tokens)
+
+    def not_training(self) -> contextlib.AbstractContextManager[None]:
+        """The Profiler's ``not_training`` (an evaluation between steps: not the step's time); nothing when no
+        Profiler is attached."""
+        if self.prof is not None and self.prof.attached:
+            return cast(contextlib.AbstractContextManager[None], self.prof.not_training())
+        return contextlib.nullcontext()
 
     def finish(self, status: str = T.STATUS_COMPLETE, reason: str | None = None) -> Path | None:
         """Detach, write the run directory (the writer rank) and the report. Idempotent; never raises for a

@@ -53,6 +53,7 @@ Under torch.distributed (``torchrun``/``accelerate launch``) the Profiler reduce
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import types
@@ -215,15 +216,26 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
     def _on_grad_norm(self, norm: Any) -> None:
         self._step_grad_norm = norm
 
-    def _tap(self, obj: Any, name: str, record: Callable[[Any], None]) -> None:
-        """Wrap ``obj.name`` (a method) with an instance attribute that hands its return value to ``record``."""
+    def _not_training(self) -> contextlib.AbstractContextManager[None]:
+        return self._session.not_training() if self._session is not None else contextlib.nullcontext()
+
+    def _tap(
+        self,
+        obj: Any,
+        name: str,
+        record: Callable[[Any], None] = lambda result: None,
+        around: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        """Wrap ``obj.name`` (a method) with an instance attribute that runs it inside ``around()`` and hands its
+        return value to ``record``."""
         original = getattr(obj, name, None)
         if not callable(original):
             return
 
         @functools.wraps(original)
         def tapped(*args: Any, **kwargs: Any) -> Any:
-            result = original(*args, **kwargs)
+            with around():
+                result = original(*args, **kwargs)
             record(result)
             return result
 
@@ -238,6 +250,8 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
         self._untap()
         self._tap(trainer, "training_step", self._on_training_step)
         self._tapped = bool(self._taps)
+        # the Trainer evaluates between prof.step() and the next step's begin: not the next step's time
+        self._tap(trainer, "evaluate", around=self._not_training)
         accelerator = getattr(trainer, "accelerator", None)
         if accelerator is not None:
             self._tap(accelerator, "clip_grad_norm_", self._on_grad_norm)

@@ -33,6 +33,7 @@ writes (``precprof.capture.reducer``); the wrapper is described from ``trainer.s
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,8 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._embedding_hook: Any = None
         self._fed: int | None = None  # ids the token embedding looked up in this micro-batch (first call)
         self._start: tuple[Any, ...] | None = None  # the session's start, made at the first batch
+        # a validation loop between two training batches: its time is not the next step's (``not_training``)
+        self._outside = contextlib.ExitStack()
 
     @property
     def run_dir(self) -> Path | None:
@@ -222,6 +225,13 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             mean = self._loss_sum * (norm / self._micro_batches)
         self._session.step(loss=mean, tokens=self._tokens or None)
         self._reset_step()
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._session is not None:
+            self._outside.enter_context(self._session.not_training())
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._outside.close()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.finish()
