@@ -858,3 +858,13 @@ def test_the_memory_tables_total_adds_up_its_parts_and_the_peak_stands_apart() -
     row = re.findall(r"<td[^>]*>(.*?)</td>", table.split("<tbody>", 1)[1].split("</tr>", 1)[0])
     assert row[1:] == ["2 MiB", "2 MiB", "4 MiB", "3 MiB"], row
     assert "the total adds up these parts" in table and "most the allocator held at once" in table
+
+
+def test_runs_without_measured_memory_draw_their_throughput() -> None:
+    """Runs of a loop without the memory tracker: the figure's legend of no memory part raised ValueError
+    (matplotlib's ncol=0), and no compare.html was written."""
+    comp = _four_runs()
+    comp.runs[:] = [dataclasses.replace(r, memory={}, memory_total=0) for r in comp.runs]
+    fig = compare_page.resources_figure(comp)
+    assert [b.get_width() for b in fig.axes[1].patches] == [1000.0] * 4
+    assert not fig.legends

@@ -173,14 +173,15 @@ def resources_figure(comparison: Comparison) -> Any | None:
     ax_mem.set_xlim(0, max(left.max() * 1.18, 1e-9) if len(left) else 1)
     ax_mem.set_xlabel(unit)
     ax_mem.set_title("Memory per component\n(last sampled step)", fontsize=9.5)
-    fig.legend(
-        *ax_mem.get_legend_handles_labels(),
-        loc="lower left",
-        bbox_to_anchor=(0.01, 0.0),
-        ncol=min(len(comps), 3),
-        frameon=False,
-        fontsize=8,
-    )
+    if comps:  # runs that measured no memory (a loop's own, without the memory tracker) have no parts to name
+        fig.legend(
+            *ax_mem.get_legend_handles_labels(),
+            loc="lower left",
+            bbox_to_anchor=(0.01, 0.0),
+            ncol=min(len(comps), 3),
+            frameon=False,
+            fontsize=8,
+        )
     tps = np.array([r.tokens_per_s if math.isfinite(r.tokens_per_s) else 0 for r in runs])
     styles = run_styles(comparison.runs)
     ax_tp.barh(y, tps, color=[styles[id(r)][0] for r in runs])
