@@ -31,6 +31,7 @@ from precprof.analysis.comparison import (
     analyse,
     parse_precisions,
     reference_index,
+    setup_differences,
 )
 from precprof.errors import UserError
 from precprof.report import compare_page
@@ -209,12 +210,13 @@ def compare_runs(
     ranks = _ranks_note(summaries, names)
     if ranks:
         comparison.notes.insert(0, ranks)
-    differ = _setup_differences(configs, names)
+    differ = "; ".join(f"{what}: {values}" for what, values in setup_differences(comparison.runs))
     if differ:
         comparison.notes.insert(
             0,
-            f"These runs differ in more than their precision: {differ}. Their losses and memory are not of one "
-            "setup, so a difference between them is not the precision's alone.",
+            f"These runs differ in more than their precision: {differ}. Their losses, speeds and memory are not "
+            "of one setup, so a difference between them is not the precision's alone, and the verdict check does "
+            "not judge the advisor by a run set up otherwise than the reference.",
         )
     where = Path(out) if out is not None else Path(os.path.commonpath([str(d.resolve()) for d in dirs]))
     if where in {d.resolve() for d in dirs}:  # one run directory holds the others: the page goes beside it
@@ -222,21 +224,6 @@ def compare_runs(
     if out is None and where == Path(where.anchor):  # runs in unrelated places: not the filesystem's root
         where = Path.cwd()
     return comparison, write(comparison, where)
-
-
-# the settings that decide what a run's loss and memory are, besides its precision
-_SETUP = {"data": "data", "batch_size": "batch size", "seq_len": "sequence length"}
-
-
-def _setup_differences(configs: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
-    """The settings of ``_SETUP`` that runs recording them differ in, in words ("data: fp32 synthetic, bf16
-    corpus.txt"); "" when every run that says agrees (a user's own loop records none of them)."""
-    out = []
-    for key, what in _SETUP.items():
-        said = [(n, c[key]) for n, c in zip(names, configs, strict=True) if c.get(key) is not None]
-        if len({json.dumps(v, sort_keys=True, default=str) for _, v in said}) > 1:
-            out.append(f"{what}: " + ", ".join(f"{n} {_setting(v)}" for n, v in said))
-    return "; ".join(out)
 
 
 def _ranks_note(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
@@ -260,14 +247,6 @@ def _ranks_note(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) ->
         "batch, not the mean over ranks, so a gap to a one-process run is partly rank 0's batch; its memory is "
         "one rank's."
     )
-
-
-def _setting(v: Any) -> str:
-    if isinstance(v, Mapping):  # the built-in loop's data: its kind and where it came from
-        return str(
-            v.get("path") or v.get("name") or v.get("kind") or json.dumps(v, sort_keys=True, default=str)
-        )
-    return str(v)
 
 
 def _precision_of(summary: dict[str, Any]) -> str:

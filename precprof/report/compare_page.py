@@ -14,16 +14,19 @@ import pandas as pd
 from precprof import tables as T
 from precprof._version import __version__
 from precprof.analysis.comparison import (
+    SETUP_SETTINGS,
     STATUS_MEANING,
     Comparison,
     RunResult,
     describe_run,
     describe_scale,
     finite,
+    setup_differences,
 )
 from precprof.analysis.throughput import BASIS_ALL, BASIS_UNSAMPLED
 from precprof.modes import MODE_COLORS
 from precprof.report import environment as env_words
+from precprof.report import filters as F
 from precprof.report.plots import COMPONENT_COLORS, FIG_WIDTH_IN, data_uri, plain, png_bytes, step_label
 from precprof.report.render import environment
 
@@ -251,6 +254,29 @@ def throughput_basis(comparison: Comparison) -> str:
     )
 
 
+# the optimizer's settings the environment says in the optimizer's row, when the runs share them but not it
+_HYPER = (("lr", "learning rate"), ("weight_decay", "weight decay"))
+
+
+def setup_rows(comparison: Comparison) -> list[tuple[str, str]]:
+    """The Setup section: the settings every run had alike, in the words of the report's environment, then each
+    setting the runs did not share, with every run's value (such a setting was left out without a word)."""
+    cfg = comparison.config
+    rows = [
+        *([("model", str(cfg["model"]))] if cfg.get("model") else []),
+        *(
+            [("model settings", ", ".join(f"{k}={v}" for k, v in cfg["model_args"].items()))]
+            if isinstance(cfg.get("model_args"), dict) and cfg["model_args"]
+            else []
+        ),
+        *[(k, v) for k, v in env_words.config_rows(cfg) if k != "run directory"],
+    ]
+    if not any(k == "optimizer" for k, _ in rows):  # the environment says these with the optimizer only
+        rows += [(what, F.num(cfg[k])) for k, what in _HYPER if cfg.get(k) is not None]
+    differ = setup_differences(comparison.runs, list(SETUP_SETTINGS))
+    return rows + [(what, f"differs by run: {values}") for what, values in differ]
+
+
 def render(comparison: Comparison, base_dir: Path | None = None) -> str:
     """The comparison page (HTML string): the report's look (its CSS and number filters), autoescaped."""
     ref = comparison.run(comparison.reference)
@@ -291,15 +317,7 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
         ),
         "resources_img": _img(resources_figure(comparison), "memory per component and throughput per run"),
         # the shared settings in the words of the report's environment (each run trained in this one process)
-        "setup": [
-            *([("model", str(cfg["model"]))] if cfg.get("model") else []),
-            *(
-                [("model settings", ", ".join(f"{k}={v}" for k, v in cfg["model_args"].items()))]
-                if isinstance(cfg.get("model_args"), dict) and cfg["model_args"]
-                else []
-            ),
-            *[(k, v) for k, v in env_words.config_rows(cfg) if k != "run directory"],
-        ],
+        "setup": setup_rows(comparison),
         "notes": comparison.notes,
         "command": cfg.get("command_line"),
         "wall_s": comparison.wall_s,

@@ -58,6 +58,7 @@ from precprof.analysis.comparison.runs import (
     MATCHED,
     REFERENCE,
     REFERENCE_PREFERENCE,
+    SETUP_SETTINGS,
     STALL_PROGRESS,
     STALLED,
     RunResult,
@@ -67,9 +68,12 @@ from precprof.analysis.comparison.runs import (
     parse_precisions,
     read_run,
     reference_index,
+    setting_text,
+    setup_differences,
+    setup_differs,
     smoothing_window,
 )
-from precprof.analysis.comparison.wording import describe_run, describe_scale, outcome_sentence
+from precprof.analysis.comparison.wording import and_list, describe_run, describe_scale, outcome_sentence
 from precprof.analysis.throughput import BASIS_ALL, MIN_STEPS
 from precprof.errors import UserError
 
@@ -94,6 +98,7 @@ __all__ = [
     "OVERRIDDEN",
     "REFERENCE",
     "REFERENCE_PREFERENCE",
+    "SETUP_SETTINGS",
     "SMALL_MODEL_MIN_SPEEDUP",
     "SPEED_CODES",
     "STALLED",
@@ -104,6 +109,7 @@ __all__ = [
     "RunResult",
     "Variant",
     "analyse",
+    "and_list",
     "check_against_runs",
     "classify",
     "describe_run",
@@ -115,6 +121,9 @@ __all__ = [
     "predicted_trouble",
     "read_run",
     "reference_index",
+    "setting_text",
+    "setup_differences",
+    "setup_differs",
     "smoothing_window",
     "speed_status",
 ]
@@ -175,6 +184,7 @@ def analyse(
             r.outcome, r.gap = (REFERENCE if r.steps else FAILED), 0.0
         else:
             r.outcome, r.gap = classify(r, ref, tolerance)
+            r.setup_differs = setup_differs(r, ref)
         if (
             r is not ref
             and math.isfinite(r.tokens_per_s)
@@ -221,7 +231,13 @@ def speed_not_taken(r: RunResult, ref: RunResult) -> str:
     """Why ``r``'s speed against ``ref`` is not compared ("" when it is): steps without per-layer capture on
     both sides, even enough to time. Profiled against profiled is not like with like: a profiled step's time is
     much of it precprof's, whose cost follows the tensors' bytes and so the format (two identical comparisons of
-    such steps gave bf16 at 1.44x and 0.88x fp32's speed; unprofiled, it was 0.4-0.9x)."""
+    such steps gave bf16 at 1.44x and 0.88x fp32's speed; unprofiled, it was 0.4-0.9x). A run trained otherwise
+    than the reference (``RunResult.setup_differs``) is not compared either: its speed is not the precision's."""
+    if r.setup_differs:
+        return (
+            f"{r.label}'s {and_list(r.setup_differs)} differ from {ref.label}'s: their speeds are not the "
+            "precision's alone"
+        )
     if r.tokens_per_s_basis == ref.tokens_per_s_basis == BASIS_ALL:
         return (
             f"every step of {ref.label} and {r.label} was profiled, and a profiled step's time is much of it "

@@ -23,7 +23,7 @@ from precprof.analysis.comparison.runs import (
     REFERENCE,
     RunResult,
 )
-from precprof.analysis.comparison.wording import _fmt_scale, _steps, outcome_sentence
+from precprof.analysis.comparison.wording import _fmt_scale, _steps, and_list, outcome_sentence
 
 CONFIRMED, CONTRADICTED, NOT_BORNE_OUT, MISSED, NOT_MEASURED, OVERRIDDEN = (
     "confirmed",
@@ -47,7 +47,7 @@ STATUS_MEANING = {
     NOT_BORNE_OUT: "the profile warned about this format, and the run did not suffer from it",
     MISSED: "the run went wrong and the profile gave no warning that bears on it",
     NOT_MEASURED: "no run in this comparison measures it: no run in that format, a failed run, no throughput, "
-    "or speed on a machine other than this one",
+    "speed on a machine other than this one, or a run trained otherwise than the reference besides its precision",
     OVERRIDDEN: "the advisor's fp32 default for a small model, against a run in the format its measurements "
     f"allowed that matched and reached {_GAIN}",
 }
@@ -119,8 +119,25 @@ def predicted_trouble(rec: Mapping[str, Any] | None, run: RunResult) -> list[dic
     return [f for f in format_warnings(rec, fmt) if _beside_the_point(f, run) is None]
 
 
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def _title(f: Mapping[str, Any]) -> str:
     return str(f.get("title") or f.get("code"))
+
+
+def not_isolated(r: RunResult, ref: RunResult) -> str:
+    """Why ``r``'s outcome against ``ref`` says nothing of its precision, in words ("" when it does): ``r``
+    trained with other settings than the reference besides its precision (``RunResult.setup_differs``: another
+    optimizer, learning rate, seed...). A run of bf16 at a learning rate of 20 diverged, and the check said the
+    advisor had missed it."""
+    if r.setup_differs:
+        return (
+            f"this comparison does not isolate precision for {r.label}: its {and_list(r.setup_differs)} "
+            f"differ from {ref.label}'s"
+        )
+    return ""
 
 
 def _planned_here(rec: Mapping[str, Any], ref: RunResult) -> bool:
@@ -177,7 +194,9 @@ def _recommendation_checks(
     )
     here = _planned_here(rec, ref)
     checks: list[Check] = []
-    finished = [r for r in others if r.outcome not in (FAILED, REFERENCE)]
+    done = [r for r in others if r.outcome not in (FAILED, REFERENCE)]
+    finished = [r for r in done if not not_isolated(r, ref)]
+    apart = "; ".join(dict.fromkeys(not_isolated(r, ref) for r in done if not_isolated(r, ref)))
     if fmt in ("fp32", "tf32", ref.precision):
         measured = str(rec.get("measured_format") or "")
         small = bool(measured) and measured not in ("fp32", "tf32", fmt)
@@ -191,7 +210,9 @@ def _recommendation_checks(
             checks.append(
                 Check(
                     NOT_MEASURED,
-                    f"Loss: {lead}; no other run finished to set it against.",
+                    f"Loss: {lead}; no other run sets it against precision alone: {apart}."
+                    if apart
+                    else f"Loss: {lead}; no other run finished to set it against.",
                     ref.label,
                     ASPECT_LOSS,
                 )
@@ -265,9 +286,10 @@ def _recommendation_checks(
             )
         )
     for r in family:
-        if r.outcome == FAILED:
+        if r.outcome == FAILED or not_isolated(r, ref):
+            why = f" {_sentence(not_isolated(r, ref))}." if r.outcome != FAILED else ""
             checks.append(
-                Check(NOT_MEASURED, f"Loss: {said}: {outcome_sentence(r, ref, 0)}", r.label, ASPECT_LOSS)
+                Check(NOT_MEASURED, f"Loss: {said}: {outcome_sentence(r, ref, 0)}{why}", r.label, ASPECT_LOSS)
             )
             continue
         ok = r.outcome in (MATCHED, AHEAD)
@@ -305,6 +327,17 @@ def _warning_checks(rec: Mapping[str, Any] | None, r: RunResult, ref: RunResult)
     did: its loss (warnings that bear on it) and its speed (warnings about speed)."""
     if r.outcome in (FAILED, REFERENCE):
         return [Check(NOT_MEASURED, f"Warnings: {outcome_sentence(r, ref, 0)}", r.label, ASPECT_WARNINGS)]
+    apart = not_isolated(r, ref)
+    if apart:
+        return [
+            Check(
+                NOT_MEASURED,
+                f"Warnings for {r.label}: {outcome_sentence(r, ref, 0)} {_sentence(apart)}, so the advisor's "
+                "warnings are not checked against it.",
+                r.label,
+                ASPECT_WARNINGS,
+            )
+        ]
     fmt = _family(r.precision)
     given = format_warnings(rec, fmt) if fmt else []
     trouble = [f for f in given if _beside_the_point(f, r) is None]
@@ -392,11 +425,13 @@ def check_against_runs(runs: Sequence[RunResult], ref: RunResult) -> list[Check]
             if r.loss_scale != ADVISED or r.outcome == FAILED:
                 continue
             ok = r.outcome in (MATCHED, AHEAD)
+            apart = not_isolated(r, ref)
             checks.append(
                 Check(
-                    CONFIRMED if ok else CONTRADICTED,
+                    NOT_MEASURED if apart else CONFIRMED if ok else CONTRADICTED,
                     f"Loss scale: the advisor sized fp16's loss scale at init_scale {_fmt_scale(advised)} on the "
-                    f"{ref.label} profile; trained with it, {outcome_sentence(r, ref, 0)}",
+                    f"{ref.label} profile; trained with it, {outcome_sentence(r, ref, 0)}"
+                    + (f" {_sentence(apart)}." if apart else ""),
                     r.label,
                     ASPECT_LOSS_SCALE,
                 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,28 @@ REFERENCE, MATCHED, BEHIND, AHEAD, STALLED, DIVERGED, FAILED = (
     "failed",
 )
 BAD_OUTCOMES = frozenset({BEHIND, STALLED, DIVERGED})
-# verdict-check statuses
+
+# the settings besides precision that decide what a run's loss, speed and memory are, as summary.json's config
+# names them (the built-in loop; the transformers and Lightning callbacks), in words
+SETUP_SETTINGS = {
+    "model_args": "model settings",
+    "optimizer_class": "optimizer",
+    "lr": "learning rate",
+    "learning_rate": "learning rate",
+    "weight_decay": "weight decay",
+    "grad_clip": "gradient clipping",
+    "seed": "seed",
+    "data": "data",
+    "batch_size": "batch size",
+    "seq_len": "sequence length",
+    "gradient_accumulation_steps": "gradient accumulation",
+    "accumulate_grad_batches": "gradient accumulation",
+    "max_steps": "planned steps",  # a learning-rate schedule's length
+    "steps": "steps",
+}
+# a setting runs may differ in and still be compared: runs of different lengths are compared on the steps all of
+# them finished (``analyse`` says so), and the built-in loop's learning rate does not follow its number of steps
+COMPARED_ANYWAY = frozenset({"steps"})
 
 
 @dataclass(frozen=True)
@@ -155,6 +177,10 @@ class RunResult:
     step_time_spread: float = math.nan  # the counted steps' interquartile range over their median
     # why no speed-up against the reference was taken ("" when one was, or nothing was timed)
     speed_not_taken: str = ""
+    # the run's ``SETUP_SETTINGS`` as its summary.json's config records them
+    settings: dict[str, Any] = field(default_factory=dict)
+    # the settings (in words) other than ``COMPARED_ANYWAY`` in which this run differs from the reference
+    setup_differs: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -281,7 +307,45 @@ def read_run(
         curve_steps=[int(s) for s in steps[T.STEP]] if not steps.empty else [],
         curve_loss=[float(v) for v in loss],
         compiled=str(cfg["compiled"]) if isinstance(cfg.get("compiled"), str) else None,
+        settings={k: cfg[k] for k in SETUP_SETTINGS if cfg.get(k) is not None},
     )
+
+
+def _key(v: Any) -> str:
+    return json.dumps(v, sort_keys=True, default=str)
+
+
+def setup_differs(run: RunResult, ref: RunResult) -> list[str]:
+    """The settings (in words, each once) in which ``run`` trained otherwise than ``ref``, of those both
+    record, leaving out ``COMPARED_ANYWAY``: a user's own loop records none, and differs in none."""
+    keys = [k for k in run.settings if k in ref.settings and k not in COMPARED_ANYWAY]
+    return list(
+        dict.fromkeys(SETUP_SETTINGS[k] for k in keys if _key(run.settings[k]) != _key(ref.settings[k]))
+    )
+
+
+def setup_differences(runs: Sequence[RunResult], keys: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """The settings of ``keys`` (default: ``SETUP_SETTINGS`` but ``COMPARED_ANYWAY``) that the runs recording
+    them differ in, each as (the setting in words, each run's value: "fp32 0.003, diverge 20"); [] when every
+    run that says agrees (a user's own loop records none of them)."""
+    out = []
+    for key in keys if keys is not None else [k for k in SETUP_SETTINGS if k not in COMPARED_ANYWAY]:
+        said = [(r.label, r.settings[key]) for r in runs if key in r.settings]
+        if len({_key(v) for _, v in said}) > 1:
+            out.append((SETUP_SETTINGS[key], ", ".join(f"{n} {setting_text(key, v)}" for n, v in said)))
+    return out
+
+
+def setting_text(key: str, v: Any) -> str:
+    """A setting's value in a few words: model settings as ``name=value``, the built-in loop's data by where it
+    came from."""
+    if isinstance(v, Mapping) and key == "model_args":
+        return ", ".join(f"{k}={x}" for k, x in v.items()) or "none"
+    if isinstance(v, float):  # 20, not 20.0
+        return f"{v:g}"
+    if isinstance(v, Mapping):
+        return str(v.get("path") or v.get("name") or v.get("kind") or _key(v))
+    return str(v)
 
 
 def classify(run: RunResult, ref: RunResult, tolerance: float) -> tuple[str, float | None]:

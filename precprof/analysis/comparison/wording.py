@@ -35,6 +35,11 @@ def _times(n: int) -> str:
     return "once" if n == 1 else "twice" if n == 2 else f"{n} times"
 
 
+def and_list(items: list[str]) -> str:
+    """``["optimizer", "learning rate", "seed"]`` -> ``optimizer, learning rate and seed``."""
+    return " and ".join(x for x in (", ".join(items[:-1]), items[-1] if items else "") if x)
+
+
 def _steps(n: int) -> str:
     return f"{n} step{'s' if n != 1 else ''}"
 

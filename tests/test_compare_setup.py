@@ -1,0 +1,144 @@
+"""``precprof compare RUN_DIR ...`` of runs that differ in more than their precision, or whose reference did not
+train, and the links from the page to each run: run directories built by hand, with the loss curves and the
+settings each case needs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from precprof import compare as C
+from precprof import tables as T
+from precprof.analysis import comparison as A
+
+STEPS = 20
+# the settings the built-in loop records, as ``precprof train`` of gpt-nano records them
+SETTINGS: dict[str, Any] = {
+    "model": "gpt-nano",
+    "model_args": {"n_layer": "2"},
+    "optimizer": "adamw",
+    "optimizer_class": "AdamW",
+    "lr": 0.003,
+    "weight_decay": 0.0,
+    "grad_clip": 1.0,
+    "seed": 0,
+    "steps": STEPS,
+    "batch_size": 4,
+    "seq_len": 32,
+    "data": {"name": "synthetic", "kind": "markov_chain"},
+    "loss_scaling": "none",
+}
+
+
+def _run(path: Path, precision: str, loss: list[float], **settings: Any) -> Path:
+    """A finished run directory: its steps table (``loss``, one row a step) and a summary with the built-in
+    loop's settings, ``settings`` over ``SETTINGS``; a report.html beside them, for the page to link."""
+    n = len(loss)
+    cols = {
+        T.STEP: list(range(n)),
+        T.LOSS: loss,
+        T.LOSS_SCALE: [1.0] * n,
+        T.SKIPPED: [False] * n,
+        T.GRAD_NORM: [1.0] * n,
+        T.TIME_S: [0.1] * n,
+        T.SAMPLED: [False] * n,
+        T.TOKENS: [128.0] * n,
+    }
+    rows = [dict(zip(cols, row, strict=True)) for row in zip(*cols.values(), strict=True)]
+    T.write_tables(path, {"steps": T.frame("steps", rows)})
+    T.write_summary(
+        path,
+        {
+            T.SUMMARY_STATUS: T.STATUS_COMPLETE,
+            T.SUMMARY_CONFIG: {**SETTINGS, "precision": precision, **settings},
+            T.SUMMARY_HARDWARE: {"device": "cpu", "name": "Test CPU"},
+        },
+    )
+    (path / T.REPORT_FILE).write_text("<html></html>")
+    return path
+
+
+def _falling(start: float, end: float) -> list[float]:
+    """A loss that falls from ``start`` to ``end`` at step 1 and stays there: its final window's mean is ``end``."""
+    return [start] + [end] * (STEPS - 1)
+
+
+def _with_rec(run_dir: Path, findings: list[dict[str, str]]) -> None:
+    """The run's summary with an advisor's recommendation (fp32, the small model's default) and ``findings``."""
+    summary = T.read_summary(run_dir)
+    summary[T.SUMMARY_RECOMMENDATION] = {"format": "fp32", "findings": findings}
+    T.write_summary(run_dir, summary)
+
+
+def test_runs_that_differ_in_optimizer_lr_and_clipping_say_so_and_do_not_blame_the_advisor(
+    tmp_path: Path,
+) -> None:
+    """fp32, bf16, and bf16 trained with SGD at a learning rate of 20 without clipping: the third diverged, and
+    the page marked the advisor "MISSED" for it; its Setup left optimizer, learning rate and clipping out, and
+    nothing on the page said the runs differed in more than precision. The note and the Setup say each setting
+    and each run's value; that run's checks say the comparison does not isolate precision for it, and its
+    speed is not compared."""
+    fp32 = _run(tmp_path / "fp32", "fp32", _falling(5.5, 5.0))
+    _with_rec(fp32, [])
+    bf16 = _run(tmp_path / "bf16", "bf16", _falling(5.5, 5.0))
+    sgd = _run(
+        tmp_path / "sgd",
+        "bf16",
+        [5.5, 7.0, 381.0] + [float("nan")] * (STEPS - 3),
+        optimizer="sgd",
+        optimizer_class="SGD",
+        lr=20.0,
+        grad_clip=0.0,
+    )
+    comp, page = C.compare_runs([fp32, bf16, sgd], out=tmp_path / "cmp")
+    r = comp.run("sgd")
+    assert r.outcome == A.DIVERGED and r.first_nonfinite_step == 3
+    assert r.setup_differs == ["optimizer", "learning rate", "gradient clipping"]
+    assert comp.run("bf16").setup_differs == []
+    assert comp.notes[0].startswith(
+        "These runs differ in more than their precision: optimizer: fp32 AdamW, bf16 AdamW, sgd SGD; "
+        "learning rate: fp32 0.003, bf16 0.003, sgd 20; gradient clipping: fp32 1, bf16 1, sgd 0. "
+    )
+    mine = [c for c in comp.checks if c.run == "sgd"]
+    assert mine and all(c.status == A.NOT_MEASURED for c in mine), mine
+    assert any(
+        "This comparison does not isolate precision for sgd: its optimizer, learning rate and gradient "
+        "clipping differ from fp32's" in c.text
+        for c in mine
+    )
+    assert not any(c.status == A.MISSED for c in comp.checks)
+    # bf16 trained as fp32 did: checked as before
+    assert any(
+        c.run == "bf16" and c.status == A.CONFIRMED and c.aspect == A.ASPECT_WARNINGS for c in comp.checks
+    )
+    # its tokens per second (128 tokens in 0.1 s, as fp32's) are not a speed-up of 1.0: not compared
+    assert r.speedup is None and r.speed_not_taken.startswith("sgd's optimizer, learning rate and gradient")
+    assert comp.run("bf16").speedup == 1.0
+    html = page.read_text()
+    setup = html.split('<section id="setup">', 1)[1]
+    rows = dict(re.findall(r'<th scope="row">(.*?)</th><td>(.*?)</td>', setup))
+    assert rows["optimizer"] == "differs by run: fp32 AdamW, bf16 AdamW, sgd SGD"
+    assert rows["learning rate"] == "differs by run: fp32 0.003, bf16 0.003, sgd 20"
+    assert rows["gradient clipping"] == "differs by run: fp32 1, bf16 1, sgd 0"
+    assert rows["weight decay"] == "0"  # shared, said without the optimizer's row
+    assert "differs by run" not in rows["batch"]
+
+
+def test_runs_that_differ_in_model_settings_seed_and_steps(tmp_path: Path) -> None:
+    """Model settings (a loss multiplied by 1e-6 or 1e-3) and a seed make two runs of other setups; the steps
+    do not: runs of different lengths are compared on the steps both finished, and the Setup says each run's."""
+    a = _run(tmp_path / "a", "fp16", _falling(5.5, 5.0), model_args={"shrink": "1e-6"})
+    b = _run(tmp_path / "b", "bf16", _falling(5.5, 5.0), model_args={"shrink": "1e-3"}, seed=1)
+    c = _run(tmp_path / "c", "fp32", _falling(5.5, 5.0) + [5.0] * 10, steps=STEPS + 10)
+    comp, page = C.compare_runs([a, b, c], out=tmp_path / "cmp")
+    assert comp.reference == "fp32"
+    assert comp.run("fp16").setup_differs == ["model settings"]
+    assert comp.run("bf16").setup_differs == ["model settings", "seed"]
+    assert (
+        "model settings: fp16 shrink=1e-6, bf16 shrink=1e-3, fp32 n_layer=2; seed: fp16 0, bf16 1, fp32 0. "
+        in comp.notes[0]
+    )
+    assert "steps" not in comp.notes[0].split(". ")[0]
+    rows = dict(re.findall(r'<th scope="row">(.*?)</th><td>(.*?)</td>', page.read_text()))
+    assert rows["steps"] == f"differs by run: fp16 {STEPS}, bf16 {STEPS}, fp32 {STEPS + 10}"
