@@ -173,8 +173,9 @@ def compare_runs(
 ) -> tuple[Comparison, Path]:
     """Compare runs already recorded (a user's own loop, the callbacks, ``precprof train``): each named by its
     precision (the run's configuration, else what the Profiler saw it train in), or by its folder where two
-    share one; fp32 (then tf32) is the reference, else the first. Writes compare.json and compare.html into
-    ``out`` (default: the folder holding the runs); returns the comparison and the page's path."""
+    share one; fp32 (then tf32) is the reference, else the first, and of those the first that trained. Writes
+    compare.json and compare.html into ``out`` (default: the folder holding the runs); returns the comparison
+    and the page's path."""
     dirs = [Path(d) for d in run_dirs]
     if len(dirs) < 2:
         raise UserError("give at least two run directories to compare")

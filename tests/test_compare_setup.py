@@ -142,3 +142,50 @@ def test_runs_that_differ_in_model_settings_seed_and_steps(tmp_path: Path) -> No
     assert "steps" not in comp.notes[0].split(". ")[0]
     rows = dict(re.findall(r'<th scope="row">(.*?)</th><td>(.*?)</td>', page.read_text()))
     assert rows["steps"] == f"differs by run: fp16 {STEPS}, bf16 {STEPS}, fp32 {STEPS + 10}"
+
+
+def test_a_reference_that_did_not_train_gives_way_to_one_that_did(tmp_path: Path) -> None:
+    """fp16 without loss scaling, every gradient flushed to zero: its loss never fell. Given first, with no fp32
+    run, it was the reference, and the run that trained was "behind +90766%" of it. The first run the rule
+    allows that trained is the reference, and a note says why."""
+    flushed = _run(tmp_path / "flushed", "fp16", [5.5e-6] * STEPS)
+    partial = _run(tmp_path / "partial", "fp16", _falling(5.5e-3, 4.4e-3))
+    comp, page = C.compare_runs([flushed, partial], out=tmp_path / "cmp")
+    assert comp.reference == "partial"
+    assert comp.run("flushed").outcome == A.STALLED
+    removed = (5.5e-3 - 4.4e-3) / 5.5e-3  # the share of its first loss the partial run removed: 20%
+    assert (
+        "flushed, the reference by the rule (fp32, then tf32, else the first run), did not train: its loss went "
+        f"5.5e-06 → 5.5e-06 and removed none of its first loss, while partial removed {removed:.1%} of its own. "
+        "The reference is partial, the next run the rule allows that did."
+    ) in comp.notes
+    assert "reference that did not train" not in page.read_text().split('<section id="check">')[0]
+
+
+def test_a_reference_the_rule_requires_is_kept_and_flagged(tmp_path: Path) -> None:
+    """The only fp32 run diverged: the rule keeps it as the reference (the others are compared with fp32), and the
+    page says it did not train; no check judges the advisor by the outcomes against it."""
+    fp32 = _run(tmp_path / "fp32", "fp32", [5.5] * 10 + [float("nan")] * (STEPS - 10))
+    _with_rec(fp32, [])
+    bf16 = _run(tmp_path / "bf16", "bf16", _falling(5.5, 5.0))
+    comp, page = C.compare_runs([bf16, fp32], out=tmp_path / "cmp")
+    assert (
+        comp.reference == "fp32" and comp.run("fp32").did_not_train == "its loss became non-finite at step 10"
+    )
+    assert any(
+        n.startswith("The reference, fp32, did not train: its loss became non-finite at step 10.")
+        for n in comp.notes
+    )
+    assert [c.status for c in comp.checks if c.run == "bf16"] == [A.NOT_MEASURED]
+    headline = page.read_text().split('<section id="check">')[0]
+    assert '<span class="k">fp32</span><span class="v">reference that did not train</span>' in headline
+
+
+def test_a_reference_whose_profile_sized_a_loss_scale_stays(tmp_path: Path) -> None:
+    """A run trained at the loss scale the advisor sized on the first run's profile: that profile is the
+    yardstick, stalled or not, and is flagged."""
+    flushed = _run(tmp_path / "flushed", "bf16", [5.5] * STEPS)
+    advised = _run(tmp_path / "advised", "fp16", _falling(5.5, 4.4))
+    comp = A.analyse([(A.Variant("bf16"), flushed), (A.Variant("fp16", "advised"), advised)])
+    assert comp.reference == "bf16" and comp.run("bf16").did_not_train.startswith("its loss went 5.5 → 5.5")
+    assert comp.notes[0].startswith("The reference, bf16, did not train")

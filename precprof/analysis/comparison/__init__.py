@@ -4,7 +4,8 @@ runs did. Pure and host-side: ``precprof.compare`` trains the runs, ``precprof.r
 
 Outcome of a run against the reference: ``diverged`` (non-finite final loss), ``stalled`` (it removed less
 than a quarter of the loss the reference removed), ``matched`` (final loss within ``tolerance``, relative),
-else ``behind`` or ``ahead``.
+else ``behind`` or ``ahead``; ``not compared`` when the reference has no final loss. The reference is the first
+run the rule allows (fp32, then tf32, else the first) that trained itself.
 
 Every sentence states what the run directories measured: a format is "confirmed" on speed only when its run
 reached ``SMALL_MODEL_MIN_SPEEDUP`` times the reference's throughput on the machine the advisor planned for
@@ -61,12 +62,15 @@ from precprof.analysis.comparison.runs import (
     SETUP_SETTINGS,
     STALL_PROGRESS,
     STALLED,
+    UNCOMPARED,
     RunResult,
     Variant,
     classify,
+    did_not_train,
     finite,
     parse_precisions,
     read_run,
+    reference_candidates,
     reference_index,
     setting_text,
     setup_differences,
@@ -104,6 +108,7 @@ __all__ = [
     "STALLED",
     "STALL_PROGRESS",
     "STATUS_MEANING",
+    "UNCOMPARED",
     "Check",
     "Comparison",
     "RunResult",
@@ -114,12 +119,14 @@ __all__ = [
     "classify",
     "describe_run",
     "describe_scale",
+    "did_not_train",
     "finite",
     "format_warnings",
     "outcome_sentence",
     "parse_precisions",
     "predicted_trouble",
     "read_run",
+    "reference_candidates",
     "reference_index",
     "setting_text",
     "setup_differences",
@@ -178,7 +185,7 @@ def analyse(
     known = {s for s in lasts if s is not None}
     until = min(known) if common_steps and len(known) > 1 else None
     results = [read_run(v, Path(d), until, st) for (v, d), st in zip(runs, steps, strict=True)]
-    ref = results[reference_index([v for v, _ in runs])]
+    ref, ref_note = _reference(results, [v for v, _ in runs])
     for r in results:
         if r is ref:
             r.outcome, r.gap = (REFERENCE if r.steps else FAILED), 0.0
@@ -216,8 +223,36 @@ def analyse(
             if until is not None
             else []
         )
+        + ([ref_note] if ref_note else [])
         + _notes(results, config or {}),
     )
+
+
+def _reference(results: Sequence[RunResult], variants: Sequence[Variant]) -> tuple[RunResult, str]:
+    """The reference run and a note about it ("" when none is due): the first run the rule allows
+    (``reference_candidates``) that trained. A reference that itself stalled or diverged made every other run
+    "ahead" or "behind +90766%" of a loss that never fell. Runs whose loss scale the advisor sized on the first
+    choice's profile keep that one, which trained first. A reference that did not train, kept because no run the
+    rule allows did, carries why (``RunResult.did_not_train``) and the note says it."""
+    allowed = [results[i] for i in reference_candidates(variants)]
+    why = {id(r): did_not_train(r, results) for r in allowed}
+    ref = allowed[0]
+    if not any(v.loss_scale == ADVISED for v in variants):
+        ref = next((r for r in allowed if not why[id(r)]), ref)
+    ref.did_not_train = why[id(ref)]
+    if ref.did_not_train:
+        return ref, (
+            f"The reference, {ref.label}, did not train: {ref.did_not_train}. The other runs' outcomes and gaps "
+            "are measured against it and say nothing of their precision, and the verdict check does not judge "
+            "the advisor by them."
+        )
+    if ref is not allowed[0]:
+        first = allowed[0]
+        return ref, (
+            f"{first.label}, the reference by the rule (fp32, then tf32, else the first run), did not train: "
+            f"{why[id(first)]}. The reference is {ref.label}, the next run the rule allows that did."
+        )
+    return ref, ""
 
 
 # the counted steps' interquartile range over their median above which a run's speed is not compared: steps

@@ -47,7 +47,8 @@ STATUS_MEANING = {
     NOT_BORNE_OUT: "the profile warned about this format, and the run did not suffer from it",
     MISSED: "the run went wrong and the profile gave no warning that bears on it",
     NOT_MEASURED: "no run in this comparison measures it: no run in that format, a failed run, no throughput, "
-    "speed on a machine other than this one, or a run trained otherwise than the reference besides its precision",
+    "speed on a machine other than this one, a run trained otherwise than the reference besides its precision, or a "
+    "reference that did not train",
     OVERRIDDEN: "the advisor's fp32 default for a small model, against a run in the format its measurements "
     f"allowed that matched and reached {_GAIN}",
 }
@@ -128,10 +129,12 @@ def _title(f: Mapping[str, Any]) -> str:
 
 
 def not_isolated(r: RunResult, ref: RunResult) -> str:
-    """Why ``r``'s outcome against ``ref`` says nothing of its precision, in words ("" when it does): ``r``
-    trained with other settings than the reference besides its precision (``RunResult.setup_differs``: another
-    optimizer, learning rate, seed...). A run of bf16 at a learning rate of 20 diverged, and the check said the
-    advisor had missed it."""
+    """Why ``r``'s outcome against ``ref`` says nothing of its precision, in words ("" when it does): the
+    reference did not train (``RunResult.did_not_train``), or ``r`` trained with other settings than the
+    reference besides its precision (``RunResult.setup_differs``: another optimizer, learning rate, seed...).
+    A run of bf16 at a learning rate of 20 diverged, and the check said the advisor had missed it."""
+    if ref.did_not_train:
+        return f"the reference, {ref.label}, did not train ({ref.did_not_train})"
     if r.setup_differs:
         return (
             f"this comparison does not isolate precision for {r.label}: its {and_list(r.setup_differs)} "

@@ -3,8 +3,8 @@ run directory, and its outcome against the reference run.
 
 Outcome of a run against the reference: ``diverged`` (non-finite final loss), ``stalled`` (it removed less
 than a quarter of the loss the reference removed), ``matched`` (final loss within ``tolerance``, relative),
-else ``behind`` or ``ahead``. A scaled run's loss scale is the one its steps table records, with the times it
-grew and backed off.
+else ``behind`` or ``ahead``; ``not compared`` when the reference has no final loss to compare with. A scaled
+run's loss scale is the one its steps table records, with the times it grew and backed off.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ REFERENCE, MATCHED, BEHIND, AHEAD, STALLED, DIVERGED, FAILED = (
     "diverged",
     "failed",
 )
+UNCOMPARED = "not compared"  # a finished run against a reference without a final loss (it diverged)
 BAD_OUTCOMES = frozenset({BEHIND, STALLED, DIVERGED})
 
 # the settings besides precision that decide what a run's loss, speed and memory are, as summary.json's config
@@ -122,13 +123,19 @@ def parse_precisions(spec: str | Sequence[str]) -> list[Variant]:
     return out
 
 
-def reference_index(variants: Sequence[Variant]) -> int:
-    """The run the others are compared with: fp32 (then tf32) with default scaling, else the first."""
+def reference_candidates(variants: Sequence[Variant]) -> list[int]:
+    """The runs the rule for choosing the reference allows, best first: those in fp32, else those in tf32,
+    else every run in the order given."""
     for name in REFERENCE_PREFERENCE:
-        for i, v in enumerate(variants):
-            if v.precision == name:
-                return i
-    return 0
+        allowed = [i for i, v in enumerate(variants) if v.precision == name]
+        if allowed:
+            return allowed
+    return list(range(len(variants)))
+
+
+def reference_index(variants: Sequence[Variant]) -> int:
+    """The run the others are compared with before any trained: fp32 (then tf32), else the first."""
+    return reference_candidates(variants)[0]
 
 
 @dataclass
@@ -181,6 +188,8 @@ class RunResult:
     settings: dict[str, Any] = field(default_factory=dict)
     # the settings (in words) other than ``COMPARED_ANYWAY`` in which this run differs from the reference
     setup_differs: list[str] = field(default_factory=list)
+    # the reference only: why it did not train itself ("" when it did: ``did_not_train``)
+    did_not_train: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -348,6 +357,44 @@ def setting_text(key: str, v: Any) -> str:
     return str(v)
 
 
+def _progress(run: RunResult) -> float:
+    """The share of its first loss a run removed by its end (nan when not known): a share, not an amount, so
+    that runs whose model settings scale the loss compare."""
+    if not (math.isfinite(run.initial_loss) and math.isfinite(run.final_loss)) or run.initial_loss == 0:
+        return math.nan
+    return (run.initial_loss - run.final_loss) / abs(run.initial_loss)
+
+
+def did_not_train(run: RunResult, others: Sequence[RunResult]) -> str:
+    """Why ``run`` did not train, in words ("" when it did): it recorded no step, its loss ended non-finite or
+    above 1.5 times its first (``classify``'s divergence), or it removed less than ``STALL_PROGRESS`` of the
+    share of its first loss that another run removed (fp16 whose every gradient flushed to zero)."""
+    if not run.steps:
+        return "it recorded no finished step"
+    if not math.isfinite(run.final_loss):
+        at = f" at step {run.first_nonfinite_step}" if run.first_nonfinite_step is not None else ""
+        return f"its loss became non-finite{at}"
+    if run.initial_loss > 0 and run.final_loss > 1.5 * run.initial_loss:
+        return f"its loss rose from {run.initial_loss:.3g} to {run.final_loss:.3g}"
+    mine = _progress(run)
+    best = max(
+        (o for o in others if o is not run and math.isfinite(_progress(o))), key=_progress, default=None
+    )
+    # another run that removed nothing is no measure of what this one should have removed
+    if (
+        best is None
+        or _progress(best) <= 0
+        or not math.isfinite(mine)
+        or mine >= STALL_PROGRESS * _progress(best)
+    ):
+        return ""
+    removed = f"{mine:.1%}" if mine > 0 else "none"
+    return (
+        f"its loss went {run.initial_loss:.3g} → {run.final_loss:.3g} and removed {removed} of its first loss, "
+        f"while {best.label} removed {_progress(best):.1%} of its own"
+    )
+
+
 def classify(run: RunResult, ref: RunResult, tolerance: float) -> tuple[str, float | None]:
     """(outcome, relative gap) of ``run`` against the reference run."""
     if run.status == "missing" or not run.steps:
@@ -355,7 +402,7 @@ def classify(run: RunResult, ref: RunResult, tolerance: float) -> tuple[str, flo
     if not math.isfinite(run.final_loss):
         return DIVERGED, None
     if not math.isfinite(ref.final_loss) or ref.final_loss == 0:
-        return FAILED, None
+        return UNCOMPARED, None
     gap = (run.final_loss - ref.final_loss) / abs(ref.final_loss)
     if run.initial_loss > 0 and run.final_loss > 1.5 * run.initial_loss:
         return DIVERGED, gap

@@ -13,6 +13,7 @@ from precprof.analysis.comparison.runs import (
     FAILED,
     MATCHED,
     STALLED,
+    UNCOMPARED,
     RunResult,
 )
 
@@ -102,4 +103,6 @@ def outcome_sentence(run: RunResult, ref: RunResult, tolerance: float) -> str:
         return f"{who} ended {_fmt_pct(run.gap)} below {ref.label}'s loss ({run.final_loss:.4g} vs {ref.final_loss:.4g})."
     if run.outcome == FAILED:
         return f"{who} did not finish{': ' + run.reason if run.reason else ''}."
+    if run.outcome == UNCOMPARED:
+        return f"{who} ended at loss {run.final_loss:.4g}; {ref.label} has no final loss to compare it with."
     return f"{who} is the reference."
