@@ -5,6 +5,7 @@ settings each case needs."""
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +190,23 @@ def test_a_reference_whose_profile_sized_a_loss_scale_stays(tmp_path: Path) -> N
     comp = A.analyse([(A.Variant("bf16"), flushed), (A.Variant("fp16", "advised"), advised)])
     assert comp.reference == "bf16" and comp.run("bf16").did_not_train.startswith("its loss went 5.5 → 5.5")
     assert comp.notes[0].startswith("The reference, bf16, did not train")
+
+
+def test_the_page_links_each_run_relatively_and_keeps_working_when_moved(tmp_path: Path) -> None:
+    """compare.html in runs/cmp linked runs/bf16's report by its absolute file:// URL: the folder copied to another
+    machine, every link pointed at a path that no longer existed."""
+    runs = tmp_path / "runs"
+    a = _run(runs / "fp32", "fp32", _falling(5.5, 5.0))
+    b = _run(runs / "bf16", "bf16", _falling(5.5, 5.0))
+    (b / T.REPORT_FILE).unlink()  # no report: the link goes to the run directory
+    _, page = C.compare_runs([a, b], out=runs / "cmp")
+    html = page.read_text()
+    assert "file://" not in html
+    assert 'href="../fp32/report.html"' in html and 'href="../bf16"' in html
+    moved = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(runs, moved)
+    shutil.rmtree(runs)
+    hrefs = re.findall(
+        r'<td data-label="report"><a href="([^"]+)"', (moved / "cmp" / C.COMPARE_HTML).read_text()
+    )
+    assert len(hrefs) == 2 and all((moved / "cmp" / h).exists() for h in hrefs), hrefs

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 import pandas as pd
@@ -223,15 +225,18 @@ def _img(fig: Any, alt: str) -> dict[str, str] | None:
 
 
 def _rel(path: str | None, base_dir: Path | None) -> str | None:
+    """A link from the page in ``base_dir`` to ``path``: relative wherever one exists (``../bf16/report.html``),
+    so that the folder holding the page and the runs keeps its links when copied or moved; a file:// URL only
+    where none does (another drive on Windows)."""
     if path is None:
         return None
-    p = Path(path)
+    p = Path(path).resolve()
     if base_dir is not None:
         try:
-            return p.resolve().relative_to(base_dir.resolve()).as_posix()
-        except ValueError:
+            return quote(Path(os.path.relpath(p, base_dir.resolve())).as_posix())
+        except ValueError:  # no relative path between two drives
             pass
-    return p.resolve().as_uri()
+    return p.as_uri()
 
 
 def throughput_basis(comparison: Comparison) -> str:
