@@ -860,6 +860,22 @@ def test_the_memory_tables_total_adds_up_its_parts_and_the_peak_stands_apart() -
     assert "the total adds up these parts" in table and "most the allocator held at once" in table
 
 
+def test_a_speed_the_page_says_does_not_compare_draws_no_bar() -> None:
+    """Every step of fp32 and bf16 profiled: the runs table and the verdict check said their speeds do not
+    compare, and the throughput panel drew bf16's bar at 8.9x fp32's. A run whose speed is not compared with the
+    reference's has no bar; the panel and the caption say so."""
+    comp = _four_runs()
+    why = "every step of fp32 and nano_bf16 was profiled: their speeds do not compare"
+    comp.runs[1] = dataclasses.replace(comp.runs[1], tokens_per_s=8921.0, speed_not_taken=why)
+    comp.runs[2] = dataclasses.replace(comp.runs[2], tokens_per_s=2000.0, speedup=2.0)
+    ax = compare_page.resources_figure(comp).axes[1]
+    assert [b.get_width() for b in ax.patches] == [1000.0, 0.0, 2000.0, 1000.0]
+    texts = [t.get_text() for t in ax.texts]
+    assert texts[1] == " no bar: does not compare\n with fp32" and texts[2] == " 2,000 (2.00×)"
+    caption = compare_page.render(comp).split('<section id="resources">', 1)[1].split("</figcaption>", 1)[0]
+    assert caption.endswith(f"with the speed-up over fp32. No bar for nano_bf16: {why}.")
+
+
 def test_runs_without_measured_memory_draw_their_throughput() -> None:
     """Runs of a loop without the memory tracker: the figure's legend of no memory part raised ValueError
     (matplotlib's ncol=0), and no compare.html was written."""

@@ -187,17 +187,32 @@ def resources_figure(comparison: Comparison) -> Any | None:
             frameon=False,
             fontsize=8,
         )
-    tps = np.array([r.tokens_per_s if math.isfinite(r.tokens_per_s) else 0 for r in runs])
+    ref = comparison.run(comparison.reference)
+    # a run whose speed the page says does not compare with the reference's gets no bar: bf16's profiled steps
+    # drew at 8.9x fp32's beside a table and a verdict check that said these speeds do not compare
+    apart = [r is not ref and bool(r.speed_not_taken) for r in runs]
+    tps = np.array(
+        [
+            r.tokens_per_s if math.isfinite(r.tokens_per_s) and not a else 0
+            for r, a in zip(runs, apart, strict=True)
+        ]
+    )
     styles = run_styles(comparison.runs)
     ax_tp.barh(y, tps, color=[styles[id(r)][0] for r in runs])
     profiled = {id(r) for r in runs if r.tokens_per_s_basis == BASIS_ALL}
     mixed = bool(profiled) and len(profiled) < len(runs)
-    for yi, v, r in zip(y, tps, runs, strict=True):
-        sp = (
-            f" ({r.speedup:.2f}×)"
-            if r.speedup is not None and r is not comparison.run(comparison.reference)
-            else ""
-        )
+    for yi, v, r, a in zip(y, tps, runs, apart, strict=True):
+        if a:
+            ax_tp.text(
+                0,
+                yi,
+                f" no bar: does not compare\n with {plain(ref.label)}",
+                va="center",
+                fontsize=8,
+                color="#666666",
+            )
+            continue
+        sp = f" ({r.speedup:.2f}×)" if r.speedup is not None and r is not ref else ""
         mark = " *" if mixed and id(r) in profiled else ""
         ax_tp.text(v, yi, f" {v:,.0f}{sp}{mark}", va="center", fontsize=8)
     ax_tp.set_yticks(y, [""] * len(runs))
@@ -321,6 +336,10 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
             loss_figure(comparison), "loss curves of every run overlaid, and relative to the reference"
         ),
         "resources_img": _img(resources_figure(comparison), "memory per component and throughput per run"),
+        # the runs the throughput panel draws no bar for, and why
+        "speed_apart": [
+            (r.label, r.speed_not_taken) for r in comparison.runs if r is not ref and r.speed_not_taken
+        ],
         # the shared settings in the words of the report's environment (each run trained in this one process)
         "setup": setup_rows(comparison),
         "notes": comparison.notes,
