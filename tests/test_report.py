@@ -665,6 +665,25 @@ def test_filters() -> None:
     )
 
 
+@pytest.mark.parametrize("unit", [0, 1, 2, 3, 4])
+def test_byte_sizes_near_a_thousand_of_a_unit_read_as_numbers(unit: int) -> None:
+    """1000 to 1023 of a unit printed as "1e+03 KiB" and "1.01e+03 MiB" (3 significant digits in ``.3g``). Every
+    size from 990 to 1030 of each unit reads back, in plain digits, to within half a unit of its 3rd digit."""
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+    for k in np.arange(990.0, 1030.0, 0.25):
+        v = k * 1024**unit
+        text = filters.nbytes(v)
+        number, name = text.split(" ")
+        assert re.fullmatch(r"[0-9][0-9,]*(\.[0-9]+)?", number), text
+        digits = number.replace(",", "")
+        back = float(digits) * scale[name]
+        # the last digit shown is within half a step of the value (3 significant, or every integer digit)
+        step = (
+            10.0 ** (math.floor(math.log10(float(digits))) - 2) if "." in digits or len(digits) <= 3 else 1.0
+        )
+        assert abs(back - v) <= (0.5 * step) * scale[name] + 0.5, (v, text)
+
+
 @pytest.mark.parametrize(
     "label",
     ["FP8 E4M3 underflow, current scaling", 'a "quoted" \\ label', "</style><script>x</script>", "μ · ½"],

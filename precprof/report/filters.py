@@ -85,16 +85,23 @@ def signed_pct(v: Any) -> str:
     return f"{sign}{a:.{digits}f}%"
 
 
+_BYTE_UNITS = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+
+
 def nbytes(v: Any) -> str:
-    """Bytes in IEC units (KiB, MiB, GiB)."""
+    """Bytes in IEC units (KiB, MiB, GiB) with 3 significant digits: 1000 to 1023 of a unit, which would round to
+    4 digits ("1e+03 KiB" in ``.3g``), are written in the next unit ("0.98 MiB"), or as "1,020 TiB" in the last."""
     f = _float(v)
     if f is None:
         return MISSING
     sign = "-" if f < 0 else ""
     f = abs(f)
-    for div, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+    for i, (div, unit) in enumerate(_BYTE_UNITS):
         if f >= div:
-            return f"{sign}{f / div:.3g} {unit}"
+            if f / div >= 999.5 and i:  # rounds to 1000 or more: the unit above reads 0.977 to 1
+                div, unit = _BYTE_UNITS[i - 1]
+            x = f / div
+            return f"{sign}{x:,.0f} {unit}" if x >= 999.5 else f"{sign}{x:.3g} {unit}"
     return f"{sign}{f:.0f} B"
 
 
