@@ -1,9 +1,13 @@
-"""Checks on a drawn matplotlib figure that the report tests share: tick labels that run together."""
+"""Checks on a drawn matplotlib figure that the report tests share: tick labels that run together, the rows a
+heatmap chose."""
 
 from __future__ import annotations
 
 import itertools
+import math
+from typing import Any
 
+import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -29,3 +33,20 @@ def overlapping_tick_labels(fig: Figure, gap_px: float = 2.0) -> list[tuple[str,
                 if b[lo_i] - a[hi_i] < gap_px:
                     out.append((ta, tb))
     return out
+
+
+def check_rows_chosen(rows: list[Any], bad: dict[Any, float], keep: int, shown: list[Any]) -> None:
+    """A heatmap's choice of ``keep`` of ``rows`` (forward order), checked from each row's lost share ``bad``
+    alone: the first and last; every other row that loses more than the ``keep - 2``-th most of them; the rest
+    from the rows that lose exactly that much, spread evenly (no run of them left out longer than the even
+    spacing), never the first ones only. ``shown``: the rows drawn, which must be in forward order."""
+    middle = rows[1:-1]
+    cut = sorted((bad[r] for r in middle), reverse=True)[keep - 3]
+    must = {rows[0], rows[-1]} | {r for r in middle if bad[r] > cut}
+    tied = [r for r in middle if bad[r] == cut]
+    assert len(shown) == keep and must <= set(shown) <= must | set(tied)
+    assert shown == [r for r in rows if r in set(shown)]  # forward order
+    left = keep - len(must)
+    kept = [i for i, r in enumerate(tied) if r in set(shown)]
+    runs = np.diff([-1, *kept, len(tied)]) - 1  # tied rows left out before, between and after the kept ones
+    assert runs.max() <= math.ceil(len(tied) / left) - 1, (len(tied), left, runs.tolist())

@@ -20,10 +20,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from figure_checks import check_rows_chosen
 from markupsafe import escape
+from matplotlib.collections import LineCollection
 from matplotlib.colors import same_color
 from PIL import Image
-from report_fixtures import gpt_layers, real_run, recommendation_dict, synthetic_run
+from report_fixtures import LayerSpec, gpt_layers, real_run, recommendation_dict, synthetic_run
 from torch import nn
 
 import precprof
@@ -486,9 +488,46 @@ def test_signature_heatmap_keeps_the_worst_rows_when_there_are_too_many(
     assert hm is not None and hm.rows_shown == 6 and hm.rows_total == len(lost)
     shown = [t.get_text() for t in hm.figure.axes[1].texts]
     rows = S.row_order(layers, T.ACTIVATION_GRAD)
-    worst = sorted(rows, key=lambda r: -sum(lost[r]))[:4]
-    assert {S.row_label(*r) for r in worst} <= set(shown)
-    assert shown == [S.row_label(*r) for r in rows if S.row_label(*r) in shown]  # still forward order
+    assert shown == [S.row_label(*r) for r in hm.rows]  # the rows' names, top to bottom
+    # the worst, and of the five that tie at the cut three spread over them
+    check_rows_chosen(rows, {r: sum(lost[r]) for r in rows}, 6, hm.rows)
+
+
+def test_a_deep_model_that_loses_nothing_shows_rows_from_end_to_end_and_marks_the_gaps() -> None:
+    """100 Linear layers between an embedding and a head, none losing anything in FP16: the heatmap kept the first 88 rows and the last, so that
+    the head sat under layers.86 as if the model ended there, and the caption said it showed "the 88 that lose
+    the most". The rows are taken evenly from end to end, a dashed line marks each place rows are left out, and
+    the caption says how they were chosen."""
+    layers = [LayerSpec("emb", "Embedding", {"weight": 4096})]
+    layers += [LayerSpec(f"layers.{i}", "Linear", {"weight": 1024}) for i in range(100)]
+    layers += [LayerSpec("head", "Linear", {"weight": 4096})]
+    tabs, summary = synthetic_run("bf16", layers=layers, steps=2, sample_every=1)
+    hist, table = T.sum_histogram_frame(tabs["histograms"]), tabs["layers"]
+    kind, keep = T.ACTIVATION, 90
+    rows = S.row_order(table, kind)
+    lost = S.lost_share_by_row(table, kind, "fp16")
+    bad = {r: sum(v for v in lost[r] if v == v) for r in rows}
+    assert len(rows) == 102 and not any(bad[r] for r in rows[1:-1])  # between the ends all tie: nothing lost
+    hm = plots.signature_heatmap(hist, table, kind, max_rows=keep)
+    assert hm is not None
+    check_rows_chosen(rows, bad, keep, hm.rows)
+    # a dashed line on the heatmap and the side panel above each row drawn after rows left out
+    where = [rows.index(r) for r in hm.rows]
+    gaps = [j for j in range(1, keep) if where[j] - where[j - 1] > 1]
+    assert len(gaps) == len(rows) - keep  # 12 single rows left out here
+    for ax in hm.figure.axes[1:3]:
+        lines = [c for c in ax.collections if isinstance(c, LineCollection)]
+        (marks,) = [c for c in lines if same_color(c.get_colors()[0], plots.heatmap.GAP_COLOR)]
+        assert sorted(seg[0][1] for seg in marks.get_segments()) == gaps
+    assert "rows left out" in [t.get_text() for t in hm.figure.axes[4].get_legend().get_texts()]
+    page = render.render_html(tabs, summary)
+    caption = page.split(f'id="signature-{kind}"', 1)[1].split("</figcaption>", 1)[0]
+    assert "lose the most" not in caption
+    assert (
+        f"Showing {keep} of {len(rows)} rows: the first and last, and {keep - 2} of the other {len(rows) - 2}, "
+        in (caption)
+    )
+    assert "taken evenly in forward order: each loses nothing in FP16" in caption
 
 
 def test_heatmap_matrix_and_whatif_shares_agree_with_the_tables(

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
-from figure_checks import overlapping_tick_labels
+from figure_checks import check_rows_chosen, overlapping_tick_labels
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.text import Text
@@ -320,17 +320,18 @@ def test_an_fp8_run_chooses_its_heatmap_rows_by_what_fp8_loses() -> None:
     rows = S.row_order(layers, kind)
     assert len(rows) > keep
 
-    def chosen(lost: dict) -> list[tuple[str, str]]:
-        bad = {r: sum(v for v in lost.get(r, ()) if v == v) for r in rows}
-        top = sorted(rows[1:-1], key=lambda r: (-bad[r], rows.index(r)))[: keep - 2]
-        return [r for r in rows if r in {rows[0], rows[-1], *top}]
+    def badness(lost: dict) -> dict[tuple[str, str], float]:
+        return {r: sum(v for v in lost.get(r, ()) if v == v) for r in rows}
 
-    fp8 = chosen(S.lost_share_by_row(layers, kind, "fp8_e5m2", current_scaling=True))
-    fp16 = chosen(S.lost_share_by_row(layers, kind, "fp16"))
+    fp8 = badness(S.lost_share_by_row(layers, kind, "fp8_e5m2", current_scaling=True))
+    fp16 = badness(S.lost_share_by_row(layers, kind, "fp16"))
     assert fp8 != fp16  # the two formats lose in different rows here
     hm = plots.signature_heatmap(hist, layers, kind, max_rows=keep, focus="fp8")
-    assert hm is not None and hm.rows == fp8 and hm.focus_label == "FP8 E5M2, current scaling"
-    assert plots.signature_heatmap(hist, layers, kind, max_rows=keep).rows == fp16  # an FP16 run, as before
+    assert hm is not None and hm.focus_label == "FP8 E5M2, current scaling"
+    check_rows_chosen(rows, fp8, keep, hm.rows)
+    hm16 = plots.signature_heatmap(hist, layers, kind, max_rows=keep)  # an FP16 run, as before
+    check_rows_chosen(rows, fp16, keep, hm16.rows)
+    assert hm.rows != hm16.rows
     summary = {**summary, T.SUMMARY_CONFIG: {**summary.get(T.SUMMARY_CONFIG, {}), "precision": "fp8"}}
     page = render.render_html(tabs, summary)
     caption = page.split('id="signature-activation_grad"', 1)[1].split("</figcaption>", 1)[0]

@@ -313,11 +313,7 @@ def _heatmaps(
         )
         notes.append(f"The right panel: the share of each row lost in {hm.focus_label} ({why}).")
         if hm.rows_shown < hm.rows_total:
-            notes.append(
-                f"Showing {hm.rows_shown} of {hm.rows_total} rows: the first and last, and the "
-                f"{hm.rows_shown - 2} that lose the most in {hm.focus_label} ({why}); every row is in the tables "
-                "below."
-            )
+            notes.append(hm.rows_note())
         alt = (
             f"Heatmap of {S.KIND_LABELS[kind]}: {hm.rows_shown} rows in forward order by log2 magnitude, "
             f"with FP16, BF16, FP8 E4M3 and E5M2 windows; right: lost in {hm.focus_label}"

@@ -12,14 +12,17 @@ import matplotlib
 import matplotlib.transforms
 import numpy as np
 import pandas as pd
+from matplotlib.artist import Artist
 from matplotlib.colors import FuncNorm, to_rgba
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
 from precprof import formats
 from precprof import tables as T
 from precprof.analysis import current_scaling
+from precprof.report import filters as F
 from precprof.report import summarize as S
 from precprof.report.plots.common import (
     FIG_WIDTH_IN,
@@ -89,23 +92,50 @@ def lost_in_focus(
     return S.lost_share_by_row(layers, kind, "fp16")
 
 
+@dataclass(frozen=True)
+class RowSelection:
+    """The rows a heatmap draws (``index``, in forward order) and how they were chosen: beside the first and last,
+    ``by_loss`` rows that lose more in the focus format than any row left out, and ``spread`` rows taken evenly,
+    in forward order, from the ``tied`` rows that each lose ``tie_share`` (0: nothing), too many to draw all."""
+
+    index: list[int]
+    by_loss: int = 0
+    spread: int = 0
+    tied: int = 0
+    tie_share: float = 0.0
+
+    def gaps(self) -> list[int]:
+        """The drawn rows (0-based, top to bottom) that follow rows left out: a mark goes above each."""
+        return [j for j in range(1, len(self.index)) if self.index[j] - self.index[j - 1] > 1]
+
+
 def _select_rows(
     rows: list[tuple[str, str]], lost: Mapping[tuple[str, str], tuple[float, ...]], max_rows: int
-) -> list[int]:
-    """Indices of the rows to draw: all of them, or the ``max_rows`` that lose the most (``lost``: the focus
-    format's shares), plus the first and last, kept in forward order."""
-    if len(rows) <= max_rows:
-        return list(range(len(rows)))
+) -> RowSelection:
+    """The rows to draw: all of them, or the first and last and the ``max_rows - 2`` that lose the most (``lost``:
+    the focus format's shares), in forward order. Rows that tie at the cut (most often: nothing lost in any) are
+    taken evenly over forward order, not the first ones: a 60-layer model lost its last 15 layers from the figure."""
+    n = len(rows)
+    if n <= max_rows:
+        return RowSelection(list(range(n)))
 
     def badness(i: int) -> float:
         return sum(0.0 if math.isnan(v) else v for v in lost.get(rows[i], ()))
 
-    keep = {0, len(rows) - 1}
-    for i in sorted(range(len(rows)), key=lambda i: (-badness(i), i)):
-        if len(keep) >= max_rows:
-            break
-        keep.add(i)
-    return sorted(keep)
+    bad = {i: badness(i) for i in range(1, n - 1)}
+    slots = max(max_rows - 2, 0)
+    if slots == 0:
+        return RowSelection([0, n - 1])
+    cut = sorted(bad.values(), reverse=True)[slots - 1]
+    worse = [i for i, b in bad.items() if b > cut]
+    tied = [i for i, b in bad.items() if b == cut]
+    left = slots - len(worse)
+    # the centre of each of ``left`` equal stretches of the tied rows: a step of at least 1, so all distinct
+    spread = [tied[math.floor((k + 0.5) * len(tied) / left)] for k in range(left)]
+    index = sorted({0, n - 1, *worse, *spread})
+    if len(tied) == left:
+        return RowSelection(index, by_loss=slots)
+    return RowSelection(index, len(worse), left, len(tied), cut)
 
 
 @dataclass
@@ -123,6 +153,30 @@ class Heatmap:
     focus_label: str = "FP16"
     x_range: tuple[float, float] = (0.0, 0.0)
     rows: list[tuple[str, str]] = field(default_factory=list)  # the (module, param) rows drawn, top to bottom
+    selection: RowSelection = field(default_factory=lambda: RowSelection([]))
+
+    def rows_note(self) -> str:
+        """The caption's sentence on the rows shown, when not all are: which, and how they were chosen."""
+        sel, lost = self.selection, f"in {self.focus_label}"
+        most = "the one that loses" if sel.by_loss == 1 else f"the {sel.by_loss} that lose"
+        if not sel.spread:
+            chosen = f"the first and last, and {most} the most {lost}"
+        elif sel.by_loss:
+            each = "nothing" if sel.tie_share == 0 else F.pct(sel.tie_share)
+            chosen = (
+                f"the first and last, {most} the most {lost}, and {sel.spread} of the "
+                f"{sel.tied} others, which each lose {each}, taken evenly in forward order"
+            )
+        else:
+            each = "nothing" if sel.tie_share == 0 else F.pct(sel.tie_share)
+            chosen = (
+                f"the first and last, and {sel.spread} of the other {sel.tied}, taken evenly in forward order: "
+                f"each loses {each} {lost}"
+            )
+        return (
+            f"Showing {self.rows_shown} of {self.rows_total} rows: {chosen}. A dashed grey line marks where rows are "
+            "left out; every row is in the tables below."
+        )
 
 
 def _x_range(exps: np.ndarray, share: np.ndarray, fp16: Window) -> tuple[float, float]:
@@ -140,6 +194,19 @@ def _x_range(exps: np.ndarray, share: np.ndarray, fp16: Window) -> tuple[float, 
         pad = (BINADES_MIN - (x1 - x0)) / 2
         x0, x1 = math.floor(x0 - pad), math.ceil(x1 + pad)
     return float(x0), float(x1)
+
+
+GAP_COLOR = "#555555"
+
+
+def _mark_gaps(axes: tuple[Any, ...], gaps: list[int]) -> None:
+    """A dashed line across each of ``axes`` above each drawn row that follows rows left out."""
+    if not gaps:
+        return
+    for a in axes:
+        a.hlines(
+            gaps, 0, 1, transform=a.get_yaxis_transform(), colors=GAP_COLOR, linestyles=(0, (3, 2)), lw=0.9
+        )
 
 
 def signature_heatmap(
@@ -172,8 +239,8 @@ def signature_heatmap(
     what = focus_label(kind, focus)
     rows_total = len(rows)
     sel = _select_rows(rows, lost, max_rows)
-    rows = [rows[i] for i in sel]
-    mat = mat[sel]
+    rows = [rows[i] for i in sel.index]
+    mat = mat[sel.index]
     tot = mat.sum(axis=1, keepdims=True)
     share = np.divide(mat, tot, out=np.zeros_like(mat), where=tot > 0)
     scale = S.scale_in_effect(layers, kind)
@@ -215,6 +282,7 @@ def signature_heatmap(
     )
     ax.set_xlim(x0, x1)
     ax.set_ylim(n, 0)
+    _mark_gaps((ax, ax_lost), sel.gaps())
     # row names as plain texts: tick objects cost ~3 ms each to build and measure, texts a fraction of that
     ax.set_yticks([])
     label_tf = matplotlib.transforms.blended_transform_factory(ax.transAxes, ax.transData)
@@ -338,7 +406,9 @@ def signature_heatmap(
     ax_leg = fig.add_subplot(gs[0, 1:])
     ax_leg.axis("off")
     kinds = ("underflow", "inf/nan (recorded)") if focus == "fp8" else tuple(LOST_COLORS)
-    handles = [Patch(color=LOST_COLORS[k], alpha=0.85, label=k) for k in kinds]
+    handles: list[Artist] = [Patch(color=LOST_COLORS[k], alpha=0.85, label=k) for k in kinds]
+    if sel.gaps():
+        handles.append(Line2D([], [], color=GAP_COLOR, ls=(0, (3, 2)), lw=0.9, label="rows left out"))
     ax_leg.legend(
         handles=handles,
         loc="lower left",
@@ -363,4 +433,4 @@ def signature_heatmap(
         )
     # margins from the texts themselves: long row or format names on the left, the colour bar's label on the right
     fit_margins(fig)
-    return Heatmap(fig, kind, rows_total, n, scale, wins, focus, what, (x0, x1), rows)
+    return Heatmap(fig, kind, rows_total, n, scale, wins, focus, what, (x0, x1), rows, sel)
