@@ -77,6 +77,9 @@ CASES = {
     "long-names": renamed({4: LONG, 5: LONG + ".inner"}),
     # one-character names: the format names of the window strip are the widest text on the left
     "short-names": [replace(ly, name=str(i)) for i, ly in enumerate(gpt_layers(n_layer=1))],
+    # a peft-wrapped model: every name under base_model.model.model., which the title states once; the title ran
+    # off the image, and the narrow heatmap's x label into the side panel's
+    "peft-names": [replace(ly, name="base_model.model.model." + ly.name) for ly in gpt_layers(n_layer=1)],
 }
 
 
@@ -93,6 +96,14 @@ def test_heatmap_texts_lie_inside_the_figure(case: str, kind: str) -> None:
         "share of the row's nonzero values (log below 10%, linear above)" in labels
     )  # the colour bar's label
     assert any(lab.startswith("FP8 E5M2") for lab in labels)
+    # the heatmap's x label and the side panel's keep apart
+    boxes = dict(drawn_texts(hm.figure))
+    (x_label,) = [b for t, b in boxes.items() if t.startswith("log2 |value|")]
+    (lost_label,) = [b for t, b in boxes.items() if t.startswith("lost in")]
+    assert x_label[2] < lost_label[0] or x_label[1] > lost_label[3]
+    if case == "peft-names":
+        (title,) = [t for t in boxes if "by layer and binade" in t]
+        assert "base_model.model.model." in title.replace("…", "")
     if case == "long-names":
         long_rows = [lab for lab in labels if lab.startswith("model.encoder")]
         assert long_rows and all(len(lab) <= plots.ROW_LABEL_MAX and "…" in lab for lab in long_rows)

@@ -17,6 +17,7 @@ from matplotlib.colors import FuncNorm, to_rgba
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.text import Text
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullLocator
 
 from precprof import formats
@@ -26,6 +27,7 @@ from precprof.report import filters as F
 from precprof.report import summarize as S
 from precprof.report.plots.common import (
     FIG_WIDTH_IN,
+    MARGIN_PAD_PX,
     MIN_FONT_PT,
     _hbars,
     _pct,
@@ -197,6 +199,7 @@ def _x_range(exps: np.ndarray, share: np.ndarray, fp16: Window) -> tuple[float, 
 
 
 GAP_COLOR = "#555555"
+X_LABEL = "log2 |value|, unscaled (column k: [2^k, 2^(k+1)))"
 
 
 def _mark_gaps(axes: tuple[Any, ...], gaps: list[int]) -> None:
@@ -207,6 +210,37 @@ def _mark_gaps(axes: tuple[Any, ...], gaps: list[int]) -> None:
         a.hlines(
             gaps, 0, 1, transform=a.get_yaxis_transform(), colors=GAP_COLOR, linestyles=(0, (3, 2)), lw=0.9
         )
+
+
+def _fit_title(fig: Figure, ax_strip: Any, title: Text, head: str, under: str) -> bool:
+    """The title, which starts over the heatmap, ends inside the figure: the leading components of the layer
+    names it states go to a second line, cut in the middle as far as needed (a peft model's
+    ``base_model.model.model.`` ran off the image). True when the title now has two lines."""
+    if not under:
+        return False
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    right = fig.bbox.width - MARGIN_PAD_PX
+    ax_strip.get_tightbbox(renderer)  # places the title where the margins put the axes
+    if title.get_window_extent(renderer).x1 <= right:
+        return False
+    for limit in range(len(under), 7, -1):
+        title.set_text(f"{head}\n(layers under {plain(elide(under, limit))})")
+        if title.get_window_extent(renderer).x1 <= right:
+            break
+    return True
+
+
+def _fit_x_label(fig: Figure, ax: Any, ax_lost: Any) -> bool:
+    """The heatmap's x label in two lines when in one it runs into the side panel's label (a narrow heatmap,
+    beside long row names). True when broken."""
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    ax.xaxis.get_tightbbox(renderer)  # places both labels under their axes as drawn
+    ax_lost.xaxis.get_tightbbox(renderer)
+    mine, theirs = ax.xaxis.label.get_window_extent(renderer), ax_lost.xaxis.label.get_window_extent(renderer)
+    if mine.x1 + MARGIN_PAD_PX <= theirs.x0 and mine.x0 >= 0:
+        return False
+    ax.set_xlabel(X_LABEL.replace(" (column", "\n(column"))
+    return True
 
 
 def signature_heatmap(
@@ -297,7 +331,7 @@ def signature_heatmap(
             fontsize=fs,
             clip_on=False,
         )
-    ax.set_xlabel("log2 |value|, unscaled (column k: [2^k, 2^(k+1)))", fontsize=8.5)
+    ax.set_xlabel(X_LABEL, fontsize=8.5)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
     ax.tick_params(axis="x", labelsize=8)
     ax.grid(True, axis="x", color="#000", alpha=0.06)
@@ -368,11 +402,9 @@ def signature_heatmap(
         t.set_color(w.color)
     ax_strip.tick_params(axis="y", length=0)
     ax_strip.tick_params(axis="x", labelbottom=False)
-    ax_strip.set_title(
-        f"{S.KIND_LABELS.get(kind, kind).capitalize()} by layer and binade"
-        + (f" (layers under {plain(elide(under, 36))})" if under else ""),
-        fontsize=9.5,
-        loc="left",
+    head = f"{S.KIND_LABELS.get(kind, kind).capitalize()} by layer and binade"
+    title = ax_strip.set_title(
+        head + (f" (layers under {plain(under)})" if under else ""), fontsize=9.5, loc="left"
     )
     for sp in ("top", "right", "left"):
         ax_strip.spines[sp].set_visible(False)
@@ -433,4 +465,6 @@ def signature_heatmap(
         )
     # margins from the texts themselves: long row or format names on the left, the colour bar's label on the right
     fit_margins(fig)
+    if _fit_title(fig, ax_strip, title, head, under) | _fit_x_label(fig, ax, ax_lost):
+        fit_margins(fig)  # a text broken in two lines is taller
     return Heatmap(fig, kind, rows_total, n, scale, wins, focus, what, (x0, x1), rows, sel)
