@@ -968,3 +968,40 @@ def test_a_loss_given_every_third_step_is_one_line() -> None:
     (line,) = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "loss"]
     xs, ys = line.get_data()
     assert list(xs) == list(range(0, n, 3)) and all(y == y for y in ys)  # no nan breaks the line
+
+
+def test_a_diverged_runs_loss_is_on_a_log_axis_and_its_nan_norms_are_marked() -> None:
+    """A run whose loss went 5.5, 7.1, 381, 5.7e3, 1.6e6, 3.4e9, then nan: on a linear axis the first five steps
+    lay on the zero line, and the gradient-norm plot stopped at step 5 with no mark of the nan norms after it.
+    The loss axis is logarithmic, the norm plot spans the loss plot's steps, and each nan norm is marked."""
+    finite = [5.5, 7.1, 381.0, 5.7e3, 1.6e6, 3.4e9]
+    n = 30
+    loss = np.array(finite + [math.nan] * (n - len(finite)))
+    norm = np.array([1.1, 2.3, 110.0, 628.0, 6.0e3, 3.0e6] + [math.nan] * (n - len(finite)))
+    steps = pd.DataFrame(
+        {
+            T.STEP: range(n),
+            T.LOSS: loss,
+            T.LOSS_SCALE: 1.0,
+            T.SKIPPED: False,
+            T.GRAD_NORM: norm,
+            T.RESUMED: False,
+        }
+    )
+    fig = plots.training_figure(steps)
+    assert fig is not None
+    loss_ax, scale_ax, norm_ax = fig.axes
+    assert loss_ax.get_yscale() == "log" and "log" in loss_ax.get_ylabel()
+    lo, hi = loss_ax.get_ylim()
+    assert lo <= min(finite) and hi >= max(finite)
+    assert norm_ax.get_xlim() == loss_ax.get_xlim() == scale_ax.get_xlim()
+    assert loss_ax.get_xlim()[0] < 0 and loss_ax.get_xlim()[1] > n - 1
+    (marks,) = [ln for ln in norm_ax.get_lines() if ln.get_marker() == "^"]
+    np.testing.assert_array_equal(marks.get_xdata(), np.flatnonzero(np.isnan(norm)))
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "gradient norm not finite (nan/inf)" in labels
+    # a healthy loss (5.5 down to 2) stays on a linear axis
+    healthy = steps.assign(**{T.LOSS: np.linspace(5.5, 2.0, n), T.GRAD_NORM: np.linspace(1.0, 0.5, n)})
+    fig = plots.training_figure(healthy)
+    assert fig is not None and fig.axes[0].get_yscale() == "linear"
+    assert not [ln for ln in fig.axes[2].get_lines() if ln.get_marker() == "^"]

@@ -17,6 +17,7 @@ from precprof.report.plots.common import FIG_WIDTH_IN, _pow2_label, step_label
 
 SKIP_COLOR = "#d62728"
 RESTART_COLOR = "#2c7fb8"
+LOG_SPAN = 100.0  # a loss that spans two decades is drawn on a log axis
 
 
 def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure | None:
@@ -65,9 +66,11 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
     if bad.any():
         top = np.nanmax(loss[~bad]) if (~bad).any() else 1.0
         ax.plot(x[bad], np.full(bad.sum(), top), "X", color=SKIP_COLOR, ms=8, label="loss not finite")
+    if _spans_decades(loss[given & ~bad]):
+        ax.set_yscale("log")
     ax.set_title("Training loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("loss" + (" (log scale)" if ax.get_yscale() == "log" else ""))
 
     ax = axes[1]
     mark_skipped(ax)
@@ -97,6 +100,8 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
     mark_skipped(ax)
     gn = pd.to_numeric(df[T.GRAD_NORM], errors="coerce").to_numpy(dtype=float)
     fin = np.isfinite(gn) & (gn > 0)
+    # a norm missing where the loss is not finite or the scaler found inf/nan is a nan norm, not one unrecorded
+    inf = np.isinf(gn) | (np.isnan(gn) & (bad | skipped))
     if fin.any():
         ax.plot(
             *_broken_at_holes(x[fin], gn[fin], x),
@@ -107,7 +112,6 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
         )
         if np.nanmax(gn[fin]) / np.nanmin(gn[fin]) > 30:
             ax.set_yscale("log")
-        inf = np.isinf(gn)
         if inf.any():
             ax.plot(
                 x[inf],
@@ -124,7 +128,10 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
     ax.set_title(f"Gradient norm (unscaled{said})")
     ax.set_xlabel("step")
     ax.set_ylabel("‖g‖₂" + (" (log scale)" if ax.get_yscale() == "log" else ""))
+    span = (np.nanmin(x), np.nanmax(x)) if len(x) else (0.0, 1.0)
+    pad = 0.05 * (span[1] - span[0]) or 0.5
     for a, bins in zip(axes, (8, 4, 4), strict=True):  # the two lower plots are a third of the page wide
+        a.set_xlim(span[0] - pad, span[1] + pad)  # every step on each, where a plot has values for some only
         a.grid(True, alpha=0.3)
         a.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=bins))
         a.xaxis.set_major_formatter(FuncFormatter(step_label))
@@ -148,8 +155,10 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
     if len(restarts):
         label = "resumed from a checkpoint" + (f" (step {int(restarts[0])})" if len(restarts) == 1 else "")
         handles.append(Line2D([], [], color=RESTART_COLOR, ls="--", lw=1.3, label=label))
-    if np.isinf(gn).any():
-        handles.append(Line2D([], [], color=SKIP_COLOR, marker="^", ls="", label="gradient norm inf"))
+    if fin.any() and inf.any():
+        handles.append(
+            Line2D([], [], color=SKIP_COLOR, marker="^", ls="", label="gradient norm not finite (nan/inf)")
+        )
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 2), frameon=False, fontsize=8.5)
     for a in axes:
         a.title.set_fontsize(10)
@@ -157,6 +166,12 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
         a.yaxis.label.set_fontsize(9)
         a.tick_params(labelsize=8.5)
     return fig
+
+
+def _spans_decades(values: np.ndarray) -> bool:
+    """Whether ``values`` (finite) are all positive and their largest is ``LOG_SPAN`` times their smallest or more:
+    on a linear axis all but the largest lie on its zero line (a diverged run's loss went 5.5, 381, 3.4e9)."""
+    return bool(len(values)) and bool((values > 0).all()) and values.max() >= LOG_SPAN * values.min()
 
 
 def _broken_at_holes(xs: np.ndarray, ys: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
