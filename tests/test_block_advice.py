@@ -28,6 +28,7 @@ from precprof import tables as T
 from precprof.analysis.advisor import AdvisorConfig, Recommendation, recommend
 from precprof.analysis.advisor.rules import blocks as rb
 from precprof.report import context as report_context
+from precprof.report import render
 
 BATCH, SEQ, WIDTH = 4, 16, 64  # 64 tokens per call: whole blocks of 16 and 32 along every dimension
 
@@ -517,6 +518,43 @@ def test_a_layer_whose_gemm_axes_are_not_whole_blocks_gets_no_block_format() -> 
         mx.MXTensor.to_mx(torch.randn(64, 40), torch.float8_e4m3fn, 32)
     mx.MXTensor.to_mx(torch.randn(64, 64), torch.float8_e4m3fn, 32)  # a whole number of blocks: cast
     assert {"nvfp4": B.NVFP4.block_size, "mxfp4": B.MXFP4.block_size, "mxfp8": 32} == rb.BLOCK_SIZE
+
+
+def test_a_cell_shaded_for_its_layers_shape_says_why() -> None:
+    """A layer of out_features 40 fails MXFP8 by its shape (40 is not a multiple of 32) with numbers that pass:
+    the block table shaded the cell, and the page never said why. The shaded cell carries the reason in its
+    title and a numbered mark, and the reason is written under the table once, with the count of cells."""
+    import precprof
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 40))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=True, block_groups=1)
+    with prof:
+        for _ in range(2):
+            loss = model(torch.randn(64, 64)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    tables, summary = (
+        prof.tables(),
+        {T.SUMMARY_CAPTURE: prof.summary()},
+    )  # the capture part: the layers' shapes
+    page = render.render_html(tables, summary, recommend(tables, hardware="b200", summary=summary))
+    table = page[page.index('id="block-table"') :]
+    table, notes = table[: table.index("</table>")], table[table.index("</table>") : table.index("<details")]
+    rows = {r.split("</code>")[0].split("<code>")[-1]: r for r in table.split("<tr")[2:]}
+    failing = [c for c in rows["2"].split("<td")[1:] if "fails the rule" in c]
+    assert failing and all(c.startswith(' class="warn"') for c in failing)  # every reason on a shaded cell
+    assert 64 % 32 == 0 and 40 % 32 != 0  # layer 0 is whole blocks, layer 2 is not
+    shape = [c for c in failing if "out_features 40 is not a multiple of the 32-value" in c]
+    (n,) = {c.split('href="#block-fails-')[1].split('"')[0] for c in shape}
+    note = notes.split(f'id="block-fails-{n}"')[1].split("</li>")[0]
+    assert "out_features 40 is not a multiple of the 32-value blocks" in note
+    marked = [c for c in table.split("<td")[1:] if f'href="#block-fails-{n}"' in c]
+    assert f"in {len(marked)} cell" in note
+    assert "features 64" not in rows["0"]  # whole blocks: no cell of layer 0 fails for its shape
 
 
 def test_a_frozen_layer_is_judged_on_its_forward_alone() -> None:

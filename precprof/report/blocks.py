@@ -42,17 +42,34 @@ def db_text(v: Any) -> str:
 
 def _block_cell(cell: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """One recipe's cell: SQNR of the worst operand, the largest flushed and saturated shares, and whether the
-    plan's rule for that recipe passes ("warn" when it does not)."""
+    plan's rule for that recipe passes ("warn" when it does not, ``fails`` saying why: a layer's shape fails
+    a recipe whose numbers all pass)."""
     if not cell:
         return None
+    fails = str(cell.get("fails") or "")
     return {
         "sqnr": db_text(cell.get("sqnr_db")),
         "sqnr_v": cell.get("sqnr_db"),
         "flushed": cell.get("flushed_share"),
         "saturated": cell.get("saturated_share"),
         "worst": cell.get("worst"),
-        "cls": "warn" if cell.get("fails") else "",
+        "cls": "warn" if fails else "",
+        "fails": fails,
+        "note": 0,
     }
+
+
+def _number_fails(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Number the reasons the table's shaded cells fail, each reason once in order of first appearance (each
+    cell's ``note``), and list them with the count of cells each shades: the page's footnotes."""
+    notes: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for c in row["cells"]:
+            if c and c["fails"]:
+                note = notes.setdefault(c["fails"], {"n": len(notes) + 1, "text": c["fails"], "cells": 0})
+                note["cells"] += 1
+                c["note"] = note["n"]
+    return list(notes.values())
 
 
 def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | None:
@@ -102,6 +119,7 @@ def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | N
         "recipes": [{"name": r, "label": labels.get(r, r)} for r in shown],
         "all_recipes": [{"name": r, "label": labels.get(r, r)} for r in every],
         "rows": rows,
+        "fails": _number_fails(rows),
         "details": details,
         "groups": int(capture.get("groups") or 1) if isinstance(capture, Mapping) else 1,
         "on_target": bool(data.get("on_target")),
