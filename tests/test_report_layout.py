@@ -379,3 +379,34 @@ def test_the_timeline_tick_labels_never_run_together() -> None:
     tl = timeline.timeline(tabs["layers"])
     assert tl is not None
     assert overlapping_tick_labels(timeline.timeline_figure(tl)) == []
+
+
+def test_names_the_font_cannot_draw_are_escaped_and_warn_nothing() -> None:
+    """A module named in CJK or with an emoji: matplotlib printed multi-line "Glyph 23618 missing from font(s)"
+    warnings during train and report, and drew each such character as an empty box. Each character the font has
+    no glyph for is drawn as its escape, no glyph warning reaches the caller, and its warning filters are left
+    as they were."""
+    import warnings
+
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+
+    chars = set(FT2Font(font_manager.findfont(font_manager.FontProperties())).get_charmap())
+    if ord("层") in chars:
+        pytest.skip("the default font draws CJK here")
+    layers = renamed({4: "blocks.层_\U0001f525.attn", 5: "blocks.ünï_λ"})
+    tabs, _ = synthetic_run("bf16", layers=layers, steps=2, sample_every=1)
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hm = plots.signature_heatmap(tabs["histograms"], tabs["layers"], T.ACTIVATION)
+        assert hm is not None
+        plots.png_bytes(hm.figure)
+        raw = Figure()
+        raw.add_subplot().set_title("层 \U0001f525")  # a text that did not go through the plots' escaping
+        plots.png_bytes(raw)
+    assert warnings.filters == before
+    assert [str(w.message) for w in caught if "Glyph" in str(w.message)] == []
+    texts = [t for t, _ in drawn_texts(hm.figure)]
+    assert all(ord(c) in chars for t in texts for c in t)  # every character drawn has its glyph
+    assert "blocks.\\u5c42_\\U0001f525.attn" in texts and "blocks.ünï_λ" in texts  # what the font has, kept

@@ -6,16 +6,21 @@ texts.
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
 import io
 import math
+import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+from matplotlib import font_manager
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
+from matplotlib.ft2font import FT2Font
 
 DPI = 100
 # Every figure is drawn for the page's narrowest column (800 px window, 32 px margins: 736 px), so that it is shown
@@ -25,11 +30,22 @@ FIG_WIDTH_IN = FIG_WIDTH_PX / DPI
 MIN_FONT_PT = 7.5
 
 
+@contextlib.contextmanager
+def glyphs_quiet() -> Iterator[None]:
+    """Matplotlib's "Glyph ... missing from font(s)" warnings silenced while precprof measures or draws a figure
+    (a module named in CJK printed a dozen multi-line warnings on the console): :func:`drawable` has already
+    written such characters another way. The warning filters are the caller's again afterwards."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from", category=UserWarning)
+        yield
+
+
 def png_bytes(fig: Figure, dpi: int = DPI) -> bytes:
     """Render ``fig`` to PNG bytes with the Agg canvas."""
     FigureCanvasAgg(fig)  # attach the Agg canvas explicitly: no backend lookup, no pyplot
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    with glyphs_quiet():
+        fig.savefig(buf, format="png", dpi=dpi)
     return buf.getvalue()
 
 
@@ -37,7 +53,8 @@ def svg_bytes(fig: Figure) -> bytes:
     """Render ``fig`` to SVG bytes (for small line plots that should stay sharp when zoomed)."""
     FigureCanvasAgg(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="svg")
+    with glyphs_quiet():
+        fig.savefig(buf, format="svg")
     return buf.getvalue()
 
 
@@ -84,10 +101,27 @@ ROW_LABEL_MAX = (
 MARGIN_PAD_PX = 6  # white space kept between the outermost text and the figure's edge
 
 
+@functools.cache
+def _font_chars(path: str) -> frozenset[int]:
+    """The code points the font file at ``path`` has a glyph for."""
+    return frozenset(FT2Font(path).get_charmap())
+
+
+def drawable(text: str) -> str:
+    """``text`` with each character that the figures' font has no glyph for (CJK, emoji, a control character)
+    written as its Python escape (``层`` as ``\\u5c42``): matplotlib drew an empty box for it, so that names
+    differing in those characters read alike. Text the font covers is returned as it is."""
+    chars = _font_chars(font_manager.findfont(font_manager.FontProperties()))
+    if all(ord(c) in chars for c in text):
+        return text
+    return "".join(c if ord(c) in chars else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def plain(text: str) -> str:
     """``text`` as matplotlib draws it letter for letter: a user's name (a module's, a run's) may hold ``$``,
-    which matplotlib reads as the start of math (``cost_$5_and_$6`` failed to parse, and no report was drawn)."""
-    return text.replace("$", r"\$")
+    which matplotlib reads as the start of math (``cost_$5_and_$6`` failed to parse, and no report was drawn),
+    or characters the font lacks (:func:`drawable`)."""
+    return drawable(text).replace("$", r"\$")
 
 
 def elide(text: str, limit: int = ROW_LABEL_MAX) -> str:
@@ -163,7 +197,8 @@ def fit_margins(fig: Figure, *, max_left: float = 0.6, min_right: float = 0.55) 
     FigureCanvasAgg(fig)
     renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
     w, h = fig.bbox.width, fig.bbox.height
-    box = fig.get_tightbbox(renderer).transformed(fig.dpi_scale_trans)  # in pixels
+    with glyphs_quiet():
+        box = fig.get_tightbbox(renderer).transformed(fig.dpi_scale_trans)  # in pixels
     sp = fig.subplotpars
     left = sp.left - (box.x0 - MARGIN_PAD_PX) / w
     right = sp.right + (w - MARGIN_PAD_PX - box.x1) / w

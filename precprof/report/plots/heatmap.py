@@ -31,6 +31,7 @@ from precprof.report.plots.common import (
     MIN_FONT_PT,
     _hbars,
     _pct,
+    drawable,
     elide,
     fit_margins,
     plain,
@@ -286,7 +287,8 @@ def signature_heatmap(
     fp16 = wins[0]
     x0, x1 = _x_range(exps, share, fp16)
     n = len(rows)
-    labels, under = row_labels([S.row_label(m, p) for m, p in rows])
+    # characters the font lacks escaped before the names are cut to length, so the cut counts what is drawn
+    labels, under = row_labels([drawable(S.row_label(m, p)) for m, p in rows])
     fs = MIN_FONT_PT if n > 40 else 8.0
     row_h = 0.14 if n > 40 else 0.19
     heat_h = max(1.6, n * row_h)
