@@ -688,9 +688,13 @@ def test_scaler_skipped_steps_and_thrashing(request: pytest.FixtureRequest) -> N
     k = int(math.log2(rec.loss_scale or 0))
     f = must(rec, "scaler_skipped_steps")
     assert f.numbers["skipped"] == 7
-    # independent: skipped steps at a scale above the recommendation
+    # independent: skipped steps at a scale above the recommendation, before the first step that went through
+    # (step 5): the start's; after it, growth probes
     assert f.numbers["avoidable"] == sum(
-        1 for sc, sk in zip(scales, skipped, strict=True) if sk and sc > 2.0**k
+        1 for s, (sc, sk) in enumerate(zip(scales, skipped, strict=True)) if sk and sc > 2.0**k and s < 5
+    )
+    assert f.numbers["growth_probes"] == sum(
+        1 for s, (sc, sk) in enumerate(zip(scales, skipped, strict=True)) if sk and sc > 2.0**k and s > 5
     )
     thr = must(rec, "scaler_thrashing")
     assert thr.numbers["later_skips"] == 2 and thr.numbers["growths"] == 2

@@ -528,3 +528,35 @@ def test_an_fp16_run_whose_every_gradient_flushed_is_told_the_scale_for_it(tmp_p
     assert "GradScaler(init_scale=16777216), which lifts a gradient at fp16's flush point (2^-25) to 0.5" in (
         found["fp16_gradient_underflow"].remedy
     )
+
+
+def test_a_skip_the_scaler_grew_into_is_not_blamed_on_its_start(tmp_path: Path) -> None:
+    """A dynamic GradScaler that starts where every step goes through, grows (growth_interval 1) until the
+    weight gradient of 1.0, which autocast computes in fp16, overflows (at 2^16), backs off, grows again: each
+    skip was called avoidable by starting at the recommended scale, which grows back into the same overflow.
+    They are growth probes; the remedy does not name a start."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**13, growth_interval=1)
+    scales, skipped = [], []
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, out=tmp_path / "run") as prof:
+        for _ in range(8):
+            x = torch.ones(4, 16)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = out.float().sum() / 4  # each output's gradient 0.25: the weights' 1.0
+            scales.append(scaler.get_scale())
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.get_scale() < scales[-1])
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    prof.save()
+    assert skipped[:3] == [False] * 3 and scales[3] == 2.0**16 and skipped[3]  # through, then grew into it
+    assert sum(skipped) >= 2
+    f = next(f for f in precprof.recommend(tmp_path / "run").findings if f.code == "scaler_skipped_steps")
+    assert f.numbers["skipped"] == sum(skipped)
+    assert f.numbers["avoidable"] == 0 and f.numbers["growth_probes"] == sum(skipped)
+    assert "growth probing its ceiling" in f.message and "init_scale" not in f.remedy

@@ -85,6 +85,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     # the scaler
     "skipped": ("steps skipped", "count"),
     "avoidable": ("skips a better initial scale avoids", "count"),
+    "growth_probes": ("skips the scaler grew into after its first step that went through", "count"),
     "from_model": ("skips from non-finite values in the model itself", "count"),
     "start_scale": ("initial loss scale", "scale"),
     "last_scale": ("loss scale at the end", "scale"),

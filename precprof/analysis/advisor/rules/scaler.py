@@ -49,6 +49,14 @@ def _rule_scaler_unneeded(run: _Run, plan: _Plan) -> None:
     )
 
 
+def _probes(n: int, settled: float | None) -> str:
+    """The words for skips a dynamic scaler grew into after its first step that went through."""
+    return (
+        f"{n} came after the scaler grew past {settled:g}, where its first step went through: growth probing "
+        "its ceiling, which a lower start does not avoid (the scale grows back)"
+    )
+
+
 def _rule_scaler(run: _Run, plan: _Plan) -> None:
     _rule_scaler_unneeded(run, plan)
     cfg = run.cfg
@@ -76,10 +84,19 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
         from_model = sk[T.STEP].isin(plan.model_skips)
         model = int(from_model.sum())
         others = n - model
-        avoid = int((sk[~from_model][T.LOSS_SCALE] > rec).sum())
         first_ok = st.index[~skipped]
         start = float(scale.iloc[0])
         settled = float(scale[~skipped].iloc[0]) if len(first_ok) else None
+        # above the recommended scale: before the first step that went through, the start's fault (a lower
+        # start avoids them); after it, a dynamic scaler's growth probing its ceiling, which a lower start grows
+        # back into after as many growth intervals (a static scale never grows: all the start's)
+        above = sk[~from_model][T.LOSS_SCALE] > rec
+        grown = (
+            sk[~from_model][T.STEP] > st.loc[first_ok[0], T.STEP]
+            if len(first_ok) and not _static_scale(st)
+            else above & False
+        )
+        avoid, probes = int((above & ~grown).sum()), int((above & grown).sum())
         parts = []
         if model:
             parts.append(
@@ -99,10 +116,19 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                     f"{lead} happened at a scale above the recommended {_pow2(k)}: starting GradScaler at "
                     f"{_scale(k)} avoids them"
                 )
-                if others - avoid:
+                if probes:
+                    part += f"; {_probes(probes, settled)}"
+                if others - avoid - probes:
                     part += (
-                        f"; the other {others - avoid} happened at or below it (gradient spikes, or non-finite "
-                        "values that no scale fixes)"
+                        f"; the other {others - avoid - probes} happened at or below it (gradient spikes, or "
+                        "non-finite values that no scale fixes)"
+                    )
+            elif probes:
+                part = f"{'Of the other ' + str(others) + ', ' if model else ''}{_probes(probes, settled)}"
+                if others - probes:
+                    part += (
+                        f"; the other {others - probes} happened at or below the recommended {_pow2(k)} "
+                        "(gradient spikes, or non-finite values that no scale fixes)"
                     )
             else:
                 part = (
@@ -133,7 +159,10 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
         )
         remedy = (
             f"Use GradScaler(init_scale={_scale(k)})" + (" or lower." if plan.grad_absmax_bound else ".")
-            if avoid or not model
+            if avoid or not (model or probes)
+            else "Nothing to change at the start: a dynamic scaler finds its ceiling by overflowing there now and "
+            "then; a longer growth_interval makes those skips rarer."
+            if probes and not model
             else "Remove the source of the nan/inf (see the non-finite finding); the loss scale is not the cause."
         )
         title = f"{n} optimizer steps skipped by the loss scaler"
@@ -154,6 +183,7 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                         else {"steps": len(st)}
                     ),
                     "avoidable": avoid,
+                    "growth_probes": probes,
                     "from_model": model,
                     "start_scale": start,
                     "first_ok_scale": settled,
