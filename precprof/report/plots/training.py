@@ -128,7 +128,8 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
     ax.set_title(f"Gradient norm (unscaled{said})")
     ax.set_xlabel("step")
     ax.set_ylabel("‖g‖₂" + (" (log scale)" if ax.get_yscale() == "log" else ""))
-    span = (np.nanmin(x), np.nanmax(x)) if len(x) else (0.0, 1.0)
+    steps = x[np.isfinite(x)]  # (a table without step numbers: none)
+    span = (float(steps.min()), float(steps.max())) if len(steps) else (0.0, 1.0)
     pad = 0.05 * (span[1] - span[0]) or 0.5
     for a, bins in zip(axes, (8, 4, 4), strict=True):  # the two lower plots are a third of the page wide
         a.set_xlim(span[0] - pad, span[1] + pad)  # every step on each, where a plot has values for some only
