@@ -242,7 +242,43 @@ def test_the_summary_says_how_many_layers_were_covered_and_how_often(steps: int,
     assert desc["layers"] == 4 and desc["layers_evaluated"] == sum(c > 0 for c in counts)
     assert desc["evaluations"] == [min(counts), max(counts)]
     text = _block_setting(desc)
-    assert f"{desc['layers_evaluated']} of 4 layers evaluated" in text
+    assert f"{desc['layers_evaluated']} of 4 linear layers evaluated" in text
+
+
+class _TiedLM(nn.Module):
+    """An embedding, a linear layer and an output head tied to the embedding: two linear layers and an
+    embedding whose weight the head reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.fc = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(self.emb(ids)))
+
+
+def test_the_coverage_counts_linear_layers_apart_from_embeddings() -> None:
+    """A GPT-2's report said "3 of 11 layers evaluated" beside the advisor's "3 of the 9 linear layers": the
+    two embeddings, whose weights a tied head reads, were counted as layers. They are said apart."""
+    torch.manual_seed(0)
+    model = _TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Profiler(
+        model, optimizer=opt, sample_every=1, memory=False, block_formats=True, block_groups=1
+    ) as prof:
+        for _ in range(2):
+            model(torch.randint(0, 32, (4, 8))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    desc = prof.summary()["block_formats"]
+    assert (desc["layers"], desc["embeddings"]) == (2, 1)
+    assert "of 2 linear layers evaluated (and 1 of 1 embeddings, whose weight a tied head reads)" in (
+        _block_setting(desc)
+    )
 
 
 def test_a_reattached_profiler_keeps_what_its_budget_measured() -> None:

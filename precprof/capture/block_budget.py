@@ -35,6 +35,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from precprof import taxonomy
+
 DEFAULT_SHARE = 0.1  # the block what-if may add this much to the rest of a sampled step
 # fewer groups (more layers per sampled step) only on this many estimates: quick to protect the budget, slow
 # to spend it (one estimate from one small layer is mostly its per-call overhead)
@@ -269,10 +271,17 @@ class BlockDeal:
             out["control_steps"] = self.control_steps
             out["timer_factor"] = self.calibration.factor
             out["timer_factor_measured"] = self.calibration.told
-        counts = list(self.turns.values())
+        # linear layers apart from the embeddings whose weight a tied head reads (a GPT-2's 9 and 2: the report
+        # said "3 of 11 layers evaluated" beside the advisor's "3 of the 9 linear layers")
+        linear = {s.name for s in self._slots if taxonomy.is_linear_type(s.module_type)}
+        counts = [c for name, c in self.turns.items() if name in linear]
+        others = [c for name, c in self.turns.items() if name not in linear]
         out["layers"] = len(counts)
         out["layers_evaluated"] = sum(c > 0 for c in counts)
         out["evaluations"] = [min(counts), max(counts)] if counts else [0, 0]
+        if others:
+            out["embeddings"] = len(others)
+            out["embeddings_evaluated"] = sum(c > 0 for c in others)
         return out
 
     def adapt(

@@ -592,7 +592,10 @@ def _coverage(v: Mapping[str, Any]) -> str:
     layers, done, ev = _int(v.get("layers")), _int(v.get("layers_evaluated")), v.get("evaluations")
     if not layers or done is None:
         return ""
-    text = f"; {F.count(done)} of {F.count(layers)} layers evaluated"
+    text = f"; {F.count(done)} of {F.count(layers)} linear layers evaluated"
+    emb, emb_done = _int(v.get("embeddings")), _int(v.get("embeddings_evaluated"))
+    if emb and emb_done is not None:
+        text += f" (and {F.count(emb_done)} of {F.count(emb)} embeddings, whose weight a tied head reads)"
     if not (isinstance(ev, (list, tuple)) and len(ev) == 2) or not done:
         return text
     lo, hi = _int(ev[0]), _int(ev[1])
