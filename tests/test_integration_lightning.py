@@ -464,3 +464,36 @@ def test_validation_is_not_the_next_steps_time(tmp_path: Path) -> None:
     assert steps[T.STEP].tolist() == [0, 1, 2, 3]
     # the validation after step 1 took 1 s; a step of this model takes milliseconds, under load a few tenths
     assert steps[T.TIME_S][2] < 1.0, steps[T.TIME_S].tolist()
+
+
+class SkippingLM(TinyLM):
+    """Returns None for the batches in ``skip`` (Lightning's way to skip a batch: no forward, no backward);
+    ``by_batch``: the loss of every other batch, by batch index."""
+
+    def __init__(self, skip: set[int]) -> None:
+        super().__init__()
+        self.skip = skip
+        self.by_batch: dict[int, float] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:  # type: ignore[override]
+        if batch_idx in self.skip:
+            return None
+        loss = super().training_step(batch, batch_idx)
+        self.by_batch[batch_idx] = self.losses[-1]
+        return loss
+
+
+@pytest.mark.filterwarnings("ignore:`training_step` returned `None`")
+def test_a_skipped_batch_adds_no_loss_and_no_tokens_to_its_step(tmp_path: Path) -> None:
+    """Batches 1 and 2 return None under ``accumulate_grad_batches=2``: the steps 0 (batches 0, 1) and 1
+    (batches 2, 3) trained on one micro-batch each. Their loss was divided by both micro-batches (half the
+    loss Lightning logs) and the skipped batch's ids counted as tokens; now each step's loss is the mean over
+    the batches that returned one, and its tokens are those of the batches fed to the model."""
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False, memory=False)
+    module = SkippingLM(skip={1, 2})
+    quiet_trainer(tmp_path, cb, max_steps=4, accumulate_grad_batches=2).fit(module, loader())
+    steps = T.read_tables(cb.run_dir)["steps"]
+    fed = [[0], [3], [4, 5], [6, 7]]  # the batches of each step that returned a loss
+    want = [sum(module.by_batch[b] for b in bs) / len(bs) for bs in fed]
+    assert steps[T.LOSS].tolist() == pytest.approx(want, rel=1e-6)
+    assert steps[T.TOKENS].tolist() == [len(bs) * BATCH * SEQ for bs in fed]

@@ -13,7 +13,9 @@ What the callback does:
   precision plugin's GradScaler (``16-mixed`` on a GPU), starting at ``trainer.global_step``;
 - ``on_train_batch_end``: keeps the loss ``training_step`` returned (a device tensor: no sync; Lightning hands it
   over divided by ``accumulate_grad_batches``, which is undone) and the tokens fed to the model (see below); when ``trainer.global_step`` has moved (an optimizer step happened, after gradient accumulation),
-  ``Profiler.step(mean loss of the micro-batches, tokens)``;
+  ``Profiler.step(mean loss of the micro-batches, tokens)``. A batch that automatic optimization skipped
+  (``training_step`` returned None) adds neither a loss nor tokens: the mean is over the micro-batches that
+  returned a loss;
 - ``on_train_end``: writes the run directory and report.html; ``on_exception``: the same, marked incomplete with
   the exception (Lightning calls it before re-raising).
 
@@ -98,7 +100,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._session: Session | None = None
         self._last_global_step = 0
         self._loss_sum: torch.Tensor | None = None
-        self._micro_batches = 0
+        self._loss_batches = 0  # micro-batches of the step that returned a loss
         self._tokens = 0
         self._embedding_hook: Any = None
         self._fed: int | None = None  # ids the token embedding looked up in this micro-batch (first call)
@@ -195,7 +197,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
 
     def _reset_step(self) -> None:
         self._loss_sum = None
-        self._micro_batches = 0
+        self._loss_batches = 0
         self._tokens = 0
 
     def on_train_batch_end(
@@ -204,12 +206,18 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         if self._session is None or not self._session.active:
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        automatic = bool(getattr(pl_module, "automatic_optimization", True))
+        has_loss = False
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
             d = loss.detach().float().reshape(())
             self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
-        self._micro_batches += 1
+            self._loss_batches += 1
+            has_loss = True
         fed, self._fed = self._fed, None
-        self._tokens += (fed if fed is not None else first_token_count(batch)) or 0
+        # automatic optimization skips a batch whose training_step returned None (no backward): none of its
+        # tokens were trained on. Manual optimization often returns nothing after its own backward.
+        if has_loss or not automatic:
+            self._tokens += (fed if fed is not None else first_token_count(batch)) or 0
         if int(trainer.global_step) == self._last_global_step:
             return  # gradient accumulation: no optimizer step yet
         # one Profiler step per batch that stepped: manual optimization with several optimizers advances
@@ -219,10 +227,9 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         mean = None
         if self._loss_sum is not None:
             # automatic optimization hands on_train_batch_end the loss divided by accumulate_grad_batches
-            norm = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-            if not getattr(pl_module, "automatic_optimization", True):
-                norm = 1
-            mean = self._loss_sum * (norm / self._micro_batches)
+            norm = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if automatic else 1
+            # the mean over the micro-batches that returned a loss: a skipped one added nothing to the gradient
+            mean = self._loss_sum * (norm / self._loss_batches)
         self._session.step(loss=mean, tokens=self._tokens or None)
         self._reset_step()
 
