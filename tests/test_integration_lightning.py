@@ -365,13 +365,16 @@ def test_two_optimizers_each_sample_the_updates_of_the_parameters_they_step(tmp_
 @pytest.mark.filterwarnings("ignore:Using ModelCheckpoint with manual optimization")
 @pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
 @pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+@pytest.mark.parametrize("profiled_first", [True, False])
 @pytest.mark.parametrize("groups", [False, True])
 def test_a_run_resumed_from_a_checkpoint_counts_batches_not_optimizer_steps(
-    tmp_path: Path, groups: bool
+    tmp_path: Path, groups: bool, profiled_first: bool
 ) -> None:
     """Fit 4 batches with a checkpoint every 2, then fit on from the one after batch 2 with ``resume=True``: the
     resumed attempt replaces steps 2 and 3 and goes on to 5. With two optimizers Lightning's global_step counts
-    two a batch, and the resumed attempt started at step 4: steps 2-3 never replaced, a gap where there was none."""
+    two a batch, and the resumed attempt started at step 4: steps 2-3 never replaced, a gap where there was none.
+    A checkpoint saved without the callback has no step of precprof's: Lightning's count of the batches that
+    stepped numbers the resumed fit, 2-5."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     per_batch = 1 if groups else 2  # global_step per batch
@@ -390,11 +393,14 @@ def test_a_run_resumed_from_a_checkpoint_counts_batches_not_optimizer_steps(
             enable_model_summary=False,
             default_root_dir=str(tmp_path),
             max_steps=batches * per_batch,
-            callbacks=[cb, every],
+            callbacks=[cb, every] if attempt > 0 or profiled_first else [every],
         )
         trainer.fit(TwoOptimizerLM(groups), loader(), ckpt_path=ckpt)
     read = T.read_run(out)
     steps = read.tables["steps"]
+    if not profiled_first:
+        assert steps[T.STEP].tolist() == [2, 3, 4, 5]
+        return
     assert steps[T.STEP].tolist() == list(range(6)) and read.restarts == [2]
     assert steps[T.LOSS].notna().all() and steps[T.TOKENS].notna().all()
 
@@ -497,3 +503,60 @@ def test_a_skipped_batch_adds_no_loss_and_no_tokens_to_its_step(tmp_path: Path) 
     want = [sum(module.by_batch[b] for b in bs) / len(bs) for bs in fed]
     assert steps[T.LOSS].tolist() == pytest.approx(want, rel=1e-6)
     assert steps[T.TOKENS].tolist() == [len(bs) * BATCH * SEQ for bs in fed]
+
+
+class AccumulatingLM(TinyLM):
+    """Manual optimization stepping its optimizer every second batch (its own gradient accumulation, as
+    Lightning documents it for manual optimization)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss / 2)
+        if batch_idx % 2 == 1:
+            opt = self.optimizers()
+            opt.step()
+            opt.zero_grad()
+        return loss
+
+
+@pytest.mark.filterwarnings("ignore:Using ModelCheckpoint with manual optimization")
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+def test_a_resumed_fit_that_steps_every_second_batch_goes_on_from_the_checkpoints_step(
+    tmp_path: Path,
+) -> None:
+    """4 optimizer steps over 8 batches with a checkpoint every 2 steps, then a fit on to 6 from the one at
+    step 2. Lightning's count of the batches that stepped counts every batch under manual optimization: the
+    resumed fit was numbered from 4 (steps 0-3 | 4-7, steps 2-3 of the first attempt kept though trained
+    again). The checkpoint holds the callback's own step: 0-1 | 2-5."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    out = tmp_path / "run"
+    for attempt, (max_steps, ckpt) in enumerate(((4, None), (6, tmp_path / "ckpt" / "step=2.ckpt"))):
+        cb = PrecprofCallback(out=out, sample_every=1, report=False, memory=False, resume=attempt > 0)
+        every = ModelCheckpoint(
+            dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}"
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+            max_steps=max_steps,
+            callbacks=[cb, every],
+        )
+        module = AccumulatingLM()
+        trainer.fit(module, loader(), ckpt_path=ckpt)
+        assert trainer.global_step == max_steps
+    read = T.read_run(out)
+    steps = read.tables["steps"]
+    # the resumed fit: batches 4-11, a step every second one
+    pairs = [(module.losses[2 * i] + module.losses[2 * i + 1]) / 2 for i in range(4)]
+    assert steps[T.STEP].tolist() == list(range(6)) and read.restarts == [2]
+    assert steps[T.LOSS].tolist()[2:] == pytest.approx(pairs, rel=1e-6)
+    assert (steps[T.TOKENS] == 2 * BATCH * SEQ).all()

@@ -25,6 +25,10 @@ not the batch, which often holds the targets as well (a ``(B, T + 1)`` block of 
 targets in ``training_step`` holds ``B`` ids more than were fed). A model without an embedding: the batch's first
 integer tensor.
 
+Resuming (``trainer.fit(..., ckpt_path=...)``): the callback keeps the step it goes on from in the checkpoints
+Lightning saves (``checkpoint["precprof"]``), so that a resumed fit numbers its steps on from the checkpoint's,
+whatever a batch stepped; a checkpoint saved without it: Lightning's count of the batches that stepped.
+
 Precision plugins: Lightning's setting is recorded (``config.lightning_precision``) and mapped to precprof's
 modes (``config.precision``): ``16-mixed`` -> fp16 (autocast + GradScaler), ``bf16-mixed`` -> bf16 (autocast),
 ``bf16-true`` / ``16-true`` -> bf16-pure / fp16-pure (parameters in that dtype), ``32-true`` -> fp32,
@@ -54,6 +58,9 @@ except ImportError:  # the standalone package name
         from pytorch_lightning import Callback  # type: ignore[assignment]
     except ImportError as _e:
         raise MissingDependencyError("lightning", extra="lightning", purpose="the Lightning callback") from _e
+
+
+CHECKPOINT_KEY = "precprof"  # the checkpoint's entry for the callback's step count
 
 
 def precprof_precision(lightning_precision: Any) -> str:
@@ -105,6 +112,8 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._embedding_hook: Any = None
         self._fed: int | None = None  # ids the token embedding looked up in this micro-batch (first call)
         self._start: tuple[Any, ...] | None = None  # the session's start, made at the first batch
+        self._next_step: int | None = None  # the next optimizer step's number (saved in checkpoints)
+        self._restored_step: int | None = None  # that step, as the checkpoint this fit resumes from saved it
         # a validation loop between two training batches: its time is not the next step's (``not_training``)
         self._outside = contextlib.ExitStack()
 
@@ -120,6 +129,21 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
     def profiler(self) -> Any:
         """The Profiler of the fit in progress (None outside training)."""
         return self._session.prof if self._session is not None else None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._restored_step = None  # a checkpoint restores after setup: only this fit's own is used
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Keep the step precprof goes on from in the checkpoint: Lightning's own counts say where a resumed fit
+        stands in batches and in optimizer steps, neither of which is a precprof step in every loop (manual
+        optimization stepping every k-th batch, or two optimizers a batch)."""
+        if self._next_step is not None:
+            checkpoint[CHECKPOINT_KEY] = {"next_step": self._next_step}
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get(CHECKPOINT_KEY)
+        step = state.get("next_step") if isinstance(state, dict) else None
+        self._restored_step = step if isinstance(step, int) and step >= 0 else None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = list(getattr(trainer, "optimizers", []) or [])
@@ -167,9 +191,10 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             self._embedding_hook = embedding.register_forward_pre_hook(self._embedding_input)
         wrapped = getattr(trainer.strategy, "model", None)
         self._last_global_step = int(trainer.global_step)
+        self._next_step = None
         self._reset_step()
-        # started at the first batch: the step it is numbered by, Lightning's count of the batches that stepped,
-        # is restored from a checkpoint only by then (on_train_start reads it one short)
+        # started at the first batch: Lightning restores its count of the batches that stepped (which numbers
+        # the steps after a checkpoint without precprof's) only by then (on_train_start reads it one short)
         self._start = (
             pl_module,
             optimizers if len(optimizers) > 1 else optimizer,  # each samples the parameters it steps
@@ -192,8 +217,11 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         start, self._start = self._start, None
         if start is not None and self._session is not None:
             module, optimizers, scaler, summary, wrapped = start
-            first = _batches_that_stepped(trainer)
+            first, self._restored_step = self._restored_step, None
+            if first is None:  # a checkpoint saved without this callback, or an older precprof
+                first = _batches_that_stepped(trainer)
             self._session.start(module, optimizers, scaler, summary, first_step=first, wrapped=wrapped)
+            self._next_step = first
 
     def _reset_step(self) -> None:
         self._loss_sum = None
@@ -231,6 +259,8 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             # the mean over the micro-batches that returned a loss: a skipped one added nothing to the gradient
             mean = self._loss_sum * (norm / self._loss_batches)
         self._session.step(loss=mean, tokens=self._tokens or None)
+        if self._next_step is not None:
+            self._next_step += 1
         self._reset_step()
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
@@ -263,10 +293,11 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
 
 
 def _batches_that_stepped(trainer: Any) -> int:
-    """The batches that stepped so far (the callback's step count, restored from a checkpoint on resume, right
-    from the first batch on): Lightning's count of them, which its loggers use, where ``global_step`` counts one
-    per optimizer (twice a batch with two optimizers in manual optimization); ``global_step`` where a Lightning
-    has no such count."""
+    """The batches that stepped so far (the callback's step count on resume from a checkpoint without
+    precprof's step, right from the first batch on): Lightning's count of them, which its loggers use, where
+    ``global_step`` counts one per optimizer (twice a batch with two optimizers in manual optimization);
+    ``global_step`` where a Lightning has no such count. Manual optimization counts every batch there, also
+    one that did not step (an optimizer stepped every k-th batch): only precprof's own count is right then."""
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     n = getattr(loop, "_batches_that_stepped", None)
     return int(n) if isinstance(n, int) else int(trainer.global_step)
