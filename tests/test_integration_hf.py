@@ -679,3 +679,34 @@ def test_the_trainers_evaluation_is_not_the_next_steps_time(tmp_path: Path) -> N
     assert steps[T.STEP].tolist() == [0, 1, 2, 3]
     # the evaluation after step 2 took 2 s; a step of this model takes milliseconds, under load a few tenths
     assert steps[T.TIME_S][3] < 2.0, steps[T.TIME_S].tolist()
+
+
+@pytest.mark.parametrize("resume", [None, False])
+def test_a_train_resumed_from_a_checkpoint_continues_the_run_unless_told_to_replace_it(
+    tmp_path: Path, resume: bool | None
+) -> None:
+    """4 steps with a checkpoint every 2, then a second Trainer on from checkpoint-2 into the same ``out``
+    without ``resume=True``: the run directory held steps 2-3 only, the first Trainer's steps gone without a
+    word. It continues the run now (0-1 | 2-3), warning that it does and how to do otherwise;
+    ``resume=False`` still replaces it, as asked. The losses are those the two Trainers logged."""
+    out, logged = tmp_path / "run", []
+    for ckpt in (None, tmp_path / "trainer" / "checkpoint-2"):
+        kw = {"resume": resume} if ckpt is not None and resume is not None else {}
+        cb = PrecprofCallback(out=out, sample_every=1, report=False, memory=False, **kw)
+        trainer = make_trainer(tmp_path, callbacks=[cb], save_strategy="steps", save_steps=2)
+        if ckpt is not None and resume is None:
+            with pytest.warns(UserWarning, match="resumed at step 2 .* continuing it .* resume=True"):
+                trainer.train(resume_from_checkpoint=str(ckpt))
+        else:
+            trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        logged += losses[:2] if ckpt is None else losses[-2:]
+    read = T.read_run(out)
+    steps = read.tables["steps"]
+    if resume is False:
+        assert steps[T.STEP].tolist() == [2, 3]
+        assert steps[T.LOSS].tolist() == pytest.approx(logged[2:], rel=1e-6)
+        return
+    assert steps[T.STEP].tolist() == [0, 1, 2, 3] and read.restarts == [2]
+    assert steps[T.LOSS].tolist() == pytest.approx(logged, rel=1e-6)
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE

@@ -560,3 +560,47 @@ def test_a_resumed_fit_that_steps_every_second_batch_goes_on_from_the_checkpoint
     assert steps[T.STEP].tolist() == list(range(6)) and read.restarts == [2]
     assert steps[T.LOSS].tolist()[2:] == pytest.approx(pairs, rel=1e-6)
     assert (steps[T.TOKENS] == 2 * BATCH * SEQ).all()
+
+
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
+@pytest.mark.parametrize("resume", [None, False])
+def test_a_second_fit_from_a_checkpoint_continues_the_run_unless_told_to_replace_it(
+    tmp_path: Path, resume: bool | None
+) -> None:
+    """A fit of 4 steps, then a second fit on to 6 from its last checkpoint into the same ``out``, without
+    ``resume=True``: the second replaced the first's run (steps 4-5 only, the report of steps 0-3 gone) without
+    a word. It continues the run now (0-3 | 4-5), warning that it does and how to do otherwise;
+    ``resume=False`` still replaces it, as asked."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    out, losses = tmp_path / "run", []
+    for max_steps, ckpt in ((4, None), (6, tmp_path / "ckpt" / "step=4.ckpt")):
+        kw = {"resume": resume} if ckpt is not None and resume is not None else {}
+        cb = PrecprofCallback(out=out, sample_every=1, report=False, memory=False, **kw)
+        every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, filename="{step}")
+        trainer = L.Trainer(
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+            max_steps=max_steps,
+            callbacks=[cb, every],
+        )
+        module = TinyLM()
+        if ckpt is not None and resume is None:
+            with pytest.warns(UserWarning, match="resumed at step 4 .* continuing it .* resume=True"):
+                trainer.fit(module, loader(), ckpt_path=ckpt)
+        else:
+            trainer.fit(module, loader(), ckpt_path=ckpt)
+        losses += module.losses
+    read = T.read_run(out)
+    steps = read.tables["steps"]
+    if resume is False:
+        assert steps[T.STEP].tolist() == [4, 5]
+        assert steps[T.LOSS].tolist() == pytest.approx(losses[4:], rel=0, abs=0)
+        return
+    assert steps[T.STEP].tolist() == list(range(6)) and read.restarts == [4]
+    assert steps[T.LOSS].tolist() == pytest.approx(losses, rel=0, abs=0)
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE

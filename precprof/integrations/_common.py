@@ -101,9 +101,11 @@ class Session:
 
     Args:
         out: the run directory; the Profiler streams into it from the start (``Profiler(out=...)``).
-        profiler_kwargs: passed to ``precprof.Profiler`` (``sample_every``, ``modules``, ``memory``, ...;
+        profiler_kwargs: passed to ``precprof.Profiler`` (``sample_every``, ``modules``, ``memory``, ...).
             ``resume=True`` continues the run in ``out`` from the framework's step when training resumes from a
-            checkpoint).
+            checkpoint; ``resume=False`` replaces a run there; left out (or None), a training that starts past
+            step 0 (restored from a checkpoint) continues a run ``out`` holds, with a warning, and one that
+            starts at step 0 replaces it.
         report: render report.html at the end.
     """
 
@@ -138,8 +140,10 @@ class Session:
         if "reducer" not in kwargs and is_distributed():
             kwargs["reducer"] = RankReducer(wrapped=wrapped)
         # streamed into the run directory while training runs (rank 0); a run already there is replaced, as the
-        # end of the session always did, unless the callback was asked to resume it
-        kwargs.setdefault("overwrite", not kwargs.get("resume", False))
+        # end of the session always did, unless the callback was asked to resume it or training resumed
+        if kwargs.get("resume") is None:
+            kwargs["resume"] = self._continues(first_step)
+        kwargs.setdefault("overwrite", not kwargs["resume"])
         self.prof = Profiler(
             model, optimizer=optimizer, scaler=scaler, first_step=first_step, out=self.out, **kwargs
         )
@@ -151,6 +155,21 @@ class Session:
             atexit.register(self._at_exit)
             self._atexit_registered = True
         return self.prof
+
+    def _continues(self, first_step: int) -> bool:
+        """With ``resume`` left out: whether this session continues the run in ``out``. A training restored
+        from a checkpoint (``first_step`` > 0) into the directory of a run is the same training going on, as a
+        rule (a job restarted, a second fit on from the first's checkpoint): replacing the run lost every step
+        before the checkpoint without a word. Continued, and said in one line, which names both choices."""
+        if first_step <= 0 or not T.is_run_dir(self.out):
+            return False
+        warnings.warn(
+            f"precprof: training resumed at step {first_step} and {self.out} holds a run: continuing it "
+            f"(its steps from {first_step} on are replaced); pass resume=True to continue without this "
+            "warning, or resume=False to replace the run",
+            stacklevel=4,
+        )
+        return True
 
     def step(self, loss: Any = None, grad_norm: Any = None, tokens: int | None = None) -> None:
         if self.prof is not None and self.prof.attached:

@@ -41,6 +41,9 @@ in try/except and writes the run as "incomplete" with the exception before re-ra
 With the bare callback, an unfinished run is written as incomplete at interpreter exit (``atexit``: a script
 that dies with a traceback) or when the same callback's next ``train()`` starts (a notebook).
 
+Resuming (``trainer.train(resume_from_checkpoint=...)``): the run starts at the checkpoint's ``global_step``,
+and continues the run ``out`` holds (``resume=True`` says so; ``resume=False`` replaces it).
+
 Mixed precision that is asked for but not active: ``TrainingArguments(fp16=True)`` on a CPU makes accelerate
 report ``mixed_precision="fp16"`` and train in fp32 (no autocast, no scaler). The summary's config holds the
 requested precision (``fp16`` / ``bf16``, from ``args.fp16`` / ``args.bf16``) and ``capture`` what the matmul layers
@@ -138,7 +141,10 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
         sample_every: record per-layer statistics every N optimizer steps (step 0 included); None (the default):
             as many steps as keep the overhead within ``overhead_budget`` (``precprof.Profiler``'s default).
         report: render report.html at the end of training.
-        **profiler_kwargs: further ``precprof.Profiler`` arguments (``modules``, ``memory``, ``update_sample``, ...).
+        **profiler_kwargs: further ``precprof.Profiler`` arguments. ``resume``: True continues the run in
+            ``out`` when training resumes from a checkpoint, False replaces it; left out, a training that
+            resumes from a checkpoint continues the run ``out`` holds, with a warning that resume=True
+            silences. Others: ``modules``, ``memory``, ``update_sample``, ...
 
     After training, ``run_dir`` is the run directory and ``report_path`` the report (None when not rendered).
     """

@@ -27,7 +27,9 @@ integer tensor.
 
 Resuming (``trainer.fit(..., ckpt_path=...)``): the callback keeps the step it goes on from in the checkpoints
 Lightning saves (``checkpoint["precprof"]``), so that a resumed fit numbers its steps on from the checkpoint's,
-whatever a batch stepped; a checkpoint saved without it: Lightning's count of the batches that stepped.
+whatever a batch stepped; a checkpoint saved without it: Lightning's count of the batches that stepped. A fit
+from a checkpoint into an ``out`` that holds a run continues that run (``resume=True`` says so; ``resume=False``
+replaces it).
 
 Precision plugins: Lightning's setting is recorded (``config.lightning_precision``) and mapped to precprof's
 modes (``config.precision``): ``16-mixed`` -> fp16 (autocast + GradScaler), ``bf16-mixed`` -> bf16 (autocast),
@@ -87,7 +89,10 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         sample_every: record per-layer statistics every N optimizer steps (step 0 included); None (the default):
             as many steps as keep the overhead within ``overhead_budget`` (``precprof.Profiler``'s default).
         report: render report.html at the end of fit.
-        **profiler_kwargs: further ``precprof.Profiler`` arguments (``modules``, ``memory``, ...).
+        **profiler_kwargs: further ``precprof.Profiler`` arguments. ``resume``: True continues the run in
+            ``out`` when training resumes from a checkpoint, False replaces it; left out, a training that
+            resumes from a checkpoint continues the run ``out`` holds, with a warning that resume=True
+            silences. Others: ``modules``, ``memory``, ...
 
     After fit, ``run_dir`` is the run directory and ``report_path`` the report (None when not rendered).
     """
