@@ -172,7 +172,14 @@ def test_a_tail_of_tiny_gradient_values_does_not_rule_a_layer_out(wide_run: Path
     assert f.numbers["max_e5m2_share"] == pytest.approx(
         float(shares.groupby(g[T.MODULE].astype(str)).median().max())
     )
-    assert "flush more than 1% of their values yet lose no measurable share of the norm" in f.message
+    # the layers that flush over 1% are said to lose the largest share measured, not "no measurable share"
+    said = re.search(r"flush more than 1% of their values yet lose at most ([\d.]+)% of the norm", f.message)
+    lost4 = f.numbers["max_e4m3_lost_norm"]
+    assert (
+        said
+        and isinstance(lost4, float)
+        and float(said[1]) / 100 == pytest.approx(max(lost, lost4), rel=0.05)
+    )
     assert all(m in f.message for m in c_fc)
     # the fp16 rule reads the same histograms with the same bound: at its recommended scale the values fp16
     # still loses are a negligible share of the norm, as the FP8 rule finds for e5m2

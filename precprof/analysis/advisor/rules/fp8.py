@@ -141,6 +141,14 @@ def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
     )
 
 
+def _at_most(bound: float) -> str:
+    """An upper bound of a share in words: "none", "at most 0.0657%", "under 0.000001%"."""
+    if bound == 0:
+        return "none"
+    text = _pct(bound)
+    return text.replace("<", "under ", 1) if text.startswith("<") else f"at most {text}"
+
+
 def _get(by_key: Mapping[Any, Mapping[str, Any]], m: str, side: str, col: str) -> float | None:
     """Column ``col`` of ``fp8_summary``'s row (``m``, ``side``), from ``by_key`` (the summary as a dict, made
     once: a MultiIndex lookup per layer took a second on thousands of layers); None when absent or not finite."""
@@ -351,6 +359,14 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         for m in plan.fp8_eligible
         if max(_get(by_key, m, FORWARD, "values") or 0.0, _get(by_key, m, BACKWARD, "values") or 0.0) > 0.01
     ]
+    # the most of the norm they lose: measured, and under the limit, as they are eligible
+    counted_norm = max(
+        (
+            max(_get(by_key, m, FORWARD, "norm") or 0.0, _get(by_key, m, BACKWARD, "norm") or 0.0)
+            for m in counted
+        ),
+        default=0.0,
+    )
     msg = (
         "A linear layer is FP8-eligible when --precision fp8 would convert it (an nn.Linear not tied to an "
         f"embedding, both dimensions and the tokens per call multiples of {taxonomy.FP8_DIM_MULTIPLE}), none of "
@@ -398,8 +414,9 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         + f" and {_pct(bval)} of the output gradients"
         + (f" ({_name(bvmod)})" if bvmod is not None else "")
         + (
-            f"; {_listing(counted, cfg.max_listed_modules)} flush more than 1% of their values yet lose no "
-            "measurable share of the norm"
+            f"; {_listing(counted, cfg.max_listed_modules)} flush more than 1% of their values yet lose "
+            + _at_most(counted_norm)
+            + f" of the norm, where {_pct(lim)} is allowed"
             if counted
             else ""
         )
