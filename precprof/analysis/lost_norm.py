@@ -131,3 +131,43 @@ def top_energy_bound(
     start[gs[firsts]] = before[firsts]
     take = np.clip(np.asarray(top, dtype=float)[gs] - (before - start[gs]), 0.0, cs)
     return np.bincount(gs, take * 4.0 ** (es + 1), n), np.bincount(g, c * 4.0**e, n)
+
+
+def count_below(
+    exponent: np.ndarray, count: np.ndarray, group: np.ndarray, limit_log2: np.ndarray
+) -> np.ndarray:
+    """Per group: the count of values in the binades wholly below 2^limit_log2[g] (e + 1 <= limit), from the
+    histogram rows (as ``lost_energy_bound``'s; nan limit: none). For an integer limit, as FP8's smallest normal
+    under a power-of-two scale, the binades meet the limit exactly: the count of the values below it."""
+    n = len(limit_log2)
+    e = np.asarray(exponent, dtype=float)
+    c = np.asarray(count, dtype=float)
+    g = np.asarray(group, dtype=np.int64)
+    keep = (g >= 0) & (c > 0)
+    e, c, g = e[keep], c[keep], g[keep]
+    t = np.asarray(limit_log2, dtype=float)[g]
+    return np.bincount(g, np.where(~np.isnan(t) & (e + 1 <= t), c, 0.0), n)
+
+
+def rank_edge_log2(
+    exponent: np.ndarray, count: np.ndarray, group: np.ndarray, n: int, rank: np.ndarray
+) -> np.ndarray:
+    """Per group: log2 of the upper edge of the binade holding its ``rank[g]``-th largest value (1: the largest),
+    from the histogram rows (as ``top_energy_bound``'s): an upper bound of that value. nan where the group has
+    fewer values than that."""
+    e = np.asarray(exponent, dtype=float)
+    c = np.asarray(count, dtype=float)
+    g = np.asarray(group, dtype=np.int64)
+    keep = (g >= 0) & (c > 0)
+    e, c, g = e[keep], c[keep], g[keep]
+    order = np.lexsort((-e, g))
+    gs, es, cs = g[order], e[order], c[order]
+    upto = np.cumsum(cs)
+    start = np.zeros(n)
+    firsts = np.flatnonzero(np.r_[len(gs) > 0, gs[1:] != gs[:-1]])
+    start[gs[firsts]] = (upto - cs)[firsts]
+    # the first binade, from the top, whose values reach the rank
+    reached = upto - start[gs] >= np.asarray(rank, dtype=float)[gs]
+    out = np.full(n, -np.inf)
+    np.maximum.at(out, gs[reached], es[reached] + 1)
+    return np.where(np.isfinite(out), out, np.nan)

@@ -173,6 +173,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "max_e5m2_share": ("most E5M2 values flushed (output gradients; not judged)", "share"),
     "max_e4m3_lost_norm": ("largest share of the norm E4M3 loses (inputs, weights)", "share"),
     "max_e5m2_lost_norm": ("largest share of the norm E5M2 loses (output gradients)", "share"),
+    "max_pushed_subnormal": ("most values a tensor's largest 0.1% push below FP8's smallest normal", "share"),
+    "pushed_subnormal_max": ("share of values pushed below FP8's smallest normal allowed", "share"),
     "sampled_steps": ("sampled steps", "count"),
     ("fp8_speed", "layers"): ("FP8-eligible layers estimated", "count"),
     ("fp8_speed", "layers_bf16"): ("linear layers left in bf16 (in the step)", "count"),

@@ -8,7 +8,7 @@ from precprof import tables as T
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import _Plan, _Run
 from precprof.analysis.advisor.model import INFO, WARNING, Recommendation
-from precprof.analysis.advisor.rules.fp8 import token_counts, tokens_remedy
+from precprof.analysis.advisor.rules.fp8 import held_back_remedy, token_counts
 from precprof.analysis.advisor.text import _g, _listing, _pct, _pow2, _scale
 from precprof.taxonomy import FP8_DIM_MULTIPLE
 
@@ -157,7 +157,7 @@ def _fp8_story(run: _Run, plan: _Plan, fmt: str, measured: str, why: str) -> Non
     else:
         keep = f"Nothing to convert under the {fmt} verdict: FP8 is advised only beside bf16, which is ruled out."
     if hw.fp8_supported:
-        keep += tokens_remedy(plan)
+        keep += held_back_remedy(plan)
     for f in plan.findings:
         if f.code == "fp8_eligibility":
             f.remedy = keep

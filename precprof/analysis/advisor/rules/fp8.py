@@ -11,7 +11,12 @@ that layer is linear). The lost share is an upper bound from each step's histogr
 sampled steps: a share that one step in ten reaches does not flip a layer between runs. Nothing saturates under
 current scaling (the scale puts each tensor's largest value at or below the format's max). The count of flushed
 values is reported beside it, not judged: tens of percent of a gradient's values may flush while carrying a
-millionth of its norm (GPT-2's ``mlp.c_fc`` behind GELU).
+millionth of its norm (GPT-2's ``mlp.c_fc`` behind GELU). What the norm of a whole tensor cannot see is an
+outlier that sets its scale: one value of 3e4 in an N(0, 1) input holds nearly all of its norm, and puts 95% of
+the other values below e4m3's smallest normal, where they keep 0 to 3 significant bits. A layer is not eligible
+when a tensor's largest 0.1% of values push more than ``AdvisorConfig.fp8_pushed_subnormal_max`` of its values
+there (``_pushed_share``, exact from the histogram): a tensor whose values spread wide by nature (the GELU tail,
+a weight over 40 binades) has them there under any scale, and is not held back.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ KIND_FORMAT: dict[str, NumberFormat] = {
     T.ACTIVATION_GRAD: FP8_E5M2,
 }
 FORWARD, BACKWARD = "forward", "backward"
+# the share of a tensor's largest values taken as outliers when asking whether they set its scale: LLMs'
+# "massive activations" are a few values in a few tokens (arXiv 2402.17762), well under 0.1% of a GEMM input
+OUTLIER_SHARE = 1e-3
 INPUT = "input"  # the tensor column of a layer's input rows in ``fp8_losses``
 
 
@@ -68,7 +76,8 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     GEMMs would read it in loses: its weight and its input (tensor ``INPUT``: the output of each module in
     ``inputs[module]``, which its GEMM read) in e4m3, its output gradient in e5m2. Columns: ``lost_norm`` (upper
     bound of the share of the L2 norm lost to underflow), ``lost_values`` (share of the nonzero finite values
-    flushed, exact), ``side`` ("forward": input and weight; "backward": output gradient)."""
+    flushed, exact), ``pushed`` (``_pushed_share``), ``side`` ("forward": input and weight; "backward": output
+    gradient)."""
     lay = run.layers
     sources = {s for m in modules for s in inputs.get(m, [])}
     own = lay[T.MODULE].isin(modules) & (
@@ -79,7 +88,7 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     keys = [T.STEP, T.MODULE, T.TENSOR, T.PARAM]
     rows = lay.loc[sel, [*keys, T.ABSMAX, T.CALLS, T.NUMEL, T.ZEROS, T.NAN, T.INF, e4, e5]]
     if rows.empty:
-        return pd.DataFrame(columns=[*keys, "side", "lost_norm", "lost_values"])
+        return pd.DataFrame(columns=[*keys, "side", "lost_norm", "lost_values", "pushed"])
     rows = rows.assign(**{k: T.texts(rows[k]).astype(object) for k in (T.MODULE, T.TENSOR, T.PARAM)})
     # one row per tensor and step (a table merged from ranks may repeat one): counts add, amax is the largest
     agg = {c: "sum" for c in (T.CALLS, T.NUMEL, T.ZEROS, T.NAN, T.INF, e4, e5)}
@@ -103,12 +112,14 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
         exact=(rows[T.CALLS].to_numpy(dtype=float) <= 1),
     )
     nonzero = (rows[T.NUMEL] - rows[T.ZEROS] - rows[T.NAN] - rows[T.INF]).clip(lower=0).to_numpy(dtype=float)
+    pushed = _pushed_share(h, group, nonzero, amax, is_grad)
     with np.errstate(invalid="ignore", divide="ignore"):
         values = np.where(nonzero > 0, flushed / nonzero, np.nan)
     out = rows[keys].copy()
     out["side"] = np.where(is_grad, BACKWARD, FORWARD)
     out["lost_norm"] = share
     out["lost_values"] = values
+    out["pushed"] = pushed
     # each layer's rows: its weight and output gradient, and the outputs it read as its input, as its own
     mine = out[out[T.TENSOR] != T.ACTIVATION]
     outputs = out[out[T.TENSOR] == T.ACTIVATION]
@@ -118,27 +129,66 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     return pd.concat([mine[mine[T.MODULE].isin(modules)], as_input[out.columns]], ignore_index=True)
 
 
+def _pushed_share(
+    h: pd.DataFrame, group: np.ndarray, nonzero: np.ndarray, amax: np.ndarray, is_grad: np.ndarray
+) -> np.ndarray:
+    """Per tensor (``group`` maps the histogram rows ``h`` to them): the share of its nonzero finite values its
+    largest values push below its FP8 format's smallest normal under current scaling, where a value keeps at
+    most 3 of e4m3's 4 significant bits (2 of e5m2's 3), or flushes: the values below the smallest normal
+    under the scale amax sets, less those below it under the scale that all but its largest ``OUTLIER_SHARE``
+    of values would set (their largest taken at its binade's upper edge: a smaller share, never a larger one).
+    The binades meet the smallest normal exactly, the scale being a power of two; a tensor of several calls is
+    read at its largest call's scale."""
+    exponent, count = h[T.EXPONENT].to_numpy(), h[T.COUNT].to_numpy()
+    rank = np.maximum(np.floor(OUTLIER_SHARE * nonzero), 1.0) + 1.0
+    bulk_amax = np.exp2(lost_norm.rank_edge_log2(exponent, count, group, len(nonzero), rank))
+
+    def below(a: np.ndarray) -> np.ndarray:
+        # log2 of the smallest normal in unscaled units: an integer, as the scale is a power of two
+        normal = np.where(
+            is_grad,
+            math.log2(FP8_E5M2.smallest_normal) - current_scaling.exponents(FP8_E5M2, a),
+            math.log2(FP8_E4M3.smallest_normal) - current_scaling.exponents(FP8_E4M3, a),
+        )
+        return lost_norm.count_below(exponent, count, group, normal)
+
+    all_below, bulk_below = below(amax), below(bulk_amax)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        pushed = np.where(nonzero > 0, np.clip((all_below - bulk_below) / nonzero, 0.0, 1.0), np.nan)
+    return np.where(np.isnan(bulk_amax), 0.0, pushed)
+
+
 def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
     """Per (module, side): the median over sampled steps of the lost-norm bound (the larger of the input's and
-    the weight's on the forward side), its worst step, and the median share of values flushed."""
+    the weight's on the forward side), its worst step, the median share of values flushed, and of the tensor
+    whose largest values push the most of it below the smallest normal (``fp8_losses``' ``pushed``), that
+    share (``pushed``) and its name (``pushed_tensor``)."""
+    cols = ["norm", "norm_worst", "values", "pushed", "pushed_tensor", "steps"]
     if losses.empty:
-        return pd.DataFrame(columns=["norm", "norm_worst", "values", "steps"])
+        return pd.DataFrame(columns=cols)
     per = (
         losses.groupby([T.MODULE, T.TENSOR, "side"], sort=False)
         .agg(
             norm=("lost_norm", "median"),
             norm_worst=("lost_norm", "max"),
             values=("lost_values", "median"),
+            pushed=("pushed", "median"),
             steps=("lost_norm", "count"),
         )
         .reset_index()
     )
-    return per.groupby([T.MODULE, "side"], sort=False).agg(
+    order = pd.MultiIndex.from_frame(per[[T.MODULE, "side"]].drop_duplicates())
+    # per (module, side), the tensor pushed the most first, so that "first" names it
+    per = per.sort_values("pushed", ascending=False, kind="stable", na_position="last")
+    out = per.groupby([T.MODULE, "side"], sort=False).agg(
         norm=("norm", "max"),
         norm_worst=("norm_worst", "max"),
         values=("values", "max"),
+        pushed=("pushed", "first"),
+        pushed_tensor=(T.TENSOR, "first"),
         steps=("steps", "max"),
     )
+    return out.reindex(order)[cols]
 
 
 def _at_most(bound: float) -> str:
@@ -157,6 +207,41 @@ def _get(by_key: Mapping[Any, Mapping[str, Any]], m: str, side: str, col: str) -
     return v if np.isfinite(v) else None
 
 
+OUTLIER_REASON = "an outlier sets its"  # how ``_outlier_reason`` begins
+_TENSOR_WORDS = {INPUT: "input", T.WEIGHT: "weight", T.ACTIVATION_GRAD: "output gradient"}
+
+
+def _outlier_reason(by_key: Mapping[Any, Mapping[str, Any]], m: str, most: float) -> str:
+    """Why layer ``m`` is not eligible when its largest values push over ``most`` of a tensor's values below the
+    FP8 format's smallest normal ("" when none does): the forward side's first, then the backward's."""
+    for side, fmt in ((FORWARD, FP8_E4M3), (BACKWARD, FP8_E5M2)):
+        pushed = _get(by_key, m, side, "pushed")
+        if pushed is None or pushed <= most:
+            continue
+        name = "e4m3" if fmt is FP8_E4M3 else "e5m2"
+        bits = fmt.mantissa_bits + 1
+        what = _TENSOR_WORDS.get(str(by_key[(m, side)]["pushed_tensor"]), "tensor")
+        return (
+            f"{OUTLIER_REASON} {what}'s {name} scale: its largest {_pct(OUTLIER_SHARE)} of values push "
+            f"{_pct(pushed)} of them below {name}'s smallest normal, where a value keeps at most {bits - 1} of its "
+            f"{bits} significant bits"
+        )
+    return ""
+
+
+def _outlier_remedy(plan: _Plan) -> str:
+    """How to run the layers whose scale an outlier sets in FP8 ("" when there are none)."""
+    held = [m for m, why in plan.fp8_why_not.items() if why.startswith(OUTLIER_REASON)]
+    if not held:
+        return ""
+    return (
+        f" The {len(held)} layer(s) whose scale an outlier sets can run in FP8 with torchao's rowwise recipe "
+        '(Float8LinearConfig.from_recipe_name("rowwise")): it scales each token of the input and of the output '
+        "gradient on its own, so the outlier sets only its own token's scale; it is slower than the tensorwise "
+        "FP8 the speed estimate assumes: measure it."
+    )
+
+
 TOKENS_REASON = f"tokens per call, not a multiple of {taxonomy.FP8_DIM_MULTIPLE}"  # taxonomy's words
 EXPERT_TOKENS_REASON = (
     f"routed experts: the tokens routed to each per call are not a multiple of {taxonomy.FP8_DIM_MULTIPLE}, "
@@ -169,9 +254,10 @@ def token_counts(plan: _Plan) -> str:
     return ", ".join(map(str, sorted(set(plan.fp8_tokens.values()))))
 
 
-def tokens_remedy(plan: _Plan) -> str:
-    """How to lift the tokens per call that hold layers back from FP8 ("" when none does)."""
-    return _batch_tokens_remedy(plan) + _expert_tokens_remedy(plan)
+def held_back_remedy(plan: _Plan) -> str:
+    """How to lift what holds layers back from FP8 that a setting lifts ("" when nothing does): their tokens per
+    call, an outlier that sets their scale."""
+    return _batch_tokens_remedy(plan) + _expert_tokens_remedy(plan) + _outlier_remedy(plan)
 
 
 def _expert_tokens_remedy(plan: _Plan) -> str:
@@ -292,6 +378,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             why = f"e4m3 loses up to {_pct(fwd)} of its input's or weight's norm"
         elif bwd is not None and bwd > lim:
             why = f"e5m2 loses up to {_pct(bwd)} of its output gradient's norm"
+        else:
+            why = _outlier_reason(by_key, m, cfg.fp8_pushed_subnormal_max)
         rows.append((m, why))
     plan.fp8_checked = len(rows)
     plan.fp8_eligible = [m for m, why in rows if not why]
@@ -367,6 +455,15 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         ),
         default=0.0,
     )
+    # the largest share of a tensor's values its largest push below the smallest normal (None: none was read)
+    pushed = [
+        (w, m)
+        for side in (FORWARD, BACKWARD)
+        for m in linear
+        if (w := _get(by_key, m, side, "pushed")) is not None
+    ]
+    pmax, pmod = max(pushed) if pushed else (None, None)
+    pmod = pmod if pmax else None
     msg = (
         "A linear layer is FP8-eligible when --precision fp8 would convert it (an nn.Linear not tied to an "
         f"embedding, both dimensions and the tokens per call multiples of {taxonomy.FP8_DIM_MULTIPLE}), none of "
@@ -420,6 +517,11 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             if counted
             else ""
         )
+        + f". Nor may an outlier set a tensor's scale: its largest {_pct(OUTLIER_SHARE)} of values may push at "
+        f"most {_pct(cfg.fp8_pushed_subnormal_max)} of its values below the format's smallest normal, where they "
+        "keep few significant bits while the norm, which the outlier holds, loses almost nothing (as with the "
+        f"massive activations of large language models). Most pushed there: {_pct(pmax)}"
+        + (f" ({_name(pmod)})" if pmod is not None else "")
         + (
             f". {len(forward_only)} layer(s) had no output gradient on any sampled step "
             f"({_listing(forward_only, cfg.max_listed_modules)}: frozen with nothing trainable before them, or "
@@ -455,7 +557,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 if tied
                 else "."
             )
-            + tokens_remedy(plan),
+            + held_back_remedy(plan),
             modules=plan.fp8_eligible,
             numbers={
                 "eligible": len(plan.fp8_eligible),
@@ -470,6 +572,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 "max_e5m2_lost_norm": bmax,
                 "max_e4m3_share": fval,
                 "max_e5m2_share": bval,
+                "max_pushed_subnormal": pmax,
+                "pushed_subnormal_max": cfg.fp8_pushed_subnormal_max,
                 "lost_norm_max": lim,
                 "sampled_steps": steps,
             },
