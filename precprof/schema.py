@@ -209,6 +209,8 @@ PHASE_FORWARD = "forward"
 PHASE_BACKWARD = "backward"
 PHASE_OPTIMIZER = "optimizer"
 PHASE_OTHER = "other"  # before the first forward, after the optimizer step (zero_grad, scaler.update)
+# inside ``Profiler.not_training()`` (an evaluation between steps): not the step's, and not one of its phases
+PHASE_OUTSIDE = "outside"
 MEMORY_PHASES: tuple[str, ...] = (PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER, PHASE_OTHER)
 LOSS_SCOPE = "(loss)"  # module of activations saved outside the model's forward (the loss), by default
 

@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -680,3 +681,40 @@ def test_a_closure_steps_optimizer_phase_begins_after_its_backward(closure: bool
     at_peak = T.memory_at(memory[memory[T.STEP] == 1], T.MOMENT_PEAK)
     assert set(at_peak[T.PHASE]) == {T.PHASE_OPTIMIZER}
     assert T.OPTIMIZER_STATES in set(at_peak[T.COMPONENT])
+
+
+@pytest.mark.parametrize("evaluate", [False, True])
+def test_an_evaluation_between_steps_is_not_the_steps_peak(evaluate: bool) -> None:
+    """The Trainer evaluates between ``prof.step()`` and the next step: its batch of 256 was the next step's peak
+    (6.7 MiB where training peaked at 0.85 MiB), and the memory verdict was taken from it. Inside
+    ``prof.not_training()`` it is a phase of its own, not the step's: the step's peak and its parts are those of
+    the same step without the evaluation."""
+
+    def run(evaluate: bool) -> pd.DataFrame:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        with Profiler(model, optimizer=opt, sample_every=1, memory_peak=True) as prof:
+            for _ in range(3):
+                if evaluate:
+                    with prof.not_training(), torch.no_grad():
+                        model(torch.randn(4096, 64)).sum()  # 2 MiB of hidden activations at once
+                model(torch.randn(16, 64)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                prof.step()
+        memory = prof.tables()["memory"]
+        return memory[memory[T.STEP] == 1].reset_index(drop=True)  # (the second step measured)
+
+    got, plain = run(evaluate), run(False)
+    cols = [T.COMPONENT, T.MODULE, T.DTYPE, T.PHASE, T.MOMENT]
+    peaks = got[got[T.COMPONENT] == T.ALLOCATOR_PEAK]
+    assert T.PHASE_OUTSIDE not in set(got[T.PHASE]) and len(peaks) == 4
+    at_peak = T.memory_at(got, T.MOMENT_PEAK).set_index(cols)[T.BYTES]
+    want = T.memory_at(plain, T.MOMENT_PEAK).set_index(cols)[T.BYTES]
+    assert at_peak.drop(
+        index=[k for k in at_peak.index if k[0] == T.PROFILER_BUFFERS], errors="ignore"
+    ).to_dict() == (
+        want.drop(index=[k for k in want.index if k[0] == T.PROFILER_BUFFERS], errors="ignore").to_dict()
+    )
+    assert int(at_peak.sum()) < 2 * 2**20  # the evaluation's 2 MiB are not in it

@@ -57,7 +57,8 @@ What the memory table means per mode is ``precprof.analysis.memory_projection``'
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -335,7 +336,8 @@ class MemoryTracker(SavedActivations):
                 add(comp, {dt: b}, module=module, phase=peak.phase, moment=T.MOMENT_PEAK)
         else:  # no replay: the counters' peaks (CUDA only)
             for (comp, phase), b in sorted(self._counts.peaks.items()):
-                add(comp, {"": b}, phase=phase)
+                if phase != T.PHASE_OUTSIDE:
+                    add(comp, {"": b}, phase=phase)
         self._counts.peaks = {}
         for comp, b in self._counts.device_memory().items():
             add(comp, {"": b})
@@ -353,6 +355,18 @@ class MemoryTracker(SavedActivations):
         self.schedule.pause()
         if not keep:
             self._uninstall()
+
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        """An evaluation between steps (``Profiler.not_training``): a phase of its own, which is not the step's,
+        so that the step's peak is the training's (an evaluation's batch of 256 set a step's "peak" at 6.7 MiB
+        where its training peaked at 0.85 MiB, and the memory verdict was taken from it)."""
+        before = self._peak.segments[-1]
+        self._mark_phase(T.PHASE_OUTSIDE)
+        try:
+            yield
+        finally:
+            self._mark_phase(before)
 
     @property
     def peak_note(self) -> str:

@@ -431,7 +431,7 @@ def replay(
                 live[ptr] = size
                 if total > hi:
                     hi = total
-                    if total > best:
+                    if total > best and segments[s] != T.PHASE_OUTSIDE:  # (an evaluation's: not the step's)
                         best, best_i = total, i
             elif kind == FREE:
                 total -= live.pop(ptr, 0)  # a block from before the step that the source did not know of: 0

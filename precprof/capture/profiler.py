@@ -544,12 +544,13 @@ class Profiler(ProfilerResults):
 
     @contextlib.contextmanager
     def not_training(self) -> Iterator[None]:
-        """Time spent inside is not the step's: an evaluation or a checkpoint between two steps. Left out of the
-        step it falls in (its ``time_s``, a sampled step's cost, the overhead budget); the Trainer's and
-        Lightning's callbacks wrap their evaluations in it."""
+        """Time and memory spent inside are not the step's: an evaluation or a checkpoint between two steps. Left
+        out of the step it falls in (its ``time_s``, a sampled step's cost, the overhead budget, its memory
+        peak); the Trainer's and Lightning's callbacks wrap their evaluations in it."""
         t0 = time.perf_counter()
         try:
-            yield
+            with self._tracker.outside() if self._tracker is not None else contextlib.nullcontext():
+                yield
         finally:
             self._outside_s += time.perf_counter() - t0
 
