@@ -321,6 +321,8 @@ def test_a_checkpointed_block_is_recorded_once(reentrant: bool | str) -> None:
     were ordered as the backward pass recomputed them, last first: the advisor named the wrong layer as the
     first to make a nan), and training is bitwise the same as without the profiler."""
 
+    again: dict[bool | str | None, int] = {}
+
     def run(how: bool | str | None, profile: bool) -> tuple[pd.DataFrame | None, list[float]]:
         torch.manual_seed(0)
         model = _Checkpointed(how)
@@ -337,6 +339,8 @@ def test_a_checkpointed_block_is_recorded_once(reentrant: bool | str) -> None:
                 losses.append(loss.item())
                 if prof is not None:
                     prof.step()
+        if prof is not None:
+            again[how] = prof.summary()["checkpointed_forwards"]
         return (prof.tables()["layers"] if prof is not None else None), losses
 
     plain, plain_losses = run(None, True)
@@ -348,3 +352,5 @@ def test_a_checkpointed_block_is_recorded_once(reentrant: bool | str) -> None:
     pd.testing.assert_frame_equal(a, b)
     assert set(a.loc[a[T.TENSOR] == T.ACTIVATION, T.CALLS]) == {1}
     assert losses == plain_losses == run(reentrant, False)[1]
+    # the summary says the model checkpoints: the block's modules, run twice on each of the 3 sampled steps
+    assert again[None] == 0 and again[reentrant] >= 3 * 4

@@ -171,6 +171,7 @@ class StepHooks(GradientReads):
         # unscaled by the time the optimizer's hooks see it (``_unread_grads``)
         self._scaled = scaled
         self.eval_forwards = 0  # module forwards in eval mode with grad on, not read (over the run)
+        self.checkpointed_forwards = 0  # module forwards an activation checkpoint ran twice (over the run)
 
     # ------------------------------------------------------------------------------------ install/remove
     def install(self, turn: int) -> None:
@@ -352,11 +353,15 @@ class StepHooks(GradientReads):
         """A forward that is not read: without grad (an evaluation; a reentrant checkpoint's first pass, whose
         recomputation in the backward pass is the run read), a checkpoint's recomputation (read in the forward
         already), an evaluation in eval mode with grad on. Not a recomputation, it still takes its place in the
-        forward order (a reentrant checkpoint's blocks are recomputed last block first); an evaluation is counted."""
+        forward order (a reentrant checkpoint's blocks are recomputed last block first); an evaluation and a
+        checkpointed forward are counted (the summary says the model checkpoints its activations)."""
         if recomputing():
+            self.checkpointed_forwards += 1
             return
-        if torch.is_grad_enabled() and self._root_trains and not self._root.training:
-            self.eval_forwards += 1
+        if torch.is_grad_enabled():
+            self.eval_forwards += self._root_trains and not self._root.training
+        elif self._root_grad:  # without grad inside the model's forward with grad: a reentrant checkpoint's
+            self.checkpointed_forwards += 1
         if slot.order < 0:
             if slot.input >= 0 and slot.input_order < 0:
                 slot.input_order = self.order

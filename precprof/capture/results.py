@@ -305,6 +305,9 @@ class ProfilerResults:
             "grad_norm_type": _norm_type(self._clip_norms),
             # module forwards of sampled steps that ran in eval mode with grad on (an evaluation): not read
             "eval_forwards_ignored": self._hooks.eval_forwards if self._hooks is not None else 0,
+            # module forwards of sampled steps an activation checkpoint ran a second time (read once): the saved
+            # activations of such a model are what checkpointing keeps
+            "checkpointed_forwards": self._hooks.checkpointed_forwards if self._hooks is not None else 0,
         }
 
     def _stream_summary(self) -> dict[str, Any] | None:

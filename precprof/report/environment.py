@@ -40,7 +40,7 @@ _CAPTURE_SAID = _keys(
     "compiled fp8_emulated dropout_layers "
     "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
     "gemm_inputs optimizer "
-    "distributed"
+    "distributed eval_forwards_ignored checkpointed_forwards"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_tensor_cores tf32_supported "
@@ -456,6 +456,23 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
     if skipped:
         rows.append(
             ("tensors not measured", f"{F.count(len(skipped))} precprof could not read (see the banner)")
+        )
+    evals, again = _int(capture.get("eval_forwards_ignored")), _int(capture.get("checkpointed_forwards"))
+    if evals:
+        rows.append(
+            (
+                "evaluations with grad on",
+                f"{F.count(evals)} module forwards in eval mode, not read as training (model.eval() without "
+                "no_grad)",
+            )
+        )
+    if again:
+        rows.append(
+            (
+                "activation checkpointing",
+                f"{F.count(again)} module forwards a checkpoint ran twice, read once; the saved activations are "
+                "what checkpointing keeps",
+            )
         )
     if capture.get("histogram_shift_exact") is False:
         rows.append(("histograms", "unscaled by a loss scale that is not a power of two: within one binade"))
