@@ -860,3 +860,43 @@ def test_an_update_with_learning_rate_zero_is_not_lost() -> None:
     assert (first[T.LOST_UPDATE_BF16] == 0).all() and (first[T.LOST_UPDATE_FP16] == 0).all()
     later = rows[rows[T.STEP] > 0]
     assert (later[T.ZEROS] < later[T.NUMEL]).all()
+
+
+class _CallsItself(nn.Module):
+    """A forward that calls the model itself first (with grad, or under ``no_grad`` as a self-distillation
+    target), then runs a frozen part under ``no_grad``."""
+
+    def __init__(self, inner_no_grad: bool) -> None:
+        super().__init__()
+        self.inner_no_grad = inner_no_grad
+        self.body = nn.Linear(8, 8)
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        if depth == 0:
+            with torch.no_grad() if self.inner_no_grad else contextlib.nullcontext():
+                x = x + self(x, depth=1)
+        if depth == 0:
+            with torch.no_grad():
+                x = x + self.frozen(x)
+        return self.body(x)
+
+
+@pytest.mark.parametrize("inner_no_grad", [False, True])
+def test_a_model_that_calls_itself_keeps_its_frozen_parts_rows(inner_no_grad: bool) -> None:
+    """The model's own forward state was one flag, which the inner call's end cleared: the frozen part the outer
+    forward ran next under ``no_grad`` had no row. The innermost call decides, and the enclosing one's state
+    comes back: the frozen part is read once a step; a self-call under ``no_grad`` (a target) is not read."""
+    torch.manual_seed(0)
+    model = _CallsItself(inner_no_grad)
+    opt = torch.optim.SGD(model.body.parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(2):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    acts = prof.tables()["layers"]
+    acts = acts[acts[T.TENSOR] == T.ACTIVATION].set_index([T.STEP, T.MODULE])[T.CALLS]
+    assert acts[(0, "frozen")] == acts[(1, "frozen")] == 1
+    assert acts[(0, "body")] == (1 if inner_no_grad else 2)

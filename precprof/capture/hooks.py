@@ -121,6 +121,7 @@ class StepHooks(GradientReads):
         self._root = root if root is not None else nn.Module()  # (a stand-in that trains)
         self._root_trains = False
         self._root_grad = False  # inside the model's forward, begun with grad on (``_reads``)
+        self._root_calls: list[bool] = []  # the enclosing calls' ``_root_grad`` (a model that calls itself)
         roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
         self._hookset = _compat.HookSet(
             roots + [(s.module, self._make_pre_hook(s), self._make_fwd_hook(s), False) for s in plan.modules],
@@ -189,6 +190,7 @@ class StepHooks(GradientReads):
         # a forward of the root in eval mode while the step began in train mode is an evaluation (with grad on:
         # ``model.eval()`` without ``no_grad``), not the step's training: not read (``_skipped_forward``)
         self._root_trains = self._root.training
+        self._root_grad, self._root_calls = False, []
         self.installed = True
         if self._hookset.installed:  # kept from the sampled step before (``pause``)
             return
@@ -344,10 +346,13 @@ class StepHooks(GradientReads):
         return self._root_grad and not _compat.reentrant_first_pass()
 
     def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
+        # (a model that calls itself, a self-distillation teacher under no_grad inside the forward: the innermost
+        # call decides, and the enclosing one's state comes back when it returns)
+        self._root_calls.append(self._root_grad)
         self._root_grad = torch.is_grad_enabled()
 
     def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._root_grad = False
+        self._root_grad = self._root_calls.pop() if self._root_calls else False
 
     def _skipped_forward(self, slot: _ModuleSlot) -> None:
         """A forward that is not read: without grad (an evaluation; a reentrant checkpoint's first pass, whose
