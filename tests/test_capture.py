@@ -226,12 +226,14 @@ def test_no_grad_eval_does_not_pollute_training_step() -> None:
     assert act[T.CALLS].tolist() == [1]
 
 
-@pytest.mark.parametrize("where", ["before_step", "after_step", "after_the_last_step"])
+@pytest.mark.parametrize("where", ["before_step", "after_the_last_step"])
 def test_an_evaluation_in_eval_mode_with_grad_on_is_not_the_steps_training(where: str) -> None:
     """``model.eval()`` without ``no_grad`` (a validation loss in the loop): its forward was read as the step's
     training, every activation row mixed with the evaluation batch (calls 2, its absmax), its saved tensors
     the step's activations; after the last ``prof.step()`` it made a phantom step marked ``cut_off``. A forward
-    in eval mode when the step began in train mode is an evaluation: not read, and counted."""
+    in eval mode after the step's forward in train mode is an evaluation: not read, and counted; a step that ran
+    only such a forward and no backward when the Profiler closed is no step. (An evaluation before the step's
+    training forward cannot be told from training in eval mode when it runs: it is read.)"""
 
     def run(evaluate: bool) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
         torch.manual_seed(0)
@@ -271,8 +273,36 @@ def test_an_evaluation_in_eval_mode_with_grad_on_is_not_the_steps_training(where
         memory.loc[keep, cols].reset_index(drop=True),
         plain_memory.loc[plain_keep, cols].reset_index(drop=True),
     )
-    # each of the 4 modules' forward in each validation of a sampled step
-    assert summary["eval_forwards_ignored"] == 4 * (1 if where == "after_the_last_step" else 3)
+    # each of the 4 modules' forward in each validation of a sampled step; the last one is no step
+    assert summary["eval_forwards_ignored"] == (0 if where == "after_the_last_step" else 4 * 3)
+
+
+@pytest.mark.parametrize("switch_at", [0, 2])
+def test_a_loop_that_trains_in_eval_mode_keeps_every_row(switch_at: int) -> None:
+    """Fine-tuning with BatchNorm and dropout frozen: ``model.eval()`` after ``attach()`` (or from step 2 on)
+    and the training forward, backward and step in eval mode. Decided by the mode at the step's start, its
+    forwards were taken for evaluations and its activation rows and saved activations lost (the weights'
+    kept). A step's first forward decides: every row is there, as in the same loop in train mode."""
+
+    def run(eval_mode: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with precprof.Profiler(model, optimizer=opt, sample_every=1, memory_every=1) as prof:
+            for step in range(4):
+                if eval_mode and step == switch_at:
+                    model.eval()
+                model(torch.randn(4, 8)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+        assert prof.summary()["eval_forwards_ignored"] == 0
+        memory = prof.tables()["memory"]
+        return prof.tables()["layers"], memory[memory[T.COMPONENT] == T.ACTIVATIONS].reset_index(drop=True)
+
+    (layers, acts), (want_layers, want_acts) = run(True), run(False)
+    pd.testing.assert_frame_equal(layers, want_layers)
+    assert len(acts) and acts.equals(want_acts)  # the saved activations measured as in train mode
 
 
 class _FrozenBackbone(nn.Module):
@@ -900,3 +930,72 @@ def test_a_model_that_calls_itself_keeps_its_frozen_parts_rows(inner_no_grad: bo
     acts = acts[acts[T.TENSOR] == T.ACTIVATION].set_index([T.STEP, T.MODULE])[T.CALLS]
     assert acts[(0, "frozen")] == acts[(1, "frozen")] == 1
     assert acts[(0, "body")] == (1 if inner_no_grad else 2)
+
+
+class _SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as it is usually copied (davda54/sam): ``step(closure)`` moves the weights
+    up the gradient, runs the closure there, puts the weights back (a new storage) and steps the base SGD."""
+
+    def __init__(self, params: Any, lr: float, rho: float = 0.05) -> None:
+        super().__init__(params, {"rho": rho, "lr": lr})
+        self.base = torch.optim.SGD(self.param_groups, lr=lr)
+        self.param_groups = self.base.param_groups
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.norm(torch.stack([p.grad.norm() for p in params]))
+        for p in params:
+            self.state[p]["old"] = p.data.clone()
+            p.add_(p.grad * (self.param_groups[0]["rho"] / (norm + 1e-12)))
+        self.zero_grad()
+        with torch.enable_grad():
+            closure()
+        for p in params:
+            p.data = self.state[p]["old"]
+        self.base.step()
+
+
+def test_an_optimizer_that_moves_the_weights_before_its_closure_is_sampled_from_where_they_were() -> None:
+    """SAM's ``step(closure)`` perturbs the weights before it calls the closure: the update sample read its
+    "before" once the closure ran, from the perturbed weights, and counted 24 of 128 updates lost in bf16
+    where 125 were. The weights are read in the step's pre-hook, the intent once the closure ran. Truth: the
+    weights before and after each step, the closure's gradients, real casts."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = _SAM(model.parameters(), lr=1e-3)
+    truth: dict[tuple[int, str], tuple[int, int, int]] = {}
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for step in range(3):
+            x, y = torch.randn(32, 16), torch.randn(32, 1)
+            seen: dict[str, torch.Tensor] = {}
+
+            def closure(
+                x: torch.Tensor = x, y: torch.Tensor = y, seen: dict[str, torch.Tensor] = seen
+            ) -> Any:
+                loss = (model(x) - y).square().mean()
+                loss.backward()
+                seen.update({n: p.grad.clone() for n, p in model.named_parameters()})
+                return loss
+
+            opt.zero_grad()
+            (model(x) - y).square().mean().backward()
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            opt.step(closure)
+            for n, p in model.named_parameters():
+                delta = p.detach() - before[n]
+                intended = (seen[n] != 0) | (delta != 0)
+                lost = [
+                    int((intended & ((delta == 0) | ((held.float() + delta).to(dt) == held))).sum())
+                    for dt in (torch.bfloat16, torch.float16)
+                    for held in [before[n].to(dt)]
+                ]
+                truth[(step, n)] = (int((~intended).sum()), *lost)
+            prof.step()
+    rows = prof.tables()["layers"]
+    rows = rows[rows[T.TENSOR] == T.WEIGHT_UPDATE]
+    got = {
+        (r.step, f"{r.module}.{r.param}"): (r.zeros, r.lost_update_bf16, r.lost_update_fp16)
+        for r in rows.itertuples(index=False)
+    }
+    assert got == truth and len(got) == 3 * 4

@@ -156,16 +156,23 @@ class GradientReads:
         if not self.installed:
             return None
 
-        def before() -> None:
+        def grads() -> None:
             if self._grads_due:  # a backward whose end has not been read (it raised)
                 self._read_grads()
             self._unread_grads(optimizer)
-            if self.updates is not None:  # (the intended updates: this step's gradients, once they exist)
-                self.updates.before_step(k, optimizer)
 
-        wrapped = after_closure(args, kwargs, before)
+        def after_closure_ran() -> None:
+            grads()
+            if self.updates is not None:  # the intended updates: this step's gradients, made by the closure
+                self.updates.intent_after_closure(k, optimizer)
+
+        # the weights as they are before anything in the step moves them (SAM perturbs them, then calls the
+        # closure); with a closure, the intent is read again once it ran
+        wrapped = after_closure(args, kwargs, after_closure_ran)
         if wrapped is None:
-            before()
+            grads()
+        if self.updates is not None:
+            self.updates.before_step(k, optimizer)
         return wrapped
 
     def _unread_grads(self, optimizer: Any) -> None:

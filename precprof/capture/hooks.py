@@ -26,7 +26,7 @@ step followed by another keeps them in place between the two, doing nothing, ``p
 A hook is a lookup and one call into the engine of the tensor's device (``stats.rows``): everything else was
 decided at attach. Hooks never synchronise with the device and return None (a returned value would replace the
 module's output). ``torch.no_grad()`` forwards (evaluation between training steps) are ignored, as are forwards
-of a model in eval mode when the step began with it in train mode (an evaluation with grad on), and the
+of a model in eval mode after the step's first forward of it ran in train mode (an evaluation with grad on), and the
 forward an activation checkpoint runs again inside the backward pass when it read the block's outputs in the
 step's forward already (non-reentrant, ``_compat.recomputing``, a checkpoint nested in the block included); a
 reentrant checkpoint's forward runs under ``no_grad`` (it takes its place in the forward order then), and its
@@ -53,6 +53,7 @@ from torch import nn
 
 from precprof import _compat
 from precprof import stats as st
+from precprof import tables as T
 from precprof.capture.grad_reads import _COMPLEX, GradientReads, _device_of, _dtype_of, _plain
 from precprof.capture.plan import CapturePlan, reads_block_operands
 from precprof.capture.records import (
@@ -121,6 +122,13 @@ class StepHooks(GradientReads):
         self._root = root if root is not None else nn.Module()  # (a stand-in that trains)
         self._root_trains = False
         self._root_grad = False  # inside the model's forward, begun with grad on (``_reads``)
+        # whether the step's first forward of the model with grad ran in train mode (None: none yet): a later one
+        # in eval mode is an evaluation; and whether that first one was in eval mode though the step began in
+        # train mode (a validation after the last prof.step(), or a loop that trains in eval mode: told apart by
+        # whether a backward follows, ``evaluation_only``)
+        self._step_mode: bool | None = None
+        self._first_in_eval = False
+        self._grad_rows = [r.index for r in plan.rows.info if r.tensor in (T.ACTIVATION_GRAD, T.WEIGHT_GRAD)]
         self._root_calls: list[bool] = []  # the enclosing calls' ``_root_grad`` (a model that calls itself)
         roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
         self._hookset = _compat.HookSet(
@@ -187,10 +195,9 @@ class StepHooks(GradientReads):
         for slot in self.plan.modules:
             slot.order = slot.input_order = -1
             slot.ran = False
-        # a forward of the root in eval mode while the step began in train mode is an evaluation (with grad on:
-        # ``model.eval()`` without ``no_grad``), not the step's training: not read (``_skipped_forward``)
         self._root_trains = self._root.training
         self._root_grad, self._root_calls = False, []
+        self._step_mode, self._first_in_eval = None, False
         self.installed = True
         if self._hookset.installed:  # kept from the sampled step before (``pause``)
             return
@@ -339,7 +346,7 @@ class StepHooks(GradientReads):
         (without grad: its recomputation is read). A part the model's forward runs without grad (a frozen VAE or
         text encoder, a frozen backbone, under ``no_grad`` inside a forward with grad) is: its activations are
         the step's, without gradients."""
-        if self._root_trains and not self._root.training:
+        if self._step_mode and not self._root.training:
             return False
         if torch.is_grad_enabled():
             return not recomputing()
@@ -350,6 +357,16 @@ class StepHooks(GradientReads):
         # call decides, and the enclosing one's state comes back when it returns)
         self._root_calls.append(self._root_grad)
         self._root_grad = torch.is_grad_enabled()
+        if self._root_grad and self._step_mode is None:
+            self._step_mode = module.training
+            self._first_in_eval = self._root_trains and not module.training
+
+    def evaluation_only(self) -> bool:
+        """Whether the step in progress ran only an evaluation: its first forward in eval mode though the step
+        began in train mode, and no backward since (a validation with grad on after the last ``prof.step()``:
+        a step of its own, cut off, whose memory the report showed as the run's)."""
+        calls = self.rows.calls
+        return self._first_in_eval and not any(calls[r] for r in self._grad_rows)
 
     def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         self._root_grad = self._root_calls.pop() if self._root_calls else False
@@ -364,7 +381,7 @@ class StepHooks(GradientReads):
             self.checkpointed_forwards += 1
             return
         if torch.is_grad_enabled():
-            self.eval_forwards += self._root_trains and not self._root.training
+            self.eval_forwards += bool(self._step_mode) and not self._root.training
         elif self._root_grad:  # without grad inside the model's forward with grad: a reentrant checkpoint's
             self.checkpointed_forwards += 1
         if slot.order < 0:

@@ -52,7 +52,7 @@ class SavedActivations:
     _param_keys: set[StorageKey]
     _unmeasured: int
     _foreign_forwards: int
-    _root_trains: bool
+    _step_mode: bool | None
     _peak: PeakRecorder
     _counts: PhaseCounters
 
@@ -82,7 +82,11 @@ class SavedActivations:
         self._recording = False
         if not (self._sampled and self._live) or not torch.is_grad_enabled() or self._saved_ctx is not None:
             return
-        if self._root_trains and not self.model.training:
+        # the step's first forward of the model decides its mode: one in eval mode after it is an evaluation (with
+        # grad on, ``model.eval()`` without ``no_grad``), whose saved tensors are not the step's
+        if module is not None and self._step_mode is None:
+            self._step_mode = self.model.training
+        if self._step_mode and not self.model.training:
             return
         self._mark_phase(T.PHASE_FORWARD)
         if self._unpacks != self._unpacks_mark or not self._groups:

@@ -150,7 +150,7 @@ class MemoryTracker(SavedActivations):
         # sampled forwards that began under someone else's saved-tensor hooks (a checkpoint or offload around
         # the model call), left to them: ours would replace theirs (autograd calls only the innermost pair)
         self._foreign_forwards = 0
-        self._root_trains = False
+        self._step_mode: bool | None = None
         self.arm_error: str | None = None  # why measuring a step from its forward failed, if it did
         self._on_cpu = True
         self._peak = PeakRecorder(None)
@@ -229,9 +229,7 @@ class MemoryTracker(SavedActivations):
         self._groups = []
         self._unpacks_mark = -1
         self._grads.reset()
-        # the model in train mode at the step's start: a forward in eval mode is an evaluation (with grad on,
-        # ``model.eval()`` without ``no_grad``), whose saved tensors are not the step's
-        self._root_trains = self.model.training
+        self._step_mode = None  # the mode of the step's first forward of the model (``_start_recording``)
         model = self.model if self._attached else None
         self._sampled = self.schedule.begin(step, sampled, model, self._arm_at_forward)
         if not self._sampled:

@@ -375,9 +375,8 @@ class Profiler(ProfilerResults):
 
     def _scales_loss(self) -> bool:
         """Whether the gradients are multiplied by a loss scale (an enabled GradScaler, a manual ``loss_scale``)."""
-        if self.scaler is not None:
-            return _compat.scaler_enabled(self.scaler)
-        return self.loss_scale is not None and self.loss_scale != 1.0
+        scaler, manual = self.scaler, self.loss_scale
+        return _compat.scaler_enabled(scaler) if scaler is not None else manual is not None and manual != 1.0
 
     def _resolve_reducer(self) -> Any:
         spec = self._reducer_spec
@@ -411,9 +410,11 @@ class Profiler(ProfilerResults):
         if not self._attached:
             return
         self._attached = False
-        has_data = self._hooks is not None and self._hooks.has_data
+        hooks, complete = self._hooks, self._status == T.STATUS_COMPLETE
+        has_data = hooks is not None and hooks.has_data and not (complete and hooks.evaluation_only())
         self._remove_hooks()
-        # a step that was in progress (crash, Ctrl-C, or hooks removed mid-step) keeps what it recorded
+        # a step that was in progress (crash, Ctrl-C, or hooks removed mid-step) keeps what it recorded; one that
+        # ran only an evaluation after the last step, nothing crashing, is no step
         if self._sampling and has_data:
             if self._block_formats:
                 self._blocks.count_turn()

@@ -239,16 +239,34 @@ class _DeviceGroup:
             self.before = self.intended = None
         else:
             self.before, self.intended = self.samples(), self.grad_nonzero()
-        if idle:
-            at = 0
-            for ps in self.members:
-                if id(ps.tensor) in idle:
-                    if self._host_read:
-                        assert self._host is not None
-                        self._host.intended[at : at + ps.sample_len] = 0
-                    elif self.intended is not None:
-                        self.intended[at : at + ps.sample_len] = False
-                at += ps.sample_len
+        self._idle(idle)
+
+    @torch.no_grad()
+    def read_intent(self, idle: set[int] | frozenset[int] = frozenset()) -> None:
+        """The gradients' intent read again, the samples kept: a closure's step (``optimizer.step(closure)``)
+        has its gradients only once the closure ran, and may move the weights before it (SAM perturbs them),
+        so the samples are those of its pre-hook and the intent this."""
+        nonzero = self.grad_nonzero()
+        if self._host_read:
+            assert self._host is not None
+            self._host.intended[:] = nonzero.cpu().numpy()
+        elif self.before is not None:
+            self.intended = nonzero
+        self._idle(idle)
+
+    def _idle(self, idle: set[int] | frozenset[int]) -> None:
+        """No intent for the members in ``idle``."""
+        if not idle:
+            return
+        at = 0
+        for ps in self.members:
+            if id(ps.tensor) in idle:
+                if self._host_read:
+                    assert self._host is not None
+                    self._host.intended[at : at + ps.sample_len] = 0
+                elif self.intended is not None:
+                    self.intended[at : at + ps.sample_len] = False
+            at += ps.sample_len
 
     @torch.no_grad()
     def classify(self) -> bool:
@@ -365,6 +383,14 @@ class UpdateSampler:
         for g, owner in zip(self._groups, self._group_owner, strict=True):
             if owner == k:
                 g.read_before(idle)
+
+    def intent_after_closure(self, k: int = 0, optimizer: Any = None) -> None:
+        """Optimizer ``k``'s step was given a closure, which has run its backward: the intended updates read
+        from the gradients it made (the samples stay those of ``before_step``)."""
+        idle = _idle_params(optimizer)
+        for g, owner in zip(self._groups, self._group_owner, strict=True):
+            if owner == k:
+                g.read_intent(idle)
 
     @torch.no_grad()
     def after_step(self, k: int = 0) -> bool:
