@@ -490,10 +490,9 @@ def test_layers_reading_one_input_have_it_judged_as_it_was(block_formats_on: Non
         assert op["recipes"]["nvfp4"]["sqnr_db"] == pytest.approx(expected, rel=1e-9)
 
 
-def test_a_layer_whose_gemm_axes_are_not_whole_blocks_gets_no_block_format() -> None:
-    """torchao's MX and NVFP4 casts refuse a tensor whose reduced axis is not a multiple of the block (32 values
-    for MX, 16 for NVFP4): its GEMMs cannot run so unpadded, whatever the numbers say. A layer of 64 x 64 on 64
-    tokens is planned by its numbers; one with out_features 40 gets bf16, and the plan says why."""
+def _out_features_40() -> Any:
+    """Two sampled steps of a 64 x 64 layer and one of out_features 40 (not a multiple of MX's 32-value blocks),
+    every layer's block formats evaluated on each: the Profiler."""
     import precprof
 
     torch.manual_seed(0)
@@ -507,6 +506,14 @@ def test_a_layer_whose_gemm_axes_are_not_whole_blocks_gets_no_block_format() -> 
             opt.step()
             opt.zero_grad()
             prof.step(loss=loss)
+    return prof
+
+
+def test_a_layer_whose_gemm_axes_are_not_whole_blocks_gets_no_block_format() -> None:
+    """torchao's MX and NVFP4 casts refuse a tensor whose reduced axis is not a multiple of the block (32 values
+    for MX, 16 for NVFP4): its GEMMs cannot run so unpadded, whatever the numbers say. A layer of 64 x 64 on 64
+    tokens is planned by its numbers; one with out_features 40 gets bf16, and the plan says why."""
+    prof = _out_features_40()
     rec = recommend(prof, hardware="b200")
     assert rec.block_plan["2"] == "bf16" and rec.block_plan["0"] != "bf16"
     layer = next(lb for lb in rec.block_what_if["layers"] if lb["module"] == "2")
@@ -524,19 +531,7 @@ def test_a_cell_shaded_for_its_layers_shape_says_why() -> None:
     """A layer of out_features 40 fails MXFP8 by its shape (40 is not a multiple of 32) with numbers that pass:
     the block table shaded the cell, and the page never said why. The shaded cell carries the reason in its
     title and a numbered mark, and the reason is written under the table once, with the count of cells."""
-    import precprof
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 40))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=True, block_groups=1)
-    with prof:
-        for _ in range(2):
-            loss = model(torch.randn(64, 64)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss)
+    prof = _out_features_40()
     tables, summary = (
         prof.tables(),
         {T.SUMMARY_CAPTURE: prof.summary()},

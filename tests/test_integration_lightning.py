@@ -55,16 +55,17 @@ def loader() -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
 
 
-def quiet_trainer(tmp_path: Path, cb: PrecprofCallback, **kw: Any) -> Any:
-    """A CPU Trainer without logger, checkpoints, progress bar or summary; ``kw`` add to these."""
+def quiet_trainer(tmp_path: Path, cb: PrecprofCallback, *more: Any, **kw: Any) -> Any:
+    """A CPU Trainer without logger, progress bar or summary, and without checkpoints unless ``more`` callbacks
+    (a ModelCheckpoint) come beside ``cb``; ``kw`` add to these."""
     return L.Trainer(
         accelerator="cpu",
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(more),
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(tmp_path),
-        callbacks=[cb],
+        callbacks=[cb, *more],
         **kw,
     )
 
@@ -542,15 +543,7 @@ def test_a_resumed_fit_that_steps_every_second_batch_goes_on_from_the_checkpoint
         every = ModelCheckpoint(
             dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}"
         )
-        trainer = L.Trainer(
-            accelerator="cpu",
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=str(tmp_path),
-            max_steps=max_steps,
-            callbacks=[cb, every],
-        )
+        trainer = quiet_trainer(tmp_path, cb, every, max_steps=max_steps)
         module = AccumulatingLM()
         trainer.fit(module, loader(), ckpt_path=ckpt)
         assert trainer.global_step == max_steps
@@ -580,22 +573,11 @@ def test_a_second_fit_from_a_checkpoint_continues_the_run_unless_told_to_replace
         kw = {"resume": resume} if ckpt is not None and resume is not None else {}
         cb = PrecprofCallback(out=out, sample_every=1, report=False, memory=False, **kw)
         every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, filename="{step}")
-        trainer = L.Trainer(
-            accelerator="cpu",
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=str(tmp_path),
-            max_steps=max_steps,
-            callbacks=[cb, every],
-        )
+        trainer = quiet_trainer(tmp_path, cb, every, max_steps=max_steps)
         module = TinyLM()
         if ckpt is not None and resume is None:
             told = pytest.warns(UserWarning, match="resumed at step 4 .* continuing it .* resume=True")
-            with (
-                told,
-                warnings.catch_warnings(),
-            ):  # (pytest.warns re-raises what it caught: lightning's own too)
+            with told, warnings.catch_warnings():  # (pytest.warns re-raises what it caught: lightning's too)
                 warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)`", FutureWarning)
                 trainer.fit(module, loader(), ckpt_path=ckpt)
         else:

@@ -24,6 +24,18 @@ from __future__ import annotations
 import numpy as np
 
 
+def _rows(
+    exponent: np.ndarray, count: np.ndarray, group: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The histogram rows as float binades, float counts and int groups, without the rows left out (a negative
+    group) or empty."""
+    e = np.asarray(exponent, dtype=float)
+    c = np.asarray(count, dtype=float)
+    g = np.asarray(group, dtype=np.int64)
+    keep = (g >= 0) & (c > 0)
+    return e[keep], c[keep], g[keep]
+
+
 def lost_share_bound(
     exponent: np.ndarray,
     count: np.ndarray,
@@ -63,11 +75,7 @@ def lost_energy_bound(
     count of values), float64 arrays.
     """
     n = len(limit_log2)
-    e = np.asarray(exponent, dtype=float)
-    c = np.asarray(count, dtype=float)
-    g = np.asarray(group, dtype=np.int64)
-    keep = (g >= 0) & (c > 0)
-    e, c, g = e[keep], c[keep], g[keep]
+    e, c, g = _rows(exponent, count, group)
     t = np.asarray(limit_log2, dtype=float)[g]
     has_limit = ~np.isnan(t)
     sure = has_limit & (e + 1 <= t)  # the whole binade is at or below the limit
@@ -118,11 +126,7 @@ def top_energy_bound(
     """Per group: (an upper bound of the energy, sum x^2, of its ``top[g]`` largest values, a lower bound of the
     energy of all its values), from the histogram (the top values at their binades' upper edges, all values at
     their lower edges). What saturation can touch: it clamps a block's largest values."""
-    e = np.asarray(exponent, dtype=float)
-    c = np.asarray(count, dtype=float)
-    g = np.asarray(group, dtype=np.int64)
-    keep = (g >= 0) & (c > 0)
-    e, c, g = e[keep], c[keep], g[keep]
+    e, c, g = _rows(exponent, count, group)
     order = np.lexsort((-e, g))
     gs, es, cs = g[order], e[order], c[order]
     before = np.cumsum(cs) - cs
@@ -140,11 +144,7 @@ def count_below(
     histogram rows (as ``lost_energy_bound``'s; nan limit: none). For an integer limit, as FP8's smallest normal
     under a power-of-two scale, the binades meet the limit exactly: the count of the values below it."""
     n = len(limit_log2)
-    e = np.asarray(exponent, dtype=float)
-    c = np.asarray(count, dtype=float)
-    g = np.asarray(group, dtype=np.int64)
-    keep = (g >= 0) & (c > 0)
-    e, c, g = e[keep], c[keep], g[keep]
+    e, c, g = _rows(exponent, count, group)
     t = np.asarray(limit_log2, dtype=float)[g]
     return np.bincount(g, np.where(~np.isnan(t) & (e + 1 <= t), c, 0.0), n)
 
@@ -155,11 +155,7 @@ def rank_edge_log2(
     """Per group: log2 of the upper edge of the binade holding its ``rank[g]``-th largest value (1: the largest),
     from the histogram rows (as ``top_energy_bound``'s): an upper bound of that value. nan where the group has
     fewer values than that."""
-    e = np.asarray(exponent, dtype=float)
-    c = np.asarray(count, dtype=float)
-    g = np.asarray(group, dtype=np.int64)
-    keep = (g >= 0) & (c > 0)
-    e, c, g = e[keep], c[keep], g[keep]
+    e, c, g = _rows(exponent, count, group)
     order = np.lexsort((-e, g))
     gs, es, cs = g[order], e[order], c[order]
     upto = np.cumsum(cs)
