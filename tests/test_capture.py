@@ -999,3 +999,37 @@ def test_an_optimizer_that_moves_the_weights_before_its_closure_is_sampled_from_
         for r in rows.itertuples(index=False)
     }
     assert got == truth and len(got) == 3 * 4
+
+
+class _SometimesSkips(nn.Module):
+    """Its second layer runs on even calls only (a branch a step may skip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = self.first(x)
+        return self.second(x) if self.calls % 2 else x
+
+
+def test_a_stale_gradient_of_a_layer_that_did_not_run_is_not_read() -> None:
+    """``zero_grad(set_to_none=False)`` keeps a zero gradient on a layer the step did not run: the optimizer's
+    hook took it for a gradient assigned outside autograd and wrote weight-gradient rows of zeros for a layer
+    that took no part. Only a layer that ran has its unread gradient read."""
+    torch.manual_seed(0)
+    model = _SometimesSkips()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(4):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            prof.step()
+    grads = prof.tables()["layers"]
+    grads = grads[grads[T.TENSOR] == T.WEIGHT_GRAD]
+    assert sorted(set(zip(grads[T.STEP], grads[T.MODULE], strict=True))) == [
+        (0, "first"), (0, "second"), (1, "first"), (2, "first"), (2, "second"), (3, "first"),
+    ]  # fmt: skip

@@ -15,7 +15,7 @@ import torch
 
 from precprof import _compat
 from precprof import stats as st
-from precprof.capture.records import RowTable, _local, _ParamSlot, after_closure, dtype_bit
+from precprof.capture.records import RowTable, _local, _ModuleSlot, _ParamSlot, after_closure, dtype_bit
 from precprof.capture.updates import UpdateSampler
 
 _Tensor = torch.Tensor
@@ -56,6 +56,7 @@ class GradientReads:
     _stepped: set[int]
     _grad_row_of: dict[int, int]
     _grad_slot: dict[int, _ParamSlot]
+    _grad_owner: dict[int, _ModuleSlot]
     _weights_read: set[int] | None
     _scaled: Any
 
@@ -185,6 +186,7 @@ class GradientReads:
         if self._weights_read is None:
             return
         rows, calls, stepped, tried = self._grad_row_of, self.rows.calls, self._stepped, self.buffer.skipped
+        owner = self._grad_owner
         unread = [
             (p, r)
             for g in optimizer.param_groups
@@ -194,6 +196,8 @@ class GradientReads:
             and not tried[r]  # (a hook found it unreadable: counted once)
             and r not in stepped
             and p.grad is not None
+            and (slot := owner.get(r)) is not None
+            and slot.ran  # (a layer this step did not run keeps a stale gradient: zero_grad(set_to_none=False))
         ]
         if not unread:
             return

@@ -145,6 +145,8 @@ class StepHooks(GradientReads):
             if s.weights
         ]
         self._weight_tensors = [p for p, _ in self._weights]
+        # each gradient row's module: a gradient no hook read counts only if that module ran (``_unread_grads``)
+        self._grad_owner = {grad: s for s, params in self._weight_grads for _, _, grad in params if grad >= 0}
         # ``_sort_weights``'s answer, and the ``_weights_key`` it holds for
         self._weights_held: tuple[Any, ...] | None = None
         # the matrix weights of the block group whose turn it is, read with the others: (turn, deal) -> them
