@@ -337,6 +337,58 @@ def test_comparison_loss_plots_tick_labels_never_run_together(comparison: tuple[
     assert any(t.get_text().endswith("k") for t in fig.axes[0].get_xticklabels())
 
 
+def _diverged_comparison() -> A.Comparison:
+    """fp32, bf16 within 0.1% of it, and a run whose loss went 5.5, 7.1, 381, ... 3.4e9, then nan."""
+    steps = list(range(12))
+    ref = [5.5 - 0.1 * s for s in steps]
+    blown = [5.5, 7.1, 381.0, 5.7e3, 1.6e6, 3.4e9] + [math.nan] * 6
+    runs = [
+        run_result("fp32", 5.5, ref[-1], curve_steps=steps, curve_loss=ref),
+        run_result(
+            "bf16", 5.5, ref[-1], curve_steps=steps, curve_loss=[v * 1.001 for v in ref], outcome=A.MATCHED
+        ),
+        run_result(
+            "diverge",
+            5.5,
+            math.nan,
+            precision="bf16",
+            curve_steps=steps,
+            curve_loss=blown,
+            outcome=A.DIVERGED,
+            first_nonfinite_step=6,
+        ),
+    ]
+    return A.Comparison(runs, "fp32", 0.02, [], [], {"model": "gpt-nano"}, recorded=True)
+
+
+def test_a_diverged_run_leaves_the_loss_plots_readable() -> None:
+    """A run whose loss went to 3.4e9, then nan: the other runs were flat lines under it on a linear loss axis,
+    the relative plot's axis read "+6e+10%" and its label was cut at the image's left edge. The loss axis is
+    logarithmic; the relative axis is scaled to the band and the runs that did not diverge, and the diverged
+    run's legend entry says from which step it leaves it."""
+    comp = _diverged_comparison()
+    fig = compare_page.loss_figure(comp)
+    ax_loss, ax_rel = fig.axes
+    assert ax_loss.get_yscale() == "log" and ax_loss.get_ylim()[1] > 3.4e9
+    lo, hi = ax_rel.get_ylim()
+    bf16 = 1.001 - 1  # bf16's loss over fp32's, less one, at every step
+    assert lo < -0.02 and bf16 < 0.02 < hi < 0.05
+    # the diverged run is above the axis from step 1: 7.1 / 5.4 - 1 = 31%
+    assert hi < 7.1 / 5.4 - 1
+    legend = [t.get_text() for t in ax_rel.get_legend().get_texts()]
+    assert "diverge (diverged: above the axis from step 1)" in legend, legend
+    assert "loss not finite" in [t.get_text() for t in ax_loss.get_legend().get_texts()]
+    fig.canvas.draw()
+    ticks = [t.get_text() for t in ax_rel.get_yticklabels()]
+    assert "+2%" in ticks and not any("e" in t for t in ticks), ticks
+    renderer = fig.canvas.get_renderer()
+    for label in (ax_loss.yaxis.label, ax_rel.yaxis.label):
+        box = label.get_window_extent(renderer)
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.width, label.get_text()
+    caption = compare_page.render(comp).split('<section id="loss">', 1)[1].split("</figcaption>", 1)[0]
+    assert "a run that diverged is left out of its scale" in caption
+
+
 def test_comparison_page_escapes_user_text(comparison: tuple[A.Comparison, Path]) -> None:
     comp, out = comparison
     evil = A.Comparison(

@@ -16,6 +16,7 @@ import pandas as pd
 from precprof import tables as T
 from precprof._version import __version__
 from precprof.analysis.comparison import (
+    DIVERGED,
     SETUP_SETTINGS,
     STATUS_MEANING,
     Comparison,
@@ -29,7 +30,16 @@ from precprof.analysis.throughput import BASIS_ALL, BASIS_UNSAMPLED
 from precprof.modes import MODE_COLORS
 from precprof.report import environment as env_words
 from precprof.report import filters as F
-from precprof.report.plots import COMPONENT_COLORS, FIG_WIDTH_IN, data_uri, plain, png_bytes, step_label
+from precprof.report.plots import (
+    COMPONENT_COLORS,
+    FIG_WIDTH_IN,
+    data_uri,
+    fit_margins,
+    plain,
+    png_bytes,
+    spans_decades,
+    step_label,
+)
 from precprof.report.render import environment
 
 TEMPLATE = "compare.html.j2"
@@ -72,6 +82,7 @@ def _smooth(y: np.ndarray, w: int) -> np.ndarray:
 def loss_figure(comparison: Comparison) -> Any:
     """Loss curves overlaid (raw, faint; smoothed, solid) and each run's smoothed loss relative to the reference."""
     from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     # drawn for the page's narrowest width (plots.FIG_WIDTH_PX), one panel above the other
@@ -84,7 +95,10 @@ def loss_figure(comparison: Comparison) -> Any:
     ref_s = _smooth(np.asarray(ref.curve_loss, dtype=float), w)
     ref_steps = np.asarray(ref.curve_steps)
     finite_all: list[float] = []
+    # (run, steps, its smoothed loss over the reference's, less one)
+    relative: list[tuple[RunResult, np.ndarray, np.ndarray]] = []
     styles = run_styles(comparison.runs)
+    not_finite = False
     # the reference last and thinnest, on top of wider lines: curves that coincide all stay visible
     order = [i for i, r in enumerate(comparison.runs) if r is not ref] + [comparison.runs.index(ref)]
     for i in order:
@@ -101,44 +115,95 @@ def loss_figure(comparison: Comparison) -> Any:
         finite_all.extend(finite(y).tolist())
         bad = ~np.isfinite(y)
         if bad.any():
+            not_finite = True
             ax_loss.plot(
                 x[bad][:1], [np.nanmax(finite(y))] if np.isfinite(y).any() else [0], "X", color=color, ms=9
             )
         if r is not ref and len(ref_s):
             m = min(len(ys), len(ref_s))
             if m and np.array_equal(x[:m], ref_steps[:m]):
-                rel = (ys[:m] - ref_s[:m]) / np.abs(ref_s[:m])
-                ax_rel.plot(x[:m], rel, color=color, lw=1.6, ls=ls, label=plain(r.label))
-    if finite_all:
-        lo, hi = np.percentile(finite_all, 0.5), np.percentile(finite_all, 99.5)
-        pad = 0.05 * (hi - lo if hi > lo else 1.0)
-        ax_loss.set_ylim(lo - pad, hi + pad)
+                relative.append((r, x[:m], (ys[:m] - ref_s[:m]) / np.abs(ref_s[:m])))
+    _scale_loss_axis(ax_loss, np.asarray(finite_all, dtype=float))
     ax_loss.set_title(
         f"Training loss (faint: per step; solid: {w}-step moving average)" if w > 1 else "Training loss"
     )
     ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("loss")
     handles, labels = ax_loss.get_legend_handles_labels()
     by_label = dict(zip(labels, handles, strict=True))
+    shown = [plain(r.label) for r in comparison.runs if plain(r.label) in by_label]
+    marks = (
+        [Line2D([], [], color="#555555", marker="X", ls="", label="loss not finite")] if not_finite else []
+    )
     ax_loss.legend(
-        [by_label[plain(r.label)] for r in comparison.runs if plain(r.label) in by_label],
-        [plain(r.label) for r in comparison.runs if plain(r.label) in by_label],
+        [by_label[k] for k in shown] + marks,
+        shown + [m.get_label() for m in marks],
         frameon=False,
         fontsize=9,
     )
     tol = comparison.tolerance
     ax_rel.axhspan(-tol, tol, color="#2ca02c", alpha=0.12, lw=0, label=f"±{tol:.0%}: matched")
     ax_rel.axhline(0, color=MODE_COLORS.get(ref.precision, "#1f4e79"), lw=1.2)
+    _draw_relative(ax_rel, relative, styles, tol)
     ax_rel.set_title(f"Loss relative to {plain(ref.label)} (smoothed)")
     ax_rel.set_xlabel("step")
     ax_rel.set_ylabel(f"(loss − {plain(ref.label)}) / {plain(ref.label)}")
-    ax_rel.yaxis.set_major_formatter(FuncFormatter(lambda v, _p: f"{100 * v:+.2g}%" if v else "0%"))
+    ax_rel.yaxis.set_major_formatter(FuncFormatter(_signed_pct_label))
     ax_rel.legend(frameon=False, fontsize=9)
     for a in (ax_loss, ax_rel):
         a.grid(True, alpha=0.3)
         a.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
         a.xaxis.set_major_formatter(FuncFormatter(step_label))
+    fit_margins(fig)  # the axis labels inside the image, however wide the tick labels beside them
     return fig
+
+
+def _scale_loss_axis(ax: Any, values: np.ndarray) -> None:
+    """The loss axis's scale and limits from every run's finite losses: logarithmic where they span decades (a
+    run that diverged to 3.4e9 drew the others as flat lines on the zero line of a linear axis), else linear
+    without the most extreme 1% of the values."""
+    if len(values) and spans_decades(values):
+        ax.set_yscale("log")
+        ax.set_ylim(values.min() / 1.5, values.max() * 1.5)
+    elif len(values):
+        lo, hi = np.percentile(values, 0.5), np.percentile(values, 99.5)
+        pad = 0.05 * (hi - lo if hi > lo else 1.0)
+        ax.set_ylim(lo - pad, hi + pad)
+    ax.set_ylabel("loss" + (" (log scale)" if ax.get_yscale() == "log" else ""))
+
+
+def _draw_relative(
+    ax: Any,
+    relative: Sequence[tuple[RunResult, np.ndarray, np.ndarray]],
+    styles: dict[int, tuple[str, str]],
+    tol: float,
+) -> None:
+    """Each run's relative loss, the axis scaled to the tolerance band and the runs that did not diverge: a run
+    that diverged read "+6e+10%" at the top of an axis on which every other run was a flat line. Where a diverged
+    run leaves the axis, its legend entry says from which step."""
+    kept = [rel for r, _x, rel in relative if r.outcome != DIVERGED]
+    values = finite(np.concatenate(kept)) if kept else np.zeros(0)
+    lo = min(-tol, float(values.min())) if len(values) else -tol
+    hi = max(tol, float(values.max())) if len(values) else tol
+    pad = 0.08 * (hi - lo)
+    lo, hi = lo - pad, hi + pad
+    for r, x, rel in relative:
+        label = plain(r.label)
+        off = np.flatnonzero(~((rel >= lo) & (rel <= hi)))  # a nan is off the axis too
+        if r.outcome == DIVERGED and len(off):
+            k = off[0]
+            where = "above the axis" if rel[k] > hi else "below the axis" if rel[k] < lo else "not finite"
+            label += f" (diverged: {where} from step {step_label(x[k])})"
+        color, ls = styles[id(r)]
+        ax.plot(x, rel, color=color, lw=1.6, ls=ls, label=label)
+    ax.set_ylim(lo, hi)
+
+
+def _signed_pct_label(v: float, _pos: Any = None) -> str:
+    """A relative-loss tick: ``+0.5%``, ``-12.5%``, ``+1,500%``; never in powers of ten (``+6e+10%``)."""
+    if not v:
+        return "0%"
+    p = 100 * v
+    return f"{p:+,.0f}%" if abs(p) >= 100 else f"{p:+.3g}%"
 
 
 def resources_figure(comparison: Comparison) -> Any | None:

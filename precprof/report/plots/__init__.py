@@ -24,6 +24,7 @@ from precprof.report.plots.common import (
     png_bytes,
     pow2_text,
     row_labels,
+    spans_decades,
     step_label,
     svg_bytes,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "row_labels",
     "share_norm",
     "signature_heatmap",
+    "spans_decades",
     "step_label",
     "svg_bytes",
     "training_figure",

@@ -28,6 +28,7 @@ DPI = 100
 FIG_WIDTH_PX = 720
 FIG_WIDTH_IN = FIG_WIDTH_PX / DPI
 MIN_FONT_PT = 7.5
+LOG_SPAN = 100.0  # a loss that spans two decades is drawn on a log axis
 
 
 @contextlib.contextmanager
@@ -75,6 +76,12 @@ def step_label(x: float, _pos: Any = None) -> str:
     if abs(x) >= 1e6:
         return f"{x / 1e6:g}M"
     return f"{x / 1e3:g}k" if abs(x) >= 1e4 else f"{x:g}"
+
+
+def spans_decades(values: np.ndarray) -> bool:
+    """Whether ``values`` (finite) are all positive and their largest is ``LOG_SPAN`` times their smallest or more:
+    on a linear axis all but the largest lie on its zero line (a diverged run's loss went 5.5, 381, 3.4e9)."""
+    return bool(len(values)) and bool((values > 0).all()) and values.max() >= LOG_SPAN * values.min()
 
 
 def pow2_text(v: float) -> str:

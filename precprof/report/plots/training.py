@@ -13,11 +13,10 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from precprof import tables as T
-from precprof.report.plots.common import FIG_WIDTH_IN, _pow2_label, step_label
+from precprof.report.plots.common import FIG_WIDTH_IN, _pow2_label, spans_decades, step_label
 
 SKIP_COLOR = "#d62728"
 RESTART_COLOR = "#2c7fb8"
-LOG_SPAN = 100.0  # a loss that spans two decades is drawn on a log axis
 
 
 def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure | None:
@@ -66,7 +65,7 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
     if bad.any():
         top = np.nanmax(loss[~bad]) if (~bad).any() else 1.0
         ax.plot(x[bad], np.full(bad.sum(), top), "X", color=SKIP_COLOR, ms=8, label="loss not finite")
-    if _spans_decades(loss[given & ~bad]):
+    if spans_decades(loss[given & ~bad]):
         ax.set_yscale("log")
     ax.set_title("Training loss")
     ax.set_xlabel("step")
@@ -167,12 +166,6 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
         a.yaxis.label.set_fontsize(9)
         a.tick_params(labelsize=8.5)
     return fig
-
-
-def _spans_decades(values: np.ndarray) -> bool:
-    """Whether ``values`` (finite) are all positive and their largest is ``LOG_SPAN`` times their smallest or more:
-    on a linear axis all but the largest lie on its zero line (a diverged run's loss went 5.5, 381, 3.4e9)."""
-    return bool(len(values)) and bool((values > 0).all()) and values.max() >= LOG_SPAN * values.min()
 
 
 def _broken_at_holes(xs: np.ndarray, ys: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
