@@ -381,6 +381,30 @@ def test_the_timeline_tick_labels_never_run_together() -> None:
     assert overlapping_tick_labels(timeline.timeline_figure(tl)) == []
 
 
+def test_the_timeline_colour_bar_reads_100_percent_not_a_power_of_ten() -> None:
+    """A diverged run lost every value from step 6 on: the colour bar's top tick read "1e+02%"."""
+    from precprof.report import timeline
+
+    share = np.array([[1e-6, 1e-3, 1.0], [0.0, 0.01, 1.0]])  # shares lost: the last step lost everything
+    tl = timeline.Timeline(
+        kinds=[T.ACTIVATION, T.WEIGHT_GRAD],
+        starts=np.arange(3),
+        ends=np.arange(3),
+        share=share,
+        exact={},
+        n_steps=3,
+        window=1,
+    )
+    fig = timeline.timeline_figure(tl)
+    fig.canvas.draw()
+    bar = fig.axes[1]
+    lo, hi = bar.get_ylim()
+    ticks = [
+        t.get_text() for t, v in zip(bar.get_yticklabels(), bar.get_yticks(), strict=True) if lo <= v <= hi
+    ]
+    assert ticks[-2:] == ["1%", "100%"] and not any("e+" in t for t in ticks), ticks
+
+
 def test_names_the_font_cannot_draw_are_escaped_and_warn_nothing() -> None:
     """A module named in CJK or with an emoji: matplotlib printed multi-line "Glyph 23618 missing from font(s)"
     warnings during train and report, and drew each such character as an empty box. Each character the font has

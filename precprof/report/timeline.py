@@ -25,7 +25,7 @@ from matplotlib.ticker import FuncFormatter
 from precprof import formats
 from precprof import tables as T
 from precprof.report import summarize as S
-from precprof.report.plots.common import FIG_WIDTH_IN, MIN_FONT_PT, fit_margins
+from precprof.report.plots.common import FIG_WIDTH_IN, MIN_FONT_PT, _pct, fit_margins
 
 MAX_COLUMNS = 120
 FORMAT = "fp16"
@@ -224,7 +224,8 @@ def timeline_figure(tl: Timeline, restarts: list[int] | None = None) -> Figure:
     fig.subplots_adjust(right=0.8)  # room for the colour bar, added beside the axes where they now are
     box = ax.get_position()
     cax = fig.add_axes((box.x1 + 0.015, box.y0, 0.014, box.height))
-    cb = fig.colorbar(im, cax=cax, format=FuncFormatter(lambda v, _p: f"{100 * v:.2g}%"))
+    # the heatmaps' percentages: "100%" at the top of a run that lost every value, not "1e+02%"
+    cb = fig.colorbar(im, cax=cax, format=FuncFormatter(_pct))
     held = tl.update_format.upper()
     cb.set_label(
         "lost in FP16"
