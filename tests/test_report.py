@@ -542,13 +542,50 @@ def test_heatmap_matrix_and_whatif_shares_agree_with_the_tables(
     assert exps[0] == hist[hist[T.TENSOR] == T.WEIGHT_GRAD][T.EXPONENT].min()
 
     w = S.whatif_by_layer(layers)
-    sub = layers[
-        (layers[T.MODULE] == "transformer.h.0.attn.c_attn") & (layers[T.TENSOR] == T.ACTIVATION_GRAD)
-    ]
-    got = w[(w[T.MODULE] == "transformer.h.0.attn.c_attn") & (w[T.TENSOR] == T.ACTIVATION_GRAD)].iloc[0]
-    for col in (T.underflow_col("fp16"), T.overflow_col("fp8_e4m3"), T.underflow_cs_col("fp8_e5m2")):
-        assert got[col] == pytest.approx(sub[col].sum() / sub[T.NUMEL].sum())
-    assert got[T.SCALE] == 2.0**14
+    for kind in (T.ACTIVATION_GRAD, T.WEIGHT):
+        sub = layers[(layers[T.MODULE] == "transformer.h.0.attn.c_attn") & (layers[T.TENSOR] == kind)]
+        got = w[(w[T.MODULE] == "transformer.h.0.attn.c_attn") & (w[T.TENSOR] == kind)].iloc[0]
+        cols = [T.underflow_col("fp16"), T.underflow_cs_col("fp8_e5m2")]
+        # FP8 at the loss scale only where it was 1 (the weights); the gradients' were at the run's loss scale
+        cols += [T.overflow_col("fp8_e4m3"), T.underflow_col("fp8_e5m2")] if kind == T.WEIGHT else []
+        for col in cols:
+            assert got[col] == pytest.approx(sub[col].sum() / sub[T.NUMEL].sum())
+    assert got[T.SCALE] == 1.0
+    grads = w[w[T.TENSOR] == T.ACTIVATION_GRAD]
+    assert (grads[T.SCALE] == 2.0**14).all()
+
+
+def test_fp8_at_an_fp16_loss_scale_is_not_applicable(tmp_path: Path) -> None:
+    """An fp16 run at a loss scale of 65536: the what-if tables gave FP8 E4M3 overflow of 2.63% of its weight
+    gradients, every one of them from the loss scale, which FP8 training never applies. FP8's underflow and
+    overflow of a kind recorded at a scale other than 1 read "—", with a note naming the scale and the current
+    scaling columns; the forward kinds (scale 1) and a bf16 run keep their numbers."""
+    for precision, scaled in (("fp16", True), ("bf16", False)):
+        tabs, summary = synthetic_run(precision, layers=gpt_layers(n_layer=1), steps=6, sample_every=1)
+        layers = tabs["layers"]
+        over = S.whatif_overview(layers).set_index(T.TENSOR)
+        for kind in S.HIST_KINDS:
+            rows = layers[layers[T.TENSOR] == kind]
+            at_scale = bool((rows[T.SCALE] != 1).any())
+            assert at_scale == (scaled and kind in T.GRADIENT_KINDS)
+            for col in [*S.fp8_scaled_columns(), T.underflow_cs_col("fp8_e4m3"), T.overflow_col("fp16")]:
+                share = rows[col].sum() / rows[T.NUMEL].sum()
+                if at_scale and col in S.fp8_scaled_columns():
+                    assert math.isnan(over.loc[kind, col])
+                else:
+                    assert over.loc[kind, col] == pytest.approx(share)
+        page = render_html(tabs, summary)
+        section = page.split('<section id="whatif">', 1)[1].split("</section>", 1)[0]
+        note = re.search(r'id="whatif-fp8-scale">([^<]*)', section)
+        assert (note is not None) == scaled
+        if note:
+            lo, hi = (
+                layers.loc[layers[T.TENSOR].isin(T.GRADIENT_KINDS), T.SCALE].agg(f) for f in ("min", "max")
+            )
+            assert "activation gradients and weight gradients: “—”, not applicable" in note.group(1)
+            scales = [f"{v:,.0f} (2^{round(math.log2(v))})" for v in dict.fromkeys((lo, hi))]
+            assert "loss scale" + ("s of " if lo != hi else " of ") + " to ".join(scales) in note.group(1)
+            assert "current scaling say what FP8 would lose" in note.group(1)
 
 
 def test_layer_records_forward_order_and_extremes(synthetic: tuple[dict[str, pd.DataFrame], dict]) -> None:

@@ -367,6 +367,21 @@ def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any
         "rows": rows,
         "overview": overview,
         "blocks": blocks.table(rec, (summary.get(T.SUMMARY_CAPTURE) or {}).get("block_formats")),
+        "fp8_at_scale": _fp8_at_scale(layers),
+    }
+
+
+def _fp8_at_scale(layers: pd.DataFrame) -> dict[str, Any] | None:
+    """The tensor kinds recorded at a loss scale other than 1 and the scales' range, for the note that says why
+    their FP8 cells at the loss scale read "—" (``S.fp8_scaled_columns``); None when every kind was at scale 1."""
+    scales = {k: S.scale_in_effect(layers, k) for k in S.HIST_KINDS if (layers[T.TENSOR] == k).any()}
+    kinds = [k for k, sc in scales.items() if not sc["min"] == sc["max"] == 1]
+    if not kinds:
+        return None
+    return {
+        "kinds": " and ".join(S.KIND_LABELS[k] for k in kinds),
+        "lo": min(scales[k]["min"] for k in kinds),
+        "hi": max(scales[k]["max"] for k in kinds),
     }
 
 

@@ -172,11 +172,40 @@ def whatif_columns() -> list[tuple[str, str, str]]:
     return cols
 
 
+def fp8_scaled_columns() -> list[str]:
+    """The what-if columns of FP8 counted at the recorded loss scale (underflow and overflow; not those under
+    current scaling): FP8 training scales each tensor, never the loss, so at a loss scale other than 1 they say
+    nothing about FP8."""
+    return [c for c, f, what in whatif_columns() if f in formats.FP8_FORMATS and what != "underflow_cs"]
+
+
+def _loss_scaled(rows: pd.DataFrame) -> np.ndarray:
+    """Whether each row was recorded at a loss scale other than 1 (a row without one is at scale 1)."""
+    return (pd.to_numeric(rows[T.SCALE], errors="coerce").fillna(1.0) != 1).to_numpy()
+
+
+def _shares(sub: pd.DataFrame, keys: list[str], count_cols: list[str]) -> pd.DataFrame:
+    """The counts of ``sub`` summed per ``keys`` over its numel, and numel: NaN in the FP8 columns counted at the
+    loss scale (``fp8_scaled_columns``) of a group any row of which was recorded at a scale other than 1 (an fp16
+    run's 65536 made 2.63% of its weight gradients overflow FP8 E4M3, none of which would at scale 1)."""
+    num = sub[[T.NUMEL, *count_cols]].apply(pd.to_numeric, errors="coerce")
+    for k in keys:
+        num[k] = sub[k].to_numpy()
+    num["_scaled"] = _loss_scaled(sub)
+    g = num.groupby(keys, sort=False).sum(min_count=1)
+    out = g[count_cols].div(g[T.NUMEL], axis=0)
+    fp8 = [c for c in fp8_scaled_columns() if c in out]
+    out[fp8] = out[fp8].mask(g["_scaled"] > 0)
+    out[T.NUMEL] = g[T.NUMEL]
+    return out
+
+
 def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> pd.DataFrame:
     """Per (module, tensor kind): numel and the share of values lost in each what-if format.
 
     Columns: module, module_type, tensor, numel, scale (last), then one share column per entry of
-    ``whatif_columns()`` (same names as the count columns; values are shares in [0, 1], NaN without data).
+    ``whatif_columns()`` (same names as the count columns; values are shares in [0, 1], NaN without data, and
+    NaN in FP8's columns at the loss scale where it was not 1: ``_shares``).
     """
     count_cols = [c for c, _, _ in whatif_columns()]
     sub = layers.loc[
@@ -185,13 +214,7 @@ def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = Non
     ]
     if sub.empty:
         return pd.DataFrame(columns=[T.MODULE, T.MODULE_TYPE, T.TENSOR, T.NUMEL, T.SCALE, *count_cols])
-    num = sub[[T.NUMEL, *count_cols]].apply(pd.to_numeric, errors="coerce")
-    num[T.MODULE] = sub[T.MODULE].to_numpy()
-    num[T.TENSOR] = sub[T.TENSOR].to_numpy()
-    g = num.groupby([T.MODULE, T.TENSOR], sort=False).sum(min_count=1)
-    out = g[count_cols].div(g[T.NUMEL], axis=0)
-    out[T.NUMEL] = g[T.NUMEL]
-    out = out.reset_index()
+    out = _shares(sub, [T.MODULE, T.TENSOR], count_cols).reset_index()
     types = sub.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE]
     out[T.MODULE_TYPE] = T.texts(out[T.MODULE].map(types))
     scales = {k: scale_in_effect(sub, k)["last"] for k in HIST_KINDS}
@@ -204,16 +227,13 @@ def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = Non
 
 
 def whatif_overview(layers: pd.DataFrame) -> pd.DataFrame:
-    """Per tensor kind (rows) the share lost in each what-if column, over all layers and sampled steps."""
+    """Per tensor kind (rows) the share lost in each what-if column, over all layers and sampled steps (FP8's
+    columns at the loss scale NaN for a kind recorded at a scale other than 1: ``_shares``)."""
     count_cols = [c for c, _, _ in whatif_columns()]
-    sub = layers.loc[layers[T.TENSOR].isin(HIST_KINDS), [T.TENSOR, T.NUMEL, *count_cols]]
+    sub = layers.loc[layers[T.TENSOR].isin(HIST_KINDS), [T.TENSOR, T.SCALE, T.NUMEL, *count_cols]]
     if sub.empty:
         return pd.DataFrame(columns=[T.TENSOR, T.NUMEL, *count_cols])
-    num = sub[[T.NUMEL, *count_cols]].apply(pd.to_numeric, errors="coerce")
-    num[T.TENSOR] = sub[T.TENSOR].to_numpy()
-    g = num.groupby(T.TENSOR).sum(min_count=1)
-    out = g[count_cols].div(g[T.NUMEL], axis=0)
-    out[T.NUMEL] = g[T.NUMEL]
+    out = _shares(sub, [T.TENSOR], count_cols)
     out = out.reindex([k for k in HIST_KINDS if k in out.index]).reset_index()
     return out[[T.TENSOR, T.NUMEL, *count_cols]]
 
