@@ -707,6 +707,13 @@ def test_finding_numbers_as_shown() -> None:
         "loss change over the run": "-18.3%",
         "gradients pressed against FP16's floor": "no",
     }
+    # at a run's loss scale of 1 the share without loss scaling is the same quantity as the exact count (16,005 of
+    # 5,061,112 nonzero values from the histograms, 16,087 counted: those exactly on 2^-25 round to 0 too)
+    exact, histogram = 16_087 / 5_061_112, 16_005 / 5_061_112
+    for run_scale, shares in ((0, ["0.318%"]), (15, ["0.318%", "0.316%"])):
+        numbers = {"share_now": exact, "share_at_scale_1": histogram, "run_scale_log2": run_scale}
+        got = report_numbers.shown("fp16_gradient_underflow", numbers)
+        assert [v for k, v in got if k.startswith("lost in FP16")] == shares, got
     assert report_numbers.shown("scaler_skipped_steps", {"steps": 11, "start_scale": 65536.0}) == [
         ("steps in the run", "11"),
         ("initial loss scale", "65,536 (2^16)"),

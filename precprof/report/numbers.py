@@ -223,14 +223,29 @@ def label(code: str, name: str) -> tuple[str, str] | None:
     return (name, "number")
 
 
+def _measured(value: Any) -> bool:
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def _repeats(name: str, numbers: Mapping[str, Any]) -> bool:
+    """Whether ``name`` only repeats another of the finding's numbers: at a run's loss scale of 1, the share lost
+    in FP16 without loss scaling (the histograms' lower bound) is what the exact count ``share_now`` shows, which
+    also counts the values lying exactly on 2^-25 that round to 0 (a bf16 run showed 0.316% beside 0.318%)."""
+    return (
+        name == "share_at_scale_1"
+        and numbers.get("run_scale_log2") == 0
+        and _measured(numbers.get("share_now"))
+    )
+
+
 def shown(code: str, numbers: Mapping[str, Any] | None) -> list[tuple[str, str]]:
     """The (label, text) pairs the page shows for a finding, in the rule's order."""
     out: list[tuple[str, str]] = []
     for name, value in (numbers or {}).items():
-        if value is None or (isinstance(value, float) and math.isnan(value)):
+        if not _measured(value):
             continue  # not measured: the message says why
         entry = label(code, name)
-        if entry is None:
+        if entry is None or _repeats(name, numbers or {}):
             continue
         text, kind = entry
         out.append((text, _KINDS[kind](value) if not isinstance(value, str) else value))
