@@ -579,7 +579,9 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
             severity,
             f"fp16 gradients flushed to zero: {_pct(zero16)} zeros at scale 1"
             if flushed
-            else f"fp16 gradient underflow: {_pct(at1)} at scale 1, {_pct(atk)} at {_pow2(k)}",
+            # (at the run's scale 1, the exact count, which the report shows: the histograms' is a lower bound)
+            else f"fp16 gradient underflow: {_pct(now if k_run == 0 and now is not None else at1)} at scale 1, "
+            f"{_pct(atk)} at {_pow2(k)}",
             msg,
             remedy,
             modules=worst,
