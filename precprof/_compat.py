@@ -507,12 +507,18 @@ def recomputing() -> bool:
 
 def reentrant_first_pass() -> bool:
     """Whether a reentrant activation checkpoint (``checkpoint(use_reentrant=True)``) is running its block's
-    first forward (without grad; the backward pass runs it again with grad): its ``CheckpointFunction.forward``
-    is a frame up the stack. Only asked for forwards without grad inside a model's forward with grad."""
+    first forward (without grad), which the backward pass runs again with grad: its ``CheckpointFunction.forward``
+    is a frame up the stack, and autograd records its node (``ctx.next_functions``; none under ``no_grad`` or
+    without an input that requires grad: then no backward runs it again, and this pass is the only one). Only
+    asked for forwards without grad inside a model's forward with grad."""
     frame: Any = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _REENTRANT_FORWARD:
-            return True
+            ctx = frame.f_locals.get("ctx")
+            try:
+                return bool(ctx.next_functions) if ctx is not None else True
+            except (AttributeError, RuntimeError):
+                return True
         frame = frame.f_back
     return False
 

@@ -324,15 +324,30 @@ class _FrozenBackbone(nn.Module):
         return self.head(f * 1e-4)
 
 
+class _FrozenCheckpointed(_FrozenBackbone):
+    """The frozen backbone under ``no_grad``, its call wrapped in a reentrant checkpoint (which, without grad, is
+    never run again)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        with torch.no_grad():
+            f = checkpoint(self.backbone, x, use_reentrant=True)
+        return self.head(f * 1e-4)
+
+
+@pytest.mark.filterwarnings(
+    "ignore:None of the inputs have requires_grad=True"
+)  # (the frozen input's, as meant)
 def test_a_frozen_part_run_without_grad_inside_the_forward_is_the_steps_forward() -> None:
     """``with torch.no_grad(): f = self.backbone(x)`` inside the model's forward: the backbone's activations are
     the step's (an fp16 run would overflow them), and were never read (no row at all, "layers profiled 1"); now
     recorded as when the backbone is frozen by ``requires_grad`` alone. An evaluation under ``no_grad`` outside
     the forward is still not read."""
 
-    def run(no_grad: bool) -> pd.DataFrame:
+    def run(no_grad: bool | str) -> pd.DataFrame:
         torch.manual_seed(0)
-        model = _FrozenBackbone(no_grad)
+        model = _FrozenCheckpointed(True) if no_grad == "checkpointed" else _FrozenBackbone(bool(no_grad))
         opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(0)
         with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
@@ -347,6 +362,8 @@ def test_a_frozen_part_run_without_grad_inside_the_forward_is_the_steps_forward(
 
     layers = run(True)
     pd.testing.assert_frame_equal(layers, run(False))
+    # a reentrant checkpoint around it: its only pass, which no backward repeats, was taken for a first pass
+    pd.testing.assert_frame_equal(layers, run("checkpointed"))
     out = layers[(layers[T.MODULE] == "backbone.2") & (layers[T.TENSOR] == T.ACTIVATION)]
     assert out[T.NUMEL].tolist() == [64 * 32] * 2 and (out[T.CALLS] == 1).all()
     assert (out[T.overflow_col("fp16")] > 0).all()
