@@ -354,3 +354,55 @@ def test_a_checkpointed_block_is_recorded_once(reentrant: bool | str) -> None:
     assert losses == plain_losses == run(reentrant, False)[1]
     # the summary says the model checkpoints: the block's modules, run twice on each of the 3 sampled steps
     assert again[None] == 0 and again[reentrant] >= 3 * 4
+
+
+class _InnerMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.act(self.a(x)))
+
+
+class _BlockAroundACheckpoint(nn.Module):
+    """A norm, an inner MLP (checkpointed reentrantly, or not) and an output layer that reads the MLP's output."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.ln, self.inner, self.out = nn.LayerNorm(16), _InnerMLP(), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.ln(x)
+        h = (
+            self.inner(h)
+            if self.reentrant is None
+            else checkpoint(self.inner, h, use_reentrant=self.reentrant)
+        )
+        return x + self.out(h)
+
+
+def test_a_layer_after_a_reentrant_checkpoint_reads_the_output_its_last_module_made() -> None:
+    """A linear layer after a reentrant checkpoint reads the output of the block's last module, made in the
+    checkpoint's first pass (without grad), which was not kept for the lookup: the layer recorded a row of its
+    own for its input (``out:input``) and its GEMM's input was not the module's output, unlike the same model
+    without the checkpoint."""
+
+    def inputs(reentrant: bool | None) -> tuple[dict[str, Any], set[str]]:
+        torch.manual_seed(0)
+        model = _BlockAroundACheckpoint(reentrant)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with precprof.Profiler(model, optimizer=opt, sample_every=1, block_groups=1, memory=False) as prof:
+            for _ in range(2):
+                model(torch.randn(4, 16, requires_grad=True)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+        return prof.summary()["gemm_inputs"], set(prof.tables()["layers"][T.MODULE])
+
+    (plain, plain_rows), (got, rows) = inputs(None), inputs(True)
+    assert got["out"] == plain["out"] == ["inner.b"]
+    assert T.input_module("out") not in rows and T.input_module("out") not in plain_rows

@@ -434,7 +434,11 @@ class StepHooks(GradientReads):
         add_grad_hook = _compat.add_grad_hook
 
         def fwd_hook(module: nn.Module, args: Any, output: Any) -> None:
-            if not self.installed or not self._reads():
+            if not self.installed:
+                return None
+            if not self._reads():
+                if self._track_outputs and not torch.is_grad_enabled() and self._root_grad:
+                    self._first_pass_outputs(output, act)
                 return None
             if isinstance(output, _Tensor):
                 tensors: Any = (output,) if output.is_floating_point() or output.is_complex() else ()
@@ -463,6 +467,18 @@ class StepHooks(GradientReads):
             return None
 
         return fwd_hook
+
+    def _first_pass_outputs(self, output: Any, act: int) -> None:
+        """A reentrant checkpoint's first pass (read when it runs again) made ``output``: kept as that module's
+        for the lookups of the matmuls outside the block that read it (the same values the recomputation
+        reads), which took it for an input no captured module made, a row of their own."""
+        if not _compat.reentrant_first_pass():
+            return
+        for t in (output,) if isinstance(output, _Tensor) else _iter_tensors(output):
+            if t.is_floating_point() and t.dim() >= 2:
+                entry = (weakref.ref(t), act)
+                self._block_outputs[id(t)] = entry
+                self._outputs_made.append(entry)
 
     def _make_grad_hook(self, slot: _ModuleSlot) -> Callable[[torch.Tensor], None]:
         row = slot.activation_grad
