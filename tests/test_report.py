@@ -1049,3 +1049,15 @@ def test_a_diverged_runs_loss_is_on_a_log_axis_and_its_nan_norms_are_marked() ->
     fig = plots.training_figure(healthy)
     assert fig is not None and fig.axes[0].get_yscale() == "linear"
     assert not [ln for ln in fig.axes[2].get_lines() if ln.get_marker() == "^"]
+    # the norm went nan a step before the loss (step 4, the loss still 3.8e6): a loop that passes it every step
+    # has that step marked too; a loop that passes it on some steps only has no mark where it passed none
+    early = steps.assign(**{T.GRAD_NORM: np.where(np.arange(n) >= 4, math.nan, norm)})
+    fig = plots.training_figure(early)
+    assert fig is not None
+    (marks,) = [ln for ln in fig.axes[2].get_lines() if ln.get_marker() == "^"]
+    assert marks.get_xdata()[0] == 4
+    sparse = healthy.assign(
+        **{T.GRAD_NORM: np.where(np.arange(n) % 2 == 0, np.linspace(1.0, 0.5, n), math.nan)}
+    )
+    fig = plots.training_figure(sparse)
+    assert fig is not None and not [ln for ln in fig.axes[2].get_lines() if ln.get_marker() == "^"]

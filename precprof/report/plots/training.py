@@ -99,8 +99,12 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
     mark_skipped(ax)
     gn = pd.to_numeric(df[T.GRAD_NORM], errors="coerce").to_numpy(dtype=float)
     fin = np.isfinite(gn) & (gn > 0)
-    # a norm missing where the loss is not finite or the scaler found inf/nan is a nan norm, not one unrecorded
-    inf = np.isinf(gn) | (np.isnan(gn) & (bad | skipped))
+    # a norm missing where the loss is not finite or the scaler found inf/nan is a nan norm, not one unrecorded;
+    # so is one missing after a norm on every step so far (a loop that passes it each step: its first nan norm
+    # may come a step before its loss's)
+    first_gap = int(np.argmin(fin)) if not fin.all() else len(fin)
+    every_step = first_gap >= 2
+    inf = np.isinf(gn) | (np.isnan(gn) & (bad | skipped | (every_step & (np.arange(len(gn)) >= first_gap))))
     if fin.any():
         ax.plot(
             *_broken_at_holes(x[fin], gn[fin], x),
