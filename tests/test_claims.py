@@ -560,3 +560,32 @@ def test_a_skip_the_scaler_grew_into_is_not_blamed_on_its_start(tmp_path: Path) 
     assert f.numbers["skipped"] == sum(skipped)
     assert f.numbers["avoidable"] == 0 and f.numbers["growth_probes"] == sum(skipped)
     assert "growth probing its ceiling" in f.message and "init_scale" not in f.remedy
+
+
+def test_a_bf16_run_that_diverged_gets_no_critical_fp16_finding(tmp_path: Path) -> None:
+    """A bf16 run that diverges (SGD at learning rate 20: the loss grows to 1e23, then nan) blows its gradients up
+    across 40 binades: "no fp16 loss scale fits" was a critical fp16_gradient_underflow, beside the same run's
+    other fp16 findings shown as what fp16 would do. It is one of those: information, keeping its severity in
+    ``demoted_from`` for compare."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=20.0)
+    g = torch.Generator().manual_seed(0)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, out=tmp_path / "run") as prof:
+        for _ in range(12):
+            ids = torch.randint(0, 64, (8, 16), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(ids)
+            loss = nn.functional.cross_entropy(logits.float().reshape(-1, 64), ids.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    prof.save()
+    losses = prof.tables()["steps"][T.LOSS].to_numpy()
+    assert np.nanmax(losses) > 1e20 and np.isnan(losses[-1])  # it diverged
+    found = {f.code: f for f in precprof.recommend(tmp_path / "run").findings}
+    assert found["run_diverged"].severity == "critical"
+    assert not [f for code, f in found.items() if code.startswith("fp16_") and f.severity != "info"]
+    underflow = found["fp16_gradient_underflow"]
+    assert underflow.numbers["demoted_from"] == "critical" and "(what fp16 would do" in underflow.title

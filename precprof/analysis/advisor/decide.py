@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from precprof import tables as T
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import _Plan, _Run
-from precprof.analysis.advisor.model import INFO, WARNING, Recommendation
+from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Recommendation
 from precprof.analysis.advisor.rules.fp8 import held_back_remedy, token_counts
 from precprof.analysis.advisor.text import _g, _listing, _pct, _pow2, _scale
 from precprof.taxonomy import FP8_DIM_MULTIPLE
@@ -326,15 +326,18 @@ def _runs_fp16(run: _Run) -> bool:
 
 
 def _demote_what_ifs(run: _Run, plan: _Plan, fmt: str, measured: str) -> None:
-    """A warning about what fp16 would do, in a run that did not train in fp16 and whose measurements allow bf16
-    (or fp8), is information: nothing in the run or the plan suffers from it. The title names the verdict, and
-    what the measurements allow when the verdict is another (fp32 for a small model). Its ``numbers["demoted_from"]``
-    keeps the warning for ``precprof compare``, which checks it against a real fp16 run."""
+    """A warning (or a critical finding) about what fp16 would do, in a run that did not train in fp16 and whose
+    measurements allow bf16 (or fp8), is information: nothing in the run or the plan suffers from it. The title
+    names the verdict, and what the measurements allow when the verdict is another (fp32 for a small model). Its
+    ``numbers["demoted_from"]`` keeps the severity for ``precprof compare``, which checks it against a real fp16
+    run."""
     if measured not in ("bf16", "fp8") or _runs_fp16(run):
         return
     for f in plan.findings:
-        if f.code.startswith("fp16_") and f.severity == WARNING:
+        if f.code.startswith("fp16_") and f.severity in (WARNING, CRITICAL):
+            # (a critical one too: a bf16 run that diverged drew a critical fp16 underflow from its blown-up
+            # gradients, beside the same run's other fp16 findings shown as information)
+            f.numbers["demoted_from"] = f.severity
             f.severity = INFO
             verdict = f"the verdict is {fmt}" if fmt == measured else f"{measured} fits, the verdict is {fmt}"
             f.title += f" (what fp16 would do; {verdict})"
-            f.numbers["demoted_from"] = WARNING
