@@ -1050,3 +1050,33 @@ def test_a_stale_gradient_of_a_layer_that_did_not_run_is_not_read() -> None:
     assert sorted(set(zip(grads[T.STEP], grads[T.MODULE], strict=True))) == [
         (0, "first"), (0, "second"), (1, "first"), (2, "first"), (2, "second"), (3, "first"),
     ]  # fmt: skip
+
+
+def test_forwards_inside_not_training_are_not_the_steps() -> None:
+    """An evaluation with grad on (eval mode, no ``no_grad``) wrapped in ``prof.not_training()`` between two steps
+    was read into the next step's rows (224 values and 4 calls instead of 128 and 2): what the user marked as not
+    training is not read, and it is counted as an evaluation."""
+
+    def run(evaluate: bool) -> tuple[pd.DataFrame, int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(
+            1
+        )  # (the training batches, whether or not the evaluation draws its own)
+        with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+            for _ in range(3):
+                if evaluate:
+                    with prof.not_training():
+                        model.eval()
+                        model(torch.randn(32, 8)).sum()
+                        model.train()
+                model(torch.randn(4, 8, generator=g)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+        return prof.tables()["layers"], prof.summary()["eval_forwards_ignored"]
+
+    (layers, evals), (plain, none) = run(True), run(False)
+    pd.testing.assert_frame_equal(layers, plain)
+    assert (evals, none) == (3 * 3, 0)

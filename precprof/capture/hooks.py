@@ -43,9 +43,10 @@ reads, a weight gradient, a norm's weight, are never quantised by such a GEMM.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -128,6 +129,7 @@ class StepHooks(GradientReads):
         # whether a backward follows, ``evaluation_only``)
         self._step_mode: bool | None = None
         self._first_in_eval = False
+        self._outside = 0  # inside ``Profiler.not_training`` (nested: a depth)
         self._grad_rows = [r.index for r in plan.rows.info if r.tensor in (T.ACTIVATION_GRAD, T.WEIGHT_GRAD)]
         self._root_calls: list[bool] = []  # the enclosing calls' ``_root_grad`` (a model that calls itself)
         roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
@@ -341,6 +343,16 @@ class StepHooks(GradientReads):
 
         return pre_hook
 
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        """Forwards inside are not the step's (``Profiler.not_training``: an evaluation with grad on between steps
+        was read into the next step's rows)."""
+        self._outside += 1
+        try:
+            yield
+        finally:
+            self._outside -= 1
+
     def _reads(self) -> bool:
         """Whether a module's forward running now is the step's training forward, read. Not: an evaluation (a
         model in eval mode when the step began in train mode, or a forward without grad outside the model's
@@ -348,7 +360,7 @@ class StepHooks(GradientReads):
         (without grad: its recomputation is read). A part the model's forward runs without grad (a frozen VAE or
         text encoder, a frozen backbone, under ``no_grad`` inside a forward with grad) is: its activations are
         the step's, without gradients."""
-        if self._step_mode and not self._root.training:
+        if (self._step_mode and not self._root.training) or self._outside:
             return False
         if torch.is_grad_enabled():
             return not recomputing()
@@ -359,7 +371,7 @@ class StepHooks(GradientReads):
         # call decides, and the enclosing one's state comes back when it returns)
         self._root_calls.append(self._root_grad)
         self._root_grad = torch.is_grad_enabled()
-        if self._root_grad and self._step_mode is None:
+        if self._root_grad and self._step_mode is None and not self._outside:
             self._step_mode = module.training
             self._first_in_eval = self._root_trains and not module.training
 
@@ -383,7 +395,7 @@ class StepHooks(GradientReads):
             self.checkpointed_forwards += 1
             return
         if torch.is_grad_enabled():
-            self.eval_forwards += bool(self._step_mode) and not self._root.training
+            self.eval_forwards += bool(self._step_mode and not self._root.training) or self._outside > 0
         elif self._root_grad:  # without grad inside the model's forward with grad: a reentrant checkpoint's
             self.checkpointed_forwards += 1
         if slot.order < 0:

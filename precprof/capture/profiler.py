@@ -545,15 +545,14 @@ class Profiler(ProfilerResults):
 
     @contextlib.contextmanager
     def not_training(self) -> Iterator[None]:
-        """Time and memory spent inside are not the step's: an evaluation or a checkpoint between two steps. Left
-        out of the step it falls in (its ``time_s``, a sampled step's cost, the overhead budget, its memory
-        peak); the Trainer's and Lightning's callbacks wrap their evaluations in it."""
+        """Time, memory and forwards inside are not the step's (an evaluation, a checkpoint between steps): left out
+        of its rows, ``time_s``, cost, the overhead budget and its memory peak (the callbacks' evaluations)."""
         t0 = time.perf_counter()
-        try:
-            with self._tracker.outside() if self._tracker is not None else contextlib.nullcontext():
-                yield
-        finally:
-            self._outside_s += time.perf_counter() - t0
+        with contextlib.ExitStack() as inside:
+            inside.callback(lambda: setattr(self, "_outside_s", self._outside_s + time.perf_counter() - t0))
+            for part in (p for p in (self._hooks, self._tracker) if p is not None):
+                inside.enter_context(part.outside())
+            yield
 
     # ------------------------------------------------------------------------------------- host side
     def _flush(self, sampled_step_done: bool, timed: _PendingStep | None = None) -> None:
