@@ -124,6 +124,12 @@ def test_runs_that_differ_in_optimizer_lr_and_clipping_say_so_and_do_not_blame_t
     assert rows["gradient clipping"] == "differs by run: fp32 1, bf16 1, sgd 0"
     assert rows["weight decay"] == "0"  # shared, said without the optimizer's row
     assert "differs by run" not in rows["batch"]
+    # the headline cards: the run set up differently says so beside its outcome (a card read "behind +1e8%"
+    # while the page withdrew the verdict)
+    cards = html.split("</ul>", 1)[0]
+    assert re.search(r'<span class="k">sgd</span><span class="v">diverged · set up differently</span>', cards)
+    assert re.search(r'<span class="k">bf16</span><span class="v">matched · [^<]*</span>', cards)
+    assert "set up differently" not in cards.split('<span class="k">bf16</span>')[1].split("</li>")[0]
 
 
 def test_runs_that_differ_in_model_settings_seed_and_steps(tmp_path: Path) -> None:

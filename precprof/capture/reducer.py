@@ -448,7 +448,10 @@ class RankReducer:
             ),
             "weight_gradients": (
                 "each rank's reduce-scattered shard, as the optimizer gets it"
-                if wrapper == "FSDP2" or (wrapper == "FSDP1" and info.get("use_orig_params"))
+                if wrapper == "FSDP2"
+                else "each rank's reduce-scattered shard, as the optimizer gets it, read in its step pre-hook (none "
+                "under a loss scaler, which unscales them first: skipped_tensors lists them)"
+                if wrapper == "FSDP1" and info.get("use_orig_params")
                 else "each rank's local gradient before the reduction (FSDP1: unsharded, before its reduce-scatter)"
                 if wrapper == "FSDP1"
                 else "each rank's local gradient, read before DDP's all-reduce (numel = world_size x parameter size)"
