@@ -589,3 +589,27 @@ def test_a_bf16_run_that_diverged_gets_no_critical_fp16_finding(tmp_path: Path) 
     assert not [f for code, f in found.items() if code.startswith("fp16_") and f.severity != "info"]
     underflow = found["fp16_gradient_underflow"]
     assert underflow.numbers["demoted_from"] == "critical" and "(what fp16 would do" in underflow.title
+
+
+def test_an_fp16_runs_whatif_says_where_its_losses_are(tmp_path: Path) -> None:
+    """An fp16 run that flushed half its activation gradients: the what-if's FP16 columns read 0% for them (a
+    second cast loses nothing), and nothing on the table said the loss is in the zeros fp16 made. A note names
+    each kind held in fp16 with its share of zeros, computed here from the layers table."""
+    model = _gelu_mlp(16, 32, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, out=tmp_path / "run") as prof:
+        for _ in range(3):
+            x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = (model(x).float() - y).pow(2).mean() * 1e-6
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    layers = prof.tables()["layers"]
+    ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & (layers[T.DTYPE] == "float16")]
+    share = ag[T.ZEROS].sum() / ag[T.NUMEL].sum()
+    assert share > 0.05
+    page = html.unescape(re.sub(r"<[^>]+>", "", prof.report(tmp_path / "run").read_text()))
+    assert f"Held in fp16 by this run already: activation gradients ({filters.pct(share)} zeros)" in page
