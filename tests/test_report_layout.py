@@ -434,3 +434,20 @@ def test_names_the_font_cannot_draw_are_escaped_and_warn_nothing() -> None:
     texts = [t for t, _ in drawn_texts(hm.figure)]
     assert all(ord(c) in chars for t in texts for c in t)  # every character drawn has its glyph
     assert "blocks.\\u5c42_\\U0001f525.attn" in texts and "blocks.ünï_λ" in texts  # what the font has, kept
+
+
+def test_tied_rows_are_kept_or_left_out_by_whole_layers() -> None:
+    """Sixty layers that lose nothing, two rows each (weight, bias), 90 rows drawn at most: the spread kept
+    ``layers.4.bias`` without its weight and marked a gap between nearly every two rows. Whole layers are kept,
+    taken evenly from end to end, and the rows stay within the limit."""
+    from precprof.report.plots.heatmap import _select_rows
+
+    rows = [(f"layers.{i}", p) for i in range(60) for p in ("weight", "bias")]
+    sel = _select_rows(rows, {}, 90)
+    kept = [rows[i] for i in sel.index]
+    assert len(sel.index) <= 90
+    inner = {m for m, _ in kept[1:-1]}
+    assert all((m, "weight") in kept and (m, "bias") in kept for m in inner)
+    layers = sorted(int(m.split(".")[1]) for m in inner)
+    assert layers[0] <= 2 and layers[-1] >= 57  # from end to end
+    assert len(sel.gaps()) < 30

@@ -112,6 +112,34 @@ class RowSelection:
         return [j for j in range(1, len(self.index)) if self.index[j] - self.index[j - 1] > 1]
 
 
+def _spread_layers(rows: list[tuple[str, str]], tied: list[int], left: int) -> list[int]:
+    """``left`` of the ``tied`` rows, taken evenly over forward order by whole layers (a layer's weight and bias,
+    its input row, are shown or left out together: a 60-layer model showed layers.4.bias without its weight, and
+    a gap mark between nearly every two rows); row by row where a layer alone holds more rows than fit."""
+
+    def layer(i: int) -> str:
+        return rows[i][0].removesuffix(T.INPUT_SUFFIX)
+
+    groups: list[list[int]] = []
+    for i in tied:
+        if groups and groups[-1][-1] == i - 1 and layer(groups[-1][-1]) == layer(i):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    m = len(groups)
+
+    def pick(take: int) -> list[int]:  # the centre of each of ``take`` equal stretches of the groups
+        return [i for k in range(take) for i in groups[math.floor((k + 0.5) * m / take)]]
+
+    take = min(m, left // max(1, round(len(tied) / m)))
+    while take > 0 and len(picked := pick(take)) > left:
+        take -= 1
+    if take > 0:
+        return picked
+    # the centre of each of ``left`` equal stretches of the tied rows: a step of at least 1, so all distinct
+    return [tied[math.floor((k + 0.5) * len(tied) / left)] for k in range(left)]
+
+
 def _select_rows(
     rows: list[tuple[str, str]], lost: Mapping[tuple[str, str], tuple[float, ...]], max_rows: int
 ) -> RowSelection:
@@ -133,12 +161,11 @@ def _select_rows(
     worse = [i for i, b in bad.items() if b > cut]
     tied = [i for i, b in bad.items() if b == cut]
     left = slots - len(worse)
-    # the centre of each of ``left`` equal stretches of the tied rows: a step of at least 1, so all distinct
-    spread = [tied[math.floor((k + 0.5) * len(tied) / left)] for k in range(left)]
+    spread = _spread_layers(rows, tied, left)
     index = sorted({0, n - 1, *worse, *spread})
     if len(tied) == left:
         return RowSelection(index, by_loss=slots)
-    return RowSelection(index, len(worse), left, len(tied), cut)
+    return RowSelection(index, len(worse), len(spread), len(tied), cut)
 
 
 @dataclass
