@@ -53,9 +53,9 @@ def _wrap(model: nn.Module, scenario: str) -> nn.Module:
 
     if scenario == "fsdp2-bf16":
         return wrap_model(model, "fsdp2", param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if (
-        scenario == "fsdp1-orig"
-    ):  # as accelerate and torch.compile users wrap it: FSDP assigns the shards' .grad
+    if scenario.startswith(
+        "fsdp1-orig"
+    ):  # as accelerate and torch.compile wrap it: FSDP sets the shards' .grad
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
@@ -68,7 +68,9 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
 
     model = _wrap(build_model(), scenario)
     opt = make_optimizer(model.parameters())
-    prof = precprof.Profiler(model, optimizer=opt, sample_every=SAMPLE_EVERY)
+    # "-scaled": a loss scaler, which unscales the shards in place before the optimizer's hook reads them
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if scenario.endswith("-scaled") else None
+    prof = precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=SAMPLE_EVERY)
     losses: list[float] = []
     # the gradients each optimizer step applied, as it got them (the test sums every rank's)
     applied: list[dict[str, list[float] | None]] = []
@@ -86,8 +88,13 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
         for step in range(STEPS):
             x, y = batch(step, rank, nan=scenario == "ddp")
             loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss.detach(), tokens=BATCH)
             losses.append(loss.item())

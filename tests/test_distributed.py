@@ -41,7 +41,7 @@ HERE = Path(__file__).parent
 SCENARIOS = ("ddp", "fsdp2", "fsdp2-bf16")
 TRAIN_SCENARIOS = ("train-ddp", "train-fsdp2")
 # run, not counted layer by layer: FSDP1's weight rows mix unsharded units with shards (README, torchrun)
-OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig")
+OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig", "fsdp1-orig-scaled")
 Key = tuple[int, str, str, str]  # step, module, tensor, param
 
 
@@ -654,6 +654,24 @@ def test_fsdp1_orig_params_weight_gradients_are_the_shards_the_optimizer_applied
             assert g["absmax"] == want["absmax"] and dict(g["hist"]) == dict(want["hist"]), key
     semantics = T.read_summary(rdir)[T.SUMMARY_CAPTURE]["distributed"]["semantics"]["weight_gradients"]
     assert semantics.startswith("each rank's reduce-scattered shard"), semantics
+
+
+def test_gradients_a_scaler_unscaled_before_the_read_are_listed_from_every_rank(runs: Path) -> None:
+    """FSDP1 with ``use_orig_params=True`` under a loss scaler: the shards are unscaled in place before the
+    optimizer's hook sees them, so they are skipped and counted, but the summary listed rank 0's alone (1 tensor
+    where all 4 parameters had no row: the other 3 live on rank 1). Each is listed, counted over the ranks that
+    hold a shard of it, once a sampled step each."""
+    from precprof.capture.grad_reads import UNSCALED_UNREAD
+
+    rdir = run_dir(runs, "fsdp1-orig-scaled")
+    assert not (T.read_tables(rdir)["layers"][T.TENSOR] == T.WEIGHT_GRAD).any()
+    skipped = T.read_summary(rdir)[T.SUMMARY_CAPTURE]["skipped_tensors"]
+    listed = {(s["module"].removeprefix("_fsdp_wrapped_module."), s["param"]): s for s in skipped}
+    assert set(listed) == {tuple(n.rsplit(".", 1)) for n, _ in W.build_model().named_parameters()}
+    assert {s["reason"] for s in skipped} == {UNSCALED_UNREAD}
+    # a parameter split over both ranks is skipped twice a sampled step, one held whole by one rank once
+    sampled = len(range(0, W.STEPS, W.SAMPLE_EVERY))
+    assert {s["count"] for s in skipped} <= {sampled, W.WORLD * sampled}
 
 
 def test_the_model_size_of_a_sharded_run_is_the_models(runs: Path) -> None:

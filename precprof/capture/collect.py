@@ -81,6 +81,7 @@ class Collector:
         reducer, rows = self.reducer, self.plan.rows
         device_rows = reducer.reduce_rows(self.buffer.dense())
         block_sums = reducer.reduce_sum(self.buffer.blocks_dense())  # counts and sums add
+        skipped, why = self.buffer.skipped, self.buffer.skipped_why
         meta = reducer.reduce_meta(
             [
                 {
@@ -89,6 +90,13 @@ class Collector:
                     "module": r.module,
                     "tensor": r.tensor,
                     "param": r.param,
+                    # tensors skipped this step (unreadable, or unscaled before read): counted over every rank,
+                    # as a rank may hold a shard no other holds (FSDP1 under a loss scaler)
+                    **(
+                        {"skipped": int(skipped[r.index]), "why": why.get(r.index, "")}
+                        if skipped[r.index]
+                        else {}
+                    ),
                 }
                 for r in rows.info
             ],
@@ -96,6 +104,9 @@ class Collector:
             step=step,
         )
         for r, m in zip(rows.info, meta["rows"], strict=True):
+            if m.get("skipped", 0) > skipped[r.index]:  # others' skips: the run's total, and why
+                self.buffer.skipped_total[r.index] += int(m["skipped"]) - int(skipped[r.index])
+                why.setdefault(r.index, str(m.get("why") or "not readable"))
             rows.calls[r.index] = int(m["calls"])
             bits = 0
             for name in m["dtypes"]:

@@ -322,6 +322,10 @@ class RankReducer:
                     if d not in dtypes:
                         dtypes.append(d)
             rec: dict[str, Any] = {**m, "calls": calls, "dtypes": dtypes}
+            skips = [(int(g["rows"][i].get("skipped", 0)), g["rows"][i].get("why", "")) for _, g in present]
+            if any(n for n, _ in skips):
+                rec["skipped"] = sum(n for n, _ in skips)
+                rec["why"] = next(w for n, w in skips if n)
             rec["nan_ranks"] = [r for r, g in present if g["nonfinite"].get(i, (0, 0))[0] > 0]
             rec["inf_ranks"] = [r for r, g in present if g["nonfinite"].get(i, (0, 0))[1] > 0]
             rows.append(rec)
