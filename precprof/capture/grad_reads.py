@@ -177,8 +177,8 @@ class GradientReads:
         return wrapped
 
     def _unread_grads(self, optimizer: Any) -> None:
-        """The gradients this optimizer is about to apply (or has applied: a closure runs the backward inside the
-        step) that no hook read in this step: a wrapper assigned them outside autograd (FSDP1 with
+        """The gradients this optimizer is about to apply (with a closure, once it has run its backward: read by
+        ``after_closure``) that no hook read in this step: a wrapper assigned them outside autograd (FSDP1 with
         ``use_orig_params=True`` sets each parameter's ``.grad`` to its reduce-scattered shard; a loop that sets
         ``p.grad`` itself). Read as the optimizer gets them. Only after this step's forward ran (before it, the
         gradients are an earlier step's: ``prof.step()`` called before ``optimizer.step()``); when the run scales
@@ -201,7 +201,7 @@ class GradientReads:
         ]
         if not unread:
             return
-        if self._scaled():  # (once a step: the post-hook finds them stepped)
+        if self._scaled():  # (counted once a step: a second step of the optimizer finds them stepped)
             for _, r in unread:
                 self.buffer.skip(r, UNSCALED_UNREAD)
             stepped.update(r for _, r in unread)
@@ -214,7 +214,6 @@ class GradientReads:
             return None
         if self._grads_due:  # a backward whose end has not been read (the step ran inside it, or it raised)
             self._read_grads()
-        self._unread_grads(optimizer)  # a closure's backward, inside the step
         # the gradients this optimizer applied were read in this step: a later backward (a GAN's generator loss
         # through the discriminator) adds to them what no optimizer applies. After the step, not before: a
         # closure (Lightning's automatic optimization, LBFGS) runs the backward inside the step. Only rows
