@@ -69,6 +69,8 @@ from precprof.capture.updates import UpdateSampler
 
 _Tensor = torch.Tensor
 recomputing = _compat.recomputing  # a checkpoint's forward run again in the backward pass: read once already
+# why a forward is not read (``StepHooks._not_read``; "" when it is)
+_EVALUATION, _NO_GRAD, _RECOMPUTED, _FIRST_PASS = "evaluation", "no grad", "recomputed", "first pass"
 
 
 def _weights_key(params: Sequence[torch.Tensor]) -> tuple[Any, ...] | None:
@@ -122,7 +124,7 @@ class StepHooks(GradientReads):
         self._primary = buffer.rows_of(device) if device.type != "meta" else None
         self._root = root if root is not None else nn.Module()  # (a stand-in that trains)
         self._root_trains = False
-        self._root_grad = False  # inside the model's forward, begun with grad on (``_reads``)
+        self._root_grad = False  # inside the model's forward, begun with grad on (``_not_read``)
         # whether the step's first forward of the model with grad ran in train mode (None: none yet): a later one
         # in eval mode is an evaluation; and whether that first one was in eval mode though the step began in
         # train mode (a validation after the last prof.step(), or a loop that trains in eval mode: told apart by
@@ -319,8 +321,9 @@ class StepHooks(GradientReads):
         def pre_hook(module: nn.Module, args: Any) -> None:
             if not self.installed:
                 return None
-            if not self._reads():
-                self._skipped_forward(slot)
+            why = self._not_read()
+            if why:
+                self._skipped_forward(slot, why)
                 return None
             if self._weights_read is None:
                 self._weights_read = self._read_weights()
@@ -353,18 +356,20 @@ class StepHooks(GradientReads):
         finally:
             self._outside -= 1
 
-    def _reads(self) -> bool:
-        """Whether a module's forward running now is the step's training forward, read. Not: an evaluation (a
-        model in eval mode when the step began in train mode, or a forward without grad outside the model's
-        forward), a checkpoint's recomputation of what its first pass read, a reentrant checkpoint's first pass
-        (without grad: its recomputation is read). A part the model's forward runs without grad (a frozen VAE or
-        text encoder, a frozen backbone, under ``no_grad`` inside a forward with grad) is: its activations are
-        the step's, without gradients."""
+    def _not_read(self) -> str:
+        """Why a module's forward running now is not read ("": it is the step's training forward, read): an
+        evaluation (a model in eval mode after the step's forward in train mode, or inside ``not_training``), no
+        grad outside the model's forward (an evaluation between steps), a checkpoint's recomputation of what its
+        first pass read, a reentrant checkpoint's first pass (without grad: its recomputation is read). A part
+        the model's forward runs without grad (a frozen VAE or text encoder, a frozen backbone, under ``no_grad``
+        inside a forward with grad) is read: its activations are the step's, without gradients."""
         if (self._step_mode and not self._root.training) or self._outside:
-            return False
+            return _EVALUATION
         if torch.is_grad_enabled():
-            return not recomputing()
-        return self._root_grad and not _compat.reentrant_first_pass()
+            return _RECOMPUTED if recomputing() else ""
+        if not self._root_grad:
+            return _NO_GRAD
+        return _FIRST_PASS if _compat.reentrant_first_pass() else ""
 
     def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
         # (a model that calls itself, a self-distillation teacher under no_grad inside the forward: the innermost
@@ -385,19 +390,17 @@ class StepHooks(GradientReads):
     def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         self._root_grad = self._root_calls.pop() if self._root_calls else False
 
-    def _skipped_forward(self, slot: _ModuleSlot) -> None:
-        """A forward that is not read: without grad (an evaluation; a reentrant checkpoint's first pass, whose
-        recomputation in the backward pass is the run read), a checkpoint's recomputation (read in the forward
-        already), an evaluation in eval mode with grad on. Not a recomputation, it still takes its place in the
-        forward order (a reentrant checkpoint's blocks are recomputed last block first); an evaluation and a
-        checkpointed forward are counted (the summary says the model checkpoints its activations)."""
-        if recomputing():
+    def _skipped_forward(self, slot: _ModuleSlot, why: str) -> None:
+        """A forward that is not read (``why``: ``_not_read``'s). Not a recomputation, it still takes its place in
+        the forward order (a reentrant checkpoint's blocks are recomputed last block first); an evaluation with
+        grad on and a checkpointed forward are counted (the summary says the model checkpoints its activations)."""
+        if why == _RECOMPUTED:
             self.checkpointed_forwards += 1
             return
-        if torch.is_grad_enabled():
-            self.eval_forwards += bool(self._step_mode and not self._root.training) or self._outside > 0
-        elif self._root_grad:  # without grad inside the model's forward with grad: a reentrant checkpoint's
+        if why == _FIRST_PASS:
             self.checkpointed_forwards += 1
+        elif why == _EVALUATION and torch.is_grad_enabled():
+            self.eval_forwards += 1
         if slot.order < 0:
             if slot.input >= 0 and slot.input_order < 0:
                 slot.input_order = self.order
@@ -448,8 +451,9 @@ class StepHooks(GradientReads):
         def fwd_hook(module: nn.Module, args: Any, output: Any) -> None:
             if not self.installed:
                 return None
-            if not self._reads():
-                if self._track_outputs and not torch.is_grad_enabled() and self._root_grad:
+            why = self._not_read()
+            if why:
+                if why == _FIRST_PASS and self._track_outputs:
                     self._first_pass_outputs(output, act)
                 return None
             if isinstance(output, _Tensor):
@@ -484,8 +488,6 @@ class StepHooks(GradientReads):
         """A reentrant checkpoint's first pass (read when it runs again) made ``output``: kept as that module's
         for the lookups of the matmuls outside the block that read it (the same values the recomputation
         reads), which took it for an input no captured module made, a row of their own."""
-        if not _compat.reentrant_first_pass():
-            return
         for t in (output,) if isinstance(output, _Tensor) else _iter_tensors(output):
             if t.is_floating_point() and t.dim() >= 2:
                 entry = (weakref.ref(t), act)
