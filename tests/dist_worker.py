@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from scenarios.loop import backward_and_step
 from torch import nn
 
 WORLD = 2
@@ -88,13 +89,7 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
         for step in range(STEPS):
             x, y = batch(step, rank, nan=scenario == "ddp")
             loss = nn.functional.mse_loss(model(x), y)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
+            backward_and_step(loss, opt, scaler)
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss.detach(), tokens=BATCH)
             losses.append(loss.item())

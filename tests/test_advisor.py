@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
-from scenarios.loop import activations, square_mean, train_profiled
+from scenarios.loop import activations, backward_and_step, square_mean, train_profiled
 from torch import nn
 
 from precprof import cli
@@ -477,9 +477,7 @@ def _fp16_overflowing_run(
         with torch.autocast("cpu", dtype=torch.float16):
             loss = 1e5 * nn.functional.mse_loss(model(x).float(), y)
         before = scaler.get_scale()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+        backward_and_step(loss, opt, scaler)
         skipped.append(scaler.get_scale() < before)
         opt.zero_grad(set_to_none=True)
         if prof is not None:
@@ -536,9 +534,7 @@ def _fp16_tail_run(out: Path) -> list[torch.Tensor]:
             x = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = 60 * model(x).float().square().mean()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+            backward_and_step(loss, opt, scaler)
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss.detach())
     prof.save()
@@ -1052,9 +1048,7 @@ def _fp16_adam_run(mode: str, tmp_path: Path | None = None) -> tuple[Profiler, d
             if scaler is not None:
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = (model(x).float() - y).square().mean()
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+                backward_and_step(loss, opt, scaler)
             else:
                 loss = (model(x.half()).float() - y).square().mean()
                 loss.backward()

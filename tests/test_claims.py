@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from scenarios.loop import backward_and_step
 from torch import nn
 
 import precprof
@@ -396,9 +397,7 @@ def test_a_grad_scaler_in_a_bf16_loop_is_said_to_have_nothing_to_do(tmp_path: Pa
             for _ in range(20):
                 with torch.autocast("cpu", dtype=dtype):
                     loss = (model(torch.randn(8, 16)).float() - torch.randn(8, 1)).pow(2).mean()
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+                backward_and_step(loss, opt, scaler)
                 opt.zero_grad()
                 prof.step(loss=loss.detach())
         prof.save()
@@ -431,9 +430,7 @@ def test_nothing_to_fix_says_what_fp16_zeros_may_hide(tmp_path: Path) -> None:
             x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = (model(x).float() - y).pow(2).mean() * 1e-6
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+            backward_and_step(loss, opt, scaler)
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss.detach())
     prof.save()
@@ -547,9 +544,7 @@ def test_a_skip_the_scaler_grew_into_is_not_blamed_on_its_start(tmp_path: Path) 
                 out = model(x)
             loss = out.float().sum() / 4  # each output's gradient 0.25: the weights' 1.0
             scales.append(scaler.get_scale())
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+            backward_and_step(loss, opt, scaler)
             skipped.append(scaler.get_scale() < scales[-1])
             opt.zero_grad()
             prof.step(loss=loss.detach())

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from scenarios.loop import backward_and_step
 from torch import nn
 
 import precprof
@@ -192,13 +193,7 @@ def test_precision_seen_and_model_class(mode: str, expected: str, tmp_path: Path
             x, y = x.to(next(model.parameters()).dtype), y.to(next(model.parameters()).dtype)
             with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 loss = nn.functional.mse_loss(model(x).float(), y.float())
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
+            backward_and_step(loss, opt, scaler)
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss.detach())
     capture = prof.summary()

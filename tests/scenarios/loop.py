@@ -58,6 +58,17 @@ def keep_in_fp32(model: nn.Module, names: Sequence[str]) -> None:
         module.forward = fp32_forward  # type: ignore[method-assign]
 
 
+def backward_and_step(loss: torch.Tensor, opt: Any, scaler: Any = None) -> None:
+    """The backward pass and the optimizer step of a loop, through ``scaler`` (a GradScaler) when there is one."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+
+
 def train_profiled(
     model: nn.Module,
     batches: Callable[[int], Batch],
@@ -101,13 +112,7 @@ def train_profiled(
             ctx = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
             with ctx:
                 loss = loss_fn(model(x), y)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
+            backward_and_step(loss, opt, scaler)
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss.detach())
             losses.append(loss.item())
