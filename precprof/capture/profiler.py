@@ -410,11 +410,10 @@ class Profiler(ProfilerResults):
         if not self._attached:
             return
         self._attached = False
-        hooks, complete = self._hooks, self._status == T.STATUS_COMPLETE
-        has_data = hooks is not None and hooks.has_data and not (complete and hooks.evaluation_only())
+        hooks, clean = self._hooks, self._status == T.STATUS_COMPLETE
+        has_data = hooks is not None and hooks.has_data and not (clean and hooks.evaluation_only())
         self._remove_hooks()
-        # a step that was in progress (crash, Ctrl-C, or hooks removed mid-step) keeps what it recorded; one that
-        # ran only an evaluation after the last step, nothing crashing, is no step
+        # a step in progress (crash, Ctrl-C, hooks removed mid-step) keeps its rows; an evaluation alone is no step
         if self._sampling and has_data:
             if self._block_formats:
                 self._blocks.count_turn()
@@ -549,10 +548,12 @@ class Profiler(ProfilerResults):
         of its rows, ``time_s``, cost, the overhead budget and its memory peak (the callbacks' evaluations)."""
         t0 = time.perf_counter()
         with contextlib.ExitStack() as inside:
-            inside.callback(lambda: setattr(self, "_outside_s", self._outside_s + time.perf_counter() - t0))
             for part in (p for p in (self._hooks, self._tracker) if p is not None):
                 inside.enter_context(part.outside())
-            yield
+            try:
+                yield
+            finally:
+                self._outside_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------------- host side
     def _flush(self, sampled_step_done: bool, timed: _PendingStep | None = None) -> None:
