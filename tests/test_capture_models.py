@@ -406,3 +406,32 @@ def test_a_layer_after_a_reentrant_checkpoint_reads_the_output_its_last_module_m
     (plain, plain_rows), (got, rows) = inputs(None), inputs(True)
     assert got["out"] == plain["out"] == ["inner.b"]
     assert T.input_module("out") not in rows and T.input_module("out") not in plain_rows
+
+
+class _ReadsAComputedTensor(nn.Module):
+    """``b`` reads a tensor no module made (``tanh(a(x)) + 1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)  # alive while ``b`` runs
+        return self.head(self.b(torch.tanh(h) + 1))
+
+
+def test_an_empty_batch_does_not_match_a_layer_input_to_another_module_output() -> None:
+    """Every empty tensor's data pointer is 0: on a step with an empty batch (an MoE expert given no token, a
+    last empty batch) ``b``'s input matched ``a``'s output by memory, and ``b`` was said to read ``a`` for the
+    whole run (its FP8 verdict judged on ``a``'s rows)."""
+    torch.manual_seed(0)
+    model = _ReadsAComputedTensor()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for batch in (8, 0, 8):
+            model(torch.randn(batch, 16)).square().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    inputs = prof.summary()["gemm_inputs"]
+    assert inputs.get("b", []) == [] and inputs["head"] == ["b"]

@@ -466,3 +466,21 @@ def test_a_head_tied_to_an_embedding_the_filter_left_out_is_still_tied(
         else "head.weight is also emb&#39;s (Embedding, not captured)"
     )
     assert said in page
+
+
+class _SharedProjection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.proj = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.a(x)) + self.proj(self.b(x))
+
+
+def test_a_layer_read_from_two_modules_counts_each_sampled_step_once() -> None:
+    """A projection shared by two branches has two input rows a step (one per module that made its input): the
+    finding said "the median over the 8 sampled step(s)" of a run of 4."""
+    f = _advice(_SharedProjection(), 16, 16, 16, 16).finding("fp8_eligibility")
+    assert f is not None and f.numbers["sampled_steps"] == 4
+    assert "median over the 4 sampled step(s)" in f.message

@@ -85,8 +85,11 @@ def _weights_key(params: Sequence[torch.Tensor]) -> tuple[Any, ...] | None:
 def _same_data(t: torch.Tensor) -> tuple[Any, ...]:
     """What identifies a tensor's values without reading them (host metadata, no sync): a wrapper that hands a
     layer a new tensor object viewing the same memory (FSDP2's forward hooks do) still matches the output that
-    made it, as long as that output is alive (a weakref to it is kept beside), so its memory is not reused."""
+    made it, as long as that output is alive (a weakref to it is kept beside), so its memory is not reused. An
+    empty tensor has no memory to view (its data pointer is 0, every empty tensor's): it is only itself."""
     try:
+        if t.numel() == 0:
+            return (id(t),)
         return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
     except (RuntimeError, NotImplementedError, TypeError):  # no storage to point at (a tensor subclass)
         return (id(t),)

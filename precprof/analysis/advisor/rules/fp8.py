@@ -173,7 +173,7 @@ def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
             norm_worst=("lost_norm", "max"),
             values=("lost_values", "median"),
             pushed=("pushed", "median"),
-            steps=("lost_norm", "count"),
+            steps=(T.STEP, "nunique"),  # a layer read from two modules has two rows a step
         )
         .reset_index()
     )
