@@ -114,7 +114,7 @@ def _rule_bf16_range(run: _Run, plan: _Plan) -> None:
                 "bf16_gradient_underflow",
                 CRITICAL,
                 f"{_pct(share)} of gradients underflow bf16",
-                f"{int(sure):,} of {int(total):,} nonzero gradient values are at or below 2^-134 and would become "
+                f"{int(sure):,} of {int(total):,} nonzero gradient values are below 2^-134 and would become "
                 "0 in bf16 (it has no loss scaling).",
                 "Use fp16 with a loss scale or fp32 for this model.",
                 numbers={"underflow_values": int(sure), "nonzero_values": int(total), "share": share},
