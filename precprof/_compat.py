@@ -433,6 +433,18 @@ def force_eager() -> Any:
         return None
 
 
+def compiles() -> int | None:
+    """How many frames Dynamo has compiled in this process so far (``torch._dynamo.utils.counters``; it moves at
+    every compile and recompile, a failed one too); None while Dynamo is not loaded (nothing compiled)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return None
+    try:
+        return int(utils.counters["frames"]["total"])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+
+
 def restore_stance(token: Any) -> None:
     """Undo :func:`force_eager` (``token`` is what it returned)."""
     if token is None:

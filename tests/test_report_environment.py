@@ -16,8 +16,8 @@ import pytest
 from report_fixtures import real_run
 
 from precprof import tables as T
+from precprof.report import environment, render
 from precprof.report import filters as F
-from precprof.report import render
 
 H200 = Path(__file__).parent / "data" / "h200_fp8_summary.json"
 
@@ -127,6 +127,19 @@ def test_a_budgeted_runs_sampling_in_words(tmp_path: Path) -> None:
         html.unescape(cards["precprof&#39;s overhead"]) == f"{F.pct(overhead)} of the run's time (budget 3%)"
     )
     assert "a sampled step" not in cards  # its "cost not measured" said less
+
+
+def test_the_recompiles_left_out_of_the_budget_are_said() -> None:
+    sampling = {
+        "mode": "budget",
+        "budget": 0.03,
+        "overhead": 0.02,
+        "reasons": {"first": 2},
+        "compile_steps": 3,
+    }
+    text = environment.sampling_text(sampling, 2, 30)
+    assert text.endswith("; 3 unsampled steps in which torch.compile compiled left out of the run's time")
+    assert "torch.compile" not in environment.sampling_text({**sampling, "compile_steps": 0}, 2, 30)
 
 
 def test_a_tied_weight_is_said_with_its_owner_and_escaped(tmp_path: Path) -> None:

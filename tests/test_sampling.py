@@ -70,6 +70,50 @@ def test_a_compiled_models_first_compiled_step_is_not_the_unsampled_time() -> No
     assert sum(map(bool, after)) <= 2, after
 
 
+def test_a_recompile_later_in_the_run_is_not_the_runs_time_nor_the_unsampled_time() -> None:
+    """A compiled model recompiles later in the run (a new sequence length under ``dynamic=None``, a smaller
+    last batch): Dynamo's frame counter moves in that step. Counted, a 1.3 s recompile paid for a burst of
+    sampled steps (25 of 30 sampled within "3.2%"), and two recompiles among the last three unsampled steps
+    made every sampled step look free. Left out, the budget holds."""
+    s = S.Sampler(every=None, budget=0.03)
+    reasons, frames = [], 0
+    for step in range(400):
+        reason = s.decide(step)
+        recompile = not reason and step % 7 == 3 and step < 60  # every few steps early on, a new shape
+        frames += recompile
+        s.observe(step, reason, 0.040 if reason else (1.3 if recompile else 0.010), frames)
+        reasons.append(reason)
+    assert s.unsampled_s == pytest.approx(0.010)
+    assert s.describe()["sampled_step_added_s"] == pytest.approx(0.030)
+    assert s.overhead is not None and s.overhead <= 0.03
+    assert sum(map(bool, reasons)) <= 0.03 * 400 * 0.010 / 0.030 + S.FIRST_STEPS + 1
+    assert s.compile_steps == frames
+
+
+def test_a_compiled_model_whose_sequence_length_varies_keeps_its_budget() -> None:
+    """torch.compile(model) with its default dynamic=None recompiles at the second sequence length it sees;
+    that step's time is Dynamo's, and the budget leaves it out (the pacing is checked on the sampler above): the
+    Profiler hands the sampler Dynamo's counter, and the summary says how many steps were left out."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    vocab, dim = 64, 16
+    model = nn.Sequential(nn.Embedding(vocab, dim), nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, vocab))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model)
+    lengths = [8, 12, 8, 10, 14, 8]
+    with precprof.Profiler(model, optimizer=opt, memory=False) as prof:
+        for n in lengths:
+            z = torch.randint(0, vocab, (2, n + 1))
+            loss = nn.functional.cross_entropy(compiled(z[:, :-1]).reshape(-1, vocab), z[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    sampling = prof.summary()["sampling"]
+    assert sampling["compile_steps"] >= 1  # the first compiled step, and the recompile at the second length
+    assert prof.tables()["steps"][T.SAMPLED].to_numpy()[: S.FIRST_STEPS].all()
+
+
 def test_one_slow_unsampled_step_does_not_make_every_step_look_free() -> None:
     """The first unsampled step timed was slow (another process starting beside the training took a core):
     1.5 s against 0.93 s later, a sampled step 1.05 s. Taken as the unsampled time it made every sampled step

@@ -529,7 +529,7 @@ class Profiler(ProfilerResults):
                 step_s = self._t_last - started - outside
                 if self._buffer is not None:
                     self._adapt_block_groups(self._step, step_s)
-        self._sampler.observe(self._step, self._sample_reason, step_s)
+        self._sampler.observe(self._step, self._sample_reason, step_s, _compat.compiles())
         if (
             self._sampling
             and self._sampler.synchronized

@@ -30,7 +30,10 @@ first unsampled step is its first compiled one, whose time is Dynamo's and induc
 milliseconds a step: taken as the unsampled median, it made every later step look free to sample). The
 overhead reached is their sum over the time of every step but those two: counted, a compile of seconds
 bought a burst of sampled steps right after it (14 of a compiled Llama's first 16 steps were sampled within
-"3%"), where the budget is a share of the training's own time. A sampled step is costed once, when it ends,
+"3%"), where the budget is a share of the training's own time. Any later unsampled step in which Dynamo compiled
+(a recompile for a new sequence length, a smaller last batch, an evaluation's first forward; its frame counter
+moved) is left out the same way: counted, a recompile of a second sampled the next steps and, as the median
+of the recent unsampled steps, made a sampled step look free (25 of 30 steps sampled within "3.2%"). A sampled step is costed once, when it ends,
 against the median of the last ``RECENT_UNSAMPLED`` unsampled steps (the steps of its own time); those taken
 before any unsampled step was timed (the first steps) are costed against the first one timed. Re-costing every
 past sampled step against the current median made a stretch of slower steps (another process on the machine,
@@ -94,6 +97,8 @@ class Sampler:
     first_sampled: int | None = None  # the first step sampled
     _firsts: int = 0
     _unsampled_seen: bool = False  # the first unsampled step (warm-up of the unsampled path) has passed
+    _compiles: int = 0  # Dynamo's frames compiled when the last step ended (``_compat.compiles``)
+    compile_steps: int = 0  # unsampled steps left out because Dynamo compiled in them
     _since_unsampled: int = 0  # steps sampled since the last unsampled one
     next_step: int | None = None  # with ``synchronized``, the next budgeted step
 
@@ -206,8 +211,12 @@ class Sampler:
         recent = list(self._unsampled)[-RECENT_UNSAMPLED:]
         return statistics.median(recent)
 
-    def observe(self, step: int, reason: str, time_s: float) -> None:
-        """A step ended after ``time_s`` seconds, sampled for ``reason`` ("" when it was not)."""
+    def observe(self, step: int, reason: str, time_s: float, compiles: int | None = None) -> None:
+        """A step ended after ``time_s`` seconds, sampled for ``reason`` ("" when it was not); ``compiles``:
+        Dynamo's count of frames compiled so far (None when it is not loaded)."""
+        compiled = compiles is not None and compiles != self._compiles
+        if compiles is not None:
+            self._compiles = compiles
         if reason:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
         self._since_unsampled = self._since_unsampled + 1 if reason else 0
@@ -222,6 +231,9 @@ class Sampler:
                 self._uncosted.append(time_s)
             else:
                 self._cost(time_s - base)
+        elif compiled and self._unsampled_seen:  # a recompile's time, not the training's
+            self.compile_steps += 1
+            return
         elif self._unsampled_seen:
             self._unsampled.append(time_s)
             uncosted, self._uncosted = (
@@ -232,6 +244,7 @@ class Sampler:
                 self._cost(t - time_s)
         else:  # the first unsampled step: a compiled model's first compiled run (see the module docstring)
             self._unsampled_seen = True
+            self.compile_steps += compiled
             return
         self.total_s += time_s
 
@@ -282,6 +295,7 @@ class Sampler:
         )
         out["first_sampled_step"] = self.first_sampled
         out["held_for_compile"] = self.held
+        out["compile_steps"] = self.compile_steps
         return out
 
 

@@ -546,6 +546,12 @@ def sampling_text(
     held, first = _int(s.get("held_for_compile")), _int(s.get("first_sampled_step"))
     if held and first is not None:
         text += f"; from step {F.count(first)}, once the statistics kernels had compiled beside the training"
+    compiled = _int(s.get("compile_steps"))
+    if compiled and s.get("mode") == "budget":
+        text += (
+            f"; {F.count(compiled)} unsampled step{'s' if compiled > 1 else ''} in which torch.compile compiled "
+            "left out of the run's time"
+        )
     if s.get("synchronized"):
         text += "; every rank sampled the same steps"
     return text
