@@ -587,12 +587,16 @@ class HookSet:
         self,
         modules: list[tuple[Any, Any, Any, bool]],
         params: list[tuple[torch.Tensor, Any]],
+        kwargs_pre: Any = None,
     ) -> None:
         self._modules = modules  # (module, pre-hook or None, forward hook or None, always_call)
         self._params = params  # (parameter, hook)
+        # the module (if any) whose pre-hook also takes the forward's keyword arguments: (module, args, kwargs)
+        self._kwargs_pre = kwargs_pre
         self._ids = reserve_hook_ids(2 * len(modules) + len(params))
         self._direct = all(
             isinstance(getattr(m, "_forward_pre_hooks", None), dict)
+            and isinstance(getattr(m, "_forward_pre_hooks_with_kwargs", None), dict)
             and isinstance(getattr(m, "_forward_hooks", None), dict)
             and isinstance(getattr(m, "_forward_hooks_always_called", None), dict)
             for m, _, _, _ in modules
@@ -608,7 +612,7 @@ class HookSet:
             add = self._handles.append
             for m, pre, post, always in self._modules:
                 if pre is not None:
-                    add(m.register_forward_pre_hook(pre))
+                    add(m.register_forward_pre_hook(pre, with_kwargs=m is self._kwargs_pre))
                 if post is not None:
                     add(m.register_forward_hook(post, always_call=always))
             for p, hook in self._params:
@@ -619,6 +623,8 @@ class HookSet:
             i, j = next(ids), next(ids)
             if pre is not None:
                 m._forward_pre_hooks[i] = pre
+                if m is self._kwargs_pre:
+                    m._forward_pre_hooks_with_kwargs[i] = True
             if post is not None:
                 m._forward_hooks[j] = post
                 if always:
@@ -642,6 +648,7 @@ class HookSet:
         for m, _, _, _ in self._modules:
             i, j = next(ids), next(ids)
             m._forward_pre_hooks.pop(i, None)
+            m._forward_pre_hooks_with_kwargs.pop(i, None)
             m._forward_hooks.pop(j, None)
             m._forward_hooks_always_called.pop(j, None)
         for p, _ in self._params:

@@ -653,6 +653,129 @@ def test_gradient_accumulation_reports_one_micro_batch() -> None:
     assert total(rows_both, T.ACTIVATIONS) == 2 * one
 
 
+def saved_bytes_of_a_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Independent count: what autograd saves in the model's forward, through saved-tensor hooks of our own,
+    each storage once (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    total_bytes = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total_bytes
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            total_bytes += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    F.mse_loss(out, y).backward()
+    model.zero_grad(set_to_none=True)
+    return total_bytes
+
+
+def test_a_batch_sliced_from_a_dataset_counts_as_the_same_batch_copied_out() -> None:
+    model = mlp()
+    g = torch.Generator().manual_seed(3)
+    data_x, data_y = torch.randn(1000, D_IN, generator=g), torch.randn(1000, D_OUT, generator=g)
+    tr = MemoryTracker(model)
+    tr.attach()
+    _, rows = one_step(model, None, tr, x=data_x[B : 2 * B], y=data_y[B : 2 * B])
+    tr.detach()
+    # a DataLoader's batch: the same rows in a tensor of their own; the dataset (32,000 B) is no activation
+    expected = saved_bytes_of_a_step(model, data_x[B : 2 * B].clone(), data_y[B : 2 * B].clone())
+    assert expected == B * (D_IN + D_HID) * 4
+    assert total(rows, T.ACTIVATIONS) == expected
+
+
+def test_micro_batches_chunked_from_one_batch_count_their_own_rows() -> None:
+    model = mlp()
+    x, y = torch.randn(4 * B, D_IN), torch.randn(4 * B, D_OUT)
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    for xc, yc in zip(x.chunk(4), y.chunk(4), strict=True):  # forward, backward per micro-batch
+        F.mse_loss(model(xc), yc).backward()
+    rows = tr.end_step(0)
+    tr.begin_step(1, True)
+    sum(F.mse_loss(model(xc), yc) for xc, yc in zip(x.chunk(4), y.chunk(4), strict=True)).backward()
+    rows_all = tr.end_step(1)
+    tr.detach()
+    one = saved_bytes_of_a_step(model, x[:B].clone(), y[:B].clone())
+    assert by_module(rows) == {("0", "float32"): B * D_IN * 4, ("1", "float32"): B * D_HID * 4}
+    assert total(rows, T.ACTIVATIONS) == one
+    # four micro-batches alive together: the whole batch, its storage once
+    assert total(rows_all, T.ACTIVATIONS) == 4 * one
+
+
+class TwoWindows(nn.Module):
+    """Reads two overlapping windows of one tensor, the second given by keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, a: torch.Tensor, *, b: torch.Tensor) -> torch.Tensor:
+        return self.net(a) + self.net(b)
+
+
+def test_overlapping_views_of_an_input_count_each_byte_once() -> None:
+    model = TwoWindows()
+    data = torch.randn(100, D_IN)
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    model(data[0:B], b=data[2 : B + 2]).sum().backward()
+    rows = tr.end_step(0)
+    tr.detach()
+    # net.0 saves both windows: rows 0 .. B+2 of the data, once; net.1 saves two ReLU outputs of its own
+    assert by_module(rows) == {
+        ("net.0", "float32"): (B + 2) * D_IN * 4,
+        ("net.1", "float32"): 2 * B * D_HID * 4,
+    }
+
+
+class HeadOnFirstRow(nn.Module):
+    """A head reading a slice of a tensor its forward made: the slice keeps that whole tensor alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(D_IN, D_HID), nn.Linear(D_HID, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)[:, 0])  # (B, 3, D_IN) -> (B, 3, D_HID) -> (B, D_OUT)
+
+
+def test_a_slice_of_what_the_forward_made_counts_the_whole_tensor() -> None:
+    model = HeadOnFirstRow()
+    x = torch.randn(B, 3, D_IN)
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    model(x).sum().backward()
+    rows = tr.end_step(0)
+    tr.detach()
+    assert by_module(rows) == {("body", "float32"): B * 3 * D_IN * 4, ("head", "float32"): B * 3 * D_HID * 4}
+
+
+def test_targets_sliced_from_a_dataset_in_the_loss_scope() -> None:
+    model = mlp()
+    data_y = torch.randn(1000, D_OUT)
+    x, y = torch.randn(B, D_IN), data_y[B : 2 * B]
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    out = model(x)
+    with tr.scope():
+        loss = F.mse_loss(out, y)
+    loss.backward()
+    rows = tr.end_step(0)
+    tr.detach()
+    # mse_loss saves the model's output and the B target rows (not the 1000 rows they are sliced from)
+    assert by_module(rows)[("(loss)", "float32")] == 2 * B * D_OUT * 4
+
+
 def test_unsampled_steps_record_nothing() -> None:
     _, opt, tr = _after_a_backward(torch.optim.AdamW, sampled=False)
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None

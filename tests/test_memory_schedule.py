@@ -112,7 +112,7 @@ def test_without_watching_shapes_the_cadence_alone_decides() -> None:
     model = _mlp()
     armed: list[int] = []
     for step, b in enumerate([4, 4, 4, 8]):
-        sched.begin(step, True, model, lambda root, args, s=step: armed.append(s))
+        sched.begin(step, True, model, lambda root, args, kwargs, s=step: armed.append(s))
         model(torch.randn(b, 16))
         sched.done(step)
     assert armed == [] and sched.measured == [0, 1]
@@ -122,11 +122,11 @@ def test_without_watching_shapes_the_cadence_alone_decides() -> None:
 def test_the_watch_is_on_the_root_only_on_sampled_steps() -> None:
     model = _mlp()
     sched = MemorySchedule(every=4)
-    sched.begin(0, True, model, lambda root, args: None)
+    sched.begin(0, True, model, lambda root, args, kwargs: None)
     assert len(model._forward_pre_hooks) == 1
     sched.begin(1, False, model)
     assert not model._forward_pre_hooks
-    sched.begin(2, True, model, lambda root, args: None)
+    sched.begin(2, True, model, lambda root, args, kwargs: None)
     sched.unwatch()
     assert not model._forward_pre_hooks
 
@@ -136,7 +136,7 @@ def test_under_no_grad_the_watch_does_not_arm() -> None:
     sched = MemorySchedule(every=10)
     armed: list[int] = []
     for step in range(3):  # the first two are measured; the third is not due
-        sched.begin(step, True, model, lambda root, args: armed.append(1))
+        sched.begin(step, True, model, lambda root, args, kwargs: armed.append(1))
         model(torch.randn(4, 16))
     with torch.no_grad():
         model(torch.randn(7, 16))  # an evaluation inside a sampled step: keeps nothing for backward

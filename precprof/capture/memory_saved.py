@@ -26,6 +26,7 @@ from precprof.capture.storage import (
     _tensors_in,
     dtype_name,
     is_weight_copy,
+    span,
 )
 from precprof.tables import LOSS_SCOPE
 
@@ -50,6 +51,7 @@ class SavedActivations:
     _unpacks_mark: int
     _groups: list[SavedGroup]
     _param_keys: set[StorageKey]
+    _input_keys: set[StorageKey]
     _unmeasured: int
     _foreign_forwards: int
     _step_mode: bool | None
@@ -64,13 +66,18 @@ class SavedActivations:
                 if st is not None:
                     self._peak.label(st[0], component, "", dtype_name(leaf.dtype), st[1])
 
-    def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
+    def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         if self._saved_ctx is not None:
             # Left pushed by a forward that never reached its post-hook (KeyboardInterrupt, a nested call).
             self._pop_saved_hooks()
         self._start_recording("", module)
-        if self._recording and self._peak.measuring:
-            self._label(T.INPUTS, _tensors_in(args))
+        if not self._recording:
+            return
+        inputs = [*_tensors_in(args), *_tensors_in(kwargs)]
+        for t in inputs:
+            self._input_keys.update(st[0] for leaf in _plain_tensors(t) if (st := _storage(leaf)) is not None)
+        if self._peak.measuring:
+            self._label(T.INPUTS, inputs)
 
     def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._recording and self._peak.measuring:
@@ -178,6 +185,11 @@ class SavedActivations:
             key, nbytes = st
             if key in self._param_keys or key in group.seen:
                 continue
+            if key in self._input_keys or (
+                module is None and leaf.grad_fn is None and not leaf.requires_grad
+            ):
+                self._record_data(group, name, leaf, key, nbytes)
+                continue
             if own is None:
                 own = self._own_param_keys(module)
             if key in own:
@@ -193,6 +205,23 @@ class SavedActivations:
             group.bytes[k] = group.bytes.get(k, 0) + nbytes
             if self._peak.measuring:
                 self._peak.label(key, *k, nbytes)
+
+    def _record_data(
+        self, group: SavedGroup, name: str, t: torch.Tensor, key: StorageKey, nbytes: int
+    ) -> None:
+        """A saved tensor on a storage the step's forward did not make: the model's input (a batch sliced from
+        a dataset held in memory, ``X[i:i+B]``; a micro-batch of ``batch.chunk(k)``), or in ``scope()`` data
+        with no autograd history (the targets). It counts the bytes it reaches, each byte once, not its whole
+        storage: the rest of a dataset is no activation of this step (the whole of it was counted as the first
+        layer's activations, 12.8 MB for a step that saves 6 KB)."""
+        lo, hi = span(t, nbytes)
+        b = group.cover(key, lo, hi)
+        if not b:
+            return
+        k = (T.ACTIVATIONS, name, dtype_name(t.dtype))
+        group.bytes[k] = group.bytes.get(k, 0) + b
+        if self._peak.measuring and hi - lo == nbytes:  # a whole batch; a part of one stays named as input
+            self._peak.label(key, *k, nbytes)
 
     def _own_param_keys(self, module: nn.Module | None) -> set[StorageKey]:
         """The storages of ``module``'s own parameters now (none for no module)."""

@@ -58,7 +58,7 @@ class MemorySchedule:
         self.measuring = False  # the step in progress is measured
         self._for_shapes = False  # ... because its inputs had new shapes
         self._begun = 0  # sampled steps begun (the cadence counts them)
-        self._arm: Callable[[nn.Module, Any], None] | None = None
+        self._arm: Callable[[nn.Module, Any, Any], None] | None = None
         self._known: set[tuple[Any, ...]] = set()
         self._handle: Any = None
         self._armed = False
@@ -69,11 +69,12 @@ class MemorySchedule:
         step: int,
         sampled: bool,
         model: nn.Module | None = None,
-        arm: Callable[[nn.Module, Any], None] | None = None,
+        arm: Callable[[nn.Module, Any, Any], None] | None = None,
     ) -> bool:
         """Start ``step``: True when it is sampled and due to measure memory. On sampled steps the input watch
-        goes onto ``model``'s root (active until :meth:`pause`); on the others it comes off. ``arm(root, args)``
-        starts measuring mid-step, from the root's forward pre-hook, when the inputs' shapes are new."""
+        goes onto ``model``'s root (active until :meth:`pause`); on the others it comes off.
+        ``arm(root, args, kwargs)`` starts measuring mid-step, from the root's forward pre-hook, when the inputs'
+        shapes are new."""
         self._step = step if sampled else -1  # the sampled step in progress
         if not sampled:
             self.measuring = False
@@ -113,7 +114,7 @@ class MemorySchedule:
         self._known.add(sig)  # measured in this step: known from here on
         if not self.measuring and self._arm is not None:
             self.measuring = self._for_shapes = True
-            self._arm(module, args)
+            self._arm(module, args, kwargs)
         return None
 
     def done(self, step: int) -> None:

@@ -15,11 +15,14 @@
 - ``activations``: tensors saved for backward, per module (the innermost module running when autograd saved
   them) and per dtype, through ``torch.autograd.graph.saved_tensors_hooks`` pushed in the model's forward
   pre-hook and popped in its forward post-hook (``capture/memory_saved.py``). Each storage counts once per
-  forward pass; parameters and buffers are not activations. Tensors saved outside the model's forward (a loss
-  computed in the training loop) are seen only inside ``MemoryTracker.scope()`` (module ``"(loss)"``). Under activation checkpointing a region
-  keeps only its inputs until the backward pass recomputes the rest: those inputs are counted, under the module
-  running when the checkpoint was called (Hugging Face's checkpointed layers: the layer itself), and what the
-  region saves is not (non-reentrant: through the checkpoint's own hooks, which keep nothing; reentrant: its
+  forward pass; parameters and buffers are not activations. A tensor saved from a storage the step's forward did
+  not make (the model's inputs, and in ``scope()`` data without autograd history such as targets) counts the bytes
+  it reaches, each once, not its whole storage: a batch sliced from a dataset held in memory (``X[i:i+B]``) or a
+  micro-batch of ``batch.chunk(k)`` counts as the same batch copied out. Tensors saved outside the model's
+  forward (a loss computed in the training loop) are seen only inside ``MemoryTracker.scope()`` (module
+  ``"(loss)"``). Under activation checkpointing a region keeps only its inputs until the backward pass
+  recomputes the rest: those inputs are counted, under the module running when the checkpoint was called
+  (Hugging Face's checkpointed layers: the layer itself), and what the region saves is not (non-reentrant: through the checkpoint's own hooks, which keep nothing; reentrant: its
   forward runs without grad). A forward that begins under saved-tensor hooks someone else pushed (a checkpoint
   of the whole model, ``save_on_cpu()`` or an offloading hook around the model call) is left to them and not
   measured (``model_facts()["activations_note"]`` says so): autograd calls only the innermost pair, and ours
@@ -145,6 +148,7 @@ class MemoryTracker(SavedActivations):
         self._unpacks_mark = -1
         self._groups: list[SavedGroup] = []
         self._param_keys: set[StorageKey] = set()
+        self._input_keys: set[StorageKey] = set()  # storages of the tensors given to the model this step
         self._grads = GradientBytes()
         self._unmeasured = 0  # saved tensors without a real storage (fake, sparse): not counted
         # sampled forwards that began under someone else's saved-tensor hooks (a checkpoint or offload around
@@ -191,6 +195,7 @@ class MemoryTracker(SavedActivations):
             self._hookset = _compat.HookSet(
                 [(m, pre, post, True) for m, pre, post in self._module_hooks],
                 [(p, self._grad_hook) for p in self.model.parameters() if p.requires_grad],
+                kwargs_pre=self.model,
             )
         if self._hookset.installed:
             return
@@ -227,6 +232,7 @@ class MemoryTracker(SavedActivations):
         self._peak.abort()  # a sampled step that never reached end_step
         self._step = step
         self._groups = []
+        self._input_keys = set()
         self._unpacks_mark = -1
         self._grads.reset()
         self._step_mode = None  # the mode of the step's first forward of the model (``_start_recording``)
@@ -237,14 +243,14 @@ class MemoryTracker(SavedActivations):
             return
         self._arm()
 
-    def _arm_at_forward(self, root: nn.Module, args: Any) -> None:
+    def _arm_at_forward(self, root: nn.Module, args: Any, kwargs: Any) -> None:
         """A sampled step the schedule did not measure turns out to run new shapes (the schedule's watch, in
         the root's forward pre-hook): measure it from here, its root pre-hook called by hand (the one installed
         now runs from the next forward on). A failure leaves the step unmeasured, never the forward failed."""
         try:
             self._sampled = True
             self._arm()
-            self._root_pre_hook(root, args)
+            self._root_pre_hook(root, args, kwargs)
         except Exception as e:  # memory accounting must never take training down
             self.arm_error = f"{type(e).__name__}: {e}"
             self._sampled = self.schedule.measuring = False
@@ -341,6 +347,7 @@ class MemoryTracker(SavedActivations):
             add(comp, {"": b})
         # Keep nothing between steps but the module names: buffer_bytes stays flat over a run.
         self._groups = []
+        self._input_keys = set()
         self._grads.reset()
         self._sampled = False
         return rows
@@ -388,8 +395,9 @@ class MemoryTracker(SavedActivations):
                 self._handles,
                 self._stack,
                 self._groups,
-                [(g.seen, g.bytes) for g in self._groups],
+                [(g.seen, g.bytes, g.spans) for g in self._groups],
                 self._param_keys,
+                self._input_keys,
                 self._grads.seen,
                 self._grads.snapshot,
                 self._peak.segments,

@@ -445,11 +445,41 @@ def persistent_labels(
 class SavedGroup:
     """Saved tensors of forwards that were alive together: de-duplication set and byte totals."""
 
-    __slots__ = ("bytes", "seen")
+    __slots__ = ("bytes", "seen", "spans")
 
     def __init__(self) -> None:
         self.seen: set[StorageKey] = set()
         self.bytes: dict[tuple[str, str, str], int] = {}  # (component, module, dtype) -> bytes
+        # storages the step did not make (its data): the byte ranges of them saved so far, merged and sorted
+        self.spans: dict[StorageKey, list[tuple[int, int]]] = {}
 
     def total(self) -> int:
         return sum(self.bytes.values())
+
+    def cover(self, key: StorageKey, lo: int, hi: int) -> int:
+        """Add the bytes ``[lo, hi)`` of the storage at ``key`` to what is saved of it; returns how many of them
+        were not saved before (overlapping views of one storage count once)."""
+        spans = self.spans.setdefault(key, [])
+        new = hi - lo
+        merged: list[tuple[int, int]] = []
+        start, end = lo, hi
+        for a, b in spans:  # disjoint ranges
+            if b < lo or a > hi:
+                merged.append((a, b))
+                continue
+            new -= max(0, min(b, hi) - max(a, lo))
+            start, end = min(a, start), max(b, end)
+        merged.append((start, end))
+        spans[:] = sorted(merged)
+        return max(new, 0)
+
+
+def span(t: torch.Tensor, nbytes: int) -> tuple[int, int]:
+    """The bytes of its storage (of ``nbytes``) that ``t`` reaches: from its first element to the end of its
+    last one (a contiguous view: its own bytes; a strided one: the gaps between its elements too)."""
+    size = t.element_size()
+    if t.numel() == 0:
+        return 0, 0
+    lo = int(t.storage_offset()) * size
+    last = sum((int(n) - 1) * abs(int(s)) for n, s in zip(t.shape, t.stride(), strict=True))
+    return lo, min(lo + (last + 1) * size, nbytes)
