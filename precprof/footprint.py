@@ -14,16 +14,23 @@ The estimate adds what training holds at its peak, all in bytes:
   the two is what one more sample costs; what is left of batch 1 is saved once per step whatever the batch
   (under autocast, the 16-bit copies of the weights; position tables). Counting from batch 1 alone and
   multiplying by the batch would count autocast's weight copies once per sample: 2.4x too much for gpt-mini
-  in bf16 at batch 8. Then a quarter is added for the backward pass's temporaries
-  (``BACKWARD_TEMPORARIES``). Measuring works for any model, a user's own factory included, where a formula
-  from the model's shape would only know the built-in ones.
+  in bf16 at batch 8. Measuring works for any model, a user's own factory included, where a formula from the
+  model's shape would only know the built-in ones;
+- the model's outputs (the logits), measured in the same passes: the loop holds them until backward ends, and
+  autograd does not save them (cross-entropy saves its log-probabilities);
+- the backward pass's temporaries: the larger of a quarter of the saved activations
+  (``BACKWARD_TEMPORARIES``: gradients of activations in flight) and what the backward allocates at its start,
+  the gradients of the loss's fp32 log-probabilities and of the logits together: two fp32 tensors of the
+  outputs' size (``OUTPUT_GRADIENTS``). For a language model with a real vocabulary these are the largest
+  tensors of the step: gpt-nano with GPT-2's 50,257 tokens at batch 8 x 64 peaked at 466 MiB, 2.1x an estimate
+  that left out the logits and their gradients (saved 111 MiB, logits 98 MiB, their two gradients 196 MiB).
 
 The measuring passes never run a batch larger than 2, and the batch-2 pass only when batch 1 says it fits;
 a run whose model states alone, or whose batch 1, cannot fit is refused before anything larger is tried. They
 run with the random state forked and the module buffers restored, so training is exactly what it would have
 been without them.
 
-The total is an estimate, near the step's peak on either side: the quarter for backward's temporaries can be
+The total is an estimate, near the step's peak on either side: the allowance for backward's temporaries can be
 more than a model's backward holds (gpt-nano's measured peak was 9-13% under the estimate), while the
 allocator's fragmentation, the optimizer step's temporaries and the data come on top. The run is refused when
 it exceeds ``HEADROOM`` (90%) of the memory available to it: on CUDA what ``torch.cuda.mem_get_info`` says is free plus what this process's
@@ -36,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +58,10 @@ HEADROOM = 0.9  # refuse above this share of the available memory
 # gpt-mini (CPU, fp32, batch 16 and 64 x 256) a step's resident memory above the fixed parts was 1.4-1.6x the
 # saved activations. A quarter keeps the estimate below what a run really takes.
 BACKWARD_TEMPORARIES = 0.25
+# At the start of backward the gradient of the loss's fp32 log-probabilities and that of the logits (fp32: the
+# loop computes the loss in fp32, and a 16-bit output's gradient comes from its fp32 copy's) are alive together:
+# this many fp32 tensors of the outputs' size
+OUTPUT_GRADIENTS = 2
 # fp32 tensors per trainable parameter (the built-in loop's SGD always has momentum)
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}
 GiB = 2.0**30
@@ -72,6 +83,10 @@ class Footprint:
     activations_shared: int = 0  # saved once per step whatever the batch (autocast's weight copies)
     measured: bool = True
     note: str = ""
+    outputs_per_sample: int = 0  # the model's outputs (logits) beyond what autograd saves, per sample
+    output_gradients_per_sample: int = (
+        0  # the gradients at backward's start (``OUTPUT_GRADIENTS``), per sample
+    )
 
     @property
     def model_states(self) -> int:
@@ -79,15 +94,20 @@ class Footprint:
         return self.parameters + self.gradients + self.optimizer_states
 
     @property
-    def activations(self) -> int:
-        """Saved activations of the whole batch and the backward pass's temporaries beside them."""
-        saved = self.activations_shared + self.activations_per_sample * self.batch_size
-        return int(saved * (1 + BACKWARD_TEMPORARIES))
+    def saved(self) -> int:
+        """Saved activations of the whole batch."""
+        return self.activations_shared + self.activations_per_sample * self.batch_size
 
     @property
-    def fixed(self) -> int:
-        """What does not grow with the batch."""
-        return self.model_states + int(self.activations_shared * (1 + BACKWARD_TEMPORARIES))
+    def temporaries(self) -> int:
+        """The backward pass's temporaries beside the saved activations: a quarter of them, or the gradients
+        allocated at backward's start where those are more (a large vocabulary)."""
+        return max(int(self.saved * BACKWARD_TEMPORARIES), self.output_gradients_per_sample * self.batch_size)
+
+    @property
+    def activations(self) -> int:
+        """Saved activations of the whole batch, the outputs the loop holds and the backward's temporaries."""
+        return self.saved + self.outputs_per_sample * self.batch_size + self.temporaries
 
     @property
     def total(self) -> int:
@@ -99,15 +119,25 @@ class Footprint:
 
     def largest_batch(self, available: int) -> int:
         """The largest batch size whose estimate stays within ``HEADROOM`` of ``available`` bytes (0: none)."""
-        room = HEADROOM * available - self.fixed
-        if room < 0:
+        limit = HEADROOM * available
+        if self.at_batch(0).total > limit:
             return 0
-        per_sample = self.activations_per_sample * (1 + BACKWARD_TEMPORARIES)
-        if per_sample <= 0:
+        # each sample adds at least this (the temporaries' quarter rounds down: one byte less per batch)
+        grow = (
+            self.activations_per_sample
+            + self.outputs_per_sample
+            + max(self.activations_per_sample * BACKWARD_TEMPORARIES, self.output_gradients_per_sample)
+        )
+        if grow <= 0:
             return 1 << 62  # nothing grows with the batch: any batch fits
-        # the estimate rounds down after multiplying: check the neighbour so that the answer is exact
-        b = int(room // per_sample)
-        return b + 1 if self.at_batch(b + 1).total <= HEADROOM * available else b
+        fits, too_large = 0, int((limit + 1) // grow) + 1
+        while too_large - fits > 1:  # the total grows with the batch: bisect for the last batch that fits
+            mid = (fits + too_large) // 2
+            if self.at_batch(mid).total <= limit:
+                fits = mid
+            else:
+                too_large = mid
+        return fits
 
 
 def size_text(n: float) -> str:
@@ -204,17 +234,39 @@ def model_state_bytes(model: nn.Module, optimizer: str) -> tuple[int, int, int]:
     return param_bytes, grad_bytes, state_bytes
 
 
+@dataclass(frozen=True)
+class PassBytes:
+    """What one measuring pass saw, in bytes: ``saved`` for backward; ``outputs``, the model's outputs that
+    autograd does not save (the logits, which the loop holds until backward ends); ``output_gradients``, the
+    gradients backward allocates at its start (``OUTPUT_GRADIENTS`` fp32 tensors of the outputs' size)."""
+
+    saved: int
+    outputs: int = 0
+    output_gradients: int = 0
+
+
 def saved_activation_bytes(
     model: nn.Module,
     forward_loss: Callable[[], torch.Tensor],
     leave_out: Callable[[torch.Tensor], bool] | None = None,
 ) -> int:
-    """Bytes of the tensors autograd saves for backward while ``forward_loss()`` runs (each storage once,
-    the model's parameters excluded, and those ``leave_out`` picks). The graph is dropped afterwards; nothing
-    is trained. The random state is forked and the module buffers (BatchNorm's running statistics) restored:
-    training is unchanged."""
+    """Bytes of the tensors autograd saves for backward while ``forward_loss()`` runs (``pass_bytes``)."""
+    return pass_bytes(model, forward_loss, leave_out).saved
+
+
+def pass_bytes(
+    model: nn.Module,
+    forward_loss: Callable[[], torch.Tensor],
+    leave_out: Callable[[torch.Tensor], bool] | None = None,
+) -> PassBytes:
+    """The bytes of one forward pass and loss (``PassBytes``): what autograd saves for backward while
+    ``forward_loss()`` runs (each storage once, the model's parameters excluded, and those ``leave_out``
+    picks) and the model's outputs that require grad. The graph is dropped afterwards; nothing is trained. The
+    random state is forked and the module buffers (BatchNorm's running statistics) restored: training is
+    unchanged."""
     params = {_storage_key(p.untyped_storage()) for p in model.parameters()}
     seen: set[int] = set()
+    outputs: dict[int, tuple[int, int]] = {}  # storage -> (bytes, elements) of the model's outputs
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -227,8 +279,15 @@ def saved_activation_bytes(
                 total += st.nbytes()
         return t
 
+    def keep_outputs(module: nn.Module, args: Any, out: Any) -> None:
+        for t in _tensors_in(out):
+            if t.requires_grad and t.dim() > 0:  # backward flows into it (a scalar loss is no output to hold)
+                with contextlib.suppress(RuntimeError):
+                    outputs[_storage_key(t.untyped_storage())] = (t.untyped_storage().nbytes(), t.numel())
+
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     devices = [d for d in {p.device for p in model.parameters()} if d.type == "cuda"]
+    handle = model.register_forward_hook(keep_outputs)
     try:
         with (
             torch.random.fork_rng(devices=devices),
@@ -237,11 +296,26 @@ def saved_activation_bytes(
             loss = forward_loss()
         del loss
     finally:
+        handle.remove()
         with torch.no_grad():
             for name, b in model.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
-    return total
+    held = sum(b for key, (b, _) in outputs.items() if key not in seen and key not in params)
+    grads = OUTPUT_GRADIENTS * 4 * sum(n for _, n in outputs.values())
+    return PassBytes(total, held, grads)
+
+
+def _tensors_in(obj: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors of a model's output (a tensor, tuples, lists and dicts of them, a ModelOutput), a few
+    levels deep."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth < 4 and isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _tensors_in(v, depth + 1)]
+    if depth < 4 and isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors_in(v, depth + 1)]
+    return []
 
 
 def _storage_key(st: torch.UntypedStorage) -> int:
@@ -293,7 +367,12 @@ def estimate(
     except Exception as e:  # the model's own error: training reports it, with its run directory
         return dataclasses.replace(fp, measured=False, note=_failure(e))
     # batch 1 counts what is saved once per step as if each sample saved it: an upper bound per sample
-    fp = dataclasses.replace(fp, activations_per_sample=one)
+    fp = dataclasses.replace(
+        fp,
+        activations_per_sample=one.saved,
+        outputs_per_sample=one.outputs,
+        output_gradients_per_sample=one.output_gradients,
+    )
     check_fits(fp.at_batch(1), available, what=what, where=where)  # refused without measuring more
     if batch_size == 1:
         return dataclasses.replace(fp, note="measured at batch 1 only: the run's batch")
@@ -306,9 +385,13 @@ def estimate(
         raise _refusal(fp.at_batch(2), available, what=what, where=where, out_of_memory=True) from None
     except Exception as e:  # batch 1 ran: keep its upper bound
         return dataclasses.replace(fp, note=f"measured at batch 1 only: {_failure(e)}")
-    per_sample = max(two - one, 0)
+    per_sample = max(two.saved - one.saved, 0)
     fp = dataclasses.replace(
-        fp, activations_per_sample=per_sample, activations_shared=max(one - per_sample, 0)
+        fp,
+        activations_per_sample=per_sample,
+        activations_shared=max(one.saved - per_sample, 0),
+        outputs_per_sample=max(two.outputs - one.outputs, 0),
+        output_gradients_per_sample=max(two.output_gradients - one.output_gradients, 0),
     )
     check_fits(fp, available, what=what, where=where)
     return fp
@@ -319,10 +402,10 @@ def _measure(
     forward_loss: Callable[[int], torch.Tensor],
     n: int,
     leave_out: Callable[[torch.Tensor], bool] | None = None,
-) -> int:
-    """``saved_activation_bytes`` at batch ``n``; running out of memory raises torch.OutOfMemoryError."""
+) -> PassBytes:
+    """``pass_bytes`` at batch ``n``; running out of memory raises torch.OutOfMemoryError."""
     try:
-        return saved_activation_bytes(model, lambda: forward_loss(n), leave_out)
+        return pass_bytes(model, lambda: forward_loss(n), leave_out)
     except Exception as e:
         if not _is_out_of_memory(e):
             raise
@@ -438,8 +521,9 @@ def check_training_fits(
 def describe(fp: Footprint) -> dict[str, Any]:
     """The estimate for summary.json's configuration block (bytes)."""
     how = (
-        "saved activations measured at batch 1 and 2 (what each sample adds, and what is saved once per step) "
-        f"and scaled to the batch, plus {BACKWARD_TEMPORARIES:.0%} for backward's temporaries"
+        "saved activations and the model's outputs measured at batch 1 and 2 (what each sample adds, and what "
+        "is saved once per step) and scaled to the batch, plus backward's temporaries: the larger of "
+        f"{BACKWARD_TEMPORARIES:.0%} of the saved activations and the gradients of the outputs at its start"
         if fp.measured
         else "activations not measured"
     )
@@ -450,6 +534,8 @@ def describe(fp: Footprint) -> dict[str, Any]:
         "activations": fp.activations,
         "activations_per_sample": fp.activations_per_sample,
         "activations_shared": fp.activations_shared,
+        "outputs": fp.outputs_per_sample * fp.batch_size,
+        "backward_temporaries": fp.temporaries,
         "total": fp.total,
         # an estimate, not a bound: the allowance for backward's temporaries can exceed what a model's backward
         # holds (gpt-nano's step peaked 9-13% under it), and fragmentation and the data can put a step above it
