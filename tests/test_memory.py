@@ -292,6 +292,37 @@ def test_the_optimizer_reads_gradients_anew_when_their_memory_changed() -> None:
     assert total(rows, T.GRADIENTS) == 4 * (N_MLP + 100)
 
 
+class SparseBag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(1000, D_IN, sparse=True), nn.Linear(D_IN, D_OUT)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(ids).mean(1))
+
+
+def test_a_sparse_gradient_counts_its_values_and_indices() -> None:
+    torch.manual_seed(0)
+    model = SparseBag()
+    opts = [torch.optim.SparseAdam([model.emb.weight]), torch.optim.Adam(model.fc.parameters())]
+    tr = MemoryTracker(model, opts)
+    tr.attach()
+    ids = torch.randint(0, 1000, (B, 3))
+    tr.begin_step(0, True)
+    F.mse_loss(model(ids), torch.randn(B, D_OUT)).backward()
+    grad = model.emb.weight.grad
+    for opt in opts:
+        opt.step()
+    rows = tr.end_step(0)
+    tr.detach()
+    # the embedding's gradient: one row of D_IN fp32 values and one int64 index per lookup (B * 3), uncoalesced
+    assert grad is not None and grad.is_sparse
+    assert grad._values().nbytes == B * 3 * D_IN * 4 and grad._indices().nbytes == B * 3 * 8
+    dense = (D_IN * D_OUT + D_OUT) * 4
+    assert total(rows, T.GRADIENTS, dtype="float32") == B * 3 * D_IN * 4 + dense
+    assert total(rows, T.GRADIENTS, dtype="int64") == B * 3 * 8
+
+
 def test_gradients_on_a_step_gradscaler_skipped() -> None:
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from precprof import _compat
-from precprof.capture.storage import _PLAIN, StorageKey, _by_dtype, _plain_tensors, _storage, dtype_name
+from precprof.capture.storage import StorageKey, _by_dtype, _leaves, _storage, dtype_name
 
 
 class GradientBytes:
@@ -88,7 +88,7 @@ def _per_dtype(storages: dict[StorageKey, tuple[str, int]]) -> dict[str, int]:
 def _storages(grads: Iterable[torch.Tensor]) -> dict[StorageKey, tuple[str, int]]:
     out: dict[StorageKey, tuple[str, int]] = {}
     for g in grads:
-        for leaf in (g,) if type(g) in _PLAIN else _plain_tensors(g):
+        for leaf in _leaves(g):
             st = _storage(leaf)
             if st is not None:
                 out[st[0]] = (dtype_name(leaf.dtype), st[1])

@@ -33,7 +33,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """``t`` itself, or for a wrapper subclass (torchao's Float8 tensors, DTensor) the tensors inside it."""
+    """``t`` itself, or for a wrapper subclass (torchao's Float8 tensors, DTensor) the tensors inside it, or for
+    a sparse tensor its values and indices (``nn.Embedding(sparse=True)``'s gradient)."""
+    if t.layout is not torch.strided:
+        yield from _sparse_parts(t)
+        return
     if type(t) in _PLAIN or not hasattr(t, "__tensor_flatten__"):
         yield t
         return
@@ -42,6 +46,26 @@ def _plain_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
         inner = getattr(t, n)
         if isinstance(inner, torch.Tensor):
             yield from _plain_tensors(inner)
+
+
+def _sparse_parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The dense tensors a sparse tensor is made of (COO: indices and values; CSR and the other compressed
+    layouts: their two index tensors and values); none for another layout."""
+    try:
+        if t.layout is torch.sparse_coo:
+            return t._indices(), t._values()
+        if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+            return t.crow_indices(), t.col_indices(), t.values()
+        if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+            return t.ccol_indices(), t.row_indices(), t.values()
+    except (RuntimeError, NotImplementedError):
+        pass
+    return ()
+
+
+def _leaves(t: torch.Tensor) -> Iterable[torch.Tensor]:
+    """``t`` itself, a plain dense tensor (without a generator), or ``_plain_tensors(t)``."""
+    return (t,) if type(t) in _PLAIN and t.layout is torch.strided else _plain_tensors(t)
 
 
 def _storage(t: torch.Tensor) -> tuple[StorageKey, int] | None:
@@ -97,7 +121,7 @@ def _by_dtype(
     seen: set[StorageKey] = set()
     out: dict[str, int] = {}
     for t in tensors:
-        for leaf in (t,) if type(t) in _PLAIN else _plain_tensors(t):  # a plain tensor without a generator
+        for leaf in _leaves(t):
             st = storage(leaf)
             if st is None:
                 continue
@@ -198,7 +222,7 @@ def _storage_keys(tensors: Iterable[torch.Tensor], storage: Any = None) -> set[S
     storage = storage or _storage
     out: set[StorageKey] = set()
     for t in tensors:
-        for leaf in (t,) if type(t) in _PLAIN else _plain_tensors(t):
+        for leaf in _leaves(t):
             st = storage(leaf)
             if st is not None:
                 out.add(st[0])
