@@ -586,12 +586,11 @@ class Profiler(ProfilerResults):
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes precprof holds persistently on the device: statistics rows, update samples, memory tracking."""
+        """Bytes precprof holds persistently on the device: statistics rows and update samples. The memory
+        tracker's own bytes are host Python objects (addresses, totals), not device memory: not counted."""
         total = self._buffer.buffer_bytes if self._buffer is not None else 0
         if self._updates is not None:
             total += self._updates.nbytes
-        if self._tracker is not None:
-            total += int(getattr(self._tracker, "buffer_bytes", 0))
         return total
 
     @property
