@@ -581,7 +581,8 @@ class HookSet:
     ``register_forward_hook`` and ``register_post_accumulate_grad_hook`` fill, under ids reserved once from
     ``RemovableHandle``'s counter (so they never collide with anyone's), without a ``RemovableHandle`` per hook
     per step (thousands of objects per sampled step, and the garbage collections they set off). Where a torch
-    lacks those dictionaries, the public ``register_*`` calls and their handles."""
+    lacks those dictionaries, the public ``register_*`` calls and their handles. A frozen parameter's hook is
+    kept in its dictionary too, and fires once the parameter is unfrozen (gradual unfreezing)."""
 
     def __init__(
         self,
@@ -616,7 +617,9 @@ class HookSet:
                 if post is not None:
                     add(m.register_forward_hook(post, always_call=always))
             for p, hook in self._params:
-                add(p.register_post_accumulate_grad_hook(hook))
+                # the public call refuses a frozen parameter: hooked at the first install after it is unfrozen
+                if p.requires_grad:
+                    add(p.register_post_accumulate_grad_hook(hook))
             return
         ids = iter(self._ids)
         for m, pre, post, always in self._modules:

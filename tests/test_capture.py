@@ -505,6 +505,41 @@ def test_a_profiler_of_something_else_is_one_line_naming_it(model: Any, optimize
     assert said in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_parameter_frozen_at_attach_and_unfrozen_later_is_read_once_it_trains() -> None:
+    """Gradual unfreezing: the first layer frozen when the Profiler attaches, unfrozen at step 2. Its gradient
+    and its updates were never read (the rows were planned at attach for the parameters requiring grad then),
+    and nothing said so. From step 2 on they are, as ``p.grad`` has them; before, no gradient row, and the
+    update sample says every sampled element had no update (SGD moved none)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    w = m[0].weight
+    w.requires_grad_(False)
+    grads: dict[int, torch.Tensor] = {}
+    with precprof.Profiler(m, optimizer=opt, sample_every=1, memory=False) as prof:
+        for step in range(4):
+            if step == 2:
+                w.requires_grad_(True)
+            nn.functional.cross_entropy(m(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+            if w.grad is not None:
+                grads[step] = w.grad.clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    layers = prof.tables()["layers"]
+    rows = layers[(layers[T.MODULE] == "0") & (layers[T.PARAM] == "weight")].set_index([T.TENSOR, T.STEP])
+    assert sorted(grads) == [2, 3]
+    assert sorted(rows.loc[T.WEIGHT_GRAD].index) == [2, 3]
+    for step, g in grads.items():
+        got = rows.loc[(T.WEIGHT_GRAD, step)]
+        assert got[T.NUMEL] == 512 and got[T.ZEROS] == int((g == 0).sum())
+        assert got[T.ABSMAX] == float(g.abs().max())
+        update = rows.loc[(T.WEIGHT_UPDATE, step)]  # 256 of 512 elements sampled: every second one
+        assert update[T.NUMEL] == 256 and update[T.ZEROS] == int((g.flatten()[::2] == 0).sum())
+    frozen = rows.loc[T.WEIGHT_UPDATE].loc[[0, 1]]
+    assert list(frozen[T.ZEROS]) == list(frozen[T.NUMEL]) == [256, 256]
+
+
 def test_an_optimizer_of_another_model_is_said_and_samples_nothing() -> None:
     model, other = nn.Linear(4, 4), nn.Linear(4, 4)
     opt = torch.optim.SGD(other.parameters(), lr=0.1)

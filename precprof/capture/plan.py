@@ -6,8 +6,10 @@ Which modules: by default every leaf module plus every module that owns paramete
 modules whose qualified name matches one of the ``fnmatch`` patterns, or whose type is one of the types
 given. Per captured module, rows for its output (``activation``) and the output's gradient
 (``activation_grad``); per parameter it owns (the first owner of a tied parameter), a ``weight`` row and, when
-it requires grad, a ``weight_grad`` row; with block formats, a linear layer also gets a row for its input when
-no captured module produced it (``T.input_module``).
+it can have a gradient (floating point), a ``weight_grad`` row, frozen or not: a parameter frozen at attach
+and unfrozen later (gradual unfreezing) has its gradient read from then on (a row nothing is read into is not
+written); with block formats, a linear layer also gets a row for its input when no captured module produced
+it (``T.input_module``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def refuse_lazy(model: nn.Module) -> None:
             f"{', ...' if len(lazy) > 3 else ''}): run one forward pass on an example batch before attaching "
             "precprof (for precprof train: in the model's factory), so that they have their shapes"
         )
+
+
+def can_have_grad(p: nn.Parameter) -> bool:
+    """Whether ``p`` can ever have a gradient: a floating-point (or complex) parameter, whether it requires one
+    now or not (a layer frozen at attach may be unfrozen later)."""
+    return p.is_floating_point() or p.is_complex()
 
 
 def selected(name: str, module: nn.Module, module_filter: ModuleFilter) -> bool:
@@ -139,7 +147,7 @@ class CapturePlan:
                 if first[id(p)][0] != name:
                     slot.shared_outside[pname] = first[id(p)]
                 slot.weights.append((pname, p, rows.new(name, mtype, T.WEIGHT, pname)))
-                grad_row = rows.new(name, mtype, T.WEIGHT_GRAD, pname) if p.requires_grad else -1
+                grad_row = rows.new(name, mtype, T.WEIGHT_GRAD, pname) if can_have_grad(p) else -1
                 plan.params.append(_ParamSlot(name, pname, p, grad_row, -1))
             plan.modules.append(slot)
         if module_filter is not None:

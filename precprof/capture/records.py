@@ -166,7 +166,7 @@ class _ParamSlot:
     module: str
     param: str
     tensor: nn.Parameter
-    grad_row: int  # -1: no gradient row (the parameter does not require grad)
+    grad_row: int  # -1: no gradient row (an integer parameter: it can have no gradient)
     update_index: int  # row in the weight-update buffer (-1: not tracked)
     sample_stride: int = 1
     sample_len: int = 0

@@ -51,6 +51,7 @@ from torch import nn
 from precprof import _compat
 from precprof import stats as st
 from precprof import tables as T
+from precprof.capture.plan import can_have_grad
 
 _MAX_EVENTS = 64  # nonfinite events (row x sampled step) kept for the summary
 
@@ -173,7 +174,7 @@ def _row_layout(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, str
 
     Mirrors ``Profiler._attach``: per captured module an activation and an activation_grad row, its input's row
     when it has one (a linear layer with block formats on: ``T.input_module(name)`` is then among ``modules``),
-    then per own parameter (first owner only) a weight row and, when it requires grad, a weight_grad row.
+    then per own parameter (first owner only) a weight row and, when it can have a gradient, a weight_grad row.
     """
     rows: list[tuple[str, str, str]] = []
     seen: set[int] = set()
@@ -194,7 +195,7 @@ def _row_layout(model: nn.Module, modules: Sequence[str]) -> list[tuple[str, str
                 continue
             seen.add(id(p))
             rows.append((name, T.WEIGHT, pname))
-            if p.requires_grad:
+            if can_have_grad(p):
                 rows.append((name, T.WEIGHT_GRAD, pname))
     return rows
 
