@@ -540,6 +540,43 @@ def test_a_parameter_frozen_at_attach_and_unfrozen_later_is_read_once_it_trains(
     assert list(frozen[T.ZEROS]) == list(frozen[T.NUMEL]) == [256, 256]
 
 
+def test_a_param_group_added_mid_run_has_its_updates_sampled() -> None:
+    """``optimizer.add_param_group`` at step 2 (a layer unfrozen by adding its group): the optimizer's groups
+    were read once at attach, so its updates were never sampled, without a word. From the step it is added
+    on they are: the counts those of the update the loop saw land in the weight, cast by hand."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(m[2].parameters(), lr=0.1)
+    w = m[0].weight
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    with precprof.Profiler(m, optimizer=opt, sample_every=1, memory=False) as prof:
+        for step in range(4):
+            if step == 2:
+                opt.add_param_group({"params": m[0].parameters(), "lr": 0.01})
+            nn.functional.cross_entropy(m(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+            before = w.detach().flatten()[::2].clone()  # 256 of 512 elements sampled: every second one
+            assert w.grad is not None
+            grad = w.grad.flatten()[::2].clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            seen[step] = (before, w.detach().flatten()[::2].clone(), grad)
+            prof.step()
+    layers = prof.tables()["layers"]
+    updates = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
+    rows = updates[(updates[T.MODULE] == "0") & (updates[T.PARAM] == "weight")].set_index(T.STEP)
+    assert sorted(rows.index) == [2, 3]
+    assert len(updates[updates[T.MODULE] == "2"]) == 4 * 2
+    for step in (2, 3):
+        before, after, grad = seen[step]
+        delta = after - before
+        intended = (grad != 0) | (delta != 0)
+        stuck = intended & (delta == 0)
+        held = before.bfloat16()
+        lost_bf16 = ((held.float() + delta).bfloat16() == held) & (delta != 0) | stuck
+        assert rows.loc[step, T.NUMEL] == 256 and rows.loc[step, T.ZEROS] == int((~intended).sum())
+        assert rows.loc[step, T.LOST_UPDATE_BF16] == int(lost_bf16.sum())
+
+
 def test_an_optimizer_of_another_model_is_said_and_samples_nothing() -> None:
     model, other = nn.Linear(4, 4), nn.Linear(4, 4)
     opt = torch.optim.SGD(other.parameters(), lr=0.1)

@@ -326,15 +326,12 @@ class Profiler(ProfilerResults):
         if self.weight_updates and self.optimizers:
             # sampled where each parameter lives at the step (one group per device: an offloaded layer on the
             # CPU, the rest on the GPU), in the step of the optimizer that holds it (none: not sampled, as its
-            # weight moves in no step precprof sees); a parameter on ``meta`` has no data and is not sampled
-            held = {
-                id(p): k for k, o in enumerate(self.optimizers) for g in o.param_groups for p in g["params"]
-            }
-            tracked = [ps for ps in plan.params if ps.grad_row >= 0 and id(ps.tensor) in held]
-            owners = [held[id(ps.tensor)] for ps in tracked]
-            if not tracked and any(ps.grad_row >= 0 for ps in plan.params):
+            # weight moves in no step precprof sees; a group added later is sampled from the next sampled step on);
+            # a parameter on ``meta`` has no data and is not sampled
+            updates = UpdateSampler.following(plan.params, self.optimizers, self.update_sample, self._device)
+            if not updates.tracked and any(ps.grad_row >= 0 for ps in plan.params):
                 warnings.warn(NOT_HELD, stacklevel=3)
-            self._updates = UpdateSampler(tracked, self.update_sample, self._device, owners)
+            self._updates = updates
         self._hooks = StepHooks(
             plan,
             self._buffer,

@@ -320,6 +320,20 @@ def _idle_params(optimizer: Any) -> set[int]:
     return idle
 
 
+def held_by(optimizers: Sequence[Any], params: Sequence[_ParamSlot]) -> tuple[list[_ParamSlot], list[int]]:
+    """The parameters of ``params`` (the plan's) that one of ``optimizers`` holds now, and the index of the
+    one whose step moves each: a parameter no optimizer given holds moves in no step precprof sees."""
+    held = {id(p): k for k, o in enumerate(optimizers) for g in o.param_groups for p in g["params"]}
+    tracked = [ps for ps in params if ps.grad_row >= 0 and id(ps.tensor) in held]
+    return tracked, [held[id(ps.tensor)] for ps in tracked]
+
+
+def groups_key(optimizers: Sequence[Any]) -> tuple[tuple[int, int], ...]:
+    """What changes when the optimizers' parameters do, read without a walk over them: each param group's list
+    of parameters, by object and length (``add_param_group`` adds a group)."""
+    return tuple((id(g["params"]), len(g["params"])) for o in optimizers for g in o.param_groups)
+
+
 class UpdateSampler:
     """Samples ``per_param`` elements (strided) of each parameter in ``tracked``.
 
@@ -331,13 +345,35 @@ class UpdateSampler:
     def __init__(
         self, tracked: list[_ParamSlot], per_param: int, device: torch.device, owners: Sequence[int] = ()
     ) -> None:
+        self.per_param = per_param
+        self.device = device
+        # (the plan's parameters, the optimizers, their ``groups_key``) for ``following``'s sampler
+        self._follow: tuple[Sequence[_ParamSlot], Sequence[Any], tuple[tuple[int, int], ...]] | None = None
+        self.tracked: list[_ParamSlot] = []
+        self._counted = False  # an optimizer's step of this sampled step has added to the counts
+        self._track(tracked, owners)
+
+    @classmethod
+    def following(
+        cls, params: Sequence[_ParamSlot], optimizers: Sequence[Any], per_param: int, device: torch.device
+    ) -> UpdateSampler:
+        """A sampler of the parameters of ``params`` that ``optimizers`` hold, now and as their param groups
+        change (``reset``)."""
+        tracked, owners = held_by(optimizers, params)
+        sampler = cls(tracked, per_param, device, owners)
+        sampler._follow = (params, optimizers, groups_key(optimizers))
+        return sampler
+
+    def _track(self, tracked: list[_ParamSlot], owners: Sequence[int]) -> None:
+        """Sample ``tracked`` from now on, each in the step of its optimizer in ``owners`` (indices)."""
+        for ps in self.tracked:
+            ps.update_index = -1
         for i, ps in enumerate(tracked):
             n = _local(ps.tensor.detach()).numel()
-            ps.sample_stride = max(1, -(-n // per_param))
+            ps.sample_stride = max(1, -(-n // self.per_param))
             ps.sample_len = len(range(0, n, ps.sample_stride))
             ps.update_index = i
         self.tracked = tracked
-        self.device = device
         # the optimizer (an index) whose step moves each tracked parameter: its groups are read in its hooks
         self._owners = list(owners) or [0] * len(tracked)
         self._group_owner: list[int] = []
@@ -374,10 +410,22 @@ class UpdateSampler:
     def reset(self) -> None:
         for g in self._groups:
             g.counts.zero_()
+        self._counted = False
+
+    def _follow_groups(self) -> None:
+        """A ``following`` sampler samples the parameters its optimizers hold now, when their param groups
+        changed (``add_param_group``: a new head, a layer unfrozen by adding its group; a few ids compared, no
+        walk over the parameters). Only before the sampled step's first optimizer step: no count is lost."""
+        follow = self._follow
+        if follow is None or self._counted or groups_key(follow[1]) == follow[2]:
+            return
+        self._follow = (follow[0], follow[1], groups_key(follow[1]))
+        self._track(*held_by(follow[1], follow[0]))
 
     def before_step(self, k: int = 0, optimizer: Any = None) -> None:
         """Read the samples of optimizer ``k``'s parameters before its step (on each parameter's device; no
         sync)."""
+        self._follow_groups()
         self._regroup()
         idle = _idle_params(optimizer)
         for g, owner in zip(self._groups, self._group_owner, strict=True):
@@ -396,6 +444,7 @@ class UpdateSampler:
     def after_step(self, k: int = 0) -> bool:
         """Classify the updates of optimizer ``k``'s step just taken; False when ``before_step`` did not run."""
         done = [g.classify() for g, owner in zip(self._groups, self._group_owner, strict=True) if owner == k]
+        self._counted = True
         return bool(done) and all(done)
 
     def device_counts(self) -> list[torch.Tensor]:
