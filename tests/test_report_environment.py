@@ -142,6 +142,35 @@ def test_the_recompiles_left_out_of_the_budget_are_said() -> None:
     assert "torch.compile" not in environment.sampling_text({**sampling, "compile_steps": 0}, 2, 30)
 
 
+@pytest.mark.parametrize("given", ["none", "off"])
+def test_a_run_that_read_no_weight_update_says_why(tmp_path: Path, given: str) -> None:
+    """A loop that updates its weights by hand and gives the Profiler no optimizer: the environment said "weight
+    updates read on: up to 0 elements of each parameter ... before and after the optimizer step", when none
+    was read. It says none was, and why."""
+    import torch
+    from torch import nn
+
+    import precprof
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2) if given == "off" else None
+    with precprof.Profiler(model, opt, sample_every=1, memory=False, weight_updates=given != "off") as prof:
+        for _ in range(2):
+            model(torch.randn(4, 8)).square().mean().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 1e-2 * p.grad
+                    p.grad = None
+            prof.step()
+    prof.report(tmp_path / "run")
+    rows, _ = env_rows((tmp_path / "run" / "report.html").read_text())
+    check_words(rows, "")
+    said = dict(rows)["weight updates read on"]
+    assert said.startswith("none: ") and "up to" not in said
+    assert ("no optimizer was given" in said) == (given == "none")
+
+
 def test_a_tied_weight_is_said_with_its_owner_and_escaped(tmp_path: Path) -> None:
     """A tied output head has no weight rows of its own: the environment says whose weight it is (the module
     names escaped, as every name on the page)."""

@@ -84,6 +84,22 @@ def _int(v: Any) -> int | None:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
+def _update_reads(sample: Any, optimizer: Mapping[str, Any]) -> str:
+    """What the weight-update sample read, or, when it read none, why: without an optimizer nothing is read
+    around its step, so a run that could lose updates in bf16 weights is not told (its finding needs them)."""
+    if _int(sample):
+        return (
+            f"up to {F.count(sample)} elements of each parameter (all of a smaller one), before and after the "
+            "optimizer step"
+        )
+    if not optimizer.get("class"):
+        return (
+            "none: no optimizer was given to the Profiler, so no update was sampled (updates made by hand are not "
+            "seen either), nor whether bf16 or fp16 weights would lose them; give it the optimizer to know"
+        )
+    return "none: turned off (the Profiler was made with weight_updates False)"
+
+
 def _cudnn(v: Any) -> str:
     """cuDNN's version number in dotted form: 91900 -> 9.19.0 (cuDNN 9), 8902 -> 8.9.2 (cuDNN 8)."""
     n = _int(v) if not isinstance(v, str) else (int(v) if v.isdigit() else None)
@@ -445,13 +461,7 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
         settings = [f"{k} {F.num(opt[k])}" for k in ("eps", "beta2") if isinstance(opt.get(k), (int, float))]
         rows.append(("optimizer", str(opt["class"]) + (f" ({', '.join(settings)})" if settings else "")))
     if capture.get("weight_update_sample") is not None:
-        rows.append(
-            (
-                "weight updates read on",
-                f"up to {F.count(capture['weight_update_sample'])} elements of each parameter (all of a smaller "
-                "one), before and after the optimizer step",
-            )
-        )
+        rows.append(("weight updates read on", _update_reads(capture["weight_update_sample"], opt)))
     skipped = capture.get("skipped_tensors") or []
     if skipped:
         rows.append(
