@@ -7,6 +7,7 @@ independently from the gradients and against the steps the loop itself saw.
 
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -350,3 +351,41 @@ def test_fp16_overflow_in_a_bf16_run_with_a_scaler_is_a_what_if(tmp_path: Path) 
     f = rec.finding("fp16_gradient_overflow")
     assert f is not None and f.severity == "info" and f.title.startswith("Gradients would overflow fp16")
     assert "this bf16 run's gradients are not fp16, so nothing overflowed here" in f.message
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_loop_taking_its_gradients_with_autograd_grad_is_told_they_were_not_read(
+    tmp_path: Path, assign: bool
+) -> None:
+    """``grads = torch.autograd.grad(loss, params)`` and an update by hand (functional training, MAML's inner
+    loop): no gradient reaches ``.grad``, where precprof reads them, so the run had no weight-gradient row and
+    the report said only "No histograms of weight gradients were recorded". The summary counts the steps and
+    the report says why, with what to do; the same loop assigning them to ``.grad`` for an optimizer is read."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.05) if assign else None
+    with precprof.Profiler(model, opt, sample_every=1, memory=False) as prof:
+        for step in range(3):
+            x, y = batch(step)
+            grads = torch.autograd.grad(nn.functional.mse_loss(model(x), y), params)
+            assert all(p.grad is None for p in params)
+            if opt is not None:
+                for p, g in zip(params, grads, strict=True):
+                    p.grad = g
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                with torch.no_grad():
+                    for p, g in zip(params, grads, strict=True):
+                        p.sub_(0.05 * g)
+            prof.step()
+    layers = prof.tables()["layers"]
+    assert (T.WEIGHT_GRAD in set(layers[T.TENSOR])) == assign
+    assert T.ACTIVATION_GRAD in set(layers[T.TENSOR])
+    assert prof.summary()["weight_grads_unread_steps"] == (0 if assign else 3)
+    prof.report(tmp_path / "run")
+    page = " ".join(html.unescape((tmp_path / "run" / T.REPORT_FILE).read_text()).split())
+    said = "not read on 3 sampled step(s): their backward left no gradient in any parameter's .grad"
+    assert (said in page) != assign
+    assert ("torch.autograd.grad" in page) != assign

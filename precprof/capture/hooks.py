@@ -136,6 +136,7 @@ class StepHooks(GradientReads):
         self._first_in_eval = False
         self._outside = 0  # inside ``Profiler.not_training`` (nested: a depth)
         self._grad_rows = [r.index for r in plan.rows.info if r.tensor in (T.ACTIVATION_GRAD, T.WEIGHT_GRAD)]
+        self._weight_grad_rows = [r.index for r in plan.rows.info if r.tensor == T.WEIGHT_GRAD]
         self._root_calls: list[bool] = []  # the enclosing calls' ``_root_grad`` (a model that calls itself)
         roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
         self._hookset = _compat.HookSet(
@@ -190,6 +191,7 @@ class StepHooks(GradientReads):
         self._scaled = scaled
         self.eval_forwards = 0  # module forwards in eval mode with grad on, not read (over the run)
         self.checkpointed_forwards = 0  # module forwards an activation checkpoint ran twice (over the run)
+        self.weight_grads_unread = 0  # sampled steps whose backward left no gradient in .grad (over the run)
 
     # ------------------------------------------------------------------------------------ install/remove
     def install(self, turn: int) -> None:
@@ -220,6 +222,7 @@ class StepHooks(GradientReads):
         yet included) until the next ``install`` (the next step is sampled too: removing and installing them
         again would cost a millisecond per thousand hooks) or ``remove`` (it is not). Idempotent."""
         self._unrun_weights()
+        self._count_unread_weight_grads()
         self.installed = False
         self._clear_outputs()
 
@@ -227,6 +230,7 @@ class StepHooks(GradientReads):
         """End the sampled step: every hook removed (a module output's gradient hook that has not fired yet
         does nothing from now on). Idempotent."""
         self._unrun_weights()
+        self._count_unread_weight_grads()
         self._hookset.remove()
         for h in self._handles:
             h.remove()
@@ -250,6 +254,19 @@ class StepHooks(GradientReads):
             for p, row, grad_row in params:
                 if row in read and grad_row >= 0 and calls[grad_row] and not calls[row]:
                     rows.seen(row, p.dtype)
+
+    def _count_unread_weight_grads(self) -> None:
+        """A sampled step whose backward reached the modules' outputs but left no parameter a gradient in
+        ``.grad`` while some train (a loop taking its gradients with ``torch.autograd.grad``, which accumulates
+        none): its weight gradients are not read, and the summary says so (``weight_grads_unread``)."""
+        calls = self.rows.calls
+        if (
+            self.installed
+            and not any(map(calls.__getitem__, self._weight_grad_rows))
+            and any(map(calls.__getitem__, self._grad_rows))  # (an output's gradient, then)
+            and any(ps.tensor.requires_grad for ps in self.plan.params)
+        ):
+            self.weight_grads_unread += 1
 
     def _clear_outputs(self) -> None:
         self._grads_due.clear()

@@ -308,6 +308,8 @@ class ProfilerResults:
             # module forwards of sampled steps an activation checkpoint ran a second time (read once): the saved
             # activations of such a model are what checkpointing keeps
             "checkpointed_forwards": self._hooks.checkpointed_forwards if self._hooks is not None else 0,
+            # sampled steps whose backward left no weight gradient in .grad (torch.autograd.grad): none read
+            "weight_grads_unread_steps": self._hooks.weight_grads_unread if self._hooks is not None else 0,
         }
 
     def _stream_summary(self) -> dict[str, Any] | None:

@@ -271,7 +271,15 @@ def _heatmaps(
         )
         title = S.KIND_LABELS[kind].capitalize()
         if hm is None:
-            out.append({"kind": kind, "title": title, "img": None, "notes": []})
+            why = environment.weight_grads_unread(summary.get(T.SUMMARY_CAPTURE) or {}) if summary else ""
+            out.append(
+                {
+                    "kind": kind,
+                    "title": title,
+                    "img": None,
+                    "notes": [why] if kind == T.WEIGHT_GRAD and why else [],
+                }
+            )
             continue
         notes: list[str] = []
         sc = hm.scale

@@ -40,7 +40,7 @@ _CAPTURE_SAID = _keys(
     "compiled fp8_emulated dropout_layers "
     "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
     "gemm_inputs optimizer "
-    "distributed eval_forwards_ignored checkpointed_forwards"
+    "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_tensor_cores tf32_supported "
@@ -82,6 +82,19 @@ def _label(key: str) -> str:
 
 def _int(v: Any) -> int | None:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def weight_grads_unread(capture: Mapping[str, Any]) -> str:
+    """Why no weight gradient was read on some sampled steps ("" when every one's was): their backward left
+    none in ``.grad`` (``torch.autograd.grad`` returns them and accumulates nothing), where precprof reads them."""
+    n = _int(capture.get("weight_grads_unread_steps"))
+    if not n:
+        return ""
+    return (
+        f"not read on {F.count(n)} sampled step(s): their backward left no gradient in any parameter's .grad, "
+        "where precprof reads them (a loop that takes its gradients with torch.autograd.grad); the advice is "
+        "made without them. Assign them to .grad and give the Profiler the optimizer to have them read"
+    )
 
 
 def _update_reads(sample: Any, optimizer: Mapping[str, Any]) -> str:
@@ -462,6 +475,9 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
         rows.append(("optimizer", str(opt["class"]) + (f" ({', '.join(settings)})" if settings else "")))
     if capture.get("weight_update_sample") is not None:
         rows.append(("weight updates read on", _update_reads(capture["weight_update_sample"], opt)))
+    unread = weight_grads_unread(capture)
+    if unread:
+        rows.append(("weight gradients", unread))
     skipped = capture.get("skipped_tensors") or []
     if skipped:
         rows.append(
