@@ -89,13 +89,22 @@ def kind_of_type(module_type: str) -> str:
     return OTHER
 
 
+def type_name(module: nn.Module) -> str:
+    """A module's type as its code names it: a TorchScript submodule (``torch.jit.script(nn.Linear(...))``) is
+    a ``RecursiveScriptModule``, whose ``original_name`` is the class it was scripted from (a linear layer
+    typed so was left out of the linear layers' analyses)."""
+    name = type(module).__name__
+    original = getattr(module, "original_name", None) if name == "RecursiveScriptModule" else None
+    return original if isinstance(original, str) and original else name
+
+
 def kind_of(module: nn.Module) -> str:
     """The kind of a live module: its type name's kind, refined by its class and weight where the name says
     nothing (a renamed ``nn.Linear`` subclass, a leaf with a >= 2-D weight is a matmul)."""
     import torch
     from torch import nn
 
-    kind = kind_of_type(type(module).__name__)
+    kind = kind_of_type(type_name(module))
     if kind != OTHER:
         return kind
     if isinstance(module, _matmul_types()):

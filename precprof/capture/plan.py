@@ -122,11 +122,11 @@ class CapturePlan:
         owner: dict[int, str] = {}  # each captured parameter's first owner
         first: dict[int, tuple[str, str]] = {}  # each parameter's first owner, captured or not: (name, type)
         for name, module in _compat.named_modules(model):  # by their own names, under DDP or torch.compile
+            mtype = taxonomy.type_name(module)
             for p in module.parameters(recurse=False):
-                first.setdefault(id(p), (name, type(module).__name__))
+                first.setdefault(id(p), (name, mtype))
             if not selected(name, module, module_filter):
                 continue
-            mtype = type(module).__name__
             slot = _ModuleSlot(
                 name=name,
                 module=module,
