@@ -155,6 +155,15 @@ INPUT_SUFFIX = ":input"
 INPUT_MODULE_TYPE = "(function output)"
 
 
+# The root module's name (its qualified name is ""), in every table, sentence and list that shows it
+ROOT_LABEL = "(model)"
+
+
+def module_label(name: str) -> str:
+    """A module's name as a page or a sentence shows it: the root module (named "") is ``ROOT_LABEL``."""
+    return name if name else ROOT_LABEL
+
+
 def input_module(module: str) -> str:
     """The pseudo-module whose activation rows hold ``module``'s input when no captured module produced it."""
     return module + INPUT_SUFFIX

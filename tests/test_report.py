@@ -1061,3 +1061,23 @@ def test_a_diverged_runs_loss_is_on_a_log_axis_and_its_nan_norms_are_marked() ->
     )
     fig = plots.training_figure(sparse)
     assert fig is not None and not [ln for ln in fig.axes[2].get_lines() if ln.get_marker() == "^"]
+
+
+def test_the_root_module_has_one_name_in_findings_lists_numbers_and_sentences(
+    synthetic: tuple[dict[str, pd.DataFrame], dict],
+) -> None:
+    """A parameter the root module owns (``F.linear(x, self.w)`` in the model's own forward) is the module "":
+    a finding's module list showed it as an empty ``<code></code>``, its number "that module" as nothing, its
+    sentence as "(root)" and the per-layer tables as "(model)". One name everywhere: the tables'."""
+    from precprof.analysis.advisor import text
+
+    tabs, summary = synthetic
+    rec = recommendation_dict()
+    finding = rec["findings"][0]
+    finding["modules"] = ["", "lm_head"]
+    finding["numbers"] = {**finding["numbers"], "max_norm_share_module": ""}
+    verdict = section(render_html(tabs, summary, rec), "verdict")
+    assert "<code></code>" not in verdict
+    assert f"<code>{escape(S.module_label(''))}</code>, <code>lm_head</code>" in verdict
+    assert f"that module</span> {escape(S.module_label(''))}" in verdict
+    assert text._listing(["", "lm_head"], 4) == f"{S.module_label('')}, lm_head"

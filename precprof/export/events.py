@@ -46,7 +46,7 @@ from precprof.formats import WHATIF_FORMATS
 
 PREFIX = "precprof"
 ALL_LAYERS = "all"  # the scope of the aggregates over every captured layer
-ROOT_LAYER = "(model)"  # the scope of the root module, whose qualified name is ""
+ROOT_LAYER = T.ROOT_LABEL  # the scope of the root module, whose qualified name is ""
 AUTO_LAYER_LIMIT = 32  # "auto" writes per-layer events for models with at most this many captured layers
 LOST_UPDATE_FORMATS = {"bf16": T.LOST_UPDATE_BF16, "fp16": T.LOST_UPDATE_FP16}
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from markupsafe import Markup
 
+from precprof.tables import module_label
+
 MISSING = "—"
 
 
@@ -190,6 +192,7 @@ FILTERS: dict[str, Callable[..., str]] = {
     "css_string": css_string,
     "plain": plain,
     "cmdline": cmdline,
+    "module": module_label,
 }
 
 

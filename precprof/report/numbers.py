@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .filters import count, log2mag, nbytes, num, pct, plain, pow2
+from .filters import count, log2mag, module_label, nbytes, num, pct, plain, pow2
 
 # kind -> formatter
 _KINDS = {
@@ -25,6 +25,7 @@ _KINDS = {
     "bytes": nbytes,
     "number": num,
     "text": plain,
+    "module": module_label,
     "yes_no": lambda v: "yes" if v else "no",
     "change": lambda v: ("+" if float(v) > 0 else "") + pct(v),
     "step": lambda v: f"step {int(v)}",
@@ -60,7 +61,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
         "largest share of one module's gradient norm lost at the recommended loss scale",
         "share",
     ),
-    "max_norm_share_module": ("that module", "text"),
+    "max_norm_share_module": ("that module", "module"),
     # loss scale and overflow
     "grad_absmax": ("largest gradient magnitude", "magnitude"),
     "scaled_absmax": ("largest gradient times the loss scale", "magnitude"),
@@ -248,5 +249,6 @@ def shown(code: str, numbers: Mapping[str, Any] | None) -> list[tuple[str, str]]
         if entry is None or _repeats(name, numbers or {}):
             continue
         text, kind = entry
-        out.append((text, _KINDS[kind](value) if not isinstance(value, str) else value))
+        # (a string as it is, but a module's name: the root's is "")
+        out.append((text, value if isinstance(value, str) and kind != "module" else _KINDS[kind](value)))
     return out

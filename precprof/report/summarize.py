@@ -27,14 +27,12 @@ KIND_LABELS: dict[str, str] = {
     T.WEIGHT_GRAD: "weight gradients",
     T.WEIGHT_UPDATE: "weight updates",
 }
-ROOT_LABEL = "(model)"
+ROOT_LABEL = T.ROOT_LABEL
 # memory components that are totals of the whole process or device, not parts of a stack
 PEAK_COMPONENTS = T.MEMORY_PEAK_COMPONENTS
 
 
-def module_label(name: str) -> str:
-    """Display name of a module ("" is the root model)."""
-    return name if name else ROOT_LABEL
+module_label = T.module_label  # a module's display name ("" is the root model)
 
 
 def forward_order(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> list[str]:

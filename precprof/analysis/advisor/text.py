@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from precprof import tables as T
+
 
 def _pct(share: float | None) -> str:
     if share is None or not math.isfinite(share):
@@ -54,8 +56,7 @@ def _scales(scales: list[float], limit: int = 6) -> str:
     return f"{len(scales)} loss scales from {scales[0]:g} to {scales[-1]:g}"
 
 
-def _name(module: str) -> str:
-    return module if module else "(root)"
+_name = T.module_label  # the root module, named "", as every table and list names it
 
 
 def _listing(modules: list[str], limit: int) -> str:
