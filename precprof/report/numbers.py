@@ -51,6 +51,10 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "overflow_values": ("values that overflow", "count"),
     "fp16_zero_share": ("zeros among the FP16 activation gradients", "share"),
     "fp16_flushed": ("gradients pressed against FP16's floor", "yes_no"),
+    "fp16_flushed_zero_share": (
+        "zeros in the modules whose FP16 activation gradients reach its floor",
+        "share",
+    ),
     "fp16_smallest_nonzero": ("smallest nonzero FP16 activation gradient", "magnitude"),
     "loss_change": ("loss change over the run", "change"),
     "weight_grad_share_at_recommended": (

@@ -10,6 +10,8 @@ user's own loop with ``precprof.Profiler`` attached (``loop.train_profiled``), a
 - ``benign``: nothing wrong: bf16 on bf16 hardware;
 - ``nan_injection``: a module that emits nan on one step: the finding names it;
 - ``accelerate_cpu_fp16``: accelerate's mixed_precision="fp16" on a CPU, silently fp32: flagged as not active;
+- ``relu_zeros``: a ReLU classifier whose activation gradients are a third exact zeros in any format: fp16
+  without a scaler flushes next to none of them, and the advisor must not read ReLU's zeros as flushes;
 - ``summed_loss``: gradients that overflow fp16 at GradScaler's default 2^16: the advised start skips none.
 
 They double as examples of the API: ``Profiler(model, optimizer=..., scaler=...)``, ``prof.step(loss=...)``,

@@ -31,9 +31,14 @@ class AdvisorConfig:
     # FP8 only when the eligible layers carry more than this share of the linear layers' matmul FLOPs
     fp8_flops_share_min: float = 0.5
     # fp16 gradients flushed already (an unscaled fp16 run): at least this share of the fp16 activation-gradient
-    # values are exact zeros while the smallest nonzero one sits in fp16's subnormals (the distribution runs into
-    # the floor); a loss that moved less than ``stalled_loss_change`` (relative) over the run is called stalled
+    # values are exact zeros in modules whose gradients run into fp16's floor; a loss that moved less than
+    # ``stalled_loss_change`` (relative) over the run is called stalled
     fp16_flushed_zero_share: float = 0.2
+    # A module's fp16 activation gradients run into the floor when more than this share of their nonzero values
+    # sit at fp16's smallest subnormal, 2^-24: a distribution that dense at the floor continues below it, and its
+    # zeros are flushes. ReLU's exact zeros (or a saturated GELU's) sit apart from a distribution that thins out
+    # towards the floor (0.01% of the values at 2^-24 in a ReLU MLP; 4% in one that flushed 98% of its gradients).
+    fp16_flushed_floor_share: float = 0.01
     stalled_loss_change: float = 0.02
     fp16_underflow_block: float = 0.10
     # ...unless the values still lost at the recommended scale are negligible: in every module they carry at

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+import numpy as np
 import pandas as pd
 
 from precprof import tables as T
+from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import (
     _dtype_has,
     _grad_absmax,
@@ -18,6 +20,8 @@ from precprof.analysis.advisor.evidence import (
     _nonzero,
     _num,
     _Plan,
+    _row_index,
+    _rows_of_kinds,
     _Run,
     _share,
     _shifted_overflow,
@@ -375,6 +379,107 @@ def _runs_into_floor(is16: pd.DataFrame, zero16: float | None, zero_share: float
     return 0 < floor < FP16.smallest_normal
 
 
+@dataclass(frozen=True)
+class _Flush:
+    """The modules whose zeros among fp16 activation gradients are judged flushes (``_flushed_modules``)."""
+
+    modules: list[str]  # in the run's order
+    empty: list[str]  # those of them with no nonzero value at all: no gradient reached fp16's range
+    zeros: float  # their exact zeros
+    all_zeros: float  # the exact zeros of every row read, theirs and the true zeros of the others
+    values: float  # every value of the fp16 activation-gradient rows read, the share's denominator
+    floor_share: float | None  # the share of their nonzero values fp16 held at its smallest subnormal, 2^-24
+    smallest: float  # their smallest nonzero value as fp16 held it (at its loss scale); nan without one
+    scales: list[float]  # the loss scales their rows were held at
+
+    @property
+    def share(self) -> float | None:
+        return _share(self.zeros, self.values)
+
+
+def _flushed_modules(run: _Run, rows: pd.DataFrame) -> _Flush:
+    """Which modules' zeros among the fp16 activation-gradient ``rows`` are flushes. An exact zero in an fp16
+    tensor is a value that underflowed or a true zero (ReLU's backward writes one wherever its unit was off, a
+    saturated GELU's where its slope is 0), and no count tells them apart. A module's zeros are read as flushes
+    when its nonzero values run into the floor (more than ``fp16_flushed_floor_share`` of them at fp16's
+    smallest subnormal, at the scale held) or when it has no nonzero value at all."""
+    if rows.empty:
+        return _Flush([], [], 0.0, 0.0, 0.0, None, math.nan, [])
+    per = rows.groupby(T.MODULE)[[T.ZEROS, T.NUMEL, T.NAN, T.INF]].sum()
+    nonzero = (per[T.NUMEL] - per[T.ZEROS] - per[T.NAN] - per[T.INF]).clip(lower=0)
+    at_floor = _at_fp16_floor(run, rows).reindex(per.index, fill_value=0.0)
+    dense = at_floor > run.cfg.fp16_flushed_floor_share * nonzero
+    mods = run.sort(str(m) for m in per.index[(per[T.ZEROS] > 0) & (dense | (nonzero == 0))])
+    held = rows[rows[T.MODULE].isin(mods)]
+    smallest = pd.to_numeric(held[T.ABSMIN], errors="coerce") * held[T.SCALE]
+    return _Flush(
+        mods,
+        [m for m in mods if nonzero[m] == 0],
+        float(per.loc[mods, T.ZEROS].sum()),
+        float(per[T.ZEROS].sum()),
+        float(per[T.NUMEL].sum()),
+        _share(float(at_floor[mods].sum()), float(nonzero[mods].sum())),
+        float(smallest[smallest > 0].min()) if (smallest > 0).any() else math.nan,
+        sorted({float(s) for s in held[T.SCALE].unique()}),
+    )
+
+
+def _at_fp16_floor(run: _Run, rows: pd.DataFrame) -> pd.Series:
+    """Per module of the fp16 activation-gradient ``rows``, the nonzero values fp16 held at its smallest
+    subnormal, 2^-24: from the rows' histograms, whose bins are of unscaled values, moved by each row's loss
+    scale."""
+    hist = run.hist[_rows_of_kinds(run.hist[T.TENSOR], (T.ACTIVATION_GRAD,))]
+    at = _row_index(hist, rows)
+    ok = at >= 0
+    scale = rows[T.SCALE].to_numpy(dtype=float)[at[ok]]
+    held = hist[T.EXPONENT].to_numpy(dtype=float)[ok] + np.log2(np.where(scale > 0, scale, 1.0))
+    floor = held < FP16.min_exponent + 1
+    modules = T.texts(rows[T.MODULE]).to_numpy()[at[ok]][floor]
+    return pd.Series(hist[T.COUNT].to_numpy(dtype=float)[ok][floor]).groupby(modules).sum()
+
+
+def _had_loss_scale(run: _Run, ag: pd.DataFrame) -> bool:
+    """Whether the run scaled its loss on any step: a scale other than 1 in its steps or its activation-gradient
+    rows (a dynamic GradScaler that backed off through 1 still had one)."""
+    scales = pd.to_numeric(run.steps[T.LOSS_SCALE], errors="coerce").dropna()
+    return bool((scales != 1.0).any() or (ag[T.SCALE] != 1.0).any())
+
+
+def _flushed_said(fl: _Flush, every: bool, scaled: bool, cfg: AdvisorConfig) -> str:
+    """The flushed evidence in words, which opens the finding: a value that underflowed is a zero, so the counts
+    that follow it cannot see what was lost."""
+    where = (
+        f"At the {_scales(fl.scales)} this fp16 run held its activation gradients at"
+        if scaled
+        else "This fp16 run trained without loss scaling"
+    )
+    if every:
+        return (
+            f"{where}, and every one of its fp16 activation-gradient values is an exact zero: no gradient reached "
+            "fp16's range, all of them were flushed to zero (a value that underflowed is a zero, so the counts "
+            "that follow cannot see it)"
+        )
+    dense = [m for m in fl.modules if m not in fl.empty]
+    parts = [f"{_listing(fl.empty, cfg.max_listed_modules)} held no nonzero value"] if fl.empty else []
+    if dense:
+        parts.append(
+            f"{_pct(fl.floor_share)} of the nonzero values of {_listing(dense, cfg.max_listed_modules)} sit at its "
+            "smallest subnormal, 2^-24"
+        )
+    others = _share(fl.all_zeros - fl.zeros, fl.values) or 0.0
+    return (
+        f"{where}: {_pct(fl.share)} of its fp16 activation-gradient values are exact zeros in {len(fl.modules)} "
+        f"module(s) whose gradients run into fp16's floor ({'; '.join(parts)}): what lies below it was flushed "
+        "to zero (a value that underflowed is a zero, so the counts that follow cannot see it)"
+        + (
+            f"; the other {_pct(others)} zeros, in modules whose gradients thin out before the floor, are not "
+            "counted (ReLU's backward writes an exact zero wherever its unit was off)"
+            if others > cfg.fp16_underflow_ok
+            else ""
+        )
+    )
+
+
 def _run_scale_log2(run: _Run, ag: pd.DataFrame) -> int:
     """log2 of the loss scale the run trained at: the median over its activation-gradient rows of the steps
     the optimizer took (a skipped step's scale is one the scaler left), rounded; 0 (scale 1) without any. The
@@ -452,34 +557,20 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         + (f"; {int(over_k):,} values would overflow at that scale" if over_k else "")
         + "."
     )
-    # Already flushed: in an fp16 tensor at scale 1, a value that underflowed is a zero. Many zeros, with the
-    # smallest nonzero value among fp16's subnormals (the distribution runs into the floor), is the evidence.
-    unscaled16 = is16[is16[T.SCALE].fillna(1.0) == 1.0] if not is16.empty else is16
-    floor16 = float(unscaled16[T.ABSMIN].min()) if not unscaled16.empty else math.nan
+    # Already flushed: in an fp16 tensor at scale 1, a value that underflowed is a zero. Many zeros in modules
+    # whose gradients run into the floor (``_flushed_modules``) are the evidence.
+    unscaled16 = is16[is16[T.SCALE] == 1.0]
     # every value zero: nothing reached fp16's range at all (the worst case, with no smallest value to show)
     all_zero16 = (
         not unscaled16.empty and float(unscaled16[T.ZEROS].sum()) == float(unscaled16[T.NUMEL].sum()) > 0
     )
-    flushed = (
-        zero16 is not None
-        and zero16 > cfg.fp16_flushed_zero_share
-        and not unscaled16.empty
-        and (0 < floor16 < FP16.smallest_normal or all_zero16)
-    )
+    fl = _flushed_modules(run, unscaled16)
+    flushed = (fl.share or 0) > cfg.fp16_flushed_zero_share
     loss_change = _loss_change(run)
     stalled = loss_change is not None and abs(loss_change) < cfg.stalled_loss_change
     if flushed:  # what the run lost comes first: the exact counts above see none of it
         msg = (
-            (
-                "This fp16 run trained without loss scaling, and every one of its fp16 activation-gradient values "
-                "is an exact zero: no gradient reached fp16's range, all of them were flushed to zero (a value "
-                "that underflowed is a zero, so the counts that follow cannot see it)"
-                if all_zero16
-                else f"This fp16 run trained without loss scaling: {_pct(zero16)} of its fp16 activation-gradient "
-                f"values are exact zeros and the smallest nonzero one is {floor16:.3g}, among fp16's subnormals "
-                "(below 2^-14): the gradients run into fp16's floor and what lies below it was flushed to zero (a "
-                "value that underflowed is a zero, so the counts that follow cannot see it)"
-            )
+            _flushed_said(fl, all_zero16, _had_loss_scale(run, ag), cfg)
             + (
                 (
                     f"; the loss did not move (it changed by {_pct(abs(loss_change))} over the run): training "
@@ -577,7 +668,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         Finding(
             "fp16_gradient_underflow",
             severity,
-            f"fp16 gradients flushed to zero: {_pct(zero16)} zeros at scale 1"
+            f"fp16 gradients flushed to zero: {_pct(fl.share)} zeros at {_scales(fl.scales)}"
             if flushed
             # (at the run's scale 1, the exact count, which the report shows: the histograms' is a lower bound)
             else f"fp16 gradient underflow: {_pct(now if k_run == 0 and now is not None else at1)} at scale 1, "
@@ -596,7 +687,8 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
                 "overflow_at_recommended": int(over_k),
                 "fp16_zero_share": zero16,
                 "fp16_flushed": flushed,
-                "fp16_smallest_nonzero": floor16 if flushed and floor16 > 0 else None,
+                "fp16_flushed_zero_share": fl.share if flushed else None,
+                "fp16_smallest_nonzero": fl.smallest if flushed and fl.smallest > 0 else None,
                 "loss_change": loss_change,
                 "share_at_run_scale": at_run,
                 "run_scale_log2": k_run,
