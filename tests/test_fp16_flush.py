@@ -5,7 +5,7 @@ fp32, whose gradients the test's own hooks cast to fp16."""
 from __future__ import annotations
 
 import torch
-from scenarios import relu_zeros
+from scenarios import dead_layers, relu_zeros
 
 from precprof import tables as T
 
@@ -46,3 +46,34 @@ def test_relu_zeros_in_an_unscaled_fp16_run_are_not_flushes() -> None:
     assert f is not None and f.numbers["fp16_flushed"] and f.severity == "warning"
     assert f.message.startswith("This fp16 run trained without loss scaling: ")
     assert f.title.startswith("fp16 gradients flushed to zero: ")
+
+
+def test_layers_that_receive_no_gradient_under_a_grad_scaler_are_flushed() -> None:
+    """A real fp16 run with a GradScaler at 2^16 in which fc1, the GELU and fc2 receive no gradient at all (every
+    value zero on every step: the test's own hook on fc1 sees it; in fp32 none of them is zero) was told "Nothing
+    to fix: at the run's loss scale 2^16, 0% of the values recorded flush": the flushed evidence read only rows
+    held at loss scale 1, which a run with a scaler has none of. It reads every scale now, names the layers, and
+    since the largest scale the gradients allow is not above the run's, points to a format with more range."""
+    _, seen32 = dead_layers.run("fp32", loss_scale=None)
+    assert all(bool((g != 0).all()) for g in seen32)
+    run, seen = dead_layers.run("fp16", loss_scale=2.0**16)
+    assert {g.dtype for g in seen} == {torch.float16} and all(bool((g == 0).all()) for g in seen)
+    assert not run.tables["steps"][T.SKIPPED].any()
+    layers = run.tables["layers"]
+    ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & (layers[T.DTYPE] == "float16")]
+    per = ag.groupby(T.MODULE)[[T.ZEROS, T.NUMEL]].sum()
+    empty = set(per.index[per[T.ZEROS] == per[T.NUMEL]])
+    assert empty == {"fc1", "act", "fc2"} and set(ag[T.SCALE]) == {2.0**16}
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_gradient_underflow")
+    assert f is not None and f.numbers["fp16_flushed"] and f.severity == "critical"
+    assert f.title.startswith("fp16 gradients flushed to zero: ") and f.title.endswith("at loss scale 65536")
+    assert f.message.startswith(
+        "This fp16 run scaled its loss (loss scale 65536 where these gradients flushed)"
+    )
+    assert "fc1, act, fc2 held no nonzero value" in f.message and "without loss scaling" not in f.message
+    # the share is at least the zeros of the three layers, out of every fp16 activation-gradient value
+    assert f.numbers["fp16_flushed_zero_share"] >= per.loc[sorted(empty), T.NUMEL].sum() / per[T.NUMEL].sum()
+    k = int(f.numbers["loss_scale_log2"])
+    assert k <= 16 and "Nothing to fix" not in f.remedy
+    assert f.remedy.startswith("No larger loss scale fits") and "bf16" in f.remedy

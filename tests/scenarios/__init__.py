@@ -12,6 +12,8 @@ user's own loop with ``precprof.Profiler`` attached (``loop.train_profiled``), a
 - ``accelerate_cpu_fp16``: accelerate's mixed_precision="fp16" on a CPU, silently fp32: flagged as not active;
 - ``relu_zeros``: a ReLU classifier whose activation gradients are a third exact zeros in any format: fp16
   without a scaler flushes next to none of them, and the advisor must not read ReLU's zeros as flushes;
+- ``dead_layers``: three layers whose gradients are all zero in fp16 under a GradScaler at 2^16 (in fp32 none
+  is): the advisor must say so, not "nothing to fix";
 - ``summed_loss``: gradients that overflow fp16 at GradScaler's default 2^16: the advised start skips none.
 
 They double as examples of the API: ``Profiler(model, optimizer=..., scaler=...)``, ``prof.step(loss=...)``,

@@ -366,19 +366,6 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
     _rule_scaler(run, plan)
 
 
-def _runs_into_floor(is16: pd.DataFrame, zero16: float | None, zero_share: float) -> bool:
-    """Whether the fp16 activation gradients show values flushed at the scale they were held at: more than
-    ``zero_share`` of them exact zeros, and the smallest nonzero one, scaled, among fp16's subnormals. A value
-    flushed inside an fp16 tensor is a zero, which the counts cannot tell from a true one."""
-    if is16.empty or zero16 is None or zero16 <= zero_share:
-        return False
-    absmin = pd.to_numeric(is16[T.ABSMIN], errors="coerce") * pd.to_numeric(
-        is16[T.SCALE], errors="coerce"
-    ).fillna(1.0)
-    floor = float(absmin[absmin > 0].min()) if (absmin > 0).any() else math.nan
-    return 0 < floor < FP16.smallest_normal
-
-
 @dataclass(frozen=True)
 class _Flush:
     """The modules whose zeros among fp16 activation gradients are judged flushes (``_flushed_modules``)."""
@@ -449,7 +436,7 @@ def _flushed_said(fl: _Flush, every: bool, scaled: bool, cfg: AdvisorConfig) -> 
     """The flushed evidence in words, which opens the finding: a value that underflowed is a zero, so the counts
     that follow it cannot see what was lost."""
     where = (
-        f"At the {_scales(fl.scales)} this fp16 run held its activation gradients at"
+        f"This fp16 run scaled its loss ({_scales(fl.scales)} where these gradients flushed)"
         if scaled
         else "This fp16 run trained without loss scaling"
     )
@@ -477,6 +464,34 @@ def _flushed_said(fl: _Flush, every: bool, scaled: bool, cfg: AdvisorConfig) -> 
             if others > cfg.fp16_underflow_ok
             else ""
         )
+    )
+
+
+def _flushed_remedy(fl: _Flush, every: bool, k: int, k_run: int | None) -> str:
+    """What to do about gradients flushed at the scale the run had (``k_run``; None without a loss scaler): a
+    larger scale where the measured gradients allow one (2^k), else a format with more range."""
+    if k_run is not None and k <= k_run:
+        return (
+            f"No larger loss scale fits: the largest the measured gradients allow, {_pow2(k)}, is not above the "
+            f"run's {_pow2(k_run)}, where these gradients flushed. Train in bf16 (its range reaches 2^-133) or "
+            "fp32, or keep the layers these gradients pass through in fp32."
+        )
+    if every or fl.empty:
+        lift = (
+            f"which lifts every gradient {k - k_run} binade(s) above the run's {_pow2(k_run)}"
+            if k_run is not None
+            else f"which lifts a gradient at fp16's flush point (2^-25) to {_scale(k - 25)}"
+        )
+        return (
+            f"Scale the loss: {'no gradient' if every else _listing(fl.empty, 6) + ' received no gradient that'} "
+            f"reached fp16's range, so how far is not measured; start GradScaler(init_scale={_scale(k)}), {lift}, "
+            "let it back off where one overflows, and profile again to size it; or train in bf16."
+        )
+    return (
+        f"Scale the loss: GradScaler(init_scale={_scale(k)}), the largest scale the measured gradients allow, lifts "
+        "them off fp16's floor"
+        + (f" ({k - k_run} binade(s) above the run's {_pow2(k_run)})" if k_run is not None else "")
+        + "; or train in bf16."
     )
 
 
@@ -557,20 +572,19 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         + (f"; {int(over_k):,} values would overflow at that scale" if over_k else "")
         + "."
     )
-    # Already flushed: in an fp16 tensor at scale 1, a value that underflowed is a zero. Many zeros in modules
-    # whose gradients run into the floor (``_flushed_modules``) are the evidence.
-    unscaled16 = is16[is16[T.SCALE] == 1.0]
+    # Already flushed: in an fp16 tensor, at whatever loss scale it was held, a value that underflowed is a
+    # zero. Many zeros in modules whose gradients run into the floor (``_flushed_modules``), or a module that
+    # received no nonzero gradient at all, are the evidence.
     # every value zero: nothing reached fp16's range at all (the worst case, with no smallest value to show)
-    all_zero16 = (
-        not unscaled16.empty and float(unscaled16[T.ZEROS].sum()) == float(unscaled16[T.NUMEL].sum()) > 0
-    )
-    fl = _flushed_modules(run, unscaled16)
-    flushed = (fl.share or 0) > cfg.fp16_flushed_zero_share
+    all_zero16 = not is16.empty and float(is16[T.ZEROS].sum()) == float(is16[T.NUMEL].sum()) > 0
+    fl = _flushed_modules(run, is16)
+    flushed = (fl.share or 0) > cfg.fp16_flushed_zero_share or bool(fl.empty)
+    scaled = _had_loss_scale(run, ag)
     loss_change = _loss_change(run)
     stalled = loss_change is not None and abs(loss_change) < cfg.stalled_loss_change
     if flushed:  # what the run lost comes first: the exact counts above see none of it
         msg = (
-            _flushed_said(fl, all_zero16, _had_loss_scale(run, ag), cfg)
+            _flushed_said(fl, all_zero16, scaled, cfg)
             + (
                 (
                     f"; the loss did not move (it changed by {_pct(abs(loss_change))} over the run): training "
@@ -614,23 +628,14 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         severity = WARNING
         remedy = f"Start GradScaler at {_scale(k)}, and consider bf16: {_pct(atk)} still underflows there."
     elif flushed:
-        # a stalled run, or one whose every gradient value flushed, lost its gradients, not a tail of them
-        severity = CRITICAL if stalled or all_zero16 else WARNING
-        remedy = (
-            f"Scale the loss: no gradient reached fp16's range, so how far is not measured; start "
-            f"GradScaler(init_scale={_scale(k)}), which lifts a gradient at fp16's flush point (2^-25) to "
-            f"{_scale(k - 25)}, let it back off where one overflows, and profile again to size it; or train in "
-            "bf16."
-            if all_zero16
-            else f"Scale the loss: GradScaler(init_scale={_scale(k)}), the largest scale the measured gradients "
-            "allow, lifts them off fp16's floor; or train in bf16."
-        )
+        # a stalled run, or one in which a module received no gradient at all, lost its gradients, not a tail
+        severity = CRITICAL if stalled or fl.empty else WARNING
+        remedy = _flushed_remedy(fl, all_zero16, k, k_run if scaled else None)
     elif (
         (at1 or 0) > cfg.fp16_underflow_ok
         and k_run > 0
         and (at_run or 0) <= cfg.fp16_underflow_ok
         and (now or 0) <= cfg.fp16_underflow_ok
-        and (not residual_matters or not _runs_into_floor(is16, zero16, cfg.fp16_flushed_zero_share))
     ):
         severity = INFO  # lost at scale 1, but the run scales its loss, and enough
         remedy = (
