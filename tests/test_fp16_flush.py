@@ -77,3 +77,25 @@ def test_layers_that_receive_no_gradient_under_a_grad_scaler_are_flushed() -> No
     k = int(f.numbers["loss_scale_log2"])
     assert k <= 16 and "Nothing to fix" not in f.remedy
     assert f.remedy.startswith("No larger loss scale fits") and "bf16" in f.remedy
+
+
+def test_fp32_gradients_of_a_layer_kept_out_of_autocast_are_no_fp16_underflow() -> None:
+    """The same model with fc2 kept in fp32, as the advisor's keep_fp32 says: fc1 receives its gradients again
+    (the test's own hook: under 5% zeros, against 100% before). Its re-profile counted the fp32 gradients of fc2,
+    the LayerNorm and the scale after it (fp32 tensors: autocast casts none of them) as fp16 underflow: "16.2%
+    still underflow fp16 at 2^15 ... 100% of fc2's gradient norm ... fp16 is ruled out", telling the user who
+    followed the advice the opposite. Only gradients fp16 autocast holds in 16 bits count now."""
+    run, seen = dead_layers.run("fp16", loss_scale=2.0**16, keep_fp32=["fc2"])
+    zeros = torch.cat([g.flatten() for g in seen]) == 0
+    assert float(zeros.float().mean()) < 0.05
+    layers = run.tables["layers"]
+    ag = layers[layers[T.TENSOR] == T.ACTIVATION_GRAD]
+    fp32 = set(ag[ag[T.DTYPE] == "float32"][T.MODULE])
+    assert fp32 == {"fc2", "ln", "tiny"} and set(ag[T.DTYPE]) == {"float16", "float32"}
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_gradient_underflow")
+    assert f is not None and f.severity == "info" and "fc2" not in f.message and "fc2" not in f.modules
+    # the values counted are the fp16 gradients' finite nonzero ones, none of the fp32 ones
+    a16 = ag[ag[T.DTYPE] == "float16"]
+    assert f.numbers["nonzero_values"] == int((a16[T.NUMEL] - a16[T.ZEROS] - a16[T.NAN] - a16[T.INF]).sum())
+    assert rec.format == "fp16" and not any("ruled out" in r for r in rec.reasons)

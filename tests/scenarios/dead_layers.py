@@ -9,6 +9,8 @@ in fp16 every one of them is zero.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -57,15 +59,21 @@ def fc1_output_gradients(model: DeadNet) -> list[torch.Tensor]:
 
 
 def run(
-    precision: str = "fp16", loss_scale: float | None = 2.0**16, steps: int = 4
+    precision: str = "fp16", loss_scale: float | None = 2.0**16, steps: int = 4, keep_fp32: Sequence[str] = ()
 ) -> tuple[ProfiledRun, list[torch.Tensor]]:
-    """Train DeadNet (always from the same weights) on a regression; returns the run and fc1's output gradients
-    (scaled, as the backward held them)."""
+    """Train DeadNet (always from the same weights) on a regression, ``keep_fp32`` run outside autocast; returns
+    the run and fc1's output gradients (scaled, as the backward held them)."""
     torch.manual_seed(0)
     model = DeadNet()
     seen = fc1_output_gradients(model)
     mse = lambda out, y: nn.functional.mse_loss(out.float(), y)  # noqa: E731
     profiled = train_profiled(
-        model, regression_batches(N_IN), mse, precision=precision, loss_scale=loss_scale, steps=steps
+        model,
+        regression_batches(N_IN),
+        mse,
+        precision=precision,
+        loss_scale=loss_scale,
+        steps=steps,
+        keep_fp32=keep_fp32,
     )
     return profiled, seen

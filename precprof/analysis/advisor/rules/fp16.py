@@ -13,6 +13,7 @@ from precprof import tables as T
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import (
     _dtype_has,
+    _exponent_counts,
     _grad_absmax,
     _innermost,
     _lost_norm_share,
@@ -425,6 +426,18 @@ def _at_fp16_floor(run: _Run, rows: pd.DataFrame) -> pd.Series:
     return pd.Series(hist[T.COUNT].to_numpy(dtype=float)[ok][floor]).groupby(modules).sum()
 
 
+def _fp32_under_autocast(run: _Run, ag: pd.DataFrame) -> set[str]:
+    """The modules of an autocast run whose activation gradients were fp32 on every row: a gradient has its
+    tensor's dtype, and a tensor autocast left in fp32 (a layer run outside autocast, as keep_fp32 advises, and
+    the ops after it) stays fp32 under fp16 autocast too, so fp16 flushes none of it. Empty without autocast,
+    where every gradient is what fp16 would hold."""
+    if not run.autocast.get("enabled") or ag.empty:
+        return set()
+    names = T.texts(ag[T.MODULE])
+    low = (_dtype_has(ag, "float16") | _dtype_has(ag, "bfloat16")).to_numpy()
+    return set(names[~low]) - set(names[low])
+
+
 def _had_loss_scale(run: _Run, ag: pd.DataFrame) -> bool:
     """Whether the run scaled its loss on any step: a scale other than 1 in its steps or its activation-gradient
     rows (a dynamic GradScaler that backed off through 1 still had one)."""
@@ -511,7 +524,11 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     k = plan.loss_scale_log2
     ag = run.kind(T.ACTIVATION_GRAD)
-    counts = run.exponent_counts(T.ACTIVATION_GRAD)
+    stay32 = _fp32_under_autocast(run, ag)
+    ag = ag[~ag[T.MODULE].isin(stay32)]
+    totals = run.hist_totals()
+    totals = totals[(totals[T.TENSOR] == T.ACTIVATION_GRAD) & ~totals[T.MODULE].isin(stay32)]
+    counts = _exponent_counts(totals, (T.ACTIVATION_GRAD,))
     total = float(counts.sum())
     if ag.empty and total == 0:
         return
@@ -534,8 +551,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     # remedy when those values carry some of a module's gradient norm: the gradients span more than fp16 holds.
     k_run = _run_scale_log2(run, ag)
     at_run = _share(_shifted_underflow(counts, FP16, k_run)[0], total)
-    totals = run.hist_totals()
-    norm = _lost_norm_share(totals[totals[T.TENSOR] == T.ACTIVATION_GRAD], FP16, k)
+    norm = _lost_norm_share(totals, FP16, k)
     norm_k = float(norm.max()) if not norm.empty else None
     norm_mod = str(norm.idxmax()) if not norm.empty else None
     residual_matters = norm_k is None or norm_k > cfg.fp16_underflow_norm_ok
@@ -662,8 +678,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     else:
         severity = INFO
         remedy = f"Nothing to fix; GradScaler(init_scale={_scale(k)}) keeps it at {_pct(atk)}."
-    totals = run.hist_totals()
-    by_mod = totals[totals[T.TENSOR] == T.ACTIVATION_GRAD]
+    by_mod = totals
     worst: list[str] = []
     if not by_mod.empty and atk:
         lim = _log2i(FP16.underflow_max)
