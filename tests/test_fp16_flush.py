@@ -99,3 +99,21 @@ def test_fp32_gradients_of_a_layer_kept_out_of_autocast_are_no_fp16_underflow() 
     a16 = ag[ag[T.DTYPE] == "float16"]
     assert f.numbers["nonzero_values"] == int((a16[T.NUMEL] - a16[T.ZEROS] - a16[T.NAN] - a16[T.INF]).sum())
     assert rec.format == "fp16" and not any("ruled out" in r for r in rec.reasons)
+
+
+def test_the_verdict_quotes_the_flushed_share_not_the_histograms() -> None:
+    """The verdict's loss-scale reason read "activation-gradient underflow falls from 0% at scale 1 to 0%" on an
+    unscaled fp16 run that had flushed most of its gradients: the histograms count nonzero values, and a flushed
+    one is a zero. It quotes the share of exact zeros the finding judged flushed now, checked against the run's
+    own table."""
+    run, _ = relu_zeros.run("fp16", weight=2.0**-12)
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_gradient_underflow")
+    assert f is not None and f.numbers["fp16_flushed"] and f.numbers["share_at_scale_1"] < 0.01
+    share = f.numbers["fp16_flushed_zero_share"]
+    layers = run.tables["layers"]
+    ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & (layers[T.DTYPE] == "float16")]
+    assert 0.5 < share <= ag[T.ZEROS].sum() / ag[T.NUMEL].sum()
+    (reason,) = [r for r in rec.reasons if r.startswith("Start GradScaler at init_scale=")]
+    assert "falls from" not in reason
+    assert f"were flushed to zero ({share * 100:.3g}% exact zeros at loss scale 1" in reason

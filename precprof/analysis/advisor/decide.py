@@ -236,8 +236,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         gm = plan.grad_absmax
         reasons.append(
             f"Start GradScaler at init_scale={_scale(k)} (2^{k}): the largest gradient seen, {_g(gm)}, times "
-            f"2^{k} stays below 65504 / {2**cfg.fp16_margin_log2}; activation-gradient underflow falls from "
-            f"{_pct(plan.underflow_at_1)} at scale 1 to {_pct(plan.underflow_at_rec)}."
+            f"2^{k} stays below 65504 / {2**cfg.fp16_margin_log2}; " + _underflow_said(plan)
             if plan.gradients_usable and plan.grad_absmax is not None
             else f"Start GradScaler at {'its default ' if k == cfg.default_loss_scale_log2 else ''}init_scale="
             f"{_scale(k)} (2^{k}): the loss scale that keeps this model's gradients in fp16's range was "
@@ -341,3 +340,22 @@ def _demote_what_ifs(run: _Run, plan: _Plan, fmt: str, measured: str) -> None:
             f.severity = INFO
             verdict = f"the verdict is {fmt}" if fmt == measured else f"{measured} fits, the verdict is {fmt}"
             f.title += f" (what fp16 would do; {verdict})"
+
+
+def _underflow_said(plan: _Plan) -> str:
+    """How much of the activation gradients fp16 loses, for the loss-scale reason: the histograms' shares at
+    scale 1 and at the recommended scale, or, where the run's fp16 gradients were flushed already, the share of
+    exact zeros that says so (the histograms cannot see a value that became a zero: "falls from 0% at scale 1 to
+    0%" on a run that had flushed 98.5% of them)."""
+    nums = next((f.numbers for f in plan.findings if f.code == "fp16_gradient_underflow"), {})
+    flushed, k_run = nums.get("fp16_flushed_zero_share"), nums.get("run_scale_log2")
+    if nums.get("fp16_flushed") and isinstance(flushed, float):
+        at = f"the run's loss scale {_pow2(k_run)}" if isinstance(k_run, int) and k_run else "loss scale 1"
+        return (
+            f"this run's fp16 activation gradients were flushed to zero ({_pct(flushed)} exact zeros at {at}, "
+            "which the exponent histograms cannot see; fp16_gradient_underflow)."
+        )
+    return (
+        f"activation-gradient underflow falls from {_pct(plan.underflow_at_1)} at scale 1 to "
+        f"{_pct(plan.underflow_at_rec)}."
+    )
