@@ -2,11 +2,11 @@
 precision is active.
 
 Autocast treats modules by what they compute: matmuls (Linear, convolutions, Hugging Face's ``Conv1D``)
-run in the low precision; softmax, normalisation and losses run in fp32; element-wise functions follow their
-input; embeddings are gathers in the weight's dtype. The same rules apply to a live module (``kind_of``) and
-to the ``module_type`` column of the tables (``kind_of_type``): a module's kind is decided by its type name
-first, so the two agree for every type the capture records; a live module adds what only it can tell (a
-subclass of ``nn.Linear`` under another name, a leaf holding a >= 2-D weight).
+run in the low precision; softmax, layer and group normalisation and losses run in fp32; element-wise
+functions and BatchNorm follow their input; embeddings are gathers in the weight's dtype. The same rules apply
+to a live module (``kind_of``) and to the ``module_type`` column of the tables (``kind_of_type``): a module's
+kind is decided by its type name first, so the two agree for every type the capture records; a live module
+adds what only it can tell (a subclass of ``nn.Linear`` under another name, a leaf holding a >= 2-D weight).
 
 What reads the tables (the advisor, `precprof report`) needs no torch: the functions of a live module import it
 when called, with a module in hand.
@@ -28,7 +28,7 @@ from precprof import tables as T
 from precprof.schema import texts
 
 MATMUL = "matmul"  # autocast runs it in the low precision: its inputs and outputs are 16-bit
-NORM = "norm"  # LayerNorm, RMSNorm, BatchNorm, GroupNorm: autocast keeps fp32
+NORM = "norm"  # LayerNorm, RMSNorm, GroupNorm (autocast keeps fp32), BatchNorm, InstanceNorm (it does not)
 SOFTMAX = "softmax"  # softmax and log-softmax: fp32 under autocast
 LOSS = "loss"  # losses: fp32 under autocast
 ELEMENTWISE = "elementwise"  # activation functions, dropout: follow their input (a matmul output)
@@ -39,10 +39,14 @@ FP32_UNDER_AUTOCAST = frozenset({NORM, SOFTMAX, LOSS})
 
 # How autocast treats what a module saves for backward (the memory projection's view of the kinds)
 CLASS_MATMUL = "matmul"  # saves the inputs of a matmul: 16-bit under autocast
-CLASS_ELEMENTWISE = "elementwise"  # activation functions, dropout: follow their input (a matmul output)
-CLASS_FP32 = "fp32"  # norms, softmax, losses: autocast runs them in fp32
+CLASS_ELEMENTWISE = "elementwise"  # activation functions, dropout, BatchNorm: follow their input
+CLASS_FP32 = "fp32"  # LayerNorm, GroupNorm, RMSNorm, softmax, losses: autocast runs them in fp32
 CLASS_OTHER = "other"  # anything else (composite modules doing functional math): assumed unchanged
 LOW_UNDER_AUTOCAST = frozenset({CLASS_MATMUL, CLASS_ELEMENTWISE})
+
+# Norms autocast has no rule for, on any device: they run in their input's dtype (a 16-bit conv output stays
+# 16-bit, and so does what they save for backward); torchvision's FrozenBatchNorm2d is a scale and a shift
+_NORMS_FOLLOWING_INPUT = re.compile(r"BatchNorm|InstanceNorm")
 
 FP8_DIM_MULTIPLE = 16  # float8 matmuls need both dimensions (and the tokens per call) divisible by 16
 
@@ -121,9 +125,12 @@ def kind_of(module: nn.Module) -> str:
 
 
 def autocast_class(module: nn.Module) -> str:
-    """How autocast treats what ``module`` saves for backward: matmul | elementwise | fp32 | other (norms,
-    softmax and losses run in fp32; embeddings and containers are other)."""
+    """How autocast treats what ``module`` saves for backward: matmul | elementwise | fp32 | other (LayerNorm,
+    GroupNorm, RMSNorm, softmax and losses run in fp32; BatchNorm and InstanceNorm follow their input, as
+    activation functions do; embeddings and containers are other)."""
     kind = kind_of(module)
+    if kind == NORM and _NORMS_FOLLOWING_INPUT.search(type(module).__name__):
+        return CLASS_ELEMENTWISE
     if kind in FP32_UNDER_AUTOCAST:
         return CLASS_FP32
     if kind == MATMUL:

@@ -1051,6 +1051,48 @@ def test_projection_from_autocast_run_uses_its_dtype_mix() -> None:
     assert r[("bf16", "measured", T.PARAMETERS)] == 4 * N_MLP  # autocast keeps fp32 parameters
 
 
+def conv_bn(norm: Callable[[int], nn.Module]) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), norm(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), norm(8), nn.ReLU()
+    )
+
+
+@pytest.mark.parametrize("norm", [nn.BatchNorm2d, nn.InstanceNorm2d])
+def test_a_batchnorm_cnn_projected_to_bf16_saves_what_a_bf16_autocast_run_saves(
+    norm: Callable[[int], nn.Module],
+) -> None:
+    """Autocast has no rule for batch_norm or instance_norm: they run in their input's dtype, a 16-bit conv
+    output, and save it in 16-bit. Taken for fp32 modules, a conv-BN-ReLU net's bf16 activations were projected
+    at 1.5x what a bf16 autocast run saves."""
+    x = torch.randn(4, 3, 8, 8)
+
+    def saved(autocast: bool) -> tuple[int, dict[str, Any]]:
+        model = conv_bn(norm)
+        tr = MemoryTracker(model)
+        tr.attach()
+        tr.begin_step(0, True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x)
+        exclude = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        expected = saved_by_autograd(out, exclude)  # autograd's own count, activations and weight copies
+        out.float().square().mean().backward()
+        rows = tr.end_step(0)
+        tr.detach()
+        assert total(rows, T.ACTIVATIONS) + total(rows, T.AUTOCAST_WEIGHT_COPIES) == expected
+        return total(rows, T.ACTIVATIONS), {"rows": rows, "facts": tr.model_facts()}
+
+    fp32_acts, fp32 = saved(autocast=False)
+    bf16_acts, _ = saved(autocast=True)
+    proj = project(T.frame("memory", fp32["rows"]), {T.SUMMARY_CONFIG: {"precision": "fp32"}}, fp32["facts"])
+    projected = records(proj)[("bf16", "projected", T.ACTIVATIONS)]
+    # the norms' per-channel statistics (BatchNorm's mean and 1/std: 2 x 8 fp32 values) stay fp32 under
+    # autocast; the projection halves them with the rest, 32 bytes per norm
+    stats = 2 * 8 * 4 // 2 if norm is nn.BatchNorm2d else 0
+    assert bf16_acts - projected == 2 * stats
+    assert fp32_acts > 1.9 * bf16_acts
+
+
 class _Lora(nn.Module):
     """A frozen base Linear held in bf16 and a trained fp32 low-rank adapter beside it (LoRA's usual recipe:
     the base loaded in bf16, peft's adapters in fp32, trained under bf16 autocast)."""
@@ -1198,6 +1240,10 @@ def test_projection_of_an_empty_table() -> None:
         (lambda: nn.GELU(), "elementwise"),
         (lambda: nn.Dropout(), "elementwise"),
         (lambda: nn.LayerNorm(2), "fp32"),
+        (lambda: nn.GroupNorm(1, 2), "fp32"),
+        (lambda: nn.BatchNorm2d(2), "elementwise"),
+        (lambda: nn.SyncBatchNorm(2), "elementwise"),
+        (lambda: nn.InstanceNorm1d(2), "elementwise"),
         (lambda: nn.CrossEntropyLoss(), "fp32"),
         (lambda: nn.Embedding(3, 2), "other"),
         (lambda: nn.Sequential(nn.Linear(2, 2)), "other"),

@@ -328,10 +328,11 @@ def project(
         + (
             "the run's own dtype mix (16-bit tensors stay 2 bytes, fp32 ones stay 4)."
             if measured_autocast
-            else "tensors saved by matmul modules (Linear, Conv, Conv1D) and by activation/dropout modules "
-            "become 16-bit; those saved by norms, softmax and losses, and by any other module (attention "
-            "blocks doing functional math, the model itself), stay fp32 — conservative where those modules "
-            "save matmul inputs."
+            else "tensors saved by matmul modules (Linear, Conv, Conv1D), by activation/dropout modules and by "
+            "BatchNorm and InstanceNorm (autocast has no rule for them: they follow their 16-bit input) become "
+            "16-bit; those saved by LayerNorm, GroupNorm, RMSNorm, softmax and losses, and by any other module "
+            "(attention blocks doing functional math, the model itself), stay fp32 — conservative where those "
+            "modules save matmul inputs."
         ),
         "Activations at fp32: every 16-bit saved tensor becomes fp32 (an overestimate where autocast saved a "
         "16-bit copy of a tensor that is also saved in fp32); pure modes: every float saved tensor is 16-bit.",
