@@ -5,6 +5,9 @@ that measures every step."""
 from __future__ import annotations
 
 import copy
+import html
+import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -15,6 +18,8 @@ from precprof import _compat
 from precprof import tables as T
 from precprof.capture import Profiler
 from precprof.capture.memory_schedule import MemorySchedule, signature
+from precprof.report import filters as F
+from precprof.report import memory_summary as M
 
 
 def _mlp() -> nn.Module:
@@ -187,3 +192,50 @@ def test_a_failure_to_measure_from_the_forward_leaves_training_as_it_was(
     assert summary["memory_steps"]["measured_for_new_shapes"] == []
     assert not model._forward_pre_hooks and not model._forward_hooks  # detached: nothing left behind
     assert _compat.top_saved_tensors_hooks() is None  # no saved-tensor hooks left
+
+
+def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """What a forward saves for backward, each storage once, parameters left out: autograd's own hooks."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    out.square().mean().backward()  # the loss, computed outside the model's forward, is not counted
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+def test_a_loaders_smaller_last_batch_is_not_the_memory_the_report_shows(tmp_path: Path) -> None:
+    """A loader without drop_last ends on a smaller batch, measured for its new shapes: the memory section,
+    the projection and the verdict showed that step's (activations of 4 samples for a run of 64), and the
+    allocator's peak over every step beside the parts of the last step's. They show the step that held the
+    most, its own peak and parts, and say which and why."""
+    model = _mlp()
+    full, small = (_saved_bytes(copy.deepcopy(model), torch.randn(b, 16)) for b in (64, 4))
+    prof = _train(model, [64] * 5 + [4], sample_every=1, memory_every=3, memory_peak=True)
+    prof.report(tmp_path / "run")
+    mem = prof.tables()["memory"]
+    assert sorted(set(mem[T.STEP])) == [0, 1, 4, 5]  # 0, 1 and 4 by the cadence, 5 for its batch of 4
+    summary = T.read_summary(tmp_path / "run")
+    block = summary[T.SUMMARY_MEMORY]
+    assert block["step"] == 4 and block["measured"][T.ACTIVATIONS] == full != small
+    measured = M.measured_memory(mem)
+    assert measured["step"] == 4 and measured["components"][T.ACTIVATIONS] == full
+    assert measured["at_peak"]["step"] == 4 and measured["peak_steps"][T.ALLOCATOR_PEAK] == 4
+    peak4 = mem[(mem[T.STEP] == 4) & (mem[T.COMPONENT] == T.ALLOCATOR_PEAK)][T.BYTES].max()
+    assert measured["peaks"][T.ALLOCATOR_PEAK] == peak4 == measured["at_peak"]["allocated"]
+    less = measured["held"][4] - measured["held"][5]
+    assert less == full - small  # parameters, gradients and states are the same in both
+    page = (tmp_path / "run" / "report.html").read_text()
+    note = re.search(r'<p class="what" id="memory-step">([^<]*)</p>', page)
+    assert note is not None and html.unescape(note.group(1)) == (
+        "Step 4 is shown: of the 4 measured steps it held the most. The last, step 5 (measured because its "
+        f"inputs had new shapes), held {F.nbytes(less)} less."
+    )

@@ -103,11 +103,12 @@ def _user_loop_rows(tmp_path: Path, batches: list[int], **kw: object) -> tuple[l
 
 
 def test_the_steps_that_measured_memory_in_words(tmp_path: Path) -> None:
-    """A Profiler that measures memory on some sampled steps says which, and whose memory the report shows."""
+    """A Profiler that measures memory on some sampled steps says which, and which was the last (the memory
+    section says which one it shows)."""
     rows, _ = _user_loop_rows(tmp_path, [4] * 6 + [2], sample_every=1, memory_every=3, block_formats=False)
     assert dict(rows)["memory measured on"] == (
         "the first 2 sampled steps and every 3rd after them, and any sampled step whose inputs had shapes no "
-        "measured step had: 4 of 7 (the report's memory is step 6's); measured for new input shapes: step 6"
+        "measured step had: 4 of 7 (the last: step 6); measured for new input shapes: step 6"
     )
 
 

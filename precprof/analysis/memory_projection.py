@@ -4,7 +4,8 @@
 
     {
       "measured_mode": "bf16",                # precision mode of the run (config, else inferred from dtypes)
-      "step": 9,                              # the sampled step the numbers come from (the last one)
+      "step": 9,                              # the measured step the numbers come from (the one that held the
+                                              # most: representative_step)
       "n_params": 124439808,                  # unique parameter elements (under FSDP: this rank's shard)
       "measured": {component: bytes},         # per-component totals of that step (peaks: max over phases)
       "records": [                            # flat: pd.DataFrame(records) is the comparison table
@@ -88,13 +89,37 @@ def textbook(n_params: int, optimizer_state_bytes: int | None = None) -> dict[st
     }
 
 
-def _last_step(memory: pd.DataFrame) -> pd.DataFrame:
-    memory = T.memory_at(memory)  # each component's own size, not the parts of the allocator's peak
-    if memory.empty:
-        return memory
-    have = memory[memory[T.COMPONENT] == T.PARAMETERS]
-    step = (have if not have.empty else memory)[T.STEP].max()
-    return memory[memory[T.STEP] == step]
+def held_per_step(memory: pd.DataFrame) -> pd.Series:
+    """Bytes each measured step held (its components' own sizes; peaks and precprof's own buffers left out),
+    indexed by step, in step order: the steps with parameter rows where any has them (a step without is
+    partial)."""
+    held = T.memory_at(memory) if not memory.empty else memory  # not the parts of the allocator's peak
+    if held.empty:
+        return pd.Series(dtype=float)
+    have = held[held[T.COMPONENT] == T.PARAMETERS]
+    if not have.empty:
+        held = held[held[T.STEP].isin(have[T.STEP])]
+    steps = pd.Index(sorted(held[T.STEP].unique()))
+    held = held[~held[T.COMPONENT].isin(T.MEMORY_PEAK_COMPONENTS | {T.PROFILER_BUFFERS})]
+    b = pd.to_numeric(held[T.BYTES], errors="coerce").fillna(0)
+    return b.groupby(held[T.STEP]).sum().reindex(steps, fill_value=0.0).astype(float)
+
+
+def representative_step(memory: pd.DataFrame) -> int | None:
+    """The measured step whose memory stands for the run: the one that held the most, the latest among equals;
+    None without memory rows. Not simply the last measured step: a step is measured when its inputs have new
+    shapes, and that is often a loader's smaller last batch (``drop_last=False``)."""
+    per = held_per_step(memory)
+    if per.empty:
+        return None
+    return int(per[per == per.max()].index.max())
+
+
+def _step_rows(memory: pd.DataFrame) -> pd.DataFrame:
+    """The memory rows of the representative step, each component's own size (not the parts of the peak)."""
+    step = representative_step(memory)
+    held = T.memory_at(memory) if not memory.empty else memory
+    return held if step is None else held[held[T.STEP] == step]
 
 
 def infer_mode(memory: pd.DataFrame) -> str:
@@ -102,12 +127,12 @@ def infer_mode(memory: pd.DataFrame) -> str:
     (a frozen 16-bit base with fp32 adapters, LoRA's usual recipe, is not pure: its gradients are fp32), autocast
     when saved activations are, else fp32 (tf32 and fp8 cannot be told apart from fp32 and bf16 by memory
     alone)."""
-    last = _last_step(memory)
-    if last.empty:
+    at_step = _step_rows(memory)
+    if at_step.empty:
         return "fp32"
 
     def dominant_low(component: str) -> str | None:
-        rows = last[last[T.COMPONENT] == component]
+        rows = at_step[at_step[T.COMPONENT] == component]
         low = rows[rows[T.DTYPE].isin(["bfloat16", "float16"])]
         if low.empty or low[T.BYTES].sum() * 2 < rows[T.BYTES].sum():
             return None
@@ -115,10 +140,10 @@ def infer_mode(memory: pd.DataFrame) -> str:
         return "bf16" if by.idxmax() == "bfloat16" else "fp16"
 
     pure = dominant_low(T.PARAMETERS)
-    trained_fp32 = (last[T.COMPONENT] == T.GRADIENTS).any() and dominant_low(T.GRADIENTS) is None
+    trained_fp32 = (at_step[T.COMPONENT] == T.GRADIENTS).any() and dominant_low(T.GRADIENTS) is None
     if pure is not None and not trained_fp32:
         return f"{pure}-pure"
-    acts = last[last[T.COMPONENT].isin([T.ACTIVATIONS, T.AUTOCAST_WEIGHT_COPIES])]
+    acts = at_step[at_step[T.COMPONENT].isin([T.ACTIVATIONS, T.AUTOCAST_WEIGHT_COPIES])]
     low = acts[acts[T.DTYPE].isin(["bfloat16", "float16"])]
     if not low.empty:
         return "bf16" if low.groupby(T.DTYPE)[T.BYTES].sum().idxmax() == "bfloat16" else "fp16"
@@ -152,7 +177,7 @@ def project(
 ) -> dict[str, Any]:
     """Measured, projected and textbook bytes per component for every precision mode (pure host computation).
 
-    ``memory`` is the memory table (the last sampled step is used), ``summary`` the run's summary (its
+    ``memory`` is the memory table (its ``representative_step`` is used), ``summary`` the run's summary (its
     ``config["precision"]`` names the measured mode; else the mode is inferred from dtypes), ``facts``
     ``MemoryTracker.model_facts()`` (default: ``summary["memory"]["model"]``). Returns the dict described in
     the module docstring; ``assumptions`` lists, in words, what the projection takes for granted.
@@ -161,18 +186,18 @@ def project(
     if facts is None and isinstance(mem_block, Mapping):
         facts = mem_block.get("model")
     facts = dict(facts or {})
-    last = _last_step(memory)
+    at_step = _step_rows(memory)
     config = summary.get(T.SUMMARY_CONFIG) or {}
     mode = str(config.get("precision", "")) if isinstance(config, Mapping) else ""
     if mode not in MODES:
         mode = infer_mode(memory)
 
     def comp(name: str) -> pd.DataFrame:
-        return last[last[T.COMPONENT] == name] if not last.empty else last
+        return at_step[at_step[T.COMPONENT] == name] if not at_step.empty else at_step
 
     measured: dict[str, int] = {}
-    if not last.empty:
-        for c, rows in last.groupby(T.COMPONENT):
+    if not at_step.empty:
+        for c, rows in at_step.groupby(T.COMPONENT):
             b = pd.to_numeric(rows[T.BYTES], errors="coerce").fillna(0)
             measured[str(c)] = int(b.max() if c in T.MEMORY_PEAK_COMPONENTS else b.sum())
 
@@ -203,7 +228,7 @@ def project(
     copies_elems = _elements(comp(T.AUTOCAST_WEIGHT_COPIES))[0]
     matmul_numel = facts.get("matmul_weight_numel")
     # What the tensors show, which may differ from what was asked for (accelerate ignores fp16 on a CPU).
-    seen_mode = infer_mode(memory) if not last.empty else mode
+    seen_mode = infer_mode(memory) if not at_step.empty else mode
     measured_autocast = mode in AUTOCAST_MODES and seen_mode in AUTOCAST_MODES
     measured_pure = mode in PURE_MODES and seen_mode in PURE_MODES
     inactive = (mode in AUTOCAST_MODES and not measured_autocast) or (
@@ -348,7 +373,7 @@ def project(
     ]
     return {
         "measured_mode": mode,
-        "step": int(last[T.STEP].iloc[0]) if not last.empty else None,
+        "step": int(at_step[T.STEP].iloc[0]) if not at_step.empty else None,
         "n_params": n_params,
         "measured": measured,
         "records": records,

@@ -207,7 +207,7 @@ def _signed_pct_label(v: float, _pos: Any = None) -> str:
 
 
 def resources_figure(comparison: Comparison) -> Any | None:
-    """Memory per component (stacked bars, measured on the last sampled step) and throughput, per run."""
+    """Memory per component (stacked bars, on the measured step that held the most) and throughput, per run."""
     from matplotlib.figure import Figure
 
     runs = [r for r in comparison.runs if r.memory or math.isfinite(r.tokens_per_s)]
@@ -242,7 +242,7 @@ def resources_figure(comparison: Comparison) -> Any | None:
     ax_mem.set_yticks(y, labels)
     ax_mem.set_xlim(0, max(left.max() * 1.18, 1e-9) if len(left) else 1)
     ax_mem.set_xlabel(unit)
-    ax_mem.set_title("Memory per component\n(last sampled step)", fontsize=9.5)
+    ax_mem.set_title("Memory per component\n(the largest measured step)", fontsize=9.5)
     if comps:  # runs that measured no memory (a loop's own, without the memory tracker) have no parts to name
         fig.legend(
             *ax_mem.get_legend_handles_labels(),

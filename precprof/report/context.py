@@ -427,6 +427,7 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
     return {
         "img": _img(fig, "Stacked bars of memory per component: this run as measured and projected per mode"),
         "measured": measured,
+        "step_note": M.step_note(measured, _new_shapes(summary)),
         # the projection per mode; this run's measurement is the measured table's, said once
         "projection": M.memory_table(records, "projected"),
         "textbook": M.memory_table(records, "textbook"),
@@ -439,6 +440,14 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
         "activations_note": str((mem.get("model") or {}).get("activations_note") or ""),
         "none_why": _no_memory_why(summary),
     }
+
+
+def _new_shapes(summary: Mapping[str, Any]) -> list[int]:
+    """The steps measured for their new input shapes (``capture.memory_steps``)."""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    steps = capture.get("memory_steps") if isinstance(capture, Mapping) else None
+    new = steps.get("measured_for_new_shapes") if isinstance(steps, Mapping) else None
+    return [int(s) for s in new or [] if isinstance(s, (int, float))]
 
 
 def _accumulated(layers: pd.DataFrame, summary: Mapping[str, Any]) -> int:

@@ -596,7 +596,7 @@ def memory_setting(v: Mapping[str, Any]) -> str:
     if n is not None and of is not None:
         text += f": {F.count(n)} of {F.count(of)}"
         if last is not None:
-            text += f" (the report's memory is step {F.count(last)}'s)"
+            text += f" (the last: step {F.count(last)})"
     new = [int(s) for s in v.get("measured_for_new_shapes") or [] if isinstance(s, (int, float))]
     if new:
         text += f"; measured for new input shapes: step{'s' if len(new) > 1 else ''} " + ", ".join(

@@ -12,6 +12,8 @@ from typing import Any
 import pandas as pd
 
 from precprof import tables as T
+from precprof.analysis.memory_projection import held_per_step, representative_step
+from precprof.report import filters as F
 
 # memory components that are totals of the whole process or device, not parts of a stack
 PEAK_COMPONENTS = T.MEMORY_PEAK_COMPONENTS
@@ -42,8 +44,9 @@ TEMPORARY_LABELS: dict[str, str] = {
 }
 
 
-def peak_parts(memory: pd.DataFrame) -> dict[str, Any] | None:
-    """What was allocated at the allocator's peak of the last step that has it, part by part.
+def peak_parts(memory: pd.DataFrame, step: int | None = None) -> dict[str, Any] | None:
+    """What was allocated at the allocator's peak of ``step`` (when it has it; else of the last step that has
+    it), part by part.
 
     Returns {"step", "phase" (of the peak), "allocated" (the parts' sum: the allocator's peak), "cache"
     (reserved - allocated then; 0 without a caching allocator), "parts": [{"part", "label", "bytes", "share"}]
@@ -52,7 +55,8 @@ def peak_parts(memory: pd.DataFrame) -> dict[str, Any] | None:
     rows = T.memory_at(memory, T.MOMENT_PEAK) if not memory.empty else memory
     if rows.empty:
         return None
-    step = rows[T.STEP].max()
+    if step is None or not (rows[T.STEP] == step).any():
+        step = rows[T.STEP].max()
     last = rows[rows[T.STEP] == step]
     b = pd.to_numeric(last[T.BYTES], errors="coerce").fillna(0)
     comp, module = T.texts(last[T.COMPONENT]), T.texts(last[T.MODULE])
@@ -87,31 +91,35 @@ def peak_parts(memory: pd.DataFrame) -> dict[str, Any] | None:
 
 
 def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
-    """Totals per component at the last step with memory rows, the peaks over every step apart, top activation
-    modules, and what was allocated at the allocator's peak (``peak_parts``).
+    """Totals per component at the measured step that stands for the run (``representative_step``: the one that
+    held the most), its peaks, top activation modules, and what was allocated at its allocator's peak
+    (``peak_parts``).
 
-    Returns {"step", "components": {component: bytes}, "peaks": {component: bytes}, "top_activations":
-    [(module, bytes)], "total": bytes of the stacked components, "at_peak": ``peak_parts`` or None}.
+    Returns {"step", "held": {step: bytes held} of every measured step, "components": {component: bytes},
+    "peaks": {component: bytes}, "peak_steps": {component: step} (a peak the step does not have is the highest
+    of the other steps': in a user's loop on CUDA a step below an earlier peak has only a lower bound,
+    tables.ALLOCATOR_SEEN_MAX), "top_activations": [(module, bytes)], "total": bytes of the stacked components,
+    "at_peak": ``peak_parts`` or None}.
     """
-    at_peak = peak_parts(memory)
+    step = representative_step(memory)
+    at_peak = peak_parts(memory, step)
     memory = T.memory_at(memory) if not memory.empty else memory
-    if memory.empty:
+    if step is None:
         return {
             "step": None,
+            "held": {},
             "components": {},
             "peaks": {},
+            "peak_steps": {},
             "top_activations": [],
             "total": 0.0,
             "at_peak": None,
         }
-    last = memory[memory[T.STEP] == memory[T.STEP].max()]
+    last = memory[memory[T.STEP] == step]
     b = pd.to_numeric(last[T.BYTES], errors="coerce").fillna(0)
     per = b.groupby(last[T.COMPONENT]).sum()
     comps = {str(c): float(v) for c, v in per.items() if c not in PEAK_COMPONENTS and v > 0}
-    # peaks are per phase: their max is the peak, never their sum; over every sampled step, since in a user's
-    # loop a step that stays below an earlier peak has only a lower bound (tables.ALLOCATOR_SEEN_MAX)
-    peak = pd.to_numeric(memory[T.BYTES], errors="coerce").groupby(memory[T.COMPONENT]).max()
-    peaks = {str(c): float(v) for c, v in peak.items() if c in PEAK_COMPONENTS}
+    peaks, peak_steps = _peaks(memory, step)
     acts = last[last[T.COMPONENT] == T.ACTIVATIONS]
     top = (
         pd.to_numeric(acts[T.BYTES], errors="coerce")
@@ -120,13 +128,47 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
         .sort_values(ascending=False)
     )
     return {
-        "step": int(last[T.STEP].iloc[0]),
+        "step": step,
+        "held": {int(k): float(v) for k, v in held_per_step(memory).items()},
         "components": comps,
         "peaks": peaks,
+        "peak_steps": peak_steps,
         "top_activations": [(str(m), float(v)) for m, v in top.head(10).items()],
         "total": float(sum(comps.values())),
         "at_peak": at_peak,
     }
+
+
+def _peaks(memory: pd.DataFrame, step: int) -> tuple[dict[str, float], dict[str, int]]:
+    """(peak per component, the step it is from): ``step``'s own (its phases' max, never their sum), else the
+    highest of the other steps' (the counters' peak of a user's loop is the process's, which a later step may
+    not reach again)."""
+    rows = memory[memory[T.COMPONENT].isin(PEAK_COMPONENTS)]
+    b = pd.to_numeric(rows[T.BYTES], errors="coerce")
+    per = b.groupby([rows[T.COMPONENT], rows[T.STEP]]).max().dropna()
+    peaks: dict[str, float] = {}
+    steps: dict[str, int] = {}
+    for comp, by_step in per.groupby(level=0):
+        by_step = by_step.droplevel(0)
+        at = step if step in by_step.index else int(by_step.idxmax())
+        peaks[str(comp)], steps[str(comp)] = float(by_step[at]), int(at)
+    return peaks, steps
+
+
+def step_note(measured: Mapping[str, Any], new_shapes: Iterable[int] = ()) -> str:
+    """Which measured step the memory section shows and why, when more than one was measured: the one that
+    held the most, and what the last one held when it held less (a smaller last batch, measured for its new
+    input shapes, ``new_shapes``); "" with one measured step."""
+    held = {int(k): float(v) for k, v in (measured.get("held") or {}).items()}
+    step = measured.get("step")
+    if step is None or len(held) < 2:
+        return ""
+    note = f"Step {step} is shown: of the {len(held)} measured steps it held the most."
+    last = max(held)
+    if last != step and held[last] < held.get(int(step), 0.0):
+        why = " (measured because its inputs had new shapes)" if last in set(new_shapes) else ""
+        note += f" The last, step {last}{why}, held {F.nbytes(held[int(step)] - held[last])} less."
+    return note
 
 
 def memory_records(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
