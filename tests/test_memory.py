@@ -19,6 +19,7 @@ from precprof import tables as T
 from precprof.analysis.memory_projection import MODES, infer_mode, project, textbook
 from precprof.capture import storage
 from precprof.capture.memory_tracker import MemoryTracker
+from precprof.report import memory_summary as M
 from precprof.taxonomy import autocast_class as module_class
 
 B, D_IN, D_HID, D_OUT = 5, 8, 16, 4
@@ -159,6 +160,68 @@ def test_bf16_pure_with_fp32_master_weights() -> None:
     # at the optimizer step both the bf16 model gradients and the fp32 master gradients exist
     assert total(rows, T.GRADIENTS, dtype="bfloat16") == 2 * N_MLP
     assert total(rows, T.GRADIENTS, dtype="float32") == 4 * N_MLP
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.filterwarnings("ignore:precprof. the optimizer given:UserWarning")  # it steps the masters
+def test_a_bf16_model_with_fp32_master_weights_is_a_pure_run_in_memory_too(tmp_path: Path) -> None:
+    """A bf16 model whose optimizer steps fp32 masters (the master gradients copied in, the weights copied
+    back): its fp32 master gradients made the memory projection take it for bf16 autocast while the header
+    said bf16-pure, and the verdict's "this run" was the bf16-pure projection without the master copy and its
+    gradients, so FP32 "needed more" than this run when it needs less."""
+    model = mlp().to(torch.bfloat16)
+    params = list(model.parameters())
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(masters, lr=1e-2)
+    x, y = batch()
+    x = x.bfloat16()
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)  # what the model's forward saves (the bf16 weights' storages left out below)
+    acts = sum(b for ptr, b in saved.items() if ptr not in {p.untyped_storage().data_ptr() for p in params})
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False) as prof:
+        for _ in range(2):
+            out = model(x)
+            F.mse_loss(out.float(), y).backward()
+            for m, p in zip(masters, params, strict=True):
+                m.grad = p.grad.float()
+            grads = _storage_bytes([p.grad for p in [*params, *masters]])
+            opt.step()
+            with torch.no_grad():
+                for m, p in zip(masters, params, strict=True):
+                    p.copy_(m)
+            opt.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            prof.step(loss=out.float().mean())
+    prof.report(tmp_path / "run")
+    summary = T.read_summary(tmp_path / "run")
+    assert summary[T.SUMMARY_CAPTURE]["precision_seen"] == "bf16-pure"
+    block = summary[T.SUMMARY_MEMORY]
+    assert block["measured_mode"] == "bf16-pure" and infer_mode(prof.tables()["memory"]) == "bf16-pure"
+    n = N_MLP
+    states = _storage_bytes(
+        [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    )
+    assert grads == 2 * n + 4 * n and states == 8 * n + 4 * 4  # by hand: both gradients; AdamW's moments
+    held = 2 * n + 4 * n + grads + states + acts  # bf16 weights, fp32 masters, gradients, states, activations
+    fp32 = 4 * n + 4 * n + states + 2 * acts  # no masters; fp32 weights and gradients; activations in fp32
+    records = M.memory_records(summary)
+    saving = M.expected_saving(records, 0.0, "bf16-pure", "fp32", M.measured_memory(prof.tables()["memory"]))
+    assert saving is not None and saving["basis"] == "held"  # the CPU records no allocator peak unasked
+    assert (saving["current"], saving["recommended"]) == (held, fp32)
+    assert saving["saved"] == held - fp32 > 0  # FP32 needs less than this run: no master copy, one gradient
+    own = {
+        r["component"]: r["bytes"] for r in records if (r["mode"], r["source"]) == ("bf16-pure", "projected")
+    }
+    assert own[T.MASTER_WEIGHTS] == 4 * n and own[T.GRADIENTS] == grads  # the master copy kept, as measured
 
 
 class TinyLM(nn.Module):

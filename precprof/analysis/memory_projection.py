@@ -3,7 +3,8 @@
 ``project(memory, summary)`` returns the ``summary.json`` block ``summary["memory"]``::
 
     {
-      "measured_mode": "bf16",                # precision mode of the run (config, else inferred from dtypes)
+      "measured_mode": "bf16",                # precision mode of the run (config, else the profiler's
+                                              # precision_seen, else inferred from dtypes)
       "step": 9,                              # the measured step the numbers come from (the one that held the
                                               # most: representative_step)
       "n_params": 124439808,                  # unique parameter elements (under FSDP: this rank's shard)
@@ -140,7 +141,13 @@ def infer_mode(memory: pd.DataFrame) -> str:
         return "bf16" if by.idxmax() == "bfloat16" else "fp16"
 
     pure = dominant_low(T.PARAMETERS)
-    trained_fp32 = (at_step[T.COMPONENT] == T.GRADIENTS).any() and dominant_low(T.GRADIENTS) is None
+    # a master copy (tensors the optimizer holds that are not the model's) has fp32 gradients of its own: a
+    # 16-bit model trained through fp32 masters is pure however many of the gradient bytes are the masters'
+    masters = at_step[at_step[T.COMPONENT] == T.MASTER_WEIGHTS]
+    has_master = bool(pd.to_numeric(masters[T.BYTES], errors="coerce").fillna(0).sum() > 0)
+    trained_fp32 = (
+        not has_master and (at_step[T.COMPONENT] == T.GRADIENTS).any() and dominant_low(T.GRADIENTS) is None
+    )
     if pure is not None and not trained_fp32:
         return f"{pure}-pure"
     acts = at_step[at_step[T.COMPONENT].isin([T.ACTIVATIONS, T.AUTOCAST_WEIGHT_COPIES])]
@@ -172,13 +179,29 @@ def _elements(rows: pd.DataFrame) -> tuple[float, int]:
     return elems, fixed
 
 
+def _run_mode(summary: Mapping[str, Any], memory: pd.DataFrame) -> tuple[str, str]:
+    """(the run's precision mode, where it comes from, in words): its configuration's, else the one the
+    profiler saw it train in (``capture.precision_seen``, what the report's header says), else the one its
+    memory looks like (``infer_mode``)."""
+    config = summary.get(T.SUMMARY_CONFIG) or {}
+    mode = str(config.get("precision", "")) if isinstance(config, Mapping) else ""
+    if mode in MODES:
+        return mode, ""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    seen = str(capture.get("precision_seen") or "") if isinstance(capture, Mapping) else ""
+    if seen in MODES:
+        return seen, " (as the profiler saw the run train)"
+    return infer_mode(memory), " (inferred from dtypes)"
+
+
 def project(
     memory: pd.DataFrame, summary: Mapping[str, Any], facts: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """Measured, projected and textbook bytes per component for every precision mode (pure host computation).
 
     ``memory`` is the memory table (its ``representative_step`` is used), ``summary`` the run's summary (its
-    ``config["precision"]`` names the measured mode; else the mode is inferred from dtypes), ``facts``
+    ``config["precision"]``, else ``capture["precision_seen"]``, names the measured mode; else it is inferred
+    from dtypes), ``facts``
     ``MemoryTracker.model_facts()`` (default: ``summary["memory"]["model"]``). Returns the dict described in
     the module docstring; ``assumptions`` lists, in words, what the projection takes for granted.
     """
@@ -187,10 +210,7 @@ def project(
         facts = mem_block.get("model")
     facts = dict(facts or {})
     at_step = _step_rows(memory)
-    config = summary.get(T.SUMMARY_CONFIG) or {}
-    mode = str(config.get("precision", "")) if isinstance(config, Mapping) else ""
-    if mode not in MODES:
-        mode = infer_mode(memory)
+    mode, said = _run_mode(summary, memory)
 
     def comp(name: str) -> pd.DataFrame:
         return at_step[at_step[T.COMPONENT] == name] if not at_step.empty else at_step
@@ -274,11 +294,13 @@ def project(
         param_b = (2 if low else 4) * p_elems + p_fixed
         if frozen_low and not low:
             param_b = 4 * (p_elems - frozen_low / 2) + frozen_low + p_fixed
-        if measured_pure and low:
+        grad_b = float((2 if low else 4) * n_trainable + g_fixed)
+        if measured_pure and low:  # as measured: with a master copy's fp32 gradients, where it has one
             param_b = float(measured.get(T.PARAMETERS, param_b))
+            grad_b = float(measured.get(T.GRADIENTS, grad_b))
         projected[target] = {
             T.PARAMETERS: param_b,
-            T.GRADIENTS: (2 if low else 4) * n_trainable + g_fixed,
+            T.GRADIENTS: grad_b,
             T.OPTIMIZER_STATES: 4 * o_elems + o_fixed,
             T.MASTER_WEIGHTS: 4 * m_elems + m_fixed if low and measured_pure else 0.0,
             T.BUFFERS: (2 if low else 4) * b_elems + b_fixed,
@@ -326,7 +348,7 @@ def project(
         totals.append({"mode": m, "source": src, "bytes": b, "saving_vs_fp32": saving})
 
     assumptions = [
-        f"measured mode: {mode}" + ("" if config.get("precision") in MODES else " (inferred from dtypes)"),
+        f"measured mode: {mode}{said}",
         *(
             [
                 f"{mode} was asked for but the measured tensors look like {seen_mode}: mixed precision was not "
@@ -347,8 +369,8 @@ def project(
         "Parameters and gradients: 4 bytes per element, 2 in the pure modes; buffers follow the parameters.",
         "Optimizer states stay fp32 in every mode (4 bytes per state element, step counters as measured).",
         "Pure modes as in the built-in loop: no fp32 master copy of the weights (precprof.optim keeps fp32 "
-        "states and rounds each update into the 16-bit weight); a master copy measured in a pure run is kept "
-        "for the pure modes.",
+        "states and rounds each update into the 16-bit weight); a master copy measured in a pure run is kept, "
+        "with its fp32 gradients, for the pure modes.",
         "Activations under autocast: "
         + (
             "the run's own dtype mix (16-bit tensors stay 2 bytes, fp32 ones stay 4)."
