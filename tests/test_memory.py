@@ -1211,9 +1211,18 @@ def test_projection_from_pure_run_and_round_trip_through_summary() -> None:
     r = records(proj)
     assert r[("bf16-pure", "measured", T.PARAMETERS)] == r[("bf16-pure", "projected", T.PARAMETERS)]
     assert r[("fp32", "projected", T.PARAMETERS)] == 4 * N_MLP
-    # plain AdamW on bf16 parameters: bf16 moments; the projection keeps fp32 states (the pure modes' recipe)
-    assert r[("bf16-pure", "measured", T.OPTIMIZER_STATES)] == 4 * N_MLP + 16
-    assert r[("bf16-pure", "projected", T.OPTIMIZER_STATES)] == 8 * N_MLP + 16
+    # plain AdamW on bf16 parameters: bf16 moments (two per element) and an fp32 step counter per tensor,
+    # which the pure modes keep (they projected fp32 moments in the run's own mode: 8 N + 16); the other modes
+    # have fp32 parameters, and fp32 moments with them
+    moments = torch.optim.AdamW([nn.Parameter(torch.zeros(N_MLP, dtype=torch.bfloat16))])
+    moments.param_groups[0]["params"][0].grad = torch.zeros(N_MLP, dtype=torch.bfloat16)
+    moments.step()
+    bf16_moments = sum(t.nbytes for t in moments.state[moments.param_groups[0]["params"][0]].values()) - 4
+    assert r[("bf16-pure", "measured", T.OPTIMIZER_STATES)] == bf16_moments + 4 * 4 == 4 * N_MLP + 16
+    assert r[("bf16-pure", "projected", T.OPTIMIZER_STATES)] == 4 * N_MLP + 16
+    assert r[("fp16-pure", "projected", T.OPTIMIZER_STATES)] == 4 * N_MLP + 16
+    assert r[("fp32", "projected", T.OPTIMIZER_STATES)] == r[("bf16", "projected", T.OPTIMIZER_STATES)]
+    assert r[("fp32", "projected", T.OPTIMIZER_STATES)] == 2 * bf16_moments + 4 * 4
     # summary.json round trip: stored block feeds a re-render with the same result
     summary[T.SUMMARY_MEMORY] = proj
     again = project(mem, summary)

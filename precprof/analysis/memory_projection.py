@@ -295,13 +295,16 @@ def project(
         if frozen_low and not low:
             param_b = 4 * (p_elems - frozen_low / 2) + frozen_low + p_fixed
         grad_b = float((2 if low else 4) * n_trainable + g_fixed)
+        state_b = float(4 * o_elems + o_fixed)
         if measured_pure and low:  # as measured: with a master copy's fp32 gradients, where it has one
             param_b = float(measured.get(T.PARAMETERS, param_b))
             grad_b = float(measured.get(T.GRADIENTS, grad_b))
+            # torch's optimizers keep their states in the parameter's dtype: 16-bit over 16-bit weights
+            state_b = float(measured.get(T.OPTIMIZER_STATES, state_b))
         projected[target] = {
             T.PARAMETERS: param_b,
             T.GRADIENTS: grad_b,
-            T.OPTIMIZER_STATES: 4 * o_elems + o_fixed,
+            T.OPTIMIZER_STATES: state_b,
             T.MASTER_WEIGHTS: 4 * m_elems + m_fixed if low and measured_pure else 0.0,
             T.BUFFERS: (2 if low else 4) * b_elems + b_fixed,
             T.ACTIVATIONS: activations(target),
@@ -367,7 +370,9 @@ def project(
         ),
         "tf32 stores everything in fp32 (it only changes matmul arithmetic), so it takes what fp32 takes.",
         "Parameters and gradients: 4 bytes per element, 2 in the pure modes; buffers follow the parameters.",
-        "Optimizer states stay fp32 in every mode (4 bytes per state element, step counters as measured).",
+        "Optimizer states stay fp32 in every mode (4 bytes per state element, step counters as measured), "
+        "but for the pure modes of a pure run: those keep the states as measured (torch's optimizers keep them "
+        "in the parameters' dtype, precprof.optim in fp32).",
         "Pure modes as in the built-in loop: no fp32 master copy of the weights (precprof.optim keeps fp32 "
         "states and rounds each update into the 16-bit weight); a master copy measured in a pure run is kept, "
         "with its fp32 gradients, for the pure modes.",
