@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,40 @@ def test_a_bf16_model_with_fp32_master_weights_is_a_pure_run_in_memory_too(tmp_p
         r["component"]: r["bytes"] for r in records if (r["mode"], r["source"]) == ("bf16-pure", "projected")
     }
     assert own[T.MASTER_WEIGHTS] == 4 * n and own[T.GRADIENTS] == grads  # the master copy kept, as measured
+
+
+def test_a_profiler_without_the_optimizer_says_its_states_were_not_measured(tmp_path: Path) -> None:
+    """Adam steps the model but the Profiler was not given it: its states were left out silently, and the
+    projection had pure bf16 save half of fp32's memory, the states that no format changes being absent. They
+    are said to be unmeasured, and every mode is given Adam's, as the loop's Adam holds them."""
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = batch()
+    with precprof.Profiler(model, sample_every=1, block_formats=False) as prof:
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            prof.step()
+    prof.report(tmp_path / "run")
+    block = T.read_summary(tmp_path / "run")[T.SUMMARY_MEMORY]
+    assert block["unmeasured"] == {T.OPTIMIZER_STATES: "no optimizer was given to the Profiler"}
+    moments = sum(v.nbytes for st in opt.state.values() for k, v in st.items() if k != "step")
+    assert moments == 8 * N_MLP  # Adam's two fp32 moments per element
+    r = records(block)
+    assert all(r[(m, "projected", T.OPTIMIZER_STATES)] == moments for m in MODES)
+    # what the saving really is, by hand: weights and gradients 4 -> 2 bytes, the moments unchanged,
+    # activations (the input and the ReLU output, one storage per layer) 4 -> 2 bytes
+    acts = B * (D_IN + D_HID)
+    fp32, pure = 8 * N_MLP + moments + 4 * acts, 4 * N_MLP + moments + 2 * acts
+    tot = {(t["mode"], t["source"]): t for t in block["totals"]}
+    assert tot[("bf16-pure", "projected")]["saving_vs_fp32"] == pytest.approx(1 - pure / fp32)
+    assert 1 - pure / fp32 < 0.3  # the states kept it from the 50% it showed
+    # the verdict's "this run" is what the run held, its states with it
+    saving = M.expected_saving(M.memory_records({T.SUMMARY_MEMORY: block}), 0.0, "fp32", "bf16-pure")
+    assert saving is not None and saving["current"] == fp32 and saving["assumed"] == moments
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert re.search(r'<tr class="unmeasured"><td>optimizer states</td><td>not measured', page)
 
 
 class TinyLM(nn.Module):

@@ -18,10 +18,13 @@
       "totals": [{"mode", "source", "bytes", "saving_vs_fp32"}],   # sums of records (peaks never in records)
       "textbook_claim": {"text": ..., "saving_low": 0.4, "saving_high": 0.5},
       "assumptions": ["...", ...],            # what the projection assumes, in words, for the report
+      "unmeasured": {component: why},         # components assumed, not measured (optimizer_states without
+                                              # an optimizer: a record of source "assumed" has their bytes)
       "model": {...},                         # MemoryTracker.model_facts(), when the run stored it
     }
 
-``source`` is ``measured`` (the run's own mode only), ``projected`` (every mode in ``MODES``, the run's own
+``source`` is ``measured`` (the run's own mode only), ``assumed`` (the run's own mode, beside ``measured``: a
+component it did not measure, never in ``totals``), ``projected`` (every mode in ``MODES``, the run's own
 included, so that projected vs measured shows the model's error) or ``textbook`` (4N/2N: parameters, gradients,
 optimizer states and activations; modes fp32/tf32 and the 16-bit ones). Components in records: parameters,
 gradients, optimizer_states, master_weights, buffers, activations, autocast_weight_copies.
@@ -47,6 +50,12 @@ TEXTBOOK_CLAIM = (
     "states stay FP32, cutting total training memory by 40-50%."
 )
 TEXTBOOK_SAVING = (0.40, 0.50)
+NO_OPTIMIZER = "no optimizer was given to the Profiler"
+NO_OPTIMIZER_ASSUMPTION = (
+    f"Optimizer states not measured ({NO_OPTIMIZER}): every mode is given Adam's, two fp32 moments per trained "
+    "parameter element (8 bytes each), which no format changes; pass Profiler(model, optimizer=opt) to "
+    "measure them."
+)
 
 # Floating dtypes whose storage a precision mode changes; float64 and integer/bool tensors never change.
 _LOW_FLOATS = LOW_PRECISION_DTYPES
@@ -194,6 +203,16 @@ def _run_mode(summary: Mapping[str, Any], memory: pd.DataFrame) -> tuple[str, st
     return infer_mode(memory), " (inferred from dtypes)"
 
 
+def _assumed_states(summary: Mapping[str, Any], n_trainable: int) -> int | None:
+    """Bytes of optimizer states assumed for a run whose Profiler was given no optimizer (its states were not
+    measured, yet they exist and take the same bytes in every mode): Adam's two fp32 moments per trained
+    element, as the textbook counts them. None when an optimizer was given, or the run does not say."""
+    capture = summary.get(T.SUMMARY_CAPTURE)
+    if not isinstance(capture, Mapping) or "optimizer" not in capture or capture["optimizer"] is not None:
+        return None
+    return 8 * n_trainable
+
+
 def project(
     memory: pd.DataFrame, summary: Mapping[str, Any], facts: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -288,6 +307,7 @@ def project(
             return 2.0 * float(matmul_numel)
         return 0.0
 
+    assumed_states = _assumed_states(summary, n_trainable)
     projected: dict[str, dict[str, float]] = {}
     for target in MODES:
         low = target in PURE_MODES
@@ -295,7 +315,7 @@ def project(
         if frozen_low and not low:
             param_b = 4 * (p_elems - frozen_low / 2) + frozen_low + p_fixed
         grad_b = float((2 if low else 4) * n_trainable + g_fixed)
-        state_b = float(4 * o_elems + o_fixed)
+        state_b = float(4 * o_elems + o_fixed if assumed_states is None else assumed_states)
         if measured_pure and low:  # as measured: with a master copy's fp32 gradients, where it has one
             param_b = float(measured.get(T.PARAMETERS, param_b))
             grad_b = float(measured.get(T.GRADIENTS, grad_b))
@@ -325,6 +345,10 @@ def project(
                 records.append(
                     {"mode": target, "component": c, "bytes": int(measured.get(c, 0)), "source": "measured"}
                 )
+    if assumed_states is not None:  # beside what was measured: the verdict's "this run" counts it too
+        records.append(
+            {"mode": mode, "component": T.OPTIMIZER_STATES, "bytes": assumed_states, "source": "assumed"}
+        )
     for r in tb["records"]:
         records.append(r)
     for target in MODES:
@@ -342,6 +366,8 @@ def project(
 
     sums: dict[tuple[str, str], int] = {}
     for r in records:
+        if r["source"] == "assumed":
+            continue
         k = (r["mode"], r["source"])
         sums[k] = sums.get(k, 0) + int(r["bytes"])
     totals = []
@@ -398,6 +424,8 @@ def project(
         "Textbook: parameters and gradients 4N -> 2N, optimizer states unchanged, activations halved; no "
         "master weights, no weight copies.",
     ]
+    if assumed_states is not None:
+        assumptions.insert(1, NO_OPTIMIZER_ASSUMPTION)
     return {
         "measured_mode": mode,
         "step": int(at_step[T.STEP].iloc[0]) if not at_step.empty else None,
@@ -411,5 +439,6 @@ def project(
             "saving_high": TEXTBOOK_SAVING[1],
         },
         "assumptions": assumptions,
+        "unmeasured": {T.OPTIMIZER_STATES: NO_OPTIMIZER} if assumed_states is not None else {},
         "model": facts,
     }

@@ -435,6 +435,8 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
         if isinstance(claim, Mapping)
         else (claim if isinstance(claim, str) else None),
         "assumptions": [str(a) for a in mem.get("assumptions") or []],
+        # components the run did not measure, and why (the states of an optimizer the Profiler was not given)
+        "unmeasured": {str(c): str(w) for c, w in (mem.get("unmeasured") or {}).items()},
         "has_projection": bool(records),
         "peak_note": str((mem.get("model") or {}).get("peak_note") or ""),
         "activations_note": str((mem.get("model") or {}).get("activations_note") or ""),

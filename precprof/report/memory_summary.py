@@ -304,10 +304,13 @@ def expected_saving(
 
     With ``measured`` (``measured_memory``) and an allocator peak, the figures are peaks (``projected_peaks``,
     "basis": "peak"): a saving of memory is a saving of the peak. Otherwise (no peak recorded) they are the
-    components held at the end of a step ("basis": "held"): this run's total is its measured record (else its projection, else the measured tables); the recommended
+    components held at the end of a step ("basis": "held"): this run's total is its measured record with what
+    the projection assumed of it (``assumed`` records: the states of an optimizer the Profiler was not given;
+    else its projection, else the measured tables); the recommended
     mode's is its projection (else textbook). The fp32 baseline is the fp32 projection. Returns {"current",
     "recommended", "saved", "share", "fp32", "share_vs_fp32", "same_mode"} or None when the recommended mode
-    has no projection. ``recommended`` may be "fp8": its projection is looked up under that name.
+    has no projection; held figures add "assumed" (bytes of this run's total that were assumed, not measured).
+    ``recommended`` may be "fp8": its projection is looked up under that name.
     """
     if not recommended:
         return None
@@ -339,6 +342,11 @@ def expected_saving(
     cur = pick(current, ("measured", "projected"))
     if cur is None and measured_total > 0:
         cur = measured_total
+    assumed = tot.get((current, "assumed"), 0.0) if cur is not None and (current, "measured") in tot else 0.0
+    if cur is not None:
+        # what the run held but did not measure (the states of an optimizer the Profiler was not given), as the
+        # projections assume it
+        cur += assumed
     rec = pick(recommended, ("projected", "measured", "textbook"))
     if rec is None and current == recommended:
         rec = cur
@@ -347,6 +355,7 @@ def expected_saving(
     fp32 = pick("fp32", ("projected", "measured"))
     return {
         "basis": "held",
+        "assumed": assumed,
         "current": cur,
         "recommended": rec,
         "saved": cur - rec if cur is not None else None,
