@@ -21,6 +21,7 @@ from precprof.analysis.memory_projection import MODES, infer_mode, project, text
 from precprof.capture import storage
 from precprof.capture.memory_tracker import MemoryTracker
 from precprof.report import memory_summary as M
+from precprof.report.plots import memory_figure
 from precprof.taxonomy import autocast_class as module_class
 
 B, D_IN, D_HID, D_OUT = 5, 8, 16, 4
@@ -257,6 +258,13 @@ def test_a_profiler_without_the_optimizer_says_its_states_were_not_measured(tmp_
     assert saving is not None and saving["current"] == fp32 and saving["assumed"] == moments
     page = (tmp_path / "run" / "report.html").read_text()
     assert re.search(r'<tr class="unmeasured"><td>optimizer states</td><td>not measured', page)
+    # the figure: a bar per mode, none for the assumed states alone (drawn as a second "fp32 · projected")
+    fig = memory_figure(
+        M.measured_memory(prof.tables()["memory"]), M.memory_records({T.SUMMARY_MEMORY: block})
+    )
+    assert fig is not None
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert len(labels) == len(set(labels)) == 1 + len(MODES)
 
 
 class TinyLM(nn.Module):

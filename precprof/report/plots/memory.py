@@ -48,7 +48,7 @@ def memory_figure(
     """Horizontal stacked bars of bytes per component: this run as measured, what was allocated at its
     allocator's peak part by part (where the run has it: that bar ends at the tick), then the projection for
     every precision mode (this run's own first, so that measured vs projected shows the projection's error); the
-    allocator peak as a black tick on this run's bars. Textbook records are left to a table.
+    allocator peak as a black tick on this run's bars. Textbook records are left to a table, assumed ones out.
 
     ``measured`` is ``summarize.measured_memory(memory_table)``; ``records`` are summary["memory"] records. The
     measured bar is ``measured``'s stack, the very rows the page's "Measured (this run)" table sums, so bar and
@@ -63,7 +63,9 @@ def memory_figure(
     src_rank = {"measured": 0, "projected": 1, "textbook": 2}
     comps = {c: float(b) for c, b in (measured.get("components") or {}).items() if b}
     for r in records:
-        if r["component"] in S.PEAK_COMPONENTS or r["source"] == "textbook" or not r["bytes"]:
+        # textbook records are a table's; assumed ones (the states of an optimizer the Profiler was not
+        # given) were not measured: no bar of their own
+        if r["component"] in S.PEAK_COMPONENTS or r["source"] in ("textbook", "assumed") or not r["bytes"]:
             continue
         if comps and r["source"] == "measured":  # one source for the measured bar: the table's rows
             continue
