@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Callable
@@ -280,6 +281,52 @@ class TinyLM(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln(self.wte(idx)))
+
+
+@pytest.mark.parametrize("scoped", [False, True])
+def test_a_loss_computed_in_the_users_loop_is_said_not_counted_unless_scoped(
+    scoped: bool, tmp_path: Path
+) -> None:
+    """A loss computed in the user's loop, outside the model's forward, saves its fp32 log-softmax for backward
+    (batch x positions x vocabulary x 4 bytes: here more than the model saves) and was left out of the
+    activations without a word. The memory section says so and names prof.memory_scope(), which counts it."""
+    vocab = 64
+    torch.manual_seed(0)
+    model = TinyLM(vocab=vocab, dim=6, tie="untied")
+    idx = torch.randint(0, vocab, (4, 8))
+    floats: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.float32:
+            floats[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    logits = model(idx)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(logits.view(-1, vocab), idx.view(-1))  # what the loss alone saves, in fp32
+    loss_floats = sum(floats.values())
+    assert loss_floats >= 4 * 8 * vocab * 4  # the log-softmax, at least
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False) as prof:
+        for _ in range(2):
+            logits = model(idx)
+            with prof.memory_scope() if scoped else contextlib.nullcontext():
+                loss = F.cross_entropy(logits.view(-1, vocab), idx.view(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    prof.report(tmp_path / "run")
+    mem = prof.tables()["memory"]
+    last = mem[(mem[T.STEP] == 1) & (mem[T.COMPONENT] == T.ACTIVATIONS)]
+    in_loss = last[last[T.MODULE] == "(loss)"]
+    page = (tmp_path / "run" / "report.html").read_text()
+    if scoped:
+        assert in_loss[in_loss[T.DTYPE] == "float32"][T.BYTES].sum() == loss_floats
+        assert 'id="memory-loss"' not in page
+    else:
+        assert in_loss.empty and len(last)
+        assert 'id="memory-loss"' in page and "prof.memory_scope()" in page
 
 
 @pytest.mark.parametrize("tie", ["tied", "shared_storage", "untied"])

@@ -415,7 +415,8 @@ def project(
         "Activations at fp32: every 16-bit saved tensor becomes fp32 (an overestimate where autocast saved a "
         "16-bit copy of a tensor that is also saved in fp32); pure modes: every float saved tensor is 16-bit.",
         "Masks, indices and float64 tensors take the same bytes in every mode, and so does what the loss "
-        f"saves (module {LOSS_SCOPE!r}): the built-in loop computes it in fp32 (logits.float()) in every mode.",
+        f"saves (module {LOSS_SCOPE!r}, measured under Profiler.memory_scope()): the built-in loop computes it "
+        "in fp32 (logits.float()) in every mode.",
         "Autocast weight copies: 2 bytes per element of every matmul weight whose copy backward keeps "
         + ("(as measured)." if measured_autocast and mode != "fp8" else "(all of them: an upper bound)."),
         "fp8 means torchao Float8Linear under bf16 autocast: it saves the high-precision input and the fp32 "

@@ -96,6 +96,7 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
     (``peak_parts``).
 
     Returns {"step", "held": {step: bytes held} of every measured step, "components": {component: bytes},
+    "loss_not_counted" (activations were measured, none under ``Profiler.memory_scope``),
     "peaks": {component: bytes}, "peak_steps": {component: step} (a peak the step does not have is the highest
     of the other steps': in a user's loop on CUDA a step below an earlier peak has only a lower bound,
     tables.ALLOCATOR_SEEN_MAX), "top_activations": [(module, bytes)], "total": bytes of the stacked components,
@@ -112,6 +113,7 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
             "peaks": {},
             "peak_steps": {},
             "top_activations": [],
+            "loss_not_counted": False,
             "total": 0.0,
             "at_peak": None,
         }
@@ -121,6 +123,7 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
     comps = {str(c): float(v) for c, v in per.items() if c not in PEAK_COMPONENTS and v > 0}
     peaks, peak_steps = _peaks(memory, step)
     acts = last[last[T.COMPONENT] == T.ACTIVATIONS]
+    scopes = T.texts(acts[T.MODULE]).str.startswith("(")  # prof.memory_scope()'s names: "(loss)" by default
     top = (
         pd.to_numeric(acts[T.BYTES], errors="coerce")
         .groupby(acts[T.MODULE])
@@ -134,6 +137,9 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
         "peaks": peaks,
         "peak_steps": peak_steps,
         "top_activations": [(str(m), float(v)) for m, v in top.head(10).items()],
+        # activations measured, and none saved under a memory scope: a loss computed in the user's loop,
+        # outside the model's forward, was not counted
+        "loss_not_counted": bool(len(acts)) and not scopes.any(),
         "total": float(sum(comps.values())),
         "at_peak": at_peak,
     }
