@@ -573,3 +573,101 @@ def test_a_frozen_layer_is_judged_on_its_forward_alone() -> None:
     gemms = {m: {(o.operand, o.gemm) for o in lb.losses["mxfp8_e4m3"]} for m, lb in table.items()}
     assert gemms["0"] == {(rb.INPUT, "forward"), (rb.WEIGHT, "forward")}
     assert len(gemms["2"]) == 6
+
+
+class ThreeLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH)
+        self.act2, self.head = nn.GELU(), nn.Linear(WIDTH, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act2(self.fc2(self.act(self.fc1(x)))))
+
+
+def _spiked_fp16_run(
+    block_groups: int,
+) -> tuple[Recommendation, pd.DataFrame, dict[int, torch.Tensor], list[float]]:
+    """Three steps of fp16 autocast with a GradScaler at 2^10, step 1's loss spiked 1e12 times (its scaled
+    gradients overflow fp16: the scaler skips it), planned for a B200: the recommendation, the layers table,
+    fc1's output gradient per step (unscaled, from a tensor hook) and the scaler's scale after each step."""
+    import precprof
+
+    torch.manual_seed(0)
+    model = ThreeLinear()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    grads: dict[int, torch.Tensor] = {}
+    scales: list[float] = []
+    prof = precprof.Profiler(
+        model, optimizer=opt, scaler=scaler, sample_every=1, memory=False, block_groups=block_groups
+    )
+    with prof:
+        for step in range(3):
+            x = torch.randn(128, WIDTH)
+            with torch.autocast("cpu", dtype=torch.float16):
+                h = model.fc1(x)
+                out = model.head(model.act2(model.fc2(model.act(h))))
+            scale = scaler.get_scale()
+            h.register_hook(lambda g, s=step, k=scale: grads.__setitem__(s, g.detach().float() / k))
+            loss = (out.float() - torch.randn(128, 32)).square().mean()
+            scaler.scale(loss * (1e12 if step == 1 else 1.0)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            scales.append(scaler.get_scale())
+            prof.step(loss=loss.detach())
+    return recommend(prof, hardware="b200"), prof.tables()["layers"], grads, scales
+
+
+def test_a_step_the_loss_scaler_skipped_is_left_out_of_the_block_plan(block_formats_on: None) -> None:
+    """Block formats train with no loss scale, as per-tensor FP8 does: the nan/inf in the output gradients of a
+    step the loss scaler skipped for overflow are its scale's, not the formats'. One such step had sent every
+    linear layer to bf16 ("nan/inf in the blocks of its output gradient"). They are left out, as the FP8 rule
+    leaves them out: fc1's output gradient is judged on steps 0 and 2, its SQNR computed here from the hook's
+    tensors with block_formats."""
+    rec, _, grads, scales = _spiked_fp16_run(block_groups=1)
+    assert scales == [
+        2.0**10,
+        2.0**9,
+        2.0**9,
+    ]  # step 1 overflowed: the scaler halved its scale and skipped it
+    assert not grads[1].isfinite().all() and all(grads[s].isfinite().all() for s in (0, 2))
+    layers = {lb["module"]: lb for lb in rec.block_what_if["layers"]}
+    assert set(rec.block_plan) == {"fc1", "fc2", "head"} and "bf16" not in rec.block_plan.values()
+    assert not any("nan/inf" in lb["why"] for lb in layers.values())
+    sums = [B.block_stats(grads[s], recipe_of("nvfp4"), axis=-1) for s in (0, 2)]
+    expected = 10 * math.log10(
+        sum(float(s["sum_x2"]) for s in sums) / sum(float(s["sum_err2"]) for s in sums)
+    )
+    (op,) = [o for o in layers["fc1"]["operands"] if (o["operand"], o["gemm"]) == (rb.GRAD, "input gradient")]
+    assert op["recipes"]["nvfp4"]["sqnr_db"] == pytest.approx(expected, rel=1e-6)
+    f = rec.finding("block_format_plan")
+    assert (
+        f is not None
+        and "The output gradients of 1 step(s) the loss scaler skipped held nan/inf" in f.message
+    )
+
+
+def test_a_layer_whose_gradient_was_evaluated_on_the_skipped_step_alone_says_so(
+    block_formats_on: None,
+) -> None:
+    """Block statistics dealt over three groups: one layer's turn falls on the step the scaler skipped, and its
+    output gradient has no other evaluation. That layer is not sent to bf16 for the scale's nan/inf; its output
+    gradient is not judged, and the plan says so."""
+    rec, layers, _, scales = _spiked_fp16_run(block_groups=3)
+    assert scales[1] < scales[0]  # step 1 skipped
+    grads = layers[
+        (layers[T.TENSOR] == T.ACTIVATION_GRAD) & layers[T.block_col("nvfp4", "flushed", "row")].notna()
+    ]
+    evaluated = grads.groupby(T.MODULE, observed=True)[T.STEP].agg(set).to_dict()
+    alone = [m for m, steps in evaluated.items() if steps == {1}]
+    assert len(alone) == 1
+    what_if = {lb["module"]: lb for lb in rec.block_what_if["layers"]}
+    assert rec.block_plan[alone[0]] != "bf16" and "nan/inf" not in what_if[alone[0]]["why"]
+    assert rb.GRAD not in {op["operand"] for op in what_if[alone[0]]["operands"]}
+    f = rec.finding("block_format_plan")
+    assert f is not None
+    assert (
+        f"the output gradient of {alone[0]} was evaluated on those steps alone and is not judged" in f.message
+    )

@@ -135,6 +135,9 @@ class LayerBlocks:
     # the lengths its three GEMMs reduce along (in_features, out_features, tokens per call), None where unknown:
     # a block-scaled GEMM needs each a multiple of its blocks
     axes: dict[str, int | None] = field(default_factory=dict)
+    # its output gradient's blocks were evaluated on steps the loss scaler skipped alone (left out): its backward
+    # GEMMs are judged on their other operands
+    gradient_skipped: bool = False
 
     def summary(self, recipe: str) -> RecipeSummary | None:
         ops = self.losses.get(recipe) or []

@@ -35,6 +35,7 @@ from precprof.analysis.advisor.evidence import (
     _Plan,
     _prepare,
     _Run,
+    _skipped_steps,
 )
 from precprof.analysis.advisor.model import INFO, Finding, Number
 from precprof.analysis.advisor.rules.block_losses import (
@@ -184,9 +185,18 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
     for (m, t, p), i in run.layers.groupby([T.MODULE, T.TENSOR, T.PARAM], sort=False).indices.items():
         where.setdefault((str(m), str(t)), []).append((str(p), i))
 
-    def rows_of(module: str, tensor: str, param: str | None = None) -> Rows:
+    # the output gradients of a step a loss scaler skipped overflowed at its scale: block formats, like
+    # per-tensor FP8, train with no loss scale, so their nan/inf say nothing of the formats (one skipped step
+    # had sent every layer to bf16)
+    skipped = np.array(sorted(_skipped_steps(run.steps, scaled=True)), dtype=float)
+    steps = columns.get(T.STEP)
+
+    def rows_of(module: str, tensor: str, param: str | None = None, scaled_out: bool = False) -> Rows:
         idx = [i for p, i in where.get((module, tensor), []) if param in (None, p)]
-        return Rows(columns, np.sort(np.concatenate(idx)) if idx else np.zeros(0, dtype=np.int64))
+        at = np.sort(np.concatenate(idx)) if idx else np.zeros(0, dtype=np.int64)
+        if scaled_out and len(skipped) and steps is not None:
+            at = at[~np.isin(steps[at], skipped)]
+        return Rows(columns, at)
 
     first = _first_activations(run)
     out: list[LayerBlocks] = []
@@ -198,7 +208,7 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
         rows = {
             INPUT: rows_of(src, T.ACTIVATION) if src is not None else None,
             WEIGHT: rows_of(w_owner or m, T.WEIGHT, "weight"),
-            GRAD: grad,
+            GRAD: rows_of(m, T.ACTIVATION_GRAD, scaled_out=True),
         }
         # a layer without an output gradient on any sampled step (frozen, nothing trainable before it) runs no
         # backward GEMM: those are not judged (it had listed them, with numbers of the weight alone)
@@ -225,6 +235,10 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
             if ops:
                 lb.losses[recipe] = ops
         lb.head = m == head
+        judged = any(o.operand == GRAD for ops in lb.losses.values() for o in ops)
+        lb.gradient_skipped = (
+            not judged and losses(grad, GRAD, "row", "input gradient", T.BLOCK_RECIPES[0]) is not None
+        )
         if lb.losses:
             out.append(lb)
     return out
@@ -314,6 +328,41 @@ def block_table(
     for lb in out:
         decide(lb, run.cfg, tuple(PLAN_RECIPES))
     return out
+
+
+def _scaler_overflow_steps(run: _Run, modules: list[str]) -> int:
+    """How many steps a loss scaler skipped held nan/inf in the output gradient of one of ``modules``."""
+    skipped = _skipped_steps(run.steps, scaled=True)
+    if not skipped:
+        return 0
+    lay = run.layers
+    grads = lay[
+        lay[T.STEP].isin(skipped)
+        & (lay[T.TENSOR] == T.ACTIVATION_GRAD)
+        & T.texts(lay[T.MODULE]).isin(modules)
+    ]
+    return int(grads[(grads[T.NAN] + grads[T.INF]) > 0][T.STEP].nunique())
+
+
+def _skipped_note(overflowed: int, grad_unjudged: list[str]) -> str:
+    """The plan's sentence on the output gradients left out for the loss scaler's overflow ("" when none)."""
+    if not overflowed:
+        return ""
+    alone = ""
+    if len(grad_unjudged) == 1:
+        alone = (
+            f"; the output gradient of {_name(grad_unjudged[0])} was evaluated on those steps alone and is not "
+            "judged"
+        )
+    elif grad_unjudged:
+        alone = (
+            f"; the output gradients of {_listing(grad_unjudged, 4)} were evaluated on those steps alone and are "
+            "not judged"
+        )
+    return (
+        f" The output gradients of {overflowed} step(s) the loss scaler skipped held nan/inf at its scale and are "
+        f"left out: block formats scale no loss{alone}."
+    )
 
 
 @dataclass
@@ -447,6 +496,7 @@ def _rule_block_formats(
 
     counts = ", ".join(f"{len(by[k])} {PLAN_LABELS[k]}" for k in (*PLAN_RECIPES, "bf16") if by[k])
     partial = [lb for lb in table if lb.input_from is None]
+    overflowed = _scaler_overflow_steps(run, [lb.module for lb in table])
     sampled = int(run.layers[T.STEP].nunique())
     where = f"{target.name} (compute capability {'.'.join(map(str, target.compute_capability or ()))})"
     rule = (
@@ -473,6 +523,7 @@ def _rule_block_formats(
         if unjudged
         else ""
     )
+    note += _skipped_note(overflowed, [lb.module for lb in table if lb.gradient_skipped])
     numbers: dict[str, Number] = {
         "checked": len(table),
         "not_evaluated": len(unjudged),
