@@ -288,6 +288,73 @@ def test_b_following_keep_fp32_clears_the_finding() -> None:
     assert rec.finding("fp16_activation_overflow") is None, rec.finding("fp16_activation_overflow")
 
 
+class _RawFeatures(nn.Module):
+    """head(body(x)) with ``body`` a Sequential: its first layer reads the model's own input, passed on by the
+    container, whose forward computes nothing. body.0's weight is scaled down so that its output stays far
+    inside fp16's range: only the input is over it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(
+            nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU()
+        )
+        self.head = nn.Linear(16, 1)
+        with torch.no_grad():
+            self.body[0].weight.mul_(1e-4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _raw_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """regression_batches' with two input columns 4e4 times larger (un-normalised raw features)."""
+    x, y = regression_batches(8)(step)
+    return x * torch.tensor([4e4, 4e4, 1, 1, 1, 1, 1, 1]), y
+
+
+def test_an_over_range_model_input_keeps_the_layer_that_reads_it(block_formats_on: None) -> None:
+    """The model's own input, with values over 65504, reaches body.0 through the Sequential ``body``. Its row,
+    ``body.0:input``, was taken for a function's output in body's forward: body was kept in fp32, every matmul
+    under it counted as kept (3 of 4) and fp16 ruled out. body computed nothing: the layer that reads the
+    input, body.0, is kept (1 of 4), and the remedy speaks of input features, not of a module's output."""
+    run = train_profiled(_RawFeatures(), _raw_batches, nn.functional.mse_loss, steps=3)
+    assert run.summary[T.SUMMARY_CAPTURE]["model_inputs"] == ["body.0:input"]
+    rec = run.recommend("t4")
+    assert rec.format == "fp16" and rec.keep_fp32 == ["body.0"], rec.reasons
+    f = rec.finding("fp16_activation_overflow")
+    assert f is not None and f.modules == ["body.0:input"]
+    over = sum(int(torch.isinf(_raw_batches(s)[0].half()).sum()) for s in range(3))  # a real cast
+    assert over > 0 and f.numbers["overflow_values"] == over
+    assert (
+        "body.0:input is the model's own input: keep the layer reading it (body.0) in fp32, or normalise these "
+        "input features" in f.remedy
+    )
+    assert "normalise their output" not in f.remedy
+
+
+def test_a_model_input_kept_in_fp32_is_not_counted_as_cast(block_formats_on: None) -> None:
+    """The same model under fp16 autocast with ``body`` run outside it: body.0 reads the input in fp32 and
+    casts nothing. The capture read autocast's state at the first recorded forward, body.0's, outside autocast,
+    and took the run for one without autocast: every fp32 tensor counted as cast, and the re-profile still
+    said to keep body.0 in fp32. autocast is seen where it is on (head's output is fp16 in this run)."""
+    run = train_profiled(
+        _RawFeatures(),
+        _raw_batches,
+        nn.functional.mse_loss,
+        precision="fp16",
+        loss_scale=2.0**-4,
+        keep_fp32=["body"],
+        steps=3,
+    )
+    acts = run.tables["layers"][run.tables["layers"][T.TENSOR] == T.ACTIVATION]
+    dtypes = acts.groupby(T.MODULE, observed=True)[T.DTYPE].first()
+    assert dtypes["head"] == "float16" and dtypes["body.0"] == "float32"
+    assert run.summary[T.SUMMARY_CAPTURE]["autocast"]["enabled"] is True
+    rec = run.recommend("t4")
+    assert rec.finding("fp16_activation_overflow") is None and "body.0" not in rec.keep_fp32
+
+
 def test_c_benign_model_gets_bf16_on_bf16_hardware() -> None:
     run = benign.run()
     for target in (
@@ -707,5 +774,7 @@ def test_a_function_output_past_fp16_keeps_the_module_that_ran_it_in_fp32() -> N
     found = {f.code: f for f in rec.findings}
     assert "block.proj:input" in found["fp16_activation_overflow"].modules
     assert "block" in rec.keep_fp32 and not any(m.endswith(T.INPUT_SUFFIX) for m in rec.keep_fp32)
+    # block.a reads the model's own input; block.proj a function's output in block's forward
+    assert prof.summary()["model_inputs"] == ["block.a:input"]
     for name in rec.keep_fp32:
         model.get_submodule(name)  # what the configuration snippet does with each

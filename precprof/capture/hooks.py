@@ -138,6 +138,8 @@ class StepHooks(GradientReads):
         self._grad_rows = [r.index for r in plan.rows.info if r.tensor in (T.ACTIVATION_GRAD, T.WEIGHT_GRAD)]
         self._weight_grad_rows = [r.index for r in plan.rows.info if r.tensor == T.WEIGHT_GRAD]
         self._root_calls: list[bool] = []  # the enclosing calls' ``_root_grad`` (a model that calls itself)
+        # the tensors the model's outermost forward was called with, by id, while it runs (``_gemm_input``)
+        self._model_inputs: set[int] = set()
         roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
         self._hookset = _compat.HookSet(
             roots + [(s.module, self._make_pre_hook(s), self._make_fwd_hook(s), False) for s in plan.modules],
@@ -186,6 +188,9 @@ class StepHooks(GradientReads):
         self._indexed = 0  # how many of ``_outputs_made`` the index by memory covers
         # autocast as the first recorded forward saw it (the Profiler's dict, kept over the run)
         self.autocast_seen: dict[str, Any] = autocast_seen if autocast_seen is not None else {}
+        # whether forwards still look at autocast's state: until the end of the first sampled step that recorded
+        # one (``_see_autocast``)
+        self._autocast_open = not self.autocast_seen
         # whether the run scales its loss (a GradScaler, a manual ``loss_scale``): a gradient no hook read is then
         # unscaled by the time the optimizer's hooks see it (``_unread_grads``)
         self._scaled = scaled
@@ -225,6 +230,7 @@ class StepHooks(GradientReads):
         self._count_unread_weight_grads()
         self.installed = False
         self._clear_outputs()
+        self._autocast_open = self._autocast_open and not self.autocast_seen
 
     def remove(self) -> None:
         """End the sampled step: every hook removed (a module output's gradient hook that has not fired yet
@@ -232,6 +238,7 @@ class StepHooks(GradientReads):
         self._unrun_weights()
         self._count_unread_weight_grads()
         self._hookset.remove()
+        self._autocast_open = self._autocast_open and not self.autocast_seen
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -396,6 +403,8 @@ class StepHooks(GradientReads):
         # call decides, and the enclosing one's state comes back when it returns)
         self._root_calls.append(self._root_grad)
         self._root_grad = torch.is_grad_enabled()
+        if len(self._root_calls) == 1:
+            self._model_inputs = {id(t) for t in _iter_tensors(args)}
         if self._root_grad and self._step_mode is None and not self._outside:
             self._step_mode = module.training
             self._first_in_eval = self._root_trains and not module.training
@@ -409,6 +418,8 @@ class StepHooks(GradientReads):
 
     def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         self._root_grad = self._root_calls.pop() if self._root_calls else False
+        if not self._root_calls:
+            self._model_inputs = set()
 
     def _skipped_forward(self, slot: _ModuleSlot, why: str) -> None:
         """A forward that is not read (``why``: ``_not_read``'s). Not a recomputation, it still takes its place in
@@ -446,6 +457,7 @@ class StepHooks(GradientReads):
                 self.buffer.accumulate_blocks(local, slot.input)
             self.rows.seen(slot.input, x.dtype)
             self.has_data = True
+            slot.model_input |= id(x) in self._model_inputs
             if slot.input_order < 0:
                 slot.input_order = self.order
                 self.order += 1
@@ -498,11 +510,21 @@ class StepHooks(GradientReads):
             if any_tensor:
                 rows.calls[act] += 1
                 self.has_data = True
-                if not self.autocast_seen:
-                    self.autocast_seen.update(_autocast_state(self._device.type))
+                if self._autocast_open:
+                    self._see_autocast()
             return None
 
         return fwd_hook
+
+    def _see_autocast(self) -> None:
+        """autocast's state at the first recorded forward, or at the first one under autocast in that sampled
+        step: a model whose first layers run outside autocast (kept in fp32, as keep_fp32 advises) trains under
+        autocast all the same (its first forward said it did not, and the fp16 what-if then counted the
+        fp32 layers' inputs as cast)."""
+        state = _autocast_state(self._device.type)
+        if not self.autocast_seen or state["enabled"]:
+            self.autocast_seen.update(state)
+        self._autocast_open = not state["enabled"]
 
     def _first_pass_outputs(self, output: Any, act: int) -> None:
         """A reentrant checkpoint's first pass (read when it runs again) made ``output``: kept as that module's

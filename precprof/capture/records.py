@@ -154,6 +154,9 @@ class _ModuleSlot:
     # the block what-if judges as the layer's input operand, and the tensors an fp16 autocast would cast to fp16
     # (summary capture.gemm_inputs)
     input_from: set[int] = field(default_factory=set)
+    # its input row held a tensor the model itself was called with (summary capture.model_inputs): no module of
+    # the model computed it, the layer reading it is the one to keep in fp32
+    model_input: bool = False
     # per sampled step (reset by StepHooks): forward order of the module and of its input row (-1: not called;
     # a forward without grad counts: a reentrant checkpoint's first pass), and whether a forward with grad ran
     order: int = -1

@@ -245,6 +245,8 @@ class ProfilerResults:
             if plan is not None
             else None
         )
+        # the input rows that held a tensor the model was called with (its own input, passed on by containers)
+        model_inputs = sorted(T.input_module(s.name) for s in plan.modules if s.model_input) if plan else []
         n_params = sum(_compat.global_numel(p) for p in self.model.parameters())  # the model's, every rank's
         param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return {
@@ -270,7 +272,7 @@ class ProfilerResults:
             "modules": modules,
             "shared_params": shared,
             "shared_outside": outside,
-            **({"gemm_inputs": gemm_inputs} if gemm_inputs is not None else {}),
+            **({"gemm_inputs": gemm_inputs, "model_inputs": model_inputs} if gemm_inputs is not None else {}),
             "n_params": n_params,
             "param_bytes": param_bytes,
             "profiler_buffer_bytes": self.buffer_bytes,

@@ -39,7 +39,7 @@ _CAPTURE_SAID = _keys(
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled scaler_growth_interval "
     "compiled fp8_emulated dropout_layers "
     "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
-    "gemm_inputs optimizer "
+    "gemm_inputs model_inputs optimizer "
     "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps"
 )
 _HARDWARE_SAID = _keys(

@@ -5,7 +5,7 @@ counts and histograms into shares, scales and words.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,7 @@ from precprof import taxonomy
 from precprof.analysis import lost_norm
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.model import Finding, Number
-from precprof.analysis.advisor.text import _log2i
+from precprof.analysis.advisor.text import _listing, _log2i
 from precprof.analysis.fp8_speed import Estimate
 from precprof.formats import FP16, NumberFormat
 from precprof.hardware import HardwareInfo
@@ -79,24 +79,48 @@ def _under_any(module: str, parents: set[str]) -> bool:
     return any(a in parents for a in _ancestors(module))
 
 
-def _owner(module: str) -> str:
+def _owner(module: str, model_inputs: Collection[str] = ()) -> str:
     """The module to act on for a row's module name: itself, or, for a layer's own input row
-    (``T.input_module``: a function's output), the module whose forward ran that function, the layer's parent
-    (the layer itself at the top level, where the input is the model's own)."""
+    (``T.input_module``: a function's output), the module whose forward ran that function, the layer's parent;
+    the layer itself at the top level, or where the row held the model's own input (``model_inputs``, passed on
+    to it by containers: the parent computed nothing, and keeping it would keep every layer under it)."""
     if not module.endswith(T.INPUT_SUFFIX):
         return module
     layer = module[: -len(T.INPUT_SUFFIX)]
-    return layer.rsplit(".", 1)[0] if "." in layer else layer
+    return layer.rsplit(".", 1)[0] if "." in layer and module not in model_inputs else layer
 
 
-def _modules_to_keep(modules: Iterable[str]) -> list[str]:
+def _modules_to_keep(modules: Iterable[str], model_inputs: Collection[str] = ()) -> list[str]:
     """The modules to run in higher precision for rows whose values call for it: the innermost real modules,
     and for a layer's own input row its owner (``_owner``), whose descendants then need no entry."""
     ms = list(dict.fromkeys(modules))
-    owners = list(dict.fromkeys(_owner(m) for m in ms if m.endswith(T.INPUT_SUFFIX)))
+    owners = list(dict.fromkeys(_owner(m, model_inputs) for m in ms if m.endswith(T.INPUT_SUFFIX)))
     real = _innermost(m for m in ms if not m.endswith(T.INPUT_SUFFIX))
     held = set(owners)
     return list(dict.fromkeys([*owners, *(m for m in real if not _under_any(m, held))]))
+
+
+def _model_inputs(run: _Run) -> set[str]:
+    """The layers' own input rows that held the model's own input (summary capture.model_inputs; none in a run
+    recorded before the capture said so)."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    found = capture.get("model_inputs") if isinstance(capture, Mapping) else None
+    return {str(m) for m in found} if isinstance(found, list) else set()
+
+
+def _normalise_remedy(rows: list[str], model_inputs: Collection[str]) -> str:
+    """What to normalise, after "keep these modules in fp32", for ``rows`` whose values go beyond fp16: their
+    output, and the model's own input features, which no module computed (the layer that reads them is kept)."""
+    own = [m for m in rows if m in model_inputs]
+    text = " and normalise their output before the next fp16 matmul" if len(own) < len(rows) else ""
+    if own:
+        layers = [m.removesuffix(T.INPUT_SUFFIX) for m in own]
+        text += (
+            f"; {_listing(own, 4)} {'is' if len(own) == 1 else 'are'} the model's own input: keep the "
+            f"layer{'' if len(own) == 1 else 's'} reading it ({_listing(layers, 4)}) in fp32, or normalise these "
+            "input features"
+        )
+    return text
 
 
 def _innermost(modules: Iterable[str]) -> list[str]:

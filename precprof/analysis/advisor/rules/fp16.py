@@ -17,8 +17,10 @@ from precprof.analysis.advisor.evidence import (
     _grad_absmax,
     _innermost,
     _lost_norm_share,
+    _model_inputs,
     _modules_to_keep,
     _nonzero,
+    _normalise_remedy,
     _num,
     _Plan,
     _row_index,
@@ -115,7 +117,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 )
                 + f": {detail}. No loss scale helps the forward pass.",
                 "Use bf16, or keep these modules in fp32 (outside autocast)"
-                + (" and normalise their output before the next fp16 matmul" if beyond else "")
+                + _normalise_remedy(beyond, _model_inputs(run))
                 + (
                     "; a fused op keeps the intermediates in range where there is one (F.log_softmax rather than "
                     "log(softmax(x)))"
@@ -155,7 +157,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
             )
         )
     # a layer's own input row (a function's output) is kept in fp32 through the module that ran the function
-    plan.keep_fp16 = run.sort(_modules_to_keep([*overflow_mods, *near_mods]))
+    plan.keep_fp16 = run.sort(_modules_to_keep([*overflow_mods, *near_mods], _model_inputs(run)))
     if plan.matmul_layers:
         keep = set(plan.keep_fp16)
         kept = [m for m in plan.matmul_layers if m in keep or _under_any(m, keep)]
