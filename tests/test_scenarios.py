@@ -9,6 +9,7 @@ import importlib.util
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -353,6 +354,63 @@ def test_a_model_input_kept_in_fp32_is_not_counted_as_cast(block_formats_on: Non
     assert run.summary[T.SUMMARY_CAPTURE]["autocast"]["enabled"] is True
     rec = run.recommend("t4")
     assert rec.finding("fp16_activation_overflow") is None and "body.0" not in rec.keep_fp32
+
+
+class _SqrtOfSquare(nn.Module):
+    """fc2(sqrt(h * h)), h = ReLU(fc1(x)), with ``direct`` fc2(sqrt(h * h + 0 * sum(fc1.weight))): the
+    forward is finite; sqrt's backward at 0 is inf, times 0 a nan in ReLU's output gradient wherever h == 0.
+    ReLU's backward zeroes exactly those places: no weight gradient gets it. ``direct`` adds a path around the
+    ReLU that carries it into fc1's gradient."""
+
+    def __init__(self, direct: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)
+        self.direct = direct
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        around = self.fc1.weight.sum() * 0.0 if self.direct else 0.0  # its gradient: inf times 0
+        return self.fc2(torch.sqrt(h * h + around))
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_backward_nan_no_weight_gradient_took_in_is_a_warning(direct: bool) -> None:
+    """A nan in an activation gradient that ReLU's backward masks: every weight gradient finite, the run trains.
+    It was a critical finding, "the optimizer step was not skipped for it", as if the update had been poisoned.
+    It is a warning saying it was masked; a nan that does reach a weight gradient stays critical and says
+    which. Counted here with a tensor hook on ReLU's output and the parameters' own gradients."""
+    model = _SqrtOfSquare(direct)
+    grads: list[torch.Tensor] = []
+
+    def keep_grad(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: grads.append(g.detach()))
+
+    model.act.register_forward_hook(keep_grad)
+    finite: list[bool] = []
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batches = regression_batches(16)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for step in range(2):
+            x, y = batches(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            finite.append(all(bool(p.grad.isfinite().all()) for p in model.parameters()))
+            opt.zero_grad(set_to_none=True)  # no update: the nan stays out of the weights in both variants
+            prof.step()
+    rec = precprof.recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
+    f = rec.finding("nonfinite_backward")
+    assert f is not None and f.numbers["step"] == 0
+    nan_in_act = int(grads[0].isnan().sum())
+    assert nan_in_act > 0
+    if not direct:
+        assert finite == [True, True]
+        assert f.severity == "warning" and f.modules == ["act"] and f.numbers["nan"] == nan_in_act
+        assert "masked" in f.title and "the weight gradients stayed finite" in f.message
+        assert "not skipped" not in f.message
+    else:
+        assert finite == [False, False]
+        assert f.severity == CRITICAL and f.numbers["weight_grad_modules_nonfinite"] == 1
+        assert "it reached the weight gradients of 1 module(s) (fc1)" in f.message
 
 
 def test_c_benign_model_gets_bf16_on_bf16_hardware() -> None:

@@ -18,8 +18,8 @@ import pandas as pd
 
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import _innermost, _Plan, _Run
-from precprof.analysis.advisor.model import CRITICAL, Finding, Number
-from precprof.analysis.advisor.text import _g, _log2i, _name, _pct, _pow2
+from precprof.analysis.advisor.model import CRITICAL, WARNING, Finding, Number
+from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2
 from precprof.formats import FP16
 
 # How the messages name a tensor kind.
@@ -317,15 +317,23 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
             nums["sampled_before"] = before
         skips, skip_nums = _skips(facts, step)
         nums.update(skip_nums)
+        severity, title = CRITICAL, f"nan/inf first appears in the backward pass at {_name(first)}"
         if facts.streak is None:
-            detail = (
-                f"{head}, and the optimizer step was not skipped for it."
-                if facts.recorded
-                else f"{head}. {skips}."
-            )
+            severity, reach = _reach(run, step, bwd[bwd[T.STEP] >= step], nums)
+            if severity == WARNING:
+                title = f"nan/inf in the backward pass at {_name(first)}, masked before the weights"
+                detail = f"{head}{reach}."
+            elif facts.recorded:
+                detail = f"{head}{reach}, and the optimizer step was not skipped for it."
+            else:
+                detail = f"{head}{reach}. {skips}."
             remedy = (
                 f"Check the loss and {_name(first)}'s backward at step {step} (e.g. sqrt or log near 0)"
-                + ("; with fp16 use a GradScaler so such steps are skipped." if _fp16_possible(run) else ".")
+                + (
+                    "; with fp16 use a GradScaler so such steps are skipped."
+                    if _fp16_possible(run) and severity == CRITICAL
+                    else "."
+                )
             )
         else:
             a, b = facts.streak
@@ -341,8 +349,8 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
         plan.add(
             Finding(
                 "nonfinite_backward",
-                CRITICAL,
-                f"nan/inf first appears in the backward pass at {_name(first)}",
+                severity,
+                title,
                 detail,
                 remedy,
                 modules=[first],
@@ -350,6 +358,33 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
             )
         )
     return fwd_steps
+
+
+def _reach(run: _Run, step: int, bad: pd.DataFrame, nums: dict[str, Number]) -> tuple[str, str]:
+    """How far a nan/inf gradient at ``step`` (a step not skipped) went, as (severity, the words added to the
+    finding's first sentence): into the weight gradients of some modules, at that step or a later one among the
+    ``bad`` gradient rows (critical: an update takes it in), or no further, every weight gradient recorded at
+    that step finite and none later (a warning: the backward pass masked it, as ReLU's does where its input was
+    negative). Critical and no words when the step recorded no weight gradient."""
+    lay = run.layers
+    recorded = int(((lay[T.STEP] == step) & (lay[T.TENSOR] == T.WEIGHT_GRAD)).sum())
+    wg = bad[bad[T.TENSOR] == T.WEIGHT_GRAD]
+    if not recorded:
+        return CRITICAL, ""
+    if wg.empty:
+        return WARNING, (
+            f", but the weight gradients stayed finite (all {recorded} recorded at that step, and every one after "
+            "it): the backward pass zeroed those values on the way (a ReLU's where its input was negative, a mask), so no update took them in. "
+            "Harmless as the model stands, and fragile: a change that lets that gradient through (another "
+            "activation, no mask) puts nan/inf into the weights"
+        )
+    when = int(wg[T.STEP].min())
+    reached = run.sort(T.texts(wg[wg[T.STEP] == when][T.MODULE]))
+    nums["weight_grad_modules_nonfinite"] = len(reached)
+    return CRITICAL, (
+        f"; it reached the weight gradients of {len(reached)} module(s) ({_listing(reached, 4)})"
+        + ("" if when == step else f" at step {when}, its weight gradients at step {step} finite")
+    )
 
 
 def _written_by_the_optimizer(
