@@ -1816,6 +1816,49 @@ def test_buffers_a_cast_rounded_are_told_from_those_it_cannot_have_changed() -> 
     assert rec.finding("low_precision_buffers") is None and rec.finding("low_precision_rope") is None
 
 
+class RootBuffers(nn.Module):
+    """Rotary frequencies held by the root module, a temperature by a container (``body``, a Sequential): the
+    modules the Profiler captures are the leaves and those with parameters, neither of these two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8))
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        self.body.register_buffer("temperature", torch.tensor(0.7071))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        angle = torch.arange(x.shape[0], dtype=x.dtype)[:, None] * self.inv_freq[None, :]
+        return self.body(x + torch.cat([angle.sin(), angle.cos()], -1)) * self.body.temperature
+
+
+def test_buffers_of_the_root_and_of_containers_are_read() -> None:
+    """low_precision_rope and low_precision_constants read the buffers of the captured modules alone: rotary
+    frequencies kept on the root and a constant on a container were never seen. Every module's are read; the
+    bounds are checked against the fp32 values before the cast (a real bf16 cast)."""
+    torch.manual_seed(0)
+    fp32 = RootBuffers()
+    before = {n: b.clone() for n, b in fp32.named_buffers()}
+    model = fp32.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(2):
+            loss = model(torch.randn(4, 8, dtype=torch.bfloat16)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    rec = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
+    rope = must(rec, "low_precision_rope")
+    assert rope.modules == [""] and "inv_freq (bfloat16)" in rope.message and ".inv_freq" not in rope.message
+    off = float((before["inv_freq"] - model.inv_freq.float()).abs().max())
+    assert 0 < off <= rope.numbers["frequency_error"]
+    const = must(rec, "low_precision_constants")
+    assert const.modules == ["body"] and "body.temperature (bfloat16)" in const.message
+    # 0.7071 lies in [0.5, 1): a bf16 unit in the last place there is 2^-8, half of it 2^-9
+    assert const.numbers["buffer_error"] == 2.0 ** (math.floor(math.log2(0.7071)) - 8)
+    assert 0 < abs(0.7071 - float(model.body.temperature)) <= const.numbers["buffer_error"]
+
+
 class UpcastNorm(nn.Module):
     """An RMSNorm as transformers' Gemma: statistics in fp32, the result cast back to the input's dtype."""
 

@@ -172,17 +172,21 @@ class ProfilerResults:
         return self._status, self._reason
 
     def _low_precision_buffers(self) -> list[dict[str, Any]]:
-        """Floating buffers of the captured modules held in fp16 or bf16 (BatchNorm running statistics after
+        """Floating buffers of the model's modules held in fp16 or bf16 (BatchNorm running statistics after
         ``model.half()``, a rotary embedding's frequencies after ``model.to(torch.bfloat16)``): their module, its
-        type, and what their values say about the rounding (``buffer_rounding``; read here, at save)."""
-        out = []
-        for slot in self._plan.modules if self._plan is not None else []:
-            for bname, buf in slot.module.named_buffers(recurse=False):
+        type, and what their values say about the rounding (``buffer_rounding``; read here, at save). Every
+        module's, the root's and containers' included (a model that keeps its rotary frequencies on itself and
+        passes them to its layers), not the captured modules' alone."""
+        out: list[dict[str, Any]] = []
+        if self._plan is None:
+            return out
+        for name, module in _compat.named_modules(self.model):
+            for bname, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.dtype in (torch.float16, torch.bfloat16):
                     out.append(
                         {
-                            "module": slot.name,
-                            "module_type": slot.module_type,
+                            "module": name,
+                            "module_type": type(module).__name__,
                             "buffer": bname,
                             "dtype": str(buf.dtype).removeprefix("torch."),
                             **buffer_rounding(buf),

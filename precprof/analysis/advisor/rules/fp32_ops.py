@@ -248,7 +248,7 @@ def _rule_low_precision_buffers(run: _Run, plan: _Plan, capture: Mapping[str, An
 
     def named(group: list[Mapping[str, Any]]) -> str:
         return _listing(
-            [f"{b.get('module')}.{b.get('buffer')} ({b.get('dtype')})" for b in group],
+            [f"{_buffer_name(b)} ({b.get('dtype')})" for b in group],
             run.cfg.max_listed_modules,
         )
 
@@ -330,6 +330,12 @@ def _rule_low_precision_buffers(run: _Run, plan: _Plan, capture: Mapping[str, An
                 numbers={"buffers": len(consts), "buffer_error": max(rounding) if rounding else None},
             )
         )
+
+
+def _buffer_name(b: Mapping[str, Any]) -> str:
+    """A buffer's qualified name: module.buffer, a root module's buffer by its own name."""
+    module = str(b.get("module") or "")
+    return f"{module}.{b.get('buffer')}" if module else str(b.get("buffer"))
 
 
 def _rope_remedy(run: _Run) -> str:
