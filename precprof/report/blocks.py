@@ -47,9 +47,15 @@ def _block_cell(cell: Mapping[str, Any] | None) -> dict[str, Any] | None:
     if not cell:
         return None
     fails = str(cell.get("fails") or "")
+    # the share of values in blocks that held nan/inf, left out of the sums; where every block held them,
+    # nothing was measured (an SQNR of inf, from sums of 0, had read "lossless")
+    poisoned = F._float(cell.get("poisoned_share")) or 0.0
+    measured = cell.get("measured", True) is not False
     return {
-        "sqnr": db_text(cell.get("sqnr_db")),
-        "sqnr_v": cell.get("sqnr_db"),
+        "sqnr": db_text(cell.get("sqnr_db")) if measured else "not measured",
+        "sqnr_v": cell.get("sqnr_db") if measured else None,
+        "poisoned": poisoned,
+        "measured": measured,
         "flushed": cell.get("flushed_share"),
         "saturated": cell.get("saturated_share"),
         "worst": cell.get("worst"),

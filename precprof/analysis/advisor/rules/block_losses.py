@@ -82,6 +82,7 @@ class OperandLoss:
     sum_x2: float
     sum_err2: float
     lost_norm: float = math.nan
+    values: float = 0.0  # every value of the rows evaluated, those in nan/inf blocks included
 
     @property
     def label(self) -> str:
@@ -94,6 +95,12 @@ class OperandLoss:
     @property
     def saturated_share(self) -> float:
         return self.saturated / self.nonzero if self.nonzero > 0 else 0.0
+
+    @property
+    def poisoned_share(self) -> float:
+        """The share of its values in blocks that held a nan or inf: left out of every other number (1: nothing
+        was measured, its SQNR of inf says nothing)."""
+        return self.poisoned / self.values if self.values > 0 else 0.0
 
     @property
     def sqnr_db(self) -> float:
@@ -119,6 +126,8 @@ class RecipeSummary:
     saturated_share: float
     poisoned: float
     lost_norm: float = math.nan
+    poisoned_share: float = 0.0  # the largest over its operands
+    measured: bool = True  # some operand had a block without nan/inf
 
 
 @dataclass
@@ -143,7 +152,10 @@ class LayerBlocks:
         ops = self.losses.get(recipe) or []
         if not ops:
             return None
-        worst = min(ops, key=lambda o: -math.inf if math.isnan(o.sqnr_db) else o.sqnr_db)
+        # (an operand every block of which held nan/inf has an SQNR of inf from sums of 0: a measured one first)
+        worst = min(
+            ops, key=lambda o: (-math.inf if math.isnan(o.sqnr_db) else o.sqnr_db, o.poisoned_share >= 1.0)
+        )
         norms = [o.lost_norm for o in ops if not math.isnan(o.lost_norm)]
         return RecipeSummary(
             worst.sqnr_db,
@@ -152,6 +164,8 @@ class LayerBlocks:
             max(o.saturated_share for o in ops),
             sum(o.poisoned for o in ops),
             max(norms) if norms else math.nan,
+            max(o.poisoned_share for o in ops),
+            any(o.poisoned_share < 1.0 for o in ops),
         )
 
     @property
@@ -308,4 +322,5 @@ def losses(rows: Rows, operand: str, orientation: str, gemm: str, recipe: str) -
         total("sum_x2"),
         total("sum_err2"),
         float(np.median(norms)) if len(norms) else math.nan,
+        float(np.nansum(rows.col(T.NUMEL)[sel])),
     )

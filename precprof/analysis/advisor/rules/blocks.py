@@ -376,7 +376,14 @@ class BlockPlan:
 
 
 def _cell(
-    sqnr: float, flushed: float, saturated: float, worst: str, fails: str = "", lost_norm: float = math.nan
+    sqnr: float,
+    flushed: float,
+    saturated: float,
+    worst: str,
+    fails: str = "",
+    lost_norm: float = math.nan,
+    poisoned: float = 0.0,
+    measured: bool = True,
 ) -> dict[str, Any]:
     return {
         "sqnr_db": sqnr,
@@ -385,6 +392,8 @@ def _cell(
         "lost_norm": None if math.isnan(lost_norm) else lost_norm,
         "worst": worst,
         "fails": fails,
+        "poisoned_share": poisoned,  # of the values, in blocks holding nan/inf, left out of the other numbers
+        "measured": measured,  # False: every block held nan/inf, and the SQNR of inf says nothing
     }
 
 
@@ -417,7 +426,16 @@ def what_if_data(
                 continue
             plan_name = next((n for n, pr in PLAN_RECIPES.items() if pr == r), None)
             fail = fails(lb, plan_name, cfg) if plan_name is not None else ""
-            recipes[r] = _cell(sm.sqnr_db, sm.flushed_share, sm.saturated_share, sm.worst, fail, sm.lost_norm)
+            recipes[r] = _cell(
+                sm.sqnr_db,
+                sm.flushed_share,
+                sm.saturated_share,
+                sm.worst,
+                fail,
+                sm.lost_norm,
+                sm.poisoned_share,
+                sm.measured,
+            )
         operands = []
         for operand, _, gemm in OPERANDS:
             cells = {}
@@ -425,7 +443,13 @@ def what_if_data(
                 o = next((o for o in ops if (o.operand, o.gemm) == (operand, gemm)), None)
                 if o is not None:
                     cells[r] = _cell(
-                        o.sqnr_db, o.flushed_share, o.saturated_share, o.label, lost_norm=o.lost_norm
+                        o.sqnr_db,
+                        o.flushed_share,
+                        o.saturated_share,
+                        o.label,
+                        lost_norm=o.lost_norm,
+                        poisoned=o.poisoned_share,
+                        measured=o.poisoned_share < 1.0,
                     )
             if cells:
                 operands.append({"operand": operand, "gemm": gemm, "axis": GEMM_AXIS[gemm], "recipes": cells})
