@@ -239,7 +239,7 @@ def test_findings_most_severe_first_with_numbers_and_remedies(synthetic_page: st
     verdict = section(synthetic_page, "verdict")
     pos = [verdict.index(f'class="finding sev-{s}"') for s in ("critical", "warning", "info")]
     assert pos == sorted(pos)
-    assert "largest magnitude</span> 524,288 (2^19.0)" in verdict
+    assert "largest magnitude</span> 524,288 (2^19)" in verdict
     assert "values that overflow</span> 1,200" in verdict
     assert "lost in FP16 without loss scaling</span> 41.3%" in verdict
     assert "this run&#39;s loss scale</span> 1 (2^0)" in verdict
@@ -723,12 +723,27 @@ def test_finding_numbers_as_shown() -> None:
     ]
 
 
+def test_a_magnitude_at_a_format_limit_reads_apart_from_the_next_binade() -> None:
+    """Magnitudes wrote log2 to one decimal: fp16's largest finite value 65504 = 2^15 x 1.99902 read "2^16.0",
+    as 65536 (inf in fp16) does, and bf16's largest 3.39e38 = 2^127 x 1.9921875 read "2^128.0", beyond every
+    format. Each now reads as 2^e times its place in the binade, cut to three decimals (never rounded up to 2)."""
+    for x in (65504.0, 65519.0, 3.3895313892515355e38, 448.0, 2.0**-24 * 1.5):
+        e = int(np.floor(np.log2(x)))
+        m = x / 2.0**e
+        assert 1.0 <= m < 2.0
+        assert filters.log2mag(x).endswith(f"(2^{e}\u00a0·\u00a0{math.floor(m * 1000) / 1000:.3f})")
+    assert filters.log2mag(65504.0) == "65,504 (2^15\u00a0·\u00a01.999)"  # no-break spaces
+    assert filters.log2mag(65536.0) == "65,536 (2^16)"
+    assert filters.log2mag(float(torch.finfo(torch.bfloat16).max)) == "3.39e+38 (2^127\u00a0·\u00a01.992)"
+    assert float(torch.tensor(65504.0).half()) == 65504.0 and torch.tensor(65536.0).half().isinf()
+
+
 def test_filters() -> None:
     assert filters.pct(0) == "0%" and filters.pct(0.413) == "41.3%" and filters.pct(1e-9) == "<0.0001%"
     assert filters.pct(math.nan) == filters.MISSING and filters.num(None) == filters.MISSING
     assert filters.pow2(32768.0) == "32,768 (2^15)" and filters.pow2(3.0) == "3"
     assert filters.nbytes(1536) == "1.5 KiB" and filters.nbytes(3 * 2**30) == "3 GiB"
-    assert filters.log2mag(0.25) == "0.25 (2^-2.0)" and filters.num(1.5e-7) == "1.50e-07"
+    assert filters.log2mag(0.25) == "0.25 (2^-2)" and filters.num(1.5e-7) == "1.50e-07"
     assert filters.count(1234567.0) == "1,234,567" and filters.num(math.inf) == "inf"
     assert (
         filters.num(1560.4) == "1,560"

@@ -120,7 +120,9 @@ def pow2(v: Any) -> str:
 
 
 def log2mag(v: Any) -> str:
-    """A magnitude with its binade, e.g. ``5.24e+05 (2^19.0)``; helps read values against format windows."""
+    """A magnitude with its binade and its place in it, ``x = 2^e · m`` with 1 <= m < 2, m cut (not rounded) to
+    three decimals: ``65,504 (2^15 · 1.999)``, fp16's largest finite value, reads apart from ``65,536 (2^16)``,
+    its first beyond (a log2 to one decimal wrote both 2^16.0); helps read values against format windows."""
     f = _float(v)
     if f is None:
         return MISSING
@@ -128,7 +130,11 @@ def log2mag(v: Any) -> str:
         return num(f)
     # a magnitude is never a count: 1.53e+14, not 152,500,279,705,600 (a wide cell in the per-layer table)
     text = f"{f:.2e}" if f >= 1e6 else num(f)
-    return f"{text} (2^{math.log2(f):.1f})"
+    m, e = math.frexp(f)  # f = m * 2^e exactly, 0.5 <= m < 1
+    if m == 0.5:
+        return f"{text} (2^{e - 1})"
+    # (no-break spaces: a narrow cell breaks before the binade, never inside it)
+    return f"{text} (2^{e - 1}\u00a0·\u00a0{math.floor(2 * m * 1000) / 1000:.3f})"
 
 
 def sortkey(v: Any) -> str:
