@@ -229,6 +229,15 @@ def test_a_run_that_diverges_says_so(tmp_path: Path) -> None:
     assert div.severity == "critical" and div.numbers["step"] == first_bad
     assert div.numbers["last_step"] == 11 and div.numbers["steps"] == 12 - first_bad
     assert div.numbers["last_finite_loss"] == pytest.approx(losses[first_bad - 1], rel=1e-6)
+    # an fp32 run has no module to keep in fp32 (its remedy said to); a run in a 16-bit format has
+    assert prof.summary()["precision_seen"] == "fp32" and "keep that module in fp32" not in div.remedy
+    assert "the run trained in fp32" in div.remedy
+    bf16 = T.read_summary(run_dir)
+    bf16[T.SUMMARY_CAPTURE]["precision_seen"] = "bf16"
+    again = advisor.recommend(
+        T.read_tables(run_dir), summary=bf16, config=AdvisorConfig(small_model_params=0)
+    )
+    assert "keep that module in fp32" in again.finding("run_diverged").remedy  # type: ignore[union-attr]
     assert rec.reasons[0].startswith(f"This run diverged: its loss was non-finite from step {first_bad}")
     # the format rules read only the steps before it (all sampled here)
     assert f"rests on the {first_bad} sampled step(s) before it" in rec.reasons[0]

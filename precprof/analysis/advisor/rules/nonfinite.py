@@ -21,6 +21,7 @@ from precprof.analysis.advisor.evidence import _innermost, _Plan, _Run
 from precprof.analysis.advisor.model import CRITICAL, WARNING, Finding, Number
 from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2
 from precprof.formats import FP16
+from precprof.modes import FP32_STORAGE_MODES
 
 # How the messages name a tensor kind.
 _KIND_WORDS = {
@@ -533,7 +534,14 @@ def _rule_diverged(run: _Run, plan: _Plan) -> None:
             )
             + " What was recorded from then on describes a broken run, not the format.",
             "Fix the divergence first: the nan/inf findings name the first module and step where non-finite "
-            "values appeared; lower the learning rate or keep that module in fp32, then profile again.",
+            "values appeared; lower the learning rate"
+            # an fp32 run has no module to keep in fp32: its format is not the cause
+            + (
+                " (the run trained in fp32: no format is the cause)"
+                if run.precision_trained in FP32_STORAGE_MODES
+                else " or keep that module in fp32"
+            )
+            + ", then profile again.",
             numbers={
                 "step": first,
                 "last_step": last,
