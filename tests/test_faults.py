@@ -519,13 +519,68 @@ def test_a_signal_saves_the_run(tmp_path: Path, sig: int, code: int, word: str) 
     assert steps[T.LOSS].notna().sum() >= 1
     assert (out / T.REPORT_FILE).exists() and no_tmp_files(out)
     assert not (out / rundir.LOCK_FILE).exists()  # nobody holds the directory any more
-    # where it stopped, of how many (a SIGKILL's page says it; a signal's said only "before the run stopped")
+    # where it stopped, of how many (a SIGKILL's page says it; a signal's said only "before the run stopped"):
+    # the finished steps, as the summary counts them; a step the signal cut off is named apart
     banner = (out / T.REPORT_FILE).read_text().split('id="incomplete"', 1)[1].split("</div>", 1)[0]
-    last, n = int(steps[T.STEP].max()), len(steps)
+    finished = steps[~T.flags(steps[T.CUT_OFF])]
+    last, n = int(finished[T.STEP].max()), len(finished)
+    assert n == summary[T.SUMMARY_FINAL]["steps_done"]
     assert (
-        f"before the run stopped, after step {last:,} ({n:,} step{'s' if n != 1 else ''} of the 100,000 planned)"
+        f"before the run stopped, after step {last:,} ({n:,} step{'s' if n != 1 else ''} of the 100,000 planned"
         in banner
     )
+
+
+CRASHES = textwrap.dedent(
+    """
+    from torch import nn
+
+    class Crashes(nn.Module):
+        def __init__(self, vocab_size):
+            super().__init__()
+            self.emb = nn.Embedding(vocab_size, 16)
+            self.head = nn.Linear(16, vocab_size)
+            self.calls = 0
+
+        def forward(self, x):
+            h = self.emb(x)  # recorded: the step it stops in has a row
+            self.calls += 1
+            if self.calls == 6:
+                raise RuntimeError("my bug")
+            return self.head(h)
+
+    def crashes(vocab_size):
+        return Crashes(vocab_size)
+    """
+)
+
+
+def test_the_step_a_crash_cut_off_is_not_counted_as_done(tmp_path: Path) -> None:
+    """A model whose forward raises mid-step: the steps table keeps that step's row, marked cut off, with no
+    loss. The banner said "after step 25 (26 steps" and the header "steps 26" where the summary had 25 steps
+    done; they count the finished steps now, and name the one cut off."""
+    path = tmp_path / "crashy.py"
+    path.write_text(CRASHES)
+    out = tmp_path / "run"
+    args = ["-m", "precprof", "train", "-m", f"{path}:crashes", "--out", str(out), *TINY, "--steps", "20"]
+    args += ["--sample-every", "1"]
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 1 and "my bug" in proc.stderr, proc.stderr
+    steps = T.read_tables(out)["steps"]
+    cut = T.flags(steps[T.CUT_OFF])
+    assert cut.sum() == 1 and (~cut).sum() >= 1 and steps[T.LOSS][cut].isna().all()
+    done = T.read_summary(out)[T.SUMMARY_FINAL]["steps_done"]
+    assert done == (~cut).sum()  # the summary's count: the finished steps
+    cut_step = int(steps[T.STEP][cut].iloc[0])
+    assert cut_step == int(steps[T.STEP].max()) == done  # steps 0 .. done - 1 finished
+    page = (out / T.REPORT_FILE).read_text()
+    banner = page.split('id="incomplete"', 1)[1].split("</div>", 1)[0]
+    assert (
+        f"after step {cut_step - 1} ({done} step{'s' if done != 1 else ''} of the 20 planned; "
+        f"step {cut_step} was cut off)" in banner
+    ), banner
+    header = page.split('<ul class="headline">', 1)[1].split("</ul>", 1)[0]
+    assert f'<span class="k">steps</span><span class="v">{done}</span>' in header, header
 
 
 def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path: Path) -> None:

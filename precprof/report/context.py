@@ -158,7 +158,8 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
     prec = S.requested_precision(summary)
     if prec:
         out.append(("precision", prec))
-    n_steps = len(steps) if not steps.empty else final.get("steps")
+    # finished steps: a cut-off step's row (a crash or signal mid-step) is no step done (final.steps_done)
+    n_steps = len(T.finished_steps(steps)) if not steps.empty else final.get("steps")
     if n_steps is not None:
         out.append(("steps", F.count(n_steps)))
     if not layers.empty:
@@ -466,15 +467,22 @@ def _accumulated(layers: pd.DataFrame, summary: Mapping[str, Any]) -> int:
 
 
 def _stopped(steps: pd.DataFrame, cfg: Mapping[str, Any]) -> str:
-    """Where an incomplete run stopped, for its banner: "after step 670 (671 steps of the 3,000 planned)"; the
-    planned count where the run's configuration has one (the built-in loop's); "" without steps."""
-    numbers = pd.to_numeric(steps[T.STEP], errors="coerce").dropna() if T.STEP in steps else pd.Series()
-    if numbers.empty:
+    """Where an incomplete run stopped, for its banner: "after step 670 (671 steps of the 3,000 planned; step
+    671 was cut off)"; the planned count where the run's configuration has one (the built-in loop's); "" without
+    steps. Only finished steps count: the step a crash or signal cut off (``CUT_OFF``) has a row but never
+    finished, and counting it said one step more than the summary's ``steps_done``."""
+    if T.STEP not in steps:
         return ""
+    step = pd.to_numeric(steps[T.STEP], errors="coerce")
+    cut_off = T.flags(steps[T.CUT_OFF]).to_numpy() if T.CUT_OFF in steps else np.zeros(len(steps), dtype=bool)
+    numbers, cut = step[~cut_off].dropna(), step[cut_off].dropna()
+    cut_note = f"; step {F.count(int(cut.max()))} was cut off" if len(cut) else ""
+    if numbers.empty:
+        return f"before any step finished ({cut_note[2:]})" if cut_note else ""
     last, done = int(numbers.max()), len(numbers)
     planned = cfg.get("steps")
     of = f" of the {F.count(planned)} planned" if isinstance(planned, int) and planned > done else ""
-    return f"after step {F.count(last)} ({F.count(done)} step{'s' if done != 1 else ''}{of})"
+    return f"after step {F.count(last)} ({F.count(done)} step{'s' if done != 1 else ''}{of}{cut_note})"
 
 
 def _no_memory_why(summary: Mapping[str, Any]) -> str:
