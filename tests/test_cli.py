@@ -85,6 +85,38 @@ def test_factory_that_raises(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert_one_line_error(rc, err, "the factory failed on purpose", "RuntimeError")
 
 
+Y_MODEL = (
+    "import torch.nn.functional as F\n"
+    "from torch import nn\n"
+    "class Net(nn.Module):\n"
+    "    def __init__(self, vocab_size):\n"
+    "        super().__init__()\n"
+    "        self.emb, self.out = nn.Embedding(vocab_size, 16), nn.Linear(16, vocab_size)\n"
+    "    def forward(self, x, y):  # the targets, under another name than the contract's\n"
+    "        return F.cross_entropy(self.out(self.emb(x)).flatten(0, 1), y.flatten())\n"
+    "def make(vocab_size):\n"
+    "    return Net(vocab_size)\n"
+)
+
+
+def test_a_forward_with_a_parameter_the_loop_does_not_pass(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """forward(x, y): the loop passes the targets as ``targets=`` only. That was a TypeError's traceback on the
+    first step, exit 1 and a run directory of no steps; it is one line naming the parameter and the fix, before
+    any run directory exists. Renamed to targets, the same model trains."""
+    f = tmp_path / "ymodel.py"
+    f.write_text(Y_MODEL)
+    out = tmp_path / "run"
+    rc, _, err = run_main(["train", "--model", f"{f}:make", "--out", str(out), *TINY], capsys)
+    assert_one_line_error(rc, err, "forward(x, y) has a required parameter 'y'", "rename 'y' to targets")
+    assert not out.exists()
+    f.write_text(Y_MODEL.replace("x, y)", "x, targets)").replace("y.flatten", "targets.flatten"))
+    rc, _, err = run_main(["train", "--model", f"{f}:make", "--out", str(out), *TINY], capsys)
+    assert rc == 0, err
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+
+
 IMAGE_MODEL = (
     "from torch import nn\n"
     "def make(**kw):\n"

@@ -126,6 +126,29 @@ def accepts_targets(module: nn.Module) -> bool:
         return False
 
 
+def check_forward_contract(module: nn.Module, name: str) -> None:
+    """UserError when ``module.forward`` has a required parameter the loop does not pass. The loop calls
+    ``forward(x)``, or ``forward(x, targets=y)`` when forward has a ``targets`` parameter: ``forward(x, y)``
+    failed on the first step with a TypeError, a traceback and a run directory of no steps."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: the first step tells
+        return
+    named = [p for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    fed = {"targets"}
+    if named and named[0].kind is not inspect.Parameter.KEYWORD_ONLY:
+        fed.add(named[0].name)  # the token ids, passed by position
+    missing = [p.name for p in named if p.default is inspect.Parameter.empty and p.name not in fed]
+    if missing:
+        m = missing[0]
+        raise UserError(
+            f"{name}: forward({', '.join(p.name for p in named)}) has a required parameter {m!r} that precprof "
+            f"train does not pass (it calls forward(x), or forward(x, targets=y) with y the next-token ids when "
+            f"forward has a targets parameter): rename {m!r} to targets if it takes the targets, or give it a "
+            "default"
+        )
+
+
 def _guess_vocab(module: nn.Module) -> int | None:
     """The size of the first embedding table, a good guess of a user model's vocabulary."""
     for m in module.modules():

@@ -13,7 +13,13 @@ from typing import Any
 from torch import nn
 
 from precprof.errors import UserError
-from precprof.models.base import BuiltModel, _guess_vocab, accepts_targets, coerce_value
+from precprof.models.base import (
+    BuiltModel,
+    _guess_vocab,
+    accepts_targets,
+    check_forward_contract,
+    coerce_value,
+)
 
 
 def _on_path(folder: str) -> None:
@@ -74,6 +80,7 @@ def _build_factory(spec: str, args: Mapping[str, Any], vocab_size: int, seq_len:
         raise UserError(f"model factory {spec!r} raised {type(e).__name__}: {msg}") from None
     if not isinstance(module, nn.Module):
         raise UserError(f"model factory {spec!r} returned {type(module).__name__}, not a torch.nn.Module")
+    check_forward_contract(module, spec)
     return BuiltModel(
         module=module,
         name=spec,
