@@ -117,6 +117,35 @@ def test_a_forward_with_a_parameter_the_loop_does_not_pass(
     assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
 
 
+SMALL_VOCAB = (
+    "from torch import nn\n"
+    "def fixed(width=16):  # takes no vocab_size\n"
+    "    return nn.Sequential(nn.Embedding(10, width), nn.Linear(width, 10))\n"
+    "def takes(vocab_size, width=16):\n"
+    "    return nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))\n"
+)
+
+
+def test_a_factory_with_too_few_tokens_is_told_a_fix_that_works(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A factory's model of 10 tokens for data of 256. "use --model-arg vocab_size=256" was said to a factory
+    without a vocab_size parameter, where following it raised "unexpected keyword argument"; it is said only to
+    a factory that takes vocab_size and was given a smaller one, where following it trains."""
+    f = tmp_path / "vocab.py"
+    f.write_text(SMALL_VOCAB)
+    rc, _, err = run_main(["train", "--model", f"{f}:fixed", *TINY], capsys)
+    assert_one_line_error(rc, err, "vocabulary of 10 tokens but the data uses 256", "vocab_size parameter")
+    assert "--model-arg vocab_size" not in err
+    rc, _, err = run_main(["train", "--model", f"{f}:takes", "-a", "vocab_size=10", *TINY], capsys)
+    assert_one_line_error(rc, err, "vocabulary of 10 tokens", "use --model-arg vocab_size=256")
+    out = tmp_path / "run"
+    rc, _, err = run_main(
+        ["train", "-m", f"{f}:takes", "-a", "vocab_size=256", "--out", str(out), *TINY], capsys
+    )
+    assert rc == 0, err
+
+
 IMAGE_MODEL = (
     "from torch import nn\n"
     "def make(**kw):\n"

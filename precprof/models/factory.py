@@ -81,11 +81,33 @@ def _build_factory(spec: str, args: Mapping[str, Any], vocab_size: int, seq_len:
     if not isinstance(module, nn.Module):
         raise UserError(f"model factory {spec!r} returned {type(module).__name__}, not a torch.nn.Module")
     check_forward_contract(module, spec)
+    vocab = _guess_vocab(module)
+    if vocab is not None and vocab < vocab_size:
+        given = "user" if "vocab_size" in args else "precprof" if "vocab_size" in kwargs else None
+        raise _too_few_tokens(spec, vocab, vocab_size, given)
     return BuiltModel(
         module=module,
         name=spec,
         kind="factory",
-        vocab_size=_guess_vocab(module),
+        vocab_size=vocab,
         max_seq_len=None,
         pass_targets=accepts_targets(module),
+    )
+
+
+def _too_few_tokens(spec: str, vocab: int, vocab_size: int, given: str | None) -> UserError:
+    """The error for a factory's model that embeds fewer tokens than the data has, with the fix that works for
+    this factory: "--model-arg vocab_size=N" helps only a factory that takes vocab_size, and precprof already
+    passes it to one that does unless the user set it (``given``: "user", "precprof" or None)."""
+    head = f"{spec} has a vocabulary of {vocab} tokens but the data uses {vocab_size}"
+    if given == "user":
+        return UserError(f"{head}; use --model-arg vocab_size={vocab_size}")
+    if given == "precprof":
+        return UserError(
+            f"{head}, although precprof passed the factory vocab_size={vocab_size}: build the model's embedding "
+            "and output with the vocab_size the factory is given"
+        )
+    return UserError(
+        f"{head}; the model must take token ids up to {vocab_size - 1} and output {vocab_size} logits: give the "
+        f"factory a vocab_size parameter (precprof passes {vocab_size}), or build the model with {vocab_size}"
     )
