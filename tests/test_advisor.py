@@ -1110,6 +1110,58 @@ def test_adam_on_fp16_weights_is_found_writing_the_nan_and_told_why(tmp_path: Pa
         assert rec.finding("nonfinite_forward") is None and rec.finding("run_diverged") is None
 
 
+class NanOutsideItsModules(nn.Module):
+    """emb then out, and from step ``nan_from`` on a nan made by its own forward code after ``out``: no module's
+    hook sees it, only the loss does."""
+
+    def __init__(self, nan_from: int) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(32, 16), nn.Linear(16, 32)
+        self.nan_from, self.step = nan_from, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.out(self.emb(x))
+        return logits * float("nan") if self.step >= self.nan_from else logits
+
+
+@pytest.mark.parametrize("nan_from", [0, 2])
+def test_a_nan_made_outside_the_modules_is_dated_by_the_loss(nan_from: int) -> None:
+    """The nan comes from the model's own forward code after its last submodule. The finding blamed emb, the
+    first module whose output was nan, one step late (the optimizer step of the nan step had written nan into
+    every weight), and the backward finding said "the forward pass was finite" of a step whose loss was nan.
+    It names the step of the first nan loss and code outside the captured modules. Checked against the losses
+    and the modules' outputs as this loop's own hooks saw them."""
+    torch.manual_seed(0)
+    model = NanOutsideItsModules(nan_from)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    finite: dict[int, list[bool]] = {}
+    for m in (model.emb, model.out):
+        m.register_forward_hook(lambda m, i, o: finite[model.step].append(bool(torch.isfinite(o).all())))
+    losses = []
+    with Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for step in range(5):
+            model.step = step
+            finite[step] = []
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            losses.append(float(loss.detach()))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    first_nan = next(s for s, v in enumerate(losses) if not math.isfinite(v))
+    assert first_nan == nan_from and finite[first_nan] == [True, True]  # every module output finite then
+    assert not all(finite[first_nan + 1])  # and nan in the modules from the next step on
+    rec = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
+    f = must(rec, "nonfinite_forward")
+    assert f.numbers["step"] == first_nan and f.numbers["finite_modules"] == 2 and f.modules == []
+    assert f.message.startswith(f"At step {first_nan}, the loss was nan while every output and weight")
+    assert "outside the captured modules" in f.message and "emb" not in f.message
+    assert f.numbers["steps_affected"] == 5 - first_nan
+    assert rec.finding("nonfinite_backward") is None  # that step's gradients are the nan loss's
+    assert not [g for g in rec.findings if "forward pass was finite" in g.message]
+
+
 @pytest.mark.parametrize("blown_by", ["adamw", "sgd"])
 def test_beside_another_optimizer_adam_is_told_of_its_own_weights_only(blown_by: str) -> None:
     """An fp16 model stepped by two optimizers: SGD for the linear layers, AdamW (eps 1e-8, 0 in fp16) for the

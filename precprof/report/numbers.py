@@ -130,6 +130,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "grad_peak": ("largest gradient magnitude in those steps", "magnitude"),
     "weights_step": ("last step with finite weights", "step"),
     "weight_modules": ("modules with non-finite weights", "count"),
+    "finite_modules": ("modules recorded, all finite", "count"),
     "eps": ("optimizer eps", "magnitude"),
     "beta2": ("optimizer beta2", "number"),
     "gradient_bound": ("gradient below which (1 - beta2) g² rounds to 0 in fp16", "magnitude"),

@@ -245,15 +245,22 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
     bad = run.layers[(run.layers[T.NAN] + run.layers[T.INF]) > 0]
     streaks = _skip_streaks(run.steps)
     fwd = bad[bad[T.TENSOR].isin((T.ACTIVATION, T.WEIGHT))]
-    fwd_steps = {int(s) for s in fwd[T.STEP].unique()}
+    module_steps = {int(s) for s in fwd[T.STEP].unique()}
+    # the loss is the forward pass's last value: a sampled step whose loss was not finite had a non-finite
+    # forward pass, whether or not a recorded module's output was
+    loss_steps = _nonfinite_loss_steps(run)
+    fwd_steps = module_steps | loss_steps
     for s in fwd_steps:
         streak = _step_facts(run, streaks, s).streak
         if streak is not None:
             plan.model_skips.update(range(streak[0], streak[1] + 1))
-    if not fwd.empty:
+    outside = min(loss_steps - module_steps, default=None)
+    if outside is not None and outside < min(module_steps, default=outside + 1):
+        plan.add(_outside_the_modules(run, streaks, outside, len(fwd_steps)))
+    elif not fwd.empty:
         step = int(fwd[T.STEP].min())
         at = fwd[fwd[T.STEP] == step]
-        written = _written_by_the_optimizer(run, streaks, step, at, len(fwd_steps))
+        written = _written_by_the_optimizer(run, streaks, step, at, len(module_steps))
         if written is not None:
             plan.add(written)
             return fwd_steps
@@ -272,7 +279,7 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
                 f"nan/inf first appears in the forward pass of {_name(first)}",
                 f"{opening}, the {_kinds(row)} of {_name(first)} "
                 f"({run.types.get(first, '?')}) holds {nan} nan and {inf} inf values; it is the first "
-                f"module in forward order to do so ({len(fwd_steps)} sampled step(s) affected, "
+                f"module in forward order to do so ({len(module_steps)} sampled step(s) affected, "
                 f"{at[T.MODULE].nunique()} module(s) at step {step}).{skips}",
                 f"Inspect {_name(first)}'s inputs and weights at step {step}: a division, log or exp "
                 + (
@@ -285,7 +292,7 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
                     "step": step,
                     "nan": nan,
                     "inf": inf,
-                    "steps_affected": len(fwd_steps),
+                    "steps_affected": len(module_steps),
                     **({"sampled_before": before} if before is not None else {}),
                     **skip_nums,
                 },
@@ -385,6 +392,43 @@ def _reach(run: _Run, step: int, bad: pd.DataFrame, nums: dict[str, Number]) -> 
     return CRITICAL, (
         f"; it reached the weight gradients of {len(reached)} module(s) ({_listing(reached, 4)})"
         + ("" if when == step else f" at step {when}, its weight gradients at step {step} finite")
+    )
+
+
+def _nonfinite_loss_steps(run: _Run) -> set[int]:
+    """The sampled steps whose loss the loop passed and was nan or inf. Only a steps table that marks the steps
+    without a loss (``NO_LOSS``) tells a nan loss, written as a null, from no loss at all."""
+    steps = run.steps
+    if steps.empty or T.NO_LOSS not in steps or T.LOSS not in steps or run.layers.empty:
+        return set()
+    given = T.given_losses(T.finished_steps(steps))
+    loss = pd.to_numeric(given[T.LOSS], errors="coerce").to_numpy(dtype=float)
+    sampled = {int(s) for s in run.layers[T.STEP].unique()}
+    return {int(s) for s in given[T.STEP][~np.isfinite(loss)]} & sampled
+
+
+def _outside_the_modules(run: _Run, streaks: list[tuple[int, int]], step: int, affected: int) -> Finding:
+    """The first non-finite forward pass when it is the loss's alone: at sampled step ``step`` the loss was nan
+    or inf while every module output and weight recorded was finite, so code no module hook sees made it (the
+    model's own forward between or after its submodules, or the loss). The nan the modules hold on later steps
+    follows from it (the optimizer step applies the nan gradients), so their first module is no cause."""
+    loss = run.steps[run.steps[T.STEP] == step][T.LOSS]
+    kind = "inf" if len(loss) and pd.notna(loss.iloc[0]) and math.isinf(float(loss.iloc[0])) else "nan"
+    at = run.layers[run.layers[T.STEP] == step]
+    n_modules = int(at[at[T.TENSOR].isin((T.ACTIVATION, T.WEIGHT))][T.MODULE].nunique())
+    facts = _step_facts(run, streaks, step)
+    skips, skip_nums = _skips(facts, step)
+    return Finding(
+        "nonfinite_forward",
+        CRITICAL,
+        "nan/inf first appears in the loss, outside the recorded modules",
+        f"At step {step}, the loss was {kind} while every output and weight of the {n_modules} module(s) "
+        f"recorded at that step was finite: the {kind} came from code outside the captured modules, the model's "
+        f"own forward between or after its submodules, or the loss ({affected} sampled step(s) affected). "
+        f"{skips}.",
+        f"Inspect the model's forward code outside its submodules and the loss at step {step}: a division, log "
+        "or exp without a guard, or a nan/inf constant. Computed in a submodule, it would be recorded.",
+        numbers={"step": step, "steps_affected": affected, "finite_modules": n_modules, **skip_nums},
     )
 
 
