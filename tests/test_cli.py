@@ -146,6 +146,41 @@ def test_a_factory_with_too_few_tokens_is_told_a_fix_that_works(
     assert rc == 0, err
 
 
+DEEP_FACTORY = (
+    "from torch import nn\n"
+    "from layers_of_mine import Block\n"
+    "def needs(vocab_size, width, *, depth):\n"
+    "    return nn.Sequential(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))\n"
+    "def deep(vocab_size, width=16):\n"
+    "    return nn.Sequential(nn.Embedding(vocab_size, width), Block(width))\n"
+)
+LAYERS_OF_MINE = (
+    "from torch import nn\n"
+    "class Block(nn.Module):\n"
+    "    def __init__(self, width):\n"
+    "        super().__init__()\n"
+    "        self.fc = nn.Linear(width, width * 'two')  # the user's bug\n"
+)
+
+
+def test_a_factory_missing_an_argument_or_failing_deep_inside_says_where(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A factory parameter without a default that no -a gave: Python's "missing 1 required positional argument:
+    'width'" did not say how to give it. A factory that fails in the user's own code a few calls down: the one
+    line kept only the exception, not where in their files it was raised."""
+    (tmp_path / "layers_of_mine.py").write_text(LAYERS_OF_MINE)
+    f = tmp_path / "deep.py"
+    f.write_text(DEEP_FACTORY)
+    rc, _, err = run_main(["train", "--model", f"{f}:needs", *TINY], capsys)
+    assert_one_line_error(rc, err, "needs width, depth", "pass -a width=VALUE -a depth=VALUE")
+    rc, _, err = run_main(["train", "--model", f"{f}:deep", *TINY], capsys)
+    line = next(i for i, text in enumerate(LAYERS_OF_MINE.splitlines(), 1) if "the user's bug" in text)
+    assert_one_line_error(
+        rc, err, "raised TypeError", f"(at {tmp_path / 'layers_of_mine.py'}:{line}, in __init__)"
+    )
+
+
 IMAGE_MODEL = (
     "from torch import nn\n"
     "def make(**kw):\n"

@@ -6,6 +6,8 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import sysconfig
+import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,7 @@ def _load_factory(spec: str) -> Callable[..., Any]:
 def _build_factory(spec: str, args: Mapping[str, Any], vocab_size: int, seq_len: int) -> BuiltModel:
     factory = _load_factory(spec)
     kwargs = {k: coerce_value(v) for k, v in args.items()}
+    params: Mapping[str, inspect.Parameter] = {}
     try:
         params = inspect.signature(factory).parameters
         var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -73,11 +76,12 @@ def _build_factory(spec: str, args: Mapping[str, Any], vocab_size: int, seq_len:
                 kwargs[k] = v
     except (TypeError, ValueError):  # builtins and some C callables have no signature
         pass
+    _check_required(spec, params, kwargs)
     try:
         module = factory(**kwargs)
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"model factory {spec!r} raised {type(e).__name__}: {msg}") from None
+        raise UserError(f"model factory {spec!r} raised {type(e).__name__}: {msg}{_where(e)}") from None
     if not isinstance(module, nn.Module):
         raise UserError(f"model factory {spec!r} returned {type(module).__name__}, not a torch.nn.Module")
     check_forward_contract(module, spec)
@@ -93,6 +97,34 @@ def _build_factory(spec: str, args: Mapping[str, Any], vocab_size: int, seq_len:
         max_seq_len=None,
         pass_targets=accepts_targets(module),
     )
+
+
+def _check_required(spec: str, params: Mapping[str, inspect.Parameter], kwargs: Mapping[str, Any]) -> None:
+    """UserError naming the factory's parameters without a default that no --model-arg gives, and how to give
+    them: Python's "missing 1 required positional argument" did not say that -a passes them."""
+    missing = [
+        name
+        for name, p in params.items()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in kwargs
+    ]
+    if missing:
+        raise UserError(
+            f"model factory {spec!r} needs {', '.join(missing)} (no default, and no --model-arg gives "
+            f"{'it' if len(missing) == 1 else 'them'}): pass " + " ".join(f"-a {m}=VALUE" for m in missing)
+        )
+
+
+def _where(e: BaseException) -> str:
+    """Where the user's own code raised ``e``: " (at file.py:12, in build)" for the innermost frame of its
+    traceback in a file of neither Python's nor an installed package's, "" when there is none. The one-line
+    error keeps the failure's place, which the user needs when it lies deep inside their model's code."""
+    installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    frames = traceback.extract_tb(e.__traceback__)[1:]  # the first is this module's call of the factory
+    own = [f for f in frames if not f.filename.startswith(("<", *installed))]
+    if not own:
+        return ""
+    f = own[-1]
+    return f" (at {f.filename}:{f.lineno}, in {f.name})"
 
 
 def _too_few_tokens(spec: str, vocab: int, vocab_size: int, given: str | None) -> UserError:
