@@ -250,6 +250,14 @@ def test_comparison_page(comparison: tuple[A.Comparison, Path]) -> None:
     assert any(n.startswith("How each run ran: ") for n in comp.notes)
     assert all(n.replace("'", "&#39;") in html for n in comp.notes)
     assert "Verdict check" in html and comp.checks[0].text.split(":")[0] in html.replace("&#39;", "'")
+    # the page's definition of a final loss is what was computed: it said "the last tenth of the steps", and
+    # averaged the last 5 of 8
+    said = re.search(r"fp32's last (\d+) of (\d+)\)", html.replace("&#39;", "'"))
+    assert said is not None, html
+    window, of = int(said[1]), int(said[2])
+    loss = T.read_tables(out / "fp32")["steps"].sort_values(T.STEP)[T.LOSS].to_numpy(dtype=float)
+    assert of == len(loss) == STEPS and window > of // 10
+    assert comp.runs[0].final_loss == pytest.approx(float(loss[-window:].mean()), rel=1e-12)
     assert all(r.tokens_per_s_basis == "unsampled steps" for r in comp.runs)
     assert "median step without per-layer capture (profiling excluded);" in html
     # one run timed only on profiled steps: not compared with the others' unprofiled ones

@@ -25,6 +25,7 @@ from precprof.analysis.comparison import (
     describe_scale,
     finite,
     setup_differences,
+    smoothing_window,
 )
 from precprof.analysis.throughput import BASIS_ALL, BASIS_UNSAMPLED
 from precprof.modes import MODE_COLORS
@@ -387,6 +388,9 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
         "generated": time.strftime("%Y-%m-%d %H:%M"),
         "reference": ref.label,
         "tolerance": comparison.tolerance,
+        # the steps a final loss averages (``smoothing_window``), the reference's, for the page's definition
+        "final_window": smoothing_window(ref.steps),
+        "final_of": ref.steps,
         "summary_lines": comparison.summary_lines,
         "checks": [c.to_dict() for c in comparison.checks],
         "status_meaning": {
