@@ -581,6 +581,8 @@ def test_the_step_a_crash_cut_off_is_not_counted_as_done(tmp_path: Path) -> None
     ), banner
     header = page.split('<ul class="headline">', 1)[1].split("</ul>", 1)[0]
     assert f'<span class="k">steps</span><span class="v">{done}</span>' in header, header
+    sampled = T.read_tables(out)["layers"][T.STEP].nunique()  # the cut-off step's records are kept
+    assert f'<span class="k">sampled steps</span><span class="v">{sampled} (1 cut off)</span>' in header
 
 
 def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path: Path) -> None:

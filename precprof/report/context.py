@@ -163,7 +163,11 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
     if n_steps is not None:
         out.append(("steps", F.count(n_steps)))
     if not layers.empty:
-        out.append(("sampled steps", F.count(layers[T.STEP].nunique())))
+        # the step a crash cut off keeps what it recorded, so it is sampled but not among the steps above
+        sampled = set(layers[T.STEP].dropna().astype(int))
+        cut_off = steps[T.flags(steps[T.CUT_OFF]).to_numpy()] if T.CUT_OFF in steps else steps.iloc[:0]
+        cut = len(sampled & set(cut_off[T.STEP].dropna().astype(int)))
+        out.append(("sampled steps", F.count(len(sampled)) + (f" ({F.count(cut)} cut off)" if cut else "")))
     if not steps.empty:
         out.append(("skipped steps", F.count(int(T.flags(steps[T.SKIPPED]).sum()))))
         loss = pd.to_numeric(steps[T.LOSS], errors="coerce").dropna()
