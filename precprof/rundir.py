@@ -97,6 +97,11 @@ def _holds_run(path: Path) -> list[str]:
 
 
 def _describe_existing(path: Path) -> str:
+    """What ``path`` holds that a run would write over: a precprof run (its status), or, without a summary or a
+    stream, files of someone else's under a run's names (a user's own layers.parquet is no precprof run)."""
+    found = _holds_run(path)
+    if T.SUMMARY_FILE not in found and parts.STREAM_DIR not in found:
+        return f"{path} holds {', '.join(found)}, which a run writes over, but no precprof run (no {T.SUMMARY_FILE})"
     try:
         status = T.read_summary(path).get(T.SUMMARY_STATUS) or "no summary"
     except UserError:

@@ -159,6 +159,24 @@ def test_an_existing_run_is_never_overwritten_silently(
     assert (out / "notes.txt").read_text() == "the user's own file"  # only precprof's files are replaced
 
 
+def test_a_folder_with_a_users_own_table_is_not_called_a_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out at a folder holding the user's own layers.parquet: it was refused as "already holds a precprof
+    run (no summary)". It is refused still (the run would write over that file), saying which file and that it
+    is no run."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    pd.DataFrame({"layer": ["a", "b"], "size": [1, 2]}).to_parquet(out / "layers.parquet")
+    before = (out / "layers.parquet").read_bytes()
+    rc, _, err = run_main(["train", "--out", str(out), *TINY, "--steps", "2"], capsys)
+    assert rc == 2
+    line = one_line_error(err)
+    assert "holds layers.parquet, which a run writes over, but no precprof run (no summary.json)" in line
+    assert "already holds a precprof run" not in line and "--overwrite" in line
+    assert (out / "layers.parquet").read_bytes() == before and sorted(os.listdir(out)) == ["layers.parquet"]
+
+
 def test_overwrite_is_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run_main(["train", "--help"], capsys)
     assert rc == 0 and "--overwrite" in out
