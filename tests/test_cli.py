@@ -181,6 +181,32 @@ def test_a_factory_missing_an_argument_or_failing_deep_inside_says_where(
     )
 
 
+ECHO_FACTORY = "def echo(**kw):\n    raise ValueError(repr(sorted(kw.items())))\n"
+
+
+def test_model_args_that_read_as_numbers_but_are_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """-a name=007 reached the factory as the int 7, and there was no way to pass a string of digits. A number
+    with leading zeros stays the string it is, and quotes keep a string; plain numbers, booleans and none are
+    converted as before. A built-in model's integer setting still takes 01 as 1."""
+    f = tmp_path / "echo.py"
+    f.write_text(ECHO_FACTORY)
+    given = ["name=007", "code='12'", 'tag="true"', "n=12", "x=-0.5", "flag=true", "nothing=none", "zero=0"]
+    rc, _, err = run_main(
+        ["train", "--model", f"{f}:echo", *(a for g in given for a in ("-a", g)), *TINY], capsys
+    )
+    got = {"code": "12", "flag": True, "n": 12, "name": "007", "nothing": None, "tag": "true", "x": -0.5}
+    got |= {"zero": 0, "seq_len": 8, "vocab_size": 256}  # the last two: what precprof passes
+    assert_one_line_error(rc, err, f"raised ValueError: {sorted(got.items())!r}")
+    from precprof.models import build_model
+
+    built = build_model(
+        "gpt-nano", {"n_layer": "01", "n_embd": "32", "n_head": "2"}, vocab_size=256, seq_len=8
+    )
+    assert sum(type(m).__name__ == "GPTBlock" for m in built.module.modules()) == 1
+
+
 IMAGE_MODEL = (
     "from torch import nn\n"
     "def make(**kw):\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,15 +49,26 @@ def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+# an integer written with leading zeros ("007"): an id or a code more often than a number, kept as written
+_PADDED_INT = re.compile(r"[+-]?0[0-9]+")
+
+
 def coerce_value(value: Any) -> Any:
-    """A command-line string as the int, float, bool or None it spells; other strings and non-strings as is."""
+    """A command-line string as the int, float, bool or None it spells; other strings and non-strings as is.
+
+    Two ways keep a string that reads as a number: leading zeros ("007" stays "007", where int() made it 7),
+    and quotes around it ('"12"' is "12", the quotes removed)."""
     if not isinstance(value, str):
         return value
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return value[1:-1]
     low = value.lower()
     if low in ("true", "false"):
         return low == "true"
     if low in ("none", "null"):
         return None
+    if _PADDED_INT.fullmatch(value):
+        return value
     for conv in (int, float):
         try:
             return conv(value)
@@ -70,6 +82,8 @@ def _coerce_to(name: str, value: Any, like: Any, where: str) -> Any:
     if isinstance(like, str) and isinstance(value, str):
         return value  # a string setting keeps "1" as "1"
     v = coerce_value(value)
+    if isinstance(v, str) and _PADDED_INT.fullmatch(v) and type(like) in (int, float):
+        v = int(v)  # a setting that is a number takes 007 as 7
     if like is None or v is None:
         return v
     is_number = isinstance(v, (int, float)) and not isinstance(v, bool)
