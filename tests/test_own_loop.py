@@ -398,3 +398,44 @@ def test_a_loop_taking_its_gradients_with_autograd_grad_is_told_they_were_not_re
     said = "not read on 3 sampled step(s): their backward left no gradient in any parameter's .grad"
     assert (said in page) != assign
     assert ("torch.autograd.grad" in page) != assign
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_an_optimizer_stepped_inside_backward_is_told_apart_and_read_when_given(
+    tmp_path: Path, given: bool
+) -> None:
+    """PyTorch's recipe of an optimizer step fused into the backward pass: a post-accumulate-grad hook, registered
+    before precprof's, steps a per-parameter optimizer and clears ``.grad``. The report blamed
+    ``torch.autograd.grad``, which the loop does not use; it names this recipe too, and with the optimizers given
+    the gradients are read as each one steps, equal to those the hook saw."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opts = {p: torch.optim.SGD([p], lr=0.05) for p in model.parameters()}
+    seen: dict[int, torch.Tensor] = {}
+
+    def step_in_backward(p: torch.Tensor) -> None:
+        seen[id(p)] = p.grad.detach().clone()
+        opts[p].step()
+        opts[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    with precprof.Profiler(
+        model, list(opts.values()) if given else None, sample_every=1, memory=False
+    ) as prof:
+        for step in range(3):
+            x, y = batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            prof.step()
+    assert prof.summary()["weight_grads_unread_steps"] == (0 if given else 3)
+    layers = prof.tables()["layers"]
+    grads = layers[(layers[T.TENSOR] == T.WEIGHT_GRAD) & (layers[T.STEP] == 2)]
+    assert len(grads) == (len(seen) if given else 0)
+    for _, row in grads.iterrows():
+        p = dict(model.named_parameters())[f"{row[T.MODULE]}.{row[T.PARAM]}"]
+        assert row[T.ZEROS] == int((seen[id(p)] == 0).sum()) and row[T.ABSMAX] == float(
+            seen[id(p)].abs().max()
+        )
+    prof.report(tmp_path / "run")
+    page = " ".join(html.unescape((tmp_path / "run" / T.REPORT_FILE).read_text()).split())
+    assert ("an optimizer stepped inside the backward pass" in page) != given

@@ -90,6 +90,22 @@ def test_a_recompile_later_in_the_run_is_not_the_runs_time_nor_the_unsampled_tim
     assert s.compile_steps == frames
 
 
+def test_a_loop_that_compiles_on_every_step_still_samples() -> None:
+    """A loop that compiles something on every step (a fresh function each step, ``torch._dynamo.reset()`` each
+    step): every unsampled step was left out as a recompile, none was timed, and the budget never allowed a
+    sample after the first two (2 of 60). Compiling is then the step's own time: it counts."""
+    s = S.Sampler(every=None, budget=0.03)
+    reasons = []
+    for step in range(600):
+        reason = s.decide(step)
+        s.observe(step, reason, 0.040 if reason else 0.010, step)  # the frame counter moves every step
+        reasons.append(reason)
+    assert s.compile_steps == S.COMPILES_IN_A_ROW + 1  # the first unsampled step and the next ones in a row
+    assert s.unsampled_s == pytest.approx(0.010)
+    assert s.overhead is not None and 0.02 <= s.overhead <= 0.03
+    assert sum(map(bool, reasons[100:])) >= 4  # 3% of 500 steps of 10 ms: five of 30 ms each
+
+
 def test_a_compiled_model_whose_sequence_length_varies_keeps_its_budget() -> None:
     """torch.compile(model) with its default dynamic=None recompiles at the second sequence length it sees;
     that step's time is Dynamo's, and the budget leaves it out (the pacing is checked on the sampler above): the

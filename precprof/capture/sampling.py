@@ -33,7 +33,10 @@ bought a burst of sampled steps right after it (14 of a compiled Llama's first 1
 "3%"), where the budget is a share of the training's own time. Any later unsampled step in which Dynamo compiled
 (a recompile for a new sequence length, a smaller last batch, an evaluation's first forward; its frame counter
 moved) is left out the same way: counted, a recompile of a second sampled the next steps and, as the median
-of the recent unsampled steps, made a sampled step look free (25 of 30 steps sampled within "3.2%"). A sampled step is costed once, when it ends,
+of the recent unsampled steps, made a sampled step look free (25 of 30 steps sampled within "3.2%"). A loop
+that compiles on every step (a fresh function compiled each step, ``torch._dynamo.reset()`` each step) has
+that in its own step time: after ``COMPILES_IN_A_ROW`` unsampled steps that all compiled, the next ones count
+(left out, none was timed and the budget never allowed a sample again). A sampled step is costed once, when it ends,
 against the median of the last ``RECENT_UNSAMPLED`` unsampled steps (the steps of its own time); those taken
 before any unsampled step was timed (the first steps) are costed against the first one timed. Re-costing every
 past sampled step against the current median made a stretch of slower steps (another process on the machine,
@@ -60,6 +63,9 @@ UNSAMPLED_WINDOW = 64  # unsampled step times the median is taken over
 RECENT_UNSAMPLED = 3  # unsampled step times a sampled step is costed against (those of its own time)
 FIRST_GAP = 10  # synchronized: the first planned gap, before an unsampled step was timed
 REFRESH_EVERY = 16  # budgeted steps sampled in a row before an unsampled one is timed again
+COMPILES_IN_A_ROW = (
+    3  # unsampled steps that compiled in a row, left out; after them, compiling is the step's own
+)
 
 # why a step was sampled (the steps table's sample_reason)
 REASON_INTERVAL = "interval"  # every N-th step (sample_every=N)
@@ -99,6 +105,7 @@ class Sampler:
     _unsampled_seen: bool = False  # the first unsampled step (warm-up of the unsampled path) has passed
     _compiles: int = 0  # Dynamo's frames compiled when the last step ended (``_compat.compiles``)
     compile_steps: int = 0  # unsampled steps left out because Dynamo compiled in them
+    _compiled_in_a_row: int = 0  # the last unsampled steps that compiled, in a row
     _since_unsampled: int = 0  # steps sampled since the last unsampled one
     next_step: int | None = None  # with ``synchronized``, the next budgeted step
 
@@ -231,10 +238,12 @@ class Sampler:
                 self._uncosted.append(time_s)
             else:
                 self._cost(time_s - base)
-        elif compiled and self._unsampled_seen:  # a recompile's time, not the training's
+        elif compiled and self._unsampled_seen and self._compiled_in_a_row < COMPILES_IN_A_ROW:
+            self._compiled_in_a_row += 1  # a recompile's time, not the training's
             self.compile_steps += 1
             return
         elif self._unsampled_seen:
+            self._compiled_in_a_row = self._compiled_in_a_row + 1 if compiled else 0
             self._unsampled.append(time_s)
             uncosted, self._uncosted = (
                 self._uncosted,

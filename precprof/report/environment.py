@@ -86,14 +86,18 @@ def _int(v: Any) -> int | None:
 
 def weight_grads_unread(capture: Mapping[str, Any]) -> str:
     """Why no weight gradient was read on some sampled steps ("" when every one's was): their backward left
-    none in ``.grad`` (``torch.autograd.grad`` returns them and accumulates nothing), where precprof reads them."""
+    none in ``.grad``, where precprof reads them: ``torch.autograd.grad`` returns them and accumulates nothing,
+    and an optimizer stepped inside the backward pass (PyTorch's recipe: a post-accumulate-grad hook that steps
+    and clears ``.grad``, registered before precprof's) leaves none either. Both are said, with what to do."""
     n = _int(capture.get("weight_grads_unread_steps"))
     if not n:
         return ""
     return (
-        f"not read on {F.count(n)} sampled step(s): their backward left no gradient in any parameter's .grad, "
-        "where precprof reads them (a loop that takes its gradients with torch.autograd.grad); the advice is "
-        "made without them. Assign them to .grad and give the Profiler the optimizer to have them read"
+        f"not read on {F.count(n)} sampled step(s): their backward left no gradient in any parameter's .grad "
+        "where precprof reads them: a loop that takes its gradients with torch.autograd.grad, or an optimizer "
+        "stepped inside the backward pass (a post-accumulate-grad hook that steps and clears .grad); the advice "
+        "is made without them. Give the Profiler the optimizers to have them read as each one steps (with "
+        "torch.autograd.grad, assign them to .grad first)"
     )
 
 
