@@ -7,6 +7,7 @@ When torch changes one of these, this is the one file to update; every function 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import sys
@@ -575,6 +576,38 @@ def add_grad_hook(t: torch.Tensor, hook_id: int, hook: Any) -> None:
     hooks[hook_id] = hook
 
 
+# what a copy of a module holds in place of a hook of precprof's (``uncopied``)
+_NO_OP_HOOK = contextlib.nullcontext().__exit__
+
+
+def _copied_hook(memo: Any) -> Any:
+    return _NO_OP_HOOK
+
+
+def _pickled_hook(protocol: Any) -> Any:
+    return getattr, (contextlib.nullcontext(), "__exit__")
+
+
+_LEFT_BEHIND_BY_COPIES = {"__deepcopy__": _copied_hook, "__reduce_ex__": _pickled_hook}
+
+
+def uncopied(hook: Callable[_P, _T]) -> Callable[_P, _T]:
+    """``hook``, called as it is, in a form that a copy of the module it is on leaves behind.
+
+    A copy of a module (``copy.deepcopy``: ``AveragedModel``'s SWA or EMA copy, a "best model so far"; pickle:
+    ``torch.save(model)``) copies its hook dictionaries, and with them any hook of precprof's in place then
+    (during a sampled step, and between two sampled steps in a row, which keep them). Copied, a hook failed the
+    copy (a closure does not pickle; a bound method deep-copied precprof's state, ctypes pointers and all) or
+    would have tied the copy to the Profiler. Here it is a ``functools.partial`` whose ``__deepcopy__`` and
+    ``__reduce_ex__``, which ``copy`` and ``pickle`` look up on the object itself, give the copy a no-op of the
+    standard library instead: ``nullcontext().__exit__`` takes any arguments and returns None, as a hook that
+    changes nothing must. The copy is not profiled, holds nothing of precprof's, and a pickled model loads where
+    precprof is not installed. A partial calls its function straight from C: about 20 ns more a call."""
+    wrapped = functools.partial(hook)
+    wrapped.__dict__ = _LEFT_BEHIND_BY_COPIES  # one dictionary for all: nothing is ever set in it
+    return wrapped
+
+
 class HookSet:
     """Module forward hooks and parameter post-accumulate-grad hooks installed and removed in bulk, once per
     sampled step: straight into the hook dictionaries that ``register_forward_pre_hook``,
@@ -582,7 +615,9 @@ class HookSet:
     ``RemovableHandle``'s counter (so they never collide with anyone's), without a ``RemovableHandle`` per hook
     per step (thousands of objects per sampled step, and the garbage collections they set off). Where a torch
     lacks those dictionaries, the public ``register_*`` calls and their handles. A frozen parameter's hook is
-    kept in its dictionary too, and fires once the parameter is unfrozen (gradual unfreezing)."""
+    kept in its dictionary too, and fires once the parameter is unfrozen (gradual unfreezing). A copy of a
+    module leaves its hooks behind (:func:`uncopied`); a copy of a parameter never takes its hooks (torch's
+    ``Parameter.__deepcopy__`` and ``__reduce_ex__`` leave them)."""
 
     def __init__(
         self,
@@ -590,7 +625,16 @@ class HookSet:
         params: list[tuple[torch.Tensor, Any]],
         kwargs_pre: Any = None,
     ) -> None:
-        self._modules = modules  # (module, pre-hook or None, forward hook or None, always_call)
+        # (module, pre-hook or None, forward hook or None, always_call)
+        self._modules = [
+            (
+                m,
+                uncopied(pre) if pre is not None else None,
+                uncopied(post) if post is not None else None,
+                always,
+            )
+            for m, pre, post, always in modules
+        ]
         self._params = params  # (parameter, hook)
         # the module (if any) whose pre-hook also takes the forward's keyword arguments: (module, args, kwargs)
         self._kwargs_pre = kwargs_pre

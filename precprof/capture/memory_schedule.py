@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from precprof import _compat
 from precprof.capture.storage import _tensors_in
 
 FIRST = 2  # the first sampled steps, always measured
@@ -87,7 +88,7 @@ class MemorySchedule:
         self._arm = arm
         if self.watch_shapes and self.every > 1 and model is not None:
             if self._handle is None:
-                self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+                self._handle = model.register_forward_pre_hook(_compat.uncopied(self._hook), with_kwargs=True)
             self._armed = True
         return self.measuring
 
