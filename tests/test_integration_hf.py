@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib.util
+import io
 import json
 import math
 import time
@@ -710,3 +713,30 @@ def test_a_train_resumed_from_a_checkpoint_continues_the_run_unless_told_to_repl
     assert steps[T.STEP].tolist() == [0, 1, 2, 3] and read.restarts == [2]
     assert steps[T.LOSS].tolist() == pytest.approx(logged, rel=1e-6)
     assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+
+
+class _Copies(TrainerCallback):  # type: ignore[misc]
+    """A copy of the model at each step's end, deep (an EMA's, a "best model so far") and saved whole."""
+
+    def __init__(self) -> None:
+        self.copies: list[Any] = []
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self.copies.append(copy.deepcopy(model))
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        self.copies.append(torch.load(buf, weights_only=False))
+
+
+def test_copies_of_the_model_during_training_leave_precprofs_hooks_behind(tmp_path: Path) -> None:
+    """The callback's forward hook stays on the model for the whole training, precprof's own between two
+    sampled steps: a copy made at any step holds no-ops in their place, and trains."""
+    copies = _Copies()
+    make_trainer(tmp_path, [PrecprofCallback(out=tmp_path / "run", sample_every=1), copies]).train()
+    assert len(copies.copies) == 2 * STEPS
+    batch = TokenData()[0]
+    for c in copies.copies:
+        hooks = [h for m in c.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+        assert hooks and all(getattr(h, "__func__", None) is contextlib.nullcontext.__exit__ for h in hooks)
+        c(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import importlib.util
 import time
 import warnings
@@ -592,3 +594,29 @@ def test_a_second_fit_from_a_checkpoint_continues_the_run_unless_told_to_replace
     assert steps[T.STEP].tolist() == list(range(6)) and read.restarts == [4]
     assert steps[T.LOSS].tolist() == pytest.approx(losses, rel=0, abs=0)
     assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+
+
+class _Copies(L.Callback):  # type: ignore[misc]
+    """A deep copy of the module after each batch (an EMA's, a "best model so far")."""
+
+    def __init__(self) -> None:
+        self.copies: list[Any] = []
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.copies.append(copy.deepcopy(pl_module))
+
+
+def test_copies_of_the_module_during_training_leave_precprofs_hooks_behind(tmp_path: Path) -> None:
+    """The callback's hook on the token embedding stays for the whole fit, precprof's own between two sampled
+    steps: a copy made at any batch holds no-ops in their place, and trains."""
+    copies = _Copies()
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1)
+    quiet_trainer(tmp_path, cb, copies, max_steps=4, precision="32-true").fit(TinyLM(), loader())
+    assert len(copies.copies) == 4
+    x, _ = next(iter(loader()))
+    for c in copies.copies:
+        hooks = [h for m in c.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+        assert hooks and all(getattr(h, "__func__", None) is contextlib.nullcontext.__exit__ for h in hooks)
+        c.net(x).sum().backward()

@@ -193,7 +193,9 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._remove_embedding_hook()
         embedding = token_embedding(pl_module)
         if embedding is not None:
-            self._embedding_hook = embedding.register_forward_pre_hook(self._embedding_input)
+            self._embedding_hook = embedding.register_forward_pre_hook(
+                _compat.uncopied(self._embedding_input)
+            )
         wrapped = getattr(trainer.strategy, "model", None)
         self._last_global_step = int(trainer.global_step)
         self._next_step = None
