@@ -1847,14 +1847,7 @@ def test_buffers_a_cast_rounded_are_told_from_those_it_cannot_have_changed() -> 
     (2^-7)."""
     torch.manual_seed(0)
     model = Buffered().to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
-        for _ in range(2):
-            loss = model(torch.randn(4, 8, dtype=torch.bfloat16)).float().square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss)
+    prof = _two_bf16_steps(model)
     bufs = {b["buffer"]: b for b in prof.summary()["low_precision_buffers"]}
     assert bufs["mask"]["exact"] is True and "rounding" not in bufs["mask"]
     assert bufs["scales"] == {**bufs["scales"], "exact": True}
@@ -1866,6 +1859,19 @@ def test_buffers_a_cast_rounded_are_told_from_those_it_cannot_have_changed() -> 
     assert f.modules == ["consts"] and "consts.positions (bfloat16)" in f.message
     assert "mask" not in f.message and "scales" not in f.message
     assert rec.finding("low_precision_buffers") is None and rec.finding("low_precision_rope") is None
+
+
+def _two_bf16_steps(model: nn.Module) -> Profiler:
+    """Two AdamW steps of a bf16 ``model`` on inputs of 8 features, every step sampled."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(2):
+            loss = model(torch.randn(4, 8, dtype=torch.bfloat16)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    return prof
 
 
 class RootBuffers(nn.Module):
@@ -1891,14 +1897,7 @@ def test_buffers_of_the_root_and_of_containers_are_read() -> None:
     fp32 = RootBuffers()
     before = {n: b.clone() for n, b in fp32.named_buffers()}
     model = fp32.to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
-        for _ in range(2):
-            loss = model(torch.randn(4, 8, dtype=torch.bfloat16)).float().square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            prof.step(loss=loss)
+    prof = _two_bf16_steps(model)
     rec = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
     rope = must(rec, "low_precision_rope")
     assert rope.modules == [""] and "inv_freq (bfloat16)" in rope.message and ".inv_freq" not in rope.message

@@ -136,6 +136,24 @@ def test_bf16_pure_parameters_are_2n() -> None:
     assert total(rows, T.OPTIMIZER_STATES, dtype="float32") == 4 * 4
 
 
+def _to_masters(params: list[nn.Parameter], masters: list[torch.Tensor]) -> None:
+    """The bf16 model's gradients copied to its fp32 masters, as the pure-bf16 recipe does."""
+    for m, p in zip(masters, params, strict=True):
+        m.grad = p.grad.float()
+
+
+def _master_step(
+    model: nn.Module, opt: torch.optim.Optimizer, params: list[nn.Parameter], masters: list[torch.Tensor]
+) -> None:
+    """The optimizer steps the masters, the model's weights are copied back from them, both sets' gradients go."""
+    opt.step()
+    with torch.no_grad():
+        for m, p in zip(masters, params, strict=True):
+            p.copy_(m)
+    opt.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+
+
 def test_bf16_pure_with_fp32_master_weights() -> None:
     """The standard pure-bf16 recipe: bf16 model, optimizer on fp32 masters, grads copied over."""
     model = mlp().to(torch.bfloat16)
@@ -147,14 +165,8 @@ def test_bf16_pure_with_fp32_master_weights() -> None:
     tr.begin_step(0, True)
     x, y = batch()
     F.mse_loss(model(x.bfloat16()).float(), y).backward()
-    for m, p in zip(masters, params, strict=True):
-        m.grad = p.grad.float()
-    opt.step()
-    with torch.no_grad():
-        for m, p in zip(masters, params, strict=True):
-            p.copy_(m)
-    opt.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
+    _to_masters(params, masters)
+    _master_step(model, opt, params, masters)
     rows = tr.end_step(0)
     tr.detach()
     assert total(rows, T.PARAMETERS) == 2 * N_MLP
@@ -194,15 +206,9 @@ def test_a_bf16_model_with_fp32_master_weights_is_a_pure_run_in_memory_too(tmp_p
         for _ in range(2):
             out = model(x)
             F.mse_loss(out.float(), y).backward()
-            for m, p in zip(masters, params, strict=True):
-                m.grad = p.grad.float()
+            _to_masters(params, masters)
             grads = _storage_bytes([p.grad for p in [*params, *masters]])
-            opt.step()
-            with torch.no_grad():
-                for m, p in zip(masters, params, strict=True):
-                    p.copy_(m)
-            opt.zero_grad(set_to_none=True)
-            model.zero_grad(set_to_none=True)
+            _master_step(model, opt, params, masters)
             prof.step(loss=out.float().mean())
     prof.report(tmp_path / "run")
     summary = T.read_summary(tmp_path / "run")
