@@ -69,6 +69,10 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     # loss scale and overflow
     "grad_absmax": ("largest gradient magnitude", "magnitude"),
     "scaled_absmax": ("largest gradient times the loss scale", "magnitude"),
+    "fitting_scale_log2": (
+        "largest loss scale that keeps the largest gradient below the headroom",
+        "scale_log2",
+    ),
     "margin": ("headroom kept below FP16's maximum", "number"),
     "loss_scale": ("loss scale", "scale"),
     "max_scale": ("largest loss scale in effect", "scale"),

@@ -14,7 +14,9 @@ user's own loop with ``precprof.Profiler`` attached (``loop.train_profiled``), a
   without a scaler flushes next to none of them, and the advisor must not read ReLU's zeros as flushes;
 - ``dead_layers``: three layers whose gradients are all zero in fp16 under a GradScaler at 2^16 (in fp32 none
   is): the advisor must say so, not "nothing to fix";
-- ``summed_loss``: gradients that overflow fp16 at GradScaler's default 2^16: the advised start skips none.
+- ``summed_loss``: gradients that overflow fp16 at GradScaler's default 2^16: the advised start skips none;
+- ``weighted_loss``: a loss multiplied by a constant far from 1: gradients too large for any loss scale the
+  advice allows, or too small for the largest (and for bf16).
 
 They double as examples of the API: ``Profiler(model, optimizer=..., scaler=...)``, ``prof.step(loss=...)``,
 ``prof.tables()`` and ``precprof.recommend(tables, hardware=..., summary=...)``.

@@ -296,27 +296,22 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
             )
         )
     else:
-        k = math.floor(math.log2(limit / gmax))
-        # log2 is rounded: settle the strict inequality max|g| * 2^k < limit exactly.
-        while math.ldexp(gmax, k) >= limit:
-            k -= 1
-        while math.ldexp(gmax, k + 1) < limit:
-            k += 1
-        raw = k
-        k = min(max(k, cfg.min_loss_scale_log2), cfg.max_loss_scale_log2)
+        raw = _fitting_scale_log2(gmax, limit)
+        k = min(max(raw, cfg.min_loss_scale_log2), cfg.max_loss_scale_log2)
         plan.loss_scale_log2 = k
-        clamp = ""
-        if k != raw:
-            clamp = f" (clamped from 2^{raw} to the configured range 2^{cfg.min_loss_scale_log2}..2^{cfg.max_loss_scale_log2})"
         out = (
             f" (leaving out {excluded} sampled step(s) whose forward pass was already non-finite)"
             if excluded
             else ""
         )
-        keeps = (
-            f"{_pow2(k)} is the largest power of two that keeps it below 65504 / {2**cfg.fp16_margin_log2} = "
-            f"{_g(limit)} (max|g| x 2^{k} = {_g(math.ldexp(gmax, k))}){clamp}"
-        )
+        over = _shifted_overflow(run.exponent_counts(*T.GRADIENT_KINDS), FP16, k)
+        keeps = _scale_said(cfg, gmax, raw, k, over)
+        overflows = math.ldexp(gmax, k) >= FP16.overflow_min
+        if overflows:
+            plan.fp16_block.append(
+                f"no loss scale the advice allows keeps the gradients in fp16's range (at {_pow2(k)}, the smallest, "
+                + (f"at least {int(over):,} gradient values overflow)" if over else "the largest overflows)")
+            )
         if plan.grad_absmax_bound:
             src = (
                 f"fp16 gradients became inf at scale {_g(FP16.overflow_min / bound)}"
@@ -339,6 +334,8 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
         else:
             message = f"The largest gradient magnitude seen is {_g(gmax)}{out}; {keeps}."
             remedy = f"Start GradScaler at init_scale={_scale(k)}."
+        if overflows:
+            remedy = _too_large_remedy(run, raw, k)
         plan.add(
             Finding(
                 "fp16_loss_scale",
@@ -353,6 +350,9 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                     "margin": 2.0**cfg.fp16_margin_log2,
                     "scaled_absmax": math.ldexp(gmax, k),
                     "steps_excluded": excluded,
+                    # clamped to the range the advice allows: the scale the gradients allow, and what overflows
+                    **({"fitting_scale_log2": raw} if raw != k else {}),
+                    **({"overflow_values": int(over)} if over else {}),
                 },
             )
         )
@@ -367,6 +367,52 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                 )
     _rule_fp16_gradient_overflow(run, plan)
     _rule_scaler(run, plan)
+
+
+def _fitting_scale_log2(gmax: float, limit: float) -> int:
+    """The largest k with ``gmax`` * 2^k < ``limit``, unclamped."""
+    k = math.floor(math.log2(limit / gmax))
+    # log2 is rounded: settle the strict inequality max|g| * 2^k < limit exactly.
+    while math.ldexp(gmax, k) >= limit:
+        k -= 1
+    while math.ldexp(gmax, k + 1) < limit:
+        k += 1
+    return k
+
+
+def _scale_said(cfg: AdvisorConfig, gmax: float, raw: int, k: int, over: float) -> str:
+    """Why 2^k is the loss scale, for the largest gradient ``gmax``: the largest power of two keeping it below the
+    margin under fp16's 65504 (2^``raw``), or the end of the range the advice allows (``cfg``'s loss-scale
+    bounds) that it was clamped to: at the bottom the gradients do not fit (``over`` values, whole binades, a
+    lower bound, overflow there)."""
+    limit = FP16.max / 2.0**cfg.fp16_margin_log2
+    below = f"65504 / {2**cfg.fp16_margin_log2} = {_g(limit)}"
+    scaled = f"max|g| x 2^{k} = {_g(math.ldexp(gmax, k))}"
+    span = f"the configured range 2^{cfg.min_loss_scale_log2}..2^{cfg.max_loss_scale_log2}"
+    if raw >= k:
+        return f"{_pow2(k)} is the largest power of two that keeps it below {below} ({scaled})" + (
+            f" (clamped from 2^{raw} to {span})" if raw > k else ""
+        )
+    fits = (
+        f"at least {int(over):,} gradient values overflow fp16 there"
+        if over
+        else "the largest overflows fp16 there"
+        if math.ldexp(gmax, k) >= FP16.overflow_min
+        else "within fp16's 65504, without the headroom"
+    )
+    return (
+        f"no loss scale the advice allows keeps it below {below}: it needs 2^{raw}, clamped to {span} "
+        f"(AdvisorConfig.min_loss_scale_log2); at {_pow2(k)}, the smallest, {scaled}: {fits}"
+    )
+
+
+def _too_large_remedy(run: _Run, raw: int, k: int) -> str:
+    """What to do with gradients too large for fp16 at the smallest loss scale the advice allows (2^k)."""
+    return (
+        "Use bf16 or fp32, or make the gradients smaller where they arise (a loss summed rather than "
+        f"averaged over a large batch, unnormalised targets): fp16 needs a loss scale of 2^{raw} for them, below "
+        f"the {_pow2(k)} the advice goes down to."
+    )
 
 
 @dataclass(frozen=True)
@@ -677,6 +723,12 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         remedy = f"Scale the loss: GradScaler(init_scale={_scale(k)}) brings the underflow to {_pct(atk)}" + (
             ", a negligible tail." if (atk or 0) > cfg.fp16_underflow_ok else "."
         )
+    elif over_k:  # the scale was clamped where the gradients overflow: not one to start at
+        severity = INFO
+        remedy = (
+            f"No underflow to fix: {_pct(atk)} at {_pow2(k)}, where {int(over_k):,} activation-gradient values "
+            "overflow instead (fp16_loss_scale, fp16_gradient_overflow)."
+        )
     else:
         severity = INFO
         remedy = f"Nothing to fix; GradScaler(init_scale={_scale(k)}) keeps it at {_pct(atk)}."
@@ -742,6 +794,9 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
     n = int(g[T.INF].sum() if not overflowed.empty else g[T.overflow_col("fp16")].sum())
     scales = sorted({float(s) for s in g[T.SCALE].unique()})
     static = _static_scale(run.steps)
+    # the advised scale was clamped at the smallest the advice allows, where the largest gradient still overflows
+    gmax, limit = plan.grad_absmax or 0.0, FP16.max / 2.0**run.cfg.fp16_margin_log2
+    too_large = gmax > 0 and math.ldexp(gmax, plan.loss_scale_log2) >= FP16.overflow_min
     what = (
         "GradScaler skips those steps"
         + (" (its static scale never lowers)" if static else " (and lowers its scale)")
@@ -766,7 +821,9 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
             f"{_listing(mods, run.cfg.max_listed_modules)} "
             f"{'overflow' if real else 'would overflow'} fp16 at {_scales(scales)}; {what}",
             (
-                "Use bf16 or fp32: the loss scale that keeps these gradients finite in fp16 "
+                _too_large_remedy(run, _fitting_scale_log2(gmax, limit), plan.loss_scale_log2)
+                if too_large
+                else "Use bf16 or fp32: the loss scale that keeps these gradients finite in fp16 "
                 f"({_pow2(plan.loss_scale_log2)}) flushes more of the small ones than this run lost."
                 if plan.fp16_scale_raises_underflow
                 else f"Start at {_pow2(plan.loss_scale_log2)} at the most: every sampled step overflowed, so the run "
@@ -775,7 +832,11 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
                 "low scale (--loss-scale static:1) measure the gradients to size it."
                 if plan.grad_absmax_bound
                 else f"Start at the recommended loss scale {_pow2(plan.loss_scale_log2)}, which keeps the largest "
-                "gradient below the limit."
+                + (
+                    "gradient below fp16's 65504 but not below the headroom the advice keeps (fp16_loss_scale)."
+                    if gmax > 0 and math.ldexp(gmax, plan.loss_scale_log2) >= limit
+                    else "gradient below the limit."
+                )
             ),
             modules=mods,
             numbers={"values": n, "steps": len(steps), "max_scale": max(scales)},
