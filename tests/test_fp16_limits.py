@@ -99,3 +99,70 @@ def test_gradients_that_fit_fp16_only_without_the_headroom_at_the_smallest_scale
     assert rec.format == "fp16" and rec.loss_scale == 2.0**k
     at_k, seen_k = weighted_loss.run(weight, "fp16", loss_scale=2.0**k, static=True)
     assert not at_k.tables["steps"][T.SKIPPED].any() and bool(_all(seen_k).isfinite().all())
+
+
+def test_gradients_below_the_largest_allowed_scale_are_stopped_by_the_cap_not_their_range() -> None:
+    """A loss 2^-60 times the usual: its gradients span a few binades near 1e-19, all of them flushed at 2^32,
+    the largest loss scale the advice allows. The remedy said "no single fp16 loss scale covers these gradients'
+    range": it is the cap that stops fp16, and a scale of 2^75 (the one the gradients allow) holds them all.
+    Trained at it, the fp16 run skips no step and its gradients are the fp32 run's; at 2^32 every activation
+    gradient is zero; bf16, the advice, keeps them."""
+    weight = 2.0**-60
+    run, seen = weighted_loss.run(weight)
+    g = _all(seen)
+    raw = _fitting_log2(float(g.abs().max()))
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_gradient_underflow")
+    assert f is not None and f.severity == "critical" and f.numbers["loss_scale_log2"] == 32 < raw
+    assert "covers these gradients' range" not in f.remedy
+    assert f.remedy.startswith(
+        f"Use bf16 or fp32: fp16 needs a loss scale of 2^{raw} to lift these gradients"
+    )
+    assert "AdvisorConfig.max_loss_scale_log2" in f.remedy and "GradScaler can hold" not in f.remedy
+    assert rec.finding("bf16_gradient_underflow") is None and run.recommend("a100").format == "bf16"
+
+    def zeros(seen: list[torch.Tensor]) -> float:
+        return float((_all(seen) == 0).double().mean())
+
+    assert zeros(seen) < 0.01
+    _, seen_cap = weighted_loss.run(weight, "fp16", loss_scale=2.0**32, static=True)
+    assert zeros(seen_cap) > 0.99
+    at_raw, seen_raw = weighted_loss.run(weight, "fp16", loss_scale=2.0**raw, static=True)
+    assert not at_raw.tables["steps"][T.SKIPPED].any() and zeros(seen_raw) < 0.01
+    _, seen16 = weighted_loss.run(weight, "bf16")
+    assert zeros(seen16) < 0.01
+
+
+def test_gradients_below_both_formats_send_the_user_to_fp32_from_both_findings() -> None:
+    """A loss 1e-38 times the usual: gradients among fp32's subnormals, below bf16's smallest value and far below
+    what fp16 at any scale GradScaler can hold lifts into range. fp16_gradient_underflow said "Use bf16 or fp32"
+    and bf16_gradient_underflow "Use fp16 with a loss scale or fp32": each sent the user to the other. Both say
+    fp32 now, and why the other format will not do; the training runs show both formats lose the gradients."""
+    weight = 1e-38
+    run, seen = weighted_loss.run(weight)
+    g = _all(seen)
+    raw = _fitting_log2(float(g.abs().max()))
+    nonzero = g[g != 0]
+    bf16_lost = float((nonzero.float().bfloat16() == 0).double().mean())  # real casts
+    assert raw > 127 and bf16_lost > 0.5
+    rec = run.recommend("t4")
+    f16, b16 = rec.finding("fp16_gradient_underflow"), rec.finding("bf16_gradient_underflow")
+    assert f16 is not None and b16 is not None and f16.severity == b16.severity == "critical"
+    assert (
+        f16.remedy.startswith("Use fp32 (bf16, without a loss scale, flushes ")
+        and "bf16 or" not in f16.remedy
+    )
+    assert f"fp16 needs a loss scale of 2^{raw}" in f16.remedy and "at most 2^127" in f16.remedy
+    assert b16.remedy.startswith("Use fp32 for this model; fp16 is ruled out too: ")
+    assert "fp16 with a loss scale" not in b16.remedy
+    assert bf16_lost >= b16.numbers["share"] > 0.5  # whole binades below 2^-133: a lower bound of the casts'
+    assert rec.format == "fp32"
+
+    # the runs: bf16 and fp16 at the largest allowed scale lose most of the gradients fp32 keeps
+    def zeros(seen: list[torch.Tensor]) -> float:
+        return float((_all(seen) == 0).double().mean())
+
+    assert zeros(seen) < 0.01
+    _, seen_bf16 = weighted_loss.run(weight, "bf16")
+    _, seen_fp16 = weighted_loss.run(weight, "fp16", loss_scale=2.0**32, static=True)
+    assert zeros(seen_bf16) > 0.5 and zeros(seen_fp16) > 0.99

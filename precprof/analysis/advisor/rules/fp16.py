@@ -35,8 +35,9 @@ from precprof.analysis.advisor.evidence import (
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
 from precprof.analysis.advisor.rules.scaler import _rule_scaler
+from precprof.analysis.advisor.rules.updates import bf16_gradient_underflow
 from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2, _scale, _scales
-from precprof.formats import FP16
+from precprof.formats import FP16, FP32_MAX_EXPONENT
 
 
 def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
@@ -363,7 +364,7 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                 f.severity = INFO
                 f.remedy = (
                     f"Do not lower GradScaler to {_scale(plan.loss_scale_log2)}: it raises gradient underflow "
-                    "over what the run had (fp16_gradient_underflow); use bf16 or fp32."
+                    f"over what the run had (fp16_gradient_underflow); use {_wider_than_fp16(run)}."
                 )
     _rule_fp16_gradient_overflow(run, plan)
     _rule_scaler(run, plan)
@@ -384,14 +385,17 @@ def _scale_said(cfg: AdvisorConfig, gmax: float, raw: int, k: int, over: float) 
     """Why 2^k is the loss scale, for the largest gradient ``gmax``: the largest power of two keeping it below the
     margin under fp16's 65504 (2^``raw``), or the end of the range the advice allows (``cfg``'s loss-scale
     bounds) that it was clamped to: at the bottom the gradients do not fit (``over`` values, whole binades, a
-    lower bound, overflow there)."""
+    lower bound, overflow there), at the top they would allow more."""
     limit = FP16.max / 2.0**cfg.fp16_margin_log2
     below = f"65504 / {2**cfg.fp16_margin_log2} = {_g(limit)}"
     scaled = f"max|g| x 2^{k} = {_g(math.ldexp(gmax, k))}"
-    span = f"the configured range 2^{cfg.min_loss_scale_log2}..2^{cfg.max_loss_scale_log2}"
-    if raw >= k:
-        return f"{_pow2(k)} is the largest power of two that keeps it below {below} ({scaled})" + (
-            f" (clamped from 2^{raw} to {span})" if raw > k else ""
+    if raw == k:
+        return f"{_pow2(k)} is the largest power of two that keeps it below {below} ({scaled})"
+    clamp = f"clamped to the configured range 2^{cfg.min_loss_scale_log2}..2^{cfg.max_loss_scale_log2}"
+    if raw > k:
+        return (
+            f"{_pow2(k)} is the largest loss scale the advice allows and keeps it below {below} ({scaled}); the "
+            f"gradients would allow up to 2^{raw}, {clamp} (AdvisorConfig.max_loss_scale_log2)"
         )
     fits = (
         f"at least {int(over):,} gradient values overflow fp16 there"
@@ -401,15 +405,77 @@ def _scale_said(cfg: AdvisorConfig, gmax: float, raw: int, k: int, over: float) 
         else "within fp16's 65504, without the headroom"
     )
     return (
-        f"no loss scale the advice allows keeps it below {below}: it needs 2^{raw}, clamped to {span} "
+        f"no loss scale the advice allows keeps it below {below}: it needs 2^{raw}, {clamp} "
         f"(AdvisorConfig.min_loss_scale_log2); at {_pow2(k)}, the smallest, {scaled}: {fits}"
     )
+
+
+def _capped_scale(run: _Run, plan: _Plan, counts: pd.Series) -> tuple[int, float | None] | None:
+    """Where the loss scale was held down to the largest the advice allows (AdvisorConfig.max_loss_scale_log2)
+    and the scale the gradients allow, 2^raw, would hold all but a negligible share (``fp16_underflow_block``)
+    of the activation-gradient values (``counts``, per binade): (raw, the share that flushes there). None where
+    the cap is not what stops fp16: the gradients span more binades than it holds."""
+    gmax, cfg = plan.grad_absmax, run.cfg
+    if gmax is None or gmax <= 0 or plan.loss_scale_log2 < cfg.max_loss_scale_log2:
+        return None
+    raw = _fitting_scale_log2(gmax, FP16.max / 2.0**cfg.fp16_margin_log2)
+    at_raw = _share(_shifted_underflow(counts, FP16, raw)[0], float(counts.sum()))
+    if raw <= plan.loss_scale_log2 or (at_raw or 0.0) > cfg.fp16_underflow_block:
+        return None
+    return raw, at_raw
+
+
+def _rule_out_for_underflow(
+    run: _Run, plan: _Plan, counts: pd.Series, atk: float, norm_k: float | None, norm_mod: str | None
+) -> str:
+    """Rule fp16 out for activation gradients (``counts``, per binade) of which ``atk`` still underflow at the
+    recommended scale, carrying ``norm_k`` of ``norm_mod``'s gradient norm, and return the remedy: the cap on
+    the loss scale is what stops fp16 where the scale the gradients allow would hold them, else their span."""
+    k = plan.loss_scale_log2
+
+    def lost(scale: str) -> str:
+        return (
+            f"{_pct(atk)} of activation-gradient values still underflow fp16 at {_pow2(k)}, the largest {scale}, "
+            f"taking {_pct(norm_k)} of {_name(norm_mod or '')}'s gradient norm with them"
+        )
+
+    capped = _capped_scale(run, plan, counts)
+    if capped is None:
+        plan.fp16_block.append(
+            lost("safe loss scale") + " (the model's gradients span more binades than fp16 holds)"
+        )
+        return f"Use {_wider_than_fp16(run)}: no single fp16 loss scale covers these gradients' range."
+    raw, at_raw = capped
+    plan.fp16_block.append(
+        lost("loss scale the advice allows")
+        + f" (the gradients are so small that fp16 needs a loss scale of 2^{raw} to hold them)"
+    )
+    return (
+        f"Use {_wider_than_fp16(run)}: fp16 needs a loss scale of 2^{raw} to lift these gradients into its range "
+        f"({_pct(at_raw)} of them would flush there), above the {_pow2(k)} the advice allows "
+        "(AdvisorConfig.max_loss_scale_log2)"
+        + (
+            f" and beyond what GradScaler can hold (it keeps its scale in fp32, at most 2^{FP32_MAX_EXPONENT})"
+            if raw > FP32_MAX_EXPONENT
+            else ""
+        )
+        + "."
+    )
+
+
+def _wider_than_fp16(run: _Run) -> str:
+    """The formats a remedy sends gradients that fp16 cannot hold to: bf16 or fp32, or fp32 alone where bf16
+    flushes them too (bf16_gradient_underflow's threshold)."""
+    _, _, share = bf16_gradient_underflow(run)
+    if share is not None and share > run.cfg.bf16_underflow_block:
+        return f"fp32 (bf16, without a loss scale, flushes {_pct(share)} of them to zero: bf16_gradient_underflow)"
+    return "bf16 or fp32"
 
 
 def _too_large_remedy(run: _Run, raw: int, k: int) -> str:
     """What to do with gradients too large for fp16 at the smallest loss scale the advice allows (2^k)."""
     return (
-        "Use bf16 or fp32, or make the gradients smaller where they arise (a loss summed rather than "
+        f"Use {_wider_than_fp16(run)}, or make the gradients smaller where they arise (a loss summed rather than "
         f"averaged over a large batch, unnormalised targets): fp16 needs a loss scale of 2^{raw} for them, below "
         f"the {_pow2(k)} the advice goes down to."
     )
@@ -677,17 +743,13 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     if worse_than_run:
         severity = CRITICAL if (atk or 0) > cfg.fp16_underflow_block else WARNING
         remedy = (
-            f"Use bf16 or fp32: no fp16 loss scale fits these gradients (the scale that avoids overflow, "
-            f"{_pow2(k)}, flushes {_pct(atk)} of them, against {_pct(at_run)} at the run's {_pow2(k_run)})."
+            f"Use {_wider_than_fp16(run)}: no fp16 loss scale fits these gradients (the scale that avoids "
+            f"overflow, {_pow2(k)}, flushes {_pct(atk)} of them, against {_pct(at_run)} at the run's "
+            f"{_pow2(k_run)})."
         )
     elif atk is not None and atk > cfg.fp16_underflow_block and residual_matters:
         severity = CRITICAL
-        plan.fp16_block.append(
-            f"{_pct(atk)} of activation-gradient values still underflow fp16 at {_pow2(k)}, the largest safe "
-            f"loss scale, taking {_pct(norm_k)} of {_name(norm_mod or '')}'s gradient norm with them (the "
-            "model's gradients span more binades than fp16 holds)"
-        )
-        remedy = "Use bf16 or fp32: no single fp16 loss scale covers these gradients' range."
+        remedy = _rule_out_for_underflow(run, plan, counts, atk, norm_k, norm_mod)
     elif atk is not None and atk > cfg.fp16_underflow_ok and residual_matters:
         severity = WARNING
         remedy = f"Start GradScaler at {_scale(k)}, and consider bf16: {_pct(atk)} still underflows there."
@@ -823,7 +885,7 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
             (
                 _too_large_remedy(run, _fitting_scale_log2(gmax, limit), plan.loss_scale_log2)
                 if too_large
-                else "Use bf16 or fp32: the loss scale that keeps these gradients finite in fp16 "
+                else f"Use {_wider_than_fp16(run)}: the loss scale that keeps these gradients finite in fp16 "
                 f"({_pow2(plan.loss_scale_log2)}) flushes more of the small ones than this run lost."
                 if plan.fp16_scale_raises_underflow
                 else f"Start at {_pow2(plan.loss_scale_log2)} at the most: every sampled step overflowed, so the run "

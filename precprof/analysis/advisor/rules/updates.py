@@ -99,12 +99,18 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         )
 
 
-def _rule_bf16_range(run: _Run, plan: _Plan) -> None:
-    cfg = run.cfg
+def bf16_gradient_underflow(run: _Run) -> tuple[float, float, float | None]:
+    """(values, nonzero values, their share) of the run's gradients that surely underflow bf16, which has no loss
+    scale: whole binades below 2^-133."""
     counts = run.exponent_counts(*T.GRADIENT_KINDS)
     total = float(counts.sum())
     sure, _ = _shifted_underflow(counts, BF16, 0)
-    share = _share(sure, total)
+    return sure, total, _share(sure, total)
+
+
+def _rule_bf16_range(run: _Run, plan: _Plan) -> None:
+    cfg = run.cfg
+    sure, total, share = bf16_gradient_underflow(run)
     acts = run.kind(T.ACTIVATION)
     over = acts[(acts[T.overflow_col("bf16")] > 0) & ~_dtype_has(acts, "bfloat16")]
     if share is not None and share > cfg.bf16_underflow_block:
@@ -116,7 +122,10 @@ def _rule_bf16_range(run: _Run, plan: _Plan) -> None:
                 f"{_pct(share)} of gradients underflow bf16",
                 f"{int(sure):,} of {int(total):,} nonzero gradient values are below 2^-134 and would become "
                 "0 in bf16 (it has no loss scaling).",
-                "Use fp16 with a loss scale or fp32 for this model.",
+                # the fp16 rules ran first: where they rule fp16 out too, only fp32 is left
+                "Use fp32 for this model; fp16 is ruled out too: " + "; ".join(plan.fp16_block) + "."
+                if plan.fp16_block
+                else "Use fp16 with a loss scale or fp32 for this model.",
                 numbers={"underflow_values": int(sure), "nonzero_values": int(total), "share": share},
             )
         )
