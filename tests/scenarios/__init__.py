@@ -16,7 +16,9 @@ user's own loop with ``precprof.Profiler`` attached (``loop.train_profiled``), a
   is): the advisor must say so, not "nothing to fix";
 - ``summed_loss``: gradients that overflow fp16 at GradScaler's default 2^16: the advised start skips none;
 - ``weighted_loss``: a loss multiplied by a constant far from 1: gradients too large for any loss scale the
-  advice allows, or too small for the largest (and for bf16).
+  advice allows, or too small for the largest (and for bf16);
+- ``raw_features``: input features beyond 65504 that fp16 autocast's cast of a Linear's input makes inf: the
+  inf comes from the input, not from inside the Linear.
 
 They double as examples of the API: ``Profiler(model, optimizer=..., scaler=...)``, ``prof.step(loss=...)``,
 ``prof.tables()`` and ``precprof.recommend(tables, hardware=..., summary=...)``.

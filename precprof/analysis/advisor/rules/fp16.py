@@ -68,73 +68,9 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     near = set(per_mod.index[(per_mod["absmax"] >= limit) & (per_mod["absmax"] < FP16.overflow_min)])
     near -= over | observed
     overflow_mods = run.sort(_innermost(over | observed))
-    # an inf in fp16 from a module whose finite values stay far below 65504 and none of whose values was over
-    # it: not its output beyond fp16's range but an intermediate inside it (an exp that overflowed, a log or a
-    # division of a value that underflowed to zero: log(softmax(x)) gives -inf where softmax flushed)
-    inside = {
-        m
-        for m in observed
-        if int(per_mod.loc[m, "overflow"]) == 0
-        and (not math.isfinite(float(per_mod.loc[m, "absmax"])) or float(per_mod.loc[m, "absmax"]) < limit)
-    }
     if overflow_mods:
-        n_over = int(whatif[T.overflow_col("fp16")].sum())
-        amax = float(per_mod.loc[overflow_mods, "absmax"].max())
-
-        def said(m: str) -> str:
-            if m in inside:
-                return (
-                    f"{_name(m)}: {int(per_mod.loc[m, 'inf']):,} inf in fp16 though its largest finite value is "
-                    f"{_g(per_mod.loc[m, 'absmax'])}: an intermediate inside it went out of range (an exp that "
-                    "overflowed, or a log or a division of a value that underflowed to zero)"
-                )
-            return (
-                f"{_name(m)}: max |x| {_g(per_mod.loc[m, 'absmax'])}, "
-                f"{int(per_mod.loc[m, 'overflow']):,} values over 65504"
-                + (f", {int(per_mod.loc[m, 'inf']):,} inf in fp16" if m in observed else "")
-            )
-
-        detail = "; ".join(said(m) for m in overflow_mods[: cfg.max_listed_modules])
-        beyond = [m for m in overflow_mods if m not in inside]
-        plan.add(
-            Finding(
-                "fp16_activation_overflow",
-                CRITICAL if observed else WARNING,
-                f"Activations overflow fp16 in {len(overflow_mods)} module(s)"
-                if beyond
-                else f"fp16 activations turn inf inside {len(overflow_mods)} module(s)",
-                (
-                    f"{len(beyond)} module(s) produce activations beyond fp16's 65504 "
-                    f"({n_over:,} values in fp32/bf16 tensors would become inf"
-                    + (
-                        f"; {len(observed & set(beyond))} module(s) already produced inf in fp16"
-                        if observed
-                        else ""
-                    )
-                    + ")"
-                    + (f", and {len(inside)} turned inf inside" if inside else "")
-                    if beyond
-                    else f"{len(inside)} module(s) produced inf in fp16 from values within its range"
-                )
-                + f": {detail}. No loss scale helps the forward pass.",
-                "Use bf16, or keep these modules in fp32 (outside autocast)"
-                + _normalise_remedy(beyond, _model_inputs(run))
-                + (
-                    "; a fused op keeps the intermediates in range where there is one (F.log_softmax rather than "
-                    "log(softmax(x)))"
-                    if inside
-                    else ""
-                )
-                + ".",
-                modules=overflow_mods,
-                numbers={
-                    "modules": len(overflow_mods),
-                    "overflow_values": n_over,
-                    "absmax": amax if math.isfinite(amax) else None,
-                    "observed_inf_modules": len(observed),
-                },
-            )
-        )
+        causes = _inf_causes(run, plan, observed, over | set(seen[T.MODULE]), per_mod, limit)
+        _add_overflow_finding(run, plan, per_mod, whatif, overflow_mods, observed, causes)
     near_mods = run.sort(_innermost(near))
     if near_mods:
         plan.add(
@@ -192,6 +128,161 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _InfCauses:
+    """Why modules that first held inf in fp16 on a step did, where their own values stayed within range."""
+
+    fed: dict[str, list[str]]  # module -> its inputs that overflowed (``_fed_overflow``)
+    matmul: set[str]  # matmul layers whose input was not recorded: it, or one of their sums, overflowed
+    inside: set[str]  # any other module: an intermediate inside it (an exp, a log or a division)
+
+
+def _inf_causes(
+    run: _Run, plan: _Plan, observed: set[str], overflowed: set[str], per_mod: pd.DataFrame, limit: float
+) -> _InfCauses:
+    """Sort the ``observed`` modules whose finite values stay far below 65504 and none of whose values was over
+    it: not their output beyond fp16's range. One whose input is among the ``overflowed`` rows made inf of it
+    (a Linear reading raw features beyond 65504 makes inf rows, nothing inside it does). Else a matmul layer's
+    input or sums overflowed (its intermediates are its products); any other module's intermediate did (an exp
+    that overflowed, a log or a division of a value that underflowed to zero: log(softmax(x)) gives -inf where
+    softmax flushed)."""
+    fed = _fed_overflow(run, observed, overflowed)
+    within = {
+        m
+        for m in observed
+        if m not in fed
+        and int(per_mod.loc[m, "overflow"]) == 0
+        and (not math.isfinite(float(per_mod.loc[m, "absmax"])) or float(per_mod.loc[m, "absmax"]) < limit)
+    }
+    matmul = within & set(plan.matmul_layers)
+    return _InfCauses(fed, matmul, within - matmul)
+
+
+def _add_overflow_finding(
+    run: _Run,
+    plan: _Plan,
+    per_mod: pd.DataFrame,
+    whatif: pd.DataFrame,
+    overflow_mods: list[str],
+    observed: set[str],
+    causes: _InfCauses,
+) -> None:
+    """fp16_activation_overflow: the modules whose activations go beyond fp16's range (``whatif``: rows that
+    were not fp16, counted at 65504), the ``observed`` ones that held inf in fp16, and why (``causes``)."""
+    cfg = run.cfg
+    inside, fed, matmul = causes.inside, causes.fed, causes.matmul
+    n_over = int(whatif[T.overflow_col("fp16")].sum())
+    amax = float(per_mod.loc[overflow_mods, "absmax"].max())
+
+    def said(m: str) -> str:
+        inf = f"{int(per_mod.loc[m, 'inf']):,} inf in fp16"
+        finite = f"though its largest finite value is {_g(per_mod.loc[m, 'absmax'])}"
+        if m in inside:
+            return (
+                f"{_name(m)}: {inf} {finite}: an intermediate inside it went out of range (an exp that "
+                "overflowed, or a log or a division of a value that underflowed to zero)"
+            )
+        if m in fed:
+            return f"{_name(m)}: {inf} from its input, which overflowed fp16 ({_listing(fed[m], 4)})"
+        if m in matmul:
+            return (
+                f"{_name(m)}: {inf} {finite}: its input held a value beyond 65504 that the cast to fp16 made inf, "
+                "or one of its sums overflowed (precprof did not record its input)"
+            )
+        return (
+            f"{_name(m)}: max |x| {_g(per_mod.loc[m, 'absmax'])}, "
+            f"{int(per_mod.loc[m, 'overflow']):,} values over 65504" + (f", {inf}" if m in observed else "")
+        )
+
+    detail = "; ".join(said(m) for m in overflow_mods[: cfg.max_listed_modules])
+    beyond = [m for m in overflow_mods if m not in inside]
+    made = [m for m in beyond if m not in fed and m not in matmul]  # their own values went beyond 65504
+    readers = run.sort([*fed, *matmul])
+    plan.add(
+        Finding(
+            "fp16_activation_overflow",
+            CRITICAL if observed else WARNING,
+            f"Activations overflow fp16 in {len(overflow_mods)} module(s)"
+            if beyond
+            else f"fp16 activations turn inf inside {len(overflow_mods)} module(s)",
+            _overflow_counts(made, observed, n_over, causes)
+            + f": {detail}. No loss scale helps the forward pass.",
+            "Use bf16, or keep these modules in fp32 (outside autocast)"
+            + _normalise_remedy(made, _model_inputs(run))
+            + (
+                f"; a layer whose {'input or sums overflow' if matmul else 'input overflows'} fp16 "
+                f"({_listing(readers, 4)}) needs that input scaled down (normalise the features) or the layer kept "
+                "in fp32"
+                if readers
+                else ""
+            )
+            + (
+                "; a fused op keeps the intermediates in range where there is one (F.log_softmax rather than "
+                "log(softmax(x)))"
+                if inside
+                else ""
+            )
+            + ".",
+            modules=overflow_mods,
+            numbers={
+                "modules": len(overflow_mods),
+                "overflow_values": n_over,
+                "absmax": amax if math.isfinite(amax) else None,
+                "observed_inf_modules": len(observed),
+            },
+        )
+    )
+
+
+def _overflow_counts(made: list[str], observed: set[str], n_over: int, causes: _InfCauses) -> str:
+    """How many modules went out of fp16's range in each way: their own values beyond 65504 (``made``,
+    ``n_over`` values of them that were not fp16), or inf from within its range (``causes``)."""
+    parts = (
+        [
+            f"{len(made)} module(s) produce activations beyond fp16's 65504 ({n_over:,} values in fp32/bf16 "
+            "tensors would become inf"
+            + (
+                f"; {len(observed & set(made))} module(s) already produced inf in fp16"
+                if observed & set(made)
+                else ""
+            )
+            + ")"
+        ]
+        if made
+        else []
+    )
+    if causes.fed:
+        parts.append(f"{len(causes.fed)} module(s) made inf of an input that overflowed")
+    if causes.matmul:
+        parts.append(f"{len(causes.matmul)} matmul layer(s) made inf of an input or a sum beyond 65504")
+    if causes.inside:
+        parts.append(
+            f"{len(causes.inside)} turned inf inside"
+            if parts
+            else f"{len(causes.inside)} module(s) produced inf in fp16 from values within its range"
+        )
+    return ", and ".join(parts)
+
+
+def _gemm_inputs(run: _Run) -> dict[str, list[str]] | None:
+    """Which modules' outputs each matmul layer read (capture.gemm_inputs); None where the capture did not record
+    it (a run recorded by an older precprof, or before it with block formats off)."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    inputs = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
+    if not isinstance(inputs, Mapping):
+        return None
+    return {str(c): [str(p) for p in v] for c, v in inputs.items() if isinstance(v, list)}
+
+
+def _fed_overflow(run: _Run, observed: set[str], overflowed: set[str]) -> dict[str, list[str]]:
+    """Of the ``observed`` modules (the first to hold inf in fp16 on a step), those whose input is among the
+    ``overflowed`` rows, with those inputs: the module's own input row (a tensor no module made: the model's
+    input, a function's output) or a module whose output it read (capture.gemm_inputs)."""
+    reads = _gemm_inputs(run) or {}
+    fed = {m: [i for i in (m + T.INPUT_SUFFIX, *reads.get(m, [])) if i in overflowed] for m in observed}
+    return {m: run.sort(i) for m, i in fed.items() if i}
+
+
 def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series | None:
     """The activation rows of an autocast run that fp16 autocast would hold in fp16: those this run's autocast
     produced in bf16, and fp32 ones a matmul reads as its input (capture.gemm_inputs, and a layer's own input
@@ -201,15 +292,14 @@ def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series | None
     tensors the matmuls read (a run recorded by an older precprof, or before it with block formats off): every
     tensor counts then, as in a run without autocast. A matmul that ran outside autocast (its output fp32: the
     run keeps it in fp32, as keep_fp32 advises) casts nothing: what it reads stays fp32."""
-    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
-    inputs = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
-    if not isinstance(inputs, Mapping):
+    inputs = _gemm_inputs(run)
+    if inputs is None:
         return None
     names = T.texts(acts[T.MODULE])
     low = (_dtype_has(acts, "float16") | _dtype_has(acts, "bfloat16")).to_numpy()
     seen16 = set(names[low])
     outside = set(names[~low]) - seen16  # modules (matmuls among them) whose every output was fp32
-    read = {str(p) for c, v in inputs.items() if isinstance(v, list) and str(c) not in outside for p in v}
+    read = {p for c, v in inputs.items() if c not in outside for p in v}
     own_input = names.str.endswith(T.INPUT_SUFFIX) & ~names.str.removesuffix(T.INPUT_SUFFIX).isin(outside)
     return _dtype_has(acts, "bfloat16") | acts[T.MODULE].isin(read) | own_input
 

@@ -1,0 +1,70 @@
+"""fp16's forward-pass findings on real tiny training runs (CPU, seconds each): which module a value went out
+of fp16's range in, and which layer the advice names, each checked by the test's own hooks and by training
+the way the advice says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scenarios import raw_features
+
+from precprof import tables as T
+
+
+def _cast_to_inf(steps: int) -> tuple[list[torch.Tensor], int]:
+    """The raw-feature batches of ``steps`` steps, and how many of their values a cast to fp16 makes inf."""
+    xs = [raw_features.batches(step)[0] for step in range(steps)]
+    return xs, sum(int(torch.isinf(x.half()).sum()) for x in xs)
+
+
+@pytest.mark.usefixtures("block_formats_on")  # fc1's input, the model's, has a row of its own
+def test_a_linear_whose_input_overflowed_in_the_cast_is_not_said_to_overflow_inside() -> None:
+    """Raw features beyond 65504 fed to a Linear under fp16 autocast: the cast of its input makes inf, and the
+    Linear's output rows that read one are inf. The finding said the Linear "turned inf inside ... an exp that
+    overflowed, or a log or a division" and sent the user to F.log_softmax. It says now that the inf came from
+    its input, which overflowed, and to scale that input down or run the layer in fp32; both, followed, keep the
+    forward pass finite."""
+    run, seen = raw_features.run("fp16", loss_scale=2.0**16)
+    xs, over = _cast_to_inf(len(seen))
+    # the test's own hook: fc1's inf rows are exactly the rows of its input that the cast made inf
+    for x, y in zip(xs, seen, strict=True):
+        assert y.dtype == torch.float16 and torch.equal(
+            torch.isinf(y).any(dim=1), torch.isinf(x.half()).any(dim=1)
+        )
+    inf = sum(int(torch.isinf(y).sum()) for y in seen)
+    assert over > 0 and inf > 0
+    f = run.recommend("t4").finding("fp16_activation_overflow")
+    assert f is not None and f.severity == "critical"
+    assert "inside" not in f.message and "log_softmax" not in f.remedy
+    assert (
+        f"fc1:input: max |x| {max(float(x.abs().max()) for x in xs):.3g}, {over} values over 65504"
+        in f.message
+    )
+    assert f"fc1: {inf:,} inf in fp16 from its input, which overflowed fp16 (fc1:input)" in f.message
+    assert (
+        "a layer whose input overflows fp16 (fc1) needs that input scaled down (normalise the features)"
+        in f.remedy
+    )
+
+    _, seen_kept = raw_features.run("fp16", loss_scale=2.0**16, keep_fp32=["fc1"])
+    assert all(bool(y.isfinite().all()) for y in seen_kept)
+    normalised, seen_norm = raw_features.run("fp16", loss_scale=2.0**16, scale=1.0)
+    assert all(bool(y.isfinite().all()) for y in seen_norm)
+    assert not normalised.tables["steps"][T.SKIPPED].any() and normalised.losses[-1] < normalised.losses[0]
+
+
+def test_a_linear_whose_input_was_not_recorded_is_not_said_to_overflow_inside() -> None:
+    """The same run with block formats off records no row for fc1's input: which of its input or its sums went
+    beyond 65504 the run cannot tell, and an exp, a log or a division a Linear does not have."""
+    run, seen = raw_features.run("fp16", loss_scale=2.0**16)
+    layers = run.tables["layers"]
+    assert not layers[T.MODULE].str.endswith(T.INPUT_SUFFIX).any()
+    inf = sum(int(torch.isinf(y).sum()) for y in seen)
+    f = run.recommend("t4").finding("fp16_activation_overflow")
+    assert f is not None and "inside" not in f.message and "log_softmax" not in f.remedy
+    assert f.title == "Activations overflow fp16 in 1 module(s)"
+    assert f"fc1: {inf:,} inf in fp16 though its largest finite value is " in f.message
+    assert (
+        "its input held a value beyond 65504 that the cast to fp16 made inf, or one of its sums" in f.message
+    )
+    assert "a layer whose input or sums overflow fp16 (fc1) needs that input scaled down" in f.remedy
