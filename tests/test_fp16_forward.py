@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scenarios import raw_features
+from scenarios import raw_features, tiny_features
 
 from precprof import tables as T
 
@@ -68,3 +68,47 @@ def test_a_linear_whose_input_was_not_recorded_is_not_said_to_overflow_inside() 
         "its input held a value beyond 65504 that the cast to fp16 made inf, or one of its sums" in f.message
     )
     assert "a layer whose input or sums overflow fp16 (fc1) needs that input scaled down" in f.remedy
+
+
+def _flushed(calls: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """The nonzero values of fc1's inputs that a cast to fp16 makes 0 (a real cast)."""
+    x = torch.cat([inp.flatten() for inp, _ in calls])
+    return int(((x.half() == 0) & (x != 0)).sum())
+
+
+def test_tiny_activations_name_the_layer_that_casts_them_to_fp16() -> None:
+    """A unit conversion scales the input by 1e-7 and fc1 reads it: a quarter of its values flush when fp16
+    autocast casts fc1's input. fp16_activation_underflow said "Keep these modules in fp32" of the conversion,
+    which already is fp32: followed, fc1 still casts its output and the re-profile finds the same. It names fc1
+    now, the layer that casts; followed, fc1 computes from the fp32 values and the finding is gone."""
+    run, seen = tiny_features.run("fp32")
+    flushed = _flushed(seen)
+    f = run.recommend("t4").finding("fp16_activation_underflow")
+    assert f is not None and f.modules == ["units"] and f.numbers["underflow_values"] == flushed > 0
+    assert f.remedy.startswith(
+        "Keep fc1 in fp32 (outside autocast): fc1 casts the values of units to fp16 (keeping units in fp32 "
+        "instead changes nothing"
+    )
+
+    # the old advice, followed: units was fp32 already; fc1 still casts its input and computes in fp16
+    units, seen_units = tiny_features.run("fp16", loss_scale=2.0**16, keep_fp32=["units"])
+    assert all(inp.dtype == torch.float32 and out.dtype == torch.float16 for inp, out in seen_units)
+    assert _flushed(seen_units) == flushed  # the same inputs, the same values cast
+    again = units.recommend("t4").finding("fp16_activation_underflow")
+    assert again is not None and again.remedy == f.remedy
+    # the new advice: fc1 computes in fp32 from the unflushed input, as the fp32 run did, and nothing is found
+    kept, seen_kept = tiny_features.run("fp16", loss_scale=2.0**16, keep_fp32=["fc1"])
+    assert all(out.dtype == torch.float32 for _, out in seen_kept)
+    assert torch.equal(seen_kept[0][1], seen[0][1])  # step 0: the same weights, the same output
+    assert kept.recommend("t4").finding("fp16_activation_underflow") is None
+
+
+def test_tiny_activations_without_the_readers_recorded_name_no_layer() -> None:
+    """A run recorded by an older precprof has no record of which layer reads which module's output: the remedy
+    says to keep the layers that read the values in fp32, and that this run cannot name them."""
+    run, _ = tiny_features.run("fp32")
+    del run.summary[T.SUMMARY_CAPTURE]["gemm_inputs"]
+    f = run.recommend("t4").finding("fp16_activation_underflow")
+    assert f is not None and "Keep these modules in fp32" not in f.remedy
+    assert f.remedy.startswith("Keep the layers that read these values in fp32 (outside autocast)")
+    assert "this run did not record which layer reads which module's output" in f.remedy

@@ -18,7 +18,9 @@ user's own loop with ``precprof.Profiler`` attached (``loop.train_profiled``), a
 - ``weighted_loss``: a loss multiplied by a constant far from 1: gradients too large for any loss scale the
   advice allows, or too small for the largest (and for bf16);
 - ``raw_features``: input features beyond 65504 that fp16 autocast's cast of a Linear's input makes inf: the
-  inf comes from the input, not from inside the Linear.
+  inf comes from the input, not from inside the Linear;
+- ``tiny_features``: input features scaled by 1e-7 that the Linear reading them casts to fp16: the layer to keep
+  in fp32 is that Linear, not the module that made them.
 
 They double as examples of the API: ``Profiler(model, optimizer=..., scaler=...)``, ``prof.step(loss=...)``,
 ``prof.tables()`` and ``precprof.recommend(tables, hardware=..., summary=...)``.

@@ -121,7 +121,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 f"{_pct(uf_share)} of activation values flush to zero in fp16",
                 f"{int(uf):,} of {int(nz):,} nonzero activation values ({_pct(uf_share)}) are at or below 2^-25 "
                 f"and would become 0 in fp16; most in {_listing(mods, cfg.max_listed_modules)}.",
-                "Keep these modules in fp32 or use bf16 (its range reaches 2^-133).",
+                _underflow_remedy(run, plan, mods),
                 modules=mods,
                 numbers={"underflow_values": int(uf), "nonzero_values": int(nz), "share": uf_share},
             )
@@ -281,6 +281,51 @@ def _fed_overflow(run: _Run, observed: set[str], overflowed: set[str]) -> dict[s
     reads = _gemm_inputs(run) or {}
     fed = {m: [i for i in (m + T.INPUT_SUFFIX, *reads.get(m, [])) if i in overflowed] for m in observed}
     return {m: run.sort(i) for m, i in fed.items() if i}
+
+
+def _underflow_remedy(run: _Run, plan: _Plan, mods: list[str]) -> str:
+    """What keeps the tiny activations of ``mods`` out of fp16: the layers that cast them to fp16, kept in
+    fp32. A matmul layer computes its own output in fp16 under autocast, and any matmul reading a value casts it
+    (capture.gemm_inputs says which reads which; a layer's own input row is its input): keeping the module
+    that made a value in fp32 leaves the cast where it was."""
+    reads, matmuls = _gemm_inputs(run), set(plan.matmul_layers)
+    casts: dict[str, list[str]] = {}  # the layer that casts -> the modules whose values it casts
+    unread: list[str] = []
+    for m in mods:
+        stem = m.removesuffix(T.INPUT_SUFFIX)
+        readers = [c for c, made in (reads or {}).items() if m in made]
+        at = [stem] if m.endswith(T.INPUT_SUFFIX) or m in matmuls else []
+        for c in run.sort({*at, *readers}):
+            casts.setdefault(c, []).append(m)
+        if not at and not readers:
+            unread.append(m)
+    bf16 = "or use bf16 (its range reaches 2^-133)."
+    if not casts or unread:
+        return (
+            "Keep the layers that read these values in fp32 (outside autocast): a matmul casts its input to fp16"
+            + (" (this run did not record which layer reads which module's output)" if reads is None else "")
+            + f"; {bf16}"
+        )
+    cast = run.sort(casts)
+    made = [m for m in mods if m not in matmuls and not m.endswith(T.INPUT_SUFFIX)]
+
+    def how(c: str) -> str:
+        others = [m for m in casts[c] if m != c]
+        return f"{_name(c)} " + " and ".join(
+            (["computes its output in fp16"] if c in casts[c] else [])
+            + ([f"casts the values of {_listing(others, 4)} to fp16"] if others else [])
+        )
+
+    return (
+        f"Keep {_listing(cast, run.cfg.max_listed_modules)} in fp32 (outside autocast): "
+        + "; ".join(how(c) for c in cast[:4])
+        + (
+            f" (keeping {_listing(made, 4)} in fp32 instead changes nothing: the cast stays where it is)"
+            if made
+            else ""
+        )
+        + f"; {bf16}"
+    )
 
 
 def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series | None:
