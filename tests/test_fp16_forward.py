@@ -41,10 +41,12 @@ def test_a_linear_whose_input_overflowed_in_the_cast_is_not_said_to_overflow_ins
         in f.message
     )
     assert f"fc1: {inf:,} inf in fp16 from its input, which overflowed fp16 (fc1:input)" in f.message
+    # the model's own input: the layer reading it is told once what to do (it was told twice, in two ways)
     assert (
-        "a layer whose input overflows fp16 (fc1) needs that input scaled down (normalise the features)"
+        "fc1:input is the model's own input: keep the layer reading it (fc1) in fp32, or normalise"
         in f.remedy
     )
+    assert f.remedy.count("(fc1)") == 1
 
     _, seen_kept = raw_features.run("fp16", loss_scale=2.0**16, keep_fp32=["fc1"])
     assert all(bool(y.isfinite().all()) for y in seen_kept)

@@ -197,7 +197,9 @@ def _add_overflow_finding(
     detail = "; ".join(said(m) for m in overflow_mods[: cfg.max_listed_modules])
     beyond = [m for m in overflow_mods if m not in inside]
     made = [m for m in beyond if m not in fed and m not in matmul]  # their own values went beyond 65504
-    readers = run.sort([*fed, *matmul])
+    # the layers the model's own input feeds are told so by ``_normalise_remedy``, once
+    told = {m.removesuffix(T.INPUT_SUFFIX) for m in made if m in _model_inputs(run)}
+    readers = run.sort([m for m in [*fed, *matmul] if m not in told])
     plan.add(
         Finding(
             "fp16_activation_overflow",
