@@ -11,6 +11,7 @@ from scenarios import weighted_loss
 
 from precprof import tables as T
 from precprof.analysis.advisor import AdvisorConfig
+from precprof.report import render
 
 MARGIN = (
     65504 / 4
@@ -166,3 +167,17 @@ def test_gradients_below_both_formats_send_the_user_to_fp32_from_both_findings()
     _, seen_bf16 = weighted_loss.run(weight, "bf16")
     _, seen_fp16 = weighted_loss.run(weight, "fp16", loss_scale=2.0**32, static=True)
     assert zeros(seen_bf16) > 0.5 and zeros(seen_fp16) > 0.99
+
+
+def test_the_verdict_box_gives_no_fp16_loss_scale_where_fp16_is_ruled_out() -> None:
+    """Where the measurements rule fp16 out (gradients no allowed loss scale keeps in range), the verdict box
+    still said "none needed for FP32 (if you use FP16: init_scale = 2^-16)", a scale at which every step
+    overflows. It says fp16 is ruled out; a run that allows fp16 keeps the hint."""
+    ruled_out, _ = weighted_loss.run(2.0**40)
+    fine, _ = weighted_loss.run(1.0)
+    for run, out in ((ruled_out, True), (fine, False)):
+        rec = run.recommend("t4", config=AdvisorConfig())  # fp32 for a model this small, either way
+        assert rec.format == "fp32" and rec.fp16_ruled_out is out
+        page = " ".join(render.render_html(run.tables, run.summary, rec).split())
+        assert ("FP16 is ruled out: no loss scale makes it fit" in page) is out
+        assert ("(if you use FP16: init_scale =" in page) is not out

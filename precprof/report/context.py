@@ -138,6 +138,7 @@ def _verdict(
         "measured_label": formats.label(str(rec.get("measured_format") or "")),
         "loss_scale": _f(rec.get("loss_scale")),
         "fp16_loss_scale": _f(rec.get("fp16_loss_scale")),
+        "fp16_ruled_out": bool(rec.get("fp16_ruled_out")),
         "growth_interval": rec.get("growth_interval"),
         "keep_fp32": list(rec.get("keep_fp32") or []),
         "fp8_layers": list(rec.get("fp8_layers") or []),

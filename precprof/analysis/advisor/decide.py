@@ -302,6 +302,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         target=target,
         measured_format=measured,
         device=hw.device,
+        fp16_ruled_out=bool(plan.fp16_block),
     )
 
 

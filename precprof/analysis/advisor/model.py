@@ -59,7 +59,8 @@ class Recommendation:
     """The advisor's answer: which format, which loss scale, which layers stay fp32, and why.
 
     ``loss_scale`` is the GradScaler ``init_scale`` (a power of two) when the recommended format needs loss
-    scaling (fp16), else None; ``fp16_loss_scale`` is the init_scale an fp16 run would use, always present.
+    scaling (fp16), else None; ``fp16_loss_scale`` is the init_scale an fp16 run would use, always present;
+    ``fp16_ruled_out``: the measurements rule fp16 out (the reasons say why), so that init_scale is no advice.
     ``growth_interval`` is the GradScaler growth interval to use with ``loss_scale`` (None without scaling).
     ``keep_fp32`` lists modules to run outside autocast; ``fp8_layers`` the layers to convert when ``format``
     is "fp8" (the rest run in bf16). ``block_plan`` maps each matmul layer to the block-scaled format it can
@@ -86,6 +87,7 @@ class Recommendation:
     measured_format: str = ""
     # the target's device type, "cuda" or "cpu" (the snippets' device_type); "" in summaries written before it
     device: str = ""
+    fp16_ruled_out: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (stored as summary.json["recommendation"])."""
