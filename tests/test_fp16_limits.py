@@ -179,5 +179,5 @@ def test_the_verdict_box_gives_no_fp16_loss_scale_where_fp16_is_ruled_out() -> N
         rec = run.recommend("t4", config=AdvisorConfig())  # fp32 for a model this small, either way
         assert rec.format == "fp32" and rec.fp16_ruled_out is out
         page = " ".join(render.render_html(run.tables, run.summary, rec).split())
-        assert ("FP16 is ruled out: no loss scale makes it fit" in page) is out
+        assert ("(the measurements rule FP16 out: see Why)" in page) is out
         assert ("(if you use FP16: init_scale =" in page) is not out
