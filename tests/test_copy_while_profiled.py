@@ -209,3 +209,32 @@ def _saved_and_loaded_optimizer(opt: torch.optim.Optimizer) -> Any:
     torch.save(opt, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=False)
+
+
+def test_a_copy_of_the_grad_scaler_while_profiled_has_its_own_update() -> None:
+    """precprof wraps ``scaler.update`` on the instance while attached: ``copy.deepcopy(scaler)`` gave a copy whose
+    ``update()`` ran the original scaler's, and ``torch.save(scaler)`` failed ("Can't pickle local object"). A
+    copy or a pickle has the class's own ``update`` now, and precprof's wrapper goes at detach."""
+    torch.manual_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, memory=False) as prof:
+        for i in range(2):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(_batch(i)).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            copied = copy.deepcopy(scaler)
+            buf = io.BytesIO()
+            torch.save(scaler, buf)
+            buf.seek(0)
+            loaded = torch.load(buf, weights_only=False)
+            for other in (copied, loaded):
+                assert "update" not in vars(other) and "__getstate__" not in vars(other)
+                assert other.update.__func__ is torch.amp.GradScaler.update  # its own, bound to it
+                assert other.get_scale() == scaler.get_scale()
+            prof.step(loss=loss)
+    assert "update" not in vars(scaler) and "__getstate__" not in vars(scaler)

@@ -14,6 +14,10 @@ from precprof import _compat
 from precprof import stats as st
 
 
+# the scaler's attributes ``ScalerWatch.patch`` sets on the instance
+_PATCHED = ("update", "__getstate__")
+
+
 class ScalerWatch:
     """Wraps ``scaler.update``; ``take()`` returns (scale, found_inf) captured at the last update, or the
     scaler's current scale when update has not run this step."""
@@ -40,12 +44,25 @@ class ScalerWatch:
             return original(new_scale)
 
         self.scaler.update = update
+        getstate = getattr(self.scaler, "__getstate__", None)
+        if getstate is not None:
+            # a copy or a pickle of the scaler (copy.deepcopy, torch.save(scaler)) leaves the wrapper behind and
+            # has the class's own update: the wrapper's closure did not pickle, and a deep copy's update ran the
+            # original scaler's
+            def state() -> Any:
+                out = getstate()
+                if isinstance(out, dict):
+                    out = {k: v for k, v in out.items() if k not in _PATCHED}
+                return out
+
+            self.scaler.__getstate__ = state
         self._patched = True
 
     def unpatch(self) -> None:
         if self._patched:
-            with contextlib.suppress(AttributeError):
-                del self.scaler.update  # the instance attribute shadowed the class method
+            for name in _PATCHED:  # the instance attributes shadowed the class's methods
+                with contextlib.suppress(AttributeError):
+                    delattr(self.scaler, name)
             self._patched = False
 
     def _before_update(self) -> None:
