@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from precprof.capture.storage import _tensors_in
 from precprof.errors import UserError
 
 HEADROOM = 0.9  # refuse above this share of the available memory
@@ -304,18 +305,6 @@ def pass_bytes(
     held = sum(b for key, (b, _) in outputs.items() if key not in seen and key not in params)
     grads = OUTPUT_GRADIENTS * 4 * sum(n for _, n in outputs.values())
     return PassBytes(total, held, grads)
-
-
-def _tensors_in(obj: Any, depth: int = 0) -> list[torch.Tensor]:
-    """The tensors of a model's output (a tensor, tuples, lists and dicts of them, a ModelOutput), a few
-    levels deep."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if depth < 4 and isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _tensors_in(v, depth + 1)]
-    if depth < 4 and isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors_in(v, depth + 1)]
-    return []
 
 
 def _storage_key(st: torch.UntypedStorage) -> int:
