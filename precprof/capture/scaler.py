@@ -13,7 +13,6 @@ import torch
 from precprof import _compat
 from precprof import stats as st
 
-
 # the scaler's attributes ``ScalerWatch.patch`` sets on the instance
 _PATCHED = ("update", "__getstate__")
 
