@@ -636,8 +636,9 @@ class HookSet:
             for m, pre, post, always in modules
         ]
         self._params = params  # (parameter, hook)
-        # the module (if any) whose pre-hook also takes the forward's keyword arguments: (module, args, kwargs)
-        self._kwargs_pre = kwargs_pre
+        # the entry (if any) whose pre-hook also takes the forward's keyword arguments, (module, args, kwargs): the
+        # first of the module ``kwargs_pre`` (a model that is one captured layer has a second, which does not)
+        self._kwargs_at = next((k for k, (m, _, _, _) in enumerate(modules) if m is kwargs_pre), -1)
         self._ids = reserve_hook_ids(2 * len(modules) + len(params))
         self._direct = all(
             isinstance(getattr(m, "_forward_pre_hooks", None), dict)
@@ -655,9 +656,9 @@ class HookSet:
         self.installed = True
         if not self._direct:
             add = self._handles.append
-            for m, pre, post, always in self._modules:
+            for k, (m, pre, post, always) in enumerate(self._modules):
                 if pre is not None:
-                    add(m.register_forward_pre_hook(pre, with_kwargs=m is self._kwargs_pre))
+                    add(m.register_forward_pre_hook(pre, with_kwargs=k == self._kwargs_at))
                 if post is not None:
                     add(m.register_forward_hook(post, always_call=always))
             for p, hook in self._params:
@@ -666,11 +667,11 @@ class HookSet:
                     add(p.register_post_accumulate_grad_hook(hook))
             return
         ids = iter(self._ids)
-        for m, pre, post, always in self._modules:
+        for k, (m, pre, post, always) in enumerate(self._modules):
             i, j = next(ids), next(ids)
             if pre is not None:
                 m._forward_pre_hooks[i] = pre
-                if m is self._kwargs_pre:
+                if k == self._kwargs_at:
                     m._forward_pre_hooks_with_kwargs[i] = True
             if post is not None:
                 m._forward_hooks[j] = post

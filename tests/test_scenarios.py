@@ -334,6 +334,36 @@ def test_an_over_range_model_input_keeps_the_layer_that_reads_it(block_formats_o
     assert "normalise their output" not in f.remedy
 
 
+@pytest.mark.parametrize("call", ["keyword", "dict"])
+def test_a_model_input_given_by_keyword_is_the_models_own_input(block_formats_on: None, call: str) -> None:
+    """The same over-range input given as ``model(x=x)`` or ``model(**batch)``: the capture looked for the
+    model's own input among the positional arguments only, so ``body.0:input`` was taken for a function's output
+    in body's forward and the whole Sequential kept in fp32, as before the positional case was fixed. A keyword
+    input is the model's own too: body.0 is kept, as with ``model(x)``."""
+    model = _RawFeatures()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1)
+    with prof:
+        for step in range(3):
+            x, y = _raw_batches(step)
+            out = model(x=x) if call == "keyword" else model(**{"x": x})
+            loss = nn.functional.mse_loss(out, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    assert prof.summary()["model_inputs"] == ["body.0:input"]
+    rec = precprof.recommend(
+        prof.tables(),
+        hardware="t4",
+        summary={T.SUMMARY_CAPTURE: prof.summary()},
+        config=AdvisorConfig(small_model_params=0),  # a tiny model standing in for a large one
+    )
+    assert rec.format == "fp16" and rec.keep_fp32 == ["body.0"], rec.reasons
+    f = rec.finding("fp16_activation_overflow")
+    assert f is not None and "body.0:input is the model's own input" in f.remedy
+
+
 def test_a_model_input_kept_in_fp32_is_not_counted_as_cast(block_formats_on: None) -> None:
     """The same model under fp16 autocast with ``body`` run outside it: body.0 reads the input in fp32 and
     casts nothing. The capture read autocast's state at the first recorded forward, body.0's, outside autocast,

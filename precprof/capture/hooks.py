@@ -141,9 +141,11 @@ class StepHooks(GradientReads):
         # the tensors the model's outermost forward was called with, by id, while it runs (``_gemm_input``)
         self._model_inputs: set[int] = set()
         roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
+        # the root's pre-hook takes the forward's keyword arguments too: model(x=features), model(**batch)
         self._hookset = _compat.HookSet(
             roots + [(s.module, self._make_pre_hook(s), self._make_fwd_hook(s), False) for s in plan.modules],
             [(ps.tensor, self._make_param_hook(ps)) for ps in plan.params if ps.grad_row >= 0],
+            kwargs_pre=root,
         )
         # the parameters read at the step's first captured forward, and each one's row
         self._weights = [(p, row) for s in plan.modules for _, p, row in s.weights]
@@ -398,13 +400,13 @@ class StepHooks(GradientReads):
             return _NO_GRAD
         return _FIRST_PASS if _compat.reentrant_first_pass() else ""
 
-    def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
+    def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         # (a model that calls itself, a self-distillation teacher under no_grad inside the forward: the innermost
         # call decides, and the enclosing one's state comes back when it returns)
         self._root_calls.append(self._root_grad)
         self._root_grad = torch.is_grad_enabled()
         if len(self._root_calls) == 1:
-            self._model_inputs = {id(t) for t in _iter_tensors(args)}
+            self._model_inputs = {id(t) for t in _iter_tensors((args, kwargs or {}))}
         if self._root_grad and self._step_mode is None and not self._outside:
             self._step_mode = module.training
             self._first_in_eval = self._root_trains and not module.training
