@@ -400,6 +400,39 @@ def test_a_loop_taking_its_gradients_with_autograd_grad_is_told_they_were_not_re
     assert ("torch.autograd.grad" in page) != assign
 
 
+def test_layers_whose_weight_gradients_alone_went_unread_are_named(tmp_path: Path) -> None:
+    """fc1 trained with ``torch.autograd.grad`` on a loss of its own and updated by hand, fc2 on the detached
+    features with ``backward`` and an optimizer: fc1's output gradient is read, its weights' never reach
+    ``.grad`` (the test's own check), while fc2's do. The note on unread weight gradients fired only when none
+    at all was read on a step, so nothing said fc1's were missing from the advice. It names fc1 now."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    own = list(model.fc1.parameters())
+    opt = torch.optim.SGD(model.fc2.parameters(), lr=0.05)
+    with precprof.Profiler(model, opt, sample_every=1, memory=False) as prof:
+        for step in range(3):
+            x, y = batch(step)
+            h = torch.tanh(model.fc1(x))
+            grads = torch.autograd.grad(h.pow(2).mean(), own)
+            with torch.no_grad():
+                for p, g in zip(own, grads, strict=True):
+                    p.sub_(0.05 * g)
+            nn.functional.mse_loss(model.fc2(h.detach()), y).backward()
+            assert all(p.grad is None for p in own) and model.fc2.weight.grad is not None
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    layers = prof.tables()["layers"]
+    read = set(layers[layers[T.TENSOR] == T.WEIGHT_GRAD][T.MODULE])
+    out = set(layers[layers[T.TENSOR] == T.ACTIVATION_GRAD][T.MODULE])
+    assert read == {"fc2"} and "fc1" in out
+    summary = prof.summary()
+    assert summary["weight_grads_unread_steps"] == 0 and summary["weight_grads_unread_modules"] == {"fc1": 3}
+    prof.report(tmp_path / "run")
+    page = " ".join(html.unescape((tmp_path / "run" / T.REPORT_FILE).read_text()).split())
+    assert "not read for 1 layer(s) on the sampled steps that read the others' (fc1)" in page
+
+
 @pytest.mark.parametrize("given", [False, True])
 def test_an_optimizer_stepped_inside_backward_is_told_apart_and_read_when_given(
     tmp_path: Path, given: bool

@@ -199,6 +199,8 @@ class StepHooks(GradientReads):
         self.eval_forwards = 0  # module forwards in eval mode with grad on, not read (over the run)
         self.checkpointed_forwards = 0  # module forwards an activation checkpoint ran twice (over the run)
         self.weight_grads_unread = 0  # sampled steps whose backward left no gradient in .grad (over the run)
+        # modules whose weight gradients a sampled step left unread while others were read, and on how many steps
+        self.weight_grads_unread_in: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------ install/remove
     def install(self, turn: int) -> None:
@@ -269,13 +271,19 @@ class StepHooks(GradientReads):
         ``.grad`` while some train (a loop taking its gradients with ``torch.autograd.grad``, which accumulates
         none): its weight gradients are not read, and the summary says so (``weight_grads_unread``)."""
         calls = self.rows.calls
-        if (
-            self.installed
-            and not any(map(calls.__getitem__, self._weight_grad_rows))
-            and any(map(calls.__getitem__, self._grad_rows))  # (an output's gradient, then)
-            and any(ps.tensor.requires_grad for ps in self.plan.params)
-        ):
-            self.weight_grads_unread += 1
+        if not self.installed or not any(ps.tensor.requires_grad for ps in self.plan.params):
+            return
+        if not any(map(calls.__getitem__, self._weight_grad_rows)):
+            if any(map(calls.__getitem__, self._grad_rows)):  # (an output's gradient, then)
+                self.weight_grads_unread += 1
+            return
+        # some were read: a module whose output's gradient was read while none of its trained parameters' was
+        # (a sub-model trained with torch.autograd.grad beside the rest's backward) is named
+        for slot, params in self._weight_grads:
+            trained = [g for p, _, g in params if g >= 0 and p.requires_grad]
+            out = slot.activation_grad
+            if trained and out >= 0 and calls[out] and not any(map(calls.__getitem__, trained)):
+                self.weight_grads_unread_in[slot.name] = self.weight_grads_unread_in.get(slot.name, 0) + 1
 
     def _clear_outputs(self) -> None:
         self._grads_due.clear()

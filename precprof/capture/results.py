@@ -316,6 +316,10 @@ class ProfilerResults:
             "checkpointed_forwards": self._hooks.checkpointed_forwards if self._hooks is not None else 0,
             # sampled steps whose backward left no weight gradient in .grad (torch.autograd.grad): none read
             "weight_grads_unread_steps": self._hooks.weight_grads_unread if self._hooks is not None else 0,
+            # the modules whose weight gradients were not read on sampled steps that read others', with how many
+            "weight_grads_unread_modules": dict(self._hooks.weight_grads_unread_in)
+            if self._hooks is not None
+            else {},
         }
 
     def _stream_summary(self) -> dict[str, Any] | None:

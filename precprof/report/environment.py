@@ -40,7 +40,7 @@ _CAPTURE_SAID = _keys(
     "compiled fp8_emulated dropout_layers "
     "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
     "gemm_inputs model_inputs optimizer "
-    "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps"
+    "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_tensor_cores tf32_supported "
@@ -90,14 +90,26 @@ def weight_grads_unread(capture: Mapping[str, Any]) -> str:
     and an optimizer stepped inside the backward pass (PyTorch's recipe: a post-accumulate-grad hook that steps
     and clears ``.grad``, registered before precprof's) leaves none either. Both are said, with what to do."""
     n = _int(capture.get("weight_grads_unread_steps"))
-    if not n:
+    some = _map(capture.get("weight_grads_unread_modules"))
+    if not n and not some:
         return ""
+    names = [str(m) for m in some]
+    where = (
+        f"not read on {F.count(n)} sampled step(s): their backward left no gradient in any parameter's .grad"
+        if n
+        else ""
+    )
+    if some:
+        where += ("; and " if n else "") + (
+            f"not read for {F.count(len(names))} layer(s) on the sampled steps that read the others' "
+            f"({', '.join(names[:8])}{', ...' if len(names) > 8 else ''}): their output's gradient was read, yet "
+            "no gradient of their parameters reached .grad"
+        )
     return (
-        f"not read on {F.count(n)} sampled step(s): their backward left no gradient in any parameter's .grad "
-        "where precprof reads them: a loop that takes its gradients with torch.autograd.grad, or an optimizer "
-        "stepped inside the backward pass (a post-accumulate-grad hook that steps and clears .grad); the advice "
-        "is made without them. Give the Profiler the optimizers to have them read as each one steps (with "
-        "torch.autograd.grad, assign them to .grad first)"
+        f"{where} where precprof reads them: a loop that takes its gradients with torch.autograd.grad, or an "
+        "optimizer stepped inside the backward pass (a post-accumulate-grad hook that steps and clears .grad); "
+        "the advice is made without them. Give the Profiler the optimizers to have them read as each one steps "
+        "(with torch.autograd.grad, assign them to .grad first)"
     )
 
 
