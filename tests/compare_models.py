@@ -61,6 +61,10 @@ class TinyGradientLM(nn.Module):
         )  # (B, T, V); the logits' gradient reaches the head 2^-20 as large
 
 
-def tiny_gradient_lm(vocab_size: int = 256, seq_len: int = 64, n_embd: int = 32) -> TinyGradientLM:
-    """Factory in precprof's model contract (``vocab_size`` and ``seq_len`` are passed by the training loop)."""
-    return TinyGradientLM(vocab_size, n_embd)
+def tiny_gradient_lm(
+    vocab_size: int = 256, seq_len: int = 64, n_embd: int = 32, grad_scale_log2: int = -20
+) -> TinyGradientLM:
+    """Factory in precprof's model contract (``vocab_size`` and ``seq_len`` are passed by the training loop);
+    ``grad_scale_log2`` sets the gradients' factor (``-a grad_scale_log2=-60``: below what fp16 holds at any loss
+    scale the advice allows)."""
+    return TinyGradientLM(vocab_size, n_embd, 2.0**grad_scale_log2)

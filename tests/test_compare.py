@@ -445,6 +445,41 @@ def test_advised_loss_scale_is_trained_and_checked(tmp_path: Path) -> None:
     assert "fp16 gradient underflow" in unscaled_check.text
 
 
+def test_an_advised_fp16_run_where_fp16_is_ruled_out_checks_the_ruling(tmp_path: Path) -> None:
+    """Gradients 2^-60 as large as usual: the fp32 profile rules fp16 out (at the loss scale the largest gradient
+    allows, most of them still flush). The check said "the advisor sized fp16's loss scale at init_scale ...", a
+    scale it had ruled out, and the run was described as "at the advised init_scale". Both say now that fp16 was
+    ruled out and no scale advised; trained at that scale, fp16 falls behind fp32, which confirms the ruling."""
+    base = TrainConfig(
+        model=str(Path(__file__).parent / "compare_models.py") + ":tiny_gradient_lm",
+        model_args={"grad_scale_log2": -60},
+        optimizer="sgd",
+        lr=2e5 * 2.0**40,  # SGD on gradients 2^-60 as large: fp32 trains like a normal model
+        steps=30,
+        batch_size=4,
+        seq_len=16,
+        sample_every=10,
+        progress=False,
+        report=False,
+    )
+    comp = C.compare(base, "fp32,fp16:advised", out=tmp_path)
+    _, advised = comp.runs
+    rec = T.read_summary(tmp_path / "fp32")[T.SUMMARY_RECOMMENDATION]
+    assert rec["fp16_ruled_out"] and advised.init_scale == rec["fp16_loss_scale"]
+    # the runs' own tables: fp32's loss fell, fp16's barely moved
+    fell = {r: T.read_tables(tmp_path / r)["steps"][T.LOSS] for r in ("fp32", "fp16-advised")}
+    assert (
+        10 * (fell["fp16-advised"].iloc[0] - fell["fp16-advised"].iloc[-1])
+        < fell["fp32"].iloc[0] - fell["fp32"].iloc[-1]
+    )
+    assert advised.outcome in (A.STALLED, A.BEHIND), advised.outcome
+    (check,) = [c for c in comp.checks if c.aspect == A.ASPECT_LOSS_SCALE]
+    assert check.status == A.CONFIRMED and "advisor sized fp16" not in check.text
+    assert check.text.startswith("Loss scale: the advisor ruled fp16 out on the fp32 profile")
+    assert "advised init_scale" not in " ".join(comp.summary_lines)
+    assert "the scale the advisor sized though it ruled fp16 out" in A.describe_run(advised)
+
+
 # ------------------------------------------------------------------------------------------- the command
 def test_cli_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from precprof.cli import main

@@ -181,3 +181,36 @@ def test_the_verdict_box_gives_no_fp16_loss_scale_where_fp16_is_ruled_out() -> N
         page = " ".join(render.render_html(run.tables, run.summary, rec).split())
         assert ("(the measurements rule FP16 out: see Why)" in page) is out
         assert ("(if you use FP16: init_scale =" in page) is not out
+
+
+def test_where_fp16_is_ruled_out_no_finding_or_snippet_gives_a_scale_to_start_it_at() -> None:
+    """Gradients 2^-60 as large as usual: fp16_gradient_underflow rules fp16 out at 2^32, the largest loss scale
+    the advice allows, yet fp16_loss_scale still said "Start GradScaler at init_scale=4294967296", the fp16
+    snippet started its GradScaler "at the recommended initial scale", and a bf16 verdict's reasons never said
+    why fp16 was out. Trained at that scale, fp16 flushes every activation gradient. Now the finding says fp16
+    is ruled out and why, the reasons say it beside bf16, and the fp16 code says it is not a plan that works; a
+    run that fp16 fits keeps its scale and its code as they were."""
+    weight = 2.0**-60
+    run, _ = weighted_loss.run(weight)
+    rec = run.recommend("t4")
+    scale = rec.finding("fp16_loss_scale")
+    assert rec.fp16_ruled_out and scale is not None and scale.numbers["loss_scale_log2"] == 32
+    assert not scale.remedy.startswith("Start GradScaler") and "init_scale=" not in scale.remedy
+    assert scale.remedy.startswith("No loss scale to start fp16 at: fp16 is ruled out (100% of activation")
+    assert scale.remedy.endswith("Use bf16 or fp32.")
+    _, at_scale = weighted_loss.run(weight, "fp16", loss_scale=2.0**32, static=True)
+    assert float((_all(at_scale) == 0).double().mean()) > 0.99  # what that scale does: a real run
+    code = rec.snippet("pytorch", "fp16")
+    assert code.startswith("# precprof: the measurements rule FP16 out for this model")
+    assert "recommended" not in code and "init_scale=2.0**32" in code
+    bf16 = run.recommend("a100")
+    assert bf16.format == "bf16" and bf16.fp16_ruled_out
+    assert any(
+        r.startswith("Not FP16: fp16 is ruled out: 100% of activation-gradient values") for r in bf16.reasons
+    )
+
+    fits, _ = weighted_loss.run(1.0)
+    rec = fits.recommend("t4")
+    scale = rec.finding("fp16_loss_scale")
+    assert not rec.fp16_ruled_out and scale is not None and scale.remedy.startswith("Start GradScaler")
+    assert "rule FP16 out" not in fits.recommend("a100").snippet("pytorch", "fp16")

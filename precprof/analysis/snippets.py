@@ -116,6 +116,9 @@ class _Plan:
         if self.growth <= 0:
             self.growth = _DEFAULT_GROWTH
         self.device = '"cpu"' if rec.get("device") == "cpu" else '"cuda"'  # a Python literal
+        # fp16's code for a plan whose measurements rule fp16 out: its scale is no recommendation
+        self.ruled_out = fmt == "fp16" and rec.get("format") != "fp16" and bool(rec.get("fp16_ruled_out"))
+        self.said = "sized" if self.ruled_out else "recommended"
 
     @property
     def dtype(self) -> str:
@@ -188,7 +191,7 @@ def _pytorch(plan: _Plan) -> list[str]:
     elif fmt == "bf16":
         out += ["# BF16 autocast: no GradScaler (BF16 has FP32's range)"]
     elif fmt == "fp16":
-        out += ["# FP16 autocast with a GradScaler at the recommended initial scale and growth interval"]
+        out += [f"# FP16 autocast with a GradScaler at the {plan.said} initial scale and growth interval"]
     else:
         out += ["# FP8 training for the eligible layers (torchao), BF16 autocast for the rest", ""]
         out += plan.fp8_block()
@@ -229,7 +232,7 @@ def _hf(plan: _Plan) -> list[str]:
     if fmt == "fp16":
         out += [
             "# TrainingArguments has no init_scale: the Trainer's GradScaler starts at 2**16 with growth_interval",
-            "# 2000; replace it before train() to start at the recommended scale",
+            f"# 2000; replace it before train() to start at the {plan.said} scale",
             f"trainer.accelerator.scaler = {plan.scaler(device=plan.device)}",
         ]
     out += ["trainer.train()"]
@@ -255,7 +258,7 @@ def _lightning(plan: _Plan) -> list[str]:
         out += [f"model = torch.compile(model)  # {_COMPILE_NOTE}"]
     if fmt == "fp16":
         out += [
-            "# precision='16-mixed' with the recommended GradScaler (Trainer(precision=...) would start at 2**16)",
+            f"# precision='16-mixed' with the {plan.said} GradScaler (Trainer(precision=...) would start at 2**16)",
             f"scaler = {plan.scaler(device=plan.device)}",
             f'trainer = L.Trainer(plugins=[MixedPrecision("16-mixed", {plan.device}, scaler=scaler)])',
         ]
@@ -341,14 +344,23 @@ def snippet(rec: Mapping[str, Any], framework: str = "pytorch", fmt: str | None 
     """The code that sets up ``rec``'s format (or ``fmt``) in ``framework``, as one string ending in a newline.
 
     When the measurements allow another format than the recommended one (``measured_format``), a comment
-    says so; ``snippet(rec, framework, rec["measured_format"])`` gives the code for that one.
+    says so; ``snippet(rec, framework, rec["measured_format"])`` gives the code for that one. fp16's code for a
+    recommendation that rules fp16 out (``fp16_ruled_out``) says so in a comment above it.
     """
     fmt = str(rec.get("format") or "") if fmt is None else fmt
     if fmt not in SNIPPET_FORMATS:
         raise ValueError(f"no snippet for format {fmt!r}; expected one of {', '.join(SNIPPET_FORMATS)}")
     if framework not in frameworks(fmt):
         raise ValueError(f"no {fmt} snippet for {framework!r}; expected one of {', '.join(frameworks(fmt))}")
-    lines = _BUILDERS[framework](_Plan(rec, fmt))
+    plan = _Plan(rec, fmt)
+    lines = _BUILDERS[framework](plan)
+    if plan.ruled_out:
+        # asked for by name: the code is given, without passing its scale off as one that works
+        lines = [
+            "# precprof: the measurements rule FP16 out for this model (the recommendation's reasons say why);",
+            "# the GradScaler below starts at the scale sized on the largest gradient, which does not make it fit",
+            *lines,
+        ]
     measured = str(rec.get("measured_format") or "")
     if fmt == rec.get("format") and measured in SNIPPET_FORMATS and measured != fmt:
         lines = [

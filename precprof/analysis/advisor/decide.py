@@ -214,6 +214,9 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         fmt = "tf32"
     else:
         fmt = "fp32"
+    if fmt in ("bf16", "fp8") and hw.fp16_tensor_cores and plan.fp16_block:
+        # the verdict box and the fp16 snippet point here for why fp16 will not do
+        reasons.append("Not FP16: fp16 is ruled out: " + "; ".join(plan.fp16_block) + ".")
     if fmt in ("tf32", "fp32"):
         blocks = []
         if not bf16_ok:

@@ -186,7 +186,9 @@ def analyse(
     until = min(known) if common_steps and len(known) > 1 else None
     results = [read_run(v, Path(d), until, st) for (v, d), st in zip(runs, steps, strict=True)]
     ref, ref_note = _reference(results, [v for v, _ in runs])
+    ruled_out = bool((ref.recommendation or {}).get("fp16_ruled_out"))
     for r in results:
+        r.ruled_out = ruled_out and r.loss_scale == ADVISED
         if r is ref:
             r.outcome, r.gap = (REFERENCE if r.steps else FAILED), 0.0
         else:

@@ -429,12 +429,23 @@ def check_against_runs(runs: Sequence[RunResult], ref: RunResult) -> list[Check]
                 continue
             ok = r.outcome in (MATCHED, AHEAD)
             apart = not_isolated(r, ref)
+            if rec.get("fp16_ruled_out"):  # no scale was advised: what the run tests is the ruling
+                status = NOT_MEASURED if apart else NOT_BORNE_OUT if ok else CONFIRMED
+                said = (
+                    f"Loss scale: the advisor ruled fp16 out on the {ref.label} profile (its reasons say why) and "
+                    f"gave no loss scale to start it at; trained at the one sized on the largest gradient, "
+                    f"init_scale {_fmt_scale(advised)}, "
+                )
+            else:
+                status = NOT_MEASURED if apart else CONFIRMED if ok else CONTRADICTED
+                said = (
+                    f"Loss scale: the advisor sized fp16's loss scale at init_scale {_fmt_scale(advised)} on the "
+                    f"{ref.label} profile; trained with it, "
+                )
             checks.append(
                 Check(
-                    NOT_MEASURED if apart else CONFIRMED if ok else CONTRADICTED,
-                    f"Loss scale: the advisor sized fp16's loss scale at init_scale {_fmt_scale(advised)} on the "
-                    f"{ref.label} profile; trained with it, {outcome_sentence(r, ref, 0)}"
-                    + (f" {_sentence(apart)}." if apart else ""),
+                    status,
+                    said + outcome_sentence(r, ref, 0) + (f" {_sentence(apart)}." if apart else ""),
                     r.label,
                     ASPECT_LOSS_SCALE,
                 )

@@ -190,6 +190,9 @@ class RunResult:
     setup_differs: list[str] = field(default_factory=list)
     # the reference only: why it did not train itself ("" when it did: ``did_not_train``)
     did_not_train: str = ""
+    # an "advised" fp16 run whose reference profile rules fp16 out: its init_scale is the one the advisor sized on
+    # the largest gradient, not one it advised
+    ruled_out: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

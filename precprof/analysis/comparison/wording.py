@@ -77,6 +77,11 @@ def describe_run(run: RunResult) -> str:
         return f"{run.precision} without loss scaling" if fp16 else run.precision
     if run.loss_scaling == "static":
         return f"{run.precision} at a static loss scale of {_fmt_scale(run.final_scale)}"
+    if run.loss_scale == ADVISED and run.ruled_out:
+        return (
+            f"{run.precision} at init_scale {_fmt_scale(run.init_scale)}, the scale the advisor sized though it "
+            f"ruled fp16 out (dynamic loss scaling, {describe_scale(run)})"
+        )
     if run.loss_scale == ADVISED:
         return (
             f"{run.precision} at the advised init_scale {_fmt_scale(run.init_scale)} (dynamic loss scaling, "

@@ -504,7 +504,24 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                     f"over what the run had (fp16_gradient_underflow); use {_wider_than_fp16(run)}."
                 )
     _rule_fp16_gradient_overflow(run, plan)
+    _no_scale_where_ruled_out(run, plan)
     _rule_scaler(run, plan)
+
+
+def _no_scale_where_ruled_out(run: _Run, plan: _Plan) -> None:
+    """Where the measurements rule fp16 out (``plan.fp16_block``, every fp16 rule having run), fp16_loss_scale
+    gives no scale to start fp16 at: "Start GradScaler at init_scale=2^32" beside a finding that rules fp16 out
+    at that very scale read as a plan that works. The scale stays in its title and numbers, as what the largest
+    gradient allows."""
+    if not plan.fp16_block:
+        return
+    for f in plan.findings:
+        if f.code == "fp16_loss_scale" and f.remedy.startswith("Start GradScaler"):
+            f.remedy = (
+                f"No loss scale to start fp16 at: fp16 is ruled out ({'; '.join(plan.fp16_block)}), so "
+                f"{_pow2(plan.loss_scale_log2)}, the scale sized on the largest gradient, is no plan. Use "
+                f"{_wider_than_fp16(run)}."
+            )
 
 
 def _fitting_scale_log2(gmax: float, limit: float) -> int:
