@@ -603,6 +603,87 @@ def test_a_param_group_added_mid_run_has_its_updates_sampled() -> None:
         assert rows.loc[step, T.LOST_UPDATE_BF16] == int(lost_bf16.sum())
 
 
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """The bytes of an optimizer's state tensors (moments, momentum buffers, step counters), summed by hand."""
+    return sum(
+        t.nbytes for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)
+    )
+
+
+@pytest.mark.parametrize("sample_every", [1, 2])
+def test_a_new_optimizer_made_mid_run_is_followed_from_its_first_step(sample_every: int) -> None:
+    """Adam switched for SGD with momentum at step 2 (the optimizer made again): precprof's hooks stayed on
+    Adam's step, so no update of steps 2 and 3 was sampled, the memory table still counted Adam's moments as
+    the optimizer states, and the summary named Adam. After ``prof.use_optimizer(sgd)``: SGD's updates are
+    sampled (the counts those of the update the loop saw land, cast by hand), its momentum buffers are the
+    states, the summary names it and says from which step. ``sample_every=2``: the switch between two sampled
+    steps; 1: in a sampled step whose hooks are in place."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    adam = torch.optim.Adam(m.parameters(), lr=1e-3)
+    opt: torch.optim.Optimizer = adam
+    w = m[0].weight
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    states: dict[int, int] = {}
+    prof = precprof.Profiler(m, optimizer=adam, sample_every=sample_every, memory_every=1)
+    with prof:
+        for step in range(4):
+            if step == 2:
+                opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+                prof.use_optimizer(opt)
+            nn.functional.cross_entropy(m(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+            before = w.detach().flatten()[::2].clone()  # 256 of 512 elements sampled: every second one
+            assert w.grad is not None
+            grad = w.grad.flatten()[::2].clone()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            seen[step] = (before, w.detach().flatten()[::2].clone(), grad)
+            states[step] = _state_bytes(opt)
+            prof.step()
+    tables = prof.tables()
+    layers = tables["layers"]
+    updates = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
+    rows = updates[(updates[T.MODULE] == "0") & (updates[T.PARAM] == "weight")].set_index(T.STEP)
+    sampled = list(range(0, 4, sample_every))
+    assert sorted(rows.index) == sampled
+    for step in sampled:
+        before, after, grad = seen[step]
+        delta = after - before
+        intended = (grad != 0) | (delta != 0)
+        held = before.bfloat16()
+        lost_bf16 = ((held.float() + delta).bfloat16() == held) & (delta != 0) | (intended & (delta == 0))
+        assert rows.loc[step, T.NUMEL] == 256 and rows.loc[step, T.ZEROS] == int((~intended).sum())
+        assert rows.loc[step, T.LOST_UPDATE_BF16] == int(lost_bf16.sum())
+    memory = tables["memory"]
+    held_states = memory[memory[T.COMPONENT] == T.OPTIMIZER_STATES].groupby(T.STEP)[T.BYTES].sum()
+    assert {s: int(held_states[s]) for s in sampled} == {s: states[s] for s in sampled}
+    assert states[0] == 2 * 4 * 676 + 4 * 4 and states[3] == 4 * 676  # Adam's two moments; SGD's momentum
+    summary = prof.summary()
+    assert summary["optimizer"]["class"] == "SGD"
+    assert summary["optimizer_changes"] == [{"step": 2, "from": "Adam", "to": "SGD"}]
+
+
+def test_an_optimizer_given_after_the_profiler_was_made_without_one_has_its_updates_sampled() -> None:
+    """A Profiler made without an optimizer, told of one at step 1: its updates are sampled from then on."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8))
+    prof = precprof.Profiler(m, sample_every=1, memory=False)
+    with prof:
+        for step in range(3):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            if step == 1:
+                prof.use_optimizer(opt)
+            m(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    layers = prof.tables()["layers"]
+    updates = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
+    assert sorted(set(updates[T.STEP])) == [1]  # step 2's SGD is another one, not given
+    assert set(updates[T.NUMEL]) == {64, 8}
+    assert prof.summary()["optimizer_changes"] == [{"step": 1, "from": None, "to": "SGD"}]
+
+
 def test_an_optimizer_of_another_model_is_said_and_samples_nothing() -> None:
     model, other = nn.Linear(4, 4), nn.Linear(4, 4)
     opt = torch.optim.SGD(other.parameters(), lr=0.1)

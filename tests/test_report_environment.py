@@ -172,6 +172,33 @@ def test_a_run_that_read_no_weight_update_says_why(tmp_path: Path, given: str) -
     assert ("no optimizer was given" in said) == (given == "none")
 
 
+def test_an_optimizer_switched_mid_run_is_said_with_its_step(tmp_path: Path) -> None:
+    """Adam made again as SGD at step 2 and given to ``prof.use_optimizer``: the environment named Adam, with
+    its eps and beta2, for a run whose last steps SGD took. It names SGD, and says from which step."""
+    import torch
+    from torch import nn
+
+    import precprof
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with precprof.Profiler(model, opt, sample_every=1, memory=False) as prof:
+        for step in range(3):
+            if step == 2:
+                opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+                prof.use_optimizer(opt)
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    prof.report(tmp_path / "run")
+    rows, text = env_rows((tmp_path / "run" / "report.html").read_text())
+    check_words(rows, text)
+    said = dict(rows)
+    assert said["optimizer"] == "SGD" and said["optimizer changed"] == "from Adam to SGD at step 2"
+
+
 def test_a_tied_weight_is_said_with_its_owner_and_escaped(tmp_path: Path) -> None:
     """A tied output head has no weight rows of its own: the environment says whose weight it is (the module
     names escaped, as every name on the page)."""

@@ -222,9 +222,22 @@ class StepHooks(GradientReads):
         if self._hookset.installed:  # kept from the sampled step before (``pause``)
             return
         self._hookset.install()
+        self._hook_optimizers()
+
+    def _hook_optimizers(self) -> None:
         for k, opt in enumerate(self.optimizers):
             self._handles.append(opt.register_step_pre_hook(functools.partial(self._opt_pre_hook, k)))
             self._handles.append(opt.register_step_post_hook(functools.partial(self._opt_post_hook, k)))
+
+    def use_optimizers(self, optimizers: Sequence[Any]) -> None:
+        """Read the gradients and updates around the steps of ``optimizers`` from now on (a new optimizer made
+        mid-run): the old ones' hooks come off, and the new ones' go on at once when the hooks are in place."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.optimizers = list(optimizers)
+        if self._hookset.installed:
+            self._hook_optimizers()
 
     def pause(self) -> None:
         """End the sampled step, its hooks left in place but doing nothing (a gradient hook that has not fired

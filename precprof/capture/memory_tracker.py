@@ -61,7 +61,7 @@ What the memory table means per mode is ``precprof.analysis.memory_projection``'
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -200,9 +200,23 @@ class MemoryTracker(SavedActivations):
         if self._hookset.installed:
             return
         self._hookset.install()
+        self._hook_optimizers()
+
+    def _hook_optimizers(self) -> None:
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._opt_pre_hook))
             self._handles.append(opt.register_step_post_hook(self._opt_post_hook))
+
+    def use_optimizers(self, optimizers: Sequence[Any]) -> None:
+        """Measure the states and master weights of ``optimizers`` from now on, and their step as the optimizer
+        phase (a new optimizer made mid-run): the old ones' hooks come off, the new ones' go on at once when the
+        hooks are in place."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.optimizers = list(optimizers)
+        if self._hookset is not None and self._hookset.installed:
+            self._hook_optimizers()
 
     def _uninstall(self) -> None:
         if self._hookset is not None:

@@ -88,6 +88,11 @@ def _backend_said(modules: list[nn.Module], lead: str = " (") -> str:
     return f"{lead}backend {names.pop()}" + (")" if lead == " (" else "")
 
 
+def optimizer_class(optimizers: Sequence[Any]) -> str | None:
+    """The optimizers' classes in words ("Muon + AdamW"), each once; None without one."""
+    return " + ".join(dict.fromkeys(type(o).__name__ for o in optimizers)) or None
+
+
 def optimizer_settings(optimizers: list[Any], params: Sequence[Any] = ()) -> dict[str, Any] | None:
     """What the advisor reads of the optimizers: their classes ("Muon + AdamW"), and over the parameter groups
     of the Adams among them (of all of them when none is an Adam) the smallest ``eps`` and the largest
@@ -106,7 +111,7 @@ def optimizer_settings(optimizers: list[Any], params: Sequence[Any] = ()) -> dic
         b[1] for b in betas if isinstance(b, (tuple, list)) and len(b) > 1 and isinstance(b[1], (int, float))
     ]
     out: dict[str, Any] = {
-        "class": " + ".join(dict.fromkeys(type(o).__name__ for o in optimizers)),
+        "class": optimizer_class(optimizers),
         "eps": float(min(eps)) if eps else None,
         "beta2": float(max(beta2)) if beta2 else None,
     }

@@ -46,6 +46,7 @@ from precprof.capture.collect import Collector
 from precprof.capture.hooks import StepHooks
 from precprof.capture.memory_schedule import check_every
 from precprof.capture.memory_tracker import MemoryTracker
+from precprof.capture.optimizer_switch import OptimizerSwitch
 from precprof.capture.plan import CapturePlan, ModuleFilter, block_formats_from_env
 from precprof.capture.recorded import Recorded
 from precprof.capture.records import MAX_PENDING_STEPS, RowInfo, _ModuleSlot, _PendingStep
@@ -57,7 +58,7 @@ from precprof.capture.updates import UpdateSampler
 from precprof.export.live import LiveDashboards
 
 
-class Profiler(ProfilerResults):
+class Profiler(ProfilerResults, OptimizerSwitch):
     """Record per-layer dtypes, exponent histograms and exact underflow/overflow counts during training.
 
     Args:
@@ -203,6 +204,8 @@ class Profiler(ProfilerResults):
         self.memory_peak = memory_peak
         self.reset_peak_memory = reset_peak_memory
         self.weight_updates = weight_updates and optimizer is not None
+        self._updates_asked = weight_updates
+        self._optimizer_changes: list[dict[str, Any]] = []  # ``use_optimizer``'s, for the summary
         self.update_sample = update_sample
         self.chunk = chunk
         self._block_formats = bool(block_formats) if block_formats is not None else block_formats_from_env()

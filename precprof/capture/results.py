@@ -70,6 +70,7 @@ class ProfilerResults:
     _first_step: int
     _sample_origin: int
     _loss_dtypes: dict[str, int]
+    _optimizer_changes: list[dict[str, Any]]
     _owned_run: rundir.RunDir | None
     _out: Any
     _overwrite: bool
@@ -303,6 +304,8 @@ class ProfilerResults:
             "optimizer": optimizer_settings(
                 self.optimizers, self._plan.params if self._plan is not None else ()
             ),
+            # a new optimizer followed from a step on (``use_optimizer``): {"step", "from", "to"}, in order
+            "optimizer_changes": [dict(c) for c in self._optimizer_changes],
             "fp8_recipe": "per-tensor current scaling with power-of-two scales, scale = 2^floor(log2(fmax / amax))",
             "memory_error": self._collector.memory_error if self._collector is not None else None,
             "memory_steps": self._tracker.schedule.describe() if hasattr(self._tracker, "schedule") else None,

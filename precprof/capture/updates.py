@@ -422,6 +422,15 @@ class UpdateSampler:
         self._follow = (follow[0], follow[1], groups_key(follow[1]))
         self._track(*held_by(follow[1], follow[0]))
 
+    def use(self, optimizers: Sequence[Any]) -> None:
+        """Sample the parameters ``optimizers`` hold from now on, each in the step of the one that holds it (a new
+        optimizer made mid-run: ``Profiler.use_optimizer``). The counts start again: in a sampled step in
+        progress, an update the old optimizer already made is not counted, rather than counted under the new."""
+        params = self._follow[0] if self._follow is not None else self.tracked
+        self._follow = (params, optimizers, groups_key(optimizers))
+        self._track(*held_by(optimizers, params))
+        self._counted = False
+
     def before_step(self, k: int = 0, optimizer: Any = None) -> None:
         """Read the samples of optimizer ``k``'s parameters before its step (on each parameter's device; no
         sync)."""

@@ -39,7 +39,7 @@ _CAPTURE_SAID = _keys(
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled scaler_growth_interval "
     "compiled fp8_emulated dropout_layers "
     "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
-    "gemm_inputs model_inputs optimizer "
+    "gemm_inputs model_inputs optimizer optimizer_changes "
     "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules"
 )
 _HARDWARE_SAID = _keys(
@@ -111,6 +111,17 @@ def weight_grads_unread(capture: Mapping[str, Any]) -> str:
         "the advice is made without them. Give the Profiler the optimizers to have them read as each one steps "
         "(with torch.autograd.grad, assign them to .grad first)"
     )
+
+
+def _optimizer_changes(changes: Any) -> str:
+    """The optimizers the run switched to (``Profiler.use_optimizer``), in order: "from Adam to SGD at step 2"
+    (the capture's optimizer settings are the last one's)."""
+    said = [
+        f"from {c.get('from') or 'none'} to {c.get('to') or 'none'} at step {F.count(c['step'])}"
+        for c in changes or ()
+        if isinstance(c, Mapping) and _int(c.get("step")) is not None
+    ]
+    return "; ".join(said)
 
 
 def _update_reads(sample: Any, optimizer: Mapping[str, Any]) -> str:
@@ -489,6 +500,9 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
     ):  # else config_rows says it
         settings = [f"{k} {F.num(opt[k])}" for k in ("eps", "beta2") if isinstance(opt.get(k), (int, float))]
         rows.append(("optimizer", str(opt["class"]) + (f" ({', '.join(settings)})" if settings else "")))
+    changes = _optimizer_changes(capture.get("optimizer_changes"))
+    if changes:
+        rows.append(("optimizer changed", changes))
     if capture.get("weight_update_sample") is not None:
         rows.append(("weight updates read on", _update_reads(capture["weight_update_sample"], opt)))
     unread = weight_grads_unread(capture)
