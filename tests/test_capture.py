@@ -684,6 +684,46 @@ def test_an_optimizer_given_after_the_profiler_was_made_without_one_has_its_upda
     assert prof.summary()["optimizer_changes"] == [{"step": 1, "from": None, "to": "SGD"}]
 
 
+@pytest.mark.parametrize("resume_at", [2, 4])
+def test_a_resumed_run_keeps_the_optimizer_changes_before_its_restart(tmp_path: Path, resume_at: int) -> None:
+    """A run of 4 steps that switched from Adam to SGD at step 3, resumed into the same directory by a job that
+    makes SGD again: resumed at step 4 it keeps the switch, and the restart makes no other (SGD went on);
+    resumed at step 2, where Adam still stepped, the switch at 3 is replaced with the steps after 2, and the
+    restart itself is the switch from Adam to SGD. The restart's Profiler never saw Adam: the summary named SGD
+    alone."""
+    m = nn.Linear(4, 4)
+
+    def train(prof: precprof.Profiler, steps: range, switch_at: int | None = None) -> None:
+        opt: torch.optim.Optimizer = prof.optimizers[0]
+        with prof:
+            for step in steps:
+                if step == switch_at:
+                    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+                    prof.use_optimizer(opt)
+                m(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+
+    out = tmp_path / "run"
+    first = precprof.Profiler(m, torch.optim.Adam(m.parameters()), sample_every=1, memory=False, out=out)
+    train(first, range(4), switch_at=3)
+    first.save()
+    again = precprof.Profiler(
+        m,
+        torch.optim.SGD(m.parameters(), lr=0.1),
+        sample_every=1,
+        memory=False,
+        out=out,
+        resume=True,
+        first_step=resume_at,
+    )
+    train(again, range(resume_at, 6))
+    again.save()
+    expected = {"step": 3 if resume_at == 4 else 2, "from": "Adam", "to": "SGD"}
+    assert T.read_summary(out)[T.SUMMARY_CAPTURE]["optimizer_changes"] == [expected]
+
+
 def test_an_optimizer_of_another_model_is_said_and_samples_nothing() -> None:
     model, other = nn.Linear(4, 4), nn.Linear(4, 4)
     opt = torch.optim.SGD(other.parameters(), lr=0.1)

@@ -366,6 +366,83 @@ def test_two_optimizers_each_sample_the_updates_of_the_parameters_they_step(tmp_
     pd.testing.assert_frame_equal(rows[False], rows[True])
 
 
+class _SwitchToSGD(L.Callback):  # type: ignore[misc]
+    """Sets SGD as the trainer's optimizer at the start of batch ``at`` (a switch of optimizer mid-fit)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx == self.at:
+            trainer.optimizers = [torch.optim.SGD(pl_module.parameters(), lr=0.1, momentum=0.9)]
+
+
+@pytest.mark.parametrize("switch_first", [True, False])
+def test_an_optimizer_set_on_the_trainer_mid_fit_is_followed(tmp_path: Path, switch_first: bool) -> None:
+    """A callback that sets SGD as the trainer's optimizer at batch 2: precprof's hooks stayed on AdamW's step,
+    so no update of steps 2 and 3 was sampled and the summary named AdamW. SGD is followed now, from the step
+    it first steps in when the switch comes before precprof's callback, else from the next one (the switch at
+    batch 2 is seen at its end: its step reads no update); the summary names SGD and says from which step."""
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False, memory=False)
+    switch = _SwitchToSGD(at=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[switch, cb] if switch_first else [cb, switch],
+        max_steps=4,
+    )
+    module = TinyLM()
+    trainer.fit(module, loader())
+    assert type(trainer.optimizers[0]).__name__ == "SGD"
+    layers = T.read_tables(cb.run_dir)["layers"]
+    updates = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
+    n_params = len(list(module.parameters()))
+    per_step = updates.groupby(T.STEP).size().to_dict()
+    assert per_step == (
+        {0: n_params, 1: n_params, 2: n_params, 3: n_params}
+        if switch_first
+        else {0: n_params, 1: n_params, 3: n_params}
+    )
+    capture = T.read_summary(cb.run_dir)[T.SUMMARY_CAPTURE]
+    assert capture["optimizer"]["class"] == "SGD"
+    assert capture["optimizer_changes"] == [{"step": 2, "from": "AdamW", "to": "SGD"}]
+
+
+class TinyLMThenSGD(TinyLM):
+    """TinyLM whose optimizer is AdamW, then SGD with momentum once ``sgd`` is set (a second fit that makes its
+    optimizer anew, as Lightning calls ``configure_optimizers`` again for each fit)."""
+
+    sgd = False
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.sgd:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return super().configure_optimizers()
+
+
+def test_a_second_fit_with_another_optimizer_says_so_in_the_run_it_continues(tmp_path: Path) -> None:
+    """A fit of 4 steps with AdamW, then a second fit of the same trainer on to 6, for which the module makes
+    SGD: the run it continues named SGD alone, as if every step had been SGD's. It says AdamW was switched for
+    SGD at step 4, and steps 4 and 5 have their weight updates sampled around SGD's steps."""
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False, memory=False, resume=True)
+    trainer = quiet_trainer(tmp_path, cb, max_steps=4)
+    module = TinyLMThenSGD()
+    trainer.fit(module, loader())
+    module.sgd = True
+    trainer.fit_loop.epoch_loop.max_steps = 6
+    trainer.fit(module, loader())
+    assert type(trainer.optimizers[0]).__name__ == "SGD" and trainer.global_step == 6
+    capture = T.read_summary(cb.run_dir)[T.SUMMARY_CAPTURE]
+    assert capture["optimizer"]["class"] == "SGD"
+    assert capture["optimizer_changes"] == [{"step": 4, "from": "AdamW", "to": "SGD"}]
+    layers = T.read_run(cb.run_dir).tables["layers"]
+    assert sorted(set(layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, T.STEP])) == list(range(6))
+
+
 @pytest.mark.filterwarnings("ignore:Using ModelCheckpoint with manual optimization")
 @pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
 @pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")

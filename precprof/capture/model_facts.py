@@ -120,3 +120,24 @@ def optimizer_settings(optimizers: list[Any], params: Sequence[Any] = ()) -> dic
         out["adam_class"] = " + ".join(dict.fromkeys(type(o).__name__ for o in adams))
         out["adam_modules"] = sorted({ps.module for ps in params if id(ps.tensor) in held})
     return out
+
+
+def resumed_optimizer_changes(
+    previous: Any, first_step: int, optimizers: Sequence[Any]
+) -> list[dict[str, Any]]:
+    """The optimizer changes a resumed run keeps (``optimizer_changes`` of ``previous``, the capture summary of
+    the run it continues, before ``first_step``: the later ones' steps are replaced), and one more at
+    ``first_step`` when the run goes on with another optimizer than it had there (a second ``fit`` that makes
+    its optimizer anew: a new Profiler, which the old one's hooks never saw)."""
+    if not isinstance(previous, dict) or first_step <= 0:  # (from step 0 on, every step is replaced)
+        return []
+    changes = [c for c in previous.get("optimizer_changes") or () if isinstance(c, dict)]
+    changes = [c for c in changes if isinstance(c.get("step"), int)]  # (in step order, as recorded)
+    kept = [c for c in changes if c["step"] < first_step]
+    dropped = changes[len(kept) :]
+    settings = previous.get("optimizer")
+    was = dropped[0].get("from") if dropped else settings.get("class") if isinstance(settings, dict) else None
+    now = optimizer_class(optimizers)
+    if was is not None and was != now:
+        kept.append({"step": first_step, "from": was, "to": now})
+    return kept

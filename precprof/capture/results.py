@@ -27,6 +27,7 @@ from precprof.capture.model_facts import (
     fp8_emulated,
     model_class_name,
     optimizer_settings,
+    resumed_optimizer_changes,
 )
 from precprof.capture.plan import CapturePlan
 from precprof.capture.recorded import Recorded
@@ -122,6 +123,14 @@ class ProfilerResults:
                 # never at the cost of the user's attach: the end of the run detects it again
                 with contextlib.suppress(Exception):
                     first.update(describe(str(self._device)))
+            # the optimizers the continued run had: its summary is replaced at the claim
+            previous = None
+            if self._resume:
+                with contextlib.suppress(Exception):  # (a damaged summary: the claim says so)
+                    previous = runfiles.read_summary(self._out).get(T.SUMMARY_CAPTURE)
+            self._optimizer_changes[:0] = resumed_optimizer_changes(
+                previous, self._first_step, self.optimizers
+            )
             run = self._owned_run = rundir.claim(
                 self._out, overwrite=self._overwrite, resume=self._resume, summary=first, option="out"
             )

@@ -15,7 +15,8 @@ What the callback does:
   over divided by ``accumulate_grad_batches``, which is undone) and the tokens fed to the model (see below); when ``trainer.global_step`` has moved (an optimizer step happened, after gradient accumulation),
   ``Profiler.step(mean loss of the micro-batches, tokens)``. A batch that automatic optimization skipped
   (``training_step`` returned None) adds neither a loss nor tokens: the mean is over the micro-batches that
-  returned a loss;
+  returned a loss. Optimizers set on the trainer during the fit (a callback switching to SGD at an epoch) are
+  followed from the batch that steps them on (``Profiler.use_optimizer``), the change said in the summary;
 - ``on_train_end``: writes the run directory and report.html; ``on_exception``: the same, marked incomplete with
   the exception (Lightning calls it before re-raising).
 
@@ -119,6 +120,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._start: tuple[Any, ...] | None = None  # the session's start, made at the first batch
         self._next_step: int | None = None  # the next optimizer step's number (saved in checkpoints)
         self._restored_step: int | None = None  # that step, as the checkpoint this fit resumes from saved it
+        self._optimizers: list[Any] = []  # the trainer's optimizers the Profiler follows
         # a validation loop between two training batches: its time is not the next step's (``not_training``)
         self._outside = contextlib.ExitStack()
 
@@ -229,6 +231,20 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
                 first = _batches_that_stepped(trainer)
             self._session.start(module, optimizers, scaler, summary, first_step=first, wrapped=wrapped)
             self._next_step = first
+            self._optimizers = list(getattr(trainer, "optimizers", []) or [])
+        self._follow_optimizers(trainer)
+
+    def _follow_optimizers(self, trainer: Any) -> None:
+        """New optimizers set on the trainer during the fit (a callback's ``trainer.optimizers = [SGD(...)]`` at
+        an epoch, or ``trainer.strategy.setup_optimizers(trainer)`` after unfreezing layers): the Profiler's hooks
+        stayed on the old ones' steps. It follows them now (``Profiler.use_optimizer``): before the batch when
+        they were set before it, else at its end (that step's updates are not sampled)."""
+        prof = self.profiler
+        optimizers = list(getattr(trainer, "optimizers", []) or [])
+        if prof is None or list(map(id, optimizers)) == list(map(id, self._optimizers)):
+            return
+        self._optimizers = optimizers
+        prof.use_optimizer(optimizers)
 
     def _reset_step(self) -> None:
         self._loss_sum = None
@@ -253,6 +269,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         # tokens were trained on. Manual optimization often returns nothing after its own backward.
         if has_loss or not automatic:
             self._tokens += (fed if fed is not None else first_token_count(batch)) or 0
+        self._follow_optimizers(trainer)
         if int(trainer.global_step) == self._last_global_step:
             return  # gradient accumulation: no optimizer step yet
         # one Profiler step per batch that stepped: manual optimization with several optimizers advances
