@@ -24,6 +24,9 @@ The estimate adds what training holds at its peak, all in bytes:
   outputs' size (``OUTPUT_GRADIENTS``). For a language model with a real vocabulary these are the largest
   tensors of the step: gpt-nano with GPT-2's 50,257 tokens at batch 8 x 64 peaked at 466 MiB, 2.1x an estimate
   that left out the logits and their gradients (saved 111 MiB, logits 98 MiB, their two gradients 196 MiB).
+  A model that computes its loss inside forward and returns it alone (``forward(x, targets)``, a wrapper of a
+  Hugging Face model given its labels) has no output to hold, yet its backward starts the same way: the
+  gradients are those of the last output of a module inside it that backward flows into, its logits.
 
 The measuring passes never run a batch larger than 2, and the batch-2 pass only when batch 1 says it fits;
 a run whose model states alone, or whose batch 1, cannot fit is refused before anything larger is tried. They
@@ -286,9 +289,19 @@ def pass_bytes(
                 with contextlib.suppress(RuntimeError):
                     outputs[_storage_key(t.untyped_storage())] = (t.untyped_storage().nbytes(), t.numel())
 
+    # the elements of the last output of a module inside the model that backward flows into: the logits of a
+    # model that computes its loss inside forward and returns it alone (a wrapper's ``hf(x, labels=y).loss``)
+    last = [0]
+
+    def keep_last(module: nn.Module, args: Any, out: Any) -> None:
+        sizes = [t.numel() for t in _tensors_in(out) if t.requires_grad and t.dim() > 0]
+        if sizes:
+            last[0] = max(sizes)
+
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     devices = [d for d in {p.device for p in model.parameters()} if d.type == "cuda"]
-    handle = model.register_forward_hook(keep_outputs)
+    handles = [model.register_forward_hook(keep_outputs)]
+    handles += [m.register_forward_hook(keep_last) for m in model.modules() if m is not model]
     try:
         with (
             torch.random.fork_rng(devices=devices),
@@ -297,14 +310,17 @@ def pass_bytes(
             loss = forward_loss()
         del loss
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         with torch.no_grad():
             for name, b in model.named_buffers():
                 if name in buffers:
                     b.copy_(buffers[name])
     held = sum(b for key, (b, _) in outputs.items() if key not in seen and key not in params)
-    grads = OUTPUT_GRADIENTS * 4 * sum(n for _, n in outputs.values())
-    return PassBytes(total, held, grads)
+    # backward starts from the loss wherever it was computed: with a loss made inside forward and returned
+    # alone, the gradients at its start are those of the logits the model made, not of an output it returned
+    elements = sum(n for _, n in outputs.values()) if outputs else last[0]
+    return PassBytes(total, held, OUTPUT_GRADIENTS * 4 * elements)
 
 
 def _storage_key(st: torch.UntypedStorage) -> int:

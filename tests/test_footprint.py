@@ -195,6 +195,46 @@ def test_a_large_vocabulary_counts_the_logits_and_their_gradients(autocast: torc
     assert 0.85 * fp.total <= peak <= 1.15 * fp.total, (peak, fp.total)
 
 
+class LossInside(nn.Module):
+    """A model that computes its loss inside forward and returns it alone (``forward(x, targets)``, as a wrapper of
+    a Hugging Face model returns ``hf(x, labels=y).loss``): its logits are never an output."""
+
+    def __init__(self, model: nn.Module, vocab: int) -> None:
+        super().__init__()
+        self.model, self.vocab = model, vocab
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return loss_from_output(self.model(x), targets, self.vocab)
+
+
+def test_a_loss_computed_inside_forward_counts_the_gradients_of_its_logits() -> None:
+    """gpt-nano with an 8,192-token vocabulary whose forward computes the loss and returns it alone: the
+    estimate saw no output, so it left out the two fp32 gradients of the logits' size that backward allocates
+    at its start (64 MiB: a real AdamW step peaked at 1.5x the estimate, and a run that could not fit was let
+    through). They are counted now, and the estimate is within 15% of that step's CPU peak."""
+    batch, seq, vocab = 16, 64, 8192
+    torch.manual_seed(0)
+    model = LossInside(build_model("gpt-nano", {}, vocab_size=vocab, seq_len=seq).module, vocab)
+
+    def forward(n: int) -> torch.Tensor:
+        ids = torch.randint(0, vocab, (n, seq + 1))
+        return model(ids[:, :-1], targets=ids[:, 1:])
+
+    fp = FP.estimate(model, batch_size=batch, optimizer="adamw", forward_loss=forward)
+    assert fp.outputs_per_sample == 0  # the logits are freed once the loss is made: nothing held
+    assert fp.output_gradients_per_sample * batch == 2 * batch * seq * vocab * 4
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step() -> None:
+        forward(batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # AdamW's states exist from here on
+    peak = step_peak_bytes(model, opt, step)
+    assert 0.85 * fp.total <= peak <= 1.15 * fp.total, (peak, fp.total)
+
+
 def test_the_measuring_pass_changes_nothing() -> None:
     """Random state, BatchNorm running statistics and gradients are as they were: training is unchanged."""
     torch.manual_seed(0)
