@@ -233,6 +233,37 @@ def test_a_bf16_model_with_fp32_master_weights_is_a_pure_run_in_memory_too(tmp_p
     assert own[T.MASTER_WEIGHTS] == 4 * n and own[T.GRADIENTS] == grads  # the master copy kept, as measured
 
 
+def test_a_sparse_gradient_is_projected_as_the_rows_it_holds(tmp_path: Path) -> None:
+    """nn.Embedding(sparse=True) over 10,000 rows: its gradient holds the 40 rows a step looked up and their
+    indices (3 KiB), measured so, yet every mode was projected as if it were dense (625 KiB, 200x). Each mode is
+    projected from its real parts now: the values at the mode's bytes per element, the indices as they are,
+    and the dense gradients as before; the fp32 projection equals what the run measured."""
+    torch.manual_seed(0)
+    vocab, dim = 10_000, 16
+    model = nn.Sequential(nn.Embedding(vocab, dim, sparse=True), nn.Linear(dim, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    parts: list[tuple[int, int, int]] = []  # per step: values' and indices' elements, dense gradient elements
+    with precprof.Profiler(model, opt, sample_every=1, memory_every=1, block_formats=False) as prof:
+        for _ in range(2):
+            model(torch.randint(0, vocab, (8, 5))).square().mean().backward()
+            g = model[0].weight.grad
+            assert g is not None and g.layout is torch.sparse_coo
+            dense = [p.grad for p in model[1].parameters() if p.grad is not None]
+            parts.append((g._values().numel(), g._indices().numel(), sum(t.numel() for t in dense)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    prof.report(tmp_path / "run")
+    block = T.read_summary(tmp_path / "run")[T.SUMMARY_MEMORY]
+    values, indices, dense = parts[block["step"]]
+    assert values == 8 * 5 * dim  # one row per id looked up (uncoalesced)
+    r = records(block)
+    assert r[("fp32", "measured", T.GRADIENTS)] == 4 * (values + dense) + 8 * indices
+    for mode in MODES:
+        per_element = 2 if mode in ("bf16-pure", "fp16-pure") else 4
+        assert r[(mode, "projected", T.GRADIENTS)] == per_element * (values + dense) + 8 * indices, mode
+
+
 def test_a_profiler_without_the_optimizer_says_its_states_were_not_measured(tmp_path: Path) -> None:
     """Adam steps the model but the Profiler was not given it: its states were left out silently, and the
     projection had pure bf16 save half of fp32's memory, the states that no format changes being absent. They

@@ -255,7 +255,12 @@ def project(
     ):
         n_trainable = round(n_trainable * p_elems / n_params)
         n_params = round(p_elems)
-    g_fixed = _elements(comp(T.GRADIENTS))[1]
+    g_elems, g_fixed = _elements(comp(T.GRADIENTS))
+    # a sparse gradient (nn.Embedding(sparse=True)) holds the rows the step looked up, as measured: values that
+    # follow the mode and indices that do not (in g_fixed), not an element per parameter element; its values are
+    # what the measured float gradients hold beyond the dense ones
+    sparse = min(int(facts.get("sparse_grad_numel") or 0), n_trainable)
+    grad_elems = n_trainable - sparse + min(max(g_elems - (n_trainable - sparse), 0.0), sparse)
     # frozen parameters held in 16-bit beside fp32 trained ones (a bf16 base under fp32 LoRA adapters): kept as
     # measured in every mode that does not make the weights 16-bit anyway
     frozen_low = _frozen_low_bytes(comp(T.PARAMETERS), n_params - n_trainable, infer_mode(memory))
@@ -314,7 +319,7 @@ def project(
         param_b = (2 if low else 4) * p_elems + p_fixed
         if frozen_low and not low:
             param_b = 4 * (p_elems - frozen_low / 2) + frozen_low + p_fixed
-        grad_b = float((2 if low else 4) * n_trainable + g_fixed)
+        grad_b = float((2 if low else 4) * grad_elems + g_fixed)
         state_b = float(4 * o_elems + o_fixed if assumed_states is None else assumed_states)
         if measured_pure and low:  # as measured: with a master copy's fp32 gradients, where it has one
             param_b = float(measured.get(T.PARAMETERS, param_b))
@@ -396,6 +401,15 @@ def project(
         ),
         "tf32 stores everything in fp32 (it only changes matmul arithmetic), so it takes what fp32 takes.",
         "Parameters and gradients: 4 bytes per element, 2 in the pure modes; buffers follow the parameters.",
+        *(
+            [
+                f"Sparse gradients ({sparse:,} trained elements, nn.Embedding(sparse=True)): the rows a step "
+                "looked up, as measured; their values follow the mode, their indices take the same bytes in "
+                "every mode."
+            ]
+            if sparse
+            else []
+        ),
         "Optimizer states stay fp32 in every mode (4 bytes per state element, step counters as measured), "
         "but for the pure modes of a pure run: those keep the states as measured (torch's optimizers keep them "
         "in the parameters' dtype, precprof.optim in fp32).",

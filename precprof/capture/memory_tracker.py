@@ -423,7 +423,8 @@ class MemoryTracker(SavedActivations):
     def model_facts(self) -> dict[str, Any]:
         """What the projection needs to know about the model beyond the memory table.
 
-        ``n_params`` (unique parameter elements), ``n_trainable``, ``matmul_weight_numel`` (elements of >=2-D
+        ``n_params`` (unique parameter elements), ``n_trainable``, ``sparse_grad_numel`` (trained elements whose
+        gradient is sparse: nn.Embedding(sparse=True)), ``matmul_weight_numel`` (elements of >=2-D
         weights of matmul modules: what autocast casts) and ``module_classes`` (module name -> matmul |
         elementwise | fp32 | other, see ``module_class``). Store it as ``summary["memory"]["model"]``.
         """

@@ -391,7 +391,8 @@ def is_weight_copy(t: torch.Tensor, module: nn.Module | None, param_keys: set[St
 
 def model_sizes(model: nn.Module) -> dict[str, Any]:
     """``n_params`` (unique parameter elements: shared storages once, as in the parameters rows),
-    ``n_trainable``, ``matmul_weight_numel`` (elements of >=2-D weights of matmul modules: what autocast casts)
+    ``n_trainable``, ``sparse_grad_numel`` (of those, the elements whose gradient is sparse),
+    ``matmul_weight_numel`` (elements of >=2-D weights of matmul modules: what autocast casts)
     and ``module_classes`` (module name -> ``taxonomy.autocast_class``)."""
     seen: set[int] = set()
     n = n_train = 0
@@ -402,6 +403,15 @@ def model_sizes(model: nn.Module) -> dict[str, Any]:
             seen.add(key)
             n += p.numel()
             n_train += p.numel() if p.requires_grad else 0
+    # trained elements whose gradient is sparse (nn.Embedding(sparse=True), nn.EmbeddingBag(sparse=True)): it
+    # holds the rows a step looked up and their indices, not an element per parameter element
+    sparse = {
+        (st[0] if (st := _storage(p)) is not None else id(p)): p.numel()
+        for m in model.modules()
+        if getattr(m, "sparse", False) is True
+        for p in m.parameters(recurse=False)
+        if p.requires_grad
+    }
     seen = set()
     classes: dict[str, str] = {}
     matmul = 0
@@ -420,6 +430,7 @@ def model_sizes(model: nn.Module) -> dict[str, Any]:
         "n_params": n,
         "n_trainable": n_train,
         "matmul_weight_numel": matmul,
+        "sparse_grad_numel": sum(sparse.values()),
         "module_classes": classes,
     }
 
