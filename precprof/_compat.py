@@ -522,14 +522,17 @@ def reentrant_first_pass() -> bool:
     """Whether a reentrant activation checkpoint (``checkpoint(use_reentrant=True)``) is running its block's
     first forward (without grad), which the backward pass runs again with grad: its ``CheckpointFunction.forward``
     is a frame up the stack, and autograd records its node (``ctx.next_functions``; none under ``no_grad`` or
-    without an input that requires grad: then no backward runs it again, and this pass is the only one). Only
-    asked for forwards without grad inside a model's forward with grad."""
+    without an input that requires grad: then no backward runs it again, and this pass is the only one). A
+    checkpoint without a node inside another's first pass (itself under that one's ``no_grad``) runs again
+    with the outer one: every enclosing checkpoint is asked. Only asked for forwards without grad inside a
+    model's forward with grad, or inside a backward pass (an outer checkpoint running its block again)."""
     frame: Any = sys._getframe(1)
     while frame is not None:
         if frame.f_code is _REENTRANT_FORWARD:
             ctx = frame.f_locals.get("ctx")
             try:
-                return bool(ctx.next_functions) if ctx is not None else True
+                if ctx is None or ctx.next_functions:
+                    return True
             except (AttributeError, RuntimeError):
                 return True
         frame = frame.f_back

@@ -408,6 +408,52 @@ def test_a_layer_after_a_reentrant_checkpoint_reads_the_output_its_last_module_m
     assert T.input_module("out") not in rows and T.input_module("out") not in plain_rows
 
 
+class _CheckpointsABlock(nn.Module):
+    """``_BlockAroundACheckpoint`` (its inner MLP checkpointed reentrantly, or not at all) run under a checkpoint
+    of its own (``outer``: its ``use_reentrant``; None: none), then a head."""
+
+    def __init__(self, outer: bool | None, inner: bool | None) -> None:
+        super().__init__()
+        self.outer = outer
+        self.block, self.head = _BlockAroundACheckpoint(inner), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.block(x) if self.outer is None else checkpoint(self.block, x, use_reentrant=self.outer)
+        return self.head(h)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad=True")  # (the inner first pass)
+@pytest.mark.parametrize("outer", [False, True])
+def test_a_reentrant_checkpoint_inside_another_checkpoint_is_recorded_once(outer: bool) -> None:
+    """A reentrant checkpoint inside a block an outer checkpoint runs again records what the same model without
+    checkpoints records, every count, call and block column, and the same GEMM inputs: inside a non-reentrant
+    one, the inner block's first layer read its input (the norm's output, made again by the outer
+    recomputation and let go of before the inner one ran) as a row of its own (``inner.a:input``); inside a
+    reentrant one, the inner first pass inside the outer's was read as the step's forward (each inner
+    activation twice), and the outer block's output layer read a row of its own (``out:input``)."""
+
+    def run(outer: bool | None, inner: bool | None) -> tuple[pd.DataFrame, dict[str, Any]]:
+        torch.manual_seed(0)
+        model = _CheckpointsABlock(outer, inner)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with precprof.Profiler(model, optimizer=opt, sample_every=1, block_groups=1, memory=False) as prof:
+            for _ in range(2):
+                model(torch.randn(4, 16, requires_grad=True)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+        key = [T.STEP, T.MODULE, T.TENSOR, T.PARAM]
+        layers = prof.tables()["layers"].sort_values(key).reset_index(drop=True)
+        return layers, prof.summary()["gemm_inputs"]
+
+    (plain, plain_inputs), (got, inputs) = run(None, None), run(outer, True)
+    pd.testing.assert_frame_equal(got, plain)
+    assert inputs == plain_inputs
+    assert inputs["block.inner.a"] == ["block.ln"] and inputs["block.out"] == ["block.inner.b"]
+
+
 class _ReadsAComputedTensor(nn.Module):
     """``b`` reads a tensor no module made (``tanh(a(x)) + 1``)."""
 

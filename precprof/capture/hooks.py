@@ -213,7 +213,7 @@ class StepHooks(GradientReads):
         self._clear_outputs()
         self.grads_at_end = not _distributed()
         for slot in self.plan.modules:
-            slot.order = slot.input_order = -1
+            slot.order = slot.input_order = slot.first_from = -1
             slot.ran = False
         self._root_trains = self._root.training
         self._root_grad, self._root_calls = False, []
@@ -373,6 +373,8 @@ class StepHooks(GradientReads):
                 return None
             why = self._not_read()
             if why:
+                if why == _FIRST_PASS and slot.reads_input and args and isinstance(args[0], _Tensor):
+                    self._first_pass_input(slot, args[0])
                 self._skipped_forward(slot, why)
                 return None
             if self._weights_read is None:
@@ -417,9 +419,13 @@ class StepHooks(GradientReads):
             return _EVALUATION
         if torch.is_grad_enabled():
             return _RECOMPUTED if recomputing() else ""
-        if not self._root_grad:
-            return _NO_GRAD
-        return _FIRST_PASS if _compat.reentrant_first_pass() else ""
+        if self._root_grad:
+            return _FIRST_PASS if _compat.reentrant_first_pass() else ""
+        # inside a backward pass: a reentrant checkpoint's first pass nested in a block an outer checkpoint runs
+        # again (its outputs are what the outer block's later modules read)
+        if _compat.backward_pass_id() is not None and _compat.reentrant_first_pass():
+            return _FIRST_PASS
+        return _NO_GRAD
 
     def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         # (a model that calls itself, a self-distillation teacher under no_grad inside the forward: the innermost
@@ -466,11 +472,12 @@ class StepHooks(GradientReads):
         """The input a matmul reads (autocast casts it; a linear layer's GEMM would quantise it): the output of
         the module that made it, or, with block formats on, when no captured module did (an attention's output),
         a linear layer's row of its own."""
-        found = self._block_outputs.get(id(x))
+        found = self._made(x)
         made = found[0]() if found is not None else None
-        if made is not x:
-            found = self._output_by_data(x)
-            made = found[0]() if found is not None else None
+        if made is None and slot.first_from >= 0 and _compat.backward_pass_id() is not None:
+            # a reentrant checkpoint's recomputation, of an input an outer checkpoint made again and let go: the
+            # module its first pass found made it (the same values)
+            found, made = (weakref.ref(x), slot.first_from), x
         if found is not None and made is not None:
             slot.input_from.add(found[1])
             if turn and slot.input >= 0:  # read as the output that made it: several readers count it once
@@ -484,6 +491,22 @@ class StepHooks(GradientReads):
             if slot.input_order < 0:
                 slot.input_order = self.order
                 self.order += 1
+
+    def _made(self, x: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], int] | None:
+        """The output registered this step that ``x`` is (by object, else by memory), with its row; None when
+        none is (or it is gone)."""
+        found = self._block_outputs.get(id(x))
+        if found is not None and found[0]() is x:
+            return found
+        return self._output_by_data(x)
+
+    def _first_pass_input(self, slot: _ModuleSlot, x: torch.Tensor) -> None:
+        """A reentrant checkpoint's first pass gives a matmul ``x``: the module that made it is kept for the
+        recomputation (``first_from``), whose input an outer checkpoint may have made again and let go of by
+        then (no output of this step is that tensor any more)."""
+        found = self._made(x)
+        if found is not None and found[0]() is not None:
+            slot.first_from = found[1]
 
     def _output_by_data(self, x: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], int] | None:
         """The output registered this step over the memory ``x`` views (``_same_data``), a later one winning as

@@ -162,6 +162,9 @@ class _ModuleSlot:
     order: int = -1
     input_order: int = -1
     ran: bool = False
+    # the row of the module whose output a reentrant checkpoint's first pass gave it (-1: none), for the
+    # recomputation's lookup (``StepHooks._first_pass_input``)
+    first_from: int = -1
 
 
 @dataclass
