@@ -195,6 +195,17 @@ def global_numel(p: torch.Tensor) -> int:
     return int(p.numel())
 
 
+def shard_padding(t: torch.Tensor) -> int:
+    """The elements FSDP1 pads at the end of this rank's shard of a ``FlatParameter`` (``_shard_numel_padded``)
+    so that every rank holds as many: zeros no optimizer moves. 0 for any other tensor, and for a flat
+    parameter not sharded now (its numel not its shard's, ``_sharded_size``)."""
+    pad = getattr(t, "_shard_numel_padded", 0)
+    sharded = getattr(t, "_sharded_size", None)
+    if isinstance(pad, int) and pad > 0 and isinstance(sharded, torch.Size) and t.numel() == sharded.numel():
+        return pad
+    return 0
+
+
 def is_compiled(module: Any) -> bool:
     """Whether ``module`` runs under ``torch.compile``: its wrapper, compiled in place (``module.compile()``
     sets the call it makes instead of its own), or its forward replaced by a compiled one (``module.forward =

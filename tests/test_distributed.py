@@ -682,3 +682,20 @@ def test_the_model_size_of_a_sharded_run_is_the_models(runs: Path) -> None:
     for scenario in ("fsdp1", "fsdp2", "ddp"):
         capture = T.read_summary(run_dir(runs, scenario))[T.SUMMARY_CAPTURE]
         assert capture["n_params"] == full, scenario
+
+
+def test_fsdp1_weight_updates_leave_the_shards_padding_out(runs: Path) -> None:
+    """FSDP1 (``use_orig_params=False``) on 2 ranks: the model's 229 elements in one FlatParameter, sharded 115 +
+    115, rank 1's last element padding that no optimizer moves. The weight-update row counted it: 230 sampled
+    elements, 1 of them "no update". Each sampled step's row is the model's elements, with the zero updates of
+    the same training replayed in one process (every element of every parameter, as AdamW moves them)."""
+    full = sum(p.numel() for p in W.build_model().parameters())
+    assert full % W.WORLD  # (so that a shard is padded)
+    layers = T.read_tables(run_dir(runs, "fsdp1"))["layers"]
+    rows = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE].set_index(T.STEP)
+    want = reference("fsdp1")["entries"]
+    for step in range(0, W.STEPS, W.SAMPLE_EVERY):
+        updates = [e for k, e in want.items() if k[0] == step and k[2] == T.WEIGHT_UPDATE]
+        assert sum(e["counts"][T.NUMEL] for e in updates) == full
+        assert rows.loc[step, T.NUMEL] == full, step
+        assert rows.loc[step, T.ZEROS] == sum(e["counts"][T.ZEROS] for e in updates), step

@@ -31,6 +31,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from precprof import _compat
 from precprof import tables as T
 from precprof.capture.records import _local, _ParamSlot
 from precprof.capture.storage import dtype_name
@@ -369,7 +370,8 @@ class UpdateSampler:
         for ps in self.tracked:
             ps.update_index = -1
         for i, ps in enumerate(tracked):
-            n = _local(ps.tensor.detach()).numel()
+            # (FSDP1's padding at the end of a rank's shard is left out: it is never updated)
+            n = _local(ps.tensor.detach()).numel() - _compat.shard_padding(ps.tensor)
             ps.sample_stride = max(1, -(-n // self.per_param))
             ps.sample_len = len(range(0, n, ps.sample_stride))
             ps.update_index = i
