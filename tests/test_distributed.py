@@ -699,3 +699,43 @@ def test_fsdp1_weight_updates_leave_the_shards_padding_out(runs: Path) -> None:
         assert sum(e["counts"][T.NUMEL] for e in updates) == full
         assert rows.loc[step, T.NUMEL] == full, step
         assert rows.loc[step, T.ZEROS] == sum(e["counts"][T.ZEROS] for e in updates), step
+
+
+def test_a_resumed_distributed_run_counts_the_runs_sampled_steps_reduced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A distributed run killed after step 5 and resumed from its checkpoint at step 4: the summary's
+    ``sampled_steps_reduced`` (the Processes row's "the statistics of N sampled steps are every rank's
+    together") counted the last attempt's sampled steps alone, 2 (steps 4 and 6), where the run's tables hold
+    4 (0 and 2 kept from the first attempt). A one-rank group, the reducer forced."""
+    import torch.distributed as dist
+
+    def attempt(steps: range, **kw: Any) -> precprof.Profiler:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        prof = precprof.Profiler(model, opt, sample_every=2, out=tmp_path / "run", **kw)
+        with prof:
+            for _ in steps:
+                model(torch.randn(2, 4)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+        return prof
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(precprof.Profiler, "_resolve_reducer", lambda self: RankReducer())
+        killed = attempt(range(6))  # sampled 0, 2, 4; never saved
+        assert killed._owned_run is not None
+        killed._owned_run.release()
+        resumed = attempt(range(4, 8), resume=True, first_step=4)  # sampled 4, 6
+        resumed.save()
+    finally:
+        dist.destroy_process_group()
+    steps = T.read_run(tmp_path / "run").tables["steps"]
+    assert steps[T.STEP].tolist() == list(range(8))
+    sampled = int(T.flags(steps[T.SAMPLED]).sum())
+    assert sampled == 4
+    distributed = T.read_summary(tmp_path / "run")[T.SUMMARY_CAPTURE]["distributed"]
+    assert distributed["sampled_steps_reduced"] == sampled

@@ -222,6 +222,9 @@ class RankReducer:
         self.backend: str = str(dist.get_backend(group))
         self.wrapped = wrapped
         self._samples = 0  # sampled steps reduced so far
+        # sampled steps the run's earlier attempts reduced (a run resumed from its checkpoint: the sampled steps
+        # it keeps from before the restart, set by the writer when it opens its stream)
+        self.earlier_samples = 0
         self._local_nonfinite: torch.Tensor | None = None
         self._local_only = False
         self._local_only_reason: str | None = None
@@ -438,7 +441,7 @@ class RankReducer:
             "world_size": self.world_size,
             "backend": self.backend,
             "writer_rank": 0,
-            "sampled_steps_reduced": self._samples,
+            "sampled_steps_reduced": self.earlier_samples + self._samples,
         }
         target = self.wrapped if self.wrapped is not None else model
         if target is not None:

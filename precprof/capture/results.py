@@ -139,15 +139,26 @@ class ProfilerResults:
         segment = parts.new_segment(run.path, self._first_step)
         self._sample_origin = self._sampler.origin = parts.segments(run.path)[0].start
         self._recorded = Recorded(StreamWriter(run.path, segment))
+        if self._resume and parts.segments(run.path)[0].start < self._first_step:
+            self._go_on_from(run.path)
+
+    def _go_on_from(self, path: Path) -> None:
+        """A run resumed at ``first_step`` goes on from the steps its earlier attempts recorded before it: the
+        dashboards from their skipped count (the killed job's points from the restart on are dropped), the
+        reducer from their sampled steps (the summary's ``sampled_steps_reduced`` counts the run's, not this
+        process's). Never at the cost of the user's attach."""
         dashboards = getattr(self, "_dashboards", None)
-        if self._resume and dashboards is not None and parts.segments(run.path)[0].start < self._first_step:
-            # the dashboards go on from the steps the run keeps (its skipped count), and the killed job's
-            # points from the restart on are dropped; never at the cost of the user's attach
-            with contextlib.suppress(Exception):
-                read = parts.read_stream(run.path, ("steps",), T.STEP)
-                table = parts.concat(read.tables.get("steps") or [])
-                kept = table.to_pandas() if table is not None else pd.DataFrame()
-                kept = kept[kept[T.STEP] < self._first_step] if not kept.empty else kept
+        reducer = self._reducer if hasattr(self._reducer, "earlier_samples") else None
+        if dashboards is None and reducer is None:
+            return
+        with contextlib.suppress(Exception):
+            read = parts.read_stream(path, ("steps",), T.STEP)
+            table = parts.concat(read.tables.get("steps") or [])
+            kept = table.to_pandas() if table is not None else pd.DataFrame()
+            kept = kept[kept[T.STEP] < self._first_step] if not kept.empty else kept
+            if reducer is not None and T.SAMPLED in kept:
+                reducer.earlier_samples = int(T.flags(kept[T.SAMPLED]).sum())
+            if dashboards is not None:
                 dashboards.resumed(kept, self._first_step)
 
     def _close_stream(self) -> None:
