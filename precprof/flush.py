@@ -68,6 +68,7 @@ class StepRows:
         self.active = active
         self.calls = np.asarray(rows.calls, dtype=np.int64)[active]
         self.dtype_bits = np.asarray(rows.dtype_bits, dtype=np.int64)[active]
+        self.numel_gcd = np.asarray(rows.numel_gcd, dtype=np.int64)[active]
         self.dtype_names = rows.known_dtypes  # what the bits say, for a decoder in another process
         wlo = held.wlo
         # the bins any row uses (counts are >= 0; a row that took no data holds zeros, and could only widen
@@ -89,7 +90,15 @@ class StepRows:
 
     @property
     def nbytes(self) -> int:
-        kept = (self.active, self.calls, self.dtype_bits, self.counts, self.bin_at, self.bin_counts)
+        kept = (
+            self.active,
+            self.calls,
+            self.dtype_bits,
+            self.numel_gcd,
+            self.counts,
+            self.bin_at,
+            self.bin_counts,
+        )
         return sum(int(a.nbytes) for a in (*kept, self.evaluated, self.block_values))
 
     def decode(self, arrow: bool = False) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -141,6 +150,7 @@ class StepRows:
             T.SCALE: scales,
             T.LOST_UPDATE_BF16: np.full(n, math.nan),
             T.LOST_UPDATE_FP16: np.full(n, math.nan),
+            T.NUMEL_GCD: np.where(self.numel_gcd > 0, self.numel_gcd, math.nan),  # (0: not recorded)
         }
         for f in WHATIF_FORMATS:
             cols[T.underflow_col(f)] = d["underflow"][f]

@@ -16,7 +16,8 @@ Every column name used anywhere in precprof is a constant here (read them throug
     cast of x*scale does), underflow_<fmt>_cs for fp8 formats (underflow after per-tensor current scaling,
     scale 2^floor(log2(fmax/amax)) per tensor), and for tensor == "weight_update" rows lost_update_bf16 /
     lost_update_fp16 (update elements that are nonzero but vanish when added to the weight held in that
-    format) — NaN on other rows.
+    format) — NaN on other rows, numel_gcd (a linear layer's activation rows: the largest number dividing
+    the output elements of each of its calls; NaN on other rows).
 
 ``histograms`` — step, module, tensor, param, exponent (floor(log2|x|) of the unscaled value), count.
     Zeros, nan and inf are not in it (they are columns of ``layers``).
@@ -70,6 +71,10 @@ EXPONENT = "exponent"
 COUNT = "count"
 LOST_UPDATE_BF16 = "lost_update_bf16"
 LOST_UPDATE_FP16 = "lost_update_fp16"
+# a linear layer's activation rows: the largest number dividing the output elements of each of its calls
+# (tokens x out_features: every call's tokens are a multiple of numel_gcd / out_features), what FP8's rule on the
+# tokens per call reads (one call of 8 tokens and one of 24 average 16)
+NUMEL_GCD = "numel_gcd"
 
 LOSS = "loss"
 LOSS_SCALE = "loss_scale"
@@ -248,6 +253,7 @@ LAYERS_COLUMNS: tuple[str, ...] = (
     SCALE,
     LOST_UPDATE_BF16,
     LOST_UPDATE_FP16,
+    NUMEL_GCD,
     *BLOCK_COLUMNS,
 )
 HISTOGRAMS_COLUMNS: tuple[str, ...] = (STEP, MODULE, TENSOR, PARAM, EXPONENT, COUNT)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import types
@@ -264,6 +265,44 @@ def test_tokens_per_call_that_vary_from_step_to_step_are_read_on_every_sampled_s
     )
     assert "The layers held back by their tokens per call (68) qualify" in f.remedy
     assert "a last, smaller batch too (DataLoader(drop_last=True))" in f.remedy
+
+
+class _TwoBatches(nn.Module):
+    """``_Mlp`` called twice a step, on the first ``first`` rows of the batch and on the rest."""
+
+    def __init__(self, first: int) -> None:
+        super().__init__()
+        self.first, self.mlp = first, _Mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.mlp(x[: self.first]), self.mlp(x[self.first :])])
+
+
+@pytest.mark.parametrize("first", [8, 16])
+def test_a_layer_called_on_different_tokens_is_judged_on_every_call(first: int) -> None:
+    """A Linear called on 8 tokens and on 24 in one step (a model called on two batch sizes, an MoE expert)
+    averages 16 tokens a call, and was judged FP8-eligible on that: FP8's GEMM refuses the 8-token call. Every
+    call's tokens must be a multiple of 16; checked against the tokens each call got, counted by hooks of the
+    test's own (16 and 16 qualify)."""
+    model = _TwoBatches(first)
+    tokens: dict[str, list[int]] = {"mlp.up": [], "mlp.down": []}
+    for name in tokens:
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda mod, args, name=name: tokens[name].append(args[0].shape[0])
+        )
+    run = train_profiled(
+        model, lambda step: (torch.randn(32, 32),) * 2, square_mean, precision="bf16", steps=2
+    )
+    f = run.recommend("h100", config=AdvisorConfig()).finding("fp8_eligibility")
+    assert f is not None
+    held = {m for m, counts in tokens.items() if any(c % 16 for c in counts)}
+    assert set(f.modules) == set(tokens) - held
+    if held:
+        common = math.gcd(*tokens["mlp.up"])
+        assert (
+            f"mlp.up, mlp.down ({common} tokens per call, not a multiple of 16 at step 0: its calls there had "
+            f"different tokens, {common} the most dividing them all)" in f.message
+        )
 
 
 def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_says_why(

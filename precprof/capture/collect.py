@@ -87,6 +87,7 @@ class Collector:
                 {
                     "calls": rows.calls[r.index],
                     "dtypes": rows.dtypes(r.index),
+                    "numel_gcd": rows.numel_gcd[r.index],
                     "module": r.module,
                     "tensor": r.tensor,
                     "param": r.param,
@@ -108,6 +109,7 @@ class Collector:
                 self.buffer.skipped_total[r.index] += int(m["skipped"]) - int(skipped[r.index])
                 why.setdefault(r.index, str(m.get("why") or "not readable"))
             rows.calls[r.index] = int(m["calls"])
+            rows.numel_gcd[r.index] = int(m.get("numel_gcd", 0))
             bits = 0
             for name in m["dtypes"]:
                 bits |= name_bit(name)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -493,8 +494,7 @@ class StepHooks(GradientReads):
                 self.order += 1
 
     def _made(self, x: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], int] | None:
-        """The output registered this step that ``x`` is (by object, else by memory), with its row; None when
-        none is (or it is gone)."""
+        """The output registered this step that ``x`` is (by object, else by memory) and its row, or None."""
         found = self._block_outputs.get(id(x))
         if found is not None and found[0]() is x:
             return found
@@ -502,8 +502,7 @@ class StepHooks(GradientReads):
 
     def _first_pass_input(self, slot: _ModuleSlot, x: torch.Tensor) -> None:
         """A reentrant checkpoint's first pass gives a matmul ``x``: the module that made it is kept for the
-        recomputation (``first_from``), whose input an outer checkpoint may have made again and let go of by
-        then (no output of this step is that tensor any more)."""
+        recomputation (``first_from``), whose input an outer checkpoint may have made again and let go of."""
         found = self._made(x)
         if found is not None and found[0]() is not None:
             slot.first_from = found[1]
@@ -522,6 +521,9 @@ class StepHooks(GradientReads):
     def _make_fwd_hook(self, slot: _ModuleSlot) -> Callable[[nn.Module, Any, Any], None]:
         act = slot.activation
         rows = self.rows
+        gemm = (
+            slot.gemm
+        )  # its calls' output elements kept (``RowTable.numel_gcd``): FP8's rule reads each call's
         grad_hook = self._make_grad_hook(slot)
         hook_id = _compat.reserve_hook_ids(1)[0]  # its key in each output's hook dictionary
         add_grad_hook = _compat.add_grad_hook
@@ -547,6 +549,8 @@ class StepHooks(GradientReads):
                     continue
                 any_tensor = True
                 rows.dtype_bits[act] |= dtype_bit(t.dtype)
+                if gemm:
+                    rows.numel_gcd[act] = math.gcd(rows.numel_gcd[act], t.numel())
                 if self._track_outputs and t.dim() >= 2:
                     entry = (weakref.ref(t), act)
                     self._block_outputs[id(t)] = entry

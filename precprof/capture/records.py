@@ -70,14 +70,16 @@ def dtype_text_of(bits: int) -> str:
 
 class RowTable:
     """The buffer rows' descriptions (``info``, fixed at attach) and, per sampled step, what each row took:
-    ``calls`` (tensors, or for a module's activation row forward calls) and ``dtype_bits`` (``dtype_bit`` of
-    each dtype seen). Plain lists: the hooks update one entry in tens of nanoseconds, and a sampled step
+    ``calls`` (tensors, or for a module's activation row forward calls), ``dtype_bits`` (``dtype_bit`` of
+    each dtype seen) and, for a linear layer's activation row, ``numel_gcd`` (the largest number dividing the
+    output elements of each call: its calls' tokens per call, for FP8's rule; 0: none). Plain lists: the hooks update one entry in tens of nanoseconds, and a sampled step
     starts by replacing them (``begin_step``)."""
 
     def __init__(self) -> None:
         self.info: list[RowInfo] = []
         self.calls: list[int] = []
         self.dtype_bits: list[int] = []
+        self.numel_gcd: list[int] = []
         self._columns: dict[str, np.ndarray] | None = None
 
     def new(self, module: str, module_type: str, tensor: str, param: str = "") -> int:
@@ -85,6 +87,7 @@ class RowTable:
         self.info.append(RowInfo(index, module, module_type, tensor, param))
         self.calls.append(0)
         self.dtype_bits.append(0)
+        self.numel_gcd.append(0)
         return index
 
     def __len__(self) -> int:
@@ -94,6 +97,7 @@ class RowTable:
         n = len(self.info)
         self.calls = [0] * n
         self.dtype_bits = [0] * n
+        self.numel_gcd = [0] * n
 
     def seen(self, row: int, dtype: torch.dtype) -> None:
         """One tensor of ``dtype`` in ``row``."""

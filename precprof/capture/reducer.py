@@ -9,7 +9,7 @@ collectives (same model, same sampling schedule):
   histogram column summed, the largest finite |x| (``COL_ABSMAX_BITS``) reduced with MAX, the smallest nonzero
   |x| (``COL_ABSMIN_BITS``) with MIN. Two all-reduces of int64 tensors, on the device (NCCL or gloo);
 - ``reduce_meta``: one ``all_gather_object`` of the host-side row descriptions — calls summed, dtypes unioned,
-  forward order the earliest any rank saw — and of each rank's nonzero nan/inf counts, so that a nan on one
+  a linear layer's ``numel_gcd`` the largest number dividing every rank's, forward order the earliest any rank saw — and of each rank's nonzero nan/inf counts, so that a nan on one
   rank stays attributed to that rank instead of being averaged away;
 - ``reduce_sum``: the weight-update samples, summed.
 
@@ -40,6 +40,7 @@ and every rank would hang); it reduces its own rows only and says so.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -317,15 +318,16 @@ class RankReducer:
 
         rows: list[dict[str, Any]] = []
         for i, m in enumerate(rows_meta):
-            calls = 0
+            calls = common = 0
             dtypes: list[str] = []
             for _, g in present:
                 gm = g["rows"][i]
                 calls += int(gm["calls"])
+                common = math.gcd(common, int(gm.get("numel_gcd", 0)))
                 for d in gm["dtypes"]:
                     if d not in dtypes:
                         dtypes.append(d)
-            rec: dict[str, Any] = {**m, "calls": calls, "dtypes": dtypes}
+            rec: dict[str, Any] = {**m, "calls": calls, "dtypes": dtypes, "numel_gcd": common}
             skips = [(int(g["rows"][i].get("skipped", 0)), g["rows"][i].get("why", "")) for _, g in present]
             if any(n for n, _ in skips):
                 rec["skipped"] = sum(n for n, _ in skips)

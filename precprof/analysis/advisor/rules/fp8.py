@@ -338,13 +338,17 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         if fwd is not None and with_grad and m not in with_grad:
             forward_only.append(m)
         # the shape rule is taxonomy's, the one --precision fp8 (convert_fp8) applies to the live model
-        why = taxonomy.fp8_ineligible_reason(
-            sh.in_features, sh.out_features, sh.tied_to is not None, sh.tokens
-        )
+        # (calls of different tokens: judged on the largest number dividing them all, not on their mean)
+        tokens = held_tokens if sh.uneven_calls else sh.tokens
+        why = taxonomy.fp8_ineligible_reason(sh.in_features, sh.out_features, sh.tied_to is not None, tokens)
         if not why and sh.odd_tokens is not None:
             why = taxonomy.fp8_ineligible_reason(sh.in_features, sh.out_features, False, sh.odd_tokens[1])
-        if why.endswith(TOKENS_REASON) and sh.odd_tokens is not None:  # a later step's, not the first's
-            why += f" at step {sh.odd_tokens[0]}: they vary from step to step"
+        if why.endswith(TOKENS_REASON) and sh.odd_tokens is not None:  # a later step's, or uneven calls'
+            why += f" at step {sh.odd_tokens[0]}: " + (
+                f"its calls there had different tokens, {held_tokens} the most dividing them all"
+                if sh.uneven_calls
+                else "they vary from step to step"
+            )
         if run.types.get(m, "").startswith(taxonomy.PARAMETRIZED):
             why = (
                 "its weight is computed by a parametrization, as weight_norm's: float8 conversion fails on it"
@@ -365,7 +369,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             why = EXPERT_TOKENS_REASON
         elif TOKENS_REASON in why:
             plan.fp8_tokens[m] = held_tokens
-            plan.fp8_tokens_vary |= sh.odd_tokens is not None
+            plan.fp8_tokens_vary |= sh.odd_tokens is not None and not sh.uneven_calls
         if why:
             plan.fp8_shape_blocked.add(m)
         elif nonfinite.get(m, 0) > 0:

@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import pandas as pd
+
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.advisor.evidence import (
@@ -105,6 +107,9 @@ class _Fp8Shape:
     shared: bool = False  # its weight is recorded under another module (capture records a weight once)
     tokens: int | None = None  # rows per call: the leading dimensions of its input (batch x sequence)
     odd_tokens: tuple[int, int] | None = None  # (step, rows per call) of a later step not a multiple of FP8's
+    uneven_calls: bool = (
+        False  # ... of that step's calls, whose tokens differed: the largest dividing them all
+    )
     calls: int = 1
 
     @property
@@ -176,23 +181,42 @@ def _shared_weights(run: _Run) -> dict[str, str] | None:
 
 def _fp8_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -> dict[str, _Fp8Shape]:
     """Shape, tie and tokens per call of each linear layer, for ``taxonomy.fp8_ineligible_reason``
-    (``_read_shapes``), and the first sampled step whose tokens per call are not a multiple of FP8's where the
-    first step's are (``_Fp8Shape.odd_tokens``: padding each batch to its longest sequence varies them)."""
+    (``_read_shapes``), and the first sampled step whose calls' tokens are not all multiples of FP8's where the
+    first step's mean is (``_Fp8Shape.odd_tokens``): a later step's (padding each batch to its longest
+    sequence varies them), or a step whose calls had different tokens (8 and 24 average 16: an MoE expert, a
+    model called on two batch sizes), judged on the largest number dividing each call's (``uneven_calls``)."""
     shapes = _read_shapes(run, linear, dims)
     acts = run.kind(T.ACTIVATION)
     acts = acts[acts[T.MODULE].isin([m for m, sh in shapes.items() if sh.out_features])]
-    if acts.empty or acts[T.STEP].nunique() < 2:
+    if acts.empty:
         return shapes
-    per = acts.groupby([T.MODULE, T.STEP], observed=True)[[T.NUMEL, T.CALLS]].sum()
+    common = pd.to_numeric(acts[T.NUMEL_GCD], errors="coerce") if T.NUMEL_GCD in acts else math.nan
+    acts = acts.assign(**{T.NUMEL_GCD: common})
+    per = acts.groupby([T.MODULE, T.STEP], observed=True).agg(
+        {T.NUMEL: "sum", T.CALLS: "sum", T.NUMEL_GCD: "max"}
+    )
     m16 = taxonomy.FP8_DIM_MULTIPLE
-    for (m, step), (numel, calls) in zip(per.index, per.to_numpy().tolist(), strict=True):
+    for (m, step), (numel, calls, gcd) in zip(per.index, per.to_numpy().tolist(), strict=True):
         sh = shapes[str(m)]
-        if sh.odd_tokens is not None or (sh.tokens is not None and sh.tokens % m16) or not sh.out_features:
-            continue
-        rows = int(calls) * sh.out_features
-        if calls >= 1 and numel > 0 and int(numel) % rows == 0 and (int(numel) // rows) % m16:
-            sh.odd_tokens = (int(step), int(numel) // rows)
+        got = _call_rows(numel, calls, gcd, sh.out_features) if sh.odd_tokens is None else None
+        if got is None or not got[0] % m16 or not (got[1] or sh.tokens is None or sh.tokens % m16 == 0):
+            continue  # (an odd mean of even calls at the first step: ``tokens`` says it)
+        sh.odd_tokens, sh.uneven_calls = (int(step), got[0]), got[1]
     return shapes
+
+
+def _call_rows(numel: float, calls: float, gcd: float, out: int | None) -> tuple[int, bool] | None:
+    """The rows per call (tokens) of a step's calls of a layer with ``out`` output features that FP8's rule
+    judges, and whether its calls had different ones: the largest number dividing each call's, where the capture
+    recorded it (``gcd``: ``T.NUMEL_GCD``); else (a run recorded before it did) their mean. None where neither
+    divides."""
+    if not out or not calls >= 1 or not numel > 0:
+        return None
+    if gcd == gcd and gcd > 0 and int(gcd) % out == 0:
+        rows = int(gcd) // out
+        return rows, int(numel) != rows * out * int(calls)
+    per = int(calls) * out
+    return (int(numel) // per, False) if int(numel) % per == 0 else None
 
 
 def _read_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -> dict[str, _Fp8Shape]:
