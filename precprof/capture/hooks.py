@@ -56,14 +56,15 @@ from torch import nn
 from precprof import _compat
 from precprof import stats as st
 from precprof import tables as T
-from precprof.capture.grad_reads import _COMPLEX, GradientReads, _device_of, _dtype_of, _plain
+from precprof.capture.grad_reads import _COMPLEX, GradientReads, _plain
 from precprof.capture.plan import CapturePlan, reads_block_operands
 from precprof.capture.records import (
-    _PLAIN_TYPES,
     _iter_tensors,
     _local,
     _ModuleSlot,
     _ParamSlot,
+    _same_data,
+    _weights_key,
     dtype_bit,
 )
 from precprof.capture.updates import UpdateSampler
@@ -72,28 +73,6 @@ _Tensor = torch.Tensor
 recomputing = _compat.recomputing  # a checkpoint's forward run again in the backward pass: read once already
 # why a forward is not read (``StepHooks._not_read``; "" when it is)
 _EVALUATION, _NO_GRAD, _RECOMPUTED, _FIRST_PASS = "evaluation", "no grad", "recomputed", "first pass"
-
-
-def _weights_key(params: Sequence[torch.Tensor]) -> tuple[Any, ...] | None:
-    """What decides where ``_read_weights`` reads each parameter (its type, dtype, device and size), read by
-    C-level maps (a sampled step's parameters are hundreds of tensors); None when one is a wrapper subclass
-    (DTensor: its local shard is a new object each step), whose reading is decided each time."""
-    if not set(map(type, params)) <= _PLAIN_TYPES:
-        return None
-    return (tuple(map(_dtype_of, params)), tuple(map(_device_of, params)), tuple(map(_Tensor.numel, params)))
-
-
-def _same_data(t: torch.Tensor) -> tuple[Any, ...]:
-    """What identifies a tensor's values without reading them (host metadata, no sync): a wrapper that hands a
-    layer a new tensor object viewing the same memory (FSDP2's forward hooks do) still matches the output that
-    made it, as long as that output is alive (a weakref to it is kept beside), so its memory is not reused. An
-    empty tensor has no memory to view (its data pointer is 0, every empty tensor's): it is only itself."""
-    try:
-        if t.numel() == 0:
-            return (id(t),)
-        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-    except (RuntimeError, NotImplementedError, TypeError):  # no storage to point at (a tensor subclass)
-        return (id(t),)
 
 
 class StepHooks(GradientReads):
@@ -422,8 +401,7 @@ class StepHooks(GradientReads):
             return _RECOMPUTED if recomputing() else ""
         if self._root_grad:
             return _FIRST_PASS if _compat.reentrant_first_pass() else ""
-        # inside a backward pass: a reentrant checkpoint's first pass nested in a block an outer checkpoint runs
-        # again (its outputs are what the outer block's later modules read)
+        # in a backward pass: a reentrant checkpoint's first pass inside a block an outer checkpoint runs again
         if _compat.backward_pass_id() is not None and _compat.reentrant_first_pass():
             return _FIRST_PASS
         return _NO_GRAD
@@ -473,11 +451,13 @@ class StepHooks(GradientReads):
         """The input a matmul reads (autocast casts it; a linear layer's GEMM would quantise it): the output of
         the module that made it, or, with block formats on, when no captured module did (an attention's output),
         a linear layer's row of its own."""
-        found = self._made(x)
+        found = self._block_outputs.get(id(x))
         made = found[0]() if found is not None else None
+        if made is not x:
+            found = self._output_by_data(x)
+            made = found[0]() if found is not None else None
         if made is None and slot.first_from >= 0 and _compat.backward_pass_id() is not None:
-            # a reentrant checkpoint's recomputation, of an input an outer checkpoint made again and let go: the
-            # module its first pass found made it (the same values)
+            # a reentrant recomputation's input, remade by an outer checkpoint and let go: its first pass's maker
             found, made = (weakref.ref(x), slot.first_from), x
         if found is not None and made is not None:
             slot.input_from.add(found[1])
@@ -493,17 +473,12 @@ class StepHooks(GradientReads):
                 slot.input_order = self.order
                 self.order += 1
 
-    def _made(self, x: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], int] | None:
-        """The output registered this step that ``x`` is (by object, else by memory) and its row, or None."""
-        found = self._block_outputs.get(id(x))
-        if found is not None and found[0]() is x:
-            return found
-        return self._output_by_data(x)
-
     def _first_pass_input(self, slot: _ModuleSlot, x: torch.Tensor) -> None:
         """A reentrant checkpoint's first pass gives a matmul ``x``: the module that made it is kept for the
         recomputation (``first_from``), whose input an outer checkpoint may have made again and let go of."""
-        found = self._made(x)
+        found = self._block_outputs.get(id(x))
+        if found is None or found[0]() is not x:
+            found = self._output_by_data(x)
         if found is not None and found[0]() is not None:
             slot.first_from = found[1]
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -299,3 +300,29 @@ def after_closure(args: Any, kwargs: Any, fn: Callable[[], None]) -> tuple[Any, 
     if where == "kwargs":
         return args, {**kwargs, "closure": wrapped}
     return (args[0], wrapped, *args[2:]), kwargs
+
+
+def _weights_key(params: Sequence[torch.Tensor]) -> tuple[Any, ...] | None:
+    """What decides where ``_read_weights`` reads each parameter (its type, dtype, device and size), read by
+    C-level maps (a sampled step's parameters are hundreds of tensors); None when one is a wrapper subclass
+    (DTensor: its local shard is a new object each step), whose reading is decided each time."""
+    if not set(map(type, params)) <= _PLAIN_TYPES:
+        return None
+    return (
+        tuple(map(attrgetter("dtype"), params)),
+        tuple(map(attrgetter("device"), params)),
+        tuple(map(torch.Tensor.numel, params)),
+    )
+
+
+def _same_data(t: torch.Tensor) -> tuple[Any, ...]:
+    """What identifies a tensor's values without reading them (host metadata, no sync): a wrapper that hands a
+    layer a new tensor object viewing the same memory (FSDP2's forward hooks do) still matches the output that
+    made it, as long as that output is alive (a weakref to it is kept beside), so its memory is not reused. An
+    empty tensor has no memory to view (its data pointer is 0, every empty tensor's): it is only itself."""
+    try:
+        if t.numel() == 0:
+            return (id(t),)
+        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage to point at (a tensor subclass)
+        return (id(t),)
