@@ -496,9 +496,8 @@ class StepHooks(GradientReads):
     def _make_fwd_hook(self, slot: _ModuleSlot) -> Callable[[nn.Module, Any, Any], None]:
         act = slot.activation
         rows = self.rows
-        gemm = (
-            slot.gemm
-        )  # its calls' output elements kept (``RowTable.numel_gcd``): FP8's rule reads each call's
+        # a linear layer's: each call's output elements are kept (``RowTable.numel_gcd``) for FP8's rule
+        gemm = slot.gemm
         grad_hook = self._make_grad_hook(slot)
         hook_id = _compat.reserve_hook_ids(1)[0]  # its key in each output's hook dictionary
         add_grad_hook = _compat.add_grad_hook
