@@ -4,7 +4,10 @@ model arguments, hf: models and user factories."""
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -12,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from precprof import models
+from precprof import _quiet_imports, models
 from precprof.errors import MissingDependencyError, UserError
 from precprof.models import (
     BUILTIN_MODELS,
@@ -242,6 +245,72 @@ def test_a_hf_model_too_big_is_told_sizes_that_build(monkeypatch: pytest.MonkeyP
     built = build_model("hf:llama", args, vocab_size=256, seq_len=16)
     n = sum(p.numel() for p in built.module.parameters())
     assert f"({n / 1e6:,.1f}M parameters)" in message
+
+
+@needs_hf
+def test_an_hf_build_prints_nothing_of_the_libraries_it_imports() -> None:
+    """transformers' modeling code imports torchao, whose import logged 'Failed to load .../torchao/_C_mxfp8...so'
+    for each extension this torch cannot load, and torch's pytree deprecation of two of torchao's enums: lines
+    about the libraries on the console of every ``--model hf:`` run. They are dropped while precprof builds the
+    model; the same loggers' lines after it, and the user's warnings, show as before (a fresh process: the
+    import happens once)."""
+    script = textwrap.dedent(
+        """
+        import logging, warnings
+        from precprof.models import build_model
+        names = ("torchao", "torch.utils._pytree")
+        levels = [logging.getLogger(n).level for n in names]
+        args = {"hidden_size": "32", "num_hidden_layers": "1", "num_attention_heads": "2", "intermediate_size": "32"}
+        build_model("hf:llama", {**args, "vocab_size": "256"}, vocab_size=256, seq_len=8)
+        assert [logging.getLogger(n).level for n in names] == levels
+        for n in names:
+            logging.getLogger(n).warning("the user's line of %s", n)
+        warnings.warn("the user's warning")
+        """
+    )
+    env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert "the user's line of torchao" in lines and "UserWarning: the user's warning" in proc.stderr
+    assert any(ln.endswith("the user's line of torch.utils._pytree") for ln in lines), lines
+    said = [ln for ln in lines if "the user's" not in ln and not ln.startswith("  warnings.warn")]
+    assert said == [], said
+
+
+def test_quiet_imports_drops_only_the_libraries_lines_and_only_inside() -> None:
+    """Inside the block a torchao (or child) and a pytree warning are dropped, an error is not, nor another
+    logger's warning; after it each logger has the level it had (a user's DEBUG on torchao stays)."""
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(f"{record.name}: {record.getMessage()}")
+
+    names = ("torchao", "torch.utils._pytree", "transformers")
+    loggers = [logging.getLogger(n) for n in names]
+    before = [(lg.level, lg.handlers[:]) for lg in loggers]
+    keep = Keep()
+    try:
+        loggers[0].setLevel(logging.DEBUG)  # the user's own setting
+        for lg in loggers:
+            lg.addHandler(keep)
+        with _quiet_imports.quiet_imports():
+            for lg in loggers:
+                lg.warning("inside")
+            logging.getLogger("torchao.float8").warning("inside")
+            loggers[0].error("an error inside")
+        assert seen == ["transformers: inside", "torchao: an error inside"]
+        assert [lg.level for lg in loggers] == [logging.DEBUG, before[1][0], before[2][0]]
+        for lg in loggers:
+            lg.warning("after")
+        assert seen[2:] == [f"{n}: after" for n in names]
+    finally:
+        for lg, (level, handlers) in zip(loggers, before, strict=True):
+            lg.setLevel(level)
+            lg.handlers[:] = handlers
 
 
 def test_hf_without_transformers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,11 +7,19 @@ from typing import Any
 
 import torch
 
+from precprof._quiet_imports import quiet_imports
 from precprof.errors import MissingDependencyError, UserError
 from precprof.models.base import BuiltModel, _check_size, _coerce_to, count_params
 
 
 def _build_hf(model_type: str, args: Mapping[str, Any], seq_len: int) -> BuiltModel:
+    """``hf:<model_type>`` built from its config with ``args``; the first build imports transformers' modeling
+    code, and with it torchao, whose import logs lines about itself (``precprof._quiet_imports``)."""
+    with quiet_imports():
+        return _from_config(model_type, args, seq_len)
+
+
+def _from_config(model_type: str, args: Mapping[str, Any], seq_len: int) -> BuiltModel:
     try:
         import transformers
         from transformers import AutoConfig, AutoModelForCausalLM

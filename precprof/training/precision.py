@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from precprof import _compat, hardware, taxonomy
+from precprof._quiet_imports import quiet_imports
 from precprof.errors import MissingDependencyError, UserError
 from precprof.modes import PRECISIONS, OptimizerName, Precision, resolve_loss_scale
 from precprof.optim import FP32StateAdamW, FP32StateSGD
@@ -160,7 +161,8 @@ def convert_fp8(model: nn.Module, library: str, tokens: int | None = None) -> in
             + "); nothing can run in fp8"
         )
     if library == "torchao":
-        from torchao.float8 import convert_to_float8_training
+        with quiet_imports():  # torchao's import logs lines about itself (precprof._quiet_imports)
+            from torchao.float8 import convert_to_float8_training
 
         convert_to_float8_training(model, module_filter_fn=eligible)
         return n
