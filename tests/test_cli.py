@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -281,6 +282,29 @@ def test_a_model_with_lazy_modules(tmp_path: Path, capsys: pytest.CaptureFixture
         prof.step()
     layers = prof.tables()["layers"]
     assert set(layers.loc[layers[T.MODULE] == "1", T.TENSOR]) >= {T.WEIGHT, T.ACTIVATION, T.WEIGHT_GRAD}
+
+
+def test_a_config_that_keeps_its_own_vocabulary_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """hf:gpt2 keeps GPT2Config's vocabulary for the data's 256 tokens (hf:llama its 32,000) without a word, and
+    its loss starts near ln of that vocabulary, not ln 256: the run says which vocabulary it trains with, and how
+    to size it to the data; given -a vocab_size, nothing is said."""
+    transformers = pytest.importorskip("transformers")
+    v = transformers.GPT2Config().vocab_size
+    base = ["train", "-m", "hf:gpt2", "-a", "n_layer=1", "-a", "n_embd=16", "-a", "n_head=2", "--steps", "1"]
+    base += ["--batch-size", "2", "--seq-len", "8", "--device", "cpu", "--no-report"]
+    rc, _, err = run_main([*base, "--out", str(tmp_path / "own")], capsys)
+    assert rc == 0, err
+    assert (
+        f"precprof: note: hf:gpt2 keeps its config's vocabulary of {v:,} tokens, and the data's has 256: its loss "
+        f"starts near ln {v} = {math.log(v):.2f} rather than ln 256 = {math.log(256):.2f} (-a vocab_size=256 sizes "
+        "the model to the data)"
+    ) in err.splitlines()
+    first = float(T.read_tables(tmp_path / "own")["steps"][T.LOSS].iloc[0])
+    assert first == pytest.approx(math.log(v), abs=0.1)  # GPT-2's initialisation: logits near 0
+    rc, _, err = run_main([*base, "-a", "vocab_size=256", "--out", str(tmp_path / "sized")], capsys)
+    assert rc == 0 and "keeps its config's vocabulary" not in err, err
 
 
 def test_report_unknown_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,6 +29,7 @@ from precprof.models.registry import (
     approx_params,
     build_model,
     known_models,
+    vocabulary_note,
 )
 from precprof.models.small import CNNConfig, MLPConfig, TokenCNN, TokenMLP
 from precprof.modes import DEFAULT_MODEL, parse_model_args
@@ -52,4 +53,5 @@ __all__ = [
     "count_params",
     "known_models",
     "parse_model_args",
+    "vocabulary_note",
 ]

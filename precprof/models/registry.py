@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -153,3 +154,23 @@ def build_model(
             f"use --model-arg vocab_size={vocab_size}"
         )
     return built
+
+
+def vocabulary_note(built: BuiltModel, model_args: Mapping[str, Any] | None, vocab_size: int) -> str:
+    """A line for the terminal when a built-in or Hugging Face config keeps a vocabulary larger than the data's
+    ``vocab_size`` that no ``--model-arg vocab_size`` chose ("" otherwise): the model trains, but its loss
+    starts near ln of its own vocabulary (hf:llama's 32,000 tokens: 10.37, where the data's 256 give 5.55), and
+    its embedding and output are sized for tokens the data never has."""
+    own = built.vocab_size
+    if (
+        built.kind not in ("builtin", "hf")
+        or own is None
+        or own <= vocab_size
+        or "vocab_size" in (model_args or {})
+    ):
+        return ""
+    return (
+        f"{built.name} keeps its config's vocabulary of {own:,} tokens, and the data's has {vocab_size:,}: its "
+        f"loss starts near ln {own} = {math.log(own):.2f} rather than ln {vocab_size} = {math.log(vocab_size):.2f} "
+        f"(-a vocab_size={vocab_size} sizes the model to the data)"
+    )

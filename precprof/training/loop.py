@@ -27,7 +27,7 @@ from precprof.capture.plan import refuse_lazy
 from precprof.capture.reducer import RankReducer
 from precprof.data import TokenSource, load_data
 from precprof.errors import UserError
-from precprof.models import BUILTIN_MODELS, BuiltModel, build_model
+from precprof.models import BUILTIN_MODELS, BuiltModel, build_model, vocabulary_note
 from precprof.models.hf import cast_as_loaded
 from precprof.modes import FP16_MODES, resolve_loss_scale
 from precprof.training import compiling
@@ -397,6 +397,8 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
             file=sys.stderr,
         )
     if (note := compiling.note(config.precision, compiled)) and config.progress and writer:
+        print(f"precprof: note: {note}", file=sys.stderr)
+    if (note := vocabulary_note(built, config.model_args, data.vocab_size)) and config.progress and writer:
         print(f"precprof: note: {note}", file=sys.stderr)
     if config.progress and writer:
         print(f"precprof: {footprint.line(fp)}", file=sys.stderr)
