@@ -187,10 +187,9 @@ def train(
     if not training.writes_run_dir():
         return  # under torchrun rank 0 wrote the run and prints it
     final = result.summary.get("final", {})
-    floor = final.get("loss_floor_nats")
-    floor_txt = f" (the data's floor: {floor:.4f})" if isinstance(floor, float) else ""
     typer.echo(
-        f"final loss {result.final_loss:.4f}{floor_txt}; skipped steps: {final.get('skipped_steps', 0)}"
+        f"final loss {result.final_loss:.4f}{_loss_reference(result.summary)}; "
+        f"skipped steps: {final.get('skipped_steps', 0)}"
     )
     rec = result.summary.get(T.SUMMARY_RECOMMENDATION)
     if rec:
@@ -203,6 +202,18 @@ def train(
         ]:
             typer.echo(f"precprof: error: {note}", err=True)
         raise typer.Exit(EXIT_NOT_SAVED)
+
+
+def _loss_reference(summary: dict[str, Any]) -> str:
+    """What the final loss reads against: the synthetic chain's floor (the best loss possible), or a text file's
+    byte entropy (the loss of a model that ignores context: below it, the model learned from context)."""
+    floor = (summary.get(T.SUMMARY_FINAL) or {}).get("loss_floor_nats")
+    if isinstance(floor, float):
+        return f" (the data's floor: {floor:.4f})"
+    entropy = ((summary.get(T.SUMMARY_CONFIG) or {}).get("data") or {}).get("unigram_entropy_nats")
+    if isinstance(entropy, float):
+        return f" (the file's byte entropy, the loss without context: {entropy:.4f})"
+    return ""
 
 
 @app.command(cls=_Command)

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -305,6 +306,25 @@ def test_a_config_that_keeps_its_own_vocabulary_says_so(
     assert first == pytest.approx(math.log(v), abs=0.1)  # GPT-2's initialisation: logits near 0
     rc, _, err = run_main([*base, "-a", "vocab_size=256", "--out", str(tmp_path / "sized")], capsys)
     assert rc == 0 and "keeps its config's vocabulary" not in err, err
+
+
+def test_a_text_file_s_run_ends_with_its_byte_entropy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A synthetic run's last line gives the chain's floor beside its final loss; a --data FILE run's gave
+    nothing to read it against. It gives the file's byte entropy: the loss of a model that ignores context."""
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(b"the quick brown fox jumps over the lazy dog; " * 40)
+    counts = Counter(text.read_bytes())
+    n = sum(counts.values())
+    entropy = -sum(c / n * math.log(c / n) for c in counts.values())
+    argv = ["train", "--data", str(text), "--out", str(tmp_path / "run"), "-a", "n_layer=1", *TINY]
+    rc, out, err = run_main(argv, capsys)
+    assert rc == 0, err
+    line = next(ln for ln in out.splitlines() if ln.startswith("final loss"))
+    assert line.endswith(
+        f" (the file's byte entropy, the loss without context: {entropy:.4f}); skipped steps: 0"
+    )
 
 
 def test_report_unknown_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
