@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from scenarios import dead_layers, relu_zeros
+from scenarios.loop import regression_batches
 
 from precprof import tables as T
 
@@ -99,6 +100,25 @@ def test_fp32_gradients_of_a_layer_kept_out_of_autocast_are_no_fp16_underflow() 
     a16 = ag[ag[T.DTYPE] == "float16"]
     assert f.numbers["nonzero_values"] == int((a16[T.NUMEL] - a16[T.ZEROS] - a16[T.NAN] - a16[T.INF]).sum())
     assert rec.format == "fp16" and not any("ruled out" in r for r in rec.reasons)
+
+
+def test_a_layer_kept_in_fp32_whose_outputs_near_fp16s_limit_stays_in_the_keep_list() -> None:
+    """fc2, kept in fp32 as the advisor said (its outputs come within 2x of 65504), casts nothing to fp16 in its
+    re-profile, which advised keep_fp32 = []: pasted, the snippet dropped fc2's fp32 wrapper and its dead layers
+    with it. fc2's own outputs say it still needs fp32 (checked at step 0 with the scenario's weights and batch);
+    it stays in the list, said to be kept already."""
+    torch.manual_seed(0)
+    model = dead_layers.DeadNet()
+    x, _ = regression_batches(dead_layers.N_IN)(0)
+    with torch.no_grad():
+        step0 = float(model.fc2(model.act(model.fc1(x))).abs().max())
+    assert 65504 / 2 <= step0 < 65504
+    run, _ = dead_layers.run("fp16", loss_scale=2.0**16, keep_fp32=["fc2"])
+    rec = run.recommend("t4")
+    assert rec.format == "fp16" and rec.keep_fp32 == ["fc2"]
+    f = rec.finding("fp16_kept_fp32")
+    assert f is not None and f.modules == ["fc2"] and "within 2x of 65504" in f.message
+    assert "Keep fc2 in fp32 as this run already does (outside autocast)" in " ".join(rec.reasons)
 
 
 def test_the_verdict_quotes_the_flushed_share_not_the_histograms() -> None:

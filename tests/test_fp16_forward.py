@@ -4,6 +4,8 @@ the way the advice says."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from scenarios import raw_features, tiny_features
@@ -53,6 +55,38 @@ def test_a_linear_whose_input_overflowed_in_the_cast_is_not_said_to_overflow_ins
     normalised, seen_norm = raw_features.run("fp16", loss_scale=2.0**16, scale=1.0)
     assert all(bool(y.isfinite().all()) for y in seen_norm)
     assert not normalised.tables["steps"][T.SKIPPED].any() and normalised.losses[-1] < normalised.losses[0]
+
+
+@pytest.mark.usefixtures("block_formats_on")  # fc1's input, the model's, has a row of its own
+def test_a_layer_kept_in_fp32_that_fp16_still_needs_there_stays_in_the_keep_list() -> None:
+    """The advice followed: fc1 kept in fp32 (outside autocast) reads the raw features unrounded and its outputs
+    are finite. Its re-profile advised keep_fp32 = []: fc1 cast nothing to fp16, so nothing looked wrong, and a
+    user pasting the new snippet dropped the wrapper and had the inf rows back. fc1 is judged on its own input and
+    output now, which fp16 autocast would cast: it stays in the list, said to be kept already. head, kept as well
+    though its values fit fp16, is said to be free to run under autocast again; followed, the run stays finite.
+    Under bf16, whose range is fp32's, neither is kept, and the verdict says so."""
+    run, seen = raw_features.run("fp16", loss_scale=2.0**16, keep_fp32=["fc1", "head"])
+    xs, over = _cast_to_inf(len(seen))
+    assert over > 0 and all(y.dtype == torch.float32 and bool(y.isfinite().all()) for y in seen)
+    rec = run.recommend("t4")
+    assert rec.format == "fp16" and rec.keep_fp32 == ["fc1"]
+    f = rec.finding("fp16_kept_fp32")
+    assert f is not None and f.severity == "info" and f.modules == ["fc1", "head"]
+    assert (
+        f"fc1: {over} values over 65504 in fc1:input, fc1 (max |x| {max(float(x.abs().max()) for x in xs):.3g})"
+        in (f.message)
+    )
+    assert "Keep fc1 in fp32 as this run already does (outside autocast)" in " ".join(rec.reasons)
+    assert "head ran in fp32 outside autocast and may run under fp16 autocast again" in " ".join(rec.reasons)
+    # head released, as the advice says: the forward pass, head's fp16 output and the loss, stays finite
+    released, seen_released = raw_features.run("fp16", loss_scale=2.0**16, keep_fp32=["fc1"])
+    assert all(bool(y.isfinite().all()) for y in seen_released)
+    assert all(math.isfinite(loss) for loss in released.losses)
+    bf16 = run.recommend("a100")
+    assert bf16.format == "bf16" and bf16.keep_fp32 == []
+    assert "fc1, head ran in fp32 outside autocast and may run under bf16 autocast again" in " ".join(
+        bf16.reasons
+    )
 
 
 def test_a_linear_whose_input_was_not_recorded_is_not_said_to_overflow_inside() -> None:

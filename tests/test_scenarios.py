@@ -368,7 +368,9 @@ def test_a_model_input_kept_in_fp32_is_not_counted_as_cast(block_formats_on: Non
     """The same model under fp16 autocast with ``body`` run outside it: body.0 reads the input in fp32 and
     casts nothing. The capture read autocast's state at the first recorded forward, body.0's, outside autocast,
     and took the run for one without autocast: every fp32 tensor counted as cast, and the re-profile still
-    said to keep body.0 in fp32. autocast is seen where it is on (head's output is fp16 in this run)."""
+    said to keep body.0 in fp32 for its fp16 overflow. autocast is seen where it is on (head's output is fp16 in
+    this run). body.0 stays in the keep list all the same, said to be kept already: the input it reads unrounded
+    would overflow fp16 were it released (a real cast; the list had dropped it, and a pasted snippet the wrapper)."""
     run = train_profiled(
         _RawFeatures(),
         _raw_batches,
@@ -383,7 +385,10 @@ def test_a_model_input_kept_in_fp32_is_not_counted_as_cast(block_formats_on: Non
     assert dtypes["head"] == "float16" and dtypes["body.0"] == "float32"
     assert run.summary[T.SUMMARY_CAPTURE]["autocast"]["enabled"] is True
     rec = run.recommend("t4")
-    assert rec.finding("fp16_activation_overflow") is None and "body.0" not in rec.keep_fp32
+    assert rec.finding("fp16_activation_overflow") is None and rec.keep_fp32 == ["body.0"]
+    over = sum(int(torch.isinf(_raw_batches(step)[0].half()).sum()) for step in range(3))
+    f = rec.finding("fp16_kept_fp32")
+    assert over > 0 and f is not None and f"body.0: {over} values over 65504 in body.0:input" in f.message
 
 
 class _SqrtOfSquare(nn.Module):

@@ -81,6 +81,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "limit": ("FP16 limit checked against", "magnitude"),
     "observed_inf_modules": ("modules that produced inf", "count"),
     "modules": ("modules", "count"),
+    "still_needed": ("layers kept in FP32 that FP16 still needs there", "count"),
+    "released": ("layers kept in FP32 free to run in FP16 again", "count"),
     "values": ("values", "count"),
     "steps": ("sampled steps", "count"),
     ("bf16_loss", "steps"): ("steps whose loss tensor was BF16", "count"),

@@ -251,12 +251,16 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
                 else "."
             )
         )
-        if plan.keep_fp16:
+        new = [m for m in plan.keep_fp16 if m not in plan.kept_fp32]
+        if new:
             reasons.append(
-                f"Keep {_listing(plan.keep_fp16, cfg.max_listed_modules)} in fp32: their activations "
+                f"Keep {_listing(new, cfg.max_listed_modules)} in fp32: their activations "
                 "overflow, turn inf inside them or come within 2x of fp16's 65504."
             )
+        reasons += _kept_said(plan, cfg, fmt, _keep_list(plan, fmt))
         reasons.append("Keep fp32 master weights and optimizer states (autocast with an fp32 model does).")
+    if fmt != "fp16":  # (fp16's come before its master-weights reason)
+        reasons += _kept_said(plan, cfg, fmt, _keep_list(plan, fmt))
     measured = fmt
     if plan.n_params is not None and plan.n_params < cfg.small_model_params and fmt not in ("fp32", "tf32"):
         # The guide's decision matrix: under 100M parameters the default is fp32 (mixed precision saves little
@@ -290,10 +294,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         )
     _demote_what_ifs(run, plan, fmt, measured or fmt)
     _fp8_story(run, plan, fmt, measured, fp8_why_not)
-    keep = list({"fp16": plan.keep_fp16, "bf16": plan.keep_bf16, "fp8": plan.keep_bf16}.get(fmt, []))
-    if fmt not in ("fp32", "tf32"):
-        # norms, softmax and losses found running in 16-bit: fp32 whatever the format (rules/fp32_ops)
-        keep += [m for m in plan.keep_fp32_ops if m not in keep]
+    keep = _keep_list(plan, fmt)
     return Recommendation(
         format=fmt,
         loss_scale=2.0**k if fmt == "fp16" else None,
@@ -307,6 +308,45 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         device=hw.device,
         fp16_ruled_out=bool(plan.fp16_block),
     )
+
+
+def _keep_list(plan: _Plan, fmt: str) -> list[str]:
+    """The modules a verdict of ``fmt`` keeps in fp32: its format's (fp16's overflow, bf16's, which fp8's rest
+    runs in), and the norms, softmax and losses found running in 16-bit, fp32 whatever the format
+    (rules/fp32_ops)."""
+    keep = list({"fp16": plan.keep_fp16, "bf16": plan.keep_bf16, "fp8": plan.keep_bf16}.get(fmt, []))
+    if fmt not in ("fp32", "tf32"):
+        keep += [m for m in plan.keep_fp32_ops if m not in keep]
+    return keep
+
+
+def _kept_said(plan: _Plan, cfg: AdvisorConfig, fmt: str, keep: list[str]) -> list[str]:
+    """The verdict's reasons on the matmul layers the run kept in fp32 (fp16_kept_fp32): under fp16 those still
+    needed there stay in the keep list, said to be kept already, and those whose values fit fp16 are said to be
+    free; under bf16 or fp8 those the keep list leaves out are said to be free. None is left out in silence."""
+    listed = cfg.max_listed_modules
+    said = []
+    if fmt == "fp16" and plan.kept_fp32:
+        n = len(plan.kept_fp32)
+        said.append(
+            f"Keep {_listing(plan.kept_fp32, listed)} in fp32 as this run already does (outside autocast): "
+            f"{'its' if n == 1 else 'their'} own values still need it (fp16_kept_fp32)."
+        )
+    free = (
+        plan.released_fp32
+        if fmt == "fp16"
+        else [m for m in plan.kept_fp32 + plan.released_fp32 if m not in keep]
+    )
+    if fmt in ("fp16", "bf16", "fp8") and free:
+        said.append(
+            f"{_listing(free, listed)} ran in fp32 outside autocast and may run under {fmt if fmt == 'fp16' else 'bf16'} "
+            f"autocast again: {'its' if len(free) == 1 else 'their'} values fit "
+            + ("fp16" if fmt == "fp16" else "bf16's range, which is fp32's")
+            + ", and keep_fp32 leaves "
+            + ("it" if len(free) == 1 else "them")
+            + " out (fp16_kept_fp32)."
+        )
+    return said
 
 
 def _runs_fp16(run: _Run) -> bool:

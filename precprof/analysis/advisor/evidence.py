@@ -389,6 +389,10 @@ class _Plan:
     underflow_at_1: float | None = None
     underflow_at_rec: float | None = None
     keep_fp16: list[str] = field(default_factory=list)
+    # matmul layers the run kept in fp32 under autocast: those fp16 still needs there (in keep_fp16 too), and those
+    # whose values fit fp16 (rules/kept)
+    kept_fp32: list[str] = field(default_factory=list)
+    released_fp32: list[str] = field(default_factory=list)
     # modules the guide keeps in fp32 whatever the format (norms, softmax, losses found in 16-bit)
     keep_fp32_ops: list[str] = field(default_factory=list)
     fp16_block: list[str] = field(default_factory=list)

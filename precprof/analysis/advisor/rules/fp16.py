@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -34,6 +33,7 @@ from precprof.analysis.advisor.evidence import (
     _under_any,
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
+from precprof.analysis.advisor.rules.kept import _gemm_inputs, _outside_autocast, _rule_kept_fp32
 from precprof.analysis.advisor.rules.scaler import _rule_scaler
 from precprof.analysis.advisor.rules.updates import bf16_gradient_underflow
 from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2, _scale, _scales
@@ -95,6 +95,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
         )
     # a layer's own input row (a function's output) is kept in fp32 through the module that ran the function
     plan.keep_fp16 = run.sort(_modules_to_keep([*overflow_mods, *near_mods], _model_inputs(run)))
+    _rule_kept_fp32(run, plan)  # and the layers the run kept in fp32 that fp16 still needs there
     if plan.matmul_layers:
         keep = set(plan.keep_fp16)
         kept = [m for m in plan.matmul_layers if m in keep or _under_any(m, keep)]
@@ -266,16 +267,6 @@ def _overflow_counts(made: list[str], observed: set[str], n_over: int, causes: _
     return ", and ".join(parts)
 
 
-def _gemm_inputs(run: _Run) -> dict[str, list[str]] | None:
-    """Which modules' outputs each matmul layer read (capture.gemm_inputs); None where the capture did not record
-    it (a run recorded by an older precprof, or before it with block formats off)."""
-    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
-    inputs = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
-    if not isinstance(inputs, Mapping):
-        return None
-    return {str(c): [str(p) for p in v] for c, v in inputs.items() if isinstance(v, list)}
-
-
 def _fed_overflow(run: _Run, observed: set[str], overflowed: set[str]) -> dict[str, list[str]]:
     """Of the ``observed`` modules (the first to hold inf in fp16 on a step), those whose input is among the
     ``overflowed`` rows, with those inputs: the module's own input row (a tensor no module made: the model's
@@ -343,9 +334,7 @@ def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series | None
     if inputs is None:
         return None
     names = T.texts(acts[T.MODULE])
-    low = (_dtype_has(acts, "float16") | _dtype_has(acts, "bfloat16")).to_numpy()
-    seen16 = set(names[low])
-    outside = set(names[~low]) - seen16  # modules (matmuls among them) whose every output was fp32
+    outside = _outside_autocast(acts)  # modules (matmuls among them) whose every output was fp32
     read = {p for c, v in inputs.items() if c not in outside for p in v}
     own_input = names.str.endswith(T.INPUT_SUFFIX) & ~names.str.removesuffix(T.INPUT_SUFFIX).isin(outside)
     return _dtype_has(acts, "bfloat16") | acts[T.MODULE].isin(read) | own_input

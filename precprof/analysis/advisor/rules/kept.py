@@ -1,0 +1,136 @@
+"""Matmul layers an autocast run kept in fp32 (outside autocast, as keep_fp32 advises): whether fp16 still needs
+them there, judged on their own values. Such a layer casts nothing to fp16, so the forward rules see no fp16
+trouble in it, and a keep list built from them alone would drop it: the user pasting it loses the fp32 wrapper
+that kept the run finite."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pandas as pd
+
+from precprof import tables as T
+from precprof.analysis.advisor.evidence import _dtype_has, _nonzero, _Plan, _Run, _share
+from precprof.analysis.advisor.model import INFO, Finding
+from precprof.analysis.advisor.text import _g, _listing, _name, _pct
+from precprof.formats import FP16
+
+
+def _gemm_inputs(run: _Run) -> dict[str, list[str]] | None:
+    """Which modules' outputs each matmul layer read (capture.gemm_inputs); None where the capture did not record
+    it (a run recorded by an older precprof, or before it with block formats off)."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    inputs = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
+    if not isinstance(inputs, Mapping):
+        return None
+    return {str(c): [str(p) for p in v] for c, v in inputs.items() if isinstance(v, list)}
+
+
+def _outside_autocast(acts: pd.DataFrame) -> set[str]:
+    """The modules (and input rows) of an autocast run whose every activation row was fp32: a matmul among them
+    ran outside autocast, where it casts nothing."""
+    names = T.texts(acts[T.MODULE])
+    low = (_dtype_has(acts, "float16") | _dtype_has(acts, "bfloat16")).to_numpy()
+    return set(names[~low]) - set(names[low])
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """The matmul layers the run kept in fp32, by what their values say of fp16."""
+
+    needed: dict[str, str]  # layer -> why fp16 still needs it in fp32, in words
+    released: dict[str, str]  # layer -> its values, which fit fp16
+
+
+def _judge(run: _Run, layer: str, rows: pd.DataFrame, input_known: bool) -> tuple[bool, str]:
+    """Whether fp16 needs ``layer`` in fp32, and why in words, from the ``rows`` it would cast or compute in fp16
+    under autocast (its input and output, fp32 here): a value beyond 65504 or within the headroom of it, or more
+    than ``fp16_activation_underflow_warn`` of the nonzero values flushed, as the forward rules judge them."""
+    cfg = run.cfg
+    limit = FP16.max / 2.0**cfg.fp16_activation_headroom_log2
+    over = int(rows[T.overflow_col("fp16")].sum())
+    amax = float(pd.to_numeric(rows[T.ABSMAX], errors="coerce").max()) if not rows.empty else 0.0
+    flushed = _share(float(rows[T.underflow_col("fp16")].sum()), _nonzero(rows))
+    which = _listing(run.sort(set(rows[T.MODULE])), 4)
+    if over:
+        return True, f"{_name(layer)}: {over:,} values over 65504 in {which} (max |x| {_g(amax)})"
+    if amax >= limit:
+        return (
+            True,
+            f"{_name(layer)}: max |x| {_g(amax)} in {which}, within {2**cfg.fp16_activation_headroom_log2}x of 65504",
+        )
+    if flushed is not None and flushed > cfg.fp16_activation_underflow_warn:
+        return True, f"{_name(layer)}: {_pct(flushed)} of the nonzero values of {which} flush to zero in fp16"
+    if not input_known:
+        return True, (
+            f"{_name(layer)}: its input was not recorded (no captured module made it, and block formats were "
+            "off), so whether it fits fp16 is not known"
+        )
+    return False, f"{_name(layer)}: max |x| {_g(amax)} in {which}, none flushed: it fits fp16"
+
+
+def kept_in_fp32(run: _Run, plan: _Plan) -> _Kept | None:
+    """The matmul layers this autocast run kept in fp32, each judged on its own rows: its input (its input row and
+    the outputs it read, capture.gemm_inputs) and its output, which fp16 autocast would cast or compute in fp16
+    were the layer released. None without autocast or without the record of what the matmuls read."""
+    inputs = _gemm_inputs(run)
+    acts = run.kind(T.ACTIVATION)
+    if not run.autocast.get("enabled") or inputs is None or acts.empty:
+        return None
+    outside = _outside_autocast(acts)
+    names = set(T.texts(acts[T.MODULE]))
+    needed: dict[str, str] = {}
+    released: dict[str, str] = {}
+    for layer in [m for m in plan.matmul_layers if m in outside]:
+        read = [layer + T.INPUT_SUFFIX, *inputs.get(layer, [])]
+        rows = acts[acts[T.MODULE].isin([layer, *read]) & ~_dtype_has(acts, "float16")]
+        need, why = _judge(run, layer, rows, any(r in names for r in read))
+        (needed if need else released)[layer] = why
+    return _Kept(needed, released) if needed or released else None
+
+
+def _rule_kept_fp32(run: _Run, plan: _Plan) -> None:
+    """fp16_kept_fp32: the layers the run kept in fp32 that fp16 still needs there join the keep list; those whose
+    values fit fp16 are said to be free to run under autocast again (never dropped from the list in silence)."""
+    kept = kept_in_fp32(run, plan)
+    if kept is None:
+        return
+    need, free = run.sort(kept.needed), run.sort(kept.released)
+    plan.kept_fp32 = need
+    plan.released_fp32 = free
+    plan.keep_fp16 = run.sort(dict.fromkeys([*plan.keep_fp16, *need]))
+    listed = run.cfg.max_listed_modules
+    remedy = []
+    if need:
+        remedy.append(
+            f"Keep {_listing(need, listed)} in fp32 (outside autocast) under fp16, as this run does: keep_fp32 "
+            f"lists {'it' if len(need) == 1 else 'them'}"
+        )
+    if free:
+        remedy.append(
+            f"{_listing(free, listed)} may run under fp16 autocast again: {'its' if len(free) == 1 else 'their'} "
+            "values fit fp16"
+        )
+    one = len(need) + len(free) == 1
+    remedy.append(
+        f"under bf16 {'it needs no' if one else 'none of them needs'} fp32 for range (bf16 has fp32's exponent range)"
+    )
+    plan.add(
+        Finding(
+            "fp16_kept_fp32",
+            INFO,
+            f"{len(need) + len(free)} matmul layer(s) ran in fp32 outside autocast",
+            f"{_listing(need + free, listed)} ran outside autocast in this run (every output fp32): "
+            f"{'it casts' if one else 'they cast'} nothing to fp16, so the forward findings see no fp16 trouble "
+            f"in {'it' if one else 'them'}. Judged on what fp16 autocast would cast or compute there (the input "
+            "and the output): "
+            + "; ".join(
+                [*(kept.needed[m] for m in need[:listed]), *(kept.released[m] for m in free[:listed])]
+            )
+            + ".",
+            "; ".join(remedy) + ".",
+            modules=need + free,
+            numbers={"modules": len(need) + len(free), "still_needed": len(need), "released": len(free)},
+        )
+    )
