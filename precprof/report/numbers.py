@@ -52,7 +52,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "fp16_zero_share": ("zeros among the FP16 activation gradients", "share"),
     "fp16_flushed": ("gradients pressed against FP16's floor", "yes_no"),
     "fp16_flushed_zero_share": (
-        "zeros in the modules whose FP16 activation gradients reach its floor",
+        "flushed zeros among the FP16 activation gradients no mask wrote into",
         "share",
     ),
     "fp16_smallest_nonzero": ("smallest nonzero FP16 activation gradient", "magnitude"),

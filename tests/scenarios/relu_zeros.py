@@ -39,9 +39,9 @@ def batches(step: int) -> Batch:
     return x, (x @ torch.randn(N_IN, N_CLASSES, generator=g)).argmax(-1)
 
 
-def output_gradients(model: nn.Module) -> list[torch.Tensor]:
-    """The gradients of the Linear layers' outputs, as the backward passes produce them (the test's own hooks,
-    independent of precprof)."""
+def output_gradients(model: nn.Module, hooked: type[nn.Module] = nn.Linear) -> list[torch.Tensor]:
+    """The gradients of the ``hooked`` layers' outputs (the Linear layers', or the ReLUs', which no mask has
+    touched), as the backward passes produce them (the test's own hooks, independent of precprof)."""
     seen: list[torch.Tensor] = []
 
     def keep(mod: nn.Module, args: object, y: torch.Tensor) -> None:
@@ -49,7 +49,7 @@ def output_gradients(model: nn.Module) -> list[torch.Tensor]:
             y.register_hook(lambda g: seen.append(g.detach().clone()))
 
     for m in model.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, hooked):
             m.register_forward_hook(keep)
     return seen
 
@@ -59,12 +59,13 @@ def run(
     weight: float = 1.0,
     loss_scale: float | None = None,
     steps: int = 8,
+    hooked: type[nn.Module] = nn.Linear,
 ) -> tuple[ProfiledRun, list[torch.Tensor]]:
     """Train ReluNet (always from the same weights) with its cross-entropy weighted by ``weight``; returns the
-    run and the Linear outputs' gradients the test's hooks saw."""
+    run and the ``hooked`` layers' output gradients the test's hooks saw."""
     torch.manual_seed(0)
     model = ReluNet()
-    seen = output_gradients(model)
+    seen = output_gradients(model, hooked)
     profiled = train_profiled(
         model,
         batches,

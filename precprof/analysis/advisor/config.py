@@ -31,7 +31,8 @@ class AdvisorConfig:
     # FP8 only when the eligible layers carry more than this share of the linear layers' matmul FLOPs
     fp8_flops_share_min: float = 0.5
     # fp16 gradients flushed already (an unscaled fp16 run): at least this share of the fp16 activation-gradient
-    # values are exact zeros in modules whose gradients run into fp16's floor; a loss that moved less than
+    # values where a zero can only be a flush (a matmul's backward computed them) are exact zeros in modules whose
+    # gradients run into fp16's floor; a loss that moved less than
     # ``stalled_loss_change`` (relative) over the run is called stalled
     fp16_flushed_zero_share: float = 0.2
     # A module's fp16 activation gradients run into the floor when more than this share of their nonzero values

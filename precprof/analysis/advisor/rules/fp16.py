@@ -630,42 +630,64 @@ class _Flush:
 
     modules: list[str]  # in the run's order
     empty: list[str]  # those of them with no nonzero value at all: no gradient reached fp16's range
-    zeros: float  # their exact zeros
+    masked: list[str]  # those of them whose zeros are not counted: a mask after them may have written them
+    zeros: float  # the exact zeros of those counted
     all_zeros: float  # the exact zeros of every row read, theirs and the true zeros of the others
-    values: float  # every value of the fp16 activation-gradient rows read, the share's denominator
+    values: float  # every value of the rows whose zeros count (``_masks_none``), the share's denominator
     floor_share: float | None  # the share of their nonzero values fp16 held at its smallest subnormal, 2^-24
     smallest: float  # their smallest nonzero value as fp16 held it (at its loss scale); nan without one
     scales: list[float]  # the loss scales their rows were held at
+    counted: list[str]  # the modules whose zeros count (``_masks_none``), flushed or not
+    counted_all: bool  # every module's zeros count (no record of which module's output a matmul read)
 
     @property
     def share(self) -> float | None:
         return _share(self.zeros, self.values)
 
 
+def _masks_none(run: _Run, per: pd.DataFrame, nonzero: pd.Series) -> set[str]:
+    """The modules among the fp16 activation-gradient rows ``per`` whose zeros can only be flushes: those whose
+    output a matmul read (capture.gemm_inputs), whose gradient that matmul's backward computed in fp16 straight
+    from its own (a flushed value, no true zero), and those with no nonzero value at all. Any other module's
+    gradient may have passed a mask on its way: ReLU's backward writes an exact zero wherever its unit was off,
+    into the gradient of the layer before it (fc1's), while the gradient it received (act1's) holds only the
+    flushes. Every module where the run did not record which output a matmul read."""
+    inputs = _gemm_inputs(run)
+    if inputs is None:
+        return {str(m) for m in per.index}
+    read = {p for made in inputs.values() for p in made}
+    return {str(m) for m in per.index if m in read or nonzero[m] == 0}
+
+
 def _flushed_modules(run: _Run, rows: pd.DataFrame) -> _Flush:
     """Which modules' zeros among the fp16 activation-gradient ``rows`` are flushes. An exact zero in an fp16
     tensor is a value that underflowed or a true zero (ReLU's backward writes one wherever its unit was off, a
-    saturated GELU's where its slope is 0), and no count tells them apart. A module's zeros are read as flushes
+    saturated GELU's where its slope is 0), and no count tells them apart. A module's gradient is read as flushed
     when its nonzero values run into the floor (more than ``fp16_flushed_floor_share`` of them at fp16's
-    smallest subnormal, at the scale held) or when it has no nonzero value at all."""
+    smallest subnormal, at the scale held) or when it has no nonzero value at all. Its zeros are counted as
+    flushes where no mask can have written them (``_masks_none``), out of every value of such modules."""
     if rows.empty:
-        return _Flush([], [], 0.0, 0.0, 0.0, None, math.nan, [])
+        return _Flush([], [], [], 0.0, 0.0, 0.0, None, math.nan, [], [], True)
     per = rows.groupby(T.MODULE)[[T.ZEROS, T.NUMEL, T.NAN, T.INF]].sum()
     nonzero = (per[T.NUMEL] - per[T.ZEROS] - per[T.NAN] - per[T.INF]).clip(lower=0)
     at_floor = _at_fp16_floor(run, rows).reindex(per.index, fill_value=0.0)
     dense = at_floor > run.cfg.fp16_flushed_floor_share * nonzero
     mods = run.sort(str(m) for m in per.index[(per[T.ZEROS] > 0) & (dense | (nonzero == 0))])
+    counted = _masks_none(run, per, nonzero)
     held = rows[rows[T.MODULE].isin(mods)]
     smallest = pd.to_numeric(held[T.ABSMIN], errors="coerce") * held[T.SCALE]
     return _Flush(
         mods,
         [m for m in mods if nonzero[m] == 0],
-        float(per.loc[mods, T.ZEROS].sum()),
+        [m for m in mods if m not in counted],
+        float(per.loc[[m for m in mods if m in counted], T.ZEROS].sum()),
         float(per[T.ZEROS].sum()),
-        float(per[T.NUMEL].sum()),
+        float(per.loc[sorted(counted), T.NUMEL].sum()),
         _share(float(at_floor[mods].sum()), float(nonzero[mods].sum())),
         float(smallest[smallest > 0].min()) if (smallest > 0).any() else math.nan,
         sorted({float(s) for s in held[T.SCALE].unique()}),
+        run.sort(counted),
+        len(counted) == len(per),
     )
 
 
@@ -723,17 +745,31 @@ def _flushed_said(fl: _Flush, every: bool, scaled: bool, cfg: AdvisorConfig) -> 
             f"{_pct(fl.floor_share)} of the nonzero values of {_listing(dense, cfg.max_listed_modules)} sit at its "
             "smallest subnormal, 2^-24"
         )
-    others = _share(fl.all_zeros - fl.zeros, fl.values) or 0.0
-    return (
-        f"{where}: {_pct(fl.share)} of its fp16 activation-gradient values are exact zeros in {len(fl.modules)} "
-        f"module(s) whose gradients run into fp16's floor ({'; '.join(parts)}): what lies below it was flushed "
-        "to zero (a value that underflowed is a zero, so the counts that follow cannot see it)"
-        + (
-            f"; the other {_pct(others)} zeros, in modules whose gradients thin out before the floor, are not "
-            "counted (ReLU's backward writes an exact zero wherever its unit was off)"
-            if others > cfg.fp16_underflow_ok
-            else ""
+    counted = [m for m in fl.modules if m not in fl.masked]
+    whose = (
+        "its fp16 activation-gradient values"
+        if fl.counted_all
+        else f"the fp16 activation-gradient values of {_listing(fl.counted, cfg.max_listed_modules)} (a matmul's "
+        "backward computed them from the gradient it received, or none held a nonzero value: a zero there can only "
+        "be a flush)"
+    )
+    said = (
+        f"{where}: {_pct(fl.share)} of {whose} are exact zeros, in {len(counted)} module(s) whose gradients run "
+        f"into fp16's floor ({'; '.join(parts)}): what lies below it was flushed to zero (a value that underflowed "
+        "is a zero, so the counts that follow cannot see it)"
+    )
+    if fl.masked:
+        return said + (
+            f"; {_listing(fl.masked, cfg.max_listed_modules)} run into the floor too, but their zeros are not counted:"
+            " a mask after them may have written them (ReLU's backward writes an exact zero wherever its unit was "
+            "off)"
         )
+    others = _share(fl.all_zeros - fl.zeros, fl.values) or 0.0
+    return said + (
+        f"; the other {_pct(others)} zeros, in modules whose gradients thin out before the floor, are not "
+        "counted (ReLU's backward writes an exact zero wherever its unit was off)"
+        if others > cfg.fp16_underflow_ok and fl.counted_all
+        else ""
     )
 
 
