@@ -580,6 +580,23 @@ def test_saved_activations_of_an_mlp_by_hand() -> None:
     assert total(rows, T.AUTOCAST_WEIGHT_COPIES) == 0
 
 
+def test_a_loop_that_calls_the_submodules_itself_has_their_activations_counted() -> None:
+    # for mod in model: h = mod(h), never model(x): the root's forward hooks never run. The same step as
+    # test_saved_activations_of_an_mlp_by_hand's, so the same bytes: Linear 0 saves x, ReLU 1 its output.
+    model = mlp()
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    h, y = batch()
+    for mod in model:
+        h = mod(h)
+    F.mse_loss(h, y).backward()
+    rows = tr.end_step(0)
+    tr.detach()
+    assert by_module(rows) == {("0", "float32"): B * D_IN * 4, ("1", "float32"): B * D_HID * 4}
+    assert_no_hooks(model)
+
+
 class WithLoss(nn.Module):
     """Computes its loss inside forward, as Hugging Face models do with labels."""
 

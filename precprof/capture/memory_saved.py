@@ -46,6 +46,7 @@ class SavedActivations:
     _live: bool
     _stack: list[tuple[str, nn.Module | None]]
     _recording: bool
+    _entry: nn.Module | None
     _saved_ctx: torch.autograd.graph.saved_tensors_hooks | None
     _unpacks: int
     _unpacks_mark: int
@@ -84,8 +85,34 @@ class SavedActivations:
             self._label(T.OUTPUTS, _tensors_in(output))
         self._stop_recording()
 
+    def _submodule_entered(self, name: str, module: nn.Module, args: Any) -> None:
+        """A submodule called while nothing records: a loop that calls the model's parts itself (``for mod in
+        model: h = mod(h)``, a head kept in fp32 under ``autocast(enabled=False)``) and never ``model(x)``.
+        Its forward is recorded as the root's would be (its data inputs are the step's inputs), until its
+        post-hook: without this, every activation of such a loop went unseen and the projections had none."""
+        if self._recording or self._saved_ctx is not None or not (self._sampled and self._live):
+            return
+        if _compat.backward_pass_id() is not None:  # a reentrant checkpoint's recomputation: not the step's
+            return
+        self._start_recording(name, module)
+        if not self._recording:
+            return
+        self._entry = module
+        data = [t for t in _tensors_in(args) if t.grad_fn is None and not t.requires_grad]
+        for t in data:
+            self._input_keys.update(st[0] for leaf in _plain_tensors(t) if (st := _storage(leaf)) is not None)
+        if self._peak.measuring:
+            self._label(T.INPUTS, data)
+
+    def _submodule_left(self, module: nn.Module) -> None:
+        """The post-hook of the submodule ``_submodule_entered`` started recording at: stop recording."""
+        if self._entry is module:
+            self._entry = None
+            self._stop_recording()
+
     def _start_recording(self, name: str, module: nn.Module | None) -> None:
         self._stack.clear()
+        self._entry = None
         self._recording = False
         if not (self._sampled and self._live) or not torch.is_grad_enabled() or self._saved_ctx is not None:
             return
@@ -117,6 +144,7 @@ class SavedActivations:
         self._stack.append((name, module))
 
     def _stop_recording(self) -> None:
+        self._entry = None
         was_recording = self._recording
         self._pop_saved_hooks()
         self._stack.clear()

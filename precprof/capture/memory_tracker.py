@@ -14,7 +14,8 @@
   ``gradients``);
 - ``activations``: tensors saved for backward, per module (the innermost module running when autograd saved
   them) and per dtype, through ``torch.autograd.graph.saved_tensors_hooks`` pushed in the model's forward
-  pre-hook and popped in its forward post-hook (``capture/memory_saved.py``). Each storage counts once per
+  pre-hook and popped in its forward post-hook (``capture/memory_saved.py``); a loop that calls the model's
+  submodules itself instead of the model has them pushed in each such call's hooks. Each storage counts once per
   forward pass; parameters and buffers are not activations. A tensor saved from a storage the step's forward did
   not make (the model's inputs, and in ``scope()`` data without autograd history such as targets) counts the bytes
   it reaches, each once, not its whole storage: a batch sliced from a dataset held in memory (``X[i:i+B]``) or a
@@ -143,6 +144,8 @@ class MemoryTracker(SavedActivations):
         self._live = False  # the hooks act (a sampled step's forward to its end_hooks)
         self._stack: list[tuple[str, nn.Module | None]] = []  # running modules, innermost last
         self._recording = False  # inside a sampled forward with our saved-tensor hooks pushed
+        # the submodule that a loop called itself, not through the model, whose forward records now
+        self._entry: nn.Module | None = None
         self._saved_ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self._unpacks = 0  # saved tensors read back by backward (any step): tells forwards apart
         self._unpacks_mark = -1
@@ -483,6 +486,8 @@ class MemoryTracker(SavedActivations):
             self._grads.forward_began()
             if self._recording:
                 self._stack.append((name, module))
+            else:
+                self._submodule_entered(name, module, args)
 
         return hook
 
@@ -495,11 +500,13 @@ class MemoryTracker(SavedActivations):
                 self._counts.sample_live()  # the phase's lower bound where there is no replay
             if stack[-1][1] is module:
                 stack.pop()
+                self._submodule_left(module)
                 return
             # An exception unwound past inner modules: drop them with this one.
             for i in range(len(self._stack) - 1, -1, -1):
                 if self._stack[i][1] is module:
                     del self._stack[i:]
+                    self._submodule_left(module)
                     return
 
         return hook
