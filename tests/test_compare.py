@@ -1012,3 +1012,24 @@ def test_runs_without_measured_memory_draw_their_throughput() -> None:
     fig = compare_page.resources_figure(comp)
     assert [b.get_width() for b in fig.axes[1].patches] == [1000.0] * 4
     assert not fig.legends
+
+
+def test_runs_without_a_measured_throughput_draw_no_throughput_of_zero() -> None:
+    """Loops that pass no token counts: the throughput panel drew '0' for every run on an empty 0-1 axis, beside
+    a runs table of '—' and a caption about tokens per second and speed-ups."""
+    comp = _four_runs()
+    comp.runs[:] = [dataclasses.replace(r, tokens_per_s=math.nan, speedup=None) for r in comp.runs]
+    fig = compare_page.resources_figure(comp)
+    assert len(fig.axes) == 1 and fig.axes[0].get_title().startswith("Memory per component")
+    section = compare_page.render(comp).split('<section id="resources">', 1)[1]
+    caption = section.split("</figcaption>", 1)[0]
+    assert "tokens per second" not in caption and "no throughput: no run recorded token counts" in caption
+    assert "Throughput not measured: the runs recorded no token counts" in compare_page.render(comp)
+
+
+def test_a_run_without_a_measured_throughput_beside_others_says_so() -> None:
+    comp = _four_runs()
+    comp.runs[2] = dataclasses.replace(comp.runs[2], tokens_per_s=math.nan, speedup=None)
+    ax = compare_page.resources_figure(comp).axes[1]
+    assert [t.get_text() for t in ax.texts][2] == " not measured"
+

@@ -220,7 +220,12 @@ def resources_figure(comparison: Comparison) -> Any | None:
     )
     height = 2.0 + 0.45 * len(runs)  # inches: bars plus fixed room for titles, axis labels and the legend
     fig = Figure(figsize=(FIG_WIDTH_IN, height))
-    ax_mem, ax_tp = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
+    # no run measured its throughput (a loop's prof.step(loss=...) without tokens): no panel of zeros for it
+    timed = throughput_measured(comparison)
+    if timed:
+        ax_mem, ax_tp = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
+    else:
+        ax_mem = fig.subplots(1, 1)
     fig.subplots_adjust(left=0.16, right=0.97, top=1 - 0.4 / height, bottom=1.3 / height, wspace=0.12)
     labels = [plain(r.label) for r in runs]
     y = np.arange(len(runs))[::-1]
@@ -253,6 +258,19 @@ def resources_figure(comparison: Comparison) -> Any | None:
             frameon=False,
             fontsize=8,
         )
+    if timed:
+        _throughput_panel(ax_tp, comparison, runs, y)
+    ax_mem.grid(True, axis="x", alpha=0.3)
+    return fig
+
+
+def throughput_measured(comparison: Comparison) -> bool:
+    """Whether any run measured its tokens per second (a loop that passes no token counts measures none)."""
+    return any(math.isfinite(r.tokens_per_s) for r in comparison.runs)
+
+
+def _throughput_panel(ax_tp: Any, comparison: Comparison, runs: list[RunResult], y: np.ndarray) -> None:
+    """Tokens per second per run, with the speed-up over the reference; a run without them says so."""
     ref = comparison.run(comparison.reference)
     # a run whose speed the page says does not compare with the reference's gets no bar: bf16's profiled steps
     # drew at 8.9x fp32's beside a table and a verdict check that said these speeds do not compare
@@ -278,6 +296,9 @@ def resources_figure(comparison: Comparison) -> Any | None:
                 color="#666666",
             )
             continue
+        if not math.isfinite(r.tokens_per_s):
+            ax_tp.text(0, yi, " not measured", va="center", fontsize=8, color="#666666")
+            continue
         sp = f" ({r.speedup:.2f}×)" if r.speedup is not None and r is not ref else ""
         mark = " *" if mixed and id(r) in profiled else ""
         ax_tp.text(v, yi, f" {v:,.0f}{sp}{mark}", va="center", fontsize=8)
@@ -293,9 +314,7 @@ def resources_figure(comparison: Comparison) -> Any | None:
         else "steps without layer capture"
     )
     ax_tp.set_title(f"Throughput ({basis})" if mixed else f"Throughput\n({basis})", fontsize=9.5)
-    for a in (ax_mem, ax_tp):
-        a.grid(True, axis="x", alpha=0.3)
-    return fig
+    ax_tp.grid(True, axis="x", alpha=0.3)
 
 
 # ------------------------------------------------------------------------------------------- page
@@ -398,6 +417,7 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
         },
         "runs": runs,
         "throughput_basis": throughput_basis(comparison),
+        "throughput_measured": throughput_measured(comparison),
         "recorded": comparison.recorded,
         "components": comps,
         "peak_components": peaks,
