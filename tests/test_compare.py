@@ -1033,3 +1033,13 @@ def test_a_run_without_a_measured_throughput_beside_others_says_so() -> None:
     ax = compare_page.resources_figure(comp).axes[1]
     assert [t.get_text() for t in ax.texts][2] == " not measured"
 
+
+def test_the_memory_caption_names_the_step_the_figure_and_table_show() -> None:
+    """The caption said 'each run's last sampled step' under a figure of 'the largest measured step' (the
+    projection's representative step): in a run measured on steps 0-17 whose last sampled step was 19."""
+    section = (
+        compare_page.render(_four_runs()).split('<section id="resources">', 1)[1].split("</section>", 1)[0]
+    )
+    assert "last sampled step" not in section
+    assert section.count("largest measured step") == 2
+    assert "(the largest measured step)" in compare_page.resources_figure(_four_runs()).axes[0].get_title()
