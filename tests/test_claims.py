@@ -557,6 +557,41 @@ def test_a_skip_the_scaler_grew_into_is_not_blamed_on_its_start(tmp_path: Path) 
     assert "growth probing its ceiling" in f.message and "init_scale" not in f.remedy
 
 
+def _one_spike_run(out: Path) -> tuple[list[float], list[bool]]:
+    """A dynamic GradScaler at 2^12 that never grows (growth_interval 2000): every step goes through but step 5,
+    whose loss is multiplied by 1e6 (a gradient spike). Returns each step's scale and whether it was skipped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2000)
+    scales, skipped = [], []
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, out=out) as prof:
+        for step in range(10):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            with torch.autocast("cpu", dtype=torch.float16):
+                out_ = model(x)
+            loss = out_.float().square().mean() * (1e6 if step == 5 else 1.0)
+            scales.append(scaler.get_scale())
+            backward_and_step(loss, opt, scaler)
+            skipped.append(scaler.get_scale() < scales[-1])
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    prof.save()
+    return scales, skipped
+
+
+def test_a_skip_at_the_scale_steps_went_through_at_is_a_spike_not_growth_probing(tmp_path: Path) -> None:
+    """A skip at the starting scale, after steps went through at it, was called 'growth probing' ('came after
+    the scaler grew past 4096', and the remedy was about growth_interval)."""
+    scales, skipped = _one_spike_run(tmp_path / "run")
+    assert skipped == [s == 5 for s in range(10)] and scales[5] == max(scales[:5])  # never grew
+    found = {f.code: f for f in precprof.recommend(tmp_path / "run").findings}
+    f = found["scaler_skipped_steps"]
+    assert f.numbers["skipped"] == 1 and f.numbers["growth_probes"] == 0
+    assert "grew" not in f.message and "growth" not in f.remedy
+    assert "at a scale earlier steps had gone through at" in f.message
+
+
 def test_a_bf16_run_that_diverged_gets_no_critical_fp16_finding(tmp_path: Path) -> None:
     """A bf16 run that diverges (SGD at learning rate 20: the loss grows to 1e23, then nan) blows its gradients up
     across 40 binades: "no fp16 loss scale fits" was a critical fp16_gradient_underflow, beside the same run's

@@ -97,6 +97,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "skipped": ("steps skipped", "count"),
     "avoidable": ("skips a better initial scale avoids", "count"),
     "growth_probes": ("skips the scaler grew into after its first step that went through", "count"),
+    "spikes": ("skips above the recommended scale at a scale earlier steps had gone through at", "count"),
     "from_model": ("skips from non-finite values in the model itself", "count"),
     "start_scale": ("initial loss scale", "scale"),
     "last_scale": ("loss scale at the end", "scale"),

@@ -49,6 +49,13 @@ def _rule_scaler_unneeded(run: _Run, plan: _Plan) -> None:
     )
 
 
+def _went_through(spikes: int) -> str:
+    """The words for skips at or below the recommended scale, ``spikes`` of them above it at a scale that earlier
+    steps had gone through at (the scaler never grew to it: no growth probe, and no fault of the start)."""
+    also = f", or ({spikes}) at a scale earlier steps had gone through at" if spikes else ""
+    return f"{also} (gradient spikes, or non-finite values that no scale fixes)"
+
+
 def _probes(n: int, settled: float | None) -> str:
     """The words for skips a dynamic scaler grew into after its first step that went through."""
     return (
@@ -91,12 +98,19 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
         # start avoids them); after it, a dynamic scaler's growth probing its ceiling, which a lower start grows
         # back into after as many growth intervals (a static scale never grows: all the start's)
         above = sk[~from_model][T.LOSS_SCALE] > rec
-        grown = (
+        later = (
             sk[~from_model][T.STEP] > st.loc[first_ok[0], T.STEP]
             if len(first_ok) and not _static_scale(st)
             else above & False
         )
-        avoid, probes = int((above & ~grown).sum()), int((above & grown).sum())
+        # a probe is a skip at a scale the scaler grew to, above every scale a step had gone through at before;
+        # a skip at a scale steps went through at is a gradient spike (a lower start grows back to it too)
+        went_through = scale.where(~skipped).cummax().shift(1)
+        grown = later & (sk[~from_model][T.LOSS_SCALE] > went_through[sk[~from_model].index].fillna(0.0))
+        avoid, probes = int((above & ~later).sum()), int((above & grown).sum())
+        spikes = int(
+            (above & later & ~grown).sum()
+        )  # above the recommendation, at a scale steps went through
         parts = []
         if model:
             parts.append(
@@ -119,21 +133,23 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                 if probes:
                     part += f"; {_probes(probes, settled)}"
                 if others - avoid - probes:
-                    part += (
-                        f"; the other {others - avoid - probes} happened at or below it (gradient spikes, or "
-                        "non-finite values that no scale fixes)"
-                    )
+                    part += f"; the other {others - avoid - probes} happened at or below it{_went_through(spikes)}"
             elif probes:
                 part = f"{'Of the other ' + str(others) + ', ' if model else ''}{_probes(probes, settled)}"
                 if others - probes:
                     part += (
-                        f"; the other {others - probes} happened at or below the recommended {_pow2(k)} "
-                        "(gradient spikes, or non-finite values that no scale fixes)"
+                        f"; the other {others - probes} happened at or below the recommended {_pow2(k)}"
+                        f"{_went_through(spikes)}"
                     )
+            elif spikes == others:
+                part = (
+                    f"{'The other' if model else 'All'} {others} happened at a scale earlier steps had gone "
+                    "through at (gradient spikes, or non-finite values that no scale fixes)"
+                )
             else:
                 part = (
                     f"{'The other' if model else 'All'} {others} happened at or below the recommended "
-                    f"{_pow2(k)} (gradient spikes, or non-finite values that no scale fixes)"
+                    f"{_pow2(k)}{_went_through(spikes)}"
                 )
             parts.append(part)
         who = (
@@ -159,7 +175,10 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
         )
         remedy = (
             f"Use GradScaler(init_scale={_scale(k)})" + (" or lower." if plan.grad_absmax_bound else ".")
-            if avoid or not (model or probes)
+            if avoid or not (model or probes or spikes == others)
+            else "Nothing to change at the start: the scaler backed off from a gradient spike at a scale earlier "
+            "steps had gone through at, as it is made to."
+            if spikes == others and not (model or probes)
             else "Nothing to change at the start: a dynamic scaler finds its ceiling by overflowing there now and "
             "then; a longer growth_interval makes those skips rarer."
             if probes and not model
@@ -184,6 +203,7 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                     ),
                     "avoidable": avoid,
                     "growth_probes": probes,
+                    "spikes": spikes,
                     "from_model": model,
                     "start_scale": start,
                     "first_ok_scale": settled,
