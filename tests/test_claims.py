@@ -592,6 +592,19 @@ def test_a_skip_at_the_scale_steps_went_through_at_is_a_spike_not_growth_probing
     assert "at a scale earlier steps had gone through at" in f.message
 
 
+def test_an_overflow_on_one_sampled_step_is_not_said_to_be_on_every_one(tmp_path: Path) -> None:
+    """The overflow's remedy said 'every sampled step overflowed' where 1 of 10 did: the advice rests on it."""
+    _, skipped = _one_spike_run(tmp_path / "run")
+    found = {f.code: f for f in precprof.recommend(tmp_path / "run").findings}
+    ov = found["fp16_gradient_overflow"]
+    assert ov.numbers["steps"] == 1
+    assert "every sampled step overflowed" not in ov.remedy
+    assert (
+        f"the {sum(skipped)} of {len(skipped)} sampled step(s) that overflowed ({skipped.index(True)})"
+        in ov.remedy
+    )
+
+
 def test_a_bf16_run_that_diverged_gets_no_critical_fp16_finding(tmp_path: Path) -> None:
     """A bf16 run that diverges (SGD at learning rate 20: the loss grows to 1e23, then nan) blows its gradients up
     across 40 binades: "no fp16 loss scale fits" was a critical fp16_gradient_underflow, beside the same run's

@@ -385,6 +385,9 @@ class _Plan:
     # the scale in effect), larger than every step without one measured; the loss scale is then the most a start
     # can be, and whether it avoids overflow the run cannot tell
     grad_absmax_bound: bool = False
+    grad_absmax_clean: float | None = (
+        None  # the largest gradient of the steps without inf or nan (None: no such)
+    )
     underflow_now: float | None = None
     underflow_at_1: float | None = None
     underflow_at_rec: float | None = None

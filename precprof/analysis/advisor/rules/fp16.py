@@ -369,6 +369,7 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
     plan.grad_absmax = gmax
     # no step measured it: it comes from a step where some gradient was inf or nan, above every step without
     plan.grad_absmax_bound = gmax is not None and (clean is None or gmax > clean)
+    plan.grad_absmax_clean = clean
     limit = FP16.max / 2.0**cfg.fp16_margin_log2
     if (gmax is None or gmax <= 0) and _all_flushed(run):
         k = cfg.flushed_loss_scale_log2
@@ -1067,10 +1068,10 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
                 else f"Use {_wider_than_fp16(run)}: the loss scale that keeps these gradients finite in fp16 "
                 f"({_pow2(plan.loss_scale_log2)}) flushes more of the small ones than this run lost."
                 if plan.fp16_scale_raises_underflow
-                else f"Start at {_pow2(plan.loss_scale_log2)} at the most: every sampled step overflowed, so the run "
-                "measured the largest gradient only as a lower bound, and a start there may overflow too. A dynamic "
-                "GradScaler (init_scale=65536, its default) backs off until steps go through, or a few steps at a "
-                "low scale (--loss-scale static:1) measure the gradients to size it."
+                else f"Start at {_pow2(plan.loss_scale_log2)} at the most: {_bound_from(run, plan, steps)}, and a "
+                "start there may overflow too. A dynamic GradScaler (init_scale=65536, its default) backs off until "
+                "steps go through, or a few steps at a low scale (--loss-scale static:1) measure the gradients to "
+                "size it."
                 if plan.grad_absmax_bound
                 else f"Start at the recommended loss scale {_pow2(plan.loss_scale_log2)}, which keeps the largest "
                 + (
@@ -1082,6 +1083,19 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
             modules=mods,
             numbers={"values": n, "steps": len(steps), "max_scale": max(scales)},
         )
+    )
+
+
+def _bound_from(run: _Run, plan: _Plan, steps: list[int]) -> str:
+    """Why the largest gradient is a lower bound: every sampled step overflowed, or the few that did (``steps``)
+    had larger gradients than the others' measured largest, and the advice rests on them alone."""
+    if plan.grad_absmax_clean is None:
+        return "every sampled step overflowed, so the run measured the largest gradient only as a lower bound"
+    sampled = int(run.kind(*T.GRADIENT_KINDS)[T.STEP].nunique())
+    return (
+        f"this rests on the {len(steps)} of {sampled} sampled step(s) that overflowed "
+        f"({_listing([str(s) for s in steps], 6)}), where the largest gradient was measured only as a lower "
+        f"bound; the {sampled - len(steps)} others' largest gradient was {plan.grad_absmax_clean:.3g}"
     )
 
 
