@@ -738,3 +738,28 @@ def test_an_operand_whose_blocks_all_held_nan_is_not_called_lossless(tmp_path: P
         if "<code>one</code>" in r and "output gradient" in r and "input gradient" in r
     ]
     assert f"{100 * 32 / (BATCH * SEQ * WIDTH):.3g}% nan/inf" in row
+
+
+def test_layers_that_took_turns_are_said_to_be_judged_on_their_own_steps(block_formats_on: None) -> None:
+    """Three groups taking turns over six sampled steps: the finding said each layer was judged 'over 6 sampled
+    step(s)' where each was evaluated on 2 of them (counted here from the layers table)."""
+    import precprof
+
+    torch.manual_seed(0)
+    model = ThreeLinear()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, block_groups=3)
+    with prof:
+        for _ in range(6):
+            loss = model(torch.randn(128, WIDTH)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    layers = prof.tables()["layers"]
+    cols = [c for c in layers.columns if c.startswith("blk_")]
+    per = layers[layers[cols].notna().any(axis=1)].groupby(T.MODULE, observed=True)[T.STEP].nunique()
+    assert per.min() == per.max() < layers[T.STEP].nunique() == 6
+    f = next(f for f in recommend(prof, hardware="b200").findings if "linear layers is judged" in f.message)
+    assert f"each over {per.min()} of the 6 sampled steps (the layers took turns)" in f.message
+    assert "over 6 sampled step(s)" not in f.message

@@ -16,7 +16,7 @@ import pytest
 from report_fixtures import real_run
 
 from precprof import tables as T
-from precprof.report import environment, render
+from precprof.report import blocks, environment, render
 from precprof.report import filters as F
 
 H200 = Path(__file__).parent / "data" / "h200_fp8_summary.json"
@@ -246,3 +246,24 @@ def test_a_hugging_face_models_sizes_are_said_once() -> None:
         size
         == f"{info['n_params']:,} parameters, 2 layers, 2 attention heads, 32 wide, 96 tokens in the vocabulary"
     )
+
+
+def test_adaptive_block_groups_are_not_said_to_take_every_nth_step_exactly() -> None:
+    """An adaptive what-if whose groups went 19 -> 2 -> 5 (each layer evaluated on 2 to 10 sampled steps): the
+    what-if section said 'each is evaluated on every 5th sampled step, exactly' (the last group count) and the
+    environment 'every 5th sampled step (5 groups taking turns)' beside 'each on 2 to 10 sampled steps'."""
+    changes = [{"step": 5, "groups": 2, "from": 19}, {"step": 6, "groups": 3, "from": 2}]
+    changes += [{"step": 8, "groups": 5, "from": 3}]
+    capture = {"groups": 5, "adaptive": True, "budget": 0.1, "changes": changes, "evaluations": [2, 10]}
+    capture |= {"layers": 17, "layers_evaluated": 17}
+    counts = [capture["groups"]] + [c[k] for c in changes for k in ("groups", "from")]
+    lo, hi = min(counts), max(counts)
+    setting = environment.block_setting(capture)
+    assert "every 5th" not in setting and f"in {lo} to {hi} groups" in setting
+    assert "each on 2 to 10 sampled steps" in setting
+    turns = blocks.table({"block_what_if": {"layers": [{"module": "fc"}]}}, capture)["turns"]
+    assert "exactly" not in turns and turns.endswith(
+        f"{lo} to {hi} groups as the run went on: each was evaluated on 2 to 10 sampled steps"
+    )
+    fixed = blocks.table({"block_what_if": {"layers": [{"module": "fc"}]}}, {"groups": 4})["turns"]
+    assert fixed == "the layers take turns: each is evaluated on every 4th sampled step, exactly"

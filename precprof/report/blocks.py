@@ -78,12 +78,43 @@ def _number_fails(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(notes.values())
 
 
+def group_range(capture: Mapping[str, Any]) -> tuple[int, int]:
+    """The fewest and most groups the layers took turns in over the run (adaptive groups change; ``changes``)."""
+    seen = [int(capture.get("groups") or 1)]
+    for c in capture.get("changes") or []:
+        seen += [int(c[k]) for k in ("groups", "from") if isinstance(c.get(k), (int, float))]
+    return min(seen), max(seen)
+
+
+def _turns(capture: Any) -> str:
+    """How the layers took turns at the what-if, in words ("" when every layer was evaluated on every sampled
+    step): every n-th sampled step exactly for a fixed number of groups; for a number that varied (adaptive),
+    its range and on how many sampled steps each layer was evaluated (it said "every 5th, exactly" of groups
+    that went from 19 to 2 and back to 5, each layer evaluated on 2 to 10 steps)."""
+    if not isinstance(capture, Mapping):
+        return ""
+    lo, hi = group_range(capture)
+    if hi <= 1:
+        return ""
+    if lo == hi:
+        return f"the layers take turns: each is evaluated on every {F.ordinal(hi)} sampled step, exactly"
+    ev = capture.get("evaluations")
+    text = f"the layers take turns, in {lo} to {hi} groups as the run went on"
+    if isinstance(ev, (list, tuple)) and len(ev) == 2 and all(isinstance(x, int) for x in ev):
+        text += (
+            f": each was evaluated on {ev[0]} to {ev[1]} sampled steps"
+            if ev[0] != ev[1]
+            else (f": each was evaluated on {ev[0]} sampled steps")
+        )
+    return text
+
+
 def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | None:
     """The block-scaled what-if as the advisor stored it (``Recommendation.block_what_if``): per linear layer and
     recipe the worst operand's SQNR and the largest flushed and saturated shares, the plan (for the target when
     it runs block formats, else what a B200 would get), and per operand the details. None without it (no
     recommendation, an older run, or no block statistics). ``capture``: the run's ``block_formats`` capture
-    setting (``{"groups": n}``: each layer evaluated on every n-th sampled step)."""
+    setting (``{"groups": n, ...}``, ``capture.block_budget.BlockBudget.describe``: how the layers took turns)."""
     data = (rec or {}).get("block_what_if") or {}
     layers = data.get("layers") or []
     if not layers:
@@ -127,7 +158,7 @@ def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | N
         "rows": rows,
         "fails": _number_fails(rows),
         "details": details,
-        "groups": int(capture.get("groups") or 1) if isinstance(capture, Mapping) else 1,
+        "turns": _turns(capture),
         "on_target": bool(data.get("on_target")),
         "target": str(data.get("target") or ""),
         "fp4_sqnr_min_db": rules.get("fp4_sqnr_min_db"),

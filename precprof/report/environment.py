@@ -15,6 +15,7 @@ from typing import Any
 
 from precprof import tables as T
 from precprof.report import filters as F
+from precprof.report.blocks import group_range
 
 Rows = list[tuple[str, str]]
 
@@ -640,10 +641,13 @@ def block_setting(v: Any) -> str:
     if not isinstance(v, Mapping):
         return "on" if v else "off"
     n = int(v.get("groups") or 1)
+    lo, hi = group_range(v)
     turns = (
         "every linear layer on every sampled step"
-        if n <= 1
+        if hi <= 1
         else f"each linear layer on every {F.ordinal(n)} sampled step ({n} groups taking turns)"
+        if lo == hi
+        else f"the linear layers in turns, in {lo} to {hi} groups as the run went on ({n} at its end)"
     )
     if not v.get("adaptive"):
         return f"on, {turns} (block_groups={n})" + _coverage(v)

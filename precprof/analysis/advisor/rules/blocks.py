@@ -150,6 +150,20 @@ def _first_activations(run: _Run) -> tuple[set[str], dict[str, tuple[float, floa
     return {str(m) for m in acts[T.MODULE].unique()}, _numel_calls(acts[acts[T.STEP] == acts[T.STEP].min()])
 
 
+def _judged_on(run: _Run, modules: list[str], sampled: int) -> str:
+    """On how many sampled steps the layers' blocks were evaluated, in words: all of them, or, where the layers
+    took turns (the capture's groups), each layer's fewest to most (a run read "over 30 sampled steps" where each
+    layer was evaluated on 2 to 10 of them)."""
+    cols = [c for c in T.BLOCK_COLUMNS if c in run.layers]
+    rows = run.layers[run.layers[T.MODULE].isin(modules) & run.layers[cols].notna().any(axis=1)]
+    per = rows.groupby(T.MODULE)[T.STEP].nunique()
+    lo, hi = (int(per.min()), int(per.max())) if not per.empty else (sampled, sampled)
+    if lo == hi == sampled:
+        return f"over {sampled} sampled step(s)"
+    span = f"{lo}" if lo == hi else f"{lo} to {hi}"
+    return f"each over {span} of the {sampled} sampled steps (the layers took turns)"
+
+
 def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None) -> list[LayerBlocks]:
     """Per linear layer (forward order), each block recipe's losses on the operands the layer's GEMMs read.
     Layers with no block statistics at all are left out (an older run, or the what-if was off)."""
@@ -526,8 +540,8 @@ def _rule_block_formats(
     rule = (
         f"Each of the {len(table)} linear layers is judged on every operand its three GEMMs would quantise "
         "(forward: its input and weight along in_features; input gradient: its output gradient and weight "
-        "along out_features; weight gradient: its output gradient and input along the tokens), over "
-        f"{sampled} sampled step(s). {rule_text(cfg)}"
+        "along out_features; weight gradient: its output gradient and input along the tokens), "
+        f"{_judged_on(run, [lb.module for lb in table], sampled)}. {rule_text(cfg)}"
     )
     result = ". ".join(s for s in (listed(k) for k in (*PLAN_RECIPES, "bf16")) if s)
     judged = {lb.module for lb in table}
