@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from scenarios import weighted_loss
 
+from precprof import hardware
 from precprof import tables as T
 from precprof.analysis.advisor import AdvisorConfig
 from precprof.report import render
@@ -214,3 +216,24 @@ def test_where_fp16_is_ruled_out_no_finding_or_snippet_gives_a_scale_to_start_it
     scale = rec.finding("fp16_loss_scale")
     assert not rec.fp16_ruled_out and scale is not None and scale.remedy.startswith("Start GradScaler")
     assert "rule FP16 out" not in fits.recommend("a100").snippet("pytorch", "fp16")
+
+
+# a CPU that runs bf16 natively (AVX512-BF16/AMX), as the AMD EPYC the report was read on
+BF16_CPU = hardware.HardwareInfo(device="cpu", name="AMD EPYC", bf16_supported=True, bf16_native=True)
+
+
+@pytest.mark.parametrize(("target", "small_model_default"), [("a100", True), (BF16_CPU, False)])
+def test_the_verdict_box_that_sends_to_why_for_fp16_finds_it_there(
+    target: str | hardware.HardwareInfo, small_model_default: bool
+) -> None:
+    """The verdict box says "the measurements rule FP16 out: see Why" wherever fp16_ruled_out; the reasons said
+    why only for a bf16 verdict on a GPU with fp16 tensor cores. Under the small model's fp32 default, or on a
+    CPU, Why said nothing of fp16 (a 150-block model whose activations overflow fp16 in 106 layers)."""
+    run, _ = weighted_loss.run(2.0**-60)
+    rec = run.recommend(target, **({"config": AdvisorConfig()} if small_model_default else {}))
+    assert rec.fp16_ruled_out and rec.format == ("fp32" if small_model_default else "bf16")
+    page = " ".join(render.render_html(run.tables, run.summary, rec).split())
+    assert "(the measurements rule FP16 out: see Why)" in page
+    assert [
+        r for r in rec.reasons if r.startswith("Not FP16: fp16 is ruled out: 100% of activation-gradient")
+    ]

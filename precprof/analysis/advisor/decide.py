@@ -214,9 +214,6 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         fmt = "tf32"
     else:
         fmt = "fp32"
-    if fmt in ("bf16", "fp8") and hw.fp16_tensor_cores and plan.fp16_block:
-        # the verdict box and the fp16 snippet point here for why fp16 will not do
-        reasons.append("Not FP16: fp16 is ruled out: " + "; ".join(plan.fp16_block) + ".")
     if fmt in ("tf32", "fp32"):
         blocks = []
         if not bf16_ok:
@@ -278,6 +275,10 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             + allow
         ] + [f"{measured}: {r}" for r in reasons]
         fmt = "fp32"
+    if measured in ("bf16", "fp8") and plan.fp16_block:
+        # the verdict box ("the measurements rule FP16 out: see Why") and the fp16 snippet point here for why fp16
+        # will not do, on any device and under the small model's fp32 default too (its reasons had none)
+        reasons.append("Not FP16: fp16 is ruled out: " + "; ".join(plan.fp16_block) + ".")
     if not plan.measured:
         measured = ""  # nothing was measured: no format is "what the measurements allow"
     if plan.diverged is not None:
