@@ -57,6 +57,19 @@ def _stopped(e: KeyboardInterrupt) -> str:
     return interrupted.reason if interrupted is not None else "interrupted"
 
 
+def _saved(run_dir: str | Path) -> str:
+    """What an interrupted run saved, after its directory: its finished steps, and its report where one was
+    written (a finished run prints "report: ..."; an interrupted one printed only the directory)."""
+    try:
+        done = (T.read_summary(run_dir).get("final") or {}).get("steps_done")
+    except (OSError, ValueError):  # the interrupt came before a summary was written
+        done = None
+    html = Path(run_dir) / "report.html"
+    return (f" ({done} finished steps)" if isinstance(done, int) else "") + (
+        f"\nreport: {html}" if html.exists() else ""
+    )
+
+
 def _tell(text: str) -> None:
     """One message on stderr after a signal; after SIGHUP the terminal may be gone (EIO): the run is saved, and
     its summary says why it stopped."""
@@ -180,7 +193,7 @@ def train(
             result = training.train(config)
     except KeyboardInterrupt as e:
         where = getattr(e, "precprof_run_dir", None)
-        _tell(f"\n{_stopped(e)}" + (f": the partial run is in {where}" if where else ""))
+        _tell(f"\n{_stopped(e)}" + (f": the partial run is in {where}{_saved(where)}" if where else ""))
         for note in not_saved:
             _tell(f"precprof: error: {note}")
         raise typer.Exit(_exit_code(e)) from None

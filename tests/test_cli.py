@@ -387,6 +387,40 @@ def test_ctrl_c_exits_130_and_names_the_run_dir(
     assert steps[T.LOSS].notna().tolist() == [True, True, False] and (out / T.REPORT_FILE).exists()
 
 
+def test_a_ctrl_c_run_does_not_blame_the_loop_for_the_step_it_cut_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C between the third step's backward and its optimizer step: the report said "1 of 3 steps have no
+    loss: the loop passed none" and the weight gradients were "not read on 1 sampled step(s)" (a loop taking its
+    gradients with torch.autograd.grad): both the cut-off step, of the built-in loop, which passes its loss. The
+    console named the run directory alone, not the report it rendered."""
+    from precprof import training
+    from precprof.training import loop  # noqa: F401  (the module whose grad_norm_ the loop calls)
+
+    real_norm, calls = training.grad_norm_, []
+
+    def norm_then_ctrl_c(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_norm(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(training.loop, "grad_norm_", norm_then_ctrl_c)
+    out = tmp_path / "partial"
+    rc, _, err = run_main(["train", "--out", str(out), *TINY, "--steps", "5", "--sample-every", "1"], capsys)
+    assert rc == 130
+    steps = T.read_tables(out)["steps"]
+    done = int((~steps[T.CUT_OFF].astype(bool)).sum())
+    assert (
+        done == 2
+        and f"the partial run is in {out} ({done} finished steps)\nreport: {out / T.REPORT_FILE}" in err
+    )
+    assert not T.read_summary(out)[T.SUMMARY_CAPTURE].get("weight_grads_unread_steps")
+    page = " ".join((out / T.REPORT_FILE).read_text().split())
+    assert "the loop passed none" not in page and "not read on 1 sampled step" not in page
+    assert "Step 2 has no loss: the run was cut off during it (a crash or Ctrl-C)." in page
+
+
 def test_env(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run_main(["env"], capsys)
     assert rc == 0

@@ -229,11 +229,13 @@ class StepHooks(GradientReads):
         self._clear_outputs()
         self._autocast_open = self._autocast_open and not self.autocast_seen
 
-    def remove(self) -> None:
+    def remove(self, finished: bool = True) -> None:
         """End the sampled step: every hook removed (a module output's gradient hook that has not fired yet
-        does nothing from now on). Idempotent."""
+        does nothing from now on). Idempotent. ``finished`` False: the step in progress was cut off (a crash or
+        Ctrl-C before its end), so its backward never left gradients to read, and that is not the loop's doing."""
         self._unrun_weights()
-        self._count_unread_weight_grads()
+        if finished:
+            self._count_unread_weight_grads()
         self._hookset.remove()
         self._autocast_open = self._autocast_open and not self.autocast_seen
         for h in self._handles:

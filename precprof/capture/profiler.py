@@ -395,7 +395,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
 
     def _remove_hooks(self) -> None:
         if self._hooks is not None:
-            self._hooks.remove()
+            self._hooks.remove(finished=False)  # a step still in progress at detach was cut off
         _compat.restore_stance(self._stance)
         self._stance = None
         if self._scaler_watch is not None:

@@ -512,12 +512,27 @@ def _no_memory_why(summary: Mapping[str, Any]) -> str:
 
 
 def _loss_note(steps: pd.DataFrame) -> str:
-    """What the loss curve lacks: the steps the loop passed no loss for (``T.NO_LOSS``), and why that happens."""
+    """What the loss curve lacks: the steps the loop passed no loss for (``T.NO_LOSS``), and why that happens.
+    The step a crash or Ctrl-C cut off has none either, the run's doing, not the loop's: said apart (a Ctrl-C'd
+    run of the built-in loop, which always passes its loss, read "the loop passed none")."""
     if steps.empty or T.NO_LOSS not in steps:
         return ""
+    done = T.finished_steps(steps)
+    cut = steps[T.flags(steps[T.NO_LOSS]).to_numpy() & ~steps.index.isin(done.index)]
+    cut_note = (
+        f"Step {F.count(int(cut[T.STEP].iloc[0]))} has no loss: the run was cut off during it (a crash or Ctrl-C)."
+        if len(cut)
+        else ""
+    )
+    steps = done
     missing = int(T.flags(steps[T.NO_LOSS]).sum())
     if not missing:
-        return ""
+        return cut_note
+    return " ".join(t for t in (_loss_without_cut(steps, missing), cut_note) if t)
+
+
+def _loss_without_cut(steps: pd.DataFrame, missing: int) -> str:
+    """The finished steps the loop passed no loss for, in words."""
     why = (
         "the loop passed none (prof.step() without loss=; under Lightning, a training_step that returns nothing, "
         "as manual optimization often does: return the loss)"
