@@ -24,6 +24,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from transformers.pytorch_utils import Conv1D
 
 from precprof import tables as T
+from precprof.errors import UserError
 from precprof.integrations.hf import PrecprofCallback, profile_trainer
 
 VOCAB, SEQ, BATCH, N_EMBD = 64, 16, 4, 32
@@ -713,6 +714,29 @@ def test_a_train_resumed_from_a_checkpoint_continues_the_run_unless_told_to_repl
     assert steps[T.STEP].tolist() == [0, 1, 2, 3] and read.restarts == [2]
     assert steps[T.LOSS].tolist() == pytest.approx(logged, rel=1e-6)
     assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+
+
+def _logged_losses(trainer: Trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_profile_trainer_on_a_trainer_with_a_callback_refuses_and_keeps_its_run(tmp_path: Path) -> None:
+    """The README's two ways at once: ``Trainer(callbacks=[PrecprofCallback(out)])``, ``train()``, then
+    ``profile_trainer(trainer, out)``. It added a second callback: the first one's session claimed (and wiped)
+    ``out``, the second's was refused it, and the complete run was left "incomplete", with no step. It is
+    refused now before anything runs, naming the fix."""
+    out = tmp_path / "run"
+    trainer = make_trainer(tmp_path, [PrecprofCallback(out=out, sample_every=1, report=False, memory=False)])
+    trainer.train()
+    first = _logged_losses(trainer)
+    with pytest.raises(
+        UserError, match=r"already has a PrecprofCallback .*trainer.remove_callback\(PrecprofCallback\)"
+    ):
+        profile_trainer(trainer, out=out)
+    assert _logged_losses(trainer) == first  # nothing trained
+    assert sum(isinstance(c, PrecprofCallback) for c in trainer.callback_handler.callbacks) == 1
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert T.read_tables(out)["steps"][T.LOSS].tolist() == pytest.approx(first, abs=1e-4)
 
 
 class _Copies(TrainerCallback):  # type: ignore[misc]

@@ -6,7 +6,9 @@
 
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[PrecprofCallback(out="runs/hf")])
     trainer.train()                          # runs/hf/report.html at the end of training
-    # or, so that a crash also leaves a run directory marked incomplete, with its cause:
+
+    # or, instead (a Trainer made without the callback), so that a crash also leaves a run directory marked
+    # incomplete, with its cause:
     profile_trainer(trainer, out="runs/hf")
 
 What the callback does:
@@ -68,7 +70,7 @@ import torch
 
 from precprof import _compat
 from precprof import tables as T
-from precprof.errors import MissingDependencyError
+from precprof.errors import MissingDependencyError, UserError
 from precprof.export.wandb import BesideTrainer
 from precprof.integrations._common import Session, first_token_count, model_info
 
@@ -384,8 +386,10 @@ def profile_trainer(
 
     If training raises (or is interrupted), the run directory is still written, marked incomplete with the
     exception, and the exception is re-raised with a note naming the directory. The callback (with
-    ``run_dir`` and ``report_path``) stays on the trainer as ``trainer.precprof_callback``.
+    ``run_dir`` and ``report_path``) stays on the trainer as ``trainer.precprof_callback``. A trainer that already
+    has a PrecprofCallback is refused (UserError) before anything runs: two on one training claim the same run.
     """
+    _refuse_a_second_callback(trainer)
     cb = PrecprofCallback(out=out, sample_every=sample_every, report=report, **profiler_kwargs)
     cb.trainer = trainer
     trainer.add_callback(cb)
@@ -406,6 +410,21 @@ def profile_trainer(
         trainer.remove_callback(cb)
     cb.finish()  # no-op when on_train_end already finished it
     return result
+
+
+def _refuse_a_second_callback(trainer: Any) -> None:
+    """A UserError when ``trainer`` already has a PrecprofCallback (given to ``Trainer(callbacks=[...])``): a
+    second one profiled the same training, and into the same ``out`` it wiped the first's run (left incomplete,
+    with no step, when the second failed to claim the directory the first held)."""
+    handler = getattr(trainer, "callback_handler", None)
+    for cb in getattr(handler, "callbacks", None) or []:
+        if isinstance(cb, PrecprofCallback):
+            where = cb.out if cb.out is not None else "<output_dir>/precprof"
+            raise UserError(
+                f"profile_trainer: this Trainer already has a PrecprofCallback (out {where}); call "
+                "trainer.train() to profile with it, or remove it first: "
+                "trainer.remove_callback(PrecprofCallback)"
+            )
 
 
 def _trainer_compiles(args: Any) -> str | None:
