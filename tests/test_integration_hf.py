@@ -26,6 +26,7 @@ from transformers.pytorch_utils import Conv1D
 from precprof import tables as T
 from precprof.errors import UserError
 from precprof.integrations.hf import PrecprofCallback, profile_trainer
+from precprof.rundir import RunDirError
 
 VOCAB, SEQ, BATCH, N_EMBD = 64, 16, 4, 32
 STEPS, SAMPLE_EVERY = 4, 2
@@ -718,6 +719,27 @@ def test_a_train_resumed_from_a_checkpoint_continues_the_run_unless_told_to_repl
 
 def _logged_losses(trainer: Trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_a_second_train_into_a_complete_run_is_refused_unless_asked_to_replace_it(tmp_path: Path) -> None:
+    """A notebook cell run again: a second ``train()`` with the same callback replaced the complete run in
+    ``out`` without a word. It is refused now, as ``Profiler(out=...)`` refuses it, and the run is kept whole;
+    ``overwrite=True`` replaces it. The losses are those the Trainer logged."""
+    out = tmp_path / "run"
+    trainer = make_trainer(tmp_path, [PrecprofCallback(out=out, sample_every=1, report=False, memory=False)])
+    trainer.train()
+    first = _logged_losses(trainer)
+    with pytest.raises(RunDirError, match=r"already holds a precprof run \(complete\).* overwrite=True"):
+        trainer.train()
+    steps = T.read_tables(out)["steps"]
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert steps[T.LOSS].tolist() == pytest.approx(first, abs=1e-4)
+    again = make_trainer(tmp_path, [PrecprofCallback(out=out, sample_every=1, report=False, overwrite=True)])
+    again.model.load_state_dict(trainer.model.state_dict())  # trained on: other losses than the first run's
+    again.train()
+    second = _logged_losses(again)
+    assert second != pytest.approx(first, abs=1e-3)
+    assert T.read_tables(out)["steps"][T.LOSS].tolist() == pytest.approx(second, abs=1e-4)
 
 
 def test_profile_trainer_on_a_trainer_with_a_callback_refuses_and_keeps_its_run(tmp_path: Path) -> None:

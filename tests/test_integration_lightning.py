@@ -21,6 +21,7 @@ from cast_counts import CastCounts  # noqa: E402
 
 from precprof import tables as T  # noqa: E402
 from precprof.integrations.lightning import PrecprofCallback, precprof_precision  # noqa: E402
+from precprof.rundir import RunDirError  # noqa: E402
 
 VOCAB, SEQ, BATCH, HID = 32, 8, 4, 16
 
@@ -697,3 +698,25 @@ def test_copies_of_the_module_during_training_leave_precprofs_hooks_behind(tmp_p
         hooks = [h for m in c.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
         assert hooks and all(getattr(h, "__func__", None) is contextlib.nullcontext.__exit__ for h in hooks)
         c.net(x).sum().backward()
+
+
+def test_a_second_fit_from_step_0_into_a_complete_run_is_refused_unless_asked_to_replace_it(
+    tmp_path: Path,
+) -> None:
+    """A fit of 4 steps, then a new Trainer's fit from step 0 into the same ``out``: the second replaced the
+    first's complete run without a word. It is refused now at its first batch, as ``Profiler(out=...)`` refuses
+    it, and the run is kept whole; ``overwrite=True`` replaces it. The losses are those training_step returned."""
+    out = tmp_path / "run"
+    first = TinyLM()
+    fit(tmp_path, "32-true", PrecprofCallback(out=out, sample_every=1, report=False, memory=False), first)
+    refused = TinyLM()
+    with pytest.raises(RunDirError, match=r"already holds a precprof run \(complete\).* overwrite=True"):
+        fit(tmp_path, "32-true", PrecprofCallback(out=out, sample_every=1, report=False), refused)
+    assert refused.losses == []  # refused before its first training_step
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert T.read_tables(out)["steps"][T.LOSS].tolist() == pytest.approx(first.losses, rel=0, abs=0)
+    second = TinyLM()
+    second.net.load_state_dict(first.net.state_dict())  # trained on: other losses than the first run's
+    fit(tmp_path, "32-true", PrecprofCallback(out=out, sample_every=1, report=False, overwrite=True), second)
+    assert second.losses != first.losses
+    assert T.read_tables(out)["steps"][T.LOSS].tolist() == pytest.approx(second.losses, rel=0, abs=0)

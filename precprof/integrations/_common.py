@@ -105,7 +105,7 @@ class Session:
             ``resume=True`` continues the run in ``out`` from the framework's step when training resumes from a
             checkpoint; ``resume=False`` replaces a run there; left out (or None), a training that starts past
             step 0 (restored from a checkpoint) continues a run ``out`` holds, with a warning, and one that
-            starts at step 0 replaces it.
+            starts at step 0 is refused with a RunDirError, unless ``overwrite=True`` (replace it).
         report: render report.html at the end.
     """
 
@@ -139,17 +139,22 @@ class Session:
         kwargs = dict(self.profiler_kwargs)
         if "reducer" not in kwargs and is_distributed():
             kwargs["reducer"] = RankReducer(wrapped=wrapped)
-        # streamed into the run directory while training runs (rank 0); a run already there is replaced, as the
-        # end of the session always did, unless the callback was asked to resume it or training resumed
-        if kwargs.get("resume") is None:
+        # streamed into the run directory while training runs (rank 0). A run already there is continued when
+        # training resumed from a checkpoint, and replaced only when asked (overwrite=True, or resume=False):
+        # else refused, as Profiler(out=...) and precprof train refuse it (a notebook cell run again replaced a
+        # complete run without a word)
+        asked = kwargs.get("resume")
+        if asked is None:
             kwargs["resume"] = self._continues(first_step)
-        kwargs.setdefault("overwrite", not kwargs["resume"])
-        self.prof = Profiler(
+        kwargs.setdefault("overwrite", asked is False)
+        prof = Profiler(
             model, optimizer=optimizer, scaler=scaler, first_step=first_step, out=self.out, **kwargs
         )
+        # attached first: a refused directory leaves no session to finish (its finish saved over that run)
+        prof.attach()
+        self.prof, self.run_dir, self.report_path = prof, None, None
         self.summary = dict(summary)
         self.summary.setdefault(T.SUMMARY_VERSIONS, software_versions())
-        self.prof.attach()
         self._t0 = time.perf_counter()
         if not self._atexit_registered:
             atexit.register(self._at_exit)
@@ -183,11 +188,12 @@ class Session:
         return contextlib.nullcontext()
 
     def finish(self, status: str = T.STATUS_COMPLETE, reason: str | None = None) -> Path | None:
-        """Detach, write the run directory (the writer rank) and the report. Idempotent; never raises for a
-        failure to save (it warns): the training's own outcome matters more."""
+        """Detach, write the run directory (the writer rank) and the report; returns it, None when no run was in
+        progress (already finished, or never started). Never raises for a failure to save (it warns): the
+        training's own outcome matters more."""
         prof, self.prof = self.prof, None
         if prof is None:
-            return self.run_dir
+            return None
         if self._atexit_registered:
             atexit.unregister(self._at_exit)
             self._atexit_registered = False

@@ -44,7 +44,8 @@ With the bare callback, an unfinished run is written as incomplete at interprete
 that dies with a traceback) or when the same callback's next ``train()`` starts (a notebook).
 
 Resuming (``trainer.train(resume_from_checkpoint=...)``): the run starts at the checkpoint's ``global_step``,
-and continues the run ``out`` holds (``resume=True`` says so; ``resume=False`` replaces it).
+and continues the run ``out`` holds (``resume=True`` says so; ``resume=False`` replaces it). A training from step
+0 into an ``out`` that holds a run (a notebook cell run again) is refused unless ``overwrite=True``.
 
 Mixed precision that is asked for but not active: ``TrainingArguments(fp16=True)`` on a CPU makes accelerate
 report ``mixed_precision="fp16"`` and train in fp32 (no autocast, no scaler). The summary's config holds the
@@ -146,7 +147,9 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
         **profiler_kwargs: further ``precprof.Profiler`` arguments. ``resume``: True continues the run in
             ``out`` when training resumes from a checkpoint, False replaces it; left out, a training that
             resumes from a checkpoint continues the run ``out`` holds, with a warning that resume=True
-            silences. Others: ``modules``, ``memory``, ``update_sample``, ...
+            silences. ``overwrite=True`` replaces a run in ``out`` that training from step 0 would write over
+            (refused without it, as by ``Profiler(out=...)``: a RunDirError when training starts). Others:
+            ``modules``, ``memory``, ``update_sample``, ...
 
     After training, ``run_dir`` is the run directory and ``report_path`` the report (None when not rendered).
     """

@@ -30,7 +30,8 @@ Resuming (``trainer.fit(..., ckpt_path=...)``): the callback keeps the step it g
 Lightning saves (``checkpoint["precprof"]``), so that a resumed fit numbers its steps on from the checkpoint's,
 whatever a batch stepped; a checkpoint saved without it: Lightning's count of the batches that stepped. A fit
 from a checkpoint into an ``out`` that holds a run continues that run (``resume=True`` says so; ``resume=False``
-replaces it).
+replaces it). A fit from step 0 into an ``out`` that holds a run is refused at its first batch unless
+``overwrite=True``.
 
 Precision plugins: Lightning's setting is recorded (``config.lightning_precision``) and mapped to precprof's
 modes (``config.precision``): ``16-mixed`` -> fp16 (autocast + GradScaler), ``bf16-mixed`` -> bf16 (autocast),
@@ -93,7 +94,9 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         **profiler_kwargs: further ``precprof.Profiler`` arguments. ``resume``: True continues the run in
             ``out`` when training resumes from a checkpoint, False replaces it; left out, a training that
             resumes from a checkpoint continues the run ``out`` holds, with a warning that resume=True
-            silences. Others: ``modules``, ``memory``, ...
+            silences. ``overwrite=True`` replaces a run in ``out`` that training from step 0 would write over
+            (refused without it, as by ``Profiler(out=...)``: a RunDirError when training starts). Others:
+            ``modules``, ``memory``, ...
 
     After fit, ``run_dir`` is the run directory and ``report_path`` the report (None when not rendered).
     """
