@@ -312,7 +312,8 @@ def compare(
         typer.Argument(
             metavar="RUN_DIR",
             help="Run directories already recorded (your own loop, the HF or Lightning callback, precprof "
-            "train) to compare instead of training: nothing trains, and the training options are not used.",
+            "train) to compare instead of training: nothing trains, and the training options are not used "
+            "(--overwrite replaces a comparison already in --out).",
             show_default=False,
         ),
     ] = None,
@@ -332,7 +333,7 @@ def compare(
         typer.Option(
             metavar="DIR",
             help="Folder for the runs and compare.html (default: a new one in runs/, named after the model "
-            "and the time).",
+            "and the time; comparing RUN_DIRs: the folder holding them).",
         ),
     ] = None,
     tolerance: Annotated[
@@ -346,7 +347,9 @@ def compare(
         raise UserError(f"--tolerance must be in (0, 1), got {tolerance}")
     if runs:
         try:
-            recorded, page = comparing.compare_runs(runs, out=out, tolerance=tolerance)
+            recorded, page = comparing.compare_runs(
+                runs, out=out, tolerance=tolerance, overwrite=bool(options["overwrite"])
+            )
         except OSError as e:
             raise UserError(
                 f"the comparison could not be written ({e.strerror or e}); choose another --out"

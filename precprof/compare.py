@@ -169,13 +169,16 @@ def _advised_config(cfg: Any, ref_dir: Path) -> Any:
 
 
 def compare_runs(
-    run_dirs: Sequence[str | Path], out: str | Path | None = None, tolerance: float = DEFAULT_TOLERANCE
+    run_dirs: Sequence[str | Path],
+    out: str | Path | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    overwrite: bool = False,
 ) -> tuple[Comparison, Path]:
     """Compare runs already recorded (a user's own loop, the callbacks, ``precprof train``): each named by its
     precision (the run's configuration, else what the Profiler saw it train in), or by its folder where two
     share one; fp32 (then tf32) is the reference, else the first, and of those the first that trained. Writes
-    compare.json and compare.html into ``out`` (default: the folder holding the runs); returns the comparison
-    and the page's path."""
+    compare.json and compare.html into ``out`` (default: the folder holding the runs); a comparison already
+    there is refused (UserError) unless ``overwrite``. Returns the comparison and the page's path."""
     dirs = [Path(d) for d in run_dirs]
     if len(dirs) < 2:
         raise UserError("give at least two run directories to compare")
@@ -184,6 +187,13 @@ def compare_runs(
             raise UserError(f"{str(d)!r} is not a precprof run directory (no summary.json or tables in it)")
     if len({d.resolve() for d in dirs}) < len(dirs):
         raise UserError("a run directory is given twice")
+    where = Path(out) if out is not None else Path(os.path.commonpath([str(d.resolve()) for d in dirs]))
+    if where in {d.resolve() for d in dirs}:  # one run directory holds the others: the page goes beside it
+        where = where.parent
+    if out is None and where == Path(where.anchor):  # runs in unrelated places: not the filesystem's root
+        where = Path.cwd()
+    if not overwrite:
+        _refuse_a_comparison_in(where, default=out is None)
     summaries = [T.read_summary(d) for d in dirs]
     models = [_model_of(s) for s in summaries]
     if len(set(models)) > 1:
@@ -219,12 +229,19 @@ def compare_runs(
             "of one setup, so a difference between them is not the precision's alone, and the verdict check does "
             "not judge the advisor by a run set up otherwise than the reference.",
         )
-    where = Path(out) if out is not None else Path(os.path.commonpath([str(d.resolve()) for d in dirs]))
-    if where in {d.resolve() for d in dirs}:  # one run directory holds the others: the page goes beside it
-        where = where.parent
-    if out is None and where == Path(where.anchor):  # runs in unrelated places: not the filesystem's root
-        where = Path.cwd()
     return comparison, write(comparison, where)
+
+
+def _refuse_a_comparison_in(where: Path, default: bool) -> None:
+    """A UserError when ``where`` holds a comparison already: comparing runs again wrote over it without a word
+    (the comparison of three trained runs replaced by one of two of them), where a run in --out is refused."""
+    found = [f for f in (COMPARE_JSON, COMPARE_HTML) if (where / f).exists()]
+    if found:
+        said = " (compare's default --out: the folder holding the runs)" if default else ""
+        raise UserError(
+            f"{where} already holds a comparison ({', '.join(found)}){said}; choose another --out, or add "
+            "--overwrite to replace it"
+        )
 
 
 def _ranks_note(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:

@@ -307,6 +307,33 @@ def test_runs_recorded_elsewhere_are_compared_from_their_directories(
         C.compare_runs([out / "fp32", tmp_path / "nothing"])
 
 
+def test_comparing_recorded_runs_into_a_folder_with_a_comparison_is_refused_without_overwrite(
+    comparison: tuple[A.Comparison, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``precprof compare runs/cmp/fp32 runs/cmp/bf16`` (no --out: the folder holding the runs) wrote over the
+    comparison of three runs that ``precprof compare --out runs/cmp`` had made there, without a word. It is
+    refused in one line, as the training form refuses a run in --out, and nothing is written; --overwrite
+    replaces it."""
+    from precprof.cli import main
+
+    _, trained = comparison
+    cmp = tmp_path / "cmp"
+    shutil.copytree(trained, cmp)
+    before = {f: (cmp / f).read_bytes() for f in (C.COMPARE_JSON, C.COMPARE_HTML)}
+    dirs = [str(cmp / "fp32"), str(cmp / "bf16")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", *dirs])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{cmp} already holds a comparison" in err and "add --overwrite" in err, err
+    assert {f: (cmp / f).read_bytes() for f in before} == before
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", *dirs, "--overwrite"])
+    assert exit_info.value.code == 0
+    labels = [r["label"] for r in json.loads((cmp / C.COMPARE_JSON).read_text())["runs"]]
+    assert sorted(labels) == ["bf16", "fp32"]
+
+
 def test_a_run_whose_steps_are_too_uneven_gets_no_speed(
     comparison: tuple[A.Comparison, Path], tmp_path: Path
 ) -> None:
