@@ -609,6 +609,32 @@ def test_train_prints_its_memory_estimate_before_the_first_step(
     assert f"about {size_text(estimate['total'])} at a step's peak" in line, line
 
 
+def test_without_the_progress_bar_the_fp16_emulation_note_is_still_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--no-progress (a batch job's, a CI's) also dropped the note that this CPU emulates fp16, 15x slower than
+    fp32: the run that needed the warning most ran without it. The bar goes; the note stays. (The CPU is made
+    one without fp16 arithmetic: whether this one has it is the machine's.)"""
+    from precprof import hardware, training
+
+    monkeypatch.setattr(hardware, "cpu_fp16_native", lambda: False)
+    config = training.TrainConfig(
+        steps=1,
+        batch_size=2,
+        seq_len=8,
+        device="cpu",
+        precision="fp16",
+        progress=False,
+        report=False,
+        out=tmp_path / "run",
+        sample_every=0,
+    )
+    training.train(config)
+    err = capsys.readouterr().err.splitlines()
+    assert [ln for ln in err if "no fp16 arithmetic" in ln and "about 15x slower" in ln], err
+    assert not [ln for ln in err if ": step " in ln], err  # no progress line
+
+
 def test_train_and_compare_print_nothing_of_torch_s_own(tmp_path: Path) -> None:
     """Every `precprof train` on a CPU printed torch's CPUAllocator.cpp:245 warning (the memory profiler of a
     sampled step sees a block freed that was allocated before it started), and `compare` two Kineto lines

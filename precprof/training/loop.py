@@ -384,19 +384,15 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
         T.SUMMARY_MODEL: built.info(),
     }
     writer = dist_info is None or dist_info.is_writer
-    if (
-        device.type == "cpu"
-        and config.precision in FP16_MODES
-        and config.progress
-        and writer
-        and not hardware.cpu_fp16_native()
-    ):
+    # the notes on how the run will run are warnings, shown without the progress bar too (a batch job's
+    # --no-progress hid that fp16 would run 15x slower); the estimate goes with the bar (and summary.json)
+    if device.type == "cpu" and config.precision in FP16_MODES and writer and not hardware.cpu_fp16_native():
         print(
             "precprof: note: this CPU has no fp16 arithmetic; torch emulates fp16 matmuls, about 15x slower "
             "than fp32 (bf16 runs natively or close to it)",
             file=sys.stderr,
         )
-    if (note := compiling.note(config.precision, compiled)) and config.progress and writer:
+    if (note := compiling.note(config.precision, compiled)) and writer:
         print(f"precprof: note: {note}", file=sys.stderr)
     if (note := vocabulary_note(built, config.model_args, data.vocab_size)) and config.progress and writer:
         print(f"precprof: note: {note}", file=sys.stderr)
