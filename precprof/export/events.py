@@ -14,16 +14,17 @@ activation, activation_grad, weight, weight_grad, weight_update):
   ``precprof/zeros|nan|inf/<scope>/<kind>``;
   ``precprof/underflow/<fmt>/<scope>/<kind>`` and ``precprof/overflow/<fmt>/<scope>/<kind>`` — the share of
   the elements (0..1) that a real cast to ``fmt`` (fp16, bf16, fp8_e4m3, fp8_e5m2) at the loss scale in
-  effect flushes to zero / overflows (not for weight_update);
+  effect flushes to zero / overflows (weight_update has neither, nor a histogram: its counts only);
   ``precprof/lost_update/<bf16|fp16>/<scope>`` — the share of sampled weight updates that vanish when added
   to a weight held in that format.
 
 A layer's parameters (weight and bias) are summed into its ``weight`` / ``weight_grad`` / ``weight_update``
-events. What scales: the ``all`` aggregates are always written (5 kinds x 16 tags, whatever the model);
-per-layer events (up to 5 x 16 tags per layer) are written for the layers ``layers`` selects: ``"auto"`` (the
-default) writes them when the first sampled step has at most ``AUTO_LAYER_LIMIT`` layers and none otherwise,
-``"all"``, ``"none"``, or a list of ``fnmatch`` patterns of qualified names. The choice is made once, from the
-first sampled step, so tags stay stable over a run.
+events. What scales: the ``all`` aggregates are always written (whatever the model: 4 kinds x 12 tags, and
+with an optimizer the 3 counts of weight_update and the 2 lost_update shares: 53); per-layer events (up to as
+many per layer) are written for the layers ``layers`` selects: ``"auto"`` (the default) writes them when the
+first sampled step has at most ``AUTO_LAYER_LIMIT`` layers and none otherwise, ``"all"``, ``"none"``, or a list
+of ``fnmatch`` patterns of qualified names. The choice is made once, from the first sampled step, so tags stay
+stable over a run.
 
 A NaN loss is written once a finite loss has been seen (a diverging run shows it); a run that never passes a
 loss writes no loss series. Pure host-side pandas: never touches a device.
