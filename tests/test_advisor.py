@@ -974,6 +974,61 @@ def test_nonfinite_forward_and_backward(request: pytest.FixtureRequest) -> None:
     check_golden(request, rec)
 
 
+class SharedDropout(nn.Module):
+    """T5's stack: one dropout module applied to the embeddings and again after the blocks, and ``hot``, a
+    linear layer whose output overflows fp32 in between (its weights 1e38: a product with an input above 3.4 goes
+    beyond fp32's largest value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.dropout = nn.Dropout(0.0)
+        self.fc, self.hot, self.norm, self.head = (
+            nn.Linear(16, 16),
+            nn.Linear(16, 16),
+            nn.LayerNorm(16),
+            nn.Linear(16, 4),
+        )
+        with torch.no_grad():
+            self.hot.weight.fill_(1e38)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.hot(self.fc(self.dropout(x)))
+        return self.head(self.dropout(self.norm(h)))
+
+
+def test_nonfinite_forward_names_the_layer_not_a_module_called_again_after_it() -> None:
+    """The dropout's row holds the nan of its second call (the norm of an inf row is nan) at the forward order
+    of its first: the finding named it. The first module whose output held inf is ``hot``, checked here by hooks
+    on each call."""
+    model = SharedDropout()
+    x = torch.randn(8, 16) * 10
+    calls: list[tuple[str, bool]] = []
+    outputs: dict[str, torch.Tensor] = {}
+    for name, m in model.named_children():
+        m.register_forward_hook(
+            lambda m, i, o, name=name: calls.append((name, bool(torch.isfinite(o).all())))
+        )
+    model.hot.register_forward_hook(lambda m, i, o: outputs.setdefault("hot", o.detach().clone()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with Profiler(model, optimizer=opt, sample_every=1) as prof:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        prof.step()
+    assert calls[:3] == [("dropout", True), ("fc", True), ("hot", False)]
+    assert calls[4] == ("dropout", False)  # its second call, after the norm
+    layers = prof.tables()["layers"]
+    drop = layers[(layers[T.MODULE] == "dropout") & (layers[T.TENSOR] == T.ACTIVATION)].iloc[0]
+    assert drop[T.CALLS] == 2 and drop[T.NAN] > 0 and drop[T.ORDER] < 2  # first by its first call
+    f = must(recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}), "nonfinite_forward")
+    assert f.modules == ["hot"] and f.title.endswith("forward pass of hot")
+    out = outputs["hot"]
+    assert (f.numbers["nan"], f.numbers["inf"]) == (int(out.isnan().sum()), int(out.isinf().sum()))
+    assert "it is the first module called once in forward order to do so" in f.message
+    assert "dropout holds nan/inf too and comes earlier by its first call" in f.message
+
+
 class Amplified(nn.Module):
     """x times an fp32 scale of 1e5 (fp32 under autocast, beyond fp16's 65504), then ``direct``: a Linear reads
     it (autocast casts it to fp16 there), else a residual through a LayerNorm, which leaves it fp32."""

@@ -264,8 +264,7 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
         if written is not None:
             plan.add(written)
             return fwd_steps
-        origins = run.sort(_innermost(at[T.MODULE]))
-        first = origins[0]
+        first, reused = _first_origin(run, at)
         row = at[at[T.MODULE] == first]
         nan, inf = int(row[T.NAN].sum()), int(row[T.INF].sum())
         opening, before = _opening(run, step)
@@ -279,8 +278,9 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
                 f"nan/inf first appears in the forward pass of {_name(first)}",
                 f"{opening}, the {_kinds(row)} of {_name(first)} "
                 f"({run.types.get(first, '?')}) holds {nan} nan and {inf} inf values; it is the first "
-                f"module in forward order to do so ({len(module_steps)} sampled step(s) affected, "
-                f"{at[T.MODULE].nunique()} module(s) at step {step}).{skips}",
+                f"module {'called once ' if reused else ''}in forward order to do so ({len(module_steps)} "
+                "sampled step(s) affected, "
+                f"{at[T.MODULE].nunique()} module(s) at step {step}).{_reused_words(reused, first)}{skips}",
                 f"Inspect {_name(first)}'s inputs and weights at step {step}: a division, log or exp "
                 + (
                     "without a guard, or an fp16 overflow (keep it in fp32)."
@@ -366,6 +366,39 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
             )
         )
     return fwd_steps
+
+
+def _first_origin(run: _Run, at: pd.DataFrame) -> tuple[str, list[str]]:
+    """The module whose forward first made nan/inf among the rows ``at`` of one step, and the modules called
+    more than once in the step that come before it by their first call.
+
+    A row adds up every call of its module in the step, and its ``order`` is its first call's: a module called
+    twice (T5 applies one dropout to the embeddings and again after the last block) holds the nan/inf of its
+    second call at the place of its first. Only a module called once has its values at a known place in the
+    forward order, so the first such module is the origin; one called more than once is the origin only when no
+    module called once holds nan/inf. A module whose weight alone holds them counts as called once: its weight
+    was non-finite when its first call began."""
+    origins = run.sort(_innermost(at[T.MODULE]))
+    acts = at[at[T.TENSOR] == T.ACTIVATION]
+    calls = acts.groupby(T.MODULE)[T.CALLS].max() if T.CALLS in acts else pd.Series(dtype=float)
+    once = [m for m in origins if not calls.get(m, 1) > 1]
+    if not once:
+        return origins[0], []
+    first = once[0]
+    return first, origins[: origins.index(first)]
+
+
+def _reused_words(reused: list[str], first: str) -> str:
+    """A sentence for the modules called more than once that hold nan/inf before ``first`` by their first call."""
+    if not reused:
+        return ""
+    one = len(reused) == 1
+    return (
+        f" {_listing(reused, 4)} {'holds' if one else 'hold'} nan/inf too and {'comes' if one else 'come'} "
+        f"earlier by {'its' if one else 'their'} first call, but {'it was' if one else 'they were'} called more "
+        f"than once in the step and a row adds up all the calls: the nan/inf may come from a call after "
+        f"{_name(first)}'s."
+    )
 
 
 def _reach(run: _Run, step: int, bad: pd.DataFrame, nums: dict[str, Number]) -> tuple[str, str]:
