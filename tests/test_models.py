@@ -197,6 +197,44 @@ def test_hf_model_from_config() -> None:
 
 
 @needs_hf
+def test_hf_config_arguments_held_under_a_private_name_are_accepted() -> None:
+    """``experts_implementation`` (the experts_fp32 finding's remedy) and ``attn_implementation`` are config
+    arguments transformers keeps as ``_experts_implementation`` / ``_attn_implementation``: -a refused them as
+    no field of the config. They reach the built model, as transformers' own config argument does."""
+    from transformers import AutoConfig
+
+    args = {
+        "hidden_size": "32",
+        "num_hidden_layers": "1",
+        "num_attention_heads": "4",
+        "num_key_value_heads": "2",
+        "intermediate_size": "64",
+        "moe_intermediate_size": "32",
+        "shared_expert_intermediate_size": "64",
+        "num_experts": "4",
+        "vocab_size": "256",
+    }
+    own = AutoConfig.for_model("qwen2_moe", experts_implementation="batched_mm", attn_implementation="eager")
+    built = build_model(
+        "hf:qwen2_moe",
+        {**args, "experts_implementation": "batched_mm", "attn_implementation": "eager"},
+        vocab_size=256,
+        seq_len=16,
+    )
+    config = built.module.config
+    assert (
+        (config._experts_implementation, config._attn_implementation)
+        == (
+            own._experts_implementation,
+            own._attn_implementation,
+        )
+        == ("batched_mm", "eager")
+    )
+    with pytest.raises(UserError, match="no field 'experts_implementatoin'"):
+        build_model("hf:qwen2_moe", {**args, "experts_implementatoin": "eager"}, vocab_size=256, seq_len=16)
+
+
+@needs_hf
 def test_an_encoder_s_causal_lm_head_that_sees_ahead_is_refused() -> None:
     """``hf:bert`` builds BertLMHeadModel, which attends both ways unless its config says is_decoder: trained on
     next tokens it read the answer (its loss fell below the data's entropy floor). Refused, with the fix; with

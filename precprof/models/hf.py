@@ -12,6 +12,16 @@ from precprof.errors import MissingDependencyError, UserError
 from precprof.models.base import BuiltModel, _check_size, _coerce_to, count_params
 
 
+def _config_field(config: Any, name: str) -> str | None:
+    """The attribute of ``config`` that the config argument ``name`` sets, None when there is none. A config
+    keeps some arguments under a private name: ``attn_implementation`` and ``experts_implementation`` (what
+    the experts_fp32 finding's remedy sets) are held as ``_attn_implementation``, ``_experts_implementation``."""
+    if hasattr(config, name):
+        return name
+    private = f"_{name}"
+    return private if not name.startswith("_") and hasattr(config, private) else None
+
+
 def _build_hf(model_type: str, args: Mapping[str, Any], seq_len: int) -> BuiltModel:
     """``hf:<model_type>`` built from its config with ``args``; the first build imports transformers' modeling
     code, and with it torchao, whose import logs lines about itself (``precprof._quiet_imports``)."""
@@ -38,12 +48,13 @@ def _from_config(model_type: str, args: Mapping[str, Any], seq_len: int) -> Buil
     _check_causal(model_type, default)
     kwargs: dict[str, Any] = {}
     for k, v in args.items():
-        if not hasattr(default, k):
+        field = _config_field(default, k)
+        if field is None:
             raise UserError(
                 f"--model-arg {k}: the {model_type} config has no field {k!r} "
                 f"(see transformers' {type(default).__name__})"
             )
-        kwargs[k] = _coerce_to(k, v, getattr(default, k), f"hf:{model_type}")
+        kwargs[k] = _coerce_to(k, v, getattr(default, field), f"hf:{model_type}")
     try:
         config = AutoConfig.for_model(model_type, **kwargs)
         n_params = _params_on_meta(config)  # a default config can be billions of parameters (hf:llama is 7B)
