@@ -8,11 +8,13 @@ import math
 
 import pytest
 import torch
-from scenarios import weighted_loss
+from scenarios import huge_activations, weighted_loss
+from scenarios.loop import regression_batches
 
 from precprof import hardware
 from precprof import tables as T
 from precprof.analysis.advisor import AdvisorConfig
+from precprof.report import filters as F
 from precprof.report import render
 
 MARGIN = (
@@ -183,6 +185,28 @@ def test_the_verdict_box_gives_no_fp16_loss_scale_where_fp16_is_ruled_out() -> N
         page = " ".join(render.render_html(run.tables, run.summary, rec).split())
         assert ("(the measurements rule FP16 out: see Why)" in page) is out
         assert ("(if you use FP16: init_scale =" in page) is not out
+
+
+def test_the_verdict_box_s_fp16_hint_names_the_layers_fp16_must_keep_in_fp32() -> None:
+    """A layer whose outputs overflow fp16 (``amplify``, one of three matmul layers: fp16 is not ruled out),
+    under a verdict of bf16: the box said "if you use FP16: init_scale = 2^k" and nothing else, and the fp16 code
+    kept no layer in fp32 (the verdict's keep list is bf16's, empty); in fp16, amplify's output holds inf.
+    The hint and the fp16 code name amplify now."""
+    torch.manual_seed(0)
+    model = huge_activations.HugeActivationNet()
+    x, _ = regression_batches(huge_activations.N_IN)(0)
+    out = model.amplify(torch.relu(model.embed(x))).detach()
+    assert bool(torch.isinf(out.half()).any())  # what fp16 does to its output: a real cast
+    run = huge_activations.run()
+    rec = run.recommend("a100")
+    assert rec.format == "bf16" and not rec.fp16_ruled_out and rec.keep_fp32 == []
+    assert rec.fp16_keep_fp32 == ["amplify"]
+    page = " ".join(render.render_html(run.tables, run.summary, rec).split())
+    assert (
+        f"(if you use FP16: init_scale = {F.pow2(rec.fp16_loss_scale)}, and keep <code>amplify</code> in FP32: see "
+        "the FP16 findings)" in page
+    )
+    assert "keep_fp32 = ['amplify']" in rec.snippet("pytorch", "fp16")
 
 
 def test_where_fp16_is_ruled_out_no_finding_or_snippet_gives_a_scale_to_start_it_at() -> None:

@@ -141,6 +141,7 @@ def _verdict(
         "fp16_ruled_out": bool(rec.get("fp16_ruled_out")),
         "growth_interval": rec.get("growth_interval"),
         "keep_fp32": list(rec.get("keep_fp32") or []),
+        "fp16_keep_fp32": list(rec.get("fp16_keep_fp32") or []),
         "fp8_layers": list(rec.get("fp8_layers") or []),
         "block_plan": blocks.plan_groups(
             rec.get("block_plan"), (rec.get("block_what_if") or {}).get("plan_labels") or {}

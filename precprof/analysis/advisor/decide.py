@@ -296,6 +296,8 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
     _demote_what_ifs(run, plan, fmt, measured or fmt)
     _fp8_story(run, plan, fmt, measured, fp8_why_not)
     keep = _keep_list(plan, fmt)
+    # what fp16 needs kept in fp32 beside a verdict of another format (the box's "if you use FP16")
+    fp16_keep = _keep_list(plan, "fp16")
     return Recommendation(
         format=fmt,
         loss_scale=2.0**k if fmt == "fp16" else None,
@@ -308,6 +310,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         measured_format=measured,
         device=hw.device,
         fp16_ruled_out=bool(plan.fp16_block),
+        fp16_keep_fp32=fp16_keep,
     )
 
 

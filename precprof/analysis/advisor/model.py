@@ -61,6 +61,8 @@ class Recommendation:
     ``loss_scale`` is the GradScaler ``init_scale`` (a power of two) when the recommended format needs loss
     scaling (fp16), else None; ``fp16_loss_scale`` is the init_scale an fp16 run would use, always present;
     ``fp16_ruled_out``: the measurements rule fp16 out (the reasons say why), so that init_scale is no advice.
+    ``fp16_keep_fp32``: the modules an fp16 run would run outside autocast, whatever the format (``keep_fp32``
+    when it is fp16): what fp16 needs besides its loss scale, beside a verdict of another format.
     ``growth_interval`` is the GradScaler growth interval to use with ``loss_scale`` (None without scaling).
     ``keep_fp32`` lists modules to run outside autocast; ``fp8_layers`` the layers to convert when ``format``
     is "fp8" (the rest run in bf16). ``block_plan`` maps each matmul layer to the block-scaled format it can
@@ -88,6 +90,7 @@ class Recommendation:
     # the target's device type, "cuda" or "cpu" (the snippets' device_type); "" in summaries written before it
     device: str = ""
     fp16_ruled_out: bool = False
+    fp16_keep_fp32: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (stored as summary.json["recommendation"])."""
