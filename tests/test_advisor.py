@@ -724,6 +724,40 @@ def test_lost_updates_bf16_pure(request: pytest.FixtureRequest) -> None:
     check_golden(request, rec)
 
 
+def test_lost_updates_leave_out_weights_whose_gradient_was_zero() -> None:
+    """An expert no token reached, called with none: its weight gradient is 0 everywhere and AdamW's weight
+    decay alone moves it (lr x wd = 1e-5 of the weight, always below bf16's resolution). The finding named such
+    experts as the worst layers, 100% lost, ahead of the layers that trained. Their updates are left out of the
+    share and the worst, and counted apart."""
+    g = torch.Generator().manual_seed(5)
+    b = RunBuilder()
+    w = torch.randn(32, 32, generator=g)
+    u = w * 10 ** (-4 + 3 * torch.rand(32, 32, generator=g))  # 1e-4 .. 1e-1 of the weight: some lost
+    b.add(0, 0, "live", "Linear", T.WEIGHT_GRAD, torch.randn(32, 32, generator=g), param="weight")
+    b.update(0, 0, "live", "Linear", w, u)
+    w_idle = torch.randn(32, 32, generator=g)
+    b.add(0, 1, "idle", "Linear", T.WEIGHT_GRAD, torch.zeros(32, 32), param="weight")
+    b.update(0, 1, "idle", "Linear", w_idle, -1e-5 * w_idle)
+    b.step(0, loss=1.0)
+    f = must(recommend(b.tables(), hardware="a100", summary=summary_for("bf16")), "bf16_lost_updates")
+
+    def lost(w: torch.Tensor, u: torch.Tensor) -> int:  # a real bf16 weight plus the update
+        return int(((u != 0) & ((w.bfloat16().float() + u).bfloat16() == w.bfloat16())).sum())
+
+    live_lost, idle_lost = lost(w, u), lost(w_idle, -1e-5 * w_idle)
+    assert 0 < live_lost < w.numel() and idle_lost == int((w_idle != 0).sum())
+    assert f.numbers["lost"] == live_lost and f.numbers["nonzero_updates"] == int((u != 0).sum())
+    assert f.numbers["share"] == pytest.approx(live_lost / int((u != 0).sum()))
+    assert f.modules == ["live"]
+    assert (f.numbers["zero_gradient_updates"], f.numbers["zero_gradient_lost"]) == (
+        int((w_idle != 0).sum()),
+        idle_lost,
+    )
+    assert f"Left out: {int((w_idle != 0).sum()):,} update elements of 1 module(s) whose weight gradient" in (
+        f.message
+    )
+
+
 def test_bf16_gradient_underflow_falls_back_to_fp16(request: pytest.FixtureRequest) -> None:
     # gradients around 2^-150..2^-130 in fp32 (subnormal): bf16 flushes the smaller ones, fp16 with a big
     # scale cannot help either (clamped at 2^32), so the A100 gets tf32

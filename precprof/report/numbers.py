@@ -120,6 +120,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     # weight updates
     "lost": ("updates lost", "count"),
     "nonzero_updates": ("nonzero updates counted", "count"),
+    "zero_gradient_updates": ("updates of weights with a zero gradient, left out", "count"),
+    "zero_gradient_lost": ("of those, lost", "count"),
     "share": ("share", "share"),
     ("bf16_lost_updates", "share"): ("share of updates lost", "share"),
     ("fp16_lost_updates", "share"): ("share of updates lost", "share"),

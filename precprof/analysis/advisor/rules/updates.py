@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pandas as pd
+
 from precprof import formats
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import (
@@ -17,16 +19,53 @@ from precprof.analysis.advisor.text import _listing, _name, _pct
 from precprof.formats import BF16
 
 
+def _zero_gradient(run: _Run, wu: pd.DataFrame) -> pd.Series:
+    """Per ``weight_update`` row, whether its weight's gradient on that step was zero everywhere (an expert no
+    token reached, called with none: weight decay or momentum alone moved the weight). A weight without a
+    gradient row is not among them: an optimizer leaves a weight without a gradient alone, so its update is 0."""
+    wg = run.kind(T.WEIGHT_GRAD)
+    keys = [T.STEP, T.MODULE, T.PARAM]
+    zero = wg.loc[(wg[T.NUMEL] > 0) & (wg[T.ZEROS] == wg[T.NUMEL]), keys].drop_duplicates()
+    if zero.empty:
+        return pd.Series(False, index=wu.index)
+    hit = wu[keys].merge(zero.assign(_zero=True), on=keys, how="left")["_zero"]
+    return pd.Series(hit.notna().to_numpy(), index=wu.index)
+
+
+def _nonzero_updates(rows: pd.DataFrame) -> pd.Series:
+    return (rows[T.NUMEL] - rows[T.ZEROS]).clip(lower=0)
+
+
+def _zero_gradient_words(run: _Run, idle: pd.DataFrame, col: str, fmt: str) -> tuple[str, dict[str, int]]:
+    """The sentence on the updates left out, those of weights whose gradient was zero on their step, and its
+    numbers; "" when there are none."""
+    nz = int(_nonzero_updates(idle).sum())
+    if not nz:
+        return "", {}
+    lost = int(idle[col].sum())
+    mods = run.sort(idle.loc[_nonzero_updates(idle) > 0, T.MODULE].unique())
+    return (
+        f" Left out: {nz:,} update elements of {len(mods)} module(s) whose weight gradient was zero on their "
+        f"step ({_listing(mods, run.cfg.max_listed_modules)}: weight decay or momentum alone moved them, no "
+        f"training signal), {lost:,} of which vanish in {fmt} too.",
+        {"zero_gradient_updates": nz, "zero_gradient_lost": lost},
+    )
+
+
 def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     wu = run.kind(T.WEIGHT_UPDATE)
     if wu.empty:
         return
+    # a weight whose gradient was zero on the step loses no training update: counted apart
+    zero_grad = _zero_gradient(run, wu)
     for fmt, col, pure in (
         ("bf16", T.LOST_UPDATE_BF16, "bf16-pure"),
         ("fp16", T.LOST_UPDATE_FP16, "fp16-pure"),
     ):
-        rows = wu[wu[col].notna()]
+        held_rows = wu[wu[col].notna()]
+        rows = held_rows[~zero_grad[held_rows.index]]
+        idle_words, idle_nums = _zero_gradient_words(run, held_rows[zero_grad[held_rows.index]], col, fmt)
         if rows.empty:
             continue
         nz = float((rows[T.NUMEL] - rows[T.ZEROS]).clip(lower=0).sum())
@@ -45,7 +84,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         resolution = "2^-8" if fmt == "bf16" else "2^-11"
         # a pure run: asked for by name, or (the user's own loop) its weights are held in the format
         held = formats.get(fmt).dtype_name
-        is_pure = run.precision == pure or bool((rows[T.DTYPE] == held).mean() > 0.5)
+        is_pure = run.precision == pure or bool((held_rows[T.DTYPE] == held).mean() > 0.5)
         # weights held in the format in a loop that is not the pure mode by name: a model loaded in bf16 and
         # trained under bf16 autocast (the HF Trainer's bf16=True on from_pretrained(..., dtype=torch.bfloat16))
         held_under_autocast = is_pure and run.precision != pure and bool(run.autocast.get("enabled"))
@@ -85,7 +124,8 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     if worst
                     else ""
                 )
-                + ". Mixed Precision Training (2018) keeps an fp32 master copy for this reason.",
+                + ". Mixed Precision Training (2018) keeps an fp32 master copy for this reason."
+                + idle_words,
                 (
                     f"Hold the weights in fp32 and let {fmt} autocast cast the matmuls: a model built or loaded in "
                     f"{fmt} (from_pretrained(..., dtype=torch.{held})) has no fp32 copy of its weights, under "
@@ -94,7 +134,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     else f"Keep fp32 master weights ({fmt} autocast does); do not train {pure}."
                 ),
                 modules=worst,
-                numbers={"lost": int(lost), "nonzero_updates": int(nz), "share": share},
+                numbers={"lost": int(lost), "nonzero_updates": int(nz), "share": share, **idle_nums},
             )
         )
 
