@@ -200,9 +200,12 @@ def test_hooks_removed_after_exception_mid_forward() -> None:
     assert "update" not in vars(scaler)  # the scaler's method is restored
     status, reason = prof.status
     assert status == T.STATUS_INCOMPLETE and "user code failed" in (reason or "")
-    # what was recorded before the crash is kept
+    # what was recorded before the crash is kept: a's output, and every weight (read at the step's first forward)
     layers = prof.tables()["layers"]
-    assert set(layers[T.MODULE]) == {"a"}
+    assert set(layers[layers[T.TENSOR] == T.ACTIVATION][T.MODULE]) == {"a"}
+    assert set(layers[T.MODULE]) == {"a", "b"} and set(layers[layers[T.MODULE] == "b"][T.TENSOR]) == {
+        T.WEIGHT
+    }
     # detach/attach again works and detach is idempotent
     prof.attach()
     prof.detach()

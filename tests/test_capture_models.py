@@ -219,8 +219,9 @@ def test_profiler_memory_is_under_one_percent_of_gpt_mini_parameters(block_forma
 
 def test_a_weight_its_parent_reads_without_calling_its_module_is_recorded() -> None:
     """``nn.MultiheadAttention`` reads ``out_proj.weight`` directly, never calling ``out_proj``: its weight
-    rows are recorded with its gradient's, the values it held when the step's forward began; a module that takes
-    no part in the step (no forward, no gradient) records no weight."""
+    rows are recorded with its gradient's, the values it held when the step's forward began. A module that takes
+    no part in the step (no forward, no gradient: an expert no token reached) records its weight too, at order
+    -1 beside its weight-update rows (it had those alone)."""
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -253,24 +254,24 @@ def test_a_weight_its_parent_reads_without_calling_its_module_is_recorded() -> N
             }
             for kind in (T.WEIGHT, T.WEIGHT_GRAD)
         }
-        assert pairs[T.WEIGHT] == pairs[T.WEIGHT_GRAD]
+        spare = {("spare", "weight"), ("spare", "bias")}
+        assert pairs[T.WEIGHT] == pairs[T.WEIGHT_GRAD] | spare and not pairs[T.WEIGHT_GRAD] & spare
         assert ("block.self_attn.out_proj", "weight") in pairs[T.WEIGHT]
-        assert not any(m == "spare" for m, _ in pairs[T.WEIGHT] | pairs[T.WEIGHT_GRAD])
-        for param in ("weight", "bias"):
-            w = params[f"block.self_attn.out_proj.{param}"]
-            row = rows[
-                (rows[T.MODULE] == "block.self_attn.out_proj")
-                & (rows[T.TENSOR] == T.WEIGHT)
-                & (rows[T.PARAM] == param)
-            ].iloc[0]
+        for module, param in [("block.self_attn.out_proj", p) for p in ("weight", "bias")] + sorted(spare):
+            w = params[f"{module}.{param}"]
+            row = rows[(rows[T.MODULE] == module) & (rows[T.TENSOR] == T.WEIGHT) & (rows[T.PARAM] == param)]
+            assert len(row) == 1 and row.iloc[0][T.ORDER] == -1
+            row = row.iloc[0]
             assert row[T.NUMEL] == w.numel() and row[T.ZEROS] == int((w == 0).sum())
             assert row[T.ABSMAX] == float(w.abs().max())
             lost = int(((w != 0) & (w.to(torch.bfloat16) == 0)).sum())
             assert row["underflow_bf16"] == lost
-    # the unused module: only its weight-update samples, every one "no update" (the optimizer skips a
-    # parameter without a gradient)
-    spare = layers[layers[T.MODULE] == "spare"]
-    assert set(spare[T.TENSOR]) == {T.WEIGHT_UPDATE} and (spare[T.ZEROS] == spare[T.NUMEL]).all()
+    # the unused module's weight-update samples: every one "no update" (the optimizer skips a parameter without
+    # a gradient)
+    spare_rows = layers[layers[T.MODULE] == "spare"]
+    assert set(spare_rows[T.TENSOR]) == {T.WEIGHT, T.WEIGHT_UPDATE}
+    updates = spare_rows[spare_rows[T.TENSOR] == T.WEIGHT_UPDATE]
+    assert (updates[T.ZEROS] == updates[T.NUMEL]).all()
 
 
 class _Checkpointed(nn.Module):

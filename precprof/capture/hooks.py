@@ -129,7 +129,7 @@ class StepHooks(GradientReads):
         )
         # the parameters read at the step's first captured forward, and each one's row
         self._weights = [(p, row) for s in plan.modules for _, p, row in s.weights]
-        # per module with parameters, each parameter's row and gradient row (-1: none), for ``_unrun_weights``
+        # per module with parameters, each parameter's row and gradient row (-1: none)
         grad_rows = {id(ps.tensor): ps.grad_row for ps in plan.params}
         self._weight_grads = [
             (s, [(p, row, grad_rows.get(id(p), -1)) for _, p, row in s.weights])
@@ -245,10 +245,9 @@ class StepHooks(GradientReads):
         self._clear_outputs()
 
     def _unrun_weights(self) -> None:
-        """The weights of modules whose forward never ran this step but whose gradient was recorded: a parent
-        used them directly (``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``).
-        They were read with the others at the step's first forward; kept as a module's that ran (a module
-        that did not take part, without a gradient, records nothing)."""
+        """The weights of modules whose forward never ran this step, used by a parent (``nn.MultiheadAttention``
+        reads ``out_proj.weight`` without calling ``out_proj``) or by nothing (an expert no token reached): read
+        with the others at the step's first forward, they are kept as a module's that ran, as their updates are."""
         read = self._weights_read
         if not self.installed or not read:
             return
@@ -257,8 +256,8 @@ class StepHooks(GradientReads):
         for slot, params in self._weight_grads:
             if slot.ran:
                 continue
-            for p, row, grad_row in params:
-                if row in read and grad_row >= 0 and calls[grad_row] and not calls[row]:
+            for p, row, _ in params:
+                if row in read and not calls[row]:
                     rows.seen(row, p.dtype)
 
     def _count_unread_weight_grads(self) -> None:
