@@ -84,6 +84,17 @@ def tensor_version(x: torch.Tensor) -> int | None:
         return None
 
 
+def _functorch_wrapped_test() -> Callable[[torch.Tensor], bool]:
+    """torch's test of whether a tensor is a ``torch.func`` transform's wrapper (``grad``'s, ``vmap``'s: a plain
+    ``torch.Tensor`` to every other test, without a storage, whose ``data_ptr()`` raises); one that says no where
+    this torch has none."""
+    fn = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return fn if callable(fn) else lambda x: False
+
+
+# whether ``x`` is a torch.func transform's wrapper (a C call: 0.4 us), asked of a tensor a hook is about to read
+is_functorch_wrapped = _functorch_wrapped_test()
+
 _NO_QUERY = object()
 
 

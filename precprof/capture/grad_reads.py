@@ -20,6 +20,7 @@ from precprof.capture.updates import UpdateSampler
 
 _Tensor = torch.Tensor
 _STRIDED = torch.strided  # the layout the engines read (a sparse tensor is skipped and counted)
+_functorch_wrapped = _compat.is_functorch_wrapped
 # why a gradient assigned outside autograd is not read when the run scales its loss (``_unread_grads``)
 UNSCALED_UNREAD = (
     "assigned outside autograd (FSDP1 use_orig_params, or by hand): the loss scaler had unscaled it in place "
@@ -29,8 +30,13 @@ UNSCALED_UNREAD = (
 
 def _plain(x: torch.Tensor) -> bool:
     """Whether the engines read ``x`` in place: strided, and a tensor with a storage of its own (a wrapper
-    subclass's ``data_ptr()`` is 0; ``StatsBuffer.accumulate`` skips and counts it)."""
-    return x.layout is _STRIDED and (type(x) is _Tensor or not hasattr(x, "__tensor_flatten__"))
+    subclass's ``data_ptr()`` is 0, a torch.func transform's wrapper has none: ``StatsBuffer.accumulate`` skips
+    and counts them)."""
+    return (
+        x.layout is _STRIDED
+        and (type(x) is _Tensor or not hasattr(x, "__tensor_flatten__"))
+        and not _functorch_wrapped(x)
+    )
 
 
 _dtype_of = operator.attrgetter("dtype")
@@ -62,7 +68,7 @@ class GradientReads:
 
     def _add(self, x: torch.Tensor, row: int, assign: bool = False) -> bool:
         """Read ``x`` into ``row``: the model device's rows directly, any other device (or a tensor the engines
-        cannot read in place: sparse, a wrapper subclass) through the buffer (which skips and counts a tensor
+        cannot read in place: sparse, a wrapper subclass, a torch.func transform's wrapper) through the buffer (which skips and counts a tensor
         it cannot read: then False)."""
         primary = self._primary
         if (
@@ -70,6 +76,7 @@ class GradientReads:
             and x.device == self._device
             and x.layout is _STRIDED
             and (type(x) is _Tensor or not hasattr(x, "__tensor_flatten__"))  # ``_plain``, inline: per tensor
+            and not _functorch_wrapped(x)  # (the model under torch.func's grad or vmap)
         ):
             primary.add(x, row, assign)
             return True

@@ -89,7 +89,9 @@ def unreadable(x: torch.Tensor) -> str | None:
     one (``nn.Embedding(sparse=True)``'s gradient) holds its values apart from its zeros, and adding duplicate
     indices (``coalesce``) would synchronise with a GPU; a complex one (an SSM's parameters) has two floats a
     value, which the formats' what-if does not model; a wrapper subclass (torchao's NF4 weights) has no data
-    pointer of its own (``data_ptr()`` is 0: a kernel reading it faulted)."""
+    pointer of its own (``data_ptr()`` is 0: a kernel reading it faulted); a ``torch.func`` transform's wrapper
+    (the model run under ``grad`` or ``vmap``: per-sample gradients, a functional training loop) has none at
+    all."""
     if x.device.type == "meta":
         return "on the meta device, which holds no data (a module not materialised, or offloaded without its values)"
     if x.layout is not torch.strided:
@@ -100,6 +102,8 @@ def unreadable(x: torch.Tensor) -> str | None:
         return f"a complex tensor ({str(x.dtype).removeprefix('torch.')}): precprof reads real floating-point values"
     if type(x) not in _PLAIN and hasattr(x, "__tensor_flatten__"):
         return f"a {type(x).__name__}, a tensor subclass whose values are not in a storage of its own"
+    if _compat.is_functorch_wrapped(x):
+        return "a tensor inside a torch.func transform (grad, vmap, jacrev): a wrapper without a storage of its own"
     return None
 
 
