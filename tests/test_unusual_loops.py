@@ -1,8 +1,10 @@
-"""Training loops that run the model in unusual ways (through torch.func transforms, ...): precprof records what
-it can read of them exactly, skips and counts what it cannot, and never ends the training."""
+"""Training loops that run the model in unusual ways (through torch.func transforms, two models sharing one
+GradScaler, ...): precprof records what it can read of them exactly, skips and counts what it cannot, and never
+ends the training."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -100,3 +102,75 @@ def test_a_model_run_under_torch_func_transforms_is_skipped_and_counted_not_a_cr
         "a tensor inside a torch.func transform (grad, vmap, jacrev): a wrapper without a storage of its own"
     }
     assert not (layers[T.TENSOR].isin([T.ACTIVATION, T.ACTIVATION_GRAD])).any()
+
+
+class _SharedScalerGan:
+    """A GAN whose two optimizers share one GradScaler (torch's AMP recipe for several models), one Profiler per
+    model. ``truth`` holds, per step, the scale the step ran at, whether each optimizer's step was skipped
+    (its weights unmoved) and G's first weight gradient's absmax, unscaled by hand."""
+
+    def __init__(self, growth_interval: int) -> None:
+        torch.manual_seed(0)
+        self.G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.D = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.oG = torch.optim.Adam(self.G.parameters(), 1e-3)
+        self.oD = torch.optim.Adam(self.D.parameters(), 1e-3)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=growth_interval)
+        self.pG = precprof.Profiler(self.G, optimizer=self.oG, scaler=self.scaler, sample_every=1).attach()
+        self.pD = precprof.Profiler(self.D, optimizer=self.oD, scaler=self.scaler, sample_every=1).attach()
+        self.truth: list[tuple[float, bool, bool, float]] = []
+
+    def step(self, inf_in: str = "") -> None:
+        """One step of both models; ``inf_in`` "D" or "G": that model's loss is made infinite."""
+        real, z = torch.randn(8, 16), torch.randn(8, 8)
+        bce = F.binary_cross_entropy_with_logits
+        scale = self.scaler.get_scale()
+        fake = self.G(z)
+        d_loss = bce(self.D(real), torch.ones(8, 1)) + bce(self.D(fake.detach()), torch.zeros(8, 1))
+        self.oD.zero_grad()
+        self.scaler.scale(d_loss * (math.inf if inf_in == "D" else 1.0)).backward()
+        d_before = self.D[0].weight.detach().clone()
+        self.scaler.step(self.oD)
+        g_loss = bce(self.D(fake), torch.ones(8, 1))
+        self.oG.zero_grad()
+        self.scaler.scale(g_loss * (math.inf if inf_in == "G" else 1.0)).backward()
+        g_absmax = float((self.G[0].weight.grad / scale).abs().max())
+        g_before = self.G[0].weight.detach().clone()
+        self.scaler.step(self.oG)
+        self.scaler.update()
+        d_skipped = torch.equal(d_before, self.D[0].weight)
+        self.truth.append((scale, d_skipped, torch.equal(g_before, self.G[0].weight), g_absmax))
+        for prof, loss in ((self.pG, g_loss), (self.pD, d_loss)):
+            if prof.attached:
+                prof.step(loss=loss)
+
+
+@pytest.mark.parametrize("first", ["D", "G"])
+def test_two_profilers_sharing_a_grad_scaler_each_keeps_reading_it_once_the_other_is_detached(
+    first: str,
+) -> None:
+    """Detaching one Profiler removed the other's wrapper of ``scaler.update`` with its own: the one left read the
+    scale after ``update()`` (twice the scale of every step the scaler grew at, the gradients unscaled by it:
+    absmax half the true one) and saw no skipped step. Each takes out its own wrapper alone; checked against the
+    scale each step ran at, the skips seen in the weights and the gradient unscaled by hand."""
+    gan = _SharedScalerGan(growth_interval=1)  # grows at every step it does not skip
+    for i in range(6):
+        if i == 2:
+            (gan.pD if first == "D" else gan.pG).detach()
+        gan.step(inf_in=("G" if first == "D" else "D") if i == 4 else "")  # the one left skips step 4
+    left = gan.pG if first == "D" else gan.pD
+    left.detach()
+    assert "update" not in vars(gan.scaler) and "__getstate__" not in vars(gan.scaler)
+    steps = left.tables()["steps"]
+    assert steps[T.LOSS_SCALE].tolist() == [t[0] for t in gan.truth]
+    skipped = [t[2] if first == "D" else t[1] for t in gan.truth]
+    assert skipped[4] and steps[T.SKIPPED].tolist() == skipped
+    if first == "D":
+        layers = left.tables()["layers"]
+        absmax = layers[
+            (layers[T.TENSOR] == T.WEIGHT_GRAD) & (layers[T.MODULE] == "0") & (layers[T.PARAM] == "weight")
+        ]
+        finite = [i for i, t in enumerate(gan.truth) if not t[2]]
+        assert absmax.set_index(T.STEP)[T.ABSMAX].loc[finite].tolist() == pytest.approx(
+            [gan.truth[i][3] for i in finite], rel=1e-6
+        )

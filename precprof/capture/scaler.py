@@ -17,6 +17,50 @@ from precprof import stats as st
 _PATCHED = ("update", "__getstate__")
 
 
+class _Layer:
+    """One ``ScalerWatch``'s wrapper of a scaler method, set on the instance over ``inner``, the method it shadowed
+    (the class's, or the layer of another Profiler given the same scaler: a GAN's two, one per model): calls
+    ``around(inner, *args)``, or ``inner`` alone once its watch is gone. Each watch takes out its own layer and
+    no other (``_unlayer``)."""
+
+    __slots__ = ("around", "inner", "over_own")
+
+    def __init__(self, inner: Any, around: Callable[..., Any], over_own: bool) -> None:
+        self.inner = inner
+        self.around: Callable[..., Any] | None = around
+        self.over_own = over_own  # ``inner`` was an instance attribute (then put back, not deleted)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        around = self.around
+        return self.inner(*args, **kwargs) if around is None else around(self.inner, *args, **kwargs)
+
+
+def _layer(obj: Any, name: str, around: Callable[..., Any]) -> _Layer:
+    """``around`` set over ``obj.name`` as a layer of its own."""
+    layer = _Layer(getattr(obj, name), around, name in vars(obj))
+    setattr(obj, name, layer)
+    return layer
+
+
+def _unlayer(obj: Any, name: str, layer: _Layer) -> None:
+    """``layer`` taken out of ``obj.name``: what it shadowed put back where it is on top, spliced out from under
+    another watch's layer, and left to pass calls through (its watch let go) under a wrapper not precprof's."""
+    layer.around = None
+    top = vars(obj).get(name)
+    if top is layer:
+        if layer.over_own:
+            setattr(obj, name, layer.inner)
+        else:  # the instance attribute shadowed the class's method
+            with contextlib.suppress(AttributeError):
+                delattr(obj, name)
+        return
+    while isinstance(top, _Layer):
+        if top.inner is layer:
+            top.inner, top.over_own = layer.inner, layer.over_own
+            return
+        top = top.inner
+
+
 class ScalerWatch:
     """Wraps ``scaler.update``; ``take()`` returns (scale, found_inf) captured at the last update, or the
     scaler's current scale when update has not run this step."""
@@ -27,7 +71,7 @@ class ScalerWatch:
         self._active = active
         self._scale: torch.Tensor | None = None
         self._found: torch.Tensor | None = None
-        self._patched = False
+        self._layers: list[tuple[str, _Layer]] = []
         # a histogram shift by log2(scale) is exact only for powers of two
         self.non_pow2 = any(
             getattr(scaler, a, None) is not None and not st.is_power_of_two(float(getattr(scaler, a)))
@@ -35,34 +79,23 @@ class ScalerWatch:
         )
 
     def patch(self) -> None:
-        original = self.scaler.update
-        watch = self
-
-        def update(new_scale: Any = None) -> Any:
-            watch._before_update()
-            return original(new_scale)
-
-        self.scaler.update = update
-        getstate = getattr(self.scaler, "__getstate__", None)
-        if getstate is not None:
-            # a copy or a pickle of the scaler (copy.deepcopy, torch.save(scaler)) leaves the wrapper behind and
-            # has the class's own update: the wrapper's closure did not pickle, and a deep copy's update ran the
+        if self._layers:
+            return
+        self._layers.append(("update", _layer(self.scaler, "update", self._update)))
+        if getattr(self.scaler, "__getstate__", None) is not None:
+            # a copy or a pickle of the scaler (copy.deepcopy, torch.save(scaler)) leaves the wrappers behind and
+            # has the class's own update: a wrapper's watch does not pickle, and a deep copy's update ran the
             # original scaler's
-            def state() -> Any:
-                out = getstate()
-                if isinstance(out, dict):
-                    out = {k: v for k, v in out.items() if k not in _PATCHED}
-                return out
-
-            self.scaler.__getstate__ = state
-        self._patched = True
+            self._layers.append(("__getstate__", _layer(self.scaler, "__getstate__", _state)))
 
     def unpatch(self) -> None:
-        if self._patched:
-            for name in _PATCHED:  # the instance attributes shadowed the class's methods
-                with contextlib.suppress(AttributeError):
-                    delattr(self.scaler, name)
-            self._patched = False
+        for name, layer in reversed(self._layers):
+            _unlayer(self.scaler, name, layer)
+        self._layers.clear()
+
+    def _update(self, original: Callable[..., Any], new_scale: Any = None) -> Any:
+        self._before_update()
+        return original(new_scale)
 
     def _before_update(self) -> None:
         if not self._active() or not _compat.scaler_enabled(self.scaler):
@@ -89,3 +122,11 @@ class ScalerWatch:
         found = self._found
         self._scale = self._found = None
         return scale, found
+
+
+def _state(getstate: Callable[[], Any]) -> Any:
+    """The scaler's state without precprof's layers (``update`` and ``__getstate__`` as instance attributes)."""
+    out = getstate()
+    if isinstance(out, dict):
+        out = {k: v for k, v in out.items() if k not in _PATCHED}
+    return out
