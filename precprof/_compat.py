@@ -12,7 +12,7 @@ import gc
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import torch
@@ -47,11 +47,20 @@ def scaler_scale_tensor(scaler: Any) -> torch.Tensor | None:
     return scale if isinstance(scale, torch.Tensor) and scaler_enabled(scaler) else None
 
 
-def scaler_found_inf(scaler: Any) -> list[torch.Tensor]:
-    """The found-inf flags ``unscale_`` left per optimizer and device (what ``step()`` skips on), before
-    ``update()`` clears them."""
+def scaler_found_inf(scaler: Any, optimizers: Sequence[Any] | None = None) -> list[torch.Tensor] | None:
+    """The found-inf flags ``unscale_`` left per optimizer and device (what ``step()`` skips each optimizer's step
+    on), before ``update()`` clears them: of every optimizer the scaler holds, or of ``optimizers`` only (None
+    when the scaler has unscaled none of them since its last update; every one where this torch does not say
+    which optimizer a flag is of)."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, dict):
+        return []
+    if optimizers is not None:  # (``get``: the states are a defaultdict, which a lookup would fill)
+        states = {k: s for k, s in ((id(o), states.get(id(o))) for o in optimizers) if s is not None}
+        if not any(s.get("found_inf_per_device") for s in states.values()):
+            return None
     found: list[torch.Tensor] = []
-    for state in getattr(scaler, "_per_optimizer_states", {}).values():
+    for state in states.values():
         found.extend(state.get("found_inf_per_device", {}).values())
     return found
 

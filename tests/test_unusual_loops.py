@@ -174,3 +174,20 @@ def test_two_profilers_sharing_a_grad_scaler_each_keeps_reading_it_once_the_othe
         assert absmax.set_index(T.STEP)[T.ABSMAX].loc[finite].tolist() == pytest.approx(
             [gan.truth[i][3] for i in finite], rel=1e-6
         )
+
+
+def test_a_step_the_shared_scaler_skipped_for_one_model_alone_is_skipped_for_that_models_profiler_alone() -> (
+    None
+):
+    """The discriminator's gradients overflow: ``scaler.step(oD)`` skips, ``scaler.step(oG)`` applies the
+    generator's update. Both Profilers said skipped (the found-inf flags of every optimizer the scaler holds were
+    summed): each now reads its own optimizer's."""
+    gan = _SharedScalerGan(growth_interval=1000)
+    for i in range(4):
+        gan.step(inf_in="D" if i == 2 else "")
+    gan.pG.detach()
+    gan.pD.detach()
+    assert [t[1] for t in gan.truth] == [False, False, True, False]  # D skipped step 2, G did not
+    assert [t[2] for t in gan.truth] == [False] * 4
+    assert gan.pD.tables()["steps"][T.SKIPPED].tolist() == [t[1] for t in gan.truth]
+    assert gan.pG.tables()["steps"][T.SKIPPED].tolist() == [t[2] for t in gan.truth]

@@ -346,7 +346,9 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             root=self.model,
         )
         if self.scaler is not None and hasattr(self.scaler, "update"):
-            self._scaler_watch = ScalerWatch(self.scaler, self._device, lambda: self._attached)
+            self._scaler_watch = ScalerWatch(
+                self.scaler, self._device, lambda: self._attached, optimizers=self.optimizers
+            )
             self._scaler_watch.patch()
         if self.memory_enabled:
             self._tracker = MemoryTracker(

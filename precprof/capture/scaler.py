@@ -5,7 +5,7 @@ tensors just before ``update()`` changes or clears them."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -62,13 +62,20 @@ def _unlayer(obj: Any, name: str, layer: _Layer) -> None:
 
 
 class ScalerWatch:
-    """Wraps ``scaler.update``; ``take()`` returns (scale, found_inf) captured at the last update, or the
-    scaler's current scale when update has not run this step."""
+    """Wraps ``scaler.update``; ``take()`` returns (scale, found_inf) captured at the last update of this Profiler's
+    optimizers, or the scaler's current scale when none has run this step.
 
-    def __init__(self, scaler: Any, device: torch.device, active: Callable[[], bool]) -> None:
+    ``optimizers``: the Profiler's; a scaler shared by several (a GAN's generator and discriminator, one Profiler
+    each) skips each optimizer's step on its own gradients' found-inf, so only theirs count, and an update after
+    the other optimizers' steps alone is not this Profiler's. Without any, every optimizer the scaler holds."""
+
+    def __init__(
+        self, scaler: Any, device: torch.device, active: Callable[[], bool], optimizers: Sequence[Any] = ()
+    ) -> None:
         self.scaler = scaler
         self._device = device
         self._active = active
+        self._optimizers = list(optimizers) or None
         self._scale: torch.Tensor | None = None
         self._found: torch.Tensor | None = None
         self._layers: list[tuple[str, _Layer]] = []
@@ -100,13 +107,13 @@ class ScalerWatch:
     def _before_update(self) -> None:
         if not self._active() or not _compat.scaler_enabled(self.scaler):
             return
+        flags = _compat.scaler_found_inf(self.scaler, self._optimizers)
+        if flags is None:  # none of this Profiler's optimizers stepped since the last update: not its update
+            return
         scale = _compat.scaler_scale_tensor(self.scaler)
         if scale is not None:
             self._scale = scale.detach().clone()
-        found = [
-            t.detach().reshape(()).to(self._device, non_blocking=True)
-            for t in _compat.scaler_found_inf(self.scaler)
-        ]
+        found = [t.detach().reshape(()).to(self._device, non_blocking=True) for t in flags]
         if found:
             self._found = torch.stack(found).sum()
 
