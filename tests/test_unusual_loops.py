@@ -191,3 +191,49 @@ def test_a_step_the_shared_scaler_skipped_for_one_model_alone_is_skipped_for_tha
     assert [t[2] for t in gan.truth] == [False] * 4
     assert gan.pD.tables()["steps"][T.SKIPPED].tolist() == [t[1] for t in gan.truth]
     assert gan.pG.tables()["steps"][T.SKIPPED].tolist() == [t[2] for t in gan.truth]
+
+
+def test_one_profiler_per_gan_model_ends_the_discriminators_run_at_its_last_step() -> None:
+    """WGAN with n_critic=3, one Profiler per model, each stepped at its own optimizer's step: the generator's
+    last update runs the discriminator's forward and backward after the discriminator's last ``prof.step()``.
+    The discriminator's run ended with one step more, "cut off", made of gradients its optimizer never applied
+    (the report said "1 cut off" of a run that ended normally). Its run is its optimizer's steps, each with the
+    gradient that optimizer applied (checked against real casts)."""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+    D = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    oG, oD = torch.optim.Adam(G.parameters(), 1e-3), torch.optim.Adam(D.parameters(), 1e-3)
+    applied: dict[tuple[int, str], dict[str, float]] = {}
+    names = {id(p): n for n, p in D.named_parameters()}
+    d_steps = [0]
+
+    def read(o: Any, args: Any, kwargs: Any) -> None:
+        for p in o.param_groups[0]["params"]:
+            applied[(d_steps[0], names[id(p)])] = counts(p.grad)
+
+    oD.register_step_pre_hook(read)
+    pG = precprof.Profiler(G, optimizer=oG, sample_every=1).attach()
+    pD = precprof.Profiler(D, optimizer=oD, sample_every=1).attach()
+    for _ in range(2):
+        for _ in range(3):
+            real, fake = torch.randn(8, 16), G(torch.randn(8, 8)).detach()
+            oD.zero_grad()
+            (D(fake).mean() - D(real).mean()).backward()
+            oD.step()
+            d_steps[0] += 1
+            pD.step()
+        oG.zero_grad()
+        (-D(G(torch.randn(8, 8))).mean()).backward()  # through D: its .grad too, which oD never applies
+        oG.step()
+        pG.step()
+    pG.detach()
+    pD.detach()
+    steps = pD.tables()["steps"]
+    assert steps[T.STEP].tolist() == list(range(6)) and not steps[T.CUT_OFF].any()
+    grads = pD.tables()["layers"]
+    grads = grads[grads[T.TENSOR] == T.WEIGHT_GRAD]
+    assert len(grads) == 6 * 4
+    for row in grads.itertuples(index=False):
+        want = applied[(row.step, f"{row.module}.{row.param}")]
+        got = row._asdict()
+        assert {k: got[k] for k in want} == want, (row.step, row.module, row.param)

@@ -60,6 +60,8 @@ class GradientReads:
     _primary: Any
     _grads_due: list[_ParamSlot]
     _stepped: set[int]
+    _optimizer_stepped: bool
+    optimizers: list[Any]
     _grad_row_of: dict[int, int]
     _grad_slot: dict[int, _ParamSlot]
     _grad_owner: dict[int, _ModuleSlot]
@@ -226,6 +228,7 @@ class GradientReads:
         # closure (Lightning's automatic optimization, LBFGS) runs the backward inside the step. Only rows
         # already read: a loop that steps its optimizer before this step's backward (prof.step() before
         # optimizer.step()) reads the gradients of the backward that follows
+        self._optimizer_stepped = True
         rows, calls = self._grad_row_of, self.rows.calls
         self._stepped.update(
             r
@@ -236,3 +239,10 @@ class GradientReads:
         if self.updates is not None and self.updates.after_step(k):
             self.has_data = True
         return None
+
+    def stepped_no_optimizer(self) -> bool:
+        """Whether the step in progress ran no step of the optimizers given (None given: unknown, False): once
+        the run ended normally, what it read is no step of its own, only gradients no optimizer of this
+        Profiler applies (one Profiler per GAN model: the generator's last update runs the discriminator's
+        forward and backward after the discriminator's last ``prof.step()``, read as a step "cut off")."""
+        return bool(self.optimizers) and not self._optimizer_stepped

@@ -154,6 +154,9 @@ class StepHooks(GradientReads):
         # to them (a GAN's generator loss flowing back through the discriminator) is no gradient that optimizer
         # applied, so their rows keep the one it did
         self._stepped: set[int] = set()
+        self._optimizer_stepped = (
+            False  # whether one of the optimizers stepped in this step (``_opt_post_hook``)
+        )
         self._grad_row_of = {id(ps.tensor): ps.grad_row for ps in plan.params if ps.grad_row >= 0}
         self._grad_slot = {ps.grad_row: ps for ps in plan.params if ps.grad_row >= 0}
         # parameters whose gradient was accumulated in the backward pass now running, read together when it
@@ -189,7 +192,7 @@ class StepHooks(GradientReads):
         self.order = 0
         self.has_data = False
         self._weights_read = None
-        self._stepped = set()
+        self._stepped, self._optimizer_stepped = set(), False
         self._clear_outputs()
         self.grads_at_end = not _distributed()
         for slot in self.plan.modules:
@@ -424,6 +427,12 @@ class StepHooks(GradientReads):
         a step of its own, cut off, whose memory the report showed as the run's)."""
         calls = self.rows.calls
         return self._first_in_eval and not any(calls[r] for r in self._grad_rows)
+
+    def no_step(self) -> bool:
+        """Whether the step in progress, at the end of a run that ended normally, is no step: an evaluation alone
+        (``evaluation_only``), or a forward and backward that none of the optimizers stepped on
+        (``stepped_no_optimizer``)."""
+        return self.evaluation_only() or self.stepped_no_optimizer()
 
     def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         self._root_grad = self._root_calls.pop() if self._root_calls else False

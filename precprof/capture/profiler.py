@@ -413,9 +413,10 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             return
         self._attached = False
         hooks, clean = self._hooks, self._status == T.STATUS_COMPLETE
-        has_data = hooks is not None and hooks.has_data and not (clean and hooks.evaluation_only())
+        has_data = hooks is not None and hooks.has_data and not (clean and hooks.no_step())
         self._remove_hooks()
-        # a step in progress (crash, Ctrl-C, hooks removed mid-step) keeps its rows; an evaluation alone is no step
+        # a step in progress (crash, Ctrl-C, hooks removed mid-step) keeps its rows; at the end of a run that ended
+        # normally, an evaluation alone or a backward none of the optimizers stepped on is no step
         if self._sampling and has_data:
             if self._block_formats:
                 self._blocks.count_turn()
