@@ -237,3 +237,58 @@ def test_one_profiler_per_gan_model_ends_the_discriminators_run_at_its_last_step
         want = applied[(row.step, f"{row.module}.{row.param}")]
         got = row._asdict()
         assert {k: got[k] for k in want} == want, (row.step, row.module, row.param)
+
+
+class _RaisesOnce(nn.Module):
+    """A linear layer whose forward raises when ``fail`` is set, after its layer ran (a simulated CUDA
+    out-of-memory error midway through the model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.l(x)
+        if self.fail:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return y
+
+
+def test_a_forward_that_raised_and_was_run_again_is_not_the_steps_forward() -> None:
+    """An out-of-memory-and-retry loop: the step's forward raises inside a layer, the loop catches it and runs
+    half the batch. The failed call was merged into the step's rows (``0``: calls=2, numel 32 + 16); the rows
+    are the forward that trained, checked against the retry's outputs read by hooks of the test's own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _RaisesOnce(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    outputs: dict[str, dict[str, float]] = {}
+    for name in ("0", "1.l", "2"):
+        model.get_submodule(name).register_forward_hook(
+            lambda m, a, out, name=name: outputs.__setitem__(name, counts(out))
+        )
+    seen: dict[tuple[int, str], dict[str, float]] = {}
+    x = torch.randn(4, 8)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for step in range(3):
+            model[1].fail = step == 1
+            outputs.clear()
+            try:
+                loss = model(x).square().mean()
+            except RuntimeError:
+                model[1].fail = False
+                outputs.clear()
+                loss = model(x[:2]).square().mean()
+            seen.update({(step, name): c for name, c in outputs.items()})
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    layers = prof.tables()["layers"]
+    acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & layers[T.MODULE].isin(["0", "1.l", "2"])]
+    assert len(acts) == 3 * 3
+    for row in acts.itertuples(index=False):
+        want = seen[(row.step, row.module)]
+        got = row._asdict()
+        assert {k: got[k] for k in want} == want, (row.step, row.module)
+        assert row.calls == 1

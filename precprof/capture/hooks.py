@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -56,6 +57,7 @@ from torch import nn
 from precprof import _compat
 from precprof import stats as st
 from precprof import tables as T
+from precprof.capture.gemm_inputs import GemmInputs
 from precprof.capture.grad_reads import _COMPLEX, GradientReads, _plain
 from precprof.capture.plan import CapturePlan, reads_block_operands
 from precprof.capture.records import (
@@ -63,8 +65,8 @@ from precprof.capture.records import (
     _local,
     _ModuleSlot,
     _ParamSlot,
-    _same_data,
     _weights_key,
+    autocast_state,
     dtype_bit,
 )
 from precprof.capture.updates import UpdateSampler
@@ -75,7 +77,7 @@ recomputing = _compat.recomputing  # a checkpoint's forward run again in the bac
 _EVALUATION, _NO_GRAD, _RECOMPUTED, _FIRST_PASS = "evaluation", "no grad", "recomputed", "first pass"
 
 
-class StepHooks(GradientReads):
+class StepHooks(GradientReads, GemmInputs):
     """The hooks of the sampled steps of one attachment (see the module docstring).
 
     ``device``: the model's device, whose rows the hooks add into directly (a tensor elsewhere goes through
@@ -118,6 +120,9 @@ class StepHooks(GradientReads):
         self._grad_rows = [r.index for r in plan.rows.info if r.tensor in (T.ACTIVATION_GRAD, T.WEIGHT_GRAD)]
         self._weight_grad_rows = [r.index for r in plan.rows.info if r.tensor == T.WEIGHT_GRAD]
         self._root_calls: list[bool] = []  # the enclosing calls' ``_root_grad`` (a model that calls itself)
+        self._entry_order = -1  # ``order`` when the model's outermost forward began
+        # the rows a forward fills: each module's output, and a linear layer's input of its own (``_forget_forward``)
+        self._forward_rows = [r for s in plan.modules for r in (s.activation, s.input) if r >= 0]
         # the tensors the model's outermost forward was called with, by id, while it runs (``_gemm_input``)
         self._model_inputs: set[int] = set()
         roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
@@ -417,6 +422,7 @@ class StepHooks(GradientReads):
         self._root_grad = torch.is_grad_enabled()
         if len(self._root_calls) == 1:
             self._model_inputs = {id(t) for t in _iter_tensors((args, kwargs or {}))}
+            self._entry_order = self.order  # 0: the step's first forward (``_forget_forward``)
         if self._root_grad and self._step_mode is None and not self._outside:
             self._step_mode = module.training
             self._first_in_eval = self._root_trains and not module.training
@@ -438,6 +444,24 @@ class StepHooks(GradientReads):
         self._root_grad = self._root_calls.pop() if self._root_calls else False
         if not self._root_calls:
             self._model_inputs = set()
+            # (called with no output from torch's ``except`` when the forward raised: ``always_call``)
+            if output is None and self._entry_order == 0 and self.installed and sys.exc_info()[1] is not None:
+                self._forget_forward()
+
+    def _forget_forward(self) -> None:
+        """The step's first forward raised (a loop that catches an out-of-memory error and runs the batch again,
+        halved, or skips it): what it read is no forward that trained, and its rows are left as they were before
+        it, empty (the retry's rows were its own and the failed call's, merged: calls=2)."""
+        buffer, rows = self.buffer, self.rows
+        for r in self._forward_rows:
+            if rows.calls[r] or buffer.skipped[r]:
+                buffer.skipped_total[r] -= buffer.skipped[r]
+                buffer.reset(slice(r, r + 1))
+                rows.calls[r] = rows.dtype_bits[r] = 0
+        for slot in self.plan.modules:
+            slot.order = slot.input_order = -1
+        self.order = 0
+        self._step_mode, self._first_in_eval = None, False
 
     def _skipped_forward(self, slot: _ModuleSlot, why: str) -> None:
         """A forward that is not read (``why``: ``_not_read``'s). Not a recomputation, it still takes its place in
@@ -456,52 +480,6 @@ class StepHooks(GradientReads):
                 self.order += 1
             slot.order = self.order
             self.order += 1
-
-    def _gemm_input(self, slot: _ModuleSlot, x: torch.Tensor, turn: bool) -> None:
-        """The input a matmul reads (autocast casts it; a linear layer's GEMM would quantise it): the output of
-        the module that made it, or, with block formats on, when no captured module did (an attention's output),
-        a linear layer's row of its own."""
-        found = self._block_outputs.get(id(x))
-        made = found[0]() if found is not None else None
-        if made is not x:
-            found = self._output_by_data(x)
-            made = found[0]() if found is not None else None
-        if made is None and slot.first_from >= 0 and _compat.backward_pass_id() is not None:
-            # a reentrant recomputation's input, remade by an outer checkpoint and let go: its first pass's maker
-            found, made = (weakref.ref(x), slot.first_from), x
-        if found is not None and made is not None:
-            slot.input_from.add(found[1])
-            if turn and slot.input >= 0:  # read as the output that made it: several readers count it once
-                self.buffer.accumulate_blocks(_local(made), found[1])
-        elif slot.input >= 0 and self._add(local := _local(x), slot.input):
-            if turn:
-                self.buffer.accumulate_blocks(local, slot.input)
-            self.rows.seen(slot.input, x.dtype)
-            self.has_data = True
-            slot.model_input |= id(x) in self._model_inputs
-            if slot.input_order < 0:
-                slot.input_order = self.order
-                self.order += 1
-
-    def _first_pass_input(self, slot: _ModuleSlot, x: torch.Tensor) -> None:
-        """A reentrant checkpoint's first pass gives a matmul ``x``: the module that made it is kept for the
-        recomputation (``first_from``), whose input an outer checkpoint may have made again and let go of."""
-        found = self._block_outputs.get(id(x))
-        if found is None or found[0]() is not x:
-            found = self._output_by_data(x)
-        if found is not None and found[0]() is not None:
-            slot.first_from = found[1]
-
-    def _output_by_data(self, x: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], int] | None:
-        """The output registered this step over the memory ``x`` views (``_same_data``), a later one winning as
-        by object; the index grows over the outputs registered since it was last looked at."""
-        index, made = self._outputs_by_data, self._outputs_made
-        for entry in made[self._indexed :]:
-            t = entry[0]()
-            if t is not None:
-                index[_same_data(t)] = entry
-        self._indexed = len(made)
-        return index.get(_same_data(x))
 
     def _make_fwd_hook(self, slot: _ModuleSlot) -> Callable[[nn.Module, Any, Any], None]:
         act = slot.activation
@@ -555,7 +533,7 @@ class StepHooks(GradientReads):
         step: a model whose first layers run outside autocast (kept in fp32, as keep_fp32 advises) trains under
         autocast all the same (its first forward said it did not, and the fp16 what-if then counted the
         fp32 layers' inputs as cast)."""
-        state = _autocast_state(self._device.type)
+        state = autocast_state(self._device.type)
         if not self.autocast_seen or state["enabled"]:
             self.autocast_seen.update(state)
         self._autocast_open = not state["enabled"]
@@ -586,20 +564,6 @@ class StepHooks(GradientReads):
             return None
 
         return grad_hook
-
-
-def _autocast_state(device_type: str) -> dict[str, Any]:
-    """Whether autocast is on for ``device_type`` now, and its dtype."""
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-        dtype = torch.get_autocast_dtype(device_type) if enabled else None
-    except (AttributeError, TypeError, RuntimeError):
-        enabled, dtype = False, None
-    return {
-        "enabled": bool(enabled),
-        "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
-        "device_type": device_type,
-    }
 
 
 def _distributed() -> bool:

@@ -228,6 +228,19 @@ def _values_inside(t: torch.Tensor) -> torch.Tensor:
     return _local(same[0])
 
 
+def _same_data(t: torch.Tensor) -> tuple[Any, ...]:
+    """What identifies a tensor's values without reading them (host metadata, no sync): a wrapper that hands a
+    layer a new tensor object viewing the same memory (FSDP2's forward hooks do) still matches the output that
+    made it, as long as that output is alive (a weakref to it is kept beside), so its memory is not reused. An
+    empty tensor has no memory to view (its data pointer is 0, every empty tensor's): it is only itself."""
+    try:
+        if t.numel() == 0:
+            return (id(t),)
+        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage to point at (a tensor subclass)
+        return (id(t),)
+
+
 def _iter_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Floating and complex tensors inside a module output (tensor, tuple/list, dict, ModelOutput, a
     dataclass), depth-limited. A complex one is yielded to be skipped and counted (``StatsBuffer.accumulate``):
@@ -315,14 +328,15 @@ def _weights_key(params: Sequence[torch.Tensor]) -> tuple[Any, ...] | None:
     )
 
 
-def _same_data(t: torch.Tensor) -> tuple[Any, ...]:
-    """What identifies a tensor's values without reading them (host metadata, no sync): a wrapper that hands a
-    layer a new tensor object viewing the same memory (FSDP2's forward hooks do) still matches the output that
-    made it, as long as that output is alive (a weakref to it is kept beside), so its memory is not reused. An
-    empty tensor has no memory to view (its data pointer is 0, every empty tensor's): it is only itself."""
+def autocast_state(device_type: str) -> dict[str, Any]:
+    """Whether autocast is on for ``device_type`` now, and its dtype."""
     try:
-        if t.numel() == 0:
-            return (id(t),)
-        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-    except (RuntimeError, NotImplementedError, TypeError):  # no storage to point at (a tensor subclass)
-        return (id(t),)
+        enabled = torch.is_autocast_enabled(device_type)
+        dtype = torch.get_autocast_dtype(device_type) if enabled else None
+    except (AttributeError, TypeError, RuntimeError):
+        enabled, dtype = False, None
+    return {
+        "enabled": bool(enabled),
+        "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
+        "device_type": device_type,
+    }
