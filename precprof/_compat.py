@@ -368,6 +368,14 @@ def profiler_running() -> bool:
     return bool(fn()) if fn is not None else False
 
 
+def program_profiler_running() -> bool:
+    """Whether a torch.profiler of the program's own runs (``torch.profiler.profile``,
+    ``torch.autograd.profiler.profile``: the flag their start sets, which ``profiler_memory_start`` does not).
+    One started while precprof's runs joins precprof's session, which stopping would end, its events with it."""
+    module = sys.modules.get("torch.autograd.profiler")
+    return bool(getattr(module, "_is_profiler_enabled", False))
+
+
 def profiler_memory_start() -> None:
     """Start torch.profiler for memory events only: CPU activity, ``profile_memory=True``, no shapes, stacks
     or flops. Raises RuntimeError when it cannot (another profiler runs, no Kineto)."""

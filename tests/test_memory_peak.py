@@ -29,7 +29,17 @@ from precprof.analysis.advisor import recommend
 from precprof.analysis.memory_projection import project
 from precprof.capture import Profiler
 from precprof.capture.memory_tracker import MemoryTracker
-from precprof.capture.peak import ALLOC, FREE, SEGMENT_ALLOC, CudaHistory, Events, Label, block_bytes, replay
+from precprof.capture.peak import (
+    ALLOC,
+    FREE,
+    SEGMENT_ALLOC,
+    TAKEN_OVER,
+    CudaHistory,
+    Events,
+    Label,
+    block_bytes,
+    replay,
+)
 from precprof.models import build_model
 
 KIB = 1024
@@ -620,6 +630,42 @@ def test_a_cpu_loop_gets_the_peak_only_when_it_asks() -> None:
     assert "torch.profiler is running" in tr.peak_note
     assert not any(r[T.MOMENT] == T.MOMENT_PEAK for r in rows)
     assert any(e.name == "aten::addmm" for e in user_prof.events())  # the program's profile is whole
+
+
+def test_a_programs_profiler_started_while_precprof_reads_the_peak_keeps_its_events() -> None:
+    """The usual "profile steps 2 to 4" pattern in a loop measured with ``memory_peak=True``: the program's
+    ``torch.profiler.profile`` opened while precprof's memory profiler ran (started at the ``prof.step()``
+    before), joined its session, and precprof's stop at the next ``prof.step()`` ended it: the program's
+    profile came back with one kind of event (no ``my_step``, no ``aten::addmm``), and nothing said so. The
+    session is left to the program's profiler: its events are whole, and the steps it overlaps have no peak,
+    with why; the others have theirs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    notes = []
+    with Profiler(model, optimizer=opt, sample_every=1, memory_peak=True) as prof:
+
+        def step() -> None:
+            model(torch.randn(8, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+            notes.append(prof._tracker.peak_note if prof._tracker is not None else None)
+
+        step()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as user_prof:
+            for _ in range(3):
+                with torch.profiler.record_function("my_step"):
+                    step()
+        step()
+        step()
+    names = [e.name for e in user_prof.events()]
+    assert names.count("my_step") == 3 and names.count("aten::addmm") == 6
+    memory = prof.tables()["memory"]
+    peaked = set(memory.loc[memory[T.COMPONENT] == T.ALLOCATOR_PEAK, T.STEP])
+    # step 1 began before the program's profiler, steps 2 to 4 (begun at a prof.step() inside it) after
+    assert peaked == {0, 5}
+    assert TAKEN_OVER in notes  # the step the program's profiler began in says why it has no peak
 
 
 _USER_LOOP_WITH_PEAK = """

@@ -238,6 +238,10 @@ def _marks_from_counts(kinds: list[int], counts: list[tuple[int, int]]) -> list[
     return marks
 
 
+# why a step has no peak on the CPU, when the program profiled it itself
+TAKEN_OVER = "a torch.profiler of the program's started during the step; precprof left its session to it"
+
+
 class ProfilerMemory:
     """torch.profiler's memory events of the CPU allocator for one sampled step (CPU activity only).
 
@@ -249,9 +253,10 @@ class ProfilerMemory:
         self._on = False
         self._start: dict[int, int] = {}
         self._stopped: tuple[list[tuple[int, int, int, str]], list[int]] | None = None
+        self._why = ""  # why the step has no events ("": it has them, or none was asked for)
 
     def start(self, known: dict[int, int] | None = None) -> str | None:
-        if _compat.profiler_running():
+        if _compat.profiler_running() or _compat.program_profiler_running():
             return "a torch.profiler is running; the peak needs one of its own"
         try:
             _compat.profiler_memory_start()
@@ -259,7 +264,7 @@ class ProfilerMemory:
             return f"torch.profiler could not start ({e})"
         self._on = True
         self._start = dict(known or {})
-        self._stopped = None
+        self._stopped, self._why = None, ""
         return None
 
     def mark(self) -> None:
@@ -270,6 +275,11 @@ class ProfilerMemory:
     def abort(self) -> None:
         if self._on:
             self._on = False
+            if _compat.program_profiler_running() or not _compat.profiler_running():
+                # the program started a torch.profiler of its own during the step, in this session: left to it
+                # (stopping it ended the program's profiler, whose events came back empty)
+                self._stopped, self._why = None, TAKEN_OVER
+                return
             try:
                 self._stopped = _compat.profiler_memory_stop(_MARK)
             except RuntimeError:
@@ -281,7 +291,7 @@ class ProfilerMemory:
             self.abort()
             got, self._stopped = self._stopped, None
             if got is None:
-                return None, ""
+                return None, self._why
             allocs = sorted((a for a in got[0] if a[3] == "cpu"), key=lambda a: a[0])
             ev = Events(start=self._start)
             for _, ptr, size, _dev in allocs:
