@@ -666,6 +666,54 @@ def test_a_new_optimizer_made_mid_run_is_followed_from_its_first_step(sample_eve
     assert summary["optimizer_changes"] == [{"step": 2, "from": "Adam", "to": "SGD"}]
 
 
+@pytest.mark.parametrize("sample_every", [1, 3])
+def test_an_optimizer_switched_after_the_old_one_stepped_is_followed_from_the_next_step(
+    sample_every: int,
+) -> None:
+    """``prof.use_optimizer(sgd)`` after Adam's ``step()`` of step 2, before ``prof.step()``: step 2 lost Adam's
+    update rows and its moments in the memory table (the hooks moved mid-step, the sampler's counts started
+    again), and the change was dated 2, a step Adam made. Now step 2 keeps Adam's updates (cast by hand) and
+    states, and the change is dated 3, SGD's first step; ``sample_every=3``: step 2 is not sampled, the date
+    still 3."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt: torch.optim.Optimizer = torch.optim.Adam(m.parameters(), lr=1e-3)
+    w = m[0].weight
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    states: dict[int, int] = {}
+    prof = precprof.Profiler(m, optimizer=opt, sample_every=sample_every, memory_every=1)
+    with prof:
+        for step in range(5):
+            nn.functional.cross_entropy(m(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+            before = w.detach().flatten()[::2].clone()  # 256 of 512 elements sampled: every second one
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            seen[step] = (before, w.detach().flatten()[::2].clone())
+            states[step] = _state_bytes(opt)
+            if step == 2:
+                opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+                prof.use_optimizer(opt)
+            prof.step()
+    tables = prof.tables()
+    layers = tables["layers"]
+    updates = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
+    rows = updates[(updates[T.MODULE] == "0") & (updates[T.PARAM] == "weight")].set_index(T.STEP)
+    sampled = list(range(0, 5, sample_every))
+    assert sorted(rows.index) == sampled
+    for step in sampled:
+        before, after = seen[step]
+        delta = after - before
+        held = before.bfloat16()
+        assert rows.loc[step, T.LOST_UPDATE_BF16] == int(
+            (((held.float() + delta).bfloat16() == held) & (delta != 0)).sum()
+        )
+    memory = tables["memory"]
+    held_states = memory[memory[T.COMPONENT] == T.OPTIMIZER_STATES].groupby(T.STEP)[T.BYTES].sum()
+    assert {s: int(held_states[s]) for s in sampled} == {s: states[s] for s in sampled}
+    assert states[2] == 2 * 4 * 676 + 4 * 4 and states[3] == 4 * 676  # Adam's two moments; SGD's momentum
+    assert prof.summary()["optimizer_changes"] == [{"step": 3, "from": "Adam", "to": "SGD"}]
+
+
 def test_an_optimizer_given_after_the_profiler_was_made_without_one_has_its_updates_sampled() -> None:
     """A Profiler made without an optimizer, told of one at step 1: its updates are sampled from then on."""
     torch.manual_seed(0)

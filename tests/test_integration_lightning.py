@@ -412,6 +412,56 @@ def test_an_optimizer_set_on_the_trainer_mid_fit_is_followed(tmp_path: Path, swi
     assert capture["optimizer_changes"] == [{"step": 2, "from": "AdamW", "to": "SGD"}]
 
 
+class _SwitchToSGDAtBatchEnd(L.Callback):  # type: ignore[misc]
+    """Sets SGD as the trainer's optimizer at the end of batch ``at``, once AdamW stepped in it."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.states: dict[int, int] = {}  # the bytes of the states of the optimizer that stepped, per batch
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        opt = trainer.optimizers[0]
+        self.states[batch_idx] = sum(
+            t.nbytes for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)
+        )
+        if batch_idx == self.at:
+            trainer.optimizers = [torch.optim.SGD(pl_module.parameters(), lr=0.1, momentum=0.9)]
+
+
+def test_an_optimizer_set_at_the_end_of_a_batch_that_stepped_is_followed_from_the_next(
+    tmp_path: Path,
+) -> None:
+    """A callback before precprof's sets SGD at the end of batch 1, after AdamW stepped in it: step 1 lost its
+    AdamW update rows and its states in the memory table, and the switch was dated 1. Now step 1 keeps them
+    (AdamW's two moments and step counter, counted by hand) and the switch is dated 2, SGD's first step."""
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False, memory_every=1)
+    switch = _SwitchToSGDAtBatchEnd(at=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[switch, cb],
+        max_steps=4,
+    )
+    module = TinyLM()
+    trainer.fit(module, loader())
+    tables = T.read_tables(cb.run_dir)
+    layers = tables["layers"]
+    updates = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
+    n_params = len(list(module.parameters()))
+    assert updates.groupby(T.STEP).size().to_dict() == {0: n_params, 1: n_params, 2: n_params, 3: n_params}
+    memory = tables["memory"]
+    held = memory[memory[T.COMPONENT] == T.OPTIMIZER_STATES].groupby(T.STEP)[T.BYTES].sum()
+    assert {s: int(held[s]) for s in range(4)} == switch.states
+    capture = T.read_summary(cb.run_dir)[T.SUMMARY_CAPTURE]
+    assert capture["optimizer_changes"] == [{"step": 2, "from": "AdamW", "to": "SGD"}]
+
+
 class TinyLMThenSGD(TinyLM):
     """TinyLM whose optimizer is AdamW, then SGD with momentum once ``sgd`` is set (a second fit that makes its
     optimizer anew, as Lightning calls ``configure_optimizers`` again for each fit)."""

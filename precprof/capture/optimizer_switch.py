@@ -35,26 +35,64 @@ class OptimizerSwitch:
     _tracker: Any
     _collector: Any
     _updates: UpdateSampler | None
+    # the step the optimizers followed last stepped in (-1: none yet), its hook on each, and the optimizers a
+    # switch after their step in the step in progress moves the hooks to once it ends (``use_optimizer``)
+    _stepped_at: int = -1
+    _step_watch: tuple[Any, ...] = ()
+    _switch_due: list[Any] | None = None
 
     def use_optimizer(self, optimizer: Any) -> None:
-        """Follow ``optimizer`` (one, a list of them, or None) from the step in progress on, in place of the
-        optimizers the Profiler follows now: its step is the one whose updates are sampled (``weight_update``
-        rows), its states are what the memory table counts as ``optimizer_states``, and its class and settings are
-        the summary's ``optimizer``. Call it once the new optimizer is made, before its first ``step()`` (a
-        switch in the middle of a sampled step, after the old optimizer stepped, leaves that step without
-        ``weight_update`` rows). The change goes into the summary's ``optimizer_changes`` as ``{"step", "from",
-        "to"}`` (the first step of the new optimizer, the classes). The optimizers followed already: nothing."""
+        """Follow ``optimizer`` (one, a list of them, or None) in place of the optimizers the Profiler follows now:
+        its step is the one whose updates are sampled (``weight_update`` rows), its states are what the memory
+        table counts as ``optimizer_states``, and its class and settings are the summary's ``optimizer``. Call it
+        once the new optimizer is made, before its first ``step()``. From the step in progress on, or from the
+        next one when the old optimizer stepped in this one already (a switch after ``old.step()``, before
+        ``prof.step()``): that step keeps the old one's updates and states. The change goes into the summary's
+        ``optimizer_changes`` as ``{"step", "from", "to"}`` (the first step of the new optimizer, the classes).
+        The optimizers followed already: nothing."""
         new = given_optimizers(optimizer)
         if list(map(id, new)) == list(map(id, self.optimizers)):
             return
-        self._optimizer_changes.append(
-            {"step": self._step, "from": optimizer_class(self.optimizers), "to": optimizer_class(new)}
-        )
+        stepped = self._attached and self._stepped_at == self._step
+        change = {
+            "step": self._step + stepped,
+            "from": optimizer_class(self.optimizers),
+            "to": optimizer_class(new),
+        }
+        self._optimizer_changes.append(change)
         self.optimizers, self.optimizer = new, new[0] if new else None
         # on once an optimizer is known (rows sampled before a switch to none stay said)
         self.weight_updates = self.weight_updates or (self._updates_asked and bool(new))
         if self._attached:
-            self._move_hooks(new)
+            self._watch_steps()
+            if stepped:  # the step in progress keeps the old one's hooks: moved when the next one begins
+                self._switch_due = new
+            else:
+                self._move_hooks(new)
+
+    def _watch_steps(self) -> None:
+        """A step post-hook on each optimizer followed, for the step it last stepped in (``_stepped_at``), on every
+        step (the sampled steps' hooks are on them only then): a Python call per optimizer step, outside the
+        model."""
+        self._unwatch_steps()
+        self._step_watch = tuple(
+            opt.register_step_post_hook(self._optimizer_stepped) for opt in self.optimizers
+        )
+
+    def _unwatch_steps(self) -> None:
+        """The step post-hooks off (at detach, with the hooks a switch was to move: there are none now)."""
+        for h in self._step_watch:
+            h.remove()
+        self._step_watch, self._switch_due = (), None
+
+    def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._stepped_at = self._step
+
+    def _take_switch(self) -> None:
+        """The hooks moved to the optimizers a switch after the old one's step left for this step (``use_optimizer``)."""
+        if self._switch_due is not None:
+            self._move_hooks(self._switch_due)
+            self._switch_due = None
 
     def _move_hooks(self, new: list[Any]) -> None:
         """The attached hooks and the update sampler moved to ``new``."""

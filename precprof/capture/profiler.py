@@ -345,6 +345,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             scaled=self._scales_loss,
             root=self.model,
         )
+        self._watch_steps()
         if self.scaler is not None and hasattr(self.scaler, "update"):
             self._scaler_watch = ScalerWatch(
                 self.scaler, self._device, lambda: self._attached, optimizers=self.optimizers
@@ -396,6 +397,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         return self._reducer is None or bool(getattr(self._reducer, "is_writer", True))
 
     def _remove_hooks(self) -> None:
+        self._unwatch_steps()
         if self._hooks is not None:
             self._hooks.remove(finished=False)  # a step still in progress at detach was cut off
         _compat.restore_stance(self._stance)
@@ -543,6 +545,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             gap = torch.tensor([self._sampler.plan_gap()], dtype=torch.int64, device=self._device)
             self._sampler.next_step = self._step + int(self._reducer.reduce_max(gap).item())
         self._step += 1
+        self._take_switch()
         self._begin_step()
 
     @contextlib.contextmanager
@@ -586,17 +589,3 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             scope: contextlib.AbstractContextManager[None] = self._tracker.scope(name)
             return scope
         return contextlib.nullcontext()
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Bytes precprof holds persistently on the device: statistics rows and update samples. The memory
-        tracker's own bytes are host Python objects (addresses, totals), not device memory: not counted."""
-        total = self._buffer.buffer_bytes if self._buffer is not None else 0
-        if self._updates is not None:
-            total += self._updates.nbytes
-        return total
-
-    @property
-    def scratch_bytes(self) -> int:
-        """Bytes of reusable scratch the statistics hold (bounded by the chunk size)."""
-        return self._buffer.scratch_bytes if self._buffer is not None else 0

@@ -78,6 +78,20 @@ class ProfilerResults:
     _resume: bool
 
     @property
+    def buffer_bytes(self) -> int:
+        """Bytes precprof holds persistently on the device: statistics rows and update samples. The memory
+        tracker's own bytes are host Python objects (addresses, totals), not device memory: not counted."""
+        total = self._buffer.buffer_bytes if self._buffer is not None else 0
+        if self._updates is not None:
+            total += self._updates.nbytes
+        return total
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of reusable scratch the statistics hold (bounded by the chunk size)."""
+        return self._buffer.scratch_bytes if self._buffer is not None else 0
+
+    @property
     def _autocast_seen(self) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -86,14 +100,6 @@ class ProfilerResults:
         raise NotImplementedError
 
     def _flush(self, sampled_step_done: bool) -> None:
-        raise NotImplementedError
-
-    @property
-    def buffer_bytes(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def scratch_bytes(self) -> int:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------- the run directory

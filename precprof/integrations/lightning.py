@@ -239,7 +239,8 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         """New optimizers set on the trainer during the fit (a callback's ``trainer.optimizers = [SGD(...)]`` at
         an epoch, or ``trainer.strategy.setup_optimizers(trainer)`` after unfreezing layers): the Profiler's hooks
         stayed on the old ones' steps. It follows them now (``Profiler.use_optimizer``): before the batch when
-        they were set before it, else at its end (that step's updates are not sampled)."""
+        they were set before it, else at its end (that step's updates are not sampled; set once the batch's old
+        optimizers stepped, from the next step on, that step keeping their updates and states)."""
         prof = self.profiler
         optimizers = list(getattr(trainer, "optimizers", []) or [])
         if prof is None or list(map(id, optimizers)) == list(map(id, self._optimizers)):
