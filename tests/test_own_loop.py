@@ -434,6 +434,40 @@ def test_layers_whose_weight_gradients_alone_went_unread_are_named(tmp_path: Pat
 
 
 @pytest.mark.parametrize("given", [False, True])
+class _SparseLookup(nn.Module):
+    """An embedding with sparse gradients, read by a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 16, sparse=True)
+        self.fc = nn.Linear(16, 100)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(ids))
+
+
+def test_a_sparse_gradient_precprof_skips_is_not_named_unread(tmp_path: Path) -> None:
+    """``nn.Embedding(sparse=True)``: its weight's gradient reaches ``.grad`` every step, sparse (the test's own
+    check), and precprof skips it and says so. The note on unread weight gradients named ``emb`` all the same,
+    telling the user to give the optimizer that was given. A skipped gradient is no unread one."""
+    torch.manual_seed(0)
+    model = _SparseLookup()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(model, opt, sample_every=1, memory=False) as prof:
+        for _ in range(3):
+            ids = torch.randint(0, 100, (4, 8))
+            nn.functional.cross_entropy(model(ids).view(-1, 100), ids.view(-1)).backward()
+            grad = model.emb.weight.grad
+            assert grad is not None and grad.is_sparse and grad.coalesce().values().numel() > 0
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    summary = prof.summary()
+    assert summary["weight_grads_unread_steps"] == 0 and summary["weight_grads_unread_modules"] == {}
+    layers = prof.tables()["layers"]
+    assert set(layers[layers[T.TENSOR] == T.WEIGHT_GRAD][T.MODULE]) == {"fc"}
+
+
 def test_an_optimizer_stepped_inside_backward_is_told_apart_and_read_when_given(
     tmp_path: Path, given: bool
 ) -> None:

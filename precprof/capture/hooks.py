@@ -271,11 +271,14 @@ class StepHooks(GradientReads, GemmInputs):
     def _count_unread_weight_grads(self) -> None:
         """A sampled step whose backward reached the modules' outputs but left no parameter a gradient in
         ``.grad`` while some train (a loop taking its gradients with ``torch.autograd.grad``, which accumulates
-        none): its weight gradients are not read, and the summary says so (``weight_grads_unread``)."""
-        calls = self.rows.calls
+        none): its weight gradients are not read, and the summary says so (``weight_grads_unread``). A gradient
+        that reached ``.grad`` but was skipped (a sparse embedding's, counted in ``skipped_tensors``) is no
+        unread one."""
+        calls, skipped = self.rows.calls, self.buffer.skipped
         if not self.installed or not any(ps.tensor.requires_grad for ps in self.plan.params):
             return
-        if not any(map(calls.__getitem__, self._weight_grad_rows)):
+        reached = [calls[r] or skipped[r] for r in range(len(calls))]
+        if not any(map(reached.__getitem__, self._weight_grad_rows)):
             if any(map(calls.__getitem__, self._grad_rows)):  # (an output's gradient, then)
                 self.weight_grads_unread += 1
             return
@@ -284,7 +287,7 @@ class StepHooks(GradientReads, GemmInputs):
         for slot, params in self._weight_grads:
             trained = [g for p, _, g in params if g >= 0 and p.requires_grad]
             out = slot.activation_grad
-            if trained and out >= 0 and calls[out] and not any(map(calls.__getitem__, trained)):
+            if trained and out >= 0 and calls[out] and not any(map(reached.__getitem__, trained)):
                 self.weight_grads_unread_in[slot.name] = self.weight_grads_unread_in.get(slot.name, 0) + 1
 
     def _clear_outputs(self) -> None:
