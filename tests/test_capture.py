@@ -714,6 +714,38 @@ def test_an_optimizer_switched_after_the_old_one_stepped_is_followed_from_the_ne
     assert prof.summary()["optimizer_changes"] == [{"step": 3, "from": "Adam", "to": "SGD"}]
 
 
+@pytest.mark.parametrize("attached", [False, True])
+def test_an_optimizer_switched_before_the_old_one_ever_stepped_is_no_change(attached: bool) -> None:
+    """``Profiler(m, optimizer=adam)``, then ``prof.use_optimizer(sgd)`` before ``with prof:`` (or inside it,
+    before the first step): Adam never stepped, yet the summary said 'optimizer changed from Adam to SGD at
+    step 0'. The run's optimizer is simply SGD; its updates are sampled from step 0 (the test checks that
+    step 0's update is SGD's: the weight moved by lr times the gradient, exactly)."""
+    torch.manual_seed(0)
+    m = nn.Linear(8, 8)
+    adam = torch.optim.Adam(m.parameters(), lr=1e-3)
+    sgd = torch.optim.SGD(m.parameters(), lr=0.5)
+    prof = precprof.Profiler(m, optimizer=adam, sample_every=1, memory=False)
+    if not attached:
+        prof.use_optimizer(sgd)
+    with prof:
+        if attached:
+            prof.use_optimizer(sgd)
+        for _ in range(2):
+            m(torch.randn(4, 8)).square().mean().backward()
+            before = m.weight.detach().clone()
+            assert m.weight.grad is not None
+            step = 0.5 * m.weight.grad
+            sgd.step()
+            torch.testing.assert_close(m.weight.detach(), before - step, rtol=0, atol=0)
+            sgd.zero_grad(set_to_none=True)
+            prof.step()
+    layers = prof.tables()["layers"]
+    updates = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
+    assert sorted(set(updates[T.STEP])) == [0, 1]
+    summary = prof.summary()
+    assert summary["optimizer"]["class"] == "SGD" and summary["optimizer_changes"] == []
+
+
 def test_an_optimizer_given_after_the_profiler_was_made_without_one_has_its_updates_sampled() -> None:
     """A Profiler made without an optimizer, told of one at step 1: its updates are sampled from then on."""
     torch.manual_seed(0)

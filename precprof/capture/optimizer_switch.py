@@ -29,6 +29,7 @@ class OptimizerSwitch:
     _optimizer_changes: list[dict[str, Any]]
     _attached: bool
     _step: int
+    _first_step: int
     _device: torch.device
     _plan: CapturePlan | None
     _hooks: Any
@@ -48,18 +49,19 @@ class OptimizerSwitch:
         once the new optimizer is made, before its first ``step()``. From the step in progress on, or from the
         next one when the old optimizer stepped in this one already (a switch after ``old.step()``, before
         ``prof.step()``): that step keeps the old one's updates and states. The change goes into the summary's
-        ``optimizer_changes`` as ``{"step", "from", "to"}`` (the first step of the new optimizer, the classes).
-        The optimizers followed already: nothing."""
+        ``optimizer_changes`` as ``{"step", "from", "to"}`` (the first step of the new optimizer, the classes);
+        before the Profiler is attached, or before the old optimizer stepped, there is no change to say (the
+        optimizer the run trains with is simply the new one). The optimizers followed already: nothing."""
         new = given_optimizers(optimizer)
         if list(map(id, new)) == list(map(id, self.optimizers)):
             return
         stepped = self._attached and self._stepped_at == self._step
-        change = {
-            "step": self._step + stepped,
-            "from": optimizer_class(self.optimizers),
-            "to": optimizer_class(new),
-        }
-        self._optimizer_changes.append(change)
+        # (a Profiler given no optimizer: the steps before were an optimizer's it was not told of)
+        if self._attached and (self._stepped_at >= 0 if self.optimizers else self._step > self._first_step):
+            old = optimizer_class(self.optimizers)
+            self._optimizer_changes.append(
+                {"step": self._step + stepped, "from": old, "to": optimizer_class(new)}
+            )
         self.optimizers, self.optimizer = new, new[0] if new else None
         # on once an optimizer is known (rows sampled before a switch to none stay said)
         self.weight_updates = self.weight_updates or (self._updates_asked and bool(new))
