@@ -768,6 +768,7 @@ class HookSet:
         modules: list[tuple[Any, Any, Any, bool]],
         params: list[tuple[torch.Tensor, Any]],
         kwargs_pre: Any = None,
+        kwargs_entries: Sequence[int] = (),
     ) -> None:
         # (module, pre-hook or None, forward hook or None, always_call)
         self._modules = [
@@ -780,9 +781,11 @@ class HookSet:
             for m, pre, post, always in modules
         ]
         self._params = params  # (parameter, hook)
-        # the entry (if any) whose pre-hook also takes the forward's keyword arguments, (module, args, kwargs): the
-        # first of the module ``kwargs_pre`` (a model that is one captured layer has a second, which does not)
-        self._kwargs_at = next((k for k, (m, _, _, _) in enumerate(modules) if m is kwargs_pre), -1)
+        # the entries whose pre-hook also takes the forward's keyword arguments, (module, args, kwargs): the first
+        # of the module ``kwargs_pre`` (a model that is one captured layer has a second, which need not) and
+        # those of ``kwargs_entries``
+        first = next((k for k, (m, _, _, _) in enumerate(modules) if m is kwargs_pre), None)
+        self._kwargs_at = set(kwargs_entries) | ({first} if first is not None else set())
         self._ids = reserve_hook_ids(2 * len(modules) + len(params))
         self._direct = all(
             isinstance(getattr(m, "_forward_pre_hooks", None), dict)
@@ -804,7 +807,7 @@ class HookSet:
             add = self._handles.append
             for k, (m, pre, post, always) in enumerate(self._modules):
                 if pre is not None:
-                    add(m.register_forward_pre_hook(pre, with_kwargs=k == self._kwargs_at))
+                    add(m.register_forward_pre_hook(pre, with_kwargs=k in self._kwargs_at))
                 if post is not None:
                     add(m.register_forward_hook(post, always_call=always))
             for p, hook in self._params:
@@ -817,7 +820,7 @@ class HookSet:
             i, j = next(ids), next(ids)
             if pre is not None:
                 m._forward_pre_hooks[i] = pre
-                if k == self._kwargs_at:
+                if k in self._kwargs_at:
                     m._forward_pre_hooks_with_kwargs[i] = True
             if post is not None:
                 m._forward_hooks[j] = post

@@ -364,6 +364,40 @@ def test_a_model_input_given_by_keyword_is_the_models_own_input(block_formats_on
     assert f is not None and "body.0:input is the model's own input" in f.remedy
 
 
+class _KeywordCall(nn.Module):
+    """A linear layer given its input by keyword, ``self.fc(input=h)``, on values 1e5 times larger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(input=x * 1e5)
+
+
+@pytest.mark.parametrize("root", [False, True])
+def test_a_layer_given_its_input_by_keyword_has_its_input_read(block_formats_on: None, root: bool) -> None:
+    """``self.fc(input=h)``, or a model that is one ``nn.Linear`` called ``model(input=x)``: the pre-hook read
+    the positional arguments only, so the layer had no ``:input`` row (the values it reads, here over fp16's
+    range) and the model no ``model_inputs``. Read by keyword as by position: the overflows are a real cast's."""
+    torch.manual_seed(0)
+    model: nn.Module = nn.Linear(8, 4) if root else _KeywordCall()
+    name = ":input" if root else "fc:input"
+    over = {}
+    with precprof.Profiler(model, sample_every=1, memory=False) as prof:
+        for step in range(2):
+            x = torch.randn(4, 8)
+            big = x * 1e5
+            over[step] = int(torch.isinf(big.half()).sum())
+            (model(input=big) if root else model(x)).square().mean().backward()
+            prof.step()
+    layers = prof.tables()["layers"]
+    rows = layers[layers[T.MODULE] == name].set_index(T.STEP)
+    assert rows[T.NUMEL].to_dict() == {0: 32, 1: 32}
+    assert rows["overflow_fp16"].to_dict() == over and over[0] > 0
+    assert prof.summary()["model_inputs"] == ([":input"] if root else [])
+
+
 def test_a_model_input_kept_in_fp32_is_not_counted_as_cast(block_formats_on: None) -> None:
     """The same model under fp16 autocast with ``body`` run outside it: body.0 reads the input in fp32 and
     casts nothing. The capture read autocast's state at the first recorded forward, body.0's, outside autocast,

@@ -68,6 +68,7 @@ from precprof.capture.records import (
     _weights_key,
     autocast_state,
     dtype_bit,
+    input_keyword,
 )
 from precprof.capture.updates import UpdateSampler
 
@@ -126,11 +127,13 @@ class StepHooks(GradientReads, GemmInputs):
         # the tensors the model's outermost forward was called with, by id, while it runs (``_gemm_input``)
         self._model_inputs: set[int] = set()
         roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
-        # the root's pre-hook takes the forward's keyword arguments too: model(x=features), model(**batch)
+        # the root's pre-hook takes the forward's keyword arguments too: model(x=features), model(**batch); so
+        # do those of the modules whose input is read, called with it by keyword (self.fc(input=h))
         self._hookset = _compat.HookSet(
             roots + [(s.module, self._make_pre_hook(s), self._make_fwd_hook(s), False) for s in plan.modules],
             [(ps.tensor, self._make_param_hook(ps)) for ps in plan.params if ps.grad_row >= 0],
             kwargs_pre=root,
+            kwargs_entries=[len(roots) + k for k, s in enumerate(plan.modules) if s.reads_input],
         )
         # the parameters read at the step's first captured forward, and each one's row
         self._weights = [(p, row) for s in plan.modules for _, p, row in s.weights]
@@ -359,14 +362,17 @@ class StepHooks(GradientReads, GemmInputs):
         return self._turn_weights[1]
 
     # ------------------------------------------------------------------------------------------- hooks
-    def _make_pre_hook(self, slot: _ModuleSlot) -> Callable[[nn.Module, Any], None]:
-        def pre_hook(module: nn.Module, args: Any) -> None:
+    def _make_pre_hook(self, slot: _ModuleSlot) -> Callable[..., None]:
+        key = input_keyword(slot.module) if slot.reads_input else None  # its input's name, given by keyword
+
+        def pre_hook(module: nn.Module, args: Any, kwargs: Any = None) -> None:
             if not self.installed:
                 return None
+            x = args[0] if args else kwargs.get(key) if kwargs else None
             why = self._not_read()
             if why:
-                if why == _FIRST_PASS and slot.reads_input and args and isinstance(args[0], _Tensor):
-                    self._first_pass_input(slot, args[0])
+                if why == _FIRST_PASS and slot.reads_input and isinstance(x, _Tensor):
+                    self._first_pass_input(slot, x)
                 self._skipped_forward(slot, why)
                 return None
             if self._weights_read is None:
@@ -374,8 +380,8 @@ class StepHooks(GradientReads, GemmInputs):
             if self._grads_due and _compat.backward_pass_id() is None:
                 self._read_grads()  # announced by a backward pass that raised, whose read never ran
             turn = slot.block_group == self.turn
-            if slot.reads_input and args and isinstance(args[0], _Tensor):
-                self._gemm_input(slot, args[0], turn)
+            if slot.reads_input and isinstance(x, _Tensor):
+                self._gemm_input(slot, x, turn)
             if slot.order < 0:
                 slot.order = self.order
                 self.order += 1

@@ -4,6 +4,7 @@ and flush share."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -340,3 +341,16 @@ def autocast_state(device_type: str) -> dict[str, Any]:
         "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
         "device_type": device_type,
     }
+
+
+def input_keyword(module: nn.Module) -> str | None:
+    """The name of the first argument of ``module``'s forward (``input`` for ``nn.Linear``): its input when the
+    module is called with it by keyword (``self.fc(input=h)``). None when the forward has none it can name."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    first = params[0] if params else None
+    if first is None or first.kind not in (first.POSITIONAL_OR_KEYWORD, first.KEYWORD_ONLY):
+        return None
+    return first.name
