@@ -1251,6 +1251,39 @@ def test_a_nan_made_outside_the_modules_is_dated_by_the_loss(nan_from: int) -> N
     assert not [g for g in rec.findings if "forward pass was finite" in g.message]
 
 
+class NanOutsideAfterAFunction(NanOutsideItsModules):
+    """The same, with out reading a function's output (tanh), which block formats record as out's input row."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.out(torch.tanh(self.emb(x)))
+        return logits * float("nan") if self.step >= self.nan_from else logits
+
+
+@pytest.mark.usefixtures("block_formats_on")
+def test_a_layers_input_row_is_not_counted_as_a_module_of_its_own() -> None:
+    """With block formats on, out's input has a row of its own ("out:input"). The finding said "every output and
+    weight of the 3 module(s) recorded" of a model of two (the nan run of the report: 11 of 9 layers profiled).
+    It counts the modules, each input row with the layer reading it."""
+    torch.manual_seed(0)
+    model = NanOutsideAfterAFunction(nan_from=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    with Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for step in range(3):
+            model.step = step
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    layers = prof.tables()["layers"]
+    assert T.input_module("out") in set(layers[T.MODULE])  # the row the count must not add
+    leaves = [name for name, m in model.named_modules() if name and not list(m.children())]
+    f = must(recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}), "nonfinite_forward")
+    assert f.numbers["finite_modules"] == len(leaves) == 2
+    assert "every output and weight of the 2 module(s) recorded" in f.message
+
+
 @pytest.mark.parametrize("blown_by", ["adamw", "sgd"])
 def test_beside_another_optimizer_adam_is_told_of_its_own_weights_only(blown_by: str) -> None:
     """An fp16 model stepped by two optimizers: SGD for the linear layers, AdamW (eps 1e-8, 0 in fp16) for the

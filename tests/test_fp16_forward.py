@@ -38,6 +38,9 @@ def test_a_linear_whose_input_overflowed_in_the_cast_is_not_said_to_overflow_ins
     f = run.recommend("t4").finding("fp16_activation_overflow")
     assert f is not None and f.severity == "critical"
     assert "inside" not in f.message and "log_softmax" not in f.remedy
+    # fc1's input row and fc1 are one module (the title said "in 2 module(s)" of the one layer hooked above)
+    assert f.title == "Activations overflow fp16 in 1 module(s)" and f.numbers["modules"] == 1
+    assert f.message.startswith("1 layer(s) read an input beyond fp16's 65504 (")
     assert (
         f"fc1:input: max |x| {max(float(x.abs().max()) for x in xs):.3g}, {over} values over 65504"
         in f.message

@@ -79,6 +79,12 @@ def _under_any(module: str, parents: set[str]) -> bool:
     return any(a in parents for a in _ancestors(module))
 
 
+def _n_modules(rows: Iterable[str]) -> int:
+    """How many modules ``rows`` name: a layer's own input row (``T.input_module``) belongs to the layer that
+    reads it, so "fc:input" and "fc" are one module (a count of rows read "303 module(s)" of a model of 303)."""
+    return len({m.removesuffix(T.INPUT_SUFFIX) for m in rows})
+
+
 def _owner(module: str, model_inputs: Collection[str] = ()) -> str:
     """The module to act on for a row's module name: itself, or, for a layer's own input row
     (``T.input_module``: a function's output), the module whose forward ran that function, the layer's parent;

@@ -18,6 +18,7 @@ from precprof.analysis.advisor.evidence import (
     _lost_norm_share,
     _model_inputs,
     _modules_to_keep,
+    _n_modules,
     _nonzero,
     _normalise_remedy,
     _num,
@@ -78,7 +79,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 "fp16_activation_near_overflow",
                 WARNING,
                 f"Activations within {2**cfg.fp16_activation_headroom_log2}x of fp16's limit",
-                f"{len(near_mods)} module(s) reach |x| >= {_g(limit)} (65504 / "
+                f"{_n_modules(near_mods)} module(s) reach |x| >= {_g(limit)} (65504 / "
                 f"{2**cfg.fp16_activation_headroom_log2}): "
                 + "; ".join(
                     f"{_name(m)}: {_g(per_mod.loc[m, 'absmax'])}" for m in near_mods[: cfg.max_listed_modules]
@@ -87,7 +88,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 "Keep these modules in fp32 under fp16, or use bf16.",
                 modules=near_mods,
                 numbers={
-                    "modules": len(near_mods),
+                    "modules": _n_modules(near_mods),
                     "absmax": _num(per_mod.loc[near_mods, "absmax"].max()),
                     "limit": limit,
                 },
@@ -205,9 +206,9 @@ def _add_overflow_finding(
         Finding(
             "fp16_activation_overflow",
             CRITICAL if observed else WARNING,
-            f"Activations overflow fp16 in {len(overflow_mods)} module(s)"
+            f"Activations overflow fp16 in {_n_modules(overflow_mods)} module(s)"
             if beyond
-            else f"fp16 activations turn inf inside {len(overflow_mods)} module(s)",
+            else f"fp16 activations turn inf inside {_n_modules(overflow_mods)} module(s)",
             _overflow_counts(made, observed, n_over, causes)
             + f": {detail}. No loss scale helps the forward pass.",
             "Use bf16, or keep these modules in fp32 (outside autocast)"
@@ -228,7 +229,7 @@ def _add_overflow_finding(
             + ".",
             modules=overflow_mods,
             numbers={
-                "modules": len(overflow_mods),
+                "modules": _n_modules(overflow_mods),
                 "overflow_values": n_over,
                 "absmax": amax if math.isfinite(amax) else None,
                 "observed_inf_modules": len(observed),
@@ -242,10 +243,10 @@ def _overflow_counts(made: list[str], observed: set[str], n_over: int, causes: _
     ``n_over`` values of them that were not fp16), or inf from within its range (``causes``)."""
     parts = (
         [
-            f"{len(made)} module(s) produce activations beyond fp16's 65504 ({n_over:,} values in fp32/bf16 "
-            "tensors would become inf"
+            _beyond_words(made)
+            + f" ({n_over:,} values in fp32/bf16 tensors would become inf"
             + (
-                f"; {len(observed & set(made))} module(s) already produced inf in fp16"
+                f"; {_n_modules(observed & set(made))} module(s) already produced inf in fp16"
                 if observed & set(made)
                 else ""
             )
@@ -255,7 +256,7 @@ def _overflow_counts(made: list[str], observed: set[str], n_over: int, causes: _
         else []
     )
     if causes.fed:
-        parts.append(f"{len(causes.fed)} module(s) made inf of an input that overflowed")
+        parts.append(f"{_n_modules(causes.fed)} module(s) made inf of an input that overflowed")
     if causes.matmul:
         parts.append(f"{len(causes.matmul)} matmul layer(s) made inf of an input or a sum beyond 65504")
     if causes.inside:
@@ -265,6 +266,17 @@ def _overflow_counts(made: list[str], observed: set[str], n_over: int, causes: _
             else f"{len(causes.inside)} module(s) produced inf in fp16 from values within its range"
         )
     return ", and ".join(parts)
+
+
+def _beyond_words(made: list[str]) -> str:
+    """Which rows went beyond fp16's 65504 (``made``), in modules: those whose output did, and the layers whose
+    own input row did (a layer's input row is counted with that layer, not as a module of its own)."""
+    outputs = [m for m in made if not m.endswith(T.INPUT_SUFFIX)]
+    inputs = _n_modules(m for m in made if m.endswith(T.INPUT_SUFFIX))
+    said = [f"{len(outputs)} module(s) produce activations beyond fp16's 65504"] if outputs else []
+    if inputs:
+        said.append(f"{inputs} layer(s) read an input beyond " + ("it" if outputs else "fp16's 65504"))
+    return " and ".join(said)
 
 
 def _fed_overflow(run: _Run, observed: set[str], overflowed: set[str]) -> dict[str, list[str]]:

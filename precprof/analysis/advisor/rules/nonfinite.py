@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from precprof import tables as T
-from precprof.analysis.advisor.evidence import _innermost, _Plan, _Run
+from precprof.analysis.advisor.evidence import _innermost, _n_modules, _Plan, _Run
 from precprof.analysis.advisor.model import CRITICAL, WARNING, Finding, Number
 from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2
 from precprof.formats import FP16
@@ -280,7 +280,7 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
                 f"({run.types.get(first, '?')}) holds {nan} nan and {inf} inf values; it is the first "
                 f"module {'called once ' if reused else ''}in forward order to do so ({len(module_steps)} "
                 "sampled step(s) affected, "
-                f"{at[T.MODULE].nunique()} module(s) at step {step}).{_reused_words(reused, first)}{skips}",
+                f"{_n_modules(at[T.MODULE].unique())} module(s) at step {step}).{_reused_words(reused, first)}{skips}",
                 f"Inspect {_name(first)}'s inputs and weights at step {step}: a division, log or exp "
                 + (
                     "without a guard, or an fp16 overflow (keep it in fp32)."
@@ -448,7 +448,7 @@ def _outside_the_modules(run: _Run, streaks: list[tuple[int, int]], step: int, a
     loss = run.steps[run.steps[T.STEP] == step][T.LOSS]
     kind = "inf" if len(loss) and pd.notna(loss.iloc[0]) and math.isinf(float(loss.iloc[0])) else "nan"
     at = run.layers[run.layers[T.STEP] == step]
-    n_modules = int(at[at[T.TENSOR].isin((T.ACTIVATION, T.WEIGHT))][T.MODULE].nunique())
+    n_modules = _n_modules(at[at[T.TENSOR].isin((T.ACTIVATION, T.WEIGHT))][T.MODULE].unique())
     facts = _step_facts(run, streaks, step)
     skips, skip_nums = _skips(facts, step)
     return Finding(
