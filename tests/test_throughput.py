@@ -60,6 +60,30 @@ def test_missing_times_and_tokens() -> None:
     assert math.isnan(tp["tokens_per_s"]) and tp["step_time_unsampled_median_s"] == 0.5
 
 
+@pytest.mark.parametrize("sampled_at", [(0, 3, 6), (0, 3, 5, 6)])
+def test_the_overhead_card_keeps_to_the_sampled_step_costs_rule(sampled_at: tuple[int, ...]) -> None:
+    """A run cut short after 9 steps, every 3rd sampled (the times of the Ctrl-C run of the report): the header
+    said "precprof's overhead 32.4% of the run's time" from 2 timed sampled steps (step 0, warm-up, is not
+    timed), while it withheld the cost of a sampled step from fewer than 3. Both keep to one rule now."""
+    times = [8.4, 4.41, 0.33, 5.91, 2.16, 3.53, 2.02, 2.04, 1.25]
+    sampled = [s in sampled_at for s in range(len(times))]
+    summary = {T.SUMMARY_CAPTURE: {"sampling": {"mode": "every", "every": 3, "overhead": 0.324}}}
+    head = dict(_headline(summary, _steps(times, sampled), pd.DataFrame()))
+    n_sampled = sum(sampled[1:])  # the first step is left out of both
+    n_plain = len(times) - 1 - n_sampled
+    if n_sampled < 3:
+        assert head["precprof's overhead"] == (
+            f"not measured ({n_sampled} sampled, {n_plain} unsampled steps timed: 3 of each needed)"
+        )
+        assert "a sampled step" not in head  # said once
+    else:
+        assert head["precprof's overhead"] == "32.4% of the run's time"
+        cost = float(np.median([t for t, s in zip(times[1:], sampled[1:], strict=True) if s])) / float(
+            np.median([t for t, s in zip(times[1:], sampled[1:], strict=True) if not s])
+        )
+        assert head["a sampled step"] == f"{cost:.2f}× an unsampled one"
+
+
 def test_a_training_run_reports_and_renders_the_unsampled_rate(tmp_path: Path) -> None:
     cfg = TrainConfig(
         model="gpt-nano",

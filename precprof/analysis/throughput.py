@@ -30,6 +30,12 @@ def _median(values: pd.Series) -> float:
     return float(values.median()) if len(values) else math.nan
 
 
+def timed_enough(tp: dict[str, Any]) -> bool:
+    """Whether ``throughput``'s figures ``tp`` timed at least ``MIN_STEPS`` steps of each kind: the least the
+    page measures a sampled step's cost from, and precprof's overhead, which rests on the same steps' times."""
+    return int(tp["steps_timed_unsampled"]) >= MIN_STEPS and int(tp["steps_timed_sampled"]) >= MIN_STEPS
+
+
 def throughput(steps: pd.DataFrame) -> dict[str, Any]:
     """Throughput figures of a run from its steps table (``T.TIME_S``, ``T.TOKENS``, ``T.SAMPLED``).
 
@@ -65,7 +71,7 @@ def throughput(steps: pd.DataFrame) -> dict[str, Any]:
     out["step_time_sampled_median_s"] = _median(time[profiled])
     out["steps_timed_unsampled"] = int(plain.sum())
     out["steps_timed_sampled"] = int(profiled.sum())
-    if int(plain.sum()) >= MIN_STEPS and int(profiled.sum()) >= MIN_STEPS:
+    if timed_enough(out):
         out["sampled_step_cost"] = out["step_time_sampled_median_s"] / out["step_time_unsampled_median_s"]
     use = plain if int(plain.sum()) >= MIN_STEPS else timed
     out["tokens_per_s_basis"] = BASIS_UNSAMPLED if use is plain else BASIS_ALL

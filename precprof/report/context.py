@@ -18,7 +18,7 @@ import pandas as pd
 from precprof import __version__, formats
 from precprof import tables as T
 from precprof.analysis import snippets as snippet_code
-from precprof.analysis.throughput import throughput
+from precprof.analysis.throughput import MIN_STEPS, throughput, timed_enough
 from precprof.report import blocks, environment, plots, timeline
 from precprof.report import filters as F
 from precprof.report import memory_summary as M
@@ -196,7 +196,7 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
         out.append(("tokens/s", F.num(final["tokens_per_s"])))
     cost = tp["sampled_step_cost"]
     n_s, n_u = tp["steps_timed_sampled"], tp["steps_timed_unsampled"]
-    overhead = _overhead(summary)
+    overhead = _overhead(summary, tp)
     if overhead:  # what the sampler measured precprof took of the run (its steps' added time over the run's)
         out.append(("precprof's overhead", overhead))
     if math.isfinite(cost) and cost >= 1:
@@ -227,9 +227,11 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
     return out
 
 
-def _overhead(summary: Mapping[str, Any]) -> str:
+def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
     """The share of the run's time precprof took, as its sampler measured it (``capture.sampling``), and the
-    budget it kept to: "2.9% of the run's time (budget 3%)"; "" where the summary does not say."""
+    budget it kept to: "2.9% of the run's time (budget 3%)"; "" where the summary does not say. From fewer timed
+    steps than a sampled step's cost is measured from (``tp``, ``timed_enough``), "not measured" and the counts:
+    2 sampled steps of a run cut short made 32.4% where the page withheld the cost of a sampled step."""
     capture = summary.get(T.SUMMARY_CAPTURE)
     sampling = capture.get("sampling") if isinstance(capture, Mapping) else None
     if not isinstance(sampling, Mapping):
@@ -238,9 +240,14 @@ def _overhead(summary: Mapping[str, Any]) -> str:
     if not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
         return ""
     text = f"{F.pct(float(share))} of the run's time"
+    said = []
+    if not timed_enough(tp):
+        text = "not measured"
+        n_s, n_u = F.count(tp["steps_timed_sampled"]), F.count(tp["steps_timed_unsampled"])
+        said.append(f"{n_s} sampled, {n_u} unsampled steps timed: {MIN_STEPS} of each needed")
     if sampling.get("mode") == "budget" and isinstance(budget, (int, float)) and math.isfinite(budget):
-        text += f" (budget {F.pct(float(budget))})"
-    return text
+        said.append(f"budget {F.pct(float(budget))}")
+    return text + (f" ({'; '.join(said)})" if said else "")
 
 
 def heatmap_focus(summary: Mapping[str, Any], rec: Mapping[str, Any] | None) -> tuple[str, str]:
