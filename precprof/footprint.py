@@ -145,10 +145,16 @@ class Footprint:
 
 
 def size_text(n: float) -> str:
-    """Bytes for a message: GiB (one decimal) from 0.1 GiB up, MiB below, TiB from 1024 GiB."""
+    """Bytes for a message: GiB (one decimal) from 0.1 GiB up, TiB from 1024 GiB; below, whole MiB from 10 MiB,
+    MiB with one decimal from 1 MiB, whole KiB under it (whole MiB printed "parameters 0 MiB" of 0.3 MiB, and
+    parts that did not add up to the total beside them)."""
     if n >= 1024 * GiB:
         return f"{n / 2**40:,.1f} TiB"
-    return f"{n / GiB:,.1f} GiB" if n >= 0.1 * GiB else f"{n / 2**20:,.0f} MiB"
+    if n >= 0.1 * GiB:
+        return f"{n / GiB:,.1f} GiB"
+    if n >= 10 * 2**20:
+        return f"{n / 2**20:,.0f} MiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
 
 
 # ------------------------------------------------------------------------------------ available memory

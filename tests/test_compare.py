@@ -1011,7 +1011,7 @@ def test_the_memory_tables_total_adds_up_its_parts_and_the_peak_stands_apart() -
         " ".join(heads[3]) == "total these parts" and " ".join(heads[4]) == "allocator peak not in the total"
     )
     row = re.findall(r"<td[^>]*>(.*?)</td>", table.split("<tbody>", 1)[1].split("</tr>", 1)[0])
-    assert row[1:] == ["2 MiB", "2 MiB", "4 MiB", "3 MiB"], row
+    assert row[1:] == ["2.00 MiB", "2.00 MiB", "4.00 MiB", "3.00 MiB"], row
     assert "the total adds up these parts" in table and "most the allocator held at once" in table
 
 

@@ -551,3 +551,16 @@ def test_the_meta_measure_leaves_out_the_attention_matrices_a_fused_kernel_does_
     loop._refuse_before_building(
         config, plan_precision("fp32", cpu, hardware.detect(cpu)), load_data("synthetic", seed=0), cpu
     )
+
+
+def test_the_console_estimate_shows_small_parts_in_kib() -> None:
+    """The console printed "parameters 0 MiB, gradients 0 MiB" for a small model's 0.3 MiB (whole MiB), parts
+    that did not add up to the total beside them. A Linear(256, 256)'s fp32 parameters read in KiB now, a few
+    MiB with a decimal, and each reads back to within half its last digit."""
+    params = sum(p.numel() * p.element_size() for p in nn.Linear(256, 256).parameters())
+    assert FP.size_text(params) == f"{params / 1024:.0f} KiB" == "257 KiB"
+    for n in (1.56 * 2**20, 9.94 * 2**20, 18.4 * 2**20):
+        number, unit = FP.size_text(n).split(" ")
+        places = len(number.split(".")[1]) if "." in number else 0
+        assert unit == "MiB" and abs(float(number) - n / 2**20) <= 0.5 * 10.0**-places
+        assert places == (1 if n < 10 * 2**20 else 0)

@@ -742,7 +742,7 @@ def test_filters() -> None:
     assert filters.pct(0) == "0%" and filters.pct(0.413) == "41.3%" and filters.pct(1e-9) == "<0.0001%"
     assert filters.pct(math.nan) == filters.MISSING and filters.num(None) == filters.MISSING
     assert filters.pow2(32768.0) == "32,768 (2^15)" and filters.pow2(3.0) == "3"
-    assert filters.nbytes(1536) == "1.5 KiB" and filters.nbytes(3 * 2**30) == "3 GiB"
+    assert filters.nbytes(1536) == "1.50 KiB" and filters.nbytes(3 * 2**30) == "3.00 GiB"
     assert filters.log2mag(0.25) == "0.25 (2^-2)" and filters.num(1.5e-7) == "1.50e-07"
     assert filters.count(1234567.0) == "1,234,567" and filters.num(math.inf) == "inf"
     assert (
@@ -780,6 +780,19 @@ def test_byte_sizes_near_a_thousand_of_a_unit_read_as_numbers(unit: int) -> None
             10.0 ** (math.floor(math.log10(float(digits))) - 2) if "." in digits or len(digits) <= 3 else 1.0
         )
         assert abs(back - v) <= (0.5 * step) * scale[name] + 0.5, (v, text)
+
+
+def test_byte_sizes_show_three_significant_digits_with_their_trailing_zeros() -> None:
+    """The verdict's FP32 peak read "20 MiB" beside the memory section's FP32 total "20.5 MiB": two figures, one
+    shown to fewer digits, as if rounded. Every size of 1 to 999 of a unit shows 3 significant digits now, its
+    trailing zeros kept, and reads back to within half a unit of its 3rd digit."""
+    assert filters.nbytes(20 * 2**20) == "20.0 MiB" and filters.nbytes(20.5 * 2**20) == "20.5 MiB"
+    for k in np.geomspace(1.0, 999.0, 400):
+        number, unit = filters.nbytes(k * 2**20).split(" ")
+        digits = number.replace(".", "").lstrip("0")
+        assert unit == "MiB" and len(digits) == 3, (k, number)
+        step = 10.0 ** (math.floor(math.log10(float(number))) - 2)
+        assert abs(float(number) - k) <= 0.5 * step + 1e-9, (k, number)
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,7 @@ _BYTE_UNITS = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
 
 
 def nbytes(v: Any) -> str:
-    """Bytes in IEC units (KiB, MiB, GiB) with 3 significant digits: 1000 to 1023 of a unit, which would round to
+    """Bytes in IEC units (KiB, MiB, GiB) with 3 significant digits, trailing zeros kept: 1000 to 1023 of a unit, which would round to
     4 digits ("1e+03 KiB" in ``.3g``), are written in the next unit ("0.98 MiB"), or as "1,020 TiB" in the last."""
     f = _float(v)
     if f is None:
@@ -103,8 +103,15 @@ def nbytes(v: Any) -> str:
             if f / div >= 999.5 and i:  # rounds to 1000 or more: the unit above reads 0.977 to 1
                 div, unit = _BYTE_UNITS[i - 1]
             x = f / div
-            return f"{sign}{x:,.0f} {unit}" if x >= 999.5 else f"{sign}{x:.3g} {unit}"
+            return f"{sign}{x:,.0f} {unit}" if x >= 999.5 else f"{sign}{_three_digits(x)} {unit}"
     return f"{sign}{f:.0f} B"
+
+
+def _three_digits(x: float) -> str:
+    """``x`` (at least 1, below 999.5) to 3 significant digits, its trailing zeros kept: "20.0", not "20", beside
+    a "20.5" of another figure on the same page reads as the same precision."""
+    places = 2 - math.floor(math.log10(float(f"{x:.3g}")))
+    return f"{x:.{max(places, 0)}f}"
 
 
 def pow2(v: Any) -> str:
