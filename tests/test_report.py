@@ -31,8 +31,18 @@ from torch import nn
 import precprof
 from precprof import formats, pipeline
 from precprof import tables as T
+from precprof.analysis.advisor.rules import block_losses
 from precprof.errors import UserError
-from precprof.report import filters, plots, render, render_html, render_report, render_run_dir, templates_dir
+from precprof.report import (
+    blocks,
+    filters,
+    plots,
+    render,
+    render_html,
+    render_report,
+    render_run_dir,
+    templates_dir,
+)
 from precprof.report import memory_summary as M
 from precprof.report import numbers as report_numbers
 from precprof.report import summarize as S
@@ -780,6 +790,27 @@ def test_byte_sizes_near_a_thousand_of_a_unit_read_as_numbers(unit: int) -> None
             10.0 ** (math.floor(math.log10(float(digits))) - 2) if "." in digits or len(digits) <= 3 else 1.0
         )
         assert abs(back - v) <= (0.5 * step) * scale[name] + 0.5, (v, text)
+
+
+def test_an_sqnr_beside_its_rule_shows_the_side_it_falls_on() -> None:
+    """The what-if block table showed MXFP4's 17.987 dB as "18.0 dB", shaded as failing "at least 18 dB", and the
+    next row's passing 18.046 dB as "18.0 dB" too. A cell shows the digits that tell it from its recipe's rule;
+    the advisor's reason, the footnote, says the same number."""
+    sqnr = 10 * math.log10(1.0 / 10 ** (-17.987 / 10))  # 17.987 dB: the signal's power over the noise's
+    rec = {
+        "block_what_if": {
+            "layers": [
+                {"module": "a", "choice": "bf16", "recipes": {"mxfp4": {"sqnr_db": sqnr, "fails": "SQNR"}}},
+                {"module": "b", "choice": "mxfp4", "recipes": {"mxfp4": {"sqnr_db": 18.046}}},
+                {"module": "c", "choice": "mxfp4", "recipes": {"mxfp4": {"sqnr_db": 31.24}}},
+            ],
+            "rules": {"fp4_sqnr_min_db": 18.0, "mxfp8_sqnr_min_db": 28.0},
+        }
+    }
+    tab = blocks.table(rec)
+    assert tab is not None
+    assert [r["cells"][0]["sqnr"] for r in tab["rows"]] == ["17.99 dB", "18.0 dB", "31.2 dB"]
+    assert block_losses.db_text(sqnr, 18.0) == "17.99 dB" and block_losses.db_text(sqnr) == "18.0 dB"
 
 
 def test_byte_sizes_show_three_significant_digits_with_their_trailing_zeros() -> None:

@@ -32,18 +32,26 @@ def plan_groups(plan: Any, plan_labels: Mapping[str, str]) -> list[dict[str, Any
 BLOCK_TABLE_RECIPES: tuple[str, ...] = ("mxfp8_e4m3_rceil", "mxfp6_e2m3", "mxfp4", "nvfp4")
 
 
-def db_text(v: Any) -> str:
-    """An SQNR as the page writes it: "31.2 dB", "lossless" for inf, "not finite" for nan."""
+def db_text(v: Any, floor: Any = None) -> str:
+    """An SQNR as the page writes it: "31.2 dB", "lossless" for inf, "not finite" for nan. Beside a rule's
+    ``floor`` (at least 18 dB), as many more digits as show which side of it the value is: 17.987 dB is
+    "17.99 dB", not "18.0 dB" shaded as failing "at least 18 dB"."""
     f = F._float(v)
     if f is None:
         return "not finite"
-    return "lossless" if f == math.inf else f"{f:.1f} dB"
+    if f == math.inf:
+        return "lossless"
+    least = F._float(floor)
+    digits = 1
+    while least is not None and digits < 4 and (float(f"{f:.{digits}f}") >= least) != (f >= least):
+        digits += 1
+    return f"{f:.{digits}f} dB"
 
 
-def _block_cell(cell: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """One recipe's cell: SQNR of the worst operand, the largest flushed and saturated shares, and whether the
-    plan's rule for that recipe passes ("warn" when it does not, ``fails`` saying why: a layer's shape fails
-    a recipe whose numbers all pass)."""
+def _block_cell(cell: Mapping[str, Any] | None, floor: Any = None) -> dict[str, Any] | None:
+    """One recipe's cell: SQNR of the worst operand (to the digits that tell it from the recipe's ``floor``),
+    the largest flushed and saturated shares, and whether the plan's rule for that recipe passes ("warn" when it
+    does not, ``fails`` saying why: a layer's shape fails a recipe whose numbers all pass)."""
     if not cell:
         return None
     fails = str(cell.get("fails") or "")
@@ -52,7 +60,7 @@ def _block_cell(cell: Mapping[str, Any] | None) -> dict[str, Any] | None:
     poisoned = F._float(cell.get("poisoned_share")) or 0.0
     measured = cell.get("measured", True) is not False
     return {
-        "sqnr": db_text(cell.get("sqnr_db")) if measured else "not measured",
+        "sqnr": db_text(cell.get("sqnr_db"), floor) if measured else "not measured",
         "sqnr_v": cell.get("sqnr_db") if measured else None,
         "poisoned": poisoned,
         "measured": measured,
@@ -124,6 +132,11 @@ def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | N
     present = {r for lb in layers for r in (lb.get("recipes") or {})}
     shown = [r for r in BLOCK_TABLE_RECIPES if r in present]
     every = [r for r in T.BLOCK_RECIPES if r in present]
+    rules = data.get("rules") or {}
+
+    def floor(recipe: str) -> Any:  # the SQNR the plan's rule asks of the recipe (the advisor's ``fails``)
+        return rules.get("mxfp8_sqnr_min_db" if recipe.startswith("mxfp8") else "fp4_sqnr_min_db")
+
     rows, details = [], []
     for lb in layers:
         choice = str(lb.get("choice") or "")
@@ -136,11 +149,11 @@ def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | N
                 "plan_format": choice,
                 "why": lb.get("why") or "",
                 "input_from": S.module_label(lb["input_from"]) if lb.get("input_from") is not None else None,
-                "cells": [_block_cell(recipes.get(r)) for r in shown],
+                "cells": [_block_cell(recipes.get(r), floor(r)) for r in shown],
             }
         )
         for op in lb.get("operands") or []:
-            cells = [_block_cell((op.get("recipes") or {}).get(r)) for r in every]
+            cells = [_block_cell((op.get("recipes") or {}).get(r), floor(r)) for r in every]
             if any(c is not None for c in cells):
                 details.append(
                     {
@@ -151,7 +164,6 @@ def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | N
                         "cells": cells,
                     }
                 )
-    rules = data.get("rules") or {}
     return {
         "recipes": [{"name": r, "label": labels.get(r, r)} for r in shown],
         "all_recipes": [{"name": r, "label": labels.get(r, r)} for r in every],

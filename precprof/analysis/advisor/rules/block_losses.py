@@ -173,11 +173,18 @@ class LayerBlocks:
         return max((len(v) for v in self.losses.values()), default=0)
 
 
-def db_text(v: float) -> str:
-    """An SQNR as the page and the messages write it: "31.2 dB", "lossless" for inf, "not finite" for nan."""
+def db_text(v: float, floor: float | None = None) -> str:
+    """An SQNR as the page and the messages write it: "31.2 dB", "lossless" for inf, "not finite" for nan.
+    Beside a rule's ``floor``, as many more digits as show which side of it the value is ("SQNR 17.99 dB", not
+    "SQNR 18.0 dB" said to fail "at least 18 dB"); the page's ``report.blocks.db_text`` writes it the same."""
     if math.isnan(v):
         return "not finite"
-    return "lossless" if v == math.inf else f"{v:.1f} dB"
+    if v == math.inf:
+        return "lossless"
+    digits = 1
+    while floor is not None and digits < 4 and (float(f"{v:.{digits}f}") >= floor) != (v >= floor):
+        digits += 1
+    return f"{v:.{digits}f} dB"
 
 
 class Columns:

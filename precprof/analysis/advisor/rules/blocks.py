@@ -283,8 +283,9 @@ def fails(lb: LayerBlocks, name: str, cfg: AdvisorConfig) -> str:
             return f"its {o.label} cannot be quantised (the error sum is not finite)"
         if not fp4 and o.lost_norm > cfg.lost_norm_max:
             return f"up to {_pct(o.lost_norm)} of its {o.label}'s norm lost to flushing or saturation"
-        if o.sqnr_db < (cfg.block_fp4_sqnr_min_db if fp4 else cfg.block_mxfp8_sqnr_min_db):
-            return f"SQNR {db_text(o.sqnr_db)} on its {o.label}"
+        least = cfg.block_fp4_sqnr_min_db if fp4 else cfg.block_mxfp8_sqnr_min_db
+        if o.sqnr_db < least:
+            return f"SQNR {db_text(o.sqnr_db, least)} on its {o.label}"
     return ""
 
 
