@@ -169,6 +169,17 @@ def module_label(name: str) -> str:
     return name if name else ROOT_LABEL
 
 
+def params_text(n: float) -> str:
+    """A parameter count as a sentence writes it: exact below 100,000 ("7,390", "10,560"), in thousands or
+    millions to 3 digits above ("497 K", "1.2 M", "124 M"), billions from 10^9 ("1.5 B"); never "0.00739M"."""
+    if n < 100_000:
+        return f"{round(n):,}"
+    for div, unit in ((1e9, "B"), (1e6, "M")):
+        if n >= div * 0.9995:  # rounds to 1 of the unit or more at 3 digits
+            return f"{float(f'{n / div:.3g}'):g} {unit}"
+    return f"{float(f'{n / 1e3:.3g}'):g} K"
+
+
 def input_module(module: str) -> str:
     """The pseudo-module whose activation rows hold ``module``'s input when no captured module produced it."""
     return module + INPUT_SUFFIX

@@ -1560,6 +1560,21 @@ def test_small_model_and_roundtrip(tmp_path: Path, benign: dict[str, pd.DataFram
     assert must(rec2, "small_model").numbers["n_params"] == 3 * 64 * 64
 
 
+@pytest.mark.parametrize(("width", "said"), [(64, "12,288"), (400, "480 K"), (640, "1.23 M")])
+def test_a_small_models_parameters_are_counted_as_people_say_them(
+    benign: dict[str, pd.DataFrame], width: int, said: str
+) -> None:
+    """ "Small model: 0.00739M parameters" and "The model has 10560 parameters" (no separator) beside the header's
+    "10,560": the count reads "12,288" below 100,000, in K or M above, as the three 64-, 400- and 640-wide
+    square layers' weights count (torch's numel)."""
+    n = sum(nn.Linear(width, width, bias=False).weight.numel() for _ in range(3))
+    rec = recommend(benign, summary=summary_for(n_params=n), hardware="a100")
+    f = must(rec, "small_model")
+    assert f.title == f"Small model: {said} parameters"
+    assert f.message.startswith(f"The model has {said} parameters, below 100 M: ")
+    assert rec.reasons[0].startswith(f"The model has {said} parameters, under 100 M: ")
+
+
 def test_tf32_off_on_recording_machine() -> None:
     t = mlp_run(steps=1).tables()
     rec_hw = HardwareInfo.from_dict(

@@ -270,7 +270,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             f"was {_not_measured(plan)}."
         )
         reasons = [
-            f"The model has {plan.n_params / 1e6:.3g}M parameters, under {cfg.small_model_params / 1e6:g}M: the "
+            f"The model has {T.params_text(plan.n_params)} parameters, under {T.params_text(cfg.small_model_params)}: the "
             f"guide's default is fp32, where mixed precision saves little time or memory and keeps its pitfalls. "
             + allow
         ] + [f"{measured}: {r}" for r in reasons]

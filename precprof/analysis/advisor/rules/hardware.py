@@ -130,9 +130,9 @@ def _rule_small_model(run: _Run, plan: _Plan) -> None:
         Finding(
             "small_model",
             INFO,
-            f"Small model: {n / 1e6:.3g}M parameters",
-            f"The model has {n} parameters, below {run.cfg.small_model_params / 1e6:g}M: its matmuls are "
-            "small, so the step time is often bound by kernel launches and memory traffic rather than math, "
+            f"Small model: {T.params_text(n)} parameters",
+            f"The model has {T.params_text(n)} parameters, below {T.params_text(run.cfg.small_model_params)}: its "
+            "matmuls are small, so the step time is often bound by kernel launches and memory traffic rather than math, "
             "and mixed precision may not speed it up.",
             "Time a few steps in fp32 and in the recommended format; keep fp32 if it is not faster.",
             numbers={"n_params": n, "threshold": run.cfg.small_model_params},
