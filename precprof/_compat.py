@@ -11,7 +11,6 @@ import functools
 import gc
 import os
 import sys
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar
@@ -635,121 +634,20 @@ _LEFT_BEHIND_BY_COPIES = {"__deepcopy__": _copied_hook, "__reduce_ex__": _pickle
 
 
 def uncopied(hook: Callable[_P, _T]) -> Callable[_P, _T]:
-    """``hook``, called as it is, in a form that a copy of the module it is on leaves out.
+    """``hook``, called as it is, in a form that a copy of the module it is on leaves behind.
 
     A copy of a module (``copy.deepcopy``: ``AveragedModel``'s SWA or EMA copy, a "best model so far"; pickle:
     ``torch.save(model)``) copies its hook dictionaries, and with them any hook of precprof's in place then
     (during a sampled step, and between two sampled steps in a row, which keep them). Copied, a hook failed the
     copy (a closure does not pickle; a bound method deep-copied precprof's state, ctypes pointers and all) or
-    would have tied the copy to the Profiler. A module holding such hooks (``hidden_from_copies``) gives copies
-    a state without them; where its class copies it some other way (its own ``__deepcopy__`` or
-    ``__reduce_ex__``), the hook itself is a ``functools.partial`` whose ``__deepcopy__`` and ``__reduce_ex__``
-    give the copy a no-op of the standard library instead: ``nullcontext().__exit__`` takes any arguments and
-    returns None, as a hook that changes nothing must. The copy is not profiled, holds nothing of precprof's,
-    and a pickled model loads where precprof is not installed. A partial calls its function straight from C:
-    about 20 ns more a call."""
+    would have tied the copy to the Profiler. Here it is a ``functools.partial`` whose ``__deepcopy__`` and
+    ``__reduce_ex__``, which ``copy`` and ``pickle`` look up on the object itself, give the copy a no-op of the
+    standard library instead: ``nullcontext().__exit__`` takes any arguments and returns None, as a hook that
+    changes nothing must. The copy is not profiled, holds nothing of precprof's, and a pickled model loads where
+    precprof is not installed. A partial calls its function straight from C: about 20 ns more a call."""
     wrapped = functools.partial(hook)
     wrapped.__dict__ = _LEFT_BEHIND_BY_COPIES  # one dictionary for all: nothing is ever set in it
     return wrapped
-
-
-def _is_uncopied(hook: Any) -> bool:
-    return type(hook) is functools.partial and hook.__dict__ is _LEFT_BEHIND_BY_COPIES
-
-
-# a module's dictionaries of hooks, and those that flag some of them by id (the hook's options)
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-
-
-def _without_uncopied(state: dict[str, Any]) -> dict[str, Any]:
-    """A module's ``__getstate__`` without precprof's hooks (``uncopied``) and their flags, nor
-    ``_CopiesLeaveHooksOut``: new dictionaries where one held any, the module's own left as they are."""
-    out = {k: v for k, v in state.items() if not isinstance(v, _CopiesLeaveHooksOut)}
-    dropped: set[Any] = set()
-    for name in _HOOK_DICTS:
-        hooks = out.get(name)
-        if isinstance(hooks, dict) and any(map(_is_uncopied, hooks.values())):
-            dropped.update(k for k, h in hooks.items() if _is_uncopied(h))
-            out[name] = OrderedDict((k, h) for k, h in hooks.items() if k not in dropped)
-    for name in _HOOK_FLAGS if dropped else ():
-        flags = out.get(name)
-        if isinstance(flags, dict) and not dropped.isdisjoint(flags):
-            out[name] = OrderedDict((k, v) for k, v in flags.items() if k not in dropped)
-    return out
-
-
-class _CopiesLeaveHooksOut:
-    """A module's ``__getstate__`` (an instance attribute, which ``copy`` and ``pickle`` call) while precprof's
-    hooks are on it: its class's state (or the instance's own ``__getstate__`` it shadows) without them.
-    ``holders``: the precprof parts whose hooks are on it (``hide_from_copies``)."""
-
-    __slots__ = ("holders", "inner", "module")
-
-    def __init__(self, module: Any, inner: Any) -> None:
-        self.module = weakref.ref(module)  # (no cycle through the module's own dictionary)
-        self.inner = inner
-        self.holders = 0
-
-    def __call__(self) -> Any:
-        module = self.module()
-        if module is None:
-            return {}
-        cls: Any = type(module)
-        state = self.inner() if self.inner is not None else cls.__getstate__(module)
-        return _without_uncopied(state) if isinstance(state, dict) else state
-
-
-def hide_from_copies(module: Any) -> None:
-    """From now on, copies of ``module`` (``copy.deepcopy``, pickle) leave out its hooks of precprof's
-    (``uncopied``), as they would be without precprof, until as many ``unhide_from_copies``: a copy made
-    during a sampled step kept one no-op per hook forever (every forward of it through torch's hooks path;
-    ``torch.jit.script`` of it failed on them). An instance ``__getstate__`` on the module meanwhile."""
-    d = getattr(module, "__dict__", None)
-    if not isinstance(d, dict):
-        return
-    own = d.get("__getstate__")
-    if not isinstance(own, _CopiesLeaveHooksOut):
-        own = d["__getstate__"] = _CopiesLeaveHooksOut(module, own)
-    own.holders += 1
-
-
-def unhide_from_copies(module: Any) -> None:
-    """Undo one ``hide_from_copies(module)``: the last one takes the instance ``__getstate__`` away (puts back the
-    one it shadowed)."""
-    d = getattr(module, "__dict__", None)
-    own = d.get("__getstate__") if isinstance(d, dict) else None
-    if d is None or not isinstance(own, _CopiesLeaveHooksOut):
-        return
-    own.holders -= 1
-    if own.holders <= 0:
-        if own.inner is not None:
-            d["__getstate__"] = own.inner
-        else:
-            del d["__getstate__"]
-
-
-class UncopiedHook:
-    """A forward hook of precprof's on one module (``register_uncopied``), which copies of the module leave out;
-    ``remove()`` as a ``RemovableHandle``'s."""
-
-    def __init__(self, module: Any, handle: Any) -> None:
-        self._module: Any = module
-        self._handle = handle
-        hide_from_copies(module)
-
-    def remove(self) -> None:
-        if self._module is not None:
-            self._handle.remove()
-            unhide_from_copies(self._module)
-            self._module = None
-
-
-def register_uncopied(module: Any, hook: Callable[..., Any], *, pre: bool, **kwargs: Any) -> UncopiedHook:
-    """``module.register_forward_pre_hook(hook, **kwargs)`` (``pre``) or ``register_forward_hook``, left out of
-    copies of the module (``uncopied``, ``hide_from_copies``)."""
-    register = module.register_forward_pre_hook if pre else module.register_forward_hook
-    return UncopiedHook(module, register(uncopied(hook), **kwargs))
 
 
 class HookSet:
@@ -760,8 +658,8 @@ class HookSet:
     per step (thousands of objects per sampled step, and the garbage collections they set off). Where a torch
     lacks those dictionaries, the public ``register_*`` calls and their handles. A frozen parameter's hook is
     kept in its dictionary too, and fires once the parameter is unfrozen (gradual unfreezing). A copy of a
-    module leaves its hooks out (:func:`uncopied`, :func:`hide_from_copies`); a copy of a parameter never
-    takes its hooks (torch's ``Parameter.__deepcopy__`` and ``__reduce_ex__`` leave them)."""
+    module leaves its hooks behind (:func:`uncopied`); a copy of a parameter never takes its hooks (torch's
+    ``Parameter.__deepcopy__`` and ``__reduce_ex__`` leave them)."""
 
     def __init__(
         self,
@@ -801,8 +699,6 @@ class HookSet:
         if self.installed:
             return
         self.installed = True
-        for m, _, _, _ in self._modules:
-            hide_from_copies(m)
         if not self._direct:
             add = self._handles.append
             for k, (m, pre, post, always) in enumerate(self._modules):
@@ -836,8 +732,6 @@ class HookSet:
         if not self.installed:
             return
         self.installed = False
-        for m, _, _, _ in self._modules:
-            unhide_from_copies(m)
         if not self._direct:
             for h in self._handles:
                 h.remove()
