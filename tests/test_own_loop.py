@@ -433,7 +433,6 @@ def test_layers_whose_weight_gradients_alone_went_unread_are_named(tmp_path: Pat
     assert "not read for 1 layer(s) on the sampled steps that read the others' (fc1)" in page
 
 
-@pytest.mark.parametrize("given", [False, True])
 class _SparseLookup(nn.Module):
     """An embedding with sparse gradients, read by a linear layer."""
 
@@ -468,6 +467,7 @@ def test_a_sparse_gradient_precprof_skips_is_not_named_unread(tmp_path: Path) ->
     assert set(layers[layers[T.TENSOR] == T.WEIGHT_GRAD][T.MODULE]) == {"fc"}
 
 
+@pytest.mark.parametrize("given", [False, True])
 def test_an_optimizer_stepped_inside_backward_is_told_apart_and_read_when_given(
     tmp_path: Path, given: bool
 ) -> None:

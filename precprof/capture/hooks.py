@@ -122,6 +122,7 @@ class StepHooks(GradientReads, GemmInputs):
         self._weight_grad_rows = [r.index for r in plan.rows.info if r.tensor == T.WEIGHT_GRAD]
         self._root_calls: list[bool] = []  # the enclosing calls' ``_root_grad`` (a model that calls itself)
         self._entry_order = -1  # ``order`` when the model's outermost forward began
+        self._failed_first = False  # the step's first forward raised (``_root_post_hook``)
         # the rows a forward fills: each module's output, and a linear layer's input of its own (``_forget_forward``)
         self._forward_rows = [r for s in plan.modules for r in (s.activation, s.input) if r >= 0]
         # the tensors the model's outermost forward was called with, by id, while it runs (``_gemm_input``)
@@ -208,7 +209,7 @@ class StepHooks(GradientReads, GemmInputs):
             slot.ran = False
         self._root_trains = self._root.training
         self._root_grad, self._root_calls = False, []
-        self._step_mode, self._first_in_eval = None, False
+        self._step_mode, self._first_in_eval, self._failed_first = None, False, False
         self.installed = True
         if self._hookset.installed:  # kept from the sampled step before (``pause``)
             return
@@ -431,6 +432,10 @@ class StepHooks(GradientReads, GemmInputs):
         self._root_grad = torch.is_grad_enabled()
         if len(self._root_calls) == 1:
             self._model_inputs = {id(t) for t in _iter_tensors((args, kwargs or {}))}
+            if (
+                self._failed_first
+            ):  # a retry of the step's first forward, which raised: it starts the step again
+                self._forget_forward()
             self._entry_order = self.order  # 0: the step's first forward (``_forget_forward``)
         if self._root_grad and self._step_mode is None and not self._outside:
             self._step_mode = module.training
@@ -453,9 +458,9 @@ class StepHooks(GradientReads, GemmInputs):
         self._root_grad = self._root_calls.pop() if self._root_calls else False
         if not self._root_calls:
             self._model_inputs = set()
-            # (called with no output from torch's ``except`` when the forward raised: ``always_call``)
-            if output is None and self._entry_order == 0 and self.installed and sys.exc_info()[1] is not None:
-                self._forget_forward()
+            # (called with no output from torch's ``except`` when the forward raised: ``always_call``); forgotten
+            # once the loop runs the model again, kept when the exception ends the run (what a crash read)
+            self._failed_first = output is None and self._entry_order == 0 and self.installed and _raised()
 
     def _forget_forward(self) -> None:
         """The step's first forward raised (a loop that catches an out-of-memory error and runs the batch again,
@@ -580,3 +585,8 @@ def _distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+def _raised() -> bool:
+    """Whether an exception is being handled (a hook torch calls from its ``except``: the forward raised)."""
+    return sys.exc_info()[1] is not None
