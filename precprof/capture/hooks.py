@@ -1,8 +1,8 @@
 """The hooks of a sampled step: installed when the step begins, removed when it ends (kept, paused, for a next
 step that is sampled too).
 
-On a step that is not sampled precprof has no hook on the model or its parameters (only a step post-hook on each
-optimizer it follows, for ``use_optimizer``): the model runs exactly as without it, eager or compiled (a compiled model runs the very graph it runs without precprof: nothing is traced, nothing guards on
+On a step that is not sampled precprof has no hook anywhere: the model runs exactly as without it, eager or
+compiled (a compiled model runs the very graph it runs without precprof: nothing is traced, nothing guards on
 precprof's state). A sampled step installs, for its duration (``StepHooks.install`` / ``remove``; a sampled
 step followed by another keeps them in place between the two, doing nothing, ``pause``):
 

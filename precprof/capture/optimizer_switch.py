@@ -36,10 +36,8 @@ class OptimizerSwitch:
     _tracker: Any
     _collector: Any
     _updates: UpdateSampler | None
-    # the step the optimizers followed last stepped in (-1: none yet), its hook on each, and the optimizers a
-    # switch after their step in the step in progress moves the hooks to once it ends (``use_optimizer``)
-    _stepped_at: int = -1
-    _step_watch: tuple[Any, ...] = ()
+    # the optimizers a switch after the old ones stepped in the sampled step in progress moves the hooks to once
+    # it ends (``use_optimizer``)
     _switch_due: list[Any] | None = None
 
     def use_optimizer(self, optimizer: Any) -> None:
@@ -55,9 +53,11 @@ class OptimizerSwitch:
         new = given_optimizers(optimizer)
         if list(map(id, new)) == list(map(id, self.optimizers)):
             return
-        stepped = self._attached and self._stepped_at == self._step
-        # (a Profiler given no optimizer: the steps before were an optimizer's it was not told of)
-        if self._attached and (self._stepped_at >= 0 if self.optimizers else self._step > self._first_step):
+        # the old ones stepped in this step: known on a sampled step, whose hooks are on them (an unsampled one
+        # has no hook on them, and loses nothing by the switch taking effect at once)
+        hooks = self._hooks
+        stepped = self._attached and hooks is not None and hooks.installed and hooks._optimizer_stepped
+        if self._attached and (stepped or self._step > self._first_step):
             old = optimizer_class(self.optimizers)
             self._optimizer_changes.append(
                 {"step": self._step + stepped, "from": old, "to": optimizer_class(new)}
@@ -66,29 +66,10 @@ class OptimizerSwitch:
         # on once an optimizer is known (rows sampled before a switch to none stay said)
         self.weight_updates = self.weight_updates or (self._updates_asked and bool(new))
         if self._attached:
-            self._watch_steps()
             if stepped:  # the step in progress keeps the old one's hooks: moved when the next one begins
                 self._switch_due = new
             else:
                 self._move_hooks(new)
-
-    def _watch_steps(self) -> None:
-        """A step post-hook on each optimizer followed, for the step it last stepped in (``_stepped_at``), on every
-        step (the sampled steps' hooks are on them only then): a Python call per optimizer step, outside the
-        model."""
-        self._unwatch_steps()
-        self._step_watch = tuple(
-            opt.register_step_post_hook(self._optimizer_stepped) for opt in self.optimizers
-        )
-
-    def _unwatch_steps(self) -> None:
-        """The step post-hooks off (at detach, with the hooks a switch was to move: there are none now)."""
-        for h in self._step_watch:
-            h.remove()
-        self._step_watch, self._switch_due = (), None
-
-    def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._stepped_at = self._step
 
     def _take_switch(self) -> None:
         """The hooks moved to the optimizers a switch after the old one's step left for this step (``use_optimizer``)."""

@@ -345,7 +345,6 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             scaled=self._scales_loss,
             root=self.model,
         )
-        self._watch_steps()
         if self.scaler is not None and hasattr(self.scaler, "update"):
             self._scaler_watch = ScalerWatch(
                 self.scaler, self._device, lambda: self._attached, optimizers=self.optimizers
@@ -397,7 +396,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         return self._reducer is None or bool(getattr(self._reducer, "is_writer", True))
 
     def _remove_hooks(self) -> None:
-        self._unwatch_steps()
+        self._switch_due = None
         if self._hooks is not None:
             self._hooks.remove(finished=False)  # a step still in progress at detach was cut off
         _compat.restore_stance(self._stance)
