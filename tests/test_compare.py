@@ -174,6 +174,41 @@ def test_verdict_check_not_borne_out_and_unchecked() -> None:
     assert "no bf16 run in this comparison" in checks[0].text
 
 
+def test_a_run_that_went_wrong_quotes_its_own_profiles_diagnosis() -> None:
+    """A bf16 run whose nan came from the loss, outside the model, was marked "missed" with no word of its own
+    profile's critical finding, which said so: the check quotes it beside the verdict (not the run_diverged
+    finding, which only repeats that it diverged)."""
+    ref = run_result("fp32", 5.0, 2.0, recommendation=_rec("bf16", None, []))
+    own = _rec(
+        "bf16",
+        None,
+        [
+            (
+                "nonfinite_forward",
+                "critical",
+                "nan/inf first appears in the loss, outside the recorded modules",
+            ),
+            ("run_diverged", "critical", "The run diverged: its loss is nan from step 10 on"),
+            ("small_model", "info", "Small model"),
+        ],
+    )
+    bf16 = run_result("bf16", 5.0, math.nan, first_nonfinite_step=10, recommendation=own)
+    bf16.outcome, bf16.gap = A.classify(bf16, ref, 0.02)
+    (c,) = [c for c in A.check_against_runs([ref, bf16], ref) if c.aspect == A.ASPECT_WARNINGS]
+    assert c.status == A.MISSED
+    assert c.text == (
+        "Warnings for bf16: bf16 diverged: the loss became non-finite at step 10. The advisor's profile gave no "
+        "warning for this format. Its own profile's critical finding: nan/inf first appears in the loss, outside "
+        "the recorded modules."
+    )
+    # a run whose own profile only says that it diverged has nothing more to quote
+    diverged_only = _rec("bf16", None, [("run_diverged", "critical", "The run diverged")])
+    bare = run_result("bf16", 5.0, math.nan, first_nonfinite_step=10, recommendation=diverged_only)
+    bare.outcome, bare.gap = A.classify(bare, ref, 0.02)
+    (c,) = [c for c in A.check_against_runs([ref, bare], ref) if c.aspect == A.ASPECT_WARNINGS]
+    assert "Its own profile" not in c.text
+
+
 # ------------------------------------------------------------------------------------------- a real run
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory: pytest.TempPathFactory) -> tuple[A.Comparison, Path]:
@@ -418,6 +453,51 @@ def test_a_diverged_run_leaves_the_loss_plots_readable() -> None:
         assert box.x0 >= 0 and box.x1 <= fig.bbox.width, label.get_text()
     caption = compare_page.render(comp).split('<section id="loss">', 1)[1].split("</figcaption>", 1)[0]
     assert "a run that diverged is left out of its scale" in caption
+
+
+def test_a_loss_spike_at_a_skipped_step_leaves_the_relative_plot_readable() -> None:
+    """An fp16 run whose loss at step 7 was 1e6 times the others', a step its GradScaler skipped: the relative
+    plot was scaled to +100,000,000% by that one point, every curve flat on 0%. The axis is scaled without the
+    points a skipped step enters (of 100 steps, the moving average of 4, centred, takes it into steps 6 to 9),
+    the run's legend entry says where, and the caption says so."""
+    steps = list(range(100))
+    ref = [5.0 - 0.02 * s for s in steps]
+    fp16 = [v * 1.01 for v in ref]
+    fp16[7] = ref[7] * 1e6
+    comp = A.Comparison(
+        [
+            run_result("fp32", 5.0, ref[-1], curve_steps=steps, curve_loss=ref),
+            run_result(
+                "fp16",
+                5.0,
+                fp16[-1],
+                curve_steps=steps,
+                curve_loss=fp16,
+                outcome=A.MATCHED,
+                loss_scaling="dynamic",
+                skipped_steps=1,
+                skipped_at=[7],
+            ),
+        ],
+        "fp32",
+        0.02,
+        [],
+        [],
+        {"model": "gpt-nano"},
+        recorded=True,
+    )
+    fig = compare_page.loss_figure(comp)
+    ax_rel = fig.axes[1]
+    lo, hi = ax_rel.get_ylim()
+    # 1% above fp32 elsewhere, inside the 2% band: the axis is the band's, padded by 8%
+    assert lo == pytest.approx(-0.02 - 0.08 * 0.04) and hi == pytest.approx(0.02 + 0.08 * 0.04)
+    legend = [t.get_text() for t in ax_rel.get_legend().get_texts()]
+    assert "fp16 (off the axis at 4 steps by a skipped step's loss)" in legend, legend
+    fig.canvas.draw()
+    box = ax_rel.yaxis.label.get_window_extent(fig.canvas.get_renderer())
+    assert box.x0 >= 0 and box.y0 >= 0 and box.y1 <= fig.bbox.height
+    caption = compare_page.render(comp).split('<section id="loss">', 1)[1].split("</figcaption>", 1)[0]
+    assert "so are the steps a loss scaler skipped" in caption
 
 
 def test_comparison_page_escapes_user_text(comparison: tuple[A.Comparison, Path]) -> None:
@@ -856,6 +936,7 @@ def test_loss_scale_history(
     r = A.read_run(A.Variant("fp16"), _hand_built_run(tmp_path / "fp16", scales))
     assert (r.final_scale, r.scale_backoffs, r.scale_growths, r.final_window) == (final, backoffs, growths, 5)
     assert r.skipped_steps == backoffs
+    assert r.skipped_at == [i - 1 for i in range(1, len(scales)) if scales[i] < scales[i - 1]]
     assert A.describe_run(r) == f"fp16 with dynamic loss scaling ({said})"
 
 

@@ -96,8 +96,8 @@ def loss_figure(comparison: Comparison) -> Any:
     ref_s = _smooth(np.asarray(ref.curve_loss, dtype=float), w)
     ref_steps = np.asarray(ref.curve_steps)
     finite_all: list[float] = []
-    # (run, steps, its smoothed loss over the reference's, less one)
-    relative: list[tuple[RunResult, np.ndarray, np.ndarray]] = []
+    # (run, steps, its smoothed loss over the reference's, less one, where a skipped step enters the average)
+    relative: list[tuple[RunResult, np.ndarray, np.ndarray, np.ndarray]] = []
     styles = run_styles(comparison.runs)
     not_finite = False
     # the reference last and thinnest, on top of wider lines: curves that coincide all stay visible
@@ -123,7 +123,8 @@ def loss_figure(comparison: Comparison) -> Any:
         if r is not ref and len(ref_s):
             m = min(len(ys), len(ref_s))
             if m and np.array_equal(x[:m], ref_steps[:m]):
-                relative.append((r, x[:m], (ys[:m] - ref_s[:m]) / np.abs(ref_s[:m])))
+                skipped = np.isin(x[:m], r.skipped_at + ref.skipped_at).astype(float)
+                relative.append((r, x[:m], (ys[:m] - ref_s[:m]) / np.abs(ref_s[:m]), _smooth(skipped, w) > 0))
     _scale_loss_axis(ax_loss, np.asarray(finite_all, dtype=float))
     ax_loss.set_title(
         f"Training loss (faint: per step; solid: {w}-step moving average)" if w > 1 else "Training loss"
@@ -174,29 +175,41 @@ def _scale_loss_axis(ax: Any, values: np.ndarray) -> None:
 
 def _draw_relative(
     ax: Any,
-    relative: Sequence[tuple[RunResult, np.ndarray, np.ndarray]],
+    relative: Sequence[tuple[RunResult, np.ndarray, np.ndarray, np.ndarray]],
     styles: dict[int, tuple[str, str]],
     tol: float,
 ) -> None:
-    """Each run's relative loss, the axis scaled to the tolerance band and the runs that did not diverge: a run
-    that diverged read "+6e+10%" at the top of an axis on which every other run was a flat line. Where a diverged
-    run leaves the axis, its legend entry says from which step."""
-    kept = [rel for r, _x, rel in relative if r.outcome != DIVERGED]
+    """Each run's relative loss, the axis scaled to the tolerance band and the runs that did not diverge, less
+    the points a step the loss scaler skipped enters: a run that diverged read "+6e+10%" at the top of an axis on
+    which every other run was a flat line, and so did one fp16 loss spike at a skipped step (+100,000,000%).
+    Where a diverged run leaves the axis, its legend entry says from which step; where a skipped step does, its
+    run's entry says which."""
+    kept = [rel[~near] for r, _x, rel, near in relative if r.outcome != DIVERGED]
     values = finite(np.concatenate(kept)) if kept else np.zeros(0)
     lo = min(-tol, float(values.min())) if len(values) else -tol
     hi = max(tol, float(values.max())) if len(values) else tol
     pad = 0.08 * (hi - lo)
     lo, hi = lo - pad, hi + pad
-    for r, x, rel in relative:
+    for r, x, rel, near in relative:
         label = plain(r.label)
-        off = np.flatnonzero(~((rel >= lo) & (rel <= hi)))  # a nan is off the axis too
-        if r.outcome == DIVERGED and len(off):
-            k = off[0]
+        off = ~((rel >= lo) & (rel <= hi))  # a nan is off the axis too
+        if r.outcome == DIVERGED and off.any():
+            k = np.flatnonzero(off)[0]
             where = "above the axis" if rel[k] > hi else "below the axis" if rel[k] < lo else "not finite"
             label += f" (diverged: {where} from step {step_label(x[k])})"
+        elif (off & near).any():
+            label += f" ({_off_at_skips(x[off & near])})"
         color, ls = styles[id(r)]
         ax.plot(x, rel, color=color, lw=1.6, ls=ls, label=label)
     ax.set_ylim(lo, hi)
+
+
+def _off_at_skips(steps: np.ndarray) -> str:
+    """The legend's words for the steps where a run leaves the relative axis by a skipped step's loss: the steps,
+    up to 3 of them, else how many."""
+    if len(steps) > 3:
+        return f"off the axis at {len(steps)} steps by a skipped step's loss"
+    return f"off the axis at step {', '.join(step_label(s) for s in steps)}: a skipped step's loss"
 
 
 def _signed_pct_label(v: float, _pos: Any = None) -> str:
@@ -421,6 +434,8 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
         "recorded": comparison.recorded,
         "components": comps,
         "peak_components": peaks,
+        # a step a loss scaler skipped is left out of the relative plot's scale (``_draw_relative``)
+        "skipped_off_scale": any(r.skipped_at for r in comparison.runs),
         "loss_img": _img(
             loss_figure(comparison), "loss curves of every run overlaid, and relative to the reference"
         ),

@@ -325,6 +325,21 @@ def _unmeasured(r: RunResult, ref: RunResult) -> str:
     return r.speed_not_taken or f"no throughput was measured for {r.label} and {ref.label}"
 
 
+# the critical finding that only says a run diverged: the comparison's outcome already says so
+_RESTATES_OUTCOME = frozenset({"run_diverged"})
+
+
+def own_diagnosis(r: RunResult) -> str:
+    """The title of the first critical finding of ``r``'s own profile that says more than that it diverged,
+    as a sentence ("" when it has none): a run that went wrong may have been told why by its own profile (a nan
+    that came from the loss, outside the model), which the reference profile's warnings do not know."""
+    for f in _findings(r.recommendation):
+        sev = str(f.get("severity", "")).lower()
+        if sev == "critical" and str(f.get("code", "")) not in _RESTATES_OUTCOME:
+            return f" Its own profile's critical finding: {_title(f)}."
+    return ""
+
+
 def _warning_checks(rec: Mapping[str, Any] | None, r: RunResult, ref: RunResult) -> list[Check]:
     """The reference profile's warnings for ``r``'s format, quoted as the advisor gave them, against what ``r``
     did: its loss (warnings that bear on it) and its speed (warnings about speed)."""
@@ -368,6 +383,8 @@ def _warning_checks(rec: Mapping[str, Any] | None, r: RunResult, ref: RunResult)
         )
     if trouble and aside:
         why += f" Not about this run's loss: {aside_text}."
+    if bad:
+        why += own_diagnosis(r)
     skipped = f" {_steps(r.skipped_steps)} skipped." if r.skipped_steps else ""
     checks = [
         Check(

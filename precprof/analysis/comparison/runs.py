@@ -174,6 +174,9 @@ class RunResult:
     report: str | None
     curve_steps: list[int] = field(default_factory=list)
     curve_loss: list[float] = field(default_factory=list)
+    # the steps of the curve whose update the loss scaler skipped (an overflow: the loss of such a step may be
+    # far off the others')
+    skipped_at: list[int] = field(default_factory=list)
     # how the loop ran the model ("compiled (torch.compile), the default for fp8", "eager, --no-compile"); None
     # for a run recorded before the loop said
     compiled: str | None = None
@@ -318,6 +321,9 @@ def read_run(
         report=str(report) if report.exists() else None,
         curve_steps=[int(s) for s in steps[T.STEP]] if not steps.empty else [],
         curve_loss=[float(v) for v in loss],
+        skipped_at=[int(s) for s in steps.loc[steps[T.SKIPPED].astype(bool), T.STEP]]
+        if not steps.empty
+        else [],
         compiled=str(cfg["compiled"]) if isinstance(cfg.get("compiled"), str) else None,
         settings={k: cfg[k] for k in SETUP_SETTINGS if cfg.get(k) is not None},
     )
