@@ -151,7 +151,7 @@ def test_verdict_check_confirms_and_contradicts() -> None:
     assert (
         "Loss: the advisor, on the fp32 run's profile, recommends fp16 with init_scale 2^13: fp16 with dynamic "
         "loss scaling (settled at 2^13 after backing off 3 times, the last change at step 3 (97 steps at 2^13)) "
-        "matched fp32 within 0.3%.\n"
+        "matched fp32 within 0.30%.\n"
     ) in text
     # the scale-1 underflow warning predicted the unscaled run's stall
     assert (
@@ -159,7 +159,7 @@ def test_verdict_check_confirms_and_contradicts() -> None:
         and "38% at scale 1" in checks[("fp16-none", A.CONFIRMED)]
     )
     # lost updates are a what-if for autocast bf16 (fp32 masters): no warning applies, the run fell behind
-    assert "15.0% above fp32" in checks[("bf16", A.MISSED)]
+    assert "15.00% above fp32" in checks[("bf16", A.MISSED)]
 
 
 def test_verdict_check_not_borne_out_and_unchecked() -> None:
@@ -207,6 +207,29 @@ def test_a_run_that_went_wrong_quotes_its_own_profiles_diagnosis() -> None:
     bare.outcome, bare.gap = A.classify(bare, ref, 0.02)
     (c,) = [c for c in A.check_against_runs([ref, bare], ref) if c.aspect == A.ASPECT_WARNINGS]
     assert "Its own profile" not in c.text
+
+
+@pytest.mark.parametrize(
+    ("final", "card", "said"),
+    [
+        (2.0 * (1 + 2.9e-5), "matched · +0.003%", "within 0.003%"),  # 0.0029%: its first significant digit
+        (2.0 * (1 - 0.0061), "matched · −0.61%", "within 0.61%"),  # two decimals from 0.01% up
+        (2.0 * 1.03, "behind · +3.00%", "ended 3.00% above fp32's loss"),
+    ],
+)
+def test_a_gap_reads_the_same_in_the_header_and_the_check(final: float, card: str, said: str) -> None:
+    """The header card said "bf16 matched · +0.003%" and the check "matched fp32 within 0.0029%" for one gap:
+    both are written by one rule."""
+    ref = run_result("fp32", 5.0, 2.0, recommendation=_rec("bf16", None, []))
+    bf16 = run_result("bf16", 5.0, final)
+    bf16.outcome, bf16.gap = A.classify(bf16, ref, 0.02)
+    checks = A.check_against_runs([ref, bf16], ref)
+    comp = A.Comparison([ref, bf16], "fp32", 0.02, checks, ["line"], {"model": "gpt-nano"}, recorded=True)
+    page = compare_page.render(comp)
+    headline = re.sub(r"<[^>]+>", " ", page.split('<ul class="headline">', 1)[1].split("</ul>", 1)[0])
+    assert card in " ".join(headline.split())
+    (c,) = [c for c in checks if c.aspect == A.ASPECT_WARNINGS]
+    assert said in c.text, c.text
 
 
 # ------------------------------------------------------------------------------------------- a real run
@@ -817,7 +840,7 @@ def test_recommended_format_speed(speedup: float, status: str, text: str) -> Non
         == f"Speed: bf16 ran at {speedup:.2f}x fp32's throughput on this machine (cpu: AMD EPYC){text}"
     )
     assert warnings.text == (
-        "Warnings for bf16: bf16 matched fp32 within 0.5%. As the advisor expected (no warning for this format)."
+        "Warnings for bf16: bf16 matched fp32 within 0.50%. As the advisor expected (no warning for this format)."
     )
 
 
@@ -853,7 +876,7 @@ def test_warnings_beside_the_point_are_quoted_not_hidden() -> None:
     assert c.status == A.CONFIRMED
     assert c.text == (
         "Warnings for fp16: fp16 with dynamic loss scaling (stayed at 2^16, never changed in 100 steps) matched "
-        "fp32 within 0.5%. As the advisor expected: the profile's fp16 warnings do not bear on this run's loss: "
+        "fp32 within 0.50%. As the advisor expected: the profile's fp16 warnings do not bear on this run's loss: "
         f"{under} (about fp16 at loss scale 1; this run scaled its loss)."
     )
     c = checks[("bf16", A.ASPECT_SPEED, "Warnings for bf16")]

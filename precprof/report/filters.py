@@ -13,6 +13,7 @@ from typing import Any
 
 from markupsafe import Markup
 
+from precprof.percent import change_pct
 from precprof.tables import module_label
 
 MISSING = "—"
@@ -71,20 +72,9 @@ def pct(v: Any) -> str:
 
 
 def signed_pct(v: Any) -> str:
-    """A signed relative change as a percentage: ``+1.23%``, ``−0.004%`` (two decimals, or the first significant
-    digit below 0.01%), ``0%`` for exactly nothing; never a signed zero such as -0.00%."""
+    """A signed relative change as a percentage (``percent.change_pct``): ``+1.23%``, ``−0.004%``, ``0%``."""
     f = _float(v)
-    if f is None:
-        return MISSING
-    if f == 0:
-        return "0%"
-    p = 100 * f
-    sign = "+" if p > 0 else "−"
-    a = abs(p)
-    if a >= 0.01:
-        return f"{sign}{a:.2f}%"
-    digits = -math.floor(math.log10(a))
-    return f"{sign}{a:.{digits}f}%"
+    return MISSING if f is None else change_pct(f)
 
 
 _BYTE_UNITS = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))

@@ -16,13 +16,14 @@ from precprof.analysis.comparison.runs import (
     UNCOMPARED,
     RunResult,
 )
+from precprof.percent import change_pct
 
 
 def _fmt_pct(x: float | None) -> str:
+    """The size of a gap, as the page's header card writes it with its sign (``percent.change_pct``)."""
     if x is None or not math.isfinite(x):
         return "n/a"
-    p = abs(x) * 100
-    return f"{p:.2g}%" if p < 1 else f"{p:.1f}%"
+    return change_pct(x, signed=False)
 
 
 def _fmt_scale(v: float | None) -> str:
