@@ -421,7 +421,9 @@ def _profiled(model: nn.Module, loss: Callable[[], torch.Tensor]) -> tuple[dict[
 
 def test_a_head_tied_to_the_embedding_has_its_input_judged(block_formats_on: None) -> None:
     """gpt-nano's lm_head shares wte's weight, which the Profiler records under wte: the plan still finds
-    the head's input (ln_f's output) from the embedding's shape and judges all six operands."""
+    the head's input (ln_f's output) from the embedding's shape and judges all six operands. It keeps the head
+    in bf16 for the reason FP8 gives in the same report (the plan had put it in MXFP8 beside "not FP8-eligible:
+    tied to the embedding"): block-scaled recipes swap the layer too."""
     import torch.nn.functional as F
 
     from precprof.models import build_model
@@ -447,7 +449,12 @@ def test_a_head_tied_to_the_embedding_has_its_input_judged(block_formats_on: Non
         ("output gradient", "weight gradient"),
         ("input", "weight gradient"),
     }
-    assert head["choice"] in ("mxfp8", "bf16") and rb.HEAD_WHY in head["why"]
+    assert head["choice"] == "bf16" and head["why"] == rb.tied_why("transformer.wte")
+    by_code = {f.code: f for f in rec.findings}
+    assert "lm_head (tied to the embedding transformer.wte" in by_code["fp8_eligibility"].message
+    plan = by_code["block_format_plan"].message
+    assert "lm_head (tied to the embedding transformer.wte: the shared weight is a gather's too" in plan, plan
+    assert "lm_head" not in [lb["module"] for lb in rec.block_what_if["layers"] if lb["choice"] != "bf16"]
 
 
 class SharedInput(nn.Module):

@@ -147,6 +147,8 @@ class LayerBlocks:
     # its output gradient's blocks were evaluated on steps the loss scaler skipped alone (left out): its backward
     # GEMMs are judged on their other operands
     gradient_skipped: bool = False
+    # the embedding whose weight it shares (an output head tied to it): kept in bf16, as FP8 keeps it
+    tied_to: str | None = None
 
     def summary(self, recipe: str) -> RecipeSummary | None:
         ops = self.losses.get(recipe) or []

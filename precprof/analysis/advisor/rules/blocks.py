@@ -230,7 +230,11 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
         sh = shapes[m]
         tokens = sh.odd_tokens[1] if sh.odd_tokens is not None else sh.tokens
         lb = LayerBlocks(
-            m, t, src, axes={"in_features": sh.in_features, "out_features": sh.out_features, "tokens": tokens}
+            m,
+            t,
+            src,
+            axes={"in_features": sh.in_features, "out_features": sh.out_features, "tokens": tokens},
+            tied_to=sh.tied_to,
         )
         for recipe in T.BLOCK_RECIPES:
             ops = []
@@ -301,12 +305,24 @@ PARAMETRIZED_WHY = (
 )
 
 
+def tied_why(embedding: str) -> str:
+    """Why a head tied to ``embedding`` stays in bf16: the reason FP8 gives (the fp8_eligibility finding), which
+    holds for the block formats too, whose recipes also swap the layer."""
+    return (
+        f"tied to the embedding {_name(embedding)}: the shared weight is a gather's too, and a conversion that "
+        "swaps the head for a block-scaled Linear (Transformer Engine's, as its float8 one) would untie it"
+    )
+
+
 def decide(lb: LayerBlocks, cfg: AdvisorConfig, allowed: tuple[str, ...]) -> None:
     """Choose the layer's format among ``allowed`` plan names: NVFP4, else MXFP4, where FP4's bound holds on
     every operand (never for the output head); else MXFP8 where it loses nothing measurable; else bf16. Sets
-    ``choice`` and ``why``."""
+    ``choice`` and ``why``. A head tied to an embedding stays in bf16, as it is not FP8-eligible either."""
     if lb.module_type.startswith(taxonomy.PARAMETRIZED):
         lb.choice, lb.why = "bf16", PARAMETRIZED_WHY
+        return
+    if lb.tied_to is not None:
+        lb.choice, lb.why = "bf16", tied_why(lb.tied_to)
         return
     why: list[str] = []
     if lb.head and any(n in allowed for n in ("nvfp4", "mxfp4")):
