@@ -1384,3 +1384,30 @@ def test_forwards_inside_not_training_are_not_the_steps() -> None:
     (layers, evals), (plain, none) = run(True), run(False)
     pd.testing.assert_frame_equal(layers, plain)
     assert (evals, none) == (3 * 3, 0)
+
+
+def test_a_grad_scaler_skip_after_an_optimizer_switch_is_the_new_optimizers() -> None:
+    """``prof.use_optimizer(sgd)`` at step 2 of an fp16-scaled loop: the GradScaler's skips were read from the old
+    optimizer's found-inf flags (the scaler watch kept the optimizers given at attach), so a step whose gradients
+    overflowed under the new optimizer was not marked skipped. The truth is the scaler's own: its scale backs off
+    exactly on the steps it skipped."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt: torch.optim.Optimizer = torch.optim.Adam(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1000)
+    skipped = []
+    with precprof.Profiler(m, optimizer=opt, scaler=scaler, sample_every=1, memory=False) as prof:
+        for step in range(5):
+            if step == 2:
+                opt = torch.optim.SGD(m.parameters(), lr=0.1)
+                prof.use_optimizer(opt)
+            loss = m(torch.randn(4, 8)).pow(2).mean() * (float("inf") if step == 3 else 1.0)
+            scaler.scale(loss).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped.append(scaler.get_scale() < before)
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    assert skipped == [False, False, False, True, False]
+    assert prof.tables()["steps"][T.SKIPPED].tolist() == skipped

@@ -35,6 +35,7 @@ class OptimizerSwitch:
     _hooks: Any
     _tracker: Any
     _collector: Any
+    _scaler_watch: Any
     _updates: UpdateSampler | None
     # the optimizers a switch after the old ones stepped in the sampled step in progress moves the hooks to once
     # it ends (``use_optimizer``)
@@ -83,6 +84,8 @@ class OptimizerSwitch:
             self._hooks.use_optimizers(new)
         if self._tracker is not None and hasattr(self._tracker, "use_optimizers"):
             self._tracker.use_optimizers(new)
+        if self._scaler_watch is not None:  # the found-inf flags it reads: the followed optimizers'
+            self._scaler_watch.use_optimizers(new)
         updates = self._updates
         if updates is not None:
             updates.use(new)

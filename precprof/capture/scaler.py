@@ -85,6 +85,10 @@ class ScalerWatch:
             for a in ("_init_scale", "_growth_factor", "_backoff_factor")
         )
 
+    def use_optimizers(self, optimizers: Sequence[Any]) -> None:
+        """Read the found-inf flags of ``optimizers`` from now on (``Profiler.use_optimizer``)."""
+        self._optimizers = list(optimizers) or None
+
     def patch(self) -> None:
         if self._layers:
             return
