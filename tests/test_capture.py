@@ -613,6 +613,19 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     )
 
 
+def _first_weight_updates(tables: dict[str, Any]) -> Any:
+    """The ``weight_update`` rows of the first layer's weight (module "0"), by step."""
+    layers = tables["layers"]
+    updates = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
+    return updates[(updates[T.MODULE] == "0") & (updates[T.PARAM] == "weight")].set_index(T.STEP)
+
+
+def _optimizer_state_bytes(tables: dict[str, Any]) -> Any:
+    """The memory table's optimizer-state bytes, by step."""
+    memory = tables["memory"]
+    return memory[memory[T.COMPONENT] == T.OPTIMIZER_STATES].groupby(T.STEP)[T.BYTES].sum()
+
+
 @pytest.mark.parametrize("sample_every", [1, 2])
 def test_a_new_optimizer_made_mid_run_is_followed_from_its_first_step(sample_every: int) -> None:
     """Adam switched for SGD with momentum at step 2 (the optimizer made again): precprof's hooks stayed on
@@ -644,9 +657,7 @@ def test_a_new_optimizer_made_mid_run_is_followed_from_its_first_step(sample_eve
             states[step] = _state_bytes(opt)
             prof.step()
     tables = prof.tables()
-    layers = tables["layers"]
-    updates = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
-    rows = updates[(updates[T.MODULE] == "0") & (updates[T.PARAM] == "weight")].set_index(T.STEP)
+    rows = _first_weight_updates(tables)
     sampled = list(range(0, 4, sample_every))
     assert sorted(rows.index) == sampled
     for step in sampled:
@@ -657,8 +668,7 @@ def test_a_new_optimizer_made_mid_run_is_followed_from_its_first_step(sample_eve
         lost_bf16 = ((held.float() + delta).bfloat16() == held) & (delta != 0) | (intended & (delta == 0))
         assert rows.loc[step, T.NUMEL] == 256 and rows.loc[step, T.ZEROS] == int((~intended).sum())
         assert rows.loc[step, T.LOST_UPDATE_BF16] == int(lost_bf16.sum())
-    memory = tables["memory"]
-    held_states = memory[memory[T.COMPONENT] == T.OPTIMIZER_STATES].groupby(T.STEP)[T.BYTES].sum()
+    held_states = _optimizer_state_bytes(tables)
     assert {s: int(held_states[s]) for s in sampled} == {s: states[s] for s in sampled}
     assert states[0] == 2 * 4 * 676 + 4 * 4 and states[3] == 4 * 676  # Adam's two moments; SGD's momentum
     summary = prof.summary()
@@ -696,9 +706,7 @@ def test_an_optimizer_switched_after_the_old_one_stepped_is_followed_from_the_ne
                 prof.use_optimizer(opt)
             prof.step()
     tables = prof.tables()
-    layers = tables["layers"]
-    updates = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
-    rows = updates[(updates[T.MODULE] == "0") & (updates[T.PARAM] == "weight")].set_index(T.STEP)
+    rows = _first_weight_updates(tables)
     sampled = list(range(0, 5, sample_every))
     assert sorted(rows.index) == sampled
     for step in sampled:
@@ -708,8 +716,7 @@ def test_an_optimizer_switched_after_the_old_one_stepped_is_followed_from_the_ne
         assert rows.loc[step, T.LOST_UPDATE_BF16] == int(
             (((held.float() + delta).bfloat16() == held) & (delta != 0)).sum()
         )
-    memory = tables["memory"]
-    held_states = memory[memory[T.COMPONENT] == T.OPTIMIZER_STATES].groupby(T.STEP)[T.BYTES].sum()
+    held_states = _optimizer_state_bytes(tables)
     assert {s: int(held_states[s]) for s in sampled} == {s: states[s] for s in sampled}
     assert states[2] == 2 * 4 * 676 + 4 * 4 and states[3] == 4 * 676  # Adam's two moments; SGD's momentum
     dated = 3 if 2 in sampled else 2

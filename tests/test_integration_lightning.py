@@ -7,6 +7,7 @@ import copy
 import importlib.util
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,17 +59,20 @@ def loader() -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
 
 
-def quiet_trainer(tmp_path: Path, cb: PrecprofCallback, *more: Any, **kw: Any) -> Any:
+def quiet_trainer(
+    tmp_path: Path, cb: PrecprofCallback, *more: Any, before: Sequence[Any] = (), **kw: Any
+) -> Any:
     """A CPU Trainer without logger, progress bar or summary, and without checkpoints unless ``more`` callbacks
-    (a ModelCheckpoint) come beside ``cb``; ``kw`` add to these."""
+    (a ModelCheckpoint) come after ``cb``; ``before``: callbacks that run before it; ``kw`` add to these (or
+    replace ``enable_checkpointing``)."""
+    kw.setdefault("enable_checkpointing", bool(more))
     return L.Trainer(
         accelerator="cpu",
         logger=False,
-        enable_checkpointing=bool(more),
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(tmp_path),
-        callbacks=[cb, *more],
+        callbacks=[*before, cb, *more],
         **kw,
     )
 
@@ -386,16 +390,9 @@ def test_an_optimizer_set_on_the_trainer_mid_fit_is_followed(tmp_path: Path, swi
     batch 2 is seen at its end: its step reads no update); the summary names SGD and says from which step."""
     cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False, memory=False)
     switch = _SwitchToSGD(at=2)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        callbacks=[switch, cb] if switch_first else [cb, switch],
-        max_steps=4,
-    )
+    after = () if switch_first else (switch,)
+    before = (switch,) if switch_first else ()
+    trainer = quiet_trainer(tmp_path, cb, *after, before=before, enable_checkpointing=False, max_steps=4)
     module = TinyLM()
     trainer.fit(module, loader())
     assert type(trainer.optimizers[0]).__name__ == "SGD"
@@ -439,16 +436,7 @@ def test_an_optimizer_set_at_the_end_of_a_batch_that_stepped_is_followed_from_th
     (AdamW's two moments and step counter, counted by hand) and the switch is dated 2, SGD's first step."""
     cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False, memory_every=1)
     switch = _SwitchToSGDAtBatchEnd(at=1)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=str(tmp_path),
-        callbacks=[switch, cb],
-        max_steps=4,
-    )
+    trainer = quiet_trainer(tmp_path, cb, before=[switch], max_steps=4)
     module = TinyLM()
     trainer.fit(module, loader())
     tables = T.read_tables(cb.run_dir)
