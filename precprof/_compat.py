@@ -7,10 +7,12 @@ When torch changes one of these, this is the one file to update; every function 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import gc
 import os
 import sys
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar
@@ -640,7 +642,9 @@ def uncopied(hook: Callable[_P, _T]) -> Callable[_P, _T]:
     ``torch.save(model)``) copies its hook dictionaries, and with them any hook of precprof's in place then
     (during a sampled step, and between two sampled steps in a row, which keep them). Copied, a hook failed the
     copy (a closure does not pickle; a bound method deep-copied precprof's state, ctypes pointers and all) or
-    would have tied the copy to the Profiler. Here it is a ``functools.partial`` whose ``__deepcopy__`` and
+    would have tied the copy to the Profiler. A module holding such hooks has its hook dictionaries copied
+    without them (:class:`CopiesLeaveOut`); where a dictionary is copied some other way (``OrderedDict(d)``,
+    then a copy of that), the hook itself is a ``functools.partial`` whose ``__deepcopy__`` and
     ``__reduce_ex__``, which ``copy`` and ``pickle`` look up on the object itself, give the copy a no-op of the
     standard library instead: ``nullcontext().__exit__`` takes any arguments and returns None, as a hook that
     changes nothing must. The copy is not profiled, holds nothing of precprof's, and a pickled model loads where
@@ -648,6 +652,131 @@ def uncopied(hook: Callable[_P, _T]) -> Callable[_P, _T]:
     wrapped = functools.partial(hook)
     wrapped.__dict__ = _LEFT_BEHIND_BY_COPIES  # one dictionary for all: nothing is ever set in it
     return wrapped
+
+
+def _is_uncopied(hook: Any) -> bool:
+    return type(hook) is functools.partial and hook.__dict__ is _LEFT_BEHIND_BY_COPIES
+
+
+# a module's dictionary of hooks for each that flags some of them by id (the hooks' options)
+_FLAGS_OF = {
+    "_forward_pre_hooks_with_kwargs": "_forward_pre_hooks",
+    "_forward_hooks_with_kwargs": "_forward_hooks",
+    "_forward_hooks_always_called": "_forward_hooks",
+}
+
+
+class _CopiedWithout:
+    """The ``__deepcopy__`` and the ``__reduce_ex__`` of one dictionary of a module's hooks (or of the flags of
+    some of them: ``with_kwargs``, ``always_call``) while it holds hooks of precprof's: a copy, deep or by
+    pickle, is a plain ``OrderedDict`` of the entries that are not precprof's. ``copy`` and ``pickle`` look both
+    up on the object itself, so they are instance attributes of the dictionary: however the module is copied
+    (torch's ``Module.__getstate__``, or a class's own ``__deepcopy__`` or ``__getstate__`` that copies its
+    ``__dict__``), its dictionaries are copied by them, and their copies hold nothing of precprof's. One object
+    for both names (``copy`` passes the memo, a dict; ``pickle`` the protocol, an int)."""
+
+    __slots__ = ("hooks", "target")
+
+    def __init__(self, target: OrderedDict[Any, Any], hooks: OrderedDict[Any, Any]) -> None:
+        self.target = weakref.ref(target)
+        self.hooks = weakref.ref(hooks)  # the hooks it holds, or flags
+
+    def _entries(self) -> list[tuple[Any, Any]]:
+        target, hooks = self.target(), self.hooks()
+        ours = {k for k, h in hooks.items() if _is_uncopied(h)} if hooks is not None else set()
+        return [(k, v) for k, v in target.items() if k not in ours] if target is not None else []
+
+    def __call__(self, memo_or_protocol: Any) -> Any:
+        if not isinstance(memo_or_protocol, dict):  # pickle, copy.copy: a reduce, as OrderedDict's own
+            return OrderedDict, (), None, None, iter(self._entries())
+        memo = memo_or_protocol
+        out: OrderedDict[Any, Any] = OrderedDict()
+        memo[id(self.target())] = out
+        for k, v in self._entries():
+            out[copy.deepcopy(k, memo)] = copy.deepcopy(v, memo)
+        return out
+
+
+class CopiesLeaveOut:
+    """Copies of the modules of ``where`` (``copy.deepcopy``, pickle) leave out their hooks of precprof's
+    (``uncopied``) and those hooks' flags, in the dictionaries named beside each module (``_forward_hooks``,
+    ``_forward_hooks_always_called``...), from :meth:`put` until :meth:`take` once the hooks are gone: a copy
+    made during a sampled step held one no-op per hook forever, every forward of it through torch's hooks path,
+    and ``torch.jit.script`` of it failed on them ("Compiled functions can't take variable number of
+    arguments"). Several users of one module (two Profilers, a callback's hook) share what the first put there;
+    it comes off a dictionary of hooks and its flags' when no hook of precprof's is left in it. Made once, for
+    the modules' dictionaries as they are (one the module is given later leaves the hooks' no-ops in copies,
+    ``uncopied``): putting it on and taking it off are two entries a dictionary."""
+
+    def __init__(self, where: Sequence[tuple[Any, Sequence[str]]]) -> None:
+        # the dictionaries named: each one's own attributes, and what copies it
+        self._put: list[tuple[dict[str, Any], _CopiedWithout]] = []
+        # per dictionary of hooks named or flagged: it, and its own attributes and all its flags' (anyone's)
+        self._take: list[tuple[OrderedDict[Any, Any], list[dict[str, Any]]]] = []
+        for module, names in where:
+            state = getattr(module, "__dict__", {})
+            for name in names:
+                target, held = state.get(name), state.get(_FLAGS_OF.get(name, name))
+                if type(target) is OrderedDict and type(held) is OrderedDict:
+                    self._put.append((target.__dict__, _CopiedWithout(target, held)))
+            for name in dict.fromkeys(_FLAGS_OF.get(n, n) for n in names):
+                held = state.get(name)
+                family = [held, *(state.get(f) for f, of in _FLAGS_OF.items() if of == name)]
+                if type(held) is OrderedDict:
+                    self._take.append((held, [d.__dict__ for d in family if type(d) is OrderedDict]))
+
+    def put(self) -> None:
+        """On each dictionary named that has none yet."""
+        for own, guard in self._put:
+            if "__deepcopy__" not in own:
+                own["__deepcopy__"] = own["__reduce_ex__"] = guard
+
+    def take(self) -> None:
+        """Off each dictionary of hooks named that holds none of precprof's any more, and off its flags'."""
+        for held, owns in self._take:
+            if any(map(_is_uncopied, held.values())):
+                continue  # (another part's, a callback's, still there)
+            for own in owns:
+                if own and isinstance(own.get("__deepcopy__"), _CopiedWithout):
+                    del own["__deepcopy__"], own["__reduce_ex__"]
+
+
+class UncopiedHook:
+    """A forward hook of precprof's on one module (``register_uncopied``), which copies of the module leave out;
+    ``remove()`` as a ``RemovableHandle``'s."""
+
+    def __init__(self, handle: Any, copies: CopiesLeaveOut) -> None:
+        self._handle = handle
+        self._copies: CopiesLeaveOut | None = copies
+        copies.put()
+
+    def remove(self) -> None:
+        if self._copies is not None:
+            self._handle.remove()
+            self._copies.take()
+            self._copies = None
+
+
+def register_uncopied(module: Any, hook: Callable[..., Any], *, pre: bool, **kwargs: Any) -> UncopiedHook:
+    """``module.register_forward_pre_hook(hook, **kwargs)`` (``pre``) or ``register_forward_hook``, left out of
+    copies of the module (``uncopied``, ``CopiesLeaveOut``)."""
+    register = module.register_forward_pre_hook if pre else module.register_forward_hook
+    handle = register(uncopied(hook), **kwargs)
+    hooks = "_forward_pre_hooks" if pre else "_forward_hooks"
+    names = _hook_dicts(hooks, bool(kwargs.get("with_kwargs")), bool(kwargs.get("always_call")))
+    return UncopiedHook(handle, CopiesLeaveOut([(module, names)]))
+
+
+def _hook_dicts(hooks: str, kwargs: bool, always: bool) -> list[str]:
+    """The dictionaries of a module that a hook put in ``hooks`` (``_forward_pre_hooks``, ``_forward_hooks``)
+    and its flags go into."""
+    pre = hooks == "_forward_pre_hooks"
+    names = [hooks]
+    if kwargs:
+        names.append("_forward_pre_hooks_with_kwargs" if pre else "_forward_hooks_with_kwargs")
+    if always and not pre:
+        names.append("_forward_hooks_always_called")
+    return names
 
 
 class HookSet:
@@ -658,8 +787,8 @@ class HookSet:
     per step (thousands of objects per sampled step, and the garbage collections they set off). Where a torch
     lacks those dictionaries, the public ``register_*`` calls and their handles. A frozen parameter's hook is
     kept in its dictionary too, and fires once the parameter is unfrozen (gradual unfreezing). A copy of a
-    module leaves its hooks behind (:func:`uncopied`); a copy of a parameter never takes its hooks (torch's
-    ``Parameter.__deepcopy__`` and ``__reduce_ex__`` leave them)."""
+    module leaves its hooks out (:class:`CopiesLeaveOut`, :func:`uncopied`); a copy of a parameter never takes
+    its hooks (torch's ``Parameter.__deepcopy__`` and ``__reduce_ex__`` leave them)."""
 
     def __init__(
         self,
@@ -693,12 +822,21 @@ class HookSet:
             for m, _, _, _ in modules
         ) and all(hasattr(p, "_post_accumulate_grad_hooks") for p, _ in params)
         self._handles: list[Any] = []
+        # put on and taken off with the hooks: the dictionaries they and their flags go into
+        where: list[tuple[Any, list[str]]] = []
+        for k, (m, pre, post, always) in enumerate(modules):
+            names = _hook_dicts("_forward_pre_hooks", k in self._kwargs_at, False) if pre is not None else []
+            where.append(
+                (m, names + (_hook_dicts("_forward_hooks", False, always) if post is not None else []))
+            )
+        self._copies = CopiesLeaveOut(where)
         self.installed = False
 
     def install(self) -> None:
         if self.installed:
             return
         self.installed = True
+        self._copies.put()
         if not self._direct:
             add = self._handles.append
             for k, (m, pre, post, always) in enumerate(self._modules):
@@ -732,6 +870,10 @@ class HookSet:
         if not self.installed:
             return
         self.installed = False
+        self._remove_hooks()
+        self._copies.take()
+
+    def _remove_hooks(self) -> None:
         if not self._direct:
             for h in self._handles:
                 h.remove()

@@ -395,8 +395,10 @@ def test_under_torch_distributed_each_weight_gradient_is_read_in_its_hook(tmp_pa
 
 
 def _hooks_on(model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Every hook a module, a parameter or the optimizer of the model holds."""
+    """Every hook a module, a parameter or the optimizer of the model holds, and what a hook dictionary holds
+    of its own (precprof's copies without its hooks, ``_compat.CopiesLeaveOut``)."""
     n = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+    n += sum(len(vars(d)) for m in model.modules() for d in (m._forward_pre_hooks, m._forward_hooks))
     n += sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
     n += len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks)
     return n

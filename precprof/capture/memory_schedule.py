@@ -88,7 +88,7 @@ class MemorySchedule:
         self._arm = arm
         if self.watch_shapes and self.every > 1 and model is not None:
             if self._handle is None:
-                self._handle = model.register_forward_pre_hook(_compat.uncopied(self._hook), with_kwargs=True)
+                self._handle = _compat.register_uncopied(model, self._hook, pre=True, with_kwargs=True)
             self._armed = True
         return self.measuring
 

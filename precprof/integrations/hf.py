@@ -341,7 +341,7 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
         )
         self._reset_step()
         self._tap_trainer(trainer if trainer is not None else _calling_trainer())
-        self._hook = model.register_forward_hook(_compat.uncopied(self._forward_hook), with_kwargs=True)
+        self._hook = _compat.register_uncopied(model, self._forward_hook, pre=False, with_kwargs=True)
 
     def _reset_step(self) -> None:
         self._step_loss = None

@@ -198,9 +198,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._remove_embedding_hook()
         embedding = token_embedding(pl_module)
         if embedding is not None:
-            self._embedding_hook = embedding.register_forward_pre_hook(
-                _compat.uncopied(self._embedding_input)
-            )
+            self._embedding_hook = _compat.register_uncopied(embedding, self._embedding_input, pre=True)
         wrapped = getattr(trainer.strategy, "model", None)
         self._last_global_step = int(trainer.global_step)
         self._next_step = None
