@@ -626,14 +626,15 @@ def _optimizer_state_bytes(tables: dict[str, Any]) -> Any:
     return memory[memory[T.COMPONENT] == T.OPTIMIZER_STATES].groupby(T.STEP)[T.BYTES].sum()
 
 
-@pytest.mark.parametrize("sample_every", [1, 2])
+@pytest.mark.parametrize("sample_every", [1, 2, 3])
 def test_a_new_optimizer_made_mid_run_is_followed_from_its_first_step(sample_every: int) -> None:
     """Adam switched for SGD with momentum at step 2 (the optimizer made again): precprof's hooks stayed on
     Adam's step, so no update of steps 2 and 3 was sampled, the memory table still counted Adam's moments as
     the optimizer states, and the summary named Adam. After ``prof.use_optimizer(sgd)``: SGD's updates are
     sampled (the counts those of the update the loop saw land, cast by hand), its momentum buffers are the
     states, the summary names it and says from which step. ``sample_every=2``: the switch between two sampled
-    steps; 1: in a sampled step whose hooks are in place."""
+    steps; 1: in a sampled step whose hooks are in place; 3: at the start of a step that is not sampled, which
+    SGD steps, dated that step."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     adam = torch.optim.Adam(m.parameters(), lr=1e-3)
@@ -684,8 +685,9 @@ def test_an_optimizer_switched_after_the_old_one_stepped_is_followed_from_the_ne
     update rows and its moments in the memory table (the hooks moved mid-step, the sampler's counts started
     again), and the change was dated 2, a step Adam made. Now step 2 keeps Adam's updates (cast by hand) and
     states, and the change is dated 3, SGD's first step. ``sample_every=3``: step 2 is not sampled, so no hook
-    tells whether Adam stepped in it (an unsampled step has none, by design), and the switch takes effect at
-    once, dated 2: it loses nothing, no update of step 2 being sampled."""
+    tells whether Adam stepped in it (an unsampled step has none, by design): the switch takes effect at once
+    (it loses nothing, no update of step 2 being sampled), and was dated 2, one step early; its date is known
+    at ``prof.step()``, when no parameter changed after the switch (the parameters' version counters)."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     opt: torch.optim.Optimizer = torch.optim.Adam(m.parameters(), lr=1e-3)
@@ -719,8 +721,40 @@ def test_an_optimizer_switched_after_the_old_one_stepped_is_followed_from_the_ne
     held_states = _optimizer_state_bytes(tables)
     assert {s: int(held_states[s]) for s in sampled} == {s: states[s] for s in sampled}
     assert states[2] == 2 * 4 * 676 + 4 * 4 and states[3] == 4 * 676  # Adam's two moments; SGD's momentum
-    dated = 3 if 2 in sampled else 2
-    assert prof.summary()["optimizer_changes"] == [{"step": dated, "from": "Adam", "to": "SGD"}]
+    assert prof.summary()["optimizer_changes"] == [{"step": 3, "from": "Adam", "to": "SGD"}]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("switch", ["before", "after"])
+def test_a_switch_on_a_step_that_is_not_sampled_is_dated_by_the_new_optimizers_first_step(
+    switch: str, fused: bool
+) -> None:
+    """``prof.use_optimizer(adam)`` on step 2, not sampled (no hook on the optimizers), before or after SGD's
+    ``step()``: dated from the step Adam first stepped, as the loop saw it (after: it was dated 2, a step SGD
+    made). A fused Adam moves no version counter of the parameters; its states, made at its first step, tell."""
+    torch.manual_seed(0)
+    m = nn.Linear(8, 8)
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+    adam = torch.optim.Adam(m.parameters(), lr=1e-3, fused=fused)
+    opt: torch.optim.Optimizer = sgd
+    stepped: dict[int, str] = {}
+    with precprof.Profiler(m, optimizer=sgd, sample_every=4, memory=False) as prof:
+        for step in range(4):
+            assert prof.sampling == (step == 0)
+            if step == 2 and switch == "before":
+                opt = adam
+                prof.use_optimizer(adam)
+            m(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            stepped[step] = type(opt).__name__
+            if step == 2 and switch == "after":
+                opt = adam
+                prof.use_optimizer(adam)
+            prof.step()
+    first = min(s for s, name in stepped.items() if name == "Adam")
+    assert first == (2 if switch == "before" else 3)
+    assert prof.summary()["optimizer_changes"] == [{"step": first, "from": "SGD", "to": "Adam"}]
 
 
 @pytest.mark.parametrize("attached", [False, True])

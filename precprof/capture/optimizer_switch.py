@@ -40,6 +40,9 @@ class OptimizerSwitch:
     # the optimizers a switch after the old ones stepped in the sampled step in progress moves the hooks to once
     # it ends (``use_optimizer``)
     _switch_due: list[Any] | None = None
+    # a switch on a step that is not sampled, which no hook tells the date of: the change recorded, the
+    # optimizers before and after it, and what tells whether one stepped since (``_date_switch``)
+    _switch_unseen: tuple[dict[str, Any], list[Any], list[int]] | None = None
 
     def use_optimizer(self, optimizer: Any) -> None:
         """Follow ``optimizer`` (one, a list of them, or None) in place of the optimizers the Profiler follows now:
@@ -55,14 +58,20 @@ class OptimizerSwitch:
         if list(map(id, new)) == list(map(id, self.optimizers)):
             return
         # the old ones stepped in this step: known on a sampled step, whose hooks are on them (an unsampled one
-        # has no hook on them, and loses nothing by the switch taking effect at once)
+        # has no hook on them, and loses nothing by the switch taking effect at once: dated at its end)
         hooks = self._hooks
-        stepped = self._attached and hooks is not None and hooks.installed and hooks._optimizer_stepped
+        sampled = self._attached and hooks is not None and hooks.installed
+        stepped = sampled and hooks._optimizer_stepped
         if self._attached and (stepped or self._step > self._first_step):
-            old = optimizer_class(self.optimizers)
-            self._optimizer_changes.append(
-                {"step": self._step + stepped, "from": old, "to": optimizer_class(new)}
-            )
+            change = {
+                "step": self._step + stepped,
+                "from": optimizer_class(self.optimizers),
+                "to": optimizer_class(new),
+            }
+            self._optimizer_changes.append(change)
+            if not sampled:  # dated once the step ends (``_date_switch``)
+                both = [*self.optimizers, *new]
+                self._switch_unseen = (change, both, _step_marks(both))
         self.optimizers, self.optimizer = new, new[0] if new else None
         # on once an optimizer is known (rows sampled before a switch to none stay said)
         self.weight_updates = self.weight_updates or (self._updates_asked and bool(new))
@@ -73,10 +82,25 @@ class OptimizerSwitch:
                 self._move_hooks(new)
 
     def _take_switch(self) -> None:
-        """The hooks moved to the optimizers a switch after the old one's step left for this step (``use_optimizer``)."""
+        """The hooks moved to the optimizers a switch after the old one's step left for this step (``use_optimizer``);
+        a switch on the step that ended, not sampled, dated."""
+        self._date_switch()
         if self._switch_due is not None:
             self._move_hooks(self._switch_due)
             self._switch_due = None
+
+    def _date_switch(self) -> None:
+        """A switch on a step that was not sampled, which has no hook on the optimizers to say whether the old ones
+        had stepped by then (by design: nothing on a step that is not sampled): dated that step when one of the
+        optimizers stepped after it (the new ones did), else the next one (it came after the step's update, the
+        old ones'; it was dated one step early). Read off the parameters' version counters, which a step's in-place
+        update moves (a fused optimizer's does not), and the number of parameters with a state (a new Adam or SGD
+        with momentum makes theirs at its first step): nothing read on the device."""
+        unseen, self._switch_unseen = self._switch_unseen, None
+        if unseen is not None:
+            change, optimizers, before = unseen
+            if _step_marks(optimizers) == before:
+                change["step"] += 1
 
     def _move_hooks(self, new: list[Any]) -> None:
         """The attached hooks and the update sampler moved to ``new``."""
@@ -98,3 +122,11 @@ class OptimizerSwitch:
         trained = self._plan is not None and any(ps.grad_row >= 0 for ps in self._plan.params)
         if new and updates is not None and not updates.tracked and trained:
             warnings.warn(NOT_HELD, stacklevel=3)
+
+
+def _step_marks(optimizers: list[Any]) -> list[int]:
+    """What an optimizer's step changes, of ``optimizers``: their parameters' version counters, and how many
+    parameters each holds a state for."""
+    params = {id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    marks = [p._version for p in params.values() if isinstance(p, torch.Tensor)]
+    return marks + [len(opt.state) for opt in optimizers]

@@ -396,7 +396,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         return self._reducer is None or bool(getattr(self._reducer, "is_writer", True))
 
     def _remove_hooks(self) -> None:
-        self._switch_due = None
+        self._switch_due = self._switch_unseen = None
         if self._hooks is not None:
             self._hooks.remove(finished=False)  # a step still in progress at detach was cut off
         _compat.restore_stance(self._stance)
