@@ -344,29 +344,125 @@ def _sgd_step(model: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
     return loss.detach()
 
 
+def _fp16_loop_beside_wandb(steps: int, sample_every: int, explicit: bool) -> dict[str, list[float]]:
+    """A tiny fp16 loop (autocast, a GradScaler whose first scales overflow) that logs its own loss to the
+    current wandb run before ``prof.step``, with ``step=`` its step or without; what the loop saw itself, per
+    step: the loss, the scale of its backward, and whether ``update()`` lowered it (the step was skipped)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**17, growth_interval=2)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    seen: dict[str, list[float]] = {"loss": [], "scale": [], "skipped": []}
+    with precprof.Profiler(
+        model, optimizer=opt, scaler=scaler, sample_every=sample_every, wandb=True
+    ) as prof:
+        for s in range(steps):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = (model(x).float() - y).pow(2).mean()
+            scale = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            seen["loss"].append(loss.item())
+            seen["scale"].append(scale)
+            seen["skipped"].append(float(scaler.get_scale() < scale))
+            wandb.log({"my/loss": seen["loss"][-1]}, **({"step": s} if explicit else {}))
+            prof.step(loss=loss)
+    return seen
+
+
+def _precprof_rows(history: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The rows precprof logged, by precprof's step."""
+    return {int(r["precprof/step"]): r for r in history.values() if "precprof/step" in r}
+
+
 @pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
-def test_a_loop_that_logs_to_wandb_without_a_step_is_told_precprofs_series_are_dropped(
+def test_a_loop_that_logs_to_wandb_with_its_step_gets_every_unsampled_steps_row(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The usual loop logs its own metrics with wandb.log({...}), no step=: wandb's step moves on one a call,
-    and precprof's rows, logged at precprof's step, fell below it and were dropped, every one, without a word
-    from precprof (wandb's own warning is silenced with WANDB_SILENT). It warns, once, and says what to do."""
+    """The loop logs its own loss with ``wandb.log(..., step=s)`` and samples every 3rd step: the unsampled
+    steps' rows reach precprof's host at the next sampled step, after the loop had logged a later step, and
+    wandb dropped them (precprof/loss at steps 0, 3, 6 of 9). Each waits for a wandb step of its own, against
+    precprof/step: the loop's own values stay where it logged them, and only the rows still waiting when the
+    Profiler closes are left out, with a warning that names them."""
     wb_run = _offline_wandb(tmp_path, monkeypatch)
     try:
-        torch.manual_seed(0)
-        model = nn.Linear(4, 4)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        told = pytest.warns(RuntimeWarning, match=r"wandb is at step \d+, ahead of precprof's step")
-        with told as caught, precprof.Profiler(model, optimizer=opt, sample_every=1, wandb=True) as prof:
-            for _ in range(4):
-                loss = _sgd_step(model, opt)
-                wandb.log({"my/loss": loss.item()})
-                prof.step(loss=loss)
-        assert sum("ahead of precprof's step" in str(w.message) for w in caught) == 1
-        assert "step=prof.current_step" in str(caught[0].message)
+        with pytest.warns(
+            RuntimeWarning, match=r"wandb has no row of 2 steps \(7\.\.8\): the loop's own wandb.log"
+        ):
+            seen = _fp16_loop_beside_wandb(steps=9, sample_every=3, explicit=True)
     finally:
         wb_run.finish()
         _wandb_files_closed()
+    history = _wandb_history(next((tmp_path / "wandb").glob("offline-run-*")))
+    assert {s: r["my/loss"] for s, r in history.items()} == dict(enumerate(seen["loss"]))
+    rows = _precprof_rows(history)
+    assert sorted(rows) == list(range(7)) and 0 < sum(seen["skipped"][:7]) < 7
+    for s, row in rows.items():
+        assert row["precprof/loss"] == pytest.approx(seen["loss"][s], rel=1e-6), s
+        assert (row["precprof/loss_scale"], row["precprof/skipped"]) == (seen["scale"][s], seen["skipped"][s])
+    axes = {
+        m.glob_name: m.step_metric
+        for rec in _wandb_records(next((tmp_path / "wandb").glob("offline-run-*")))
+        if rec.WhichOneof("record_type") == "metric"
+        for m in [rec.metric]
+    }
+    assert axes["precprof/*"] == "precprof/step"
+
+
+@pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
+def test_a_loop_that_logs_to_wandb_without_a_step_gets_every_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The usual loop logs its own metrics with wandb.log({...}), no step=: wandb's step moves on one a call,
+    and precprof's rows, logged at precprof's step, fell below it and were dropped, every one. Each goes to
+    the wandb step the loop is at, beside the loop's own values, against precprof/step."""
+    wb_run = _offline_wandb(tmp_path, monkeypatch)
+    try:
+        seen = _fp16_loop_beside_wandb(steps=6, sample_every=1, explicit=False)
+    finally:
+        wb_run.finish()
+        _wandb_files_closed()
+    history = _wandb_history(next((tmp_path / "wandb").glob("offline-run-*")))
+    assert [r["my/loss"] for _, r in sorted(history.items()) if "my/loss" in r] == seen["loss"]
+    rows = _precprof_rows(history)
+    assert sorted(rows) == list(range(6))
+    assert [rows[s]["precprof/loss"] for s in range(6)] == pytest.approx(seen["loss"], rel=1e-6)
+    assert [rows[s]["precprof/skipped"] for s in range(6)] == seen["skipped"]
+
+
+@pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
+def test_rows_waiting_for_wandb_steps_are_bounded_and_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop whose wandb step stays ahead of precprof's and moves on more slowly (``step=`` tokens seen, logged
+    every few steps) would keep precprof's rows waiting without end: the oldest beyond the bound are dropped,
+    and named with those still waiting at close."""
+    from precprof.export import wandb as wb
+
+    class Run:  # wandb at step 100, which drops rows below its step
+        def __init__(self) -> None:
+            self.step = 100
+            self.logged: list[tuple[int, int]] = []
+
+        def define_metric(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log(self, data: dict[str, Any], step: int) -> None:
+            assert step >= self.step
+            self.step = step
+            self.logged.append((step, data["precprof/step"]))
+
+    monkeypatch.setattr(wb, "MAX_WAITING", 3)
+    run = Run()
+    sink = wb.WandbSink(run)
+    sink.write([ev.Scalar("precprof/loss", s, 1.0) for s in range(6)])
+    assert run.logged == [(100, 0)]  # one row a wandb step: the others wait, the oldest two beyond 3 dropped
+    run.step = 101
+    sink.tick()
+    assert run.logged == [(100, 0), (101, 3)]
+    with pytest.warns(RuntimeWarning, match=r"wandb has no row of 4 steps \(1\.\.5\)"):
+        sink.close()
 
 
 def test_a_step_without_a_loss_logs_no_loss() -> None:

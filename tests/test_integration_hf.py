@@ -628,6 +628,52 @@ def test_wandb_beside_the_trainers_own_logs_keeps_every_step(
     assert [r["precprof/loss"] for r in rows] == pytest.approx(steps[T.LOSS].tolist())
 
 
+class _LogsToWandbAtItsStep(TrainerCallback):
+    """A user's own callback: the Trainer's loss to the current wandb run at the Trainer's step (``step=``)."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        import wandb
+
+        if logs and "loss" in logs:
+            self.losses[state.global_step] = logs["loss"]
+            wandb.log({"my/loss": logs["loss"]}, step=state.global_step)
+
+
+def test_wandb_beside_a_callback_that_logs_at_the_trainers_step_keeps_the_unsampled_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A callback of the user's logs to wandb with ``step=state.global_step`` (no ``report_to``) and precprof
+    samples every 3rd step: the unsampled steps' rows came after the callback had logged a later step, and
+    wandb dropped them (precprof/loss at steps 0 and 3 of 6). They go to wandb's next steps, against
+    precprof/step, and the callback's own values stay at its steps; the last, still waiting when training
+    ends, is said."""
+    wandb = pytest.importorskip("wandb")
+    from test_export import _wandb_files_closed, _wandb_history
+
+    for k, v in {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(k, v)
+    wandb.init(mode="offline", dir=str(tmp_path), project="precprof-test")
+    mine = _LogsToWandbAtItsStep()
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=3, report=False, wandb=True)
+    try:
+        args = training_args(tmp_path, max_steps=6)
+        with pytest.warns(RuntimeWarning, match=r"wandb has no row of step 5: the loop's own wandb.log"):
+            Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenData(), callbacks=[mine, cb]).train()
+    finally:
+        wandb.finish()
+        _wandb_files_closed()
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    history = _wandb_history(run_dir)
+    assert {s: r["my/loss"] for s, r in history.items() if "my/loss" in r} == mine.losses
+    rows = {r["precprof/step"]: r["precprof/loss"] for r in history.values() if "precprof/loss" in r}
+    # the Trainer's step s + 1 is precprof's step s (it logs the loss rounded to 4 digits); step 5's row still
+    # waited for a wandb step of its own when training ended
+    assert rows == {s - 1: pytest.approx(loss, abs=1e-4) for s, loss in mine.losses.items() if s - 1 < 5}
+
+
 class _Images(torch.utils.data.Dataset):  # type: ignore[type-arg]
     def __len__(self) -> int:
         return 16

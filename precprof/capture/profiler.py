@@ -533,6 +533,8 @@ class Profiler(ProfilerResults, OptimizerSwitch):
                 step_s = self._t_last - started - outside
                 if self._buffer is not None:
                     self._adapt_block_groups(self._step, step_s)
+        elif self._dashboards is not None and self.is_writer:
+            self._dashboards.tick()  # host only: a wandb row waiting for the loop's next wandb step
         self._sampler.observe(self._step, self._sample_reason, step_s, _compat.compiles())
         if (
             self._sampling

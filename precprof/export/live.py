@@ -63,6 +63,15 @@ class LiveDashboards:
             except Exception as e:  # a dashboard must never take training down
                 self._drop(sink, e)
 
+    def tick(self) -> None:
+        """A step ended without a flush: a wandb row that waits for wandb's next step goes there."""
+        for sink in list(self.sinks):
+            try:
+                if isinstance(sink, WandbSink):
+                    sink.tick()
+            except Exception as e:
+                self._drop(sink, e)
+
     def close(self) -> None:
         for sink in list(self.sinks):
             try:

@@ -7,6 +7,7 @@ Scalars are logged under their tags; exponent histograms as ``wandb.Histogram`` 
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,7 +24,8 @@ def wandb_module(option: str = "wandb=...") -> Any:
     return wandb
 
 
-STEP_TAG = "precprof/step"  # precprof's step, logged in each row beside a trainer (``BesideTrainer``)
+STEP_TAG = "precprof/step"  # precprof's step, logged in each row: the x-axis of precprof's series
+MAX_WAITING = 1024  # rows kept waiting for a wandb step of their own; older ones are dropped (and said)
 _FINISHED_EARLY = (
     " before precprof logged its last steps: call wandb.finish() after the Profiler closes (after its with block, "
     "or after prof.report() or prof.detach()); the run directory keeps every step, and precprof export RUN_DIR "
@@ -33,9 +35,9 @@ _FINISHED_EARLY = (
 
 class BesideTrainer:
     """A wandb target (True: the current ``wandb.run``, or a run object) whose run a trainer also logs to without
-    ``step=`` (the Hugging Face Trainer's ``WandbCallback``: one wandb step per log call, evaluations included),
-    so wandb's step runs ahead of precprof's and would drop every row logged at precprof's. Logged without
-    ``step=``, each row carrying ``precprof/step``, the x-axis its series are defined against: none dropped."""
+    ``step=`` (the Hugging Face Trainer's ``WandbCallback``: one wandb step per log call, evaluations included).
+    Rows are logged without ``step=`` too, each a wandb step of its own, which the trainer's next log, without
+    ``step=``, goes past: no row waits for a wandb step (``WandbSink``), and none is left out at the end."""
 
     def __init__(self, target: Any) -> None:
         self.target = target
@@ -44,7 +46,15 @@ class BesideTrainer:
 class WandbSink:
     """Logs events to a wandb run: ``target`` True for the current ``wandb.run`` (looked up at the first write,
     so ``wandb.init`` may come after the Profiler is built) or a run object. ``finish`` runs the run's
-    ``finish`` (only for a run precprof started, as ``precprof export`` does)."""
+    ``finish`` (only for a run precprof started, as ``precprof export`` does).
+
+    Each row carries ``precprof/step``, the x-axis precprof's series are defined against, and goes to wandb's
+    step of the same number where wandb has not passed it. wandb drops a row logged below its own step, which
+    the loop's own ``wandb.log`` moves on: one a call without ``step=``, or to the loop's step with ``step=``,
+    ahead of the rows of unsampled steps, copied at the next sampled step. Such a row waits and goes to the
+    step wandb is at (beside the loop's own values there), one row a wandb step: a second row would overwrite
+    the first's values, and a row logged past wandb's step would make wandb drop the loop's next
+    ``wandb.log(step=...)`` below it. ``tick`` (each Profiler step) places the next waiting row."""
 
     def __init__(self, target: Any, option: str = "wandb=...", finish: bool = False) -> None:
         self._wandb = wandb_module(option)
@@ -58,7 +68,9 @@ class WandbSink:
         self._target = target
         self._option = option
         self._finish = finish
-        self._told = False  # whether the steps wandb would drop were warned of
+        self._waiting: deque[tuple[int, dict[str, Any]]] = deque()  # rows not logged yet, oldest first
+        self._last = -1  # the wandb step precprof's latest row went to
+        self._dropped: list[int] = []  # precprof steps never logged (too many waiting rows, or left at close)
         self._logged = False  # whether a step reached the run: a run gone since then was finished
 
     @property
@@ -76,42 +88,68 @@ class WandbSink:
         grouped = by_step(events)
         if not grouped:
             return
-        run = self.run
-        if getattr(run, "_is_finished", False):  # a run object that was handed in and finished since
-            raise UserError("the wandb run was finished" + _FINISHED_EARLY)
-        if self._beside and not self._axis_defined:
-            run.define_metric(STEP_TAG)
-            run.define_metric("precprof/*", step_metric=STEP_TAG)
-            self._axis_defined = True
+        run = self._open_run()
         for step, evs in grouped.items():
-            at = getattr(run, "step", None)
-            if isinstance(at, int) and step < at and not self._beside:
-                # wandb drops what is logged to a step below its own, which a loop's own wandb.log without
-                # step= moves on (one a call): say so once, where it drops it with a warning of its own or none
-                if not self._told:
-                    self._told = True
-                    warnings.warn(
-                        f"precprof: wandb is at step {at}, ahead of precprof's step {step}, and drops what is "
-                        "logged below its own step: precprof's series are lost from here on while the loop logs "
-                        "to wandb without step=. Log with step=prof.current_step (precprof's step), or watch "
-                        "this run with tensorboard=... (precprof export RUN_DIR --wandb-project P logs it whole "
-                        "after the run)",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-                continue
-            data: dict[str, Any] = {}
+            data: dict[str, Any] = {STEP_TAG: step}
             for e in evs:
                 if isinstance(e, Histogram):
                     data[e.tag] = self._wandb.Histogram(np_histogram=(e.counts.tolist(), e.edges.tolist()))
                 else:
                     data[e.tag] = e.value
             if self._beside:
-                run.log({**data, STEP_TAG: step})
+                run.log(data)
+                self._logged = True
             else:
-                run.log(data, step=step)
-            self._logged = True
+                self._waiting.append((step, data))
+        self._place(run)
+        while len(self._waiting) > MAX_WAITING:  # the loop moves wandb's step on more slowly than precprof's
+            self._dropped.append(self._waiting.popleft()[0])
+
+    def tick(self) -> None:
+        """A Profiler step ended: a waiting row goes to the wandb step the loop has moved to since."""
+        if self._waiting:
+            self._place(self._open_run())
+
+    def _open_run(self) -> Any:
+        """The run, its precprof/* series defined against precprof/step (once)."""
+        run = self.run
+        if getattr(run, "_is_finished", False):  # a run object that was handed in and finished since
+            raise UserError("the wandb run was finished" + _FINISHED_EARLY)
+        if not self._axis_defined:
+            run.define_metric(STEP_TAG)
+            run.define_metric("precprof/*", step_metric=STEP_TAG)
+            self._axis_defined = True
+        return run
+
+    def _place(self, run: Any) -> None:
+        """Log the waiting rows, oldest first: each at its own step where neither wandb nor an earlier row has
+        passed it, else at the step wandb is at, if no row went there yet; the others wait."""
+        at = run.step
+        at = at if isinstance(at, int) else -1  # not an int: a stand-in for a run, which drops nothing
+        while self._waiting:
+            step, data = self._waiting[0]
+            to = max(step, self._last + 1, at)
+            if to != step and to > at:
+                return
+            run.log(data, step=to)
+            self._waiting.popleft()
+            self._last, at, self._logged = to, max(at, to), True
 
     def close(self) -> None:
+        if self._waiting:
+            self._place(self._open_run())
+        self._dropped += [step for step, _ in self._waiting]
+        self._waiting.clear()
+        if self._dropped:
+            first, last = self._dropped[0], self._dropped[-1]
+            which = f"step {first}" if first == last else f"{len(self._dropped)} steps ({first}..{last})"
+            warnings.warn(
+                f"precprof: wandb has no row of {which}: the loop's own wandb.log had moved wandb's step past "
+                "them, and a row logged past it would make wandb drop the loop's next wandb.log(step=...) below "
+                "it. The run directory keeps every step (precprof export RUN_DIR --wandb-project P logs the "
+                "whole run)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if self._finish:
             self.run.finish()
