@@ -1137,12 +1137,15 @@ def test_a_speed_the_page_says_does_not_compare_draws_no_bar() -> None:
 
 def test_runs_without_measured_memory_draw_their_throughput() -> None:
     """Runs of a loop without the memory tracker: the figure's legend of no memory part raised ValueError
-    (matplotlib's ncol=0), and no compare.html was written."""
+    (matplotlib's ncol=0), and no compare.html was written; then it drew a memory panel of '0 KiB' bars on a
+    1e-9 axis beside the throughput. The throughput is the figure, its bars named by run."""
     comp = _four_runs()
     comp.runs[:] = [dataclasses.replace(r, memory={}, memory_total=0) for r in comp.runs]
     fig = compare_page.resources_figure(comp)
-    assert [b.get_width() for b in fig.axes[1].patches] == [1000.0] * 4
-    assert not fig.legends
+    (ax,) = fig.axes
+    assert [b.get_width() for b in ax.patches] == [1000.0] * 4
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["fp32", "nano_bf16", "fp16", "nano_int"]
+    assert ax.get_title().startswith("Throughput") and not fig.legends
 
 
 def test_runs_without_a_measured_throughput_draw_no_throughput_of_zero() -> None:
@@ -1152,10 +1155,50 @@ def test_runs_without_a_measured_throughput_draw_no_throughput_of_zero() -> None
     comp.runs[:] = [dataclasses.replace(r, tokens_per_s=math.nan, speedup=None) for r in comp.runs]
     fig = compare_page.resources_figure(comp)
     assert len(fig.axes) == 1 and fig.axes[0].get_title().startswith("Memory per component")
-    section = compare_page.render(comp).split('<section id="resources">', 1)[1]
-    caption = section.split("</figcaption>", 1)[0]
-    assert "tokens per second" not in caption and "no throughput: no run recorded token counts" in caption
+    caption = compare_page.render(comp).split('<section id="resources">', 1)[1].split("</figcaption>", 1)[0]
+    assert "tokens per second" not in caption and "throughput" not in caption.lower()
     assert "Throughput not measured: the runs recorded no token counts" in compare_page.render(comp)
+
+
+def _resources_heading(html: str) -> tuple[str, str]:
+    """The memory and throughput section's link in the page's navigation, and its heading."""
+    nav = re.search(r'<a href="#resources">(.*?)</a>', html)
+    h2 = re.search(r'<section id="resources">\s*<h2>(.*?)</h2>', html)
+    assert nav is not None and h2 is not None
+    return nav.group(1), h2.group(1)
+
+
+@pytest.mark.parametrize(
+    ("memory", "tokens", "title", "none"),
+    [
+        (True, True, "Memory and throughput", None),
+        (True, False, "Memory", None),
+        (False, True, "Throughput", "No memory was measured."),
+        (False, False, "Memory and throughput", "No memory was measured, and no run recorded token counts"),
+    ],
+)
+def test_the_memory_and_throughput_section_is_titled_by_what_the_runs_measured(
+    memory: bool, tokens: bool, title: str, none: str | None
+) -> None:
+    """A loop that passes no token counts measures no throughput: the section was still '4. Memory and
+    throughput', in the navigation too, over a figure and a table of memory alone."""
+    comp = _four_runs()
+    comp.runs[:] = [
+        dataclasses.replace(
+            r,
+            memory=r.memory if memory else {},
+            memory_total=r.memory_total if memory else 0,
+            tokens_per_s=r.tokens_per_s if tokens else math.nan,
+        )
+        for r in comp.runs
+    ]
+    html = compare_page.render(comp)
+    assert _resources_heading(html) == (f"4. {title}", f"4. {title}")
+    section = html.split('<section id="resources">', 1)[1].split("</section>", 1)[0]
+    assert ("<figure>" in section) == (memory or tokens)
+    assert ('<p class="none">' in section) == (none is not None)
+    if none is not None:
+        assert f'<p class="none">{none}' in section
 
 
 def test_a_run_without_a_measured_throughput_beside_others_says_so() -> None:

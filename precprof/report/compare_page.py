@@ -221,27 +221,38 @@ def _signed_pct_label(v: float, _pos: Any = None) -> str:
 
 
 def resources_figure(comparison: Comparison) -> Any | None:
-    """Memory per component (stacked bars, on the measured step that held the most) and throughput, per run."""
+    """Memory per component (stacked bars, on the measured step that held the most) and throughput, per run: the
+    panels of what some run measured (a loop's own ``prof.step(loss=...)`` measures no throughput, and
+    ``Profiler(memory=False)`` no memory: no panel of zeros for either)."""
     from matplotlib.figure import Figure
 
+    memory, timed = memory_measured(comparison), throughput_measured(comparison)
     runs = [r for r in comparison.runs if r.memory or math.isfinite(r.tokens_per_s)]
-    if not runs:
+    if not runs or not (memory or timed):
         return None
+    height = 2.0 + 0.45 * len(runs)  # inches: bars plus fixed room for titles, axis labels and the legend
+    fig = Figure(figsize=(FIG_WIDTH_IN, height))
+    bottom = 1.3 if memory else 0.6  # room for the memory legend
+    fig.subplots_adjust(left=0.16, right=0.97, top=1 - 0.4 / height, bottom=bottom / height, wspace=0.12)
+    labels = [plain(r.label) for r in runs]
+    y = np.arange(len(runs))[::-1]
+    if memory and timed:
+        ax_mem, ax_tp = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
+        _memory_panel(fig, ax_mem, runs, labels, y)
+        _throughput_panel(ax_tp, comparison, runs, y, [""] * len(runs))
+    elif memory:
+        _memory_panel(fig, fig.subplots(1, 1), runs, labels, y)
+    else:
+        _throughput_panel(fig.subplots(1, 1), comparison, runs, y, labels)
+    return fig
+
+
+def _memory_panel(fig: Any, ax_mem: Any, runs: list[RunResult], labels: list[str], y: np.ndarray) -> None:
+    """Bytes per component per run, stacked, with each run's total; the legend below the figure."""
     comps = [c for c in COMPONENT_COLORS if any(r.memory.get(c) for r in runs)]
     comps += sorted(
         {c for r in runs for c in r.memory if c not in comps and c not in T.MEMORY_PEAK_COMPONENTS}
     )
-    height = 2.0 + 0.45 * len(runs)  # inches: bars plus fixed room for titles, axis labels and the legend
-    fig = Figure(figsize=(FIG_WIDTH_IN, height))
-    # no run measured its throughput (a loop's prof.step(loss=...) without tokens): no panel of zeros for it
-    timed = throughput_measured(comparison)
-    if timed:
-        ax_mem, ax_tp = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.6, 1]})
-    else:
-        ax_mem = fig.subplots(1, 1)
-    fig.subplots_adjust(left=0.16, right=0.97, top=1 - 0.4 / height, bottom=1.3 / height, wspace=0.12)
-    labels = [plain(r.label) for r in runs]
-    y = np.arange(len(runs))[::-1]
     biggest = max((r.memory_total for r in runs), default=0)
     div, unit = (2**30, "GiB") if biggest >= 2**30 else (2**20, "MiB") if biggest >= 2**20 else (2**10, "KiB")
     left = np.zeros(len(runs))
@@ -262,19 +273,20 @@ def resources_figure(comparison: Comparison) -> Any | None:
     ax_mem.set_xlim(0, max(left.max() * 1.18, 1e-9) if len(left) else 1)
     ax_mem.set_xlabel(unit)
     ax_mem.set_title("Memory per component\n(the largest measured step)", fontsize=9.5)
-    if comps:  # runs that measured no memory (a loop's own, without the memory tracker) have no parts to name
-        fig.legend(
-            *ax_mem.get_legend_handles_labels(),
-            loc="lower left",
-            bbox_to_anchor=(0.01, 0.0),
-            ncol=min(len(comps), 3),
-            frameon=False,
-            fontsize=8,
-        )
-    if timed:
-        _throughput_panel(ax_tp, comparison, runs, y)
+    fig.legend(
+        *ax_mem.get_legend_handles_labels(),
+        loc="lower left",
+        bbox_to_anchor=(0.01, 0.0),
+        ncol=min(len(comps), 3),
+        frameon=False,
+        fontsize=8,
+    )
     ax_mem.grid(True, axis="x", alpha=0.3)
-    return fig
+
+
+def memory_measured(comparison: Comparison) -> bool:
+    """Whether any run measured the parts of its memory (``Profiler(memory=False)`` measures none)."""
+    return any(v for r in comparison.runs for c, v in r.memory.items() if c not in T.MEMORY_PEAK_COMPONENTS)
 
 
 def throughput_measured(comparison: Comparison) -> bool:
@@ -282,8 +294,22 @@ def throughput_measured(comparison: Comparison) -> bool:
     return any(math.isfinite(r.tokens_per_s) for r in comparison.runs)
 
 
-def _throughput_panel(ax_tp: Any, comparison: Comparison, runs: list[RunResult], y: np.ndarray) -> None:
-    """Tokens per second per run, with the speed-up over the reference; a run without them says so."""
+def resources_title(comparison: Comparison) -> str:
+    """The title of the memory and throughput section: what the runs measured of the two ("Memory" where no run
+    recorded token counts), both where neither."""
+    measured = [
+        w
+        for w, m in (("memory", memory_measured(comparison)), ("throughput", throughput_measured(comparison)))
+        if m
+    ]
+    return " and ".join(measured or ["memory", "throughput"]).capitalize()
+
+
+def _throughput_panel(
+    ax_tp: Any, comparison: Comparison, runs: list[RunResult], y: np.ndarray, labels: list[str]
+) -> None:
+    """Tokens per second per run, with the speed-up over the reference; a run without them says so. ``labels``:
+    the runs' tick labels ("" beside the memory panel, which names the runs)."""
     ref = comparison.run(comparison.reference)
     # a run whose speed the page says does not compare with the reference's gets no bar: bf16's profiled steps
     # drew at 8.9x fp32's beside a table and a verdict check that said these speeds do not compare
@@ -315,7 +341,7 @@ def _throughput_panel(ax_tp: Any, comparison: Comparison, runs: list[RunResult],
         sp = f" ({r.speedup:.2f}×)" if r.speedup is not None and r is not ref else ""
         mark = " *" if mixed and id(r) in profiled else ""
         ax_tp.text(v, yi, f" {v:,.0f}{sp}{mark}", va="center", fontsize=8)
-    ax_tp.set_yticks(y, [""] * len(runs))
+    ax_tp.set_yticks(y, labels)
     ax_tp.set_xlim(0, max(tps.max() * 1.9, 1))
     ax_tp.set_xlabel("tokens / s")
     # which steps were timed (throughput_basis says it in words under the runs table)
@@ -331,6 +357,14 @@ def _throughput_panel(ax_tp: Any, comparison: Comparison, runs: list[RunResult],
 
 
 # ------------------------------------------------------------------------------------------- page
+def _resources_alt(comparison: Comparison) -> str:
+    shown = (
+        ("memory per component", memory_measured(comparison)),
+        ("throughput", throughput_measured(comparison)),
+    )
+    return " and ".join(w for w, m in shown if m) + " per run"
+
+
 def _img(fig: Any, alt: str) -> dict[str, str] | None:
     if fig is None:
         return None
@@ -431,6 +465,7 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
         "runs": runs,
         "throughput_basis": throughput_basis(comparison),
         "throughput_measured": throughput_measured(comparison),
+        "memory_measured": memory_measured(comparison),
         "recorded": comparison.recorded,
         "components": comps,
         "peak_components": peaks,
@@ -439,7 +474,8 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
         "loss_img": _img(
             loss_figure(comparison), "loss curves of every run overlaid, and relative to the reference"
         ),
-        "resources_img": _img(resources_figure(comparison), "memory per component and throughput per run"),
+        "resources_title": resources_title(comparison),
+        "resources_img": _img(resources_figure(comparison), _resources_alt(comparison)),
         # the runs the throughput panel draws no bar for, and why
         "speed_apart": [
             (r.label, r.speed_not_taken) for r in comparison.runs if r is not ref and r.speed_not_taken
