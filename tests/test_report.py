@@ -872,6 +872,35 @@ def test_memory_saving_is_stated_once_against_an_fp32_run(run_mode: str, twice: 
     assert ("less than FP32" in saving) is twice
 
 
+def test_the_verdicts_peaks_and_the_memory_sections_parts_say_what_each_is() -> None:
+    """The verdict box gave FP32's projected allocator peak (145 MiB), the memory section's projection FP32's
+    parts held (42.6 MiB), neither saying it was not the other: a reader saw two FP32 memories that disagree.
+    Each names the other's figure, the same figures the box and the table show."""
+    tabs, summary = synthetic_run("bf16", layers=gpt_layers(n_layer=1), steps=4, sample_every=2)
+    # this run's own mode projected too, as a real run's projection has it: its peak is then projected
+    own = [{**r, "source": "projected"} for r in summary[T.SUMMARY_MEMORY] if r["source"] == "measured"]
+    summary[T.SUMMARY_MEMORY] = [*summary[T.SUMMARY_MEMORY], *own]
+    rec = {**recommendation_dict(), "format": "fp32", "loss_scale": None}
+    page = render_html(tabs, summary, rec)
+
+    def text(fragment: str) -> str:
+        return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", fragment))
+
+    saving = text(section(page, "verdict").split("expected memory saving</dt>")[1].split("</dd>")[0])
+    peak = re.search(r"→ FP32 peak (\S+ \S+)\)", saving)
+    parts = re.search(
+        r"the memory section's projected totals are those parts without the rest \(FP32: (\S+ \S+)\)", saving
+    )
+    assert peak is not None and parts is not None, saving
+    memory = section(page, "memory")
+    table = memory.split("<h3>Projected per precision mode</h3>", 1)[1].split("</table>", 1)[0]
+    fp32_row = re.search(r'<td class="first" data-label="mode">fp32</td>.*?<strong>(.*?)</strong>', table)
+    assert fp32_row is not None and fp32_row.group(1) == parts.group(1)
+    lead = text(table.split("</p>", 1)[0])
+    assert f"FP32's {parts.group(1)} here is a peak of {peak.group(1)} there" in lead, lead
+    assert peak.group(1) != parts.group(1)  # the two quantities differ in this run: each says which it is
+
+
 def test_a_rerender_drops_the_report_error_it_fixes(tmp_path: Path) -> None:
     tabs, summary = synthetic_run("fp16", layers=gpt_layers(n_layer=1), steps=4, sample_every=2)
     summary[T.SUMMARY_ERRORS] = [

@@ -315,7 +315,8 @@ def expected_saving(
     else its projection, else the measured tables); the recommended
     mode's is its projection (else textbook). The fp32 baseline is the fp32 projection. Returns {"current",
     "recommended", "saved", "share", "fp32", "share_vs_fp32", "same_mode"} or None when the recommended mode
-    has no projection; held figures add "assumed" (bytes of this run's total that were assumed, not measured).
+    has no projection; held figures add "assumed" (bytes of this run's total that were assumed, not measured),
+    peaks "fp32_parts" (the projection's FP32 total, which the memory section shows beside FP32's peak).
     ``recommended`` may be "fp8": its projection is looked up under that name.
     """
     if not recommended:
@@ -336,6 +337,8 @@ def expected_saving(
             "fp32": fp32_peak,
             "share_vs_fp32": (fp32_peak - rec_peak) / fp32_peak if fp32_peak else None,
             "same_mode": current == recommended,
+            # the projection table's FP32 total: its parts alone, what the peak adds the rest to
+            "fp32_parts": memory_totals(records).get(("fp32", "projected")),
         }
     tot = memory_totals(records)
 
