@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -217,6 +217,26 @@ def fp8_eligible_shape(
 ) -> bool:
     """Whether a Linear of this shape can run as a float8 matmul; see ``fp8_ineligible_reason``."""
     return not fp8_ineligible_reason(in_features, out_features, tied, tokens)
+
+
+# how a layer's weight is computed rather than held, by the names of the parameters it holds instead (the old,
+# hook-based torch.nn.utils.weight_norm and spectral_norm; the class of a parametrized layer says its own)
+PARAMETRIZATION = "a parametrization, as weight_norm's"
+WEIGHT_NORM_HOOK = "torch.nn.utils.weight_norm's forward pre-hook, from weight_g and weight_v"
+SPECTRAL_NORM_HOOK = "torch.nn.utils.spectral_norm's forward pre-hook, from weight_orig"
+
+
+def computed_weight_of(module_type: str, params: Collection[str]) -> str:
+    """How the weight of a layer of this type holding these parameters is computed, not held ("" when it is a
+    parameter of its own, or the layer holds none): from the tables' ``module_type`` and the parameter names
+    the capture records (``summary["capture"]["modules"]``)."""
+    if module_type.startswith(PARAMETRIZED):
+        return PARAMETRIZATION
+    if "weight" in params:
+        return ""
+    if {"weight_g", "weight_v"} <= set(params):
+        return WEIGHT_NORM_HOOK
+    return SPECTRAL_NORM_HOOK if "weight_orig" in params else ""
 
 
 def fp8_eligible(module: nn.Module, tied: set[int], tokens: int | None = None) -> bool:

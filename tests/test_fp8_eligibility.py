@@ -331,6 +331,49 @@ def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_sa
     assert planned and all(lay["choice"] == "bf16" and "parametrization" in lay["why"] for lay in planned)
 
 
+@pytest.mark.parametrize("old_style", [False, True])
+def test_the_flops_share_counts_the_layers_whose_weight_is_computed(old_style: bool) -> None:
+    """weight_norm'd and spectral_norm'd Linears carry most of this model's matmul FLOPs. Their weight is
+    computed (the parametrize API's is recorded under <layer>.parametrizations.weight, the old hooks' as
+    weight_g/weight_v and weight_orig), so the FP8 rule knew no shape for them: "2 of 4 qualify, carrying 100% of
+    the linear layers' matmul FLOPs (2 layer(s) of unknown shape not counted)", where the two plain layers carry
+    a few percent, and the speed estimate left their bf16 GEMMs out. Their shape is that of what their weight is
+    computed from, and the share is checked against 2 x in x out of each nn.Linear of the live model."""
+    import warnings
+
+    from torch.nn.utils import parametrizations
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old torch.nn.utils.weight_norm is deprecated
+        wrap = (
+            (nn.utils.weight_norm, nn.utils.spectral_norm)
+            if old_style
+            else (parametrizations.weight_norm, parametrizations.spectral_norm)
+        )
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(32, 32),
+            wrap[0](nn.Linear(32, 512)),
+            nn.ReLU(),
+            wrap[1](nn.Linear(512, 32)),
+            nn.Linear(32, 16),
+        )
+    flops = {
+        name: 2 * m.in_features * m.out_features
+        for name, m in model.named_children()
+        if isinstance(m, nn.Linear)
+    }
+    rec = _advice(model, 16, 16)
+    f = rec.finding("fp8_eligibility")
+    assert f is not None and f.modules == ["0", "4"] and f.numbers["unknown_shape"] == 0
+    share = (flops["0"] + flops["4"]) / sum(flops.values())
+    assert share < 0.06 and f.numbers["eligible_flops_share"] == pytest.approx(share)
+    assert f"2 of 4 qualify, carrying {100 * share:.3g}% of the" in f.message
+    assert "unknown shape" not in f.message and "none was recorded" not in f.message
+    speed = rec.finding("fp8_speed")  # the two layers left in bf16 are in the step FP8 would run
+    assert speed is not None and speed.numbers["layers"] == 2 and speed.numbers["layers_bf16"] == 2
+
+
 class _LinearExpertsMoE(nn.Module):
     """A mixture of experts held as modules (research code, transformers 4's Mixtral): ``inp``, a router
     (``gate``) that weighs the experts, eight experts of two Linear layers each, and ``out``. Which expert a

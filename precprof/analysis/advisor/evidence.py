@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import pandas as pd
@@ -653,19 +653,72 @@ def _expert_gemms(run: _Run) -> dict[str, list[tuple[int, int, int]]]:
     return out
 
 
+def _captured_modules(run: _Run) -> dict[str, Mapping[str, Any]]:
+    """The modules the capture recorded (summary["capture"]["modules"]), by name: each one's type and the shapes
+    of its own parameters ({} for a run that did not record them)."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    mods = capture.get("modules") if isinstance(capture, Mapping) else None
+    return {
+        str(e.get("name", "")): e
+        for e in (mods if isinstance(mods, list) else [])
+        if isinstance(e, Mapping) and isinstance(e.get("params") or {}, Mapping)
+    }
+
+
+def _computed_weights(run: _Run) -> dict[str, str]:
+    """Layer -> how its weight is computed at each forward rather than held (``taxonomy.computed_weight_of``): a
+    parametrization's layer by its type, an old hook-based weight_norm's or spectral_norm's by the parameters it
+    holds instead (weight_g and weight_v, weight_orig)."""
+    out = {
+        m: taxonomy.PARAMETRIZATION for m, t in run.types.items() if str(t).startswith(taxonomy.PARAMETRIZED)
+    }
+    for name, entry in _captured_modules(run).items():
+        how = taxonomy.computed_weight_of(str(entry.get("type", "")), list(entry.get("params") or {}))
+        if how:
+            out[name] = how
+    return out
+
+
+def _is_shape(v: object, ndim: int = 2) -> TypeGuard[list[int]]:
+    """Whether ``v`` is a recorded shape of ``ndim`` dimensions (a list of ints, as summary.json holds it)."""
+    return isinstance(v, list) and len(v) == ndim and all(isinstance(d, int) for d in v)
+
+
+def _computed_weight_shape(run: _Run, name: str, mods: Mapping[str, Mapping[str, Any]]) -> list[int] | None:
+    """The (out, in) shape of a Linear's weight computed at each forward (``_computed_weights``), from the
+    parameter it is computed from, which torch keeps in the weight's shape: the old weight_norm's ``weight_v``,
+    spectral_norm's ``weight_orig``; a parametrization's ``original`` (``original1``, the direction, for
+    weight_norm's, whose ``original0`` is the (out, 1) magnitude), recorded under ``<name>.parametrizations.weight``.
+    The computed weight is that module's output: a custom parametrization that changes the shape is told by its
+    size, and left unknown (None)."""
+    params = mods[name].get("params") or {}
+    shape = next((params[p] for p in ("weight_v", "weight_orig") if _is_shape(params.get(p))), None)
+    if shape is not None:
+        return list(shape)
+    plist = f"{name}.parametrizations.weight"
+    originals = (mods.get(plist) or {}).get("params") or {}
+    shape = next((originals[p] for p in ("original", "original1") if _is_shape(originals.get(p))), None)
+    if shape is None:
+        return None
+    made = _first_activations(run).get(plist)
+    if made is not None and made[1] >= 1 and made[0] != made[1] * shape[0] * shape[1]:
+        return None
+    return list(shape)
+
+
 def _recorded_dims(run: _Run) -> dict[str, dict[str, int]]:
     """Dimensions of linear layers ({"in", "out"}) and embeddings ({"num_embeddings", "dim"}) from the
     parameter shapes the Profiler records in summary["capture"]["modules"] (Linear weights are (out, in), HF
-    Conv1D weights (in, out), Embedding weights (num, dim))."""
+    Conv1D weights (in, out), Embedding weights (num, dim)); a Linear whose weight is computed (weight_norm,
+    spectral_norm) has the shape of what it is computed from (``_computed_weight_shape``)."""
     out: dict[str, dict[str, int]] = {}
-    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
-    mods = capture.get("modules") if isinstance(capture, Mapping) else None
-    for entry in mods if isinstance(mods, list) else []:
-        if not isinstance(entry, Mapping):
-            continue
-        name, t = str(entry.get("name", "")), str(entry.get("type", ""))
+    mods = _captured_modules(run)
+    for name, entry in mods.items():
+        t = str(entry.get("type", ""))
         shape = (entry.get("params") or {}).get("weight")
-        if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(v, int) for v in shape)):
+        if shape is None and taxonomy.is_linear_type(t):
+            shape = _computed_weight_shape(run, name, mods)
+        if not _is_shape(shape):
             continue
         if taxonomy.kind_of_type(t) == taxonomy.EMBEDDING:
             out[name] = {"num_embeddings": shape[0], "dim": shape[1]}

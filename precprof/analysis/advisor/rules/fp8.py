@@ -32,6 +32,7 @@ from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis import current_scaling, fp8_speed, lost_norm
 from precprof.analysis.advisor.evidence import (
+    _computed_weights,
     _expert_banks,
     _expert_gemms,
     _innermost,
@@ -331,6 +332,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     rows: list[tuple[str, str]] = []
     forward_only: list[str] = []
     batch_tokens = _tokens_per_call(run)
+    computed = _computed_weights(run)
     for m in linear:
         sh = shapes[m]
         held_tokens = sh.odd_tokens[1] if sh.odd_tokens is not None else sh.tokens or 0
@@ -349,10 +351,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 if sh.uneven_calls
                 else "they vary from step to step"
             )
-        if run.types.get(m, "").startswith(taxonomy.PARAMETRIZED):
-            why = (
-                "its weight is computed by a parametrization, as weight_norm's: float8 conversion fails on it"
-            )
+        if m in computed:
+            why = f"its weight is computed by {computed[m]}: float8 conversion fails on it"
         elif not taxonomy.fp8_convertible_type(run.types.get(m, "")):
             why = f"a {run.types.get(m, '')}, not an nn.Linear: float8 conversion does not swap it"
         elif sh.tied_to is not None:
