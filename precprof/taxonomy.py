@@ -229,7 +229,7 @@ SPECTRAL_NORM_HOOK = "torch.nn.utils.spectral_norm's forward pre-hook, from weig
 def computed_weight_of(module_type: str, params: Collection[str]) -> str:
     """How the weight of a layer of this type holding these parameters is computed, not held ("" when it is a
     parameter of its own, or the layer holds none): from the tables' ``module_type`` and the parameter names
-    the capture records (``summary["capture"]["modules"]``)."""
+    the capture records (``summary["capture"]["modules"]``); ``fp8_eligible`` tells it of a live module."""
     if module_type.startswith(PARAMETRIZED):
         return PARAMETRIZATION
     if "weight" in params:
@@ -241,13 +241,18 @@ def computed_weight_of(module_type: str, params: Collection[str]) -> str:
 
 def fp8_eligible(module: nn.Module, tied: set[int], tokens: int | None = None) -> bool:
     """Whether ``module`` (an ``nn.Linear``) can be converted to float8 training; ``tied`` is
-    ``tied_weight_ids(model)``; see ``fp8_ineligible_reason``."""
+    ``tied_weight_ids(model)``; see ``fp8_ineligible_reason``. A Linear whose weight is computed at each forward
+    cannot (``computed_weight_of``): by a parametrization, or by the forward pre-hook of the old
+    ``torch.nn.utils.weight_norm`` or ``spectral_norm``, which deletes the weight parameter and sets a plain
+    tensor in its place. torchao's conversion fails on it ("cannot assign 'torch.FloatTensor' as parameter
+    'weight'"), and a swap would drop what computes the weight."""
     from torch import nn
     from torch.nn.utils import parametrize
 
     return (
         isinstance(module, nn.Linear)
         and not parametrize.is_parametrized(module)
+        and isinstance(module._parameters.get("weight"), nn.Parameter)
         and fp8_eligible_shape(module.in_features, module.out_features, id(module.weight) in tied, tokens)
     )
 

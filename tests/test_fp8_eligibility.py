@@ -374,6 +374,39 @@ def test_the_flops_share_counts_the_layers_whose_weight_is_computed(old_style: b
     assert speed is not None and speed.numbers["layers"] == 2 and speed.numbers["layers_bf16"] == 2
 
 
+def test_a_linear_under_the_old_hook_based_weight_norm_is_not_converted_and_the_advisor_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The old torch.nn.utils.weight_norm and spectral_norm (HiFi-GAN, WaveNet ports) leave the layer an
+    nn.Linear whose weight is a plain tensor a forward pre-hook computes from weight_g and weight_v (weight_orig).
+    --precision fp8 handed it to torchao, whose conversion raises "TypeError: cannot assign 'torch.FloatTensor'
+    as parameter 'weight'", as it did for the parametrize API's layers; the advisor said "weight shape unknown:
+    none was recorded for it". Both leave it out, and the advisor names the hook."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old torch.nn.utils.weight_norm is deprecated
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.utils.weight_norm(nn.Linear(32, 64)),
+            nn.GELU(),
+            nn.utils.spectral_norm(nn.Linear(64, 64)),
+            nn.Linear(64, 32),
+        )
+    assert not isinstance(model[0].weight, nn.Parameter) and not isinstance(model[2].weight, nn.Parameter)
+    assert taxonomy.fp8_eligible_names(model, tokens=64) == ["3"]
+    swapped = _fake_torchao(monkeypatch)
+    assert convert_fp8(model, "torchao", tokens=64) == 1 and swapped == ["3"]
+    f = _advice(model, 16, 16).finding("fp8_eligibility")
+    assert f is not None and f.modules == ["3"]
+    assert (
+        "Not eligible: 0 (its weight is computed by torch.nn.utils.weight_norm's forward pre-hook, from weight_g "
+        "and weight_v: float8 conversion fails on it); 2 (its weight is computed by torch.nn.utils.spectral_norm's "
+        "forward pre-hook, from weight_orig: float8 conversion fails on it)" in f.message
+    )
+    assert "shape unknown" not in f.message and "none was recorded" not in f.message
+
+
 class _LinearExpertsMoE(nn.Module):
     """A mixture of experts held as modules (research code, transformers 4's Mixtral): ``inp``, a router
     (``gate``) that weighs the experts, eight experts of two Linear layers each, and ``out``. Which expert a

@@ -143,9 +143,10 @@ def tf32_flags(enabled: bool, device: torch.device) -> Iterator[None]:
 def convert_fp8(model: nn.Module, library: str, tokens: int | None = None) -> int:
     """Convert the eligible ``nn.Linear`` layers of ``model`` to fp8 training in place; returns how many.
 
-    Eligible (``taxonomy.fp8_eligible_names``, the rule the advisor applies to a recorded run): not tied to an
-    embedding (a tied output head stays in bf16), both dimensions multiples of 16, and ``tokens`` (batch x
-    sequence per call) a multiple of 16 when given. UserError when no layer qualifies.
+    Eligible (``taxonomy.fp8_eligible_names``, the rule the advisor applies to a recorded run): its weight a
+    parameter of its own (not computed by weight_norm or spectral_norm), not tied to an embedding (a tied output
+    head stays in bf16), both dimensions multiples of 16, and ``tokens`` (batch x sequence per call) a multiple
+    of 16 when given. UserError when no layer qualifies.
     """
     names = set(taxonomy.fp8_eligible_names(model, tokens))
 
@@ -155,8 +156,9 @@ def convert_fp8(model: nn.Module, library: str, tokens: int | None = None) -> in
     n = len(names)
     if n == 0:
         raise UserError(
-            "--precision fp8: no nn.Linear layer of this model is FP8-eligible (both dimensions divisible by "
-            "16, not tied to an embedding"
+            "--precision fp8: no nn.Linear layer of this model is FP8-eligible (its weight a parameter of its "
+            "own, not computed by weight_norm or spectral_norm, both dimensions divisible by 16, not tied to an "
+            "embedding"
             + (f", {tokens} tokens per call divisible by 16" if tokens is not None else "")
             + "); nothing can run in fp8"
         )
