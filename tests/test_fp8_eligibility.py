@@ -407,6 +407,42 @@ def test_a_linear_under_the_old_hook_based_weight_norm_is_not_converted_and_the_
     assert "shape unknown" not in f.message and "none was recorded" not in f.message
 
 
+def test_the_block_format_plan_keeps_every_layer_whose_weight_is_computed_in_bf16_reached_or_not(
+    block_formats_on: None,
+) -> None:
+    """A plan of five linear layers of which three are parametrized and one under the old weight_norm hook:
+    within three sampled steps the block budget reached few of them, and the plan said the sampled steps "did
+    not reach 2, 4, 6, ... (a longer run, or a larger Profiler(block_budget=...), covers them)", of layers no
+    run length converts; the old hook's layer could be planned in a block format that fails on it. Each is in
+    the plan, in bf16, for what computes its weight."""
+    import warnings
+
+    from torch.nn.utils import parametrizations
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old torch.nn.utils.weight_norm is deprecated
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            parametrizations.weight_norm(nn.Linear(32, 32)),
+            nn.ReLU(),
+            parametrizations.spectral_norm(nn.Linear(32, 32)),
+            nn.ReLU(),
+            parametrizations.orthogonal(nn.Linear(32, 32)),
+            nn.ReLU(),
+            nn.utils.weight_norm(nn.Linear(32, 32)),
+            nn.Linear(32, 32),
+        )
+    computed = {"0", "2", "4", "6"}
+    rec = _advice(model, 16, 16, 16)
+    planned = {lay["module"]: lay for lay in rec.block_what_if["layers"]}
+    assert computed <= set(planned)
+    assert all(planned[m]["choice"] == "bf16" for m in computed)
+    assert all("a parametrization" in planned[m]["why"] for m in ("0", "2", "4"))
+    assert "torch.nn.utils.weight_norm's forward pre-hook" in planned["6"]["why"]
+    f = rec.finding("block_format_what_if")  # (an H100's: the plan a Blackwell GPU would get)
+    assert f is not None and "did not reach" not in f.message and "block_budget" not in f.message
+
+
 class _LinearExpertsMoE(nn.Module):
     """A mixture of experts held as modules (research code, transformers 4's Mixtral): ``inp``, a router
     (``gate``) that weighs the experts, eight experts of two Linear layers each, and ``out``. Which expert a

@@ -149,6 +149,9 @@ class LayerBlocks:
     gradient_skipped: bool = False
     # the embedding whose weight it shares (an output head tied to it): kept in bf16, as FP8 keeps it
     tied_to: str | None = None
+    # how its weight is computed (weight_norm, spectral_norm: ``taxonomy.computed_weight_of``), "" where it is
+    # held: kept in bf16, as FP8 keeps it, as a block-scaled conversion fails on it
+    computed_weight: str = ""
 
     def summary(self, recipe: str) -> RecipeSummary | None:
         ops = self.losses.get(recipe) or []

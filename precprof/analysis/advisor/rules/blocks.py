@@ -28,6 +28,7 @@ from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import (
+    _computed_weights,
     _innermost,
     _layer_dims,
     _matmul_leaves,
@@ -166,7 +167,9 @@ def _judged_on(run: _Run, modules: list[str], sampled: int) -> str:
 
 def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None) -> list[LayerBlocks]:
     """Per linear layer (forward order), each block recipe's losses on the operands the layer's GEMMs read.
-    Layers with no block statistics at all are left out (an older run, or the what-if was off)."""
+    Layers with no block statistics at all are left out (an older run, or the what-if was off), but for those
+    whose weight is computed (weight_norm, spectral_norm), which no conversion swaps: no run length or block
+    budget changes their place in the plan."""
     if run.layers.empty or not any(c in run.layers for c in T.BLOCK_COLUMNS):
         return []
     dims = dims if dims is not None else _layer_dims(run)
@@ -213,6 +216,7 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
         return Rows(columns, at)
 
     first = _first_activations(run)
+    computed = _computed_weights(run)
     out: list[LayerBlocks] = []
     for m in linear:
         t = run.types.get(m, "")
@@ -235,6 +239,7 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
             src,
             axes={"in_features": sh.in_features, "out_features": sh.out_features, "tokens": tokens},
             tied_to=sh.tied_to,
+            computed_weight=computed.get(m, ""),
         )
         for recipe in T.BLOCK_RECIPES:
             ops = []
@@ -257,7 +262,8 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
         lb.gradient_skipped = (
             not judged and losses(grad, GRAD, "row", "input gradient", T.BLOCK_RECIPES[0]) is not None
         )
-        if lb.losses:
+        # a layer whose weight is computed stays in bf16 whatever its numbers: in the plan, with statistics or not
+        if lb.losses or lb.computed_weight:
             out.append(lb)
     return out
 
@@ -299,10 +305,12 @@ HEAD_WHY = (
 )
 
 
-PARAMETRIZED_WHY = (
-    "its weight is computed by a parametrization, as weight_norm's: a conversion to a block-scaled Linear "
-    "(torchao's, as its float8 one) fails on it"
-)
+def computed_why(how: str) -> str:
+    """Why a layer whose weight is computed (``taxonomy.computed_weight_of``: ``how``) stays in bf16."""
+    return (
+        f"its weight is computed by {how}: a conversion to a block-scaled Linear (torchao's, as its float8 one) "
+        "fails on it"
+    )
 
 
 def tied_why(embedding: str) -> str:
@@ -318,8 +326,8 @@ def decide(lb: LayerBlocks, cfg: AdvisorConfig, allowed: tuple[str, ...]) -> Non
     """Choose the layer's format among ``allowed`` plan names: NVFP4, else MXFP4, where FP4's bound holds on
     every operand (never for the output head); else MXFP8 where it loses nothing measurable; else bf16. Sets
     ``choice`` and ``why``. A head tied to an embedding stays in bf16, as it is not FP8-eligible either."""
-    if lb.module_type.startswith(taxonomy.PARAMETRIZED):
-        lb.choice, lb.why = "bf16", PARAMETRIZED_WHY
+    if lb.computed_weight:
+        lb.choice, lb.why = "bf16", computed_why(lb.computed_weight)
         return
     if lb.tied_to is not None:
         lb.choice, lb.why = "bf16", tied_why(lb.tied_to)
