@@ -50,7 +50,13 @@ _NORMS_FOLLOWING_INPUT = re.compile(r"BatchNorm|InstanceNorm")
 
 FP8_DIM_MULTIPLE = 16  # float8 matmuls need both dimensions (and the tokens per call) divisible by 16
 
+# torch's parametrizations (torch.nn.utils.parametrizations), the modules under a layer's
+# ``parametrizations.<name>`` that compute its weight from the tensors it holds: weight_norm's and spectral_norm's
+# rescale a weight, they normalise no activation (what the ``Norm`` in their names would have said)
+_PARAMETRIZATIONS = re.compile(r"^_(WeightNorm|SpectralNorm|Orthogonal)$")
+
 _BY_NAME: tuple[tuple[str, re.Pattern[str]], ...] = (
+    (OTHER, _PARAMETRIZATIONS),
     (EMBEDDING, re.compile(r"Embedding")),
     (LOSS, re.compile(r"Loss$")),
     (NORM, re.compile(r"Norm")),
@@ -91,6 +97,12 @@ def kind_of_type(module_type: str) -> str:
         if pattern.search(name):
             return kind
     return OTHER
+
+
+def is_parametrization_type(module_type: str) -> bool:
+    """Whether a module of this type is one of torch's parametrizations (``_WeightNorm``, ``_SpectralNorm``,
+    ``_Orthogonal``): it computes a layer's weight, its output is that weight."""
+    return bool(_PARAMETRIZATIONS.match(module_type or ""))
 
 
 def type_name(module: nn.Module) -> str:

@@ -2047,6 +2047,35 @@ def test_buffers_of_the_root_and_of_containers_are_read() -> None:
     assert 0 < abs(0.7071 - float(model.body.temperature)) <= const.numbers["buffer_error"]
 
 
+def test_weight_norm_and_spectral_norm_parametrizations_are_not_normalisation_layers() -> None:
+    """A GAN or vocoder block cast with .to(torch.bfloat16): weight_norm and spectral_norm Linears beside a
+    LayerNorm. torch's parametrizations (classes _WeightNorm and _SpectralNorm, under
+    <layer>.parametrizations.weight) were taken for normalisation layers by the "Norm" in their names: keep_fp32
+    named 3.parametrizations.weight.0 with a remedy (.float() on it) that casts spectral_norm's power-iteration
+    vectors and leaves the weight it computes in bf16, and those vectors were called "running statistics" of a
+    momentum. The LayerNorm alone is a normalisation layer; the vectors, bf16 in the model, are no finding."""
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        weight_norm(nn.Linear(8, 32)),
+        nn.LayerNorm(32),
+        nn.ReLU(),
+        spectral_norm(nn.Linear(32, 32)),
+        nn.Linear(32, 8),
+    ).to(torch.bfloat16)
+    plist = model[3].parametrizations.weight
+    assert plist[0]._u.dtype == torch.bfloat16 and type(plist[0]).__name__ == "_SpectralNorm"
+    prof = _two_bf16_steps(model)
+    summary = {T.SUMMARY_CAPTURE: prof.summary()}
+    rec = recommend(prof.tables(), summary=summary, config=AdvisorConfig(small_model_params=0))
+    assert rec.format == "bf16" and rec.keep_fp32 == ["1"]
+    ops = must(rec, "bf16_fp32_ops")
+    assert ops.modules == ["1"] and "parametrizations" not in ops.message + ops.remedy
+    assert rec.finding("low_precision_buffers") is None
+    assert all("_u" not in f.message for f in rec.findings)
+
+
 class UpcastNorm(nn.Module):
     """An RMSNorm as transformers' Gemma: statistics in fp32, the result cast back to the input's dtype."""
 

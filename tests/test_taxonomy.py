@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrizations
 
 from precprof import tables as T
 from precprof import taxonomy as X
@@ -30,6 +31,9 @@ MODULES = [
     (nn.Dropout(0.1), X.ELEMENTWISE),
     (nn.Embedding(8, 4), X.EMBEDDING),
     (nn.Sequential(nn.Linear(2, 2)), X.OTHER),
+    # torch's parametrizations compute a layer's weight: no normalisation layer, whatever their names say
+    (parametrizations._WeightNorm(dim=0), X.OTHER),
+    (parametrizations._SpectralNorm(torch.ones(4, 4)), X.OTHER),
 ]
 
 

@@ -239,7 +239,7 @@ def _rule_low_precision_buffers(run: _Run, plan: _Plan, capture: Mapping[str, An
     running statistics (small updates accumulate in them: keep the module in fp32); a rotary embedding's
     frequencies (a cast rounded them, and the angle's error grows with the position); other constants a cast
     rounded (information). Buffers whose values a cast cannot have changed (0/1 masks, small integers, powers of
-    two: ``exact``) are no finding."""
+    two: ``exact``) are no finding, nor are a parametrization's (spectral_norm's power-iteration vectors)."""
     bufs = [b for b in capture.get("low_precision_buffers") or [] if isinstance(b, Mapping)]
     if not bufs:
         return
@@ -255,6 +255,10 @@ def _rule_low_precision_buffers(run: _Run, plan: _Plan, capture: Mapping[str, An
     stats, freqs, consts = [], [], []
     for b in bufs:
         mtype = str(b.get("module_type") or types.get(str(b.get("module", "")), ""))
+        if taxonomy.is_parametrization_type(mtype):
+            # spectral_norm's power-iteration vectors (_u, _v): each training forward iterates them again from the
+            # weight, so what a 16-bit value rounds is iterated away, neither accumulated nor kept as a constant
+            continue
         if taxonomy.kind_of_type(mtype) == taxonomy.NORM or str(b.get("buffer", "")).startswith("running_"):
             stats.append(b)
         elif b.get("exact") is True:
