@@ -271,9 +271,18 @@ def fp8_eligible(module: nn.Module, tied: set[int], tokens: int | None = None) -
 
 def fp8_eligible_names(model: nn.Module, tokens: int | None = None) -> list[str]:
     """Qualified names of the layers of ``model`` that ``convert_fp8`` converts (``fp8_eligible``), in
-    ``named_modules`` order: the live-model side of the advisor's ``fp8_layers``."""
+    ``named_modules`` order: the live-model side of the advisor's ``fp8_layers``. An ``nn.MultiheadAttention``'s
+    ``out_proj`` is not one: the attention reads its weight and bias itself and never calls it, so a swap would
+    change nothing of what runs (its matmul stays in bf16, as the in_proj_weight's)."""
+    from torch import nn
+
     tied = tied_weight_ids(model)
-    return [name for name, m in model.named_modules() if fp8_eligible(m, tied, tokens)]
+    never_called = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    return [
+        name
+        for name, m in model.named_modules()
+        if id(m) not in never_called and fp8_eligible(m, tied, tokens)
+    ]
 
 
 # ---------------------------------------------------------------------------------- mixed precision active

@@ -443,6 +443,72 @@ def test_the_block_format_plan_keeps_every_layer_whose_weight_is_computed_in_bf1
     assert f is not None and "did not reach" not in f.message and "block_budget" not in f.message
 
 
+class _Encoder(nn.Module):
+    """nn.TransformerEncoder (two layers, width 32, feed-forward 64) and a Linear head, on 32-wide inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(x))
+
+
+class _Recurrent(nn.Module):
+    """A two-layer LSTM (64 wide) and a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        self.head = nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+def test_the_flops_share_counts_the_matmuls_float8_conversion_leaves_in_bf16(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """nn.MultiheadAttention computes its projections from its in_proj_weight and out_proj's weight, never
+    calling out_proj; an LSTM its gates from its own weights. Float8 conversion swaps nn.Linear modules alone,
+    so these stay in bf16, yet the FP8 rule counted the linear layers alone: "5 of 5 qualify, carrying 100% of
+    the linear layers' matmul FLOPs" of an encoder where attention does 44% of them, "1 of 1 ... 100%" of an
+    LSTM doing 90%, and --precision fp8 swapped out_proj, which never runs as a module. The share is now of all
+    those matmuls, checked against 2 x in x out per token of every weight of the live model, the modules left
+    in bf16 are named, and out_proj is not converted."""
+    enc = _Encoder()
+    attn = [m for m in enc.modules() if isinstance(m, nn.MultiheadAttention)]
+    linear = [m for m in enc.modules() if isinstance(m, nn.Linear) and all(m is not a.out_proj for a in attn)]
+    linear_flops = sum(2 * m.weight.numel() for m in linear)
+    attn_flops = sum(2 * (a.in_proj_weight.numel() + a.out_proj.weight.numel()) for a in attn)
+    live = taxonomy.fp8_eligible_names(enc, tokens=64)
+    assert len(live) == 5 and not any(name.endswith("out_proj") for name in live)
+    swapped = _fake_torchao(monkeypatch)
+    assert convert_fp8(enc, "torchao", tokens=64) == 5 and sorted(swapped) == sorted(live)
+    rec = _advice(_Encoder(), 16, 16)
+    f = rec.finding("fp8_eligibility")
+    assert f is not None and f.modules == live
+    share = linear_flops / (linear_flops + attn_flops)
+    assert 0.5 < share < 0.6 and f.numbers["eligible_flops_share"] == pytest.approx(share)
+    assert f.numbers["unconverted_flops_share"] == pytest.approx(1 - share)
+    assert (
+        "nn.MultiheadAttention's projections (enc.layers.0.self_attn, enc.layers.1.self_attn), "
+        f"{100 * (1 - share):.3g}% of them, stay in bf16" in f.message
+    )
+    # an LSTM's gates: 2 x in x out per token of each of its weights, beside the head's
+    lstm = _Recurrent()
+    gates = sum(2 * w.numel() for n, w in lstm.rnn.named_parameters() if n.startswith("weight"))
+    f = _advice(lstm, 16, 16).finding("fp8_eligibility")
+    head = 2 * lstm.head.weight.numel()
+    assert f is not None and f.modules == ["head"]
+    assert f.numbers["eligible_flops_share"] == pytest.approx(head / (head + gates))
+    assert "the recurrent layers' gates (rnn)" in f.message
+
+
 class _LinearExpertsMoE(nn.Module):
     """A mixture of experts held as modules (research code, transformers 4's Mixtral): ``inp``, a router
     (``gate``) that weighs the experts, eight experts of two Linear layers each, and ``out``. Which expert a

@@ -157,6 +157,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     # expert weights multiplied in float32 (rules/active.py)
     "banks": ("mixture-of-experts modules in FP32", "count"),
     "experts_uncounted": ("mixture-of-experts modules whose FLOPs are not counted", "count"),
+    "unconverted_uncounted": ("other modules whose matmul FLOPs are not counted", "count"),
     "expert_params": ("their expert parameters", "count"),
     "share_of_params": ("share of the model's parameters", "share"),
     # keep-in-fp32 modules, buffers, optimizer states
@@ -185,6 +186,10 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "eligible": ("FP8-eligible", "count"),
     "eligible_flops_share": ("their share of the matmul FLOPs (linear layers and experts)", "share"),
     "experts_flops_share": ("share of the FLOPs in experts float8 conversion leaves in bf16", "share"),
+    "unconverted_flops_share": (
+        "share of the FLOPs in attention projections, recurrent layers and convolutions (left in bf16)",
+        "share",
+    ),
     "max_e4m3_share": ("most E4M3 values flushed (inputs, weights; not judged)", "share"),
     "max_e5m2_share": ("most E5M2 values flushed (output gradients; not judged)", "share"),
     "max_e4m3_lost_norm": ("largest share of the norm E4M3 loses (inputs, weights)", "share"),

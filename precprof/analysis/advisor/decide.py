@@ -82,16 +82,25 @@ def _fp8_speed_text(plan: _Plan) -> str:
 
 
 def _flops_whose(plan: _Plan) -> str:
-    """Whose matmul FLOPs the eligible layers' share is of: the linear layers', or the step's with a mixture of
-    experts' expert GEMMs counted (which float8 conversion leaves in bf16)."""
+    """Whose matmul FLOPs the eligible layers' share is of: the linear layers', or the step's with the matmuls
+    float8 conversion leaves in bf16 counted (a mixture of experts' expert GEMMs, nn.MultiheadAttention's
+    projections, recurrent layers, convolutions)."""
     missing = (
         f" (the experts of {_listing(plan.fp8_experts_uncounted, 4)} not counted: they stay in bf16)"
         if plan.fp8_experts_uncounted
         else ""
     )
-    if plan.fp8_experts_share is None:
+    left = [
+        f"{what} {_pct(share)}"
+        for what, share in (
+            ("the experts'", plan.fp8_experts_share),
+            ("attention projections', recurrent layers' and convolutions'", plan.fp8_others_share),
+        )
+        if share is not None
+    ]
+    if not left:
         return f"their matmul FLOPs{missing}"
-    return f"the matmul FLOPs (the experts' {_pct(plan.fp8_experts_share)} included, which stay in bf16){missing}"
+    return f"the matmul FLOPs ({' and '.join(left)} included, which stay in bf16){missing}"
 
 
 def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
@@ -103,7 +112,9 @@ def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     numbers = _fp8_numbers_why_not(plan, cfg)
     speed = _fp8_speed_text(plan)
     if numbers:
-        shapes = plan.fp8_why_not and set(plan.fp8_why_not) <= plan.fp8_shape_blocked
+        # (every layer eligible, and too small a share of the FLOPs in them: the modules that float8 conversion
+        # does not swap decided, by their type)
+        shapes = plan.fp8_checked and set(plan.fp8_why_not) <= plan.fp8_shape_blocked
         return (
             f"the layers themselves decided (their type, shape, tie or tokens per call), not what FP8 would do to "
             f"the numbers: {numbers}"
@@ -130,8 +141,8 @@ def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
             )
         return (
             f"the speed decided: what FP8 does to the numbers allows it ({len(plan.fp8_eligible)} of "
-            f"{plan.fp8_checked} linear layers are FP8-eligible, carrying {_pct(plan.fp8_flops_share)} of their "
-            f"matmul FLOPs), but {speed}{why}"
+            f"{plan.fp8_checked} linear layers are FP8-eligible, carrying {_pct(plan.fp8_flops_share)} of "
+            f"{_flops_whose(plan)}), but {speed}{why}"
         )
     return ""
 

@@ -44,7 +44,15 @@ from precprof.analysis.advisor.evidence import (
 )
 from precprof.analysis.advisor.model import INFO, WARNING, Finding
 from precprof.analysis.advisor.rules.blocks import _first_activations, inputs_of
-from precprof.analysis.advisor.rules.shapes import _fp8_shapes
+from precprof.analysis.advisor.rules.shapes import (
+    ATTENTION,
+    CONVOLUTION,
+    RECURRENT,
+    _fp8_shapes,
+    _Unconverted,
+    _unconverted_matmuls,
+    _unseen_weights,
+)
 from precprof.analysis.advisor.text import _listing, _name, _pct
 from precprof.formats import FP8_E4M3, FP8_E5M2, NumberFormat
 
@@ -295,6 +303,24 @@ def _batch_tokens_remedy(plan: _Plan) -> str:
     )
 
 
+_UNCONVERTED_WORDS = {
+    ATTENTION: "nn.MultiheadAttention's projections",
+    RECURRENT: "the recurrent layers' gates",
+    CONVOLUTION: "the convolutions",
+}
+
+
+def _unconverted_listing(unconverted: Mapping[str, _Unconverted], limit: int) -> str:
+    """The modules whose matmuls float8 conversion does not reach, by kind ("nn.MultiheadAttention's projections
+    (enc.layers.0.self_attn, enc.layers.1.self_attn) and the convolutions (0, 3)")."""
+    parts = [
+        f"{words} ({_listing([m for m, u in unconverted.items() if u.kind == kind], limit)})"
+        for kind, words in _UNCONVERTED_WORDS.items()
+        if any(u.kind == kind for u in unconverted.values())
+    ]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
 def _not_eligible(bad: list[tuple[str, str]], limit: int) -> str:
     """The layers that are not FP8-eligible, those with the same reason together ("a, b and 3 more (68 tokens
     per call, not a multiple of 16); c (dims ...)"), at most ``limit`` reasons."""
@@ -396,10 +422,16 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     expert_flops = {
         b: sum(2 * rows * k * n for rows, k, n in gemms) / tokens for b, gemms in experts.items() if tokens
     }
-    total = sum(known.values()) + sum(expert_flops.values())
+    # the matmuls of nn.MultiheadAttention's projections, recurrent layers and convolutions: float8 conversion
+    # leaves them in bf16 as well, and counts them in the step's FLOPs
+    unconverted, not_counted = _unconverted_matmuls(run)
+    other_flops = {m: u.flops_per_token(tokens) for m, u in unconverted.items() if tokens}
+    unseen = _unseen_weights(run, {**unconverted, **dict.fromkeys(not_counted)})
+    total = sum(known.values()) + sum(expert_flops.values()) + sum(other_flops.values())
     plan.fp8_flops_share = sum(known.get(m, 0) for m in plan.fp8_eligible) / total if total > 0 else None
     experts_share = sum(expert_flops.values()) / total if expert_flops and total > 0 else None
     plan.fp8_experts_share = experts_share
+    plan.fp8_others_share = sum(other_flops.values()) / total if other_flops and total > 0 else None
     # banks whose GEMMs cannot be read (no activation module of their own to count the routed rows from): their
     # FLOPs are missing from the total, and the share is said to be without them
     uncounted = run.sort([b for b in _expert_banks(run) if b not in expert_flops])
@@ -418,7 +450,9 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     eligible = set(plan.fp8_eligible)
     plan.fp8_speed = fp8_speed.estimate(
         calls(plan.fp8_eligible),
-        calls([m for m in linear if m not in eligible]) + [g for gemms in experts.values() for g in gemms],
+        calls([m for m in linear if m not in eligible])
+        + [g for gemms in experts.values() for g in gemms]
+        + [g for u in unconverted.values() for g in u.gemms],
     )
     unknown = [m for m in linear if m not in known]
     tied = [m for m in linear if shapes[m].tied_to is not None]
@@ -482,10 +516,34 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         "values). Nothing saturates under current scaling. Why "
         f"{_pct(lim)}: {LOST_NORM_EVIDENCE} "
         f"{len(plan.fp8_eligible)} of {len(rows)} qualify, carrying {_pct(plan.fp8_flops_share)} of the "
-        + ("matmul FLOPs, the experts' included" if expert_flops else "linear layers' matmul FLOPs")
+        + (
+            "matmul FLOPs, those of the modules float8 conversion leaves in bf16 included"
+            if other_flops
+            else "matmul FLOPs, the experts' included"
+            if expert_flops
+            else "linear layers' matmul FLOPs"
+        )
         + " (2 x in x out per token"
         + (f"; {len(unknown)} layer(s) of unknown shape not counted" if unknown else "")
         + ")"
+        + (
+            f"; {_unconverted_listing(unconverted, cfg.max_listed_modules)}, {_pct(plan.fp8_others_share)} of "
+            "them, stay in bf16: float8 conversion swaps nn.Linear modules alone"
+            if other_flops
+            else ""
+        )
+        + (
+            f"; the matmuls of {_listing(not_counted, cfg.max_listed_modules)} are not counted (this run does "
+            "not tell their rows per call): they stay in bf16 all the same"
+            if not_counted
+            else ""
+        )
+        + (
+            f"; the matrix parameters of {_listing(unseen, cfg.max_listed_modules)} are not counted: a matmul "
+            "its own code computes with them (F.linear, @) is no module's that this count sees, and stays in bf16"
+            if unseen
+            else ""
+        )
         + (
             f"; the experts of {len(expert_flops)} mixture-of-experts module(s) "
             f"({_listing(run.sort(list(expert_flops)), cfg.max_listed_modules)}), {_pct(experts_share)} of "
@@ -580,6 +638,14 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 "pushed_subnormal_max": cfg.fp8_pushed_subnormal_max,
                 "lost_norm_max": lim,
                 "sampled_steps": steps,
+                **(
+                    {
+                        "unconverted_flops_share": plan.fp8_others_share,
+                        "unconverted_uncounted": len(not_counted) + len(unseen),
+                    }
+                    if other_flops or not_counted or unseen
+                    else {}
+                ),
             },
         )
     )

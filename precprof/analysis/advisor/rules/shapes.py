@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ import pandas as pd
 from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis.advisor.evidence import (
+    _captured_modules,
     _first_activations,
     _model_dims,
     _Plan,
@@ -311,3 +313,86 @@ def _tied_outside(run: _Run) -> dict[str, tuple[str, str]]:
         if isinstance(w, Mapping) and isinstance(w.get("module"), str):
             out[str(m)] = (str(w["module"]), str(w.get("type", "")))
     return out
+
+
+# the matmuls float8 conversion does not swap, as it swaps nn.Linear modules alone, by the module doing them
+ATTENTION, RECURRENT, CONVOLUTION = "attention", "recurrent", "convolution"
+_RECURRENT_WEIGHT = re.compile(r"^weight_(ih|hh|hr)_l\d+(_reverse)?$")  # nn.LSTM's, nn.GRU's, nn.RNN's
+_CONVOLUTION = re.compile(r"^Conv[123]d$")
+
+
+@dataclass
+class _Unconverted:
+    """A module whose matmuls no float8 conversion reaches: ``kind`` (``ATTENTION``: nn.MultiheadAttention's
+    projections, which it computes from its own in_proj_weight and out_proj.weight, never calling out_proj;
+    ``RECURRENT``: an LSTM's, GRU's or RNN's gates; ``CONVOLUTION``), its forward GEMMs of the first sampled step
+    as (rows, in, out) each (rows: the tokens of all its calls), and their FLOPs per token of a call (the linear
+    layers' ``flops_per_token``, 2 x rows x in x out over the tokens per call)."""
+
+    kind: str
+    gemms: list[tuple[int, int, int]]
+
+    def flops_per_token(self, tokens: int) -> float:
+        return sum(2 * rows * k * n for rows, k, n in self.gemms) / tokens
+
+
+def _unconverted_matmuls(run: _Run) -> tuple[dict[str, _Unconverted], list[str]]:
+    """The modules doing matmuls that float8 conversion leaves in bf16, from the weight shapes the capture
+    recorded (``_captured_modules``) and each one's calls at the first sampled step, and those of them whose rows
+    the run does not tell (no tokens per call, no output recorded; a transposed convolution, read from its
+    input): (module -> ``_Unconverted``, the modules not counted). Attention and recurrent layers read every
+    token of the batch, as the linear layers; a convolution's rows are its output positions."""
+    tokens = _tokens_per_call(run)
+    acts = _first_activations(run)
+    mods = _captured_modules(run)
+    out: dict[str, _Unconverted] = {}
+    uncounted: list[str] = []
+    for name, entry in mods.items():
+        t, params = str(entry.get("type", "")), entry.get("params") or {}
+        weights = [s for s in params.values() if isinstance(s, list) and all(isinstance(d, int) for d in s)]
+        if "MultiheadAttention" in t:
+            proj = [s for p, s in params.items() if p.endswith("proj_weight") and len(s) == 2]
+            own = (mods.get(f"{name}.out_proj") or {}).get("params") or {}
+            kind, shapes = ATTENTION, proj + [own["weight"]] * ("weight" in own)
+        elif any(_RECURRENT_WEIGHT.match(p) for p in params):
+            kind, shapes = (
+                RECURRENT,
+                [s for p, s in params.items() if _RECURRENT_WEIGHT.match(p) and len(s) == 2],
+            )
+        elif taxonomy.is_matmul_type(t) and "Conv" in t and not taxonomy.is_linear_type(t):
+            kind, shapes = CONVOLUTION, [s for s in weights if len(s) >= 3]
+        else:
+            continue
+        a = _output_of(acts, name)
+        if not shapes or a is None:
+            continue
+        if kind == CONVOLUTION:
+            # a convolution is a GEMM over its output positions: (positions, in/groups x kernel, out channels)
+            cout, k = shapes[0][0], math.prod(shapes[0][1:])
+            if tokens is None or not _CONVOLUTION.match(t) or a[0] % cout:
+                uncounted.append(name)
+                continue
+            out[name] = _Unconverted(kind, [(a[0] // cout, k, cout)])
+        elif tokens is None:
+            uncounted.append(name)
+        else:
+            out[name] = _Unconverted(kind, [(tokens * a[1], s[1], s[0]) for s in shapes])
+    return out, run.sort(uncounted)
+
+
+def _unseen_weights(run: _Run, counted: Mapping[str, object]) -> list[str]:
+    """Modules of no matmul kind holding a matrix parameter, outside those ``_unconverted_matmuls`` counts and a
+    parametrized layer's ``parametrizations`` (the root holding one that its forward uses with F.linear): what
+    their own code computes with it no count of matmuls sees."""
+    out = []
+    for name, entry in _captured_modules(run).items():
+        t, params = str(entry.get("type", "")), entry.get("params") or {}
+        if (
+            name in counted
+            or ".parametrizations." in f"{name}."
+            or taxonomy.kind_of_type(t) != taxonomy.OTHER
+        ):
+            continue
+        if any(isinstance(s, list) and len(s) == 2 and min(s) > 1 for s in params.values()):
+            out.append(name)
+    return run.sort(out)
