@@ -99,6 +99,11 @@ def kind_of_type(module_type: str) -> str:
     return OTHER
 
 
+# the container of a parametrized layer's parametrizations (``<layer>.parametrizations.weight``): its output is
+# the weight the layer computes with
+PARAMETRIZATION_LIST = "ParametrizationList"
+
+
 def is_parametrization_type(module_type: str) -> bool:
     """Whether a module of this type is one of torch's parametrizations (``_WeightNorm``, ``_SpectralNorm``,
     ``_Orthogonal``): it computes a layer's weight, its output is that weight."""

@@ -565,6 +565,40 @@ def test_heatmap_matrix_and_whatif_shares_agree_with_the_tables(
     assert (grads[T.SCALE] == 2.0**14).all()
 
 
+def test_a_weight_a_parametrization_computes_is_counted_once_among_the_weights() -> None:
+    """weight_norm(Linear(8, 16)): the weight its GEMM reads is computed, and the tables record it as the output
+    of 0.parametrizations.weight and again of 0.parametrizations.weight.0 (the _WeightNorm inside it). The
+    what-if totals counted it twice among the activations, where the weights held only what it is computed from.
+    It is counted once, among the weights (its gradient among the weight gradients): the elements of each kind
+    are those of the model's own tensors, counted from its shapes (batch of 4, two sampled steps)."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(8, 16)), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(4, 8)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    outputs = 4 * 16 + 4 * 16 + 4 * 4  # each module's output: the Linear, the ReLU, the last Linear
+    weights = sum(p.numel() for p in model.parameters()) + model[0].weight.numel()  # and the computed weight
+    over = S.whatif_overview(prof.tables()["layers"]).set_index(T.TENSOR)[T.NUMEL]
+    assert over.to_dict() == {
+        T.ACTIVATION: 2 * outputs,
+        T.ACTIVATION_GRAD: 2 * outputs,
+        T.WEIGHT: 2 * weights,
+        T.WEIGHT_GRAD: 2 * weights,
+    }
+    rows = S.whatif_by_layer(prof.tables()["layers"])
+    computed = rows[rows[T.MODULE] == "0.parametrizations.weight"]
+    assert sorted(computed[T.TENSOR]) == [T.WEIGHT, T.WEIGHT_GRAD]
+    assert not rows[T.MODULE].str.startswith("0.parametrizations.weight.").any()
+
+
 def test_fp8_at_an_fp16_loss_scale_is_not_applicable(tmp_path: Path) -> None:
     """An fp16 run at a loss scale of 65536: the what-if tables gave FP8 E4M3 overflow of 2.63% of its weight
     gradients, every one of them from the loss scale, which FP8 training never applies. FP8's underflow and

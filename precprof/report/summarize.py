@@ -198,6 +198,25 @@ def _shares(sub: pd.DataFrame, keys: list[str], count_cols: list[str]) -> pd.Dat
     return out
 
 
+def computed_weights_as_weights(sub: pd.DataFrame) -> pd.DataFrame:
+    """``sub`` (rows with module, module_type and tensor) with the weight a parametrization computes (weight_norm,
+    spectral_norm) counted as the weight it is, once: the output of a layer's ``parametrizations.<name>``
+    (a ``ParametrizationList``) is the weight its GEMM reads, and its gradient the weight's gradient, where the
+    tables record them as an activation and an activation gradient; the parametrizations inside it (``_WeightNorm``
+    at ``parametrizations.weight.0``) output the same tensor, or steps towards it, and are left out (the weight
+    was counted twice among the activations)."""
+    lists = set(T.texts(sub.loc[T.texts(sub[T.MODULE_TYPE]) == taxonomy.PARAMETRIZATION_LIST, T.MODULE]))
+    if not lists:
+        return sub
+    modules = T.texts(sub[T.MODULE])
+    inner = modules.map(lambda m: m.rpartition(".")[0] in lists).to_numpy(dtype=bool)
+    sub = sub[~inner]
+    listed = T.texts(sub[T.MODULE]).isin(lists).to_numpy()
+    kinds = {T.ACTIVATION: T.WEIGHT, T.ACTIVATION_GRAD: T.WEIGHT_GRAD}
+    tensor = sub[T.TENSOR].astype(object).where(~listed, sub[T.TENSOR].astype(object).map(kinds))
+    return sub.assign(**{T.TENSOR: tensor.fillna(sub[T.TENSOR].astype(object))})
+
+
 def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> pd.DataFrame:
     """Per (module, tensor kind): numel and the share of values lost in each what-if format.
 
@@ -210,6 +229,7 @@ def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = Non
         layers[T.TENSOR].isin(HIST_KINDS),
         [T.STEP, T.MODULE, T.MODULE_TYPE, T.TENSOR, T.SCALE, T.NUMEL, *count_cols],
     ]
+    sub = computed_weights_as_weights(sub)
     if sub.empty:
         return pd.DataFrame(columns=[T.MODULE, T.MODULE_TYPE, T.TENSOR, T.NUMEL, T.SCALE, *count_cols])
     out = _shares(sub, [T.MODULE, T.TENSOR], count_cols).reset_index()
@@ -226,9 +246,11 @@ def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = Non
 
 def whatif_overview(layers: pd.DataFrame) -> pd.DataFrame:
     """Per tensor kind (rows) the share lost in each what-if column, over all layers and sampled steps (FP8's
-    columns at the loss scale NaN for a kind recorded at a scale other than 1: ``_shares``)."""
+    columns at the loss scale NaN for a kind recorded at a scale other than 1: ``_shares``); a weight a
+    parametrization computes among the weights (``computed_weights_as_weights``)."""
     count_cols = [c for c, _, _ in whatif_columns()]
-    sub = layers.loc[layers[T.TENSOR].isin(HIST_KINDS), [T.TENSOR, T.SCALE, T.NUMEL, *count_cols]]
+    cols = [T.MODULE, T.MODULE_TYPE, T.TENSOR, T.SCALE, T.NUMEL, *count_cols]
+    sub = computed_weights_as_weights(layers.loc[layers[T.TENSOR].isin(HIST_KINDS), cols])
     if sub.empty:
         return pd.DataFrame(columns=[T.TENSOR, T.NUMEL, *count_cols])
     out = _shares(sub, [T.TENSOR], count_cols)
