@@ -499,6 +499,9 @@ def test_the_flops_share_counts_the_matmuls_float8_conversion_leaves_in_bf16(
         "nn.MultiheadAttention's projections (enc.layers.0.self_attn, enc.layers.1.self_attn), "
         f"{100 * (1 - share):.3g}% of them, stay in bf16" in f.message
     )
+    assert f"(the attention projections' {100 * (1 - share):.3g}% included, which stay in bf16)" in " ".join(
+        rec.reasons
+    )
     # an LSTM's gates: 2 x in x out per token of each of its weights, beside the head's
     lstm = _Recurrent()
     gates = sum(2 * w.numel() for n, w in lstm.rnn.named_parameters() if n.startswith("weight"))

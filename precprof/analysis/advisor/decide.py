@@ -94,7 +94,7 @@ def _flops_whose(plan: _Plan) -> str:
         f"{what} {_pct(share)}"
         for what, share in (
             ("the experts'", plan.fp8_experts_share),
-            ("attention projections', recurrent layers' and convolutions'", plan.fp8_others_share),
+            (plan.fp8_others_whose, plan.fp8_others_share),
         )
         if share is not None
     ]

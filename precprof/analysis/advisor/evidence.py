@@ -427,8 +427,10 @@ class _Plan:
     fp8_scaler_nonfinite_steps: int = 0
     fp8_experts_share: float | None = None  # a mixture of experts' expert GEMMs: counted, left in bf16
     fp8_experts_uncounted: list[str] = field(default_factory=list)  # banks whose routed rows are unknown
-    # nn.MultiheadAttention's projections, recurrent layers, convolutions: counted, left in bf16
+    # nn.MultiheadAttention's projections, recurrent layers, convolutions: counted, left in bf16 (their share,
+    # and whose they are, in words: "the attention projections' and the convolutions'")
     fp8_others_share: float | None = None
+    fp8_others_whose: str = ""
     # FP8's estimated speed on the eligible layers' GEMM shapes (analysis.fp8_speed.Estimate; None without
     # eligible layers of known shape and tokens)
     fp8_speed: Estimate | None = None

@@ -303,22 +303,31 @@ def _batch_tokens_remedy(plan: _Plan) -> str:
     )
 
 
+# each kind of ``_Unconverted`` module in words: (its matmuls, whose FLOPs they are)
 _UNCONVERTED_WORDS = {
-    ATTENTION: "nn.MultiheadAttention's projections",
-    RECURRENT: "the recurrent layers' gates",
-    CONVOLUTION: "the convolutions",
+    ATTENTION: ("nn.MultiheadAttention's projections", "the attention projections'"),
+    RECURRENT: ("the recurrent layers' gates", "the recurrent layers'"),
+    CONVOLUTION: ("the convolutions", "the convolutions'"),
 }
+
+
+def _and(parts: list[str]) -> str:
+    """``parts`` as a list in words: "a", "a and b", "a, b and c"."""
+    if len(parts) < 2:
+        return "".join(parts)
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def _unconverted_listing(unconverted: Mapping[str, _Unconverted], limit: int) -> str:
     """The modules whose matmuls float8 conversion does not reach, by kind ("nn.MultiheadAttention's projections
     (enc.layers.0.self_attn, enc.layers.1.self_attn) and the convolutions (0, 3)")."""
-    parts = [
-        f"{words} ({_listing([m for m, u in unconverted.items() if u.kind == kind], limit)})"
-        for kind, words in _UNCONVERTED_WORDS.items()
-        if any(u.kind == kind for u in unconverted.values())
-    ]
-    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return _and(
+        [
+            f"{words} ({_listing([m for m, u in unconverted.items() if u.kind == kind], limit)})"
+            for kind, (words, _) in _UNCONVERTED_WORDS.items()
+            if any(u.kind == kind for u in unconverted.values())
+        ]
+    )
 
 
 def _not_eligible(bad: list[tuple[str, str]], limit: int) -> str:
@@ -432,6 +441,13 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     experts_share = sum(expert_flops.values()) / total if expert_flops and total > 0 else None
     plan.fp8_experts_share = experts_share
     plan.fp8_others_share = sum(other_flops.values()) / total if other_flops and total > 0 else None
+    plan.fp8_others_whose = _and(
+        [
+            whose
+            for kind, (_, whose) in _UNCONVERTED_WORDS.items()
+            if any(u.kind == kind for u in unconverted.values())
+        ]
+    )
     # banks whose GEMMs cannot be read (no activation module of their own to count the routed rows from): their
     # FLOPs are missing from the total, and the share is said to be without them
     uncounted = run.sort([b for b in _expert_banks(run) if b not in expert_flops])
