@@ -366,6 +366,55 @@ def test_a_loss_computed_in_the_users_loop_is_said_not_counted_unless_scoped(
         assert 'id="memory-loss"' in page and "prof.memory_scope()" in page
 
 
+class TinyLMWithLoss(TinyLM):
+    """nanoGPT's, llm.c's and minGPT's shape of forward: given its targets, the model computes its loss itself."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:  # type: ignore[override]
+        logits = super().forward(idx)
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def test_a_loss_computed_in_the_models_forward_is_said_counted_in_the_models_row(tmp_path: Path) -> None:
+    """A model that computes its loss in its forward (llm.c, minGPT, nanoGPT, HF models given labels) had its
+    loss's log-softmax in the model's own row, '(model)', and the note under it said 'No loss is in these
+    activations' and advised prof.memory_scope(), which cannot reach inside the forward. The loss's saved floats
+    are the model's row's, counted independently with autograd's own saved-tensor hooks, and the page says
+    they are counted there, with no memory_scope advice."""
+    vocab = 64
+    torch.manual_seed(0)
+    model = TinyLMWithLoss(vocab=vocab, dim=6, tie="untied")
+    idx = torch.randint(0, vocab, (4, 8))
+    floats: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.float32:
+            floats[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    logits, _ = model(idx)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(logits.view(-1, vocab), idx.view(-1))  # what the loss alone saves, in fp32
+    loss_floats = sum(floats.values())
+    assert loss_floats >= 4 * 8 * vocab * 4  # the log-softmax, at least
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False) as prof:
+        for _ in range(2):
+            _, loss = model(idx, idx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.item())  # a float, as llm.c gives it: nothing ties it to the model's output
+    prof.report(tmp_path / "run")
+    mem = prof.tables()["memory"]
+    own = mem[(mem[T.STEP] == 1) & (mem[T.COMPONENT] == T.ACTIVATIONS) & (mem[T.MODULE] == "")]
+    assert own[own[T.DTYPE] == "float32"][T.BYTES].sum() == loss_floats
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert 'id="memory-loss"' not in page and "prof.memory_scope()" not in page
+    assert 'id="memory-loss-counted"' in page and "The loss is in these activations" in page
+
+
 @pytest.mark.parametrize("tie", ["tied", "shared_storage", "untied"])
 def test_tied_and_shared_weights_counted_once(tie: str) -> None:
     torch.manual_seed(0)

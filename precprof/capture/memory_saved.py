@@ -38,6 +38,11 @@ FOREIGN_HOOKS = (
 )
 
 
+def _is_loss(t: torch.Tensor) -> bool:
+    """A scalar of floats that backward can start from: a loss."""
+    return t.dim() == 0 and t.is_floating_point() and t.grad_fn is not None
+
+
 class SavedActivations:
     """The saved-tensor half of ``MemoryTracker``: its state is the tracker's (declared here, set there)."""
 
@@ -55,6 +60,7 @@ class SavedActivations:
     _input_keys: set[StorageKey]
     _unmeasured: int
     _foreign_forwards: int
+    _loss_in_forward: bool
     _step_mode: bool | None
     _peak: PeakRecorder
     _counts: PhaseCounters
@@ -81,6 +87,10 @@ class SavedActivations:
             self._label(T.INPUTS, inputs)
 
     def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._recording:
+            # a model given its targets returns its loss (nanoGPT's (logits, loss), an HF output's .loss): what
+            # the loss saved for backward was recorded with the model's own, no memory scope needed
+            self._loss_in_forward |= any(_is_loss(t) for t in _tensors_in(output))
         if self._recording and self._peak.measuring:
             self._label(T.OUTPUTS, _tensors_in(output))
         self._stop_recording()

@@ -157,6 +157,9 @@ class MemoryTracker(SavedActivations):
         # sampled forwards that began under someone else's saved-tensor hooks (a checkpoint or offload around
         # the model call), left to them: ours would replace theirs (autograd calls only the innermost pair)
         self._foreign_forwards = 0
+        self._loss_in_forward = (
+            False  # a sampled forward of the model returned a loss (a scalar with grad_fn)
+        )
         self._step_mode: bool | None = None
         self.arm_error: str | None = None  # why measuring a step from its forward failed, if it did
         self._on_cpu = True
@@ -429,12 +432,15 @@ class MemoryTracker(SavedActivations):
         ``n_params`` (unique parameter elements), ``n_trainable``, ``sparse_grad_numel`` (trained elements whose
         gradient is sparse: nn.Embedding(sparse=True)), ``matmul_weight_numel`` (elements of >=2-D
         weights of matmul modules: what autocast casts) and ``module_classes`` (module name -> matmul |
-        elementwise | fp32 | other, see ``module_class``). Store it as ``summary["memory"]["model"]``.
+        elementwise | fp32 | other, see ``module_class``), ``loss_in_forward`` (a sampled forward of the model
+        returned a loss: what the loss saved is in the model's activations). Store it as
+        ``summary["memory"]["model"]``.
         """
         return {
             **model_sizes(self.model),
             "unmeasured_saved_tensors": self._unmeasured,
             "activations_note": FOREIGN_HOOKS if self._foreign_forwards else "",
+            "loss_in_forward": self._loss_in_forward,
             "peak_source": type(self._peak.source).__name__ if self._peak.source is not None else None,
             "peak_note": self.peak_note,
         }

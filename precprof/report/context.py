@@ -454,6 +454,8 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
         "has_projection": bool(records),
         "peak_note": str((mem.get("model") or {}).get("peak_note") or ""),
         "activations_note": str((mem.get("model") or {}).get("activations_note") or ""),
+        # the model's forward returned its loss: what the loss saved is among the activations already
+        "loss_in_forward": bool((mem.get("model") or {}).get("loss_in_forward")),
         "none_why": _no_memory_why(summary),
     }
 
