@@ -4,9 +4,12 @@ fp32, whose gradients the test's own hooks cast to fp16."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 import torch
-from scenarios import dead_layers, relu_zeros
-from scenarios.loop import regression_batches
+from scenarios import dead_layers, relu_zeros, tiny_gradients
+from scenarios.loop import ProfiledRun, regression_batches, train_profiled
 from torch import nn
 
 from precprof import tables as T
@@ -156,7 +159,8 @@ def test_the_verdict_quotes_the_flushed_share_not_the_histograms() -> None:
     run, _ = relu_zeros.run("fp16", weight=2.0**-12)
     rec = run.recommend("t4")
     f = rec.finding("fp16_gradient_underflow")
-    assert f is not None and f.numbers["fp16_flushed"] and f.numbers["share_at_scale_1"] < 0.01
+    # (held in fp16 at scale 1, the histograms hold nothing fp16 flushed: no share at scale 1 is counted)
+    assert f is not None and f.numbers["fp16_flushed"] and f.numbers["share_at_scale_1"] is None
     share = f.numbers["fp16_flushed_zero_share"]
     layers = run.tables["layers"]
     ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & (layers[T.DTYPE] == "float16")]
@@ -164,3 +168,54 @@ def test_the_verdict_quotes_the_flushed_share_not_the_histograms() -> None:
     (reason,) = [r for r in rec.reasons if r.startswith("Start GradScaler at init_scale=")]
     assert "falls from" not in reason
     assert f"were flushed to zero ({share * 100:.3g}% exact zeros at loss scale 1" in reason
+
+
+def _tiny_gradients_run(precision: str, loss_scale: float | None = None) -> tuple[ProfiledRun, torch.Tensor]:
+    """tiny_gradients' MLP with its loss weighted by 2^-8: a few percent of its activation gradients lie below
+    fp16's floor. Returns the run and every gradient of its layers' outputs, as the test's own hooks saw them."""
+    torch.manual_seed(0)
+    model = tiny_gradients.TinyGradNet()
+    seen = relu_zeros.output_gradients(model, (nn.Linear, nn.Tanh))  # type: ignore[arg-type]
+    run = train_profiled(
+        model,
+        regression_batches(tiny_gradients.N_IN),
+        lambda pred, y: tiny_gradients.weighted_mse(pred, y, 2.0**-8),
+        precision=precision,
+        loss_scale=loss_scale,
+        steps=4,
+    )
+    return run, torch.cat([g.float().flatten() for g in seen])
+
+
+def test_an_unscaled_fp16_run_is_told_its_flushes_are_uncounted_and_to_scale_its_loss() -> None:
+    """An fp16 run without a GradScaler (llm.c's --dtype float16) was told "fp16 gradient underflow: 0% at scale 1
+    ... Nothing to fix" while its fp16 activation gradients had lost a few percent of their values: held in fp16,
+    a value below 2^-25 is a zero before precprof reads it, and the histograms hold none of them. The same run in
+    fp32 has no zero at all, and 2% or more of its gradients flush in a cast to fp16 (the test's own hooks); the
+    fp16 run's zeros are those flushes. The share at scale 1 is unknown now, not 0%, and fp16_no_loss_scaling
+    says the run scaled no loss and to scale it. With a GradScaler, or in fp32, that finding is absent."""
+    _, g32 = _tiny_gradients_run("fp32")
+    nonzero = g32[g32 != 0]
+    flushes = float((nonzero.half() == 0).float().mean())
+    assert bool((g32 != 0).all()) and flushes > 0.02
+    run, g16 = _tiny_gradients_run("fp16")
+    zeros = float((g16 == 0).float().mean())
+    assert flushes * 0.8 < zeros < flushes * 1.2  # the fp16 run's zeros are the fp32 gradients' flushes
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_gradient_underflow")
+    assert f is not None and f.numbers["share_at_scale_1"] is None and f.numbers["share_now"] is None
+    assert "0% at scale 1" not in f.title and "not countable" in f.title
+    assert not f.remedy.startswith("Nothing to fix") and "GradScaler" in f.remedy
+    unscaled = rec.finding("fp16_no_loss_scaling")
+    assert unscaled is not None and unscaled.severity == "warning"
+    assert unscaled.numbers["fp16_zero_share"] == pytest.approx(zeros, rel=1e-6)
+    assert "configuration says loss scaling: none" in unscaled.message
+    assert unscaled.remedy.startswith("Scale the loss: scaler = torch.amp.GradScaler(")
+    # a user's own loop: no configuration, only what the Profiler was given (no GradScaler, no loss_scale)
+    own = replace(run, summary={k: v for k, v in run.summary.items() if k != T.SUMMARY_CONFIG})
+    unscaled = own.recommend("t4").finding("fp16_no_loss_scaling")
+    assert unscaled is not None and "precprof was given no GradScaler and no loss_scale" in unscaled.message
+    assert "give that GradScaler to the Profiler" in unscaled.remedy
+    for precision, scale in (("fp16", 2.0**16), ("fp32", None)):
+        other, _ = _tiny_gradients_run(precision, scale)
+        assert other.recommend("t4").finding("fp16_no_loss_scaling") is None

@@ -56,6 +56,12 @@ LABELS: dict[Any, tuple[str, str] | None] = {
         "share",
     ),
     "fp16_smallest_nonzero": ("smallest nonzero FP16 activation gradient", "magnitude"),
+    # fp16 without loss scaling
+    "modules_at_floor": ("modules whose gradients run into FP16's floor", "count"),
+    "max_floor_share": (
+        "most of a module's nonzero gradient values at FP16's smallest subnormal (2^-24)",
+        "share",
+    ),
     "loss_change": ("loss change over the run", "change"),
     "weight_grad_share_at_recommended": (
         "weight-gradient values lost at the recommended loss scale",

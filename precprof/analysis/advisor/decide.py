@@ -414,6 +414,13 @@ def _underflow_said(plan: _Plan) -> str:
             f"this run's fp16 activation gradients were flushed to zero ({_pct(flushed)} exact zeros at {at}, "
             "which the exponent histograms cannot see; fp16_gradient_underflow)."
         )
+    if (
+        plan.underflow_at_1 is None and plan.underflow_at_rec is not None
+    ):  # fp16 gradients held at scale 1: what fp16 flushed was a zero already
+        return (
+            f"{_pct(plan.underflow_at_rec)} of the activation-gradient values recorded underflow there; at scale 1 "
+            "this run's fp16 gradients cannot show how many fp16 flushed (fp16_gradient_underflow)."
+        )
     return (
         f"activation-gradient underflow falls from {_pct(plan.underflow_at_1)} at scale 1 to "
         f"{_pct(plan.underflow_at_rec)}."

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -507,6 +508,7 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                 )
     _rule_fp16_gradient_overflow(run, plan)
     _no_scale_where_ruled_out(run, plan)
+    _rule_fp16_no_loss_scaling(run, plan)
     _rule_scaler(run, plan)
 
 
@@ -857,6 +859,14 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     # remedy when those values carry some of a module's gradient norm: the gradients span more than fp16 holds.
     k_run = _run_scale_log2(run, ag)
     at_run = _share(_shifted_underflow(counts, FP16, k_run)[0], total)
+    # Held in fp16 at scale 1, a gradient below 2^-25 was a zero before precprof read it: the histograms of those
+    # tensors hold nothing fp16 flushed, and their share at scale 1 is unknown, not 0% (an unscaled fp16 llm.c
+    # run read '0% at scale 1 ... Nothing to fix' where the same run in fp32 had 0.48% below fp16's floor). The
+    # share at scale 1 is that of the tensors that were not fp16, or none.
+    blind = k_run == 0 and not is16.empty
+    if blind:
+        seen = _exponent_counts(totals[~totals[T.MODULE].isin(set(is16[T.MODULE]))], (T.ACTIVATION_GRAD,))
+        at1 = at_run = _share(_shifted_underflow(seen, FP16, 0)[0], float(seen.sum()))
     norm = _lost_norm_share(totals, FP16, k)
     norm_k = float(norm.max()) if not norm.empty else None
     norm_mod = str(norm.idxmax()) if not norm.empty else None
@@ -884,8 +894,14 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     if zero16 is not None:
         now_txt += f"; fp16 activation gradients in this run are {_pct(zero16)} zeros"
     msg = (
-        f"{now_txt[0].upper()}{now_txt[1:]}. From the exponent histograms ({int(total):,} nonzero values): "
-        f"{_pct(at1)} at scale 1 and {_pct(atk)} at the recommended scale {_pow2(k)}"
+        f"{now_txt[0].upper()}{now_txt[1:]}. From the exponent histograms ({int(total):,} nonzero values"
+        + (
+            ", those fp16 kept): "
+            + (f"{_pct(at1)} at scale 1 of the gradients that were not fp16, and " if at1 is not None else "")
+            + f"{_pct(atk)} would flush at the recommended scale {_pow2(k)}"
+            if blind
+            else f"): {_pct(at1)} at scale 1 and {_pct(atk)} at the recommended scale {_pow2(k)}"
+        )
         + (
             f" (plus at most {int(boundary_k):,} values lying exactly on 2^-25, which round to 0)"
             if boundary_k
@@ -977,6 +993,14 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         remedy = f"Scale the loss: GradScaler(init_scale={_scale(k)}) brings the underflow to {_pct(atk)}" + (
             ", a negligible tail." if (atk or 0) > cfg.fp16_underflow_ok else "."
         )
+    elif blind:  # nothing counted at scale 1 is no "nothing to fix": fp16 flushed before precprof read them
+        severity = INFO
+        remedy = (
+            "Not countable in this run: fp16 held these gradients at scale 1, where a value at or below 2^-25 became a "
+            f"zero before precprof read it ({_pct(zero16)} of them are zeros, flushed values and true zeros alike). "
+            f"Scale the loss, GradScaler(init_scale={_scale(k)}); to count what fp16 flushes, profile a few steps "
+            "in fp32 or bf16, where precprof counts each gradient against fp16's floor exactly."
+        )
     elif over_k:  # the scale was clamped where the gradients overflow: not one to start at
         severity = INFO
         remedy = (
@@ -999,8 +1023,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
             f"fp16 gradients flushed to zero: {_pct(fl.share)} zeros at {_scales(fl.scales)}"
             if flushed
             # (at the run's scale 1, the exact count, which the report shows: the histograms' is a lower bound)
-            else f"fp16 gradient underflow: {_pct(now if k_run == 0 and now is not None else at1)} at scale 1, "
-            f"{_pct(atk)} at {_pow2(k)}",
+            else _underflow_title(now if k_run == 0 and now is not None else at1, atk, k, blind),
             msg,
             remedy,
             modules=worst,
@@ -1025,6 +1048,107 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
                 "max_norm_share_module": norm_mod,
             },
         )
+    )
+
+
+def _underflow_title(at1: float | None, atk: float | None, k: int, blind: bool) -> str:
+    """fp16_gradient_underflow's title where nothing was flushed: the shares at scale 1 and at 2^k; with
+    ``blind`` (fp16 gradients held at scale 1), the share at scale 1 is of the other gradients, or not given."""
+    if not blind:
+        return f"fp16 gradient underflow: {_pct(at1)} at scale 1, {_pct(atk)} at {_pow2(k)}"
+    if at1 is None:
+        return "fp16 gradient underflow at scale 1 not countable: the gradients were fp16 already"
+    return f"fp16 gradient underflow: {_pct(at1)} at scale 1 of the gradients that were not fp16"
+
+
+def _unscaled(run: _Run, ag: pd.DataFrame) -> str | None:
+    """How the run is known to have scaled no loss, in words, or None where it did or may have: its configuration
+    says "none" (the built-in loop, the HF and Lightning callbacks), or, in a user's own loop, the Profiler was
+    given no enabled GradScaler and no ``loss_scale``; and no step or gradient row holds a scale other than 1."""
+    if _had_loss_scale(run, ag):
+        return None
+    said = run.run_config.get("loss_scaling")
+    if said:
+        return "its configuration says loss scaling: none" if said == "none" else None
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    if not isinstance(capture, Mapping) or capture.get("scaler_enabled"):
+        return None
+    if capture.get("static_loss_scale") not in (None, 1, 1.0):
+        return None
+    return "precprof was given no GradScaler and no loss_scale, and every step's scale is 1"
+
+
+def _rule_fp16_no_loss_scaling(run: _Run, plan: _Plan) -> None:
+    """An fp16 run that scaled no loss: its fp16 activation gradients lost every value below 2^-25 as they were
+    computed, and no count of an fp16 tensor says how many (a flushed value is a zero like a true one), so
+    fp16_gradient_underflow cannot. A warning where a module's gradients run into fp16's floor (more than
+    ``fp16_flushed_floor_share`` of its nonzero values at the smallest subnormal, 2^-24): the values below it were
+    lost, not a tail of nothing."""
+    cfg = run.cfg
+    ag = run.kind(T.ACTIVATION_GRAD)
+    is16 = ag[_dtype_has(ag, "float16")]
+    how = _unscaled(run, ag) if not is16.empty else None
+    if how is None:
+        return
+    per = is16.groupby(T.MODULE)[[T.ZEROS, T.NUMEL, T.NAN, T.INF]].sum()
+    nonzero = (per[T.NUMEL] - per[T.ZEROS] - per[T.NAN] - per[T.INF]).clip(lower=0)
+    floor = (_at_fp16_floor(run, is16).reindex(per.index, fill_value=0.0) / nonzero[nonzero > 0]).dropna()
+    dense = floor[floor > cfg.fp16_flushed_floor_share].sort_values(ascending=False)
+    mods = [str(m) for m in dense.index]
+    zeros = _share(float(per[T.ZEROS].sum()), float(per[T.NUMEL].sum()))
+    plan.add(
+        Finding(
+            "fp16_no_loss_scaling",
+            WARNING if mods else INFO,
+            "fp16 without loss scaling: gradients run into fp16's floor, and what fell below it was flushed"
+            if mods
+            else "fp16 without loss scaling",
+            f"This run trained in fp16 and scaled no loss ({how}). Its activation gradients were computed in fp16 "
+            "at scale 1, where every value at or below 2^-25 becomes a zero as it is computed, before precprof reads "
+            f"it; a flushed value is a zero like a true one, so no count says how many ({_pct(zeros)} of these "
+            f"values are zeros, the flushed ones among them). {_floor_said(cfg, dense, floor)}",
+            _no_scaling_remedy(run, plan, own_loop=how.startswith("precprof")),
+            modules=run.sort(mods),
+            numbers={
+                "fp16_zero_share": zeros,
+                "modules_at_floor": len(mods),
+                "max_floor_share": float(floor.max()) if len(floor) else None,
+                "loss_scale_log2": plan.loss_scale_log2,
+            },
+        )
+    )
+
+
+def _floor_said(cfg: AdvisorConfig, dense: pd.Series, floor: pd.Series) -> str:
+    """The modules whose nonzero fp16 activation gradients run into fp16's floor (``dense``: their shares at
+    2^-24, largest first), or the largest share of any module (``floor``) where none does, in words."""
+    if dense.empty:
+        return (
+            "No module's gradients run into fp16's floor on the sampled steps (at most "
+            f"{_pct(float(floor.max()) if len(floor) else None)} of a module's nonzero values at its smallest "
+            "subnormal, 2^-24): what it flushed is likely a thin tail."
+        )
+    return (
+        f"In {len(dense)} module(s) more than {_pct(cfg.fp16_flushed_floor_share)} of the nonzero values sit at "
+        "fp16's smallest subnormal, 2^-24: their gradients run into its floor, and the values below it are lost ("
+        + "; ".join(
+            f"{_name(str(m))}: {_pct(float(v))}" for m, v in dense.head(cfg.max_listed_modules).items()
+        )
+        + ")."
+    )
+
+
+def _no_scaling_remedy(run: _Run, plan: _Plan, own_loop: bool) -> str:
+    """fp16_no_loss_scaling's remedy: a GradScaler at the recommended scale, given to the Profiler too; a format
+    with more range where fp16 is ruled out. ``own_loop``: the Profiler knew of no scaler, which the loop may have."""
+    if plan.fp16_block:
+        return f"Train in {_wider_than_fp16(run)}: a loss scale does not make fp16 fit ({'; '.join(plan.fp16_block)})."
+    return (
+        f"Scale the loss: scaler = torch.amp.GradScaler(init_scale={_scale(plan.loss_scale_log2)}), then "
+        "scaler.scale(loss).backward(), scaler.step(optimizer), scaler.update(); give it to the Profiler "
+        "(Profiler(model, optimizer=optimizer, scaler=scaler)), which reads its scale. Or train in bf16, which "
+        "needs none."
+        + (" If your loop scales its loss already, give that GradScaler to the Profiler." if own_loop else "")
     )
 
 
