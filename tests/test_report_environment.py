@@ -205,6 +205,56 @@ def test_an_optimizer_switched_mid_run_is_said_with_its_step(tmp_path: Path) -> 
     assert said["optimizer"] == "SGD" and said["optimizer changed"] == "from Adam to SGD at step 2"
 
 
+@pytest.mark.parametrize("given", ["after_the_first_step", "before_it"])
+def test_an_optimizer_given_after_the_first_step_says_from_which_step_updates_were_read(
+    tmp_path: Path, given: str
+) -> None:
+    """minGPT's Trainer makes its optimizer in run(), and a callback reaches it first after the first batch's
+    optimizer step: ``prof.use_optimizer(opt)`` there leaves step 0 without weight-update rows, and nothing
+    said so (the summary's optimizer_changes empty, the environment 'up to 256 elements of each parameter').
+    The summary and the environment say from which step updates were read (1: the first step whose optimizer
+    step came after the hand-over, as this loop runs it) and why. Given before step 0's optimizer step, every
+    step is read and nothing is said."""
+    import torch
+    from torch import nn
+
+    import precprof
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    late = given == "after_the_first_step"
+    with precprof.Profiler(model, sample_every=1, memory=False) as prof:  # no optimizer yet, as in a Trainer
+        for step in range(4):
+            if step == 0 and not late:
+                prof.use_optimizer(opt)
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0 and late:  # the Trainer's on_batch_end callback: after the batch's optimizer step
+                prof.use_optimizer(opt)
+            prof.step()
+    first = 1 if late else 0  # the first step whose opt.step() ran with the optimizer handed over
+    layers = prof.tables()["layers"]
+    assert sorted(set(layers[layers[T.TENSOR] == T.WEIGHT_UPDATE][T.STEP])) == list(range(first, 4))
+    assert prof.summary()["updates_from"] == {"step": first, "optimizer_given_at": 0}
+    prof.report(tmp_path / "run")
+    page = (tmp_path / "run" / "report.html").read_text()
+    rows, text = env_rows(page)
+    check_words(rows, text)
+    said = dict(rows)["weight updates read on"]
+    if late:
+        assert said.endswith(
+            "; from step 1 on, the first sampled step whose optimizer step precprof read: the optimizer was given "
+            "to the Profiler (use_optimizer) during step 0, and an optimizer step taken before it was given is "
+            "not seen, so the steps before 1 have no weight-update rows (give the Profiler the optimizer before "
+            "the first step to read them all)"
+        )
+        assert "Weight updates: from step 1 on" in html.unescape(page)  # under the timeline too
+    else:
+        assert "from step" not in said and "Weight updates: from step" not in page
+
+
 def test_a_tied_weight_is_said_with_its_owner_and_escaped(tmp_path: Path) -> None:
     """A tied output head has no weight rows of its own: the environment says whose weight it is (the module
     names escaped, as every name on the page)."""

@@ -43,6 +43,11 @@ class OptimizerSwitch:
     # a switch on a step that is not sampled, which no hook tells the date of: the change recorded, the
     # optimizers before and after it, and what tells whether one stepped since (``_date_switch``)
     _switch_unseen: tuple[dict[str, Any], list[Any], list[int]] | None = None
+    # an optimizer given while the Profiler followed none (minGPT's Trainer makes its own in run(), reachable from
+    # the first batch's callback, after that batch's step): the step in progress then, and the first sampled step
+    # whose optimizer step the update sample read since. Steps before it have no weight_update rows
+    _optimizer_given_at: int | None = None
+    _updates_read_from: int | None = None
 
     def use_optimizer(self, optimizer: Any) -> None:
         """Follow ``optimizer`` (one, a list of them, or None) in place of the optimizers the Profiler follows now:
@@ -62,6 +67,8 @@ class OptimizerSwitch:
         hooks = self._hooks
         sampled = self._attached and hooks is not None and hooks.installed
         stepped = sampled and hooks._optimizer_stepped
+        if self._attached and not self.optimizers and new and self._optimizer_given_at is None:
+            self._optimizer_given_at = self._step
         if self._attached and (stepped or self._step > self._first_step):
             change = {
                 "step": self._step + stepped,
@@ -80,6 +87,19 @@ class OptimizerSwitch:
                 self._switch_due = new
             else:
                 self._move_hooks(new)
+
+    def _note_updates_read(self) -> None:
+        """At a sampled step's end: the first step whose optimizer step the update sample read, once the
+        Profiler was given its optimizer late (``updates_from``)."""
+        hooks = self._hooks
+        if (
+            self._optimizer_given_at is not None
+            and self._updates_read_from is None
+            and self._updates is not None
+            and hooks is not None
+            and hooks._optimizer_stepped
+        ):
+            self._updates_read_from = self._step
 
     def _take_switch(self) -> None:
         """The hooks moved to the optimizers a switch after the old one's step left for this step (``use_optimizer``);

@@ -515,6 +515,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             raise RuntimeError("Profiler.step() called while the profiler is not attached (use `with prof:`)")
         started = self._t_last  # this step's start (the previous step's end)
         if self._sampling:
+            self._note_updates_read()
             self._end_sampled_hooks()
             if self._block_formats:
                 self._blocks.count_turn()

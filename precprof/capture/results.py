@@ -72,6 +72,8 @@ class ProfilerResults:
     _sample_origin: int
     _loss_dtypes: dict[str, int]
     _optimizer_changes: list[dict[str, Any]]
+    _optimizer_given_at: int | None
+    _updates_read_from: int | None
     _owned_run: rundir.RunDir | None
     _out: Any
     _overwrite: bool
@@ -332,6 +334,8 @@ class ProfilerResults:
             ),
             # a new optimizer followed from a step on (``use_optimizer``): {"step", "from", "to"}, in order
             "optimizer_changes": [dict(c) for c in self._optimizer_changes],
+            # an optimizer given after the run began (``use_optimizer``): from which step its updates were read
+            "updates_from": self.updates_from(),
             "fp8_recipe": "per-tensor current scaling with power-of-two scales, scale = 2^floor(log2(fmax / amax))",
             "memory_error": self._collector.memory_error if self._collector is not None else None,
             "memory_steps": self._tracker.schedule.describe() if hasattr(self._tracker, "schedule") else None,
@@ -417,6 +421,15 @@ class ProfilerResults:
             capture["distributed"] = self._reducer.describe(self.model)
         full[T.SUMMARY_CAPTURE] = capture
         return full
+
+    def updates_from(self) -> dict[str, int | None] | None:
+        """From which step the weight updates were read, and why, for the summary: {"step": the first sampled
+        step whose optimizer step was read (None: none yet), "optimizer_given_at": the step in progress when
+        ``use_optimizer`` gave the Profiler an optimizer, having followed none}; None when it had one from the
+        start (its updates are read from the first sampled step)."""
+        if self._optimizer_given_at is None:
+            return None
+        return {"step": self._updates_read_from, "optimizer_given_at": self._optimizer_given_at}
 
     def model_facts(self) -> dict[str, Any] | None:
         """What the memory tracker learned about the model (refines the memory projection); None if unknown."""

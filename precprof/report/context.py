@@ -589,15 +589,17 @@ def _restarts(steps: pd.DataFrame) -> list[int]:
     return sorted({int(s) for s in steps[T.STEP][T.flags(steps[T.RESUMED])]})
 
 
-def _timeline(layers: pd.DataFrame, steps: pd.DataFrame) -> dict[str, Any] | None:
-    """The time axis over sampled steps (``report.timeline``): a figure and what it aggregated."""
+def _timeline(layers: pd.DataFrame, steps: pd.DataFrame, capture: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The time axis over sampled steps (``report.timeline``): a figure and what it aggregated, and from which
+    step the weight updates were read when the optimizer was given late."""
     tl = timeline.timeline(layers)
     if tl is None or tl.n_steps < 2:
         return None
     alt = f"Share of values lost in FP16 per tensor kind over {tl.n_steps} sampled steps"
+    late = environment.updates_from(capture)
     return {
         "img": _img(timeline.timeline_figure(tl, _restarts(steps)), alt),
-        "note": tl.note,
+        "note": " ".join(t for t in (tl.note, f"Weight updates: {late}." if late else "") if t),
         "aggregated": tl.aggregated,
     }
 
@@ -662,7 +664,7 @@ def build_context(
             ),
             "restarts": _restarts(steps),
             "loss_note": " ".join(t for t in (_loss_note(steps), _holes_note(steps)) if t),
-            "timeline": _timeline(layers, steps),
+            "timeline": _timeline(layers, steps, summary.get(T.SUMMARY_CAPTURE) or {}),
         },
         "heatmaps": _heatmaps(tabs, rec, histogram_totals, summary),
         "whatif": _whatif(layers, summary, rec),

@@ -40,7 +40,7 @@ _CAPTURE_SAID = _keys(
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled scaler_growth_interval "
     "compiled fp8_emulated dropout_layers "
     "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
-    "gemm_inputs model_inputs optimizer optimizer_changes "
+    "gemm_inputs model_inputs optimizer optimizer_changes updates_from "
     "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules"
 )
 _HARDWARE_SAID = _keys(
@@ -139,6 +139,27 @@ def _update_reads(sample: Any, optimizer: Mapping[str, Any]) -> str:
             "seen either), nor whether bf16 or fp16 weights would lose them; give it the optimizer to know"
         )
     return "none: turned off (the Profiler was made with weight_updates False)"
+
+
+def updates_from(capture: Mapping[str, Any]) -> str:
+    """From which step the weight updates were read, and why, where the Profiler was given its optimizer after
+    the run began and sampled steps before it have none (``capture.updates_from``): minGPT's Trainer makes its
+    optimizer in run(), which a callback reaches after the first batch's step. "" otherwise."""
+    got = _map(capture.get("updates_from"))
+    given, first = _int(got.get("optimizer_given_at")), _int(got.get("step"))
+    if given is None or (first is not None and first <= (_int(capture.get("sample_origin")) or 0)):
+        return ""
+    why = (
+        f"the optimizer was given to the Profiler (use_optimizer) during step {F.count(given)}, and an optimizer "
+        "step taken before it was given is not seen"
+    )
+    if first is None:
+        return f"none read: {why}, and no sampled step stepped it after"
+    return (
+        f"from step {F.count(first)} on, the first sampled step whose optimizer step precprof read: {why}, so the "
+        f"steps before {F.count(first)} have no weight-update rows (give the Profiler the optimizer before the "
+        "first step to read them all)"
+    )
 
 
 def _cudnn(v: Any) -> str:
@@ -505,7 +526,13 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
     if changes:
         rows.append(("optimizer changed", changes))
     if capture.get("weight_update_sample") is not None:
-        rows.append(("weight updates read on", _update_reads(capture["weight_update_sample"], opt)))
+        late = updates_from(capture)
+        rows.append(
+            (
+                "weight updates read on",
+                _update_reads(capture["weight_update_sample"], opt) + (f"; {late}" if late else ""),
+            )
+        )
     unread = weight_grads_unread(capture)
     if unread:
         rows.append(("weight gradients", unread))
