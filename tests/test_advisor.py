@@ -177,13 +177,14 @@ def mlp_run(
     width: int = 64,
     tokens: int = 32,
     seed: int = 0,
+    act_type: str = "GELU",
 ) -> RunBuilder:
     """A 3-layer MLP (fc1, act, fc2, fc3) recorded in fp32: activations ~N(0,1) times act_scale[module],
-    gradients log-uniform in 2^grad_log2, weights ~N(0, 0.02)."""
+    gradients log-uniform in 2^grad_log2, weights ~N(0, 0.02). ``act`` is a module of type ``act_type``."""
     g = torch.Generator().manual_seed(seed)
     act_scale = act_scale or {}
     b = RunBuilder()
-    mods = [("fc1", "Linear"), ("act", "GELU"), ("fc2", "Linear"), ("fc3", "Linear")]
+    mods = [("fc1", "Linear"), ("act", act_type), ("fc2", "Linear"), ("fc3", "Linear")]
     for s in range(steps):
         for i, (m, t) in enumerate(mods):
             lo, hi = (grad_log2_by_module or {}).get(m, grad_log2)
@@ -379,8 +380,9 @@ def test_shift_boundary_value_is_reported() -> None:
 
 
 def test_fp16_activation_overflow_keep_list(request: pytest.FixtureRequest) -> None:
-    # fc2's activations reach ~4e5 (overflow), the GELU's ~4e4 (within 2x of 65504)
-    run = mlp_run(act_scale={"fc2": 1e5, "act": 1e4})
+    # fc2's activations reach ~4e5 (overflow), act's ~4e4 (within 2x of 65504): a module that computes them (a
+    # scale; an element-wise module such as a GELU is kept through the layer that feeds it)
+    run = mlp_run(act_scale={"fc2": 1e5, "act": 1e4}, act_type="Scale")
     t = run.tables()
     rec = recommend(t, hardware="t4", summary=summary_for())
     assert rec.format == "fp16"
@@ -395,6 +397,11 @@ def test_fp16_activation_overflow_keep_list(request: pytest.FixtureRequest) -> N
     # on bf16 hardware the keep list is empty: bf16 holds these values
     rec_a = recommend(t, hardware="a100", summary=summary_for())
     assert rec_a.format == "bf16" and rec_a.keep_fp32 == []
+    # a GELU there computes in its input's dtype: fc1, which feeds it, is kept in its place
+    gelu = recommend(
+        mlp_run(act_scale={"fc2": 1e5, "act": 1e4}).tables(), hardware="t4", summary=summary_for()
+    )
+    assert gelu.fp16_keep_fp32 == ["fc1", "fc2"]
     check_golden(request, rec)
 
 

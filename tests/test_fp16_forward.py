@@ -8,7 +8,9 @@ import math
 
 import pytest
 import torch
-from scenarios import raw_features, tiny_features
+from scenarios import huge_activations, raw_features, tiny_features
+from scenarios.loop import ProfiledRun, regression_batches, train_profiled
+from torch import nn
 
 from precprof import tables as T
 
@@ -151,3 +153,58 @@ def test_tiny_activations_without_the_readers_recorded_name_no_layer() -> None:
     assert f is not None and "Keep these modules in fp32" not in f.remedy
     assert f.remedy.startswith("Keep the layers that read these values in fp32 (outside autocast)")
     assert "this run did not record which layer reads which module's output" in f.remedy
+
+
+class _DropoutAfterOverflow(nn.Module):
+    """huge_activations' net with a dropout after ``amplify``, whose outputs go beyond 65504: the dropout passes
+    them on (and scales them by 1/(1-p))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = huge_activations.HugeActivationNet()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.net
+        return n.head(n.norm(self.drop(n.amplify(torch.relu(n.embed(x))))))
+
+
+def _dropout_run(precision: str, keep: list[str]) -> tuple[ProfiledRun, list[torch.Tensor]]:
+    """_DropoutAfterOverflow trained 3 steps (always from the same weights), and the dropout's outputs."""
+    torch.manual_seed(0)
+    model = _DropoutAfterOverflow()
+    seen: list[torch.Tensor] = []
+    model.drop.register_forward_hook(lambda mod, args, y: seen.append(y.detach()))
+    run = train_profiled(
+        model,
+        regression_batches(huge_activations.N_IN),
+        huge_activations.mse,
+        precision=precision,
+        loss_scale=2.0**16 if precision == "fp16" else None,
+        keep_fp32=keep,
+        steps=3,
+    )
+    return run, seen
+
+
+def test_a_dropout_that_passes_an_overflow_on_is_kept_through_the_layer_that_feeds_it() -> None:
+    """A dropout after a layer whose outputs go beyond 65504 holds them too, and fp16's keep list named it beside
+    the layer: "keep_fp32 = ['net.amplify', 'drop']". A dropout computes in its input's dtype: kept in fp32 alone,
+    its input still overflowed in fp16 first. The list names the layer that feeds it, and kept alone that one
+    keeps the dropout's values finite (the test's own hook on the dropout)."""
+    run, seen32 = _dropout_run("fp32", [])
+    assert max(float(y.abs().max()) for y in seen32) > 65504
+    rec = run.recommend("t4")
+    assert rec.format == "fp16" and rec.keep_fp32 == ["net.amplify"]
+    f = rec.finding("fp16_activation_overflow")
+    assert f is not None and "drop" in f.modules
+    assert "drop computes in its input's dtype" in f.remedy
+    assert "the layer that feeds it is kept instead (net.amplify for drop)" in f.remedy
+    # the dropout kept in fp32 alone: its input was inf already
+    _, seen_drop = _dropout_run("fp16", ["drop"])
+    assert all(y.dtype == torch.float32 for y in seen_drop)
+    assert any(bool(torch.isinf(y).any()) for y in seen_drop)
+    # the layer that feeds it: the dropout computes in fp32 and its values stay finite
+    kept, seen_kept = _dropout_run("fp16", ["net.amplify"])
+    assert all(y.dtype == torch.float32 and bool(y.isfinite().all()) for y in seen_kept)
+    assert all(math.isfinite(loss) for loss in kept.losses)

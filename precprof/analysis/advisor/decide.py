@@ -263,7 +263,12 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         if new:
             reasons.append(
                 f"Keep {_listing(new, cfg.max_listed_modules)} in fp32: their activations "
-                "overflow, turn inf inside them or come within 2x of fp16's 65504."
+                + (
+                    "(or those of the element-wise module they feed) "
+                    if set(plan.fp16_passed_on.values()) & set(new)
+                    else ""
+                )
+                + "overflow, turn inf inside them or come within 2x of fp16's 65504."
             )
         reasons += _kept_said(plan, cfg, fmt, _keep_list(plan, fmt))
         reasons.append("Keep fp32 master weights and optimizer states (autocast with an fp32 model does).")

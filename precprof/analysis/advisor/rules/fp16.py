@@ -10,8 +10,10 @@ import numpy as np
 import pandas as pd
 
 from precprof import tables as T
+from precprof import taxonomy
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import (
+    _ancestors,
     _dtype_has,
     _exponent_counts,
     _grad_absmax,
@@ -70,10 +72,15 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     near = set(per_mod.index[(per_mod["absmax"] >= limit) & (per_mod["absmax"] < FP16.overflow_min)])
     near -= over | observed
     overflow_mods = run.sort(_innermost(over | observed))
+    near_mods = run.sort(_innermost(near))
+    # a layer's own input row (a function's output) is kept in fp32 through the module that ran the function; an
+    # element-wise module (a dropout) through the layer that feeds it
+    keep = _modules_to_keep([*overflow_mods, *near_mods], _model_inputs(run))
+    plan.fp16_passed_on = passed = _passed_on(run, keep)
+    plan.keep_fp16 = run.sort(p for m in keep if (p := passed.get(m, m)))
     if overflow_mods:
         causes = _inf_causes(run, plan, observed, over | set(seen[T.MODULE]), per_mod, limit)
         _add_overflow_finding(run, plan, per_mod, whatif, overflow_mods, observed, causes)
-    near_mods = run.sort(_innermost(near))
     if near_mods:
         plan.add(
             Finding(
@@ -86,7 +93,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                     f"{_name(m)}: {_g(per_mod.loc[m, 'absmax'])}" for m in near_mods[: cfg.max_listed_modules]
                 )
                 + ". Steps that were not sampled may overflow.",
-                "Keep these modules in fp32 under fp16, or use bf16.",
+                "Keep these modules in fp32 under fp16" + _passed_said(plan, near_mods) + ", or use bf16.",
                 modules=near_mods,
                 numbers={
                     "modules": _n_modules(near_mods),
@@ -95,12 +102,10 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 },
             )
         )
-    # a layer's own input row (a function's output) is kept in fp32 through the module that ran the function
-    plan.keep_fp16 = run.sort(_modules_to_keep([*overflow_mods, *near_mods], _model_inputs(run)))
     _rule_kept_fp32(run, plan)  # and the layers the run kept in fp32 that fp16 still needs there
     if plan.matmul_layers:
-        keep = set(plan.keep_fp16)
-        kept = [m for m in plan.matmul_layers if m in keep or _under_any(m, keep)]
+        held = set(plan.keep_fp16)
+        kept = [m for m in plan.matmul_layers if m in held or _under_any(m, held)]
         share = len(kept) / len(plan.matmul_layers)
         if share > cfg.fp16_keep_share_max:
             plan.fp16_block.append(
@@ -129,6 +134,59 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 numbers={"underflow_values": int(uf), "nonzero_values": int(nz), "share": uf_share},
             )
         )
+
+
+def _passed_on(run: _Run, modules: list[str]) -> dict[str, str | None]:
+    """The element-wise modules among ``modules`` (a dropout, an activation function: taxonomy's), each with the
+    layer that feeds it, None where the run does not tell. Such a module computes in its input's dtype: it passes
+    on an overflow its input brought (keeping it in fp32 changes nothing then: its input overflowed first), or
+    scales up what its input held in fp16 (a dropout's 1/(1-p)); keeping the layer that feeds it in fp32 covers
+    both (its output, and so the element-wise module, are fp32 then). That layer is the leaf module that started
+    just before it on a step, and made as many values: a module called more than once was fed by several."""
+    acts = run.kind(T.ACTIVATION)
+    names = T.texts(acts[T.MODULE])
+    calls = pd.to_numeric(acts[T.CALLS], errors="coerce").groupby(names.to_numpy()).max()
+    numel = acts.groupby([T.STEP, names.rename("m")], observed=True)[T.NUMEL].sum()
+    recorded = [m for m in run.sort(set(names)) if not m.endswith(T.INPUT_SUFFIX)]
+    containers = {a for m in recorded for a in _ancestors(m)}
+    leaves = [m for m in recorded if m not in containers]
+    passed: dict[str, str | None] = {}
+    for m in modules:
+        if taxonomy.kind_of_type(run.types.get(m, "")) != taxonomy.ELEMENTWISE or m not in leaves:
+            continue
+        before = [
+            p
+            for p in leaves[: leaves.index(m)]
+            if taxonomy.kind_of_type(run.types.get(p, "")) != taxonomy.ELEMENTWISE
+        ]
+        feeder = before[-1] if before and calls.get(m, 1) == 1 else None
+        mine = numel.xs(m, level="m") if feeder is not None else None
+        same = mine is not None and numel.xs(feeder, level="m").reindex(mine.index).eq(mine).all()
+        passed[m] = feeder if same else None
+    return passed
+
+
+def _passed_said(plan: _Plan, modules: list[str]) -> str:
+    """What keeps the element-wise ones among ``modules`` (``plan.fp16_passed_on``) in fp32: the layer that feeds
+    each, kept in its place ("" when none is among them)."""
+    passed = {m: p for m, p in plan.fp16_passed_on.items() if m in modules}
+    if not passed:
+        return ""
+    one = len(passed) == 1
+    said = (
+        f"; {_listing(list(passed), 4)} {'computes in its' if one else 'compute in their'} input's dtype, and an "
+        "overflow of that input comes before " + ("it" if one else "them")
+    )
+    fed = ", ".join(f"{_name(p)} for {_name(m)}" for m, p in passed.items() if p)
+    unknown = [m for m, p in passed.items() if not p]
+    if fed:
+        said += f": the layer that feeds {'it' if one else 'each'} is kept instead ({fed}), which makes that input fp32"
+    if unknown:
+        said += (
+            f"{'; ' if fed else ': '}keep the layer that feeds {_listing(unknown, 4)} in fp32 (the run does not "
+            "tell which: it ran more than once a step, or after no module that made as many values)"
+        )
+    return said
 
 
 @dataclass(frozen=True)
@@ -214,6 +272,7 @@ def _add_overflow_finding(
             + f": {detail}. No loss scale helps the forward pass.",
             "Use bf16, or keep these modules in fp32 (outside autocast)"
             + _normalise_remedy(made, _model_inputs(run))
+            + _passed_said(plan, overflow_mods)
             + (
                 f"; a layer whose {'input or sums overflow' if matmul else 'input overflows'} fp16 "
                 f"({_listing(readers, 4)}) needs that input scaled down (normalise the features) or the layer kept "
