@@ -126,22 +126,48 @@ def test_tiny_activations_name_the_layer_that_casts_them_to_fp16() -> None:
     flushed = _flushed(seen)
     f = run.recommend("t4").finding("fp16_activation_underflow")
     assert f is not None and f.modules == ["units"] and f.numbers["underflow_values"] == flushed > 0
-    assert f.remedy.startswith(
-        "Keep fc1 in fp32 (outside autocast): fc1 casts the values of units to fp16 (keeping units in fp32 "
-        "instead changes nothing"
-    )
+    assert f.remedy.startswith("Keep fc1 in fp32 (outside autocast): fc1 casts the values of units to fp16, ")
+    assert "(keeping units in fp32 instead changes nothing" in f.remedy
 
     # the old advice, followed: units was fp32 already; fc1 still casts its input and computes in fp16
     units, seen_units = tiny_features.run("fp16", loss_scale=2.0**16, keep_fp32=["units"])
     assert all(inp.dtype == torch.float32 and out.dtype == torch.float16 for inp, out in seen_units)
     assert _flushed(seen_units) == flushed  # the same inputs, the same values cast
     again = units.recommend("t4").finding("fp16_activation_underflow")
-    assert again is not None and again.remedy == f.remedy
+    assert again is not None and again.remedy.split(", flushing")[0] == f.remedy.split(", flushing")[0]
     # the new advice: fc1 computes in fp32 from the unflushed input, as the fp32 run did, and nothing is found
     kept, seen_kept = tiny_features.run("fp16", loss_scale=2.0**16, keep_fp32=["fc1"])
     assert all(out.dtype == torch.float32 for _, out in seen_kept)
     assert torch.equal(seen_kept[0][1], seen[0][1])  # step 0: the same weights, the same output
     assert kept.recommend("t4").finding("fp16_activation_underflow") is None
+
+
+def test_the_layer_the_underflow_remedy_names_is_in_the_keep_list() -> None:
+    """fp16_activation_underflow said "Keep fc1 in fp32" beside keep_fp32 = [] (and an fp16 snippet without it):
+    the keep list took the layers whose activations overflow alone. What fc1 casts to fp16 (its input, the
+    conversion's output) and computes there (its output), cast to fp16 by the test, flush more than the 1% the
+    finding warns at: fc1 is in the list, with that share in the remedy, and stays there in the re-profile of the
+    run that keeps it, where the finding is gone."""
+    run, seen = tiny_features.run("fp32")
+    both = torch.cat([t.flatten() for call in seen for t in call])
+    nonzero = both[both != 0]
+    share = float((nonzero.half() == 0).sum()) / nonzero.numel()
+    assert share > 0.01
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_activation_underflow")
+    assert f is not None and rec.format == "fp16" and rec.keep_fp32 == ["fc1"]
+    assert (
+        f"fc1 casts the values of units to fp16, flushing {share * 100:.3g}% of the nonzero values"
+        in f.remedy
+    )
+    assert "Keep fc1 in fp32: autocast would cast activations to fp16 there that flush to zero" in " ".join(
+        rec.reasons
+    )
+    bf16 = run.recommend("a100")
+    assert bf16.format == "bf16" and bf16.keep_fp32 == [] and bf16.fp16_keep_fp32 == ["fc1"]
+    kept, _ = tiny_features.run("fp16", loss_scale=2.0**16, keep_fp32=["fc1"])
+    again = kept.recommend("t4")
+    assert again.finding("fp16_activation_underflow") is None and again.keep_fp32 == ["fc1"]
 
 
 def test_tiny_activations_without_the_readers_recorded_name_no_layer() -> None:

@@ -259,17 +259,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
                 else "."
             )
         )
-        new = [m for m in plan.keep_fp16 if m not in plan.kept_fp32]
-        if new:
-            reasons.append(
-                f"Keep {_listing(new, cfg.max_listed_modules)} in fp32: their activations "
-                + (
-                    "(or those of the element-wise module they feed) "
-                    if set(plan.fp16_passed_on.values()) & set(new)
-                    else ""
-                )
-                + "overflow, turn inf inside them or come within 2x of fp16's 65504."
-            )
+        reasons += _fp16_keep_said(plan, cfg)
         reasons += _kept_said(plan, cfg, fmt, _keep_list(plan, fmt))
         reasons.append("Keep fp32 master weights and optimizer states (autocast with an fp32 model does).")
     if fmt != "fp16":  # (fp16's come before its master-weights reason)
@@ -328,6 +318,31 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         fp16_ruled_out=bool(plan.fp16_block),
         fp16_keep_fp32=fp16_keep,
     )
+
+
+def _fp16_keep_said(plan: _Plan, cfg: AdvisorConfig) -> list[str]:
+    """The fp16 verdict's reasons for the layers its keep list adds to what the run kept in fp32: for their
+    activations beyond fp16's range, and for the activations they cast to fp16 and flush there."""
+    new = [m for m in plan.keep_fp16 if m not in plan.kept_fp32]
+    flush = [m for m in new if m in plan.fp16_flush_kept]
+    over = [m for m in new if m not in flush]
+    said = []
+    if over:
+        said.append(
+            f"Keep {_listing(over, cfg.max_listed_modules)} in fp32: their activations "
+            + (
+                "(or those of the element-wise module they feed) "
+                if set(plan.fp16_passed_on.values()) & set(over)
+                else ""
+            )
+            + "overflow, turn inf inside them or come within 2x of fp16's 65504."
+        )
+    if flush:
+        said.append(
+            f"Keep {_listing(flush, cfg.max_listed_modules)} in fp32: autocast would cast activations to fp16 there "
+            "that flush to zero (fp16_activation_underflow)."
+        )
+    return said
 
 
 def _keep_list(plan: _Plan, fmt: str) -> list[str]:

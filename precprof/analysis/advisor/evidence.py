@@ -401,6 +401,8 @@ class _Plan:
     # element-wise modules whose activations called for fp32 under fp16, each with the layer kept in its place
     # (None: the run does not tell which feeds it)
     fp16_passed_on: dict[str, str | None] = field(default_factory=dict)
+    # matmul layers in keep_fp16 for the activations they cast to fp16 and flush there (fp16_activation_underflow)
+    fp16_flush_kept: list[str] = field(default_factory=list)
     # matmul layers the run kept in fp32 under autocast: those fp16 still needs there (in keep_fp16 too), and those
     # whose values fit fp16 (rules/kept)
     kept_fp32: list[str] = field(default_factory=list)

@@ -102,6 +102,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 },
             )
         )
+    _forward_underflow(run, plan, acts)  # its layers join the list before the share of them is judged
     _rule_kept_fp32(run, plan)  # and the layers the run kept in fp32 that fp16 still needs there
     if plan.matmul_layers:
         held = set(plan.keep_fp16)
@@ -111,29 +112,39 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
             plan.fp16_block.append(
                 f"fp16 would have to leave {len(kept)} of {len(plan.matmul_layers)} matmul layers "
                 f"({_pct(share)}) in fp32 because their activations overflow"
+                + (" or flush to zero" if plan.fp16_flush_kept else "")
             )
-    # Forward underflow: activations flushing to zero in fp16 (no loss scale applies to the forward pass); under
-    # autocast, of the tensors fp16 autocast would hold in fp16 (selected above)
+
+
+def _forward_underflow(run: _Run, plan: _Plan, acts: pd.DataFrame) -> None:
+    """fp16_activation_underflow: activations flushing to zero in fp16 (no loss scale applies to the forward
+    pass), of the activation rows ``acts`` fp16 would hold in fp16 (under autocast, those it would cast). The
+    layers whose casts flush the values join fp16's keep list (``_underflow_remedy``)."""
+    cfg = run.cfg
     lo = acts[~_dtype_has(acts, "float16")]
     nz = _nonzero(lo)
     uf = float(lo[T.underflow_col("fp16")].sum())
     uf_share = _share(uf, nz)
-    if uf_share is not None and uf_share > cfg.fp16_activation_underflow_warn:
-        by = lo.groupby(T.MODULE)[[T.underflow_col("fp16"), T.NUMEL]].sum()
-        worst = by[by[T.underflow_col("fp16")] > 0].sort_values(T.underflow_col("fp16"), ascending=False)
-        mods = run.sort(worst.index[: cfg.max_listed_modules])
-        plan.add(
-            Finding(
-                "fp16_activation_underflow",
-                WARNING,
-                f"{_pct(uf_share)} of activation values flush to zero in fp16",
-                f"{int(uf):,} of {int(nz):,} nonzero activation values ({_pct(uf_share)}) are at or below 2^-25 "
-                f"and would become 0 in fp16; most in {_listing(mods, cfg.max_listed_modules)}.",
-                _underflow_remedy(run, plan, mods),
-                modules=mods,
-                numbers={"underflow_values": int(uf), "nonzero_values": int(nz), "share": uf_share},
-            )
+    if uf_share is None or uf_share <= cfg.fp16_activation_underflow_warn:
+        return
+    by = lo.groupby(T.MODULE)[[T.underflow_col("fp16"), T.NUMEL]].sum()
+    worst = by[by[T.underflow_col("fp16")] > 0].sort_values(T.underflow_col("fp16"), ascending=False)
+    mods = run.sort(worst.index[: cfg.max_listed_modules])
+    remedy, keep = _underflow_remedy(run, plan, mods, lo)
+    plan.fp16_flush_kept = [m for m in keep if m not in plan.keep_fp16]
+    plan.keep_fp16 = run.sort([*plan.keep_fp16, *plan.fp16_flush_kept])
+    plan.add(
+        Finding(
+            "fp16_activation_underflow",
+            WARNING,
+            f"{_pct(uf_share)} of activation values flush to zero in fp16",
+            f"{int(uf):,} of {int(nz):,} nonzero activation values ({_pct(uf_share)}) are at or below 2^-25 "
+            f"and would become 0 in fp16; most in {_listing(mods, cfg.max_listed_modules)}.",
+            remedy,
+            modules=mods,
+            numbers={"underflow_values": int(uf), "nonzero_values": int(nz), "share": uf_share},
         )
+    )
 
 
 def _passed_on(run: _Run, modules: list[str]) -> dict[str, str | None]:
@@ -348,11 +359,12 @@ def _fed_overflow(run: _Run, observed: set[str], overflowed: set[str]) -> dict[s
     return {m: run.sort(i) for m, i in fed.items() if i}
 
 
-def _underflow_remedy(run: _Run, plan: _Plan, mods: list[str]) -> str:
-    """What keeps the tiny activations of ``mods`` out of fp16: the layers that cast them to fp16, kept in
-    fp32. A matmul layer computes its own output in fp16 under autocast, and any matmul reading a value casts it
-    (capture.gemm_inputs says which reads which; a layer's own input row is its input): keeping the module
-    that made a value in fp32 leaves the cast where it was."""
+def _underflow_remedy(run: _Run, plan: _Plan, mods: list[str], lo: pd.DataFrame) -> tuple[str, list[str]]:
+    """What keeps the tiny activations of ``mods`` out of fp16, and the layers it keeps in fp32: those that cast
+    them to fp16 and flush more than ``fp16_activation_underflow_warn`` of the nonzero values they cast
+    (``_casts_flush``, from the rows ``lo`` fp16 would hold). A matmul layer computes its own output in fp16 under
+    autocast, and any matmul reading a value casts it (capture.gemm_inputs says which reads which; a layer's own
+    input row is its input): keeping the module that made a value in fp32 leaves the cast where it was."""
     reads, matmuls = _gemm_inputs(run), set(plan.matmul_layers)
     casts: dict[str, list[str]] = {}  # the layer that casts -> the modules whose values it casts
     unread: list[str] = []
@@ -370,15 +382,27 @@ def _underflow_remedy(run: _Run, plan: _Plan, mods: list[str]) -> str:
             "Keep the layers that read these values in fp32 (outside autocast): a matmul casts its input to fp16"
             + (" (this run did not record which layer reads which module's output)" if reads is None else "")
             + f"; {bf16}"
-        )
-    cast = run.sort(casts)
+        ), []
+    flush = {c: _casts_flush(lo, c, (reads or {}).get(c, [])) for c in casts}
+    cast = run.sort(c for c in casts if (flush[c] or 0.0) > run.cfg.fp16_activation_underflow_warn)
+    if not cast:
+        return (
+            f"Use bf16 (its range reaches 2^-133) where these values matter: no layer that casts them to fp16 "
+            f"flushes more than {_pct(run.cfg.fp16_activation_underflow_warn)} of the nonzero values it casts ("
+            + ", ".join(f"{_name(c)} {_pct(flush[c])}" for c in run.sort(casts)[:4])
+            + "), so keeping one in fp32 saves little."
+        ), []
     made = [m for m in mods if m not in matmuls and not m.endswith(T.INPUT_SUFFIX)]
 
     def how(c: str) -> str:
         others = [m for m in casts[c] if m != c]
-        return f"{_name(c)} " + " and ".join(
-            (["computes its output in fp16"] if c in casts[c] else [])
-            + ([f"casts the values of {_listing(others, 4)} to fp16"] if others else [])
+        return (
+            f"{_name(c)} "
+            + " and ".join(
+                (["computes its output in fp16"] if c in casts[c] else [])
+                + ([f"casts the values of {_listing(others, 4)} to fp16"] if others else [])
+            )
+            + f", flushing {_pct(flush[c])} of the nonzero values it casts"
         )
 
     return (
@@ -390,7 +414,15 @@ def _underflow_remedy(run: _Run, plan: _Plan, mods: list[str]) -> str:
             else ""
         )
         + f"; {bf16}"
-    )
+    ), cast
+
+
+def _casts_flush(lo: pd.DataFrame, layer: str, read: list[str]) -> float | None:
+    """The share of the nonzero values a matmul ``layer`` casts or computes in fp16 that flush to zero there: its
+    input (its input row and the outputs it reads, ``read``) and its output, of the rows ``lo`` fp16 would hold
+    (rules/kept judges a layer kept in fp32 on the same rows)."""
+    rows = lo[lo[T.MODULE].isin([layer, layer + T.INPUT_SUFFIX, *read])]
+    return _share(float(rows[T.underflow_col("fp16")].sum()), _nonzero(rows))
 
 
 def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series | None:
