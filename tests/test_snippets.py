@@ -11,10 +11,12 @@ import pytest
 import torch
 from markupsafe import escape
 from report_fixtures import gpt_layers, recommendation_dict, synthetic_run
+from scenarios import fp32_ops
 from torch import nn
 
+from precprof import tables as T
 from precprof.analysis import snippets as S
-from precprof.analysis.advisor import recommend
+from precprof.analysis.advisor import AdvisorConfig, recommend
 from precprof.analysis.advisor.model import Recommendation
 from precprof.report import render_html
 
@@ -192,6 +194,26 @@ def test_fp32_snippet_runs_without_autocast_and_names_the_measured_format() -> N
     assert "PyTorch: BF16, as measured" in labels
     ns = execute(FP32.snippet("pytorch", "bf16"))
     assert all(seen == (True, torch.bfloat16) for seen in ns["model"].seen)
+
+
+def test_the_measured_formats_snippet_beside_the_small_models_fp32_keeps_what_that_format_needs() -> None:
+    """A small model trained with its norms and softmax in bf16 (model.to(bfloat16)): the bf16 analysis keeps
+    them in fp32, and a large model's bf16 snippet lists them. Under the small model's fp32 default, the "BF16, as
+    measured" snippet listed none (it took the fp32 verdict's empty keep list): it lists the same modules now,
+    those whose outputs the run recorded in bf16 of the kinds the guide keeps in fp32."""
+    run = fp32_ops.run(pure=True)
+    layers = run.tables["layers"]
+    acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & (layers[T.DTYPE] == "bfloat16")]
+    in_bf16 = [m for m in ("bn", "ln", "attn") if m in set(acts[T.MODULE])]
+    assert in_bf16 == ["bn", "ln", "attn"]
+    large = run.recommend("a100")
+    assert large.format == "bf16" and large.keep_fp32 == in_bf16
+    small = run.recommend("a100", AdvisorConfig())
+    assert small.format == "fp32" and small.measured_format == "bf16" and small.keep_fp32 == []
+    assert small.measured_keep_fp32 == in_bf16
+    code = dict(S.snippets(small.to_dict()))["PyTorch: BF16, as measured"]
+    assert f"keep_fp32 = {in_bf16!r}" in code and code == small.snippet("pytorch", "bf16")
+    assert "keep_fp32" not in small.snippet("pytorch")  # the fp32 code runs nothing under autocast
 
 
 def test_a_plan_for_a_cpu_runs_there_as_written() -> None:

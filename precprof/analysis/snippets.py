@@ -108,9 +108,14 @@ class _Plan:
 
     def __init__(self, rec: Mapping[str, Any], fmt: str) -> None:
         self.fmt = fmt
-        # fp16's code beside a verdict of another format keeps what fp16 needs, not that format's list
-        other_fp16 = fmt == "fp16" and rec.get("format") != "fp16" and "fp16_keep_fp32" in rec
-        self.keep = _names(rec.get("fp16_keep_fp32" if other_fp16 else "keep_fp32"))
+        # fp16's code beside a verdict of another format keeps what fp16 needs, not that format's list; the code of
+        # the format the measurements allow, beside the small model's fp32, what that format needs
+        other = fmt != rec.get("format")
+        other_fp16 = other and fmt == "fp16" and "fp16_keep_fp32" in rec
+        measured = other and fmt == rec.get("measured_format") and "measured_keep_fp32" in rec
+        self.keep = _names(
+            rec.get("fp16_keep_fp32" if other_fp16 else "measured_keep_fp32" if measured else "keep_fp32")
+        )
         self.fp8 = _names(rec.get("fp8_layers"))
         scale = rec.get("loss_scale") if rec.get("format") == "fp16" else None
         self.scale = scale_literal(scale if scale is not None else rec.get("fp16_loss_scale", _DEFAULT_SCALE))

@@ -63,6 +63,8 @@ class Recommendation:
     ``fp16_ruled_out``: the measurements rule fp16 out (the reasons say why), so that init_scale is no advice.
     ``fp16_keep_fp32``: the modules an fp16 run would run outside autocast, whatever the format (``keep_fp32``
     when it is fp16): what fp16 needs besides its loss scale, beside a verdict of another format.
+    ``measured_keep_fp32``: the modules ``measured_format`` keeps in fp32 (``keep_fp32`` when it is the format),
+    for its code beside the small model's fp32 default.
     ``growth_interval`` is the GradScaler growth interval to use with ``loss_scale`` (None without scaling).
     ``keep_fp32`` lists modules to run outside autocast; ``fp8_layers`` the layers to convert when ``format``
     is "fp8" (the rest run in bf16). ``block_plan`` maps each matmul layer to the block-scaled format it can
@@ -91,6 +93,7 @@ class Recommendation:
     device: str = ""
     fp16_ruled_out: bool = False
     fp16_keep_fp32: list[str] = field(default_factory=list)
+    measured_keep_fp32: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (stored as summary.json["recommendation"])."""
