@@ -220,3 +220,69 @@ def test_an_unscaled_fp16_run_is_told_its_flushes_are_uncounted_and_to_scale_its
     for precision, scale in (("fp16", 2.0**16), ("fp32", None)):
         other, _ = _tiny_gradients_run(precision, scale)
         assert other.recommend("t4").finding("fp16_no_loss_scaling") is None
+
+
+class _FunctionalRelu(nn.Module):
+    """relu_zeros' classifier with torch.relu in place of its ReLU modules: no module's gradient is free of the
+    mask, as act1-act3's were (each Linear's output gradient holds ReLU's zeros)."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(relu_zeros.N_IN, width)
+        self.fc2 = nn.Linear(width, width)
+        self.fc3 = nn.Linear(width, width)
+        self.head = nn.Linear(width, relu_zeros.N_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
+        return self.head(torch.relu(self.fc3(h)))
+
+
+def _functional_run(precision: str, weight: float) -> tuple[ProfiledRun, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = _FunctionalRelu()
+    seen = relu_zeros.output_gradients(model)
+    run = train_profiled(
+        model,
+        relu_zeros.batches,
+        lambda out, y: weight * nn.functional.cross_entropy(out.float(), y),
+        precision=precision,
+        steps=8,
+        lr=3e-3,
+    )
+    return run, seen
+
+
+def test_gradients_that_run_into_the_floor_behind_a_mask_are_flushed() -> None:
+    """The ReLU classifier weighted by 2^-12 with torch.relu, not ReLU modules: every gradient that runs into
+    fp16's floor (fc1-fc3's) holds ReLU's zeros too, so none of its zeros counted, the flushed share was 0 and the
+    finding read "Nothing to fix" of a run that lost a third of its nonzero gradients (the fp32 run's, cast by the
+    test). They are flushed now, said to be at most their share of zeros, which no mask-free gradient narrows."""
+    _, seen32 = _functional_run("fp32", 2.0**-12)
+    g = torch.cat(
+        [t.flatten() for t in seen32[1:4]]
+    )  # step 0: fc3, fc2 and fc1 (after head) in backward order
+    lost = float(((g.half() == 0) & (g != 0)).float().mean())
+    assert lost > 0.1 and float((g == 0).float().mean()) > 0.3  # a mask's zeros, and values fp16 flushes
+    run, _ = _functional_run("fp16", 2.0**-12)
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_gradient_underflow")
+    assert f is not None and f.numbers["fp16_flushed"] and f.severity == "warning"
+    assert f.numbers["fp16_flushed_zero_share"] is None  # no count of flushes: a mask wrote some zeros
+    layers = run.tables["layers"]
+    ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & layers[T.MODULE].isin(["fc1", "fc2", "fc3"])]
+    at_most = float(ag[T.ZEROS].sum() / ag[T.NUMEL].sum())
+    assert f.numbers["fp16_flushed_at_most"] == at_most >= lost
+    assert (
+        f.title
+        == f"fp16 gradients flushed to zero at loss scale 1: up to {at_most * 100:.3g}%, a mask's "
+        + ("zeros among them")
+    )
+    assert "fc1, fc2, fc3 sit at its smallest subnormal, 2^-24" in f.message
+    assert f.remedy.startswith("Scale the loss: GradScaler(init_scale=")
+    # the verdict's loss-scale reason says so too (it said "underflow falls from 0% at scale 1 to 0%")
+    (reason,) = [r for r in rec.reasons if r.startswith("Start GradScaler at init_scale=")]
+    assert (
+        f"ran into fp16's floor at loss scale 1 and were flushed to zero (up to {at_most * 100:.3g}%"
+        in reason
+    )

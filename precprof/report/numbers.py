@@ -55,6 +55,10 @@ LABELS: dict[Any, tuple[str, str] | None] = {
         "flushed zeros among the FP16 activation gradients no mask wrote into",
         "share",
     ),
+    "fp16_flushed_at_most": (
+        "FP16 activation gradients flushed at most (zeros where a mask may have written some)",
+        "share",
+    ),
     "fp16_smallest_nonzero": ("smallest nonzero FP16 activation gradient", "magnitude"),
     # fp16 without loss scaling
     "modules_at_floor": ("modules whose gradients run into FP16's floor", "count"),

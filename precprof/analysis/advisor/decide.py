@@ -429,8 +429,15 @@ def _underflow_said(plan: _Plan) -> str:
     0%" on a run that had flushed 98.5% of them)."""
     nums = next((f.numbers for f in plan.findings if f.code == "fp16_gradient_underflow"), {})
     flushed, k_run = nums.get("fp16_flushed_zero_share"), nums.get("run_scale_log2")
+    at = f"the run's loss scale {_pow2(k_run)}" if isinstance(k_run, int) and k_run else "loss scale 1"
+    at_most = nums.get("fp16_flushed_at_most")
+    if nums.get("fp16_flushed") and isinstance(at_most, float):
+        return (
+            f"this run's fp16 activation gradients ran into fp16's floor at {at} and were flushed to zero (up to "
+            f"{_pct(at_most)} of those values, a mask's zeros among them, which the exponent histograms cannot see; "
+            "fp16_gradient_underflow)."
+        )
     if nums.get("fp16_flushed") and isinstance(flushed, float):
-        at = f"the run's loss scale {_pow2(k_run)}" if isinstance(k_run, int) and k_run else "loss scale 1"
         return (
             f"this run's fp16 activation gradients were flushed to zero ({_pct(flushed)} exact zeros at {at}, "
             "which the exponent histograms cannot see; fp16_gradient_underflow)."

@@ -745,10 +745,19 @@ class _Flush:
     scales: list[float]  # the loss scales their rows were held at
     counted: list[str]  # the modules whose zeros count (``_masks_none``), flushed or not
     counted_all: bool  # every module's zeros count (no record of which module's output a matmul read)
+    masked_share: (
+        float | None
+    )  # the share of zeros among every value of ``masked``: the most that flushed there
 
     @property
     def share(self) -> float | None:
         return _share(self.zeros, self.values)
+
+    @property
+    def masked_only(self) -> bool:
+        """Only modules whose zeros are not counted run into the floor: flushed, by how many the run cannot tell
+        (the share of counted zeros, 0, says nothing of them)."""
+        return bool(self.modules) and len(self.masked) == len(self.modules)
 
 
 def _masks_none(run: _Run, per: pd.DataFrame, nonzero: pd.Series) -> set[str]:
@@ -773,19 +782,20 @@ def _flushed_modules(run: _Run, rows: pd.DataFrame) -> _Flush:
     smallest subnormal, at the scale held) or when it has no nonzero value at all. Its zeros are counted as
     flushes where no mask can have written them (``_masks_none``), out of every value of such modules."""
     if rows.empty:
-        return _Flush([], [], [], 0.0, 0.0, 0.0, None, math.nan, [], [], True)
+        return _Flush([], [], [], 0.0, 0.0, 0.0, None, math.nan, [], [], True, None)
     per = rows.groupby(T.MODULE)[[T.ZEROS, T.NUMEL, T.NAN, T.INF]].sum()
     nonzero = (per[T.NUMEL] - per[T.ZEROS] - per[T.NAN] - per[T.INF]).clip(lower=0)
     at_floor = _at_fp16_floor(run, rows).reindex(per.index, fill_value=0.0)
     dense = at_floor > run.cfg.fp16_flushed_floor_share * nonzero
     mods = run.sort(str(m) for m in per.index[(per[T.ZEROS] > 0) & (dense | (nonzero == 0))])
     counted = _masks_none(run, per, nonzero)
+    masked = [m for m in mods if m not in counted]
     held = rows[rows[T.MODULE].isin(mods)]
     smallest = pd.to_numeric(held[T.ABSMIN], errors="coerce") * held[T.SCALE]
     return _Flush(
         mods,
         [m for m in mods if nonzero[m] == 0],
-        [m for m in mods if m not in counted],
+        masked,
         float(per.loc[[m for m in mods if m in counted], T.ZEROS].sum()),
         float(per[T.ZEROS].sum()),
         float(per.loc[sorted(counted), T.NUMEL].sum()),
@@ -794,6 +804,7 @@ def _flushed_modules(run: _Run, rows: pd.DataFrame) -> _Flush:
         sorted({float(s) for s in held[T.SCALE].unique()}),
         run.sort(counted),
         len(counted) == len(per),
+        _share(float(per.loc[masked, T.ZEROS].sum()), float(per.loc[masked, T.NUMEL].sum())),
     )
 
 
@@ -845,6 +856,15 @@ def _flushed_said(fl: _Flush, every: bool, scaled: bool, cfg: AdvisorConfig) -> 
             "that follow cannot see it)"
         )
     dense = [m for m in fl.modules if m not in fl.empty]
+    if fl.masked_only:
+        return (
+            f"{where}: {_pct(fl.floor_share)} of the nonzero values of {_listing(dense, cfg.max_listed_modules)} sit "
+            "at its smallest subnormal, 2^-24: their gradients run into fp16's floor, and what lies below it was "
+            f"flushed to zero. How many the run cannot count: their zeros, {_pct(fl.masked_share)} of their values, "
+            "mix flushes with a mask's (ReLU's backward writes an exact zero wherever its unit was off), and no "
+            "gradient a matmul's backward computed from the one it received runs into the floor; at most "
+            f"{_pct(fl.masked_share)} of their values were flushed"
+        )
     parts = [f"{_listing(fl.empty, cfg.max_listed_modules)} held no nonzero value"] if fl.empty else []
     if dense:
         parts.append(
@@ -1007,7 +1027,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     # every value zero: nothing reached fp16's range at all (the worst case, with no smallest value to show)
     all_zero16 = not is16.empty and float(is16[T.ZEROS].sum()) == float(is16[T.NUMEL].sum()) > 0
     fl = _flushed_modules(run, is16)
-    flushed = (fl.share or 0) > cfg.fp16_flushed_zero_share or bool(fl.empty)
+    flushed = (fl.share or 0) > cfg.fp16_flushed_zero_share or bool(fl.empty) or fl.masked_only
     scaled = _had_loss_scale(run, ag)
     loss_change = _loss_change(run)
     stalled = loss_change is not None and abs(loss_change) < cfg.stalled_loss_change
@@ -1111,7 +1131,10 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         Finding(
             "fp16_gradient_underflow",
             severity,
-            f"fp16 gradients flushed to zero: {_pct(fl.share)} zeros at {_scales(fl.scales)}"
+            f"fp16 gradients flushed to zero at {_scales(fl.scales)}: up to {_pct(fl.masked_share)}, a mask's zeros "
+            "among them"
+            if fl.masked_only
+            else f"fp16 gradients flushed to zero: {_pct(fl.share)} zeros at {_scales(fl.scales)}"
             if flushed
             # (at the run's scale 1, the exact count, which the report shows: the histograms' is a lower bound)
             else _underflow_title(now if k_run == 0 and now is not None else at1, atk, k, blind),
@@ -1129,7 +1152,8 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
                 "overflow_at_recommended": int(over_k),
                 "fp16_zero_share": zero16,
                 "fp16_flushed": flushed,
-                "fp16_flushed_zero_share": fl.share if flushed else None,
+                "fp16_flushed_zero_share": fl.share if flushed and not fl.masked_only else None,
+                "fp16_flushed_at_most": fl.masked_share if fl.masked_only else None,
                 "fp16_smallest_nonzero": fl.smallest if flushed and fl.smallest > 0 else None,
                 "loss_change": loss_change,
                 "share_at_run_scale": at_run,
