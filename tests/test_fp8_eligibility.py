@@ -278,12 +278,13 @@ class _TwoBatches(nn.Module):
         return torch.cat([self.mlp(x[: self.first]), self.mlp(x[self.first :])])
 
 
-@pytest.mark.parametrize("first", [8, 16])
+@pytest.mark.parametrize("first", [8, 12, 16])
 def test_a_layer_called_on_different_tokens_is_judged_on_every_call(first: int) -> None:
     """A Linear called on 8 tokens and on 24 in one step (a model called on two batch sizes, an MoE expert)
     averages 16 tokens a call, and was judged FP8-eligible on that: FP8's GEMM refuses the 8-token call. Every
     call's tokens must be a multiple of 16; checked against the tokens each call got, counted by hooks of the
-    test's own (16 and 16 qualify)."""
+    test's own (16 and 16 qualify). The largest number dividing the calls' counts is no call's count where they
+    are 12 and 20 (4): it was said as "4 tokens per call". The calls are said as measured now."""
     model = _TwoBatches(first)
     tokens: dict[str, list[int]] = {"mlp.up": [], "mlp.down": []}
     for name in tokens:
@@ -293,15 +294,23 @@ def test_a_layer_called_on_different_tokens_is_judged_on_every_call(first: int) 
     run = train_profiled(
         model, lambda step: (torch.randn(32, 32),) * 2, square_mean, precision="bf16", steps=2
     )
-    f = run.recommend("h100", config=AdvisorConfig()).finding("fp8_eligibility")
+    rec = run.recommend("h100", config=AdvisorConfig())
+    f = rec.finding("fp8_eligibility")
     assert f is not None
     held = {m for m, counts in tokens.items() if any(c % 16 for c in counts)}
     assert set(f.modules) == set(tokens) - held
     if held:
-        common = math.gcd(*tokens["mlp.up"])
+        step0 = tokens["mlp.up"][:2]
+        common, total = math.gcd(*step0), sum(step0)
+        assert total % 16 == 0  # the step's rows are a multiple of 16: each call's tokens are what is not
         assert (
-            f"mlp.up, mlp.down ({common} tokens per call, not a multiple of 16 at step 0: its calls there had "
-            f"different tokens, {common} the most dividing them all)" in f.message
+            f"mlp.up, mlp.down (its 2 calls at step 0 had different tokens, {total} in all, whose largest common "
+            f"divisor, {common}, is not a multiple of 16, so at least one call's tokens are not)" in f.message
+        )
+        assert f"{common} tokens per call" not in f.message + " ".join(rec.reasons)
+        assert (
+            f"the largest number dividing each call's tokens ({common}) is not a multiple of 16"
+            in " ".join(rec.reasons)
         )
 
 

@@ -52,6 +52,13 @@ def _fp8_numbers_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
             f" ({'its' if n == 1 else 'the'} tokens per call of {n} of them, {token_counts(plan)}, "
             f"{'is' if len(set(plan.fp8_tokens.values())) == 1 else 'are'} not a multiple of {FP8_DIM_MULTIPLE})"
         )
+    if plan.fp8_uneven:
+        n = len(plan.fp8_uneven)
+        causes += (
+            f" ({'its' if n == 1 else 'the'} calls of {n} of them had different tokens on a step, and the largest "
+            f"number dividing each call's tokens ({', '.join(map(str, sorted({u[3] for u in plan.fp8_uneven.values()})))}"
+            f") is not a multiple of {FP8_DIM_MULTIPLE})"
+        )
     if plan.fp8_expert_tokens:
         causes += (
             f" ({len(plan.fp8_expert_tokens)} of them are routed experts whose tokens per call follow the routing, "

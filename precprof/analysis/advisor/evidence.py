@@ -425,6 +425,9 @@ class _Plan:
     fp8_tokens_vary: bool = (
         False  # ... at a later sampled step than the first (the tokens vary from step to step)
     )
+    # those held back by calls of different tokens on a step (module -> (step, calls, their tokens in all, the
+    # largest number dividing each call's)): no call's count need be that divisor
+    fp8_uneven: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     # routed experts held back by the tokens routed to them (module -> tokens per call): no batch size lifts it
     fp8_expert_tokens: dict[str, int] = field(default_factory=dict)
     fp8_flops_share: float | None = None

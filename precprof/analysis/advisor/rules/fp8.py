@@ -258,6 +258,16 @@ EXPERT_TOKENS_REASON = (
 )
 
 
+def _uneven_reason(step: int, calls: int, tokens: int, divisor: int) -> str:
+    """Why a layer whose ``calls`` at ``step`` had different tokens (``tokens`` in all) is not FP8-eligible: the
+    largest number dividing each call's, ``divisor``, is no multiple of FP8's, so one call's tokens is not. That
+    number may be no call's count (calls of 12 and 20 tokens: 4)."""
+    return (
+        f"its {calls} calls at step {step} had different tokens, {tokens} in all, whose largest common divisor, "
+        f"{divisor}, is not a multiple of {taxonomy.FP8_DIM_MULTIPLE}, so at least one call's tokens are not"
+    )
+
+
 def token_counts(plan: _Plan) -> str:
     """The tokens per call that hold layers back from FP8, as a list ("68, 100")."""
     return ", ".join(map(str, sorted(set(plan.fp8_tokens.values()))))
@@ -380,12 +390,15 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         why = taxonomy.fp8_ineligible_reason(sh.in_features, sh.out_features, sh.tied_to is not None, tokens)
         if not why and sh.odd_tokens is not None:
             why = taxonomy.fp8_ineligible_reason(sh.in_features, sh.out_features, False, sh.odd_tokens[1])
-        if why.endswith(TOKENS_REASON) and sh.odd_tokens is not None:  # a later step's, or uneven calls'
-            why += f" at step {sh.odd_tokens[0]}: " + (
-                f"its calls there had different tokens, {held_tokens} the most dividing them all"
-                if sh.uneven_calls
-                else "they vary from step to step"
-            )
+        uneven = (
+            (sh.odd_tokens[0], *sh.call_tokens, held_tokens)
+            if why.endswith(TOKENS_REASON) and sh.odd_tokens is not None and sh.call_tokens is not None
+            else None
+        )
+        if uneven is not None:  # no call need have had the divisor's count of tokens
+            why = _uneven_reason(*uneven)
+        elif why.endswith(TOKENS_REASON) and sh.odd_tokens is not None:  # a later step's
+            why += f" at step {sh.odd_tokens[0]}: they vary from step to step"
         if m in computed:
             why = f"its weight is computed by {computed[m]}: float8 conversion fails on it"
         elif not taxonomy.fp8_convertible_type(run.types.get(m, "")):
@@ -398,10 +411,12 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 if sh.shared
                 else ": none was recorded for it"
             )
-        elif TOKENS_REASON in why and taxonomy.routed_expert(m) and held_tokens != batch_tokens:
+        elif (TOKENS_REASON in why or uneven) and taxonomy.routed_expert(m) and held_tokens != batch_tokens:
             # routed: a share of the batch (an expert that sees every token, as a multi-gate mixture's, is not)
             plan.fp8_expert_tokens[m] = held_tokens
             why = EXPERT_TOKENS_REASON
+        elif uneven is not None:
+            plan.fp8_uneven[m] = uneven
         elif TOKENS_REASON in why:
             plan.fp8_tokens[m] = held_tokens
             plan.fp8_tokens_vary |= sh.odd_tokens is not None and not sh.uneven_calls

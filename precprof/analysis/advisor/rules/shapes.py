@@ -112,6 +112,9 @@ class _Fp8Shape:
     uneven_calls: bool = (
         False  # ... of that step's calls, whose tokens differed: the largest dividing them all
     )
+    call_tokens: tuple[int, int] | None = (
+        None  # (calls, their tokens in all) of that step, where they differed
+    )
     calls: int = 1
 
     @property
@@ -204,6 +207,8 @@ def _fp8_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -
         if got is None or not got[0] % m16 or not (got[1] or sh.tokens is None or sh.tokens % m16 == 0):
             continue  # (an odd mean of even calls at the first step: ``tokens`` says it)
         sh.odd_tokens, sh.uneven_calls = (int(step), got[0]), got[1]
+        if got[1] and sh.out_features:
+            sh.call_tokens = (int(calls), int(numel) // sh.out_features)
     return shapes
 
 
