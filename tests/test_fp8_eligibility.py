@@ -284,7 +284,9 @@ def test_a_layer_called_on_different_tokens_is_judged_on_every_call(first: int) 
     averages 16 tokens a call, and was judged FP8-eligible on that: FP8's GEMM refuses the 8-token call. Every
     call's tokens must be a multiple of 16; checked against the tokens each call got, counted by hooks of the
     test's own (16 and 16 qualify). The largest number dividing the calls' counts is no call's count where they
-    are 12 and 20 (4): it was said as "4 tokens per call". The calls are said as measured now."""
+    are 12 and 20 (4): it was said as "4 tokens per call", and the remedy asked for a batch x sequence multiple
+    of 16, which the 32 rows of the step already were. The calls are said as measured now, and the remedy asks
+    for every call's tokens a multiple of 16."""
     model = _TwoBatches(first)
     tokens: dict[str, list[int]] = {"mlp.up": [], "mlp.down": []}
     for name in tokens:
@@ -311,6 +313,12 @@ def test_a_layer_called_on_different_tokens_is_judged_on_every_call(first: int) 
         assert (
             f"the largest number dividing each call's tokens ({common}) is not a multiple of 16"
             in " ".join(rec.reasons)
+        )
+        assert "batch x sequence is a multiple of 16" not in f.remedy
+        assert (
+            f"(mlp.up, mlp.down: 2 calls of {total} tokens in all at step 0, each a multiple of {common} and no "
+            "larger number) qualify once every call's tokens are a multiple of 16, not only their sum"
+            in f.remedy
         )
 
 

@@ -276,7 +276,34 @@ def token_counts(plan: _Plan) -> str:
 def held_back_remedy(plan: _Plan) -> str:
     """How to lift what holds layers back from FP8 that a setting lifts ("" when nothing does): their tokens per
     call, an outlier that sets their scale."""
-    return _batch_tokens_remedy(plan) + _expert_tokens_remedy(plan) + _outlier_remedy(plan)
+    return (
+        _batch_tokens_remedy(plan)
+        + _uneven_calls_remedy(plan)
+        + _expert_tokens_remedy(plan)
+        + _outlier_remedy(plan)
+    )
+
+
+def _uneven_calls_remedy(plan: _Plan) -> str:
+    """How to lift calls of different tokens on a step that hold layers back ("" when none does): each call's
+    tokens a multiple of FP8's, which the step's batch x sequence being one does not make (8 and 24 sum to 32)."""
+    if not plan.fp8_uneven:
+        return ""
+    m = taxonomy.FP8_DIM_MULTIPLE
+    by: dict[tuple[int, int, int, int], list[str]] = {}
+    for layer, calls in plan.fp8_uneven.items():
+        by.setdefault(calls, []).append(layer)
+    measured = "; ".join(
+        f"{_listing(layers, 4)}: {calls} calls of {tokens} tokens in all at step {step}, each a multiple of "
+        f"{divisor} and no larger number"
+        for (step, calls, tokens, divisor), layers in by.items()
+    )
+    return (
+        f" The layers whose calls had different tokens ({measured}) qualify once every call's tokens are a multiple "
+        f"of {m}, not only their sum: the input of each call (each batch size the model is called on, each chunk a "
+        f"sequence is split into) padded or cut to a multiple of {m}, or torchao padding it "
+        "(Float8LinearConfig(pad_inner_dim=True))."
+    )
 
 
 def _expert_tokens_remedy(plan: _Plan) -> str:
