@@ -54,6 +54,21 @@ def test_every_step_sampled_counts_all_but_the_first() -> None:
     assert math.isnan(tp["sampled_step_cost"])  # nothing unprofiled to compare with
 
 
+def test_a_resumed_attempts_first_step_is_warm_up_too() -> None:
+    """A run resumed at step 40 (``Profiler(resume=True, first_step=40)``): its new process's first step is
+    warm-up as the run's step 0 is (3.0 s here, sampled as a first step). Counted, "a sampled step 956.61x an
+    unsampled one" came from a median over 4 sampled steps, two of them the attempts' first."""
+    times = [3.0] + [0.2 if i % 10 == 1 else 0.05 for i in range(1, 40)]  # the first attempt, steps 0-39
+    times += [3.0] + [0.2 if i % 10 == 1 else 0.05 for i in range(41, 60)]  # resumed at 40
+    sampled = [i == 0 or i % 10 == 1 or i == 40 for i in range(60)]
+    steps = _steps(times, sampled)
+    steps[T.RESUMED] = steps[T.STEP] == 40
+    tp = throughput(steps)
+    assert tp["steps_timed_sampled"] == sum(sampled) - 2
+    assert tp["step_time_sampled_median_s"] == pytest.approx(0.2)
+    assert tp["sampled_step_cost"] == pytest.approx(0.2 / 0.05)
+
+
 def test_missing_times_and_tokens() -> None:
     assert math.isnan(throughput(pd.DataFrame())["tokens_per_s"])
     tp = throughput(_steps([1.0, 0.5, math.nan, 0.5, 0.5, 0.5], [False] * 6, tokens=math.nan))

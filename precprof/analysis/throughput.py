@@ -3,7 +3,8 @@
 The steps that recorded per-layer statistics (sampled) do more work than the others, and the first step of a
 run pays for warm-up (allocator, kernel selection, compilation), so a wall-clock rate over the whole run says
 little about the training itself. The throughput precprof reports is the rate of the steps it left alone:
-median tokens per step over median time per step, over the unsampled steps, the first step left out. When
+median tokens per step over median time per step, over the unsampled steps, the first step left out (and the
+first of each attempt of a resumed run: a new process's warm-up too). When
 fewer than three such steps exist (every step sampled), every step but the first counts, and the result says
 so. The sampled steps' median time beside it, as a ratio, is what profiling a step costs, when at least
 ``MIN_STEPS`` steps of each kind were timed (a run killed after a few steps has one or two of each: no ratio of
@@ -41,8 +42,8 @@ def throughput(steps: pd.DataFrame) -> dict[str, Any]:
 
     Returns ``tokens_per_s`` (median tokens / median seconds of the counted steps; NaN without tokens),
     ``tokens_per_s_basis`` (``"unsampled steps"`` or ``"all steps"``), ``tokens_per_s_steps`` (how many steps
-    count), ``step_time_unsampled_median_s`` and ``step_time_sampled_median_s`` (the first step left out of
-    both), ``steps_timed_unsampled`` and ``steps_timed_sampled`` (how many of each were timed) and
+    count), ``step_time_unsampled_median_s`` and ``step_time_sampled_median_s`` (the first step of the run and of
+    each resumed attempt left out of both), ``steps_timed_unsampled`` and ``steps_timed_sampled`` (how many of each were timed) and
     ``sampled_step_cost`` (their ratio: NaN unless at least ``MIN_STEPS`` of each kind were timed) and
     ``step_time_spread`` (the interquartile range of the counted steps' times over their median; NaN with
     fewer than 4: a machine busy with other work makes it large, and a rate from such steps says little).
@@ -61,7 +62,9 @@ def throughput(steps: pd.DataFrame) -> dict[str, Any]:
     if steps.empty or T.TIME_S not in steps:
         return out
     df = steps.sort_values(T.STEP) if T.STEP in steps else steps
-    df = df.iloc[1:]  # the first step: warm-up and compilation
+    # the first step of each attempt, the run's and each resumed one's: a new process's warm-up and compilation
+    first = pd.Series(np.arange(len(df)) == 0, df.index)
+    df = df[~(first | T.flags(df[T.RESUMED]))] if T.RESUMED in df else df.iloc[1:]
     time = pd.to_numeric(df[T.TIME_S], errors="coerce")
     tokens = pd.to_numeric(df[T.TOKENS], errors="coerce") if T.TOKENS in df else pd.Series(np.nan, df.index)
     sampled = T.flags(df[T.SAMPLED]) if T.SAMPLED in df else pd.Series(False, df.index)
