@@ -118,18 +118,26 @@ def test_a_budgeted_runs_sampling_in_words(tmp_path: Path) -> None:
     budget, the overhead it took, the sampled steps by reason and when sampling began, in one row."""
     rows, _ = _user_loop_rows(tmp_path, [4] * 40, memory=False)
     sampled = dict(rows)["steps sampled"]
-    assert sampled.startswith("as many as keep precprof within 3% of the run's time")
+    assert sampled.startswith("as many as keep the time sampled steps add within 3% of the run's time")
     assert "of 40 steps" in sampled and "2 first" in sampled
     # the page's headline says the overhead too, as the summary has it: the number a user decides by whether
     # to leave precprof on
     page = (tmp_path / "run" / "report.html").read_text()
     cards = dict(re.findall(r'<li><span class="k">([^<]*)</span><span class="v">([^<]*)</span></li>', page))
-    overhead = T.read_summary(tmp_path / "run")[T.SUMMARY_CAPTURE]["sampling"]["overhead"]
+    sampling = T.read_summary(tmp_path / "run")[T.SUMMARY_CAPTURE]["sampling"]
+    overhead, part, every = (
+        sampling["overhead"],
+        sampling["overhead_sampled"],
+        sampling["overhead_every_step"],
+    )
+    # the overhead is the two parts': the sampled steps' added time and prof.step() on every step
+    assert overhead == pytest.approx(part + every) and every > 0
     # from as many timed steps as a sampled step's cost (the first step left out): 1 sampled step made 32.3%
     steps = pd.read_parquet(tmp_path / "run" / "steps.parquet").iloc[1:]
     n_s, n_u = int(steps[T.SAMPLED].sum()), int((~steps[T.SAMPLED]).sum())
     assert html.unescape(cards["precprof&#39;s overhead"]) == (
-        f"{F.pct(overhead)} of the run's time (budget 3%)"
+        f"{F.pct(overhead)} of the run's time (sampled steps {F.pct(part)}; prof.step() on every step "
+        f"{F.pct(every)}; budget 3%)"
         if min(n_s, n_u) >= 3
         else f"not measured ({n_s} sampled, {n_u} unsampled steps timed: 3 of each needed; budget 3%)"
     )

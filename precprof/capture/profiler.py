@@ -513,6 +513,9 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         """
         if not self._attached:
             raise RuntimeError("Profiler.step() called while the profiler is not attached (use `with prof:`)")
+        entered = (
+            time.perf_counter()
+        )  # this call's own time, on an unsampled step, is precprof's (host clock)
         started = self._t_last  # this step's start (the previous step's end)
         if self._sampling:
             self._note_updates_read()
@@ -548,7 +551,10 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             self._sampler.next_step = self._step + int(self._reducer.reduce_max(gap).item())
         self._step += 1
         self._take_switch()
+        sampled = self._sampling
         self._begin_step()
+        if not sampled:
+            self._sampler.own_step(time.perf_counter() - entered)
 
     @contextlib.contextmanager
     def not_training(self) -> Iterator[None]:

@@ -245,9 +245,22 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
         text = "not measured"
         n_s, n_u = F.count(tp["steps_timed_sampled"]), F.count(tp["steps_timed_unsampled"])
         said.append(f"{n_s} sampled, {n_u} unsampled steps timed: {MIN_STEPS} of each needed")
+    else:
+        said.extend(overhead_parts(sampling))
     if sampling.get("mode") == "budget" and isinstance(budget, (int, float)) and math.isfinite(budget):
         said.append(f"budget {F.pct(float(budget))}")
     return text + (f" ({'; '.join(said)})" if said else "")
+
+
+def overhead_parts(sampling: Mapping[str, Any]) -> list[str]:
+    """The two parts of precprof's overhead (``capture.sampling``), in words: what the sampled steps added (the
+    part the budget bounds) and what ``prof.step()`` took on every step; none where the summary predates them."""
+    sampled, every = sampling.get("overhead_sampled"), sampling.get("overhead_every_step")
+    if not isinstance(sampled, (int, float)) or not isinstance(every, (int, float)):
+        return []
+    if not (math.isfinite(sampled) and math.isfinite(every)):
+        return []
+    return [f"sampled steps {F.pct(float(sampled))}", f"prof.step() on every step {F.pct(float(every))}"]
 
 
 def heatmap_focus(summary: Mapping[str, Any], rec: Mapping[str, Any] | None) -> tuple[str, str]:

@@ -614,10 +614,14 @@ def sampling_text(
     """Budgeted sampling (``capture.sampling.Sampler.describe``) in words: the budget, the overhead reached,
     the sampled steps by reason, and when sampling began if the kernels compiled beside the training. Of a run
     resumed at step ``resumed``, the figures are the last attempt's, and say so (the header counts the run's)."""
-    text = f"as many as keep precprof within {F.pct(float(s.get('budget') or 0))} of the run's time"
+    text = f"as many as keep the time sampled steps add within {F.pct(float(s.get('budget') or 0))} of the run's time"
     overhead = s.get("overhead")
     if isinstance(overhead, (int, float)) and math.isfinite(overhead):
-        text += f" (it took {F.pct(float(overhead))})"
+        sampled = s.get("overhead_sampled")
+        if isinstance(sampled, (int, float)) and math.isfinite(sampled):
+            text += f" (they took {F.pct(float(sampled))}; precprof in all {F.pct(float(overhead))})"
+        else:
+            text += f" (it took {F.pct(float(overhead))})"
     if sampled is not None and recorded is not None:
         text += f": {F.count(sampled)} of {F.count(recorded)} steps"
         if resumed is not None:
