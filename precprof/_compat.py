@@ -593,6 +593,36 @@ _REENTRANT_FORWARD = getattr(
 )
 
 
+# selective activation checkpointing's forward mode (``create_selective_checkpoint_contexts``), which keeps the
+# outputs of the ops its policy saves in a cache of its own, out of autograd's saved-tensor hooks
+_CACHING_MODE = getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None)
+_DISPATCH_DEPTH = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_DISPATCH_AT = getattr(torch._C, "_get_dispatch_stack_at", None)
+
+
+def policy_caches() -> list[Any]:
+    """The caches of the selective activation checkpoints whose forward is running now (each the ``storage`` of
+    a ``_CachingTorchDispatchMode`` on the dispatch mode stack, innermost last): per op, the outputs its policy
+    keeps for the backward pass, each in a ``_VersionWrapper`` (``.val``), in the order the op ran (a dict of
+    them by call index; a list on torch 2.4). Empty when none runs, or where this torch does not say."""
+    if _CACHING_MODE is None or _DISPATCH_DEPTH is None or _DISPATCH_AT is None:
+        return []
+    n = _DISPATCH_DEPTH()
+    if not n:  # (every module's forward asks on a sampled step: one C call)
+        return []
+    modes = (_DISPATCH_AT(i) for i in range(n))
+    return [m.storage for m in modes if isinstance(m, _CACHING_MODE) and isinstance(m.storage, dict)]
+
+
+def cached_tensors(entry: Any) -> list[torch.Tensor]:
+    """The tensors of one entry of a ``policy_caches`` cache: an op's outputs, each in a ``_VersionWrapper``, in
+    the op's own nesting (a tuple, a list); none for an op the policy recomputes, or one the backward used."""
+    if isinstance(entry, (tuple, list)):
+        return [t for e in entry for t in cached_tensors(e)]
+    val = getattr(entry, "val", None)
+    return [val] if isinstance(val, torch.Tensor) else []
+
+
 def reserve_hook_ids(n: int) -> range:
     """``n`` hook ids of ``RemovableHandle``'s counter, for hooks added straight into torch's hook dictionaries:
     no one else's hook gets them."""

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch._C._profiler import _EventType
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import precprof
 from precprof import tables as T
@@ -814,6 +816,86 @@ def test_checkpointed_blocks_keep_their_inputs_and_nothing_else(use_reentrant: b
     expected[("", "float32")] = len(model.blocks) * 2 * 12 * 16 * 4  # each block's input, (2, 12, 16) fp32
     assert acts == expected
     assert all(k[0].startswith("blocks.") for k in plain.keys() - expected.keys())  # the blocks saved some
+
+
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class SelectiveGPT(TinyGPT):
+    """TinyGPT whose blocks run under selective activation checkpointing: the policy keeps the matmuls' outputs
+    in the checkpoint's cache and recomputes the rest. No RNG state is kept, so that what the forward leaves
+    allocated is the activations and the output alone (the dropout masks are recomputed unlike the first)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for blk in self.blocks:
+            x = checkpoint(
+                blk,
+                x,
+                use_reentrant=False,
+                preserve_rng_state=False,
+                context_fn=functools.partial(create_selective_checkpoint_contexts, save_matmuls),
+            )
+        return self.head(self.ln_f(x))
+
+
+def left_allocated(run: Callable[[], torch.Tensor]) -> tuple[int, torch.Tensor]:
+    """Independent: the bytes the CPU allocator gave out during ``run()`` and still holds when it returns
+    (torch.profiler's memory events, matched by address), and ``run()``'s result."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        out = run()
+    held: dict[int, int] = {}
+    events = sorted(
+        (e.start_time_ns, e.typed[1].ptr, e.typed[1].alloc_size)
+        for e in prof.profiler.kineto_results.experimental_event_tree()
+        for e in _event_tree(e)
+        if e.typed[0] == _EventType.Allocation
+    )
+    for _, ptr, nbytes in events:
+        if nbytes > 0:
+            held[ptr] = nbytes
+        else:
+            held.pop(ptr, None)
+    # Python numbers an op wraps as 0-dim float64 tensors (8 bytes) are left out by the tracker (saved_by_autograd)
+    return sum(b for b in held.values() if b != 8), out
+
+
+def _event_tree(e: Any) -> Iterator[Any]:
+    yield e
+    for c in e.children:
+        yield from _event_tree(c)
+
+
+def test_selective_checkpointing_counts_what_its_policy_keeps() -> None:
+    """Selective activation checkpointing keeps the outputs of the ops its policy saves (here the matmuls) in
+    the checkpoint's cache until the backward pass, out of autograd's saved-tensor hooks: the table had the
+    blocks' inputs alone (6.5 KB of 41.9 KB). The activations are now what the allocator still holds from the
+    forward, less its output (and plus the token ids, which the embedding saves and the forward did not make);
+    each cached matmul output is counted under the layer that made it."""
+    idx = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = SelectiveGPT()
+    tr = MemoryTracker(model)
+    tr.attach()
+    tr.begin_step(0, True)
+    held, out = left_allocated(lambda: model(idx))
+    out.square().mean().backward()
+    rows = tr.end_step(0)
+    tr.detach()
+    assert total(rows, T.ACTIVATIONS) == held - out.untyped_storage().nbytes() + idx.nbytes
+    acts = by_module(rows)
+    b, t, d = 2, 12, 16
+    for k in range(len(model.blocks)):
+        assert acts[(f"blocks.{k}.qkv", "float32")] == b * t * 3 * d * 4  # addmm's output, (24, 48) fp32
+        assert acts[(f"blocks.{k}.fc", "float32")] == b * t * 4 * d * 4
+        # the block's own two bmm: q @ k^T (2, 2, 12, 12) and att @ v (2, 2, 12, 8)
+        assert acts[(f"blocks.{k}", "float32")] == (b * 2 * t * t + b * 2 * t * (d // 2)) * 4
 
 
 class Refuses(nn.Linear):

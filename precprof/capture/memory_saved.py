@@ -7,6 +7,7 @@ peak's parts are named by.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -43,6 +44,31 @@ def _is_loss(t: torch.Tensor) -> bool:
     return t.dim() == 0 and t.is_floating_point() and t.grad_fn is not None
 
 
+class PolicyCache:
+    """The cache of one selective activation checkpoint (``checkpoint(block, x, context_fn=partial(
+    create_selective_checkpoint_contexts, policy))``): its storage (``_compat.policy_caches``), and per op how
+    many of its entries were counted already."""
+
+    __slots__ = ("read", "storage")
+
+    def __init__(self, storage: dict[Any, Any]) -> None:
+        self.storage = storage
+        self.read: dict[Any, int] = {}
+
+    def new_tensors(self) -> list[torch.Tensor]:
+        """The tensors the policy kept since the last call (an op's entry: its outputs, each wrapped)."""
+        found: list[torch.Tensor] = []
+        for op, entries in self.storage.items():
+            done = self.read.get(op, 0)
+            if len(entries) <= done:
+                continue
+            self.read[op] = len(entries)
+            values = entries.values() if isinstance(entries, dict) else entries
+            for entry in itertools.islice(values, done, None):
+                found += _compat.cached_tensors(entry)
+        return found
+
+
 class SavedActivations:
     """The saved-tensor half of ``MemoryTracker``: its state is the tracker's (declared here, set there)."""
 
@@ -64,6 +90,7 @@ class SavedActivations:
     _step_mode: bool | None
     _peak: PeakRecorder
     _counts: PhaseCounters
+    _policy_caches: list[PolicyCache]
 
     def _label(self, component: str, tensors: Iterable[torch.Tensor]) -> None:
         """Note the storages of ``tensors`` as ``component`` in the current phase (for the peak's parts)."""
@@ -154,6 +181,9 @@ class SavedActivations:
         self._stack.append((name, module))
 
     def _stop_recording(self) -> None:
+        if self._recording:
+            self._read_policy_caches()
+        self._policy_caches.clear()
         self._entry = None
         was_recording = self._recording
         self._pop_saved_hooks()
@@ -201,6 +231,26 @@ class SavedActivations:
             self._saved_ctx = None
 
     # ----------------------------------------------------------------------------------- saved tensors
+    def _read_policy_caches(self) -> None:
+        """Count what selective activation checkpoints kept since the last module hook, under the module running
+        now (``_stack``'s top: the hooks call this before they push or pop a module): the outputs of the ops their
+        policy saves (the matmuls, most often), held in the checkpoint's cache until the backward pass. Autograd's
+        saved-tensor hooks never see them (the checkpoint's own pair is on top, and keeps nothing): the table had
+        only the blocks' inputs, about a fifth of what the step kept. A cache is read while its checkpoint's
+        forward runs, and once more at the first hook after it ended. Host only."""
+        running = _compat.policy_caches()
+        caches = self._policy_caches
+        if not running and not caches:
+            return
+        for storage in running:
+            if not any(c.storage is storage for c in caches):
+                caches.append(PolicyCache(storage))
+        for c in list(caches):
+            for t in c.new_tensors():
+                self._record_saved(t)
+            if not any(c.storage is s for s in running):
+                caches.remove(c)  # its checkpoint's forward is over: nothing more comes
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self._recording and self._groups:
             self._record_saved(t)

@@ -24,7 +24,10 @@
   ``"(loss)"``). Under activation checkpointing a region keeps only its inputs until the backward pass
   recomputes the rest: those inputs are counted, under the module running when the checkpoint was called
   (Hugging Face's checkpointed layers: the layer itself), and what the region saves is not (non-reentrant: through the checkpoint's own hooks, which keep nothing; reentrant: its
-  forward runs without grad). A forward that begins under saved-tensor hooks someone else pushed (a checkpoint
+  forward runs without grad). Selective activation checkpointing (``create_selective_checkpoint_contexts``)
+  keeps the outputs of the ops its policy saves in a cache of its own, which no saved-tensor hook sees: they are
+  read from that cache at each module hook while the region runs and counted under the module that made them.
+  A forward that begins under saved-tensor hooks someone else pushed (a checkpoint
   of the whole model, ``save_on_cpu()`` or an offloading hook around the model call) is left to them and not
   measured (``model_facts()["activations_note"]`` says so): autograd calls only the innermost pair, and ours
   would switch theirs off. Under gradient accumulation the saved tensors of one micro-batch are freed by its
@@ -72,7 +75,7 @@ from precprof import _compat
 from precprof import tables as T
 from precprof.capture.counters import PhaseCounters
 from precprof.capture.memory_grads import GradientBytes
-from precprof.capture.memory_saved import FOREIGN_HOOKS, SavedActivations
+from precprof.capture.memory_saved import FOREIGN_HOOKS, PolicyCache, SavedActivations
 from precprof.capture.memory_schedule import MemorySchedule
 from precprof.capture.peak import CudaHistory, Label, PeakRecorder, ProfilerMemory
 from precprof.capture.records import after_closure
@@ -150,6 +153,8 @@ class MemoryTracker(SavedActivations):
         self._unpacks = 0  # saved tensors read back by backward (any step): tells forwards apart
         self._unpacks_mark = -1
         self._groups: list[SavedGroup] = []
+        # the caches of the selective activation checkpoints running in this forward (``_read_policy_caches``)
+        self._policy_caches: list[PolicyCache] = []
         self._param_keys: set[StorageKey] = set()
         self._input_keys: set[StorageKey] = set()  # storages of the tensors given to the model this step
         self._grads = GradientBytes()
@@ -241,6 +246,7 @@ class MemoryTracker(SavedActivations):
         # the hooks' closures refer back to the tracker: dropped, nothing keeps the model alive through them
         self._module_hooks, self._hookset, self._modules = [], None, []
         self._stack.clear()
+        self._policy_caches.clear()  # (a forward that never returned: they hold its cached tensors)
         self._recording = False
         self._attached = False
         self._counts.close()
@@ -491,6 +497,7 @@ class MemoryTracker(SavedActivations):
         def hook(module: nn.Module, args: Any) -> None:
             self._grads.forward_began()
             if self._recording:
+                self._read_policy_caches()
                 self._stack.append((name, module))
             else:
                 self._submodule_entered(name, module, args)
@@ -502,6 +509,7 @@ class MemoryTracker(SavedActivations):
             stack = self._stack
             if not self._recording or not stack:
                 return
+            self._read_policy_caches()
             if self._counts.cuda is not None and self._sampled and not self._peak.measuring:
                 self._counts.sample_live()  # the phase's lower bound where there is no replay
             if stack[-1][1] is module:
