@@ -1250,7 +1250,7 @@ def test_stale_push_is_popped_by_the_next_forward() -> None:
     tr = MemoryTracker(model)
     tr.attach()
     tr.begin_step(0, True)
-    with pytest.raises(Interrupt):
+    with pytest.raises(Interrupt) as failed:  # (its traceback holds the failed forward's tensors)
         model(batch()[0])
     model[2].armed = False
     x, y = batch()
@@ -1260,8 +1260,9 @@ def test_stale_push_is_popped_by_the_next_forward() -> None:
     tr.detach()
     assert_no_hooks(model)
     # the interrupted forward saved x in Linear 0 and the ReLU output before failing; the next forward is a
-    # new graph with no backward in between, so both stay alive together (until their tensors are freed)
+    # new graph with no backward in between, so both stay alive together while the traceback holds the first
     assert by_module(rows) == {("0", "float32"): 2 * B * D_IN * 4, ("1", "float32"): 2 * B * D_HID * 4}
+    del failed
 
 
 def test_buffer_bytes_small_and_flat() -> None:
@@ -1651,6 +1652,32 @@ def test_a_detached_tracker_keeps_nothing_alive() -> None:
     finally:
         if was:
             gc.enable()
+
+
+@pytest.mark.parametrize("tracked", [False, True])
+def test_a_forward_never_backpropagated_is_freed(tracked: bool) -> None:
+    """An evaluation with grad on in a sampled step (``model.eval()`` without ``no_grad``), whose output the loop
+    drops without a backward: a tensor an op saves as its own output (ReLU's, sigmoid's) was kept by the pack
+    hook as itself, holding its backward node, which held it, a cycle that even ``gc.collect()`` cannot free:
+    the evaluation's activations stayed allocated for the rest of the run. They are freed when dropped, as
+    without the tracker."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.Sigmoid())
+    outputs: list[weakref.ref[torch.Tensor]] = []
+    model[1].register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    model[3].register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    tr = MemoryTracker(model, None)
+    tr.attach()
+    tr.begin_step(0, tracked)
+    model.eval()
+    model(torch.randn(4, 8)).sum()
+    gc.collect()
+    assert len(outputs) == 2 and all(o() is None for o in outputs)
+    tr.end_step(0)
+    tr.detach()
 
 
 def test_a_tensor_on_a_smaller_storage_at_the_same_address_is_read_again() -> None:

@@ -254,7 +254,11 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if self._recording and self._groups:
             self._record_saved(t)
-        return t
+        # An op's output that its own backward node saves (relu, tanh, softmax, exp), kept as the tensor itself,
+        # holds that node, which holds it: a cycle through autograd's C++ side that Python's gc cannot see, so a
+        # forward whose backward never ran (an evaluation with grad on, a loss the loop dropped) was never freed.
+        # Kept detached: the same memory and version counter, and autograd gives it its graph back on unpacking
+        return t.detach() if t.grad_fn is not None else t
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         self._unpacks += 1

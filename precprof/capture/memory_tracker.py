@@ -57,7 +57,9 @@
 Outside sampled steps the tracker has no hook at all (``begin_step`` installs them for a sampled step and
 ``end_hooks`` removes them, or with ``keep`` leaves them doing nothing until the next ``begin_step`` arms them
 for a sampled step or removes them). The tracker holds no tensor: only storage addresses, sizes,
-totals and its hook handles (``buffer_bytes``). The pack hook returns the tensor unchanged: training is bitwise the same.
+totals and its hook handles (``buffer_bytes``). The pack hook returns the tensor, or, when it has a graph, the tensor
+detached (the same memory: an output saved by its own backward node would otherwise hold that node in a cycle
+Python's gc cannot free, for ever when no backward runs): training is bitwise the same.
 
 What the memory table means per mode is ``precprof.analysis.memory_projection``'s business.
 """
