@@ -1,0 +1,152 @@
+"""Which forwards of a sampled step are its training, for ``StepHooks`` (``capture/hooks.py``, which this is a
+part of): the model's forward hooks tell the step's training forward from an evaluation (eval mode, ``no_grad``,
+``Profiler.not_training``), an activation checkpoint's second run of a block, and a first forward that raised,
+and forget what a forward read once it turns out not to be the step's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from precprof import _compat
+from precprof import stats as st
+from precprof.capture.plan import CapturePlan
+from precprof.capture.records import RowTable, _iter_tensors, _ModuleSlot
+
+recomputing = _compat.recomputing  # a checkpoint's forward run again in the backward pass: read once already
+# why a forward is not read (``TrainingForward._not_read``; "" when it is)
+_EVALUATION, _NO_GRAD, _RECOMPUTED, _FIRST_PASS = "evaluation", "no grad", "recomputed", "first pass"
+
+
+class TrainingForward:
+    """The part of ``capture.hooks.StepHooks`` that tells the step's training forward from the others."""
+
+    plan: CapturePlan
+    rows: RowTable
+    buffer: st.StatsBuffer
+    installed: bool
+    order: int
+    eval_forwards: int
+    checkpointed_forwards: int
+    _root: nn.Module
+    _root_trains: bool
+    _root_grad: bool
+    _root_calls: list[bool]
+    _step_mode: bool | None
+    _first_in_eval: bool
+    _outside: int
+    _grad_rows: list[int]
+    _forward_rows: list[int]
+    _entry_order: int
+    _failed_first: bool
+    _model_inputs: set[int]
+    stepped_no_optimizer: Callable[[], bool]  # ``GradientReads.stepped_no_optimizer``
+
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        """Forwards inside are not the step's (``Profiler.not_training``: an evaluation with grad on between steps
+        was read into the next step's rows)."""
+        self._outside += 1
+        try:
+            yield
+        finally:
+            self._outside -= 1
+
+    def _not_read(self) -> str:
+        """Why a module's forward running now is not read ("": it is the step's training forward, read): an
+        evaluation (a model in eval mode after the step's forward in train mode, or inside ``not_training``), no
+        grad outside the model's forward (an evaluation between steps), a checkpoint's recomputation of what its
+        first pass read, a reentrant checkpoint's first pass (without grad: its recomputation is read). A part
+        the model's forward runs without grad (a frozen VAE or text encoder, a frozen backbone, under ``no_grad``
+        inside a forward with grad) is read: its activations are the step's, without gradients."""
+        if (self._step_mode and not self._root.training) or self._outside:
+            return _EVALUATION
+        if torch.is_grad_enabled():
+            return _RECOMPUTED if recomputing() else ""
+        if self._root_grad:
+            return _FIRST_PASS if _compat.reentrant_first_pass() else ""
+        # in a backward pass: a reentrant checkpoint's first pass inside a block an outer checkpoint runs again
+        if _compat.backward_pass_id() is not None and _compat.reentrant_first_pass():
+            return _FIRST_PASS
+        return _NO_GRAD
+
+    def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
+        # (a model that calls itself, a self-distillation teacher under no_grad inside the forward: the innermost
+        # call decides, and the enclosing one's state comes back when it returns)
+        self._root_calls.append(self._root_grad)
+        self._root_grad = torch.is_grad_enabled()
+        if len(self._root_calls) == 1:
+            self._model_inputs = {id(t) for t in _iter_tensors((args, kwargs or {}))}
+            if (
+                self._failed_first
+            ):  # a retry of the step's first forward, which raised: it starts the step again
+                self._forget_forward()
+            self._entry_order = self.order  # 0: the step's first forward (``_forget_forward``)
+        if self._root_grad and self._step_mode is None and not self._outside:
+            self._step_mode = module.training
+            self._first_in_eval = self._root_trains and not module.training
+
+    def evaluation_only(self) -> bool:
+        """Whether the step in progress ran only an evaluation: its first forward in eval mode though the step
+        began in train mode, and no backward since (a validation with grad on after the last ``prof.step()``:
+        a step of its own, cut off, whose memory the report showed as the run's)."""
+        calls = self.rows.calls
+        return self._first_in_eval and not any(calls[r] for r in self._grad_rows)
+
+    def no_step(self) -> bool:
+        """Whether the step in progress, at the end of a run that ended normally, is no step: an evaluation alone
+        (``evaluation_only``), or a forward and backward that none of the optimizers stepped on
+        (``stepped_no_optimizer``)."""
+        return self.evaluation_only() or self.stepped_no_optimizer()
+
+    def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._root_grad = self._root_calls.pop() if self._root_calls else False
+        if not self._root_calls:
+            self._model_inputs = set()
+            # (called with no output from torch's ``except`` when the forward raised: ``always_call``); forgotten
+            # once the loop runs the model again, kept when the exception ends the run (what a crash read)
+            self._failed_first = output is None and self._entry_order == 0 and self.installed and _raised()
+
+    def _forget_forward(self) -> None:
+        """The step's first forward raised (a loop that catches an out-of-memory error and runs the batch again,
+        halved, or skips it): what it read is no forward that trained, and its rows are left as they were before
+        it, empty (the retry's rows were its own and the failed call's, merged: calls=2)."""
+        buffer, rows = self.buffer, self.rows
+        for r in self._forward_rows:
+            if rows.calls[r] or buffer.skipped[r]:
+                buffer.skipped_total[r] -= buffer.skipped[r]
+                buffer.reset(slice(r, r + 1))
+                rows.calls[r] = rows.dtype_bits[r] = 0
+        for slot in self.plan.modules:
+            slot.order = slot.input_order = -1
+        self.order = 0
+        self._step_mode, self._first_in_eval = None, False
+
+    def _skipped_forward(self, slot: _ModuleSlot, why: str) -> None:
+        """A forward that is not read (``why``: ``_not_read``'s). Not a recomputation, it still takes its place in
+        the forward order (a reentrant checkpoint's blocks are recomputed last block first); an evaluation with
+        grad on and a checkpointed forward are counted (the summary says the model checkpoints its activations)."""
+        if why == _RECOMPUTED:
+            self.checkpointed_forwards += 1
+            return
+        if why == _FIRST_PASS:
+            self.checkpointed_forwards += 1
+        elif why == _EVALUATION and torch.is_grad_enabled():
+            self.eval_forwards += 1
+        if slot.order < 0:
+            if slot.input >= 0 and slot.input_order < 0:
+                slot.input_order = self.order
+                self.order += 1
+            slot.order = self.order
+            self.order += 1
+
+
+def _raised() -> bool:
+    """Whether an exception is being handled (a hook torch calls from its ``except``: the forward raised)."""
+    return sys.exc_info()[1] is not None
