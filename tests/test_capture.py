@@ -229,14 +229,15 @@ def test_no_grad_eval_does_not_pollute_training_step() -> None:
     assert act[T.CALLS].tolist() == [1]
 
 
-@pytest.mark.parametrize("where", ["before_step", "after_the_last_step"])
+@pytest.mark.parametrize("where", ["before_step", "after_step", "after_the_last_step"])
 def test_an_evaluation_in_eval_mode_with_grad_on_is_not_the_steps_training(where: str) -> None:
     """``model.eval()`` without ``no_grad`` (a validation loss in the loop): its forward was read as the step's
     training, every activation row mixed with the evaluation batch (calls 2, its absmax), its saved tensors
     the step's activations; after the last ``prof.step()`` it made a phantom step marked ``cut_off``. A forward
     in eval mode after the step's forward in train mode is an evaluation: not read, and counted; a step that ran
-    only such a forward and no backward when the Profiler closed is no step. (An evaluation before the step's
-    training forward cannot be told from training in eval mode when it runs: it is read.)"""
+    only such a forward and no backward when the Profiler closed is no step. One before the step's training
+    forward (``after_step``: the next step's start) was read as that step's training, merged with it: it is
+    forgotten when the model runs in train mode before any backward, and counted."""
 
     def run(evaluate: bool) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
         torch.manual_seed(0)
@@ -276,8 +277,9 @@ def test_an_evaluation_in_eval_mode_with_grad_on_is_not_the_steps_training(where
         memory.loc[keep, cols].reset_index(drop=True),
         plain_memory.loc[plain_keep, cols].reset_index(drop=True),
     )
-    # each of the 4 modules' forward in each validation of a sampled step; the last one is no step
-    assert summary["eval_forwards_ignored"] == (0 if where == "after_the_last_step" else 4 * 3)
+    # each of the 4 modules' forward in each validation of a sampled step (after_step: those at the start of
+    # steps 1 and 2); the one after the last step is no step
+    assert summary["eval_forwards_ignored"] == {"before_step": 4 * 3, "after_step": 4 * 2}.get(where, 0)
 
 
 @pytest.mark.parametrize("switch_at", [0, 2])
@@ -306,6 +308,33 @@ def test_a_loop_that_trains_in_eval_mode_keeps_every_row(switch_at: int) -> None
     (layers, acts), (want_layers, want_acts) = run(True), run(False)
     pd.testing.assert_frame_equal(layers, want_layers)
     assert len(acts) and acts.equals(want_acts)  # the saved activations measured as in train mode
+
+
+def test_a_micro_batch_trained_in_eval_mode_before_one_in_train_mode_is_kept() -> None:
+    """Two micro-batches a step, the first forward and backward in eval mode, the second in train mode: the
+    first is training (a backward ran through it before the model ran in train mode), not an evaluation before
+    the step's training, and is read with the second, as when both run in train mode (the model has no layer
+    that eval mode changes)."""
+
+    def run(first_in_eval: bool) -> tuple[pd.DataFrame, int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+            for _ in range(3):
+                for micro in range(2):
+                    model.train(not (first_in_eval and micro == 0))
+                    model(torch.randn(4, 8, generator=g)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+        return prof.tables()["layers"], prof.summary()["eval_forwards_ignored"]
+
+    (layers, ignored), (want, _) = run(True), run(False)
+    assert ignored == 0
+    assert set(layers.loc[layers[T.TENSOR] == T.ACTIVATION, T.CALLS]) == {2}  # read on both micro-batches
+    pd.testing.assert_frame_equal(layers, want)
 
 
 class _FrozenBackbone(nn.Module):

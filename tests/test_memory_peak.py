@@ -764,3 +764,41 @@ def test_an_evaluation_between_steps_is_not_the_steps_peak(evaluate: bool) -> No
         want.drop(index=[k for k in want.index if k[0] == T.PROFILER_BUFFERS], errors="ignore").to_dict()
     )
     assert int(at_peak.sum()) < 2 * 2**20  # the evaluation's 2 MiB are not in it
+
+
+def test_an_evaluation_in_eval_mode_before_the_training_forward_is_not_the_steps_peak() -> None:
+    """A validation at the step's start, ``model.eval()`` with grad on and no ``not_training()``: its forward was
+    taken for the step's training forward, its 2 MiB of hidden activations the step's forward peak and its saved
+    tensors counted with the training's. The model in train mode before any backward makes it an evaluation: its
+    time is a phase of its own, and the step's peak, its parts and its activations are the plain step's."""
+
+    def run(evaluate: bool) -> pd.DataFrame:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        with Profiler(model, optimizer=opt, sample_every=1, memory_peak=True) as prof:
+            for _ in range(3):
+                if evaluate:
+                    model.eval()
+                    model(
+                        torch.randn(4096, 64)
+                    ).sum()  # 2 MiB of hidden activations at once, saved for nothing
+                    model.train()
+                model(torch.randn(16, 64)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                prof.step()
+        memory = prof.tables()["memory"]
+        return memory[memory[T.STEP] == 1].reset_index(drop=True)  # (the second step measured)
+
+    got, plain = run(True), run(False)
+    cols = [T.COMPONENT, T.MODULE, T.DTYPE, T.PHASE, T.MOMENT]
+    assert T.PHASE_OUTSIDE not in set(got[T.PHASE])
+    mine = got[got[T.COMPONENT] != T.PROFILER_BUFFERS].set_index(cols)[T.BYTES]
+    want = plain[plain[T.COMPONENT] != T.PROFILER_BUFFERS].set_index(cols)[T.BYTES]
+    peaks = [T.ALLOCATOR_PEAK, T.ALLOCATOR_RESERVED_PEAK]
+    assert mine.drop(index=peaks, level=0, errors="ignore").to_dict() == (
+        want.drop(index=peaks, level=0, errors="ignore").to_dict()
+    )
+    forward_peak = got[(got[T.COMPONENT] == T.ALLOCATOR_PEAK) & (got[T.PHASE] == T.PHASE_FORWARD)][T.BYTES]
+    assert int(forward_peak.iloc[0]) < 2**20  # the evaluation's 2 MiB are not in the step's forward

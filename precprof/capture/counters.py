@@ -84,6 +84,14 @@ class PhaseCounters:
                 self._seen_max, self._phase_live = maxima, live
         self.phase = new_phase
 
+    def relabel(self, name: str) -> None:
+        """The sampled step's time so far was not its own (an evaluation before its training): the phase peaks
+        noted in it, and the phase running now, become ``name``'s."""
+        peaks: dict[tuple[str, str], int] = {}
+        for (comp, _), b in self.peaks.items():
+            peaks[(comp, name)] = max(peaks.get((comp, name), 0), b)
+        self.peaks, self.phase = peaks, name
+
     def device_memory(self) -> dict[str, int]:
         """NVML used/total of the device; {} on CPU or without a driver (a driver query, no sync)."""
         if self.cuda is None or self._nvml is False:

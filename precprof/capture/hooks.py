@@ -26,7 +26,8 @@ step followed by another keeps them in place between the two, doing nothing, ``p
 A hook is a lookup and one call into the engine of the tensor's device (``stats.rows``): everything else was
 decided at attach. Hooks never synchronise with the device and return None (a returned value would replace the
 module's output). ``torch.no_grad()`` forwards (evaluation between training steps) are ignored, as are forwards
-of a model in eval mode after the step's first forward of it ran in train mode (an evaluation with grad on), and the
+of a model in eval mode after the step's first forward of it ran in train mode (an evaluation with grad on), or
+before a forward in train mode that no backward came between (``capture/training_forward.py``), and the
 forward an activation checkpoint runs again inside the backward pass when it read the block's outputs in the
 step's forward already (non-reentrant, ``_compat.recomputing``, a checkpoint nested in the block included); a
 reentrant checkpoint's forward runs under ``no_grad`` (it takes its place in the forward order then), and its

@@ -88,6 +88,7 @@ class SavedActivations:
     _foreign_forwards: int
     _loss_in_forward: bool
     _step_mode: bool | None
+    _eval_unpacks: int
     _peak: PeakRecorder
     _counts: PhaseCounters
     _policy_caches: list[PolicyCache]
@@ -155,11 +156,16 @@ class SavedActivations:
             return
         # the step's first forward of the model decides its mode: one in eval mode after it is an evaluation (with
         # grad on, ``model.eval()`` without ``no_grad``), whose saved tensors are not the step's
-        if module is not None and self._step_mode is None:
+        first = module is not None and self._step_mode is None
+        if first:
             self._step_mode = self.model.training
+        elif module is not None and self._step_mode is False and self.model.training:
+            self._evaluation_before_training()
         if self._step_mode and not self.model.training:
             return
         self._mark_phase(T.PHASE_FORWARD)
+        if first and not self._step_mode:
+            self._eval_unpacks = self._unpacks
         if self._unpacks != self._unpacks_mark or not self._groups:
             # Backward ran since the previous forward started: its saved tensors are gone, start a new group.
             self._groups.append(SavedGroup())
@@ -179,6 +185,19 @@ class SavedActivations:
         self._saved_ctx = ctx
         self._recording = True
         self._stack.append((name, module))
+
+    def _evaluation_before_training(self) -> None:
+        """A forward in train mode after the step's first ran in eval mode: when no backward read what those saved,
+        they were an evaluation before the step's training (a validation with grad on at the step's start), not
+        a loop that trains in eval mode. What they saved is not the step's (it was counted with the training's,
+        as one forward), and the step's time so far, the evaluation's batch made included, is an evaluation's
+        phase, off the step's peak (as in ``not_training``; its 4096-row batch was the step's peak)."""
+        if self._unpacks != self._eval_unpacks:
+            return
+        self._step_mode = True
+        self._groups, self._input_keys = [], set()
+        self._peak.segments[:] = [T.PHASE_OUTSIDE] * len(self._peak.segments)
+        self._counts.relabel(T.PHASE_OUTSIDE)
 
     def _stop_recording(self) -> None:
         if self._recording:

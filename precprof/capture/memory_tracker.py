@@ -168,6 +168,8 @@ class MemoryTracker(SavedActivations):
             False  # a sampled forward of the model returned a loss (a scalar with grad_fn)
         )
         self._step_mode: bool | None = None
+        # the saved tensors read back when the step's first forward began in eval mode (``_start_recording``)
+        self._eval_unpacks = 0
         self.arm_error: str | None = None  # why measuring a step from its forward failed, if it did
         self._on_cpu = True
         self._peak = PeakRecorder(None)

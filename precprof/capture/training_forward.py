@@ -2,6 +2,12 @@
 part of): the model's forward hooks tell the step's training forward from an evaluation (eval mode, ``no_grad``,
 ``Profiler.not_training``), an activation checkpoint's second run of a block, and a first forward that raised,
 and forget what a forward read once it turns out not to be the step's.
+
+The step's first forward of the model with grad on decides its mode: in train mode, a later forward in eval mode
+is an evaluation, not read. In eval mode, it is either an evaluation before the step's training (a validation
+with grad on at the start of a step) or a loop that trains in eval mode (BatchNorm and dropout frozen): told
+apart by what follows. A forward in train mode before any backward of the step makes it the evaluation (its rows
+are forgotten), a backward makes it the training (every later forward is read, in either mode).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class TrainingForward:
     _entry_order: int
     _failed_first: bool
     _model_inputs: set[int]
+    _clear_outputs: Callable[[], None]  # ``StepHooks._clear_outputs``
     stepped_no_optimizer: Callable[[], bool]  # ``GradientReads.stepped_no_optimizer``
 
     @contextlib.contextmanager
@@ -88,16 +95,42 @@ class TrainingForward:
             ):  # a retry of the step's first forward, which raised: it starts the step again
                 self._forget_forward()
             self._entry_order = self.order  # 0: the step's first forward (``_forget_forward``)
-        if self._root_grad and self._step_mode is None and not self._outside:
+        if not self._root_grad or self._outside:
+            return
+        if self._step_mode is None:
             self._step_mode = module.training
             self._first_in_eval = self._root_trains and not module.training
+        elif (
+            self._step_mode is False
+            and module.training
+            and len(self._root_calls) == 1
+            and not self._trained()
+        ):
+            self._evaluation_before_training()
+
+    def _trained(self) -> bool:
+        """Whether a backward pass of this step reached a captured module (a gradient row was read). Host only."""
+        calls = self.rows.calls
+        return any(calls[r] for r in self._grad_rows)
+
+    def _evaluation_before_training(self) -> None:
+        """The step's forwards so far ran in eval mode with grad on and no backward followed, and now the model
+        runs in train mode: they were an evaluation before the step's training (a validation at the start of a
+        step, ``model.eval()`` without ``no_grad``), read as its training forward (every activation row the
+        evaluation's batch and the training's, merged: calls 2). What they read is forgotten and counted as an
+        evaluation's forwards; the step trains in train mode from here (an eval-mode forward after it is not
+        read). A loop that trains in eval mode runs its backward before any forward in train mode: kept."""
+        calls = self.rows.calls
+        self.eval_forwards += sum(calls[s.activation] for s in self.plan.modules if s.activation >= 0)
+        self._forget_forward()
+        self._clear_outputs()
+        self._step_mode = True
 
     def evaluation_only(self) -> bool:
         """Whether the step in progress ran only an evaluation: its first forward in eval mode though the step
         began in train mode, and no backward since (a validation with grad on after the last ``prof.step()``:
         a step of its own, cut off, whose memory the report showed as the run's)."""
-        calls = self.rows.calls
-        return self._first_in_eval and not any(calls[r] for r in self._grad_rows)
+        return self._first_in_eval and not self._trained()
 
     def no_step(self) -> bool:
         """Whether the step in progress, at the end of a run that ended normally, is no step: an evaluation alone
@@ -115,8 +148,9 @@ class TrainingForward:
 
     def _forget_forward(self) -> None:
         """The step's first forward raised (a loop that catches an out-of-memory error and runs the batch again,
-        halved, or skips it): what it read is no forward that trained, and its rows are left as they were before
-        it, empty (the retry's rows were its own and the failed call's, merged: calls=2)."""
+        halved, or skips it), or was an evaluation (``_evaluation_before_training``): what it read is no forward
+        that trained, and its rows are left as they were before it, empty (the retry's rows were its own and the
+        failed call's, merged: calls=2)."""
         buffer, rows = self.buffer, self.rows
         for r in self._forward_rows:
             if rows.calls[r] or buffer.skipped[r]:
