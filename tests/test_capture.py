@@ -16,6 +16,7 @@ from torch import nn
 import precprof
 from precprof import tables as T
 from precprof.capture.grad_reads import UNSCALED_UNREAD
+from precprof.report import environment
 
 
 def _hooks_left(model: nn.Module) -> list[str]:
@@ -1307,7 +1308,8 @@ class _CallsItself(nn.Module):
 def test_a_model_that_calls_itself_keeps_its_frozen_parts_rows(inner_no_grad: bool) -> None:
     """The model's own forward state was one flag, which the inner call's end cleared: the frozen part the outer
     forward ran next under ``no_grad`` had no row. The innermost call decides, and the enclosing one's state
-    comes back: the frozen part is read once a step; a self-call under ``no_grad`` (a target) is not read."""
+    comes back: the frozen part is read once a step; a self-call under ``no_grad`` (a target) is not read, and
+    nothing said so: its module forwards are counted, and the report's Environment says they were not read."""
     torch.manual_seed(0)
     model = _CallsItself(inner_no_grad)
     opt = torch.optim.SGD(model.body.parameters(), lr=0.1)
@@ -1321,6 +1323,12 @@ def test_a_model_that_calls_itself_keeps_its_frozen_parts_rows(inner_no_grad: bo
     acts = acts[acts[T.TENSOR] == T.ACTIVATION].set_index([T.STEP, T.MODULE])[T.CALLS]
     assert acts[(0, "frozen")] == acts[(1, "frozen")] == 1
     assert acts[(0, "body")] == (1 if inner_no_grad else 2)
+    unread = 2 if inner_no_grad else 0  # the inner call runs body alone, once in each of the 2 sampled steps
+    assert prof.summary()["self_call_forwards_unread"] == unread
+    said = dict(environment.capture_rows(prof.summary(), {})).get("the model's call of itself", "")
+    assert said.startswith(f"{unread} module forwards of the model called by itself under no_grad") == bool(
+        unread
+    )
 
 
 class _SAM(torch.optim.Optimizer):

@@ -347,6 +347,9 @@ class ProfilerResults:
             # module forwards of sampled steps an activation checkpoint ran a second time (read once): the saved
             # activations of such a model are what checkpointing keeps
             "checkpointed_forwards": self._hooks.checkpointed_forwards if self._hooks is not None else 0,
+            # module forwards of sampled steps in a call of the model by itself under no_grad inside its forward (a
+            # self-distillation target): an evaluation of it, not read (``capture/training_forward.py``)
+            "self_call_forwards_unread": self._hooks.self_call_forwards if self._hooks is not None else 0,
             # sampled steps whose backward left no weight gradient in .grad (torch.autograd.grad): none read
             "weight_grads_unread_steps": self._hooks.weight_grads_unread if self._hooks is not None else 0,
             # the modules whose weight gradients were not read on sampled steps that read others', with how many

@@ -8,6 +8,12 @@ is an evaluation, not read. In eval mode, it is either an evaluation before the 
 with grad on at the start of a step) or a loop that trains in eval mode (BatchNorm and dropout frozen): told
 apart by what follows. A forward in train mode before any backward of the step makes it the evaluation (its rows
 are forgotten), a backward makes it the training (every later forward is read, in either mode).
+
+A model that calls itself under ``no_grad`` inside its forward (a self-distillation target computed by the model
+itself) is an evaluation of the same model on other data, like one between steps: that inner call is not read
+(its values would be merged into the training forward's rows, calls 2). It is the step's computation all the
+same, in the step's precision, so its module forwards are counted (``self_call_forwards``) and the summary and
+the report say they were not read: an overflow in that call is in none of the rows.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class TrainingForward:
     order: int
     eval_forwards: int
     checkpointed_forwards: int
+    self_call_forwards: int
     _root: nn.Module
     _root_trains: bool
     _root_grad: bool
@@ -173,6 +180,8 @@ class TrainingForward:
             self.checkpointed_forwards += 1
         elif why == _EVALUATION and torch.is_grad_enabled():
             self.eval_forwards += 1
+        elif why == _NO_GRAD and True in self._root_calls:  # inside a call of the model with grad on
+            self.self_call_forwards += 1
         if slot.order < 0:
             if slot.input >= 0 and slot.input_order < 0:
                 slot.input_order = self.order

@@ -41,7 +41,8 @@ _CAPTURE_SAID = _keys(
     "compiled fp8_emulated dropout_layers "
     "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
     "gemm_inputs model_inputs optimizer optimizer_changes updates_from "
-    "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules"
+    "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules "
+    "self_call_forwards_unread"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_tensor_cores tf32_supported "
@@ -548,6 +549,15 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
                 "evaluations with grad on",
                 f"{F.count(evals)} module forwards in eval mode, not read as training (model.eval() without "
                 "no_grad)",
+            )
+        )
+    self_calls = _int(capture.get("self_call_forwards_unread"))
+    if self_calls:
+        rows.append(
+            (
+                "the model's call of itself",
+                f"{F.count(self_calls)} module forwards of the model called by itself under no_grad inside its "
+                "forward (a self-distillation target): not read (an evaluation of it), so an overflow there shows in no row",
             )
         )
     if again:
