@@ -569,6 +569,36 @@ def test_reset() -> None:
     assert observed(decode(buf.to_host()[0])) == reference(x)
 
 
+@pytest.mark.parametrize("host_rows", [None, False])
+def test_a_snapshot_restores_the_rows_as_they_were(host_rows: bool | None) -> None:
+    """``snapshot``/``restore`` (a sampled step's attempt that raised goes back to what was read before it):
+    after more adds, an assign, a window grown to far bins, block statistics and a skipped tensor, the rows, the
+    block accumulator and the skip counts are those of a buffer that only took what came before the snapshot, on
+    the host rows and on the device code path; and a second restore from the same snapshot gives them again."""
+    a = random_values(500, 71, -5.0, 5.0).float().reshape(20, 25)
+    far = torch.cat([random_values(300, 72, 60.0, 100.0), random_values(300, 73, -120.0, -90.0)])
+    bufs = [StatsBuffer(3, "cpu", host_rows=host_rows) for _ in range(2)]
+    for buf in bufs:
+        buf.accumulate(a, 0)
+        buf.accumulate(a[:10], 1, blocks=True)
+        buf.skip(2, "a tensor of the test's")
+    buf, fresh = bufs
+    held = buf.snapshot()
+    for _ in range(2):
+        buf.accumulate(far.float(), 0)
+        buf.accumulate(far.double().reshape(30, 20), 1, assign=True, blocks=True)
+        buf.accumulate(a, 2, blocks=True)
+        buf.accumulate(torch.zeros(3, dtype=torch.complex64), 2)
+        buf.restore(held)
+        assert np.array_equal(buf.to_host(), fresh.to_host())
+        assert np.array_equal(buf.blocks_to_host(), fresh.blocks_to_host())
+        assert buf.skipped.tolist() == buf.skipped_total.tolist() == [0, 0, 1]
+        assert buf.blocks_seen.tolist() == fresh.blocks_seen.tolist() == [False, True, False]
+    buf.accumulate(a, 2)  # the rows take more as before
+    fresh.accumulate(a, 2)
+    assert np.array_equal(buf.to_host(), fresh.to_host())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_requires_grad_untouched(dtype: torch.dtype) -> None:
     w = random_values(300, 60, -20.0, 10.0).to(dtype).requires_grad_(True)

@@ -4,6 +4,7 @@ ends the training."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -292,3 +293,165 @@ def test_a_forward_that_raised_and_was_run_again_is_not_the_steps_forward() -> N
         got = row._asdict()
         assert {k: got[k] for k in want} == want, (row.step, row.module)
         assert row.calls == 1
+
+
+class _FailingBackward(torch.autograd.Function):
+    """The identity, whose backward raises once ``fails`` is set (a simulated CUDA out-of-memory error in the
+    backward pass, after the layers above it had their gradients)."""
+
+    fails = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        if _FailingBackward.fails:
+            _FailingBackward.fails = False
+            raise RuntimeError("CUDA out of memory (simulated, backward)")
+        return g
+
+
+class _RetryNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2, self.fc3 = (
+            nn.Linear(8, 16),
+            nn.ReLU(),
+            nn.Linear(16, 16),
+            nn.Linear(16, 4),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _FailingBackward.apply(self.act(self.fc1(x)))
+        return self.fc3(self.act(self.fc2(h)))
+
+
+def _retry_loop(
+    fails: str, profiled: bool = True, crash: bool = False, out: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Three steps of two micro-batches; step 1's second micro-batch raises in its forward (from a forward hook of
+    fc2's) or its backward. The loop runs the failed micro-batch again (``retried alone``), or zeroes the gradients
+    and runs the whole batch again in four micro-batches; ``crash``: the error ends the run. Fills and returns
+    ``out``: the Profiler (``prof``), the weights trained (``weights``), and what the test's own hooks saw
+    (``seen``) of the forwards and backward passes that trained (with ``crash``: of all that ran), per (step,
+    layer, tensor): its outputs, its output gradients, and per (step, layer, parameter) the gradient the
+    optimizer got."""
+    torch.manual_seed(0)
+    model = _RetryNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    armed = {"forward": False}
+    pending: list[tuple[str, str, torch.Tensor]] = []  # the micro-batch's reads, until its backward ends well
+
+    def own(name: str) -> Any:
+        def hook(m: nn.Module, args: Any, out: torch.Tensor) -> None:
+            pending.append((name, T.ACTIVATION, out.detach().clone()))
+            out.register_hook(lambda g: pending.append((name, T.ACTIVATION_GRAD, g.detach().clone())))
+
+        return hook
+
+    def boom(m: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if armed["forward"]:
+            armed["forward"] = False
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    model.fc2.register_forward_hook(boom)  # (first: fc2's output is read by no hook when it raises)
+    for name in ("fc1", "act", "fc2", "fc3"):
+        model.get_submodule(name).register_forward_hook(own(name))
+    out = {} if out is None else out
+    seen = out["seen"] = {}
+
+    def keep(step: int, reads: list[tuple[str, str, torch.Tensor]]) -> None:
+        for name, kind, t in reads:
+            seen.setdefault((step, name, kind), []).append(t)
+
+    g = torch.Generator().manual_seed(1)
+    prof = out["prof"] = precprof.Profiler(model, optimizer=opt, sample_every=1) if profiled else None
+    with prof if prof is not None else contextlib.nullcontext():
+        for step in range(3):
+            x = torch.randn(8, 8, generator=g)
+            kept: list[tuple[str, str, torch.Tensor]] = []
+
+            def micro(xb: torch.Tensor, n: int, kept: list[tuple[str, str, torch.Tensor]] = kept) -> None:
+                pending.clear()
+                (model(xb).square().mean() / n).backward()
+                kept.extend(pending)
+
+            try:
+                for k in range(2):
+                    armed["forward"] = step == 1 and k == 1 and fails != "backward"
+                    _FailingBackward.fails = step == 1 and k == 1 and fails == "backward"
+                    micro(x[4 * k : 4 * k + 4], 2)
+            except RuntimeError:
+                if crash:
+                    keep(step, kept + pending)
+                    raise
+                if fails == "retried alone":
+                    micro(x[4:], 2)
+                else:
+                    opt.zero_grad()
+                    kept.clear()
+                    for k in range(4):
+                        micro(x[2 * k : 2 * k + 2], 4)
+            keep(step, kept)
+            for name, p in model.named_parameters():
+                seen[(step, *name.split("."))] = p.grad.detach().clone()
+            opt.step()
+            opt.zero_grad()
+            if prof is not None:
+                prof.step()
+    out["weights"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def _check_outputs(layers: Any, seen: dict[Any, Any]) -> None:
+    """Each output and output gradient row is the test's own reads of that layer, merged (one tensor of them
+    all: the counts add, the largest magnitude is the largest), and its calls are how many there were."""
+    for row in layers[layers[T.TENSOR].isin([T.ACTIVATION, T.ACTIVATION_GRAD])].itertuples(index=False):
+        made = seen[(row.step, row.module, row.tensor)]
+        want = counts(torch.cat([t.flatten() for t in made]))
+        got = row._asdict()
+        assert {k: got[k] for k in want} == want, (row.step, row.module, row.tensor)
+        assert row.calls == len(made), (row.step, row.module, row.tensor)
+
+
+@pytest.mark.parametrize("fails", ["forward", "retried alone", "backward"])
+def test_an_attempt_that_raised_in_a_later_forward_or_the_backward_is_not_the_steps(fails: str) -> None:
+    """An out-of-memory-and-retry loop whose step raises in its second micro-batch's forward, or in its backward
+    (after the layers above had their gradients read): the failed attempt was merged into the retry's rows (fc1
+    calls=4 where 2 trained, the output gradients of a backward that never ended). Each layer's output, output
+    gradient and weight gradient rows are what the test's own hooks saw of the forwards and backward passes that
+    trained: the retried micro-batch and the one before it, or the whole batch run again after ``zero_grad``.
+    Training is bitwise the same as without precprof."""
+    run = _retry_loop(fails)
+    plain = _retry_loop(fails, profiled=False)
+    assert all(torch.equal(a, b) for a, b in zip(run["weights"], plain["weights"], strict=True))
+    layers = run["prof"].tables()["layers"]
+    assert set(layers[T.STEP]) == {0, 1, 2}
+    _check_outputs(layers, run["seen"])
+    trained = 2 if fails == "retried alone" else 4  # the micro-batches whose backward reached .grad in step 1
+    grads = layers[layers[T.TENSOR] == T.WEIGHT_GRAD]
+    assert len(grads) == 3 * 6
+    for row in grads.itertuples(index=False):
+        want = counts(run["seen"][(row.step, row.module, row.param)])
+        got = row._asdict()
+        assert {k: got[k] for k in want} == want, (row.step, row.module, row.param)
+        assert row.calls == (trained if row.step == 1 else 2)
+
+
+@pytest.mark.parametrize("fails", ["forward", "backward"])
+def test_an_attempt_that_raised_and_ended_the_run_keeps_what_it_read(fails: str) -> None:
+    """A crash is no retry: the step whose second micro-batch raised, uncaught, keeps what it read, the failed
+    forward's first layers or the failed backward's output gradients (fc3's and fc2's, the layers it reached)."""
+    run: dict[str, Any] = {}
+    with pytest.raises(RuntimeError, match="simulated"):
+        _retry_loop(fails, crash=True, out=run)
+    layers = run["prof"].tables()["layers"]
+    assert set(layers[T.STEP]) == {0, 1}
+    _check_outputs(layers, run["seen"])
+    step1 = layers[layers[T.STEP] == 1]
+    grads = set(step1[step1[T.TENSOR] == T.ACTIVATION_GRAD][T.MODULE])
+    assert grads == {"fc1", "act", "fc2", "fc3"}  # (the first micro-batch's backward reached them all)
+    fc1 = step1[(step1[T.MODULE] == "fc1") & (step1[T.TENSOR] == T.ACTIVATION)]
+    assert fc1[T.CALLS].tolist() == [2]  # the failed micro-batch's forward read it too

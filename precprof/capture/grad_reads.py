@@ -67,6 +67,7 @@ class GradientReads:
     _grad_owner: dict[int, _ModuleSlot]
     _weights_read: set[int] | None
     _scaled: Any
+    _attempts: Any  # ``capture.attempts.AttemptWatch``
 
     def _add(self, x: torch.Tensor, row: int, assign: bool = False) -> bool:
         """Read ``x`` into ``row``: the model device's rows directly, any other device (or a tensor the engines
@@ -85,10 +86,16 @@ class GradientReads:
         return self.buffer.accumulate(x, row, assign=assign)
 
     def _make_param_hook(self, ps: _ParamSlot) -> Callable[[torch.Tensor], None]:
+        attempts = self._attempts
+
         def hook(p: torch.Tensor) -> None:
             g = p.grad
             if g is None or not self.installed or ps.grad_row in self._stepped:
                 return None
+            if (
+                not attempts.pass_due
+            ):  # the pass's first: its end is watched (a pass that raised is forgotten)
+                attempts.backward_seen()
             if self.grads_at_end:
                 due = self._grads_due
                 if due or _compat.queue_backward_callback(self._read_grads):
@@ -229,6 +236,7 @@ class GradientReads:
         # already read: a loop that steps its optimizer before this step's backward (prof.step() before
         # optimizer.step()) reads the gradients of the backward that follows
         self._optimizer_stepped = True
+        self._attempts.stepped()  # (what the step read so far trained: never forgotten)
         rows, calls = self._grad_row_of, self.rows.calls
         self._stepped.update(
             r

@@ -56,6 +56,7 @@ from torch import nn
 from precprof import _compat
 from precprof import stats as st
 from precprof import tables as T
+from precprof.capture.attempts import StepAttempts
 from precprof.capture.gemm_inputs import GemmInputs
 from precprof.capture.grad_reads import _COMPLEX, GradientReads, _plain
 from precprof.capture.plan import CapturePlan, reads_block_operands
@@ -75,7 +76,7 @@ from precprof.capture.updates import UpdateSampler
 _Tensor = torch.Tensor
 
 
-class StepHooks(TrainingForward, GradientReads, GemmInputs):
+class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
     """The hooks of the sampled steps of one attachment (see the module docstring).
 
     ``device``: the model's device, whose rows the hooks add into directly (a tensor elsewhere goes through
@@ -118,10 +119,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs):
         self._grad_rows = [r.index for r in plan.rows.info if r.tensor in (T.ACTIVATION_GRAD, T.WEIGHT_GRAD)]
         self._weight_grad_rows = [r.index for r in plan.rows.info if r.tensor == T.WEIGHT_GRAD]
         self._root_calls: list[bool] = []  # the enclosing calls' ``_root_grad`` (a model that calls itself)
-        self._entry_order = -1  # ``order`` when the model's outermost forward began
-        self._failed_first = False  # the step's first forward raised (``_root_post_hook``)
-        # the rows a forward fills: each module's output, and a linear layer's input of its own (``_forget_forward``)
-        self._forward_rows = [r for s in plan.modules for r in (s.activation, s.input) if r >= 0]
+        # an attempt of the step that raised and was run again (an out-of-memory-and-retry loop): forgotten
+        self._attempts = self._watch()
         # the tensors the model's outermost forward was called with, by id, while it runs (``_gemm_input``)
         self._model_inputs: set[int] = set()
         roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
@@ -212,7 +211,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs):
             slot.ran = False
         self._root_trains = self._root.training
         self._root_grad, self._root_calls = False, []
-        self._step_mode, self._first_in_eval, self._failed_first = None, False, False
+        self._step_mode, self._first_in_eval = None, False
+        self._attempts.begin_step()
         self.installed = True
         if self._hookset.installed:  # kept from the sampled step before (``pause``)
             return
@@ -472,9 +472,15 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs):
         # a linear layer's output gradient is an operand of its input- and weight-gradient GEMMs
         gemm_blocks = self.block_formats and slot.gemm
 
+        attempts = self._attempts
+
         def grad_hook(g: torch.Tensor) -> None:
             if g is None or not self.installed:
                 return None
+            if (
+                not attempts.pass_due
+            ):  # the pass's first: its end is watched (a pass that raised is forgotten)
+                attempts.backward_seen()
             x = g if type(g) is _Tensor else _local(g)
             if self._add(x, row):
                 if gemm_blocks and slot.block_group == self.turn:

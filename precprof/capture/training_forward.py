@@ -19,7 +19,6 @@ the report say they were not read: an overflow in that call is in none of the ro
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,6 +27,7 @@ from torch import nn
 
 from precprof import _compat
 from precprof import stats as st
+from precprof.capture.attempts import AttemptWatch
 from precprof.capture.plan import CapturePlan
 from precprof.capture.records import RowTable, _iter_tensors, _ModuleSlot
 
@@ -55,9 +55,7 @@ class TrainingForward:
     _first_in_eval: bool
     _outside: int
     _grad_rows: list[int]
-    _forward_rows: list[int]
-    _entry_order: int
-    _failed_first: bool
+    _attempts: AttemptWatch
     _model_inputs: set[int]
     _clear_outputs: Callable[[], None]  # ``StepHooks._clear_outputs``
     stepped_no_optimizer: Callable[[], bool]  # ``GradientReads.stepped_no_optimizer``
@@ -97,23 +95,17 @@ class TrainingForward:
         self._root_grad = torch.is_grad_enabled()
         if len(self._root_calls) == 1:
             self._model_inputs = {id(t) for t in _iter_tensors((args, kwargs or {}))}
-            if (
-                self._failed_first
-            ):  # a retry of the step's first forward, which raised: it starts the step again
-                self._forget_forward()
-            self._entry_order = self.order  # 0: the step's first forward (``_forget_forward``)
+            trains = self._root_grad and not self._outside
+            if trains and self._step_mode is False and module.training and not self._trained():
+                self._evaluation_before_training()
+            evaluation = self._outside or (self._step_mode and not module.training)  # (as ``_not_read``)
+            if self.installed and self._root_grad and not evaluation and _compat.backward_pass_id() is None:
+                self._attempts.forward_begins()  # (after an attempt that raised: what it read is forgotten)
         if not self._root_grad or self._outside:
             return
         if self._step_mode is None:
             self._step_mode = module.training
             self._first_in_eval = self._root_trains and not module.training
-        elif (
-            self._step_mode is False
-            and module.training
-            and len(self._root_calls) == 1
-            and not self._trained()
-        ):
-            self._evaluation_before_training()
 
     def _trained(self) -> bool:
         """Whether a backward pass of this step reached a captured module (a gradient row was read). Host only."""
@@ -128,8 +120,9 @@ class TrainingForward:
         evaluation's forwards; the step trains in train mode from here (an eval-mode forward after it is not
         read). A loop that trains in eval mode runs its backward before any forward in train mode: kept."""
         calls = self.rows.calls
-        self.eval_forwards += sum(calls[s.activation] for s in self.plan.modules if s.activation >= 0)
-        self._forget_forward()
+        evaluated = sum(calls[s.activation] for s in self.plan.modules if s.activation >= 0)
+        self._attempts.forget_step()  # (the step's reads as its first forward found them: none)
+        self.eval_forwards += evaluated
         self._clear_outputs()
         self._step_mode = True
 
@@ -149,25 +142,9 @@ class TrainingForward:
         self._root_grad = self._root_calls.pop() if self._root_calls else False
         if not self._root_calls:
             self._model_inputs = set()
-            # (called with no output from torch's ``except`` when the forward raised: ``always_call``); forgotten
-            # once the loop runs the model again, kept when the exception ends the run (what a crash read)
-            self._failed_first = output is None and self._entry_order == 0 and self.installed and _raised()
-
-    def _forget_forward(self) -> None:
-        """The step's first forward raised (a loop that catches an out-of-memory error and runs the batch again,
-        halved, or skips it), or was an evaluation (``_evaluation_before_training``): what it read is no forward
-        that trained, and its rows are left as they were before it, empty (the retry's rows were its own and the
-        failed call's, merged: calls=2)."""
-        buffer, rows = self.buffer, self.rows
-        for r in self._forward_rows:
-            if rows.calls[r] or buffer.skipped[r]:
-                buffer.skipped_total[r] -= buffer.skipped[r]
-                buffer.reset(slice(r, r + 1))
-                rows.calls[r] = rows.dtype_bits[r] = 0
-        for slot in self.plan.modules:
-            slot.order = slot.input_order = -1
-        self.order = 0
-        self._step_mode, self._first_in_eval = None, False
+            # (called with no output from torch's ``except`` when the forward raised: ``always_call``); what it
+            # read is forgotten once the loop runs the model again, kept when the exception ends the run
+            self._attempts.forward_ended(output)
 
     def _skipped_forward(self, slot: _ModuleSlot, why: str) -> None:
         """A forward that is not read (``why``: ``_not_read``'s). Not a recomputation, it still takes its place in
@@ -188,8 +165,3 @@ class TrainingForward:
                 self.order += 1
             slot.order = self.order
             self.order += 1
-
-
-def _raised() -> bool:
-    """Whether an exception is being handled (a hook torch calls from its ``except``: the forward raised)."""
-    return sys.exc_info()[1] is not None

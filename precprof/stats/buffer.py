@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -361,6 +362,25 @@ class StatsBuffer:
             p.reset(rows)
         self.skipped[rows if rows is not None else slice(None)] = 0
         self.blocks_seen[rows if rows is not None else slice(None)] = False
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """Every device's rows and the skip counts as they are now, for :meth:`restore`: the point a sampled step's
+        attempt that raised goes back to (``capture/attempts.py``). Device copies, no sync."""
+        parts = {dev: p.snapshot() for dev, p in self._parts.items()}
+        return parts, self.skipped.copy(), self.blocks_seen.copy()
+
+    def restore(self, held: tuple[Any, ...] | None) -> None:
+        """The rows as :meth:`snapshot` held them (None: as :meth:`reset` leaves them), the tensors skipped since
+        taken out of the run's count too. Device copies, no sync."""
+        parts, skipped, seen = held if held is not None else ({}, np.zeros_like(self.skipped), None)
+        for dev, p in self._parts.items():
+            if dev in parts:
+                p.restore(parts[dev])
+            else:  # (a device first seen since)
+                p.reset()
+        self.skipped_total -= self.skipped - skipped
+        self.skipped[:] = skipped
+        self.blocks_seen[:] = seen if seen is not None else False
 
     def blocks_dense(self) -> torch.Tensor:
         """All devices' block accumulators added, float64 [len(block_rows), 2, n_recipes, 5] on the model's

@@ -114,6 +114,28 @@ class Rows:
         self._reset_blocks(sl)
         self.reset_counts(sl)
 
+    def snapshot(self) -> tuple[Any, ...]:
+        """A copy of the rows and their block statistics as they are now, for :meth:`restore`: the point a sampled
+        step's attempt that raised goes back to (``capture/attempts.py``). Device copies, no sync."""
+        self._order_stream()
+        return self._counts_copy(), self._blocks.clone(), self._written.copy(), dict(self._blocks_added)
+
+    def restore(self, held: tuple[Any, ...]) -> None:
+        """The rows as :meth:`snapshot` held them (``held`` stays as it is: a second attempt that raises goes back
+        to it again). Device copies, no sync."""
+        counts, blocks, written, added = held
+        self._order_stream()
+        self._restore_counts(counts)
+        self._blocks.copy_(blocks)
+        self._written[:] = written
+        self._blocks_added = dict(added)
+
+    def _counts_copy(self) -> Any:
+        raise NotImplementedError
+
+    def _restore_counts(self, held: Any) -> None:
+        raise NotImplementedError
+
     def to_host(self) -> np.ndarray:
         """Copy the rows to the host: the one synchronising call per sampled step."""
         return self.dense().cpu().numpy()

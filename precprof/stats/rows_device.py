@@ -90,6 +90,12 @@ class DeviceRows(_rows.Rows):
         self._order_stream()
         return self._data
 
+    def _counts_copy(self) -> torch.Tensor:
+        return self._data.clone()
+
+    def _restore_counts(self, held: torch.Tensor) -> None:
+        self._data.copy_(held)
+
     def reset_counts(self, sl: slice) -> None:
         self._order_stream()
         target = self._data[sl]

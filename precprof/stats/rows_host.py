@@ -201,6 +201,21 @@ class HostRows(_rows.Rows):
             self._hist[:, lo - self._wlo : hi + 1 - self._wlo] = 0
         self._ctx[_CTX_USED], self._ctx[_CTX_USED + 1] = N_BINS, -1
 
+    def _counts_copy(self) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """The counts and the histogram bins used since the reset (the window may grow after: bins, not columns)."""
+        lo, hi = self._used_bins()
+        used = self._hist[:, lo - self._wlo : hi + 1 - self._wlo] if lo <= hi else self._hist[:, :0]
+        return self._counts.copy(), used.copy(), lo, hi
+
+    def _restore_counts(self, held: tuple[np.ndarray, np.ndarray, int, int]) -> None:
+        counts, used, lo, hi = held
+        self.reset_counts(slice(None))
+        self._counts[:] = counts
+        if lo <= hi:
+            self._hist[:, lo - self._wlo : hi + 1 - self._wlo] = used
+            self._use_bins(lo, hi)
+        self._last = None
+
     def _grow_window(self, lo: int, hi: int) -> None:
         """Make the histogram window cover bins lo..hi (inclusive), with a little room to spare."""
         w = self._hist.shape[1]
