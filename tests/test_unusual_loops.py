@@ -455,3 +455,56 @@ def test_an_attempt_that_raised_and_ended_the_run_keeps_what_it_read(fails: str)
     assert grads == {"fc1", "act", "fc2", "fc3"}  # (the first micro-batch's backward reached them all)
     fc1 = step1[(step1[T.MODULE] == "fc1") & (step1[T.TENSOR] == T.ACTIVATION)]
     assert fc1[T.CALLS].tolist() == [2]  # the failed micro-batch's forward read it too
+
+
+class _FailingIdentity(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FailingBackward.apply(x)
+
+
+@pytest.mark.parametrize("fails", ["first forward", "second forward", "backward"])
+def test_the_activations_of_a_step_run_again_are_those_of_the_attempt_that_trained(fails: str) -> None:
+    """The memory table counted the saved tensors of an attempt that raised as the step's activations: a step
+    whose first forward raised midway and ran again in smaller micro-batches read the failed forward's (freed as
+    the error unwound) and the first retry's together, 4.9x those of one micro-batch. After a failed second
+    micro-batch (the loop zeroes the gradients and runs the batch again in four) or a failed backward pass, the
+    failed attempt's own forwards were the largest group. Each step's activations are now one micro-batch of
+    the run that trained, B = 2 rows: the input fc1 saves (16 floats a row), the two ReLU outputs the next
+    layers save (32 each: once for the ReLU and the linear layer reading it) and the failing identity's copy,
+    which the second linear layer saves (32)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), _FailingIdentity(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    armed = {"forward": False}
+
+    def boom(m: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if armed["forward"]:
+            armed["forward"] = False
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    model[4].register_forward_hook(boom)  # (after the second ReLU ran: every tensor the step saves is saved)
+    g = torch.Generator().manual_seed(1)
+    parts = 2 if fails == "second forward" else 1
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory_every=1) as prof:
+        for step in range(2):
+            x = torch.randn(8, 16, generator=g)
+            try:
+                if step == 0:  # (the micro-batches that train, on a step that does not fail)
+                    raise RuntimeError("smaller micro-batches")
+                for k, xb in enumerate(x.chunk(parts)):
+                    armed["forward"] = fails != "backward" and k == parts - 1
+                    _FailingBackward.fails = fails == "backward"
+                    model(xb).square().mean().backward()
+            except RuntimeError:
+                opt.zero_grad()
+                for xb in x.chunk(4):
+                    model(xb).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    mem = prof.tables()["memory"]
+    acts = mem[(mem[T.COMPONENT] == T.ACTIVATIONS) & (mem[T.MOMENT] == "")]
+    per_step = 2 * (16 + 32 + 32 + 32) * 4
+    assert acts.groupby(T.STEP)[T.BYTES].sum().to_dict() == {0: per_step, 1: per_step}

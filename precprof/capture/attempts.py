@@ -1,12 +1,13 @@
 """An attempt of a sampled step that raised, run again: a loop that catches an out-of-memory error (or any
 exception from the forward or the backward), frees memory and runs the step again, in smaller micro-batches, or
-runs the failed micro-batch again. What the failed attempt read is no step's: the step's rows are what the
-attempts that trained read, as in a run without the failure (they were merged: fc1 calls=4 where 2 forwards
-trained). Nothing is forgotten until the loop runs the model again: a crash keeps what it read, as does a loop
-that skips the batch and goes on to the next step.
+runs the failed micro-batch again. What the failed attempt read is no step's: the step's rows and its activation
+memory are what the attempts that trained read, as in a run without the failure (they were merged: fc1 calls=4
+where 2 forwards trained, and activations 2.8x those held). Nothing is forgotten until the loop runs the model
+again: a crash keeps what it read, as does a loop that skips the batch and goes on to the next step.
 
 ``AttemptWatch`` tells when and how far to go back; its owner (``StepHooks`` for the statistics rows, through
-``StepAttempts`` below) says what a point to go back to holds. Two points are kept: the state at the step's first forward (or the first since an
+``StepAttempts`` below; ``MemoryTracker`` for the saved activations, ``capture/memory_saved.py``) says what a
+point to go back to holds. Two points are kept: the state at the step's first forward (or the first since an
 optimizer of the run stepped: what trained before stays), and at the forward running now. The loop runs the
 model again after
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from precprof import _compat
 from precprof import tables as T
+from precprof.capture.attempts import AttemptWatch
 from precprof.capture.counters import PhaseCounters
 from precprof.capture.peak import PeakRecorder
 from precprof.capture.storage import (
@@ -92,6 +93,10 @@ class SavedActivations:
     _peak: PeakRecorder
     _counts: PhaseCounters
     _policy_caches: list[PolicyCache]
+    _params: list[torch.Tensor]
+    # an attempt of the step that raised and was run again (an out-of-memory-and-retry loop): its saved tensors
+    # are not the step's (``capture/attempts.py``; the points are ``attempt_point``'s)
+    _attempts: AttemptWatch
 
     def _label(self, component: str, tensors: Iterable[torch.Tensor]) -> None:
         """Note the storages of ``tensors`` as ``component`` in the current phase (for the peak's parts)."""
@@ -121,6 +126,7 @@ class SavedActivations:
             self._loss_in_forward |= any(_is_loss(t) for t in _tensors_in(output))
         if self._recording and self._peak.measuring:
             self._label(T.OUTPUTS, _tensors_in(output))
+        self._attempts.forward_ended(output)  # (None from torch's ``except``: the forward raised)
         self._stop_recording()
 
     def _submodule_entered(self, name: str, module: nn.Module, args: Any) -> None:
@@ -142,10 +148,11 @@ class SavedActivations:
         if self._peak.measuring:
             self._label(T.INPUTS, data)
 
-    def _submodule_left(self, module: nn.Module) -> None:
+    def _submodule_left(self, module: nn.Module, output: Any) -> None:
         """The post-hook of the submodule ``_submodule_entered`` started recording at: stop recording."""
         if self._entry is module:
             self._entry = None
+            self._attempts.forward_ended(output)
             self._stop_recording()
 
     def _start_recording(self, name: str, module: nn.Module | None) -> None:
@@ -166,6 +173,10 @@ class SavedActivations:
         self._mark_phase(T.PHASE_FORWARD)
         if first and not self._step_mode:
             self._eval_unpacks = self._unpacks
+        if (
+            module is not None and _compat.backward_pass_id() is None
+        ):  # a forward of the model (not ``scope``)
+            self._attempts.forward_begins()  # (after an attempt that raised: its groups are gone)
         if self._unpacks != self._unpacks_mark or not self._groups:
             # Backward ran since the previous forward started: its saved tensors are gone, start a new group.
             self._groups.append(SavedGroup())
@@ -281,6 +292,10 @@ class SavedActivations:
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         self._unpacks += 1
+        if (
+            not self._attempts.pass_due
+        ):  # the pass's first: its end is watched (a pass that raised is forgotten)
+            self._attempts.backward_seen()
         self._peak.unpacked()
         return t
 
@@ -333,6 +348,24 @@ class SavedActivations:
         group.bytes[k] = group.bytes.get(k, 0) + b
         if self._peak.measuring and hi - lo == nbytes:  # a whole batch; a part of one stays named as input
             self._peak.label(key, *k, nbytes)
+
+    def attempt_params(self) -> list[torch.Tensor]:
+        return self._params
+
+    def attempt_point(self) -> tuple[int, SavedGroup | None]:
+        """The groups as a forward beginning now finds them: how many, and a copy of the last when this forward
+        joins it (no backward since the one before: forwards alive together)."""
+        groups = self._groups
+        joins = bool(groups) and self._unpacks == self._unpacks_mark
+        return len(groups), groups[-1].copy() if joins else None
+
+    def attempt_back_to(self, point: tuple[int, SavedGroup | None]) -> None:
+        """The groups as ``attempt_point`` found them: the forward running now joins the last or begins its own."""
+        n, last = point
+        del self._groups[n:]
+        if last is not None:
+            self._groups[-1] = last.copy()
+        self._unpacks_mark = self._unpacks if last is not None else -1
 
     def _own_param_keys(self, module: nn.Module | None) -> set[StorageKey]:
         """The storages of ``module``'s own parameters now (none for no module)."""

@@ -32,7 +32,8 @@
   measured (``model_facts()["activations_note"]`` says so): autograd calls only the innermost pair, and ours
   would switch theirs off. Under gradient accumulation the saved tensors of one micro-batch are freed by its
   backward, so the step reports the largest group of forwards that were alive together (forwards with no
-  backward between them add up);
+  backward between them add up). An attempt that raised and was run again (an out-of-memory-and-retry loop) held
+  no activations of the step: its saved tensors are forgotten with it (``capture/attempts.py``);
 - ``autocast_weight_copies``: saved tensors that are casts of a parameter (grad_fn ``ToCopyBackward0`` whose
   input is the parameter's ``AccumulateGrad``, possibly behind a view such as ``t()``), and for frozen
   parameters (no grad_fn) a saved tensor of the running module with a frozen parameter's shape and another
@@ -75,6 +76,7 @@ from torch import nn
 
 from precprof import _compat
 from precprof import tables as T
+from precprof.capture.attempts import AttemptWatch
 from precprof.capture.counters import PhaseCounters
 from precprof.capture.memory_grads import GradientBytes
 from precprof.capture.memory_saved import FOREIGN_HOOKS, PolicyCache, SavedActivations
@@ -175,6 +177,7 @@ class MemoryTracker(SavedActivations):
         self._peak = PeakRecorder(None)
         # the counters' phase peaks (CUDA steps without a replay)
         self._counts = PhaseCounters(None, reset_peaks)  # and the device whose allocator is read (_cuda)
+        self._attempts = AttemptWatch(self)
 
     @property
     def _cuda(self) -> torch.device | None:
@@ -266,6 +269,7 @@ class MemoryTracker(SavedActivations):
         self._unpacks_mark = -1
         self._grads.reset()
         self._step_mode = None  # the mode of the step's first forward of the model (``_start_recording``)
+        self._attempts.begin_step()
         model = self.model if self._attached else None
         self._sampled = self.schedule.begin(step, sampled, model, self._arm_at_forward)
         if not self._sampled:
@@ -461,6 +465,10 @@ class MemoryTracker(SavedActivations):
         g = p.grad
         if not (self._sampled and self._live) or g is None:
             return
+        if (
+            not self._attempts.pass_due
+        ):  # the pass's first: its end is watched (a pass that raised is forgotten)
+            self._attempts.backward_seen()
         if self._counts.cuda is None and not self._peak.measuring:  # nothing to do at this gradient's moment
             if self._grads.read_at_backward_end(self._grad_params):
                 return
@@ -495,6 +503,7 @@ class MemoryTracker(SavedActivations):
     def _opt_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._sampled and self._live:
             self._mark_phase(T.PHASE_OTHER)
+            self._attempts.stepped()  # (the activations so far trained: never forgotten)
 
     # ---------------------------------------------------------------------------------- forward hooks
     def _make_pre_hook(self, name: str) -> Callable[[nn.Module, Any], None]:
@@ -518,13 +527,13 @@ class MemoryTracker(SavedActivations):
                 self._counts.sample_live()  # the phase's lower bound where there is no replay
             if stack[-1][1] is module:
                 stack.pop()
-                self._submodule_left(module)
+                self._submodule_left(module, output)
                 return
             # An exception unwound past inner modules: drop them with this one.
             for i in range(len(self._stack) - 1, -1, -1):
                 if self._stack[i][1] is module:
                     del self._stack[i:]
-                    self._submodule_left(module)
+                    self._submodule_left(module, output)
                     return
 
         return hook

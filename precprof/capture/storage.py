@@ -491,6 +491,12 @@ class SavedGroup:
     def total(self) -> int:
         return sum(self.bytes.values())
 
+    def copy(self) -> SavedGroup:
+        out = SavedGroup()
+        out.seen, out.bytes = set(self.seen), dict(self.bytes)
+        out.spans = {k: list(v) for k, v in self.spans.items()}
+        return out
+
     def cover(self, key: StorageKey, lo: int, hi: int) -> int:
         """Add the bytes ``[lo, hi)`` of the storage at ``key`` to what is saved of it; returns how many of them
         were not saved before (overlapping views of one storage count once)."""
