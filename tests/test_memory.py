@@ -417,6 +417,41 @@ def test_a_loss_computed_in_the_models_forward_is_said_counted_in_the_models_row
     assert 'id="memory-loss-counted"' in page and "The loss is in these activations" in page
 
 
+class _ClipLike(nn.Module):
+    """Two towers and a learned temperature, returned as ``logit_scale.exp()``: a scalar with a gradient that is
+    no loss (CLIP's contrastive loss is computed in the loop, from the features)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.img, self.txt = nn.Linear(8, 6), nn.Linear(5, 6)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.img(a), self.txt(b), self.logit_scale.exp()
+
+
+def test_a_scalar_the_model_returns_beside_its_outputs_is_no_loss_in_forward(tmp_path: Path) -> None:
+    """A scalar with a gradient among a model's outputs was taken for its loss ('The loss is in these activations:
+    your model's forward returned it') though the loss was computed in the loop, and the page lost its advice to
+    compute it under prof.memory_scope(). Only a scalar a loss function made is the model's loss."""
+    torch.manual_seed(0)
+    model = _ClipLike()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False) as prof:
+        for _ in range(2):
+            a, b = torch.randn(16, 8), torch.randn(16, 5)
+            fa, fb, scale = model(a, b)
+            logits = scale * F.normalize(fa, dim=-1) @ F.normalize(fb, dim=-1).T
+            loss = F.cross_entropy(logits, torch.arange(16))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    prof.report(tmp_path / "run")
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert 'id="memory-loss-counted"' not in page and "prof.memory_scope()" in page
+
+
 @pytest.mark.parametrize("tie", ["tied", "shared_storage", "untied"])
 def test_tied_and_shared_weights_counted_once(tie: str) -> None:
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -40,9 +41,28 @@ FOREIGN_HOOKS = (
 )
 
 
+# a loss function's node in autograd's graph (NllLossBackward0, MseLossBackward0, BinaryCrossEntropyBackward0...)
+_LOSS_NODE = re.compile(r"Loss|CrossEntropy|KlDiv")
+_LOSS_HOPS = (
+    4  # how far back from a returned scalar its loss node may be (a division by the tokens, a sum of two)
+)
+
+
 def _is_loss(t: torch.Tensor) -> bool:
-    """A scalar of floats that backward can start from: a loss."""
-    return t.dim() == 0 and t.is_floating_point() and t.grad_fn is not None
+    """A scalar of floats that backward can start from, made by a loss function a few operations back: the
+    model's loss (nanoGPT's cross-entropy, an HF output's ``.loss`` divided by its tokens). Not any scalar with a
+    gradient: a learned temperature (CLIP's ``logit_scale.exp()``) or an auxiliary loss returned beside the
+    logits, whose loss is computed in the loop, where the memory section asks for ``prof.memory_scope()``."""
+    if t.dim() != 0 or not t.is_floating_point() or t.grad_fn is None:
+        return False
+    todo = [(t.grad_fn, 0)]
+    while todo:
+        fn, hops = todo.pop()
+        if _LOSS_NODE.search(type(fn).__name__):
+            return True
+        if hops < _LOSS_HOPS:
+            todo += [(f, hops + 1) for f, _ in fn.next_functions if f is not None]
+    return False
 
 
 class PolicyCache:
