@@ -132,6 +132,9 @@ def test_a_budgeted_runs_sampling_in_words(tmp_path: Path) -> None:
     )
     # the overhead is the two parts': the sampled steps' added time and prof.step() on every step
     assert overhead == pytest.approx(part + every) and every > 0
+    # the count of sampled steps, not the sampled steps' overhead share printed as one ("0 of 40 steps")
+    every_step = pd.read_parquet(tmp_path / "run" / "steps.parquet")
+    assert f": {int(every_step[T.SAMPLED].sum())} of 40 steps" in sampled
     # from as many timed steps as a sampled step's cost (the first step left out): 1 sampled step made 32.3%
     steps = pd.read_parquet(tmp_path / "run" / "steps.parquet").iloc[1:]
     n_s, n_u = int(steps[T.SAMPLED].sum()), int((~steps[T.SAMPLED]).sum())

@@ -627,9 +627,9 @@ def sampling_text(
     text = f"as many as keep the time sampled steps add within {F.pct(float(s.get('budget') or 0))} of the run's time"
     overhead = s.get("overhead")
     if isinstance(overhead, (int, float)) and math.isfinite(overhead):
-        sampled = s.get("overhead_sampled")
-        if isinstance(sampled, (int, float)) and math.isfinite(sampled):
-            text += f" (they took {F.pct(float(sampled))}; precprof in all {F.pct(float(overhead))})"
+        part = s.get("overhead_sampled")
+        if isinstance(part, (int, float)) and math.isfinite(part):
+            text += f" (they took {F.pct(float(part))}; precprof in all {F.pct(float(overhead))})"
         else:
             text += f" (it took {F.pct(float(overhead))})"
     if sampled is not None and recorded is not None:
