@@ -301,7 +301,8 @@ class _ComplexMix(nn.Module):
 def test_a_complex_parameter_is_skipped_counted_and_reported_and_training_goes_on() -> None:
     """A complex parameter's gradient was read as its real part (torch's warning about discarding the imaginary
     part came from precprof's statistics), and its weight not at all. Both are skipped, counted and said why;
-    the update sample leaves it out; no warning; training is bitwise what it is without precprof."""
+    the update sample leaves it out and says so (its update was dropped with nothing to say it); no warning;
+    training is bitwise what it is without precprof."""
     import warnings
 
     def make() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -315,11 +316,17 @@ def test_a_complex_parameter_is_skipped_counted_and_reported_and_training_goes_o
     assert prof is not None and losses == plain_losses
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
     skipped = {(s["tensor"], s["param"], s["count"]) for s in prof.summary()["skipped_tensors"]}
-    assert skipped == {(T.WEIGHT, "w", 3), (T.WEIGHT_GRAD, "w", 3)}
+    # three sampled steps, each with one optimizer step
+    assert skipped == {(T.WEIGHT, "w", 3), (T.WEIGHT_GRAD, "w", 3), (T.WEIGHT_UPDATE, "w", 3)}
     assert all("complex64" in s["reason"] for s in prof.summary()["skipped_tensors"])
     layers = prof.tables()["layers"]
     assert not (layers[T.PARAM] == "w").any()
-    assert set(layers[layers[T.MODULE] == "lin"][T.TENSOR]) >= {T.WEIGHT, T.WEIGHT_GRAD, T.ACTIVATION}
+    assert set(layers[layers[T.MODULE] == "lin"][T.TENSOR]) >= {
+        T.WEIGHT,
+        T.WEIGHT_GRAD,
+        T.ACTIVATION,
+        T.WEIGHT_UPDATE,
+    }
     prof.detach()
 
 
@@ -356,6 +363,7 @@ def test_a_wrapper_subclass_parameter_is_skipped_and_training_goes_on(
     summary = prof.summary()
     skipped = {(s["module"], s["tensor"], s["param"]) for s in summary["skipped_tensors"]}
     assert ("0", T.WEIGHT, "weight") in skipped and ("0", T.WEIGHT_GRAD, "weight") in skipped
+    assert ("0", T.WEIGHT_UPDATE, "weight") in skipped  # (its update is not sampled, and said so)
     assert all("TwoTensor" in s["reason"] for s in summary["skipped_tensors"])
     layers = prof.tables()["layers"]
     read = set(zip(layers[T.MODULE], layers[T.TENSOR], layers[T.PARAM], strict=True))
@@ -493,7 +501,8 @@ def test_a_dataclass_output_is_read_and_a_complex_one_is_said_skipped() -> None:
     """A module returning a plain ``@dataclass`` of tensors had no activation rows (its weight rows were there,
     the table showed "act. dtype —"), and one returning a complex tensor recorded nothing, with no word in
     ``skipped_tensors``, where a sparse gradient is named. The dataclass's tensors are read, as a dict's are;
-    the complex output is skipped and counted."""
+    the complex output is skipped and counted, and so is the gradient that comes back to it (it was dropped
+    with nothing to say it)."""
 
     class DC(nn.Module):
         def __init__(self) -> None:
@@ -522,6 +531,9 @@ def test_a_dataclass_output_is_read_and_a_complex_one_is_said_skipped() -> None:
     assert len(act) == 1 and int(act[T.NUMEL].iloc[0]) == 32 + 1 and int(act[T.CALLS].iloc[0]) == 1
     assert float(act[T.ABSMAX].iloc[0]) == float(torch.cat([t.flatten() for t in seen]).abs().max())
     assert ((layers[T.MODULE] == "dc") & (layers[T.TENSOR] == T.ACTIVATION_GRAD)).any()
-    (skipped,) = prof.summary()["skipped_tensors"]
-    assert (skipped["module"], skipped["tensor"]) == ("spectral", T.ACTIVATION)
-    assert "complex" in skipped["reason"] and skipped["count"] == 1
+    skipped = prof.summary()["skipped_tensors"]
+    assert {(s["module"], s["tensor"], s["count"]) for s in skipped} == {
+        ("spectral", T.ACTIVATION, 1),
+        ("spectral", T.ACTIVATION_GRAD, 1),
+    }
+    assert all("complex" in s["reason"] for s in skipped)

@@ -425,6 +425,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
             for t in tensors:
                 if t.dtype in _COMPLEX:  # skipped and counted: the report says which module's and why
                     self.buffer.accumulate(t, act)
+                    if t.requires_grad:  # (its gradient too, as the hook finds it complex)
+                        add_grad_hook(t, hook_id, grad_hook)
                     continue
                 if not self._add(t if type(t) is _Tensor else _local(t), act):
                     continue
@@ -482,7 +484,9 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
             ):  # the pass's first: its end is watched (a pass that raised is forgotten)
                 attempts.backward_seen()
             x = g if type(g) is _Tensor else _local(g)
-            if self._add(x, row):
+            if x.dtype in _COMPLEX:  # a complex output's: skipped and counted, as the output was
+                self.buffer.accumulate(x, row)
+            elif self._add(x, row):
                 if gemm_blocks and slot.block_group == self.turn:
                     self.buffer.accumulate_blocks(x, row)
                 self.rows.seen(row, g.dtype)

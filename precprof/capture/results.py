@@ -225,7 +225,8 @@ class ProfilerResults:
 
     def skipped_tensors(self) -> list[dict[str, Any]]:
         """Tensors the statistics could not read (``stats.buffer.unreadable``: on the ``meta`` device, sparse,
-        complex, a wrapper subclass), per row, with how many times over the run and why."""
+        complex, a wrapper subclass), per row, with how many times over the run and why; then the parameters
+        whose weight updates the update sample could not read, for the same reasons (``UpdateSampler.skipped``)."""
         if self._buffer is None or self._plan is None:
             return []
         out = []
@@ -241,6 +242,11 @@ class ProfilerResults:
                         "reason": self._buffer.skipped_why.get(r.index, "not readable"),
                     }
                 )
+        skipped_updates = self._updates.skipped if self._updates is not None else {}
+        for (module, param), (count, why) in skipped_updates.items():
+            out.append(
+                {"module": module, "tensor": T.WEIGHT_UPDATE, "param": param, "count": count, "reason": why}
+            )
         return out
 
     def summary(self) -> dict[str, Any]:

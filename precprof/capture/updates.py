@@ -37,6 +37,7 @@ from precprof.capture.records import _local, _ParamSlot
 from precprof.capture.storage import dtype_name
 from precprof.stats import engine as _engine
 from precprof.stats import kernel as _cpu_kernel
+from precprof.stats.buffer import unreadable
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_SET = frozenset(_PLAIN)
@@ -340,7 +341,10 @@ class UpdateSampler:
 
     Parameters are sampled on the device they live on at the optimizer step, in one group per device (the
     model may move after ``attach()``, or keep a layer offloaded to the CPU); a parameter on the ``meta``
-    device has no data and is not sampled. ``device`` is where :meth:`combined` gathers the counts.
+    device has no data, and a complex one or a wrapper subclass no values the sample reads: they are not
+    sampled, and each of their optimizer's sampled steps is counted in ``skipped``, with why (the report lists
+    them beside the other tensors precprof could not read). ``device`` is where :meth:`combined` gathers the
+    counts.
     """
 
     def __init__(
@@ -352,6 +356,8 @@ class UpdateSampler:
         self._follow: tuple[Sequence[_ParamSlot], Sequence[Any], tuple[tuple[int, int], ...]] | None = None
         self.tracked: list[_ParamSlot] = []
         self._counted = False  # an optimizer's step of this sampled step has added to the counts
+        # (module, param) -> [sampled optimizer steps whose update of it was not sampled, why]: over the run
+        self.skipped: dict[tuple[str, str], list[Any]] = {}
         self._track(tracked, owners)
 
     @classmethod
@@ -393,9 +399,15 @@ class UpdateSampler:
         if placement == self._placement:
             return
         groups: dict[tuple[int, torch.device, bool], list[_ParamSlot]] = {}
+        # the parameters whose values cannot be sampled (complex, a wrapper subclass, on ``meta``), each with
+        # its optimizer and why: skipped and counted at each of its steps (``after_step``)
+        self._unsampled: list[tuple[_ParamSlot, int, str]] = []
         for ps, dev, k in zip(self.tracked, placement, self._owners, strict=True):
             if dev.type != "meta" and ps.sample_len and _sampled_in_place(ps.tensor):
                 groups.setdefault((k, dev, ps.tensor.dtype == torch.bfloat16), []).append(ps)
+            elif ps.sample_len:
+                why = unreadable(_local(ps.tensor.detach())) or "not readable"
+                self._unsampled.append((ps, k, why))
         self._groups = [_DeviceGroup(dev, bf16, members) for (_, dev, bf16), members in groups.items()]
         self._group_owner = [k for k, _, _ in groups]
         self._placement = placement
@@ -456,6 +468,11 @@ class UpdateSampler:
         """Classify the updates of optimizer ``k``'s step just taken; False when ``before_step`` did not run."""
         done = [g.classify() for g, owner in zip(self._groups, self._group_owner, strict=True) if owner == k]
         self._counted = True
+        for ps, owner, why in self._unsampled:
+            if owner == k:
+                count = self.skipped.setdefault((ps.module, ps.param), [0, why])
+                count[0] += 1
+                count[1] = why
         return bool(done) and all(done)
 
     def device_counts(self) -> list[torch.Tensor]:
