@@ -23,6 +23,7 @@ from torch import nn
 from precprof import cli
 from precprof import tables as T
 from precprof.analysis.advisor import AdvisorConfig, Finding, Recommendation, recommend
+from precprof.analysis.snippets import snippets
 from precprof.capture import Profiler
 from precprof.hardware import HardwareInfo, preset
 from precprof.taxonomy import is_matmul_type as is_matmul_layer
@@ -870,6 +871,16 @@ def test_fp8_eligibility(request: pytest.FixtureRequest) -> None:
     assert all(f.title.endswith("(what fp16 would do; fp8 fits, the verdict is fp32)") for f in demoted), [
         f.title for f in demoted
     ]
+    # its "FP8, as measured" code converts fc1 and fc3, the layers the real casts above leave eligible (it took
+    # the fp32 verdict's empty fp8_layers: "nothing is converted")
+    assert small.measured_format == "fp8" and small.fp8_layers == []
+    assert small.measured_fp8_layers == ["fc1", "fc3"]
+    measured = {
+        label: code for label, code in snippets(small.to_dict()) if label.endswith("FP8, as measured")
+    }
+    assert len(measured) == 5
+    assert all("fp8_layers = {'fc1', 'fc3'}" in code for code in measured.values())
+    assert not any("nothing is converted" in code for code in measured.values())
     check_golden(request, rec)
 
 

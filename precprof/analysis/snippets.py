@@ -109,14 +109,15 @@ class _Plan:
     def __init__(self, rec: Mapping[str, Any], fmt: str) -> None:
         self.fmt = fmt
         # fp16's code beside a verdict of another format keeps what fp16 needs, not that format's list; the code of
-        # the format the measurements allow, beside the small model's fp32, what that format needs
+        # the format the measurements allow, beside the small model's fp32, what that format needs and converts
+        # (a summary written before a field existed has the verdict's alone)
         other = fmt != rec.get("format")
-        other_fp16 = other and fmt == "fp16" and "fp16_keep_fp32" in rec
-        measured = other and fmt == rec.get("measured_format") and "measured_keep_fp32" in rec
-        self.keep = _names(
-            rec.get("fp16_keep_fp32" if other_fp16 else "measured_keep_fp32" if measured else "keep_fp32")
+        measured = other and fmt == rec.get("measured_format")
+        keep = (
+            "fp16_keep_fp32" if other and fmt == "fp16" else "measured_keep_fp32" if measured else "keep_fp32"
         )
-        self.fp8 = _names(rec.get("fp8_layers"))
+        self.keep = _names(rec.get(keep, rec.get("keep_fp32")))
+        self.fp8 = _names(rec.get("measured_fp8_layers" if measured else "fp8_layers", rec.get("fp8_layers")))
         scale = rec.get("loss_scale") if rec.get("format") == "fp16" else None
         self.scale = scale_literal(scale if scale is not None else rec.get("fp16_loss_scale", _DEFAULT_SCALE))
         self.growth = _int(rec.get("growth_interval"), _DEFAULT_GROWTH)

@@ -325,6 +325,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         fp16_ruled_out=bool(plan.fp16_block),
         fp16_keep_fp32=fp16_keep,
         measured_keep_fp32=_keep_list(plan, measured or fmt),
+        measured_fp8_layers=list(plan.fp8_eligible) if (measured or fmt) == "fp8" else [],
     )
 
 

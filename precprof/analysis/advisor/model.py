@@ -64,6 +64,7 @@ class Recommendation:
     ``fp16_keep_fp32``: the modules an fp16 run would run outside autocast, whatever the format (``keep_fp32``
     when it is fp16): what fp16 needs besides its loss scale, beside a verdict of another format.
     ``measured_keep_fp32``: the modules ``measured_format`` keeps in fp32 (``keep_fp32`` when it is the format),
+    and ``measured_fp8_layers`` the layers it converts when it is "fp8" (``fp8_layers`` when it is the format),
     for its code beside the small model's fp32 default.
     ``growth_interval`` is the GradScaler growth interval to use with ``loss_scale`` (None without scaling).
     ``keep_fp32`` lists modules to run outside autocast; ``fp8_layers`` the layers to convert when ``format``
@@ -94,6 +95,7 @@ class Recommendation:
     fp16_ruled_out: bool = False
     fp16_keep_fp32: list[str] = field(default_factory=list)
     measured_keep_fp32: list[str] = field(default_factory=list)
+    measured_fp8_layers: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (stored as summary.json["recommendation"])."""
