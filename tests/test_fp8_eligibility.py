@@ -346,6 +346,12 @@ def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_sa
     # nor does the block-format plan give them a block format: torchao's MX training fails on them too
     planned = [lay for lay in rec.block_what_if["layers"] if lay["module_type"] == "ParametrizedLinear"]
     assert planned and all(lay["choice"] == "bf16" and "parametrization" in lay["why"] for lay in planned)
+    # and its text says the reason once, after every layer it holds (it said it again for each layer)
+    parametrized = [n for n, m in model.named_children() if nn.utils.parametrize.is_parametrized(m)]
+    assert parametrized == ["0", "2"]
+    plan = rec.finding("block_format_what_if")
+    assert plan is not None and plan.message.count("its weight is computed by") == 1
+    assert f"BF16 for {len(planned)}: 0, 2 (its weight is computed by a parametrization" in plan.message
 
 
 @pytest.mark.parametrize("old_style", [False, True])

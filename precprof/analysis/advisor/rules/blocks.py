@@ -518,6 +518,24 @@ def what_if_data(
     }
 
 
+def _grouped(lbs: list[LayerBlocks], limit: int) -> str:
+    """The layers of ``lbs`` with their reasons, those with the same reason together, the reason said once after
+    them (every layer whose weight a parametrization computes has the same: said once a layer, it filled the
+    plan); at most ``limit`` layers named, in the order of their reasons' first layers."""
+    by_why: dict[str, list[str]] = {}
+    for lb in lbs:
+        by_why.setdefault(lb.why, []).append(lb.module)
+    parts: list[str] = []
+    named = 0
+    for why, modules in by_why.items():
+        if named >= limit:
+            break
+        shown = modules[: limit - named]
+        named += len(shown)
+        parts.append(", ".join(_name(m) for m in shown) + (f" ({why})" if why else ""))
+    return "; ".join(parts) + (f" and {len(lbs) - named} more" if len(lbs) > named else "")
+
+
 def _rule_block_formats(
     run: _Run, plan: _Plan, dims: Mapping[str, Mapping[str, int]] | None = None
 ) -> BlockPlan | None:
@@ -550,11 +568,7 @@ def _rule_block_formats(
             return ""
         head = f"{PLAN_LABELS[name]} for {len(lbs)}: "
         if name == "bf16" or any(lb.why for lb in lbs):
-            return (
-                head
-                + "; ".join(f"{_name(lb.module)}" + (f" ({lb.why})" if lb.why else "") for lb in lbs[:lim])
-                + (f" and {len(lbs) - lim} more" if len(lbs) > lim else "")
-            )
+            return head + _grouped(lbs, lim)
         return head + _listing([lb.module for lb in lbs], lim)
 
     counts = ", ".join(f"{len(by[k])} {PLAN_LABELS[k]}" for k in (*PLAN_RECIPES, "bf16") if by[k])
