@@ -431,6 +431,43 @@ def test_module_filter_by_name_and_type() -> None:
         assert set(prof.tables()["layers"][T.MODULE]) == expected
 
 
+def test_a_module_filter_that_picks_a_weight_normed_layer_records_its_parameters() -> None:
+    """``modules=[nn.Linear]`` or the layers' names on a model with ``weight_norm`` / ``spectral_norm`` layers: the
+    layers' real parameters live in ``<layer>.parametrizations.weight`` (``original0``/``original1``, or
+    ``original``), which no filter for the layer picked, so only the bias rows were left of them, silently. They
+    are recorded as a run without a filter records them: under ``<layer>.parametrizations.weight``."""
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        weight_norm(nn.Linear(16, 32)),
+        nn.ReLU(),
+        spectral_norm(nn.Linear(32, 32)),
+        nn.ReLU(),
+        nn.Linear(32, 8),
+    )
+    x = torch.randn(8, 16)
+    originals = {
+        ("0.parametrizations.weight", "original0"): model[0].parametrizations.weight.original0,
+        ("0.parametrizations.weight", "original1"): model[0].parametrizations.weight.original1,
+        ("2.parametrizations.weight", "original"): model[2].parametrizations.weight.original,
+    }
+    for flt in ([nn.Linear], ["0", "2", "4"]):
+        model.zero_grad()
+        with precprof.Profiler(model, modules=flt, sample_every=1) as prof:
+            model(x).square().sum().backward()
+            prof.step()
+        layers = prof.tables()["layers"].set_index([T.MODULE, T.PARAM, T.TENSOR])
+        for (module, param), p in originals.items():
+            for kind, t in ((T.WEIGHT, p), (T.WEIGHT_GRAD, p.grad)):
+                row = layers.loc[(module, param, kind)]
+                assert row[T.NUMEL] == t.numel(), (flt, module, param, kind)
+                assert row[T.ABSMAX] == t.abs().max().item(), (flt, module, param, kind)
+        # the weight the layer used, computed from them: the parametrization's output
+        computed = layers.loc[("0.parametrizations.weight", "", T.ACTIVATION)]
+        assert computed[T.ABSMAX] == model[0].weight.abs().max().item()
+
+
 class _Scripted(nn.Module):
     def __init__(self) -> None:
         super().__init__()

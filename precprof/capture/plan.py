@@ -4,12 +4,13 @@ module's slot and add into its rows (``capture/hooks.py``).
 
 Which modules: by default every leaf module plus every module that owns parameters directly; otherwise the
 modules whose qualified name matches one of the ``fnmatch`` patterns, or whose type is one of the types
-given. Per captured module, rows for its output (``activation``) and the output's gradient
-(``activation_grad``); per parameter it owns (the first owner of a tied parameter), a ``weight`` row and, when
-it can have a gradient (floating point), a ``weight_grad`` row, frozen or not: a parameter frozen at attach
-and unfrozen later (gradual unfreezing) has its gradient read from then on (a row nothing is read into is not
-written); with block formats, a linear layer also gets a row for its input when no captured module produced
-it (``T.input_module``).
+given, each with the parametrizations of its parameters (``<name>.parametrizations.weight`` of a layer under
+``weight_norm``: the layer's real parameters, recorded as a run without a filter records them). Per captured
+module, rows for its output (``activation``) and the output's gradient (``activation_grad``); per parameter it
+owns (the first owner of a tied parameter), a ``weight`` row and, when it can have a gradient (floating point),
+a ``weight_grad`` row, frozen or not: a parameter frozen at attach and unfrozen later (gradual unfreezing) has
+its gradient read from then on (a row nothing is read into is not written); with block formats, a linear layer
+also gets a row for its input when no captured module produced it (``T.input_module``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils import parametrize
 
 from precprof import _compat, taxonomy
 from precprof import tables as T
@@ -69,6 +71,16 @@ def selected(name: str, module: nn.Module, module_filter: ModuleFilter) -> bool:
         elif isinstance(module, f):
             return True
     return False
+
+
+def parametrization_of(name: str, module: nn.Module, chosen: set[str]) -> bool:
+    """Whether ``module`` (named ``name``) holds the parametrization of a parameter of a module in ``chosen``
+    (``0.parametrizations.weight`` of ``weight_norm(nn.Linear)`` named ``0``): the layer's real parameters
+    (``original0``, ``original1``) live there, not in the layer, and its output is the weight the layer uses."""
+    if not isinstance(module, parametrize.ParametrizationList):
+        return False
+    owner, _, attr = name.rpartition(".")[0].rpartition(".")
+    return attr == "parametrizations" and owner in chosen
 
 
 def _check_filter(
@@ -121,12 +133,16 @@ class CapturePlan:
         rows = plan.rows
         owner: dict[int, str] = {}  # each captured parameter's first owner
         first: dict[int, tuple[str, str]] = {}  # each parameter's first owner, captured or not: (name, type)
+        chosen: set[str] = set()
         for name, module in _compat.named_modules(model):  # by their own names, under DDP or torch.compile
             mtype = taxonomy.type_name(module)
             for p in module.parameters(recurse=False):
                 first.setdefault(id(p), (name, mtype))
-            if not selected(name, module, module_filter):
+            # a filter that picks a layer picks its parametrized weight with it (parents come first)
+            picked = module_filter is not None and parametrization_of(name, module, chosen)
+            if not (picked or selected(name, module, module_filter)):
                 continue
+            chosen.add(name)
             slot = _ModuleSlot(
                 name=name,
                 module=module,
