@@ -60,7 +60,7 @@ def _wrap(model: nn.Module, scenario: str) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         return FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
-    return wrap_model(model, {"ddp": "ddp", "fsdp2": "fsdp2", "fsdp1": "fsdp1"}[scenario])
+    return wrap_model(model, {"ddp": "ddp", "zero": "ddp", "fsdp2": "fsdp2", "fsdp1": "fsdp1"}[scenario])
 
 
 def run_scenario(scenario: str, rank: int, out: Path) -> None:
@@ -69,6 +69,10 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
 
     model = _wrap(build_model(), scenario)
     opt = make_optimizer(model.parameters())
+    if scenario == "zero":  # DDP, each rank holding its shard of Adam's states
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=LR)
     # "-scaled": a loss scaler, which unscales the shards in place before the optimizer's hook reads them
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4) if scenario.endswith("-scaled") else None
     prof = precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=SAMPLE_EVERY)
@@ -99,6 +103,9 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
         run_dir if rank == 0 else out / f"{scenario}-rank{rank}", summary={"config": {"scenario": scenario}}
     )
     dump: dict[str, object] = {"losses": losses, "applied": applied}
+    if scenario == "zero":  # the bytes of this rank's optimizer states, each storage once
+        states = {t.untyped_storage().data_ptr(): t for s in opt.optim.state.values() for t in s.values()}
+        dump["state_bytes"] = sum(t.untyped_storage().nbytes() for t in states.values())
     if scenario.startswith("fsdp2"):
         # the full parameters after training, gathered from the shards (the reference must match them)
         dump["params"] = {n: p.full_tensor().tolist() for n, p in model.named_parameters()}

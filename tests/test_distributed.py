@@ -41,7 +41,7 @@ HERE = Path(__file__).parent
 SCENARIOS = ("ddp", "fsdp2", "fsdp2-bf16")
 TRAIN_SCENARIOS = ("train-ddp", "train-fsdp2")
 # run, not counted layer by layer: FSDP1's weight rows mix unsharded units with shards (README, torchrun)
-OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig", "fsdp1-orig-scaled")
+OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig", "fsdp1-orig-scaled", "zero")
 Key = tuple[int, str, str, str]  # step, module, tensor, param
 
 
@@ -367,6 +367,30 @@ def test_memory_projection_of_an_fsdp_rank_is_its_shard(runs: Path) -> None:
     assert fp32[T.PARAMETERS] == fp32[T.GRADIENTS] == measured[T.GRADIENTS]
     full = summary["memory"]["model"]["n_params"]
     assert got["n_params"] * 4 == measured[T.PARAMETERS] and 0 < got["n_params"] < full  # the shard
+
+
+def test_zero_redundancy_optimizer_states_are_the_ranks_shard(runs: Path) -> None:
+    """DDP with ``ZeroRedundancyOptimizer(optimizer_class=Adam)``: the wrapper's own ``state`` stays empty, its
+    ``optim`` holds this rank's shard of Adam's states. precprof read the wrapper's: 0 bytes "measured", and the
+    projection then kept no optimizer states at all. Rank 0's table holds rank 0's shard, and the summary says
+    it is one rank's."""
+    from precprof.analysis import memory_projection as MP
+    from precprof.report.environment import environment
+
+    run = run_dir(runs, "zero")
+    summary, memory = T.read_summary(run), T.read_tables(run)["memory"]
+    held = memory[memory[T.COMPONENT] == T.OPTIMIZER_STATES].groupby(T.STEP)[T.BYTES].sum()
+    ranks = [json.loads((runs / f"zero-rank{r}.json").read_text())["state_bytes"] for r in range(W.WORLD)]
+    full = sum(p.numel() for p in W.build_model().parameters())
+    assert (
+        0 < ranks[0] < 8 * full < sum(ranks)
+    )  # exp_avg and exp_avg_sq of rank 0's parameters, and its steps
+    assert held[W.SAMPLE_EVERY] == ranks[0]  # measured once Adam had stepped
+    assert MP.project(memory, summary)["measured"][T.OPTIMIZER_STATES] == ranks[0]
+    said = summary[T.SUMMARY_CAPTURE]["distributed"]["semantics"]["optimizer_states"]
+    assert said.startswith("each rank's own shard (ZeroRedundancyOptimizer)")
+    rows = dict(dict(environment(summary)["groups"])["Processes"])
+    assert rows["optimizer states"] == said
 
 
 def test_fsdp2_saved_activations_are_those_of_ddp(runs: Path) -> None:

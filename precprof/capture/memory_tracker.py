@@ -92,8 +92,8 @@ from precprof.capture.storage import (
     _storage_keys,
     model_sizes,
     module_tensors,
+    optimizer_state_tensors,
     persistent_labels,
-    state_tensors,
     steady_bytes,
 )
 
@@ -349,7 +349,7 @@ class MemoryTracker(SavedActivations):
         states: list[torch.Tensor] = []
         for opt in self.optimizers:
             opt_params += [p for g in opt.param_groups for p in g["params"]]
-            states += state_tensors(opt.state)
+            states += optimizer_state_tensors(opt)
         steady = self._steady.get(
             [*params, *buffers, *opt_params, *states],
             lambda: steady_bytes(params, buffers, opt_params, states, self._storage_of),

@@ -15,6 +15,7 @@ import torch
 from precprof.capture.model_facts import optimizer_class
 from precprof.capture.plan import CapturePlan
 from precprof.capture.results import NOT_HELD, given_optimizers
+from precprof.capture.storage import optimizer_state_tensors
 from precprof.capture.updates import UpdateSampler
 
 
@@ -146,7 +147,7 @@ class OptimizerSwitch:
 
 def _step_marks(optimizers: list[Any]) -> list[int]:
     """What an optimizer's step changes, of ``optimizers``: their parameters' version counters, and how many
-    parameters each holds a state for."""
+    state tensors each holds (a ZeroRedundancyOptimizer's: the optimizer it wraps)."""
     params = {id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}
     marks = [p._version for p in params.values() if isinstance(p, torch.Tensor)]
-    return marks + [len(opt.state) for opt in optimizers]
+    return marks + [len(optimizer_state_tensors(opt)) for opt in optimizers]

@@ -34,6 +34,7 @@ from precprof.capture.recorded import Recorded
 from precprof.capture.reducer import wrapper_info
 from precprof.capture.sampling import Sampler
 from precprof.capture.scaler import ScalerWatch
+from precprof.capture.storage import sharded_states
 from precprof.capture.stream import StreamWriter
 from precprof.capture.updates import UpdateSampler
 
@@ -428,6 +429,8 @@ class ProfilerResults:
         capture = {**given, **{k: v for k, v in self.summary().items() if v is not None or k not in given}}
         if self._reducer is not None and hasattr(self._reducer, "describe"):
             capture["distributed"] = self._reducer.describe(self.model)
+            if sharded_states(self.optimizers):
+                capture["distributed"].setdefault("semantics", {})["optimizer_states"] = SHARDED_STATES
         full[T.SUMMARY_CAPTURE] = capture
         return full
 
@@ -507,6 +510,12 @@ class ProfilerResults:
         self.save(run_dir, summary=summary, render=True, report_path=path if html else None)
         return path if html else run_dir / T.REPORT_FILE
 
+
+# the summary's word on optimizer states that every rank holds a shard of (ZeroRedundancyOptimizer)
+SHARDED_STATES = (
+    "each rank's own shard (ZeroRedundancyOptimizer): the memory table's are rank 0's, about 1/world_size of "
+    "the whole model's"
+)
 
 NOT_HELD = (
     "precprof: the optimizer given to the Profiler holds none of the model's parameters, so no weight update is "

@@ -241,6 +241,47 @@ def state_tensors(state: Mapping[Any, Any]) -> list[torch.Tensor]:
     return out
 
 
+# where a wrapper keeps the optimizer that does the step: ZeroRedundancyOptimizer's ``optim``, accelerate's
+# AcceleratedOptimizer's ``optimizer``, Lightning's LightningOptimizer's ``_optimizer``
+WRAPPED_OPTIMIZER = ("optim", "optimizer", "_optimizer")
+
+
+def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors of ``optimizer.state`` and of the ``state`` of the optimizer it wraps (``WRAPPED_OPTIMIZER``),
+    each dictionary once: ZeroRedundancyOptimizer's own ``state`` stays empty while the optimizer it wraps holds
+    this rank's shard of the states (precprof counted 0 bytes of them); accelerate's and Lightning's wrappers
+    show the wrapped one's ``state`` as theirs (one dictionary, read once)."""
+    out: list[torch.Tensor] = []
+    seen: list[Any] = []
+    opt = optimizer
+    for _ in range(4):  # a wrapper of a wrapper, a few deep
+        state = getattr(opt, "state", None)
+        if isinstance(state, Mapping) and not any(state is s for s in seen):
+            seen.append(state)
+            out += state_tensors(state)
+        inner = next(
+            (i for i in (getattr(opt, a, None) for a in WRAPPED_OPTIMIZER) if _is_optimizer(i, opt)), None
+        )
+        if inner is None:
+            break
+        opt = inner
+    return out
+
+
+def sharded_states(optimizers: Iterable[Any]) -> bool:
+    """Whether an optimizer keeps only this rank's shard of its states (ZeroRedundancyOptimizer)."""
+    return any(type(o).__name__ == "ZeroRedundancyOptimizer" for o in optimizers)
+
+
+def _is_optimizer(inner: Any, outer: Any) -> bool:
+    return (
+        inner is not None
+        and inner is not outer
+        and hasattr(inner, "param_groups")
+        and hasattr(inner, "state")
+    )
+
+
 def _state_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Tensors inside an optimizer state entry (dicts and lists of them, a few levels deep)."""
     if depth == 0 and type(obj) is dict and all(isinstance(v, torch.Tensor) for v in obj.values()):
@@ -457,7 +498,7 @@ def persistent_labels(
                     out[st[0]] = Label(component, "", dtype_name(leaf.dtype), END, st[1])
 
     opt_params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-    states = [t for o in optimizers for t in state_tensors(o.state)]
+    states = [t for o in optimizers for t in optimizer_state_tensors(o)]
 
     def lasting() -> dict[StorageKey, Label]:
         out: dict[StorageKey, Label] = {}

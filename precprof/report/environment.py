@@ -777,6 +777,7 @@ def distributed_rows(d: Mapping[str, Any]) -> Rows:
         "activation_gradients": "activation gradients",
         "weights": "weights",
         "weight_gradients": "weight gradients",
+        "optimizer_states": "optimizer states",
         "steps": "steps",
     }
     for key, what in said.items():
