@@ -856,6 +856,53 @@ def test_an_optimizer_switched_before_the_old_one_ever_stepped_is_no_change(atta
     assert summary["optimizer"]["class"] == "SGD" and summary["optimizer_changes"] == []
 
 
+@pytest.mark.parametrize("switch", [True, False])
+def test_a_parametrization_removed_mid_run_is_followed_from_then_on(switch: bool) -> None:
+    """weight_norm taken off mid-run (``remove_parametrizations``, as vocoders do before fine-tuning), and a new
+    optimizer made for the layer's new ``weight``: that weight had no row, and the originals the model no longer
+    held were read on, their values frozen. The capture follows the model from the step of ``use_optimizer``
+    (step 2), or, without it, from the next sampled step (a change at step 1 of ``sample_every=2``: step 2); the
+    summary says what changed."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(16, 32)), nn.ReLU(), nn.Linear(32, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1 if switch else 2, memory=False)
+    change = 2 if switch else 1
+    weights, grads = {}, {}  # the first layer's weight as each step's forward reads it, and its gradient
+    gone = "0.parametrizations.weight.original0, 0.parametrizations.weight.original1"
+    with prof, pytest.warns(UserWarning, match=rf"changed before step 2 \(new: 0.weight; gone: {gone}\)"):
+        for step in range(4):
+            if step == change:
+                parametrize.remove_parametrizations(model[0], "weight")
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                if switch:
+                    prof.use_optimizer(opt)
+            with torch.no_grad():
+                weights[step] = model[0].weight.clone()
+            model(torch.randn(8, 16)).square().mean().backward()
+            grads[step] = model[0].weight.grad.clone() if step >= change else None
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    layers = prof.tables()["layers"]
+    later = layers[layers[T.STEP] >= 2]
+    assert not later[T.MODULE].str.startswith("0.parametrizations").any()  # the originals: no longer read
+    mine = later[(later[T.MODULE] == "0") & (later[T.PARAM] == "weight")].set_index([T.STEP, T.TENSOR])
+    sampled = [2, 3] if switch else [2]
+    for step in sampled:
+        for kind, t in ((T.WEIGHT, weights[step]), (T.WEIGHT_GRAD, grads[step])):
+            assert mine.loc[(step, kind), T.ABSMAX] == t.abs().max().item(), (step, kind)
+            assert mine.loc[(step, kind), T.NUMEL] == t.numel()
+    assert sorted(set(mine.index.get_level_values(T.STEP))) == sampled
+    assert set(later.loc[later[T.MODULE] == "0", T.MODULE_TYPE]) == {"Linear"}
+    assert prof.summary()["model_changes"] == [
+        {"step": 2, "added": ["0.weight"], "removed": gone.split(", ")}
+    ]
+
+
 def test_an_optimizer_given_after_the_profiler_was_made_without_one_has_its_updates_sampled() -> None:
     """A Profiler made without an optimizer, told of one at step 1: its updates are sampled from then on."""
     torch.manual_seed(0)

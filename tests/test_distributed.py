@@ -393,6 +393,14 @@ def test_zero_redundancy_optimizer_states_are_the_ranks_shard(runs: Path) -> Non
     assert rows["optimizer states"] == said
 
 
+def test_no_wrapper_reads_as_a_model_whose_parameters_changed(runs: Path) -> None:
+    """Each sampled step compares the model's parameters with the capture plan's, object by object (a model
+    changed mid-run is planned again): DDP, FSDP1's flat parameters and FSDP2's DTensors keep theirs from step to
+    step, so no run re-planned."""
+    for scenario in SCENARIOS + OTHER_SCENARIOS:
+        assert T.read_summary(run_dir(runs, scenario))[T.SUMMARY_CAPTURE]["model_changes"] == [], scenario
+
+
 def test_fsdp2_saved_activations_are_those_of_ddp(runs: Path) -> None:
     """The same model, batches and dtype under DDP and FSDP2: the activations autograd saves are the same. The
     unsharded weights a matmul saves under FSDP2, which FSDP frees after the forward, were counted as

@@ -14,13 +14,15 @@ import torch
 
 from precprof.capture.model_facts import optimizer_class
 from precprof.capture.plan import CapturePlan
+from precprof.capture.replan import Replanning
 from precprof.capture.results import NOT_HELD, given_optimizers
 from precprof.capture.storage import optimizer_state_tensors
 from precprof.capture.updates import UpdateSampler
 
 
-class OptimizerSwitch:
-    """The ``use_optimizer`` part of ``capture.profiler.Profiler``."""
+class OptimizerSwitch(Replanning):
+    """The ``use_optimizer`` part of ``capture.profiler.Profiler`` (a new optimizer often comes with a model whose
+    parameters changed: ``Replanning``)."""
 
     optimizer: Any
     optimizers: list[Any]
@@ -88,6 +90,11 @@ class OptimizerSwitch:
                 self._switch_due = new
             else:
                 self._move_hooks(new)
+            # a new optimizer comes with a model whose parameters changed (weight norm removed, adapters added):
+            # the capture follows it from this step on before the model's forward ran (what the change itself
+            # ran, the weight computed once more by remove_parametrizations, is no step's), else from the next one
+            if sampled and not stepped and not hooks.forward_ran and self._replan_if_changed(3):
+                self._arm(hooks.turn)
 
     def _note_updates_read(self) -> None:
         """At a sampled step's end: the first step whose optimizer step the update sample read, once the

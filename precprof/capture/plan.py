@@ -108,7 +108,7 @@ def _check_filter(
         warnings.warn(
             f"precprof: Profiler(modules=...) pattern(s) {', '.join(map(repr, idle))} match no module of the model "
             "(its own names, without a wrapper's prefix such as module. or _orig_mod.)",
-            stacklevel=5,
+            stacklevel=6,
         )
 
 
@@ -120,6 +120,9 @@ class CapturePlan:
     params: list[_ParamSlot] = field(default_factory=list)
     rows: RowTable = field(default_factory=RowTable)
     block_formats: bool = False
+    # the model's parameters when the plan was made, and each one's name (by ``id``): what ``stale`` compares
+    held: tuple[nn.Parameter, ...] = ()
+    param_names: list[tuple[int, str]] = field(default_factory=list)
     deals: int = 0  # how many times the block groups were dealt (what a hook's cache of a group is keyed on)
     _types: dict[str, str] | None = field(default=None, repr=False, compare=False)
     _order: tuple[list[tuple[int, int]], dict[str, int]] | None = field(
@@ -127,7 +130,11 @@ class CapturePlan:
     )
 
     @classmethod
-    def of(cls, model: nn.Module, module_filter: ModuleFilter, block_formats: bool) -> CapturePlan:
+    def of(
+        cls, model: nn.Module, module_filter: ModuleFilter, block_formats: bool, check: bool = True
+    ) -> CapturePlan:
+        """The plan of ``model``; ``check``: a filter that selects nothing is an error (at attach, not when a
+        model changed mid-run is planned again)."""
         refuse_lazy(model)
         plan = cls(block_formats=block_formats)
         rows = plan.rows
@@ -136,8 +143,10 @@ class CapturePlan:
         chosen: set[str] = set()
         for name, module in _compat.named_modules(model):  # by their own names, under DDP or torch.compile
             mtype = taxonomy.type_name(module)
-            for p in module.parameters(recurse=False):
-                first.setdefault(id(p), (name, mtype))
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) not in first:
+                    first[id(p)] = (name, mtype)
+                    plan.param_names.append((id(p), f"{name}.{pname}" if name else pname))
             # a filter that picks a layer picks its parametrized weight with it (parents come first)
             picked = module_filter is not None and parametrization_of(name, module, chosen)
             if not (picked or selected(name, module, module_filter)):
@@ -166,10 +175,19 @@ class CapturePlan:
                 grad_row = rows.new(name, mtype, T.WEIGHT_GRAD, pname) if can_have_grad(p) else -1
                 plan.params.append(_ParamSlot(name, pname, p, grad_row, -1))
             plan.modules.append(slot)
-        if module_filter is not None:
+        if module_filter is not None and check:
             _check_filter(model, module_filter, [s.name for s in plan.modules])
+        plan.held = tuple(model.parameters())
         rows.begin_step()
         return plan
+
+    def stale(self, model: nn.Module) -> bool:
+        """Whether ``model``'s parameters are no longer those the plan was made for: one taken out, added or
+        replaced by another object (``remove_parametrizations``, an adapter injected), compared object by object
+        (their values, dtypes and devices may change: the hooks read them as they are). Host only."""
+        now = tuple(model.parameters())
+        held = self.held
+        return len(now) != len(held) or any(a is not b for a, b in zip(now, held, strict=True))
 
     def block_rows(self) -> list[int]:
         """The rows the hooks may add block-format statistics to, each given a slot of the block accumulator:

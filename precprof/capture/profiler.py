@@ -206,6 +206,9 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         self.weight_updates = weight_updates and optimizer is not None
         self._updates_asked = weight_updates
         self._optimizer_changes: list[dict[str, Any]] = []  # ``use_optimizer``'s, for the summary
+        self._model_changes: list[
+            dict[str, Any]
+        ] = []  # the model's parameters changed (``capture/replan.py``)
         self.update_sample = update_sample
         self.chunk = chunk
         self._block_formats = bool(block_formats) if block_formats is not None else block_formats_from_env()
@@ -311,8 +314,15 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         devices = [p.device for p in self.model.parameters()]
         real = [d for d in devices if d.type != "meta"]
         self._device = _compat.indexed_device(real[0]) if real else torch.device("cpu")
-        plan = self._plan = CapturePlan.of(self.model, self.module_filter, self._block_formats)
-        self._reducer = self._resolve_reducer()
+        self._make_parts()
+        # a re-attached Profiler goes on counting where it stopped: its steps were recorded once, by number
+        self._begin_step()
+
+    def _make_parts(self, replan: bool = False) -> None:
+        """The capture plan and what reads by it; ``replan``: again, the run's reducer and stream kept."""
+        plan = self._plan = CapturePlan.of(self.model, self.module_filter, self._block_formats, not replan)
+        if not replan:
+            self._reducer = self._resolve_reducer()
         self._sampler.synchronized = self._reducer is not None
         self._buffer = st.StatsBuffer(
             max(len(plan.rows), 1),
@@ -322,10 +332,12 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             # the Triton kernels of the model's dtypes compile now, never in a hook: beside the training (steps
             # are sampled once they are ready), or here for every rank alike (ranks sample the same steps)
             dtypes=sorted({p.dtype for p in self.model.parameters() if p.is_floating_point()}, key=str),
-            background=self._compile_beside and self._reducer is None,
+            background=self._compile_beside and self._reducer is None and not replan,
         )
-        self._open_stream()
+        if not replan:
+            self._open_stream()
         self._blocks.deal(plan, device_type=self._device.type)
+        self._updates = None if replan else self._updates  # (the old plan's parameters)
         if self.weight_updates and self.optimizers:
             # sampled where each parameter lives at the step (one group per device: an offloaded layer on the
             # CPU, the rest on the GPU), in the step of the optimizer that holds it (none: not sampled, as its
@@ -372,8 +384,6 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         # the loop's own clip_grad_norm_ gives the gradient norm when step() is not handed one
         self._clip_norms = clipwatch.ClipNorms(self.model.parameters())
         clipwatch.watch(self._clip_norms)
-        # a re-attached Profiler goes on counting where it stopped: its steps were recorded once, by number
-        self._begin_step()
 
     def _scales_loss(self) -> bool:
         """Whether the gradients are multiplied by a loss scale (an enabled GradScaler, a manual ``loss_scale``)."""
@@ -401,12 +411,9 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             self._hooks.remove(finished=False)  # a step still in progress at detach was cut off
         _compat.restore_stance(self._stance)
         self._stance = None
-        if self._scaler_watch is not None:
-            self._scaler_watch.unpatch()
         if self._tracker is not None:
             self._tracker.detach()
-        if self._clip_norms is not None:
-            clipwatch.unwatch(self._clip_norms)
+        self._unhook_parts()
 
     def detach(self) -> None:
         """Remove every hook (also after an exception) and bring the host tables up to date."""
@@ -452,20 +459,15 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         ready = self._buffer is None or self._buffer.ready
         self._sample_reason = self._sampler.decide(self._step, ready)
         self._sampling = bool(self._sample_reason)
-        if self._tracker is not None:
-            self._tracker.begin_step(self._step, self._sampling)  # (removes its hooks when not sampling)
         if not self._sampling:
+            if self._tracker is not None:
+                self._tracker.begin_step(self._step, False)  # (removes its hooks)
             if self._hooks is not None:
                 self._hooks.remove()  # left in place by the sampled step before, if it was
             return
-        assert self._plan is not None and self._hooks is not None
-        if self._buffer is not None:
-            self._buffer.reset()
-        if self._updates is not None:
-            self._updates.reset()
-        self._plan.rows.begin_step()
+        self._replan_if_changed()
         # the block groups take turns over the sampled steps (the same turn on every rank: same schedule)
-        self._hooks.install(self._blocks.next_turn())
+        self._arm(self._blocks.next_turn())
         self._stance = _compat.force_eager()
 
     def _end_sampled_hooks(self) -> None:

@@ -75,6 +75,7 @@ class ProfilerResults:
     _optimizer_changes: list[dict[str, Any]]
     _optimizer_given_at: int | None
     _updates_read_from: int | None
+    _model_changes: list[dict[str, Any]]
     _owned_run: rundir.RunDir | None
     _out: Any
     _overwrite: bool
@@ -343,6 +344,9 @@ class ProfilerResults:
             "optimizer_changes": [dict(c) for c in self._optimizer_changes],
             # an optimizer given after the run began (``use_optimizer``): from which step its updates were read
             "updates_from": self.updates_from(),
+            # the model's parameters changed, the capture planned again (``capture/replan.py``): {"step", "added",
+            # "removed"}, in order
+            "model_changes": [dict(c) for c in self._model_changes],
             "fp8_recipe": "per-tensor current scaling with power-of-two scales, scale = 2^floor(log2(fmax / amax))",
             "memory_error": self._collector.memory_error if self._collector is not None else None,
             "memory_steps": self._tracker.schedule.describe() if hasattr(self._tracker, "schedule") else None,

@@ -126,6 +126,11 @@ class TrainingForward:
         self._clear_outputs()
         self._step_mode = True
 
+    @property
+    def forward_ran(self) -> bool:
+        """Whether the model's forward ran with grad in this sampled step (its rows hold the step's training)."""
+        return self._step_mode is not None
+
     def evaluation_only(self) -> bool:
         """Whether the step in progress ran only an evaluation: its first forward in eval mode though the step
         began in train mode, and no backward since (a validation with grad on after the last ``prof.step()``:

@@ -40,7 +40,7 @@ _CAPTURE_SAID = _keys(
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled scaler_growth_interval "
     "compiled fp8_emulated dropout_layers "
     "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
-    "gemm_inputs model_inputs optimizer optimizer_changes updates_from "
+    "gemm_inputs model_inputs optimizer optimizer_changes updates_from model_changes "
     "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules "
     "self_call_forwards_unread"
 )
@@ -124,6 +124,21 @@ def _optimizer_changes(changes: Any) -> str:
         if isinstance(c, Mapping) and _int(c.get("step")) is not None
     ]
     return "; ".join(said)
+
+
+def _model_changes(changes: Any) -> str:
+    """The steps at which the model's parameters changed while it was profiled (``remove_parametrizations``, an
+    adapter added), and which came and went: the rows follow the model as it was at each step."""
+    said = []
+    for c in changes or ():
+        if isinstance(c, Mapping) and _int(c.get("step")) is not None:
+            parts = [
+                f"{', '.join(map(str, c[k]))} {what}"
+                for k, what in (("added", "new"), ("removed", "gone"))
+                if c.get(k)
+            ]
+            said.append(f"at step {F.count(c['step'])}: {'; '.join(parts) or 'parameters replaced'}")
+    return "; ".join(said) + (" (recorded as the model was from then on)" if said else "")
 
 
 def _update_reads(sample: Any, optimizer: Mapping[str, Any]) -> str:
@@ -526,6 +541,9 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
     changes = _optimizer_changes(capture.get("optimizer_changes"))
     if changes:
         rows.append(("optimizer changed", changes))
+    model_changes = _model_changes(capture.get("model_changes"))
+    if model_changes:
+        rows.append(("model's parameters changed", model_changes))
     if capture.get("weight_update_sample") is not None:
         late = updates_from(capture)
         rows.append(

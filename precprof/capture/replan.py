@@ -1,0 +1,110 @@
+"""A model whose parameters change while precprof is attached: ``remove_parametrizations`` (weight norm taken off
+before fine-tuning), adapters injected, a layer swapped for another. The capture plan (``capture/plan.py``) holds
+the modules and parameters the model had at attach, and its hooks read them: the new parameters had no row,
+while the ones the model no longer held kept being read, their values frozen, as if they still trained.
+
+At the start of every sampled step (and at ``use_optimizer``, a new optimizer being what such a change comes
+with) the model's parameters are compared with the plan's, object by object; when they differ, the capture is
+planned again, as at a re-attach, from that step on: the rows of the modules and parameters the model holds
+now, and none of the others. The summary's ``model_changes`` says from which step and which parameters came
+and went. Nothing of this runs on a step that is not sampled."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from precprof.capture import clipwatch
+from precprof.capture.plan import CapturePlan
+
+# what the hooks count over the run, carried over to the hooks of the new plan
+_HOOK_COUNTS = ("eval_forwards", "checkpointed_forwards", "weight_grads_unread", "weight_grads_unread_in")
+
+
+class Replanning:
+    """The re-plan part of ``capture.profiler.Profiler``."""
+
+    model: Any
+    _plan: CapturePlan | None
+    _hooks: Any
+    _tracker: Any
+    _buffer: Any
+    _updates: Any
+    _scaler_watch: Any
+    _clip_norms: Any
+    _step: int
+    _model_changes: list[dict[str, Any]]
+
+    def _make_parts(self, replan: bool = False) -> None:
+        raise NotImplementedError
+
+    def _arm(self, turn: int) -> None:
+        """A sampled step begins: the memory tracker told, the rows emptied, the hooks installed (the block what-if
+        of group ``turn``)."""
+        assert self._plan is not None and self._hooks is not None
+        if self._tracker is not None:
+            self._tracker.begin_step(self._step, True)
+        if self._buffer is not None:
+            self._buffer.reset()
+        if self._updates is not None:
+            self._updates.reset()
+        self._plan.rows.begin_step()
+        self._hooks.install(turn)
+
+    def _replan_if_changed(self, stacklevel: int = 5) -> bool:
+        """Plan the capture again when the model's parameters are no longer the plan's (see the module
+        docstring); whether it did. On a sampled step only, before its hooks read anything: one pass over the
+        parameters."""
+        old = self._plan
+        if old is None or not old.stale(self.model):
+            return False
+        names = dict(old.param_names)
+        hooks, tracker, buffer = self._hooks, self._tracker, self._buffer
+        if hooks is not None:
+            hooks.remove(finished=False)  # (its step's counts were taken when it ended)
+        if tracker is not None:
+            tracker.detach()
+        self._unhook_parts()
+        self._make_parts(replan=True)
+        new = self._plan
+        assert new is not None
+        if hooks is not None and self._hooks is not None:
+            for attr in _HOOK_COUNTS:
+                setattr(self._hooks, attr, getattr(hooks, attr))
+        if tracker is not None and self._tracker is not None:
+            self._tracker.schedule = tracker.schedule  # the steps it measured, and its cadence, go on
+        if buffer is not None and self._buffer is not None:
+            _carry_skipped(old, buffer, new, self._buffer)
+        now = dict(new.param_names)
+        added = [n for k, n in now.items() if k not in names]
+        removed = [n for k, n in names.items() if k not in now]
+        self._model_changes.append({"step": self._step, "added": added, "removed": removed})
+        warnings.warn(
+            f"precprof: the model's parameters changed before step {self._step} (new: {_few(added)}; gone: "
+            f"{_few(removed)}): the capture follows the model as it is now from this step on",
+            stacklevel=stacklevel,  # (the loop's line: its prof.step() or use_optimizer)
+        )
+        return True
+
+    def _unhook_parts(self) -> None:
+        """The GradScaler's and ``clip_grad_norm_``'s watches off (the parts made again with the plan)."""
+        if self._scaler_watch is not None:
+            self._scaler_watch.unpatch()
+        if self._clip_norms is not None:
+            clipwatch.unwatch(self._clip_norms)
+
+
+def _carry_skipped(old: CapturePlan, old_buffer: Any, new: CapturePlan, new_buffer: Any) -> None:
+    """The counts of tensors the statistics could not read, over the run so far, kept for the rows the new plan
+    has too (the same module, kind and parameter)."""
+    index = {(r.module, r.tensor, r.param): r.index for r in new.rows.info}
+    for r in old.rows.info:
+        k = index.get((r.module, r.tensor, r.param))
+        if k is not None and old_buffer.skipped_total[r.index]:
+            new_buffer.skipped_total[k] += old_buffer.skipped_total[r.index]
+            if r.index in old_buffer.skipped_why:
+                new_buffer.skipped_why.setdefault(k, old_buffer.skipped_why[r.index])
+
+
+def _few(names: list[str]) -> str:
+    return (", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")) or "none"
