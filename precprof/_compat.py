@@ -193,6 +193,22 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def unwrapped_optimizer(optimizer: Any) -> Any:
+    """The optimizer whose step hooks fire inside a training framework's wrapper of it: Fabric's _FabricOptimizer
+    and Lightning's LightningOptimizer take its class and pass every attribute through to it (the hook registry
+    too, so that they seem to have one), accelerate's AcceleratedOptimizer subclasses torch's Optimizer without
+    one; each holds it in ``optimizer``. A wrapper is an object without a hook registry in its own ``__dict__``;
+    an optimizer with one of its own is not unwrapped (a Lookahead that holds its base optimizer steps itself)."""
+    for _ in range(8):
+        if "_optimizer_step_pre_hooks" in getattr(optimizer, "__dict__", {}):
+            break
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
+
+
 def drops(module: Any) -> bool:
     """Whether ``module`` is one of torch's dropout modules (``nn.Dropout``, ``Dropout1d/2d/3d``,
     ``AlphaDropout``, ...: their private base ``_DropoutNd``) with a drop probability above 0."""

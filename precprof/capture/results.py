@@ -572,17 +572,13 @@ def checked_model(model: Any) -> nn.Module:
 
 def given_optimizers(optimizer: Any) -> list[Any]:
     """``Profiler(optimizer=...)`` as a list: none, one or several, each unwrapped to the optimizer whose hooks
-    fire (accelerate's AcceleratedOptimizer holds the real one). Anything else is a TypeError naming it."""
+    fire (``_compat.unwrapped_optimizer``: Fabric's, Lightning's and accelerate's wrappers hold the real one; a
+    GradScaler keys what it found by the real one, too). Anything else is a TypeError naming it."""
     given = (
         list(optimizer) if isinstance(optimizer, (list, tuple)) else [] if optimizer is None else [optimizer]
     )
     out = []
-    for opt in given:
-        while not hasattr(opt, "_optimizer_step_pre_hooks"):
-            inner = getattr(opt, "optimizer", None)
-            if inner is None or inner is opt:
-                break
-            opt = inner
+    for opt in map(_compat.unwrapped_optimizer, given):
         if not (hasattr(opt, "param_groups") and hasattr(opt, "register_step_pre_hook")):
             raise TypeError(
                 "Profiler(optimizer=...): expected a torch.optim.Optimizer or a list of them, got "

@@ -1,0 +1,130 @@
+"""The Profiler in a Lightning Fabric or Hugging Face accelerate loop, given what ``fabric.setup`` and
+``accelerator.prepare`` return: the wrapped model and optimizer.
+
+On a CPU Fabric turns 16-mixed into bf16 and accelerate runs fp16 in fp32; these runs take each framework's GPU
+path (fp16 autocast and a GradScaler) with a CPU GradScaler, the way a user's GPU run goes. The scaler starts at
+2^30, so that the first steps overflow and are skipped, and the scale changes from step to step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import tables as T
+from precprof.analysis import advisor
+from precprof.analysis.advisor import AdvisorConfig
+
+pytest.importorskip("lightning")
+
+from lightning.fabric import Fabric
+from lightning.fabric.plugins import MixedPrecision
+
+STEPS = 8
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)
+    )
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(32, 16, generator=g) * 0.05, torch.randn(32, 4, generator=g) * 0.1
+
+
+def high_scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**30, growth_interval=4)
+
+
+def fabric_fp16(scaler: torch.amp.GradScaler) -> Fabric:
+    """Fabric's 16-mixed as on a GPU: fp16 autocast and ``scaler``."""
+    return Fabric(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+
+
+class Truth:
+    """What the run did, read independently of precprof: per step the scale in effect, whether the inner
+    optimizer stepped, and the last Linear's weight-gradient absmax (of its finite values) unscaled by the scale."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, last: nn.Linear) -> None:
+        self.last = last
+        self.stepped = 0
+        optimizer.register_step_post_hook(lambda *a: setattr(self, "stepped", self.stepped + 1))
+        self.scales: list[float] = []
+        self.skipped: list[bool] = []
+        self.grad_absmax: list[float] = []
+
+    def before(self, scaler: torch.amp.GradScaler) -> None:
+        self.scales.append(float(scaler.get_scale()))
+        self._stepped_before = self.stepped
+
+    def after_backward(self) -> None:
+        grad = self.last.weight.grad
+        assert grad is not None
+        self.grad_absmax.append(float(grad[grad.isfinite()].abs().max()) / self.scales[-1])
+
+    def after_step(self) -> None:
+        self.skipped.append(self.stepped == self._stepped_before)
+
+
+def fabric_run(
+    tmp_path: Path, give_scaler: bool, **prof_kwargs: Any
+) -> tuple[Truth, precprof.Profiler, Path]:
+    """``STEPS`` steps of Fabric 16-mixed, the Profiler given what ``fabric.setup`` returned."""
+    scaler = high_scaler()
+    fabric = fabric_fp16(scaler)
+    raw = mlp()
+    raw_opt = torch.optim.AdamW(raw.parameters(), lr=1e-2)
+    model, opt = fabric.setup(raw, raw_opt)
+    truth = Truth(raw_opt, raw[5])
+    given = {"scaler": scaler} if give_scaler else {}
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, **given, **prof_kwargs)
+    with prof:
+        for step in range(STEPS):
+            x, y = data(step)
+            truth.before(scaler)
+            loss = nn.functional.mse_loss(model(x), y) * 1e-3
+            fabric.backward(loss)
+            truth.after_backward()
+            opt.step()
+            opt.zero_grad()
+            truth.after_step()
+            prof.step(loss=loss.detach())
+    assert any(truth.skipped) and not all(truth.skipped)  # the run skipped steps, and trained on others
+    assert len(set(truth.scales)) > 1
+    run_dir = tmp_path / "run"
+    prof.save(run_dir)
+    return truth, prof, run_dir
+
+
+def weight_grad_absmax(layers: Any, module: str) -> list[float]:
+    rows = layers[
+        (layers[T.MODULE].astype(str) == module)
+        & (layers[T.TENSOR].astype(str) == "weight_grad")
+        & (layers[T.PARAM].astype(str) == "weight")
+    ].sort_values(T.STEP)
+    return [float(v) for v in rows["absmax"]]
+
+
+def test_fabric_optimizer_keeps_the_scalers_skips_and_scale(tmp_path: Path) -> None:
+    """Given Fabric's _FabricOptimizer (it takes its optimizer's class and passes its attributes through, so it
+    seemed to be the optimizer): the GradScaler keys what it found by the inner optimizer, and the skipped steps
+    read as not skipped, the scale as the one after ``update()``, the gradients unscaled by it (2x off), and a
+    critical finding said an overflow's step was not skipped."""
+    truth, prof, run_dir = fabric_run(tmp_path, give_scaler=True)
+    steps = prof.tables()["steps"].sort_values(T.STEP)
+    assert steps["skipped"].astype(bool).tolist() == truth.skipped
+    assert steps["loss_scale"].astype(float).tolist() == truth.scales
+    got = weight_grad_absmax(prof.tables()["layers"], "_forward_module.5")
+    assert got == pytest.approx(truth.grad_absmax, rel=1e-6)
+    rec = advisor.recommend(run_dir, config=AdvisorConfig(small_model_params=0))
+    skips = rec.finding("scaler_skipped_steps")
+    assert skips is not None and skips.numbers["skipped"] == sum(truth.skipped)
+    assert not [f for f in rec.findings if "was not skipped" in f.message]
