@@ -209,6 +209,45 @@ def unwrapped_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
+def _wrappers(obj: Any) -> Iterator[Any]:
+    """The framework wrappers around the user's model or optimizer ``obj`` (``_WRAPS``, ``unwrapped_optimizer``),
+    outermost first; not the model or optimizer inside them."""
+    for _ in range(8):
+        attr = wrapped_attr(obj) if isinstance(obj, torch.nn.Module) else None
+        inner = getattr(obj, attr, None) if attr else unwrapped_optimizer(obj) if obj is not None else None
+        if inner is None or inner is obj:
+            return
+        yield obj
+        obj = inner
+
+
+def _held_scaler(wrapper: Any) -> tuple[Any, str]:
+    """The GradScaler a framework's wrapper holds, and where: accelerate's AcceleratedOptimizer in ``scaler``,
+    Fabric's _FabricModule and _FabricOptimizer in their strategy's precision plugin. Read from the wrapper's own
+    ``__dict__``, never through the ``__getattr__`` by which it answers for the user's model or optimizer."""
+    own = getattr(wrapper, "__dict__", {})
+    precision = getattr(own.get("_strategy"), "precision", None)
+    for scaler, where in (
+        (own.get("scaler"), "scaler"),
+        (getattr(precision, "scaler", None), "_strategy.precision.scaler"),
+    ):
+        if callable(getattr(scaler, "scale", None)) and callable(getattr(scaler, "update", None)):
+            return scaler, where
+    return None, ""
+
+
+def wrapper_scaler(*given: Any) -> tuple[Any, str | None]:
+    """The GradScaler that the wrapper of a given model or optimizer scales the loss with (Fabric's and accelerate's
+    fp16 do it themselves, out of the loop's sight), with where it was found ("AcceleratedOptimizer.scaler");
+    (None, None) where none holds one."""
+    for obj in given:
+        for wrapper in _wrappers(obj):
+            scaler, where = _held_scaler(wrapper)
+            if scaler is not None:
+                return scaler, f"{type(wrapper).__name__}.{where}"
+    return None, None
+
+
 def drops(module: Any) -> bool:
     """Whether ``module`` is one of torch's dropout modules (``nn.Dropout``, ``Dropout1d/2d/3d``,
     ``AlphaDropout``, ...: their private base ``_DropoutNd``) with a drop probability above 0."""

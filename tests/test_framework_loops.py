@@ -128,3 +128,53 @@ def test_fabric_optimizer_keeps_the_scalers_skips_and_scale(tmp_path: Path) -> N
     skips = rec.finding("scaler_skipped_steps")
     assert skips is not None and skips.numbers["skipped"] == sum(truth.skipped)
     assert not [f for f in rec.findings if "was not skipped" in f.message]
+
+
+def test_fabric_scaler_not_given_is_found_on_its_optimizer(tmp_path: Path) -> None:
+    """Fabric's 16-mixed scales the loss with its own GradScaler (``fabric._precision.scaler``, private): not given
+    it, the Profiler read the gradients 2^30x too large, said the run "scaled no loss", and took the skipped
+    steps for trained ones. It is found on the _FabricOptimizer, and the summary says where."""
+    truth, prof, run_dir = fabric_run(tmp_path, give_scaler=False)
+    steps = prof.tables()["steps"].sort_values(T.STEP)
+    assert steps["skipped"].astype(bool).tolist() == truth.skipped
+    assert steps["loss_scale"].astype(float).tolist() == truth.scales
+    got = weight_grad_absmax(prof.tables()["layers"], "_forward_module.5")
+    assert got == pytest.approx(truth.grad_absmax, rel=1e-6)
+    capture = prof.summary()
+    assert capture["scaler"] == "GradScaler" and capture["scaler_enabled"]
+    assert capture["scaler_from"] == f"Fabric{type(prof.optimizer).__name__}._strategy.precision.scaler"
+    rec = advisor.recommend(run_dir, config=AdvisorConfig(small_model_params=0))
+    assert rec.finding("fp16_no_loss_scaling") is None and rec.finding("scaler_skipped_steps") is not None
+
+
+def test_accelerate_scaler_not_given_is_found_on_its_optimizer(tmp_path: Path) -> None:
+    """accelerate's fp16 (its GPU path: native autocast and a GradScaler) with the Profiler given the
+    AcceleratedOptimizer and no scaler: the one in ``AcceleratedOptimizer.scaler`` is read, and the environment
+    says it was found there."""
+    accelerate = pytest.importorskip("accelerate")
+    acc = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    acc.native_amp = True  # what accelerate sets on a GPU; on a CPU it runs fp16 in fp32
+    acc.scaler = scaler = high_scaler()
+    raw = mlp()
+    raw_opt = torch.optim.AdamW(raw.parameters(), lr=1e-2)
+    model, opt = acc.prepare(raw, raw_opt)
+    truth = Truth(raw_opt, raw[5])
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for step in range(STEPS):
+            x, y = data(step)
+            truth.before(scaler)
+            loss = nn.functional.mse_loss(model(x), y) * 1e-3
+            acc.backward(loss)
+            truth.after_backward()
+            opt.step()
+            opt.zero_grad()
+            truth.after_step()
+            prof.step(loss=loss.detach())
+    assert any(truth.skipped) and not all(truth.skipped)
+    steps = prof.tables()["steps"].sort_values(T.STEP)
+    assert steps["skipped"].astype(bool).tolist() == truth.skipped
+    assert steps["loss_scale"].astype(float).tolist() == truth.scales
+    assert weight_grad_absmax(prof.tables()["layers"], "5") == pytest.approx(truth.grad_absmax, rel=1e-6)
+    assert prof.summary()["scaler_from"] == "AcceleratedOptimizer.scaler"
+    page = prof.report(tmp_path / "run").read_text()
+    assert "found in AcceleratedOptimizer.scaler (not given to the Profiler)" in page

@@ -51,7 +51,7 @@ from precprof.capture.plan import CapturePlan, ModuleFilter, block_formats_from_
 from precprof.capture.recorded import Recorded
 from precprof.capture.records import MAX_PENDING_STEPS, RowInfo, _ModuleSlot, _PendingStep
 from precprof.capture.reducer import RankReducer, mean_over_ranks
-from precprof.capture.results import NOT_HELD, ProfilerResults, checked_model, given_optimizers
+from precprof.capture.results import NOT_HELD, ProfilerResults, checked_model, given_optimizers, given_scaler
 from precprof.capture.sampling import DEFAULT_BUDGET, LandedValues, Sampler
 from precprof.capture.scaler import ScalerWatch
 from precprof.capture.updates import UpdateSampler
@@ -62,11 +62,11 @@ class Profiler(ProfilerResults, OptimizerSwitch):
     """Record per-layer dtypes, exponent histograms and exact underflow/overflow counts during training.
 
     Args:
-        model: the module to watch (also a DDP/FSDP wrapper or a ``torch.compile``d module).
+        model: the module to watch (also a DDP/FSDP/Fabric wrapper or a ``torch.compile``d module).
         optimizer: optional, one or a list (Muon for the matrices, AdamW for the rest); enables ``weight_update``
             rows (each parameter read around the step of the optimizer that holds it) and optimizer-state memory.
-        scaler: optional ``torch.amp.GradScaler``; its scale and skipped steps are recorded and gradients are
-            stored unscaled.
+        scaler: optional ``torch.amp.GradScaler`` (left out: the one a Fabric or accelerate wrapper of the model
+            or optimizer holds); its scale and skipped steps are recorded and gradients are stored unscaled.
         sample_every: record layers every N steps (step 0 is sampled); 0 records steps only. None (the
             default): as many steps as keep precprof's measured overhead within ``overhead_budget``, plus the
             first steps and the steps right after a non-finite loss, a skipped GradScaler step or a loss spike
@@ -192,7 +192,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         # several optimizers (Muon for the matrices and AdamW for the rest, say): each samples its own parameters
         self.optimizers = given_optimizers(optimizer)
         self.optimizer = self.optimizers[0] if self.optimizers else None
-        self.scaler = scaler
+        self.scaler, self.scaler_from = given_scaler(scaler, loss_scale, model, optimizer)
         # a manual static loss scale ((loss * s).backward(), then the gradients divided by s): the gradients
         # are read at scale s, and the tables are unscaled by it
         self.loss_scale = float(loss_scale) if loss_scale is not None else None

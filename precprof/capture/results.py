@@ -44,6 +44,7 @@ class ProfilerResults:
 
     model: nn.Module
     scaler: Any
+    scaler_from: str | None
     optimizer: Any
     optimizers: list[Any]
     sample_every: int | None
@@ -326,6 +327,8 @@ class ProfilerResults:
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
             "scaler_growth_interval": _compat.scaler_growth_interval(self.scaler),
+            # a GradScaler not given but found on a framework's wrapper: where ("AcceleratedOptimizer.scaler")
+            "scaler_from": self.scaler_from,
             "compiled": compiled_parts(self.model),
             "dropout_layers": dropout_layers(self.model),
             "static_loss_scale": self.loss_scale,
@@ -568,6 +571,16 @@ def checked_model(model: Any) -> nn.Module:
             f"Profiler(model): expected a torch.nn.Module, got {type(model).__name__} {model!r:.60}"
         )
     return model
+
+
+def given_scaler(scaler: Any, loss_scale: Any, model: Any, optimizer: Any) -> tuple[Any, str | None]:
+    """``Profiler(scaler=...)``; where neither it nor a manual ``loss_scale`` is given, the GradScaler that the
+    framework wrapping the model or optimizer scales the loss with (Fabric's and accelerate's fp16 do), and where
+    it was found (the summary's ``scaler_from``): the gradients are read at its scale either way."""
+    if scaler is not None or loss_scale is not None:
+        return scaler, None
+    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    return _compat.wrapper_scaler(model, *given)
 
 
 def given_optimizers(optimizer: Any) -> list[Any]:

@@ -42,7 +42,7 @@ _CAPTURE_SAID = _keys(
     "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
     "gemm_inputs model_inputs optimizer optimizer_changes updates_from model_changes "
     "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules "
-    "self_call_forwards_unread"
+    "self_call_forwards_unread scaler_from"
 )
 _HARDWARE_SAID = _keys(
     "device name compute_capability bf16_supported bf16_native fp16_tensor_cores tf32_supported "
@@ -532,6 +532,14 @@ def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
         rows.append(("statistics computed by", engines))
     if "block_formats" in capture:
         rows.append(("block-format what-if", block_setting(capture["block_formats"])))
+    if capture.get("scaler_from"):
+        rows.append(
+            (
+                "loss scaler",
+                f"{capture.get('scaler') or 'a GradScaler'} found in {capture['scaler_from']} (not given to the "
+                "Profiler): the one the framework scaled the loss with; its scale and skipped steps are read",
+            )
+        )
     opt = _map(capture.get("optimizer"))
     if opt.get("class") and not (
         cfg.get("optimizer_class") or cfg.get("optimizer")
