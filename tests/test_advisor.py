@@ -702,6 +702,9 @@ def test_scaler_skipped_steps_and_thrashing(request: pytest.FixtureRequest) -> N
     )
     thr = must(rec, "scaler_thrashing")
     assert thr.numbers["later_skips"] == 2 and thr.numbers["growths"] == 2
+    # each growth (steps 7 and 9) overflowed at once: the step at the grown scale was skipped
+    grown = [s for s in range(1, len(scales)) if scales[s] > scales[s - 1]]
+    assert thr.numbers["costly_growths"] == sum(skipped[s] for s in grown) == 2
     assert rec.growth_interval == 2000  # max(default, 2 x the run's 1)
     ov = must(rec, "fp16_gradient_overflow")
     assert ov.modules == ["fc"]

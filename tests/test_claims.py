@@ -589,7 +589,66 @@ def test_a_skip_at_the_scale_steps_went_through_at_is_a_spike_not_growth_probing
     f = found["scaler_skipped_steps"]
     assert f.numbers["skipped"] == 1 and f.numbers["growth_probes"] == 0
     assert "grew" not in f.message and "growth" not in f.remedy
-    assert "at a scale earlier steps had gone through at" in f.message
+    assert "happened at or below a scale earlier steps had gone through at" in f.message
+
+
+def _backoff_run(out: Path) -> tuple[list[float], list[bool]]:
+    """A dynamic GradScaler started far too high (2^30, growth_interval 4) on a small MLP: it skips twice, goes
+    through at 2^28, skips there and again after backing off to 2^27, settles at 2^26 and grows back to 2^27 after
+    4 good steps. Returns each step's scale and whether it was skipped (the inner optimizer did not step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stepped = [0]
+    opt.register_step_post_hook(lambda *a: stepped.__setitem__(0, stepped[0] + 1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30, growth_interval=4)
+    scales, skipped = [], []
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, out=out) as prof:
+        for step in range(12):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(32, 16, generator=g) * 0.05, torch.randn(32, 4, generator=g) * 0.1
+            with torch.autocast("cpu", dtype=torch.float16):
+                pred = model(x)
+            loss = nn.functional.mse_loss(pred.float(), y) * 1e-3
+            scales.append(scaler.get_scale())
+            before = stepped[0]
+            backward_and_step(loss, opt, scaler)
+            skipped.append(stepped[0] == before)
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    prof.save()
+    return scales, skipped
+
+
+def test_a_skip_below_a_scale_that_went_through_is_no_growth_probe_nor_thrashing(tmp_path: Path) -> None:
+    """A skip after a backoff, at a scale below one a step had gone through at, was called growth probing ("came
+    after the scaler grew past ...": the highest scale that had gone through was lost at skipped steps), and a
+    growth late in the run that cost no step was said to thrash ("each growth past the safe scale costs a step")
+    because skips before it were counted with it."""
+    scales, skipped = _backoff_run(tmp_path / "run")
+    first_ok = skipped.index(False)
+    # independently: a probe is a skip above every scale a step had gone through at before it
+    probes = sum(
+        1
+        for t in range(first_ok + 1, len(scales))
+        if skipped[t] and scales[t] > max(s for s, k in zip(scales[:t], skipped[:t], strict=True) if not k)
+    )
+    # a growth costs a step when a step is skipped at the grown scale before the scale changes again
+    grown = [t for t in range(first_ok + 1, len(scales)) if scales[t] > scales[t - 1]]
+    costly = 0
+    for t in grown:
+        end = next((u for u in range(t + 1, len(scales)) if scales[u] != scales[t]), len(scales))
+        costly += any(skipped[t:end])
+    below = [t for t in range(first_ok + 1, len(scales)) if skipped[t] and scales[t] < scales[first_ok]]
+    assert below and grown and sum(skipped[first_ok:]) >= 2  # the run has what the advisor misread
+    assert probes == 0 and costly == 0
+    found = {f.code: f for f in precprof.recommend(tmp_path / "run").findings}
+    f = found["scaler_skipped_steps"]
+    assert f.numbers["skipped"] == sum(skipped) and f.numbers["growth_probes"] == probes
+    assert "grew" not in f.message and "at or below a scale earlier steps had gone through at" in f.message
+    assert "scaler_thrashing" not in found
 
 
 def test_an_overflow_on_one_sampled_step_is_not_said_to_be_on_every_one(tmp_path: Path) -> None:

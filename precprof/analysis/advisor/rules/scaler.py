@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
+
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import _Plan, _Run, _static_scale
 from precprof.analysis.advisor.model import INFO, WARNING, Finding
@@ -49,11 +51,19 @@ def _rule_scaler_unneeded(run: _Run, plan: _Plan) -> None:
     )
 
 
-def _went_through(spikes: int) -> str:
-    """The words for skips at or below the recommended scale, ``spikes`` of them above it at a scale that earlier
-    steps had gone through at (the scaler never grew to it: no growth probe, and no fault of the start)."""
-    also = f", or ({spikes}) at a scale earlier steps had gone through at" if spikes else ""
-    return f"{also} (gradient spikes, or non-finite values that no scale fixes)"
+def _went_through(n: int, spikes: int, rec: str) -> str:
+    """Where ``n`` skips that were neither the start's fault nor growth probes happened: at or below the recommended
+    scale ``rec``, or (``spikes`` of them) above it but at or below a scale earlier steps had gone through at (the
+    scaler had not grown past every scale that worked: no probe, and no fault of the start)."""
+    below = "at or below a scale earlier steps had gone through at"
+    where = (
+        f"at or below {rec}"
+        if not spikes
+        else below
+        if spikes == n
+        else f"at or below {rec} ({n - spikes}) or above it, {below} ({spikes})"
+    )
+    return f"happened {where} (gradient spikes, or non-finite values that no scale fixes)"
 
 
 def _probes(n: int, settled: float | None) -> str:
@@ -62,6 +72,19 @@ def _probes(n: int, settled: float | None) -> str:
         f"{n} came after the scaler grew past {settled:g}, where its first step went through: growth probing "
         "its ceiling, which a lower start does not avoid (the scale grows back)"
     )
+
+
+def _growths(st: pd.DataFrame) -> tuple[int, int]:
+    """How often the scale grew over ``st``'s steps, and how many of those growths cost a step: a step was skipped
+    at the grown scale before it changed again (a growth the next growth followed, or the run's end, cost none;
+    a skip before any growth is not one's)."""
+    scale = st[T.LOSS_SCALE].reset_index(drop=True)
+    skipped = st[T.SKIPPED].astype(bool).reset_index(drop=True)
+    run = (scale != scale.shift()).cumsum()  # one number per stretch of steps at one scale
+    grown = scale.diff() > 0
+    grown_runs = set(run[grown])
+    costly = {r for r in run[skipped] if r in grown_runs}
+    return len(grown_runs), len(costly)
 
 
 def _rule_scaler(run: _Run, plan: _Plan) -> None:
@@ -105,7 +128,9 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
         )
         # a probe is a skip at a scale the scaler grew to, above every scale a step had gone through at before;
         # a skip at a scale steps went through at is a gradient spike (a lower start grows back to it too)
-        went_through = scale.where(~skipped).cummax().shift(1)
+        # (cummax leaves a skipped step's NaN as NaN: the highest scale so far is carried over it, or a skip at a
+        # lower scale after a backoff read as grown past nothing)
+        went_through = scale.where(~skipped).cummax().ffill().shift(1)
         grown = later & (sk[~from_model][T.LOSS_SCALE] > went_through[sk[~from_model].index].fillna(0.0))
         avoid, probes = int((above & ~later).sum()), int((above & grown).sum())
         spikes = int(
@@ -132,24 +157,18 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                 )
                 if probes:
                     part += f"; {_probes(probes, settled)}"
-                if others - avoid - probes:
-                    part += f"; the other {others - avoid - probes} happened at or below it{_went_through(spikes)}"
+                rest = others - avoid - probes
+                if rest:
+                    part += f"; the other {rest} {_went_through(rest, spikes, 'it')}"
             elif probes:
                 part = f"{'Of the other ' + str(others) + ', ' if model else ''}{_probes(probes, settled)}"
                 if others - probes:
-                    part += (
-                        f"; the other {others - probes} happened at or below the recommended {_pow2(k)}"
-                        f"{_went_through(spikes)}"
-                    )
-            elif spikes == others:
-                part = (
-                    f"{'The other' if model else 'All'} {others} happened at a scale earlier steps had gone "
-                    "through at (gradient spikes, or non-finite values that no scale fixes)"
-                )
+                    rest = others - probes
+                    part += f"; the other {rest} {_went_through(rest, spikes, f'the recommended {_pow2(k)}')}"
             else:
                 part = (
-                    f"{'The other' if model else 'All'} {others} happened at or below the recommended "
-                    f"{_pow2(k)}{_went_through(spikes)}"
+                    f"{'The other' if model else 'All'} {others} "
+                    f"{_went_through(others, spikes, f'the recommended {_pow2(k)}')}"
                 )
             parts.append(part)
         who = (
@@ -216,8 +235,8 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
     if len(ok_idx):
         after = st.loc[ok_idx[0] :]
         later_skips = int(skipped.loc[ok_idx[0] :].sum())
-        grows = int((after[T.LOSS_SCALE].diff() > 0).sum())
-        if later_skips >= cfg.thrash_min_skips and grows >= 1:
+        grows, costly = _growths(after)
+        if costly >= cfg.thrash_min_skips:
             new_gi = max(cfg.default_growth_interval, 2 * run_gi)
             plan.growth_interval = new_gi
             every = len(after) / later_skips
@@ -226,12 +245,13 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                     "scaler_thrashing",
                     WARNING,
                     "The loss scaler thrashes: it grows, overflows and backs off repeatedly",
-                    f"After its first successful step the scaler grew {grows} time(s) and skipped "
-                    f"{later_skips} of {len(after)} steps (one every {every:.0f}) with growth_interval "
-                    f"{run_gi}; each growth past the safe scale costs a step.",
+                    f"After its first successful step the scaler grew {grows} time(s) with growth_interval "
+                    f"{run_gi}; {costly} of those growths overflowed at the grown scale, each costing a skipped "
+                    f"step ({later_skips} of {len(after)} steps skipped in all, one every {every:.0f}).",
                     f"Start at {_scale(k)} and raise growth_interval to {new_gi}.",
                     numbers={
                         "growths": grows,
+                        "costly_growths": costly,
                         "later_skips": later_skips,
                         "steps_after": len(after),
                         "growth_interval": run_gi,
