@@ -135,7 +135,8 @@ def fsdp2_policy(module: Any) -> tuple[Any, Any]:
 
 
 # Modules whose forward is the forward of the one module they wrap, by class name, with the attribute that holds
-# it: torch.compile's OptimizedModule, DDP, DataParallel, and torch.distributed's activation-checkpoint wrappers.
+# it: torch.compile's OptimizedModule, DDP, DataParallel, torch.distributed's activation-checkpoint wrappers, and
+# Lightning Fabric's _FabricModule (``fabric.setup``'s; it holds the same module in ``_original_module`` too).
 # precprof names a wrapped module as if the wrapper were not there (``module.layers.0`` under DDP, a block's
 # ``_orig_mod`` under torch.compile are ``layers.0``), so that the same model reads the same with or without
 # them and two such runs compare layer by layer. FSDP1's FullyShardedDataParallel is not among them: it owns the
@@ -146,6 +147,7 @@ _WRAPS = {
     "DataParallel": "module",
     "CheckpointWrapper": "_checkpoint_wrapped_module",
     "OffloadWrapper": "_checkpoint_wrapped_module",
+    "_FabricModule": "_forward_module",
 }
 
 

@@ -19,6 +19,7 @@ import precprof
 from precprof import tables as T
 from precprof.analysis import advisor
 from precprof.analysis.advisor import AdvisorConfig
+from precprof.compare import compare_runs
 
 pytest.importorskip("lightning")
 
@@ -122,7 +123,7 @@ def test_fabric_optimizer_keeps_the_scalers_skips_and_scale(tmp_path: Path) -> N
     steps = prof.tables()["steps"].sort_values(T.STEP)
     assert steps["skipped"].astype(bool).tolist() == truth.skipped
     assert steps["loss_scale"].astype(float).tolist() == truth.scales
-    got = weight_grad_absmax(prof.tables()["layers"], "_forward_module.5")
+    got = weight_grad_absmax(prof.tables()["layers"], "5")
     assert got == pytest.approx(truth.grad_absmax, rel=1e-6)
     rec = advisor.recommend(run_dir, config=AdvisorConfig(small_model_params=0))
     skips = rec.finding("scaler_skipped_steps")
@@ -130,19 +131,19 @@ def test_fabric_optimizer_keeps_the_scalers_skips_and_scale(tmp_path: Path) -> N
     assert not [f for f in rec.findings if "was not skipped" in f.message]
 
 
-def test_fabric_scaler_not_given_is_found_on_its_optimizer(tmp_path: Path) -> None:
+def test_fabric_scaler_not_given_is_found_on_its_wrappers(tmp_path: Path) -> None:
     """Fabric's 16-mixed scales the loss with its own GradScaler (``fabric._precision.scaler``, private): not given
     it, the Profiler read the gradients 2^30x too large, said the run "scaled no loss", and took the skipped
-    steps for trained ones. It is found on the _FabricOptimizer, and the summary says where."""
+    steps for trained ones. It is found on Fabric's wrappers, and the summary says where."""
     truth, prof, run_dir = fabric_run(tmp_path, give_scaler=False)
     steps = prof.tables()["steps"].sort_values(T.STEP)
     assert steps["skipped"].astype(bool).tolist() == truth.skipped
     assert steps["loss_scale"].astype(float).tolist() == truth.scales
-    got = weight_grad_absmax(prof.tables()["layers"], "_forward_module.5")
+    got = weight_grad_absmax(prof.tables()["layers"], "5")
     assert got == pytest.approx(truth.grad_absmax, rel=1e-6)
     capture = prof.summary()
     assert capture["scaler"] == "GradScaler" and capture["scaler_enabled"]
-    assert capture["scaler_from"] == f"Fabric{type(prof.optimizer).__name__}._strategy.precision.scaler"
+    assert capture["scaler_from"] == "_FabricModule._strategy.precision.scaler"  # the model's wrapper first
     rec = advisor.recommend(run_dir, config=AdvisorConfig(small_model_params=0))
     assert rec.finding("fp16_no_loss_scaling") is None and rec.finding("scaler_skipped_steps") is not None
 
@@ -178,3 +179,73 @@ def test_accelerate_scaler_not_given_is_found_on_its_optimizer(tmp_path: Path) -
     assert prof.summary()["scaler_from"] == "AcceleratedOptimizer.scaler"
     page = prof.report(tmp_path / "run").read_text()
     assert "found in AcceleratedOptimizer.scaler (not given to the Profiler)" in page
+
+
+def bf16_run(out: Path, fabric: Fabric | None, **prof_kwargs: Any) -> precprof.Profiler:
+    """3 steps in bf16 autocast, through Fabric's bf16-mixed when ``fabric`` is given (the Profiler given
+    ``fabric.setup``'s model), else by hand."""
+    model: nn.Module = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if fabric is not None:
+        model, opt = fabric.setup(model, opt)
+    with precprof.Profiler(
+        model, optimizer=opt, sample_every=1, memory=False, out=out, **prof_kwargs
+    ) as prof:
+        for step in range(3):
+            x, y = data(step)
+            if fabric is not None:
+                loss = nn.functional.mse_loss(model(x), y)
+                fabric.backward(loss)
+            else:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    pred = model(x)
+                loss = nn.functional.mse_loss(pred.float(), y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    prof.save()
+    return prof
+
+
+def test_fabric_module_is_named_as_the_users_model(tmp_path: Path) -> None:
+    """Given ``fabric.setup``'s _FabricModule, every layer was "_forward_module.<name>" and the model
+    "_FabricModule": ``modules=`` by the model's own names was refused, and ``precprof compare`` refused the same
+    model profiled without Fabric as a different model. Fabric's wrapper is left out like DDP's now."""
+    fabric = Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
+    wrapped = bf16_run(tmp_path / "fabric", fabric)
+    plain = bf16_run(tmp_path / "plain", None)
+    own = {name for name, _ in mlp().named_modules() if name}
+    names = set(wrapped.tables()["layers"][T.MODULE].astype(str))
+    assert own <= names and not any(n.startswith("_forward_module") for n in names)
+    assert names == set(plain.tables()["layers"][T.MODULE].astype(str))
+    assert wrapped.summary()["model_class"] == plain.summary()["model_class"] == "Sequential"
+    _, page = compare_runs([tmp_path / "fabric", tmp_path / "plain"], out=tmp_path / "cmp")
+    assert page.exists()
+    only = bf16_run(tmp_path / "only3", fabric, modules=["3"])
+    assert set(only.tables()["layers"][T.MODULE].astype(str)) == {"3"}
+
+
+def test_fabric_scaler_is_found_on_its_module(tmp_path: Path) -> None:
+    """The Profiler given Fabric's _FabricModule alone (no optimizer, no scaler): the GradScaler of Fabric's
+    16-mixed is found on the module, and its skipped steps and scale are read."""
+    scaler = high_scaler()
+    fabric = fabric_fp16(scaler)
+    raw = mlp()
+    raw_opt = torch.optim.AdamW(raw.parameters(), lr=1e-2)
+    model, opt = fabric.setup(raw, raw_opt)
+    truth = Truth(raw_opt, raw[5])
+    with precprof.Profiler(model, sample_every=1, memory=False) as prof:
+        for step in range(STEPS):
+            x, y = data(step)
+            truth.before(scaler)
+            fabric.backward(nn.functional.mse_loss(model(x), y) * 1e-3)
+            opt.step()
+            opt.zero_grad()
+            truth.after_step()
+            prof.step()
+    assert any(truth.skipped)
+    steps = prof.tables()["steps"].sort_values(T.STEP)
+    assert steps["skipped"].astype(bool).tolist() == truth.skipped
+    assert steps["loss_scale"].astype(float).tolist() == truth.scales
+    assert prof.summary()["scaler_from"] == "_FabricModule._strategy.precision.scaler"
