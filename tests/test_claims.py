@@ -474,6 +474,87 @@ def test_prof_step_per_micro_batch_is_told(tmp_path: Path, per_micro_batch: bool
     assert f.severity == "warning" and "once per optimizer step" in f.remedy
 
 
+def _accumulating_run(
+    out: Path, scaler: Any, loss_of: Any, micro_batches: int = 6
+) -> tuple[list[int], list[float]]:
+    """Optimizer steps of 3 micro-batches each, ``prof.step()`` after every micro-batch (the optimizer steps after
+    the third, before its prof.step(), as under accelerate's ``accumulate``); ``loss_of(model, micro, x, y)``
+    makes a micro-batch's loss. Returns the precprof steps at which the optimizer really stepped, and the loss
+    scale in effect at each."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    at: list[int] = []
+    scales: list[float] = []
+    step = [0]
+    opt.register_step_post_hook(lambda *a: at.append(step[0]))
+    g = torch.Generator().manual_seed(1)
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, out=out) as prof:
+        for micro in range(micro_batches):
+            x, y = torch.randn(8, 16, generator=g) * 0.05, torch.randn(8, 4, generator=g) * 0.1
+            loss = loss_of(model, micro, x, y)
+            scales.append(scaler.get_scale() if scaler is not None else 1.0)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if micro % 3 == 2:  # the third micro-batch: the optimizer steps
+                if scaler is None:
+                    opt.step()
+                else:
+                    scaler.step(opt)
+                    scaler.update()
+                opt.zero_grad()
+            prof.step(loss=loss.detach())
+            step[0] += 1
+    prof.save()
+    return at, scales
+
+
+def _sqrt_at_zero(model: nn.Linear, micro: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """At micro-batch 0 a loss whose gradient is inf and whose value is finite: sqrt of an output that is
+    exactly 0 (the input and the bias are 0); a mean square after."""
+    if micro:
+        return (model(x) - y).square().mean()
+    with torch.no_grad():
+        model.bias.zero_()
+    return model(torch.zeros_like(x)).clamp_min(0).sqrt().mean()
+
+
+def _fp16_square(model: nn.Linear, micro: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.float16):
+        pred = model(x)
+    return (pred.float() - y).square().mean()
+
+
+def test_nan_inf_at_a_micro_batch_is_not_said_of_an_optimizer_step(tmp_path: Path) -> None:
+    """``prof.step()`` per micro-batch and an inf gradient at micro-batch 0: a critical finding said "the optimizer
+    step was not skipped" for a step where no optimizer step ran at all. It says so, and names the optimizer step
+    that took the gradients in."""
+    at, _ = _accumulating_run(tmp_path / "run", None, _sqrt_at_zero)
+    assert at == [2, 5]  # independently, by the optimizer's own hook
+    found = {f.code: f for f in precprof.recommend(tmp_path / "run").findings}
+    f = found["nonfinite_backward"]
+    assert f.numbers["step"] == 0 and f.numbers["optimizer_step"] == at[0]
+    assert "was not skipped for it" not in f.message
+    assert "no optimizer step ran at step 0" in f.message
+    assert f"the next optimizer step, at step {at[0]}, was not skipped" in f.message
+
+
+def test_an_overflow_at_a_micro_batch_is_the_skipped_optimizer_steps(tmp_path: Path) -> None:
+    """fp16 and a GradScaler at 2^22, ``prof.step()`` per micro-batch: gradients overflow from micro-batch 0 on,
+    and GradScaler skips the optimizer steps that take them in. A critical finding said micro-batch 0's "optimizer
+    step was not skipped", and the scaler's counted the micro-batches as optimizer steps that went through ("first
+    successful step at scale 4.2e6", where every optimizer step at that scale was skipped)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**22)
+    at, scales = _accumulating_run(tmp_path / "run", scaler, _fp16_square, micro_batches=12)
+    optimizer_steps = [2, 5, 8, 11]  # the third micro-batch of each
+    skipped = [s for s in optimizer_steps if s not in at]
+    assert at and skipped and skipped[0] == 2  # the first overflow was taken in by a skipped step
+    found = {f.code: f for f in precprof.recommend(tmp_path / "run").findings}
+    assert not [f for f in found.values() if "was not skipped" in f.message]
+    f = found["scaler_skipped_steps"]
+    assert f.numbers["skipped"] == len(skipped) and f.numbers["steps"] == len(optimizer_steps)
+    assert f.numbers["first_ok_scale"] == scales[at[0]] and f.numbers["start_scale"] == scales[0]
+
+
 class _TinyLM(nn.Module):
     """An embedding, a residual fp16 branch and a head: under fp16 autocast the embedding's output gradient is
     the fp32 residual sum's (as in any GPT), the branch's and the head's are fp16."""

@@ -149,6 +149,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "inf": ("inf values", "count"),
     "steps_affected": ("sampled steps affected", "count"),
     "sampled_before": ("last sampled step before it", "step"),
+    "optimizer_step": ("the next step the optimizer stepped at (or skipped)", "step"),
     "weight_grad_modules_nonfinite": ("modules whose weight gradient holds nan/inf", "count"),
     "grad_peak": ("largest gradient magnitude in those steps", "magnitude"),
     "weights_step": ("last step with finite weights", "step"),

@@ -502,6 +502,29 @@ def _static_scale(steps: pd.DataFrame) -> bool:
     return bool(np.array_equal(scale[1:][skipped], scale[:-1][skipped]))
 
 
+def _steps_without_update(run: _Run) -> tuple[list[int], list[int]]:
+    """The sampled steps with weight gradients whose optimizer did not step, and every sampled step with weight
+    gradients that could tell, in step order: only in a run whose optimizer steps were seen (``weight_update``
+    rows on some sampled step), from the first step its updates were read (``capture.updates_from``: an
+    optimizer given later); a step the loss scaler skipped (no optimizer step by design) or a crash cut off is
+    no such step. ``prof.step()`` called once per micro-batch makes the micro-batches such steps."""
+    layers = run.layers
+    if layers.empty:
+        return [], []
+    updated = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, T.STEP].astype(int))
+    if not updated:
+        return [], []  # no optimizer given, or its updates not sampled: nothing tells
+    with_grads = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_GRAD, T.STEP].astype(int))
+    steps = run.steps
+    excused: set[int] = set()
+    for col in (T.SKIPPED, T.CUT_OFF):
+        if not steps.empty and col in steps:
+            excused |= set(steps.loc[T.flags(steps[col]), T.STEP].astype(int))
+    since = ((run.summary.get(T.SUMMARY_CAPTURE) or {}).get("updates_from") or {}).get("step")
+    told = sorted(s for s in with_grads - excused if not isinstance(since, int) or s >= since)
+    return [s for s in told if s not in updated], told
+
+
 def _matmul_leaves(run: _Run) -> list[str]:
     acts = run.kind(T.ACTIVATION)
     mods = [m for m in acts[T.MODULE].unique() if taxonomy.is_matmul_type(run.types.get(m, ""))]

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from precprof import tables as T
-from precprof.analysis.advisor.evidence import _innermost, _n_modules, _Plan, _Run
+from precprof.analysis.advisor.evidence import _innermost, _n_modules, _Plan, _Run, _steps_without_update
 from precprof.analysis.advisor.model import CRITICAL, WARNING, Finding, Number
 from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2
 from precprof.formats import FP16
@@ -300,8 +300,12 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
         )
     bwd = bad[bad[T.TENSOR].isin(T.GRADIENT_KINDS) & ~bad[T.STEP].isin(fwd_steps)]
     reported = False
+    idle = set(_steps_without_update(run)[0])
     for step in sorted(int(s) for s in bwd[T.STEP].unique()):
-        facts = _step_facts(run, streaks, step)
+        # a step without an optimizer step (a micro-batch, prof.step() called per micro-batch): its gradients
+        # went to the next optimizer step, skipped or not
+        stepped = _next_optimizer_step(run, idle, step) if step in idle else step
+        facts = _step_facts(run, streaks, stepped) if stepped is not None else _StepFacts(True, False, None)
         if facts.streak is not None:
             if not _scaler_cannot_fix(run, facts.streak):
                 continue  # a scale too high: the scaler skipped the step and backed off, as it should
@@ -323,14 +327,28 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
         nums: dict[str, Number] = {"step": step, "nan": nan, "inf": inf}
         if before is not None:
             nums["sampled_before"] = before
-        skips, skip_nums = _skips(facts, step)
+        skips, skip_nums = _skips(facts, step if stepped is None else stepped)
         nums.update(skip_nums)
+        micro = ""
+        if stepped != step:
+            micro = (
+                f"; no optimizer step ran at step {step} (prof.step() is called more often than the optimizer "
+                "steps: once per micro-batch)"
+            )
+            nums["optimizer_step"] = stepped
         severity, title = CRITICAL, f"nan/inf first appears in the backward pass at {_name(first)}"
         if facts.streak is None:
             severity, reach = _reach(run, step, bwd[bwd[T.STEP] >= step], nums)
             if severity == WARNING:
                 title = f"nan/inf in the backward pass at {_name(first)}, masked before the weights"
-                detail = f"{head}{reach}."
+                detail = f"{head}{reach}{micro}."
+            elif micro:
+                after = (
+                    ""
+                    if stepped is None
+                    else f", and the next optimizer step, at step {stepped}, was not skipped"
+                )
+                detail = f"{head}{reach}{micro}{after}."
             elif facts.recorded:
                 detail = f"{head}{reach}, and the optimizer step was not skipped for it."
             else:
@@ -347,7 +365,7 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
             a, b = facts.streak
             nums["grad_peak"] = _peak(run, facts.streak)
             detail = (
-                f"{head}. {skips} and {_scale_move(run.steps, a, b)}{_why_not_the_scale(run, a, b)}, "
+                f"{head}{micro}. {skips} and {_scale_move(run.steps, a, b)}{_why_not_the_scale(run, a, b)}, "
                 f"not from the scale.{_began_before(facts, step)}"
             )
             remedy = (
@@ -366,6 +384,21 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
             )
         )
     return fwd_steps
+
+
+def _next_optimizer_step(run: _Run, idle: set[int], step: int) -> int | None:
+    """The step that took in the gradients of the micro-batch ``step`` (one of ``idle``, the sampled steps
+    without an optimizer step): the first recorded step after the micro-batches from it on, when the loss scaler
+    skipped its optimizer step or its weight updates were read; None when the run does not say (that step was
+    not sampled, or the run ended first)."""
+    steps = run.steps
+    if steps.empty:
+        return None
+    skipped = set(steps.loc[T.flags(steps[T.SKIPPED]), T.STEP].astype(int))
+    layers = run.layers
+    updated = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, T.STEP].astype(int))
+    later = sorted(int(s) for s in steps[T.STEP] if int(s) >= step and int(s) not in idle)
+    return later[0] if later and (later[0] in skipped or later[0] in updated) else None
 
 
 def _first_origin(run: _Run, at: pd.DataFrame) -> tuple[str, list[str]]:

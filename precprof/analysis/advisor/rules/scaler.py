@@ -7,7 +7,7 @@ import math
 import pandas as pd
 
 from precprof import tables as T
-from precprof.analysis.advisor.evidence import _Plan, _Run, _static_scale
+from precprof.analysis.advisor.evidence import _Plan, _Run, _static_scale, _steps_without_update
 from precprof.analysis.advisor.model import INFO, WARNING, Finding
 from precprof.analysis.advisor.text import _g, _pow2, _scale
 
@@ -99,6 +99,8 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
     if plan.diverged is not None:
         # the steps from the divergence on were skipped because the loss was already non-finite: counted apart
         st = st[st[T.STEP] < plan.diverged[0]].reset_index(drop=True)
+    # micro-batches (prof.step() called per micro-batch) are no optimizer steps: neither skipped nor gone through
+    st = st[~st[T.STEP].isin(_steps_without_update(run)[0])].reset_index(drop=True)
     if st.empty or st[T.LOSS_SCALE].isna().all():
         return
     skipped = st[T.SKIPPED]

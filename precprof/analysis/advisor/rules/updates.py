@@ -13,6 +13,7 @@ from precprof.analysis.advisor.evidence import (
     _Run,
     _share,
     _shifted_underflow,
+    _steps_without_update,
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
 from precprof.analysis.advisor.text import _listing, _name, _pct
@@ -193,20 +194,7 @@ def _rule_steps_without_update(run: _Run, plan: _Plan) -> None:
     once per micro-batch under gradient accumulation. A step the loss scaler skipped (no optimizer step by
     design) and a step a crash cut off are left out. Fires when it is most of the sampled steps that could tell
     (a loop that steps its optimizer every other step is the same mistake)."""
-    layers = run.layers
-    if layers.empty:
-        return
-    updated = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_UPDATE, T.STEP].astype(int))
-    if not updated:
-        return  # no optimizer given, or its updates not sampled: nothing tells
-    with_grads = set(layers.loc[layers[T.TENSOR] == T.WEIGHT_GRAD, T.STEP].astype(int))
-    steps = run.steps
-    excused: set[int] = set()
-    for col in (T.SKIPPED, T.CUT_OFF):
-        if not steps.empty and col in steps:
-            excused |= set(steps.loc[T.flags(steps[col]), T.STEP].astype(int))
-    told = sorted(with_grads - excused)
-    idle = [s for s in told if s not in updated]
+    idle, told = _steps_without_update(run)
     if len(idle) < 2 or len(idle) * 2 < len(told):
         return
     plan.add(
