@@ -327,8 +327,7 @@ class ProfilerResults:
             "scaler": type(self.scaler).__name__ if self.scaler is not None else None,
             "scaler_enabled": bool(_scaler_enabled(self.scaler)) if self.scaler is not None else None,
             "scaler_growth_interval": _compat.scaler_growth_interval(self.scaler),
-            # a GradScaler not given but found on a framework's wrapper: where ("AcceleratedOptimizer.scaler")
-            "scaler_from": self.scaler_from,
+            "scaler_from": self.scaler_from,  # a GradScaler not given, found on a wrapper: where
             "compiled": compiled_parts(self.model),
             "dropout_layers": dropout_layers(self.model),
             "static_loss_scale": self.loss_scale,
