@@ -126,7 +126,9 @@ def test_tiny_activations_name_the_layer_that_casts_them_to_fp16() -> None:
     flushed = _flushed(seen)
     f = run.recommend("t4").finding("fp16_activation_underflow")
     assert f is not None and f.modules == ["units"] and f.numbers["underflow_values"] == flushed > 0
-    assert f.remedy.startswith("Keep fc1 in fp32 (outside autocast): fc1 casts the values of units to fp16, ")
+    assert f.remedy.startswith(
+        "Keep fc1 in fp32 (outside autocast): fc1 casts its input (the output of units) to fp16, "
+    )
     assert "(keeping units in fp32 instead changes nothing" in f.remedy
 
     # the old advice, followed: units was fp32 already; fc1 still casts its input and computes in fp16
@@ -142,23 +144,30 @@ def test_tiny_activations_name_the_layer_that_casts_them_to_fp16() -> None:
     assert kept.recommend("t4").finding("fp16_activation_underflow") is None
 
 
+def _flushed_share(ts: list[torch.Tensor]) -> float:
+    """The share of the nonzero values of ``ts`` that a cast to fp16 makes 0 (a real cast)."""
+    x = torch.cat([t.flatten() for t in ts])
+    nonzero = x[x != 0]
+    return float((nonzero.half() == 0).sum()) / nonzero.numel()
+
+
 def test_the_layer_the_underflow_remedy_names_is_in_the_keep_list() -> None:
     """fp16_activation_underflow said "Keep fc1 in fp32" beside keep_fp32 = [] (and an fp16 snippet without it):
     the keep list took the layers whose activations overflow alone. What fc1 casts to fp16 (its input, the
-    conversion's output) and computes there (its output), cast to fp16 by the test, flush more than the 1% the
-    finding warns at: fc1 is in the list, with that share in the remedy, and stays there in the re-profile of the
-    run that keeps it, where the finding is gone."""
+    conversion's output), cast to fp16 by the test, flushes more than the 1% the finding warns at: fc1 is in the
+    list, with that share in the remedy, and stays there in the re-profile of the run that keeps it, where the
+    finding is gone. The share is of its input: the remedy said "22.2% of the nonzero values it casts" of a layer
+    whose input lost 66.6%, dividing by its output's values too, which it computes in fp16 and does not cast."""
     run, seen = tiny_features.run("fp32")
-    both = torch.cat([t.flatten() for call in seen for t in call])
-    nonzero = both[both != 0]
-    share = float((nonzero.half() == 0).sum()) / nonzero.numel()
-    assert share > 0.01
+    share = _flushed_share([inp for inp, _ in seen])
+    both = _flushed_share([t for call in seen for t in call])  # the share the remedy gave, input and output
+    assert share > 0.01 and f"{both * 100:.3g}" != f"{share * 100:.3g}"
     rec = run.recommend("t4")
     f = rec.finding("fp16_activation_underflow")
     assert f is not None and rec.format == "fp16" and rec.keep_fp32 == ["fc1"]
     assert (
-        f"fc1 casts the values of units to fp16, flushing {share * 100:.3g}% of the nonzero values"
-        in f.remedy
+        f"fc1 casts its input (the output of units) to fp16, flushing {share * 100:.3g}% of that input's nonzero "
+        "values" in f.remedy
     )
     assert "Keep fc1 in fp32: autocast would cast activations to fp16 there that flush to zero" in " ".join(
         rec.reasons
@@ -168,6 +177,25 @@ def test_the_layer_the_underflow_remedy_names_is_in_the_keep_list() -> None:
     kept, _ = tiny_features.run("fp16", loss_scale=2.0**16, keep_fp32=["fc1"])
     again = kept.recommend("t4")
     assert again.finding("fp16_activation_underflow") is None and again.keep_fp32 == ["fc1"]
+
+
+def test_a_wide_layer_kept_in_fp32_whose_input_would_flush_stays_kept() -> None:
+    """fc1 1024 wide, kept in fp32, reads the tiny input: a cast to fp16 would flush as much of it as of the
+    narrow fc1's, but its output has 32 times as many values, none flushed. Judged on both in one share, fc1
+    flushed less than 1% and was said to "run under fp16 autocast again": followed, autocast casts its input and
+    the values are lost. Its input is judged on its own now, and fc1 stays in the keep list."""
+    run, seen = tiny_features.run("fp16", loss_scale=2.0**16, keep_fp32=["fc1"], width=1024)
+    assert all(inp.dtype == out.dtype == torch.float32 for inp, out in seen)
+    share = _flushed_share([inp for inp, _ in seen])
+    assert share > 0.01 and _flushed_share([out for _, out in seen]) == 0
+    assert _flushed_share([t for call in seen for t in call]) < 0.01  # the share of both, which hid it
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_kept_fp32")
+    assert f is not None and rec.keep_fp32 == ["fc1"] and "may run under fp16 autocast again" not in f.remedy
+    assert (
+        f"fc1: the cast of its input to fp16 would flush {share * 100:.3g}% of that input's nonzero values"
+        in (f.message)
+    )
 
 
 def test_tiny_activations_without_the_readers_recorded_name_no_layer() -> None:

@@ -39,11 +39,16 @@ def fc1_calls(model: TinyFeatureNet) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def run(
-    precision: str = "fp32", loss_scale: float | None = None, keep_fp32: Sequence[str] = (), steps: int = 3
+    precision: str = "fp32",
+    loss_scale: float | None = None,
+    keep_fp32: Sequence[str] = (),
+    steps: int = 3,
+    width: int = 32,
 ) -> tuple[ProfiledRun, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Train TinyFeatureNet (always from the same weights); returns the run and fc1's inputs and outputs."""
+    """Train TinyFeatureNet of fc1's ``width`` (always from the same weights); returns the run and fc1's inputs
+    and outputs."""
     torch.manual_seed(0)
-    model = TinyFeatureNet()
+    model = TinyFeatureNet(width)
     seen = fc1_calls(model)
     profiled = train_profiled(
         model,

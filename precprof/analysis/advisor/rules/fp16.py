@@ -37,7 +37,7 @@ from precprof.analysis.advisor.evidence import (
     _under_any,
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
-from precprof.analysis.advisor.rules.kept import _gemm_inputs, _outside_autocast, _rule_kept_fp32
+from precprof.analysis.advisor.rules.kept import _cast_flush, _gemm_inputs, _outside_autocast, _rule_kept_fp32
 from precprof.analysis.advisor.rules.scaler import _rule_scaler
 from precprof.analysis.advisor.rules.updates import bf16_gradient_underflow
 from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2, _scale, _scales
@@ -361,10 +361,11 @@ def _fed_overflow(run: _Run, observed: set[str], overflowed: set[str]) -> dict[s
 
 def _underflow_remedy(run: _Run, plan: _Plan, mods: list[str], lo: pd.DataFrame) -> tuple[str, list[str]]:
     """What keeps the tiny activations of ``mods`` out of fp16, and the layers it keeps in fp32: those that cast
-    them to fp16 and flush more than ``fp16_activation_underflow_warn`` of the nonzero values they cast
-    (``_casts_flush``, from the rows ``lo`` fp16 would hold). A matmul layer computes its own output in fp16 under
-    autocast, and any matmul reading a value casts it (capture.gemm_inputs says which reads which; a layer's own
-    input row is its input): keeping the module that made a value in fp32 leaves the cast where it was."""
+    them to fp16 and flush more than ``fp16_activation_underflow_warn`` of the nonzero values of their input as
+    they cast it, or of their output as they compute it in fp16 (``_cast_flush``, from the rows ``lo`` fp16 would
+    hold). Under autocast a matmul layer casts its input (and weight) to fp16 and computes its output there, and
+    any matmul reading a value casts it (capture.gemm_inputs says which reads which; a layer's own input row is its
+    input): keeping the module that made a value in fp32 leaves the cast where it was."""
     reads, matmuls = _gemm_inputs(run), set(plan.matmul_layers)
     casts: dict[str, list[str]] = {}  # the layer that casts -> the modules whose values it casts
     unread: list[str] = []
@@ -383,27 +384,34 @@ def _underflow_remedy(run: _Run, plan: _Plan, mods: list[str], lo: pd.DataFrame)
             + (" (this run did not record which layer reads which module's output)" if reads is None else "")
             + f"; {bf16}"
         ), []
-    flush = {c: _casts_flush(lo, c, (reads or {}).get(c, [])) for c in casts}
-    cast = run.sort(c for c in casts if (flush[c] or 0.0) > run.cfg.fp16_activation_underflow_warn)
+    flush = {c: _cast_flush(lo, c, (reads or {}).get(c, [])) for c in casts}
+    cast = run.sort(c for c in casts if flush[c].worst > run.cfg.fp16_activation_underflow_warn)
     if not cast:
         return (
             f"Use bf16 (its range reaches 2^-133) where these values matter: no layer that casts them to fp16 "
-            f"flushes more than {_pct(run.cfg.fp16_activation_underflow_warn)} of the nonzero values it casts ("
-            + ", ".join(f"{_name(c)} {_pct(flush[c])}" for c in run.sort(casts)[:4])
+            f"flushes more than {_pct(run.cfg.fp16_activation_underflow_warn)} of the nonzero values of its input "
+            "as it casts it, or of its output as it computes it there ("
+            + ", ".join(
+                f"{_name(c)}: input {_pct(flush[c].input)}, output {_pct(flush[c].output)}"
+                for c in run.sort(casts)[:4]
+            )
             + "), so keeping one in fp32 saves little."
         ), []
     made = [m for m in mods if m not in matmuls and not m.endswith(T.INPUT_SUFFIX)]
 
     def how(c: str) -> str:
         others = [m for m in casts[c] if m != c]
-        return (
-            f"{_name(c)} "
-            + " and ".join(
-                (["computes its output in fp16"] if c in casts[c] else [])
-                + ([f"casts the values of {_listing(others, 4)} to fp16"] if others else [])
+        said = []
+        if others or (flush[c].input or 0.0) > 0:
+            said.append(
+                f"casts its input{_input_said(others)} to fp16, flushing {_pct(flush[c].input)} of that input's "
+                "nonzero values"
             )
-            + f", flushing {_pct(flush[c])} of the nonzero values it casts"
-        )
+        if c in casts[c] or (flush[c].output or 0.0) > 0:
+            said.append(
+                f"computes its output in fp16, where {_pct(flush[c].output)} of its nonzero values flush"
+            )
+        return f"{_name(c)} " + " and ".join(said)
 
     return (
         f"Keep {_listing(cast, run.cfg.max_listed_modules)} in fp32 (outside autocast): "
@@ -417,12 +425,14 @@ def _underflow_remedy(run: _Run, plan: _Plan, mods: list[str], lo: pd.DataFrame)
     ), cast
 
 
-def _casts_flush(lo: pd.DataFrame, layer: str, read: list[str]) -> float | None:
-    """The share of the nonzero values a matmul ``layer`` casts or computes in fp16 that flush to zero there: its
-    input (its input row and the outputs it reads, ``read``) and its output, of the rows ``lo`` fp16 would hold
-    (rules/kept judges a layer kept in fp32 on the same rows)."""
-    rows = lo[lo[T.MODULE].isin([layer, layer + T.INPUT_SUFFIX, *read])]
-    return _share(float(rows[T.underflow_col("fp16")].sum()), _nonzero(rows))
+def _input_said(tiny: list[str]) -> str:
+    """The tiny values a layer's input holds, in words: its own input row by name, the modules it reads by their
+    output (" (fc1:input)", " (the output of units)"; "" for none)."""
+    rows = [_name(m) for m in tiny if m.endswith(T.INPUT_SUFFIX)]
+    made = [m for m in tiny if not m.endswith(T.INPUT_SUFFIX)]
+    if made:
+        rows.append(f"the output{'s' if len(made) > 1 else ''} of {_listing(made, 4)}")
+    return f" ({', '.join(rows)})" if rows else ""
 
 
 def _cast_under_fp16_autocast(run: _Run, acts: pd.DataFrame) -> pd.Series | None:

@@ -36,6 +36,34 @@ def _outside_autocast(acts: pd.DataFrame) -> set[str]:
 
 
 @dataclass(frozen=True)
+class _CastFlush:
+    """What a matmul layer flushes to zero in fp16 under autocast, of the rows fp16 would hold. Autocast casts
+    the layer's input and weight to fp16 and the layer computes its output there: ``input`` is the share of the
+    nonzero values of its input (its input row and the outputs it reads) that the cast flushes, ``output`` the
+    share of its output's that flush as it is computed (None where there is no nonzero value). Each is judged on
+    its own: a wide output's many values would hide a flushed input in one share of both. The weight, cast too,
+    is not counted here: these rules judge activations."""
+
+    input: float | None
+    output: float | None
+
+    @property
+    def worst(self) -> float:
+        return max(self.input or 0.0, self.output or 0.0)
+
+
+def _cast_flush(rows: pd.DataFrame, layer: str, read: list[str]) -> _CastFlush:
+    """``_CastFlush`` of ``layer`` from the activation ``rows`` fp16 would hold: its input is its input row and
+    the outputs it reads (``read``, capture.gemm_inputs), its output its own rows."""
+
+    def share(of: pd.DataFrame) -> float | None:
+        return _share(float(of[T.underflow_col("fp16")].sum()), _nonzero(of))
+
+    names = rows[T.MODULE]
+    return _CastFlush(share(rows[names.isin([layer + T.INPUT_SUFFIX, *read])]), share(rows[names == layer]))
+
+
+@dataclass(frozen=True)
 class _Kept:
     """The matmul layers the run kept in fp32, by what their values say of fp16."""
 
@@ -46,12 +74,13 @@ class _Kept:
 def _judge(run: _Run, layer: str, rows: pd.DataFrame, input_known: bool) -> tuple[bool, str]:
     """Whether fp16 needs ``layer`` in fp32, and why in words, from the ``rows`` it would cast or compute in fp16
     under autocast (its input and output, fp32 here): a value beyond 65504 or within the headroom of it, or more
-    than ``fp16_activation_underflow_warn`` of the nonzero values flushed, as the forward rules judge them."""
+    than ``fp16_activation_underflow_warn`` of the nonzero values of its input or of its output flushed
+    (``_cast_flush``), as the forward rules judge them."""
     cfg = run.cfg
     limit = FP16.max / 2.0**cfg.fp16_activation_headroom_log2
     over = int(rows[T.overflow_col("fp16")].sum())
     amax = float(pd.to_numeric(rows[T.ABSMAX], errors="coerce").max()) if not rows.empty else 0.0
-    flushed = _share(float(rows[T.underflow_col("fp16")].sum()), _nonzero(rows))
+    flushed = _cast_flush(rows, layer, [m for m in set(rows[T.MODULE]) if m != layer])
     which = _listing(run.sort(set(rows[T.MODULE])), 4)
     if over:
         return True, f"{_name(layer)}: {over:,} values over 65504 in {which} (max |x| {_g(amax)})"
@@ -60,14 +89,22 @@ def _judge(run: _Run, layer: str, rows: pd.DataFrame, input_known: bool) -> tupl
             True,
             f"{_name(layer)}: max |x| {_g(amax)} in {which}, within {2**cfg.fp16_activation_headroom_log2}x of 65504",
         )
-    if flushed is not None and flushed > cfg.fp16_activation_underflow_warn:
-        return True, f"{_name(layer)}: {_pct(flushed)} of the nonzero values of {which} flush to zero in fp16"
+    if flushed.worst > cfg.fp16_activation_underflow_warn:
+        return True, f"{_name(layer)}: " + _cast_flush_said(flushed)
     if not input_known:
         return True, (
             f"{_name(layer)}: its input was not recorded (no captured module made it, and block formats were "
             "off), so whether it fits fp16 is not known"
         )
     return False, f"{_name(layer)}: max |x| {_g(amax)} in {which}, none flushed: it fits fp16"
+
+
+def _cast_flush_said(flushed: _CastFlush) -> str:
+    """What ``flushed`` says, in words: the share of each tensor that flushes, named."""
+    return (
+        f"the cast of its input to fp16 would flush {_pct(flushed.input)} of that input's nonzero values, and "
+        f"{_pct(flushed.output)} of its output's would flush as it computes it in fp16"
+    )
 
 
 def kept_in_fp32(run: _Run, plan: _Plan) -> _Kept | None:
