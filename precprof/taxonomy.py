@@ -72,6 +72,22 @@ _BY_NAME: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 
 
+# Modules whose backward writes an exact zero wherever their forward dropped or clipped a value: a ReLU where its
+# unit was off, a dropout where it dropped one, a max-pool off each window's max, a hard clamp beyond its range. A
+# zero in a gradient that passed back through one may be its, not a value that underflowed. (GELU, SiLU, tanh:
+# their slope is never exactly 0.)
+_BACKWARD_ZEROS = re.compile(
+    r"^(ReLU6?|Hardtanh|Hardsigmoid|Hardswish|Threshold|Hardshrink|Softshrink|(Feature)?AlphaDropout"
+    r"|Dropout[123]?d?|(Adaptive|Fractional)?MaxPool[123]d)$"
+)
+
+
+def writes_backward_zeros(module_type: str) -> bool:
+    """Whether a module of this type writes exact zeros into the gradient its backward passes on
+    (``_BACKWARD_ZEROS``)."""
+    return bool(_BACKWARD_ZEROS.match(module_type or ""))
+
+
 @functools.cache
 def _matmul_types() -> tuple[type[nn.Module], ...]:
     from torch import nn

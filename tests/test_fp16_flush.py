@@ -4,6 +4,7 @@ fp32, whose gradients the test's own hooks cast to fp16."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -224,23 +225,29 @@ def test_an_unscaled_fp16_run_is_told_its_flushes_are_uncounted_and_to_scale_its
 
 class _FunctionalRelu(nn.Module):
     """relu_zeros' classifier with torch.relu in place of its ReLU modules: no module's gradient is free of the
-    mask, as act1-act3's were (each Linear's output gradient holds ReLU's zeros)."""
+    mask, as act1-act3's were (each Linear's output gradient holds ReLU's zeros). With ``act`` GELU (no exact
+    zero in its backward) and a dropout of p=0 on the input (a module whose backward writes zeros, before every
+    layer, as GPT's after its embeddings), the same gradients hold flushes and no mask."""
 
-    def __init__(self, width: int = 64) -> None:
+    def __init__(self, width: int = 64, act: Callable[[torch.Tensor], torch.Tensor] = torch.relu) -> None:
         super().__init__()
+        self.act = act
+        self.drop = nn.Dropout(0.0)
         self.fc1 = nn.Linear(relu_zeros.N_IN, width)
         self.fc2 = nn.Linear(width, width)
         self.fc3 = nn.Linear(width, width)
         self.head = nn.Linear(width, relu_zeros.N_CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.fc2(torch.relu(self.fc1(x))))
-        return self.head(torch.relu(self.fc3(h)))
+        h = self.act(self.fc2(self.act(self.fc1(self.drop(x)))))
+        return self.head(self.act(self.fc3(h)))
 
 
-def _functional_run(precision: str, weight: float) -> tuple[ProfiledRun, list[torch.Tensor]]:
+def _functional_run(
+    precision: str, weight: float, act: Callable[[torch.Tensor], torch.Tensor] = torch.relu
+) -> tuple[ProfiledRun, list[torch.Tensor]]:
     torch.manual_seed(0)
-    model = _FunctionalRelu()
+    model = _FunctionalRelu(act=act)
     seen = relu_zeros.output_gradients(model)
     run = train_profiled(
         model,
@@ -273,16 +280,55 @@ def test_gradients_that_run_into_the_floor_behind_a_mask_are_flushed() -> None:
     ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & layers[T.MODULE].isin(["fc1", "fc2", "fc3"])]
     at_most = float(ag[T.ZEROS].sum() / ag[T.NUMEL].sum())
     assert f.numbers["fp16_flushed_at_most"] == at_most >= lost
-    assert (
-        f.title
-        == f"fp16 gradients flushed to zero at loss scale 1: up to {at_most * 100:.3g}%, a mask's "
-        + ("zeros among them")
-    )
+    # (no module writes those zeros: a function does, torch.relu, which precprof does not see)
+    assert f.title == f"fp16 gradients flushed to zero at loss scale 1: up to {at_most * 100:.3g}%"
     assert "fc1, fc2, fc3 sit at its smallest subnormal, 2^-24" in f.message
+    assert (
+        "unless a function their output passes through before the next layer wrote some in backward (torch.relu"
+        in (f.message)
+    )
     assert f.remedy.startswith("Scale the loss: GradScaler(init_scale=")
     # the verdict's loss-scale reason says so too (it said "underflow falls from 0% at scale 1 to 0%")
     (reason,) = [r for r in rec.reasons if r.startswith("Start GradScaler at init_scale=")]
     assert (
         f"ran into fp16's floor at loss scale 1 and were flushed to zero (up to {at_most * 100:.3g}%"
         in reason
+    )
+
+
+def test_flushed_gradients_of_a_model_without_a_mask_are_not_said_to_hold_a_mask() -> None:
+    """The classifier with GELU, weighted by 2^-12 (as GPT's attention gradients, behind its fused attention): the
+    fp16 finding said of fc1-fc3's zeros "a mask's zeros among them ... (ReLU's backward writes an exact zero
+    wherever its unit was off)" in a model with no ReLU and no dropout after them. The fp32 run's gradients hold
+    no exact zero, and a cast to fp16 flushes most of them: the fp16 run's zeros are flushes. The finding names a
+    mask only where a module that writes zeros in backward runs after those gradients' modules (the dropout on
+    the input runs before them); here it says the zeros are flushes unless a function wrote some."""
+    gelu = nn.functional.gelu
+    _, seen32 = _functional_run("fp32", 2.0**-12, gelu)
+    zeros32, lost = _flushes(seen32[1:4])  # step 0: fc3, fc2 and fc1 (after head) in backward order
+    assert zeros32 == 0 and lost > 0.3
+    run, _ = _functional_run("fp16", 2.0**-12, gelu)
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_gradient_underflow")
+    assert f is not None and f.numbers["fp16_flushed"]
+    layers = run.tables["layers"]
+    ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & layers[T.MODULE].isin(["fc1", "fc2", "fc3"])]
+    at_most = float(ag[T.ZEROS].sum() / ag[T.NUMEL].sum())
+    assert f.numbers["fp16_flushed_at_most"] == at_most > 0.3
+    assert f.title == f"fp16 gradients flushed to zero at loss scale 1: up to {at_most * 100:.3g}%"
+    assert "mask's" not in f.message and "ReLU" not in f.message
+    assert f"their zeros, {at_most * 100:.3g}% of their values, are flushes unless a function" in f.message
+    (reason,) = [r for r in rec.reasons if r.startswith("Start GradScaler at init_scale=")]
+    assert f"(up to {at_most * 100:.3g}% of those values, which the exponent histograms cannot see" in reason
+
+    # relu_zeros' ReLU modules run after fc1-fc3: their zeros are named, with the modules that write them
+    relu, _ = relu_zeros.run("fp16", weight=2.0**-12)
+    f = relu.recommend("t4").finding("fp16_gradient_underflow")
+    assert (
+        f is not None
+        and (
+            "fc1, fc2, fc3 run into the floor too, but their zeros are not counted: they may hold the zeros act1, "
+            "act2, act3 (ReLU) write in backward"
+        )
+        in f.message
     )

@@ -442,8 +442,9 @@ def _underflow_said(plan: _Plan) -> str:
     if nums.get("fp16_flushed") and isinstance(at_most, float):
         return (
             f"this run's fp16 activation gradients ran into fp16's floor at {at} and were flushed to zero (up to "
-            f"{_pct(at_most)} of those values, a mask's zeros among them, which the exponent histograms cannot see; "
-            "fp16_gradient_underflow)."
+            f"{_pct(at_most)} of those values"
+            + (", a mask's zeros among them" if plan.fp16_masks else "")
+            + ", which the exponent histograms cannot see; fp16_gradient_underflow)."
         )
     if nums.get("fp16_flushed") and isinstance(flushed, float):
         return (

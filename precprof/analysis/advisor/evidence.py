@@ -403,6 +403,9 @@ class _Plan:
     fp16_passed_on: dict[str, str | None] = field(default_factory=dict)
     # matmul layers in keep_fp16 for the activations they cast to fp16 and flush there (fp16_activation_underflow)
     fp16_flush_kept: list[str] = field(default_factory=list)
+    # the recorded modules whose backward writes zeros (a ReLU, a dropout) after the fp16 activation gradients
+    # whose zeros fp16_gradient_underflow does not count: none, and a mask there is a function precprof does not see
+    fp16_masks: list[str] = field(default_factory=list)
     # matmul layers the run kept in fp32 under autocast: those fp16 still needs there (in keep_fp16 too), and those
     # whose values fit fp16 (rules/kept)
     kept_fp32: list[str] = field(default_factory=list)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pandas as pd
@@ -758,6 +758,9 @@ class _Flush:
     masked_share: (
         float | None
     )  # the share of zeros among every value of ``masked``: the most that flushed there
+    masks: list[str] = field(
+        default_factory=list
+    )  # the modules that may have written them (``_masks_after``)
 
     @property
     def share(self) -> float | None:
@@ -782,6 +785,24 @@ def _masks_none(run: _Run, per: pd.DataFrame, nonzero: pd.Series) -> set[str]:
         return {str(m) for m in per.index}
     read = {p for made in inputs.values() for p in made}
     return {str(m) for m in per.index if m in read or nonzero[m] == 0}
+
+
+def _masks_after(run: _Run, modules: list[str]) -> list[str]:
+    """The recorded modules whose backward writes exact zeros (taxonomy.writes_backward_zeros: a ReLU, a dropout,
+    a max-pool) that ran after one of ``modules`` in the forward pass, before the next matmul layer: a zero in
+    their gradients may be one of theirs. A matmul's backward sums over its values, which leaves no mask's zero
+    behind it. Any other mask is a function the forward calls (torch.relu, F.dropout, masked_fill), which precprof
+    does not see."""
+    seq = run.sort(run.types)  # forward order
+    masks: set[str] = set()
+    for m in modules:
+        for n in seq[seq.index(m) + 1 :] if m in seq else []:
+            kind = run.types.get(n, "")
+            if taxonomy.is_matmul_type(kind):
+                break
+            if taxonomy.writes_backward_zeros(kind):
+                masks.add(n)
+    return run.sort(masks)
 
 
 def _flushed_modules(run: _Run, rows: pd.DataFrame) -> _Flush:
@@ -815,6 +836,7 @@ def _flushed_modules(run: _Run, rows: pd.DataFrame) -> _Flush:
         run.sort(counted),
         len(counted) == len(per),
         _share(float(per.loc[masked, T.ZEROS].sum()), float(per.loc[masked, T.NUMEL].sum())),
+        _masks_after(run, masked),
     )
 
 
@@ -851,9 +873,29 @@ def _had_loss_scale(run: _Run, ag: pd.DataFrame) -> bool:
     return bool((scales != 1.0).any() or (ag[T.SCALE] != 1.0).any())
 
 
-def _flushed_said(fl: _Flush, every: bool, scaled: bool, cfg: AdvisorConfig) -> str:
+def _mask_said(run: _Run, masks: list[str]) -> str:
+    """The zeros the modules ``masks`` (``_masks_after``) may have written, in words, with their types."""
+    types = ", ".join(sorted({run.types.get(m, "") for m in masks} - {""}))
+    return (
+        f"the zeros {_listing(masks, run.cfg.max_listed_modules)} ({types}) write in backward wherever their forward "
+        "dropped or clipped a value (a ReLU's where its unit was off, a dropout's where it dropped one)"
+    )
+
+
+def _no_mask_said() -> str:
+    """Where a mask's zeros can come from in a run whose recorded modules write none after the gradients: a
+    function the forward calls, which precprof does not see."""
+    return (
+        "a function their output passes through before the next layer wrote some in backward (torch.relu, "
+        "F.dropout or masked_fill: no module recorded there writes zeros in backward, and precprof does not see "
+        "functions)"
+    )
+
+
+def _flushed_said(run: _Run, fl: _Flush, every: bool, scaled: bool) -> str:
     """The flushed evidence in words, which opens the finding: a value that underflowed is a zero, so the counts
     that follow it cannot see what was lost."""
+    cfg = run.cfg
     where = (
         f"This fp16 run scaled its loss ({_scales(fl.scales)} where these gradients flushed)"
         if scaled
@@ -871,9 +913,13 @@ def _flushed_said(fl: _Flush, every: bool, scaled: bool, cfg: AdvisorConfig) -> 
             f"{where}: {_pct(fl.floor_share)} of the nonzero values of {_listing(dense, cfg.max_listed_modules)} sit "
             "at its smallest subnormal, 2^-24: their gradients run into fp16's floor, and what lies below it was "
             f"flushed to zero. How many the run cannot count: their zeros, {_pct(fl.masked_share)} of their values, "
-            "mix flushes with a mask's (ReLU's backward writes an exact zero wherever its unit was off), and no "
-            "gradient a matmul's backward computed from the one it received runs into the floor; at most "
-            f"{_pct(fl.masked_share)} of their values were flushed"
+            + (
+                f"mix flushes with {_mask_said(run, fl.masks)}"
+                if fl.masks
+                else f"are flushes unless {_no_mask_said()}"
+            )
+            + "; the gradients where a zero can only be a flush (those a matmul's backward computed) do not run into "
+            f"the floor to tell. At most {_pct(fl.masked_share)} of their values were flushed"
         )
     parts = [f"{_listing(fl.empty, cfg.max_listed_modules)} held no nonzero value"] if fl.empty else []
     if dense:
@@ -896,9 +942,12 @@ def _flushed_said(fl: _Flush, every: bool, scaled: bool, cfg: AdvisorConfig) -> 
     )
     if fl.masked:
         return said + (
-            f"; {_listing(fl.masked, cfg.max_listed_modules)} run into the floor too, but their zeros are not counted:"
-            " a mask after them may have written them (ReLU's backward writes an exact zero wherever its unit was "
-            "off)"
+            f"; {_listing(fl.masked, cfg.max_listed_modules)} run into the floor too, but their zeros are not counted: "
+            + (
+                f"they may hold {_mask_said(run, fl.masks)}"
+                if fl.masks
+                else f"some may not be flushes, if {_no_mask_said()}"
+            )
         )
     others = _share(fl.all_zeros - fl.zeros, fl.values) or 0.0
     return said + (
@@ -1038,12 +1087,13 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     all_zero16 = not is16.empty and float(is16[T.ZEROS].sum()) == float(is16[T.NUMEL].sum()) > 0
     fl = _flushed_modules(run, is16)
     flushed = (fl.share or 0) > cfg.fp16_flushed_zero_share or bool(fl.empty) or fl.masked_only
+    plan.fp16_masks = fl.masks
     scaled = _had_loss_scale(run, ag)
     loss_change = _loss_change(run)
     stalled = loss_change is not None and abs(loss_change) < cfg.stalled_loss_change
     if flushed:  # what the run lost comes first: the exact counts above see none of it
         msg = (
-            _flushed_said(fl, all_zero16, scaled, cfg)
+            _flushed_said(run, fl, all_zero16, scaled)
             + (
                 (
                     f"; the loss did not move (it changed by {_pct(abs(loss_change))} over the run): training "
@@ -1141,8 +1191,8 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         Finding(
             "fp16_gradient_underflow",
             severity,
-            f"fp16 gradients flushed to zero at {_scales(fl.scales)}: up to {_pct(fl.masked_share)}, a mask's zeros "
-            "among them"
+            f"fp16 gradients flushed to zero at {_scales(fl.scales)}: up to {_pct(fl.masked_share)}"
+            + (", a mask's zeros among them" if fl.masks else "")
             if fl.masked_only
             else f"fp16 gradients flushed to zero: {_pct(fl.share)} zeros at {_scales(fl.scales)}"
             if flushed
