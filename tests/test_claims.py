@@ -774,25 +774,61 @@ def test_a_bf16_run_that_diverged_gets_no_critical_fp16_finding(tmp_path: Path) 
     assert underflow.numbers["demoted_from"] == "critical" and "(what fp16 would do" in underflow.title
 
 
-def test_an_fp16_runs_whatif_says_where_its_losses_are(tmp_path: Path) -> None:
-    """An fp16 run that flushed half its activation gradients: the what-if's FP16 columns read 0% for them (a
-    second cast loses nothing), and nothing on the table said the loss is in the zeros fp16 made. A note names
-    each kind held in fp16 with its share of zeros, computed here from the layers table."""
+def _flushing_fp16_run(out: Path, precision: torch.dtype = torch.float16) -> precprof.Profiler:
+    """A GELU MLP trained 3 steps under ``precision`` autocast with no loss scaler, its loss weighted by 1e-6: in
+    fp16 about half its activation gradients flush."""
     model = _gelu_mlp(16, 32, 4)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
-    with precprof.Profiler(model, optimizer=opt, sample_every=1, out=tmp_path / "run") as prof:
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, out=out) as prof:
         for _ in range(3):
             x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
-            with torch.autocast("cpu", dtype=torch.float16):
+            with torch.autocast("cpu", dtype=precision):
                 loss = (model(x).float() - y).pow(2).mean() * 1e-6
             loss.backward()
             opt.step()
             opt.zero_grad()
             prof.step(loss=loss.detach())
+    return prof
+
+
+def test_an_fp16_runs_whatif_says_where_its_losses_are(tmp_path: Path) -> None:
+    """An fp16 run that flushed half its activation gradients: the what-if's FP16 columns read 0% for them (a
+    second cast loses nothing), and nothing on the table said the loss is in the zeros fp16 made. A note names
+    each kind held in fp16 with its share of zeros, computed here from the layers table."""
+    prof = _flushing_fp16_run(tmp_path / "run")
     layers = prof.tables()["layers"]
     ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & (layers[T.DTYPE] == "float16")]
     share = ag[T.ZEROS].sum() / ag[T.NUMEL].sum()
     assert share > 0.05
     page = html.unescape(re.sub(r"<[^>]+>", "", prof.report(tmp_path / "run").read_text()))
     assert f"Held in fp16 by this run already: activation gradients ({filters.pct(share)} zeros)" in page
+
+
+def test_the_timeline_is_not_said_to_show_what_fp16_flushed(tmp_path: Path) -> None:
+    """The what-if's note on tensors an fp16 run held in fp16 said "the timeline above and the findings say how
+    much" fp16 flushed, beside a timeline whose activation-gradient row was white: it counts underflow of the
+    recorded values, and an fp16 value that flushed was recorded as a zero. The same run in bf16, whose gradients
+    the layers table's fp16 columns count, shows what fp16 would flush there; the fp16 run's rows count nothing.
+    The note and the timeline's caption say the timeline cannot show it, and name the findings that can."""
+    bf16 = _flushing_fp16_run(tmp_path / "bf16", torch.bfloat16).tables()["layers"]
+    ag = bf16[bf16[T.TENSOR] == T.ACTIVATION_GRAD]
+    assert ag[T.underflow_col("fp16")].sum() / ag[T.NUMEL].sum() > 0.2  # what fp16 flushes of these gradients
+    prof = _flushing_fp16_run(tmp_path / "run")
+    layers = prof.tables()["layers"]
+    ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & (layers[T.DTYPE] == "float16")]
+    assert ag[T.ZEROS].sum() / ag[T.NUMEL].sum() > 0.2
+    assert (
+        ag[T.underflow_col("fp16")].sum() == ag[T.INF].sum() == ag[T.NAN].sum() == 0
+    )  # the timeline's counts
+    page = html.unescape(re.sub(r"<[^>]+>", "", prof.report(tmp_path / "run").read_text()))
+    assert "the timeline above and the findings say how much" not in page
+    assert (
+        "The timeline above cannot show the flushes either: it counts these values as these columns do; what the "
+        "run can tell of the activation gradients fp16 flushed is in the findings fp16_gradient_underflow and "
+        "fp16_no_loss_scaling." in page
+    )
+    assert (
+        "The activation gradients rows cannot show what fp16 flushed there: this run held them in fp16"
+        in page
+    )

@@ -404,6 +404,7 @@ def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any
         "blocks": blocks.table(rec, (summary.get(T.SUMMARY_CAPTURE) or {}).get("block_formats")),
         "fp8_at_scale": _fp8_at_scale(layers),
         "fp16_already": _fp16_already(layers),
+        "fp16_flush_findings": _fp16_flush_findings(rec),
     }
 
 
@@ -419,6 +420,17 @@ def _fp8_at_scale(layers: pd.DataFrame) -> dict[str, Any] | None:
         "lo": min(scales[k]["min"] for k in kinds),
         "hi": max(scales[k]["max"] for k in kinds),
     }
+
+
+# the findings that say what a run can tell of the activation gradients fp16 flushed in tensors it held in fp16,
+# where neither the what-if's columns nor the timeline can (a flushed value is a zero there)
+_FP16_FLUSH_CODES = ("fp16_gradient_underflow", "fp16_no_loss_scaling")
+
+
+def _fp16_flush_findings(rec: Mapping[str, Any] | None) -> list[str]:
+    """The codes of ``_FP16_FLUSH_CODES`` among the findings of ``rec``."""
+    codes = {str(f.get("code")) for f in (rec or {}).get("findings") or []}
+    return [c for c in _FP16_FLUSH_CODES if c in codes]
 
 
 def _fp16_already(layers: pd.DataFrame) -> list[dict[str, Any]]:
@@ -610,9 +622,17 @@ def _timeline(layers: pd.DataFrame, steps: pd.DataFrame, capture: Mapping[str, A
         return None
     alt = f"Share of values lost in FP16 per tensor kind over {tl.n_steps} sampled steps"
     late = environment.updates_from(capture)
+    held = [f["kind"] for f in _fp16_already(layers)]
+    # a value fp16 flushed in a tensor the run held in fp16 is a zero there, which no count tells from a true one
+    blind = (
+        f"The {' and '.join(held)} rows cannot show what fp16 flushed there: this run held them in fp16, where a "
+        "flushed value is a zero already, which no count tells from a true zero (the what-if section says more)."
+        if held
+        else ""
+    )
     return {
         "img": _img(timeline.timeline_figure(tl, _restarts(steps)), alt),
-        "note": " ".join(t for t in (tl.note, f"Weight updates: {late}." if late else "") if t),
+        "note": " ".join(t for t in (tl.note, blind, f"Weight updates: {late}." if late else "") if t),
         "aggregated": tl.aggregated,
     }
 
