@@ -893,6 +893,60 @@ def test_warnings_beside_the_point_are_quoted_not_hidden() -> None:
     assert c.text.endswith(f"The advisor had warned ({under}), yet it did not hurt this run.")
 
 
+def test_an_unscaled_fp16_run_is_not_what_the_advisor_expected(tmp_path: Path) -> None:
+    """gpt-nano in fp32 and in fp16 without loss scaling: the fp32 profile advises fp16 with a GradScaler (at
+    scale 1 some gradients flush) and gives no fp16 warning; the unscaled run matches fp32 over these steps, and
+    its own profile warns that its gradients flushed. The check read "[confirmed] ... As the advisor expected (no
+    warning for this format)": it says now that the run did not scale its loss as advised, checks nothing of the
+    advice, and quotes the run's own warnings, read here from its summary.json."""
+    base = TrainConfig(
+        model="gpt-nano",
+        model_args={"n_layer": 1},
+        steps=STEPS,
+        batch_size=4,
+        seq_len=64,
+        sample_every=4,
+        progress=False,
+        report=False,
+        seed=3,
+    )
+    comp = C.compare(base, "fp32,fp16:none", out=tmp_path)
+    rec = T.read_summary(tmp_path / "fp32")[T.SUMMARY_RECOMMENDATION]
+    assert not rec["fp16_ruled_out"] and rec["fp16_loss_scale"] > 1 and not A.format_warnings(rec, "fp16")
+    unscaled = comp.run("fp16-none")
+    assert unscaled.loss_scaling == "none" and unscaled.outcome == A.MATCHED
+    own = [
+        f["title"]
+        for f in T.read_summary(tmp_path / "fp16-none")[T.SUMMARY_RECOMMENDATION]["findings"]
+        if f["code"].startswith("fp16_") and f["severity"] in ("warning", "critical")
+    ]
+    assert own  # its gradients ran into fp16's floor at scale 1
+    (check,) = [c for c in comp.checks if c.aspect == A.ASPECT_WARNINGS]
+    assert check.status == A.NOT_MEASURED and "As the advisor expected" not in check.text
+    under = next(f["title"] for f in rec["findings"] if f["code"] == "fp16_gradient_underflow")
+    assert (
+        "This run scaled no loss; the advisor's fp16 advice scales it (GradScaler at init_scale "
+        f"2^{round(math.log2(rec['fp16_loss_scale']))}; the profile found {under}), so this run does not check "
+        "that advice." in check.text
+    )
+    assert check.text.endswith(f" Its own profile warned: {'; '.join(own)}.")
+
+
+def test_an_unscaled_fp16_run_does_not_check_a_recommended_fp16() -> None:
+    """The advisor recommends fp16 with a loss scale, and the one fp16 run scaled none: its loss says nothing of
+    the recommendation, matched or not."""
+    rec = {**_rec("fp16", 2.0**16, []), "fp16_loss_scale": 2.0**16, "target": "AMD EPYC"}
+    ref = run_result("fp32", 5.0, 2.0, recommendation=rec)
+    bare = run_result("fp16-none", 5.0, 2.01)
+    bare.outcome, bare.gap = A.classify(bare, ref, 0.02)
+    (loss,) = [c for c in A.check_against_runs([ref, bare], ref) if c.aspect == A.ASPECT_LOSS]
+    assert loss.status == A.NOT_MEASURED
+    assert loss.text.endswith(
+        "This run scaled no loss; the advisor's fp16 advice scales it (GradScaler at init_scale 2^16), so this run "
+        "does not check it."
+    )
+
+
 def _hand_built_run(path: Path, scales: list[float]) -> Path:
     """A run directory with only what read_run needs: a steps table and a summary (dynamic fp16 scaling)."""
     n = len(scales)

@@ -47,8 +47,8 @@ STATUS_MEANING = {
     NOT_BORNE_OUT: "the profile warned about this format, and the run did not suffer from it",
     MISSED: "the run went wrong and the profile gave no warning that bears on it",
     NOT_MEASURED: "no run in this comparison measures it: no run in that format, a failed run, no throughput, "
-    "speed on a machine other than this one, a run trained otherwise than the reference besides its precision, or a "
-    "reference that did not train",
+    "speed on a machine other than this one, a run trained otherwise than the reference besides its precision, an "
+    "fp16 run without the loss scaling the advice gives it, or a reference that did not train",
     OVERRIDDEN: "the advisor's fp32 default for a small model, against a run in the format its measurements "
     f"allowed that matched and reached {_GAIN}",
 }
@@ -105,6 +105,33 @@ def _beside_the_point(f: Mapping[str, Any], run: RunResult) -> str | None:
     if code == "fp16_gradient_underflow" and run.loss_scaling != "none" and sev != "critical":
         return "about fp16 at loss scale 1; this run scaled its loss"
     return None
+
+
+def _scaling_not_followed(rec: Mapping[str, Any] | None, r: RunResult) -> str:
+    """Where ``r`` is an fp16 run that scaled no loss and the reference profile's fp16 advice scales it (a
+    GradScaler started at the scale it sized; fp16 not ruled out), that advice in words, with what the profile
+    found at scale 1; "" otherwise. Such a run checks no warning of the advice: what it does at scale 1 is what the
+    advice avoids, and its loss can match in a short run while its gradients flush."""
+    scale = (rec or {}).get("fp16_loss_scale")
+    if _family(r.precision) != "fp16" or r.loss_scaling != "none" or (rec or {}).get("fp16_ruled_out"):
+        return ""
+    if not isinstance(scale, (int, float)) or scale <= 1:
+        return ""
+    under = [_title(f) for f in _findings(rec) if f.get("code") == "fp16_gradient_underflow"]
+    return (
+        f"This run scaled no loss; the advisor's fp16 advice scales it (GradScaler at init_scale {_fmt_scale(scale)}"
+        + (f"; the profile found {under[0]}" if under else "")
+        + ")"
+    )
+
+
+def _own_warnings(r: RunResult) -> str:
+    """The warnings (and criticals) ``r``'s own profile gave for its format, quoted as a sentence ("" for none)."""
+    fmt = _family(r.precision)
+    own = [_title(f) for f in format_warnings(r.recommendation, fmt)] if fmt else []
+    return (
+        f" Its own profile warned: {'; '.join(own)}." if own else " Its own profile gave no warning for it."
+    )
 
 
 def predicted_trouble(rec: Mapping[str, Any] | None, run: RunResult) -> list[dict[str, Any]]:
@@ -296,10 +323,12 @@ def _recommendation_checks(
             )
             continue
         ok = r.outcome in (MATCHED, AHEAD)
+        unscaled = _scaling_not_followed(rec, r)
         checks.append(
             Check(
-                CONFIRMED if ok else CONTRADICTED,
-                f"Loss: {said}: {outcome_sentence(r, ref, 0)}",
+                NOT_MEASURED if unscaled else CONFIRMED if ok else CONTRADICTED,
+                f"Loss: {said}: {outcome_sentence(r, ref, 0)}"
+                + (f" {unscaled}, so this run does not check it." if unscaled else ""),
                 r.label,
                 ASPECT_LOSS,
             )
@@ -361,12 +390,18 @@ def _warning_checks(rec: Mapping[str, Any] | None, r: RunResult, ref: RunResult)
     trouble = [f for f in given if _beside_the_point(f, r) is None]
     aside = [f for f in given if _beside_the_point(f, r) is not None]
     bad = r.outcome in BAD_OUTCOMES
+    unscaled = _scaling_not_followed(rec, r)
     said = "; ".join(_title(f) for f in trouble)
     aside_text = "; ".join(f"{_title(f)} ({_beside_the_point(f, r)})" for f in aside)
     if trouble and bad:
         status, why = CONFIRMED, f"The advisor had warned: {said}."
     elif trouble:
         status, why = NOT_BORNE_OUT, f"The advisor had warned ({said}), yet it did not hurt this run."
+    elif unscaled:  # neither "missed" nor "as expected": the run was not trained as advised
+        status = NOT_MEASURED
+        why = f"{unscaled}, so this run does not check that advice" + (
+            f"; the profile's {fmt} warnings do not bear on it: {aside_text}." if aside else "."
+        )
     elif bad:
         status = MISSED
         why = (
@@ -383,6 +418,8 @@ def _warning_checks(rec: Mapping[str, Any] | None, r: RunResult, ref: RunResult)
         )
     if trouble and aside:
         why += f" Not about this run's loss: {aside_text}."
+    if unscaled:
+        why += (f" {unscaled}." if trouble else "") + _own_warnings(r)
     if bad:
         why += own_diagnosis(r)
     skipped = f" {_steps(r.skipped_steps)} skipped." if r.skipped_steps else ""
