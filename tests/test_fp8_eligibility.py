@@ -322,6 +322,40 @@ def test_a_layer_called_on_different_tokens_is_judged_on_every_call(first: int) 
         )
 
 
+class _SplitCalls(nn.Module):
+    """``fc`` called on the first 3 positions of each sequence and on the other 5 (a batch of 4: 12 and 20
+    tokens, a step's 32 between them), and ``head`` once on all 32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.head = nn.Linear(32, 32), nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cat([self.fc(x[:, :3]), self.fc(x[:, 3:])], 1))
+
+
+def test_the_flops_share_counts_each_call_at_the_tokens_it_had() -> None:
+    """A layer called twice a step on parts of the batch (12 and 20 of its 32 tokens) was counted as if each
+    call saw every token: fc's 2 x in x out twice, so the eligible head carried "50% of the linear layers'
+    matmul FLOPs, not more than 50%" and the layers themselves decided against FP8, where it carries two
+    thirds. Checked against torch's own count of each module's FLOPs (torch.utils.flop_counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _SplitCalls()
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randn(4, 8, 32))
+    per = {k.rsplit(".", 1)[-1]: sum(v.values()) for k, v in counter.get_flop_counts().items() if "." in k}
+    share = per["head"] / (per["head"] + per["fc"])
+    assert share == pytest.approx(2 / 3)  # fc: 2 x 32 x 32 x 32 FLOPs, head: 2 x 32 x 64 x 32
+    rec = _advice(_SplitCalls(), 8, 8)
+    f = rec.finding("fp8_eligibility")
+    assert f is not None and f.modules == ["head"]
+    assert f.numbers["eligible_flops_share"] == pytest.approx(share)
+    assert f"1 of 2 qualify, carrying {100 * share:.3g}% of the" in f.message
+    assert "the layers themselves decided" not in " ".join(rec.reasons)
+
+
 def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_says_why(
     monkeypatch: pytest.MonkeyPatch, block_formats_on: None
 ) -> None:

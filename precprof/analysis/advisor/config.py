@@ -85,8 +85,9 @@ class AdvisorConfig:
     # Tensor-core alignment: dims multiple of 8 for fp16/bf16/tf32, of 16 for fp8.
     alignment: int = 8
     fp8_alignment: int = 16
-    # ... judged for layers carrying at least this share of the linear layers' matmul FLOPs (in x out per call):
-    # a router's or a gate's few outputs (an MoE's shared_expert_gate, out=1) cost next to nothing misaligned
+    # ... judged for layers carrying at least this share of the linear layers' matmul FLOPs (at the tokens each
+    # call read): a router's or a gate's few outputs (an MoE's shared_expert_gate, out=1) cost next to nothing
+    # misaligned
     alignment_min_flops_share: float = 0.01
     # Below this many parameters, fp32 may be as fast as mixed precision (launch-bound, not math-bound).
     small_model_params: int = 100_000_000

@@ -465,10 +465,11 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     plan.fp8_checked = len(rows)
     plan.fp8_eligible = [m for m, why in rows if not why]
     plan.fp8_why_not = {m: why for m, why in rows if why}
-    known = {m: f for m in linear if (f := shapes[m].flops_per_token) is not None}
+    # each layer's matmul FLOPs per token of a call, at the tokens each of its calls had
+    tokens = _tokens_per_call(run)
+    known = {m: f for m in linear if (f := shapes[m].flops_per_token(tokens)) is not None}
     # a mixture of experts' banks of expert weights: matmuls float8 conversion does not swap (it swaps nn.Linear
     # alone), counted in the step's FLOPs (per token of a call, as the layers': their routed rows over the tokens)
-    tokens = _tokens_per_call(run)
     experts = _expert_gemms(run) if tokens else {}
     expert_flops = {
         b: sum(2 * rows * k * n for rows, k, n in gemms) / tokens for b, gemms in experts.items() if tokens

@@ -30,9 +30,10 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> 
     linear = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
     shapes = _fp8_shapes(run, linear, dims)
     tied = {sh.tied_to for sh in shapes.values() if sh.tied_to is not None}
-    # each layer's matmul FLOPs per token (a tied head's are its embedding's): a layer carrying a negligible
-    # share of them is not worth padding
-    flops = {m: f for m, sh in shapes.items() if (f := sh.flops_per_token) is not None}
+    # each layer's matmul FLOPs per token, at the tokens its calls had (a tied head's are its embedding's): a
+    # layer carrying a negligible share of them is not worth padding
+    tokens = _tokens_per_call(run)
+    flops = {m: f for m, sh in shapes.items() if (f := sh.flops_per_token(tokens)) is not None}
     for m, sh in shapes.items():
         if sh.tied_to is not None and m in flops:
             flops[sh.tied_to] = flops.get(sh.tied_to, 0) + flops.pop(m)
@@ -49,7 +50,6 @@ def _rule_alignment(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> 
         if off:
             bad[m] = ", ".join(off)
     model_off = {k: v for k, v in _model_dims(run).items() if v % a}
-    tokens = _tokens_per_call(run)
     tok_off = tokens is not None and tokens % a != 0
     if not (bad or model_off or tok_off):
         return
@@ -116,13 +116,18 @@ class _Fp8Shape:
         None  # (calls, their tokens in all) of that step, where they differed
     )
     calls: int = 1
+    rows: int | None = None  # the tokens of all its calls at the first sampled step (output elements / out)
 
-    @property
-    def flops_per_token(self) -> int | None:
-        """Matmul FLOPs per token and step: 2 x in x out per call (forward; backward scales all layers alike)."""
+    def flops_per_token(self, tokens: int | None) -> float | None:
+        """Matmul FLOPs of its forward per token of a call (``tokens``: batch x sequence; the backward scales all
+        layers alike): 2 x in x out x the tokens its calls had in all, over ``tokens``. Two calls on 12 and 20
+        of a step's 32 tokens are one pass over them, not two. Where the run does not tell the rows or the
+        tokens: 2 x in x out per call, each call taken to read every token."""
         if self.in_features is None or self.out_features is None:
             return None
-        return 2 * self.in_features * self.out_features * max(self.calls, 1)
+        if self.rows is None or not tokens:
+            return 2 * self.in_features * self.out_features * max(self.calls, 1)
+        return 2 * self.in_features * self.out_features * self.rows / tokens
 
 
 def _own_weights(run: _Run) -> tuple[dict[str, bool], list[str]]:
@@ -168,6 +173,14 @@ def _rows_per_call(
     if a is None or not last or a[0] % (a[1] * last):
         return config_tokens
     return a[0] // (a[1] * last)
+
+
+def _all_rows(output: tuple[int, int] | None, last: int | None) -> int | None:
+    """The rows (tokens) of all the calls of a module whose output (elements, calls: ``_output_of``) has ``last``
+    as its last dimension; None where that does not divide."""
+    if output is None or not last or output[0] % last:
+        return None
+    return output[0] // last
 
 
 def _shared_weights(run: _Run) -> dict[str, str] | None:
@@ -260,6 +273,7 @@ def _read_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) 
         elif m in dims:
             s.in_features, s.out_features = dims[m]["in"], dims[m]["out"]
         s.tokens = _rows_per_call(acts, m, s.out_features, config_tokens)
+        s.rows = _all_rows(a, s.out_features)
         out[m] = s
     for i, e in enumerate(order):
         if own[e] or taxonomy.kind_of_type(run.types.get(e, "")) != taxonomy.EMBEDDING:
@@ -295,6 +309,7 @@ def _recorded_ties(
         elif m in dims and "in" in dims[m]:
             s.in_features, s.out_features = dims[m]["in"], dims[m]["out"]
         s.tokens = _rows_per_call(acts, m, s.out_features, config_tokens)
+        s.rows = _all_rows(a, s.out_features)
         out[m] = s
     for e, owner in shared.items():  # an embedding sharing the weight of a head registered before it
         if owner in out and taxonomy.kind_of_type(run.types.get(e, "")) == taxonomy.EMBEDDING:
