@@ -339,7 +339,8 @@ def test_the_flops_share_counts_each_call_at_the_tokens_it_had() -> None:
     """A layer called twice a step on parts of the batch (12 and 20 of its 32 tokens) was counted as if each
     call saw every token: fc's 2 x in x out twice, so the eligible head carried "50% of the linear layers'
     matmul FLOPs, not more than 50%" and the layers themselves decided against FP8, where it carries two
-    thirds. Checked against torch's own count of each module's FLOPs (torch.utils.flop_counter)."""
+    thirds. Checked against torch's own count of each module's FLOPs (torch.utils.flop_counter). The speed
+    estimate counted fc's two calls as two linear layers left in bf16; its GEMMs are said as calls now."""
     from torch.utils.flop_counter import FlopCounterMode
 
     model = _SplitCalls()
@@ -348,12 +349,25 @@ def test_the_flops_share_counts_each_call_at_the_tokens_it_had() -> None:
     per = {k.rsplit(".", 1)[-1]: sum(v.values()) for k, v in counter.get_flop_counts().items() if "." in k}
     share = per["head"] / (per["head"] + per["fc"])
     assert share == pytest.approx(2 / 3)  # fc: 2 x 32 x 32 x 32 FLOPs, head: 2 x 32 x 64 x 32
-    rec = _advice(_SplitCalls(), 8, 8)
+    model = _SplitCalls()
+    calls: list[int] = []
+    model.fc.register_forward_hook(lambda mod, args, out: calls.append(1))
+    rec = _advice(model, 8, 8)
     f = rec.finding("fp8_eligibility")
     assert f is not None and f.modules == ["head"]
     assert f.numbers["eligible_flops_share"] == pytest.approx(share)
     assert f"1 of 2 qualify, carrying {100 * share:.3g}% of the" in f.message
     assert "the layers themselves decided" not in " ".join(rec.reasons)
+    # the speed estimate counts GEMMs, a call each: fc's calls were "the 2 linear layers left in bf16" of a model
+    # of two linear layers, one of them converted
+    per_step = len(calls) // 2
+    speed = rec.finding("fp8_speed")
+    assert speed is not None and speed.numbers["layers_bf16"] == per_step == 2
+    assert "FP8 would run the forward and backward of the 1 converted linear layer at" in speed.message
+    assert (
+        f"the {per_step} GEMMs left in bf16 ({per_step} calls of 1 linear layer not converted)"
+        in speed.message
+    )
 
 
 def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_says_why(
@@ -556,9 +570,18 @@ def test_the_flops_share_counts_the_matmuls_float8_conversion_leaves_in_bf16(
         "nn.MultiheadAttention's projections (enc.layers.0.self_attn, enc.layers.1.self_attn), "
         f"{100 * (1 - share):.3g}% of them, stay in bf16" in f.message
     )
-    assert f"(the attention projections' {100 * (1 - share):.3g}% included, which stay in bf16)" in " ".join(
-        rec.reasons
+    # the share is of all matmul FLOPs, those left in bf16 among them (it read as if they were part of the share)
+    assert (
+        f"carrying {100 * share:.3g}% of all matmul FLOPs, the attention projections' {100 * (1 - share):.3g}% "
+        "(which stay in bf16) among them" in " ".join(rec.reasons)
     )
+    # the speed estimate's GEMMs left in bf16 are the projections (each attention module's in_proj and out_proj
+    # a call), not linear layers: "5 of 5 linear layers are FP8-eligible" beside "the 4 linear layers left in bf16"
+    speed = rec.finding("fp8_speed")
+    assert speed is not None and speed.numbers["layers"] == len(live)
+    assert speed.numbers["layers_bf16"] == 2 * len(attn)
+    assert f"the {2 * len(attn)} GEMMs left in bf16 ({2 * len(attn)} attention projections)" in speed.message
+    assert "linear layers left in bf16" not in speed.message
     # an LSTM's gates: 2 x in x out per token of each of its weights, beside the head's
     lstm = _Recurrent()
     gates = sum(2 * w.numel() for n, w in lstm.rnn.named_parameters() if n.startswith("weight"))

@@ -484,14 +484,14 @@ class Estimate:
     def gemm_share(self) -> float:
         return self.gemm_share_launch_bound if self._launch_end else self.gemm_share_gpu_bound
 
-    def explain(self) -> str:
-        """How the estimate was reached, in two sentences the report shows."""
+    def explain(self, converted: str = "", kept: str = "") -> str:
+        """How the estimate was reached, in two sentences the report shows. ``converted`` and ``kept`` say what
+        its GEMMs are ("the 5 converted linear layers", "the 4 GEMMs left in bf16 (4 attention projections)");
+        by default they are counted as linear layers, one GEMM each."""
         c = self.constants
-        kept = (
-            f", the {self.others} linear layer{'s' if self.others > 1 else ''} left in bf16"
-            if self.others
-            else ""
-        )
+        converted = converted or f"the {self.layers} converted linear layer{'s' if self.layers > 1 else ''}"
+        if not kept and self.others:
+            kept = f"the {self.others} linear layer{'s' if self.others > 1 else ''} left in bf16"
         if self.timed == self.layers:
             timed = "all at shapes timed"
         elif self.timed == 0:
@@ -500,7 +500,7 @@ class Estimate:
             timed = f"{self.timed} at shapes timed, the others interpolated from the nearest timed shapes"
         (ll, lh), (gl, gh) = TABLE_SPEEDUPS_LAUNCH, TABLE_SPEEDUPS_GPU
         return (
-            f"FP8 would run the {self.layers} converted linear layers' forward and backward at "
+            f"FP8 would run the forward and backward of {converted} at "
             f"{self.layers_launch_bound:.2f}x of bf16's speed launched call by call from Python and at "
             f"{self.layers_gpu_bound:.2f}x as CUDA graph replays (the GPU's time alone), by each shape's bf16 and "
             f"FP8 times measured alone on an {TABLE_DEVICE} ({timed}): FP8 halves a GEMM's time at the tensor "
@@ -508,9 +508,9 @@ class Estimate:
             f"layers ran from {ll:.2f}x to {lh:.2f}x call by call, {gl:.2f}x to {gh:.2f}x as graphs). These "
             f"layers take an estimated {self.gemm_share_launch_bound * 100:.0f}% or "
             f"{self.gemm_share_gpu_bound * 100:.0f}% of a bf16 step (call by call, as graphs); the rest (attention, "
-            "norms, the "
-            f"optimizer{kept}: {c.rest_launch_bound * 1e12:.1f} or {c.rest_gpu_bound * 1e12:.1f} ps per element "
-            "of each linear layer's input and output) FP8 leaves as it is, so the step would run at "
+            f"norms, the optimizer{', ' + kept if kept else ''}: {c.rest_launch_bound * 1e12:.1f} or "
+            f"{c.rest_gpu_bound * 1e12:.1f} ps per element of each GEMM's input and output) FP8 leaves as it is, so "
+            "the step would run at "
             f"{self.speedup_launch_bound:.2f}x if the host's launches bound it, {self.speedup_gpu_bound:.2f}x if "
             f"the host keeps ahead of the GPU; the verdict takes the lower, {self.speedup:.2f}x.{_misses()}"
         )

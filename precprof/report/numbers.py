@@ -199,7 +199,11 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "checked": ("linear layers checked", "count"),
     "not_evaluated": ("layers not evaluated", "count"),
     "eligible": ("FP8-eligible", "count"),
-    "eligible_flops_share": ("their share of the matmul FLOPs (linear layers and experts)", "share"),
+    "eligible_flops_share": (
+        "their share of all matmul FLOPs counted (linear layers, experts, attention projections, recurrent gates, "
+        "convolutions)",
+        "share",
+    ),
     "experts_flops_share": ("share of the FLOPs in experts float8 conversion leaves in bf16", "share"),
     "unconverted_flops_share": (
         "share of the FLOPs in attention projections, recurrent layers and convolutions (left in bf16)",
@@ -212,8 +216,11 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "max_pushed_subnormal": ("most values a tensor's largest 0.1% push below FP8's smallest normal", "share"),
     "pushed_subnormal_max": ("share of values pushed below FP8's smallest normal allowed", "share"),
     "sampled_steps": ("sampled steps", "count"),
-    ("fp8_speed", "layers"): ("FP8-eligible layers estimated", "count"),
-    ("fp8_speed", "layers_bf16"): ("linear layers left in bf16 (in the step)", "count"),
+    ("fp8_speed", "layers"): ("GEMMs FP8 would convert (a call of an FP8-eligible layer each)", "count"),
+    ("fp8_speed", "layers_bf16"): (
+        "GEMMs left in bf16 (one a call: the other linear layers, experts, attention, gates, convolutions)",
+        "count",
+    ),
     "estimated_speedup": ("estimated FP8 speedup of a training step", "number"),
     "layers_speedup": ("estimated FP8 speedup of the eligible layers' GEMMs and casts", "number"),
     "gemm_share": ("their GEMMs' estimated share of a bf16 step", "share"),

@@ -107,7 +107,8 @@ def _flops_whose(plan: _Plan) -> str:
     ]
     if not left:
         return f"their matmul FLOPs{missing}"
-    return f"the matmul FLOPs ({' and '.join(left)} included, which stay in bf16){missing}"
+    # the share is of all of them: those left in bf16 are part of the whole, not of the eligible layers' share
+    return f"all matmul FLOPs, {' and '.join(left)} (which stay in bf16) among them{missing}"
 
 
 def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:

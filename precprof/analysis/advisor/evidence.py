@@ -445,6 +445,8 @@ class _Plan:
     # FP8's estimated speed on the eligible layers' GEMM shapes (analysis.fp8_speed.Estimate; None without
     # eligible layers of known shape and tokens)
     fp8_speed: Estimate | None = None
+    # ... what its GEMMs are, in words (Estimate.explain): the converted ones, those left in bf16
+    fp8_speed_words: tuple[str, str] = ("", "")
     growth_interval: int = 2000
     matmul_layers: list[str] = field(default_factory=list)
     n_params: int | None = None

@@ -355,6 +355,50 @@ def _and(parts: list[str]) -> str:
     return ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
+def _layer_calls(
+    calls: Mapping[str, list[fp8_speed.Shape]], converted: bool
+) -> tuple[str, list[fp8_speed.Shape]]:
+    """Linear layers' GEMMs (``calls``: each layer's, one a call), and them in words: "5 converted linear
+    layers", "2 calls of 1 linear layer not converted"."""
+    gemms = [g for shapes in calls.values() for g in shapes]
+    n = sum(1 for shapes in calls.values() if shapes)
+    layers = f"linear layer{'s' if n != 1 else ''}"
+    words = f"{n} converted {layers}" if converted else f"{n} {layers} not converted"
+    return (words if len(gemms) == n else f"{len(gemms)} calls of {words}"), gemms
+
+
+# the GEMMs of each kind of ``_Unconverted`` module, as the speed estimate counts them
+_GEMM_WORDS = {
+    ATTENTION: "attention projections",
+    RECURRENT: "recurrent gate GEMMs",
+    CONVOLUTION: "convolutions",
+}
+
+
+def _bf16_gemms(
+    linear: Mapping[str, list[fp8_speed.Shape]],
+    experts: Mapping[str, list[fp8_speed.Shape]],
+    unconverted: Mapping[str, _Unconverted],
+) -> tuple[str, list[fp8_speed.Shape]]:
+    """The GEMMs the speed estimate leaves in bf16 (the linear layers not converted, ``linear``: each one's calls;
+    the experts'; the projections, gates and convolutions float8 conversion does not swap), and them counted in
+    words by whose they are: "the 6 GEMMs left in bf16 (2 calls of 1 linear layer not converted and 4 attention
+    projections)" ("" when there are none)."""
+    words, gemms = _layer_calls(linear, converted=False)
+    parts = [words] if gemms else []
+    for what, more in [
+        ("expert GEMMs", [g for shapes in experts.values() for g in shapes]),
+        *[
+            (_GEMM_WORDS[kind], [g for u in unconverted.values() if u.kind == kind for g in u.gemms])
+            for kind in _GEMM_WORDS
+        ],
+    ]:
+        parts += [f"{len(more)} {what}"] if more else []
+        gemms += more
+    n = len(gemms)
+    return (f"the {n} GEMM{'s' if n != 1 else ''} left in bf16 ({_and(parts)})" if n else ""), gemms
+
+
 def _unconverted_listing(unconverted: Mapping[str, _Unconverted], limit: int) -> str:
     """The modules whose matmuls float8 conversion does not reach, by kind ("nn.MultiheadAttention's projections
     (enc.layers.0.self_attn, enc.layers.1.self_attn) and the convolutions (0, 3)")."""
@@ -505,14 +549,13 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             for _ in range(max(sh.calls, 1))
         ]
 
-    # the step's speed: the eligible layers FP8 would convert, beside the linear layers left in bf16
-    eligible = set(plan.fp8_eligible)
-    plan.fp8_speed = fp8_speed.estimate(
-        calls(plan.fp8_eligible),
-        calls([m for m in linear if m not in eligible])
-        + [g for gemms in experts.values() for g in gemms]
-        + [g for u in unconverted.values() for g in u.gemms],
+    # the step's speed: the eligible layers FP8 would convert, beside the GEMMs left in bf16
+    converted, conv_gemms = _layer_calls({m: calls([m]) for m in plan.fp8_eligible}, converted=True)
+    kept, kept_gemms = _bf16_gemms(
+        {m: calls([m]) for m in linear if m not in set(plan.fp8_eligible)}, experts, unconverted
     )
+    plan.fp8_speed = fp8_speed.estimate(conv_gemms, kept_gemms)
+    plan.fp8_speed_words = (f"the {converted}", kept)
     unknown = [m for m in linear if m not in known]
     tied = [m for m in linear if shapes[m].tied_to is not None]
     # tied layers first: the cause a shape table does not show
@@ -749,7 +792,7 @@ def _speed_finding(run: _Run, plan: _Plan) -> None:
             INFO,
             f"FP8 {verdict} at these GEMM shapes: an estimated {ends} of bf16's speed a training step",
             f"An estimate, not a measurement of this run (tensorwise FP8, compiled, against bf16, compiled): "
-            f"{est.explain()}{beyond} The layer times and the rest's constants were measured on an "
+            f"{est.explain(*plan.fp8_speed_words)}{beyond} The layer times and the rest's constants were measured on an "
             f"{est.constants.device} (analysis/fp8_speed.py); FP8 is advised only above "
             f"{cut:g}x at the lower end. Sources: {fp8_speed.sources()}",
             "Measure it on the target: precprof compare --precisions bf16,fp8 (both compiled) times both."
