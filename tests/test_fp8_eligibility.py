@@ -9,6 +9,7 @@ import math
 import re
 import sys
 import types
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -250,6 +251,12 @@ def test_layers_held_back_by_their_tokens_per_call_are_told_so_and_how_to_lift_i
     f = rec.finding("fp8_eligibility")
     assert f is not None and f.modules == ["up", "down"] and rec.finding("tensor_core_alignment") is None
     assert "pad_inner_dim" not in f.remedy
+    # one layer held back: it is named ("its tokens per call of 1 of them, 68, is ..." did not parse)
+    reasons = " ".join(_advice(nn.Sequential(OrderedDict(proj=nn.Linear(32, 32))), 17, 17).reasons)
+    assert (
+        "(the tokens per call of proj, 68, is not a multiple of 16)" in reasons
+        and "of 1 of them" not in reasons
+    )
 
 
 def test_tokens_per_call_that_vary_from_step_to_step_are_read_on_every_sampled_step() -> None:
@@ -311,8 +318,8 @@ def test_a_layer_called_on_different_tokens_is_judged_on_every_call(first: int) 
         )
         assert f"{common} tokens per call" not in f.message + " ".join(rec.reasons)
         assert (
-            f"the largest number dividing each call's tokens ({common}) is not a multiple of 16"
-            in " ".join(rec.reasons)
+            "(the calls of each of 2 of them had different tokens on a step, and the largest number dividing a "
+            f"layer's calls' tokens, {common}, is not a multiple of 16)" in " ".join(rec.reasons)
         )
         assert "batch x sequence is a multiple of 16" not in f.remedy
         assert (
@@ -324,12 +331,12 @@ def test_a_layer_called_on_different_tokens_is_judged_on_every_call(first: int) 
 
 class _SplitCalls(nn.Module):
     """``fc`` called on the first 3 positions of each sequence and on the other 5 (a batch of 4: 12 and 20
-    tokens, a step's 32 between them), and ``head`` once on all 32."""
+    tokens, a step's 32 between them), and ``head`` (``out`` wide) once on all 32."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: int = 64) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.fc, self.head = nn.Linear(32, 32), nn.Linear(32, 64)
+        self.fc, self.head = nn.Linear(32, 32), nn.Linear(32, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.cat([self.fc(x[:, :3]), self.fc(x[:, 3:])], 1))
@@ -368,6 +375,24 @@ def test_the_flops_share_counts_each_call_at_the_tokens_it_had() -> None:
         f"the {per_step} GEMMs left in bf16 ({per_step} calls of 1 linear layer not converted)"
         in speed.message
     )
+
+
+def test_the_decision_names_the_one_layer_whose_calls_had_different_tokens() -> None:
+    """A head 16 wide carries a third of the FLOPs beside fc's calls of different tokens, so the layers
+    themselves decide against FP8, fc's calls among the causes: "its calls of 1 of them had different tokens on
+    a step" did not parse. The layer is named, with the largest number dividing its calls' tokens as counted by
+    a hook of the test's own."""
+    model = _SplitCalls(out=16)
+    tokens: list[int] = []
+    model.fc.register_forward_pre_hook(lambda mod, args: tokens.append(args[0].shape[:-1].numel()))
+    reasons = " ".join(_advice(model, 8, 8).reasons)
+    common = math.gcd(*tokens[:2])
+    assert tokens[:2] == [12, 20] and common == 4
+    assert (
+        "(the calls of fc had different tokens on a step, and the largest number dividing each call's tokens, "
+        f"{common}, is not a multiple of 16)" in reasons
+    )
+    assert "the layers themselves decided" in reasons and "of 1 of them" not in reasons
 
 
 def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_says_why(

@@ -8,8 +8,8 @@ from precprof import tables as T
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import _Plan, _Run
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Recommendation
-from precprof.analysis.advisor.rules.fp8 import held_back_remedy, token_counts
-from precprof.analysis.advisor.text import _g, _listing, _pct, _pow2, _scale
+from precprof.analysis.advisor.rules.fp8 import _and, held_back_remedy, token_counts
+from precprof.analysis.advisor.text import _g, _listing, _name, _pct, _pow2, _scale
 from precprof.taxonomy import FP8_DIM_MULTIPLE
 
 
@@ -49,16 +49,11 @@ def _fp8_numbers_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     if plan.fp8_tokens:
         n = len(plan.fp8_tokens)
         causes += (
-            f" ({'its' if n == 1 else 'the'} tokens per call of {n} of them, {token_counts(plan)}, "
-            f"{'is' if len(set(plan.fp8_tokens.values())) == 1 else 'are'} not a multiple of {FP8_DIM_MULTIPLE})"
+            f" (the tokens per call of {_name(next(iter(plan.fp8_tokens))) if n == 1 else f'{n} of them'}, "
+            f"{token_counts(plan)}, {'is' if len(set(plan.fp8_tokens.values())) == 1 else 'are'} not a multiple "
+            f"of {FP8_DIM_MULTIPLE})"
         )
-    if plan.fp8_uneven:
-        n = len(plan.fp8_uneven)
-        causes += (
-            f" ({'its' if n == 1 else 'the'} calls of {n} of them had different tokens on a step, and the largest "
-            f"number dividing each call's tokens ({', '.join(map(str, sorted({u[3] for u in plan.fp8_uneven.values()})))}"
-            f") is not a multiple of {FP8_DIM_MULTIPLE})"
-        )
+    causes += _uneven_causes(plan)
     if plan.fp8_expert_tokens:
         causes += (
             f" ({len(plan.fp8_expert_tokens)} of them are routed experts whose tokens per call follow the routing, "
@@ -74,6 +69,28 @@ def _fp8_numbers_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
             "would run in bf16 anyway"
         )
     return ""
+
+
+def _uneven_causes(plan: _Plan) -> str:
+    """The layers whose calls had different tokens on a step, as a cause that holds them back from FP8 ("" for
+    none): " (the calls of fc had different tokens on a step, and the largest number dividing each call's tokens,
+    4, is not a multiple of 16)"; of several, " (the calls of each of 2 of them ...: 4 and 8, are not ...)"."""
+    if not plan.fp8_uneven:
+        return ""
+    n = len(plan.fp8_uneven)
+    divisors = sorted({u[3] for u in plan.fp8_uneven.values()})
+    shown = _and([str(d) for d in divisors])
+    return (
+        f" (the calls of {_name(next(iter(plan.fp8_uneven))) if n == 1 else f'each of {n} of them'} had different "
+        "tokens on a step, and the largest number dividing "
+        + ("each call's tokens" if n == 1 else "a layer's calls' tokens")
+        + f", {shown}, "
+        + (
+            f"is not a multiple of {FP8_DIM_MULTIPLE})"
+            if len(divisors) == 1
+            else f"are not multiples of {FP8_DIM_MULTIPLE})"
+        )
+    )
 
 
 def _fp8_speed_text(plan: _Plan) -> str:
