@@ -395,6 +395,27 @@ def test_the_decision_names_the_one_layer_whose_calls_had_different_tokens() -> 
     assert "the layers themselves decided" in reasons and "of 1 of them" not in reasons
 
 
+def test_the_block_format_plan_says_calls_of_different_tokens_as_measured(block_formats_on: None) -> None:
+    """The block-format plan said fc's calls of 12 and 20 tokens as "its tokens 4 is not a multiple of the
+    16-value blocks", where no call had 4 tokens (their largest common divisor; 32 in all, a multiple of every
+    block). It says them as the FP8 rule does, checked against the tokens each call got, counted by a hook of
+    the test's own."""
+    model = _SplitCalls()
+    tokens: list[int] = []
+    model.fc.register_forward_pre_hook(lambda mod, args: tokens.append(args[0].shape[:-1].numel()))
+    f = _advice(model, 8, 8, 8, 8).finding("block_format_what_if")  # (the budget's groups take turns)
+    assert f is not None
+    common, total = math.gcd(*tokens[:2]), sum(tokens[:2])
+    assert common not in tokens and total % 32 == 0
+    for size in (16, 32):  # NVFP4's blocks, MX's
+        assert (
+            f"its 2 calls at step 0 had different tokens, {total} in all, whose largest common divisor, {common}, "
+            f"is not a multiple of the {size}-value blocks its GEMMs read along them, so at least one call's "
+            "tokens are not (the kernels refuse it unpadded)" in f.message
+        )
+    assert f"tokens {common}" not in f.message
+
+
 def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_says_why(
     monkeypatch: pytest.MonkeyPatch, block_formats_on: None
 ) -> None:

@@ -144,6 +144,9 @@ class LayerBlocks:
     # the lengths its three GEMMs reduce along (in_features, out_features, tokens per call), None where unknown:
     # a block-scaled GEMM needs each a multiple of its blocks
     axes: dict[str, int | None] = field(default_factory=dict)
+    # (step, calls, their tokens in all) where its calls had different tokens on a step: its tokens axis is then
+    # the largest number dividing each call's, which may be no call's count
+    uneven_calls: tuple[int, int, int] | None = None
     # its output gradient's blocks were evaluated on steps the loss scaler skipped alone (left out): its backward
     # GEMMs are judged on their other operands
     gradient_skipped: bool = False

@@ -48,7 +48,7 @@ from precprof.analysis.advisor.rules.block_losses import (
     db_text,
     losses,
 )
-from precprof.analysis.advisor.rules.shapes import _fp8_shapes
+from precprof.analysis.advisor.rules.shapes import _fp8_shapes, uneven_calls_text
 from precprof.analysis.advisor.text import _listing, _name, _pct
 
 __all__ = ["LayerBlocks", "OperandLoss", "RecipeSummary", "block_table", "db_text", "decide", "fails"]
@@ -238,6 +238,11 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
             t,
             src,
             axes={"in_features": sh.in_features, "out_features": sh.out_features, "tokens": tokens},
+            uneven_calls=(
+                (sh.odd_tokens[0], *sh.call_tokens)
+                if sh.uneven_calls and sh.odd_tokens is not None and sh.call_tokens is not None
+                else None
+            ),
             tied_to=sh.tied_to,
             computed_weight=computed.get(m, ""),
         )
@@ -279,11 +284,21 @@ def fails(lb: LayerBlocks, name: str, cfg: AdvisorConfig) -> str:
     if not ops:
         return "not evaluated"
     size = BLOCK_SIZE[name]
-    odd = [f"{axis} {n}" for axis, n in lb.axes.items() if n and n % size]
-    if odd:
+    blocks = f"the {size}-value blocks its GEMMs read along them"
+    # calls of different tokens: their largest common divisor is no call's count, and is not said as tokens
+    uneven = lb.uneven_calls
+    odd = [
+        f"{axis} {n}" for axis, n in lb.axes.items() if n and n % size and not (axis == "tokens" and uneven)
+    ]
+    tokens = lb.axes.get("tokens")
+    calls = uneven_calls_text(*uneven, tokens, blocks) if uneven and tokens and tokens % size else ""
+    if odd or calls:
+        dims = f"its {' and '.join(odd)} {'is' if len(odd) == 1 else 'are'} not a multiple of {blocks}"
         return (
-            f"its {' and '.join(odd)} {'is' if len(odd) == 1 else 'are'} not a multiple of the {size}-value blocks "
-            "its GEMMs read along them (the kernels refuse it unpadded)"
+            (dims if odd else "")
+            + (", and " if odd and calls else "")
+            + calls
+            + " (the kernels refuse it unpadded)"
         )
     fp4 = name != "mxfp8"
     for o in ops:

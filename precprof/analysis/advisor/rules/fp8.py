@@ -52,6 +52,7 @@ from precprof.analysis.advisor.rules.shapes import (
     _Unconverted,
     _unconverted_matmuls,
     _unseen_weights,
+    uneven_calls_text,
 )
 from precprof.analysis.advisor.text import _listing, _name, _pct
 from precprof.formats import FP8_E4M3, FP8_E5M2, NumberFormat
@@ -262,10 +263,7 @@ def _uneven_reason(step: int, calls: int, tokens: int, divisor: int) -> str:
     """Why a layer whose ``calls`` at ``step`` had different tokens (``tokens`` in all) is not FP8-eligible: the
     largest number dividing each call's, ``divisor``, is no multiple of FP8's, so one call's tokens is not. That
     number may be no call's count (calls of 12 and 20 tokens: 4)."""
-    return (
-        f"its {calls} calls at step {step} had different tokens, {tokens} in all, whose largest common divisor, "
-        f"{divisor}, is not a multiple of {taxonomy.FP8_DIM_MULTIPLE}, so at least one call's tokens are not"
-    )
+    return uneven_calls_text(step, calls, tokens, divisor, str(taxonomy.FP8_DIM_MULTIPLE))
 
 
 def token_counts(plan: _Plan) -> str:

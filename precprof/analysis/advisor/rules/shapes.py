@@ -225,6 +225,17 @@ def _fp8_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -
     return shapes
 
 
+def uneven_calls_text(step: int, calls: int, tokens: int, divisor: int, multiple: str) -> str:
+    """Why the tokens of a layer whose ``calls`` at ``step`` had different tokens (``tokens`` in all) are not a
+    multiple of what a GEMM needs (``multiple``, in words: "16", "the 32-value blocks ..."): the largest number
+    dividing each call's, ``divisor``, is not one, so one call's tokens is not. That number may be no call's
+    count (calls of 12 and 20 tokens: 4), and is not said as if it were."""
+    return (
+        f"its {calls} calls at step {step} had different tokens, {tokens} in all, whose largest common divisor, "
+        f"{divisor}, is not a multiple of {multiple}, so at least one call's tokens are not"
+    )
+
+
 def _call_rows(numel: float, calls: float, gcd: float, out: int | None) -> tuple[int, bool] | None:
     """The rows per call (tokens) of a step's calls of a layer with ``out`` output features that FP8's rule
     judges, and whether its calls had different ones: the largest number dividing each call's, where the capture
