@@ -923,7 +923,7 @@ def test_the_verdicts_peaks_and_the_memory_sections_parts_say_what_each_is() -> 
     saving = text(section(page, "verdict").split("expected memory saving</dt>")[1].split("</dd>")[0])
     peak = re.search(r"→ FP32 peak (\S+ \S+)\)", saving)
     parts = re.search(
-        r"the memory section's projected totals are those parts without the rest \(FP32: (\S+ \S+)\)", saving
+        r"The memory section's projected totals add up those parts alone \(FP32: (\S+ \S+)\)", saving
     )
     assert peak is not None and parts is not None, saving
     memory = section(page, "memory")
@@ -933,6 +933,56 @@ def test_the_verdicts_peaks_and_the_memory_sections_parts_say_what_each_is() -> 
     lead = text(table.split("</p>", 1)[0])
     assert f"FP32's {parts.group(1)} here is a peak of {peak.group(1)} there" in lead, lead
     assert peak.group(1) != parts.group(1)  # the two quantities differ in this run: each says which it is
+
+
+def test_a_peak_below_the_parts_names_the_part_it_did_not_hold() -> None:
+    """The memory texts said an allocator peak "adds what else is alive at the peak" to the parts, beside an FP32
+    peak 1.5 MiB below FP32's parts: the peak came early in backward, before any gradient was allocated, and the
+    report said so nowhere. With a breakdown of the peak that holds no gradients, both the verdict box and the
+    projection table say the parts need not be alive at once and name the gradients; the box's caveat is a
+    block of its own, not a run-on of the figures' sentence."""
+    tabs, summary = synthetic_run("fp32", layers=gpt_layers(n_layer=1), steps=4, sample_every=2)
+    own = [{**r, "source": "projected"} for r in summary[T.SUMMARY_MEMORY] if r["source"] == "measured"]
+    summary[T.SUMMARY_MEMORY] = [*summary[T.SUMMARY_MEMORY], *own]
+    mem = tabs["memory"]
+    held = T.memory_at(mem, "")
+    step = int(held[T.STEP].max())
+    comp = held.groupby(T.COMPONENT)[T.BYTES].sum()
+    # the peak, early in backward: the weights, the optimizer's states and the saved activations, no gradient yet
+    at_peak = [
+        {T.STEP: step, T.COMPONENT: c, T.MODULE: "", T.BYTES: int(comp[c]), T.MOMENT: T.MOMENT_PEAK}
+        for c in (T.PARAMETERS, T.OPTIMIZER_STATES, T.ACTIVATIONS)
+    ]
+    at_peak.append(
+        {
+            T.STEP: step,
+            T.COMPONENT: T.TEMPORARIES,
+            T.MODULE: T.PHASE_BACKWARD,
+            T.BYTES: 1024,
+            T.MOMENT: T.MOMENT_PEAK,
+        }
+    )
+    rows = [{**r, T.PHASE: T.PHASE_BACKWARD} for r in at_peak]
+    tabs["memory"] = T.frame("memory", pd.concat([mem, pd.DataFrame(rows)], ignore_index=True))
+    parts = float(comp[[T.PARAMETERS, T.GRADIENTS, T.OPTIMIZER_STATES, T.ACTIVATIONS]].sum())
+    peak = sum(r[T.BYTES] for r in at_peak)
+    assert peak < parts  # the situation the texts must explain: the peak is below the parts added up
+    rec = {**recommendation_dict(), "format": "bf16", "loss_scale": None}
+    page = render_html(tabs, summary, rec)
+
+    def text(fragment: str) -> str:
+        return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", fragment))
+
+    box = section(page, "verdict").split("expected memory saving</dt>")[1].split("</dd>")[0]
+    basis = re.search(r'<div class="what" id="memory-saving-basis">(.*?)</div>', box)
+    assert basis is not None, box
+    assert basis.group(1).startswith("Allocator peaks, projected from the parts at the peak")
+    assert "(this run's peak, in backward, held no gradients)" in basis.group(1)
+    memory = section(page, "memory")
+    lead = text(memory.split("<h3>Projected per precision mode</h3>", 1)[1].split("</p>", 1)[0])
+    assert "add what else is alive" not in lead
+    assert "parts held at different moments can add up to more than a peak" in lead, lead
+    assert "(this run's peak, in backward, held no gradients)" in lead, lead
 
 
 def test_a_rerender_drops_the_report_error_it_fixes(tmp_path: Path) -> None:

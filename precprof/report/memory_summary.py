@@ -262,8 +262,9 @@ def projected_peaks(
     batch, the outputs and precprof's buffers are taken as measured. Without a breakdown of the peak every
     component held at the end of the step is taken as alive at the peak.
 
-    Returns {"peak", "basis": "parts at the peak" | "parts held at the step's end", "modes": {mode: bytes}} or
-    None without an allocator peak or a projection of this run's mode.
+    Returns {"peak", "basis": "parts at the peak" | "parts held at the step's end", "modes": {mode: bytes},
+    "phase" (of the peak, "" without a breakdown), "not_at_peak": [components the step held, none of them
+    alive at the peak]} or None without an allocator peak or a projection of this run's mode.
     """
     at_peak = measured.get("at_peak")
     peak = (
@@ -273,11 +274,12 @@ def projected_peaks(
     )
     if peak <= 0:
         return None
+    held = {str(c): float(b) for c, b in (measured.get("components") or {}).items()}
     if at_peak:
         alive = {str(p["part"]): float(p["bytes"]) for p in at_peak.get("parts") or []}
         basis = "parts at the peak"
     else:
-        alive = {str(c): float(b) for c, b in (measured.get("components") or {}).items()}
+        alive = held
         basis = "parts held at the step's end"
     proj: dict[str, dict[str, float]] = {}
     for r in records:
@@ -296,7 +298,15 @@ def projected_peaks(
             else:
                 delta += then
         modes[mode] = peak + delta
-    return {"peak": peak, "basis": basis, "modes": modes}
+    return {
+        "peak": peak,
+        "basis": basis,
+        "modes": modes,
+        "phase": str(at_peak["phase"]) if at_peak else "",
+        # a part the step held that was freed, or not yet allocated, at the peak (the gradients, at a peak early
+        # in backward): why the parts, added up, can come to more than the peak
+        "not_at_peak": [c for c in PROJECTED_COMPONENTS if held.get(c, 0.0) > 0 and alive.get(c, 0.0) <= 0],
+    }
 
 
 def expected_saving(
@@ -316,7 +326,8 @@ def expected_saving(
     mode's is its projection (else textbook). The fp32 baseline is the fp32 projection. Returns {"current",
     "recommended", "saved", "share", "fp32", "share_vs_fp32", "same_mode"} or None when the recommended mode
     has no projection; held figures add "assumed" (bytes of this run's total that were assumed, not measured),
-    peaks "fp32_parts" (the projection's FP32 total, which the memory section shows beside FP32's peak).
+    peaks "fp32_parts" (the projection's FP32 total, which the memory section shows beside FP32's peak),
+    "peak_phase" and "not_at_peak" (``projected_peaks``'s: the parts the step held and the peak did not).
     ``recommended`` may be "fp8": its projection is looked up under that name.
     """
     if not recommended:
@@ -339,6 +350,8 @@ def expected_saving(
             "same_mode": current == recommended,
             # the projection table's FP32 total: its parts alone, what the peak adds the rest to
             "fp32_parts": memory_totals(records).get(("fp32", "projected")),
+            "peak_phase": peaks["phase"],
+            "not_at_peak": [PEAK_PART_LABELS.get(c, c) for c in peaks["not_at_peak"]],
         }
     tot = memory_totals(records)
 
