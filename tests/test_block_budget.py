@@ -284,6 +284,49 @@ def test_the_coverage_counts_linear_layers_apart_from_embeddings() -> None:
     )
 
 
+class _PositionLM(nn.Module):
+    """A token and a position embedding, a linear layer and an output head, tied to the token embedding or not:
+    two embeddings, of which one or none has a head reading its weight."""
+
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.pos = nn.Embedding(8, 16)
+        self.fc = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(self.emb(ids) + self.pos(torch.arange(ids.shape[1]))))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_the_coverage_says_how_many_embeddings_a_tied_head_reads(tie: bool) -> None:
+    """The Capture row said "(and 1 of 1 embeddings, whose weight a tied head reads)" for models with no tied
+    head, and "0 of 2 embeddings, whose weight a tied head reads" for a GPT whose position embedding no head
+    reads: every embedding was counted as tied. The row says how many of them a head is tied to."""
+    torch.manual_seed(0)
+    model = _PositionLM(tie)
+    tied = sum(model.head.weight is e.weight for e in (model.emb, model.pos))
+    assert tied == int(tie)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Profiler(
+        model, optimizer=opt, sample_every=1, memory=False, block_formats=True, block_groups=1
+    ) as prof:
+        for _ in range(2):
+            model(torch.randint(0, 32, (4, 8))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    desc = prof.summary()["block_formats"]
+    assert (desc["embeddings"], desc["embeddings_tied"]) == (2, tied)
+    text = _block_setting(desc)
+    assert "whose weight a tied head reads" not in text, text
+    has = "1 of the 2 has one" if tied else "none has one here"
+    assert f"embeddings, evaluated for a head tied to their weight: {has})" in text, text
+
+
 def test_a_reattached_profiler_keeps_what_its_budget_measured() -> None:
     prof = _run(4, block_budget=1e-9)
     assert prof.block_groups == 4

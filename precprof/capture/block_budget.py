@@ -282,7 +282,21 @@ class BlockDeal:
         if others:
             out["embeddings"] = len(others)
             out["embeddings_evaluated"] = sum(c > 0 for c in others)
+            out["embeddings_tied"] = len(self._tied(linear))
         return out
+
+    def _tied(self, linear: set[str]) -> set[str]:
+        """The embeddings (block slots apart from ``linear``) whose weight a linear layer also holds: a head tied
+        to it, registered after it (the head's ``shared`` names it) or before (the embedding's names the head).
+        The what-if evaluates every embedding; only these have a GEMM that reads their weight."""
+        tied = set()
+        for slot in self._slots:
+            owners = set(slot.shared.values())
+            if slot.name in linear:
+                tied |= {o for o in owners if o not in linear}
+            elif owners & linear:
+                tied.add(slot.name)
+        return tied - linear
 
     def adapt(
         self,

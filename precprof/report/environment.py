@@ -737,6 +737,19 @@ def block_setting(v: Any) -> str:
     return out + _coverage(v)
 
 
+def _tied(embeddings: int, tied: int | None) -> str:
+    """Why the block what-if evaluates embeddings, and how many of them a tied head reads (``tied``: None in a
+    run recorded before it was counted): every embedding is evaluated, though only a tied head's GEMM reads one."""
+    if tied == embeddings:
+        return ", whose weight a tied head reads"
+    why = ", evaluated for a head tied to their weight"
+    if tied is None:
+        return why
+    if not tied:
+        return why + ": none has one here"
+    return why + f": {F.count(tied)} of the {F.count(embeddings)} {'has' if tied == 1 else 'have'} one"
+
+
 def _coverage(v: Mapping[str, Any]) -> str:
     """How many linear layers the sampled steps evaluated, and on how many steps each ("" when not recorded)."""
     layers, done, ev = _int(v.get("layers")), _int(v.get("layers_evaluated")), v.get("evaluations")
@@ -745,7 +758,7 @@ def _coverage(v: Mapping[str, Any]) -> str:
     text = f"; {F.count(done)} of {F.count(layers)} linear layers evaluated"
     emb, emb_done = _int(v.get("embeddings")), _int(v.get("embeddings_evaluated"))
     if emb and emb_done is not None:
-        text += f" (and {F.count(emb_done)} of {F.count(emb)} embeddings, whose weight a tied head reads)"
+        text += f" (and {F.count(emb_done)} of {F.count(emb)} embeddings{_tied(emb, _int(v.get('embeddings_tied')))})"
     if not (isinstance(ev, (list, tuple)) and len(ev) == 2) or not done:
         return text
     lo, hi = _int(ev[0]), _int(ev[1])
