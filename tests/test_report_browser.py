@@ -407,3 +407,50 @@ def test_compare_page_runs_table_fits_at_1400_and_800_px(tmp_path: Path) -> None
         found = layout(page, width, tmp_path)
         assert found["errors"] == [] and found["page"] <= width, (width, found["page"], found["errors"])
         assert found["clipped"] == [], f"content clipped sideways at {width} px: {found['clipped']}"
+
+
+# appended to a copy of the page: after load (and the page's own script), whether the per-layer table is stacked,
+# and its type cells whose text runs past the cell (over the next one)
+TYPE_PROBE = """<script>
+window.addEventListener("load", function () { setTimeout(function () {
+  var t = document.getElementById("layer-table"), over = [];
+  t.querySelectorAll("td.type").forEach(function (td) {
+    if (td.offsetParent === null) { return; }
+    var r = document.createRange();
+    r.selectNodeContents(td);
+    if (r.getBoundingClientRect().right > td.getBoundingClientRect().right + 1 || td.scrollWidth > td.clientWidth + 1) {
+      over.push(td.textContent);
+    }
+  });
+  document.body.setAttribute("data-types", JSON.stringify({stacked: t.classList.contains("stacked"),
+    cells: t.querySelectorAll("td.type").length, over: over}));
+}, 0); });
+</script>"""
+
+
+def test_a_long_module_type_stays_in_its_cell_and_the_layer_table_at_1400_px(tmp_path: Path) -> None:
+    """nn.MultiheadAttention's out_proj, of type NonDynamicallyQuantizableLinear: the type printed over the
+    param dtype cell of the stacked per-layer table, and its width stacked the table at 1400 px too (16 columns
+    as cards, four screens of them). The type wraps between its words, in a table that stays one at 1400 px."""
+    browser()
+    long = "NonDynamicallyQuantizableLinear"
+    layers = gpt_layers(n_layer=2)
+    for ly in layers:
+        if ly.name.endswith("attn.c_proj"):
+            ly.type = long
+    tabs, summary = synthetic_run("bf16", layers=layers, steps=4, sample_every=2)
+    page = render.render_report(tabs, summary, tmp_path / "report.html", recommendation_dict("bf16"))
+    text = page.read_text()
+    table = text.split('id="layer-table"', 1)[1].split("</table>", 1)[0]
+    assert table.count(f'title="{long}"') == 2  # the full name where the cell wraps it
+    for width, stacked in ((1400, False), (800, True)):
+        probe = tmp_path / f"types-{width}.html"
+        probe.write_text(text.replace("</body>", TYPE_PROBE + "</body>"))
+        dom = chromium([f"--window-size={width},1000", "--dump-dom", probe.as_uri()], tmp_path / f"pt{width}")
+        m = re.search(r'data-types="([^"]*)"', dom.stdout)
+        assert m is not None, "the probe did not run"
+        found = json.loads(html.unescape(m.group(1)))
+        assert found["cells"] == len(layers)
+        assert found["stacked"] is stacked, (width, found)
+        assert found["over"] == [], (width, found)
+    check_layout(page, tmp_path)

@@ -7,11 +7,12 @@ em dash. ``sortkey`` gives the raw number the page's small sorting script compar
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from markupsafe import Markup
+from markupsafe import Markup, escape
 
 from precprof.percent import change_pct
 from precprof.tables import module_label
@@ -222,3 +223,17 @@ def ordinal(v: Any) -> str:
 
 
 FILTERS["ordinal"] = ordinal
+
+
+# before a capital that follows a small letter or digit, or that starts a word after an acronym (GELU|Activation)
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
+
+
+def type_name(v: Any) -> Markup:
+    """A module type that may wrap between its words (``NonDynamically<wbr>Quantizable<wbr>Linear``), each part
+    escaped: a table's type cell takes the width of its longest word, not of the whole name (nn.MultiheadAttention's
+    out_proj type printed over the next column of a stacked per-layer table, and widened the table past the page)."""
+    return Markup("<wbr>").join(escape(p) for p in _CAMEL.split(str(v)))
+
+
+FILTERS["type_name"] = type_name
