@@ -559,6 +559,27 @@ def test_a_cell_shaded_for_its_layers_shape_says_why() -> None:
     assert "features 64" not in rows["0"]  # whole blocks: no cell of layer 0 fails for its shape
 
 
+def test_a_cell_and_its_footnote_name_the_same_operand() -> None:
+    """A layer's MXFP4 cell showed its worst operand's SQNR, 15.9 dB (the input, for the weight gradient), and
+    its footnote the first operand that failed, "SQNR 17.99 dB on its input (forward)": two numbers for one
+    cell. The reason names the operand of the lowest SQNR, the cell's."""
+    x = np.linspace(1.0, 2.0, 64)
+    ops = []
+    for gemm, db in (("forward", 17.99), ("weight gradient", 15.9), ("input gradient", 25.0)):
+        err = x * 10.0 ** (-db / 20.0)  # an error of that SQNR: 10 log10(sum x^2 / sum err^2) = db
+        ops.append(
+            rb.OperandLoss(
+                "input", "row", gemm, 64, 0, 0, 0, float((x**2).sum()), float((err**2).sum()), values=64
+            )
+        )
+    lb = rb.LayerBlocks("fc2", "Linear", "fc1", losses={"mxfp4": ops}, axes={"in_features": 64, "tokens": 64})
+    cfg = AdvisorConfig()
+    assert 15.9 < 17.99 < cfg.block_fp4_sqnr_min_db < 25.0  # two operands fail, the second is the worse
+    cell = rb.what_if_data([lb], cfg, "b200", True)["layers"][0]["recipes"]["mxfp4"]
+    assert cell["worst"] == "input (weight gradient)" and math.isclose(cell["sqnr_db"], 15.9)
+    assert cell["fails"] == "SQNR 15.9 dB on its input (weight gradient)"
+
+
 def test_a_frozen_layer_is_judged_on_its_forward_alone() -> None:
     """A frozen first layer (nothing trainable before it) runs no backward GEMM; the block table listed its
     weight "(input gradient)" with numbers all the same, for a GEMM that never ran. It lists the forward's

@@ -279,7 +279,8 @@ def fails(lb: LayerBlocks, name: str, cfg: AdvisorConfig) -> str:
     rounding, flushing and saturation) at least the format's minimum, and for MXFP8 the share of the norm lost
     to flushing and saturation (``block_losses``: the median over sampled steps of an upper bound) at most
     ``cfg.lost_norm_max``, the bound per-tensor FP8 and fp16 are held to. FP4 flushes by design (E2M1 keeps
-    nothing below a quarter of a block's scale): its SQNR bound covers what it flushes."""
+    nothing below a quarter of a block's scale): its SQNR bound covers what it flushes. An SQNR below the bound
+    names the operand of the lowest SQNR, the one the what-if table's cell shows."""
     ops = lb.losses.get(PLAN_RECIPES[name]) or []
     if not ops:
         return "not evaluated"
@@ -310,7 +311,12 @@ def fails(lb: LayerBlocks, name: str, cfg: AdvisorConfig) -> str:
             return f"up to {_pct(o.lost_norm)} of its {o.label}'s norm lost to flushing or saturation"
         least = cfg.block_fp4_sqnr_min_db if fp4 else cfg.block_mxfp8_sqnr_min_db
         if o.sqnr_db < least:
-            return f"SQNR {db_text(o.sqnr_db, least)} on its {o.label}"
+            # the operand of the lowest SQNR, the one the table's cell shows (the first that failed had been
+            # named: a cell of 15.9 dB beside "SQNR 17.99 dB on its input (forward)")
+            worst = min(
+                (w for w in ops if not w.poisoned and not math.isnan(w.sqnr_db)), key=lambda w: w.sqnr_db
+            )
+            return f"SQNR {db_text(worst.sqnr_db, least)} on its {worst.label}"
     return ""
 
 
