@@ -138,9 +138,19 @@ def test_a_budgeted_runs_sampling_in_words(tmp_path: Path) -> None:
     # from as many timed steps as a sampled step's cost (the first step left out): 1 sampled step made 32.3%
     steps = pd.read_parquet(tmp_path / "run" / "steps.parquet").iloc[1:]
     n_s, n_u = int(steps[T.SAMPLED].sum()), int((~steps[T.SAMPLED]).sum())
+    # a sampled step that adds less than the unsampled steps' times vary (their middle half, over their median):
+    # the overhead is an upper bound, and the card says so (a loaded machine makes it so)
+    plain, profiled = steps[~steps[T.SAMPLED]][T.TIME_S], steps[steps[T.SAMPLED]][T.TIME_S]
+    cost = profiled.median() / plain.median() if min(n_s, n_u) >= 3 else float("nan")
+    noise = cost < 1 or cost - 1 < (plain.quantile(0.75) - plain.quantile(0.25)) / plain.median()
+    bound = (
+        ("at most ", "; an upper bound: a sampled step adds less than the steps' times vary")
+        if noise
+        else ("", "")
+    )
     assert html.unescape(cards["precprof&#39;s overhead"]) == (
-        f"{F.pct(overhead)} of the run's time (sampled steps {F.pct(part)}; prof.step() on every step "
-        f"{F.pct(every)}; budget 3%)"
+        f"{bound[0]}{F.pct(overhead)} of the run's time (sampled steps {F.pct(part)}; prof.step() on every step "
+        f"{F.pct(every)}; budget 3%{bound[1]})"
         if min(n_s, n_u) >= 3
         else f"not measured ({n_s} sampled, {n_u} unsampled steps timed: 3 of each needed; budget 3%)"
     )

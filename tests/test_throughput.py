@@ -99,6 +99,47 @@ def test_the_overhead_card_keeps_to_the_sampled_step_costs_rule(sampled_at: tupl
         assert head["a sampled step"] == f"{cost:.2f}× an unsampled one"
 
 
+@pytest.mark.parametrize(
+    "plain, profiled",
+    [
+        ([0.03, 0.83, 0.05, 0.75, 0.04, 0.81, 0.03, 0.79], [0.20, 0.21, 0.19]),  # sampled faster: noise
+        ([0.30, 0.70, 0.35, 0.65, 0.40, 0.60, 0.45, 0.55], [0.55, 0.56, 0.54]),  # 1.1x, inside the spread
+        ([0.10, 0.10, 0.11, 0.10, 0.10, 0.11, 0.10, 0.10], [0.20, 0.21, 0.20]),  # 2x of steady steps
+    ],
+)
+def test_the_overhead_within_the_steps_noise_is_said_to_be_an_upper_bound(
+    plain: list[float], profiled: list[float]
+) -> None:
+    """A noisy machine's header read "14.8% of the run's time (sampled steps 13.3%; ...)" beside "a sampled step:
+    cost not measured (... noise)": the sampler counts what each sampled step seemed to add, clipped at 0, so
+    where a sampled step adds less than the steps' times vary that share is an upper bound, and the card says so;
+    of steady steps it is a measurement, said plainly."""
+    times = [1.0, *plain, *profiled]  # step 0, warm-up, is left out
+    sampled = [False] * (1 + len(plain)) + [True] * len(profiled)
+    sampling = {
+        "mode": "every",
+        "every": 3,
+        "overhead": 0.148,
+        "overhead_sampled": 0.133,
+        "overhead_every_step": 0.015,
+    }
+    head = dict(
+        _headline({T.SUMMARY_CAPTURE: {"sampling": sampling}}, _steps(times, sampled), pd.DataFrame())
+    )
+    median = float(np.median(plain))
+    cost = float(np.median(profiled)) / median
+    spread = float(np.quantile(plain, 0.75) - np.quantile(plain, 0.25)) / median
+    parts = "sampled steps 13.3%; prof.step() on every step 1.5%"
+    if cost < 1 or cost - 1 < spread:
+        assert head["precprof's overhead"] == (
+            f"at most 14.8% of the run's time ({parts}; an upper bound: a sampled step adds less than the steps' "
+            "times vary)"
+        )
+    else:
+        assert head["precprof's overhead"] == f"14.8% of the run's time ({parts})"
+    assert (cost < 1) == head["a sampled step"].startswith("cost not measured")
+
+
 def test_a_training_run_reports_and_renders_the_unsampled_rate(tmp_path: Path) -> None:
     cfg = TrainConfig(
         model="gpt-nano",

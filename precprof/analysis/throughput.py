@@ -37,6 +37,18 @@ def timed_enough(tp: dict[str, Any]) -> bool:
     return int(tp["steps_timed_unsampled"]) >= MIN_STEPS and int(tp["steps_timed_sampled"]) >= MIN_STEPS
 
 
+def within_noise(tp: dict[str, Any]) -> bool:
+    """Whether a sampled step adds less than the steps' times vary (``throughput``'s figures ``tp``, from enough
+    timed steps): the sampled steps' median took less than the unsampled steps' (``sampled_step_cost`` below 1),
+    or more by less than the unsampled steps' spread (the middle half of their times, over their median). The
+    sampler then counts what each sampled step seemed to add, clipped at 0, plus its standard error: the
+    overhead it reports is an upper bound, not a measurement."""
+    cost, spread = float(tp["sampled_step_cost"]), float(tp["step_time_spread"])
+    if not timed_enough(tp) or not math.isfinite(cost):
+        return False
+    return cost < 1 or (math.isfinite(spread) and cost - 1 < spread)
+
+
 def throughput(steps: pd.DataFrame) -> dict[str, Any]:
     """Throughput figures of a run from its steps table (``T.TIME_S``, ``T.TOKENS``, ``T.SAMPLED``).
 

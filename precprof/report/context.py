@@ -18,7 +18,7 @@ import pandas as pd
 from precprof import __version__, formats
 from precprof import tables as T
 from precprof.analysis import snippets as snippet_code
-from precprof.analysis.throughput import MIN_STEPS, throughput, timed_enough
+from precprof.analysis.throughput import MIN_STEPS, throughput, timed_enough, within_noise
 from precprof.report import blocks, environment, plots, timeline
 from precprof.report import filters as F
 from precprof.report import memory_summary as M
@@ -231,7 +231,8 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
     """The share of the run's time precprof took, as its sampler measured it (``capture.sampling``), and the
     budget it kept to: "2.9% of the run's time (budget 3%)"; "" where the summary does not say. From fewer timed
     steps than a sampled step's cost is measured from (``tp``, ``timed_enough``), "not measured" and the counts:
-    2 sampled steps of a run cut short made 32.4% where the page withheld the cost of a sampled step."""
+    2 sampled steps of a run cut short made 32.4% where the page withheld the cost of a sampled step. Where a
+    sampled step adds less than the steps' times vary (``within_noise``), "at most" and why."""
     capture = summary.get(T.SUMMARY_CAPTURE)
     sampling = capture.get("sampling") if isinstance(capture, Mapping) else None
     if not isinstance(sampling, Mapping):
@@ -249,6 +250,11 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
         said.extend(overhead_parts(sampling))
     if sampling.get("mode") == "budget" and isinstance(budget, (int, float)) and math.isfinite(budget):
         said.append(f"budget {F.pct(float(budget))}")
+    if within_noise(tp):
+        # the sampler counted what each sampled step seemed to add, clipped at 0: beside a card that says the
+        # cost was noise, the plain share had read as measured
+        text = f"at most {text}"
+        said.append("an upper bound: a sampled step adds less than the steps' times vary")
     return text + (f" ({'; '.join(said)})" if said else "")
 
 
