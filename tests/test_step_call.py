@@ -2,22 +2,58 @@
 enough to leave on; bench/step_call.py times it). Counted, never timed:
 
 - outside compiled code the call is a plain call: Dynamo's frame callback is left as it is (its disable
-  wrapper, for calls from compiled code, set and restored it around every call).
+  wrapper, for calls from compiled code, set and restored it around every call);
+- a CPU loss is read with one torch op (four made a copy of it, and the budget's loss watch a fifth), and every
+  step's loss is recorded as it was, a bf16 one too.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import precprof
+from precprof import tables as T
+
+
+class _Ops(TorchDispatchMode):
+    """The torch ops run inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+
+
+def _train(prof: precprof.Profiler, model: nn.Module, opt: Any, steps: int, dtype: torch.dtype) -> list[Any]:
+    """``steps`` steps; per step (the loss as the test reads it, the ops of the call if neither the step it ends
+    nor the one it begins is sampled)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        loss = model(torch.randn(4, 8, generator=g)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        given = loss.to(dtype)
+        ended = prof.sampling
+        ops = _Ops()
+        with ops:
+            prof.step(loss=given)
+        out.append((given.item(), None if ended or prof.sampling else ops.names))
+    return out
 
 
 def test_outside_compiled_code_the_call_leaves_dynamos_frame_callback_alone(monkeypatch: Any) -> None:
@@ -41,3 +77,20 @@ def test_outside_compiled_code_the_call_leaves_dynamos_frame_callback_alone(monk
             prof.step()
             inside[0] = False
     assert calls == []
+
+
+@pytest.mark.parametrize("sample_every", [4, None], ids=["every 4", "budget"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_loss_is_read_with_one_op_and_every_steps_is_recorded(
+    sample_every: int | None, dtype: torch.dtype
+) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with precprof.Profiler(model, optimizer=opt, sample_every=sample_every) as prof:
+        seen = _train(prof, model, opt, 40, dtype)
+    unsampled = [ops for _, ops in seen if ops is not None]
+    assert len(unsampled) >= 4
+    assert all(ops == ["aten._local_scalar_dense.default"] for ops in unsampled)
+    steps = prof.tables()["steps"]
+    assert steps[T.LOSS].tolist() == [loss for loss, _ in seen]  # the given dtype's values, exactly
+    assert prof.summary()["loss_dtypes"] == {str(dtype).removeprefix("torch."): 40}

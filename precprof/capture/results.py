@@ -72,7 +72,7 @@ class ProfilerResults:
     _blocks: BlockDeal
     _first_step: int
     _sample_origin: int
-    _loss_dtypes: dict[str, int]
+    _loss_dtypes: dict[torch.dtype, int]
     _optimizer_changes: list[dict[str, Any]]
     _optimizer_given_at: int | None
     _updates_read_from: int | None
@@ -332,7 +332,7 @@ class ProfilerResults:
             "dropout_layers": dropout_layers(self.model),
             "static_loss_scale": self.loss_scale,
             "low_precision_buffers": self._low_precision_buffers(),
-            "loss_dtypes": dict(self._loss_dtypes),
+            "loss_dtypes": {str(d).removeprefix("torch."): n for d, n in self._loss_dtypes.items()},
             # a histogram unscaled by log2(scale) is exact for powers of two only: a scaler's, or a manual one's
             "histogram_shift_exact": not (
                 (self._scaler_watch is not None and self._scaler_watch.non_pow2)

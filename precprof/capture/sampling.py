@@ -420,6 +420,8 @@ class LandedValues:
 
     def put(self, loss: Any, found_inf: Any) -> list[tuple[float, bool]]:
         """Send one step's values; returns every step's values that have landed, oldest first."""
+        if found_inf is None and not self._flight and (loss is None or isinstance(loss, float)):
+            return [] if loss is None else [(loss, False)]  # a CPU loss, read already (no import, no tensor)
         import torch
 
         values = [v for v in (loss, found_inf) if isinstance(v, torch.Tensor)]
