@@ -4,7 +4,9 @@ enough to leave on; bench/step_call.py times it). Counted, never timed:
 - outside compiled code the call is a plain call: Dynamo's frame callback is left as it is (its disable
   wrapper, for calls from compiled code, set and restored it around every call);
 - a CPU loss is read with one torch op (four made a copy of it, and the budget's loss watch a fifth), and every
-  step's loss is recorded as it was, a bf16 one too.
+  step's loss is recorded as it was, a bf16 one too;
+- between two unsampled steps nothing is undone: the step hooks and the memory tracker, idle since the step
+  after the last sampled one, are not called; after a sampled step they are, and no hook stays.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import precprof
 from precprof import tables as T
+from precprof.capture.hooks import StepHooks
+from precprof.capture.memory_tracker import MemoryTracker
 
 
 class _Ops(TorchDispatchMode):
@@ -94,3 +98,35 @@ def test_a_cpu_loss_is_read_with_one_op_and_every_steps_is_recorded(
     steps = prof.tables()["steps"]
     assert steps[T.LOSS].tolist() == [loss for loss, _ in seen]  # the given dtype's values, exactly
     assert prof.summary()["loss_dtypes"] == {str(dtype).removeprefix("torch."): 40}
+
+
+def test_between_unsampled_steps_nothing_is_undone(monkeypatch: Any) -> None:
+    """The step hooks come off, and the memory tracker ends its step, at the first unsampled step after a
+    sampled one; the next unsampled steps have nothing of theirs to undo (25 + 14 us a step)."""
+    calls: list[tuple[str, int]] = []
+    for cls, name in ((StepHooks, "remove"), (MemoryTracker, "begin_step")):
+        real = getattr(cls, name)
+
+        def counted(self: Any, *args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            calls.append((_name, prof.current_step))
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(cls, name, counted)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=4)
+    with prof:
+        _train(prof, model, opt, 9, torch.float32)
+        during = list(calls)
+    # steps 0, 4 and 8 sampled; each call counted under the step it begins: a sampled step begins (at the
+    # attach, and by the calls ending steps 3 and 7), and so does the unsampled step after it, whose call
+    # removes the hooks; the calls beginning steps 2, 3, 6 and 7 have nothing to undo
+    want: list[tuple[str, int]] = []
+    for step in range(10):
+        if step % 4 == 0:
+            want.append(("begin_step", step))
+        elif step % 4 == 1:
+            want += [("begin_step", step), ("remove", step)]
+    assert during == want
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == 0
+    assert sorted(set(prof.tables()["layers"][T.STEP])) == [0, 4, 8]

@@ -61,10 +61,10 @@ class ClipNorms:
 
     def take(self) -> torch.Tensor | None:
         """The step's norm (a device scalar), None when the loop did not clip; clears it for the next step."""
+        if not self._norms:
+            return None
         norms = list(self._norms.values())
         self._norms.clear()
-        if not norms:
-            return None
         if len(norms) == 1 or self._p != 2.0:
             return norms[-1]
         return torch.stack(norms).square().sum().sqrt()

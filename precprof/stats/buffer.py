@@ -216,6 +216,8 @@ class StatsBuffer:
     @property
     def ready(self) -> bool:
         """Whether every kernel compiled in the background is loaded (a tensor can be read without a compile)."""
+        if not self._warming:
+            return True
         if any(t.is_alive() for t in self._warming):
             return False
         self._warming.clear()
