@@ -16,7 +16,9 @@ Every column name used anywhere in precprof is a constant here (read them throug
     cast of x*scale does), underflow_<fmt>_cs for fp8 formats (underflow after per-tensor current scaling,
     scale 2^floor(log2(fmax/amax)) per tensor), and for tensor == "weight_update" rows lost_update_bf16 /
     lost_update_fp16 (update elements that are nonzero but vanish when added to the weight held in that
-    format) — NaN on other rows, numel_gcd (a linear layer's activation rows: the largest number dividing
+    format), update_rms / weight_rms (the RMS over the sample of the update and of the weight before it:
+    update_rms / weight_rms is ||dw|| / ||w||) — NaN on other rows; on weight_update rows absmax and absmin
+    are the update's (largest finite |dw|, smallest nonzero one), numel_gcd (a linear layer's activation rows: the largest number dividing
     the output elements of each of its calls; NaN on other rows).
 
 ``histograms`` — step, module, tensor, param, exponent (floor(log2|x|) of the unscaled value), count.
@@ -71,6 +73,10 @@ EXPONENT = "exponent"
 COUNT = "count"
 LOST_UPDATE_BF16 = "lost_update_bf16"
 LOST_UPDATE_FP16 = "lost_update_fp16"
+# weight_update rows: the RMS over the sample of the update and of the weight before it (their ratio is
+# ||dw|| / ||w||, the learning rate's effect per layer)
+UPDATE_RMS = "update_rms"
+WEIGHT_RMS = "weight_rms"
 # a linear layer's activation rows: the largest number dividing the output elements of each of its calls
 # (tokens x out_features: every call's tokens are a multiple of numel_gcd / out_features), what FP8's rule on the
 # tokens per call reads (one call of 8 tokens and one of 24 average 16)
@@ -264,6 +270,8 @@ LAYERS_COLUMNS: tuple[str, ...] = (
     SCALE,
     LOST_UPDATE_BF16,
     LOST_UPDATE_FP16,
+    UPDATE_RMS,
+    WEIGHT_RMS,
     NUMEL_GCD,
     *BLOCK_COLUMNS,
 )

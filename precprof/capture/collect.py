@@ -15,6 +15,7 @@ import torch
 from precprof import flush
 from precprof import stats as st
 from precprof import tables as T
+from precprof.capture import update_sizes
 from precprof.capture.plan import CapturePlan
 from precprof.capture.recorded import Recorded
 from precprof.capture.records import _PendingStep, name_bit
@@ -114,7 +115,15 @@ class Collector:
             for name in m["dtypes"]:
                 bits |= name_bit(name)
             rows.dtype_bits[r.index] = bits
-        counts = [reducer.reduce_sum(self.updates.combined())] if self.updates is not None else []
+        counts = []
+        if self.updates is not None:
+            update_counts, sizes = self.updates.combined()
+            sums, extremes = update_sizes.for_ranks(sizes)
+            counts = [
+                reducer.reduce_sum(update_counts),
+                reducer.reduce_sum(sums),
+                reducer.reduce_max(extremes),
+            ]
         return meta["order"], [device_rows, block_sums], counts
 
     def _collect_layers(
@@ -130,7 +139,7 @@ class Collector:
         """Layer, histogram and weight-update rows of a sampled step from the host copies of its tensors (the
         CPU's rows as they are held: ``windowed``, from ``StatsBuffer.host_windowed``)."""
         buffer, rows = self.buffer, self.plan.rows
-        counts: np.ndarray | None = None
+        counts: tuple[np.ndarray, np.ndarray] | None = None
         if windowed is not None:
             held = flush.HeldRows(*windowed[:3], stats_host[0])
         else:
@@ -139,7 +148,8 @@ class Collector:
             )
             held = flush.HeldRows(data[:, : st.COL_HIST], data[:, st.COL_HIST :], 0, slots)
         if self.reducer is not None:
-            counts = counts_host[0] if counts_host else None
+            if counts_host:
+                counts = (counts_host[0], update_sizes.from_ranks(*counts_host[1:]))
         elif self.updates is not None:
             counts = self.updates.host_counts(counts_host)
         active = np.flatnonzero(np.asarray(rows.calls, dtype=np.int64) > 0)
@@ -147,7 +157,7 @@ class Collector:
             seen, slot_of = buffer.blocks_seen, buffer.block_slot
             recorded.add_layers(step, flush.StepRows(step, rows, active, held, scale, order, slot_of, seen))
         if self.updates is not None and counts is not None:
-            updates = self.updates.columns(counts, step, order, self.plan.module_types())
+            updates = self.updates.columns(*counts, step, order, self.plan.module_types())
             if updates is not None:
                 recorded.add_layers(step, updates)
 

@@ -11,8 +11,8 @@ What is recorded on a sampled step, for every captured module (see ``Profiler``'
 - ``weight_grad``: the accumulated gradient of each parameter (``register_post_accumulate_grad_hook``, the
   gradients read together when the backward pass ends; with gradient accumulation the last accumulation of
   the step wins);
-- ``weight_update``: for a strided sample of each parameter's elements, the update the optimizer applied,
-  and how many nonzero updates would vanish if the weight were held in bf16 / fp16.
+- ``weight_update``: for a strided sample of each parameter's elements, the update the optimizer applied (its
+  RMS against the weight's, its extremes), and how many nonzero updates would vanish in bf16 / fp16 weights.
 
 Hooks never synchronise with the device: statistics accumulate into a preallocated device buffer
 (``precprof.stats.StatsBuffer``); the loss scale and the scaler's found-inf flag are read as device tensors

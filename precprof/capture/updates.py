@@ -15,7 +15,9 @@ when the weight moved. Per sampled element, without a sync:
   fp16, which is finer, so it counts only for fp32 and fp16 weights).
 
 The counts go into a small int64 buffer per device, summed per parameter from a running sum. The gradient is a lower bound of intent: an
-element with a zero gradient whose momentum update did not land is not seen.
+element with a zero gradient whose momentum update did not land is not seen. Beside the counts, the updates'
+size (``capture/update_sizes.py``): the sums of the squared updates and weights, the largest and smallest
+nonzero |update|, in a float64 buffer per device.
 
 On the CPU, where the C statistics kernel is in use, the parameters' samples are gathered and classified by
 the kernel (``_HostSamples``: one call in each optimizer hook, the same arithmetic); the torch ops above cost
@@ -24,7 +26,6 @@ a sampled step of many small parameters about 2 us per parameter.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -33,6 +34,7 @@ import torch
 
 from precprof import _compat
 from precprof import tables as T
+from precprof.capture import update_sizes
 from precprof.capture.records import _local, _ParamSlot
 from precprof.capture.storage import dtype_name
 from precprof.stats import engine as _engine
@@ -67,6 +69,8 @@ class _HostSamples:
         self.grad_ptrs = np.zeros(self.k, dtype=np.int64)
         total = int(self.lens.sum())
         self.before = np.zeros(total, dtype=np.float32)
+        self.after = np.zeros(total, dtype=np.float32)
+        self.starts = np.concatenate(([0], np.cumsum(self.lens)[:-1])).astype(np.int64)  # each member's first
         self.intended = np.zeros(total, dtype=np.uint8)
         self._held: list[int] | None = None  # the members' data pointers the arrays were made for
         self._param_dtypes: list[torch.dtype] = []
@@ -136,6 +140,13 @@ class _HostSamples:
         )
         return True
 
+    def add_sizes(self, sizes: torch.Tensor) -> None:
+        """Add the step's update sizes into ``sizes`` (``update_sizes``), the samples read again now, after the
+        step, by the pointers :meth:`classify` just read."""
+        args = (self.k, self.ptrs.ctypes.data, self.strides.ctypes.data, self.lens.ctypes.data)
+        self.lib.pp_upd_gather(*args, self.dtypes.ctypes.data, self.after.ctypes.data)
+        update_sizes.add_host(sizes, self.starts, self.before, self.after)
+
 
 def _host_kernel(device: torch.device) -> Any:
     """The C kernel for a group on ``device``: the CPU's statistics engine is the C kernel; else None."""
@@ -147,7 +158,8 @@ def _host_kernel(device: torch.device) -> Any:
 class _DeviceGroup:
     """The tracked parameters of one device and one dtype, sampled together: one ``torch.cat`` never mixes
     devices (a CPU-offloaded layer beside CUDA ones is sampled on the CPU), and whether the weights are held
-    in bf16 is one flag for the group. Persistent memory: the counts and one index per parameter."""
+    in bf16 is one flag for the group. Persistent memory: the counts and sizes, one index per parameter and one
+    per sampled element (``update_sizes.padded_slots``)."""
 
     def __init__(self, device: torch.device, held_bf16: bool, members: list[_ParamSlot]) -> None:
         self.device = device
@@ -156,6 +168,9 @@ class _DeviceGroup:
         lens = torch.tensor([ps.sample_len for ps in members], dtype=torch.int64)
         # columns: sampled elements, zero updates, lost in bf16, lost in fp16
         self.counts = torch.zeros((len(members), 4), dtype=torch.int64, device=device)
+        self.sizes = update_sizes.empty(len(members), device)  # the updates' sizes (update_sizes)
+        # made here, as lens and ends are: a copy to the device in the optimizer's hooks would wait for it
+        self._slots = update_sizes.padded_slots([ps.sample_len for ps in members], device)
         self.lens = lens.to(device)
         self.ends = (lens.cumsum(0) - 1).to(device)  # each member's last sampled element
         self.before: torch.Tensor | None = None
@@ -172,7 +187,8 @@ class _DeviceGroup:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.counts, self.lens, self.ends))
+        held = (self.counts, self.sizes, self.lens, self.ends, self._slots[0])
+        return sum(t.numel() * t.element_size() for t in held)
 
     def _sample_view(self, i: int, ps: _ParamSlot) -> torch.Tensor:
         t = ps.tensor
@@ -277,6 +293,7 @@ class _DeviceGroup:
             host = self._host
             assert host is not None
             if host.classify([ps.tensor for ps in self.members], self.held_bf16, self.counts):
+                host.add_sizes(self.sizes)
                 return True
             # a member can no longer be read in place (its storage replaced during the step): torch ops
             self.before = torch.from_numpy(host.before.copy())
@@ -303,6 +320,7 @@ class _DeviceGroup:
         at_end[1:] -= at_end[:-1].clone()
         self.counts[:, 0] += self.lens
         self.counts[:, 1:] += at_end
+        update_sizes.add(self.sizes, *self._slots, before, delta)
         return True
 
 
@@ -424,6 +442,7 @@ class UpdateSampler:
     def reset(self) -> None:
         for g in self._groups:
             g.counts.zero_()
+            update_sizes.reset(g.sizes)
         self._counted = False
 
     def _follow_groups(self) -> None:
@@ -476,35 +495,43 @@ class UpdateSampler:
         return bool(done) and all(done)
 
     def device_counts(self) -> list[torch.Tensor]:
-        """Each device group's counts ([members, 4] int64, on its device), for one copy with the rest of a
-        sampled step's data; :meth:`host_counts` puts the copies back in parameter order."""
-        return [g.counts for g in self._groups]
+        """Each device group's counts ([members, 4] int64, on its device), then each one's sizes ([members, 4]
+        float64, ``update_sizes``), for one copy with the rest of a sampled step's data; :meth:`host_counts`
+        puts the copies back in parameter order."""
+        return [g.counts for g in self._groups] + [g.sizes for g in self._groups]
 
-    def host_counts(self, parts: Sequence[np.ndarray]) -> np.ndarray:
-        """[tracked, 4] int64 counts from the host copies of :meth:`device_counts` (zeros for parameters that
-        were not sampled)."""
-        out = np.zeros((max(len(self.tracked), 1), 4), dtype=np.int64)
-        for g, part in zip(self._groups, parts, strict=True):
-            out[[ps.update_index for ps in g.members]] = part
-        return out
+    def host_counts(self, parts: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """[tracked, 4] int64 counts and [tracked, 4] float64 sizes from the host copies of
+        :meth:`device_counts` (nothing for parameters that were not sampled)."""
+        k = len(self._groups)
+        rows = max(len(self.tracked), 1)
+        out = np.zeros((rows, 4), dtype=np.int64)
+        sizes = update_sizes.empty(rows).numpy()
+        for g, part, size in zip(self._groups, parts[:k], parts[k:], strict=True):
+            at = [ps.update_index for ps in g.members]
+            out[at], sizes[at] = part, size
+        return out, sizes
 
-    def combined(self) -> torch.Tensor:
-        """[tracked, 4] int64 counts on the one device the parameters are on (else ``device``), for a
-        collective; copies across devices when the groups live on several."""
+    def combined(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tracked, 4] int64 counts and float64 sizes on the one device the parameters are on (else
+        ``device``), for the collectives; copies across devices when the groups live on several."""
         dev = self._groups[0].device if len(self._groups) == 1 else self.device
-        out = torch.zeros((max(len(self.tracked), 1), 4), dtype=torch.int64, device=dev)
+        rows = max(len(self.tracked), 1)
+        out = torch.zeros((rows, 4), dtype=torch.int64, device=dev)
+        sizes = update_sizes.empty(rows, dev)
         for g in self._groups:
             idx = torch.tensor([ps.update_index for ps in g.members], dtype=torch.int64, device=dev)
             out.index_copy_(0, idx, g.counts.to(dev))
-        return out
+            sizes.index_copy_(0, idx, g.sizes.to(dev))
+        return out, sizes
 
     def columns(
-        self, counts: Any, step: int, order: dict[str, int], module_type: dict[str, str]
+        self, counts: Any, sizes: Any, step: int, order: dict[str, int], module_type: dict[str, str]
     ) -> dict[str, Any] | None:
-        """``weight_update`` rows of the layers table, as columns, from ``counts`` (the host counts, reduced
-        over ranks when distributed); parameters with no sampled element are left out (None: none left). The
-        columns that name the rows are made once while the same parameters, dtypes and order come back (the
-        steps' columns share them: they are read, never changed)."""
+        """``weight_update`` rows of the layers table, as columns, from ``counts`` and ``sizes`` (the host
+        copies, reduced over ranks when distributed); parameters with no sampled element are left out (None:
+        none left). The columns that name the rows are made once while the same parameters, dtypes and order
+        come back (the steps' columns share them: they are read, never changed)."""
         counts = np.asarray(counts, dtype=np.int64)
         if not self.tracked:
             return None
@@ -522,6 +549,9 @@ class UpdateSampler:
                 T.ZEROS: c[keep, 1].copy(),
                 T.LOST_UPDATE_BF16: c[keep, 2].copy(),
                 T.LOST_UPDATE_FP16: c[keep, 3].copy(),
+                **update_sizes.columns(
+                    np.asarray(sizes, dtype=np.float64)[self._update_idx][keep], c[keep, 0]
+                ),
             }
         )
         return cols
@@ -553,8 +583,6 @@ class UpdateSampler:
                 T.PARAM: [ps.param for ps in kept],
                 T.DTYPE: [dtype_name(ps.tensor.dtype) for ps in kept],
                 T.CALLS: np.ones(n, dtype=np.int64),
-                T.ABSMAX: np.full(n, math.nan),
-                T.ABSMIN: np.full(n, math.nan),
                 T.SCALE: np.ones(n),
             }
         )

@@ -1,0 +1,142 @@
+"""The size of the sampled weight updates (``capture/update_sizes.py``): the ``weight_update`` rows' update and
+weight RMS, largest and smallest nonzero |update|, against the test's own copies of the same strided elements
+(the whole tensor for a parameter of at most 256 elements) read around ``optimizer.step()``, for SGD and Adam,
+fp32 and bf16 weights, through the C kernel and the torch ops; and training unchanged by reading them."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import tables as T
+from precprof.capture.reducer import RankReducer
+from precprof.stats import kernel as cpu_kernel
+from precprof.stats.engine import ENGINE_ENV
+
+STEPS = 3
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+}
+ENGINES = ["torch", *(["c"] if cpu_kernel.load() is not None else [])]
+
+
+def _model(dtype: torch.dtype) -> nn.Module:
+    """A weight of 1200 elements (every 5th sampled: 240) and a bias of 30 (all of them), the bias starting
+    at zero as ``nn.Linear`` biases often do: its weight RMS is 0 on the first step."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(40, 30), nn.Tanh(), nn.Linear(30, 1)).to(dtype)
+    with torch.no_grad():
+        m[0].bias.zero_()
+    return m
+
+
+def _sample(p: torch.Tensor) -> torch.Tensor:
+    """The strided sample precprof reads (256 elements at most per parameter), as fp64 copies."""
+    flat = p.detach().reshape(-1)
+    stride = -(-flat.numel() // 256)
+    return flat[::stride].double().clone()
+
+
+def _train(
+    opt_name: str, dtype: torch.dtype, profile: bool, reducer: Any = "auto"
+) -> tuple[nn.Module, pd.DataFrame, pd.DataFrame]:
+    """STEPS steps; returns the model, the weight-update rows (when profiled) and the test's own sizes per
+    (step, module, param) from its copies of the samples before and after each optimizer step."""
+    m = _model(dtype)
+    opt = OPTIMIZERS[opt_name](m.parameters())
+    x = torch.randn(16, 40).to(dtype)
+    y = torch.randn(16, 1).to(dtype)
+    names = dict(m.named_parameters())
+    own = []
+    prof = (
+        precprof.Profiler(m, optimizer=opt, sample_every=1, memory=False, reducer=reducer)
+        if profile
+        else None
+    )
+    if prof is not None:
+        prof.attach()
+    for step in range(STEPS):
+        loss = (m(x).float() - y.float()).square().mean()
+        loss.backward()
+        before = {n: _sample(p) for n, p in names.items()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for n, p in names.items():
+            d = _sample(p) - before[n]
+            w = before[n]
+            module, param = n.rsplit(".", 1)
+            moved = d[d != 0].abs()
+            own.append(
+                {
+                    T.STEP: step,
+                    T.MODULE: module,
+                    T.PARAM: param,
+                    "numel": len(d),
+                    "update_rms": float(d.square().mean().sqrt()),
+                    "weight_rms": float(w.square().mean().sqrt()),
+                    "absmax": float(d.abs().max()),
+                    "absmin": float(moved.min()) if len(moved) else math.nan,
+                }
+            )
+        if prof is not None:
+            prof.step(loss=loss.detach())
+    rows = pd.DataFrame()
+    if prof is not None:
+        layers = prof.tables()["layers"]
+        prof.detach()
+        rows = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE].astype({T.MODULE: str, T.PARAM: str})
+    return m, rows, pd.DataFrame(own)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_update_sizes_are_those_of_the_sampled_elements(
+    opt_name: str, dtype: torch.dtype, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rows had only counts (absmax and absmin NaN): no update RMS, no weight RMS, no ||dw|| / ||w||."""
+    monkeypatch.setenv(ENGINE_ENV, engine)
+    _, rows, own = _train(opt_name, dtype, profile=True)
+    got = rows.set_index([T.STEP, T.MODULE, T.PARAM]).sort_index()
+    want = own.set_index([T.STEP, T.MODULE, T.PARAM]).sort_index()
+    assert list(got.index) == list(want.index) and len(want) == STEPS * 4
+    assert (got[T.NUMEL] == want["numel"]).all() and set(want["numel"]) == {240, 30, 1}
+    for col in (T.UPDATE_RMS, T.WEIGHT_RMS, T.ABSMAX, T.ABSMIN):
+        np.testing.assert_allclose(got[col].to_numpy(float), want[col].to_numpy(float), rtol=1e-6, atol=0)
+    ratio = got[T.UPDATE_RMS] / got[T.WEIGHT_RMS]
+    assert (ratio[want["weight_rms"] > 0] > 0).all()
+    assert (got.loc[(0, "0", "bias"), T.WEIGHT_RMS] == 0) and got.loc[(0, "0", "bias"), T.UPDATE_RMS] > 0
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_reading_the_update_sizes_leaves_training_unchanged(opt_name: str) -> None:
+    plain, _, _ = _train(opt_name, torch.bfloat16, profile=False)
+    profiled, rows, _ = _train(opt_name, torch.bfloat16, profile=True)
+    assert rows[T.UPDATE_RMS].notna().all()
+    for (name, a), b in zip(plain.named_parameters(), profiled.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_update_sizes_reduced_over_ranks_are_those_of_one_process(tmp_path: Path) -> None:
+    """Under a process group the sizes go through the collectives (sums added, the largest and the smallest
+    update by a max): with one rank, the rows of a run without a group, the sizes the test computed."""
+    import torch.distributed as dist
+
+    _, alone, own = _train("adam", torch.float32, profile=True)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        _, reduced, _ = _train("adam", torch.float32, profile=True, reducer=RankReducer())
+    finally:
+        dist.destroy_process_group()
+    cols = [T.STEP, T.MODULE, T.PARAM, T.NUMEL, T.UPDATE_RMS, T.WEIGHT_RMS, T.ABSMAX, T.ABSMIN]
+    pd.testing.assert_frame_equal(reduced[cols].reset_index(drop=True), alone[cols].reset_index(drop=True))
+    np.testing.assert_allclose(reduced[T.ABSMIN].to_numpy(float), own["absmin"].to_numpy(float), rtol=1e-6)
