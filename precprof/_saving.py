@@ -35,6 +35,7 @@ TABLE_ORDER: tuple[str, ...] = ("steps", "memory", "histograms", "layers")
 # (section, key): left out of summary.json first when it does not fit, in this order (the largest first)
 BULKY: tuple[tuple[str, str | None], ...] = (
     (T.SUMMARY_RECOMMENDATION, "block_what_if"),
+    (T.SUMMARY_WEIGHT_UPDATES, "layers"),
     (T.SUMMARY_MEMORY, None),
     (T.SUMMARY_CAPTURE, "modules"),
     (T.SUMMARY_CAPTURE, "gemm_inputs"),

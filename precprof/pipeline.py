@@ -29,7 +29,7 @@ import pandas as pd
 
 from precprof import _atomic, _run_finisher, _saving, _signals, hardware, rundir
 from precprof import tables as T
-from precprof.analysis import advisor, memory_projection
+from precprof.analysis import advisor, memory_projection, update_ratio
 from precprof.errors import RunNotSavedWarning, UserError
 from precprof.report.render import render_html, render_run_dir
 
@@ -37,13 +37,20 @@ from precprof.report.render import render_html, render_run_dir
 def post_process(
     tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any], facts: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Memory projection and recommendation for summary.json; best effort, never raises an Exception."""
+    """Memory projection, update-to-weight ratios and recommendation for summary.json; best effort, never
+    raises an Exception."""
     out: dict[str, Any] = {}
     try:
         if not tables["memory"].empty:
             out[T.SUMMARY_MEMORY] = memory_projection.project(tables["memory"], dict(summary), facts=facts)
     except Exception as e:
         out.setdefault(T.SUMMARY_ERRORS, []).append(f"memory projection: {type(e).__name__}: {e}")
+    try:
+        updates = update_ratio.summary(tables["layers"], T.shared_params(summary))
+        if updates is not None:
+            out[T.SUMMARY_WEIGHT_UPDATES] = updates
+    except Exception as e:
+        out.setdefault(T.SUMMARY_ERRORS, []).append(f"weight updates: {type(e).__name__}: {e}")
     try:
         if not tables["layers"].empty or not tables["steps"].empty:
             rec = advisor.recommend(dict(tables), summary={**summary, **out})

@@ -60,6 +60,7 @@ SUMMARY_CAPTURE = "capture"  # sample_every, modules captured, mixed precision o
 SUMMARY_FINAL = "final"  # headline numbers: final loss, steps, skipped steps, tokens/s, time
 SUMMARY_MEMORY = "memory"  # per-component totals and the projection per precision mode
 SUMMARY_RECOMMENDATION = "recommendation"  # precprof.analysis.advisor.Recommendation.to_dict()
+SUMMARY_WEIGHT_UPDATES = "weight_updates"  # update-to-weight ratio per layer (precprof.analysis.update_ratio)
 SUMMARY_ERRORS = "errors"  # post-processing steps that failed (memory projection, advisor): one line each
 
 STATUS_COMPLETE = "complete"
@@ -95,6 +96,7 @@ _OBJECT_SECTIONS = (
     SUMMARY_CAPTURE,
     SUMMARY_FINAL,
     SUMMARY_RECOMMENDATION,
+    SUMMARY_WEIGHT_UPDATES,
 )
 
 

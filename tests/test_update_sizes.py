@@ -17,7 +17,9 @@ from torch import nn
 
 import precprof
 from precprof import tables as T
+from precprof.analysis import update_ratio
 from precprof.capture.reducer import RankReducer
+from precprof.report import filters
 from precprof.stats import kernel as cpu_kernel
 from precprof.stats.engine import ENGINE_ENV
 
@@ -140,3 +142,82 @@ def test_update_sizes_reduced_over_ranks_are_those_of_one_process(tmp_path: Path
     cols = [T.STEP, T.MODULE, T.PARAM, T.NUMEL, T.UPDATE_RMS, T.WEIGHT_RMS, T.ABSMAX, T.ABSMIN]
     pd.testing.assert_frame_equal(reduced[cols].reset_index(drop=True), alone[cols].reset_index(drop=True))
     np.testing.assert_allclose(reduced[T.ABSMIN].to_numpy(float), own["absmin"].to_numpy(float), rtol=1e-6)
+
+
+def _update_row(step: int, module: str, param: str, numel: int, update_rms: float, weight_rms: float) -> dict:
+    return {
+        T.STEP: step,
+        T.MODULE: module,
+        T.TENSOR: T.WEIGHT_UPDATE,
+        T.PARAM: param,
+        T.ORDER: {"a": 0, "z": 1}[module],
+        T.NUMEL: numel,
+        T.UPDATE_RMS: update_rms,
+        T.WEIGHT_RMS: weight_rms,
+        T.ABSMAX: 2 * update_rms,
+    }
+
+
+def test_a_layers_ratio_takes_its_parameters_together_and_no_step_of_zero_weights() -> None:
+    """||dw|| / ||w|| per module and step from the sums of squares of its parameters' samples (a bias at zero
+    beside its weight counts); a step whose weights were all zero has no ratio; median and max over steps."""
+    rows = [
+        _update_row(0, "a", "weight", 4, 0.1, 1.0),
+        _update_row(0, "a", "bias", 2, 0.2, 0.0),
+        _update_row(1, "a", "weight", 4, 0.01, 1.0),
+        _update_row(1, "a", "bias", 2, 0.01, 0.5),
+        _update_row(2, "a", "weight", 4, 0.03, 1.0),
+        _update_row(0, "z", "weight", 8, 0.1, 0.0),  # zero-initialised: no ratio on its first step
+        _update_row(1, "z", "weight", 8, 0.1, 0.2),
+        {T.STEP: 0, T.MODULE: "a", T.TENSOR: T.WEIGHT, T.PARAM: "weight", T.NUMEL: 4, T.ABSMAX: 9.0},
+    ]
+    layers = T.frame("layers", rows)
+    a = [
+        math.sqrt(4 * 0.1**2 + 2 * 0.2**2) / 2,
+        math.sqrt(4 * 0.01**2 + 2 * 0.01**2) / math.sqrt(4 + 2 * 0.25),
+    ]
+    a.append(0.03)
+    per = update_ratio.layer_ratios(layers)
+    assert per["a"]["median"] == pytest.approx(float(np.median(a)), rel=1e-12)
+    assert per["a"]["max"] == pytest.approx(max(a), rel=1e-12) and per["a"]["steps"] == 3
+    assert per["z"] == {"median": 0.5, "max": 0.5, "steps": 1.0, "absmax": 0.2}
+    doc = update_ratio.summary(layers)
+    assert doc is not None and [r["module"] for r in doc["layers"]] == ["a", "z"]
+    assert doc["ratio_max"] == 0.5 and doc["ratio_max_layer"] == "z"
+    assert doc["ratio_median"] == pytest.approx((float(np.median(a)) + 0.5) / 2, rel=1e-12)
+    # a run recorded before the sizes: nothing to say
+    assert update_ratio.summary(layers.drop(columns=[T.UPDATE_RMS, T.WEIGHT_RMS])) is None
+
+
+def test_the_summary_and_the_report_give_each_layers_ratio(tmp_path: Path) -> None:
+    """summary.json's ``weight_updates`` and the report's table of update / weight per layer: the test's own
+    ratios of the sampled elements, median and max over the sampled steps."""
+    m = _model(torch.float32)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    x, y = torch.randn(16, 40), torch.randn(16, 1)
+    sums: dict[tuple[int, str], list[float]] = {}
+    with precprof.Profiler(m, optimizer=opt, sample_every=2, memory=False, out=tmp_path / "run") as prof:
+        for step in range(6):
+            (m(x) - y).square().mean().backward()
+            before = {n: _sample(p) for n, p in m.named_parameters()}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            for n, p in m.named_parameters():
+                du, dw = sums.setdefault((step, n.rsplit(".", 1)[0]), [0.0, 0.0])
+                sums[(step, n.rsplit(".", 1)[0])] = [
+                    du + float((_sample(p) - before[n]).square().sum()),
+                    dw + float(before[n].square().sum()),
+                ]
+            prof.step()
+        page = prof.report().read_text()
+    doc = T.read_summary(tmp_path / "run")[T.SUMMARY_WEIGHT_UPDATES]
+    for layer in doc["layers"]:
+        ratios = [
+            math.sqrt(du / dw) for (s, mod), (du, dw) in sums.items() if mod == layer["module"] and s % 2 == 0
+        ]
+        assert len(ratios) == layer["steps"] == 3
+        assert layer["median"] == pytest.approx(float(np.median(ratios)), rel=1e-6)
+        assert layer["max"] == pytest.approx(max(ratios), rel=1e-6)
+    assert [r["module"] for r in doc["layers"]] == ["0", "2"]
+    assert "Weight updates against the weights" in page
+    assert f">{filters.sci(doc['layers'][0]['median'])}<" in page

@@ -708,6 +708,8 @@ def build_context(
         "heatmaps": _heatmaps(tabs, rec, histogram_totals, summary),
         "whatif": _whatif(layers, summary, rec),
         "layers": layer_rows,
+        # the layers whose update-to-weight ratio was read (``analysis.update_ratio``), in forward order
+        "update_ratios": [r for r in layer_rows if not _missing(r.get("update_ratio_median"))],
         # columns of the per-layer table that only some runs fill: left out when no row has them
         "layers_cols": {
             "lost_updates": any(not _missing(r.get("lost_update_bf16")) for r in layer_rows),

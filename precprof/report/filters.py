@@ -135,6 +135,19 @@ def log2mag(v: Any) -> str:
     return f"{text} (2^{e - 1}\u00a0·\u00a0{math.floor(2 * m * 1000) / 1000:.3f})"
 
 
+def sci(v: Any) -> str:
+    """A ratio spanning orders of magnitude, always as mantissa and power of ten with 2 significant digits
+    (``1.9e-3``, ``4.4e-1``): a column of them reads by their exponents, which ``num`` would write as 0.0019
+    beside 2.3e-04."""
+    f = _float(v)
+    if f is None:
+        return MISSING
+    if f == 0 or math.isinf(f):
+        return num(f)
+    m, e = f"{f:.1e}".split("e")
+    return f"{m}e{int(e)}"
+
+
 def sortkey(v: Any) -> str:
     """The raw number for the page's sorting script ("" for missing, so those sort last)."""
     f = _float(v)
@@ -192,6 +205,7 @@ FILTERS: dict[str, Callable[..., str]] = {
     "nbytes": nbytes,
     "pow2": pow2,
     "log2mag": log2mag,
+    "sci": sci,
     "sortkey": sortkey,
     "css_string": css_string,
     "plain": plain,

@@ -17,6 +17,7 @@ import pandas as pd
 
 from precprof import formats, taxonomy
 from precprof import tables as T
+from precprof.analysis import update_ratio
 
 # tensor kinds with histograms, in the order the report shows them
 HIST_KINDS: tuple[str, ...] = (T.ACTIVATION, T.ACTIVATION_GRAD, T.WEIGHT, T.WEIGHT_GRAD)
@@ -284,8 +285,10 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     act_grad_absmax, act_grad_absmin, weight_grad_absmax, numel, zeros, underflow_fp16, overflow_fp16,
     underflow_bf16, overflow_bf16, lost_update_bf16 (share of the intended weight updates, elements with a
     nonzero gradient or a moved weight, lost in a bf16 weight: the advisor's bf16_lost_updates share per
-    module; NaN without weight_update rows or intended updates), nonfinite_first (step and kind of the first
-    nan/inf, "" when none).
+    module; NaN without weight_update rows or intended updates), update_ratio_median / update_ratio_max (the
+    update-to-weight ratio ||dw|| / ||w|| over the sampled steps, ``analysis.update_ratio``; NaN without
+    update sizes), update_absmax (the largest |update| of those steps), update_steps (how many),
+    nonfinite_first (step and kind of the first nan/inf, "" when none).
     """
     if layers.empty:
         return []
@@ -313,6 +316,7 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     by_upd = upd.groupby(T.MODULE, observed=True)[[T.LOST_UPDATE_BF16, "_intended"]].sum()
     by_upd = by_upd[by_upd["_intended"] > 0]
     lost = _by_key(by_upd[T.LOST_UPDATE_BF16] / by_upd["_intended"])
+    ratios = update_ratio.layer_ratios(layers)
     bad = hist[hist[T.NAN].fillna(0) + hist[T.INF].fillna(0) > 0]
     first: dict[str, str] = {}
     if not bad.empty:
@@ -340,6 +344,10 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
             "underflow_bf16": float(totals[T.underflow_col("bf16")].get(m, 0.0)),
             "overflow_bf16": float(totals[T.overflow_col("bf16")].get(m, 0.0)),
             "lost_update_bf16": float(lost.get(m, nan)),
+            "update_ratio_median": ratios.get(str(m), {}).get("median", nan),
+            "update_ratio_max": ratios.get(str(m), {}).get("max", nan),
+            "update_absmax": ratios.get(str(m), {}).get("absmax", nan),
+            "update_steps": ratios.get(str(m), {}).get("steps", 0.0),
             "nonfinite_first": first.get(m, ""),
         }
         for m in order
