@@ -829,6 +829,6 @@ def test_the_timeline_is_not_said_to_show_what_fp16_flushed(tmp_path: Path) -> N
         "fp16_no_loss_scaling." in page
     )
     assert (
-        "The activation gradients rows cannot show what fp16 flushed there: this run held them in fp16"
+        "The row of the activation gradients cannot show what fp16 flushed there: this run held them in fp16"
         in page
     )

@@ -631,8 +631,9 @@ def _timeline(layers: pd.DataFrame, steps: pd.DataFrame, capture: Mapping[str, A
     held = [f["kind"] for f in _fp16_already(layers)]
     # a value fp16 flushed in a tensor the run held in fp16 is a zero there, which no count tells from a true one
     blind = (
-        f"The {' and '.join(held)} rows cannot show what fp16 flushed there: this run held them in fp16, where a "
-        "flushed value is a zero already, which no count tells from a true zero (the what-if section says more)."
+        f"The row{'s' if len(held) > 1 else ''} of the {' and '.join(held)} cannot show what fp16 flushed there: "
+        "this run held them in fp16, where a flushed value is a zero already, which no count tells from a true zero "
+        "(the what-if section says more)."
         if held
         else ""
     )

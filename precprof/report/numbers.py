@@ -56,7 +56,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
         "share",
     ),
     "fp16_flushed_at_most": (
-        "FP16 activation gradients flushed at most (zeros where a mask may have written some)",
+        "FP16 activation gradients flushed at most (their share of zeros, flushed or not)",
         "share",
     ),
     "fp16_smallest_nonzero": ("smallest nonzero FP16 activation gradient", "magnitude"),
