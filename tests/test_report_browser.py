@@ -414,7 +414,7 @@ def test_compare_page_runs_table_fits_at_1400_and_800_px(tmp_path: Path) -> None
 TYPE_PROBE = """<script>
 window.addEventListener("load", function () { setTimeout(function () {
   var t = document.getElementById("layer-table"), over = [];
-  t.querySelectorAll("td.type").forEach(function (td) {
+  t.querySelectorAll("tbody > tr > td:nth-child(3)").forEach(function (td) {
     if (td.offsetParent === null) { return; }
     var r = document.createRange();
     r.selectNodeContents(td);
@@ -423,7 +423,7 @@ window.addEventListener("load", function () { setTimeout(function () {
     }
   });
   document.body.setAttribute("data-types", JSON.stringify({stacked: t.classList.contains("stacked"),
-    cells: t.querySelectorAll("td.type").length, over: over}));
+    cells: t.querySelectorAll("tbody > tr > td:nth-child(3)").length, over: over}));
 }, 0); });
 </script>"""
 
