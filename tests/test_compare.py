@@ -1184,9 +1184,60 @@ def test_a_speed_the_page_says_does_not_compare_draws_no_bar() -> None:
     ax = compare_page.resources_figure(comp).axes[1]
     assert [b.get_width() for b in ax.patches] == [1000.0, 0.0, 2000.0, 1000.0]
     texts = [t.get_text() for t in ax.texts]
-    assert texts[1] == " no bar: does not compare\n with fp32" and texts[2] == " 2,000 (2.00×)"
+    assert texts[1] == " no bar: not timed\n as fp32 was" and texts[2] == " 2,000 (2.00×)"
     caption = compare_page.render(comp).split('<section id="resources">', 1)[1].split("</figcaption>", 1)[0]
     assert caption.endswith(f"with the speed-up over fp32. No bar for nano_bf16: {why}.")
+
+
+def test_the_reference_of_uneven_steps_draws_no_bar_and_the_others_draw_theirs() -> None:
+    """fp32's step times were too uneven to compare: the throughput panel drew fp32's bar alone, the one speed
+    that said nothing, and "no bar: does not compare with fp32" for the others, whose speeds the runs table
+    listed (619 and 135 tokens/s); the caption said the same sentence once per run. The reference gets no bar,
+    the others theirs, without a speed-up over it, and the caption says why once. The memory table, of runs
+    without an allocator peak, no longer explains one."""
+    plain = [0.02, 0.03, 1.40, 0.02, 1.35, 0.03, 0.02, 1.50]  # a machine busy with other work
+    spread = (np.quantile(plain, 0.75) - np.quantile(plain, 0.25)) / np.median(plain)
+    assert spread > A.MAX_STEP_TIME_SPREAD
+    comp = _four_runs()
+    ref = comp.runs[0] = dataclasses.replace(comp.runs[0], tokens_per_s=275.0, step_time_spread=spread)
+    for i, tps in ((1, 619.0), (2, 135.0), (3, 600.0)):
+        r = dataclasses.replace(comp.runs[i], tokens_per_s=tps, step_time_spread=0.2, speedup=None)
+        comp.runs[i] = dataclasses.replace(r, speed_not_taken=A.speed_not_taken(r, ref))
+        assert "fp32's step times were too uneven" in comp.runs[i].speed_not_taken
+    ax = compare_page.resources_figure(comp).axes[1]
+    assert [b.get_width() for b in ax.patches] == [0.0, 619.0, 135.0, 600.0]
+    assert [t.get_text() for t in ax.texts] == [" no bar: uneven step times", " 619", " 135", " 600"]
+    section = compare_page.render(comp).split('<section id="resources">', 1)[1].split("</section>", 1)[0]
+    caption = section.split("</figcaption>", 1)[0]
+    assert caption.count("No bar") == 1 and "speed-up over fp32" not in caption.replace(
+        "no speed-up over", ""
+    )
+    assert (
+        f"No bar for fp32, and no speed-up over it: fp32&#39;s step times were too uneven to compare (the "
+        f"middle half of them spans {spread:.0%} of their median" in caption
+    )
+    assert not any(T.ALLOCATOR_PEAK in r.memory for r in comp.runs) and "allocator peak" not in section
+
+
+def test_the_memory_totals_stay_inside_the_panel() -> None:
+    """The largest run's total ("10.8 MiB") ran into the memory panel's frame: every total is drawn inside it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    comp = _four_runs()
+    # gpt-nano's parts (fp32: 10.8 MiB, a total of three digits beside the longest bar)
+    parts = {T.PARAMETERS: 1.89, T.GRADIENTS: 1.89, T.OPTIMIZER_STATES: 3.79, T.ACTIVATIONS: 3.24}
+    memory = {c: v * 2**20 for c, v in parts.items()}
+    comp.runs[:] = [
+        dataclasses.replace(r, memory=memory, memory_total=sum(memory.values())) for r in comp.runs
+    ]
+    fig = compare_page.resources_figure(comp)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    ax = fig.axes[0]
+    right = ax.get_window_extent(renderer).x1
+    totals = [t for t in ax.texts if t.get_text().endswith("MiB")]
+    assert totals and all(t.get_window_extent(renderer).x1 < right for t in totals)
 
 
 def test_runs_without_measured_memory_draw_their_throughput() -> None:

@@ -26,6 +26,7 @@ from precprof.analysis.comparison import (
     finite,
     setup_differences,
     smoothing_window,
+    uneven_steps,
 )
 from precprof.analysis.throughput import BASIS_ALL, BASIS_UNSAMPLED
 from precprof.modes import MODE_COLORS
@@ -270,7 +271,8 @@ def _memory_panel(fig: Any, ax_mem: Any, runs: list[RunResult], labels: list[str
     for yi, tot in zip(y, left, strict=True):
         ax_mem.text(tot, yi, f" {tot:.3g} {unit}", va="center", fontsize=8)
     ax_mem.set_yticks(y, labels)
-    ax_mem.set_xlim(0, max(left.max() * 1.18, 1e-9) if len(left) else 1)
+    # room right of the longest bar for its total ("10.8 MiB" ran into the frame at 1.18)
+    ax_mem.set_xlim(0, max(left.max() * 1.32, 1e-9) if len(left) else 1)
     ax_mem.set_xlabel(unit)
     ax_mem.set_title("Memory per component\n(the largest measured step)", fontsize=9.5)
     fig.legend(
@@ -305,6 +307,32 @@ def resources_title(comparison: Comparison) -> str:
     return " and ".join(measured or ["memory", "throughput"]).capitalize()
 
 
+def no_bar(r: RunResult, ref: RunResult) -> str:
+    """Why the throughput panel draws no bar for ``r`` ("" where it draws one): its own step times too uneven to
+    time it, or (another run) timed otherwise than the reference. Where the reference's steps alone were
+    uneven, the others' bars are drawn without a speed-up: the panel had drawn the reference alone, the one run
+    whose speed said nothing, with "does not compare with fp32" beside the others."""
+    if math.isfinite(r.tokens_per_s) and uneven_steps(r):
+        return uneven_steps(r)
+    if r is not ref and r.speed_not_taken and r.speed_not_taken != uneven_steps(ref):
+        return r.speed_not_taken
+    return ""
+
+
+def speed_apart(comparison: Comparison) -> list[str]:
+    """The caption's sentences for the runs the throughput panel draws no bar for, one per run; the reference's
+    says that no run has a speed-up over it."""
+    ref = comparison.run(comparison.reference)
+    out = []
+    for r in comparison.runs:
+        why = no_bar(r, ref)
+        if why and r is ref and any(o is not ref and math.isfinite(o.tokens_per_s) for o in comparison.runs):
+            out.append(f"No bar for {r.label}, and no speed-up over it: {why}")
+        elif why:
+            out.append(f"No bar for {r.label}: {why}")
+    return out
+
+
 def _throughput_panel(
     ax_tp: Any, comparison: Comparison, runs: list[RunResult], y: np.ndarray, labels: list[str]
 ) -> None:
@@ -313,7 +341,7 @@ def _throughput_panel(
     ref = comparison.run(comparison.reference)
     # a run whose speed the page says does not compare with the reference's gets no bar: bf16's profiled steps
     # drew at 8.9x fp32's beside a table and a verdict check that said these speeds do not compare
-    apart = [r is not ref and bool(r.speed_not_taken) for r in runs]
+    apart = [bool(no_bar(r, ref)) for r in runs]
     tps = np.array(
         [
             r.tokens_per_s if math.isfinite(r.tokens_per_s) and not a else 0
@@ -326,14 +354,12 @@ def _throughput_panel(
     mixed = bool(profiled) and len(profiled) < len(runs)
     for yi, v, r, a in zip(y, tps, runs, apart, strict=True):
         if a:
-            ax_tp.text(
-                0,
-                yi,
-                f" no bar: does not compare\n with {plain(ref.label)}",
-                va="center",
-                fontsize=8,
-                color="#666666",
+            why = (
+                " no bar: uneven step times"
+                if uneven_steps(r)
+                else f" no bar: not timed\n as {plain(ref.label)} was"
             )
+            ax_tp.text(0, yi, why, va="center", fontsize=8, color="#666666")
             continue
         if not math.isfinite(r.tokens_per_s):
             ax_tp.text(0, yi, " not measured", va="center", fontsize=8, color="#666666")
@@ -477,9 +503,9 @@ def render(comparison: Comparison, base_dir: Path | None = None) -> str:
         "resources_title": resources_title(comparison),
         "resources_img": _img(resources_figure(comparison), _resources_alt(comparison)),
         # the runs the throughput panel draws no bar for, and why
-        "speed_apart": [
-            (r.label, r.speed_not_taken) for r in comparison.runs if r is not ref and r.speed_not_taken
-        ],
+        "speed_apart": speed_apart(comparison),
+        # a bar with a speed-up over the reference (none where the reference's step times were uneven)
+        "speedups": any(r.speedup is not None and r is not ref for r in comparison.runs),
         # the shared settings in the words of the report's environment (each run trained in this one process)
         "setup": setup_rows(comparison),
         "notes": comparison.notes,

@@ -133,6 +133,7 @@ __all__ = [
     "setup_differs",
     "smoothing_window",
     "speed_status",
+    "uneven_steps",
 ]
 
 
@@ -287,12 +288,18 @@ def speed_not_taken(r: RunResult, ref: RunResult) -> str:
             f"{profiled.label}'s steps were all profiled and {plain.label}'s unprofiled ones timed: their speeds "
             "do not compare"
         )
-    for run in (ref, r):
-        if math.isfinite(run.step_time_spread) and run.step_time_spread > MAX_STEP_TIME_SPREAD:
-            return (
-                f"{run.label}'s step times were too uneven to compare (the middle half of them spans "
-                f"{run.step_time_spread:.0%} of their median: a machine busy with other work)"
-            )
+    return uneven_steps(ref) or uneven_steps(r)
+
+
+def uneven_steps(run: RunResult) -> str:
+    """Why ``run``'s own step times time nothing ("" when they are even enough): the middle half of them spans
+    more than ``MAX_STEP_TIME_SPREAD`` of their median. Its tokens per second then say nothing either, beside
+    any run's (the compare page draws it no bar, and the others' bars without a speed-up over it)."""
+    if math.isfinite(run.step_time_spread) and run.step_time_spread > MAX_STEP_TIME_SPREAD:
+        return (
+            f"{run.label}'s step times were too uneven to compare (the middle half of them spans "
+            f"{run.step_time_spread:.0%} of their median: a machine busy with other work)"
+        )
     return ""
 
 
