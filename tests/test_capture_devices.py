@@ -20,6 +20,8 @@ from torch import nn
 import precprof
 from precprof import tables as T
 from precprof._compat import indexed_device
+from precprof.capture import profiler as profiler_module
+from precprof.capture import records
 from precprof.stats import StatsBuffer, transfer
 
 
@@ -133,6 +135,29 @@ def test_pack_and_unpack_keep_every_dtype_and_shape() -> None:
 _HOST_READS = ("cpu", "item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 
+def test_a_device_loss_is_held_without_a_host_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prof.step(loss=...)``'s hold of a loss not on the CPU (meta stands in for a device here) is a copy on its
+    device, with no host read: only a plain CPU tensor is read at once."""
+    reads: list[str] = []
+    for name in _HOST_READS:
+        real = getattr(torch.Tensor, name)
+
+        def wrapper(self, *a, _real=real, _name=name, **k):  # type: ignore[no-untyped-def]
+            reads.append(_name)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+    held = records.held_scalar(torch.empty((), device="meta"))
+    held_vector = records.held_scalar(torch.empty(3, device="meta"))
+    monkeypatch.undo()
+    assert reads == []
+    assert isinstance(held, torch.Tensor) and held.device.type == "meta" and held.dim() == 0
+    assert isinstance(held_vector, torch.Tensor) and held_vector.dim() == 0
+    assert (
+        records.held_scalar(torch.tensor([2.5, 1.0])) == 2.5 and records.held_scalar(torch.empty(0)) is None
+    )
+
+
 def test_a_sampled_step_reads_device_data_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """``prof.step()`` of a sampled step calls ``transfer.to_host`` once, and reads no tensor to the host
     anywhere else (``.cpu()``, ``.item()``, ``bool(t)``, ...: each of those is a sync on a GPU)."""
@@ -163,9 +188,21 @@ def test_a_sampled_step_reads_device_data_once(monkeypatch: pytest.MonkeyPatch) 
 
         return wrapper
 
+    real_held = records.held_scalar
+
+    def held_scalar(t):  # type: ignore[no-untyped-def]
+        # a CPU loss is read at once, as a float (one op that waits for nothing: no device); a device loss is
+        # copied on its device (test_a_device_loss_is_held_without_a_host_read)
+        inside["depth"] += t.is_cpu
+        try:
+            return real_held(t)
+        finally:
+            inside["depth"] -= t.is_cpu
+
     spying = {"on": False}
     with prof:
         monkeypatch.setattr(transfer, "to_host", to_host)
+        monkeypatch.setattr(profiler_module, "held_scalar", held_scalar)
         for name in _HOST_READS:
             monkeypatch.setattr(torch.Tensor, name, spy(name))
         for step in range(4):

@@ -36,6 +36,13 @@ def empty(rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return out
 
 
+def empty_host(rows: int) -> np.ndarray:
+    """``empty(rows)`` on the host, as numpy (no tensor read back)."""
+    out = np.zeros((rows, WIDTH), dtype=np.float64)
+    out[:, UPDATE_MIN] = math.inf
+    return out
+
+
 def reset(sizes: torch.Tensor) -> None:
     sizes[:, :UPDATE_MIN].zero_()
     sizes[:, UPDATE_MIN].fill_(math.inf)

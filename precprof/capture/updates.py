@@ -506,7 +506,7 @@ class UpdateSampler:
         k = len(self._groups)
         rows = max(len(self.tracked), 1)
         out = np.zeros((rows, 4), dtype=np.int64)
-        sizes = update_sizes.empty(rows).numpy()
+        sizes = update_sizes.empty_host(rows)
         for g, part, size in zip(self._groups, parts[:k], parts[k:], strict=True):
             at = [ps.update_index for ps in g.members]
             out[at], sizes[at] = part, size
