@@ -416,6 +416,50 @@ def test_the_block_format_plan_says_calls_of_different_tokens_as_measured(block_
     assert f"tokens {common}" not in f.message
 
 
+class _QuarterCalls(nn.Module):
+    """``fc`` called on the first quarter of each sequence and on the rest (a batch of 4 sequences of 16: 16 and
+    48 tokens, both multiples of FP8's 16, averaging 32), and ``head`` once on all 64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.head = nn.Linear(32, 32), nn.Linear(32, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.shape[1] // 4
+        return self.head(torch.cat([self.fc(x[:, :q]), self.fc(x[:, q:])], 1))
+
+
+def test_calls_that_fill_fp8_but_not_a_block_are_judged_on_each_call(block_formats_on: None) -> None:
+    """fc's calls of 16 and 48 tokens are each a multiple of FP8's 16, so FP8's rule found nothing odd, and the
+    block-format plan judged MX's 32-value blocks on their mean, 32: MXFP8 was planned for a layer whose 16-token
+    call fills no 32-value block (the kernels refuse it unpadded). Each block size is judged on every call now,
+    the calls counted by a hook of the test's own: NVFP4's 16-value blocks are judged on their numbers (an FP4
+    bound of 100 dB fails them), MX's are refused with the calls said as measured, and fc stays in bf16; the head
+    (64 tokens a call) takes MXFP8."""
+    model = _QuarterCalls()
+    tokens: list[int] = []
+    model.fc.register_forward_pre_hook(lambda mod, args: tokens.append(args[0].shape[:-1].numel()))
+    run = train_profiled(
+        model, lambda step: (torch.randn(4, 16, 32),) * 2, square_mean, precision="bf16", steps=4
+    )
+    rec = run.recommend("h100", config=AdvisorConfig(block_fp4_sqnr_min_db=100.0))
+    common, total = math.gcd(*tokens[:2]), sum(tokens[:2])
+    assert tokens[:2] == [16, 48] and common == 16 and total % 32 == 0
+    fp8 = rec.finding("fp8_eligibility")
+    assert fp8 is not None and set(fp8.modules) == {"fc", "head"}  # FP8's 16 divides every call
+    f = rec.finding("block_format_what_if")
+    assert f is not None
+    refusal = (
+        f"its 2 calls at step 0 had different tokens, {total} in all, whose largest common divisor, {common}, "
+        "is not a multiple of the 32-value blocks its GEMMs read along them, so at least one call's tokens are not "
+        "(the kernels refuse it unpadded)"
+    )
+    assert "BF16 for 1: fc (NVFP4: SQNR 1" in f.message
+    assert f"; MXFP4: {refusal}; MXFP8: {refusal})" in f.message
+    assert "MXFP8 for 1: head" in f.message and "16-value blocks" not in f.message
+
+
 def test_a_linear_with_a_parametrized_weight_is_not_converted_and_the_advisor_says_why(
     monkeypatch: pytest.MonkeyPatch, block_formats_on: None
 ) -> None:

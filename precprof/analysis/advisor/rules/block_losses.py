@@ -147,6 +147,10 @@ class LayerBlocks:
     # (step, calls, their tokens in all) where its calls had different tokens on a step: its tokens axis is then
     # the largest number dividing each call's, which may be no call's count
     uneven_calls: tuple[int, int, int] | None = None
+    # every sampled step's (step, the largest number dividing each call's tokens, calls, their tokens in all):
+    # each block size is judged on every step's calls (``_Fp8Shape.step_calls``); empty where the run does not
+    # tell, when ``axes``' tokens and ``uneven_calls`` are judged
+    step_calls: tuple[tuple[int, int, int, int], ...] = ()
     # its output gradient's blocks were evaluated on steps the loss scaler skipped alone (left out): its backward
     # GEMMs are judged on their other operands
     gradient_skipped: bool = False

@@ -245,6 +245,7 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
             ),
             tied_to=sh.tied_to,
             computed_weight=computed.get(m, ""),
+            step_calls=tuple(sh.step_calls),
         )
         for recipe in T.BLOCK_RECIPES:
             ops = []
@@ -287,11 +288,17 @@ def fails(lb: LayerBlocks, name: str, cfg: AdvisorConfig) -> str:
     size = BLOCK_SIZE[name]
     blocks = f"the {size}-value blocks its GEMMs read along them"
     # calls of different tokens: their largest common divisor is no call's count, and is not said as tokens
-    uneven = lb.uneven_calls
-    odd = [
-        f"{axis} {n}" for axis, n in lb.axes.items() if n and n % size and not (axis == "tokens" and uneven)
-    ]
-    tokens = lb.axes.get("tokens")
+    uneven, tokens = lb.uneven_calls, lb.axes.get("tokens")
+    # the first sampled step whose calls' tokens do not all fill this size's blocks (FP8's rule of 16 had
+    # picked the step: calls of 16 and 48 tokens passed the 32-value blocks on their mean)
+    odd_step = next((c for c in lb.step_calls if c[1] % size), None)
+    if lb.step_calls:
+        uneven = None
+        tokens = lb.step_calls[0][1] if odd_step is None else odd_step[1]
+        if odd_step is not None and odd_step[1] * odd_step[2] != odd_step[3]:
+            uneven = (odd_step[0], odd_step[2], odd_step[3])
+    axes = {**lb.axes, "tokens": tokens}
+    odd = [f"{axis} {n}" for axis, n in axes.items() if n and n % size and not (axis == "tokens" and uneven)]
     calls = uneven_calls_text(*uneven, tokens, blocks) if uneven and tokens and tokens % size else ""
     if odd or calls:
         dims = f"its {' and '.join(odd)} {'is' if len(odd) == 1 else 'are'} not a multiple of {blocks}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 
@@ -117,6 +117,10 @@ class _Fp8Shape:
     )
     calls: int = 1
     rows: int | None = None  # the tokens of all its calls at the first sampled step (output elements / out)
+    # every sampled step's (step, the largest number dividing each call's tokens, calls, their tokens in all),
+    # in step order: a block format judges its own block size on each (calls of 16 and 48 tokens are
+    # multiples of FP8's 16, and average 32, but the 16 fill no 32-value block)
+    step_calls: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def flops_per_token(self, tokens: int | None) -> float | None:
         """Matmul FLOPs of its forward per token of a call (``tokens``: batch x sequence; the backward scales all
@@ -216,7 +220,11 @@ def _fp8_shapes(run: _Run, linear: list[str], dims: dict[str, dict[str, int]]) -
     m16 = taxonomy.FP8_DIM_MULTIPLE
     for (m, step), (numel, calls, gcd) in zip(per.index, per.to_numpy().tolist(), strict=True):
         sh = shapes[str(m)]
-        got = _call_rows(numel, calls, gcd, sh.out_features) if sh.odd_tokens is None else None
+        got = _call_rows(numel, calls, gcd, sh.out_features)
+        if got is not None and sh.out_features:
+            sh.step_calls.append((int(step), got[0], int(calls), int(numel) // sh.out_features))
+        if sh.odd_tokens is not None:
+            continue
         if got is None or not got[0] % m16 or not (got[1] or sh.tokens is None or sh.tokens % m16 == 0):
             continue  # (an odd mean of even calls at the first step: ``tokens`` says it)
         sh.odd_tokens, sh.uneven_calls = (int(step), got[0]), got[1]
