@@ -189,9 +189,38 @@ def test_a_layers_ratio_takes_its_parameters_together_and_no_step_of_zero_weight
     assert update_ratio.summary(layers.drop(columns=[T.UPDATE_RMS, T.WEIGHT_RMS])) is None
 
 
+def test_a_layers_ratio_counts_each_parameter_at_its_size_not_its_sample() -> None:
+    """A weight of 65,536 elements (256 of them sampled) beside a bias of 16 (all sampled): the layer's ratio took
+    them at 256 against 16, so a gate-style bias at -2 weighed 6% of the layer's norm where it holds 0.02%, and
+    the ratio came out 15x low. Every weight and every bias element here is the same and moves by the same
+    step (inputs of ones, SGD on the output's sum), so the samples' RMS are exact: precprof's ratio must be the
+    layer's ||dw|| / ||w|| from the test's own copies of the whole parameters around each optimizer step."""
+    lin = nn.Linear(4096, 16)
+    with torch.no_grad():
+        lin.weight.fill_(0.01)
+        lin.bias.fill_(-2.0)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    truth = []
+    with precprof.Profiler(lin, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(STEPS):
+            lin(torch.ones(8, 4096)).sum().backward()
+            before = [p.detach().double().clone() for p in lin.parameters()]
+            opt.step()
+            opt.zero_grad()
+            du = sum(
+                ((p.detach().double() - b) ** 2).sum() for p, b in zip(lin.parameters(), before, strict=True)
+            )
+            truth.append(math.sqrt(float(du) / float(sum((b**2).sum() for b in before))))
+            prof.step()
+    per = update_ratio.step_ratios(prof.tables()["layers"]).sort_values(T.STEP)
+    assert per[T.STEP].tolist() == list(range(STEPS))
+    assert per["ratio"].to_numpy() == pytest.approx(truth, rel=1e-5)
+
+
 def test_the_summary_and_the_report_give_each_layers_ratio(tmp_path: Path) -> None:
     """summary.json's ``weight_updates`` and the report's table of update / weight per layer: the test's own
-    ratios of the sampled elements, median and max over the sampled steps."""
+    ratios of the sampled elements, each parameter's sums of squares scaled to its size (the weight's 240
+    samples stand for its 1200 elements), median and max over the sampled steps."""
     m = _model(torch.float32)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     x, y = torch.randn(16, 40), torch.randn(16, 1)
@@ -204,9 +233,10 @@ def test_the_summary_and_the_report_give_each_layers_ratio(tmp_path: Path) -> No
             opt.zero_grad(set_to_none=True)
             for n, p in m.named_parameters():
                 du, dw = sums.setdefault((step, n.rsplit(".", 1)[0]), [0.0, 0.0])
+                scale = p.numel() / before[n].numel()
                 sums[(step, n.rsplit(".", 1)[0])] = [
-                    du + float((_sample(p) - before[n]).square().sum()),
-                    dw + float(before[n].square().sum()),
+                    du + scale * float((_sample(p) - before[n]).square().sum()),
+                    dw + scale * float(before[n].square().sum()),
                 ]
             prof.step()
         page = prof.report().read_text()
