@@ -903,6 +903,64 @@ def test_a_parametrization_removed_mid_run_is_followed_from_then_on(switch: bool
     ]
 
 
+class _Distilled(nn.Module):
+    """A forward that calls the model itself under ``no_grad`` (a self-distillation target) and returns the loss
+    against it (``self_call``), or computes its loss from its own output without it; beside a complex parameter
+    no optimizer step can sample."""
+
+    def __init__(self, self_call: bool) -> None:
+        super().__init__()
+        self.self_call = self_call
+        self.body = nn.Linear(8, 8)
+        self.c = nn.Parameter(torch.zeros(4, dtype=torch.cfloat))
+
+    def forward(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        h = self.body(x)
+        if depth:
+            return h
+        target = torch.zeros_like(h)
+        if self.self_call:
+            with torch.no_grad():
+                target = self(x, depth=1)
+        return nn.functional.mse_loss(h, target + 1)
+
+
+@pytest.mark.parametrize("self_call", [True, False])
+def test_a_replan_keeps_what_the_run_counted_before_it(self_call: bool) -> None:
+    """An adapter added at step 6 makes a re-plan at step 7, the first sampled step after it: the parts made again
+    restarted what the run had counted. The self-call's module forwards said 2 of 16, the complex parameter's
+    unsampled updates 1 of 8, and the loss the forward computes was forgotten once no later step measured memory
+    (steps 1 and 5 did). Each is counted by the test's own hooks and loop, over the whole run."""
+    torch.manual_seed(0)
+    model = _Distilled(self_call)
+    inner: list[bool] = []  # module forwards under no_grad: the model's own call and its body's
+    for mod in (model, model.body):
+        mod.register_forward_hook(lambda mod, args, out: inner.append(not torch.is_grad_enabled()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps, change = 8, 6
+    with (
+        precprof.Profiler(model, optimizer=opt, sample_every=1) as prof,
+        pytest.warns(UserWarning, match="changed before step 7"),
+    ):
+        for step in range(steps):
+            if step == change:
+                model.adapter = nn.Linear(2, 2)
+            loss = model(torch.randn(4, 8))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss)
+    summary = prof.summary()
+    assert [c["step"] for c in summary["model_changes"]] == [change + 1]
+    assert summary["memory_steps"]["last_measured"] < change + 1  # no step measured memory after the re-plan
+    assert summary["self_call_forwards_unread"] == sum(inner) == (2 * steps if self_call else 0)
+    skipped = [t for t in summary["skipped_tensors"] if t["tensor"] == T.WEIGHT_UPDATE]
+    assert [(t["param"], t["count"]) for t in skipped] == [("c", steps)]
+    facts = prof.model_facts()
+    if not self_call:  # (a forward that called itself is not seen to compute its loss, re-plan or not)
+        assert facts is not None and facts["loss_in_forward"] is True
+
+
 def test_an_optimizer_given_after_the_profiler_was_made_without_one_has_its_updates_sampled() -> None:
     """A Profiler made without an optimizer, told of one at step 1: its updates are sampled from then on."""
     torch.manual_seed(0)

@@ -189,9 +189,6 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         self.self_call_forwards = (
             0  # module forwards of the model's own call under no_grad in its forward (run)
         )
-        self.self_call_forwards = (
-            0  # module forwards of the model's own call under no_grad in its forward (run)
-        )
         self.weight_grads_unread = 0  # sampled steps whose backward left no gradient in .grad (over the run)
         # modules whose weight gradients a sampled step left unread while others were read, and on how many steps
         self.weight_grads_unread_in: dict[str, int] = {}

@@ -243,6 +243,17 @@ class MemoryTracker(SavedActivations):
             h.remove()
         self._handles.clear()
 
+    def take_over(self, old: MemoryTracker) -> None:
+        """Go on from ``old``, the tracker of the plan before a re-plan (``capture/replan.py``): the steps it
+        measured and their cadence, what it learned of the model over the run (a loss in the forward, saved
+        tensors it could not measure, forwards under someone else's saved-tensor hooks) and its peak's source."""
+        self.schedule = old.schedule
+        self._loss_in_forward |= old._loss_in_forward
+        self._unmeasured += old._unmeasured
+        self._foreign_forwards += old._foreign_forwards
+        if self._peak.source is None:
+            self._peak.source, self._peak.note = old._peak.source, old._peak.note
+
     def detach(self) -> None:
         """Remove every hook and pop the saved-tensor hooks if a forward left them pushed; stop reading the
         allocator's events (a step in progress keeps them for its ``end_step``). Idempotent."""

@@ -18,7 +18,13 @@ from precprof.capture import clipwatch
 from precprof.capture.plan import CapturePlan
 
 # what the hooks count over the run, carried over to the hooks of the new plan
-_HOOK_COUNTS = ("eval_forwards", "checkpointed_forwards", "weight_grads_unread", "weight_grads_unread_in")
+_HOOK_COUNTS = (
+    "eval_forwards",
+    "checkpointed_forwards",
+    "self_call_forwards",
+    "weight_grads_unread",
+    "weight_grads_unread_in",
+)
 
 
 class Replanning:
@@ -59,7 +65,7 @@ class Replanning:
         if old is None or not old.stale(self.model):
             return False
         names = dict(old.param_names)
-        hooks, tracker, buffer = self._hooks, self._tracker, self._buffer
+        hooks, tracker, buffer, updates = self._hooks, self._tracker, self._buffer, self._updates
         if hooks is not None:
             hooks.remove(finished=False)  # (its step's counts were taken when it ended)
         if tracker is not None:
@@ -72,9 +78,12 @@ class Replanning:
             for attr in _HOOK_COUNTS:
                 setattr(self._hooks, attr, getattr(hooks, attr))
         if tracker is not None and self._tracker is not None:
-            self._tracker.schedule = tracker.schedule  # the steps it measured, and its cadence, go on
+            self._tracker.take_over(tracker)
         if buffer is not None and self._buffer is not None:
             _carry_skipped(old, buffer, new, self._buffer)
+        if updates is not None and self._updates is not None:  # the updates not sampled, counted over the run
+            for key, (count, why) in updates.skipped.items():
+                self._updates.skipped.setdefault(key, [0, why])[0] += count
         now = dict(new.param_names)
         added = [n for k, n in now.items() if k not in names]
         removed = [n for k, n in names.items() if k not in now]
