@@ -508,3 +508,56 @@ def test_the_activations_of_a_step_run_again_are_those_of_the_attempt_that_train
     acts = mem[(mem[T.COMPONENT] == T.ACTIVATIONS) & (mem[T.MOMENT] == "")]
     per_step = 2 * (16 + 32 + 32 + 32) * 4
     assert acts.groupby(T.STEP)[T.BYTES].sum().to_dict() == {0: per_step, 1: per_step}
+
+
+class _SelfTeacher(nn.Module):
+    """A forward that calls the model itself under ``no_grad`` (a self-distillation target) before its loss, and
+    raises once, after that call, when ``fails`` is set (an out-of-memory error in the loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.fails = False
+
+    def forward(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        h = self.a(x)
+        if depth:
+            return h
+        with torch.no_grad():
+            target = self(x, depth=1)
+        if self.fails:
+            self.fails = False
+            raise RuntimeError("out of memory (the test's)")
+        return (self.b(h) - target).square().mean()
+
+
+def test_the_self_calls_of_an_attempt_that_raised_are_not_the_steps() -> None:
+    """A step whose second micro-batch raised after the model's call of itself, run again whole after
+    ``zero_grad``: the failed attempt's self-call forwards stayed counted as the run's unread ones (8 where 6 of
+    the attempts that trained), as its evaluations and checkpointed forwards are not. Counted by the test's own
+    hook on the forwards under no_grad, of the attempts that trained."""
+    torch.manual_seed(0)
+    model = _SelfTeacher()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    unread: list[int] = []
+    model.a.register_forward_hook(lambda mod, args, out: unread.append(int(not torch.is_grad_enabled())))
+    trained = 0
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for step in range(3):
+            x = torch.randn(8, 8)
+            unread.clear()
+            try:
+                for k in range(2):
+                    model.fails = step == 1 and k == 1
+                    model(x[4 * k : 4 * k + 4]).backward()
+            except RuntimeError:
+                opt.zero_grad()
+                unread.clear()
+                for k in range(2):
+                    model(x[4 * k : 4 * k + 4]).backward()
+            trained += sum(unread)
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    assert trained == 6
+    assert prof.summary()["self_call_forwards_unread"] == trained

@@ -173,6 +173,7 @@ class StepAttempts:
     has_data: bool
     eval_forwards: int
     checkpointed_forwards: int
+    self_call_forwards: int
     _weights_read: set[int] | None
     _step_mode: bool | None
     _first_in_eval: bool
@@ -199,12 +200,14 @@ class StepAttempts:
             slots = [(s.order, s.input_order, s.ran, s.first_from) for s in self.plan.modules]
             held = (self.buffer.snapshot(), rows.calls[:], rows.dtype_bits[:], rows.numel_gcd[:], slots)
         state = (self.order, self.has_data, self._weights_read, self._step_mode, self._first_in_eval)
-        return held, state, len(self._outputs_made), self.eval_forwards, self.checkpointed_forwards
+        counts = (self.eval_forwards, self.checkpointed_forwards, self.self_call_forwards)
+        return held, state, len(self._outputs_made), counts
 
     def attempt_back_to(self, point: tuple[Any, ...]) -> None:
         """The step's reads as ``attempt_point`` found them (``point`` left as it is); the gradients a backward that
         raised announced are not read."""
-        held, state, outputs, self.eval_forwards, self.checkpointed_forwards = point
+        held, state, outputs, counts = point
+        self.eval_forwards, self.checkpointed_forwards, self.self_call_forwards = counts
         rows, slots = self.rows, self.plan.modules
         n = len(rows.calls)
         if held is None:
