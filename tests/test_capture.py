@@ -957,8 +957,41 @@ def test_a_replan_keeps_what_the_run_counted_before_it(self_call: bool) -> None:
     skipped = [t for t in summary["skipped_tensors"] if t["tensor"] == T.WEIGHT_UPDATE]
     assert [(t["param"], t["count"]) for t in skipped] == [("c", steps)]
     facts = prof.model_facts()
-    if not self_call:  # (a forward that called itself is not seen to compute its loss, re-plan or not)
-        assert facts is not None and facts["loss_in_forward"] is True
+    assert facts is not None and facts["loss_in_forward"] is True
+
+
+def test_the_forward_after_the_models_call_of_itself_is_measured() -> None:
+    """The model's call of itself under no_grad (a self-distillation target) ended the memory tracker's recording
+    of the outer forward at the inner call's end: the loss computed after it, and the tensors it saved, were not
+    in the activations (2 KiB of 6), and the loss in the forward was not seen. The activations of a sampled step
+    are what the test's own saved-tensor hooks see the same forward save (parameters left out)."""
+    torch.manual_seed(0)
+    model = _Distilled(self_call=True)
+    x = torch.randn(64, 8)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for _ in range(2):
+            loss = model(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss)
+    memory = prof.tables()["memory"]
+    acts = memory[memory[T.COMPONENT] == "activations"].groupby(T.STEP)[T.BYTES].sum()
+    assert acts.tolist() == [sum(saved.values())] * 2 == [6 * 1024] * 2
+    facts = prof.model_facts()
+    assert facts is not None and facts["loss_in_forward"] is True
 
 
 def test_an_optimizer_given_after_the_profiler_was_made_without_one_has_its_updates_sampled() -> None:

@@ -108,6 +108,7 @@ class SavedActivations:
     _unmeasured: int
     _foreign_forwards: int
     _loss_in_forward: bool
+    _root_depth: int  # calls of the model in progress: 2 inside its call of itself (a self-distillation target)
     _step_mode: bool | None
     _eval_unpacks: int
     _peak: PeakRecorder
@@ -127,6 +128,13 @@ class SavedActivations:
                     self._peak.label(st[0], component, "", dtype_name(leaf.dtype), st[1])
 
     def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
+        if self._root_depth and not torch.is_grad_enabled():
+            # the model called under no_grad inside its own forward (a self-distillation target): the outer call
+            # goes on recording (the inner call's end had stopped it: the loss after it and what it saved were not
+            # seen). With grad on, it is a forward of its own (one that never reached its post-hook went before)
+            self._root_depth += 1
+            return
+        self._root_depth = 1
         if self._saved_ctx is not None:
             # Left pushed by a forward that never reached its post-hook (KeyboardInterrupt, a nested call).
             self._pop_saved_hooks()
@@ -140,6 +148,10 @@ class SavedActivations:
             self._label(T.INPUTS, inputs)
 
     def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._root_depth > 1:  # the end of the model's call of itself
+            self._root_depth -= 1
+            return
+        self._root_depth = 0
         if self._recording:
             # a model given its targets returns its loss (nanoGPT's (logits, loss), an HF output's .loss): what
             # the loss saved for backward was recorded with the model's own, no memory scope needed

@@ -169,6 +169,7 @@ class MemoryTracker(SavedActivations):
         self._loss_in_forward = (
             False  # a sampled forward of the model returned a loss (a scalar with grad_fn)
         )
+        self._root_depth = 0
         self._step_mode: bool | None = None
         # the saved tensors read back when the step's first forward began in eval mode (``_start_recording``)
         self._eval_unpacks = 0
@@ -280,6 +281,7 @@ class MemoryTracker(SavedActivations):
         self._unpacks_mark = -1
         self._grads.reset()
         self._step_mode = None  # the mode of the step's first forward of the model (``_start_recording``)
+        self._root_depth = 0  # (a forward a KeyboardInterrupt left never reached its post-hook)
         self._attempts.begin_step()
         model = self.model if self._attached else None
         self._sampled = self.schedule.begin(step, sampled, model, self._arm_at_forward)
