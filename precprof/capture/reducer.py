@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -61,6 +62,21 @@ def _dist() -> Any:
     import torch.distributed as dist
 
     return dist
+
+
+# The tensors of precprof's last all-reduces, held to the end of the process. Gloo's worker thread frees a
+# collective's tensors when it drops its last reference to the work, and a barrier after it keeps that work until
+# the barrier's own is dropped: at a program's last barrier, after the interpreter began to finish. A tensor whose
+# Python object died before needs the interpreter lock then, and a thread that asks for it while the interpreter
+# finishes ends, inside a C++ frame: "terminate called without an active exception", the rank aborted after its
+# run was written (1 run in ~20 of the test's under load). Held here, the worker's drop needs no lock.
+_LAST_REDUCED: deque[torch.Tensor] = deque(maxlen=4)
+
+
+def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> None:
+    """``dist.all_reduce`` of ``t`` in place, ``t`` held to the end of the process (``_LAST_REDUCED``)."""
+    _LAST_REDUCED.append(t)
+    _dist().all_reduce(t, op=op, group=group)
 
 
 def is_distributed() -> bool:
@@ -285,8 +301,8 @@ class RankReducer:
         mn = np.flatnonzero(ops == st.MERGE_MIN).tolist()
         extrema = torch.cat([data[:, mx], data[:, mn].neg()], dim=1)
         out[:, mx + mn] = 0  # summing bit patterns would overflow int64
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
-        dist.all_reduce(extrema, op=dist.ReduceOp.MAX, group=self.group)
+        _all_reduce(out, dist.ReduceOp.SUM, self.group)
+        _all_reduce(extrema, dist.ReduceOp.MAX, self.group)
         out[:, mx] = extrema[:, : len(mx)]
         out[:, mn] = extrema[:, len(mx) :].neg()
         return out
@@ -376,16 +392,14 @@ class RankReducer:
         """Sum of ``t`` over ranks (a new tensor; ``t`` is untouched). Device-side collective."""
         out = t.clone()
         if not self._unwinding():
-            dist = _dist()
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+            _all_reduce(out, _dist().ReduceOp.SUM, self.group)
         return out
 
     def reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         """Maximum of ``t`` over ranks (a new tensor). Device-side collective."""
         out = t.clone()
         if not self._unwinding():
-            dist = _dist()
-            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+            _all_reduce(out, _dist().ReduceOp.MAX, self.group)
         return out
 
     def reduce_memory(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
