@@ -832,3 +832,52 @@ def test_copies_of_the_model_during_training_leave_precprofs_hooks_behind(tmp_pa
         dicts = [d for m in c.modules() for d in (m._forward_pre_hooks, m._forward_hooks)]
         assert [h for d in dicts for h in d.values()] == [] and not any(map(vars, dicts))
         c(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+
+
+class _AdamWHoldingAnother(torch.optim.AdamW):
+    """A user's AdamW that keeps another optimizer under the attribute ``optimizer`` for a purpose of its own
+    (here an SGD over copies of the weights, never stepped): no wrapper, it steps the model's weights itself."""
+
+    def __init__(self, params: Any) -> None:
+        params = list(params)
+        super().__init__(params, lr=1e-3)
+        self.optimizer = torch.optim.SGD([p.detach().clone() for p in params], lr=0.0)
+
+
+class _ProfiledOptimizer(TrainerCallback):  # type: ignore[misc]
+    """The optimizer the callback's Profiler holds, read at each step's end (after the callback's own)."""
+
+    def __init__(self, cb: PrecprofCallback) -> None:
+        self.cb = cb
+        self.optimizer: Any = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.optimizer = self.cb.profiler.optimizer
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["trainers", "users_with_an_optimizer_attribute"])
+def test_the_profiler_is_given_the_optimizer_that_steps_the_weights(tmp_path: Path, own: bool) -> None:
+    """The Trainer hands callbacks accelerate's AcceleratedOptimizer: the Profiler is given the optimizer inside
+    it. A user's optimizer with an attribute named ``optimizer`` is that optimizer, not a wrapper of the one the
+    attribute holds: the callback went down it to an SGD that never stepped, and the run had no weight updates."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, memory=False, report=False)
+    seen = _ProfiledOptimizer(cb)
+    model = tiny_gpt2()
+    opt = _AdamWHoldingAnother(model.parameters()) if own else None
+    targs = training_args(tmp_path, max_steps=2)
+    trainer = Trainer(
+        model=model, args=targs, train_dataset=TokenData(), callbacks=[cb, seen], optimizers=(opt, None)
+    )
+    trainer.train()
+    assert isinstance(trainer.optimizer, AcceleratedOptimizer)
+    assert seen.optimizer is trainer.optimizer.optimizer
+    assert seen.optimizer is opt if own else type(seen.optimizer) is torch.optim.AdamW
+    # its steps were read: every Conv1D's weight moved on both steps
+    layers = T.read_tables(cb.run_dir)["layers"]
+    upd = layers[(layers[T.TENSOR] == T.WEIGHT_UPDATE) & (layers[T.PARAM] == "weight")]
+    for name, mod in model.named_modules():
+        if isinstance(mod, Conv1D):
+            rows = upd[upd[T.MODULE] == name]
+            assert rows[T.STEP].tolist() == [0, 1] and (rows[T.UPDATE_RMS] > 0).all(), name

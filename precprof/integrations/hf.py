@@ -119,15 +119,15 @@ def _calling_trainer() -> Any:
 
 
 def _unwrap_optimizer(optimizer: Any) -> tuple[Any, Any]:
-    """(torch optimizer, GradScaler or None) from what the Trainer hands callbacks (an AcceleratedOptimizer)."""
+    """(torch optimizer, GradScaler or None) from what the Trainer hands callbacks (an AcceleratedOptimizer).
+
+    Unwrapped as the Profiler unwraps what it is given (``_compat.unwrapped_optimizer``): accelerate's wrapper
+    subclasses torch.optim.Optimizer without its hook registry, so the optimizer inside it is the one whose steps
+    fire hooks. A user's optimizer that has a hook registry of its own is kept, even with an attribute named
+    ``optimizer`` (a warm-up or averaging optimizer that holds another one): going down that attribute hooked an
+    optimizer that never stepped the model's weights, and the run had no weight_update rows."""
     scaler = getattr(optimizer, "scaler", None)
-    inner = optimizer
-    # AcceleratedOptimizer subclasses torch.optim.Optimizer without its hook registry: go to the wrapped one
-    for _ in range(4):
-        nested = getattr(inner, "optimizer", None)
-        if nested is None or nested is inner:
-            break
-        inner = nested
+    inner = _compat.unwrapped_optimizer(optimizer)
     if not isinstance(inner, torch.optim.Optimizer):
         inner = None  # an optimizer precprof cannot hook (DeepSpeed's): no weight_update rows
     return inner, scaler
