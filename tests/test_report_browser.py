@@ -108,7 +108,8 @@ window.addEventListener("load", function () { setTimeout(function () {
   }
   var long = {};
   document.querySelectorAll("table.long").forEach(function (t) {
-    var box = t.parentNode.nextElementSibling, rec = {rows: t.tBodies[0].rows.length, shown: shownRows(t)};
+    var box = t.parentNode.nextElementSibling, rec = {rows: t.tBodies[0].rows.length, shown: shownRows(t),
+      inputs: t.querySelectorAll("tbody tr.layer-input").length};
     box = box && box.classList.contains("more-rows") && !box.hidden ? box : null;
     var next = box && box.querySelector("button.next"), rest = box && box.querySelector("button.rest");
     next = next && !next.hidden ? next : null;
@@ -286,14 +287,17 @@ def check_long_table(name: str, t: dict[str, Any]) -> None:
     where more than that many are left, which shows them; a button for all, which shows every row and then
     offers the first rows again, which it shows."""
     first, more = render.FIRST_ROWS, render.MORE_ROWS
+    every = f"Show all {t['rows']:,} rows"
+    if t["inputs"]:  # the per-layer table's rows of layers' inputs
+        every += f" ({t['rows'] - t['inputs']:,} layers and {t['inputs']:,} of their inputs)"
     if t["rows"] <= first:
         assert t["shown"] == t["rows"] and t["button"] is None and t["next"] is None, (name, t)
         return
     assert t["shown"] == first, (name, t)
-    assert t["button"] == f"Show all {t['rows']:,} rows", (name, t)
+    assert t["button"] == every, (name, t)
     if t["rows"] - first > more:
         assert t["next"] == f"Show the next {more} rows" and t["more"] == first + more, (name, t)
-        want = f"Show all {t['rows']:,} rows" if t["rows"] > first + more else f"Show the first {first} rows"
+        want = every if t["rows"] > first + more else f"Show the first {first} rows"
         assert t["after_next"] == want, (name, t)
     else:
         assert t["next"] is None, (name, t)
@@ -305,6 +309,36 @@ def check_long_table(name: str, t: dict[str, Any]) -> None:
 def test_page_fits_at_1400_and_800_px(precision: str, runs_base: Path, tmp_path: Path) -> None:
     browser()
     check_layout(real_run(precision, runs_base) / "report.html", tmp_path)
+
+
+def test_the_layer_tables_rows_add_up_to_the_layers_profiled_and_their_inputs(
+    tmp_path: Path, block_formats_on: None
+) -> None:
+    """gpt-nano's per-layer table, with the block formats evaluated (the default outside this suite), has a row
+    of its own for each attention projection's input (the attention function's output, no module's): the
+    header said "layers profiled 33" and the table's button "Show all 37 rows", and nothing said what the
+    other 4 were. The rows counted in the page's HTML: the button and the table's lead say how many are
+    layers (the header's count) and how many are inputs."""
+    browser()
+    page = real_run("fp32", tmp_path / "runs") / "report.html"
+    text = page.read_text()
+    table = re.search(r'<table[^>]*id="layer-table".*?<tbody>(.*?)</tbody>', text, flags=re.S)
+    assert table is not None
+    names = [
+        html.unescape(re.sub(r"<[^>]+>", "", m))
+        for m in re.findall(r'<td class="mod"><code>(.*?)</code></td>', table.group(1), flags=re.S)
+    ]
+    assert len(names) == table.group(1).count("<tr")
+    inputs = sum(n.endswith(":input") for n in names)
+    layers = len(names) - inputs
+    header = re.search(r'layers profiled</span><span class="v">([\d,]+)<', text)
+    assert header is not None and int(header.group(1).replace(",", "")) == layers
+    assert inputs == 4 and len(names) > render.FIRST_ROWS  # the run has both, and the button
+    lead = f"Of its {len(names)} rows, {inputs} are not layers but a layer's input"
+    assert lead in text and f"“layers profiled” counts the other {layers}." in text
+    for width in LAYOUT_WIDTHS:
+        found = layout(page, width, tmp_path)["long"]["layer-table"]
+        assert found["button"] == f"Show all {len(names)} rows ({layers} layers and {inputs} of their inputs)"
 
 
 def test_page_of_a_run_that_went_nan_fits(tmp_path: Path) -> None:

@@ -709,6 +709,8 @@ def build_context(
         "heatmaps": _heatmaps(tabs, rec, histogram_totals, summary),
         "whatif": _whatif(layers, summary, rec),
         "layers": layer_rows,
+        # its rows of modules' inputs (no layer of their own: the header's "layers profiled" leaves them out)
+        "layer_inputs": sum(bool(r["layer_input"]) for r in layer_rows),
         # the layers whose update-to-weight ratio was read (``analysis.update_ratio``), in forward order
         "update_ratios": [r for r in layer_rows if not _missing(r.get("update_ratio_median"))],
         # columns of the per-layer table that only some runs fill: left out when no row has them

@@ -288,7 +288,8 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     module; NaN without weight_update rows or intended updates), update_ratio_median / update_ratio_max (the
     update-to-weight ratio ||dw|| / ||w|| over the sampled steps, ``analysis.update_ratio``; NaN without
     update sizes), update_absmax (the largest |update| of those steps), update_steps (how many),
-    nonfinite_first (step and kind of the first nan/inf, "" when none).
+    nonfinite_first (step and kind of the first nan/inf, "" when none), layer_input (the row is a module's input
+    that no captured module produced, ``T.input_module``: no layer of its own).
     """
     if layers.empty:
         return []
@@ -349,6 +350,7 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
             "update_absmax": ratios.get(str(m), {}).get("absmax", nan),
             "update_steps": ratios.get(str(m), {}).get("steps", 0.0),
             "nonfinite_first": first.get(m, ""),
+            "layer_input": str(m).endswith(T.INPUT_SUFFIX),
         }
         for m in order
     ]

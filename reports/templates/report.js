@@ -17,10 +17,11 @@
   function limit(table) { var n = parseFloat(table.getAttribute("data-shown")); return isNaN(n) ? FIRST_ROWS : n; }
   function collapse(table) {
     if (!table.classList.contains("long")) { return; }
-    var all = rows(table), kept = 0, shown = limit(table);
+    var all = rows(table), kept = 0, inputs = 0, shown = limit(table);
     all.forEach(function (r) {
       if (r.style.display === "none") { r.classList.remove("extra"); return; }
       kept += 1;
+      if (r.classList.contains("layer-input")) { inputs += 1; }
       r.classList.toggle("extra", kept > shown);
     });
     var box = table.parentNode.nextElementSibling;
@@ -29,8 +30,16 @@
     box.hidden = kept <= FIRST_ROWS;
     more.hidden = open || kept - shown <= MORE_ROWS;
     more.textContent = "Show the next " + MORE_ROWS.toLocaleString("en-US") + " rows";
-    rest.textContent = open ? "Show the first " + FIRST_ROWS + " rows" : "Show all " + kept.toLocaleString("en-US") + " rows";
+    rest.textContent = open ? "Show the first " + FIRST_ROWS + " rows" : "Show all " + kept.toLocaleString("en-US") + " rows" + ofWhat(kept, inputs);
     rest.setAttribute("data-open", open ? "1" : "0");
+  }
+  // the per-layer table's rows of modules' inputs are no layers (the header's "layers profiled" leaves them out):
+  // the rows said as layers and inputs, so that the two counts add up
+  function ofWhat(kept, inputs) {
+    if (!inputs) { return ""; }
+    var layers = kept - inputs;
+    return " (" + layers.toLocaleString("en-US") + (layers === 1 ? " layer" : " layers") + " and " +
+      inputs.toLocaleString("en-US") + " of their inputs)";
   }
   function button(cls, onclick) {
     var b = document.createElement("button");
