@@ -108,7 +108,7 @@ class SavedActivations:
     _unmeasured: int
     _foreign_forwards: int
     _loss_in_forward: bool
-    _root_depth: int  # calls of the model in progress: 2 inside its call of itself (a self-distillation target)
+    _root_depth: int  # calls of the model in progress: 2 inside its call of itself (a distillation target)
     _step_mode: bool | None
     _eval_unpacks: int
     _peak: PeakRecorder
