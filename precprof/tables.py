@@ -154,6 +154,7 @@ from precprof.schema import (
     to_arrow,
     underflow_col,
     underflow_cs_col,
+    update_squares,
 )
 
 __all__ = [
@@ -291,6 +292,7 @@ __all__ = [
     "to_arrow",
     "underflow_col",
     "underflow_cs_col",
+    "update_squares",
     "write_summary",
     "write_tables",
 ]

@@ -328,6 +328,58 @@ def test_export_to_wandb_offline_matches_the_live_run(run: dict[str, Any]) -> No
         assert {k: again[step][k] for k in want} == want, step
 
 
+@pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
+def test_the_update_to_weight_ratio_is_that_of_the_weights_before_and_after_the_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each sampled step's ||dw|| / ||w|| per layer (weight and bias together) and over every layer, in
+    TensorBoard and wandb: the test's own norms of the weights before and after ``opt.step()``. Every
+    parameter has at most 256 elements, so precprof samples all of them. The other per-layer statistics were
+    on the dashboards, this one only in the report and summary.json."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    assert max(p.numel() for p in model.parameters()) <= 256
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    scopes = {
+        "0": list(model[0].parameters()),
+        "2": list(model[2].parameters()),
+        "all": [*model.parameters()],
+    }
+    want: dict[str, dict[int, float]] = {scope: {} for scope in scopes}
+    wb_run = _offline_wandb(tmp_path, monkeypatch)
+    try:
+        with precprof.Profiler(
+            model, optimizer=opt, sample_every=2, memory=False, tensorboard=tmp_path / "tb", wandb=True
+        ) as prof:
+            for step in range(6):
+                (model(x) - y).square().mean().backward()
+                before = [p.detach().clone() for p in model.parameters()]
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                old = dict(zip(map(id, model.parameters()), before, strict=True))
+                for scope, params in scopes.items():
+                    # the update in fp32 (as the optimizer made it), its norm and the weights' in float64
+                    dw = torch.cat([(p.detach() - old[id(p)]).reshape(-1) for p in params]).double()
+                    w = torch.cat([old[id(p)].reshape(-1) for p in params]).double()
+                    want[scope][step] = float(torch.linalg.vector_norm(dw) / torch.linalg.vector_norm(w))
+                prof.step()
+    finally:
+        wb_run.finish()
+        _wandb_files_closed()
+    acc = _accumulator(tmp_path / "tb")
+    history = _wandb_history(next((tmp_path / "wandb").glob("offline-run-*")))
+    for scope, ratios in want.items():
+        sampled = {s: r for s, r in ratios.items() if s % 2 == 0}
+        assert _scalars(acc, f"precprof/update_ratio/{scope}") == pytest.approx(sampled, rel=1e-5), scope
+        logged = {
+            s: row[f"precprof/update_ratio/{scope}"]
+            for s, row in _precprof_rows(history).items()
+            if f"precprof/update_ratio/{scope}" in row
+        }
+        assert logged == pytest.approx(sampled, rel=1e-6), scope
+
+
 def _offline_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A wandb run of its own, offline and silent (wandb's own warnings off), in ``tmp_path``."""
     for k, v in {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}.items():

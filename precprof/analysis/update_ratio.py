@@ -31,17 +31,14 @@ def step_ratios(layers: pd.DataFrame) -> pd.DataFrame:
     ``absmax`` (the largest |update|). Empty when the table has no update sizes (a run recorded before them)."""
     if T.UPDATE_RMS not in layers.columns or layers.empty:
         return pd.DataFrame(columns=[T.MODULE, T.STEP, "ratio", T.ABSMAX])
-    tensors = T.texts(layers[T.TENSOR])
-    rows = layers[tensors == T.WEIGHT_UPDATE]
-    n = _sizes(layers[tensors == T.WEIGHT], rows)
-    upd = pd.to_numeric(rows[T.UPDATE_RMS], errors="coerce").astype(float)
-    wgt = pd.to_numeric(rows[T.WEIGHT_RMS], errors="coerce").astype(float)
+    rows = layers[T.texts(layers[T.TENSOR]) == T.WEIGHT_UPDATE]
+    du, dw = T.update_squares(layers)
     sq = pd.DataFrame(
         {
             T.MODULE: T.texts(rows[T.MODULE]).astype(str).to_numpy(),
             T.STEP: pd.to_numeric(rows[T.STEP], errors="coerce").to_numpy(),
-            "du": (n * upd * upd).to_numpy(),
-            "dw": (n * wgt * wgt).to_numpy(),
+            "du": du.to_numpy(),
+            "dw": dw.to_numpy(),
             T.ABSMAX: pd.to_numeric(rows[T.ABSMAX], errors="coerce").to_numpy(dtype=float),
         }
     ).dropna(subset=["du", "dw"])
@@ -51,19 +48,6 @@ def step_ratios(layers: pd.DataFrame) -> pd.DataFrame:
     per = per[per["dw"] > 0]
     out = pd.DataFrame({"ratio": np.sqrt(per["du"] / per["dw"]), T.ABSMAX: per["absmax"]})
     return out.reset_index()
-
-
-def _sizes(weights: pd.DataFrame, updates: pd.DataFrame) -> pd.Series:
-    """The elements of the parameter of each ``weight_update`` row: its ``weight`` rows' elements per read (the
-    largest over the steps that read it: a budget's layers take turns), else the row's own sampled elements."""
-    key = [T.MODULE, T.PARAM]
-    per_read = pd.to_numeric(weights[T.NUMEL], errors="coerce") / pd.to_numeric(
-        weights[T.CALLS], errors="coerce"
-    ).clip(lower=1)
-    size = per_read.groupby([T.texts(weights[k]).astype(str) for k in key]).max()
-    at = pd.MultiIndex.from_arrays([T.texts(updates[k]).astype(str) for k in key])
-    full = pd.Series(size.reindex(at).to_numpy(dtype=float), index=updates.index)
-    return full.fillna(pd.to_numeric(updates[T.NUMEL], errors="coerce").astype(float))
 
 
 def layer_ratios(layers: pd.DataFrame) -> dict[str, dict[str, float]]:

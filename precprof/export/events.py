@@ -16,11 +16,15 @@ activation, activation_grad, weight, weight_grad, weight_update):
   the elements (0..1) that a real cast to ``fmt`` (fp16, bf16, fp8_e4m3, fp8_e5m2) at the loss scale in
   effect flushes to zero / overflows (weight_update has neither, nor a histogram: its counts only);
   ``precprof/lost_update/<bf16|fp16>/<scope>`` — the share of sampled weight updates that vanish when added
-  to a weight held in that format.
+  to a weight held in that format;
+  ``precprof/update_ratio/<scope>`` — the optimizer's update against the weights, ||dw|| / ||w|| of the
+  scope's parameters from their sampled elements, each parameter at its size (``precprof.analysis.update_ratio``:
+  the report's "Weight updates against the weights" per layer); none on a step whose sampled weights were all
+  zero.
 
 A layer's parameters (weight and bias) are summed into its ``weight`` / ``weight_grad`` / ``weight_update``
 events. What scales: the ``all`` aggregates are always written (whatever the model: 4 kinds x 12 tags, and
-with an optimizer the 3 counts of weight_update and the 2 lost_update shares: 53); per-layer events (up to as
+with an optimizer the 3 counts of weight_update, the 2 lost_update shares and the update ratio: 54); per-layer events (up to as
 many per layer) are written for the layers ``layers`` selects: ``"auto"`` (the default) writes them when the
 first sampled step has at most ``AUTO_LAYER_LIMIT`` layers and none otherwise, ``"all"``, ``"none"``, or a list
 of ``fnmatch`` patterns of qualified names. The choice is made once, from the first sampled step, so tags stay
@@ -50,6 +54,8 @@ ALL_LAYERS = "all"  # the scope of the aggregates over every captured layer
 ROOT_LAYER = T.ROOT_LABEL  # the scope of the root module, whose qualified name is ""
 AUTO_LAYER_LIMIT = 32  # "auto" writes per-layer events for models with at most this many captured layers
 LOST_UPDATE_FORMATS = {"bf16": T.LOST_UPDATE_BF16, "fp16": T.LOST_UPDATE_FP16}
+# ||dw||^2 and ||w||^2 of the weight_update rows (T.update_squares): summed over a scope's rows as the counts are
+SQ_UPDATE, SQ_WEIGHT = "_sq_update", "_sq_weight"
 
 LayerSelection = str | Sequence[str]
 
@@ -162,7 +168,7 @@ class EventStream:
     def _layer_events(self, layers: pd.DataFrame, hist: pd.DataFrame) -> list[Event]:
         if layers.empty:
             return []
-        layers = layers.assign(**{T.MODULE: T.texts(layers[T.MODULE])})
+        layers = layers.assign(**{T.MODULE: T.texts(layers[T.MODULE])}, **_update_squares(layers))
         selected = self._select(layers)
         out: list[Event] = []
         count_cols = [
@@ -172,6 +178,8 @@ class EventStream:
             T.INF,
             *(c for f in WHATIF_FORMATS for c in (T.underflow_col(f), T.overflow_col(f))),
             *LOST_UPDATE_FORMATS.values(),
+            SQ_UPDATE,
+            SQ_WEIGHT,
         ]
         per_layer = layers[layers[T.MODULE].isin(selected)]
         for scope_frame, keys in ((layers, [T.STEP, T.TENSOR]), (per_layer, [T.STEP, T.MODULE, T.TENSOR])):
@@ -245,6 +253,11 @@ def _count_events(step: int, scope: str, kind: str, row: pd.Series) -> list[Even
             v = _float(row[col])
             if not math.isnan(v):
                 out.append(Scalar(tag("lost_update", fmt, scope), step, v / numel))
+        sq_update, sq_weight = _float(row[SQ_UPDATE]), _float(row[SQ_WEIGHT])
+        if (
+            sq_weight > 0
+        ):  # all-zero sampled weights: no ratio, the update is not small or large against nothing
+            out.append(Scalar(tag("update_ratio", scope), step, math.sqrt(sq_update / sq_weight)))
         return out
     for fmt in WHATIF_FORMATS:
         for what, col in (("underflow", T.underflow_col(fmt)), ("overflow", T.overflow_col(fmt))):
@@ -252,6 +265,17 @@ def _count_events(step: int, scope: str, kind: str, row: pd.Series) -> list[Even
             if not math.isnan(v):
                 out.append(Scalar(tag(what, fmt, scope, kind), step, v / numel))
     return out
+
+
+def _update_squares(layers: pd.DataFrame) -> dict[str, pd.Series]:
+    """The columns ``SQ_UPDATE`` and ``SQ_WEIGHT``: a weight_update row's ||dw||^2 and ||w||^2 over its sampled
+    elements, NaN on other rows, on rows without sizes (a run recorded before them) and where either is."""
+    if T.UPDATE_RMS not in layers.columns or T.WEIGHT_RMS not in layers.columns:
+        nothing = pd.Series(math.nan, index=layers.index, dtype=float)
+        return {SQ_UPDATE: nothing, SQ_WEIGHT: nothing}
+    sq_update, sq_weight = (s.reindex(layers.index) for s in T.update_squares(layers))
+    keep = sq_update.notna() & sq_weight.notna()
+    return {SQ_UPDATE: sq_update.where(keep), SQ_WEIGHT: sq_weight.where(keep)}
 
 
 def _hist_events(hist: pd.DataFrame, keys: list[str]) -> list[Event]:
