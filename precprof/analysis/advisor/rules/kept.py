@@ -96,7 +96,13 @@ def _judge(run: _Run, layer: str, rows: pd.DataFrame, input_known: bool) -> tupl
             f"{_name(layer)}: its input was not recorded (no captured module made it, and block formats were "
             "off), so whether it fits fp16 is not known"
         )
-    return False, f"{_name(layer)}: max |x| {_g(amax)} in {which}, none flushed: it fits fp16"
+    if not flushed.worst:
+        return False, f"{_name(layer)}: max |x| {_g(amax)} in {which}, none flushed: it fits fp16"
+    # (flushes within the rules' bound: said as counted, "none flushed" was said of up to that bound)
+    return False, (
+        f"{_name(layer)}: max |x| {_g(amax)} in {which}; {_cast_flush_said(flushed)}, within the "
+        f"{_pct(cfg.fp16_activation_underflow_warn)} the forward rules allow: it fits fp16"
+    )
 
 
 def _cast_flush_said(flushed: _CastFlush) -> str:
