@@ -2327,3 +2327,29 @@ def test_shares_are_written_without_exponents() -> None:
         "50%",
         "n/a",
     ]
+
+
+def test_the_weights_turned_nonfinite_between_two_sampled_steps_name_the_two_optimizer_steps() -> None:
+    """SGD at lr 1e20 with every second step sampled: step 0's weights and gradients are finite, step 2's weights
+    are not. Steps 0 and 1 could have done it (the test's own check after each optimizer step: step 1's did), and
+    the finding said "an optimizer step from step 0 to step 1 (the steps between were not sampled)", where the
+    one step between is step 1."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=1e20)
+    finite_after: list[bool] = []
+    with Profiler(m, optimizer=opt, sample_every=2) as prof:
+        for _ in range(4):
+            loss = m(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            finite_after.append(all(bool(p.isfinite().all()) for p in m.parameters()))
+            prof.step(loss)
+    assert finite_after == [True, False, False, False]
+    f = must(recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}), "nonfinite_forward")
+    assert f.message.startswith("At step 2, the weights of 2 module(s) hold")
+    assert (
+        "the optimizer step of step 0 or of step 1 (step 1 was not sampled) turned finite gradients into "
+        "non-finite weights" in f.message
+    )

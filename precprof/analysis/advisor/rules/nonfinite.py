@@ -520,10 +520,17 @@ def _written_by_the_optimizer(
     nan, inf = int(weights[T.NAN].sum()), int(weights[T.INF].sum())
     numel = int(weights[T.NUMEL].sum())
     adjacent = before == step - 1
+    unsampled = (
+        f"step {step - 1} was not sampled"
+        if step - 1 == before + 1
+        else f"steps {before + 1} to {step - 1} were not"
+    )
     which = (
         f"the optimizer step of step {before}"
         if adjacent
-        else f"an optimizer step from step {before} to step {step - 1} (the steps between were not sampled)"
+        else f"the optimizer step of step {before} or of step {step - 1} ({unsampled})"
+        if step - 1 == before + 1
+        else f"an optimizer step from step {before} to step {step - 1} ({unsampled} sampled)"
     )
     nums: dict[str, Number] = {
         "step": step,
