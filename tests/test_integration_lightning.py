@@ -758,3 +758,90 @@ def test_a_second_fit_from_step_0_into_a_complete_run_is_refused_unless_asked_to
     fit(tmp_path, "32-true", PrecprofCallback(out=out, sample_every=1, report=False, overwrite=True), second)
     assert second.losses != first.losses
     assert T.read_tables(out)["steps"][T.LOSS].tolist() == pytest.approx(second.losses, rel=0, abs=0)
+
+
+class LoggingLM(TinyLM):
+    """Logs its training loss (each step) and its validation loss (each validation) through ``self.log``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x).reshape(-1, VOCAB), y.reshape(-1)))
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_wandb_beside_lightnings_wandb_logger_keeps_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: int
+) -> None:
+    """``PrecprofCallback(wandb=True)`` beside Lightning's ``WandbLogger``, which logs without ``step=`` (its
+    own ``trainer/global_step`` in the dict), a training row each step and a validation row each validation:
+    every step's precprof row is in the run's history, against precprof/step, and Lightning's own values are
+    there too."""
+    wandb = pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+    from test_export import _wandb_files_closed, _wandb_history
+
+    for k, v in {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(k, v)
+    steps_run = 12
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False, wandb=True)
+    module = LoggingLM()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        logger=WandbLogger(offline=True, save_dir=str(tmp_path), project="precprof-test"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+        callbacks=[cb],
+        max_steps=steps_run,
+        log_every_n_steps=every,
+        val_check_interval=every,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+    )
+    try:
+        trainer.fit(module, loader(), loader())
+    finally:
+        wandb.finish()
+        _wandb_files_closed()
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    history = _wandb_history(run_dir)
+    rows = [r for r in history.values() if "precprof/loss" in r]
+    steps = T.read_tables(cb.run_dir)["steps"]
+    assert [r["precprof/step"] for r in rows] == steps[T.STEP].tolist() == list(range(steps_run))
+    assert [r["precprof/loss"] for r in rows] == pytest.approx(module.losses)
+    assert [r["precprof/loss"] for r in rows] == pytest.approx(steps[T.LOSS].tolist())
+    # Lightning's own rows: the training loss of every ``every``-th batch and a validation after it, each at
+    # trainer/global_step = the index of that batch
+    logged = list(range(every - 1, steps_run, every))
+    train = {r["trainer/global_step"]: r["train_loss"] for r in history.values() if "train_loss" in r}
+    assert train == pytest.approx({s: module.losses[s] for s in logged})
+    assert [r["trainer/global_step"] for r in history.values() if "val_loss" in r] == logged
+
+
+def test_only_a_wandb_logger_of_precprofs_own_run_turns_its_rows_beside_the_trainer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """precprof's rows go without ``step=`` (``BesideTrainer``) where a ``WandbLogger`` of the trainer logs to
+    the run precprof logs to (``wandb=True``: the current run; or that run object). Beside a logger of another
+    run, or none of wandb's, wandb's step in precprof's run is the user's loop's (``wandb.log(step=...)``), which
+    precprof's rows follow."""
+    wandb = pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+    from precprof.integrations.lightning import _logs_to_wandb_run
+
+    mine, other = object(), object()  # stand-ins for two wandb runs
+    monkeypatch.setattr(wandb, "run", mine)
+    beside_mine = type("Trainer", (), {"loggers": [CSVLogger(str(tmp_path)), WandbLogger(experiment=mine)]})
+    beside_other = type("Trainer", (), {"loggers": [WandbLogger(experiment=other)]})
+    beside_csv = type("Trainer", (), {"loggers": [CSVLogger(str(tmp_path))]})
+    assert _logs_to_wandb_run(beside_mine, True) and _logs_to_wandb_run(beside_mine, mine)
+    assert not _logs_to_wandb_run(beside_mine, other)
+    assert not _logs_to_wandb_run(beside_other, True) and not _logs_to_wandb_run(beside_other, mine)
+    assert not _logs_to_wandb_run(beside_csv, True)

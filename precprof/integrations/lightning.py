@@ -53,13 +53,16 @@ from torch import nn
 from precprof import _compat
 from precprof import tables as T
 from precprof.errors import MissingDependencyError
+from precprof.export.wandb import BesideTrainer, wandb_module
 from precprof.integrations._common import LIGHTNING_PRECISIONS, Session, first_token_count, model_info
 
 try:
     from lightning.pytorch import Callback
+    from lightning.pytorch.loggers import WandbLogger
 except ImportError:  # the standalone package name
     try:
         from pytorch_lightning import Callback  # type: ignore[assignment]
+        from pytorch_lightning.loggers import WandbLogger  # type: ignore[assignment]
     except ImportError as _e:
         raise MissingDependencyError("lightning", extra="lightning", purpose="the Lightning callback") from _e
 
@@ -95,7 +98,9 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             ``out`` when training resumes from a checkpoint, False replaces it; left out, a training that
             resumes from a checkpoint continues the run ``out`` holds, with a warning that resume=True
             silences. ``overwrite=True`` replaces a run in ``out`` that training from step 0 would write over
-            (refused without it, as by ``Profiler(out=...)``: a RunDirError when training starts). Others:
+            (refused without it, as by ``Profiler(out=...)``: a RunDirError when training starts). ``wandb``:
+            beside a ``WandbLogger`` of the same run, which logs without ``step=``, precprof's rows are logged
+            without ``step=`` too, against ``precprof/step`` (``precprof.export.wandb.BesideTrainer``). Others:
             ``modules``, ``memory``, ...
 
     After fit, ``run_dir`` is the run directory and ``report_path`` the report (None when not rendered).
@@ -191,9 +196,11 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         if out is None:
             out = Path(getattr(trainer, "default_root_dir", None) or "runs") / "precprof"
         if self._session is None:
-            self._session = Session(
-                out, {"sample_every": self.sample_every, **self.profiler_kwargs}, self.report
-            )
+            kwargs = {"sample_every": self.sample_every, **self.profiler_kwargs}
+            if kwargs.get("wandb") not in (None, False) and _logs_to_wandb_run(trainer, kwargs["wandb"]):
+                # Lightning's WandbLogger logs without step=: precprof's rows beside it, against their own axis
+                kwargs["wandb"] = BesideTrainer(kwargs["wandb"])
+            self._session = Session(out, kwargs, self.report)
         self._session.out = out
         self._remove_embedding_hook()
         embedding = token_embedding(pl_module)
@@ -327,3 +334,15 @@ def _batches_that_stepped(trainer: Any) -> int:
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     n = getattr(loop, "_batches_that_stepped", None)
     return int(n) if isinstance(n, int) else int(trainer.global_step)
+
+
+def _logs_to_wandb_run(trainer: Any, target: Any) -> bool:
+    """Whether one of the trainer's loggers is a ``WandbLogger`` logging to the run precprof logs to (``target``:
+    True for the current ``wandb.run``, or a run object). It logs without ``step=`` (one wandb step per call, a
+    validation's too, ``trainer/global_step`` in the dict), which moves wandb's step past precprof's."""
+    for logger in getattr(trainer, "loggers", None) or []:
+        if isinstance(logger, WandbLogger):
+            run = wandb_module("wandb=True").run if target is True else target
+            if run is not None and logger.experiment is run:
+                return True
+    return False
