@@ -66,6 +66,7 @@ from precprof.capture.records import (
     _ModuleSlot,
     _ParamSlot,
     _weights_key,
+    attention_call,
     autocast_state,
     dtype_bit,
     input_keyword,
@@ -130,7 +131,11 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
             roots + [(s.module, self._make_pre_hook(s), self._make_fwd_hook(s), False) for s in plan.modules],
             [(ps.tensor, self._make_param_hook(ps)) for ps in plan.params if ps.grad_row >= 0],
             kwargs_pre=root,
-            kwargs_entries=[len(roots) + k for k, s in enumerate(plan.modules) if s.reads_input],
+            kwargs_entries=[
+                len(roots) + k
+                for k, s in enumerate(plan.modules)
+                if s.reads_input or s.attention_calls is not None
+            ],
         )
         # the parameters read at the step's first captured forward, and each one's row
         self._weights = [(p, row) for s in plan.modules for _, p, row in s.weights]
@@ -206,6 +211,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         for slot in self.plan.modules:
             slot.order = slot.input_order = slot.first_from = -1
             slot.ran = False
+            slot.attention_done = bool(slot.attention_calls)
         self._root_trains = self._root.training
         self._root_grad, self._root_calls = False, []
         self._step_mode, self._first_in_eval = None, False
@@ -383,6 +389,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
             turn = slot.block_group == self.turn
             if slot.reads_input and isinstance(x, _Tensor):
                 self._gemm_input(slot, x, turn)
+            if slot.attention_calls is not None and not slot.attention_done:
+                slot.attention_calls.append(attention_call(module, args, kwargs))
             if slot.order < 0:
                 slot.order = self.order
                 self.order += 1

@@ -161,6 +161,7 @@ class CapturePlan:
                 module_type=mtype,
                 gemm=taxonomy.is_linear_type(mtype),
                 reads_input=taxonomy.is_matmul_type(mtype),
+                attention_calls=[] if isinstance(module, nn.MultiheadAttention) else None,
             )
             if block_formats and slot.gemm:
                 slot.input = rows.new(T.input_module(name), T.INPUT_MODULE_TYPE, T.ACTIVATION)

@@ -171,6 +171,11 @@ class _ModuleSlot:
     # the row of the module whose output a reentrant checkpoint's first pass gave it (-1: none), for the
     # recomputation's lookup (``StepHooks._first_pass_input``)
     first_from: int = -1
+    # an nn.MultiheadAttention's calls at the first sampled step it ran in, (batch, query length, key length) each
+    # (``attention_call``; summary capture.modules' "attention_calls"): its output tells the query's tokens alone,
+    # and a cross-attention's key and value projections and score matmuls read the memory's. None for others
+    attention_calls: list[tuple[int, int, int]] | None = None
+    attention_done: bool = False  # a sampled step before this one recorded them
 
 
 @dataclass
@@ -355,6 +360,22 @@ def autocast_state(device_type: str) -> dict[str, Any]:
         "dtype": str(dtype).removeprefix("torch.") if dtype is not None else None,
         "device_type": device_type,
     }
+
+
+def attention_call(module: nn.Module, args: Any, kwargs: Any) -> tuple[int, int, int]:
+    """(batch, query length, key length) of a call of nn.MultiheadAttention ``module`` with ``args`` and
+    ``kwargs`` (query and key by position or keyword; (L, N, E), (N, L, E) when batch_first, or unbatched (L, E));
+    (0, 0, 0) where they cannot be read (a nested tensor)."""
+    q = args[0] if args else (kwargs or {}).get("query")
+    k = args[1] if len(args) > 1 else (kwargs or {}).get("key")
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.is_nested or k.is_nested:
+        return 0, 0, 0
+    if q.dim() == k.dim() == 2:
+        return 1, q.shape[0], k.shape[0]
+    if q.dim() != 3 or k.dim() != 3:
+        return 0, 0, 0
+    b = 0 if getattr(module, "batch_first", False) else 1
+    return q.shape[b], q.shape[1 - b], k.shape[1 - b]
 
 
 def input_keyword(module: nn.Module) -> str | None:

@@ -254,15 +254,19 @@ class ProfilerResults:
 
     def summary(self) -> dict[str, Any]:
         """The ``capture`` part of summary.json: what was captured and how."""
-        modules = []
-        for slot in self._plan.modules if self._plan is not None else []:
-            modules.append(
-                {
-                    "name": slot.name,
-                    "type": slot.module_type,
-                    "params": {pname: list(p.shape) for pname, p, _ in slot.weights},
-                }
-            )
+        modules = [
+            {
+                "name": slot.name,
+                "type": slot.module_type,
+                "params": {pname: list(p.shape) for pname, p, _ in slot.weights},
+                **(
+                    {"attention_calls": [list(c) for c in slot.attention_calls]}
+                    if slot.attention_calls
+                    else {}
+                ),
+            }
+            for slot in (self._plan.modules if self._plan is not None else [])
+        ]
         plan = self._plan
         # per module, its parameters recorded under another module (a tied head: {"weight": its embedding})
         shared = {slot.name: dict(slot.shared) for slot in plan.modules if slot.shared} if plan else {}

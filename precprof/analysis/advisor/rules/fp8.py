@@ -32,6 +32,7 @@ from precprof import tables as T
 from precprof import taxonomy
 from precprof.analysis import current_scaling, fp8_speed, lost_norm
 from precprof.analysis.advisor.evidence import (
+    _captured_modules,
     _computed_weights,
     _expert_banks,
     _expert_gemms,
@@ -340,7 +341,7 @@ def _batch_tokens_remedy(plan: _Plan) -> str:
 
 # each kind of ``_Unconverted`` module in words: (its matmuls, whose FLOPs they are)
 _UNCONVERTED_WORDS = {
-    ATTENTION: ("nn.MultiheadAttention's projections", "the attention projections'"),
+    ATTENTION: ("nn.MultiheadAttention's projections and score matmuls", "the attention's"),
     RECURRENT: ("the recurrent layers' gates", "the recurrent layers'"),
     CONVOLUTION: ("the convolutions", "the convolutions'"),
 }
@@ -406,6 +407,33 @@ def _unconverted_listing(unconverted: Mapping[str, _Unconverted], limit: int) ->
             for kind, (words, _) in _UNCONVERTED_WORDS.items()
             if any(u.kind == kind for u in unconverted.values())
         ]
+    )
+
+
+def _scores_left_out(run: _Run, unconverted: Mapping[str, _Unconverted]) -> str:
+    """The words saying that the share leaves out the score matmuls of attention computed outside
+    nn.MultiheadAttention ("" when no captured module lies inside an attention): a Hugging Face attention module or
+    a block calling F.scaled_dot_product_attention computes them from no weight, on sequence lengths the run does
+    not record (its rows are batch x sequence, never the two apart). Such an attention is told by its name, a part
+    of the captured modules' names holding "attn" or "attention" (self_attn.q_proj, attention.self.query,
+    attn.c_attn); float8 conversion leaves its score matmuls in bf16."""
+    counted = [m for m, u in unconverted.items() if u.scores]
+    attention: dict[str, None] = {}
+    for m in _captured_modules(run):
+        parts = m.split(".")
+        at = [i for i, p in enumerate(parts) if "attn" in p.lower() or "attention" in p.lower()]
+        name = ".".join(parts[: at[0] + 1]) if at else ""
+        if name and not any(f"{name}.".startswith(f"{c}.") for c in counted):
+            attention[name] = None
+    if not attention:
+        return ""
+    return (
+        f". The share leaves out the score matmuls (Q K^T and the weights x V) of {_listing(list(attention), 4)}, "
+        "which float8 conversion leaves in bf16: the run does not record their sequence lengths. Per token they do "
+        "4 x L x d FLOPs an attention layer (L: the tokens a query attends to, d: heads x head_dim; 2 x L x d where "
+        "a causal kernel skips the masked half), beside 2 x in x out per token of each linear layer, 24 x d^2 in a "
+        "GPT block: of all of such a model's matmuls, the eligible share is about this one x 6d / (6d + L) (at "
+        "d = 768 and L = 2048, x 0.69)"
     )
 
 
@@ -625,7 +653,14 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         )
         + " (2 x in x out per token"
         + (f"; {len(unknown)} layer(s) of unknown shape not counted" if unknown else "")
+        + (
+            "; nn.MultiheadAttention's score matmuls, Q K^T and the weights x V, 4 x query tokens x key tokens x "
+            "embed dim per call"
+            if any(u.scores for u in unconverted.values())
+            else ""
+        )
         + ")"
+        + _scores_left_out(run, unconverted)
         + (
             f"; {_unconverted_listing(unconverted, cfg.max_listed_modules)}, {_pct(plan.fp8_others_share)} of "
             "them, stay in bf16: float8 conversion swaps nn.Linear modules alone"

@@ -370,9 +370,46 @@ class _Unconverted:
 
     kind: str
     gemms: list[tuple[int, int, int]]
+    # an nn.MultiheadAttention's score matmuls (Q K^T and the weights x V) of the first sampled step's calls: FLOPs
+    # of its forward, 2 x 2 x batch x query length x key length x embed dim a call (0: not counted)
+    scores: float = 0.0
 
     def flops_per_token(self, tokens: int) -> float:
-        return sum(2 * rows * k * n for rows, k, n in self.gemms) / tokens
+        return (sum(2 * rows * k * n for rows, k, n in self.gemms) + self.scores) / tokens
+
+
+def _attention_gemms(
+    params: Mapping[str, list[int]], out_proj: list[int] | None, calls: int, recorded: object
+) -> _Unconverted | None:
+    """The projections and score matmuls of an nn.MultiheadAttention (its ``params``' shapes, its out_proj's
+    weight's) at the first sampled step, from its
+    calls as the capture recorded them (``recorded``: [batch, query length, key length] each): the query and the
+    output projections at the query's tokens, the key and value projections at the key's (a cross-attention's
+    memory, of another length than the query). None where the run does not record them, or records another
+    number of calls than its output row (``calls``)."""
+    if not isinstance(recorded, list) or len(recorded) != calls:
+        return None
+    shapes = [
+        c for c in recorded if isinstance(c, list) and len(c) == 3 and all(isinstance(d, int) for d in c)
+    ]
+    if len(shapes) != calls or any(min(c) <= 0 for c in shapes):
+        return None
+    q_rows, kv_rows = sum(b * lq for b, lq, _ in shapes), sum(b * lk for b, _, lk in shapes)
+    packed = params.get("in_proj_weight")
+    if packed is not None and len(packed) == 2:
+        e, d_in = packed[0] // 3, packed[1]
+        # as torch computes them: one GEMM when the query and the key have one length, else the query's and
+        # the key's and value's packed
+        same = all(lq == lk for _, lq, lk in shapes)
+        gemms = [(q_rows, d_in, 3 * e)] if same else [(q_rows, d_in, e), (kv_rows, d_in, 2 * e)]
+    else:
+        sep = [params.get(f"{p}_proj_weight") for p in "qkv"]
+        if any(s is None or len(s) != 2 for s in sep):
+            return None
+        (e, d_q), (_, d_k), (_, d_v) = sep  # type: ignore[misc]
+        gemms = [(q_rows, d_q, e), (kv_rows, d_k, e), (kv_rows, d_v, e)]
+    gemms += [(q_rows, out_proj[1], out_proj[0])] if out_proj is not None else []
+    return _Unconverted(ATTENTION, gemms, scores=sum(4.0 * b * lq * lk * e for b, lq, lk in shapes))
 
 
 def _unconverted_matmuls(run: _Run) -> tuple[dict[str, _Unconverted], list[str]]:
@@ -412,9 +449,13 @@ def _unconverted_matmuls(run: _Run) -> tuple[dict[str, _Unconverted], list[str]]
                 uncounted.append(name)
                 continue
             out[name] = _Unconverted(kind, [(a[0] // cout, k, cout)])
+        elif kind == ATTENTION and (
+            got := _attention_gemms(params, own.get("weight"), a[1], entry.get("attention_calls"))
+        ):
+            out[name] = got
         elif tokens is None:
             uncounted.append(name)
-        else:
+        else:  # a run recorded before the capture recorded an attention's calls: at the query's tokens
             out[name] = _Unconverted(kind, [(tokens * a[1], s[1], s[0]) for s in shapes])
     return out, run.sort(uncounted)
 
