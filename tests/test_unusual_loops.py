@@ -561,3 +561,63 @@ def test_the_self_calls_of_an_attempt_that_raised_are_not_the_steps() -> None:
             prof.step()
     assert trained == 6
     assert prof.summary()["self_call_forwards_unread"] == trained
+
+
+class _AttentionThatRaises(nn.Module):
+    """Two encoder layers (nn.MultiheadAttention inside) and a head; the forward raises once after the encoder
+    when ``fails`` is set (an out-of-memory error in the head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 1)
+        self.fails = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.enc(x)
+        if self.fails:
+            self.fails = False
+            raise RuntimeError("out of memory (the test's)")
+        return self.head(h).square().mean()
+
+
+@pytest.mark.parametrize("before", ["attempt that raised", "evaluation with grad"])
+def test_an_attentions_calls_are_those_of_the_forward_that_trained(before: str) -> None:
+    """The first sampled step's calls of each nn.MultiheadAttention (batch, query and key lengths: the FP8 share
+    counts its projections and score matmuls from them) kept those of an attempt that raised and was run again,
+    or of an evaluation with grad on before the training forward: 2 calls beside a row of 1, and the advisor
+    fell back to counting at the query's tokens. They are the calls of the forward that trained, as the test's
+    own hooks on the attentions saw them."""
+    torch.manual_seed(0)
+    model = _AttentionThatRaises()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen: dict[str, list[list[int]]] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.MultiheadAttention):
+            mod.register_forward_pre_hook(
+                lambda m, args, name=name: seen.setdefault(name, []).append(
+                    [*args[0].shape[:2], args[1].shape[1]]
+                )
+            )
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        x = torch.randn(3, 5, 16)
+        if before == "evaluation with grad":
+            model.eval()
+            model(torch.randn(2, 9, 16))
+            model.train()
+        else:
+            model.fails = True
+            with contextlib.suppress(RuntimeError):
+                model(x)
+        seen.clear()
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+        prof.step()
+    recorded = {
+        m["name"]: m.get("attention_calls")
+        for m in prof.summary()["modules"]
+        if m["type"] == "MultiheadAttention"
+    }
+    assert recorded == seen == {f"enc.layers.{i}.self_attn": [[3, 5, 5]] for i in range(2)}

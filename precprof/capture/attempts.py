@@ -201,14 +201,19 @@ class StepAttempts:
             held = (self.buffer.snapshot(), rows.calls[:], rows.dtype_bits[:], rows.numel_gcd[:], slots)
         state = (self.order, self.has_data, self._weights_read, self._step_mode, self._first_in_eval)
         counts = (self.eval_forwards, self.checkpointed_forwards, self.self_call_forwards)
-        return held, state, len(self._outputs_made), counts
+        # how many calls each nn.MultiheadAttention has recorded (``_ModuleSlot.attention_calls``)
+        attention = [len(s.attention_calls) for s in self.plan.modules if s.attention_calls is not None]
+        return held, state, len(self._outputs_made), counts, attention
 
     def attempt_back_to(self, point: tuple[Any, ...]) -> None:
         """The step's reads as ``attempt_point`` found them (``point`` left as it is); the gradients a backward that
         raised announced are not read."""
-        held, state, outputs, counts = point
+        held, state, outputs, counts, attention = point
         self.eval_forwards, self.checkpointed_forwards, self.self_call_forwards = counts
         rows, slots = self.rows, self.plan.modules
+        calls = (s.attention_calls for s in slots if s.attention_calls is not None)
+        for recorded, n_calls in zip(calls, attention, strict=True):
+            del recorded[n_calls:]  # (the attempt's calls of an attention: not the step's)
         n = len(rows.calls)
         if held is None:
             self.buffer.restore(None)
