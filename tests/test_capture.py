@@ -994,6 +994,40 @@ def test_the_forward_after_the_models_call_of_itself_is_measured() -> None:
     assert facts is not None and facts["loss_in_forward"] is True
 
 
+def test_a_replan_at_use_optimizer_counts_its_step_once() -> None:
+    """weight_norm removed before step 4's forward and the new optimizer given with ``use_optimizer``: the step was
+    armed twice, so the memory cadence (every 2nd sampled step after the first two) counted it twice and measured
+    steps 4, 6, 8 where it measures 5, 7, 9, and the complex parameter's unread weight was counted once more for
+    the read ``remove_parametrizations`` made (11 of 10 steps). The cadence is the schedule's, the skips the
+    test's own count of sampled steps."""
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 2))
+    model.register_parameter("c", nn.Parameter(torch.zeros(4, dtype=torch.cfloat)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = 10
+    with (
+        precprof.Profiler(model, optimizer=opt, sample_every=1, memory_every=2) as prof,
+        pytest.warns(UserWarning, match="changed before step 4"),
+    ):
+        for step in range(steps):
+            if step == 4:
+                parametrize.remove_parametrizations(model[0], "weight")
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                prof.use_optimizer(opt)
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    summary = prof.summary()
+    assert summary["memory_steps"]["measured_steps"] == 6
+    assert sorted(set(prof.tables()["memory"][T.STEP])) == [0, 1, 3, 5, 7, 9]
+    counts = {(t["tensor"], t["param"]): t["count"] for t in summary["skipped_tensors"]}
+    assert counts[(T.WEIGHT, "c")] == steps
+
+
 def test_an_optimizer_given_after_the_profiler_was_made_without_one_has_its_updates_sampled() -> None:
     """A Profiler made without an optimizer, told of one at step 1: its updates are sampled from then on."""
     torch.manual_seed(0)

@@ -76,13 +76,15 @@ class MemorySchedule:
         goes onto ``model``'s root (active until :meth:`pause`); on the others it comes off.
         ``arm(root, args, kwargs)`` starts measuring mid-step, from the root's forward pre-hook, when the inputs'
         shapes are new."""
+        again = sampled and step == self._step >= 0  # (a re-plan arms the step in progress once more)
         self._step = step if sampled else -1  # the sampled step in progress
         if not sampled:
             self.measuring = False
             self.unwatch()
             return False
-        k = self._begun
-        self._begun += 1
+        if not again:
+            self._begun += 1
+        k = self._begun - 1
         self.measuring = self.every == 1 or k < FIRST or (k - 1) % self.every == 0
         self._for_shapes = False
         self._arm = arm

@@ -93,7 +93,12 @@ class OptimizerSwitch(Replanning):
             # a new optimizer comes with a model whose parameters changed (weight norm removed, adapters added):
             # the capture follows it from this step on before the model's forward ran (what the change itself
             # ran, the weight computed once more by remove_parametrizations, is no step's), else from the next one
-            if sampled and not stepped and not hooks.forward_ran and self._replan_if_changed(3):
+            if (
+                sampled
+                and not stepped
+                and not hooks.forward_ran
+                and self._replan_if_changed(3, mid_step=True)
+            ):
                 self._arm(hooks.turn)
 
     def _note_updates_read(self) -> None:

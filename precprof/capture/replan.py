@@ -57,10 +57,10 @@ class Replanning:
         self._plan.rows.begin_step()
         self._hooks.install(turn)
 
-    def _replan_if_changed(self, stacklevel: int = 5) -> bool:
+    def _replan_if_changed(self, stacklevel: int = 5, mid_step: bool = False) -> bool:
         """Plan the capture again when the model's parameters are no longer the plan's (see the module
         docstring); whether it did. On a sampled step only, before its hooks read anything: one pass over the
-        parameters."""
+        parameters. ``mid_step``: the sampled step is armed already (``use_optimizer`` before its forward)."""
         old = self._plan
         if old is None or not old.stale(self.model):
             return False
@@ -80,7 +80,7 @@ class Replanning:
         if tracker is not None and self._tracker is not None:
             self._tracker.take_over(tracker)
         if buffer is not None and self._buffer is not None:
-            _carry_skipped(old, buffer, new, self._buffer)
+            _carry_skipped(old, buffer, new, self._buffer, mid_step)
         if updates is not None and self._updates is not None:  # the updates not sampled, counted over the run
             for key, (count, why) in updates.skipped.items():
                 self._updates.skipped.setdefault(key, [0, why])[0] += count
@@ -103,14 +103,19 @@ class Replanning:
             clipwatch.unwatch(self._clip_norms)
 
 
-def _carry_skipped(old: CapturePlan, old_buffer: Any, new: CapturePlan, new_buffer: Any) -> None:
-    """The counts of tensors the statistics could not read, over the run so far, kept for the rows the new plan
-    has too (the same module, kind and parameter)."""
+def _carry_skipped(
+    old: CapturePlan, old_buffer: Any, new: CapturePlan, new_buffer: Any, mid_step: bool
+) -> None:
+    """The counts of tensors the statistics could not read, over the run's steps before this one, kept for the
+    rows the new plan has too (the same module, kind and parameter). ``mid_step``: the step's own so far are
+    left (the change ran them: ``remove_parametrizations`` computes the weight once more; the new plan reads the
+    step), else the last sampled step's are its own."""
     index = {(r.module, r.tensor, r.param): r.index for r in new.rows.info}
+    before = old_buffer.skipped_total - (old_buffer.skipped if mid_step else 0)
     for r in old.rows.info:
         k = index.get((r.module, r.tensor, r.param))
-        if k is not None and old_buffer.skipped_total[r.index]:
-            new_buffer.skipped_total[k] += old_buffer.skipped_total[r.index]
+        if k is not None and before[r.index]:
+            new_buffer.skipped_total[k] += before[r.index]
             if r.index in old_buffer.skipped_why:
                 new_buffer.skipped_why.setdefault(k, old_buffer.skipped_why[r.index])
 
