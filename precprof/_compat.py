@@ -597,6 +597,22 @@ _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
 _TOP_SAVED_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
+def object_collective_device(group: Any) -> torch.device:
+    """The device torch's object collectives (``all_gather_object``) put their tensors on for ``group``: "cpu"
+    under gloo, the current CUDA device under NCCL (``distributed_c10d._get_object_coll_device``); where this
+    torch does not have it, CUDA's current device when CUDA runs, else the CPU."""
+    import torch.distributed.distributed_c10d as c10d
+
+    pick = getattr(c10d, "_get_object_coll_device", None)
+    if pick is not None:
+        return torch.device(pick(group))
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
 def backward_pass_id() -> int | None:
     """The id of the backward pass now running (autograd's graph task: a new one each ``backward()``, a nested
     one for a reentrant checkpoint's), None outside one or where this torch does not say."""

@@ -495,16 +495,22 @@ def test_the_reducers_tensors_outlive_their_collectives(
     program's last barrier that came after the interpreter began to finish, and a tensor whose Python object
     had died asked for the interpreter lock then: "terminate called without an active exception", rank 1 aborted
     after its run was written (1 run in ~20 of dist_worker.py under load; none in 100 since). Every tensor the
-    reducer all-reduces is still held in Python after the caller let go of everything it was given."""
+    reducer all-reduces or all-gathers is still held in Python after the caller let go of everything it was
+    given (torch's all_gather_object let its own go at once)."""
     import gc
     import weakref
 
     import torch.distributed as dist
 
     given: list[weakref.ref[torch.Tensor]] = []
-    real = dist.all_reduce
+    reduce, gather = dist.all_reduce, dist.all_gather
     monkeypatch.setattr(
-        dist, "all_reduce", lambda t, *a, **k: (given.append(weakref.ref(t)), real(t, *a, **k))[1]
+        dist, "all_reduce", lambda t, *a, **k: (given.append(weakref.ref(t)), reduce(t, *a, **k))[1]
+    )
+    monkeypatch.setattr(
+        dist,
+        "all_gather",
+        lambda out, t, *a, **k: (given.extend(weakref.ref(x) for x in [*out, t]), gather(out, t, *a, **k))[1],
     )
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -513,9 +519,11 @@ def test_the_reducers_tensors_outlive_their_collectives(
         out = reducer.reduce_rows(data)
         assert torch.equal(out, data)
         assert torch.equal(reducer.reduce_sum(torch.ones(4)), torch.ones(4))
-        del out, data
+        meta = reducer.reduce_meta([{"calls": 2, "dtypes": ["float32"]}] * 3, {"a": 0})  # (two all-gathers)
+        assert [m["calls"] for m in meta["rows"]] == [2, 2, 2]
+        del out, data, meta
         gc.collect()
-        assert len(given) == 3 and all(ref() is not None for ref in given)
+        assert len(given) == 3 + 2 * 2 and all(ref() is not None for ref in given)
     finally:
         dist.destroy_process_group()
 

@@ -41,8 +41,8 @@ and every rank would hang); it reduces its own rows only and says so.
 from __future__ import annotations
 
 import math
+import pickle
 import sys
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -64,19 +64,42 @@ def _dist() -> Any:
     return dist
 
 
-# The tensors of precprof's last all-reduces, held to the end of the process. Gloo's worker thread frees a
-# collective's tensors when it drops its last reference to the work, and a barrier after it keeps that work until
-# the barrier's own is dropped: at a program's last barrier, after the interpreter began to finish. A tensor whose
-# Python object died before needs the interpreter lock then, and a thread that asks for it while the interpreter
-# finishes ends, inside a C++ frame: "terminate called without an active exception", the rank aborted after its
-# run was written (1 run in ~20 of the test's under load). Held here, the worker's drop needs no lock.
-_LAST_REDUCED: deque[torch.Tensor] = deque(maxlen=4)
+# The tensors given to precprof's collectives since the last sampled step's began (``reduce_rows`` starts them),
+# held until the next sampled step's begin, or to the end of the process. Gloo's worker frees a collective's
+# tensors when it drops its last reference to the work, and a barrier after it keeps that work until the barrier's
+# own is dropped; a worker thread the system did not run for a while keeps one too. At a program's last barrier,
+# that can be after the interpreter began to finish: a tensor whose Python object died before needs the
+# interpreter lock then, and a thread that asks for it while the interpreter finishes ends inside a C++ frame,
+# "terminate called without an active exception", the rank aborted after its run was written (4 runs in 53 of the
+# test's under load; holding only the last 4 tensors, 1 in 122: an older one of the step was in the chain). Held
+# here, the worker's drop needs no lock.
+_HELD: list[torch.Tensor] = []
 
 
 def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> None:
-    """``dist.all_reduce`` of ``t`` in place, ``t`` held to the end of the process (``_LAST_REDUCED``)."""
-    _LAST_REDUCED.append(t)
+    """``dist.all_reduce`` of ``t`` in place, ``t`` held (``_HELD``)."""
+    _HELD.append(t)
     _dist().all_reduce(t, op=op, group=group)
+
+
+def _all_gather_object(obj: Any, world: int, group: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, as ``dist.all_gather_object`` gathers them (pickled bytes on the
+    device torch's object collectives use, their sizes gathered first; one host read of the sizes), with the
+    tensors the collectives were given held (``_HELD``: torch's own made them inside and let them go at
+    once)."""
+    dist = _dist()
+    device = _compat.object_collective_device(group)
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    counts = torch.cat(sizes).tolist()
+    padded = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    out = [torch.empty_like(padded) for _ in range(world)]
+    _HELD.extend([size, *sizes, padded, *out])
+    dist.all_gather(out, padded, group=group)
+    return [pickle.loads(t.cpu().numpy().tobytes()[:n]) for t, n in zip(out, counts, strict=True)]
 
 
 def is_distributed() -> bool:
@@ -289,6 +312,7 @@ class RankReducer:
         nan/inf columns are kept (on the device) for ``reduce_meta``.
         """
         self._samples += 1
+        _HELD.clear()  # (the collectives of the sampled step before: long done)
         self._local_nonfinite = data[:, st.COL_NAN : st.COL_INF + 1].clone()
         if self._unwinding():
             return data.clone()
@@ -328,8 +352,7 @@ class RankReducer:
             gathered: list[Any] = [None] * self.world_size
             gathered[self.rank] = mine
         else:
-            gathered = [None] * self.world_size
-            _dist().all_gather_object(gathered, mine, group=self.group)
+            gathered = _all_gather_object(mine, self.world_size, self.group)
         present = [(r, g) for r, g in enumerate(gathered) if g is not None]
 
         rows: list[dict[str, Any]] = []
@@ -423,8 +446,7 @@ class RankReducer:
             gathered: list[Any] = [None] * self.world_size
             gathered[self.rank] = totals
         else:
-            gathered = [None] * self.world_size
-            _dist().all_gather_object(gathered, totals, group=self.group)
+            gathered = _all_gather_object(totals, self.world_size, self.group)
         if any(gathered):  # a step that measured memory (every rank measures the same steps): the last one's
             self._memory_by_rank = {r: g for r, g in enumerate(gathered) if g is not None}
             self._memory_step = int(step) if step is not None else None
