@@ -362,6 +362,19 @@ def autocast_state(device_type: str) -> dict[str, Any]:
     }
 
 
+def module_entry(slot: _ModuleSlot) -> dict[str, Any]:
+    """A captured module as summary.json's ``capture.modules`` lists it: its name, type and parameters' shapes,
+    and an nn.MultiheadAttention's calls where they were recorded (``attention_calls``)."""
+    entry: dict[str, Any] = {
+        "name": slot.name,
+        "type": slot.module_type,
+        "params": {pname: list(p.shape) for pname, p, _ in slot.weights},
+    }
+    if slot.attention_calls:
+        entry["attention_calls"] = [list(c) for c in slot.attention_calls]
+    return entry
+
+
 def attention_call(module: nn.Module, args: Any, kwargs: Any) -> tuple[int, int, int]:
     """(batch, query length, key length) of a call of nn.MultiheadAttention ``module`` with ``args`` and
     ``kwargs`` (query and key by position or keyword; (L, N, E), (N, L, E) when batch_first, or unbatched (L, E));

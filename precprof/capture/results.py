@@ -31,6 +31,7 @@ from precprof.capture.model_facts import (
 )
 from precprof.capture.plan import CapturePlan
 from precprof.capture.recorded import Recorded
+from precprof.capture.records import module_entry
 from precprof.capture.reducer import wrapper_info
 from precprof.capture.sampling import Sampler
 from precprof.capture.scaler import ScalerWatch
@@ -254,19 +255,7 @@ class ProfilerResults:
 
     def summary(self) -> dict[str, Any]:
         """The ``capture`` part of summary.json: what was captured and how."""
-        modules = [
-            {
-                "name": slot.name,
-                "type": slot.module_type,
-                "params": {pname: list(p.shape) for pname, p, _ in slot.weights},
-                **(
-                    {"attention_calls": [list(c) for c in slot.attention_calls]}
-                    if slot.attention_calls
-                    else {}
-                ),
-            }
-            for slot in (self._plan.modules if self._plan is not None else [])
-        ]
+        modules = [module_entry(slot) for slot in (self._plan.modules if self._plan is not None else [])]
         plan = self._plan
         # per module, its parameters recorded under another module (a tied head: {"weight": its embedding})
         shared = {slot.name: dict(slot.shared) for slot in plan.modules if slot.shared} if plan else {}
