@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precprof import _compat, rundir
+from precprof import _compat, _signals, rundir
 from precprof import stats as st
 from precprof import tables as T
 from precprof.capture import clipwatch
@@ -193,8 +193,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         self.optimizers = given_optimizers(optimizer)
         self.optimizer = self.optimizers[0] if self.optimizers else None
         self.scaler, self.scaler_from = given_scaler(scaler, loss_scale, model, optimizer)
-        # a manual static loss scale ((loss * s).backward(), then the gradients divided by s): the gradients
-        # are read at scale s, and the tables are unscaled by it
+        # a manual static loss scale ((loss * s).backward(), gradients / s): read at s, tables unscaled by it
         self.loss_scale = float(loss_scale) if loss_scale is not None else None
         self.sample_every = sample_every
         self.overhead_budget = float(overhead_budget)
@@ -260,7 +259,9 @@ class Profiler(ProfilerResults, OptimizerSwitch):
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc is not None and self._status == T.STATUS_COMPLETE:
             self.mark_incomplete(f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__)
-        self.detach()
+        # a second Ctrl-C in the detach that a first one began had cut its copy of the last steps short
+        with _signals.deferred(None) if exc is not None else contextlib.nullcontext():
+            self.detach()
 
     @property
     def attached(self) -> bool:
@@ -307,8 +308,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         return self
 
     def _attach(self) -> None:
-        # the statistics merge on the model's device: its first parameter's that holds data (a parameter on
-        # ``meta`` has none; each tensor is still read on its own device)
+        # the statistics merge on the model's device: its first parameter's with data (each tensor read on its own)
         devices = [p.device for p in self.model.parameters()]
         real = [d for d in devices if d.type != "meta"]
         self._device = _compat.indexed_device(real[0]) if real else torch.device("cpu")
