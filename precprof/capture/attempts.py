@@ -183,9 +183,15 @@ class StepAttempts:
     _indexed: int
 
     _attempt_params: list[torch.Tensor]
+    _attention_slots: list[list[tuple[int, int, int]]]
 
     def _watch(self) -> AttemptWatch:
         self._attempt_params = [ps.tensor for ps in self.plan.params if ps.grad_row >= 0]
+        # the nn.MultiheadAttention slots' recorded calls (``_ModuleSlot.attention_calls``), listed once here
+        # rather than found among every module at each training forward of a sampled step
+        self._attention_slots = [
+            s.attention_calls for s in self.plan.modules if s.attention_calls is not None
+        ]
         return AttemptWatch(self)
 
     def attempt_params(self) -> list[torch.Tensor]:
@@ -201,8 +207,9 @@ class StepAttempts:
             held = (self.buffer.snapshot(), rows.calls[:], rows.dtype_bits[:], rows.numel_gcd[:], slots)
         state = (self.order, self.has_data, self._weights_read, self._step_mode, self._first_in_eval)
         counts = (self.eval_forwards, self.checkpointed_forwards, self.self_call_forwards)
-        # how many calls each nn.MultiheadAttention has recorded (``_ModuleSlot.attention_calls``)
-        attention = [len(s.attention_calls) for s in self.plan.modules if s.attention_calls is not None]
+        attention = [
+            len(calls) for calls in self._attention_slots
+        ]  # each nn.MultiheadAttention's calls so far
         return held, state, len(self._outputs_made), counts, attention
 
     def attempt_back_to(self, point: tuple[Any, ...]) -> None:
@@ -211,8 +218,7 @@ class StepAttempts:
         held, state, outputs, counts, attention = point
         self.eval_forwards, self.checkpointed_forwards, self.self_call_forwards = counts
         rows, slots = self.rows, self.plan.modules
-        calls = (s.attention_calls for s in slots if s.attention_calls is not None)
-        for recorded, n_calls in zip(calls, attention, strict=True):
+        for recorded, n_calls in zip(self._attention_slots, attention, strict=True):
             del recorded[n_calls:]  # (the attempt's calls of an attention: not the step's)
         n = len(rows.calls)
         if held is None:
