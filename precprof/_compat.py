@@ -673,6 +673,22 @@ def reentrant_first_pass() -> bool:
     return False
 
 
+_MODULE_CALL = getattr(torch.nn.Module._call_impl, "__code__", None)
+
+
+def calls_on_stack(module: torch.nn.Module) -> int:
+    """How many calls of ``module`` are running on this thread: the frames of torch's ``Module._call_impl`` for it
+    up the stack (a hook of the module counts the call it runs in). 0 where this torch's calls leave no such frame.
+    A walk of the whole stack: asked only when a model's call begins inside one its hooks recorded."""
+    found = 0
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _MODULE_CALL and frame.f_locals.get("self") is module:
+            found += 1
+        frame = frame.f_back
+    return found
+
+
 def _checkpoint_file() -> str:
     """The file of ``torch.utils.checkpoint``, whose non-reentrant ``recompute_fn`` runs a block again."""
     import torch.utils.checkpoint

@@ -1300,6 +1300,74 @@ def test_stale_push_is_popped_by_the_next_forward() -> None:
     del failed
 
 
+def saved_in(model: nn.Module, forward: Callable[[], Any]) -> int:
+    """Bytes of the storages autograd saves while ``forward()`` runs, each once, the model's parameters left out:
+    the test's own count of a training forward's activations."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(saved.values())
+
+
+def activations_by_step(prof: precprof.Profiler) -> dict[int, int]:
+    memory = prof.tables()["memory"]
+    return memory[memory[T.COMPONENT] == T.ACTIVATIONS].groupby(T.STEP)[T.BYTES].sum().to_dict()
+
+
+class _Body(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+class _Siamese(nn.Module):
+    """A forward that calls the model itself with grad on (a siamese pair, a recurrent wrapper) and saves more
+    after that call: the sigmoid's output and the inner call's, for the product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _Body()
+
+    def forward(self, x: torch.Tensor, outer: bool = True) -> torch.Tensor:
+        y = self.body(x)
+        if not outer:
+            return y
+        z = self(x.flip(0), outer=False)
+        return (torch.sigmoid(y) * z).mean()
+
+
+def test_the_forward_after_the_models_call_of_itself_with_grad_is_measured() -> None:
+    """The model's call of itself with grad on was taken for a forward of its own, whose end stopped the recording
+    of the outer one: what the outer forward saved after it (the sigmoid's output and the inner call's) was not
+    in the activations, 6 of 8 KiB. Every tensor the training forward saves, the inner call's included, is
+    counted once: what the test's own saved-tensor hooks see the same forward save."""
+    torch.manual_seed(0)
+    model = _Siamese()
+    x = torch.randn(32, 8)
+    own = saved_in(model, lambda: model(x))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for _ in range(2):
+            loss = model(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss)
+    assert activations_by_step(prof) == {0: own, 1: own}
+    assert own == 8 * 1024
+
+
 def test_buffer_bytes_small_and_flat() -> None:
     """The tracker keeps names, storage addresses and totals: its footprint grows with the number of modules
     and of tensors they save, never with their size or the batch."""

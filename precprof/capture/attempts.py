@@ -48,6 +48,18 @@ def raised() -> bool:
     return sys.exc_info()[1] is not None
 
 
+def calls_running(model: torch.nn.Module, recorded: int) -> int:
+    """How many of the ``recorded`` calls of ``model`` (its pre-hooks' count less its post-hooks') are still
+    running, asked by the pre-hook of a call beginning now: the model's call of itself (a self-distillation target,
+    a siamese or recurrent wrapper) runs inside them; a call ended by an exception that is not an ``Exception``
+    (KeyboardInterrupt, SystemExit, or a subclass) does not, and no hook of torch's told its end, not even the
+    always-called forward hook that tells one that raised. Told by the model's frames on the stack, the one
+    beginning now left out; where the stack does not show it (a call torch made without that frame), every
+    recorded call is taken to run, as the hooks count them."""
+    found = _compat.calls_on_stack(model)
+    return recorded if found == 0 else min(found - 1, recorded)
+
+
 class AttemptOwner(Protocol):
     """What the owner of an ``AttemptWatch`` says: ``attempt_point()`` returns a point of its own,
     ``attempt_back_to(point)`` restores it (leaving the point as it is: a second failure goes back to it again);

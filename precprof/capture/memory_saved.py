@@ -18,7 +18,7 @@ from torch import nn
 
 from precprof import _compat
 from precprof import tables as T
-from precprof.capture.attempts import AttemptWatch
+from precprof.capture.attempts import AttemptWatch, calls_running
 from precprof.capture.counters import PhaseCounters
 from precprof.capture.peak import PeakRecorder
 from precprof.capture.storage import (
@@ -128,15 +128,19 @@ class SavedActivations:
                     self._peak.label(st[0], component, "", dtype_name(leaf.dtype), st[1])
 
     def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
-        if self._root_depth and not torch.is_grad_enabled():
-            # the model called under no_grad inside its own forward (a self-distillation target): the outer call
-            # goes on recording (the inner call's end had stopped it: the loss after it and what it saved were not
-            # seen). With grad on, it is a forward of its own (one that never reached its post-hook went before)
-            self._root_depth += 1
-            return
+        if self._root_depth:
+            running = calls_running(module, self._root_depth)
+            if running:
+                # the model called inside its own forward, under no_grad (a self-distillation target) or with grad
+                # (a siamese or recurrent wrapper): the outer call goes on recording, what the inner call saves is
+                # that forward's (the inner call's end had stopped it: the loss after it and what it saved unseen).
+                # Told by the stack from a call a KeyboardInterrupt ended, not by grad mode: a call with grad was
+                # taken for a new forward, the outer one's last tensors unseen (6 of 8 KiB)
+                self._root_depth = running + 1
+                return
         self._root_depth = 1
         if self._saved_ctx is not None:
-            # Left pushed by a forward that never reached its post-hook (KeyboardInterrupt, a nested call).
+            # Left pushed by a forward that never reached its post-hook (KeyboardInterrupt).
             self._pop_saved_hooks()
         self._start_recording("", module)
         if not self._recording:
