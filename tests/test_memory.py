@@ -1280,12 +1280,16 @@ def test_exception_mid_forward_then_detach(exc: type[BaseException]) -> None:
     assert_no_hooks(model)
 
 
-def test_stale_push_is_popped_by_the_next_forward() -> None:
-    model = boom_model(Interrupt)
+@pytest.mark.parametrize("exc", [RuntimeError, Interrupt])
+def test_stale_push_is_popped_by_the_next_forward(exc: type[BaseException]) -> None:
+    """A forward ended by an exception that is not an ``Exception`` (KeyboardInterrupt) reaches no forward hook:
+    its saved tensors were counted with those of the forward the loop ran next, as the step's (twice the step's).
+    Now it ends at the model's next call, as one that raised a RuntimeError does in its always-called hook."""
+    model = boom_model(exc)
     tr = MemoryTracker(model)
     tr.attach()
     tr.begin_step(0, True)
-    with pytest.raises(Interrupt) as failed:  # (its traceback holds the failed forward's tensors)
+    with pytest.raises(exc) as failed:  # (its traceback holds the failed forward's tensors)
         model(batch()[0])
     model[2].armed = False
     x, y = batch()
@@ -1294,9 +1298,9 @@ def test_stale_push_is_popped_by_the_next_forward() -> None:
     rows = tr.end_step(0)
     tr.detach()
     assert_no_hooks(model)
-    # the interrupted forward saved x in Linear 0 and the ReLU output before failing; the next forward is a
-    # new graph with no backward in between, so both stay alive together while the traceback holds the first
-    assert by_module(rows) == {("0", "float32"): 2 * B * D_IN * 4, ("1", "float32"): 2 * B * D_HID * 4}
+    # the interrupted forward saved x in Linear 0 and the ReLU output before failing: an attempt that raised and
+    # was run again, not the step's; the step's are the forward's that trained
+    assert by_module(rows) == {("0", "float32"): B * D_IN * 4, ("1", "float32"): B * D_HID * 4}
     del failed
 
 
@@ -1366,6 +1370,69 @@ def test_the_forward_after_the_models_call_of_itself_with_grad_is_measured() -> 
             prof.step(loss)
     assert activations_by_step(prof) == {0: own, 1: own}
     assert own == 8 * 1024
+
+
+class _Stop(KeyboardInterrupt):
+    """A KeyboardInterrupt of the test's own, caught by its loop (not an Exception: torch calls no forward hook)."""
+
+
+class _Teacher(nn.Module):
+    """A forward that calls the model itself under no_grad (a self-distillation target), and raises ``_Stop`` once
+    in the call ``stop_in`` names ("outer" or "inner", after the body ran)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _Body()
+        self.stop_in = ""
+
+    def forward(self, x: torch.Tensor, inner: bool = False) -> torch.Tensor:
+        y = self.body(x)
+        if self.stop_in == ("inner" if inner else "outer"):
+            self.stop_in = ""
+            raise _Stop
+        if inner:
+            return y
+        with torch.no_grad():
+            target = self(x * 0.5, inner=True)
+        return torch.sigmoid(y - target).mean()
+
+
+@pytest.mark.parametrize("where", ["outer", "inner"])
+def test_a_forward_a_keyboard_interrupt_ended_is_no_part_of_the_next(where: str) -> None:
+    """A forward ended by a KeyboardInterrupt (of a subclass the loop catches) reaches no forward hook, not even
+    the always-called one that ends a forward that raised: its saved tensors were counted with the step's (6 KiB
+    where its training forward saved 4), and the evaluation under no_grad after it was read as the model's call
+    of itself (its module forwards counted as self-call forwards not read). Now it ends at the model's next
+    call, as one that raised a RuntimeError. The activations are what the test's own saved-tensor hooks see one
+    training forward save; the self-call forwards, what its own hooks see run under no_grad in the forwards that
+    trained."""
+    torch.manual_seed(0)
+    model = _Teacher()
+    g = torch.Generator().manual_seed(1)
+    own = saved_in(model, lambda: model(torch.randn(32, 8, generator=g)))
+    unread: list[int] = []
+    for mod in (model.body.l1, model.body.l2):
+        mod.register_forward_hook(lambda mod, args, out: unread.append(int(not torch.is_grad_enabled())))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trained = 0
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory_every=1) as prof:
+        for step in range(3):
+            x = torch.randn(32, 8, generator=g)
+            if step == 1:
+                model.stop_in = where
+                with pytest.raises(_Stop):
+                    model(x)
+                with torch.no_grad():
+                    model(torch.randn(64, 8, generator=g))  # an evaluation
+            unread.clear()
+            loss = model(x)
+            trained += sum(unread)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss)
+    assert activations_by_step(prof) == {0: own, 1: own, 2: own}
+    assert prof.summary()["self_call_forwards_unread"] == trained == 6
 
 
 def test_buffer_bytes_small_and_flat() -> None:

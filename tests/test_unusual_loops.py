@@ -240,28 +240,37 @@ def test_one_profiler_per_gan_model_ends_the_discriminators_run_at_its_last_step
         assert {k: got[k] for k in want} == want, (row.step, row.module, row.param)
 
 
+class _Interrupted(KeyboardInterrupt):
+    """A KeyboardInterrupt of the test's own, which its loop catches (not an Exception: torch calls no forward
+    hook for it, not even the always-called ones)."""
+
+
 class _RaisesOnce(nn.Module):
-    """A linear layer whose forward raises when ``fail`` is set, after its layer ran (a simulated CUDA
+    """A linear layer whose forward raises ``error`` when ``fail`` is set, after its layer ran (a simulated CUDA
     out-of-memory error midway through the model)."""
 
-    def __init__(self) -> None:
+    def __init__(self, error: type[BaseException] = RuntimeError) -> None:
         super().__init__()
         self.l = nn.Linear(8, 8)
         self.fail = False
+        self.error = error
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.l(x)
         if self.fail:
-            raise RuntimeError("CUDA out of memory (simulated)")
+            raise self.error("CUDA out of memory (simulated)")
         return y
 
 
-def test_a_forward_that_raised_and_was_run_again_is_not_the_steps_forward() -> None:
+@pytest.mark.parametrize("error", [RuntimeError, _Interrupted])
+def test_a_forward_that_raised_and_was_run_again_is_not_the_steps_forward(error: type[BaseException]) -> None:
     """An out-of-memory-and-retry loop: the step's forward raises inside a layer, the loop catches it and runs
-    half the batch. The failed call was merged into the step's rows (``0``: calls=2, numel 32 + 16); the rows
-    are the forward that trained, checked against the retry's outputs read by hooks of the test's own."""
+    half the batch. The failed call was merged into the step's rows (``0``: calls=2, numel 32 + 16), and still
+    was after a KeyboardInterrupt, which reaches no forward hook of torch's: its forward is ended at the model's
+    next call. The rows are the forward that trained, checked against the retry's outputs read by hooks of the
+    test's own."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), _RaisesOnce(), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(8, 8), _RaisesOnce(error), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     outputs: dict[str, dict[str, float]] = {}
     for name in ("0", "1.l", "2"):
@@ -276,7 +285,7 @@ def test_a_forward_that_raised_and_was_run_again_is_not_the_steps_forward() -> N
             outputs.clear()
             try:
                 loss = model(x).square().mean()
-            except RuntimeError:
+            except error:
                 model[1].fail = False
                 outputs.clear()
                 loss = model(x[:2]).square().mean()

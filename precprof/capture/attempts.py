@@ -11,7 +11,8 @@ point to go back to holds. Two points are kept: the state at the step's first fo
 optimizer of the run stepped: what trained before stays), and at the forward running now. The loop runs the
 model again after
 
-- a forward that raised (the model's forward hook called with no output, from torch's ``except``): back to that
+- a forward that raised (the model's forward hook called with no output, from torch's ``except``; for a
+  KeyboardInterrupt, which torch calls no hook for, the model's next call tells, ``calls_running``): back to that
   forward's point, the micro-batches before it kept, unless the loop discarded their gradients since (it zeroed
   them to run the whole step again): then back to the step's;
 - a backward pass that raised (autograd runs a pass's queued callbacks only when it ends well, so a pass whose
@@ -116,6 +117,14 @@ class AttemptWatch:
         if self._open:
             self._open = False
             self._failed = output is None and raised()
+
+    def forward_interrupted(self) -> None:
+        """The model's forward was ended by an exception that is not an ``Exception`` (a KeyboardInterrupt the loop
+        caught), which no forward hook sees: told at the model's next call (``calls_running``), and taken as a
+        forward that raised, what it read forgotten once the loop runs the model again with grad."""
+        if self._open:
+            self._open = False
+            self._failed = True
 
     def backward_seen(self) -> None:
         """A hook fired inside a backward pass: its end is watched (a callback autograd runs if it ends well)."""

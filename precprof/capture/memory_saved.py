@@ -138,6 +138,7 @@ class SavedActivations:
                 # taken for a new forward, the outer one's last tensors unseen (6 of 8 KiB)
                 self._root_depth = running + 1
                 return
+            self._forward_interrupted()
         self._root_depth = 1
         if self._saved_ctx is not None:
             # Left pushed by a forward that never reached its post-hook (KeyboardInterrupt).
@@ -163,6 +164,15 @@ class SavedActivations:
         if self._recording and self._peak.measuring:
             self._label(T.OUTPUTS, _tensors_in(output))
         self._attempts.forward_ended(output)  # (None from torch's ``except``: the forward raised)
+        self._stop_recording()
+
+    def _forward_interrupted(self) -> None:
+        """The model's forward before this call never reached its post-hook (a KeyboardInterrupt the loop caught:
+        torch calls no forward hook for an exception that is not an ``Exception``): it ends here as one that raised
+        does in its post-hook, so what it saved is forgotten when the loop runs the model again (it was counted
+        with the next forward's, as if both were alive, as a step's saved tensors)."""
+        self._root_depth = 0
+        self._attempts.forward_interrupted()
         self._stop_recording()
 
     def _submodule_entered(self, name: str, module: nn.Module, args: Any) -> None:

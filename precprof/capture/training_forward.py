@@ -27,7 +27,7 @@ from torch import nn
 
 from precprof import _compat
 from precprof import stats as st
-from precprof.capture.attempts import AttemptWatch
+from precprof.capture.attempts import AttemptWatch, calls_running
 from precprof.capture.plan import CapturePlan
 from precprof.capture.records import RowTable, _iter_tensors, _ModuleSlot
 
@@ -91,6 +91,8 @@ class TrainingForward:
     def _root_pre_hook(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
         # (a model that calls itself, a self-distillation teacher under no_grad inside the forward: the innermost
         # call decides, and the enclosing one's state comes back when it returns)
+        if self._root_calls:
+            self._end_interrupted_calls(module)
         self._root_calls.append(self._root_grad)
         self._root_grad = torch.is_grad_enabled()
         if len(self._root_calls) == 1:
@@ -150,6 +152,21 @@ class TrainingForward:
             # (called with no output from torch's ``except`` when the forward raised: ``always_call``); what it
             # read is forgotten once the loop runs the model again, kept when the exception ends the run
             self._attempts.forward_ended(output)
+
+    def _end_interrupted_calls(self, module: nn.Module) -> None:
+        """The recorded calls of the model that no longer run (``calls_running``) never reached their post-hook (a
+        KeyboardInterrupt the loop caught: torch calls no forward hook for an exception that is not an
+        ``Exception``): they end here as ones that raised do in it. Left recorded, the loop's next forward was
+        read as a call inside them: an evaluation under no_grad counted as the model's call of itself, a forward
+        that trained kept what the interrupted one read (calls 2)."""
+        running = calls_running(module, len(self._root_calls))
+        if running == len(self._root_calls):
+            return
+        self._root_grad = self._root_calls[running]
+        del self._root_calls[running:]
+        if not running:
+            self._model_inputs = set()
+            self._attempts.forward_interrupted()
 
     def _skipped_forward(self, slot: _ModuleSlot, why: str) -> None:
         """A forward that is not read (``why``: ``_not_read``'s). Not a recomputation, it still takes its place in
