@@ -628,6 +628,50 @@ def test_wandb_beside_the_trainers_own_logs_keeps_every_step(
     assert [r["precprof/loss"] for r in rows] == pytest.approx(steps[T.LOSS].tolist())
 
 
+def _precprof_rows_beside_the_trainer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: Any
+) -> list[dict[str, Any]]:
+    """precprof's rows in the history of an offline wandb run that the Trainer reports to too, precprof given
+    ``target(run)`` as its ``wandb=``."""
+    wandb = pytest.importorskip("wandb")
+    from test_export import _wandb_files_closed, _wandb_history
+
+    for k, v in {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(k, v)
+    run = wandb.init(mode="offline", dir=str(tmp_path), project="precprof-test")
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=2, report=False, wandb=target(run))
+    try:
+        Trainer(
+            model=tiny_gpt2(),
+            args=training_args(tmp_path, max_steps=STEPS, report_to=["wandb"]),
+            train_dataset=TokenData(),
+            callbacks=[cb],
+        ).train()
+    finally:
+        wandb.finish()
+        _wandb_files_closed()
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    return [
+        {k: v for k, v in r.items() if k.startswith("precprof/") and not k.startswith("precprof/step_time")}
+        for r in _wandb_history(run_dir).values()
+        if "precprof/step" in r
+    ]
+
+
+def test_a_besidetrainer_of_the_users_own_logs_as_the_run_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``wandb=BesideTrainer(run)`` beside ``report_to="wandb"`` was wrapped a second time and refused ("expected
+    True (the current wandb.run) or a wandb run object"): the Trainer did not start. It logs what ``wandb=run``
+    logs, the step times aside."""
+    from precprof.export.wandb import BesideTrainer
+
+    plain = _precprof_rows_beside_the_trainer(tmp_path / "plain", monkeypatch, lambda run: run)
+    wrapped = _precprof_rows_beside_the_trainer(tmp_path / "wrapped", monkeypatch, BesideTrainer)
+    assert [r["precprof/step"] for r in plain] == list(range(STEPS))
+    assert wrapped == plain
+
+
 class _LogsToWandbAtItsStep(TrainerCallback):
     """A user's own callback: the Trainer's loss to the current wandb run at the Trainer's step (``step=``)."""
 

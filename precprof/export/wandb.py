@@ -43,6 +43,12 @@ class BesideTrainer:
         self.target = target
 
 
+def beside_trainer(target: Any) -> BesideTrainer:
+    """``target`` as a ``BesideTrainer``: itself when it is one already (a user's ``wandb=BesideTrainer(run)``
+    wrapped again was refused: the inner ``BesideTrainer`` is no run)."""
+    return target if isinstance(target, BesideTrainer) else BesideTrainer(target)
+
+
 class WandbSink:
     """Logs events to a wandb run: ``target`` True for the current ``wandb.run`` (looked up at the first write,
     so ``wandb.init`` may come after the Profiler is built) or a run object. ``finish`` runs the run's

@@ -72,7 +72,7 @@ import torch
 from precprof import _compat
 from precprof import tables as T
 from precprof.errors import MissingDependencyError, UserError
-from precprof.export.wandb import BesideTrainer
+from precprof.export.wandb import beside_trainer
 from precprof.integrations._common import Session, first_token_count, model_info
 
 try:
@@ -327,7 +327,7 @@ class PrecprofCallback(TrainerCallback):  # type: ignore[misc]
             kwargs = {"sample_every": self.sample_every, **self.profiler_kwargs}
             if kwargs.get("wandb") not in (None, False) and _reports_to_wandb(args):
                 # the Trainer's WandbCallback logs without step=: precprof's rows beside it, against their own axis
-                kwargs["wandb"] = BesideTrainer(kwargs["wandb"])
+                kwargs["wandb"] = beside_trainer(kwargs["wandb"])
             self._session = Session(out, kwargs, report=self.report)
         self._session.out = out
         wrapped = getattr(trainer, "model_wrapped", None) if trainer is not None else None

@@ -53,7 +53,7 @@ from torch import nn
 from precprof import _compat
 from precprof import tables as T
 from precprof.errors import MissingDependencyError
-from precprof.export.wandb import BesideTrainer, wandb_module
+from precprof.export.wandb import beside_trainer, wandb_module
 from precprof.integrations._common import LIGHTNING_PRECISIONS, Session, first_token_count, model_info
 
 try:
@@ -199,7 +199,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             kwargs = {"sample_every": self.sample_every, **self.profiler_kwargs}
             if kwargs.get("wandb") not in (None, False) and _logs_to_wandb_run(trainer, kwargs["wandb"]):
                 # Lightning's WandbLogger logs without step=: precprof's rows beside it, against their own axis
-                kwargs["wandb"] = BesideTrainer(kwargs["wandb"])
+                kwargs["wandb"] = beside_trainer(kwargs["wandb"])
             self._session = Session(out, kwargs, self.report)
         self._session.out = out
         self._remove_embedding_hook()
