@@ -227,6 +227,27 @@ def _wandb_history(run_dir: Path) -> dict[int, dict[str, Any]]:
     return out
 
 
+def _assert_precprof_series_go_against_precprof_step(run_dir: Path, trainer_step: str) -> None:
+    """From an offline run's records, beside a trainer whose "*" glob puts every key against ``trainer_step``
+    (with step_sync: wandb copies that step's value into each row holding a key bound to it): every key of
+    precprof's rows, a histogram's own keys (``<tag>.bins``, ...) included, is defined by its name against
+    precprof/step, and wandb copied the trainer's step into none of precprof's rows."""
+    records = list(_wandb_records(run_dir))
+    metrics = [r.metric for r in records if r.WhichOneof("record_type") == "metric"]
+    assert {(m.glob_name, m.step_metric) for m in metrics if m.glob_name} >= {("*", trainer_step)}
+    named = {m.name: m.step_metric for m in metrics if m.name}
+    rows = [
+        {".".join(item.nested_key) or item.key for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    rows = [keys for keys in rows if "precprof/step" in keys]
+    keys = {k for keys in rows for k in keys if k.startswith("precprof/")} - {"precprof/step"}
+    assert rows and any(k.endswith(".bins") for k in keys)  # histograms among them
+    assert {k: named.get(k) for k in keys} == dict.fromkeys(keys, "precprof/step")
+    assert [keys for keys in rows if trainer_step in keys] == []
+
+
 @pytest.mark.skipif(wandb is None, reason="wandb is not installed (pip install wandb)")
 def test_wandb_offline_logs_the_same_values(run: dict[str, Any]) -> None:
     steps, hist = run["tables"]["steps"], run["tables"]["histograms"]

@@ -605,9 +605,15 @@ def test_wandb_beside_the_trainers_own_logs_keeps_every_step(
     """``report_to="wandb"`` with ``PrecprofCallback(wandb=True)``: the Trainer's WandbCallback logs without
     ``step=`` (evaluations too), wandb's step ran ahead of precprof's, and precprof's series stopped after the
     first steps with a warning whose remedy (``step=``) a Trainer user cannot apply. Beside the Trainer the rows
-    are logged without ``step=``, each with ``precprof/step``: every step's loss is in the run's history."""
+    are logged without ``step=``, each with ``precprof/step``: every step's loss is in the run's history. The
+    Trainer's "*" glob put most of precprof's series against train/global_step: each key of precprof's is
+    defined by its name against precprof/step."""
     wandb = pytest.importorskip("wandb")
-    from test_export import _wandb_files_closed, _wandb_history
+    from test_export import (
+        _assert_precprof_series_go_against_precprof_step,
+        _wandb_files_closed,
+        _wandb_history,
+    )
 
     for k, v in {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}.items():
         monkeypatch.setenv(k, v)
@@ -626,6 +632,7 @@ def test_wandb_beside_the_trainers_own_logs_keeps_every_step(
     steps = T.read_tables(cb.run_dir)["steps"]
     assert [r["precprof/step"] for r in rows] == steps[T.STEP].tolist() == list(range(STEPS))
     assert [r["precprof/loss"] for r in rows] == pytest.approx(steps[T.LOSS].tolist())
+    _assert_precprof_series_go_against_precprof_step(run_dir, "train/global_step")
 
 
 def _precprof_rows_beside_the_trainer(

@@ -780,10 +780,15 @@ def test_wandb_beside_lightnings_wandb_logger_keeps_every_step(
     """``PrecprofCallback(wandb=True)`` beside Lightning's ``WandbLogger``, which logs without ``step=`` (its
     own ``trainer/global_step`` in the dict), a training row each step and a validation row each validation:
     every step's precprof row is in the run's history, against precprof/step, and Lightning's own values are
-    there too."""
+    there too. The logger's "*" glob put most of precprof's series against trainer/global_step: each key of
+    precprof's is defined by its name against precprof/step."""
     wandb = pytest.importorskip("wandb")
     from lightning.pytorch.loggers import WandbLogger
-    from test_export import _wandb_files_closed, _wandb_history
+    from test_export import (
+        _assert_precprof_series_go_against_precprof_step,
+        _wandb_files_closed,
+        _wandb_history,
+    )
 
     for k, v in {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}.items():
         monkeypatch.setenv(k, v)
@@ -822,6 +827,7 @@ def test_wandb_beside_lightnings_wandb_logger_keeps_every_step(
     train = {r["trainer/global_step"]: r["train_loss"] for r in history.values() if "train_loss" in r}
     assert train == pytest.approx({s: module.losses[s] for s in logged})
     assert [r["trainer/global_step"] for r in history.values() if "val_loss" in r] == logged
+    _assert_precprof_series_go_against_precprof_step(run_dir, "trainer/global_step")
 
 
 def test_only_a_wandb_logger_of_precprofs_own_run_turns_its_rows_beside_the_trainer(
