@@ -685,6 +685,39 @@ def test_the_flops_share_counts_the_matmuls_float8_conversion_leaves_in_bf16(
     assert "the recurrent layers' gates (rnn)" in f.message
 
 
+class _Upsampler(nn.Module):
+    """``inp`` makes a 4 x 4 grid of 32 channels from a sequence's 16 tokens, ``up`` (nn.ConvTranspose2d, 32 to 16
+    channels in 2 groups, kernel 3, stride 2, padding 1, output_padding 1) doubles it to 8 x 8, and ``head`` reads
+    each of its channels' 64 positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.head = nn.Linear(32, 32), nn.Linear(64, 32)
+        self.up = nn.ConvTranspose2d(32, 16, 3, stride=2, padding=1, output_padding=1, groups=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        grid = self.inp(x).transpose(1, 2).reshape(b, 32, 4, 4)
+        return self.head(self.up(grid).flatten(2))
+
+
+def test_a_transposed_convolution_is_counted_at_its_input_positions() -> None:
+    """A transposed convolution's matmul FLOPs were not counted (its GEMM runs over its input's positions, which
+    the run did not record), and the share, "100%", was of the linear layers alone, where the convolution does 43%
+    of the model's. The capture records its inputs' shapes now, and the share is checked against torch's count of
+    the forward's matmuls (FlopCounterMode), the convolution's stride, padding, output padding and groups in it."""
+    flops = _module_flops(_Upsampler(), torch.randn(4, 16, 32))
+    f = _advice(_Upsampler(), 16, 16).finding("fp8_eligibility")
+    assert f is not None and f.modules == ["inp", "head"]
+    share = (flops["inp"] + flops["head"]) / flops[""]
+    assert 0.5 < share < 0.9  # counted at its 8 x 8 output positions, it would do 4 times as much
+    assert f.numbers["eligible_flops_share"] == pytest.approx(share)
+    assert f.numbers["unconverted_flops_share"] == pytest.approx(1 - share)
+    assert f"the convolutions (up), {100 * (1 - share):.3g}% of them, stay in bf16" in f.message
+    assert "are not counted" not in f.message
+
+
 class _LinearExpertsMoE(nn.Module):
     """A mixture of experts held as modules (research code, transformers 4's Mixtral): ``inp``, a router
     (``gate``) that weighs the experts, eight experts of two Linear layers each, and ``out``. Which expert a

@@ -204,15 +204,13 @@ class StepAttempts:
     _indexed: int
 
     _attempt_params: list[torch.Tensor]
-    _attention_slots: list[list[tuple[int, int, int]]]
+    _shape_slots: list[list[tuple[int, ...]]]
 
     def _watch(self) -> AttemptWatch:
         self._attempt_params = [ps.tensor for ps in self.plan.params if ps.grad_row >= 0]
-        # the nn.MultiheadAttention slots' recorded calls (``_ModuleSlot.attention_calls``), listed once here
-        # rather than found among every module at each training forward of a sampled step
-        self._attention_slots = [
-            s.attention_calls for s in self.plan.modules if s.attention_calls is not None
-        ]
+        # the shapes of their calls the modules record (``_ModuleSlot.call_shapes``), listed once here rather
+        # than found among every module at each training forward of a sampled step
+        self._shape_slots = [s.call_shapes for s in self.plan.modules if s.call_shapes is not None]
         return AttemptWatch(self)
 
     def attempt_params(self) -> list[torch.Tensor]:
@@ -228,19 +226,19 @@ class StepAttempts:
             held = (self.buffer.snapshot(), rows.calls[:], rows.dtype_bits[:], rows.numel_gcd[:], slots)
         state = (self.order, self.has_data, self._weights_read, self._step_mode, self._first_in_eval)
         counts = (self.eval_forwards, self.checkpointed_forwards, self.self_call_forwards)
-        attention = [
-            len(calls) for calls in self._attention_slots
-        ]  # each nn.MultiheadAttention's calls so far
-        return held, state, len(self._outputs_made), counts, attention
+        shapes = [
+            len(calls) for calls in self._shape_slots
+        ]  # the calls each module has recorded the shapes of
+        return held, state, len(self._outputs_made), counts, shapes
 
     def attempt_back_to(self, point: tuple[Any, ...]) -> None:
         """The step's reads as ``attempt_point`` found them (``point`` left as it is); the gradients a backward that
         raised announced are not read."""
-        held, state, outputs, counts, attention = point
+        held, state, outputs, counts, shapes = point
         self.eval_forwards, self.checkpointed_forwards, self.self_call_forwards = counts
         rows, slots = self.rows, self.plan.modules
-        for recorded, n_calls in zip(self._attention_slots, attention, strict=True):
-            del recorded[n_calls:]  # (the attempt's calls of an attention: not the step's)
+        for recorded, n_calls in zip(self._shape_slots, shapes, strict=True):
+            del recorded[n_calls:]  # (the attempt's calls: not the step's)
         n = len(rows.calls)
         if held is None:
             self.buffer.restore(None)

@@ -66,8 +66,8 @@ from precprof.capture.records import (
     _ModuleSlot,
     _ParamSlot,
     _weights_key,
-    attention_call,
     autocast_state,
+    call_shape,
     dtype_bit,
     input_keyword,
 )
@@ -134,7 +134,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
             kwargs_entries=[
                 len(roots) + k
                 for k, s in enumerate(plan.modules)
-                if s.reads_input or s.attention_calls is not None
+                if s.reads_input or s.call_shapes is not None
             ],
         )
         # the parameters read at the step's first captured forward, and each one's row
@@ -211,7 +211,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         for slot in self.plan.modules:
             slot.order = slot.input_order = slot.first_from = -1
             slot.ran = False
-            slot.attention_done = bool(slot.attention_calls)
+            slot.call_shapes_done = bool(slot.call_shapes)
         self._root_trains = self._root.training
         self._root_grad, self._root_calls = False, []
         self._step_mode, self._first_in_eval = None, False
@@ -389,8 +389,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
             turn = slot.block_group == self.turn
             if slot.reads_input and isinstance(x, _Tensor):
                 self._gemm_input(slot, x, turn)
-            if slot.attention_calls is not None and not slot.attention_done:
-                slot.attention_calls.append(attention_call(module, args, kwargs))
+            if slot.call_shapes is not None and not slot.call_shapes_done:
+                slot.call_shapes.append(call_shape(slot, module, args, kwargs, x))
             if slot.order < 0:
                 slot.order = self.order
                 self.order += 1

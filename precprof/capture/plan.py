@@ -27,7 +27,7 @@ from torch.nn.utils import parametrize
 
 from precprof import _compat, taxonomy
 from precprof import tables as T
-from precprof.capture.records import RowTable, _ModuleSlot, _ParamSlot
+from precprof.capture.records import RowTable, _ModuleSlot, _ParamSlot, calls_key
 from precprof.errors import UserError
 
 ModuleFilter = Sequence[str | type[nn.Module]] | None
@@ -152,6 +152,7 @@ class CapturePlan:
             if not (picked or selected(name, module, module_filter)):
                 continue
             chosen.add(name)
+            key = calls_key(module)  # whether it records its calls' shapes, and under which key
             slot = _ModuleSlot(
                 name=name,
                 module=module,
@@ -161,7 +162,8 @@ class CapturePlan:
                 module_type=mtype,
                 gemm=taxonomy.is_linear_type(mtype),
                 reads_input=taxonomy.is_matmul_type(mtype),
-                attention_calls=[] if isinstance(module, nn.MultiheadAttention) else None,
+                call_shapes=[] if key else None,
+                call_shapes_key=key,
             )
             if block_formats and slot.gemm:
                 slot.input = rows.new(T.input_module(name), T.INPUT_MODULE_TYPE, T.ACTIVATION)

@@ -171,11 +171,11 @@ class _ModuleSlot:
     # the row of the module whose output a reentrant checkpoint's first pass gave it (-1: none), for the
     # recomputation's lookup (``StepHooks._first_pass_input``)
     first_from: int = -1
-    # an nn.MultiheadAttention's calls at the first sampled step it ran in, (batch, query length, key length) each
-    # (``attention_call``; summary capture.modules' "attention_calls"): its output tells the query's tokens alone,
-    # and a cross-attention's key and value projections and score matmuls read the memory's. None for others
-    attention_calls: list[tuple[int, int, int]] | None = None
-    attention_done: bool = False  # a sampled step before this one recorded them
+    # the shapes of its calls at the first sampled step it ran in (``call_shape``), for the modules whose output
+    # does not tell their matmuls' (``calls_key``): listed under that key in summary capture.modules. None for others
+    call_shapes: list[tuple[int, ...]] | None = None
+    call_shapes_key: str = ""
+    call_shapes_done: bool = False  # a sampled step before this one recorded them
 
 
 @dataclass
@@ -364,15 +364,40 @@ def autocast_state(device_type: str) -> dict[str, Any]:
 
 def module_entry(slot: _ModuleSlot) -> dict[str, Any]:
     """A captured module as summary.json's ``capture.modules`` lists it: its name, type and parameters' shapes,
-    and an nn.MultiheadAttention's calls where they were recorded (``attention_calls``)."""
+    and the shapes of its calls where they were recorded (``call_shapes``, under its ``calls_key``)."""
     entry: dict[str, Any] = {
         "name": slot.name,
         "type": slot.module_type,
         "params": {pname: list(p.shape) for pname, p, _ in slot.weights},
     }
-    if slot.attention_calls:
-        entry["attention_calls"] = [list(c) for c in slot.attention_calls]
+    if slot.call_shapes:
+        entry[slot.call_shapes_key] = [list(c) for c in slot.call_shapes]
     return entry
+
+
+# the keys summary capture.modules lists the shapes of a module's calls under (``calls_key``)
+ATTENTION_CALLS, INPUT_SHAPES = "attention_calls", "input_shapes"
+
+
+def calls_key(module: nn.Module) -> str:
+    """Under which key the shapes of ``module``'s calls are recorded, for the modules whose output does not tell
+    the shapes of their matmuls ("" for the others): an nn.MultiheadAttention's (``attention_call``: a
+    cross-attention's key and value projections and score matmuls read the memory's tokens, not the query's),
+    a transposed convolution's input shape (its GEMM runs over its input's positions, which its stride and
+    padding make fewer than its output's)."""
+    if isinstance(module, nn.MultiheadAttention):
+        return ATTENTION_CALLS
+    if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+        return INPUT_SHAPES
+    return ""
+
+
+def call_shape(slot: _ModuleSlot, module: nn.Module, args: Any, kwargs: Any, x: Any) -> tuple[int, ...]:
+    """The shape of a call of ``slot``'s module with ``args`` and ``kwargs`` (``x``: its input) that its
+    ``calls_key`` names; () where it cannot be read (a nested tensor)."""
+    if slot.call_shapes_key == ATTENTION_CALLS:
+        return attention_call(module, args, kwargs)
+    return tuple(x.shape) if isinstance(x, torch.Tensor) and not x.is_nested else ()
 
 
 def attention_call(module: nn.Module, args: Any, kwargs: Any) -> tuple[int, int, int]:

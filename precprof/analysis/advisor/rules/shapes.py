@@ -358,6 +358,7 @@ def _tied_outside(run: _Run) -> dict[str, tuple[str, str]]:
 ATTENTION, RECURRENT, CONVOLUTION = "attention", "recurrent", "convolution"
 _RECURRENT_WEIGHT = re.compile(r"^weight_(ih|hh|hr)_l\d+(_reverse)?$")  # nn.LSTM's, nn.GRU's, nn.RNN's
 _CONVOLUTION = re.compile(r"^Conv[123]d$")
+_TRANSPOSED = re.compile(r"^ConvTranspose[123]d$")
 
 
 @dataclass
@@ -412,12 +413,33 @@ def _attention_gemms(
     return _Unconverted(ATTENTION, gemms, scores=sum(4.0 * b * lq * lk * e for b, lq, lk in shapes))
 
 
+def _convolution_gemm(
+    t: str, weight: list[int], output: tuple[int, int], inputs: object
+) -> tuple[int, int, int] | None:
+    """The GEMM of a convolution's calls at the first sampled step, as (rows, in, out) of FlopCounterMode's FLOPs:
+    a convolution's over its output positions, (positions, in/groups x kernel, out channels), read from its
+    output (``output``: elements, calls); a transposed convolution's over its input positions, (positions, in
+    channels, out/groups x kernel), read from the shapes of its inputs the capture recorded (``inputs``: summary
+    capture.modules' "input_shapes", capture.records' ``INPUT_SHAPES``). None where the run does not tell them."""
+    if _CONVOLUTION.match(t):
+        cout = weight[0]
+        return None if output[0] % cout else (output[0] // cout, math.prod(weight[1:]), cout)
+    if not _TRANSPOSED.match(t) or not isinstance(inputs, list) or len(inputs) != output[1]:
+        return None
+    cin = weight[0]  # a transposed convolution's weight: (in, out/groups, kernel...)
+    sizes = [math.prod(s) for s in inputs if isinstance(s, list) and s and all(isinstance(d, int) for d in s)]
+    if len(sizes) != len(inputs) or any(n <= 0 or n % cin for n in sizes):
+        return None
+    return sum(sizes) // cin, cin, math.prod(weight[1:])
+
+
 def _unconverted_matmuls(run: _Run) -> tuple[dict[str, _Unconverted], list[str]]:
     """The modules doing matmuls that float8 conversion leaves in bf16, from the weight shapes the capture
     recorded (``_captured_modules``) and each one's calls at the first sampled step, and those of them whose rows
-    the run does not tell (no tokens per call, no output recorded; a transposed convolution, read from its
-    input): (module -> ``_Unconverted``, the modules not counted). Attention and recurrent layers read every
-    token of the batch, as the linear layers; a convolution's rows are its output positions."""
+    the run does not tell (no tokens per call, no output recorded; a transposed convolution of a run that did
+    not record its inputs' shapes): (module -> ``_Unconverted``, the modules not counted). Attention and
+    recurrent layers read every token of the batch, as the linear layers; a convolution's rows are its output
+    positions (``_convolution_gemm``), a transposed one's its input positions."""
     tokens = _tokens_per_call(run)
     acts = _first_activations(run)
     mods = _captured_modules(run)
@@ -443,12 +465,13 @@ def _unconverted_matmuls(run: _Run) -> tuple[dict[str, _Unconverted], list[str]]
         if not shapes or a is None:
             continue
         if kind == CONVOLUTION:
-            # a convolution is a GEMM over its output positions: (positions, in/groups x kernel, out channels)
-            cout, k = shapes[0][0], math.prod(shapes[0][1:])
-            if tokens is None or not _CONVOLUTION.match(t) or a[0] % cout:
+            gemm = (
+                _convolution_gemm(t, shapes[0], a, entry.get("input_shapes")) if tokens is not None else None
+            )
+            if gemm is None:
                 uncounted.append(name)
                 continue
-            out[name] = _Unconverted(kind, [(a[0] // cout, k, cout)])
+            out[name] = _Unconverted(kind, [gemm])
         elif kind == ATTENTION and (
             got := _attention_gemms(params, own.get("weight"), a[1], entry.get("attention_calls"))
         ):
