@@ -669,11 +669,15 @@ def test_the_flops_share_counts_the_matmuls_float8_conversion_leaves_in_bf16(
         "(which stay in bf16) among them" in " ".join(rec.reasons)
     )
     # the speed estimate's GEMMs left in bf16 are the projections (each attention module's in_proj and out_proj
-    # a call), not linear layers: "5 of 5 linear layers are FP8-eligible" beside "the 4 linear layers left in bf16"
+    # a call) and its score matmuls (Q K^T and the weights x V a call), not linear layers: "5 of 5 linear layers
+    # are FP8-eligible" beside "the 4 linear layers left in bf16"
     speed = rec.finding("fp8_speed")
+    n = 2 * len(attn)
     assert speed is not None and speed.numbers["layers"] == len(live)
-    assert speed.numbers["layers_bf16"] == 2 * len(attn)
-    assert f"the {2 * len(attn)} GEMMs left in bf16 ({2 * len(attn)} attention projections)" in speed.message
+    assert speed.numbers["layers_bf16"] == 2 * n
+    assert f"the {2 * n} GEMMs left in bf16 ({n} attention projections and {n} attention score matmuls)" in (
+        speed.message
+    )
     assert "linear layers left in bf16" not in speed.message
     # an LSTM's gates: 2 x in x out per token of each of its weights, beside the head's
     lstm = _Recurrent()
@@ -968,6 +972,32 @@ def test_cross_attention_is_counted_at_the_memorys_tokens_with_the_score_matmuls
     assert "The share leaves out" not in f.message
 
 
+def test_the_speed_estimate_counts_the_score_matmuls_the_share_counts() -> None:
+    """The speed estimate left nn.MultiheadAttention's score matmuls out of its GEMMs, which the FLOPs share
+    counts: of a cross-attention's, they are a sixth of the model's matmul FLOPs. Its GEMMs are now those the
+    share counts: the converted layers' share of their FLOPs is the share, checked against torch's count of
+    the forward's matmuls (FlopCounterMode), and it names the score matmuls among the GEMMs left in bf16 (two a
+    call of each of the two attentions, counted by a hook of the test's own)."""
+    model = _CrossAttention()
+    flops = _module_flops(model, torch.randn(4, 16, 32))
+    calls: list[int] = []
+    for attn in (model.dec.self_attn, model.dec.multihead_attn):
+        attn.register_forward_hook(lambda mod, args, out: calls.append(1))
+    rec = _advice(model, 16, 16)
+    f, speed = rec.finding("fp8_eligibility"), rec.finding("fp8_speed")
+    assert f is not None and speed is not None
+    share = sum(flops[m] for m in f.modules) / flops[""]
+    assert speed.numbers["flops_share"] == pytest.approx(share)
+    assert f.numbers["eligible_flops_share"] == pytest.approx(share)
+    per_step = len(calls) // 2  # (2 steps trained)
+    assert f"and {2 * per_step} attention score matmuls)" in speed.message  # Q K^T and the weights x V a call
+    assert (
+        f"These layers, {100 * share:.3g}% of the FLOPs of the GEMMs counted, take an estimated"
+        in speed.message
+    )
+    assert "are not among the GEMMs counted" not in speed.message
+
+
 class _SdpaBlock(nn.Module):
     """A GPT block of width 32 (4 heads) whose attention calls F.scaled_dot_product_attention (causal), as a
     Hugging Face attention module does: 24 x 32^2 FLOPs per token of linear layers."""
@@ -1000,7 +1030,8 @@ def test_the_share_says_it_leaves_out_the_score_matmuls_of_attention_it_cannot_c
     of the linear layers' matmul FLOPs", read as the whole model's. The finding says it leaves them out, and the
     formula it gives for a GPT block turns it into torch's count of all the model's matmuls (FlopCounterMode)."""
     flops = _module_flops(_SdpaBlock(), torch.randn(4, 16, 32))
-    f = _advice(_SdpaBlock(), 16, 16).finding("fp8_eligibility")
+    rec = _advice(_SdpaBlock(), 16, 16)
+    f = rec.finding("fp8_eligibility")
     assert f is not None and f.modules == ["attn.qkv", "attn.proj", "up", "down"]
     assert f.numbers["eligible_flops_share"] == pytest.approx(1.0)  # of the linear layers' FLOPs
     assert (
@@ -1012,3 +1043,11 @@ def test_the_share_says_it_leaves_out_the_score_matmuls_of_attention_it_cannot_c
     d, seq = 32, 16
     whole = sum(flops[m] for m in f.modules) / flops[""]
     assert whole < 1 and 1.0 * 6 * d / (6 * d + seq) == pytest.approx(whole)
+    # the speed estimate leaves them out of its GEMMs alike, and says so
+    speed = rec.finding("fp8_speed")
+    assert speed is not None and speed.numbers["layers_bf16"] == 0  # every GEMM counted converted
+    assert speed.numbers["flops_share"] is None and "of the FLOPs of the GEMMs counted" not in speed.message
+    assert (
+        "The score matmuls of attn (Q K^T and the weights x V) are not among the GEMMs counted, as the FLOPs share "
+        "leaves them out" in speed.message
+    )

@@ -450,6 +450,7 @@ class Estimate:
     keeps ahead of the GPU); ``speedup``, the lower of the two, decides. ``layers_launch_bound`` and
     ``layers_gpu_bound``: the converted layers alone; ``gemm_share_launch_bound`` and ``gemm_share_gpu_bound``:
     their share of a bf16 step; ``layers_speedup`` and ``gemm_share``: those of the end ``speedup`` is.
+    ``flops_share``: the converted layers' share of the FLOPs (2 M K N) of all the GEMMs it counts.
     ``intensity``: M K N / (M K + K N + M N) summed over the converted layers; ``beyond``: "below" or "above"
     when it lies outside the timed shapes', else ""; ``timed``: how many converted layers have a shape the
     tables timed."""
@@ -460,6 +461,7 @@ class Estimate:
     layers_gpu_bound: float
     gemm_share_launch_bound: float
     gemm_share_gpu_bound: float
+    flops_share: float
     intensity: float
     beyond: str
     layers: int
@@ -499,6 +501,7 @@ class Estimate:
         else:
             timed = f"{self.timed} at shapes timed, the others interpolated from the nearest timed shapes"
         (ll, lh), (gl, gh) = TABLE_SPEEDUPS_LAUNCH, TABLE_SPEEDUPS_GPU
+        flops = f", {self.flops_share * 100:.3g}% of the FLOPs of the GEMMs counted," if self.others else ""
         return (
             f"FP8 would run the forward and backward of {converted} at "
             f"{self.layers_launch_bound:.2f}x of bf16's speed launched call by call from Python and at "
@@ -506,7 +509,7 @@ class Estimate:
             f"FP8 times measured alone on an {TABLE_DEVICE} ({timed}): FP8 halves a GEMM's time at the tensor "
             "cores' rate, but its casts and extra kernels cost more than that saves on small GEMMs (the timed "
             f"layers ran from {ll:.2f}x to {lh:.2f}x call by call, {gl:.2f}x to {gh:.2f}x as graphs). These "
-            f"layers take an estimated {self.gemm_share_launch_bound * 100:.0f}% or "
+            f"layers{flops} take an estimated {self.gemm_share_launch_bound * 100:.0f}% or "
             f"{self.gemm_share_gpu_bound * 100:.0f}% of a bf16 step (call by call, as graphs); the rest (attention, "
             f"norms, the optimizer{', ' + kept if kept else ''}: {c.rest_launch_bound * 1e12:.1f} or "
             f"{c.rest_gpu_bound * 1e12:.1f} ps per element of each GEMM's input and output) FP8 leaves as it is, so "
@@ -561,6 +564,7 @@ def estimate(
         w += m * k * n
         c += m * k + k * n + m * n
     i = w / c
+    flops_share = w / (w + sum(m * k * n for m, k, n in kept))
     lo, hi = TABLE_INTENSITY
     beyond = "below" if i < lo * 0.999 else ("above" if i > hi * 1.001 else "")
     return Estimate(
@@ -570,6 +574,7 @@ def estimate(
         layers_gpu_bound=gpu[1],
         gemm_share_launch_bound=launch[2],
         gemm_share_gpu_bound=gpu[2],
+        flops_share=flops_share,
         intensity=i,
         beyond=beyond,
         layers=len(conv),

@@ -200,13 +200,13 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "not_evaluated": ("layers not evaluated", "count"),
     "eligible": ("FP8-eligible", "count"),
     "eligible_flops_share": (
-        "their share of all matmul FLOPs counted (linear layers, experts, attention projections, recurrent gates, "
-        "convolutions)",
+        "their share of all matmul FLOPs counted (linear layers, experts, attention projections and scores, "
+        "recurrent gates, convolutions)",
         "share",
     ),
     "experts_flops_share": ("share of the FLOPs in experts float8 conversion leaves in bf16", "share"),
     "unconverted_flops_share": (
-        "share of the FLOPs in attention projections, recurrent layers and convolutions (left in bf16)",
+        "share of the FLOPs in attention projections and scores, recurrent layers and convolutions (left in bf16)",
         "share",
     ),
     "max_e4m3_share": ("most E4M3 values flushed (inputs, weights; not judged)", "share"),
@@ -218,12 +218,14 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "sampled_steps": ("sampled steps", "count"),
     ("fp8_speed", "layers"): ("GEMMs FP8 would convert (a call of an FP8-eligible layer each)", "count"),
     ("fp8_speed", "layers_bf16"): (
-        "GEMMs left in bf16 (one a call: the other linear layers, experts, attention, gates, convolutions)",
+        "GEMMs left in bf16, each call's (the other linear layers, experts, attention projections and score "
+        "matmuls, gates, convolutions)",
         "count",
     ),
     "estimated_speedup": ("estimated FP8 speedup of a training step", "number"),
     "layers_speedup": ("estimated FP8 speedup of the eligible layers' GEMMs and casts", "number"),
     "gemm_share": ("their GEMMs' estimated share of a bf16 step", "share"),
+    "flops_share": ("their share of the FLOPs of the GEMMs the estimate counts", "share"),
     "intensity": ("GEMM intensity M K N / (M K + K N + M N), summed over them", "number"),
     "speedup_min": ("speedup FP8 must exceed", "number"),
     "tied": ("tied to an embedding", "count"),

@@ -442,6 +442,9 @@ class _Plan:
     # and whose they are, in words: "the attention projections' and the convolutions'")
     fp8_others_share: float | None = None
     fp8_others_whose: str = ""
+    # the attention modules whose score matmuls neither the FLOPs share nor the speed estimate counts (computed
+    # outside nn.MultiheadAttention, on sequence lengths the run does not record)
+    fp8_scores_uncounted: list[str] = field(default_factory=list)
     # FP8's estimated speed on the eligible layers' GEMM shapes (analysis.fp8_speed.Estimate; None without
     # eligible layers of known shape and tokens)
     fp8_speed: Estimate | None = None

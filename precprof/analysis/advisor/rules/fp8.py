@@ -380,9 +380,10 @@ def _bf16_gemms(
     unconverted: Mapping[str, _Unconverted],
 ) -> tuple[str, list[fp8_speed.Shape]]:
     """The GEMMs the speed estimate leaves in bf16 (the linear layers not converted, ``linear``: each one's calls;
-    the experts'; the projections, gates and convolutions float8 conversion does not swap), and them counted in
-    words by whose they are: "the 6 GEMMs left in bf16 (2 calls of 1 linear layer not converted and 4 attention
-    projections)" ("" when there are none)."""
+    the experts'; the projections, gates and convolutions float8 conversion does not swap, and the score matmuls
+    of nn.MultiheadAttention, Q K^T and the weights x V of each call, as the FLOPs share counts them), and them
+    counted in words by whose they are: "the 6 GEMMs left in bf16 (2 calls of 1 linear layer not converted and 4
+    attention projections)" ("" when there are none)."""
     words, gemms = _layer_calls(linear, converted=False)
     parts = [words] if gemms else []
     for what, more in [
@@ -391,6 +392,7 @@ def _bf16_gemms(
             (_GEMM_WORDS[kind], [g for u in unconverted.values() if u.kind == kind for g in u.gemms])
             for kind in _GEMM_WORDS
         ],
+        ("attention score matmuls", [g for u in unconverted.values() for g in u.scores]),
     ]:
         parts += [f"{len(more)} {what}"] if more else []
         gemms += more
@@ -410,13 +412,13 @@ def _unconverted_listing(unconverted: Mapping[str, _Unconverted], limit: int) ->
     )
 
 
-def _scores_left_out(run: _Run, unconverted: Mapping[str, _Unconverted]) -> str:
-    """The words saying that the share leaves out the score matmuls of attention computed outside
-    nn.MultiheadAttention ("" when no captured module lies inside an attention): a Hugging Face attention module or
-    a block calling F.scaled_dot_product_attention computes them from no weight, on sequence lengths the run does
-    not record (its rows are batch x sequence, never the two apart). Such an attention is told by its name, a part
-    of the captured modules' names holding "attn" or "attention" (self_attn.q_proj, attention.self.query,
-    attn.c_attn); float8 conversion leaves its score matmuls in bf16."""
+def _attention_uncounted(run: _Run, unconverted: Mapping[str, _Unconverted]) -> list[str]:
+    """The attention modules whose score matmuls (Q K^T and the weights x V) no count includes: those computed
+    outside nn.MultiheadAttention (a Hugging Face attention module, a block calling F.scaled_dot_product_attention),
+    from no weight, on sequence lengths the run does not record (its rows are batch x sequence, never the two
+    apart). Such an attention is told by its name, a part of the captured modules' names holding "attn" or
+    "attention" (self_attn.q_proj, attention.self.query, attn.c_attn); float8 conversion leaves its score
+    matmuls in bf16."""
     counted = [m for m, u in unconverted.items() if u.scores]
     attention: dict[str, None] = {}
     for m in _captured_modules(run):
@@ -425,10 +427,16 @@ def _scores_left_out(run: _Run, unconverted: Mapping[str, _Unconverted]) -> str:
         name = ".".join(parts[: at[0] + 1]) if at else ""
         if name and not any(f"{name}.".startswith(f"{c}.") for c in counted):
             attention[name] = None
+    return list(attention)
+
+
+def _scores_left_out(attention: list[str]) -> str:
+    """The words saying that the share leaves out the score matmuls of ``attention`` (``_attention_uncounted``;
+    "" when there is none), with what they would add."""
     if not attention:
         return ""
     return (
-        f". The share leaves out the score matmuls (Q K^T and the weights x V) of {_listing(list(attention), 4)}, "
+        f". The share leaves out the score matmuls (Q K^T and the weights x V) of {_listing(attention, 4)}, "
         "which float8 conversion leaves in bf16: the run does not record their sequence lengths. Per token they do "
         "4 x L x d FLOPs an attention layer (L: the tokens a query attends to, d: heads x head_dim; 2 x L x d where "
         "a causal kernel skips the masked half), beside 2 x in x out per token of each linear layer, 24 x d^2 in a "
@@ -549,6 +557,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     unconverted, not_counted = _unconverted_matmuls(run)
     other_flops = {m: u.flops_per_token(tokens) for m, u in unconverted.items() if tokens}
     unseen = _unseen_weights(run, {**unconverted, **dict.fromkeys(not_counted)})
+    plan.fp8_scores_uncounted = _attention_uncounted(run, unconverted)
     total = sum(known.values()) + sum(expert_flops.values()) + sum(other_flops.values())
     plan.fp8_flops_share = sum(known.get(m, 0) for m in plan.fp8_eligible) / total if total > 0 else None
     experts_share = sum(expert_flops.values()) / total if expert_flops and total > 0 else None
@@ -660,7 +669,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             else ""
         )
         + ")"
-        + _scores_left_out(run, unconverted)
+        + _scores_left_out(plan.fp8_scores_uncounted)
         + (
             f"; {_unconverted_listing(unconverted, cfg.max_listed_modules)}, {_pct(plan.fp8_others_share)} of "
             "them, stay in bf16: float8 conversion swaps nn.Linear modules alone"
@@ -795,6 +804,18 @@ LOST_NORM_EVIDENCE = (
 )
 
 
+def _speed_scores_left_out(plan: _Plan) -> str:
+    """The words saying which score matmuls the speed estimate's GEMMs leave out, as the FLOPs share does ("" when
+    none): those of attention computed outside nn.MultiheadAttention (``_attention_uncounted``)."""
+    if not plan.fp8_scores_uncounted:
+        return ""
+    return (
+        f" The score matmuls of {_listing(plan.fp8_scores_uncounted, 4)} (Q K^T and the weights x V) are not among "
+        "the GEMMs counted, as the FLOPs share leaves them out (the run does not record their sequence lengths): "
+        "they stay in bf16 in the rest, as the attention of the whole steps the constants were fitted on did."
+    )
+
+
 def _speed_finding(run: _Run, plan: _Plan) -> None:
     est = plan.fp8_speed
     if est is None or not run.hw.fp8_supported:  # the question is asked on FP8 hardware only
@@ -825,7 +846,8 @@ def _speed_finding(run: _Run, plan: _Plan) -> None:
             INFO,
             f"FP8 {verdict} at these GEMM shapes: an estimated {ends} of bf16's speed a training step",
             f"An estimate, not a measurement of this run (tensorwise FP8, compiled, against bf16, compiled): "
-            f"{est.explain(*plan.fp8_speed_words)}{beyond} The layer times and the rest's constants were measured on an "
+            f"{est.explain(*plan.fp8_speed_words)}{beyond}{_speed_scores_left_out(plan)} The layer times and the "
+            "rest's constants were measured on an "
             f"{est.constants.device} (analysis/fp8_speed.py); FP8 is advised only above "
             f"{cut:g}x at the lower end. Sources: {fp8_speed.sources()}",
             "Measure it on the target: precprof compare --precisions bf16,fp8 (both compiled) times both."
@@ -837,6 +859,7 @@ def _speed_finding(run: _Run, plan: _Plan) -> None:
                 "estimated_speedup": est.speedup,
                 "layers_speedup": est.layers_speedup,
                 "gemm_share": est.gemm_share,
+                "flops_share": est.flops_share if est.others else None,  # (1: every GEMM counted converted)
                 "intensity": est.intensity,
                 "layers": est.layers,
                 "layers_bf16": est.others,

@@ -371,12 +371,14 @@ class _Unconverted:
 
     kind: str
     gemms: list[tuple[int, int, int]]
-    # an nn.MultiheadAttention's score matmuls (Q K^T and the weights x V) of the first sampled step's calls: FLOPs
-    # of its forward, 2 x 2 x batch x query length x key length x embed dim a call (0: not counted)
-    scores: float = 0.0
+    # an nn.MultiheadAttention's score matmuls of the first sampled step's calls, as GEMMs of its FLOPs over the
+    # batch's query tokens: Q K^T (batch x query length, embed dim, key length) and the weights x V (batch x query
+    # length, key length, embed dim) a call, 2 x 2 x batch x query length x key length x embed dim FLOPs ([]: not
+    # counted)
+    scores: list[tuple[int, int, int]] = field(default_factory=list)
 
     def flops_per_token(self, tokens: int) -> float:
-        return (sum(2 * rows * k * n for rows, k, n in self.gemms) + self.scores) / tokens
+        return sum(2 * rows * k * n for rows, k, n in self.gemms + self.scores) / tokens
 
 
 def _attention_gemms(
@@ -410,7 +412,8 @@ def _attention_gemms(
         (e, d_q), (_, d_k), (_, d_v) = sep  # type: ignore[misc]
         gemms = [(q_rows, d_q, e), (kv_rows, d_k, e), (kv_rows, d_v, e)]
     gemms += [(q_rows, out_proj[1], out_proj[0])] if out_proj is not None else []
-    return _Unconverted(ATTENTION, gemms, scores=sum(4.0 * b * lq * lk * e for b, lq, lk in shapes))
+    scores = [g for b, lq, lk in shapes for g in ((b * lq, e, lk), (b * lq, lk, e))]
+    return _Unconverted(ATTENTION, gemms, scores=scores)
 
 
 def _convolution_gemm(
