@@ -1051,3 +1051,70 @@ def test_the_share_says_it_leaves_out_the_score_matmuls_of_attention_it_cannot_c
         "The score matmuls of attn (Q K^T and the weights x V) are not among the GEMMs counted, as the FLOPs share "
         "leaves them out" in speed.message
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "vocab", "args"),
+    [
+        ("gpt-nano", 100, {}),
+        ("llama-mini", 100, {"n_layer": 2, "n_head": 4, "n_embd": 64}),
+        (
+            "hf:gpt2",
+            256,
+            {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_positions": 64, "tie_word_embeddings": False},
+        ),
+        (
+            "hf:llama",
+            100,
+            {
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "hidden_size": 64,
+                "intermediate_size": 176,
+                "max_position_embeddings": 64,
+            },
+        ),
+    ],
+)
+def test_the_share_of_a_language_model_is_torchs_count_of_its_linear_layers(
+    name: str, vocab: int, args: dict[str, object]
+) -> None:
+    """What the FP8 share says it counts, the linear layers' matmuls (2 x in x out per token), is what torch
+    counts of them (FlopCounterMode's mm and addmm, the score matmuls, bmm, being what it says it leaves out), on a
+    tiny GPT and Llama, precprof's and Hugging Face's: a head of 100 tokens is not eligible, nor Hugging Face
+    GPT-2's Conv1D layers beside an untied head of 256. The attention modules whose score matmuls it leaves out
+    are named: Llama's post_attention_layernorm, a norm whose name holds "attention", was named among them."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if name.startswith("hf:"):
+        pytest.importorskip("transformers")
+    from precprof.models import build_model
+
+    batch, seq = 4, 32
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return build_model(name, {**args, "vocab_size": vocab}, vocab_size=vocab, seq_len=seq).module
+
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model()(torch.randint(0, vocab, (batch, seq)))
+    ops = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert set(ops) == {"aten.mm", "aten.addmm", "aten.bmm"} - ({"aten.addmm"} if "llama" in name else set())
+    per = {k.split(".", 1)[-1]: sum(v.values()) for k, v in counter.get_flop_counts().items() if "." in k}
+    run = train_profiled(
+        model(),
+        lambda step: (torch.randint(0, vocab, (batch, seq)), torch.zeros(())),
+        lambda out, _: getattr(out, "logits", out).float().square().mean(),
+        precision="bf16",
+        steps=2,
+    )
+    f = run.recommend("h100", config=ALL).finding("fp8_eligibility")
+    assert f is not None
+    share = sum(per[m] for m in f.modules) / (ops["aten.mm"] + ops.get("aten.addmm", 0))
+    assert 0 < share < 1 and f.numbers["eligible_flops_share"] == pytest.approx(share)
+    blocks = "model.layers" if "llama" in name else "transformer.h"
+    attn = "self_attn" if "llama" in name else "attn"
+    said = ", ".join(f"{blocks}.{i}.{attn}" for i in range(4 if name == "gpt-nano" else 2))
+    assert f"The share leaves out the score matmuls (Q K^T and the weights x V) of {said}, which" in f.message

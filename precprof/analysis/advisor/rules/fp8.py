@@ -416,12 +416,14 @@ def _attention_uncounted(run: _Run, unconverted: Mapping[str, _Unconverted]) -> 
     """The attention modules whose score matmuls (Q K^T and the weights x V) no count includes: those computed
     outside nn.MultiheadAttention (a Hugging Face attention module, a block calling F.scaled_dot_product_attention),
     from no weight, on sequence lengths the run does not record (its rows are batch x sequence, never the two
-    apart). Such an attention is told by its name, a part of the captured modules' names holding "attn" or
-    "attention" (self_attn.q_proj, attention.self.query, attn.c_attn); float8 conversion leaves its score
-    matmuls in bf16."""
+    apart). Such an attention is told by the name of a matmul inside it, a part of it holding "attn" or
+    "attention" (self_attn.q_proj, attention.self.query, attn.c_attn): a module of no matmul so named, as
+    Llama's post_attention_layernorm, is none. Float8 conversion leaves its score matmuls in bf16."""
     counted = [m for m, u in unconverted.items() if u.scores]
     attention: dict[str, None] = {}
-    for m in _captured_modules(run):
+    for m, entry in _captured_modules(run).items():
+        if not taxonomy.is_matmul_type(str(entry.get("type", ""))):
+            continue
         parts = m.split(".")
         at = [i for i, p in enumerate(parts) if "attn" in p.lower() or "attention" in p.lower()]
         name = ".".join(parts[: at[0] + 1]) if at else ""
