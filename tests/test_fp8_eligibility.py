@@ -712,7 +712,8 @@ def test_a_transposed_convolution_is_counted_at_its_input_positions() -> None:
     of the model's. The capture records its inputs' shapes now, and the share is checked against torch's count of
     the forward's matmuls (FlopCounterMode), the convolution's stride, padding, output padding and groups in it."""
     flops = _module_flops(_Upsampler(), torch.randn(4, 16, 32))
-    f = _advice(_Upsampler(), 16, 16).finding("fp8_eligibility")
+    rec = _advice(_Upsampler(), 16, 16)
+    f = rec.finding("fp8_eligibility")
     assert f is not None and f.modules == ["inp", "head"]
     share = (flops["inp"] + flops["head"]) / flops[""]
     assert 0.5 < share < 0.9  # counted at its 8 x 8 output positions, it would do 4 times as much
@@ -720,6 +721,10 @@ def test_a_transposed_convolution_is_counted_at_its_input_positions() -> None:
     assert f.numbers["unconverted_flops_share"] == pytest.approx(1 - share)
     assert f"the convolutions (up), {100 * (1 - share):.3g}% of them, stay in bf16" in f.message
     assert "are not counted" not in f.message
+    # the speed estimate leaves its GEMM in bf16, one a call ("1 convolutions" was said)
+    speed = rec.finding("fp8_speed")
+    assert speed is not None and speed.numbers["flops_share"] == pytest.approx(share)
+    assert "the 1 GEMM left in bf16 (1 convolution)" in speed.message
 
 
 class _LinearExpertsMoE(nn.Module):

@@ -366,11 +366,11 @@ def _layer_calls(
     return (words if len(gemms) == n else f"{len(gemms)} calls of {words}"), gemms
 
 
-# the GEMMs of each kind of ``_Unconverted`` module, as the speed estimate counts them
+# the GEMMs of each kind of ``_Unconverted`` module, as the speed estimate counts them (one; several take an s)
 _GEMM_WORDS = {
-    ATTENTION: "attention projections",
-    RECURRENT: "recurrent gate GEMMs",
-    CONVOLUTION: "convolutions",
+    ATTENTION: "attention projection",
+    RECURRENT: "recurrent gate GEMM",
+    CONVOLUTION: "convolution",
 }
 
 
@@ -387,14 +387,14 @@ def _bf16_gemms(
     words, gemms = _layer_calls(linear, converted=False)
     parts = [words] if gemms else []
     for what, more in [
-        ("expert GEMMs", [g for shapes in experts.values() for g in shapes]),
+        ("expert GEMM", [g for shapes in experts.values() for g in shapes]),
         *[
             (_GEMM_WORDS[kind], [g for u in unconverted.values() if u.kind == kind for g in u.gemms])
             for kind in _GEMM_WORDS
         ],
-        ("attention score matmuls", [g for u in unconverted.values() for g in u.scores]),
+        ("attention score matmul", [g for u in unconverted.values() for g in u.scores]),
     ]:
-        parts += [f"{len(more)} {what}"] if more else []
+        parts += [f"{len(more)} {what}{'s' if len(more) != 1 else ''}"] if more else []
         gemms += more
     n = len(gemms)
     return (f"the {n} GEMM{'s' if n != 1 else ''} left in bf16 ({_and(parts)})" if n else ""), gemms
