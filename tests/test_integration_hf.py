@@ -8,6 +8,7 @@ import io
 import json
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -932,3 +933,52 @@ def test_the_profiler_is_given_the_optimizer_that_steps_the_weights(tmp_path: Pa
         if isinstance(mod, Conv1D):
             rows = upd[upd[T.MODULE] == name]
             assert rows[T.STEP].tolist() == [0, 1] and (rows[T.UPDATE_RMS] > 0).all(), name
+
+
+class _LossOutsideTheModel(Trainer):  # type: ignore[misc]
+    """A Trainer computing the loss itself from the model's logits; under the callback's ``profiler.memory_scope()``
+    when given the callback, as the report tells a Trainer user to."""
+
+    def __init__(self, *args: Any, precprof_cb: Any = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.precprof_cb = precprof_cb
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kw: Any) -> Any:
+        labels = inputs.pop("labels")
+        outputs = model(**inputs)
+        logits = outputs.logits[:, :-1].float().reshape(-1, VOCAB)
+        scope = self.precprof_cb.profiler.memory_scope() if self.precprof_cb is not None else nullcontext()
+        with scope:
+            loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1))
+        return (loss, outputs) if return_outputs else loss
+
+
+@pytest.mark.skipif(not _render_available(), reason="report extra")
+def test_the_memory_section_tells_a_trainer_user_how_to_count_the_loss(tmp_path: Path) -> None:
+    """A loss the Trainer's compute_loss computes outside the model's forward is not in the activations: the report
+    names the callback's profiler (the user holds no ``prof``), and that call counts the loss: cross-entropy keeps
+    its fp32 log-softmax, batch x (seq - 1) x vocab floats."""
+    for scoped in (False, True):
+        cb = PrecprofCallback(out=tmp_path / f"run{scoped}", sample_every=1)
+        targs = training_args(tmp_path, max_steps=2)
+        trainer = _LossOutsideTheModel(
+            model=tiny_gpt2(),
+            args=targs,
+            train_dataset=TokenData(),
+            callbacks=[cb],
+            precprof_cb=cb if scoped else None,
+        )
+        trainer.train()
+        assert cb.report_path is not None
+        page = cb.report_path.read_text()
+        mem = T.read_tables(cb.run_dir)["memory"]
+        in_loss = mem[
+            (mem[T.COMPONENT] == T.ACTIVATIONS) & (mem[T.MODULE] == "(loss)") & (mem[T.DTYPE] == "float32")
+        ]
+        if scoped:
+            assert len(in_loss) and (in_loss[T.BYTES] >= BATCH * (SEQ - 1) * VOCAB * 4).all()
+            assert 'id="memory-loss"' not in page
+        else:
+            assert in_loss.empty
+            assert 'id="memory-loss"' in page and "precprof_cb.profiler.memory_scope()" in page
+            assert "compute_loss" in page and "with prof.memory_scope()" not in page

@@ -851,3 +851,40 @@ def test_only_a_wandb_logger_of_precprofs_own_run_turns_its_rows_beside_the_trai
     assert not _logs_to_wandb_run(beside_mine, other)
     assert not _logs_to_wandb_run(beside_other, True) and not _logs_to_wandb_run(beside_other, mine)
     assert not _logs_to_wandb_run(beside_csv, True)
+
+
+class ScopedLossLM(TinyLM):
+    """TinyLM computing its loss under the callback's ``profiler.memory_scope()``, as the report tells a Lightning
+    user to."""
+
+    def __init__(self, cb: PrecprofCallback) -> None:
+        super().__init__()
+        self.cb = cb
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.net(x)
+        with self.cb.profiler.memory_scope():
+            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
+        return loss
+
+
+@pytest.mark.skipif(importlib.util.find_spec("precprof.report.render") is None, reason="report extra")
+def test_the_memory_section_tells_a_lightning_user_how_to_count_the_loss(tmp_path: Path) -> None:
+    """A loss computed outside the model's forward is not in the activations: the report said to wrap it in
+    ``prof.memory_scope()``, and a Lightning user holds no ``prof``. It names the callback's profiler, and that
+    call counts the loss: cross-entropy keeps its fp32 log-softmax, batch x seq x vocab floats."""
+    cb = PrecprofCallback(sample_every=1)
+    fit(tmp_path / "plain", "32-true", cb, TinyLM())
+    assert cb.report_path is not None
+    page = cb.report_path.read_text()
+    assert 'id="memory-loss"' in page and "precprof_cb.profiler.memory_scope()" in page
+    assert "with prof.memory_scope()" not in page
+
+    cb = PrecprofCallback(sample_every=1)
+    fit(tmp_path / "scoped", "32-true", cb, ScopedLossLM(cb))
+    mem = T.read_tables(cb.run_dir)["memory"]
+    acts = mem[(mem[T.COMPONENT] == T.ACTIVATIONS) & (mem[T.MODULE] == "(loss)")]
+    floats = acts[acts[T.DTYPE] == "float32"]
+    assert len(floats) and (floats[T.BYTES] >= BATCH * SEQ * VOCAB * 4).all()  # each step measured
+    assert cb.report_path is not None and 'id="memory-loss"' not in cb.report_path.read_text()

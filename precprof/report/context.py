@@ -488,6 +488,33 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
         # the model's forward returned its loss: what the loss saved is among the activations already
         "loss_in_forward": bool((mem.get("model") or {}).get("loss_in_forward")),
         "none_why": _no_memory_why(summary),
+        "scope": _memory_scope_call(summary),
+    }
+
+
+def _memory_scope_call(summary: Mapping[str, Any]) -> dict[str, str]:
+    """How this run's loop reaches ``Profiler.memory_scope()``: ``prof`` in a loop of the user's own; under the
+    Lightning or Hugging Face callback, the callback's ``profiler`` (the user holds no Profiler of their own)."""
+    config = summary.get("config")
+    source = config.get("source") if isinstance(config, Mapping) else None
+    if source == "lightning.Trainer":
+        return {
+            "call": "precprof_cb.profiler.memory_scope()",
+            "where": "in your LightningModule's training_step, precprof_cb being the PrecprofCallback you gave "
+            "the Trainer",
+            "code": "out = self(x)\nwith precprof_cb.profiler.memory_scope():\n    loss = loss_fn(out, y)\nreturn loss",
+        }
+    if source == "transformers.Trainer":
+        return {
+            "call": "precprof_cb.profiler.memory_scope()",
+            "where": "in your Trainer's compute_loss, precprof_cb being the PrecprofCallback you gave the Trainer",
+            "code": "outputs = model(**inputs)\nwith precprof_cb.profiler.memory_scope():\n"
+            "    loss = loss_fn(outputs.logits, labels)",
+        }
+    return {
+        "call": "prof.memory_scope()",
+        "where": "",
+        "code": "out = model(x)\nwith prof.memory_scope():\n    loss = loss_fn(out, y)",
     }
 
 
