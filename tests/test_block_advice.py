@@ -791,3 +791,40 @@ def test_layers_that_took_turns_are_said_to_be_judged_on_their_own_steps(block_f
     f = next(f for f in recommend(prof, hardware="b200").findings if "linear layers is judged" in f.message)
     assert f"each over {per.min()} of the 6 sampled steps (the layers took turns)" in f.message
     assert "over 6 sampled step(s)" not in f.message
+
+
+def test_a_layer_whose_own_operands_were_not_evaluated_is_not_in_the_plan(block_formats_on: None) -> None:
+    """q, k and v read the norm's output, each in a group of its own: two sampled steps evaluate q's turn and
+    k's. The norm's output is evaluated on either turn, and v had entered the plan on that input alone (its
+    weight and output gradient have no block statistics), "evaluated 3 of the 4 linear layers" where the capture
+    summary said 2. The plan holds the layers whose own weight and output gradient carry block statistics in
+    the layers table, and the finding counts them as the summary does."""
+    import precprof
+
+    torch.manual_seed(0)
+    model = SharedInput()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, block_groups=4)
+    with prof:
+        for _ in range(2):
+            loss = model(torch.randn(BATCH, SEQ, WIDTH)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    layers = prof.tables()["layers"]
+    cols = [c for c in layers.columns if c.startswith("blk_")]
+    with_blocks = layers[layers[cols].notna().any(axis=1)]
+    own = {
+        tensor: set(with_blocks[with_blocks[T.TENSOR] == tensor][T.MODULE].astype(str))
+        for tensor in (T.WEIGHT, T.ACTIVATION_GRAD)
+    }
+    assert own[T.WEIGHT] == own[T.ACTIVATION_GRAD] == {"q", "k"}
+    assert "norm" in set(with_blocks[with_blocks[T.TENSOR] == T.ACTIVATION][T.MODULE].astype(str))
+    rec = recommend(prof, hardware="b200")
+    assert set(rec.block_plan) == own[T.WEIGHT]
+    assert [lb["module"] for lb in rec.block_what_if["layers"]] == ["q", "k"]
+    f = rec.finding("block_format_plan")
+    assert f is not None and prof.summary()["block_formats"]["layers_evaluated"] == 2
+    assert "Each of the 2 linear layers is judged" in f.message
+    assert "evaluated 2 of the 4 linear layers" in f.message and "did not reach v, out," in f.message

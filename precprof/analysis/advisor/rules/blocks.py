@@ -167,7 +167,8 @@ def _judged_on(run: _Run, modules: list[str], sampled: int) -> str:
 
 def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None) -> list[LayerBlocks]:
     """Per linear layer (forward order), each block recipe's losses on the operands the layer's GEMMs read.
-    Layers with no block statistics at all are left out (an older run, or the what-if was off), but for those
+    Layers whose own weight and output gradient have no block statistics are left out (an older run, the
+    what-if was off, or the groups' turns did not reach them: ``_turn_came``), but for those
     whose weight is computed (weight_norm, spectral_norm), which no conversion swaps: no run length or block
     budget changes their place in the plan."""
     if run.layers.empty or not any(c in run.layers for c in T.BLOCK_COLUMNS):
@@ -269,9 +270,28 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
             not judged and losses(grad, GRAD, "row", "input gradient", T.BLOCK_RECIPES[0]) is not None
         )
         # a layer whose weight is computed stays in bf16 whatever its numbers: in the plan, with statistics or not
-        if lb.losses or lb.computed_weight:
+        if lb.computed_weight or (lb.losses and _turn_came(rows_of(m, T.WEIGHT, "weight"), grad)):
             out.append(lb)
     return out
+
+
+def _turn_came(weight: Rows, grad: Rows) -> bool:
+    """Whether the layer's own operands were evaluated: its weight (where it holds one: a tied head's is the
+    embedding's) and its output gradient (where it ran a backward), which the capture evaluates on the layer's
+    own turn alone. Its input may be another module's output that a sibling's turn evaluated (a Llama's
+    gate_proj and up_proj, or q, k and v, read one norm's output): on that alone, a layer none of whose own
+    operands was evaluated had entered the plan, "NVFP4 (2): gate_proj, up_proj" where the what-if reached
+    gate_proj only."""
+    return all(_evaluated(rows) for rows in (weight, grad) if rows.n)
+
+
+def _evaluated(rows: Rows) -> bool:
+    """Whether any of ``rows`` holds block statistics (the recipes are evaluated together)."""
+    return any(
+        not np.isnan(rows.col(T.block_col(recipe, "flushed", orientation))).all()
+        for recipe in T.BLOCK_RECIPES
+        for orientation in T.BLOCK_ORIENTATIONS
+    )
 
 
 def fails(lb: LayerBlocks, name: str, cfg: AdvisorConfig) -> str:
