@@ -354,3 +354,34 @@ def test_the_block_plan_says_which_linear_layers_it_did_not_evaluate() -> None:
     assert f"The what-if evaluated {len(evaluated)} of the 4 linear layers" in f.message
     missing = sorted({f"layers.{i}" for i in range(4)} - evaluated)
     assert all(m in f.message.split("did not reach", 1)[1] for m in missing)
+
+
+def test_a_run_too_short_for_the_budget_to_widen_names_what_covers_its_layers() -> None:
+    """Two sampled steps: the first warms up, the second makes the budget's one estimate, and the budget puts
+    more layers in a group only on three, so a budget of 1e9 still evaluated one of the 4 layers a step. The
+    finding said "a larger Profiler(block_budget=...) covers them", and the Environment row "as many groups as
+    keep the what-if within 1e+11% of a sampled step" beside its 4 groups. Both say the groups were never
+    widened, and the remedy they name, block_groups=1, evaluates every layer on both steps of a run as short.
+    With the groups fixed by the user the budget plays no part, and the remedy does not name it."""
+    from precprof.analysis.advisor import recommend
+
+    prof = _run(2, block_budget=1e9)
+    assert [len(layers) for _, layers in sorted(_evaluated(prof).items())] == [1, 1]
+    desc = prof.summary()["block_formats"]
+    assert (desc["groups"], desc["estimates"], desc["estimates_to_widen"]) == (4, 1, 3)
+    f = recommend(prof, hardware="b200").finding("block_format_plan")
+    assert f is not None and "The what-if evaluated 2 of the 4 linear layers" in f.message
+    assert "a larger Profiler(block_budget=...) does not" in f.message
+    assert "Profiler(block_groups=1) evaluates every layer on every sampled step" in f.message
+    text = _block_setting(desc)
+    assert "as many groups as keep" not in text, text
+    assert (
+        "one layer a group, as the block budget (1e+11% of a sampled step) starts, until 3 sampled steps"
+        in text
+    )
+    assert "this run's measured it on 1" in text
+    every = {f"layers.{i}" for i in range(4)}
+    assert _evaluated(_run(2, block_groups=1)) == {0: every, 1: every}
+    fixed = recommend(_run(2, block_groups=4), hardware="b200").finding("block_format_plan")
+    assert fixed is not None and "did not reach" in fixed.message and "block_budget" not in fixed.message
+    assert "more sampled steps" in fixed.message and "Profiler(block_groups=1)" in fixed.message

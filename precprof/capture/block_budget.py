@@ -198,6 +198,10 @@ class BlockBudget:
         if self.adaptive:
             out["budget"] = self.share
             out["changes"] = list(self.history)
+            # estimates so far, and how many it takes to put more layers in a group: a run with fewer never
+            # widened its groups, whatever its budget (the report and the advisor say so)
+            out["estimates"] = len(self.ratios)
+            out["estimates_to_widen"] = MIN_ESTIMATES_TO_WIDEN
             if self.ratios:
                 # x the rest of a sampled step, as the groups were last chosen from
                 out["every_layer_cost"] = statistics.median(self.ratios[-ESTIMATE_WINDOW:])

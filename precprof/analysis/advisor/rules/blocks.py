@@ -584,6 +584,40 @@ def _grouped(lbs: list[LayerBlocks], limit: int) -> str:
     return "; ".join(parts) + (f" and {len(lbs) - named} more" if len(lbs) > named else "")
 
 
+def _block_setting(run: _Run) -> Mapping[str, Any]:
+    """The capture summary's ``block_formats`` entry ({} when the run has none)."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    setting = capture.get("block_formats") if isinstance(capture, Mapping) else None
+    return setting if isinstance(setting, Mapping) else {}
+
+
+def _short_of_estimates(setting: Mapping[str, Any]) -> bool:
+    """Whether the block budget measured the what-if's cost too few times to put more layers in a group
+    (``capture.block_budget.MIN_ESTIMATES_TO_WIDEN``): then the groups were never chosen from the budget."""
+    done, needed = setting.get("estimates"), setting.get("estimates_to_widen")
+    return (
+        bool(setting.get("adaptive")) and isinstance(done, int) and isinstance(needed, int) and done < needed
+    )
+
+
+def _reach_remedy(setting: Mapping[str, Any]) -> str:
+    """What covers the layers the sampled steps did not reach, for this run's ``block_formats`` setting. A larger
+    block budget only where it chose the groups: the budget starts with one layer a group and puts more in one
+    only after a few estimates, which a run of a few sampled steps never makes (block_budget=10, 100 times the
+    default, still evaluated 1 of 15 layers where the finding had said a larger one covers them)."""
+    turns = "Profiler(block_groups=1) evaluates every layer on every sampled step"
+    more = "more sampled steps (a longer run, a small sample_every, a larger overhead_budget) give every group its turn"
+    if _short_of_estimates(setting):
+        return (
+            "a larger Profiler(block_budget=...) does not: the budget puts more than one layer in a group only once "
+            "several sampled steps have measured what the what-if costs, more than this run had; "
+            f"{turns}, and {more}"
+        )
+    if setting.get("adaptive"):
+        return f"a larger Profiler(block_budget=...) puts more layers in a group; {turns}, and {more}"
+    return f"{more}, and {turns}"
+
+
 def _rule_block_formats(
     run: _Run, plan: _Plan, dims: Mapping[str, Mapping[str, int]] | None = None
 ) -> BlockPlan | None:
@@ -641,10 +675,10 @@ def _rule_block_formats(
         if partial
         else ""
     ) + (
-        f" The what-if evaluated {len(table)} of the {len(table) + len(unjudged)} linear layers: the block budget "
-        "deals them over the sampled steps, and this run's sampled steps did not reach "
-        f"{_listing(unjudged, 4)}, which have no block statistics and no place in this plan (a longer run, or "
-        "a larger Profiler(block_budget=...), covers them)."
+        f" The what-if evaluated {len(table)} of the {len(table) + len(unjudged)} linear layers: the capture "
+        "deals them into groups that take turns over the sampled steps, and this run's sampled steps did not "
+        f"reach {_listing(unjudged, 4)}, which have no block statistics and no place in this plan "
+        f"({_reach_remedy(_block_setting(run))})."
         if unjudged
         else ""
     )
