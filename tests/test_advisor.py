@@ -513,7 +513,10 @@ def test_a_loss_scale_from_a_lower_bound_promises_nothing(tmp_path: Path) -> Non
     skips = must(rec, "scaler_skipped_steps")
     assert "init_scale=2048) avoids" not in skips.message and "starting GradScaler at" not in skips.message
     assert "whether a start there avoids them the run cannot tell" in skips.message
-    assert skips.remedy == "Use GradScaler(init_scale=2048) or lower."
+    assert skips.remedy.startswith(
+        "Use a dynamic GradScaler (it backs off until steps go through) at init_scale=2048"
+    )
+    assert skips.numbers["avoidable"] is None and skips.numbers["above_start_limit"] == 3
     # the promise it made before, tested: a run started at 2^11 still skips every step
     assert _fp16_overflowing_run(2.0**k, None) == [True, True, True]
 

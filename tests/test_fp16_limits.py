@@ -242,6 +242,54 @@ def test_where_fp16_is_ruled_out_no_finding_or_snippet_gives_a_scale_to_start_it
     assert "rule FP16 out" not in fits.recommend("a100").snippet("pytorch", "fp16")
 
 
+def test_a_loss_scale_sized_on_overflowed_gradients_is_said_to_be_the_most_a_start_can_be() -> None:
+    """A static loss scale of 2^40: every step overflows, so the run knows its largest gradient only as a lower
+    bound (65504 / 2^40) and the scale sized on it, 2^32, is the most a start can be. The verdict box said a bare
+    "if you use FP16: init_scale = 2^32", summary.json's fp16_loss_scale nothing more, and scaler_skipped_steps
+    "Use GradScaler(init_scale=4294967296) or lower" with 3 skips "a better initial scale avoids". Trained at
+    2^32, every step overflows too. The box, the recommendation and the reasons say it is an upper limit and
+    point at a dynamic GradScaler, and no skip is counted as avoidable; a run that overflowed nowhere keeps its
+    bare scale."""
+    over, _ = weighted_loss.run(1.0, "fp16", loss_scale=2.0**40, static=True)
+    assert T.flags(over.tables["steps"][T.SKIPPED]).all()
+    rec = over.recommend("t4", config=AdvisorConfig())  # fp32 for a model this small, fp16's scale beside it
+    scale = rec.fp16_loss_scale
+    assert rec.format == "fp32" and scale == 2.0**32 and rec.fp16_loss_scale_at_most
+    assert rec.to_dict()["fp16_loss_scale_at_most"] is True  # summary.json's recommendation
+    # the largest gradient as an fp32 run of the same weights computes it: at 2^32 it overflows fp16
+    _, seen = weighted_loss.run(1.0)
+    assert float(_all(seen).abs().max()) * scale > 65504
+    at_scale, _ = weighted_loss.run(1.0, "fp16", loss_scale=scale, static=True)
+    assert T.flags(at_scale.tables["steps"][T.SKIPPED]).all()
+    page = " ".join(render.render_html(over.tables, over.summary, rec).split())
+    assert (
+        '(if you use FP16: init_scale = 4,294,967,296 (2^32)<span id="scale-at-most"> at the most, in a dynamic '
+        "GradScaler:" in page
+    )
+    skips = rec.finding("scaler_skipped_steps")
+    assert skips is not None and skips.numbers["skipped"] == 3
+    assert skips.numbers["avoidable"] is None and skips.numbers["above_start_limit"] == 3
+    assert skips.numbers["start_scale_limit"] == scale and skips.numbers["recommended_scale"] is None
+    assert skips.remedy.startswith("Use a dynamic GradScaler") and "init_scale=4294967296 at the most" in (
+        skips.remedy
+    )
+    fp16 = over.recommend("t4")  # the scenarios' default: no small-model rule, an fp16 verdict
+    assert fp16.format == "fp16" and fp16.loss_scale == scale
+    assert any(
+        r.startswith("Start a dynamic GradScaler at init_scale=4294967296 (2^32) at the most")
+        for r in fp16.reasons
+    )
+    assert "init_scale at the most" in fp16.describe().splitlines()[0]
+    page = " ".join(render.render_html(over.tables, over.summary, fp16).split())
+    assert 'id="scale-at-most"' in page
+
+    fine, _ = weighted_loss.run(1.0, "fp16", loss_scale=2.0**10)
+    assert not T.flags(fine.tables["steps"][T.SKIPPED]).any()
+    rec = fine.recommend("t4", config=AdvisorConfig())
+    assert not rec.fp16_loss_scale_at_most
+    assert 'id="scale-at-most"' not in render.render_html(fine.tables, fine.summary, rec)
+
+
 # a CPU that runs bf16 natively (AVX512-BF16/AMX), as the AMD EPYC the report was read on
 BF16_CPU = hardware.HardwareInfo(device="cpu", name="AMD EPYC", bf16_supported=True, bf16_native=True)
 

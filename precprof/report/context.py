@@ -139,6 +139,8 @@ def _verdict(
         "loss_scale": _f(rec.get("loss_scale")),
         "fp16_loss_scale": _f(rec.get("fp16_loss_scale")),
         "fp16_ruled_out": bool(rec.get("fp16_ruled_out")),
+        # the scale rests on a lower bound of the largest gradient: the box says it is the most a start can be
+        "fp16_scale_at_most": bool(rec.get("fp16_loss_scale_at_most")),
         "growth_interval": rec.get("growth_interval"),
         "keep_fp32": list(rec.get("keep_fp32") or []),
         "fp16_keep_fp32": list(rec.get("fp16_keep_fp32") or []),

@@ -118,6 +118,14 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "sampled_steps_with_grads": ("sampled steps with weight gradients", "count"),
     "first_ok_scale": ("scale of the first step that went through", "scale"),
     "recommended_scale": ("recommended initial loss scale", "scale"),
+    "start_scale_limit": (
+        "the most an initial loss scale can be (the largest gradient is known only as a lower bound)",
+        "scale",
+    ),
+    "above_start_limit": (
+        "skips above the most a start can be (whether a start there avoids them is unknown)",
+        "count",
+    ),
     ("scaler_skipped_steps", "steps"): ("steps in the run", "count"),
     "skipped_after_divergence": ("steps skipped from the divergence on (loss non-finite)", "count"),
     "steps_before_divergence": ("steps before the divergence", "count"),

@@ -271,7 +271,9 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
     if fmt == "fp16":
         gm = plan.grad_absmax
         reasons.append(
-            f"Start GradScaler at init_scale={_scale(k)} (2^{k}): the largest gradient seen, {_g(gm)}, times "
+            _scale_at_most_said(plan, k)
+            if plan.grad_absmax_bound
+            else f"Start GradScaler at init_scale={_scale(k)} (2^{k}): the largest gradient seen, {_g(gm)}, times "
             f"2^{k} stays below 65504 / {2**cfg.fp16_margin_log2}; " + _underflow_said(plan)
             if plan.gradients_usable and plan.grad_absmax is not None
             else f"Start GradScaler at {'its default ' if k == cfg.default_loss_scale_log2 else ''}init_scale="
@@ -341,6 +343,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         measured_format=measured,
         device=hw.device,
         fp16_ruled_out=bool(plan.fp16_block),
+        fp16_loss_scale_at_most=plan.grad_absmax_bound,
         fp16_keep_fp32=fp16_keep,
         measured_keep_fp32=_keep_list(plan, measured or fmt),
         measured_fp8_layers=list(plan.fp8_eligible) if (measured or fmt) == "fp8" else [],
@@ -446,6 +449,17 @@ def _demote_what_ifs(run: _Run, plan: _Plan, fmt: str, measured: str) -> None:
             f.severity = INFO
             verdict = f"the verdict is {fmt}" if fmt == measured else f"{measured} fits, the verdict is {fmt}"
             f.title += f" (what fp16 would do; {verdict})"
+
+
+def _scale_at_most_said(plan: _Plan, k: int) -> str:
+    """The fp16 verdict's loss-scale reason where the run's largest gradients came with inf or nan: 2^k comes
+    from a lower bound of the largest gradient (fp16_loss_scale), so it is the most a start can be."""
+    return (
+        f"Start a dynamic GradScaler at init_scale={_scale(k)} (2^{k}) at the most: the run's largest gradients "
+        f"came with inf or nan, so it measured the largest only as a lower bound (at least "
+        f"{_g(plan.grad_absmax or 0.0)}) and a start there may overflow too; the scaler backs off until steps go "
+        "through" + (f"; {_underflow_said(plan)}" if plan.gradients_usable else ".")
+    )
 
 
 def _underflow_said(plan: _Plan) -> str:

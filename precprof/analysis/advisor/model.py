@@ -61,6 +61,10 @@ class Recommendation:
     ``loss_scale`` is the GradScaler ``init_scale`` (a power of two) when the recommended format needs loss
     scaling (fp16), else None; ``fp16_loss_scale`` is the init_scale an fp16 run would use, always present;
     ``fp16_ruled_out``: the measurements rule fp16 out (the reasons say why), so that init_scale is no advice.
+    ``fp16_loss_scale_at_most``: the run's largest gradients came with inf or nan (fp16 overflow), so it
+    measured the largest gradient only as a lower bound and ``fp16_loss_scale`` (``loss_scale`` too) is the most
+    a start can be, not a scale known to fit: a dynamic GradScaler started there or lower backs off until steps
+    go through.
     ``fp16_keep_fp32``: the modules an fp16 run would run outside autocast, whatever the format (``keep_fp32``
     when it is fp16): what fp16 needs besides its loss scale, beside a verdict of another format.
     ``measured_keep_fp32``: the modules ``measured_format`` keeps in fp32 (``keep_fp32`` when it is the format),
@@ -93,6 +97,7 @@ class Recommendation:
     # the target's device type, "cuda" or "cpu" (the snippets' device_type); "" in summaries written before it
     device: str = ""
     fp16_ruled_out: bool = False
+    fp16_loss_scale_at_most: bool = False
     fp16_keep_fp32: list[str] = field(default_factory=list)
     measured_keep_fp32: list[str] = field(default_factory=list)
     measured_fp8_layers: list[str] = field(default_factory=list)
@@ -137,6 +142,8 @@ class Recommendation:
             if self.growth_interval is not None:
                 plan += f", growth_interval={self.growth_interval}"
             plan += ")"
+            if self.fp16_loss_scale_at_most:
+                plan += ", init_scale at the most (the largest gradient is known only as a lower bound)"
         lines = [plan]
         if self.keep_fp32:
             lines.append("Keep in fp32: " + ", ".join(_name(m) for m in self.keep_fp32))

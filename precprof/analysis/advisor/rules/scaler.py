@@ -135,6 +135,10 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
         went_through = scale.where(~skipped).cummax().ffill().shift(1)
         grown = later & (sk[~from_model][T.LOSS_SCALE] > went_through[sk[~from_model].index].fillna(0.0))
         avoid, probes = int((above & ~later).sum()), int((above & grown).sum())
+        # the recommended scale rests on a lower bound of the largest gradient: the most a start can be, not a scale
+        # known to fit, so the skips above it are not counted as ones a start there avoids
+        unsure = avoid if plan.grad_absmax_bound else 0
+        avoid -= unsure
         spikes = int(
             (above & later & ~grown).sum()
         )  # above the recommendation, at a scale steps went through
@@ -145,8 +149,9 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                 "finding), which no loss scale avoids"
             )
         if others:
-            lead = f"Of the other {others}, {avoid}" if model else f"{avoid} of those skips"
-            if avoid and plan.grad_absmax_bound:
+            head = unsure or avoid
+            lead = f"Of the other {others}, {head}" if model else f"{head} of those skips"
+            if unsure:
                 part = (
                     f"{lead} happened at a scale above {_pow2(k)}, the most a start can be; whether a start "
                     f"there avoids them the run cannot tell: it measured the largest gradient only as a lower "
@@ -157,11 +162,6 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                     f"{lead} happened at a scale above the recommended {_pow2(k)}: starting GradScaler at "
                     f"{_scale(k)} avoids them"
                 )
-                if probes:
-                    part += f"; {_probes(probes, settled)}"
-                rest = others - avoid - probes
-                if rest:
-                    part += f"; the other {rest} {_went_through(rest, spikes, 'it')}"
             elif probes:
                 part = f"{'Of the other ' + str(others) + ', ' if model else ''}{_probes(probes, settled)}"
                 if others - probes:
@@ -172,6 +172,12 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                     f"{'The other' if model else 'All'} {others} "
                     f"{_went_through(others, spikes, f'the recommended {_pow2(k)}')}"
                 )
+            if head:
+                if probes:
+                    part += f"; {_probes(probes, settled)}"
+                rest = others - head - probes
+                if rest:
+                    part += f"; the other {rest} {_went_through(rest, spikes, 'it')}"
             parts.append(part)
         who = (
             "The loss scaler, static (it never backs off),"
@@ -195,7 +201,11 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
             + "."
         )
         remedy = (
-            f"Use GradScaler(init_scale={_scale(k)})" + (" or lower." if plan.grad_absmax_bound else ".")
+            f"Use a dynamic GradScaler (it backs off until steps go through) at init_scale={_scale(k)} at the "
+            "most, or profile a few steps at a low scale (--loss-scale static:1) to measure the gradients and "
+            "size it."
+            if unsure
+            else f"Use GradScaler(init_scale={_scale(k)})" + (" or lower." if plan.grad_absmax_bound else ".")
             if avoid or not (model or probes or spikes == others)
             else "Nothing to change at the start: the scaler backed off from a gradient spike at a scale earlier "
             "steps had gone through at, as it is made to."
@@ -222,13 +232,17 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                         if plan.diverged is not None
                         else {"steps": len(st)}
                     ),
-                    "avoidable": avoid,
+                    # not known where the scale is the most a start can be: those skips are counted apart
+                    "avoidable": None if unsure else avoid,
+                    "above_start_limit": unsure if plan.grad_absmax_bound else None,
                     "growth_probes": probes,
                     "spikes": spikes,
                     "from_model": model,
                     "start_scale": start,
                     "first_ok_scale": settled,
-                    "recommended_scale": rec,
+                    # a scale from a lower bound of the largest gradient is the most a start can be, no recommendation
+                    "recommended_scale": None if plan.grad_absmax_bound else rec,
+                    "start_scale_limit": rec if plan.grad_absmax_bound else None,
                 },
             )
         )
