@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
+import math
 import os
 import re
 import signal
@@ -638,20 +639,23 @@ def test_a_skip_the_scaler_grew_into_is_not_blamed_on_its_start(tmp_path: Path) 
     assert "growth probing its ceiling" in f.message and "init_scale" not in f.remedy
 
 
-def _one_spike_run(out: Path) -> tuple[list[float], list[bool]]:
-    """A dynamic GradScaler at 2^12 that never grows (growth_interval 2000): every step goes through but step 5,
-    whose loss is multiplied by 1e6 (a gradient spike). Returns each step's scale and whether it was skipped."""
+def _one_spike_run(
+    out: Path, init_scale: float = 2.0**12, steps: int = 10, spike: int = 5, sample_every: int = 1
+) -> tuple[list[float], list[bool]]:
+    """A dynamic GradScaler at ``init_scale`` (2^12: every step goes through) that never grows (growth_interval
+    2000), whose loss at step ``spike`` is multiplied by 1e6 (a gradient spike). Returns each step's scale and
+    whether it was skipped."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2000)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2000)
     scales, skipped = [], []
-    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, out=out) as prof:
-        for step in range(10):
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=sample_every, out=out) as prof:
+        for step in range(steps):
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
             with torch.autocast("cpu", dtype=torch.float16):
                 out_ = model(x)
-            loss = out_.float().square().mean() * (1e6 if step == 5 else 1.0)
+            loss = out_.float().square().mean() * (1e6 if step == spike else 1.0)
             scales.append(scaler.get_scale())
             backward_and_step(loss, opt, scaler)
             skipped.append(scaler.get_scale() < scales[-1])
@@ -670,7 +674,39 @@ def test_a_skip_at_the_scale_steps_went_through_at_is_a_spike_not_growth_probing
     f = found["scaler_skipped_steps"]
     assert f.numbers["skipped"] == 1 and f.numbers["growth_probes"] == 0
     assert "grew" not in f.message and "growth" not in f.remedy
-    assert "happened at or below a scale earlier steps had gone through at" in f.message
+    assert "happened above the recommended 2^" in f.message
+    assert "but at or below a scale earlier steps had gone through at" in f.message
+
+
+def test_the_skips_a_lower_start_avoids_are_said_to_be_those_before_the_first_step_through(
+    tmp_path: Path,
+) -> None:
+    """A dynamic GradScaler started at 2^24 backs off to 2^18, where the first step goes through; later skips
+    (a gradient spike among them) come at scales steps had gone through at, still above the recommended scale.
+    The message said "6 of those skips happened at a scale above the recommended 2^15 ...; the other 2 happened at
+    or below a scale earlier steps had gone through at", which read as the other 2 being at or below 2^15; all 8
+    were above it. The 6 are the skips before the first step that went through, and the message says so."""
+    scales, skipped = _one_spike_run(tmp_path / "run", init_scale=2.0**24, steps=20, spike=15, sample_every=2)
+    first_ok = skipped.index(False)
+    later = [t for t in range(first_ok + 1, len(scales)) if skipped[t]]
+    assert first_ok and later and all(skipped[:first_ok])
+    f = next(f for f in precprof.recommend(tmp_path / "run").findings if f.code == "scaler_skipped_steps")
+    rec = f.numbers["recommended_scale"]
+    # independently: every skip, before the first step through and after it, was above the recommended scale; the
+    # later ones at a scale a step had gone through at before them
+    assert all(s > rec for s, k in zip(scales, skipped, strict=True) if k)
+    assert all(
+        scales[t] <= max(s for s, k in zip(scales[:t], skipped[:t], strict=True) if not k) for t in later
+    )
+    assert f.numbers["avoidable"] == first_ok and f.numbers["spikes"] == len(later)
+    assert (
+        f"{first_ok} of those skips came before the first step that went through, each at a scale above the "
+        f"recommended 2^{int(math.log2(rec))}" in f.message
+    )
+    assert (
+        f"the other {len(later)} happened above it but at or below a scale earlier steps had gone through at"
+        in f.message
+    )
 
 
 def _backoff_run(out: Path) -> tuple[list[float], list[bool]]:

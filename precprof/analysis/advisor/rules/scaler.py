@@ -59,7 +59,7 @@ def _went_through(n: int, spikes: int, rec: str) -> str:
     where = (
         f"at or below {rec}"
         if not spikes
-        else below
+        else f"above {rec} but {below}"
         if spikes == n
         else f"at or below {rec} ({n - spikes}) or above it, {below} ({spikes})"
     )
@@ -123,11 +123,8 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
         # start avoids them); after it, a dynamic scaler's growth probing its ceiling, which a lower start grows
         # back into after as many growth intervals (a static scale never grows: all the start's)
         above = sk[~from_model][T.LOSS_SCALE] > rec
-        later = (
-            sk[~from_model][T.STEP] > st.loc[first_ok[0], T.STEP]
-            if len(first_ok) and not _static_scale(st)
-            else above & False
-        )
+        backed_off = bool(len(first_ok)) and not _static_scale(st)  # a dynamic scaler: a step went through
+        later = sk[~from_model][T.STEP] > st.loc[first_ok[0], T.STEP] if backed_off else above & False
         # a probe is a skip at a scale the scaler grew to, above every scale a step had gone through at before;
         # a skip at a scale steps went through at is a gradient spike (a lower start grows back to it too)
         # (cummax leaves a skipped step's NaN as NaN: the highest scale so far is carried over it, or a skip at a
@@ -158,8 +155,11 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                     f"bound (fp16_loss_scale)"
                 )
             elif avoid:
+                # a dynamic scaler's skips before its first step went through, not merely those above the
+                # recommended scale: a spike after it may be above it too
+                when = "came before the first step that went through, each" if backed_off else "happened"
                 part = (
-                    f"{lead} happened at a scale above the recommended {_pow2(k)}: starting GradScaler at "
+                    f"{lead} {when} at a scale above the recommended {_pow2(k)}: starting GradScaler at "
                     f"{_scale(k)} avoids them"
                 )
             elif probes:
