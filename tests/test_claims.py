@@ -28,8 +28,8 @@ import precprof
 from precprof import hardware
 from precprof import tables as T
 from precprof.analysis.advisor import AdvisorConfig
-from precprof.report import filters
-from precprof.training import TrainConfig, train
+from precprof.report import filters, plots
+from precprof.training import Callback, TrainConfig, TrainRun, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -637,6 +637,52 @@ def test_a_skip_the_scaler_grew_into_is_not_blamed_on_its_start(tmp_path: Path) 
     assert f.numbers["skipped"] == sum(skipped)
     assert f.numbers["avoidable"] == 0 and f.numbers["growth_probes"] == sum(skipped)
     assert "growth probing its ceiling" in f.message and "init_scale" not in f.remedy
+
+
+class _FiniteGradients(Callback):
+    """Whether each step's gradients were all finite, as the backward left them (scaled): the test's own look."""
+
+    def __init__(self) -> None:
+        self.finite: list[bool] = []
+
+    def after_backward(self, run: TrainRun) -> None:
+        grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+        self.finite.append(all(bool(torch.isfinite(g).all()) for g in grads))
+
+
+def test_a_gradient_norm_nan_on_every_step_is_not_said_to_be_unrecorded(tmp_path: Path) -> None:
+    """A static loss scale of 2^40: every step's gradients overflow fp16, the built-in loop's clipping norm is nan
+    and the scaler skips the step. The gradient-norm plot said "no gradient norm recorded"; it says the norm was
+    not finite on every step. A loop that passed no norm still has none recorded."""
+    seen = _FiniteGradients()
+    cfg = dict(model="gpt-nano", model_args=dict(TINY), steps=3, batch_size=2, seq_len=16, sample_every=1)
+    torch.manual_seed(0)
+    train(
+        TrainConfig(
+            **cfg, precision="fp16", loss_scale="static:1099511627776", progress=False, out=tmp_path / "r"
+        ),
+        callbacks=[seen],
+    )
+    steps = T.read_tables(tmp_path / "r")["steps"]
+    assert seen.finite == [False] * 3 and T.flags(steps[T.SKIPPED]).all()
+    fig = plots.training_figure(steps)
+    assert fig is not None
+    assert [t.get_text() for t in fig.axes[2].texts] == [
+        "not finite (nan/inf)\non every step\n(every step skipped)"
+    ]
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, out=tmp_path / "none") as prof:
+        for _ in range(3):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()  # no grad_norm, and no clip_grad_norm_ to note one from
+    prof.save()
+    fig = plots.training_figure(T.read_tables(tmp_path / "none")["steps"])
+    assert fig is not None and [t.get_text() for t in fig.axes[2].texts] == ["no gradient norm recorded"]
 
 
 def _one_spike_run(

@@ -125,7 +125,8 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
                 label="inf/nan gradient",
             )
     else:
-        ax.text(0.5, 0.5, "no gradient norm recorded", ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, _no_finite_norm(inf, skipped), ha="center", va="center", transform=ax.transAxes)
+        ax.set_yticks([])  # no value to read off it
     # the norm the loop clipped by: an inf-norm is the largest |g|, not what "gradient norm" reads as
     said = {None: "", "inf": ", max |g|"}.get(norm_type, f", {norm_type}-norm")
     ax.set_title(f"Gradient norm (unscaled{said})")
@@ -170,6 +171,20 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
         a.yaxis.label.set_fontsize(9)
         a.tick_params(labelsize=8.5)
     return fig
+
+
+def _no_finite_norm(inf: np.ndarray, skipped: np.ndarray) -> str:
+    """What the gradient-norm plot says where no step has a finite norm: none recorded, or (``inf``, the steps
+    whose norm was inf or nan) one that was not finite, as a run whose every step overflowed and was skipped has
+    ("no gradient norm recorded" was said of a norm recorded as nan on every step)."""
+    if not inf.any():
+        return "no gradient norm recorded"
+    where = (
+        "on every step"
+        if inf.all()
+        else f"on {int(inf.sum())} of {len(inf)} steps,\nnone recorded on the others"
+    )
+    return f"not finite (nan/inf)\n{where}" + ("\n(every step skipped)" if skipped.all() else "")
 
 
 def _broken_at_holes(xs: np.ndarray, ys: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
