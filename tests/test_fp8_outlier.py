@@ -128,6 +128,31 @@ def test_without_an_outlier_that_sets_the_scale_the_layer_stays_eligible(outlier
     assert f"Most pushed there: {pushed * 100:.3g}%" in f.message
 
 
+def test_outlier_channels_that_set_the_scale_are_measured_beside_the_largest_values_check() -> None:
+    """Four channels of the input 1e4 times the others (4 of 256, 1.6% of the values: LLM.int8's outlier
+    features) set the e4m3 scale and put nearly all the other values below e4m3's smallest normal; the check of
+    the largest 0.1% of values hardly sees it (those all lie in the channels, at the scale the channels set), and
+    the finding said "Most pushed there" of that check alone. It says now how much of a tensor lies below the
+    smallest normal at its scale, measured from the histogram, which does not decide: the layer stays
+    eligible."""
+    x = activation(None)
+    channels = torch.zeros(WIDTH, dtype=torch.bool)
+    channels[[3, 70, 140, 200]] = True
+    x[:, channels] *= 1e4
+    share, rest = below_normal(x, scale(x)), x[:, ~channels]
+    assert share > 0.9 and below_normal(rest, scale(rest)) < 1e-3  # the channels put them there
+    f = advice(x).finding("fp8_eligibility")
+    assert f is not None and f.modules == ["lin"]
+    pushed, below = f.numbers["max_pushed_subnormal"], f.numbers["max_below_normal"]
+    assert isinstance(pushed, float) and pushed < 0.01  # what the largest 0.1% push: next to nothing
+    assert below == pytest.approx(share, rel=1e-12)  # exact: the binades meet the smallest normal
+    assert (
+        f"Most pushed there: {pushed * 100:.3g}%; below it at the scale a tensor's largest value sets, whatever "
+        f"put them there, which does not decide: up to {share * 100:.3g}% of a tensor's values (lin's input)"
+        in f.message
+    )
+
+
 def test_a_weight_spread_wide_by_nature_is_not_held_back() -> None:
     """A weight whose values spread over 40 binades has most of them below e4m3's smallest normal under any
     scale: its largest values do not put them there, and it stays eligible (as issue 34's gradient tail)."""

@@ -222,6 +222,10 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "max_e4m3_lost_norm": ("largest share of the norm E4M3 loses (inputs, weights)", "share"),
     "max_e5m2_lost_norm": ("largest share of the norm E5M2 loses (output gradients)", "share"),
     "max_pushed_subnormal": ("most values a tensor's largest 0.1% push below FP8's smallest normal", "share"),
+    "max_below_normal": (
+        "most values of a tensor below FP8's smallest normal at the scale its largest sets (not judged)",
+        "share",
+    ),
     "pushed_subnormal_max": ("share of values pushed below FP8's smallest normal allowed", "share"),
     "sampled_steps": ("sampled steps", "count"),
     ("fp8_speed", "layers"): ("GEMMs FP8 would convert (a call of an FP8-eligible layer each)", "count"),

@@ -16,7 +16,10 @@ outlier that sets its scale: one value of 3e4 in an N(0, 1) input holds nearly a
 the other values below e4m3's smallest normal, where they keep 0 to 3 significant bits. A layer is not eligible
 when a tensor's largest 0.1% of values push more than ``AdvisorConfig.fp8_pushed_subnormal_max`` of its values
 there (``_pushed_share``, exact from the histogram): a tensor whose values spread wide by nature (the GELU tail,
-a weight over 40 binades) has them there under any scale, and is not held back.
+a weight over 40 binades) has them there under any scale, and is not held back. The share of a tensor's values
+below the smallest normal at its scale, whatever put them there, is reported beside it, not judged: outlier
+channels (more than the largest 0.1%, as LLM.int8's outlier features) that set the scale for the rest are seen
+there, not by the outlier check.
 """
 
 from __future__ import annotations
@@ -87,8 +90,8 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     GEMMs would read it in loses: its weight and its input (tensor ``INPUT``: the output of each module in
     ``inputs[module]``, which its GEMM read) in e4m3, its output gradient in e5m2. Columns: ``lost_norm`` (upper
     bound of the share of the L2 norm lost to underflow), ``lost_values`` (share of the nonzero finite values
-    flushed, exact), ``pushed`` (``_pushed_share``), ``side`` ("forward": input and weight; "backward": output
-    gradient)."""
+    flushed, exact), ``pushed`` and ``below`` (``_pushed_share``), ``side`` ("forward": input and weight;
+    "backward": output gradient)."""
     lay = run.layers
     sources = {s for m in modules for s in inputs.get(m, [])}
     own = lay[T.MODULE].isin(modules) & (
@@ -99,7 +102,7 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     keys = [T.STEP, T.MODULE, T.TENSOR, T.PARAM]
     rows = lay.loc[sel, [*keys, T.ABSMAX, T.CALLS, T.NUMEL, T.ZEROS, T.NAN, T.INF, e4, e5]]
     if rows.empty:
-        return pd.DataFrame(columns=[*keys, "side", "lost_norm", "lost_values", "pushed"])
+        return pd.DataFrame(columns=[*keys, "side", "lost_norm", "lost_values", "pushed", "below"])
     rows = rows.assign(**{k: T.texts(rows[k]).astype(object) for k in (T.MODULE, T.TENSOR, T.PARAM)})
     # one row per tensor and step (a table merged from ranks may repeat one): counts add, amax is the largest
     agg = {c: "sum" for c in (T.CALLS, T.NUMEL, T.ZEROS, T.NAN, T.INF, e4, e5)}
@@ -123,7 +126,7 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
         exact=(rows[T.CALLS].to_numpy(dtype=float) <= 1),
     )
     nonzero = (rows[T.NUMEL] - rows[T.ZEROS] - rows[T.NAN] - rows[T.INF]).clip(lower=0).to_numpy(dtype=float)
-    pushed = _pushed_share(h, group, nonzero, amax, is_grad)
+    pushed, below = _pushed_share(h, group, nonzero, amax, is_grad)
     with np.errstate(invalid="ignore", divide="ignore"):
         values = np.where(nonzero > 0, flushed / nonzero, np.nan)
     out = rows[keys].copy()
@@ -131,6 +134,7 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     out["lost_norm"] = share
     out["lost_values"] = values
     out["pushed"] = pushed
+    out["below"] = below
     # each layer's rows: its weight and output gradient, and the outputs it read as its input, as its own
     mine = out[out[T.TENSOR] != T.ACTIVATION]
     outputs = out[out[T.TENSOR] == T.ACTIVATION]
@@ -142,12 +146,14 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
 
 def _pushed_share(
     h: pd.DataFrame, group: np.ndarray, nonzero: np.ndarray, amax: np.ndarray, is_grad: np.ndarray
-) -> np.ndarray:
+) -> tuple[np.ndarray, np.ndarray]:
     """Per tensor (``group`` maps the histogram rows ``h`` to them): the share of its nonzero finite values its
     largest values push below its FP8 format's smallest normal under current scaling, where a value keeps at
     most 3 of e4m3's 4 significant bits (2 of e5m2's 3), or flushes: the values below the smallest normal
     under the scale amax sets, less those below it under the scale that all but its largest ``OUTLIER_SHARE``
-    of values would set (their largest taken at its binade's upper edge: a smaller share, never a larger one).
+    of values would set (their largest taken at its binade's upper edge: a smaller share, never a larger one);
+    and the share below the smallest normal under the scale amax sets, whatever put them there (an outlier
+    channel, more than OUTLIER_SHARE of the values, that sets the scale of the rest; or a wide spread).
     The binades meet the smallest normal exactly, the scale being a power of two; a tensor of several calls is
     read at its largest call's scale."""
     exponent, count = h[T.EXPONENT].to_numpy(), h[T.COUNT].to_numpy()
@@ -166,15 +172,17 @@ def _pushed_share(
     all_below, bulk_below = below(amax), below(bulk_amax)
     with np.errstate(invalid="ignore", divide="ignore"):
         pushed = np.where(nonzero > 0, np.clip((all_below - bulk_below) / nonzero, 0.0, 1.0), np.nan)
-    return np.where(np.isnan(bulk_amax), 0.0, pushed)
+        share = np.where(nonzero > 0, np.clip(all_below / nonzero, 0.0, 1.0), np.nan)
+    return np.where(np.isnan(bulk_amax), 0.0, pushed), share
 
 
 def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
     """Per (module, side): the median over sampled steps of the lost-norm bound (the larger of the input's and
     the weight's on the forward side), its worst step, the median share of values flushed, and of the tensor
     whose largest values push the most of it below the smallest normal (``fp8_losses``' ``pushed``), that
-    share (``pushed``) and its name (``pushed_tensor``)."""
-    cols = ["norm", "norm_worst", "values", "pushed", "pushed_tensor", "steps"]
+    share (``pushed``) and its name (``pushed_tensor``), and of the tensor with the most of its values below the
+    smallest normal (``fp8_losses``' ``below``), that share (``below``) and its name (``below_tensor``)."""
+    cols = ["norm", "norm_worst", "values", "pushed", "pushed_tensor", "below", "below_tensor", "steps"]
     if losses.empty:
         return pd.DataFrame(columns=cols)
     per = (
@@ -184,6 +192,7 @@ def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
             norm_worst=("lost_norm", "max"),
             values=("lost_values", "median"),
             pushed=("pushed", "median"),
+            below=("below", "median"),
             steps=(T.STEP, "nunique"),  # a layer read from two modules has two rows a step
         )
         .reset_index()
@@ -199,7 +208,11 @@ def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
         pushed_tensor=(T.TENSOR, "first"),
         steps=("steps", "max"),
     )
-    return out.reindex(order)[cols]
+    most = per.sort_values("below", ascending=False, kind="stable", na_position="last")
+    most = most.groupby([T.MODULE, "side"], sort=False).agg(
+        below=("below", "first"), below_tensor=(T.TENSOR, "first")
+    )
+    return out.join(most).reindex(order)[cols]
 
 
 def _at_most(bound: float) -> str:
@@ -238,6 +251,23 @@ def _outlier_reason(by_key: Mapping[Any, Mapping[str, Any]], m: str, most: float
             f"{bits} significant bits"
         )
     return ""
+
+
+def _most_below(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str]) -> tuple[float | None, str]:
+    """The largest share of a tensor's values below its FP8 format's smallest normal at the scale its largest
+    value sets, over the layers ``linear`` read (``fp8_summary``'s ``below``), and whose tensor it is in words
+    ("2's input"); (None, "") where none was read."""
+    most = [
+        (w, m, side)
+        for side in (FORWARD, BACKWARD)
+        for m in linear
+        if (w := _get(by_key, m, side, "below")) is not None
+    ]
+    if not most:
+        return None, ""
+    w, m, side = max(most)
+    what = _TENSOR_WORDS.get(str(by_key[(m, side)]["below_tensor"]), "tensor")
+    return w, f"{_name(m)}'s {what}"
 
 
 def _outlier_remedy(plan: _Plan) -> str:
@@ -641,6 +671,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     ]
     pmax, pmod = max(pushed) if pushed else (None, None)
     pmod = pmod if pmax else None
+    lowest, low_where = _most_below(by_key, linear)
     msg = (
         "A linear layer is FP8-eligible when --precision fp8 would convert it (an nn.Linear not tied to an "
         f"embedding, both dimensions and the tokens per call multiples of {taxonomy.FP8_DIM_MULTIPLE}), none of "
@@ -731,6 +762,19 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         f"massive activations of large language models). Most pushed there: {_pct(pmax)}"
         + (f" ({_name(pmod)})" if pmod is not None else "")
         + (
+            "; below it at the scale a tensor's largest value sets, whatever put them there, which does not "
+            "decide: "
+            + (f"up to {_pct(lowest)} of a tensor's values ({low_where})" if lowest else "none")
+            + (
+                f", more than its largest {_pct(OUTLIER_SHARE)} may push there: outlier channels (more values than "
+                "those) that set the scale for the rest put them there, or a spread over many binades"
+                if lowest > cfg.fp8_pushed_subnormal_max
+                else ""
+            )
+            if lowest is not None
+            else ""
+        )
+        + (
             f". {len(forward_only)} layer(s) had no output gradient on any sampled step "
             f"({_listing(forward_only, cfg.max_listed_modules)}: frozen with nothing trainable before them, or "
             "an output that does not reach the loss): they run no backward GEMM and are judged on their forward "
@@ -781,6 +825,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 "max_e4m3_share": fval,
                 "max_e5m2_share": bval,
                 "max_pushed_subnormal": pmax,
+                "max_below_normal": lowest,
                 "pushed_subnormal_max": cfg.fp8_pushed_subnormal_max,
                 "lost_norm_max": lim,
                 "sampled_steps": steps,
