@@ -332,3 +332,51 @@ def test_flushed_gradients_of_a_model_without_a_mask_are_not_said_to_hold_a_mask
         )
         in f.message
     )
+
+
+def _overflowing_run(static_scale: float | None) -> tuple[ProfiledRun, list[torch.Tensor]]:
+    """relu_zeros' classifier with its loss scaled by 2^40: by a static GradScaler (``static_scale``), or by the
+    loss itself in a loop without one (None: nothing checks for inf, no step is skipped). Returns the run and the
+    Linear layers' output gradients as the test's own hooks saw them (head, fc3, fc2, fc1 on each step)."""
+    torch.manual_seed(0)
+    model = relu_zeros.ReluNet()
+    seen = relu_zeros.output_gradients(model)
+    weight = 1.0 if static_scale is not None else 2.0**40
+    run = train_profiled(
+        model,
+        relu_zeros.batches,
+        lambda out, y: weight * nn.functional.cross_entropy(out.float(), y),
+        precision="fp16",
+        loss_scale=static_scale,
+        static=True,
+        steps=6,
+        lr=3e-3,
+    )
+    return run, seen
+
+
+def test_steps_the_scaler_skipped_are_no_evidence_of_flushed_gradients() -> None:
+    """A static loss scale of 2^40: every step's gradients overflow and the scaler skips every step. The advisor
+    said "[critical] fp16 gradients flushed to zero ... fc1, fc2, fc3 held no nonzero value ... training stalled"
+    and sent the user to bf16: their gradients hold nan and ReLU's zeros over it (the test's own hooks), which is
+    no flushing, and the loss did not move because no step went through. The underflow rule reads the steps that
+    went through now, and with none it says nothing; the overflow findings say what happened. The same loss
+    scaled by 2^40 in a loop without a scaler skips nothing: its first step's nan and zeros are no module that
+    "held no nonzero value" either."""
+    run, seen = _overflowing_run(2.0**40)
+    heads, hidden = seen[0::4], [g for i, g in enumerate(seen) if i % 4]
+    assert len(heads) == 6 and all(bool(g.isinf().any()) for g in heads)  # every step overflows: skipped
+    assert all(bool(((g == 0) | g.isnan() | g.isinf()).all()) for g in hidden)  # no finite nonzero value
+    assert all(bool((g == 0).any()) and bool(g.isnan().any()) for g in hidden)
+    rec = run.recommend("t4")
+    assert rec.finding("fp16_gradient_underflow") is None
+    assert (
+        rec.finding("fp16_gradient_overflow") is not None and rec.finding("scaler_skipped_steps") is not None
+    )
+
+    unscaled, seen = _overflowing_run(None)
+    assert bool(seen[0].isinf().any()) and not unscaled.tables["steps"][T.SKIPPED].any()
+    assert all(bool(((g == 0) | g.isnan() | g.isinf()).all()) for g in seen[1:4])  # step 0, as above
+    f = unscaled.recommend("t4").finding("fp16_gradient_underflow")
+    assert f is not None and not f.numbers["fp16_flushed"] and f.severity == "info"
+    assert "held no nonzero value" not in f.message

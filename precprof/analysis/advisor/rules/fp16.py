@@ -745,7 +745,7 @@ class _Flush:
     """The modules whose zeros among fp16 activation gradients are judged flushes (``_flushed_modules``)."""
 
     modules: list[str]  # in the run's order
-    empty: list[str]  # those of them with no nonzero value at all: no gradient reached fp16's range
+    empty: list[str]  # those of them whose every value is an exact zero: no gradient reached fp16's range
     masked: list[str]  # those of them whose zeros are not counted: a mask after them may have written them
     zeros: float  # the exact zeros of those counted
     all_zeros: float  # the exact zeros of every row read, theirs and the true zeros of the others
@@ -773,10 +773,10 @@ class _Flush:
         return bool(self.modules) and len(self.masked) == len(self.modules)
 
 
-def _masks_none(run: _Run, per: pd.DataFrame, nonzero: pd.Series) -> set[str]:
+def _masks_none(run: _Run, per: pd.DataFrame) -> set[str]:
     """The modules among the fp16 activation-gradient rows ``per`` whose zeros can only be flushes: those whose
     output a matmul read (capture.gemm_inputs), whose gradient that matmul's backward computed in fp16 straight
-    from its own (a flushed value, no true zero), and those with no nonzero value at all. Any other module's
+    from its own (a flushed value, no true zero), and those whose every value is an exact zero. Any other module's
     gradient may have passed a mask on its way: ReLU's backward writes an exact zero wherever its unit was off,
     into the gradient of the layer before it (fc1's), while the gradient it received (act1's) holds only the
     flushes. Every module where the run did not record which output a matmul read."""
@@ -784,7 +784,7 @@ def _masks_none(run: _Run, per: pd.DataFrame, nonzero: pd.Series) -> set[str]:
     if inputs is None:
         return {str(m) for m in per.index}
     read = {p for made in inputs.values() for p in made}
-    return {str(m) for m in per.index if m in read or nonzero[m] == 0}
+    return {str(m) for m in per.index if m in read or per.loc[m, T.ZEROS] == per.loc[m, T.NUMEL]}
 
 
 def _masks_after(run: _Run, modules: list[str]) -> list[str]:
@@ -810,22 +810,24 @@ def _flushed_modules(run: _Run, rows: pd.DataFrame) -> _Flush:
     tensor is a value that underflowed or a true zero (ReLU's backward writes one wherever its unit was off, a
     saturated GELU's where its slope is 0), and no count tells them apart. A module's gradient is read as flushed
     when its nonzero values run into the floor (more than ``fp16_flushed_floor_share`` of them at fp16's
-    smallest subnormal, at the scale held) or when it has no nonzero value at all. Its zeros are counted as
-    flushes where no mask can have written them (``_masks_none``), out of every value of such modules."""
+    smallest subnormal, at the scale held) or when every value of it is an exact zero (one holding inf or nan
+    besides its zeros received a gradient, which overflowed). Its zeros are counted as flushes where no mask can
+    have written them (``_masks_none``), out of every value of such modules."""
     if rows.empty:
         return _Flush([], [], [], 0.0, 0.0, 0.0, None, math.nan, [], [], True, None)
     per = rows.groupby(T.MODULE)[[T.ZEROS, T.NUMEL, T.NAN, T.INF]].sum()
     nonzero = (per[T.NUMEL] - per[T.ZEROS] - per[T.NAN] - per[T.INF]).clip(lower=0)
     at_floor = _at_fp16_floor(run, rows).reindex(per.index, fill_value=0.0)
     dense = at_floor > run.cfg.fp16_flushed_floor_share * nonzero
-    mods = run.sort(str(m) for m in per.index[(per[T.ZEROS] > 0) & (dense | (nonzero == 0))])
-    counted = _masks_none(run, per, nonzero)
+    zeros_only = per[T.ZEROS] == per[T.NUMEL]
+    mods = run.sort(str(m) for m in per.index[(per[T.ZEROS] > 0) & (dense | zeros_only)])
+    counted = _masks_none(run, per)
     masked = [m for m in mods if m not in counted]
     held = rows[rows[T.MODULE].isin(mods)]
     smallest = pd.to_numeric(held[T.ABSMIN], errors="coerce") * held[T.SCALE]
     return _Flush(
         mods,
-        [m for m in mods if nonzero[m] == 0],
+        [m for m in mods if zeros_only[m]],
         masked,
         float(per.loc[[m for m in mods if m in counted], T.ZEROS].sum()),
         float(per[T.ZEROS].sum()),
@@ -986,14 +988,12 @@ def _flushed_remedy(fl: _Flush, every: bool, k: int, k_run: int | None) -> str:
     )
 
 
-def _run_scale_log2(run: _Run, ag: pd.DataFrame) -> int:
-    """log2 of the loss scale the run trained at: the median over its activation-gradient rows of the steps
-    the optimizer took (a skipped step's scale is one the scaler left), rounded; 0 (scale 1) without any. The
-    median of the distinct scales was read: a scaler that backed off from 2^16 through 2^12 to the 2^11 it then
-    trained at read as 2^14."""
-    taken = ag[~ag[T.STEP].astype(int).isin(_skipped_steps(run.steps))]
-    rows = taken if not taken.empty else ag
-    scales = pd.to_numeric(rows[T.SCALE], errors="coerce").dropna()
+def _run_scale_log2(taken: pd.DataFrame) -> int:
+    """log2 of the loss scale the run trained at: the median over the activation-gradient rows ``taken``, those
+    of the steps the optimizer took (a skipped step's scale is one the scaler left), rounded; 0 (scale 1) without
+    any. The median of the distinct scales was read: a scaler that backed off from 2^16 through 2^12 to the 2^11
+    it then trained at read as 2^14."""
+    scales = pd.to_numeric(taken[T.SCALE], errors="coerce").dropna()
     scales = scales[scales > 0]
     return round(math.log2(float(scales.median()))) if len(scales) else 0
 
@@ -1004,6 +1004,13 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     ag = run.kind(T.ACTIVATION_GRAD)
     stay32 = _fp32_under_autocast(run, ag)
     ag = ag[~ag[T.MODULE].isin(stay32)]
+    # A step the scaler skipped is no evidence of what fp16 flushed: its gradients went inf or nan at the scale,
+    # and a mask's backward wrote zeros over them (ReLU's over nan: a module "held no nonzero value"). The flushed
+    # evidence and the run's scale are read on the steps that went through; where none did, nothing is said (the
+    # overflow findings say why).
+    taken = ag[~ag[T.STEP].astype(int).isin(_skipped_steps(run.steps))]
+    if taken.empty and not ag.empty:
+        return
     totals = run.hist_totals()
     totals = totals[(totals[T.TENSOR] == T.ACTIVATION_GRAD) & ~totals[T.MODULE].isin(stay32)]
     counts = _exponent_counts(totals, (T.ACTIVATION_GRAD,))
@@ -1015,7 +1022,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     not16 = ag[~_dtype_has(ag, "float16")]
     nz_now = _nonzero(not16)
     now = _share(float(not16[T.underflow_col("fp16")].sum()), nz_now)
-    is16 = ag[_dtype_has(ag, "float16")]
+    is16 = taken[_dtype_has(taken, "float16")]
     zero16 = _share(float(is16[T.ZEROS].sum()), float(is16[T.NUMEL].sum()))
     scales = sorted({float(s) for s in not16[T.SCALE].unique()})
     sure1, _ = _shifted_underflow(counts, FP16, 0)
@@ -1027,7 +1034,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     # gradients are all fp16 (CPU autocast keeps its norms in fp16) was read as unscaled and told to scale its
     # loss. A recommended scale below it that loses more of the gradients' values than the run did is no
     # remedy when those values carry some of a module's gradient norm: the gradients span more than fp16 holds.
-    k_run = _run_scale_log2(run, ag)
+    k_run = _run_scale_log2(taken)
     at_run = _share(_shifted_underflow(counts, FP16, k_run)[0], total)
     # Held in fp16 at scale 1, a gradient below 2^-25 was a zero before precprof read it: the histograms of those
     # tensors hold nothing fp16 flushed, and their share at scale 1 is unknown, not 0% (an unscaled fp16 llm.c
