@@ -380,3 +380,41 @@ def test_steps_the_scaler_skipped_are_no_evidence_of_flushed_gradients() -> None
     f = unscaled.recommend("t4").finding("fp16_gradient_underflow")
     assert f is not None and not f.numbers["fp16_flushed"] and f.severity == "info"
     assert "held no nonzero value" not in f.message
+
+
+def test_gradients_among_fp16s_subnormals_at_the_runs_scale_are_warned_of() -> None:
+    """The ReLU classifier weighted by 2^-24 under a GradScaler at 2^16: at that scale every nonzero gradient of
+    the ReLUs' outputs (the fp32 run's, which the test's hooks scale and cast to fp16) is an fp16 subnormal, and a
+    few percent of them flush, fewer than the 20% that made the gradients "flushed to zero". The finding read
+    "Nothing to fix: at the run's loss scale 2^16, 0% of the values recorded flush" (the values recorded are the
+    survivors) beside fp16_loss_scale's 2^32. It warns now that they run into fp16's floor at the run's scale, with
+    the shares flushed and subnormal, and that the recommended scale lifts them; at that scale nothing is said."""
+    weight, scale = 2.0**-24, 2.0**16
+    _, seen32 = relu_zeros.run("fp32", weight=weight, hooked=nn.ReLU)
+    g = torch.cat([t.flatten() for t in seen32]) * scale
+    nonzero = g[g != 0]
+    flushed = float((nonzero.half() == 0).float().mean())
+    subnormal = float((nonzero.abs() < 2.0**-14).float().mean())
+    assert 0.01 < flushed < AdvisorConfig().fp16_flushed_zero_share and subnormal == 1.0
+    run, _ = relu_zeros.run("fp16", weight=weight, loss_scale=scale)
+    f = run.recommend("t4").finding("fp16_gradient_underflow")
+    assert f is not None and f.severity == "warning" and f.numbers["fp16_flushed"]
+    assert f.numbers["fp16_flushed_zero_share"] == pytest.approx(flushed, abs=0.005)
+    assert f.numbers["fp16_subnormal_share"] == pytest.approx(subnormal, abs=0.01)
+    assert f.title == (
+        f"fp16 gradients run into fp16's floor at loss scale 65536: "
+        f"{f.numbers['fp16_flushed_zero_share'] * 100:.3g}% flushed to zero"
+    )
+    assert "sit among fp16's subnormals, below 2^-14" in f.message and "Nothing to fix" not in f.remedy
+    k = int(f.numbers["loss_scale_log2"])
+    assert k > 16 and f.remedy.startswith(f"Scale the loss: GradScaler(init_scale={2**k}), ")
+    assert f"lifts them off fp16's floor ({k - 16} binade(s) above the run's 2^16" in f.remedy
+
+    # the remedy followed: at 2^k a cast to fp16 flushes next to none of the fp32 run's gradients (a few in a
+    # million), and the run is not warned
+    lifted = torch.cat([t.flatten() for t in seen32]) * 2.0**k
+    assert float(((lifted.half() == 0) & (lifted != 0)).float().mean()) < 1e-3
+    run, _ = relu_zeros.run("fp16", weight=weight, loss_scale=2.0**k)
+    f = run.recommend("t4").finding("fp16_gradient_underflow")
+    assert f is not None and f.severity == "info" and not f.numbers["fp16_flushed"]
+    assert "fp16_subnormal_share" not in f.numbers

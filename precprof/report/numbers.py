@@ -60,6 +60,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
         "share",
     ),
     "fp16_smallest_nonzero": ("smallest nonzero FP16 activation gradient", "magnitude"),
+    "fp16_subnormal_share": ("FP16 subnormals among those gradients' nonzero values (below 2^-14)", "share"),
     # fp16 without loss scaling
     "modules_at_floor": ("modules whose gradients run into FP16's floor", "count"),
     "max_floor_share": (

@@ -842,18 +842,25 @@ def _flushed_modules(run: _Run, rows: pd.DataFrame) -> _Flush:
     )
 
 
-def _at_fp16_floor(run: _Run, rows: pd.DataFrame) -> pd.Series:
-    """Per module of the fp16 activation-gradient ``rows``, the nonzero values fp16 held at its smallest
-    subnormal, 2^-24: from the rows' histograms, whose bins are of unscaled values, moved by each row's loss
-    scale."""
+def _at_fp16_floor(run: _Run, rows: pd.DataFrame, below: int = FP16.min_exponent + 1) -> pd.Series:
+    """Per module of the fp16 activation-gradient ``rows``, the nonzero values fp16 held below 2^``below`` (by
+    default at its smallest subnormal, 2^-24): from the rows' histograms, whose bins are of unscaled values, moved
+    by each row's loss scale."""
     hist = run.hist[_rows_of_kinds(run.hist[T.TENSOR], (T.ACTIVATION_GRAD,))]
     at = _row_index(hist, rows)
     ok = at >= 0
     scale = rows[T.SCALE].to_numpy(dtype=float)[at[ok]]
     held = hist[T.EXPONENT].to_numpy(dtype=float)[ok] + np.log2(np.where(scale > 0, scale, 1.0))
-    floor = held < FP16.min_exponent + 1
+    floor = held < below
     modules = T.texts(rows[T.MODULE]).to_numpy()[at[ok]][floor]
     return pd.Series(hist[T.COUNT].to_numpy(dtype=float)[ok][floor]).groupby(modules).sum()
+
+
+def _subnormal_share(run: _Run, rows: pd.DataFrame, modules: list[str]) -> float | None:
+    """The share of the nonzero values of ``modules`` among the fp16 activation-gradient ``rows`` that fp16 held
+    among its subnormals, below 2^-14, at each row's loss scale: values with fewer than its 11 significant bits."""
+    mine = rows[rows[T.MODULE].isin(modules)]
+    return _share(float(_at_fp16_floor(run, mine, FP16.normal_min_exponent).sum()), _nonzero(mine))
 
 
 def _fp32_under_autocast(run: _Run, ag: pd.DataFrame) -> set[str]:
@@ -1096,11 +1103,22 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     flushed = (fl.share or 0) > cfg.fp16_flushed_zero_share or bool(fl.empty) or fl.masked_only
     plan.fp16_masks = fl.masks
     scaled = _had_loss_scale(run, ag)
+    # Fewer flushes than that, in a run that scaled its loss: gradients that run into the floor at the run's scale,
+    # with more than a negligible share of zeros where a zero can only be a flush, sit among fp16's subnormals and
+    # lose a few percent there (an unscaled run's are fp16_no_loss_scaling's): a warning, not "Nothing to fix"
+    thin = not flushed and scaled and bool(fl.modules) and (fl.share or 0) > cfg.fp16_underflow_ok
+    sub = _subnormal_share(run, is16, fl.modules) if thin else None
     loss_change = _loss_change(run)
     stalled = loss_change is not None and abs(loss_change) < cfg.stalled_loss_change
-    if flushed:  # what the run lost comes first: the exact counts above see none of it
+    if flushed or thin:  # what the run lost comes first: the exact counts above see none of it
         msg = (
             _flushed_said(run, fl, all_zero16, scaled)
+            + (
+                f"; at that scale {_pct(sub)} of the nonzero values of {_listing(fl.modules, cfg.max_listed_modules)} "
+                "sit among fp16's subnormals, below 2^-14, where fewer than its 11 significant bits are left"
+                if thin
+                else ""
+            )
             + (
                 (
                     f"; the loss did not move (it changed by {_pct(abs(loss_change))} over the run): training "
@@ -1139,9 +1157,9 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     elif atk is not None and atk > cfg.fp16_underflow_ok and residual_matters:
         severity = WARNING
         remedy = f"Start GradScaler at {_scale(k)}, and consider bf16: {_pct(atk)} still underflows there."
-    elif flushed:
+    elif flushed or thin:
         # a stalled run, or one in which a module received no gradient at all, lost its gradients, not a tail
-        severity = CRITICAL if stalled or fl.empty else WARNING
+        severity = CRITICAL if (stalled or fl.empty) and not thin else WARNING
         remedy = _flushed_remedy(fl, all_zero16, k, k_run if scaled else None)
     elif (
         (at1 or 0) > cfg.fp16_underflow_ok
@@ -1201,6 +1219,8 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
             f"fp16 gradients flushed to zero at {_scales(fl.scales)}: up to {_pct(fl.masked_share)}"
             + (", a mask's zeros among them" if fl.masks else "")
             if fl.masked_only
+            else f"fp16 gradients run into fp16's floor at {_scales(fl.scales)}: {_pct(fl.share)} flushed to zero"
+            if thin
             else f"fp16 gradients flushed to zero: {_pct(fl.share)} zeros at {_scales(fl.scales)}"
             if flushed
             # (at the run's scale 1, the exact count, which the report shows: the histograms' is a lower bound)
@@ -1218,10 +1238,11 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
                 "boundary_values_at_recommended": int(boundary_k),
                 "overflow_at_recommended": int(over_k),
                 "fp16_zero_share": zero16,
-                "fp16_flushed": flushed,
-                "fp16_flushed_zero_share": fl.share if flushed and not fl.masked_only else None,
+                "fp16_flushed": flushed or thin,
+                "fp16_flushed_zero_share": fl.share if (flushed or thin) and not fl.masked_only else None,
                 "fp16_flushed_at_most": fl.masked_share if fl.masked_only else None,
-                "fp16_smallest_nonzero": fl.smallest if flushed and fl.smallest > 0 else None,
+                "fp16_smallest_nonzero": fl.smallest if (flushed or thin) and fl.smallest > 0 else None,
+                **({"fp16_subnormal_share": sub} if thin else {}),
                 "loss_change": loss_change,
                 "share_at_run_scale": at_run,
                 "run_scale_log2": k_run,
