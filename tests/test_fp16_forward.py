@@ -294,3 +294,62 @@ def test_a_kept_layer_whose_values_flush_a_little_is_said_to_flush_that_much() -
         "of its output's would flush as it computes it in fp16, within the 1% the forward rules allow: it fits "
         "fp16" in f.message
     )
+
+
+def _norm_between_run(
+    precision: str, keep: list[str]
+) -> tuple[ProfiledRun, list[torch.Tensor], list[torch.Tensor]]:
+    """A Linear whose weights are 1e-9 of the usual, so its outputs lie below fp16's floor, then a LayerNorm without
+    a weight (its eps leaves them small), a ReLU and two more Linear layers; trained 3 steps at a learning rate
+    too small to move the tiny weights. Returns the run, the first Linear's outputs and the second's inputs (the
+    test's own hooks)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32),
+        nn.LayerNorm(32, elementwise_affine=False),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 1),
+    )
+    with torch.no_grad():
+        model[0].weight.mul_(1e-9)
+        model[0].bias.mul_(1e-9)
+    outputs: list[torch.Tensor] = []
+    inputs: list[torch.Tensor] = []
+    model[0].register_forward_hook(lambda mod, args, y: outputs.append(y.detach()))
+    model[3].register_forward_hook(lambda mod, args, y: inputs.append(args[0].detach()))
+    run = train_profiled(
+        model,
+        regression_batches(16),
+        nn.functional.mse_loss,
+        precision=precision,
+        loss_scale=2.0**16 if precision == "fp16" else None,
+        keep_fp32=keep,
+        steps=3,
+        lr=1e-12,
+    )
+    return run, outputs, inputs
+
+
+def test_a_norm_between_the_layers_that_cast_tiny_values_keeps_them_in_the_list() -> None:
+    """Tiny activations flow from Linear 0 through a LayerNorm without a weight and a ReLU into Linear 3: 0
+    computes its output in fp16 and 3 casts its input there, each flushing more than 1% (a real cast of the fp32
+    run's values, by the test). The LayerNorm is read by no matmul, and that alone made the remedy the generic
+    "keep the layers that read these values in fp32" and fp16's keep list empty, dropping 0 and 3. Both are named
+    and kept now, with their shares, and the LayerNorm is said apart; followed, the finding is gone."""
+    run, outputs, inputs = _norm_between_run("fp32", [])
+    out0, in3 = _flushed_share(outputs), _flushed_share(inputs)
+    assert out0 > 0.01 and in3 > 0.01
+    rec = run.recommend("t4")
+    f = rec.finding("fp16_activation_underflow")
+    assert f is not None and "1" in f.modules and rec.fp16_keep_fp32 == ["0", "3"]
+    assert f.remedy.startswith(
+        f"Keep 0, 3 in fp32 (outside autocast): 0 computes its output in fp16, where {out0 * 100:.3g}% of its "
+        f"nonzero values flush; 3 casts its input (the output of 2) to fp16, flushing {in3 * 100:.3g}% of that "
+        "input's nonzero values"
+    )
+    assert "no matmul layer reads the output of 1 directly" in f.remedy
+    kept, outputs, inputs = _norm_between_run("fp16", ["0", "3"])
+    assert all(t.dtype == torch.float32 for t in [*outputs, *inputs])
+    assert kept.recommend("t4").finding("fp16_activation_underflow") is None

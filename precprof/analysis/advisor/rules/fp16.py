@@ -378,7 +378,8 @@ def _underflow_remedy(run: _Run, plan: _Plan, mods: list[str], lo: pd.DataFrame)
         if not at and not readers:
             unread.append(m)
     bf16 = "or use bf16 (its range reaches 2^-133)."
-    if not casts or unread:
+    # a module no matmul reads is named apart, after those that cast (where the run recorded which reads which)
+    if not casts or (unread and reads is None):
         return (
             "Keep the layers that read these values in fp32 (outside autocast): a matmul casts its input to fp16"
             + (" (this run did not record which layer reads which module's output)" if reads is None else "")
@@ -421,8 +422,21 @@ def _underflow_remedy(run: _Run, plan: _Plan, mods: list[str], lo: pd.DataFrame)
             if made
             else ""
         )
+        + _unread_said(unread)
         + f"; {bf16}"
     ), cast
+
+
+def _unread_said(unread: list[str]) -> str:
+    """The modules among those whose values flush that no matmul layer reads (a norm without a weight, read by the
+    activation after it), in words: no layer casts their output as it reads it; a layer that reads what the
+    modules after them make does, if any ("" for none)."""
+    if not unread:
+        return ""
+    return (
+        f"; no matmul layer reads the output of {_listing(unread, 4)} directly: it is cast to fp16, if at all, by a "
+        "layer that reads what the modules after it make"
+    )
 
 
 def _input_said(tiny: list[str]) -> str:
