@@ -348,6 +348,25 @@ def test_trainer_counts_are_real_casts_and_training_is_unchanged(tmp_path: Path)
     assert check.compare(layers) > 0
 
 
+class GraphsMoved(TrainerCallback):
+    """The steps in which Dynamo's own count of the graphs it compiled moved."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self._graphs = 0
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from torch._dynamo.utils import counters
+
+        self._graphs = int(counters["stats"]["unique_graphs"])
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        from torch._dynamo.utils import counters
+
+        if int(counters["stats"]["unique_graphs"]) != self._graphs:
+            self.steps.append(state.global_step - 1)  # global_step counts the step that ended
+
+
 def test_a_compiled_trainer_keeps_its_graphs_and_every_conv1d_is_recorded(tmp_path: Path) -> None:
     """``torch_compile=True`` (Dynamo with its "eager" backend, to stay fast on the CPU: the graphs, breaks
     and recompiles are Dynamo's own): with the callback the Trainer compiles the same graphs as without it,
@@ -357,9 +376,10 @@ def test_a_compiled_trainer_keeps_its_graphs_and_every_conv1d_is_recorded(tmp_pa
     from torch._dynamo.utils import counters
 
     got: dict[str, Any] = {}
+    compiled_in = GraphsMoved()
     for name, callbacks in (
         ("plain", []),
-        ("profiled", [PrecprofCallback(out=tmp_path / "run", sample_every=2)]),
+        ("profiled", [compiled_in, PrecprofCallback(out=tmp_path / "run", sample_every=2)]),
     ):
         torch._dynamo.reset()
         counters.clear()
@@ -403,6 +423,13 @@ def test_a_compiled_trainer_keeps_its_graphs_and_every_conv1d_is_recorded(tmp_pa
     inductor = {**capture, "compiled": "the whole model (the Trainer's torch_compile, backend inductor)"}
     row = dict(capture_rows(inductor, {}))["torch.compile"]
     assert f"the model has {len(dropouts)} dropout layers: inductor's kernels draw their own random" in row
+    # the step Dynamo compiled in (the first unsampled: a sampled step runs eagerly) is no part of the rate
+    assert compiled_in.steps == [1] == capture["sampling"]["compiled_steps"]
+    final, steps = T.read_summary(tmp_path / "run")[T.SUMMARY_FINAL], T.read_tables(tmp_path / "run")["steps"]
+    # step 0 is warm-up, 1 compiled; too few unsampled steps are left: every other step counts
+    counted = steps[steps[T.STEP] > 1]
+    assert final["tokens_per_s_steps"] == len(counted) == 2
+    assert final["tokens_per_s"] == pytest.approx(BATCH * SEQ / counted[T.TIME_S].median())
 
 
 def _mixtral(experts_implementation: str) -> Any:

@@ -15,6 +15,7 @@ import pytest
 
 from precprof import tables as T
 from precprof.analysis.throughput import BASIS_ALL, BASIS_UNSAMPLED, throughput
+from precprof.report import filters as F
 from precprof.report.context import _headline
 from precprof.training import TrainConfig, train
 
@@ -188,3 +189,72 @@ def test_a_reattached_profiler_does_not_count_the_time_it_was_detached() -> None
         time.sleep(0.3)
     steps = prof.tables()["steps"]
     assert (steps[T.TIME_S] < 0.25).all(), steps[T.TIME_S].tolist()
+
+
+# a Trainer run with torch_compile=True, bf16, 10 steps (tester h50): steps 0-1 sampled (eager), Dynamo compiled
+# in step 2, the first unsampled one (98.6 s)
+TRAINER_COMPILED = [2.932, 3.110, 98.575, 0.587, 0.649, 4.428, 0.376, 0.540, 1.866, 0.877]
+
+
+def test_the_step_torch_compile_compiled_in_is_left_out_of_the_rate() -> None:
+    """The header read "tokens/s (unsampled steps, median of 8) 336" and "1 sampled, 8 unsampled steps timed":
+    the 8 held step 2, in which the model compiled for 98.6 s, which the sampler already left out of the run's
+    time (``capture.sampling.compiled_steps``). Without it the median of 7 is 0.649 s: 394 tokens/s."""
+    sampled = [True, True] + [False] * 8
+    steps = _steps(TRAINER_COMPILED, sampled, tokens=256.0)
+    sampling = {
+        "mode": "budget",
+        "budget": 0.03,
+        "overhead": 0.203,
+        "compile_steps": 1,
+        "compiled_steps": [2],
+    }
+    head = dict(_headline({T.SUMMARY_CAPTURE: {"sampling": sampling}}, steps, pd.DataFrame()))
+    trained = TRAINER_COMPILED[3:]  # step 0 is warm-up, 1 sampled, 2 compiled
+    key = "tokens/s (unsampled steps, median of 7; torch.compile's step left out)"
+    assert head[key] == F.num(256 / float(np.median(trained)))
+    assert 256 / float(np.median(trained)) == pytest.approx(394, abs=1)  # 336 with step 2 counted
+    assert head["precprof's overhead"].startswith("not measured (1 sampled, 7 unsampled steps timed")
+    tp = throughput(steps, [2])
+    assert tp["step_time_unsampled_median_s"] == pytest.approx(np.median(trained))
+    assert tp["steps_compiled_left_out"] == 1
+
+
+def test_a_compiled_loops_rate_leaves_out_the_steps_dynamo_compiled_in() -> None:
+    """An own loop over a torch.compile'd model (Dynamo's eager backend: its graphs and recompiles, fast on the
+    CPU), its sequence length changed once: the steps in which Dynamo's own counter of graphs moved, read by
+    the loop itself, are the steps the Profiler says torch.compile compiled in, and the header's rate leaves them
+    out."""
+    import torch
+    from torch import nn
+    from torch._dynamo.utils import counters
+
+    import precprof
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    counters.clear()
+    vocab, dim = 64, 16
+    model = nn.Sequential(nn.Embedding(vocab, dim), nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, vocab))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, backend="eager")
+    lengths = [8] * 7 + [12] + [8] * 4  # a sampled step runs eagerly: the new length comes unsampled
+    moved = []
+    with precprof.Profiler(model, optimizer=opt, sample_every=3, memory=False, block_formats=False) as prof:
+        for step, n in enumerate(lengths):
+            graphs = counters["stats"]["unique_graphs"]
+            z = torch.randint(0, vocab, (2, n + 1))
+            loss = nn.functional.cross_entropy(compiled(z[:, :-1]).reshape(-1, vocab), z[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if counters["stats"]["unique_graphs"] != graphs:
+                moved.append(step)
+            prof.step(loss=loss.detach(), tokens=2 * n)
+    steps = prof.tables()["steps"]
+    assert moved == [1, 7] and prof.compiled_steps == moved  # the first unsampled step; the new length
+    head = dict(_headline(prof.run_summary(), steps, pd.DataFrame()))
+    kept = steps[~steps[T.SAMPLED] & ~steps[T.STEP].isin([0, *moved])]
+    assert len(kept) == 6
+    key = "tokens/s (unsampled steps, median of 6; torch.compile's 2 steps left out)"
+    assert head[key] == F.num(16 / float(kept[T.TIME_S].median()))

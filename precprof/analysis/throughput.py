@@ -4,7 +4,10 @@ The steps that recorded per-layer statistics (sampled) do more work than the oth
 run pays for warm-up (allocator, kernel selection, compilation), so a wall-clock rate over the whole run says
 little about the training itself. The throughput precprof reports is the rate of the steps it left alone:
 median tokens per step over median time per step, over the unsampled steps, the first step left out (and the
-first of each attempt of a resumed run: a new process's warm-up too). When
+first of each attempt of a resumed run: a new process's warm-up too), and so are the unsampled steps in
+which torch.compile compiled (the summary's ``capture.sampling.compiled_steps``: a compiled model's sampled
+steps run eagerly, so it compiles in its first unsampled step, not its first: a compile of 98.6 s among 8
+unsampled steps moved their median, and a Trainer run's rate read 15% low). When
 fewer than three such steps exist (every step sampled), every step but the first counts, and the result says
 so. The sampled steps' median time beside it, as a ratio, is what profiling a step costs, when at least
 ``MIN_STEPS`` steps of each kind were timed (a run killed after a few steps has one or two of each: no ratio of
@@ -14,6 +17,7 @@ their times measures anything).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -49,8 +53,18 @@ def within_noise(tp: dict[str, Any]) -> bool:
     return cost < 1 or (math.isfinite(spread) and cost - 1 < spread)
 
 
-def throughput(steps: pd.DataFrame) -> dict[str, Any]:
-    """Throughput figures of a run from its steps table (``T.TIME_S``, ``T.TOKENS``, ``T.SAMPLED``).
+def compiled_steps(summary: Mapping[str, Any]) -> list[int]:
+    """The steps in which torch.compile compiled, as the sampler left them out of the run's time (the summary's
+    ``capture.sampling.compiled_steps``; none in a summary written before it)."""
+    capture = summary.get(T.SUMMARY_CAPTURE)
+    sampling = capture.get("sampling") if isinstance(capture, Mapping) else None
+    steps = sampling.get("compiled_steps") if isinstance(sampling, Mapping) else None
+    return [int(s) for s in steps or [] if isinstance(s, (int, float)) and math.isfinite(s)]
+
+
+def throughput(steps: pd.DataFrame, compiled: Collection[int] = ()) -> dict[str, Any]:
+    """Throughput figures of a run from its steps table (``T.TIME_S``, ``T.TOKENS``, ``T.SAMPLED``);
+    ``compiled``: the steps in which torch.compile compiled (``compiled_steps``), left out of every figure.
 
     Returns ``tokens_per_s`` (median tokens / median seconds of the counted steps; NaN without tokens),
     ``tokens_per_s_basis`` (``"unsampled steps"`` or ``"all steps"``), ``tokens_per_s_steps`` (how many steps
@@ -58,7 +72,8 @@ def throughput(steps: pd.DataFrame) -> dict[str, Any]:
     each resumed attempt left out of both), ``steps_timed_unsampled`` and ``steps_timed_sampled`` (how many of each were timed) and
     ``sampled_step_cost`` (their ratio: NaN unless at least ``MIN_STEPS`` of each kind were timed) and
     ``step_time_spread`` (the interquartile range of the counted steps' times over their median; NaN with
-    fewer than 4: a machine busy with other work makes it large, and a rate from such steps says little).
+    fewer than 4: a machine busy with other work makes it large, and a rate from such steps says little) and
+    ``steps_compiled_left_out`` (how many steps of ``compiled`` the table held, left out).
     """
     out: dict[str, Any] = {
         "tokens_per_s": math.nan,
@@ -70,6 +85,7 @@ def throughput(steps: pd.DataFrame) -> dict[str, Any]:
         "steps_timed_unsampled": 0,
         "steps_timed_sampled": 0,
         "step_time_spread": math.nan,
+        "steps_compiled_left_out": 0,
     }
     if steps.empty or T.TIME_S not in steps:
         return out
@@ -77,6 +93,10 @@ def throughput(steps: pd.DataFrame) -> dict[str, Any]:
     # the first step of each attempt, the run's and each resumed one's: a new process's warm-up and compilation
     first = pd.Series(np.arange(len(df)) == 0, df.index)
     df = df[~(first | T.flags(df[T.RESUMED]))] if T.RESUMED in df else df.iloc[1:]
+    if compiled and T.STEP in df:  # a compile's time, not the training's
+        left_out = df[T.STEP].isin(list(compiled))
+        out["steps_compiled_left_out"] = int(left_out.sum())
+        df = df[~left_out]
     time = pd.to_numeric(df[T.TIME_S], errors="coerce")
     tokens = pd.to_numeric(df[T.TOKENS], errors="coerce") if T.TOKENS in df else pd.Series(np.nan, df.index)
     sampled = T.flags(df[T.SAMPLED]) if T.SAMPLED in df else pd.Series(False, df.index)

@@ -195,6 +195,11 @@ class ProfilerResults:
             self._flush(sampled_step_done=False)
         return self._recorded.tables()
 
+    @property
+    def compiled_steps(self) -> list[int]:
+        """The steps in which torch.compile compiled: left out of the run's time, and of its throughput."""
+        return list(self._sampler.compiled_at)
+
     def mark_incomplete(self, reason: str) -> None:
         """Mark the run as incomplete (a crash, a nan that stopped training, Ctrl-C), with the cause."""
         self._status = T.STATUS_INCOMPLETE

@@ -134,6 +134,7 @@ class Sampler:
     own_steps: int = 0
     _compiles: int = 0  # Dynamo's frames compiled when the last step ended (``_compat.compiles``)
     compile_steps: int = 0  # unsampled steps left out because Dynamo compiled in them
+    compiled_at: list[int] = field(default_factory=list)  # those steps (the throughput leaves them out too)
     _compiled_in_a_row: int = 0  # the last unsampled steps that compiled, in a row
     _since_unsampled: int = 0  # steps sampled since the last unsampled one
     next_step: int | None = None  # with ``synchronized``, the next budgeted step
@@ -313,6 +314,7 @@ class Sampler:
         elif compiled and self._unsampled_seen and self._compiled_in_a_row < COMPILES_IN_A_ROW:
             self._compiled_in_a_row += 1  # a recompile's time, not the training's
             self.compile_steps += 1
+            self.compiled_at.append(step)
             return
         elif self._unsampled_seen:
             self._compiled_in_a_row = self._compiled_in_a_row + 1 if compiled else 0
@@ -325,7 +327,9 @@ class Sampler:
                 self._cost(t - time_s)
         else:  # the first unsampled step: a compiled model's first compiled run (see the module docstring)
             self._unsampled_seen = True
-            self.compile_steps += compiled
+            if compiled:
+                self.compile_steps += 1
+                self.compiled_at.append(step)
             return
         self.total_s += time_s
         self.steps_counted += 1
@@ -405,6 +409,7 @@ class Sampler:
         out["first_sampled_step"] = self.first_sampled
         out["held_for_compile"] = self.held
         out["compile_steps"] = self.compile_steps
+        out["compiled_steps"] = list(self.compiled_at)
         return out
 
 

@@ -74,8 +74,9 @@ def model_info(model: nn.Module, name: str | None = None) -> dict[str, Any]:
     }
 
 
-def final_block(steps: pd.DataFrame, wall_s: float) -> dict[str, Any]:
-    """The ``final`` block of summary.json from the steps table (the keys precprof.training writes)."""
+def final_block(steps: pd.DataFrame, wall_s: float, compiled: list[int]) -> dict[str, Any]:
+    """The ``final`` block of summary.json from the steps table (the keys precprof.training writes);
+    ``compiled``: the steps in which torch.compile compiled (``Profiler.compiled_steps``)."""
     steps = T.finished_steps(steps)  # a step a crash cut off has no loss
     losses = steps[T.LOSS].astype(float) if not steps.empty else pd.Series(dtype=float)
     finite = losses.dropna()
@@ -87,7 +88,7 @@ def final_block(steps: pd.DataFrame, wall_s: float) -> dict[str, Any]:
         "final_loss_avg10": float(finite.iloc[-10:].mean()) if len(finite) else math.nan,
         "steps_done": len(steps),
         "skipped_steps": int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
-        **throughput(steps),  # the steps precprof left alone; the wall-clock rate beside it
+        **throughput(steps, compiled),  # the steps precprof left alone; the wall-clock rate beside it
         "tokens_per_s_wall": total_tokens / wall_s
         if wall_s > 0 and math.isfinite(total_tokens)
         else math.nan,
@@ -204,7 +205,7 @@ class Session:
             prof.detach()
             tables = prof.tables()
             summary = dict(self.summary)
-            summary[T.SUMMARY_FINAL] = final_block(tables["steps"], wall_s)
+            summary[T.SUMMARY_FINAL] = final_block(tables["steps"], wall_s, prof.compiled_steps)
             capture = dict(summary.get(T.SUMMARY_CAPTURE) or {})
             requested = str(capture.get("mixed_precision_requested") or "")
             capture.update(taxonomy.mixed_precision_check(requested, tables["layers"]))

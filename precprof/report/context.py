@@ -18,7 +18,13 @@ import pandas as pd
 from precprof import __version__, formats
 from precprof import tables as T
 from precprof.analysis import snippets as snippet_code
-from precprof.analysis.throughput import MIN_STEPS, throughput, timed_enough, within_noise
+from precprof.analysis.throughput import (
+    MIN_STEPS,
+    compiled_steps,
+    throughput,
+    timed_enough,
+    within_noise,
+)
 from precprof.report import blocks, environment, plots, timeline
 from precprof.report import filters as F
 from precprof.report import memory_summary as M
@@ -189,10 +195,14 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
         elif len(loss):
             out.append(("final loss", F.num(loss.iloc[-1], 4)))
     # throughput of the steps precprof left alone, first step out (analysis.throughput), and what a profiled
-    # step cost beside it; a wall-clock rate would count sampled steps and warm-up
-    tp = throughput(steps)
+    # step cost beside it; a wall-clock rate would count sampled steps and warm-up; the steps torch.compile
+    # compiled in are left out, and said to be
+    tp = throughput(steps, compiled_steps(summary))
     if math.isfinite(tp["tokens_per_s"]):
         basis = f"{tp['tokens_per_s_basis']}, median of {F.count(tp['tokens_per_s_steps'])}"
+        n = tp["steps_compiled_left_out"]
+        if n:
+            basis += f"; torch.compile's {F.count(n) + ' steps' if n > 1 else 'step'} left out"
         out.append((f"tokens/s ({basis})", F.num(tp["tokens_per_s"])))
     elif final.get("tokens_per_s") is not None:
         out.append(("tokens/s", F.num(final["tokens_per_s"])))

@@ -168,7 +168,12 @@ def grad_norm_(params: Sequence[torch.Tensor], max_norm: float = 0.0) -> torch.T
 
 
 def _final(
-    steps: pd.DataFrame, wall_s: float, data: dict[str, Any], steps_done: int, tokens_per_step: int
+    steps: pd.DataFrame,
+    wall_s: float,
+    data: dict[str, Any],
+    steps_done: int,
+    tokens_per_step: int,
+    compiled: list[int],
 ) -> dict[str, Any]:
     losses = steps[T.LOSS].astype(float) if not steps.empty else pd.Series(dtype=float)
     last = float(losses.iloc[-1]) if len(losses) else math.nan
@@ -182,7 +187,7 @@ def _final(
         "skipped_steps": int(steps[T.SKIPPED].astype(bool).sum()) if not steps.empty else 0,
         # the rate of the steps precprof left alone (analysis.throughput); the wall-clock rate of the whole
         # run, sampled steps and warm-up included, beside it
-        **throughput(steps),
+        **throughput(steps, compiled),  # the steps torch.compile compiled in left out too
         "tokens_per_s_wall": steps_done * tokens_per_step / wall_s if wall_s > 0 else math.nan,
         "wall_s": wall_s,
         "step_time_median_s": float(times.median()) if len(times) else math.nan,
@@ -656,7 +661,12 @@ def _save(s: _Setup, prof: Profiler, wall_s: float, steps_done: int, reason: str
     try:
         steps_table = prof.tables()["steps"]
         s.summary[T.SUMMARY_FINAL] = _final(
-            T.finished_steps(steps_table), wall_s, s.data.describe(), steps_done, s.tokens_per_step
+            T.finished_steps(steps_table),
+            wall_s,
+            s.data.describe(),
+            steps_done,
+            s.tokens_per_step,
+            prof.compiled_steps,
         )
         status = T.STATUS_COMPLETE if reason is None else T.STATUS_INCOMPLETE
         render = s.config.report and s.writer

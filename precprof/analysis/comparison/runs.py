@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from precprof import tables as T
-from precprof.analysis.throughput import throughput
+from precprof.analysis.throughput import compiled_steps, throughput
 from precprof.errors import UserError
 from precprof.modes import PRECISIONS, parse_loss_scale
 
@@ -284,7 +284,8 @@ def read_run(
     )
     report = run_dir / T.REPORT_FILE
     final_block = summary.get(T.SUMMARY_FINAL) or {}
-    tp = throughput(steps)  # tokens per second of the steps without per-layer capture, where there are some
+    # tokens per second of the steps without per-layer capture, where there are some, torch.compile's left out
+    tp = throughput(steps, compiled_steps(summary))
     return RunResult(
         label=variant.label,
         precision=variant.precision,
