@@ -155,6 +155,57 @@ def test_a_budgeted_runs_sampling_in_words(tmp_path: Path) -> None:
         else f"not measured ({n_s} sampled, {n_u} unsampled steps timed: 3 of each needed; budget 3%)"
     )
     assert "a sampled step" not in cards  # its "cost not measured" said less
+    # the environment's row keeps to the card's rule: it withholds the share the card withholds, and says why
+    if min(n_s, n_u) >= 3:
+        assert f" (they took {bound[0]}{F.pct(part)}; precprof in all {bound[0]}{F.pct(overhead)})" in sampled
+    else:
+        assert (
+            f" (what they took is not measured: {n_s} sampled, {n_u} unsampled steps timed: 3 of" in sampled
+        )
+        assert F.pct(overhead) not in sampled
+
+
+def test_the_environment_withholds_the_overhead_the_header_withholds() -> None:
+    """A budgeted fp16 run of 24 steps (tester h50): steps 0 and 1 sampled, the other 22 not. The header read
+    "precprof's overhead: not measured (1 sampled, 22 unsampled steps timed: 3 of each needed; budget 3%)" while
+    the environment's "steps sampled" row of the same page read "(they took 5.52%; precprof in all 5.67%)"."""
+    from precprof.report.context import build_context
+
+    times = [2.996, 2.371, 1.798, 0.417, 0.522, 0.957, 1.221, 0.996, 0.827, 2.448, 1.013, 1.295]
+    times += [1.880, 1.587, 2.117, 2.629, 0.617, 2.912, 1.428, 2.594, 0.458, 2.032, 1.657, 3.401]
+    n = len(times)
+    steps = T.frame(
+        "steps",
+        pd.DataFrame(
+            {
+                T.STEP: range(n),
+                T.TIME_S: times,
+                T.SAMPLED: [s < 2 for s in range(n)],
+                T.LOSS: [5.0] * n,
+                T.LOSS_SCALE: [1.0] * n,
+                T.SKIPPED: [False] * n,
+            }
+        ),
+    )
+    sampling = {
+        "mode": "budget",
+        "every": None,
+        "budget": 0.03,
+        "reasons": {"first": 2},
+        "overhead": 0.0567,
+        "overhead_sampled": 0.0552,
+        "overhead_every_step": 0.0014,
+    }
+    summary = {T.SUMMARY_CAPTURE: {"sampling": sampling, "sampled_steps": 2, "steps_recorded": n}}
+    ctx = build_context({"steps": steps}, summary)
+    timed_sampled, timed_plain = 1, n - 2  # step 0 is warm-up: never timed
+    said = f"{timed_sampled} sampled, {timed_plain} unsampled steps timed: 3 of each needed"
+    assert dict(ctx["headline"])["precprof's overhead"] == f"not measured ({said}; budget 3%)"
+    row = dict(dict(ctx["environment"]["groups"])["Capture"])["steps sampled"]
+    assert row == (
+        f"as many as keep the time sampled steps add within 3% of the run's time (what they took is not "
+        f"measured: {said}): 2 of {n} steps (2 first)"
+    )
 
 
 def test_the_recompiles_left_out_of_the_budget_are_said() -> None:

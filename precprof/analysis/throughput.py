@@ -35,13 +35,13 @@ def _median(values: pd.Series) -> float:
     return float(values.median()) if len(values) else math.nan
 
 
-def timed_enough(tp: dict[str, Any]) -> bool:
+def timed_enough(tp: Mapping[str, Any]) -> bool:
     """Whether ``throughput``'s figures ``tp`` timed at least ``MIN_STEPS`` steps of each kind: the least the
     page measures a sampled step's cost from, and precprof's overhead, which rests on the same steps' times."""
     return int(tp["steps_timed_unsampled"]) >= MIN_STEPS and int(tp["steps_timed_sampled"]) >= MIN_STEPS
 
 
-def within_noise(tp: dict[str, Any]) -> bool:
+def within_noise(tp: Mapping[str, Any]) -> bool:
     """Whether a sampled step adds less than the steps' times vary (``throughput``'s figures ``tp``, from enough
     timed steps): the sampled steps' median took less than the unsampled steps' (``sampled_step_cost`` below 1),
     or more by less than the unsampled steps' spread (the middle half of their times, over their median). The

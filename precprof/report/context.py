@@ -18,13 +18,7 @@ import pandas as pd
 from precprof import __version__, formats
 from precprof import tables as T
 from precprof.analysis import snippets as snippet_code
-from precprof.analysis.throughput import (
-    MIN_STEPS,
-    compiled_steps,
-    throughput,
-    timed_enough,
-    within_noise,
-)
+from precprof.analysis.throughput import compiled_steps, throughput, within_noise
 from precprof.report import blocks, environment, plots, timeline
 from precprof.report import filters as F
 from precprof.report import memory_summary as M
@@ -242,8 +236,9 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
 def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
     """The share of the run's time precprof took, as its sampler measured it (``capture.sampling``), and the
     budget it kept to: "2.9% of the run's time (budget 3%)"; "" where the summary does not say. From fewer timed
-    steps than a sampled step's cost is measured from (``tp``, ``timed_enough``), "not measured" and the counts:
-    2 sampled steps of a run cut short made 32.4% where the page withheld the cost of a sampled step. Where a
+    steps than a sampled step's cost is measured from (``tp``, ``environment.overhead_withheld``, the rule the
+    environment's "steps sampled" row keeps to), "not measured" and the counts: 2 sampled steps of a run cut
+    short made 32.4% where the page withheld the cost of a sampled step. Where a
     sampled step adds less than the steps' times vary (``within_noise``), "at most" and why."""
     capture = summary.get(T.SUMMARY_CAPTURE)
     sampling = capture.get("sampling") if isinstance(capture, Mapping) else None
@@ -254,10 +249,10 @@ def _overhead(summary: Mapping[str, Any], tp: dict[str, Any]) -> str:
         return ""
     text = f"{F.pct(float(share))} of the run's time"
     said = []
-    if not timed_enough(tp):
+    withheld = environment.overhead_withheld(tp)
+    if withheld:
         text = "not measured"
-        n_s, n_u = F.count(tp["steps_timed_sampled"]), F.count(tp["steps_timed_unsampled"])
-        said.append(f"{n_s} sampled, {n_u} unsampled steps timed: {MIN_STEPS} of each needed")
+        said.append(withheld)
     else:
         said.extend(overhead_parts(sampling))
     if sampling.get("mode") == "budget" and isinstance(budget, (int, float)) and math.isfinite(budget):
@@ -759,5 +754,5 @@ def build_context(
         },
         "memory": memory,
         "verification": S.precision_check(layers, tabs["memory"], summary),
-        "environment": environment.environment(summary),
+        "environment": environment.environment(summary, throughput(steps, compiled_steps(summary))),
     }

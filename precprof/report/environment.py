@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from precprof import tables as T
+from precprof.analysis.throughput import MIN_STEPS, timed_enough, within_noise
 from precprof.report import filters as F
 from precprof.report.blocks import group_range
 
@@ -469,15 +470,18 @@ def _ordinal_every(n: int) -> str:
     return "every step" if n == 1 else f"every {F.ordinal(n)} step"
 
 
-def capture_rows(capture: Mapping[str, Any], cfg: Mapping[str, Any]) -> Rows:
-    """What the profiler recorded: which steps, which modules, with which engine, and what it left out."""
+def capture_rows(
+    capture: Mapping[str, Any], cfg: Mapping[str, Any], tp: Mapping[str, Any] | None = None
+) -> Rows:
+    """What the profiler recorded: which steps, which modules, with which engine, and what it left out;
+    ``tp``: the run's throughput figures (``analysis.throughput``), by which the overhead is shown or withheld."""
     rows: Rows = []
     every = _int(capture.get("sample_every", cfg.get("sample_every")))
     sampled, recorded = _int(capture.get("sampled_steps")), _int(capture.get("steps_recorded"))
     sampling = _map(capture.get("sampling"))
     if sampling.get("mode") == "budget":
         resumed = _int(_map(capture.get("stream")).get("resumed_from"))
-        rows.append(("steps sampled", sampling_text(sampling, sampled, recorded, resumed)))
+        rows.append(("steps sampled", sampling_text(sampling, sampled, recorded, resumed, tp)))
     elif every is not None:
         if every <= 0:
             text = "no step: per-step figures only (loss, loss scale, time), no per-layer statistics"
@@ -644,20 +648,46 @@ def _outside_text(outside: Any, listed: int = 6) -> str:
     return "; ".join(pairs[:listed]) + more if pairs else ""
 
 
+def overhead_withheld(tp: Mapping[str, Any]) -> str:
+    """Why precprof's overhead is not shown, in words, or "" where it is: from fewer timed steps of each kind
+    than a sampled step's cost is measured from (``throughput``'s figures ``tp``, ``timed_enough``), a share
+    measures nothing (2 sampled steps of a run cut short made 32.4%). The header's card and the environment's
+    "steps sampled" row both keep to it: the row had printed "they took 5.52%" beside a card that withheld it."""
+    if timed_enough(tp):
+        return ""
+    n_s, n_u = F.count(tp["steps_timed_sampled"]), F.count(tp["steps_timed_unsampled"])
+    return f"{n_s} sampled, {n_u} unsampled steps timed: {MIN_STEPS} of each needed"
+
+
+def _overhead_reached(s: Mapping[str, Any], tp: Mapping[str, Any] | None) -> str:
+    """The overhead the sampler reached, in words for the "steps sampled" row ("" where the summary has none):
+    withheld, and why, as the header withholds it; "at most" where a sampled step adds less than the steps'
+    times vary (``within_noise``). ``tp``: the run's throughput figures (None: the figures as recorded)."""
+    overhead, part = s.get("overhead"), s.get("overhead_sampled")
+    if not isinstance(overhead, (int, float)) or not math.isfinite(overhead):
+        return ""
+    withheld = overhead_withheld(tp) if tp is not None else ""
+    if withheld:
+        return f" (what they took is not measured: {withheld})"
+    bound = "at most " if tp is not None and within_noise(tp) else ""
+    if isinstance(part, (int, float)) and math.isfinite(part):
+        return f" (they took {bound}{F.pct(float(part))}; precprof in all {bound}{F.pct(float(overhead))})"
+    return f" (it took {bound}{F.pct(float(overhead))})"
+
+
 def sampling_text(
-    s: Mapping[str, Any], sampled: int | None, recorded: int | None, resumed: int | None = None
+    s: Mapping[str, Any],
+    sampled: int | None,
+    recorded: int | None,
+    resumed: int | None = None,
+    tp: Mapping[str, Any] | None = None,
 ) -> str:
-    """Budgeted sampling (``capture.sampling.Sampler.describe``) in words: the budget, the overhead reached,
-    the sampled steps by reason, and when sampling began if the kernels compiled beside the training. Of a run
-    resumed at step ``resumed``, the figures are the last attempt's, and say so (the header counts the run's)."""
+    """Budgeted sampling (``capture.sampling.Sampler.describe``) in words: the budget, the overhead reached
+    (withheld by the header's rule, ``tp`` being the run's throughput figures), the sampled steps by reason,
+    and when sampling began if the kernels compiled beside the training. Of a run resumed at step ``resumed``,
+    the figures are the last attempt's, and say so (the header counts the run's)."""
     text = f"as many as keep the time sampled steps add within {F.pct(float(s.get('budget') or 0))} of the run's time"
-    overhead = s.get("overhead")
-    if isinstance(overhead, (int, float)) and math.isfinite(overhead):
-        part = s.get("overhead_sampled")
-        if isinstance(part, (int, float)) and math.isfinite(part):
-            text += f" (they took {F.pct(float(part))}; precprof in all {F.pct(float(overhead))})"
-        else:
-            text += f" (it took {F.pct(float(overhead))})"
+    text += _overhead_reached(s, tp)
     if sampled is not None and recorded is not None:
         text += f": {F.count(sampled)} of {F.count(recorded)} steps"
         if resumed is not None:
@@ -876,8 +906,9 @@ def distributed_rows(d: Mapping[str, Any]) -> Rows:
     return rows
 
 
-def environment(summary: Mapping[str, Any]) -> dict[str, Any]:
-    """The environment section: the device (for the page's header), the command line, and the groups of rows."""
+def environment(summary: Mapping[str, Any], tp: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The environment section: the device (for the page's header), the command line, and the groups of rows;
+    ``tp``: the run's throughput figures (``analysis.throughput``), as the header has them."""
     cfg = _map(summary.get(T.SUMMARY_CONFIG))
     hw = _map(summary.get(T.SUMMARY_HARDWARE))
     capture = _map(summary.get(T.SUMMARY_CAPTURE))
@@ -897,7 +928,7 @@ def environment(summary: Mapping[str, Any]) -> dict[str, Any]:
         ("Software", software_rows(_map(summary.get(T.SUMMARY_VERSIONS)))),
         ("Model", _model(_map(summary.get(T.SUMMARY_MODEL)), cfg, capture)),
         ("Run", config_rows(cfg, capture)),
-        ("Capture", capture_rows(capture, cfg)),
+        ("Capture", capture_rows(capture, cfg, tp)),
         ("Processes", distributed_rows(_map(capture.get("distributed")))),
     ]
     return {"device": device, "command": command, "groups": [(n, rows) for n, rows in groups if rows]}
