@@ -39,6 +39,9 @@ Every column name used anywhere in precprof is a constant here (read them throug
     add up to the step's ``allocator_peak``, and with ``allocator_cache`` to what the allocator reserved at that
     moment); ``phase`` is the phase the peak fell in, and the module of a ``temporaries`` row is the phase that
     allocated them. Sum components over ``moment == ""`` rows or over ``moment == "peak"`` rows, never both.
+    ``moment`` "cast_copies" (activations rows only): the part of a module's 16-bit activations that autocast
+    copied from an fp32 tensor the step holds anyway (``MOMENT_CAST_COPIES``), which the projection of fp32
+    leaves out: never summed with the others.
 """
 
 from __future__ import annotations
@@ -235,6 +238,10 @@ MEMORY_PEAK_PARTS: tuple[str, ...] = (
 )
 # values of the moment column
 MOMENT_PEAK = "peak"
+# of a step's activations rows, the 16-bit copies autocast made of an fp32 tensor the step holds anyway (saved by
+# another op, or copied for another: q, k and v each cast their one input), which an fp32 run would not hold
+# (``capture.cast_copies``): a part of the "" rows, never added to them
+MOMENT_CAST_COPIES = "cast_copies"
 # values of the phase column (allocator rows)
 PHASE_FORWARD = "forward"
 PHASE_BACKWARD = "backward"

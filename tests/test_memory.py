@@ -68,8 +68,12 @@ def one_step(
 
 
 def total(rows: list[dict[str, Any]], component: str, **match: str) -> int:
+    """The bytes of ``component`` in ``rows``: each component's own size (``moment`` ""), unless ``match`` says."""
+    match = {T.MOMENT: "", **match}
     return sum(
-        r[T.BYTES] for r in rows if r[T.COMPONENT] == component and all(r[k] == v for k, v in match.items())
+        r[T.BYTES]
+        for r in rows
+        if r[T.COMPONENT] == component and all(r.get(k, "") == v for k, v in match.items())
     )
 
 
@@ -1558,6 +1562,89 @@ def test_projection_from_autocast_run_uses_its_dtype_mix() -> None:
     assert r[("fp16", "projected", T.AUTOCAST_WEIGHT_COPIES)] == copies
     assert r[("fp8", "projected", T.AUTOCAST_WEIGHT_COPIES)] == 0
     assert r[("bf16", "measured", T.PARAMETERS)] == 4 * N_MLP  # autocast keeps fp32 parameters
+
+
+class LlamaBlock(nn.Module):
+    """A Llama-style block written out: separate q, k and v projections of one normalised input, the softmax in
+    fp32 (as HF Llama's eager attention asks) before the matmul with v, and a gated MLP whose gate and up read
+    one input."""
+
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(dim, 2 * dim, bias=False)
+        self.down = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        h = self.norm1(x)
+        q, k, v = (
+            z(h).view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (self.q, self.k, self.v)
+        )
+        att = (q @ k.transpose(-2, -1)).softmax(dim=-1, dtype=torch.float32)  # (B, H, T, T), as Llama's
+        x = x + self.o((att @ v).transpose(1, 2).reshape(b, t, c))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, vocab: int = 32, dim: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(LlamaBlock(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x)
+
+
+def test_fp32_projected_from_an_fp16_run_is_what_the_fp32_run_saves() -> None:
+    """A tiny Llama's fp16 verdict read "FP32 needs 448 KiB more" where its fp32 run needed ~133 KiB more: the
+    projection doubled every 16-bit saved tensor for fp32, but under autocast q, k and v each save their own fp16
+    copy of the one fp32 input (gate and up too), and the matmul after the fp32 softmax a copy of its output,
+    which the softmax saves too: fp32 saves each of those tensors once. Projected from the fp16 run, fp32's
+    activations are now what a real fp32 run of the same model and batch saves, counted by walking autograd's
+    graph (each storage once, parameters and buffers left out)."""
+    idx = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+    rows: dict[str, list[dict[str, Any]]] = {}
+    expected: dict[str, int] = {}
+    for mode, dtype in (("fp16", torch.float16), ("fp32", None)):
+        torch.manual_seed(0)
+        model = TinyLlama()
+        tr = MemoryTracker(model)
+        tr.attach()
+        tr.begin_step(0, True)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=dtype is not None):
+            logits = model(idx)
+        exclude = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        expected[mode] = saved_by_autograd(logits, exclude)
+        logits.float().square().mean().backward()
+        rows[mode] = tr.end_step(0)
+        tr.detach()
+    fp16 = T.frame("memory", rows["fp16"])
+    summary = {T.SUMMARY_CONFIG: {"precision": "fp16"}}
+    r = records(project(fp16, summary, facts={"n_params": sum(p.numel() for p in model.parameters())}))
+    fp32_acts = total(rows["fp32"], T.ACTIVATIONS)
+    assert fp32_acts == expected["fp32"]  # the fp32 run's own count: no weight copies without autocast
+    assert r[("fp32", "projected", T.ACTIVATIONS)] == fp32_acts
+    # the doubling it replaced: every 16-bit byte twice, the fp32 ones once
+    held = T.memory_at(fp16)
+    acts = held[held[T.COMPONENT] == T.ACTIVATIONS]
+    doubled = sum(
+        b * (2 if dt == "float16" else 1) for dt, b in zip(acts[T.DTYPE], acts[T.BYTES], strict=True)
+    )
+    dim, tokens, heads = 16, 2 * 12, 2
+    # per block: k's and v's copies of q's input, up's of gate's, and the probabilities' copy: 16-bit bytes
+    copies = 2 * (3 * tokens * dim + heads * 12 * 12 * 2) * 2
+    assert doubled - fp32_acts == 2 * copies
+    assert r[("fp16", "projected", T.ACTIVATIONS)] == total(rows["fp16"], T.ACTIVATIONS)
+    ids = idx.numel() * 8  # the embedding's int64 indices, the same in every mode
+    assert r[("fp16-pure", "projected", T.ACTIVATIONS)] == (fp32_acts - ids) // 2 + ids  # 16-bit floats, once
 
 
 def conv_bn(norm: Callable[[int], nn.Module]) -> nn.Sequential:

@@ -125,11 +125,21 @@ def representative_step(memory: pd.DataFrame) -> int | None:
     return int(per[per == per.max()].index.max())
 
 
-def _step_rows(memory: pd.DataFrame) -> pd.DataFrame:
-    """The memory rows of the representative step, each component's own size (not the parts of the peak)."""
+def _step_rows(memory: pd.DataFrame, moment: str = "") -> pd.DataFrame:
+    """The memory rows of the representative step at ``moment``: each component's own size by default (not the
+    parts of the peak)."""
     step = representative_step(memory)
-    held = T.memory_at(memory) if not memory.empty else memory
+    held = T.memory_at(memory, moment) if not memory.empty else memory
     return held if step is None else held[held[T.STEP] == step]
+
+
+def _cast_copy_elements(memory: pd.DataFrame) -> float:
+    """Elements of the representative step's 16-bit activations that autocast copied from an fp32 tensor the step
+    holds anyway (``T.MOMENT_CAST_COPIES``; none in a run recorded before them): in fp32, and in a pure mode,
+    the one tensor is saved once, so those copies take nothing there."""
+    rows = _step_rows(memory, T.MOMENT_CAST_COPIES)
+    rows = rows[rows[T.MODULE].astype(str) != LOSS_SCOPE] if not rows.empty else rows
+    return _elements(rows)[0] if not rows.empty else 0.0
 
 
 def infer_mode(memory: pd.DataFrame) -> str:
@@ -270,6 +280,7 @@ def project(
     acts = comp(T.ACTIVATIONS)
     classes: Mapping[str, str] = facts.get("module_classes") or {}
     copies_elems = _elements(comp(T.AUTOCAST_WEIGHT_COPIES))[0]
+    cast_copies = _cast_copy_elements(memory)
     matmul_numel = facts.get("matmul_weight_numel")
     # What the tensors show, which may differ from what was asked for (accelerate ignores fp16 on a CPU).
     seen_mode = infer_mode(memory) if not at_step.empty else mode
@@ -280,7 +291,9 @@ def project(
     )
 
     def activations(target: str) -> float:
-        total = 0.0
+        # autocast's 16-bit copies of an fp32 tensor saved anyway: none in fp32 or a pure mode (each of q, k and v
+        # saved its own copy of their one input; an fp32 run saves the input once)
+        total = 0.0 if target in AUTOCAST_MODES else -(4 if target in FP32_STORAGE_MODES else 2) * cast_copies
         for module, dt, b in zip(acts[T.MODULE], acts[T.DTYPE], acts[T.BYTES], strict=True):
             dt, b = str(dt), int(b)
             size = _itemsize(dt)
@@ -426,8 +439,11 @@ def project(
             "(attention blocks doing functional math, the model itself), stay fp32 — conservative where those "
             "modules save matmul inputs."
         ),
-        "Activations at fp32: every 16-bit saved tensor becomes fp32 (an overestimate where autocast saved a "
-        "16-bit copy of a tensor that is also saved in fp32); pure modes: every float saved tensor is 16-bit.",
+        "Activations at fp32: every 16-bit saved tensor becomes fp32, but for autocast's 16-bit copies of an "
+        "fp32 tensor the step keeps anyway (saved by another op as it is, or copied for another: q, k and v "
+        "each save their own copy of their one input), which fp32 saves once"
+        + (f" ({round(4 * cast_copies):,} bytes of fp32 left out here)" if cast_copies else "")
+        + "; pure modes: every float saved tensor is 16-bit, those copies left out the same way.",
         "Masks, indices and float64 tensors take the same bytes in every mode, and so does what the loss "
         f"saves (module {LOSS_SCOPE!r}, measured under Profiler.memory_scope()): the built-in loop computes it "
         "in fp32 (logits.float()) in every mode.",

@@ -19,6 +19,7 @@ from torch import nn
 from precprof import _compat
 from precprof import tables as T
 from precprof.capture.attempts import AttemptWatch, calls_running
+from precprof.capture.cast_copies import CastSources
 from precprof.capture.counters import PhaseCounters
 from precprof.capture.peak import PeakRecorder
 from precprof.capture.storage import (
@@ -114,6 +115,7 @@ class SavedActivations:
     _peak: PeakRecorder
     _counts: PhaseCounters
     _policy_caches: list[PolicyCache]
+    _casts: CastSources | None  # the recording forward's fp32 tensors and their autocast copies
     _params: list[torch.Tensor]
     # an attempt of the step that raised and was run again (an out-of-memory-and-retry loop): its saved tensors
     # are not the step's (``capture/attempts.py``; the points are ``attempt_point``'s)
@@ -241,6 +243,7 @@ class SavedActivations:
             return
         self._saved_ctx = ctx
         self._recording = True
+        self._casts = CastSources()
         self._stack.append((name, module))
 
     def _evaluation_before_training(self) -> None:
@@ -286,6 +289,7 @@ class SavedActivations:
     def _pop_saved_hooks(self, final: bool = False) -> None:
         """Pop our saved-tensor hooks if they are on top of autograd's stack (never someone else's)."""
         self._recording = False
+        self._casts = None  # (it holds the forward's autograd nodes)
         ctx = self._saved_ctx
         if ctx is None:
             return
@@ -374,6 +378,8 @@ class SavedActivations:
                 k = (T.AUTOCAST_WEIGHT_COPIES, "", dtype_name(leaf.dtype))
             else:
                 k = (T.ACTIVATIONS, name, dtype_name(leaf.dtype))
+                if self._casts is not None:
+                    self._casts.saved(leaf, name, nbytes, group.shared)
             group.bytes[k] = group.bytes.get(k, 0) + nbytes
             if self._peak.measuring:
                 self._peak.label(key, *k, nbytes)

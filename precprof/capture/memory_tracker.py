@@ -77,6 +77,7 @@ from torch import nn
 from precprof import _compat
 from precprof import tables as T
 from precprof.capture.attempts import AttemptWatch
+from precprof.capture.cast_copies import CastSources
 from precprof.capture.counters import PhaseCounters
 from precprof.capture.memory_grads import GradientBytes
 from precprof.capture.memory_saved import FOREIGN_HOOKS, PolicyCache, SavedActivations
@@ -159,6 +160,7 @@ class MemoryTracker(SavedActivations):
         self._groups: list[SavedGroup] = []
         # the caches of the selective activation checkpoints running in this forward (``_read_policy_caches``)
         self._policy_caches: list[PolicyCache] = []
+        self._casts: CastSources | None = None
         self._param_keys: set[StorageKey] = set()
         self._input_keys: set[StorageKey] = set()  # storages of the tensors given to the model this step
         self._grads = GradientBytes()
@@ -376,6 +378,8 @@ class MemoryTracker(SavedActivations):
         group = max(self._groups, key=SavedGroup.total) if self._groups else None
         if group is not None:  # a row per module and dtype: built here, not through ``add`` (hundreds a step)
             rows += [row(comp, module, dt, b) for (comp, module, dt), b in sorted(group.bytes.items())]
+            shared = sorted(group.shared.items())
+            rows += [row(T.ACTIVATIONS, m, dt, b, moment=T.MOMENT_CAST_COPIES) for (m, dt), b in shared]
         if peak is not None:
             for phase in T.MEMORY_PHASES:
                 allocated, reserved = peak.phase_peaks.get(phase, (None, None))
@@ -442,7 +446,7 @@ class MemoryTracker(SavedActivations):
                 self._handles,
                 self._stack,
                 self._groups,
-                [(g.seen, g.bytes, g.spans) for g in self._groups],
+                [(g.seen, g.bytes, g.shared, g.spans) for g in self._groups],
                 self._param_keys,
                 self._input_keys,
                 self._grads.seen,

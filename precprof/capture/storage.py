@@ -521,11 +521,13 @@ def persistent_labels(
 class SavedGroup:
     """Saved tensors of forwards that were alive together: de-duplication set and byte totals."""
 
-    __slots__ = ("bytes", "seen", "spans")
+    __slots__ = ("bytes", "seen", "shared", "spans")
 
     def __init__(self) -> None:
         self.seen: set[StorageKey] = set()
         self.bytes: dict[tuple[str, str, str], int] = {}  # (component, module, dtype) -> bytes
+        # of those activations, the 16-bit copies fp32 would not hold (capture.cast_copies): (module, dtype) -> bytes
+        self.shared: dict[tuple[str, str], int] = {}
         # storages the step did not make (its data): the byte ranges of them saved so far, merged and sorted
         self.spans: dict[StorageKey, list[tuple[int, int]]] = {}
 
@@ -534,7 +536,7 @@ class SavedGroup:
 
     def copy(self) -> SavedGroup:
         out = SavedGroup()
-        out.seen, out.bytes = set(self.seen), dict(self.bytes)
+        out.seen, out.bytes, out.shared = set(self.seen), dict(self.bytes), dict(self.shared)
         out.spans = {k: list(v) for k, v in self.spans.items()}
         return out
 
