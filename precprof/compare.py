@@ -110,7 +110,8 @@ def compare(
             if v.loss_scale == ADVISED:
                 cfg = _advised_config(cfg, out / variants[ref_i].label)
             try:
-                training.train(cfg)
+                # named as its run directory is: fp16, fp16:none and fp16:advised all said "gpt-nano fp16"
+                training.train(cfg, label=v.label)
             except UserError:
                 raise
             except Exception as e:  # keep going: a failed precision is a result too

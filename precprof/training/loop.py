@@ -282,6 +282,7 @@ def train(
     *,
     profiler_kwargs: dict[str, Any] | None = None,
     callbacks: Sequence[Callback] = (),
+    label: str | None = None,
 ) -> TrainResult:
     """Train ``config.model`` with the Profiler attached and write the run directory.
 
@@ -289,7 +290,8 @@ def train(
     ``config.sample_every`` or about 100 sampled steps). The run directory is checked, created and locked
     before the first step (``precprof.rundir``). On an exception or KeyboardInterrupt what was recorded is
     saved with status "incomplete" and the cause, and the exception is re-raised. Raises UserError for
-    mistakes in the configuration before anything is written.
+    mistakes in the configuration before anything is written. ``label``: the run's name in the progress lines,
+    after the model's (default: its precision; ``precprof compare`` names each run as its directory, "fp16-none").
     """
     config.validate()
     user_out = config.out is not None  # else a default name, which moves on to a free one
@@ -305,7 +307,7 @@ def train(
             setup.config = dataclasses.replace(setup.config, out=claimed.path)
             setup.summary[T.SUMMARY_CONFIG]["out"] = str(claimed.path)
     try:
-        return _run(setup, callbacks, claimed)
+        return _run(setup, callbacks, claimed, label or config.precision)
     finally:
         if claimed is not None:
             claimed.release()
@@ -524,9 +526,10 @@ def _refuse_before_building(
         )
 
 
-def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None) -> TrainResult:
+def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None, label: str) -> TrainResult:
     """The steps and the end of the run, on a claimed run directory (the writer's ``claimed``): the Profiler
-    streams each flush into it, so a killed run keeps every step flushed before the kill."""
+    streams each flush into it, so a killed run keeps every step flushed before the kill. ``label``: the run's
+    name in the progress lines, after the model's."""
     config, model, optimizer, device, data = s.config, s.model, s.optimizer, s.device, s.data
     params = [p for group in optimizer.param_groups for p in group["params"]]
     out = claimed if claimed is not None else s.run_dir  # a rank that does not write keeps its steps only
@@ -539,7 +542,7 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
         if s.plan.autocast_dtype is None
         else torch.autocast(device.type, dtype=s.plan.autocast_dtype)
     )
-    name = f"{s.built.name} {config.precision}"
+    name = f"{s.built.name} {label}"
     bar = _progress(config if s.writer else dataclasses.replace(config, progress=False), name)
     steps_done = 0
     t_start = time.perf_counter()
