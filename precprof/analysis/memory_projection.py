@@ -142,6 +142,23 @@ def _cast_copy_elements(memory: pd.DataFrame) -> float:
     return _elements(rows)[0] if not rows.empty else 0.0
 
 
+def _components(at_step: pd.DataFrame) -> dict[str, int]:
+    """Bytes per component of one step's memory rows (a peak: its largest phase; any other: its rows summed)."""
+    measured: dict[str, int] = {}
+    if not at_step.empty:
+        for c, rows in at_step.groupby(T.COMPONENT):
+            b = pd.to_numeric(rows[T.BYTES], errors="coerce").fillna(0)
+            measured[str(c)] = int(b.max() if c in T.MEMORY_PEAK_COMPONENTS else b.sum())
+    return measured
+
+
+def measured_components(memory: pd.DataFrame) -> dict[str, int]:
+    """Bytes per component on the ``representative_step`` of the memory table, as ``project`` records them in
+    summary.json's ``memory["measured"]``: from the table, for a reader of a run that never saved its summary
+    (killed: its memory is in the parts it streamed), as the report reads it."""
+    return _components(_step_rows(memory))
+
+
 def infer_mode(memory: pd.DataFrame) -> str:
     """The precision mode a memory table looks like: pure when parameters are 16-bit and so are the gradients
     (a frozen 16-bit base with fp32 adapters, LoRA's usual recipe, is not pure: its gradients are fp32), autocast
@@ -244,11 +261,7 @@ def project(
     def comp(name: str) -> pd.DataFrame:
         return at_step[at_step[T.COMPONENT] == name] if not at_step.empty else at_step
 
-    measured: dict[str, int] = {}
-    if not at_step.empty:
-        for c, rows in at_step.groupby(T.COMPONENT):
-            b = pd.to_numeric(rows[T.BYTES], errors="coerce").fillna(0)
-            measured[str(c)] = int(b.max() if c in T.MEMORY_PEAK_COMPONENTS else b.sum())
+    measured = _components(at_step)
 
     p_elems, p_fixed = _elements(comp(T.PARAMETERS))
     n_params = int(facts.get("n_params", round(p_elems)))

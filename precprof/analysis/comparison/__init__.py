@@ -70,6 +70,7 @@ from precprof.analysis.comparison.runs import (
     finite,
     parse_precisions,
     read_run,
+    read_tables,
     reference_candidates,
     reference_index,
     setting_text,
@@ -126,6 +127,7 @@ __all__ = [
     "parse_precisions",
     "predicted_trouble",
     "read_run",
+    "read_tables",
     "reference_candidates",
     "reference_index",
     "setting_text",
@@ -181,11 +183,12 @@ def analyse(
     which the notes say: a loss 240 steps on is not a loss 40 steps on."""
     if not runs:
         raise UserError("nothing to compare")
-    steps = [T.finished_steps(T.read_tables(Path(d))["steps"]) for _, d in runs]  # each run's, read once
+    reads = [read_tables(Path(d)) for _, d in runs]  # each run's, read once, as its report reads it
+    steps = [T.finished_steps(read.tables["steps"]) for read, _ in reads]
     lasts = [int(pd.to_numeric(s[T.STEP]).max()) if not s.empty else None for s in steps]
     known = {s for s in lasts if s is not None}
     until = min(known) if common_steps and len(known) > 1 else None
-    results = [read_run(v, Path(d), until, st) for (v, d), st in zip(runs, steps, strict=True)]
+    results = [read_run(v, Path(d), until, read) for (v, d), read in zip(runs, reads, strict=True)]
     ref, ref_note = _reference(results, [v for v, _ in runs])
     ruled_out = bool((ref.recommendation or {}).get("fp16_ruled_out"))
     for r in results:

@@ -21,7 +21,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from precprof import rundir
 from precprof import tables as T
+from precprof.analysis.memory_projection import measured_components
 from precprof.analysis.throughput import compiled_steps, throughput
 from precprof.errors import UserError
 from precprof.modes import PRECISIONS, parse_loss_scale
@@ -209,9 +211,34 @@ def finite(values: np.ndarray) -> np.ndarray:
     return values[np.isfinite(values)]
 
 
-def _memory(summary: Mapping[str, Any]) -> dict[str, int]:
-    measured = (summary.get(T.SUMMARY_MEMORY) or {}).get("measured") or {}
-    return {str(k): int(v) for k, v in measured.items() if v is not None and k != T.PROFILER_BUFFERS}
+def _memory(memory: pd.DataFrame) -> dict[str, int]:
+    """Bytes per component on the run's largest measured step, from its memory table as the report reads it
+    (summary.json of a killed run has none: compare showed it as 0 B), precprof's own buffers left out."""
+    return {k: v for k, v in measured_components(memory).items() if k != T.PROFILER_BUFFERS}
+
+
+def read_tables(run_dir: Path) -> tuple[T.RunTables, bool]:
+    """A run directory's tables as ``precprof report`` reads them (``tables.read_run``: from the parts it
+    streamed when it never saved them), and whether a process still writes it, asked first as the report asks."""
+    live = rundir.live_writer(run_dir) is not None
+    return T.read_run(run_dir, histogram_totals=True), live
+
+
+def _status(summary: Mapping[str, Any], read: T.RunTables, live: bool) -> tuple[str, str | None]:
+    """A run's status and why it did not complete, as its report says them: a run that never saved its tables
+    was cut off after the last step it flushed, whatever its first summary.json still says ("running (pid
+    ...)"); one that a process still writes is running."""
+    if read.streamed and live:
+        return "running", f"still being written; read up to step {read.last_step}"
+    if read.streamed:
+        where = (
+            f"after step {read.last_step}" if read.last_step is not None else "before any step was flushed"
+        )
+        return T.STATUS_INCOMPLETE, (
+            f"cut off {where}: killed before it saved its tables, which are read from the parts it wrote while "
+            "training"
+        )
+    return str(summary.get(T.SUMMARY_STATUS) or "missing"), summary.get(T.SUMMARY_INCOMPLETE_REASON)
 
 
 @dataclass(frozen=True)
@@ -246,14 +273,16 @@ def _scale_history(steps: pd.DataFrame) -> _ScaleHistory:
 
 
 def read_run(
-    variant: Variant, run_dir: Path, until: int | None = None, steps: pd.DataFrame | None = None
+    variant: Variant,
+    run_dir: Path,
+    until: int | None = None,
+    read: tuple[T.RunTables, bool] | None = None,
 ) -> RunResult:
     """A run's facts from its run directory (outcome and gap are filled in by ``analyse``), from its steps up
-    to ``until`` (all of them when None); ``steps``: its steps table when the caller read it already."""
+    to ``until`` (all of them when None); ``read``: its ``read_tables`` when the caller read them already."""
     summary = T.read_summary(run_dir)
-    if steps is None:
-        steps = T.read_tables(run_dir)["steps"]
-    steps = T.finished_steps(steps).sort_values(T.STEP)
+    tables, live = read if read is not None else read_tables(run_dir)
+    steps = T.finished_steps(tables.tables["steps"]).sort_values(T.STEP)
     if until is not None and not steps.empty:
         steps = steps[pd.to_numeric(steps[T.STEP]) <= until]
     loss = steps[T.LOSS].astype(float).to_numpy() if not steps.empty else np.array([])
@@ -278,7 +307,8 @@ def read_run(
     hw = summary.get(T.SUMMARY_HARDWARE) or {}
     device, name = hw.get("device"), hw.get("name")
     machine = ": ".join(str(x) for x in (device, name) if x) or "unknown"
-    mem = _memory(summary)
+    mem = _memory(tables.tables["memory"])
+    status, reason = _status(summary, tables, live)
     init_scale = (
         cfg.get("static_scale") if kind == "static" else cfg.get("init_scale") if kind == "dynamic" else None
     )
@@ -291,8 +321,8 @@ def read_run(
         precision=variant.precision,
         loss_scale=variant.loss_scale,
         run_dir=str(run_dir),
-        status=str(summary.get(T.SUMMARY_STATUS) or "missing"),
-        reason=summary.get(T.SUMMARY_INCOMPLETE_REASON),
+        status=status,
+        reason=reason,
         steps=len(steps),
         initial_loss=float(first[0]) if len(first) else math.nan,
         final_loss=final,
