@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from precprof import compare as C
 from precprof import tables as T
+from precprof.analysis import comparison as A
 from precprof.training import TrainConfig, train
 
 
@@ -94,3 +96,38 @@ def test_a_killed_run_is_read_as_its_report_reads_it(
     assert killed.reason is not None and killed.reason.startswith(f"cut off after step {KILL_AFTER}: killed")
     html = page.read_text()
     assert "running (pid" not in html and f"cut off after step {KILL_AFTER}" in html
+
+
+@pytest.fixture(scope="module")
+def fp32_and_bf16(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two complete runs of 6 steps, fp32 and bf16, to copy and damage."""
+    root = tmp_path_factory.mktemp("runs")
+    for precision in ("fp32", "bf16"):
+        train(_config(steps=6, precision=precision, out=root / precision))
+    return root / "fp32", root / "bf16"
+
+
+def test_a_run_without_its_steps_table_is_named_not_failed(
+    fp32_and_bf16: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A complete run whose steps.parquet was deleted was "failed" (the page's chip and outcome, beside "status
+    complete") and "did not finish" on the terminal, the missing file named nowhere. It is "not compared", and
+    the check lines, the runs table and a note name the missing file, as its report does."""
+    fp32_dir, bf16_dir = fp32_and_bf16
+    damaged = tmp_path / "no-steps"
+    shutil.copytree(bf16_dir, damaged)
+    (damaged / "steps.parquet").unlink()
+    comp, page = C.compare_runs([fp32_dir, damaged], out=tmp_path / "cmp")
+    bf16 = comp.run("bf16")
+    assert bf16.outcome == A.UNCOMPARED and bf16.status == T.STATUS_COMPLETE
+    assert bf16.missing == ["steps.parquet"]
+    bf16_lines = [c for c in comp.checks if c.run in ("bf16", None) or "bf16" in c.text]
+    assert bf16_lines and all(c.status == A.NOT_MEASURED for c in bf16_lines), bf16_lines
+    assert all("steps.parquet" in c.text and "did not finish" not in c.text for c in bf16_lines), bf16_lines
+    assert any(
+        n.startswith(f"Missing from bf16's run directory ({damaged}): steps.parquet.") for n in comp.notes
+    )
+    html = page.read_text()
+    text = " ".join(re.sub(r"<[^>]+>", " ", html.split("</style>", 1)[1]).split())
+    assert "bf16 not compared" in text and 'class="oc-failed"' not in html and "did not finish" not in text
+    assert "missing from its run directory: steps.parquet" in text

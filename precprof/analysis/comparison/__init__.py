@@ -68,6 +68,7 @@ from precprof.analysis.comparison.runs import (
     classify,
     did_not_train,
     finite,
+    no_steps_file,
     parse_precisions,
     read_run,
     read_tables,
@@ -123,6 +124,7 @@ __all__ = [
     "did_not_train",
     "finite",
     "format_warnings",
+    "no_steps_file",
     "outcome_sentence",
     "parse_precisions",
     "predicted_trouble",
@@ -230,6 +232,7 @@ def analyse(
             else []
         )
         + ([ref_note] if ref_note else [])
+        + _missing_notes(results)
         + _notes(results, config or {}),
     )
 
@@ -259,6 +262,17 @@ def _reference(results: Sequence[RunResult], variants: Sequence[Variant]) -> tup
             f"{why[id(first)]}. The reference is {ref.label}, the next run the rule allows that did."
         )
     return ref, ""
+
+
+def _missing_notes(runs: Sequence[RunResult]) -> list[str]:
+    """A note per run whose run directory lacks some of its tables, naming them as its report does."""
+    return [
+        f"Missing from {r.label}'s run directory ({r.run_dir}): {', '.join(r.missing)}. What is built from "
+        f"{'it' if len(r.missing) == 1 else 'them'} is left out for {r.label}"
+        + (": it has no loss to compare." if no_steps_file(r) else ".")
+        for r in runs
+        if r.missing
+    ]
 
 
 # the counted steps' interquartile range over their median above which a run's speed is not compared: steps

@@ -22,6 +22,7 @@ from precprof.analysis.comparison.runs import (
     MATCHED,
     REFERENCE,
     RunResult,
+    no_steps_file,
 )
 from precprof.analysis.comparison.wording import _fmt_scale, _steps, and_list, outcome_sentence
 
@@ -170,6 +171,12 @@ def not_isolated(r: RunResult, ref: RunResult) -> str:
     return ""
 
 
+def no_loss(r: RunResult) -> bool:
+    """Whether ``r`` has no loss to check anything by: it failed, or its steps table is missing (a run whose
+    steps.parquet was deleted was called failed, beside its status "complete")."""
+    return r.outcome == FAILED or no_steps_file(r)
+
+
 def _planned_here(rec: Mapping[str, Any], ref: RunResult) -> bool:
     """Whether the advisor planned for the machine the runs trained on (a preset target is another machine)."""
     target = rec.get("target")
@@ -224,7 +231,7 @@ def _recommendation_checks(
     )
     here = _planned_here(rec, ref)
     checks: list[Check] = []
-    done = [r for r in others if r.outcome not in (FAILED, REFERENCE)]
+    done = [r for r in others if not no_loss(r) and r.outcome != REFERENCE]
     finished = [r for r in done if not not_isolated(r, ref)]
     apart = "; ".join(dict.fromkeys(not_isolated(r, ref) for r in done if not_isolated(r, ref)))
     if fmt in ("fp32", "tf32", ref.precision):
@@ -242,7 +249,7 @@ def _recommendation_checks(
                     NOT_MEASURED,
                     f"Loss: {lead}; no other run sets it against precision alone: {apart}."
                     if apart
-                    else f"Loss: {lead}; no other run finished to set it against.",
+                    else f"Loss: {lead}; {_nothing_against(others)}.",
                     ref.label,
                     ASPECT_LOSS,
                 )
@@ -316,8 +323,8 @@ def _recommendation_checks(
             )
         )
     for r in family:
-        if r.outcome == FAILED or not_isolated(r, ref):
-            why = f" {_sentence(not_isolated(r, ref))}." if r.outcome != FAILED else ""
+        if no_loss(r) or not_isolated(r, ref):
+            why = f" {_sentence(not_isolated(r, ref))}." if not no_loss(r) else ""
             checks.append(
                 Check(NOT_MEASURED, f"Loss: {said}: {outcome_sentence(r, ref, 0)}{why}", r.label, ASPECT_LOSS)
             )
@@ -349,6 +356,14 @@ def _recommendation_checks(
     return checks
 
 
+def _nothing_against(others: Sequence[RunResult]) -> str:
+    """Why no other run is set against the reference: none finished, or (named) their steps table is missing."""
+    unread = [r.label for r in others if no_steps_file(r)]
+    if unread:
+        return f"no other run has a loss to set against it ({and_list(unread)}: no steps.parquet in its run directory)"
+    return "no other run finished to set it against"
+
+
 def _unmeasured(r: RunResult, ref: RunResult) -> str:
     """Why there is no speed of ``r`` against ``ref``, in words (``RunResult.speed_not_taken``)."""
     return r.speed_not_taken or f"no throughput was measured for {r.label} and {ref.label}"
@@ -372,7 +387,7 @@ def own_diagnosis(r: RunResult) -> str:
 def _warning_checks(rec: Mapping[str, Any] | None, r: RunResult, ref: RunResult) -> list[Check]:
     """The reference profile's warnings for ``r``'s format, quoted as the advisor gave them, against what ``r``
     did: its loss (warnings that bear on it) and its speed (warnings about speed)."""
-    if r.outcome in (FAILED, REFERENCE):
+    if no_loss(r) or r.outcome == REFERENCE:
         return [Check(NOT_MEASURED, f"Warnings: {outcome_sentence(r, ref, 0)}", r.label, ASPECT_WARNINGS)]
     apart = not_isolated(r, ref)
     if apart:
@@ -479,7 +494,7 @@ def check_against_runs(runs: Sequence[RunResult], ref: RunResult) -> list[Check]
         checks += _recommendation_checks(rec, ref, others)
         advised = rec.get("fp16_loss_scale")
         for r in others:
-            if r.loss_scale != ADVISED or r.outcome == FAILED:
+            if r.loss_scale != ADVISED or no_loss(r):
                 continue
             ok = r.outcome in (MATCHED, AHEAD)
             apart = not_isolated(r, ref)

@@ -193,6 +193,8 @@ class RunResult:
     settings: dict[str, Any] = field(default_factory=dict)
     # the settings (in words) other than ``COMPARED_ANYWAY`` in which this run differs from the reference
     setup_differs: list[str] = field(default_factory=list)
+    # the table files absent from its run directory (``tables.missing_tables``), named as its report names them
+    missing: list[str] = field(default_factory=list)
     # the reference only: why it did not train itself ("" when it did: ``did_not_train``)
     did_not_train: str = ""
     # an "advised" fp16 run whose reference profile rules fp16 out: its init_scale is the one the advisor sized on
@@ -357,6 +359,7 @@ def read_run(
         else [],
         compiled=str(cfg["compiled"]) if isinstance(cfg.get("compiled"), str) else None,
         settings={k: cfg[k] for k in SETUP_SETTINGS if cfg.get(k) is not None},
+        missing=[T.TABLE_FILES[name] for name in T.missing_tables(run_dir)],
     )
 
 
@@ -405,10 +408,21 @@ def _progress(run: RunResult) -> float:
     return (run.initial_loss - run.final_loss) / abs(run.initial_loss)
 
 
+STEPS_FILE = T.TABLE_FILES["steps"]
+
+
+def no_steps_file(run: RunResult) -> bool:
+    """Whether ``run``'s steps table is missing from its run directory: it has no loss to compare, which says
+    nothing of how it trained (a file deleted or never copied), and no verdict of it is given."""
+    return STEPS_FILE in run.missing
+
+
 def did_not_train(run: RunResult, others: Sequence[RunResult]) -> str:
     """Why ``run`` did not train, in words ("" when it did): it recorded no step, its loss ended non-finite or
     above 1.5 times its first (``classify``'s divergence), or it removed less than ``STALL_PROGRESS`` of the
     share of its first loss that another run removed (fp16 whose every gradient flushed to zero)."""
+    if no_steps_file(run):
+        return f"its {STEPS_FILE} is missing from its run directory"
     if not run.steps:
         return "it recorded no finished step"
     if not math.isfinite(run.final_loss):
@@ -437,6 +451,8 @@ def did_not_train(run: RunResult, others: Sequence[RunResult]) -> str:
 
 def classify(run: RunResult, ref: RunResult, tolerance: float) -> tuple[str, float | None]:
     """(outcome, relative gap) of ``run`` against the reference run."""
+    if no_steps_file(run):
+        return UNCOMPARED, None
     if run.status == "missing" or not run.steps:
         return FAILED, None
     if not math.isfinite(run.final_loss):

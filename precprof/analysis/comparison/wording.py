@@ -13,8 +13,10 @@ from precprof.analysis.comparison.runs import (
     FAILED,
     MATCHED,
     STALLED,
+    STEPS_FILE,
     UNCOMPARED,
     RunResult,
+    no_steps_file,
 )
 from precprof.percent import change_pct
 
@@ -93,6 +95,10 @@ def describe_run(run: RunResult) -> str:
 
 def outcome_sentence(run: RunResult, ref: RunResult, tolerance: float) -> str:
     who = describe_run(run)
+    if no_steps_file(run):  # not "did not finish": the run may have, and its steps are not there to say
+        return (
+            f"{who} has no loss to compare: {STEPS_FILE} is missing from its run directory ({run.run_dir})."
+        )
     if run.outcome == MATCHED:
         return f"{who} matched {ref.label} within {_fmt_pct(run.gap)}."
     if run.outcome == DIVERGED:
