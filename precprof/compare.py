@@ -196,7 +196,8 @@ def compare_runs(
     if not overwrite:
         _refuse_a_comparison_in(where, default=out is None)
     summaries = [T.read_summary(d) for d in dirs]
-    models = [_model_of(s) for s in summaries]
+    # a run without summary.json records no model: it is not "a model" other than the rest (the note says)
+    models = [_model_of(s) for s in summaries if s]
     if len(set(models)) > 1:
         raise UserError(
             "these runs trained different models ("
@@ -207,21 +208,25 @@ def compare_runs(
     # a run goes by its precision; runs of one precision by their folders (a callback's is "precprof": its
     # parent's name with it)
     names = [
-        p if precisions.count(p) == 1 else (d.name if d.name != "precprof" else f"{d.parent.name}/{d.name}")
-        for p, d in zip(precisions, dirs, strict=True)
+        p
+        if precisions.count(p) == 1 and s
+        else (d.name if d.name != "precprof" else f"{d.parent.name}/{d.name}")
+        for p, d, s in zip(precisions, dirs, summaries, strict=True)
     ]
     names = [n if names.count(n) == 1 else f"{n}-{i + 1}" for i, n in enumerate(names)]
     variants = [Variant(p, name=n) for p, n in zip(precisions, names, strict=True)]
     # the settings every run had alike (the page's setup); the model by name where no run's settings say it
-    configs = [dict(s.get(T.SUMMARY_CONFIG) or {}) for s in summaries]
+    configs = [dict(s.get(T.SUMMARY_CONFIG) or {}) for s in summaries if s] or [{}]
     shared = {k: v for k, v in configs[0].items() if all(k in c and c[k] == v for c in configs[1:])}
     shared.pop("precision", None)
-    shared.setdefault("model", models[0].split(" of ")[0])
+    if models:
+        shared.setdefault("model", models[0].split(" of ")[0])
     comparison = analyse(list(zip(variants, dirs, strict=True)), tolerance, shared, common_steps=True)
     comparison.recorded = True
     ranks = _ranks_note(summaries, names)
     if ranks:
         comparison.notes.insert(0, ranks)
+    comparison.notes[:0] = _no_summary_notes([n for n, s in zip(names, summaries, strict=True) if not s])
     differ = "; ".join(f"{what}: {values}" for what, values in setup_differences(comparison.runs))
     if differ:
         comparison.notes.insert(
@@ -243,6 +248,17 @@ def _refuse_a_comparison_in(where: Path, default: bool) -> None:
             f"{where} already holds a comparison ({', '.join(found)}){said}; choose another --out, or add "
             "--overwrite to replace it"
         )
+
+
+def _no_summary_notes(names: Sequence[str]) -> list[str]:
+    """A note for each run without summary.json: its model, precision and settings are not recorded, so nothing
+    says it trained what the others did (compare had said "these runs trained different models")."""
+    return [
+        f"{name} has no {T.SUMMARY_FILE}: its model, precision and settings are not recorded, so this comparison "
+        "cannot check that it trained the same model and setup as the others; it goes by its folder's name, and "
+        "its loss and memory are read from its tables."
+        for name in names
+    ]
 
 
 def _ranks_note(summaries: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:

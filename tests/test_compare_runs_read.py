@@ -131,3 +131,27 @@ def test_a_run_without_its_steps_table_is_named_not_failed(
     text = " ".join(re.sub(r"<[^>]+>", " ", html.split("</style>", 1)[1]).split())
     assert "bf16 not compared" in text and 'class="oc-failed"' not in html and "did not finish" not in text
     assert "missing from its run directory: steps.parquet" in text
+
+
+def test_a_run_without_summary_json_is_said_to_have_none(
+    fp32_and_bf16: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A gpt-nano run whose summary.json was deleted, beside a gpt-nano run: compare refused them as "different
+    models (gpt-nano of 496,704 parameters; a model)". Compared, the run goes by its folder, a note says it has no
+    summary.json and what that leaves unchecked, and no line of the verdict check is confirmed by it."""
+    fp32_dir, bf16_dir = fp32_and_bf16
+    bare = tmp_path / "no-summary"
+    shutil.copytree(bf16_dir, bare)
+    (bare / T.SUMMARY_FILE).unlink()
+    comp, page = C.compare_runs([fp32_dir, bare], out=tmp_path / "cmp")
+    run = comp.run("no-summary")
+    ours = T.read_tables(bf16_dir)["steps"][T.LOSS].to_numpy(dtype=float)
+    assert run.steps == len(ours) and run.final_loss == pytest.approx(ours[-5:].mean(), rel=1e-12)
+    assert run.status == "unknown" and run.reason == "no summary.json in its run directory"
+    assert comp.notes[0].startswith(
+        "no-summary has no summary.json: its model, precision and settings are not"
+    )
+    lines = [c for c in comp.checks if c.run == "no-summary" or "no-summary" in c.text]
+    assert lines and all(c.status == A.NOT_MEASURED for c in lines), lines
+    assert all("no-summary has no summary.json" in c.text.replace("No-summary", "no-summary") for c in lines)
+    assert "has no summary.json" in page.read_text()

@@ -21,6 +21,7 @@ from precprof.analysis.comparison.runs import (
     FAILED,
     MATCHED,
     REFERENCE,
+    UNRECORDED,
     RunResult,
     no_steps_file,
 )
@@ -158,11 +159,18 @@ def _title(f: Mapping[str, Any]) -> str:
 
 def not_isolated(r: RunResult, ref: RunResult) -> str:
     """Why ``r``'s outcome against ``ref`` says nothing of its precision, in words ("" when it does): the
-    reference did not train (``RunResult.did_not_train``), or ``r`` trained with other settings than the
-    reference besides its precision (``RunResult.setup_differs``: another optimizer, learning rate, seed...).
+    reference did not train (``RunResult.did_not_train``), either has no summary.json (what it trained is not
+    recorded), or ``r`` trained with other settings than the reference besides its precision
+    (``RunResult.setup_differs``: another optimizer, learning rate, seed...).
     A run of bf16 at a learning rate of 20 diverged, and the check said the advisor had missed it."""
     if ref.did_not_train:
         return f"the reference, {ref.label}, did not train ({ref.did_not_train})"
+    unrecorded = [x.label for x in (r, ref) if x.status == UNRECORDED]
+    if unrecorded:
+        return (
+            f"{and_list(unrecorded)} has no summary.json: the precision, model and settings it trained with are "
+            "not recorded"
+        )
     if r.setup_differs:
         return (
             f"this comparison does not isolate precision for {r.label}: its {and_list(r.setup_differs)} "

@@ -43,6 +43,7 @@ REFERENCE, MATCHED, BEHIND, AHEAD, STALLED, DIVERGED, FAILED = (
     "diverged",
     "failed",
 )
+UNRECORDED = "unknown"  # the status of a run without summary.json: what it trained is not recorded
 UNCOMPARED = "not compared"  # a finished run against a reference without a final loss (it diverged)
 BAD_OUTCOMES = frozenset({BEHIND, STALLED, DIVERGED})
 
@@ -240,6 +241,8 @@ def _status(summary: Mapping[str, Any], read: T.RunTables, live: bool) -> tuple[
             f"cut off {where}: killed before it saved its tables, which are read from the parts it wrote while "
             "training"
         )
+    if not summary:
+        return UNRECORDED, f"no {T.SUMMARY_FILE} in its run directory"
     return str(summary.get(T.SUMMARY_STATUS) or "missing"), summary.get(T.SUMMARY_INCOMPLETE_REASON)
 
 

@@ -15,6 +15,7 @@ from precprof.analysis.comparison.runs import (
     STALLED,
     STEPS_FILE,
     UNCOMPARED,
+    UNRECORDED,
     RunResult,
     no_steps_file,
 )
@@ -75,6 +76,8 @@ def describe_scale(run: RunResult) -> str:
 def describe_run(run: RunResult) -> str:
     """``fp16 with dynamic loss scaling (stayed at 2^16, never changed in 12 steps)``, ``fp16 without loss
     scaling``, ``bf16``."""
+    if run.status == UNRECORDED:  # no summary.json: its precision is not known
+        return f"{run.label} (its precision not recorded)"
     fp16 = run.precision.startswith("fp16")
     if run.loss_scaling == "none":
         return f"{run.precision} without loss scaling" if fp16 else run.precision
