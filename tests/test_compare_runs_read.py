@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from precprof import compare as C
 from precprof import tables as T
@@ -58,7 +59,7 @@ KILLED = textwrap.dedent(
             if run.step == {KILL_AFTER}:
                 run.profiler.tables()  # waits for the writer: every step so far is on disk
                 os.kill(os.getpid(), signal.SIGKILL)
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(sys.argv[2]))  # the fp32 run's: the data's entropy, a sum, follows the threads
     train(TrainConfig(model="gpt-nano", model_args={{"n_layer": "1"}}, precision="bf16", steps=8, batch_size=2,
                       seq_len=16, sample_every=1, progress=False, report=False, out=sys.argv[1]),
           callbacks=[Kill()])
@@ -73,7 +74,10 @@ def fp32_and_killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
     root = tmp_path_factory.mktemp("killed")
     train(_config(steps=8, out=root / "fp32"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])}
-    res = subprocess.run([sys.executable, "-c", KILLED, str(root / "bf16")], env=env, capture_output=True)
+    threads = str(torch.get_num_threads())
+    res = subprocess.run(
+        [sys.executable, "-c", KILLED, str(root / "bf16"), threads], env=env, capture_output=True
+    )
     assert res.returncode == -signal.SIGKILL, res.stderr.decode()[-2000:]
     return root / "fp32", root / "bf16"
 
@@ -155,3 +159,38 @@ def test_a_run_without_summary_json_is_said_to_have_none(
     assert lines and all(c.status == A.NOT_MEASURED for c in lines), lines
     assert all("no-summary has no summary.json" in c.text.replace("No-summary", "no-summary") for c in lines)
     assert "has no summary.json" in page.read_text()
+
+
+def _headline(html: str) -> str:
+    return " ".join(
+        re.sub(r"<[^>]+>", " ", html.split('<ul class="headline">', 1)[1].split("</ul>", 1)[0]).split()
+    )
+
+
+def test_runs_that_stopped_early_or_ran_fewer_steps_confirm_nothing(
+    fp32_and_killed: tuple[Path, Path], fp32_and_bf16: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A bf16 run killed after 4 of 8 steps "[confirmed] matched fp32", and so did a complete bf16 run of 6
+    steps beside fp32's 8: each compared on the first steps, which the terminal never said, while the page's
+    chip gave fp32's loss at that step as its final loss. Their check lines are "not measured" and say why, and
+    the chips say where the reference's loss is taken and that the run stopped early."""
+    fp32_dir, killed_dir = fp32_and_killed
+    _, bf16_dir = fp32_and_bf16
+    loss = T.read_tables(fp32_dir)["steps"].sort_values(T.STEP)[T.LOSS].to_numpy(dtype=float)
+    for i, (other, stopped, last) in enumerate(
+        (
+            (killed_dir, f"bf16 stopped after {KILL_AFTER + 1} of 8 steps: killed", KILL_AFTER),
+            (bf16_dir, "bf16 ran 6 steps and fp32 8", 5),
+        )
+    ):
+        comp, page = C.compare_runs([fp32_dir, other], out=tmp_path / f"cmp{i}")
+        fp32 = comp.run("fp32")
+        assert fp32.final_loss == pytest.approx(loss[: last + 1][-5:].mean(), rel=1e-12)
+        assert comp.run("bf16").outcome == A.MATCHED  # over the steps both ran, which is all it shows
+        lines = [c for c in comp.checks if c.aspect != A.ASPECT_SPEED]
+        assert lines and all(c.status == A.NOT_MEASURED for c in lines), lines
+        said = f"{stopped}; compared up to step {last}, the last step every run finished"
+        assert all(said in c.text for c in lines), (said, lines)
+        headline = _headline(page.read_text())
+        assert f"up to step {last}, where the runs are compared (it ran 8 steps)" in headline, headline
+        assert ("stopped after" in headline) == (other == killed_dir), headline

@@ -66,6 +66,7 @@ from precprof.analysis.comparison.runs import (
     RunResult,
     Variant,
     classify,
+    cut_short,
     did_not_train,
     finite,
     no_steps_file,
@@ -119,6 +120,7 @@ __all__ = [
     "and_list",
     "check_against_runs",
     "classify",
+    "cut_short",
     "describe_run",
     "describe_scale",
     "did_not_train",
@@ -191,6 +193,7 @@ def analyse(
     known = {s for s in lasts if s is not None}
     until = min(known) if common_steps and len(known) > 1 else None
     results = [read_run(v, Path(d), until, read) for (v, d), read in zip(runs, reads, strict=True)]
+
     ref, ref_note = _reference(results, [v for v, _ in runs])
     ruled_out = bool((ref.recommendation or {}).get("fp16_ruled_out"))
     for r in results:

@@ -18,11 +18,13 @@ from precprof.analysis.comparison.runs import (
     ADVISED,
     AHEAD,
     BAD_OUTCOMES,
+    DIVERGED,
     FAILED,
     MATCHED,
     REFERENCE,
     UNRECORDED,
     RunResult,
+    cut_short,
     no_steps_file,
 )
 from precprof.analysis.comparison.wording import _fmt_scale, _steps, and_list, outcome_sentence
@@ -50,7 +52,8 @@ STATUS_MEANING = {
     MISSED: "the run went wrong and the profile gave no warning that bears on it",
     NOT_MEASURED: "no run in this comparison measures it: no run in that format, a failed run, no throughput, "
     "speed on a machine other than this one, a run trained otherwise than the reference besides its precision, an "
-    "fp16 run without the loss scaling the advice gives it, or a reference that did not train",
+    "fp16 run without the loss scaling the advice gives it, a reference that did not train, or a run that stopped "
+    "early or is compared short of its end (runs of different lengths)",
     OVERRIDDEN: "the advisor's fp32 default for a small model, against a run in the format its measurements "
     f"allowed that matched and reached {_GAIN}",
 }
@@ -160,8 +163,10 @@ def _title(f: Mapping[str, Any]) -> str:
 def not_isolated(r: RunResult, ref: RunResult) -> str:
     """Why ``r``'s outcome against ``ref`` says nothing of its precision, in words ("" when it does): the
     reference did not train (``RunResult.did_not_train``), either has no summary.json (what it trained is not
-    recorded), or ``r`` trained with other settings than the reference besides its precision
-    (``RunResult.setup_differs``: another optimizer, learning rate, seed...).
+    recorded), ``r`` trained with other settings than the reference besides its precision
+    (``RunResult.setup_differs``: another optimizer, learning rate, seed...), or either is not a whole run
+    (``cut_short``: it stopped early, or runs of different lengths are compared on their first steps) and ``r``
+    did not diverge.
     A run of bf16 at a learning rate of 20 diverged, and the check said the advisor had missed it."""
     if ref.did_not_train:
         return f"the reference, {ref.label}, did not train ({ref.did_not_train})"
@@ -176,6 +181,11 @@ def not_isolated(r: RunResult, ref: RunResult) -> str:
             f"this comparison does not isolate precision for {r.label}: its {and_list(r.setup_differs)} "
             f"differ from {ref.label}'s"
         )
+    short = cut_short(r, ref)
+    if (
+        short and r.outcome != DIVERGED
+    ):  # a loss that went non-finite in the steps it ran diverged all the same
+        return f"not whole runs: {short}; a loss short of a run's end is not the loss it ends at"
     return ""
 
 

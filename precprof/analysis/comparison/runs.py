@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,6 +195,12 @@ class RunResult:
     settings: dict[str, Any] = field(default_factory=dict)
     # the settings (in words) other than ``COMPARED_ANYWAY`` in which this run differs from the reference
     setup_differs: list[str] = field(default_factory=list)
+    # the finished steps it recorded, all of them (``steps``: those compared, up to the step every run finished)
+    steps_run: int = 0
+    # how a run that did not finish stopped: "stopped after 5 of 20 steps (interrupted (Ctrl-C, SIGINT))"
+    stopped: str = ""
+    # the last step compared when runs of different lengths are compared on the steps all of them finished
+    compared_until: int | None = None
     # the table files absent from its run directory (``tables.missing_tables``), named as its report names them
     missing: list[str] = field(default_factory=list)
     # the reference only: why it did not train itself ("" when it did: ``did_not_train``)
@@ -288,6 +295,7 @@ def read_run(
     summary = T.read_summary(run_dir)
     tables, live = read if read is not None else read_tables(run_dir)
     steps = T.finished_steps(tables.tables["steps"]).sort_values(T.STEP)
+    steps_run = len(steps)
     if until is not None and not steps.empty:
         steps = steps[pd.to_numeric(steps[T.STEP]) <= until]
     loss = steps[T.LOSS].astype(float).to_numpy() if not steps.empty else np.array([])
@@ -363,7 +371,35 @@ def read_run(
         compiled=str(cfg["compiled"]) if isinstance(cfg.get("compiled"), str) else None,
         settings={k: cfg[k] for k in SETUP_SETTINGS if cfg.get(k) is not None},
         missing=[T.TABLE_FILES[name] for name in T.missing_tables(run_dir)],
+        steps_run=steps_run,
+        stopped=_stopped(status, reason, tables, steps_run, cfg.get("steps")),
+        compared_until=until,
     )
+
+
+def _stopped(status: str, reason: str | None, read: T.RunTables, done: int, planned: Any) -> str:
+    """How a run that did not finish stopped, in a few words ("" for one that did): after how many of its
+    planned steps, and why (its summary's cause up to its first colon, "killed" for a run that never saved)."""
+    if status not in (T.STATUS_INCOMPLETE, "running"):
+        return ""
+    why = "killed" if read.streamed and status != "running" else re.split(r"[:;]", reason or "")[0].strip()
+    of = f" of {planned:,}" if isinstance(planned, int) and planned > done else ""
+    return f"stopped after {done:,}{of} step{'s' if done != 1 else ''}" + (f": {why}" if why else "")
+
+
+def cut_short(run: RunResult, ref: RunResult) -> str:
+    """Why ``run``'s loss against ``ref``'s is not that of whole runs, in words ("" when it is): either stopped
+    early (interrupted, killed, crashed), or runs of different lengths are compared on the steps all of them
+    finished, short of the end of one. A loss over a run's first steps is not the loss it ends at."""
+    said = [f"{x.label} {x.stopped}" for x in (run, ref) if x.stopped]
+    cut = any(x.compared_until is not None and x.steps_run > x.steps for x in (run, ref))
+    if not said and not cut:
+        return ""
+    if not said and run.steps_run != ref.steps_run:
+        said = [f"{run.label} ran {run.steps_run:,} steps and {ref.label} {ref.steps_run:,}"]
+    if cut:
+        said.append(f"compared up to step {run.compared_until}, the last step every run finished")
+    return "; ".join(said)
 
 
 def _key(v: Any) -> str:
