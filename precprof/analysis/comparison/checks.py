@@ -52,8 +52,8 @@ STATUS_MEANING = {
     MISSED: "the run went wrong and the profile gave no warning that bears on it",
     NOT_MEASURED: "no run in this comparison measures it: no run in that format, a failed run, no throughput, "
     "speed on a machine other than this one, a run trained otherwise than the reference besides its precision, an "
-    "fp16 run without the loss scaling the advice gives it, a reference that did not train, or a run that stopped "
-    "early or is compared short of its end (runs of different lengths)",
+    "fp16 run without the loss scaling the advice gives it, a reference that did not train, a run without "
+    "summary.json, or a run that stopped early or is compared short of its end (runs of different lengths)",
     OVERRIDDEN: "the advisor's fp32 default for a small model, against a run in the format its measurements "
     f"allowed that matched and reached {_GAIN}",
 }
