@@ -1029,6 +1029,44 @@ class _SdpaBlock(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(x)))
 
 
+class _WrappedMha(nn.Module):
+    """A block whose attention is a wrapper named ``attn`` (a norm and an nn.MultiheadAttention, ``attn.mha``,
+    width 32, 4 heads), then a Linear."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.mha = nn.LayerNorm(32), nn.MultiheadAttention(32, 4, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(x)
+            return x + self.mha(h, h, h, need_weights=False)[0]
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn, self.fc = self.Attention(), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.attn(x))
+
+
+def test_score_matmuls_counted_below_a_module_named_attn_are_not_said_to_be_left_out() -> None:
+    """An nn.MultiheadAttention inside a wrapper named attn (attn.mha): the share counts its score matmuls, yet
+    the finding said it "leaves out the score matmuls ... of attn" and gave a correction a user would apply on
+    top of a share that already holds them (the name check matched a counted module above the named part
+    alone). The share is torch's count of all the forward's matmuls (FlopCounterMode), and neither the share
+    nor the speed estimate says any are left out."""
+    flops = _module_flops(_WrappedMha(), torch.randn(4, 16, 32))
+    rec = _advice(_WrappedMha(), 16, 16)
+    f, speed = rec.finding("fp8_eligibility"), rec.finding("fp8_speed")
+    assert f is not None and speed is not None and f.modules == ["fc"]
+    share = flops["fc"] / flops[""]
+    assert 0 < share < 0.5 and f.numbers["eligible_flops_share"] == pytest.approx(share)
+    assert "leaves out the score matmuls" not in f.message
+    assert "are not among the GEMMs counted" not in speed.message
+
+
 def test_the_share_says_it_leaves_out_the_score_matmuls_of_attention_it_cannot_count() -> None:
     """A block computing its attention with F.scaled_dot_product_attention (Hugging Face's attention modules,
     nanoGPT's): the run records no sequence length, so the score matmuls are not counted, and the share, "100%

@@ -448,17 +448,20 @@ def _attention_uncounted(run: _Run, unconverted: Mapping[str, _Unconverted]) -> 
     from no weight, on sequence lengths the run does not record (its rows are batch x sequence, never the two
     apart). Such an attention is told by the name of a matmul inside it, a part of it holding "attn" or
     "attention" (self_attn.q_proj, attention.self.query, attn.c_attn): a module of no matmul so named, as
-    Llama's post_attention_layernorm, is none. Float8 conversion leaves its score matmuls in bf16."""
+    Llama's post_attention_layernorm, is none. Float8 conversion leaves its score matmuls in bf16. A matmul at or
+    below an nn.MultiheadAttention whose scores are counted is no sign of one, wherever that module sits under the
+    named part (blk.attn.mha.out_proj in a wrapper blk.attn): its attention is in the share already."""
     counted = [m for m, u in unconverted.items() if u.scores]
     attention: dict[str, None] = {}
     for m, entry in _captured_modules(run).items():
         if not taxonomy.is_matmul_type(str(entry.get("type", ""))):
             continue
+        if any(f"{m}.".startswith(f"{c}.") for c in counted):
+            continue
         parts = m.split(".")
         at = [i for i, p in enumerate(parts) if "attn" in p.lower() or "attention" in p.lower()]
-        name = ".".join(parts[: at[0] + 1]) if at else ""
-        if name and not any(f"{name}.".startswith(f"{c}.") for c in counted):
-            attention[name] = None
+        if at:
+            attention[".".join(parts[: at[0] + 1])] = None
     return list(attention)
 
 
