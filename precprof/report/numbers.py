@@ -223,8 +223,14 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "max_e4m3_lost_norm": ("largest share of the norm E4M3 loses (inputs, weights)", "share"),
     "max_e5m2_lost_norm": ("largest share of the norm E5M2 loses (output gradients)", "share"),
     "max_pushed_subnormal": ("most values a tensor's largest 0.1% push below FP8's smallest normal", "share"),
+    "max_pushed_pooled": (
+        "most values a tensor's largest 0.1% push below FP8's smallest normal, several calls a step read at the "
+        "largest call's scale (not judged)",
+        "share",
+    ),
     "max_below_normal": (
-        "most values of a tensor below FP8's smallest normal at the scale its largest sets (not judged)",
+        "at most this share of a tensor's values below FP8's smallest normal at the power-of-two scale its "
+        "largest sets (not judged)",
         "share",
     ),
     "pushed_subnormal_max": ("share of values pushed below FP8's smallest normal allowed", "share"),

@@ -19,7 +19,9 @@ there (``_pushed_share``, exact from the histogram): a tensor whose values sprea
 a weight over 40 binades) has them there under any scale, and is not held back. The share of a tensor's values
 below the smallest normal at its scale, whatever put them there, is reported beside it, not judged: outlier
 channels (more than the largest 0.1%, as LLM.int8's outlier features) that set the scale for the rest are seen
-there, not by the outlier check.
+there, not by the outlier check; it is an upper bound (a power-of-two scale, read before rounding). A tensor read
+in several calls a step (gradient accumulation) is read at its largest call's scale, as the run keeps no call's
+own: the outlier check does not judge it (``_pooled``).
 """
 
 from __future__ import annotations
@@ -90,8 +92,9 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     GEMMs would read it in loses: its weight and its input (tensor ``INPUT``: the output of each module in
     ``inputs[module]``, which its GEMM read) in e4m3, its output gradient in e5m2. Columns: ``lost_norm`` (upper
     bound of the share of the L2 norm lost to underflow), ``lost_values`` (share of the nonzero finite values
-    flushed, exact), ``pushed`` and ``below`` (``_pushed_share``), ``side`` ("forward": input and weight;
-    "backward": output gradient)."""
+    flushed, exact), ``pushed`` and ``below`` (``_pushed_share``; ``pushed`` of a row of one call, its value for a
+    row of several in ``pushed_pooled``: ``_pooled``), ``side`` ("forward": input and weight; "backward": output
+    gradient)."""
     lay = run.layers
     sources = {s for m in modules for s in inputs.get(m, [])}
     own = lay[T.MODULE].isin(modules) & (
@@ -102,7 +105,9 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     keys = [T.STEP, T.MODULE, T.TENSOR, T.PARAM]
     rows = lay.loc[sel, [*keys, T.ABSMAX, T.CALLS, T.NUMEL, T.ZEROS, T.NAN, T.INF, e4, e5]]
     if rows.empty:
-        return pd.DataFrame(columns=[*keys, "side", "lost_norm", "lost_values", "pushed", "below"])
+        return pd.DataFrame(
+            columns=[*keys, "side", "lost_norm", "lost_values", "pushed", "pushed_pooled", "below"]
+        )
     rows = rows.assign(**{k: T.texts(rows[k]).astype(object) for k in (T.MODULE, T.TENSOR, T.PARAM)})
     # one row per tensor and step (a table merged from ranks may repeat one): counts add, amax is the largest
     agg = {c: "sum" for c in (T.CALLS, T.NUMEL, T.ZEROS, T.NAN, T.INF, e4, e5)}
@@ -133,7 +138,9 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     out["side"] = np.where(is_grad, BACKWARD, FORWARD)
     out["lost_norm"] = share
     out["lost_values"] = values
-    out["pushed"] = pushed
+    pooled = _pooled(rows[T.CALLS].to_numpy(dtype=float))
+    out["pushed"] = np.where(pooled, np.nan, pushed)
+    out["pushed_pooled"] = np.where(pooled, pushed, np.nan)
     out["below"] = below
     # each layer's rows: its weight and output gradient, and the outputs it read as its input, as its own
     mine = out[out[T.TENSOR] != T.ACTIVATION]
@@ -142,6 +149,19 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     as_input = outputs.merge(read, on=T.MODULE).drop(columns=T.MODULE).rename(columns={"_reader": T.MODULE})
     as_input[T.TENSOR] = INPUT
     return pd.concat([mine[mine[T.MODULE].isin(modules)], as_input[out.columns]], ignore_index=True)
+
+
+def _pooled(calls: np.ndarray) -> np.ndarray:
+    """Which rows the outlier check cannot judge: those of several calls a step (gradient accumulation's
+    micro-batches, a layer called more than once, several ranks). Such a row sums the calls' histograms and keeps
+    the largest value of them all, so ``_pushed_share`` reads every call at the scale of the call with the
+    largest value, where a tensorwise recipe (torchao's Float8Linear, Transformer Engine's current scaling) scales
+    each call by its own: one micro-batch of outlier channels in twelve put 75% of the step's values "pushed"
+    where each call alone pushes under 1%. The run keeps no call's own largest value, and what the largest 0.1%
+    push is a difference of two counts, which pooling moves either way (a call of large values beside one with
+    an outlier hides the outlier's), so it bounds nothing: such a row does not decide. Its ``below`` stays an
+    upper bound (a call's own scale is at least the pooled one)."""
+    return calls > 1
 
 
 def _pushed_share(
@@ -154,8 +174,10 @@ def _pushed_share(
     of values would set (their largest taken at its binade's upper edge: a smaller share, never a larger one);
     and the share below the smallest normal under the scale amax sets, whatever put them there (an outlier
     channel, more than OUTLIER_SHARE of the values, that sets the scale of the rest; or a wide spread).
-    The binades meet the smallest normal exactly, the scale being a power of two; a tensor of several calls is
-    read at its largest call's scale."""
+    The binades meet the smallest normal exactly, the scale being a power of two: before rounding (a value just
+    under it may round up to it), and under the power-of-two scale (fmax/amax, torchao's default, is as large or
+    larger, and puts as many there or fewer). A tensor of several calls is read at its largest call's scale
+    (``_pooled``): its ``below`` is an upper bound of the calls', each cast at its own."""
     exponent, count = h[T.EXPONENT].to_numpy(), h[T.COUNT].to_numpy()
     rank = np.maximum(np.floor(OUTLIER_SHARE * nonzero), 1.0) + 1.0
     bulk_amax = np.exp2(lost_norm.rank_edge_log2(exponent, count, group, len(nonzero), rank))
@@ -180,9 +202,22 @@ def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
     """Per (module, side): the median over sampled steps of the lost-norm bound (the larger of the input's and
     the weight's on the forward side), its worst step, the median share of values flushed, and of the tensor
     whose largest values push the most of it below the smallest normal (``fp8_losses``' ``pushed``), that
-    share (``pushed``) and its name (``pushed_tensor``), and of the tensor with the most of its values below the
-    smallest normal (``fp8_losses``' ``below``), that share (``below``) and its name (``below_tensor``)."""
-    cols = ["norm", "norm_worst", "values", "pushed", "pushed_tensor", "below", "below_tensor", "steps"]
+    share (``pushed``) and its name (``pushed_tensor``), the same of the tensors read in several calls a step
+    (``pushed_pooled``, ``pushed_pooled_tensor``: not judged), and of the tensor with the most of its values
+    below the smallest normal (``fp8_losses``' ``below``), that share (``below``) and its name
+    (``below_tensor``)."""
+    pooled = ["pushed_pooled", "pushed_pooled_tensor"]
+    cols = [
+        "norm",
+        "norm_worst",
+        "values",
+        "pushed",
+        "pushed_tensor",
+        *pooled,
+        "below",
+        "below_tensor",
+        "steps",
+    ]
     if losses.empty:
         return pd.DataFrame(columns=cols)
     per = (
@@ -192,6 +227,7 @@ def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
             norm_worst=("lost_norm", "max"),
             values=("lost_values", "median"),
             pushed=("pushed", "median"),
+            pushed_pooled=("pushed_pooled", "median"),
             below=("below", "median"),
             steps=(T.STEP, "nunique"),  # a layer read from two modules has two rows a step
         )
@@ -208,11 +244,15 @@ def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
         pushed_tensor=(T.TENSOR, "first"),
         steps=("steps", "max"),
     )
-    most = per.sort_values("below", ascending=False, kind="stable", na_position="last")
-    most = most.groupby([T.MODULE, "side"], sort=False).agg(
-        below=("below", "first"), below_tensor=(T.TENSOR, "first")
+    return out.join(_largest(per, "pushed_pooled")).join(_largest(per, "below")).reindex(order)[cols]
+
+
+def _largest(per: pd.DataFrame, col: str) -> pd.DataFrame:
+    """Per (module, side) of ``per``, the largest ``col`` of its tensors and the tensor's name (``col``_tensor)."""
+    most = per.sort_values(col, ascending=False, kind="stable", na_position="last")
+    return most.groupby([T.MODULE, "side"], sort=False).agg(
+        **{col: (col, "first"), f"{col}_tensor": (T.TENSOR, "first")}
     )
-    return out.join(most).reindex(order)[cols]
 
 
 def _at_most(bound: float) -> str:
@@ -253,21 +293,42 @@ def _outlier_reason(by_key: Mapping[Any, Mapping[str, Any]], m: str, most: float
     return ""
 
 
-def _most_below(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str]) -> tuple[float | None, str]:
-    """The largest share of a tensor's values below its FP8 format's smallest normal at the scale its largest
-    value sets, over the layers ``linear`` read (``fp8_summary``'s ``below``), and whose tensor it is in words
-    ("2's input"); (None, "") where none was read."""
+def _most(
+    by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], col: str = "below"
+) -> tuple[float | None, str]:
+    """The largest share ``col`` of ``fp8_summary`` (``below``: of a tensor's values below its FP8 format's
+    smallest normal at the scale its largest value sets) over the layers ``linear`` read, and whose tensor it is
+    in words ("2's input"); (None, "") where none was read."""
     most = [
         (w, m, side)
         for side in (FORWARD, BACKWARD)
         for m in linear
-        if (w := _get(by_key, m, side, "below")) is not None
+        if (w := _get(by_key, m, side, col)) is not None
     ]
     if not most:
         return None, ""
     w, m, side = max(most)
-    what = _TENSOR_WORDS.get(str(by_key[(m, side)]["below_tensor"]), "tensor")
+    what = _TENSOR_WORDS.get(str(by_key[(m, side)][f"{col}_tensor"]), "tensor")
     return w, f"{_name(m)}'s {what}"
+
+
+def _pooled_words(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], limit: int) -> str:
+    """The words saying that the outlier check did not judge the layers whose tensors were read in several calls
+    a step (``_pooled``), and how to judge them ("" when there are none)."""
+    layers = [
+        m for m in linear if any(_get(by_key, m, s, "pushed_pooled") is not None for s in (FORWARD, BACKWARD))
+    ]
+    if not layers:
+        return ""
+    most, where = _most(by_key, linear, "pushed_pooled")
+    return (
+        f". The outlier check could not judge {len(layers)} layer(s) ({_listing(layers, limit)}): a tensor of theirs was read in "
+        "several calls a step (gradient accumulation's micro-batches, a layer called more than once, several "
+        "ranks), which the run records together, as one histogram under the largest value of them all, where a "
+        "tensorwise recipe scales each call on its own; read at the largest call's scale, their largest values "
+        f"push {_pct(most)} ({where}), which does not decide. To judge them, profile a few steps of one "
+        "micro-batch each (a run without gradient accumulation, on one rank)"
+    )
 
 
 def _outlier_remedy(plan: _Plan) -> str:
@@ -674,7 +735,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     ]
     pmax, pmod = max(pushed) if pushed else (None, None)
     pmod = pmod if pmax else None
-    lowest, low_where = _most_below(by_key, linear)
+    lowest, low_where = _most(by_key, linear)
     msg = (
         "A linear layer is FP8-eligible when --precision fp8 would convert it (an nn.Linear not tied to an "
         f"embedding, both dimensions and the tokens per call multiples of {taxonomy.FP8_DIM_MULTIPLE}), none of "
@@ -762,12 +823,18 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         + f". Nor may an outlier set a tensor's scale: its largest {_pct(OUTLIER_SHARE)} of values may push at "
         f"most {_pct(cfg.fp8_pushed_subnormal_max)} of its values below the format's smallest normal, where they "
         "keep few significant bits while the norm, which the outlier holds, loses almost nothing (as with the "
-        f"massive activations of large language models). Most pushed there: {_pct(pmax)}"
+        f"massive activations of large language models). Most pushed there: "
+        + (_pct(pmax) if pmax is not None else "none judged")
         + (f" ({_name(pmod)})" if pmod is not None else "")
         + (
-            "; below it at the scale a tensor's largest value sets, whatever put them there, which does not "
-            "decide: "
-            + (f"up to {_pct(lowest)} of a tensor's values ({low_where})" if lowest else "none")
+            "; below it at the power-of-two scale a tensor's largest value on a step sets, whatever put them "
+            "there, which does not decide: "
+            + (
+                f"at most {_pct(lowest)} of a tensor's values ({low_where}; fewer where the scale is fmax/amax, "
+                "torchao's default, or each call of a step is scaled on its own, and after rounding)"
+                if lowest
+                else "none"
+            )
             + (
                 f", more than its largest {_pct(OUTLIER_SHARE)} may push there: outlier channels (more values than "
                 "those) that set the scale for the rest put them there, or a spread over many binades"
@@ -777,6 +844,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             if lowest is not None
             else ""
         )
+        + _pooled_words(by_key, linear, cfg.max_listed_modules)
         + (
             f". {len(forward_only)} layer(s) had no output gradient on any sampled step "
             f"({_listing(forward_only, cfg.max_listed_modules)}: frozen with nothing trainable before them, or "
@@ -828,6 +896,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 "max_e4m3_share": fval,
                 "max_e5m2_share": bval,
                 "max_pushed_subnormal": pmax,
+                "max_pushed_pooled": _most(by_key, linear, "pushed_pooled")[0],
                 "max_below_normal": lowest,
                 "pushed_subnormal_max": cfg.fp8_pushed_subnormal_max,
                 "lost_norm_max": lim,
