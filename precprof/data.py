@@ -100,7 +100,9 @@ class MarkovChainData:
         transition.scatter_add_(1, succ, probs)
         self.transition = transition
         self.stationary = _stationary(transition)
-        self.entropy_rate_nats = float((self.stationary * _entropy_nats(transition)).sum())
+        # to 12 significant digits: the linear solve and the sum end in other last bits with another number of
+        # threads, and runs that compare their data (``precprof compare``) read a different chain from a digit
+        self.entropy_rate_nats = float(f"{float((self.stationary * _entropy_nats(transition)).sum()):.12g}")
         self._cum_stationary = self.stationary.cumsum(0)
         self._cum_stationary[-1] = 1.0
         self._gen = torch.Generator().manual_seed(seed)

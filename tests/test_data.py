@@ -176,3 +176,21 @@ def test_a_real_unreadable_file(tmp_path: Path) -> None:
             load_data(str(locked))
     finally:
         locked.chmod(0o600)
+
+
+def test_the_chains_description_does_not_depend_on_the_number_of_threads() -> None:
+    """``precprof compare`` reads two runs' data as different when their descriptions differ: the entropy rate
+    (a linear solve and a sum in float64) ended in another last bit with 1 thread than with 2 (1.7182123191963319
+    against ...317), and runs recorded with different thread counts were said to train on different data."""
+    threads = torch.get_num_threads()
+    try:
+        described = []
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            chain = MarkovChainData(vocab_size=VOCAB_SIZE, seed=0)
+            described.append(chain.describe())
+            exact = float((chain.stationary * data_module._entropy_nats(chain.transition)).sum())
+            assert chain.entropy_rate_nats == pytest.approx(exact, rel=1e-11)
+    finally:
+        torch.set_num_threads(threads)
+    assert described[0] == described[1] == described[2]
