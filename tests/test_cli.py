@@ -209,6 +209,35 @@ def test_model_args_that_read_as_numbers_but_are_not(
     assert sum(type(m).__name__ == "GPTBlock" for m in built.module.modules()) == 1
 
 
+@pytest.mark.parametrize(
+    ("model", "arg"),
+    [
+        ("gpt-nano", "n_head=0"),
+        ("gpt-nano", "n_embd=0"),
+        ("llama-mini", "n_head=0"),
+        ("llama-mini", "n_embd=0"),
+        ("cnn-bn", "kernel_size=0"),
+        ("cnn-bn", "channels=0"),
+        ("mlp", "hidden=0"),
+    ],
+)
+def test_a_zero_model_size_is_one_line_before_anything_is_built(
+    model: str, arg: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """n_head=0 was a ZeroDivisionError traceback, n_embd=0 and kernel_size=0 failed in the first forward and
+    left a partial run, llama-mini's n_embd=0 trained a model of 0 parameters: each is refused as a negative
+    size is, in one line, and no run directory is made. n_layer=0 (the embedding and the head alone) still
+    builds."""
+    out = tmp_path / "run"
+    rc, _, err = run_main(["train", "--model", model, "-a", arg, "--out", str(out), *TINY], capsys)
+    assert_one_line_error(rc, err, f"--model-arg {arg}: must be at least 1")
+    assert not out.exists()
+    from precprof.models import build_model
+
+    built = build_model(model, {"n_layer": "0"}, vocab_size=256, seq_len=8)
+    assert [type(m).__name__ for m in built.module.modules()].count("Linear") == 1  # the head
+
+
 IMAGE_MODEL = (
     "from torch import nn\n"
     "def make(**kw):\n"

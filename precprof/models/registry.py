@@ -52,6 +52,11 @@ BUILTIN_MODELS: dict[str, _Builtin] = {
     ),
 }
 
+# the sizes of a built-in model that cannot be 0: n_head=0 divides by zero, n_embd=0 or kernel_size=0 fail in the
+# first forward, llama-mini's n_embd=0 has no parameter to train (n_layer=0 is a model of the embedding and the
+# head alone; vocab_size=0 and intermediate_size=0 mean a default; block_size=0 is below any --seq-len)
+_WIDTHS = frozenset({"n_embd", "n_head", "hidden", "channels", "kernel_size"})
+
 MODEL_KINDS_HELP = "hf:<model_type> (e.g. hf:gpt2, hf:llama), path/to/file.py:factory, package.module:factory"
 
 
@@ -84,6 +89,8 @@ def _build_builtin(
     for k, v in dataclasses.asdict(cfg).items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
             raise UserError(f"--model-arg {k}={v}: must not be negative")
+        if k in _WIDTHS and v == 0:
+            raise UserError(f"--model-arg {k}=0: must be at least 1")
     # before allocating anything: a meta-device build would be exact but imports torch._dynamo (seconds)
     _check_size(name, approx_params(cfg))
     try:
