@@ -38,6 +38,10 @@ except ImportError:  # pragma: no cover - Windows
 
 LOCK_FILE = ".precprof.lock"
 RUN_FILES: tuple[str, ...] = (T.SUMMARY_FILE, T.REPORT_FILE, *T.TABLE_FILES.values())
+# the pages `precprof report RUN --target T` writes beside the run (report-<target>.html) render that run: they
+# go when it is replaced; precprof's are told from a user's own page by the generator tag in their head
+_TARGET_REPORT_GLOB = "report-*.html"
+_GENERATOR = b'<meta name="generator" content="precprof '
 RUNNING_REASON = (
     "running (pid {pid}, started {started}); if it still says this, the process ended before it could save: "
     "killed (SIGKILL, out of memory; SIGTERM, as torchrun sends when another rank fails), or a script that "
@@ -94,6 +98,20 @@ class RunDirError(UserError):
 
 def _holds_run(path: Path) -> list[str]:
     return [f for f in (*RUN_FILES, parts.STREAM_DIR) if (path / f).exists()]
+
+
+def _target_reports(path: Path) -> list[Path]:
+    """The pages of the run in ``path`` that ``precprof report --target`` wrote (``_TARGET_REPORT_GLOB``)."""
+    found = []
+    for page in path.glob(_TARGET_REPORT_GLOB):
+        try:
+            with open(page, "rb") as f:
+                head = f.read(1024)
+        except OSError:  # a folder of that name, or unreadable: not one precprof wrote
+            continue
+        if _GENERATOR in head:
+            found.append(page)
+    return found
 
 
 def _describe_existing(path: Path) -> str:
@@ -308,9 +326,10 @@ def claim(
 ) -> RunDir:
     """Create and lock ``path`` for this process and write its first summary.json (status incomplete).
 
-    With ``overwrite`` the files of a previous run (summary, tables, report, stream, temporary files) are
-    removed first; other files in the directory are never touched. With ``resume`` a previous run is kept and
-    continued (the module docstring). Raises RunDirError with a one-line reason.
+    With ``overwrite`` the files of a previous run (summary, tables, report, the reports for other machines,
+    stream, temporary files) are removed first; other files in the directory are never touched. With
+    ``resume`` a previous run is kept and continued (the module docstring). Raises RunDirError with a
+    one-line reason.
     """
     p = check_target(path, overwrite=overwrite, option=option, resume=resume)
     try:
@@ -331,9 +350,9 @@ def claim(
                 raise RunDirError(
                     f"{option} {p}: {_describe_existing(p)}; choose another {option}, or {_replace_it(option)}"
                 )
-            for name in RUN_FILES:
+            for path in (*(p / name for name in RUN_FILES), *_target_reports(p)):
                 with contextlib.suppress(FileNotFoundError):
-                    (p / name).unlink()
+                    path.unlink()
             parts.remove(p)
         first = dict(summary or {})
         first[T.SUMMARY_STATUS] = T.STATUS_INCOMPLETE

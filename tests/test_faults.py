@@ -159,6 +159,25 @@ def test_an_existing_run_is_never_overwritten_silently(
     assert (out / "notes.txt").read_text() == "the user's own file"  # only precprof's files are replaced
 
 
+def test_overwrite_removes_the_reports_for_other_machines_of_the_run_it_replaces(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`precprof report RUN --target h100` writes RUN/report-h100.html; --overwrite kept it, a page of the fp32
+    run beside the bf16 run that replaced it. It goes with the run; a page of the user's own stays."""
+    out = tmp_path / "run"
+    rc, _, _ = run_main(["train", "--out", str(out), *TINY, "--steps", "2"], capsys)
+    assert rc == 0
+    rc, printed, _ = run_main(["report", str(out), "--target", "H100"], capsys)
+    assert rc == 0 and Path(printed.strip()) == out / "report-h100.html"
+    (out / "report-mine.html").write_text("<p>the user's own page</p>")
+    rc, _, _ = run_main(
+        ["train", "--out", str(out), *TINY, "--steps", "2", "-p", "bf16", "--overwrite"], capsys
+    )
+    assert rc == 0
+    assert not (out / "report-h100.html").exists()
+    assert (out / "report-mine.html").read_text() == "<p>the user's own page</p>"
+
+
 def test_a_folder_with_a_users_own_table_is_not_called_a_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
