@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -303,7 +302,5 @@ def write(comparison: Comparison, out: str | Path) -> Path:
     """Write ``compare.json`` and ``compare.html`` into ``out``; returns the HTML path."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    _atomic.write_text(
-        out / COMPARE_JSON, json.dumps(comparison.to_dict(), indent=2, default=str, allow_nan=True) + "\n"
-    )
+    _atomic.write_text(out / COMPARE_JSON, T.json_text(comparison.to_dict()))
     return _atomic.write_text(out / COMPARE_HTML, compare_page.render(comparison, base_dir=out))

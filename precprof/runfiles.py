@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -79,12 +80,56 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
+# JSON has no NaN and no infinity (RFC 8259): Python wrote them bare, which JSON.parse, jq and Go refuse. A NaN
+# figure is one not measured (a step time of too few steps, a rate without tokens) and is written null, except
+# a loss: NaN there is what the run reached (it diverged), and null would read as "not recorded" (jq's
+# `.final.final_loss < 3` holds for null), so it is written "NaN". An infinity is a figure too (an SQNR of a
+# cast that lost nothing, a loss that overflowed): "Infinity" and "-Infinity", as JavaScript's Number() reads.
+NONFINITE_TEXT: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_LOSS_KEYS = frozenset({"final_loss", "final_loss_avg10", "initial_loss", "curve_loss"})
+# sections of names and settings as the user gave them (an --out named Infinity): their strings are never figures
+_SETTINGS_SECTIONS = (SUMMARY_CONFIG, SUMMARY_HARDWARE, SUMMARY_VERSIONS, SUMMARY_MODEL)
+
+
+def _standard(value: Any, key: Any = None) -> Any:
+    """``value`` (parsed JSON) with each non-finite float as the comment above says; a list's items are
+    written as the key that holds the list says (a loss curve)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        if math.isnan(value):
+            return "NaN" if key in _LOSS_KEYS else None
+        return "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: _standard(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_standard(v, key) for v in value]
+    return value
+
+
+def json_text(doc: Any) -> str:
+    """``doc`` as standard JSON text (summary.json, compare.json): no bare NaN or Infinity, non-finite figures
+    written as ``_standard`` says; objects JSON has no type for as ``_json_default`` makes them."""
+    plain = json.loads(json.dumps(doc, default=_json_default, allow_nan=True))
+    return json.dumps(_standard(plain), indent=2, allow_nan=False) + "\n"
+
+
+def _figures_back(value: Any) -> Any:
+    """``value`` read from a summary with the texts ``_standard`` wrote for non-finite figures as the floats
+    they were; a summary written before (bare NaN) holds the floats already."""
+    if isinstance(value, str):
+        return NONFINITE_TEXT.get(value, value)
+    if isinstance(value, dict):
+        return {k: _figures_back(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_figures_back(v) for v in value]
+    return value
+
+
 def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:
-    """Write summary.json atomically (a crash or a full disk mid-write never leaves a truncated file)."""
+    """Write summary.json atomically (a crash or a full disk mid-write never leaves a truncated file), as
+    standard JSON (``json_text``)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(summary, indent=2, default=_json_default, allow_nan=True) + "\n"
-    return _atomic.write_text(run_dir / SUMMARY_FILE, text)
+    return _atomic.write_text(run_dir / SUMMARY_FILE, json_text(summary))
 
 
 # summary.json sections that are JSON objects whenever they are present
@@ -135,7 +180,7 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
             )
     if not isinstance(data.get(SUMMARY_STATUS, ""), str):
         raise DamagedRunDirError(f"{path} is damaged: {SUMMARY_STATUS!r} should be a string")
-    return data
+    return {k: v if k in _SETTINGS_SECTIONS else _figures_back(v) for k, v in data.items()}
 
 
 def write_tables(run_dir: str | Path, tables: Mapping[str, pd.DataFrame]) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import math
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -388,6 +390,88 @@ def test_train_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     rc, stdout, _ = run_main(["report", str(out), "--out", str(target), "--target", "v100"], capsys)
     assert rc == 0 and target.exists() and str(target) in stdout
     assert target.read_text().lstrip().lower().startswith("<!doctype html")
+
+
+def strict_json(text: str) -> object:
+    """``text`` parsed as standard JSON: a bare NaN or Infinity (Python's own spelling) is refused."""
+
+    def refuse(constant: str) -> object:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def page_text(path: Path) -> str:
+    """What a reader of an HTML page sees: its text without styles, scripts, tags or repeated spaces, and
+    without the minute it was generated at."""
+    body = re.sub(r"<(style|script)[^>]*>.*?</\1>", " ", path.read_text(), flags=re.S)
+    text = re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", body))).strip()
+    return re.sub(r"generated \d{4}-\d\d-\d\d \d\d:\d\d UTC", "generated", text)
+
+
+def test_summary_and_compare_json_are_standard_json_read_as_before(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run whose every step is sampled has no unsampled step time: summary.json held a bare NaN there (and
+    compare.json wherever a figure was NaN), which JSON.parse, jq and strict parsers refuse. Both files are
+    standard JSON; the report and the comparison of the new files read as those of the old ones did."""
+    from precprof import runfiles
+    from precprof.training import TrainConfig, train
+
+    def old_writer(doc: object) -> str:  # summary.json as precprof wrote it before: NaN allowed
+        return json.dumps(doc, indent=2, default=runfiles._json_default, allow_nan=True) + "\n"
+
+    runs = [tmp_path / "fp32", tmp_path / "bf16"]
+    cmp = tmp_path / "cmp"
+
+    def pages() -> list[str]:
+        assert run_main(["report", str(runs[0])], capsys)[0] == 0
+        assert run_main(["compare", *map(str, runs), "--out", str(cmp), "--overwrite"], capsys)[0] == 0
+        return [page_text(runs[0] / T.REPORT_FILE), page_text(cmp / "compare.html")]
+
+    with monkeypatch.context() as m:
+        m.setattr(runfiles, "json_text", old_writer)
+        for out in runs:
+            config = TrainConfig(steps=3, batch_size=2, seq_len=8, device="cpu", progress=False, out=out)
+            train(dataclasses.replace(config, precision=out.name))
+        before = pages()
+    for out in runs:
+        old = (out / T.SUMMARY_FILE).read_text()
+        with pytest.raises(ValueError, match="not JSON: NaN"):
+            strict_json(old)
+        T.write_summary(out, json.loads(old))  # Python's json reads the old file's NaN as the float it was
+        doc = strict_json((out / T.SUMMARY_FILE).read_text())
+        assert isinstance(doc, dict) and T.read_tables(out)["steps"][T.SAMPLED].all()  # no unsampled step
+        assert (
+            doc["final"]["step_time_unsampled_median_s"] is None and doc["final"]["sampled_step_cost"] is None
+        )
+    assert pages() == before
+    strict_json((cmp / "compare.json").read_text())
+
+
+def test_non_finite_figures_are_written_as_json_and_read_back() -> None:
+    """A figure not measured (NaN) is null; a loss that is NaN (a run that diverged) is "NaN", which null would
+    hide (jq's `null < 3` is true); an infinity (an SQNR of a cast that lost nothing) is "Infinity". Read back,
+    each is the float it was; a setting the user typed ("Infinity" as --out) stays the text it is."""
+    summary = {
+        T.SUMMARY_CONFIG: {"out": "Infinity", "lr": 0.003},
+        T.SUMMARY_FINAL: {"final_loss": math.nan, "sampled_step_cost": math.nan, "wall_s": 2.5},
+        T.SUMMARY_RECOMMENDATION: {"block_what_if": [{"sqnr_db": [math.inf, -math.inf, 31.5]}]},
+    }
+    with tempfile.TemporaryDirectory() as d:
+        T.write_summary(d, summary)
+        doc = strict_json((Path(d) / T.SUMMARY_FILE).read_text())
+        back = T.read_summary(d)
+    assert doc == {
+        T.SUMMARY_CONFIG: {"out": "Infinity", "lr": 0.003},
+        T.SUMMARY_FINAL: {"final_loss": "NaN", "sampled_step_cost": None, "wall_s": 2.5},
+        T.SUMMARY_RECOMMENDATION: {"block_what_if": [{"sqnr_db": ["Infinity", "-Infinity", 31.5]}]},
+    }
+    assert (
+        math.isnan(back[T.SUMMARY_FINAL]["final_loss"]) and back[T.SUMMARY_FINAL]["sampled_step_cost"] is None
+    )
+    assert back[T.SUMMARY_RECOMMENDATION]["block_what_if"][0]["sqnr_db"] == [math.inf, -math.inf, 31.5]
+    assert back[T.SUMMARY_CONFIG] == {"out": "Infinity", "lr": 0.003}
 
 
 def test_ctrl_c_exits_130_and_names_the_run_dir(
