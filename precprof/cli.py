@@ -298,7 +298,12 @@ def report(
     except OSError as e:
         dest = out if out is not None else run_dir / "report.html"
         raise UserError(f"cannot write {dest}: {e.strerror or e}; choose another --out") from None
-    for note in (newer, rundir.live_note(run_dir)):  # live: still, after rendering
+    missing = T.missing_summary(run_dir)
+    for note in (
+        newer,
+        f"{run_dir} has no {T.SUMMARY_FILE}: {missing}" if missing else None,
+        rundir.live_note(run_dir),  # live: still, after rendering
+    ):
         if note:
             typer.echo(f"precprof: note: {note}", err=True)
     typer.echo(str(path))

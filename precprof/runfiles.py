@@ -223,6 +223,18 @@ def missing_tables(run_dir: str | Path) -> list[str]:
     return [name for name, fname in TABLE_FILES.items() if not (Path(run_dir) / fname).exists()]
 
 
+def missing_summary(run_dir: str | Path) -> str | None:
+    """What a report of ``run_dir`` cannot say because it has no summary.json, None when it has one: the page's
+    banner and ``precprof report``'s note say it, as they name a missing table."""
+    if (Path(run_dir) / SUMMARY_FILE).exists():
+        return None
+    return (
+        "the report is read from the tables alone, which do not say which model the run trained, the precision "
+        "it asked for, how it was started, whether it finished or the machine it recorded on; its verdict is "
+        "planned for the machine that rendered the report (or the one --target named)"
+    )
+
+
 @dataclass
 class RunTables:
     """A run directory's tables as read, and what the reading learned. ``streamed``: read from the parts

@@ -970,6 +970,30 @@ def test_report_with_a_missing_table_says_so_in_the_page(
     assert 'id="missing-tables"' in html and "<code>layers.parquet</code>" in html
 
 
+def test_report_without_a_summary_says_what_it_cannot_say(
+    good_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run directory whose summary.json was deleted rendered "Precision report · model · run" with no notice,
+    a verdict for the machine rendering it, and "not recorded (a run from the user's own script)" as the command
+    line of a precprof train run. The page and the terminal say the summary is missing and what the page cannot
+    say without it."""
+    run_dir = damaged_copy(good_run, tmp_path)
+    (run_dir / T.SUMMARY_FILE).unlink()
+    rc, _, err = run_main(["report", str(run_dir)], capsys)
+    assert rc == 0
+    assert err.strip() == (
+        f"precprof: note: {run_dir} has no summary.json: the report is read from the tables alone, which do not "
+        "say which model the run trained, the precision it asked for, how it was started, whether it finished or "
+        "the machine it recorded on; its verdict is planned for the machine that rendered the report (or the one "
+        "--target named)"
+    )
+    page = (run_dir / T.REPORT_FILE).read_text()
+    banner = page.split('id="missing-tables">', 1)[1].split("</div>", 1)[0]
+    text = " ".join(unescape(re.sub(r"<[^>]+>", "", banner)).split())
+    assert text.startswith("Missing from the run directory: summary.json: the report is read from the tables")
+    assert "which records it, is missing" in page and "a run from the user's own script" not in page
+
+
 def test_gradients_too_large_for_any_fp16_scale_still_get_a_verdict_and_a_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -91,12 +91,14 @@ def render_html(
     *,
     advisor_error: str | None = None,
     missing_tables: list[str] | None = None,
+    missing_summary: str | None = None,
     stream: T.RunTables | None = None,
     live: str | None = None,
 ) -> str:
     """The report as an HTML string. ``recommendation``: a ``Recommendation`` or its dict form; None uses the
     one stored in ``summary`` (if any). ``advisor_error`` explains in the page why there is none;
-    ``missing_tables`` names the Parquet files a run directory lacks (a notice at the top of the page);
+    ``missing_tables`` names the Parquet files a run directory lacks (a notice at the top of the page), and
+    ``missing_summary`` says what the page cannot say without its summary.json (``tables.missing_summary``);
     ``stream``: how the tables were read, when from the parts of a run that never saved them (the page says
     where the run was cut off and which parts it skipped; its ``histogram_totals``, when read, are drawn).
     ``live``: the run is still being written (``rundir.live_note``): the page says so, and neither that it was
@@ -105,6 +107,7 @@ def render_html(
     ctx = build_context(tables, summary, recommendation, histogram_totals=totals)
     ctx["advisor_error"] = advisor_error
     ctx["missing_tables"] = [T.TABLE_FILES.get(t, t) for t in missing_tables or []]
+    ctx["missing_summary"] = missing_summary
     ctx["stream"] = (
         {"last_step": stream.last_step, "notices": stream.notices}
         if stream is not None and stream.streamed
@@ -174,6 +177,7 @@ def render_run_dir(
         rec,
         advisor_error=advisor_error,
         missing_tables=T.missing_tables(rd),
+        missing_summary=T.missing_summary(rd),
         stream=read,
         live=live,
     )
