@@ -187,6 +187,8 @@ def train(
         command_line=_command_line(),
     )
     config.validate()
+    for note in config.unused_options() if training.writes_run_dir() else []:
+        typer.echo(f"precprof: note: {note}", err=True)
     not_saved: list[str] = []  # bound even when a signal comes before the block below is entered
     try:
         with _signals.handling(), _not_saved() as not_saved:

@@ -722,6 +722,49 @@ def test_train_prints_its_memory_estimate_before_the_first_step(
     assert f"about {size_text(estimate['total'])} at a step's peak" in line, line
 
 
+def test_options_a_run_does_not_use_are_said_and_not_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """-p bf16 --init-scale 1024 trained without a scaler, said nothing, and summary.json recorded init_scale
+    1024; --distributed fsdp2 outside torchrun trained one plain process without a word. Each is a note, and
+    the unused scale is not recorded. An fp16 run, which scales dynamically, records it and has no note."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    unused = tmp_path / "bf16"
+    rc, _, err = run_main(
+        [
+            "train",
+            "-p",
+            "bf16",
+            "--init-scale",
+            "1024",
+            "--distributed",
+            "fsdp2",
+            "--out",
+            str(unused),
+            *TINY,
+        ],
+        capsys,
+    )
+    assert rc == 0
+    notes = [ln for ln in err.splitlines() if ln.startswith("precprof: note: ")]
+    assert notes == [
+        "precprof: note: --init-scale 1024 sets dynamic loss scaling, which this run does not use (-p bf16 scales "
+        "no loss; --loss-scale dynamic would): ignored, and not recorded in summary.json",
+        "precprof: note: --distributed fsdp2 applies under torchrun (torchrun --nproc_per_node N -m precprof "
+        "train ...); this is one process, trained without it",
+    ]
+    assert set(T.read_tables(unused)["steps"][T.LOSS_SCALE]) == {1.0}  # no scaler: the loss went unscaled
+    cfg = T.read_summary(unused)[T.SUMMARY_CONFIG]
+    assert [cfg[k] for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")] == [
+        None
+    ] * 4
+    used = tmp_path / "fp16"
+    rc, _, err = run_main(["train", "-p", "fp16", "--init-scale", "1024", "--out", str(used), *TINY], capsys)
+    assert rc == 0 and "dynamic loss scaling" not in err
+    assert T.read_tables(used)["steps"][T.LOSS_SCALE].iloc[0] == 1024.0
+    assert T.read_summary(used)[T.SUMMARY_CONFIG]["init_scale"] == 1024.0
+
+
 def test_without_the_progress_bar_the_fp16_emulation_note_is_still_printed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

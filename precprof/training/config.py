@@ -27,8 +27,13 @@ from precprof.modes import (
     OptimizerName,
     parse_loss_scale,
     parse_model_args,
+    resolve_loss_scale,
     valid_loss_scale,
 )
+
+# GradScaler's settings of dynamic loss scaling: a run that scales no loss, or holds a static scale, uses none of
+# them (summary.json records them only where they were used)
+DYNAMIC_SCALER_OPTIONS: tuple[str, ...] = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
 
 
 def writes_run_dir() -> bool:
@@ -128,6 +133,35 @@ class TrainConfig:
             raise UserError(f"unknown device {self.device!r}; choose auto, cpu or cuda")
         if self.out is not None and writes_run_dir():
             rundir.check_target(self.out, overwrite=self.overwrite)
+
+    def unused_options(self) -> list[str]:
+        """One line for each kind of option given that this run will not use (``precprof train`` prints them):
+        dynamic loss scaling's settings in a run without it, and ``--distributed`` outside torchrun, where the
+        run is one plain process."""
+        notes = []
+        kind, _ = resolve_loss_scale(self.loss_scale, self.precision)
+        default = TrainConfig()
+        given = [
+            f"--{k.replace('_', '-')} {getattr(self, k):g}"
+            for k in DYNAMIC_SCALER_OPTIONS
+            if getattr(self, k) != getattr(default, k)
+        ]
+        if given and kind != "dynamic":
+            why = (
+                f"-p {self.precision} scales no loss; --loss-scale dynamic would"
+                if kind == "none"
+                else f"--loss-scale {self.loss_scale} holds the scale fixed"
+            )
+            notes.append(
+                f"{', '.join(given)} {'sets' if len(given) == 1 else 'set'} dynamic loss scaling, which this run "
+                f"does not use ({why}): ignored, and not recorded in summary.json"
+            )
+        if self.distributed != default.distributed and int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+            notes.append(
+                f"--distributed {self.distributed} applies under torchrun (torchrun --nproc_per_node N -m precprof "
+                "train ...); this is one process, trained without it"
+            )
+        return notes
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

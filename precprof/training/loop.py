@@ -32,7 +32,12 @@ from precprof.models.hf import cast_as_loaded
 from precprof.modes import FP16_MODES, resolve_loss_scale
 from precprof.training import compiling
 from precprof.training import distributed as launch
-from precprof.training.config import TrainConfig, default_out_dir, default_sample_every
+from precprof.training.config import (
+    DYNAMIC_SCALER_OPTIONS,
+    TrainConfig,
+    default_out_dir,
+    default_sample_every,
+)
 from precprof.training.precision import (
     PrecisionPlan,
     convert_fp8,
@@ -370,6 +375,8 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     summary: dict[str, Any] = {
         T.SUMMARY_CONFIG: {
             **config.to_dict(),
+            # GradScaler's dynamic settings where it scaled dynamically (a bf16 run recorded an --init-scale unused)
+            **({k: None for k in DYNAMIC_SCALER_OPTIONS} if loss_kind != "dynamic" else {}),
             "device": str(device),
             "device_requested": config.device,
             "loss_scaling": loss_kind,
