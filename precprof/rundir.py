@@ -1,7 +1,8 @@
 """Owning a run directory: checked before training starts, one writer at a time, never overwritten silently.
 
-``check_target(path)`` is cheap and creates nothing: it refuses a path that is a file, that cannot be
-created, or that already holds a run (unless ``overwrite``). ``claim(path)`` then creates the directory,
+``check_target(path)`` is cheap and leaves nothing behind (where the directory is to be made, it makes and
+removes an empty folder beside it): it refuses a path that is a file, that cannot be created, or that already
+holds a run (unless ``overwrite``). ``claim(path)`` then creates the directory,
 takes an exclusive lock on ``.precprof.lock`` (``fcntl.flock``: released by the kernel when the process dies,
 so a killed run never leaves a stale lock), checks again under the lock, and writes a first summary.json with
 status "incomplete": a run killed with SIGKILL, or whose final save fails, still says what it is. The writer
@@ -22,6 +23,7 @@ import errno
 import os
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,7 +159,7 @@ def check_name(path: str | os.PathLike[str], option: str = "--out") -> Path:
 def check_target(
     path: str | os.PathLike[str], *, overwrite: bool = False, option: str = "--out", resume: bool = False
 ) -> Path:
-    """Refuse, with a one-line RunDirError, a run directory that cannot be used; creates nothing. With
+    """Refuse, with a one-line RunDirError, a run directory that cannot be used; leaves nothing behind. With
     ``resume`` a run already there is accepted (it is continued)."""
     p = check_name(path, option)
     try:
@@ -195,7 +197,19 @@ def _check_target(p: Path, *, overwrite: bool, option: str, resume: bool) -> Pat
         raise RunDirError(
             f"{option} {p}: cannot create it, {parent} is not writable; choose another {option}"
         )
+    _try_creating_in(parent, p, option)
     return p
+
+
+def _try_creating_in(parent: Path, p: Path, option: str) -> None:
+    """Make and remove an empty folder in ``parent``, where ``p`` would be created: permissions can say yes where
+    the file system says no (root under /proc), and ``claim`` found it only after the model was built."""
+    try:
+        probe = tempfile.mkdtemp(prefix=".precprof-", suffix=_atomic.TMP_SUFFIX, dir=parent)
+    except OSError as e:
+        raise RunDirError(f"{option} {p}: cannot create it ({e.strerror}); choose another {option}") from None
+    with contextlib.suppress(OSError):
+        os.rmdir(probe)
 
 
 @dataclass

@@ -765,6 +765,23 @@ def test_options_a_run_does_not_use_are_said_and_not_recorded(
     assert T.read_summary(used)[T.SUMMARY_CONFIG]["init_scale"] == 1024.0
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_an_out_that_cannot_be_created_is_refused_before_the_model_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--out /proc/nope: as root, /proc's permissions allow a new folder and the file system refuses it; the
+    refusal came after the model was built and its memory estimate printed. It comes before the build."""
+    from precprof.training import loop
+
+    def build_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(loop, "build_model", build_model)
+    rc, _, err = run_main(["train", "--out", "/proc/nope/run", *TINY], capsys)
+    assert_one_line_error(rc, err, "--out /proc/nope/run: ", "choose another --out")
+    assert not os.path.exists("/proc/nope")
+
+
 def test_without_the_progress_bar_the_fp16_emulation_note_is_still_printed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
