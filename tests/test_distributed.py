@@ -459,6 +459,23 @@ def test_precprof_train_under_torchrun(runs: Path, scenario: str) -> None:
     assert int(weights[T.NUMEL].sum()) == replicas * sum(p.numel() for p in model.parameters())
 
 
+def test_the_fp8_outlier_check_judges_the_weights_of_a_ddp_run(runs: Path) -> None:
+    """Under DDP a row sums the ranks' calls: the outlier check, which does not judge a tensor read in several
+    calls a step (each call is scaled on its own), left every weight unjudged ("Most pushed there: none judged"),
+    though every rank holds the same weight. The weights are judged; the activations, each rank's own, are not."""
+    import precprof
+
+    rdir = run_dir(runs, "train-ddp")
+    layers = T.read_tables(rdir)["layers"]
+    weights = layers[(layers[T.TENSOR] == T.WEIGHT) & layers[T.MODULE].str.endswith("c_attn")]
+    assert len(weights) and (weights[T.CALLS] == W.WORLD).all()  # the ranks' calls, summed
+    f = precprof.recommend(rdir, hardware="h100").finding("fp8_eligibility")
+    assert f is not None
+    assert isinstance(f.numbers["max_pushed_subnormal"], float)  # judged: the weights
+    assert "The outlier check could not judge" in f.message  # the activations: each rank's own
+    assert "Most pushed there: none judged" not in f.message
+
+
 # -------------------------------------------------------------------------------- single process
 def test_row_layout_matches_the_profiler() -> None:
     """RankReducer names rows by rebuilding the Profiler's layout; the two must agree (tied weights too)."""

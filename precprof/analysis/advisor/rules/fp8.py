@@ -138,7 +138,7 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     out["side"] = np.where(is_grad, BACKWARD, FORWARD)
     out["lost_norm"] = share
     out["lost_values"] = values
-    pooled = _pooled(rows[T.CALLS].to_numpy(dtype=float))
+    pooled = _pooled(rows[T.CALLS].to_numpy(dtype=float), rows[T.TENSOR].to_numpy())
     out["pushed"] = np.where(pooled, np.nan, pushed)
     out["pushed_pooled"] = np.where(pooled, pushed, np.nan)
     out["below"] = below
@@ -151,9 +151,12 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     return pd.concat([mine[mine[T.MODULE].isin(modules)], as_input[out.columns]], ignore_index=True)
 
 
-def _pooled(calls: np.ndarray) -> np.ndarray:
+def _pooled(calls: np.ndarray, tensor: np.ndarray) -> np.ndarray:
     """Which rows the outlier check cannot judge: those of several calls a step (gradient accumulation's
-    micro-batches, a layer called more than once, several ranks). Such a row sums the calls' histograms and keeps
+    micro-batches, a layer called more than once, several ranks), but a weight's: every call of a step reads the
+    same weight (the optimizer changes it between steps; DDP's ranks hold the same one; FSDP's shards make the one
+    a cast reads, whose largest value is the shards'), so its pooled row is each call's (under DDP every weight was
+    left unjudged, its row summing the 2 ranks' calls). Such a row sums the calls' histograms and keeps
     the largest value of them all, so ``_pushed_share`` reads every call at the scale of the call with the
     largest value, where a tensorwise recipe (torchao's Float8Linear, Transformer Engine's current scaling) scales
     each call by its own: one micro-batch of outlier channels in twelve put 75% of the step's values "pushed"
@@ -161,7 +164,7 @@ def _pooled(calls: np.ndarray) -> np.ndarray:
     push is a difference of two counts, which pooling moves either way (a call of large values beside one with
     an outlier hides the outlier's), so it bounds nothing: such a row does not decide. Its ``below`` stays an
     upper bound (a call's own scale is at least the pooled one)."""
-    return calls > 1
+    return (calls > 1) & (tensor != T.WEIGHT)
 
 
 def _pushed_share(
