@@ -133,11 +133,16 @@ class Sampler:
     own_s: float = 0.0  # ``Profiler.step()``'s own time on the unsampled steps (``own_step``)
     own_steps: int = 0
     _compiles: int = 0  # Dynamo's frames compiled when the last step ended (``_compat.compiles``)
-    compile_steps: int = 0  # unsampled steps left out because Dynamo compiled in them
-    compiled_at: list[int] = field(default_factory=list)  # those steps (the throughput leaves them out too)
+    # the unsampled steps left out because Dynamo compiled in them (the throughput leaves them out too)
+    compiled_at: list[int] = field(default_factory=list)
     _compiled_in_a_row: int = 0  # the last unsampled steps that compiled, in a row
     _since_unsampled: int = 0  # steps sampled since the last unsampled one
     next_step: int | None = None  # with ``synchronized``, the next budgeted step
+
+    @property
+    def compile_steps(self) -> int:
+        """How many unsampled steps were left out because Dynamo compiled in them."""
+        return len(self.compiled_at)
 
     def __post_init__(self) -> None:
         if self.every is not None and self.every < 0:
@@ -313,7 +318,6 @@ class Sampler:
                 self._cost(time_s - base)
         elif compiled and self._unsampled_seen and self._compiled_in_a_row < COMPILES_IN_A_ROW:
             self._compiled_in_a_row += 1  # a recompile's time, not the training's
-            self.compile_steps += 1
             self.compiled_at.append(step)
             return
         elif self._unsampled_seen:
@@ -328,7 +332,6 @@ class Sampler:
         else:  # the first unsampled step: a compiled model's first compiled run (see the module docstring)
             self._unsampled_seen = True
             if compiled:
-                self.compile_steps += 1
                 self.compiled_at.append(step)
             return
         self.total_s += time_s
