@@ -233,6 +233,27 @@ def test_module_names_and_config_are_escaped(tmp_path: Path) -> None:
     assert escaped in section(page, "whatif")
 
 
+def test_a_kind_without_histograms_leaves_the_next_captions_reason_alone(tmp_path: Path) -> None:
+    """A run whose loss is nan from its first step has no finite activation gradient to histogram: that heatmap is
+    missing, and the captions of the heatmaps after it still say why their side panel shows FP16."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for _ in range(2):
+            loss = model(torch.randn(4, 8)).square().mean() * float("nan")
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    page = prof.report(tmp_path / "run" / "report.html").read_text()
+    sig = section(page, "signature")
+    assert "No histograms of activation gradients were recorded." in sig
+    captions = re.findall(r"The right panel: the share of each row lost in ([^<]*?)\.(?: |<)", sig)
+    assert captions, "no heatmap caption"
+    assert all(c == "FP16 (FP16 has the narrowest range of the formats a run can train in)" for c in captions)
+
+
 # ----------------------------------------------------------------------------------- synthetic runs
 @pytest.fixture(scope="module")
 def synthetic() -> tuple[dict[str, pd.DataFrame], dict]:

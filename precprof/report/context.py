@@ -311,13 +311,14 @@ def _heatmaps(
         )
         title = S.KIND_LABELS[kind].capitalize()
         if hm is None:
-            why = environment.weight_grads_unread(summary.get(T.SUMMARY_CAPTURE) or {}) if summary else ""
+            # (its own name: ``why`` says why the side panel shows its format, in every later caption)
+            unread = environment.weight_grads_unread(summary.get(T.SUMMARY_CAPTURE) or {}) if summary else ""
             out.append(
                 {
                     "kind": kind,
                     "title": title,
                     "img": None,
-                    "notes": [why] if kind == T.WEIGHT_GRAD and why else [],
+                    "notes": [unread] if kind == T.WEIGHT_GRAD and unread else [],
                 }
             )
             continue
