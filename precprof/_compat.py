@@ -553,13 +553,16 @@ def force_eager() -> Any:
 
 
 def compiles() -> int | None:
-    """How many frames Dynamo has compiled in this process so far (``torch._dynamo.utils.counters``; it moves at
-    every compile and recompile, a failed one too); None while Dynamo is not loaded (nothing compiled)."""
+    """A count that moves whenever Dynamo compiles in this process (``torch._dynamo.utils.counters``): the frames
+    it compiled (every compile and recompile, a failed one too) plus the graphs it made, since a ``fullgraph=True``
+    frame moves the graphs alone (torch 2.13); None while Dynamo is not loaded (nothing compiled). Only its
+    changes mean anything."""
     utils = sys.modules.get("torch._dynamo.utils")
     if utils is None:
         return None
     try:
-        return int(utils.counters["frames"]["total"])
+        counters = utils.counters
+        return int(counters["frames"].get("total", 0)) + int(counters["stats"].get("unique_graphs", 0))
     except (AttributeError, KeyError, TypeError, ValueError):
         return None
 

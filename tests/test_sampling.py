@@ -132,6 +132,35 @@ def test_a_compiled_model_whose_sequence_length_varies_keeps_its_budget() -> Non
     assert prof.tables()["steps"][T.SAMPLED].to_numpy()[: S.FIRST_STEPS].all()
 
 
+def test_the_steps_a_fullgraph_model_compiled_in_are_left_out() -> None:
+    """``torch.compile(model, fullgraph=True)``: Dynamo's frame counter does not move for such a frame (torch
+    2.13), its graph count does. The steps it compiled and recompiled in are the ones the Profiler leaves out of
+    the run's time, found here by the test's own reading of Dynamo's graph count around each step."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    vocab, dim = 64, 16
+    model = nn.Sequential(nn.Embedding(vocab, dim), nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, vocab))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    graphs = torch._dynamo.utils.counters["stats"]
+    compiled_in: list[int] = []
+    with precprof.Profiler(model, optimizer=opt, sample_every=4, memory=False) as prof:
+        for step, n in enumerate([8, 8, 8, 12, 8, 8, 16, 8]):
+            before = graphs["unique_graphs"]
+            z = torch.randint(0, vocab, (2, n + 1))
+            loss = nn.functional.cross_entropy(compiled(z[:, :-1]).reshape(-1, vocab), z[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+            if graphs["unique_graphs"] != before:
+                compiled_in.append(step)
+    assert len(compiled_in) >= 2  # the first compiled step and a recompile at a new length
+    sampling = prof.summary()["sampling"]
+    assert sampling["compiled_steps"] == compiled_in
+    assert sampling["compile_steps"] == len(compiled_in)
+
+
 def test_one_slow_unsampled_step_does_not_make_every_step_look_free() -> None:
     """The first unsampled step timed was slow (another process starting beside the training took a core):
     1.5 s against 0.93 s later, a sampled step 1.05 s. Taken as the unsampled time it made every sampled step
