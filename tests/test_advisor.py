@@ -2035,6 +2035,35 @@ def _two_bf16_steps(model: nn.Module) -> Profiler:
     return prof
 
 
+def test_a_half_model_is_told_what_autocast_does_to_its_batch_norm() -> None:
+    """A model cast whole to bf16, a BatchNorm and a LayerNorm in it: the finding says what training under
+    autocast would change, for each as a real autocast run of the same model shows it (checked here): the
+    LayerNorm's op runs in fp32 under CUDA autocast (the dispatcher's table, tested above), the BatchNorm keeps
+    its input's dtype, with fp32 weights and running statistics. It had said autocast runs both in fp32."""
+    torch.manual_seed(0)
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.LayerNorm(16), nn.Linear(16, 8))
+
+    model = build()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model[0](torch.randn(4, 8))
+        assert model[1](h).dtype == torch.bfloat16  # autocast leaves the batch norm in its input's dtype
+    assert model[1].weight.dtype == model[1].running_var.dtype == torch.float32
+    prof = _two_bf16_steps(build().to(torch.bfloat16))
+    summary = {T.SUMMARY_CAPTURE: prof.summary()}
+    ops = must(
+        recommend(prof.tables(), summary=summary, config=AdvisorConfig(small_model_params=0)), "bf16_fp32_ops"
+    )
+    assert ops.modules == ["1", "2"]
+    assert "Autocast runs LayerNorm in fp32" in ops.message
+    assert (
+        "autocast leaves BatchNorm1d in its input's dtype, its weights and running statistics in fp32"
+        in ops.message
+    )
+    assert "BatchNorm1d in fp32" not in ops.message.replace("statistics in fp32", "")
+
+
 class RootBuffers(nn.Module):
     """Rotary frequencies held by the root module, a temperature by a container (``body``, a Sequential): the
     modules the Profiler captures are the leaves and those with parameters, neither of these two."""

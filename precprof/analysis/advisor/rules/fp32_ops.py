@@ -62,7 +62,9 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
                     if m in mods
                 }
             )
-            how = f" Autocast runs these in fp32; a model cast with .to({dtype}) or .half(), or a module cast by hand, does not."
+            how = _what_autocast_does(
+                [t for m, t in zip(rows[T.MODULE], rows[T.MODULE_TYPE], strict=True) if m in mods], dtype
+            )
             if all(m in saved for m in mods):
                 how += f" They kept no fp32 tensor for their backward: they computed in {fmt}."
             else:
@@ -119,6 +121,32 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
             )
         )
 
+
+def _what_autocast_does(types: list[str], dtype: str) -> str:
+    """What training under autocast (fp32 weights, ops cast one by one) would change for these module types, a
+    model cast whole to ``dtype`` aside: the ops of its fp32 list run in fp32 (``CUDA_AUTOCAST_FP32``'s modules);
+    BatchNorm and InstanceNorm it leaves in their input's dtype, with their weights and running statistics in
+    fp32, as the kernels take them; a module of the model's own code computes what its code says."""
+    kinds = set(types)
+    listed = sorted(t for t in kinds if t in CUDA_AUTOCAST_FP32)
+    batch = sorted(t for t in kinds if _BATCH_NORMS.match(t))
+    own = sorted(kinds - set(listed) - set(batch))
+    said = []
+    if listed:
+        said.append(f"Autocast runs {', '.join(listed)} in fp32 (CUDA autocast's fp32 ops)")
+    if batch:
+        said.append(
+            f"autocast leaves {', '.join(batch)} in its input's dtype, its weights and running statistics in fp32"
+        )
+    if own:
+        said.append(
+            f"{', '.join(own)} computes in autocast what its own code does (only the ops autocast lists run in fp32)"
+        )
+    text = "; ".join(said)
+    return f" {text[0].upper()}{text[1:]}; a model cast with .to({dtype}) or .half(), or a module cast by hand, keeps none of this."
+
+
+_BATCH_NORMS = re.compile(r"(Lazy)?(Sync)?(BatchNorm|InstanceNorm)\dd$|SyncBatchNorm$")
 
 _FREQUENCIES = re.compile(r"freq|theta", re.IGNORECASE)  # inv_freq, original_inv_freq, freqs, theta
 
