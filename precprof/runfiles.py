@@ -63,6 +63,7 @@ SUMMARY_MEMORY = "memory"  # per-component totals and the projection per precisi
 SUMMARY_RECOMMENDATION = "recommendation"  # precprof.analysis.advisor.Recommendation.to_dict()
 SUMMARY_WEIGHT_UPDATES = "weight_updates"  # update-to-weight ratio per layer (precprof.analysis.update_ratio)
 SUMMARY_ERRORS = "errors"  # post-processing steps that failed (memory projection, advisor): one line each
+SUMMARY_NONFINITE = "nonfinite_figures"  # where a text ("NaN", "Infinity") is a figure, not a name: last
 
 STATUS_COMPLETE = "complete"
 STATUS_INCOMPLETE = "incomplete"
@@ -87,49 +88,101 @@ def _json_default(o: Any) -> Any:
 # cast that lost nothing, a loss that overflowed): "Infinity" and "-Infinity", as JavaScript's Number() reads.
 NONFINITE_TEXT: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _LOSS_KEYS = frozenset({"final_loss", "final_loss_avg10", "initial_loss", "curve_loss"})
-# sections of names and settings as the user gave them (an --out named Infinity): their strings are never figures
+# A name can be one of those texts too (a module named NaN, an --out named Infinity): summary.json lists where
+# it wrote a text for a figure (SUMMARY_NONFINITE), each place as a JSON Pointer (RFC 6901: "/final/final_loss",
+# a list's item by its index, "~1" for a "/" in a key and "~0" for a "~"), and only those are read back as floats.
+# sections of names and settings as the user gave them: in a summary without the list, never figures
 _SETTINGS_SECTIONS = (SUMMARY_CONFIG, SUMMARY_HARDWARE, SUMMARY_VERSIONS, SUMMARY_MODEL)
 
 
-def _standard(value: Any, key: Any = None) -> Any:
-    """``value`` (parsed JSON) with each non-finite float as the comment above says; a list's items are
-    written as the key that holds the list says (a loss curve)."""
+def _standard(value: Any, path: tuple[str | int, ...], places: list[str]) -> Any:
+    """``value`` (parsed JSON, found at ``path``) with each non-finite float as the comment above says, by the
+    nearest key above it (a loss curve's items by the curve's key); the path of each text written for a
+    figure is appended to ``places``."""
     if isinstance(value, float) and not math.isfinite(value):
-        if math.isnan(value):
-            return "NaN" if key in _LOSS_KEYS else None
-        return "Infinity" if value > 0 else "-Infinity"
+        key = next((k for k in reversed(path) if isinstance(k, str)), None)
+        if math.isnan(value) and key not in _LOSS_KEYS:
+            return None
+        places.append("".join("/" + str(k).replace("~", "~0").replace("/", "~1") for k in path))
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
     if isinstance(value, dict):
-        return {k: _standard(v, k) for k, v in value.items()}
+        return {k: _standard(v, (*path, k), places) for k, v in value.items()}
     if isinstance(value, list):
-        return [_standard(v, key) for v in value]
+        return [_standard(v, (*path, i), places) for i, v in enumerate(value)]
     return value
 
 
-def json_text(doc: Any) -> str:
-    """``doc`` as standard JSON text (summary.json, compare.json): no bare NaN or Infinity, non-finite figures
-    written as ``_standard`` says; objects JSON has no type for as ``_json_default`` makes them."""
+def _standard_doc(doc: Any) -> tuple[Any, list[str]]:
+    """``doc`` as standard JSON values (``_standard``) and the places of the texts written for figures;
+    objects JSON has no type for as ``_json_default`` makes them."""
+    places: list[str] = []
     plain = json.loads(json.dumps(doc, default=_json_default, allow_nan=True))
-    return json.dumps(_standard(plain), indent=2, allow_nan=False) + "\n"
+    return _standard(plain, (), places), places
 
 
-def _figures_back(value: Any) -> Any:
-    """``value`` read from a summary with the texts ``_standard`` wrote for non-finite figures as the floats
-    they were; a summary written before (bare NaN) holds the floats already."""
+def json_text(doc: Any, places_key: str | None = None) -> str:
+    """``doc`` as standard JSON text (summary.json, compare.json): no bare NaN or Infinity, non-finite figures
+    written as ``_standard`` says; with ``places_key``, the object ``doc`` lists under it, last, the places of the
+    texts written for figures."""
+    standard, places = _standard_doc(doc)
+    if places_key is not None:
+        standard = {**standard, places_key: places}
+    return json.dumps(standard, indent=2, allow_nan=False) + "\n"
+
+
+def _texts_back(value: Any) -> Any:
+    """``value`` read from a summary written before ``SUMMARY_NONFINITE`` with every text ``_standard`` writes
+    for a figure as a float (a summary written before those texts, with bare NaN, holds the floats already)."""
     if isinstance(value, str):
         return NONFINITE_TEXT.get(value, value)
     if isinstance(value, dict):
-        return {k: _figures_back(v) for k, v in value.items()}
+        return {k: _texts_back(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_figures_back(v) for v in value]
+        return [_texts_back(v) for v in value]
     return value
+
+
+def _figures_back(data: dict[str, Any]) -> dict[str, Any]:
+    """summary.json's ``data`` with the texts written for figures as the floats they were: those at the places
+    it lists, or, in a summary written before that list, every such text outside the settings sections."""
+    places = data.pop(SUMMARY_NONFINITE, None)
+    if not isinstance(places, list):
+        return {k: v if k in _SETTINGS_SECTIONS else _texts_back(v) for k, v in data.items()}
+    for place in places:
+        _figure_back(data, place)
+    return data
+
+
+def _figure_back(data: Any, place: Any) -> None:
+    """Turn the text at ``place`` (a JSON Pointer) of ``data`` back into its float, in place; a place that
+    leads nowhere, or to anything but such a text, is left alone."""
+    if not isinstance(place, str) or not place.startswith("/"):
+        return
+    steps = [s.replace("~1", "/").replace("~0", "~") for s in place[1:].split("/")]
+    holder = data
+    for step in steps[:-1]:
+        holder = _child(holder, step)[1]
+    key, value = _child(holder, steps[-1])
+    if isinstance(value, str) and value in NONFINITE_TEXT:
+        holder[key] = NONFINITE_TEXT[value]
+
+
+def _child(holder: Any, step: str) -> tuple[str | int, Any]:
+    """The key (an object's) or index (a list's) ``step`` names in parsed JSON, and the item there (None where
+    there is none)."""
+    if isinstance(holder, dict):
+        return step, holder.get(step)
+    if isinstance(holder, list) and step.isascii() and step.isdigit() and int(step) < len(holder):
+        return int(step), holder[int(step)]
+    return step, None
 
 
 def write_summary(run_dir: str | Path, summary: Mapping[str, Any]) -> Path:
     """Write summary.json atomically (a crash or a full disk mid-write never leaves a truncated file), as
-    standard JSON (``json_text``)."""
+    standard JSON (``json_text``) with the places of its texts for figures last (``SUMMARY_NONFINITE``)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return _atomic.write_text(run_dir / SUMMARY_FILE, json_text(summary))
+    return _atomic.write_text(run_dir / SUMMARY_FILE, json_text(summary, SUMMARY_NONFINITE))
 
 
 # summary.json sections that are JSON objects whenever they are present
@@ -180,7 +233,7 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
             )
     if not isinstance(data.get(SUMMARY_STATUS, ""), str):
         raise DamagedRunDirError(f"{path} is damaged: {SUMMARY_STATUS!r} should be a string")
-    return {k: v if k in _SETTINGS_SECTIONS else _figures_back(v) for k, v in data.items()}
+    return _figures_back(data)
 
 
 def write_tables(run_dir: str | Path, tables: Mapping[str, pd.DataFrame]) -> None:

@@ -418,7 +418,7 @@ def test_summary_and_compare_json_are_standard_json_read_as_before(
     from precprof import runfiles
     from precprof.training import TrainConfig, train
 
-    def old_writer(doc: object) -> str:  # summary.json as precprof wrote it before: NaN allowed
+    def old_writer(doc: object, places_key: object = None) -> str:  # summary.json as precprof wrote it before
         return json.dumps(doc, indent=2, default=runfiles._json_default, allow_nan=True) + "\n"
 
     runs = [tmp_path / "fp32", tmp_path / "bf16"]
@@ -466,12 +466,86 @@ def test_non_finite_figures_are_written_as_json_and_read_back() -> None:
         T.SUMMARY_CONFIG: {"out": "Infinity", "lr": 0.003},
         T.SUMMARY_FINAL: {"final_loss": "NaN", "sampled_step_cost": None, "wall_s": 2.5},
         T.SUMMARY_RECOMMENDATION: {"block_what_if": [{"sqnr_db": ["Infinity", "-Infinity", 31.5]}]},
+        T.SUMMARY_NONFINITE: [
+            "/final/final_loss",
+            "/recommendation/block_what_if/0/sqnr_db/0",
+            "/recommendation/block_what_if/0/sqnr_db/1",
+        ],
     }
     assert (
         math.isnan(back[T.SUMMARY_FINAL]["final_loss"]) and back[T.SUMMARY_FINAL]["sampled_step_cost"] is None
     )
     assert back[T.SUMMARY_RECOMMENDATION]["block_what_if"][0]["sqnr_db"] == [math.inf, -math.inf, 31.5]
     assert back[T.SUMMARY_CONFIG] == {"out": "Infinity", "lr": 0.003}
+    assert T.SUMMARY_NONFINITE not in back  # the places of the texts are the file's, not the run's
+    with (
+        tempfile.TemporaryDirectory() as d
+    ):  # a summary written before the places were listed reads as before
+        del doc[T.SUMMARY_NONFINITE]
+        (Path(d) / T.SUMMARY_FILE).write_text(json.dumps(doc))
+        earlier = T.read_summary(d)
+    assert (
+        math.isnan(earlier[T.SUMMARY_FINAL]["final_loss"])
+        and earlier[T.SUMMARY_CONFIG] == back[T.SUMMARY_CONFIG]
+    )
+    assert earlier[T.SUMMARY_RECOMMENDATION] == back[T.SUMMARY_RECOMMENDATION]
+
+
+def test_modules_named_nan_and_infinity_stay_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A module may be named NaN or Infinity (an attribute, a ModuleDict key): summary.json writes its name as
+    it writes a non-finite figure, and read it back as a float ('keep inf in FP32', a block-format row named
+    nan). It lists the places of its figures: names stay names, figures read back as floats."""
+    import torch
+    from torch import nn
+
+    import precprof
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.NaN = nn.Linear(16, 64)
+            self.Infinity = nn.Linear(64, 64)  # outputs beyond fp16's 65504: the fp16 findings name it
+            self.head = nn.Linear(64, 1)
+            with torch.no_grad():
+                self.Infinity.weight.mul_(1e5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(nn.functional.layer_norm(self.Infinity(torch.relu(self.NaN(x))), (64,)))
+
+    torch.manual_seed(0)
+    model, run = Net(), tmp_path / "run"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, block_formats=True)
+    with prof:
+        for _ in range(3):
+            x = torch.randn(64, 16)
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            out.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    prof.save(run)
+    assert run_main(["report", str(run)], capsys)[0] == 0
+    summary = T.read_summary(run)
+    names = [m["name"] for m in summary[T.SUMMARY_CAPTURE]["modules"]]
+    assert names[:2] == ["NaN", "Infinity"]
+    assert summary[T.SUMMARY_RECOMMENDATION]["fp16_keep_fp32"] == ["Infinity"]
+    assert [r["module"] for r in summary[T.SUMMARY_WEIGHT_UPDATES]["layers"]][:2] == ["NaN", "Infinity"]
+    assert "keep Infinity in FP32" in page_text(run / T.REPORT_FILE)
+    doc = strict_json((run / T.SUMMARY_FILE).read_text())
+    assert (
+        isinstance(doc, dict) and doc[T.SUMMARY_NONFINITE]
+    )  # the block-format SQNRs of casts losing nothing
+    for place in doc[T.SUMMARY_NONFINITE]:
+        keys = [int(k) if k.isdigit() else k for k in place.split("/")[1:]]
+        text, figure = doc, summary
+        for k in keys:
+            text, figure = text[k], figure[k]
+        assert text in ("NaN", "Infinity", "-Infinity")
+        assert math.isnan(figure) if text == "NaN" else figure == float(text)
 
 
 def test_ctrl_c_exits_130_and_names_the_run_dir(
