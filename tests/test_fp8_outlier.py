@@ -190,11 +190,46 @@ def test_micro_batches_read_together_do_not_hold_a_layer_back() -> None:
     assert isinstance(below, float) and below > 3 * per_call
     assert isinstance(pooled, float) and pooled > AdvisorConfig().fp8_pushed_subnormal_max
     assert (
-        "The outlier check could not judge 1 layer(s) (lin): a tensor of theirs was read in several calls a step "
-        "(gradient accumulation's micro-batches" in f.message
+        "The outlier check could not judge an input or output gradient of 1 layer(s) (lin): it was read in "
+        "several calls a step (gradient accumulation's micro-batches" in f.message
     )
     assert f"their largest values push {pooled * 100:.3g}% (lin's input), which does not decide" in f.message
     assert "a run without gradient accumulation" in f.message
+
+
+def test_the_share_pushed_says_it_is_of_the_judged_tensors_alone() -> None:
+    """Two micro-batches a step in bf16: every layer's input and output gradient is read in two calls, which the
+    outlier check does not judge; it judges the weights. The finding said "Most pushed there: 0%" beside "could
+    not judge 2 layer(s)", as if 0% were of every tensor: it says the figure is of the tensors judged, and which
+    tensors of the layers it could not judge. The figure is the weights': at most the share of a weight's values
+    a real e4m3 cast at its scale leaves below the smallest normal."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights the run read are those after it
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(2):
+            for _ in range(2):  # gradient accumulation: two micro-batches a step
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(torch.randn(32, 64)).float().square().mean() / 2
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    f = precprof.recommend(prof, hardware="h100").finding("fp8_eligibility")
+    assert f is not None and f.modules == ["0", "2"]
+    pushed, pooled = f.numbers["max_pushed_subnormal"], f.numbers["max_pushed_pooled"]
+    assert isinstance(pushed, float) and isinstance(pooled, float)
+    weights = [model[0].weight.detach(), model[2].weight.detach()]
+    assert pushed <= max(cast_below_normal(w, scale(w)) for w in weights)
+    assert "Most pushed there: " not in f.message
+    assert (
+        "Most pushed there, of the tensors judged (weights, and inputs and output gradients read in one call a "
+        "step; not those read in several: see below): " in f.message
+    )
+    assert (
+        "The outlier check could not judge an input or output gradient of 2 layer(s) (0, 2): it was read in "
+        "several calls a step" in f.message
+    )
 
 
 def test_a_weight_spread_wide_by_nature_is_not_held_back() -> None:

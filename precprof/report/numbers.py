@@ -222,7 +222,11 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "max_e5m2_share": ("most E5M2 values flushed (output gradients; not judged)", "share"),
     "max_e4m3_lost_norm": ("largest share of the norm E4M3 loses (inputs, weights)", "share"),
     "max_e5m2_lost_norm": ("largest share of the norm E5M2 loses (output gradients)", "share"),
-    "max_pushed_subnormal": ("most values a tensor's largest 0.1% push below FP8's smallest normal", "share"),
+    "max_pushed_subnormal": (
+        "most values a judged tensor's largest 0.1% push below FP8's smallest normal (a weight, or a tensor read "
+        "in one call a step)",
+        "share",
+    ),
     "max_pushed_pooled": (
         "most values a tensor's largest 0.1% push below FP8's smallest normal, several calls a step read at the "
         "largest call's scale (not judged)",

@@ -315,20 +315,48 @@ def _most(
     return w, f"{_name(m)}'s {what}"
 
 
-def _pooled_words(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], limit: int) -> str:
-    """The words saying that the outlier check did not judge the layers whose tensors were read in several calls
-    a step (``_pooled``), and how to judge them ("" when there are none)."""
-    layers = [
+def _pooled_layers(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str]) -> list[str]:
+    """The layers of ``linear`` with a tensor the outlier check did not judge: read in several calls a step
+    (``_pooled``), an input or an output gradient (a weight it judges)."""
+    return [
         m for m in linear if any(_get(by_key, m, s, "pushed_pooled") is not None for s in (FORWARD, BACKWARD))
     ]
+
+
+def _pushed_words(most: float | None, module: str | None, pooled: list[str]) -> str:
+    """The largest share of a tensor's values its largest push below the smallest normal, ``most`` (of
+    ``module``'s tensor), in words that say it is of the tensors judged alone when the check left some of
+    ``pooled`` unjudged (``_pooled_words`` gives theirs), and say why none was judged when none was."""
+    if most is None:
+        return "Most pushed there: none judged" + (
+            " (a tensor read in several calls a step is not: see below)" if pooled else ""
+        )
+    return (
+        "Most pushed there"
+        + (
+            ", of the tensors judged (weights, and inputs and output gradients read in one call a step; not "
+            "those read in several: see below)"
+            if pooled
+            else ""
+        )
+        + f": {_pct(most)}"
+        + (f" ({_name(module)})" if module is not None else "")
+    )
+
+
+def _pooled_words(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], limit: int) -> str:
+    """The words saying that the outlier check did not judge an input or output gradient of the layers whose
+    tensors were read in several calls a step (``_pooled``), and how to judge them ("" when there are none)."""
+    layers = _pooled_layers(by_key, linear)
     if not layers:
         return ""
     most, where = _most(by_key, linear, "pushed_pooled")
     return (
-        f". The outlier check could not judge {len(layers)} layer(s) ({_listing(layers, limit)}): a tensor of theirs was read in "
-        "several calls a step (gradient accumulation's micro-batches, a layer called more than once, several "
-        "ranks), which the run records together, as one histogram under the largest value of them all, where a "
-        "tensorwise recipe scales each call on its own; read at the largest call's scale, their largest values "
+        f". The outlier check could not judge an input or output gradient of {len(layers)} layer(s) "
+        f"({_listing(layers, limit)}): it was read in several calls a step (gradient accumulation's "
+        "micro-batches, a layer called more than once, several ranks), which the run records together, as one "
+        "histogram under the largest value of them all, where a tensorwise recipe scales each call on its own; "
+        "read at the largest call's scale, their largest values "
         f"push {_pct(most)} ({where}), which does not decide. To judge them, profile a few steps of one "
         "micro-batch each (a run without gradient accumulation, on one rank)"
     )
@@ -826,9 +854,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         + f". Nor may an outlier set a tensor's scale: its largest {_pct(OUTLIER_SHARE)} of values may push at "
         f"most {_pct(cfg.fp8_pushed_subnormal_max)} of its values below the format's smallest normal, where they "
         "keep few significant bits while the norm, which the outlier holds, loses almost nothing (as with the "
-        f"massive activations of large language models). Most pushed there: "
-        + (_pct(pmax) if pmax is not None else "none judged")
-        + (f" ({_name(pmod)})" if pmod is not None else "")
+        "massive activations of large language models). "
+        + _pushed_words(pmax, pmod, _pooled_layers(by_key, linear))
         + (
             "; below it at the power-of-two scale a tensor's largest value on a step sets, whatever put them "
             "there, which does not decide: "
