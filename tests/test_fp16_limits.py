@@ -8,11 +8,13 @@ import math
 
 import pytest
 import torch
+from markupsafe import escape
 from scenarios import huge_activations, weighted_loss
 from scenarios.loop import regression_batches
 
 from precprof import hardware
 from precprof import tables as T
+from precprof.analysis import snippets
 from precprof.analysis.advisor import AdvisorConfig
 from precprof.report import filters as F
 from precprof.report import render
@@ -288,6 +290,31 @@ def test_a_loss_scale_sized_on_overflowed_gradients_is_said_to_be_the_most_a_sta
     rec = fine.recommend("t4", config=AdvisorConfig())
     assert not rec.fp16_loss_scale_at_most
     assert 'id="scale-at-most"' not in render.render_html(fine.tables, fine.summary, rec)
+
+
+def test_the_fp16_code_of_a_scale_that_is_the_most_a_start_can_be_does_not_call_it_recommended() -> None:
+    """A static loss scale of 2^40, every step skipped: the scale sized on the overflowed gradients, 2^32, is the
+    most a start can be, as the verdict box says. The fp16 code beside it said "a GradScaler at the recommended
+    initial scale" (the Trainer's "start at the recommended scale", Lightning's "the recommended GradScaler"),
+    under an fp16 verdict and as the code of the FP16 the measurements allow beside a small model's FP32. It
+    says the scale is an upper limit, in every framework, on the page too."""
+    over, _ = weighted_loss.run(1.0, "fp16", loss_scale=2.0**40, static=True)
+    assert T.flags(over.tables["steps"][T.SKIPPED]).all()  # every step's gradients came with inf or nan
+    small, large = over.recommend("t4", config=AdvisorConfig()), over.recommend("t4")
+    assert small.format == "fp32" and small.measured_format == "fp16" and large.format == "fp16"
+    for rec in (small, large):
+        assert rec.fp16_loss_scale_at_most and rec.fp16_loss_scale == 2.0**32
+        for fw in snippets.frameworks("fp16"):
+            code = rec.snippet(fw, "fp16")
+            assert "recommended" not in code and "init_scale=2.0**32" in code, fw
+            assert code.startswith(
+                "# precprof: this run's largest gradients came with inf or nan (fp16 overflow), so init_scale "
+                "below\n# is the most a start can be, not a scale known to fit"
+            ), fw
+        page = render.render_html(over.tables, over.summary, rec)
+        assert str(escape(rec.snippet("pytorch", "fp16"))) in page and 'id="scale-at-most"' in page
+    fine, _ = weighted_loss.run(1.0, "fp16", loss_scale=2.0**10)
+    assert "recommended initial scale" in fine.recommend("t4").snippet("pytorch")
 
 
 # a CPU that runs bf16 natively (AVX512-BF16/AMX), as the AMD EPYC the report was read on

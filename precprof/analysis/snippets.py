@@ -126,7 +126,9 @@ class _Plan:
         self.device = '"cpu"' if rec.get("device") == "cpu" else '"cuda"'  # a Python literal
         # fp16's code for a plan whose measurements rule fp16 out: its scale is no recommendation
         self.ruled_out = fmt == "fp16" and rec.get("format") != "fp16" and bool(rec.get("fp16_ruled_out"))
-        self.said = "sized" if self.ruled_out else "recommended"
+        # fp16's scale sized on a lower bound of the largest gradient (it came with inf or nan): an upper limit
+        self.at_most = fmt == "fp16" and bool(rec.get("fp16_loss_scale_at_most"))
+        self.said = "sized" if self.ruled_out or self.at_most else "recommended"
 
     @property
     def dtype(self) -> str:
@@ -353,7 +355,8 @@ def snippet(rec: Mapping[str, Any], framework: str = "pytorch", fmt: str | None 
 
     When the measurements allow another format than the recommended one (``measured_format``), a comment
     says so; ``snippet(rec, framework, rec["measured_format"])`` gives the code for that one. fp16's code for a
-    recommendation that rules fp16 out (``fp16_ruled_out``) says so in a comment above it.
+    recommendation that rules fp16 out (``fp16_ruled_out``) says so in a comment above it, and that its scale is
+    the most a start can be (``fp16_loss_scale_at_most``) likewise, never calling it the recommended one.
     """
     fmt = str(rec.get("format") or "") if fmt is None else fmt
     if fmt not in SNIPPET_FORMATS:
@@ -367,6 +370,12 @@ def snippet(rec: Mapping[str, Any], framework: str = "pytorch", fmt: str | None 
         lines = [
             "# precprof: the measurements rule FP16 out for this model (the recommendation's reasons say why);",
             "# the GradScaler below starts at the scale sized on the largest gradient, which does not make it fit",
+            *lines,
+        ]
+    elif plan.at_most:
+        lines = [
+            "# precprof: this run's largest gradients came with inf or nan (fp16 overflow), so init_scale below",
+            "# is the most a start can be, not a scale known to fit: the GradScaler backs off until steps pass",
             *lines,
         ]
     measured = str(rec.get("measured_format") or "")
