@@ -4,6 +4,7 @@ fp32, whose gradients the test's own hooks cast to fp16."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -418,3 +419,59 @@ def test_gradients_among_fp16s_subnormals_at_the_runs_scale_are_warned_of() -> N
     f = run.recommend("t4").finding("fp16_gradient_underflow")
     assert f is not None and f.severity == "info" and not f.numbers["fp16_flushed"]
     assert "fp16_subnormal_share" not in f.numbers
+
+
+def test_the_underflow_counts_leave_out_the_steps_the_scaler_skipped() -> None:
+    """relu_zeros' classifier under a dynamic GradScaler started at 2^24: its gradients overflow there, and the
+    scaler skips the first steps, halving its scale after each, until one goes through. The finding decided on
+    the steps that went through, but its counts read every step: "264,647 nonzero values ... 0.014% at scale 1"
+    held the skipped steps' finite values, read at scales the scaler then left. Its numbers are those of the
+    steps that went through now, checked against the test's own hooks (every module's output gradient, the
+    scale of each step from GradScaler's start and back-off), and it says how many it left out."""
+    torch.manual_seed(0)
+    model = relu_zeros.ReluNet()
+    seen = relu_zeros.output_gradients(model, (nn.Linear, nn.ReLU))  # type: ignore[arg-type]
+    params = list(model.parameters())
+    finite: list[bool] = []  # whether each parameter's gradient was finite, on each step
+    for p in params:
+        p.register_hook(lambda g: finite.append(bool(g.isfinite().all())))
+    steps = 8
+    run = train_profiled(
+        model,
+        relu_zeros.batches,
+        lambda out, y: nn.functional.cross_entropy(out.float(), y),
+        precision="fp16",
+        loss_scale=2.0**24,
+        steps=steps,
+        lr=3e-3,
+    )
+    per_step = [seen[7 * s : 7 * s + 7] for s in range(steps)]  # the 7 modules' gradients, each step
+    assert len(seen) == 7 * steps and {g.dtype for g in seen} == {torch.float16}
+    # a step whose weight gradients hold inf or nan is skipped, and the scale halves after it (GradScaler's
+    # back-off)
+    n = len(params)
+    skipped = [not all(finite[n * s : n * s + n]) for s in range(steps)]
+    scales = [2.0**24]
+    for s in skipped[:-1]:
+        scales.append(scales[-1] / 2 if s else scales[-1])
+    assert list(run.tables["steps"][T.SKIPPED]) == skipped and 0 < sum(skipped) < steps
+    went = [s for s in range(steps) if not skipped[s]]
+    held = torch.cat([g.float().flatten() for s in went for g in per_step[s]])  # as fp16 held them, scaled
+    unscaled = torch.cat([g.float().flatten() / scales[s] for s in went for g in per_step[s]])
+    nonzero = unscaled[unscaled != 0]
+    flushed_at_1 = (nonzero.half() == 0) & (nonzero.abs() != 2.0**-25)  # (a value on 2^-25 is said apart)
+
+    f = run.recommend("t4").finding("fp16_gradient_underflow")
+    assert f is not None
+    assert f.numbers["nonzero_values"] == len(nonzero)
+    assert f.numbers["share_at_scale_1"] == pytest.approx(int(flushed_at_1.sum()) / len(nonzero), rel=1e-12)
+    assert f.numbers["fp16_zero_share"] == pytest.approx(int((held == 0).sum()) / held.numel(), rel=1e-12)
+    assert f.numbers["run_scale_log2"] == round(math.log2(sorted(scales[s] for s in went)[len(went) // 2]))
+    k = int(f.numbers["loss_scale_log2"])
+    at_k = nonzero * 2.0**k
+    assert f.numbers["underflow_at_recommended"] == int(((at_k.half() == 0) & (at_k.abs() != 2.0**-25)).sum())
+    assert f.numbers["skipped_steps_left_out"] == sum(skipped)
+    assert (
+        f"Every gradient counted here is of the {len(went)} sampled step(s) the optimizer took; the "
+        f"{sum(skipped)} the loss scaler skipped are left out" in f.message
+    )

@@ -1009,29 +1009,60 @@ def _flushed_remedy(fl: _Flush, every: bool, k: int, k_run: int | None) -> str:
     )
 
 
-def _run_scale_log2(taken: pd.DataFrame) -> int:
-    """log2 of the loss scale the run trained at: the median over the activation-gradient rows ``taken``, those
+def _run_scale_log2(ag: pd.DataFrame) -> int:
+    """log2 of the loss scale the run trained at: the median over the activation-gradient rows ``ag``, those
     of the steps the optimizer took (a skipped step's scale is one the scaler left), rounded; 0 (scale 1) without
     any. The median of the distinct scales was read: a scaler that backed off from 2^16 through 2^12 to the 2^11
     it then trained at read as 2^14."""
-    scales = pd.to_numeric(taken[T.SCALE], errors="coerce").dropna()
+    scales = pd.to_numeric(ag[T.SCALE], errors="coerce").dropna()
     scales = scales[scales > 0]
     return round(math.log2(float(scales.median()))) if len(scales) else 0
+
+
+def _sampled_steps(run: _Run) -> set[int]:
+    """The sampled steps with activation-gradient rows."""
+    return {int(s) for s in pd.to_numeric(run.kind(T.ACTIVATION_GRAD)[T.STEP], errors="coerce").dropna()}
+
+
+def _went_through(run: _Run) -> tuple[_Run, int]:
+    """``run`` without the rows of the steps the loss scaler skipped, and how many sampled steps that leaves out.
+    A skipped step is no evidence of what fp16 flushes: its gradients went inf or nan at the scale, a mask's
+    backward wrote zeros over them (ReLU's over nan: a module "held no nonzero value"), and its finite values
+    were held at a scale that overflowed."""
+    skipped = _skipped_steps(run.steps)
+    left_out = len(_sampled_steps(run) & skipped)
+    if not left_out:
+        return run, 0
+    return replace(
+        run,
+        layers=run.layers[~run.layers[T.STEP].isin(skipped)],
+        hist=run.hist[~run.hist[T.STEP].isin(skipped)],
+    ), left_out
+
+
+def _left_out_said(left_out: int, run: _Run) -> str:
+    """The sentence on the sampled steps the scaler skipped, which no count of the finding holds ("" when none);
+    ``run`` is the run without them (``_went_through``)."""
+    if not left_out:
+        return ""
+    return (
+        f" Every gradient counted here is of the {len(_sampled_steps(run))} sampled step(s) the optimizer took; "
+        f"the {left_out} the loss scaler skipped are left out (their gradients overflowed at its scale: their "
+        "finite values say nothing of what fp16 flushes on a step that trains)."
+    )
 
 
 def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     k = plan.loss_scale_log2
+    # Every count is read on the steps that went through (``_went_through``); where none did, nothing is said
+    # (the overflow findings say why).
+    run, left_out = _went_through(run)
     ag = run.kind(T.ACTIVATION_GRAD)
+    if left_out and ag.empty:
+        return
     stay32 = _fp32_under_autocast(run, ag)
     ag = ag[~ag[T.MODULE].isin(stay32)]
-    # A step the scaler skipped is no evidence of what fp16 flushed: its gradients went inf or nan at the scale,
-    # and a mask's backward wrote zeros over them (ReLU's over nan: a module "held no nonzero value"). The flushed
-    # evidence and the run's scale are read on the steps that went through; where none did, nothing is said (the
-    # overflow findings say why).
-    taken = ag[~ag[T.STEP].astype(int).isin(_skipped_steps(run.steps))]
-    if taken.empty and not ag.empty:
-        return
     totals = run.hist_totals()
     totals = totals[(totals[T.TENSOR] == T.ACTIVATION_GRAD) & ~totals[T.MODULE].isin(stay32)]
     counts = _exponent_counts(totals, (T.ACTIVATION_GRAD,))
@@ -1043,7 +1074,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     not16 = ag[~_dtype_has(ag, "float16")]
     nz_now = _nonzero(not16)
     now = _share(float(not16[T.underflow_col("fp16")].sum()), nz_now)
-    is16 = taken[_dtype_has(taken, "float16")]
+    is16 = ag[_dtype_has(ag, "float16")]
     zero16 = _share(float(is16[T.ZEROS].sum()), float(is16[T.NUMEL].sum()))
     scales = sorted({float(s) for s in not16[T.SCALE].unique()})
     sure1, _ = _shifted_underflow(counts, FP16, 0)
@@ -1055,7 +1086,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     # gradients are all fp16 (CPU autocast keeps its norms in fp16) was read as unscaled and told to scale its
     # loss. A recommended scale below it that loses more of the gradients' values than the run did is no
     # remedy when those values carry some of a module's gradient norm: the gradients span more than fp16 holds.
-    k_run = _run_scale_log2(taken)
+    k_run = _run_scale_log2(ag)
     at_run = _share(_shifted_underflow(counts, FP16, k_run)[0], total)
     # Held in fp16 at scale 1, a gradient below 2^-25 was a zero before precprof read it: the histograms of those
     # tensors hold nothing fp16 flushed, and their share at scale 1 is unknown, not 0% (an unscaled fp16 llm.c
@@ -1107,6 +1138,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         )
         + (f"; {int(over_k):,} values would overflow at that scale" if over_k else "")
         + "."
+        + _left_out_said(left_out, run)
     )
     # Already flushed: in an fp16 tensor, at whatever loss scale it was held, a value that underflowed is a
     # zero. Many zeros in modules whose gradients run into the floor (``_flushed_modules``), or a module that
@@ -1257,6 +1289,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
                 "fp16_flushed_at_most": fl.masked_share if fl.masked_only else None,
                 "fp16_smallest_nonzero": fl.smallest if (flushed or thin) and fl.smallest > 0 else None,
                 **({"fp16_subnormal_share": sub} if thin else {}),
+                **({"skipped_steps_left_out": left_out} if left_out else {}),
                 "loss_change": loss_change,
                 "share_at_run_scale": at_run,
                 "run_scale_log2": k_run,
