@@ -401,15 +401,17 @@ def test_report_for_b200(run: Any, tmp_path: Path) -> None:
     assert [r["plan"] for r in blocks["rows"]] == ["NVFP4", "NVFP4", "BF16"]
 
 
-def _profiled(model: nn.Module, loss: Callable[[], torch.Tensor]) -> tuple[dict[str, pd.DataFrame], dict]:
-    """Two SGD steps of ``model`` on ``loss()`` under a Profiler evaluating every layer's block formats on every
-    step; its tables and its capture summary."""
+def _profiled(
+    model: nn.Module, loss: Callable[[], torch.Tensor], groups: int = 1, steps: int = 2
+) -> tuple[dict[str, pd.DataFrame], dict]:
+    """``steps`` SGD steps of ``model`` on ``loss()`` under a Profiler evaluating the layers' block formats in
+    ``groups`` groups taking turns (1: every layer on every step); its tables and its capture summary."""
     from precprof.capture import Profiler
 
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    prof = Profiler(model, optimizer=opt, sample_every=1, memory=False, block_groups=1).attach()
+    prof = Profiler(model, optimizer=opt, sample_every=1, memory=False, block_groups=groups).attach()
     try:
-        for _ in range(2):
+        for _ in range(steps):
             loss().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -455,6 +457,44 @@ def test_a_head_tied_to_the_embedding_has_its_input_judged(block_formats_on: Non
     plan = by_code["block_format_plan"].message
     assert "lm_head (tied to the embedding transformer.wte: the shared weight is a gather's too" in plan, plan
     assert "lm_head" not in [lb["module"] for lb in rec.block_what_if["layers"] if lb["choice"] != "bf16"]
+
+
+def test_a_tied_head_the_block_groups_did_not_reach_stays_in_the_plan_in_bf16(block_formats_on: None) -> None:
+    """gpt-nano's 17 linear layers dealt into 17 block groups, over 3 sampled steps: the groups' turns reach 3 of
+    them, and not lm_head, which shares wte's weight. The plan left the head out ("no block statistics and no
+    place in this plan"), where a layer whose weight is computed keeps its place: a tied head stays in bf16
+    whatever its numbers. It is in the plan now, in bf16 for its tie, and the counts are of the layers the
+    what-if evaluated (their own output gradients have block statistics in the layers table)."""
+    import torch.nn.functional as F
+
+    from precprof.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("gpt-nano", vocab_size=64, seq_len=32).module
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+    def loss() -> torch.Tensor:
+        ids = torch.randint(0, 64, (2, 33))
+        return F.cross_entropy(model(ids[:, :-1]).reshape(-1, 64), ids[:, 1:].reshape(-1))
+
+    tables, summary = _profiled(model, loss, groups=17, steps=3)
+    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    layers = tables["layers"]
+    cols = [c for c in T.BLOCK_COLUMNS if c in layers]
+    grads = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & layers[cols].notna().any(axis=1)]
+    evaluated = set(grads[T.MODULE]) & set(linear)
+    assert len(linear) == 17 and 0 < len(evaluated) < 16 and "lm_head" not in evaluated
+    rec = recommend(tables, hardware="b200", summary={T.SUMMARY_CAPTURE: summary})
+    assert set(rec.block_plan) == evaluated | {"lm_head"} and rec.block_plan["lm_head"] == "bf16"
+    (head,) = [lb for lb in rec.block_what_if["layers"] if lb["module"] == "lm_head"]
+    assert head["why"] == rb.tied_why("transformer.wte") and head["operands"] == []
+    f = rec.finding("block_format_plan")
+    assert f is not None
+    assert (f.numbers["checked"], f.numbers["not_evaluated"]) == (len(evaluated), 17 - len(evaluated))
+    assert f"Each of the {len(evaluated)} linear layers is judged" in f.message
+    assert f"The what-if evaluated {len(evaluated)} of the 17 linear layers" in f.message
+    assert "No sampled step evaluated lm_head: it stays in bf16 whatever its numbers." in f.message
+    assert "BF16 for 1: lm_head (tied to the embedding transformer.wte" in f.message
 
 
 class SharedInput(nn.Module):

@@ -159,6 +159,9 @@ class LayerBlocks:
     # how its weight is computed (weight_norm, spectral_norm: ``taxonomy.computed_weight_of``), "" where it is
     # held: kept in bf16, as FP8 keeps it, as a block-scaled conversion fails on it
     computed_weight: str = ""
+    # its own operands were evaluated (``blocks._turn_came``); a layer kept in bf16 whatever its numbers (tied,
+    # computed) has its place in the plan without
+    evaluated: bool = True
 
     def summary(self, recipe: str) -> RecipeSummary | None:
         ops = self.losses.get(recipe) or []

@@ -169,8 +169,8 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
     """Per linear layer (forward order), each block recipe's losses on the operands the layer's GEMMs read.
     Layers whose own weight and output gradient have no block statistics are left out (an older run, the
     what-if was off, or the groups' turns did not reach them: ``_turn_came``), but for those
-    whose weight is computed (weight_norm, spectral_norm), which no conversion swaps: no run length or block
-    budget changes their place in the plan."""
+    whose weight is computed (weight_norm, spectral_norm) and a head tied to an embedding, which no conversion
+    swaps: no run length or block budget changes their place in the plan."""
     if run.layers.empty or not any(c in run.layers for c in T.BLOCK_COLUMNS):
         return []
     dims = dims if dims is not None else _layer_dims(run)
@@ -269,8 +269,10 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
         lb.gradient_skipped = (
             not judged and losses(grad, GRAD, "row", "input gradient", T.BLOCK_RECIPES[0]) is not None
         )
-        # a layer whose weight is computed stays in bf16 whatever its numbers: in the plan, with statistics or not
-        if lb.computed_weight or (lb.losses and _turn_came(rows_of(m, T.WEIGHT, "weight"), grad)):
+        lb.evaluated = bool(lb.losses) and _turn_came(rows_of(m, T.WEIGHT, "weight"), grad)
+        # a layer whose weight is computed, and a head tied to an embedding, stay in bf16 whatever their numbers:
+        # in the plan, evaluated or not
+        if lb.evaluated or lb.computed_weight or lb.tied_to is not None:
             out.append(lb)
     return out
 
@@ -429,6 +431,19 @@ def _scaler_overflow_steps(run: _Run, modules: list[str]) -> int:
         & T.texts(lay[T.MODULE]).isin(modules)
     ]
     return int(grads[(grads[T.NAN] + grads[T.INF]) > 0][T.STEP].nunique())
+
+
+def _kept_unevaluated_said(modules: list[str]) -> str:
+    """The plan's sentence on the layers it keeps in bf16 whatever their numbers (a head tied to an embedding, a
+    computed weight) that no sampled step evaluated ("" when none): in the plan all the same, no run length or
+    block budget changes their place."""
+    if not modules:
+        return ""
+    one = len(modules) == 1
+    return (
+        f" No sampled step evaluated {_listing(modules, 4)}: {'it stays' if one else 'they stay'} in bf16 "
+        f"whatever {'its' if one else 'their'} numbers."
+    )
 
 
 def _skipped_note(overflowed: int, grad_unjudged: list[str]) -> str:
@@ -654,15 +669,16 @@ def _rule_block_formats(
         return head + _listing([lb.module for lb in lbs], lim)
 
     counts = ", ".join(f"{len(by[k])} {PLAN_LABELS[k]}" for k in (*PLAN_RECIPES, "bf16") if by[k])
-    partial = [lb for lb in table if lb.input_from is None]
+    evaluated = [lb.module for lb in table if lb.evaluated]
+    partial = [lb for lb in table if lb.input_from is None and lb.evaluated]
     overflowed = _scaler_overflow_steps(run, [lb.module for lb in table])
     sampled = int(run.layers[T.STEP].nunique())
     where = f"{target.name} (compute capability {'.'.join(map(str, target.compute_capability or ()))})"
     rule = (
-        f"Each of the {len(table)} linear layers is judged on every operand its three GEMMs would quantise "
+        f"Each of the {len(evaluated)} linear layers is judged on every operand its three GEMMs would quantise "
         "(forward: its input and weight along in_features; input gradient: its output gradient and weight "
         "along out_features; weight gradient: its output gradient and input along the tokens), "
-        f"{_judged_on(run, [lb.module for lb in table], sampled)}. {rule_text(cfg)}"
+        f"{_judged_on(run, evaluated, sampled)}. {rule_text(cfg)}"
     )
     result = ". ".join(s for s in (listed(k) for k in (*PLAN_RECIPES, "bf16")) if s)
     judged = {lb.module for lb in table}
@@ -675,17 +691,18 @@ def _rule_block_formats(
         if partial
         else ""
     ) + (
-        f" The what-if evaluated {len(table)} of the {len(table) + len(unjudged)} linear layers: the capture "
+        f" The what-if evaluated {len(evaluated)} of the {len(table) + len(unjudged)} linear layers: the capture "
         "deals them into groups that take turns over the sampled steps, and this run's sampled steps did not "
         f"reach {_listing(unjudged, 4)}, which have no block statistics and no place in this plan "
         f"({_reach_remedy(_block_setting(run))})."
         if unjudged
         else ""
     )
+    note += _kept_unevaluated_said([lb.module for lb in table if not lb.evaluated])
     note += _skipped_note(overflowed, [lb.module for lb in table if lb.gradient_skipped])
     numbers: dict[str, Number] = {
-        "checked": len(table),
-        "not_evaluated": len(unjudged),
+        "checked": len(evaluated),
+        "not_evaluated": len(table) - len(evaluated) + len(unjudged),
         "layers_nvfp4": len(by["nvfp4"]),
         "layers_mxfp4": len(by["mxfp4"]),
         "layers_mxfp8": len(by["mxfp8"]),
