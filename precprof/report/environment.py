@@ -520,8 +520,9 @@ def capture_rows(
             (
                 "torch.compile",
                 f"{what}: the steps not sampled ran compiled; the sampled ones ran it eagerly "
-                "(for the hooks), so their statistics are eager PyTorch's values and their time is eager's"
-                + (never or random_note),
+                "(for the hooks), so their statistics are eager PyTorch's values, their time is eager's, and so are "
+                "the activations the memory section shows (the compiled graph saves others for its backward: "
+                "inductor's partitioner recomputes some and keeps others)" + (never or random_note),
             )
         )
     shared = "; ".join(
