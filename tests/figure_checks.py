@@ -37,16 +37,32 @@ def overlapping_tick_labels(fig: Figure, gap_px: float = 2.0) -> list[tuple[str,
 
 def check_rows_chosen(rows: list[Any], bad: dict[Any, float], keep: int, shown: list[Any]) -> None:
     """A heatmap's choice of ``keep`` of ``rows`` (forward order), checked from each row's lost share ``bad``
-    alone: the first and last; every other row that loses more than the ``keep - 2``-th most of them; the rest
-    from the rows that lose exactly that much, spread evenly (no run of them left out longer than the even
-    spacing), never the first ones only. ``shown``: the rows drawn, which must be in forward order."""
-    middle = rows[1:-1]
-    cut = sorted((bad[r] for r in middle), reverse=True)[keep - 3]
-    must = {rows[0], rows[-1]} | {r for r in middle if bad[r] > cut}
-    tied = [r for r in middle if bad[r] == cut]
-    assert len(shown) == keep and must <= set(shown) <= must | set(tied)
+    alone. Besides the first and last (``keep - 2`` slots): when every row that loses anything fits, with the row
+    before the first of them, all of them and the rows that lose nothing taken evenly; else every row that loses
+    more than the ``slots - slots // 4``-th most (the cut), and of the rows at the cut and of those below it
+    each a share taken evenly, a quarter of the slots (or all, when fewer) for those below. The first row that
+    loses anything is always shown with the one before it. ``shown``: the rows drawn, in forward order."""
     assert shown == [r for r in rows if r in set(shown)]  # forward order
-    left = keep - len(must)
-    kept = [i for i, r in enumerate(tied) if r in set(shown)]
-    runs = np.diff([-1, *kept, len(tied)]) - 1  # tied rows left out before, between and after the kept ones
-    assert runs.max() <= math.ceil(len(tied) / left) - 1, (len(tied), left, runs.tolist())
+    assert len(shown) == keep and shown[0] == rows[0] and shown[-1] == rows[-1]
+    middle, slots = rows[1:-1], keep - 2
+    onset = next((i for i, r in enumerate(rows) if bad[r] > 0), 0)
+    first = {rows[i] for i in (onset, onset - 1) if onset and 0 < i < len(rows) - 1}
+    assert first <= set(shown)
+    losing = [r for r in middle if bad[r] > 0]
+    cut = 0.0
+    if len(losing) + sum(bad[r] == 0 for r in first) > slots:
+        cut = sorted((bad[r] for r in middle), reverse=True)[slots - slots // 4 - 1]
+    worse = {r for r in middle if bad[r] > cut}
+    tied = [r for r in middle if bad[r] == cut]
+    less = [r for r in middle if bad[r] < cut]
+    assert worse <= set(shown)
+    assert len(set(shown) & set(less)) == slots - len(worse) - min(
+        len(tied), slots - len(worse) - min(len(less), slots // 4)
+    )
+    for group in (tied, less):  # no run of a group's rows left out longer than an even spacing
+        kept = [i for i, r in enumerate(group) if r in set(shown)]
+        spread = len(kept) - len(first & set(group))
+        if spread > 0:
+            runs = np.diff([-1, *kept, len(group)]) - 1
+            bound = math.ceil((len(group) - len(first & set(group))) / spread) - 1
+            assert runs.max() <= bound, (len(group), len(kept), runs.tolist())

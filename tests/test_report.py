@@ -555,10 +555,53 @@ def test_a_deep_model_that_loses_nothing_shows_rows_from_end_to_end_and_marks_th
     caption = page.split(f'id="signature-{kind}"', 1)[1].split("</figcaption>", 1)[0]
     assert "lose the most" not in caption
     assert (
-        f"Showing {keep} of {len(rows)} rows: the first and last, and {keep - 2} of the other {len(rows) - 2}, "
-        in (caption)
+        f"Showing {keep} of {len(rows)} rows, in forward order: the first and last; {keep - 2} of the "
+        f"{len(rows) - 2} that lose nothing in FP16, taken evenly." in caption
     )
-    assert "taken evenly in forward order: each loses nothing in FP16" in caption
+
+
+def test_a_deep_model_whose_losses_start_midway_shows_where_and_counts_every_row() -> None:
+    """200 blocks whose outputs overflow FP16 from block 48 on, all of every even block's and half of every odd
+    one's: the heatmap showed 88 of the 100%-rows only, from block 61, and its caption read "88 of the other
+    76" of 202 rows. The first losing block and the one before it are drawn, as are rows from before them; the
+    caption's counts are the rows that lose 100%, and those that lose less, and add up to every row."""
+    layers = [LayerSpec("emb", "Embedding", {"weight": 4096})]
+    layers += [LayerSpec(f"blocks.{i}", "Linear", {"weight": 1024}) for i in range(200)]
+    layers += [LayerSpec("head", "Linear", {"weight": 4096})]
+    tabs, _ = synthetic_run("bf16", layers=layers, steps=2, sample_every=1)
+    table, kind, keep = tabs["layers"], T.ACTIVATION, 90
+    act = table[T.TENSOR] == kind
+    for col in (T.underflow_col("fp16"), T.overflow_col("fp16"), T.NAN, T.INF):
+        table.loc[act, col] = 0
+    block = table[T.MODULE].str.removeprefix("blocks.").where(table[T.MODULE].str.startswith("blocks."), "-1")
+    block = block.astype(int)
+    table.loc[act & (block >= 48), T.overflow_col("fp16")] = table[T.NUMEL] // np.where(block % 2, 2, 1)
+    hm = plots.signature_heatmap(T.sum_histogram_frame(tabs["histograms"]), table, kind, max_rows=keep)
+    assert hm is not None
+    rows = S.row_order(table, kind)
+    full = [r for r in rows[1:-1] if r[0].startswith("blocks.") and int(r[0].split(".")[1]) % 2 == 0]
+    full = [r for r in full if int(r[0].split(".")[1]) >= 48]  # lose 100%: blocks 48, 50, ..., 198
+    assert len(rows) == 202 and len(full) == 76
+    shown = {m for m, _ in hm.rows}
+    assert {"blocks.47", "blocks.48"} <= shown  # where the losses start, and the row before
+    assert len({m for m in shown if m.startswith("blocks.") and int(m.split(".")[1]) < 47}) >= 5
+    note = hm.rows_note()
+    counts = re.match(
+        r"Showing (\d+) of (\d+) rows, in forward order: the first and last; (\d+) of the (\d+) that each "
+        r"lose 100% in FP16, taken evenly; (\d+) of the (\d+) that lose less, taken evenly\. The first row that "
+        r"loses anything in FP16, blocks\.48, is drawn with the row before it\.",
+        note,
+    )
+    assert counts, note
+    n_shown, n_rows, full_shown, n_full, less_shown, n_less = map(int, counts.groups())
+    assert (n_shown, n_rows) == (len(hm.rows), len(rows)) == (keep, 202)
+    assert (n_full, n_less) == (len(full), len(rows) - 2 - len(full))
+    assert (full_shown, less_shown) == (
+        len(set(hm.rows) & set(full)),
+        keep - 2 - len(set(hm.rows) & set(full)),
+    )
+    lost = S.lost_share_by_row(table, kind, "fp16")
+    check_rows_chosen(rows, {r: sum(lost[r]) for r in rows}, keep, hm.rows)
 
 
 def test_heatmap_matrix_and_whatif_shares_agree_with_the_tables(

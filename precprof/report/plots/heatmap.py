@@ -97,15 +97,21 @@ def lost_in_focus(
 
 @dataclass(frozen=True)
 class RowSelection:
-    """The rows a heatmap draws (``index``, in forward order) and how they were chosen: beside the first and last,
-    ``by_loss`` rows that lose more in the focus format than any row left out, and ``spread`` rows taken evenly,
-    in forward order, from the ``tied`` rows that each lose ``tie_share`` (0: nothing), too many to draw all."""
+    """The rows a heatmap draws (``index``, in forward order) and how they were chosen, besides the first and last
+    row: every one of the ``worse`` rows that lose more than ``cut`` in the focus format; ``tied_shown`` of the
+    ``tied`` rows that each lose ``cut`` and ``less_shown`` of the ``less`` rows that lose less, each taken evenly
+    in forward order. ``cut`` 0: every row that loses anything fitted (``worse``), and ``tied`` lose nothing.
+    ``onset``: the first row that loses anything, drawn with the row before it, so that where the losses start
+    shows (``None``: the first row already loses, or none does)."""
 
     index: list[int]
-    by_loss: int = 0
-    spread: int = 0
+    worse: int = 0
+    tied_shown: int = 0
     tied: int = 0
-    tie_share: float = 0.0
+    less_shown: int = 0
+    less: int = 0
+    cut: float = 0.0
+    onset: int | None = None
 
     def gaps(self) -> list[int]:
         """The drawn rows (0-based, top to bottom) that follow rows left out: a mark goes above each."""
@@ -140,32 +146,63 @@ def _spread_layers(rows: list[tuple[str, str]], tied: list[int], left: int) -> l
     return [tied[math.floor((k + 0.5) * len(tied) / left)] for k in range(left)]
 
 
+CONTEXT_SHARE = 4  # with more losing rows than fit, 1 in 4 of the rows drawn is for those that lose less
+
+
+def _evenly(rows: list[tuple[str, str]], cands: list[int], take: int, first: list[int]) -> list[int]:
+    """``take`` of ``cands``: those of ``first`` among them, then the others taken evenly (``_spread_layers``)."""
+    kept = [i for i in first if i in cands][:take]
+    rest = [i for i in cands if i not in kept]
+    if take <= len(kept) or not rest:
+        return kept
+    return kept + _spread_layers(rows, rest, take - len(kept))
+
+
 def _select_rows(
     rows: list[tuple[str, str]], lost: Mapping[tuple[str, str], tuple[float, ...]], max_rows: int
 ) -> RowSelection:
-    """The rows to draw: all of them, or the first and last and the ``max_rows - 2`` that lose the most (``lost``:
-    the focus format's shares), in forward order. Rows that tie at the cut (most often: nothing lost in any) are
-    taken evenly over forward order, not the first ones: a 60-layer model lost its last 15 layers from the figure."""
+    """The rows to draw: all of them, or the first and last and up to ``max_rows - 2`` others, in forward order,
+    chosen by what they lose in the focus format (``lost``: its shares). Every row that loses anything when they
+    all fit, and the others taken evenly; else those that lose the most (rows tied at the cut taken evenly), with
+    1 in ``CONTEXT_SHARE`` of the rows kept for those that lose less, taken evenly. The first row that loses
+    anything is drawn with the row before it. A 130-block model that overflowed FP16 from block 48 on showed only
+    rows that lost 100%, from block 61: where the losses start was left out, and the caption did not say so."""
     n = len(rows)
     if n <= max_rows:
         return RowSelection(list(range(n)))
+    slots = max(max_rows - 2, 0)
+    if slots == 0:
+        return RowSelection([0, n - 1])
 
     def badness(i: int) -> float:
         return sum(0.0 if math.isnan(v) else v for v in lost.get(rows[i], ()))
 
-    bad = {i: badness(i) for i in range(1, n - 1)}
-    slots = max(max_rows - 2, 0)
-    if slots == 0:
-        return RowSelection([0, n - 1])
-    cut = sorted(bad.values(), reverse=True)[slots - 1]
-    worse = [i for i, b in bad.items() if b > cut]
-    tied = [i for i, b in bad.items() if b == cut]
-    left = slots - len(worse)
-    spread = _spread_layers(rows, tied, left)
-    index = sorted({0, n - 1, *worse, *spread})
-    if len(tied) == left:
-        return RowSelection(index, by_loss=slots)
-    return RowSelection(index, len(worse), len(spread), len(tied), cut)
+    bad = [badness(i) for i in range(n)]
+    onset = next((i for i in range(n) if bad[i] > 0), 0)  # 0: the first row loses already, or none does
+    first = [i for i in (onset, onset - 1) if onset and 0 < i < n - 1]
+    middle = range(1, n - 1)
+    losing = [i for i in middle if bad[i] > 0]
+    cut = 0.0
+    if len(losing) + sum(bad[i] == 0 for i in first) > slots:
+        cut = sorted((bad[i] for i in middle), reverse=True)[slots - slots // CONTEXT_SHARE - 1]
+    worse = [i for i in middle if bad[i] > cut]
+    tied = [i for i in middle if bad[i] == cut]
+    less = [i for i in middle if bad[i] < cut]
+    # the rows left after the worse ones: the tied ones up to what the rows that lose less keep
+    tied_take = min(len(tied), slots - len(worse) - min(len(less), slots // CONTEXT_SHARE))
+    less_take = slots - len(worse) - tied_take
+    shown = set(_evenly(rows, tied, tied_take, first)) | set(_evenly(rows, less, less_take, first))
+    index = sorted({0, n - 1, *worse, *shown})
+    return RowSelection(
+        index,
+        worse=len(worse),
+        tied_shown=len(shown & set(tied)),
+        tied=len(tied),
+        less_shown=len(shown & set(less)),
+        less=len(less),
+        cut=float(cut),
+        onset=onset if onset and onset in index else None,
+    )
 
 
 @dataclass
@@ -186,27 +223,45 @@ class Heatmap:
     selection: RowSelection = field(default_factory=lambda: RowSelection([]))
 
     def rows_note(self) -> str:
-        """The caption's sentence on the rows shown, when not all are: which, and how they were chosen."""
-        sel, lost = self.selection, f"in {self.focus_label}"
-        most = "the one that loses" if sel.by_loss == 1 else f"the {sel.by_loss} that lose"
-        if not sel.spread:
-            chosen = f"the first and last, and {most} the most {lost}"
-        elif sel.by_loss:
-            each = "nothing" if sel.tie_share == 0 else F.pct(sel.tie_share)
-            chosen = (
-                f"the first and last, {most} the most {lost}, and {sel.spread} of the "
-                f"{sel.tied} others, which each lose {each}, taken evenly in forward order"
-            )
+        """The caption's sentences on the rows shown, when not all are: how many of each kind of row, and by
+        what rule they were chosen. The counts add up to the rows there are (a caption had said "88 of the other
+        130" of 262 rows, and nothing of the 130 that lost less)."""
+        sel, fmt = self.selection, self.focus_label
+        parts = ["the first and last"]
+        if sel.cut == 0:
+            if sel.worse:
+                parts.append(_rows_part(sel.worse, sel.worse, f"{_lose(sel.worse)} anything in {fmt}"))
+            nothing = "nothing" + ("" if sel.worse else f" in {fmt}")
+            parts.append(_rows_part(sel.tied_shown, sel.tied, f"{_lose(sel.tied)} {nothing}"))
         else:
-            each = "nothing" if sel.tie_share == 0 else F.pct(sel.tie_share)
-            chosen = (
-                f"the first and last, and {sel.spread} of the other {sel.tied}, taken evenly in forward order: "
-                f"each loses {each} {lost}"
-            )
-        return (
-            f"Showing {self.rows_shown} of {self.rows_total} rows: {chosen}. A dashed grey line marks where rows are "
-            "left out; every row is in the tables below."
-        )
+            cut = F.pct(sel.cut)
+            if sel.worse:
+                most = "the one that loses" if sel.worse == 1 else f"the {sel.worse} that lose"
+                parts.append(f"{most} the most in {fmt} (more than {cut})")
+            each = f"{_lose(sel.tied)} {cut}" if sel.tied == 1 else f"each lose {cut}"
+            parts.append(_rows_part(sel.tied_shown, sel.tied, each + ("" if sel.worse else f" in {fmt}")))
+            if sel.less:
+                parts.append(_rows_part(sel.less_shown, sel.less, f"{_lose(sel.less)} less"))
+        text = f"Showing {self.rows_shown} of {self.rows_total} rows, in forward order: {'; '.join(parts)}."
+        if sel.onset is not None:
+            name = S.row_label(*self.rows[sel.index.index(sel.onset)])
+            before = " with the row before it" if sel.onset - 1 in sel.index else ""
+            text += f" The first row that loses anything in {fmt}, {name}, is drawn{before}."
+        return f"{text} A dashed grey line marks where rows are left out; every row is in the tables below."
+
+
+def _lose(k: int) -> str:
+    return "loses" if k == 1 else "lose"
+
+
+def _rows_part(shown: int, of: int, that: str) -> str:
+    """One count of the caption: "all 40 that lose …", "48 of the 220 that lose …, taken evenly", "none of the
+    3 that lose …"."""
+    if shown == of:
+        return f"the one that {that}" if of == 1 else f"all {of} that {that}"
+    if shown == 0:
+        return f"not the one that {that}" if of == 1 else f"none of the {of} that {that}"
+    return f"{shown} of the {of} that {that}, taken evenly"
 
 
 def _x_range(exps: np.ndarray, share: np.ndarray, fp16: Window) -> tuple[float, float]:
