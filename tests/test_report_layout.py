@@ -145,6 +145,19 @@ def test_row_labels_keep_what_tells_layers_apart() -> None:
     assert len(set(labels)) == 3 and all(len(lab) <= 30 for lab in labels)
 
 
+def test_a_long_layer_name_keeps_itself_in_its_weight_and_bias_rows() -> None:
+    """One layer whose ``name.weight`` is longer than a row label: its rows read ``…weight`` and ``…bias``, as if
+    its own name were a component other layers share (its weight and bias were counted as two names). Both rows
+    keep the layer's name, cut in its middle, and the parameter; the short names stay whole."""
+    layer = "sentiment_classifier_head_projection_layer"
+    names = ["embed.weight", "block.weight", "block.bias", f"{layer}.weight", f"{layer}.bias"]
+    labels, under = plots.row_labels(names)
+    assert under == "" and labels[:3] == names[:3]
+    for label, param in zip(labels[3:], ("weight", "bias"), strict=True):
+        assert len(label) <= plots.ROW_LABEL_MAX < len(f"{layer}.{param}")
+        assert label.startswith(layer[:15]) and label.endswith(f"_layer.{param}") and "…" in label
+
+
 def test_elide_keeps_start_and_end() -> None:
     assert plots.elide("abc", 5) == "abc"
     assert plots.elide("abcdefghij", 5) == "ab…ij"

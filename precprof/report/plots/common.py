@@ -160,7 +160,10 @@ def row_labels(names: Sequence[str], limit: int = ROW_LABEL_MAX) -> tuple[list[s
         k -= 1
     prefix = ".".join(parts[0][:k]) + "." if k else ""
     parts = [p[k:] for p in parts]
-    shared = Counter((i, c) for p in parts for i, c in enumerate(p))
+    # how many layers share a component at a place: names alike but for their last component (a layer's
+    # ``.weight`` and ``.bias``) are one layer, whose own name a long one had lost to ``…weight`` and ``…bias``
+    layers = {tuple(p[:-1]) for p in parts}
+    shared = Counter((i, c) for p in layers for i, c in enumerate(p))
     labels: list[str] = []
     for p in parts:
         keep = [True] * len(p)
