@@ -604,6 +604,52 @@ def test_a_deep_model_whose_losses_start_midway_shows_where_and_counts_every_row
     check_rows_chosen(rows, {r: sum(lost[r]) for r in rows}, keep, hm.rows)
 
 
+def test_rows_that_hold_only_zeros_are_marked_in_the_heatmaps() -> None:
+    """A ReLU that never fires (the Linear before it has a bias of -100): its output, the activation gradients
+    before it and the weight gradients of every layer up to the next Linear's weight are exactly zero. Their
+    heatmap rows were blank, as a row without data is. Each is marked "all zero", those rows only (the test's
+    own hooks and the gradients say which), and the caption says what the mark means."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[2].bias.fill_(-100.0)
+    zero_out: dict[str, list[bool]] = {}
+    for name, m in model.named_children():
+        m.register_forward_hook(
+            lambda mod, a, out, name=name: zero_out.setdefault(name, []).append(bool((out == 0).all()))
+        )
+    zero_grad: dict[str, list[bool]] = {}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(2):
+            model(torch.randn(4, 8)).square().mean().backward()
+            for name, p in model.named_parameters():
+                zero_grad.setdefault(name, []).append(bool((p.grad == 0).all()))
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    tables = prof.tables()
+    hist = T.sum_histogram_frame(tables["histograms"])
+    expected = {
+        T.ACTIVATION: {m for m, z in zero_out.items() if all(z)},
+        T.WEIGHT_GRAD: {n for n, z in zero_grad.items() if all(z)},
+    }
+    assert expected == {
+        T.ACTIVATION: {"3"},
+        T.WEIGHT_GRAD: {"0.weight", "0.bias", "2.weight", "2.bias", "4.weight"},
+    }
+    page = render.render_html(tables, {})
+    for kind, names in expected.items():
+        hm = plots.signature_heatmap(hist, tables["layers"], kind)
+        assert hm is not None and hm.all_zero == len(names)
+        marks = [t for t in hm.figure.axes[1].texts if t.get_gid() == plots.heatmap.ALL_ZERO]
+        assert all(t.get_text() == "all zero" for t in marks)
+        assert {S.row_label(*hm.rows[int(t.get_position()[1])]) for t in marks} == names
+        caption = page.split(f'id="signature-{kind}"', 1)[1].split("</figcaption>", 1)[0]
+        which = "One row holds" if len(names) == 1 else f"{len(names)} rows hold"
+        assert f"{which} only zeros on every sampled step, marked “all zero”" in caption
+
+
 def test_heatmap_matrix_and_whatif_shares_agree_with_the_tables(
     synthetic: tuple[dict[str, pd.DataFrame], dict],
 ) -> None:

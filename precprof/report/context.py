@@ -363,6 +363,8 @@ def _heatmaps(
         notes.append(f"The right panel: the share of each row lost in {hm.focus_label} ({why}).")
         if hm.rows_shown < hm.rows_total:
             notes.append(hm.rows_note())
+        if hm.all_zero:
+            notes.append(hm.zero_note())
         alt = (
             f"Heatmap of {S.KIND_LABELS[kind]}: {hm.rows_shown} rows in forward order by log2 magnitude, "
             f"with FP16, BF16, FP8 E4M3 and E5M2 windows; right: lost in {hm.focus_label}"

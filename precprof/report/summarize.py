@@ -162,6 +162,19 @@ def lost_share_by_row(
     return out
 
 
+def all_zero_rows(layers: pd.DataFrame, kind: str) -> set[tuple[str, str]]:
+    """The (module, param) rows of ``kind`` whose every value was zero on every sampled step (a dead ReLU's
+    output, the weight gradients behind it): the heatmaps have nothing of them to place on a log2 axis."""
+    sub = layers.loc[layers[T.TENSOR] == kind, [T.MODULE, T.PARAM, T.NUMEL, T.ZEROS]]
+    if sub.empty:
+        return set()
+    num = sub[[T.NUMEL, T.ZEROS]].apply(pd.to_numeric, errors="coerce").fillna(0)
+    num[T.MODULE], num[T.PARAM] = sub[T.MODULE].to_numpy(), T.texts(sub[T.PARAM]).to_numpy()
+    g = num.groupby([T.MODULE, T.PARAM], sort=False)[[T.NUMEL, T.ZEROS]].sum()
+    zero = g[(g[T.NUMEL] > 0) & (g[T.ZEROS] == g[T.NUMEL])]
+    return {(str(m), str(p)) for m, p in zero.index}
+
+
 def whatif_columns() -> list[tuple[str, str, str]]:
     """(column, format, "underflow"|"overflow"|"underflow_cs") of the what-if tables, in display order."""
     cols: list[tuple[str, str, str]] = []

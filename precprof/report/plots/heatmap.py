@@ -221,6 +221,16 @@ class Heatmap:
     x_range: tuple[float, float] = (0.0, 0.0)
     rows: list[tuple[str, str]] = field(default_factory=list)  # the (module, param) rows drawn, top to bottom
     selection: RowSelection = field(default_factory=lambda: RowSelection([]))
+    all_zero: int = 0  # rows drawn that held only zeros (``ALL_ZERO``)
+
+    def zero_note(self) -> str:
+        """The caption's sentence on the rows marked ``ALL_ZERO``, when some are."""
+        which = "One row holds" if self.all_zero == 1 else f"{self.all_zero} rows hold"
+        return (
+            f"{which} only zeros on every sampled step, marked “{ALL_ZERO}” (a ReLU that never fires gives such "
+            "rows: its output and the gradients behind it): no value to place by magnitude, and none lost; an "
+            "empty row without the mark has no finite nonzero value recorded."
+        )
 
     def rows_note(self) -> str:
         """The caption's sentences on the rows shown, when not all are: how many of each kind of row, and by
@@ -282,6 +292,7 @@ def _x_range(exps: np.ndarray, share: np.ndarray, fp16: Window) -> tuple[float, 
 
 
 GAP_COLOR = "#555555"
+ALL_ZERO = "all zero"  # the mark on a row whose every value was zero: blank, it read as a row without data
 X_LABEL = "log2 |value|, unscaled (column k: [2^k, 2^(k+1)))"
 
 
@@ -401,6 +412,19 @@ def signature_heatmap(
     ax.set_xlim(x0, x1)
     ax.set_ylim(n, 0)
     _mark_gaps((ax, ax_lost), sel.gaps())
+    zero = S.all_zero_rows(layers, kind)
+    zero_rows = [i for i, r in enumerate(rows) if r in zero and tot[i, 0] == 0]
+    for i in zero_rows:
+        ax.text(
+            (x0 + x1) / 2,
+            i + 0.5,
+            ALL_ZERO,
+            ha="center",
+            va="center",
+            fontsize=fs,
+            color="#444",
+            gid=ALL_ZERO,
+        )
     # row names as plain texts: tick objects cost ~3 ms each to build and measure, texts a fraction of that
     ax.set_yticks([])
     label_tf = matplotlib.transforms.blended_transform_factory(ax.transAxes, ax.transData)
@@ -551,4 +575,4 @@ def signature_heatmap(
     fit_margins(fig)
     if _fit_title(fig, ax_strip, title, head, under) | _fit_x_label(fig, ax, ax_lost):
         fit_margins(fig)  # a text broken in two lines is taller
-    return Heatmap(fig, kind, rows_total, n, scale, wins, focus, what, (x0, x1), rows, sel)
+    return Heatmap(fig, kind, rows_total, n, scale, wins, focus, what, (x0, x1), rows, sel, len(zero_rows))
