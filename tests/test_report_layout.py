@@ -384,6 +384,33 @@ def test_the_training_plots_tick_labels_never_run_together(n_steps: int) -> None
     assert texts_outside(fig) == []
 
 
+@pytest.mark.parametrize("n_steps", [1, 2])
+def test_a_run_of_one_or_two_steps_has_whole_step_ticks(n_steps: int) -> None:
+    """A run of one step: the loss plot's step axis read -0.45 … 0.45, the loss scale's and gradient norm's
+    -0.5 … 0.5. Every step axis of the training figure ticks whole steps only, each step of the run among them."""
+    step = np.arange(n_steps)
+    steps = pd.DataFrame(
+        {
+            T.STEP: step,
+            T.LOSS: 1.25 - 0.1 * step,
+            T.LOSS_SCALE: 2.0**16,
+            T.GRAD_NORM: 1.0 + step,
+            T.SKIPPED: False,
+            T.RESUMED: False,
+        }
+    )
+    fig = plots.training_figure(steps)
+    assert fig is not None
+    FigureCanvasAgg(fig).draw()
+    for ax in fig.axes:
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert all(t == round(t) for t in ticks), ticks
+        assert set(step.tolist()) <= {round(t) for t in ticks}
+        labels = [t.get_text() for t in ax.get_xticklabels() if lo <= t.get_position()[0] <= hi]
+        assert set(labels) >= {str(s) for s in step}, labels
+
+
 def test_the_timeline_tick_labels_never_run_together() -> None:
     """The per-step strip of values lost, over a long run's sampled steps."""
     from precprof.report import timeline

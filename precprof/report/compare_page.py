@@ -41,6 +41,7 @@ from precprof.report.plots import (
     png_bytes,
     spans_decades,
     step_label,
+    step_locator,
 )
 from precprof.report.render import environment
 
@@ -85,7 +86,7 @@ def loss_figure(comparison: Comparison) -> Any:
     """Loss curves overlaid (raw, faint; smoothed, solid) and each run's smoothed loss relative to the reference."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
+    from matplotlib.ticker import FuncFormatter
 
     # drawn for the page's narrowest width (plots.FIG_WIDTH_PX), one panel above the other
     fig = Figure(figsize=(FIG_WIDTH_IN, 6.4))
@@ -154,7 +155,7 @@ def loss_figure(comparison: Comparison) -> Any:
     ax_rel.legend(frameon=False, fontsize=9)
     for a in (ax_loss, ax_rel):
         a.grid(True, alpha=0.3)
-        a.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=8))
+        a.xaxis.set_major_locator(step_locator(8))
         a.xaxis.set_major_formatter(FuncFormatter(step_label))
     fit_margins(fig)  # the axis labels inside the image, however wide the tick labels beside them
     return fig

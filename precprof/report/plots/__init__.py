@@ -26,6 +26,7 @@ from precprof.report.plots.common import (
     row_labels,
     spans_decades,
     step_label,
+    step_locator,
     svg_bytes,
 )
 from precprof.report.plots.heatmap import LOST_COLORS, Heatmap, share_norm, signature_heatmap
@@ -61,6 +62,7 @@ __all__ = [
     "signature_heatmap",
     "spans_decades",
     "step_label",
+    "step_locator",
     "svg_bytes",
     "training_figure",
 ]

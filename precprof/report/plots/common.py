@@ -21,6 +21,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.ft2font import FT2Font
+from matplotlib.ticker import MaxNLocator
 
 DPI = 100
 # Every figure is drawn for the page's narrowest column (800 px window, 32 px margins: 736 px), so that it is shown
@@ -76,6 +77,12 @@ def step_label(x: float, _pos: Any = None) -> str:
     if abs(x) >= 1e6:
         return f"{x / 1e6:g}M"
     return f"{x / 1e3:g}k" if abs(x) >= 1e4 else f"{x:g}"
+
+
+def step_locator(nbins: int) -> MaxNLocator:
+    """Ticks on a step axis: whole steps only, at most ``nbins`` intervals, one tick where only one fits (a run
+    of one step had ticks at -0.45 … 0.45: matplotlib's locator falls back to fractions below two ticks)."""
+    return MaxNLocator(integer=True, nbins=nbins, min_n_ticks=1)
 
 
 def spans_decades(values: np.ndarray) -> bool:

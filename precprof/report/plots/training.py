@@ -13,7 +13,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from precprof import tables as T
-from precprof.report.plots.common import FIG_WIDTH_IN, _pow2_label, spans_decades, step_label
+from precprof.report.plots.common import FIG_WIDTH_IN, _pow2_label, spans_decades, step_label, step_locator
 
 SKIP_COLOR = "#d62728"
 RESTART_COLOR = "#2c7fb8"
@@ -138,7 +138,7 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
     for a, bins in zip(axes, (8, 4, 4), strict=True):  # the two lower plots are a third of the page wide
         a.set_xlim(span[0] - pad, span[1] + pad)  # every step on each, where a plot has values for some only
         a.grid(True, alpha=0.3)
-        a.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=bins))
+        a.xaxis.set_major_locator(step_locator(bins))
         a.xaxis.set_major_formatter(FuncFormatter(step_label))
     # the legend names only what this run's plots draw
     handles: list[Artist] = [Line2D([], [], color="#1f4e79", lw=1.4, label="recorded value")]
