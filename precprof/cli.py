@@ -361,9 +361,7 @@ def compare(
             raise UserError(
                 f"the comparison could not be written ({e.strerror or e}); choose another --out"
             ) from None
-        for check in recorded.checks:
-            typer.echo(f"[{check.status}] {check.text}")
-        typer.echo(f"comparison: {page}")
+        _print_comparison(recorded, page)
         return
     variants = comparing.parse_precisions(precisions)
     # each run's own directory is out/<label>; compare's --out is the folder that holds them
@@ -391,13 +389,21 @@ def compare(
         for note in not_saved:
             _tell(f"precprof: error: {note}")
         raise typer.Exit(_exit_code(e)) from None
-    for check in result.checks:
-        typer.echo(f"[{check.status}] {check.text}")
-    typer.echo(f"comparison: {Path(result.runs[0].run_dir).parent / comparing.COMPARE_HTML}")
+    _print_comparison(result, Path(result.runs[0].run_dir).parent / comparing.COMPARE_HTML)
     for note in not_saved:  # a run that trained and could not be saved whole (a full disk)
         typer.echo(f"precprof: error: {note}", err=True)
     if not_saved:
         raise typer.Exit(EXIT_NOT_SAVED)
+
+
+def _print_comparison(comparison: comparing.Comparison, page: Path) -> None:
+    """The check lines, then the page's notes they do not say (a run stopped early, a missing file, runs set up
+    otherwise...): a terminal without a browser learns what the page says matters."""
+    for check in comparison.checks:
+        typer.echo(f"[{check.status}] {check.text}")
+    for note in comparison.terminal_notes():
+        typer.echo(f"note: {note}")
+    typer.echo(f"comparison: {page}")
 
 
 @app.command(cls=_Command)

@@ -225,7 +225,10 @@ def compare_runs(
     ranks = _ranks_note(summaries, names)
     if ranks:
         comparison.notes.insert(0, ranks)
-    comparison.notes[:0] = _no_summary_notes([n for n, s in zip(names, summaries, strict=True) if not s])
+    no_summary = _no_summary_notes([n for n, s in zip(names, summaries, strict=True) if not s])
+    comparison.notes[:0] = [note for _, note in no_summary]
+    # the check lines of such a run say it has no summary.json, and what that leaves unchecked
+    comparison.page_only += [note for said, note in no_summary if comparison.said_by_checks(said)]
     differ = "; ".join(f"{what}: {values}" for what, values in setup_differences(comparison.runs))
     if differ:
         comparison.notes.insert(
@@ -249,14 +252,19 @@ def _refuse_a_comparison_in(where: Path, default: bool) -> None:
         )
 
 
-def _no_summary_notes(names: Sequence[str]) -> list[str]:
+def _no_summary_notes(names: Sequence[str]) -> list[tuple[str, str]]:
     """A note for each run without summary.json: its model, precision and settings are not recorded, so nothing
-    says it trained what the others did (compare had said "these runs trained different models")."""
+    says it trained what the others did (compare had said "these runs trained different models"). Each with its
+    opening words, which a check line about the run says too."""
+    said = [f"{name} has no {T.SUMMARY_FILE}" for name in names]
     return [
-        f"{name} has no {T.SUMMARY_FILE}: its model, precision and settings are not recorded, so this comparison "
-        "cannot check that it trained the same model and setup as the others; it goes by its folder's name, and "
-        "its loss and memory are read from its tables."
-        for name in names
+        (
+            s,
+            f"{s}: its model, precision and settings are not recorded, so this comparison cannot check that it "
+            "trained the same model and setup as the others; it goes by its folder's name, and its loss and "
+            "memory are read from its tables.",
+        )
+        for s in said
     ]
 
 

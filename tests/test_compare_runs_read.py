@@ -3,6 +3,7 @@ a run killed before it saved, one that stopped early, one missing a table or its
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from precprof import cli
 from precprof import compare as C
 from precprof import tables as T
 from precprof.analysis import comparison as A
@@ -194,3 +196,36 @@ def test_runs_that_stopped_early_or_ran_fewer_steps_confirm_nothing(
         headline = _headline(page.read_text())
         assert f"up to step {last}, where the runs are compared (it ran 8 steps)" in headline, headline
         assert ("stopped after" in headline) == (other == killed_dir), headline
+
+
+def test_the_terminal_says_the_notes_its_check_lines_do_not(
+    fp32_and_killed: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``precprof compare`` printed its check lines alone: an fp32 run missing memory.parquet, a bf16 run killed
+    after step 3 and a bf16 run of another seed left the terminal silent on the missing file and the other seed,
+    which only the page's notes said (no browser on a training box). The terminal prints each note the check
+    lines do not say, once, and not the one they do (the runs compared up to step 3), nor how each run ran where
+    all ran eager."""
+    fp32_dir, killed_dir = fp32_and_killed
+    damaged = tmp_path / "fp32"
+    shutil.copytree(fp32_dir, damaged)
+    (damaged / "memory.parquet").unlink()
+    train(_config(steps=8, precision="bf16", seed=7, out=tmp_path / "seed7"))
+    dirs = [damaged, killed_dir, tmp_path / "seed7"]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["compare", *map(str, dirs), "--out", str(tmp_path / "cmp")])
+    assert e.value.code in (0, None)
+    out = capsys.readouterr().out.splitlines()
+    checks = [ln for ln in out if ln.startswith("[")]
+    notes = [ln.removeprefix("note: ") for ln in out if ln.startswith("note: ")]
+    assert len(checks) + len(notes) + 1 == len(out) and out[-1].startswith("comparison: ")
+    assert any(f"bf16 stopped after {KILL_AFTER + 1} of 8 steps: killed" in ln for ln in checks), checks
+    assert any("compared up to step 3, the last step every run finished" in ln for ln in checks), checks
+    page_notes = json.loads((tmp_path / "cmp" / "compare.json").read_text())["notes"]
+    assert set(notes) <= set(page_notes) and len(set(notes)) == len(notes), (notes, page_notes)
+    left_out = ("The runs trained for different numbers of steps", "How each run ran: fp32 eager")
+    assert [n for n in page_notes if n not in notes] == [n for n in page_notes if n.startswith(left_out)]
+    seeds = {d.name: T.read_summary(d)[T.SUMMARY_CONFIG]["seed"] for d in dirs}
+    assert seeds == {"fp32": 0, "bf16": 0, "seed7": 7}
+    assert any("seed: fp32 0, bf16 0, seed7 7." in n for n in notes), notes
+    assert any(n.startswith(f"Missing from fp32's run directory ({damaged}): memory.parquet.") for n in notes)

@@ -46,6 +46,7 @@ from precprof.analysis.comparison.checks import (
     check_against_runs,
     format_warnings,
     predicted_trouble,
+    reference_did_not_train,
     speed_status,
 )
 from precprof.analysis.comparison.runs import (
@@ -66,6 +67,7 @@ from precprof.analysis.comparison.runs import (
     RunResult,
     Variant,
     classify,
+    compared_up_to,
     cut_short,
     did_not_train,
     finite,
@@ -120,6 +122,7 @@ __all__ = [
     "and_list",
     "check_against_runs",
     "classify",
+    "compared_up_to",
     "cut_short",
     "describe_run",
     "describe_scale",
@@ -155,12 +158,23 @@ class Comparison:
     config: dict[str, Any]
     wall_s: float = math.nan
     notes: list[str] = field(default_factory=list)
+    # the notes the terminal leaves out (``terminal_notes``): the check lines printed there say them already, or
+    # they bear on the page's throughput alone
+    page_only: list[str] = field(default_factory=list)
     # the runs were recorded elsewhere and read from their directories (``precprof compare RUN_DIR ...``):
     # their data and seed are their own, not one comparison's
     recorded: bool = False
 
     def run(self, label: str) -> RunResult:
         return next(r for r in self.runs if r.label == label)
+
+    def terminal_notes(self) -> list[str]:
+        """The notes the terminal prints after the check lines: the page's, but those the check lines say."""
+        return [n for n in self.notes if n not in self.page_only]
+
+    def said_by_checks(self, phrase: str) -> bool:
+        """Whether a check line says ``phrase`` (a line may start with it, capitalized)."""
+        return any(phrase.lower() in c.text.lower() for c in self.checks)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -216,27 +230,41 @@ def analyse(
             r.speedup = 1.0
     checks = check_against_runs(results, ref)
     lines = [outcome_sentence(r, ref, tolerance) for r in results if r is not ref]
-    return Comparison(
+    steps_note = _steps_note(results, lasts, until)
+    how_ran = _how_each_ran(results)
+    comparison = Comparison(
         runs=results,
         reference=ref.label,
         tolerance=tolerance,
         checks=checks,
         summary_lines=lines,
         config=dict(config or {}),
-        notes=(
-            [
-                "The runs trained for different numbers of steps ("
-                + ", ".join(
-                    f"{r.label}: {s + 1 if s is not None else 0}" for r, s in zip(results, lasts, strict=True)
-                )
-                + f"): each is compared on its steps up to step {until}, the last all of them finished."
-            ]
-            if until is not None
-            else []
-        )
-        + ([ref_note] if ref_note else [])
+        notes=[n for n in (steps_note, ref_note) if n]
         + _missing_notes(results)
-        + _notes(results, config or {}),
+        + _notes(results, config or {})
+        + ([how_ran] if how_ran else []),
+    )
+    # the check lines say where runs of different lengths are compared (``cut_short``) and that the reference did
+    # not train (``not_isolated``); an eager run's way of running says nothing a terminal needs
+    if until is not None and comparison.said_by_checks(compared_up_to(until)):
+        comparison.page_only.append(steps_note)
+    if ref.did_not_train and comparison.said_by_checks(reference_did_not_train(ref)):
+        comparison.page_only.append(ref_note)
+    if how_ran and not any(r.compiled and not r.compiled.startswith("eager") for r in results):
+        comparison.page_only.append(how_ran)
+    return comparison
+
+
+def _steps_note(results: Sequence[RunResult], lasts: Sequence[int | None], until: int | None) -> str:
+    """A note that runs of different lengths are compared up to step ``until`` ("" when they are not)."""
+    if until is None:
+        return ""
+    return (
+        "The runs trained for different numbers of steps ("
+        + ", ".join(
+            f"{r.label}: {s + 1 if s is not None else 0}" for r, s in zip(results, lasts, strict=True)
+        )
+        + f"): each is compared on its steps up to step {until}, the last all of them finished."
     )
 
 
@@ -325,19 +353,23 @@ def uneven_steps(run: RunResult) -> str:
 
 def _notes(runs: Sequence[RunResult], config: Mapping[str, Any]) -> list[str]:
     """Caveats for reading the throughput column."""
-    notes = []
     fp16 = [r.label for r in runs if r.precision.startswith("fp16")]
     if fp16 and str(config.get("device", "")).startswith("cpu") and not hardware.cpu_fp16_native():
-        notes.append(
+        return [
             f"This CPU has no fp16 arithmetic (AVX512-FP16 / AMX-FP16): torch emulates it, so the throughput of "
             f"{', '.join(fp16)} says nothing about fp16 on a GPU; its numerics are the real ones."
-        )
+        ]
+    return []
+
+
+def _how_each_ran(runs: Sequence[RunResult]) -> str:
+    """A note on how each run ran its model (eager or compiled), "" when no run records it."""
     ran = [(r.label, r.compiled) for r in runs if r.compiled]
-    if ran:
-        notes.append(
-            "How each run ran: "
-            + "; ".join(f"{label} {how}" for label, how in ran)
-            + ". Each mode runs as its users run it for speed (fp8 only compiled, by default); the first step, "
-            "which compiles, is left out of the throughput."
-        )
-    return notes
+    if not ran:
+        return ""
+    return (
+        "How each run ran: "
+        + "; ".join(f"{label} {how}" for label, how in ran)
+        + ". Each mode runs as its users run it for speed (fp8 only compiled, by default); the first step, "
+        "which compiles, is left out of the throughput."
+    )

@@ -169,7 +169,7 @@ def not_isolated(r: RunResult, ref: RunResult) -> str:
     did not diverge.
     A run of bf16 at a learning rate of 20 diverged, and the check said the advisor had missed it."""
     if ref.did_not_train:
-        return f"the reference, {ref.label}, did not train ({ref.did_not_train})"
+        return reference_did_not_train(ref)
     unrecorded = [x.label for x in (r, ref) if x.status == UNRECORDED]
     if unrecorded:
         return (
@@ -187,6 +187,11 @@ def not_isolated(r: RunResult, ref: RunResult) -> str:
     ):  # a loss that went non-finite in the steps it ran diverged all the same
         return f"not whole runs: {short}; a loss short of a run's end is not the loss it ends at"
     return ""
+
+
+def reference_did_not_train(ref: RunResult) -> str:
+    """That the reference did not train, and why, in the words of the check lines."""
+    return f"the reference, {ref.label}, did not train ({ref.did_not_train})"
 
 
 def no_loss(r: RunResult) -> bool:

@@ -398,8 +398,13 @@ def cut_short(run: RunResult, ref: RunResult) -> str:
     if not said and run.steps_run != ref.steps_run:
         said = [f"{run.label} ran {run.steps_run:,} steps and {ref.label} {ref.steps_run:,}"]
     if cut:
-        said.append(f"compared up to step {run.compared_until}, the last step every run finished")
+        said.append(compared_up_to(run.compared_until))
     return "; ".join(said)
+
+
+def compared_up_to(step: int | None) -> str:
+    """Where runs of different lengths are compared, in the words of the check lines (``cut_short``)."""
+    return f"compared up to step {step}, the last step every run finished"
 
 
 def _key(v: Any) -> str:
