@@ -27,7 +27,8 @@ Every column name used anywhere in precprof is a constant here (read them throug
 ``steps`` — step, loss, loss_scale (in effect during that step's backward), skipped (optimizer step skipped
     because of inf/nan gradients), grad_norm (NaN where unknown), time_s (host wall time of the step),
     sampled (whether layers/histograms were recorded), tokens (NaN where unknown), resumed (True on the step a
-    run restarted from its checkpoint with ``Profiler(..., resume=True)``; False elsewhere).
+    run restarted from its checkpoint with ``Profiler(..., resume=True)``; False elsewhere), compiled (True on an
+    unsampled step torch.compile compiled in, left out of the run's time and throughput).
 
 ``memory`` — step, component, module ("" except for activations), dtype ("" for allocator and device rows),
     bytes, phase (allocator rows only: forward | backward | optimizer | other, the part of the step whose peak
@@ -102,6 +103,10 @@ CUT_OFF = "cut_off"
 # the loop passed no loss for the step (``prof.step()`` without ``loss=``): its null loss is no loss, not a nan (a
 # nan and a missing value are both null once written); missing in a table written before the column: a loss given
 NO_LOSS = "no_loss"
+# torch.compile compiled in the step (``capture.sampling.Sampler.observe``): a compile's time, not the training's,
+# left out of the throughput, in every attempt of a resumed run (the summary's ``compiled_steps`` are the last
+# attempt's); missing in a table written before the column
+COMPILED = "compiled"
 
 COMPONENT = "component"
 BYTES = "bytes"
@@ -296,6 +301,7 @@ STEPS_COLUMNS: tuple[str, ...] = (
     SAMPLE_REASON,
     CUT_OFF,
     NO_LOSS,
+    COMPILED,
 )
 MEMORY_COLUMNS: tuple[str, ...] = (STEP, COMPONENT, MODULE, DTYPE, BYTES, PHASE, MOMENT)
 
@@ -318,7 +324,7 @@ _INT_COLUMNS = {STEP, ORDER, CALLS, EXPONENT, COUNT, BYTES, *COUNT_COLUMNS}
 # columns of text: written as Arrow strings in every part, so that parts concatenate whatever they hold
 _TEXT_COLUMNS = {MODULE, MODULE_TYPE, TENSOR, PARAM, DTYPE, COMPONENT, PHASE, SAMPLE_REASON, MOMENT}
 # columns of yes/no: written as Arrow bools (null where missing) in every part, as a saved table holds them
-_BOOL_COLUMNS = {SKIPPED, SAMPLED, RESUMED, CUT_OFF, NO_LOSS}
+_BOOL_COLUMNS = {SKIPPED, SAMPLED, RESUMED, CUT_OFF, NO_LOSS, COMPILED}
 
 
 def flags(column: pd.Series) -> pd.Series:

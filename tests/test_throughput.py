@@ -7,6 +7,9 @@ the rate was tokens over wall time, sampled steps and the first step's compilati
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +17,7 @@ import pandas as pd
 import pytest
 
 from precprof import tables as T
-from precprof.analysis.throughput import BASIS_ALL, BASIS_UNSAMPLED, throughput
+from precprof.analysis.throughput import BASIS_ALL, BASIS_UNSAMPLED, compiled_steps, throughput
 from precprof.report import filters as F
 from precprof.report.context import _headline
 from precprof.training import TrainConfig, train
@@ -257,4 +260,84 @@ def test_a_compiled_loops_rate_leaves_out_the_steps_dynamo_compiled_in() -> None
     kept = steps[~steps[T.SAMPLED] & ~steps[T.STEP].isin([0, *moved])]
     assert len(kept) == 6
     key = "tokens/s (unsampled steps, median of 6; torch.compile's 2 steps left out)"
+    assert head[key] == F.num(16 / float(kept[T.TIME_S].median()))
+
+
+# steps FIRST..LAST of a torch.compile'd model (Dynamo's eager backend) in an own loop streaming into OUT, resumed
+# there when FIRST > 0 and then saved; stopped by Ctrl-C after LAST when FIRST is 0, before any save. Prints the
+# steps in which Dynamo's own counter of graphs moved, read by the loop itself.
+COMPILED_ATTEMPT = """
+import contextlib, sys, torch
+from torch import nn
+from torch._dynamo.utils import counters
+import precprof
+out, first, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.manual_seed(0)
+vocab, dim = 64, 16
+model = nn.Sequential(nn.Embedding(vocab, dim), nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, vocab))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+compiled = torch.compile(model, backend="eager")
+moved = []
+prof = precprof.Profiler(model, optimizer=opt, sample_every=3, memory=False, block_formats=False, out=out,
+                         resume=first > 0, first_step=first)
+with contextlib.suppress(KeyboardInterrupt), prof:
+    for step in range(first, last + 1):
+        graphs = counters["stats"]["unique_graphs"]
+        z = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(step))
+        loss = nn.functional.cross_entropy(compiled(z[:, :-1]).reshape(-1, vocab), z[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if counters["stats"]["unique_graphs"] != graphs:
+            moved.append(step)
+        prof.step(loss=loss.detach(), tokens=16)
+        if first == 0 and step == last:
+            raise KeyboardInterrupt
+if first > 0:
+    prof.save()
+print(*moved)
+"""
+
+
+RESUMED_AT = 9  # the checkpoint the resumed attempt starts from: a sampled step (every 3rd), run eagerly
+
+
+def _compiled_attempt(out: Path, first: int, last: int) -> list[int]:
+    """``COMPILED_ATTEMPT`` in a process of its own (a resumed job is a new process, which compiles again)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])}
+    res = subprocess.run(
+        [sys.executable, "-c", COMPILED_ATTEMPT, str(out), str(first), str(last)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    return [int(s) for s in res.stdout.split()]
+
+
+def test_a_resumed_runs_rate_leaves_out_every_attempts_compiled_steps(tmp_path: Path) -> None:
+    """A compiled run stopped by Ctrl-C after step 11 (its loop saved nothing) and resumed from its step-9
+    checkpoint: the steps the first attempt compiled in counted in tokens/s, since the summary's sampling block
+    is the resumed attempt's alone. The steps table says which steps compiled, in every attempt, and the rate
+    leaves out each one the loop saw Dynamo compile in, as it leaves out each attempt's first step."""
+    # each attempt compiles in its first unsampled step: step 1, and step 10 after the sampled step 9
+    first_attempt = _compiled_attempt(tmp_path / "run", 0, 11)
+    resumed = _compiled_attempt(tmp_path / "run", RESUMED_AT, 19)
+    assert first_attempt and first_attempt[0] < RESUMED_AT and resumed and resumed[0] > RESUMED_AT
+    compiled = sorted({s for s in first_attempt if s < RESUMED_AT} | set(resumed))
+    summary = T.read_summary(tmp_path / "run")
+    steps = T.read_tables(tmp_path / "run")["steps"].sort_values(T.STEP)
+    assert steps[T.STEP].tolist() == list(range(20))
+    assert not set(summary[T.SUMMARY_CAPTURE]["sampling"]["compiled_steps"]) & set(first_attempt)
+    # the rate's rule by hand: unsampled steps, not the first of an attempt, not one Dynamo compiled in
+    kept = steps[~steps[T.SAMPLED] & ~steps[T.STEP].isin([0, RESUMED_AT, *compiled])]
+    assert len(kept) >= 3
+    tp = throughput(steps, compiled_steps(summary))
+    sampled = set(steps[T.STEP][steps[T.SAMPLED]])
+    left_out = [s for s in compiled if s not in (0, RESUMED_AT, *sampled)]
+    assert tp["steps_compiled_left_out"] == len(left_out) >= 2
+    assert tp["tokens_per_s_steps"] == len(kept)
+    assert tp["tokens_per_s"] == pytest.approx(16 / float(kept[T.TIME_S].median()), rel=1e-12)
+    head = dict(_headline(summary, steps, pd.DataFrame()))
+    key = f"tokens/s (unsampled steps, median of {len(kept)}; torch.compile's {len(left_out)} steps left out)"
     assert head[key] == F.num(16 / float(kept[T.TIME_S].median()))

@@ -64,7 +64,8 @@ def compiled_steps(summary: Mapping[str, Any]) -> list[int]:
 
 def throughput(steps: pd.DataFrame, compiled: Collection[int] = ()) -> dict[str, Any]:
     """Throughput figures of a run from its steps table (``T.TIME_S``, ``T.TOKENS``, ``T.SAMPLED``);
-    ``compiled``: the steps in which torch.compile compiled (``compiled_steps``), left out of every figure.
+    ``compiled``: the steps in which torch.compile compiled (``compiled_steps``), left out of every figure, as
+    are the steps the table's ``T.COMPILED`` flags.
 
     Returns ``tokens_per_s`` (median tokens / median seconds of the counted steps; NaN without tokens),
     ``tokens_per_s_basis`` (``"unsampled steps"`` or ``"all steps"``), ``tokens_per_s_steps`` (how many steps
@@ -93,6 +94,8 @@ def throughput(steps: pd.DataFrame, compiled: Collection[int] = ()) -> dict[str,
     # the first step of each attempt, the run's and each resumed one's: a new process's warm-up and compilation
     first = pd.Series(np.arange(len(df)) == 0, df.index)
     df = df[~(first | T.flags(df[T.RESUMED]))] if T.RESUMED in df else df.iloc[1:]
+    if T.COMPILED in df and T.STEP in df:  # every attempt's: a resumed run's summary holds its last attempt's
+        compiled = {*compiled, *(int(s) for s in df[T.STEP][T.flags(df[T.COMPILED])])}
     if compiled and T.STEP in df:  # a compile's time, not the training's
         left_out = df[T.STEP].isin(list(compiled))
         out["steps_compiled_left_out"] = int(left_out.sum())

@@ -514,9 +514,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         """
         if not self._attached:
             raise RuntimeError("Profiler.step() called while the profiler is not attached (use `with prof:`)")
-        entered = (
-            time.perf_counter()
-        )  # this call's own time, on an unsampled step, is precprof's (host clock)
+        entered = time.perf_counter()  # this call's own time, on an unsampled step, is precprof's
         started = self._t_last  # this step's start (the previous step's end)
         if self._sampling:
             self._note_updates_read()
@@ -529,27 +527,23 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         outside = self._outside_s
         pending = self._make_pending(loss, grad_norm, tokens)
         self._pending.append(pending)
-        step_s = pending.time_s
+        if not self._sampling:  # before a flush hands its row on: the row says if Dynamo compiled in it
+            pending.compiled = self._sampler.observe(self._step, "", pending.time_s, _compat.compiles())
         if self._sampling or len(self._pending) >= MAX_PENDING_STEPS:
             self._flush(sampled_step_done=self._sampling, timed=pending if self._sampling else None)
-            if self._sampling:
-                # a sampled step's time includes its copy: what it cost, for the budgets and the steps table
-                self._t_last = time.perf_counter()
-                step_s = self._t_last - started - outside
-                if self._buffer is not None:
-                    self._adapt_block_groups(self._step, step_s)
         elif self._dashboards is not None and self.is_writer:
             self._dashboards.tick()  # host only: a wandb row waiting for the loop's next wandb step
-        self._sampler.observe(self._step, self._sample_reason, step_s, _compat.compiles())
-        if (
-            self._sampling
-            and self._sampler.synchronized
-            and self._sampler.budgeted
-            and self._reducer is not None
-        ):
-            # every rank samples the same steps: the next one planned now, the latest of the ranks' plans
-            gap = torch.tensor([self._sampler.plan_gap()], dtype=torch.int64, device=self._device)
-            self._sampler.next_step = self._step + int(self._reducer.reduce_max(gap).item())
+        if self._sampling:
+            # a sampled step's time includes its copy: what it cost, for the budgets and the steps table
+            self._t_last = time.perf_counter()
+            step_s = self._t_last - started - outside
+            if self._buffer is not None:
+                self._adapt_block_groups(self._step, step_s)
+            self._sampler.observe(self._step, self._sample_reason, step_s, _compat.compiles())
+            if self._sampler.synchronized and self._sampler.budgeted and self._reducer is not None:
+                # every rank samples the same steps: the next one planned now, the latest of the ranks' plans
+                gap = torch.tensor([self._sampler.plan_gap()], dtype=torch.int64, device=self._device)
+                self._sampler.next_step = self._step + int(self._reducer.reduce_max(gap).item())
         self._step += 1
         self._take_switch()
         sampled = self._sampling

@@ -59,6 +59,7 @@ class Recorded:
                     T.SAMPLED: p.sampled,
                     T.SAMPLE_REASON: p.reason,
                     T.CUT_OFF: p.cut_off,
+                    T.COMPILED: p.compiled,
                     T.NO_LOSS: p.loss is None,
                     T.TOKENS: float(p.tokens) if p.tokens is not None else math.nan,
                 }

@@ -201,6 +201,7 @@ class _PendingStep:
     tokens: int | None
     reason: str = ""  # why the step was sampled (capture.sampling), "" when it was not
     cut_off: bool = False  # the step in progress when the profiler was detached mid-step (T.CUT_OFF)
+    compiled: bool = False  # Dynamo compiled in the step, left out of the run's time (T.COMPILED)
 
 
 _PLAIN_TYPES = frozenset({torch.Tensor, nn.Parameter})

@@ -295,9 +295,10 @@ class Sampler:
         kept = recent[cut : len(recent) - cut]
         return min(math.fsum(kept) / len(kept), statistics.median(window[-LATEST:]))
 
-    def observe(self, step: int, reason: str, time_s: float, compiles: int | None = None) -> None:
+    def observe(self, step: int, reason: str, time_s: float, compiles: int | None = None) -> bool:
         """A step ended after ``time_s`` seconds, sampled for ``reason`` ("" when it was not); ``compiles``:
-        Dynamo's count of frames compiled so far (None when it is not loaded)."""
+        Dynamo's count of frames compiled so far (None when it is not loaded). Returns whether the step is left
+        out as one Dynamo compiled in (``compiled_at``): its steps table row says so (``T.COMPILED``)."""
         compiled = compiles is not None and compiles != self._compiles
         if compiles is not None:
             self._compiles = compiles
@@ -305,10 +306,10 @@ class Sampler:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
         self._since_unsampled = self._since_unsampled + 1 if reason else 0
         if not math.isfinite(time_s):
-            return
+            return False
         if not self._warmed_up:  # this process's first step: neither a sampled step's cost nor the run's time
             self._warmed_up = True
-            return
+            return False
         if reason:
             self.sampled_times.append(time_s)
             base = self._recent_base()
@@ -319,7 +320,7 @@ class Sampler:
         elif compiled and self._unsampled_seen and self._compiled_in_a_row < COMPILES_IN_A_ROW:
             self._compiled_in_a_row += 1  # a recompile's time, not the training's
             self.compiled_at.append(step)
-            return
+            return True
         elif self._unsampled_seen:
             self._compiled_in_a_row = self._compiled_in_a_row + 1 if compiled else 0
             if len(self._unsampled) == self._unsampled.maxlen:  # the oldest leaves the window
@@ -333,9 +334,10 @@ class Sampler:
             self._unsampled_seen = True
             if compiled:
                 self.compiled_at.append(step)
-            return
+            return compiled
         self.total_s += time_s
         self.steps_counted += 1
+        return False
 
     def own_step(self, time_s: float) -> None:
         """``Profiler.step()``'s own time on a step that is not sampled (host clock around its work): what
