@@ -126,6 +126,13 @@ def fsdp_root_uses_orig_params(root: Any) -> bool:
     return bool(getattr(root, "_use_orig_params", False))
 
 
+def join_enabled(obj: Any) -> bool:
+    """Whether ``obj`` (a ``torch.distributed.algorithms.Joinable``: DDP, ZeroRedundancyOptimizer) was put in an
+    enabled join context for uneven inputs (``model.join()``, ``Join([...])``): torch keeps that in the object's
+    ``_join_config``, set when the context is made and never cleared. False for anything else."""
+    return bool(getattr(getattr(obj, "_join_config", None), "enable", False))
+
+
 def fsdp2_policy(module: Any) -> tuple[Any, Any]:
     """FSDP2 (``fully_shard``): the module's MixedPrecisionPolicy and its parameter group (either None when
     this torch keeps them elsewhere)."""

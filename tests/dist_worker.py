@@ -114,6 +114,23 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
     (out / f"{scenario}-rank{rank}.json").write_text(json.dumps(dump))
 
 
+def run_join(rank: int, out: Path) -> None:
+    """DDP's ``model.join()`` with uneven inputs: rank 0 has STEPS batches, rank 1 one fewer. Every step is
+    sampled, so the last falls after rank 1 joined, when it runs only DDP's join hook."""
+    import precprof
+
+    model = _wrap(build_model(), "ddp")
+    opt = make_optimizer(model.parameters())
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1)
+    with prof, model.join():  # type: ignore[operator]
+        for step in range(STEPS - rank):
+            x, y = batch(step, rank)
+            backward_and_step(nn.functional.mse_loss(model(x), y), opt, None)
+            opt.zero_grad(set_to_none=True)
+            prof.step(tokens=BATCH)
+    prof.save(out / "ddp-join" if rank == 0 else out / f"ddp-join-rank{rank}")
+
+
 TRAIN_STEPS = 4
 
 
@@ -149,6 +166,8 @@ def main(argv: list[str]) -> None:
             try:
                 if scenario.startswith("train-"):
                     run_train(scenario, info.rank, out)
+                elif scenario == "ddp-join":
+                    run_join(info.rank, out)
                 else:
                     run_scenario(scenario, info.rank, out)
             except Exception:  # the same failure on every rank (no rank left waiting in a collective)

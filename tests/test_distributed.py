@@ -41,7 +41,7 @@ HERE = Path(__file__).parent
 SCENARIOS = ("ddp", "fsdp2", "fsdp2-bf16")
 TRAIN_SCENARIOS = ("train-ddp", "train-fsdp2")
 # run, not counted layer by layer: FSDP1's weight rows mix unsharded units with shards (README, torchrun)
-OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig", "fsdp1-orig-scaled", "zero")
+OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig", "fsdp1-orig-scaled", "zero", "ddp-join")
 Key = tuple[int, str, str, str]  # step, module, tensor, param
 
 
@@ -474,6 +474,32 @@ def test_the_fp8_outlier_check_judges_the_weights_of_a_ddp_run(runs: Path) -> No
     assert isinstance(f.numbers["max_pushed_subnormal"], float)  # judged: the weights
     assert "The outlier check could not judge" in f.message  # the activations: each rank's own
     assert "Most pushed there: none judged" not in f.message
+
+
+def test_uneven_inputs_under_ddp_join_keep_each_ranks_statistics(runs: Path) -> None:
+    """DDP's ``model.join()`` with uneven inputs: rank 1 runs out of batches a step before rank 0 and shadows
+    DDP's collectives in the join hook, where precprof's all-reduce of the rows met them (gloo aborted the job).
+    Training goes on; every rank keeps its own statistics, rank 0's rows are its own batches', and the summary
+    and the report say so."""
+    from precprof.report.environment import environment
+
+    rdir = run_dir(runs, "ddp-join")
+    summary = T.read_summary(rdir)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    info = summary[T.SUMMARY_CAPTURE]["distributed"]
+    assert (info["sampled_steps_reduced"], info["sampled_steps_local"]) == (0, W.STEPS)
+    assert "model.join()" in info["local_only"]
+    assert info["semantics"]["activations"] == "rank 0's local micro-batch"
+    assert "memory_by_rank" not in info  # rank 0's totals alone are not the ranks'
+    got = entries_from_tables(T.read_tables(rdir))
+    x, _ = W.batch(0, 0)
+    key = (0, "0", T.ACTIVATION, "")  # rank 0's first batch alone, through the initial weights
+    assert_entries_equal({key: got[key]}, {key: entry_from_tensor(W.build_model()[0](x).detach())})
+    assert got[(W.STEPS - 1, "0", T.ACTIVATION, "")]["calls"] == 1  # the step after rank 1 joined
+    rows = dict(dict(environment(summary)["groups"])["Processes"])
+    assert rows["processes"].endswith(f"are every rank's together, those of {W.STEPS} rank 0's alone")
+    assert rows["rank-local statistics"].startswith("rank 0: the training loop runs in a join context")
+    assert rows["memory"] == "rank 0's breakdown (the memory section)"
 
 
 # -------------------------------------------------------------------------------- single process

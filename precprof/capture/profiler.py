@@ -395,7 +395,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return RankReducer()
+            return RankReducer(joinables=(self.model, *self.optimizers))
         return None
 
     @property

@@ -36,6 +36,13 @@ What the numbers mean (also in ``summary.json`` under ``capture.distributed.sema
 
 Crashes: a rank unwinding from an exception does not enter collectives (the other ranks may never reach them
 and every rank would hang); it reduces its own rows only and says so.
+
+Uneven inputs: a rank that ran out of batches inside DDP's ``model.join()`` (or a ``Join`` of other
+Joinables) runs only the collectives of the Joinables' join hooks, which shadow DDP's, not precprof's: a
+reduction would meet DDP's collectives on that rank (gloo aborts the job, NCCL can hang or mix buffers). So
+once a Joinable the reducer watches (the wrapper, the Profiler's model and optimizers) is in a join context,
+every rank keeps its own statistics from that sampled step on (``local_only``; the summary counts those steps in
+``sampled_steps_local`` and says why): training goes on as it would without precprof.
 """
 
 from __future__ import annotations
@@ -250,9 +257,13 @@ class RankReducer:
         group: the process group (None: the default group).
         wrapped: the wrapped model to describe (DDP/FSDP) when the Profiler watches the inner module (as the
             Hugging Face and Lightning callbacks do); None: describe the Profiler's own model.
+        joinables: the training loop's objects a ``Join`` may hold besides ``wrapped`` (the Profiler's model and
+            optimizers): once one is in a join context, nothing is reduced (uneven inputs, above).
     """
 
-    def __init__(self, group: Any = None, wrapped: nn.Module | None = None) -> None:
+    def __init__(
+        self, group: Any = None, wrapped: nn.Module | None = None, joinables: Sequence[Any] = ()
+    ) -> None:
         dist = _dist()
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("RankReducer needs an initialised torch.distributed process group")
@@ -261,7 +272,9 @@ class RankReducer:
         self.world_size: int = dist.get_world_size(group)
         self.backend: str = str(dist.get_backend(group))
         self.wrapped = wrapped
-        self._samples = 0  # sampled steps reduced so far
+        self._joinables = [o for o in (wrapped, *joinables) if o is not None]
+        self._samples = 0  # sampled steps so far
+        self._local_samples = 0  # of which each rank kept its own statistics
         # sampled steps the run's earlier attempts reduced (a run resumed from its checkpoint: the sampled steps
         # it keeps from before the restart, set by the writer when it opens its stream)
         self.earlier_samples = 0
@@ -295,6 +308,13 @@ class RankReducer:
         """
         if self._local_only:
             return True
+        if any(_compat.join_enabled(o) for o in self._joinables):
+            self.local_only(
+                "the training loop runs in a join context for uneven inputs (DDP's model.join()): a rank that "
+                "has run out of batches runs only the collectives its join hooks shadow, which precprof's cannot "
+                "match, so from the first sampled step in it every rank kept its own statistics"
+            )
+            return True
         exc = sys.exc_info()[1]
         if exc is None:
             return False
@@ -315,6 +335,7 @@ class RankReducer:
         _HELD.clear()  # (the collectives of the sampled step before: long done)
         self._local_nonfinite = data[:, st.COL_NAN : st.COL_INF + 1].clone()
         if self._unwinding():
+            self._local_samples += 1
             return data.clone()
         dist = _dist()
         out = data.clone()
@@ -442,11 +463,9 @@ class RankReducer:
                 totals[comp] = max(totals.get(comp, 0), b)
             else:
                 totals[comp] = totals.get(comp, 0) + b
-        if self._unwinding():
-            gathered: list[Any] = [None] * self.world_size
-            gathered[self.rank] = totals
-        else:
-            gathered = _all_gather_object(totals, self.world_size, self.group)
+        if self._unwinding():  # one rank's totals are not the ranks': those of the last step reduced stay
+            return [dict(r) for r in rows]
+        gathered = _all_gather_object(totals, self.world_size, self.group)
         if any(gathered):  # a step that measured memory (every rank measures the same steps): the last one's
             self._memory_by_rank = {r: g for r, g in enumerate(gathered) if g is not None}
             self._memory_step = int(step) if step is not None else None
@@ -479,8 +498,10 @@ class RankReducer:
             "world_size": self.world_size,
             "backend": self.backend,
             "writer_rank": 0,
-            "sampled_steps_reduced": self.earlier_samples + self._samples,
+            "sampled_steps_reduced": self.earlier_samples + self._samples - self._local_samples,
         }
+        if self._local_samples:
+            info["sampled_steps_local"] = self._local_samples
         target = self.wrapped if self.wrapped is not None else model
         if target is not None:
             info.update(wrapper_info(target))
@@ -510,6 +531,10 @@ class RankReducer:
             "steps": "rank 0's: loss, loss scale, skipped, grad norm and time as rank 0 saw them",
             "memory": "rank 0's table; memory_by_rank has every rank's totals of the last sampled step",
         }
+        if self._local_samples:
+            info["semantics"] = _rank_local(
+                info["semantics"], self._local_samples, info["sampled_steps_reduced"]
+            )
         ranks_nonfinite = sorted(r for r, t in self._rank_totals.items() if t["nan"] or t["inf"])
         info["ranks_with_nonfinite"] = ranks_nonfinite
         info["nonfinite_by_rank"] = {str(r): t for r, t in sorted(self._rank_totals.items())}
@@ -523,6 +548,24 @@ class RankReducer:
         if self._local_only_reason:
             info["local_only"] = self._local_only_reason
         return info
+
+
+def _rank_local(semantics: dict[str, str], local: int, reduced: int) -> dict[str, str]:
+    """``semantics`` of a run some of whose sampled steps (``local``) each rank kept its own (``local_only``): those
+    rows are the writer's, rank 0's alone."""
+    out = dict(semantics)
+    if reduced:
+        out["counts"] += f"; on the last {local} sampled step(s) rank 0's alone (rank-local statistics)"
+        return out
+    out["counts"] = "rank 0's alone: no sampled step was combined over the ranks (rank-local statistics)"
+    out["activations"] = "rank 0's local micro-batch"
+    out["activation_gradients"] = "rank 0's, of its own local loss"
+    out["weights"] = "rank 0's " + ("shards" if out["weights"].startswith("rank-local shards") else "replica")
+    out["weight_gradients"] = "rank 0's alone: " + out["weight_gradients"].split(" (numel")[0].replace(
+        "each rank's", "its"
+    )
+    out["memory"] = "rank 0's table"
+    return out
 
 
 def mean_over_ranks(reducer: Any, device: torch.device) -> Callable[[float | None], float | None]:

@@ -826,19 +826,23 @@ def distributed_rows(d: Mapping[str, Any]) -> Rows:
         return []
     rows: Rows = []
     world, reduced = _int(d.get("world_size")), _int(d.get("sampled_steps_reduced"))
+    local, writer = _int(d.get("sampled_steps_local")), d.get("writer_rank", 0)
     backend = f" ({d['backend']})" if d.get("backend") else ""
     rows.append(
         (
             "processes",
-            f"{F.count(world)}{backend}; rank {d.get('writer_rank', 0)} wrote this run"
+            f"{F.count(world)}{backend}; rank {writer} wrote this run"
             + (
                 f"; the statistics of {F.count(reduced)} sampled step{'s' if reduced != 1 else ''} are every "
                 "rank's together"
                 if reduced is not None
                 else ""
-            ),
+            )
+            + (f", those of {F.count(local)} rank {writer}'s alone" if local else ""),
         )
     )
+    if d.get("local_only"):  # why the ranks stopped combining their statistics (a crash, uneven inputs)
+        rows.append(("rank-local statistics", F.plain(d["local_only"])))
     wrapper = str(d.get("wrapper") or "none")
     dtypes = [
         f"{what} {d[key]}"
@@ -880,13 +884,12 @@ def distributed_rows(d: Mapping[str, Any]) -> Rows:
         first = events[0]
         where = f"module {first.get('module')} ({first.get('tensor')})" if first.get("module") else ""
         bad.append(f"first at step {first.get('step')}" + (f" in {where}" if where else ""))
-    if sem.get("memory"):
-        rows.append(
-            ("memory", "rank 0's breakdown (the memory section); every rank's totals in the row below")
-        )
+    mem = {str(r): _map(v) for r, v in _map(d.get("memory_by_rank")).items()}
+    if sem.get("memory"):  # (no step reduced over the ranks: no totals of theirs)
+        below = "; every rank's totals in the row below" if mem else ""
+        rows.append(("memory", f"rank 0's breakdown (the memory section){below}"))
     if by_rank:
         rows.append(("non-finite values by rank", "; ".join(bad) if bad else "none on any rank"))
-    mem = {str(r): _map(v) for r, v in _map(d.get("memory_by_rank")).items()}
     if mem:
         comps = list(dict.fromkeys(c for v in mem.values() for c in v))
         most = _map(d.get("memory_max_over_ranks"))
