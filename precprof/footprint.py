@@ -28,6 +28,12 @@ The estimate adds what training holds at its peak, all in bytes:
   Hugging Face model given its labels) has no output to hold, yet its backward starts the same way: the
   gradients are those of the last output of a module inside it that backward flows into, its logits.
 
+Under ``precprof train --distributed`` the estimate is one rank's (``Sharding``): with DDP each rank holds every
+parameter, gradient and optimizer state; with FSDP (``fsdp2``, ``fsdp1``) each holds its 1/world-size shard of
+them, plus the largest unit gathered whole (its parameters all-gathered for its forward and backward, and their
+gradients before the reduce-scatter). gpt-nano 2 x 128 in bf16 over 2 CPU ranks under FSDP2: estimated 6.2 MiB a
+rank against an allocator peak of 6.2 MiB, where the whole model's 8.2 MiB refused it on 8 MiB a rank.
+
 The measuring passes never run a batch larger than 2, and the batch-2 pass only when batch 1 says it fits;
 a run whose model states alone, or whose batch 1, cannot fit is refused before anything larger is tried. They
 run with the random state forked and the module buffers restored, so training is exactly what it would have
@@ -72,11 +78,24 @@ GiB = 2.0**30
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """How the model states of a data-parallel run are held: ``ranks`` processes; ``sharded``, each holds a
+    1/ranks shard of the parameters, gradients and optimizer states (FSDP) rather than all of them (DDP);
+    ``gathered``, the bytes of the largest unit a rank holds whole at its peak (FSDP: its all-gathered parameters
+    and their gradients before the reduce-scatter)."""
+
+    ranks: int = 1
+    sharded: bool = False
+    gathered: int = 0
+
+
+@dataclass(frozen=True)
 class Footprint:
     """Bytes a training step needs at its peak, by part.
 
-    Invariants: every size is >= 0 and in bytes; ``total == model_states + activations``; the activation
-    sizes come from the measuring passes (``measured``) or are 0 when those could not run (``note`` says why).
+    Invariants: every size is >= 0 and in bytes, one rank's (``sharding``); ``total == model_states +
+    activations``; the activation sizes come from the measuring passes (``measured``) or are 0 when those could
+    not run (``note`` says why).
     """
 
     parameters: int
@@ -91,11 +110,13 @@ class Footprint:
     output_gradients_per_sample: int = (
         0  # the gradients at backward's start (``OUTPUT_GRADIENTS``), per sample
     )
+    sharding: Sharding = Sharding()  # parameters, gradients and optimizer states are a rank's shards
 
     @property
     def model_states(self) -> int:
-        """Parameters, gradients and optimizer states: what stays allocated from one step to the next."""
-        return self.parameters + self.gradients + self.optimizer_states
+        """Parameters, gradients and optimizer states (and, sharded, the largest unit gathered whole): what a rank
+        holds of the model at a step's peak."""
+        return self.parameters + self.gradients + self.optimizer_states + self.sharding.gathered
 
     @property
     def saved(self) -> int:
@@ -234,14 +255,16 @@ def resident_bytes(model: nn.Module, device: torch.device) -> int:
 
 
 # ---------------------------------------------------------------------------------------- the estimate
-def model_state_bytes(model: nn.Module, optimizer: str) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer states) in bytes, from the parameters as they will train."""
+def model_state_bytes(model: nn.Module, optimizer: str, shards: int = 1) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer states) in bytes, from the parameters as they will train; ``shards``:
+    one rank's 1/shards of each (FSDP), rounded up."""
     params = list(model.parameters())  # tied weights appear once
     trainable = [p for p in params if p.requires_grad]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
     state_bytes = OPTIMIZER_STATES.get(optimizer, 2) * 4 * sum(p.numel() for p in trainable)
-    return param_bytes, grad_bytes, state_bytes
+    n = max(shards, 1)
+    return -(-param_bytes // n), -(-grad_bytes // n), -(-state_bytes // n)
 
 
 @dataclass(frozen=True)
@@ -353,8 +376,10 @@ def estimate(
     what: str = "this run",
     where: str = "this machine",
     leave_out: Callable[[torch.Tensor], bool] | None = None,
+    sharding: Sharding = Sharding(),
 ) -> Footprint:
-    """The footprint of training ``model`` at ``batch_size`` (>= 1) with ``optimizer`` ("adamw" or "sgd").
+    """The footprint of training ``model`` at ``batch_size`` (>= 1) with ``optimizer`` ("adamw" or "sgd"), on one
+    rank of ``sharding`` (the unwrapped model given: its states are sharded here).
 
     ``forward_loss(n)`` runs the forward pass and the loss on ``n`` random samples at the run's sequence length,
     in the run's precision. ``available`` (bytes, None: unknown) guards the measuring passes: a run whose model
@@ -367,8 +392,8 @@ def estimate(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    params, grads, states = model_state_bytes(model, optimizer)
-    fp = Footprint(params, grads, states, 0, batch_size)
+    params, grads, states = model_state_bytes(model, optimizer, sharding.ranks if sharding.sharded else 1)
+    fp = Footprint(params, grads, states, 0, batch_size, sharding=sharding)
     check_fits(fp, available, what=what, where=where)  # the model alone: nothing measured yet
 
     try:
@@ -449,12 +474,12 @@ def _refusal(
     states = _states_text(fp)
     if fits >= 1:
         return UserError(
-            f"{what} needs about {size_text(fp.total)} to train ({states}, activations "
+            f"{what} needs about {size_text(fp.total)}{_per_rank(fp)} to train ({states}{_then(fp)}activations "
             f"{size_text(fp.activations)}) but {has}: use --batch-size {fits} or less, or a shorter --seq-len"
         )
     if available is not None and fp.model_states > HEADROOM * available:
         return UserError(
-            f"{what} needs at least {size_text(fp.model_states)} to train ({states}) but {has}: the model "
+            f"{what} needs at least {size_text(fp.model_states)}{_per_rank(fp)} to train ({states}) but {has}: the model "
             "alone does not fit; choose a smaller model (--model-arg) or a machine with more memory"
         )
     one = fp.at_batch(1)
@@ -469,25 +494,41 @@ def _refusal(
             f"({states}); {has}: {fix}"
         )
     return UserError(
-        f"{what} cannot train here: even batch size 1 needs about {size_text(one.total)} ({states}, "
-        f"activations {size_text(one.activations)}) but {has}: use a shorter --seq-len or a smaller model "
+        f"{what} cannot train here: even batch size 1 needs about {size_text(one.total)}{_per_rank(fp)} "
+        f"({states}{_then(fp)}activations {size_text(one.activations)}) but {has}: use a shorter --seq-len or a smaller model "
         "(--model-arg)"
     )
 
 
 def _states_text(fp: Footprint) -> str:
-    return (
+    shard = fp.sharding
+    text = (
         f"parameters {size_text(fp.parameters)}, gradients {size_text(fp.gradients)}, "
         f"optimizer states {size_text(fp.optimizer_states)}"
     )
+    if not shard.sharded:
+        return text
+    return (
+        f"its 1/{shard.ranks} shard of the model: {text}; the largest unit gathered whole "
+        f"{size_text(shard.gathered)}"
+    )
+
+
+def _then(fp: Footprint) -> str:
+    """Between the model's states and the activations: a sharded rank's states end in a clause of their own."""
+    return "; " if fp.sharding.sharded else ", "
+
+
+def _per_rank(fp: Footprint) -> str:
+    return " per rank" if fp.sharding.ranks > 1 else ""
 
 
 def line(fp: Footprint) -> str:
-    """The estimate in one line, printed before the first step: the peak and its parts."""
+    """The estimate in one line, printed before the first step: the peak and its parts (one rank's)."""
     if not fp.measured:
-        return f"memory: at least {size_text(fp.model_states)} ({_states_text(fp)}); {fp.note}"
+        return f"memory: at least {size_text(fp.model_states)}{_per_rank(fp)} ({_states_text(fp)}); {fp.note}"
     return (
-        f"memory: about {size_text(fp.total)} at a step's peak, an estimate ({_states_text(fp)}, "
+        f"memory: about {size_text(fp.total)}{_per_rank(fp)} at a step's peak, an estimate ({_states_text(fp)}{_then(fp)}"
         f"activations {size_text(fp.activations)})"
     )
 
@@ -507,12 +548,14 @@ def check_training_fits(
     device: torch.device,
     what: str,
     processes_sharing: int = 1,
+    sharding: Sharding = Sharding(),
 ) -> Footprint:
     """The entry point of the training loop, called once the model is on ``device`` in its training dtype
     and before the optimizer exists: the footprint (``estimate``), or UserError when the run cannot fit.
 
     ``processes_sharing`` is the number of ranks training on this same memory (CPU ranks of one machine under
-    torchrun): each may take only its share of what is available.
+    torchrun): each may take only its share of what is available. ``sharding``: how the ranks hold the model
+    states (the estimate is one rank's).
     """
     avail = available_bytes(device)
     if avail is not None:
@@ -526,6 +569,7 @@ def check_training_fits(
         available=avail,
         what=what,
         where=where,
+        sharding=sharding,
     )
 
 
@@ -548,6 +592,9 @@ def describe(fp: Footprint) -> dict[str, Any]:
         "outputs": fp.outputs_per_sample * fp.batch_size,
         "backward_temporaries": fp.temporaries,
         "total": fp.total,
+        "ranks": fp.sharding.ranks,  # the sizes are one rank's of these
+        "sharded": fp.sharding.sharded,  # parameters, gradients and optimizer states: the rank's shards
+        "gathered_unit": fp.sharding.gathered,  # sharded: the largest unit gathered whole
         # an estimate, not a bound: the allowance for backward's temporaries can exceed what a model's backward
         # holds (gpt-nano's step peaked 9-13% under it), and fragmentation and the data can put a step above it
         "note": f"an estimate made before training: {how}" + (f"; {fp.note}" if fp.note else ""),

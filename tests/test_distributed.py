@@ -457,6 +457,15 @@ def test_precprof_train_under_torchrun(runs: Path, scenario: str) -> None:
     weights = layers[(layers[T.TENSOR] == T.WEIGHT) & (layers[T.STEP] == 0)]
     replicas = W.WORLD if scenario == "train-ddp" else 1  # DDP: every replica; FSDP2: shards of one
     assert int(weights[T.NUMEL].sum()) == replicas * sum(p.numel() for p in model.parameters())
+    # the memory check was one rank's: FSDP2's shard of the fp32 states (its whole model refused runs that fit)
+    estimate = summary[T.SUMMARY_CONFIG]["memory_estimate"]
+    param_bytes = 4 * sum(p.numel() for p in model.parameters())
+    assert (estimate["ranks"], estimate["sharded"]) == (W.WORLD, scenario == "train-fsdp2")
+    assert estimate["parameters"] == -(-param_bytes // (1 if scenario == "train-ddp" else W.WORLD))
+    from precprof.report.environment import environment
+
+    row = dict(dict(environment(summary)["groups"])["Run"])["memory estimated before training"]
+    assert " per rank (" in row and ("its 1/2 shard of the model" in row) == (scenario == "train-fsdp2")
 
 
 def test_the_fp8_outlier_check_judges_the_weights_of_a_ddp_run(runs: Path) -> None:

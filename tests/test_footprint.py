@@ -564,3 +564,39 @@ def test_the_console_estimate_shows_small_parts_in_kib() -> None:
         places = len(number.split(".")[1]) if "." in number else 0
         assert unit == "MiB" and abs(float(number) - n / 2**20) <= 0.5 * 10.0**-places
         assert places == (1 if n < 10 * 2**20 else 0)
+
+
+def test_an_fsdp_rank_counts_its_shard_and_the_largest_unit_gathered_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`precprof train --distributed fsdp2` checked memory on the unwrapped model: every rank counted the whole
+    model's parameters, gradients and optimizer states, and a run that fits sharded was refused ("cannot train
+    here: even batch size 1 needs about 8.2 MiB" where each rank peaked at 6.2 MiB). A rank counts its 1/world
+    shard of them and the largest unit FSDP gathers whole (its parameters and their gradients), and says the
+    estimate is per rank."""
+    from precprof.training.distributed import gathered_unit_bytes
+
+    model = gpt()  # FSDP2's units: the blocks, and the root with the embeddings, ln_f and the tied head
+    n = sum(p.numel() for p in model.parameters())
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.transformer.h]
+    assert gathered_unit_bytes(model, "fsdp2") == 2 * 4 * max(n - sum(blocks), *blocks)
+    assert gathered_unit_bytes(model, "fsdp1") == 2 * 4 * n  # one unit: the whole model
+    assert gathered_unit_bytes(model, "ddp") == 0
+    shard = FP.Sharding(2, sharded=True, gathered=gathered_unit_bytes(model, "fsdp2"))
+    args = {"batch_size": 1, "optimizer": "adamw", "forward_loss": lambda b: forward_loss(model, b, 64)}
+    whole = FP.estimate(model, **args)
+    fp = FP.estimate(model, **args, sharding=shard)
+    assert (fp.parameters, fp.gradients, fp.optimizer_states) == (-(-4 * n // 2), -(-4 * n // 2), 4 * n)
+    assert fp.total == whole.total - (4 * n // 2) * 2 - 4 * n + shard.gathered
+    # memory for the rank's estimate, not for the whole model's: the rank trains
+    room = int(fp.total / FP.HEADROOM) + 1
+    assert whole.total > FP.HEADROOM * room
+    monkeypatch.setattr(FP, "available_bytes", lambda device, **_: room - FP.resident_bytes(model, CPU))
+    checked = FP.check_training_fits(model, **args, device=CPU, what="gpt-nano", sharding=shard)
+    assert checked.total == fp.total
+    with pytest.raises(UserError, match="gpt-nano needs at least "):  # the whole model's states on each rank
+        FP.check_training_fits(model, **args, device=CPU, what="gpt-nano")
+    assert FP.line(fp).startswith(f"memory: about {FP.size_text(fp.total)} per rank at a step's peak")
+    assert "its 1/2 shard of the model" in FP.line(fp)
+    info = FP.describe(fp)
+    assert (info["ranks"], info["sharded"], info["gathered_unit"]) == (2, True, shard.gathered)

@@ -395,13 +395,20 @@ def _memory_estimate(est: Any) -> str:
     e = _map(est)
     if not e or e.get("total") is None:
         return ""
-    parts = ", ".join(
-        f"{_label(k)} {F.nbytes(e[k])}"
-        for k in ("parameters", "gradients", "optimizer_states", "activations")
-        if e.get(k) is not None
-    )
+
+    def said(keys: tuple[str, ...]) -> str:
+        return ", ".join(f"{_label(k)} {F.nbytes(e[k])}" for k in keys if e.get(k) is not None)
+
+    parts = said(("parameters", "gradients", "optimizer_states", "activations"))
+    ranks = _int(e.get("ranks")) or 1
+    if parts and e.get("sharded"):  # FSDP: a rank's shard, the largest unit it gathers whole, its activations
+        parts = (
+            f"its 1/{ranks} shard of the model: {said(('parameters', 'gradients', 'optimizer_states'))}; the "
+            f"largest unit gathered whole {F.nbytes(e.get('gathered_unit'))}; {said(('activations',))}"
+        )
     return (
         f"{F.nbytes(e['total'])}"
+        + (" per rank" if ranks > 1 else "")
         + (f" ({parts})" if parts else "")
         + (f": {e['note']}" if e.get("note") else "")
     )

@@ -76,6 +76,26 @@ def _shard_units(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def gathered_unit_bytes(model: nn.Module, strategy: str) -> int:
+    """Bytes an FSDP rank holds whole at the peak of the largest unit ``wrap_model`` shards ``model`` into: its
+    parameters, all-gathered for its forward and backward, and their gradients before the reduce-scatter (as the
+    model is now: its dtypes, each tied parameter once). FSDP2's units are the blocks (``_shard_units``) and the
+    root with the parameters left to it; FSDP1's one unit is the whole model; DDP gathers nothing (0)."""
+    if strategy.lower() not in ("fsdp1", "fsdp2"):
+        return 0
+
+    def held(params: list[nn.Parameter]) -> int:
+        return sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in params)
+
+    every = {id(p): p for p in model.parameters()}
+    if strategy.lower() == "fsdp1":
+        return held(list(every.values()))
+    units = [{id(p): p for p in unit.parameters()} for unit in _shard_units(model)]
+    in_units = {key for unit in units for key in unit}
+    root = [p for key, p in every.items() if key not in in_units]
+    return max([held(root), *(held(list(unit.values())) for unit in units)])
+
+
 def wrap_model(
     model: nn.Module,
     strategy: str = "ddp",

@@ -331,7 +331,7 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
         compiling.check_can_compile(device)
     data = load_data(config.data, seed=config.seed + (dist_info.rank if dist_info is not None else 0))
     data.check(config.seq_len)
-    _refuse_before_building(config, plan, data, device)
+    _refuse_before_building(config, plan, data, device, dist_info)
     torch.manual_seed(config.seed)
     built: BuiltModel = build_model(
         config.model, config.model_args, vocab_size=data.vocab_size, seq_len=config.seq_len
@@ -349,7 +349,7 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     )
     model.train()
     refuse_lazy(model)  # before the memory check, which measures every parameter
-    fp = _check_memory(config, built, model, plan, data, device)
+    fp = _check_memory(config, built, model, plan, data, device, _sharding(config, model, dist_info))
     inner = model
     if dist_info is not None:  # the Profiler watches the inner module (plain names); the reducer the wrapper
         model = launch.wrap_model(model, config.distributed, device=device)
@@ -438,8 +438,10 @@ def _check_memory(
     plan: PrecisionPlan,
     data: TokenSource,
     device: torch.device,
+    sharding: footprint.Sharding,
 ) -> footprint.Footprint:
-    """Refuse, before the first step, a run that cannot fit in this device's memory (``precprof.footprint``)."""
+    """Refuse, before the first step, a run that cannot fit in this device's memory (``precprof.footprint``):
+    one rank's, ``model`` unwrapped, its states held as ``sharding`` says the wrapper will hold them."""
     return footprint.check_training_fits(
         model,
         batch_size=config.batch_size,
@@ -448,7 +450,17 @@ def _check_memory(
         device=device,
         what=_run_what(config, built.name),
         processes_sharing=_ranks_sharing(device),
+        sharding=sharding,
     )
+
+
+def _sharding(config: TrainConfig, model: nn.Module, dist_info: launch.DistInfo | None) -> footprint.Sharding:
+    """How the ranks will hold the model states: FSDP shards them (``--distributed fsdp2|fsdp1``), DDP and one
+    process keep them whole."""
+    if dist_info is None:
+        return footprint.Sharding()
+    gathered = launch.gathered_unit_bytes(model, config.distributed)
+    return footprint.Sharding(dist_info.world_size, sharded=gathered > 0, gathered=gathered)
 
 
 def _forward_loss(
@@ -492,7 +504,11 @@ META_MARGIN = 1.25
 
 
 def _refuse_before_building(
-    config: TrainConfig, plan: PrecisionPlan, data: TokenSource, device: torch.device
+    config: TrainConfig,
+    plan: PrecisionPlan,
+    data: TokenSource,
+    device: torch.device,
+    dist_info: launch.DistInfo | None = None,
 ) -> None:
     """Refuse a run that clearly cannot fit before its model exists: a built-in model built on the meta device
     (no memory, no arithmetic) and measured there like ``_check_memory`` measures the real one. gpt2-medium at
@@ -524,6 +540,7 @@ def _refuse_before_building(
             optimizer=config.optimizer,
             forward_loss=meta,
             leave_out=lambda t: t.dim() >= 2 and t.shape[-1] == t.shape[-2] == seq,
+            sharding=_sharding(config, model, dist_info),
         )
     except Exception:  # the real model's check decides (and a real error is met where it is recorded)
         return
