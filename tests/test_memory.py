@@ -372,6 +372,55 @@ def test_a_loss_computed_in_the_users_loop_is_said_not_counted_unless_scoped(
         assert 'id="memory-loss"' in page and "prof.memory_scope()" in page
 
 
+def _saved_bytes(run: Callable[[], Any], params: list[torch.Tensor]) -> int:
+    """The bytes of the storages autograd saves for backward while ``run`` runs, each storage once, the
+    parameters' left out: counted by a saved-tensor hooks pair of the test's own."""
+    own = {p.untyped_storage().data_ptr() for p in params}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in own:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(saved.values())
+
+
+def test_a_scope_around_the_model_call_and_the_loss_counts_both(tmp_path: Path) -> None:
+    """``with prof.memory_scope(): loss = F.cross_entropy(model(x), y)``, the model called inside the scope:
+    the scope's hooks were popped at the model's forward as if left by an interrupted one, and recording ended
+    when the model returned, so the loss's saved tensors (its fp32 log-softmax, most of the step's) were not
+    counted and the report asked for the scope the user had used. Both are counted now, as a saved-tensor
+    hooks pair of the test's own sees them: the model's by module, the loss's under (loss)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 100))
+    x, y = torch.randn(6, 8), torch.randint(0, 100, (6,))
+    params = list(model.parameters())
+    step_bytes = _saved_bytes(lambda: F.cross_entropy(model(x), y), params)
+    logits = model(x)
+    loss_bytes = _saved_bytes(lambda: F.cross_entropy(logits, y), params)
+    assert loss_bytes >= 6 * 100 * 4  # the log-softmax, at least
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False) as prof:
+        for _ in range(2):
+            with prof.memory_scope():
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.zero_grad(set_to_none=True)  # (no update: the independent counts stay the step's)
+            prof.step(loss=loss.detach())
+    prof.report(tmp_path / "run")
+    mem = prof.tables()["memory"]
+    for step in (0, 1):
+        acts = mem[(mem[T.STEP] == step) & (mem[T.COMPONENT] == T.ACTIVATIONS) & (mem[T.MOMENT] == "")]
+        assert acts[T.BYTES].sum() == step_bytes
+        assert acts[acts[T.MODULE] == "(loss)"][T.BYTES].sum() == loss_bytes
+        assert set(acts[T.MODULE]) == {"0", "1", "(loss)"}  # the model's by module, as outside a scope
+    assert 'id="memory-loss"' not in (tmp_path / "run" / "report.html").read_text()
+
+
 class TinyLMWithLoss(TinyLM):
     """nanoGPT's, llm.c's and minGPT's shape of forward: given its targets, the model computes its loss itself."""
 

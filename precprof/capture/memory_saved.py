@@ -142,17 +142,49 @@ class SavedActivations:
                 return
             self._forward_interrupted()
         self._root_depth = 1
+        if self._in_scope():
+            self._model_in_scope(module, args, kwargs)
+            return
         if self._saved_ctx is not None:
             # Left pushed by a forward that never reached its post-hook (KeyboardInterrupt).
             self._pop_saved_hooks()
         self._start_recording("", module)
-        if not self._recording:
-            return
+        if self._recording:
+            self._forward_inputs(args, kwargs)
+
+    def _forward_inputs(self, args: Any, kwargs: Any) -> None:
+        """Note the model's inputs: saved tensors on their storages are the step's data, counted by the bytes
+        they reach (``_record_data``)."""
         inputs = [*_tensors_in(args), *_tensors_in(kwargs)]
         for t in inputs:
             self._input_keys.update(st[0] for leaf in _plain_tensors(t) if (st := _storage(leaf)) is not None)
         if self._peak.measuring:
             self._label(T.INPUTS, inputs)
+
+    def _in_scope(self) -> bool:
+        """``scope()`` is open: the bottom of the stack is the scope's, which has no module."""
+        return self._saved_ctx is not None and bool(self._stack) and self._stack[0][1] is None
+
+    def _model_in_scope(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """The model called inside ``scope()`` (``loss = F.cross_entropy(model(x), y)`` in one line): its forward
+        is recorded under the scope's saved-tensor hooks, by module, and the scope goes on recording after it (the
+        loss). The scope's hooks had been popped as left by an interrupted forward and recording stopped at the
+        model's end: the loss's saved tensors went uncounted, and the report asked for the scope the user used.
+        An evaluation forward of a training step pauses the scope until it returns (not the step's)."""
+        self._stack.append(("", module))
+        if not self._forward_counts(module):
+            self._recording = False
+            return
+        self._recording = True
+        self._forward_inputs(args, kwargs)
+
+    def _model_left_scope(self, module: nn.Module) -> None:
+        """The end of the model's forward inside ``scope()``: back to the scope's name, recording again."""
+        for i in range(len(self._stack) - 1, 0, -1):
+            if self._stack[i][1] is module:
+                del self._stack[i:]
+                break
+        self._recording = True
 
     def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._root_depth > 1:  # the end of the model's call of itself
@@ -166,6 +198,9 @@ class SavedActivations:
         if self._recording and self._peak.measuring:
             self._label(T.OUTPUTS, _tensors_in(output))
         self._attempts.forward_ended(output)  # (None from torch's ``except``: the forward raised)
+        if self._in_scope():
+            self._model_left_scope(module)
+            return
         self._stop_recording()
 
     def _forward_interrupted(self) -> None:
@@ -209,26 +244,8 @@ class SavedActivations:
         self._recording = False
         if not (self._sampled and self._live) or not torch.is_grad_enabled() or self._saved_ctx is not None:
             return
-        # the step's first forward of the model decides its mode: one in eval mode after it is an evaluation (with
-        # grad on, ``model.eval()`` without ``no_grad``), whose saved tensors are not the step's
-        first = module is not None and self._step_mode is None
-        if first:
-            self._step_mode = self.model.training
-        elif module is not None and self._step_mode is False and self.model.training:
-            self._evaluation_before_training()
-        if self._step_mode and not self.model.training:
+        if not self._forward_counts(module):
             return
-        self._mark_phase(T.PHASE_FORWARD)
-        if first and not self._step_mode:
-            self._eval_unpacks = self._unpacks
-        if (
-            module is not None and _compat.backward_pass_id() is None
-        ):  # a forward of the model (not ``scope``)
-            self._attempts.forward_begins()  # (after an attempt that raised: its groups are gone)
-        if self._unpacks != self._unpacks_mark or not self._groups:
-            # Backward ran since the previous forward started: its saved tensors are gone, start a new group.
-            self._groups.append(SavedGroup())
-        self._unpacks_mark = self._unpacks
         top = _compat.top_saved_tensors_hooks()
         if top is not None and top is not _compat.NO_QUERY:
             # another pair is in force (``checkpoint(model, x)``, ``save_on_cpu()`` around the call, a recompute):
@@ -245,6 +262,31 @@ class SavedActivations:
         self._recording = True
         self._casts = CastSources()
         self._stack.append((name, module))
+
+    def _forward_counts(self, module: nn.Module | None) -> bool:
+        """Whether a forward of the model (``module``), or ``scope()`` (None), beginning now saves tensors of the
+        step; its phase and saved-tensor group begin."""
+        # the step's first forward of the model decides its mode: one in eval mode after it is an evaluation (with
+        # grad on, ``model.eval()`` without ``no_grad``), whose saved tensors are not the step's
+        first = module is not None and self._step_mode is None
+        if first:
+            self._step_mode = self.model.training
+        elif module is not None and self._step_mode is False and self.model.training:
+            self._evaluation_before_training()
+        if self._step_mode and not self.model.training:
+            return False
+        self._mark_phase(T.PHASE_FORWARD)
+        if first and not self._step_mode:
+            self._eval_unpacks = self._unpacks
+        if (
+            module is not None and _compat.backward_pass_id() is None
+        ):  # a forward of the model (not ``scope``)
+            self._attempts.forward_begins()  # (after an attempt that raised: its groups are gone)
+        if self._unpacks != self._unpacks_mark or not self._groups:
+            # Backward ran since the previous forward started: its saved tensors are gone, start a new group.
+            self._groups.append(SavedGroup())
+        self._unpacks_mark = self._unpacks
+        return True
 
     def _evaluation_before_training(self) -> None:
         """A forward in train mode after the step's first ran in eval mode: when no backward read what those saved,
@@ -275,8 +317,8 @@ class SavedActivations:
         """Count what autograd saves inside this block as activations of module ``name`` (default "(loss)"):
         work outside the model's forward whose saved tensors belong to the step, above all a loss computed in
         the training loop (``F.cross_entropy`` saves fp32 log-probabilities, B*T*vocab*4 bytes). Does nothing
-        on steps that are not sampled, under no_grad, or inside the model's own forward (recorded already).
-        Host only; no sync."""
+        on steps that are not sampled, under no_grad, or inside the model's own forward (recorded already). The
+        model called inside it is recorded by module, as outside it (``_model_in_scope``). Host only; no sync."""
         if self._recording or self._saved_ctx is not None:
             yield
             return
