@@ -543,20 +543,41 @@ def force_eager() -> Any:
     """Run ``torch.compile``d code eagerly from now on (``torch.compiler.set_stance("force_eager")``), for a
     sampled step: its hooks then run as written, without graph breaks or recompiles, and the compiled graphs
     of the other steps stay as they are. Returns what :func:`restore_stance` needs; None when nothing was
-    changed: Dynamo not loaded (then nothing is compiled), a torch without stances (before 2.6), or a call
-    from inside a compiled region."""
-    import sys
+    changed: Dynamo not loaded (then nothing is compiled), a torch without stances (before 2.6), a stance of
+    force_eager already, or a call from inside a compiled region."""
+    return _swap_stance(lambda now: now.stance != "force_eager", "force_eager")
 
+
+def let_compile() -> Any:
+    """The stance ``default`` in place of a ``fail_on_recompile`` in force (its other settings kept): for the
+    step in which a compiled model compiles for the first time because precprof's sampled steps ran it eagerly,
+    which without precprof would have compiled it before the loop forbade recompiles. Returns what
+    :func:`restore_stance` needs to put ``fail_on_recompile`` back; None when no such stance is in force."""
+    return _swap_stance(lambda now: now.stance == "fail_on_recompile", "default")
+
+
+def _swap_stance(when: Callable[[Any], bool], stance: str) -> Any:
+    """Set Dynamo's stance to ``stance`` (its other settings kept) if ``when(the stance now)``; returns the
+    stance before and the one set, or None."""
     ef = sys.modules.get("torch._dynamo.eval_frame")
     if ef is None:
         return None
     try:
         prior = ef._stance
-        if prior.stance == "force_eager":
+        if not when(prior):
             return None
-        return ef._set_stance(ef.DynamoStance("force_eager", prior.skip_guard_eval_unsafe, prior.backend))
+        ours = ef.DynamoStance(stance, prior.skip_guard_eval_unsafe, prior.backend)
+        ef._set_stance(ours)
+        return prior, ours
     except (AttributeError, RuntimeError, TypeError):
         return None
+
+
+def stance() -> Any:
+    """Dynamo's stance in force now (an object the stance setters replace, never change); None while Dynamo
+    is not loaded."""
+    ef = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(ef, "_stance", None)
 
 
 def compiles() -> int | None:
@@ -574,16 +595,23 @@ def compiles() -> int | None:
         return None
 
 
-def restore_stance(token: Any) -> None:
-    """Undo :func:`force_eager` (``token`` is what it returned)."""
+def restore_stance(token: Any) -> str | None:
+    """Undo :func:`force_eager` or :func:`let_compile` (``token`` is what it returned), if the stance is still
+    the one it set. A stance set since (the loop's own ``torch.compiler.set_stance``) is the loop's and stays:
+    its name is returned (None otherwise). Restoring it unasked had undone a loop's ``fail_on_recompile`` for
+    the rest of the run."""
     if token is None:
-        return
-    import sys
-
+        return None
+    prior, ours = token
     ef = sys.modules.get("torch._dynamo.eval_frame")
-    if ef is not None:
-        with contextlib.suppress(AttributeError, RuntimeError, TypeError):
-            ef._set_stance(token)
+    if ef is None:
+        return None
+    now = getattr(ef, "_stance", None)
+    if now is not ours:
+        return str(getattr(now, "stance", ""))
+    with contextlib.suppress(AttributeError, RuntimeError, TypeError):
+        ef._set_stance(prior)
+    return None
 
 
 # ------------------------------------------------------------------------------------------- hooks

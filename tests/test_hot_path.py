@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
@@ -615,6 +616,101 @@ def test_a_sampled_step_of_a_compiled_model_runs_eagerly_and_restores_the_stance
     assert stances == ["force_eager", "default", "force_eager"]
     assert ef._stance.stance == "default"
     assert copy.copy(prof.tables()["steps"][T.SAMPLED].tolist()) == [True, False, True]
+
+
+def _stance_run(
+    steps: int, set_at: int, before_forward: bool, profile: bool, **kw: Any
+) -> tuple[list[str], str, int, precprof.Profiler | None]:
+    """A compiled model's loop that sets ``fail_on_recompile`` in step ``set_at`` (warm: nothing may recompile
+    from there), before its forward or at its end (before ``prof.step()``), with or without precprof. The stance
+    each step began with, the stance after the loop, and the graphs Dynamo made (its own count)."""
+    import torch._dynamo
+    import torch._dynamo.eval_frame as ef
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.compiler.set_stance("default")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend="eager")
+    prof = precprof.Profiler(model, optimizer=opt, memory=False, **kw) if profile else None
+    stances = []
+    try:
+        with prof if prof is not None else contextlib.nullcontext():
+            for i, x in enumerate(_batches(steps)):
+                if i == set_at and before_forward:
+                    torch.compiler.set_stance("fail_on_recompile")
+                stances.append(ef._stance.stance)
+                loss = _train_step(compiled, model, opt, x)
+                if i == set_at and not before_forward:
+                    torch.compiler.set_stance("fail_on_recompile")
+                if prof is not None:
+                    prof.step(loss=loss)
+        after = ef._stance.stance
+    finally:
+        torch.compiler.set_stance("default")
+    return stances, after, int(torch._dynamo.utils.counters["stats"]["unique_graphs"]), prof
+
+
+def test_a_stance_the_loop_sets_in_a_sampled_step_stays_the_loops_and_the_step_is_said(
+    tmp_path: Path,
+) -> None:
+    """A loop that sets fail_on_recompile at the start of a sampled step replaces precprof's force_eager: the
+    step's forward runs the compiled graph (no activation rows: no module hook fires in it, as torch runs it),
+    and at the step's end precprof had put back the stance it found before the step, undoing the loop's for the
+    rest of the run without a word. The loop's stance stays, and the summary and the page name the step."""
+    stances, after, graphs, _ = _stance_run(5, 3, True, False)
+    assert after == "fail_on_recompile" and graphs == 1  # the loop itself, without precprof
+    stances, after, graphs, prof = _stance_run(5, 3, True, True, sample_every=3)
+    assert prof is not None
+    assert stances == ["force_eager", "default", "default", "fail_on_recompile", "fail_on_recompile"]
+    assert after == "fail_on_recompile" and graphs == 1
+    layers = prof.tables()["layers"]
+    acts = layers[layers[T.TENSOR] == T.ACTIVATION]
+    assert set(layers[T.STEP]) == {0, 3} and set(acts[T.STEP]) == {0}  # step 3 ran compiled
+    loop_stance = prof.summary()["loop_stance"]
+    assert loop_stance["set_in_sampled_steps"] == [{"step": 3, "stance": "fail_on_recompile"}]
+    assert loop_stance["fail_on_recompile_held_off"] is None
+    prof.report(tmp_path / "run")
+    page = (tmp_path / "run" / "report.html").read_text()
+    assert "set by the loop during sampled step 3 (&#39;fail_on_recompile&#39;)" in page
+
+
+def test_fail_on_recompile_before_the_first_compile_lets_the_first_unsampled_step_compile(
+    tmp_path: Path,
+) -> None:
+    """ "Compile at step 0, then fail_on_recompile": without precprof the model compiled in step 0. With it, steps
+    0 and 1 are sampled and run eagerly, so the model first compiles in step 2, which the loop's stance refused as
+    a recompile (a RuntimeError). Step 2 now runs under "default" and compiles, as Dynamo's graph count says; the
+    loop's fail_on_recompile is back from step 3 on and after the loop."""
+    stances, after, graphs, _ = _stance_run(5, 0, False, False)
+    assert stances == ["default"] + ["fail_on_recompile"] * 4 and graphs == 1
+    stances, after, graphs, prof = _stance_run(5, 0, False, True)
+    assert prof is not None
+    sampled = prof.tables()["steps"][T.SAMPLED].tolist()
+    assert sampled[:3] == [True, True, False]  # (the default: the first two steps)
+    loop_own = ["default"] + ["fail_on_recompile"] * 2  # steps 2, 3, 4 unless sampled
+    assert stances == [
+        *["force_eager"] * 2,
+        *("force_eager" if s else o for s, o in zip(sampled[2:], loop_own, strict=True)),
+    ]
+    assert after == "fail_on_recompile" and graphs == 1
+    assert prof.summary()["loop_stance"]["fail_on_recompile_held_off"] == 2
+    prof.report(tmp_path / "run")
+    assert (
+        "was held off for step 2, the first step not sampled"
+        in (tmp_path / "run" / "report.html").read_text()
+    )
+
+
+def test_fail_on_recompile_set_in_a_sampled_step_before_the_first_compile_is_explained() -> None:
+    """Set at the start of step 1, which is sampled, before anything compiled: torch refuses the model's first
+    compile as a recompile before any hook of precprof's runs. The error says why, and what to do."""
+    with pytest.raises(RuntimeError, match="fail_on_recompile") as caught:
+        _stance_run(4, 1, True, True)
+    notes = " ".join(getattr(caught.value, "__notes__", []))
+    assert "this is the model's first compile, not a recompile" in notes
+    assert "Set the stance between steps (before prof.step())" in notes
 
 
 def test_prof_step_inside_a_compiled_train_step_records_every_sampled_step_as_an_eager_loop_does() -> None:

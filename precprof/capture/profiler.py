@@ -54,6 +54,7 @@ from precprof.capture.reducer import RankReducer, mean_over_ranks
 from precprof.capture.results import NOT_HELD, ProfilerResults, checked_model, given_optimizers, given_scaler
 from precprof.capture.sampling import DEFAULT_BUDGET, LandedValues, Sampler
 from precprof.capture.scaler import ScalerWatch
+from precprof.capture.stance import SampledStance
 from precprof.capture.updates import UpdateSampler
 from precprof.export.live import LiveDashboards
 
@@ -234,7 +235,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         self._updates: UpdateSampler | None = None
         self._tracker: Any = None
         self._clip_norms: clipwatch.ClipNorms | None = None
-        self._stance: Any = None  # what force_eager changed for the sampled step in progress
+        self._stance = SampledStance()  # force_eager for the sampled steps, and a loop's own stance
 
         self._step = first_step
         self._sampling = False
@@ -257,6 +258,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._stance.explain(exc, self._step)  # (a fail_on_recompile error: why)
         if exc is not None and self._status == T.STATUS_COMPLETE:
             self.mark_incomplete(f"{exc_type.__name__}: {exc}" if str(exc) else exc_type.__name__)
         # a second Ctrl-C in the detach that a first one began had cut its copy of the last steps short
@@ -407,8 +409,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         self._switch_due = self._switch_unseen = None
         if self._hooks is not None:
             self._hooks.remove(finished=False)  # a step still in progress at detach was cut off
-        _compat.restore_stance(self._stance)
-        self._stance = None
+        self._stance.end(self._step, False)
         if self._tracker is not None:
             self._tracker.detach()
         self._unhook_parts()
@@ -458,6 +459,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         after_sampled = self._sampling  # the step that ended was sampled: its hooks are still in place
         self._sample_reason = self._sampler.decide(self._step, ready)
         self._sampling = bool(self._sample_reason)
+        self._stance.begin(self._step, self._sampling)
         if not self._sampling and not after_sampled:
             return  # no hook of the step that ended to remove, no memory measure to end (25 + 14 us a step)
         if not self._sampling:
@@ -469,7 +471,6 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         self._replan_if_changed()
         # the block groups take turns over the sampled steps (the same turn on every rank: same schedule)
         self._arm(self._blocks.next_turn())
-        self._stance = _compat.force_eager()
 
     def _end_sampled_hooks(self) -> None:
         """The sampled step's hooks stop acting (and compiled code runs compiled again) before its copy; they
@@ -478,8 +479,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             self._hooks.pause()
         if self._tracker is not None:
             self._tracker.end_hooks(keep=True)
-        _compat.restore_stance(self._stance)
-        self._stance = None
+        self._stance.end(self._step, True)
 
     def _make_pending(
         self, loss: Any, grad_norm: Any, tokens: int | None, partial: bool = False

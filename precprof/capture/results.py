@@ -64,6 +64,7 @@ class ProfilerResults:
     _buffer: st.StatsBuffer | None
     _updates: UpdateSampler | None
     _tracker: Any
+    _stance: Any  # capture.stance.SampledStance
     _hooks: Any
     _reducer: Any
     _collector: Collector | None
@@ -327,6 +328,7 @@ class ProfilerResults:
             "scaler_growth_interval": _compat.scaler_growth_interval(self.scaler),
             "scaler_from": self.scaler_from,  # a GradScaler not given, found on a wrapper: where
             "compiled": compiled_parts(self.model),
+            "loop_stance": self._stance.summary(),  # a stance the loop set itself
             "dropout_layers": dropout_layers(self.model),
             "static_loss_scale": self.loss_scale,
             "low_precision_buffers": self._low_precision_buffers(),

@@ -39,7 +39,7 @@ _CAPTURE_SAID = _keys(
     "block_formats weight_update_sample skipped_tensors stream memory_error histogram_shift_exact "
     "loss_dtypes device n_params param_bytes profiler_buffer_bytes profiler_scratch_bytes "
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled scaler_growth_interval "
-    "compiled fp8_emulated dropout_layers "
+    "compiled loop_stance fp8_emulated dropout_layers "
     "static_loss_scale low_precision_buffers fp8_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
     "gemm_inputs model_inputs optimizer optimizer_changes updates_from model_changes "
     "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules "
@@ -532,6 +532,9 @@ def capture_rows(
                 "inductor's partitioner recomputes some and keeps others)" + (never or random_note),
             )
         )
+    stance = _loop_stance_text(capture.get("loop_stance"))
+    if stance:
+        rows.append(("compiler stance", stance))
     shared = "; ".join(
         t
         for t in (_shared_text(capture.get("shared_params")), _outside_text(capture.get("shared_outside")))
@@ -628,6 +631,32 @@ _REASONS = {
     "skipped step": "right after a skipped step",
     "loss spike": "right after a loss spike",
 }
+
+
+def _loop_stance_text(loop_stance: Any, listed: int = 6) -> str:
+    """A compiler stance the loop set itself (``capture.loop_stance``), in words: the sampled steps it was set in,
+    where compiled code called after it ran compiled, without the hooks; and the step its fail_on_recompile was
+    held off for, as the model compiled there for the first time."""
+    ls = _map(loop_stance)
+    sets = [_map(s) for s in ls.get("set_in_sampled_steps") or [] if isinstance(s, Mapping)]
+    parts = []
+    if sets:
+        steps = ", ".join(f"{F.count(s.get('step'))} ('{s.get('stance')}')" for s in sets[:listed])
+        more = f" and {len(sets) - listed} more" if len(sets) > listed else ""
+        parts.append(
+            f"set by the loop during sampled step{'s' if len(sets) > 1 else ''} {steps}{more}: precprof leaves a "
+            "loop's stance in force, so compiled code such a step ran after the change ran compiled, without the "
+            "hooks, and the step's rows lack its activations and their gradients (all of them when the change "
+            "came before the forward); the other sampled steps ran eagerly"
+        )
+    held = _int(ls.get("fail_on_recompile_held_off"))
+    if held is not None:
+        parts.append(
+            f"'fail_on_recompile' was held off for step {F.count(held)}, the first step not sampled, which ran "
+            "under 'default': the sampled steps before it ran eagerly, so the model first compiled there (without "
+            "precprof, before the loop forbade recompiles); it was back in force from the next step on"
+        )
+    return "; ".join(parts)
 
 
 def _shared_text(shared: Any, listed: int = 6) -> str:

@@ -1,0 +1,79 @@
+"""The compiler stance around the sampled steps, for ``Profiler`` (``capture/profiler.py``): a sampled step runs
+``torch.compile``d code eagerly (``torch.compiler.set_stance("force_eager")``), so that every hook fires, and
+the stance before it is put back at its end.
+
+A loop may set a stance of its own (``torch.compiler.set_stance("fail_on_recompile")`` once the model is warm,
+to make sure nothing recompiles). precprof puts back only the stance it set, and only while it is still in force:
+one the loop set during a sampled step stays the loop's, and that step is noted, since compiled code it called
+after the change ran compiled, without the hooks (its activations are missing from the step's rows).
+
+``fail_on_recompile`` refuses a first compile too. Because the sampled steps run eagerly, a compiled model first
+compiles at the first step that is not sampled: a loop that forbade recompiles after its first step (warm,
+without precprof) would see that compile refused as a "recompile". That one step runs under the stance
+``default`` in its place, and ``fail_on_recompile`` is back from the next step on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from precprof import _compat
+
+_FAIL = "fail_on_recompile"
+
+
+class SampledStance:
+    """The stance precprof set, the sampled steps the loop set its own in, and the step its
+    ``fail_on_recompile`` was held off for."""
+
+    def __init__(self) -> None:
+        self._token: Any = None  # what precprof set and what it replaced (``_compat.restore_stance``)
+        self._at_start: Any = self  # the loop's stance at the first step (not yet: self)
+        self._unsampled_seen = False
+        self.loop_set: list[dict[str, Any]] = []  # {"step", "stance"}: set by the loop in a sampled step
+        self.held_off: int | None = (
+            None  # the step that compiled under "default" in place of fail_on_recompile
+        )
+
+    def begin(self, step: int, sampled: bool) -> None:
+        """A step begins: force eager for a sampled one; let the run's first unsampled step compile."""
+        self.end(step - 1, False)  # (the step before, if it was held off)
+        if self._at_start is self:
+            self._at_start = _compat.stance()
+        if sampled:
+            self._token = _compat.force_eager()
+        elif not self._unsampled_seen:
+            self._unsampled_seen = True
+            # a fail_on_recompile in force since the run's start found the model compiled already
+            if _compat.stance() is not self._at_start:
+                self._token = _compat.let_compile()
+                self.held_off = step if self._token is not None else None
+
+    def end(self, step: int, sampled: bool) -> None:
+        """Put back the stance precprof set for ``step``, unless the loop set one since (noted for a sampled
+        step)."""
+        if self._token is None:
+            return
+        changed = _compat.restore_stance(self._token)
+        self._token = None
+        if changed is not None and sampled:
+            self.loop_set.append({"step": step, "stance": changed})
+
+    def explain(self, exc: BaseException | None, step: int) -> None:
+        """A ``fail_on_recompile`` error raised before any step ran compiled code compiled: say that it is the
+        model's first compile, moved there by precprof's eager sampled steps, and what to do."""
+        if exc is None or self._unsampled_seen or _FAIL not in str(exc) or not hasattr(exc, "add_note"):
+            return
+        exc.add_note(
+            f"precprof: steps before {step} were sampled and ran compiled code eagerly (force_eager), so nothing "
+            f"had compiled when the loop set '{_FAIL}' in step {step}: this is the model's first compile, not a "
+            "recompile. Set the stance between steps (before prof.step()): precprof lets the first step that "
+            f"is not sampled compile and puts '{_FAIL}' back after it."
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """For summary.json's ``capture.loop_stance``."""
+        return {
+            "set_in_sampled_steps": [dict(s) for s in self.loop_set],
+            "fail_on_recompile_held_off": self.held_off,
+        }
