@@ -189,15 +189,25 @@ def label(name: str) -> str:
     return fmt.label if fmt is not None else name.upper().replace("_", " ")
 
 
-def current_scaling_exponent(fmt: NumberFormat, amax: float) -> int:
-    """Per-tensor current scaling, power-of-two variant: k such that 2^k = 2^floor(log2(fmt.max / amax)).
+# torchao's floor on a tensor's amax when it computes an FP8 scale (``torchao.float8.float8_utils.EPS``:
+# ``fmax / clamp(amax, min=1e-12)``): below it the scale stops growing, and a tensor whose largest value is under
+# it flushes more than its own amax would. Transformer Engine's current scaling has none by default (its
+# ``amax_epsilon`` is 0): its scale, fmax / amax, is at least the floored one, and flushes no more.
+FP8_AMAX_FLOOR = 1e-12
 
-    This is the scale Transformer Engine's current-scaling recipe applies with power-of-two scales
-    (``power_2_scale``; torchao's tensorwise recipe with ``round_scales_to_power_of_2=True``) so that the tensor's
-    largest magnitude lands just below the format's max. Their default scale, fmax / amax, is at least 2^k and
-    flushes no value this one keeps (torchao clamps amax to at least 1e-12, so a tensor smaller than that
-    flushes more there). amax must be finite and > 0.
+
+def current_scaling_exponent(fmt: NumberFormat, amax: float) -> int:
+    """Per-tensor current scaling, power-of-two variant: k such that 2^k = 2^floor(log2(fmt.max / max(amax,
+    FP8_AMAX_FLOOR))).
+
+    This is the scale torchao's tensorwise recipe applies with ``round_scales_to_power_of_2=True`` so that the
+    tensor's largest magnitude lands just below the format's max, amax taken as at least its floor of 1e-12
+    (``FP8_AMAX_FLOOR``); Transformer Engine's current-scaling recipe with power-of-two scales (``power_2_scale``)
+    has no floor, and scales a tensor under 1e-12 by more. Both recipes' default scales (torchao's
+    fmax / max(amax, 1e-12), Transformer Engine's fmax / amax) are at least 2^k and flush no value this one
+    keeps. amax must be finite and > 0.
     """
+    amax = max(amax, FP8_AMAX_FLOOR)
     # exact: the largest k with amax * 2^k <= fmax (log2 of the quotient can round up across a power of two)
     k = math.frexp(fmt.max)[1] - math.frexp(amax)[1]
     while math.ldexp(amax, k) > fmt.max:
@@ -205,3 +215,9 @@ def current_scaling_exponent(fmt: NumberFormat, amax: float) -> int:
     while math.ldexp(amax, k + 1) <= fmt.max:
         k += 1
     return k
+
+
+def current_scaling_exponent_cap(fmt: NumberFormat) -> int:
+    """The largest exponent ``current_scaling_exponent`` gives in ``fmt``: that of a tensor whose largest value
+    is torchao's amax floor or less (48 in e4m3, 55 in e5m2). Each statistics engine caps its k with it."""
+    return current_scaling_exponent(fmt, FP8_AMAX_FLOOR)

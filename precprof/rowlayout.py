@@ -175,6 +175,12 @@ class RowLayout:
         return tuple(int(math.log2(f.underflow_max)) for f in self.fp8)
 
     @property
+    def fp8_exponent_caps(self) -> tuple[int, ...]:
+        """Per fp8 format, the largest current-scaling exponent k: that of an amax at torchao's floor
+        (``formats.current_scaling_exponent_cap``); a tensor of smaller amax is scaled by 2^cap, not more."""
+        return tuple(formats.current_scaling_exponent_cap(f) for f in self.fp8)
+
+    @property
     def overflow_f32_lo_bits(self) -> tuple[int, ...]:
         """Per what-if format, the fp32 bit pattern of the smallest fp32 |x| that overflows: for values held
         in fp32 or narrower, ``bits(|x|) >= lo`` (and not nan) is the overflow test, inclusive or strict."""
@@ -243,8 +249,8 @@ class RowLayout:
         ):
             per_format += [f64_bits(t), int(inc), j]
         per_fp8 = []
-        for f, j in zip(self.fp8, self.fp8_underflow_exps, strict=True):
-            per_fp8 += [f64_bits(f.max), j]
+        for f, j, cap in zip(self.fp8, self.fp8_underflow_exps, self.fp8_exponent_caps, strict=True):
+            per_fp8 += [f64_bits(f.max), j, cap]
         return np.array(head + per_format + per_fp8, dtype=np.int64)
 
 

@@ -14,8 +14,8 @@ Every column name used anywhere in precprof is a constant here (read them throug
     forward pass),
     underflow_<fmt> / overflow_<fmt> for fmt in fp16, bf16, fp8_e4m3, fp8_e5m2 (exact counts of what a real
     cast of x*scale does), underflow_<fmt>_cs for fp8 formats (underflow after per-tensor current scaling,
-    scale 2^floor(log2(fmax/amax)) per tensor), and for tensor == "weight_update" rows lost_update_bf16 /
-    lost_update_fp16 (update elements that are nonzero but vanish when added to the weight held in that
+    scale 2^floor(log2(fmax/max(amax, 1e-12))) per tensor, 1e-12 being torchao's floor on amax), and for
+    tensor == "weight_update" rows lost_update_bf16 / lost_update_fp16 (update elements that are nonzero but vanish when added to the weight held in that
     format), update_rms / weight_rms (the RMS over the sample of the update and of the weight before it:
     update_rms / weight_rms is ||dw|| / ||w||) — NaN on other rows; on weight_update rows absmax and absmin
     are the update's (largest finite |dw|, smallest nonzero one), numel_gcd (a linear layer's activation rows: the largest number dividing

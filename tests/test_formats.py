@@ -224,6 +224,9 @@ def test_every_representable_value_is_classified(name: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- current scaling
+TORCHAO_EPS = 1e-12  # torchao.float8.float8_utils.EPS: the least amax its FP8 scale is computed from
+
+
 def brute_force_cs_exponent(fmax: float, amax: float) -> int:
     """The largest k with amax * 2^k <= fmax, by exact power-of-two steps (ldexp is exact here)."""
     k = 0
@@ -253,9 +256,10 @@ def test_current_scaling_exponent_fp32_amax(name: str) -> None:
     fmt = formats.get(name)
     for amax in _fp32_amax_candidates():
         k = formats.current_scaling_exponent(fmt, amax)
-        assert k == brute_force_cs_exponent(fmt.max, amax), amax
-        # the scaled amax lands in (fmax/2, fmax]
-        assert fmt.max / 2 < math.ldexp(amax, k) <= fmt.max
+        assert k == brute_force_cs_exponent(fmt.max, max(amax, TORCHAO_EPS)), amax
+        # the scaled amax lands in (fmax/2, fmax]; under torchao's floor, lower
+        top = math.ldexp(amax, k)
+        assert fmt.max / 2 < top <= fmt.max if amax >= TORCHAO_EPS else top <= fmt.max * amax / TORCHAO_EPS
 
 
 @pytest.mark.parametrize("name", formats.FP8_FORMATS)
@@ -265,7 +269,12 @@ def test_current_scaling_exponent_examples(name: str) -> None:
     assert formats.current_scaling_exponent(fmt, fmt.max * 2) == -1
     assert formats.current_scaling_exponent(fmt, fmt.max / 2) == 1
     assert formats.current_scaling_exponent(fmt, 1.0) == math.floor(math.log2(fmt.max))
-    assert formats.current_scaling_exponent(fmt, 2.0**-149) == math.floor(math.log2(fmt.max)) + 149
+    assert formats.current_scaling_exponent(fmt, 2.0**-39) == math.floor(math.log2(fmt.max)) + 39
+    # under torchao's floor (2^-40 < 1e-12 < 2^-39) the scale stops growing at fmax / 1e-12, rounded down to a
+    # power of two: 2^-41 gets the scale 2^-40 gets, not twice it
+    floor_k = math.floor(math.log2(fmt.max / 1e-12))
+    assert formats.current_scaling_exponent(fmt, 2.0**-41) == floor_k == math.floor(math.log2(fmt.max)) + 40
+    assert formats.current_scaling_exponent(fmt, 2.0**-149) == floor_k
 
 
 @pytest.mark.parametrize("name", formats.FP8_FORMATS)
@@ -273,4 +282,5 @@ def test_current_scaling_exponent_fp64_amax(name: str) -> None:
     fmt = formats.get(name)
     for e in range(-140, 120, 7):
         amax = math.nextafter(math.ldexp(1.75, e), math.inf)
-        assert formats.current_scaling_exponent(fmt, amax) == brute_force_cs_exponent(fmt.max, amax), amax
+        want = brute_force_cs_exponent(fmt.max, max(amax, TORCHAO_EPS))
+        assert formats.current_scaling_exponent(fmt, amax) == want, amax

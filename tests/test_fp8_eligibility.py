@@ -1161,3 +1161,43 @@ def test_the_share_of_a_language_model_is_torchs_count_of_its_linear_layers(
     attn = "self_attn" if "llama" in name else "attn"
     said = ", ".join(f"{blocks}.{i}.{attn}" for i in range(4 if name == "gpt-nano" else 2))
     assert f"The share leaves out the score matmuls (Q K^T and the weights x V) of {said}, which" in f.message
+
+
+def test_output_gradients_under_torchaos_amax_floor_are_not_eligible() -> None:
+    """A loss weighted by 1e-20 (an auxiliary term's tiny coefficient) makes output gradients of about 1e-23:
+    torchao scales a tensor by fmax / max(amax, 1e-12), so in e5m2 it flushes every one of them (its own cast,
+    below), and FP8 training would leave every weight gradient 0. The advice said nothing flushed ("3 of 3
+    eligible"), as the what-if scaled each by fmax / amax; now the layers are not eligible, and it says why."""
+    utils = pytest.importorskip("torchao.float8.float8_utils")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    grads: list[torch.Tensor] = []
+    model[4].register_full_backward_hook(lambda m, gi, go: grads.append(go[0].detach().clone()))
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1)
+    x, y = torch.randn(64, 32), torch.randn(64, 16)
+    with prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            loss = 1e-20 * (out.float() - y).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    # independent: torchao's own scale for the last layer's output gradient, and a real e5m2 cast after it
+    g = grads[-1].float()
+    assert 0 < float(g.abs().max()) < 1e-12
+    scale = utils.amax_to_scale(g.abs().max(), torch.float8_e5m2, round_scales_to_power_of_2=True)
+    assert bool(((g * scale).to(torch.float8_e5m2).float() == 0).all())
+    rec = precprof.recommend(prof, hardware="h100", config=ALL)
+    f = rec.finding("fp8_eligibility")
+    assert f is not None and f.modules == [] and f.numbers["eligible"] == 0
+    assert f.numbers["max_e5m2_share"] == 1.0 and f.numbers["max_e5m2_lost_norm"] == 1.0
+    assert f.numbers["amax_floor_layers"] == 3
+    assert (
+        "4 (e5m2 loses up to 100% of its output gradient's norm: its largest value is under 1e-12"
+        in f.message
+    )
+    assert "The largest value of a tensor of 3 layer(s) (0, 2, 4) was under 1e-12" in f.message
+    assert "fmax/max(amax, 1e-12)" in f.message

@@ -152,7 +152,8 @@ def test_outlier_channels_that_set_the_scale_are_measured_beside_the_largest_val
     assert (
         f"Most pushed there: {pushed * 100:.3g}%; below it at the power-of-two scale a tensor's largest value on "
         f"a step sets, whatever put them there, which does not decide: at most {share * 100:.3g}% of a tensor's "
-        "values (lin's input; fewer where the scale is fmax/amax, torchao's default" in f.message
+        "values (lin's input; fewer where the scale is not rounded to a power of two, torchao's default"
+        in f.message
     )
 
 

@@ -69,6 +69,32 @@ def test_current_scaling_bound_against_real_casts(fmt: str, i: int) -> None:
         assert exact == 0.0
 
 
+@pytest.mark.parametrize("top", [1e-23, 1e-14])
+def test_a_tensor_under_torchaos_amax_floor_is_judged_at_torchaos_scale(top: float) -> None:
+    """torchao computes a tensor's FP8 scale from max(amax, 1e-12): a gradient of 1e-23 is scaled by 2^55 in
+    e5m2, not by 2^87, and flushes entirely. The limit and the bound are those of torchao's own scale (its
+    amax_to_scale, a real cast after it), not of the tensor's amax."""
+    utils = pytest.importorskip("torchao.float8.float8_utils")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * top
+    amax = torch.tensor(float(x.abs().max()))
+    for fmt, dtype in FP8.items():
+        scale = float(utils.amax_to_scale(amax, dtype, round_scales_to_power_of_2=True))
+        gone = (x != 0) & ((x.double() * scale).float().to(dtype).float() == 0)
+        true = float(x.double()[gone].norm() / x.double().norm())
+        f = formats.get(fmt)
+        assert current_scaling.exponents(f, amax.numpy()[None])[0] == math.log2(scale)
+        assert bool(current_scaling.under_floor(amax.numpy()[None])[0])
+        limit = current_scaling.underflow_limit_log2(f, amax.numpy()[None])
+        e, c = hist(x)
+        bound = lost_norm.lost_share_bound(
+            e, c, np.zeros(len(e), np.int64), limit, lost=np.array([int(gone.sum())]), exact=[True]
+        )[0]
+        assert true <= bound <= 4 * true + (0.0 if gone.any() else 1e-300)
+    if top == 1e-23:  # e5m2 keeps nothing of it: its whole norm is lost
+        assert bool(gone.all())
+
+
 def test_values_on_the_limit_are_counted_exactly() -> None:
     """Values exactly on 2^limit round to 0 (the tie goes to the even neighbour): with the exact count of
     what was lost, the bound takes their energy exactly, not at their binade's upper edge."""

@@ -58,6 +58,9 @@ def rne_round(values: np.ndarray, fmt: formats.NumberFormat) -> np.ndarray:
     return np.copysign(np.ldexp(np.rint(np.ldexp(a, -q)), q), values)
 
 
+TORCHAO_EPS = 1e-12  # torchao.float8.float8_utils.EPS: the least amax its FP8 scale is computed from
+
+
 def brute_force_cs_exponent(fmax: float, amax: float) -> int:
     """The largest k with amax * 2^k <= fmax (ldexp is exact)."""
     k = 0
@@ -111,7 +114,8 @@ def reference(x: torch.Tensor) -> dict:
         if amax == 0:
             out[f"cs_{name}"] = 0
             continue
-        y = xd * 2.0 ** brute_force_cs_exponent(fmt.max, amax)  # exact in float64
+        # torchao's scale: fmax / max(amax, 1e-12) (its EPS), rounded down to a power of two
+        y = xd * 2.0 ** brute_force_cs_exponent(fmt.max, max(amax, TORCHAO_EPS))  # exact in float64
         if x.dtype != torch.float64:
             # y.float() is exact wherever it matters (near the fp8 underflow tie y is a normal fp32)
             c = y.float().to(fmt.torch_dtype).double()
@@ -491,6 +495,26 @@ def test_current_scaling_random(seed: int) -> None:
 def test_current_scaling_fp64_amax_near_power_of_two() -> None:
     x = torch.tensor([math.nextafter(0.4375, math.inf), 1.5 * 2.0**-20], dtype=torch.float64)
     assert tensor_stats(x).underflow_cs["fp8_e4m3"] == reference(x)["cs_fp8_e4m3"] == 1
+
+
+@pytest.mark.parametrize("top", [1.0, 1e-11, 1e-13, 1e-23])
+def test_current_scaling_counts_what_torchaos_cast_flushes(top: float) -> None:
+    """The counts are what torchao's own tensorwise cast (power-of-two scale) flushes, a tensor whose largest
+    value is under torchao's amax floor of 1e-12 included: its scale stops growing there, and gradients of
+    1e-23 flush entirely in e5m2, where a scale of fmax / amax would keep them all."""
+    utils = pytest.importorskip("torchao.float8.float8_scaling_utils")
+    mm = pytest.importorskip("torchao.float8.float8_training_tensor")
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4096, generator=g) * top).float()
+    rs = tensor_stats(x)
+    for name in formats.FP8_FORMATS:
+        f8 = utils.hp_tensor_to_float8_dynamic(
+            x, formats.get(name).torch_dtype, mm.LinearMMConfig(), round_scales_to_power_of_2=True
+        )
+        flushed = int(((f8._data.float() == 0) & (x != 0)).sum())
+        assert rs.underflow_cs[name] == flushed, name
+    if top == 1e-23:
+        assert rs.underflow_cs["fp8_e5m2"] == int((x != 0).sum())
 
 
 # ------------------------------------------------------------------------------------------- the buffer

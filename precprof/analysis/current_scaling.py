@@ -1,9 +1,11 @@
 """Per-tensor current scaling, the FP8 recipe every FP8 what-if assumes: each tensor is multiplied by
-2^k, k = floor(log2(fmax / amax)) (Transformer Engine's current-scaling recipe with power-of-two scales, torchao's
-tensorwise one with ``round_scales_to_power_of_2=True``; ``formats.current_scaling_exponent``), before the cast.
-Both recipes' default scale, fmax / amax, is at least 2^k: it flushes no value this one keeps, so the counts and
-the lost norm here bound theirs from above (but for torchao's amax floor of 1e-12, below which it flushes more). Pure host-side numpy: the exponent of many tensors at
-once, and the window of log2 magnitudes a format keeps for each.
+2^k, k = floor(log2(fmax / max(amax, 1e-12))) (torchao's tensorwise recipe with ``round_scales_to_power_of_2=True``,
+whose amax floor of 1e-12 stops the scale growing for a tensor smaller than that; Transformer Engine's
+current-scaling recipe with power-of-two scales, which has no floor; ``formats.current_scaling_exponent``), before
+the cast. Both recipes' default scales, torchao's fmax / max(amax, 1e-12) and Transformer Engine's fmax / amax, are
+at least 2^k: they flush no value this one keeps, so the counts and the lost norm here bound theirs from above.
+Pure host-side numpy: the exponent of many tensors at once, and the window of log2 magnitudes a format keeps for
+each.
 
 Under this scaling nothing overflows (amax * 2^k <= fmax by construction) and a value x underflows iff
 |x| * 2^k <= underflow_max, i.e. |x| <= 2^(log2(underflow_max) - k): the window slides with each tensor's own
@@ -24,17 +26,33 @@ from precprof import formats
 from precprof import tables as T
 from precprof.formats import NumberFormat
 
+# the scale every FP8 figure assumes, and whose recipes it is, in words (the FP8 finding's, the heatmaps' notes)
+SCALE_WORDS = (
+    f"2^floor(log2(fmax/max(amax, {formats.FP8_AMAX_FLOOR:g}))) per tensor: torchao's tensorwise recipe with "
+    f"round_scales_to_power_of_2, {formats.FP8_AMAX_FLOOR:g} being its floor on amax; Transformer Engine's "
+    "current-scaling recipe with power_2_scale, which has no floor and scales a tensor under it by more; their "
+    f"default scales, fmax/max(amax, {formats.FP8_AMAX_FLOOR:g}) and fmax/amax, flush at most what this one does"
+)
+
 
 def exponents(fmt: NumberFormat, amax: np.ndarray) -> np.ndarray:
-    """k = floor(log2(fmt.max / amax)) for each amax, exactly (float64 in, float64 out; nan where amax is not
-    finite and positive). Exact: with amax = m_a 2^e_a and fmax = m_f 2^e_f (m in [0.5, 1)), amax 2^k <= fmax
-    iff k <= e_f - e_a, less one when m_a > m_f (the scalar ``formats.current_scaling_exponent``)."""
+    """k = floor(log2(fmt.max / max(amax, 1e-12))) for each amax, exactly (float64 in, float64 out; nan where
+    amax is not finite and positive). Exact: with amax = m_a 2^e_a and fmax = m_f 2^e_f (m in [0.5, 1)),
+    amax 2^k <= fmax iff k <= e_f - e_a, less one when m_a > m_f; an amax under torchao's floor gets the floor's
+    k (the scalar ``formats.current_scaling_exponent``)."""
     a = np.asarray(amax, dtype=float)
     ok = np.isfinite(a) & (a > 0)
-    m_a, e_a = np.frexp(np.where(ok, a, 1.0))
+    m_a, e_a = np.frexp(np.where(ok, np.maximum(a, formats.FP8_AMAX_FLOOR), 1.0))
     m_f, e_f = math.frexp(fmt.max)
     k = (e_f - e_a - (m_a > m_f)).astype(float)
     return np.where(ok, k, np.nan)
+
+
+def under_floor(amax: np.ndarray) -> np.ndarray:
+    """Whether each amax is under torchao's floor (``formats.FP8_AMAX_FLOOR``): such a tensor is scaled by
+    less than its own amax would set, and flushes more (every value, for a gradient of 1e-23 in e5m2)."""
+    a = np.asarray(amax, dtype=float)
+    return np.isfinite(a) & (a > 0) & (a < formats.FP8_AMAX_FLOOR)
 
 
 def underflow_limit_log2(fmt: NumberFormat, amax: np.ndarray) -> np.ndarray:

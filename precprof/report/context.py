@@ -17,6 +17,7 @@ import pandas as pd
 
 from precprof import __version__, formats
 from precprof import tables as T
+from precprof.analysis import current_scaling
 from precprof.analysis import snippets as snippet_code
 from precprof.analysis.throughput import compiled_steps, throughput, within_noise
 from precprof.report import blocks, environment, plots, timeline
@@ -349,9 +350,7 @@ def _heatmaps(
             notes.append("Forward tensors are not loss-scaled: every window is at scale 1.")
         notes.append(
             "The BF16 window is static (scale 1). FP8 E4M3 and E5M2 are drawn under per-tensor current scaling, "
-            "the recipe the FP8 advice assumes, with power-of-two scales (scale 2^floor(log2(fmax/amax)): Transformer "
-            "Engine's power_2_scale, torchao's round_scales_to_power_of_2; their default scale, fmax/amax, flushes "
-            "at most what this one does): "
+            f"the recipe the FP8 advice assumes, with power-of-two scales (scale {current_scaling.SCALE_WORDS}): "
             "each row's window slides so that its largest value over the sampled steps lands just below the "
             "format's max, and is marked on that row; the strip shows it for the row with the largest value. The "
             "what-if table's “current scaling” columns count that recipe."

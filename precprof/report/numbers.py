@@ -238,6 +238,10 @@ LABELS: dict[Any, tuple[str, str] | None] = {
         "largest sets (not judged)",
         "share",
     ),
+    "amax_floor_layers": (
+        "layers a tensor of which had its largest value under torchao's amax floor, 1e-12 (scaled by fmax/1e-12)",
+        "count",
+    ),
     "pushed_subnormal_max": ("share of values pushed below FP8's smallest normal allowed", "share"),
     "sampled_steps": ("sampled steps", "count"),
     ("fp8_speed", "layers"): ("GEMMs FP8 would convert (a call of an FP8-eligible layer each)", "count"),

@@ -71,7 +71,7 @@ def decode(row: np.ndarray, scale: float = 1.0) -> RowStats:
     absmin_bits = int(row[COL_ABSMIN_BITS]) + 1 if int(row[COL_ABSMIN_BITS]) != _NO_MIN_BITS else 0
     raw_absmax = f64_value(absmax_bits) if absmax_bits > 0 else 0.0
     raw_absmin = f64_value(absmin_bits) if 0 < absmin_bits < _INF_BITS else math.nan
-    # fp8 current scaling (each accumulated tensor scaled by its own 2^floor(log2(fmax / amax)))
+    # fp8 current scaling (each accumulated tensor scaled by its own 2^floor(log2(fmax / max(amax, 1e-12))))
     underflow_cs = {name: int(row[COL_UNDERFLOW_CS + i]) for i, name in enumerate(formats.FP8_FORMATS)}
     shift = 0
     if scale > 0 and math.isfinite(scale):

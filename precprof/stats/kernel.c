@@ -28,6 +28,7 @@ typedef struct {
     int uf_exp[MAXF]; /* underflow_max = 2^uf_exp */
     double fp8_max[MAXF];
     int fp8_uf_exp[MAXF];
+    int fp8_k_cap[MAXF]; /* the largest scale exponent: torchao's amax floor (formats.FP8_AMAX_FLOOR) */
 } cfg_t;
 
 static inline double bits_to_double(uint64_t b) { double d; memcpy(&d, &b, 8); return d; }
@@ -49,8 +50,9 @@ static int read_cfg(const int64_t* c, cfg_t* cfg) {
     for (int j = 0; j < cfg->nw; j++, f += 3) {
         cfg->t[j] = bits_to_double((uint64_t)f[0]); cfg->inc[j] = (int)f[1]; cfg->uf_exp[j] = (int)f[2];
     }
-    for (int j = 0; j < cfg->nf; j++, f += 2) {
+    for (int j = 0; j < cfg->nf; j++, f += 3) {
         cfg->fp8_max[j] = bits_to_double((uint64_t)f[0]); cfg->fp8_uf_exp[j] = (int)f[1];
+        cfg->fp8_k_cap[j] = (int)f[2];
     }
     return 1;
 }
@@ -421,8 +423,11 @@ static int call_stats(const void* data, int64_t n, int64_t stride, int dtype, in
     call[cfg.absmin] = a->mn == UINT64_MAX ? NO_MIN_BITS : (int64_t)(a->mn - 1);
     if (a->mx > 0) {
         double amax; memcpy(&amax, &a->mx, 8);
-        for (int j = 0; j < cfg.nf; j++)
-            call[cfg.cs + j] = le_pow2(keys, cfg.fp8_uf_exp[j] - cs_exponent(cfg.fp8_max[j], amax), klo, khi);
+        for (int j = 0; j < cfg.nf; j++) {
+            int k = cs_exponent(cfg.fp8_max[j], amax);
+            if (k > cfg.fp8_k_cap[j]) k = cfg.fp8_k_cap[j]; /* amax under the floor: the scale stops growing */
+            call[cfg.cs + j] = le_pow2(keys, cfg.fp8_uf_exp[j] - k, klo, khi);
+        }
     }
     int64_t* hist = call + cfg.hist;
     int nb = cfg.n_bins, lof = cfg.lo_field, hif = cfg.hi_field;

@@ -66,6 +66,7 @@ class DeviceRows(_rows.Rows):
             [f64_bits(f.max) for f in layout.fp8], dtype=torch.int64, device=device
         )
         self._fp8_uf_exp = torch.tensor(layout.fp8_underflow_exps, dtype=torch.int64, device=device)
+        self._fp8_k_cap = torch.tensor(layout.fp8_exponent_caps, dtype=torch.int64, device=device)
         self.reset()
 
     @property
@@ -199,6 +200,7 @@ class DeviceRows(_rows.Rows):
         e_a = amax >> 52
         e_f = self._fp8_max_bits >> 52
         k = e_f - e_a - ((amax & _F64_MANT_MASK) > (self._fp8_max_bits & _F64_MANT_MASK)).long()
+        k = torch.minimum(k, self._fp8_k_cap)  # an amax under torchao's floor: its scale stops growing
         f = self._fp8_uf_exp - k + _F64_BIAS
         fc = f.clamp(1, _F64_EXP_ALL)
         cum = kh.cumsum(0)

@@ -341,10 +341,10 @@ class TritonRows:
         self.uf = _device_const(list(layout.underflow_exps), device)
         fp8 = [
             v
-            for f, j in zip(layout.fp8, layout.fp8_underflow_exps, strict=True)
-            for v in (f64_bits(f.max), j)
+            for f, j, cap in zip(layout.fp8, layout.fp8_underflow_exps, layout.fp8_exponent_caps, strict=True)
+            for v in (f64_bits(f.max), j, cap)
         ]
-        self.fp8 = _device_const(fp8 or [0, 0], device)
+        self.fp8 = _device_const(fp8 or [0, 0, 0], device)
         # the direct launch passes pointers as integers: Triton's launcher then neither calls data_ptr() nor
         # asks the driver whether each pointer is a device one (cuPointerGetAttribute), six times a launch
         self._ptrs = {

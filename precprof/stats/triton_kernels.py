@@ -274,8 +274,9 @@ def _finish(
     uf = tl.load(uf_ptr + fmt, mask=wmask, other=0)
     if NF > 0:
         f8 = tl.arange(0, NFP)
-        fp8_max = tl.load(fp8_ptr + 2 * f8, mask=f8 < NF, other=0)
-        fp8_uf = tl.load(fp8_ptr + 2 * f8 + 1, mask=f8 < NF, other=0)
+        fp8_max = tl.load(fp8_ptr + 3 * f8, mask=f8 < NF, other=0)
+        fp8_uf = tl.load(fp8_ptr + 3 * f8 + 1, mask=f8 < NF, other=0)
+        fp8_cap = tl.load(fp8_ptr + 3 * f8 + 2, mask=f8 < NF, other=0)
     # the single words in one exchange (one at a time, each waited for its answer before the next went out):
     # fp64 subnormals (key 0, below every bin), zeros, nan, inf, the largest and smallest magnitudes
     w = tl.arange(0, 8)
@@ -330,6 +331,7 @@ def _finish(
         for i in tl.static_range(NF):
             fmax = tl.sum(tl.where(f8 == i, fp8_max, 0))
             k = (fmax >> 52) - (amax >> 52) - ((amax & _M52) > (fmax & _M52)).to(tl.int64)
+            k = tl.minimum(k, tl.sum(tl.where(f8 == i, fp8_cap, 0)))  # torchao's amax floor caps the scale
             ff = tl.sum(tl.where(f8 == i, fp8_uf, 0)) - k + 1023
             below = sub64 + tl.sum(tl.where(f < ff, cnt, 0))
             on = tl.sum(tl.where(f == ff, c1, 0))

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from precprof import formats, taxonomy
 from precprof import tables as T
-from precprof import taxonomy
 from precprof.analysis import current_scaling, fp8_speed, lost_norm
 from precprof.analysis.advisor.evidence import (
     _captured_modules,
@@ -93,8 +93,9 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     ``inputs[module]``, which its GEMM read) in e4m3, its output gradient in e5m2. Columns: ``lost_norm`` (upper
     bound of the share of the L2 norm lost to underflow), ``lost_values`` (share of the nonzero finite values
     flushed, exact), ``pushed`` and ``below`` (``_pushed_share``; ``pushed`` of a row of one call, its value for a
-    row of several in ``pushed_pooled``: ``_pooled``), ``side`` ("forward": input and weight; "backward": output
-    gradient)."""
+    row of several in ``pushed_pooled``: ``_pooled``), ``floored`` (its largest value is under torchao's amax
+    floor, ``formats.FP8_AMAX_FLOOR``: the scale its figures assume is the floor's, not its own amax's), ``side``
+    ("forward": input and weight; "backward": output gradient)."""
     lay = run.layers
     sources = {s for m in modules for s in inputs.get(m, [])}
     own = lay[T.MODULE].isin(modules) & (
@@ -106,7 +107,7 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     rows = lay.loc[sel, [*keys, T.ABSMAX, T.CALLS, T.NUMEL, T.ZEROS, T.NAN, T.INF, e4, e5]]
     if rows.empty:
         return pd.DataFrame(
-            columns=[*keys, "side", "lost_norm", "lost_values", "pushed", "pushed_pooled", "below"]
+            columns=[*keys, "side", "lost_norm", "lost_values", "pushed", "pushed_pooled", "below", "floored"]
         )
     rows = rows.assign(**{k: T.texts(rows[k]).astype(object) for k in (T.MODULE, T.TENSOR, T.PARAM)})
     # one row per tensor and step (a table merged from ranks may repeat one): counts add, amax is the largest
@@ -122,6 +123,10 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     flushed = np.where(is_grad, rows[e5].to_numpy(dtype=float), rows[e4].to_numpy(dtype=float))
     h = run.hist
     group = _row_index(h, rows)  # each histogram row's tensor (-1: not one of these)
+    # a run recorded before the counts took torchao's amax floor counted a tensor under it at its own amax's
+    # scale: the values of the binades wholly under the limit flush all the same, and are at least that many
+    below_limit = lost_norm.count_below(h[T.EXPONENT].to_numpy(), h[T.COUNT].to_numpy(), group, limit)
+    flushed = np.where(current_scaling.under_floor(amax), np.maximum(flushed, below_limit), flushed)
     share = lost_norm.lost_share_bound(
         h[T.EXPONENT].to_numpy(),
         h[T.COUNT].to_numpy(),
@@ -142,6 +147,7 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     out["pushed"] = np.where(pooled, np.nan, pushed)
     out["pushed_pooled"] = np.where(pooled, pushed, np.nan)
     out["below"] = below
+    out["floored"] = current_scaling.under_floor(amax)
     # each layer's rows: its weight and output gradient, and the outputs it read as its input, as its own
     mine = out[out[T.TENSOR] != T.ACTIVATION]
     outputs = out[out[T.TENSOR] == T.ACTIVATION]
@@ -206,9 +212,10 @@ def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
     the weight's on the forward side), its worst step, the median share of values flushed, and of the tensor
     whose largest values push the most of it below the smallest normal (``fp8_losses``' ``pushed``), that
     share (``pushed``) and its name (``pushed_tensor``), the same of the tensors read in several calls a step
-    (``pushed_pooled``, ``pushed_pooled_tensor``: not judged), and of the tensor with the most of its values
+    (``pushed_pooled``, ``pushed_pooled_tensor``: not judged), of the tensor with the most of its values
     below the smallest normal (``fp8_losses``' ``below``), that share (``below``) and its name
-    (``below_tensor``)."""
+    (``below_tensor``), and whether a tensor's largest value on a step was under torchao's amax floor
+    (``floored``)."""
     pooled = ["pushed_pooled", "pushed_pooled_tensor"]
     cols = [
         "norm",
@@ -219,6 +226,7 @@ def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
         *pooled,
         "below",
         "below_tensor",
+        "floored",
         "steps",
     ]
     if losses.empty:
@@ -232,6 +240,7 @@ def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
             pushed=("pushed", "median"),
             pushed_pooled=("pushed_pooled", "median"),
             below=("below", "median"),
+            floored=("floored", "max"),
             steps=(T.STEP, "nunique"),  # a layer read from two modules has two rows a step
         )
         .reset_index()
@@ -245,6 +254,7 @@ def fp8_summary(losses: pd.DataFrame) -> pd.DataFrame:
         values=("values", "max"),
         pushed=("pushed", "first"),
         pushed_tensor=(T.TENSOR, "first"),
+        floored=("floored", "max"),
         steps=("steps", "max"),
     )
     return out.join(_largest(per, "pushed_pooled")).join(_largest(per, "below")).reindex(order)[cols]
@@ -272,6 +282,18 @@ def _get(by_key: Mapping[Any, Mapping[str, Any]], m: str, side: str, col: str) -
     row = by_key.get((m, side))
     v = float(row[col]) if row is not None else math.nan
     return v if np.isfinite(v) else None
+
+
+def _floor_words(by_key: Mapping[Any, Mapping[str, Any]], m: str, side: str) -> str:
+    """Why a tensor under torchao's amax floor loses what it does ("" when none of layer ``m``'s on ``side``
+    is): torchao's scale stops growing at the floor, so such a tensor's values land far below the format's
+    smallest normal, or under its smallest subnormal."""
+    if not _get(by_key, m, side, "floored"):
+        return ""
+    return (
+        f": its largest value is under {formats.FP8_AMAX_FLOOR:g}, torchao's floor on amax, where its scale stops "
+        f"growing (fmax/{formats.FP8_AMAX_FLOOR:g}; Transformer Engine's current scaling has no such floor)"
+    )
 
 
 OUTLIER_REASON = "an outlier sets its"  # how ``_outlier_reason`` begins
@@ -661,9 +683,13 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         elif bwd is None and (m in with_grad or not with_grad):
             why = "no backward statistics" + ("" if with_grad else ": no backward pass was recorded")
         elif fwd > lim:
-            why = f"e4m3 loses up to {_pct(fwd)} of its input's or weight's norm"
+            why = f"e4m3 loses up to {_pct(fwd)} of its input's or weight's norm" + _floor_words(
+                by_key, m, FORWARD
+            )
         elif bwd is not None and bwd > lim:
-            why = f"e5m2 loses up to {_pct(bwd)} of its output gradient's norm"
+            why = f"e5m2 loses up to {_pct(bwd)} of its output gradient's norm" + _floor_words(
+                by_key, m, BACKWARD
+            )
         else:
             why = _outlier_reason(by_key, m, cfg.fp8_pushed_subnormal_max)
         rows.append((m, why))
@@ -771,9 +797,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         "A linear layer is FP8-eligible when --precision fp8 would convert it (an nn.Linear not tied to an "
         f"embedding, both dimensions and the tokens per call multiples of {taxonomy.FP8_DIM_MULTIPLE}), none of "
         "its tensors held nan/inf, and per-tensor current scaling with power-of-two scales (scale "
-        "2^floor(log2(fmax/amax)) per tensor: Transformer Engine's current-scaling recipe with power_2_scale, "
-        "torchao's tensorwise one with round_scales_to_power_of_2; their default scale, fmax/amax, flushes at "
-        f"most what this one does) loses at most {_pct(lim)} of "
+        f"{current_scaling.SCALE_WORDS}) loses at most {_pct(lim)} of "
         "the L2 norm of what its FP8 GEMMs read: its input and weight (e4m3) and its output gradient (e5m2), "
         "its input being the output of the module that made it, or the layer's own input row; its output "
         f"stays bf16. The figure is the median over the {steps} sampled step(s) of an upper bound from the "
@@ -836,6 +860,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             if plan.fp8_scaler_nonfinite_steps
             else ""
         )
+        + _floored_words(by_key, linear, cfg.max_listed_modules)
         + f". Largest norm lost: e4m3 {_pct(fmax)}"
         + (f" ({_name(fmod)})" if fmod is not None else "")
         + f", e5m2 {_pct(bmax)}"
@@ -860,8 +885,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             "; below it at the power-of-two scale a tensor's largest value on a step sets, whatever put them "
             "there, which does not decide: "
             + (
-                f"at most {_pct(lowest)} of a tensor's values ({low_where}; fewer where the scale is fmax/amax, "
-                "torchao's default, or each call of a step is scaled on its own, and after rounding)"
+                f"at most {_pct(lowest)} of a tensor's values ({low_where}; fewer where the scale is not "
+                "rounded to a power of two, torchao's default, or each call of a step is scaled on its own, and after rounding)"
                 if lowest
                 else "none"
             )
@@ -928,6 +953,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 "max_pushed_subnormal": pmax,
                 "max_pushed_pooled": _most(by_key, linear, "pushed_pooled")[0],
                 "max_below_normal": lowest,
+                "amax_floor_layers": len(_floored(by_key, linear)),
                 "pushed_subnormal_max": cfg.fp8_pushed_subnormal_max,
                 "lost_norm_max": lim,
                 "sampled_steps": steps,
@@ -943,6 +969,26 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         )
     )
     _speed_finding(run, plan)
+
+
+def _floored(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str]) -> list[str]:
+    """The layers of ``linear`` a tensor of which had its largest value under torchao's amax floor."""
+    return [m for m in linear if any(_get(by_key, m, s, "floored") for s in (FORWARD, BACKWARD))]
+
+
+def _floored_words(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], limit: int) -> str:
+    """The words naming the layers a tensor of which lies under torchao's amax floor ("" when none does)."""
+    layers = _floored(by_key, linear)
+    if not layers:
+        return ""
+    floor = f"{formats.FP8_AMAX_FLOOR:g}"
+    return (
+        f". The largest value of a tensor of {len(layers)} layer(s) ({_listing(layers, limit)}) was under "
+        f"{floor}, torchao's floor on amax: torchao scales it by fmax/{floor}, not by fmax/amax, and the figures "
+        f"here are at that scale (a gradient of 1e-23 flushes entirely in e5m2). A loss weighted so small that "
+        f"its gradients are under {floor} (an auxiliary term's coefficient) needs a larger weight, or a static "
+        "loss scale, under torchao's FP8"
+    )
 
 
 LOST_NORM_EVIDENCE = (
