@@ -281,3 +281,51 @@ def test_count_below_and_rank_edge_against_the_values() -> None:
         v = float(x.abs().sort(descending=True).values[int(r) - 1])  # the r-th largest
         assert 2.0 ** (edge - 1) <= v < 2.0**edge  # its binade's upper edge
     assert np.isnan(lost_norm.rank_edge_log2(exponent, count, group, 2, np.array([1e9, 1.0]))[0])
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_layer_trained_on_torchaos_rowwise_recipe_is_not_told_to_switch_to_it(recipe: str) -> None:
+    """The outlier of 3e4 in ``lin``'s input, ``lin`` converted with torchao's recipe. Tensorwise: held back, with
+    the rowwise recipe as the remedy. Rowwise: each token gets its own scale (torchao's own cast, below), so the
+    outlier sets only its own token's and the per-tensor check does not apply; the finding said "Not eligible: lin
+    (an outlier sets its input's e4m3 scale ...)" and told the user to switch to the recipe the run trained on.
+    The run records its recipe (capture.fp8_recipe), and the precision check says it."""
+    f8 = pytest.importorskip("torchao.float8")
+    utils = pytest.importorskip("torchao.float8.float8_scaling_utils")
+    mm = pytest.importorskip("torchao.float8.float8_training_tensor")
+    x = activation(3e4)
+    model = Model(x)
+    f8.convert_to_float8_training(
+        model, config=f8.Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=lambda m, n: n == "lin"
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
+    with prof:
+        for _ in range(2):
+            loss = model().float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    recipes = prof.summary()["fp8_recipe"]
+    assert [(r["scaling"], r["layers"]) for r in recipes] == [(recipe, ["lin"])]
+    f = precprof.recommend(prof, hardware="h100").finding("fp8_eligibility")
+    assert f is not None
+    if recipe == "tensorwise":
+        assert f.modules == [] and "Not eligible: lin (an outlier sets its input's e4m3 scale" in f.message
+        assert 'from_recipe_name("rowwise")' in f.remedy
+        return
+    # independent: torchao's rowwise cast leaves almost none of the other tokens' values below e4m3's normal
+    cast = utils.hp_tensor_to_float8_dynamic(
+        x,
+        torch.float8_e4m3fn,
+        mm.LinearMMConfig(),
+        scaling_granularity=f8.config.ScalingGranularity.AXISWISE,
+        axiswise_dim=-1,
+        round_scales_to_power_of_2=True,
+    )
+    assert float((cast._data.float().abs() < E4M3_MIN_NORMAL).double().mean()) < 0.01
+    assert f.modules == ["lin"]
+    assert "1 layer(s) (lin) ran torchao's rowwise recipe" in f.message
+    assert "per-tensor outlier check does not apply to them" in f.message
+    assert "rowwise" not in f.remedy

@@ -83,3 +83,33 @@ def test_emulated_float8_layers_are_not_said_to_run_fp8_gemms(tmp_path: Path) ->
         "FP8 was emulated: 2 of 2 linear layers are torchao Float8Linear, 2 of them with emulate=True"
         in (check["verdict"])
     )
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_precision_check_says_the_recipe_the_float8_layers_ran(recipe: str, tmp_path: Path) -> None:
+    """summary.json's capture.fp8_recipe was a fixed text, the what-if's per-tensor recipe, also of a run trained
+    on torchao's rowwise recipe, and the check said nothing of it. It is read from the layers' own config now."""
+    float8 = pytest.importorskip("torchao.float8")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 16))
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, n: n != "4")
+    _train(model).save(tmp_path / "run")
+    summary = T.read_summary(tmp_path / "run")
+    capture = summary[T.SUMMARY_CAPTURE]
+    [ran] = capture["fp8_recipe"]
+    assert ran["scaling"] == recipe and ran["layers"] == ["0", "2"]
+    assert ran["round_scales_to_power_of_2"] == config.round_scales_to_power_of_2
+    assert (
+        ran["casts"]["grad_output"]["dtype"]
+        == str(config.cast_config_grad_output.target_dtype).split(".")[-1]
+    )
+    assert "per-tensor current scaling" in capture["fp8_whatif_recipe"]
+    summary[T.SUMMARY_CONFIG] = {"precision": "fp8", "plan": {"fp8_library": "torchao"}}
+    tables = T.read_tables(tmp_path / "run")
+    check = S.precision_check(tables["layers"], tables["memory"], summary)
+    words = {"tensorwise": "tensorwise (one scale per tensor)", "rowwise": "rowwise (one scale per row"}[
+        recipe
+    ]
+    assert check["ok"] and f"torchao recipe: {words}" in check["verdict"]
+    assert "for 2 layer(s)" in check["verdict"]

@@ -1,5 +1,6 @@
 """What the capture summary says of the model and its optimizers beyond the rows (``ProfilerResults.summary``):
-buffers held in low precision and how far their values may lie from fp32, FP8-emulating layers, dropout layers,
+buffers held in low precision and how far their values may lie from fp32, FP8-emulating layers and the FP8
+recipes torchao's layers run, dropout layers,
 the parts torch.compile compiled and with which backend, each optimizer's settings."""
 
 from __future__ import annotations
@@ -51,6 +52,73 @@ def fp8_emulated(model: nn.Module) -> int:
         for m in model.modules()
         if type(m).__name__ == "Float8Linear"
     )
+
+
+# the recipe every FP8 what-if assumes (``analysis.current_scaling``), whatever recipe the run's layers ran
+FP8_WHATIF_RECIPE = (
+    "per-tensor current scaling with power-of-two scales, scale = 2^floor(log2(fmax / max(amax, 1e-12))) "
+    "(torchao's tensorwise recipe with round_scales_to_power_of_2, 1e-12 being its floor on amax)"
+)
+
+# the casts of torchao's Float8LinearConfig, by the tensor each casts (its ``cast_config_*`` attributes): those of
+# the forward GEMM and of the two backward ones
+_FP8_CASTS = {
+    "input": "cast_config_input",
+    "weight": "cast_config_weight",
+    "grad_output": "cast_config_grad_output",
+    "input_for_grad_weight": "cast_config_input_for_grad_weight",
+    "weight_for_grad_input": "cast_config_weight_for_grad_input",
+    "grad_output_for_grad_weight": "cast_config_grad_output_for_grad_weight",
+}
+
+
+def _word(value: Any) -> str:
+    """An enum's value ("axiswise"), a dtype's name ("float8_e4m3fn"), else its text."""
+    return str(getattr(value, "value", value)).removeprefix("torch.")
+
+
+def fp8_recipe_of(config: Any) -> dict[str, Any]:
+    """What a torchao ``Float8LinearConfig`` does, in plain values: ``scaling`` ("tensorwise": one scale per
+    tensor; "rowwise": one per row, torchao's axiswise; "mixed" otherwise), each cast's granularity, FP8 dtype
+    and whether it runs (``casts``: "disabled" where the GEMM stays in high precision, as rowwise_with_gw_hp's
+    weight gradient), ``round_scales_to_power_of_2`` and ``emulate``. Read from the attributes, so that a
+    config of another torchao version reads as far as it has them."""
+    casts = {}
+    for what, attr in _FP8_CASTS.items():
+        cast = getattr(config, attr, None)
+        if cast is None:
+            continue
+        kind = _word(getattr(cast, "scaling_type", ""))
+        casts[what] = {
+            "granularity": _word(getattr(cast, "scaling_granularity", "")),
+            "dtype": _word(getattr(cast, "target_dtype", "")),
+            **({"scaling_type": kind} if kind and kind != "dynamic" else {}),
+        }
+    used = {c["granularity"] for c in casts.values() if c.get("scaling_type") != "disabled"}
+    scaling = "tensorwise" if used == {"tensorwise"} else "rowwise" if used == {"axiswise"} else "mixed"
+    return {
+        "scaling": scaling,
+        "casts": casts,
+        "round_scales_to_power_of_2": bool(getattr(config, "round_scales_to_power_of_2", False)),
+        "emulate": bool(getattr(config, "emulate", False)),
+    }
+
+
+def fp8_recipes(model: nn.Module) -> list[dict[str, Any]]:
+    """The FP8 recipes the model's torchao Float8Linear layers run, each once with the layers that run it
+    (``layers``, by the capture's names): what ``fp8_recipe_of`` reads of their ``config``. [] when none is a
+    Float8Linear."""
+    out: list[dict[str, Any]] = []
+    for name, m in _compat.named_modules(model):
+        if type(m).__name__ != "Float8Linear":
+            continue
+        recipe = fp8_recipe_of(getattr(m, "config", None))
+        same = next((r for r in out if {k: v for k, v in r.items() if k != "layers"} == recipe), None)
+        if same is None:
+            out.append({**recipe, "layers": [name]})
+        else:
+            same["layers"].append(name)
+    return out
 
 
 def model_class_name(model: nn.Module) -> str:

@@ -21,10 +21,12 @@ from precprof._version import __version__
 from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.model_facts import (
+    FP8_WHATIF_RECIPE,
     buffer_rounding,
     compiled_parts,
     dropout_layers,
     fp8_emulated,
+    fp8_recipes,
     model_class_name,
     optimizer_settings,
     resumed_optimizer_changes,
@@ -346,10 +348,10 @@ class ProfilerResults:
             "optimizer_changes": [dict(c) for c in self._optimizer_changes],
             # an optimizer given after the run began (``use_optimizer``): from which step its updates were read
             "updates_from": self.updates_from(),
-            # the model's parameters changed, the capture planned again (``capture/replan.py``): {"step", "added",
-            # "removed"}, in order
+            # the model's parameters changed, the capture planned again (replan.py): {"step", "added", "removed"}
             "model_changes": [dict(c) for c in self._model_changes],
-            "fp8_recipe": "per-tensor current scaling with power-of-two scales, scale = 2^floor(log2(fmax / amax))",
+            "fp8_recipe": fp8_recipes(_compat.unwrapped(self.model)),  # what its Float8Linear layers ran
+            "fp8_whatif_recipe": FP8_WHATIF_RECIPE,  # what every FP8 what-if assumes, whatever the run ran
             "memory_error": self._collector.memory_error if self._collector is not None else None,
             "memory_steps": self._tracker.schedule.describe() if hasattr(self._tracker, "schedule") else None,
             "memory_enabled": self.memory_enabled,

@@ -462,6 +462,30 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     }
 
 
+# each scaling of a torchao recipe (``capture.model_facts.fp8_recipe_of``) in words
+_SCALING_WORDS = {
+    "tensorwise": "tensorwise (one scale per tensor)",
+    "rowwise": "rowwise (one scale per row of each tensor)",
+    "mixed": "mixed (rowwise and tensorwise casts, or a GEMM left in high precision)",
+}
+
+
+def _fp8_recipe_words(recipes: Any) -> str:
+    """The FP8 recipes the run's Float8Linear layers ran, in words (" Recipe: rowwise (one scale per row of each
+    tensor), scales rounded to powers of two, for 3 layers."); "" for a run that recorded none (an older run's
+    ``fp8_recipe`` is the what-if's, a text)."""
+    if not isinstance(recipes, list) or not recipes:
+        return ""
+    parts = [
+        _SCALING_WORDS.get(str(r.get("scaling")), str(r.get("scaling")))
+        + (", scales rounded to powers of two" if r.get("round_scales_to_power_of_2") else "")
+        + f", for {len(r.get('layers') or [])} layer(s)"
+        for r in recipes
+        if isinstance(r, Mapping)
+    ]
+    return " torchao recipe: " + "; ".join(parts) + "."
+
+
 def _fp8_verdict(
     verdict: str, fp8_layers: list[str], n_linear: int, summary: Mapping[str, Any]
 ) -> tuple[str, bool]:
@@ -472,16 +496,19 @@ def _fp8_verdict(
     library = plan.get("fp8_library") if isinstance(plan, Mapping) else None
     capture = summary.get(T.SUMMARY_CAPTURE) or {}
     emulated = capture.get("fp8_emulated") if isinstance(capture, Mapping) else None
+    recipe = _fp8_recipe_words(capture.get("fp8_recipe") if isinstance(capture, Mapping) else None)
     if fp8_layers and isinstance(emulated, int) and emulated > 0:
         return (
             f"{verdict} FP8 was emulated: {len(fp8_layers)} of {n_linear} linear layers are torchao Float8Linear, "
             f"{emulated} of them with emulate=True (they cast their input, weight and output gradient to FP8, "
             "then multiply in high precision: the numbers are FP8's, the speed is not; their outputs are bf16)."
+            + recipe
         ), True
     if fp8_layers:
         return (
             f"{verdict} FP8 GEMMs ran: {len(fp8_layers)} of {n_linear} linear layers are torchao Float8Linear "
             "(they cast their input, weight and output gradient to FP8 for their matmuls; their outputs are bf16)."
+            + recipe
         ), True
     if library == "transformer_engine":
         return (

@@ -201,6 +201,21 @@ class _Run:
         return self.precision or str(seen or "").lower()
 
     @property
+    def fp8_scaling(self) -> dict[str, str]:
+        """Per torchao Float8Linear layer of the run, the scaling its recipe ran (``capture.fp8_recipe``:
+        "tensorwise", "rowwise" or "mixed"); {} for a run without any, or recorded before the recipe was."""
+        capture = self.summary.get(T.SUMMARY_CAPTURE) or {}
+        recipes = capture.get("fp8_recipe") if isinstance(capture, Mapping) else None
+        if not isinstance(recipes, list):  # an older run's: the what-if's recipe, in words
+            return {}
+        return {
+            str(m): str(r.get("scaling", ""))
+            for r in recipes
+            if isinstance(r, Mapping)
+            for m in r.get("layers") or []
+        }
+
+    @property
     def autocast(self) -> Mapping[str, Any]:
         """What the hooks saw of autocast on the first recorded forward (``capture.autocast``: ``enabled``,
         ``dtype``, ``device_type``); {} when the summary has none."""

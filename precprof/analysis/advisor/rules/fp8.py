@@ -384,6 +384,21 @@ def _pooled_words(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], li
     )
 
 
+def _rowwise_words(run: _Run, linear: list[str], limit: int) -> str:
+    """The words saying which layers the run trained on a recipe that scales per row, which the outlier check
+    does not judge ("" when none did)."""
+    rowwise = [m for m in linear if run.fp8_scaling.get(m, "tensorwise") != "tensorwise"]
+    if not rowwise:
+        return ""
+    return (
+        f". {len(rowwise)} layer(s) ({_listing(rowwise, limit)}) ran torchao's rowwise recipe (or one mixing "
+        "rowwise casts in, capture.fp8_recipe in summary.json): it scales each row of a tensor on its own, so an "
+        "outlier sets only its own row's scale, and the per-tensor outlier check does not apply to them and "
+        "does not hold them back. Their figures here are those of the per-tensor what-if, not of their recipe "
+        "(which casts the output gradient to e4m3 per row)"
+    )
+
+
 def _outlier_remedy(plan: _Plan) -> str:
     """How to run the layers whose scale an outlier sets in FP8 ("" when there are none)."""
     held = [m for m, why in plan.fp8_why_not.items() if why.startswith(OUTLIER_REASON)]
@@ -690,7 +705,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             why = f"e5m2 loses up to {_pct(bwd)} of its output gradient's norm" + _floor_words(
                 by_key, m, BACKWARD
             )
-        else:
+        elif run.fp8_scaling.get(m, "tensorwise") == "tensorwise":  # a rowwise recipe scales each row alone
             why = _outlier_reason(by_key, m, cfg.fp8_pushed_subnormal_max)
         rows.append((m, why))
     plan.fp8_checked = len(rows)
@@ -900,6 +915,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             else ""
         )
         + _pooled_words(by_key, linear, cfg.max_listed_modules)
+        + _rowwise_words(run, linear, cfg.max_listed_modules)
         + (
             f". {len(forward_only)} layer(s) had no output gradient on any sampled step "
             f"({_listing(forward_only, cfg.max_listed_modules)}: frozen with nothing trainable before them, or "
