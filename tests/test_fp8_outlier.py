@@ -329,3 +329,46 @@ def test_a_layer_trained_on_torchaos_rowwise_recipe_is_not_told_to_switch_to_it(
     assert "1 layer(s) (lin) ran torchao's rowwise recipe" in f.message
     assert "per-tensor outlier check does not apply to them" in f.message
     assert "rowwise" not in f.remedy
+
+
+class TwoSources(nn.Module):
+    """Two linear layers, each reading its own activation: ``a`` and ``b``."""
+
+    def __init__(self, xa: torch.Tensor, xb: torch.Tensor) -> None:
+        super().__init__()
+        self.src_a, self.src_b = Source(xa), Source(xb)
+        torch.manual_seed(0)
+        self.a = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.b = nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self) -> torch.Tensor:
+        return self.a(self.src_a()) + self.b(self.src_b())
+
+
+def test_every_tensor_with_most_of_its_values_below_the_normal_range_is_named() -> None:
+    """Outlier channels in two layers' inputs (x1e4 in ``a``'s, x5e3 in ``b``'s) put most of each input below
+    e4m3's smallest normal. The finding named only the tensor of the largest share, so an outlier channel in
+    another layer went unnamed; it names each tensor over the limit now, with its share (real counts below)."""
+    channels = [3, 70, 140, 200]
+    xa, xb = activation(None), activation(None)
+    xa[:, channels] *= 1e4
+    xb[:, channels] *= 5e3
+    share_a, share_b = below_normal(xa, scale(xa)), below_normal(xb, scale(xb))
+    most = AdvisorConfig().fp8_pushed_subnormal_max
+    assert share_a > share_b > most
+    model = TwoSources(xa, xb)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
+    with prof:
+        for _ in range(2):
+            loss = model().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    f = precprof.recommend(prof, hardware="h100").finding("fp8_eligibility")
+    assert f is not None and f.numbers["below_normal_tensors"] == 2
+    assert (
+        f"over {most * 100:.3g}% in 2 tensor(s): a's input {share_a * 100:.3g}%, b's input {share_b * 100:.3g}%"
+        in f.message
+    )

@@ -238,6 +238,10 @@ LABELS: dict[Any, tuple[str, str] | None] = {
         "largest sets (not judged)",
         "share",
     ),
+    "below_normal_tensors": (
+        "tensors with more of their values below FP8's smallest normal than the outlier check allows (not judged)",
+        "count",
+    ),
     "amax_floor_layers": (
         "layers a tensor of which had its largest value under torchao's amax floor, 1e-12 (scaled by fmax/1e-12)",
         "count",

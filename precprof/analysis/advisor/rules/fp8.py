@@ -337,6 +337,31 @@ def _most(
     return w, f"{_name(m)}'s {what}"
 
 
+def _below(
+    by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], most: float
+) -> list[tuple[float, str, str]]:
+    """Each tensor of the layers ``linear`` read with more than ``most`` of its values below its FP8 format's
+    smallest normal (``fp8_summary``'s ``below``), as (share, layer, tensor in words), the largest first."""
+    out = [
+        (w, m, _TENSOR_WORDS.get(str(by_key[(m, side)]["below_tensor"]), "tensor"))
+        for m in linear
+        for side in (FORWARD, BACKWARD)
+        if (w := _get(by_key, m, side, "below")) is not None and w > most
+    ]
+    return sorted(out, key=lambda t: -t[0])
+
+
+def _below_words(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], most: float, limit: int) -> str:
+    """The tensors with more than ``most`` of their values below the smallest normal, by name, so that an
+    outlier channel in a layer other than the one of the largest share is found ("" when there are none)."""
+    below = _below(by_key, linear, most)
+    if not below:
+        return ""
+    shown = ", ".join(f"{_name(m)}'s {what} {_pct(w)}" for w, m, what in below[:limit])
+    rest = f" and {len(below) - limit} more" if len(below) > limit else ""
+    return f"; over {_pct(most)} in {len(below)} tensor(s): {shown}{rest}"
+
+
 def _pooled_layers(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str]) -> list[str]:
     """The layers of ``linear`` with a tensor the outlier check did not judge: read in several calls a step
     (``_pooled``), an input or an output gradient (a weight it judges)."""
@@ -908,6 +933,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             + (
                 f", more than its largest {_pct(OUTLIER_SHARE)} may push there: outlier channels (more values than "
                 "those) that set the scale for the rest put them there, or a spread over many binades"
+                + _below_words(by_key, linear, cfg.fp8_pushed_subnormal_max, cfg.max_listed_modules)
                 if lowest > cfg.fp8_pushed_subnormal_max
                 else ""
             )
@@ -970,6 +996,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 "max_pushed_pooled": _most(by_key, linear, "pushed_pooled")[0],
                 "max_below_normal": lowest,
                 "amax_floor_layers": len(_floored(by_key, linear)),
+                "below_normal_tensors": len(_below(by_key, linear, cfg.fp8_pushed_subnormal_max)),
                 "pushed_subnormal_max": cfg.fp8_pushed_subnormal_max,
                 "lost_norm_max": lim,
                 "sampled_steps": steps,
