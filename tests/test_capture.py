@@ -494,6 +494,57 @@ def test_a_torchscript_linear_layer_is_a_linear_layer() -> None:
     assert prof.summary()["gemm_inputs"] == {"b": ["a"], "c": ["b"]}
 
 
+class _ChangedInPlace(nn.Module):
+    """GELU's output has one value raised in place before ``down`` reads it, as a hand-written ``h += r`` or a
+    ``masked_fill_`` between modules does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.act, self.down = nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.inp(x))
+        h[0, 3] += 3e4
+        return self.down(h)
+
+
+def _e4m3_flushed(x: torch.Tensor) -> int:
+    """Nonzero values a real e4m3 cast flushes at the power-of-two current scale 2^floor(log2(448 / amax))."""
+    s = 2.0 ** math.floor(math.log2(448.0 / float(x.abs().max())))
+    return int((((x.double() * s).float().to(torch.float8_e4m3fn) == 0) & (x != 0)).sum())
+
+
+@pytest.mark.parametrize("blocks", [True, False])
+def test_an_output_changed_in_place_is_read_as_the_layer_reads_it(blocks: bool) -> None:
+    """down read GELU's output after ``h[0, 3] += 3e4``: it was matched to GELU's row, recorded before the
+    change (largest value 2.1, no value flushed in e4m3), where down's GEMM read 3e4 and e4m3 at its scale
+    flushes hundreds of its values. The input changed since its maker's hook (its version counter) is down's own
+    input row, whose counts are real casts of what down's pre-hook saw; GELU's row stays as GELU made it. With
+    block formats off there is no such row: down is listed as reading no module's output, so no reader guesses
+    GELU's."""
+    torch.manual_seed(0)
+    model = _ChangedInPlace()
+    made: list[torch.Tensor] = []
+    read: list[torch.Tensor] = []
+    model.act.register_forward_hook(lambda m, a, out: made.append(out.detach().clone()))
+    model.down.register_forward_pre_hook(lambda m, a: read.append(a[0].detach().clone()))
+    with precprof.Profiler(model, sample_every=1, memory=False, block_formats=blocks) as prof:
+        model(torch.randn(64, 32)).square().mean().backward()
+        prof.step()
+    layers = prof.tables()["layers"].set_index([T.MODULE, T.TENSOR])
+    assert prof.summary()["gemm_inputs"]["down"] == []
+    e4m3 = T.underflow_cs_col("fp8_e4m3")
+    assert layers.loc[("act", T.ACTIVATION), T.ABSMAX] == float(made[0].abs().max()) < 3
+    assert layers.loc[("act", T.ACTIVATION), e4m3] == _e4m3_flushed(made[0]) == 0
+    own = (T.input_module("down"), T.ACTIVATION)
+    if not blocks:
+        assert own not in layers.index
+        return
+    assert layers.loc[own, T.ABSMAX] == float(read[0].abs().max()) > 2e4
+    assert layers.loc[own, e4m3] == _e4m3_flushed(read[0]) > 100
+    assert layers.loc[own, T.NUMEL] == read[0].numel()
+
+
 def test_weight_update_lost_in_bf16_counts_real_casts() -> None:
     """Updates far below bf16's resolution vanish when added to a bf16 weight; large ones do not."""
     p = nn.Parameter(torch.ones(8))

@@ -2,7 +2,9 @@
 of): a linear layer's input is the output of the module that made it (``capture.gemm_inputs``: autocast casts
 it, an FP8 or block-format GEMM would quantise it), found by object, else by the memory it views (a wrapper's
 new tensor object over the same memory); when no captured module made it (an attention's output, the model's
-own input), a row of its own (``:input``).
+own input), a row of its own (``:input``). An output changed in place between its maker's forward hook and the
+layer's pre-hook (``h[0, 3] += 3e4``, a residual added with ``+=``, ``masked_fill_``) is no longer what its
+maker's row holds: told by its version counter (host metadata, no sync), it is read as the layer's own input.
 """
 
 from __future__ import annotations
@@ -17,6 +19,15 @@ from precprof import _compat
 from precprof import stats as st
 from precprof.capture.records import RowTable, _local, _ModuleSlot, _same_data
 
+# a module output a matmul may read, kept at its maker's forward hook: the tensor, the maker's activation row, and
+# the tensor's version then (``_compat.tensor_version``: an in-place change since moves it)
+Made = tuple[weakref.ref[torch.Tensor], int, int | None]
+
+
+def made_entry(t: torch.Tensor, act: int) -> Made:
+    """The entry of ``t``, an output of the module whose activation row is ``act``, as it is now."""
+    return weakref.ref(t), act, _compat.tensor_version(t)
+
 
 class GemmInputs:
     """The matmul-input part of ``capture.hooks.StepHooks``."""
@@ -26,24 +37,26 @@ class GemmInputs:
     has_data: bool
     order: int
     _model_inputs: set[int]
-    _block_outputs: dict[int, tuple[weakref.ref[torch.Tensor], int]]
-    _outputs_made: list[tuple[weakref.ref[torch.Tensor], int]]
-    _outputs_by_data: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int]]
+    _block_outputs: dict[int, Made]
+    _outputs_made: list[Made]
+    _outputs_by_data: dict[tuple[Any, ...], Made]
     _indexed: int
     _add: Callable[[torch.Tensor, int], bool]  # ``GradientReads._add``
 
     def _gemm_input(self, slot: _ModuleSlot, x: torch.Tensor, turn: bool) -> None:
         """The input a matmul reads (autocast casts it; a linear layer's GEMM would quantise it): the output of
-        the module that made it, or, with block formats on, when no captured module did (an attention's output),
-        a linear layer's row of its own."""
-        found = self._block_outputs.get(id(x))
+        the module that made it, or, with block formats on, when no captured module did (an attention's output)
+        or it changed in place since, a linear layer's row of its own."""
+        found = self._maker_of(x)
         made = found[0]() if found is not None else None
-        if made is not x:
-            found = self._output_by_data(x)
-            made = found[0]() if found is not None else None
+        if made is not None and found is not None and found[2] != _compat.tensor_version(x):
+            # changed in place since its maker's hook: the maker's row holds it as it was, the GEMM reads it as
+            # it is now (with block formats off, no row holds it: the layer is judged without its input)
+            found = made = None
+            slot.input_changed = True
         if made is None and slot.first_from >= 0 and _compat.backward_pass_id() is not None:
             # a reentrant recomputation's input, remade by an outer checkpoint and let go: its first pass's maker
-            found, made = (weakref.ref(x), slot.first_from), x
+            found, made = (weakref.ref(x), slot.first_from, None), x
         if found is not None and made is not None:
             slot.input_from.add(found[1])
             if turn and slot.input >= 0:  # read as the output that made it: several readers count it once
@@ -60,14 +73,18 @@ class GemmInputs:
 
     def _first_pass_input(self, slot: _ModuleSlot, x: torch.Tensor) -> None:
         """A reentrant checkpoint's first pass gives a matmul ``x``: the module that made it is kept for the
-        recomputation (``first_from``), whose input an outer checkpoint may have made again and let go of."""
-        found = self._block_outputs.get(id(x))
-        if found is None or found[0]() is not x:
-            found = self._output_by_data(x)
-        if found is not None and found[0]() is not None:
+        recomputation (``first_from``), whose input an outer checkpoint may have made again and let go of; not
+        when it was changed in place since that module made it."""
+        found = self._maker_of(x)
+        if found is not None and found[0]() is not None and found[2] == _compat.tensor_version(x):
             slot.first_from = found[1]
 
-    def _output_by_data(self, x: torch.Tensor) -> tuple[weakref.ref[torch.Tensor], int] | None:
+    def _maker_of(self, x: torch.Tensor) -> Made | None:
+        """The entry of the output registered this step that ``x`` is: by object, else by the memory it views."""
+        found = self._block_outputs.get(id(x))
+        return found if found is not None and found[0]() is x else self._output_by_data(x)
+
+    def _output_by_data(self, x: torch.Tensor) -> Made | None:
         """The output registered this step over the memory ``x`` views (``_same_data``), a later one winning as
         by object; the index grows over the outputs registered since it was last looked at."""
         index, made = self._outputs_by_data, self._outputs_made

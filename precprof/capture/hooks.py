@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,7 +56,7 @@ from precprof import _compat
 from precprof import stats as st
 from precprof import tables as T
 from precprof.capture.attempts import StepAttempts
-from precprof.capture.gemm_inputs import GemmInputs
+from precprof.capture.gemm_inputs import GemmInputs, Made, made_entry
 from precprof.capture.grad_reads import _COMPLEX, GradientReads, _plain
 from precprof.capture.plan import CapturePlan, reads_block_operands
 from precprof.capture.records import (
@@ -177,9 +176,9 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         # this step's module outputs a linear layer may read, each (the tensor, its activation row): by object
         # (``id``), and in order, for the index by memory (``_same_data``) that a lookup by object that misses
         # builds (a wrapper's new tensor object over the same memory); most steps never need it
-        self._block_outputs: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
-        self._outputs_made: list[tuple[weakref.ref[torch.Tensor], int]] = []
-        self._outputs_by_data: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], int]] = {}
+        self._block_outputs: dict[int, Made] = {}
+        self._outputs_made: list[Made] = []
+        self._outputs_by_data: dict[tuple[Any, ...], Made] = {}
         self._indexed = 0  # how many of ``_outputs_made`` the index by memory covers
         # autocast as the first recorded forward saw it (the Profiler's dict, kept over the run)
         self.autocast_seen: dict[str, Any] = autocast_seen if autocast_seen is not None else {}
@@ -440,7 +439,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
                 if gemm:
                     rows.numel_gcd[act] = math.gcd(rows.numel_gcd[act], t.numel())
                 if self._track_outputs and t.dim() >= 2:
-                    entry = (weakref.ref(t), act)
+                    entry = made_entry(t, act)
                     self._block_outputs[id(t)] = entry
                     self._outputs_made.append(entry)
                 if t.requires_grad:
@@ -470,7 +469,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         reads), which took it for an input no captured module made, a row of their own."""
         for t in (output,) if isinstance(output, _Tensor) else _iter_tensors(output):
             if t.is_floating_point() and t.dim() >= 2:
-                entry = (weakref.ref(t), act)
+                entry = made_entry(t, act)
                 self._block_outputs[id(t)] = entry
                 self._outputs_made.append(entry)
 

@@ -160,6 +160,10 @@ class _ModuleSlot:
     # the block what-if judges as the layer's input operand, and the tensors an fp16 autocast would cast to fp16
     # (summary capture.gemm_inputs)
     input_from: set[int] = field(default_factory=set)
+    # a call's input was a captured module's output changed in place after that module returned it (read as its
+    # own input, ``input``): listed in capture.gemm_inputs with block formats off too, so that no reader guesses
+    # the module before it made its input
+    input_changed: bool = False
     # its input row held a tensor the model itself was called with (summary capture.model_inputs): no module of
     # the model computed it, the layer reading it is the one to keep in fp32
     model_input: bool = False

@@ -278,12 +278,12 @@ class ProfilerResults:
             else {}
         )
         # per matmul, the captured modules whose outputs it read as its input: every linear layer with block
-        # formats on (an empty list: it read its own input row), else those that read one
+        # formats on (an empty list: it read its own input row), else those that read one or one changed in place
         gemm_inputs = (
             {
                 slot.name: sorted({plan.rows.info[r].module for r in slot.input_from})
                 for slot in plan.modules
-                if slot.input >= 0 or slot.input_from
+                if slot.input >= 0 or slot.input_from or slot.input_changed
             }
             if plan is not None
             else None
