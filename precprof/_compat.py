@@ -265,6 +265,14 @@ def drops(module: Any) -> bool:
     return base is not None and isinstance(module, base) and isinstance(p, (int, float)) and p > 0
 
 
+def modules_and_parameters(model: torch.nn.Module) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``model.modules()`` and ``model.parameters()`` in one walk (the walk ``parameters()`` makes itself: each
+    module's own ``_parameters``, each parameter once, at its first module): half the host time of the two."""
+    modules = tuple(model.modules())
+    params = (p for m in modules for p in m._parameters.values() if p is not None)
+    return modules, tuple(dict.fromkeys(params))
+
+
 def is_compile_wrapper(module: Any) -> bool:
     """Whether ``module`` is ``torch.compile``'s wrapper (``OptimizedModule``): its forward is the wrapped
     module's, captured under the same name."""

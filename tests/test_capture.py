@@ -913,7 +913,7 @@ def test_a_parametrization_removed_mid_run_is_followed_from_then_on(switch: bool
     optimizer made for the layer's new ``weight``: that weight had no row, and the originals the model no longer
     held were read on, their values frozen. The capture follows the model from the step of ``use_optimizer``
     (step 2), or, without it, from the next sampled step (a change at step 1 of ``sample_every=2``: step 2); the
-    summary says what changed."""
+    summary says what changed, the parametrization's modules taken out with it."""
     from torch.nn.utils import parametrize
     from torch.nn.utils.parametrizations import weight_norm
 
@@ -922,6 +922,7 @@ def test_a_parametrization_removed_mid_run_is_followed_from_then_on(switch: bool
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     prof = precprof.Profiler(model, optimizer=opt, sample_every=1 if switch else 2, memory=False)
     change = 2 if switch else 1
+    held = [name for name, _ in model.named_modules()]
     weights, grads = {}, {}  # the first layer's weight as each step's forward reads it, and its gradient
     gone = "0.parametrizations.weight.original0, 0.parametrizations.weight.original1"
     with prof, pytest.warns(UserWarning, match=rf"changed before step 2 \(new: 0.weight; gone: {gone}\)"):
@@ -949,9 +950,101 @@ def test_a_parametrization_removed_mid_run_is_followed_from_then_on(switch: bool
             assert mine.loc[(step, kind), T.NUMEL] == t.numel()
     assert sorted(set(mine.index.get_level_values(T.STEP))) == sampled
     assert set(later.loc[later[T.MODULE] == "0", T.MODULE_TYPE]) == {"Linear"}
+    left = [name for name in held if name not in dict(model.named_modules())]
+    assert left and all(name.startswith("0.parametrizations") for name in left)
     assert prof.summary()["model_changes"] == [
-        {"step": 2, "added": ["0.weight"], "removed": gone.split(", ")}
+        {"step": 2, "added": ["0.weight"], "removed": gone.split(", "), "modules": left}
     ]
+
+
+class _Swapped(nn.Linear):
+    """A linear layer of another class, made to replace one and hold its very parameters, as torchao's
+    ``convert_to_float8_training`` makes its ``Float8Linear``."""
+
+    @classmethod
+    def replacing(cls, old: nn.Linear) -> _Swapped:
+        new = cls(old.in_features, old.out_features, device="meta")
+        new.weight, new.bias = old.weight, old.bias
+        return new
+
+
+def _see_outputs(
+    seen: dict[tuple[int, str], torch.Tensor], modules: dict[str, nn.Module], step: list[int]
+) -> None:
+    """Each module's output at each step into ``seen``, by the test's own forward hooks."""
+    for name, mod in modules.items():
+        mod.register_forward_hook(
+            lambda m, a, out, name=name: seen.update({(step[0], name): out.detach().clone()})
+        )
+
+
+def test_a_layer_swapped_for_one_holding_its_parameters_is_followed_from_then_on() -> None:
+    """The last layer swapped at step 2 for a module of another class holding the same parameters: the plan
+    compared parameters alone, so nothing changed for it; its hooks stayed on the old layer, which no longer
+    ran, and the layer's outputs and their gradients had no row from then on, without a word. From the next
+    sampled step (3) the new module is recorded, its outputs as the test's hooks on it see them, and the summary
+    says which module changed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    step, seen = [0], {}
+    _see_outputs(seen, {"old": model[2]}, step)
+    with (
+        precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof,
+        pytest.warns(UserWarning, match=r"the model's modules changed before step 3 \(2\)"),
+    ):
+        for step[0] in range(5):
+            if step[0] == 2:
+                model[2] = _Swapped.replacing(model[2])
+                _see_outputs(seen, {"new": model[2]}, step)
+            model(torch.randn(8, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    assert prof.summary()["model_changes"] == [{"step": 3, "added": [], "removed": [], "modules": ["2"]}]
+    layers = prof.tables()["layers"]
+    acts = layers[(layers[T.MODULE] == "2") & (layers[T.TENSOR] == T.ACTIVATION)].set_index(T.STEP)
+    assert sorted(acts.index) == [0, 1, 3, 4]  # (step 2's hooks were on the old layer, armed before the swap)
+    for s, name in ((0, "old"), (1, "old"), (3, "new"), (4, "new")):
+        assert acts.loc[s, T.ABSMAX] == float(seen[(s, name)].abs().max()), s
+    assert list(acts[T.MODULE_TYPE]) == ["Linear", "Linear", "_Swapped", "_Swapped"]
+    grads = layers[(layers[T.MODULE] == "2") & (layers[T.TENSOR] == T.ACTIVATION_GRAD)]
+    assert sorted(grads[T.STEP]) == [0, 1, 3, 4]
+
+
+def test_torchaos_float8_conversion_after_attach_is_followed() -> None:
+    """``convert_to_float8_training`` after ``attach()``: its Float8Linear modules hold the Linear layers'
+    parameters, and were not seen (every linear layer's output rows gone, the headline saying mixed precision
+    was not active). From the next sampled step they are recorded under their names, as Float8Linear, their
+    outputs as the test's hooks on them see them."""
+    float8 = pytest.importorskip("torchao.float8")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.LayerNorm(32))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False).attach()
+    try:
+        float8.convert_to_float8_training(model, config=float8.Float8LinearConfig(emulate=True))
+        step, seen = [0], {}
+        _see_outputs(seen, {"0": model[0], "2": model[2]}, step)
+        with pytest.warns(UserWarning, match=r"modules changed before step 1 \(0, 2\)"):
+            for step[0] in range(3):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(torch.randn(16, 32))
+                out.float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+    finally:
+        prof.detach()
+    assert prof.summary()["model_changes"] == [{"step": 1, "added": [], "removed": [], "modules": ["0", "2"]}]
+    layers = prof.tables()["layers"]
+    acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & (layers[T.STEP] >= 1)].set_index([T.STEP, T.MODULE])
+    for s in (1, 2):
+        for name in ("0", "2"):
+            row = acts.loc[(s, name)]
+            assert row[T.MODULE_TYPE] == "Float8Linear"
+            assert row[T.ABSMAX] == float(seen[(s, name)].float().abs().max()), (s, name)
+            assert row[T.NUMEL] == seen[(s, name)].numel()
 
 
 class _Distilled(nn.Module):

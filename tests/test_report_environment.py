@@ -277,6 +277,40 @@ def test_an_optimizer_switched_mid_run_is_said_with_its_step(tmp_path: Path) -> 
     assert said["optimizer"] == "SGD" and said["optimizer changed"] == "from Adam to SGD at step 2"
 
 
+def test_a_layer_swapped_mid_run_is_said_by_name(tmp_path: Path) -> None:
+    """The last layer swapped at step 1 for a module of another class holding its parameters (as torchao's
+    ``convert_to_float8_training`` does): the row said 'parameters replaced' of a change that replaced none. It
+    names the module, and the step the capture followed it from."""
+    import torch
+    from torch import nn
+
+    import precprof
+
+    class Swapped(nn.Linear):
+        pass
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    prof = precprof.Profiler(model, opt, sample_every=1, memory=False)
+    with prof, pytest.warns(UserWarning, match="modules changed before step 2"):
+        for step in range(3):
+            if step == 1:
+                new = Swapped(16, 1, device="meta")
+                new.weight, new.bias = model[2].weight, model[2].bias
+                model[2] = new
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    prof.report(tmp_path / "run")
+    rows, text = env_rows((tmp_path / "run" / "report.html").read_text())
+    check_words(rows, text)
+    assert dict(rows)["model changed"] == (
+        "at step 2: modules replaced, added or taken out: 2 (recorded as the model was from then on)"
+    )
+
+
 @pytest.mark.parametrize("given", ["after_the_first_step", "before_it"])
 def test_an_optimizer_given_after_the_first_step_says_from_which_step_updates_were_read(
     tmp_path: Path, given: str

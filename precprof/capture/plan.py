@@ -20,6 +20,7 @@ import os
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 from torch.nn.parameter import is_lazy
@@ -120,9 +121,12 @@ class CapturePlan:
     params: list[_ParamSlot] = field(default_factory=list)
     rows: RowTable = field(default_factory=RowTable)
     block_formats: bool = False
-    # the model's parameters when the plan was made, and each one's name (by ``id``): what ``stale`` compares
+    # the model's modules and parameters when the plan was made, and each one's name (by ``id``): what ``stale``
+    # compares
     held: tuple[nn.Parameter, ...] = ()
+    held_modules: tuple[nn.Module, ...] = ()
     param_names: list[tuple[int, str]] = field(default_factory=list)
+    module_names: list[tuple[int, str]] = field(default_factory=list)
     deals: int = 0  # how many times the block groups were dealt (what a hook's cache of a group is keyed on)
     _types: dict[str, str] | None = field(default=None, repr=False, compare=False)
     _order: tuple[list[tuple[int, int]], dict[str, int]] | None = field(
@@ -143,6 +147,7 @@ class CapturePlan:
         chosen: set[str] = set()
         for name, module in _compat.named_modules(model):  # by their own names, under DDP or torch.compile
             mtype = taxonomy.type_name(module)
+            plan.module_names.append((id(module), name))
             for pname, p in module.named_parameters(recurse=False):
                 if id(p) not in first:
                     first[id(p)] = (name, mtype)
@@ -180,17 +185,18 @@ class CapturePlan:
             plan.modules.append(slot)
         if module_filter is not None and check:
             _check_filter(model, module_filter, [s.name for s in plan.modules])
-        plan.held = tuple(model.parameters())
+        plan.held_modules, plan.held = _compat.modules_and_parameters(model)
         rows.begin_step()
         return plan
 
     def stale(self, model: nn.Module) -> bool:
-        """Whether ``model``'s parameters are no longer those the plan was made for: one taken out, added or
-        replaced by another object (``remove_parametrizations``, an adapter injected), compared object by object
-        (their values, dtypes and devices may change: the hooks read them as they are). Host only."""
-        now = tuple(model.parameters())
-        held = self.held
-        return len(now) != len(held) or any(a is not b for a, b in zip(now, held, strict=True))
+        """Whether ``model``'s parameters or modules are no longer those the plan was made for: one taken out,
+        added or replaced by another object (``remove_parametrizations``, an adapter injected; torchao's
+        ``convert_to_float8_training``, which swaps each ``nn.Linear`` for a new module holding the same
+        parameters, the old one's hooks then never called), compared object by object (their values, dtypes and
+        devices may change: the hooks read them as they are). Host only."""
+        modules, params = _compat.modules_and_parameters(model)
+        return not (_same(modules, self.held_modules) and _same(params, self.held))
 
     def block_rows(self) -> list[int]:
         """The rows the hooks may add block-format statistics to, each given a slot of the block accumulator:
@@ -261,3 +267,8 @@ BLOCK_FORMATS_ENV = "PRECPROF_BLOCK_FORMATS"
 def block_formats_from_env() -> bool:
     """``PRECPROF_BLOCK_FORMATS``: "0", "false", "no" or "off" turn the block-format what-if off; on otherwise."""
     return os.environ.get(BLOCK_FORMATS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _same(now: tuple[Any, ...], held: tuple[Any, ...]) -> bool:
+    """Whether two sequences hold the same objects, in the same order."""
+    return len(now) == len(held) and all(a is b for a, b in zip(now, held, strict=True))

@@ -206,7 +206,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         self.weight_updates = weight_updates and optimizer is not None
         self._updates_asked = weight_updates
         self._optimizer_changes: list[dict[str, Any]] = []  # ``use_optimizer``'s, for the summary
-        self._model_changes: list[dict[str, Any]] = []  # the parameters changed (``capture/replan.py``)
+        self._model_changes: list[dict[str, Any]] = []  # the model changed (``capture/replan.py``)
         self.update_sample = update_sample
         self.chunk = chunk
         self._block_formats = bool(block_formats) if block_formats is not None else block_formats_from_env()

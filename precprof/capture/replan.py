@@ -1,13 +1,17 @@
-"""A model whose parameters change while precprof is attached: ``remove_parametrizations`` (weight norm taken off
-before fine-tuning), adapters injected, a layer swapped for another. The capture plan (``capture/plan.py``) holds
-the modules and parameters the model had at attach, and its hooks read them: the new parameters had no row,
-while the ones the model no longer held kept being read, their values frozen, as if they still trained.
+"""A model whose parameters or modules change while precprof is attached: ``remove_parametrizations`` (weight norm
+taken off before fine-tuning), adapters injected, a layer swapped for another (torchao's
+``convert_to_float8_training`` swaps every ``nn.Linear`` for a ``Float8Linear`` holding the same parameters). The
+capture plan (``capture/plan.py``) holds the modules and parameters the model had at attach, and its hooks read
+them: the new parameters had no row, while the ones the model no longer held kept being read, their values
+frozen, as if they still trained; a module swapped for another kept its hooks on the old one, which no longer
+ran, so its outputs, their gradients and its input had no row.
 
 At the start of every sampled step (and at ``use_optimizer``, a new optimizer being what such a change comes
-with) the model's parameters are compared with the plan's, object by object; when they differ, the capture is
-planned again, as at a re-attach, from that step on: the rows of the modules and parameters the model holds
-now, and none of the others. The summary's ``model_changes`` says from which step and which parameters came
-and went. Nothing of this runs on a step that is not sampled."""
+with) the model's modules and parameters are compared with the plan's, object by object; when they differ, the
+capture is planned again, as at a re-attach, from that step on: the rows of the modules and parameters the model
+holds now, and none of the others. The summary's ``model_changes`` says from which step, which parameters came
+and went, and which modules were replaced, added or taken out (``modules``). Nothing of this runs on a step that
+is not sampled."""
 
 from __future__ import annotations
 
@@ -87,10 +91,15 @@ class Replanning:
         now = dict(new.param_names)
         added = [n for k, n in now.items() if k not in names]
         removed = [n for k, n in names.items() if k not in now]
-        self._model_changes.append({"step": self._step, "added": added, "removed": removed})
+        modules = _modules_changed(old, new)
+        self._model_changes.append(
+            {"step": self._step, "added": added, "removed": removed, "modules": modules}
+        )
+        what = "parameters" if added or removed else "modules"
+        said = f"new: {_few(added)}; gone: {_few(removed)}" if added or removed else _few(modules)
         warnings.warn(
-            f"precprof: the model's parameters changed before step {self._step} (new: {_few(added)}; gone: "
-            f"{_few(removed)}): the capture follows the model as it is now from this step on",
+            f"precprof: the model's {what} changed before step {self._step} ({said}): the capture follows the "
+            "model as it is now from this step on",
             stacklevel=stacklevel,  # (the loop's line: its prof.step() or use_optimizer)
         )
         return True
@@ -118,6 +127,14 @@ def _carry_skipped(
             new_buffer.skipped_total[k] += before[r.index]
             if r.index in old_buffer.skipped_why:
                 new_buffer.skipped_why.setdefault(k, old_buffer.skipped_why[r.index])
+
+
+def _modules_changed(old: CapturePlan, new: CapturePlan) -> list[str]:
+    """The names of the modules that are not the objects they were at ``old``: replaced by another (a
+    ``Float8Linear`` for an ``nn.Linear``), added, or taken out; in the model's order, those taken out last."""
+    was = {name: k for k, name in old.module_names}
+    now = {name: k for k, name in new.module_names}
+    return [n for n, k in now.items() if was.get(n) != k] + [n for n in was if n not in now]
 
 
 def _few(names: list[str]) -> str:

@@ -348,7 +348,7 @@ class ProfilerResults:
             "optimizer_changes": [dict(c) for c in self._optimizer_changes],
             # an optimizer given after the run began (``use_optimizer``): from which step its updates were read
             "updates_from": self.updates_from(),
-            # the model's parameters changed, the capture planned again (replan.py): {"step", "added", "removed"}
+            # the model's parameters or modules changed, planned again (replan.py): {step, added, removed, modules}
             "model_changes": [dict(c) for c in self._model_changes],
             "fp8_recipe": fp8_recipes(_compat.unwrapped(self.model)),  # what its Float8Linear layers ran
             "fp8_whatif_recipe": FP8_WHATIF_RECIPE,  # what every FP8 what-if assumes, whatever the run ran
@@ -359,11 +359,9 @@ class ProfilerResults:
             "grad_norm_type": _norm_type(self._clip_norms),
             # module forwards of sampled steps that ran in eval mode with grad on (an evaluation): not read
             "eval_forwards_ignored": self._hooks.eval_forwards if self._hooks is not None else 0,
-            # module forwards of sampled steps an activation checkpoint ran a second time (read once): the saved
-            # activations of such a model are what checkpointing keeps
+            # module forwards of sampled steps an activation checkpoint ran again (read once; saved: what it keeps)
             "checkpointed_forwards": self._hooks.checkpointed_forwards if self._hooks is not None else 0,
-            # module forwards of sampled steps in a call of the model by itself under no_grad inside its forward (a
-            # self-distillation target): an evaluation of it, not read (``capture/training_forward.py``)
+            # forwards of sampled steps in the model's own no_grad call of itself (an evaluation, not read)
             "self_call_forwards_unread": self._hooks.self_call_forwards if self._hooks is not None else 0,
             # sampled steps whose backward left no weight gradient in .grad (torch.autograd.grad): none read
             "weight_grads_unread_steps": self._hooks.weight_grads_unread if self._hooks is not None else 0,

@@ -127,9 +127,11 @@ def _optimizer_changes(changes: Any) -> str:
     return "; ".join(said)
 
 
-def _model_changes(changes: Any) -> str:
-    """The steps at which the model's parameters changed while it was profiled (``remove_parametrizations``, an
-    adapter added), and which came and went: the rows follow the model as it was at each step."""
+def _model_changes(changes: Any, listed: int = 6) -> str:
+    """The steps at which the model's parameters or modules changed while it was profiled
+    (``remove_parametrizations``, an adapter added, torchao's ``convert_to_float8_training`` swapping the linear
+    layers), which parameters came and went, and which modules were replaced, added or taken out (the first
+    ``listed``): the rows follow the model as it was at each step."""
     said = []
     for c in changes or ():
         if isinstance(c, Mapping) and _int(c.get("step")) is not None:
@@ -138,6 +140,10 @@ def _model_changes(changes: Any) -> str:
                 for k, what in (("added", "new"), ("removed", "gone"))
                 if c.get(k)
             ]
+            modules = [str(m) for m in c.get("modules") or ()]
+            if modules and not parts:  # (modules that came or went with parameters are said by those)
+                more = f" and {len(modules) - listed} more" if len(modules) > listed else ""
+                parts.append(f"modules replaced, added or taken out: {', '.join(modules[:listed])}{more}")
             said.append(f"at step {F.count(c['step'])}: {'; '.join(parts) or 'parameters replaced'}")
     return "; ".join(said) + (" (recorded as the model was from then on)" if said else "")
 
@@ -566,7 +572,7 @@ def capture_rows(
         rows.append(("optimizer changed", changes))
     model_changes = _model_changes(capture.get("model_changes"))
     if model_changes:
-        rows.append(("model's parameters changed", model_changes))
+        rows.append(("model changed", model_changes))
     if capture.get("weight_update_sample") is not None:
         late = updates_from(capture)
         rows.append(
