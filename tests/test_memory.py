@@ -1812,6 +1812,72 @@ def test_projection_from_pure_run_and_round_trip_through_summary() -> None:
     assert T.SUMMARY_MEMORY in summary and pd.DataFrame(proj["records"]).shape[1] == 4
 
 
+class UpcastRMSNorm(nn.Module):
+    """An RMSNorm as transformers writes it: computed in fp32 whatever its input, its output cast back."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype)
+
+
+class UpcastLM(nn.Module):
+    """A causal LM as transformers writes one: an upcasting final norm, and given labels, the loss computed in its
+    forward on ``logits.float()``."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.fc = nn.Linear(dim, dim)
+        self.norm = UpcastRMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(F.gelu(self.fc(self.emb(idx)))))
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def test_a_pure_run_projects_the_fp32_tensors_its_code_keeps_at_4_bytes(tmp_path: Path) -> None:
+    """A whole-bf16 Hugging Face causal LM (tester h65, a LoRA Llama) saved 99,076 B where its own bf16-pure
+    projection read 57,986 B: the projection halved every float saved tensor, the fp32 ones its code computes
+    (the loss on logits.float(), the RMSNorm's upcast) among them. Projected from the pure run, both pure modes'
+    activations are what the run saves, counted with autograd's own saved-tensor hooks."""
+    torch.manual_seed(0)
+    model = UpcastLM().to(torch.bfloat16)
+    idx = torch.randint(0, 64, (2, 8))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, tuple[torch.dtype, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = (t.dtype, t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx, idx)
+    acts = sum(b for _, b in saved.values())
+    assert sum(b for dt, b in saved.values() if dt == torch.float32) >= 2 * 8 * 64 * 4  # the log-softmax
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False) as prof:
+        for _ in range(2):
+            loss = model(idx, idx)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.item())
+    prof.report(tmp_path / "run")
+    summary = T.read_summary(tmp_path / "run")
+    r = records(summary[T.SUMMARY_MEMORY])
+    assert summary[T.SUMMARY_MEMORY]["measured_mode"] == "bf16-pure"
+    assert r[("bf16-pure", "measured", T.ACTIVATIONS)] == acts
+    assert r[("bf16-pure", "projected", T.ACTIVATIONS)] == acts
+    assert r[("fp16-pure", "projected", T.ACTIVATIONS)] == acts  # fp16 takes bf16's bytes; fp32 stays fp32
+
+
 def test_projection_keeps_a_measured_master_copy_for_pure_modes() -> None:
     n = 1000
     rows = [

@@ -319,7 +319,9 @@ def project(
             if target in FP32_STORAGE_MODES:
                 total += 4 * e
             elif target in PURE_MODES:
-                total += 2 * e
+                # a pure run's fp32 tensors are fp32 by the model's own code (a norm that upcasts, a loss on
+                # logits.float() inside the model): a whole-model cast leaves them in fp32
+                total += 4 * e if measured_pure and dt == "float32" else 2 * e
             elif measured_autocast:
                 # The measured mix is the autocast mix: 16-bit stays 2 bytes, fp32 stays 4.
                 total += 2 * e if dt in _LOW_FLOATS else 4 * e
@@ -456,7 +458,13 @@ def project(
         "fp32 tensor the step keeps anyway (saved by another op as it is, or copied for another: q, k and v "
         "each save their own copy of their one input), which fp32 saves once"
         + (f" ({round(4 * cast_copies):,} bytes of fp32 left out here)" if cast_copies else "")
-        + "; pure modes: every float saved tensor is 16-bit, those copies left out the same way.",
+        + "; pure modes: every float saved tensor is 16-bit, those copies left out the same way"
+        + (
+            ", but for the fp32 tensors this pure run saved (a norm that upcasts, a loss computed in fp32 inside "
+            "the model), which its code keeps in fp32 in either pure mode."
+            if measured_pure
+            else "."
+        ),
         "Masks, indices and float64 tensors take the same bytes in every mode, and so does what the loss "
         f"saves (module {LOSS_SCOPE!r}, measured under Profiler.memory_scope()): the built-in loop computes it "
         "in fp32 (logits.float()) in every mode.",
