@@ -2229,6 +2229,62 @@ def test_norms_under_autocast_are_told_by_what_chose_their_dtype() -> None:
     assert f.modules == ["ln", "upcast", "low"] and "whether that is bf16 inside is not known" in f.message
 
 
+class CheckpointedNorms(nn.Module):
+    """Two blocks (an upcasting norm, a Linear) run under activation checkpointing, as a Hugging Face model's
+    decoder layers with gradient checkpointing on; ``final``: the same norm class after them, outside any
+    checkpoint (transformers' final norm)."""
+
+    def __init__(self, final: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l0, self.head = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(UpcastNorm(16), nn.Linear(16, 16)) for _ in range(2))
+        self.norm = UpcastNorm(16) if final else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l0(x)
+        for blk in self.blocks:
+            h = h + torch.utils.checkpoint.checkpoint(blk, h, use_reentrant=False)
+        return self.head(self.norm(h))
+
+
+def test_norms_inside_activation_checkpoints_are_judged_by_their_class_measured_outside() -> None:
+    """A bf16 model under bf16 autocast with its blocks checkpointed (tester h65, a LoRA Llama on a bf16 base):
+    the rule listed transformers' RMSNorm of every checkpointed block ("by their own code ... whether that is bf16
+    inside is not known"), with a remedy to upcast as transformers' RMSNorm does, while clearing the final norm,
+    the same class outside the blocks: a checkpoint's first forward keeps nothing of its modules, so "kept no fp32
+    tensor" is no evidence there. The class keeps fp32 tensors for its backward (saved-tensor hooks on one norm):
+    with the final norm measured, no finding; without it, the blocks' norms stay "not known", and the finding says
+    why (activation checkpointing)."""
+    dtypes: set[torch.dtype] = set()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: dtypes.add(t.dtype) or t, lambda t: t):
+        UpcastNorm(16).bfloat16()(torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True))
+    assert torch.float32 in dtypes
+    x = torch.randn(4, 8, 16)
+    found = {}
+    for final in (True, False):
+        model = CheckpointedNorms(final).to(torch.bfloat16)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        with Profiler(model, optimizer=opt, sample_every=1, memory_every=1) as prof:
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(x.bfloat16()).float().square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step(loss=loss)
+        mem = prof.tables()["memory"]
+        kept = set(mem[(mem[T.COMPONENT] == T.ACTIVATIONS) & (mem[T.BYTES] > 0)][T.MODULE])
+        assert not {"blocks.0.0", "blocks.1.0"} & kept and ("norm" in kept) == final
+        found[final] = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()}).finding(
+            "bf16_fp32_ops"
+        )
+    assert found[True] is None
+    f = found[False]
+    assert f is not None and f.modules == ["blocks.0.0", "blocks.1.0"]
+    assert "whether that is bf16 inside is not known" in f.message and "activation checkpointing" in f.message
+
+
 class LayerNormAfterLinear(nn.Module):
     """Linear -> LayerNorm -> Linear; ``remedy``: the LayerNorm as a remedy has it called (None: as is)."""
 

@@ -51,8 +51,9 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
             # these modules cast alone inside an fp32 run) is a warning in bf16 as in fp16, unless the module
             # computed in fp32 inside (it kept fp32 tensors for its backward, as transformers' RMSNorm does)
             saved = _saved_activation_dtypes(run)
-            in_fp32 = [m for m in mods if "float32" in saved.get(m, ())]
-            mods = [m for m in mods if m not in in_fp32]
+            types = dict(zip(rows[T.MODULE], rows[T.MODULE_TYPE], strict=True))
+            in_fp32, alike = _computed_in_fp32(mods, types, saved)
+            mods = [m for m in mods if m not in in_fp32 and m not in alike]
             if not mods:
                 continue
             what = sorted(
@@ -70,13 +71,9 @@ def _rule_fp32_ops(run: _Run, plan: _Plan) -> None:
             else:
                 how += (
                     f" (Whether they computed in {fmt} inside is not known: no sampled step measured what they kept "
-                    "for their backward.)"
+                    f"for their backward{_checkpointed(capture)}.)"
                 )
-            if in_fp32:
-                how += (
-                    f" ({_listing(in_fp32, run.cfg.max_listed_modules)} also produced {dtype} outputs and kept fp32 "
-                    "tensors for their backward: they computed in fp32 and rounded only their outputs.)"
-                )
+            how += _cleared(in_fp32, alike, types, dtype, run.cfg.max_listed_modules)
             remedy = (
                 f"Keep them in fp32: cast {_listing(mods, run.cfg.max_listed_modules)} back with .float(), "
                 f"their inputs with them (x.float()) and their outputs back to {dtype} for the layers that read them "
@@ -191,9 +188,8 @@ def _under_autocast(run: _Run, plan: _Plan, rows: pd.DataFrame, dtype: str, devi
     mods = run.sort(list(types))
     cast_there = [m for m in mods if types[m] in CUDA_AUTOCAST_FP32] if device != "cuda" else []
     saved = _saved_activation_dtypes(run)
-    own = [m for m in mods if m not in cast_there]
-    in_fp32 = [m for m in own if "float32" in saved.get(m, ())]
-    own = [m for m in own if m not in in_fp32]
+    in_fp32, alike = _computed_in_fp32([m for m in mods if m not in cast_there], types, saved)
+    own = [m for m in mods if m not in cast_there and m not in in_fp32 and m not in alike]
     if not cast_there and not own:
         return
     listed = run.cfg.max_listed_modules
@@ -218,7 +214,7 @@ def _under_autocast(run: _Run, plan: _Plan, rows: pd.DataFrame, dtype: str, devi
                 f", and they kept no fp32 tensor for their backward: they computed in {fmt}."
                 if measured
                 else f" (whether that is {fmt} inside is not known: no sampled step measured what they kept for "
-                "their backward)."
+                f"their backward{_checkpointed(run.summary.get(T.SUMMARY_CAPTURE) or {})})."
             )
         )
         remedies.append(
@@ -226,12 +222,7 @@ def _under_autocast(run: _Run, plan: _Plan, rows: pd.DataFrame, dtype: str, devi
             "module: upcast its input (x.float()) before the reduction and cast the result back to x's dtype, as "
             "transformers' RMSNorm does."
         )
-    rest = (
-        f" ({_listing(in_fp32, listed)} also produced {dtype} outputs and kept fp32 tensors for their backward: they "
-        "computed in fp32 and rounded only their outputs.)"
-        if in_fp32
-        else ""
-    )
+    rest = _cleared(in_fp32, alike, types, dtype, listed)
     plan.add(
         Finding(
             f"{fmt}_fp32_ops",
@@ -246,6 +237,49 @@ def _under_autocast(run: _Run, plan: _Plan, rows: pd.DataFrame, dtype: str, devi
             modules=cast_there + own,
             numbers={"modules": len(cast_there) + len(own), "autocast": 1},
         )
+    )
+
+
+def _computed_in_fp32(
+    mods: list[str], types: Mapping[str, str], saved: Mapping[str, set[str]]
+) -> tuple[list[str], list[str]]:
+    """Of ``mods`` (16-bit outputs), those that kept fp32 tensors for their backward (they computed in fp32), and
+    those that kept nothing measured (inside an activation checkpoint: its first forward keeps nothing of theirs)
+    whose class is one that computed in fp32 wherever it was measured: the same code, taken to compute alike
+    (transformers' RMSNorm in every checkpointed block, its final norm outside them measured)."""
+    in_fp32 = [m for m in mods if "float32" in saved.get(m, ())]
+    low = {types[m] for m in mods if m in saved and m not in in_fp32}
+    fp32_types = {types[m] for m in in_fp32} - low
+    alike = [m for m in mods if m not in saved and types[m] in fp32_types]
+    return in_fp32, alike
+
+
+def _cleared(in_fp32: list[str], alike: list[str], types: Mapping[str, str], dtype: str, listed: int) -> str:
+    """The sentence on the modules ``_computed_in_fp32`` found computing in fp32: no finding of theirs."""
+    said = ""
+    if in_fp32:
+        said += (
+            f" ({_listing(in_fp32, listed)} also produced {dtype} outputs and kept fp32 tensors for their backward: "
+            "they computed in fp32 and rounded only their outputs.)"
+        )
+    if alike:
+        classes = ", ".join(sorted({types[m] for m in alike}))
+        said += (
+            f" ({_listing(alike, listed)} produced {dtype} outputs and kept nothing measured for their backward, but "
+            f"are of a class ({classes}) that computed in fp32 wherever it was measured: the same code, taken to "
+            "compute alike.)"
+        )
+    return said
+
+
+def _checkpointed(capture: Mapping[str, Any]) -> str:
+    """Why a module kept nothing measured, when the run checkpointed activations: what its first forward keeps
+    of a checkpointed block's modules is nothing at all."""
+    if not capture.get("checkpointed_forwards"):
+        return ""
+    return (
+        ", and under activation checkpointing a checkpointed block keeps nothing of its modules' on the first "
+        "forward"
     )
 
 
