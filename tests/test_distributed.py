@@ -808,6 +808,15 @@ def test_the_model_size_of_a_sharded_run_is_the_models(runs: Path) -> None:
         assert capture["n_params"] == full, scenario
 
 
+def test_the_advisor_says_the_parameters_of_a_ddp_model(runs: Path) -> None:
+    """An own-loop DDP run records no model section: the advisor summed the first step's weight rows, which hold
+    every rank's replica, and said the model had world_size times its parameters ("The model has 42,624
+    parameters" of a 21,312-parameter model on 2 ranks), which can flip its fp32-for-small-models verdict."""
+    full = sum(p.numel() for p in W.build_model().parameters())
+    f = precprof.recommend(run_dir(runs, "ddp")).finding("small_model")
+    assert f is not None and f.numbers["n_params"] == full
+
+
 def test_fsdp1_weight_updates_leave_the_shards_padding_out(runs: Path) -> None:
     """FSDP1 (``use_orig_params=False``) on 2 ranks: the model's 229 elements in one FlatParameter, sharded 115 +
     115, rank 1's last element padding that no optimizer moves. The weight-update row counted it: 230 sampled

@@ -114,15 +114,31 @@ def _rule_hardware(run: _Run, plan: _Plan) -> None:
         )
 
 
+def _model_params(run: _Run) -> int | None:
+    """The model's parameter count: the one summary.json records (the built-in loop's model, else the
+    Profiler's count of every rank's), else the first step's weight rows (a run cut off before its summary),
+    which under DDP hold every rank's replica: world_size times the model."""
+    for part in (T.SUMMARY_MODEL, T.SUMMARY_CAPTURE):
+        facts = run.summary.get(part) or {}
+        n = facts.get("n_params") if isinstance(facts, Mapping) else None
+        if isinstance(n, int):
+            return n
+    w = run.kind(T.WEIGHT)
+    if w.empty:
+        return None
+    first = w[w[T.STEP] == w[T.STEP].min()]
+    n = int(first.drop_duplicates([T.MODULE, T.PARAM])[T.NUMEL].sum())
+    dist = (run.summary.get(T.SUMMARY_CAPTURE) or {}).get("distributed") or {}
+    world = dist.get("world_size") if isinstance(dist, Mapping) else None
+    if isinstance(dist, Mapping) and dist.get("wrapper") == "DDP" and isinstance(world, int) and world > 1:
+        n //= world
+    return n
+
+
 def _rule_small_model(run: _Run, plan: _Plan) -> None:
-    model = run.summary.get(T.SUMMARY_MODEL) or {}
-    n = model.get("n_params") if isinstance(model, Mapping) else None
-    if not isinstance(n, int):
-        w = run.kind(T.WEIGHT)
-        if w.empty:
-            return
-        first = w[w[T.STEP] == w[T.STEP].min()]
-        n = int(first.drop_duplicates([T.MODULE, T.PARAM])[T.NUMEL].sum())
+    n = _model_params(run)
+    if n is None:
+        return
     plan.n_params = n
     if n >= run.cfg.small_model_params:
         return
