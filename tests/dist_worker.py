@@ -107,6 +107,10 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
     if scenario == "zero":  # the bytes of this rank's optimizer states, each storage once
         states = {t.untyped_storage().data_ptr(): t for s in opt.optim.state.values() for t in s.values()}
         dump["state_bytes"] = sum(t.untyped_storage().nbytes() for t in states.values())
+    if scenario == "fsdp1":  # the model's facts as precprof train records them, of the module FSDP1 wrapped
+        from precprof.models.base import BuiltModel
+
+        dump["n_params"] = BuiltModel(model, "fsdp1", "factory", None, None).info()["n_params"]
     if scenario.startswith("fsdp2"):
         # the full parameters after training, gathered from the shards (the reference must match them)
         dump["params"] = {n: p.full_tensor().tolist() for n, p in model.named_parameters()}

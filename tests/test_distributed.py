@@ -806,6 +806,8 @@ def test_the_model_size_of_a_sharded_run_is_the_models(runs: Path) -> None:
     for scenario in ("fsdp1", "fsdp2", "ddp"):
         capture = T.read_summary(run_dir(runs, scenario))[T.SUMMARY_CAPTURE]
         assert capture["n_params"] == full, scenario
+    # the model section precprof train records, of the module FSDP1 wrapped in place (it said rank 0's shard)
+    assert json.loads((runs / "fsdp1-rank0.json").read_text())["n_params"] == full
 
 
 def test_the_advisor_says_the_parameters_of_a_ddp_model(runs: Path) -> None:

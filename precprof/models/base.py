@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from precprof._compat import global_numel
 from precprof.errors import UserError
 from precprof.footprint import available_bytes, size_text
 
@@ -45,8 +46,10 @@ class BuiltModel:
 
 
 def count_params(module: nn.Module) -> int:
-    """Number of distinct parameter elements (tied weights counted once)."""
-    return sum(p.numel() for p in module.parameters())
+    """Number of distinct parameter elements (tied weights counted once), over every rank: a module FSDP1 wrapped
+    in place (``precprof train --distributed fsdp1``) holds this rank's shard of each flat parameter, half the
+    model on 2 ranks."""
+    return sum(global_numel(p) for p in module.parameters())
 
 
 # an integer written with leading zeros ("007"): an id or a code more often than a number, kept as written
