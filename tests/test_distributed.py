@@ -314,7 +314,7 @@ def test_summary_describes_ddp(runs: Path) -> None:
     assert rows["weight gradients"].startswith("each rank's local gradient, read before DDP's all-reduce")
     assert rows["processes"].startswith(f"{W.WORLD} (gloo); rank 0 wrote this run; the statistics of ")
     assert rows["parallelism"] == (
-        "DDP: replicated (every rank holds every parameter); computes in float32, reduces gradients in float32"
+        "DDP: replicated (every rank holds every parameter); parameters in float32, reduces gradients in float32"
     )
     nan = ddp["nonfinite_by_rank"][str(W.NAN_RANK)]["nan"]
     assert rows["non-finite values by rank"] == (
@@ -690,6 +690,31 @@ def test_a_wrapper_the_profiler_was_not_given_is_not_claimed_absent() -> None:
         "not known: the Profiler holds the module itself"
     )
     assert "profile_trainer(trainer)" in info["sharding"]
+
+
+def test_the_processes_row_says_the_parameters_dtype_and_the_autocast_compute() -> None:
+    """A DDP run under bf16 autocast: the Processes row said "computes in float32" (the parameters' dtype, which
+    DDP records as its param_dtype) beside a header saying bf16. It says the parameters' dtype and autocast's;
+    FSDP's param_dtype, which the forward computes in without autocast, still reads as the compute's."""
+    from precprof.report.environment import environment
+
+    def parallelism(wrapper: str, param_dtype: str, autocast: dict[str, Any]) -> str:
+        d = {"world_size": 2, "wrapper": wrapper, "param_dtype": param_dtype, "reduce_dtype": "float32"}
+        groups = dict(environment({"capture": {"distributed": d, "autocast": autocast}})["groups"])
+        return dict(groups["Processes"])["parallelism"]
+
+    bf16 = {"enabled": True, "dtype": "bfloat16", "device_type": "cpu"}
+    off = {"enabled": False, "dtype": None}
+    assert parallelism("DDP", "float32", bf16) == (
+        "DDP; parameters in float32 (compute: bfloat16 autocast), reduces gradients in float32"
+    )
+    assert parallelism("DDP", "float32", off) == "DDP; parameters in float32, reduces gradients in float32"
+    assert (
+        parallelism("FSDP2", "bfloat16", off) == "FSDP2; computes in bfloat16, reduces gradients in float32"
+    )
+    assert parallelism("FSDP2", "float32", bf16) == (
+        "FSDP2; parameters gathered in float32 (compute: bfloat16 autocast), reduces gradients in float32"
+    )
 
 
 def test_compare_says_which_runs_trained_on_several_processes(runs: Path, tmp_path: Path) -> None:

@@ -861,9 +861,24 @@ def _coverage(v: Mapping[str, Any]) -> str:
 _NONFINITE_KINDS = ("nan", "inf")
 
 
-def distributed_rows(d: Mapping[str, Any]) -> Rows:
+def _param_dtype_words(wrapper: str, param_dtype: Any, autocast: Mapping[str, Any]) -> list[str]:
+    """The parameters' dtype and the compute's, in words. FSDP's ``param_dtype`` is the dtype it gathers the
+    parameters in for the forward, which computes in it unless autocast runs on top; DDP's is the parameters'
+    own (DDP has no compute dtype), and a bf16-autocast DDP run read "computes in float32"."""
+    if not param_dtype:
+        return []
+    cast = autocast.get("dtype") if autocast.get("enabled") else None
+    if wrapper in ("FSDP1", "FSDP2") and not cast:
+        return [f"computes in {param_dtype}"]
+    held = "gathered in" if wrapper in ("FSDP1", "FSDP2") else "in"
+    return [f"parameters {held} {param_dtype}" + (f" (compute: {cast} autocast)" if cast else "")]
+
+
+def distributed_rows(d: Mapping[str, Any], autocast: Mapping[str, Any] | None = None) -> Rows:
     """``capture.distributed`` (``precprof.capture.reducer``) in words: the ranks, the wrapper, what the numbers of
-    a multi-rank run are, non-finite values by rank, and every rank's memory."""
+    a multi-rank run are, non-finite values by rank, and every rank's memory. ``autocast``: the capture's
+    (``capture.autocast``), for the dtype the forward computes in."""
+    autocast = autocast or {}
     if not d:
         return []
     rows: Rows = []
@@ -887,9 +902,8 @@ def distributed_rows(d: Mapping[str, Any]) -> Rows:
         rows.append(("rank-local statistics", F.plain(d["local_only"])))
     wrapper = str(d.get("wrapper") or "none")
     dtypes = [
-        f"{what} {d[key]}"
-        for what, key in (("computes in", "param_dtype"), ("reduces gradients in", "reduce_dtype"))
-        if d.get(key)
+        *_param_dtype_words(wrapper, d.get("param_dtype"), autocast),
+        *([f"reduces gradients in {d['reduce_dtype']}"] if d.get("reduce_dtype") else []),
     ]
     if wrapper == "none":
         parallel = str(d.get("sharding") or "none")
@@ -975,6 +989,6 @@ def environment(summary: Mapping[str, Any], tp: Mapping[str, Any] | None = None)
         ("Model", _model(_map(summary.get(T.SUMMARY_MODEL)), cfg, capture)),
         ("Run", config_rows(cfg, capture)),
         ("Capture", capture_rows(capture, cfg, tp)),
-        ("Processes", distributed_rows(_map(capture.get("distributed")))),
+        ("Processes", distributed_rows(_map(capture.get("distributed")), _map(capture.get("autocast")))),
     ]
     return {"device": device, "command": command, "groups": [(n, rows) for n, rows in groups if rows]}
