@@ -240,6 +240,38 @@ def test_precprof_report_on_a_killed_run(tmp_path: Path, monkeypatch: pytest.Mon
     assert precprof.recommend(out).format
 
 
+def test_a_killed_runs_fp8_eligibility_is_not_judged(tmp_path: Path) -> None:
+    """The layers' shapes are in the summary a run writes when it saves: a killed run's report said "0 of 2
+    qualify ... Not eligible: (weight shape unknown: none was recorded for it)", and on FP8 hardware that no
+    layer can go to FP8. It says the check was not judged, and why; the same run saved judges both layers."""
+
+    def run(out: Path, save: bool) -> precprof.Recommendation:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))  # FP8's multiples of 16
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        with precprof.Profiler(model, opt, sample_every=1, out=out) as prof:
+            for _ in range(3):
+                model(torch.randn(16, 16)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+        if save:
+            prof.save()
+        else:
+            prof._owned_run.release()  # as a killed job leaves it: its stream and first summary
+        return precprof.recommend(out, hardware="h100")
+
+    saved = run(tmp_path / "saved", save=True).finding("fp8_eligibility")
+    assert saved is not None and saved.numbers["checked"] == 2
+    killed = run(tmp_path / "killed", save=False)
+    f = killed.finding("fp8_eligibility")
+    assert f is not None and f.title == "FP8 eligibility not judged"
+    assert (f.numbers["checked"], f.numbers["unknown_shape"]) == (0, 2)
+    assert "the run has not saved summary.json" in f.message
+    assert "Not eligible" not in f.message and "none of its" not in f.remedy
+    assert killed.format != "fp8" and "FP8 eligibility was not judged" in f.remedy
+
+
 def test_precprof_report_on_a_run_still_being_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

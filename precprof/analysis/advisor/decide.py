@@ -134,6 +134,8 @@ def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     FP8's estimated speedup of a training step at these GEMM shapes (``analysis.fp8_speed``: the lower of the
     host-bound and the GPU-bound estimate) not above ``cfg.fp8_speedup_min``. Where the other end is above it,
     the text says FP8 may pay on such a step, to be measured."""
+    if plan.fp8_unjudged:
+        return f"FP8 eligibility was not judged: {plan.fp8_unjudged}"
     numbers = _fp8_numbers_why_not(plan, cfg)
     speed = _fp8_speed_text(plan)
     if numbers:

@@ -434,6 +434,8 @@ class _Plan:
     keep_bf16: list[str] = field(default_factory=list)
     fp8_eligible: list[str] = field(default_factory=list)
     fp8_checked: int = 0
+    # why FP8 eligibility was not judged at all ("" when it was): no linear layer's shape was recorded
+    fp8_unjudged: str = ""
     # Why each linear layer that is not FP8-eligible is not (module -> reason), and the share of the linear
     # layers' matmul FLOPs (2 x in x out per token and call, over the layers of known shape) the eligible
     # layers carry: the decision needs both.

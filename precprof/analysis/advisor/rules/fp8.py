@@ -55,6 +55,7 @@ from precprof.analysis.advisor.rules.shapes import (
     CONVOLUTION,
     RECURRENT,
     _fp8_shapes,
+    _Fp8Shape,
     _Unconverted,
     _unconverted_matmuls,
     _unseen_weights,
@@ -645,12 +646,45 @@ def _not_eligible(bad: list[tuple[str, str]], limit: int) -> str:
     return "; ".join(parts[:limit]) + (f" and {rest} more" if rest else "")
 
 
+def _unjudged(run: _Run, plan: _Plan, linear: list[str], shapes: Mapping[str, _Fp8Shape]) -> bool:
+    """Whether the run has not saved its summary (cut off before it did, or still running), whose capture.modules
+    holds the layers' shapes, and no linear layer's shape is known: its FP8 eligibility is not judged, and a
+    finding says why. Such a run read "0 of 9 qualify ... Not eligible: (all 9) (weight shape unknown)", a
+    verdict the data does not support."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    if (
+        run.summary.get(T.SUMMARY_STATUS) != T.STATUS_INCOMPLETE
+        or "modules" in capture
+        or any(shapes[m].in_features is not None for m in linear)
+    ):
+        return False
+    layers = "linear layer" if len(linear) == 1 else f"{len(linear)} linear layers"
+    plan.fp8_unjudged = (
+        f"the shapes of its {layers} were not recorded: the run has not saved summary.json, which records them "
+        "(it stopped before it saved, or is still running)"
+    )
+    plan.add(
+        Finding(
+            "fp8_eligibility",
+            INFO,
+            "FP8 eligibility not judged",
+            f"Whether a linear layer is FP8-eligible depends on its shape (both dimensions multiples of "
+            f"{taxonomy.FP8_DIM_MULTIPLE}), and {plan.fp8_unjudged}. No layer is judged eligible or not.",
+            "Record a run that saves (prof.save() or prof.report() at its end, or precprof train) to judge them.",
+            numbers={"checked": 0, "unknown_shape": len(linear)},
+        )
+    )
+    return True
+
+
 def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     cfg = run.cfg
     linear = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
     if not linear:
         return
     shapes = _fp8_shapes(run, linear, dims)
+    if _unjudged(run, plan, linear, shapes):
+        return
     lay = run.layers.loc[run.layers[T.MODULE].isin(linear), [T.STEP, T.MODULE, T.TENSOR, T.NAN, T.INF]]
     # the gradients of a step a loss scaler skipped overflowed at its scale: FP8 training (bf16 autocast, no
     # loss scale) has none of those; what the model itself computed non-finite is in the forward pass
