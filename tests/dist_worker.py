@@ -153,6 +153,33 @@ def run_train(scenario: str, rank: int, out: Path) -> None:
             raise RuntimeError(f"precprof train exited with {e.code}") from None
 
 
+CUT_STEP = 2  # "cut": every rank raises after this step's forward, a sampled step, as a crash cuts a run off
+
+
+def run_cut(scenario: str, rank: int, out: Path) -> None:
+    """DDP, every rank raising mid-step (no rank left waiting in a collective): the run directory is what a run
+    cut off before it saved leaves, its first summary.json and the steps it streamed."""
+    import precprof
+
+    model = _wrap(build_model(), "ddp")
+    opt = make_optimizer(model.parameters())
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=SAMPLE_EVERY, out=out / scenario)
+    try:
+        with prof:
+            for step in range(STEPS):
+                x, y = batch(step, rank)
+                loss = nn.functional.mse_loss(model(x), y)
+                if step == CUT_STEP:
+                    raise RuntimeError("cut off")
+                backward_and_step(loss, opt, None)
+                opt.zero_grad(set_to_none=True)
+                prof.step(loss=loss.detach(), tokens=BATCH)
+    except RuntimeError:
+        pass
+    if prof._owned_run is not None:
+        prof._owned_run.release()  # as a killed job leaves it: its lock gone with it
+
+
 def main(argv: list[str]) -> None:
     """Run under torchrun: ``python -m torch.distributed.run --standalone --nproc_per_node 2 dist_worker.py OUT``."""
     from precprof.training.distributed import init_from_env, shutdown
@@ -172,6 +199,8 @@ def main(argv: list[str]) -> None:
                     run_train(scenario, info.rank, out)
                 elif scenario == "ddp-join":
                     run_join(info.rank, out)
+                elif scenario == "cut":
+                    run_cut(scenario, info.rank, out)
                 else:
                     run_scenario(scenario, info.rank, out)
             except Exception:  # the same failure on every rank (no rank left waiting in a collective)

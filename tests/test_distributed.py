@@ -16,6 +16,7 @@ Expected rows per wrapper:
 from __future__ import annotations
 
 import copy
+import html
 import json
 import math
 import re
@@ -42,6 +43,7 @@ SCENARIOS = ("ddp", "fsdp2", "fsdp2-bf16")
 TRAIN_SCENARIOS = ("train-ddp", "train-fsdp2")
 # run, not counted layer by layer: FSDP1's weight rows mix unsharded units with shards (README, torchrun)
 OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig", "fsdp1-orig-scaled", "zero", "ddp-join")
+CUT_SCENARIOS = ("cut",)  # cut off before it saved: its first summary.json and its stream
 Key = tuple[int, str, str, str]  # step, module, tensor, param
 
 
@@ -58,7 +60,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             f"--nproc_per_node={W.WORLD}",
             str(HERE / "dist_worker.py"),
             str(out),
-            ",".join(SCENARIOS + TRAIN_SCENARIOS + OTHER_SCENARIOS),
+            ",".join(SCENARIOS + TRAIN_SCENARIOS + OTHER_SCENARIOS + CUT_SCENARIOS),
         ],
         capture_output=True,
         text=True,
@@ -842,6 +844,48 @@ def test_the_advisor_says_the_parameters_of_a_ddp_model(runs: Path) -> None:
     full = sum(p.numel() for p in W.build_model().parameters())
     f = precprof.recommend(run_dir(runs, "ddp")).finding("small_model")
     assert f is not None and f.numbers["n_params"] == full
+
+
+def _cut_off_page(runs: Path) -> tuple[str, dict[str, str]]:
+    """The report of the "cut" run (every rank raised mid-step): its text, and its Processes rows."""
+    from precprof import pipeline
+    from precprof.report.context import build_context
+
+    rdir = run_dir(runs, "cut")
+    read = T.read_run(rdir)
+    assert read.streamed  # never saved: read from its stream, beside its first summary.json
+    ctx = build_context(read.tables, T.read_summary(rdir))
+    return html.unescape(pipeline.rerender(rdir).read_text()), dict(
+        dict(ctx["environment"]["groups"])["Processes"]
+    )
+
+
+def test_a_cut_off_distributed_run_counts_the_steps_it_reduced(runs: Path) -> None:
+    """A DDP run cut off before it saved keeps its first summary.json, written at attach: the Processes row said
+    "the statistics of 0 sampled steps are every rank's together" of a run whose finished sampled steps were
+    all reduced. They are counted from its steps table; the step cut off is not among them."""
+    steps = T.read_tables(run_dir(runs, "cut"))["steps"]
+    done = [s for s in range(W.CUT_STEP) if s % W.SAMPLE_EVERY == 0]  # sampled and finished
+    assert steps[T.STEP].tolist() == list(range(W.CUT_STEP + 1))
+    _, rows = _cut_off_page(runs)
+    assert rows["processes"] == (
+        f"{W.WORLD} (gloo); rank 0 wrote this run; the statistics of {len(done)} sampled "
+        f"step{'s' if len(done) != 1 else ''} are every rank's together"
+    )
+
+
+def test_the_step_a_distributed_run_was_cut_off_in_is_said_to_be_one_ranks(runs: Path) -> None:
+    """No collective runs while an exception unwinds: the step the run was cut off in holds rank 0's rows
+    alone (half the activation elements of the others' on 2 ranks) beside "counts summed over ranks", and
+    nothing said so. The banner says it, and says the run was cut off during that step (it said "after step
+    1 (...; step 2 was cut off)" and, below, "cut off after step 2")."""
+    layers = T.read_tables(run_dir(runs, "cut"))["layers"]
+    acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & (layers[T.MODULE] == "0")].set_index(T.STEP)
+    assert acts.loc[0, T.NUMEL] == W.WORLD * W.BATCH * W.N_HID  # every rank's batch
+    assert acts.loc[W.CUT_STEP, T.NUMEL] == W.BATCH * W.N_HID  # rank 0's alone
+    page, _ = _cut_off_page(runs)
+    assert f"step {W.CUT_STEP}'s statistics are rank 0's alone, not summed over the {W.WORLD} ranks" in page
+    assert f"The run was cut off during step {W.CUT_STEP}." in page
 
 
 def test_fsdp1_weight_updates_leave_the_shards_padding_out(runs: Path) -> None:

@@ -548,6 +548,22 @@ def _accumulated(layers: pd.DataFrame, summary: Mapping[str, Any]) -> int:
     return int(calls.max()) // (ranks if isinstance(ranks, int) and ranks > 1 else 1)
 
 
+def _reduced_steps_counted(summary: Mapping[str, Any], steps: pd.DataFrame) -> Mapping[str, Any]:
+    """The summary with the sampled steps a distributed run reduced over its ranks counted from its steps
+    table, where the summary is the first one, written at attach (a run cut off before it saved: its
+    ``sampled_steps_reduced`` is the 0 of then, and the Processes row said "the statistics of 0 sampled steps
+    are every rank's together" of 5 reduced steps). Each sampled step the run finished was reduced; the step a
+    crash cut off never was."""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    dist = capture.get("distributed") if isinstance(capture, Mapping) else None
+    if not isinstance(dist, Mapping) or "sampled_steps" in capture or T.SAMPLED not in steps:
+        return summary
+    cut = T.flags(steps[T.CUT_OFF]).to_numpy() if T.CUT_OFF in steps else np.zeros(len(steps), dtype=bool)
+    reduced = int((T.flags(steps[T.SAMPLED]).to_numpy() & ~cut).sum())
+    capture = {**capture, "distributed": {**dist, "sampled_steps_reduced": reduced}}
+    return {**summary, T.SUMMARY_CAPTURE: capture}
+
+
 def _stopped(steps: pd.DataFrame, cfg: Mapping[str, Any]) -> str:
     """Where an incomplete run stopped, for its banner: "after step 670 (671 steps of the 3,000 planned; step
     671 was cut off)"; the planned count where the run's configuration has one (the built-in loop's); "" without
@@ -565,6 +581,26 @@ def _stopped(steps: pd.DataFrame, cfg: Mapping[str, Any]) -> str:
     planned = cfg.get("steps")
     of = f" of the {F.count(planned)} planned" if isinstance(planned, int) and planned > done else ""
     return f"after step {F.count(last)} ({F.count(done)} step{'s' if done != 1 else ''}{of}{cut_note})"
+
+
+def _one_rank_note(steps: pd.DataFrame, summary: Mapping[str, Any]) -> str:
+    """For a distributed run, that the step a crash cut off holds the writing rank's rows alone: no collective
+    runs while an exception unwinds (``RankReducer``), so its counts are one rank's where every other sampled
+    step's are every rank's together (its activations held half the elements of the others' on 2 ranks, and
+    nothing said so)."""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    dist = capture.get("distributed") if isinstance(capture, Mapping) else None
+    world = dist.get("world_size") if isinstance(dist, Mapping) else None
+    if not isinstance(world, int) or world < 2 or T.CUT_OFF not in steps or T.SAMPLED not in steps:
+        return ""
+    cut = steps[T.flags(steps[T.CUT_OFF]).to_numpy() & T.flags(steps[T.SAMPLED]).to_numpy()]
+    if cut.empty:
+        return ""
+    rank = dist.get("writer_rank", 0) if isinstance(dist, Mapping) else 0
+    return (
+        f"; step {F.count(int(cut[T.STEP].max()))}'s statistics are rank {rank}'s alone, not summed over the "
+        f"{F.count(world)} ranks as the other steps' are"
+    )
 
 
 def _no_memory_why(summary: Mapping[str, Any]) -> str:
@@ -724,7 +760,7 @@ def build_context(
         "incomplete": status == T.STATUS_INCOMPLETE,
         "incomplete_reason": summary.get(T.SUMMARY_INCOMPLETE_REASON)
         or "the run did not finish (cause not recorded)",
-        "stopped": _stopped(steps, cfg),
+        "stopped": _stopped(steps, cfg) + _one_rank_note(steps, summary),
         "errors": [str(e) for e in summary.get(T.SUMMARY_ERRORS) or []],
         "skipped_tensors": list((summary.get(T.SUMMARY_CAPTURE) or {}).get("skipped_tensors") or []),
         "headline": _headline(summary, steps, layers),
@@ -756,5 +792,7 @@ def build_context(
         },
         "memory": memory,
         "verification": S.precision_check(layers, tabs["memory"], summary),
-        "environment": environment.environment(summary, throughput(steps, compiled_steps(summary))),
+        "environment": environment.environment(
+            _reduced_steps_counted(summary, steps), throughput(steps, compiled_steps(summary))
+        ),
     }

@@ -109,7 +109,11 @@ def render_html(
     ctx["missing_tables"] = [T.TABLE_FILES.get(t, t) for t in missing_tables or []]
     ctx["missing_summary"] = missing_summary
     ctx["stream"] = (
-        {"last_step": stream.last_step, "notices": stream.notices}
+        {
+            "last_step": stream.last_step,
+            "notices": stream.notices,
+            "during": _cut_during(tables, stream.last_step),
+        }
         if stream is not None and stream.streamed
         else None
     )
@@ -120,6 +124,15 @@ def render_html(
     if live:  # its summary says "running" (incomplete) until it ends: not a cut-off run
         ctx["incomplete"] = False
     return environment().get_template(TEMPLATE).render(**ctx)
+
+
+def _cut_during(tables: Mapping[str, pd.DataFrame], last: int | None) -> bool:
+    """Whether the last step a cut-off run flushed is the step it was cut off in: the banner says "cut off during
+    step 5", where "after step 5" contradicted the one above it ("after step 4; step 5 was cut off")."""
+    steps = tables.get("steps")
+    if last is None or steps is None or T.CUT_OFF not in steps or T.STEP not in steps:
+        return False
+    return bool(T.flags(steps[T.CUT_OFF])[steps[T.STEP] == last].any())
 
 
 def render_report(
