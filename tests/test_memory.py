@@ -421,6 +421,53 @@ def test_a_scope_around_the_model_call_and_the_loss_counts_both(tmp_path: Path) 
     assert 'id="memory-loss"' not in (tmp_path / "run" / "report.html").read_text()
 
 
+@pytest.mark.parametrize("retry", ["in a new scope", "in the same scope"])
+def test_a_step_retried_after_a_keyboard_interrupt_in_a_scope_counts_the_model_and_the_loss(
+    retry: str,
+) -> None:
+    """A KeyboardInterrupt raised inside the model called under ``prof.memory_scope()``, caught by the loop and
+    the step run again: at the retried model's call, the interrupted forward's cleanup popped the scope's
+    saved-tensor hooks, so the model was recorded alone and the loss not at all (576 of 3028 B, no (loss) row).
+    The retried step counts what a saved-tensor hooks pair of the test's own sees one attempt save."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 100))
+    x, y = torch.randn(6, 8), torch.randint(0, 100, (6,))
+    params = list(model.parameters())
+    step_bytes = _saved_bytes(lambda: F.cross_entropy(model(x), y), params)
+    logits = model(x)
+    loss_bytes = _saved_bytes(lambda: F.cross_entropy(logits, y), params)
+    armed = [False]
+
+    def interrupt(mod: nn.Module, args: Any, out: Any) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise _Stop
+
+    model[1].register_forward_hook(interrupt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # (no update: the independent counts stay the step's)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, block_formats=False) as prof:
+        for _ in range(2):
+            armed[0] = True
+            if retry == "in a new scope":
+                with contextlib.suppress(_Stop), prof.memory_scope():
+                    loss = F.cross_entropy(model(x), y)
+                with prof.memory_scope():
+                    loss = F.cross_entropy(model(x), y)
+            else:
+                with prof.memory_scope():
+                    with contextlib.suppress(_Stop):
+                        model(x)
+                    loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    mem = prof.tables()["memory"]
+    for step in (0, 1):
+        acts = mem[(mem[T.STEP] == step) & (mem[T.COMPONENT] == T.ACTIVATIONS) & (mem[T.MOMENT] == "")]
+        assert acts[T.BYTES].sum() == step_bytes
+        assert acts[acts[T.MODULE] == "(loss)"][T.BYTES].sum() == loss_bytes
+
+
 class TinyLMWithLoss(TinyLM):
     """nanoGPT's, llm.c's and minGPT's shape of forward: given its targets, the model computes its loss itself."""
 

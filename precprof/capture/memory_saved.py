@@ -207,9 +207,15 @@ class SavedActivations:
         """The model's forward before this call never reached its post-hook (a KeyboardInterrupt the loop caught:
         torch calls no forward hook for an exception that is not an ``Exception``): it ends here as one that raised
         does in its post-hook, so what it saved is forgotten when the loop runs the model again (it was counted
-        with the next forward's, as if both were alive, as a step's saved tensors)."""
+        with the next forward's, as if both were alive, as a step's saved tensors). Inside ``scope()`` (the loop
+        caught it and opened the scope again to retry, or the scope is still open) the scope's hooks stay and its
+        stack is trimmed to its own entry: stopping popped them, and the retried model was recorded alone, the
+        loss after it not at all (576 of 3028 B)."""
         self._root_depth = 0
         self._attempts.forward_interrupted()
+        if self._in_scope():
+            del self._stack[1:]  # the interrupted forward's modules; the scope's entry stays
+            return
         self._stop_recording()
 
     def _submodule_entered(self, name: str, module: nn.Module, args: Any) -> None:
