@@ -248,10 +248,64 @@ def test_a_kind_without_histograms_leaves_the_next_captions_reason_alone(tmp_pat
             prof.step(loss=loss)
     page = prof.report(tmp_path / "run" / "report.html").read_text()
     sig = section(page, "signature")
-    assert "No histograms of activation gradients were recorded." in sig
+    assert "No activation-gradient value recorded was finite and nonzero" in sig  # (no heatmap)
     captions = re.findall(r"The right panel: the share of each row lost in ([^<]*?)\.(?: |<)", sig)
     assert captions, "no heatmap caption"
     assert all(c == "FP16 (FP16 has the narrowest range of the formats a run can train in)" for c in captions)
+
+
+@pytest.mark.parametrize("how", ["zero", "nan"])
+def test_a_gradient_kind_recorded_without_a_finite_nonzero_value_says_what_was_recorded(
+    tmp_path: Path, how: str
+) -> None:
+    """Every gradient of an fp16 model flushed to zero (its loss weighted by 1e-12), or NaN from a NaN loss: the
+    gradients were recorded, but their heatmaps have no magnitude to draw, and the page said "No histograms of
+    activation gradients were recorded" beside findings that every value was zero. It says what was recorded:
+    the counts a tensor hook of the test's own reads from the real gradients, each layer's output's and each
+    parameter's, over the sampled steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    if how == "zero":
+        model = model.half()
+    seen = {T.ACTIVATION_GRAD: [0, 0, 0, 0], T.WEIGHT_GRAD: [0, 0, 0, 0]}  # values, zero, NaN, inf
+
+    def count(kind: str, g: torch.Tensor) -> None:
+        for i, n in enumerate((g.numel(), (g == 0).sum(), g.isnan().sum(), g.isinf().sum())):
+            seen[kind][i] += int(n)
+
+    def watch(mod: nn.Module, args: object, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: count(T.ACTIVATION_GRAD, g))
+
+    for mod in model:
+        mod.register_forward_hook(watch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    steps = 3
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(steps):
+            out = model(torch.randn(4, 16).to(next(model.parameters()).dtype)).float().mean()
+            loss = out * (1e-12 if how == "zero" else float("nan"))
+            loss.backward()
+            for p in model.parameters():
+                assert p.grad is not None
+                count(T.WEIGHT_GRAD, p.grad)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    sig = section(prof.report(tmp_path / "run" / "report.html").read_text(), "signature")
+    assert "No histograms" not in sig
+    for kind, word, layers in (
+        ("activation-gradient", T.ACTIVATION_GRAD, 3),
+        ("weight-gradient", T.WEIGHT_GRAD, 2),
+    ):
+        n, zeros, nans, infs = seen[word]
+        assert infs == 0 and zeros + nans == n
+        where = f"{n:,} values over {steps} sampled step(s), from {layers} layer(s)"
+        if how == "zero":
+            assert zeros == n
+            assert f"Every {kind} value recorded was an exact zero: {where}." in sig
+        else:
+            told = f"{zeros:,} were zero and {nans:,} NaN" if zeros else f"{nans:,} were NaN"
+            assert f"No {kind} value recorded was finite and nonzero: of {where}, {told}." in sig
 
 
 # ----------------------------------------------------------------------------------- synthetic runs

@@ -319,6 +319,7 @@ def _heatmaps(
                     "kind": kind,
                     "title": title,
                     "img": None,
+                    "empty": _no_magnitude(kind, S.without_magnitude(layers, kind)),
                     "notes": [unread] if kind == T.WEIGHT_GRAD and unread else [],
                 }
             )
@@ -370,6 +371,25 @@ def _heatmaps(
         )
         out.append({"kind": kind, "title": title, "img": _img(hm.figure, alt), "notes": notes})
     return out
+
+
+def _no_magnitude(kind: str, got: Mapping[str, int] | None) -> str:
+    """The sentence in place of a heatmap whose kind was recorded with no finite nonzero value ("" when none was
+    recorded): it said no histograms were recorded, beside findings that every value was zero."""
+    if got is None:
+        return ""
+    what = S.KIND_LABELS[kind].removesuffix("s").replace(" ", "-") + " value"  # "activation-gradient value"
+    where = (
+        f"{F.count(got['values'])} values over {F.count(got['steps'])} sampled step(s), "
+        f"from {F.count(got['layers'])} layer(s)"
+    )
+    if got["zeros"] == got["values"]:
+        return f"Every {what} recorded was an exact zero: {where}. There is no magnitude to draw."
+    parts = [(got["zeros"], "zero"), (got["nan"], "NaN"), (got["inf"], "infinite")]
+    some = [f"{F.count(n)} {word}" for n, word in parts if n]
+    some[0] = some[0].replace(" ", " were ", 1)
+    told = ", ".join(some[:-1]) + " and " + some[-1] if len(some) > 1 else some[0]
+    return f"No {what} recorded was finite and nonzero: of {where}, {told}. There is no magnitude to draw."
 
 
 def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any] | None) -> dict[str, Any]:

@@ -175,6 +175,21 @@ def all_zero_rows(layers: pd.DataFrame, kind: str) -> set[tuple[str, str]]:
     return {(str(m), str(p)) for m, p in zero.index}
 
 
+def without_magnitude(layers: pd.DataFrame, kind: str) -> dict[str, int] | None:
+    """What was recorded of ``kind`` when none of it was finite and nonzero (every fp16 gradient flushed to zero,
+    a loss that went NaN), so that its heatmap has nothing to place on a log2 axis: the values over the sampled
+    steps, how many were zero, NaN and infinite, the sampled steps and the layers. None when no value of the kind
+    was recorded, or some had a magnitude (the histograms are missing, not the values)."""
+    sub = layers.loc[layers[T.TENSOR] == kind]
+    cols = [c for c in (T.NUMEL, T.ZEROS, T.NAN, T.INF) if c in sub]
+    tot = sub[cols].apply(pd.to_numeric, errors="coerce").fillna(0).sum()
+    n = int(tot.get(T.NUMEL, 0))
+    got = {"zeros": int(tot.get(T.ZEROS, 0)), "nan": int(tot.get(T.NAN, 0)), "inf": int(tot.get(T.INF, 0))}
+    if n <= 0 or sum(got.values()) != n:
+        return None
+    return {"values": n, **got, "steps": sub[T.STEP].nunique(), "layers": sub[T.MODULE].nunique()}
+
+
 def whatif_columns() -> list[tuple[str, str, str]]:
     """(column, format, "underflow"|"overflow"|"underflow_cs") of the what-if tables, in display order."""
     cols: list[tuple[str, str, str]] = []
