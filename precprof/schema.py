@@ -18,8 +18,10 @@ Every column name used anywhere in precprof is a constant here (read them throug
     tensor == "weight_update" rows lost_update_bf16 / lost_update_fp16 (update elements that are nonzero but vanish when added to the weight held in that
     format), update_rms / weight_rms (the RMS over the sample of the update and of the weight before it:
     update_rms / weight_rms is ||dw|| / ||w||) — NaN on other rows; on weight_update rows absmax and absmin
-    are the update's (largest finite |dw|, smallest nonzero one), numel_gcd (a linear layer's activation rows: the largest number dividing
-    the output elements of each of its calls; NaN on other rows).
+    are the update's (largest finite |dw|, smallest nonzero one) and nan / inf count the sampled updates that
+    were nan or inf (a weight that became or was non-finite; 0 in runs recorded before they were counted),
+    numel_gcd (a linear layer's activation rows: the largest number dividing the output elements of each of
+    its calls; NaN on other rows).
 
 ``histograms`` — step, module, tensor, param, exponent (floor(log2|x|) of the unscaled value), count.
     Zeros, nan and inf are not in it (they are columns of ``layers``).

@@ -251,3 +251,40 @@ def test_the_summary_and_the_report_give_each_layers_ratio(tmp_path: Path) -> No
     assert [r["module"] for r in doc["layers"]] == ["0", "2"]
     assert "Weight updates against the weights" in page
     assert f">{filters.sci(doc['layers'][0]['median'])}<" in page
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_nan_and_inf_updates_are_counted_not_read_as_zero(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight whose gradient holds nan and inf at some elements: SGD makes those updates nan and -inf. The
+    rows had nan and inf 0 beside an update RMS of the finite updates alone, so a layer whose every update was
+    nan read as one whose update was 0. Now nan and inf count them, as the test's own copies of the samples
+    around the step do, and the sizes stay those of the finite updates."""
+    monkeypatch.setenv(ENGINE_ENV, engine)
+    m = _model(torch.float32)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = torch.randn(16, 40), torch.randn(16, 1)
+    names = dict(m.named_parameters())
+    own = {}
+    with precprof.Profiler(m, optimizer=opt, sample_every=1, memory=False) as prof:
+        (m(x) - y).square().mean().backward()
+        grad = names["0.weight"].grad
+        assert grad is not None
+        grad.view(-1)[:50] = math.nan  # every 5th sampled: elements 0, 5, ..., 45
+        grad.view(-1)[100:110] = math.inf  # elements 100 and 105
+        before = {n: _sample(p) for n, p in names.items()}
+        opt.step()
+        for n, p in names.items():
+            d = _sample(p) - before[n]
+            finite = d[d.isfinite()]
+            own[n] = (int(d.isnan().sum()), int(d.isinf().sum()), float(finite.square().sum() / len(d)))
+        prof.step()
+        layers = prof.tables()["layers"]
+    rows = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE].astype({T.MODULE: str, T.PARAM: str})
+    got = rows.set_index([T.MODULE, T.PARAM])
+    assert own["0.weight"][:2] == (10, 2)
+    for n, (nan, inf, sq) in own.items():
+        row = got.loc[tuple(n.rsplit(".", 1))]
+        assert (int(row[T.NAN]), int(row[T.INF])) == (nan, inf), n
+        assert float(row[T.UPDATE_RMS]) == pytest.approx(math.sqrt(sq), rel=1e-6), n

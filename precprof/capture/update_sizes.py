@@ -1,14 +1,17 @@
 """The size of the sampled weight updates (``capture/updates.py``): per parameter and sampled step, over its
 strided sample, the sum of the squared updates, the sum of the squared weights before the step, and the largest
-and the smallest nonzero |update|. They give the ``weight_update`` rows' ``update_rms`` and ``weight_rms``
-(their ratio is ||dw|| / ||w|| on the sample, the per-layer diagnostic of a learning rate too high or too low)
-and their ``absmax`` / ``absmin``.
+and the smallest nonzero |update|, and how many updates were nan and how many inf. They give the
+``weight_update`` rows' ``update_rms`` and ``weight_rms`` (their ratio is ||dw|| / ||w|| on the sample, the
+per-layer diagnostic of a learning rate too high or too low), their ``absmax`` / ``absmin`` and their ``nan`` /
+``inf``.
 
-Kept per device group as one float64 tensor ``[members, 4]`` beside the counts, added to on the device in the
+Kept per device group as one float64 tensor ``[members, WIDTH]`` beside the counts, added to on the device in the
 optimizer's post-hook (no sync) and copied with the rest of the sampled step. The squares are summed in
 float64 from the fp32 samples: an update of 1e-20 squares to 1e-40, below fp32's range. A non-finite update or
-weight counts for nothing in the sums and extremes (the ``nan`` / ``inf`` columns of the weight rows say it);
-``absmax`` is the largest finite |update| as on every other row.
+weight counts for nothing in the sums and extremes; ``absmax`` is the largest finite |update| as on every other
+row. The non-finite updates are counted instead (a weight that became nan, or was nan already, has a nan
+update): without the count, a layer whose every update was nan read as one whose update was 0, "barely
+training".
 
 The sums add over the optimizer steps of a sampled step and over ranks (a DDP rank's copy adds to numel as
 much as to the sums, so the RMS is the same); the extremes take the max and the min.
@@ -24,9 +27,9 @@ import torch
 
 from precprof import tables as T
 
-# columns of a group's sizes
-SQ_UPDATE, SQ_WEIGHT, UPDATE_MAX, UPDATE_MIN = range(4)
-WIDTH = 4
+# columns of a group's sizes: the sums (added over ranks), then the extremes
+SQ_UPDATE, SQ_WEIGHT, NAN_UPDATES, INF_UPDATES, UPDATE_MAX, UPDATE_MIN = range(6)
+WIDTH = 6
 
 
 def empty(rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -65,7 +68,8 @@ def add(
     concatenated) into ``sizes``: device ops, no sync."""
     d = torch.where(torch.isfinite(delta), delta, 0).abs().double()
     w = torch.where(torch.isfinite(before), before, 0).double()
-    vals = torch.stack((d * d, w * w, d, torch.where(d > 0, d, math.inf)))
+    nan, inf = torch.isnan(delta).double(), torch.isinf(delta).double()
+    vals = torch.stack((d * d, w * w, nan, inf, d, torch.where(d > 0, d, math.inf)))
     pad = torch.zeros((WIDTH, len(sizes) * width), dtype=torch.float64, device=delta.device)
     pad[UPDATE_MIN].fill_(math.inf)  # (the padding is no update: 0 in the sums and the max, inf in the min)
     pad.index_copy_(1, slots, vals)
@@ -85,6 +89,8 @@ def add_host(sizes: torch.Tensor, starts: np.ndarray, before: np.ndarray, after:
     s = sizes.numpy()
     s[:, SQ_UPDATE] += np.add.reduceat(d * d, starts)
     s[:, SQ_WEIGHT] += np.add.reduceat(w * w, starts)
+    s[:, NAN_UPDATES] += np.add.reduceat(np.isnan(delta), starts, dtype=np.float64)
+    s[:, INF_UPDATES] += np.add.reduceat(np.isinf(delta), starts, dtype=np.float64)
     np.maximum(s[:, UPDATE_MAX], np.maximum.reduceat(d, starts), out=s[:, UPDATE_MAX])
     np.minimum(
         s[:, UPDATE_MIN], np.minimum.reduceat(np.where(d > 0, d, math.inf), starts), out=s[:, UPDATE_MIN]
@@ -106,7 +112,7 @@ def from_ranks(sums: np.ndarray, extremes: np.ndarray) -> np.ndarray:
 def columns(sizes: np.ndarray, numel: np.ndarray) -> dict[str, Any]:
     """The ``weight_update`` rows' size columns from their ``sizes`` and sampled elements ``numel``: the RMS of
     the update and of the weight over the sample, the largest finite |update| (0 when none moved), the smallest
-    nonzero one (NaN when none)."""
+    nonzero one (NaN when none), and how many updates were nan and how many inf."""
     n = np.maximum(np.asarray(numel, dtype=np.float64), 1.0)
     low = sizes[:, UPDATE_MIN]
     return {
@@ -114,4 +120,6 @@ def columns(sizes: np.ndarray, numel: np.ndarray) -> dict[str, Any]:
         T.WEIGHT_RMS: np.sqrt(sizes[:, SQ_WEIGHT] / n),
         T.ABSMAX: sizes[:, UPDATE_MAX].copy(),
         T.ABSMIN: np.where(np.isfinite(low), low, math.nan),
+        T.NAN: np.rint(sizes[:, NAN_UPDATES]).astype(np.int64),
+        T.INF: np.rint(sizes[:, INF_UPDATES]).astype(np.int64),
     }

@@ -495,13 +495,13 @@ class UpdateSampler:
         return bool(done) and all(done)
 
     def device_counts(self) -> list[torch.Tensor]:
-        """Each device group's counts ([members, 4] int64, on its device), then each one's sizes ([members, 4]
+        """Each device group's counts ([members, 4] int64, on its device), then each one's sizes ([members, 6]
         float64, ``update_sizes``), for one copy with the rest of a sampled step's data; :meth:`host_counts`
         puts the copies back in parameter order."""
         return [g.counts for g in self._groups] + [g.sizes for g in self._groups]
 
     def host_counts(self, parts: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """[tracked, 4] int64 counts and [tracked, 4] float64 sizes from the host copies of
+        """[tracked, 4] int64 counts and [tracked, 6] float64 sizes from the host copies of
         :meth:`device_counts` (nothing for parameters that were not sampled)."""
         k = len(self._groups)
         rows = max(len(self.tracked), 1)

@@ -685,7 +685,9 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     shapes = _fp8_shapes(run, linear, dims)
     if _unjudged(run, plan, linear, shapes):
         return
-    lay = run.layers.loc[run.layers[T.MODULE].isin(linear), [T.STEP, T.MODULE, T.TENSOR, T.NAN, T.INF]]
+    # (the values the layers hold and compute: a weight update's nan is the next step's weight's)
+    read = run.layers[T.MODULE].isin(linear) & (run.layers[T.TENSOR] != T.WEIGHT_UPDATE)
+    lay = run.layers.loc[read, [T.STEP, T.MODULE, T.TENSOR, T.NAN, T.INF]]
     # the gradients of a step a loss scaler skipped overflowed at its scale: FP8 training (bf16 autocast, no
     # loss scale) has none of those; what the model itself computed non-finite is in the forward pass
     skipped = _skipped_steps(run.steps, scaled=True)

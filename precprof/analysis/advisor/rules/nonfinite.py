@@ -513,7 +513,10 @@ def _written_by_the_optimizer(
     mods = set(weights[T.MODULE])
     had = then[(then[T.TENSOR] == T.WEIGHT) & then[T.MODULE].isin(mods)]
     facts = _step_facts(run, streaks, before)
-    if had.empty or int((then[T.NAN] + then[T.INF]).sum()) or facts.skipped:
+    # (its weight updates are what the optimizer step wrote: non-finite ones are this finding's, not a reason
+    # against it)
+    read = then[then[T.TENSOR] != T.WEIGHT_UPDATE]
+    if had.empty or int((read[T.NAN] + read[T.INF]).sum()) or facts.skipped:
         return None
     modules = run.sort(mods)
     first = modules[0]
