@@ -288,3 +288,46 @@ def test_nan_and_inf_updates_are_counted_not_read_as_zero(
         row = got.loc[tuple(n.rsplit(".", 1))]
         assert (int(row[T.NAN]), int(row[T.INF])) == (nan, inf), n
         assert float(row[T.UPDATE_RMS]) == pytest.approx(math.sqrt(sq), rel=1e-6), n
+
+
+def test_a_step_with_a_nan_update_has_no_ratio_and_is_said_left_out(tmp_path: Path) -> None:
+    """SGD, and on step 1 a nan put in layer 0's weight gradient: that weight element goes nan, and on step 2
+    the loss, every gradient and every update are nan. The report's table had layer 0 at update / weight 0
+    on step 2 ("the layer barely trains"); now a step whose sampled updates hold a nan has no ratio, and the
+    page and summary.json say which steps were left out. The test's own copies of the samples around each
+    step give the ratios of the steps kept and the steps left out."""
+    m = _model(torch.float32)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    x, y = torch.randn(16, 40), torch.randn(16, 1)
+    sums: dict[tuple[int, str], list[float]] = {}
+    bad: dict[str, set[int]] = {}
+    with precprof.Profiler(m, optimizer=opt, sample_every=1, memory=False, out=tmp_path / "run") as prof:
+        for step in range(STEPS):
+            (m(x) - y).square().mean().backward()
+            if step == 1:
+                m[0].weight.grad[0, 0] = math.nan  # type: ignore[index]
+            before = {n: _sample(p) for n, p in m.named_parameters()}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            for n, p in m.named_parameters():
+                mod, d = n.rsplit(".", 1)[0], _sample(p) - before[n]
+                if not d.isfinite().all():
+                    bad.setdefault(mod, set()).add(step)
+                scale = p.numel() / len(d)
+                du, dw = sums.get((step, mod), [0.0, 0.0])
+                sums[(step, mod)] = [
+                    du + scale * float(d.square().sum()),
+                    dw + scale * float(before[n].square().sum()),
+                ]
+            prof.step()
+        page = prof.report().read_text()
+    assert bad == {"0": {1, 2}, "2": {2}}
+    doc = T.read_summary(tmp_path / "run")[T.SUMMARY_WEIGHT_UPDATES]
+    assert doc["nonfinite_steps"] == {mod: [len(s), STEPS] for mod, s in bad.items()}
+    for layer in doc["layers"]:
+        kept = [s for s in range(STEPS) if s not in bad[layer["module"]]]
+        ratios = [math.sqrt(sums[(s, layer["module"])][0] / sums[(s, layer["module"])][1]) for s in kept]
+        assert layer["steps"] == len(kept)
+        assert layer["median"] == pytest.approx(float(np.median(ratios)), rel=1e-6)
+    assert 'id="update-ratios-nonfinite"' in page
+    assert "<code>0</code>: 2 of 3 steps; <code>2</code>: 1 of 3 steps." in page

@@ -9,7 +9,10 @@ bias had given the bias 6% of the layer's norm, where it holds 0.02%). A step wh
 (a zero-initialised layer's first step) has no ratio: the update is not small or large against nothing. The
 usual reading for Adam-like optimizers is a ratio near 1e-3: far above, the learning rate moves a layer's
 weights by a large share per step; far below, the layer barely trains, and in a low-precision weight its
-updates round away (the ``lost_update_*`` counts say how many).
+updates round away (the ``lost_update_*`` counts say how many). A step on which some sampled update of a
+module's parameters was nan or inf (its weights became non-finite, or were already) has no ratio either: the
+sums hold its finite updates alone, and a layer whose every update was nan read as one whose update was 0
+(``nonfinite_steps`` counts those steps).
 
 Pure pandas over the layers table; nothing here reads torch.
 """
@@ -40,14 +43,40 @@ def step_ratios(layers: pd.DataFrame) -> pd.DataFrame:
             "du": du.to_numpy(),
             "dw": dw.to_numpy(),
             T.ABSMAX: pd.to_numeric(rows[T.ABSMAX], errors="coerce").to_numpy(dtype=float),
+            "bad": _nonfinite(rows).to_numpy(),
         }
     ).dropna(subset=["du", "dw"])
     per = sq.groupby([T.MODULE, T.STEP], sort=False).agg(
-        du=("du", "sum"), dw=("dw", "sum"), absmax=(T.ABSMAX, "max")
+        du=("du", "sum"), dw=("dw", "sum"), absmax=(T.ABSMAX, "max"), bad=("bad", "sum")
     )
-    per = per[per["dw"] > 0]
+    per = per[(per["dw"] > 0) & (per["bad"] == 0)]
     out = pd.DataFrame({"ratio": np.sqrt(per["du"] / per["dw"]), T.ABSMAX: per["absmax"]})
     return out.reset_index()
+
+
+def _nonfinite(rows: pd.DataFrame) -> pd.Series:
+    """Per ``weight_update`` row, its sampled updates that were nan or inf (0 in a run recorded before they were
+    counted)."""
+    cols = [c for c in (T.NAN, T.INF) if c in rows.columns]
+    return rows[cols].apply(pd.to_numeric, errors="coerce").fillna(0).sum(axis=1)
+
+
+def nonfinite_steps(layers: pd.DataFrame) -> dict[str, tuple[int, int]]:
+    """Per module with a nan or inf among its sampled updates: (the sampled steps with one, the sampled steps
+    with updates of it), in forward order of the table's rows."""
+    if layers.empty:
+        return {}
+    rows = layers[T.texts(layers[T.TENSOR]) == T.WEIGHT_UPDATE]
+    steps = pd.DataFrame(
+        {
+            T.MODULE: T.texts(rows[T.MODULE]).astype(str).to_numpy(),
+            T.STEP: pd.to_numeric(rows[T.STEP], errors="coerce").to_numpy(),
+            "bad": _nonfinite(rows).to_numpy() > 0,
+        }
+    )
+    per = steps.groupby([T.MODULE, T.STEP], sort=False)["bad"].any().groupby(level=0, sort=False)
+    counts = pd.DataFrame({"bad": per.sum(), "all": per.size()})
+    return {str(m): (int(r["bad"]), int(r["all"])) for m, r in counts.iterrows() if r["bad"] > 0}
 
 
 def layer_ratios(layers: pd.DataFrame) -> dict[str, dict[str, float]]:
@@ -71,17 +100,21 @@ def layer_ratios(layers: pd.DataFrame) -> dict[str, dict[str, float]]:
 def summary(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
     """summary.json's ``weight_updates``: the per-layer ratios (``layer_ratios``) in forward order (``shared``:
     the capture's shared parameters, as ``tables.module_order`` takes them), and over the layers the median of
-    their medians and the largest ratio with its layer; None without any."""
+    their medians and the largest ratio with its layer (None without any), and ``nonfinite_steps`` per layer
+    with steps left out for a nan or inf update (``nonfinite_steps``: [left out, sampled]); None without
+    either."""
     per = layer_ratios(layers)
-    if not per:
+    bad = nonfinite_steps(layers)
+    if not per and not bad:
         return None
     rank = T.module_order(layers, shared)
     names = sorted(per, key=lambda m: (rank.get(m, math.inf), m))
-    top = max(names, key=lambda m: per[m]["max"])
+    top = max(names, key=lambda m: per[m]["max"]) if names else None
     return {
-        "ratio_median": float(np.median([per[m]["median"] for m in names])),
-        "ratio_max": per[top]["max"],
+        "ratio_median": float(np.median([per[m]["median"] for m in names])) if names else None,
+        "ratio_max": per[top]["max"] if top is not None else None,
         "ratio_max_layer": top,
+        **({"nonfinite_steps": {m: list(n) for m, n in bad.items()}} if bad else {}),
         "layers": [
             {
                 "module": m,

@@ -20,7 +20,7 @@ activation, activation_grad, weight, weight_grad, weight_update):
   ``precprof/update_ratio/<scope>`` — the optimizer's update against the weights, ||dw|| / ||w|| of the
   scope's parameters from their sampled elements, each parameter at its size (``precprof.analysis.update_ratio``:
   the report's "Weight updates against the weights" per layer); none on a step whose sampled weights were all
-  zero.
+  zero, nor on one whose sampled updates held a nan or inf.
 
 A layer's parameters (weight and bias) are summed into its ``weight`` / ``weight_grad`` / ``weight_update``
 events. What scales: the ``all`` aggregates are always written (whatever the model: 4 kinds x 12 tags, and
@@ -254,9 +254,10 @@ def _count_events(step: int, scope: str, kind: str, row: pd.Series) -> list[Even
             if not math.isnan(v):
                 out.append(Scalar(tag("lost_update", fmt, scope), step, v / numel))
         sq_update, sq_weight = _float(row[SQ_UPDATE]), _float(row[SQ_WEIGHT])
-        if (
-            sq_weight > 0
-        ):  # all-zero sampled weights: no ratio, the update is not small or large against nothing
+        # all-zero sampled weights: no ratio, the update is not small or large against nothing; nor a nan or inf
+        # update (the sums hold the finite ones alone)
+        nonfinite = _float(row[T.NAN]) + _float(row[T.INF]) > 0
+        if sq_weight > 0 and not nonfinite:
             out.append(Scalar(tag("update_ratio", scope), step, math.sqrt(sq_update / sq_weight)))
         return out
     for fmt in WHATIF_FORMATS:

@@ -805,6 +805,8 @@ def build_context(
         "layer_inputs": sum(bool(r["layer_input"]) for r in layer_rows),
         # the layers whose update-to-weight ratio was read (``analysis.update_ratio``), in forward order
         "update_ratios": [r for r in layer_rows if not _missing(r.get("update_ratio_median"))],
+        # the layers with sampled steps left out of their ratio for a nan or inf update, in forward order
+        "update_nonfinite": [r for r in layer_rows if r.get("update_nonfinite")],
         # columns of the per-layer table that only some runs fill: left out when no row has them
         "layers_cols": {
             "lost_updates": any(not _missing(r.get("lost_update_bf16")) for r in layer_rows),

@@ -316,6 +316,8 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     module; NaN without weight_update rows or intended updates), update_ratio_median / update_ratio_max (the
     update-to-weight ratio ||dw|| / ||w|| over the sampled steps, ``analysis.update_ratio``; NaN without
     update sizes), update_absmax (the largest |update| of those steps), update_steps (how many),
+    update_nonfinite ([sampled steps left out of the ratio for a nan or inf update, sampled steps with
+    updates], ``update_ratio.nonfinite_steps``; None when none was left out),
     nonfinite_first (step and kind of the first nan/inf, "" when none), layer_input (the row is a module's input
     that no captured module produced, ``T.input_module``: no layer of its own).
     """
@@ -346,6 +348,7 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     by_upd = by_upd[by_upd["_intended"] > 0]
     lost = _by_key(by_upd[T.LOST_UPDATE_BF16] / by_upd["_intended"])
     ratios = update_ratio.layer_ratios(layers)
+    left_out = update_ratio.nonfinite_steps(layers)
     bad = hist[hist[T.NAN].fillna(0) + hist[T.INF].fillna(0) > 0]
     first: dict[str, str] = {}
     if not bad.empty:
@@ -377,6 +380,7 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
             "update_ratio_max": ratios.get(str(m), {}).get("max", nan),
             "update_absmax": ratios.get(str(m), {}).get("absmax", nan),
             "update_steps": ratios.get(str(m), {}).get("steps", 0.0),
+            "update_nonfinite": left_out.get(str(m)),
             "nonfinite_first": first.get(m, ""),
             "layer_input": str(m).endswith(T.INPUT_SUFFIX),
         }
