@@ -26,6 +26,8 @@ from precprof.analysis.advisor import AdvisorConfig, Finding, Recommendation, re
 from precprof.analysis.snippets import snippets
 from precprof.capture import Profiler
 from precprof.hardware import HardwareInfo, preset
+from precprof.report import summarize as S
+from precprof.report import timeline
 from precprof.taxonomy import is_matmul_type as is_matmul_layer
 from precprof.training import TrainConfig, train
 
@@ -770,6 +772,40 @@ def test_lost_updates_leave_out_weights_whose_gradient_was_zero() -> None:
     assert f"Left out: {int((w_idle != 0).sum()):,} update elements of 1 module(s) whose weight gradient" in (
         f.message
     )
+
+
+def test_lost_updates_leave_out_the_updates_that_were_nan_or_inf() -> None:
+    """A weight whose update was nan at 200 elements and inf at 10 (its weights went non-finite): the finding
+    counted them among the intended updates, none lost ("72 of 3,384 intended weight-update elements" in a run
+    whose every update after step 0 was nan), and so did the per-layer table. They are left out of both and said
+    so; the 'over the run' figure counts them lost, as it counts the other kinds' values already inf/nan."""
+    g = torch.Generator().manual_seed(6)
+    b = RunBuilder()
+    w = torch.randn(32, 32, generator=g)
+    u = w * 10 ** (-4 + 3 * torch.rand(32, 32, generator=g))  # 1e-4 .. 1e-1 of the weight: some lost
+    u.view(-1)[:200] = math.nan
+    u.view(-1)[200:210] = -math.inf
+    b.add(0, 0, "fc", "Linear", T.WEIGHT_GRAD, torch.randn(32, 32, generator=g), param="weight")
+    b.update(0, 0, "fc", "Linear", w, u)
+    b.step(0, loss=1.0)
+    tabs = b.tables()
+    f = must(recommend(tabs, hardware="a100", summary=summary_for("bf16")), "bf16_lost_updates")
+    finite = u.isfinite() & (u != 0)
+    w16 = w.bfloat16()
+    lost = int((finite & ((w16.float() + u).bfloat16() == w16)).sum())
+    assert 0 < lost < int(finite.sum()) == 1024 - 210
+    assert (f.numbers["lost"], f.numbers["nonzero_updates"], f.numbers["nonfinite_updates"]) == (
+        lost,
+        int(finite.sum()),
+        210,
+    )
+    assert f.numbers["share"] == pytest.approx(lost / int(finite.sum()))
+    assert "Left out: 210 update elements that were nan or inf, of 1 module(s) (fc:" in f.message
+    (row,) = S.layer_records(tabs["layers"])
+    assert row["lost_update_bf16"] == pytest.approx(lost / int(finite.sum()))
+    by_step = timeline.lost_by_step(tabs["layers"], "bf16")
+    upd = by_step[by_step[T.TENSOR] == T.WEIGHT_UPDATE]
+    assert upd["lost"].tolist() == [lost + 210] and upd[T.NUMEL].tolist() == [1024]
 
 
 def test_bf16_gradient_underflow_falls_back_to_fp16(request: pytest.FixtureRequest) -> None:

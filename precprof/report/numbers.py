@@ -144,6 +144,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     # weight updates
     "lost": ("updates lost", "count"),
     "nonzero_updates": ("nonzero updates counted", "count"),
+    "nonfinite_updates": ("updates that were nan or inf, left out", "count"),
     "zero_gradient_updates": ("updates of weights with a zero gradient, left out", "count"),
     "zero_gradient_lost": ("of those, lost", "count"),
     "share": ("share", "share"),

@@ -342,8 +342,10 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     upd = upd[upd[T.LOST_UPDATE_BF16].notna()]
     # over the intended updates (a nonzero gradient or a moved weight: numel - zeros of the update rows), the
     # advisor's bf16_lost_updates denominator: an embedding's rows without gradient are no update lost (a row
-    # without a zeros count, which the capture always writes, counts every element as intended)
-    upd = upd.assign(_intended=(upd[T.NUMEL] - upd[T.ZEROS].fillna(0)).clip(lower=0))
+    # without a zeros count, which the capture always writes, counts every element as intended); a nan or inf
+    # update is neither kept nor lost
+    nonfinite = upd[T.NAN].fillna(0) + upd[T.INF].fillna(0)
+    upd = upd.assign(_intended=(upd[T.NUMEL] - upd[T.ZEROS].fillna(0) - nonfinite).clip(lower=0))
     by_upd = upd.groupby(T.MODULE, observed=True)[[T.LOST_UPDATE_BF16, "_intended"]].sum()
     by_upd = by_upd[by_upd["_intended"] > 0]
     lost = _by_key(by_upd[T.LOST_UPDATE_BF16] / by_upd["_intended"])

@@ -93,7 +93,7 @@ def update_format(layers: pd.DataFrame, fmt: str = FORMAT) -> str:
 def lost_by_step(layers: pd.DataFrame, fmt: str = FORMAT) -> pd.DataFrame:
     """Per (step, tensor kind): values lost in ``fmt`` at the recorded scale (underflow, overflow, and values
     already inf/nan) and values seen, summed over the step's rows. Weight-update rows count instead the updates
-    lost in ``update_format``'s weights over the intended updates (numel - zeros)."""
+    lost in ``update_format``'s weights, and those already inf/nan, over the intended updates (numel - zeros)."""
     cols = [T.underflow_col(fmt), T.overflow_col(fmt), T.NAN, T.INF]
     if layers.empty or any(c not in layers for c in [*cols, T.NUMEL]):
         return pd.DataFrame(columns=[T.STEP, T.TENSOR, "lost", T.NUMEL])
@@ -105,7 +105,8 @@ def lost_by_step(layers: pd.DataFrame, fmt: str = FORMAT) -> pd.DataFrame:
         is_upd = layers[T.TENSOR] == T.WEIGHT_UPDATE
         col = T.LOST_UPDATE_BF16 if held == "bf16" else T.LOST_UPDATE_FP16
         zeros = pd.to_numeric(layers[T.ZEROS], errors="coerce").fillna(0) if T.ZEROS in layers else 0
-        lost = lost.where(~is_upd, pd.to_numeric(layers[col], errors="coerce").fillna(0))
+        lost_upd = pd.to_numeric(layers[col], errors="coerce").fillna(0) + num[T.NAN] + num[T.INF]
+        lost = lost.where(~is_upd, lost_upd)
         seen = seen.where(~is_upd, (seen - zeros).clip(lower=0))
     out = pd.DataFrame(
         {

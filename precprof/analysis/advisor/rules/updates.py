@@ -34,7 +34,27 @@ def _zero_gradient(run: _Run, wu: pd.DataFrame) -> pd.Series:
 
 
 def _nonzero_updates(rows: pd.DataFrame) -> pd.Series:
-    return (rows[T.NUMEL] - rows[T.ZEROS]).clip(lower=0)
+    """Per ``weight_update`` row, its intended updates that were finite: a nan or inf update (a weight that
+    became or was non-finite) is neither kept nor lost by a format."""
+    return (rows[T.NUMEL] - rows[T.ZEROS] - _nonfinite_updates(rows)).clip(lower=0)
+
+
+def _nonfinite_updates(rows: pd.DataFrame) -> pd.Series:
+    return rows[T.NAN].fillna(0) + rows[T.INF].fillna(0)
+
+
+def _nonfinite_words(rows: pd.DataFrame, run: _Run) -> tuple[str, dict[str, int]]:
+    """The sentence on the updates left out for being nan or inf, and its numbers; "" when there are none."""
+    bad = _nonfinite_updates(rows)
+    n = int(bad.sum())
+    if not n:
+        return "", {}
+    mods = run.sort(rows.loc[bad > 0, T.MODULE].unique())
+    return (
+        f" Left out: {n:,} update elements that were nan or inf, of {len(mods)} module(s) "
+        f"({_listing(mods, run.cfg.max_listed_modules)}: their weights became non-finite, or already were).",
+        {"nonfinite_updates": n},
+    )
 
 
 def _zero_gradient_words(run: _Run, idle: pd.DataFrame, col: str, fmt: str) -> tuple[str, dict[str, int]]:
@@ -69,16 +89,13 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         idle_words, idle_nums = _zero_gradient_words(run, held_rows[zero_grad[held_rows.index]], col, fmt)
         if rows.empty:
             continue
-        nz = float((rows[T.NUMEL] - rows[T.ZEROS]).clip(lower=0).sum())
+        nz = float(_nonzero_updates(rows).sum())
         lost = float(rows[col].sum())
         share = _share(lost, nz)
         if share is None:
             continue
-        by = (
-            rows.assign(_nz=(rows[T.NUMEL] - rows[T.ZEROS]).clip(lower=0))
-            .groupby(T.MODULE)[[col, "_nz"]]
-            .sum()
-        )
+        nonfinite_words, nonfinite_nums = _nonfinite_words(held_rows, run)
+        by = rows.assign(_nz=_nonzero_updates(rows)).groupby(T.MODULE)[[col, "_nz"]].sum()
         by = by[by["_nz"] > 0]
         by_share = (by[col] / by["_nz"]).sort_values(ascending=False)
         worst = run.sort(by_share[by_share > cfg.lost_update_warn].index[: cfg.max_listed_modules])
@@ -126,6 +143,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     else ""
                 )
                 + ". Mixed Precision Training (2018) keeps an fp32 master copy for this reason."
+                + nonfinite_words
                 + idle_words,
                 (
                     f"Hold the weights in fp32 and let {fmt} autocast cast the matmuls: a model built or loaded in "
@@ -135,7 +153,13 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     else f"Keep fp32 master weights ({fmt} autocast does); do not train {pure}."
                 ),
                 modules=worst,
-                numbers={"lost": int(lost), "nonzero_updates": int(nz), "share": share, **idle_nums},
+                numbers={
+                    "lost": int(lost),
+                    "nonzero_updates": int(nz),
+                    "share": share,
+                    **nonfinite_nums,
+                    **idle_nums,
+                },
             )
         )
 
