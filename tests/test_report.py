@@ -729,6 +729,42 @@ def test_heatmap_matrix_and_whatif_shares_agree_with_the_tables(
     assert (grads[T.SCALE] == 2.0**14).all()
 
 
+def test_the_whatif_tables_show_the_values_already_nan_or_inf(tmp_path: Path) -> None:
+    """A Linear whose weight holds a row of nan and an inf, so its outputs are nan where that row feeds them: no
+    cast loses a nan, so every format's column read 0% for tensors that were mostly nan, beside a training figure
+    showing them lost. The tables have a "nan/inf" column, the share the tensors themselves hold; a run without
+    nan or inf has none."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4)
+    with torch.no_grad():
+        lin.weight[1] = math.nan
+        lin.weight[2, 3] = math.inf
+    x = torch.randn(5, 8)
+    with precprof.Profiler(lin, sample_every=1, memory=False, out=tmp_path / "bad") as prof:
+        out = lin(x)
+        prof.step()
+    page = prof.report().read_text()
+    w, b = lin.weight.detach(), lin.bias.detach()
+    weights = (int((~w.isfinite()).sum()) + int((~b.isfinite()).sum())) / (w.numel() + b.numel())
+    outputs = int((~out.isfinite()).sum()) / out.numel()
+    assert (weights, outputs) == (9 / 36, 10 / 20)  # the nan row, the inf; two of the four outputs, all nan
+    rows = S.whatif_by_layer(prof.tables()["layers"]).set_index([T.MODULE, T.TENSOR])
+    assert rows.loc[("", T.WEIGHT), S.NONFINITE] == pytest.approx(weights)
+    assert rows.loc[("", T.ACTIVATION), S.NONFINITE] == pytest.approx(outputs)
+    over = S.whatif_overview(prof.tables()["layers"]).set_index(T.TENSOR)
+    assert over.loc[T.WEIGHT, S.NONFINITE] == pytest.approx(weights)
+    html = section(page, "whatif")
+    assert 'id="whatif-nonfinite"' in html and '<th rowspan="2">nan/inf</th>' in html
+    assert f'data-label="nan/inf">{filters.pct(weights)}</td>' in html
+    assert f'<td class="bad" data-v="{outputs}">{filters.pct(outputs)}</td>' in html
+    good = nn.Linear(8, 4)
+    with precprof.Profiler(good, sample_every=1, memory=False, out=tmp_path / "good") as prof:
+        good(x)
+        prof.step()
+    html = section(prof.report().read_text(), "whatif")
+    assert 'id="whatif-nonfinite"' not in html and ">nan/inf</th>" not in html
+
+
 def test_a_weight_a_parametrization_computes_is_counted_once_among_the_weights() -> None:
     """weight_norm(Linear(8, 16)): the weight its GEMM reads is computed, and the tables record it as the output
     of 0.parametrizations.weight and again of 0.parametrizations.weight.0 (the _WeightNorm inside it). The

@@ -414,6 +414,7 @@ def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any
                 "numel": r[T.NUMEL],
                 "scale": r[T.SCALE],
                 "shares": [r[h["col"]] for h in headers],
+                "nonfinite": r[S.NONFINITE],
             }
         )
     overview = []
@@ -423,6 +424,7 @@ def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any
                 "kind": S.KIND_LABELS.get(str(r[T.TENSOR]), str(r[T.TENSOR])),
                 "numel": r[T.NUMEL],
                 "shares": [r[h["col"]] for h in headers],
+                "nonfinite": r[S.NONFINITE],
             }
         )
     groups: list[dict[str, Any]] = []
@@ -436,6 +438,8 @@ def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any
         "groups": groups,
         "rows": rows,
         "overview": overview,
+        # a column of the values already nan or inf, which no format's column counts: only when there were some
+        "nonfinite": any(r["nonfinite"] > 0 for r in overview),
         "blocks": blocks.table(rec, (summary.get(T.SUMMARY_CAPTURE) or {}).get("block_formats")),
         "fp8_at_scale": _fp8_at_scale(layers),
         "fp16_already": _fp16_already(layers),

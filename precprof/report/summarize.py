@@ -190,6 +190,10 @@ def without_magnitude(layers: pd.DataFrame, kind: str) -> dict[str, int] | None:
     return {"values": n, **got, "steps": sub[T.STEP].nunique(), "layers": sub[T.MODULE].nunique()}
 
 
+# the what-if tables' share of values already nan or inf (``_shares``)
+NONFINITE = "nonfinite"
+
+
 def whatif_columns() -> list[tuple[str, str, str]]:
     """(column, format, "underflow"|"overflow"|"underflow_cs") of the what-if tables, in display order."""
     cols: list[tuple[str, str, str]] = []
@@ -214,13 +218,17 @@ def _loss_scaled(rows: pd.DataFrame) -> np.ndarray:
 def _shares(sub: pd.DataFrame, keys: list[str], count_cols: list[str]) -> pd.DataFrame:
     """The counts of ``sub`` summed per ``keys`` over its numel, and numel: NaN in the FP8 columns counted at the
     loss scale (``fp8_scaled_columns``) of a group any row of which was recorded at a scale other than 1 (an fp16
-    run's 65536 made 2.63% of its weight gradients overflow FP8 E4M3, none of which would at scale 1)."""
+    run's 65536 made 2.63% of its weight gradients overflow FP8 E4M3, none of which would at scale 1). Beside
+    them ``NONFINITE``, the share of values already nan or inf, which no cast loses: a tensor all nan read 0% in
+    every format's column."""
     num = sub[[T.NUMEL, *count_cols]].apply(pd.to_numeric, errors="coerce")
+    bad = [c for c in (T.NAN, T.INF) if c in sub]
+    num[NONFINITE] = sub[bad].apply(pd.to_numeric, errors="coerce").fillna(0).sum(axis=1) if bad else 0.0
     for k in keys:
         num[k] = sub[k].to_numpy()
     num["_scaled"] = _loss_scaled(sub)
     g = num.groupby(keys, sort=False).sum(min_count=1)
-    out = g[count_cols].div(g[T.NUMEL], axis=0)
+    out = g[[*count_cols, NONFINITE]].div(g[T.NUMEL], axis=0)
     fp8 = [c for c in fp8_scaled_columns() if c in out]
     out[fp8] = out[fp8].mask(g["_scaled"] > 0)
     out[T.NUMEL] = g[T.NUMEL]
@@ -251,16 +259,19 @@ def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = Non
 
     Columns: module, module_type, tensor, numel, scale (last), then one share column per entry of
     ``whatif_columns()`` (same names as the count columns; values are shares in [0, 1], NaN without data, and
-    NaN in FP8's columns at the loss scale where it was not 1: ``_shares``).
+    NaN in FP8's columns at the loss scale where it was not 1: ``_shares``), then ``NONFINITE`` (the share of
+    values already nan or inf).
     """
     count_cols = [c for c, _, _ in whatif_columns()]
     sub = layers.loc[
         layers[T.TENSOR].isin(HIST_KINDS),
-        [T.STEP, T.MODULE, T.MODULE_TYPE, T.TENSOR, T.SCALE, T.NUMEL, *count_cols],
+        [T.STEP, T.MODULE, T.MODULE_TYPE, T.TENSOR, T.SCALE, T.NUMEL, T.NAN, T.INF, *count_cols],
     ]
     sub = computed_weights_as_weights(sub)
     if sub.empty:
-        return pd.DataFrame(columns=[T.MODULE, T.MODULE_TYPE, T.TENSOR, T.NUMEL, T.SCALE, *count_cols])
+        return pd.DataFrame(
+            columns=[T.MODULE, T.MODULE_TYPE, T.TENSOR, T.NUMEL, T.SCALE, *count_cols, NONFINITE]
+        )
     out = _shares(sub, [T.MODULE, T.TENSOR], count_cols).reset_index()
     types = sub.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE]
     out[T.MODULE_TYPE] = T.texts(out[T.MODULE].map(types))
@@ -270,21 +281,21 @@ def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = Non
     kind_rank = {k: i for i, k in enumerate(HIST_KINDS)}
     out = out.assign(_r=out[T.MODULE].map(rank), _k=out[T.TENSOR].map(kind_rank))
     out = out.sort_values(["_r", "_k"]).drop(columns=["_r", "_k"]).reset_index(drop=True)
-    return out[[T.MODULE, T.MODULE_TYPE, T.TENSOR, T.NUMEL, T.SCALE, *count_cols]]
+    return out[[T.MODULE, T.MODULE_TYPE, T.TENSOR, T.NUMEL, T.SCALE, *count_cols, NONFINITE]]
 
 
 def whatif_overview(layers: pd.DataFrame) -> pd.DataFrame:
     """Per tensor kind (rows) the share lost in each what-if column, over all layers and sampled steps (FP8's
     columns at the loss scale NaN for a kind recorded at a scale other than 1: ``_shares``); a weight a
-    parametrization computes among the weights (``computed_weights_as_weights``)."""
+    parametrization computes among the weights (``computed_weights_as_weights``); then ``NONFINITE``."""
     count_cols = [c for c, _, _ in whatif_columns()]
-    cols = [T.MODULE, T.MODULE_TYPE, T.TENSOR, T.SCALE, T.NUMEL, *count_cols]
+    cols = [T.MODULE, T.MODULE_TYPE, T.TENSOR, T.SCALE, T.NUMEL, T.NAN, T.INF, *count_cols]
     sub = computed_weights_as_weights(layers.loc[layers[T.TENSOR].isin(HIST_KINDS), cols])
     if sub.empty:
-        return pd.DataFrame(columns=[T.TENSOR, T.NUMEL, *count_cols])
+        return pd.DataFrame(columns=[T.TENSOR, T.NUMEL, *count_cols, NONFINITE])
     out = _shares(sub, [T.TENSOR], count_cols)
     out = out.reindex([k for k in HIST_KINDS if k in out.index]).reset_index()
-    return out[[T.TENSOR, T.NUMEL, *count_cols]]
+    return out[[T.TENSOR, T.NUMEL, *count_cols, NONFINITE]]
 
 
 def _dtype_lists(hist: pd.DataFrame) -> dict[tuple[str, str], str]:
