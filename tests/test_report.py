@@ -765,6 +765,49 @@ def test_the_whatif_tables_show_the_values_already_nan_or_inf(tmp_path: Path) ->
     assert 'id="whatif-nonfinite"' not in html and ">nan/inf</th>" not in html
 
 
+def _nan_loss_or_not(nan: bool) -> tuple[list[float], str, precprof.Recommendation]:
+    """A small MLP trained 3 steps by AdamW, every step sampled, its loss times nan when ``nan``: the losses, the
+    page rendered for an A100 and the recommendation."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(3):
+            loss = model(torch.randn(4, 8)).square().mean() * (math.nan if nan else 1.0)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            prof.step(loss=loss.detach())
+    tabs = prof.tables()
+    summary = {T.SUMMARY_CAPTURE: prof.summary(), T.SUMMARY_MODEL: {"n_params": 228}}
+    rec = precprof.recommend(tabs, hardware="a100", summary=summary)
+    return losses, render_html(tabs, summary, rec), rec
+
+
+def test_the_verdict_box_does_not_say_the_measurements_allow_a_format_a_broken_run_never_measured() -> None:
+    """A small model whose loss is nan from step 0: every sampled forward pass is non-finite, so its values say
+    nothing of bf16's range and no gradient sized fp16's loss scale (the Why said both). The box said "the
+    measurements allow BF16" beside "if you use FP16: init_scale = 65,536", a default. It says neither now; the
+    same model trained with a finite loss still has both said as they were."""
+    losses, page, rec = _nan_loss_or_not(nan=True)
+    assert all(math.isnan(v) for v in losses)
+    assert rec.format == "fp32" and rec.measured_format == ""
+    assert "The measurements allow" not in rec.reasons[0] and "was not measured" in rec.reasons[0]
+    verdict = section(page, "verdict")
+    assert 'id="measured-format"' not in verdict and "the measurements allow" not in verdict
+    assert (
+        '<span id="scale-default">; a default, as no gradient of this run could size it: see Why</span>'
+        in verdict
+    )
+    losses, page, rec = _nan_loss_or_not(nan=False)
+    assert all(math.isfinite(v) for v in losses)
+    assert rec.format == "fp32" and rec.measured_format == "bf16"
+    verdict = section(page, "verdict")
+    assert 'id="measured-format"' in verdict and 'id="scale-default"' not in verdict
+
+
 def test_a_weight_a_parametrization_computes_is_counted_once_among_the_weights() -> None:
     """weight_norm(Linear(8, 16)): the weight its GEMM reads is computed, and the tables record it as the output
     of 0.parametrizations.weight and again of 0.parametrizations.weight.0 (the _WeightNorm inside it). The

@@ -142,6 +142,8 @@ def _verdict(
         "fp16_ruled_out": bool(rec.get("fp16_ruled_out")),
         # the scale rests on a lower bound of the largest gradient: the box says it is the most a start can be
         "fp16_scale_at_most": bool(rec.get("fp16_loss_scale_at_most")),
+        # no gradient of the run sized the scale (its finding has no largest gradient): the box says it is a default
+        "fp16_scale_default": _scale_unmeasured(rec),
         "growth_interval": rec.get("growth_interval"),
         "keep_fp32": list(rec.get("keep_fp32") or []),
         "fp16_keep_fp32": list(rec.get("fp16_keep_fp32") or []),
@@ -155,6 +157,17 @@ def _verdict(
         "saving": saving,
         "snippets": snippet_code.snippets(rec),
     }
+
+
+def _scale_unmeasured(rec: Mapping[str, Any]) -> bool:
+    """Whether the fp16 loss scale is a default no gradient of the run sized: its finding (fp16_loss_scale) has no
+    largest gradient (none recorded, none finite and nonzero, or every sampled forward pass non-finite)."""
+    found = next((f for f in rec.get("findings") or [] if f.get("code") == "fp16_loss_scale"), None)
+    return (
+        found is not None
+        and "grad_absmax" in (found.get("numbers") or {})
+        and found["numbers"]["grad_absmax"] is None
+    )
 
 
 def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFrame) -> list[tuple[str, str]]:

@@ -300,7 +300,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         allow = (
             f"The measurements allow {measured} on {target}: train it when a run measures a speed or memory gain "
             f"(precprof compare --precisions fp32,{measured} measures both); what {measured} needs follows."
-            if plan.measured
+            if plan.measured and not plan.forward_broken
             else f"On {target} the decision tree alone would give {measured}; whether this model's values fit it "
             f"was {_not_measured(plan)}."
         )
@@ -330,6 +330,10 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         )
     _demote_what_ifs(run, plan, fmt, measured or fmt)
     _fp8_story(run, plan, fmt, measured, fp8_why_not)
+    if plan.forward_broken and measured != fmt:
+        # a small model's fp32 beside the format the tree gives: every sampled step's forward pass was non-finite,
+        # so the verdict box may not say "the measurements allow" it (the reasons say it was not measured)
+        measured = ""
     keep = _keep_list(plan, fmt)
     # what fp16 needs kept in fp32 beside a verdict of another format (the box's "if you use FP16")
     fp16_keep = _keep_list(plan, "fp16")
