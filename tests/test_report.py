@@ -334,6 +334,34 @@ def test_findings_most_severe_first_with_numbers_and_remedies(synthetic_page: st
         assert f"<li><code>{m}</code></li>" in verdict
 
 
+def test_a_findings_module_list_counts_modules_as_its_title_does(
+    synthetic: tuple[dict[str, pd.DataFrame], dict],
+) -> None:
+    """A finding's list holds a layer's own input row ("blocks.3.fc:input") beside the layer: the title counts
+    them as one module ("Activations overflow fp16 in 164 module(s)") where the list said "246 modules". The list
+    counts modules the same way and says how many rows it holds; a list of modules alone reads as before."""
+    tabs, summary = synthetic
+    rec = recommendation_dict()
+    layers = [f"blocks.{i}.fc" for i in range(10)]
+    rows = [m for i, m in enumerate(layers) for m in ((f"{m}:input", m) if i % 2 else (m,))]  # 15 rows
+    short = ["a.fc:input", "a.fc", "b.fc"]
+    alone = [f"c.{i}" for i in range(14)]
+    rec["findings"] = [
+        {**rec["findings"][0], "code": code, "modules": mods}
+        for code, mods in (("many", rows), ("short", short), ("alone", alone))
+    ]
+    page = section(render_html(tabs, summary, rec), "verdict")
+    lists = re.findall(r'<div class="fmods">modules: (.*?)</div>', page, re.S)
+    n = len({m.removesuffix(":input") for m in rows})
+    assert (n, len(rows)) == (10, 15)
+    assert lists[0].startswith(
+        f'<details class="modlist"><summary>{n} modules in {len(rows)} rows (a layer&#39;s input row counted '
+        "with the layer): "
+    )
+    assert lists[1].startswith("2 modules in 3 rows (a layer&#39;s input row counted with the layer): <code>")
+    assert lists[2].startswith(f'<details class="modlist"><summary>{len(alone)} modules: <code>c.0</code>')
+
+
 def test_a_per_layer_row_is_its_values_not_their_labels() -> None:
     """The tables of a row per layer name their columns once, in a style element the stacked layout reads, not
     in each cell: a what-if row was 1,040 bytes with a label per cell (an MoE of 8,227 modules made a 39 MB

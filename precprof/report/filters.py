@@ -15,7 +15,7 @@ from typing import Any
 from markupsafe import Markup, escape
 
 from precprof.percent import change_pct
-from precprof.tables import module_label
+from precprof.tables import INPUT_SUFFIX, module_label
 
 MISSING = "—"
 
@@ -212,6 +212,21 @@ FILTERS: dict[str, Callable[..., str]] = {
     "cmdline": cmdline,
     "module": module_label,
 }
+
+
+def module_count(mods: Sequence[str], always: bool = True) -> str:
+    """How many modules a finding's list names, counted as its title counts them: a layer's own input row
+    ("fc:input") goes with the layer, so a list of 246 rows under "164 module(s)" reads "164 modules in 246
+    rows". "" when ``always`` is False and every row is a module of its own."""
+    n = len({str(m).removesuffix(INPUT_SUFFIX) for m in mods})
+    if n == len(mods):
+        return f"{n} module{'s' if n != 1 else ''}" if always else ""
+    return (
+        f"{n} module{'s' if n != 1 else ''} in {len(mods)} rows (a layer's input row counted with the layer)"
+    )
+
+
+FILTERS["module_count"] = module_count
 
 
 def share_class(v: Any) -> str:
