@@ -1433,6 +1433,45 @@ def test_a_module_filter_that_selects_nothing_says_so_and_names_the_modules() ->
         precprof.Profiler(model, modules=[nn.Conv2d]).attach()
 
 
+class InputNamed(nn.Module):
+    """A ModuleDict with keys "fc" and "fc:input" (torch allows ":" in a name), fc reading a function's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = nn.ModuleDict({"fc": nn.Linear(4, 4), "fc:input": nn.Linear(4, 4)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d["fc:input"](self.d["fc"](x * 2))
+
+
+def test_a_module_named_like_a_layers_input_row_is_left_out_with_a_warning() -> None:
+    """A module named "d.fc:input" beside "d.fc", whose input a function computed: the tables name that input's
+    rows "d.fc:input" too, and the histograms merged the two (256 values under one key), the real layer had no
+    row of its own and "layers profiled" read 5 of 6. The module is left out with a warning that names it and
+    says what to do, its parameters too; the rest is profiled, and training goes on as without precprof."""
+    model = InputNamed()
+    assert [n for n, _ in model.named_modules()] == ["", "d", "d.fc", "d.fc:input"]
+    with pytest.warns(
+        UserWarning, match=r"module 'd.fc:input' is not profiled: its name ends in ':input'"
+    ) as w:
+        prof = precprof.Profiler(model, sample_every=1, memory=False, block_formats=True).attach()
+    assert "rename it to have it profiled" in str(w[0].message) and "\n" not in str(w[0].message)
+    try:
+        x = torch.randn(3, 4)
+        model(x).sum().backward()
+        prof.step()
+    finally:
+        prof.detach()
+    layers = prof.tables()["layers"]
+    named = layers[layers[T.MODULE].astype(str) == "d.fc:input"]
+    # the only rows of that name are d.fc's input row, the function's output x * 2 that d.fc read
+    assert set(named[T.MODULE_TYPE].astype(str)) == {T.INPUT_MODULE_TYPE}
+    assert set(named[T.TENSOR].astype(str)) == {T.ACTIVATION}
+    assert int(named[T.NUMEL].sum()) == (x * 2).numel()
+    assert float(named[T.ABSMAX].max()) == float((x * 2).abs().max())
+    assert {"d.fc"} <= set(layers[T.MODULE].astype(str))
+
+
 def test_a_closure_that_runs_the_backward_inside_the_step_keeps_its_gradients() -> None:
     """``optimizer.step(closure)`` (LBFGS, Lightning's automatic optimization): the backward runs inside the
     step, after its pre-hook. Freezing a parameter's gradient row when its optimizer stepped must come after
