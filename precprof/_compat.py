@@ -603,6 +603,22 @@ def compiles() -> int | None:
         return None
 
 
+def compiled_code() -> bool:
+    """Whether Dynamo holds compiled code now: a code object it compiled since the last ``torch._dynamo.reset()``
+    still has a cache entry (a model compiled and run before the Profiler attached). False while Dynamo is not
+    loaded; on a torch without that record, whether :func:`compiles` ever moved."""
+    frames = sys.modules.get("torch._dynamo.convert_frame")
+    if frames is None:
+        return False
+    frame_ops = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    entries: Any = getattr(frame_ops, "_debug_get_cache_entry_list", None)
+    try:
+        codes = [ref() for ref in frames.input_codes.seen]
+        return any(code is not None and entries(code) for code in codes)
+    except (AttributeError, RuntimeError, TypeError):
+        return bool(compiles())
+
+
 def restore_stance(token: Any) -> str | None:
     """Undo :func:`force_eager` or :func:`let_compile` (``token`` is what it returned), if the stance is still
     the one it set. A stance set since (the loop's own ``torch.compiler.set_stance``) is the loop's and stays:

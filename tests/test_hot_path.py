@@ -713,6 +713,58 @@ def test_fail_on_recompile_set_in_a_sampled_step_before_the_first_compile_is_exp
     assert "Set the stance between steps (before prof.step())" in notes
 
 
+def _warm_then_guard(
+    profile: bool, warm_before: bool, evals: tuple[int, ...] = (), odd_step: int = -1
+) -> tuple[str, int, precprof.Profiler | None]:
+    """The "warm, nothing may recompile now" loop: step 0 trains and, at the steps ``evals``, runs a validation
+    forward (eval mode, no_grad) through the compiled model; then the loop sets fail_on_recompile. With
+    ``warm_before`` the model compiled and ran one training step before the Profiler attached; at ``odd_step`` the
+    batch has 3 rows, not 4 (a real recompile: dynamic=False). What came of it ("ok" or the error's first line)
+    and the graphs Dynamo made (its own count)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.compiler.set_stance("default")
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    compiled = torch.compile(model, backend="eager", dynamic=False)
+    if warm_before:
+        _train_step(compiled, model, opt, _batches(1)[0])
+    prof = precprof.Profiler(model, optimizer=opt, memory=False) if profile else None
+    outcome = "ok"
+    try:
+        with prof if prof is not None else contextlib.nullcontext():
+            for i, x in enumerate(_batches(10)):
+                loss = _train_step(compiled, model, opt, x[:3] if i == odd_step else x)
+                if i in evals:
+                    model.eval()
+                    with torch.no_grad():
+                        compiled(x)
+                    model.train()
+                if i == 0:
+                    torch.compiler.set_stance("fail_on_recompile")
+                if prof is not None:
+                    prof.step(loss=loss)
+    except RuntimeError as e:
+        outcome = str(e).partition(" filename:")[0]
+    finally:
+        torch.compiler.set_stance("default")
+    return outcome, int(torch._dynamo.utils.counters["stats"]["unique_graphs"]), prof
+
+
+def test_a_recompile_of_a_model_compiled_before_the_profiler_attached_is_refused() -> None:
+    """The model compiled and ran before the Profiler attached, the loop forbade recompiles from step 0, and a
+    batch of another shape at step 2 recompiles it: torch refuses it, as the loop asked. precprof held
+    fail_on_recompile off for its first step not sampled, whatever had compiled, so the recompile went through
+    (a second graph) and the page said the model first compiled there. Now the loop's guard stands."""
+    refused = "Detected recompile when torch.compile stance is 'fail_on_recompile'."
+    assert _warm_then_guard(False, True, odd_step=2)[:2] == (refused, 1)  # the loop itself, without precprof
+    outcome, graphs, prof = _warm_then_guard(True, True, odd_step=2)
+    assert (outcome, graphs) == (refused, 1)
+    assert prof is not None and not prof.summary()["loop_stance"]["fail_on_recompile_held_off"]
+
+
 def test_prof_step_inside_a_compiled_train_step_records_every_sampled_step_as_an_eager_loop_does() -> None:
     """The whole train step compiled, ``prof.step()`` in it: the step's bookkeeping ran traced, so the next
     sampled step could not be made eager; it ran compiled with the hooks traced (10 of 23 rows, no word) and the

@@ -10,7 +10,9 @@ after the change ran compiled, without the hooks (its activations are missing fr
 ``fail_on_recompile`` refuses a first compile too. Because the sampled steps run eagerly, a compiled model first
 compiles at the first step that is not sampled: a loop that forbade recompiles after its first step (warm,
 without precprof) would see that compile refused as a "recompile". That one step runs under the stance
-``default`` in its place, and ``fail_on_recompile`` is back from the next step on.
+``default`` in its place, and ``fail_on_recompile`` is back from the next step on; only when nothing had compiled
+before precprof attached: after a model compiled and run before the Profiler, a compile may be a real recompile,
+which the loop's stance must refuse.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class SampledStance:
     def __init__(self) -> None:
         self._token: Any = None  # what precprof set and what it replaced (``_compat.restore_stance``)
         self._at_start: Any = self  # the loop's stance at the first step (not yet: self)
+        self._compiled_before = False  # whether Dynamo held compiled code when the first step began
         self._unsampled_seen = False
         self.loop_set: list[dict[str, Any]] = []  # {"step", "stance"}: set by the loop in a sampled step
         self.held_off: int | None = (
@@ -40,12 +43,13 @@ class SampledStance:
         self.end(step - 1, False)  # (the step before, if it was held off)
         if self._at_start is self:
             self._at_start = _compat.stance()
+            self._compiled_before = _compat.compiled_code()
         if sampled:
             self._token = _compat.force_eager()
         elif not self._unsampled_seen:
             self._unsampled_seen = True
             # a fail_on_recompile in force since the run's start found the model compiled already
-            if _compat.stance() is not self._at_start:
+            if not self._compiled_before and _compat.stance() is not self._at_start:
                 self._token = _compat.let_compile()
                 self.held_off = step if self._token is not None else None
 
