@@ -670,7 +670,7 @@ def test_a_stance_the_loop_sets_in_a_sampled_step_stays_the_loops_and_the_step_i
     assert set(layers[T.STEP]) == {0, 3} and set(acts[T.STEP]) == {0}  # step 3 ran compiled
     loop_stance = prof.summary()["loop_stance"]
     assert loop_stance["set_in_sampled_steps"] == [{"step": 3, "stance": "fail_on_recompile"}]
-    assert loop_stance["fail_on_recompile_held_off"] is None
+    assert loop_stance["fail_on_recompile_held_off"] == []
     prof.report(tmp_path / "run")
     page = (tmp_path / "run" / "report.html").read_text()
     assert "set by the loop during sampled step 3 (&#39;fail_on_recompile&#39;)" in page
@@ -681,26 +681,41 @@ def test_fail_on_recompile_before_the_first_compile_lets_the_first_unsampled_ste
 ) -> None:
     """ "Compile at step 0, then fail_on_recompile": without precprof the model compiled in step 0. With it, steps
     0 and 1 are sampled and run eagerly, so the model first compiles in step 2, which the loop's stance refused as
-    a recompile (a RuntimeError). Step 2 now runs under "default" and compiles, as Dynamo's graph count says; the
-    loop's fail_on_recompile is back from step 3 on and after the loop."""
+    a recompile (a RuntimeError). Step 2 now runs under "default" and compiles, as Dynamo's graph count says, and
+    so does the next step not sampled, which compiles nothing: the loop's fail_on_recompile is back after it and
+    after the loop."""
     stances, after, graphs, _ = _stance_run(5, 0, False, False)
     assert stances == ["default"] + ["fail_on_recompile"] * 4 and graphs == 1
     stances, after, graphs, prof = _stance_run(5, 0, False, True)
     assert prof is not None
     sampled = prof.tables()["steps"][T.SAMPLED].tolist()
     assert sampled[:3] == [True, True, False]  # (the default: the first two steps)
-    loop_own = ["default"] + ["fail_on_recompile"] * 2  # steps 2, 3, 4 unless sampled
-    assert stances == [
-        *["force_eager"] * 2,
-        *("force_eager" if s else o for s, o in zip(sampled[2:], loop_own, strict=True)),
-    ]
+    held = [2, sampled.index(False, 3)]  # the first compiles, then the first step that compiles nothing
+    own = ["default" if i in held else "fail_on_recompile" for i in range(5)]
+    assert stances == ["force_eager" if s else o for s, o in zip(sampled, own, strict=True)]
     assert after == "fail_on_recompile" and graphs == 1
-    assert prof.summary()["loop_stance"]["fail_on_recompile_held_off"] == 2
+    assert prof.summary()["loop_stance"]["fail_on_recompile_held_off"] == held
     prof.report(tmp_path / "run")
     assert (
-        "was held off for step 2, the first step not sampled"
-        in (tmp_path / "run" / "report.html").read_text()
+        f"was held off for steps 2 and {held[1]}, not sampled, which ran under &#39;default&#39; until one "
+        "compiled nothing" in (tmp_path / "run" / "report.html").read_text()
     )
+
+
+def test_fail_on_recompile_after_warming_train_and_eval_is_held_off_until_a_step_compiles_nothing() -> None:
+    """Step 0 trains and validates through the compiled model (two graphs), then the loop forbids recompiles;
+    it validates again at step 3. With precprof the sampled steps 0 and 1 ran eagerly, only step 2 was held off,
+    and step 3's eval forward, its first compile, was refused as a recompile: a crash the loop never had. The
+    steps not sampled run under "default" until one compiles nothing, and the run ends as without precprof,
+    with the same two graphs."""
+    assert _warm_then_guard(False, False, evals=(0, 3, 7, 8))[:2] == ("ok", 2)
+    outcome, graphs, prof = _warm_then_guard(True, False, evals=(0, 3, 7, 8))
+    assert (outcome, graphs) == ("ok", 2)
+    assert prof is not None
+    sampled = prof.tables()["steps"][T.SAMPLED].tolist()
+    unsampled = [i for i, s in enumerate(sampled) if not s]
+    assert unsampled[:3] == [2, 3, 4]  # (the default sampling: steps 0 and 1, then later ones)
+    assert prof.summary()["loop_stance"]["fail_on_recompile_held_off"] == [2, 3, 4]  # 4 compiled nothing
 
 
 def test_fail_on_recompile_set_in_a_sampled_step_before_the_first_compile_is_explained() -> None:

@@ -8,11 +8,12 @@ one the loop set during a sampled step stays the loop's, and that step is noted,
 after the change ran compiled, without the hooks (its activations are missing from the step's rows).
 
 ``fail_on_recompile`` refuses a first compile too. Because the sampled steps run eagerly, a compiled model first
-compiles at the first step that is not sampled: a loop that forbade recompiles after its first step (warm,
-without precprof) would see that compile refused as a "recompile". That one step runs under the stance
-``default`` in its place, and ``fail_on_recompile`` is back from the next step on; only when nothing had compiled
-before precprof attached: after a model compiled and run before the Profiler, a compile may be a real recompile,
-which the loop's stance must refuse.
+compiles at the first steps that are not sampled: a loop that forbade recompiles after its first step (warm,
+without precprof) would see those compiles refused as "recompiles". So, when nothing had compiled before precprof
+attached, the steps not sampled run under the stance ``default`` in its place until one of them compiles nothing
+(the code its paths run is warm then: a train and an eval forward each compiled once), and ``fail_on_recompile``
+stands from the next step on. When anything had compiled before (a model compiled and run before the Profiler
+attached), the loop's stance always stands: a compile then may be a real recompile, which it must refuse.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ _FAIL = "fail_on_recompile"
 
 
 class SampledStance:
-    """The stance precprof set, the sampled steps the loop set its own in, and the step its
+    """The stance precprof set, the sampled steps the loop set its own in, and the steps its
     ``fail_on_recompile`` was held off for."""
 
     def __init__(self) -> None:
@@ -33,29 +34,34 @@ class SampledStance:
         self._at_start: Any = self  # the loop's stance at the first step (not yet: self)
         self._compiled_before = False  # whether Dynamo held compiled code when the first step began
         self._unsampled_seen = False
+        self._warm = False  # a step not sampled compiled nothing: fail_on_recompile stands from then on
+        self._counted: tuple[int, int | None] | None = None  # (step, Dynamo's compiles at its start)
         self.loop_set: list[dict[str, Any]] = []  # {"step", "stance"}: set by the loop in a sampled step
-        self.held_off: int | None = (
-            None  # the step that compiled under "default" in place of fail_on_recompile
-        )
+        self.held_off: list[int] = []  # the steps run under "default" in place of fail_on_recompile
 
     def begin(self, step: int, sampled: bool) -> None:
-        """A step begins: force eager for a sampled one; let the run's first unsampled step compile."""
+        """A step begins: force eager for a sampled one; let a step not sampled compile while the code warms."""
         self.end(step - 1, False)  # (the step before, if it was held off)
         if self._at_start is self:
             self._at_start = _compat.stance()
             self._compiled_before = _compat.compiled_code()
         if sampled:
             self._token = _compat.force_eager()
-        elif not self._unsampled_seen:
+        elif not self._warm:
             self._unsampled_seen = True
+            self._counted = (step, _compat.compiles())
             # a fail_on_recompile in force since the run's start found the model compiled already
             if not self._compiled_before and _compat.stance() is not self._at_start:
                 self._token = _compat.let_compile()
-                self.held_off = step if self._token is not None else None
+                if self._token is not None:
+                    self.held_off.append(step)
 
     def end(self, step: int, sampled: bool) -> None:
         """Put back the stance precprof set for ``step``, unless the loop set one since (noted for a sampled
-        step)."""
+        step). A step not sampled that compiled nothing ends the warm-up."""
+        if self._counted is not None and self._counted[0] == step:
+            self._warm = _compat.compiles() == self._counted[1]
+            self._counted = None
         if self._token is None:
             return
         changed = _compat.restore_stance(self._token)
@@ -71,13 +77,13 @@ class SampledStance:
         exc.add_note(
             f"precprof: steps before {step} were sampled and ran compiled code eagerly (force_eager), so nothing "
             f"had compiled when the loop set '{_FAIL}' in step {step}: this is the model's first compile, not a "
-            "recompile. Set the stance between steps (before prof.step()): precprof lets the first step that "
-            f"is not sampled compile and puts '{_FAIL}' back after it."
+            "recompile. Set the stance between steps (before prof.step()): precprof lets the steps that are not "
+            f"sampled compile until one compiles nothing, and puts '{_FAIL}' back after it."
         )
 
     def summary(self) -> dict[str, Any]:
         """For summary.json's ``capture.loop_stance``."""
         return {
             "set_in_sampled_steps": [dict(s) for s in self.loop_set],
-            "fail_on_recompile_held_off": self.held_off,
+            "fail_on_recompile_held_off": list(self.held_off),
         }

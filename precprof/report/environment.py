@@ -641,8 +641,9 @@ _REASONS = {
 
 def _loop_stance_text(loop_stance: Any, listed: int = 6) -> str:
     """A compiler stance the loop set itself (``capture.loop_stance``), in words: the sampled steps it was set in,
-    where compiled code called after it ran compiled, without the hooks; and the step its fail_on_recompile was
-    held off for, as the model compiled there for the first time."""
+    where compiled code called after it ran compiled, without the hooks; and the steps its fail_on_recompile was
+    held off for, as the model's compiled paths compiled there for the first time (one step, an int, in older
+    runs)."""
     ls = _map(loop_stance)
     sets = [_map(s) for s in ls.get("set_in_sampled_steps") or [] if isinstance(s, Mapping)]
     parts = []
@@ -655,12 +656,19 @@ def _loop_stance_text(loop_stance: Any, listed: int = 6) -> str:
             "hooks, and the step's rows lack its activations and their gradients (all of them when the change "
             "came before the forward); the other sampled steps ran eagerly"
         )
-    held = _int(ls.get("fail_on_recompile_held_off"))
-    if held is not None:
+    held = ls.get("fail_on_recompile_held_off")
+    held = [held] if _int(held) is not None else [h for h in held or [] if _int(h) is not None]
+    if held:
+        steps = ", ".join(F.count(h) for h in held[:listed])
+        if len(held) > listed:
+            steps += f" and {len(held) - listed} more"
+        elif len(held) > 1:
+            steps = steps.rpartition(", ")[0] + f" and {F.count(held[-1])}"
         parts.append(
-            f"'fail_on_recompile' was held off for step {F.count(held)}, the first step not sampled, which ran "
-            "under 'default': the sampled steps before it ran eagerly, so the model first compiled there (without "
-            "precprof, before the loop forbade recompiles); it was back in force from the next step on"
+            f"'fail_on_recompile' was held off for step{'s' if len(held) > 1 else ''} {steps}, not sampled, which "
+            "ran under 'default' until one compiled nothing: the sampled steps before them ran eagerly, so the "
+            "model's compiled paths first compiled there (without precprof, before the loop forbade recompiles; "
+            "held off only when nothing had compiled before precprof attached); it was back in force after them"
         )
     return "; ".join(parts)
 
