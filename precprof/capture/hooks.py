@@ -158,6 +158,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         self.turn = 0  # the block group (_ModuleSlot.block_group) whose operands this step evaluates
         self.order = 0  # forward order counter
         self.has_data = False
+        self.stance_at_forward: Any = None  # Dynamo's stance when the step's first hooked forward began
         self._weights_read: set[int] | None = None  # rows of the parameters read this step
         # gradient rows of the parameters whose optimizer has stepped in this step: what a later backward adds
         # to them (a GAN's generator loss flowing back through the discriminator) is no gradient that optimizer
@@ -203,6 +204,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         self.turn = turn
         self.order = 0
         self.has_data = False
+        self.stance_at_forward = None
         self._weights_read = None
         self._stepped, self._optimizer_stepped = set(), False
         self._clear_outputs()
@@ -381,8 +383,9 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
                     self._first_pass_input(slot, x)
                 self._skipped_forward(slot, why)
                 return None
-            if self._weights_read is None:
+            if self._weights_read is None:  # the step's first forward read
                 self._weights_read = self._read_weights()
+                self.stance_at_forward = _compat.stance()  # (the loop's, set before: the model ran compiled)
             if self._grads_due and _compat.backward_pass_id() is None:
                 self._read_grads()  # announced by a backward pass that raised, whose read never ran
             turn = slot.block_group == self.turn

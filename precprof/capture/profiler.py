@@ -479,7 +479,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             self._hooks.pause()
         if self._tracker is not None:
             self._tracker.end_hooks(keep=True)
-        self._stance.end(self._step, True)
+        self._stance.end(self._step, True, getattr(self._hooks, "stance_at_forward", None))
 
     def _make_pending(
         self, loss: Any, grad_norm: Any, tokens: int | None, partial: bool = False

@@ -4,8 +4,9 @@ the stance before it is put back at its end.
 
 A loop may set a stance of its own (``torch.compiler.set_stance("fail_on_recompile")`` once the model is warm,
 to make sure nothing recompiles). precprof puts back only the stance it set, and only while it is still in force:
-one the loop set during a sampled step stays the loop's, and that step is noted, since compiled code it called
-after the change ran compiled, without the hooks (its activations are missing from the step's rows).
+one the loop set during a sampled step stays the loop's, and that step is noted when its forward began under it,
+since the compiled model then ran compiled, without the hooks (its activations are missing from the step's rows);
+one set after the forward (just before ``prof.step()``) lost nothing.
 
 ``fail_on_recompile`` refuses a first compile too. Because the sampled steps run eagerly, a compiled model first
 compiles at the first steps that are not sampled: a loop that forbade recompiles after its first step (warm,
@@ -56,17 +57,20 @@ class SampledStance:
                 if self._token is not None:
                     self.held_off.append(step)
 
-    def end(self, step: int, sampled: bool) -> None:
-        """Put back the stance precprof set for ``step``, unless the loop set one since (noted for a sampled
-        step). A step not sampled that compiled nothing ends the warm-up."""
+    def end(self, step: int, sampled: bool, stance_at_forward: Any = None) -> None:
+        """Put back the stance precprof set for ``step``, unless the loop set one since: noted for a sampled
+        step whose forward began under the loop's (``stance_at_forward``, None when no hooked forward ran), as
+        that forward ran compiled; one set after the forward lost nothing. A step not sampled that compiled
+        nothing ends the warm-up."""
         if self._counted is not None and self._counted[0] == step:
             self._warm = _compat.compiles() == self._counted[1]
             self._counted = None
         if self._token is None:
             return
         changed = _compat.restore_stance(self._token)
+        ours = self._token[1]
         self._token = None
-        if changed is not None and sampled:
+        if changed is not None and sampled and stance_at_forward is not ours:
             self.loop_set.append({"step": step, "stance": changed})
 
     def explain(self, exc: BaseException | None, step: int) -> None:

@@ -640,10 +640,9 @@ _REASONS = {
 
 
 def _loop_stance_text(loop_stance: Any, listed: int = 6) -> str:
-    """A compiler stance the loop set itself (``capture.loop_stance``), in words: the sampled steps it was set in,
-    where compiled code called after it ran compiled, without the hooks; and the steps its fail_on_recompile was
-    held off for, as the model's compiled paths compiled there for the first time (one step, an int, in older
-    runs)."""
+    """A compiler stance the loop set itself (``capture.loop_stance``), in words: the sampled steps whose forward
+    began under it, which ran compiled, without the hooks; and the steps its fail_on_recompile was held off for,
+    as the model's compiled paths compiled there for the first time (one step, an int, in older runs)."""
     ls = _map(loop_stance)
     sets = [_map(s) for s in ls.get("set_in_sampled_steps") or [] if isinstance(s, Mapping)]
     parts = []
@@ -651,10 +650,10 @@ def _loop_stance_text(loop_stance: Any, listed: int = 6) -> str:
         steps = ", ".join(f"{F.count(s.get('step'))} ('{s.get('stance')}')" for s in sets[:listed])
         more = f" and {len(sets) - listed} more" if len(sets) > listed else ""
         parts.append(
-            f"set by the loop during sampled step{'s' if len(sets) > 1 else ''} {steps}{more}: precprof leaves a "
-            "loop's stance in force, so compiled code such a step ran after the change ran compiled, without the "
-            "hooks, and the step's rows lack its activations and their gradients (all of them when the change "
-            "came before the forward); the other sampled steps ran eagerly"
+            f"set by the loop before the forward of sampled step{'s' if len(sets) > 1 else ''} {steps}{more}: "
+            "precprof leaves a loop's stance in force, so the compiled model ran compiled there, without the "
+            "hooks, and the step's rows lack its activations and their gradients; the other sampled steps ran "
+            "eagerly (a stance set after the forward, before prof.step(), loses nothing)"
         )
     held = ls.get("fail_on_recompile_held_off")
     held = [held] if _int(held) is not None else [h for h in held or [] if _int(h) is not None]
