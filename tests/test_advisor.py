@@ -26,6 +26,7 @@ from precprof.analysis.advisor import AdvisorConfig, Finding, Recommendation, re
 from precprof.analysis.snippets import snippets
 from precprof.capture import Profiler
 from precprof.hardware import HardwareInfo, preset
+from precprof.report import numbers as report_numbers
 from precprof.report import summarize as S
 from precprof.report import timeline
 from precprof.taxonomy import is_matmul_type as is_matmul_layer
@@ -594,6 +595,40 @@ def test_fp16_underflow_of_a_scaled_run_whose_gradients_are_all_fp16(tmp_path: P
     assert 1 - kept_norm(14) < 1e-6 and f.numbers["max_module_norm_share_at_recommended"] < 1e-6
     assert f.severity == "info" and "negligible tail" in f.remedy and "bf16 or fp32" not in f.remedy
     assert "Do not lower" not in must(strict, "fp16_loss_scale").remedy
+
+
+def test_a_scaled_runs_underflow_says_its_own_scale_first(tmp_path: Path) -> None:
+    """A GradScaler run at 2^16 whose activation gradients were all fp16 (no exact count) was titled 'fp16
+    gradient underflow: 24.9% at scale 1, 0% at 2^14', the share it would lose without its scaler, read as what
+    it lost (tester h65's LoRA model at 2^16: '0.191% at scale 1'); its own share, computed, was said nowhere,
+    nor shown on the page. Now the title and the message give the share at the run's scale, and scale 1 as the
+    what-if it is."""
+    seen = _fp16_tail_run(tmp_path / "run")
+    unscaled = torch.cat([g.float().flatten() / 2.0**16 for g in seen])
+    unscaled = unscaled[unscaled != 0]
+
+    def flushed(k: int) -> float:  # a real cast at 2^k of the values the run held
+        return float(((unscaled * 2.0**k).to(torch.float16) == 0).float().mean())
+
+    assert flushed(16) == 0.0 and flushed(0) > 0.2
+    f = must(recommend(tmp_path / "run", hardware="v100"), "fp16_gradient_underflow")
+    assert f.numbers["loss_scale_log2"] == 14 and f.numbers["run_scale_log2"] == 16
+    # the shares the histograms give (those at 2^14 leave out the values lying on the rounding boundary, which
+    # a real cast rounds to 0: a lower bound), as the text writes them
+    at1, atk = f.numbers["share_at_scale_1"], f.numbers["share_at_recommended"]
+    assert at1 == pytest.approx(flushed(0), abs=0.01) and 0 < atk <= flushed(14)
+    assert f.numbers["share_at_run_scale"] == flushed(16) == 0.0
+    at1_txt, atk_txt = f"{100 * at1:.3g}%", f"{100 * atk:.3g}%"
+    assert (
+        f.title == f"fp16 gradient underflow: 0% at the run's scale 2^16 (65536), {atk_txt} at 2^14 (16384)"
+    )
+    assert (
+        f"0% at the run's loss scale 2^16 (65536), {at1_txt} at scale 1 had it scaled no loss, and {atk_txt} at the "
+        "recommended scale 2^14 (16384)" in f.message
+    )
+    shown = dict(report_numbers.shown(f.code, f.numbers))
+    assert shown["lost in FP16 at this run's loss scale (from the histograms)"] == "0%"
+    assert shown["this run's loss scale"] == "65,536 (2^16)"
 
 
 def test_thrashing_in_an_own_loop_reads_the_scalers_growth_interval(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "share_now": ("lost in FP16 at this run's loss scale (exact count)", "share"),
     "share_at_scale_1": ("lost in FP16 without loss scaling", "share"),
     "share_at_recommended": ("lost in FP16 at the recommended loss scale", "share"),
-    "share_at_run_scale": HIDDEN,  # the histogram estimate of share_now
+    "share_at_run_scale": ("lost in FP16 at this run's loss scale (from the histograms)", "share"),
     "loss_scale_log2": ("recommended loss scale", "scale_log2"),
     "run_scale_log2": ("this run's loss scale", "scale_log2"),
     "nonzero_values": ("nonzero values counted", "count"),
@@ -308,12 +308,14 @@ def _measured(value: Any) -> bool:
 def _repeats(name: str, numbers: Mapping[str, Any]) -> bool:
     """Whether ``name`` only repeats another of the finding's numbers: at a run's loss scale of 1, the share lost
     in FP16 without loss scaling (the histograms' lower bound) is what the exact count ``share_now`` shows, which
-    also counts the values lying exactly on 2^-25 that round to 0 (a bf16 run showed 0.316% beside 0.318%)."""
-    return (
-        name == "share_at_scale_1"
-        and numbers.get("run_scale_log2") == 0
-        and _measured(numbers.get("share_now"))
-    )
+    also counts the values lying exactly on 2^-25 that round to 0 (a bf16 run showed 0.316% beside 0.318%). The
+    histograms' share at the run's loss scale is that count's estimate, and at scale 1 the share without loss
+    scaling: shown only where neither is (a GradScaler run whose activation gradients were all fp16, which no
+    exact count reads, showed its share at scale 1 alone)."""
+    unscaled = numbers.get("run_scale_log2") == 0
+    if name == "share_at_run_scale":
+        return unscaled or _measured(numbers.get("share_now"))
+    return name == "share_at_scale_1" and unscaled and _measured(numbers.get("share_now"))
 
 
 def shown(code: str, numbers: Mapping[str, Any] | None) -> list[tuple[str, str]]:

@@ -1130,6 +1130,11 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
             + f"{_pct(atk)} would flush at the recommended scale {_pow2(k)}"
             if blind
             else f"): {_pct(at1)} at scale 1 and {_pct(atk)} at the recommended scale {_pow2(k)}"
+            if k_run == 0
+            # a scaled run's own share comes first: scale 1 is only what it would lose without its scaler (a
+            # GradScaler run at 2^16 read '0.191% at scale 1', taken for what the run lost, which was 0%)
+            else f"): {_pct(at_run)} at the run's loss scale {_pow2(k_run)}, {_pct(at1)} at scale 1 had it scaled "
+            f"no loss, and {_pct(atk)} at the recommended scale {_pow2(k)}"
         )
         + (
             f" (plus at most {int(boundary_k):,} values lying exactly on 2^-25, which round to 0)"
@@ -1270,7 +1275,9 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
             else f"fp16 gradients flushed to zero: {_pct(fl.share)} zeros at {_scales(fl.scales)}"
             if flushed
             # (at the run's scale 1, the exact count, which the report shows: the histograms' is a lower bound)
-            else _underflow_title(now if k_run == 0 and now is not None else at1, atk, k, blind),
+            else _underflow_title(
+                now if k_run == 0 and now is not None else at1, atk, k, blind, (at_run, k_run)
+            ),
             msg,
             remedy,
             modules=worst,
@@ -1301,9 +1308,18 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
     )
 
 
-def _underflow_title(at1: float | None, atk: float | None, k: int, blind: bool) -> str:
+def _underflow_title(
+    at1: float | None, atk: float | None, k: int, blind: bool, run_scale: tuple[float | None, int]
+) -> str:
     """fp16_gradient_underflow's title where nothing was flushed: the shares at scale 1 and at 2^k; with
-    ``blind`` (fp16 gradients held at scale 1), the share at scale 1 is of the other gradients, or not given."""
+    ``blind`` (fp16 gradients held at scale 1), the share at scale 1 is of the other gradients, or not given.
+    A run that scaled its loss (``run_scale``: the share at its scale and that scale's log2, above 0) has its
+    own share in place of scale 1's, which the message gives as a what-if: '0.191% at scale 1' was read as
+    what a GradScaler run at 2^16 lost, which was 0%."""
+    at_run, k_run = run_scale
+    if k_run != 0:
+        rec = "the recommended scale too" if k == k_run else f"{_pct(atk)} at {_pow2(k)}"
+        return f"fp16 gradient underflow: {_pct(at_run)} at the run's scale {_pow2(k_run)}, {rec}"
     if not blind:
         return f"fp16 gradient underflow: {_pct(at1)} at scale 1, {_pct(atk)} at {_pow2(k)}"
     if at1 is None:
