@@ -11,6 +11,7 @@ import sys
 import types
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 import precprof
 from precprof import tables as T
 from precprof import taxonomy
+from precprof.analysis import fp8_speed as S
 from precprof.analysis.advisor import AdvisorConfig, Recommendation
 from precprof.errors import UserError
 from precprof.training import convert_fp8
@@ -1201,3 +1203,73 @@ def test_output_gradients_under_torchaos_amax_floor_are_not_eligible() -> None:
     )
     assert "The largest value of a tensor of 3 layer(s) (0, 2, 4) was under 1e-12" in f.message
     assert "fmax/max(amax, 1e-12)" in f.message
+
+
+class _FrozenMlp(nn.Module):
+    """Four Linears of FP8-eligible dims, three frozen: ``stem`` (frozen, fed the data: no output gradient, its
+    forward GEMM alone), ``up`` (trained), ``mid`` and ``down`` (frozen behind it: forward and input gradient, no
+    weight gradient), as a LoRA model's base layers are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.up = nn.Linear(32, 32), nn.Linear(32, 64)
+        self.mid, self.down = nn.Linear(64, 64), nn.Linear(64, 32)
+        for m in (self.stem, self.mid, self.down):
+            m.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.mid(nn.functional.gelu(self.up(self.stem(x))))))
+
+
+def test_the_speed_estimate_counts_the_gemms_frozen_layers_run() -> None:
+    """A LoRA model's FP8-eligible layers were its frozen base layers, and the speed estimate timed each as the
+    three GEMMs of a trained layer (tester h65: 15 frozen layers, 0.92x to 0.99x, with no word of it). A frozen
+    layer runs its forward and input-gradient GEMMs, one fed nothing trainable its forward alone: each is now
+    counted at that share of its layer's times (the three do 2 M K N FLOPs each), and the finding says which.
+    The GEMMs each layer ran are the test's own: its hooks see which received a weight or an output gradient."""
+    model = _FrozenMlp()
+    out_grad: set[str] = set()
+
+    def hook(name: str) -> Any:
+        def seen(mod: nn.Module, args: Any, y: torch.Tensor) -> None:
+            if y.requires_grad:
+                y.register_hook(lambda g: out_grad.add(name))
+
+        return seen
+
+    weight_grad: set[str] = set()
+    for name in ("stem", "up", "mid", "down"):
+        getattr(model, name).register_forward_hook(hook(name))
+        weight = getattr(model, name).weight
+        if weight.requires_grad:  # (a frozen weight takes no hook)
+            weight.register_hook(lambda g, name=name: weight_grad.add(name))
+    rec = _advice(model, 16, 16)
+    assert weight_grad == {"up"} and out_grad == {"up", "mid", "down"}
+    gemms = {
+        n: 1 if n not in out_grad else 3 if n in weight_grad else 2 for n in ("stem", "up", "mid", "down")
+    }
+    f, speed = rec.finding("fp8_eligibility"), rec.finding("fp8_speed")
+    assert f is not None and sorted(f.modules) == ["down", "mid", "stem", "up"] and speed is not None
+    # a bf16 step by each table: the layers' times of all three GEMMs, each at its share of them, and the rest
+    shape = {n: (64, getattr(model, n).in_features, getattr(model, n).out_features) for n in gemms}
+    ends = []
+    for table, rest in (
+        (S.LAYER_TIMES_LAUNCH, S.CONSTANTS.rest_launch_bound),
+        (S.LAYER_TIMES_GPU, S.CONSTANTS.rest_gpu_bound),
+    ):
+        times = {n: S.layer_times(*shape[n], table) for n in gemms}
+        bf16 = sum(times[n][0] * gemms[n] / 3 for n in gemms) + rest * sum(
+            m * k + m * n for m, k, n in shape.values()
+        )
+        fp8 = bf16 - sum((times[n][0] - times[n][1]) * gemms[n] / 3 for n in gemms)
+        ends.append(bf16 / fp8)
+    assert speed.numbers["estimated_speedup"] == pytest.approx(min(ends), rel=1e-9)
+    assert f"{ends[0]:.2f}x (host-bound) to {ends[1]:.2f}x (GPU-bound)" in speed.title
+    assert (
+        "2 of the 4 converted layers are frozen (no weight gradient on any sampled step: mid, down) and run their "
+        "forward and input-gradient GEMMs alone; 1 frozen layer(s) with no output gradient either (stem) run the "
+        "forward GEMM alone: each is counted at that share of its layer's times, two thirds or a third"
+        in speed.message
+    )
+    assert speed.numbers["frozen_layers"] == 3

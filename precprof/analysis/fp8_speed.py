@@ -23,6 +23,11 @@ advisor's verdict uses, is the lower end: FP8 is advised only when even that cle
 small layers ran host-bound (gpt2-small 0.72x to 0.96x, measured 0.75x), those of large layers GPU-bound
 (qwen2-4096 1.24x to 1.25x, measured 1.25x).
 
+A layer that runs fewer than the three GEMMs timed counts that share of its times (``GEMMS``): a frozen layer
+(no weight gradient: a LoRA model's base layers) runs its forward and input-gradient GEMMs, two thirds, and one
+without an output gradient either its forward alone, a third. The three do the same work (2 M K N FLOPs each) and
+cast tensors of the same sizes, but were not timed apart: an approximation, which a measurement would replace.
+
 A shape the table lacks takes the time per M K N of its four nearest timed shapes (in log K and log N), and a
 layer of other than 8,192 tokens scales with them (a host-bound call would not: away from 8,192 tokens the
 launch-bound end is rougher). Four of one to eight neighbours predict each table's own speedups best, left out
@@ -54,6 +59,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 Shape = tuple[int, int, int]  # forward (M tokens, K = in_features, N = out_features) of one call
+# the GEMMs of one call's forward and backward the layer tables timed: forward, input gradient, weight gradient
+GEMMS = 3
 Table = dict[tuple[int, int], tuple[float, float]]
 
 # tokens per call of the layer tables
@@ -190,13 +197,15 @@ def _interpolate(table: Table, k: int, n: int, nearest: int) -> tuple[float, flo
     return math.exp(lb / wsum) * k * n, math.exp(lf / wsum) * k * n
 
 
-def layer_times(m: int, k: int, n: int, table: Table) -> tuple[float, float]:
+def layer_times(m: int, k: int, n: int, table: Table, gemms: int = GEMMS) -> tuple[float, float]:
     """(bf16, FP8) seconds of one linear layer's forward and backward of forward shape (m, k, n) by ``table``
     (``LAYER_TIMES_LAUNCH`` or ``LAYER_TIMES_GPU``): its row for a timed (k, n), else interpolated from its
-    ``_NEAREST`` nearest timed shapes (their time per M K N); scaled by m / TABLE_TOKENS."""
+    ``_NEAREST`` nearest timed shapes (their time per M K N); scaled by m / TABLE_TOKENS, and by gemms / GEMMS
+    for a layer that runs fewer of the three GEMMs (2 frozen, 1 without an output gradient)."""
     hit = table.get((k, n))
     tb, tf = hit if hit is not None else _interpolate(table, k, n, _NEAREST)
-    return tb * 1e-6 * m / TABLE_TOKENS, tf * 1e-6 * m / TABLE_TOKENS
+    share = m / TABLE_TOKENS * gemms / GEMMS
+    return tb * 1e-6 * share, tf * 1e-6 * share
 
 
 @dataclass(frozen=True)
@@ -240,11 +249,15 @@ def leave_one_out(nearest: int, table: Table) -> LeaveOneOut:
     return LeaveOneOut(nearest, rms(eb), rms(ef), rms(er), worst, rms(inner))
 
 
-def _sums(shapes: Iterable[Shape], table: Table) -> tuple[float, float, float]:
-    """(bf16 seconds, FP8 seconds, elements of inputs and outputs M K + M N), summed over the layers."""
+def _sums(
+    shapes: Iterable[Shape], table: Table, gemms: Sequence[int] | None = None
+) -> tuple[float, float, float]:
+    """(bf16 seconds, FP8 seconds, elements of inputs and outputs M K + M N), summed over the layers, each
+    running ``gemms``' count of GEMMs (all three when not given)."""
     b = f = a = 0.0
-    for m, k, n in shapes:
-        tb, tf = layer_times(m, k, n, table)
+    shapes = list(shapes)
+    for (m, k, n), g in zip(shapes, gemms if gemms is not None else [GEMMS] * len(shapes), strict=True):
+        tb, tf = layer_times(m, k, n, table, g)
         b += tb
         f += tf
         a += m * k + m * n
@@ -539,21 +552,34 @@ def layer_speedup(m: int, k: int, n: int, table: Table) -> float:
     return tb / tf
 
 
+def _known(shapes: Iterable[Shape], gemms: Sequence[int] | None) -> tuple[list[Shape], list[int]]:
+    """The shapes with every dimension known, and the GEMMs each runs (all three when ``gemms`` is None)."""
+    shapes = list(shapes)
+    pairs = zip(shapes, gemms if gemms is not None else [GEMMS] * len(shapes), strict=True)
+    known = [(s, g) for s, g in pairs if all(v > 0 for v in s)]
+    return [s for s, _ in known], [g for _, g in known]
+
+
 def estimate(
-    shapes: Iterable[Shape], others: Iterable[Shape] = (), constants: Constants = CONSTANTS
+    shapes: Iterable[Shape],
+    others: Iterable[Shape] = (),
+    constants: Constants = CONSTANTS,
+    gemms: Sequence[int] | None = None,
+    others_gemms: Sequence[int] | None = None,
 ) -> Estimate | None:
     """FP8's estimated speedup of a training step whose linear layers of these forward (tokens, in, out) shapes,
-    one per layer and call, FP8 converts, while those of ``others`` stay in bf16. None without converted layers.
-    """
-    conv = [s for s in shapes if all(v > 0 for v in s)]
+    one per layer and call, FP8 converts, while those of ``others`` stay in bf16. ``gemms`` and ``others_gemms``:
+    how many of the three GEMMs each runs (2 frozen, 1 without an output gradient; all three when not given).
+    None without converted layers."""
+    conv, conv_g = _known(shapes, gemms)
     if not conv:
         return None
-    kept = [s for s in others if all(v > 0 for v in s)]
+    kept, kept_g = _known(others, others_gemms)
 
     def end(table: Table, rest: float) -> tuple[float, float, float]:
         """(step speedup, layers' speedup, their share of a bf16 step) by ``table``."""
-        cb, cf, ca = _sums(conv, table)
-        ob, _, oa = _sums(kept, table)
+        cb, cf, ca = _sums(conv, table, conv_g)
+        ob, _, oa = _sums(kept, table, kept_g)
         bf16 = cb + ob + rest * (ca + oa)
         return bf16 / (bf16 - cb + cf), cb / cf, cb / bf16
 
@@ -564,7 +590,9 @@ def estimate(
         w += m * k * n
         c += m * k + k * n + m * n
     i = w / c
-    flops_share = w / (w + sum(m * k * n for m, k, n in kept))
+    # the FLOPs of the GEMMs each call runs
+    run = sum(m * k * n * g for (m, k, n), g in zip(conv, conv_g, strict=True))
+    flops_share = run / (run + sum(m * k * n * g for (m, k, n), g in zip(kept, kept_g, strict=True)))
     lo, hi = TABLE_INTENSITY
     beyond = "below" if i < lo * 0.999 else ("above" if i > hi * 1.001 else "")
     return Estimate(

@@ -250,6 +250,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "pushed_subnormal_max": ("share of values pushed below FP8's smallest normal allowed", "share"),
     "sampled_steps": ("sampled steps", "count"),
     ("fp8_speed", "layers"): ("GEMMs FP8 would convert (a call of an FP8-eligible layer each)", "count"),
+    "frozen_layers": ("converted layers that are frozen (no weight gradient)", "count"),
     ("fp8_speed", "layers_bf16"): (
         "GEMMs left in bf16, each call's (the other linear layers, experts, attention projections and score "
         "matmuls, gates, convolutions)",

@@ -467,6 +467,9 @@ class _Plan:
     fp8_speed: Estimate | None = None
     # ... what its GEMMs are, in words (Estimate.explain): the converted ones, those left in bf16
     fp8_speed_words: tuple[str, str] = ("", "")
+    # ... the GEMMs of a call each linear layer runs, of the three the estimate's layer tables timed: 2 frozen (no
+    # weight gradient), 1 without an output gradient either, else 3
+    fp8_gemms_run: dict[str, int] = field(default_factory=dict)
     growth_interval: int = 2000
     matmul_layers: list[str] = field(default_factory=list)
     n_params: int | None = None

@@ -677,6 +677,18 @@ def _unjudged(run: _Run, plan: _Plan, linear: list[str], shapes: Mapping[str, _F
     return True
 
 
+def _gemms_run(run: _Run, linear: list[str], with_grad: set[str]) -> dict[str, int]:
+    """How many of a call's three GEMMs each linear layer runs: 1 without an output gradient on any sampled step
+    (in a run that recorded some: ``with_grad``), 2 without a weight gradient (frozen, in a run that recorded
+    some: a LoRA model's base layers compute their input's gradient alone), else 3."""
+    wg = run.layers.loc[(run.layers[T.TENSOR] == T.WEIGHT_GRAD) & (run.layers[T.PARAM] == T.WEIGHT), T.MODULE]
+    trained = set(T.texts(wg).astype(object))
+    return {
+        m: 1 if with_grad and m not in with_grad else 2 if trained and m not in trained else fp8_speed.GEMMS
+        for m in linear
+    }
+
+
 def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     cfg = run.cfg
     linear = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
@@ -813,12 +825,19 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             for _ in range(max(sh.calls, 1))
         ]
 
-    # the step's speed: the eligible layers FP8 would convert, beside the GEMMs left in bf16
+    # the step's speed: the eligible layers FP8 would convert, beside the GEMMs left in bf16, each layer's calls
+    # counting the GEMMs it runs (a LoRA model's eligible layers were its frozen base layers, timed as if trained)
+    runs = plan.fp8_gemms_run = _gemms_run(run, linear, with_grad)
     converted, conv_gemms = _layer_calls({m: calls([m]) for m in plan.fp8_eligible}, converted=True)
-    kept, kept_gemms = _bf16_gemms(
-        {m: calls([m]) for m in linear if m not in set(plan.fp8_eligible)}, experts, unconverted
+    kept_layers = {m: calls([m]) for m in linear if m not in set(plan.fp8_eligible)}
+    kept, kept_gemms = _bf16_gemms(kept_layers, experts, unconverted)
+    plan.fp8_speed = fp8_speed.estimate(
+        conv_gemms,
+        kept_gemms,
+        gemms=[runs[m] for m in plan.fp8_eligible for _ in calls([m])],
+        others_gemms=[runs[m] for m, shapes in kept_layers.items() for _ in shapes]
+        + [fp8_speed.GEMMS] * (len(kept_gemms) - sum(map(len, kept_layers.values()))),
     )
-    plan.fp8_speed = fp8_speed.estimate(conv_gemms, kept_gemms)
     plan.fp8_speed_words = (f"the {converted}", kept)
     unknown = [m for m in linear if m not in known]
     tied = [m for m in linear if shapes[m].tied_to is not None]
@@ -1090,6 +1109,38 @@ def _speed_scores_left_out(plan: _Plan) -> str:
     )
 
 
+def _frozen_said(plan: _Plan, limit: int) -> str:
+    """The sentence on the converted layers that run fewer than the three GEMMs the layer tables timed ("" when
+    none do): a LoRA model's eligible layers are its frozen base layers, whose backward computes no weight
+    gradient."""
+    runs = plan.fp8_gemms_run
+    frozen = [m for m in plan.fp8_eligible if runs.get(m) == 2]
+    alone = [m for m in plan.fp8_eligible if runs.get(m) == 1]
+    if not frozen and not alone:
+        return ""
+    n = len(plan.fp8_eligible)
+    parts = []
+    if frozen:
+        many = "All" if len(frozen) == n else f"{len(frozen)} of the"
+        parts.append(
+            f"{many} {n} converted layers are frozen (no weight gradient on any sampled step: "
+            f"{_listing(frozen, limit)}) and run their forward and input-gradient GEMMs alone"
+        )
+    if alone:
+        parts.append(
+            f"{len(alone)} frozen layer(s) with no output gradient either ({_listing(alone, limit)}) run the "
+            "forward GEMM alone"
+        )
+    said = "; ".join(parts)
+    share = " or ".join(["two thirds"] * bool(frozen) + ["a third"] * bool(alone))
+    kept = any(n < fp8_speed.GEMMS for m, n in runs.items() if m not in set(plan.fp8_eligible))
+    return (
+        f" {said[:1].upper()}{said[1:]}: each is counted at that share of its layer's times, {share} (the three "
+        "GEMMs do the same work, 2 M K N FLOPs each, but were timed together, not apart)"
+        + (", as are the frozen layers left in bf16." if kept else ".")
+    )
+
+
 def _speed_finding(run: _Run, plan: _Plan) -> None:
     est = plan.fp8_speed
     if est is None or not run.hw.fp8_supported:  # the question is asked on FP8 hardware only
@@ -1120,7 +1171,8 @@ def _speed_finding(run: _Run, plan: _Plan) -> None:
             INFO,
             f"FP8 {verdict} at these GEMM shapes: an estimated {ends} of bf16's speed a training step",
             f"An estimate, not a measurement of this run (tensorwise FP8, compiled, against bf16, compiled): "
-            f"{est.explain(*plan.fp8_speed_words)}{beyond}{_speed_scores_left_out(plan)} The layer times and the "
+            f"{est.explain(*plan.fp8_speed_words)}{_frozen_said(plan, cfg.max_listed_modules)}{beyond}"
+            f"{_speed_scores_left_out(plan)} The layer times and the "
             "rest's constants were measured on an "
             f"{est.constants.device} (analysis/fp8_speed.py); FP8 is advised only above "
             f"{cut:g}x at the lower end. Sources: {fp8_speed.sources()}",
@@ -1137,6 +1189,7 @@ def _speed_finding(run: _Run, plan: _Plan) -> None:
                 "intensity": est.intensity,
                 "layers": est.layers,
                 "layers_bf16": est.others,
+                "frozen_layers": sum(plan.fp8_gemms_run.get(m) != fp8_speed.GEMMS for m in plan.fp8_eligible),
                 "speedup_min": cut,
             },
         )
