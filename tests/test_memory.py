@@ -19,6 +19,7 @@ from torch._C._profiler import _EventType
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import precprof
+from precprof import pipeline
 from precprof import tables as T
 from precprof.analysis.memory_projection import MODES, infer_mode, project, textbook
 from precprof.capture import storage
@@ -2343,3 +2344,43 @@ def test_saved_tensor_hooks_around_the_model_call_stay_in_force(around: str, tmp
     assert not (memory[T.COMPONENT] == T.ACTIVATIONS).any()
     page = prof.report(tmp_path / "run").read_text()
     assert "Saved activations not measured: the model&#39;s forward ran under saved-tensor hooks" in page
+
+
+def test_a_lora_runs_textbook_counts_the_gradients_that_train_and_the_page_says_how_many(
+    tmp_path: Path,
+) -> None:
+    """A LoRA model (a frozen base, trained adapters): the textbook table gave gradients of every parameter, 4N
+    and 2N, beside the adapters' few measured, and its saving came from those; nothing on the page said how many
+    parameters train (tester h65: 8,704 of 115,520). The textbook's gradients and optimizer states are now of
+    the parameters that train, and the Environment's model size and the memory section say how many do."""
+    torch.manual_seed(0)
+    model = _Lora()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    n_all, n_train = sum(p.numel() for p in model.parameters()), sum(p.numel() for p in trained)
+    assert n_train < n_all
+    opt = torch.optim.AdamW(trained, lr=1e-3)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, out=tmp_path / "run") as prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(8, 64)).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    prof.save()
+    summary = T.read_summary(tmp_path / "run")
+    r = records(project(T.read_run(tmp_path / "run").tables["memory"], summary))
+    # AdamW's two fp32 moments of each trained element, and one step counter of each trained tensor
+    states = sum(8 * p.numel() + 4 for p in trained)
+    assert (
+        r[("fp32", "textbook", T.PARAMETERS)] == 4 * n_all
+        and r[("bf16", "textbook", T.PARAMETERS)] == 2 * n_all
+    )
+    assert (
+        r[("fp32", "textbook", T.GRADIENTS)] == 4 * n_train
+        and r[("bf16", "textbook", T.GRADIENTS)] == 2 * n_train
+    )
+    assert r[("fp32", "textbook", T.OPTIMIZER_STATES)] == states
+    page = pipeline.rerender(tmp_path / "run").read_text()
+    said = f"{n_train:,} of {n_all:,} parameters train ({100 * n_train / n_all:.3g}%), {n_all - n_train:,} frozen"
+    assert page.count(said) == 2  # the Environment's model size and the memory section's textbook table

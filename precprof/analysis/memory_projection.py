@@ -69,19 +69,24 @@ def _itemsize(name: str) -> int | None:
     return dt.itemsize if isinstance(dt, torch.dtype) else None
 
 
-def textbook(n_params: int, optimizer_state_bytes: int | None = None) -> dict[str, Any]:
+def textbook(
+    n_params: int, optimizer_state_bytes: int | None = None, n_trainable: int | None = None
+) -> dict[str, Any]:
     """The textbook table: bytes of parameters, gradients and optimizer states, FP32 vs mixed precision.
 
-    Parameters and gradients 4N bytes in FP32 and 2N in mixed precision; optimizer states stay FP32 (8N for
-    Adam's two moments unless ``optimizer_state_bytes`` says otherwise); activations halve (scaled by
+    Parameters 4N bytes in FP32 and 2N in mixed precision, gradients the same of the ``n_trainable`` elements
+    trained (all N when not given: a LoRA model's frozen base has no gradient, and the table gave 4N of them
+    beside a measured adapters' few); optimizer states stay FP32 (8 bytes a trained element for Adam's two
+    moments unless ``optimizer_state_bytes`` says otherwise); activations halve (scaled by
     ``activation_factor``, since they do not depend on N). ``records`` has one flat record per mode and
     component ({"mode", "component", "bytes", "source": "textbook"}): fp32/tf32 use the FP32 column, bf16, fp16,
     bf16-pure and fp16-pure the mixed one; fp8 has no textbook row.
     """
-    opt = 8 * n_params if optimizer_state_bytes is None else int(optimizer_state_bytes)
+    trained = n_params if n_trainable is None else n_trainable
+    opt = 8 * trained if optimizer_state_bytes is None else int(optimizer_state_bytes)
     per = {
-        "fp32": {T.PARAMETERS: 4 * n_params, T.GRADIENTS: 4 * n_params, T.OPTIMIZER_STATES: opt},
-        "mixed": {T.PARAMETERS: 2 * n_params, T.GRADIENTS: 2 * n_params, T.OPTIMIZER_STATES: opt},
+        "fp32": {T.PARAMETERS: 4 * n_params, T.GRADIENTS: 4 * trained, T.OPTIMIZER_STATES: opt},
+        "mixed": {T.PARAMETERS: 2 * n_params, T.GRADIENTS: 2 * trained, T.OPTIMIZER_STATES: opt},
     }
     records = [
         {"mode": mode, "component": comp, "bytes": b, "source": "textbook"}
@@ -91,6 +96,7 @@ def textbook(n_params: int, optimizer_state_bytes: int | None = None) -> dict[st
     ]
     return {
         "n_params": n_params,
+        "n_trainable": trained,
         "bytes": per,
         "activation_factor": {"fp32": 1.0, "mixed": 0.5},
         "claim": TEXTBOOK_CLAIM,
@@ -364,7 +370,7 @@ def project(
             T.AUTOCAST_WEIGHT_COPIES: weight_copies(target),
         }
 
-    tb = textbook(n_params, optimizer_state_bytes=int(projected["fp32"][T.OPTIMIZER_STATES]))
+    tb = textbook(n_params, int(projected["fp32"][T.OPTIMIZER_STATES]), n_trainable)
     act32 = projected["fp32"][T.ACTIVATIONS]
     act_fixed = sum(
         int(b) for dt, b in zip(acts[T.DTYPE], acts[T.BYTES], strict=True) if str(dt) not in _MODE_FLOATS
@@ -474,7 +480,13 @@ def project(
         "weight for backward and casts to fp8 on the fly, so activations are those of bf16 autocast and no "
         "weight copy is kept.",
         "Textbook: parameters and gradients 4N -> 2N, optimizer states unchanged, activations halved; no "
-        "master weights, no weight copies.",
+        "master weights, no weight copies"
+        + (
+            f"; the gradients' N is the {n_trainable:,} of {n_params:,} parameters that train (a frozen one has "
+            "no gradient)."
+            if n_trainable < n_params
+            else "."
+        ),
     ]
     if assumed_states is not None:
         assumptions.insert(1, NO_OPTIMIZER_ASSUMPTION)

@@ -522,6 +522,9 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
         # the projection per mode; this run's measurement is the measured table's, said once
         "projection": M.memory_table(records, "projected"),
         "textbook": M.memory_table(records, "textbook"),
+        # (parameters that train, all of them) where some are frozen: the textbook's gradients and states are of
+        # those that train
+        "trainable": environment.trainable(summary),
         "claim": claim.get("text")
         if isinstance(claim, Mapping)
         else (claim if isinstance(claim, str) else None),

@@ -343,7 +343,26 @@ _SIZES: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 
 
-def _model(model: Mapping[str, Any], cfg: Mapping[str, Any], capture: Mapping[str, Any]) -> Rows:
+def trainable(summary: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(parameters that train, all parameters) where some are frozen (a LoRA model's base), from what the memory
+    breakdown counted (summary.json's memory.model); None where all train or the run did not count them."""
+    facts = _map(_map(summary.get(T.SUMMARY_MEMORY)).get("model"))
+    n, n_train = _int(facts.get("n_params")), _int(facts.get("n_trainable"))
+    return (n_train, n) if n is not None and n_train is not None and n_train < n else None
+
+
+def _trained_said(counts: tuple[int, int]) -> str:
+    """ "8,704 of 115,520 parameters train (7.53%), 106,816 frozen"."""
+    n_train, n = counts
+    return f"{F.count(n_train)} of {F.count(n)} parameters train ({F.pct(n_train / n)}), {F.count(n - n_train)} frozen"
+
+
+def _model(
+    model: Mapping[str, Any],
+    cfg: Mapping[str, Any],
+    capture: Mapping[str, Any],
+    trains: tuple[int, int] | None = None,
+) -> Rows:
     name = model.get("name") or cfg.get("model") or capture.get("model_class")
     if not name:
         return []
@@ -351,7 +370,9 @@ def _model(model: Mapping[str, Any], cfg: Mapping[str, Any], capture: Mapping[st
     rows: Rows = [("model", f"{name}" + (f" ({', '.join(what)})" if what else ""))]
     n = _int(model.get("n_params") or capture.get("n_params"))
     shape: list[str] = []
-    if n is not None:
+    if trains is not None and trains[1] == n:
+        shape.append(_trained_said(trains))
+    elif n is not None:
         shape.append(f"{F.count(n)} parameters")
     # each size once, under whichever name the model's config gives it (GPT-2's config answers both n_embd and
     # hidden_size: the row said "32 wide, 32 wide")
@@ -993,7 +1014,7 @@ def environment(summary: Mapping[str, Any], tp: Mapping[str, Any] | None = None)
     groups = [
         ("Machine", machine_rows(hw)),
         ("Software", software_rows(_map(summary.get(T.SUMMARY_VERSIONS)))),
-        ("Model", _model(_map(summary.get(T.SUMMARY_MODEL)), cfg, capture)),
+        ("Model", _model(_map(summary.get(T.SUMMARY_MODEL)), cfg, capture, trainable(summary))),
         ("Run", config_rows(cfg, capture)),
         ("Capture", capture_rows(capture, cfg, tp)),
         ("Processes", distributed_rows(_map(capture.get("distributed")), _map(capture.get("autocast")))),
