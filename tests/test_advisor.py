@@ -836,6 +836,9 @@ def test_lost_updates_leave_out_the_updates_that_were_nan_or_inf() -> None:
     )
     assert f.numbers["share"] == pytest.approx(lost / int(finite.sum()))
     assert "Left out: 210 update elements that were nan or inf, of 1 module(s) (fc:" in f.message
+    assert f.title.endswith(
+        "of the finite weight updates vanish with bf16 master weights"
+    )  # not "of weight updates"
     (row,) = S.layer_records(tabs["layers"])
     assert row["lost_update_bf16"] == pytest.approx(lost / int(finite.sum()))
     by_step = timeline.lost_by_step(tabs["layers"], "bf16")

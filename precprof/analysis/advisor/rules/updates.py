@@ -118,7 +118,8 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
             Finding(
                 f"{fmt}_lost_updates",
                 severity,
-                f"{_pct(share)} of weight updates vanish with {fmt} master weights",
+                f"{_pct(share)} of {'the finite ' if nonfinite_nums else ''}weight updates vanish with {fmt} master "
+                "weights",
                 (
                     f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements ({_pct(share)}; "
                     f"a nonzero gradient or a moved weight) left their {fmt} weight unchanged: the update is "
