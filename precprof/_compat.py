@@ -126,6 +126,17 @@ def fsdp_root_uses_orig_params(root: Any) -> bool:
     return bool(getattr(root, "_use_orig_params", False))
 
 
+def ddp_bucket_bytes(ddp: Any) -> int | None:
+    """DDP: the bytes of its gradient buckets on this rank, the sum of the ``bucket_sizes`` (bytes, "a, b, ...")
+    of its logging data, host-side facts it keeps (no sync). None where this torch does not give them
+    (``_get_ddp_logging_data`` is a prototype interface)."""
+    try:
+        sizes = ddp._get_ddp_logging_data().get("bucket_sizes")
+        return sum(int(s) for s in str(sizes).split(",")) if sizes else None
+    except Exception:  # another torch's DDP: no figure rather than a failed save
+        return None
+
+
 def join_enabled(obj: Any) -> bool:
     """Whether ``obj`` (a ``torch.distributed.algorithms.Joinable``: DDP, ZeroRedundancyOptimizer) was put in an
     enabled join context for uneven inputs (``model.join()``, ``Join([...])``): torch keeps that in the object's

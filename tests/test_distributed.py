@@ -328,6 +328,26 @@ def test_summary_describes_ddp(runs: Path) -> None:
     assert "distributed" not in dict(groups["Capture"])
 
 
+def test_the_memory_section_says_ddps_gradient_buckets(runs: Path) -> None:
+    """DDP (``gradient_as_bucket_view=False``, the default) keeps flat gradient buckets as large as the gradients
+    beside the .grad tensors, one more copy of them per rank: the memory section showed the same components as a
+    run with ``gradient_as_bucket_view=True``, whose gradients are views into them, and never said so. The
+    summary holds DDP's bucket bytes, the gradients' bytes on one rank (every parameter trains here); the page
+    says them and the fix."""
+    from precprof import pipeline
+
+    grads = sum(p.numel() * p.element_size() for p in W.build_model().parameters())  # 916 bytes
+    rdir = run_dir(runs, "ddp")
+    ddp = T.read_summary(rdir)["capture"]["distributed"]
+    assert ddp["gradient_as_bucket_view"] is False and ddp["bucket_bytes"] == grads
+    page = html.unescape(re.sub(r"<[^>]+>", "", pipeline.rerender(rdir).read_text()))
+    assert (
+        f"Not in the measured table nor the projections: DDP's gradient buckets, {grads} B on each rank."
+        in page
+    )
+    assert "DistributedDataParallel(model, gradient_as_bucket_view=True) makes the gradients views" in page
+
+
 def test_summary_describes_fsdp2_mixed_precision(runs: Path) -> None:
     summary = T.read_summary(run_dir(runs, "fsdp2-bf16"))
     # bf16 compute over fp32 masters, as torchtitan trains: bf16 (it said fp32, and so did the report)
@@ -580,6 +600,26 @@ def test_the_reducers_tensors_outlive_their_collectives(
         assert len(given) == 3 + 2 * 2 and all(ref() is not None for ref in given)
     finally:
         dist.destroy_process_group()
+
+
+def test_ddp_bucket_bytes_are_those_of_the_gradients_that_train(tmp_path: Path) -> None:
+    """DDP buckets the parameters that train, a frozen one not; with ``gradient_as_bucket_view=True`` the
+    memory section says the gradients are the buckets, no second copy."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from precprof.report.memory_summary import ddp_buckets
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3).to(torch.float64))
+        model[0].requires_grad_(False)
+        info = wrapper_info(DistributedDataParallel(model, gradient_as_bucket_view=True))
+    finally:
+        dist.destroy_process_group()
+    assert info["bucket_bytes"] == (4 * 3 + 3) * 8  # the float64 layer alone
+    said = ddp_buckets({"capture": {"distributed": info}})
+    assert said == {"bytes": (4 * 3 + 3) * 8, "as_view": True}
 
 
 def test_single_rank_group(tmp_path: Path) -> None:

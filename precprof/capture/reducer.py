@@ -147,6 +147,9 @@ def wrapper_info(model: nn.Module) -> dict[str, Any]:
             "storage_dtypes": storage,
             "comm_hooks": hooks,
             "gradient_as_bucket_view": bool(getattr(model, "gradient_as_bucket_view", False)),
+            # DDP's flat gradient buckets, as large as the gradients: one more copy of them beside the .grad
+            # tensors unless gradient_as_bucket_view=True makes the gradients views into them
+            "bucket_bytes": _compat.ddp_bucket_bytes(model),
         }
 
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel

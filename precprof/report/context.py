@@ -538,6 +538,8 @@ def _memory(tables: Mapping[str, pd.DataFrame], summary: Mapping[str, Any]) -> d
         "loss_in_forward": bool((mem.get("model") or {}).get("loss_in_forward")),
         "none_why": _no_memory_why(summary),
         "scope": _memory_scope_call(summary),
+        # DDP's gradient buckets, a copy of the gradients outside every component unless they are its views
+        "ddp_buckets": M.ddp_buckets(summary),
     }
 
 

@@ -177,6 +177,20 @@ def step_note(measured: Mapping[str, Any], new_shapes: Iterable[int] = ()) -> st
     return note
 
 
+def ddp_buckets(summary: Mapping[str, Any]) -> dict[str, Any] | None:
+    """DDP's gradient buckets on each rank, which no component of the memory table holds: {"bytes" (their sum,
+    from DDP's bucket sizes), "as_view" (gradient_as_bucket_view: the .grad tensors are views into them, no
+    copy; else the buckets are one more copy of the gradients)}. None outside DDP or without the sizes."""
+    capture = summary.get(T.SUMMARY_CAPTURE)
+    dist = capture.get("distributed") if isinstance(capture, Mapping) else None
+    if not isinstance(dist, Mapping) or dist.get("wrapper") != "DDP":
+        return None
+    size = dist.get("bucket_bytes")
+    if not isinstance(size, (int, float)) or size <= 0:
+        return None
+    return {"bytes": float(size), "as_view": bool(dist.get("gradient_as_bucket_view"))}
+
+
 def memory_records(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     """summary["memory"] as flat records {mode, component, bytes, source}; tolerant of a dict-of-modes layout."""
     mem = summary.get(T.SUMMARY_MEMORY)
