@@ -533,7 +533,8 @@ def test_modules_named_nan_and_infinity_stay_names(
     names = [m["name"] for m in summary[T.SUMMARY_CAPTURE]["modules"]]
     assert names[:2] == ["NaN", "Infinity"]
     assert summary[T.SUMMARY_RECOMMENDATION]["fp16_keep_fp32"] == ["Infinity"]
-    assert [r["module"] for r in summary[T.SUMMARY_WEIGHT_UPDATES]["layers"]][:2] == ["NaN", "Infinity"]
+    # (no ratio: fp16 without a scaler sent every update to nan, and those steps are left out, by layer name)
+    assert {"NaN", "Infinity"} <= set(summary[T.SUMMARY_WEIGHT_UPDATES]["nonfinite_steps"])
     assert "keep Infinity in FP32" in page_text(run / T.REPORT_FILE)
     doc = strict_json((run / T.SUMMARY_FILE).read_text())
     assert (
