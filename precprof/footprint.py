@@ -529,7 +529,8 @@ def line(fp: Footprint) -> str:
         return f"memory: at least {size_text(fp.model_states)}{_per_rank(fp)} ({_states_text(fp)}); {fp.note}"
     return (
         f"memory: about {size_text(fp.total)}{_per_rank(fp)} at a step's peak, an estimate ({_states_text(fp)}{_then(fp)}"
-        f"activations {size_text(fp.activations)})"
+        f"activations {size_text(fp.activations)}: saved {size_text(fp.saved)}, outputs "
+        f"{size_text(fp.outputs_per_sample * fp.batch_size)}, backward temporaries {size_text(fp.temporaries)})"
     )
 
 
@@ -586,7 +587,8 @@ def describe(fp: Footprint) -> dict[str, Any]:
         "parameters": fp.parameters,
         "gradients": fp.gradients,
         "optimizer_states": fp.optimizer_states,
-        "activations": fp.activations,
+        "activations": fp.activations,  # saved_activations + outputs + backward_temporaries
+        "saved_activations": fp.saved,
         "activations_per_sample": fp.activations_per_sample,
         "activations_shared": fp.activations_shared,
         "outputs": fp.outputs_per_sample * fp.batch_size,

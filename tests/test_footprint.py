@@ -308,6 +308,15 @@ def test_a_run_that_fits_passes() -> None:
         == fp.total
         == info["parameters"] + info["gradients"] + info["optimizer_states"] + (info["activations"])
     )
+    # the activations are what autograd saves, the outputs and backward's temporaries, said as such: the line
+    # printed "activations 2.0 MiB" where the report of the same run showed 729 KiB saved (tester h63)
+    assert info["activations"] == info["saved_activations"] + info["outputs"] + info["backward_temporaries"]
+    parts = (info["saved_activations"], info["outputs"], info["backward_temporaries"])
+    assert all(p > 0 for p in parts)
+    assert (
+        f"activations {FP.size_text(fp.activations)}: saved {FP.size_text(parts[0])}, outputs "
+        f"{FP.size_text(parts[1])}, backward temporaries {FP.size_text(parts[2])})" in FP.line(fp)
+    )
 
 
 def test_the_model_alone_is_refused_before_any_forward_pass() -> None:
