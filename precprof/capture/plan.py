@@ -53,7 +53,7 @@ def refuse_lazy(model: nn.Module) -> None:
         )
 
 
-def leave_out_input_names(plan: CapturePlan) -> None:
+def leave_out_input_names(plan: CapturePlan, warn: bool = True) -> None:
     """Leave out of ``plan`` a module whose name ends in ``T.INPUT_SUFFIX`` (a ModuleDict key "fc:input", torch
     allows ":" in a name), and its parameters, with a warning naming it: the tables name a layer's input that a
     function computed "<layer>:input", and its rows and histograms would merge with those of the layer "fc"'s
@@ -62,13 +62,14 @@ def leave_out_input_names(plan: CapturePlan) -> None:
     if not clash:
         return
     first = sorted(clash)[0]
-    warnings.warn(
-        f"precprof: module {first!r}{f' (and {len(clash) - 1} more)' if len(clash) > 1 else ''} is not "
-        f"profiled: its name ends in {T.INPUT_SUFFIX!r}, which precprof's tables give a layer's input rows (the "
-        f"input of {first.removesuffix(T.INPUT_SUFFIX)!r}, where a function computed it), and its rows would "
-        "merge with those; rename it to have it profiled",
-        stacklevel=4,
-    )
+    if warn:
+        warnings.warn(
+            f"precprof: module {first!r}{f' (and {len(clash) - 1} more)' if len(clash) > 1 else ''} is not "
+            f"profiled: its name ends in {T.INPUT_SUFFIX!r}, which precprof's tables give a layer's input rows (the "
+            f"input of {first.removesuffix(T.INPUT_SUFFIX)!r}, where a function computed it), and its rows would "
+            "merge with those; rename it to have it profiled",
+            stacklevel=4,
+        )
     plan.modules = [s for s in plan.modules if s.name not in clash]
     plan.params = [p for p in plan.params if p.module not in clash]
 
@@ -205,8 +206,8 @@ class CapturePlan:
             plan.modules.append(slot)
         if module_filter is not None and check:
             _check_filter(model, module_filter, [s.name for s in plan.modules])
-        if check:  # (at attach: a model that changed mid-run keeps training)
-            leave_out_input_names(plan)
+        # (said at attach; a plan made again mid-run leaves it out too)
+        leave_out_input_names(plan, warn=check)
         plan.held_modules, plan.held = _compat.modules_and_parameters(model)
         rows.begin_step()
         return plan
