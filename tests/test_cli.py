@@ -793,7 +793,11 @@ def test_train_prints_its_memory_estimate_before_the_first_step(
     memory = [i for i, ln in enumerate(err) if ln.startswith("precprof: memory: about ")]
     assert len(memory) == 1 and memory[0] < first_step, err
     line = err[memory[0]]
-    assert f"activations {size_text(estimate['activations'])})" in line, line
+    assert (
+        f"activations {size_text(estimate['activations'])}: saved {size_text(estimate['saved_activations'])}, "
+        f"outputs {size_text(estimate['outputs'])}, backward temporaries "
+        f"{size_text(estimate['backward_temporaries'])})" in line
+    ), line
     assert f"about {size_text(estimate['total'])} at a step's peak" in line, line
 
 
