@@ -272,6 +272,23 @@ def test_a_killed_runs_fp8_eligibility_is_not_judged(tmp_path: Path) -> None:
     assert killed.format != "fp8" and "FP8 eligibility was not judged" in f.remedy
 
 
+def test_a_killed_runs_report_names_the_model_it_trained(tmp_path: Path) -> None:
+    """A run killed before it saved read "Precision report · model · run": the model's class was only in the
+    summary written at the end. The first summary names it; a precision the run never said is left out."""
+    out = tmp_path / "killed"
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with precprof.Profiler(model, opt, sample_every=1, out=out) as prof:
+        for _ in range(2):
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+    prof._owned_run.release()  # as a killed job leaves it: its stream and first summary
+    html = pipeline.rerender(out).read_text()
+    assert "<h1>Precision report · Sequential</h1>" in html, re.findall(r"<h1>.*?</h1>", html)
+
+
 def test_precprof_report_on_a_run_still_being_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -126,9 +126,9 @@ class ProfilerResults:
         if isinstance(self._out, rundir.RunDir):
             run = self._out
         else:
-            first = {
-                T.SUMMARY_CAPTURE: {"sample_every": self.sample_every, "sample_origin": self._first_step}
-            }
+            capture: dict[str, Any] = {"sample_every": self.sample_every, "sample_origin": self._first_step}
+            capture["model_class"] = model_class_name(_compat.unwrapped(self.model))  # a killed run's title
+            first: dict[str, Any] = {T.SUMMARY_CAPTURE: capture}
             # a killed distributed run still says it was one (its counts are sums over ranks)
             if self._reducer is not None:
                 with contextlib.suppress(Exception):

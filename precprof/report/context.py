@@ -795,7 +795,8 @@ def build_context(
     return {
         # the verdict planned for another machine (precprof report --target): the header says so
         "planned_for": target if target and recorded_on and target.lower() not in recorded_on else "",
-        "title": f"{model} · {S.requested_precision(summary) or 'run'}",
+        # a run killed before its first forward pass names no precision: the model alone
+        "title": " · ".join(filter(None, (model, S.requested_precision(summary)))),
         "version": __version__,
         "generated": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "sections": SECTIONS,
