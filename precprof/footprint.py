@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +111,7 @@ class Footprint:
         0  # the gradients at backward's start (``OUTPUT_GRADIENTS``), per sample
     )
     sharding: Sharding = Sharding()  # parameters, gradients and optimizer states are a rank's shards
+    failed_at: int = 0  # the batch of the measuring pass that raised the model's own error (0: none did)
 
     @property
     def model_states(self) -> int:
@@ -327,29 +328,45 @@ def pass_bytes(
         if sizes:
             last[0] = max(sizes)
 
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    devices = [d for d in {p.device for p in model.parameters()} if d.type == "cuda"]
     handles = [model.register_forward_hook(keep_outputs)]
     handles += [m.register_forward_hook(keep_last) for m in model.modules() if m is not model]
     try:
-        with (
-            torch.random.fork_rng(devices=devices),
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        ):
+        with _unchanged(model), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = forward_loss()
         del loss
     finally:
         for handle in handles:
             handle.remove()
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
     held = sum(b for key, (b, _) in outputs.items() if key not in seen and key not in params)
     # backward starts from the loss wherever it was computed: with a loss made inside forward and returned
     # alone, the gradients at its start are those of the logits the model made, not of an output it returned
     elements = sum(n for _, n in outputs.values()) if outputs else last[0]
     return PassBytes(total, held, OUTPUT_GRADIENTS * 4 * elements)
+
+
+def run_once(model: nn.Module, forward_loss: Callable[[], torch.Tensor]) -> None:
+    """Run ``forward_loss()`` once as training runs it, nothing measured (no hooks), and drop its graph: the
+    model's own error propagates. Like ``pass_bytes``, training is unchanged (random state forked, buffers
+    restored)."""
+    with _unchanged(model):
+        loss = forward_loss()
+    del loss
+
+
+@contextlib.contextmanager
+def _unchanged(model: nn.Module) -> Iterator[None]:
+    """Run a pass that is not training: the random state forked and the module buffers (BatchNorm's running
+    statistics) put back afterwards, whether the pass returned or raised."""
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    devices = [d for d in {p.device for p in model.parameters()} if d.type == "cuda"]
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
 
 
 def _storage_key(st: torch.UntypedStorage) -> int:
@@ -385,8 +402,9 @@ def estimate(
     in the run's precision. ``available`` (bytes, None: unknown) guards the measuring passes: a run whose model
     states or whose batch 1 cannot fit is refused (UserError) before a larger batch is tried, and batch 2 is
     measured only when batch 1 says it fits. Only a refusal is raised here: when the model's own forward pass
-    fails, the estimate is left unmeasured (``measured`` False, ``note`` says why) and training meets the
-    error where it records it. ``what`` and ``where`` name the run and the machine in a refusal. ``leave_out``
+    fails, the estimate is left unmeasured (``measured`` False, ``note`` says why, ``failed_at`` at which
+    batch), and the caller may run that pass again without the measuring (``run_once``) to tell the model's
+    error from one the measuring alone met. ``what`` and ``where`` name the run and the machine in a refusal. ``leave_out``
     picks saved tensors not to count (the meta device's attention matrices, which a device's fused kernel does
     not keep).
     """
@@ -400,8 +418,8 @@ def estimate(
         one = _measure(model, forward_loss, 1, leave_out)
     except torch.OutOfMemoryError:
         raise _refusal(fp.at_batch(1), available, what=what, where=where, out_of_memory=True) from None
-    except Exception as e:  # the model's own error: training reports it, with its run directory
-        return dataclasses.replace(fp, measured=False, note=_failure(e))
+    except Exception as e:  # the model's own error: the caller decides (``run_once`` tells it apart)
+        return dataclasses.replace(fp, measured=False, note=_failure(e), failed_at=1)
     # batch 1 counts what is saved once per step as if each sample saved it: an upper bound per sample
     fp = dataclasses.replace(
         fp,
@@ -420,7 +438,7 @@ def estimate(
     except torch.OutOfMemoryError:
         raise _refusal(fp.at_batch(2), available, what=what, where=where, out_of_memory=True) from None
     except Exception as e:  # batch 1 ran: keep its upper bound
-        return dataclasses.replace(fp, note=f"measured at batch 1 only: {_failure(e)}")
+        return dataclasses.replace(fp, note=f"measured at batch 1 only: {_failure(e)}", failed_at=2)
     per_sample = max(two.saved - one.saved, 0)
     fp = dataclasses.replace(
         fp,

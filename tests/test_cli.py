@@ -255,16 +255,14 @@ LAZY_MODEL = (
 def test_a_model_that_is_no_language_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """An image model from a factory: its first forward pass fails on the token ids the loop feeds it. That was
     a hundred lines of traceback ending in conv2d's complaint; it is one line that says what precprof train
-    feeds, what it trains, and where another model goes. The partial run is kept."""
+    feeds, what it trains, and where another model goes. The memory estimate met the failure first: the run is
+    refused there, before a run directory of no steps is made."""
     f = tmp_path / "vision.py"
     f.write_text(IMAGE_MODEL)
     out = tmp_path / "run"
     rc, _, err = run_main(["train", "--model", f"{f}:make", "--out", str(out), *TINY], capsys)
-    assert_one_line_error(
-        rc, err, "failed on its first forward pass", "token ids of shape", "precprof.Profiler"
-    )
-    assert "shape (2, 8) (torch.int64): RuntimeError:" in err
-    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert_one_line_error(rc, err, "forward pass raised RuntimeError:", "here (1, 8)", "precprof.Profiler")
+    assert not out.exists()
 
 
 BROKEN_LM = (
@@ -275,8 +273,9 @@ BROKEN_LM = (
 
 
 def test_a_language_models_own_bug_keeps_its_traceback(tmp_path: Path) -> None:
-    """A model with an embedding is a language model: its first forward pass failing is its own bug, which
-    keeps its exception and traceback (only a model with no embedding gets the one line above)."""
+    """A model with an embedding is a language model: its first forward pass failing is its own bug. Refused
+    before training in one line (below), it keeps its exception and traceback as the error's cause, for a
+    caller of training.train and a debugger; it is not told to go profile elsewhere."""
     from precprof import training
     from precprof.errors import UserError
 
@@ -285,9 +284,81 @@ def test_a_language_models_own_bug_keeps_its_traceback(tmp_path: Path) -> None:
     cfg = training.TrainConfig(
         model=f"{f}:make", steps=2, batch_size=2, seq_len=8, progress=False, report=False
     )
-    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied") as info:
+    with pytest.raises(UserError, match="mat1 and mat2 shapes cannot be multiplied") as info:
         training.train(dataclasses.replace(cfg, out=str(tmp_path / "run")))
-    assert not isinstance(info.value, UserError)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert info.value.__cause__.__traceback__ is not None
+    assert "precprof.Profiler" not in str(info.value)
+    assert not (tmp_path / "run").exists()
+
+
+DICT_MODEL = (
+    "from torch import nn\n"
+    "class Net(nn.Module):\n"
+    "    def __init__(self, vocab_size):\n"
+    "        super().__init__()\n"
+    "        self.emb, self.out = nn.Embedding(vocab_size, 16), nn.Linear(16, vocab_size)\n"
+    "    def forward(self, batch):\n"
+    "        return self.out(self.emb(batch['input_ids']))  # a Hugging Face style batch\n"
+    "def make(vocab_size):\n"
+    "    return Net(vocab_size)\n"
+)
+
+
+def test_a_forward_that_fails_on_the_batch_is_refused_before_the_run_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A forward that reads a dict batch (batch['input_ids']) fails on the token ids precprof train feeds it. The
+    memory estimate ran it first and let it go: 40 lines of traceback through typer followed, after a run
+    directory whose report showed a run that never took a step. It is one line before anything is written,
+    with the exception, the line of the user's file, and what the loop calls the model with and expects."""
+    f = tmp_path / "dict_model.py"
+    f.write_text(DICT_MODEL)
+    out = tmp_path / "run"
+    rc, _, err = run_main(["train", "--model", f"{f}:make", "--out", str(out), *TINY], capsys)
+    line = next(i for i, text in enumerate(DICT_MODEL.splitlines(), 1) if "input_ids" in text)
+    lines = [x for x in err.strip().splitlines() if x.startswith("precprof")]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    for needle in (
+        "raised IndexError: too many indices for tensor of dimension 2",
+        f"(at {f}:{line}, in forward)",
+        "model(x) with x the token ids in [0, 256), an int64 tensor (batch_size, seq_len), here (1, 8)",
+        "it must return logits (batch_size, seq_len, vocab_size), a scalar loss",
+    ):
+        assert needle in lines[0], (needle, lines[0])
+    assert "precprof.Profiler" not in lines[0]  # it has an embedding: a language model with a bug
+    assert not out.exists()
+
+
+def test_a_forward_that_fails_only_under_the_estimates_hooks_trains(tmp_path: Path) -> None:
+    """The estimate measures under saved-tensor hooks; a forward that refuses them (torch.func does) fails
+    there and not in a plain pass: check_forward runs the pass again without them and lets training go on,
+    the estimate left unmeasured. The same forward without the guard is refused (the check is the pass's)."""
+    import torch
+    from torch import nn
+
+    from precprof import footprint
+    from precprof.errors import UserError
+    from precprof.models import BuiltModel
+    from precprof.training import contract
+
+    model = nn.Sequential(nn.Embedding(256, 8), nn.Linear(8, 256))
+    refuse = [False]
+
+    def forward_loss(batch: int) -> torch.Tensor:
+        x = torch.randint(0, 256, (batch, 8))
+        with torch.autograd.graph.disable_saved_tensors_hooks("no hooks under this forward"):
+            out = model(x.float() if refuse[0] else x)  # float ids: a plain pass fails too
+        return torch.nn.functional.cross_entropy(out.reshape(-1, 256), x.reshape(-1))
+
+    fp = footprint.estimate(model, batch_size=2, optimizer="sgd", forward_loss=forward_loss)
+    assert (fp.measured, fp.failed_at) == (False, 1)
+    assert "no hooks under this forward" in fp.note
+    built = BuiltModel(model, "f.py:make", "factory", 256, None)
+    contract.check_forward(built, model, forward_loss, fp.failed_at, 8, 256)  # no error: it runs plainly
+    refuse[0] = True
+    with pytest.raises(UserError, match="forward pass raised RuntimeError"):
+        contract.check_forward(built, model, forward_loss, 1, 8, 256)
 
 
 def test_a_model_with_lazy_modules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

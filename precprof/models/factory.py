@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 import sysconfig
 import traceback
@@ -81,7 +82,7 @@ def _build_factory(spec: str, args: Mapping[str, Any], vocab_size: int, seq_len:
         module = factory(**kwargs)
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"model factory {spec!r} raised {type(e).__name__}: {msg}{_where(e)}") from None
+        raise UserError(f"model factory {spec!r} raised {type(e).__name__}: {msg}{where_raised(e)}") from None
     if not isinstance(module, nn.Module):
         raise UserError(f"model factory {spec!r} returned {type(module).__name__}, not a torch.nn.Module")
     check_forward_contract(module, spec)
@@ -114,13 +115,18 @@ def _check_required(spec: str, params: Mapping[str, inspect.Parameter], kwargs: 
         )
 
 
-def _where(e: BaseException) -> str:
+# precprof's own files, which call the user's code: never the place of the user's error
+_PRECPROF = str(Path(__file__).resolve().parent.parent) + os.sep
+
+
+def where_raised(e: BaseException) -> str:
     """Where the user's own code raised ``e``: " (at file.py:12, in build)" for the innermost frame of its
-    traceback in a file of neither Python's nor an installed package's, "" when there is none. The one-line
-    error keeps the failure's place, which the user needs when it lies deep inside their model's code."""
+    traceback in a file of neither Python's, an installed package's nor precprof's, "" when there is none. The
+    one-line error keeps the failure's place, which the user needs when it lies deep inside their model's code
+    (a factory's, or a forward pass's)."""
     installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    frames = traceback.extract_tb(e.__traceback__)[1:]  # the first is this module's call of the factory
-    own = [f for f in frames if not f.filename.startswith(("<", *installed))]
+    frames = traceback.extract_tb(e.__traceback__)
+    own = [f for f in frames if not f.filename.startswith(("<", _PRECPROF, *installed))]
     if not own:
         return ""
     f = own[-1]

@@ -30,7 +30,7 @@ from precprof.errors import UserError
 from precprof.models import BUILTIN_MODELS, BuiltModel, build_model, vocabulary_note
 from precprof.models.hf import cast_as_loaded
 from precprof.modes import FP16_MODES, resolve_loss_scale
-from precprof.training import compiling
+from precprof.training import compiling, contract
 from precprof.training import distributed as launch
 from precprof.training.config import (
     DYNAMIC_SCALER_OPTIONS,
@@ -349,7 +349,10 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     )
     model.train()
     refuse_lazy(model)  # before the memory check, which measures every parameter
-    fp = _check_memory(config, built, model, plan, data, device, _sharding(config, model, dist_info))
+    forward_loss = _forward_loss(config, built, model, plan, data, device)
+    fp = _check_memory(config, built, model, forward_loss, device, _sharding(config, model, dist_info))
+    # the pass the estimate could not measure, again: a factory's model that fails it is refused here, in one line
+    contract.check_forward(built, model, forward_loss, fp.failed_at, config.seq_len, data.vocab_size)
     inner = model
     if dist_info is not None:  # the Profiler watches the inner module (plain names); the reducer the wrapper
         model = launch.wrap_model(model, config.distributed, device=device)
@@ -435,8 +438,7 @@ def _check_memory(
     config: TrainConfig,
     built: BuiltModel,
     model: nn.Module,
-    plan: PrecisionPlan,
-    data: TokenSource,
+    forward_loss: Callable[[int], torch.Tensor],
     device: torch.device,
     sharding: footprint.Sharding,
 ) -> footprint.Footprint:
@@ -446,7 +448,7 @@ def _check_memory(
         model,
         batch_size=config.batch_size,
         optimizer=config.optimizer,
-        forward_loss=_forward_loss(config, built, model, plan, data, device),
+        forward_loss=forward_loss,
         device=device,
         what=_run_what(config, built.name),
         processes_sharing=_ranks_sharing(device),
@@ -476,7 +478,8 @@ def _forward_loss(
 
     def forward_loss(batch: int) -> torch.Tensor:
         seq = torch.randint(0, data.vocab_size, (batch, config.seq_len + 1), device=device)
-        x, y = seq[:, :-1], seq[:, 1:]
+        # contiguous, as the data's batches are (nanoGPT's targets.view(-1) refuses a slice from batch 2 on)
+        x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
         autocast = (
             torch.autocast(device.type, dtype=plan.autocast_dtype)
             if plan.autocast_dtype is not None

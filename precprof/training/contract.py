@@ -1,0 +1,69 @@
+"""The user's own model (``--model file.py:factory``) against the batch contract, checked before training.
+
+The memory estimate runs the forward pass and the loss first (``precprof.footprint``), and keeps going when they
+raise: the estimate is left unmeasured. For a factory's model that failure is the user's to fix, and met there
+it costs nothing to say: ``check_forward`` runs the failed pass once more without the measuring (which alone
+can fail where training would not: a forward under ``torch.func`` refuses the estimate's saved-tensor hooks) and
+refuses the run in one line, before its run directory is made. It named nothing but a 40-line traceback after a
+run directory whose report showed a run that never took a step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from precprof import footprint
+from precprof.errors import UserError
+from precprof.models import BuiltModel
+from precprof.models.factory import where_raised
+
+
+def check_forward(
+    built: BuiltModel,
+    model: nn.Module,
+    forward_loss: Callable[[int], torch.Tensor],
+    failed_at: int,
+    seq_len: int,
+    vocab_size: int,
+) -> None:
+    """UserError, one line, when a factory's model fails the forward pass and loss that the memory estimate
+    failed (``failed_at``: its batch, 0 for none) when run again as training runs them; the model's exception is
+    the error's cause (a traceback for a caller of ``precprof.training.train``). An out-of-memory error, a
+    built-in or Hugging Face model (their failure is precprof's or the library's bug, which keeps its
+    traceback), and a pass that succeeds without the measuring are left to training."""
+    if not failed_at or built.kind != "factory":
+        return
+    try:
+        with warnings.catch_warnings():  # the estimate's pass has shown the model's warnings
+            warnings.simplefilter("ignore")
+            footprint.run_once(model, lambda: forward_loss(failed_at))
+    except UserError:
+        raise  # the loop's own reading of the output: one line already, naming the fix
+    except torch.OutOfMemoryError:
+        return
+    except Exception as e:
+        raise forward_failed(built, e, (failed_at, seq_len), vocab_size) from e
+
+
+def forward_failed(built: BuiltModel, e: BaseException, shape: tuple[int, int], vocab_size: int) -> UserError:
+    """The one-line error for a factory's model whose forward pass raised ``e`` on token ids of ``shape``: the
+    exception, the place in the user's files, and what precprof train calls and expects (README, "Your own
+    model"). A model with no embedding is most likely no language model: where else to profile it."""
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    call = "model(x, targets=y)" if built.pass_targets else "model(x)"
+    targets = ", y the next-token ids of the same shape" if built.pass_targets else ""
+    other = (
+        "; precprof train trains language models: profile any other model in your own loop with precprof.Profiler"
+        if not any(isinstance(m, nn.Embedding) for m in built.module.modules())
+        else ""
+    )
+    return UserError(
+        f"{built.name}: the model's forward pass raised {type(e).__name__}: {first}{where_raised(e)}, before "
+        f"training, on the batch precprof train feeds it: {call} with x the token ids in [0, {vocab_size}), an "
+        f"int64 tensor (batch_size, seq_len), here {shape}{targets}; it must return logits (batch_size, seq_len, "
+        f"vocab_size), a scalar loss, or an output with .logits or .loss{other}"
+    )
