@@ -330,6 +330,45 @@ def test_a_forward_that_fails_on_the_batch_is_refused_before_the_run_directory(
     assert not out.exists()
 
 
+VOCAB_FIRST = (
+    "from torch import nn\n"
+    "class Net(nn.Module):\n"
+    "    def __init__(self, vocab_size):\n"
+    "        super().__init__()\n"
+    "        self.emb, self.out = nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size)\n"
+    "    def forward(self, x):\n"
+    "        return self.out(self.emb(x)).transpose(1, 2)  # (batch, vocab, seq), as a conv head makes them\n"
+    "def make(vocab_size):\n"
+    "    return Net(vocab_size)\n"
+)
+
+
+def test_logits_of_vocab_by_seq_are_refused_or_said_ambiguous(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Logits (batch, vocab, seq_len) were refused at --seq-len 8, but at --seq-len 256, the data's vocabulary,
+    they have the shape (batch, seq_len, vocab) has and trained as such, silently, a loss of the wrong axis.
+    precprof cannot tell the two apart there: it says so in one note naming the fix, and trains (a model that
+    does return (batch, seq_len, vocab) at seq_len 256 is right). At --seq-len 8 the refusal comes before the
+    run directory is made."""
+    f = tmp_path / "vocab_first.py"
+    f.write_text(VOCAB_FIRST)
+    out = tmp_path / "run8"
+    rc, _, err = run_main(["train", "--model", f"{f}:make", "--out", str(out), *TINY], capsys)
+    assert_one_line_error(
+        rc, err, "returned Tensor of shape (1, 256, 8)", "expected logits of shape (1, 8, vocab"
+    )
+    assert not out.exists()
+    out = tmp_path / "run256"
+    argv = ["train", "--model", f"{f}:make", "--out", str(out), "--no-report", *TINY, "--seq-len", "256"]
+    rc, _, err = run_main(argv, capsys)
+    notes = [x for x in err.splitlines() if "cannot tell" in x]
+    assert rc == 0 and len(notes) == 1, err
+    assert notes[0].startswith("precprof: note: ") and "logits of shape (batch_size, 256, 256)" in notes[0]
+    assert "return logits.transpose(1, 2), and a --seq-len other than 256 lets precprof check" in notes[0]
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+
+
 def test_a_forward_that_fails_only_under_the_estimates_hooks_trains(tmp_path: Path) -> None:
     """The estimate measures under saved-tensor hooks; a forward that refuses them (torch.func does) fails
     there and not in a plain pass: check_forward runs the pass again without them and lets training go on,

@@ -6,12 +6,14 @@ it costs nothing to say: ``check_forward`` runs the failed pass once more withou
 can fail where training would not: a forward under ``torch.func`` refuses the estimate's saved-tensor hooks) and
 refuses the run in one line, before its run directory is made. It named nothing but a 40-line traceback after a
 run directory whose report showed a run that never took a step.
+
+``layout_note`` is the one thing the contract cannot check: logits whose last two dimensions are equal.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -66,4 +68,23 @@ def forward_failed(built: BuiltModel, e: BaseException, shape: tuple[int, int], 
         f"training, on the batch precprof train feeds it: {call} with x the token ids in [0, {vocab_size}), an "
         f"int64 tensor (batch_size, seq_len), here {shape}{targets}; it must return logits (batch_size, seq_len, "
         f"vocab_size), a scalar loss, or an output with .logits or .loss{other}"
+    )
+
+
+def layout_note(built: BuiltModel, logits_shape: Sequence[int] | None) -> str:
+    """A line for the terminal when a factory's model returned logits whose last two dimensions are equal
+    ("" otherwise): (batch, seq_len, vocab) and a conv head's (batch, vocab, seq_len) then look alike, and the
+    loop reads the latter as the former without a word (trains the wrong loss), where any other --seq-len
+    refuses it. A note, not a refusal: a model that returns (batch, seq_len, vocab) at a --seq-len equal to its
+    vocabulary (256, the data's) is right, and must still train."""
+    if built.kind != "factory" or logits_shape is None or len(logits_shape) != 3:
+        return ""
+    if logits_shape[1] != logits_shape[2]:
+        return ""
+    n = logits_shape[2]
+    return (
+        f"{built.name} returned logits of shape (batch_size, {n}, {n}): with --seq-len equal to its {n} classes, "
+        f"precprof cannot tell (batch, seq_len, vocab) from (batch, vocab, seq_len) and reads them as (batch, "
+        f"seq_len, vocab); if your model returns (batch, vocab, seq_len), return logits.transpose(1, 2), and a "
+        f"--seq-len other than {n} lets precprof check the layout"
     )

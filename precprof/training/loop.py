@@ -109,6 +109,39 @@ def loss_from_output(
     logits with fewer classes than ``vocab_size`` (the token ids of the data: cross-entropy would index past
     them).
     """
+    loss, logits = _loss_and_logits(out, targets, passed_targets)
+    if isinstance(loss, torch.Tensor) and loss.ndim == 0:
+        return loss  # in its own dtype: a model that computed it in 16-bit is a finding (bf16_loss)
+    if isinstance(logits, torch.Tensor) and logits.ndim == 3 and logits.shape[:2] == targets.shape:
+        if vocab_size is not None and logits.shape[-1] < vocab_size:
+            raise UserError(
+                f"the model's logits have {logits.shape[-1]} classes but the data has {vocab_size} token ids: "
+                f"give the model a vocabulary of at least {vocab_size} (e.g. -a vocab_size={vocab_size})"
+            )
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    shape: tuple[Any, ...] | None = tuple(logits.shape) if isinstance(logits, torch.Tensor) else None
+    if isinstance(out, (tuple, list)):
+        shape = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in out)
+    raise UserError(
+        f"the model's forward returned {type(out).__name__}{f' of shape {shape}' if shape else ''}; "
+        f"expected logits of shape ({targets.shape[0]}, {targets.shape[1]}, vocab_size) or a scalar loss"
+        + (" among its items" if isinstance(out, (tuple, list)) else "")
+    )
+
+
+def logits_read(out: Any, targets: torch.Tensor, passed_targets: bool = False) -> torch.Tensor | None:
+    """The logits ``loss_from_output`` takes the cross-entropy of, read as (batch, seq_len, vocab); None when
+    the output gives its loss (or is refused)."""
+    loss, logits = _loss_and_logits(out, targets, passed_targets)
+    if isinstance(loss, torch.Tensor) and loss.ndim == 0:
+        return None
+    if isinstance(logits, torch.Tensor) and logits.ndim == 3 and logits.shape[:2] == targets.shape:
+        return logits
+    return None
+
+
+def _loss_and_logits(out: Any, targets: torch.Tensor, passed_targets: bool) -> tuple[Any, Any]:
+    """The loss and the logits a model's output holds, either None (see ``loss_from_output``)."""
     loss = logits = None
     if isinstance(out, (tuple, list)):
         tensors = [t for t in out if isinstance(t, torch.Tensor)]
@@ -130,23 +163,7 @@ def loss_from_output(
         loss, logits = out.get("loss"), out.get("logits")
     else:
         loss, logits = getattr(out, "loss", None), getattr(out, "logits", None)
-    if isinstance(loss, torch.Tensor) and loss.ndim == 0:
-        return loss  # in its own dtype: a model that computed it in 16-bit is a finding (bf16_loss)
-    if isinstance(logits, torch.Tensor) and logits.ndim == 3 and logits.shape[:2] == targets.shape:
-        if vocab_size is not None and logits.shape[-1] < vocab_size:
-            raise UserError(
-                f"the model's logits have {logits.shape[-1]} classes but the data has {vocab_size} token ids: "
-                f"give the model a vocabulary of at least {vocab_size} (e.g. -a vocab_size={vocab_size})"
-            )
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    shape: tuple[Any, ...] | None = tuple(logits.shape) if isinstance(logits, torch.Tensor) else None
-    if isinstance(out, (tuple, list)):
-        shape = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in out)
-    raise UserError(
-        f"the model's forward returned {type(out).__name__}{f' of shape {shape}' if shape else ''}; "
-        f"expected logits of shape ({targets.shape[0]}, {targets.shape[1]}, vocab_size) or a scalar loss"
-        + (" among its items" if isinstance(out, (tuple, list)) else "")
-    )
+    return loss, logits
 
 
 def grad_norm_(params: Sequence[torch.Tensor], max_norm: float = 0.0) -> torch.Tensor:
@@ -349,7 +366,8 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     )
     model.train()
     refuse_lazy(model)  # before the memory check, which measures every parameter
-    forward_loss = _forward_loss(config, built, model, plan, data, device)
+    shapes: list[tuple[int, ...]] = []  # of the logits the measuring passes read
+    forward_loss = _forward_loss(config, built, model, plan, data, device, shapes)
     fp = _check_memory(config, built, model, forward_loss, device, _sharding(config, model, dist_info))
     # the pass the estimate could not measure, again: a factory's model that fails it is refused here, in one line
     contract.check_forward(built, model, forward_loss, fp.failed_at, config.seq_len, data.vocab_size)
@@ -410,6 +428,8 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
             file=sys.stderr,
         )
     if (note := compiling.note(config.precision, compiled)) and writer:
+        print(f"precprof: note: {note}", file=sys.stderr)
+    if (note := contract.layout_note(built, shapes[0] if shapes else None)) and writer:
         print(f"precprof: note: {note}", file=sys.stderr)
     if (note := vocabulary_note(built, config.model_args, data.vocab_size)) and config.progress and writer:
         print(f"precprof: note: {note}", file=sys.stderr)
@@ -472,9 +492,11 @@ def _forward_loss(
     plan: PrecisionPlan,
     data: TokenSource,
     device: torch.device,
+    shapes: list[tuple[int, ...]] | None = None,
 ) -> Callable[[int], torch.Tensor]:
     """``forward_loss(batch)`` for ``footprint``: the forward pass and the loss on random tokens at the run's
-    sequence length, in the run's precision, on ``device`` (``meta`` too; footprint forks the RNG state)."""
+    sequence length, in the run's precision, on ``device`` (``meta`` too; footprint forks the RNG state).
+    ``shapes`` gets the shape of the logits each pass read (``logits_read``), for ``contract.layout_note``."""
 
     def forward_loss(batch: int) -> torch.Tensor:
         seq = torch.randint(0, data.vocab_size, (batch, config.seq_len + 1), device=device)
@@ -487,7 +509,10 @@ def _forward_loss(
         )
         with autocast, fp8_context(plan):
             out = model(x, targets=y) if built.pass_targets else model(x)
-            return loss_from_output(out, y, data.vocab_size, built.pass_targets)
+            loss = loss_from_output(out, y, data.vocab_size, built.pass_targets)
+            if shapes is not None and (logits := logits_read(out, y, built.pass_targets)) is not None:
+                shapes.append(tuple(logits.shape))
+            return loss
 
     return forward_loss
 
