@@ -411,6 +411,50 @@ def test_a_run_of_one_or_two_steps_has_whole_step_ticks(n_steps: int) -> None:
         assert set(labels) >= {str(s) for s in step}, labels
 
 
+def test_a_one_step_runs_plots_mark_each_value_and_tick_their_axes_at_it_alone() -> None:
+    """A run of one step: its loss, a lone dot, sat between ticks 1.20, 1.25 and 1.30 (read like a curve), its
+    gradient norm likewise, and its fp16 loss scale, drawn as steps, showed nothing at all between 2^15 and 2^17.
+    Each plot marks its one value and ticks its value axis at that value alone, the tick reading it; a run of two
+    steps keeps its axes as they were, a range of ticks for values that change."""
+    loss, scale, norm = 1.25, 2.0**16, 0.3307
+
+    def run(n: int) -> pd.DataFrame:
+        step = np.arange(n)
+        return pd.DataFrame(
+            {
+                T.STEP: step,
+                T.LOSS: loss - 0.1 * step,
+                T.LOSS_SCALE: scale,
+                T.GRAD_NORM: norm + step,
+                T.SKIPPED: False,
+                T.RESUMED: False,
+            }
+        )
+
+    fig = plots.training_figure(run(1))
+    assert fig is not None
+    FigureCanvasAgg(fig).draw()
+    # the loss scale's axis is in log2: 2^16 sits at 16 and reads as a power of two
+    for ax, at, text in zip(fig.axes, (loss, 16.0, norm), ("1.25", "$2^{16}$", "0.3307"), strict=True):
+        lo, hi = ax.get_ylim()
+        ticks = [t for t in ax.get_yticks() if lo <= t <= hi]
+        assert ticks == [at], (ax.get_title(), ticks)
+        assert [t.get_text() for t in ax.get_yticklabels() if lo <= t.get_position()[1] <= hi] == [text]
+        marked = [
+            ln for ln in ax.get_lines() if ln.get_marker() not in ("None", "", None) and ln.get_visible()
+        ]
+        assert any(list(ln.get_xdata()) == [0] and list(ln.get_ydata()) == [at] for ln in marked), (
+            ax.get_title()
+        )
+    fig = plots.training_figure(run(2))
+    assert fig is not None
+    FigureCanvasAgg(fig).draw()
+    loss_ax, _, norm_ax = fig.axes
+    for ax in (loss_ax, norm_ax):
+        lo, hi = ax.get_ylim()
+        assert len([t for t in ax.get_yticks() if lo <= t <= hi]) > 2
+
+
 def test_the_timeline_tick_labels_never_run_together() -> None:
     """The per-step strip of values lost, over a long run's sampled steps."""
     from precprof.report import timeline

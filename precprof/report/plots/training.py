@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,7 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
         ax.plot(x[bad], np.full(bad.sum(), top), "X", color=SKIP_COLOR, ms=8, label="loss not finite")
     if spans_decades(loss[given & ~bad]):
         ax.set_yscale("log")
+    _one_value(ax, x[given & ~bad], loss[given & ~bad], lambda v: f"{v:.4g}")
     ax.set_title("Training loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss" + (" (log scale)" if ax.get_yscale() == "log" else ""))
@@ -87,6 +89,7 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
         ax.yaxis.set_major_formatter(FuncFormatter(_pow2_label))
         if np.nanmax(y) - np.nanmin(y) < 1:
             ax.set_ylim(np.nanmin(y) - 1, np.nanmax(y) + 1)
+        _one_value(ax, x[ok], y, _pow2_label)
         if bool(np.all(ls[ok] == 1)):
             ax.text(0.5, 0.6, "no loss scaling (scale 1)", ha="center", transform=ax.transAxes, color="#555")
     else:
@@ -115,6 +118,7 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
         )
         if np.nanmax(gn[fin]) / np.nanmin(gn[fin]) > 30:
             ax.set_yscale("log")
+        _one_value(ax, x[fin], gn[fin], lambda v: f"{v:.4g}")
         if inf.any():
             ax.plot(
                 x[inf],
@@ -171,6 +175,17 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
         a.yaxis.label.set_fontsize(9)
         a.tick_params(labelsize=8.5)
     return fig
+
+
+def _one_value(ax: Any, xs: np.ndarray, ys: np.ndarray, label: Callable[[float], str]) -> None:
+    """A plot of one value (a run of one step, or the one step a loop passed a value for) marks it and ticks its
+    axis at it alone, the tick reading the value: a lone dot between ticks 5.4, 5.6 and 5.8 read like a curve, and
+    a loss scale drawn as steps showed nothing at all for one point."""
+    if len(ys) != 1:
+        return
+    ax.plot(xs, ys, "o", color="#1f4e79", ms=5)
+    ax.set_yticks([ys[0]], [label(float(ys[0]))])
+    ax.minorticks_off()  # (a log axis would tick on either side of it)
 
 
 def _no_finite_norm(inf: np.ndarray, skipped: np.ndarray) -> str:
