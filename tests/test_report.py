@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ import pytest
 import torch
 from figure_checks import check_rows_chosen
 from markupsafe import escape
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import LineCollection
 from matplotlib.colors import same_color
 from PIL import Image
@@ -588,7 +590,71 @@ def test_signature_heatmap_rows_windows_and_labels(synthetic: tuple[dict[str, pd
     assert act is not None and [w.label for w in act.windows][:2] == ["FP16", "BF16"]
     # the strip names every window; the side panel says what it measures
     assert [t.get_text() for t in ax_strip.get_yticklabels()] == [w.label for w in hm.windows]
-    assert ax_lost.get_xlabel().startswith("lost in FP16") and ax_lost.get_xscale() == "log"
+    assert ax_lost.get_xlabel().startswith("lost in FP16") and ax_lost.get_xscale() == "function"
+
+
+class Times(nn.Module):
+    """Multiplies by a constant: shrinks a layer's output so that a set share of it flushes to zero in fp16."""
+
+    def __init__(self, c: float) -> None:
+        super().__init__()
+        self.c = c
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.c
+
+
+def test_the_heatmaps_side_panel_reads_a_share_as_its_share(tmp_path: Path) -> None:
+    """A row that lost 56% of its activations in FP16 ended a twentieth of the side panel short of its end, on a
+    log axis from 0.0001% to 100%, and one that lost 20% hardly shorter: both read as "all lost". The panel is on
+    the colour bar's scale, linear from 10% to 100%, where each bar ends between its ticks at its share, and a
+    row that lost 1% or more has its share written in its bar. The shares are counted here by casting the layers'
+    outputs to fp16."""
+    torch.manual_seed(0)
+    # a shrink by 2^-25 / q leaves the share of |N(0, 1)| values under q below fp16's flush point
+    shrink = {2: 2.0**-25 / 0.77, 4: 2.0**-25 / 0.25}  # about 56% and 20% of each output flush
+    model = nn.Sequential(
+        nn.Linear(64, 512),
+        nn.LayerNorm(512, elementwise_affine=False),  # N(0, 1) values
+        Times(shrink[2]),
+        Times(1 / shrink[2]),
+        Times(shrink[4]),
+        Times(1 / shrink[4]),
+    )
+    lost: dict[int, float] = {}
+
+    def count(i: int) -> Callable[..., None]:
+        def hook(_m: nn.Module, _inp: object, out: torch.Tensor) -> None:
+            nonzero = out.detach() != 0
+            lost[i] = float(((out.detach().half() == 0) & nonzero).sum() / nonzero.sum())
+
+        return hook
+
+    for i in shrink:
+        model[i].register_forward_hook(count(i))
+    with precprof.Profiler(model, sample_every=1) as prof:
+        model(torch.randn(64, 64)).square().mean().backward()
+        prof.step()
+    tabs = prof.tables()
+    assert 0.5 < lost[2] < 0.6 and 0.15 < lost[4] < 0.25
+    hm = plots.signature_heatmap(tabs["histograms"], tabs["layers"], T.ACTIVATION)
+    assert hm is not None
+    ax_lost = hm.figure.axes[2]
+    FigureCanvasAgg(hm.figure).draw()
+    to_axes = ax_lost.transData + ax_lost.transAxes.inverted()
+    at = {
+        t.get_text(): to_axes.transform((x, 0))[0]
+        for t, x in zip(ax_lost.get_xticklabels(), ax_lost.get_xticks(), strict=True)
+    }
+    assert {"10%", "100%"} <= set(at)
+    texts = {round(t.get_position()[1] - 0.5): t for t in ax_lost.texts}
+    bars = ax_lost.collections[-1]  # the last of the stacked bars ends at the row's total
+    for i, share in lost.items():
+        row = [r for r, _ in hm.rows].index(str(i))
+        end = to_axes.transform((bars.get_paths()[row].vertices[:, 0].max(), 0))[0]
+        assert end == pytest.approx(at["10%"] + (share - 0.1) / 0.9 * (at["100%"] - at["10%"]), abs=0.01)
+        assert texts.pop(row).get_text().strip() == f"{100 * share:.0f}%"
+    assert not texts  # no other row lost 1%
 
 
 def test_signature_heatmap_keeps_the_worst_rows_when_there_are_too_many(

@@ -337,6 +337,53 @@ def _fit_x_label(fig: Figure, ax: Any, ax_lost: Any) -> bool:
     return True
 
 
+def _lost_panel(ax: Any, shares: np.ndarray, what: str) -> None:
+    """The side panel: each row's shares lost in the focus format (``shares``: rows by underflow, overflow,
+    inf/nan), stacked, on the colour bar's scale (log below 10%, linear above), each total of 1% or more written
+    in its bar. On a log axis to 100% a row that lost 56% ended a twentieth of the panel short of one that lost
+    everything, and 20% hardly shorter: the panel read as "all lost" where half was."""
+    n = len(shares)
+    y = np.arange(n) + 0.5
+    ends = np.maximum(np.cumsum(shares, axis=1), SHARE_FLOOR)
+    starts = np.hstack([np.full((n, 1), SHARE_FLOOR), ends[:, :-1]])
+    for j, color in enumerate(LOST_COLORS.values()):
+        _hbars(ax, y, starts[:, j], ends[:, j], 0.75, to_rgba(color, 0.85))
+    ax.set_xscale("function", functions=(_share_unit, _unit_share))
+    ax.set_xlim(SHARE_FLOOR, 1.0)
+    ax.xaxis.set_major_formatter(FuncFormatter(_pct))
+    ax.set_xticks([1e-4, SHARE_KNEE, 1.0])  # 0.01%, 10%, 100%: as many as the narrow panel keeps apart
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_ylim(n, 0)
+    ax.set_yticks([])
+    ax.tick_params(axis="x", labelsize=MIN_FONT_PT)
+    ax.set_xlabel("lost in " + what.replace(", ", ",\n").replace(" at the", "\nat the"), fontsize=MIN_FONT_PT)
+    ax.grid(True, axis="x", alpha=0.3)
+    total = shares.sum(axis=1)
+    for i in np.flatnonzero(total >= 0.01):  # a bar from 1% on is half the panel wide: room for its figure
+        ax.text(
+            total[i],
+            y[i],
+            (">99%" if 0.995 <= total[i] < 1 else _pct(total[i]))
+            + " ",  # a row that kept some never reads 100%
+            ha="right",
+            va="center",
+            fontsize=MIN_FONT_PT,
+            color="white",
+            clip_on=True,
+        )
+    if not (shares > 0).any():
+        ax.text(
+            0.5,
+            0.5,
+            "nothing\nlost",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="#2a7a2a",
+        )
+
+
 def signature_heatmap(
     histograms: pd.DataFrame,
     layers: pd.DataFrame,
@@ -522,26 +569,9 @@ def signature_heatmap(
     if fp16.hi < x1:
         ax.axvspan(fp16.hi, x1, color=fp16.color, alpha=0.07, lw=0)
 
-    # right panel: share lost in the focus format, stacked on a log axis (ends at the total)
+    # right panel: share lost in the focus format, stacked, on the colour bar's scale (ends at the total)
     shares = np.nan_to_num(np.array([lost.get(r, (0.0, 0.0, 0.0)) for r in rows], dtype=float).reshape(n, 3))
-    floor = SHARE_FLOOR
-    y = np.arange(n) + 0.5
-    ends = np.maximum(np.cumsum(shares, axis=1), floor)
-    starts = np.hstack([np.full((n, 1), floor), ends[:, :-1]])
-    for j, color in enumerate(LOST_COLORS.values()):
-        _hbars(ax_lost, y, starts[:, j], ends[:, j], 0.75, to_rgba(color, 0.85))
-    ax_lost.set_xscale("log")
-    ax_lost.set_xlim(floor, 1.0)
-    ax_lost.xaxis.set_major_formatter(FuncFormatter(_pct))
-    ax_lost.set_xticks([1e-4, 1.0])
-    ax_lost.xaxis.set_minor_locator(NullLocator())
-    ax_lost.set_ylim(n, 0)
-    ax_lost.set_yticks([])
-    ax_lost.tick_params(axis="x", labelsize=MIN_FONT_PT)
-    ax_lost.set_xlabel(
-        "lost in " + what.replace(", ", ",\n").replace(" at the", "\nat the"), fontsize=MIN_FONT_PT
-    )
-    ax_lost.grid(True, axis="x", alpha=0.3)
+    _lost_panel(ax_lost, shares, what)
     # the legend sits in the empty cell above the panel, where it hides no bar
     ax_leg = fig.add_subplot(gs[0, 1:])
     ax_leg.axis("off")
@@ -560,17 +590,6 @@ def signature_heatmap(
         handlelength=1.0,
         borderaxespad=0.0,
     )
-    if not (shares > 0).any():
-        ax_lost.text(
-            0.5,
-            0.5,
-            "nothing\nlost",
-            transform=ax_lost.transAxes,
-            ha="center",
-            va="center",
-            fontsize=8,
-            color="#2a7a2a",
-        )
     # margins from the texts themselves: long row or format names on the left, the colour bar's label on the right
     fit_margins(fig)
     if _fit_title(fig, ax_strip, title, head, under) | _fit_x_label(fig, ax, ax_lost):
