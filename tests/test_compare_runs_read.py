@@ -21,7 +21,7 @@ from precprof import cli
 from precprof import compare as C
 from precprof import tables as T
 from precprof.analysis import comparison as A
-from precprof.training import TrainConfig, train
+from precprof.training import Callback, TrainConfig, train
 
 
 def _config(**kw: Any) -> TrainConfig:
@@ -229,3 +229,39 @@ def test_the_terminal_says_the_notes_its_check_lines_do_not(
     assert seeds == {"fp32": 0, "bf16": 0, "seed7": 7}
     assert any("seed: fp32 0, bf16 0, seed7 7." in n for n in notes), notes
     assert any(n.startswith(f"Missing from fp32's run directory ({damaged}): memory.parquet.") for n in notes)
+
+
+class CtrlC(Callback):
+    """Ctrl-C after step ``at``, as the training loop meets it: a KeyboardInterrupt between steps."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, run: Any) -> None:
+        if run.step == self.at:
+            raise KeyboardInterrupt
+
+
+def _cut(out: Path, at: int, **kw: Any) -> Path:
+    """A run of 8 planned steps stopped by Ctrl-C after step ``at``."""
+    with pytest.raises(KeyboardInterrupt):
+        train(_config(steps=8, out=out, **kw), callbacks=[CtrlC(at)])
+    return out
+
+
+def test_two_runs_cut_by_ctrl_c_say_why_they_stopped_once(tmp_path: Path) -> None:
+    """Two runs cut by Ctrl-C, compared: each check line said "stopped after 3 of 8 steps: interrupted (Ctrl-C,
+    SIGINT); fp32 stopped after 5 of 8 steps: interrupted (Ctrl-C, SIGINT)". It says how far each ran, and why
+    both stopped once."""
+    fp32 = _cut(tmp_path / "fp32", 4)
+    bf16 = _cut(tmp_path / "bf16", 2, precision="bf16")
+    done = {d.name: len(T.read_tables(d)["steps"]) for d in (fp32, bf16)}
+    assert done == {"fp32": 5, "bf16": 3}
+    reason = T.read_summary(fp32)[T.SUMMARY_INCOMPLETE_REASON]
+    assert reason == T.read_summary(bf16)[T.SUMMARY_INCOMPLETE_REASON] == "interrupted (Ctrl-C, SIGINT)"
+    comp, _ = C.compare_runs([fp32, bf16], out=tmp_path / "cmp")
+    lines = [c.text for c in comp.checks if c.aspect != A.ASPECT_SPEED]
+    assert lines
+    said = f"bf16 stopped after 3 of 8 steps and fp32 after 5 of 8 steps, both {reason}"
+    for text in lines:
+        assert said in text and text.count(reason) == 1, text

@@ -391,7 +391,7 @@ def cut_short(run: RunResult, ref: RunResult) -> str:
     """Why ``run``'s loss against ``ref``'s is not that of whole runs, in words ("" when it is): either stopped
     early (interrupted, killed, crashed), or runs of different lengths are compared on the steps all of them
     finished, short of the end of one. A loss over a run's first steps is not the loss it ends at."""
-    said = [f"{x.label} {x.stopped}" for x in (run, ref) if x.stopped]
+    said = _both_stopped(run, ref) or [f"{x.label} {x.stopped}" for x in (run, ref) if x.stopped]
     cut = any(x.compared_until is not None and x.steps_run > x.steps for x in (run, ref))
     if not said and not cut:
         return ""
@@ -400,6 +400,17 @@ def cut_short(run: RunResult, ref: RunResult) -> str:
     if cut:
         said.append(compared_up_to(run.compared_until))
     return "; ".join(said)
+
+
+def _both_stopped(run: RunResult, ref: RunResult) -> list[str]:
+    """How both runs stopped, where they stopped for one reason, in one phrase that says the reason once ("bf16
+    stopped after 11 of 5,000 steps and fp32 after 27 of 5,000 steps, both interrupted (Ctrl-C, SIGINT)"); two runs
+    cut by Ctrl-C said "interrupted (Ctrl-C, SIGINT)" twice in a line. [] otherwise. The reason follows the only
+    colon of a ``_stopped`` text."""
+    (far, why), (ref_far, ref_why) = (x.stopped.partition(": ")[::2] for x in (run, ref))
+    if not (far and why and why == ref_why):
+        return []
+    return [f"{run.label} {far} and {ref.label} {ref_far.removeprefix('stopped ')}, both {why}"]
 
 
 def compared_up_to(step: int | None) -> str:
