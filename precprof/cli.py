@@ -384,6 +384,12 @@ def compare(
         raise typer.Exit(EXIT_NOT_SAVED) from None
     except KeyboardInterrupt as e:
         html = getattr(e, "precprof_compare_html", None)
+        finished = getattr(e, "precprof_comparison", None)
+        if (
+            finished is not None
+        ):  # the page's check lines, as a whole comparison prints them (it printed none)
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                _print_checks(finished)
         done = f": the runs that finished are compared in {html}" if html else ": no run finished to compare"
         _tell(f"\n{_stopped(e)}{done}")
         for note in not_saved:
@@ -397,13 +403,18 @@ def compare(
 
 
 def _print_comparison(comparison: comparing.Comparison, page: Path) -> None:
+    """The check lines and notes (``_print_checks``), then where the page is."""
+    _print_checks(comparison)
+    typer.echo(f"comparison: {page}")
+
+
+def _print_checks(comparison: comparing.Comparison) -> None:
     """The check lines, then the page's notes they do not say (a run stopped early, a missing file, runs set up
     otherwise...): a terminal without a browser learns what the page says matters."""
     for check in comparison.checks:
         typer.echo(f"[{check.status}] {check.text}")
     for note in comparison.terminal_notes():
         typer.echo(f"note: {note}")
-    typer.echo(f"comparison: {page}")
 
 
 @app.command(cls=_Command)

@@ -129,8 +129,9 @@ def compare(
         with _signals.deferred():  # a second Ctrl-C does not cut compare.html short
             _signals.consume()
             if done:
-                _finish(done, variants, tolerance, shared, t0, out)
-                with contextlib.suppress(AttributeError):  # for the CLI's message
+                finished = _finish(done, variants, tolerance, shared, t0, out)
+                with contextlib.suppress(AttributeError):  # for the CLI's check lines and message
+                    e.precprof_comparison = finished  # type: ignore[attr-defined]
                     e.precprof_compare_html = out / COMPARE_HTML  # type: ignore[attr-defined]
         raise
     if not done:

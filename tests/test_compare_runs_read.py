@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from precprof import cli
+from precprof import cli, training
 from precprof import compare as C
 from precprof import tables as T
 from precprof.analysis import comparison as A
@@ -265,3 +265,33 @@ def test_two_runs_cut_by_ctrl_c_say_why_they_stopped_once(tmp_path: Path) -> Non
     said = f"bf16 stopped after 3 of 8 steps and fp32 after 5 of 8 steps, both {reason}"
     for text in lines:
         assert said in text and text.count(reason) == 1, text
+
+
+def test_compare_cut_by_ctrl_c_prints_the_check_lines_of_the_runs_that_finished(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``precprof compare --precisions fp32,bf16`` stopped by Ctrl-C while bf16 trained wrote compare.html of the
+    fp32 run, and the terminal said only "interrupted (Ctrl-C, SIGINT): the runs that finished are compared in
+    ...": no check line, as a whole comparison prints. It prints the page's check lines, then that line."""
+    real = training.train
+
+    def bf16_cut(config: TrainConfig, **kw: Any) -> Any:
+        if config.precision == "bf16":
+            kw["callbacks"] = [CtrlC(1)]
+        return real(config, **kw)
+
+    monkeypatch.setattr(training, "train", bf16_cut)
+    args = ["compare", "-m", "gpt-nano", "-a", "n_layer=1", "--precisions", "fp32,bf16", "--steps", "4"]
+    args += ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--no-report", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    assert e.value.code == 130
+    out, err = capsys.readouterr()
+    assert (
+        f"interrupted (Ctrl-C, SIGINT): the runs that finished are compared in {tmp_path / C.COMPARE_HTML}"
+        in err
+    )
+    page = json.loads((tmp_path / C.COMPARE_JSON).read_text())
+    assert [r["label"] for r in page["runs"]] == ["fp32"]
+    lines = [f"[{c['status']}] {c['text']}" for c in page["checks"]]
+    assert lines and out.splitlines()[: len(lines)] == lines, out
