@@ -691,6 +691,44 @@ def test_the_flops_share_counts_the_matmuls_float8_conversion_leaves_in_bf16(
     assert "the recurrent layers' gates (rnn)" in f.message
 
 
+class _RecurrentClassifier(nn.Module):
+    """A two-layer bidirectional GRU reading every token, and a head reading its last states alone (a sequence
+    classifier): 2 layers x 2 directions x a batch of 4, 16 rows, where the GRU's gates read 4 x 16 tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.GRU(32, 32, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, h = self.rnn(x)  # (2 layers x 2 directions, batch, 32)
+        return self.head(h).transpose(0, 1)
+
+
+def test_a_recurrent_layers_gates_are_counted_at_the_tokens_it_reads() -> None:
+    """A GRU classifier whose head reads the last states alone: the gates were counted at the head's rows (its
+    tokens per call), "4 of 4 qualify, carrying 87% of the matmul FLOPs" of a model whose GRU does 91% of them.
+    Checked against 2 x in x out of each gate weight per token the GRU reads, and of the head per row it reads."""
+    model = _RecurrentClassifier()
+    gates = sum(2 * w.numel() for n, w in model.rnn.named_parameters() if n.startswith("weight"))
+    gru_flops = (
+        4 * 16 * gates
+    )  # every token of the batch of 4 sequences of 16, by each layer's and direction's
+    head_flops = (
+        16 * 2 * model.head.weight.numel()
+    )  # its 16 rows: a layer's direction's last state a sequence
+    run = train_profiled(
+        model, lambda step: (torch.randn(4, 16, 32),) * 2, square_mean, precision="bf16", steps=2
+    )
+    for key in ("batch_size", "seq_len"):  # a user's own loop: no configuration says the tokens per call
+        run.summary[T.SUMMARY_CONFIG].pop(key)
+    f = run.recommend("h100", config=AdvisorConfig()).finding("fp8_eligibility")
+    assert f is not None and f.modules == ["head"]
+    share = head_flops / (head_flops + gru_flops)
+    assert share < 0.05 and f.numbers["eligible_flops_share"] == pytest.approx(share)
+
+
 class _Upsampler(nn.Module):
     """``inp`` makes a 4 x 4 grid of 32 channels from a sequence's 16 tokens, ``up`` (nn.ConvTranspose2d, 32 to 16
     channels in 2 groups, kernel 3, stride 2, padding 1, output_padding 1) doubles it to 8 x 8, and ``head`` reads

@@ -389,19 +389,23 @@ def calls_key(module: nn.Module) -> str:
     the shapes of their matmuls ("" for the others): an nn.MultiheadAttention's (``attention_call``: a
     cross-attention's key and value projections and score matmuls read the memory's tokens, not the query's),
     a transposed convolution's input shape (its GEMM runs over its input's positions, which its stride and
-    padding make fewer than its output's)."""
+    padding make fewer than its output's), a recurrent layer's input shape (its gates read every token of its
+    input, which its output, holding the final states too, does not count alone)."""
     if isinstance(module, nn.MultiheadAttention):
         return ATTENTION_CALLS
-    if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+    if isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.RNNBase)):
         return INPUT_SHAPES
     return ""
 
 
 def call_shape(slot: _ModuleSlot, module: nn.Module, args: Any, kwargs: Any, x: Any) -> tuple[int, ...]:
     """The shape of a call of ``slot``'s module with ``args`` and ``kwargs`` (``x``: its input) that its
-    ``calls_key`` names; () where it cannot be read (a nested tensor)."""
+    ``calls_key`` names; () where it cannot be read (a nested tensor). A recurrent layer's packed sequence: the
+    shape of its data, (tokens, features)."""
     if slot.call_shapes_key == ATTENTION_CALLS:
         return attention_call(module, args, kwargs)
+    if isinstance(x, nn.utils.rnn.PackedSequence):
+        x = x.data
     return tuple(x.shape) if isinstance(x, torch.Tensor) and not x.is_nested else ()
 
 

@@ -436,6 +436,18 @@ def _convolution_gemm(
     return sum(sizes) // cin, cin, math.prod(weight[1:])
 
 
+def _recurrent_rows(inputs: object, calls: int) -> int | None:
+    """The tokens a recurrent layer's gates read over its calls at the first sampled step, from the shapes of
+    its inputs the capture recorded (``inputs``: (batch, seq, features) either way round, (seq, features)
+    unbatched, a packed sequence's (tokens, features)): every one of its weights multiplies each of them (its
+    output, holding the final states too, does not tell them: a classifier's head reading the last state alone
+    counted the gates at its own few rows). None where the run does not tell them."""
+    if not isinstance(inputs, list) or len(inputs) != calls:
+        return None
+    rows = [math.prod(s[:-1]) for s in inputs if isinstance(s, list) and len(s) >= 2]
+    return sum(rows) if len(rows) == len(inputs) and all(r > 0 for r in rows) else None
+
+
 def _unconverted_matmuls(run: _Run) -> tuple[dict[str, _Unconverted], list[str]]:
     """The modules doing matmuls that float8 conversion leaves in bf16, from the weight shapes the capture
     recorded (``_captured_modules``) and each one's calls at the first sampled step, and those of them whose rows
@@ -479,9 +491,11 @@ def _unconverted_matmuls(run: _Run) -> tuple[dict[str, _Unconverted], list[str]]
             got := _attention_gemms(params, own.get("weight"), a[1], entry.get("attention_calls"))
         ):
             out[name] = got
+        elif kind == RECURRENT and (rows := _recurrent_rows(entry.get("input_shapes"), a[1])):
+            out[name] = _Unconverted(kind, [(rows, s[1], s[0]) for s in shapes])
         elif tokens is None:
             uncounted.append(name)
-        else:  # a run recorded before the capture recorded an attention's calls: at the query's tokens
+        else:  # a run recorded before the capture recorded these calls' shapes: at the linear layers' tokens
             out[name] = _Unconverted(kind, [(tokens * a[1], s[1], s[0]) for s in shapes])
     return out, run.sort(uncounted)
 
