@@ -118,6 +118,13 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "last_scale": ("loss scale at the end", "scale"),
     "steps_without_update": ("sampled steps without an optimizer step", "count"),
     "sampled_steps_with_grads": ("sampled steps with weight gradients", "count"),
+    # layers whose weights got no gradient (rules/no_gradient.py)
+    "no_gradient_layers": ("layers whose weight gradient was zero on every sampled step", "count"),
+    "weight_gradient_layers": ("layers with a weight gradient recorded", "count"),
+    "no_gradient_steps_min": ("fewest sampled steps one of them recorded its weight gradient on", "count"),
+    "optimizer_steps_sampled": ("sampled steps the optimizer stepped on", "count"),
+    "fp8_flushed_layers": ("of them, layers FP8 left without a gradient", "count"),
+    "fp8_output_gradient_max": ("largest output gradient the FP8 cast flushed whole", "magnitude"),
     "first_ok_scale": ("scale of the first step that went through", "scale"),
     "recommended_scale": ("recommended initial loss scale", "scale"),
     "start_scale_limit": (

@@ -50,6 +50,7 @@ from precprof.analysis.advisor.rules.fp8 import _rule_fp8
 from precprof.analysis.advisor.rules.fp16 import _rule_fp16_activations, _rule_loss_scale
 from precprof.analysis.advisor.rules.fp32_ops import _rule_fp32_ops
 from precprof.analysis.advisor.rules.hardware import _rule_hardware, _rule_small_model
+from precprof.analysis.advisor.rules.no_gradient import _rule_no_gradient
 from precprof.analysis.advisor.rules.nonfinite import _rule_diverged, _rule_nonfinite
 from precprof.analysis.advisor.rules.shapes import _rule_alignment
 from precprof.analysis.advisor.rules.updates import (
@@ -169,6 +170,7 @@ def recommend(
     _rule_fp32_ops(run, plan)
     _rule_lost_updates(run, plan)
     _rule_steps_without_update(run, plan)
+    _rule_no_gradient(run, plan, dims)
     _rule_bf16_range(run, plan)
     _rule_fp8(run, plan, dims)
     _rule_alignment(run, plan, dims)

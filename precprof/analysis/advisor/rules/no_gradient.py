@@ -1,0 +1,320 @@
+"""Layers whose weights got no gradient: every value of their weight gradient exactly zero on every sampled step
+of a run whose optimizer stepped, and what stopped the gradient where the run tells.
+
+A weight gradient is the layer's output gradient times its input, summed over the tokens: it is zero everywhere
+when no gradient reached the layer's output (a module after it passed back zeros: a ReLU whose units were all
+off, a torchao Float8Linear whose FP8 cast flushed its output gradient, a path the loss multiplies by zero), or
+when its input was zero everywhere (a dead ReLU before it). A frozen weight, or one the loss does not reach at
+all, gets no gradient tensor (None) and no weight_grad row: it is not among them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pandas as pd
+
+from precprof import formats, taxonomy
+from precprof import tables as T
+from precprof.analysis.advisor.evidence import _dtype_has, _innermost, _Plan, _Run
+from precprof.analysis.advisor.model import CRITICAL, Finding
+from precprof.analysis.advisor.rules.fp8 import gemm_inputs
+from precprof.analysis.advisor.text import _listing, _name
+from precprof.formats import FP8_E5M2, NumberFormat
+
+
+@dataclass(frozen=True)
+class _Dead:
+    """The layers whose weight gradient was zero everywhere on every sampled step it was recorded on."""
+
+    layers: list[str]  # in forward order
+    checked: int  # the layers with a weight gradient recorded
+    steps: int  # the sampled steps with weight gradients
+    fewest: int  # the fewest sampled steps one of ``layers`` had its gradient on
+    optimizer_steps: int  # the sampled steps the optimizer stepped on (weight_update rows)
+
+
+def _dead_layers(run: _Run) -> _Dead | None:
+    """The layers whose every weight-gradient value was an exact zero on each sampled step that recorded it, in a
+    run whose optimizer stepped on a sampled step; None where there is none, or no optimizer step was seen."""
+    wg = run.kind(T.WEIGHT_GRAD)
+    wg = wg[T.texts(wg[T.PARAM]) == T.WEIGHT]
+    updated = run.kind(T.WEIGHT_UPDATE)[T.STEP].nunique()
+    if wg.empty or not updated:
+        return None
+    rows = wg.assign(**{T.MODULE: T.texts(wg[T.MODULE]).astype(object)})
+    per = rows.groupby([T.MODULE, T.STEP])[[T.NUMEL, T.ZEROS]].sum()
+    zero = ((per[T.NUMEL] > 0) & (per[T.ZEROS] >= per[T.NUMEL])).groupby(level=0)
+    every, steps = zero.all(), zero.size()
+    dead = run.sort(str(m) for m in every.index[every.to_numpy()])
+    if not dead:
+        return None
+    return _Dead(dead, len(every), int(rows[T.STEP].nunique()), int(steps[dead].min()), int(updated))
+
+
+def _grad_casts(run: _Run) -> dict[str, tuple[NumberFormat, bool]]:
+    """Per torchao Float8Linear of the run (``capture.fp8_recipe``), the FP8 format its backward casts the output
+    gradient to and whether its recipe rounds scales to powers of two; {} for a run without any."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    recipes = capture.get("fp8_recipe") if isinstance(capture, Mapping) else None
+    out: dict[str, tuple[NumberFormat, bool]] = {}
+    for r in recipes if isinstance(recipes, list) else []:
+        if not isinstance(r, Mapping):
+            continue
+        cast = ((r.get("casts") or {}).get("grad_output") or {}).get("dtype", "")
+        fmt = formats.FP8_E4M3 if "e4m3" in str(cast) else FP8_E5M2
+        out.update({str(m): (fmt, bool(r.get("round_scales_to_power_of_2"))) for m in r.get("layers") or []})
+    return out
+
+
+def _flush_limit(fmt: NumberFormat, pow2: bool) -> float:
+    """The largest output-gradient value torchao's cast to ``fmt`` flushes to zero in a tensor whose largest value
+    is under its floor on amax (1e-12): the scale stops at fmax / 1e-12 (2^floor(log2) of it with ``pow2``), so
+    a tensor no larger than this loses every value."""
+    k = formats.current_scaling_exponent(fmt, formats.FP8_AMAX_FLOOR)
+    scale = 2.0**k if pow2 else fmt.max / formats.FP8_AMAX_FLOOR
+    return fmt.underflow_max / scale
+
+
+def _fp8_flushed(run: _Run, grads: pd.DataFrame) -> dict[str, float]:
+    """The torchao Float8Linear layers whose output gradient held nonzero values, every one of them flushed by the
+    FP8 cast of the layer's backward (its largest at most ``_flush_limit``), with that largest value."""
+    casts = _grad_casts(run)
+    out: dict[str, float] = {}
+    for m, (fmt, pow2) in casts.items():
+        if (
+            m in grads.index
+            and grads.at[m, "nonzero"] > 0
+            and grads.at[m, T.ABSMAX] <= _flush_limit(fmt, pow2)
+        ):
+            out[m] = float(grads.at[m, T.ABSMAX])
+    return out
+
+
+def _output_grads(run: _Run) -> pd.DataFrame:
+    """Per module, over the sampled steps: its output gradient's finite nonzero values and its largest value."""
+    ag = run.kind(T.ACTIVATION_GRAD)
+    rows = pd.DataFrame(
+        {
+            T.MODULE: T.texts(ag[T.MODULE]).astype(object),
+            "nonzero": (ag[T.NUMEL] - ag[T.ZEROS] - ag[T.NAN] - ag[T.INF]).clip(lower=0),
+            T.ABSMAX: pd.to_numeric(ag[T.ABSMAX], errors="coerce"),
+        }
+    )
+    return rows.groupby(T.MODULE).agg({"nonzero": "sum", T.ABSMAX: "max"})
+
+
+def _stop(m: str, seq: list[str], grads: pd.DataFrame) -> str | None:
+    """The module where the gradient flowing back to ``m`` stopped: the first one after it in forward order
+    (``seq``: the modules with an output gradient) whose output gradient held a nonzero value, while ``m``'s held
+    none; None where no later one did."""
+    after = seq[seq.index(m) + 1 :] if m in seq else []
+    return next((s for s in after if grads.at[s, "nonzero"] > 0), None)
+
+
+def _zero_inputs(run: _Run, layers: list[str], dims: dict[str, dict[str, int]]) -> dict[str, list[str]]:
+    """The layers among ``layers`` whose input was zero everywhere on every sampled step, with the modules whose
+    output it was (the capture's ``gemm_inputs``, or the layer's own input row)."""
+    acts = run.kind(T.ACTIVATION)
+    per = acts.groupby(T.texts(acts[T.MODULE]).astype(object))[[T.NUMEL, T.ZEROS]].sum()
+    out: dict[str, list[str]] = {}
+    for m, sources in gemm_inputs(run, layers, dims).items():
+        read = [s for s in sources if s in per.index]
+        if read and all(0 < per.at[s, T.NUMEL] <= per.at[s, T.ZEROS] for s in read):
+            out[m] = read
+    return out
+
+
+def _fp16_only(run: _Run) -> set[str]:
+    """The modules whose output gradient was fp16 on every row: a value fp16 flushed is a zero there."""
+    ag = run.kind(T.ACTIVATION_GRAD)
+    names = T.texts(ag[T.MODULE])
+    is16 = _dtype_has(ag, "float16").to_numpy()
+    return set(names[is16]) - set(names[~is16])
+
+
+def _dead_mask(run: _Run, m: str) -> bool:
+    """Whether ``m`` writes zeros in backward where its forward dropped a value (a ReLU, a dropout) and its output
+    was zero everywhere on every sampled step: every unit off, so it passed back nothing."""
+    if not taxonomy.writes_backward_zeros(run.types.get(m, "")):
+        return False
+    acts = run.kind(T.ACTIVATION)
+    mine = acts[T.texts(acts[T.MODULE]) == m]
+    return not mine.empty and 0 < float(mine[T.NUMEL].sum()) <= float(mine[T.ZEROS].sum())
+
+
+@dataclass
+class _Causes:
+    """The dead layers grouped by what stopped their gradient (``_causes``)."""
+
+    # torchao layers whose FP8 cast flushed their output gradient whole -> its largest value
+    fp8: dict[str, float]
+    behind_fp8: list[str]  # layers whose gradient those layers' backward passed back as zeros
+    fp16: list[str]  # layers whose output gradient fp16 held, and flushed whole
+    stopped: dict[str, list[str]]  # a later module whose backward passed back zeros -> the layers behind it
+    zero_input: dict[tuple[str, ...], list[str]]  # the modules whose all-zero output they read -> the layers
+    unreached: list[str]  # no later module received a nonzero gradient
+    no_tokens: list[str]  # called with no token on every sampled step (an expert the router sent none to)
+    unknown: list[str]  # their output gradient and input both held nonzero values
+
+
+def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Causes:
+    grads = _output_grads(run)
+    flushed = _fp8_flushed(run, grads)
+    inputs = _zero_inputs(run, dead, dims)
+    in16 = _fp16_only(run)
+    seq = run.sort(_innermost(str(x) for x in grads.index))
+    acts = run.kind(T.ACTIVATION)
+    elements = acts.groupby(T.texts(acts[T.MODULE]).astype(object))[T.NUMEL].sum()
+    c = _Causes({m: a for m, a in flushed.items() if m in dead}, [], [], {}, {}, [], [], [])
+    for m in dead:
+        if m in c.fp8:
+            continue
+        if m in elements.index and elements[m] <= 0:
+            c.no_tokens.append(m)
+        elif m in grads.index and grads.at[m, "nonzero"] <= 0:
+            stop = _stop(m, seq, grads)
+            if stop in flushed:
+                c.behind_fp8.append(m)
+            elif m in in16 and not (stop is not None and _dead_mask(run, stop)):
+                c.fp16.append(m)
+            elif stop is not None:
+                c.stopped.setdefault(stop, []).append(m)
+            else:
+                c.unreached.append(m)
+        elif m in inputs:
+            c.zero_input.setdefault(tuple(inputs[m]), []).append(m)
+        else:
+            c.unknown.append(m)
+    return c
+
+
+def _fp8_said(run: _Run, c: _Causes) -> str:
+    """How torchao's FP8 flushed the gradients of ``c.fp8`` and of the layers behind them, in words."""
+    lim = run.cfg.max_listed_modules
+    src = run.sort(c.fp8)
+    fmt, pow2 = _grad_casts(run)[src[0]]
+    behind = (
+        f", and the gradient it passed back was zero too, which left {_listing(c.behind_fp8, lim)} without one"
+        if c.behind_fp8
+        else ""
+    )
+    return (
+        f"FP8 flushed them: the output gradient of {_listing(src, lim)} (torchao Float8Linear) never exceeded "
+        f"{max(c.fp8.values()):.3g}, under torchao's floor on amax ({formats.FP8_AMAX_FLOOR:g}), where the "
+        f"{fmt.label} cast of its backward scales by fmax/{formats.FP8_AMAX_FLOOR:g} at most and flushes every "
+        f"value up to {_flush_limit(fmt, pow2):.2g}: its weight-gradient GEMM read only zeros{behind}"
+    )
+
+
+def _stop_said(run: _Run, stop: str, layers: list[str]) -> str:
+    """Where the gradient flowing back to ``layers`` stopped, in words, with a dead ReLU named as such."""
+    kind = run.types.get(stop, "")
+    said = (
+        f"the gradient stopped at {_name(stop)} ({kind}): its output gradient held nonzero values, and what its "
+        f"backward passed back to {_listing(layers, run.cfg.max_listed_modules)} was zero everywhere"
+    )
+    if _dead_mask(run, stop):
+        return said + f" (its output was zero on every sampled step: every unit was off, a dead {kind})"
+    return said + " (a mask, a gate at zero, or an op whose backward is zero there)"
+
+
+def _causes_said(run: _Run, c: _Causes) -> list[str]:
+    """A sentence per cause, the FP8 one first."""
+    lim = run.cfg.max_listed_modules
+    said = [_fp8_said(run, c)] if c.fp8 else []
+    if c.fp16:
+        said.append(
+            f"the output gradients of {_listing(c.fp16, lim)} were held in fp16 and were zero everywhere: fp16 "
+            "flushes a gradient below 2^-25 (at the run's loss scale) to zero, and none of theirs reached its range "
+            "(fp16_gradient_underflow)"
+        )
+    said += [_stop_said(run, s, ms) for s, ms in c.stopped.items()]
+    said += [
+        f"the input of {_listing(ms, lim)} was zero everywhere on every sampled step (the output of "
+        f"{_listing(list(src), lim)}), and a weight gradient is the output gradient times the input"
+        for src, ms in c.zero_input.items()
+    ]
+    if c.unreached:
+        said.append(
+            f"no module recorded after {_listing(c.unreached, lim)} received a nonzero gradient either: the loss "
+            "does not depend on them (a path multiplied by zero, a loss term weighted 0, every output masked out)"
+        )
+    if c.no_tokens:
+        said.append(
+            f"no token reached {_listing(c.no_tokens, lim)} on any sampled step (an expert the router sent none "
+            "to), and a weight gradient sums over the tokens a layer read"
+        )
+    if c.unknown:
+        said.append(
+            f"the output gradient and the input of {_listing(c.unknown, lim)} held nonzero values: what zeroed "
+            "their weight gradients the run does not tell (a custom backward, a hook that zeroed them)"
+        )
+    return [s[0].upper() + s[1:] for s in said]
+
+
+def _remedy(run: _Run, c: _Causes) -> str:
+    """What to do, the FP8 cause first."""
+    parts = []
+    if c.fp8:
+        parts.append(
+            "weight the loss more, or scale it statically (multiply it by 2^k before backward, divide the "
+            "gradients by 2^k before the optimizer steps), so that every Float8Linear's output gradient exceeds "
+            f"torchao's floor ({formats.FP8_AMAX_FLOOR:g}); or train "
+            f"{_listing(run.sort([*c.fp8, *c.behind_fp8]), run.cfg.max_listed_modules)} in bf16 (leave them out "
+            "of convert_to_float8_training with module_filter_fn)"
+        )
+    if c.fp16:
+        parts.append("scale the loss more, or train in bf16, as fp16_gradient_underflow sizes it")
+    if c.no_tokens:
+        parts.append("balance the router's load (an auxiliary load-balancing loss, a capacity factor)")
+    if c.stopped or c.zero_input or c.unreached or c.unknown:
+        parts.append(
+            "find what zeroes the gradient between the loss and these layers (a ReLU whose units are all off: a "
+            "lower learning rate, another initialisation or LeakyReLU; a mask, a gate or a loss weight at zero) "
+            "and profile again; a layer meant to stay fixed is better frozen with requires_grad_(False), which "
+            "spares its weight-gradient GEMM"
+        )
+    text = "; ".join(parts)
+    return text[0].upper() + text[1:] + "."
+
+
+def _rule_no_gradient(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
+    """Layers whose weight gradient was zero everywhere on every sampled step of a run whose optimizer stepped:
+    they did not learn (weight decay and momentum alone moved them). Critical: nothing else says so, and a
+    verdict on the other numbers reads as a healthy run."""
+    dead = _dead_layers(run)
+    if dead is None:
+        return
+    c = _causes(run, dead.layers, dims)
+    n, lim = len(dead.layers), run.cfg.max_listed_modules
+    steps = (
+        f"all {dead.steps} sampled step(s) with weight gradients"
+        if dead.fewest == dead.steps
+        else f"every sampled step that recorded it (at least {dead.fewest} of the {dead.steps} with weight "
+        "gradients)"
+    )
+    fp8 = len(c.fp8) + len(c.behind_fp8)
+    plan.add(
+        Finding(
+            "no_gradient",
+            CRITICAL,
+            f"No gradient reached the weights of {n} of {dead.checked} layers"
+            + (": FP8 flushed it" if fp8 else ""),
+            f"Every weight-gradient value of {n} layer(s) ({_listing(dead.layers, lim)}) was an exact zero on "
+            f"{steps}, while the optimizer stepped on {dead.optimizer_steps} sampled step(s): these weights did not "
+            "learn, weight decay or momentum alone moved them. " + ". ".join(_causes_said(run, c)) + ".",
+            _remedy(run, c),
+            modules=dead.layers,
+            numbers={
+                "no_gradient_layers": n,
+                "weight_gradient_layers": dead.checked,
+                "sampled_steps_with_grads": dead.steps,
+                **({"no_gradient_steps_min": dead.fewest} if dead.fewest < dead.steps else {}),
+                "optimizer_steps_sampled": dead.optimizer_steps,
+                "fp8_flushed_layers": fp8,
+                "fp8_output_gradient_max": max(c.fp8.values()) if c.fp8 else None,
+            },
+        )
+    )

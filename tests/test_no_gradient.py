@@ -1,0 +1,157 @@
+"""Layers whose weights got no gradient (finding ``no_gradient``): every weight-gradient value exactly zero on
+every sampled step of a run whose optimizer stepped. A torchao FP8 run whose loss was weighted by 1e-20 left every
+Float8Linear weight gradient 0 on every step (its e5m2 casts flushed the output gradients, under torchao's floor on
+amax), and the page read as a healthy run: no finding said that nothing trained. Real runs on the CPU, the
+gradients read by the tests' own code after each backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof.analysis.advisor import AdvisorConfig
+
+ALL = AdvisorConfig(small_model_params=0)
+
+
+class _Mlp(nn.Module):
+    """fc1 -> ReLU -> fc2 -> GELU -> head; with ``dead``, fc1's bias of -1000 turns every ReLU unit off."""
+
+    def __init__(self, dead: bool) -> None:
+        super().__init__()
+        self.fc1, self.act = nn.Linear(16, 32), nn.ReLU()
+        self.fc2, self.gelu, self.head = nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 1)
+        if dead:
+            with torch.no_grad():
+                self.fc1.bias.fill_(-1000.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gelu(self.fc2(self.act(self.fc1(x)))))
+
+
+def _train(
+    model: nn.Module, dims: tuple[int, int] = (16, 1), weight: float = 1.0, steps: int = 3
+) -> tuple[precprof.Profiler, list[dict[str, int]]]:
+    """``steps`` sampled steps under bf16 autocast with AdamW on random (in, out) = ``dims`` data, the loss
+    weighted by ``weight``; returns the Profiler and, per step, the nonzero values of each layer's weight
+    gradient as backward left it (read before the optimizer steps)."""
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
+    nonzero: list[dict[str, int]] = []
+    with prof:
+        for _ in range(steps):
+            x, y = torch.randn(64, dims[0]), torch.randn(64, dims[1])
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            loss = weight * (out.float() - y).pow(2).mean()
+            loss.backward()
+            weights = [
+                (n.removesuffix(".weight"), p) for n, p in model.named_parameters() if n.endswith("weight")
+            ]
+            nonzero.append({n: int((p.grad != 0).sum()) for n, p in weights})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    return prof, nonzero
+
+
+def test_a_dead_relu_leaves_the_layers_on_both_sides_without_a_weight_gradient() -> None:
+    """Every unit of ``act`` off: fc1's output gradient is zero (ReLU's backward writes a zero wherever its unit
+    was off) and so is fc2's input, so both weight gradients are zero, while head's is not. The finding names
+    fc1 and fc2, each with the cause the run shows."""
+    prof, nonzero = _train(_Mlp(dead=True))
+    dead = [m for m in nonzero[0] if all(step[m] == 0 for step in nonzero)]
+    assert dead == ["fc1", "fc2"] and all(step["head"] > 0 for step in nonzero)
+    f = precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient")
+    assert f is not None and f.severity == "critical" and f.modules == dead
+    assert f.numbers["no_gradient_layers"] == 2 and f.numbers["weight_gradient_layers"] == 3
+    assert f.numbers["sampled_steps_with_grads"] == 3 and f.numbers["optimizer_steps_sampled"] == 3
+    assert f.numbers["fp8_flushed_layers"] == 0
+    assert f.title == "No gradient reached the weights of 2 of 3 layers"
+    assert "of 2 layer(s) (fc1, fc2) was an exact zero on all 3 sampled step(s)" in f.message
+    assert (
+        "The gradient stopped at act (ReLU)" in f.message and "every unit was off, a dead ReLU" in f.message
+    )
+    assert "The input of fc2 was zero everywhere on every sampled step (the output of act)" in f.message
+
+
+def test_a_healthy_run_has_no_layer_without_a_gradient() -> None:
+    prof, nonzero = _train(_Mlp(dead=False))
+    assert all(n > 0 for step in nonzero for n in step.values())
+    assert precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient") is None
+
+
+def _fp8_mlp(convert: bool) -> tuple[nn.Module, list[torch.Tensor]]:
+    """The 3-layer MLP of the torchao run, converted with convert_to_float8_training where ``convert``; and the
+    list its last layer's output gradients go to (the test's own hook)."""
+    float8 = pytest.importorskip("torchao.float8")
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16, bias=False)
+    )
+    if convert:
+        float8.convert_to_float8_training(model)
+    grads: list[torch.Tensor] = []
+    model[4].register_full_backward_hook(lambda m, gi, go: grads.append(go[0].detach().float().clone()))
+    return model, grads
+
+
+def test_a_torchao_fp8_run_whose_casts_flushed_every_gradient_says_no_gradient_reached_its_weights() -> None:
+    """A loss weighted by 1e-20 makes output gradients of about 1e-23, under torchao's floor on amax (1e-12):
+    its e5m2 cast (torchao's own scale, below) flushes every one, so the last layer's weight gradient is 0 and so
+    is the gradient it passes back. Every Float8Linear weight gradient was 0 on every step (read after each
+    backward); the finding names the three layers and says FP8 flushed them, from the last layer's output
+    gradient."""
+    utils = pytest.importorskip("torchao.float8.float8_utils")
+    model, grads = _fp8_mlp(convert=True)
+    assert [type(m).__name__ for m in model[::2]] == ["Float8Linear"] * 3
+    prof, nonzero = _train(model, dims=(32, 16), weight=1e-20, steps=2)
+    assert all(n == 0 for step in nonzero for n in step.values())
+    largest = max(float(g.abs().max()) for g in grads)
+    for g in grads:  # torchao's own scale for the output gradient, and a real e5m2 cast after it
+        scale = utils.amax_to_scale(g.abs().max(), torch.float8_e5m2)
+        assert 0 < float(g.abs().max()) < 1e-12 and bool(
+            ((g * scale).to(torch.float8_e5m2).float() == 0).all()
+        )
+    f = precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient")
+    assert f is not None and f.severity == "critical" and f.modules == ["0", "2", "4"]
+    assert f.title == "No gradient reached the weights of 3 of 3 layers: FP8 flushed it"
+    assert f.numbers["fp8_flushed_layers"] == 3 and f.numbers["sampled_steps_with_grads"] == 2
+    assert f.numbers["fp8_output_gradient_max"] == pytest.approx(largest, rel=1e-2)  # recorded in bf16
+    assert "FP8 flushed them: the output gradient of 4 (torchao Float8Linear) never exceeded" in f.message
+    assert "the gradient it passed back was zero too, which left 0, 2 without one" in f.message
+    assert "leave them out of convert_to_float8_training" in f.remedy
+
+
+def test_the_same_run_in_bf16_gets_its_gradients() -> None:
+    """Unconverted, bf16 holds those gradients of 1e-23: every weight gradient has nonzero values, no finding."""
+    model, _ = _fp8_mlp(convert=False)
+    prof, nonzero = _train(model, dims=(32, 16), weight=1e-20, steps=2)
+    assert all(n > 0 for step in nonzero for n in step.values())
+    assert precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient") is None
+
+
+class _Routed(nn.Module):
+    """Two experts, every token routed to the first: the second is called on no token, as a loop calling each
+    expert with the tokens routed to it does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(16, 16), nn.Linear(16, 16)])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts[0](x) + self.experts[1](x[:0]).sum()  # no token: an empty batch, summed to 0
+        return self.head(out)
+
+
+def test_an_expert_no_token_reached_is_named_with_its_cause() -> None:
+    prof, nonzero = _train(_Routed())
+    assert [m for m in nonzero[0] if all(step[m] == 0 for step in nonzero)] == ["experts.1"]
+    f = precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient")
+    assert f is not None and f.modules == ["experts.1"]
+    assert "No token reached experts.1 on any sampled step (an expert the router sent none to)" in f.message
+    assert f.remedy.startswith("Balance the router's load")
