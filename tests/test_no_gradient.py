@@ -78,6 +78,25 @@ def test_a_dead_relu_leaves_the_layers_on_both_sides_without_a_weight_gradient()
     assert "The input of fc2 was zero everywhere on every sampled step (the output of act)" in f.message
 
 
+def test_fp8_eligibility_says_an_output_gradient_of_zeros_was_recorded() -> None:
+    """fc1's output gradient behind the dead ReLU was recorded on every step, every value zero: the FP8 rule held
+    it back for "no backward statistics", which read as a gradient not recorded (the torchao run's layers 0 and 2,
+    whose output gradients the last layer's FP8 cast had flushed, read the same)."""
+    prof, _ = _train(_Mlp(dead=True))
+    tables = prof.tables()
+    grads = tables["layers"][
+        (tables["layers"]["module"] == "fc1") & (tables["layers"]["tensor"] == "activation_grad")
+    ]
+    assert len(grads) == 3 and (grads["zeros"] == grads["numel"]).all()
+    f = precprof.recommend(prof, hardware="h100", config=ALL).finding("fp8_eligibility")
+    assert f is not None and "fc1" not in f.modules
+    assert (
+        "fc1 (every recorded value of its output gradient was zero: what FP8 does to it is not measured)"
+        in (f.message)
+    )
+    assert "no backward statistics" not in f.message
+
+
 def test_a_healthy_run_has_no_layer_without_a_gradient() -> None:
     prof, nonzero = _train(_Mlp(dead=False))
     assert all(n > 0 for step in nonzero for n in step.values())

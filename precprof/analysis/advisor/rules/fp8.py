@@ -677,6 +677,14 @@ def _unjudged(run: _Run, plan: _Plan, linear: list[str], shapes: Mapping[str, _F
     return True
 
 
+def _all_zero_grads(run: _Run) -> set[str]:
+    """The modules whose every recorded output-gradient value was an exact zero (the FP8 cast of a later layer's
+    backward flushed them, a dead ReLU after them): recorded, with no value to judge a format on."""
+    ag = run.kind(T.ACTIVATION_GRAD)
+    per = ag.groupby(T.texts(ag[T.MODULE]).astype(object))[[T.NUMEL, T.ZEROS]].sum()
+    return {str(m) for m in per.index[(per[T.NUMEL] > 0) & (per[T.ZEROS] >= per[T.NUMEL])]}
+
+
 def _gemms_run(run: _Run, linear: list[str], with_grad: set[str]) -> dict[str, int]:
     """How many of a call's three GEMMs each linear layer runs: 1 without an output gradient on any sampled step
     (in a run that recorded some: ``with_grad``), 2 without a weight gradient (frozen, in a run that recorded
@@ -716,6 +724,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     # layers, or an output that does not reach the loss): it runs no backward GEMM, and is judged on its forward
     grads = run.layers.loc[run.layers[T.TENSOR] == T.ACTIVATION_GRAD, T.MODULE]
     with_grad = set(T.texts(grads).astype(object))
+    zero_grad = _all_zero_grads(run)
     rows: list[tuple[str, str]] = []
     forward_only: list[str] = []
     batch_tokens = _tokens_per_call(run)
@@ -768,6 +777,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             why = "non-finite values"
         elif fwd is None:
             why = "no forward statistics"
+        elif bwd is None and m in zero_grad:
+            why = "every recorded value of its output gradient was zero: what FP8 does to it is not measured"
         elif bwd is None and (m in with_grad or not with_grad):
             why = "no backward statistics" + ("" if with_grad else ": no backward pass was recorded")
         elif fwd > lim:
