@@ -6,12 +6,17 @@ gradients read by the tests' own code after each backward."""
 
 from __future__ import annotations
 
+import re
+from html import unescape
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 import precprof
 from precprof.analysis.advisor import AdvisorConfig
+from precprof.report.render import render_run_dir
 
 ALL = AdvisorConfig(small_model_params=0)
 
@@ -174,3 +179,18 @@ def test_an_expert_no_token_reached_is_named_with_its_cause() -> None:
     assert f is not None and f.modules == ["experts.1"]
     assert "No token reached experts.1 on any sampled step (an expert the router sent none to)" in f.message
     assert f.remedy.startswith("Balance the router's load")
+
+
+@pytest.mark.parametrize("dead", [True, False])
+def test_the_verdict_box_says_when_layers_got_no_gradient(dead: bool, tmp_path: Path) -> None:
+    """The verdict box read as a healthy run's beside weights that did not learn: it says how many layers got no
+    gradient and points to the finding, and says nothing of it for a run whose every layer got one."""
+    prof, nonzero = _train(_Mlp(dead=dead))
+    assert any(n == 0 for n in nonzero[0].values()) == dead
+    prof.save(tmp_path / "run")
+    page = render_run_dir(tmp_path / "run").read_text()
+    verdict = page[page.index('<section id="verdict">') :]
+    verdict = re.sub(r"\s+", " ", unescape(re.sub(r"<[^>]+>", " ", verdict[: verdict.index("</section>")])))
+    said = "No gradient reached the weights of 2 of 3 layers on any sampled step. They did not learn"
+    assert (said in verdict) == dead
+    assert ("the format above rests on the other layers' gradients" in verdict) == dead

@@ -130,11 +130,15 @@ def _verdict(
     diverged = next(
         (f.get("numbers") or {} for f in rec.get("findings") or [] if f.get("code") == "run_diverged"), None
     )
+    dead = next((f for f in rec.get("findings") or [] if f.get("code") == "no_gradient"), None)
     return {
         "format": fmt,
         "format_label": formats.label(fmt),
         # a run that diverged: the box says so beside the format, which rests on the steps before it
         "diverged": {"step": diverged.get("step"), "last": diverged.get("last_step")} if diverged else None,
+        # layers whose weights got no gradient on any sampled step: the box says so beside the format, which
+        # the other layers' numbers decided (an FP8 run whose every weight gradient was 0 read as a healthy run)
+        "no_gradient": _no_gradient(dead) if dead else None,
         "measured_format": str(rec.get("measured_format") or ""),
         "measured_label": formats.label(str(rec.get("measured_format") or "")),
         "loss_scale": _f(rec.get("loss_scale")),
@@ -157,6 +161,14 @@ def _verdict(
         "saving": saving,
         "snippets": snippet_code.snippets(rec),
     }
+
+
+def _no_gradient(found: Mapping[str, Any]) -> dict[str, Any]:
+    """What the verdict box says of the no_gradient finding: how many layers of how many, whether FP8 flushed
+    their gradients, and whether no layer got one (the format then rests on no gradient at all)."""
+    nums = found.get("numbers") or {}
+    n, of = int(nums.get("no_gradient_layers") or 0), int(nums.get("weight_gradient_layers") or 0)
+    return {"layers": n, "of": of, "fp8": bool(nums.get("fp8_flushed_layers")), "all": n >= of > 0}
 
 
 def _scale_unmeasured(rec: Mapping[str, Any]) -> bool:
