@@ -17,7 +17,7 @@ import pandas as pd
 
 from precprof import formats, taxonomy
 from precprof import tables as T
-from precprof.analysis import update_ratio
+from precprof.analysis import lost_updates, update_ratio
 
 # tensor kinds with histograms, in the order the report shows them
 HIST_KINDS: tuple[str, ...] = (T.ACTIVATION, T.ACTIVATION_GRAD, T.WEIGHT, T.WEIGHT_GRAD)
@@ -324,7 +324,7 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     act_grad_absmax, act_grad_absmin, weight_grad_absmax, numel, zeros, underflow_fp16, overflow_fp16,
     underflow_bf16, overflow_bf16, lost_update_bf16 (share of the intended weight updates, elements with a
     nonzero gradient or a moved weight, lost in a bf16 weight: the advisor's bf16_lost_updates share per
-    module; NaN without weight_update rows or intended updates), update_ratio_median / update_ratio_max (the
+    module, of the weights with a training gradient on their step; NaN without weight_update rows or intended updates), update_ratio_median / update_ratio_max (the
     update-to-weight ratio ||dw|| / ||w|| over the sampled steps, ``analysis.update_ratio``; NaN without
     update sizes), update_absmax (the largest |update| of those steps), update_steps (how many),
     update_nonfinite ([sampled steps left out of the ratio for a nan or inf update, sampled steps with
@@ -335,7 +335,7 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     if layers.empty:
         return []
     order = forward_order(layers, shared)
-    df = layers[[T.STEP, T.MODULE, T.MODULE_TYPE, T.TENSOR, T.DTYPE]].copy()
+    df = layers[[T.STEP, T.MODULE, T.MODULE_TYPE, T.TENSOR, T.PARAM, T.DTYPE]].copy()
     num_cols = [T.NUMEL, T.ZEROS, T.NAN, T.INF, T.ABSMAX, T.ABSMIN, T.LOST_UPDATE_BF16]
     count_cols = [c for f in ("fp16", "bf16") for c in (T.underflow_col(f), T.overflow_col(f))]
     for c in (*num_cols, *count_cols):
@@ -351,6 +351,8 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     types = _by_key(df.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE])
     upd = df[df[T.TENSOR] == T.WEIGHT_UPDATE]
     upd = upd[upd[T.LOST_UPDATE_BF16].notna()]
+    # the weights without a training gradient on their step are left out, as the advisor leaves them out
+    upd = upd[~lost_updates.zero_gradient(df[df[T.TENSOR] == T.WEIGHT_GRAD], upd)]
     # over the intended updates (a nonzero gradient or a moved weight: numel - zeros of the update rows), the
     # advisor's bf16_lost_updates denominator: an embedding's rows without gradient are no update lost (a row
     # without a zeros count, which the capture always writes, counts every element as intended); a nan or inf

@@ -24,6 +24,7 @@ from matplotlib.ticker import FuncFormatter
 
 from precprof import formats
 from precprof import tables as T
+from precprof.analysis import lost_updates
 from precprof.report import summarize as S
 from precprof.report.plots.common import FIG_WIDTH_IN, MIN_FONT_PT, _pct, fit_margins
 
@@ -93,7 +94,8 @@ def update_format(layers: pd.DataFrame, fmt: str = FORMAT) -> str:
 def lost_by_step(layers: pd.DataFrame, fmt: str = FORMAT) -> pd.DataFrame:
     """Per (step, tensor kind): values lost in ``fmt`` at the recorded scale (underflow, overflow, and values
     already inf/nan) and values seen, summed over the step's rows. Weight-update rows count instead the updates
-    lost in ``update_format``'s weights, and those already inf/nan, over the intended updates (numel - zeros)."""
+    lost in ``update_format``'s weights, and those already inf/nan, over the intended updates (numel - zeros), of
+    the weights with a training gradient on their step (``lost_updates.zero_gradient``)."""
     cols = [T.underflow_col(fmt), T.overflow_col(fmt), T.NAN, T.INF]
     if layers.empty or any(c not in layers for c in [*cols, T.NUMEL]):
         return pd.DataFrame(columns=[T.STEP, T.TENSOR, "lost", T.NUMEL])
@@ -106,8 +108,11 @@ def lost_by_step(layers: pd.DataFrame, fmt: str = FORMAT) -> pd.DataFrame:
         col = T.LOST_UPDATE_BF16 if held == "bf16" else T.LOST_UPDATE_FP16
         zeros = pd.to_numeric(layers[T.ZEROS], errors="coerce").fillna(0) if T.ZEROS in layers else 0
         lost_upd = pd.to_numeric(layers[col], errors="coerce").fillna(0) + num[T.NAN] + num[T.INF]
-        lost = lost.where(~is_upd, lost_upd)
-        seen = seen.where(~is_upd, (seen - zeros).clip(lower=0))
+        # a weight without a training gradient on its step counts nothing, as in the advisor's share
+        idle = lost_updates.zero_gradient(layers[layers[T.TENSOR] == T.WEIGHT_GRAD], layers[is_upd])
+        kept = ~idle.reindex(layers.index, fill_value=False)
+        lost = lost.where(~is_upd, lost_upd).where(kept, 0)
+        seen = seen.where(~is_upd, (seen - zeros).clip(lower=0)).where(kept, 0)
     out = pd.DataFrame(
         {
             T.STEP: pd.to_numeric(layers[T.STEP], errors="coerce").to_numpy(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pandas as pd
 import torch
 from torch import nn
 
@@ -61,3 +62,72 @@ def run(dtype: torch.dtype, lr: float, steps: int = 6) -> tuple[ProfiledRun, Tru
         T.SUMMARY_CAPTURE: prof.summary(),
     }
     return ProfiledRun(prof.tables(), summary, losses), truth
+
+
+def run_layers(
+    dtype: torch.dtype,
+    lr: float,
+    steps: int = 6,
+    *,
+    skip: str = "",
+    fp32: tuple[str, ...] = (),
+    eps: float = 1e-8,
+) -> tuple[ProfiledRun, pd.DataFrame]:
+    """Train the MLP in ``dtype`` weights with AdamW at ``lr`` (``eps``: fp16 weights need a larger one), the
+    modules named in ``fp32`` kept in fp32 (HF's ``_keep_in_fp32_modules``, an MoE router), the module ``skip``
+    left out of the forward on odd steps (LayerDrop: under ``zero_grad(set_to_none=False)``, which this loop
+    calls, its ``.grad`` is a zero tensor, and AdamW moves it by momentum alone). Every step is sampled, and the
+    update sample covers every element.
+
+    The truth, one row per (step, module, param), read around ``optimizer.step()`` over every element:
+    ``intended`` (a nonzero gradient or a moved weight), ``stuck`` (intended, did not move), ``whatif_bf16``
+    (moved, but the weight cast to bf16 plus the update rounds back to itself in bf16), ``trained`` (the
+    gradient is nonzero somewhere) and ``dtype``."""
+    model = mlp().to(dtype)
+    for name in fp32:
+        model.get_submodule(name).float()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    batches = regression_batches(16, seed=3)
+    losses: list[float] = []
+    truth: list[dict[str, object]] = []
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, update_sample=1 << 16)
+    with prof:
+        for step in range(steps):
+            x, y = batches(step)
+            h = x.to(dtype)
+            for name, layer in model.named_children():
+                if name == skip and step % 2:
+                    continue
+                w = next(layer.parameters(), None)
+                h = layer(h if w is None else h.to(w.dtype))  # (a layer kept in fp32 takes fp32 inputs)
+            loss = nn.functional.mse_loss(h.float(), y)
+            loss.backward()
+            before = {n: (p.detach().clone(), p.grad.detach().clone()) for n, p in model.named_parameters()}
+            opt.step()
+            for n, p in model.named_parameters():
+                w0, g = before[n]
+                delta = p.detach().float() - w0.float()
+                moved = delta != 0
+                intended = (g != 0) | moved
+                w16 = w0.bfloat16()
+                module, param = n.rsplit(".", 1)
+                truth.append(
+                    {
+                        T.STEP: step,
+                        T.MODULE: module,
+                        T.PARAM: param,
+                        T.DTYPE: str(p.dtype).removeprefix("torch."),
+                        "intended": int(intended.sum()),
+                        "stuck": int((intended & ~moved).sum()),
+                        "whatif_bf16": int((moved & ((w16.float() + delta).bfloat16() == w16)).sum()),
+                        "trained": bool((g != 0).any()),
+                    }
+                )
+            opt.zero_grad(set_to_none=False)
+            prof.step(loss=loss.detach())
+            losses.append(loss.item())
+    summary = {
+        T.SUMMARY_MODEL: {"n_params": sum(p.numel() for p in model.parameters())},
+        T.SUMMARY_CAPTURE: prof.summary(),
+    }
+    return ProfiledRun(prof.tables(), summary, losses), pd.DataFrame(truth)

@@ -6,6 +6,7 @@ import pandas as pd
 
 from precprof import formats
 from precprof import tables as T
+from precprof.analysis import lost_updates
 from precprof.analysis.advisor.evidence import (
     _dtype_has,
     _innermost,
@@ -21,16 +22,11 @@ from precprof.formats import BF16
 
 
 def _zero_gradient(run: _Run, wu: pd.DataFrame) -> pd.Series:
-    """Per ``weight_update`` row, whether its weight's gradient on that step was zero everywhere (an expert no
-    token reached, called with none: weight decay or momentum alone moved the weight). A weight without a
-    gradient row is not among them: an optimizer leaves a weight without a gradient alone, so its update is 0."""
-    wg = run.kind(T.WEIGHT_GRAD)
-    keys = [T.STEP, T.MODULE, T.PARAM]
-    zero = wg.loc[(wg[T.NUMEL] > 0) & (wg[T.ZEROS] == wg[T.NUMEL]), keys].drop_duplicates()
-    if zero.empty:
-        return pd.Series(False, index=wu.index)
-    hit = wu[keys].merge(zero.assign(_zero=True), on=keys, how="left")["_zero"]
-    return pd.Series(hit.notna().to_numpy(), index=wu.index)
+    """Per ``weight_update`` row, whether its weight had no training gradient on that step: a gradient zero
+    everywhere (an expert no token reached, called with none), or none from the step's backward (a layer the step
+    skipped, whose ``.grad`` ``zero_grad(set_to_none=False)`` left a zero tensor): weight decay or momentum alone
+    moved the weight (``lost_updates.zero_gradient``)."""
+    return lost_updates.zero_gradient(run.kind(T.WEIGHT_GRAD), wu)
 
 
 def _nonzero_updates(rows: pd.DataFrame) -> pd.Series:
@@ -57,9 +53,12 @@ def _nonfinite_words(rows: pd.DataFrame, run: _Run) -> tuple[str, dict[str, int]
     )
 
 
-def _zero_gradient_words(run: _Run, idle: pd.DataFrame, col: str, fmt: str) -> tuple[str, dict[str, int]]:
+def _zero_gradient_words(
+    run: _Run, idle: pd.DataFrame, col: str, fmt: str, measured: bool
+) -> tuple[str, dict[str, int]]:
     """The sentence on the updates left out, those of weights whose gradient was zero on their step, and its
-    numbers; "" when there are none."""
+    numbers; "" when there are none. ``measured``: the run holds these weights in ``fmt``, where a momentum
+    update that did not land is not seen (nothing intended it), so none is counted lost."""
     nz = int(_nonzero_updates(idle).sum())
     if not nz:
         return "", {}
@@ -68,8 +67,14 @@ def _zero_gradient_words(run: _Run, idle: pd.DataFrame, col: str, fmt: str) -> t
     return (
         f" Left out: {nz:,} update elements of {len(mods)} module(s) whose weight gradient was zero on their "
         f"step ({_listing(mods, run.cfg.max_listed_modules)}: weight decay or momentum alone moved them, no "
-        f"training signal), {lost:,} of which vanish in {fmt} too.",
-        {"zero_gradient_updates": nz, "zero_gradient_lost": lost},
+        + (
+            "training signal; one that did not land reads as no update)."
+            if measured
+            else f"training signal), {lost:,} of which vanish in {fmt} too."
+        ),
+        {"zero_gradient_updates": nz}
+        if measured
+        else {"zero_gradient_updates": nz, "zero_gradient_lost": lost},
     )
 
 
@@ -86,7 +91,12 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
     ):
         held_rows = wu[wu[col].notna()]
         rows = held_rows[~zero_grad[held_rows.index]]
-        idle_words, idle_nums = _zero_gradient_words(run, held_rows[zero_grad[held_rows.index]], col, fmt)
+        # a pure run: asked for by name, or (the user's own loop) its weights are held in the format
+        held = formats.get(fmt).dtype_name
+        is_pure = run.precision == pure or bool((held_rows[T.DTYPE] == held).mean() > 0.5)
+        idle_words, idle_nums = _zero_gradient_words(
+            run, held_rows[zero_grad[held_rows.index]], col, fmt, is_pure
+        )
         if rows.empty:
             continue
         nz = float(_nonzero_updates(rows).sum())
@@ -100,9 +110,6 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         by_share = (by[col] / by["_nz"]).sort_values(ascending=False)
         worst = run.sort(by_share[by_share > cfg.lost_update_warn].index[: cfg.max_listed_modules])
         resolution = "2^-8" if fmt == "bf16" else "2^-11"
-        # a pure run: asked for by name, or (the user's own loop) its weights are held in the format
-        held = formats.get(fmt).dtype_name
-        is_pure = run.precision == pure or bool((held_rows[T.DTYPE] == held).mean() > 0.5)
         # weights held in the format in a loop that is not the pure mode by name: a model loaded in bf16 and
         # trained under bf16 autocast (the HF Trainer's bf16=True on from_pretrained(..., dtype=torch.bfloat16))
         held_under_autocast = is_pure and run.precision != pure and bool(run.autocast.get("enabled"))
