@@ -738,6 +738,31 @@ def test_g_lost_updates_leave_out_a_skipped_layers_momentum_updates() -> None:
     np.testing.assert_allclose(row, (per_step["stuck"] / per_step["intended"]).to_numpy())
 
 
+def test_g_a_pure_bf16_runs_lost_updates_leave_out_a_layer_kept_in_fp32() -> None:
+    """A pure-bf16 MLP whose last layer is kept in fp32 (HF's ``_keep_in_fp32_modules``, an MoE router): that
+    layer's weights moved, yet the critical finding ('left their bf16 weight unchanged') added its bf16 what-if
+    to the measured counts and named it among the worst (tester h70). The share is of the bf16 weights; the
+    fp32 layer's what-if is said apart, and the layer is not listed."""
+    pure, truth = lost_updates.run_layers(torch.bfloat16, lr=1e-4, fp32=("4",))
+    in_bf16 = truth[truth[T.DTYPE] == "bfloat16"]
+    in_fp32 = truth[truth[T.DTYPE] == "float32"]
+    assert set(in_fp32[T.MODULE]) == {"4"} and in_fp32["stuck"].sum() == 0  # every fp32 update landed
+    assert in_fp32["whatif_bf16"].sum() > 0.5 * in_fp32["intended"].sum()  # and would not have in bf16
+    lost = pure.recommend().finding("bf16_lost_updates")
+    assert lost is not None and lost.severity == "critical"
+    assert (lost.numbers["lost"], lost.numbers["nonzero_updates"]) == (
+        in_bf16["stuck"].sum(),
+        in_bf16["intended"].sum(),
+    )
+    assert lost.numbers["share"] == pytest.approx(in_bf16["stuck"].sum() / in_bf16["intended"].sum())
+    assert (lost.numbers["held_apart_updates"], lost.numbers["held_apart_lost"]) == (
+        in_fp32["intended"].sum(),
+        in_fp32["whatif_bf16"].sum(),
+    )
+    assert lost.modules == ["0", "2"] and "worst: 0 " in lost.message and ", 4 " not in lost.message
+    assert "module(s) whose weights are held in float32 (4)" in lost.message
+
+
 def test_h_unscaled_fp16_that_flushes_its_gradients_is_warned(tmp_path: Path) -> None:
     """fp16 without loss scaling on a model whose gradients are 2^-20 of the usual (tests/compare_models.py):
     they flush to zero, training stalls, and the counts at scale 1 see nothing (a flushed value is a zero).

@@ -154,6 +154,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "nonfinite_updates": ("updates that were nan or inf, left out", "count"),
     "zero_gradient_updates": ("updates of weights with a zero gradient, left out", "count"),
     "zero_gradient_lost": ("of those, lost", "count"),
+    "held_apart_updates": ("updates of weights held in another dtype, left out", "count"),
+    "held_apart_lost": ("of those, lost if held in the format", "count"),
     "share": ("share", "share"),
     ("bf16_lost_updates", "share"): ("share of updates lost", "share"),
     ("fp16_lost_updates", "share"): ("share of updates lost", "share"),

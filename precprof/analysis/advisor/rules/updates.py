@@ -78,6 +78,32 @@ def _zero_gradient_words(
     )
 
 
+def _held_apart(rows: pd.DataFrame, held: str | None) -> pd.Series:
+    """Per ``weight_update`` row of a run that holds its weights in ``held`` (a dtype name), whether its weight is
+    held in another dtype (a layer kept in fp32 in a bf16 model: an MoE router, HF's
+    ``_keep_in_fp32_modules``); none when no row is held in ``held``, and no row without a dtype."""
+    dtypes = T.texts(rows[T.DTYPE]).astype(str)
+    if not (dtypes == held).any():
+        return pd.Series(False, index=rows.index)
+    return (dtypes != held) & (dtypes != "")
+
+
+def _held_apart_words(run: _Run, apart: pd.DataFrame, col: str, fmt: str) -> tuple[str, dict[str, int]]:
+    """The sentence on the updates left out of a pure run's share, those of weights held in another dtype (what
+    ``fmt`` would lose of them is a what-if), and its numbers; "" when there are none."""
+    nz = int(_nonzero_updates(apart).sum())
+    if not nz:
+        return "", {}
+    lost = int(apart[col].sum())
+    mods = run.sort(apart.loc[_nonzero_updates(apart) > 0, T.MODULE].unique())
+    dtypes = ", ".join(sorted(set(T.texts(apart[T.DTYPE]).astype(str))))
+    return (
+        f" Left out: {nz:,} update elements of {len(mods)} module(s) whose weights are held in {dtypes} "
+        f"({_listing(mods, run.cfg.max_listed_modules)}), {lost:,} of which would vanish in {fmt} weights.",
+        {"held_apart_updates": nz, "held_apart_lost": lost},
+    )
+
+
 def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     wu = run.kind(T.WEIGHT_UPDATE)
@@ -90,13 +116,16 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         ("fp16", T.LOST_UPDATE_FP16, "fp16-pure"),
     ):
         held_rows = wu[wu[col].notna()]
-        rows = held_rows[~zero_grad[held_rows.index]]
         # a pure run: asked for by name, or (the user's own loop) its weights are held in the format
         held = formats.get(fmt).dtype_name
         is_pure = run.precision == pure or bool((held_rows[T.DTYPE] == held).mean() > 0.5)
-        idle_words, idle_nums = _zero_gradient_words(
-            run, held_rows[zero_grad[held_rows.index]], col, fmt, is_pure
-        )
+        # a pure run's share is measured, over the weights it holds in the format: a layer it keeps in fp32
+        # moved, and its count is a what-if, said apart
+        apart = _held_apart(held_rows, held) if is_pure else pd.Series(False, index=held_rows.index)
+        idle = zero_grad[held_rows.index] & ~apart
+        rows = held_rows[~idle & ~apart]
+        idle_words, idle_nums = _zero_gradient_words(run, held_rows[idle], col, fmt, is_pure)
+        apart_words, apart_nums = _held_apart_words(run, held_rows[apart], col, fmt)
         if rows.empty:
             continue
         nz = float(_nonzero_updates(rows).sum())
@@ -152,7 +181,8 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                 )
                 + ". Mixed Precision Training (2018) keeps an fp32 master copy for this reason."
                 + nonfinite_words
-                + idle_words,
+                + idle_words
+                + apart_words,
                 (
                     f"Hold the weights in fp32 and let {fmt} autocast cast the matmuls: a model built or loaded in "
                     f"{fmt} (from_pretrained(..., dtype=torch.{held})) has no fp32 copy of its weights, under "
@@ -167,6 +197,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     "share": share,
                     **nonfinite_nums,
                     **idle_nums,
+                    **apart_nums,
                 },
             )
         )
