@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from precprof.hardware import HardwareInfo
 from precprof.report import summarize as S
 from precprof.report import timeline
 from precprof.report.environment import capture_rows
+from precprof.report.render import render_html
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -761,6 +763,27 @@ def test_g_a_pure_bf16_runs_lost_updates_leave_out_a_layer_kept_in_fp32() -> Non
     )
     assert lost.modules == ["0", "2"] and "worst: 0 " in lost.message and ", 4 " not in lost.message
     assert "module(s) whose weights are held in float32 (4)" in lost.message
+
+
+def test_g_an_fp16_pure_runs_layer_table_shows_the_updates_lost_in_fp16() -> None:
+    """A pure-fp16 MLP (AdamW, eps 1e-4 as fp16 needs) loses updates in its fp16 weights; the per-layer table
+    showed only 'updates lost in BF16 weights', a what-if for a format the run does not use (tester h70). It
+    shows the share lost in FP16, per layer, as the fp16_lost_updates finding counts it."""
+    pure, truth = lost_updates.run_layers(torch.float16, lr=1e-4, eps=1e-4)
+    assert (truth[T.DTYPE] == "float16").all() and truth["trained"].all()
+    by = truth.groupby(T.MODULE)[["stuck", "intended"]].sum()
+    assert (by["stuck"] > 0).all() and (by["stuck"] < by["intended"]).all()
+    lost = pure.recommend().finding("fp16_lost_updates")
+    assert lost is not None and lost.severity == "critical"
+    assert lost.numbers["share"] == pytest.approx(by["stuck"].sum() / by["intended"].sum())
+    table = {r["module"]: r["lost_update_fp16"] for r in S.layer_records(pure.tables["layers"])}
+    for m in ("0", "2", "4"):
+        assert table[m] == pytest.approx(by.loc[m, "stuck"] / by.loc[m, "intended"])
+    page = render_html(pure.tables, pure.summary)
+    assert "updates lost in FP16 weights, of those intended" in page
+    assert "updates lost in BF16 weights" not in page
+    cells = re.findall(r'<td data-v="([^"]+)" class="[^"]*">[^<]*%</td>', page)
+    assert [float(v) for v in cells] == pytest.approx([table[m] for m in ("0", "2", "4")])
 
 
 def test_h_unscaled_fp16_that_flushes_its_gradients_is_warned(tmp_path: Path) -> None:

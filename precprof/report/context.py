@@ -801,6 +801,7 @@ def build_context(
     norm_type = (summary.get(T.SUMMARY_CAPTURE) or {}).get("grad_norm_type")
     training_fig = plots.training_figure(steps, norm_type if isinstance(norm_type, str) else None)
     layer_rows = S.layer_records(layers, T.shared_params(summary))
+    update_format = timeline.update_format(layers, "bf16") or "bf16"
     hw = summary.get(T.SUMMARY_HARDWARE) or {}
     target = str((rec or {}).get("target") or "")
     recorded_on = {str(hw.get(k) or "").lower() for k in ("name", "preset")} - {""}
@@ -844,7 +845,9 @@ def build_context(
         "update_nonfinite": [r for r in layer_rows if r.get("update_nonfinite")],
         # columns of the per-layer table that only some runs fill: left out when no row has them
         "layers_cols": {
-            "lost_updates": any(not _missing(r.get("lost_update_bf16")) for r in layer_rows),
+            "lost_updates": any(not _missing(r.get(f"lost_update_{update_format}")) for r in layer_rows),
+            # the format of the weights whose lost updates the table shows: the run's own (a pure run), else bf16
+            "update_format": update_format,
             "nonfinite": any(r.get("nonfinite_first") for r in layer_rows),
         },
         "memory": memory,

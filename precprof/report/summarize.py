@@ -29,6 +29,8 @@ KIND_LABELS: dict[str, str] = {
     T.WEIGHT_UPDATE: "weight updates",
 }
 ROOT_LABEL = T.ROOT_LABEL
+# the weight-update columns of the formats a share of lost updates is read in (``layer_records``)
+LOST_UPDATE_COLUMNS = {"bf16": T.LOST_UPDATE_BF16, "fp16": T.LOST_UPDATE_FP16}
 # memory components that are totals of the whole process or device, not parts of a stack
 PEAK_COMPONENTS = T.MEMORY_PEAK_COMPONENTS
 
@@ -317,6 +319,23 @@ def _by_key(series: pd.Series) -> dict[Any, Any]:
     return {k: v for k, v in series.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
 
 
+def _lost_update_shares(df: pd.DataFrame, col: str) -> dict[Any, Any]:
+    """Per module, the share of its intended weight updates lost in ``col``'s format (``layer_records``)."""
+    upd = df[df[T.TENSOR] == T.WEIGHT_UPDATE]
+    upd = upd[upd[col].notna()]
+    # the weights without a training gradient on their step are left out, as the advisor leaves them out
+    upd = upd[~lost_updates.zero_gradient(df[df[T.TENSOR] == T.WEIGHT_GRAD], upd)]
+    # over the intended updates (a nonzero gradient or a moved weight: numel - zeros of the update rows), the
+    # advisor's *_lost_updates denominator: an embedding's rows without gradient are no update lost (a row
+    # without a zeros count, which the capture always writes, counts every element as intended); a nan or inf
+    # update is neither kept nor lost
+    nonfinite = upd[T.NAN].fillna(0) + upd[T.INF].fillna(0)
+    upd = upd.assign(_intended=(upd[T.NUMEL] - upd[T.ZEROS].fillna(0) - nonfinite).clip(lower=0))
+    by_upd = upd.groupby(T.MODULE, observed=True)[[col, "_intended"]].sum()
+    by_upd = by_upd[by_upd["_intended"] > 0]
+    return _by_key(by_upd[col] / by_upd["_intended"])
+
+
 def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """One record per module, forward order: type, dtypes, extreme magnitudes, fp16/bf16 losses, first nan/inf.
 
@@ -324,7 +343,9 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     act_grad_absmax, act_grad_absmin, weight_grad_absmax, numel, zeros, underflow_fp16, overflow_fp16,
     underflow_bf16, overflow_bf16, lost_update_bf16 (share of the intended weight updates, elements with a
     nonzero gradient or a moved weight, lost in a bf16 weight: the advisor's bf16_lost_updates share per
-    module, of the weights with a training gradient on their step; NaN without weight_update rows or intended updates), update_ratio_median / update_ratio_max (the
+    module, of the weights with a training gradient on their step; NaN without weight_update rows or intended updates),
+    lost_update_fp16 (the same in an fp16 weight: the table shows the one of the format the run holds its weights
+    in, ``timeline.update_format``), update_ratio_median / update_ratio_max (the
     update-to-weight ratio ||dw|| / ||w|| over the sampled steps, ``analysis.update_ratio``; NaN without
     update sizes), update_absmax (the largest |update| of those steps), update_steps (how many),
     update_nonfinite ([sampled steps left out of the ratio for a nan or inf update, sampled steps with
@@ -336,7 +357,7 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
         return []
     order = forward_order(layers, shared)
     df = layers[[T.STEP, T.MODULE, T.MODULE_TYPE, T.TENSOR, T.PARAM, T.DTYPE]].copy()
-    num_cols = [T.NUMEL, T.ZEROS, T.NAN, T.INF, T.ABSMAX, T.ABSMIN, T.LOST_UPDATE_BF16]
+    num_cols = [T.NUMEL, T.ZEROS, T.NAN, T.INF, T.ABSMAX, T.ABSMIN, *LOST_UPDATE_COLUMNS.values()]
     count_cols = [c for f in ("fp16", "bf16") for c in (T.underflow_col(f), T.overflow_col(f))]
     for c in (*num_cols, *count_cols):
         df[c] = pd.to_numeric(layers[c], errors="coerce")
@@ -349,19 +370,7 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     sums = hist.groupby(T.MODULE, sort=False, observed=True)[[T.NUMEL, T.ZEROS, *count_cols]].sum(min_count=1)
     totals = {c: _by_key(sums[c]) for c in (T.NUMEL, T.ZEROS, *count_cols)}
     types = _by_key(df.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE])
-    upd = df[df[T.TENSOR] == T.WEIGHT_UPDATE]
-    upd = upd[upd[T.LOST_UPDATE_BF16].notna()]
-    # the weights without a training gradient on their step are left out, as the advisor leaves them out
-    upd = upd[~lost_updates.zero_gradient(df[df[T.TENSOR] == T.WEIGHT_GRAD], upd)]
-    # over the intended updates (a nonzero gradient or a moved weight: numel - zeros of the update rows), the
-    # advisor's bf16_lost_updates denominator: an embedding's rows without gradient are no update lost (a row
-    # without a zeros count, which the capture always writes, counts every element as intended); a nan or inf
-    # update is neither kept nor lost
-    nonfinite = upd[T.NAN].fillna(0) + upd[T.INF].fillna(0)
-    upd = upd.assign(_intended=(upd[T.NUMEL] - upd[T.ZEROS].fillna(0) - nonfinite).clip(lower=0))
-    by_upd = upd.groupby(T.MODULE, observed=True)[[T.LOST_UPDATE_BF16, "_intended"]].sum()
-    by_upd = by_upd[by_upd["_intended"] > 0]
-    lost = _by_key(by_upd[T.LOST_UPDATE_BF16] / by_upd["_intended"])
+    lost = {fmt: _lost_update_shares(df, col) for fmt, col in LOST_UPDATE_COLUMNS.items()}
     ratios = update_ratio.layer_ratios(layers)
     left_out = update_ratio.nonfinite_steps(layers)
     bad = hist[hist[T.NAN].fillna(0) + hist[T.INF].fillna(0) > 0]
@@ -390,7 +399,8 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
             "overflow_fp16": float(totals[T.overflow_col("fp16")].get(m, 0.0)),
             "underflow_bf16": float(totals[T.underflow_col("bf16")].get(m, 0.0)),
             "overflow_bf16": float(totals[T.overflow_col("bf16")].get(m, 0.0)),
-            "lost_update_bf16": float(lost.get(m, nan)),
+            "lost_update_bf16": float(lost["bf16"].get(m, nan)),
+            "lost_update_fp16": float(lost["fp16"].get(m, nan)),
             "update_ratio_median": ratios.get(str(m), {}).get("median", nan),
             "update_ratio_max": ratios.get(str(m), {}).get("max", nan),
             "update_absmax": ratios.get(str(m), {}).get("absmax", nan),
