@@ -124,6 +124,11 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "no_gradient_steps_min": ("fewest sampled steps one of them recorded its weight gradient on", "count"),
     "optimizer_steps_sampled": ("sampled steps the optimizer stepped on", "count"),
     "fp8_flushed_layers": ("of them, layers FP8 left without a gradient", "count"),
+    # modules that never ran (rules/unused.py)
+    "unused_modules": ("modules with parameters that never ran", "count"),
+    "unused_param_elements": ("their parameters", "count"),
+    "param_elements": ("the model's parameters", "count"),
+    "unused_param_share": ("share of the model's parameters", "share"),
     "fp8_output_gradient_max": ("largest output gradient the FP8 cast flushed whole", "magnitude"),
     "first_ok_scale": ("scale of the first step that went through", "scale"),
     "recommended_scale": ("recommended initial loss scale", "scale"),

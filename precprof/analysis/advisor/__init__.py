@@ -53,6 +53,7 @@ from precprof.analysis.advisor.rules.hardware import _rule_hardware, _rule_small
 from precprof.analysis.advisor.rules.no_gradient import _rule_no_gradient
 from precprof.analysis.advisor.rules.nonfinite import _rule_diverged, _rule_nonfinite
 from precprof.analysis.advisor.rules.shapes import _rule_alignment
+from precprof.analysis.advisor.rules.unused import _rule_unused_modules
 from precprof.analysis.advisor.rules.updates import (
     _rule_bf16_range,
     _rule_lost_updates,
@@ -171,6 +172,7 @@ def recommend(
     _rule_lost_updates(run, plan)
     _rule_steps_without_update(run, plan)
     _rule_no_gradient(run, plan, dims)
+    _rule_unused_modules(run, plan)
     _rule_bf16_range(run, plan)
     _rule_fp8(run, plan, dims)
     _rule_alignment(run, plan, dims)

@@ -127,12 +127,17 @@ def _model_params(run: _Run) -> int | None:
     if w.empty:
         return None
     first = w[w[T.STEP] == w[T.STEP].min()]
-    n = int(first.drop_duplicates([T.MODULE, T.PARAM])[T.NUMEL].sum())
+    return int(first.drop_duplicates([T.MODULE, T.PARAM])[T.NUMEL].sum()) // replicas(run)
+
+
+def replicas(run: _Run) -> int:
+    """How many replicas of each parameter a weight row's count holds: DDP's world size (every rank's replica,
+    summed), else 1."""
     dist = (run.summary.get(T.SUMMARY_CAPTURE) or {}).get("distributed") or {}
     world = dist.get("world_size") if isinstance(dist, Mapping) else None
     if isinstance(dist, Mapping) and dist.get("wrapper") == "DDP" and isinstance(world, int) and world > 1:
-        n //= world
-    return n
+        return world
+    return 1
 
 
 def _rule_small_model(run: _Run, plan: _Plan) -> None:
