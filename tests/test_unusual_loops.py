@@ -240,6 +240,138 @@ def test_one_profiler_per_gan_model_ends_the_discriminators_run_at_its_last_step
         assert {k: got[k] for k in want} == want, (row.step, row.module, row.param)
 
 
+def _notebook_cell(
+    model: nn.Module, opt: Any, scaler: Any, bug: int | None, kept: list[Any], steps: int = 3, **kw: Any
+) -> Any:
+    """A notebook cell with the README's loop at top level: ``prof = Profiler(...).attach()``, train, then
+    ``prof.detach()``. With ``bug`` the loop raises in that step after the forward, as a bug in the loss code
+    would, and ``prof.detach()`` is never reached. ``kept``: each Profiler, as the notebook's name holds it."""
+    torch.manual_seed(1)
+    data = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(steps)]
+    prof = precprof.Profiler(model, optimizer=opt, scaler=scaler, **kw).attach()
+    kept.append(prof)
+    for i, (x, y) in enumerate(data):
+        loss = F.cross_entropy(model(x), y)
+        if i == bug:
+            raise ValueError("a bug in the loop")
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        prof.step(loss)
+    prof.detach()
+    return prof
+
+
+def test_a_profiler_left_attached_by_a_loop_that_raised_is_detached_when_the_cell_runs_again() -> None:
+    """The cell's loop raised in a sampled step; the user fixed it and ran the cell again, a new Profiler on the
+    same model. The first one stayed attached for the whole process: its hooks kept firing beside the new one's,
+    ``scaler.update`` and ``clip_grad_norm_`` stayed wrapped, and its saved-tensor hooks around the model's
+    forward left the new Profiler no activations to measure (it blamed saved-tensor hooks of the user's own).
+    Attaching the new one detaches the old one, with a warning: the new run measures what autograd saves in the
+    model's forward (the test's own saved-tensor hooks), and nothing of precprof is left after its detach."""
+    clip = torch.nn.utils.clip_grad_norm_
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(8, 16)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    own = sum(saved.values())  # each storage autograd saves in the forward, once, the parameters left out
+    assert own == 8 * (16 + 32) * 4  # the input and the tanh's output (the second layer's input), fp32
+    kept: list[Any] = []
+    with pytest.raises(ValueError, match="a bug in the loop"):
+        _notebook_cell(model, opt, scaler, 1, kept, sample_every=1, memory_every=1)
+    with pytest.warns(
+        UserWarning, match=r"attached to Sequential \(in its step 1\) was detached: it watches the"
+    ):
+        prof = _notebook_cell(model, opt, scaler, None, kept, sample_every=1, memory_every=1)
+    memory = prof.tables()["memory"]
+    activations = memory[memory[T.COMPONENT] == T.ACTIVATIONS].groupby(T.STEP)[T.BYTES].sum()
+    assert activations.to_dict() == {0: own, 1: own, 2: own}
+    for mod in model.modules():
+        assert not mod._forward_pre_hooks and not mod._forward_hooks
+    assert not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert "update" not in vars(scaler) and torch.nn.utils.clip_grad_norm_ is clip
+    stale = kept[0]
+    assert not stale.attached and stale.status[0] == T.STATUS_INCOMPLETE
+    assert "detached when another Profiler attached" in str(stale.status[1])
+    assert set(stale.tables()["layers"][T.STEP]) == {0, 1}  # nothing of the second run
+
+
+def test_a_compiled_model_compiles_after_a_profiler_its_loop_left_in_a_sampled_step() -> None:
+    """The cell builds a model, compiles it and attaches a Profiler; its loop raises in a sampled step, whose
+    ``force_eager`` stance then stayed in force for the whole process: the cell run again (a new model, a new
+    Profiler) never compiled, nor did any compiled model after it. The new Profiler detaches the old one, whose
+    model ran in a step no ``prof.step()`` ended: the steps it does not sample compile (Dynamo's graphs, counted
+    by the test's own backend), and the stance after it is the one before."""
+    import torch._dynamo
+    import torch._dynamo.eval_frame as ef
+
+    graphs: list[Any] = []
+
+    def backend(gm: Any, inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def compiled() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _mlp()
+        return torch.compile(model, backend=backend), torch.optim.SGD(model.parameters(), lr=0.1)
+
+    torch._dynamo.reset()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    kept: list[Any] = []
+    try:
+        with pytest.raises(ValueError, match="a bug in the loop"):
+            _notebook_cell(*compiled(), scaler, 0, kept, steps=4, sample_every=2)
+        assert ef._stance.stance == "force_eager" and not graphs  # step 0 is sampled: it ran eagerly
+        with pytest.warns(UserWarning, match="its model ran in that step, which no prof.step"):
+            _notebook_cell(*compiled(), scaler, None, kept, steps=4, sample_every=2)
+        assert len(graphs) == 1  # steps 1 and 3 ran the model compiled, one graph
+        assert ef._stance.stance == "default" and not kept[0].attached
+    finally:
+        for prof in kept:
+            prof.detach()
+        torch.compiler.set_stance("default")
+
+
+def test_a_profiler_whose_loop_stopped_before_its_sampled_steps_forward_is_said_not_detached() -> None:
+    """A loop that stopped at the start of a sampled step (its batch failed to load) leaves the ``force_eager``
+    stance with nothing to tell it from a loop about to run its model: a Profiler attached to another model then
+    says so, naming the stance and ``detach()``, and leaves it attached."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model, other = _mlp(), _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        first = precprof.Profiler(model, optimizer=opt, sample_every=2).attach()
+        for _ in range(2):  # steps 0 and 1; step 2, sampled, never runs
+            F.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+            opt.step()
+            first.step()
+        with pytest.warns(
+            UserWarning, match=r"attached to Sequential \(in its step 2\) holds torch.compile's"
+        ):
+            second = precprof.Profiler(other, sample_every=2).attach()
+        assert first.attached and second.attached
+    finally:
+        first.detach()
+        second.detach()
+        torch.compiler.set_stance("default")
+
+
 class _Interrupted(KeyboardInterrupt):
     """A KeyboardInterrupt of the test's own, which its loop catches (not an Exception: torch calls no forward
     hook for it, not even the always-called ones)."""

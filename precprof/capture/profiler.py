@@ -40,7 +40,7 @@ from torch import nn
 from precprof import _compat, _signals, rundir
 from precprof import stats as st
 from precprof import tables as T
-from precprof.capture import clipwatch
+from precprof.capture import attached, clipwatch
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.hooks import StepHooks
@@ -296,6 +296,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         """Make the capture plan and arm the first step. Idempotent; ``detach()`` undoes it."""
         if self._attached:
             return self
+        attached.claim(self)  # one left attached by a loop that stopped is detached first
         try:
             self._attach()
         except BaseException:

@@ -73,6 +73,11 @@ class SampledStance:
         if changed is not None and sampled and stance_at_forward is not ours:
             self.loop_set.append({"step": step, "stance": changed})
 
+    def holding(self) -> str | None:
+        """The stance precprof set that is in force now (``"force_eager"`` during a sampled step), or None."""
+        ours = self._token[1] if self._token is not None else None
+        return str(ours.stance) if ours is not None and _compat.stance() is ours else None
+
     def explain(self, exc: BaseException | None, step: int) -> None:
         """A ``fail_on_recompile`` error raised before any step ran compiled code compiled: say that it is the
         model's first compile, moved there by precprof's eager sampled steps, and what to do."""
