@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -344,6 +345,39 @@ def test_a_compiled_model_compiles_after_a_profiler_its_loop_left_in_a_sampled_s
         for prof in kept:
             prof.detach()
         torch.compiler.set_stance("default")
+
+
+def test_two_profilers_on_two_compiled_models_stay_attached_together() -> None:
+    """Two compiled models trained in one loop, one Profiler each (attached one after the other, as a GAN's
+    are): the first one's sampled step put the stance back when it ended, under the second one's sampled step,
+    whose forward then ran compiled through precprof's hooks, and Dynamo failed on them (the training ended).
+    The stance is handed on to the sampled step still running. Attached together, neither is taken for one
+    left over (no warning), and each records every step of its own model."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    models = [_mlp(), _mlp()]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    compiled = [torch.compile(m, backend="eager") for m in models]
+    try:
+        first = precprof.Profiler(compiled[0], optimizer=opts[0], sample_every=2).attach()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            second = precprof.Profiler(compiled[1], optimizer=opts[1], sample_every=2).attach()
+        assert first.attached and second.attached
+        for _ in range(4):
+            for model, opt, prof in zip(compiled, opts, (first, second), strict=True):
+                F.cross_entropy(model(torch.randn(8, 16)), torch.randint(0, 4, (8,))).backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+    finally:
+        torch.compiler.set_stance("default")
+    for prof in (first, second):
+        prof.detach()
+        assert prof.status[0] == T.STATUS_COMPLETE
+        assert prof.tables()["steps"][T.STEP].tolist() == [0, 1, 2, 3]
+        assert set(prof.tables()["layers"][T.STEP]) == {0, 2}
 
 
 def test_a_profiler_whose_loop_stopped_before_its_sampled_steps_forward_is_said_not_detached() -> None:

@@ -19,11 +19,15 @@ attached), the loop's stance always stands: a compile then may be a real recompi
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from precprof import _compat
 
 _FAIL = "fail_on_recompile"
+# the sampled steps in progress that found force_eager set by another Profiler's (two models, one Profiler each):
+# the one that set it hands it on to them when its own step ends, rather than putting the stance back under them
+_waiting: weakref.WeakSet[SampledStance] = weakref.WeakSet()
 
 
 class SampledStance:
@@ -48,6 +52,8 @@ class SampledStance:
             self._compiled_before = _compat.compiled_code()
         if sampled:
             self._token = _compat.force_eager()
+            if self._token is None and _compat.stance() is not None:
+                _waiting.add(self)
         elif not self._warm:
             self._unsampled_seen = True
             self._counted = (step, _compat.compiles())
@@ -65,7 +71,13 @@ class SampledStance:
         if self._counted is not None and self._counted[0] == step:
             self._warm = _compat.compiles() == self._counted[1]
             self._counted = None
+        _waiting.discard(self)
         if self._token is None:
+            return
+        heir = next(iter(_waiting), None)
+        if heir is not None and self.holding() is not None:
+            heir._token, self._token = self._token, None  # its sampled step runs eagerly on
+            _waiting.discard(heir)
             return
         changed = _compat.restore_stance(self._token)
         ours = self._token[1]
