@@ -150,6 +150,7 @@ class StepRows:
             T.SCALE: scales,
             T.LOST_UPDATE_BF16: np.full(n, math.nan),
             T.LOST_UPDATE_FP16: np.full(n, math.nan),
+            T.LOST_UPDATE_HELD: np.full(n, math.nan),
             T.NUMEL_GCD: np.where(self.numel_gcd > 0, self.numel_gcd, math.nan),  # (0: not recorded)
         }
         for f in WHATIF_FORMATS:

@@ -16,7 +16,8 @@ Every column name used anywhere in precprof is a constant here (read them throug
     cast of x*scale does), underflow_<fmt>_cs for fp8 formats (underflow after per-tensor current scaling,
     scale 2^floor(log2(fmax/max(amax, 1e-12))) per tensor, 1e-12 being torchao's floor on amax), and for
     tensor == "weight_update" rows lost_update_bf16 / lost_update_fp16 (update elements that are nonzero but vanish when added to the weight held in that
-    format), update_rms / weight_rms (the RMS over the sample of the update and of the weight before it:
+    format), lost_update_held (intended update elements, a nonzero gradient or a moved weight, that did not
+    change the weight in its own dtype: measured; NaN in runs recorded before it), update_rms / weight_rms (the RMS over the sample of the update and of the weight before it:
     update_rms / weight_rms is ||dw|| / ||w||) — NaN on other rows; on weight_update rows absmax and absmin
     are the update's (largest finite |dw|, smallest nonzero one) and nan / inf count the sampled updates that
     were nan or inf (a weight that became or was non-finite; 0 in runs recorded before they were counted),
@@ -79,6 +80,9 @@ EXPONENT = "exponent"
 COUNT = "count"
 LOST_UPDATE_BF16 = "lost_update_bf16"
 LOST_UPDATE_FP16 = "lost_update_fp16"
+# weight_update rows: intended updates that did not land in the weight as it is held (its own dtype): measured,
+# where lost_update_bf16 / lost_update_fp16 of an fp32 weight are what-ifs
+LOST_UPDATE_HELD = "lost_update_held"
 # weight_update rows: the RMS over the sample of the update and of the weight before it (their ratio is
 # ||dw|| / ||w||, the learning rate's effect per layer)
 UPDATE_RMS = "update_rms"
@@ -284,6 +288,7 @@ LAYERS_COLUMNS: tuple[str, ...] = (
     SCALE,
     LOST_UPDATE_BF16,
     LOST_UPDATE_FP16,
+    LOST_UPDATE_HELD,
     UPDATE_RMS,
     WEIGHT_RMS,
     NUMEL_GCD,

@@ -786,6 +786,40 @@ def test_g_an_fp16_pure_runs_layer_table_shows_the_updates_lost_in_fp16() -> Non
     assert [float(v) for v in cells] == pytest.approx([table[m] for m in ("0", "2", "4")])
 
 
+def _ratio_median(truth: pd.DataFrame) -> float:
+    """The median over the layers of each layer's median update-to-weight ratio ||dw|| / ||w|| over its steps,
+    from the truth's squared norms (a layer's weight and bias together)."""
+    per = truth.groupby([T.MODULE, T.STEP])[["du", "dw"]].sum()
+    ratio = np.sqrt(per["du"] / per["dw"])
+    return float(np.median(ratio.groupby(level=0).median()))
+
+
+def test_g_an_fp32_run_whose_updates_do_not_land_is_warned() -> None:
+    """An fp32 MLP, SGD, its gradients clipped to a norm of 1e-6: the updates fall below half an fp32 ulp of the
+    weights, which hardly move. The only findings were info what-ifs ('would be lost if the weights were held in
+    bf16', remedy 'keep fp32 master weights', which it has; tester h70). A warning says that the run's own fp32
+    weights did not change, measured, with the update-to-weight ratio and a remedy on the learning rate and the
+    clip; the what-if says how many of its updates the fp32 weights lost already."""
+    run, truth = lost_updates.run_layers(torch.float32, lr=1e-2, sgd=True, clip=1e-6)
+    assert (truth[T.DTYPE] == "float32").all() and truth["trained"].all()
+    assert truth["stuck"].sum() > 0.5 * truth["intended"].sum()  # most updates did not land in fp32
+    found = run.recommend()
+    stuck = found.finding("fp32_lost_updates")
+    assert stuck is not None and stuck.severity == "warning"
+    assert (stuck.numbers["lost"], stuck.numbers["nonzero_updates"]) == (
+        truth["stuck"].sum(),
+        truth["intended"].sum(),
+    )
+    assert stuck.numbers["ratio_median"] == pytest.approx(_ratio_median(truth), rel=1e-6)
+    assert "learning rate" in stuck.remedy and "clip" in stuck.remedy
+    whatif = found.finding("bf16_lost_updates")
+    assert whatif is not None and whatif.severity == "info"
+    assert whatif.numbers["lost_in_fp32"] == truth["stuck"].sum()
+    # the same run with its updates landing (AdamW at 1e-3): no such warning
+    healthy, truth = lost_updates.run_layers(torch.float32, lr=1e-3)
+    assert truth["stuck"].sum() == 0 and healthy.recommend().finding("fp32_lost_updates") is None
+
+
 def test_h_unscaled_fp16_that_flushes_its_gradients_is_warned(tmp_path: Path) -> None:
     """fp16 without loss scaling on a model whose gradients are 2^-20 of the usual (tests/compare_models.py):
     they flush to zero, training stalls, and the counts at scale 1 see nothing (a flushed value is a zero).

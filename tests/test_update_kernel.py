@@ -119,6 +119,7 @@ def test_the_kernels_update_counts_match_hand_computed_flags() -> None:
     assert counts[:, 1].tolist() == [0, 0, 0, 0, 0, 1]  # the last: nothing meant, nothing moved
     assert counts[:, 2].tolist() == [1, 0, 1, 1, 1, 0]  # lost in bf16
     assert counts[:, 3].tolist() == [0, 0, 1, 0, 1, 0]  # lost in fp16
+    assert counts[:, 4].tolist() == [0, 0, 0, 0, 1, 0]  # lost in the fp32 weight itself
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))

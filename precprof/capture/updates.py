@@ -12,7 +12,9 @@ when the weight moved. Per sampled element, without a sync:
   ``bf16-pure`` run that is the update bf16 really lost (a lost update arrives as a zero delta, so counting
   zero deltas as "no update" would hide every one of them);
 - lost in fp16: the same for fp16 (an intended update that did not land in a bf16 weight says nothing about
-  fp16, which is finer, so it counts only for fp32 and fp16 weights).
+  fp16, which is finer, so it counts only for fp32 and fp16 weights);
+- lost in the weight as held: an intended update that did not land, in the parameter's own dtype (measured,
+  where the two above are what-ifs for an fp32 weight: an fp32 run whose updates fall below half an fp32 ulp).
 
 The counts go into a small int64 buffer per device, summed per parameter from a running sum. The gradient is a lower bound of intent: an
 element with a zero gradient whose momentum update did not land is not seen. Beside the counts, the updates'
@@ -124,7 +126,7 @@ class _HostSamples:
         return True
 
     def classify(self, tensors: Sequence[torch.Tensor], held_bf16: bool, counts: torch.Tensor) -> bool:
-        """Add the step's updates into ``counts`` ([members, 4] int64, contiguous, on the CPU)."""
+        """Add the step's updates into ``counts`` ([members, 5] int64, contiguous, on the CPU)."""
         if not self._params(tensors):
             return False
         self.lib.pp_upd_classify(
@@ -166,8 +168,8 @@ class _DeviceGroup:
         self.held_bf16 = held_bf16
         self.members = members
         lens = torch.tensor([ps.sample_len for ps in members], dtype=torch.int64)
-        # columns: sampled elements, zero updates, lost in bf16, lost in fp16
-        self.counts = torch.zeros((len(members), 4), dtype=torch.int64, device=device)
+        # columns: sampled elements, zero updates, lost in bf16, lost in fp16, lost in the weight as held
+        self.counts = torch.zeros((len(members), 5), dtype=torch.int64, device=device)
         self.sizes = update_sizes.empty(len(members), device)  # the updates' sizes (update_sizes)
         # made here, as lens and ends are: a copy to the device in the optimizer's hooks would wait for it
         self._slots = update_sizes.padded_slots([ps.sample_len for ps in members], device)
@@ -307,7 +309,7 @@ class _DeviceGroup:
         stuck = intended & ~nonzero  # meant to move, did not
         # one row per column (a scan along rows: a [n, 3] tensor's scan along dim 0 ran as three threads on CUDA,
         # 5 ms of an H200's time for gpt2-small's samples)
-        flags = torch.empty((3, len(before)), dtype=torch.int64, device=before.device)
+        flags = torch.empty((4, len(before)), dtype=torch.int64, device=before.device)
         flags[0] = ~(nonzero | intended)
         for col, dtype in ((1, torch.bfloat16), (2, torch.float16)):
             held = before.to(dtype)
@@ -315,6 +317,7 @@ class _DeviceGroup:
             # a stuck update in a bf16 weight says nothing of fp16, which is finer
             counts_stuck = dtype == torch.bfloat16 or not self.held_bf16
             flags[col] = (landed_but_lost | stuck) if counts_stuck else landed_but_lost
+        flags[3] = stuck
         # per member: sums over its segment of samples, from the running sum at each segment's end
         at_end = flags.cumsum(1)[:, self.ends].t()
         at_end[1:] -= at_end[:-1].clone()
@@ -495,17 +498,17 @@ class UpdateSampler:
         return bool(done) and all(done)
 
     def device_counts(self) -> list[torch.Tensor]:
-        """Each device group's counts ([members, 4] int64, on its device), then each one's sizes ([members, 6]
+        """Each device group's counts ([members, 5] int64, on its device), then each one's sizes ([members, 6]
         float64, ``update_sizes``), for one copy with the rest of a sampled step's data; :meth:`host_counts`
         puts the copies back in parameter order."""
         return [g.counts for g in self._groups] + [g.sizes for g in self._groups]
 
     def host_counts(self, parts: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """[tracked, 4] int64 counts and [tracked, 6] float64 sizes from the host copies of
+        """[tracked, 5] int64 counts and [tracked, 6] float64 sizes from the host copies of
         :meth:`device_counts` (nothing for parameters that were not sampled)."""
         k = len(self._groups)
         rows = max(len(self.tracked), 1)
-        out = np.zeros((rows, 4), dtype=np.int64)
+        out = np.zeros((rows, 5), dtype=np.int64)
         sizes = update_sizes.empty_host(rows)
         for g, part, size in zip(self._groups, parts[:k], parts[k:], strict=True):
             at = [ps.update_index for ps in g.members]
@@ -513,11 +516,11 @@ class UpdateSampler:
         return out, sizes
 
     def combined(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[tracked, 4] int64 counts and float64 sizes on the one device the parameters are on (else
+        """[tracked, 5] int64 counts and float64 sizes on the one device the parameters are on (else
         ``device``), for the collectives; copies across devices when the groups live on several."""
         dev = self._groups[0].device if len(self._groups) == 1 else self.device
         rows = max(len(self.tracked), 1)
-        out = torch.zeros((rows, 4), dtype=torch.int64, device=dev)
+        out = torch.zeros((rows, 5), dtype=torch.int64, device=dev)
         sizes = update_sizes.empty(rows, dev)
         for g in self._groups:
             idx = torch.tensor([ps.update_index for ps in g.members], dtype=torch.int64, device=dev)
@@ -549,6 +552,7 @@ class UpdateSampler:
                 T.ZEROS: c[keep, 1].copy(),
                 T.LOST_UPDATE_BF16: c[keep, 2].copy(),
                 T.LOST_UPDATE_FP16: c[keep, 3].copy(),
+                T.LOST_UPDATE_HELD: c[keep, 4].copy(),
                 **update_sizes.columns(
                     np.asarray(sizes, dtype=np.float64)[self._update_idx][keep], c[keep, 0]
                 ),

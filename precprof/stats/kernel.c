@@ -966,7 +966,8 @@ int64_t pp_upd_nonzero(int64_t k, const int64_t* ptrs, const int64_t* strides, c
 }
 
 /* The updates of the step just taken: the samples now against before (pp_upd_gather's, before the step) and
-   intended (pp_upd_nonzero's), added into counts[k][4] (sampled, no update, lost in bf16, lost in fp16) as
+   intended (pp_upd_nonzero's), added into counts[k][5] (sampled, no update, lost in bf16, lost in fp16, lost
+   in the weight as held: intended and not moved) as
    precprof.capture.updates._DeviceGroup.classify counts them. held_bf16: the weights are held in bf16 (an
    update that did not land then says nothing of fp16). Returns how many elements were read. */
 int64_t pp_upd_classify(int64_t k, const int64_t* ptrs, const int64_t* strides, const int64_t* lens,
@@ -976,13 +977,14 @@ int64_t pp_upd_classify(int64_t k, const int64_t* ptrs, const int64_t* strides, 
     for (int64_t m = 0; m < k; m++) {
         const void* base = (const void*)(intptr_t)ptrs[m];
         int dt = (int)dtypes[m];
-        int64_t s = strides[m], n = lens[m], none = 0, bf = 0, hf = 0;
+        int64_t s = strides[m], n = lens[m], none = 0, bf = 0, hf = 0, held = 0;
         for (int64_t i = 0; i < n; i++, j++) {
             float b = before[j];
             float delta = upd_load(base, dt, i * s) - b;
             int moved = delta != 0.0f; /* a nan delta moved */
             int meant = intended[j] != 0;
             int stuck = meant && !moved;
+            held += stuck;
             none += !(moved || meant);
             float hb = upd_bf16(b);
             int lost = moved && upd_bf16(hb + delta) == hb;
@@ -991,10 +993,11 @@ int64_t pp_upd_classify(int64_t k, const int64_t* ptrs, const int64_t* strides, 
             lost = moved && upd_f16(hh + delta) == hh;
             hf += held_bf16 ? lost : (lost || stuck);
         }
-        counts[4 * m] += n;
-        counts[4 * m + 1] += none;
-        counts[4 * m + 2] += bf;
-        counts[4 * m + 3] += hf;
+        counts[5 * m] += n;
+        counts[5 * m + 1] += none;
+        counts[5 * m + 2] += bf;
+        counts[5 * m + 3] += hf;
+        counts[5 * m + 4] += held;
     }
     return j;
 }

@@ -72,27 +72,44 @@ def run_layers(
     skip: str = "",
     fp32: tuple[str, ...] = (),
     eps: float = 1e-8,
+    sgd: bool = False,
+    clip: float | None = None,
+    bf16_from: int | None = None,
+    frozen: tuple[str, ...] = (),
+    warmup: int = 0,
 ) -> tuple[ProfiledRun, pd.DataFrame]:
-    """Train the MLP in ``dtype`` weights with AdamW at ``lr`` (``eps``: fp16 weights need a larger one), the
-    modules named in ``fp32`` kept in fp32 (HF's ``_keep_in_fp32_modules``, an MoE router), the module ``skip``
-    left out of the forward on odd steps (LayerDrop: under ``zero_grad(set_to_none=False)``, which this loop
-    calls, its ``.grad`` is a zero tensor, and AdamW moves it by momentum alone). Every step is sampled, and the
-    update sample covers every element.
+    """Train the MLP in ``dtype`` weights with AdamW at ``lr`` (``eps``: fp16 weights need a larger one; ``sgd``:
+    plain SGD instead), the modules named in ``fp32`` kept in fp32 (HF's ``_keep_in_fp32_modules``, an MoE
+    router), the module ``skip`` left out of the forward on odd steps (LayerDrop: under
+    ``zero_grad(set_to_none=False)``, which this loop calls, its ``.grad`` is a zero tensor, and AdamW moves it
+    by momentum alone). ``clip``: the gradients clipped to that norm; ``bf16_from``: the model made bf16
+    (``model.to(torch.bfloat16)``) before that step; ``frozen``: modules in a param group of learning rate 0;
+    ``warmup``: a linear warmup from 0 over that many steps (LambdaLR: step 0's learning rate is 0). Every step
+    is sampled, and the update sample covers every element.
 
     The truth, one row per (step, module, param), read around ``optimizer.step()`` over every element:
     ``intended`` (a nonzero gradient or a moved weight), ``stuck`` (intended, did not move), ``whatif_bf16``
     (moved, but the weight cast to bf16 plus the update rounds back to itself in bf16), ``trained`` (the
-    gradient is nonzero somewhere) and ``dtype``."""
+    gradient is nonzero somewhere), ``dtype``, ``lr`` (its group's learning rate on the step) and ``du`` /
+    ``dw`` (the squared norms of the update and of the weight before it)."""
     model = mlp().to(dtype)
     for name in fp32:
         model.get_submodule(name).float()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    still = [p for n, p in model.named_parameters() if n.rsplit(".", 1)[0] in frozen]
+    groups = [
+        {"params": [p for p in model.parameters() if all(p is not q for q in still)]},
+        *([{"params": still, "lr": 0.0}] if still else []),
+    ]
+    opt = torch.optim.SGD(groups, lr=lr) if sgd else torch.optim.AdamW(groups, lr=lr, eps=eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / warmup)) if warmup else None
     batches = regression_batches(16, seed=3)
     losses: list[float] = []
     truth: list[dict[str, object]] = []
     prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False, update_sample=1 << 16)
     with prof:
         for step in range(steps):
+            if step == bf16_from:
+                model.to(torch.bfloat16)
             x, y = batches(step)
             h = x.to(dtype)
             for name, layer in model.named_children():
@@ -102,8 +119,13 @@ def run_layers(
                 h = layer(h if w is None else h.to(w.dtype))  # (a layer kept in fp32 takes fp32 inputs)
             loss = nn.functional.mse_loss(h.float(), y)
             loss.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=clip)
             before = {n: (p.detach().clone(), p.grad.detach().clone()) for n, p in model.named_parameters()}
+            lrs = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
             opt.step()
+            if sched is not None:
+                sched.step()
             for n, p in model.named_parameters():
                 w0, g = before[n]
                 delta = p.detach().float() - w0.float()
@@ -121,6 +143,10 @@ def run_layers(
                         "stuck": int((intended & ~moved).sum()),
                         "whatif_bf16": int((moved & ((w16.float() + delta).bfloat16() == w16)).sum()),
                         "trained": bool((g != 0).any()),
+                        "lr": float(lrs[id(p)]),
+                        # ||dw||^2 and ||w||^2 over every element: the update-to-weight ratio's sums
+                        "du": float((delta.double() ** 2).sum()),
+                        "dw": float((w0.double() ** 2).sum()),
                     }
                 )
             opt.zero_grad(set_to_none=False)

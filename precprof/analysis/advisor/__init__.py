@@ -56,6 +56,7 @@ from precprof.analysis.advisor.rules.shapes import _rule_alignment
 from precprof.analysis.advisor.rules.unused import _rule_unused_modules
 from precprof.analysis.advisor.rules.updates import (
     _rule_bf16_range,
+    _rule_fp32_lost_updates,
     _rule_lost_updates,
     _rule_steps_without_update,
 )
@@ -170,6 +171,7 @@ def recommend(
     _rule_scaled_clipping(run, plan)
     _rule_fp32_ops(run, plan)
     _rule_lost_updates(run, plan)
+    _rule_fp32_lost_updates(run, plan)
     _rule_steps_without_update(run, plan)
     _rule_no_gradient(run, plan, dims)
     _rule_unused_modules(run, plan)

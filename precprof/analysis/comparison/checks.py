@@ -105,7 +105,8 @@ def _beside_the_point(f: Mapping[str, Any], run: RunResult) -> str | None:
     code, sev = str(f.get("code", "")), str(f.get("severity", "")).lower()
     if code in SPEED_CODES:
         return "about speed"
-    if code.endswith("lost_updates") and not run.precision.endswith("-pure"):
+    # (fp32_lost_updates is measured in the run's own fp32 weights: to the point)
+    if code in ("bf16_lost_updates", "fp16_lost_updates") and not run.precision.endswith("-pure"):
         return "about weights held in that format; this run kept fp32 master weights"
     if code == "fp16_gradient_underflow" and run.loss_scaling != "none" and sev != "critical":
         return "about fp16 at loss scale 1; this run scaled its loss"

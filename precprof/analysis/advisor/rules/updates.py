@@ -6,7 +6,7 @@ import pandas as pd
 
 from precprof import formats
 from precprof import tables as T
-from precprof.analysis import lost_updates
+from precprof.analysis import lost_updates, update_ratio
 from precprof.analysis.advisor.evidence import (
     _dtype_has,
     _innermost,
@@ -104,6 +104,20 @@ def _held_apart_words(run: _Run, apart: pd.DataFrame, col: str, fmt: str) -> tup
     )
 
 
+def _fp32_stuck_words(rows: pd.DataFrame) -> tuple[str, dict[str, int]]:
+    """For a what-if over fp32 weights: the sentence on those of its updates that did not land in the run's own
+    fp32 weights either (``fp32_lost_updates``), and its number; "" when there are none."""
+    if T.LOST_UPDATE_HELD not in rows:
+        return "", {}
+    n = int(rows.loc[T.texts(rows[T.DTYPE]).astype(str) == "float32", T.LOST_UPDATE_HELD].sum())
+    if not n:
+        return "", {}
+    return (
+        f" {n:,} of them did not land in the run's own fp32 weights either (fp32_lost_updates).",
+        {"lost_in_fp32": n},
+    )
+
+
 def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     wu = run.kind(T.WEIGHT_UPDATE)
@@ -134,6 +148,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         if share is None:
             continue
         nonfinite_words, nonfinite_nums = _nonfinite_words(held_rows, run)
+        fp32_words, fp32_nums = _fp32_stuck_words(rows) if not is_pure else ("", {})
         by = rows.assign(_nz=_nonzero_updates(rows)).groupby(T.MODULE)[[col, "_nz"]].sum()
         by = by[by["_nz"] > 0]
         by_share = (by[col] / by["_nz"]).sort_values(ascending=False)
@@ -180,6 +195,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     else ""
                 )
                 + ". Mixed Precision Training (2018) keeps an fp32 master copy for this reason."
+                + fp32_words
                 + nonfinite_words
                 + idle_words
                 + apart_words,
@@ -196,11 +212,67 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     "nonzero_updates": int(nz),
                     "share": share,
                     **nonfinite_nums,
+                    **fp32_nums,
                     **idle_nums,
                     **apart_nums,
                 },
             )
         )
+
+
+def _rule_fp32_lost_updates(run: _Run, plan: _Plan) -> None:
+    """Intended updates that did not land in weights the run holds in fp32 (``lost_update_held`` of the float32
+    rows: measured, where ``bf16_lost_updates`` of these weights is a what-if): updates below half an fp32 ulp
+    of their weight, from a learning rate or a gradient clip far too small for the weights. The weights with no
+    training gradient on their step are left out, as in ``_rule_lost_updates``."""
+    cfg = run.cfg
+    wu = run.kind(T.WEIGHT_UPDATE)
+    if wu.empty or T.LOST_UPDATE_HELD not in wu:
+        return
+    rows = wu[wu[T.LOST_UPDATE_HELD].notna() & (T.texts(wu[T.DTYPE]).astype(str) == "float32")]
+    rows = rows[~_zero_gradient(run, wu)[rows.index]]
+    nz = float(_nonzero_updates(rows).sum())
+    lost = float(rows[T.LOST_UPDATE_HELD].sum())
+    share = _share(lost, nz)
+    if share is None or share <= cfg.lost_update_warn:
+        return
+    by = rows.assign(_nz=_nonzero_updates(rows)).groupby(T.MODULE)[[T.LOST_UPDATE_HELD, "_nz"]].sum()
+    by_share = (by[T.LOST_UPDATE_HELD] / by["_nz"][by["_nz"] > 0]).dropna()
+    worst = run.sort(by_share[by_share > cfg.lost_update_warn].index)[: cfg.max_listed_modules]
+    ratios = update_ratio.summary(run.layers) or {}
+    median = ratios.get("ratio_median")
+    plan.add(
+        Finding(
+            "fp32_lost_updates",
+            WARNING,
+            f"{_pct(share)} of weight updates do not change the run's fp32 weights",
+            f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements ({_pct(share)}; a "
+            "nonzero gradient or a moved weight) left their fp32 weight unchanged, measured in the weights this run "
+            "holds: the update is smaller than half an fp32 ulp of the weight (relative resolution 2^-24), so "
+            "these weights do not train"
+            + (
+                "; worst: " + ", ".join(f"{_name(m)} {_pct(float(by_share[m]))}" for m in worst)
+                if worst
+                else ""
+            )
+            + (
+                f". The update-to-weight ratio ||dw|| / ||w|| has a median of {median:.2g} over the layers, where "
+                "about 1e-3 is usual for Adam-like optimizers."
+                if median is not None
+                else "."
+            ),
+            "The updates are far too small for the weights: raise the learning rate, or loosen a gradient clip "
+            "whose max_norm is far below the gradient norm (the steps' grad_norm is the norm before the clip). "
+            "Weights much larger than their updates (an initialization's scale, a loss scaled down) do the same.",
+            modules=worst,
+            numbers={
+                "lost": int(lost),
+                "nonzero_updates": int(nz),
+                "share": share,
+                **({"ratio_median": float(median)} if median is not None else {}),
+            },
+        )
+    )
 
 
 def bf16_gradient_underflow(run: _Run) -> tuple[float, float, float | None]:
