@@ -35,6 +35,7 @@ from torch import nn
 
 import precprof
 from precprof import tables as T
+from precprof.analysis import update_ratio
 from precprof.analysis.advisor import CRITICAL, AdvisorConfig
 from precprof.hardware import HardwareInfo
 from precprof.report import summarize as S
@@ -818,6 +819,29 @@ def test_g_an_fp32_run_whose_updates_do_not_land_is_warned() -> None:
     # the same run with its updates landing (AdamW at 1e-3): no such warning
     healthy, truth = lost_updates.run_layers(torch.float32, lr=1e-3)
     assert truth["stuck"].sum() == 0 and healthy.recommend().finding("fp32_lost_updates") is None
+
+
+@pytest.mark.parametrize("idle", ["frozen", "warmup"])
+def test_g_steps_and_groups_at_learning_rate_0_are_left_out_of_the_update_ratio(idle: str) -> None:
+    """A param group frozen by lr=0 (module 2) and a warmup from 0 (step 0's learning rate is 0) made no update,
+    and the lost-update counts leave them out; the update-to-weight ratio took them as 0 ('the layer barely
+    trains'), module 2's median 0 pulling the run's median down, step 0 a ratio of 0 in every layer (tester
+    h70). They are left out of it: the ratios are those of the steps and groups whose learning rate was not 0."""
+    run, truth = lost_updates.run_layers(
+        torch.float32, lr=1e-3, **({"frozen": ("2",)} if idle == "frozen" else {"warmup": 3})
+    )
+    assert (truth.loc[truth["lr"] == 0, "du"] == 0).all() and (truth["lr"] == 0).any()
+    trained = truth[truth["lr"] > 0]
+    per = trained.groupby([T.MODULE, T.STEP])[["du", "dw"]].sum()
+    ratio = np.sqrt(per["du"] / per["dw"]).groupby(level=0)
+    summary = update_ratio.summary(run.tables["layers"])
+    assert summary is not None
+    got = {r["module"]: r for r in summary["layers"]}
+    assert set(got) == set(ratio.groups)  # module 2 (frozen) has no ratio; every other module does
+    for m, r in got.items():
+        assert r["median"] == pytest.approx(ratio.median()[m], rel=1e-6)
+        assert r["steps"] == ratio.size()[m]  # the warmup's step 0 is no step of the ratio
+    assert summary["ratio_median"] == pytest.approx(_ratio_median(trained), rel=1e-6)
 
 
 def test_h_unscaled_fp16_that_flushes_its_gradients_is_warned(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ weights by a large share per step; far below, the layer barely trains, and in a 
 updates round away (the ``lost_update_*`` counts say how many). A step on which some sampled update of a
 module's parameters was nan or inf (its weights became non-finite, or were already) has no ratio either: the
 sums hold its finite updates alone, and a layer whose every update was nan read as one whose update was 0
-(``nonfinite_steps`` counts those steps).
+(``nonfinite_steps`` counts those steps). A parameter whose learning rate was 0 on the step (a warmup from 0, a
+param group frozen by ``lr=0``: its row's ``calls``, the optimizer steps that updated it, is 0) made no update:
+it is left out, as the lost-update counts leave it out, rather than read as a layer that barely trains.
 
 Pure pandas over the layers table; nothing here reads torch.
 """
@@ -36,6 +38,9 @@ def step_ratios(layers: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=[T.MODULE, T.STEP, "ratio", T.ABSMAX])
     rows = layers[T.texts(layers[T.TENSOR]) == T.WEIGHT_UPDATE]
     du, dw = T.update_squares(layers)
+    # (a run recorded before ``calls`` counted the optimizer steps wrote 1)
+    calls = rows[T.CALLS] if T.CALLS in rows else pd.Series(1, index=rows.index)
+    updated = pd.to_numeric(calls, errors="coerce").fillna(1).to_numpy() > 0
     sq = pd.DataFrame(
         {
             T.MODULE: T.texts(rows[T.MODULE]).astype(str).to_numpy(),
@@ -45,7 +50,7 @@ def step_ratios(layers: pd.DataFrame) -> pd.DataFrame:
             T.ABSMAX: pd.to_numeric(rows[T.ABSMAX], errors="coerce").to_numpy(dtype=float),
             "bad": _nonfinite(rows).to_numpy(),
         }
-    ).dropna(subset=["du", "dw"])
+    )[updated].dropna(subset=["du", "dw"])
     per = sq.groupby([T.MODULE, T.STEP], sort=False).agg(
         du=("du", "sum"), dw=("dw", "sum"), absmax=(T.ABSMAX, "max"), bad=("bad", "sum")
     )

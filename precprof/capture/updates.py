@@ -36,7 +36,7 @@ import torch
 
 from precprof import _compat
 from precprof import tables as T
-from precprof.capture import update_sizes
+from precprof.capture import update_sizes, update_steps
 from precprof.capture.records import _local, _ParamSlot
 from precprof.capture.storage import dtype_name
 from precprof.stats import engine as _engine
@@ -327,22 +327,6 @@ class _DeviceGroup:
         return True
 
 
-def _idle_params(optimizer: Any) -> set[int]:
-    """The ids of ``optimizer``'s parameters whose group's learning rate is 0 now (a warmup from 0 starts
-    there): its step moves none of them, and an update that is not made is not lost to any format. A learning
-    rate the host cannot read without a sync (a device tensor) counts as not 0."""
-    idle: set[int] = set()
-    for group in getattr(optimizer, "param_groups", ()):
-        lr = group.get("lr") if isinstance(group, dict) else None
-        if isinstance(lr, torch.Tensor):
-            if lr.device.type != "cpu" or lr.numel() != 1:
-                continue
-            lr = float(lr)
-        if isinstance(lr, (int, float)) and lr == 0:
-            idle.update(id(p) for p in group["params"])
-    return idle
-
-
 def held_by(optimizers: Sequence[Any], params: Sequence[_ParamSlot]) -> tuple[list[_ParamSlot], list[int]]:
     """The parameters of ``params`` (the plan's) that one of ``optimizers`` holds now, and the index of the
     one whose step moves each: a parameter no optimizer given holds moves in no step precprof sees."""
@@ -405,6 +389,7 @@ class UpdateSampler:
         self.tracked = tracked
         # the optimizer (an index) whose step moves each tracked parameter: its groups are read in its hooks
         self._owners = list(owners) or [0] * len(tracked)
+        self._steps = update_steps.OptimizerSteps([ps.tensor for ps in tracked], self._owners)
         self._group_owner: list[int] = []
         self._update_idx = np.array([ps.update_index for ps in tracked], dtype=np.int64)
         # the last named columns of ``columns``: (kept, order, module types, dtypes, columns)
@@ -446,6 +431,7 @@ class UpdateSampler:
         for g in self._groups:
             g.counts.zero_()
             update_sizes.reset(g.sizes)
+        self._steps.reset()
         self._counted = False
 
     def _follow_groups(self) -> None:
@@ -472,7 +458,8 @@ class UpdateSampler:
         sync)."""
         self._follow_groups()
         self._regroup()
-        idle = _idle_params(optimizer)
+        idle = update_steps.idle_params(optimizer)
+        self._steps.step(k, idle)
         for g, owner in zip(self._groups, self._group_owner, strict=True):
             if owner == k:
                 g.read_before(idle)
@@ -480,7 +467,7 @@ class UpdateSampler:
     def intent_after_closure(self, k: int = 0, optimizer: Any = None) -> None:
         """Optimizer ``k``'s step was given a closure, which has run its backward: the intended updates read
         from the gradients it made (the samples stay those of ``before_step``)."""
-        idle = _idle_params(optimizer)
+        idle = update_steps.idle_params(optimizer)
         for g, owner in zip(self._groups, self._group_owner, strict=True):
             if owner == k:
                 g.read_intent(idle)
@@ -548,6 +535,9 @@ class UpdateSampler:
         cols.update(
             {
                 T.STEP: np.full(n, step, dtype=np.int64),
+                T.CALLS: self._steps.counts[
+                    keep
+                ],  # optimizer steps with a nonzero learning rate (update_steps)
                 T.NUMEL: c[keep, 0].copy(),
                 T.ZEROS: c[keep, 1].copy(),
                 T.LOST_UPDATE_BF16: c[keep, 2].copy(),
@@ -586,7 +576,6 @@ class UpdateSampler:
                 T.TENSOR: [T.WEIGHT_UPDATE] * n,
                 T.PARAM: [ps.param for ps in kept],
                 T.DTYPE: [dtype_name(ps.tensor.dtype) for ps in kept],
-                T.CALLS: np.ones(n, dtype=np.int64),
                 T.SCALE: np.ones(n),
             }
         )
