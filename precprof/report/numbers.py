@@ -161,6 +161,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "zero_gradient_lost": ("of those, lost", "count"),
     "held_apart_updates": ("updates of weights held in another dtype, left out", "count"),
     "held_apart_lost": ("of those, lost if held in the format", "count"),
+    "held_from_step": ("step from which the weights are held in the format", "step"),
     "lost_in_fp32": ("of those, lost in the run's fp32 weights already", "count"),
     "share": ("share", "share"),
     ("bf16_lost_updates", "share"): ("share of updates lost", "share"),

@@ -88,17 +88,47 @@ def _held_apart(rows: pd.DataFrame, held: str | None) -> pd.Series:
     return (dtypes != held) & (dtypes != "")
 
 
-def _held_apart_words(run: _Run, apart: pd.DataFrame, col: str, fmt: str) -> tuple[str, dict[str, int]]:
+def _held_from(rows: pd.DataFrame, held: str | None) -> int | None:
+    """The step from which ``rows`` (``weight_update`` rows) hold their weights in ``held`` (a dtype name), where
+    their earlier rows held them in another dtype (a ``model.to(torch.bfloat16)`` mid-run); None else."""
+    dtypes = T.texts(rows[T.DTYPE]).astype(str)
+    if not (dtypes == held).any():
+        return None
+    first = int(rows.loc[dtypes == held, T.STEP].min())
+    return first if (rows[T.STEP] < first).any() else None
+
+
+def _since_words(rows: pd.DataFrame, since: int | None, fmt: str, held: str | None) -> str:
+    """Where a run's weights became ``fmt`` mid-run (``_held_from``): from which step, and what they were."""
+    if since is None:
+        return ""
+    dtypes = T.texts(rows.loc[rows[T.STEP] < since, T.DTYPE]).astype(str)
+    before = ", ".join(sorted(set(dtypes) - {held, ""}))
+    return (
+        f" from step {since} on, where they became {fmt} ({before} before: a model.to(torch.{held}) mid-run, "
+        "measured from there)"
+    )
+
+
+def _held_apart_words(
+    run: _Run, apart: pd.DataFrame, col: str, fmt: str, since: int | None
+) -> tuple[str, dict[str, int]]:
     """The sentence on the updates left out of a pure run's share, those of weights held in another dtype (what
-    ``fmt`` would lose of them is a what-if), and its numbers; "" when there are none."""
+    ``fmt`` would lose of them is a what-if; ``since``: the step the weights became ``fmt``, where those rows are
+    of the steps before), and its numbers; "" when there are none."""
     nz = int(_nonzero_updates(apart).sum())
     if not nz:
         return "", {}
     lost = int(apart[col].sum())
     mods = run.sort(apart.loc[_nonzero_updates(apart) > 0, T.MODULE].unique())
     dtypes = ", ".join(sorted(set(T.texts(apart[T.DTYPE]).astype(str))))
+    held = (
+        f"were held in {dtypes} before step {since}"
+        if since is not None and (apart[T.STEP] < since).all()
+        else f"are held in {dtypes}"
+    )
     return (
-        f" Left out: {nz:,} update elements of {len(mods)} module(s) whose weights are held in {dtypes} "
+        f" Left out: {nz:,} update elements of {len(mods)} module(s) whose weights {held} "
         f"({_listing(mods, run.cfg.max_listed_modules)}), {lost:,} of which would vanish in {fmt} weights.",
         {"held_apart_updates": nz, "held_apart_lost": lost},
     )
@@ -132,14 +162,19 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         held_rows = wu[wu[col].notna()]
         # a pure run: asked for by name, or (the user's own loop) its weights are held in the format
         held = formats.get(fmt).dtype_name
-        is_pure = run.precision == pure or bool((held_rows[T.DTYPE] == held).mean() > 0.5)
+        # (a weight held in the format loses its updates there, whatever the others: a model made bf16 mid-run
+        # is measured from that step, ``since``)
+        since = _held_from(held_rows, held)
+        is_pure = (
+            run.precision == pure or bool((held_rows[T.DTYPE] == held).mean() > 0.5) or since is not None
+        )
         # a pure run's share is measured, over the weights it holds in the format: a layer it keeps in fp32
         # moved, and its count is a what-if, said apart
         apart = _held_apart(held_rows, held) if is_pure else pd.Series(False, index=held_rows.index)
         idle = zero_grad[held_rows.index] & ~apart
         rows = held_rows[~idle & ~apart]
         idle_words, idle_nums = _zero_gradient_words(run, held_rows[idle], col, fmt, is_pure)
-        apart_words, apart_nums = _held_apart_words(run, held_rows[apart], col, fmt)
+        apart_words, apart_nums = _held_apart_words(run, held_rows[apart], col, fmt, since)
         if rows.empty:
             continue
         nz = float(_nonzero_updates(rows).sum())
@@ -179,8 +214,9 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                         f"run holds its weights in {fmt} under {fmt} autocast, which casts the inputs of ops and keeps no "
                         f"fp32 copy of a {fmt} weight"
                         if held_under_autocast
-                        else f"{pure} run holds its weights in {fmt}"
+                        else f"{pure + ' ' if since is None else ''}run holds its weights in {fmt}"
                     )
+                    + _since_words(held_rows, since, fmt, held)
                     if is_pure
                     else f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements "
                     f"({_pct(share)}) are smaller than half a {fmt} ulp of their weight (relative resolution "
@@ -215,6 +251,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     **fp32_nums,
                     **idle_nums,
                     **apart_nums,
+                    **({"held_from_step": since} if since is not None and is_pure else {}),
                 },
             )
         )
