@@ -764,6 +764,14 @@ def test_g_a_pure_bf16_runs_lost_updates_leave_out_a_layer_kept_in_fp32() -> Non
     )
     assert lost.modules == ["0", "2"] and "worst: 0 " in lost.message and ", 4 " not in lost.message
     assert "module(s) whose weights are held in float32 (4)" in lost.message
+    # the per-layer table's cell of the fp32 layer is its bf16 what-if: greyed and said so, not a loss in red
+    page = render_html(pure.tables, pure.summary)
+    cells = re.findall(r'<td data-v="[^"]+" class="([^"]*)"( title="[^"]*")?>([^<]*%[^<]*)</td>', page)
+    assert [(c, text.endswith("(what-if)")) for c, _, text in cells] == [
+        ("bad", False),
+        ("bad", False),
+        ("zero", True),
+    ]
 
 
 def test_g_an_fp16_pure_runs_layer_table_shows_the_updates_lost_in_fp16() -> None:

@@ -848,6 +848,9 @@ def build_context(
             "lost_updates": any(not _missing(r.get(f"lost_update_{update_format}")) for r in layer_rows),
             # the format of the weights whose lost updates the table shows: the run's own (a pure run), else bf16
             "update_format": update_format,
+            # the dtype of that format where the run holds weights in it (a pure run), else "": a row of a layer
+            # held in another dtype there (a layer kept in fp32) shows a what-if, greyed
+            "update_held": _held_dtype(layer_rows, update_format),
             "nonfinite": any(r.get("nonfinite_first") for r in layer_rows),
         },
         "memory": memory,
@@ -856,3 +859,9 @@ def build_context(
             _reduced_steps_counted(summary, steps), throughput(steps, compiled_steps(summary))
         ),
     }
+
+
+def _held_dtype(layer_rows: list[dict[str, Any]], fmt: str) -> str:
+    """``fmt``'s dtype name ("bfloat16") where some layer holds its weights in it, else ""."""
+    dtype = formats.get(fmt).dtype_name if fmt in ("bf16", "fp16") else ""
+    return dtype if dtype and any(dtype in str(r.get("param_dtype") or "") for r in layer_rows) else ""
