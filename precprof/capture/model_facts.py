@@ -44,6 +44,28 @@ def buffer_rounding(buf: torch.Tensor) -> dict[str, Any]:
         return {}
 
 
+def low_precision_buffers(model: nn.Module) -> list[dict[str, Any]]:
+    """Floating buffers of the model's modules held in fp16 or bf16 (BatchNorm running statistics after
+    ``model.half()``, a rotary embedding's frequencies after ``model.to(torch.bfloat16)``): their module, its
+    type, and what their values say about the rounding (``buffer_rounding``; read here, at save). Every
+    module's, the root's and containers' included (a model that keeps its rotary frequencies on itself and
+    passes them to its layers), not the captured modules' alone."""
+    out: list[dict[str, Any]] = []
+    for name, module in _compat.named_modules(model):
+        for bname, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.dtype in (torch.float16, torch.bfloat16):
+                out.append(
+                    {
+                        "module": name,
+                        "module_type": type(module).__name__,
+                        "buffer": bname,
+                        "dtype": str(buf.dtype).removeprefix("torch."),
+                        **buffer_rounding(buf),
+                    }
+                )
+    return out
+
+
 def fp8_emulated(model: nn.Module) -> int:
     """How many of the model's torchao Float8Linear layers emulate FP8 (``Float8LinearConfig(emulate=True)``:
     the casts to FP8 are real, the matmuls run in high precision)."""

@@ -22,11 +22,11 @@ from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.model_facts import (
     FP8_WHATIF_RECIPE,
-    buffer_rounding,
     compiled_parts,
     dropout_layers,
     fp8_emulated,
     fp8_recipes,
+    low_precision_buffers,
     model_class_name,
     optimizer_settings,
     resumed_optimizer_changes,
@@ -212,29 +212,6 @@ class ProfilerResults:
     def status(self) -> tuple[str, str | None]:
         return self._status, self._reason
 
-    def _low_precision_buffers(self) -> list[dict[str, Any]]:
-        """Floating buffers of the model's modules held in fp16 or bf16 (BatchNorm running statistics after
-        ``model.half()``, a rotary embedding's frequencies after ``model.to(torch.bfloat16)``): their module, its
-        type, and what their values say about the rounding (``buffer_rounding``; read here, at save). Every
-        module's, the root's and containers' included (a model that keeps its rotary frequencies on itself and
-        passes them to its layers), not the captured modules' alone."""
-        out: list[dict[str, Any]] = []
-        if self._plan is None:
-            return out
-        for name, module in _compat.named_modules(self.model):
-            for bname, buf in module.named_buffers(recurse=False):
-                if buf is not None and buf.dtype in (torch.float16, torch.bfloat16):
-                    out.append(
-                        {
-                            "module": name,
-                            "module_type": type(module).__name__,
-                            "buffer": bname,
-                            "dtype": str(buf.dtype).removeprefix("torch."),
-                            **buffer_rounding(buf),
-                        }
-                    )
-        return out
-
     def skipped_tensors(self) -> list[dict[str, Any]]:
         """Tensors the statistics could not read (``stats.buffer.unreadable``: on the ``meta`` device, sparse,
         complex, a wrapper subclass), per row, with how many times over the run and why; then the parameters
@@ -333,7 +310,7 @@ class ProfilerResults:
             "loop_stance": self._stance.summary(),  # a stance the loop set itself
             "dropout_layers": dropout_layers(self.model),
             "static_loss_scale": self.loss_scale,
-            "low_precision_buffers": self._low_precision_buffers(),
+            "low_precision_buffers": low_precision_buffers(self.model) if plan is not None else [],
             "loss_dtypes": {str(d).removeprefix("torch."): n for d, n in self._loss_dtypes.items()},
             # a histogram unscaled by log2(scale) is exact for powers of two only: a scaler's, or a manual one's
             "histogram_shift_exact": not (
