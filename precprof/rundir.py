@@ -24,9 +24,12 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pandas as pd
 
 from precprof import _atomic, parts
 from precprof import tables as T
@@ -400,6 +403,26 @@ def _adopt_saved_tables(p: Path) -> None:
     parts.adopt_tables(p, files, start, T.to_arrow("steps", T.empty("steps")))
     for path in files.values():  # in the stream now: a table file beside a stream is read in its place
         path.unlink()
+
+
+def warn_replaced(run_dir: Path) -> None:
+    """``resume=True`` at step 0 (``first_step`` left out) replaces every step the run recorded: said, with
+    the fix, when it recorded some (a job restarted from a checkpoint means to keep the steps before it)."""
+    steps: list[int] = []
+    with contextlib.suppress(Exception):  # a warning, never at the cost of the user's attach
+        read = parts.read_stream(run_dir, ("steps",), T.STEP)
+        table = parts.concat(read.tables.get("steps") or [])
+        steps = table.column(T.STEP).to_pylist() if table is not None and table.num_rows else []
+        whole = run_dir / T.TABLE_FILES["steps"]
+        if not steps and whole.exists():
+            steps = pd.read_parquet(whole, columns=[T.STEP])[T.STEP].tolist()
+    if steps:
+        warnings.warn(
+            f"precprof: resume=True with first_step=0 replaces the {len(steps):,} steps {run_dir} recorded "
+            f"({min(steps)}-{max(steps)}): pass first_step=<the step of the checkpoint the run resumes from> "
+            "to keep the steps before it",
+            stacklevel=5,
+        )
 
 
 def claim_new(base: str | os.PathLike[str], *, summary: dict[str, Any] | None = None) -> RunDir:

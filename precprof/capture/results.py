@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +149,7 @@ class ProfilerResults:
                 self._out, overwrite=self._overwrite, resume=self._resume, summary=first, option="out"
             )
         if self._resume and self._first_step == 0:
-            _warn_replaced(run.path)
+            rundir.warn_replaced(run.path)
         segment = parts.new_segment(run.path, self._first_step)
         self._sample_origin = self._sampler.origin = parts.segments(run.path)[0].start
         self._recorded = Recorded(StreamWriter(run.path, segment))
@@ -518,26 +517,6 @@ def _norm_type(clips: Any) -> str | None:
     if not isinstance(p, (int, float)) or p == 2.0:
         return None
     return "inf" if p == float("inf") else f"{p:g}"
-
-
-def _warn_replaced(run_dir: Path) -> None:
-    """``resume=True`` at step 0 (``first_step`` left out) replaces every step the run recorded: said, with
-    the fix, when it recorded some (a job restarted from a checkpoint means to keep the steps before it)."""
-    steps: list[int] = []
-    with contextlib.suppress(Exception):  # a warning, never at the cost of the user's attach
-        read = parts.read_stream(run_dir, ("steps",), T.STEP)
-        table = parts.concat(read.tables.get("steps") or [])
-        steps = table.column(T.STEP).to_pylist() if table is not None and table.num_rows else []
-        whole = run_dir / T.TABLE_FILES["steps"]
-        if not steps and whole.exists():
-            steps = pd.read_parquet(whole, columns=[T.STEP])[T.STEP].tolist()
-    if steps:
-        warnings.warn(
-            f"precprof: resume=True with first_step=0 replaces the {len(steps):,} steps {run_dir} recorded "
-            f"({min(steps)}-{max(steps)}): pass first_step=<the step of the checkpoint the run resumes from> "
-            "to keep the steps before it",
-            stacklevel=5,
-        )
 
 
 def checked_model(model: Any) -> nn.Module:
