@@ -186,7 +186,12 @@ def _write_summary(
 
 
 def rerender(
-    run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, target: str | None = None
+    run_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    target: str | None = None,
+    *,
+    recording: Mapping[str, Any] | None = None,
+    facts: dict[str, Any] | None = None,
 ) -> Path:
     """Render a run directory's report again (``precprof report``): with the stored recommendation, or one
     computed now by the advisor when ``target`` (a hardware preset: "a100", "t4"...) is given, none is stored,
@@ -196,17 +201,31 @@ def rerender(
 
     A run still being written (``rundir.live_writer``: its lock is held) is rendered from what it has streamed,
     and the page says so; a page that the run (or another reader) wrote while this one rendered is newer, and
-    is never replaced by this one."""
+    is never replaced by this one.
+
+    ``recording``: the summary of the Profiler still recording into the run (``Profiler.report`` while attached:
+    a look at the run so far), with ``facts`` (``Profiler.model_facts``). The page is rendered live from the
+    stream, with that summary over summary.json's (whose status, "running", stays), projected and advised as
+    ``finish_run`` would (``post_process``), and says that the run is still recording."""
     rd = Path(run_dir)
     if out is None and target is not None:
         out = rd / f"report-{target.strip().lower()}.html"
-    live = rundir.live_writer(rd) is not None  # before reading: a live run is read from its stream
+    # before reading: a live run is read from its stream
+    live = recording is not None or rundir.live_writer(rd) is not None
     summary = T.read_summary(rd) if T.is_run_dir(rd) else {}
+    if recording is not None:
+        now = {k: v for k, v in recording.items() if k not in (T.SUMMARY_STATUS, T.SUMMARY_INCOMPLETE_REASON)}
+        summary = {**summary, **now}
     rec: Any = None
     advisor_error = None
     # advised again: for another machine, for a run without advice, or over an older precprof's advice
     older = rundir.older_advice_note(rd, summary)
-    advise = target is not None or not summary.get(T.SUMMARY_RECOMMENDATION) or older is not None
+    advise = (
+        target is not None
+        or recording is not None
+        or not summary.get(T.SUMMARY_RECOMMENDATION)
+        or older is not None
+    )
     # read once, for the advisor and the page; the page alone needs only the histograms summed over steps
     read = T.read_run(rd, categorical=True, histogram_totals=not advise) if T.is_run_dir(rd) else None
     live_line = None
@@ -214,7 +233,10 @@ def rerender(
         for note in (rundir.newer_version_note(rd, summary), older):
             if note:
                 read.notices.append(note)
-        live_line = rundir.live_note(rd, read.last_step) if live else None
+        live_line = rundir.live_note(rd, read.last_step, recording is not None) if live else None
+        if recording is not None:  # what the run's end adds to its summary, as of now
+            summary.update(post_process(read.tables, summary, facts))
+            advise = target is not None
     if read is not None and advise:
         machine: Any = None
         if target is not None:
@@ -237,6 +259,7 @@ def rerender(
         advisor_error=advisor_error,
         read=read,
         live=live_line,
+        summary=summary if recording is not None else None,
     )
     if _written_at(final) != before:  # the run ended and wrote its own report meanwhile: that one stays
         with contextlib.suppress(OSError):
@@ -261,3 +284,4 @@ def describe_machine(device: str | None) -> dict[str, Any]:
 
 _run_finisher.set_run_finisher(finish_run)  # what Profiler.save calls
 _run_finisher.set_machine_describer(describe_machine)  # what a streamed run's first summary records
+_run_finisher.set_run_renderer(rerender)  # what Profiler.report renders a run still recording with

@@ -320,8 +320,17 @@ def live_writer(path: str | os.PathLike[str]) -> int | None:
         os.close(fd)
 
 
-def live_note(path: str | os.PathLike[str], last_step: int | None = None) -> str | None:
-    """One line when run directory ``path`` is still being written (``live_writer``), else None."""
+def live_note(
+    path: str | os.PathLike[str], last_step: int | None = None, recording: bool = False
+) -> str | None:
+    """One line when run directory ``path`` is still being written (``live_writer``), else None. ``recording``:
+    by the Profiler whose own report this is (``Profiler.report`` while attached), which the line speaks to."""
+    if recording:
+        upto = f"as of step {last_step}" if last_step is not None else "before its first step"
+        return (
+            f"{path} is still recording: this report is a snapshot {upto}, and the Profiler goes on streaming "
+            "into the run; call prof.report() again for more, and after prof.detach() for the finished run"
+        )
     pid = live_writer(path)
     if pid is None:
         return None

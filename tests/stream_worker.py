@@ -5,6 +5,8 @@ Modes:
 
 - ``forever``: trains until it is killed, every step sampled, and prints "streaming PID" (its writer process) once its first flush is on
   disk (the test kills it at a random moment after that);
+- ``peek``: ``forever`` with a ``prof.report()`` after step PEEK_AT, a look at the run so far as a notebook takes
+  one, and "streaming PID" once the steps up to PEEK_AT + 2 are on disk;
 - ``full``: steps 0..STEPS-1 uninterrupted, then ``prof.save()``;
 - ``crash``: steps 0..CRASH_AT, writing the checkpoint (model, optimizer) when step CHECKPOINT_AT begins, then
   kills itself with SIGKILL: the steps it recorded after the checkpoint are in the stream;
@@ -31,6 +33,7 @@ STEPS = 14
 SAMPLE_EVERY = 3
 CHECKPOINT_AT = 6  # the checkpoint holds the state before this step
 CRASH_AT = 10  # the crashing run dies after this step: steps 6..10 were recorded and are recorded again
+PEEK_AT = 2  # the peeking run reports after this step, and goes on training
 
 
 def build() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -54,13 +57,15 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, prof: precprof.Prof
 def main(mode: str, out: Path, checkpoint: Path | None) -> None:
     torch.set_num_threads(1)
     model, opt = build()
-    if mode == "forever":
+    if mode in ("forever", "peek"):
         prof = precprof.Profiler(model, opt, sample_every=1, out=out)
         with prof:
             step = 0
             while True:
                 train_step(model, opt, prof, step)
-                if step == 1:
+                if mode == "peek" and step == PEEK_AT:
+                    prof.report()  # the run so far; the Profiler stays attached and the loop trains on
+                if step == (1 if mode == "forever" else PEEK_AT + 2):
                     prof.tables()  # waits for the writer: the first flushes are on disk
                     sink = prof._recorded.sink
                     writer = sink._proc.proc.pid if sink is not None and sink._proc is not None else 0

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 import processes
 import pytest
+import stream_worker
 import torch
 from torch import nn
 
@@ -240,6 +241,29 @@ def test_precprof_report_on_a_killed_run(tmp_path: Path, monkeypatch: pytest.Mon
     assert precprof.recommend(out).format
 
 
+def test_a_run_killed_after_a_report_while_attached_keeps_every_flushed_step(tmp_path: Path) -> None:
+    """A report taken while attached ended the stream (h67): killed two steps later, the directory held the
+    steps up to the report only, under a summary that said "complete". The report is a look at the run so far:
+    the stream goes on, and the killed run keeps every step flushed before the kill, still "running"."""
+    out = tmp_path / "run"
+    proc = worker("peek", out)
+    writer = streaming(proc)  # steps up to PEEK_AT + 2 are on disk
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    wait_ended(writer)
+    read = T.read_run(out)
+    peek_at = stream_worker.PEEK_AT
+    assert read.streamed and read.last_step is not None and read.last_step >= peek_at + 2
+    steps = read.tables["steps"][T.STEP].tolist()
+    assert steps == list(range(read.last_step + 1))  # each once, none missing
+    assert set(read.tables["layers"][T.STEP]) == set(steps)  # every step sampled
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert not (out / T.TABLE_FILES["steps"]).exists()
+    assert f"snapshot as of step {peek_at}" in (out / T.REPORT_FILE).read_text()  # the look it took
+    html = pipeline.rerender(out).read_text()
+    assert f"The run was cut off after step {read.last_step}" in html
+
+
 def test_a_killed_runs_fp8_eligibility_is_not_judged(tmp_path: Path) -> None:
     """The layers' shapes are in the summary a run writes when it saves: a killed run's report said "0 of 2
     qualify ... Not eligible: (weight shape unknown: none was recorded for it)", and on FP8 hardware that no
@@ -316,6 +340,59 @@ def test_precprof_report_on_a_run_still_being_written(
     with pytest.raises(SystemExit):
         cli.main(["report", str(out)])
     assert capsys.readouterr().err == ""
+
+
+def test_a_report_while_attached_is_a_snapshot_and_the_run_streams_on(tmp_path: Path) -> None:
+    """A notebook's look at the run so far, ``prof.report()`` (or ``save()``) while still attached, finished the
+    run (h67): the stream became the four tables and stopped, the summary said "complete", and the next look
+    wrote every step between the two again (steps 0-6, 5, 6, 7...). Now each look is a page of the steps so
+    far, saying that the run is still recording; the stream goes on, and the run saved after detach() equals
+    one that never looked, each step once."""
+    looks = {3: "report", 4: "save", 6: "report"}  # after an unsampled step (3, 5 pending) and a sampled one
+
+    def run(out: Path, look: bool) -> tuple[dict[str, pd.DataFrame], list[float]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses: list[float] = []
+        with precprof.Profiler(model, opt, sample_every=2, out=out) as prof:
+            for step in range(9):
+                loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step(loss=loss.detach())
+                losses.append(loss.item())
+                if look and step in looks:
+                    page = prof.report() if looks[step] == "report" else prof.save()
+                    # every step ended so far is in the directory, once, and the run is still streaming
+                    assert T.read_run(out).tables["steps"][T.STEP].tolist() == list(range(step + 1))
+                    assert parts.has_stream(out) and not (out / T.TABLE_FILES["steps"]).exists()
+                    summary = T.read_summary(out)
+                    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+                    assert summary[T.SUMMARY_INCOMPLETE_REASON].startswith("running (pid")
+                    if looks[step] == "report":
+                        html = page.read_text()
+                        assert page == out / T.REPORT_FILE and 'id="live"' in html
+                        assert (
+                            f"{out} is still recording: this report is a snapshot as of step {step}" in html
+                        )
+                        assert 'id="cut-off"' not in html and 'id="incomplete"' not in html
+        prof.report()
+        assert not parts.has_stream(out) and T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+        html = (out / T.REPORT_FILE).read_text()
+        assert 'id="live"' not in html and "still recording" not in html
+        return T.read_tables(out), losses
+
+    looked, losses = run(tmp_path / "looked", look=True)
+    plain, plain_losses = run(tmp_path / "plain", look=False)
+    assert looked["steps"][T.STEP].tolist() == list(range(9))
+    assert looked["steps"][T.LOSS].tolist() == pytest.approx(losses) and losses == plain_losses
+    assert sorted(set(looked["layers"][T.STEP])) == [0, 2, 4, 6, 8]
+    for name in ("layers", "histograms", "memory"):
+        pd.testing.assert_frame_equal(looked[name], plain[name])
+    cols = [T.STEP, T.LOSS, T.SAMPLED, T.SKIPPED]
+    pd.testing.assert_frame_equal(looked["steps"][cols], plain["steps"][cols])
 
 
 def test_a_report_rendered_while_the_run_ends_never_replaces_the_runs_own(

@@ -239,7 +239,7 @@ def test_the_summary_and_the_report_give_each_layers_ratio(tmp_path: Path) -> No
                     dw + scale * float(before[n].square().sum()),
                 ]
             prof.step()
-        page = prof.report().read_text()
+    page = prof.report().read_text()  # detached: the run ends (attached, a look at it so far)
     doc = T.read_summary(tmp_path / "run")[T.SUMMARY_WEIGHT_UPDATES]
     for layer in doc["layers"]:
         ratios = [
@@ -320,7 +320,7 @@ def test_a_step_with_a_nan_update_has_no_ratio_and_is_said_left_out(tmp_path: Pa
                     dw + scale * float(before[n].square().sum()),
                 ]
             prof.step()
-        page = prof.report().read_text()
+    page = prof.report().read_text()
     assert bad == {"0": {1, 2}, "2": {2}}
     doc = T.read_summary(tmp_path / "run")[T.SUMMARY_WEIGHT_UPDATES]
     assert doc["nonfinite_steps"] == {mod: [len(s), STEPS] for mod, s in bad.items()}

@@ -122,8 +122,9 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             already claimed): each flush's rows are written there as Parquet parts on a background thread
             (``precprof.capture.stream``), so the recording's host memory stays bounded and a killed run keeps
             every step flushed before the kill. The directory is claimed (checked, locked, a first summary.json
-            written) at ``attach()``; ``save()`` and ``report()`` then default to it. Only the writer rank
-            writes; other ranks keep their steps rows only. None (the default): every row is kept in memory until ``save()``.
+            written) at ``attach()``; ``save()`` and ``report()`` then default to it (while attached, a look at
+            the steps so far, which leaves the stream going and the run "running"). Only the writer rank writes;
+            other ranks keep their steps rows only. None (the default): every row is kept in memory until ``save()``.
         resume: with ``out``, continue the run already there (a job restarted from its checkpoint, with
             ``first_step`` = the checkpoint's step): rows it recorded at or after ``first_step`` are superseded
             by the new ones, sampling keeps the original run's rhythm, and the steps table marks the restart

@@ -15,7 +15,7 @@ from torch import nn
 from precprof import _compat, parts, rundir, runfiles
 from precprof import stats as st
 from precprof import tables as T
-from precprof._run_finisher import machine_describer, run_finisher
+from precprof._run_finisher import machine_describer, run_finisher, run_renderer
 from precprof._version import __version__
 from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
@@ -108,6 +108,9 @@ class ProfilerResults:
         raise NotImplementedError
 
     def _flush(self, sampled_step_done: bool) -> None:
+        raise NotImplementedError
+
+    def not_training(self) -> contextlib.AbstractContextManager[None]:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------- the run directory
@@ -452,7 +455,8 @@ class ProfilerResults:
         A failure to write (full disk, read-only file system) does not raise: summary.json then says
         "incomplete" with the cause. Under torch.distributed only the writer (rank 0) writes; other ranks
         return the path without touching it. ``run_dir`` defaults to ``out``; saving there turns its stream
-        into the four tables and releases the directory's lock if this Profiler claimed it.
+        into the four tables and releases the directory's lock if this Profiler claimed it, once detached:
+        while attached, a save there is a snapshot of the run so far, which goes on streaming (``_snapshot``).
         """
         if run_dir is None:
             run_dir = self.run_dir
@@ -461,6 +465,9 @@ class ProfilerResults:
         run_dir = Path(run_dir)
         if not self.is_writer:
             return run_dir
+        sink = self._recorded.sink
+        if self._attached and sink is not None and run_dir.resolve() == Path(sink.run_dir).resolve():
+            return self._snapshot(run_dir, summary, status, reason, render, report_path)
         finisher = run_finisher()
         if finisher is None:
             raise RuntimeError("precprof.pipeline, which writes run directories, is not loaded")
@@ -471,12 +478,39 @@ class ProfilerResults:
         runfiles.release_memory()  # the tables are dropped: what the allocators kept of them goes back
         self._status = written[T.SUMMARY_STATUS]
         self._reason = written[T.SUMMARY_INCOMPLETE_REASON]
-        sink = self._recorded.sink
         if sink is not None and not self._attached:  # the run is saved: it gives the writer process back
             sink.end()
         if self._owned_run is not None and not self._attached and run_dir == self._owned_run.path:
             self._owned_run.release()
             self._owned_run = None
+        return run_dir
+
+    def _snapshot(
+        self,
+        run_dir: Path,
+        summary: dict[str, Any] | None,
+        status: str | None,
+        reason: str | None,
+        render: bool,
+        report_path: str | Path | None,
+    ) -> Path:
+        """``save()`` into the run directory this Profiler streams into, while it is attached (a notebook's look
+        at the run so far): the steps ended since the last flush are flushed and the stream drained, so that
+        the directory holds every step recorded; with ``render``, the page of them, read from the stream and
+        saying that the run is still recording (``pipeline.rerender``, as ``precprof report`` renders a live
+        run). The stream goes on and summary.json still says "running": the four tables in its place, and the
+        run's status, wait for the save after ``detach()`` (finishing here had ended the stream: later steps
+        stayed in memory, lost by a kill, and the next save wrote the steps between the two again). Its time
+        and memory are not the step's (``not_training``)."""
+        with self.not_training():
+            self._flush(sampled_step_done=False)
+            self._recorded.sink.drain()
+            full = self.run_summary(summary, status, reason)
+            if render:
+                renderer = run_renderer()
+                if renderer is None:
+                    raise RuntimeError("precprof.pipeline, which renders run directories, is not loaded")
+                renderer(run_dir, out=report_path, recording=full, facts=self.model_facts())
         return run_dir
 
     def report(self, path: str | Path | None = None, summary: dict[str, Any] | None = None) -> Path:

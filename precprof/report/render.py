@@ -158,6 +158,7 @@ def render_run_dir(
     advisor_error: str | None = None,
     read: T.RunTables | None = None,
     live: str | None = None,
+    summary: Mapping[str, Any] | None = None,
 ) -> Path:
     """Render the report of a run directory (``precprof train`` output or ``Profiler.save``).
 
@@ -166,7 +167,8 @@ def render_run_dir(
     RUN_DIR/report.html) and returns its path; summary.json is left as it is. A new recommendation (for
     another target machine) comes from ``precprof.pipeline.rerender``. ``read``: the run's tables when the
     caller read them already (``tables.read_run``). ``live``: the line saying the run is still being written
-    (``rundir.live_note``), for the page's banner.
+    (``rundir.live_note``), for the page's banner. ``summary``: the run's summary when the caller has a newer one
+    than summary.json (a run still recording: ``pipeline.rerender``).
     """
     rd = Path(run_dir)
     if not T.is_run_dir(rd):
@@ -176,7 +178,7 @@ def render_run_dir(
     if read is None:
         read = T.read_run(rd, categorical=True, histogram_totals=True)
     tabs = read.tables
-    summary = T.read_summary(rd)
+    summary = dict(summary) if summary is not None else T.read_summary(rd)
     # an error of an earlier stage that runs again now is no longer the page's: the report's own (this is the
     # report), the advisor's when a recommendation was just computed
     stale = ("report:",) + (("advisor:",) if recommendation is not None else ())
