@@ -1084,7 +1084,7 @@ def test_nonfinite_forward_and_backward(request: pytest.FixtureRequest) -> None:
     x = torch.randn(8, 8)
     nan = x.clone()
     nan[1, 1] = math.nan
-    # step 0 clean; step 1: block.fc2 produces nan, which reaches block (container), fc3 and the root
+    # step 0 clean; step 1: block.fc2 produces nan, which reaches block (container), fc3, the root and the loss
     for s in (0, 1):
         bad = nan if s == 1 else x
         b.add(s, 0, "", "Net", T.ACTIVATION, bad)
@@ -1092,7 +1092,7 @@ def test_nonfinite_forward_and_backward(request: pytest.FixtureRequest) -> None:
         b.add(s, 2, "block.fc1", "Linear", T.ACTIVATION, x)
         b.add(s, 3, "block.fc2", "Linear", T.ACTIVATION, bad)
         b.add(s, 4, "fc3", "Linear", T.ACTIVATION, bad)
-        b.step(s, loss=1.0)
+        b.step(s, loss=math.nan if s == 1 else 1.0)
     # step 2: forward finite, a nan gradient at the loss end (fc3) and upstream of it
     b.add(2, 2, "block.fc1", "Linear", T.ACTIVATION_GRAD, nan)
     b.add(2, 4, "fc3", "Linear", T.ACTIVATION_GRAD, nan)

@@ -129,6 +129,29 @@ def _normalise_remedy(rows: list[str], model_inputs: Collection[str]) -> str:
     return text
 
 
+def _mask_rows(run: _Run, rows: pd.DataFrame) -> pd.Series:
+    """Which of ``rows`` are a mask's output, whose inf the model meant: an activation holding inf and no nan,
+    no value but 0 and inf (``torch.full((t, t), -inf).triu(1)``, a ``masked_fill(m, -inf)`` of zeros, fed to
+    attention), of a module without parameters (no weight row under it) of no kind the taxonomy knows. An
+    overflow leaves finite values beside its inf, and a layer, a norm, an activation function or a dropout
+    passes on an inf it read, so none of them counts. A mask with finite values besides (ALiBi's slopes) is not
+    told apart."""
+    names = T.texts(rows[T.MODULE]).astype(str)  # (rows holding inf: few)
+    weighted = set(T.texts(run.kind(T.WEIGHT)[T.MODULE]))
+    holders = weighted | {a for m in weighted for a in _ancestors(m)}
+    kinds = T.texts(rows[T.MODULE_TYPE]).astype(str).map(taxonomy.kind_of_type)
+    inf, nan = rows[T.INF].fillna(0), rows[T.NAN].fillna(0)
+    return (
+        (rows[T.TENSOR] == T.ACTIVATION)
+        & (inf > 0)
+        & (nan == 0)
+        & (rows[T.ZEROS].fillna(0) + inf == rows[T.NUMEL])
+        & ~names.isin(holders)
+        & ~names.str.endswith(T.INPUT_SUFFIX)
+        & (kinds == taxonomy.OTHER)
+    ).astype(bool)
+
+
 def _innermost(modules: Iterable[str]) -> list[str]:
     """Drop modules that have a descendant in the set: the descendant is where the effect arises."""
     ms = list(dict.fromkeys(modules))

@@ -19,6 +19,7 @@ from precprof.analysis.advisor.evidence import (
     _grad_absmax,
     _innermost,
     _lost_norm_share,
+    _mask_rows,
     _model_inputs,
     _modules_to_keep,
     _n_modules,
@@ -56,9 +57,10 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
         acts = acts[_dtype_has(acts, "float16") | cast]
     whatif = acts[~_dtype_has(acts, "float16") & (acts[T.overflow_col("fp16")] > 0)]
     over = set(whatif[T.MODULE])
-    # Observed: fp16 tensors already holding inf. The inf propagates downstream, so only the first module
-    # of each step is the cause.
+    # Observed: fp16 tensors already holding inf (a mask's -inf is no overflow). The inf propagates
+    # downstream, so only the first module of each step is the cause.
     seen = acts[_dtype_has(acts, "float16") & (acts[T.INF] > 0)]
+    seen = seen[~_mask_rows(run, seen)]
     observed: set[str] = set()
     for _, at in seen.groupby(T.STEP):
         observed.add(run.sort(_innermost(at[T.MODULE]))[0])

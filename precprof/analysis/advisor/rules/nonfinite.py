@@ -17,7 +17,14 @@ import numpy as np
 import pandas as pd
 
 from precprof import tables as T
-from precprof.analysis.advisor.evidence import _innermost, _n_modules, _Plan, _Run, _steps_without_update
+from precprof.analysis.advisor.evidence import (
+    _innermost,
+    _mask_rows,
+    _n_modules,
+    _Plan,
+    _Run,
+    _steps_without_update,
+)
 from precprof.analysis.advisor.model import CRITICAL, WARNING, Finding, Number
 from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2
 from precprof.formats import FP16
@@ -243,20 +250,28 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
     no back-off cured (``_scaler_cannot_fix``).
     """
     bad = run.layers[(run.layers[T.NAN] + run.layers[T.INF]) > 0]
+    masks = bad[_mask_rows(run, bad)]
+    bad = bad.drop(masks.index)  # a mask's -inf is a value the model meant
     streaks = _skip_streaks(run.steps)
     fwd = bad[bad[T.TENSOR].isin((T.ACTIVATION, T.WEIGHT))]
-    module_steps = {int(s) for s in fwd[T.STEP].unique()}
     # the loss is the forward pass's last value: a sampled step whose loss was not finite had a non-finite
     # forward pass, whether or not a recorded module's output was
     loss_steps = _nonfinite_loss_steps(run)
+    # ... and one whose loss was finite trained on finite values, whatever a module held on the way
+    contained = _contained_steps(run, bad, {int(s) for s in fwd[T.STEP].unique()} - loss_steps)
+    held = fwd[fwd[T.STEP].isin(contained)]
+    fwd = fwd[~fwd[T.STEP].isin(contained)]
+    module_steps = {int(s) for s in fwd[T.STEP].unique()}
     fwd_steps = module_steps | loss_steps
     for s in fwd_steps:
         streak = _step_facts(run, streaks, s).streak
         if streak is not None:
             plan.model_skips.update(range(streak[0], streak[1] + 1))
+    if not held.empty:
+        plan.add(_contained(run, held, contained))
     outside = min(loss_steps - module_steps, default=None)
     if outside is not None and outside < min(module_steps, default=outside + 1):
-        plan.add(_outside_the_modules(run, streaks, outside, len(fwd_steps)))
+        plan.add(_outside_the_modules(run, streaks, outside, len(fwd_steps), masks))
     elif not fwd.empty:
         step = int(fwd[T.STEP].min())
         at = fwd[fwd[T.STEP] == step]
@@ -322,7 +337,7 @@ def _rule_nonfinite(run: _Run, plan: _Plan) -> set[int]:
         head = (
             f"{opening}, the {_kinds(row)} of {_name(first)} ({run.types.get(first, '?')}) "
             f"{'holds' if row[T.TENSOR].nunique() == 1 else 'hold'} {nan} nan and {inf} inf values while the "
-            "forward pass was finite"
+            + ("loss was finite" if step in contained else "forward pass was finite")
         )
         nums: dict[str, Number] = {"step": step, "nan": nan, "inf": inf}
         if before is not None:
@@ -473,23 +488,99 @@ def _nonfinite_loss_steps(run: _Run) -> set[int]:
     return {int(s) for s in given[T.STEP][~np.isfinite(loss)]} & sampled
 
 
-def _outside_the_modules(run: _Run, streaks: list[tuple[int, int]], step: int, affected: int) -> Finding:
+def _contained_steps(run: _Run, bad: pd.DataFrame, held: set[int]) -> set[int]:
+    """Of the sampled steps ``held`` whose forward pass held nan/inf (among the rows ``bad``, those of the
+    steps whose loss was not finite left out), those where it never reached the loss: the loss was finite, or,
+    for a loop that passes no loss, gradients were recorded and every one was finite. Something after the
+    module removed the nan/inf (T5's clamp of an fp16 overflow, a ``torch.where``), so the step trained on
+    finite values: its gradients say what any step's do. Its loss finite is enough: a gradient that is not
+    is the backward pass's to explain (or a loss scale's overflow, which the scaler skips)."""
+    grads = run.kind(*T.GRADIENT_KINDS)
+    clean = {int(s) for s in grads[T.STEP].unique()} - {
+        int(s) for s in bad[bad[T.TENSOR].isin(T.GRADIENT_KINDS)][T.STEP].unique()
+    }
+    return held & (_finite_loss_steps(run) | clean)
+
+
+def _finite_loss_steps(run: _Run) -> set[int]:
+    """The steps whose loss was a finite number (the loop passed it: no loss is written as a null)."""
+    steps = run.steps
+    if steps.empty or T.LOSS not in steps:
+        return set()
+    loss = pd.to_numeric(steps[T.LOSS], errors="coerce").to_numpy(dtype=float)
+    return {int(s) for s in steps[T.STEP][np.isfinite(loss)]}
+
+
+def _contained(run: _Run, held: pd.DataFrame, contained: set[int]) -> Finding:
+    """``nonfinite_forward`` as a warning: modules held nan/inf on the sampled steps ``contained`` (their rows
+    ``held``), and the loss of each was finite (``_contained_steps``). Names the first module in forward
+    order at the first such step, as the critical finding does."""
+    step = int(held[T.STEP].min())
+    at = held[held[T.STEP] == step]
+    first, _ = _first_origin(run, at)
+    row = at[at[T.MODULE] == first]
+    nan, inf = int(row[T.NAN].sum()), int(row[T.INF].sum())
+    opening, before = _opening(run, step)
+    by_loss = contained <= _finite_loss_steps(run)
+    return Finding(
+        "nonfinite_forward",
+        WARNING,
+        f"nan/inf in the forward pass of {_name(first)} did not reach the loss",
+        f"{opening}, the {_kinds(row)} of {_name(first)} ({run.types.get(first, '?')}) holds {nan} nan and {inf} "
+        f"inf values, the first module in forward order to do so ({len(contained)} sampled step(s), "
+        f"{_n_modules(at[T.MODULE].unique())} module(s) at step {step}); "
+        + (
+            "the loss of each of those steps was finite"
+            if by_loss
+            else "the loop passed no loss, and every gradient recorded at those steps was finite"
+        )
+        + ": code after it (a clamp, a torch.where, a mask) removed them, so those steps trained on finite "
+        "values and their gradients are read as any step's.",
+        f"Harmless as the model stands, and fragile: find what makes them in {_name(first)} "
+        + (
+            "(an fp16 overflow: keep it in fp32; a division, log or exp without a guard)"
+            if _fp16_possible(run)
+            else "(a division, log or exp without a guard, values that grew too large)"
+        )
+        + " rather than count on what removes them.",
+        modules=[first],
+        numbers={
+            "step": step,
+            "nan": nan,
+            "inf": inf,
+            "steps_affected": len(contained),
+            **({"sampled_before": before} if before is not None else {}),
+        },
+    )
+
+
+def _outside_the_modules(
+    run: _Run, streaks: list[tuple[int, int]], step: int, affected: int, masks: pd.DataFrame
+) -> Finding:
     """The first non-finite forward pass when it is the loss's alone: at sampled step ``step`` the loss was nan
     or inf while every module output and weight recorded was finite, so code no module hook sees made it (the
     model's own forward between or after its submodules, or the loss). The nan the modules hold on later steps
-    follows from it (the optimizer step applies the nan gradients), so their first module is no cause."""
+    follows from it (the optimizer step applies the nan gradients), so their first module is no cause. A mask
+    (``masks``: rows of ``_mask_rows``) holds inf on purpose: it is said, as what that code may have read."""
     loss = run.steps[run.steps[T.STEP] == step][T.LOSS]
     kind = "inf" if len(loss) and pd.notna(loss.iloc[0]) and math.isinf(float(loss.iloc[0])) else "nan"
     at = run.layers[run.layers[T.STEP] == step]
     n_modules = _n_modules(at[at[T.TENSOR].isin((T.ACTIVATION, T.WEIGHT))][T.MODULE].unique())
     facts = _step_facts(run, streaks, step)
     skips, skip_nums = _skips(facts, step)
+    masked = run.sort(T.texts(masks[masks[T.STEP] == step][T.MODULE]))
+    but = (
+        f" but for the inf of {_listing(masked, 4)}, {'a mask' if len(masked) == 1 else 'masks'} holding 0 and "
+        "inf alone (a softmax of a row masked whole is nan)"
+        if masked
+        else ""
+    )
     return Finding(
         "nonfinite_forward",
         CRITICAL,
         "nan/inf first appears in the loss, outside the recorded modules",
         f"At step {step}, the loss was {kind} while every output and weight of the {n_modules} module(s) "
-        f"recorded at that step was finite: the {kind} came from code outside the captured modules, the model's "
+        f"recorded at that step was finite{but}: the {kind} came from code outside the captured modules, the model's "
         f"own forward between or after its submodules, or the loss ({affected} sampled step(s) affected). "
         f"{skips}.",
         f"Inspect the model's forward code outside its submodules and the loss at step {step}: a division, log "
