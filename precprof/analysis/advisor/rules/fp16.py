@@ -56,7 +56,11 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     if cast is not None:
         acts = acts[_dtype_has(acts, "float16") | cast]
     whatif = acts[~_dtype_has(acts, "float16") & (acts[T.overflow_col("fp16")] > 0)]
-    over = set(whatif[T.MODULE])
+    beyond = set(whatif[T.MODULE])
+    # an element-wise module after a layer whose values go beyond 65504 (a dropout) holds those values again:
+    # said beside that layer, not counted a second time
+    copies = {m: p for m, p in _passed_on(run, run.sort(beyond)).items() if p is not None and p in beyond}
+    over = beyond - set(copies)
     # Observed: fp16 tensors already holding inf (a mask's -inf is no overflow). The inf propagates
     # downstream, so only the first module of each step is the cause.
     seen = acts[_dtype_has(acts, "float16") & (acts[T.INF] > 0)]
@@ -71,8 +75,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
         numel=(T.NUMEL, "sum"),
         inf=(T.INF, "sum"),
     )
-    near = set(per_mod.index[(per_mod["absmax"] >= limit) & (per_mod["absmax"] < FP16.overflow_min)])
-    near -= over | observed
+    near = _near_overflow(run, per_mod, limit, beyond | observed, set(seen[T.MODULE]))
     overflow_mods = run.sort(_innermost(over | observed))
     near_mods = run.sort(_innermost(near))
     # a layer's own input row (a function's output) is kept in fp32 through the module that ran the function; an
@@ -81,8 +84,9 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     plan.fp16_passed_on = passed = _passed_on(run, keep)
     plan.keep_fp16 = run.sort(p for m in keep if (p := passed.get(m, m)))
     if overflow_mods:
-        causes = _inf_causes(run, plan, observed, over | set(seen[T.MODULE]), per_mod, limit)
-        _add_overflow_finding(run, plan, per_mod, whatif, overflow_mods, observed, causes)
+        causes = _inf_causes(run, plan, observed, beyond | set(seen[T.MODULE]), per_mod, limit)
+        counted = whatif[~whatif[T.MODULE].isin(set(copies))]
+        _add_overflow_finding(run, plan, per_mod, counted, overflow_mods, observed, causes, copies)
     if near_mods:
         plan.add(
             Finding(
@@ -92,7 +96,9 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 f"{_n_modules(near_mods)} module(s) reach |x| >= {_g(limit)} (65504 / "
                 f"{2**cfg.fp16_activation_headroom_log2}): "
                 + "; ".join(
-                    f"{_name(m)}: {_g(per_mod.loc[m, 'absmax'])}" for m in near_mods[: cfg.max_listed_modules]
+                    f"{_name(m)}: {_g(per_mod.loc[m, 'absmax'])}"
+                    + (", besides the inf of an overflow before it" if per_mod.loc[m, "inf"] > 0 else "")
+                    for m in near_mods[: cfg.max_listed_modules]
                 )
                 + ". Steps that were not sampled may overflow.",
                 "Keep these modules in fp32 under fp16" + _passed_said(plan, near_mods) + ", or use bf16.",
@@ -116,6 +122,19 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 f"({_pct(share)}) in fp32 because their activations overflow"
                 + (" or flush to zero" if plan.fp16_flush_kept else "")
             )
+
+
+def _near_overflow(
+    run: _Run, per_mod: pd.DataFrame, limit: float, overflowed: set[str], held_inf: set[str]
+) -> set[str]:
+    """The modules whose largest finite activation |x| (``per_mod``) is at least ``limit`` without overflowing:
+    none of the ``overflowed`` ones, nor an element-wise module passing on the values of one of those or of one
+    that held inf in fp16 (``held_inf``): a dropout after a layer that overflowed holds that layer's overflow,
+    not a near one of its own."""
+    near = set(per_mod.index[(per_mod["absmax"] >= limit) & (per_mod["absmax"] < FP16.overflow_min)])
+    spilled = overflowed | held_inf
+    passing = {m for m, p in _passed_on(run, run.sort(near)).items() if p in spilled}
+    return near - overflowed - passing
 
 
 def _forward_underflow(run: _Run, plan: _Plan, acts: pd.DataFrame) -> None:
@@ -240,9 +259,12 @@ def _add_overflow_finding(
     overflow_mods: list[str],
     observed: set[str],
     causes: _InfCauses,
+    copies: Mapping[str, str],
 ) -> None:
     """fp16_activation_overflow: the modules whose activations go beyond fp16's range (``whatif``: rows that
-    were not fp16, counted at 65504), the ``observed`` ones that held inf in fp16, and why (``causes``)."""
+    were not fp16, counted at 65504), the ``observed`` ones that held inf in fp16, and why (``causes``). The
+    element-wise modules that pass on a listed module's values (``copies``: each with that module) are said
+    beside it, their values not counted again."""
     cfg = run.cfg
     inside, fed, matmul = causes.inside, causes.fed, causes.matmul
     n_over = int(whatif[T.overflow_col("fp16")].sum())
@@ -265,7 +287,9 @@ def _add_overflow_finding(
             )
         return (
             f"{_name(m)}: max |x| {_g(per_mod.loc[m, 'absmax'])}, "
-            f"{int(per_mod.loc[m, 'overflow']):,} values over 65504" + (f", {inf}" if m in observed else "")
+            f"{int(per_mod.loc[m, 'overflow']):,} values over 65504"
+            + (f", {inf}" if m in observed else "")
+            + _copies_said(per_mod, m, [c for c, p in copies.items() if p == m])
         )
 
     detail = "; ".join(said(m) for m in overflow_mods[: cfg.max_listed_modules])
@@ -306,8 +330,25 @@ def _add_overflow_finding(
                 "overflow_values": n_over,
                 "absmax": amax if math.isfinite(amax) else None,
                 "observed_inf_modules": len(observed),
+                **({"passed_on_modules": len(copies)} if copies else {}),
             },
         )
+    )
+
+
+def _copies_said(per_mod: pd.DataFrame, m: str, copies: list[str]) -> str:
+    """The element-wise modules that pass on the values of ``m``, in words, with the values over 65504 each
+    holds, not counted again ("" for none); more than ``m`` holds are its values scaled up (a dropout's
+    1/(1-p))."""
+    if not copies:
+        return ""
+    one = len(copies) == 1
+    over = [int(per_mod.loc[c, "overflow"]) for c in copies[:4]]
+    scaled = max(over) > int(per_mod.loc[m, "overflow"])
+    return (
+        f" ({_listing(copies, 4)}, after it, {'passes' if one else 'pass'} them on"
+        + (", scaled up by a dropout's 1/(1-p)" if scaled else "")
+        + f": {', '.join(f'{n:,}' for n in over)} over 65504 there, not counted again)"
     )
 
 
