@@ -39,6 +39,25 @@ def test_a_noisy_step_does_not_redeal() -> None:
     assert b.groups == 3 and [h["groups"] for h in b.history] == [3]
 
 
+def test_fewer_groups_wait_for_three_estimates_since_the_last_change() -> None:
+    """A median that crosses the boundary between 3 and 4 groups back and forth: a 30-step gpt-nano run went
+    3 -> 4 -> 3 on consecutive sampled steps, eight changes, as fewer groups waited for three estimates over the
+    whole run, not since the last change (the README: "fewer wait for three")."""
+    b = BlockBudget(share=0.1, fixed=None, n_layers=12)
+    b.observe(0, 1.0)  # warm-up: not counted
+    estimates = [0.25, 0.25, 0.25, 0.45, 0.45, 0.45, 0.25, 0.45, 0.25, 0.25]
+    for step, r in enumerate(estimates, start=1):
+        b.observe(step, r)
+    # the medians of the estimates so far, by hand: .25 (step 3: 3 groups, the third estimate), .25, .25,
+    # (.25 + .45) / 2 = .35 (step 6: 4 groups at once), then .25 at step 7 asks for 3 again, and waits for the
+    # third estimate since step 6 (step 9, whose median is .25 again); step 10's .25 keeps 3
+    assert b.history == [
+        {"step": 3, "groups": 3, "from": 12},
+        {"step": 6, "groups": 4, "from": 3},
+        {"step": 9, "groups": 3, "from": 4},
+    ]
+
+
 def test_a_fixed_count_never_changes_and_estimates_need_data() -> None:
     b = BlockBudget(share=0.1, fixed=2, n_layers=8)
     for step in range(4):
