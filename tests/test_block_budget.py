@@ -3,10 +3,13 @@ it within ``block_budget`` of the rest of a sampled step, from its measured cost
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
+from precprof import pipeline
 from precprof import tables as T
 from precprof.capture import Profiler
 from precprof.capture.block_budget import MAX_FACTOR, PRIOR_CALL_S, BlockBudget, TimerCalibration, is_control
@@ -404,3 +407,39 @@ def test_a_run_too_short_for_the_budget_to_widen_names_what_covers_its_layers() 
     fixed = recommend(_run(2, block_groups=4), hardware="b200").finding("block_format_plan")
     assert fixed is not None and "did not reach" in fixed.message and "block_budget" not in fixed.message
     assert "more sampled steps" in fixed.message and "Profiler(block_groups=1)" in fixed.message
+
+
+def test_a_plan_the_turns_did_not_cover_counts_and_names_every_linear_layer(tmp_path: Path) -> None:
+    """4 sampled steps of a tight budget, the 3rd and 5th control steps: the turns reach 3 of the 4 layers. A run
+    like it (2 of 9 reached) read "2 NVFP4 of the 2 linear layers ...; the rest of the model follows the format
+    above" in the verdict, "Block formats on b200: 2 NVFP4" in the title and the verdict box, and "each is
+    evaluated on every 10th sampled step, exactly" in the what-if section. Each says how many of the linear
+    layers were evaluated, and the verdict names the others; the section says what the capture did."""
+    from precprof.analysis.advisor import recommend
+
+    prof = _run(4, block_budget=1e-9, out=tmp_path / "run")
+    prof.save()
+    seen = _evaluated(prof)
+    per_layer = {m: sum(m in s for s in seen.values()) for m in (f"layers.{i}" for i in range(4))}
+    missing = [m for m, n in per_layer.items() if not n]
+    reached = 4 - len(missing)
+    assert 0 < reached < 4
+    controls = 4 - len(seen)  # sampled steps whose layers got no block statistics
+    rec = recommend(prof, hardware="b200")
+    f = rec.finding("block_format_plan")
+    assert f is not None and f.title.endswith(f" of 4 linear layers, {len(missing)} not evaluated"), f.title
+    reason = next(r for r in rec.reasons if r.startswith("Block formats on B200"))
+    assert (
+        f"of the 4 linear layers; the what-if did not reach the other {len(missing)} ({missing[0]})" in reason
+    )
+    assert f"not evaluated ({len(missing)}): {missing[0]}" in rec.describe()
+    page = pipeline.rerender(tmp_path / "run", target="b200").read_text()
+    box = page[page.index('id="block-unreached"') :]
+    assert box.startswith(f'id="block-unreached">not evaluated ({len(missing)}): <code>{missing[0]}</code>')
+    unit = "sampled step" if max(per_layer.values()) == 1 else "sampled steps"
+    turns = (
+        f"(the layers take turns in 4 groups: {reached} of the 4 linear layers were evaluated, each on at most "
+        f"{max(per_layer.values())} {unit}; {controls} sampled step{'s' if controls != 1 else ''} evaluated none"
+    )
+    assert controls == prof.summary()["block_formats"]["control_steps"]  # the step begun and never run: none
+    assert turns in page and "exactly)" not in page

@@ -256,7 +256,6 @@ class BlockDeal:
         self._samples += 1
         if self.budget.adaptive and self._slots and is_control(k):
             self.turn = CONTROL_TURN
-            self.control_steps += 1
             return self.turn
         self.turn = self._rotation % self.groups
         self._rotation += 1
@@ -264,8 +263,10 @@ class BlockDeal:
 
     def count_turn(self) -> None:
         """The sampled step that began with ``next_turn`` recorded its statistics: its group's layers were
-        evaluated once more."""
+        evaluated once more; a control step, counted here, as recorded (counted as it began, the step the last
+        prof.step() began and the loop never ran was one more: "2 sampled steps evaluated none" of a run with 1)."""
         if self.turn == CONTROL_TURN:
+            self.control_steps += 1
             return
         for slot in self._slots:
             if slot.block_group == self.turn:

@@ -96,25 +96,45 @@ def group_range(capture: Mapping[str, Any]) -> tuple[int, int]:
 
 def _turns(capture: Any) -> str:
     """How the layers took turns at the what-if, in words ("" when every layer was evaluated on every sampled
-    step): every n-th sampled step exactly for a fixed number of groups; for a number that varied (adaptive),
-    its range and on how many sampled steps each layer was evaluated (it said "every 5th, exactly" of groups
-    that went from 19 to 2 and back to 5, each layer evaluated on 2 to 10 steps)."""
+    step): the number of groups (its range, where the budget changed it), on how many sampled steps each layer
+    was evaluated, how many linear layers none reached, and the sampled steps that evaluated none (adaptive
+    groups' control steps), as the capture recorded them. It had said "every 10th sampled step, exactly" of a
+    run of 4 sampled steps, 2 of them control steps, whose turns reached 2 of its 9 linear layers; and "every 5th,
+    exactly" of groups that went from 19 to 2 and back to 5."""
     if not isinstance(capture, Mapping):
         return ""
     lo, hi = group_range(capture)
-    if hi <= 1:
+    controls = _count(capture.get("control_steps")) or 0
+    if hi <= 1 and not controls:
         return ""
-    if lo == hi:
-        return f"the layers take turns: each is evaluated on every {F.ordinal(hi)} sampled step, exactly"
+    fixed = not capture.get("adaptive") and lo == hi
+    if fixed:  # one group a sampled step, in order, no control steps
+        text = f"the layers take turns: each is evaluated on every {F.ordinal(hi)} sampled step, exactly"
+    elif lo == hi:
+        text = f"the layers take turns in {hi} groups"
+    else:
+        text = f"the layers take turns, in {lo} to {hi} groups as the run went on"
     ev = capture.get("evaluations")
-    text = f"the layers take turns, in {lo} to {hi} groups as the run went on"
     if isinstance(ev, (list, tuple)) and len(ev) == 2 and all(isinstance(x, int) for x in ev):
-        text += (
-            f": each was evaluated on {ev[0]} to {ev[1]} sampled steps"
-            if ev[0] != ev[1]
-            else (f": each was evaluated on {ev[0]} sampled steps")
-        )
+        layers, done = _count(capture.get("layers")), _count(capture.get("layers_evaluated"))
+        unit = "sampled step" if ev[1] == 1 else "sampled steps"
+        if layers is not None and done is not None and done < layers:
+            sep = "; " if fixed else ": "
+            text += (
+                f"{sep}{done} of the {layers} linear layers were evaluated, each on at most {ev[1]} {unit}"
+            )
+        elif not fixed:
+            span = f"{ev[0]}" if ev[0] == ev[1] else f"{ev[0]} to {ev[1]}"
+            text += f": each was evaluated on {span} {unit}"
+    if controls:
+        steps = "sampled step" if controls == 1 else "sampled steps"
+        text += f"; {controls} {steps} evaluated none, to measure what the what-if adds"
     return text
+
+
+def _count(v: Any) -> int | None:
+    """A count of the capture's block setting (None when it is not one)."""
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
 def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | None:

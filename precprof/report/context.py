@@ -155,6 +155,10 @@ def _verdict(
         "block_plan": blocks.plan_groups(
             rec.get("block_plan"), (rec.get("block_what_if") or {}).get("plan_labels") or {}
         ),
+        # the linear layers the block what-if did not reach: named beside the plan, not left to "the rest"
+        "block_unreached": [str(m) for m in (rec.get("block_what_if") or {}).get("not_evaluated") or []]
+        if rec.get("block_plan")
+        else [],
         "reasons": [str(r) for r in rec.get("reasons") or []],
         "target": rec.get("target"),
         "current": current,

@@ -156,9 +156,18 @@ class Recommendation:
             lines.append(
                 "Block formats: "
                 + "; ".join(f"{fmt} ({len(ms)}): {_listing(ms, 4)}" for fmt, ms in by.items())
+                + _unreached(self.block_what_if.get("not_evaluated"))
             )
         lines += [f"- {r}" for r in self.reasons]
         for f in self.findings:
             if f.severity != INFO:
                 lines.append(f"[{f.severity}] {f.title}")
         return "\n".join(lines)
+
+
+def _unreached(modules: Any) -> str:
+    """The text's words on the linear layers the block what-if did not reach ("" when none): beside the plan's
+    groups, which name the layers it evaluated alone."""
+    if not isinstance(modules, list) or not modules:
+        return ""
+    return f"; not evaluated ({len(modules)}): {_listing([str(m) for m in modules], 4)}"

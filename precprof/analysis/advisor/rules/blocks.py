@@ -599,6 +599,28 @@ def _grouped(lbs: list[LayerBlocks], limit: int) -> str:
     return "; ".join(parts) + (f" and {len(lbs) - named} more" if len(lbs) > named else "")
 
 
+def _of_all(planned: int, unreached: list[str]) -> str:
+    """The title's count of the linear layers beside the plan's, when the what-if did not reach some ("" when it
+    reached every one): "2 NVFP4" of a run that evaluated 2 of its 9 linear layers read as the whole model."""
+    if not unreached:
+        return ""
+    return f" of {planned + len(unreached)} linear layers, {len(unreached)} not evaluated"
+
+
+def _unreached_said(unreached: list[str]) -> str:
+    """The verdict's words on the linear layers the what-if did not reach ("" when none), named: "2 NVFP4 of the
+    2 linear layers ...; the rest of the model follows the format above" of a run that reached 2 of 9 put the 7
+    others, never evaluated, among "the rest" as if their numbers had kept them there."""
+    if not unreached:
+        return ""
+    one = len(unreached) == 1
+    return (
+        f"; the what-if did not reach the other {len(unreached)} ({_listing(unreached, 4)}), "
+        f"which {'has' if one else 'have'} no block format in this plan until a run evaluates "
+        f"{'it' if one else 'them'}"
+    )
+
+
 def _block_setting(run: _Run) -> Mapping[str, Any]:
     """The capture summary's ``block_formats`` entry ({} when the run has none)."""
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
@@ -729,7 +751,7 @@ def _rule_block_formats(
             Finding(
                 "block_format_plan",
                 INFO,
-                f"Block formats on {target.preset or target.name}: {counts}",
+                f"Block formats on {target.preset or target.name}: {counts}{_of_all(len(table), unjudged)}",
                 f"{where} runs MX and NVFP4 block formats in hardware. {rule} {result}.{note}",
                 recipe_hint,
                 modules=[lb.module for lb in table if lb.choice != "bf16"],
@@ -737,19 +759,20 @@ def _rule_block_formats(
             )
         )
         reason = (
-            f"Block formats on {where}: {counts} of the {len(table)} linear layers (see the finding "
-            "“Block formats” for the numbers); the rest of the model follows the format above."
+            f"Block formats on {where}: {counts} of the {len(table) + len(unjudged)} linear layers"
+            f"{_unreached_said(unjudged)} (see the finding “Block formats” for the numbers); the rest of the "
+            "model follows the format above."
         )
         return BlockPlan(
             {lb.module: lb.choice for lb in table},
             reason,
-            what_if_data(table, cfg, str(target.preset or target.name), True),
+            {**what_if_data(table, cfg, str(target.preset or target.name), True), "not_evaluated": unjudged},
         )
     plan.add(
         Finding(
             "block_format_what_if",
             INFO,
-            f"On a {target.name} the block formats would give: {counts}",
+            f"On a {target.name} the block formats would give: {counts}{_of_all(len(table), unjudged)}",
             f"{run.hw.name} runs no block-scaled format in hardware; on a {where}, which runs MX and NVFP4 "
             f"formats natively, the plan would be: {result}. {rule}{note}",
             f"Plan for Blackwell with precprof report RUN_DIR --target {WHAT_IF_TARGET}; there: {recipe_hint}",
@@ -757,4 +780,5 @@ def _rule_block_formats(
             numbers=numbers,
         )
     )
-    return BlockPlan({}, "", what_if_data(table, cfg, str(target.preset or target.name), False))
+    what_if = what_if_data(table, cfg, str(target.preset or target.name), False)
+    return BlockPlan({}, "", {**what_if, "not_evaluated": unjudged})
