@@ -61,6 +61,8 @@ class GradientReads:
     _grads_due: list[_ParamSlot]
     _stepped: set[int]
     _optimizer_stepped: bool
+    _step_mode: bool | None  # (``TrainingForward``'s: the step's forward with grad ran)
+    _grad_rows: list[int]
     optimizers: list[Any]
     _grad_row_of: dict[int, int]
     _grad_slot: dict[int, _ParamSlot]
@@ -254,3 +256,19 @@ class GradientReads:
         Profiler applies (one Profiler per GAN model: the generator's last update runs the discriminator's
         forward and backward after the discriminator's last ``prof.step()``, read as a step "cut off")."""
         return bool(self.optimizers) and not self._optimizer_stepped
+
+    def _trained_by_now(self) -> bool:
+        """Whether the step's forward ran by now: read (its training forward), or unread but followed by a backward
+        (a compiled model run compiled under a stance the loop set: no module hook fires in its graph)."""
+        return self._step_mode is not None or self._weights_read is not None or self._gradient_seen()
+
+    def _gradient_seen(self) -> bool:
+        """Whether a backward of the step left a gradient in a row (read, or skipped and counted). Host only."""
+        calls, skipped = self.rows.calls, self.buffer.skipped
+        return bool(self._grads_due) or any(calls[r] or skipped[r] for r in self._grad_rows)
+
+    def optimizer_alone(self) -> bool:
+        """Whether the step in progress ran an optimizer step and nothing else: no forward read, no gradient (a
+        loop that calls prof.step() before optimizer.step(): the run's last optimizer step, after its last
+        ``prof.step()``, made a step of that update alone at detach)."""
+        return self._optimizer_stepped and not self._trained_by_now()

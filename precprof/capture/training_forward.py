@@ -59,6 +59,7 @@ class TrainingForward:
     _model_inputs: set[int]
     _clear_outputs: Callable[[], None]  # ``StepHooks._clear_outputs``
     stepped_no_optimizer: Callable[[], bool]  # ``GradientReads.stepped_no_optimizer``
+    optimizer_alone: Callable[[], bool]  # ``GradientReads.optimizer_alone``
 
     @contextlib.contextmanager
     def outside(self) -> Iterator[None]:
@@ -141,9 +142,9 @@ class TrainingForward:
 
     def no_step(self) -> bool:
         """Whether the step in progress, at the end of a run that ended normally, is no step: an evaluation alone
-        (``evaluation_only``), or a forward and backward that none of the optimizers stepped on
-        (``stepped_no_optimizer``)."""
-        return self.evaluation_only() or self.stepped_no_optimizer()
+        (``evaluation_only``), a forward and backward that none of the optimizers stepped on
+        (``stepped_no_optimizer``), or an optimizer step alone (``optimizer_alone``)."""
+        return self.evaluation_only() or self.stepped_no_optimizer() or self.optimizer_alone()
 
     def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         self._root_grad = self._root_calls.pop() if self._root_calls else False
