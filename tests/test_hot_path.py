@@ -671,6 +671,8 @@ def test_a_stance_the_loop_sets_in_a_sampled_step_stays_the_loops_and_the_step_i
     loop_stance = prof.summary()["loop_stance"]
     assert loop_stance["set_in_sampled_steps"] == [{"step": 3, "stance": "fail_on_recompile"}]
     assert loop_stance["fail_on_recompile_held_off"] == []
+    # the loop is in order: its backward tells the step's forward ran, though no hook saw it
+    assert prof.summary()["loop_order"] == {}
     prof.report(tmp_path / "run")
     page = (tmp_path / "run" / "report.html").read_text()
     assert "set by the loop before the forward of sampled step 3 (&#39;fail_on_recompile&#39;)" in page

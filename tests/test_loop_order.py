@@ -1,21 +1,140 @@
-"""A loop that calls the Profiler out of order trains as it should, but its rows are not its steps.
+"""A loop that calls the Profiler out of order trains as it should, but its rows are not its steps: a new optimizer
+made mid-run without ``prof.use_optimizer``, ``prof.step()`` called every few optimizer steps or twice after one,
+or before ``optimizer.step()``. Each was accepted silently; precprof now warns once per run and kind, naming the
+fix, and says it in the summary's ``capture.loop_order`` (``capture/loop_order.py``). A loop in order gets none.
 
-Every loop here is a real tiny training loop on CPU; what precprof says of it is checked against the loop's own
-count of its steps.
+Every loop here is a real tiny training loop on CPU; what each says is checked against the loop's own count of
+its steps.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 import torch
 from torch import nn
+from torch.optim import optimizer as optimizer_module
 
 import precprof
 from precprof import tables as T
+
+ONCE_PER_STEP = "call prof.step() once per optimizer step, after optimizer.step()"
 
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """One forward, backward and optimizer step."""
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _run(
+    loop: Callable[[precprof.Profiler, nn.Module], None], **kw: Any
+) -> tuple[precprof.Profiler, list[str]]:
+    """``loop`` run under a Profiler of a fresh model and an SGD (both given to ``loop`` as the Profiler's);
+    returns the Profiler, detached, and the messages of precprof's warnings about the loop's order."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    prof = precprof.Profiler(model, optimizer=opt, memory=False, block_formats=False, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with prof:
+            loop(prof, model)
+    said = [
+        str(w.message) for w in caught if "prof.step()" in str(w.message) or "use_optimizer" in str(w.message)
+    ]
+    return prof, said
+
+
+def test_a_new_optimizer_the_profiler_was_not_given_is_said_once() -> None:
+    """AdamW for steps 0-2, then an SGD made without ``prof.use_optimizer``: the weight-update rows stopped without
+    a word, and the memory table kept counting AdamW's states. One warning names the fix; the summary says from
+    which sampled step and how many (steps 3, 4 and 5: three)."""
+
+    def loop(prof: precprof.Profiler, model: nn.Module) -> None:
+        opt: torch.optim.Optimizer = prof.optimizer  # type: ignore[assignment]
+        for step in range(6):
+            if step == 3:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # use_optimizer forgotten
+            _train(model, opt)
+            prof.step()
+
+    prof, said = _run(loop, sample_every=1)
+    assert len(said) == 1
+    assert "in sampled step 3 an optimizer the Profiler was not given (AdamW) stepped" in said[0]
+    assert said[0].endswith("call prof.use_optimizer(new_opt) (a list when the loop steps several)")
+    assert prof.summary()["loop_order"] == {
+        "optimizer_not_followed": {"first_step": 3, "steps": 3, "optimizers": ["AdamW"]}
+    }
+    layers = prof.tables()["layers"]
+    assert sorted(set(layers[layers[T.TENSOR] == T.WEIGHT_UPDATE][T.STEP])) == [0, 1, 2]
+
+
+def test_prof_step_every_third_optimizer_step_is_said() -> None:
+    """``prof.step()`` at a logging interval, every 3rd optimizer step: each precprof step held 3 (activation calls
+    3, updates summed). 12 optimizer steps: 4 sampled steps of 3 each."""
+
+    def loop(prof: precprof.Profiler, model: nn.Module) -> None:
+        for step in range(12):
+            _train(model, prof.optimizer)  # type: ignore[arg-type]
+            if step % 3 == 2:
+                prof.step()
+
+    prof, said = _run(loop, sample_every=1)
+    assert said == [
+        "precprof: sampled step 0 holds 3 steps of SGD: its rows add them up (each layer's calls, the weight "
+        f"updates); {ONCE_PER_STEP}"
+    ]
+    assert prof.summary()["loop_order"] == {
+        "several_optimizer_steps": {"first_step": 0, "steps": 4, "most": 3}
+    }
+
+
+def test_prof_step_called_twice_after_one_optimizer_step_is_said() -> None:
+    """Two ``prof.step()`` after each optimizer step, 3 times: steps 1, 3 and 5 ran nothing, each an empty step
+    marked sampled."""
+
+    def loop(prof: precprof.Profiler, model: nn.Module) -> None:
+        for _ in range(3):
+            _train(model, prof.optimizer)  # type: ignore[arg-type]
+            prof.step()
+            prof.step()
+
+    prof, said = _run(loop, sample_every=1)
+    assert said == [
+        "precprof: sampled step 1 ran no forward, backward or optimizer step (prof.step() called twice?); "
+        + ONCE_PER_STEP
+    ]
+    assert prof.summary()["loop_order"] == {"empty_step": {"first_step": 1, "steps": 3}}
+
+
+def test_prof_step_before_optimizer_step_is_said() -> None:
+    """``loss.backward(); prof.step(); opt.step()``, 6 iterations, every 2nd step sampled: on sampled steps 2 and 4
+    SGD stepped before the forward (the update of iterations 1 and 3's gradients), read as their updates."""
+
+    def loop(prof: precprof.Profiler, model: nn.Module) -> None:
+        opt = prof.optimizer
+        assert opt is not None
+        for _ in range(6):
+            model(torch.randn(4, 8)).square().mean().backward()
+            prof.step()
+            opt.step()
+            opt.zero_grad()
+
+    prof, said = _run(loop, sample_every=2)
+    assert said == [
+        "precprof: in sampled step 2 SGD stepped before the model's forward: its weight-update rows are the step "
+        f"before's update (prof.step() called before optimizer.step()?); {ONCE_PER_STEP}"
+    ]
+    assert prof.summary()["loop_order"] == {"optimizer_before_forward": {"first_step": 2, "steps": 2}}
 
 
 def test_an_optimizer_step_alone_after_the_last_prof_step_makes_no_step_at_detach() -> None:
@@ -24,11 +143,88 @@ def test_an_optimizer_step_alone_after_the_last_prof_step_makes_no_step_at_detac
     no loss, not cut off, only weight-update rows). The run has the 6 steps the loop took."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    with precprof.Profiler(model, optimizer=opt, sample_every=2, memory=False, block_formats=False) as prof:
-        for _ in range(6):
-            model(torch.randn(4, 8)).square().mean().backward()
-            prof.step()
-            opt.step()
-            opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (said: test_prof_step_before_optimizer_step_is_said)
+        with precprof.Profiler(
+            model, optimizer=opt, sample_every=2, memory=False, block_formats=False
+        ) as prof:
+            for _ in range(6):
+                model(torch.randn(4, 8)).square().mean().backward()
+                prof.step()
+                opt.step()
+                opt.zero_grad()
     assert prof.tables()["steps"][T.STEP].tolist() == list(range(6))
     assert prof.tables()["layers"][T.STEP].max() == 4
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """An optimizer that steps the one it wraps (Lookahead's shape): the Profiler given either is in order."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        super().__init__(inner.param_groups, {})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.inner.step()
+
+
+def _closure_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """One step of ``opt`` given a closure that runs the forward and backward (LBFGS, Lightning's automatic
+    optimization): the forward runs inside the step."""
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(torch.randn(4, 8)).square().mean()
+        loss.backward()
+        return loss
+
+    opt.step(closure)  # type: ignore[no-untyped-call]
+
+
+def _in_order(kind: str) -> Callable[[precprof.Profiler, nn.Module], None]:
+    """Loops in order: ``plain``, two optimizers both given (``two``), LBFGS's closure running the forward inside
+    the step (``closure``), the Profiler given the optimizer a wrapper steps (``wrapped``) or the wrapper
+    (``wrapper``), and a new optimizer given to ``use_optimizer`` only after its first step, before
+    ``prof.step()`` (``followed late``: Lightning's callback follows one set on the trainer at the end of the
+    batch that stepped it)."""
+
+    def loop(prof: precprof.Profiler, model: nn.Module) -> None:
+        params = list(model.parameters())
+        sgd = prof.optimizer
+        assert sgd is not None
+        opts: list[torch.optim.Optimizer] = {
+            "two": [torch.optim.SGD(params[:2], lr=0.1), torch.optim.Adam(params[2:], lr=1e-3)],
+            "closure": [torch.optim.LBFGS(params, lr=0.1, max_iter=2)],
+            "wrapped": [_Lookahead(sgd)],
+            "wrapper": [_Lookahead(sgd)],
+        }.get(kind, [sgd])
+        if kind != "wrapped":  # (the Profiler follows the SGD the wrapper steps)
+            prof.use_optimizer(opts)
+        for step in range(4):
+            if kind == "followed late" and step == 2:
+                opts = [torch.optim.Adam(params, lr=1e-3)]
+            if kind == "closure":
+                _closure_step(model, opts[0])
+            else:
+                model(torch.randn(4, 8)).square().mean().backward()
+                for o in opts:
+                    o.step()
+                    o.zero_grad()
+            if kind == "followed late" and step == 2:
+                prof.use_optimizer(opts)
+            prof.step()
+
+    return loop
+
+
+@pytest.mark.parametrize("kind", ["plain", "two", "closure", "wrapped", "wrapper", "followed late"])
+def test_a_loop_in_order_is_said_nothing(kind: str) -> None:
+    """Each loop in order (``_in_order``): no warning, an empty ``loop_order``; an optimizer that wraps the one
+    followed, or runs inside its step, is that one's step, not one the Profiler was not given."""
+    prof, said = _run(_in_order(kind), sample_every=1)
+    assert said == []
+    assert prof.summary()["loop_order"] == {}
+    # the hooks on every optimizer's step are a sampled step's: none left once detached
+    assert (
+        not optimizer_module._global_optimizer_pre_hooks and not optimizer_module._global_optimizer_post_hooks
+    )

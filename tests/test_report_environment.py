@@ -311,6 +311,44 @@ def test_a_layer_swapped_mid_run_is_said_by_name(tmp_path: Path) -> None:
     )
 
 
+def test_a_loop_out_of_order_is_said_with_the_fix(tmp_path: Path) -> None:
+    """A new AdamW made at step 2 without ``prof.use_optimizer``, and ``prof.step()`` called twice after step 3's
+    optimizer step: the report said nothing of either (the memory section counted the SGD's states, and step 4
+    was an empty step). The environment's "loop order" row says both, on which sampled steps, and each fix."""
+    import torch
+    from torch import nn
+
+    import precprof
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    prof = precprof.Profiler(model, opt, sample_every=1, memory=False)
+    with (
+        prof,
+        pytest.warns(UserWarning, match="call prof.use_optimizer"),
+        pytest.warns(UserWarning, match="called twice"),
+    ):
+        for step in range(4):
+            if step == 2:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step()
+        prof.step()  # (step 4)
+    prof.report(tmp_path / "run")
+    rows, text = env_rows((tmp_path / "run" / "report.html").read_text())
+    check_words(rows, text)
+    assert dict(rows)["loop order"] == (
+        "an optimizer the Profiler was not given (AdamW) stepped the model's parameters on 2 sampled steps from "
+        "step 2: their weight updates were not read, and the memory section's optimizer states and the optimizer "
+        "named here are those of the optimizers it was given; 1 sampled step (step 4) ran no forward, backward or "
+        "optimizer step (prof.step() called twice); to fix it, call prof.use_optimizer(new_opt) once the loop "
+        "makes a new optimizer and call prof.step() once per optimizer step, after optimizer.step()"
+    )
+
+
 @pytest.mark.parametrize("given", ["after_the_first_step", "before_it"])
 def test_an_optimizer_given_after_the_first_step_says_from_which_step_updates_were_read(
     tmp_path: Path, given: str

@@ -15,6 +15,7 @@ import torch
 
 from precprof import _compat
 from precprof import stats as st
+from precprof.capture.loop_order import LoopOrder
 from precprof.capture.records import RowTable, _local, _ModuleSlot, _ParamSlot, after_closure, dtype_bit
 from precprof.capture.updates import UpdateSampler
 
@@ -63,6 +64,8 @@ class GradientReads:
     _optimizer_stepped: bool
     _step_mode: bool | None  # (``TrainingForward``'s: the step's forward with grad ran)
     _grad_rows: list[int]
+    order: int
+    loop: LoopOrder
     optimizers: list[Any]
     _grad_row_of: dict[int, int]
     _grad_slot: dict[int, _ParamSlot]
@@ -174,6 +177,7 @@ class GradientReads:
     def _opt_pre_hook(self, k: int, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         if not self.installed:
             return None
+        self.loop.followed_begins()
 
         def grads() -> None:
             if self._grads_due:  # a backward whose end has not been read (it raised)
@@ -238,6 +242,9 @@ class GradientReads:
         # already read: a loop that steps its optimizer before this step's backward (prof.step() before
         # optimizer.step()) reads the gradients of the backward that follows
         self._optimizer_stepped = True
+        # before the step's forward: a loop that calls prof.step() before optimizer.step() (with a closure, the
+        # forward ran inside the step, before this hook)
+        self.loop.followed_stepped(optimizer, self._trained_by_now())
         self._attempts.stepped()  # (what the step read so far trained: never forgotten)
         rows, calls = self._grad_row_of, self.rows.calls
         self._stepped.update(
@@ -272,3 +279,8 @@ class GradientReads:
         loop that calls prof.step() before optimizer.step(): the run's last optimizer step, after its last
         ``prof.step()``, made a step of that update alone at detach)."""
         return self._optimizer_stepped and not self._trained_by_now()
+
+    def ran_nothing(self) -> bool:
+        """Whether the step in progress ran no module forward (read or not) and read no gradient (with no
+        optimizer step: ``prof.step()`` called twice)."""
+        return not self.order and not self._trained_by_now()

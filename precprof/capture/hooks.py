@@ -21,7 +21,9 @@ step followed by another keeps them in place between the two, doing nothing, ``p
   bucket whose all-reduce is in flight by then, each is read in its own hook (``capture/grad_reads.py``);
 - the optimizers' step pre- and post-hooks: a gradient no hook read (assigned outside autograd: FSDP1's
   ``use_orig_params``), the weight-update sample (``capture/updates.py``), each gradient row kept from its
-  optimizer's step on; a step given a closure runs them once the closure has run its backward.
+  optimizer's step on; a step given a closure runs them once the closure has run its backward. With them,
+  torch's global optimizer step hooks, which see an optimizer the Profiler was not given step the model's
+  parameters, and the followed ones step before the forward or more than once (``capture/loop_order.py``).
 
 A hook is a lookup and one call into the engine of the tensor's device (``stats.rows``): everything else was
 decided at attach. Hooks never synchronise with the device and return None (a returned value would replace the
@@ -58,6 +60,7 @@ from precprof import tables as T
 from precprof.capture.attempts import StepAttempts
 from precprof.capture.gemm_inputs import GemmInputs, Made, made_entry
 from precprof.capture.grad_reads import _COMPLEX, GradientReads, _plain
+from precprof.capture.loop_order import LoopOrder
 from precprof.capture.plan import CapturePlan, reads_block_operands
 from precprof.capture.records import (
     _iter_tensors,
@@ -95,6 +98,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         autocast_seen: dict[str, Any] | None = None,
         scaled: Callable[[], bool] = lambda: False,
         root: nn.Module | None = None,
+        loop: LoopOrder | None = None,
     ) -> None:
         self.plan = plan
         self.rows = plan.rows
@@ -104,6 +108,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         self._track_outputs = any(s.reads_input for s in plan.modules)
         self.optimizers = list(optimizers)
         self.updates = updates
+        # the Profiler's: what its sampled steps saw of the loop's order (``capture/loop_order.py``)
+        self.loop = loop if loop is not None else LoopOrder()
         self._device = device
         self._primary = buffer.rows_of(device) if device.type != "meta" else None
         self._root = root if root is not None else nn.Module()  # (a stand-in that trains)
@@ -217,6 +223,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         self._root_grad, self._root_calls = False, []
         self._step_mode, self._first_in_eval = None, False
         self._attempts.begin_step()
+        self.loop.begin()
         self.installed = True
         if self._hookset.installed:  # kept from the sampled step before (``pause``)
             return
@@ -227,6 +234,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         for k, opt in enumerate(self.optimizers):
             self._handles.append(opt.register_step_pre_hook(functools.partial(self._opt_pre_hook, k)))
             self._handles.append(opt.register_step_post_hook(functools.partial(self._opt_post_hook, k)))
+        self._handles += self.loop.watch(self.optimizers, self._grad_row_of)  # (any optimizer's step)
 
     def use_optimizers(self, optimizers: Sequence[Any]) -> None:
         """Read the gradients and updates around the steps of ``optimizers`` from now on (a new optimizer made
@@ -244,7 +252,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         again would cost a millisecond per thousand hooks) or ``remove`` (it is not). Idempotent."""
         self._unrun_weights()
         self._count_unread_weight_grads()
-        self.installed = False
+        self.installed = self.loop.active = False
         self._clear_outputs()
         self._autocast_open = self._autocast_open and not self.autocast_seen
 
@@ -260,7 +268,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.installed = False
+        self.installed = self.loop.active = False
         self._clear_outputs()
 
     def _unrun_weights(self) -> None:

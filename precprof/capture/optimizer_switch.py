@@ -70,6 +70,8 @@ class OptimizerSwitch(Replanning):
         hooks = self._hooks
         sampled = self._attached and hooks is not None and hooks.installed
         stepped = sampled and hooks._optimizer_stepped
+        if sampled:  # (a new one that stepped in this step already is followed now: no fault of the loop's)
+            hooks.loop.followed_now(new)
         if self._attached and not self.optimizers and new and self._optimizer_given_at is None:
             self._optimizer_given_at = self._step
         if self._attached and (stepped or self._step > self._first_step):

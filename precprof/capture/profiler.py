@@ -44,6 +44,7 @@ from precprof.capture import attached, clipwatch
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.hooks import StepHooks
+from precprof.capture.loop_order import LoopOrder
 from precprof.capture.memory_schedule import check_every
 from precprof.capture.memory_tracker import MemoryTracker
 from precprof.capture.optimizer_switch import OptimizerSwitch
@@ -142,8 +143,9 @@ class Profiler(ProfilerResults, OptimizerSwitch):
     without precprof; a sampled step runs compiled code eagerly (``torch.compiler.set_stance("force_eager")``,
     torch 2.6 and later) so that every hook fires, with no graph break and no recompile.
 
-    Call ``step()`` once per optimizer step, at its end. Statistics of a tied parameter (one Parameter owned
-    by two modules, e.g. tied embeddings) are recorded under the first module that owns it.
+    Call ``step()`` once per optimizer step, at its end (a loop that does not is warned: ``capture/loop_order.py``).
+    Statistics of a tied parameter (one Parameter owned by two modules, e.g. tied embeddings) are recorded under
+    the first module that owns it.
     """
 
     def __init__(
@@ -237,6 +239,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         self._tracker: Any = None
         self._clip_norms: clipwatch.ClipNorms | None = None
         self._stance = SampledStance()  # force_eager for the sampled steps, and a loop's own stance
+        self._loop = LoopOrder()  # what the sampled steps saw of the loop's order (prof.step() misplaced)
 
         self._step = first_step
         self._sampling = False
@@ -358,6 +361,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             autocast_seen=self._autocast,
             scaled=self._scales_loss,
             root=self.model,
+            loop=self._loop,
         )
         if self.scaler is not None and hasattr(self.scaler, "update"):
             self._scaler_watch = ScalerWatch(
@@ -520,6 +524,8 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         started = self._t_last  # this step's start (the previous step's end)
         if self._sampling:
             self._note_updates_read()
+            if self._hooks is not None:
+                self._loop.judge(self._step, self._hooks.ran_nothing)
             self._end_sampled_hooks()
             if self._block_formats:
                 self._blocks.count_turn()

@@ -66,6 +66,7 @@ class ProfilerResults:
     _updates: UpdateSampler | None
     _tracker: Any
     _stance: Any  # capture.stance.SampledStance
+    _loop: Any  # capture.loop_order.LoopOrder
     _hooks: Any
     _reducer: Any
     _collector: Collector | None
@@ -310,6 +311,7 @@ class ProfilerResults:
             "scaler_from": self.scaler_from,  # a GradScaler not given, found on a wrapper: where
             "compiled": compiled_parts(self.model),
             "loop_stance": self._stance.summary(),  # a stance the loop set itself
+            "loop_order": self._loop.summary(),  # prof.step() misplaced, an optimizer not followed (loop_order.py)
             "dropout_layers": dropout_layers(self.model),
             "static_loss_scale": self.loss_scale,
             "low_precision_buffers": low_precision_buffers(self.model) if plan is not None else [],
@@ -345,9 +347,7 @@ class ProfilerResults:
             # sampled steps whose backward left no weight gradient in .grad (torch.autograd.grad): none read
             "weight_grads_unread_steps": self._hooks.weight_grads_unread if self._hooks is not None else 0,
             # the modules whose weight gradients were not read on sampled steps that read others', with how many
-            "weight_grads_unread_modules": dict(self._hooks.weight_grads_unread_in)
-            if self._hooks is not None
-            else {},
+            "weight_grads_unread_modules": dict(getattr(self._hooks, "weight_grads_unread_in", {})),
         }
 
     def _stream_summary(self) -> dict[str, Any] | None:

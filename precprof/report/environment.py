@@ -39,7 +39,7 @@ _CAPTURE_SAID = _keys(
     "block_formats weight_update_sample skipped_tensors stream memory_error histogram_shift_exact "
     "loss_dtypes device n_params param_bytes profiler_buffer_bytes profiler_scratch_bytes "
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled scaler_growth_interval "
-    "compiled loop_stance fp8_emulated dropout_layers "
+    "compiled loop_stance loop_order fp8_emulated dropout_layers "
     "static_loss_scale low_precision_buffers fp8_recipe fp8_whatif_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
     "gemm_inputs model_inputs optimizer optimizer_changes updates_from model_changes "
     "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules "
@@ -562,6 +562,9 @@ def capture_rows(
     stance = _loop_stance_text(capture.get("loop_stance"))
     if stance:
         rows.append(("compiler stance", stance))
+    order = loop_order_text(capture.get("loop_order"))
+    if order:
+        rows.append(("loop order", order))
     shared = "; ".join(
         t
         for t in (_shared_text(capture.get("shared_params")), _outside_text(capture.get("shared_outside")))
@@ -691,6 +694,58 @@ def _loop_stance_text(loop_stance: Any, listed: int = 6) -> str:
             "held off only when nothing had compiled before precprof attached); it was back in force after them"
         )
     return "; ".join(parts)
+
+
+_ONCE_PER_STEP = "call prof.step() once per optimizer step, after optimizer.step()"
+# what each fault of the loop's order (``capture.loop_order``, ``capture/loop_order.py``) did to the rows, and its fix
+_LOOP_FAULTS = {
+    "optimizer_not_followed": (
+        "an optimizer the Profiler was not given ({optimizers}) stepped the model's parameters on {steps}: their "
+        "weight updates were not read, and the memory section's optimizer states and the optimizer named here are "
+        "those of the optimizers it was given",
+        "call prof.use_optimizer(new_opt) once the loop makes a new optimizer",
+    ),
+    "several_optimizer_steps": (
+        "{steps} held up to {most} optimizer steps each: their rows add them up (each layer's calls, the weight "
+        "updates) and their time is theirs together",
+        _ONCE_PER_STEP,
+    ),
+    "optimizer_before_forward": (
+        "the optimizer stepped before the model's forward on {steps}: each weight-update row there is the step "
+        "before's update (prof.step() called before optimizer.step())",
+        _ONCE_PER_STEP,
+    ),
+    "empty_step": (
+        "{steps} ran no forward, backward or optimizer step (prof.step() called twice)",
+        _ONCE_PER_STEP,
+    ),
+}
+
+
+def loop_order_text(loop_order: Any) -> str:
+    """What the sampled steps saw of the loop's order (``capture.loop_order``), in words: each fault, on which
+    sampled steps, what it did to their rows, and the fix, each fix said once."""
+    texts, fixes = [], []
+    for kind, facts in _map(loop_order).items():
+        said, fix = _LOOP_FAULTS.get(kind, (f"{_label(kind)} on {{steps}}", ""))
+        fact = _map(facts)
+        optimizers = ", ".join(str(o) for o in fact.get("optimizers") or []) or "?"
+        texts.append(
+            said.format(steps=_sampled_steps(fact), most=F.count(fact.get("most")), optimizers=optimizers)
+        )
+        if fix and fix not in fixes:
+            fixes.append(fix)
+    return "; ".join(texts) + (f"; to fix it, {' and '.join(fixes)}" if fixes else "")
+
+
+def _sampled_steps(fact: Mapping[str, Any]) -> str:
+    """The sampled steps of one fault of ``capture.loop_order`` (its ``steps`` and ``first_step``) in words: "3
+    sampled steps from step 2", "1 sampled step (step 5)"."""
+    n, first = _int(fact.get("steps")) or 0, _int(fact.get("first_step"))
+    said = f"{F.count(n)} sampled step{'s' if n != 1 else ''}"
+    if first is None:
+        return said
+    return f"{said} from step {F.count(first)}" if n > 1 else f"{said} (step {F.count(first)})"
 
 
 def _shared_text(shared: Any, listed: int = 6) -> str:

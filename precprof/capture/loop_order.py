@@ -1,0 +1,173 @@
+"""The loop's order around ``prof.step()``, as the hooks of a sampled step see it (``capture/hooks.py``).
+
+precprof's rows are a step's because the loop calls ``prof.step()`` once per optimizer step, after
+``optimizer.step()``, and steps the optimizers it gave the Profiler. A loop that does otherwise trained as it
+should, but its rows were silently wrong:
+
+- a new optimizer made mid-run without ``prof.use_optimizer(new_opt)``: the weight-update rows stopped without
+  a word, and the memory table kept counting the old optimizer's states (precprof held them alive);
+- ``prof.step()`` called at a logging interval, every few optimizer steps: each row held several steps (activation
+  calls 3, the weight updates of three steps summed);
+- ``prof.step()`` called twice after one optimizer step: an empty step, marked sampled;
+- ``prof.step()`` called before ``optimizer.step()``: every weight-update row was the step before's update, and
+  detach made a last step of that update alone.
+
+On a sampled step the hooks note which optimizers stepped, how often, and whether the model's forward had run by
+then; an optimizer the Profiler does not follow is seen through torch's global optimizer hooks, in place only
+while a sampled step's hooks are (nothing on a step that is not sampled; host only, no sync). At the step's end
+(``LoopOrder.judge``) what went wrong is said once per run and kind, as a warning that names the fix, and counted
+for the summary's ``capture.loop_order`` (the report's environment section says it).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from precprof.capture.model_facts import optimizer_class
+
+# what can go wrong, as the summary names it (``capture.loop_order``)
+UNFOLLOWED = (
+    "optimizer_not_followed"  # an optimizer the Profiler does not follow stepped the model's parameters
+)
+SEVERAL = "several_optimizer_steps"  # one of the optimizers it follows stepped more than once in the step
+EMPTY = "empty_step"  # no forward, backward or optimizer step at all
+BEFORE_FORWARD = "optimizer_before_forward"  # an optimizer stepped before the step's forward
+
+ONCE_PER_STEP = "call prof.step() once per optimizer step, after optimizer.step()"
+_FIX = {
+    UNFOLLOWED: "call prof.use_optimizer(new_opt) (a list when the loop steps several)",
+    SEVERAL: ONCE_PER_STEP,
+    EMPTY: ONCE_PER_STEP,
+    BEFORE_FORWARD: ONCE_PER_STEP,
+}
+
+
+class LoopOrder:
+    """What the sampled steps saw of the loop's order: the step in progress's (reset by ``begin``), and, over the
+    run, each kind of fault with the first step it was seen on and how many sampled steps had it."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, dict[str, Any]] = {}  # kind -> {"first_step", "steps", ...}: the summary's
+        self.active = False  # a sampled step's hooks are acting
+        self._followed: set[int] = set()  # the ids of the optimizers the Profiler follows
+        self._followed_names: str | None = None
+        self._params: Mapping[int, Any] = {}  # the ids of the model's trained parameters
+        self.begin()
+
+    def begin(self) -> None:
+        """A sampled step begins."""
+        self.active = True
+        self._steps_of: dict[int, int] = {}  # optimizer id -> its steps in this step
+        self._before_forward = False
+        # optimizer id -> class, of the optimizers not followed that stepped the model's parameters
+        self._unfollowed: dict[int, str] = {}
+        self._inside = 0  # followed optimizers' steps in progress (one may step another inside it)
+        self._followed_steps = 0
+        # per step of an optimizer not followed in progress: ``_followed_steps`` as it began
+        self._outer: list[int] = []
+
+    def watch(self, followed: Sequence[Any], params: Mapping[int, Any]) -> list[Any]:
+        """Hooks on every optimizer's step (torch's global ones), for a sampled step's hooks to remove with theirs;
+        none when the Profiler follows no optimizer (then it reads no update, and asks for none)."""
+        self._followed = {id(o) for o in followed}
+        self._followed_names = optimizer_class(list(followed))
+        self._params = params
+        if not followed:
+            return []
+        return [
+            register_optimizer_step_pre_hook(self._any_pre),
+            register_optimizer_step_post_hook(self._any_post),
+        ]
+
+    def followed_begins(self) -> None:
+        """A followed optimizer's step begins (its own pre-hook)."""
+        self._inside += 1
+
+    def followed_stepped(self, optimizer: Any, after_forward: bool) -> None:
+        """A followed optimizer stepped (its own post-hook); ``after_forward``: the step's forward had run."""
+        self._inside = max(self._inside - 1, 0)
+        self._followed_steps += 1
+        key = id(optimizer)
+        self._steps_of[key] = self._steps_of.get(key, 0) + 1
+        self._before_forward = self._before_forward or not after_forward
+
+    def followed_now(self, optimizers: Sequence[Any]) -> None:
+        """``prof.use_optimizer`` before the step ended: what those optimizers stepped in it is no fault (Lightning's
+        callback follows a new optimizer at the end of the batch that stepped it first)."""
+        for o in optimizers:
+            self._unfollowed.pop(id(o), None)
+
+    def _any_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.active and id(optimizer) not in self._followed:
+            self._outer.append(self._followed_steps)
+
+    def _any_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.active or id(optimizer) in self._followed:
+            return
+        began = self._outer.pop() if self._outer else self._followed_steps
+        # one that wraps a followed optimizer (a Lookahead over it) or runs inside its step (ZeroRedundancyOptimizer's
+        # local optimizer) is that optimizer's step
+        if self._inside or began != self._followed_steps or id(optimizer) in self._unfollowed:
+            return
+        params = self._params
+        if any(id(p) in params for g in getattr(optimizer, "param_groups", ()) for p in g["params"]):
+            self._unfollowed[id(optimizer)] = type(optimizer).__name__
+
+    def judge(self, step: int, ran_nothing: Callable[[], bool]) -> None:
+        """The sampled step ``step`` ends: its faults counted and, the first time of each kind, warned about.
+        ``ran_nothing``: whether it ran no forward and no backward (asked only when no optimizer stepped)."""
+        self.active = False
+        most = max(self._steps_of.values(), default=0)
+        faults: dict[str, dict[str, Any]] = {}
+        if self._unfollowed:
+            faults[UNFOLLOWED] = {"optimizers": sorted(set(self._unfollowed.values()))}
+        if most > 1:
+            faults[SEVERAL] = {"most": most}
+        if self._before_forward:
+            faults[BEFORE_FORWARD] = {}
+        if not most and not self._unfollowed and ran_nothing():
+            faults[EMPTY] = {}
+        for kind, facts in faults.items():
+            self._count(kind, step, facts)
+
+    def _count(self, kind: str, step: int, facts: dict[str, Any]) -> None:
+        entry = self.seen.get(kind)
+        if entry is None:
+            self.seen[kind] = {"first_step": step, "steps": 1, **facts}
+            # (stacklevel: the loop's prof.step() call, through Profiler.step and its never_traced wrapper)
+            warnings.warn(f"precprof: {self._said(kind, step, facts)}; {_FIX[kind]}", stacklevel=5)
+            return
+        entry["steps"] += 1
+        if "most" in facts:
+            entry["most"] = max(entry["most"], facts["most"])
+        if "optimizers" in facts:
+            entry["optimizers"] = sorted({*entry["optimizers"], *facts["optimizers"]})
+
+    def _said(self, kind: str, step: int, facts: Mapping[str, Any]) -> str:
+        followed = self._followed_names or "the optimizer given"
+        if kind == UNFOLLOWED:
+            others = ", ".join(facts["optimizers"])
+            return (
+                f"in sampled step {step} an optimizer the Profiler was not given ({others}) stepped the model's "
+                "parameters: their updates are not read, and the memory table counts the states of the optimizers "
+                f"it was given ({followed}), not this one's"
+            )
+        if kind == SEVERAL:
+            return (
+                f"sampled step {step} holds {facts['most']} steps of {followed}: its rows add them up "
+                "(each layer's calls, the weight updates)"
+            )
+        if kind == BEFORE_FORWARD:
+            return (
+                f"in sampled step {step} {followed} stepped before the model's forward: its weight-update rows are "
+                "the step before's update (prof.step() called before optimizer.step()?)"
+            )
+        return f"sampled step {step} ran no forward, backward or optimizer step (prof.step() called twice?)"
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """For summary.json's ``capture.loop_order``: per kind seen, the first sampled step and how many had it."""
+        return {kind: dict(entry) for kind, entry in self.seen.items()}
