@@ -119,13 +119,12 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             summary and the report say how many it took).
         block_budget: with ``block_groups=None``, the share of the rest of a sampled step that the block
             what-if may add (0.1).
-        out: a run directory to stream into while training runs (a path, or a ``precprof.rundir.RunDir``
-            already claimed): each flush's rows are written there as Parquet parts on a background thread
-            (``precprof.capture.stream``), so the recording's host memory stays bounded and a killed run keeps
-            every step flushed before the kill. The directory is claimed (checked, locked, a first summary.json
+        out: a run directory to stream into (a path, or a claimed ``precprof.rundir.RunDir``): each flush's rows
+            go there as Parquet parts on a background thread (``capture.stream``): host memory stays bounded, and
+            a killed run keeps every step flushed before the kill. Claimed (checked, locked, a first summary.json
             written) at ``attach()``; ``save()`` and ``report()`` then default to it (while attached, a look at
-            the steps so far, which leaves the stream going and the run "running"). Only the writer rank writes;
-            other ranks keep their steps rows only. None (the default): every row is kept in memory until ``save()``.
+            the steps so far: the stream goes on, the run stays "running"). Only the writer rank writes; other
+            ranks keep their steps rows. None (the default): every row is kept in memory until ``save()``.
         resume: with ``out``, continue the run already there (a job restarted from its checkpoint, with
             ``first_step`` = the checkpoint's step): rows it recorded at or after ``first_step`` are superseded
             by the new ones, sampling keeps the original run's rhythm, and the steps table marks the restart
@@ -143,9 +142,8 @@ class Profiler(ProfilerResults, OptimizerSwitch):
     without precprof; a sampled step runs compiled code eagerly (``torch.compiler.set_stance("force_eager")``,
     torch 2.6 and later) so that every hook fires, with no graph break and no recompile.
 
-    Call ``step()`` once per optimizer step, at its end (a loop that does not is warned: ``capture/loop_order.py``).
-    Statistics of a tied parameter (one Parameter owned by two modules, e.g. tied embeddings) are recorded under
-    the first module that owns it.
+    Call ``step()`` once per optimizer step, at its end (a loop that does not is warned: ``loop_order.py``). A
+    tied parameter (one Parameter of two modules: tied embeddings) is recorded under the first module owning it.
     """
 
     def __init__(
