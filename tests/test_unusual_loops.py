@@ -294,7 +294,8 @@ def test_a_profiler_left_attached_by_a_loop_that_raised_is_detached_when_the_cel
     with pytest.raises(ValueError, match="a bug in the loop"):
         _notebook_cell(model, opt, scaler, 1, kept, sample_every=1, memory_every=1)
     with pytest.warns(
-        UserWarning, match=r"attached to Sequential \(in its step 1\) was detached: it watches the"
+        UserWarning,
+        match=r"attached to Sequential \(676 parameters, in its step 1\) was detached: it watches the",
     ):
         prof = _notebook_cell(model, opt, scaler, None, kept, sample_every=1, memory_every=1)
     memory = prof.tables()["memory"]
@@ -315,8 +316,9 @@ def test_a_compiled_model_compiles_after_a_profiler_its_loop_left_in_a_sampled_s
     """The cell builds a model, compiles it and attaches a Profiler; its loop raises in a sampled step, whose
     ``force_eager`` stance then stayed in force for the whole process: the cell run again (a new model, a new
     Profiler) never compiled, nor did any compiled model after it. The new Profiler detaches the old one, whose
-    model ran in a step no ``prof.step()`` ended: the steps it does not sample compile (Dynamo's graphs, counted
-    by the test's own backend), and the stance after it is the one before."""
+    model ran in a step no ``prof.step()`` ended while the new one took two steps: the steps it does not sample
+    after that compile (Dynamo's graphs, counted by the test's own backend), and the stance after it is the one
+    before."""
     import torch._dynamo
     import torch._dynamo.eval_frame as ef
 
@@ -339,7 +341,7 @@ def test_a_compiled_model_compiles_after_a_profiler_its_loop_left_in_a_sampled_s
         assert ef._stance.stance == "force_eager" and not graphs  # step 0 is sampled: it ran eagerly
         with pytest.warns(UserWarning, match="its model ran in that step, which no prof.step"):
             _notebook_cell(*compiled(), scaler, None, kept, steps=4, sample_every=2)
-        assert len(graphs) == 1  # steps 1 and 3 ran the model compiled, one graph
+        assert len(graphs) == 1  # step 3 ran the model compiled (step 1 was the second of two to wait for)
         assert ef._stance.stance == "default" and not kept[0].attached
     finally:
         for prof in kept:
@@ -380,6 +382,41 @@ def test_two_profilers_on_two_compiled_models_stay_attached_together() -> None:
         assert set(prof.tables()["layers"][T.STEP]) == {0, 2}
 
 
+def test_a_profiler_attached_inside_another_ones_step_leaves_it_attached() -> None:
+    """A GAN whose discriminator, and its Profiler, are made on the first iteration after the generator's
+    forward (its input size read from the generator's output): the generator's Profiler, whose model had run in
+    a step no prof.step() had ended yet, was taken for one its loop left and detached, and the loop's own
+    ``profG.step()`` raised. Both stay attached, and each records every step of its own model."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+    opt_g = torch.optim.Adam(gen.parameters(), 1e-3)
+    prof_g = precprof.Profiler(gen, optimizer=opt_g, sample_every=1).attach()
+    disc: nn.Module | None = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing said: both loops run
+        for _ in range(4):
+            fake = gen(torch.randn(16, 8))
+            if disc is None:
+                disc = nn.Sequential(nn.Linear(fake.shape[-1], 32), nn.ReLU(), nn.Linear(32, 1))
+                opt_d = torch.optim.Adam(disc.parameters(), 1e-3)
+                prof_d = precprof.Profiler(disc, optimizer=opt_d, sample_every=1).attach()
+            loss_d = F.softplus(disc(fake.detach())).mean() + F.softplus(-disc(torch.randn(16, 16))).mean()
+            opt_d.zero_grad()
+            loss_d.backward()
+            opt_d.step()
+            prof_d.step(loss=loss_d)
+            loss_g = F.softplus(-disc(fake)).mean()
+            opt_g.zero_grad()
+            loss_g.backward()
+            opt_g.step()
+            prof_g.step(loss=loss_g)
+    assert prof_g.attached and prof_d.attached
+    prof_d.detach()
+    prof_g.detach()
+    for prof in (prof_g, prof_d):
+        assert prof.tables()["steps"][T.STEP].tolist() == [0, 1, 2, 3]
+
+
 def test_a_profiler_whose_loop_stopped_before_its_sampled_steps_forward_is_said_not_detached() -> None:
     """A loop that stopped at the start of a sampled step (its batch failed to load) leaves the ``force_eager``
     stance with nothing to tell it from a loop about to run its model: a Profiler attached to another model then
@@ -396,7 +433,8 @@ def test_a_profiler_whose_loop_stopped_before_its_sampled_steps_forward_is_said_
             opt.step()
             first.step()
         with pytest.warns(
-            UserWarning, match=r"attached to Sequential \(in its step 2\) holds torch.compile's"
+            UserWarning,
+            match=r"attached to Sequential \(676 parameters, in its step 2\) holds torch.compile's",
         ):
             second = precprof.Profiler(other, sample_every=2).attach()
         assert first.attached and second.attached

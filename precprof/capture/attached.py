@@ -9,12 +9,14 @@ wrapped, and a sampled step's ``force_eager`` compiler stance stays in force in 
 ``torch.compile``d model compiled again). Nothing collects it: autograd holds its hooks on the model's tensors,
 out of the garbage collector's sight.
 
-So when a Profiler attaches, another one still attached is detached first, with a warning, when
+So when a Profiler attaches, another one still attached is detached, with a warning, when
 
 - it watches the same model (the same module, or one inside the other: a ``torch.compile``d or DDP wrapper and
-  the module it wraps): two Profilers on one model would each record beside the other's hooks; or
-- its loop stopped inside a sampled step: its hooks saw its model run in a step that no ``prof.step()`` ended
-  (a running loop does not attach a Profiler in the middle of another's step).
+  the module it wraps): two Profilers on one model would each record beside the other's hooks; detached first;
+- its loop stopped inside a sampled step: its hooks saw its model run in a step that no ``prof.step()`` ended,
+  and no ``prof.step()`` of its comes while the new one ends two steps (``settle``). Not at once: a running loop
+  can attach a Profiler in the middle of another's step (a GAN whose discriminator is built from the
+  generator's first output; a probe trained inside the main step), and that one steps on.
 
 Detached rather than refused: in a notebook the stale Profiler is often out of reach (a local of the function
 that raised, or a name the cell binds again), and a refusal would leave nothing to do but restart the kernel.
@@ -38,23 +40,29 @@ if TYPE_CHECKING:
 # every Profiler that attached, and the step it attached at (weak: never what keeps one alive); those detached
 # since are passed over
 _attached: weakref.WeakKeyDictionary[Profiler, int] = weakref.WeakKeyDictionary()
+# per Profiler attached over others whose loops may have stopped inside a sampled step: those others, and the
+# step each was in then (``settle`` detaches the ones whose step has not moved on)
+_suspects: weakref.WeakKeyDictionary[Profiler, list[tuple[Profiler, int]]] = weakref.WeakKeyDictionary()
+# the new Profiler's steps to wait: a loop that attached it inside another's step ends that step after the new
+# one's first step at the latest
+_WAIT_STEPS = 2
 
 
 def claim(prof: Profiler) -> None:
-    """Before ``prof`` attaches: detach each other attached Profiler that watches the same model or whose loop
-    stopped inside a sampled step, and say so; warn of one that stepped and holds the compiler stance (see the
-    module docstring)."""
+    """Before ``prof`` attaches: detach each other attached Profiler that watches the same model, and say so; keep
+    for ``settle`` those whose model ran in a sampled step no ``prof.step()`` has ended; warn of one that stepped
+    and holds the compiler stance (see the module docstring)."""
     for other in [p for p in list(_attached) if p is not prof and p.attached]:
-        named = f"a Profiler still attached to {_name(other)} (in its step {other.current_step})"
-        why = _left_over(other, prof)
-        if why:
-            other.mark_incomplete(f"detached when another Profiler attached: {why}")
-            other.detach()
-            warnings.warn(
-                f"precprof: {named} was detached: {why}. Call prof.detach() when a loop stops early, or run "
-                "it inside `with prof:`",
-                stacklevel=3,  # (the line that attaches)
+        named = _named(other, other.current_step)
+        if _same_model(other, prof):
+            _detach(
+                other,
+                named,
+                "it watches the same model, and two Profilers on one model would record each other's hooks",
+                stacklevel=4,
             )
+        elif _stopped_in_step(other):
+            _suspects.setdefault(prof, []).append((other, other.current_step))
         elif other.current_step > _attached[other] and (stance := other._stance.holding()) is not None:
             warnings.warn(
                 f"precprof: {named} holds torch.compile's stance at '{stance}' for its sampled step: compiled "
@@ -64,15 +72,47 @@ def claim(prof: Profiler) -> None:
     _attached[prof] = prof.current_step
 
 
-def _left_over(other: Profiler, prof: Profiler) -> str | None:
-    """Why ``other`` is left over from a loop that stopped, or None."""
-    if other.model in set(prof.model.modules()) or prof.model in set(other.model.modules()):
-        return "it watches the same model, and two Profilers on one model would record each other's hooks"
+def settle(prof: Profiler) -> None:
+    """After ``prof.step()``: once ``prof`` has ended ``_WAIT_STEPS`` steps since it attached, detach each
+    Profiler it attached over inside a sampled step (``claim``) whose ``step()`` never came since: its loop
+    stopped there."""
+    suspects = _suspects.get(prof)
+    if not suspects or prof.current_step - _attached.get(prof, prof.current_step) < _WAIT_STEPS:
+        return
+    del _suspects[prof]
+    for other, at in suspects:
+        if other.attached and other.current_step == at:
+            named = _named(other, at)
+            why = (
+                f"its model ran in that step, which no prof.step() ended while another Profiler took "
+                f"{_WAIT_STEPS} steps: its loop stopped inside it"
+            )
+            _detach(other, named, why, stacklevel=4)
+
+
+def _detach(other: Profiler, named: str, why: str, stacklevel: int) -> None:
+    other.mark_incomplete(f"detached when another Profiler attached: {why}")
+    other.detach()
+    warnings.warn(
+        f"precprof: {named} was detached: {why}. Call prof.detach() when a loop stops early, or run it inside "
+        "`with prof:`",
+        stacklevel=stacklevel,  # (the user's line that attaches, or that calls prof.step())
+    )
+
+
+def _same_model(other: Profiler, prof: Profiler) -> bool:
+    return other.model in set(prof.model.modules()) or prof.model in set(other.model.modules())
+
+
+def _stopped_in_step(other: Profiler) -> bool:
+    """Whether ``other``'s model ran in a sampled step no ``prof.step()`` has ended yet."""
     hooks = other._hooks
-    if other.sampling and hooks is not None and hooks.has_data:
-        return "its model ran in that step, which no prof.step() ended: its loop stopped inside it"
-    return None
+    return bool(other.sampling and hooks is not None and hooks.has_data)
 
 
-def _name(prof: Profiler) -> str:
-    return model_class_name(getattr(prof.model, "_orig_mod", prof.model))
+def _named(prof: Profiler, step: int) -> str:
+    """ "a Profiler still attached to Sequential (676 parameters, in its step 1)": the model's class and parameter
+    count tell two models of one class apart (a GAN's two ``nn.Sequential``)."""
+    n = sum(p.numel() for p in prof.model.parameters())
+    name = model_class_name(getattr(prof.model, "_orig_mod", prof.model))
+    return f"a Profiler still attached to {name} ({n:,} parameters, in its step {step})"

@@ -522,8 +522,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         started = self._t_last  # this step's start (the previous step's end)
         if self._sampling:
             self._note_updates_read()
-            if self._hooks is not None:
-                self._loop.judge(self._step, self._hooks.ran_nothing)
+            self._loop.judge(self._step, self._hooks.ran_nothing if self._hooks is not None else bool)
             self._end_sampled_hooks()
             if self._block_formats:
                 self._blocks.count_turn()
@@ -551,6 +550,9 @@ class Profiler(ProfilerResults, OptimizerSwitch):
                 gap = torch.tensor([self._sampler.plan_gap()], dtype=torch.int64, device=self._device)
                 self._sampler.next_step = self._step + int(self._reducer.reduce_max(gap).item())
         self._step += 1
+        attached.settle(
+            self
+        )  # one whose loop stopped in a sampled step, seen over this one's steps: detached
         self._take_switch()
         sampled = self._sampling
         self._begin_step()
