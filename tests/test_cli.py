@@ -261,7 +261,7 @@ def test_a_model_that_is_no_language_model(tmp_path: Path, capsys: pytest.Captur
     f.write_text(IMAGE_MODEL)
     out = tmp_path / "run"
     rc, _, err = run_main(["train", "--model", f"{f}:make", "--out", str(out), *TINY], capsys)
-    assert_one_line_error(rc, err, "forward pass raised RuntimeError:", "here (1, 8)", "precprof.Profiler")
+    assert_one_line_error(rc, err, "forward pass raised RuntimeError:", "here (2, 8)", "precprof.Profiler")
     assert not out.exists()
 
 
@@ -322,12 +322,44 @@ def test_a_forward_that_fails_on_the_batch_is_refused_before_the_run_directory(
     for needle in (
         "raised IndexError: too many indices for tensor of dimension 2",
         f"(at {f}:{line}, in forward)",
-        "model(x) with x the token ids in [0, 256), an int64 tensor (batch_size, seq_len), here (1, 8)",
+        "model(x) with x the token ids in [0, 256), an int64 tensor (batch_size, seq_len), here (2, 8)",
         "it must return logits (batch_size, seq_len, vocab_size), a scalar loss",
     ):
         assert needle in lines[0], (needle, lines[0])
     assert "precprof.Profiler" not in lines[0]  # it has an embedding: a language model with a bug
     assert not out.exists()
+
+
+BATCH_SIZED = (
+    "import torch\n"
+    "from torch import nn\n"
+    "class LSTMLM(nn.Module):\n"
+    "    def __init__(self, vocab_size, batch_size):\n"
+    "        super().__init__()\n"
+    "        self.emb, self.rnn = nn.Embedding(vocab_size, 8), nn.LSTM(8, 8, batch_first=True)\n"
+    "        self.register_buffer('h0', torch.zeros(1, batch_size, 8))  # its initial state: the training batch's\n"
+    "        self.register_buffer('c0', torch.zeros(1, batch_size, 8))\n"
+    "        self.out = nn.Linear(8, vocab_size)\n"
+    "    def forward(self, x):\n"
+    "        return self.out(self.rnn(self.emb(x), (self.h0, self.c0))[0])\n"
+    "def make(vocab_size, batch_size):\n"
+    "    return LSTMLM(vocab_size, batch_size)\n"
+)
+
+
+def test_a_model_that_fails_only_at_the_estimates_batch_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An LSTM language model whose initial state is sized for the training batch fails at the memory estimate's
+    batch 1 and trains at its own: the check of the forward pass refused it ("here (1, 16)", for a run of batch
+    8). The pass is checked at the run's batch size: the run trains, its estimate unmeasured."""
+    f = tmp_path / "batch_sized.py"
+    f.write_text(BATCH_SIZED)
+    out = tmp_path / "run"
+    args = ["train", "--model", f"{f}:make", "-a", "batch_size=2", "--out", str(out), *TINY]
+    rc, _, err = run_main(args, capsys)
+    assert rc == 0 and "error" not in err, err
+    assert len(T.read_tables(out)["steps"]) == int(TINY[TINY.index("--steps") + 1])
 
 
 VOCAB_FIRST = (
@@ -356,7 +388,7 @@ def test_logits_of_vocab_by_seq_are_refused_or_said_ambiguous(
     out = tmp_path / "run8"
     rc, _, err = run_main(["train", "--model", f"{f}:make", "--out", str(out), *TINY], capsys)
     assert_one_line_error(
-        rc, err, "returned Tensor of shape (1, 256, 8)", "expected logits of shape (1, 8, vocab"
+        rc, err, "returned Tensor of shape (2, 256, 8)", "expected logits of shape (2, 8, vocab"
     )
     assert not out.exists()
     out = tmp_path / "run256"
@@ -394,10 +426,10 @@ def test_a_forward_that_fails_only_under_the_estimates_hooks_trains(tmp_path: Pa
     assert (fp.measured, fp.failed_at) == (False, 1)
     assert "no hooks under this forward" in fp.note
     built = BuiltModel(model, "f.py:make", "factory", 256, None)
-    contract.check_forward(built, model, forward_loss, fp.failed_at, 8, 256)  # no error: it runs plainly
+    contract.check_forward(built, model, forward_loss, fp.failed_at, 2, 8, 256)  # no error: it runs plainly
     refuse[0] = True
     with pytest.raises(UserError, match="forward pass raised RuntimeError"):
-        contract.check_forward(built, model, forward_loss, 1, 8, 256)
+        contract.check_forward(built, model, forward_loss, 1, 2, 8, 256)
 
 
 def test_a_model_with_lazy_modules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -29,26 +29,29 @@ def check_forward(
     model: nn.Module,
     forward_loss: Callable[[int], torch.Tensor],
     failed_at: int,
+    batch_size: int,
     seq_len: int,
     vocab_size: int,
 ) -> None:
-    """UserError, one line, when a factory's model fails the forward pass and loss that the memory estimate
-    failed (``failed_at``: its batch, 0 for none) when run again as training runs them; the model's exception is
-    the error's cause (a traceback for a caller of ``precprof.training.train``). An out-of-memory error, a
-    built-in or Hugging Face model (their failure is precprof's or the library's bug, which keeps its
-    traceback), and a pass that succeeds without the measuring are left to training."""
+    """UserError, one line, when the memory estimate's pass failed (``failed_at``: its batch, 0 for none) and a
+    factory's model fails the forward pass and loss again as training runs them: at the run's ``batch_size``,
+    without the measuring (a model whose state is sized for the training batch, an LSTM's initial hidden state,
+    fails at the estimate's batch 1 and trains). The model's exception is the error's cause (a traceback for a
+    caller of ``precprof.training.train``). An out-of-memory error, a built-in or Hugging Face model (their
+    failure is precprof's or the library's bug, which keeps its traceback), and a pass that succeeds are left to
+    training."""
     if not failed_at or built.kind != "factory":
         return
     try:
         with warnings.catch_warnings():  # the estimate's pass has shown the model's warnings
             warnings.simplefilter("ignore")
-            footprint.run_once(model, lambda: forward_loss(failed_at))
+            footprint.run_once(model, lambda: forward_loss(batch_size))
     except UserError:
         raise  # the loop's own reading of the output: one line already, naming the fix
     except torch.OutOfMemoryError:
         return
     except Exception as e:
-        raise forward_failed(built, e, (failed_at, seq_len), vocab_size) from e
+        raise forward_failed(built, e, (batch_size, seq_len), vocab_size) from e
 
 
 def forward_failed(built: BuiltModel, e: BaseException, shape: tuple[int, int], vocab_size: int) -> UserError:

@@ -370,7 +370,9 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     forward_loss = _forward_loss(config, built, model, plan, data, device, shapes)
     fp = _check_memory(config, built, model, forward_loss, device, _sharding(config, model, dist_info))
     # the pass the estimate could not measure, again: a factory's model that fails it is refused here, in one line
-    contract.check_forward(built, model, forward_loss, fp.failed_at, config.seq_len, data.vocab_size)
+    contract.check_forward(
+        built, model, forward_loss, fp.failed_at, config.batch_size, config.seq_len, data.vocab_size
+    )
     inner = model
     if dist_info is not None:  # the Profiler watches the inner module (plain names); the reducer the wrapper
         model = launch.wrap_model(model, config.distributed, device=device)
