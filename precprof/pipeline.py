@@ -81,7 +81,8 @@ def finish_run(
     """Write the run directory in the order of the module docstring; returns the summary as written (or, when
     none could be, as it would have been).
 
-    ``summary`` must already carry its status (``complete``/``incomplete``) and reason; its hardware block is
+    ``summary`` must already carry its status (``complete``: training ran to its end, which the summary's
+    ``training_finished`` keeps whatever the saving does; ``incomplete``) and reason; its hardware block is
     detected for the capture's device when missing. ``report_path`` defaults to RUN_DIR/report.html. Raises only
     KeyboardInterrupt (after saving), never for a failure to write: that becomes the run's incomplete cause,
     saying what was not saved (``precprof._saving``: on a full disk what fits is kept, the configuration
@@ -91,6 +92,9 @@ def finish_run(
     full = dict(summary)
     full.setdefault(T.SUMMARY_STATUS, T.STATUS_COMPLETE)
     full.setdefault(T.SUMMARY_INCOMPLETE_REASON, None)
+    # the caller's status says how training ended; a failure to save after it (a full disk, Ctrl-C while the
+    # report renders) makes the run incomplete, and this says it lost files, not steps
+    full[T.SUMMARY_TRAINING_FINISHED] = full[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
     if T.SUMMARY_HARDWARE not in full:
         full.update(describe_machine((full.get(T.SUMMARY_CAPTURE) or {}).get("device")))
     saving = _saving.Saving(run_dir)

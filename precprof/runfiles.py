@@ -53,6 +53,9 @@ TABLE_FILES = {name: f"{name}.parquet" for name in TABLES}
 SUMMARY_VERSION = "precprof_version"
 SUMMARY_STATUS = "status"  # "complete" | "incomplete"
 SUMMARY_INCOMPLETE_REASON = "incomplete_reason"  # the cause when status == "incomplete", else null
+# true when training ran to its end: a run "incomplete" all the same lost files (a full disk, Ctrl-C while its
+# report rendered), not steps; false when a crash or a signal stopped training (absent: an older or killed run)
+SUMMARY_TRAINING_FINISHED = "training_finished"
 SUMMARY_CONFIG = "config"  # run configuration: model, precision, loss scaling, steps, command line, ...
 SUMMARY_HARDWARE = "hardware"  # precprof.hardware.HardwareInfo.to_dict()
 SUMMARY_VERSIONS = "versions"  # python, torch, cuda, transformers, ...

@@ -3,6 +3,7 @@ a run killed before it saved, one that stopped early, one missing a table or its
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -17,10 +18,11 @@ from typing import Any
 import pytest
 import torch
 
-from precprof import cli, training
+from precprof import _atomic, cli, training
 from precprof import compare as C
 from precprof import tables as T
 from precprof.analysis import comparison as A
+from precprof.errors import RunNotSavedWarning
 from precprof.training import Callback, TrainConfig, train
 
 
@@ -196,6 +198,38 @@ def test_runs_that_stopped_early_or_ran_fewer_steps_confirm_nothing(
         headline = _headline(page.read_text())
         assert f"up to step {last}, where the runs are compared (it ran 8 steps)" in headline, headline
         assert ("stopped after" in headline) == (other == killed_dir), headline
+
+
+def test_a_run_that_trained_every_step_and_lost_its_report_is_compared_as_whole(
+    fp32_and_bf16: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 run that trained its 6 steps and could not write report.html (a full disk) is incomplete, and
+    compare listed it among "not whole runs: bf16 stopped after 6 steps: report.html could not be written ...; a
+    loss short of a run's end is not the loss it ends at": its loss is the loss it ends at. Its check lines are
+    those of the same run saved whole."""
+    fp32_dir, bf16_dir = fp32_and_bf16
+    real = _atomic.write_text
+
+    def no_room_for_the_report(path: Any, text: str) -> Path:
+        if str(path).endswith(T.REPORT_FILE):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, text)
+
+    with monkeypatch.context() as m, pytest.warns(RunNotSavedWarning):
+        m.setattr(_atomic, "write_text", no_room_for_the_report)
+        lost = tmp_path / "lost" / "bf16"
+        train(_config(steps=6, precision="bf16", out=lost, report=True))
+    summary = T.read_summary(lost)
+    assert (
+        summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+        and "report.html" in summary[T.SUMMARY_INCOMPLETE_REASON]
+    )
+    whole, _ = C.compare_runs([fp32_dir, bf16_dir], out=tmp_path / "cmp-whole")
+    comp, _ = C.compare_runs([fp32_dir, lost], out=tmp_path / "cmp-lost")
+    assert comp.run("bf16").status == T.STATUS_INCOMPLETE and comp.run("bf16").stopped == ""
+    lines = [(c.status, c.text) for c in comp.checks if c.aspect != A.ASPECT_SPEED]
+    assert lines and lines == [(c.status, c.text) for c in whole.checks if c.aspect != A.ASPECT_SPEED]
+    assert not any("stopped" in text or "not whole runs" in text for _, text in lines), lines
 
 
 def test_the_terminal_says_the_notes_its_check_lines_do_not(

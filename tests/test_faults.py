@@ -6,6 +6,7 @@ this machine lets the test mount one).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from html import unescape
 from pathlib import Path
 
@@ -561,6 +563,7 @@ def test_a_signal_saves_the_run(tmp_path: Path, sig: int, code: int, word: str) 
         word in summary[T.SUMMARY_INCOMPLETE_REASON]
         and signal.Signals(sig).name in summary[T.SUMMARY_INCOMPLETE_REASON]
     )
+    assert summary[T.SUMMARY_TRAINING_FINISHED] is False  # its banner says where it stopped
     steps = T.read_tables(out)["steps"]
     assert steps[T.LOSS].notna().sum() >= 1
     assert (out / T.REPORT_FILE).exists() and no_tmp_files(out)
@@ -775,6 +778,62 @@ def test_ctrl_c_while_the_report_renders(tmp_path: Path, monkeypatch: pytest.Mon
     assert len(T.read_tables(out)["steps"]) == 4 and not (out / T.REPORT_FILE).exists()
     assert T.SUMMARY_RECOMMENDATION in summary  # the analysis was done before rendering
     assert no_tmp_files(out)
+
+
+def _no_room_for_the_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = _atomic.write_text
+
+    def write_text(path: object, text: str) -> Path:
+        if str(path).endswith(T.REPORT_FILE):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, text)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_atomic, "write_text", write_text)
+
+
+def _ctrl_c_while_the_report_renders(monkeypatch: pytest.MonkeyPatch) -> None:
+    def interrupted(*args: object, **kwargs: object) -> str:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "render_html", interrupted)
+
+
+@pytest.mark.parametrize(
+    "lose_the_report",
+    [_no_room_for_the_report, _ctrl_c_while_the_report_renders],
+    ids=["disk-full", "ctrl-c"],
+)
+def test_a_run_that_trained_every_step_and_lost_a_file_does_not_say_it_stopped(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    lose_the_report: object,
+) -> None:
+    """A run that trained all its steps and then could not write report.html (a full disk, Ctrl-C while it
+    rendered) is incomplete, and its page said "This report covers the steps recorded before the run stopped,
+    after step 3 (4 steps); the tables written before then are intact": it never stopped. summary.json says
+    training ran to its end, and the page says so; a run that a signal or a crash stopped still says where."""
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:
+        lose_the_report(m)  # type: ignore[operator]
+        with contextlib.suppress(KeyboardInterrupt), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RunNotSavedWarning)
+            train(tiny_config(out))
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE and not (out / T.REPORT_FILE).exists()
+    assert summary[T.SUMMARY_TRAINING_FINISHED] is True
+    rc, _, _ = run_main(["report", str(out)], capsys)
+    assert rc == 0
+    banner = (out / T.REPORT_FILE).read_text().split('id="incomplete"', 1)[1].split("</div>", 1)[0]
+    banner = " ".join(unescape(re.sub(r"<[^>]+>", "", banner)).split())
+    steps = T.read_tables(out)["steps"]
+    last, n = int(steps[T.STEP].max()), len(steps)
+    assert (n, last) == (4, 3)  # the 4 steps tiny_config plans, each finished
+    assert (
+        f"Training ran to its end, after step {last} ({n} steps): the run was not cut short, only some of its "
+        "files could not be saved." in banner
+    ), banner
+    assert "stopped" not in banner, banner
 
 
 def test_ctrl_c_while_the_tables_are_written_is_not_lost(

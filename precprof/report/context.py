@@ -821,6 +821,9 @@ def build_context(
         "incomplete_reason": summary.get(T.SUMMARY_INCOMPLETE_REASON)
         or "the run did not finish (cause not recorded)",
         "stopped": _stopped(steps, cfg) + _one_rank_note(steps, summary),
+        # an incomplete run whose training ran to its end lost files, not steps (a full disk, Ctrl-C while its
+        # report rendered): its banner said "the steps recorded before the run stopped" all the same
+        "training_finished": summary.get(T.SUMMARY_TRAINING_FINISHED) is True,
         "errors": [str(e) for e in summary.get(T.SUMMARY_ERRORS) or []],
         "skipped_tensors": list((summary.get(T.SUMMARY_CAPTURE) or {}).get("skipped_tensors") or []),
         "headline": _headline(summary, steps, layers),

@@ -197,7 +197,8 @@ class RunResult:
     setup_differs: list[str] = field(default_factory=list)
     # the finished steps it recorded, all of them (``steps``: those compared, up to the step every run finished)
     steps_run: int = 0
-    # how a run that did not finish stopped: "stopped after 5 of 20 steps (interrupted (Ctrl-C, SIGINT))"
+    # how a run whose training did not finish stopped: "stopped after 5 of 20 steps (interrupted (Ctrl-C,
+    # SIGINT))"; "" for one whose training ran to its end and only saving fell short (a full disk)
     stopped: str = ""
     # the last step compared when runs of different lengths are compared on the steps all of them finished
     compared_until: int | None = None
@@ -372,15 +373,20 @@ def read_run(
         settings={k: cfg[k] for k in SETUP_SETTINGS if cfg.get(k) is not None},
         missing=[T.TABLE_FILES[name] for name in T.missing_tables(run_dir)],
         steps_run=steps_run,
-        stopped=_stopped(status, reason, tables, steps_run, cfg.get("steps")),
+        stopped=_stopped(status, reason, tables, steps_run, cfg.get("steps"), summary),
         compared_until=until,
     )
 
 
-def _stopped(status: str, reason: str | None, read: T.RunTables, done: int, planned: Any) -> str:
+def _stopped(
+    status: str, reason: str | None, read: T.RunTables, done: int, planned: Any, summary: Mapping[str, Any]
+) -> str:
     """How a run that did not finish stopped, in a few words ("" for one that did): after how many of its
-    planned steps, and why (its summary's cause up to its first colon, "killed" for a run that never saved)."""
-    if status not in (T.STATUS_INCOMPLETE, "running"):
+    planned steps, and why (its summary's cause up to its first colon, "killed" for a run that never saved).
+    A run whose training ran to its end and only lost files (a full disk: its report.html was not written) did
+    not stop: its loss is the loss it ends at."""
+    finished = summary.get(T.SUMMARY_TRAINING_FINISHED) is True and not read.streamed
+    if status not in (T.STATUS_INCOMPLETE, "running") or finished:
         return ""
     why = "killed" if read.streamed and status != "running" else re.split(r"[:;]", reason or "")[0].strip()
     of = f" of {planned:,}" if isinstance(planned, int) and planned > done else ""
