@@ -9,8 +9,9 @@ ignored.
 Two ways a signal gets lost are closed here:
 
 - Python runs a signal handler between bytecodes wherever the main thread is, also inside a weakref callback
-  or a C extension's callback, which print the exception ("Exception ignored in ...") and carry on. The
-  handler therefore also records the signal, and ``check()`` raises it again at the next step boundary.
+  or a C extension's callback, which swallow the exception and carry on. The handler therefore also records
+  the signal, and ``check()`` raises it again at the next step boundary; Python's "Exception ignored in ..."
+  traceback of the swallowed one is left off the terminal.
 - A second Ctrl-C while the run directory is being written would leave half a directory. Inside
   ``deferred()`` a signal is only recorded; the writing finishes first.
 
@@ -23,8 +24,9 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 HANDLED: tuple[int, ...] = (
     signal.SIGINT,
@@ -84,12 +86,27 @@ def handling() -> Iterator[None]:
     for s in previous:
         signal.signal(s, _handler)
     _state.installed, _state.pending = True, None
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = _quiet_when_swallowed(unraisable)
     try:
         yield
     finally:
+        sys.unraisablehook = unraisable
         for s, h in previous.items():
             signal.signal(s, h)
         _state.installed, _state.pending = False, None
+
+
+def _quiet_when_swallowed(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``hook`` (``sys.unraisablehook``) that prints nothing for an ``Interrupted`` a callback swallowed: the
+    signal is recorded and raised again (``check()``); its traceback, beside the one-line message the command
+    prints, read as a crash in the middle of the report's rendering."""
+
+    def quiet(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, Interrupted):
+            hook(unraisable)
+
+    return quiet
 
 
 def check() -> None:

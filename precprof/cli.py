@@ -58,15 +58,26 @@ def _stopped(e: KeyboardInterrupt) -> str:
 
 
 def _saved(run_dir: str | Path) -> str:
-    """What an interrupted run saved, after its directory: its finished steps, and its report where one was
-    written (a finished run prints "report: ..."; an interrupted one printed only the directory)."""
+    """Where an interrupted run is, after "interrupted (Ctrl-C, SIGINT)", as its summary says it: the partial run,
+    one whose training had finished (Ctrl-C while it was saved), or one saved whole before the signal was
+    raised; its finished steps; its report, or how to render it (Ctrl-C while it rendered printed no directory)."""
     try:
-        done = (T.read_summary(run_dir).get("final") or {}).get("steps_done")
+        summary = T.read_summary(run_dir)
     except (OSError, ValueError):  # the interrupt came before a summary was written
-        done = None
-    html = Path(run_dir) / "report.html"
-    return (f" ({done} finished steps)" if isinstance(done, int) else "") + (
-        f"\nreport: {html}" if html.exists() else ""
+        summary = {}
+    done = (summary.get(T.SUMMARY_FINAL) or {}).get("steps_done")
+    steps = f" ({done} finished steps)" if isinstance(done, int) else ""
+    if summary.get(T.SUMMARY_STATUS) == T.STATUS_COMPLETE:
+        said = f" once the run was saved whole: the run is in {run_dir}{steps}"
+    elif summary.get(T.SUMMARY_TRAINING_FINISHED) is True:
+        said = f" after training finished: the run is in {run_dir}{steps}"
+    else:
+        said = f": the partial run is in {run_dir}{steps}"
+    html = Path(run_dir) / T.REPORT_FILE
+    return said + (
+        f"\nreport: {html}"
+        if html.exists()
+        else f"\nreport: not rendered; `precprof report {run_dir}` renders it"
     )
 
 
@@ -195,7 +206,7 @@ def train(
             result = training.train(config)
     except KeyboardInterrupt as e:
         where = getattr(e, "precprof_run_dir", None)
-        _tell(f"\n{_stopped(e)}" + (f": the partial run is in {where}{_saved(where)}" if where else ""))
+        _tell(f"\n{_stopped(e)}" + (_saved(where) if where else ""))
         for note in not_saved:
             _tell(f"precprof: error: {note}")
         raise typer.Exit(_exit_code(e)) from None

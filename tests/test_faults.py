@@ -861,6 +861,76 @@ def test_ctrl_c_while_the_tables_are_written_is_not_lost(
     assert len(T.read_tables(out)["steps"]) == 4 and not (out / T.REPORT_FILE).exists()
 
 
+CTRL_C_WHILE_RENDERING = textwrap.dedent(
+    """
+    import os, signal, sys, weakref
+    from precprof import cli, pipeline
+
+    real = pipeline.render_html
+
+    def ctrl_c(_=None):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):  # the handler runs here (a loop's jump back runs pending signal handlers)
+            pass
+
+    def render_html(*args, **kwargs):
+        if sys.argv[1] == "swallowed":  # the handler runs in a weakref callback, which swallows its exception
+            class Dropped:
+                pass
+
+            dropped = Dropped()
+            ref = weakref.ref(dropped, ctrl_c)
+            del dropped
+        else:
+            ctrl_c()
+        return real(*args, **kwargs)
+
+    pipeline.render_html = render_html
+    cli.main(sys.argv[2:])
+    """
+)
+
+
+@pytest.mark.parametrize("landed", ["in-the-render", "swallowed"])
+def test_ctrl_c_while_the_report_renders_names_the_run_and_how_to_render_it(
+    tmp_path: Path, landed: str
+) -> None:
+    """A real SIGINT while ``precprof train`` renders the finished run's report printed "interrupted (Ctrl-C,
+    SIGINT)" alone: no run directory, no way to the report that summary.json says ``precprof report`` renders
+    (the save of a finished run was outside what records where the run is). One that landed in a weakref callback
+    (a real Ctrl-C 1.5 s into the render) printed Python's "Exception ignored ... Traceback ... Interrupted", let
+    the render finish and the run be saved complete, and said "interrupted" alone all the same. Each now names
+    the run directory as its summary describes the run, and its report or how to render it."""
+    out = tmp_path / "run"
+    args = [
+        sys.executable,
+        "-c",
+        CTRL_C_WHILE_RENDERING,
+        landed,
+        "train",
+        "--out",
+        str(out),
+        *TINY,
+        "--steps",
+        "4",
+    ]
+    proc = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 130, proc.stderr
+    summary = T.read_summary(out)
+    done = summary[T.SUMMARY_FINAL]["steps_done"]
+    assert done == 4 == len(T.read_tables(out)["steps"])  # the steps the run planned, all finished
+    if landed == "swallowed":  # the render went on: the run is whole, and the terminal says so
+        assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE and (out / T.REPORT_FILE).exists()
+        said = f"once the run was saved whole: the run is in {out} ({done} finished steps)"
+        report = f"report: {out / T.REPORT_FILE}"
+    else:
+        assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE and not (out / T.REPORT_FILE).exists()
+        assert f"`precprof report {out}` renders it" in summary[T.SUMMARY_INCOMPLETE_REASON]
+        said = f"after training finished: the run is in {out} ({done} finished steps)"
+        report = f"report: not rendered; `precprof report {out}` renders it"
+    assert proc.stderr.strip().splitlines() == [f"interrupted (Ctrl-C, SIGINT) {said}", report], proc.stderr
+
+
 # ---------------------------------------------------------------------------- models that cannot train
 NARROW = textwrap.dedent(
     """

@@ -663,19 +663,14 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
             reason = interrupted.reason if interrupted is not None else f"{type(e).__name__}: {e}"
             # a crashed run gets its tables, summary and report of the steps recorded, marked incomplete
             _save(s, prof, time.perf_counter() - t_start, steps_done, reason)
-        with contextlib.suppress(AttributeError):  # for the CLI's message
-            e.precprof_run_dir = s.run_dir  # type: ignore[attr-defined]
-        if hasattr(e, "add_note"):
-            e.add_note(
-                f"precprof: the partial run was saved to {s.run_dir}"
-                if s.writer
-                else f"precprof: this rank writes no run directory; rank 0 saves what it recorded to {s.run_dir}"
-            )
-        if s.dist_info is not None and s.dist_info.owns_group:
-            launch.shutdown(barrier=False)
+        _saved_to(e, s, "the partial run")
         raise
     bar.close()
-    steps_table = _save(s, prof, wall_s, steps_done, None)
+    try:
+        steps_table = _save(s, prof, wall_s, steps_done, None)
+    except KeyboardInterrupt as e:  # Ctrl-C while the report rendered, or held while the run was written
+        _saved_to(e, s, "the run")
+        raise
     if s.dist_info is not None and s.dist_info.owns_group:
         launch.shutdown()  # after rank 0 wrote: its barrier waits for it
     summary = T.read_summary(s.run_dir)
@@ -688,6 +683,21 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
         steps=steps_table,
         summary=summary,
     )
+
+
+def _saved_to(e: BaseException, s: _Setup, what: str) -> None:
+    """Say where ``what`` (the run, the partial run) that ``e`` stopped was saved, before ``e`` is raised on: the
+    CLI's message reads ``precprof_run_dir``, a traceback shows the note. Ends the process group it began."""
+    with contextlib.suppress(AttributeError):
+        e.precprof_run_dir = s.run_dir  # type: ignore[attr-defined]
+    if hasattr(e, "add_note"):
+        e.add_note(
+            f"precprof: {what} was saved to {s.run_dir}"
+            if s.writer
+            else f"precprof: this rank writes no run directory; rank 0 saves what it recorded to {s.run_dir}"
+        )
+    if s.dist_info is not None and s.dist_info.owns_group:
+        launch.shutdown(barrier=False)
 
 
 def _no_token_model(model: nn.Module, e: BaseException) -> bool:
