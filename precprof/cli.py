@@ -3,7 +3,8 @@ precprof.report.
 
 Every user mistake (UserError, or a usage error of the command line) is printed as one line on stderr and
 exits with code 2; Ctrl-C exits with 130, SIGTERM with 143 and SIGHUP with 129, after the training loop has
-saved the partial run.
+saved the partial run; sys.exit() in the model's code exits with its code (1 for sys.exit(0): the run did not
+finish), after the same.
 """
 
 from __future__ import annotations
@@ -79,6 +80,19 @@ def _saved(run_dir: str | Path) -> str:
         if html.exists()
         else f"\nreport: not rendered; `precprof report {run_dir}` renders it"
     )
+
+
+def _exited(e: SystemExit, run_dir: str | Path) -> int:
+    """sys.exit() called in training (the model's code, a callback): the partial run is saved, which Python says
+    nowhere (a note shows in a traceback, and SystemExit prints none), and sys.exit(0) exited 0 with nothing on
+    the terminal. Prints what Python prints for ``sys.exit("text")``, then where the run is, as after Ctrl-C;
+    returns the exit code: the one given, or 1 (the run did not finish) for sys.exit(0) and sys.exit()."""
+    code = e.code
+    if code is not None and not isinstance(code, int):
+        _tell(str(code))  # its text, said once
+    how = "sys.exit()" if code is None else f"sys.exit({code})" if isinstance(code, int) else "sys.exit"
+    _tell(f"precprof: training stopped by {how}{_saved(run_dir)}")
+    return code if isinstance(code, int) and code != 0 else 1
 
 
 def _tell(text: str) -> None:
@@ -210,6 +224,13 @@ def train(
         for note in not_saved:
             _tell(f"precprof: error: {note}")
         raise typer.Exit(_exit_code(e)) from None
+    except SystemExit as e:
+        if getattr(e, "precprof_run_dir", None) is None:
+            raise
+        code = _exited(e, e.precprof_run_dir)  # type: ignore[attr-defined]
+        for note in not_saved:
+            _tell(f"precprof: error: {note}")
+        raise typer.Exit(code) from None
     if not training.writes_run_dir():
         return  # under torchrun rank 0 wrote the run and prints it
     final = result.summary.get("final", {})

@@ -634,6 +634,76 @@ def test_the_step_a_crash_cut_off_is_not_counted_as_done(tmp_path: Path) -> None
     assert f'<span class="k">sampled steps</span><span class="v">{sampled} (1 cut off)</span>' in header
 
 
+EXITS = textwrap.dedent(
+    """
+    import os, sys
+    from torch import nn
+
+    class Exits(nn.Module):
+        def __init__(self, vocab_size):
+            super().__init__()
+            self.emb = nn.Embedding(vocab_size, 16)
+            self.head = nn.Linear(16, vocab_size)
+            self.calls = 0
+
+        def forward(self, x):
+            if x.shape[0] == 3:  # the training's batches (the checks before it run batches of 1 and 2)
+                self.calls += 1
+                if self.calls == 4:  # an early stop in the user's code, in the fourth step
+                    code = os.environ["EXIT_WITH"]
+                    sys.exit(int(code) if code.isdigit() else code)
+            return self.head(self.emb(x))
+
+    def exits(vocab_size):
+        return Exits(vocab_size)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("code", "rc", "said"),
+    [
+        ("0", 1, ["precprof: training stopped by sys.exit(0)"]),
+        ("3", 3, ["precprof: training stopped by sys.exit(3)"]),
+        ("stopping early", 1, ["stopping early", "precprof: training stopped by sys.exit"]),
+    ],
+)
+def test_sys_exit_in_the_models_code_says_where_the_partial_run_is(
+    tmp_path: Path, code: str, rc: int, said: list[str]
+) -> None:
+    """A model whose forward calls sys.exit(0) in the fourth step (an early stop): ``precprof train`` exited 0 with
+    nothing on the terminal, its run saved incomplete ("SystemExit: 0") and named nowhere; sys.exit("text")
+    printed the text alone (any other exception's traceback ends with "precprof: the partial run was saved to
+    DIR"). Each says where the partial run is, as after Ctrl-C, and the exit code is not 0."""
+    path = tmp_path / "exits.py"
+    path.write_text(EXITS)
+    out = tmp_path / "run"
+    args = [
+        sys.executable,
+        "-m",
+        "precprof",
+        "train",
+        "-m",
+        f"{path}:exits",
+        "--out",
+        str(out),
+        "--steps",
+        "8",
+    ]
+    args += ["--batch-size", "3", "--seq-len", "8", "--device", "cpu", "--no-progress"]
+    proc = subprocess.run(args, capture_output=True, text=True, env={**ENV, "EXIT_WITH": code}, timeout=600)
+    assert proc.returncode == rc, proc.stderr
+    summary = T.read_summary(out)
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    assert summary[T.SUMMARY_INCOMPLETE_REASON] == f"SystemExit: {code}"
+    done = summary[T.SUMMARY_FINAL]["steps_done"]
+    assert done == 3 == T.read_tables(out)["steps"][T.LOSS].notna().sum()  # the fourth never finished
+    where = f": the partial run is in {out} ({done} finished steps)"
+    expected = [*said[:-1], said[-1] + where, f"report: {out / T.REPORT_FILE}"]
+    assert proc.stderr.strip().splitlines() == expected, proc.stderr
+    assert (out / T.REPORT_FILE).exists() and proc.stdout == ""
+
+
 def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path: Path) -> None:
     """Ctrl-C while precprof's modules load (the first second of any command) printed a KeyboardInterrupt
     traceback and exited by the signal. ``-X importtime`` lists each module as it finishes loading: the
