@@ -221,6 +221,7 @@ class RunDir:
 
     path: Path
     _fd: int | None = field(default=None, repr=False)
+    created: bool = field(default=False, repr=False)  # the claim made the directory
 
     def release(self) -> None:
         if self._fd is not None:
@@ -230,6 +231,21 @@ class RunDir:
             with contextlib.suppress(OSError):
                 os.close(self._fd)  # closing the descriptor releases the flock
             self._fd = None
+
+    def abandon(self) -> None:
+        """Release a claim under which nothing was recorded (a Profiler's attach that failed before its first
+        step), removing what the claim wrote: its first summary.json, the stream, the lock, and the directory
+        when the claim made it and nothing else is in it. Left there, they read as a run (incomplete, "running
+        ... killed") that the same code run again was refused over."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            (self.path / T.SUMMARY_FILE).unlink()
+        parts.remove(self.path)
+        self.release()
+        if self.created:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()  # only when empty: another claim may have come meanwhile
 
     def __enter__(self) -> RunDir:
         return self
@@ -358,12 +374,13 @@ def claim(
     one-line reason.
     """
     p = check_target(path, overwrite=overwrite, option=option, resume=resume)
+    created = not p.exists()
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunDirError(f"{option} {p}: cannot create it ({e.strerror}); choose another {option}") from None
     fd = _lock(p, option)
-    run = RunDir(p, fd)
+    run = RunDir(p, fd, created)
     try:
         for stale in p.iterdir():
             if _atomic.is_tmp(stale):

@@ -188,6 +188,64 @@ def test_out_is_claimed_at_attach(tmp_path: Path) -> None:
     assert len(T.read_tables(tmp_path / "run")["steps"]) == 3
 
 
+_ATTACH_CUT_SHORT = """
+import os, signal, sys, torch
+from torch import nn
+import precprof
+from precprof.capture import profiler
+
+def ctrl_c(self):
+    os.kill(os.getpid(), signal.SIGINT)  # Python's own handler: a KeyboardInterrupt, the script ends with it
+    for _ in range(1000):
+        pass
+
+def fails(*args, **kwargs):
+    raise RuntimeError("a hook could not be registered")
+
+if sys.argv[2] == "ctrl-c":  # the last thing attach does, after the claim and the stream
+    profiler.Profiler._begin_step = ctrl_c
+elif sys.argv[2] == "error":  # the step hooks, made after the claim
+    profiler.StepHooks = fails
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+with precprof.Profiler(model, opt, out=sys.argv[1]) as prof:
+    for step in range(3):
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        prof.step()
+prof.save()
+"""
+
+
+@pytest.mark.parametrize("cut", ["ctrl-c", "error"])
+@pytest.mark.parametrize("made_by", ["the-claim", "the-user"])
+def test_an_attach_cut_short_leaves_no_run_to_refuse_the_rerun(
+    tmp_path: Path, cut: str, made_by: str
+) -> None:
+    """A script whose ``Profiler(out=D).attach()`` was stopped by Ctrl-C (a real SIGINT) or an exception left D
+    with an empty stream and a summary "running (pid ...) ... killed", and the same script run again was
+    refused: "already holds a precprof run (incomplete); choose another out, or pass overwrite=True", for a
+    run of no step. What the claim wrote goes with the failed attach: the directory as it was before (gone
+    where the claim made it, an empty folder the user made stays), and the rerun trains and saves."""
+    out = tmp_path / "run"
+    if made_by == "the-user":
+        out.mkdir()
+    script = [sys.executable, "-c", _ATTACH_CUT_SHORT, str(out)]
+    first = subprocess.run([*script, cut], capture_output=True, text=True, env=ENV, timeout=300)
+    expected = "KeyboardInterrupt" if cut == "ctrl-c" else "RuntimeError: a hook could not be registered"
+    assert first.returncode != 0 and expected in first.stderr, first.stderr
+    if made_by == "the-user":
+        assert out.is_dir() and list(out.iterdir()) == []
+    else:
+        assert not out.exists()
+    again = subprocess.run([*script, "none"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert T.read_tables(out)["steps"][T.STEP].tolist() == [0, 1, 2]
+
+
 def test_killed_at_three_moments_every_flushed_step_is_readable(tmp_path: Path) -> None:
     # killed at once, a little later and later still (each a process that imports torch: five random moments
     # took 30-40 s of the suite)

@@ -2,27 +2,23 @@
 
 What is recorded on a sampled step, for every captured module (see ``Profiler``'s docstring for which):
 
-- ``activation``: every floating tensor the module outputs (tuples, lists, dicts and ModelOutputs are
-  walked), all calls of the step aggregated into one row;
-- ``activation_grad``: the gradients of those outputs, through ``Tensor.register_hook`` on each output,
-  registered from the forward hook (``register_full_backward_hook`` breaks on in-place ops such as
-  ``ReLU(inplace=True)``);
-- ``weight``: the module's own parameters, as the forward pass sees them (first call of the step);
-- ``weight_grad``: the accumulated gradient of each parameter (``register_post_accumulate_grad_hook``, the
-  gradients read together when the backward pass ends; with gradient accumulation the last accumulation of
-  the step wins);
-- ``weight_update``: for a strided sample of each parameter's elements, the update the optimizer applied (its
-  RMS against the weight's, its extremes), and how many nonzero updates would vanish in bf16 / fp16 weights.
+- ``activation``: every floating tensor the module outputs (tuples, lists, dicts and ModelOutputs walked), the
+  step's calls aggregated into one row;
+- ``activation_grad``: their gradients, through ``Tensor.register_hook`` on each output from the forward hook
+  (``register_full_backward_hook`` breaks on in-place ops such as ``ReLU(inplace=True)``);
+- ``weight``: the module's own parameters, as the step's first forward sees them;
+- ``weight_grad``: each parameter's accumulated gradient (``register_post_accumulate_grad_hook``, read together
+  when the backward ends; under gradient accumulation the step's last accumulation);
+- ``weight_update``: on a strided sample of each parameter's elements, the update the optimizer applied (its RMS
+  against the weight's, its extremes) and how many nonzero updates would vanish in bf16 / fp16 weights.
 
 Hooks never synchronise with the device: statistics accumulate into a preallocated device buffer
 (``precprof.stats.StatsBuffer``); the loss scale and the scaler's found-inf flag are read as device tensors
-(``GradScaler.update`` is wrapped for the duration of the attachment to read them before the update). The
-buffer, the losses of the steps since the last sampled step and the memory rows are copied to the host once,
-in ``Profiler.step()`` of a sampled step: that is precprof's one synchronisation point. On steps that are not
-sampled precprof has no hook at all (``capture/hooks.py`` installs them for a sampled step only).
-
-``torch.no_grad()`` forwards (evaluation between training steps) are ignored, so they never pollute a
-training step's rows.
+(``GradScaler.update`` is wrapped while attached, to read them first). The buffer, the losses since the last
+sampled step and the memory rows are copied to the host once, in a sampled step's ``Profiler.step()``:
+precprof's one synchronisation point. Unsampled steps have no hook at all (``capture/hooks.py`` installs them
+for a sampled step only). ``torch.no_grad()`` forwards (evaluations between steps) are ignored: they never
+pollute a training step's rows.
 """
 
 from __future__ import annotations
@@ -81,15 +77,13 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         memory_every: which sampled steps measure memory: the first two, every ``memory_every``-th after them,
             and any whose model inputs have shapes no measured step had, from its forward on
             (``capture/memory_schedule.py``: a step's memory changes with its shapes). 1: every sampled step.
-        memory_peak: also replay the allocator's events of sampled steps, for each phase's peak and what was
-            allocated at the step's peak, by part (``precprof.capture.peak``). None (the default): on CUDA
-            (the caching allocator's history; host calls only), off on the CPU, where it needs torch.profiler's
-            memory events and a program's own torch.profiler could not start during a sampled step; True: on
-            the CPU too (the built-in loop's choice); False: off.
-        reset_peak_memory: let precprof reset the process's CUDA peak-memory counters at phase boundaries, for
-            exact counter peaks of every phase where a step has no replay. Off by default: a loop that reads
-            ``torch.cuda.max_memory_allocated()`` (its own logs, Lightning's, the Trainer's) would read precprof's
-            phases instead of its own peak. The built-in loop turns it on.
+        memory_peak: also replay the allocator's events of sampled steps: each phase's peak and what was
+            allocated at the step's peak, by part (``capture.peak``). None (the default): on CUDA (the caching
+            allocator's history; host calls only), off on the CPU (it needs torch.profiler's memory events, and
+            the program's own torch.profiler could not start in a sampled step); True: on the CPU too.
+        reset_peak_memory: reset the CUDA peak-memory counters at phase boundaries (exact peaks of each phase a
+            step has no replay of). Off by default: a loop reading ``torch.cuda.max_memory_allocated()`` (its
+            logs, Lightning's, the Trainer's) would read precprof's phases. The built-in loop turns it on.
         weight_updates: record ``weight_update`` rows (needs ``optimizer``).
         update_sample: elements per parameter sampled (strided) for the weight-update statistics.
         chunk: scratch chunk size for the statistics (see ``StatsBuffer``).
@@ -299,12 +293,16 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         if self._attached:
             return self
         attached.claim(self)  # one left attached by a loop that stopped is detached first
+        claims = self._owned_run is None and not self._resume  # a first attach claims ``out``
         try:
             self._attach()
         except BaseException:
             self._remove_hooks()
             self._close_stream()
-            if self._owned_run is not None:
+            if self._owned_run is not None and claims:  # no step recorded: what the claim wrote goes (a retry
+                self._owned_run.abandon()  # claims it anew; the dropped stream's writer process goes back)
+                self._recorded, self._owned_run = Recorded(), None
+            elif self._owned_run is not None:
                 self._owned_run.release()
             raise
         self._attached = True
