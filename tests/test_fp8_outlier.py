@@ -8,13 +8,16 @@ token by 7% of its norm, against 2.7% without the outlier. The rule now counts t
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from torch import nn
 
 import precprof
+from precprof import tables as T
 from precprof.analysis import lost_norm
 from precprof.analysis.advisor import AdvisorConfig, Recommendation
 
@@ -372,3 +375,131 @@ def test_every_tensor_with_most_of_its_values_below_the_normal_range_is_named() 
         f"over {most * 100:.3g}% in 2 tensor(s): a's input {share_a * 100:.3g}%, b's input {share_b * 100:.3g}%"
         in f.message
     )
+
+
+class SharedDropout(nn.Module):
+    """HF's T5Stack in small: one dropout applied to the embeddings (``src``, an outlier among them) and again to
+    the encoder's output, which the cross-attention's ``k`` reads."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        super().__init__()
+        self.src = Source(x)
+        self.drop = nn.Dropout(0.1)
+        self.norm = nn.LayerNorm(WIDTH)
+        torch.manual_seed(0)
+        self.k = nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self) -> torch.Tensor:
+        return self.k(self.drop(self.norm(self.drop(self.src()))))
+
+
+class SharedAct(nn.Module):
+    """A model that reuses one ``self.act`` after each layer: ``fc2`` reads its first output, which the act's
+    second call, after ``fc2``, adds to its row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.fc3 = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.act(self.fc2(self.act(self.fc1(x)))))
+
+
+def profiled_inputs(
+    model: nn.Module, layer: str, steps: int, x: torch.Tensor | None = None
+) -> tuple[Any, list]:
+    """``steps`` profiled fp32 steps of ``model`` (called with ``x``, if any), and the tensor ``layer`` read on
+    each step, taken by a pre-hook of ours."""
+    read: list[torch.Tensor] = []
+    model.get_submodule(layer).register_forward_pre_hook(
+        lambda _, args: read.append(args[0].detach().clone())
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False) as prof:
+        for _ in range(steps):
+            loss = (model() if x is None else model(x)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss)
+    return prof, read
+
+
+def own_input_rows(prof: Any, layer: str) -> pd.DataFrame:
+    """The activation rows of ``layer``'s own input row (``T.input_module``), by step."""
+    lay = prof.tables()["layers"]
+    rows = lay[(lay[T.MODULE] == T.input_module(layer)) & (lay[T.TENSOR] == T.ACTIVATION)]
+    return rows.set_index(T.STEP)
+
+
+@pytest.mark.usefixtures("block_formats_on")
+def test_a_layer_whose_inputs_maker_ran_twice_is_judged_on_the_tensor_it_read() -> None:
+    """T5's cross-attention k and v read the output of encoder.dropout, which T5 calls twice a step (on the
+    embeddings and on the encoder's output): the run mapped them to that dropout's row, which pools both, and
+    the FP8 finding said it 'could not judge' them, read in several calls a step, and told the user to profile
+    without gradient accumulation, on one rank (neither of which the run had). k's own input row holds what it
+    read now, equal to what a hook of ours saw, and nothing is pooled."""
+    torch.manual_seed(1)
+    prof, read = profiled_inputs(SharedDropout(activation(3e4)), "k", steps=2)
+    assert prof.summary()["gemm_inputs"]["k"] == []
+    lay = prof.tables()["layers"]
+    drop = lay[(lay[T.MODULE] == "drop") & (lay[T.TENSOR] == T.ACTIVATION)]
+    assert set(drop[T.CALLS]) == {2}  # the dropout's row pools the embeddings and the encoder's output
+    rows = own_input_rows(prof, "k")
+    assert list(rows.index) == [0, 1] and set(rows[T.CALLS]) == {1}
+    for step, x in enumerate(read):
+        assert rows.loc[step, T.NUMEL] == x.numel()
+        assert rows.loc[step, T.ABSMAX] == pytest.approx(float(x.abs().max()), rel=1e-6)
+    f = precprof.recommend(prof, hardware="h100").finding("fp8_eligibility")
+    assert f is not None and f.modules == ["k"]
+    assert f.numbers["max_pushed_pooled"] is None
+    assert "could not judge" not in f.message and "gradient accumulation" not in f.message
+    # the share below e4m3's smallest normal is the input's it read (the pooled row's outlier put 95% there)
+    below = f.numbers["max_below_normal"]
+    assert isinstance(below, float) and below < 0.01
+    shares = [below_normal(x, scale(x)) / float((x != 0).double().mean()) for x in read]  # of nonzero values
+    assert (
+        sum(shares) / 2 <= below + 1e-12
+    )  # (the median of the two steps': of k's input, at most the largest)
+
+
+@pytest.mark.usefixtures("block_formats_on")
+def test_a_layer_whose_inputs_maker_ran_again_after_it_reads_its_own_input() -> None:
+    """A shared ``self.act``: ``fc2`` reads its first output, and its second call adds to its row after ``fc2``
+    read it. That row is left out of fc2's input (said), and from the second step on fc2's own input row holds
+    what it read, equal to what a hook of ours saw; fc3, which reads the act's second output, reads its own
+    input from the first step."""
+    prof, read = profiled_inputs(SharedAct(), "fc2", steps=3, x=torch.randn(32, WIDTH))
+    assert prof.summary()["gemm_inputs"]["fc2"] == ["act"] and prof.summary()["gemm_inputs"]["fc3"] == []
+    rows = own_input_rows(prof, "fc2")
+    assert list(rows.index) == [1, 2] and set(rows[T.CALLS]) == {1}
+    for step in (1, 2):
+        assert rows.loc[step, T.ABSMAX] == pytest.approx(float(read[step].abs().max()), rel=1e-6)
+    assert list(own_input_rows(prof, "fc3").index) == [0, 1, 2]
+    f = precprof.recommend(prof, hardware="h100").finding("fp8_eligibility")
+    assert f is not None and f.modules == ["fc1", "fc2", "fc3"]
+    assert "could not judge" not in f.message
+    assert (
+        "The input of 1 layer(s) (fc2) is an output of a module that ran more often in a step than the layer "
+        "(act): its row adds up the outputs of all its calls, of which the layer read one" in f.message
+    )
+    assert (
+        "(not judged on 1 sampled step(s); the layer's own input is read from the next one on)" in f.message
+    )
+
+
+def test_without_its_own_input_row_such_a_layer_is_said_judged_without_its_input() -> None:
+    """With the block-format what-if off (no row of a layer's own input), T5's k is judged on its weight and
+    output gradient, and the finding says why: not 'made by no module precprof watches', nor pooled."""
+    torch.manual_seed(1)
+    prof, _ = profiled_inputs(SharedDropout(activation(3e4)), "k", steps=2)
+    assert prof.summary()["gemm_inputs"] == {"k": []}
+    f = precprof.recommend(prof, hardware="h100").finding("fp8_eligibility")
+    assert f is not None and f.modules == ["k"] and f.numbers["max_pushed_pooled"] is None
+    assert (
+        "The input of 1 layer(s) was not recorded (k: a module's output changed in place after the module "
+        "returned it, or made by a module that ran more often in the step than the layer, which no row holds as "
+        "the layer read it, and the block-format what-if, which records a layer's own input, was off)"
+    ) in f.message

@@ -5,6 +5,10 @@ new tensor object over the same memory); when no captured module made it (an att
 own input), a row of its own (``:input``). An output changed in place between its maker's forward hook and the
 layer's pre-hook (``h[0, 3] += 3e4``, a residual added with ``+=``, ``masked_fill_``) is no longer what its
 maker's row holds: told by its version counter (host metadata, no sync), it is read as the layer's own input.
+So is an output whose maker ran more often in the step than the layer reading it (T5 applies one dropout to the
+embeddings and again to the encoder's output, which the cross-attention's k and v read; a model that reuses one
+``self.act`` after each layer): the maker's row adds up outputs the layer never read, so the layer reads its own
+input from then on, on that step (the maker already ran more often) or from the next one (it ran again after).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class GemmInputs:
     _outputs_made: list[Made]
     _outputs_by_data: dict[tuple[Any, ...], Made]
     _indexed: int
+    # this step's (reader's activation row, maker's activation row) pairs read by maker, with the reader's slot
+    _read_from: dict[tuple[int, int], _ModuleSlot]
     _add: Callable[[torch.Tensor, int], bool]  # ``GradientReads._add``
 
     def _gemm_input(self, slot: _ModuleSlot, x: torch.Tensor, turn: bool) -> None:
@@ -54,11 +60,14 @@ class GemmInputs:
             # it is now (with block formats off, no row holds it: the layer is judged without its input)
             found = made = None
             slot.input_changed = True
+        elif made is not None and found is not None and self._made_again(slot, found[1]):
+            found = made = None
         if made is None and slot.first_from >= 0 and _compat.backward_pass_id() is not None:
             # a reentrant recomputation's input, remade by an outer checkpoint and let go: its first pass's maker
             found, made = (weakref.ref(x), slot.first_from, None), x
         if found is not None and made is not None:
             slot.input_from.add(found[1])
+            self._read_from[(slot.activation, found[1])] = slot
             if turn and slot.input >= 0:  # read as the output that made it: several readers count it once
                 self.buffer.accumulate_blocks(_local(made), found[1])
         elif slot.input >= 0 and self._add(local := _local(x), slot.input):
@@ -70,6 +79,23 @@ class GemmInputs:
             if slot.input_order < 0:
                 slot.input_order = self.order
                 self.order += 1
+
+    def _made_again(self, slot: _ModuleSlot, act: int) -> bool:
+        """Whether the layer of ``slot`` reads its own input rather than the output of the module whose
+        activation row is ``act``: that module already ran more often in this step than the layer, this call
+        included (its row adds up outputs the layer never read), or did on an earlier sampled step."""
+        calls = self.rows.calls
+        slot.maker_repeated |= calls[act] > calls[slot.activation] + 1
+        return slot.maker_repeated
+
+    def _note_makers_again(self) -> None:
+        """At the step's end: a layer whose input's maker ran more often in the step than the layer (it ran
+        again after the layer read its output: a shared ``self.act``) reads its own input from the next sampled
+        step on. The analysis leaves this step's row of that maker out of the layer's input."""
+        calls = self.rows.calls
+        for (reader, maker), slot in self._read_from.items():
+            slot.maker_repeated |= calls[maker] > calls[reader]
+        self._read_from.clear()
 
     def _first_pass_input(self, slot: _ModuleSlot, x: torch.Tensor) -> None:
         """A reentrant checkpoint's first pass gives a matmul ``x``: the module that made it is kept for the

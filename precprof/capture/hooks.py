@@ -187,6 +187,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         self._outputs_made: list[Made] = []
         self._outputs_by_data: dict[tuple[Any, ...], Made] = {}
         self._indexed = 0  # how many of ``_outputs_made`` the index by memory covers
+        self._read_from = {}  # the makers each linear layer read this step (``GemmInputs._note_makers_again``)
         # autocast as the first recorded forward saw it (the Profiler's dict, kept over the run)
         self.autocast_seen: dict[str, Any] = autocast_seen if autocast_seen is not None else {}
         # whether forwards still look at autocast's state: until the end of the first sampled step that recorded
@@ -252,6 +253,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         again would cost a millisecond per thousand hooks) or ``remove`` (it is not). Idempotent."""
         self._unrun_weights()
         self._count_unread_weight_grads()
+        self._note_makers_again()
         self.installed = self.loop.active = False
         self._clear_outputs()
         self._autocast_open = self._autocast_open and not self.autocast_seen
@@ -263,6 +265,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         self._unrun_weights()
         if finished:
             self._count_unread_weight_grads()
+            self._note_makers_again()
         self._hookset.remove()
         self._autocast_open = self._autocast_open and not self.autocast_seen
         for h in self._handles:
@@ -315,6 +318,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         self._outputs_made.clear()
         self._outputs_by_data.clear()
         self._indexed = 0
+        self._read_from.clear()
 
     # ------------------------------------------------------------------------------------------ reading
     def _read_weights(self) -> set[int]:

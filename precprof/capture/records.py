@@ -164,6 +164,9 @@ class _ModuleSlot:
     # own input, ``input``): listed in capture.gemm_inputs with block formats off too, so that no reader guesses
     # the module before it made its input
     input_changed: bool = False
+    # a module whose output it read had run more often in a sampled step than it (``GemmInputs._made_again``):
+    # it reads its own input (``input``) from then on, and is listed in capture.gemm_inputs, block formats off too
+    maker_repeated: bool = False
     # its input row held a tensor the model itself was called with (summary capture.model_inputs): no module of
     # the model computed it, the layer reading it is the one to keep in fp32
     model_input: bool = False

@@ -263,7 +263,7 @@ class ProfilerResults:
             {
                 slot.name: sorted({plan.rows.info[r].module for r in slot.input_from})
                 for slot in plan.modules
-                if slot.input >= 0 or slot.input_from or slot.input_changed
+                if slot.input >= 0 or slot.input_from or slot.input_changed or slot.maker_repeated
             }
             if plan is not None
             else None

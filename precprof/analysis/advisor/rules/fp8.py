@@ -153,9 +153,42 @@ def fp8_losses(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -
     mine = out[out[T.TENSOR] != T.ACTIVATION]
     outputs = out[out[T.TENSOR] == T.ACTIVATION]
     read = pd.DataFrame([(m, s) for m in modules for s in inputs.get(m, [])], columns=["_reader", T.MODULE])
-    as_input = outputs.merge(read, on=T.MODULE).drop(columns=T.MODULE).rename(columns={"_reader": T.MODULE})
+    as_input = outputs.merge(read, on=T.MODULE)
+    again = made_more_often(run, modules, inputs)
+    if not again.empty:  # a maker's row of a step it ran more often than the layer: outputs it never read
+        key = pd.MultiIndex.from_frame(as_input[[T.STEP, "_reader", T.MODULE]].astype(object))
+        as_input = as_input[~key.isin(pd.MultiIndex.from_frame(again.astype(object)))]
+    as_input = as_input.drop(columns=T.MODULE).rename(columns={"_reader": T.MODULE})
     as_input[T.TENSOR] = INPUT
     return pd.concat([mine[mine[T.MODULE].isin(modules)], as_input[out.columns]], ignore_index=True)
+
+
+def made_more_often(run: _Run, modules: list[str], inputs: Mapping[str, list[str]]) -> pd.DataFrame:
+    """The steps on which a module whose output a layer of ``modules`` read as its input (``inputs``, as the
+    capture found it: ``capture.gemm_inputs``) ran more
+    often than the layer, as rows of (``T.STEP``, ``"_reader"``: the layer, ``T.MODULE``: the maker): the maker's
+    row adds up outputs the layer never read (a model reusing one ``self.act`` after each layer, whose second
+    output went into the layer's histogram with its first), so it measures no input of the layer on that step.
+    The capture reads such a layer's own input from the next sampled step on (``capture.gemm_inputs``), or at
+    once when the maker had already run more often (T5's dropout, applied to the embeddings and to the
+    encoder's output, which the cross-attention's k and v read)."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    listed = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
+    listed = listed if isinstance(listed, Mapping) else {}  # (a guess of an older run's is left as it is)
+    pairs = pd.DataFrame(
+        [(m, s) for m in modules if m in listed for s in inputs.get(m, []) if not s.endswith(T.INPUT_SUFFIX)],
+        columns=["_reader", T.MODULE],
+    )
+    if pairs.empty:
+        return pd.DataFrame(columns=[T.STEP, "_reader", T.MODULE])
+    acts = run.kind(T.ACTIVATION)
+    names = T.texts(acts[T.MODULE]).astype(object).rename(T.MODULE)
+    calls = pd.to_numeric(acts[T.CALLS], errors="coerce").groupby([acts[T.STEP], names]).sum().rename("calls")
+    calls = calls.reset_index()
+    made = pairs.merge(calls, on=T.MODULE)
+    mine = calls.rename(columns={T.MODULE: "_reader", "calls": "own"})
+    both = made.merge(mine, on=[T.STEP, "_reader"])
+    return both.loc[both["calls"] > both["own"], [T.STEP, "_reader", T.MODULE]].reset_index(drop=True)
 
 
 def _pooled(calls: np.ndarray, tensor: np.ndarray) -> np.ndarray:
@@ -407,6 +440,59 @@ def _pooled_words(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], li
         "read at the largest call's scale, their largest values "
         f"push {_pct(most)} ({where}), which does not decide. To judge them, profile a few steps of one "
         "micro-batch each (a run without gradient accumulation, on one rank)"
+    )
+
+
+def _unread_words(run: _Run, unread: list[str], limit: int) -> str:
+    """The words naming the layers whose input no row records (``unread``; "" when there are none), and why: made
+    by no module precprof watches, or, for those the capture lists with no maker (``capture.gemm_inputs``), an
+    output changed in place after its maker returned it, or of a maker that ran more often in the step than the
+    layer, which no row holds as the layer read it. The block-format what-if, which records a layer's own input,
+    was off."""
+    if not unread:
+        return ""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    listed = capture.get("gemm_inputs") if isinstance(capture, Mapping) else None
+    listed = listed if isinstance(listed, Mapping) else {}
+    made = [m for m in unread if m in listed]
+    none = [m for m in unread if m not in listed]
+    causes = ([f"{_listing(none, limit)}: made by no module precprof watches"] if none else []) + (
+        [
+            f"{_listing(made, limit)}: a module's output changed in place after the module returned it, or made "
+            "by a module that ran more often in the step than the layer, which no row holds as the layer read it"
+        ]
+        if made
+        else []
+    )
+    return (
+        f". The input of {len(unread)} layer(s) was not recorded ({'; '.join(causes)}, and the block-format what-if, "
+        "which records a layer's own input, was off): they are judged on their weight and output gradient"
+    )
+
+
+def _made_again_words(run: _Run, again: pd.DataFrame, inputs: Mapping[str, list[str]], limit: int) -> str:
+    """The words naming the layers whose input's maker ran more often in a step than they did
+    (``made_more_often``), whose row is left out of their input on those steps ("" when there are none)."""
+    if again.empty:
+        return ""
+    layers = run.sort(set(again["_reader"]))
+    makers = run.sort(set(again[T.MODULE]))
+    # the steps on which such a layer read the maker's output, its own input row not recorded then
+    acts = run.kind(T.ACTIVATION)
+    own = set(zip(acts[T.STEP], T.texts(acts[T.MODULE]), strict=True))
+    unread = {
+        s for s, m in zip(again[T.STEP], again["_reader"], strict=True) if (s, T.input_module(m)) not in own
+    }
+    return (
+        f". The input of {len(layers)} layer(s) ({_listing(layers, limit)}) is an output of a module that ran more "
+        f"often in a step than the layer ({_listing(makers, limit)}): its row adds up the outputs of all its calls, "
+        "of which the layer read one, so it is not the layer's input"
+        + (
+            f" (not judged on {len(unread)} sampled step(s); the layer's own input is read from the next one on)"
+            if all(T.input_module(m) in inputs.get(m, []) for m in layers)
+            else "; the layer's own input is recorded with the block-format what-if on (it was off): it is "
+            "judged on its weight and output gradient"
+        )
     )
 
 
@@ -875,6 +961,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     # layers whose input no row records (made by no captured module, with the block-format what-if off, which
     # records a layer's own input): judged on their weight and output gradient
     unread = [m for m in linear if not inputs[m] and m not in plan.fp8_shape_blocked]
+    again = made_more_often(run, linear, inputs)
     # a layer the count of flushed values would have ruled out (the rule before issue 34: over 1% of values)
     counted = [
         m
@@ -1016,14 +1103,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             if forward_only
             else ""
         )
-        + (
-            f". The input of {len(unread)} layer(s) was not recorded "
-            f"({_listing(unread, cfg.max_listed_modules)}: made by no module precprof watches, and the "
-            "block-format what-if, which records a layer's own input, was off): they are judged on their weight "
-            "and output gradient"
-            if unread
-            else ""
-        )
+        + _unread_words(run, unread, cfg.max_listed_modules)
+        + _made_again_words(run, again, inputs, cfg.max_listed_modules)
         + (". Not eligible: " + _not_eligible(bad, cfg.max_listed_modules) if bad else "")
         + "."
     )
