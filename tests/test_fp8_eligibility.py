@@ -1311,3 +1311,62 @@ def test_the_speed_estimate_counts_the_gemms_frozen_layers_run() -> None:
         in speed.message
     )
     assert speed.numbers["frozen_layers"] == 3
+
+
+class OverflowMLP(nn.Module):
+    """Three linear layers of 64, fc2 made large: its fp16 output reaches about 3e3 on an ordinary batch, and
+    overflows fp16 on a batch 40 times larger, where fc1's stays far from 65504."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.fc3 = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        with torch.no_grad():
+            self.fc2.weight.mul_(3000.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def fp16_overflow_run(steps: int, init_scale: float, big: set[int]) -> tuple[precprof.Profiler, list, list]:
+    """``steps`` steps of ``OverflowMLP`` under fp16 CPU autocast and a GradScaler, the batch x40 on the steps in
+    ``big``; returns the Profiler, whether fc2's output held inf on each step (a hook of ours) and the scale
+    before and after each step (GradScaler halves it on a step it skips, and only then)."""
+    model = OverflowMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # (the same model on every step)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    inf: list[bool] = []
+    model.fc2.register_forward_hook(lambda _m, _a, out: inf.append(bool(out.isinf().any())))
+    scales: list[tuple[float, float]] = []
+    g = torch.Generator().manual_seed(1)
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, memory=False) as prof:
+        for step in range(steps):
+            x = torch.randn(64, 64, generator=g) * (40.0 if step in big else 1.0)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            before = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            scales.append((before, scaler.get_scale()))
+            prof.step(loss=loss.detach())
+    return prof, inf, scales
+
+
+def test_one_fp16_overflow_step_does_not_hold_the_layers_after_it_back_from_fp8() -> None:
+    """One step of six overflows fp16 in fc2 (inf; nan in fc3 after it), that step skipped: every layer from
+    fc2 on was called not FP8-eligible for 'non-finite values', where FP8 training keeps activations in bf16, in
+    which those values are finite. The step's nan/inf are left out, said to come from fc2's overflow (its
+    gradients too: at a scale of 1 the scaler's skip does not set them aside)."""
+    prof, inf, scales = fp16_overflow_run(6, 1.0, big={3})
+    assert inf == [False, False, False, True, False, False]  # fc2 overflowed on step 3 alone
+    assert [after < before for before, after in scales] == inf  # and the scaler skipped that step alone
+    f = precprof.recommend(prof, hardware="h100").finding("fp8_eligibility")
+    assert f is not None and f.modules == ["fc1", "fc2", "fc3"]
+    assert "non-finite values" not in f.message
+    assert f.numbers["fp16_overflow_steps"] == 1
+    assert (
+        "The nan/inf of 1 of the 6 sampled step(s) come from fp16 overflowing in fc2 (values beyond 65504, inf in "
+        "fp16) and from what that inf became after it, forward and backward: they are left out" in f.message
+    )

@@ -283,6 +283,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "speedup_min": ("speedup FP8 must exceed", "number"),
     "tied": ("tied to an embedding", "count"),
     "forward_only": ("judged on the forward alone (no output gradient)", "count"),
+    "fp16_overflow_steps": ("sampled steps whose nan/inf came from an fp16 overflow, left out", "count"),
     "unknown_shape": ("shape unknown", "count"),
     "small_layers_left_out": ("misaligned layers too small to matter, left out", "count"),
     # block-scaled formats (rules/blocks.py)

@@ -39,6 +39,7 @@ from precprof.analysis import current_scaling, fp8_speed, lost_norm
 from precprof.analysis.advisor.evidence import (
     _captured_modules,
     _computed_weights,
+    _dtype_has,
     _expert_banks,
     _expert_gemms,
     _innermost,
@@ -62,7 +63,7 @@ from precprof.analysis.advisor.rules.shapes import (
     uneven_calls_text,
 )
 from precprof.analysis.advisor.text import _listing, _name, _pct
-from precprof.formats import FP8_E4M3, FP8_E5M2, NumberFormat
+from precprof.formats import FP8_E4M3, FP8_E5M2, FP16, NumberFormat
 
 # the format each tensor a linear layer's FP8 GEMMs read takes in the usual hybrid recipe (torchao's Float8Linear
 # and Transformer Engine's defaults): e4m3 forward (its input, the output of the module that made it, and its
@@ -783,6 +784,37 @@ def _gemms_run(run: _Run, linear: list[str], with_grad: set[str]) -> dict[str, i
     }
 
 
+def fp16_overflow_steps(run: _Run) -> dict[int, str]:
+    """Per sampled step whose forward overflowed fp16, the module that overflowed: the first in forward order of
+    the fp16 outputs holding inf (it propagates downstream, as nan after a matmul or a norm), when its finite
+    values reach within the fp16 rule's headroom of 65504 (``AdvisorConfig.fp16_activation_headroom_log2``): an
+    inf made by a log(0) or a -inf mask reaches no such value, and is no overflow."""
+    acts = run.kind(T.ACTIVATION)
+    seen = acts[_dtype_has(acts, "float16") & (acts[T.INF] > 0)]
+    limit = FP16.max / 2.0**run.cfg.fp16_activation_headroom_log2
+    out: dict[int, str] = {}
+    for step, at in seen.groupby(T.STEP):
+        first = run.sort(_innermost(at[T.MODULE]))[0]
+        amax = pd.to_numeric(at.loc[T.texts(at[T.MODULE]) == first, T.ABSMAX], errors="coerce").max()
+        if amax >= limit:
+            out[int(step)] = first
+    return out
+
+
+def _overflow_words(overflowed: Mapping[int, str], steps: int, limit: int) -> str:
+    """The words saying that the nan/inf of the steps that overflowed fp16 (``fp16_overflow_steps``) are left
+    out, and where they came from ("" when no step did)."""
+    if not overflowed:
+        return ""
+    origins = sorted(set(overflowed.values()))
+    return (
+        f". The nan/inf of {len(overflowed)} of the {steps} sampled step(s) come from fp16 overflowing in "
+        f"{_listing(origins, limit)} (values beyond 65504, inf in fp16) and from what that inf became after it, "
+        "forward and backward: they are left out, as FP8 training keeps activations in bf16, where those values "
+        "are finite"
+    )
+
+
 def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     cfg = run.cfg
     linear = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
@@ -800,6 +832,11 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     scaled_out = lay[T.STEP].isin(skipped) & lay[T.TENSOR].isin(T.GRADIENT_KINDS)
     plan.fp8_scaler_nonfinite_steps = int(lay[scaled_out & ((lay[T.NAN] + lay[T.INF]) > 0)][T.STEP].nunique())
     lay = lay[~scaled_out]
+    # the outputs and gradients of a step whose forward overflowed fp16 (what that inf became downstream, and
+    # in the backward, at any scale): FP8 training keeps activations in bf16, where those values are finite. A
+    # weight's nan/inf is there before the forward, and counts
+    overflowed = fp16_overflow_steps(run)
+    lay = lay[~(lay[T.STEP].isin(overflowed) & (lay[T.TENSOR] != T.WEIGHT))]
     nonfinite = (lay[T.NAN] + lay[T.INF]).groupby(T.texts(lay[T.MODULE]).astype(object)).sum()
     inputs = gemm_inputs(run, linear, dims)
     summary = fp8_summary(fp8_losses(run, linear, inputs))
@@ -1053,6 +1090,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             if plan.fp8_scaler_nonfinite_steps
             else ""
         )
+        + _overflow_words(overflowed, run.layers[T.STEP].nunique(), cfg.max_listed_modules)
         + _floored_words(by_key, linear, cfg.max_listed_modules)
         + f". Largest norm lost: e4m3 {_pct(fmax)}"
         + (f" ({_name(fmod)})" if fmod is not None else "")
@@ -1131,6 +1169,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 "checked": len(rows),
                 "tied": len(tied),
                 "forward_only": len(forward_only),
+                **({"fp16_overflow_steps": len(overflowed)} if overflowed else {}),
                 "unknown_shape": len(unknown),
                 "eligible_flops_share": plan.fp8_flops_share,
                 "experts_flops_share": experts_share,
