@@ -1370,3 +1370,19 @@ def test_one_fp16_overflow_step_does_not_hold_the_layers_after_it_back_from_fp8(
         "The nan/inf of 1 of the 6 sampled step(s) come from fp16 overflowing in fc2 (values beyond 65504, inf in "
         "fp16) and from what that inf became after it, forward and backward: they are left out" in f.message
     )
+
+
+def test_a_run_whose_every_step_was_skipped_judges_fp8_on_the_forward_alone() -> None:
+    """A loss scale of 2^60 overflows every gradient in fp16, and the scaler skipped all four steps: the FP8
+    finding reported 'e5m2 0%' as if measured, and 0 layers judged on their forward alone. Every layer is now
+    said to be judged on its forward alone, and no e5m2 figure is given."""
+    prof, inf, scales = fp16_overflow_run(4, 2.0**60, big=set())
+    assert not any(inf) and all(after < before for before, after in scales)  # finite forwards, all skipped
+    f = precprof.recommend(prof, hardware="h100").finding("fp8_eligibility")
+    assert f is not None and f.numbers["forward_only"] == 3
+    assert f.numbers["max_e5m2_lost_norm"] is None and f.numbers["max_e5m2_share"] is None
+    assert "e5m2 not measured (no output gradient was judged)" in f.message
+    assert (
+        "3 layer(s) had an output gradient only on the steps the loss scaler skipped (fc1, fc2, fc3), which are "
+        "left out: they are judged on their forward alone" in f.message
+    )

@@ -839,17 +839,22 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     lay = lay[~(lay[T.STEP].isin(overflowed) & (lay[T.TENSOR] != T.WEIGHT))]
     nonfinite = (lay[T.NAN] + lay[T.INF]).groupby(T.texts(lay[T.MODULE]).astype(object)).sum()
     inputs = gemm_inputs(run, linear, dims)
-    summary = fp8_summary(fp8_losses(run, linear, inputs))
+    losses = fp8_losses(run, linear, inputs)
+    # (their output gradients, which held nan/inf at the scale, are not judged either: FP8 scales no loss)
+    summary = fp8_summary(losses[~((losses["side"] == BACKWARD) & losses[T.STEP].isin(skipped))])
     by_key = summary.to_dict("index")
     lim = cfg.lost_norm_max
     # modules whose output gradient was recorded: in a run that recorded some, a layer without one on any sampled
     # step had an output that needed none (a frozen layer that nothing trainable feeds, as a LoRA model's first
     # layers, or an output that does not reach the loss): it runs no backward GEMM, and is judged on its forward
-    grads = run.layers.loc[run.layers[T.TENSOR] == T.ACTIVATION_GRAD, T.MODULE]
-    with_grad = set(T.texts(grads).astype(object))
+    grads = run.layers.loc[run.layers[T.TENSOR] == T.ACTIVATION_GRAD, [T.STEP, T.MODULE]]
+    with_grad = set(T.texts(grads[T.MODULE]).astype(object))
+    # a layer whose every output gradient came on a step the loss scaler skipped: judged on its forward alone
+    scaled_only = with_grad - set(T.texts(grads.loc[~grads[T.STEP].isin(skipped), T.MODULE]).astype(object))
     zero_grad = _all_zero_grads(run)
     rows: list[tuple[str, str]] = []
     forward_only: list[str] = []
+    skipped_only: list[str] = []
     batch_tokens = _tokens_per_call(run)
     computed = _computed_weights(run)
     for m in linear:
@@ -858,6 +863,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         fwd, bwd = _get(by_key, m, FORWARD, "norm"), _get(by_key, m, BACKWARD, "norm")
         if fwd is not None and with_grad and m not in with_grad:
             forward_only.append(m)
+        elif fwd is not None and m in scaled_only:
+            skipped_only.append(m)
         # the shape rule is taxonomy's, the one --precision fp8 (convert_fp8) applies to the live model
         # (calls of different tokens: judged on the largest number dividing them all, not on their mean)
         tokens = held_tokens if sh.uneven_calls else sh.tokens
@@ -902,7 +909,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             why = "no forward statistics"
         elif bwd is None and m in zero_grad:
             why = "every recorded value of its output gradient was zero: what FP8 does to it is not measured"
-        elif bwd is None and (m in with_grad or not with_grad):
+        elif bwd is None and m not in scaled_only and (m in with_grad or not with_grad):
             why = "no backward statistics" + ("" if with_grad else ": no backward pass was recorded")
         elif fwd > lim:
             why = f"e4m3 loses up to {_pct(fwd)} of its input's or weight's norm" + _floor_words(
@@ -993,6 +1000,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     fmax, fmod = worst(FORWARD, "norm")
     bmax, bmod = worst(BACKWARD, "norm")
     fval, fvmod = worst(FORWARD, "values")
+    unjudged_grads = bmax is None and bool(skipped_only)  # (every output gradient was on a skipped step)
     bval, bvmod = worst(BACKWARD, "values")
     steps = int(summary["steps"].max()) if not summary.empty else 0
     # layers whose input no row records (made by no captured module, with the block-format what-if off, which
@@ -1094,11 +1102,15 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         + _floored_words(by_key, linear, cfg.max_listed_modules)
         + f". Largest norm lost: e4m3 {_pct(fmax)}"
         + (f" ({_name(fmod)})" if fmod is not None else "")
-        + f", e5m2 {_pct(bmax)}"
+        + (
+            ", e5m2 not measured (no output gradient was judged)"
+            if unjudged_grads
+            else f", e5m2 {_pct(bmax)}"
+        )
         + (f" ({_name(bmod)})" if bmod is not None else "")
         + f". Values flushed, which do not decide: up to {_pct(fval)} forward"
         + (f" ({_name(fvmod)})" if fvmod is not None else "")
-        + f" and {_pct(bval)} of the output gradients"
+        + ("" if unjudged_grads else f" and {_pct(bval)} of the output gradients")
         + (f" ({_name(bvmod)})" if bvmod is not None else "")
         + (
             f"; {_listing(counted, cfg.max_listed_modules)} flush more than 1% of their values yet lose "
@@ -1141,6 +1153,13 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             if forward_only
             else ""
         )
+        + (
+            f". {len(skipped_only)} layer(s) had an output gradient only on the steps the loss scaler skipped "
+            f"({_listing(skipped_only, cfg.max_listed_modules)}), which are left out: they are judged on their "
+            "forward alone"
+            if skipped_only
+            else ""
+        )
         + _unread_words(run, unread, cfg.max_listed_modules)
         + _made_again_words(run, again, inputs, cfg.max_listed_modules)
         + (". Not eligible: " + _not_eligible(bad, cfg.max_listed_modules) if bad else "")
@@ -1168,7 +1187,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 "eligible": len(plan.fp8_eligible),
                 "checked": len(rows),
                 "tied": len(tied),
-                "forward_only": len(forward_only),
+                "forward_only": len(forward_only) + len(skipped_only),
                 **({"fp16_overflow_steps": len(overflowed)} if overflowed else {}),
                 "unknown_shape": len(unknown),
                 "eligible_flops_share": plan.fp8_flops_share,
