@@ -658,6 +658,8 @@ def test_the_flops_share_counts_the_matmuls_float8_conversion_leaves_in_bf16(
     rec = _advice(_Encoder(), 16, 16)
     f = rec.finding("fp8_eligibility")
     assert f is not None and f.modules == live
+    # out_proj, never called, its weight the attention's: counted with it, not as a layer multiplied outside
+    assert f.numbers["checked"] == len(live) and "multiplied_outside" not in f.numbers
     share = linear_flops / (linear_flops + attn_flops)
     assert 0.45 < share < 0.5 and f.numbers["eligible_flops_share"] == pytest.approx(share)
     assert f.numbers["unconverted_flops_share"] == pytest.approx(1 - share)
@@ -1134,6 +1136,88 @@ def test_the_share_says_it_leaves_out_the_score_matmuls_of_attention_it_cannot_c
         "The score matmuls of attn (Q K^T and the weights x V) are not among the GEMMs counted, as the FLOPs share "
         "leaves them out" in speed.message
     )
+
+
+class _Mixer(nn.Module):
+    """Mamba's mixer in small, width 32: in_proj and out_proj run as modules; dt_proj (an nn.Linear, 4 to 32) and
+    conv (a depthwise nn.Conv1d) are never called, the mixer computing with their weights itself (dt_proj.weight
+    @ x, F.conv1d on conv.weight); A_log (32 x 8) is a matrix parameter it uses element-wise alone (exp)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj, self.out_proj = nn.Linear(32, 64), nn.Linear(32, 32)
+        self.dt_proj = nn.Linear(4, 32)
+        self.conv = nn.Conv1d(32, 32, 3, groups=32, padding=2)
+        self.A_log = nn.Parameter(torch.zeros(32, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1]
+        h, gate = self.in_proj(x).chunk(2, dim=-1)  # (B, L, 32) each
+        conv = nn.functional.conv1d(h.transpose(1, 2), self.conv.weight, self.conv.bias, padding=2, groups=32)
+        h = conv[..., :seq].transpose(1, 2)  # causal: the first L outputs
+        dt = (self.dt_proj.weight @ h[..., :4].transpose(1, 2)).transpose(1, 2)  # (B, L, 32)
+        decay = torch.exp(-self.A_log.exp()).mean(-1)  # (32,)
+        return self.out_proj(h * torch.sigmoid(dt) * decay * torch.sigmoid(gate))
+
+
+class _MambaBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mixer, self.head = _Mixer(), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mixer(x))
+
+
+def _called_and_trained(model: nn.Module, x: torch.Tensor) -> tuple[set[str], set[str]]:
+    """(the modules whose forward ran, those whose own weight got a gradient) on a forward and backward of
+    ``model`` on ``x``, read by the test's own forward hooks and the weights' .grad."""
+    called: set[str] = set()
+    for name, m in model.named_modules():
+        m.register_forward_hook(lambda mod, args, out, name=name: called.add(name))
+    model(x).square().mean().backward()
+    trained = {
+        n
+        for n, m in model.named_modules()
+        if getattr(m, "weight", None) is not None and m.weight.grad is not None
+    }
+    return called, trained
+
+
+def test_a_linear_layer_whose_weight_its_parent_multiplies_is_named_not_dropped() -> None:
+    """Hugging Face's Mamba mixer computes dt_proj.weight @ x and F.conv1d on conv1d.weight itself, so those
+    modules' forward never runs: the finding read "4 of 7 linear layers" of a model holding 9 nn.Linear, dt_proj
+    and conv1d appeared nowhere, and it said as a fact that a matmul the mixer's own code computes with its
+    matrix parameters stays in bf16, of A_log, which it uses element-wise (tester h71). Every nn.Linear of the
+    model is counted; those never called whose weight trains are not eligible, and say why; the convolution is
+    named; the mixer's matrix parameters are named, and what they do is said as a possibility."""
+    called, trained = _called_and_trained(_MambaBlock(), torch.randn(4, 16, 32))
+    model = _MambaBlock()
+    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    outside = [
+        n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv1d)) and n not in called
+    ]
+    assert outside == ["mixer.dt_proj", "mixer.conv"] and set(outside) <= trained
+    f = _advice(model, 16, 16).finding("fp8_eligibility")
+    assert f is not None and f.numbers["checked"] == len(linear) == 4
+    assert f.numbers["multiplied_outside"] == len(outside)
+    assert f.modules == [m for m in linear if m in called]
+    assert (
+        "Not eligible: mixer.dt_proj (its own forward never ran on a sampled step, yet its weight got gradients: "
+        "the code around it multiplies that weight itself" in f.message
+    )
+    assert (
+        "the convolutions mixer.conv ran no forward of their own, yet their weights got gradients"
+        in f.message
+    )
+    params = [n for n, p in model.mixer.named_parameters(recurse=False) if p.ndim == 2]
+    assert params == ["A_log"]
+    assert (
+        "the matrix parameters of mixer (A_log) are not counted: where their own code multiplies them"
+        in f.message
+    )
+    assert "a matmul its own code computes with them" not in f.message
 
 
 @pytest.mark.parametrize(

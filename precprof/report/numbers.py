@@ -203,6 +203,10 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "banks": ("mixture-of-experts modules in FP32", "count"),
     "experts_uncounted": ("mixture-of-experts modules whose FLOPs are not counted", "count"),
     "unconverted_uncounted": ("other modules whose matmul FLOPs are not counted", "count"),
+    "multiplied_outside": (
+        "layers whose weight the code around them multiplies, their forward never run",
+        "count",
+    ),
     "expert_params": ("their expert parameters", "count"),
     "share_of_params": ("share of the model's parameters", "share"),
     # keep-in-fp32 modules, buffers, optimizer states

@@ -57,6 +57,7 @@ from precprof.analysis.advisor.rules.shapes import (
     RECURRENT,
     _fp8_shapes,
     _Fp8Shape,
+    _multiplied_outside,
     _Unconverted,
     _unconverted_matmuls,
     _unseen_weights,
@@ -722,6 +723,29 @@ def _scores_left_out(attention: list[str]) -> str:
     )
 
 
+# why a linear layer whose own forward never ran, its weight multiplied by the code around it, is not eligible
+# (``_multiplied_outside``)
+OUTSIDE_REASON = (
+    "its own forward never ran on a sampled step, yet its weight got gradients: the code around it multiplies that "
+    "weight itself (as Mamba's mixer does dt_proj.weight @ x), and float8 conversion swaps the module, whose "
+    "forward is never called, so that matmul stays in bf16 (its FLOPs not counted)"
+)
+
+
+def _unseen_words(unseen: Mapping[str, list[str]], limit: int) -> str:
+    """The words saying that the matrix parameters of modules of no matmul kind are not counted
+    (``_unseen_weights``; "" when there is none): whether their own code multiplies them the run does not show,
+    so it is said as a possibility."""
+    if not unseen:
+        return ""
+    params = sorted({p for ps in unseen.values() for p in ps})
+    return (
+        f"; the matrix parameters of {_listing(list(unseen), limit)} ({', '.join(params[:limit])}) are not "
+        "counted: where their own code multiplies them (F.linear, @), that matmul is no module's that this count "
+        "sees and stays in bf16; the run does not show whether it does (an element-wise use is no matmul)"
+    )
+
+
 def _not_eligible(bad: list[tuple[str, str]], limit: int) -> str:
     """The layers that are not FP8-eligible, those with the same reason together ("a, b and 3 more (68 tokens
     per call, not a multiple of 16); c (dims ...)"), at most ``limit`` reasons."""
@@ -922,6 +946,11 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         elif run.fp8_scaling.get(m, "tensorwise") == "tensorwise":  # a rowwise recipe scales each row alone
             why = _outlier_reason(by_key, m, cfg.fp8_pushed_subnormal_max)
         rows.append((m, why))
+    # linear layers whose own forward never ran, their weight multiplied by the code around them: counted among
+    # the model's linear layers, and not eligible
+    outside = _multiplied_outside(run)
+    rows += [(m, OUTSIDE_REASON) for m in outside if taxonomy.is_linear_type(run.types.get(m, ""))]
+    plan.fp8_shape_blocked.update(m for m, why in rows if why == OUTSIDE_REASON)
     plan.fp8_checked = len(rows)
     plan.fp8_eligible = [m for m, why in rows if not why]
     plan.fp8_why_not = {m: why for m, why in rows if why}
@@ -939,6 +968,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     unconverted, not_counted = _unconverted_matmuls(run)
     other_flops = {m: u.flops_per_token(tokens) for m, u in unconverted.items() if tokens}
     unseen = _unseen_weights(run, {**unconverted, **dict.fromkeys(not_counted)})
+    convolutions = [m for m in outside if not taxonomy.is_linear_type(run.types.get(m, ""))]
     plan.fp8_scores_uncounted = _attention_uncounted(run, unconverted)
     total = sum(known.values()) + sum(expert_flops.values()) + sum(other_flops.values())
     plan.fp8_flops_share = sum(known.get(m, 0) for m in plan.fp8_eligible) / total if total > 0 else None
@@ -1072,10 +1102,12 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             if not_counted
             else ""
         )
+        + _unseen_words(unseen, cfg.max_listed_modules)
         + (
-            f"; the matrix parameters of {_listing(unseen, cfg.max_listed_modules)} are not counted: a matmul "
-            "its own code computes with them (F.linear, @) is no module's that this count sees, and stays in bf16"
-            if unseen
+            f"; the convolutions {_listing(convolutions, cfg.max_listed_modules)} ran no forward of their own, yet "
+            "their weights got gradients: the code around them computes with those weights itself (F.conv1d), "
+            "matmuls not counted that stay in bf16"
+            if convolutions
             else ""
         )
         + (
@@ -1190,6 +1222,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 "forward_only": len(forward_only) + len(skipped_only),
                 **({"fp16_overflow_steps": len(overflowed)} if overflowed else {}),
                 "unknown_shape": len(unknown),
+                **({"multiplied_outside": len(outside)} if outside else {}),
                 "eligible_flops_share": plan.fp8_flops_share,
                 "experts_flops_share": experts_share,
                 "experts_uncounted": len(uncounted),
@@ -1208,9 +1241,9 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                 **(
                     {
                         "unconverted_flops_share": plan.fp8_others_share,
-                        "unconverted_uncounted": len(not_counted) + len(unseen),
+                        "unconverted_uncounted": len(not_counted) + len(unseen) + len(convolutions),
                     }
-                    if other_flops or not_counted or unseen
+                    if other_flops or not_counted or unseen or convolutions
                     else {}
                 ),
             },

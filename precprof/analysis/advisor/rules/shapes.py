@@ -500,11 +500,12 @@ def _unconverted_matmuls(run: _Run) -> tuple[dict[str, _Unconverted], list[str]]
     return out, run.sort(uncounted)
 
 
-def _unseen_weights(run: _Run, counted: Mapping[str, object]) -> list[str]:
+def _unseen_weights(run: _Run, counted: Mapping[str, object]) -> dict[str, list[str]]:
     """Modules of no matmul kind holding a matrix parameter, outside those ``_unconverted_matmuls`` counts and a
-    parametrized layer's ``parametrizations`` (the root holding one that its forward uses with F.linear): what
-    their own code computes with it no count of matmuls sees."""
-    out = []
+    parametrized layer's ``parametrizations`` (the root holding one that its forward uses with F.linear), with
+    the names of those parameters: a matmul their own code may compute with them no count of matmuls sees. The
+    run does not show whether it does: Mamba's mixer holds A_log (d_inner x d_state), used element-wise."""
+    out: dict[str, list[str]] = {}
     for name, entry in _captured_modules(run).items():
         t, params = str(entry.get("type", "")), entry.get("params") or {}
         if (
@@ -513,6 +514,37 @@ def _unseen_weights(run: _Run, counted: Mapping[str, object]) -> list[str]:
             or taxonomy.kind_of_type(t) != taxonomy.OTHER
         ):
             continue
-        if any(isinstance(s, list) and len(s) == 2 and min(s) > 1 for s in params.values()):
+        matrices = [p for p, s in params.items() if isinstance(s, list) and len(s) == 2 and min(s) > 1]
+        if matrices:
+            out[name] = matrices
+    return {m: out[m] for m in run.sort(out)}
+
+
+def _multiplied_outside(run: _Run) -> list[str]:
+    """Matmul layers (an nn.Linear, a convolution) that ran no forward of their own on any sampled step, yet whose
+    weight got a gradient: the code around them computes with their weight itself (Mamba's mixer does
+    ``dt_proj.weight @ x`` and F.conv1d on ``conv1d.weight``). Float8 conversion swaps the module, whose forward
+    is never called, so that matmul stays in bf16, and no count of matmuls sees it (a layer's is read from its
+    own output). An nn.MultiheadAttention's out_proj is one, counted with its attention
+    (``_unconverted_matmuls``); a layer whose output the capture could not read (``skipped_tensors``) is none.
+    Empty in a run that recorded no forward."""
+    ran = set(T.texts(run.kind(T.ACTIVATION, T.ACTIVATION_GRAD)[T.MODULE]))
+    if not ran:
+        return []
+    grads = run.kind(T.WEIGHT_GRAD)
+    trained = set(T.texts(grads.loc[grads[T.PARAM] == "weight", T.MODULE]))
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    skipped = capture.get("skipped_tensors") if isinstance(capture, Mapping) else None
+    seen = ran | {str(e.get("module")) for e in skipped or [] if isinstance(e, Mapping)}
+    mods = _captured_modules(run)
+    out = []
+    for name, entry in mods.items():
+        parent = str((mods.get(name.rpartition(".")[0]) or {}).get("type", ""))
+        if (
+            name in trained
+            and name not in seen
+            and taxonomy.is_matmul_type(str(entry.get("type", "")))
+            and "MultiheadAttention" not in parent
+        ):
             out.append(name)
     return run.sort(out)
