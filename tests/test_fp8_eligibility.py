@@ -1220,6 +1220,44 @@ def test_a_linear_layer_whose_weight_its_parent_multiplies_is_named_not_dropped(
     assert "a matmul its own code computes with them" not in f.message
 
 
+class _DecoderOnly(nn.Module):
+    """A decoder block whose cross-attention (``cross_attn``) runs only given encoder states, as a
+    BartForCausalLM's encoder_attn: trained without them, it never runs; its self-attention calls
+    F.scaled_dot_product_attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.self_attn, self.cross_attn = _SdpaBlock.SelfAttention(), _SdpaBlock.SelfAttention()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(x)
+        if memory is not None:
+            x = x + self.cross_attn(x + memory)
+        return self.fc(x)
+
+
+def test_an_attention_that_never_ran_is_not_said_to_leave_score_matmuls_out() -> None:
+    """A decoder-only BartForCausalLM never calls its cross-attention, yet the FP8 finding listed the score
+    matmuls of its encoder_attn modules among those the share leaves out (tester h71). The attention modules
+    named are those whose forward ran (the test's own hooks); the one that never ran is named among the unused
+    modules instead."""
+    model = _DecoderOnly()
+    called, _ = _called_and_trained(model, torch.randn(4, 16, 32))
+    assert "self_attn" in called and "cross_attn" not in called
+    idle = [n for n, m in model.named_modules() if n not in called and list(m.parameters(recurse=False))]
+    rec = _advice(_DecoderOnly(), 16, 16)
+    f, speed, unused = (rec.finding(c) for c in ("fp8_eligibility", "fp8_speed", "unused_modules"))
+    assert f is not None and speed is not None and unused is not None
+    assert (
+        "The share leaves out the score matmuls (Q K^T and the weights x V) of self_attn, which float8 conversion"
+        in f.message
+    )
+    assert "The score matmuls of self_attn (Q K^T and the weights x V) are not among" in speed.message
+    assert sorted(unused.modules) == sorted(idle) == ["cross_attn.proj", "cross_attn.qkv"]
+
+
 @pytest.mark.parametrize(
     ("name", "vocab", "args"),
     [

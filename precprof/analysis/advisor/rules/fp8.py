@@ -693,8 +693,11 @@ def _attention_uncounted(run: _Run, unconverted: Mapping[str, _Unconverted]) -> 
     "attention" (self_attn.q_proj, attention.self.query, attn.c_attn): a module of no matmul so named, as
     Llama's post_attention_layernorm, is none. Float8 conversion leaves its score matmuls in bf16. A matmul at or
     below an nn.MultiheadAttention whose scores are counted is no sign of one, wherever that module sits under the
-    named part (blk.attn.mha.out_proj in a wrapper blk.attn): its attention is in the share already."""
+    named part (blk.attn.mha.out_proj in a wrapper blk.attn): its attention is in the share already. Nor is an
+    attention that ran no forward on any sampled step, neither it nor a module under it (a decoder-only
+    BartForCausalLM's cross-attention, encoder_attn, without encoder states): it did no score matmul."""
     counted = [m for m, u in unconverted.items() if u.scores]
+    ran = set(T.texts(run.kind(T.ACTIVATION, T.ACTIVATION_GRAD)[T.MODULE]))
     attention: dict[str, None] = {}
     for m, entry in _captured_modules(run).items():
         if not taxonomy.is_matmul_type(str(entry.get("type", ""))):
@@ -705,7 +708,7 @@ def _attention_uncounted(run: _Run, unconverted: Mapping[str, _Unconverted]) -> 
         at = [i for i, p in enumerate(parts) if "attn" in p.lower() or "attention" in p.lower()]
         if at:
             attention[".".join(parts[: at[0] + 1])] = None
-    return list(attention)
+    return [a for a in attention if any(r == a or r.startswith(f"{a}.") for r in ran)]
 
 
 def _scores_left_out(attention: list[str]) -> str:
