@@ -339,23 +339,36 @@ def float32_matmul_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
 # the module types whose matmuls run in FP8: torchao's float8 training layer (convert_to_float8_training swaps
 # nn.Linear for it). Transformer Engine's te.Linear is named "Linear", like nn.Linear: its type says nothing.
 FP8_MODULE_TYPES: frozenset[str] = frozenset({"Float8Linear"})
+# the module types whose matmuls run in a block-scaled format: torchao's MX training layers (0.18's
+# ``MXFP8Linear`` of ``torchao.prototype.moe_training``, earlier releases' ``MXLinear``), each GEMM quantising its
+# operands in blocks of 32 values with one power-of-two scale each
+BLOCK_MODULE_TYPES: frozenset[str] = frozenset({"MXFP8Linear", "MXLinear"})
 
 
 def fp8_linear_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
     """(linear layers whose module type runs its GEMMs in FP8, how many linear layers there were), from the
     layers table's module types: what confirms that an fp8 run's FP8 GEMMs ran, which the dtypes cannot (a
     Float8Linear's output is bf16 under autocast, as a bf16 layer's)."""
+    return _linear_layers_of(layers, FP8_MODULE_TYPES)
+
+
+def block_linear_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
+    """(linear layers whose module type runs its GEMMs in an MX format, how many linear layers there were): what
+    confirms that an MX run's block-scaled GEMMs ran (an MXFP8Linear's output has its input's dtype)."""
+    return _linear_layers_of(layers, BLOCK_MODULE_TYPES)
+
+
+def _linear_layers_of(layers: pd.DataFrame, kinds: frozenset[str]) -> tuple[list[str], int]:
+    """(linear layers of a module type in ``kinds``, how many linear layers there were), from the layers table."""
     if layers.empty or T.MODULE_TYPE not in layers:
         return [], 0
     types = layers[[T.MODULE, T.MODULE_TYPE]].drop_duplicates()
     # a missing type reads as "" (pandas 3's astype(str) keeps NaN a NaN; a column of NaN alone is float64)
     types = types[texts(types[T.MODULE_TYPE]).map(is_linear_type)]
-    fp8 = sorted(
-        str(m)
-        for m, t in zip(types[T.MODULE], types[T.MODULE_TYPE], strict=True)
-        if str(t) in FP8_MODULE_TYPES
+    found = sorted(
+        str(m) for m, t in zip(types[T.MODULE], types[T.MODULE_TYPE], strict=True) if str(t) in kinds
     )
-    return fp8, int(types[T.MODULE].nunique())
+    return found, int(types[T.MODULE].nunique())
 
 
 def mixed_precision_check(requested: str, layers: pd.DataFrame) -> dict[str, Any]:

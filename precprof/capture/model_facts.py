@@ -1,6 +1,6 @@
 """What the capture summary says of the model and its optimizers beyond the rows (``ProfilerResults.summary``):
 buffers held in low precision and how far their values may lie from fp32, FP8-emulating layers and the FP8
-recipes torchao's layers run, dropout layers,
+recipes torchao's layers run, the MX recipes of torchao's block-scaled layers, dropout layers,
 the parts torch.compile compiled and with which backend, each optimizer's settings."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from precprof import _compat
+from precprof.taxonomy import BLOCK_MODULE_TYPES, FP8_MODULE_TYPES
 
 _ROUNDING_READ_MAX = 1 << 26  # elements: a larger 16-bit buffer is listed without reading its values
 
@@ -141,6 +142,74 @@ def fp8_recipes(model: nn.Module) -> list[dict[str, Any]]:
         else:
             same["layers"].append(name)
     return out
+
+
+# torchao 0.18's MXFP8Linear fixes its recipe's element format and block size in code (E4M3 elements, blocks of
+# 32, for every GEMM); earlier releases' MXLinear holds them in its ``config`` (``MXLinearConfig``)
+_MX_FIXED = {"MXFP8Linear": ("float8_e4m3fn", 32)}
+
+
+def _mx_format(element: str) -> str:
+    """The MX format an element dtype makes ("float8_e4m3fn" -> "mxfp8", "float4_e2m1fn_x2" -> "mxfp4")."""
+    for bits, name in (("8", "mxfp8"), ("6", "mxfp6"), ("4", "mxfp4")):
+        if element.startswith((f"float{bits}", f"fp{bits}")):
+            return name
+    return "mx"
+
+
+def block_recipe_of(module: nn.Module) -> dict[str, Any]:
+    """What a torchao MX training layer (``taxonomy.BLOCK_MODULE_TYPES``) runs, in plain values: its ``format``
+    ("mxfp8"), the element dtype and block size of its operands, ``scale_rounding`` ("rceil": the scale rounded
+    up, as cuBLAS computes it; "floor": the OCP spec's; None where the layer does not say), whether its weight
+    gradient GEMM runs in high precision (``wgrad_with_hp``) and whether it is ``emulated`` (the casts are real,
+    the matmuls run in high precision). Read from the module's attributes, else its ``config``, so that a layer
+    of another torchao version reads as far as it has them."""
+    config = getattr(module, "config", None)
+    element, block = _MX_FIXED.get(type(module).__name__, (None, None))
+    element = _word(getattr(config, "elem_dtype", element))
+    block = getattr(config, "block_size", block)
+
+    def setting(name: str) -> Any:
+        return getattr(module, name, getattr(config, name, None))
+
+    rounding = setting("scale_calculation_mode")
+    return {
+        "format": _mx_format(element),
+        "module_type": type(module).__name__,
+        "element": element,
+        "block_size": int(block) if isinstance(block, int) else None,
+        "scale_rounding": _word(rounding).lower() if rounding is not None else None,
+        "wgrad_with_hp": bool(setting("wgrad_with_hp")),
+        "emulated": _word(setting("kernel_preference")).lower() == "emulated",
+    }
+
+
+def block_recipes(model: nn.Module) -> list[dict[str, Any]]:
+    """The MX recipes the model's torchao MX training layers run, each once with the layers that run it
+    (``layers``, by the capture's names): what ``block_recipe_of`` reads. [] when none is one."""
+    out: list[dict[str, Any]] = []
+    for name, m in _compat.named_modules(model):
+        if type(m).__name__ not in BLOCK_MODULE_TYPES:
+            continue
+        recipe = block_recipe_of(m)
+        same = next((r for r in out if {k: v for k, v in r.items() if k != "layers"} == recipe), None)
+        if same is None:
+            out.append({**recipe, "layers": [name]})
+        else:
+            same["layers"].append(name)
+    return out
+
+
+def low_precision_linear(model: nn.Module) -> str | None:
+    """The precision the model's torchao training layers run their GEMMs in: "fp8" with a Float8Linear, else the
+    MX formats of its MX layers ("mxfp8"; "mxfp8+mxfp4" for two), else None."""
+    modules = list(model.modules())
+    if any(type(m).__name__ in FP8_MODULE_TYPES for m in modules):
+        return "fp8"
+    formats = {
+        _mx_format(block_recipe_of(m)["element"]) for m in modules if type(m).__name__ in BLOCK_MODULE_TYPES
+    }
+    return "+".join(sorted(formats)) or None
 
 
 def model_class_name(model: nn.Module) -> str:

@@ -21,11 +21,13 @@ from precprof.capture.block_budget import BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.model_facts import (
     FP8_WHATIF_RECIPE,
+    block_recipes,
     compiled_parts,
     dropout_layers,
     fp8_emulated,
     fp8_recipes,
     low_precision_buffers,
+    low_precision_linear,
     model_class_name,
     optimizer_settings,
     resumed_optimizer_changes,
@@ -332,6 +334,7 @@ class ProfilerResults:
             # the model's parameters or modules changed, planned again (replan.py): {step, added, removed, modules}
             "model_changes": [dict(c) for c in self._model_changes],
             "fp8_recipe": fp8_recipes(_compat.unwrapped(self.model)),  # what its Float8Linear layers ran
+            "block_recipe": block_recipes(_compat.unwrapped(self.model)),  # what its MX layers ran
             "fp8_whatif_recipe": FP8_WHATIF_RECIPE,  # what every FP8 what-if assumes, whatever the run ran
             "memory_error": self._collector.memory_error if self._collector is not None else None,
             "memory_steps": self._tracker.schedule.describe() if hasattr(self._tracker, "schedule") else None,
@@ -366,15 +369,15 @@ class ProfilerResults:
     def precision_seen(self) -> str | None:
         """The precision mode this loop trains in, as the built-in loop names them (``precprof.modes``), read
         from what the hooks saw: autocast and its dtype on the first recorded forward pass, a torchao Float8
-        linear layer, a GradScaler, a wrapper's mixed precision (FSDP's ``MixedPrecisionPolicy(param_dtype=
+        linear layer, torchao's MX layers (their format, "mxfp8": no mode of the built-in loop), a GradScaler, a wrapper's mixed precision (FSDP's ``MixedPrecisionPolicy(param_dtype=
         torch.bfloat16)`` over fp32 parameters: bf16, as autocast over them), the parameters' dtype. None before
         any forward pass was recorded."""
         autocast = self._autocast_seen
         if not autocast:
             return None
         model = _compat.unwrapped(self.model)
-        if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
-            return "fp8"
+        if (layers := low_precision_linear(model)) is not None:  # torchao's FP8 or MX training layers
+            return layers
         if autocast.get("enabled"):
             dtype = autocast.get("dtype")
             return {"bfloat16": "bf16", "float16": "fp16"}.get(str(dtype), f"autocast {dtype}")

@@ -439,13 +439,16 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     """What the tensors really were: dtype census per kind, optimizer state dtypes, and whether mixed precision
     is active (some activation of a module with parameters is in a 16- or 8-bit format).
 
-    For an fp8 run it also confirms that FP8 GEMMs ran (``taxonomy.fp8_linear_layers``).
+    For an fp8 run it also confirms that FP8 GEMMs ran (``taxonomy.fp8_linear_layers``), for an MX run
+    ("mxfp8": torchao's MX layers, whose outputs keep their input's dtype) that its MX GEMMs did.
 
     Returns {"requested", "rows": [{"what", "census"}], "active": bool, "verdict": str, "ok": bool, "banner":
     str (the banner's headline when not ok, "" for the usual one)}.
     """
     requested = requested_precision(summary)
-    fp8_layers, n_linear = taxonomy.fp8_linear_layers(layers) if "fp8" in requested else ([], 0)
+    mx = requested.startswith("mx")  # "mxfp8" holds "fp8", and asks nothing of the activations' dtypes
+    fp8_layers, n_linear = taxonomy.fp8_linear_layers(layers) if "fp8" in requested and not mx else ([], 0)
+    mx_layers = taxonomy.block_linear_layers(layers) if mx else ([], 0)
     layers = layers[
         [T.STEP, T.MODULE, T.TENSOR, T.DTYPE, T.NUMEL]
     ]  # the columns it reads: filters stay narrow
@@ -473,7 +476,7 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & layers[T.MODULE].isin(with_params)]
     low = acts[acts[T.DTYPE].astype(str).isin(formats.LOW_PRECISION_DTYPES)]
     active = not low.empty
-    wants_low = any(t in requested for t in ("bf16", "fp16", "fp8"))
+    wants_low = not mx and any(t in requested for t in ("bf16", "fp16", "fp8"))
     if acts.empty:
         verdict, ok = "No activations of modules with parameters were recorded.", True
     elif wants_low and not active:
@@ -493,9 +496,11 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     else:
         verdict, ok = "Full precision: every activation of a module with parameters is float32.", True
     banner = ""  # the page's banner when not ok: "Mixed precision is not active." unless said otherwise
-    if "fp8" in requested and ok:
+    if "fp8" in requested and not mx and ok:
         verdict, ok = _fp8_verdict(verdict, fp8_layers, n_linear, summary)
         banner = "" if ok else "FP8 did not run."
+    if mx:
+        verdict = _mx_verdict(verdict, *mx_layers, summary)
     return {
         "requested": requested,
         "rows": census_rows,
@@ -528,6 +533,49 @@ def _fp8_recipe_words(recipes: Any) -> str:
         if isinstance(r, Mapping)
     ]
     return " torchao recipe: " + "; ".join(parts) + "."
+
+
+def _mx_recipe_words(recipe: Mapping[str, Any]) -> str:
+    """One MX recipe of the run (``capture.model_facts.block_recipe_of``) in words: "MXFP8 (float8_e4m3fn
+    elements, blocks of 32, scales rounded up: rceil), emulated, for 4 layer(s)"."""
+    rounding = {"rceil": "scales rounded up: rceil", "floor": "scales rounded down: floor (OCP)"}
+    said = [
+        f"{recipe.get('element')} elements" if recipe.get("element") else "",
+        f"blocks of {recipe.get('block_size')}" if recipe.get("block_size") else "",
+        rounding.get(str(recipe.get("scale_rounding")), f"scale rounding {recipe.get('scale_rounding')}")
+        if recipe.get("scale_rounding")
+        else "",
+        "the weight gradient's GEMM in high precision (wgrad_with_hp)" if recipe.get("wgrad_with_hp") else "",
+    ]
+    return (
+        f"{formats.label(str(recipe.get('format', 'mx')))} ({', '.join(s for s in said if s)})"
+        + (", emulated (kernel_preference=EMULATED)" if recipe.get("emulated") else "")
+        + f", for {len(recipe.get('layers') or [])} layer(s)"
+    )
+
+
+def _mx_verdict(verdict: str, mx_layers: list[str], n_linear: int, summary: Mapping[str, Any]) -> str:
+    """An MX run's check: how many of its linear layers ran torchao's MX layers, and their recipes. Emulated
+    layers quantise their operands as the hardware would, then multiply in high precision: the numbers are the
+    format's, the speed is not."""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    recipes = capture.get("block_recipe") if isinstance(capture, Mapping) else None
+    recipes = [r for r in recipes if isinstance(r, Mapping)] if isinstance(recipes, list) else []
+    if not mx_layers:
+        return f"{verdict} No linear layer ran as one of torchao's MX layers."
+    types = ", ".join(sorted({str(r.get("module_type")) for r in recipes})) or "MX"
+    emulated = sum(len(r.get("layers") or []) for r in recipes if r.get("emulated"))
+    ran = (
+        f"MX was emulated: {len(mx_layers)} of {n_linear} linear layers are torchao {types}, {emulated} of them "
+        "emulated (they quantise their input, weight and output gradient block by block, then multiply in high "
+        "precision: the numbers are the format's, the speed is not; their outputs keep their input's dtype)"
+        if emulated
+        else f"MX GEMMs ran: {len(mx_layers)} of {n_linear} linear layers are torchao {types} (they quantise "
+        "their input, weight and output gradient block by block for each of their three GEMMs; their outputs "
+        "keep their input's dtype)"
+    )
+    recipe = "; ".join(_mx_recipe_words(r) for r in recipes)
+    return f"{verdict} {ran}." + (f" torchao recipe: {recipe}." if recipe else "")
 
 
 def _fp8_verdict(

@@ -1,0 +1,78 @@
+"""A run that already trains with torchao's MX layers (h72): torchao 0.18's ``MXFP8Linear``, emulated on the CPU
+(``KernelPreference.EMULATED``: the casts to MXFP8 are real, the matmuls run in high precision). Such a run read
+as fp32: "it already uses FP32", a snippet saying the loop stays as it is, and a block plan proposing NVFP4 for
+layers that already ran MXFP8, without a word; torchao's Float8Linear alone was recognised.
+
+One real run, shared by the tests: two MXFP8Linear layers with different recipes and a plain nn.Linear head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import tables as T
+from precprof.report import summarize as S
+
+mxfp8_linear = pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
+mx_config = pytest.importorskip("torchao.prototype.mx_formats.config")
+kernels = pytest.importorskip("torchao.quantization.quantize_.common.kernel_preference")
+
+
+def _mx(n_in: int, n_out: int, **recipe: Any) -> nn.Module:
+    return mxfp8_linear.MXFP8Linear(
+        n_in, n_out, kernel_preference=kernels.KernelPreference.EMULATED, **recipe
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three SGD steps of a 3-layer MLP whose first two layers are MXFP8Linear: the first with torchao's default
+    recipe (rceil scales), the second with OCP's floor scales and its weight gradient in high precision; every
+    layer's block formats evaluated on every step. 32 tokens a step: MX blocks run along the tokens too."""
+    torch.manual_seed(0)
+    floor = mx_config.ScaleCalculationMode.FLOOR
+    model = nn.Sequential(
+        _mx(32, 64), nn.GELU(), _mx(64, 32, scale_calculation_mode=floor, wgrad_with_hp=True), nn.GELU()
+    )
+    model.append(nn.Linear(32, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    out = tmp_path_factory.mktemp("mx") / "run"
+    prof = precprof.Profiler(model, opt, sample_every=1, memory=False, block_formats=True, block_groups=1)
+    with prof:
+        for _ in range(3):
+            loss = model(torch.randn(32, 32)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    prof.save(out)
+    return out
+
+
+def test_a_run_with_mx_layers_reads_as_mx_and_records_their_recipes(run: Path) -> None:
+    """The run's precision is its MX format, and each recipe its layers ran is recorded as their constructor
+    set it (the FP8 recipe of Float8Linear layers is recorded the same way); the precision check says the MX
+    layers ran, emulated, rather than that mixed precision was asked for and is not active."""
+    summary = T.read_summary(run)
+    capture = summary[T.SUMMARY_CAPTURE]
+    assert capture["precision_seen"] == "mxfp8"
+    common = {"format": "mxfp8", "module_type": "MXFP8Linear", "element": "float8_e4m3fn", "block_size": 32}
+    assert capture["block_recipe"] == [
+        {**common, "scale_rounding": "rceil", "wgrad_with_hp": False, "emulated": True, "layers": ["0"]},
+        {**common, "scale_rounding": "floor", "wgrad_with_hp": True, "emulated": True, "layers": ["2"]},
+    ]
+    tables = T.read_tables(run)
+    check = S.precision_check(tables["layers"], tables["memory"], summary)
+    assert check["ok"] and check["requested"] == "mxfp8"
+    assert "NOT active" not in check["verdict"] and "Float8Linear" not in check["verdict"]
+    assert "MX was emulated: 2 of 3 linear layers are torchao MXFP8Linear" in check["verdict"]
+    assert (
+        "blocks of 32, scales rounded down: floor (OCP), the weight gradient's GEMM in high"
+        in check["verdict"]
+    )
