@@ -17,6 +17,9 @@ from torch import nn
 
 import precprof
 from precprof import tables as T
+from precprof.analysis.advisor import recommend
+from precprof.analysis.advisor.rules import blocks as rb
+from precprof.report import context as report_context
 from precprof.report import summarize as S
 
 mxfp8_linear = pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
@@ -76,3 +79,37 @@ def test_a_run_with_mx_layers_reads_as_mx_and_records_their_recipes(run: Path) -
         "blocks of 32, scales rounded down: floor (OCP), the weight gradient's GEMM in high"
         in check["verdict"]
     )
+
+
+def _recommended(run: Path) -> tuple[Any, dict, dict]:
+    """The recommendation for a B200 (which runs block formats), the tables and the summary of ``run``."""
+    summary = T.read_summary(run)
+    tables = T.read_tables(run)
+    return recommend(tables, hardware="b200", summary=summary), tables, summary
+
+
+def test_the_block_plan_says_which_layers_already_run_an_mx_format(run: Path) -> None:
+    """Layers 0 and 2 ran MXFP8 (the run's own MXFP8Linear); the plan gives each a format: the finding, its title,
+    the verdict's reason and box, and the table's plan column say what they run now, and what the plan does to
+    it. The plan had proposed formats for them as if the run were fp32, without a word."""
+    rec, tables, summary = _recommended(run)
+    assert rec.block_what_if["running"] == {"0": "mxfp8", "2": "mxfp8"}
+    choice = {lb["module"]: lb["choice"] for lb in rec.block_what_if["layers"]}
+    labels = rb.PLAN_LABELS
+    (found,) = [f for f in rec.findings if f.code == "block_format_plan"]
+    assert found.title.endswith("; 2 run MXFP8 now")
+    assert (
+        "This run already runs MXFP8 on 2 of these layers (torchao's MX layers); the plan " in found.message
+    )
+    for m in ("0", "2"):
+        said = "keeps 1 in MXFP8" if choice[m] == "mxfp8" else f"moves 1 from MXFP8 to {labels[choice[m]]}"
+        if choice["0"] != choice["2"]:
+            assert f"{said} ({m})" in found.message
+    moved = sum(choice[m] != "mxfp8" for m in ("0", "2"))
+    assert found.numbers["running_block_format"] == 2 and found.numbers["moved_block_format"] == moved
+    assert any("This run already runs MXFP8 on 2 of these layers" in r for r in rec.reasons)
+    ctx = report_context.build_context(tables, summary, rec)
+    now = {m: g["now"] for g in ctx["verdict"]["block_plan"] for m in g["modules"]}
+    assert "MXFP8 now" in now["0"] and "MXFP8 now" in now["2"]
+    rows = {r["module"]: r["running"] for r in ctx["whatif"]["blocks"]["rows"]}
+    assert rows == {"0": "MXFP8", "2": "MXFP8", "4": ""}

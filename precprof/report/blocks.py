@@ -13,19 +13,39 @@ from precprof.report import filters as F
 from precprof.report import summarize as S
 
 
-def plan_groups(plan: Any, plan_labels: Mapping[str, str]) -> list[dict[str, Any]]:
+def plan_groups(plan: Any, plan_labels: Mapping[str, str], running: Any = None) -> list[dict[str, Any]]:
     """The recommendation's block plan (layer -> format) as groups in the plan's order (the advisor's labels:
-    NVFP4, MXFP4, MXFP8, BF16), each with its layers."""
+    NVFP4, MXFP4, MXFP8, BF16), each with its layers and, where the run already runs some of them in a block
+    format (``running``: layer -> format, torchao's MX layers), what they run now ("4 run MXFP8 now")."""
     if not isinstance(plan, Mapping) or not plan:
         return []
+    running = running if isinstance(running, Mapping) else {}
     order = list(plan_labels)
     groups: dict[str, list[str]] = {}
     for module, fmt in plan.items():
         groups.setdefault(str(fmt), []).append(str(module))
     return [
-        {"format": f, "label": plan_labels.get(f, f.upper()), "modules": groups[f]}
+        {
+            "format": f,
+            "label": plan_labels.get(f, f.upper()),
+            "modules": groups[f],
+            "now": _now(groups[f], running, plan_labels),
+        }
         for f in sorted(groups, key=lambda f: order.index(f) if f in order else len(order))
     ]
+
+
+def _now(modules: list[str], running: Mapping[str, Any], plan_labels: Mapping[str, str]) -> str:
+    """How many of ``modules`` the run already runs in each block format, in words ("" for none)."""
+    now: dict[str, int] = {}
+    for m in modules:
+        if m in running:
+            now[str(running[m])] = now.get(str(running[m]), 0) + 1
+    every = len(modules) == sum(now.values())
+    return ", ".join(
+        f"{'all ' if every and n > 1 else ''}{n} run{'s' if n == 1 else ''} {plan_labels.get(f, f.upper())} now"
+        for f, n in now.items()
+    )
 
 
 # the block recipes of the compact table (the details show every recipe the layers table holds)
@@ -157,9 +177,12 @@ def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | N
     def floor(recipe: str) -> Any:  # the SQNR the plan's rule asks of the recipe (the advisor's ``fails``)
         return rules.get("mxfp8_sqnr_min_db" if recipe.startswith("mxfp8") else "fp4_sqnr_min_db")
 
+    running = data.get("running")
+    running = running if isinstance(running, Mapping) else {}
     rows, details = [], []
     for lb in layers:
         choice = str(lb.get("choice") or "")
+        now = running.get(str(lb.get("module", "")))
         recipes = lb.get("recipes") or {}
         rows.append(
             {
@@ -167,6 +190,7 @@ def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | N
                 "module_type": lb.get("module_type"),
                 "plan": plan_labels.get(choice, choice),
                 "plan_format": choice,
+                "running": plan_labels.get(str(now), str(now).upper()) if now else "",  # what it runs now
                 "why": lb.get("why") or "",
                 "input_from": S.module_label(lb["input_from"]) if lb.get("input_from") is not None else None,
                 "cells": [_block_cell(recipes.get(r), floor(r)) for r in shown],

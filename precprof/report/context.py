@@ -153,7 +153,9 @@ def _verdict(
         "fp16_keep_fp32": list(rec.get("fp16_keep_fp32") or []),
         "fp8_layers": list(rec.get("fp8_layers") or []),
         "block_plan": blocks.plan_groups(
-            rec.get("block_plan"), (rec.get("block_what_if") or {}).get("plan_labels") or {}
+            rec.get("block_plan"),
+            (rec.get("block_what_if") or {}).get("plan_labels") or {},
+            (rec.get("block_what_if") or {}).get("running"),
         ),
         # the linear layers the block what-if did not reach: named beside the plan, not left to "the rest"
         "block_unreached": [str(m) for m in (rec.get("block_what_if") or {}).get("not_evaluated") or []]

@@ -295,6 +295,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "layers_mxfp4": ("layers planned in MXFP4", "count"),
     "layers_mxfp8": ("layers planned in MXFP8", "count"),
     "layers_bf16": ("layers kept in BF16", "count"),
+    "running_block_format": ("layers this run already runs in a block format (torchao's MX layers)", "count"),
+    "moved_block_format": ("of those, layers the plan gives another format", "count"),
     "nvfp4_worst_sqnr_db": ("lowest SQNR of an NVFP4 layer's operand", "db"),
     "nvfp4_max_flushed_share": ("largest share flushed in an NVFP4 layer's operand", "share"),
     "mxfp4_worst_sqnr_db": ("lowest SQNR of an MXFP4 layer's operand", "db"),

@@ -239,6 +239,21 @@ class _Run:
         }
 
     @property
+    def block_running(self) -> dict[str, str]:
+        """Per layer of the run that runs torchao's MX layers, its block format (``capture.block_recipe``:
+        "mxfp8"); {} for a run without any, or recorded before the recipe was."""
+        capture = self.summary.get(T.SUMMARY_CAPTURE) or {}
+        recipes = capture.get("block_recipe") if isinstance(capture, Mapping) else None
+        if not isinstance(recipes, list):
+            return {}
+        return {
+            str(m): str(r.get("format", ""))
+            for r in recipes
+            if isinstance(r, Mapping)
+            for m in r.get("layers") or []
+        }
+
+    @property
     def autocast(self) -> Mapping[str, Any]:
         """What the hooks saw of autocast on the first recorded forward (``capture.autocast``: ``enabled``,
         ``dtype``, ``device_type``); {} when the summary has none."""

@@ -621,6 +621,53 @@ def _unreached_said(unreached: list[str]) -> str:
     )
 
 
+def _moves(table: list[LayerBlocks], running: Mapping[str, str]) -> dict[tuple[str, str], list[str]]:
+    """The plan's layers that already run a block format (``running``: torchao's MX layers), by (the format
+    they run, the one the plan gives them)."""
+    out: dict[tuple[str, str], list[str]] = {}
+    for lb in table:
+        if lb.module in running:
+            out.setdefault((running[lb.module], lb.choice), []).append(lb.module)
+    return out
+
+
+def _running_of(table: list[LayerBlocks], running: Mapping[str, str]) -> dict[str, str]:
+    """The block format each layer of the table runs in this run (layer -> "mxfp8"), for the report."""
+    return {lb.module: running[lb.module] for lb in table if lb.module in running}
+
+
+def _label(fmt: str) -> str:
+    return PLAN_LABELS.get(fmt, fmt.upper())
+
+
+def _running_said(moves: Mapping[tuple[str, str], list[str]], limit: int) -> str:
+    """What the plan does to the layers this run already runs in a block format, against what they run ("" for a
+    run with none): a plan proposing NVFP4 for layers that already ran MXFP8 had not said they did."""
+    if not moves:
+        return ""
+    now: dict[str, int] = {}
+    for (was, _), modules in moves.items():
+        now[was] = now.get(was, 0) + len(modules)
+    parts = [
+        f"keeps {len(modules)} in {_label(was)} ({_listing(modules, limit)})"
+        if was == to
+        else f"moves {len(modules)} from {_label(was)} to {_label(to)} ({_listing(modules, limit)})"
+        for (was, to), modules in moves.items()
+    ]
+    runs = ", ".join(f"{_label(f)} on {n}" for f, n in now.items())
+    return (
+        f" This run already runs {runs} of these layers (torchao's MX layers); the plan {'; '.join(parts)}."
+    )
+
+
+def _running_title(moves: Mapping[tuple[str, str], list[str]]) -> str:
+    """The title's words on the layers the run already runs in a block format ("" for none)."""
+    now: dict[str, int] = {}
+    for (was, _), modules in moves.items():
+        now[was] = now.get(was, 0) + len(modules)
+    return "".join(f"; {n} run {_label(f)} now" for f, n in now.items())
+
+
 def _block_setting(run: _Run) -> Mapping[str, Any]:
     """The capture summary's ``block_formats`` entry ({} when the run has none)."""
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
@@ -721,6 +768,8 @@ def _rule_block_formats(
         else ""
     )
     note += _kept_unevaluated_said([lb.module for lb in table if not lb.evaluated])
+    moves = _moves(table, run.block_running)
+    note += _running_said(moves, lim)
     note += _skipped_note(overflowed, [lb.module for lb in table if lb.gradient_skipped])
     numbers: dict[str, Number] = {
         "checked": len(evaluated),
@@ -729,6 +778,8 @@ def _rule_block_formats(
         "layers_mxfp4": len(by["mxfp4"]),
         "layers_mxfp8": len(by["mxfp8"]),
         "layers_bf16": len(by["bf16"]),
+        "running_block_format": sum(len(m) for m in moves.values()),
+        "moved_block_format": sum(len(m) for (was, to), m in moves.items() if was != to),
         "nvfp4_worst_sqnr_db": worst("nvfp4", "sqnr_db"),
         "nvfp4_max_flushed_share": worst("nvfp4", "flushed_share"),
         "mxfp4_worst_sqnr_db": worst("mxfp4", "sqnr_db"),
@@ -751,7 +802,8 @@ def _rule_block_formats(
             Finding(
                 "block_format_plan",
                 INFO,
-                f"Block formats on {target.preset or target.name}: {counts}{_of_all(len(table), unjudged)}",
+                f"Block formats on {target.preset or target.name}: {counts}{_of_all(len(table), unjudged)}"
+                f"{_running_title(moves)}",
                 f"{where} runs MX and NVFP4 block formats in hardware. {rule} {result}.{note}",
                 recipe_hint,
                 modules=[lb.module for lb in table if lb.choice != "bf16"],
@@ -761,18 +813,20 @@ def _rule_block_formats(
         reason = (
             f"Block formats on {where}: {counts} of the {len(table) + len(unjudged)} linear layers"
             f"{_unreached_said(unjudged)} (see the finding “Block formats” for the numbers); the rest of the "
-            "model follows the format above."
+            f"model follows the format above.{_running_said(moves, 4)}"
         )
+        what_if = what_if_data(table, cfg, str(target.preset or target.name), True)
         return BlockPlan(
             {lb.module: lb.choice for lb in table},
             reason,
-            {**what_if_data(table, cfg, str(target.preset or target.name), True), "not_evaluated": unjudged},
+            {**what_if, "not_evaluated": unjudged, "running": _running_of(table, run.block_running)},
         )
     plan.add(
         Finding(
             "block_format_what_if",
             INFO,
-            f"On a {target.name} the block formats would give: {counts}{_of_all(len(table), unjudged)}",
+            f"On a {target.name} the block formats would give: {counts}{_of_all(len(table), unjudged)}"
+            f"{_running_title(moves)}",
             f"{run.hw.name} runs no block-scaled format in hardware; on a {where}, which runs MX and NVFP4 "
             f"formats natively, the plan would be: {result}. {rule}{note}",
             f"Plan for Blackwell with precprof report RUN_DIR --target {WHAT_IF_TARGET}; there: {recipe_hint}",
@@ -781,4 +835,6 @@ def _rule_block_formats(
         )
     )
     what_if = what_if_data(table, cfg, str(target.preset or target.name), False)
-    return BlockPlan({}, "", {**what_if, "not_evaluated": unjudged})
+    return BlockPlan(
+        {}, "", {**what_if, "not_evaluated": unjudged, "running": _running_of(table, run.block_running)}
+    )
