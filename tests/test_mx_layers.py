@@ -17,6 +17,7 @@ from torch import nn
 
 import precprof
 from precprof import tables as T
+from precprof.analysis import snippets
 from precprof.analysis.advisor import recommend
 from precprof.analysis.advisor.rules import blocks as rb
 from precprof.report import context as report_context
@@ -113,3 +114,11 @@ def test_the_block_plan_says_which_layers_already_run_an_mx_format(run: Path) ->
     assert "MXFP8 now" in now["0"] and "MXFP8 now" in now["2"]
     rows = {r["module"]: r["running"] for r in ctx["whatif"]["blocks"]["rows"]}
     assert rows == {"0": "MXFP8", "2": "MXFP8", "4": ""}
+
+
+def test_the_fp32_snippet_of_an_mx_run_does_not_say_the_loop_stays_as_it_is(run: Path) -> None:
+    """The run converted two layers to MXFP8Linear: FP32's code may not tell it to leave its loop as it is."""
+    rec, _, _ = _recommended(run)
+    code = snippets.snippet(rec.to_dict(), "pytorch", "fp32")
+    assert "the loop stays as it is" not in code
+    assert "# FP32 for all but the 2 block-format layer(s) the run converted (torchao's MX layers):" in code

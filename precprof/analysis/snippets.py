@@ -129,6 +129,9 @@ class _Plan:
         # fp16's scale sized on a lower bound of the largest gradient (it came with inf or nan): an upper limit
         self.at_most = fmt == "fp16" and bool(rec.get("fp16_loss_scale_at_most"))
         self.said = "sized" if self.ruled_out or self.at_most else "recommended"
+        # the layers the run already runs in a block format (torchao's MX layers), which the block plan covers
+        running = (rec.get("block_what_if") or {}).get("running")
+        self.running = len(running) if isinstance(running, Mapping) else 0
 
     @property
     def dtype(self) -> str:
@@ -194,7 +197,12 @@ def _pytorch(plan: _Plan) -> list[str]:
     if fmt == "fp8":
         out.append("from torchao.float8 import convert_to_float8_training")
     out += ["", _HEAD, f"device_type = {plan.device}"]
-    if fmt == "fp32":
+    if fmt == "fp32" and plan.running:
+        out += [
+            f"# FP32 for all but the {plan.running} block-format layer(s) the run converted (torchao's MX layers):",
+            "# no autocast and no GradScaler; for those layers see the block-format finding",
+        ]
+    elif fmt == "fp32":
         out += ["# FP32: no autocast and no GradScaler, the loop stays as it is"]
     elif fmt == "tf32":
         out += ["# TF32: FP32 weights and activations, matmuls and convolutions on TF32 tensor cores", _TF32]
