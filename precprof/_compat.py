@@ -1000,7 +1000,11 @@ class HookSet:
     lacks those dictionaries, the public ``register_*`` calls and their handles. A frozen parameter's hook is
     kept in its dictionary too, and fires once the parameter is unfrozen (gradual unfreezing). A copy of a
     module leaves its hooks out (:class:`CopiesLeaveOut`, :func:`uncopied`); a copy of a parameter never takes
-    its hooks (torch's ``Parameter.__deepcopy__`` and ``__reduce_ex__`` leave them)."""
+    its hooks (torch's ``Parameter.__deepcopy__`` and ``__reduce_ex__`` leave them).
+
+    The modules' hooks can step aside for a while, the parameters' staying (:meth:`step_aside`, :meth:`step_back`):
+    torch's fast paths (``nn.TransformerEncoderLayer``'s in eval mode) refuse a module holding any forward hook,
+    and an evaluation run through those hooks gave other values than the same one without precprof."""
 
     def __init__(
         self,
@@ -1033,7 +1037,9 @@ class HookSet:
             and isinstance(getattr(m, "_forward_hooks_always_called", None), dict)
             for m, _, _, _ in modules
         ) and all(hasattr(p, "_post_accumulate_grad_hooks") for p, _ in params)
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # (the parameters' hooks where they are registered by the public calls)
+        self._module_handles: dict[int, list[Any]] = {}  # (and the modules', by entry)
+        self._off: set[int] = set()  # the entries whose hooks stepped aside (``step_aside``)
         # put on and taken off with the hooks: the dictionaries they and their flags go into
         where: list[tuple[Any, list[str]]] = []
         for k, (m, pre, post, always) in enumerate(modules):
@@ -1049,29 +1055,15 @@ class HookSet:
             return
         self.installed = True
         self._copies.put()
+        for k in range(len(self._modules)):
+            self._put(k)
         if not self._direct:
-            add = self._handles.append
-            for k, (m, pre, post, always) in enumerate(self._modules):
-                if pre is not None:
-                    add(m.register_forward_pre_hook(pre, with_kwargs=k in self._kwargs_at))
-                if post is not None:
-                    add(m.register_forward_hook(post, always_call=always))
             for p, hook in self._params:
                 # the public call refuses a frozen parameter: hooked at the first install after it is unfrozen
                 if p.requires_grad:
-                    add(p.register_post_accumulate_grad_hook(hook))
+                    self._handles.append(p.register_post_accumulate_grad_hook(hook))
             return
-        ids = iter(self._ids)
-        for k, (m, pre, post, always) in enumerate(self._modules):
-            i, j = next(ids), next(ids)
-            if pre is not None:
-                m._forward_pre_hooks[i] = pre
-                if k in self._kwargs_at:
-                    m._forward_pre_hooks_with_kwargs[i] = True
-            if post is not None:
-                m._forward_hooks[j] = post
-                if always:
-                    m._forward_hooks_always_called[j] = True
+        ids = iter(self._ids[2 * len(self._modules) :])
         for p, hook in self._params:
             hooks = p._post_accumulate_grad_hooks
             if hooks is None:
@@ -1082,23 +1074,65 @@ class HookSet:
         if not self.installed:
             return
         self.installed = False
-        self._remove_hooks()
+        for k in range(len(self._modules)):
+            self._take(k)
+        self._off.clear()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._direct:
+            for (p, _), i in zip(self._params, self._ids[2 * len(self._modules) :], strict=True):
+                hooks = p._post_accumulate_grad_hooks
+                if hooks is not None:
+                    hooks.pop(i, None)
         self._copies.take()
 
-    def _remove_hooks(self) -> None:
-        if not self._direct:
-            for h in self._handles:
-                h.remove()
-            self._handles.clear()
+    def step_aside(self, keep: Any = None) -> None:
+        """The installed modules' forward hooks come off until :meth:`step_back`, but ``keep``'s (the model's own,
+        whose post-hook puts them back) and the parameters' hooks: a dictionary entry each."""
+        if not self.installed:
             return
-        ids = iter(self._ids)
-        for m, _, _, _ in self._modules:
-            i, j = next(ids), next(ids)
-            m._forward_pre_hooks.pop(i, None)
-            m._forward_pre_hooks_with_kwargs.pop(i, None)
-            m._forward_hooks.pop(j, None)
-            m._forward_hooks_always_called.pop(j, None)
-        for p, _ in self._params:
-            hooks = p._post_accumulate_grad_hooks
-            if hooks is not None:
-                hooks.pop(next(ids), None)
+        for k, (m, _, _, _) in enumerate(self._modules):
+            if m is not keep and k not in self._off:
+                self._off.add(k)
+                self._take(k)
+
+    def step_back(self) -> None:
+        """The hooks ``step_aside`` took off, back in place (in each dictionary after any hook added since)."""
+        off, self._off = self._off, set()
+        if off and self.installed:
+            for k in sorted(off):
+                self._put(k)
+
+    def _put(self, k: int) -> None:
+        """Entry ``k``'s forward hooks into its module's dictionaries (by the public calls where torch has none)."""
+        m, pre, post, always = self._modules[k]
+        if not self._direct:
+            handles = self._module_handles.setdefault(k, [])
+            if pre is not None:
+                handles.append(m.register_forward_pre_hook(pre, with_kwargs=k in self._kwargs_at))
+            if post is not None:
+                handles.append(m.register_forward_hook(post, always_call=always))
+            return
+        i, j = self._ids[2 * k], self._ids[2 * k + 1]
+        if pre is not None:
+            m._forward_pre_hooks[i] = pre
+            if k in self._kwargs_at:
+                m._forward_pre_hooks_with_kwargs[i] = True
+        if post is not None:
+            m._forward_hooks[j] = post
+            if always:
+                m._forward_hooks_always_called[j] = True
+
+    def _take(self, k: int) -> None:
+        """Entry ``k``'s forward hooks out of its module's dictionaries (none there: nothing)."""
+        if not self._direct:
+            for h in self._module_handles.pop(k, []):
+                h.remove()
+            return
+        m = self._modules[k][0]
+        i, j = self._ids[2 * k], self._ids[2 * k + 1]
+        m._forward_pre_hooks.pop(i, None)
+        m._forward_pre_hooks_with_kwargs.pop(i, None)
+        m._forward_hooks.pop(j, None)
+        m._forward_hooks_always_called.pop(j, None)

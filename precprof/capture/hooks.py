@@ -229,6 +229,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         if self._hookset.installed:  # kept from the sampled step before (``pause``)
             return
         self._hookset.install()
+        if self._outside:  # (a step begun inside ``not_training``: its hooks wait for its end)
+            self._hookset.step_aside()
         self._hook_optimizers()
 
     def _hook_optimizers(self) -> None:

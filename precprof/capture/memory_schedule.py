@@ -18,7 +18,8 @@ so there the shapes are not watched: the cadence alone decides, the same on ever
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ class MemorySchedule:
         self._arm: Callable[[nn.Module, Any, Any], None] | None = None
         self._known: set[tuple[Any, ...]] = set()
         self._handle: Any = None
+        self._watched: nn.Module | None = None  # the model the watch is on (``_handle``)
         self._armed = False
         self._step = -1
 
@@ -90,9 +92,26 @@ class MemorySchedule:
         self._arm = arm
         if self.watch_shapes and self.every > 1 and model is not None:
             if self._handle is None:
-                self._handle = _compat.register_uncopied(model, self._hook, pre=True, with_kwargs=True)
+                self._watch(model)
             self._armed = True
         return self.measuring
+
+    def _watch(self, model: nn.Module) -> None:
+        self._handle = _compat.register_uncopied(model, self._hook, pre=True, with_kwargs=True)
+        self._watched = model
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """The watch off the model meanwhile (``Profiler.not_training``: an evaluation, whose shapes are not the
+        training's, runs the model as without precprof), and back after unless the step's end took it off."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.remove()
+        try:
+            yield
+        finally:
+            if handle is not None and self._handle is None and self._watched is not None:
+                self._watch(self._watched)
 
     def pause(self) -> None:
         """The sampled step's forward and backward are over: the watch stays in place, doing nothing."""
@@ -102,6 +121,7 @@ class MemorySchedule:
         """The watch comes off, and the schedule lets go of ``arm`` (a tracker's bound method: no cycle)."""
         self._armed = False
         self._arm = None
+        self._watched = None
         if self._handle is not None:
             self._handle.remove()
             self._handle = None

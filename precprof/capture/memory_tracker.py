@@ -139,6 +139,7 @@ class MemoryTracker(SavedActivations):
         # per module of the model: (module, pre-hook, post-hook), installed for sampled steps
         self._module_hooks: list[tuple[nn.Module, Any, Any]] = []
         self._hookset: _compat.HookSet | None = None
+        self._outside = 0  # inside ``outside`` (nested: a depth)
         self._modules: list[nn.Module] = []  # the model's modules as attach found them
         # the model's parameters and buffers listed at the sampled step's start; their storages, and the bytes
         # of them and of the optimizer's tensors (computed again only when one of those tensors changed)
@@ -221,6 +222,8 @@ class MemoryTracker(SavedActivations):
         if self._hookset.installed:
             return
         self._hookset.install()
+        if self._outside:  # (inside ``outside``: they wait for its end)
+            self._hookset.step_aside()
         self._hook_optimizers()
 
     def _hook_optimizers(self) -> None:
@@ -419,9 +422,18 @@ class MemoryTracker(SavedActivations):
         where its training peaked at 0.85 MiB, and the memory verdict was taken from it)."""
         before = self._peak.segments[-1]
         self._mark_phase(T.PHASE_OUTSIDE)
+        # the module hooks and the input watch step aside meanwhile: the evaluation runs as without precprof
+        # (``StepHooks.outside``), and what it saves or the shapes it runs are not the step's
+        self._outside += 1
+        if self._hookset is not None:
+            self._hookset.step_aside()
         try:
-            yield
+            with self.schedule.aside():
+                yield
         finally:
+            self._outside -= 1
+            if self._hookset is not None and not self._outside:
+                self._hookset.step_back()
             self._mark_phase(before)
 
     @property

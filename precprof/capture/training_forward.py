@@ -54,6 +54,7 @@ class TrainingForward:
     _step_mode: bool | None
     _first_in_eval: bool
     _outside: int
+    _hookset: _compat.HookSet  # the modules' and parameters' hooks (``StepHooks``)
     _grad_rows: list[int]
     _attempts: AttemptWatch
     _model_inputs: set[int]
@@ -64,12 +65,17 @@ class TrainingForward:
     @contextlib.contextmanager
     def outside(self) -> Iterator[None]:
         """Forwards inside are not the step's (``Profiler.not_training``: an evaluation with grad on between steps
-        was read into the next step's rows)."""
+        was read into the next step's rows). The modules' forward hooks step aside meanwhile, so that the model
+        runs as without precprof: ``nn.TransformerEncoderLayer`` refuses its fast path to a module holding any,
+        and a bf16 evaluation gave other losses (by 4e-4) on sampled steps."""
         self._outside += 1
+        self._hookset.step_aside()
         try:
             yield
         finally:
             self._outside -= 1
+            if not self._outside:
+                self._hookset.step_back()
 
     def _not_read(self) -> str:
         """Why a module's forward running now is not read ("": it is the step's training forward, read): an
