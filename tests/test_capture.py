@@ -1933,6 +1933,67 @@ def test_an_evaluation_inside_not_training_runs_as_without_precprof(monkeypatch:
     pd.testing.assert_frame_equal(layers, plain)
 
 
+def test_an_evaluation_under_no_grad_in_a_sampled_step_runs_as_without_precprof(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same evaluation without ``not_training()``, in eval mode under ``no_grad`` after the optimizer step of a
+    sampled step (before ``prof.step()``): it ran through the hooks of the step, off torch's fast path, and with
+    ``sample_every=2`` its outputs depended on whether the step was sampled. The model's call under ``no_grad``
+    puts the modules' hooks aside until it returns: the fast path runs, the outputs are those without precprof,
+    and the training is read as in the same run without the evaluations."""
+    got, fast, layers = _encoder_run(monkeypatch, lambda prof: contextlib.nullcontext())
+    want, fast_plain, _ = _encoder_run(monkeypatch, lambda prof: contextlib.nullcontext(), profiled=False)
+    _, _, plain = _encoder_run(monkeypatch, None)
+    assert fast == fast_plain == 3 * 2
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert layers is not None and plain is not None
+    assert sorted(set(layers[T.STEP])) == [0, 1, 2]
+    pd.testing.assert_frame_equal(layers, plain)
+
+
+@pytest.mark.parametrize("where", ["before the training forward", "after the optimizer step"])
+def test_an_evaluation_a_keyboard_interrupt_cut_short_leaves_the_hooks_in_place(where: str) -> None:
+    """An evaluation under ``no_grad`` stopped by a KeyboardInterrupt the loop caught (torch then calls no forward
+    hook, so the model's post-hook never put the modules' hooks back): they are back at the model's next call, or
+    at the next sampled step's start, and the training is read as in the same run without the evaluations."""
+
+    class Stop(nn.Module):
+        armed = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.armed:
+                raise KeyboardInterrupt
+            return x
+
+    def evaluate(model: nn.Module, stop: Stop) -> None:
+        stop.armed = True
+        with contextlib.suppress(KeyboardInterrupt), torch.no_grad():
+            model(torch.randn(4, 8))
+        stop.armed = False
+
+    def run(interrupt: bool) -> pd.DataFrame:
+        torch.manual_seed(0)
+        stop = Stop()
+        model = nn.Sequential(nn.Linear(8, 16), stop, nn.Tanh(), nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        with precprof.Profiler(model, optimizer=opt, sample_every=1, memory_every=1) as prof:
+            for _ in range(3):
+                if interrupt and where.startswith("before"):
+                    evaluate(model, stop)
+                model(torch.randn(4, 8, generator=g)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if interrupt and where.startswith("after"):
+                    evaluate(model, stop)
+                prof.step()
+        return prof.tables()["layers"]
+
+    layers, plain = run(True), run(False)
+    assert sorted(set(layers[T.STEP])) == [0, 1, 2]
+    pd.testing.assert_frame_equal(layers, plain)
+
+
 def test_a_grad_scaler_skip_after_an_optimizer_switch_is_the_new_optimizers() -> None:
     """``prof.use_optimizer(sgd)`` at step 2 of an fp16-scaled loop: the GradScaler's skips were read from the old
     optimizer's found-inf flags (the scaler watch kept the optimizers given at attach), so a step whose gradients

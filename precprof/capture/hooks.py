@@ -27,7 +27,10 @@ step followed by another keeps them in place between the two, doing nothing, ``p
 
 A hook is a lookup and one call into the engine of the tensor's device (``stats.rows``): everything else was
 decided at attach. Hooks never synchronise with the device and return None (a returned value would replace the
-module's output). ``torch.no_grad()`` forwards (evaluation between training steps) are ignored, as are forwards
+module's output). ``torch.no_grad()`` forwards (evaluation between training steps) are ignored: the model's call
+under ``no_grad`` runs with the modules' hooks aside, as does everything inside ``Profiler.not_training``, so that
+torch's fast paths (``nn.TransformerEncoderLayer``'s, refused to a module holding any hook) run as without
+precprof (``_compat.HookSet.step_aside``, ``training_forward.runs_aside``). Also ignored are forwards
 of a model in eval mode after the step's first forward of it ran in train mode (an evaluation with grad on), or
 before a forward in train mode that no backward came between (``capture/training_forward.py``), and the
 forward an activation checkpoint runs again inside the backward pass when it read the block's outputs in the
@@ -227,6 +230,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         self.loop.begin()
         self.installed = True
         if self._hookset.installed:  # kept from the sampled step before (``pause``)
+            if not self._outside:
+                self._hookset.step_back()  # (left aside by an evaluation a KeyboardInterrupt cut short)
             return
         self._hookset.install()
         if self._outside:  # (a step begun inside ``not_training``: its hooks wait for its end)

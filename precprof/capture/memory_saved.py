@@ -32,6 +32,7 @@ from precprof.capture.storage import (
     is_weight_copy,
     span,
 )
+from precprof.capture.training_forward import runs_aside
 from precprof.tables import LOSS_SCOPE
 
 # why a run's saved activations were not measured (``model_facts``, the report's memory section)
@@ -120,6 +121,7 @@ class SavedActivations:
     # an attempt of the step that raised and was run again (an out-of-memory-and-retry loop): its saved tensors
     # are not the step's (``capture/attempts.py``; the points are ``attempt_point``'s)
     _attempts: AttemptWatch
+    _hookset: _compat.HookSet | None  # the modules' and parameters' hooks (``MemoryTracker``)
 
     def _label(self, component: str, tensors: Iterable[torch.Tensor]) -> None:
         """Note the storages of ``tensors`` as ``component`` in the current phase (for the peak's parts)."""
@@ -142,6 +144,10 @@ class SavedActivations:
                 return
             self._forward_interrupted()
         self._root_depth = 1
+        if self._hookset is not None:  # (an evaluation under no_grad saves nothing: ``runs_aside``)
+            self._hookset.step_back()
+            if runs_aside():
+                self._hookset.step_aside(keep=module)
         if self._in_scope():
             self._model_in_scope(module, args, kwargs)
             return
@@ -191,6 +197,8 @@ class SavedActivations:
             self._root_depth -= 1
             return
         self._root_depth = 0
+        if self._hookset is not None:
+            self._hookset.step_back()
         if self._recording:
             # a model given its targets returns its loss (nanoGPT's (logits, loss), an HF output's .loss): what
             # the loss saved for backward was recorded with the model's own, no memory scope needed

@@ -220,6 +220,8 @@ class MemoryTracker(SavedActivations):
                 kwargs_pre=self.model,
             )
         if self._hookset.installed:
+            if not self._outside:
+                self._hookset.step_back()  # (left aside by an evaluation a KeyboardInterrupt cut short)
             return
         self._hookset.install()
         if self._outside:  # (inside ``outside``: they wait for its end)

@@ -36,6 +36,15 @@ recomputing = _compat.recomputing  # a checkpoint's forward run again in the bac
 _EVALUATION, _NO_GRAD, _RECOMPUTED, _FIRST_PASS = "evaluation", "no grad", "recomputed", "first pass"
 
 
+def runs_aside() -> bool:
+    """Whether a call of the model beginning now, not inside another, runs with the modules' hooks aside (only
+    the model's own stay, whose post-hook puts the others back): under ``no_grad`` or ``inference_mode``, outside
+    a backward pass (where a reentrant checkpoint runs it again), it is an evaluation none of whose forwards is
+    read, and run through hooks it would leave torch's fast paths (``nn.TransformerEncoderLayer`` refuses one to
+    a module holding any hook) and give other values than without precprof. A dictionary entry per module."""
+    return not torch.is_grad_enabled() and _compat.backward_pass_id() is None
+
+
 class TrainingForward:
     """The part of ``capture.hooks.StepHooks`` that tells the step's training forward from the others."""
 
@@ -103,6 +112,9 @@ class TrainingForward:
         self._root_calls.append(self._root_grad)
         self._root_grad = torch.is_grad_enabled()
         if len(self._root_calls) == 1:
+            self._hookset.step_back()  # (left aside by an evaluation a KeyboardInterrupt cut short)
+            if runs_aside():
+                self._hookset.step_aside(keep=module)
             self._model_inputs = {id(t) for t in _iter_tensors((args, kwargs or {}))}
             trains = self._root_grad and not self._outside
             if trains and self._step_mode is False and module.training and not self._trained():
@@ -156,6 +168,7 @@ class TrainingForward:
         self._root_grad = self._root_calls.pop() if self._root_calls else False
         if not self._root_calls:
             self._model_inputs = set()
+            self._hookset.step_back()
             # (called with no output from torch's ``except`` when the forward raised: ``always_call``); what it
             # read is forgotten once the loop runs the model again, kept when the exception ends the run
             self._attempts.forward_ended(output)
