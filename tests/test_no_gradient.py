@@ -1,7 +1,8 @@
 """Layers whose weights got no gradient (finding ``no_gradient``): every weight-gradient value exactly zero on
 every sampled step of a run whose optimizer stepped. A torchao FP8 run whose loss was weighted by 1e-20 left every
 Float8Linear weight gradient 0 on every step (its e5m2 casts flushed the output gradients, under torchao's floor on
-amax), and the page read as a healthy run: no finding said that nothing trained. Real runs on the CPU, the
+amax), and the page read as a healthy run: no finding said that nothing trained. A gradient zero only before the
+weights first moved (a zero-initialised LoRA B under a warmup from 0) is no such layer. Real runs on the CPU, the
 gradients read by the tests' own code after each backward."""
 
 from __future__ import annotations
@@ -37,13 +38,20 @@ class _Mlp(nn.Module):
 
 
 def _train(
-    model: nn.Module, dims: tuple[int, int] = (16, 1), weight: float = 1.0, steps: int = 3
+    model: nn.Module,
+    dims: tuple[int, int] = (16, 1),
+    weight: float = 1.0,
+    steps: int = 3,
+    warmup: int = 0,
+    lrs: list[float] | None = None,
 ) -> tuple[precprof.Profiler, list[dict[str, int]]]:
     """``steps`` sampled steps under bf16 autocast with AdamW on random (in, out) = ``dims`` data, the loss
-    weighted by ``weight``; returns the Profiler and, per step, the nonzero values of each layer's weight
-    gradient as backward left it (read before the optimizer steps)."""
+    weighted by ``weight``, the learning rate rising linearly from 0 over ``warmup`` steps where given (the HF
+    Trainer's warmup); returns the Profiler and, per step, the nonzero values of each trained layer's weight
+    gradient as backward left it (read before the optimizer steps). ``lrs`` gets each step's learning rate."""
     torch.manual_seed(0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / warmup) if warmup else 1.0)
     prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
     nonzero: list[dict[str, int]] = []
     with prof:
@@ -54,10 +62,15 @@ def _train(
             loss = weight * (out.float() - y).pow(2).mean()
             loss.backward()
             weights = [
-                (n.removesuffix(".weight"), p) for n, p in model.named_parameters() if n.endswith("weight")
+                (n.removesuffix(".weight"), p)
+                for n, p in model.named_parameters()
+                if n.endswith("weight") and p.requires_grad
             ]
             nonzero.append({n: int((p.grad != 0).sum()) for n, p in weights})
+            if lrs is not None:
+                lrs.append(opt.param_groups[0]["lr"])
             opt.step()
+            sched.step()
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss.detach())
     return prof, nonzero
@@ -81,6 +94,46 @@ def test_a_dead_relu_leaves_the_layers_on_both_sides_without_a_weight_gradient()
         "The gradient stopped at act (ReLU)" in f.message and "every unit was off, a dead ReLU" in f.message
     )
     assert "The input of fc2 was zero everywhere on every sampled step (the output of act)" in f.message
+
+
+def test_a_dead_relu_under_a_warmup_from_0_counts_the_optimizer_steps_that_moved_weights() -> None:
+    """A warmup from 0: step 0's learning rate is 0, and that optimizer step moved nothing. The dead ReLU's layers
+    are still found, critical, and the optimizer steps the finding counts are those with a nonzero learning
+    rate (step 0 was counted too)."""
+    lrs: list[float] = []
+    prof, nonzero = _train(_Mlp(dead=True), warmup=2, lrs=lrs)
+    assert lrs[0] == 0 and all(lr > 0 for lr in lrs[1:])
+    assert all(step["fc1"] == 0 and step["fc2"] == 0 for step in nonzero)
+    f = precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient")
+    assert f is not None and f.severity == "critical" and f.modules == ["fc1", "fc2"]
+    assert f.numbers["optimizer_steps_sampled"] == sum(lr > 0 for lr in lrs) == 2
+    assert "while the optimizer stepped on 2 sampled step(s) with a nonzero learning rate" in f.message
+
+
+class _Lora(nn.Module):
+    """A frozen layer and a LoRA pair beside it, B zero-initialised as peft's: A's weight gradient (B's weight
+    times the output gradient, times the input) is zero until B has moved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(16, 1).requires_grad_(False)
+        self.lora_a, self.lora_b = nn.Linear(16, 4, bias=False), nn.Linear(4, 1, bias=False)
+        nn.init.zeros_(self.lora_b.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+def test_a_zero_initialised_lora_b_under_a_warmup_from_0_is_no_layer_without_a_gradient() -> None:
+    """The HF Trainer's warmup starts at a learning rate of 0, so B moves at step 1's update only, and A's weight
+    gradient is zero on steps 0 and 1: the two steps a short run samples by default. no_gradient called this
+    healthy LoRA run critical ('these weights did not learn', tester h73): a gradient zero only before the
+    weights first moved is no layer without one."""
+    lrs: list[float] = []
+    prof, nonzero = _train(_Lora(), steps=2, warmup=2, lrs=lrs)
+    assert lrs[0] == 0 < lrs[1]
+    assert [step["lora_a"] for step in nonzero] == [0, 0] and all(step["lora_b"] > 0 for step in nonzero)
+    assert precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient") is None
 
 
 def test_fp8_eligibility_says_an_output_gradient_of_zeros_was_recorded() -> None:

@@ -123,7 +123,10 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "no_gradient_layers": ("layers whose weight gradient was zero on every sampled step", "count"),
     "weight_gradient_layers": ("layers with a weight gradient recorded", "count"),
     "no_gradient_steps_min": ("fewest sampled steps one of them recorded its weight gradient on", "count"),
-    "optimizer_steps_sampled": ("sampled steps the optimizer stepped on", "count"),
+    "optimizer_steps_sampled": (
+        "sampled steps the optimizer stepped on with a nonzero learning rate",
+        "count",
+    ),
     "fp8_flushed_layers": ("of them, layers FP8 left without a gradient", "count"),
     # modules that never ran (rules/unused.py)
     "unused_modules": ("modules with parameters that never ran", "count"),

@@ -1,5 +1,5 @@
-"""Layers whose weights got no gradient: every value of their weight gradient exactly zero on every sampled step
-of a run whose optimizer stepped, and what stopped the gradient where the run tells.
+"""Layers whose weights got no gradient: every value of their weight gradient exactly zero on every sampled step,
+also after the optimizer stepped with a nonzero learning rate, and what stopped the gradient where the run tells.
 
 A weight gradient is the layer's output gradient times its input, summed over the tokens: it is zero everywhere
 when no gradient reached the layer's output (a module after it passed back zeros: a ReLU whose units were all
@@ -32,25 +32,40 @@ class _Dead:
     checked: int  # the layers with a weight gradient recorded
     steps: int  # the sampled steps with weight gradients
     fewest: int  # the fewest sampled steps one of ``layers`` had its gradient on
-    optimizer_steps: int  # the sampled steps the optimizer stepped on (weight_update rows)
+    optimizer_steps: int  # the sampled steps the optimizer stepped on with a nonzero learning rate
+
+
+def _stepped(run: _Run) -> list[int]:
+    """The sampled steps whose optimizer stepped with a nonzero learning rate: a ``weight_update`` row's ``calls``
+    counts those steps (0 where its group's learning rate was 0, a warmup from 0; a run recorded before wrote
+    1), in order."""
+    wu = run.kind(T.WEIGHT_UPDATE)
+    calls = pd.to_numeric(wu[T.CALLS], errors="coerce").fillna(1) if T.CALLS in wu else pd.Series(1, wu.index)
+    return sorted(int(s) for s in wu.loc[calls > 0, T.STEP].unique())
 
 
 def _dead_layers(run: _Run) -> _Dead | None:
-    """The layers whose every weight-gradient value was an exact zero on each sampled step that recorded it, in a
-    run whose optimizer stepped on a sampled step; None where there is none, or no optimizer step was seen."""
+    """The layers whose every weight-gradient value was an exact zero on each sampled step that recorded it, one
+    of those steps after a sampled optimizer step with a nonzero learning rate; None where there is none.
+
+    A gradient zero only before the weights first moved says nothing of a layer that learns: behind a weight
+    that starts at zero (LoRA's B, a zero-initialised head or gate) every layer's gradient is zero until that
+    weight moves, and a warmup from 0 makes the first optimizer step move nothing."""
     wg = run.kind(T.WEIGHT_GRAD)
     wg = wg[T.texts(wg[T.PARAM]) == T.WEIGHT]
-    updated = run.kind(T.WEIGHT_UPDATE)[T.STEP].nunique()
-    if wg.empty or not updated:
+    stepped = _stepped(run)
+    if wg.empty or not stepped:
         return None
     rows = wg.assign(**{T.MODULE: T.texts(wg[T.MODULE]).astype(object)})
     per = rows.groupby([T.MODULE, T.STEP])[[T.NUMEL, T.ZEROS]].sum()
     zero = ((per[T.NUMEL] > 0) & (per[T.ZEROS] >= per[T.NUMEL])).groupby(level=0)
     every, steps = zero.all(), zero.size()
+    # (zero on a step after the weights moved: the gradient did not come back once they had)
+    every &= rows.groupby(T.MODULE)[T.STEP].max()[every.index] > stepped[0]
     dead = run.sort(str(m) for m in every.index[every.to_numpy()])
     if not dead:
         return None
-    return _Dead(dead, len(every), int(rows[T.STEP].nunique()), int(steps[dead].min()), int(updated))
+    return _Dead(dead, len(every), int(rows[T.STEP].nunique()), int(steps[dead].min()), len(stepped))
 
 
 def _grad_casts(run: _Run) -> dict[str, tuple[NumberFormat, bool]]:
@@ -281,9 +296,9 @@ def _remedy(run: _Run, c: _Causes) -> str:
 
 
 def _rule_no_gradient(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
-    """Layers whose weight gradient was zero everywhere on every sampled step of a run whose optimizer stepped:
-    they did not learn (weight decay and momentum alone moved them). Critical: nothing else says so, and a
-    verdict on the other numbers reads as a healthy run."""
+    """Layers whose weight gradient was zero everywhere on every sampled step, also after the optimizer had stepped
+    with a nonzero learning rate: they did not learn (weight decay and momentum alone moved them). Critical:
+    nothing else says so, and a verdict on the other numbers reads as a healthy run."""
     dead = _dead_layers(run)
     if dead is None:
         return
@@ -303,8 +318,10 @@ def _rule_no_gradient(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -
             f"No gradient reached the weights of {n} of {dead.checked} layers"
             + (": FP8 flushed it" if fp8 else ""),
             f"Every weight-gradient value of {n} layer(s) ({_listing(dead.layers, lim)}) was an exact zero on "
-            f"{steps}, while the optimizer stepped on {dead.optimizer_steps} sampled step(s): these weights did not "
-            "learn, weight decay or momentum alone moved them. " + ". ".join(_causes_said(run, c)) + ".",
+            f"{steps}, while the optimizer stepped on {dead.optimizer_steps} sampled step(s) with a nonzero learning "
+            "rate: these weights did not learn, weight decay or momentum alone moved them. "
+            + ". ".join(_causes_said(run, c))
+            + ".",
             _remedy(run, c),
             modules=dead.layers,
             numbers={
