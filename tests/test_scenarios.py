@@ -855,6 +855,21 @@ def test_g_a_run_made_bf16_mid_run_has_its_lost_updates_measured_from_that_step(
     assert "whose weights were held in float32 before step 4" in lost.message
 
 
+def test_g_a_bf16_layer_that_joins_the_optimizer_mid_run_is_no_switch_to_bf16() -> None:
+    """An fp32 MLP whose layer 2 is held in bf16 (a pretrained table loaded so) and frozen, added to the optimizer
+    at step 3 (gradual unfreezing): no weight changed dtype, yet bf16_lost_updates said the run 'holds its
+    weights in bf16 from step 3 on, where they became bf16 (float32 before: a model.to(torch.bfloat16) mid-run)'
+    (tester h73): the first bf16 row of any weight came after rows of the others. A switch is a weight whose
+    own earlier rows were in another dtype."""
+    run, truth = lost_updates.run_layers(torch.float32, lr=1e-4, bf16=("2",), joins=3)
+    held = truth[truth[T.DTYPE] == "bfloat16"]
+    assert set(held[T.MODULE]) == {"2"} and set(held[T.STEP]) == {3, 4, 5}
+    assert set(truth.loc[truth[T.MODULE] == "2", T.DTYPE]) == {"bfloat16"}  # never another dtype
+    lost = run.recommend().finding("bf16_lost_updates")
+    assert lost is not None and "held_from_step" not in lost.numbers
+    assert "became bf16" not in lost.message and "mid-run" not in lost.message
+
+
 @pytest.mark.parametrize("idle", ["frozen", "warmup"])
 def test_g_steps_and_groups_at_learning_rate_0_are_left_out_of_the_update_ratio(idle: str) -> None:
     """A param group frozen by lr=0 (module 2) and a warmup from 0 (step 0's learning rate is 0) made no update,

@@ -77,6 +77,8 @@ def run_layers(
     bf16_from: int | None = None,
     frozen: tuple[str, ...] = (),
     warmup: int = 0,
+    bf16: tuple[str, ...] = (),
+    joins: int | None = None,
 ) -> tuple[ProfiledRun, pd.DataFrame]:
     """Train the MLP in ``dtype`` weights with AdamW at ``lr`` (``eps``: fp16 weights need a larger one; ``sgd``:
     plain SGD instead), the modules named in ``fp32`` kept in fp32 (HF's ``_keep_in_fp32_modules``, an MoE
@@ -84,8 +86,10 @@ def run_layers(
     ``zero_grad(set_to_none=False)``, which this loop calls, its ``.grad`` is a zero tensor, and AdamW moves it
     by momentum alone). ``clip``: the gradients clipped to that norm; ``bf16_from``: the model made bf16
     (``model.to(torch.bfloat16)``) before that step; ``frozen``: modules in a param group of learning rate 0;
-    ``warmup``: a linear warmup from 0 over that many steps (LambdaLR: step 0's learning rate is 0). Every step
-    is sampled, and the update sample covers every element.
+    ``warmup``: a linear warmup from 0 over that many steps (LambdaLR: step 0's learning rate is 0); ``bf16``:
+    modules held in bf16 (a pretrained table loaded so), frozen until step ``joins`` where given, which adds them
+    to the optimizer (gradual unfreezing, ULMFiT's). Every step is sampled, and the update sample covers every
+    element.
 
     The truth, one row per (step, module, param), read around ``optimizer.step()`` over every element:
     ``intended`` (a nonzero gradient or a moved weight), ``stuck`` (intended, did not move), ``whatif_bf16``
@@ -95,9 +99,13 @@ def run_layers(
     model = mlp().to(dtype)
     for name in fp32:
         model.get_submodule(name).float()
+    held16 = [p for name in bf16 for p in model.get_submodule(name).bfloat16().parameters()]
+    later = held16 if joins is not None else []
+    for p in later:
+        p.requires_grad_(False)
     still = [p for n, p in model.named_parameters() if n.rsplit(".", 1)[0] in frozen]
     groups = [
-        {"params": [p for p in model.parameters() if all(p is not q for q in still)]},
+        {"params": [p for p in model.parameters() if all(p is not q for q in [*still, *later])]},
         *([{"params": still, "lr": 0.0}] if still else []),
     ]
     opt = torch.optim.SGD(groups, lr=lr) if sgd else torch.optim.AdamW(groups, lr=lr, eps=eps)
@@ -110,6 +118,8 @@ def run_layers(
         for step in range(steps):
             if step == bf16_from:
                 model.to(torch.bfloat16)
+            if step == joins:
+                opt.add_param_group({"params": [p.requires_grad_(True) for p in later]})
             x, y = batches(step)
             h = x.to(dtype)
             for name, layer in model.named_children():
@@ -121,12 +131,18 @@ def run_layers(
             loss.backward()
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=clip)
-            before = {n: (p.detach().clone(), p.grad.detach().clone()) for n, p in model.named_parameters()}
+            before = {
+                n: (p.detach().clone(), p.grad.detach().clone())
+                for n, p in model.named_parameters()
+                if p.grad is not None  # (a frozen one has none, and no update)
+            }
             lrs = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
             opt.step()
             if sched is not None:
                 sched.step()
             for n, p in model.named_parameters():
+                if n not in before:
+                    continue
                 w0, g = before[n]
                 delta = p.detach().float() - w0.float()
                 moved = delta != 0

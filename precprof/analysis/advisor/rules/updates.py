@@ -90,12 +90,24 @@ def _held_apart(rows: pd.DataFrame, held: str | None) -> pd.Series:
 
 def _held_from(rows: pd.DataFrame, held: str | None) -> int | None:
     """The step from which ``rows`` (``weight_update`` rows) hold their weights in ``held`` (a dtype name), where
-    their earlier rows held them in another dtype (a ``model.to(torch.bfloat16)`` mid-run); None else."""
+    the same weights' earlier rows held them in another dtype (a ``model.to(torch.bfloat16)`` mid-run); None
+    else. A weight whose first row is in ``held`` changed no dtype: a layer loaded in bf16 and frozen, that
+    joins the optimizer mid-run (gradual unfreezing), is no switch of the run's weights."""
     dtypes = T.texts(rows[T.DTYPE]).astype(str)
-    if not (dtypes == held).any():
-        return None
-    first = int(rows.loc[dtypes == held, T.STEP].min())
-    return first if (rows[T.STEP] < first).any() else None
+    weights = pd.DataFrame(
+        {
+            "key": (
+                T.texts(rows[T.MODULE]).astype(str) + "." + T.texts(rows[T.PARAM]).astype(str)
+            ).to_numpy(),
+            T.STEP: rows[T.STEP].to_numpy(),
+            "held": (dtypes == held).to_numpy(),
+            "other": ((dtypes != held) & (dtypes != "")).to_numpy(),
+        }
+    )
+    first = weights[weights["held"]].groupby("key")[T.STEP].min()
+    before = weights[weights["other"]].groupby("key")[T.STEP].min()
+    switched = first[first > before.reindex(first.index)]
+    return int(switched.min()) if not switched.empty else None
 
 
 def _since_words(rows: pd.DataFrame, since: int | None, fmt: str, held: str | None) -> str:
