@@ -44,14 +44,25 @@ def _train(
     steps: int = 3,
     warmup: int = 0,
     lrs: list[float] | None = None,
+    starts: dict[str, int] | None = None,
 ) -> tuple[precprof.Profiler, list[dict[str, int]]]:
     """``steps`` sampled steps under bf16 autocast with AdamW on random (in, out) = ``dims`` data, the loss
     weighted by ``weight``, the learning rate rising linearly from 0 over ``warmup`` steps where given (the HF
-    Trainer's warmup); returns the Profiler and, per step, the nonzero values of each trained layer's weight
+    Trainer's warmup), the modules in ``starts`` in a param group of their own whose learning rate is 0 before
+    the step given; returns the Profiler and, per step, the nonzero values of each trained layer's weight
     gradient as backward left it (read before the optimizer steps). ``lrs`` gets each step's learning rate."""
     torch.manual_seed(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, s / warmup) if warmup else 1.0)
+    starts = starts or {}
+    late = {m: list(model.get_submodule(m).parameters()) for m in starts}
+    rest = [p for p in model.parameters() if all(p is not q for ps in late.values() for q in ps)]
+    opt = torch.optim.AdamW([{"params": rest}, *({"params": ps} for ps in late.values())], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        [
+            lambda s: min(1.0, s / warmup) if warmup else 1.0,
+            *(lambda s, at=at: float(s >= at) for at in starts.values()),
+        ],
+    )
     prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
     nonzero: list[dict[str, int]] = []
     with prof:
@@ -134,6 +145,51 @@ def test_a_zero_initialised_lora_b_under_a_warmup_from_0_is_no_layer_without_a_g
     assert lrs[0] == 0 < lrs[1]
     assert [step["lora_a"] for step in nonzero] == [0, 0] and all(step["lora_b"] > 0 for step in nonzero)
     assert precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient") is None
+
+
+def test_layers_behind_a_weight_of_zeros_are_said_so_and_left_out_once_it_moved() -> None:
+    """LoRA's B in a param group whose learning rate is 0 before step 2: A's gradient is zero on steps 0 to 2
+    (B's weight is zero at each forward), past the other layers' first update. B moves at step 2's update, so
+    A gets a gradient from step 3 on: A is no layer without a gradient, and no finding says so."""
+    model = _Lora()
+    prof, nonzero = _train(model, starts={"lora_b": 2})
+    assert [step["lora_a"] for step in nonzero] == [0, 0, 0]
+    assert bool((model.lora_b.weight != 0).any())  # moved by step 2's update
+    assert precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient") is None
+
+
+def test_layers_behind_a_weight_of_zeros_whose_learning_rate_was_0_are_a_warning(tmp_path: Path) -> None:
+    """B's learning rate 0 on every sampled step (a warmup of its own that starts later): A got no gradient on
+    any, B's weight stayed zero. The finding says the gradient stopped at B's weight of zeros and why it did not
+    move, as a warning: the verdict box does not say the run did not learn."""
+    model = _Lora()
+    prof, nonzero = _train(model, starts={"lora_b": 99})
+    assert all(step["lora_a"] == 0 for step in nonzero) and not bool((model.lora_b.weight != 0).any())
+    f = precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient")
+    assert f is not None and f.severity == "warning" and f.modules == ["lora_a"]
+    assert f.title == "No gradient reached the weights of 1 of 2 layers: a weight of zeros stopped it"
+    assert (
+        "The gradient stopped at lora_b (Linear), whose weight was exactly zero on every sampled step"
+        in f.message
+    )
+    assert "its learning rate was 0 on every sampled step" in f.message
+    assert f.remedy.startswith("Nothing, if the learning rate of lora_b is meant to start later")
+    prof.save(tmp_path / "run")
+    page = render_run_dir(tmp_path / "run").read_text()
+    assert 'id="verdict-no-gradient"' not in page
+
+
+def test_layers_behind_a_frozen_weight_of_zeros_are_critical() -> None:
+    """B zero-initialised and frozen: it never moves, and A never gets a gradient."""
+    model = _Lora()
+    model.lora_b.requires_grad_(False)
+    prof, nonzero = _train(model)
+    assert all(step["lora_a"] == 0 for step in nonzero) and not bool((model.lora_b.weight != 0).any())
+    f = precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient")
+    assert f is not None and f.severity == "critical" and f.modules == ["lora_a"]
+    assert "lora_b (Linear), whose weight was exactly zero on every sampled step" in f.message
+    assert "it is frozen (it has no gradient of its own), so it does not move" in f.message
+    assert "Let the weight of lora_b train" in f.remedy
 
 
 def test_fp8_eligibility_says_an_output_gradient_of_zeros_was_recorded() -> None:

@@ -130,7 +130,15 @@ def _verdict(
     diverged = next(
         (f.get("numbers") or {} for f in rec.get("findings") or [] if f.get("code") == "run_diverged"), None
     )
-    dead = next((f for f in rec.get("findings") or [] if f.get("code") == "no_gradient"), None)
+    # (critical only: a warning is of layers behind a weight whose learning rate may be meant to start later)
+    dead = next(
+        (
+            f
+            for f in rec.get("findings") or []
+            if f.get("code") == "no_gradient" and f.get("severity") == "critical"
+        ),
+        None,
+    )
     return {
         "format": fmt,
         "format_label": formats.label(fmt),

@@ -4,21 +4,22 @@ also after the optimizer stepped with a nonzero learning rate, and what stopped 
 A weight gradient is the layer's output gradient times its input, summed over the tokens: it is zero everywhere
 when no gradient reached the layer's output (a module after it passed back zeros: a ReLU whose units were all
 off, a torchao Float8Linear whose FP8 cast flushed its output gradient, a path the loss multiplies by zero), or
-when its input was zero everywhere (a dead ReLU before it). A frozen weight, or one the loss does not reach at
-all, gets no gradient tensor (None) and no weight_grad row: it is not among them.
+when its input was zero everywhere (a dead ReLU before it), or when a layer after it held a weight of zeros
+(zero-initialised, as LoRA's B: it passes back zeros until that weight moves). A frozen weight, or one the loss
+does not reach at all, gets no gradient tensor (None) and no weight_grad row: it is not among them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pandas as pd
 
 from precprof import formats, taxonomy
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import _dtype_has, _innermost, _Plan, _Run
-from precprof.analysis.advisor.model import CRITICAL, Finding
+from precprof.analysis.advisor.model import CRITICAL, WARNING, Finding
 from precprof.analysis.advisor.rules.fp8 import gemm_inputs
 from precprof.analysis.advisor.text import _listing, _name
 from precprof.formats import FP8_E5M2, NumberFormat
@@ -31,17 +32,30 @@ class _Dead:
     layers: list[str]  # in forward order
     checked: int  # the layers with a weight gradient recorded
     steps: int  # the sampled steps with weight gradients
-    fewest: int  # the fewest sampled steps one of ``layers`` had its gradient on
+    recorded: dict[str, int]  # per one of ``layers``, the sampled steps that recorded its weight gradient
     optimizer_steps: int  # the sampled steps the optimizer stepped on with a nonzero learning rate
+
+    @property
+    def fewest(self) -> int:
+        """The fewest sampled steps one of ``layers`` had its gradient on."""
+        return min(self.recorded[m] for m in self.layers)
+
+    def without(self, layers: list[str]) -> _Dead | None:
+        """These layers but ``layers``; None where none is left."""
+        left = [m for m in self.layers if m not in layers]
+        return replace(self, layers=left) if left else None
+
+
+def _calls(wu: pd.DataFrame) -> pd.Series:
+    """Per ``weight_update`` row, the optimizer steps with a nonzero learning rate that its update adds up (0
+    where its group's learning rate was 0, a warmup from 0; a run recorded before wrote 1)."""
+    return pd.to_numeric(wu[T.CALLS], errors="coerce").fillna(1) if T.CALLS in wu else pd.Series(1, wu.index)
 
 
 def _stepped(run: _Run) -> list[int]:
-    """The sampled steps whose optimizer stepped with a nonzero learning rate: a ``weight_update`` row's ``calls``
-    counts those steps (0 where its group's learning rate was 0, a warmup from 0; a run recorded before wrote
-    1), in order."""
+    """The sampled steps whose optimizer stepped with a nonzero learning rate, in order."""
     wu = run.kind(T.WEIGHT_UPDATE)
-    calls = pd.to_numeric(wu[T.CALLS], errors="coerce").fillna(1) if T.CALLS in wu else pd.Series(1, wu.index)
-    return sorted(int(s) for s in wu.loc[calls > 0, T.STEP].unique())
+    return sorted(int(s) for s in wu.loc[_calls(wu) > 0, T.STEP].unique())
 
 
 def _dead_layers(run: _Run) -> _Dead | None:
@@ -65,7 +79,8 @@ def _dead_layers(run: _Run) -> _Dead | None:
     dead = run.sort(str(m) for m in every.index[every.to_numpy()])
     if not dead:
         return None
-    return _Dead(dead, len(every), int(rows[T.STEP].nunique()), int(steps[dead].min()), len(stepped))
+    recorded = {m: int(steps[m]) for m in dead}
+    return _Dead(dead, len(every), int(rows[T.STEP].nunique()), recorded, len(stepped))
 
 
 def _grad_casts(run: _Run) -> dict[str, tuple[NumberFormat, bool]]:
@@ -159,6 +174,33 @@ def _dead_mask(run: _Run, m: str) -> bool:
     return not mine.empty and 0 < float(mine[T.NUMEL].sum()) <= float(mine[T.ZEROS].sum())
 
 
+def _weight_rows(run: _Run, kind: str, m: str) -> pd.DataFrame:
+    """The rows of ``kind`` of ``m``'s parameter named weight."""
+    rows = run.kind(kind)
+    return rows[(T.texts(rows[T.MODULE]) == m) & (T.texts(rows[T.PARAM]) == T.WEIGHT)]
+
+
+def _zero_weight(run: _Run, m: str) -> str | None:
+    """What became of ``m``'s weight where it was exactly zero on every sampled step (zero-initialised, as LoRA's
+    B or a zero-initialised head: the gradient ``m`` passes back is its output gradient times that weight, zero);
+    None where it was not. "moved": a sampled update moved it, so the layers behind it get a gradient from the
+    next step on; "idle": its learning rate was 0 on every sampled step (a warmup of its own that starts
+    later); "frozen": it has no gradient of its own; "unfollowed": it has one and no update row (it is not in
+    the optimizer the Profiler follows); "unmoved": steps with a nonzero learning rate did not move it (its own
+    gradient was zero too)."""
+    w = _weight_rows(run, T.WEIGHT, m)
+    if not 0 < float(w[T.NUMEL].sum()) <= float(w[T.ZEROS].sum()):
+        return None
+    if _weight_rows(run, T.WEIGHT_GRAD, m).empty:
+        return "frozen"
+    wu = _weight_rows(run, T.WEIGHT_UPDATE, m)
+    if wu.empty:
+        return "unfollowed"
+    if (wu[T.NUMEL] > wu[T.ZEROS]).any():
+        return "moved"
+    return "unmoved" if (_calls(wu) > 0).any() else "idle"
+
+
 @dataclass
 class _Causes:
     """The dead layers grouped by what stopped their gradient (``_causes``)."""
@@ -168,6 +210,10 @@ class _Causes:
     behind_fp8: list[str]  # layers whose gradient those layers' backward passed back as zeros
     fp16: list[str]  # layers whose output gradient fp16 held, and flushed whole
     stopped: dict[str, list[str]]  # a later module whose backward passed back zeros -> the layers behind it
+    # (a later module whose weight was zero on every sampled step, what became of it: ``_zero_weight``) -> the
+    # layers behind it; those behind one that moved are no layers without a gradient (``waiting``)
+    zero_weight: dict[tuple[str, str], list[str]]
+    waiting: list[str]
     zero_input: dict[tuple[str, ...], list[str]]  # the modules whose all-zero output they read -> the layers
     unreached: list[str]  # no later module received a nonzero gradient
     no_tokens: list[str]  # called with no token on every sampled step (an expert the router sent none to)
@@ -182,7 +228,7 @@ def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Cau
     seq = run.sort(_innermost(str(x) for x in grads.index))
     acts = run.kind(T.ACTIVATION)
     elements = acts.groupby(T.texts(acts[T.MODULE]).astype(object))[T.NUMEL].sum()
-    c = _Causes({m: a for m, a in flushed.items() if m in dead}, [], [], {}, {}, [], [], [])
+    c = _Causes({m: a for m, a in flushed.items() if m in dead}, [], [], {}, {}, [], {}, [], [], [])
     for m in dead:
         if m in c.fp8:
             continue
@@ -190,8 +236,11 @@ def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Cau
             c.no_tokens.append(m)
         elif m in grads.index and grads.at[m, "nonzero"] <= 0:
             stop = _stop(m, seq, grads)
+            zero = _zero_weight(run, stop) if stop is not None else None
             if stop in flushed:
                 c.behind_fp8.append(m)
+            elif stop is not None and zero is not None:
+                (c.waiting if zero == "moved" else c.zero_weight.setdefault((stop, zero), [])).append(m)
             elif m in in16 and not (stop is not None and _dead_mask(run, stop)):
                 c.fp16.append(m)
             elif stop is not None:
@@ -235,6 +284,27 @@ def _stop_said(run: _Run, stop: str, layers: list[str]) -> str:
     return said + " (a mask, a gate at zero, or an op whose backward is zero there)"
 
 
+_ZERO_WEIGHT_SAID = {
+    "idle": "its learning rate was 0 on every sampled step: the layers behind it get a gradient once a learning "
+    "rate above 0 has moved it",
+    "frozen": "it is frozen (it has no gradient of its own), so it does not move and the layers behind it get no "
+    "gradient",
+    "unfollowed": "no sampled step updated it: it has a gradient, but is not in the optimizer the Profiler follows",
+    "unmoved": "optimizer steps with a nonzero learning rate did not move it: its own gradient was zero too",
+}
+
+
+def _zero_weight_said(run: _Run, stop: str, state: str, layers: list[str]) -> str:
+    """Where the gradient flowing back to ``layers`` stopped at a weight of zeros, in words, and why it did not
+    move (``state``, of ``_zero_weight``)."""
+    return (
+        f"the gradient stopped at {_name(stop)} ({run.types.get(stop, '')}), whose weight was exactly zero on "
+        "every sampled step (zero-initialised, as LoRA's B or a zero-initialised output layer): it passes back "
+        f"zeros to {_listing(layers, run.cfg.max_listed_modules)} until that weight moves, and "
+        + _ZERO_WEIGHT_SAID[state]
+    )
+
+
 def _causes_said(run: _Run, c: _Causes) -> list[str]:
     """A sentence per cause, the FP8 one first."""
     lim = run.cfg.max_listed_modules
@@ -245,6 +315,7 @@ def _causes_said(run: _Run, c: _Causes) -> list[str]:
             "flushes a gradient below 2^-25 (at the run's loss scale) to zero, and none of theirs reached its range "
             "(fp16_gradient_underflow)"
         )
+    said += [_zero_weight_said(run, s, state, ms) for (s, state), ms in c.zero_weight.items()]
     said += [_stop_said(run, s, ms) for s, ms in c.stopped.items()]
     said += [
         f"the input of {_listing(ms, lim)} was zero everywhere on every sampled step (the output of "
@@ -282,6 +353,20 @@ def _remedy(run: _Run, c: _Causes) -> str:
         )
     if c.fp16:
         parts.append("scale the loss more, or train in bf16, as fp16_gradient_underflow sizes it")
+    idle = run.sort(s for s, state in c.zero_weight if state == "idle")
+    if idle:
+        parts.append(
+            f"nothing, if the learning rate of {_listing(idle, run.cfg.max_listed_modules)} is meant to start "
+            "later (the layers behind it learn once it has moved its weight); else give its param group a learning "
+            "rate above 0"
+        )
+    fixed = run.sort(s for s, state in c.zero_weight if state != "idle")
+    if fixed:
+        parts.append(
+            f"let the weight of {_listing(fixed, run.cfg.max_listed_modules)} train (requires_grad_(True), in the "
+            "optimizer, a learning rate above 0), or initialise it with small nonzero values: a weight of zeros "
+            "passes no gradient back until it moves"
+        )
     if c.no_tokens:
         parts.append("balance the router's load (an auxiliary load-balancing loss, a capacity factor)")
     if c.stopped or c.zero_input or c.unreached or c.unknown:
@@ -298,11 +383,18 @@ def _remedy(run: _Run, c: _Causes) -> str:
 def _rule_no_gradient(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     """Layers whose weight gradient was zero everywhere on every sampled step, also after the optimizer had stepped
     with a nonzero learning rate: they did not learn (weight decay and momentum alone moved them). Critical:
-    nothing else says so, and a verdict on the other numbers reads as a healthy run."""
+    nothing else says so, and a verdict on the other numbers reads as a healthy run. Layers behind a weight of
+    zeros that a sampled update moved are left out (they get a gradient from the next step on: LoRA's B under a
+    learning rate that starts later); a warning where every layer is behind one whose learning rate was 0 on
+    every sampled step (it may be meant to start later)."""
     dead = _dead_layers(run)
     if dead is None:
         return
     c = _causes(run, dead.layers, dims)
+    dead = dead.without(c.waiting)
+    if dead is None:
+        return
+    behind_idle = sum(len(ms) for (_, state), ms in c.zero_weight.items() if state == "idle")
     n, lim = len(dead.layers), run.cfg.max_listed_modules
     steps = (
         f"all {dead.steps} sampled step(s) with weight gradients"
@@ -314,9 +406,10 @@ def _rule_no_gradient(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -
     plan.add(
         Finding(
             "no_gradient",
-            CRITICAL,
+            WARNING if behind_idle == n else CRITICAL,
             f"No gradient reached the weights of {n} of {dead.checked} layers"
-            + (": FP8 flushed it" if fp8 else ""),
+            + (": FP8 flushed it" if fp8 else "")
+            + (": a weight of zeros stopped it" if behind_idle == n else ""),
             f"Every weight-gradient value of {n} layer(s) ({_listing(dead.layers, lim)}) was an exact zero on "
             f"{steps}, while the optimizer stepped on {dead.optimizer_steps} sampled step(s) with a nonzero learning "
             "rate: these weights did not learn, weight decay or momentum alone moved them. "
