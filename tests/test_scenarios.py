@@ -860,14 +860,29 @@ def test_g_a_bf16_layer_that_joins_the_optimizer_mid_run_is_no_switch_to_bf16() 
     at step 3 (gradual unfreezing): no weight changed dtype, yet bf16_lost_updates said the run 'holds its
     weights in bf16 from step 3 on, where they became bf16 (float32 before: a model.to(torch.bfloat16) mid-run)'
     (tester h73): the first bf16 row of any weight came after rows of the others. A switch is a weight whose
-    own earlier rows were in another dtype."""
+    own earlier rows were in another dtype. Layer 2's updates lost in its bf16 weights are measured, critical,
+    and the fp32 layers' what-if is said apart (they were pooled with them, an info 'would be lost if the
+    weights were held in bf16', before the switch was read into it)."""
     run, truth = lost_updates.run_layers(torch.float32, lr=1e-4, bf16=("2",), joins=3)
     held = truth[truth[T.DTYPE] == "bfloat16"]
     assert set(held[T.MODULE]) == {"2"} and set(held[T.STEP]) == {3, 4, 5}
     assert set(truth.loc[truth[T.MODULE] == "2", T.DTYPE]) == {"bfloat16"}  # never another dtype
+    assert held["stuck"].sum() > 0.5 * held["intended"].sum()
     lost = run.recommend().finding("bf16_lost_updates")
     assert lost is not None and "held_from_step" not in lost.numbers
     assert "became bf16" not in lost.message and "mid-run" not in lost.message
+    assert lost.severity == "critical" and lost.modules == ["2"]
+    assert (lost.numbers["lost"], lost.numbers["nonzero_updates"]) == (
+        held["stuck"].sum(),
+        held["intended"].sum(),
+    )
+    in_fp32 = truth[truth[T.DTYPE] == "float32"]
+    assert (lost.numbers["held_apart_updates"], lost.numbers["held_apart_lost"]) == (
+        in_fp32["intended"].sum(),
+        in_fp32["whatif_bf16"].sum() + in_fp32["stuck"].sum(),
+    )
+    assert "this run holds these weights in bf16 (2)" in lost.message
+    assert lost.remedy.startswith("Hold 2 in fp32 too")
 
 
 @pytest.mark.parametrize("idle", ["frozen", "warmup"])

@@ -110,6 +110,13 @@ def _held_from(rows: pd.DataFrame, held: str | None) -> int | None:
     return int(switched.min()) if not switched.empty else None
 
 
+def _held_modules(run: _Run, rows: pd.DataFrame, held: str | None) -> list[str]:
+    """The modules whose ``rows`` (``weight_update`` rows) hold their weights in ``held`` (a dtype name)."""
+    return run.sort(
+        T.texts(rows.loc[T.texts(rows[T.DTYPE]).astype(str) == held, T.MODULE]).astype(str).unique()
+    )
+
+
 def _since_words(rows: pd.DataFrame, since: int | None, fmt: str, held: str | None) -> str:
     """Where a run's weights became ``fmt`` mid-run (``_held_from``): from which step, and what they were."""
     if since is None:
@@ -175,11 +182,14 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         # a pure run: asked for by name, or (the user's own loop) its weights are held in the format
         held = formats.get(fmt).dtype_name
         # (a weight held in the format loses its updates there, whatever the others: a model made bf16 mid-run
-        # is measured from that step, ``since``)
+        # is measured from that step, ``since``; a few weights held in it, ``few``, are measured apart from the
+        # others: a bf16 embedding in an fp32 model)
         since = _held_from(held_rows, held)
         is_pure = (
             run.precision == pure or bool((held_rows[T.DTYPE] == held).mean() > 0.5) or since is not None
         )
+        few = [] if is_pure else _held_modules(run, held_rows, held)
+        is_pure = is_pure or bool(few)
         # a pure run's share is measured, over the weights it holds in the format: a layer it keeps in fp32
         # moved, and its count is a what-if, said apart
         apart = _held_apart(held_rows, held) if is_pure else pd.Series(False, index=held_rows.index)
@@ -203,7 +213,9 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         resolution = "2^-8" if fmt == "bf16" else "2^-11"
         # weights held in the format in a loop that is not the pure mode by name: a model loaded in bf16 and
         # trained under bf16 autocast (the HF Trainer's bf16=True on from_pretrained(..., dtype=torch.bfloat16))
-        held_under_autocast = is_pure and run.precision != pure and bool(run.autocast.get("enabled"))
+        held_under_autocast = (
+            is_pure and not few and run.precision != pure and bool(run.autocast.get("enabled"))
+        )
         # With fp32 master weights (autocast, fp32) this is a what-if: it only hurts a run that holds its
         # weights in the format, and it is the reason to keep fp32 master weights.
         if share > cfg.lost_update_warn and is_pure:
@@ -226,6 +238,8 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                         f"run holds its weights in {fmt} under {fmt} autocast, which casts the inputs of ops and keeps no "
                         f"fp32 copy of a {fmt} weight"
                         if held_under_autocast
+                        else f"run holds these weights in {fmt} ({_listing(few, cfg.max_listed_modules)})"
+                        if few
                         else f"{pure + ' ' if since is None else ''}run holds its weights in {fmt}"
                     )
                     + _since_words(held_rows, since, fmt, held)
@@ -252,6 +266,9 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     f"{fmt} (from_pretrained(..., dtype=torch.{held})) has no fp32 copy of its weights, under "
                     "autocast too."
                     if held_under_autocast
+                    else f"Hold {_listing(few, cfg.max_listed_modules)} in fp32 too (.float() before the optimizer "
+                    f"is made; {fmt} autocast still casts its matmuls): a weight held in {fmt} has no fp32 copy."
+                    if few
                     else f"Keep fp32 master weights ({fmt} autocast does); do not train {pure}."
                 ),
                 modules=worst,
