@@ -5,7 +5,7 @@ the parts torch.compile compiled and with which backend, each optimizer's settin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -131,11 +131,19 @@ def fp8_recipes(model: nn.Module) -> list[dict[str, Any]]:
     """The FP8 recipes the model's torchao Float8Linear layers run, each once with the layers that run it
     (``layers``, by the capture's names): what ``fp8_recipe_of`` reads of their ``config``. [] when none is a
     Float8Linear."""
+    return _recipes(model, {"Float8Linear"}, lambda m: fp8_recipe_of(getattr(m, "config", None)))
+
+
+def _recipes(
+    model: nn.Module, types: Collection[str], recipe_of: Callable[[nn.Module], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The recipes ``recipe_of`` reads of the model's modules whose class is one of ``types``, each once with
+    the layers that run it (``layers``, by the capture's names)."""
     out: list[dict[str, Any]] = []
     for name, m in _compat.named_modules(model):
-        if type(m).__name__ != "Float8Linear":
+        if type(m).__name__ not in types:
             continue
-        recipe = fp8_recipe_of(getattr(m, "config", None))
+        recipe = recipe_of(m)
         same = next((r for r in out if {k: v for k, v in r.items() if k != "layers"} == recipe), None)
         if same is None:
             out.append({**recipe, "layers": [name]})
@@ -187,17 +195,7 @@ def block_recipe_of(module: nn.Module) -> dict[str, Any]:
 def block_recipes(model: nn.Module) -> list[dict[str, Any]]:
     """The MX recipes the model's torchao MX training layers run, each once with the layers that run it
     (``layers``, by the capture's names): what ``block_recipe_of`` reads. [] when none is one."""
-    out: list[dict[str, Any]] = []
-    for name, m in _compat.named_modules(model):
-        if type(m).__name__ not in BLOCK_MODULE_TYPES:
-            continue
-        recipe = block_recipe_of(m)
-        same = next((r for r in out if {k: v for k, v in r.items() if k != "layers"} == recipe), None)
-        if same is None:
-            out.append({**recipe, "layers": [name]})
-        else:
-            same["layers"].append(name)
-    return out
+    return _recipes(model, BLOCK_MODULE_TYPES, block_recipe_of)
 
 
 def low_precision_linear(model: nn.Module) -> str | None:
