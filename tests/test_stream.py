@@ -4,6 +4,7 @@ equals an uninterrupted one; the recording's host memory stays bounded."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 import precprof
-from precprof import cli, parts, pipeline, rundir
+from precprof import cli, parts, pipeline, rundir, runfiles
 from precprof import tables as T
 from precprof.capture import stream, writer_process
 from precprof.errors import UserError
@@ -962,6 +963,56 @@ def test_a_writer_process_that_dies_ends_no_training_and_loses_no_row(tmp_path: 
         kept["steps"].drop(columns=[T.TIME_S, T.RESUMED]),
         check_dtype=False,
     )
+
+
+def test_a_save_that_did_not_fit_whole_leaves_every_step_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream that stopped writing (a disk that filled while the run trained) keeps its later flushes in
+    memory; a save that then wrote some tables whole but not layers.parquet (no room) already holds those rows.
+    ``tables()`` and the save that follows (room made) added them again from memory: every step after the
+    stream stopped was there twice (h69). Both equal the same run kept in memory."""
+    kept = tiny_run(None, 7, sample_every=2).tables()
+    monkeypatch.setattr(stream, "USE_PROCESS", False)  # the thread writes: the failure below is its own
+    real, write_parquet = T.arrow_of_columns, runfiles.write_parquet
+
+    def no_room_for_layers(df: pd.DataFrame, path: Path) -> None:
+        if T.TABLE_FILES["layers"] in str(path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write_parquet(df, path)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = tmp_path / "run"
+    prof = precprof.Profiler(model, opt, sample_every=2, out=out)
+    with prof:
+        sink = prof._recorded.sink
+        assert sink is not None
+        for step in range(7):
+            if step == 3:  # steps 0-2 are on disk; from here the stream cannot write
+                sink.drain()
+                monkeypatch.setattr(T, "arrow_of_columns", lambda name, cols: 1 / 0)
+            train_step(model, opt, prof, step)
+    assert sink.error is not None and sink.unwritten
+    monkeypatch.setattr(T, "arrow_of_columns", real)
+    monkeypatch.setattr(runfiles, "write_parquet", no_room_for_layers)
+    with pytest.warns(UserWarning, match="not saved whole"):
+        prof.save()
+    assert (out / T.TABLE_FILES["steps"]).exists() and not (out / T.TABLE_FILES["layers"]).exists()
+
+    def assert_as_kept(tables: dict[str, pd.DataFrame]) -> None:
+        assert tables["steps"][T.STEP].tolist() == list(range(7))
+        for name in ("layers", "histograms", "memory"):
+            pd.testing.assert_frame_equal(tables[name], kept[name], check_dtype=False)
+        cols = [T.STEP, T.LOSS, T.SAMPLED]
+        pd.testing.assert_frame_equal(tables["steps"][cols], kept["steps"][cols], check_dtype=False)
+
+    assert_as_kept(prof.tables())
+    monkeypatch.setattr(runfiles, "write_parquet", write_parquet)  # room made: the user saves again
+    prof.save()
+    assert not parts.has_stream(out)
+    assert_as_kept(T.read_tables(out))
 
 
 def test_the_writer_process_imports_nothing_from_the_working_directory(

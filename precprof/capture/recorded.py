@@ -8,7 +8,11 @@ whatever the run's length, and ``tables()`` reads the run directory's parts back
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -34,6 +38,9 @@ class Recorded:
         self.steps_recorded = 0
         self.sampled_steps = 0
         self._last_sampled: int | None = None
+        # per table: the file a save into the stream's run directory wrote it whole to (its identity), and how
+        # many of the flushes the stream could not write that save held (``saving``)
+        self._saved_whole: dict[str, tuple[tuple[int, int, int], int]] = {}
 
     @staticmethod
     def step_floats(pending: list[_PendingStep]) -> HostFloats:
@@ -102,7 +109,8 @@ class Recorded:
 
     def tables(self) -> dict[str, pd.DataFrame]:
         """The four tables (see precprof/tables.py for the schema): with a stream, the run directory's parts
-        (every segment of a resumed run) after the writer drained, and any flush it could not write."""
+        (every segment of a resumed run) after the writer drained, and any flush it could not write; a table
+        that a save wrote whole there is read from its file, with the flushes that save did not hold."""
         if self.sink is None:
             self.kept.decoded()  # in place: the next call reads the columns
             whole = Flush()
@@ -111,16 +119,52 @@ class Recorded:
             return whole.frames()
         self.sink.drain()
         base = T.read_run(self.sink.run_dir).tables
-        extra = Flush()
-        for f in self.sink.unwritten:
-            extra.extend(f)
-        extra.extend(self.new)
-        if extra.empty:
-            return base
-        more = extra.frames()
-        return {
-            name: T.frame(name, pd.concat([base[name], more[name]], ignore_index=True))
-            if not more[name].empty
-            else base[name]
-            for name in T.TABLES
-        }
+        held = {name: self._held_by_file(name) for name in T.TABLES}
+        out = dict(base)
+        for start in sorted(set(held.values())):
+            extra = Flush()
+            for f in self.sink.unwritten[start:]:
+                extra.extend(f)
+            extra.extend(self.new)
+            if extra.empty:
+                continue
+            more = extra.frames()
+            for name in (n for n in T.TABLES if held[n] == start and not more[n].empty):
+                out[name] = T.frame(name, pd.concat([base[name], more[name]], ignore_index=True))
+        return out
+
+    @contextlib.contextmanager
+    def saving(self, run_dir: Path) -> Iterator[None]:
+        """Around a save into ``run_dir``: where it is the stream's, each table the save writes whole holds the
+        flushes the stream could not write so far, and ``tables()`` then reads them from that file only (added
+        again from memory, every step of a save that did not fit whole was there twice)."""
+        sink = self.sink
+        if sink is None or run_dir.resolve() != Path(sink.run_dir).resolve():
+            yield
+            return
+        sink.drain()
+        held = len(sink.unwritten)
+        before = {name: self._file_id(name) for name in T.TABLES}
+        try:
+            yield
+        finally:  # (a Ctrl-C while the report rendered is raised after the tables were written)
+            for name, was in before.items():
+                now = self._file_id(name)
+                if now is not None and now != was:
+                    self._saved_whole[name] = (now, held)
+
+    def _held_by_file(self, name: str) -> int:
+        """How many of the flushes the stream could not write the run directory's file of table ``name`` holds:
+        those of the save that wrote it, 0 for no file of this recording's saves."""
+        saved = self._saved_whole.get(name)
+        return saved[1] if saved is not None and self._file_id(name) == saved[0] else 0
+
+    def _file_id(self, name: str) -> tuple[int, int, int] | None:
+        """The stream's run directory's file of table ``name``, told apart from any other (a save writes each
+        to a new file, renamed into place); None when there is none."""
+        assert self.sink is not None
+        try:
+            st = os.stat(Path(self.sink.run_dir) / T.TABLE_FILES[name])
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino, st.st_mtime_ns

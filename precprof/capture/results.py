@@ -475,9 +475,10 @@ class ProfilerResults:
         if finisher is None:
             raise RuntimeError("precprof.pipeline, which writes run directories, is not loaded")
         full = self.run_summary(summary, status, reason)
-        written = finisher(
-            run_dir, self.tables(), full, facts=self.model_facts(), render=render, report_path=report_path
-        )
+        with self._recorded.saving(run_dir):
+            written = finisher(
+                run_dir, self.tables(), full, facts=self.model_facts(), render=render, report_path=report_path
+            )
         runfiles.release_memory()  # the tables are dropped: what the allocators kept of them goes back
         self._status = written[T.SUMMARY_STATUS]
         self._reason = written[T.SUMMARY_INCOMPLETE_REASON]
