@@ -423,6 +423,45 @@ def test_a_full_disk_keeps_the_summary_before_the_tables(
     assert no_tmp_files(out)
 
 
+@pytest.mark.parametrize("crash", [None, "the loss went away"])
+def test_a_save_that_could_not_write_is_not_the_next_saves_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crash: str | None
+) -> None:
+    """A save that could not write (a full disk) kept its cause in the Profiler: the next save, written whole
+    once room was made or into another directory, said "incomplete" with that old cause (each failed attempt
+    appended, another directory's included), and so did prof.status (h69). A save's failure is its own; the
+    cause of a crash stays the run's, in every save."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    prof, losses = precprof.Profiler(model, opt, sample_every=2), []
+    with contextlib.suppress(RuntimeError), prof:
+        for _ in range(4):
+            loss = model(torch.randn(4, 8)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+            losses.append(loss.item())
+        if crash:
+            raise RuntimeError(crash)
+    full, room = tmp_path / "full", runfiles.write_parquet
+    monkeypatch.setattr(runfiles, "write_parquet", _no_room_for("layers"))
+    with pytest.warns(RunNotSavedWarning, match="No space left on device"):
+        prof.save(full)
+    assert prof.status[0] == T.STATUS_INCOMPLETE and "No space left on device" in str(prof.status[1])
+    monkeypatch.setattr(runfiles, "write_parquet", room)  # room made
+    expected = (T.STATUS_INCOMPLETE, f"RuntimeError: {crash}") if crash else (T.STATUS_COMPLETE, None)
+    for run in (full, tmp_path / "other"):  # saved again, and into another directory
+        prof.save(run)
+        summary = T.read_summary(run)
+        assert (summary[T.SUMMARY_STATUS], summary[T.SUMMARY_INCOMPLETE_REASON]) == expected
+        assert prof.status == expected
+        tables = T.read_tables(run)
+        assert tables["steps"][T.LOSS].tolist() == pytest.approx(losses)
+        assert sorted(set(tables["layers"][T.STEP])) == [0, 2]
+
+
 def test_each_smaller_summary_keeps_what_the_larger_one_had_but_its_bulk() -> None:
     full = {
         T.SUMMARY_CONFIG: {"steps": 3},

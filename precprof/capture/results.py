@@ -62,6 +62,7 @@ class ProfilerResults:
     _recorded: Recorded
     _status: str
     _reason: str | None
+    _saved: tuple[str, str | None] | None = None  # the status and cause the last save wrote
     _device: torch.device
     _plan: CapturePlan | None
     _buffer: st.StatsBuffer | None
@@ -210,12 +211,13 @@ class ProfilerResults:
 
     def mark_incomplete(self, reason: str) -> None:
         """Mark the run as incomplete (a crash, a nan that stopped training, Ctrl-C), with the cause."""
-        self._status = T.STATUS_INCOMPLETE
-        self._reason = reason
+        self._status, self._reason, self._saved = T.STATUS_INCOMPLETE, reason, None
 
     @property
     def status(self) -> tuple[str, str | None]:
-        return self._status, self._reason
+        """The run's status and why it is incomplete: as the last save wrote it (what it could not write is that
+        save's own, never the next one's), else as recorded (``mark_incomplete``)."""
+        return self._saved or (self._status, self._reason)
 
     def skipped_tensors(self) -> list[dict[str, Any]]:
         """Tensors the statistics could not read (``stats.buffer.unreadable``: on the ``meta`` device, sparse,
@@ -480,8 +482,7 @@ class ProfilerResults:
                 run_dir, self.tables(), full, facts=self.model_facts(), render=render, report_path=report_path
             )
         runfiles.release_memory()  # the tables are dropped: what the allocators kept of them goes back
-        self._status = written[T.SUMMARY_STATUS]
-        self._reason = written[T.SUMMARY_INCOMPLETE_REASON]
+        self._saved = written[T.SUMMARY_STATUS], written[T.SUMMARY_INCOMPLETE_REASON]
         if sink is not None and not self._attached:  # the run is saved: it gives the writer process back
             sink.end()
         if self._owned_run is not None and not self._attached and run_dir == self._owned_run.path:
