@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
+from precprof.capture.given import NOT_HELD, given_optimizers
 from precprof.capture.model_facts import optimizer_class
 from precprof.capture.plan import CapturePlan
 from precprof.capture.replan import Replanning
-from precprof.capture.results import NOT_HELD, given_optimizers
 from precprof.capture.storage import optimizer_state_tensors
 from precprof.capture.updates import UpdateSampler
 

@@ -36,7 +36,7 @@ from torch import nn
 from precprof import _compat, _signals, rundir
 from precprof import stats as st
 from precprof import tables as T
-from precprof.capture import attached, clipwatch
+from precprof.capture import attached, clipwatch, given
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.hooks import StepHooks
@@ -48,7 +48,7 @@ from precprof.capture.plan import CapturePlan, ModuleFilter, block_formats_from_
 from precprof.capture.recorded import Recorded
 from precprof.capture.records import MAX_PENDING_STEPS, RowInfo, _ModuleSlot, _PendingStep, held_scalar
 from precprof.capture.reducer import RankReducer, mean_over_ranks
-from precprof.capture.results import NOT_HELD, ProfilerResults, checked_model, given_optimizers, given_scaler
+from precprof.capture.results import ProfilerResults
 from precprof.capture.sampling import DEFAULT_BUDGET, LandedValues, Sampler
 from precprof.capture.scaler import ScalerWatch
 from precprof.capture.stance import SampledStance
@@ -184,11 +184,11 @@ class Profiler(ProfilerResults, OptimizerSwitch):
                 )
             if not (math.isfinite(loss_scale) and loss_scale > 0):
                 raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}")
-        self.model = checked_model(model)
+        self.model = given.checked_model(model)
         # several optimizers (Muon for the matrices and AdamW for the rest, say): each samples its own parameters
-        self.optimizers = given_optimizers(optimizer)
+        self.optimizers = given.given_optimizers(optimizer)
         self.optimizer = self.optimizers[0] if self.optimizers else None
-        self.scaler, self.scaler_from = given_scaler(scaler, loss_scale, model, optimizer)
+        self.scaler, self.scaler_from = given.given_scaler(scaler, loss_scale, model, optimizer)
         # a manual static loss scale ((loss * s).backward(), gradients / s): read at s, tables unscaled by it
         self.loss_scale = float(loss_scale) if loss_scale is not None else None
         self.sample_every = sample_every
@@ -346,7 +346,7 @@ class Profiler(ProfilerResults, OptimizerSwitch):
             # a parameter on ``meta`` has no data and is not sampled
             updates = UpdateSampler.following(plan.params, self.optimizers, self.update_sample, self._device)
             if not updates.tracked and any(ps.grad_row >= 0 for ps in plan.params):
-                warnings.warn(NOT_HELD, stacklevel=3)
+                warnings.warn(given.NOT_HELD, stacklevel=3)
             self._updates = updates
         self._hooks = StepHooks(
             plan,
