@@ -144,9 +144,8 @@ def check_name(path: str | os.PathLike[str], option: str = "--out") -> Path:
     summary and the report). Returns it as a Path; touches nothing."""
     raw = os.fsdecode(os.fspath(path))
     if raw == "":
-        raise RunDirError(
-            f"{option} is empty; give the directory to write the run to (e.g. {option} runs/mine)"
-        )
+        example = f"{option} runs/mine" if option.startswith("--") else f'{option}="runs/mine"'
+        raise RunDirError(f"{option} is empty; give the directory to write the run to (e.g. {example})")
     if not raw.strip():
         raise RunDirError(f"{option} {raw!r} is blank; give the directory to write the run to")
     try:

@@ -323,6 +323,49 @@ def test_a_run_killed_after_a_report_while_attached_keeps_every_flushed_step(tmp
     assert f"The run was cut off after step {read.last_step}" in html
 
 
+def test_a_save_into_another_runs_directory_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prof.save(D) and prof.report(D) into a directory holding another run replaced it without a word: a killed
+    run's stream, its only record, was deleted for another model's steps (h69). An empty name wrote the run into
+    the working directory, a file only warned. Each is refused in one line, as Profiler(out=) refuses it, before
+    anything is written; overwrite=True replaces the run; a directory the Profiler saved into is its own."""
+    killed = tmp_path / "killed"
+    proc = worker("crash", killed, tmp_path / "ckpt.pt")
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    streamed = T.read_run(killed).tables
+    assert streamed["steps"][T.STEP].tolist() == list(range(len(streamed["steps"]))) != []
+    prof = tiny_run(None, 3)
+    for save in (prof.save, prof.report):
+        with pytest.raises(rundir.RunDirError) as refused:
+            save(killed)
+        assert str(refused.value) == (
+            f"path {killed}: {killed} already holds a precprof run (incomplete); choose another path, or pass "
+            "overwrite=True to replace it"
+        )
+    again = T.read_run(killed)
+    assert again.streamed
+    for name in T.TABLES:  # the killed run, untouched
+        pd.testing.assert_frame_equal(again.tables[name], streamed[name])
+    (tmp_path / "afile").write_text("mine")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(rundir.RunDirError, match=r'path is empty; .* \(e\.g\. path="runs/mine"\)'):
+        prof.report("")
+    with pytest.raises(rundir.RunDirError, match="afile: is a file, not a directory; choose another path"):
+        prof.report(tmp_path / "afile")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "ckpt.pt", "killed"]
+    assert (tmp_path / "afile").read_text() == "mine"
+    prof.report(killed, overwrite=True)
+    assert not parts.has_stream(killed) and T.read_summary(killed)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert T.read_tables(killed)["steps"][T.STEP].tolist() == [0, 1, 2]  # this Profiler's three steps
+    other = tiny_run(None, 2)
+    with pytest.raises(rundir.RunDirError, match=r"already holds a precprof run \(complete\)"):
+        other.save(killed)
+    prof.save(killed)  # its own run, saved again
+    assert T.read_tables(killed)["steps"][T.STEP].tolist() == [0, 1, 2]
+
+
 def test_a_killed_runs_fp8_eligibility_is_not_judged(tmp_path: Path) -> None:
     """The layers' shapes are in the summary a run writes when it saves: a killed run's report said "0 of 2
     qualify ... Not eligible: (weight shape unknown: none was recorded for it)", and on FP8 hardware that no

@@ -63,6 +63,7 @@ class ProfilerResults:
     _status: str
     _reason: str | None
     _saved: tuple[str, str | None] | None = None  # the status and cause the last save wrote
+    _saved_into: frozenset[Path] = frozenset()  # the run directories claimed for a save (``_ours``)
     _device: torch.device
     _plan: CapturePlan | None
     _buffer: st.StatsBuffer | None
@@ -452,22 +453,27 @@ class ProfilerResults:
         *,
         render: bool = False,
         report_path: str | Path | None = None,
+        overwrite: bool = False,
     ) -> Path:
         """Write the run directory: the four Parquet tables, the recommendation and summary.json (``summary``
         merged in), and report.html (or ``report_path``) when ``render``; see ``precprof.pipeline.finish_run``
         for the order.
 
-        A failure to write (full disk, read-only file system) does not raise: summary.json then says
-        "incomplete" with the cause. Under torch.distributed only the writer (rank 0) writes; other ranks
-        return the path without touching it. ``run_dir`` defaults to ``out``; saving there turns its stream
-        into the four tables and releases the directory's lock if this Profiler claimed it, once detached:
-        while attached, a save there is a snapshot of the run so far, which goes on streaming (``_snapshot``).
+        A directory not yet this Profiler's is claimed first, as ``Profiler(out=...)`` claims one
+        (``rundir.claim``): an empty name, a file, a place that cannot be created, a run another process writes,
+        and a run already there (unless ``overwrite``: precprof's files of it are replaced) are refused with a
+        one-line ``RunDirError`` before anything is written. A failure to write (full disk, read-only file
+        system) does not raise: summary.json then says "incomplete" with the cause. Under torch.distributed
+        only the writer (rank 0) writes; other ranks return the path without touching it. ``run_dir`` defaults
+        to ``out``; saving there turns its stream into the four tables and releases the directory's lock if this
+        Profiler claimed it, once detached: while attached, a save there is a snapshot of the run so far, which
+        goes on streaming (``_snapshot``).
         """
         if run_dir is None:
             run_dir = self.run_dir
             if run_dir is None:
                 raise ValueError("save() needs a run directory: save(run_dir), or Profiler(..., out=run_dir)")
-        run_dir = Path(run_dir)
+        run_dir = rundir.check_name(run_dir, "path")  # (an empty one was the working directory)
         if not self.is_writer:
             return run_dir
         sink = self._recorded.sink
@@ -476,11 +482,23 @@ class ProfilerResults:
         finisher = run_finisher()
         if finisher is None:
             raise RuntimeError("precprof.pipeline, which writes run directories, is not loaded")
+        # refused in one line where another run is there: a killed run's stream may be its only record
+        claimed = None if self._ours(run_dir) else rundir.claim(run_dir, overwrite=overwrite, option="path")
         full = self.run_summary(summary, status, reason)
-        with self._recorded.saving(run_dir):
-            written = finisher(
-                run_dir, self.tables(), full, facts=self.model_facts(), render=render, report_path=report_path
-            )
+        try:
+            with self._recorded.saving(run_dir):
+                written = finisher(
+                    run_dir,
+                    self.tables(),
+                    full,
+                    facts=self.model_facts(),
+                    render=render,
+                    report_path=report_path,
+                )
+        finally:
+            if claimed is not None:
+                claimed.release()
+                self._saved_into |= {run_dir.resolve()}
         runfiles.release_memory()  # the tables are dropped: what the allocators kept of them goes back
         self._saved = written[T.SUMMARY_STATUS], written[T.SUMMARY_INCOMPLETE_REASON]
         if sink is not None and not self._attached:  # the run is saved: it gives the writer process back
@@ -489,6 +507,14 @@ class ProfilerResults:
             self._owned_run.release()
             self._owned_run = None
         return run_dir
+
+    def _ours(self, run_dir: Path) -> bool:
+        """Whether ``run_dir`` is this Profiler's to write as it is: the run directory it streams into (or was
+        handed claimed, ``out=RunDir``), or one claimed for an earlier save (saved again, it is replaced)."""
+        mine, out = set(self._saved_into), self.run_dir
+        if out is not None and (self._recorded.sink is not None or isinstance(self._out, rundir.RunDir)):
+            mine.add(out.resolve())
+        return run_dir.resolve() in mine
 
     def _snapshot(
         self,
@@ -518,17 +544,26 @@ class ProfilerResults:
                 renderer(run_dir, out=report_path, recording=full, facts=self.model_facts())
         return run_dir
 
-    def report(self, path: str | Path | None = None, summary: dict[str, Any] | None = None) -> Path:
+    def report(
+        self,
+        path: str | Path | None = None,
+        summary: dict[str, Any] | None = None,
+        *,
+        overwrite: bool = False,
+    ) -> Path:
         """Write the run directory (``path`` itself, or the folder of ``path`` when it names an .html file;
-        default ``out``) and render the HTML report there; returns the report's path."""
+        default ``out``) and render the HTML report there; returns the report's path. A directory holding
+        another run is refused unless ``overwrite``, as ``save`` refuses it."""
         if path is None:
             path = self.run_dir
             if path is None:
                 raise ValueError("report() needs a path: report(run_dir), or Profiler(..., out=run_dir)")
-        path = Path(path)
+        path = rundir.check_name(path, "path")  # (an empty one was the working directory)
         html = path.suffix == ".html"
         run_dir = path.parent if html else path
-        self.save(run_dir, summary=summary, render=True, report_path=path if html else None)
+        self.save(
+            run_dir, summary=summary, render=True, report_path=path if html else None, overwrite=overwrite
+        )
         return path if html else run_dir / T.REPORT_FILE
 
 
