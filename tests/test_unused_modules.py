@@ -42,7 +42,10 @@ def test_modules_that_never_ran_are_named_with_their_share_of_the_parameters() -
     assert f is not None and f.severity == "info" and f.modules == unused
     assert (f.numbers["unused_param_elements"], f.numbers["param_elements"]) == (n_unused, total)
     assert f.numbers["sampled_steps_with_grads"] == 3
-    assert f.title == f"2 module(s) holding {100 * n_unused / total:.3g}% of the parameters never ran"
+    assert (
+        f.title
+        == f"2 module(s) holding {100 * n_unused / total:.3g}% of the parameters ran on no sampled step"
+    )
     assert "find_unused_parameters=True" in f.remedy
 
 

@@ -49,7 +49,7 @@ def _rule_unused_modules(run: _Run, plan: _Plan) -> None:
         Finding(
             "unused_modules",
             INFO,
-            f"{len(unused)} module(s) holding {100 * share:.3g}% of the parameters never ran",
+            f"{len(unused)} module(s) holding {100 * share:.3g}% of the parameters ran on no sampled step",
             f"{len(unused)} module(s) holding parameters ({_listing(unused, run.cfg.max_listed_modules)}) ran no "
             f"forward pass of their own and got no gradient on any of the {steps} sampled step(s) with weight "
             f"gradients: {n_unused:,} of the model's {total:,} parameters ({100 * share:.3g}%). Their "
