@@ -193,7 +193,7 @@ _ATTACH_CUT_SHORT = """
 import os, signal, sys, torch
 from torch import nn
 import precprof
-from precprof.capture import profiler
+from precprof.capture import assembly, profiler
 
 def ctrl_c(self):
     os.kill(os.getpid(), signal.SIGINT)  # Python's own handler: a KeyboardInterrupt, the script ends with it
@@ -206,7 +206,7 @@ def fails(*args, **kwargs):
 if sys.argv[2] == "ctrl-c":  # the last thing attach does, after the claim and the stream
     profiler.Profiler._begin_step = ctrl_c
 elif sys.argv[2] == "error":  # the step hooks, made after the claim
-    profiler.StepHooks = fails
+    assembly.StepHooks = fails
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -37,17 +36,17 @@ from precprof import _compat, _signals, rundir
 from precprof import stats as st
 from precprof import tables as T
 from precprof.capture import attached, clipwatch, given
+from precprof.capture.assembly import PartsAssembly
 from precprof.capture.block_budget import DEFAULT_SHARE, BlockDeal
 from precprof.capture.collect import Collector
 from precprof.capture.hooks import StepHooks
 from precprof.capture.loop_order import LoopOrder
 from precprof.capture.memory_schedule import check_every
-from precprof.capture.memory_tracker import MemoryTracker
 from precprof.capture.optimizer_switch import OptimizerSwitch
 from precprof.capture.plan import CapturePlan, ModuleFilter, block_formats_from_env
 from precprof.capture.recorded import Recorded
 from precprof.capture.records import MAX_PENDING_STEPS, RowInfo, _ModuleSlot, _PendingStep, held_scalar
-from precprof.capture.reducer import RankReducer, mean_over_ranks
+from precprof.capture.reducer import mean_over_ranks
 from precprof.capture.results import ProfilerResults
 from precprof.capture.sampling import DEFAULT_BUDGET, LandedValues, Sampler
 from precprof.capture.scaler import ScalerWatch
@@ -56,7 +55,7 @@ from precprof.capture.updates import UpdateSampler
 from precprof.export.live import LiveDashboards
 
 
-class Profiler(ProfilerResults, OptimizerSwitch):
+class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
     """Record per-layer dtypes, exponent histograms and exact underflow/overflow counts during training.
 
     Args:
@@ -318,94 +317,6 @@ class Profiler(ProfilerResults, OptimizerSwitch):
         self._make_parts()
         # a re-attached Profiler goes on counting where it stopped: its steps were recorded once, by number
         self._begin_step()
-
-    def _make_parts(self, replan: bool = False) -> None:
-        """The capture plan and what reads by it; ``replan``: again, the run's reducer and stream kept."""
-        plan = self._plan = CapturePlan.of(self.model, self.module_filter, self._block_formats, not replan)
-        if not replan:
-            self._reducer = self._resolve_reducer()
-        self._sampler.synchronized = self._reducer is not None
-        self._buffer = st.StatsBuffer(
-            max(len(plan.rows), 1),
-            self._device,
-            chunk=self.chunk,
-            block_rows=plan.block_rows(),
-            # the Triton kernels of the model's dtypes compile now, never in a hook: beside the training (steps
-            # are sampled once they are ready), or here for every rank alike (ranks sample the same steps)
-            dtypes=sorted({p.dtype for p in self.model.parameters() if p.is_floating_point()}, key=str),
-            background=self._compile_beside and self._reducer is None and not replan,
-        )
-        if not replan:
-            self._open_stream()
-        self._blocks.deal(plan, device_type=self._device.type)
-        self._updates = None if replan else self._updates  # (the old plan's parameters)
-        if self.weight_updates and self.optimizers:
-            # sampled where each parameter lives at the step (one group per device: an offloaded layer on the
-            # CPU, the rest on the GPU), in the step of the optimizer that holds it (none: not sampled, as its
-            # weight moves in no step precprof sees; a group added later is sampled from the next sampled step on);
-            # a parameter on ``meta`` has no data and is not sampled
-            updates = UpdateSampler.following(plan.params, self.optimizers, self.update_sample, self._device)
-            if not updates.tracked and any(ps.grad_row >= 0 for ps in plan.params):
-                warnings.warn(given.NOT_HELD, stacklevel=3)
-            self._updates = updates
-        self._hooks = StepHooks(
-            plan,
-            self._buffer,
-            self._device,
-            optimizers=self.optimizers,
-            updates=self._updates,
-            autocast_seen=self._autocast,
-            scaled=self._scales_loss,
-            root=self.model,
-            loop=self._loop,
-        )
-        if self.scaler is not None and hasattr(self.scaler, "update"):
-            self._scaler_watch = ScalerWatch(
-                self.scaler, self._device, lambda: self._attached, optimizers=self.optimizers
-            )
-            self._scaler_watch.patch()
-        if self.memory_enabled:
-            self._tracker = MemoryTracker(
-                self.model,
-                self.optimizers,
-                peak=self.memory_peak,
-                reset_peaks=self.reset_peak_memory,
-                own=lambda: (self._buffer, self._updates),  # named profiler_buffers at the peak
-                every=self.memory_every,
-                watch_shapes=self._reducer is None,  # every rank measures the same steps
-            )
-            self._tracker.attach()
-        self._collector = Collector(
-            plan,
-            self._buffer,
-            self._updates,
-            self._reducer,
-            self._tracker,
-            lambda: self.buffer_bytes + self.scratch_bytes,
-        )
-        # the loop's own clip_grad_norm_ gives the gradient norm when step() is not handed one
-        self._clip_norms = clipwatch.ClipNorms(self.model.parameters())
-        clipwatch.watch(self._clip_norms)
-
-    def _scales_loss(self) -> bool:
-        """Whether the gradients are multiplied by a loss scale (an enabled GradScaler, a manual ``loss_scale``)."""
-        scaler, manual = self.scaler, self.loss_scale
-        return _compat.scaler_enabled(scaler) if scaler is not None else manual is not None and manual != 1.0
-
-    def _resolve_reducer(self) -> Any:
-        spec = self._reducer_spec
-        if spec != "auto":
-            return spec
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return RankReducer(joinables=(self.model, *self.optimizers))
-        return None
-
-    @property
-    def is_writer(self) -> bool:
-        """Whether this process writes the run directory (rank 0 under torch.distributed)."""
-        return self._reducer is None or bool(getattr(self._reducer, "is_writer", True))
 
     def _remove_hooks(self) -> None:
         self._switch_due = self._switch_unseen = None
