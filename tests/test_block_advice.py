@@ -452,6 +452,7 @@ def test_a_head_tied_to_the_embedding_has_its_input_judged(block_formats_on: Non
         ("input", "weight gradient"),
     }
     assert head["choice"] == "bf16" and head["why"] == rb.tied_why("transformer.wte")
+    assert summary["output_head"] == {"module": "lm_head", "by": "output"}  # (an nn.Linear, called)
     by_code = {f.code: f for f in rec.findings}
     assert "lm_head (tied to the embedding transformer.wte" in by_code["fp8_eligibility"].message
     plan = by_code["block_format_plan"].message
@@ -495,6 +496,111 @@ def test_a_tied_head_the_block_groups_did_not_reach_stays_in_the_plan_in_bf16(bl
     assert f"The what-if evaluated {len(evaluated)} of the 17 linear layers" in f.message
     assert "No sampled step evaluated lm_head: it stays in bf16 whatever its numbers." in f.message
     assert "BF16 for 1: lm_head (tied to the embedding transformer.wte" in f.message
+
+
+class _Block(nn.Module):
+    """A transformer's MLP block: its last linear layer, fc2, is the model's last in forward order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(WIDTH)
+        self.fc1 = nn.Linear(WIDTH, 2 * WIDTH)
+        self.fc2 = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x))))
+
+
+class FunctionalTiedHead(nn.Module):
+    """nanoGPT's tied head written as a function of the forward: the logits are ``F.linear`` on wte's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(WIDTH, WIDTH)
+        self.block = _Block()
+        self.ln_f = nn.LayerNorm(WIDTH)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.ln_f(self.block(self.wte(ids))), self.wte.weight)
+
+
+class ValueAfterHead(FunctionalTiedHead):
+    """A policy and value model: its head, then a value layer on the same states, the last linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.value = nn.Linear(WIDTH, 1)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        h = self.ln_f(self.block(self.wte(ids)))
+        return self.head(h), self.value(h)
+
+
+def _lm_loss(model: nn.Module) -> Callable[[], torch.Tensor]:
+    def loss() -> torch.Tensor:
+        ids = torch.randint(0, WIDTH, (BATCH, SEQ + 1))
+        out = model(ids[:, :-1])
+        logits, value = out if isinstance(out, tuple) else (out, None)
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, WIDTH), ids[:, 1:].reshape(-1))
+        return ce if value is None else ce + value.pow(2).mean()
+
+    return loss
+
+
+def test_the_output_head_is_the_matmul_that_made_the_output(
+    block_formats_on: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The block plan kept the last linear layer in forward order out of FP4 as the output head. A head tied to
+    the embedding computed by ``F.linear(x, self.wte.weight)`` has no module: block.fc2, the last MLP layer, was
+    named the head; a value layer run after the head was named instead of the head. The capture now walks
+    autograd's graph back from the model's output, once, on the first sampled step (2 sampled steps, one walk),
+    to the first matmul: wte's weight, and the head layer."""
+    from precprof.capture import output_head
+
+    walks: list[dict[str, str] | None] = []
+    real = output_head.find_head
+
+    def counted(*args: Any, **kwargs: Any) -> dict[str, str] | None:
+        walks.append(real(*args, **kwargs))
+        return walks[-1]
+
+    monkeypatch.setattr(output_head, "find_head", counted)
+    torch.manual_seed(0)
+    tied = FunctionalTiedHead()
+    tables, summary = _profiled(tied, _lm_loss(tied))
+    assert walks == [{"module": "wte", "param": "weight", "by": "weight"}] == [summary["output_head"]]
+    rec = recommend(tables, hardware="b200", summary={T.SUMMARY_CAPTURE: summary})
+    # (on a b200 the head's reason begins with HEAD_WHY, whatever its format)
+    planned = [(lb["module"], rb.HEAD_WHY in lb["why"]) for lb in rec.block_what_if["layers"]]
+    assert planned == [("block.fc1", False), ("block.fc2", False)]
+    f = rec.finding("block_format_plan")
+    assert f is not None
+    assert (
+        "The output head is a matmul of the model's forward on the weight of the embedding wte" in f.message
+    )
+    # a run recorded before the capture walked: the last linear layer, as before
+    old = {k: v for k, v in summary.items() if k != "output_head"}
+    assert [lb.head for lb in rb.block_table(tables["layers"], {T.SUMMARY_CAPTURE: old})] == [False, True]
+
+    walks.clear()
+    torch.manual_seed(0)
+    model = ValueAfterHead()
+    tables, summary = _profiled(model, _lm_loss(model))
+    assert walks == [{"module": "head", "by": "output"}] == [summary["output_head"]]
+    table = rb.block_table(tables["layers"], {T.SUMMARY_CAPTURE: summary})
+    assert [lb.module for lb in table if lb.head] == ["head"]
+    (head,) = [lb for lb in table if lb.module == "head"]
+    assert head.choice in ("mxfp8", "bf16") and rb.HEAD_WHY in head.why
+    # the walk is bounded: a head further back than its limit is none found (the plan keeps its old rule)
+    x = torch.randn(2, WIDTH, requires_grad=True)
+    far = model.head(x).exp().exp().exp()
+    assert output_head.find_head([far], {}, {id(model.head.weight): "head.weight"}, limit=3) is None
+    assert output_head.find_head([far], {}, {id(model.head.weight): "head.weight"}) == {
+        "module": "head",
+        "param": "weight",
+        "by": "weight",
+    }
 
 
 class SharedInput(nn.Module):

@@ -64,6 +64,7 @@ from precprof.capture.attempts import StepAttempts
 from precprof.capture.gemm_inputs import GemmInputs, Made, made_entry
 from precprof.capture.grad_reads import _COMPLEX, GradientReads, _plain
 from precprof.capture.loop_order import LoopOrder
+from precprof.capture.output_head import _NOT_WALKED, OutputHead
 from precprof.capture.plan import CapturePlan, reads_block_operands
 from precprof.capture.records import (
     _iter_tensors,
@@ -82,7 +83,7 @@ from precprof.capture.updates import UpdateSampler
 _Tensor = torch.Tensor
 
 
-class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
+class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, OutputHead):
     """The hooks of the sampled steps of one attachment (see the module docstring).
 
     ``device``: the model's device, whose rows the hooks add into directly (a tensor elsewhere goes through
@@ -132,6 +133,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts):
         self._attempts = self._watch()
         # the tensors the model's outermost forward was called with, by id, while it runs (``_gemm_input``)
         self._model_inputs: set[int] = set()
+        # the matmul that makes the model's output (``OutputHead``), once walked
+        self.output_head = _NOT_WALKED
         roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
         # the root's pre-hook takes the forward's keyword arguments too: model(x=features), model(**batch); so
         # do those of the modules whose input is read, called with it by keyword (self.fc(input=h))

@@ -21,8 +21,9 @@ from typing import Any
 from precprof.capture import clipwatch
 from precprof.capture.plan import CapturePlan
 
-# what the hooks count over the run, carried over to the hooks of the new plan
+# what the hooks count or found over the run, carried over to the hooks of the new plan
 _HOOK_COUNTS = (
+    "output_head",
     "eval_forwards",
     "checkpointed_forwards",
     "self_call_forwards",

@@ -354,6 +354,8 @@ class ProfilerResults:
             "weight_grads_unread_steps": self._hooks.weight_grads_unread if self._hooks is not None else 0,
             # the modules whose weight gradients were not read on sampled steps that read others', with how many
             "weight_grads_unread_modules": dict(getattr(self._hooks, "weight_grads_unread_in", {})),
+            # the matmul that made the model's output (capture/output_head.py): the block plan's output head
+            "output_head": self._hooks.head_found if self._hooks is not None else None,
         }
 
     def _stream_summary(self) -> dict[str, Any] | None:

@@ -70,6 +70,7 @@ class TrainingForward:
     _clear_outputs: Callable[[], None]  # ``StepHooks._clear_outputs``
     stepped_no_optimizer: Callable[[], bool]  # ``GradientReads.stepped_no_optimizer``
     optimizer_alone: Callable[[], bool]  # ``GradientReads.optimizer_alone``
+    _walk_head: Callable[[Any], None]  # ``OutputHead._walk_head``
 
     @contextlib.contextmanager
     def outside(self) -> Iterator[None]:
@@ -165,8 +166,11 @@ class TrainingForward:
         return self.evaluation_only() or self.stepped_no_optimizer() or self.optimizer_alone()
 
     def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        grad = self._root_grad
         self._root_grad = self._root_calls.pop() if self._root_calls else False
         if not self._root_calls:
+            if grad and not self._outside:  # (once over the run: the matmul that made the output)
+                self._walk_head(output)
             self._model_inputs = set()
             self._hookset.step_back()
             # (called with no output from torch's ``except`` when the forward raised: ``always_call``); what it

@@ -140,7 +140,8 @@ class LayerBlocks:
     losses: dict[str, list[OperandLoss]] = field(default_factory=dict)
     choice: str = ""
     why: str = ""  # why the better formats were not chosen
-    head: bool = False  # the last linear layer in forward order (the output head): never planned in FP4
+    # the output head (blocks._head_of: the matmul that made the model's output): never planned in FP4
+    head: bool = False
     # the lengths its three GEMMs reduce along (in_features, out_features, tokens per call), None where unknown:
     # a block-scaled GEMM needs each a multiple of its blocks
     axes: dict[str, int | None] = field(default_factory=dict)

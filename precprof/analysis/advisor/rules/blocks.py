@@ -178,10 +178,7 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
     linear = [m for m in matmuls if taxonomy.is_linear_type(run.types.get(m, ""))]
     if not linear:
         return []
-    # the output head: the last linear layer in forward order of those that ran (a routed expert no token went
-    # to on any sampled step has no place in it, and sorts after every other)
-    ran = [m for m in linear if run.order.get(m, 1 << 30) < 1 << 30]
-    head = (ran or linear)[-1]
+    head = _head_of(run, linear)
     act_modules = [str(m) for m in run.kind(T.ACTIVATION)[T.MODULE].unique()]
     # a layer's own input row is never another layer's input
     leaves = [m for m in _innermost(act_modules) if not m.endswith(T.INPUT_SUFFIX)]
@@ -275,6 +272,55 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
         if lb.evaluated or lb.computed_weight or lb.tied_to is not None:
             out.append(lb)
     return out
+
+
+def recorded_head(run: _Run) -> tuple[str, str] | None:
+    """The matmul the capture found making the model's output (summary ``capture.output_head``, walked back
+    from the model's output on a sampled step): (the linear layer, "") where one made it, (the module owning
+    the parameter it read, that parameter's name) where a function of the model's forward did (a head tied to
+    the embedding, ``F.linear(x, self.wte.weight)``); None where the capture found none or a run recorded before
+    it looked."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    found = capture.get("output_head") if isinstance(capture, Mapping) else None
+    if not isinstance(found, Mapping) or not isinstance(found.get("module"), str):
+        return None
+    param = found.get("param") if found.get("by") == "weight" else ""
+    return str(found["module"]), str(param or "")
+
+
+def _head_of(run: _Run, linear: list[str]) -> str | None:
+    """The output head among the linear layers ``linear`` (forward order), None when it is none of them: the one
+    the capture found making the model's output (``recorded_head``: a head computed by a function on the
+    embedding's weight is no linear layer; nor is one the module filter left out); else the last linear layer
+    in forward order of those that ran (a routed expert no token went to on any sampled step has no place in
+    it, and sorts after every other), which names the wrong layer when the head is a function's or another
+    linear layer runs after it."""
+    found = recorded_head(run)
+    if found is not None:
+        return found[0] if found[0] in linear else None
+    ran = [m for m in linear if run.order.get(m, 1 << 30) < 1 << 30]
+    return (ran or linear)[-1]
+
+
+def _head_said(run: _Run, table: list[LayerBlocks]) -> str:
+    """The plan's sentence on an output head that is none of its linear layers ("" when one is, or the capture
+    found none): a head tied to the embedding computed by a function of the forward (it had named the last
+    block's MLP layer the head and kept it from FP4), another module's parameter in a matmul."""
+    found = recorded_head(run)
+    if found is None or found[1] == "" or any(lb.module == found[0] for lb in table):
+        return ""
+    owner, param = found
+    what = f"{_name(owner)}.{param}" if owner else param
+    if "Embedding" in run.types.get(owner, ""):
+        return (
+            f" The output head is a matmul of the model's forward on the weight of the embedding "
+            f"{_name(owner)} (tied to it, no linear layer of its own, which no conversion to a block-scaled "
+            "Linear swaps): none of these linear layers is kept from FP4 as the head."
+        )
+    return (
+        f" The output head is a matmul of the model's forward on {what}, no linear layer of this plan: none of "
+        "them is kept from FP4 as the head."
+    )
 
 
 def _turn_came(weight: Rows, grad: Rows) -> bool:
@@ -768,6 +814,7 @@ def _rule_block_formats(
         else ""
     )
     note += _kept_unevaluated_said([lb.module for lb in table if not lb.evaluated])
+    note += _head_said(run, table)
     moves = _moves(table, run.block_running)
     note += _running_said(moves, lim)
     note += _skipped_note(overflowed, [lb.module for lb in table if lb.gradient_skipped])
