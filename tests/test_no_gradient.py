@@ -48,12 +48,13 @@ def _train(
 ) -> tuple[precprof.Profiler, list[dict[str, int]]]:
     """``steps`` sampled steps under bf16 autocast with AdamW on random (in, out) = ``dims`` data, the loss
     weighted by ``weight``, the learning rate rising linearly from 0 over ``warmup`` steps where given (the HF
-    Trainer's warmup), the modules in ``starts`` in a param group of their own whose learning rate is 0 before
-    the step given; returns the Profiler and, per step, the nonzero values of each trained layer's weight
+    Trainer's warmup), the modules (or parameters) in ``starts`` in a param group of their own whose learning
+    rate is 0 before the step given; returns the Profiler and, per step, the nonzero values of each trained layer's weight
     gradient as backward left it (read before the optimizer steps). ``lrs`` gets each step's learning rate."""
     torch.manual_seed(0)
     starts = starts or {}
-    late = {m: list(model.get_submodule(m).parameters()) for m in starts}
+    named = dict(model.named_parameters())
+    late = {m: [named[m]] if m in named else list(model.get_submodule(m).parameters()) for m in starts}
     rest = [p for p in model.parameters() if all(p is not q for ps in late.values() for q in ps)]
     opt = torch.optim.AdamW([{"params": rest}, *({"params": ps} for ps in late.values())], lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -190,6 +191,78 @@ def test_layers_behind_a_frozen_weight_of_zeros_are_critical() -> None:
     assert "lora_b (Linear), whose weight was exactly zero on every sampled step" in f.message
     assert "it is frozen (it has no gradient of its own), so it does not move" in f.message
     assert "Let the weight of lora_b train" in f.remedy
+
+
+class _ReZeroBlock(nn.Module):
+    """A residual branch behind a gate the block holds itself, zero-initialised (ReZero: x + alpha * f(x))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act = nn.Linear(32, 32), nn.GELU()
+        self.alpha = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.alpha * self.act(self.fc(x))
+
+
+class _ReZero(nn.Module):
+    """inp -> a ReZero block -> head; with ``root``, a second gate of zeros the model holds itself, around a
+    branch ``side`` of its own: out = head(block(h) + beta * side(h))."""
+
+    def __init__(self, root: bool = False) -> None:
+        super().__init__()
+        self.inp, self.block, self.head = nn.Linear(16, 32), _ReZeroBlock(), nn.Linear(32, 1)
+        self.side = nn.Linear(32, 32) if root else None
+        self.beta = nn.Parameter(torch.zeros(1)) if root else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        out = self.block(h)
+        if self.side is not None and self.beta is not None:
+            out = out + self.beta * self.side(h)
+        return self.head(out)
+
+
+@pytest.mark.parametrize("alpha", ["frozen", "idle", "late", "root"])
+def test_a_rezero_gate_of_zeros_is_named_by_its_parameter_name(alpha: str) -> None:
+    """ReZero's gate, ``self.alpha = nn.Parameter(torch.zeros(1))`` held by the block itself, in x + alpha * f(x):
+    while alpha is 0 the branch's layer gets a zero weight gradient. The gate is no module's weight, so
+    no_gradient blamed the head ('the gradient stopped at head (Linear) ... what its backward passed back to
+    block.fc was zero everywhere', which it was not) and told the user to look for a dead ReLU. It names the
+    gate by its full parameter name and why it did not move (frozen; a learning rate of 0 on every sampled
+    step, a warning); a gate that moved on a sampled step leaves its branch out ('late'); a gate the model holds
+    at its root is named by its own name ('root')."""
+    model = _ReZero(root=alpha == "root")
+    if alpha in ("frozen", "root"):
+        model.block.alpha.requires_grad_(False)
+        if model.beta is not None:
+            model.beta.requires_grad_(False)
+    starts = {"block.alpha": 99 if alpha == "idle" else 2} if alpha in ("idle", "late") else None
+    prof, nonzero = _train(model, starts=starts)
+    assert [step["block.fc"] for step in nonzero] == [0, 0, 0] and all(step["head"] > 0 for step in nonzero)
+    f = precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient")
+    if alpha == "late":  # alpha moved at step 2's update: block.fc gets a gradient from step 3 on
+        assert bool((model.block.alpha != 0).any()) and f is None
+        return
+    assert f is not None and "head" not in f.message
+    assert (
+        "The gradient stopped at block.alpha, a parameter held by block (_ReZeroBlock) itself, which was exactly "
+        "zero on every sampled step" in f.message
+    )
+    assert "passes back zeros to block.fc until it moves" in f.message
+    if alpha == "idle":
+        assert f.severity == "warning" and f.modules == ["block.fc"]
+        assert "its learning rate was 0 on every sampled step" in f.message
+        assert f.remedy.startswith("Nothing, if the learning rate of block.alpha is meant to start later")
+        return
+    assert f.severity == "critical" and "it is frozen (it has no gradient of its own)" in f.message
+    assert f.remedy.startswith("Let block.alpha" + (", beta" if alpha == "root" else "") + " train")
+    if alpha == "root":
+        assert all(step["side"] == 0 for step in nonzero) and f.modules == ["block.fc", "side"]
+        assert "The gradient stopped at beta, a parameter held by (model) (_ReZero) itself" in f.message
+        assert "zeros to side until it moves" in f.message
+    else:
+        assert f.modules == ["block.fc"]
 
 
 def test_fp8_eligibility_says_an_output_gradient_of_zeros_was_recorded() -> None:

@@ -5,20 +5,22 @@ A weight gradient is the layer's output gradient times its input, summed over th
 when no gradient reached the layer's output (a module after it passed back zeros: a ReLU whose units were all
 off, a torchao Float8Linear whose FP8 cast flushed its output gradient, a path the loss multiplies by zero), or
 when its input was zero everywhere (a dead ReLU before it), or when a layer after it held a weight of zeros
-(zero-initialised, as LoRA's B: it passes back zeros until that weight moves). A frozen weight, or one the loss
+(zero-initialised, as LoRA's B: it passes back zeros until that weight moves), or when a module around it held a
+parameter of its own of zeros that multiplies the branch it sits in (ReZero's gate ``x + self.alpha * f(x)``, alpha
+initialised to 0: f's layers get zeros until alpha moves). A frozen weight, or one the loss
 does not reach at all, gets no gradient tensor (None) and no weight_grad row: it is not among them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import pandas as pd
 
 from precprof import formats, taxonomy
 from precprof import tables as T
-from precprof.analysis.advisor.evidence import _dtype_has, _innermost, _Plan, _Run
+from precprof.analysis.advisor.evidence import _ancestors, _dtype_has, _innermost, _Plan, _Run
 from precprof.analysis.advisor.model import CRITICAL, WARNING, Finding
 from precprof.analysis.advisor.rules.fp8 import gemm_inputs
 from precprof.analysis.advisor.text import _listing, _name
@@ -174,31 +176,72 @@ def _dead_mask(run: _Run, m: str) -> bool:
     return not mine.empty and 0 < float(mine[T.NUMEL].sum()) <= float(mine[T.ZEROS].sum())
 
 
-def _weight_rows(run: _Run, kind: str, m: str) -> pd.DataFrame:
-    """The rows of ``kind`` of ``m``'s parameter named weight."""
+def _weight_rows(run: _Run, kind: str, m: str, param: str = T.WEIGHT) -> pd.DataFrame:
+    """The rows of ``kind`` of ``m``'s parameter named ``param`` (weight)."""
     rows = run.kind(kind)
-    return rows[(T.texts(rows[T.MODULE]) == m) & (T.texts(rows[T.PARAM]) == T.WEIGHT)]
+    return rows[(T.texts(rows[T.MODULE]) == m) & (T.texts(rows[T.PARAM]) == param)]
 
 
-def _zero_weight(run: _Run, m: str) -> str | None:
+def _zero_weight(run: _Run, m: str, param: str = T.WEIGHT) -> str | None:
     """What became of ``m``'s weight where it was exactly zero on every sampled step (zero-initialised, as LoRA's
     B or a zero-initialised head: the gradient ``m`` passes back is its output gradient times that weight, zero);
     None where it was not. "moved": a sampled update moved it, so the layers behind it get a gradient from the
     next step on; "idle": its learning rate was 0 on every sampled step (a warmup of its own that starts
     later); "frozen": it has no gradient of its own; "unfollowed": it has one and no update row (it is not in
     the optimizer the Profiler follows); "unmoved": steps with a nonzero learning rate did not move it (its own
-    gradient was zero too)."""
-    w = _weight_rows(run, T.WEIGHT, m)
+    gradient was zero too). ``param``: another parameter of ``m`` (a gate it holds itself)."""
+    w = _weight_rows(run, T.WEIGHT, m, param)
     if not 0 < float(w[T.NUMEL].sum()) <= float(w[T.ZEROS].sum()):
         return None
-    if _weight_rows(run, T.WEIGHT_GRAD, m).empty:
+    if _weight_rows(run, T.WEIGHT_GRAD, m, param).empty:
         return "frozen"
-    wu = _weight_rows(run, T.WEIGHT_UPDATE, m)
+    wu = _weight_rows(run, T.WEIGHT_UPDATE, m, param)
     if wu.empty:
         return "unfollowed"
     if (wu[T.NUMEL] > wu[T.ZEROS]).any():
         return "moved"
     return "unmoved" if (_calls(wu) > 0).any() else "idle"
+
+
+def _gate_name(module: str, param: str) -> str:
+    """A parameter's full name, as ``model.named_parameters()`` gives it: "block.alpha", "alpha" of the root."""
+    return f"{module}.{param}" if module else param
+
+
+def _zero_params(run: _Run) -> dict[str, list[str]]:
+    """Per module, its parameters that were exactly zero on every sampled step (their names, as recorded)."""
+    w = run.kind(T.WEIGHT)
+    rows = pd.DataFrame(
+        {
+            T.MODULE: T.texts(w[T.MODULE]).astype(object),
+            T.PARAM: T.texts(w[T.PARAM]).astype(object),
+            T.NUMEL: w[T.NUMEL].to_numpy(),
+            T.ZEROS: w[T.ZEROS].to_numpy(),
+        }
+    )
+    per = rows.groupby([T.MODULE, T.PARAM])[[T.NUMEL, T.ZEROS]].sum()
+    out: dict[str, list[str]] = {}
+    for module, param in per.index[(per[T.NUMEL] > 0) & (per[T.ZEROS] >= per[T.NUMEL])]:
+        out.setdefault(str(module), []).append(str(param))
+    return out
+
+
+def _zero_gate(
+    run: _Run, m: str, grads: pd.DataFrame, zeros: dict[str, list[str]]
+) -> tuple[str, str, str] | None:
+    """A parameter that a module around ``m`` holds itself (not one of a child's) and that was exactly zero on
+    every sampled step (``zeros``: ``_zero_params``), where the gradient reached that module's output: a gate
+    that multiplies the branch ``m`` sits in (ReZero's ``x + self.alpha * f(x)``, alpha initialised to 0), so
+    the branch gets zeros until it moves. (its full name, the module holding it, what became of it:
+    ``_zero_weight``), the closest module first; None where none holds one."""
+    for holder in reversed(_ancestors(m)):
+        if holder in grads.index and grads.at[holder, "nonzero"] <= 0:
+            continue  # no gradient reached it either: the zeros came from further on
+        for param in zeros.get(holder, []):
+            state = _zero_weight(run, holder, param)
+            if state is not None:
+                return _gate_name(holder, param), holder, state
+    return None
 
 
 @dataclass
@@ -211,13 +254,16 @@ class _Causes:
     fp16: list[str]  # layers whose output gradient fp16 held, and flushed whole
     stopped: dict[str, list[str]]  # a later module whose backward passed back zeros -> the layers behind it
     # (a later module whose weight was zero on every sampled step, what became of it: ``_zero_weight``) -> the
-    # layers behind it; those behind one that moved are no layers without a gradient (``waiting``)
+    # layers behind it; those behind one that moved are no layers without a gradient (``waiting``). A gate a
+    # module around them holds itself (``_zero_gate``) is keyed by its full parameter name, in ``gates``
     zero_weight: dict[tuple[str, str], list[str]]
     waiting: list[str]
     zero_input: dict[tuple[str, ...], list[str]]  # the modules whose all-zero output they read -> the layers
     unreached: list[str]  # no later module received a nonzero gradient
     no_tokens: list[str]  # called with no token on every sampled step (an expert the router sent none to)
     unknown: list[str]  # their output gradient and input both held nonzero values
+    # a gate's full parameter name -> the module holding it
+    gates: dict[str, str] = field(default_factory=dict)
 
 
 def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Causes:
@@ -225,6 +271,7 @@ def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Cau
     flushed = _fp8_flushed(run, grads)
     inputs = _zero_inputs(run, dead, dims)
     in16 = _fp16_only(run)
+    zeros = _zero_params(run)
     seq = run.sort(_innermost(str(x) for x in grads.index))
     acts = run.kind(T.ACTIVATION)
     elements = acts.groupby(T.texts(acts[T.MODULE]).astype(object))[T.NUMEL].sum()
@@ -237,6 +284,15 @@ def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Cau
         elif m in grads.index and grads.at[m, "nonzero"] <= 0:
             stop = _stop(m, seq, grads)
             zero = _zero_weight(run, stop) if stop is not None else None
+            # (a gate of zeros around m, where no later module's weight of zeros or dead ReLU stopped it)
+            gate = (
+                _zero_gate(run, m, grads, zeros)
+                if zero is None and not (stop is not None and _dead_mask(run, stop))
+                else None
+            )
+            if gate is not None:
+                c.gates[gate[0]] = gate[1]
+                stop, zero = gate[0], gate[2]
             if stop in flushed:
                 c.behind_fp8.append(m)
             elif stop is not None and zero is not None:
@@ -294,9 +350,18 @@ _ZERO_WEIGHT_SAID = {
 }
 
 
-def _zero_weight_said(run: _Run, stop: str, state: str, layers: list[str]) -> str:
-    """Where the gradient flowing back to ``layers`` stopped at a weight of zeros, in words, and why it did not
-    move (``state``, of ``_zero_weight``)."""
+def _zero_weight_said(run: _Run, c: _Causes, stop: str, state: str, layers: list[str]) -> str:
+    """Where the gradient flowing back to ``layers`` stopped at a weight of zeros, or a gate of zeros (``stop``
+    one of ``c.gates``), in words, and why it did not move (``state``, of ``_zero_weight``)."""
+    if stop in c.gates:
+        holder = c.gates[stop]
+        return (
+            f"the gradient stopped at {stop}, a parameter held by {_name(holder)} ({run.types.get(holder, '')}) "
+            "itself, which was exactly zero on every sampled step (zero-initialised, as ReZero's gate in "
+            "x + alpha * f(x)): "
+            f"the branch it multiplies passes back zeros to {_listing(layers, run.cfg.max_listed_modules)} until "
+            "it moves, and " + _ZERO_WEIGHT_SAID[state]
+        )
     return (
         f"the gradient stopped at {_name(stop)} ({run.types.get(stop, '')}), whose weight was exactly zero on "
         "every sampled step (zero-initialised, as LoRA's B or a zero-initialised output layer): it passes back "
@@ -315,7 +380,7 @@ def _causes_said(run: _Run, c: _Causes) -> list[str]:
             "flushes a gradient below 2^-25 (at the run's loss scale) to zero, and none of theirs reached its range "
             "(fp16_gradient_underflow)"
         )
-    said += [_zero_weight_said(run, s, state, ms) for (s, state), ms in c.zero_weight.items()]
+    said += [_zero_weight_said(run, c, s, state, ms) for (s, state), ms in c.zero_weight.items()]
     said += [_stop_said(run, s, ms) for s, ms in c.stopped.items()]
     said += [
         f"the input of {_listing(ms, lim)} was zero everywhere on every sampled step (the output of "
@@ -353,14 +418,22 @@ def _remedy(run: _Run, c: _Causes) -> str:
         )
     if c.fp16:
         parts.append("scale the loss more, or train in bf16, as fp16_gradient_underflow sizes it")
-    idle = run.sort(s for s, state in c.zero_weight if state == "idle")
+    idle = [s for s, state in c.zero_weight if state == "idle"]
+    # (gates in the order of the first layer behind each, as ``c.zero_weight`` has them)
+    idle = run.sort(s for s in idle if s not in c.gates) + [s for s in idle if s in c.gates]
     if idle:
         parts.append(
             f"nothing, if the learning rate of {_listing(idle, run.cfg.max_listed_modules)} is meant to start "
-            "later (the layers behind it learn once it has moved its weight); else give its param group a learning "
+            "later (the layers behind it learn once it has moved); else give its param group a learning "
             "rate above 0"
         )
-    fixed = run.sort(s for s, state in c.zero_weight if state != "idle")
+    fixed = run.sort(s for s, state in c.zero_weight if state != "idle" and s not in c.gates)
+    gates = [s for s, state in c.zero_weight if state != "idle" and s in c.gates]
+    if gates:
+        parts.append(
+            f"let {_listing(gates, run.cfg.max_listed_modules)} train (requires_grad_(True), in the optimizer, a "
+            "learning rate above 0): a gate of zeros passes no gradient to the branch it multiplies until it moves"
+        )
     if fixed:
         parts.append(
             f"let the weight of {_listing(fixed, run.cfg.max_listed_modules)} train (requires_grad_(True), in the "
