@@ -821,12 +821,21 @@ def test_g_an_fp32_run_whose_updates_do_not_land_is_warned() -> None:
     )
     assert stuck.numbers["ratio_median"] == pytest.approx(_ratio_median(truth), rel=1e-6)
     assert "learning rate" in stuck.remedy and "clip" in stuck.remedy
-    whatif = found.finding("bf16_lost_updates")
-    assert whatif is not None and whatif.severity == "info"
-    assert whatif.numbers["lost_in_fp32"] == truth["stuck"].sum()
+    # the what-ifs' remedy was 'Keep fp32 master weights', which the run has and which lost them too: it names the
+    # update scale, as fp32_lost_updates does
+    for fmt in ("bf16", "fp16"):
+        whatif = found.finding(f"{fmt}_lost_updates")
+        assert whatif is not None and whatif.severity == "info"
+        assert whatif.numbers["lost_in_fp32"] == truth["stuck"].sum()
+        assert "Keep fp32 master weights" not in whatif.remedy
+        assert whatif.remedy.startswith("Raise the learning rate, or loosen a gradient clip")
+        assert f"lost {100 * stuck.numbers['share']:.3g}% of them too (fp32_lost_updates)" in whatif.remedy
     # the same run with its updates landing (AdamW at 1e-3): no such warning
     healthy, truth = lost_updates.run_layers(torch.float32, lr=1e-3)
-    assert truth["stuck"].sum() == 0 and healthy.recommend().finding("fp32_lost_updates") is None
+    found = healthy.recommend()
+    assert truth["stuck"].sum() == 0 and found.finding("fp32_lost_updates") is None
+    whatif = found.finding("bf16_lost_updates")  # there, fp32 master weights are the remedy
+    assert whatif is not None and whatif.remedy.startswith("Keep fp32 master weights (bf16 autocast does)")
 
 
 def test_g_a_run_made_bf16_mid_run_has_its_lost_updates_measured_from_that_step() -> None:

@@ -167,6 +167,35 @@ def _fp32_stuck_words(rows: pd.DataFrame) -> tuple[str, dict[str, int]]:
     )
 
 
+def _fp32_lost(run: _Run) -> tuple[pd.DataFrame, float, float, float | None]:
+    """The updates that did not land in weights the run holds in fp32 (``lost_update_held`` of the float32 rows,
+    the weights with no training gradient on their step left out): (the rows, lost, intended, the share lost;
+    None where none is measured). ``fp32_lost_updates`` fires where the share is above ``lost_update_warn``."""
+    wu = run.kind(T.WEIGHT_UPDATE)
+    if wu.empty or T.LOST_UPDATE_HELD not in wu:
+        return wu.iloc[:0], 0.0, 0.0, None
+    rows = wu[wu[T.LOST_UPDATE_HELD].notna() & (T.texts(wu[T.DTYPE]).astype(str) == "float32")]
+    rows = rows[~_zero_gradient(run, wu)[rows.index]]
+    nz = float(_nonzero_updates(rows).sum())
+    lost = float(rows[T.LOST_UPDATE_HELD].sum())
+    return rows, lost, nz, _share(lost, nz)
+
+
+def _what_if_remedy(run: _Run, fmt: str, pure: str) -> str:
+    """The remedy of a what-if on weights the run holds in fp32: keep them so, unless the updates did not land
+    in those fp32 weights either (``fp32_lost_updates`` fires), where fp32 master weights keep nothing: the
+    update scale is the cause, as that finding's remedy says."""
+    fp32_share = _fp32_lost(run)[3]
+    if fp32_share is None or fp32_share <= run.cfg.lost_update_warn:
+        return f"Keep fp32 master weights ({fmt} autocast does); do not train {pure}."
+    return (
+        "Raise the learning rate, or loosen a gradient clip whose max_norm is far below the gradient norm: the "
+        f"updates are far too small for the weights, and the fp32 weights this run holds lost {_pct(fp32_share)} "
+        "of them too (fp32_lost_updates), so fp32 master weights are no remedy; where updates this small are "
+        "meant, Kahan summation or stochastic rounding of the weight update keeps them."
+    )
+
+
 def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
     cfg = run.cfg
     wu = run.kind(T.WEIGHT_UPDATE)
@@ -270,6 +299,8 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     f"is made; {fmt} autocast still casts its matmuls): a weight held in {fmt} has no fp32 copy."
                     if few
                     else f"Keep fp32 master weights ({fmt} autocast does); do not train {pure}."
+                    if is_pure
+                    else _what_if_remedy(run, fmt, pure)
                 ),
                 modules=worst,
                 numbers={
@@ -292,14 +323,7 @@ def _rule_fp32_lost_updates(run: _Run, plan: _Plan) -> None:
     of their weight, from a learning rate or a gradient clip far too small for the weights. The weights with no
     training gradient on their step are left out, as in ``_rule_lost_updates``."""
     cfg = run.cfg
-    wu = run.kind(T.WEIGHT_UPDATE)
-    if wu.empty or T.LOST_UPDATE_HELD not in wu:
-        return
-    rows = wu[wu[T.LOST_UPDATE_HELD].notna() & (T.texts(wu[T.DTYPE]).astype(str) == "float32")]
-    rows = rows[~_zero_gradient(run, wu)[rows.index]]
-    nz = float(_nonzero_updates(rows).sum())
-    lost = float(rows[T.LOST_UPDATE_HELD].sum())
-    share = _share(lost, nz)
+    rows, lost, nz, share = _fp32_lost(run)
     if share is None or share <= cfg.lost_update_warn:
         return
     by = rows.assign(_nz=_nonzero_updates(rows)).groupby(T.MODULE)[[T.LOST_UPDATE_HELD, "_nz"]].sum()
