@@ -376,3 +376,4 @@ def test_the_verdict_box_says_when_layers_got_no_gradient(dead: bool, tmp_path: 
     said = "No gradient reached the weights of 2 of 3 layers on any sampled step. They did not learn"
     assert (said in verdict) == dead
     assert ("the format above rests on the other layers' gradients" in verdict) == dead
+    assert 'id="verdict-master-weights"' not in page  # (no weight held in bf16)

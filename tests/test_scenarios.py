@@ -38,10 +38,11 @@ from precprof import tables as T
 from precprof.analysis import update_ratio
 from precprof.analysis.advisor import CRITICAL, AdvisorConfig
 from precprof.hardware import HardwareInfo
+from precprof.report import context as report_context
 from precprof.report import summarize as S
 from precprof.report import timeline
 from precprof.report.environment import capture_rows
-from precprof.report.render import render_html
+from precprof.report.render import environment, render_html
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -697,10 +698,17 @@ def test_g_lost_updates_in_bf16_weights_are_counted_and_critical() -> None:
     wu = wu[wu[T.TENSOR] == T.WEIGHT_UPDATE]
     assert int(wu[T.LOST_UPDATE_BF16].sum()) == truth.stuck
     assert int((wu[T.NUMEL] - wu[T.ZEROS]).sum()) == truth.intended > 0
-    found = {f.code: f for f in pure.recommend().findings}
+    rec = pure.recommend()
+    found = {f.code: f for f in rec.findings}
     lost = found["bf16_lost_updates"]
     assert lost.severity == "critical" and lost.numbers["share"] == truth.stuck / truth.intended
     assert lost.numbers["lost"] == truth.stuck and "left their bf16 weight unchanged" in lost.message
+    # the bf16 verdict beside it names its condition: bf16 for compute, fp32 weights
+    assert rec.format == "bf16"
+    said = "bf16 for compute, fp32 for the master weights: this run holds its weights in bf16, where "
+    assert any(
+        r.startswith(said + f"{100 * lost.numbers['share']:.3g}% of their updates") for r in rec.reasons
+    )
 
     master, truth32 = lost_updates.run(torch.float32, lr=1e-5)
     assert truth32.moved_any and truth32.stuck < 1e-3 * truth32.intended
@@ -836,6 +844,8 @@ def test_g_an_fp32_run_whose_updates_do_not_land_is_warned() -> None:
     assert truth["stuck"].sum() == 0 and found.finding("fp32_lost_updates") is None
     whatif = found.finding("bf16_lost_updates")  # there, fp32 master weights are the remedy
     assert whatif is not None and whatif.remedy.startswith("Keep fp32 master weights (bf16 autocast does)")
+    # the run holds no weight in bf16: the bf16 verdict has no condition on its weights
+    assert found.format == "bf16" and not any("master weights" in r for r in found.reasons)
 
 
 def test_g_a_run_made_bf16_mid_run_has_its_lost_updates_measured_from_that_step() -> None:
@@ -892,6 +902,50 @@ def test_g_a_bf16_layer_that_joins_the_optimizer_mid_run_is_no_switch_to_bf16() 
     )
     assert "this run holds these weights in bf16 (2)" in lost.message
     assert lost.remedy.startswith("Hold 2 in fp32 too")
+
+
+def test_g_a_bf16_verdict_beside_a_few_bf16_weights_that_lose_their_updates_names_fp32_master_weights() -> (
+    None
+):
+    """An fp32 MLP whose layer 2 is held in bf16 loses that layer's updates (bf16_lost_updates, critical: 'hold
+    2 in fp32 too'), while the verdict said bf16, 'the measurements allow BF16' in the box of the small model's
+    fp32, and nothing of the weights (h103). The verdict names the condition, bf16 for compute and fp32 for the
+    master weights of layer 2, in its reasons and in the box."""
+    run, truth = lost_updates.run_layers(torch.float32, lr=1e-4, steps=3, bf16=("2",))
+    held = truth[truth[T.DTYPE] == "bfloat16"]
+    share = held["stuck"].sum() / held["intended"].sum()
+    assert set(held[T.MODULE]) == {"2"} and share > 0.5
+    said = (
+        f"bf16 for compute, fp32 for the master weights: this run holds 2 in bf16, where {100 * share:.3g}% of its "
+        "updates vanish (bf16_lost_updates); hold it in fp32 too (.float() before the optimizer is made)"
+    )
+    for cfg in (None, AdvisorConfig()):  # the tree's bf16, and the small model's fp32 that allows bf16
+        rec = run.recommend(config=cfg)
+        lost = rec.finding("bf16_lost_updates")
+        assert lost is not None and lost.severity == "critical"
+        assert lost.numbers["share"] == pytest.approx(share)
+        assert rec.measured_format == "bf16" and rec.format == ("bf16" if cfg is None else "fp32")
+        assert any(r.startswith(said) or r.startswith(f"bf16: {said}") for r in rec.reasons), rec.reasons
+    # the verdict box of the advisor as users get it (fp32, bf16 allowed), rendered alone: a whole page's context
+    # takes seconds
+    box_of = report_context._verdict(rec.to_dict(), run.summary, {}, [])
+    page = (
+        environment()
+        .get_template("_verdict.html.j2")
+        .render(
+            section={"id": "verdict", "number": 1, "heading": "Verdict"},
+            verdict=box_of,
+            skipped_tensors=[],
+            findings=[],
+            severity_counts={},
+        )
+    )
+    box = re.search(r'<div class="sub" id="verdict-master-weights">(.*?)</div>', page)
+    assert 'id="measured-format"' in page and box is not None
+    assert box.group(1) == (
+        f"BF16 for compute, with FP32 master weights: {100 * share:.3g}% of the updates to the weights this run "
+        "holds in BF16 vanish there (see the critical finding bf16_lost_updates and Why)"
+    )
 
 
 @pytest.mark.parametrize("idle", ["frozen", "warmup"])

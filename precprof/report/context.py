@@ -139,9 +139,24 @@ def _verdict(
         ),
         None,
     )
+    # weights the run holds in bf16 lose their updates (critical): a bf16 verdict is bf16 for compute alone
+    held = next(
+        (
+            f.get("numbers") or {}
+            for f in rec.get("findings") or []
+            if f.get("code") == "bf16_lost_updates" and f.get("severity") == "critical"
+        ),
+        None,
+    )
+    allowed = str(rec.get("measured_format") or fmt)
     return {
         "format": fmt,
         "format_label": formats.label(fmt),
+        # the box says so beside a bf16 or fp8 verdict (or what the measurements allow): fp32 master weights,
+        # and the share the run's bf16 weights lost (it read "the measurements allow BF16" beside the finding)
+        "master_weights": {"share": _f(held.get("share")), "label": formats.label(allowed)}
+        if held is not None and allowed in ("bf16", "fp8")
+        else None,
         # a run that diverged: the box says so beside the format, which rests on the steps before it
         "diverged": {"step": diverged.get("step"), "last": diverged.get("last_step")} if diverged else None,
         # layers whose weights got no gradient on any sampled step: the box says so beside the format, which

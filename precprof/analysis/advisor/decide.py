@@ -224,6 +224,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             f"{_fp8_speed_text(plan)}, each above {cfg.fp8_speedup_min:g}x: both the numbers and the speed allow "
             "FP8; the rest runs in bf16 autocast."
         )
+        reasons += _master_weights_said(plan, run.cfg)
     elif bf16_ok and not plan.bf16_block:
         fmt = "bf16"
         reasons.append(
@@ -240,6 +241,7 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
                 else ""
             )
         )
+        reasons += _master_weights_said(plan, run.cfg)
         if fp8_why_not:
             reasons.append(f"Not FP8: {fp8_why_not}.")
     elif hw.fp16_tensor_cores and not plan.fp16_block:
@@ -354,6 +356,29 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         measured_keep_fp32=_keep_list(plan, measured or fmt),
         measured_fp8_layers=list(plan.fp8_eligible) if (measured or fmt) == "fp8" else [],
     )
+
+
+def _master_weights_said(plan: _Plan, cfg: AdvisorConfig) -> list[str]:
+    """The bf16 (or fp8) verdict's condition where the run holds weights in bf16 that lose their updates there
+    (the critical bf16_lost_updates): bf16 for compute, fp32 for the master weights. Without it the verdict
+    read "the measurements allow bf16" beside the critical finding, as if the run's bf16 weights were fine."""
+    if plan.bf16_held_lost is None:
+        return []
+    few, share = plan.bf16_held_lost
+    if not few:
+        return [
+            "bf16 for compute, fp32 for the master weights: this run holds its weights in bf16, where "
+            f"{_pct(share)} of their updates vanish (bf16_lost_updates); train with fp32 weights under bf16 "
+            "autocast, which casts the matmuls' inputs (a model built or loaded in bf16 has no fp32 copy of its "
+            "weights)."
+        ]
+    one = len(few) == 1
+    return [
+        f"bf16 for compute, fp32 for the master weights: this run holds {_listing(few, cfg.max_listed_modules)} in "
+        f"bf16, where {_pct(share)} of {'its' if one else 'their'} updates vanish (bf16_lost_updates); hold "
+        f"{'it' if one else 'them'} in fp32 too (.float() before the optimizer is made) and let bf16 autocast cast "
+        f"{'its' if one else 'their'} matmuls."
+    ]
 
 
 def _fp16_keep_said(plan: _Plan, cfg: AdvisorConfig) -> list[str]:

@@ -471,6 +471,10 @@ class _Plan:
     fp16_scale_raises_underflow: bool = False
     bf16_block: list[str] = field(default_factory=list)
     keep_bf16: list[str] = field(default_factory=list)
+    # weights this run holds in bf16 lose their updates there (bf16_lost_updates, critical): the modules held so
+    # where only some are (a bf16 layer in an fp32 model; [] where the run holds its weights in bf16), and the
+    # share lost. A bf16 verdict is then bf16 for compute, fp32 for the master weights, and says so
+    bf16_held_lost: tuple[list[str], float] | None = None
     fp8_eligible: list[str] = field(default_factory=list)
     fp8_checked: int = 0
     # why FP8 eligibility was not judged at all ("" when it was): no linear layer's shape was recorded

@@ -253,6 +253,8 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
             continue  # fp16 master weights are rare; only worth a line when they lose updates
         else:
             severity = INFO
+        if fmt == "bf16" and severity == CRITICAL:
+            plan.bf16_held_lost = (few, share)
         plan.add(
             Finding(
                 f"{fmt}_lost_updates",
