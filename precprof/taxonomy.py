@@ -343,6 +343,10 @@ FP8_MODULE_TYPES: frozenset[str] = frozenset({"Float8Linear"})
 # ``MXFP8Linear`` of ``torchao.prototype.moe_training``, earlier releases' ``MXLinear``), each GEMM quantising its
 # operands in blocks of 32 values with one power-of-two scale each
 BLOCK_MODULE_TYPES: frozenset[str] = frozenset({"MXFP8Linear", "MXLinear"})
+# the weight types of torchao's MX training applied by ``quantize_(model, MXFP8TrainingOpConfig(...))``: the
+# ``nn.Linear`` stays, its weight becomes a tensor subclass whose matmuls quantise their operands as an
+# ``MXFP8Linear``'s do (its ``config`` holds the recipe)
+BLOCK_WEIGHT_TYPES: frozenset[str] = frozenset({"MXFP8TrainingWeightWrapperTensor"})
 
 
 def fp8_linear_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
@@ -352,21 +356,31 @@ def fp8_linear_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
     return _linear_layers_of(layers, FP8_MODULE_TYPES)
 
 
-def block_linear_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
-    """(linear layers whose module type runs its GEMMs in an MX format, how many linear layers there were): what
-    confirms that an MX run's block-scaled GEMMs ran (an MXFP8Linear's output has its input's dtype)."""
-    return _linear_layers_of(layers, BLOCK_MODULE_TYPES)
+def block_linear_layers(layers: pd.DataFrame, recorded: Collection[str] = ()) -> tuple[list[str], int]:
+    """(linear layers whose module type runs its GEMMs in an MX format, or that the capture recorded as running
+    one (``recorded``: the layers of ``capture.block_recipe``, an ``nn.Linear`` whose weight torchao's
+    ``quantize_`` made an MX training weight among them), how many linear layers there were): what confirms
+    that an MX run's block-scaled GEMMs ran (an MXFP8Linear's output has its input's dtype)."""
+    return _linear_layers_of(layers, BLOCK_MODULE_TYPES, recorded)
 
 
-def _linear_layers_of(layers: pd.DataFrame, kinds: frozenset[str]) -> tuple[list[str], int]:
-    """(linear layers of a module type in ``kinds``, how many linear layers there were), from the layers table."""
+def _linear_layers_of(
+    layers: pd.DataFrame, kinds: frozenset[str], recorded: Collection[str] = ()
+) -> tuple[list[str], int]:
+    """(linear layers of a module type in ``kinds`` or named in ``recorded``, how many linear layers there
+    were), from the layers table."""
     if layers.empty or T.MODULE_TYPE not in layers:
         return [], 0
     types = layers[[T.MODULE, T.MODULE_TYPE]].drop_duplicates()
     # a missing type reads as "" (pandas 3's astype(str) keeps NaN a NaN; a column of NaN alone is float64)
     types = types[texts(types[T.MODULE_TYPE]).map(is_linear_type)]
+    named = set(recorded)
     found = sorted(
-        str(m) for m, t in zip(types[T.MODULE], types[T.MODULE_TYPE], strict=True) if str(t) in kinds
+        {
+            str(m)
+            for m, t in zip(types[T.MODULE], types[T.MODULE_TYPE], strict=True)
+            if str(t) in kinds or str(m) in named
+        }
     )
     return found, int(types[T.MODULE].nunique())
 

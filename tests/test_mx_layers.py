@@ -1,9 +1,12 @@
 """A run that already trains with torchao's MX layers (h72): torchao 0.18's ``MXFP8Linear``, emulated on the CPU
-(``KernelPreference.EMULATED``: the casts to MXFP8 are real, the matmuls run in high precision). Such a run read
-as fp32: "it already uses FP32", a snippet saying the loop stays as it is, and a block plan proposing NVFP4 for
-layers that already ran MXFP8, without a word; torchao's Float8Linear alone was recognised.
+(``KernelPreference.EMULATED``: the casts to MXFP8 are real, the matmuls run in high precision), and an nn.Linear
+whose weight ``quantize_(model, MXFP8TrainingOpConfig)`` made torchao's MX training weight (the module kept, its
+weight a tensor subclass; h104). Such a run read as fp32: "it already uses FP32", a snippet saying the loop stays as
+it is, and a block plan proposing NVFP4 for layers that already ran MXFP8, without a word; torchao's Float8Linear
+alone was recognised.
 
-One real run, shared by the tests: two MXFP8Linear layers with different recipes and a plain nn.Linear head.
+One real run, shared by the tests: two MXFP8Linear layers with different recipes, an nn.Linear trained in MXFP8
+through ``quantize_`` and a plain nn.Linear head.
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ from precprof import tables as T
 from precprof.analysis import snippets
 from precprof.analysis.advisor import recommend
 from precprof.analysis.advisor.rules import blocks as rb
+from precprof.capture import model_facts
 from precprof.report import context as report_context
 from precprof.report import summarize as S
 
 mxfp8_linear = pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
 mx_config = pytest.importorskip("torchao.prototype.mx_formats.config")
 kernels = pytest.importorskip("torchao.quantization.quantize_.common.kernel_preference")
+moe_config = pytest.importorskip("torchao.prototype.moe_training.config")
+quantization = pytest.importorskip("torchao.quantization")
 
 
 def _mx(n_in: int, n_out: int, **recipe: Any) -> nn.Module:
@@ -34,17 +40,27 @@ def _mx(n_in: int, n_out: int, **recipe: Any) -> nn.Module:
     )
 
 
+def _quantized(model: nn.Module, *names: str) -> nn.Module:
+    """``model`` with the weights of the layers ``names`` made torchao's MX training weights by ``quantize_``
+    (torchao's emulated rceil recipe): the modules stay nn.Linear."""
+    recipe = moe_config.MXFP8TrainingOpConfig.from_recipe(moe_config.MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
+    quantization.quantize_(model, recipe, filter_fn=lambda m, fqn: fqn in names)
+    return model
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Three SGD steps of a 3-layer MLP whose first two layers are MXFP8Linear: the first with torchao's default
-    recipe (rceil scales), the second with OCP's floor scales and its weight gradient in high precision; every
+    recipe (rceil scales), the second with OCP's floor scales and its weight gradient in high precision, the third
+    an nn.Linear (no bias: torchao 0.18's MX training weight drops a bias) made MX by ``quantize_``; every
     layer's block formats evaluated on every step. 32 tokens a step: MX blocks run along the tokens too."""
     torch.manual_seed(0)
     floor = mx_config.ScaleCalculationMode.FLOOR
     model = nn.Sequential(
         _mx(32, 64), nn.GELU(), _mx(64, 32, scale_calculation_mode=floor, wgrad_with_hp=True), nn.GELU()
     )
-    model.append(nn.Linear(32, 16))
+    model.extend([nn.Linear(32, 32, bias=False), nn.GELU(), nn.Linear(32, 16)])
+    _quantized(model, "4")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     out = tmp_path_factory.mktemp("mx") / "run"
     prof = precprof.Profiler(model, opt, sample_every=1, memory=False, block_formats=True, block_groups=1)
@@ -67,15 +83,27 @@ def test_a_run_with_mx_layers_reads_as_mx_and_records_their_recipes(run: Path) -
     capture = summary[T.SUMMARY_CAPTURE]
     assert capture["precision_seen"] == "mxfp8"
     common = {"format": "mxfp8", "module_type": "MXFP8Linear", "element": "float8_e4m3fn", "block_size": 32}
+    weight = {"module_type": "Linear", "weight_type": "MXFP8TrainingWeightWrapperTensor"}
     assert capture["block_recipe"] == [
         {**common, "scale_rounding": "rceil", "wgrad_with_hp": False, "emulated": True, "layers": ["0"]},
         {**common, "scale_rounding": "floor", "wgrad_with_hp": True, "emulated": True, "layers": ["2"]},
+        {
+            **common,
+            **weight,
+            "scale_rounding": "rceil",
+            "wgrad_with_hp": False,
+            "emulated": True,
+            "layers": ["4"],
+        },
     ]
     tables = T.read_tables(run)
     check = S.precision_check(tables["layers"], tables["memory"], summary)
     assert check["ok"] and check["requested"] == "mxfp8"
     assert "NOT active" not in check["verdict"] and "Float8Linear" not in check["verdict"]
-    assert "MX was emulated: 2 of 3 linear layers are torchao MXFP8Linear" in check["verdict"]
+    assert (
+        "MX was emulated: 3 of 4 linear layers are nn.Linear with torchao's MXFP8TrainingWeightWrapperTensor "
+        "weight (quantize_), torchao MXFP8Linear, 3 of them emulated" in check["verdict"]
+    )
     assert (
         "blocks of 32, scales rounded down: floor (OCP), the weight gradient's GEMM in high"
         in check["verdict"]
@@ -90,35 +118,53 @@ def _recommended(run: Path) -> tuple[Any, dict, dict]:
 
 
 def test_the_block_plan_says_which_layers_already_run_an_mx_format(run: Path) -> None:
-    """Layers 0 and 2 ran MXFP8 (the run's own MXFP8Linear); the plan gives each a format: the finding, its title,
-    the verdict's reason and box, and the table's plan column say what they run now, and what the plan does to
-    it. The plan had proposed formats for them as if the run were fp32, without a word."""
+    """Layers 0, 2 and 4 ran MXFP8 (the run's own MXFP8Linear, and an nn.Linear made MX by quantize_); the plan
+    gives each a format: the finding, its title, the verdict's reason and box, and the table's plan column say
+    what they run now, and what the plan does to it. The plan had proposed formats for them as if the run were
+    fp32, without a word."""
     rec, tables, summary = _recommended(run)
-    assert rec.block_what_if["running"] == {"0": "mxfp8", "2": "mxfp8"}
+    mx = ("0", "2", "4")
+    assert rec.block_what_if["running"] == dict.fromkeys(mx, "mxfp8")
     choice = {lb["module"]: lb["choice"] for lb in rec.block_what_if["layers"]}
     labels = rb.PLAN_LABELS
     (found,) = [f for f in rec.findings if f.code == "block_format_plan"]
-    assert found.title.endswith("; 2 run MXFP8 now")
+    assert found.title.endswith("; 3 run MXFP8 now")
     assert (
-        "This run already runs MXFP8 on 2 of these layers (torchao's MX layers); the plan " in found.message
+        "This run already runs MXFP8 on 3 of these layers (torchao's MX layers); the plan " in found.message
     )
-    for m in ("0", "2"):
-        said = "keeps 1 in MXFP8" if choice[m] == "mxfp8" else f"moves 1 from MXFP8 to {labels[choice[m]]}"
-        if choice["0"] != choice["2"]:
-            assert f"{said} ({m})" in found.message
-    moved = sum(choice[m] != "mxfp8" for m in ("0", "2"))
-    assert found.numbers["running_block_format"] == 2 and found.numbers["moved_block_format"] == moved
-    assert any("This run already runs MXFP8 on 2 of these layers" in r for r in rec.reasons)
+    for to in {choice[m] for m in mx}:
+        them = [m for m in mx if choice[m] == to]
+        said = (
+            f"keeps {len(them)} in MXFP8"
+            if to == "mxfp8"
+            else f"moves {len(them)} from MXFP8 to {labels[to]}"
+        )
+        assert f"{said} ({', '.join(them)})" in found.message
+    moved = sum(choice[m] != "mxfp8" for m in mx)
+    assert found.numbers["running_block_format"] == 3 and found.numbers["moved_block_format"] == moved
+    assert any("This run already runs MXFP8 on 3 of these layers" in r for r in rec.reasons)
     ctx = report_context.build_context(tables, summary, rec)
     now = {m: g["now"] for g in ctx["verdict"]["block_plan"] for m in g["modules"]}
-    assert "MXFP8 now" in now["0"] and "MXFP8 now" in now["2"]
+    assert all("MXFP8 now" in now[m] for m in mx)
     rows = {r["module"]: r["running"] for r in ctx["whatif"]["blocks"]["rows"]}
-    assert rows == {"0": "MXFP8", "2": "MXFP8", "4": ""}
+    assert rows == {"0": "MXFP8", "2": "MXFP8", "4": "MXFP8", "6": ""}
 
 
 def test_the_fp32_snippet_of_an_mx_run_does_not_say_the_loop_stays_as_it_is(run: Path) -> None:
-    """The run converted two layers to MXFP8Linear: FP32's code may not tell it to leave its loop as it is."""
+    """The run converted three layers to MX: FP32's code may not tell it to leave its loop as it is."""
     rec, _, _ = _recommended(run)
     code = snippets.snippet(rec.to_dict(), "pytorch", "fp32")
     assert "the loop stays as it is" not in code
-    assert "# FP32 for all but the 2 block-format layer(s) the run converted (torchao's MX layers):" in code
+    assert "# FP32 for all but the 3 block-format layer(s) the run converted (torchao's MX layers):" in code
+
+
+def test_a_linear_whose_weight_quantize_made_mx_is_an_mx_layer() -> None:
+    """An nn.Linear whose weight ``quantize_`` made torchao's MX training weight (the module type stays Linear)
+    runs MXFP8: a model of such layers alone reads as an MX run with their recipe, not as fp32 (h104)."""
+    model = _quantized(nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 32)), "0")
+    assert model_facts.low_precision_linear(model) == "mxfp8"
+    (recipe,) = model_facts.block_recipes(model)
+    assert recipe["layers"] == ["0"] and recipe["weight_type"] == "MXFP8TrainingWeightWrapperTensor"
+    assert (recipe["module_type"], recipe["element"], recipe["block_size"]) == ("Linear", "float8_e4m3fn", 32)
+    assert recipe["scale_rounding"] == "rceil" and recipe["emulated"] and not recipe["wgrad_with_hp"]
+    assert model_facts.low_precision_linear(nn.Sequential(nn.Linear(32, 32))) is None

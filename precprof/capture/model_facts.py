@@ -5,14 +5,14 @@ the parts torch.compile compiled and with which backend, each optimizer's settin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from precprof import _compat
-from precprof.taxonomy import BLOCK_MODULE_TYPES, FP8_MODULE_TYPES
+from precprof.taxonomy import BLOCK_MODULE_TYPES, BLOCK_WEIGHT_TYPES, FP8_MODULE_TYPES
 
 _ROUNDING_READ_MAX = 1 << 26  # elements: a larger 16-bit buffer is listed without reading its values
 
@@ -131,17 +131,21 @@ def fp8_recipes(model: nn.Module) -> list[dict[str, Any]]:
     """The FP8 recipes the model's torchao Float8Linear layers run, each once with the layers that run it
     (``layers``, by the capture's names): what ``fp8_recipe_of`` reads of their ``config``. [] when none is a
     Float8Linear."""
-    return _recipes(model, {"Float8Linear"}, lambda m: fp8_recipe_of(getattr(m, "config", None)))
+    return _recipes(
+        model,
+        lambda m: type(m).__name__ == "Float8Linear",
+        lambda m: fp8_recipe_of(getattr(m, "config", None)),
+    )
 
 
 def _recipes(
-    model: nn.Module, types: Collection[str], recipe_of: Callable[[nn.Module], dict[str, Any]]
+    model: nn.Module, runs: Callable[[nn.Module], bool], recipe_of: Callable[[nn.Module], dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """The recipes ``recipe_of`` reads of the model's modules whose class is one of ``types``, each once with
-    the layers that run it (``layers``, by the capture's names)."""
+    """The recipes ``recipe_of`` reads of the model's modules that ``runs`` picks, each once with the layers
+    that run it (``layers``, by the capture's names)."""
     out: list[dict[str, Any]] = []
     for name, m in _compat.named_modules(model):
-        if type(m).__name__ not in types:
+        if not runs(m):
             continue
         recipe = recipe_of(m)
         same = next((r for r in out if {k: v for k, v in r.items() if k != "layers"} == recipe), None)
@@ -152,9 +156,24 @@ def _recipes(
     return out
 
 
-# torchao 0.18's MXFP8Linear fixes its recipe's element format and block size in code (E4M3 elements, blocks of
-# 32, for every GEMM); earlier releases' MXLinear holds them in its ``config`` (``MXLinearConfig``)
-_MX_FIXED = {"MXFP8Linear": ("float8_e4m3fn", 32)}
+# torchao 0.18's MXFP8Linear, and the MX training weight ``quantize_(model, MXFP8TrainingOpConfig())`` gives an
+# nn.Linear, fix their recipe's element format and block size in code (E4M3 elements, blocks of 32, for every
+# GEMM); earlier releases' MXLinear holds them in its ``config`` (``MXLinearConfig``)
+_MX_FIXED = {"MXFP8Linear": ("float8_e4m3fn", 32), "MXFP8TrainingWeightWrapperTensor": ("float8_e4m3fn", 32)}
+
+
+def _block_weight(module: nn.Module) -> torch.Tensor | None:
+    """The module's own weight when it is one of torchao's MX training weights (``taxonomy.BLOCK_WEIGHT_TYPES``:
+    ``quantize_`` wraps an nn.Linear's weight in one and keeps the module), else None. Read by its type's name:
+    torchao need not be imported."""
+    weight = dict(module.named_parameters(recurse=False)).get("weight")
+    return weight if type(weight).__name__ in BLOCK_WEIGHT_TYPES else None
+
+
+def runs_block_format(module: nn.Module) -> bool:
+    """Whether the module's GEMMs run torchao's MX training: an MX layer (``taxonomy.BLOCK_MODULE_TYPES``), or a
+    layer whose weight ``quantize_`` made an MX training weight."""
+    return type(module).__name__ in BLOCK_MODULE_TYPES or _block_weight(module) is not None
 
 
 def _mx_format(element: str) -> str:
@@ -166,14 +185,16 @@ def _mx_format(element: str) -> str:
 
 
 def block_recipe_of(module: nn.Module) -> dict[str, Any]:
-    """What a torchao MX training layer (``taxonomy.BLOCK_MODULE_TYPES``) runs, in plain values: its ``format``
-    ("mxfp8"), the element dtype and block size of its operands, ``scale_rounding`` ("rceil": the scale rounded
-    up, as cuBLAS computes it; "floor": the OCP spec's; None where the layer does not say), whether its weight
-    gradient GEMM runs in high precision (``wgrad_with_hp``) and whether it is ``emulated`` (the casts are real,
-    the matmuls run in high precision). Read from the module's attributes, else its ``config``, so that a layer
-    of another torchao version reads as far as it has them."""
-    config = getattr(module, "config", None)
-    element, block = _MX_FIXED.get(type(module).__name__, (None, None))
+    """What a torchao MX training layer (``runs_block_format``) runs, in plain values: its ``format`` ("mxfp8"),
+    the element dtype and block size of its operands, ``scale_rounding`` ("rceil": the scale rounded up, as
+    cuBLAS computes it; "floor": the OCP spec's; None where the layer does not say), whether its weight gradient
+    GEMM runs in high precision (``wgrad_with_hp``) and whether it is ``emulated`` (the casts are real, the
+    matmuls run in high precision). Read from the module's attributes, else its ``config`` (its MX training
+    weight's, ``weight_type`` naming that weight's type, for a layer ``quantize_`` left an nn.Linear), so that a
+    layer of another torchao version reads as far as it has them."""
+    weight = _block_weight(module)
+    config = getattr(module if weight is None else weight, "config", None)
+    element, block = _MX_FIXED.get(type(module if weight is None else weight).__name__, (None, None))
     element = _word(getattr(config, "elem_dtype", element))
     block = getattr(config, "block_size", block)
 
@@ -189,13 +210,15 @@ def block_recipe_of(module: nn.Module) -> dict[str, Any]:
         "scale_rounding": _word(rounding).lower() if rounding is not None else None,
         "wgrad_with_hp": bool(setting("wgrad_with_hp")),
         "emulated": _word(setting("kernel_preference")).lower() == "emulated",
+        **({"weight_type": type(weight).__name__} if weight is not None else {}),
     }
 
 
 def block_recipes(model: nn.Module) -> list[dict[str, Any]]:
-    """The MX recipes the model's torchao MX training layers run, each once with the layers that run it
-    (``layers``, by the capture's names): what ``block_recipe_of`` reads. [] when none is one."""
-    return _recipes(model, BLOCK_MODULE_TYPES, block_recipe_of)
+    """The MX recipes the model's torchao MX training layers run (``runs_block_format``), each once with the
+    layers that run it (``layers``, by the capture's names): what ``block_recipe_of`` reads. [] when none is
+    one."""
+    return _recipes(model, runs_block_format, block_recipe_of)
 
 
 def low_precision_linear(model: nn.Module) -> str | None:
@@ -204,9 +227,7 @@ def low_precision_linear(model: nn.Module) -> str | None:
     modules = list(model.modules())
     if any(type(m).__name__ in FP8_MODULE_TYPES for m in modules):
         return "fp8"
-    formats = {
-        _mx_format(block_recipe_of(m)["element"]) for m in modules if type(m).__name__ in BLOCK_MODULE_TYPES
-    }
+    formats = {_mx_format(block_recipe_of(m)["element"]) for m in modules if runs_block_format(m)}
     return "+".join(sorted(formats)) or None
 
 

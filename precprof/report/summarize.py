@@ -448,7 +448,9 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     requested = requested_precision(summary)
     mx = requested.startswith("mx")  # "mxfp8" holds "fp8", and asks nothing of the activations' dtypes
     fp8_layers, n_linear = taxonomy.fp8_linear_layers(layers) if "fp8" in requested and not mx else ([], 0)
-    mx_layers = taxonomy.block_linear_layers(layers) if mx else ([], 0)
+    mx_layers = (
+        taxonomy.block_linear_layers(layers, _recipe_layers(summary, "block_recipe")) if mx else ([], 0)
+    )
     layers = layers[
         [T.STEP, T.MODULE, T.TENSOR, T.DTYPE, T.NUMEL]
     ]  # the columns it reads: filters stay narrow
@@ -554,6 +556,24 @@ def _mx_recipe_words(recipe: Mapping[str, Any]) -> str:
     )
 
 
+def _recipe_layers(summary: Mapping[str, Any], key: str) -> list[str]:
+    """The layers the capture recorded running one of its ``key`` recipes ("block_recipe"): an nn.Linear whose
+    weight torchao's ``quantize_`` swapped runs it, though its module type is that of a plain one."""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    recipes = capture.get(key) if isinstance(capture, Mapping) else None
+    if not isinstance(recipes, list):
+        return []
+    return [str(m) for r in recipes if isinstance(r, Mapping) for m in r.get("layers") or []]
+
+
+def _mx_kind(recipe: Mapping[str, Any]) -> str:
+    """What the run's layers of an MX recipe are, in words: "torchao MXFP8Linear", or for an nn.Linear whose
+    weight ``quantize_`` swapped, "nn.Linear with torchao's MXFP8TrainingWeightWrapperTensor weight (quantize_)"."""
+    if recipe.get("weight_type"):
+        return f"nn.{recipe.get('module_type')} with torchao's {recipe.get('weight_type')} weight (quantize_)"
+    return f"torchao {recipe.get('module_type')}"
+
+
 def _mx_verdict(verdict: str, mx_layers: list[str], n_linear: int, summary: Mapping[str, Any]) -> str:
     """An MX run's check: how many of its linear layers ran torchao's MX layers, and their recipes. Emulated
     layers quantise their operands as the hardware would, then multiply in high precision: the numbers are the
@@ -563,14 +583,14 @@ def _mx_verdict(verdict: str, mx_layers: list[str], n_linear: int, summary: Mapp
     recipes = [r for r in recipes if isinstance(r, Mapping)] if isinstance(recipes, list) else []
     if not mx_layers:
         return f"{verdict} No linear layer ran as one of torchao's MX layers."
-    types = ", ".join(sorted({str(r.get("module_type")) for r in recipes})) or "MX"
+    types = ", ".join(sorted({_mx_kind(r) for r in recipes})) or "torchao MX layers"
     emulated = sum(len(r.get("layers") or []) for r in recipes if r.get("emulated"))
     ran = (
-        f"MX was emulated: {len(mx_layers)} of {n_linear} linear layers are torchao {types}, {emulated} of them "
+        f"MX was emulated: {len(mx_layers)} of {n_linear} linear layers are {types}, {emulated} of them "
         "emulated (they quantise their input, weight and output gradient block by block, then multiply in high "
         "precision: the numbers are the format's, the speed is not; their outputs keep their input's dtype)"
         if emulated
-        else f"MX GEMMs ran: {len(mx_layers)} of {n_linear} linear layers are torchao {types} (they quantise "
+        else f"MX GEMMs ran: {len(mx_layers)} of {n_linear} linear layers are {types} (they quantise "
         "their input, weight and output gradient block by block for each of their three GEMMs; their outputs "
         "keep their input's dtype)"
     )
