@@ -2,8 +2,8 @@
 (``KernelPreference.EMULATED``: the casts to MXFP8 are real, the matmuls run in high precision), and an nn.Linear
 whose weight ``quantize_(model, MXFP8TrainingOpConfig)`` made torchao's MX training weight (the module kept, its
 weight a tensor subclass; h104). Such a run read as fp32: "it already uses FP32", a snippet saying the loop stays as
-it is, and a block plan proposing NVFP4 for layers that already ran MXFP8, without a word; torchao's Float8Linear
-alone was recognised.
+it is, a block plan proposing NVFP4 for layers that already ran MXFP8, without a word, and the FP8 eligibility
+listing them as candidates as if they were plain; torchao's Float8Linear alone was recognised.
 
 One real run, shared by the tests: two MXFP8Linear layers with different recipes, an nn.Linear trained in MXFP8
 through ``quantize_`` and a plain nn.Linear head.
@@ -168,3 +168,29 @@ def test_a_linear_whose_weight_quantize_made_mx_is_an_mx_layer() -> None:
     assert (recipe["module_type"], recipe["element"], recipe["block_size"]) == ("Linear", "float8_e4m3fn", 32)
     assert recipe["scale_rounding"] == "rceil" and recipe["emulated"] and not recipe["wgrad_with_hp"]
     assert model_facts.low_precision_linear(nn.Sequential(nn.Linear(32, 32))) is None
+
+
+def test_layers_already_in_mx_are_no_fp8_candidates(run: Path) -> None:
+    """The FP8 eligibility finding judged the MX layers (0, 2 and the quantize_ layer 4) as plain linear layers,
+    candidates for per-tensor FP8: they are left out, named as training in MXFP8 already, and neither the FLOPs
+    share nor the speed estimate counts them; the plain head alone is judged (h104)."""
+    rec, tables, summary = _recommended(run)
+    (found,) = [f for f in rec.findings if f.code == "fp8_eligibility"]
+    assert found.title == "1 of 1 linear layers are FP8-eligible; 3 more train in MXFP8"
+    assert found.modules == ["6"] and found.numbers["checked"] == 1 and found.numbers["block_running"] == 3
+    assert found.numbers["eligible_flops_share"] == 1.0
+    assert "; 3 more linear layers (0, 2, 4) already train in MXFP8 (torchao's MX training), not judged" in (
+        found.message
+    )
+    # a run whose every linear layer trains in MX: none is left for FP8, and the verdict says why, not that no
+    # linear layer was recorded
+    capture = summary[T.SUMMARY_CAPTURE]
+    every = [{**capture["block_recipe"][0], "layers": ["0", "2", "4", "6"]}]
+    all_mx = {**summary, T.SUMMARY_CAPTURE: {**capture, "block_recipe": every}}
+    rec = recommend(tables, hardware="h100", summary=all_mx)
+    (found,) = [f for f in rec.findings if f.code == "fp8_eligibility"]
+    assert found.title == "No linear layer left for FP8: all 4 train in MXFP8"
+    assert found.modules == [] and found.numbers == {"eligible": 0, "checked": 0, "block_running": 4}
+    said = " ".join([*rec.reasons, *(f.remedy for f in rec.findings if f.code.startswith("fp8"))])
+    assert "every one of its 4 linear layers already trains in an MX format" in said
+    assert "no linear layer was recorded" not in said

@@ -236,6 +236,10 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "checked": ("linear layers checked", "count"),
     "not_evaluated": ("layers not evaluated", "count"),
     "eligible": ("FP8-eligible", "count"),
+    "block_running": (
+        "linear layers left out: they already train in an MX format (torchao's MX training)",
+        "count",
+    ),
     "eligible_flops_share": (
         "their share of all matmul FLOPs counted (linear layers, experts, attention projections and scores, "
         "recurrent gates, convolutions)",

@@ -39,6 +39,11 @@ def _fp8_numbers_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     """Why what FP8 would do to the numbers rules it out ("" when it allows it): no eligible layer, or too small
     a share of the matmul FLOPs in the eligible layers (below ``cfg.fp8_flops_share_min`` the bf16 rest does
     most of the work anyway)."""
+    if not plan.fp8_checked and plan.fp8_block_running:
+        return (
+            f"every one of its {len(plan.fp8_block_running)} linear layers already trains in an MX format "
+            "(torchao's MX training), none is left for per-tensor FP8"
+        )
     if not plan.fp8_checked:
         return "no linear layer was recorded, so none can be shown to be FP8-eligible"
     why = plan.fp8_why_not

@@ -477,6 +477,8 @@ class _Plan:
     bf16_held_lost: tuple[list[str], float] | None = None
     fp8_eligible: list[str] = field(default_factory=list)
     fp8_checked: int = 0
+    # the linear layers the run already trains in an MX format (torchao's MX training): no FP8 candidates
+    fp8_block_running: list[str] = field(default_factory=list)
     # why FP8 eligibility was not judged at all ("" when it was): no linear layer's shape was recorded
     fp8_unjudged: str = ""
     # Why each linear layer that is not FP8-eligible is not (module -> reason), and the share of the linear

@@ -844,11 +844,20 @@ def _overflow_words(overflowed: Mapping[int, str], steps: int, limit: int) -> st
 
 def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     cfg = run.cfg
-    linear = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
-    if not linear:
+    every = [m for m in plan.matmul_layers if taxonomy.is_linear_type(run.types.get(m, ""))]
+    if not every:
         return
-    shapes = _fp8_shapes(run, linear, dims)
-    if _unjudged(run, plan, linear, shapes):
+    # the layers the run already trains in an MX format (torchao's MX training): no candidates for per-tensor
+    # FP8, whose one scale per tensor is coarser than their one per block; the FLOPs share and the speed
+    # estimate leave them out (they run as they do under either verdict)
+    blocks = run.block_running
+    linear = [m for m in every if m not in blocks]
+    plan.fp8_block_running = [m for m in every if m in blocks]
+    shapes = _fp8_shapes(run, every, dims)
+    if _unjudged(run, plan, every, shapes):
+        return
+    if not linear:
+        _all_in_block_formats(run, plan)
         return
     # (the values the layers hold and compute: a weight update's nan is the next step's weight's)
     read = run.layers[T.MODULE].isin(linear) & (run.layers[T.TENSOR] != T.WEIGHT_UPDATE)
@@ -1092,6 +1101,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             else ""
         )
         + ")"
+        + _block_running_words(run, plan)
         + _scores_left_out(plan.fp8_scores_uncounted)
         + (
             f"; {_unconverted_listing(unconverted, cfg.max_listed_modules)}, {_pct(plan.fp8_others_share)} of "
@@ -1204,7 +1214,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         Finding(
             "fp8_eligibility",
             WARNING if run.hw.fp8_supported and not plan.fp8_eligible else INFO,
-            f"{len(plan.fp8_eligible)} of {len(rows)} linear layers are FP8-eligible",
+            f"{len(plan.fp8_eligible)} of {len(rows)} linear layers are FP8-eligible"
+            + _block_running_title(run, plan),
             msg,
             # the decision replaces this remedy when the verdict is not fp8 (decide._fp8_story)
             ("Convert" if run.hw.fp8_supported else "On FP8 hardware (compute capability 8.9+), convert")
@@ -1221,6 +1232,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             numbers={
                 "eligible": len(plan.fp8_eligible),
                 "checked": len(rows),
+                **({"block_running": len(plan.fp8_block_running)} if plan.fp8_block_running else {}),
                 "tied": len(tied),
                 "forward_only": len(forward_only) + len(skipped_only),
                 **({"fp16_overflow_steps": len(overflowed)} if overflowed else {}),
@@ -1253,6 +1265,54 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         )
     )
     _speed_finding(run, plan)
+
+
+def _block_formats_run(run: _Run, modules: list[str]) -> str:
+    """The MX formats ``modules`` train in, in words ("MXFP8"; "MXFP8 or MXFP4")."""
+    return " or ".join(dict.fromkeys(formats.label(run.block_running[m]) for m in modules))
+
+
+def _block_running_title(run: _Run, plan: _Plan) -> str:
+    """The title's words on the linear layers left out as already in an MX format ("; 2 more train in MXFP8")."""
+    n = len(plan.fp8_block_running)
+    return f"; {n} more train in {_block_formats_run(run, plan.fp8_block_running)}" if n else ""
+
+
+def _block_running_words(run: _Run, plan: _Plan) -> str:
+    """Why the linear layers the run already trains in an MX format are not judged ("" for none): a run whose
+    layers torchao's MX training ran listed them as FP8-eligible as if they were plain bf16 layers."""
+    running = plan.fp8_block_running
+    if not running:
+        return ""
+    n = len(running)
+    return (
+        f"; {n} more linear layer{'s' if n != 1 else ''} ({_listing(running, run.cfg.max_listed_modules)}) "
+        f"already train{'s' if n == 1 else ''} in {_block_formats_run(run, running)} (torchao's MX training), "
+        "not judged here, nor counted in the FLOPs share or the speed estimate: per-tensor FP8, with one scale per "
+        "tensor, would be coarser than the scale per block of 32 values they run with; the block-format finding "
+        "judges them (whether they keep their format)"
+    )
+
+
+def _all_in_block_formats(run: _Run, plan: _Plan) -> None:
+    """The finding of a run whose every linear layer already trains in an MX format: none is left to judge for
+    per-tensor FP8 (they were listed as FP8-eligible, as if they were plain bf16 layers)."""
+    running = plan.fp8_block_running
+    n = len(running)
+    fmt = _block_formats_run(run, running)
+    plan.add(
+        Finding(
+            "fp8_eligibility",
+            INFO,
+            f"No linear layer left for FP8: all {n} train in {fmt}",
+            f"Every linear layer of the run ({_listing(running, run.cfg.max_listed_modules)}) already trains in "
+            f"{fmt} (torchao's MX training): none is a candidate for per-tensor FP8, whose one scale per tensor "
+            "would be coarser than the scale per block of 32 values they run with. The block-format finding "
+            "judges them (whether they keep their format).",
+            "Nothing to convert to per-tensor FP8; see the block-format finding for their format.",
+            numbers={"eligible": 0, "checked": 0, "block_running": n},
+        )
+    )
 
 
 def _floored(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str]) -> list[str]:
