@@ -341,8 +341,10 @@ def float32_matmul_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
 FP8_MODULE_TYPES: frozenset[str] = frozenset({"Float8Linear"})
 # the module types whose matmuls run in a block-scaled format: torchao's MX training layers (0.18's
 # ``MXFP8Linear`` of ``torchao.prototype.moe_training``, earlier releases' ``MXLinear``), each GEMM quantising its
-# operands in blocks of 32 values with one power-of-two scale each
-BLOCK_MODULE_TYPES: frozenset[str] = frozenset({"MXFP8Linear", "MXLinear"})
+# operands in blocks of 32 values with one power-of-two scale each, and 0.18's ``NVFP4Linear`` (``quantize_`` with
+# ``NVFP4TrainingConfig`` swaps nn.Linear for it: blocks of 16 FP4 values with an E4M3 scale each, its kernels
+# Triton's alone, on CUDA)
+BLOCK_MODULE_TYPES: frozenset[str] = frozenset({"MXFP8Linear", "MXLinear", "NVFP4Linear"})
 # the weight types of torchao's MX training applied by ``quantize_(model, MXFP8TrainingOpConfig(...))``: the
 # ``nn.Linear`` stays, its weight becomes a tensor subclass whose matmuls quantise their operands as an
 # ``MXFP8Linear``'s do (its ``config`` holds the recipe)

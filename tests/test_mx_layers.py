@@ -31,6 +31,7 @@ mxfp8_linear = pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear"
 mx_config = pytest.importorskip("torchao.prototype.mx_formats.config")
 kernels = pytest.importorskip("torchao.quantization.quantize_.common.kernel_preference")
 moe_config = pytest.importorskip("torchao.prototype.moe_training.config")
+nvfp4_training = pytest.importorskip("torchao.prototype.moe_training.nvfp4_training.nvfp4_training")
 quantization = pytest.importorskip("torchao.quantization")
 
 
@@ -155,7 +156,10 @@ def test_the_fp32_snippet_of_an_mx_run_does_not_say_the_loop_stays_as_it_is(run:
     rec, _, _ = _recommended(run)
     code = snippets.snippet(rec.to_dict(), "pytorch", "fp32")
     assert "the loop stays as it is" not in code
-    assert "# FP32 for all but the 3 block-format layer(s) the run converted (torchao's MX layers):" in code
+    assert (
+        "# FP32 for all but the 3 block-format layer(s) the run converted (torchao's MX or NVFP4 layers):"
+        in code
+    )
 
 
 def test_a_linear_whose_weight_quantize_made_mx_is_an_mx_layer() -> None:
@@ -192,5 +196,51 @@ def test_layers_already_in_mx_are_no_fp8_candidates(run: Path) -> None:
     assert found.title == "No linear layer left for FP8: all 4 train in MXFP8"
     assert found.modules == [] and found.numbers == {"eligible": 0, "checked": 0, "block_running": 4}
     said = " ".join([*rec.reasons, *(f.remedy for f in rec.findings if f.code.startswith("fp8"))])
-    assert "every one of its 4 linear layers already trains in an MX format" in said
+    assert "every one of its 4 linear layers already trains in a block-scaled format" in said
     assert "no linear layer was recorded" not in said
+
+
+def test_torchao_nvfp4_linear_layers_read_as_nvfp4() -> None:
+    """torchao's NVFP4Linear (quantize_ with NVFP4TrainingConfig swaps nn.Linear for it) is a block-format layer:
+    its recipe is NVFP4's (E2M1 elements, blocks of 16), not plain (h104). Its kernels are Triton's alone (it
+    refuses a CPU tensor), so the run's side is checked on the MX run's tables with NVFP4's recipe in its stead:
+    the precision check, the block plan and the FP8 eligibility say NVFP4 and its blocks of 16."""
+    model = nn.Sequential(nvfp4_training.NVFP4Linear(32, 32), nn.Linear(32, 16))
+    assert model_facts.low_precision_linear(model) == "nvfp4"
+    (recipe,) = model_facts.block_recipes(model)
+    assert recipe == {
+        "format": "nvfp4",
+        "module_type": "NVFP4Linear",
+        "element": "float4_e2m1fn_x2",
+        "block_size": 16,
+        "scale_rounding": None,
+        "wgrad_with_hp": False,
+        "emulated": False,
+        "layers": ["0"],
+    }
+
+
+def test_a_run_of_nvfp4_layers_says_nvfp4(run: Path) -> None:
+    """The MX run's tables with NVFP4Linear's recipe for layers 0, 2 and 4 (an NVFP4 run cannot be recorded on the
+    CPU): the precision check, the block plan and the FP8 eligibility say NVFP4, not MX, and its blocks of 16."""
+    summary = T.read_summary(run)
+    tables = T.read_tables(run)
+    recipe = model_facts.block_recipes(nn.Sequential(nvfp4_training.NVFP4Linear(32, 32)))[0]
+    capture = {
+        **summary[T.SUMMARY_CAPTURE],
+        "precision_seen": "nvfp4",
+        "block_recipe": [{**recipe, "layers": ["0", "2", "4"]}],
+    }
+    summary = {**summary, T.SUMMARY_CAPTURE: capture}
+    check = S.precision_check(tables["layers"], tables["memory"], summary)
+    assert check["ok"] and "NVFP4 GEMMs ran: 3 of 4 linear layers are torchao NVFP4Linear" in check["verdict"]
+    assert (
+        "torchao recipe: NVFP4 (float4_e2m1fn_x2 elements, blocks of 16), for 3 layer(s)" in check["verdict"]
+    )
+    rec = recommend(tables, hardware="b200", summary=summary)
+    (plan,) = [f for f in rec.findings if f.code == "block_format_plan"]
+    assert "This run already runs NVFP4 on 3 of these layers (torchao's NVFP4 layers)" in plan.message
+    (fp8,) = [f for f in rec.findings if f.code == "fp8_eligibility"]
+    assert fp8.title.endswith("; 3 more train in NVFP4")
+    assert "already train in NVFP4 (torchao's NVFP4 training)" in fp8.message
+    assert "the scale per block of 16 values they run with" in fp8.message

@@ -199,7 +199,7 @@ def _pytorch(plan: _Plan) -> list[str]:
     out += ["", _HEAD, f"device_type = {plan.device}"]
     if fmt == "fp32" and plan.running:
         out += [
-            f"# FP32 for all but the {plan.running} block-format layer(s) the run converted (torchao's MX layers):",
+            f"# FP32 for all but the {plan.running} block-format layer(s) the run converted (torchao's MX or NVFP4 layers):",
             "# no autocast and no GradScaler; for those layers see the block-format finding",
         ]
     elif fmt == "fp32":

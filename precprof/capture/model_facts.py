@@ -158,8 +158,13 @@ def _recipes(
 
 # torchao 0.18's MXFP8Linear, and the MX training weight ``quantize_(model, MXFP8TrainingOpConfig())`` gives an
 # nn.Linear, fix their recipe's element format and block size in code (E4M3 elements, blocks of 32, for every
-# GEMM); earlier releases' MXLinear holds them in its ``config`` (``MXLinearConfig``)
-_MX_FIXED = {"MXFP8Linear": ("float8_e4m3fn", 32), "MXFP8TrainingWeightWrapperTensor": ("float8_e4m3fn", 32)}
+# GEMM), as its NVFP4Linear does (E2M1 elements, blocks of 16); earlier releases' MXLinear holds them in its
+# ``config`` (``MXLinearConfig``). (element, block size, format)
+_BLOCK_FIXED = {
+    "MXFP8Linear": ("float8_e4m3fn", 32, "mxfp8"),
+    "MXFP8TrainingWeightWrapperTensor": ("float8_e4m3fn", 32, "mxfp8"),
+    "NVFP4Linear": ("float4_e2m1fn_x2", 16, "nvfp4"),
+}
 
 
 def _block_weight(module: nn.Module) -> torch.Tensor | None:
@@ -185,7 +190,8 @@ def _mx_format(element: str) -> str:
 
 
 def block_recipe_of(module: nn.Module) -> dict[str, Any]:
-    """What a torchao MX training layer (``runs_block_format``) runs, in plain values: its ``format`` ("mxfp8"),
+    """What a torchao MX or NVFP4 training layer (``runs_block_format``) runs, in plain values: its ``format``
+    ("mxfp8", "nvfp4"),
     the element dtype and block size of its operands, ``scale_rounding`` ("rceil": the scale rounded up, as
     cuBLAS computes it; "floor": the OCP spec's; None where the layer does not say), whether its weight gradient
     GEMM runs in high precision (``wgrad_with_hp``) and whether it is ``emulated`` (the casts are real, the
@@ -194,7 +200,7 @@ def block_recipe_of(module: nn.Module) -> dict[str, Any]:
     layer of another torchao version reads as far as it has them."""
     weight = _block_weight(module)
     config = getattr(module if weight is None else weight, "config", None)
-    element, block = _MX_FIXED.get(type(module if weight is None else weight).__name__, (None, None))
+    element, block, fixed = _BLOCK_FIXED.get(type(module if weight is None else weight).__name__, (None,) * 3)
     element = _word(getattr(config, "elem_dtype", element))
     block = getattr(config, "block_size", block)
 
@@ -203,7 +209,7 @@ def block_recipe_of(module: nn.Module) -> dict[str, Any]:
 
     rounding = setting("scale_calculation_mode")
     return {
-        "format": _mx_format(element),
+        "format": fixed or _mx_format(element),
         "module_type": type(module).__name__,
         "element": element,
         "block_size": int(block) if isinstance(block, int) else None,
@@ -227,7 +233,7 @@ def low_precision_linear(model: nn.Module) -> str | None:
     modules = list(model.modules())
     if any(type(m).__name__ in FP8_MODULE_TYPES for m in modules):
         return "fp8"
-    formats = {_mx_format(block_recipe_of(m)["element"]) for m in modules if runs_block_format(m)}
+    formats = {block_recipe_of(m)["format"] for m in modules if runs_block_format(m)}
     return "+".join(sorted(formats)) or None
 
 

@@ -446,7 +446,8 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     str (the banner's headline when not ok, "" for the usual one)}.
     """
     requested = requested_precision(summary)
-    mx = requested.startswith("mx")  # "mxfp8" holds "fp8", and asks nothing of the activations' dtypes
+    # "mxfp8" holds "fp8", and asks nothing of the activations' dtypes; nor does torchao's NVFP4Linear's "nvfp4"
+    mx = requested.startswith(("mx", "nvfp4"))
     fp8_layers, n_linear = taxonomy.fp8_linear_layers(layers) if "fp8" in requested and not mx else ([], 0)
     mx_layers = (
         taxonomy.block_linear_layers(layers, _recipe_layers(summary, "block_recipe")) if mx else ([], 0)
@@ -582,15 +583,17 @@ def _mx_verdict(verdict: str, mx_layers: list[str], n_linear: int, summary: Mapp
     recipes = capture.get("block_recipe") if isinstance(capture, Mapping) else None
     recipes = [r for r in recipes if isinstance(r, Mapping)] if isinstance(recipes, list) else []
     if not mx_layers:
-        return f"{verdict} No linear layer ran as one of torchao's MX layers."
+        return f"{verdict} No linear layer ran as one of torchao's MX or NVFP4 layers."
     types = ", ".join(sorted({_mx_kind(r) for r in recipes})) or "torchao MX layers"
     emulated = sum(len(r.get("layers") or []) for r in recipes if r.get("emulated"))
+    kinds = {str(r.get("format", "mx")) for r in recipes}
+    mx = "NVFP4" if kinds == {"nvfp4"} else "MX" if all(k.startswith("mx") for k in kinds) else "Block-scaled"
     ran = (
-        f"MX was emulated: {len(mx_layers)} of {n_linear} linear layers are {types}, {emulated} of them "
+        f"{mx} was emulated: {len(mx_layers)} of {n_linear} linear layers are {types}, {emulated} of them "
         "emulated (they quantise their input, weight and output gradient block by block, then multiply in high "
         "precision: the numbers are the format's, the speed is not; their outputs keep their input's dtype)"
         if emulated
-        else f"MX GEMMs ran: {len(mx_layers)} of {n_linear} linear layers are {types} (they quantise "
+        else f"{mx} GEMMs ran: {len(mx_layers)} of {n_linear} linear layers are {types} (they quantise "
         "their input, weight and output gradient block by block for each of their three GEMMs; their outputs "
         "keep their input's dtype)"
     )

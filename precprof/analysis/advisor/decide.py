@@ -41,8 +41,8 @@ def _fp8_numbers_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     most of the work anyway)."""
     if not plan.fp8_checked and plan.fp8_block_running:
         return (
-            f"every one of its {len(plan.fp8_block_running)} linear layers already trains in an MX format "
-            "(torchao's MX training), none is left for per-tensor FP8"
+            f"every one of its {len(plan.fp8_block_running)} linear layers already trains in a block-scaled "
+            "format (torchao's MX or NVFP4 training), none is left for per-tensor FP8"
         )
     if not plan.fp8_checked:
         return "no linear layer was recorded, so none can be shown to be FP8-eligible"

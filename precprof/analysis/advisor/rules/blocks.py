@@ -701,9 +701,8 @@ def _running_said(moves: Mapping[tuple[str, str], list[str]], limit: int) -> str
         for (was, to), modules in moves.items()
     ]
     runs = ", ".join(f"{_label(f)} on {n}" for f, n in now.items())
-    return (
-        f" This run already runs {runs} of these layers (torchao's MX layers); the plan {'; '.join(parts)}."
-    )
+    whose = " and ".join(["MX"] * any(f != "nvfp4" for f in now) + ["NVFP4"] * ("nvfp4" in now))
+    return f" This run already runs {runs} of these layers (torchao's {whose} layers); the plan {'; '.join(parts)}."
 
 
 def _running_title(moves: Mapping[tuple[str, str], list[str]]) -> str:

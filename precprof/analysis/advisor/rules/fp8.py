@@ -50,7 +50,7 @@ from precprof.analysis.advisor.evidence import (
     _tokens_per_call,
 )
 from precprof.analysis.advisor.model import INFO, WARNING, Finding
-from precprof.analysis.advisor.rules.blocks import _first_activations, inputs_of
+from precprof.analysis.advisor.rules.blocks import BLOCK_SIZE, _first_activations, inputs_of
 from precprof.analysis.advisor.rules.shapes import (
     ATTENTION,
     CONVOLUTION,
@@ -1268,8 +1268,18 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
 
 
 def _block_formats_run(run: _Run, modules: list[str]) -> str:
-    """The MX formats ``modules`` train in, in words ("MXFP8"; "MXFP8 or MXFP4")."""
+    """The block formats ``modules`` train in, in words ("MXFP8"; "MXFP8 or NVFP4")."""
     return " or ".join(dict.fromkeys(formats.label(run.block_running[m]) for m in modules))
+
+
+def _block_training(run: _Run, modules: list[str]) -> tuple[str, str]:
+    """Whose training ``modules`` run, and the values each of their scales covers: ("torchao's MX training",
+    "32"), ("torchao's NVFP4 training", "16"), ("torchao's MX and NVFP4 training", "16 or 32")."""
+    kinds = {run.block_running[m] for m in modules}
+    nv = {k for k in kinds if k == "nvfp4"}
+    whose = " and ".join(["MX"] * bool(kinds - nv) + ["NVFP4"] * bool(nv))
+    sizes = sorted({BLOCK_SIZE.get(k, 32) for k in kinds})
+    return f"torchao's {whose} training", " or ".join(map(str, sizes))
 
 
 def _block_running_title(run: _Run, plan: _Plan) -> str:
@@ -1285,12 +1295,13 @@ def _block_running_words(run: _Run, plan: _Plan) -> str:
     if not running:
         return ""
     n = len(running)
+    whose, values = _block_training(run, running)
     return (
         f"; {n} more linear layer{'s' if n != 1 else ''} ({_listing(running, run.cfg.max_listed_modules)}) "
-        f"already train{'s' if n == 1 else ''} in {_block_formats_run(run, running)} (torchao's MX training), "
+        f"already train{'s' if n == 1 else ''} in {_block_formats_run(run, running)} ({whose}), "
         "not judged here, nor counted in the FLOPs share or the speed estimate: per-tensor FP8, with one scale per "
-        "tensor, would be coarser than the scale per block of 32 values they run with; the block-format finding "
-        "judges them (whether they keep their format)"
+        f"tensor, would be coarser than the scale per block of {values} values they run with; the block-format "
+        "finding judges them (whether they keep their format)"
     )
 
 
@@ -1300,15 +1311,16 @@ def _all_in_block_formats(run: _Run, plan: _Plan) -> None:
     running = plan.fp8_block_running
     n = len(running)
     fmt = _block_formats_run(run, running)
+    whose, values = _block_training(run, running)
     plan.add(
         Finding(
             "fp8_eligibility",
             INFO,
             f"No linear layer left for FP8: all {n} train in {fmt}",
             f"Every linear layer of the run ({_listing(running, run.cfg.max_listed_modules)}) already trains in "
-            f"{fmt} (torchao's MX training): none is a candidate for per-tensor FP8, whose one scale per tensor "
-            "would be coarser than the scale per block of 32 values they run with. The block-format finding "
-            "judges them (whether they keep their format).",
+            f"{fmt} ({whose}): none is a candidate for per-tensor FP8, whose one scale per tensor would be "
+            f"coarser than the scale per block of {values} values they run with. The block-format finding judges "
+            "them (whether they keep their format).",
             "Nothing to convert to per-tensor FP8; see the block-format finding for their format.",
             numbers={"eligible": 0, "checked": 0, "block_running": n},
         )
