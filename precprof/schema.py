@@ -342,23 +342,50 @@ def flags(column: pd.Series) -> pd.Series:
     return column.map(lambda v: False if v is None or v != v else bool(v)).astype(bool)
 
 
+def param_sizes(layers: pd.DataFrame) -> pd.Series:
+    """Per ``weight_update`` row of ``layers`` (indexed as those rows), the size of its parameter: its ``weight``
+    rows' elements per read (the largest over the steps of ``layers`` that read it); NaN where no ``weight`` row
+    of it is in ``layers``. A row's counts are of at most ``update_sample`` strided elements of the parameter
+    (every element of a smaller one): weighing each parameter by its size, not by its sampled elements, is what
+    makes a sum over parameters an estimate of the model's (``update_squares``, the lost-update shares)."""
+    return _update_rows_and_sizes(layers)[1]
+
+
+def _update_rows_and_sizes(layers: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
+    """The ``weight_update`` rows of ``layers`` and their parameters' sizes (``param_sizes``)."""
+    tensors = texts(layers[TENSOR])
+    rows, weights = layers[tensors == WEIGHT_UPDATE], layers[tensors == WEIGHT]
+    key = [MODULE, PARAM]
+    reads = (
+        pd.to_numeric(weights[CALLS], errors="coerce")
+        if CALLS in weights
+        else pd.Series(1.0, index=weights.index)
+    )
+    per_read = pd.to_numeric(weights[NUMEL], errors="coerce") / reads.clip(lower=1)
+    size = per_read.groupby([texts(weights[k]).astype(str) for k in key]).max()
+    at = pd.MultiIndex.from_arrays([texts(rows[k]).astype(str) for k in key])
+    return rows, pd.Series(size.reindex(at).to_numpy(dtype=float), index=rows.index)
+
+
+def sample_weights(layers: pd.DataFrame) -> pd.Series:
+    """Per ``weight_update`` row of ``layers`` (indexed as those rows), how many of its parameter's elements
+    each of its sampled elements stands for: the parameter's size (``param_sizes``) over the row's sampled
+    elements, 1 where the size is not known or every element was sampled. A row's counts times it add over
+    parameters and layers as the model's own counts do: a weight's 256 sampled elements of 65,536 beside a bias's
+    16 of 16 stand for 65,536 and 16."""
+    rows, sizes = _update_rows_and_sizes(layers)
+    numel = pd.to_numeric(rows[NUMEL], errors="coerce").astype(float)
+    return (sizes / numel).where(numel > 0).fillna(1.0)
+
+
 def update_squares(layers: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
     """The squared norms behind the ``weight_update`` rows' ``update_rms`` and ``weight_rms`` (indexed as those
     rows of ``layers``): size x RMS^2, ||dw||^2 and ||w||^2 of each parameter estimated from its sampled elements.
     They add over a layer's parameters and over layers, where the RMS do not: ||dw|| / ||w|| of any set of rows
-    is sqrt(sum of the first / sum of the second). Each parameter counts at its size, its ``weight`` rows'
-    elements per read (the largest over the steps of ``layers`` that read it), else at its sampled elements (256
-    of a weight's 65,536 beside all 16 of its bias had given the bias 6% of the layer's norm, where it holds
-    0.02%). NaN where the row has no sizes (a run recorded before them)."""
-    tensors = texts(layers[TENSOR])
-    rows, weights = layers[tensors == WEIGHT_UPDATE], layers[tensors == WEIGHT]
-    key = [MODULE, PARAM]
-    per_read = pd.to_numeric(weights[NUMEL], errors="coerce") / pd.to_numeric(
-        weights[CALLS], errors="coerce"
-    ).clip(lower=1)
-    size = per_read.groupby([texts(weights[k]).astype(str) for k in key]).max()
-    at = pd.MultiIndex.from_arrays([texts(rows[k]).astype(str) for k in key])
-    n = pd.Series(size.reindex(at).to_numpy(dtype=float), index=rows.index)
+    is sqrt(sum of the first / sum of the second). Each parameter counts at its size (``param_sizes``), else at
+    its sampled elements (256 of a weight's 65,536 beside all 16 of its bias had given the bias 6% of the layer's
+    norm, where it holds 0.02%). NaN where the row has no sizes (a run recorded before them)."""
+    rows, n = _update_rows_and_sizes(layers)
     n = n.fillna(pd.to_numeric(rows[NUMEL], errors="coerce").astype(float))
     upd = pd.to_numeric(rows[UPDATE_RMS], errors="coerce").astype(float)
     wgt = pd.to_numeric(rows[WEIGHT_RMS], errors="coerce").astype(float)

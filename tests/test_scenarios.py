@@ -717,6 +717,52 @@ def test_g_lost_updates_in_bf16_weights_are_counted_and_critical() -> None:
     assert found32["bf16_lost_updates"].numbers["share"] > 0.5  # what bf16 weights would have lost
 
 
+def test_g_the_lost_update_share_is_the_models_not_the_samples() -> None:
+    """A bf16-pure model whose 64x64 layer loses every update (weights in [1, 2)) beside its bias and 8 shifts of
+    64 zeros, which keep theirs: the update sample holds 256 of the layer's 4,096 weights and every element of
+    the others, and the share summed the sample's counts, 30.8% where 87.7% of the model's updates were lost
+    (tester h75: 22.1% for 91.8%). The finding, its what-if in fp32 weights, the per-layer table, the timeline and
+    the dashboards' events count each parameter at its size, against independent hooks over every element."""
+    from precprof.export.events import table_events
+
+    pure, truth = lost_updates.run_sampled(torch.bfloat16)
+    share = truth["stuck"].sum() / truth["intended"].sum()
+    wu = _rows(pure.tables, T.WEIGHT_UPDATE)
+    sampled = wu[T.LOST_UPDATE_BF16].sum() / (wu[T.NUMEL] - wu[T.ZEROS]).sum()
+    assert share > 0.85 and sampled < 0.35  # the sample's own share is far from the model's
+    lost = pure.recommend().finding("bf16_lost_updates")
+    assert lost is not None and lost.severity == "critical"
+    assert lost.numbers["share"] == pytest.approx(share, rel=1e-9)
+    assert lost.numbers["sampled_share"] == pytest.approx(sampled, rel=1e-9)
+    assert lost.numbers["update_sample"] == 256
+    assert f"an estimated {100 * share:.3g}% of the intended weight-update elements" in lost.message
+    assert "estimated from a sample of 256 strided elements of each parameter" in lost.message
+    by = truth.groupby(T.MODULE)[["stuck", "intended"]].sum()
+    table = {r["module"]: r["lost_update_bf16"] for r in S.layer_records(pure.tables["layers"])}
+    assert table["wide"] == pytest.approx(
+        by.loc["wide", "stuck"] / by.loc["wide", "intended"]
+    )  # weight and bias
+    assert f"wide {100 * table['wide']:.3g}%" in lost.message
+    tl = timeline.timeline(pure.tables["layers"])
+    assert tl is not None and tl.update_format == "bf16"
+    per_step = truth.groupby(T.STEP)[["stuck", "intended"]].sum()
+    np.testing.assert_allclose(
+        tl.share[tl.kinds.index(T.WEIGHT_UPDATE)], (per_step["stuck"] / per_step["intended"]).to_numpy()
+    )
+    events = {(e.tag, e.step): getattr(e, "value", None) for e in table_events(pure.tables)}
+    for step, row in per_step.iterrows():  # (every update was intended: the events' share is of all of them)
+        assert events[("precprof/lost_update/bf16/all", step)] == pytest.approx(
+            row["stuck"] / row["intended"]
+        )
+
+    # fp32 weights: the what-if's share is the model's too
+    master, truth32 = lost_updates.run_sampled(torch.float32)
+    whatif = master.recommend().finding("bf16_lost_updates")
+    assert whatif is not None and whatif.severity == "info"
+    would = truth32["whatif_bf16"].sum() / truth32["intended"].sum()
+    assert whatif.numbers["share"] == pytest.approx(would, rel=1e-9) and would > 0.85
+
+
 def test_g_lost_updates_leave_out_a_skipped_layers_momentum_updates() -> None:
     """A pure-bf16 loop that skips a layer on odd steps (LayerDrop) and zeroes its gradients with
     ``zero_grad(set_to_none=False)``: the skipped layer's .grad is a zero tensor, AdamW moves it by momentum

@@ -15,8 +15,8 @@ activation, activation_grad, weight, weight_grad, weight_update):
   ``precprof/underflow/<fmt>/<scope>/<kind>`` and ``precprof/overflow/<fmt>/<scope>/<kind>`` — the share of
   the elements (0..1) that a real cast to ``fmt`` (fp16, bf16, fp8_e4m3, fp8_e5m2) at the loss scale in
   effect flushes to zero / overflows (weight_update has neither, nor a histogram: its counts only);
-  ``precprof/lost_update/<bf16|fp16>/<scope>`` — the share of sampled weight updates that vanish when added
-  to a weight held in that format;
+  ``precprof/lost_update/<bf16|fp16>/<scope>`` — the share of the scope's weight updates that vanish when added
+  to a weight held in that format, estimated from the sampled elements, each parameter at its size;
   ``precprof/update_ratio/<scope>`` — the optimizer's update against the weights, ||dw|| / ||w|| of the
   scope's parameters from their sampled elements, each parameter at its size (``precprof.analysis.update_ratio``:
   the report's "Weight updates against the weights" per layer); none on a step whose sampled weights were all
@@ -56,6 +56,9 @@ AUTO_LAYER_LIMIT = 32  # "auto" writes per-layer events for models with at most 
 LOST_UPDATE_FORMATS = {"bf16": T.LOST_UPDATE_BF16, "fp16": T.LOST_UPDATE_FP16}
 # ||dw||^2 and ||w||^2 of the weight_update rows (T.update_squares): summed over a scope's rows as the counts are
 SQ_UPDATE, SQ_WEIGHT = "_sq_update", "_sq_weight"
+# the weight_update rows' lost updates and elements, each parameter's sample at its size (T.sample_weights)
+LOST_UPDATE_ESTIMATES = {fmt: f"_{col}_estimate" for fmt, col in LOST_UPDATE_FORMATS.items()}
+UPDATE_SIZE = "_update_size"
 
 LayerSelection = str | Sequence[str]
 
@@ -168,7 +171,11 @@ class EventStream:
     def _layer_events(self, layers: pd.DataFrame, hist: pd.DataFrame) -> list[Event]:
         if layers.empty:
             return []
-        layers = layers.assign(**{T.MODULE: T.texts(layers[T.MODULE])}, **_update_squares(layers))
+        layers = layers.assign(
+            **{T.MODULE: T.texts(layers[T.MODULE])},
+            **_update_squares(layers),
+            **_lost_update_estimates(layers),
+        )
         selected = self._select(layers)
         out: list[Event] = []
         count_cols = [
@@ -178,6 +185,8 @@ class EventStream:
             T.INF,
             *(c for f in WHATIF_FORMATS for c in (T.underflow_col(f), T.overflow_col(f))),
             *LOST_UPDATE_FORMATS.values(),
+            *LOST_UPDATE_ESTIMATES.values(),
+            UPDATE_SIZE,
             SQ_UPDATE,
             SQ_WEIGHT,
         ]
@@ -249,10 +258,11 @@ def _count_events(step: int, scope: str, kind: str, row: pd.Series) -> list[Even
     if not numel > 0:
         return out
     if kind == T.WEIGHT_UPDATE:
-        for fmt, col in LOST_UPDATE_FORMATS.items():
+        size = _float(row[UPDATE_SIZE])
+        for fmt, col in LOST_UPDATE_ESTIMATES.items():
             v = _float(row[col])
-            if not math.isnan(v):
-                out.append(Scalar(tag("lost_update", fmt, scope), step, v / numel))
+            if not math.isnan(v) and size > 0:
+                out.append(Scalar(tag("lost_update", fmt, scope), step, v / size))
         sq_update, sq_weight = _float(row[SQ_UPDATE]), _float(row[SQ_WEIGHT])
         # all-zero sampled weights: no ratio, the update is not small or large against nothing; nor a nan or inf
         # update (the sums hold the finite ones alone)
@@ -277,6 +287,22 @@ def _update_squares(layers: pd.DataFrame) -> dict[str, pd.Series]:
     sq_update, sq_weight = (s.reindex(layers.index) for s in T.update_squares(layers))
     keep = sq_update.notna() & sq_weight.notna()
     return {SQ_UPDATE: sq_update.where(keep), SQ_WEIGHT: sq_weight.where(keep)}
+
+
+def _lost_update_estimates(layers: pd.DataFrame) -> dict[str, pd.Series]:
+    """The columns ``LOST_UPDATE_ESTIMATES`` and ``UPDATE_SIZE``: a weight_update row's updates lost in each format
+    and its elements, each times how many of its parameter's elements a sampled one stands for
+    (``tables.sample_weights``), so that a scope's share is the model's, not the sample's (256 sampled elements of
+    a 65,536-element weight beside a 16-element bias's 16 weigh 65,536 to 16); NaN on other rows."""
+    nothing = pd.Series(math.nan, index=layers.index, dtype=float)
+    if T.NUMEL not in layers.columns:
+        return {UPDATE_SIZE: nothing, **{c: nothing for c in LOST_UPDATE_ESTIMATES.values()}}
+    w = T.sample_weights(layers).reindex(layers.index)
+    out = {UPDATE_SIZE: pd.to_numeric(layers[T.NUMEL], errors="coerce") * w}
+    for fmt, col in LOST_UPDATE_FORMATS.items():
+        lost = pd.to_numeric(layers[col], errors="coerce") if col in layers.columns else nothing
+        out[LOST_UPDATE_ESTIMATES[fmt]] = lost * w
+    return out
 
 
 def _hist_events(hist: pd.DataFrame, keys: list[str]) -> list[Event]:

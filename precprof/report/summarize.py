@@ -319,8 +319,9 @@ def _by_key(series: pd.Series) -> dict[Any, Any]:
     return {k: v for k, v in series.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
 
 
-def _lost_update_shares(df: pd.DataFrame, col: str) -> dict[Any, Any]:
-    """Per module, the share of its intended weight updates lost in ``col``'s format (``layer_records``)."""
+def _lost_update_shares(df: pd.DataFrame, col: str, weights: pd.Series) -> dict[Any, Any]:
+    """Per module, the share of its intended weight updates lost in ``col``'s format (``layer_records``), each
+    parameter's sampled counts at its size (``weights``: ``tables.sample_weights`` of the weight-update rows)."""
     upd = df[df[T.TENSOR] == T.WEIGHT_UPDATE]
     upd = upd[upd[col].notna()]
     # the weights without a training gradient on their step are left out, as the advisor leaves them out
@@ -330,10 +331,14 @@ def _lost_update_shares(df: pd.DataFrame, col: str) -> dict[Any, Any]:
     # without a zeros count, which the capture always writes, counts every element as intended); a nan or inf
     # update is neither kept nor lost
     nonfinite = upd[T.NAN].fillna(0) + upd[T.INF].fillna(0)
-    upd = upd.assign(_intended=(upd[T.NUMEL] - upd[T.ZEROS].fillna(0) - nonfinite).clip(lower=0))
-    by_upd = upd.groupby(T.MODULE, observed=True)[[col, "_intended"]].sum()
+    # each parameter's sampled counts at its size (a layer's bias, sampled whole, beside 256 elements of its
+    # weight would weigh as much as the weight): the advisor's estimate of the layer's share
+    w = weights.reindex(upd.index).fillna(1.0)
+    intended = (upd[T.NUMEL] - upd[T.ZEROS].fillna(0) - nonfinite).clip(lower=0)
+    upd = upd.assign(_lost=upd[col] * w, _intended=intended * w)
+    by_upd = upd.groupby(T.MODULE, observed=True)[["_lost", "_intended"]].sum()
     by_upd = by_upd[by_upd["_intended"] > 0]
-    return _by_key(by_upd[col] / by_upd["_intended"])
+    return _by_key(by_upd["_lost"] / by_upd["_intended"])
 
 
 def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -370,7 +375,8 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     sums = hist.groupby(T.MODULE, sort=False, observed=True)[[T.NUMEL, T.ZEROS, *count_cols]].sum(min_count=1)
     totals = {c: _by_key(sums[c]) for c in (T.NUMEL, T.ZEROS, *count_cols)}
     types = _by_key(df.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE])
-    lost = {fmt: _lost_update_shares(df, col) for fmt, col in LOST_UPDATE_COLUMNS.items()}
+    weights = T.sample_weights(layers)
+    lost = {fmt: _lost_update_shares(df, col, weights) for fmt, col in LOST_UPDATE_COLUMNS.items()}
     ratios = update_ratio.layer_ratios(layers)
     left_out = update_ratio.nonfinite_steps(layers)
     bad = hist[hist[T.NAN].fillna(0) + hist[T.INF].fillna(0) > 0]

@@ -95,7 +95,8 @@ def lost_by_step(layers: pd.DataFrame, fmt: str = FORMAT) -> pd.DataFrame:
     """Per (step, tensor kind): values lost in ``fmt`` at the recorded scale (underflow, overflow, and values
     already inf/nan) and values seen, summed over the step's rows. Weight-update rows count instead the updates
     lost in ``update_format``'s weights, and those already inf/nan, over the intended updates (numel - zeros), of
-    the weights with a training gradient on their step (``lost_updates.zero_gradient``)."""
+    the weights with a training gradient on their step (``lost_updates.zero_gradient``), each parameter's sampled
+    counts at its size (``tables.sample_weights``: an estimate of the model's updates, not the sample's)."""
     cols = [T.underflow_col(fmt), T.overflow_col(fmt), T.NAN, T.INF]
     if layers.empty or any(c not in layers for c in [*cols, T.NUMEL]):
         return pd.DataFrame(columns=[T.STEP, T.TENSOR, "lost", T.NUMEL])
@@ -111,8 +112,10 @@ def lost_by_step(layers: pd.DataFrame, fmt: str = FORMAT) -> pd.DataFrame:
         # a weight without a training gradient on its step counts nothing, as in the advisor's share
         idle = lost_updates.zero_gradient(layers[layers[T.TENSOR] == T.WEIGHT_GRAD], layers[is_upd])
         kept = ~idle.reindex(layers.index, fill_value=False)
-        lost = lost.where(~is_upd, lost_upd).where(kept, 0)
-        seen = seen.where(~is_upd, (seen - zeros).clip(lower=0)).where(kept, 0)
+        # each parameter's sampled counts at its size, as the advisor's share counts them
+        w = T.sample_weights(layers).reindex(layers.index, fill_value=1.0)
+        lost = lost.where(~is_upd, lost_upd * w).where(kept, 0)
+        seen = seen.where(~is_upd, (seen - zeros).clip(lower=0) * w).where(kept, 0)
     out = pd.DataFrame(
         {
             T.STEP: pd.to_numeric(layers[T.STEP], errors="coerce").to_numpy(),

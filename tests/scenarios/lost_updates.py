@@ -173,3 +173,70 @@ def run_layers(
         T.SUMMARY_CAPTURE: prof.summary(),
     }
     return ProfiledRun(prof.tables(), summary, losses), pd.DataFrame(truth)
+
+
+class _WideAndShifts(nn.Module):
+    """A 64x64 layer whose weights are all in [1, 2), where an update of 3e-4 is below half a bf16 ulp (2^-8), so
+    every one is lost, its bias and 8 shifts of 64 elements zero-initialised, where
+    every update lands."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wide = nn.Linear(64, 64)
+        with torch.no_grad():
+            self.wide.weight.uniform_(1.0, 2.0)
+            self.wide.bias.zero_()
+        self.shifts = nn.ParameterList(nn.Parameter(torch.zeros(64)) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.wide(x) / 64
+        for s in self.shifts:
+            h = h + s
+        return h
+
+
+def run_sampled(dtype: torch.dtype, steps: int = 2) -> tuple[ProfiledRun, pd.DataFrame]:
+    """Train ``_WideAndShifts`` in ``dtype`` weights with AdamW at 3e-4, every step sampled, at the default update
+    sample (256 strided elements of each parameter: 256 of the layer's 4,096 weights, every element of the bias
+    and of each shift). The truth, one row per (step, module, param), over every element: ``intended`` (a
+    nonzero gradient or a moved weight), ``stuck`` (intended, did not move) and ``whatif_bf16`` (intended, lost
+    in a bf16 copy of the weight)."""
+    model = _WideAndShifts().to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
+    batches = regression_batches(64, batch=16, seed=5)
+    losses: list[float] = []
+    truth: list[dict[str, object]] = []
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
+    with prof:
+        for step in range(steps):
+            x, _ = batches(step)
+            loss = nn.functional.mse_loss(model(x.to(dtype)).float(), torch.ones(16, 64))
+            loss.backward()
+            before = {n: (p.detach().clone(), p.grad.detach().clone()) for n, p in model.named_parameters()}
+            opt.step()
+            for n, p in model.named_parameters():
+                w0, g = before[n]
+                delta = p.detach().float() - w0.float()
+                moved = delta != 0
+                intended = (g != 0) | moved
+                w16 = w0.bfloat16()
+                module, param = n.rsplit(".", 1)
+                truth.append(
+                    {
+                        T.STEP: step,
+                        T.MODULE: module,
+                        T.PARAM: param,
+                        "intended": int(intended.sum()),
+                        "stuck": int((intended & ~moved).sum()),
+                        "whatif_bf16": int((intended & ((w16.float() + delta).bfloat16() == w16)).sum()),
+                    }
+                )
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+            losses.append(loss.item())
+    summary = {
+        T.SUMMARY_MODEL: {"n_params": sum(p.numel() for p in model.parameters())},
+        T.SUMMARY_CAPTURE: prof.summary(),
+    }
+    return ProfiledRun(prof.tables(), summary, losses), pd.DataFrame(truth)

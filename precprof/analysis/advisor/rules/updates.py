@@ -39,6 +39,60 @@ def _nonfinite_updates(rows: pd.DataFrame) -> pd.Series:
     return rows[T.NAN].fillna(0) + rows[T.INF].fillna(0)
 
 
+def _sample_weights(run: _Run) -> pd.Series:
+    """Per ``weight_update`` row of the run, how many of its parameter's elements each sampled element stands
+    for (``tables.sample_weights``): the update sample holds at most ``update_sample`` strided elements of a
+    parameter and every element of a smaller one, so a share summed over parameters by their samples weighs a
+    16-element bias as much as a 65,536-element weight."""
+    return T.sample_weights(run.kind(T.WEIGHT, T.WEIGHT_UPDATE))
+
+
+def _estimated(rows: pd.DataFrame, lost: pd.Series, weights: pd.Series) -> tuple[float, float, float | None]:
+    """(lost, intended, share lost) of ``rows`` (``weight_update`` rows; ``lost`` their updates lost), each row
+    counted at its parameter's size (``weights``, ``_sample_weights``): an estimate of the model's updates, not
+    of the sample's."""
+    w = weights.reindex(rows.index).fillna(1.0)
+    est_lost = float((lost * w).sum())
+    est_nz = float((_nonzero_updates(rows) * w).sum())
+    return est_lost, est_nz, _share(est_lost, est_nz)
+
+
+def _by_module(rows: pd.DataFrame, lost: pd.Series, weights: pd.Series) -> pd.Series:
+    """Per module of ``rows``, its share of updates lost, its parameters each counted at its size (a weight's
+    sample and its bias's alike would weigh the bias as much as the weight); modules with no intended update
+    left out."""
+    w = weights.reindex(rows.index).fillna(1.0)
+    frame = pd.DataFrame({T.MODULE: rows[T.MODULE], "_lost": lost * w, "_nz": _nonzero_updates(rows) * w})
+    by = frame.groupby(T.MODULE, observed=True)[["_lost", "_nz"]].sum()
+    by = by[by["_nz"] > 0]
+    return (by["_lost"] / by["_nz"]).sort_values(ascending=False)
+
+
+def _sampled_words(
+    run: _Run, rows: pd.DataFrame, lost: float, nz: float, weights: pd.Series
+) -> tuple[str, dict[str, float]]:
+    """Where the update sample left elements of some parameter out: the words on the share being an estimate,
+    with the sample's own counts, and their numbers; "" where every element of every parameter was sampled
+    (the counts are the model's)."""
+    w = weights.reindex(rows.index).fillna(1.0)
+    if not bool((w > 1).any()):
+        return "", {}
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    per = capture.get("weight_update_sample") if isinstance(capture, dict) else None
+    sample = (
+        f"{int(per):,} strided elements of each parameter" if per else "strided elements of each parameter"
+    )
+    raw = _share(lost, nz)
+    return (
+        f" (estimated from a sample of {sample}, every element of a smaller one, each parameter's share counted "
+        f"at its size: {int(lost):,} of the {int(nz):,} sampled ones, {_pct(raw)})",
+        {
+            "sampled_share": float(raw) if raw is not None else float("nan"),
+            **({"update_sample": int(per)} if per else {}),
+        },
+    )
+
+
 def _nonfinite_words(rows: pd.DataFrame, run: _Run) -> tuple[str, dict[str, int]]:
     """The sentence on the updates left out for being nan or inf, and its numbers; "" when there are none."""
     bad = _nonfinite_updates(rows)
@@ -153,24 +207,27 @@ def _held_apart_words(
     )
 
 
-def _fp32_stuck_words(rows: pd.DataFrame) -> tuple[str, dict[str, int]]:
+def _fp32_stuck_words(rows: pd.DataFrame, sampled: bool) -> tuple[str, dict[str, int]]:
     """For a what-if over fp32 weights: the sentence on those of its updates that did not land in the run's own
-    fp32 weights either (``fp32_lost_updates``), and its number; "" when there are none."""
+    fp32 weights either (``fp32_lost_updates``), and its number (of the sampled updates where ``sampled``: the
+    share is an estimate from a sample); "" when there are none."""
     if T.LOST_UPDATE_HELD not in rows:
         return "", {}
     n = int(rows.loc[T.texts(rows[T.DTYPE]).astype(str) == "float32", T.LOST_UPDATE_HELD].sum())
     if not n:
         return "", {}
     return (
-        f" {n:,} of them did not land in the run's own fp32 weights either (fp32_lost_updates).",
+        f" {n:,} of {'the sampled ones' if sampled else 'them'} did not land in the run's own fp32 weights either "
+        "(fp32_lost_updates).",
         {"lost_in_fp32": n},
     )
 
 
-def _fp32_lost(run: _Run) -> tuple[pd.DataFrame, float, float, float | None]:
+def _fp32_lost(run: _Run, weights: pd.Series) -> tuple[pd.DataFrame, float, float, float | None]:
     """The updates that did not land in weights the run holds in fp32 (``lost_update_held`` of the float32 rows,
-    the weights with no training gradient on their step left out): (the rows, lost, intended, the share lost;
-    None where none is measured). ``fp32_lost_updates`` fires where the share is above ``lost_update_warn``."""
+    the weights with no training gradient on their step left out): (the rows, lost and intended in the sample,
+    the share lost, each parameter at its size, ``_estimated``; None where none is measured).
+    ``fp32_lost_updates`` fires where the share is above ``lost_update_warn``."""
     wu = run.kind(T.WEIGHT_UPDATE)
     if wu.empty or T.LOST_UPDATE_HELD not in wu:
         return wu.iloc[:0], 0.0, 0.0, None
@@ -178,14 +235,14 @@ def _fp32_lost(run: _Run) -> tuple[pd.DataFrame, float, float, float | None]:
     rows = rows[~_zero_gradient(run, wu)[rows.index]]
     nz = float(_nonzero_updates(rows).sum())
     lost = float(rows[T.LOST_UPDATE_HELD].sum())
-    return rows, lost, nz, _share(lost, nz)
+    return rows, lost, nz, _estimated(rows, rows[T.LOST_UPDATE_HELD], weights)[2]
 
 
-def _what_if_remedy(run: _Run, fmt: str, pure: str) -> str:
+def _what_if_remedy(run: _Run, fmt: str, pure: str, weights: pd.Series) -> str:
     """The remedy of a what-if on weights the run holds in fp32: keep them so, unless the updates did not land
     in those fp32 weights either (``fp32_lost_updates`` fires), where fp32 master weights keep nothing: the
     update scale is the cause, as that finding's remedy says."""
-    fp32_share = _fp32_lost(run)[3]
+    fp32_share = _fp32_lost(run, weights)[3]
     if fp32_share is None or fp32_share <= run.cfg.lost_update_warn:
         return f"Keep fp32 master weights ({fmt} autocast does); do not train {pure}."
     return (
@@ -203,6 +260,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         return
     # a weight whose gradient was zero on the step loses no training update: counted apart
     zero_grad = _zero_gradient(run, wu)
+    weights = _sample_weights(run)
     for fmt, col, pure in (
         ("bf16", T.LOST_UPDATE_BF16, "bf16-pure"),
         ("fp16", T.LOST_UPDATE_FP16, "fp16-pure"),
@@ -230,14 +288,14 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
             continue
         nz = float(_nonzero_updates(rows).sum())
         lost = float(rows[col].sum())
-        share = _share(lost, nz)
+        # the model's share, each parameter's sample counted at the parameter's size
+        share = _estimated(rows, rows[col], weights)[2]
         if share is None:
             continue
+        sampled_words, sampled_nums = _sampled_words(run, rows, lost, nz, weights)
         nonfinite_words, nonfinite_nums = _nonfinite_words(held_rows, run)
-        fp32_words, fp32_nums = _fp32_stuck_words(rows) if not is_pure else ("", {})
-        by = rows.assign(_nz=_nonzero_updates(rows)).groupby(T.MODULE)[[col, "_nz"]].sum()
-        by = by[by["_nz"] > 0]
-        by_share = (by[col] / by["_nz"]).sort_values(ascending=False)
+        fp32_words, fp32_nums = _fp32_stuck_words(rows, bool(sampled_words)) if not is_pure else ("", {})
+        by_share = _by_module(rows, rows[col], weights)
         worst = run.sort(by_share[by_share > cfg.lost_update_warn].index[: cfg.max_listed_modules])
         resolution = "2^-8" if fmt == "bf16" else "2^-11"
         # weights held in the format in a loop that is not the pure mode by name: a model loaded in bf16 and
@@ -262,9 +320,15 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                 f"{_pct(share)} of {'the finite ' if nonfinite_nums else ''}weight updates vanish with {fmt} master "
                 "weights",
                 (
-                    f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements ({_pct(share)}; "
-                    f"a nonzero gradient or a moved weight) left their {fmt} weight unchanged: the update is "
-                    f"smaller than half a {fmt} ulp of the weight (relative resolution {resolution}) and this "
+                    (
+                        f"On sampled steps, an estimated {_pct(share)} of the intended weight-update elements (a "
+                        f"nonzero gradient or a moved weight) left their {fmt} weight unchanged{sampled_words}"
+                        if sampled_words
+                        else f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements "
+                        f"({_pct(share)}; a nonzero gradient or a moved weight) left their {fmt} weight unchanged"
+                    )
+                    + f": the update is smaller than half a {fmt} ulp of the weight (relative resolution "
+                    f"{resolution}) and this "
                     + (
                         f"run holds its weights in {fmt} under {fmt} autocast, which casts the inputs of ops and keeps no "
                         f"fp32 copy of a {fmt} weight"
@@ -275,8 +339,14 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     )
                     + _since_words(held_rows, since, fmt, held)
                     if is_pure
-                    else f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements "
-                    f"({_pct(share)}) are smaller than half a {fmt} ulp of their weight (relative resolution "
+                    else (
+                        f"On sampled steps, an estimated {_pct(share)} of the intended weight-update elements"
+                        f"{sampled_words}"
+                        if sampled_words
+                        else f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements "
+                        f"({_pct(share)})"
+                    )
+                    + f" are smaller than half a {fmt} ulp of their weight (relative resolution "
                     f"{resolution}) and would be lost if the weights were held in {fmt}"
                 )
                 + (
@@ -302,13 +372,14 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     if few
                     else f"Keep fp32 master weights ({fmt} autocast does); do not train {pure}."
                     if is_pure
-                    else _what_if_remedy(run, fmt, pure)
+                    else _what_if_remedy(run, fmt, pure, weights)
                 ),
                 modules=worst,
                 numbers={
                     "lost": int(lost),
                     "nonzero_updates": int(nz),
                     "share": share,
+                    **sampled_nums,
                     **nonfinite_nums,
                     **fp32_nums,
                     **idle_nums,
@@ -325,11 +396,12 @@ def _rule_fp32_lost_updates(run: _Run, plan: _Plan) -> None:
     of their weight, from a learning rate or a gradient clip far too small for the weights. The weights with no
     training gradient on their step are left out, as in ``_rule_lost_updates``."""
     cfg = run.cfg
-    rows, lost, nz, share = _fp32_lost(run)
+    weights = _sample_weights(run)
+    rows, lost, nz, share = _fp32_lost(run, weights)
     if share is None or share <= cfg.lost_update_warn:
         return
-    by = rows.assign(_nz=_nonzero_updates(rows)).groupby(T.MODULE)[[T.LOST_UPDATE_HELD, "_nz"]].sum()
-    by_share = (by[T.LOST_UPDATE_HELD] / by["_nz"][by["_nz"] > 0]).dropna()
+    by_share = _by_module(rows, rows[T.LOST_UPDATE_HELD], weights)
+    sampled_words, sampled_nums = _sampled_words(run, rows, lost, nz, weights)
     worst = run.sort(by_share[by_share > cfg.lost_update_warn].index)[: cfg.max_listed_modules]
     ratios = update_ratio.summary(run.layers) or {}
     median = ratios.get("ratio_median")
@@ -338,9 +410,15 @@ def _rule_fp32_lost_updates(run: _Run, plan: _Plan) -> None:
             "fp32_lost_updates",
             WARNING,
             f"{_pct(share)} of weight updates do not change the run's fp32 weights",
-            f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements ({_pct(share)}; a "
-            "nonzero gradient or a moved weight) left their fp32 weight unchanged, measured in the weights this run "
-            "holds: the update is smaller than half an fp32 ulp of the weight (relative resolution 2^-24), so "
+            (
+                f"On sampled steps, an estimated {_pct(share)} of the intended weight-update elements (a nonzero "
+                f"gradient or a moved weight) left their fp32 weight unchanged{sampled_words}"
+                if sampled_words
+                else f"On sampled steps, {int(lost):,} of {int(nz):,} intended weight-update elements "
+                f"({_pct(share)}; a nonzero gradient or a moved weight) left their fp32 weight unchanged"
+            )
+            + ", measured in the weights this run holds: the update is smaller than half an fp32 ulp of the weight "
+            "(relative resolution 2^-24), so "
             "these weights do not train"
             + (
                 "; worst: " + ", ".join(f"{_name(m)} {_pct(float(by_share[m]))}" for m in worst)
@@ -361,6 +439,7 @@ def _rule_fp32_lost_updates(run: _Run, plan: _Plan) -> None:
                 "lost": int(lost),
                 "nonzero_updates": int(nz),
                 "share": share,
+                **sampled_nums,
                 **({"ratio_median": float(median)} if median is not None else {}),
             },
         )
