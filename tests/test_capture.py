@@ -1364,6 +1364,21 @@ def test_the_update_samples_gradient_flags_are_each_sampled_elements(case: str) 
     assert torch.equal(group.grad_nonzero(), torch.cat(want))
 
 
+def test_a_weights_update_sample_walks_through_its_columns() -> None:
+    """A 256 x 256 weight sampled every 256th element read its first column alone (an embedding's first feature
+    stood for all of them): the stride shares no factor with a row's length, so the 256 elements sampled (at most)
+    fall in every column and every row; a vector and a tensor smaller than the sample keep theirs."""
+    from precprof.capture.updates import sample_stride
+
+    for rows, cols in [(256, 256), (512, 768), (3072, 768), (50, 64)]:
+        stride = sample_stride(rows * cols, 256, cols)
+        index = torch.arange(0, rows * cols, stride)
+        assert len(index) <= 256 and stride >= -(-rows * cols // 256)
+        assert len(set((index % cols).tolist())) == min(len(index), cols), (rows, cols, stride)
+        assert len(set((index // cols).tolist())) >= min(len(index), rows) // 2, (rows, cols, stride)
+    assert sample_stride(300, 16, 1) == 19 and sample_stride(35, 16, 5) == 3 and sample_stride(3, 16, 3) == 1
+
+
 def test_a_gan_records_the_gradient_each_optimizer_applied() -> None:
     """PyTorch's DCGAN loop: the discriminator steps, then the generator's loss flows back through it and adds
     to its .grad, which no optimizer applies (it is zeroed at the next iteration). The discriminator's gradient

@@ -28,6 +28,7 @@ a sampled step of many small parameters about 2 us per parameter.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -341,6 +342,17 @@ def groups_key(optimizers: Sequence[Any]) -> tuple[tuple[int, int], ...]:
     return tuple((id(g["params"]), len(g["params"])) for o in optimizers for g in o.param_groups)
 
 
+def sample_stride(numel: int, per_param: int, row: int) -> int:
+    """The stride of a parameter's sample of at most ``per_param`` of its ``numel`` elements: the smallest one that
+    keeps within ``per_param`` and shares no factor with the length of a row (``row``, its last dimension), so that
+    the sample walks through every column rather than down a few of them (a 256 x 256 weight's stride of 256 read
+    its first column alone: an embedding's first feature, a weight whose columns differ, stood for all of it)."""
+    stride = max(1, -(-numel // per_param))
+    while stride > 1 and row > 1 and stride < numel and math.gcd(stride, row) != 1:
+        stride += 1
+    return stride
+
+
 class UpdateSampler:
     """Samples ``per_param`` elements (strided) of each parameter in ``tracked``.
 
@@ -382,8 +394,9 @@ class UpdateSampler:
             ps.update_index = -1
         for i, ps in enumerate(tracked):
             # (FSDP1's padding at the end of a rank's shard is left out: it is never updated)
-            n = _local(ps.tensor.detach()).numel() - _compat.shard_padding(ps.tensor)
-            ps.sample_stride = max(1, -(-n // self.per_param))
+            local = _local(ps.tensor.detach())
+            n = local.numel() - _compat.shard_padding(ps.tensor)
+            ps.sample_stride = sample_stride(n, self.per_param, local.shape[-1] if local.dim() > 1 else 1)
             ps.sample_len = len(range(0, n, ps.sample_stride))
             ps.update_index = i
         self.tracked = tracked
