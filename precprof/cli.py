@@ -36,6 +36,7 @@ from precprof.errors import RunNotSavedWarning, UserError
 from precprof.modes import Precision
 
 EXIT_NOT_SAVED = 1  # the run trained but its directory could not be written whole (a full disk)
+EXIT_MODEL_ERROR = 1  # the user's model raised: as Python exits on an exception it prints
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT; SIGTERM exits with 143
 
@@ -93,6 +94,19 @@ def _exited(e: SystemExit, run_dir: str | Path) -> int:
     how = "sys.exit()" if code is None else f"sys.exit({code})" if isinstance(code, int) else "sys.exit"
     _tell(f"precprof: training stopped by {how}{_saved(run_dir)}")
     return code if isinstance(code, int) and code != 0 else 1
+
+
+def _models_error(e: Exception) -> bool:
+    """Whether ``e``, which stopped training, is the user's own model's (a factory's) error, its traceback
+    written into the run directory (``precprof.training.failure``): said in one line, with where the traceback
+    is, where a 40-line traceback of torch's module calls around one line of the user's buried the partial
+    run's place."""
+    failed = getattr(e, "precprof_failure", None)
+    return (
+        getattr(failed, "blame", None) == "model"
+        and getattr(failed, "traceback", None) is not None
+        and getattr(e, "precprof_run_dir", None) is not None
+    )
 
 
 def _tell(text: str) -> None:
@@ -231,6 +245,15 @@ def train(
         for note in not_saved:
             _tell(f"precprof: error: {note}")
         raise typer.Exit(code) from None
+    except Exception as e:
+        if not _models_error(e):
+            raise  # precprof's own error, a built-in or Hugging Face model's: its traceback, to report
+        failed = e.precprof_failure  # type: ignore[attr-defined]
+        _tell(f"precprof: error: {failed.text}; its traceback is in {failed.traceback}")
+        _tell(f"precprof: training stopped{_saved(e.precprof_run_dir)}")  # type: ignore[attr-defined]
+        for note in not_saved:
+            _tell(f"precprof: error: {note}")
+        raise typer.Exit(EXIT_MODEL_ERROR) from None
     if not training.writes_run_dir():
         return  # under torchrun rank 0 wrote the run and prints it
     final = result.summary.get("final", {})

@@ -119,6 +119,29 @@ def _target_reports(path: Path) -> list[Path]:
     return found
 
 
+def _own_traceback(path: Path) -> list[Path]:
+    """The traceback.txt a run of the built-in loop left in ``path`` (``write_traceback``), told by its first
+    line from a user's own file of that name; [] for none."""
+    kept = path / T.TRACEBACK_FILE
+    try:
+        with open(kept, encoding="utf-8", errors="replace") as f:
+            return [kept] if f.read(len(T.TRACEBACK_HEAD)) == T.TRACEBACK_HEAD else []
+    except OSError:  # none, a folder of that name, unreadable
+        return []
+
+
+def write_traceback(path: str | os.PathLike[str], text: str) -> Path | None:
+    """Write ``text``, the traceback of the error that stopped the run in ``path``, into its traceback.txt; None
+    when it could not be written (a full disk) or a file of the user's has the name."""
+    kept = Path(path) / T.TRACEBACK_FILE
+    if kept.exists() and not _own_traceback(Path(path)):
+        return None
+    try:
+        return _atomic.write_text(kept, T.TRACEBACK_HEAD + text)
+    except OSError:
+        return None
+
+
 def _describe_existing(path: Path) -> str:
     """What ``path`` holds that a run would write over: a precprof run (its status), or, without a summary or a
     stream, files of someone else's under a run's names (a user's own layers.parquet is no precprof run)."""
@@ -368,9 +391,9 @@ def claim(
     """Create and lock ``path`` for this process and write its first summary.json (status incomplete).
 
     With ``overwrite`` the files of a previous run (summary, tables, report, the reports for other machines,
-    stream, temporary files) are removed first; other files in the directory are never touched. With
-    ``resume`` a previous run is kept and continued (the module docstring). Raises RunDirError with a
-    one-line reason.
+    its traceback, stream, temporary files) are removed first; other files in the directory are never
+    touched. With ``resume`` a previous run is kept and continued (the module docstring). Raises RunDirError
+    with a one-line reason.
     """
     p = check_target(path, overwrite=overwrite, option=option, resume=resume)
     created = not p.exists()
@@ -392,7 +415,7 @@ def claim(
                 raise RunDirError(
                     f"{option} {p}: {_describe_existing(p)}; choose another {option}, or {_replace_it(option)}"
                 )
-            for path in (*(p / name for name in RUN_FILES), *_target_reports(p)):
+            for path in (*(p / name for name in RUN_FILES), *_target_reports(p), *_own_traceback(p)):
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
             parts.remove(p)

@@ -47,6 +47,10 @@ from precprof.schema import (
 # ---------------------------------------------------------------------------------------- run directory
 REPORT_FILE = "report.html"
 SUMMARY_FILE = "summary.json"
+# the traceback of the exception that stopped a run of the built-in loop (precprof train, compare): the terminal
+# says it in one line and names this file; its first line tells precprof's from a user's own file of that name
+TRACEBACK_FILE = "traceback.txt"
+TRACEBACK_HEAD = "# precprof: the traceback of the error that stopped this run\n"
 TABLE_FILES = {name: f"{name}.parquet" for name in TABLES}
 
 # summary.json keys (top level)

@@ -165,19 +165,24 @@ def test_overwrite_removes_the_reports_for_other_machines_of_the_run_it_replaces
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`precprof report RUN --target h100` writes RUN/report-h100.html; --overwrite kept it, a page of the fp32
-    run beside the bf16 run that replaced it. It goes with the run; a page of the user's own stays."""
+    run beside the bf16 run that replaced it. It goes with the run; a page of the user's own stays. So does the
+    traceback.txt of a run that crashed; a user's own file of that name is never written over."""
     out = tmp_path / "run"
     rc, _, _ = run_main(["train", "--out", str(out), *TINY, "--steps", "2"], capsys)
     assert rc == 0
     rc, printed, _ = run_main(["report", str(out), "--target", "H100"], capsys)
     assert rc == 0 and Path(printed.strip()) == out / "report-h100.html"
     (out / "report-mine.html").write_text("<p>the user's own page</p>")
+    assert rundir.write_traceback(out, "Traceback (most recent call last):\n") == out / T.TRACEBACK_FILE
     rc, _, _ = run_main(
         ["train", "--out", str(out), *TINY, "--steps", "2", "-p", "bf16", "--overwrite"], capsys
     )
     assert rc == 0
-    assert not (out / "report-h100.html").exists()
+    assert not (out / "report-h100.html").exists() and not (out / T.TRACEBACK_FILE).exists()
     assert (out / "report-mine.html").read_text() == "<p>the user's own page</p>"
+    (out / T.TRACEBACK_FILE).write_text("my notes")
+    assert rundir.write_traceback(out, "Traceback (most recent call last):\n") is None
+    assert (out / T.TRACEBACK_FILE).read_text() == "my notes"
 
 
 def test_a_folder_with_a_users_own_table_is_not_called_a_run(
@@ -661,6 +666,20 @@ def test_the_step_a_crash_cut_off_is_not_counted_as_done(tmp_path: Path) -> None
     assert done == (~cut).sum()  # the summary's count: the finished steps
     cut_step = int(steps[T.STEP][cut].iloc[0])
     assert cut_step == int(steps[T.STEP].max()) == done  # steps 0 .. done - 1 finished
+    # the model's error in one line, which says the step, the model's line and where its traceback is: a
+    # traceback of torch's module calls around the model's line buried where the partial run was
+    line = CRASHES.splitlines().index('            raise RuntimeError("my bug")') + 1
+    kept = out / T.TRACEBACK_FILE
+    assert proc.stderr.strip().splitlines()[-3:] == [
+        f"precprof: error: the model raised RuntimeError in the forward pass of step {cut_step} (at {path}:{line}, "
+        f"in forward): my bug; its traceback is in {kept}",
+        f"precprof: training stopped: the partial run is in {out} ({done} finished steps)",
+        f"report: {out / T.REPORT_FILE}",
+    ], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert kept.read_text().endswith(
+        f'line {line}, in forward\n    raise RuntimeError("my bug")\nRuntimeError: my bug\n'
+    )
     page = (out / T.REPORT_FILE).read_text()
     banner = page.split('id="incomplete"', 1)[1].split("</div>", 1)[0]
     assert (
@@ -734,13 +753,46 @@ def test_sys_exit_in_the_models_code_says_where_the_partial_run_is(
     assert proc.returncode == rc, proc.stderr
     summary = T.read_summary(out)
     assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
-    assert summary[T.SUMMARY_INCOMPLETE_REASON] == f"SystemExit: {code}"
+    # the call and its line (compare's lines said "stopped after 3 of 8 steps: SystemExit")
+    line = EXITS.splitlines().index("                sys.exit(int(code) if code.isdigit() else code)") + 1
+    call = f"sys.exit({code}) in" if code.isdigit() else "sys.exit in"
+    text = "" if code.isdigit() else f": {code}"
+    assert summary[T.SUMMARY_INCOMPLETE_REASON] == f"{call} forward (exits.py, line {line}){text}"
     done = summary[T.SUMMARY_FINAL]["steps_done"]
     assert done == 3 == T.read_tables(out)["steps"][T.LOSS].notna().sum()  # the fourth never finished
     where = f": the partial run is in {out} ({done} finished steps)"
     expected = [*said[:-1], said[-1] + where, f"report: {out / T.REPORT_FILE}"]
     assert proc.stderr.strip().splitlines() == expected, proc.stderr
     assert (out / T.REPORT_FILE).exists() and proc.stdout == ""
+
+
+def test_an_error_in_precprofs_own_code_keeps_its_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user's model's error is one line and the file its traceback is in
+    (test_the_step_a_crash_cut_off_is_not_counted_as_done); one raised in precprof's own code (here its gradient
+    norm, handed a max_norm it cannot compare) is a bug to report: it keeps its traceback, which says so, and
+    its copy is beside the partial run."""
+    from precprof.training import loop
+
+    real_norm, calls = loop.grad_norm_, []
+
+    def norm(params: list[torch.Tensor], max_norm: float = 0.0) -> torch.Tensor:
+        calls.append(1)
+        return real_norm(params, "x" if len(calls) == 2 else max_norm)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loop, "grad_norm_", norm)
+    out = tmp_path / "run"
+    with pytest.raises(TypeError) as info:
+        cli.main(["train", "--out", str(out), *TINY, "--steps", "3", "--no-report"])
+    kept = out / T.TRACEBACK_FILE
+    assert info.value.__notes__ == [
+        f"precprof: the partial run was saved to {out}",
+        f"precprof: the error was raised in precprof's own code, a bug: please report it with {kept}",
+    ]
+    assert "in grad_norm_\n    if max_norm > 0:" in kept.read_text()
+    assert "error" not in capsys.readouterr().err
+    assert T.read_summary(out)[T.SUMMARY_FINAL]["steps_done"] == 1
 
 
 def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path: Path) -> None:

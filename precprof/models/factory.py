@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -119,14 +120,28 @@ def _check_required(spec: str, params: Mapping[str, inspect.Parameter], kwargs: 
 _PRECPROF = str(Path(__file__).resolve().parent.parent) + os.sep
 
 
+def is_precprof(filename: str) -> bool:
+    """Whether a traceback frame's file is precprof's own."""
+    return filename.startswith(_PRECPROF)
+
+
+def is_users(filename: str) -> bool:
+    """Whether a traceback frame's file is the user's own: of neither Python's, an installed package's nor
+    precprof's."""
+    return not filename.startswith(("<", _PRECPROF, *_installed()))
+
+
+@functools.cache
+def _installed() -> tuple[str, ...]:
+    return tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
 def where_raised(e: BaseException) -> str:
     """Where the user's own code raised ``e``: " (at file.py:12, in build)" for the innermost frame of its
-    traceback in a file of neither Python's, an installed package's nor precprof's, "" when there is none. The
-    one-line error keeps the failure's place, which the user needs when it lies deep inside their model's code
-    (a factory's, or a forward pass's)."""
-    installed = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    frames = traceback.extract_tb(e.__traceback__)
-    own = [f for f in frames if not f.filename.startswith(("<", _PRECPROF, *installed))]
+    traceback in the user's own file (``is_users``), "" when there is none. The one-line error keeps the
+    failure's place, which the user needs when it lies deep inside their model's code (a factory's, or a
+    forward pass's)."""
+    own = [f for f in traceback.extract_tb(e.__traceback__) if is_users(f.filename)]
     if not own:
         return ""
     f = own[-1]

@@ -30,7 +30,7 @@ from precprof.errors import UserError
 from precprof.models import BUILTIN_MODELS, BuiltModel, build_model, vocabulary_note
 from precprof.models.hf import cast_as_loaded
 from precprof.modes import FP16_MODES, resolve_loss_scale
-from precprof.training import compiling, contract
+from precprof.training import compiling, contract, failure
 from precprof.training import distributed as launch
 from precprof.training.config import (
     DYNAMIC_SCALER_OPTIONS,
@@ -311,7 +311,8 @@ def train(
     ``profiler_kwargs`` are passed to ``precprof.capture.Profiler`` (``sample_every`` defaults to
     ``config.sample_every`` or about 100 sampled steps). The run directory is checked, created and locked
     before the first step (``precprof.rundir``). On an exception or KeyboardInterrupt what was recorded is
-    saved with status "incomplete" and the cause, and the exception is re-raised. Raises UserError for
+    saved with status "incomplete" and the cause, an exception's traceback into the run directory's
+    traceback.txt (``precprof.training.failure``), and the exception is re-raised. Raises UserError for
     mistakes in the configuration before anything is written. ``label``: the run's name in the progress lines,
     after the model's (default: its precision; ``precprof compare`` names each run as its directory, "fp16-none").
     """
@@ -599,6 +600,7 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
     name = f"{s.built.name} {label}"
     bar = _progress(config if s.writer else dataclasses.replace(config, progress=False), name)
     steps_done = 0
+    phase = failure.START  # the part of the run in progress, for the error that stops it
     t_start = time.perf_counter()
     t_refresh, steps_at_refresh = t_start, 0
     try:
@@ -607,6 +609,7 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 cb.on_start(run)
             for step in range(config.steps):
                 run.step = step
+                phase = failure.FORWARD
                 x, y = data.batch(config.batch_size, config.seq_len, device)
                 with autocast, fp8_context(s.plan):
                     try:
@@ -618,7 +621,9 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                     with prof.memory_scope():  # what the loss saves for backward counts as activations
                         loss = loss_from_output(out, y, data.vocab_size, s.built.pass_targets)
                 run.loss = loss.detach()
+                phase = failure.BACKWARD
                 scaler.scale(loss).backward()
+                phase = failure.OPTIMIZER
                 for cb in callbacks:
                     cb.after_backward(run)
                 scaler.unscale_(optimizer)  # clipping and the norm see the true gradients
@@ -648,6 +653,7 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 for cb in callbacks:
                     cb.on_step_end(run)
                 _signals.check()  # a Ctrl-C or SIGTERM whose exception was swallowed on the way stops here
+            phase = failure.END
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             wall_s = time.perf_counter() - t_start
@@ -660,10 +666,22 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
             interrupted = _signals.as_interrupted(e)
             if interrupted is not None:
                 _signals.consume()
-            reason = interrupted.reason if interrupted is not None else f"{type(e).__name__}: {e}"
+            reason = interrupted.reason if interrupted is not None else failure.reason(e, s.inner)
+            kept = None
+            if interrupted is None and isinstance(e, Exception) and not isinstance(e, UserError):
+                # its traceback beside the run, and a line for the terminal (the CLI's, for the model's error);
+                # saying it must not hide it
+                with contextlib.suppress(Exception):
+                    where = s.run_dir if s.writer else None
+                    kept = failure.keep(e, s.inner, s.built.kind, where, run.step, phase)
             # a crashed run gets its tables, summary and report of the steps recorded, marked incomplete
             _save(s, prof, time.perf_counter() - t_start, steps_done, reason)
         _saved_to(e, s, "the partial run")
+        if kept is not None:
+            with contextlib.suppress(AttributeError):
+                e.precprof_failure = kept  # type: ignore[attr-defined]
+            if kept.note() and hasattr(e, "add_note"):
+                e.add_note(kept.note())
         raise
     bar.close()
     try:

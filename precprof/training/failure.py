@@ -1,0 +1,148 @@
+"""What stopped a run of the built-in loop, said where the user reads it: summary.json's cause in a line
+(``reason``), the run directory's ``traceback.txt`` and, for the terminal, one line (``keep``).
+
+An error in the user's own model (``--model file.py:factory``) is the user's to fix; its traceback, torch's
+module calls around one line of the model's, goes into ``traceback.txt``, and ``precprof train`` prints one
+line naming the error, its step, the model's line and the file. An error raised in precprof's own code (its
+hooks, its statistics, the loop), or in a built-in or Hugging Face model (whose failure is precprof's or the
+library's bug, as ``contract.check_forward`` holds), keeps its traceback on the terminal, for the bug's
+report, and in the file. Which it is, the traceback says: the model's when the innermost of its frames that
+is precprof's or the model's (the user's own files, and those of the model's module classes: a torch
+``nn.Linear`` of an ``nn.Sequential``, an installed package's layers) is the model's; also when no frame of
+precprof's lies below the loop's and the step was in the model's forward or backward pass (torch refusing
+what the model did: an in-place change to a tensor saved for backward, the device's memory).
+
+sys.exit() in training is named as the call and the line that made it ("sys.exit(0) in forward (model.py,
+line 12)"), where its type's name ("SystemExit: 0") said nothing of it in the report and in ``precprof
+compare``'s lines ("stopped after 3 of 8 steps: SystemExit").
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from precprof import rundir
+from precprof.models.factory import is_precprof, is_users
+
+# the parts of a step the loop names (``phase``); torch's own error in the first two is the model's doing
+FORWARD = "forward pass"
+BACKWARD = "backward pass"
+OPTIMIZER = "optimizer step"
+START = "start of training"
+END = "end of training"
+_THROUGH_THE_MODEL = (FORWARD, BACKWARD)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The exception that stopped a run, as ``precprof train`` says it: ``text`` in one line ("the model
+    raised RuntimeError in the forward pass of step 4 (at model.py:16, in forward): ..."); ``blame``: "model"
+    for the user's own model's error (a factory's), said in that line alone, "precprof" for one raised in
+    precprof's own code (a bug), "" otherwise (a built-in or Hugging Face model's, torch's); ``traceback``:
+    its file (None when it could not be written, or on a rank that writes no run directory)."""
+
+    text: str
+    blame: str
+    traceback: Path | None
+
+    def note(self) -> str:
+        """The line a traceback on the terminal ends with: where its copy is, and whose bug it is."""
+        if self.traceback is None:
+            return ""
+        if self.blame == "precprof":
+            return (
+                "precprof: the error was raised in precprof's own code, a bug: please report it with "
+                f"{self.traceback}"
+            )
+        return f"precprof: the traceback is in {self.traceback} too"
+
+
+def exit_call(code: object) -> str:
+    """sys.exit()'s call as the user wrote it, its text left out: "sys.exit()", "sys.exit(3)", "sys.exit"."""
+    return "sys.exit()" if code is None else f"sys.exit({code})" if isinstance(code, int) else "sys.exit"
+
+
+def reason(e: BaseException, model: Any) -> str:
+    """summary.json's cause for a run stopped by ``e`` (an exception, not a signal): "RuntimeError: text", or
+    for sys.exit() the call and the line that made it, its text after a colon ("sys.exit in forward (model.py,
+    line 12): diverged"; ``precprof compare`` reads the cause up to its first colon)."""
+    if not isinstance(e, SystemExit):
+        return f"{type(e).__name__}: {e}"
+    try:
+        frame = _innermost(traceback.extract_tb(e.__traceback__), _model_files(model))
+    except Exception:  # saying where must not hide that it stopped
+        frame = None
+    where = f" in {frame.name} ({Path(frame.filename).name}, line {frame.lineno})" if frame else ""
+    text = f": {e.code}" if e.code is not None and not isinstance(e.code, int) else ""
+    return f"{exit_call(e.code)}{where}{text}"
+
+
+def keep(e: Exception, model: Any, kind: str, run_dir: Path | None, step: int, phase: str) -> Failure:
+    """Write ``e``'s traceback (frames from the loop down, causes included) into ``run_dir``'s traceback.txt
+    (None: a rank that writes none), and describe ``e`` for the terminal (``Failure``). ``model``: the module
+    the loop trains, unwrapped; ``kind``: its BuiltModel kind; ``step``, ``phase``: where the run was."""
+    frames = traceback.extract_tb(e.__traceback__)
+    files = _model_files(model)
+    # None (a full disk, a file of the user's of that name): the terminal shows the traceback
+    path = rundir.write_traceback(run_dir, "".join(traceback.format_exception(e))) if run_dir else None
+    at = _innermost(frames, files, model_only=True)
+    place = f" (at {at.filename}:{at.lineno}, in {at.name})" if at else ""
+    when = f"in the {phase} of step {step}" if phase in (FORWARD, BACKWARD, OPTIMIZER) else f"at the {phase}"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    first = first if len(first) <= 300 else f"{first[:300].rsplit(' ', 1)[0]}..."
+    blame = _blame(e, frames, files, kind, phase)
+    raised = f"{'the model raised ' if blame == 'model' else ''}{type(e).__name__} {when}{place}"
+    return Failure(raised + (f": {first}" if first else ""), blame, path)
+
+
+def _model_files(model: Any) -> set[str]:
+    """The files of the classes of ``model``'s modules (their own and those they inherit from, torch's Module
+    left out), absolute: the code a forward pass runs."""
+    files: set[str] = set()
+    modules: Iterable[Any] = model.modules() if hasattr(model, "modules") else ()
+    for cls in {type(m) for m in modules}:
+        for base in cls.__mro__:
+            if base.__module__ in ("torch.nn.modules.module", "builtins"):
+                continue
+            filename = getattr(sys.modules.get(base.__module__), "__file__", None)
+            if filename:
+                files.add(os.path.abspath(filename))
+    return files
+
+
+def _is_models(frame: traceback.FrameSummary, files: set[str]) -> bool:
+    name = frame.filename
+    return not is_precprof(name) and (is_users(name) or os.path.abspath(name) in files)
+
+
+def _innermost(
+    frames: traceback.StackSummary, files: set[str], model_only: bool = False
+) -> traceback.FrameSummary | None:
+    """The innermost frame of the model's code (``_is_models``); else, unless ``model_only``, the
+    innermost."""
+    own = [f for f in frames if _is_models(f, files)]
+    if own:
+        return own[-1]
+    return frames[-1] if frames and not model_only else None
+
+
+def _blame(e: Exception, frames: traceback.StackSummary, files: set[str], kind: str, phase: str) -> str:
+    """Whose error ``e`` is (``Failure.blame``; the module docstring): ``frames`` start at the loop's."""
+    ours = [i for i, f in enumerate(frames) if is_precprof(f.filename)]
+    models = [i for i, f in enumerate(frames) if _is_models(f, files)]
+    deepest_ours = ours[-1] if ours else -1
+    through_model = (models and models[-1] > deepest_ours) or (
+        deepest_ours <= 0 and phase in _THROUGH_THE_MODEL
+    )
+    if through_model:
+        return "model" if kind == "factory" else ""
+    # the device's memory is no bug, wherever it ran out (a built-in model's line)
+    return "" if isinstance(e, torch.OutOfMemoryError) else "precprof"
