@@ -83,16 +83,18 @@ def _saved(run_dir: str | Path) -> str:
     )
 
 
-def _exited(e: SystemExit, run_dir: str | Path) -> int:
+def _exited(e: SystemExit, run_dir: str | Path | None, run: str | None = None) -> int:
     """sys.exit() called in training (the model's code, a callback): the partial run is saved, which Python says
     nowhere (a note shows in a traceback, and SystemExit prints none), and sys.exit(0) exited 0 with nothing on
-    the terminal. Prints what Python prints for ``sys.exit("text")``, then where the run is, as after Ctrl-C;
+    the terminal. Prints what Python prints for ``sys.exit("text")``, then where the run is, as after Ctrl-C
+    (``run``: its name among compare's runs; ``run_dir`` None: it stopped before its directory was made);
     returns the exit code: the one given, or 1 (the run did not finish) for sys.exit(0) and sys.exit()."""
     code = e.code
     if code is not None and not isinstance(code, int):
         _tell(str(code))  # its text, said once
     how = "sys.exit()" if code is None else f"sys.exit({code})" if isinstance(code, int) else "sys.exit"
-    _tell(f"precprof: training stopped by {how}{_saved(run_dir)}")
+    where = _saved(run_dir) if run_dir is not None else " before it began: nothing of it was saved"
+    _tell(f"precprof: training{f' of {run}' if run else ''} stopped by {how}{where}")
     return code if isinstance(code, int) and code != 0 else 1
 
 
@@ -437,6 +439,10 @@ def compare(
             err=True,
         )
         raise typer.Exit(EXIT_NOT_SAVED) from None
+    except SystemExit as e:
+        if not hasattr(e, "precprof_not_run"):  # not from a run's training (comparing.compare says it)
+            raise
+        _compare_exited(e)
     except KeyboardInterrupt as e:
         html = getattr(e, "precprof_compare_html", None)
         finished = getattr(e, "precprof_comparison", None)
@@ -455,6 +461,25 @@ def compare(
         typer.echo(f"precprof: error: {note}", err=True)
     if not_saved:
         raise typer.Exit(EXIT_NOT_SAVED)
+
+
+def _compare_exited(e: SystemExit) -> None:
+    """sys.exit() in one of compare's runs: the process ends as asked, after the runs so far, the stopped one
+    with them, were compared (``comparing.compare``). It ended with nothing on the terminal, exit code 0 for
+    sys.exit() and sys.exit(0), compare.html not written: the check lines, the stopped run as ``precprof
+    train`` says it, the page and the runs not trained."""
+    finished = getattr(e, "precprof_comparison", None)
+    if finished is not None:
+        with contextlib.suppress(OSError):
+            _print_checks(finished)
+    code = _exited(e, getattr(e, "precprof_run_dir", None), getattr(e, "precprof_stopped_run", None))
+    html = getattr(e, "precprof_compare_html", None)
+    not_run = getattr(e, "precprof_not_run", None) or []
+    _tell(
+        (f"comparison: {html}" if html else "no run to compare")
+        + (f"\nnot run: {', '.join(not_run)}" if not_run else "")
+    )
+    raise typer.Exit(code) from None
 
 
 def _print_comparison(comparison: comparing.Comparison, page: Path) -> None:

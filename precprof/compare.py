@@ -99,10 +99,12 @@ def compare(
     ref_i = reference_index(variants)
     # the reference trains first: "advised" variants take their loss scale from its recommendation
     run_order = [ref_i] + [i for i in range(len(variants)) if i != ref_i]
+    current: tuple[Variant, Path] | None = None  # the run training, for sys.exit() in it
     try:
         for i in run_order:
             v = variants[i]
             run_dir = out / v.label
+            current = (v, run_dir)
             cfg = dataclasses.replace(
                 base, precision=v.precision, loss_scale=v.loss_scale, out=run_dir, sample_every=sample_every
             )
@@ -123,6 +125,7 @@ def compare(
                         },
                     )
             done.append((v, run_dir))
+            current = None
             if on_run is not None:
                 on_run(v, run_dir)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the run in progress saved itself; compare the rest
@@ -131,6 +134,21 @@ def compare(
             if done:
                 finished = _finish(done, variants, tolerance, shared, t0, out)
                 with contextlib.suppress(AttributeError):  # for the CLI's check lines and message
+                    e.precprof_comparison = finished  # type: ignore[attr-defined]
+                    e.precprof_compare_html = out / COMPARE_HTML  # type: ignore[attr-defined]
+        raise
+    except SystemExit as e:  # sys.exit() in a run's code: the process ends, as it asks, once the runs so far
+        with _signals.deferred():  # (the stopped one too: it saved itself) are compared
+            if current is not None and T.is_run_dir(current[1]):
+                done.append(current)
+            ran = {variant.label for variant, _ in done}
+            not_run = [v.label for v in variants if v.label not in ran]
+            with contextlib.suppress(AttributeError):  # for the CLI's check lines and message
+                e.precprof_not_run = not_run  # type: ignore[attr-defined]
+                e.precprof_stopped_run = current[0].label if current else None  # type: ignore[attr-defined]
+            if done:
+                finished = _finish(done, variants, tolerance, shared, t0, out)
+                with contextlib.suppress(AttributeError):
                     e.precprof_comparison = finished  # type: ignore[attr-defined]
                     e.precprof_compare_html = out / COMPARE_HTML  # type: ignore[attr-defined]
         raise

@@ -795,6 +795,60 @@ def test_an_error_in_precprofs_own_code_keeps_its_traceback(
     assert T.read_summary(out)[T.SUMMARY_FINAL]["steps_done"] == 1
 
 
+STOPS_THE_SECOND_RUN = textwrap.dedent(
+    """
+    import os, sys
+    from torch import nn
+
+    class Stops(nn.Module):
+        def __init__(self, vocab_size):
+            super().__init__()
+            self.emb = nn.Embedding(vocab_size, 16)
+            self.head = nn.Linear(16, vocab_size)
+
+        def forward(self, x):
+            if x.shape[0] == 3:  # the training's batches, counted over the runs of the process
+                n = int(os.environ["FORWARDS"]) + 1
+                os.environ["FORWARDS"] = str(n)
+                if n == 6:  # the second run's third step
+                    sys.exit()
+            return self.head(self.emb(x))
+
+    def stops(vocab_size):
+        return Stops(vocab_size)
+    """
+)
+
+
+def test_sys_exit_in_a_run_of_compare_says_what_each_run_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``precprof compare`` whose second run's model calls sys.exit() ended with nothing on the terminal, exit
+    code 0, and no compare.html. The process still ends, as asked, once the runs so far are compared, the
+    stopped one among them: the check lines say it stopped and where, the stopped run is named as ``precprof
+    train`` names it, then the page and the run not trained; the exit code says the comparison did not finish."""
+    path = tmp_path / "stops.py"
+    path.write_text(STOPS_THE_SECOND_RUN)
+    monkeypatch.setenv("FORWARDS", "0")
+    out = tmp_path / "cmp"
+    argv = ["compare", "-m", f"{path}:stops", "-p", "fp32,bf16,fp16", "--out", str(out), *TINY]
+    rc, printed, err = run_main([*argv, "--batch-size", "3", "--steps", "3", "--no-report"], capsys)
+    assert rc == 1, err
+    line = STOPS_THE_SECOND_RUN.splitlines().index("                sys.exit()") + 1
+    stopped = f"bf16 stopped after 2 of 3 steps: sys.exit() in forward (stops.py, line {line})"
+    assert stopped in printed, printed
+    assert err.strip().splitlines()[-4:] == [
+        f"precprof: training of bf16 stopped by sys.exit(): the partial run is in {out / 'bf16'} (2 finished "
+        "steps)",
+        f"report: not rendered; `precprof report {out / 'bf16'}` renders it",
+        f"comparison: {out / 'compare.html'}",
+        "not run: fp16",
+    ], err
+    runs = {r["label"]: r for r in json.loads((out / "compare.json").read_text())["runs"]}
+    assert sorted(runs) == ["bf16", "fp32"] and runs["bf16"]["stopped"] == stopped.removeprefix("bf16 ")
+    assert runs["fp32"]["stopped"] == "" and not (out / "fp16").exists()
+
+
 def test_ctrl_c_while_the_command_starts_is_one_line(tmp_path: Path) -> None:
     """Ctrl-C while precprof's modules load (the first second of any command) printed a KeyboardInterrupt
     traceback and exited by the signal. ``-X importtime`` lists each module as it finishes loading: the
