@@ -68,7 +68,7 @@ def _saved(run_dir: str | Path) -> str:
     except (OSError, ValueError):  # the interrupt came before a summary was written
         summary = {}
     done = (summary.get(T.SUMMARY_FINAL) or {}).get("steps_done")
-    steps = f" ({done} finished steps)" if isinstance(done, int) else ""
+    steps = f" ({done} finished step{'s' if done != 1 else ''})" if isinstance(done, int) else ""
     if summary.get(T.SUMMARY_STATUS) == T.STATUS_COMPLETE:
         said = f" once the run was saved whole: the run is in {run_dir}{steps}"
     elif summary.get(T.SUMMARY_TRAINING_FINISHED) is True:

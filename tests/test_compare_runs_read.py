@@ -329,3 +329,27 @@ def test_compare_cut_by_ctrl_c_prints_the_check_lines_of_the_runs_that_finished(
     assert [r["label"] for r in page["runs"]] == ["fp32"]
     lines = [f"[{c['status']}] {c['text']}" for c in page["checks"]]
     assert lines and out.splitlines()[: len(lines)] == lines, out
+
+
+def test_a_run_stopped_after_one_step_reads_as_english(tmp_path: Path) -> None:
+    """ "stopped after 1 of 3 step" and "(1 finished steps)": the plural follows the planned steps where they are
+    given, the finished ones otherwise."""
+    from types import SimpleNamespace
+
+    from precprof.analysis.comparison import runs
+
+    read: Any = SimpleNamespace(streamed=False)
+    said = [
+        runs._stopped(T.STATUS_INCOMPLETE, "RuntimeError: x", read, done, planned, {})
+        for done, planned in [(1, 3), (1, None), (2, None), (0, 3)]
+    ]
+    assert said == [
+        "stopped after 1 of 3 steps: RuntimeError",
+        "stopped after 1 step: RuntimeError",
+        "stopped after 2 steps: RuntimeError",
+        "stopped after 0 of 3 steps: RuntimeError",
+    ]
+    (tmp_path / T.SUMMARY_FILE).write_text(
+        json.dumps({T.SUMMARY_STATUS: T.STATUS_INCOMPLETE, T.SUMMARY_FINAL: {"steps_done": 1}})
+    )
+    assert f"the partial run is in {tmp_path} (1 finished step)\n" in cli._saved(tmp_path)

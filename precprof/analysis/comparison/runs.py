@@ -390,7 +390,8 @@ def _stopped(
         return ""
     why = "killed" if read.streamed and status != "running" else re.split(r"[:;]", reason or "")[0].strip()
     of = f" of {planned:,}" if isinstance(planned, int) and planned > done else ""
-    return f"stopped after {done:,}{of} step{'s' if done != 1 else ''}" + (f": {why}" if why else "")
+    many = planned if of else done  # "after 1 of 3 steps", "after 1 step"
+    return f"stopped after {done:,}{of} step{'s' if many != 1 else ''}" + (f": {why}" if why else "")
 
 
 def cut_short(run: RunResult, ref: RunResult) -> str:
