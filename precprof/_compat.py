@@ -311,6 +311,19 @@ def shard_padding(t: torch.Tensor) -> int:
     return 0
 
 
+def flat_param_shard(p: torch.Tensor) -> torch.Tensor | None:
+    """FSDP1 (``use_orig_params=False``): this rank's stored shard of a ``FlatParameter`` (``_local_shard``, the
+    values the optimizer steps, in their storage dtype), without the padding at its end (``_shard_numel_padded``),
+    whether the parameter is sharded now or gathered for the forward, when its ``.data`` is the whole unsharded
+    parameter (its ``MixedPrecision`` param_dtype copy). Under ``NO_SHARD`` the shard is the whole parameter. A
+    view, no copy and no sync. None for any other tensor, and before FSDP's lazy initialisation (first forward)."""
+    shard = getattr(p, "_local_shard", None)
+    pad = getattr(p, "_shard_numel_padded", None)
+    if not isinstance(shard, torch.Tensor) or not isinstance(pad, int) or shard.dim() != 1:
+        return None
+    return shard[: shard.numel() - pad] if 0 < pad <= shard.numel() else shard
+
+
 def is_compiled(module: Any) -> bool:
     """Whether ``module`` runs under ``torch.compile``: its wrapper, compiled in place (``module.compile()``
     sets the call it makes instead of its own), or its forward replaced by a compiled one (``module.forward =

@@ -89,9 +89,13 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
                 }
             )
         )
+    # FSDP1: this rank's FlatParameter shard on each step, sharded before the forward gathers it (padding in)
+    flat_shards: list[list[float]] = []
     with prof:
         assert isinstance(prof._reducer, RankReducer), "the Profiler picks RankReducer under torchrun"
         for step in range(STEPS):
+            if scenario == "fsdp1":
+                flat_shards.append(next(model.parameters()).detach().tolist())
             x, y = batch(step, rank, nan=scenario == "ddp")
             loss = nn.functional.mse_loss(model(x), y)
             backward_and_step(loss, opt, scaler)
@@ -103,7 +107,7 @@ def run_scenario(scenario: str, rank: int, out: Path) -> None:
     prof.save(
         run_dir if rank == 0 else out / f"{scenario}-rank{rank}", summary={"config": {"scenario": scenario}}
     )
-    dump: dict[str, object] = {"losses": losses, "applied": applied}
+    dump: dict[str, object] = {"losses": losses, "applied": applied, "flat_shards": flat_shards}
     if scenario == "zero":  # the bytes of this rank's optimizer states, each storage once
         states = {t.untyped_storage().data_ptr(): t for s in opt.optim.state.values() for t in s.values()}
         dump["state_bytes"] = sum(t.untyped_storage().nbytes() for t in states.values())

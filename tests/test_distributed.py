@@ -41,7 +41,7 @@ from precprof.capture.reducer import RankReducer, _row_layout, wrapper_info
 HERE = Path(__file__).parent
 SCENARIOS = ("ddp", "fsdp2", "fsdp2-bf16")
 TRAIN_SCENARIOS = ("train-ddp", "train-fsdp2")
-# run, not counted layer by layer: FSDP1's weight rows mix unsharded units with shards (README, torchrun)
+# run, not counted layer by layer against the one-process reference (each has tests of its own below)
 OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig", "fsdp1-orig-scaled", "zero", "ddp-join")
 CUT_SCENARIOS = ("cut",)  # cut off before it saved: its first summary.json and its stream
 Key = tuple[int, str, str, str]  # step, module, tensor, param
@@ -818,6 +818,39 @@ def test_wrap_model_as_the_readme_shows_it(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use:UserWarning")  # one rank: nothing to shard
+def test_fsdp1_weights_under_mixed_precision_are_the_stored_fp32_values(tmp_path: Path) -> None:
+    """FSDP1 under ``MixedPrecision(param_dtype=bfloat16)``: the forward's first hook found the FlatParameter
+    pointing at its bf16 copy, and the weight row said the weights were held in bfloat16 (the fp32 values the
+    optimizer steps were never read). The stored values are read, in float32; one rank (NO_SHARD) holds them
+    whole, every rank's replica, as the summary says."""
+    import torch.distributed as dist
+
+    from precprof.training.distributed import wrap_model
+
+    if torch.cuda.is_available():
+        pytest.skip("FSDP1 on this machine's accelerator, not the CPU")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        inner = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        inner[0].weight.data[0, :2] = torch.tensor([1e-3, 1 + 2**-12])  # not bf16 values
+        stored = torch.cat([p.detach().flatten() for p in inner.parameters()]).clone()
+        model = wrap_model(inner, "fsdp1", param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        prof = precprof.Profiler(model, memory=False)
+        with prof:
+            model(torch.randn(3, 4)).float().sum().backward()
+            prof.step()
+        layers = prof.tables()["layers"]
+        info = RankReducer().describe(model)
+    finally:
+        dist.destroy_process_group()
+    (row,) = layers[layers[T.TENSOR] == T.WEIGHT].to_dict("records")
+    assert row[T.DTYPE] == "float32" and row[T.NUMEL] == stored.numel()
+    assert row[T.ABSMIN] == stored.abs()[stored != 0].min().item()  # 1e-3, not its bf16 rounding
+    assert info["semantics"]["weights"].startswith("every rank's replica")
+
+
 def test_fsdp1_orig_params_weight_gradients_are_the_shards_the_optimizer_applied(runs: Path) -> None:
     """FSDP1 with ``use_orig_params=True`` (accelerate's default, and torch.compile's need) sets each parameter's
     ``.grad`` to its reduce-scattered shard outside autograd: no post-accumulate-grad hook fires, and the run had
@@ -943,6 +976,31 @@ def test_fsdp1_weight_updates_leave_the_shards_padding_out(runs: Path) -> None:
         assert sum(e["counts"][T.NUMEL] for e in updates) == full
         assert rows.loc[step, T.NUMEL] == full, step
         assert rows.loc[step, T.ZEROS] == sum(e["counts"][T.ZEROS] for e in updates), step
+
+
+def test_fsdp1_weights_are_the_ranks_shards_summing_to_the_parameters(runs: Path) -> None:
+    """FSDP1 (``use_orig_params=False``) on 2 ranks: the FlatParameter was read in the forward's first hook,
+    after FSDP1 had gathered it whole, so its weight row held every rank's whole parameter (458 elements of a
+    229-element model, each count twice) where the summary said "rank-local shards, summing to the full
+    parameters". Each rank's stored shard is read, its padding left out: the row is the sum of the ranks' shards
+    as each held them before the forward."""
+    full = sum(p.numel() for p in W.build_model().parameters())
+    rdir = run_dir(runs, "fsdp1")
+    got = entries_from_tables(T.read_tables(rdir))
+    dumps = [json.loads((runs / f"fsdp1-rank{r}.json").read_text())["flat_shards"] for r in range(W.WORLD)]
+    for step in range(0, W.STEPS, W.SAMPLE_EVERY):
+        held = [torch.tensor(d[step]) for d in dumps]
+        flat = torch.cat(held)[:full]  # the padding at the end of the last shard left out
+        want = entry_of_calls(list(flat.split([len(held[0]), full - len(held[0])])))
+        (key,) = [k for k in got if k[0] == step and k[2] == T.WEIGHT]
+        assert key[3] == "_flat_param" and got[key]["dtype"] == "float32"
+        assert_entries_equal({key: got[key]}, {key: want})
+        assert got[key]["counts"][T.NUMEL] == full
+    semantics = T.read_summary(rdir)[T.SUMMARY_CAPTURE]["distributed"]["semantics"]["weights"]
+    assert (
+        semantics.startswith("rank-local shards of the stored parameters")
+        and "summing to the full" in semantics
+    )
 
 
 def test_a_resumed_distributed_run_counts_the_runs_sampled_steps_reduced(

@@ -162,6 +162,9 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
         self._grad_owner = {grad: s for s, params in self._weight_grads for _, _, grad in params if grad >= 0}
         # ``_sort_weights``'s answer, and the ``_weights_key`` it holds for
         self._weights_held: tuple[Any, ...] | None = None
+        # the rows whose parameter is read in another dtype than its own (FSDP1's FlatParameter under
+        # MixedPrecision: its fp32 shard, while the parameter is the gathered bf16 copy), and that dtype
+        self._read_dtypes: dict[int, torch.dtype] = {}
         # the matrix weights of the block group whose turn it is, read with the others: (turn, deal) -> them
         self._turn_weights: tuple[tuple[int, int], list[tuple[nn.Parameter, int]]] = ((-1, -1), [])
         self._handles: list[Any] = []
@@ -298,7 +301,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
                 continue
             for p, row, _ in params:
                 if row in read and not calls[row]:
-                    rows.seen(row, p.dtype)
+                    rows.seen(row, self._read_dtypes.get(row, p.dtype))
 
     def _count_unread_weight_grads(self) -> None:
         """A sampled step whose backward reached the modules' outputs but left no parameter a gradient in
@@ -362,10 +365,15 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
         skipped: list[tuple[torch.Tensor, int]] = []
         done: set[int] = set()
+        self._read_dtypes.clear()
         for p, row in self._weights:
             if not (p.is_floating_point() or p.is_complex()) or p.numel() == 0:
                 continue
-            x = _local(p)
+            # FSDP1's FlatParameter: its stored shard, not the whole (param_dtype) copy gathered for the forward
+            shard = _compat.flat_param_shard(p)
+            x = _local(p) if shard is None else shard
+            if x.dtype != p.dtype:
+                self._read_dtypes[row] = x.dtype
             dev = x.device
             if dev.type == "meta" or not _plain(x) or x.is_complex():
                 skipped.append((x, row))
@@ -423,7 +431,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
             slot.ran = True
             for _, p, row in slot.weights:
                 if row in self._weights_read:
-                    self.rows.seen(row, p.dtype)
+                    self.rows.seen(row, self._read_dtypes.get(row, p.dtype))
                     self.has_data = True
             return None
 

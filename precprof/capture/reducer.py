@@ -24,7 +24,7 @@ What the numbers mean (also in ``summary.json`` under ``capture.distributed.sema
 - Weights and weight gradients under FSDP2: the rank-local shard (``DTensor.to_local()``) of the sharded
   parameter (its storage dtype, e.g. fp32 masters under ``MixedPrecisionPolicy(param_dtype=bfloat16)``), so the
   sum over ranks is exactly the full parameter; gradients are the reduce-scattered (averaged) shards.
-- Weights under FSDP1 (``use_orig_params=False``): the rank's shard of each ``FlatParameter``, padding included.
+- Weights under FSDP1: the rank's stored shard of each ``FlatParameter`` (padding left out; read while gathered).
   With ``use_orig_params=True`` FSDP1 sets each parameter's ``.grad`` to its reduce-scattered shard outside
   autograd: weight gradients are read in the optimizer's step pre-hook, the shards as the optimizer gets them.
 - fp8 underflow after per-tensor current scaling is counted per call, each tensor with its own amax, so per
@@ -526,11 +526,7 @@ class RankReducer:
                 if wrapper == "FSDP1"
                 else "each rank's local gradient, read before DDP's all-reduce (numel = world_size x parameter size)"
             ),
-            "weights": (
-                "rank-local shards, summing to the full parameters"
-                if wrapper in ("FSDP1", "FSDP2")
-                else "every rank's replica (numel = world_size x parameter size; fractions are a replica's)"
-            ),
+            "weights": _weights_said(wrapper, str(info.get("sharding") or "")),
             "steps": "rank 0's: loss, loss scale, skipped, grad norm and time as rank 0 saw them",
             "memory": "rank 0's table; memory_by_rank has every rank's totals of the last sampled step",
         }
@@ -551,6 +547,24 @@ class RankReducer:
         if self._local_only_reason:
             info["local_only"] = self._local_only_reason
         return info
+
+
+_REPLICAS = "every rank's replica (numel = world_size x parameter size; fractions are a replica's)"
+
+
+def _weights_said(wrapper: Any, sharding: str) -> str:
+    """What a weight row holds under ``wrapper``: FSDP's stored shards (FSDP1's FlatParameter shards too, read
+    from ``_local_shard`` while the forward has the whole parameter gathered, its padding left out), every
+    rank's replica under DDP and FSDP1's ``NO_SHARD``, each shard group's shards under hybrid sharding."""
+    if wrapper not in ("FSDP1", "FSDP2") or (wrapper == "FSDP1" and sharding == "NO_SHARD"):
+        return _REPLICAS
+    shards = "rank-local shards of the stored parameters (their storage dtype, not the param_dtype copies gathered "
+    if wrapper == "FSDP1" and "HYBRID" in sharding:
+        return shards + (
+            "for the forward); the shards of each shard group sum to the full parameters (numel = the number of "
+            "shard groups x parameter size)"
+        )
+    return shards + "for the forward), summing to the full parameters"
 
 
 def _rank_local(semantics: dict[str, str], local: int, reduced: int) -> dict[str, str]:
