@@ -473,6 +473,12 @@ def test_precprof_train_under_torchrun(runs: Path, scenario: str) -> None:
     steps, layers = tables["steps"], tables["layers"]
     assert steps[T.STEP].tolist() == list(range(W.TRAIN_STEPS))
     assert (steps[T.TOKENS] == W.WORLD * 2 * 16).all()  # both ranks' batches
+    # the report's batch row says the rank's batch is one rank's, and the step's tokens as the table has them
+    from precprof.report.environment import config_rows, environment
+
+    assert dict(config_rows(summary[T.SUMMARY_CONFIG]))["batch"] == (
+        f"2 sequences × 16 tokens = 32 tokens a step per rank; {W.WORLD * 32} tokens a step over {W.WORLD} ranks"
+    )
     assert not layers[T.MODULE].str.startswith("module.").any()
     torch.manual_seed(0)
     model = build_model("gpt-nano", {"n_layer": 1, "n_embd": 32}, vocab_size=256, seq_len=16).module
@@ -484,8 +490,6 @@ def test_precprof_train_under_torchrun(runs: Path, scenario: str) -> None:
     param_bytes = 4 * sum(p.numel() for p in model.parameters())
     assert (estimate["ranks"], estimate["sharded"]) == (W.WORLD, scenario == "train-fsdp2")
     assert estimate["parameters"] == -(-param_bytes // (1 if scenario == "train-ddp" else W.WORLD))
-    from precprof.report.environment import environment
-
     row = dict(dict(environment(summary)["groups"])["Run"])["memory estimated before training"]
     assert " per rank (" in row and ("its 1/2 shard of the model" in row) == (scenario == "train-fsdp2")
 

@@ -461,9 +461,16 @@ def config_rows(cfg: Mapping[str, Any], capture: Mapping[str, Any] | None = None
         clip = float(cfg["grad_clip"])
         rows.append(("gradient clipping", f"global norm at most {F.num(clip)}" if clip > 0 else "off"))
     b, s = _int(cfg.get("batch_size")), _int(cfg.get("seq_len"))
+    world = _int(cfg.get("world_size"))
     if b is not None and s is not None:
+        # under torchrun --batch-size is each rank's: the steps table's tokens and the tokens/s are every rank's
+        ranks = (
+            f" per rank; {F.count(b * s * world)} tokens a step over {F.count(world)} ranks"
+            if world is not None and world > 1
+            else ""
+        )
         rows.append(
-            ("batch", f"{F.count(b)} sequences × {F.count(s)} tokens = {F.count(b * s)} tokens a step")
+            ("batch", f"{F.count(b)} sequences × {F.count(s)} tokens = {F.count(b * s)} tokens a step{ranks}")
         )
     if cfg.get("steps") is not None:
         rows.append(("steps", F.count(cfg["steps"])))
@@ -480,7 +487,6 @@ def config_rows(cfg: Mapping[str, Any], capture: Mapping[str, Any] | None = None
                 f"{cfg['device']}" + (f" (asked for: {asked})" if asked and asked != cfg["device"] else ""),
             )
         )
-    world = _int(cfg.get("world_size"))
     if world is not None and world > 1:
         rows.append(("distributed", f"{cfg.get('distributed')} over {F.count(world)} processes"))
     est = _memory_estimate(cfg.get("memory_estimate"))
