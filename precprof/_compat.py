@@ -126,6 +126,17 @@ def fsdp_root_uses_orig_params(root: Any) -> bool:
     return bool(getattr(root, "_use_orig_params", False))
 
 
+def default_store() -> Any:
+    """The default process group's key-value store (under torchrun its rendezvous store, which outlives a rank
+    that left); None without a group, or where this torch keeps it elsewhere. Reading it is no collective."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # no group, or no distributed support
+        return None
+
+
 def ddp_bucket_bytes(ddp: Any) -> int | None:
     """DDP: the bytes of its gradient buckets on this rank, the sum of the ``bucket_sizes`` (bytes, "a, b, ...")
     of its logging data, host-side facts it keeps (no sync). None where this torch does not give them

@@ -142,19 +142,62 @@ def run_join(rank: int, out: Path) -> None:
 TRAIN_STEPS = 4
 
 
-def run_train(scenario: str, rank: int, out: Path) -> None:
-    """``precprof train`` under torchrun (the command line as ``torchrun -m precprof train`` runs it)."""
+def run_train(scenario: str, rank: int, out: Path, model: list[str] | None = None) -> None:
+    """``precprof train`` under torchrun (the command line as ``torchrun -m precprof train`` runs it); ``model``:
+    the model, steps and batch size arguments instead of a one-layer gpt-nano's."""
     from precprof.cli import main as cli_main
 
-    strategy = scenario.removeprefix("train-")
-    args = ["train", "-m", "gpt-nano", "-a", "n_layer=1", "-a", "n_embd=32", "--steps", str(TRAIN_STEPS)]
-    args += ["--batch-size", "2", "--seq-len", "16", "--sample-every", "2", "--no-progress", "--no-report"]
+    strategy = "ddp" if model else scenario.removeprefix("train-")
+    args = ["train", *(model or ["-m", "gpt-nano", "-a", "n_layer=1", "-a", "n_embd=32"])]
+    args += [] if model else ["--steps", str(TRAIN_STEPS), "--batch-size", "2"]
+    args += ["--seq-len", "16", "--sample-every", "2", "--no-progress", "--no-report"]
     args += ["--distributed", strategy, "--out", str(out / scenario)]
     try:
         cli_main(args)
     except SystemExit as e:
         if e.code not in (0, None):
             raise RuntimeError(f"precprof train exited with {e.code}") from None
+
+
+# "train-fail": rank 1's model raises in the forward of this step, rank 0 goes on into DDP's all-reduce; its batch
+# size tells the training steps' forwards (precprof train measures batches of 1 and 2 first)
+FAIL_STEP, FAIL_BATCH = 1, 3
+
+
+class FailingLM(nn.Module):
+    """A language model for ``precprof train --model dist_worker.py:failing_lm``: rank 1's forward raises at
+    FAIL_STEP, as a crash on one rank does (rank 0 then waits in the backward's all-reduce)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.emb, self.out, self.calls = nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled() and x.shape[0] == FAIL_BATCH:
+            if dist.get_rank() == 1 and self.calls == FAIL_STEP:
+                raise RuntimeError(f"injected failure on rank 1 at step {FAIL_STEP}")
+            self.calls += 1
+        return self.out(self.emb(x))
+
+
+def failing_lm(vocab_size: int) -> nn.Module:
+    return FailingLM(vocab_size)
+
+
+def run_fail(scenario: str, rank: int, out: Path) -> None:
+    """``precprof train --distributed ddp`` whose rank 1 fails (``FailingLM``); rank 1 then leaves the group, as the
+    command line's rank does when it owns it, which closes rank 0's connections in its all-reduce. The last
+    scenario: the group is broken after it."""
+    try:
+        run_train(
+            scenario,
+            rank,
+            out,
+            ["--model", f"{__file__}:failing_lm", "--steps", "3", "--batch-size", str(FAIL_BATCH)],
+        )
+    finally:
+        if rank == 1:
+            dist.destroy_process_group()
 
 
 CUT_STEP = 2  # "cut": every rank raises after this step's forward, a sampled step, as a crash cuts a run off
@@ -196,10 +239,14 @@ def main(argv: list[str]) -> None:
     info = init_from_env()
     assert info is not None and info.world_size == WORLD, "run me under torchrun with 2 processes"
     out.mkdir(parents=True, exist_ok=True)
+    broken = False  # the group, after "train-fail" (the last scenario)
     try:
         for scenario in scenarios:
             try:
-                if scenario.startswith("train-"):
+                if scenario == "train-fail":
+                    broken = True
+                    run_fail(scenario, info.rank, out)
+                elif scenario.startswith("train-"):
                     run_train(scenario, info.rank, out)
                 elif scenario == "ddp-join":
                     run_join(info.rank, out)
@@ -211,9 +258,10 @@ def main(argv: list[str]) -> None:
                 import traceback
 
                 (out / f"{scenario}-rank{info.rank}.error").write_text(traceback.format_exc())
-            dist.barrier()
+            if not broken:
+                dist.barrier()
     finally:
-        shutdown()
+        shutdown(barrier=not broken)
 
 
 if __name__ == "__main__":

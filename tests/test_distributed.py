@@ -44,6 +44,7 @@ TRAIN_SCENARIOS = ("train-ddp", "train-fsdp2")
 # run, not counted layer by layer against the one-process reference (each has tests of its own below)
 OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig", "fsdp1-orig-scaled", "zero", "ddp-join")
 CUT_SCENARIOS = ("cut",)  # cut off before it saved: its first summary.json and its stream
+FAIL_SCENARIOS = ("train-fail",)  # rank 1 fails and leaves the group: last, the group is broken after it
 Key = tuple[int, str, str, str]  # step, module, tensor, param
 
 
@@ -60,7 +61,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             f"--nproc_per_node={W.WORLD}",
             str(HERE / "dist_worker.py"),
             str(out),
-            ",".join(SCENARIOS + TRAIN_SCENARIOS + OTHER_SCENARIOS + CUT_SCENARIOS),
+            ",".join(SCENARIOS + TRAIN_SCENARIOS + OTHER_SCENARIOS + CUT_SCENARIOS + FAIL_SCENARIOS),
         ],
         capture_output=True,
         text=True,
@@ -980,6 +981,53 @@ def test_fsdp1_weight_updates_leave_the_shards_padding_out(runs: Path) -> None:
         assert sum(e["counts"][T.NUMEL] for e in updates) == full
         assert rows.loc[step, T.NUMEL] == full, step
         assert rows.loc[step, T.ZEROS] == sum(e["counts"][T.ZEROS] for e in updates), step
+
+
+def test_the_run_of_a_rank_whose_peer_failed_gives_that_ranks_error(runs: Path) -> None:
+    """``precprof train --distributed ddp`` whose rank 1 raised in its forward: rank 0, waiting in the backward's
+    all-reduce, failed with gloo's "Connection closed by peer", and its run gave that as the cause; rank 1's
+    error was on the terminal alone. Rank 1 keeps its error in the group's store before it leaves; rank 0's run
+    gives it, and then what rank 0 saw."""
+    summary = T.read_summary(runs / "train-fail")
+    assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
+    reason = summary[T.SUMMARY_INCOMPLETE_REASON]
+    assert re.fullmatch(
+        rf"rank 1 failed first: RuntimeError: injected failure on rank 1 at step {W.FAIL_STEP}; rank 0 then lost "
+        r"its connection to it \(RuntimeError: Connection (closed|reset) by peer [^;]*\)",
+        reason,
+    ), reason
+    assert "injected failure" in (runs / "train-fail-rank1.error").read_text()  # (the ranks' own tracebacks)
+
+
+def test_a_lost_peer_without_its_error_is_said_to_be_another_ranks_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where no other rank left its error (killed: out of memory, SIGKILL), rank 0's lost connection is said to be
+    another rank's stopping, whose error is in its own output; a SIGTERM (torchrun's, after another rank failed)
+    names the rank that failed; a rank's own error, or a lost peer on another rank, is no other rank's cause."""
+    from precprof.training import distributed as launch
+
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(launch._compat, "default_store", lambda: store)
+    rank0, rank1, rank2 = (launch.DistInfo(r, 3, r, torch.device("cpu")) for r in range(3))
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:44781. This "
+        "is typically caused by a remote worker crashing. Check the logs of the remote worker."
+    )
+    lost = launch.failure_cause(rank0, gloo, f"RuntimeError: {gloo}", interrupted=False)
+    assert lost == (
+        "another rank stopped first: rank 0 lost its connection to it (RuntimeError: Connection closed by peer "
+        "[127.0.0.1]:44781); that rank's error is in its own output (torchrun prefixes its lines with [rankN])"
+    )
+    sigterm = "interrupted (terminated, SIGTERM)"
+    assert launch.failure_cause(rank0, KeyboardInterrupt(), sigterm, interrupted=True) == sigterm
+    launch.record_failure(rank1, gloo)  # a consequence, not rank 1's own: not kept
+    launch.record_failure(rank2, ValueError("bad batch\nsecond line"))
+    assert launch.failure_cause(rank0, KeyboardInterrupt(), sigterm, interrupted=True) == (
+        f"rank 2 failed first: ValueError: bad batch; rank 0 then was {sigterm}"
+    )
+    own = "ValueError: rank 0's own"
+    assert launch.failure_cause(rank0, ValueError("rank 0's own"), own, interrupted=False) == own
 
 
 def test_fsdp1_weights_are_the_ranks_shards_summing_to_the_parameters(runs: Path) -> None:

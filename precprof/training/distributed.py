@@ -4,13 +4,16 @@ FSDP1), and leave the group once rank 0 has written the run. What the Profiler d
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from precprof import _compat
 from precprof.errors import UserError
 from precprof.modes import STRATEGIES
 
@@ -59,6 +62,76 @@ def shutdown(barrier: bool = True) -> None:
         if barrier:
             dist.barrier()
         dist.destroy_process_group()
+
+
+# A collective that failed because another rank left: gloo's "Connection closed by peer" (or reset), NCCL's
+# aborted communicator or its remote process's exit, torch's DistNetworkError. The consequence of another rank's
+# failure, not this rank's own.
+_PEER_LOST = re.compile(
+    r"(connection (closed|reset) by peer|remote (worker|process)|communicator was aborted|broken pipe)", re.I
+)
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether ``e`` is a collective's failure because another rank left (``_PEER_LOST``)."""
+    network = getattr(dist, "DistNetworkError", None)
+    return (isinstance(network, type) and isinstance(e, network)) or bool(_PEER_LOST.search(str(e)))
+
+
+def _failure_key(rank: int) -> str:
+    """Where ``rank`` keeps its failure in the store, per attempt of an elastic job (its restarts share it)."""
+    return f"precprof/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+def _one_line(e: BaseException, peer: bool = False) -> str:
+    """``e`` in one line: its type and its message's first line, without gloo's "[file.cc:553] " prefix; ``peer``:
+    its first sentence alone (gloo's goes on "This is typically caused by a remote worker crashing...")."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    if peer:
+        text = text.split(". ")[0]
+    return f"{type(e).__name__}: {text[:300]}".rstrip(": ")
+
+
+def record_failure(info: DistInfo, e: BaseException) -> None:
+    """Keep this rank's own exception, in one line, in the process group's store (torchrun's rendezvous store),
+    where the writing rank finds it when its collectives fail because this rank left (``failure_cause``): the run
+    rank 0 saved gave rank 0's "Connection closed by peer" as its cause, the real error only on the terminal.
+    Call it before leaving the group. Not for a lost peer's error (another rank's consequence). Best effort, no
+    collective: a store that cannot be reached is passed over."""
+    store = _compat.default_store()
+    if store is None or lost_peer(e):
+        return
+    with contextlib.suppress(Exception):
+        store.set(_failure_key(info.rank), _one_line(e))
+
+
+def failure_cause(info: DistInfo, e: BaseException, reason: str, interrupted: bool) -> str:
+    """The cause the writing rank's run directory gives for ``e`` (``reason``: its own words for it): where ``e``
+    is the consequence of another rank's failure (a lost peer, or a SIGTERM, as torchrun sends the other ranks
+    when one fails), that rank's own error as it recorded it (``record_failure``), or that another rank stopped
+    first and its error is in its own output. ``reason`` as it was for any other failure."""
+    peer = not interrupted and lost_peer(e)
+    if not (peer or interrupted):
+        return reason
+    then = f"lost its connection to it ({_one_line(e, peer=True)})" if peer else f"was {reason}"
+    store = _compat.default_store()
+    for rank in range(info.world_size) if store is not None else ():
+        if rank == info.rank:
+            continue
+        try:
+            if not store.check([_failure_key(rank)]):
+                continue
+            said = store.get(_failure_key(rank)).decode(errors="replace")
+        except Exception:  # the store gone with the group: what this rank saw is all there is
+            break
+        return f"rank {rank} failed first: {said}; rank {info.rank} then {then}"
+    if not peer:
+        return reason
+    return (
+        f"another rank stopped first: rank {info.rank} {then}; that rank's error is in its own output (torchrun "
+        "prefixes its lines with [rankN])"
+    )
 
 
 def _shard_units(model: nn.Module) -> list[nn.Module]:

@@ -674,6 +674,11 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 with contextlib.suppress(Exception):
                     where = s.run_dir if s.writer else None
                     kept = failure.keep(e, s.inner, s.built.kind, where, run.step, phase)
+            if s.dist_info is not None:  # rank 0's error may be the consequence of another rank's failure
+                if s.writer:
+                    reason = launch.failure_cause(s.dist_info, e, reason, interrupted is not None)
+                elif interrupted is None:  # for rank 0's run, before this rank leaves the group
+                    launch.record_failure(s.dist_info, e)
             # a crashed run gets its tables, summary and report of the steps recorded, marked incomplete
             _save(s, prof, time.perf_counter() - t_start, steps_done, reason)
         _saved_to(e, s, "the partial run")
