@@ -9,7 +9,8 @@ Every column name used anywhere in precprof is a constant here (read them throug
     (parameter name relative to the module, "" for activations), dtype (torch dtype name, e.g. "bfloat16"),
     calls (what was aggregated: a module's calls for activations, a module called twice per step has
     calls=2, and one returning a tuple counts once; on weight_update rows the optimizer steps with a nonzero
-    learning rate whose update the row adds up, 0 where its group's learning rate was 0; tensors for the other
+    learning rate and a gradient whose update the row adds up, 0 where its group's learning rate was 0 or it
+    had no gradient at the step (a skipped batch), which torch's optimizers skip; tensors for the other
     kinds), numel, zeros, nan,
     inf, absmax (largest finite |x|, unscaled; 0 when no value is finite), absmin (smallest nonzero finite
     |x|, unscaled; NaN when there is none), scale (loss scale in effect when the tensor was seen: 1 in the

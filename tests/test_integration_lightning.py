@@ -20,6 +20,7 @@ L = pytest.importorskip("lightning")
 from cast_counts import CastCounts  # noqa: E402
 
 from precprof import tables as T  # noqa: E402
+from precprof.analysis import update_ratio  # noqa: E402
 from precprof.integrations.lightning import PrecprofCallback, precprof_precision  # noqa: E402
 from precprof.rundir import RunDirError  # noqa: E402
 
@@ -613,15 +614,37 @@ def test_a_skipped_batch_adds_no_loss_and_no_tokens_to_its_step(tmp_path: Path) 
     """Batches 1 and 2 return None under ``accumulate_grad_batches=2``: the steps 0 (batches 0, 1) and 1
     (batches 2, 3) trained on one micro-batch each. Their loss was divided by both micro-batches (half the
     loss Lightning logs) and the skipped batch's ids counted as tokens; now each step's loss is the mean over
-    the batches that returned one, and its tokens are those of the batches fed to the model."""
+    the batches that returned one, and its tokens are those of the batches fed to the model.
+
+    Batches 4 and 5, step 2, both return None: Lightning steps AdamW on no gradient, which moves nothing. precprof
+    warned "AdamW stepped before the model's forward ... the step before's update ... call prof.step() once per
+    optimizer step" to a user who never calls prof.step() (tester h74), and step 2's zero updates counted in each
+    layer's median update-to-weight ratio, pulling it down. It is said nothing now, and left out of the ratio
+    (its ``weight_update`` rows' ``calls``, the optimizer steps that updated them, are 0)."""
     cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False, memory=False)
-    module = SkippingLM(skip={1, 2})
-    quiet_trainer(tmp_path, cb, max_steps=4, accumulate_grad_batches=2).fit(module, loader())
-    steps = T.read_tables(cb.run_dir)["steps"]
-    fed = [[0], [3], [4, 5], [6, 7]]  # the batches of each step that returned a loss
-    want = [sum(module.by_batch[b] for b in bs) / len(bs) for bs in fed]
-    assert steps[T.LOSS].tolist() == pytest.approx(want, rel=1e-6)
-    assert steps[T.TOKENS].tolist() == [len(bs) * BATCH * SEQ for bs in fed]
+    module = SkippingLM(skip={1, 2, 4, 5})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_trainer(tmp_path, cb, max_steps=4, accumulate_grad_batches=2).fit(module, loader())
+    assert not [str(w.message) for w in caught if "precprof" in str(w.message)]
+    tables = T.read_tables(cb.run_dir)
+    steps, layers = tables["steps"], tables["layers"]
+    fed = [[0], [3], [], [6, 7]]  # the batches of each step that returned a loss
+    trained = [i for i, bs in enumerate(fed) if bs]
+    want = [sum(module.by_batch[b] for b in fed[i]) / len(fed[i]) for i in trained]
+    assert steps[T.LOSS][trained].tolist() == pytest.approx(want, rel=1e-6)
+    assert steps[T.TOKENS][trained].tolist() == [len(fed[i]) * BATCH * SEQ for i in trained]
+    assert pd.isna(steps[T.LOSS][2]) and pd.isna(steps[T.TOKENS][2])
+    summary = T.read_summary(cb.run_dir)
+    assert summary[T.SUMMARY_CAPTURE]["loop_order"] == {}
+    updates = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE]
+    assert (updates[T.ZEROS] == updates[T.NUMEL])[updates[T.STEP] == 2].all()  # nothing moved
+    assert updates.groupby(T.STEP)[T.CALLS].max().tolist() == [1, 1, 0, 1]
+    ratios = update_ratio.step_ratios(layers)
+    assert sorted(set(ratios[T.STEP])) == [0, 1, 3]
+    for r in summary[T.SUMMARY_WEIGHT_UPDATES]["layers"]:
+        mine = ratios[ratios[T.MODULE] == r["module"]]["ratio"]
+        assert r["steps"] == 3 and r["median"] == pytest.approx(mine.median())
 
 
 class AccumulatingLM(TinyLM):

@@ -186,7 +186,9 @@ def _in_order(kind: str) -> Callable[[precprof.Profiler, nn.Module], None]:
     the step (``closure``), the Profiler given the optimizer a wrapper steps (``wrapped``) or the wrapper
     (``wrapper``), and a new optimizer given to ``use_optimizer`` only after its first step, before
     ``prof.step()`` (``followed late``: Lightning's callback follows one set on the trainer at the end of the
-    batch that stepped it)."""
+    batch that stepped it), and a step 2 that skips its batch as Lightning's automatic optimization does for a
+    ``training_step`` that returned None (``skipped batch``: the step's closure zeroes the gradients and runs no
+    forward or backward; the optimizer steps on no gradient)."""
 
     def loop(prof: precprof.Profiler, model: nn.Module) -> None:
         params = list(model.parameters())
@@ -205,6 +207,8 @@ def _in_order(kind: str) -> Callable[[precprof.Profiler, nn.Module], None]:
                 opts = [torch.optim.Adam(params, lr=1e-3)]
             if kind == "closure":
                 _closure_step(model, opts[0])
+            elif kind == "skipped batch" and step == 2:
+                opts[0].step(opts[0].zero_grad)  # type: ignore[arg-type]
             else:
                 model(torch.randn(4, 8)).square().mean().backward()
                 for o in opts:
@@ -217,13 +221,22 @@ def _in_order(kind: str) -> Callable[[precprof.Profiler, nn.Module], None]:
     return loop
 
 
-@pytest.mark.parametrize("kind", ["plain", "two", "closure", "wrapped", "wrapper", "followed late"])
+@pytest.mark.parametrize(
+    "kind", ["plain", "two", "closure", "wrapped", "wrapper", "followed late", "skipped batch"]
+)
 def test_a_loop_in_order_is_said_nothing(kind: str) -> None:
     """Each loop in order (``_in_order``): no warning, an empty ``loop_order``; an optimizer that wraps the one
-    followed, or runs inside its step, is that one's step, not one the Profiler was not given."""
+    followed, or runs inside its step, is that one's step, not one the Profiler was not given. A skipped batch's
+    step on no gradient was said to be "SGD stepped before the model's forward ... the step before's update"
+    (tester h74): it updated nothing, and its rows say so (``calls`` 0: left out of the update-to-weight
+    ratio)."""
     prof, said = _run(_in_order(kind), sample_every=1)
     assert said == []
     assert prof.summary()["loop_order"] == {}
+    if kind in ("plain", "skipped batch"):
+        updates = prof.tables()["layers"].query(f"{T.TENSOR} == '{T.WEIGHT_UPDATE}'")
+        calls = updates.groupby(T.STEP)[T.CALLS].max().tolist()
+        assert calls == ([1, 1, 0, 1] if kind == "skipped batch" else [1] * 4)
     # the hooks on every optimizer's step are a sampled step's: none left once detached
     assert (
         not optimizer_module._global_optimizer_pre_hooks and not optimizer_module._global_optimizer_post_hooks

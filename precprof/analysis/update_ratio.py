@@ -14,7 +14,9 @@ module's parameters was nan or inf (its weights became non-finite, or were alrea
 sums hold its finite updates alone, and a layer whose every update was nan read as one whose update was 0
 (``nonfinite_steps`` counts those steps). A parameter whose learning rate was 0 on the step (a warmup from 0, a
 param group frozen by ``lr=0``: its row's ``calls``, the optimizer steps that updated it, is 0) made no update:
-it is left out, as the lost-update counts leave it out, rather than read as a layer that barely trains.
+it is left out, as the lost-update counts leave it out, rather than read as a layer that barely trains. So is a
+parameter that had no gradient at the optimizer's step (a batch the loop skipped, Lightning's ``training_step``
+returning None: the optimizer stepped on no gradient and moved nothing; ``capture/update_steps.py``).
 
 Pure pandas over the layers table; nothing here reads torch.
 """

@@ -243,8 +243,9 @@ class GradientReads:
         # optimizer.step()) reads the gradients of the backward that follows
         self._optimizer_stepped = True
         # before the step's forward: a loop that calls prof.step() before optimizer.step() (with a closure, the
-        # forward ran inside the step, before this hook)
-        self.loop.followed_stepped(optimizer, self._trained_by_now())
+        # forward ran inside the step, before this hook); on no gradient at all, a skipped batch (host only)
+        applied = any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
+        self.loop.followed_stepped(optimizer, self._trained_by_now(), applied)
         self._attempts.stepped()  # (what the step read so far trained: never forgotten)
         rows, calls = self._grad_row_of, self.rows.calls
         self._stepped.update(
@@ -253,7 +254,7 @@ class GradientReads:
             for p in g["params"]
             if (r := rows.get(id(p), -1)) >= 0 and calls[r] > 0
         )
-        if self.updates is not None and self.updates.after_step(k):
+        if self.updates is not None and self.updates.after_step(k, optimizer):
             self.has_data = True
         return None
 

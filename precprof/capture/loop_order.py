@@ -12,6 +12,11 @@ should, but its rows were silently wrong:
 - ``prof.step()`` called before ``optimizer.step()``: every weight-update row was the step before's update, and
   detach made a last step of that update alone.
 
+An optimizer step on no gradient at all before the step's forward is none of these: a batch the loop skipped
+(Lightning's automatic optimization steps the optimizer after a ``training_step`` that returned None, its closure
+zeroing the gradients and running no backward), which updated nothing (torch's optimizers skip a parameter
+without a gradient, and ``capture/update_steps.py`` leaves its row out of the update-to-weight ratio).
+
 On a sampled step the hooks note which optimizers stepped, how often, and whether the model's forward had run by
 then; an optimizer the Profiler does not follow is seen through torch's global optimizer hooks, in place only
 while a sampled step's hooks are (nothing on a step that is not sampled; host only, no sync). At the step's end
@@ -87,13 +92,15 @@ class LoopOrder:
         """A followed optimizer's step begins (its own pre-hook)."""
         self._inside += 1
 
-    def followed_stepped(self, optimizer: Any, after_forward: bool) -> None:
-        """A followed optimizer stepped (its own post-hook); ``after_forward``: the step's forward had run."""
+    def followed_stepped(self, optimizer: Any, after_forward: bool, applied: bool = True) -> None:
+        """A followed optimizer stepped (its own post-hook); ``after_forward``: the step's forward had run;
+        ``applied``: one of its parameters had a gradient (none: a skipped batch's step, which updated nothing and
+        is no step before's update)."""
         self._inside = max(self._inside - 1, 0)
         self._followed_steps += 1
         key = id(optimizer)
         self._steps_of[key] = self._steps_of.get(key, 0) + 1
-        self._before_forward = self._before_forward or not after_forward
+        self._before_forward = self._before_forward or (applied and not after_forward)
 
     def followed_now(self, optimizers: Sequence[Any]) -> None:
         """``prof.use_optimizer`` before the step ended: what those optimizers stepped in it is no fault (Lightning's

@@ -1,9 +1,13 @@
 """Which of a sampled step's optimizer steps updated each tracked parameter: a step whose param group's learning
-rate was 0 (a warmup from 0, a group frozen by ``lr=0``) moves none of its parameters and intends nothing.
+rate was 0 (a warmup from 0, a group frozen by ``lr=0``) moves none of its parameters and intends nothing, and
+torch's optimizers skip a parameter that has no gradient at their step (a batch the loop skipped: Lightning's
+``training_step`` returning None steps the optimizer after a ``zero_grad`` and no backward; a layer the step's
+forward did not reach under ``zero_grad(set_to_none=True)``).
 
-The ``weight_update`` rows' ``calls`` are these counts: the optimizer steps with a nonzero learning rate that the
-row's update adds up (0: the row's parameter was idle on every one of them, and its update-to-weight ratio of 0
-says nothing of how the layer trains). Read on the host from the param groups, in the optimizer's pre-hook of a
+The ``weight_update`` rows' ``calls`` are these counts: the optimizer steps with a nonzero learning rate and a
+gradient that the row's update adds up (0: the row's parameter was idle on every one of them, and its
+update-to-weight ratio of 0 says nothing of how the layer trains). Read on the host from the param groups (the
+learning rate in the optimizer's pre-hook, the gradients in its post-hook, once a closure has made them) of a
 sampled step: nothing on an unsampled step, no sync.
 """
 
@@ -32,6 +36,14 @@ def idle_params(optimizer: Any) -> set[int]:
     return idle
 
 
+def without_gradient(optimizer: Any) -> set[int]:
+    """The ids of ``optimizer``'s parameters that have no gradient now (``p.grad is None``; host only): read after
+    its step, those it skipped."""
+    return {
+        id(p) for group in getattr(optimizer, "param_groups", ()) for p in group["params"] if p.grad is None
+    }
+
+
 class OptimizerSteps:
     """Per tracked parameter (in the sampler's order), the sampled step's optimizer steps that updated it."""
 
@@ -44,7 +56,8 @@ class OptimizerSteps:
         self.counts[:] = 0
 
     def step(self, k: int, idle: set[int]) -> None:
-        """Optimizer ``k`` steps, its parameters in ``idle`` (ids) with a learning rate of 0."""
+        """Optimizer ``k`` stepped, its parameters in ``idle`` (ids) not updated (a learning rate of 0, no
+        gradient)."""
         self.counts[self._owners == k] += 1
         for pid in idle:
             i = self._at.get(pid)

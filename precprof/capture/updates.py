@@ -403,6 +403,9 @@ class UpdateSampler:
         # the optimizer (an index) whose step moves each tracked parameter: its groups are read in its hooks
         self._owners = list(owners) or [0] * len(tracked)
         self._steps = update_steps.OptimizerSteps([ps.tensor for ps in tracked], self._owners)
+        self._lr_idle: dict[
+            int, set[int]
+        ] = {}  # per optimizer in its step: its parameters at a learning rate of 0
         self._group_owner: list[int] = []
         self._update_idx = np.array([ps.update_index for ps in tracked], dtype=np.int64)
         # the last named columns of ``columns``: (kept, order, module types, dtypes, columns)
@@ -445,6 +448,7 @@ class UpdateSampler:
             g.counts.zero_()
             update_sizes.reset(g.sizes)
         self._steps.reset()
+        self._lr_idle.clear()
         self._counted = False
 
     def _follow_groups(self) -> None:
@@ -471,8 +475,7 @@ class UpdateSampler:
         sync)."""
         self._follow_groups()
         self._regroup()
-        idle = update_steps.idle_params(optimizer)
-        self._steps.step(k, idle)
+        idle = self._lr_idle[k] = update_steps.idle_params(optimizer)
         for g, owner in zip(self._groups, self._group_owner, strict=True):
             if owner == k:
                 g.read_before(idle)
@@ -486,8 +489,13 @@ class UpdateSampler:
                 g.read_intent(idle)
 
     @torch.no_grad()
-    def after_step(self, k: int = 0) -> bool:
-        """Classify the updates of optimizer ``k``'s step just taken; False when ``before_step`` did not run."""
+    def after_step(self, k: int = 0, optimizer: Any = None) -> bool:
+        """Classify the updates of optimizer ``k``'s step just taken, and count the step for the parameters it
+        updated (``update_steps``: not those at a learning rate of 0 or without a gradient, which it skipped);
+        False when ``before_step`` did not run."""
+        idle = self._lr_idle.pop(k, None)
+        if idle is not None:
+            self._steps.step(k, idle | update_steps.without_gradient(optimizer))
         done = [g.classify() for g, owner in zip(self._groups, self._group_owner, strict=True) if owner == k]
         self._counted = True
         for ps, owner, why in self._unsampled:
@@ -550,7 +558,7 @@ class UpdateSampler:
                 T.STEP: np.full(n, step, dtype=np.int64),
                 T.CALLS: self._steps.counts[
                     keep
-                ],  # optimizer steps with a nonzero learning rate (update_steps)
+                ],  # optimizer steps with a nonzero learning rate and a gradient (update_steps)
                 T.NUMEL: c[keep, 0].copy(),
                 T.ZEROS: c[keep, 1].copy(),
                 T.LOST_UPDATE_BF16: c[keep, 2].copy(),
