@@ -21,7 +21,11 @@ from cast_counts import CastCounts  # noqa: E402
 
 from precprof import tables as T  # noqa: E402
 from precprof.analysis import update_ratio  # noqa: E402
-from precprof.integrations.lightning import PrecprofCallback, precprof_precision  # noqa: E402
+from precprof.integrations.lightning import (  # noqa: E402
+    TOKENS_UNKNOWN,
+    PrecprofCallback,
+    precprof_precision,
+)
 from precprof.rundir import RunDirError  # noqa: E402
 
 VOCAB, SEQ, BATCH, HID = 32, 8, 4, 16
@@ -315,6 +319,73 @@ def test_bf16_true_rounds_rotary_frequencies_and_the_remedy_keeps_them(
     assert f["modules"] == ["model.model.rotary_emb"]
     assert 'Lightning\'s precision="bf16-true" casts the whole module' in f["remedy"]
     assert "on_fit_start" in f["remedy"] and "type(m)(m.config)" in f["remedy"]
+
+
+class _Sliced(nn.Module):
+    """The net fed the first T ids of a (B, T + 1) block it is given whole: the ids it looks up are made inside."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, block: torch.Tensor) -> torch.Tensor:
+        return self.net(block[:, :-1])  # type: ignore[no-any-return]
+
+
+class CompiledBlockLM(TinyLM):
+    """(B, T + 1) blocks of ids; the model a compiled submodule (``self.fwd``, Dynamo's "eager" backend) fed the
+    first T (``inside=False``), or fed the whole block, slicing it inside the compiled code (``inside=True``)."""
+
+    def __init__(self, inside: bool) -> None:
+        super().__init__()
+        self.inside = inside
+        self.fwd = torch.compile(_Sliced(self.net) if inside else self.net, backend="eager")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = self.fwd(batch if self.inside else batch[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_tokens_of_a_model_compiled_before_the_fit_are_the_ids_fed_or_unknown(
+    tmp_path: Path, inside: bool
+) -> None:
+    """A model whose compiled graph was made before the fit (its forward run once, as a notebook's earlier cell
+    does): Dynamo does not guard on module hooks, so the callback's embedding hook ran on the sampled (eager)
+    steps alone, and the compiled steps counted the whole batch, targets too: 4 x 9 ids for the 4 x 8 fed,
+    tokens/s 1/8 too high (tester h74). Now they count the compiled wrapper's input that the embedding looked
+    up on the eager steps; where the ids are made inside the compiled code, no input outside says how many, and
+    the steps' tokens are unknown, said once and in ``capture.tokens_unknown``, never the batch's."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    blocks = torch.randint(0, VOCAB, (4 * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    module = CompiledBlockLM(inside)
+    module.fwd(blocks[:BATCH] if inside else blocks[:BATCH, :-1])  # compiled, before the callback's hook
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=2, report=False, memory=False)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_trainer(tmp_path, cb, max_steps=4).fit(module, torch.utils.data.DataLoader(blocks, BATCH))
+    finally:
+        torch._dynamo.reset()
+    said = [str(w.message) for w in caught if "tokens" in str(w.message) and "precprof" in str(w.message)]
+    steps = T.read_tables(cb.run_dir)["steps"]
+    assert steps[T.SAMPLED].tolist() == [True, False, True, False]
+    unknown = T.read_summary(cb.run_dir)[T.SUMMARY_CAPTURE].get("tokens_unknown")
+    if not inside:
+        assert steps[T.TOKENS].tolist() == [BATCH * SEQ] * 4
+        assert not said and unknown is None
+        return
+    assert steps[T.TOKENS][[0, 2]].tolist() == [BATCH * SEQ] * 2
+    assert steps[T.TOKENS][[1, 3]].isna().all()
+    assert said == [f"precprof: the tokens of step 1 are not known: {TOKENS_UNKNOWN}"]
+    assert unknown == {"first_step": 1, "steps": 2, "why": TOKENS_UNKNOWN}
+    if importlib.util.find_spec("precprof.report.render") is not None:  # and the report's headline says so
+        from precprof.report.context import _headline
+
+        head = dict(_headline(T.read_summary(cb.run_dir), steps, pd.DataFrame()))
+        assert head["tokens not known"] == f"on 2 steps from step 1: {TOKENS_UNKNOWN}"
 
 
 class TwoOptimizerLM(TinyLM):

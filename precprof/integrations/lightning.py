@@ -24,7 +24,10 @@ Tokens: the token ids the model looked up, i.e. the input of its token embedding
 most rows, not a position embedding) at its first call in the micro-batch: what ``training_step`` fed the model,
 not the batch, which often holds the targets as well (a ``(B, T + 1)`` block of ids sliced into inputs and
 targets in ``training_step`` holds ``B`` ids more than were fed). A model without an embedding: the batch's first
-integer tensor.
+integer tensor. Under torch.compile, a graph compiled before the callback's hook was added runs without it: such
+steps count the input outside the graph that the embedding looked up on an eager step, or, where there is none,
+their tokens are not known (said once, and in the summary's ``capture.tokens_unknown``), never the batch's
+(``precprof.integrations.fed_tokens``).
 
 Resuming (``trainer.fit(..., ckpt_path=...)``): the callback keeps the step it goes on from in the checkpoints
 Lightning saves (``checkpoint["precprof"]``), so that a resumed fit numbers its steps on from the checkpoint's,
@@ -44,17 +47,19 @@ writes (``precprof.capture.reducer``); the wrapper is described from ``trainer.s
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from precprof import _compat
 from precprof import tables as T
 from precprof.errors import MissingDependencyError
 from precprof.export.wandb import beside_trainer, wandb_module
-from precprof.integrations._common import LIGHTNING_PRECISIONS, Session, first_token_count, model_info
+from precprof.integrations._common import LIGHTNING_PRECISIONS, Session, model_info
+from precprof.integrations.fed_tokens import UNKNOWN, FedTokens
+from precprof.integrations.fed_tokens import token_embedding as token_embedding  # (its home before)
 
 try:
     from lightning.pytorch import Callback
@@ -68,22 +73,18 @@ except ImportError:  # the standalone package name
 
 
 CHECKPOINT_KEY = "precprof"  # the checkpoint's entry for the callback's step count
+# why a step's tokens are not known (``fed_tokens``), as the warning, the summary and the report say it
+TOKENS_UNKNOWN = (
+    "the model's token embedding ran inside a graph torch.compile made before precprof's hook was on it (a model "
+    "compiled earlier in the process), and the ids it looked up are no input seen outside that graph; such steps "
+    "are left out of tokens/s (call torch.compiler.reset() before trainer.fit to count them)"
+)
 
 
 def precprof_precision(lightning_precision: Any) -> str:
     """precprof's precision mode for a Lightning precision setting ("bf16-mixed" -> "bf16"; unknown: as given)."""
     key = str(lightning_precision)
     return LIGHTNING_PRECISIONS.get(key, key)
-
-
-def token_embedding(module: nn.Module) -> nn.Embedding | None:
-    """The model's token embedding: its ``nn.Embedding`` with the most rows (the vocabulary, larger than the
-    position or token-type tables), the first such in module order; None without an embedding."""
-    best: nn.Embedding | None = None
-    for m in module.modules():
-        if isinstance(m, nn.Embedding) and (best is None or m.num_embeddings > best.num_embeddings):
-            best = m
-    return best
 
 
 class PrecprofCallback(Callback):  # type: ignore[misc]
@@ -122,9 +123,11 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._last_global_step = 0
         self._loss_sum: torch.Tensor | None = None
         self._loss_batches = 0  # micro-batches of the step that returned a loss
-        self._tokens = 0
-        self._embedding_hook: Any = None
-        self._fed: int | None = None  # ids the token embedding looked up in this micro-batch (first call)
+        self._tokens: int | None = 0  # None: a micro-batch's fed ids are not known (``fed_tokens.UNKNOWN``)
+        self._fed = FedTokens()  # the ids each micro-batch fed the model's token embedding
+        self._tokens_unknown: dict[str, Any] | None = (
+            None  # the steps whose tokens are not known, for the summary
+        )
         self._start: tuple[Any, ...] | None = None  # the session's start, made at the first batch
         self._next_step: int | None = None  # the next optimizer step's number (saved in checkpoints)
         self._restored_step: int | None = None  # that step, as the checkpoint this fit resumes from saved it
@@ -202,10 +205,8 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
                 kwargs["wandb"] = beside_trainer(kwargs["wandb"])
             self._session = Session(out, kwargs, self.report)
         self._session.out = out
-        self._remove_embedding_hook()
-        embedding = token_embedding(pl_module)
-        if embedding is not None:
-            self._embedding_hook = _compat.register_uncopied(embedding, self._embedding_input, pre=True)
+        self._fed.attach(pl_module)
+        self._tokens_unknown = None
         wrapped = getattr(trainer.strategy, "model", None)
         self._last_global_step = int(trainer.global_step)
         self._next_step = None
@@ -220,17 +221,8 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             wrapped if wrapped is not None and wrapped is not pl_module else None,
         )
 
-    def _embedding_input(self, module: Any, args: Any) -> None:
-        if self._fed is None and module.training and args and isinstance(args[0], torch.Tensor):
-            self._fed = int(args[0].numel())
-
-    def _remove_embedding_hook(self) -> None:
-        if self._embedding_hook is not None:
-            self._embedding_hook.remove()
-            self._embedding_hook = None
-
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._fed = None
+        self._fed.begin(batch)
         start, self._start = self._start, None
         if start is not None and self._session is not None:
             module, optimizers, scaler, summary, wrapped = start
@@ -273,11 +265,11 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
             self._loss_batches += 1
             has_loss = True
-        fed, self._fed = self._fed, None
+        fed = self._fed.take(batch)
         # automatic optimization skips a batch whose training_step returned None (no backward): none of its
         # tokens were trained on. Manual optimization often returns nothing after its own backward.
-        if has_loss or not automatic:
-            self._tokens += (fed if fed is not None else first_token_count(batch)) or 0
+        if (has_loss or not automatic) and self._tokens is not None:
+            self._tokens = None if fed == UNKNOWN else self._tokens + (fed or 0)
         self._follow_optimizers(trainer)
         if int(trainer.global_step) == self._last_global_step:
             return  # gradient accumulation: no optimizer step yet
@@ -291,10 +283,22 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             norm = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if automatic else 1
             # the mean over the micro-batches that returned a loss: a skipped one added nothing to the gradient
             mean = self._loss_sum * (norm / self._loss_batches)
+        if self._tokens is None:
+            self._said_tokens_unknown()
         self._session.step(loss=mean, tokens=self._tokens or None)
         if self._next_step is not None:
             self._next_step += 1
         self._reset_step()
+
+    def _said_tokens_unknown(self) -> None:
+        """The step ending has a micro-batch whose fed ids are not known (``fed_tokens``): counted for the
+        summary's ``capture.tokens_unknown``, and said once a fit."""
+        step = self._next_step if self._next_step is not None else self._last_global_step
+        if self._tokens_unknown is not None:
+            self._tokens_unknown["steps"] += 1
+            return
+        self._tokens_unknown = {"first_step": step, "steps": 1, "why": TOKENS_UNKNOWN}
+        warnings.warn(f"precprof: the tokens of step {step} are not known: {TOKENS_UNKNOWN}", stacklevel=2)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if self._session is not None:
@@ -318,10 +322,12 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
 
     def finish(self, status: str = T.STATUS_COMPLETE, reason: str | None = None) -> Path | None:
         """End the run: remove the hooks and write the run directory and the report."""
-        self._remove_embedding_hook()
+        self._fed.remove()
         self._start = None
         if self._session is None:
             return None
+        if self._tokens_unknown is not None:
+            self._session.summary.setdefault(T.SUMMARY_CAPTURE, {})["tokens_unknown"] = self._tokens_unknown
         return self._session.finish(status, reason)
 
 

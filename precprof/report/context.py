@@ -255,6 +255,12 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
         out.append((f"tokens/s ({basis})", F.num(tp["tokens_per_s"])))
     elif final.get("tokens_per_s") is not None:
         out.append(("tokens/s", F.num(final["tokens_per_s"])))
+    # steps whose fed ids a framework callback could not know (Lightning's, under torch.compile), and why
+    unknown = (summary.get(T.SUMMARY_CAPTURE) or {}).get("tokens_unknown")
+    if isinstance(unknown, Mapping) and unknown.get("steps"):
+        n = int(unknown["steps"])
+        said = f"on {F.count(n)} step{'s' if n > 1 else ''} from step {unknown.get('first_step')}"
+        out.append(("tokens not known", f"{said}: {unknown.get('why') or ''}".rstrip(": ")))
     cost = tp["sampled_step_cost"]
     n_s, n_u = tp["steps_timed_sampled"], tp["steps_timed_unsampled"]
     overhead = _overhead(summary, tp)
