@@ -31,7 +31,7 @@ _CONFIG_SAID = _keys(
     "growth_interval static_scale plan fp8_layers tf32_matmul optimizer optimizer_class lr "
     "weight_decay grad_clip steps batch_size seq_len seed device device_requested data out "
     "sample_every progress refresh_every report command_line command cmdline argv distributed "
-    "world_size overwrite memory_estimate precisions"
+    "world_size overwrite memory_estimate precisions max_steps"
 )
 # capture keys said elsewhere on the page (precision check, memory, per-layer table) or internal bookkeeping
 _CAPTURE_SAID = _keys(
@@ -474,6 +474,8 @@ def config_rows(cfg: Mapping[str, Any], capture: Mapping[str, Any] | None = None
         )
     if cfg.get("steps") is not None:
         rows.append(("steps", F.count(cfg["steps"])))
+    if _max_steps(cfg):
+        rows.append(("max steps", _max_steps(cfg)))
     data = _data(cfg.get("data"))
     if data:
         rows.append(("data", data))
@@ -496,6 +498,24 @@ def config_rows(cfg: Mapping[str, Any], capture: Mapping[str, Any] | None = None
         rows.append(("run directory", str(cfg["out"])))
     rows += [(_label(k), F.plain(v)) for k, v in cfg.items() if k not in _CONFIG_SAID and not _empty(v)]
     return rows
+
+
+def _max_steps(cfg: Mapping[str, Any]) -> str:
+    """A framework's ``max_steps`` in words ("" without one): Lightning's counts every optimizer's step (its
+    ``global_step``, two a batch for a GAN's two optimizers), where precprof's steps are the batches that stepped,
+    so a GAN run's "max steps 6" stood beside "steps 3" unexplained; -1, Lightning's default, is no limit."""
+    n = _int(cfg.get("max_steps"))
+    if n is None:
+        return ""
+    if n < 0:
+        return "none (the epochs set the length)"
+    k = _int(cfg.get("optimizers")) or 1
+    if cfg.get("source") == "lightning.Trainer" and k > 1:
+        return (
+            f"{F.count(n)} (Lightning's count of optimizer steps, one per step of each of the {F.count(k)} "
+            "optimizers; precprof counts one step per batch)"
+        )
+    return F.count(n)
 
 
 def _engines(engine: Any) -> str:
