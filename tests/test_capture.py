@@ -1368,7 +1368,7 @@ def test_a_weights_update_sample_walks_through_its_columns() -> None:
     """A 256 x 256 weight sampled every 256th element read its first column alone (an embedding's first feature
     stood for all of them): the stride shares no factor with a row's length, so the 256 elements sampled (at most)
     fall in every column and every row; a vector and a tensor smaller than the sample keep theirs."""
-    from precprof.capture.updates import sample_stride
+    from precprof.capture.records import sample_stride
 
     for rows, cols in [(256, 256), (512, 768), (3072, 768), (50, 64)]:
         stride = sample_stride(rows * cols, 256, cols)

@@ -439,3 +439,14 @@ def input_keyword(module: nn.Module) -> str | None:
     if first is None or first.kind not in (first.POSITIONAL_OR_KEYWORD, first.KEYWORD_ONLY):
         return None
     return first.name
+
+
+def sample_stride(numel: int, per_param: int, row: int) -> int:
+    """The stride of a parameter's sample of at most ``per_param`` of its ``numel`` elements: the smallest one that
+    keeps within ``per_param`` and shares no factor with the length of a row (``row``, its last dimension), so that
+    the sample walks through every column rather than down a few of them (a 256 x 256 weight's stride of 256 read
+    its first column alone: an embedding's first feature, a weight whose columns differ, stood for all of it)."""
+    stride = max(1, -(-numel // per_param))
+    while stride > 1 and row > 1 and stride < numel and math.gcd(stride, row) != 1:
+        stride += 1
+    return stride

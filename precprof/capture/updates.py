@@ -28,7 +28,6 @@ a sampled step of many small parameters about 2 us per parameter.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -38,7 +37,7 @@ import torch
 from precprof import _compat
 from precprof import tables as T
 from precprof.capture import update_sizes, update_steps
-from precprof.capture.records import _local, _ParamSlot
+from precprof.capture.records import _local, _ParamSlot, sample_stride
 from precprof.capture.storage import dtype_name
 from precprof.stats import engine as _engine
 from precprof.stats import kernel as _cpu_kernel
@@ -340,17 +339,6 @@ def groups_key(optimizers: Sequence[Any]) -> tuple[tuple[int, int], ...]:
     """What changes when the optimizers' parameters do, read without a walk over them: each param group's list
     of parameters, by object and length (``add_param_group`` adds a group)."""
     return tuple((id(g["params"]), len(g["params"])) for o in optimizers for g in o.param_groups)
-
-
-def sample_stride(numel: int, per_param: int, row: int) -> int:
-    """The stride of a parameter's sample of at most ``per_param`` of its ``numel`` elements: the smallest one that
-    keeps within ``per_param`` and shares no factor with the length of a row (``row``, its last dimension), so that
-    the sample walks through every column rather than down a few of them (a 256 x 256 weight's stride of 256 read
-    its first column alone: an embedding's first feature, a weight whose columns differ, stood for all of it)."""
-    stride = max(1, -(-numel // per_param))
-    while stride > 1 and row > 1 and stride < numel and math.gcd(stride, row) != 1:
-        stride += 1
-    return stride
 
 
 class UpdateSampler:
