@@ -154,7 +154,10 @@ def test_a_budgeted_runs_sampling_in_words(tmp_path: Path) -> None:
         if min(n_s, n_u) >= 3
         else f"not measured ({n_s} sampled, {n_u} unsampled steps timed: 3 of each needed; budget 3%)"
     )
-    assert "a sampled step" not in cards  # its "cost not measured" said less
+    if (
+        min(n_s, n_u) < 3
+    ):  # its "cost not measured" said less; a loaded machine samples more steps, then it is
+        assert "a sampled step" not in cards  # measured (the sampler takes more steps when they cost less)
     # the environment's row keeps to the card's rule: it withholds the share the card withholds, and says why
     if min(n_s, n_u) >= 3:
         assert f" (they took {bound[0]}{F.pct(part)}; precprof in all {bound[0]}{F.pct(overhead)})" in sampled
