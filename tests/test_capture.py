@@ -17,6 +17,7 @@ from torch import nn
 import precprof
 from precprof import tables as T
 from precprof.capture.grad_reads import UNSCALED_UNREAD
+from precprof.capture.records import sample_stride
 from precprof.report import environment
 
 
@@ -1365,17 +1366,33 @@ def test_the_update_samples_gradient_flags_are_each_sampled_elements(case: str) 
 
 
 def test_a_weights_update_sample_walks_through_its_columns() -> None:
-    """A 256 x 256 weight sampled every 256th element read its first column alone (an embedding's first feature
-    stood for all of them): the stride shares no factor with a row's length, so the 256 elements sampled (at most)
-    fall in every column and every row; a vector and a tensor smaller than the sample keep theirs."""
-    from precprof.capture.records import sample_stride
-
-    for rows, cols in [(256, 256), (512, 768), (3072, 768), (50, 64)]:
-        stride = sample_stride(rows * cols, 256, cols)
-        index = torch.arange(0, rows * cols, stride)
-        assert len(index) <= 256 and stride >= -(-rows * cols // 256)
-        assert len(set((index % cols).tolist())) == min(len(index), cols), (rows, cols, stride)
-        assert len(set((index // cols).tolist())) >= min(len(index), rows) // 2, (rows, cols, stride)
+    """A 256 x 256 weight sampled every 256th element read its first column alone, and a stride one more read
+    column k at sample k: the first 256 columns of any wider weight (a bf16 Linear(1024, 256) whose first quarter
+    of inputs lost every update read 100% lost, reviewer h78). The sample spreads across every quarter of the row's
+    columns (every column where it has as many elements as a row), and across its rows; a vector and a tensor
+    smaller than the sample keep theirs."""
+    for rows, cols in [
+        (256, 256),
+        (256, 1024),
+        (768, 768),
+        (3072, 768),
+        (4096, 4096),
+        (50257, 768),
+        (16, 4096),
+        (50, 64),
+        (30, 40),
+        (128, 576),
+    ]:
+        n = rows * cols
+        stride = sample_stride(n, 256, cols)
+        index = torch.arange(0, n, stride)
+        col, row = index % cols, index // cols
+        assert len(index) <= 256 and stride >= -(-n // 256) and len(index) >= 128, (rows, cols, stride)
+        if len(index) >= cols:
+            assert len(set(col.tolist())) == cols, (rows, cols, stride)
+        quarters = torch.bincount(col * 4 // cols, minlength=4)
+        assert quarters.min() >= len(index) // 8, (rows, cols, stride, quarters)
+        assert len(set(row.tolist())) >= min(len(index), rows) // 2, (rows, cols, stride)
     assert sample_stride(300, 16, 1) == 19 and sample_stride(35, 16, 5) == 3 and sample_stride(3, 16, 3) == 1
 
 

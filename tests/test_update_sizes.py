@@ -42,11 +42,11 @@ def _model(dtype: torch.dtype) -> nn.Module:
 
 
 def _sample(p: torch.Tensor) -> torch.Tensor:
-    """The strided sample precprof reads (256 elements at most per parameter, the stride sharing no factor with a
-    row's length: 1200 = 30 x 40 elements, every 7th, 172 of them), as fp64 copies."""
+    """The strided sample precprof reads (256 elements at most per parameter; one as long as a row has every
+    column: 1200 = 30 x 40 elements, every 7th, 172 of them), as fp64 copies."""
     flat = p.detach().reshape(-1)
-    stride = -(-flat.numel() // 256)
-    while p.dim() > 1 and math.gcd(stride, p.shape[-1]) != 1:
+    stride, cols = -(-flat.numel() // 256), p.shape[-1] if p.dim() > 1 else 1
+    while len({i % cols for i in range(0, flat.numel(), stride)}) < cols:
         stride += 1
     return flat[::stride].double().clone()
 

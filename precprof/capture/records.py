@@ -442,11 +442,28 @@ def input_keyword(module: nn.Module) -> str | None:
 
 
 def sample_stride(numel: int, per_param: int, row: int) -> int:
-    """The stride of a parameter's sample of at most ``per_param`` of its ``numel`` elements: the smallest one that
-    keeps within ``per_param`` and shares no factor with the length of a row (``row``, its last dimension), so that
-    the sample walks through every column rather than down a few of them (a 256 x 256 weight's stride of 256 read
-    its first column alone: an embedding's first feature, a weight whose columns differ, stood for all of it)."""
-    stride = max(1, -(-numel // per_param))
-    while stride > 1 and row > 1 and stride < numel and math.gcd(stride, row) != 1:
-        stride += 1
-    return stride
+    """The stride of a parameter's sample of at most ``per_param`` of its ``numel`` elements, whose rows (its
+    elements along dimension 0: a weight's output features) are ``row`` long: the smallest stride that keeps within
+    ``per_param`` and spreads the sample across the columns. Every column when the sample has as many elements as
+    a row; else no gap between sampled columns over 2.5 times an even spread's (a 256 x 256 weight's stride of 256
+    read its first column alone, and the stride one more, 257, read column k at sample k: the first 256 columns of
+    any wider weight, a 768 x 768 one's first third; an embedding's first features, or a weight whose columns differ,
+    stood for all of it). The sample's elements are every stride-th one: rows follow evenly. Made once per
+    parameter, at attach (a few candidates, each one pass over at most ``per_param`` indices)."""
+    base = max(1, -(-numel // per_param))
+    if row <= 1 or base >= numel:
+        return base
+    best, best_gap = base, math.inf
+    for stride in range(base, base + min(row, 4096) + 1):
+        k = -(-numel // stride)
+        cols = np.unique(np.arange(k, dtype=np.int64) * stride % row)
+        if k >= row:  # a sample as long as a row: every column
+            if len(cols) == row:
+                return stride
+            continue
+        gap = float(np.diff(np.append(cols, cols[0] + row)).max()) * k / row  # 1: an even spread
+        if gap <= 2.5:
+            return stride
+        if gap < best_gap:
+            best, best_gap = stride, gap
+    return best

@@ -384,7 +384,8 @@ class UpdateSampler:
             # (FSDP1's padding at the end of a rank's shard is left out: it is never updated)
             local = _local(ps.tensor.detach())
             n = local.numel() - _compat.shard_padding(ps.tensor)
-            ps.sample_stride = sample_stride(n, self.per_param, local.shape[-1] if local.dim() > 1 else 1)
+            row = n // local.shape[0] if local.dim() > 1 and local.shape[0] > 0 else 1  # (dim 0: its rows)
+            ps.sample_stride = sample_stride(n, self.per_param, row)
             ps.sample_len = len(range(0, n, ps.sample_stride))
             ps.update_index = i
         self.tracked = tracked
