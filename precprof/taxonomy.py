@@ -339,6 +339,10 @@ def float32_matmul_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
 # the module types whose matmuls run in FP8: torchao's float8 training layer (convert_to_float8_training swaps
 # nn.Linear for it). Transformer Engine's te.Linear is named "Linear", like nn.Linear: its type says nothing.
 FP8_MODULE_TYPES: frozenset[str] = frozenset({"Float8Linear"})
+# the weight types of torchao's float8 training applied by ``quantize_(model, Float8TrainingOpConfig(...))``: the
+# ``nn.Linear`` stays, its weight (and bias) becomes a tensor subclass whose matmuls cast their operands to FP8 as a
+# ``Float8Linear``'s do (its ``config`` holds the recipe, a ``Float8LinearConfig`` within)
+FP8_WEIGHT_TYPES: frozenset[str] = frozenset({"Float8TrainingWeightWrapperTensor"})
 # the module types whose matmuls run in a block-scaled format: torchao's MX training layers (0.18's
 # ``MXFP8Linear`` of ``torchao.prototype.moe_training``, earlier releases' ``MXLinear``), each GEMM quantising its
 # operands in blocks of 32 values with one power-of-two scale each, and 0.18's ``NVFP4Linear`` (``quantize_`` with
@@ -351,11 +355,13 @@ BLOCK_MODULE_TYPES: frozenset[str] = frozenset({"MXFP8Linear", "MXLinear", "NVFP
 BLOCK_WEIGHT_TYPES: frozenset[str] = frozenset({"MXFP8TrainingWeightWrapperTensor"})
 
 
-def fp8_linear_layers(layers: pd.DataFrame) -> tuple[list[str], int]:
-    """(linear layers whose module type runs its GEMMs in FP8, how many linear layers there were), from the
-    layers table's module types: what confirms that an fp8 run's FP8 GEMMs ran, which the dtypes cannot (a
-    Float8Linear's output is bf16 under autocast, as a bf16 layer's)."""
-    return _linear_layers_of(layers, FP8_MODULE_TYPES)
+def fp8_linear_layers(layers: pd.DataFrame, recorded: Collection[str] = ()) -> tuple[list[str], int]:
+    """(linear layers whose module type runs its GEMMs in FP8, or that the capture recorded as running an FP8
+    recipe (``recorded``: the layers of ``capture.fp8_recipe``, an ``nn.Linear`` whose weight torchao's
+    ``quantize_`` made an FP8 training weight among them), how many linear layers there were), from the layers
+    table: what confirms that an fp8 run's FP8 GEMMs ran, which the dtypes cannot (a Float8Linear's output is
+    bf16 under autocast, as a bf16 layer's)."""
+    return _linear_layers_of(layers, FP8_MODULE_TYPES, recorded)
 
 
 def block_linear_layers(layers: pd.DataFrame, recorded: Collection[str] = ()) -> tuple[list[str], int]:

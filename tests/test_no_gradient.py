@@ -7,6 +7,7 @@ gradients read by the tests' own code after each backward."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 from html import unescape
 from pathlib import Path
@@ -45,12 +46,14 @@ def _train(
     warmup: int = 0,
     lrs: list[float] | None = None,
     starts: dict[str, int] | None = None,
+    profiled: bool = True,
 ) -> tuple[precprof.Profiler, list[dict[str, int]]]:
     """``steps`` sampled steps under bf16 autocast with AdamW on random (in, out) = ``dims`` data, the loss
     weighted by ``weight``, the learning rate rising linearly from 0 over ``warmup`` steps where given (the HF
     Trainer's warmup), the modules (or parameters) in ``starts`` in a param group of their own whose learning
     rate is 0 before the step given; returns the Profiler and, per step, the nonzero values of each trained layer's weight
-    gradient as backward left it (read before the optimizer steps). ``lrs`` gets each step's learning rate."""
+    gradient as backward left it (read before the optimizer steps). ``lrs`` gets each step's learning rate. Without
+    ``profiled`` the same loop runs with the Profiler neither attached nor stepped."""
     torch.manual_seed(0)
     starts = starts or {}
     named = dict(model.named_parameters())
@@ -66,7 +69,7 @@ def _train(
     )
     prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
     nonzero: list[dict[str, int]] = []
-    with prof:
+    with prof if profiled else contextlib.nullcontext():
         for _ in range(steps):
             x, y = torch.randn(64, dims[0]), torch.randn(64, dims[1])
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -84,7 +87,8 @@ def _train(
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            prof.step(loss=loss.detach())
+            if profiled:
+                prof.step(loss=loss.detach())
     return prof, nonzero
 
 
@@ -290,9 +294,11 @@ def test_a_healthy_run_has_no_layer_without_a_gradient() -> None:
     assert precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient") is None
 
 
-def _fp8_mlp(convert: bool) -> tuple[nn.Module, list[torch.Tensor]]:
-    """The 3-layer MLP of the torchao run, converted with convert_to_float8_training where ``convert``; and the
-    list its last layer's output gradients go to (the test's own hook)."""
+def _fp8_mlp(convert: bool, quantize: bool = False) -> tuple[nn.Module, list[torch.Tensor]]:
+    """The 3-layer MLP of the torchao run, converted with convert_to_float8_training where ``convert``, its
+    weights made torchao's FP8 training weights by ``quantize_(model, Float8TrainingOpConfig())`` (torchao 0.18's
+    rowwise recipe; the modules stay nn.Linear) where ``quantize``; and the list its last layer's output gradients
+    go to (the test's own hook)."""
     float8 = pytest.importorskip("torchao.float8")
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -300,6 +306,9 @@ def _fp8_mlp(convert: bool) -> tuple[nn.Module, list[torch.Tensor]]:
     )
     if convert:
         float8.convert_to_float8_training(model)
+    if quantize:
+        config = pytest.importorskip("torchao.prototype.moe_training.config")
+        pytest.importorskip("torchao.quantization").quantize_(model, config.Float8TrainingOpConfig())
     grads: list[torch.Tensor] = []
     model[4].register_full_backward_hook(lambda m, gi, go: grads.append(go[0].detach().float().clone()))
     return model, grads
@@ -330,6 +339,54 @@ def test_a_torchao_fp8_run_whose_casts_flushed_every_gradient_says_no_gradient_r
     assert "FP8 flushed them: the output gradient of 4 (torchao Float8Linear) never exceeded" in f.message
     assert "the gradient it passed back was zero too, which left 0, 2 without one" in f.message
     assert "leave them out of convert_to_float8_training" in f.remedy
+
+
+def test_a_run_whose_weights_quantize_made_fp8_reads_as_fp8_with_its_layers() -> None:
+    """``quantize_(model, Float8TrainingOpConfig())`` keeps each nn.Linear and wraps its weight in torchao's
+    Float8TrainingWeightWrapperTensor, whose matmuls cast to FP8 as a Float8Linear's do: such a run read as bf16
+    (the precision check without a word of FP8, "FP8 did not run" where fp8 was asked for), its FP8 eligibility
+    without its layers' rowwise recipe, and no_gradient found no FP8 cause for the gradients the recipe's e4m3
+    casts flushed. The run reads as fp8, names its layers and their recipe, and the Profiler leaves its training
+    bitwise as it is."""
+    summarize = pytest.importorskip("precprof.report.summarize")
+    model, _ = _fp8_mlp(convert=False, quantize=True)
+    assert [type(m.weight).__name__ for m in model[::2]] == ["Float8TrainingWeightWrapperTensor"] * 3
+    assert [type(m).__name__ for m in model[::2]] == ["Linear"] * 3
+    prof, nonzero = _train(model, dims=(32, 16), weight=1e-20, steps=2)
+    assert all(n == 0 for step in nonzero for n in step.values())
+    bare, _ = _fp8_mlp(convert=False, quantize=True)
+    _train(bare, dims=(32, 16), weight=1e-20, steps=2, profiled=False)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), bare.parameters(), strict=True))
+    capture = prof.summary()
+    assert capture["precision_seen"] == "fp8"
+    (recipe,) = capture["fp8_recipe"]
+    assert recipe["layers"] == ["0", "2", "4"] and recipe["scaling"] == "rowwise"
+    assert (recipe["module_type"], recipe["weight_type"]) == ("Linear", "Float8TrainingWeightWrapperTensor")
+    assert recipe["casts"]["grad_output"]["dtype"] == "float8_e4m3fn" and recipe["round_scales_to_power_of_2"]
+    for summary in ({"capture": capture}, {"capture": capture, "config": {"precision": "fp8"}}):
+        check = summarize.precision_check(prof.tables()["layers"], prof.tables()["memory"], summary)
+        assert check["ok"] and check["banner"] == "" and "Float8Linear" not in check["verdict"]
+        assert (
+            "FP8 GEMMs ran: 3 of 3 linear layers are nn.Linear with torchao's Float8TrainingWeightWrapperTensor "
+            "weight (quantize_)" in check["verdict"]
+        )
+    rec = precprof.recommend(prof, hardware="h100", config=ALL)
+    f = rec.finding("no_gradient")
+    assert f is not None and f.modules == ["0", "2", "4"] and f.numbers["fp8_flushed_layers"] == 3
+    assert (
+        "FP8 flushed them: the output gradient of 4 (nn.Linear with torchao's FP8 training weight (quantize_)) "
+        "never exceeded" in f.message
+    )
+    assert "the FP8 E4M3 cast of its backward" in f.message
+    assert (
+        "the output gradient of every nn.Linear with torchao's FP8 training weight (quantize_) exceeds"
+        in (f.remedy)
+    )
+    assert "leave them out of quantize_ with filter_fn" in f.remedy
+    eligibility = rec.finding("fp8_eligibility")
+    assert (
+        eligibility is not None and "3 layer(s) (0, 2, 4) ran torchao's rowwise recipe" in eligibility.message
+    )
 
 
 def test_the_same_run_in_bf16_gets_its_gradients() -> None:

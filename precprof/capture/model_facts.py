@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from precprof import _compat
-from precprof.taxonomy import BLOCK_MODULE_TYPES, BLOCK_WEIGHT_TYPES, FP8_MODULE_TYPES
+from precprof.taxonomy import BLOCK_MODULE_TYPES, BLOCK_WEIGHT_TYPES, FP8_MODULE_TYPES, FP8_WEIGHT_TYPES
 
 _ROUNDING_READ_MAX = 1 << 26  # elements: a larger 16-bit buffer is listed without reading its values
 
@@ -68,13 +68,34 @@ def low_precision_buffers(model: nn.Module) -> list[dict[str, Any]]:
 
 
 def fp8_emulated(model: nn.Module) -> int:
-    """How many of the model's torchao Float8Linear layers emulate FP8 (``Float8LinearConfig(emulate=True)``:
-    the casts to FP8 are real, the matmuls run in high precision)."""
-    return sum(
-        bool(getattr(getattr(m, "config", None), "emulate", False))
-        for m in model.modules()
-        if type(m).__name__ == "Float8Linear"
-    )
+    """How many of the model's torchao FP8 training layers (``runs_fp8``) emulate FP8
+    (``Float8LinearConfig(emulate=True)``: the casts to FP8 are real, the matmuls run in high precision)."""
+    return sum(bool(getattr(_fp8_config(m), "emulate", False)) for m in model.modules() if runs_fp8(m))
+
+
+def _own_weight(module: nn.Module, types: frozenset[str]) -> torch.Tensor | None:
+    """The module's own weight when its type's name is one of ``types`` (a torchao training weight ``quantize_``
+    wrapped an nn.Linear's weight in, the module kept), else None. Read by name: torchao need not be imported."""
+    weight = dict(module.named_parameters(recurse=False)).get("weight")
+    return weight if type(weight).__name__ in types else None
+
+
+def runs_fp8(module: nn.Module) -> bool:
+    """Whether the module's GEMMs run torchao's FP8 training: a Float8Linear (``taxonomy.FP8_MODULE_TYPES``), or a
+    layer whose weight ``quantize_(model, Float8TrainingOpConfig(...))`` made an FP8 training weight
+    (``taxonomy.FP8_WEIGHT_TYPES``)."""
+    return type(module).__name__ in FP8_MODULE_TYPES or _own_weight(module, FP8_WEIGHT_TYPES) is not None
+
+
+def _fp8_config(module: nn.Module) -> Any:
+    """The ``Float8LinearConfig`` an FP8 training layer runs: a Float8Linear's ``config``; for an nn.Linear whose
+    weight ``quantize_`` wrapped, the one its weight's ``Float8TrainingOpConfig`` builds from its recipe name
+    (``_float8_linear_config``), else that config itself (read as far as it has the attributes)."""
+    weight = _own_weight(module, FP8_WEIGHT_TYPES)
+    if weight is None:
+        return getattr(module, "config", None)
+    config = getattr(weight, "config", None)
+    return getattr(config, "_float8_linear_config", config)
 
 
 # the recipe every FP8 what-if assumes (``analysis.current_scaling``), whatever recipe the run's layers ran
@@ -128,14 +149,21 @@ def fp8_recipe_of(config: Any) -> dict[str, Any]:
 
 
 def fp8_recipes(model: nn.Module) -> list[dict[str, Any]]:
-    """The FP8 recipes the model's torchao Float8Linear layers run, each once with the layers that run it
-    (``layers``, by the capture's names): what ``fp8_recipe_of`` reads of their ``config``. [] when none is a
-    Float8Linear."""
-    return _recipes(
-        model,
-        lambda m: type(m).__name__ == "Float8Linear",
-        lambda m: fp8_recipe_of(getattr(m, "config", None)),
-    )
+    """The FP8 recipes the model's torchao FP8 training layers run (``runs_fp8``), each once with the layers that
+    run it (``layers``, by the capture's names): what ``fp8_recipe_of`` reads of their ``config``; for an
+    nn.Linear whose weight ``quantize_`` made an FP8 training weight, with ``module_type`` and ``weight_type``
+    naming them. [] when none runs FP8."""
+    return _recipes(model, runs_fp8, _fp8_recipe_of_layer)
+
+
+def _fp8_recipe_of_layer(module: nn.Module) -> dict[str, Any]:
+    """``fp8_recipe_of`` the FP8 training layer's config, its module's and weight's types added for a layer
+    ``quantize_`` left an nn.Linear (a Float8Linear's recipe names no type, as runs before these did)."""
+    weight = _own_weight(module, FP8_WEIGHT_TYPES)
+    recipe = fp8_recipe_of(_fp8_config(module))
+    if weight is None:
+        return recipe
+    return {**recipe, "module_type": type(module).__name__, "weight_type": type(weight).__name__}
 
 
 def _recipes(
@@ -171,8 +199,7 @@ def _block_weight(module: nn.Module) -> torch.Tensor | None:
     """The module's own weight when it is one of torchao's MX training weights (``taxonomy.BLOCK_WEIGHT_TYPES``:
     ``quantize_`` wraps an nn.Linear's weight in one and keeps the module), else None. Read by its type's name:
     torchao need not be imported."""
-    weight = dict(module.named_parameters(recurse=False)).get("weight")
-    return weight if type(weight).__name__ in BLOCK_WEIGHT_TYPES else None
+    return _own_weight(module, BLOCK_WEIGHT_TYPES)
 
 
 def runs_block_format(module: nn.Module) -> bool:
@@ -228,10 +255,11 @@ def block_recipes(model: nn.Module) -> list[dict[str, Any]]:
 
 
 def low_precision_linear(model: nn.Module) -> str | None:
-    """The precision the model's torchao training layers run their GEMMs in: "fp8" with a Float8Linear, else the
-    MX formats of its MX layers ("mxfp8"; "mxfp8+mxfp4" for two), else None."""
+    """The precision the model's torchao training layers run their GEMMs in: "fp8" with an FP8 training layer (a
+    Float8Linear, or an nn.Linear whose weight ``quantize_`` made an FP8 training weight), else the MX formats of
+    its MX layers ("mxfp8"; "mxfp8+mxfp4" for two), else None."""
     modules = list(model.modules())
-    if any(type(m).__name__ in FP8_MODULE_TYPES for m in modules):
+    if any(runs_fp8(m) for m in modules):
         return "fp8"
     formats = {block_recipe_of(m)["format"] for m in modules if runs_block_format(m)}
     return "+".join(sorted(formats)) or None

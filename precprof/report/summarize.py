@@ -454,7 +454,11 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     requested = requested_precision(summary)
     # "mxfp8" holds "fp8", and asks nothing of the activations' dtypes; nor does torchao's NVFP4Linear's "nvfp4"
     mx = requested.startswith(("mx", "nvfp4"))
-    fp8_layers, n_linear = taxonomy.fp8_linear_layers(layers) if "fp8" in requested and not mx else ([], 0)
+    fp8_layers, n_linear = (
+        taxonomy.fp8_linear_layers(layers, _recipe_layers(summary, "fp8_recipe"))
+        if "fp8" in requested and not mx
+        else ([], 0)
+    )
     mx_layers = (
         taxonomy.block_linear_layers(layers, _recipe_layers(summary, "block_recipe")) if mx else ([], 0)
     )
@@ -564,8 +568,9 @@ def _mx_recipe_words(recipe: Mapping[str, Any]) -> str:
 
 
 def _recipe_layers(summary: Mapping[str, Any], key: str) -> list[str]:
-    """The layers the capture recorded running one of its ``key`` recipes ("block_recipe"): an nn.Linear whose
-    weight torchao's ``quantize_`` swapped runs it, though its module type is that of a plain one."""
+    """The layers the capture recorded running one of its ``key`` recipes ("block_recipe", "fp8_recipe"): an
+    nn.Linear whose weight torchao's ``quantize_`` swapped runs it, though its module type is that of a plain
+    one."""
     capture = summary.get(T.SUMMARY_CAPTURE) or {}
     recipes = capture.get(key) if isinstance(capture, Mapping) else None
     if not isinstance(recipes, list):
@@ -573,12 +578,27 @@ def _recipe_layers(summary: Mapping[str, Any], key: str) -> list[str]:
     return [str(m) for r in recipes if isinstance(r, Mapping) for m in r.get("layers") or []]
 
 
-def _mx_kind(recipe: Mapping[str, Any]) -> str:
-    """What the run's layers of an MX recipe are, in words: "torchao MXFP8Linear", or for an nn.Linear whose
-    weight ``quantize_`` swapped, "nn.Linear with torchao's MXFP8TrainingWeightWrapperTensor weight (quantize_)"."""
+def _mx_kind(recipe: Mapping[str, Any], default: str = "") -> str:
+    """What the run's layers of a recipe are, in words: "torchao MXFP8Linear", or for an nn.Linear whose weight
+    ``quantize_`` swapped, "nn.Linear with torchao's MXFP8TrainingWeightWrapperTensor weight (quantize_)";
+    ``default`` the module type of a recipe that names none (an FP8 recipe's: "Float8Linear")."""
     if recipe.get("weight_type"):
         return f"nn.{recipe.get('module_type')} with torchao's {recipe.get('weight_type')} weight (quantize_)"
-    return f"torchao {recipe.get('module_type')}"
+    return f"torchao {recipe.get('module_type') or default}"
+
+
+def _fp8_kinds(fp8_layers: list[str], summary: Mapping[str, Any]) -> str:
+    """What an fp8 run's FP8 layers are, in words: "torchao Float8Linear", the quantize_ form's words
+    (``_mx_kind``) for the layers of a recipe naming a weight type, both for both."""
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    recipes = capture.get("fp8_recipe") if isinstance(capture, Mapping) else None
+    named = {
+        str(m): _mx_kind(r, "Float8Linear")
+        for r in (recipes if isinstance(recipes, list) else [])
+        if isinstance(r, Mapping)
+        for m in r.get("layers") or []
+    }
+    return ", ".join(sorted({named.get(m, "torchao Float8Linear") for m in fp8_layers}))
 
 
 def _mx_verdict(verdict: str, mx_layers: list[str], n_linear: int, summary: Mapping[str, Any]) -> str:
@@ -610,24 +630,26 @@ def _mx_verdict(verdict: str, mx_layers: list[str], n_linear: int, summary: Mapp
 def _fp8_verdict(
     verdict: str, fp8_layers: list[str], n_linear: int, summary: Mapping[str, Any]
 ) -> tuple[str, bool]:
-    """An fp8 run's check: whether FP8 GEMMs ran (torchao Float8Linear layers recorded), not only that
-    activations are bf16, which a Float8Linear's and a bf16 layer's both are."""
+    """An fp8 run's check: whether FP8 GEMMs ran (torchao Float8Linear layers recorded, or nn.Linear layers the
+    capture recorded running an FP8 recipe: ``quantize_``'s FP8 training weights), not only that activations are
+    bf16, which a Float8Linear's and a bf16 layer's both are."""
     cfg = summary.get(T.SUMMARY_CONFIG) or {}
     plan = cfg.get("plan") if isinstance(cfg, Mapping) else None
     library = plan.get("fp8_library") if isinstance(plan, Mapping) else None
     capture = summary.get(T.SUMMARY_CAPTURE) or {}
     emulated = capture.get("fp8_emulated") if isinstance(capture, Mapping) else None
     recipe = _fp8_recipe_words(capture.get("fp8_recipe") if isinstance(capture, Mapping) else None)
+    kinds = _fp8_kinds(fp8_layers, summary)
     if fp8_layers and isinstance(emulated, int) and emulated > 0:
         return (
-            f"{verdict} FP8 was emulated: {len(fp8_layers)} of {n_linear} linear layers are torchao Float8Linear, "
+            f"{verdict} FP8 was emulated: {len(fp8_layers)} of {n_linear} linear layers are {kinds}, "
             f"{emulated} of them with emulate=True (they cast their input, weight and output gradient to FP8, "
             "then multiply in high precision: the numbers are FP8's, the speed is not; their outputs are bf16)."
             + recipe
         ), True
     if fp8_layers:
         return (
-            f"{verdict} FP8 GEMMs ran: {len(fp8_layers)} of {n_linear} linear layers are torchao Float8Linear "
+            f"{verdict} FP8 GEMMs ran: {len(fp8_layers)} of {n_linear} linear layers are {kinds} "
             "(they cast their input, weight and output gradient to FP8 for their matmuls; their outputs are bf16)."
             + recipe
         ), True

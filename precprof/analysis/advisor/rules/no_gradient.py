@@ -310,6 +310,34 @@ def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Cau
     return c
 
 
+def _quantized(run: _Run) -> set[str]:
+    """The FP8 layers of the run that are nn.Linear layers whose weight torchao's ``quantize_`` made an FP8
+    training weight (``capture.fp8_recipe``'s recipes naming a ``weight_type``), not Float8Linear layers."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    recipes = capture.get("fp8_recipe") if isinstance(capture, Mapping) else None
+    return {
+        str(m)
+        for r in (recipes if isinstance(recipes, list) else [])
+        if isinstance(r, Mapping) and r.get("weight_type")
+        for m in r.get("layers") or []
+    }
+
+
+def _fp8_kind(run: _Run, layers: list[str]) -> str:
+    """What torchao FP8 layers ``layers`` are, in words: "torchao Float8Linear", "nn.Linear with torchao's FP8
+    training weight (quantize_)", or both."""
+    quantized = _quantized(run)
+    kinds = [
+        *(["torchao Float8Linear"] if any(m not in quantized for m in layers) else []),
+        *(
+            ["nn.Linear with torchao's FP8 training weight (quantize_)"]
+            if any(m in quantized for m in layers)
+            else []
+        ),
+    ]
+    return " or ".join(kinds)
+
+
 def _fp8_said(run: _Run, c: _Causes) -> str:
     """How torchao's FP8 flushed the gradients of ``c.fp8`` and of the layers behind them, in words."""
     lim = run.cfg.max_listed_modules
@@ -321,7 +349,7 @@ def _fp8_said(run: _Run, c: _Causes) -> str:
         else ""
     )
     return (
-        f"FP8 flushed them: the output gradient of {_listing(src, lim)} (torchao Float8Linear) never exceeded "
+        f"FP8 flushed them: the output gradient of {_listing(src, lim)} ({_fp8_kind(run, src)}) never exceeded "
         f"{max(c.fp8.values()):.3g}, under torchao's floor on amax ({formats.FP8_AMAX_FLOOR:g}), where the "
         f"{fmt.label} cast of its backward scales by fmax/{formats.FP8_AMAX_FLOOR:g} at most and flushes every "
         f"value up to {_flush_limit(fmt, pow2):.2g}: its weight-gradient GEMM read only zeros{behind}"
@@ -409,12 +437,22 @@ def _remedy(run: _Run, c: _Causes) -> str:
     """What to do, the FP8 cause first."""
     parts = []
     if c.fp8:
+        layers = run.sort([*c.fp8, *c.behind_fp8])
+        quantized = _quantized(run)
+        # how the run made them FP8: the call that leaves them out (an nn.Linear behind one is neither)
+        outs = [
+            *(
+                ["convert_to_float8_training with module_filter_fn"]
+                if any(m not in quantized for m in c.fp8)
+                else []
+            ),
+            *(["quantize_ with filter_fn"] if any(m in quantized for m in c.fp8) else []),
+        ]
         parts.append(
             "weight the loss more, or scale it statically (multiply it by 2^k before backward, divide the "
-            "gradients by 2^k before the optimizer steps), so that every Float8Linear's output gradient exceeds "
-            f"torchao's floor ({formats.FP8_AMAX_FLOOR:g}); or train "
-            f"{_listing(run.sort([*c.fp8, *c.behind_fp8]), run.cfg.max_listed_modules)} in bf16 (leave them out "
-            "of convert_to_float8_training with module_filter_fn)"
+            f"gradients by 2^k before the optimizer steps), so that the output gradient of every "
+            f"{_fp8_kind(run, list(c.fp8))} exceeds torchao's floor ({formats.FP8_AMAX_FLOOR:g}); or train "
+            f"{_listing(layers, run.cfg.max_listed_modules)} in bf16 (leave them out of {' or '.join(outs)})"
         )
     if c.fp16:
         parts.append("scale the loss more, or train in bf16, as fp16_gradient_underflow sizes it")
