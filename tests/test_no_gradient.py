@@ -47,13 +47,14 @@ def _train(
     lrs: list[float] | None = None,
     starts: dict[str, int] | None = None,
     profiled: bool = True,
+    autocast: bool = True,
 ) -> tuple[precprof.Profiler, list[dict[str, int]]]:
     """``steps`` sampled steps under bf16 autocast with AdamW on random (in, out) = ``dims`` data, the loss
     weighted by ``weight``, the learning rate rising linearly from 0 over ``warmup`` steps where given (the HF
     Trainer's warmup), the modules (or parameters) in ``starts`` in a param group of their own whose learning
     rate is 0 before the step given; returns the Profiler and, per step, the nonzero values of each trained layer's weight
     gradient as backward left it (read before the optimizer steps). ``lrs`` gets each step's learning rate. Without
-    ``profiled`` the same loop runs with the Profiler neither attached nor stepped."""
+    ``profiled`` the same loop runs with the Profiler neither attached nor stepped; without ``autocast``, in fp32."""
     torch.manual_seed(0)
     starts = starts or {}
     named = dict(model.named_parameters())
@@ -72,7 +73,7 @@ def _train(
     with prof if profiled else contextlib.nullcontext():
         for _ in range(steps):
             x, y = torch.randn(64, dims[0]), torch.randn(64, dims[1])
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 out = model(x)
             loss = weight * (out.float() - y).pow(2).mean()
             loss.backward()
@@ -386,6 +387,19 @@ def test_a_run_whose_weights_quantize_made_fp8_reads_as_fp8_with_its_layers() ->
     eligibility = rec.finding("fp8_eligibility")
     assert (
         eligibility is not None and "3 layer(s) (0, 2, 4) ran torchao's rowwise recipe" in eligibility.message
+    )
+    # without autocast (the loop's own: it asks nothing of the activations) the run read as fp32; its FP8 GEMMs ran
+    prof, _ = _train(_fp8_mlp(convert=False, quantize=True)[0], dims=(32, 16), steps=1, autocast=False)
+    assert prof.summary()["precision_seen"] == "fp8"
+    check = summarize.precision_check(
+        prof.tables()["layers"], prof.tables()["memory"], {"capture": prof.summary()}
+    )
+    assert check["ok"] and check["banner"] == "" and "NOT active" not in check["verdict"]
+    assert check["verdict"].startswith(
+        "No autocast: every activation of a module with parameters is float32. FP8 GEMMs ran: 3 of 3 linear "
+        "layers are nn.Linear with torchao's Float8TrainingWeightWrapperTensor weight (quantize_) (they cast "
+        "their input, weight and output gradient to FP8 for their matmuls; their outputs keep their input's "
+        "dtype, float32 here)."
     )
 
 

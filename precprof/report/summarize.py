@@ -432,13 +432,18 @@ def _dtype_census(rows: pd.DataFrame) -> list[dict[str, Any]]:
 def requested_precision(summary: Mapping[str, Any]) -> str:
     """The precision mode the run asked for; for the user's own loop (no config says), the one the profiler saw
     it train in (``Profiler.precision_seen``); "" when neither is known."""
+    seen = (summary.get(T.SUMMARY_CAPTURE) or {}).get("precision_seen")
+    return _asked_precision(summary) or (str(seen) if seen else "")
+
+
+def _asked_precision(summary: Mapping[str, Any]) -> str:
+    """The precision mode the run's configuration asked for ("" for the user's own loop, which asks none)."""
     cfg = summary.get(T.SUMMARY_CONFIG) or {}
     for key in ("precision", "mixed_precision", "mode"):
         v = cfg.get(key)
         if v:
             return str(v)
-    seen = (summary.get(T.SUMMARY_CAPTURE) or {}).get("precision_seen")
-    return str(seen) if seen else ""
+    return ""
 
 
 def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping[str, Any]) -> dict[str, Any]:
@@ -489,7 +494,10 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     acts = layers[(layers[T.TENSOR] == T.ACTIVATION) & layers[T.MODULE].isin(with_params)]
     low = acts[acts[T.DTYPE].astype(str).isin(formats.LOW_PRECISION_DTYPES)]
     active = not low.empty
-    wants_low = not mx and any(t in requested for t in ("bf16", "fp16", "fp8"))
+    # a loop of its own that ran torchao's FP8 layers without autocast asked nothing of the activations: their FP8
+    # GEMMs ran, their outputs keep their input's float32 (the built-in loop's fp8 asks for bf16 autocast too)
+    fp8_alone = bool(fp8_layers) and not _asked_precision(summary)
+    wants_low = not mx and not fp8_alone and any(t in requested for t in ("bf16", "fp16", "fp8"))
     if acts.empty:
         verdict, ok = "No activations of modules with parameters were recorded.", True
     elif wants_low and not active:
@@ -506,11 +514,13 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
             f"produce {dts} activations."
         )
         ok = True
+    elif fp8_alone:
+        verdict, ok = "No autocast: every activation of a module with parameters is float32.", True
     else:
         verdict, ok = "Full precision: every activation of a module with parameters is float32.", True
     banner = ""  # the page's banner when not ok: "Mixed precision is not active." unless said otherwise
     if "fp8" in requested and not mx and ok:
-        verdict, ok = _fp8_verdict(verdict, fp8_layers, n_linear, summary)
+        verdict, ok = _fp8_verdict(verdict, fp8_layers, n_linear, summary, active)
         banner = "" if ok else "FP8 did not run."
     if mx:
         verdict = _mx_verdict(verdict, *mx_layers, summary)
@@ -628,7 +638,7 @@ def _mx_verdict(verdict: str, mx_layers: list[str], n_linear: int, summary: Mapp
 
 
 def _fp8_verdict(
-    verdict: str, fp8_layers: list[str], n_linear: int, summary: Mapping[str, Any]
+    verdict: str, fp8_layers: list[str], n_linear: int, summary: Mapping[str, Any], active: bool = True
 ) -> tuple[str, bool]:
     """An fp8 run's check: whether FP8 GEMMs ran (torchao Float8Linear layers recorded, or nn.Linear layers the
     capture recorded running an FP8 recipe: ``quantize_``'s FP8 training weights), not only that activations are
@@ -640,17 +650,18 @@ def _fp8_verdict(
     emulated = capture.get("fp8_emulated") if isinstance(capture, Mapping) else None
     recipe = _fp8_recipe_words(capture.get("fp8_recipe") if isinstance(capture, Mapping) else None)
     kinds = _fp8_kinds(fp8_layers, summary)
+    # (without autocast, a loop of its own: an FP8 layer's output keeps its input's dtype)
+    outputs = "their outputs are bf16" if active else "their outputs keep their input's dtype, float32 here"
     if fp8_layers and isinstance(emulated, int) and emulated > 0:
         return (
             f"{verdict} FP8 was emulated: {len(fp8_layers)} of {n_linear} linear layers are {kinds}, "
             f"{emulated} of them with emulate=True (they cast their input, weight and output gradient to FP8, "
-            "then multiply in high precision: the numbers are FP8's, the speed is not; their outputs are bf16)."
-            + recipe
+            f"then multiply in high precision: the numbers are FP8's, the speed is not; {outputs})." + recipe
         ), True
     if fp8_layers:
         return (
             f"{verdict} FP8 GEMMs ran: {len(fp8_layers)} of {n_linear} linear layers are {kinds} "
-            "(they cast their input, weight and output gradient to FP8 for their matmuls; their outputs are bf16)."
+            f"(they cast their input, weight and output gradient to FP8 for their matmuls; {outputs})."
             + recipe
         ), True
     if library == "transformer_engine":
