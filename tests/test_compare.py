@@ -808,6 +808,43 @@ def test_small_model_default_against_measured_speed(
     )
 
 
+def test_a_run_in_the_references_own_format_is_no_rival_format() -> None:
+    """A rerun of an fp32 run that ran 1.5x faster (a quieter machine) was read as a rival format: "a gain ...
+    that the recommendation forgoes" (contradicted), from noise. A run in the reference's own precision measures
+    no format's speed or loss: not measured, and said so; a run cut short besides says why in its own sentence."""
+    ref = run_result("fp32", 5.0, 2.0, recommendation=SMALL)
+    rerun = run_result("fp32-rerun", 5.0, 2.0, loss_scale="auto", loss_scaling="none", speedup=1.5)
+    rerun.outcome, rerun.gap = A.classify(rerun, ref, 0.02)
+    loss, speed, *_ = A.check_against_runs([ref, rerun], ref)
+    assert (loss.status, loss.aspect, speed.status, speed.aspect) == (
+        A.NOT_MEASURED,
+        A.ASPECT_LOSS,
+        A.NOT_MEASURED,
+        A.ASPECT_SPEED,
+    )
+    lead = "the advisor's default for a model this small is fp32; the measurements allowed bf16"
+    assert loss.text == (
+        f"Loss: {lead}; no run in this comparison sets another format against it: fp32-rerun trained in fp32, as "
+        "fp32 did."
+    )
+    assert speed.text == (
+        f"Speed: {lead}; fp32-rerun trained in fp32, as fp32 did: its 1.50x fp32's throughput is the machine's or "
+        "the run's, no format's gain."
+    )
+    short = run_result("bf16", 5.0, 2.0, speedup=1.5, stopped="stopped after 5 of 100 steps: interrupted")
+    short.outcome, short.gap = A.classify(short, ref, 0.02)
+    cut = "Not whole runs: bf16 stopped after 5 of 100 steps: interrupted; a loss short of a run's end is not the loss"
+    (loss, *_) = A.check_against_runs([ref, short], ref)
+    assert loss.status == A.NOT_MEASURED
+    assert loss.text == f"Loss: {lead}; no other run sets it against precision alone. {cut} it ends at."
+    (loss, *_) = A.check_against_runs([ref, rerun, short], ref)
+    assert loss.status == A.NOT_MEASURED
+    assert loss.text == (
+        f"Loss: {lead}; fp32-rerun trained in fp32, as fp32 did; no run in another format sets it against precision "
+        f"alone. {cut} it ends at."
+    )
+
+
 @pytest.mark.parametrize(
     ("speedup", "status", "text"),
     [

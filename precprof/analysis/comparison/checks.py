@@ -256,9 +256,14 @@ def _recommendation_checks(
     here = _planned_here(rec, ref)
     checks: list[Check] = []
     done = [r for r in others if not no_loss(r) and r.outcome != REFERENCE]
-    finished = [r for r in done if not not_isolated(r, ref)]
-    apart = "; ".join(dict.fromkeys(not_isolated(r, ref) for r in done if not_isolated(r, ref)))
     if fmt in ("fp32", "tf32", ref.precision):
+        # a run in the reference's own precision, or in the recommended one, is no rival format: what its loss
+        # and speed differ by is the machine, the seed or the run, not a format (a rerun of an fp32 run on a
+        # quieter machine ran 1.5x faster and "contradicted" the fp32 recommendation)
+        same = [r for r in done if r.precision in (ref.precision, fmt)]
+        done = [r for r in done if r not in same]
+        finished = [r for r in done if not not_isolated(r, ref)]
+        apart = [_sentence(w) + "." for w in dict.fromkeys(not_isolated(r, ref) for r in done) if w]
         measured = str(rec.get("measured_format") or "")
         small = bool(measured) and measured not in ("fp32", "tf32", fmt)
         lead = (
@@ -268,12 +273,18 @@ def _recommendation_checks(
         )
         rivals = [r for r in finished if r.outcome in (MATCHED, AHEAD)]
         if not finished:
+            if same and apart:
+                why = f"{_same_format(same, ref, fmt)}; no run in another format sets it against precision alone."
+            elif same:
+                why = f"no run in this comparison sets another format against it: {_same_format(same, ref, fmt)}."
+            elif apart:
+                why = "no other run sets it against precision alone."
+            else:
+                why = f"{_nothing_against(others)}."
             checks.append(
                 Check(
                     NOT_MEASURED,
-                    f"Loss: {lead}; no other run sets it against precision alone: {apart}."
-                    if apart
-                    else f"Loss: {lead}; {_nothing_against(others)}.",
+                    " ".join([f"Loss: {lead}; {why}", *apart]),
                     ref.label,
                     ASPECT_LOSS,
                 )
@@ -333,6 +344,17 @@ def _recommendation_checks(
                 )
             else:
                 checks.append(Check(NOT_MEASURED, f"{head}; {_elsewhere(rec)}.", r.label, ASPECT_SPEED))
+        for r in same:
+            if r.speedup is not None and math.isfinite(r.speedup):
+                checks.append(
+                    Check(
+                        NOT_MEASURED,
+                        f"Speed: {lead}; {_same_format([r], ref, fmt)}: its {r.speedup:.2f}x {ref.label}'s "
+                        "throughput is the machine's or the run's, no format's gain.",
+                        r.label,
+                        ASPECT_SPEED,
+                    )
+                )
         return checks
     family = [r for r in others if r.precision == fmt]
     if fmt == "fp16":
@@ -378,6 +400,16 @@ def _recommendation_checks(
             text = f"Speed: {_ran_at(r, ref)}; {_elsewhere(rec)}."
         checks.append(Check(st, text, r.label, ASPECT_SPEED))
     return checks
+
+
+def _same_format(runs: Sequence[RunResult], ref: RunResult, fmt: str) -> str:
+    """That ``runs`` trained in the reference's own precision, or in the recommended ``fmt``, in words."""
+    parts = []
+    for prec in dict.fromkeys(r.precision for r in runs):
+        names = and_list([r.label for r in runs if r.precision == prec])
+        whose = f"as {ref.label} did" if prec == ref.precision else "the format recommended"
+        parts.append(f"{names} trained in {prec}, {whose}")
+    return "; ".join(parts)
 
 
 def _nothing_against(others: Sequence[RunResult]) -> str:
