@@ -498,6 +498,55 @@ def test_a_tied_head_the_block_groups_did_not_reach_stays_in_the_plan_in_bf16(bl
     assert "BF16 for 1: lm_head (tied to the embedding transformer.wte" in f.message
 
 
+def test_a_tied_head_whose_weight_alone_was_read_is_said_not_evaluated_everywhere(
+    block_formats_on: None,
+) -> None:
+    """gpt-nano's layers in 2 block groups, 1 sampled step: the first group's turn reads wte's weight, which the
+    tied lm_head shares, and not lm_head's output gradient (the second group's). The title said "5 not
+    evaluated" (the layers not reached), the key "did not reach 6" (with the head), the text "no sampled step
+    evaluated lm_head", and the block table's lm_head row showed a worst SQNR and flushed shares from its weight
+    alone, as for an evaluated layer. One count now, the head named in the title, and its row "not evaluated"."""
+    import torch.nn.functional as F
+
+    from precprof.models import build_model
+    from precprof.report import blocks as report_blocks
+    from precprof.report import numbers
+
+    torch.manual_seed(0)
+    model = build_model("gpt-nano", vocab_size=64, seq_len=32).module
+
+    def loss() -> torch.Tensor:
+        ids = torch.randint(0, 64, (2, 33))
+        return F.cross_entropy(model(ids[:, :-1]).reshape(-1, 64), ids[:, 1:].reshape(-1))
+
+    tables, summary = _profiled(model, loss, groups=2, steps=1)
+    rec = recommend(tables, hardware="a100", summary={T.SUMMARY_CAPTURE: summary})
+    (head,) = [lb for lb in rec.block_what_if["layers"] if lb["module"] == "lm_head"]
+    assert head["evaluated"] is False and head["recipes"] == {}
+    assert {op["operand"] for op in head["operands"]} == {"weight"}  # read on wte's turn
+    f = rec.finding("block_format_what_if")
+    assert f is not None
+    total = 17
+    done, unreached = f.numbers["checked"], len(rec.block_what_if["not_evaluated"])
+    assert done > 0 and unreached > 0 and done + unreached + 1 == total
+    assert f.numbers["not_evaluated"] == unreached + 1 == total - done and f.numbers["kept_unevaluated"] == 1
+    assert f.title.endswith(
+        f" of {total} linear layers, {unreached + 1} not evaluated (lm_head among them, kept in BF16 whatever its "
+        "numbers)"
+    )
+    assert dict(numbers.shown(f.code, f.numbers))["linear layers not evaluated"] == str(unreached + 1)
+    assert (
+        "No sampled step evaluated lm_head (only its weight was read): it stays in bf16 whatever its numbers."
+        in f.message
+    )
+    bk = report_blocks.table(rec.to_dict())
+    assert bk is not None
+    (row,) = [r for r in bk["rows"] if r["module"] == "lm_head"]
+    assert row["unevaluated"] == "not evaluated: only its weight was read (see the per-operand rows)"
+    assert all(c is None for c in row["cells"])
+    assert [d["operand"] for d in bk["details"] if d["module"] == "lm_head"] == ["weight", "weight"]
+
+
 class _Block(nn.Module):
     """A transformer's MLP block: its last linear layer, fc2, is the model's last in forward order."""
 

@@ -157,6 +157,17 @@ def _count(v: Any) -> int | None:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
+def _unevaluated(lb: Mapping[str, Any]) -> str:
+    """What the row of a layer the what-if did not evaluate says in place of its numbers ("" for one it did, and
+    for a run recorded before the advisor said): "not evaluated", with the operands read of it alone."""
+    if lb.get("evaluated", True) is not False:
+        return ""
+    read = list(dict.fromkeys(str(op.get("operand")) for op in lb.get("operands") or []))
+    if not read:
+        return "not evaluated"
+    return f"not evaluated: only its {' and '.join(read)} was read (see the per-operand rows)"
+
+
 def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | None:
     """The block-scaled what-if as the advisor stored it (``Recommendation.block_what_if``): per linear layer and
     recipe the worst operand's SQNR and the largest flushed and saturated shares, the plan (for the target when
@@ -194,6 +205,9 @@ def table(rec: dict[str, Any] | None, capture: Any = None) -> dict[str, Any] | N
                 "why": lb.get("why") or "",
                 "input_from": S.module_label(lb["input_from"]) if lb.get("input_from") is not None else None,
                 "cells": [_block_cell(recipes.get(r), floor(r)) for r in shown],
+                # a layer the plan keeps without evaluating it (a tied head whose turn did not come): "not
+                # evaluated", and the operands read of it, which its operand rows show ("" for none)
+                "unevaluated": _unevaluated(lb),
             }
         )
         for op in lb.get("operands") or []:

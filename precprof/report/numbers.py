@@ -317,10 +317,16 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "mxfp8_max_lost_norm": ("largest share of an MXFP8 layer's operand norm lost", "share"),
     "lost_norm_max": ("largest share of a tensor's norm allowed to be lost", "share"),
     "mxfp8_sqnr_min_db": ("MXFP8: lowest SQNR allowed", "db"),
-    ("block_format_plan", "checked"): ("linear layers with block statistics", "count"),
-    ("block_format_what_if", "checked"): ("linear layers with block statistics", "count"),
-    ("block_format_plan", "not_evaluated"): ("linear layers the what-if did not reach", "count"),
-    ("block_format_what_if", "not_evaluated"): ("linear layers the what-if did not reach", "count"),
+    ("block_format_plan", "checked"): ("linear layers evaluated", "count"),
+    ("block_format_what_if", "checked"): ("linear layers evaluated", "count"),
+    # the layers the what-if did not reach, and those it keeps in bf16 unevaluated (a tied head whose turn did not
+    # come): the title's count ("did not reach 6" beside a title's "5 not evaluated" and a tied head not reached)
+    ("block_format_plan", "not_evaluated"): ("linear layers not evaluated", "count"),
+    ("block_format_what_if", "not_evaluated"): ("linear layers not evaluated", "count"),
+    "kept_unevaluated": (
+        "of those, kept in BF16 whatever their numbers (a tied head, a computed weight)",
+        "count",
+    ),
     # the decision
     "demoted_from": ("the advisor's severity for an fp16 run", "text"),
 }

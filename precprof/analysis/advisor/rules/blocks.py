@@ -479,17 +479,37 @@ def _scaler_overflow_steps(run: _Run, modules: list[str]) -> int:
     return int(grads[(grads[T.NAN] + grads[T.INF]) > 0][T.STEP].nunique())
 
 
-def _kept_unevaluated_said(modules: list[str]) -> str:
+def _kept_unevaluated_said(lbs: list[LayerBlocks]) -> str:
     """The plan's sentence on the layers it keeps in bf16 whatever their numbers (a head tied to an embedding, a
     computed weight) that no sampled step evaluated ("" when none): in the plan all the same, no run length or
-    block budget changes their place."""
-    if not modules:
+    block budget changes their place. Those some of whose operands were read (a tied head's weight, read on the
+    embedding's turn) say which: their operand rows show them, their layer row nothing."""
+    if not lbs:
         return ""
-    one = len(modules) == 1
+    one = len(lbs) == 1
+    read = {lb.module: ops for lb in lbs if (ops := _operands_read(lb))}
+    if one and read:
+        said = f" (only its {_joined(read[lbs[0].module])} was read)"
+    elif read:
+        each = "; ".join(f"{_name(m)}'s {_joined(o)}" for m, o in read.items())
+        said = f" (of their operands, only {each} was read)"
+    else:
+        said = ""
     return (
-        f" No sampled step evaluated {_listing(modules, 4)}: {'it stays' if one else 'they stay'} in bf16 "
-        f"whatever {'its' if one else 'their'} numbers."
+        f" No sampled step evaluated {_listing([lb.module for lb in lbs], 4)}{said}: "
+        f"{'it stays' if one else 'they stay'} in bf16 whatever {'its' if one else 'their'} numbers."
     )
+
+
+def _joined(words: list[str]) -> str:
+    """The words joined as a list is said: "a", "a and b", "a, b and c"."""
+    return " and ".join(filter(None, [", ".join(words[:-1]), words[-1]]))
+
+
+def _operands_read(lb: LayerBlocks) -> list[str]:
+    """The operands of ``lb`` some recipe has losses for, in ``OPERANDS``' order, each once."""
+    read = {o.operand for ops in lb.losses.values() for o in ops}
+    return [op for op in dict.fromkeys(operand for operand, _, _ in OPERANDS) if op in read]
 
 
 def _skipped_note(overflowed: int, grad_unjudged: list[str]) -> str:
@@ -568,7 +588,10 @@ def what_if_data(
     layers = []
     for lb in table:
         recipes: dict[str, Any] = {}
-        for r in (*lb.losses,):
+        # a layer not evaluated (a tied head kept in bf16 whose own turn never came) has no worst operand: the
+        # few of its operands read (the shared weight) are in its operand rows; its row had shown their SQNR as
+        # if it were the layer's
+        for r in (*lb.losses,) if lb.evaluated else ():
             sm = lb.summary(r)
             if sm is None:
                 continue
@@ -608,6 +631,7 @@ def what_if_data(
                 "input_from": lb.input_from,
                 "choice": lb.choice,
                 "why": lb.why,
+                "evaluated": lb.evaluated,
                 "recipes": recipes,
                 "operands": operands,
             }
@@ -645,12 +669,22 @@ def _grouped(lbs: list[LayerBlocks], limit: int) -> str:
     return "; ".join(parts) + (f" and {len(lbs) - named} more" if len(lbs) > named else "")
 
 
-def _of_all(planned: int, unreached: list[str]) -> str:
-    """The title's count of the linear layers beside the plan's, when the what-if did not reach some ("" when it
-    reached every one): "2 NVFP4" of a run that evaluated 2 of its 9 linear layers read as the whole model."""
-    if not unreached:
+def _of_all(planned: int, unreached: list[str], kept: list[str]) -> str:
+    """The title's count of the linear layers beside the plan's, when the what-if did not evaluate some ("" when it
+    evaluated every one): "2 NVFP4" of a run that evaluated 2 of its 9 linear layers read as the whole model.
+    ``unreached``: the layers it did not reach (no place in the plan); ``kept``: those in the plan, in bf16
+    whatever their numbers, that it did not evaluate (a tied head), which the count of those not evaluated holds
+    too: it had said "5 not evaluated" beside a key's "did not reach 6" and a text's "no sampled step evaluated
+    lm_head"."""
+    if not unreached and not kept:
         return ""
-    return f" of {planned + len(unreached)} linear layers, {len(unreached)} not evaluated"
+    n = len(unreached) + len(kept)
+    said = f" of {planned + len(unreached)} linear layers, {n} not evaluated"
+    if kept:
+        one = len(kept) == 1
+        among = " among them" if unreached else ""
+        said += f" ({_listing(kept, 2)}{among}, kept in BF16 whatever {'its' if one else 'their'} numbers)"
+    return said
 
 
 def _unreached_said(unreached: list[str]) -> str:
@@ -812,7 +846,8 @@ def _rule_block_formats(
         if unjudged
         else ""
     )
-    note += _kept_unevaluated_said([lb.module for lb in table if not lb.evaluated])
+    kept = [lb for lb in table if not lb.evaluated]
+    note += _kept_unevaluated_said(kept)
     note += _head_said(run, table)
     moves = _moves(table, run.block_running)
     note += _running_said(moves, lim)
@@ -820,6 +855,7 @@ def _rule_block_formats(
     numbers: dict[str, Number] = {
         "checked": len(evaluated),
         "not_evaluated": len(table) - len(evaluated) + len(unjudged),
+        "kept_unevaluated": len(kept) or None,
         "layers_nvfp4": len(by["nvfp4"]),
         "layers_mxfp4": len(by["mxfp4"]),
         "layers_mxfp8": len(by["mxfp8"]),
@@ -848,7 +884,7 @@ def _rule_block_formats(
             Finding(
                 "block_format_plan",
                 INFO,
-                f"Block formats on {target.preset or target.name}: {counts}{_of_all(len(table), unjudged)}"
+                f"Block formats on {target.preset or target.name}: {counts}{_of_all(len(table), unjudged, [lb.module for lb in kept])}"
                 f"{_running_title(moves)}",
                 f"{where} runs MX and NVFP4 block formats in hardware. {rule} {result}.{note}",
                 recipe_hint,
@@ -871,7 +907,7 @@ def _rule_block_formats(
         Finding(
             "block_format_what_if",
             INFO,
-            f"On a {target.name} the block formats would give: {counts}{_of_all(len(table), unjudged)}"
+            f"On a {target.name} the block formats would give: {counts}{_of_all(len(table), unjudged, [lb.module for lb in kept])}"
             f"{_running_title(moves)}",
             f"{run.hw.name} runs no block-scaled format in hardware; on a {where}, which runs MX and NVFP4 "
             f"formats natively, the plan would be: {result}. {rule}{note}",
