@@ -71,7 +71,8 @@ def throughput(steps: pd.DataFrame, compiled: Collection[int] = ()) -> dict[str,
     ``tokens_per_s_basis`` (``"unsampled steps"`` or ``"all steps"``), ``tokens_per_s_steps`` (how many steps
     count), ``step_time_unsampled_median_s`` and ``step_time_sampled_median_s`` (the first step of the run and of
     each resumed attempt left out of both), ``steps_timed_unsampled`` and ``steps_timed_sampled`` (how many of each were timed) and
-    ``sampled_step_cost`` (their ratio: NaN unless at least ``MIN_STEPS`` of each kind were timed) and
+    ``sampled_step_cost`` (their ratio: NaN unless at least ``MIN_STEPS`` of each kind were timed),
+    ``steps_timed_s`` (the time of the steps timed, both kinds: what a share of the run's time is of) and
     ``step_time_spread`` (the interquartile range of the counted steps' times over their median; NaN with
     fewer than 4: a machine busy with other work makes it large, and a rate from such steps says little) and
     ``steps_compiled_left_out`` (how many steps of ``compiled`` the table held, left out).
@@ -85,6 +86,7 @@ def throughput(steps: pd.DataFrame, compiled: Collection[int] = ()) -> dict[str,
         "sampled_step_cost": math.nan,
         "steps_timed_unsampled": 0,
         "steps_timed_sampled": 0,
+        "steps_timed_s": 0.0,
         "step_time_spread": math.nan,
         "steps_compiled_left_out": 0,
     }
@@ -109,6 +111,7 @@ def throughput(steps: pd.DataFrame, compiled: Collection[int] = ()) -> dict[str,
     out["step_time_sampled_median_s"] = _median(time[profiled])
     out["steps_timed_unsampled"] = int(plain.sum())
     out["steps_timed_sampled"] = int(profiled.sum())
+    out["steps_timed_s"] = float(time[timed].sum())
     if timed_enough(out):
         out["sampled_step_cost"] = out["step_time_sampled_median_s"] / out["step_time_unsampled_median_s"]
     use = plain if int(plain.sum()) >= MIN_STEPS else timed
