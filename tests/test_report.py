@@ -985,6 +985,52 @@ def test_layer_records_forward_order_and_extremes(synthetic: tuple[dict[str, pd.
     assert proj["lost_update_bf16"] == pytest.approx(upd[T.LOST_UPDATE_BF16].sum() / intended)
 
 
+def test_the_zeros_column_says_what_it_counts(synthetic: tuple[dict[str, pd.DataFrame], dict]) -> None:
+    """The per-layer "zeros" column was defined nowhere and summed the tensor kinds: gpt-nano's wpe showed
+    221,184 zeros, every one a weight-gradient zero of a position no batch used (h76). Its header and the
+    section's lead say what it counts (the four kinds of every sampled step, not the weight updates), and a cell
+    whose zeros are all of one kind names it (the rows stay within their bytes: an MoE's page has thousands)."""
+    layers = synthetic[0]["layers"].copy()
+    proj, fc = "transformer.h.0.mlp.c_proj", "transformer.h.0.mlp.c_fc"
+    zeros = {
+        (proj, T.WEIGHT_GRAD): 7,
+        (proj, T.ACTIVATION_GRAD): 3,
+        (proj, T.WEIGHT_UPDATE): 50,
+        (fc, T.WEIGHT_GRAD): 5,
+    }
+    layers[T.ZEROS] = [zeros.get((m, k), 0) for m, k in zip(layers[T.MODULE], layers[T.TENSOR], strict=True)]
+    rows = layers.groupby([T.MODULE, T.TENSOR], observed=True).size()
+    recs = {r["module"]: r for r in S.layer_records(layers)}
+    n_wg, n_ag = (int(rows[(proj, k)]) for k in (T.WEIGHT_GRAD, T.ACTIVATION_GRAD))
+    assert recs[proj]["zeros"] == 7 * n_wg + 3 * n_ag  # the updates' 50s are not counted
+    assert recs[proj]["zeros_by_kind"] == {"act. grad": 3 * n_ag, "weight grad": 7 * n_wg}
+    assert recs[fc]["zeros_by_kind"] == {"weight grad": 5 * int(rows[(fc, T.WEIGHT_GRAD)])}
+    cols = {"lost_updates": False, "update_format": "bf16", "update_held": "", "nonfinite": False}
+    page = (
+        render.environment()
+        .get_template("_layers.html.j2")
+        .render(
+            section={"id": "layers", "number": 1, "heading": "Per layer"},
+            layers=list(recs.values()),
+            layer_inputs=0,
+            update_ratios=[],
+            update_nonfinite=[],
+            layers_cols=cols,
+        )
+    )
+    assert (
+        "“zeros”: the values exactly 0, summed over the activations, activation gradients, weights and"
+        in page
+    )
+    assert (
+        '<th title="values exactly 0 over the activations, activation gradients, weights and weight' in page
+    )
+    assert f'{5 * int(rows[(fc, T.WEIGHT_GRAD)])}<br><span class="what">weight grad</span>' in page
+    assert (
+        f'data-v="{7 * n_wg + 3 * n_ag}">{7 * n_wg + 3 * n_ag}</td>' in page
+    )  # two kinds: the lead says which
+
+
 def test_not_active_mixed_precision_is_flagged() -> None:
     # fp16 asked for, every activation float32 (accelerate's fp16 on CPU does this)
     tabs, summary = synthetic_run("fp32", layers=gpt_layers(n_layer=1), steps=2, sample_every=1)

@@ -29,6 +29,13 @@ KIND_LABELS: dict[str, str] = {
     T.WEIGHT_UPDATE: "weight updates",
 }
 ROOT_LABEL = T.ROOT_LABEL
+# the kinds a per-layer table's "zeros" counts, as its columns name them ("act. grad")
+ZERO_KIND_LABELS: dict[str, str] = {
+    T.ACTIVATION: "act.",
+    T.ACTIVATION_GRAD: "act. grad",
+    T.WEIGHT: "weight",
+    T.WEIGHT_GRAD: "weight grad",
+}
 # the weight-update columns of the formats a share of lost updates is read in (``layer_records``)
 LOST_UPDATE_COLUMNS = {"bf16": T.LOST_UPDATE_BF16, "fp16": T.LOST_UPDATE_FP16}
 # memory components that are totals of the whole process or device, not parts of a stack
@@ -345,7 +352,10 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     """One record per module, forward order: type, dtypes, extreme magnitudes, fp16/bf16 losses, first nan/inf.
 
     Keys: module, module_type, param_dtype, act_dtype, act_grad_dtype, weight_grad_dtype, act_absmax,
-    act_grad_absmax, act_grad_absmin, weight_grad_absmax, numel, zeros, underflow_fp16, overflow_fp16,
+    act_grad_absmax, act_grad_absmin, weight_grad_absmax, numel, zeros (values exactly 0, summed over the
+    activations, activation gradients, weights and weight gradients of the sampled steps; weight updates not
+    counted), zeros_by_kind (those of each kind, by its ``ZERO_KIND_LABELS`` label, the kinds with none left out), underflow_fp16,
+    overflow_fp16,
     underflow_bf16, overflow_bf16, lost_update_bf16 (share of the intended weight updates, elements with a
     nonzero gradient or a moved weight, lost in a bf16 weight: the advisor's bf16_lost_updates share per
     module, of the weights with a training gradient on their step; NaN without weight_update rows or intended updates),
@@ -372,6 +382,7 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     dtypes = _dtype_lists(hist)
     amax = _by_key(by_kind[T.ABSMAX].max())
     amin = _by_key(by_kind[T.ABSMIN].min())
+    zeros_of = _by_key(by_kind[T.ZEROS].sum())
     sums = hist.groupby(T.MODULE, sort=False, observed=True)[[T.NUMEL, T.ZEROS, *count_cols]].sum(min_count=1)
     totals = {c: _by_key(sums[c]) for c in (T.NUMEL, T.ZEROS, *count_cols)}
     types = _by_key(df.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE])
@@ -401,6 +412,11 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
             "weight_grad_absmax": float(amax.get((T.WEIGHT_GRAD, m), nan)),
             "numel": float(totals[T.NUMEL].get(m, 0.0)),
             "zeros": float(totals[T.ZEROS].get(m, 0.0)),
+            "zeros_by_kind": {
+                ZERO_KIND_LABELS[k]: n
+                for k in HIST_KINDS
+                if (n := float(zeros_of.get((k, m), 0.0) or 0.0)) > 0
+            },
             "underflow_fp16": float(totals[T.underflow_col("fp16")].get(m, 0.0)),
             "overflow_fp16": float(totals[T.overflow_col("fp16")].get(m, 0.0)),
             "underflow_bf16": float(totals[T.underflow_col("bf16")].get(m, 0.0)),
