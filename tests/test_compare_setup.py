@@ -151,6 +151,21 @@ def test_runs_that_differ_in_model_settings_seed_and_steps(tmp_path: Path) -> No
     assert rows["steps"] == f"differs by run: fp16 {STEPS}, bf16 {STEPS}, fp32 {STEPS + 10}"
 
 
+def test_a_run_stopped_short_gives_its_steps_run_beside_those_planned(tmp_path: Path) -> None:
+    """A bf16 run planned for 200 steps and stopped by Ctrl-C after 15: the note said it trained 15 and the Setup
+    "steps: differs by run: fp32 20, bf16 200" (h76). The Setup gives both counts of the run stopped short."""
+    a = _run(tmp_path / "a", "fp32", _falling(5.5, 5.0))
+    b = _run(tmp_path / "b", "bf16", _falling(5.5, 5.0)[:15], steps=200)
+    summary = T.read_summary(b)
+    summary.update(
+        {T.SUMMARY_STATUS: T.STATUS_INCOMPLETE, T.SUMMARY_INCOMPLETE_REASON: "interrupted (Ctrl-C, SIGINT)"}
+    )
+    T.write_summary(b, summary)
+    _, page = C.compare_runs([a, b], out=tmp_path / "cmp")
+    rows = dict(re.findall(r'<th scope="row">(.*?)</th><td>(.*?)</td>', page.read_text()))
+    assert rows["steps"] == f"differs by run: fp32 {STEPS}, bf16 15 of 200 planned"
+
+
 def test_a_reference_that_did_not_train_gives_way_to_one_that_did(tmp_path: Path) -> None:
     """fp16 without loss scaling, every gradient flushed to zero: its loss never fell. Given first, with no fp32
     run, it was the reference, and the run that trained was "behind +90766%" of it. The first run the rule

@@ -444,10 +444,19 @@ def setup_differences(runs: Sequence[RunResult], keys: Sequence[str] | None = No
     run that says agrees (a user's own loop records none of them)."""
     out = []
     for key in keys if keys is not None else [k for k in SETUP_SETTINGS if k not in COMPARED_ANYWAY]:
-        said = [(r.label, r.settings[key]) for r in runs if key in r.settings]
+        said = [(r.label, _setting_of(r, key)) for r in runs if key in r.settings]
         if len({_key(v) for _, v in said}) > 1:
             out.append((SETUP_SETTINGS[key], ", ".join(f"{n} {setting_text(key, v)}" for n, v in said)))
     return out
+
+
+def _setting_of(run: RunResult, key: str) -> Any:
+    """``run``'s setting ``key``; its steps, of a run that stopped short of those planned, both: "37 of 200
+    planned" (the Setup said "bf16 200" of a run the note beside it said trained 37)."""
+    v = run.settings[key]
+    if key == "steps" and isinstance(v, int) and 0 < run.steps_run < v:
+        return f"{run.steps_run:,} of {v:,} planned"
+    return v
 
 
 def setting_text(key: str, v: Any) -> str:
