@@ -345,7 +345,7 @@ def report(
 ) -> None:
     """Render (or re-render) report.html of a run directory."""
     if not T.is_run_dir(run_dir):
-        raise UserError(f"{str(run_dir)!r} is not a precprof run directory (no summary.json or tables in it)")
+        raise UserError(T.not_a_run_dir(run_dir))
     if target is not None and target.lower().strip() not in hardware.PRESET_NAMES:
         raise UserError(
             f"--target {target!r}: unknown machine; known targets: {', '.join(hardware.PRESET_NAMES)}"

@@ -203,7 +203,7 @@ def compare_runs(
         raise UserError("give at least two run directories to compare")
     for d in dirs:
         if not T.is_run_dir(d):
-            raise UserError(f"{str(d)!r} is not a precprof run directory (no summary.json or tables in it)")
+            raise UserError(T.not_a_run_dir(d))
     if len({d.resolve() for d in dirs}) < len(dirs):
         raise UserError("a run directory is given twice")
     where = Path(out) if out is not None else Path(os.path.commonpath([str(d.resolve()) for d in dirs]))

@@ -507,6 +507,22 @@ def read_tables(run_dir: str | Path) -> dict[str, pd.DataFrame]:
     return read_run(run_dir).tables
 
 
+def not_a_run_dir(path: str | Path) -> str:
+    """Why ``path`` is no precprof run directory, in one line for the user ("" when it is one): it does not
+    exist, it is a file, or it holds none of a run's files (a path that did not exist was called "not a precprof
+    run directory (no summary.json or tables in it)", as if it were a folder)."""
+    p = Path(path)
+    if is_run_dir(p):
+        return ""
+    if not p.exists():
+        return f"{str(path)!r} does not exist: give the folder a precprof run was saved into"
+    if not p.is_dir():
+        return (
+            f"{str(path)!r} is a file, not a precprof run directory: give the folder holding its summary.json"
+        )
+    return f"{str(path)!r} is not a precprof run directory (no summary.json or tables in it)"
+
+
 def is_run_dir(path: str | Path) -> bool:
     """True if ``path`` looks like a precprof run directory."""
     p = Path(path)

@@ -69,7 +69,11 @@ FACTORY = "def make(**kw):\n    raise RuntimeError('the factory failed on purpos
         (["train", "--bogus"], ["--bogus"]),
         (["train", "--data", "/no/such/file.txt"], ["no such file"]),
         (["frobnicate"], ["frobnicate"]),
-        (["report", "/no/such/run"], ["not a precprof run directory"]),
+        # a path that is not there, a file, a folder of no run: each said as it is ("/no/such/run" was "not a
+        # precprof run directory (no summary.json or tables in it)", h76)
+        (["report", "/no/such/run"], ["'/no/such/run' does not exist"]),
+        (["report", __file__], ["is a file, not a precprof run directory"]),
+        (["report", "/"], ["'/' is not a precprof run directory"]),
         (["report"], ["Missing argument"]),
     ],
 )

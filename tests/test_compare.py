@@ -361,7 +361,9 @@ def test_runs_recorded_elsewhere_are_compared_from_their_directories(
         UserError, match=r"these runs trained different models \(gpt-nano of [\d,]+ parameters; another"
     ):
         C.compare_runs([out / "fp32", other])
-    with pytest.raises(UserError, match="is not a precprof run directory"):
+    with pytest.raises(
+        UserError, match="nothing' does not exist: give the folder a precprof run was saved into"
+    ):
         C.compare_runs([out / "fp32", tmp_path / "nothing"])
 
 

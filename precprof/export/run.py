@@ -30,7 +30,7 @@ def export_run(
     ``wandb.teardown()`` (the process's exit does it for ``precprof export``)."""
     run_dir = Path(run_dir)
     if not T.is_run_dir(run_dir):
-        raise UserError(f"{str(run_dir)!r} is not a precprof run directory (no summary.json or tables in it)")
+        raise UserError(T.not_a_run_dir(run_dir))
     if tensorboard is None and wandb_project is None:
         raise UserError("precprof export needs a destination: --tensorboard DIR and/or --wandb-project NAME")
     if wandb_mode is not None and wandb_mode not in ("online", "offline"):
