@@ -492,8 +492,8 @@ def test_the_timeline_colour_bar_reads_100_percent_not_a_power_of_ten() -> None:
 def test_names_the_font_cannot_draw_are_escaped_and_warn_nothing() -> None:
     """A module named in CJK or with an emoji: matplotlib printed multi-line "Glyph 23618 missing from font(s)"
     warnings during train and report, and drew each such character as an empty box. Each character the font has
-    no glyph for is drawn as its escape, no glyph warning reaches the caller, and its warning filters are left
-    as they were."""
+    no glyph for is drawn as its code point, those in a row in one bracket (Python's escapes, "\\u5c42", read as
+    part of the name, h76), no glyph warning reaches the caller, and its warning filters are left as they were."""
     import warnings
 
     from matplotlib import font_manager
@@ -502,7 +502,7 @@ def test_names_the_font_cannot_draw_are_escaped_and_warn_nothing() -> None:
     chars = set(FT2Font(font_manager.findfont(font_manager.FontProperties())).get_charmap())
     if ord("层") in chars:
         pytest.skip("the default font draws CJK here")
-    layers = renamed({4: "blocks.层_\U0001f525.attn", 5: "blocks.ünï_λ"})
+    layers = renamed({4: "blocks.层_\U0001f525.attn", 5: "blocks.ünï_λ", 6: "日本語_🚀_слой"})
     tabs, _ = synthetic_run("bf16", layers=layers, steps=2, sample_every=1)
     before = list(warnings.filters)
     with warnings.catch_warnings(record=True) as caught:
@@ -517,7 +517,8 @@ def test_names_the_font_cannot_draw_are_escaped_and_warn_nothing() -> None:
     assert [str(w.message) for w in caught if "Glyph" in str(w.message)] == []
     texts = [t for t, _ in drawn_texts(hm.figure)]
     assert all(ord(c) in chars for t in texts for c in t)  # every character drawn has its glyph
-    assert "blocks.\\u5c42_\\U0001f525.attn" in texts and "blocks.ünï_λ" in texts  # what the font has, kept
+    assert "blocks.[U+5C42]_[U+1F525].attn" in texts and "blocks.ünï_λ" in texts  # what the font has, kept
+    assert "[U+65E5 U+672C U+8A9E]_[U+1F680]_слой" in texts
 
 
 def test_tied_rows_are_kept_or_left_out_by_whole_layers() -> None:

@@ -122,13 +122,25 @@ def _font_chars(path: str) -> frozenset[int]:
 
 
 def drawable(text: str) -> str:
-    """``text`` with each character that the figures' font has no glyph for (CJK, emoji, a control character)
-    written as its Python escape (``层`` as ``\\u5c42``): matplotlib drew an empty box for it, so that names
-    differing in those characters read alike. Text the font covers is returned as it is."""
+    """``text`` with each run of characters that the figures' font has no glyph for (CJK, emoji, a control
+    character) written as their code points in brackets (``日本語_🚀`` as ``[U+65E5 U+672C U+8A9E]_[U+1F680]``):
+    matplotlib drew an empty box for each, so that names differing in those characters read alike, and Python's
+    escapes (``\\u65e5\\u672c\\u8a9e_\\U0001f680``) read as part of the name. Text the font covers is returned as
+    it is."""
     chars = _font_chars(font_manager.findfont(font_manager.FontProperties()))
     if all(ord(c) in chars for c in text):
         return text
-    return "".join(c if ord(c) in chars else c.encode("unicode_escape").decode("ascii") for c in text)
+    out: list[str] = []
+    missing: list[str] = []
+    for c in [*text, ""]:
+        if c and ord(c) not in chars:
+            missing.append(f"U+{ord(c):04X}")
+            continue
+        if missing:
+            out.append(f"[{' '.join(missing)}]")
+            missing = []
+        out.append(c)
+    return "".join(out)
 
 
 def plain(text: str) -> str:
