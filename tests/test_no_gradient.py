@@ -270,6 +270,58 @@ def test_a_rezero_gate_of_zeros_is_named_by_its_parameter_name(alpha: str) -> No
         assert f.modules == ["block.fc"]
 
 
+class _AuxHead(nn.Module):
+    """fc1 -> head, and an auxiliary head ``aux`` on the same features; the model holds two parameters of zeros of
+    its own that multiply nothing: ``offset``, frozen, added to the features, and ``shift``, added to aux's
+    output. With ``first``, aux is called before head."""
+
+    def __init__(self, first: bool) -> None:
+        super().__init__()
+        self.first = first
+        self.fc1, self.head, self.aux = nn.Linear(8, 16), nn.Linear(16, 4), nn.Linear(16, 2)
+        self.offset = nn.Parameter(torch.zeros(16), requires_grad=False)
+        self.shift = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.fc1(x)) + self.offset
+        aux = self.aux(h) + self.shift if self.first else None
+        out = self.head(h)
+        return out, self.aux(h) + self.shift if aux is None else aux
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_a_parameter_of_zeros_that_multiplies_nothing_is_no_gate(first: bool) -> None:
+    """An auxiliary head whose loss is weighted 0 gets no gradient, and the model holds vectors of zeros that are
+    only added (reviewer h78): no_gradient called the frozen offset a ReZero gate ('the gradient stopped at
+    offset ... the branch it multiplies passes back zeros to aux') and told the user to let it train, which
+    would not give aux a gradient. With aux called last, the finding says what it said before gates were named:
+    nothing after aux received a gradient. Called before head, neither the frozen vector (no gradient of its
+    own to show that it multiplies the branch, and no scalar) nor ``shift`` under a learning rate of 0 (its
+    gradient, aux's output gradient summed, is zero, as no gate's is) is named."""
+    torch.manual_seed(0)
+    model = _AuxHead(first)
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and n != "shift"]
+    opt = torch.optim.AdamW([{"params": rest}, {"params": [model.shift], "lr": 0.0}], lr=1e-3)
+    prof = precprof.Profiler(model, optimizer=opt, sample_every=1, memory=False)
+    with prof:
+        for _ in range(3):
+            out, aux = model(torch.randn(16, 8))
+            loss = out.pow(2).mean() + 0.0 * aux.pow(2).mean()  # the auxiliary loss switched off
+            loss.backward()
+            assert model.aux.weight.grad is not None and not bool(model.aux.weight.grad.any())
+            opt.step()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    assert not bool(model.shift.any())
+    f = precprof.recommend(prof, hardware="h100", config=ALL).finding("no_gradient")
+    assert f is not None and f.severity == "critical" and f.modules == ["aux"]
+    for name in ("offset", "shift", "ReZero"):
+        assert name not in f.message and name not in f.remedy
+    if not first:
+        assert "No module recorded after aux received a nonzero gradient either" in f.message
+        assert "a loss term weighted 0" in f.message
+
+
 def test_fp8_eligibility_says_an_output_gradient_of_zeros_was_recorded() -> None:
     """fc1's output gradient behind the dead ReLU was recorded on every step, every value zero: the FP8 rule held
     it back for "no backward statistics", which read as a gradient not recorded (the torchao run's layers 0 and 2,

@@ -226,20 +226,37 @@ def _zero_params(run: _Run) -> dict[str, list[str]]:
     return out
 
 
+def _gates(run: _Run, m: str, holder: str, param: str, state: str) -> bool:
+    """Whether the run shows ``holder``'s parameter ``param`` of zeros (what became of it: ``state``, of
+    ``_zero_weight``) multiplying the branch ``m`` sits in. A gate in ``x + alpha * f(x)`` gets the gradient
+    ``sum(dy * f(x))``, nonzero, while it passes ``alpha * dy``, zero, back to f: its own gradient held a nonzero
+    value on a sampled step that recorded ``m``'s weight gradient. A vector added to the features (an offset, a
+    mask or cls token) multiplies nothing: added on ``m``'s branch, its gradient is that branch's, zero; added
+    before ``m``, it does not stop ``m``'s gradient at all, and the run does not tell it from a gate that way. A
+    frozen parameter has no gradient to tell by: only a scalar is taken for a gate (ReZero's alpha), a vector of
+    zeros is as likely an offset or a token the model adds."""
+    if state == "frozen":
+        w = _weight_rows(run, T.WEIGHT, holder, param)
+        return int(w.groupby(T.STEP)[T.NUMEL].sum().max()) == 1
+    g = _weight_rows(run, T.WEIGHT_GRAD, holder, param)
+    g = g[g[T.STEP].isin(set(_weight_rows(run, T.WEIGHT_GRAD, m)[T.STEP]))]
+    return bool((g[T.NUMEL] - g[T.ZEROS] - g[T.NAN] - g[T.INF] > 0).any())
+
+
 def _zero_gate(
     run: _Run, m: str, grads: pd.DataFrame, zeros: dict[str, list[str]]
 ) -> tuple[str, str, str] | None:
     """A parameter that a module around ``m`` holds itself (not one of a child's) and that was exactly zero on
-    every sampled step (``zeros``: ``_zero_params``), where the gradient reached that module's output: a gate
-    that multiplies the branch ``m`` sits in (ReZero's ``x + self.alpha * f(x)``, alpha initialised to 0), so
-    the branch gets zeros until it moves. (its full name, the module holding it, what became of it:
-    ``_zero_weight``), the closest module first; None where none holds one."""
+    every sampled step (``zeros``: ``_zero_params``), where the gradient reached that module's output and the
+    run shows it multiplying the branch ``m`` sits in (``_gates``): a gate (ReZero's ``x + self.alpha * f(x)``,
+    alpha initialised to 0), so the branch gets zeros until it moves. (its full name, the module holding it,
+    what became of it: ``_zero_weight``), the closest module first; None where none holds one."""
     for holder in reversed(_ancestors(m)):
         if holder in grads.index and grads.at[holder, "nonzero"] <= 0:
             continue  # no gradient reached it either: the zeros came from further on
         for param in zeros.get(holder, []):
             state = _zero_weight(run, holder, param)
-            if state is not None:
+            if state is not None and _gates(run, m, holder, param, state):
                 return _gate_name(holder, param), holder, state
     return None
 
@@ -284,10 +301,16 @@ def _causes(run: _Run, dead: list[str], dims: dict[str, dict[str, int]]) -> _Cau
         elif m in grads.index and grads.at[m, "nonzero"] <= 0:
             stop = _stop(m, seq, grads)
             zero = _zero_weight(run, stop) if stop is not None else None
-            # (a gate of zeros around m, where no later module's weight of zeros or dead ReLU stopped it)
+            # (a gate of zeros around m, where a later module received a nonzero gradient that did not come
+            # back to m, and neither FP8, a later module's weight of zeros, fp16 nor a dead ReLU stopped it: with
+            # no later module's gradient nonzero, the loss does not depend on m, whatever the model holds)
             gate = (
                 _zero_gate(run, m, grads, zeros)
-                if zero is None and not (stop is not None and _dead_mask(run, stop))
+                if stop is not None
+                and stop not in flushed
+                and zero is None
+                and m not in in16
+                and not _dead_mask(run, stop)
                 else None
             )
             if gate is not None:
