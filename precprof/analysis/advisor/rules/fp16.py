@@ -1231,7 +1231,11 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
             f" The values still lost at {_pow2(k)} (all below 2^{_log2i(FP16.underflow_max) - k}) carry at most "
             f"{_pct(norm_k)} of a module's activation-gradient L2 norm ({_name(norm_mod)}; an upper bound from the "
             "histogram)"
-            + (": a whole layer's gradients are lost." if residual_matters else ": a negligible tail.")
+            + (
+                f": above the {_pct(cfg.fp16_underflow_norm_ok)} the advice accepts as a negligible tail."
+                if residual_matters
+                else ": a negligible tail."
+            )
         )
     if (at1 or 0) > cfg.fp16_underflow_ok:
         msg += (
