@@ -873,7 +873,9 @@ def test_a_bf16_run_that_diverged_gets_no_critical_fp16_finding(tmp_path: Path) 
     assert found["run_diverged"].severity == "critical"
     assert not [f for code, f in found.items() if code.startswith("fp16_") and f.severity != "info"]
     underflow = found["fp16_gradient_underflow"]
-    assert underflow.numbers["demoted_from"] == "critical" and "(what fp16 would do" in underflow.title
+    # a warning before it was demoted: fp16 keeps 0, 1 and 3 in fp32 (their activations overflow), and the
+    # gradients those layers compute in fp32 are left out of what fp16 would flush
+    assert underflow.numbers["demoted_from"] == "warning" and "(what fp16 would do" in underflow.title
 
 
 def _flushing_fp16_run(out: Path, precision: torch.dtype = torch.float16) -> precprof.Profiler:

@@ -127,9 +127,14 @@ def test_fp32_gradients_of_a_layer_kept_out_of_autocast_are_no_fp16_underflow() 
     assert fp32 == {"fc2", "ln", "tiny"} and set(ag[T.DTYPE]) == {"float16", "float32"}
     rec = run.recommend("t4")
     f = rec.finding("fp16_gradient_underflow")
-    assert f is not None and f.severity == "info" and "fc2" not in f.message and "fc2" not in f.modules
-    # the values counted are the fp16 gradients' finite nonzero ones, none of the fp32 ones
-    a16 = ag[ag[T.DTYPE] == "float16"]
+    assert f is not None and f.severity == "info" and "fc2" not in f.modules
+    # fc2 is named once: as one of the layers the advice keeps in fp32, whose gradients are left out
+    told, left_out = f.message.split(" The counts of what fp16 would flush leave out the layers kept in fp32")
+    assert "fc2" not in told and left_out.startswith(" (fp16_keep_fp32: fc2")
+    # the values counted are the fp16 gradients' finite nonzero ones, none of the fp32 ones, nor those of the
+    # layers the advice keeps in fp32 (fc3's: the ReLU after it, then fp32 too, computes its gradient in fp32)
+    assert rec.fp16_keep_fp32 == ["fc2", "fc3"]
+    a16 = ag[(ag[T.DTYPE] == "float16") & ~ag[T.MODULE].isin(rec.fp16_keep_fp32)]
     assert f.numbers["nonzero_values"] == int((a16[T.NUMEL] - a16[T.ZEROS] - a16[T.NAN] - a16[T.INF]).sum())
     assert rec.format == "fp16" and not any("ruled out" in r for r in rec.reasons)
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from markupsafe import escape
-from scenarios import huge_activations, weighted_loss
+from scenarios import huge_activations, kept_gradients, weighted_loss
 from scenarios.loop import regression_batches
 
 from precprof import hardware
@@ -336,3 +336,69 @@ def test_the_verdict_box_that_sends_to_why_for_fp16_finds_it_there(
     assert [
         r for r in rec.reasons if r.startswith("Not FP16: fp16 is ruled out: 100% of activation-gradient")
     ]
+
+
+def _nonzero(seen: list[torch.Tensor]) -> int:
+    return sum(int((g != 0).sum()) for g in seen)
+
+
+@pytest.mark.usefixtures("block_formats_on")  # post and head read the stream: their own input rows
+def test_the_loss_scale_and_underflow_leave_out_the_gradients_of_the_layers_kept_in_fp32() -> None:
+    """An un-normalised residual stream: big writes 1e5 into it, post and head read it, and fp16 keeps the three in
+    fp32. head's weight gradient (2.6e6) sized the loss scale at 2^-8, where the tiny gradients of big and post
+    flushed and ruled fp16 out; kept in fp32, they compute those gradients in fp32. The scale is now sized on the
+    gradients fp16 computes (embed's and the blocks'), the finding says what it left out, and trained in fp16 at
+    that scale with the three kept, no step overflows, the kept layers' output gradients are fp32 values no fp16
+    cast rounded, and the loss follows fp32's."""
+    run, _ = kept_gradients.run(kept_gradients.ResidualStream)
+    rec = run.recommend("v100")
+    keep = ["big", "post", "head"]
+    assert rec.fp16_keep_fp32 == keep and not rec.fp16_ruled_out and rec.format == "fp16"
+    layers = run.tables["layers"]
+    grads = layers[layers[T.TENSOR].isin([T.ACTIVATION_GRAD, T.WEIGHT_GRAD])]
+    fp16 = float(grads[~grads[T.MODULE].isin(keep)][T.ABSMAX].max())
+    assert float(grads[T.ABSMAX].max()) > 1000 * fp16  # head's weight gradient
+    scale = rec.finding("fp16_loss_scale")
+    assert scale is not None and scale.numbers["grad_absmax"] == fp16
+    k = _fitting_log2(fp16)
+    assert scale.numbers["loss_scale_log2"] == k and rec.loss_scale == 2.0**k
+    assert scale.numbers["kept_fp32_left_out"] == 3
+    said = "leaving out the layers kept in fp32 (fp16_keep_fp32: big, post, head), whose gradients stay fp32"
+    assert said in scale.message
+    under = rec.finding("fp16_gradient_underflow")
+    assert (
+        under is not None
+        and under.severity == "info"
+        and "The counts of what fp16 would flush leave out the layers kept" in under.message
+    )
+    acts = grads[(grads[T.TENSOR] == T.ACTIVATION_GRAD) & ~grads[T.MODULE].isin(keep)]
+    assert under.numbers["nonzero_values"] == int((acts[T.NUMEL] - acts[T.ZEROS]).sum())
+
+    at_k, seen = kept_gradients.run(kept_gradients.ResidualStream, "fp16", loss_scale=2.0**k, keep_fp32=keep)
+    assert not at_k.tables["steps"][T.SKIPPED].any()
+    for m in keep:
+        assert all(g.dtype == torch.float32 for g in seen[m])
+        assert not all(torch.equal(g, g.half().float()) for g in seen[m])  # no fp16 cast rounded them
+    assert at_k.losses == pytest.approx(run.losses, rel=1e-3)
+
+
+def test_the_output_gradient_of_a_kept_layer_an_fp16_matmul_reads_still_counts() -> None:
+    """near, within 2x of 65504, is kept in fp32; reader, in fp16, reads its output. near's output gradient is
+    fp32, but reader's backward computed it in fp16 and a cast made it fp32: its values are fp16's, flushes
+    included. It counts, and the finding says why."""
+    run, _ = kept_gradients.run(kept_gradients.NearReader)
+    rec = run.recommend("v100")
+    assert rec.fp16_keep_fp32 == ["near"]
+    under = rec.finding("fp16_gradient_underflow")
+    assert under is not None
+    assert "but for the output gradient of near, which reader reads in fp16" in under.message
+    layers = run.tables["layers"]
+    acts = layers[layers[T.TENSOR] == T.ACTIVATION_GRAD]
+    assert under.numbers["nonzero_values"] == int((acts[T.NUMEL] - acts[T.ZEROS]).sum())
+    assert under.numbers["max_norm_share_module"] == "near"
+
+    _, seen = kept_gradients.run(
+        kept_gradients.NearReader, "fp16", loss_scale=rec.loss_scale, keep_fp32=["near"]
+    )
+    assert all(g.dtype == torch.float32 and torch.equal(g, g.half().float()) for g in seen["near"])
+    assert _nonzero(seen["near"]) < sum(g.numel() for g in seen["near"])  # fp16 flushed some of them

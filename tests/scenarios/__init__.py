@@ -20,7 +20,9 @@ user's own loop with ``precprof.Profiler`` attached (``loop.train_profiled``), a
 - ``raw_features``: input features beyond 65504 that fp16 autocast's cast of a Linear's input makes inf: the
   inf comes from the input, not from inside the Linear;
 - ``tiny_features``: input features scaled by 1e-7 that the Linear reading them casts to fp16: the layer to keep
-  in fp32 is that Linear, not the module that made them.
+  in fp32 is that Linear, not the module that made them;
+- ``kept_gradients``: layers fp16 keeps in fp32 whose gradients are far from the rest: they stay fp32, and the
+  loss scale fits the others; a kept layer's output gradient an fp16 Linear computes, which still counts.
 
 They double as examples of the API: ``Profiler(model, optimizer=..., scaler=...)``, ``prof.step(loss=...)``,
 ``prof.tables()`` and ``precprof.recommend(tables, hardware=..., summary=...)``.

@@ -282,8 +282,14 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         reasons.append(
             _scale_at_most_said(plan, k)
             if plan.grad_absmax_bound
-            else f"Start GradScaler at init_scale={_scale(k)} (2^{k}): the largest gradient seen, {_g(gm)}, times "
-            f"2^{k} stays below 65504 / {2**cfg.fp16_margin_log2}; " + _underflow_said(plan)
+            else f"Start GradScaler at init_scale={_scale(k)} (2^{k}): the largest gradient seen, {_g(gm)}"
+            + (
+                " (of those fp16 computes: the layers kept in fp32 left out)"
+                if plan.grad_absmax_kept_left_out
+                else ""
+            )
+            + f", times 2^{k} stays below 65504 / {2**cfg.fp16_margin_log2}; "
+            + _underflow_said(plan)
             if plan.gradients_usable and plan.grad_absmax is not None
             else f"Start GradScaler at {'its default ' if k == cfg.default_loss_scale_log2 else ''}init_scale="
             f"{_scale(k)} (2^{k}): the loss scale that keeps this model's gradients in fp16's range was "

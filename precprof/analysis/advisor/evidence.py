@@ -448,6 +448,8 @@ class _Plan:
     grad_absmax_clean: float | None = (
         None  # the largest gradient of the steps without inf or nan (None: no such)
     )
+    # grad_absmax leaves out gradients of the layers keep_fp16 holds in fp32, which stay fp32 under autocast
+    grad_absmax_kept_left_out: bool = False
     underflow_now: float | None = None
     underflow_at_1: float | None = None
     underflow_at_rec: float | None = None

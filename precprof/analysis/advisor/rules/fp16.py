@@ -39,6 +39,7 @@ from precprof.analysis.advisor.evidence import (
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
 from precprof.analysis.advisor.rules.kept import _cast_flush, _gemm_inputs, _outside_autocast, _rule_kept_fp32
+from precprof.analysis.advisor.rules.kept_gradients import KeptGradients, kept_gradients
 from precprof.analysis.advisor.rules.scaler import _rule_scaler
 from precprof.analysis.advisor.rules.updates import bf16_gradient_underflow
 from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2, _scale, _scales
@@ -535,14 +536,19 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
             layers=run.layers[~run.layers[T.STEP].isin(fwd_bad_steps)],
             hist=run.hist[~run.hist[T.STEP].isin(fwd_bad_steps)],
         )
-    amax, bound, clean = _grad_absmax(run)
+    # the gradients of the layers fp16's keep list runs outside autocast stay fp32 there: the scale is sized, and
+    # the underflow judged, on those an fp16 run following the advice computes in fp16
+    kept = kept_gradients(run, plan.keep_fp16)
+    sized = kept.layers_without(run)
+    amax, bound, clean = _grad_absmax(sized)
     gmax = max([x for x in (amax, bound) if x is not None], default=None)
     plan.grad_absmax = gmax
     # no step measured it: it comes from a step where some gradient was inf or nan, above every step without
     plan.grad_absmax_bound = gmax is not None and (clean is None or gmax > clean)
     plan.grad_absmax_clean = clean
+    plan.grad_absmax_kept_left_out = kept.left_out
     limit = FP16.max / 2.0**cfg.fp16_margin_log2
-    if (gmax is None or gmax <= 0) and _all_flushed(run):
+    if (gmax is None or gmax <= 0) and _all_flushed(sized):
         k = cfg.flushed_loss_scale_log2
         plan.loss_scale_log2 = k
         plan.add(
@@ -603,7 +609,9 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
             if excluded
             else ""
         )
-        over = _shifted_overflow(run.exponent_counts(*T.GRADIENT_KINDS), FP16, k)
+        totals = run.hist_totals()
+        over = _shifted_overflow(_exponent_counts(totals[~kept.rows(totals)], T.GRADIENT_KINDS), FP16, k)
+        left = f", leaving out {kept.said(cfg.max_listed_modules)}" if kept.left_out else ""
         keeps = _scale_said(cfg, gmax, raw, k, over)
         overflows = math.ldexp(gmax, k) >= FP16.overflow_min
         if overflows:
@@ -624,14 +632,14 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
             )
             message = (
                 f"The largest gradient magnitude is at least {_g(gmax)}: {src}, so no step measured it "
-                f"({measured}){out}. {keeps}; the true largest gradient may need a lower start."
+                f"({measured}){out}{left}. {keeps}; the true largest gradient may need a lower start."
             )
             remedy = (
                 f"Start GradScaler at init_scale={_scale(k)} at the most. To size it, profile a few steps at a "
                 "lower scale, or in bf16 or fp32, where the gradients do not overflow."
             )
         else:
-            message = f"The largest gradient magnitude seen is {_g(gmax)}{out}; {keeps}."
+            message = f"The largest gradient magnitude seen is {_g(gmax)}{out}{left}; {keeps}."
             remedy = f"Start GradScaler at init_scale={_scale(k)}."
         if overflows:
             remedy = _too_large_remedy(run, raw, k)
@@ -652,10 +660,11 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                     # clamped to the range the advice allows: the scale the gradients allow, and what overflows
                     **({"fitting_scale_log2": raw} if raw != k else {}),
                     **({"overflow_values": int(over)} if over else {}),
+                    **({"kept_fp32_left_out": len(kept.weight)} if kept.left_out else {}),
                 },
             )
         )
-    _rule_fp16_underflow(run, plan)
+    _rule_fp16_underflow(run, plan, kept)
     if plan.fp16_scale_raises_underflow:
         for f in plan.findings:
             if f.code == "fp16_loss_scale":
@@ -664,7 +673,7 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                     f"Do not lower GradScaler to {_scale(plan.loss_scale_log2)}: it raises gradient underflow "
                     f"over what the run had (fp16_gradient_underflow); use {_wider_than_fp16(run)}."
                 )
-    _rule_fp16_gradient_overflow(run, plan)
+    _rule_fp16_gradient_overflow(run, plan, kept)
     _no_scale_where_ruled_out(run, plan)
     _rule_fp16_no_loss_scaling(run, plan)
     _rule_scaler(run, plan)
@@ -1095,7 +1104,10 @@ def _left_out_said(left_out: int, run: _Run) -> str:
     )
 
 
-def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
+def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
+    """fp16_gradient_underflow: what fp16 flushes of the gradients at the recommended scale, of those an fp16
+    run following the advice computes in fp16 (``kept``: the keep list's gradients that stay fp32 are left
+    out), against what this run lost."""
     cfg = run.cfg
     k = plan.loss_scale_log2
     # Every count is read on the steps that went through (``_went_through``); where none did, nothing is said
@@ -1106,15 +1118,19 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         return
     stay32 = _fp32_under_autocast(run, ag)
     ag = ag[~ag[T.MODULE].isin(stay32)]
-    totals = run.hist_totals()
-    totals = totals[(totals[T.TENSOR] == T.ACTIVATION_GRAD) & ~totals[T.MODULE].isin(stay32)]
+    # what the run held in fp16 and lost (its flushed zeros) is told of every gradient it held there; what fp16
+    # would flush (the exact counts of the others, the histograms' shares at a scale), of the gradients an fp16
+    # run following the advice computes in fp16 (``kept``: those of the layers kept in fp32 stay fp32)
+    every = run.hist_totals()
+    every = every[~kept.rows(every)]
+    totals = every[(every[T.TENSOR] == T.ACTIVATION_GRAD) & ~every[T.MODULE].isin(stay32)]
     counts = _exponent_counts(totals, (T.ACTIVATION_GRAD,))
     total = float(counts.sum())
     if ag.empty and total == 0:
         return
     # Now: exact counts at the scale in effect, on tensors that were not already fp16 (in an fp16 tensor the
     # flushed values are zeros already and cannot be told from true zeros).
-    not16 = ag[~_dtype_has(ag, "float16")]
+    not16 = ag[~_dtype_has(ag, "float16") & ~kept.rows(ag)]
     nz_now = _nonzero(not16)
     now = _share(float(not16[T.underflow_col("fp16")].sum()), nz_now)
     is16 = ag[_dtype_has(ag, "float16")]
@@ -1153,7 +1169,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
             f"had and raises activation-gradient underflow from {_pct(at_run)} to {_pct(atk)}"
         )
     plan.underflow_now, plan.underflow_at_1, plan.underflow_at_rec = now, at1, atk
-    wg = run.exponent_counts(T.WEIGHT_GRAD)
+    wg = _exponent_counts(every, (T.WEIGHT_GRAD,))
     wg_sure, _ = _shifted_underflow(wg, FP16, k)
     wg_share = _share(wg_sure, float(wg.sum()))
     now_txt = (
@@ -1187,6 +1203,11 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
         + (f"; {int(over_k):,} values would overflow at that scale" if over_k else "")
         + "."
         + _left_out_said(left_out, run)
+        + (
+            f" The counts of what fp16 would flush leave out {kept.said(cfg.max_listed_modules)}."
+            if kept.left_out
+            else ""
+        )
     )
     # Already flushed: in an fp16 tensor, at whatever loss scale it was held, a value that underflowed is a
     # zero. Many zeros in modules whose gradients run into the floor (``_flushed_modules``), or a module that
@@ -1344,6 +1365,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan) -> None:
                 "fp16_smallest_nonzero": fl.smallest if (flushed or thin) and fl.smallest > 0 else None,
                 **({"fp16_subnormal_share": sub} if thin else {}),
                 **({"skipped_steps_left_out": left_out} if left_out else {}),
+                **({"kept_fp32_left_out": len(kept.weight)} if kept.left_out else {}),
                 "loss_change": loss_change,
                 "share_at_run_scale": at_run,
                 "run_scale_log2": k_run,
@@ -1465,7 +1487,7 @@ def _no_scaling_remedy(run: _Run, plan: _Plan, own_loop: bool) -> str:
     )
 
 
-def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
+def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     g = run.kind(*T.GRADIENT_KINDS)
     # What overflowed: an inf in an fp16 gradient, and in an fp16 run an inf in an fp32 one too (autocast's fp16
     # matmul computed a weight's gradient, it overflowed, and the inf was cast into the fp32 .grad: the step the
@@ -1474,10 +1496,10 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan) -> None:
     # micro-batches in an fp16 run).
     inf_is_overflow = _dtype_has(g, "float16") | run.precision_trained.startswith("fp16")
     overflowed = g[inf_is_overflow & (g[T.INF] > 0)]
-    real = not overflowed.empty or (
-        run.precision_trained == "" and bool((g[T.overflow_col("fp16")] > 0).any())
-    )
-    g = overflowed if not overflowed.empty else g[g[T.overflow_col("fp16")] > 0]
+    # what fp16 would overflow, of the gradients it computes in fp16 (the keep list's stay fp32: ``kept``)
+    would = g[(g[T.overflow_col("fp16")] > 0) & ~kept.rows(g)]
+    real = not overflowed.empty or (run.precision_trained == "" and not would.empty)
+    g = overflowed if not overflowed.empty else would
     if g.empty:
         return
     mods = run.sort(g[T.MODULE])
