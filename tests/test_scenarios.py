@@ -1220,3 +1220,52 @@ def test_a_function_output_past_fp16_keeps_the_module_that_ran_it_in_fp32() -> N
     assert prof.summary()["model_inputs"] == ["block.a:input"]
     for name in rec.keep_fp32:
         model.get_submodule(name)  # what the configuration snippet does with each
+
+
+class _ListStream(torch.nn.Module):
+    """An un-normalised residual stream: ``big`` writes about 1e5 into it, and the layers of the ModuleList
+    ``post`` (called one by one by this forward, never through ``post``) and ``head`` read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = torch.nn.Linear(8, 8)
+        self.post = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 1)
+        with torch.no_grad():
+            self.big.weight.mul_(1e6)
+            for m in (*self.post, self.head):
+                m.weight.mul_(1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.big(x)
+        for layer in self.post:
+            h = h + layer(h)  # the add runs in this forward: the input rows post.0:input and post.1:input
+        return self.head(h)
+
+
+def test_a_layer_of_a_module_list_whose_input_overflows_fp16_is_kept_itself(block_formats_on: None) -> None:
+    """post.0's input is a function's output (an add in the root's forward) past fp16's range. Its name's parent,
+    the ModuleList ``post``, has no forward that runs: keeping it in fp32 kept nothing, and fp16 training at the
+    advised scale was nan on every step. The advisor keeps post.0 and post.1 themselves (the add ran in the root,
+    which would keep the whole model), and fp16 autocast with that list trains with finite losses."""
+    torch.manual_seed(0)
+    fp32 = train_profiled(
+        _ListStream(), regression_batches(8, seed=3), torch.nn.functional.mse_loss, steps=2, lr=1e-6
+    )
+    assert fp32.summary[T.SUMMARY_CAPTURE]["modules_without_forward"] == ["post"]
+    rec = fp32.recommend("v100")
+    over = rec.finding("fp16_activation_overflow")
+    assert over is not None and {"post.0:input", "post.1:input"} <= set(over.modules)
+    assert rec.fp16_keep_fp32 == ["big", "post.0", "post.1", "head"], rec.fp16_keep_fp32
+    torch.manual_seed(0)
+    fp16 = train_profiled(
+        _ListStream(),
+        regression_batches(8, seed=3),
+        torch.nn.functional.mse_loss,
+        precision="fp16",
+        loss_scale=rec.fp16_loss_scale,
+        keep_fp32=rec.fp16_keep_fp32,
+        steps=3,
+        lr=1e-6,
+    )
+    assert all(math.isfinite(v) for v in fp16.losses), fp16.losses

@@ -5,6 +5,7 @@ the parts torch.compile compiled and with which backend, each optimizer's settin
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -279,6 +280,23 @@ def dropout_layers(model: nn.Module) -> int:
     """Dropout modules that drop something (p > 0): a compiled run's sampled steps, run eagerly, draw other
     random numbers than inductor's kernels do."""
     return sum(1 for m in model.modules() if _compat.drops(m))
+
+
+_NO_FORWARD = inspect.getattr_static(nn.Module, "forward")  # nn.Module's own, which raises: no forward
+
+
+def modules_without_forward(model: nn.Module) -> list[str]:
+    """The model's modules with no forward of their own (``nn.ModuleList``, ``nn.ModuleDict``): their parent's
+    forward calls their children, so a function that computed a child's input ran there, and keeping one of them
+    in fp32 by its forward keeps nothing."""
+    return [
+        name
+        for name, m in _compat.named_modules(model)
+        # looked up without running a descriptor (a TorchScript module's forward raises when read off its class)
+        if name
+        and inspect.getattr_static(type(m), "forward", None) is _NO_FORWARD
+        and "forward" not in vars(m)
+    ]
 
 
 def compiled_parts(model: nn.Module) -> str | None:

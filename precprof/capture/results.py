@@ -29,6 +29,7 @@ from precprof.capture.model_facts import (
     low_precision_buffers,
     low_precision_linear,
     model_class_name,
+    modules_without_forward,
     optimizer_settings,
     resumed_optimizer_changes,
 )
@@ -301,6 +302,7 @@ class ProfilerResults:
             "shared_params": shared,
             "shared_outside": outside,
             **({"gemm_inputs": gemm_inputs, "model_inputs": model_inputs} if gemm_inputs is not None else {}),
+            "modules_without_forward": modules_without_forward(self.model) if plan is not None else [],
             "n_params": n_params,
             "param_bytes": param_bytes,
             "profiler_buffer_bytes": self.buffer_bytes,

@@ -85,22 +85,35 @@ def _n_modules(rows: Iterable[str]) -> int:
     return len({m.removesuffix(T.INPUT_SUFFIX) for m in rows})
 
 
-def _owner(module: str, model_inputs: Collection[str] = ()) -> str:
+def _owner(module: str, model_inputs: Collection[str] = (), no_forward: Collection[str] = ()) -> str:
     """The module to act on for a row's module name: itself, or, for a layer's own input row
-    (``T.input_module``: a function's output), the module whose forward ran that function, the layer's parent;
-    the layer itself at the top level, or where the row held the model's own input (``model_inputs``, passed on
-    to it by containers: the parent computed nothing, and keeping it would keep every layer under it)."""
+    (``T.input_module``: a function's output), the module whose forward ran that function, the layer's parent,
+    or the nearest ancestor above it that has a forward of its own where the parent has none (``no_forward``: an
+    ``nn.ModuleList`` or ``nn.ModuleDict``, whose children the forward above it calls; keeping it in fp32 by its
+    forward keeps nothing); the layer itself at the top level, where the function ran in the root's forward
+    (keeping the root would keep the whole model in fp32; keeping the layer keeps its read of the value in
+    fp32), or where the row held the model's own input (``model_inputs``, passed on to it by containers: the
+    parent computed nothing, and keeping it would keep every layer under it)."""
     if not module.endswith(T.INPUT_SUFFIX):
         return module
     layer = module[: -len(T.INPUT_SUFFIX)]
-    return layer.rsplit(".", 1)[0] if "." in layer and module not in model_inputs else layer
+    if module in model_inputs:
+        return layer
+    parent = layer.rpartition(".")[0]
+    while parent in no_forward:
+        parent = parent.rpartition(".")[0]
+    return parent or layer
 
 
-def _modules_to_keep(modules: Iterable[str], model_inputs: Collection[str] = ()) -> list[str]:
+def _modules_to_keep(
+    modules: Iterable[str], model_inputs: Collection[str] = (), no_forward: Collection[str] = ()
+) -> list[str]:
     """The modules to run in higher precision for rows whose values call for it: the innermost real modules,
     and for a layer's own input row its owner (``_owner``), whose descendants then need no entry."""
     ms = list(dict.fromkeys(modules))
-    owners = list(dict.fromkeys(_owner(m, model_inputs) for m in ms if m.endswith(T.INPUT_SUFFIX)))
+    owners = list(
+        dict.fromkeys(_owner(m, model_inputs, no_forward) for m in ms if m.endswith(T.INPUT_SUFFIX))
+    )
     real = _innermost(m for m in ms if not m.endswith(T.INPUT_SUFFIX))
     held = set(owners)
     return list(dict.fromkeys([*owners, *(m for m in real if not _under_any(m, held))]))
@@ -111,6 +124,14 @@ def _model_inputs(run: _Run) -> set[str]:
     recorded before the capture said so)."""
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     found = capture.get("model_inputs") if isinstance(capture, Mapping) else None
+    return {str(m) for m in found} if isinstance(found, list) else set()
+
+
+def _no_forward(run: _Run) -> set[str]:
+    """The model's modules with no forward of their own, ModuleLists and ModuleDicts (summary
+    capture.modules_without_forward; none in a run recorded before the capture said so)."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    found = capture.get("modules_without_forward") if isinstance(capture, Mapping) else None
     return {str(m) for m in found} if isinstance(found, list) else set()
 
 

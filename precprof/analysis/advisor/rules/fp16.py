@@ -23,6 +23,7 @@ from precprof.analysis.advisor.evidence import (
     _model_inputs,
     _modules_to_keep,
     _n_modules,
+    _no_forward,
     _nonzero,
     _normalise_remedy,
     _num,
@@ -81,7 +82,7 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     near_mods = run.sort(_innermost(near))
     # a layer's own input row (a function's output) is kept in fp32 through the module that ran the function; an
     # element-wise module (a dropout) through the layer that feeds it
-    keep = _modules_to_keep([*overflow_mods, *near_mods], _model_inputs(run))
+    keep = _modules_to_keep([*overflow_mods, *near_mods], _model_inputs(run), _no_forward(run))
     plan.fp16_passed_on = passed = _passed_on(run, keep)
     plan.keep_fp16 = run.sort(p for m in keep if (p := passed.get(m, m)))
     if overflow_mods:
