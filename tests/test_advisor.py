@@ -444,6 +444,7 @@ def test_fp16_blocked_when_a_layer_falls_below_fp16(request: pytest.FixtureReque
     rec = recommend(t, hardware="v100", summary=summary_for())
     f = must(rec, "fp16_gradient_underflow")
     assert f.severity == "critical"
+    assert "recovered fp32 accuracy" not in f.message  # the paper's scale of 8: no scale recovers this run
     k = int(math.log2(rec.fp16_loss_scale))
     # independent: fc1's and act's activation gradients, scaled and really cast, all vanish
     ag = t["layers"][t["layers"][T.TENSOR] == T.ACTIVATION_GRAD]
