@@ -129,9 +129,10 @@ class _Plan:
         # fp16's scale sized on a lower bound of the largest gradient (it came with inf or nan): an upper limit
         self.at_most = fmt == "fp16" and bool(rec.get("fp16_loss_scale_at_most"))
         self.said = "sized" if self.ruled_out or self.at_most else "recommended"
-        # the layers the run already runs in a block format (torchao's MX layers), which the block plan covers
+        # the layers the run already runs in a block format (torchao's MX layers), which the block plan covers (its
+        # "running" holds torchao's float8 training layers too, as "fp8")
         running = (rec.get("block_what_if") or {}).get("running")
-        self.running = len(running) if isinstance(running, Mapping) else 0
+        self.running = sum(f != "fp8" for f in running.values()) if isinstance(running, Mapping) else 0
 
     @property
     def dtype(self) -> str:

@@ -307,6 +307,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "layers_bf16": ("layers kept in BF16", "count"),
     "running_block_format": ("layers this run already runs in a block format (torchao's MX layers)", "count"),
     "moved_block_format": ("of those, layers the plan gives another format", "count"),
+    "running_fp8": ("layers this run already runs in FP8 (torchao's float8 training)", "count"),
     "nvfp4_worst_sqnr_db": ("lowest SQNR of an NVFP4 layer's operand", "db"),
     "nvfp4_max_flushed_share": ("largest share flushed in an NVFP4 layer's operand", "share"),
     "mxfp4_worst_sqnr_db": ("lowest SQNR of an MXFP4 layer's operand", "db"),

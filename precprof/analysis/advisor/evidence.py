@@ -260,6 +260,21 @@ class _Run:
         }
 
     @property
+    def fp8_running(self) -> dict[str, str]:
+        """Per linear layer of the run that trains with torchao's float8 training, how: "Float8Linear" (the
+        module, ``convert_to_float8_training``'s) or "quantize_" (an nn.Linear whose weight ``quantize_`` made an
+        FP8 training weight: a recipe of ``capture.fp8_recipe`` naming a ``weight_type``); {} for a run without
+        any. A Float8Linear recorded before the recipe was is found by its module type."""
+        capture = self.summary.get(T.SUMMARY_CAPTURE) or {}
+        recipes = capture.get("fp8_recipe") if isinstance(capture, Mapping) else None
+        out = {m: "Float8Linear" for m, t in self.types.items() if str(t) in taxonomy.FP8_MODULE_TYPES}
+        for r in recipes if isinstance(recipes, list) else []:
+            if isinstance(r, Mapping):
+                for m in r.get("layers") or []:
+                    out[str(m)] = "quantize_" if r.get("weight_type") else "Float8Linear"
+        return out
+
+    @property
     def block_running(self) -> dict[str, str]:
         """Per layer of the run that runs torchao's MX layers, its block format (``capture.block_recipe``:
         "mxfp8"); {} for a run without any, or recorded before the recipe was."""
@@ -273,6 +288,14 @@ class _Run:
             if isinstance(r, Mapping)
             for m in r.get("layers") or []
         }
+
+    @property
+    def running_formats(self) -> dict[str, str]:
+        """What each linear layer of the run already trains in, in forward order: its block format (torchao's MX
+        and NVFP4 layers, ``block_running``), or "fp8" (torchao's float8 training, ``fp8_running``); layers of
+        neither are absent."""
+        running = {**dict.fromkeys(self.fp8_running, "fp8"), **self.block_running}
+        return {m: running[m] for m in self.sort(running)}
 
     @property
     def autocast(self) -> Mapping[str, Any]:

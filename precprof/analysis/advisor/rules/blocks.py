@@ -90,6 +90,9 @@ RECIPE_LABELS: dict[str, str] = {
     "nvfp4": "NVFP4",
 }
 WHAT_IF_TARGET = "b200"  # the preset a run planned elsewhere is told about
+FP8_RUNNING = (
+    "fp8"  # what a layer of torchao's float8 training runs, beside the block formats (_Run.running_formats)
+)
 
 
 def _input_of(
@@ -702,8 +705,9 @@ def _unreached_said(unreached: list[str]) -> str:
 
 
 def _moves(table: list[LayerBlocks], running: Mapping[str, str]) -> dict[tuple[str, str], list[str]]:
-    """The plan's layers that already run a block format (``running``: torchao's MX layers), by (the format
-    they run, the one the plan gives them)."""
+    """The plan's layers that already run a low-precision format (``running``: torchao's MX and NVFP4 layers by
+    their block format, its float8 training layers as "fp8"), by (the format they run, the one the plan gives
+    them)."""
     out: dict[tuple[str, str], list[str]] = {}
     for lb in table:
         if lb.module in running:
@@ -712,7 +716,8 @@ def _moves(table: list[LayerBlocks], running: Mapping[str, str]) -> dict[tuple[s
 
 
 def _running_of(table: list[LayerBlocks], running: Mapping[str, str]) -> dict[str, str]:
-    """The block format each layer of the table runs in this run (layer -> "mxfp8"), for the report."""
+    """The format each layer of the table runs in this run (layer -> "mxfp8", or "fp8" for torchao's float8
+    training), for the report."""
     return {lb.module: running[lb.module] for lb in table if lb.module in running}
 
 
@@ -720,27 +725,62 @@ def _label(fmt: str) -> str:
     return PLAN_LABELS.get(fmt, fmt.upper())
 
 
-def _running_said(moves: Mapping[tuple[str, str], list[str]], limit: int) -> str:
-    """What the plan does to the layers this run already runs in a block format, against what they run ("" for a
-    run with none): a plan proposing NVFP4 for layers that already ran MXFP8 had not said they did."""
-    if not moves:
-        return ""
-    now: dict[str, int] = {}
-    for (was, _), modules in moves.items():
-        now[was] = now.get(was, 0) + len(modules)
-    parts = [
-        f"keeps {len(modules)} in {_label(was)} ({_listing(modules, limit)})"
-        if was == to
-        else f"moves {len(modules)} from {_label(was)} to {_label(to)} ({_listing(modules, limit)})"
-        for (was, to), modules in moves.items()
+def _fp8_whose(how: Mapping[str, str], modules: list[str]) -> str:
+    """torchao's float8 training as the run applied it to ``modules`` (``_Run.fp8_running``), in words."""
+    kinds = {how.get(m, "Float8Linear") for m in modules}
+    said = [
+        *(["Float8Linear layers"] * ("Float8Linear" in kinds)),
+        *(["nn.Linear layers whose weights quantize_ made FP8 training weights"] * ("quantize_" in kinds)),
     ]
-    runs = ", ".join(f"{_label(f)} on {n}" for f, n in now.items())
-    whose = " and ".join(["MX"] * any(f != "nvfp4" for f in now) + ["NVFP4"] * ("nvfp4" in now))
-    return f" This run already runs {runs} of these layers (torchao's {whose} layers); the plan {'; '.join(parts)}."
+    return f"torchao's float8 training: {' and '.join(said)}"
+
+
+def _running_said(
+    moves: Mapping[tuple[str, str], list[str]], limit: int, fp8_how: Mapping[str, str] | None = None
+) -> str:
+    """What the plan does to the layers this run already runs in a block format or in FP8, against what they run
+    ("" for a run with none): a plan proposing NVFP4 for layers that already ran MXFP8 had not said they did, nor
+    for layers that ran FP8, whose plan read as if they ran bf16."""
+    block = {k: v for k, v in moves.items() if k[0] != FP8_RUNNING}
+    fp8 = {to: v for (was, to), v in moves.items() if was == FP8_RUNNING}
+    out = ""
+    if block:
+        now: dict[str, int] = {}
+        for (was, _), modules in block.items():
+            now[was] = now.get(was, 0) + len(modules)
+        parts = [
+            f"keeps {len(modules)} in {_label(was)} ({_listing(modules, limit)})"
+            if was == to
+            else f"moves {len(modules)} from {_label(was)} to {_label(to)} ({_listing(modules, limit)})"
+            for (was, to), modules in block.items()
+        ]
+        runs = ", ".join(f"{_label(f)} on {n}" for f, n in now.items())
+        whose = " and ".join(["MX"] * any(f != "nvfp4" for f in now) + ["NVFP4"] * ("nvfp4" in now))
+        out += f" This run already runs {runs} of these layers (torchao's {whose} layers); the plan {'; '.join(parts)}."
+    if fp8:
+        every = [m for modules in fp8.values() for m in modules]
+        parts = [
+            f"moves {len(modules)} from FP8 to {_label(to)} ({_listing(modules, limit)})"
+            for to, modules in fp8.items()
+            if to != "bf16"
+        ]
+        if "bf16" in fp8:
+            kept = fp8["bf16"]
+            parts.append(
+                f"gives {len(kept)} no block format ({_listing(kept, limit)}: the plan's BF16 is where no block "
+                "format passes its rule, which does not judge the FP8 they run now; the FP8 eligibility finding "
+                "does)"
+            )
+        out += (
+            f" This run already runs FP8 on {len(every)} of these layers ({_fp8_whose(fp8_how or {}, every)}): "
+            "for them a block format is a what-if against the FP8 they run, not against bf16, judged on the "
+            f"same high-precision operands their FP8 casts read; the plan {'; '.join(parts)}."
+        )
+    return out
 
 
 def _running_title(moves: Mapping[tuple[str, str], list[str]]) -> str:
-    """The title's words on the layers the run already runs in a block format ("" for none)."""
+    """The title's words on the layers the run already runs in a block format or in FP8 ("" for none)."""
     now: dict[str, int] = {}
     for (was, _), modules in moves.items():
         now[was] = now.get(was, 0) + len(modules)
@@ -849,8 +889,9 @@ def _rule_block_formats(
     kept = [lb for lb in table if not lb.evaluated]
     note += _kept_unevaluated_said(kept)
     note += _head_said(run, table)
-    moves = _moves(table, run.block_running)
-    note += _running_said(moves, lim)
+    running = _running_of(table, run.running_formats)
+    moves = _moves(table, running)
+    note += _running_said(moves, lim, run.fp8_running)
     note += _skipped_note(overflowed, [lb.module for lb in table if lb.gradient_skipped])
     numbers: dict[str, Number] = {
         "checked": len(evaluated),
@@ -860,8 +901,9 @@ def _rule_block_formats(
         "layers_mxfp4": len(by["mxfp4"]),
         "layers_mxfp8": len(by["mxfp8"]),
         "layers_bf16": len(by["bf16"]),
-        "running_block_format": sum(len(m) for m in moves.values()),
-        "moved_block_format": sum(len(m) for (was, to), m in moves.items() if was != to),
+        "running_block_format": sum(len(m) for (was, _), m in moves.items() if was != FP8_RUNNING),
+        "moved_block_format": sum(len(m) for (was, to), m in moves.items() if was not in (to, FP8_RUNNING)),
+        "running_fp8": sum(len(m) for (was, _), m in moves.items() if was == FP8_RUNNING),
         "nvfp4_worst_sqnr_db": worst("nvfp4", "sqnr_db"),
         "nvfp4_max_flushed_share": worst("nvfp4", "flushed_share"),
         "mxfp4_worst_sqnr_db": worst("mxfp4", "sqnr_db"),
@@ -895,13 +937,13 @@ def _rule_block_formats(
         reason = (
             f"Block formats on {where}: {counts} of the {len(table) + len(unjudged)} linear layers"
             f"{_unreached_said(unjudged)} (see the finding “Block formats” for the numbers); the rest of the "
-            f"model follows the format above.{_running_said(moves, 4)}"
+            f"model follows the format above.{_running_said(moves, 4, run.fp8_running)}"
         )
         what_if = what_if_data(table, cfg, str(target.preset or target.name), True)
         return BlockPlan(
             {lb.module: lb.choice for lb in table},
             reason,
-            {**what_if, "not_evaluated": unjudged, "running": _running_of(table, run.block_running)},
+            {**what_if, "not_evaluated": unjudged, "running": running},
         )
     plan.add(
         Finding(
@@ -917,6 +959,4 @@ def _rule_block_formats(
         )
     )
     what_if = what_if_data(table, cfg, str(target.preset or target.name), False)
-    return BlockPlan(
-        {}, "", {**what_if, "not_evaluated": unjudged, "running": _running_of(table, run.block_running)}
-    )
+    return BlockPlan({}, "", {**what_if, "not_evaluated": unjudged, "running": running})

@@ -1,0 +1,106 @@
+"""A loop of its own that already trains with torchao's float8 training (torchao 0.18 on the CPU): Float8Linear
+layers (``convert_to_float8_training``) and an nn.Linear whose weight ``quantize_(model, Float8TrainingOpConfig())``
+made an FP8 training weight. The block plan read as if they ran bf16 ("3 NVFP4, 1 BF16" without a word of FP8),
+the FP32 snippet said the loop stays as it is (their conversion still made them FP8), and the precision check said
+"Asked for fp8." of a run that asked nothing.
+
+One real run, shared by the tests: layers 0 and 4 (the output head) Float8Linear, layer 2 made FP8 by quantize_,
+two steps under bf16 autocast, every layer's block formats evaluated on every step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import precprof
+from precprof import tables as T
+from precprof.analysis.advisor import recommend
+from precprof.analysis.advisor.rules import blocks as rb
+from precprof.report import context as report_context
+
+float8 = pytest.importorskip("torchao.float8")
+training_config = pytest.importorskip("torchao.prototype.moe_training.config")
+quantization = pytest.importorskip("torchao.quantization")
+
+FP8 = ("0", "2", "4")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 16))
+    float8.convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn in ("0", "4"))
+    quantization.quantize_(
+        model, training_config.Float8TrainingOpConfig(), filter_fn=lambda m, fqn: fqn == "2"
+    )
+    assert [type(m).__name__ for m in model[::2]] == ["Float8Linear", "Linear", "Float8Linear"]
+    assert type(model[2].weight).__name__ == "Float8TrainingWeightWrapperTensor"
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    out = tmp_path_factory.mktemp("fp8") / "run"
+    prof = precprof.Profiler(model, opt, sample_every=1, memory=False, block_formats=True, block_groups=1)
+    with prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = model(torch.randn(32, 32))
+            loss = y.float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss.detach())
+    prof.save(out)
+    return out
+
+
+_RECOMMENDED: dict[tuple[Path, str], Any] = {}
+
+
+def _recommended(run: Path, hardware: str = "b200") -> tuple[Any, dict, dict]:
+    """The recommendation for ``hardware`` (made once a run and target), the tables and the summary of ``run``."""
+    summary = T.read_summary(run)
+    tables = T.read_tables(run)
+    if (run, hardware) not in _RECOMMENDED:
+        _RECOMMENDED[run, hardware] = recommend(tables, hardware=hardware, summary=summary)
+    return _RECOMMENDED[run, hardware], tables, summary
+
+
+def test_the_block_plan_says_which_layers_already_run_fp8(run: Path) -> None:
+    """The plan gives the FP8 layers block formats: the finding, its title, the verdict's reason and box, and the
+    table's plan column say they run FP8 now, that a block format is a what-if against that FP8, not bf16, and
+    what the plan does to them; the head, which no block format suits, is said to get none, not to move to bf16
+    as if FP8 had been judged. On a Hopper the what-if's finding says the same."""
+    rec, tables, summary = _recommended(run)
+    assert rec.block_what_if["running"] == dict.fromkeys(FP8, "fp8")
+    choice = {lb["module"]: lb["choice"] for lb in rec.block_what_if["layers"]}
+    assert choice["4"] == "bf16"  # the output head: no FP4, and out_features 16 is no multiple of MX's 32
+    (found,) = [f for f in rec.findings if f.code == "block_format_plan"]
+    assert found.title.endswith("; 3 run FP8 now")
+    said = (
+        "This run already runs FP8 on 3 of these layers (torchao's float8 training: Float8Linear layers and "
+        "nn.Linear layers whose weights quantize_ made FP8 training weights): for them a block format is a "
+        "what-if against the FP8 they run, not against bf16"
+    )
+    assert said in found.message and "(torchao's MX" not in found.message
+    for to in {choice[m] for m in FP8} - {"bf16"}:
+        them = [m for m in FP8 if choice[m] == to]
+        assert f"moves {len(them)} from FP8 to {rb.PLAN_LABELS[to]} ({', '.join(them)})" in found.message
+    assert (
+        "gives 1 no block format (4: the plan's BF16 is where no block format passes its rule"
+        in found.message
+    )
+    assert "moves 1 from FP8 to BF16" not in found.message
+    assert found.numbers["running_fp8"] == 3 and found.numbers["running_block_format"] == 0
+    assert found.numbers["moved_block_format"] == 0
+    assert any(said in r for r in rec.reasons)
+    ctx = report_context.build_context(tables, summary, rec)
+    now = {m: g["now"] for g in ctx["verdict"]["block_plan"] for m in g["modules"]}
+    assert all("FP8 now" in now[m] for m in FP8)
+    rows = {r["module"]: r["running"] for r in ctx["whatif"]["blocks"]["rows"]}
+    assert rows == dict.fromkeys(FP8, "FP8")
+    rec, _, _ = _recommended(run, "h100")
+    (found,) = [f for f in rec.findings if f.code == "block_format_what_if"]
+    assert found.title.endswith("; 3 run FP8 now") and said in found.message
