@@ -19,6 +19,7 @@ from torch import nn
 
 import precprof
 from precprof import tables as T
+from precprof.analysis import snippets
 from precprof.analysis.advisor import recommend
 from precprof.analysis.advisor.rules import blocks as rb
 from precprof.report import context as report_context
@@ -74,6 +75,7 @@ def test_the_block_plan_says_which_layers_already_run_fp8(run: Path) -> None:
     what the plan does to them; the head, which no block format suits, is said to get none, not to move to bf16
     as if FP8 had been judged. On a Hopper the what-if's finding says the same."""
     rec, tables, summary = _recommended(run)
+    assert rec.running_formats == dict.fromkeys(FP8, "fp8")
     assert rec.block_what_if["running"] == dict.fromkeys(FP8, "fp8")
     choice = {lb["module"]: lb["choice"] for lb in rec.block_what_if["layers"]}
     assert choice["4"] == "bf16"  # the output head: no FP4, and out_features 16 is no multiple of MX's 32
@@ -104,3 +106,23 @@ def test_the_block_plan_says_which_layers_already_run_fp8(run: Path) -> None:
     rec, _, _ = _recommended(run, "h100")
     (found,) = [f for f in rec.findings if f.code == "block_format_what_if"]
     assert found.title.endswith("; 3 run FP8 now") and said in found.message
+
+
+def test_snippets_of_another_format_take_the_fp8_layers_out_of_their_conversion(run: Path) -> None:
+    """FP32's and BF16's code for a run whose layers torchao converted to FP8: autocast does not undo that
+    conversion, so the code says to remove it and names the layers, in every framework; FP8's code does not.
+    FP32's had said the loop stays as it is, or, with the block what-if, counted them as MX layers. A summary
+    written before running_formats reads its block what-if's MX layers as before."""
+    rec = _recommended(run, "h100")[0].to_dict()
+    for fmt in ("fp32", "bf16"):
+        for framework in snippets.frameworks(fmt):
+            code = snippets.snippet(rec, framework, fmt)
+            compile(code, framework, "exec")
+            assert "# No FP8: this run trained the 3 layer(s) below with torchao's float8 training" in code
+            assert "fp8_in_this_run = ['0', '2', '4']" in code
+            assert "the loop stays as it is" not in code and "block-format layer(s)" not in code
+    assert "No FP8" not in snippets.snippet(rec, "pytorch", "fp8")
+    older = {k: v for k, v in rec.items() if k != "running_formats"}
+    older["block_what_if"] = {"running": {"0": "mxfp8"}}
+    code = snippets.snippet(older, "pytorch", "fp32")
+    assert "FP32 for all but the 1 block-format layer(s)" in code and "No FP8" not in code

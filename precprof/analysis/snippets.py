@@ -129,10 +129,16 @@ class _Plan:
         # fp16's scale sized on a lower bound of the largest gradient (it came with inf or nan): an upper limit
         self.at_most = fmt == "fp16" and bool(rec.get("fp16_loss_scale_at_most"))
         self.said = "sized" if self.ruled_out or self.at_most else "recommended"
-        # the layers the run already runs in a block format (torchao's MX layers), which the block plan covers (its
-        # "running" holds torchao's float8 training layers too, as "fp8")
-        running = (rec.get("block_what_if") or {}).get("running")
-        self.running = sum(f != "fp8" for f in running.values()) if isinstance(running, Mapping) else 0
+        # the layers the run already trains in torchao's low-precision layers (layer -> "fp8" or a block format);
+        # a summary written before running_formats has the block plan's MX layers alone
+        running = rec.get("running_formats")
+        if not isinstance(running, Mapping):
+            running = (rec.get("block_what_if") or {}).get("running")
+        running = running if isinstance(running, Mapping) else {}
+        # its FP8 layers (torchao's float8 training), which a snippet of another format takes out of FP8
+        self.fp8_run = [str(m) for m, f in running.items() if f == "fp8"]
+        # its block-format layers (torchao's MX and NVFP4 layers), which the block plan covers
+        self.running = sum(f != "fp8" for f in running.values())
 
     @property
     def dtype(self) -> str:
@@ -166,6 +172,21 @@ class _Plan:
         if not self.fp8:
             lines.insert(0, "# the recommendation lists no FP8-eligible layer: nothing is converted")
         return lines
+
+    def fp8_undone(self) -> list[str]:
+        """For a format other than FP8, what it asks of the layers this run trained in FP8 (torchao's float8
+        training): they leave it, which autocast and run_in_fp32 do not do (a Float8Linear casts its operands to
+        FP8 inside autocast or out of it); [] for FP8's code or a run without FP8 layers."""
+        if self.fmt == "fp8" or not self.fp8_run:
+            return []
+        return [
+            f"# No FP8: this run trained the {len(self.fp8_run)} layer(s) below with torchao's float8 "
+            "training; remove the",
+            "# convert_to_float8_training (or quantize_ with Float8TrainingOpConfig) call that converted them (a "
+            "converted",
+            "# layer casts its matmuls' operands to FP8 with autocast or without)",
+            f"fp8_in_this_run = {_list_literal(self.fp8_run)}",
+        ]
 
     def scaler(self, cls: str = "torch.amp.GradScaler", device: str = "device_type") -> str:
         return f"{cls}({device}, init_scale={self.scale}, growth_interval={self.growth})"
@@ -203,6 +224,8 @@ def _pytorch(plan: _Plan) -> list[str]:
             f"# FP32 for all but the {plan.running} block-format layer(s) the run converted (torchao's MX or NVFP4 layers):",
             "# no autocast and no GradScaler; for those layers see the block-format finding",
         ]
+    elif fmt == "fp32" and plan.fp8_run:  # the loop stays, the conversion goes (plan.fp8_undone)
+        out += ["# FP32: no autocast and no GradScaler"]
     elif fmt == "fp32":
         out += ["# FP32: no autocast and no GradScaler, the loop stays as it is"]
     elif fmt == "tf32":
@@ -214,6 +237,7 @@ def _pytorch(plan: _Plan) -> list[str]:
     else:
         out += ["# FP8 training for the eligible layers (torchao), BF16 autocast for the rest", ""]
         out += plan.fp8_block()
+    out += plan.fp8_undone()
     out += plan.keep_block()
     if fmt == "fp8":
         out += ["", f"model = torch.compile(model)  # {_COMPILE_NOTE}"]
@@ -243,6 +267,7 @@ def _hf(plan: _Plan) -> list[str]:
         out += [f"device_type = {plan.device}", *plan.keep_block(), ""]
     if fmt == "fp32":
         out += ["# FP32 is the Trainer's default: no bf16/fp16 flag"]
+    out += plan.fp8_undone()
     if fmt == "fp8":
         out += [f"# torch_compile=True: {_COMPILE_NOTE}"]
     args = ['output_dir="out"'] + ([flags[fmt]] if fmt in flags else [])
@@ -271,6 +296,8 @@ def _lightning(plan: _Plan) -> list[str]:
     if fmt == "fp8":
         out += ["# in your LightningModule's configure_model (or before fit): FP8 for the eligible layers"]
         out += [*plan.fp8_block(), ""]
+    if plan.fp8_undone():
+        out += [*plan.fp8_undone(), ""]
     if plan.keep and plan.autocast:
         out += [f"device_type = {plan.device}", *plan.keep_block(), ""]
     if fmt == "fp8":
@@ -306,6 +333,8 @@ def _fsdp(plan: _Plan) -> list[str]:
         out += [_TF32, ""]
     if fmt == "fp8":
         out += ["# FP8 for the eligible layers, before sharding", *plan.fp8_block(), ""]
+    if plan.fp8_undone():
+        out += [*plan.fp8_undone(), ""]
     keep = plan.keep and plan.autocast
     if keep:
         out += [f"keep_fp32 = {_list_literal(plan.keep)}", ""]

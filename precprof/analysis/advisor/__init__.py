@@ -182,6 +182,7 @@ def recommend(
     blocks = _rule_block_formats(run, plan, dims)
 
     rec = _decide(run, plan)
+    rec.running_formats = run.running_formats
     if blocks is not None:
         rec.block_plan = blocks.plan
         rec.block_what_if = blocks.what_if

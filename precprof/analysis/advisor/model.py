@@ -101,6 +101,10 @@ class Recommendation:
     fp16_keep_fp32: list[str] = field(default_factory=list)
     measured_keep_fp32: list[str] = field(default_factory=list)
     measured_fp8_layers: list[str] = field(default_factory=list)
+    # the linear layers the run already trains in a low-precision format of torchao's, layer -> "fp8" (its float8
+    # training: a Float8Linear, or an nn.Linear whose weight quantize_ made an FP8 training weight) or the block
+    # format of its MX and NVFP4 layers; what a snippet of another format takes out of the conversion, or keeps
+    running_formats: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (stored as summary.json["recommendation"])."""
