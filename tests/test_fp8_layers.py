@@ -23,6 +23,8 @@ from precprof.analysis import snippets
 from precprof.analysis.advisor import recommend
 from precprof.analysis.advisor.rules import blocks as rb
 from precprof.report import context as report_context
+from precprof.report import render
+from precprof.report import summarize as S
 
 float8 = pytest.importorskip("torchao.float8")
 training_config = pytest.importorskip("torchao.prototype.moe_training.config")
@@ -126,3 +128,30 @@ def test_snippets_of_another_format_take_the_fp8_layers_out_of_their_conversion(
     older["block_what_if"] = {"running": {"0": "mxfp8"}}
     code = snippets.snippet(older, "pytorch", "fp32")
     assert "FP32 for all but the 1 block-format layer(s)" in code and "No FP8" not in code
+
+
+def test_a_loop_of_its_own_reads_as_fp8_seen_not_asked(run: Path) -> None:
+    """The precision check of a loop that asked for nothing says what it saw, not "Asked for fp8."; a run whose
+    configuration asked for fp8 says it was asked for. Where no FP8 layer is found, the check names both of
+    torchao's ways to FP8: Float8Linear and quantize_'s FP8 training weight."""
+    tables, summary = T.read_tables(run), T.read_summary(run)
+    asked = {**summary, T.SUMMARY_CONFIG: {"precision": "fp8"}}
+    verification = render.environment().get_template("_verification.html.j2")
+    section = {"id": "verification", "number": 1, "heading": "Precision check"}
+    for s, line in ((summary, "Seen: <strong>fp8</strong> (what the run trained in"), (asked, "Asked for")):
+        check = S.precision_check(tables["layers"], tables["memory"], s)
+        assert check["ok"] and "FP8 GEMMs ran: 3 of 3 linear layers" in check["verdict"]
+        page = verification.render(section=section, verification=check)
+        assert line in page and ("Asked for" in page) == (s is asked)
+    # the same tables with no layer recorded as FP8: the check's last word names quantize_ too
+    layers = tables["layers"].assign(
+        **{T.MODULE_TYPE: tables["layers"][T.MODULE_TYPE].replace("Float8Linear", "Linear")}
+    )
+    for s, said in ((asked, "FP8 was asked for"), (summary, "The run was seen as FP8")):
+        capture = {k: v for k, v in s[T.SUMMARY_CAPTURE].items() if k != "fp8_recipe"}
+        check = S.precision_check(layers, tables["memory"], {**s, T.SUMMARY_CAPTURE: capture})
+        assert not check["ok"] and check["verdict"].startswith(
+            f"{said} but no linear layer ran as a torchao Float8Linear or as an nn.Linear whose weight torchao's "
+            "quantize_ made an FP8 training weight (Float8TrainingOpConfig): its 3 linear layers ran their "
+            "matmuls in bf16."
+        )

@@ -469,8 +469,10 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     For an fp8 run it also confirms that FP8 GEMMs ran (``taxonomy.fp8_linear_layers``), for an MX run
     ("mxfp8": torchao's MX layers, whose outputs keep their input's dtype) that its MX GEMMs did.
 
-    Returns {"requested", "rows": [{"what", "census"}], "active": bool, "verdict": str, "ok": bool, "banner":
-    str (the banner's headline when not ok, "" for the usual one)}.
+    Returns {"requested", "asked": bool (whether a configuration asked for ``requested``; the user's own loop asks
+    nothing, and its ``requested`` is the precision the profiler saw it train in), "rows": [{"what", "census"}],
+    "active": bool, "verdict": str, "ok": bool, "banner": str (the banner's headline when not ok, "" for the usual
+    one)}.
     """
     requested = requested_precision(summary)
     # "mxfp8" holds "fp8", and asks nothing of the activations' dtypes; nor does torchao's NVFP4Linear's "nvfp4"
@@ -542,6 +544,7 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
         verdict = _mx_verdict(verdict, *mx_layers, summary)
     return {
         "requested": requested,
+        "asked": bool(_asked_precision(summary)),
         "rows": census_rows,
         "active": active,
         "verdict": verdict,
@@ -635,7 +638,10 @@ def _mx_verdict(verdict: str, mx_layers: list[str], n_linear: int, summary: Mapp
     recipes = capture.get("block_recipe") if isinstance(capture, Mapping) else None
     recipes = [r for r in recipes if isinstance(r, Mapping)] if isinstance(recipes, list) else []
     if not mx_layers:
-        return f"{verdict} No linear layer ran as one of torchao's MX or NVFP4 layers."
+        return (
+            f"{verdict} No linear layer ran as one of torchao's MX or NVFP4 layers, or as an nn.Linear whose "
+            "weight torchao's quantize_ made an MX training weight."
+        )
     types = ", ".join(sorted({_mx_kind(r) for r in recipes})) or "torchao MX layers"
     emulated = sum(len(r.get("layers") or []) for r in recipes if r.get("emulated"))
     kinds = {str(r.get("format", "mx")) for r in recipes}
@@ -685,7 +691,9 @@ def _fp8_verdict(
             f"{verdict} FP8 ran through Transformer Engine ({cfg.get('fp8_layers', '?')} te.Linear layers, by "
             "the run's configuration): its layers are named Linear, so the tables cannot confirm them."
         ), True
+    said = "FP8 was asked for" if _asked_precision(summary) else "The run was seen as FP8"
     return (
-        f"FP8 was asked for but no linear layer ran as a torchao Float8Linear: its {n_linear} linear layers "
-        "ran their matmuls in bf16. " + verdict
+        f"{said} but no linear layer ran as a torchao Float8Linear or as an nn.Linear whose weight torchao's "
+        f"quantize_ made an FP8 training weight (Float8TrainingOpConfig): its {n_linear} linear layers ran "
+        "their matmuls in bf16. " + verdict
     ), False
