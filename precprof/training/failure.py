@@ -39,6 +39,8 @@ OPTIMIZER = "optimizer step"
 START = "start of training"
 END = "end of training"
 _THROUGH_THE_MODEL = (FORWARD, BACKWARD)
+# torch's own files: never the user's line, wherever torch is installed
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 @dataclass(frozen=True)
@@ -123,14 +125,22 @@ def _is_models(frame: traceback.FrameSummary, files: set[str]) -> bool:
     return not is_precprof(name) and (is_users(name) or os.path.abspath(name) in files)
 
 
+def _is_users(frame: traceback.FrameSummary) -> bool:
+    """Whether ``frame`` is of the user's own files (``is_users``), torch's left out wherever it lies (a torch
+    built from source, installed editable)."""
+    return is_users(frame.filename) and not os.path.abspath(frame.filename).startswith(_TORCH)
+
+
 def _innermost(
     frames: traceback.StackSummary, files: set[str], model_only: bool = False
 ) -> traceback.FrameSummary | None:
-    """The innermost frame of the model's code (``_is_models``); else, unless ``model_only``, the
-    innermost."""
-    own = [f for f in frames if _is_models(f, files)]
-    if own:
-        return own[-1]
+    """Where the model's code raised: the innermost frame of the user's own files (``_is_users``: the line
+    that called a torch layer of the wrong width, not the line of torch's ``linear.py`` that refused it); else
+    the innermost of the model's module classes (``_is_models``: a built-in or an installed package's model);
+    else, unless ``model_only``, the innermost."""
+    for own in ([f for f in frames if _is_users(f)], [f for f in frames if _is_models(f, files)]):
+        if own:
+            return own[-1]
     return frames[-1] if frames and not model_only else None
 
 
