@@ -12,6 +12,7 @@ import functools
 import gc
 import os
 import sys
+import traceback
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -671,6 +672,26 @@ def restore_stance(token: Any) -> str | None:
     with contextlib.suppress(AttributeError, RuntimeError, TypeError):
         ef._set_stance(prior)
     return None
+
+
+def traced_error(e: BaseException) -> tuple[BaseException, list[traceback.FrameSummary]]:
+    """The model's own error under ``e`` and the frames of the model's code Dynamo was tracing when it raised
+    ``e`` (its ``real_stack``, outermost first; the traceback holds Dynamo's frames only). A layer of the wrong
+    width in a ``torch.compile``d model is refused while Dynamo runs it on fake tensors, which raises Dynamo's
+    ``TorchRuntimeError`` ("RuntimeError when making fake tensor call", then a page of explanation), the
+    model's RuntimeError ("a and b must have same reduction dim ...") the innermost of its contexts. ``(e,
+    frames)`` for another of Dynamo's errors, ``(e, [])`` for any other error."""
+    stack = getattr(e, "real_stack", None)
+    frames = list(stack) if isinstance(stack, traceback.StackSummary) else []
+    exc = sys.modules.get("torch._dynamo.exc")
+    dynamos, fake_call = getattr(exc, "TorchDynamoException", None), getattr(exc, "TorchRuntimeError", None)
+    if not (isinstance(dynamos, type) and isinstance(fake_call, type) and isinstance(e, fake_call)):
+        return e, frames
+    inner, seen = e, {id(e)}
+    while inner.__context__ is not None and id(inner.__context__) not in seen:
+        inner = inner.__context__
+        seen.add(id(inner))
+    return (inner if not isinstance(inner, dynamos) else e), frames
 
 
 # ------------------------------------------------------------------------------------------- hooks

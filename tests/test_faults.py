@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import inspect
 import json
 import os
 import re
@@ -31,7 +32,7 @@ from precprof import _atomic, _saving, cli, pipeline, rundir, runfiles
 from precprof import tables as T
 from precprof.capture import stream
 from precprof.errors import RunNotSavedWarning, UserError
-from precprof.training import TrainConfig, train
+from precprof.training import TrainConfig, failure, train
 
 TINY = ["--batch-size", "2", "--seq-len", "8", "--device", "cpu", "--no-progress"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
@@ -692,6 +693,56 @@ def test_the_step_a_crash_cut_off_is_not_counted_as_done(tmp_path: Path) -> None
     assert f'<span class="k">steps</span><span class="v">{done}</span>' in header, header
     sampled = T.read_tables(out)["layers"][T.STEP].nunique()  # the cut-off step's records are kept
     assert f'<span class="k">sampled steps</span><span class="v">{sampled} (1 cut off)</span>' in header
+
+
+class WrongWidth(torch.nn.Module):
+    """A model's bugs: a layer of the wrong width (nn.Linear(32, 16) on 16 features), an error without a
+    message."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mid = torch.nn.Linear(16, 16)
+        self.wrong = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            raise ValueError
+        return self.wrong(self.mid(x))
+
+
+def test_the_one_line_of_a_models_error_names_the_models_line_under_torch_compile_too() -> None:
+    """The one line names the model's own line, not torch's linear.py that refused its layer of the wrong
+    width (h78). Under torch.compile the layer is refused while Dynamo traces the model with fake tensors: its
+    error, TorchRuntimeError, said "RuntimeError when making fake tensor call" (a page of explanation below),
+    Dynamo's frames only in its traceback, and the line named no place; it names the model's RuntimeError and
+    line. An error without a message ends at the place; a message's last full stop is not left before the
+    terminal's "; its traceback is in ..."."""
+    model = WrongWidth()
+    source, first = inspect.getsourcelines(WrongWidth.forward)
+    raise_line, call_line = (
+        first + next(i for i, s in enumerate(source) if w in s) for w in ("raise", "wrong")
+    )
+    head = "the model raised {} in the forward pass of step 3 (at {}:{}, in forward)"
+    with pytest.raises(RuntimeError) as eager:
+        model(torch.zeros(2, 16))
+    said = failure.keep(eager.value, model, "factory", None, 3, failure.FORWARD)
+    assert said.blame == "model" and said.traceback is None
+    expected = "mat1 and mat2 shapes cannot be multiplied (2x16 and 32x16)"
+    assert said.text == head.format("RuntimeError", __file__, call_line) + f": {expected}", said.text
+    with pytest.raises(ValueError) as bare:
+        model(torch.zeros(16))
+    said = failure.keep(bare.value, model, "factory", None, 3, failure.FORWARD)
+    assert said.text == head.format("ValueError", __file__, raise_line), said.text
+    try:
+        with pytest.raises(RuntimeError) as traced:
+            torch.compile(model, backend="eager")(torch.zeros(2, 16))
+    finally:
+        torch.compiler.reset()
+    said = failure.keep(traced.value, model, "factory", None, 3, failure.FORWARD)
+    assert said.blame == "model"
+    head = head.replace("in the forward", "under torch.compile in the forward")
+    assert said.text.startswith(head.format("RuntimeError", __file__, call_line) + ": "), said.text
+    assert "fake tensor" not in said.text and not said.text.endswith("."), said.text
 
 
 EXITS = textwrap.dedent(

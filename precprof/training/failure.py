@@ -3,7 +3,9 @@
 
 An error in the user's own model (``--model file.py:factory``) is the user's to fix; its traceback, torch's
 module calls around one line of the model's, goes into ``traceback.txt``, and ``precprof train`` prints one
-line naming the error, its step, the model's line and the file. An error raised in precprof's own code (its
+line naming the error, its step, the model's line (the innermost of the user's own files: not torch's
+``linear.py`` that refused a layer of the wrong width) and the file; under ``torch.compile``, the model's
+error that Dynamo's wraps, and the line Dynamo was tracing. An error raised in precprof's own code (its
 hooks, its statistics, the loop), or in a built-in or Hugging Face model (whose failure is precprof's or the
 library's bug, as ``contract.check_forward`` holds), keeps its traceback on the terminal, for the bug's
 report, and in the file. Which it is, the traceback says: the model's when the innermost of its frames that
@@ -22,14 +24,14 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from precprof import rundir
+from precprof import _compat, rundir
 from precprof.models.factory import is_precprof, is_users
 
 # the parts of a step the loop names (``phase``); torch's own error in the first two is the model's doing
@@ -95,13 +97,17 @@ def keep(e: Exception, model: Any, kind: str, run_dir: Path | None, step: int, p
     files = _model_files(model)
     # None (a full disk, a file of the user's of that name): the terminal shows the traceback
     path = rundir.write_traceback(run_dir, "".join(traceback.format_exception(e))) if run_dir else None
-    at = _innermost(frames, files, model_only=True)
+    # torch.compile's error while it traced the model: the model's own error and line, not Dynamo's
+    said, traced = _compat.traced_error(e)
+    at = _innermost([*frames, *traced], files, model_only=True)
     place = f" (at {at.filename}:{at.lineno}, in {at.name})" if at else ""
     when = f"in the {phase} of step {step}" if phase in (FORWARD, BACKWARD, OPTIMIZER) else f"at the {phase}"
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    when = f"under torch.compile {when}" if said is not e else when
+    first = str(said).strip().splitlines()[0] if str(said).strip() else ""
     first = first if len(first) <= 300 else f"{first[:300].rsplit(' ', 1)[0]}..."
+    first = first[:-1] if first.endswith(".") and not first.endswith("..") else first  # "...]; its traceback"
     blame = _blame(e, frames, files, kind, phase)
-    raised = f"{'the model raised ' if blame == 'model' else ''}{type(e).__name__} {when}{place}"
+    raised = f"{'the model raised ' if blame == 'model' else ''}{type(said).__name__} {when}{place}"
     return Failure(raised + (f": {first}" if first else ""), blame, path)
 
 
@@ -132,7 +138,7 @@ def _is_users(frame: traceback.FrameSummary) -> bool:
 
 
 def _innermost(
-    frames: traceback.StackSummary, files: set[str], model_only: bool = False
+    frames: Sequence[traceback.FrameSummary], files: set[str], model_only: bool = False
 ) -> traceback.FrameSummary | None:
     """Where the model's code raised: the innermost frame of the user's own files (``_is_users``: the line
     that called a torch layer of the wrong width, not the line of torch's ``linear.py`` that refused it); else
