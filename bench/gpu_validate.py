@@ -1078,6 +1078,10 @@ def stage_overhead(run: Run) -> dict[str, Any]:
             "10",
             "--warmup",
             "1",
+            # one thread, as the other stages' CPU work: two spinning OpenMP threads on a busy 2-core machine
+            # made each gpt-nano step 15x slower (4x the CPU time of this stage)
+            "--threads",
+            "1",
             "--configs",
             "baseline,precprof_1,precprof_10,precprof_auto",
         ]
