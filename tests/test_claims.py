@@ -170,7 +170,7 @@ def test_on_a_cpu_no_text_claims_bf16_is_faster_than_it_measured(tmp_path: Path)
     """One answer on a CPU with native bf16: the advisor's verdict for a small model is fp32, and neither its
     finding about the CPU nor ``precprof env`` says bf16 autocast saves time, which no single run measures:
     both point at ``precprof compare``, which times it."""
-    run = tiny(tmp_path / "cpu")
+    run = tiny(tmp_path / "cpu", report=False)  # the advisor's answer is read, not the page
     cpu = dataclasses.replace(hardware.detect(torch.device("cpu")), bf16_native=True, name="AMD EPYC")
     rec = precprof.recommend(run, hardware=cpu)
     assert rec.format == "fp32"
@@ -263,7 +263,7 @@ def test_an_fp32_run_with_a_dynamic_scaler_gets_no_fp16_warning(tmp_path: Path) 
     """``--precision fp32 --loss-scale dynamic``: the run never trained in fp16, its measurements allow bf16
     here, so what fp16 would lose is information, as in any fp32 run."""
     # batch 8 x 64: gradients small enough that more than 1% of them would vanish in fp16 at scale 1
-    run = tiny(tmp_path / "fp32dyn", loss_scale="dynamic", batch_size=8, seq_len=64, steps=2)
+    run = tiny(tmp_path / "fp32dyn", loss_scale="dynamic", batch_size=8, seq_len=64, steps=2, report=False)
     rec = precprof.recommend(run, config=AdvisorConfig(small_model_params=0))
     assert rec.measured_format == "bf16"
     warned = [f.code for f in rec.findings if f.code.startswith("fp16_") and f.severity != "info"]
