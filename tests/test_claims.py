@@ -896,20 +896,29 @@ def _flushing_fp16_run(out: Path, precision: torch.dtype = torch.float16) -> pre
     return prof
 
 
-def test_an_fp16_runs_whatif_says_where_its_losses_are(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def flushing_fp16(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, str]:
+    """``_flushing_fp16_run``'s fp16 run, trained and its page rendered once for the two tests that read them:
+    its layers table and the page's text."""
+    out = tmp_path_factory.mktemp("flushing") / "run"
+    prof = _flushing_fp16_run(out)
+    return prof.tables()["layers"], html.unescape(re.sub(r"<[^>]+>", "", prof.report(out).read_text()))
+
+
+def test_an_fp16_runs_whatif_says_where_its_losses_are(flushing_fp16: tuple[Any, str]) -> None:
     """An fp16 run that flushed half its activation gradients: the what-if's FP16 columns read 0% for them (a
     second cast loses nothing), and nothing on the table said the loss is in the zeros fp16 made. A note names
     each kind held in fp16 with its share of zeros, computed here from the layers table."""
-    prof = _flushing_fp16_run(tmp_path / "run")
-    layers = prof.tables()["layers"]
+    layers, page = flushing_fp16
     ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & (layers[T.DTYPE] == "float16")]
     share = ag[T.ZEROS].sum() / ag[T.NUMEL].sum()
     assert share > 0.05
-    page = html.unescape(re.sub(r"<[^>]+>", "", prof.report(tmp_path / "run").read_text()))
     assert f"Held in fp16 by this run already: activation gradients ({filters.pct(share)} zeros)" in page
 
 
-def test_the_timeline_is_not_said_to_show_what_fp16_flushed(tmp_path: Path) -> None:
+def test_the_timeline_is_not_said_to_show_what_fp16_flushed(
+    tmp_path: Path, flushing_fp16: tuple[Any, str]
+) -> None:
     """The what-if's note on tensors an fp16 run held in fp16 said "the timeline above and the findings say how
     much" fp16 flushed, beside a timeline whose activation-gradient row was white: it counts underflow of the
     recorded values, and an fp16 value that flushed was recorded as a zero. The same run in bf16, whose gradients
@@ -918,14 +927,12 @@ def test_the_timeline_is_not_said_to_show_what_fp16_flushed(tmp_path: Path) -> N
     bf16 = _flushing_fp16_run(tmp_path / "bf16", torch.bfloat16).tables()["layers"]
     ag = bf16[bf16[T.TENSOR] == T.ACTIVATION_GRAD]
     assert ag[T.underflow_col("fp16")].sum() / ag[T.NUMEL].sum() > 0.2  # what fp16 flushes of these gradients
-    prof = _flushing_fp16_run(tmp_path / "run")
-    layers = prof.tables()["layers"]
+    layers, page = flushing_fp16
     ag = layers[(layers[T.TENSOR] == T.ACTIVATION_GRAD) & (layers[T.DTYPE] == "float16")]
     assert ag[T.ZEROS].sum() / ag[T.NUMEL].sum() > 0.2
     assert (
         ag[T.underflow_col("fp16")].sum() == ag[T.INF].sum() == ag[T.NAN].sum() == 0
     )  # the timeline's counts
-    page = html.unescape(re.sub(r"<[^>]+>", "", prof.report(tmp_path / "run").read_text()))
     assert "the timeline above and the findings say how much" not in page
     assert (
         "The timeline above cannot show the flushes either: it counts these values as these columns do; what the "
