@@ -743,6 +743,10 @@ def test_the_one_line_of_a_models_error_names_the_models_line_under_torch_compil
     head = head.replace("in the forward", "under torch.compile in the forward")
     assert said.text.startswith(head.format("RuntimeError", __file__, call_line) + ": "), said.text
     assert "fake tensor" not in said.text and not said.text.endswith("."), said.text
+    # summary.json's cause too (the report's banner, compare's lines): the model's error, not Dynamo's
+    cause = failure.reason(traced.value, model)
+    assert cause.startswith("RuntimeError under torch.compile: a and b must have same reduction dim"), cause
+    assert failure.reason(eager.value, model) == f"RuntimeError: {expected}"
 
 
 EXITS = textwrap.dedent(

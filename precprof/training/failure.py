@@ -77,9 +77,16 @@ def exit_call(code: object) -> str:
 def reason(e: BaseException, model: Any) -> str:
     """summary.json's cause for a run stopped by ``e`` (an exception, not a signal): "RuntimeError: text", or
     for sys.exit() the call and the line that made it, its text after a colon ("sys.exit in forward (model.py,
-    line 12): diverged"; ``precprof compare`` reads the cause up to its first colon)."""
+    line 12): diverged"; ``precprof compare`` reads the cause up to its first colon); a model's error raised
+    while torch.compile traced it, "RuntimeError under torch.compile: ..." (was Dynamo's "TorchRuntimeError:
+    RuntimeError when making fake tensor call" and a page of explanation)."""
     if not isinstance(e, SystemExit):
-        return f"{type(e).__name__}: {e}"
+        said, _ = _compat.traced_error(
+            e
+        )  # under torch.compile: the model's error, not Dynamo's fake-tensor call
+        return (
+            f"{type(e).__name__}: {e}" if said is e else f"{type(said).__name__} under torch.compile: {said}"
+        )
     try:
         frame = _innermost(traceback.extract_tb(e.__traceback__), _model_files(model))
     except Exception:  # saying where must not hide that it stopped
