@@ -297,7 +297,8 @@ def test_a_parameter_of_zeros_that_multiplies_nothing_is_no_gate(first: bool) ->
     would not give aux a gradient. With aux called last, the finding says what it said before gates were named:
     nothing after aux received a gradient. Called before head, neither the frozen vector (no gradient of its
     own to show that it multiplies the branch, and no scalar) nor ``shift`` under a learning rate of 0 (its
-    gradient, aux's output gradient summed, is zero, as no gate's is) is named."""
+    gradient, aux's output gradient summed, is zero, as no gate's is) is named; nor is head, the next module in
+    forward order, said to have stopped aux's gradient: it reads the trunk beside aux, and the run cannot tell."""
     torch.manual_seed(0)
     model = _AuxHead(first)
     rest = [p for n, p in model.named_parameters() if p.requires_grad and n != "shift"]
@@ -317,9 +318,19 @@ def test_a_parameter_of_zeros_that_multiplies_nothing_is_no_gate(first: bool) ->
     assert f is not None and f.severity == "critical" and f.modules == ["aux"]
     for name in ("offset", "shift", "ReZero"):
         assert name not in f.message and name not in f.remedy
+    assert "a loss term weighted 0" in f.message
     if not first:
         assert "No module recorded after aux received a nonzero gradient either" in f.message
-        assert "a loss term weighted 0" in f.message
+        return
+    # head, called after aux, reads the trunk beside it: its backward never reaches aux (it said 'the gradient
+    # stopped at head (Linear) ... what its backward passed back to aux was zero everywhere')
+    assert "stopped at head" not in f.message and "passed back to aux" not in f.message
+    assert (
+        "The output gradient of aux held no nonzero value, while that of head (Linear), recorded after aux in "
+        "forward order, did: no module passed aux a nonzero gradient, and the run does not tell whether head "
+        "reads its output" in f.message
+    )
+    assert "or sits beside it (a parallel branch: then the loss does not depend on it" in f.message
 
 
 def test_fp8_eligibility_says_an_output_gradient_of_zeros_was_recorded() -> None:

@@ -380,8 +380,23 @@ def _fp8_said(run: _Run, c: _Causes) -> str:
 
 
 def _stop_said(run: _Run, stop: str, layers: list[str]) -> str:
-    """Where the gradient flowing back to ``layers`` stopped, in words, with a dead ReLU named as such."""
+    """Where the gradient flowing back to ``layers`` stopped, in words, with a dead ReLU named as such. ``stop``
+    is only the first module after them in forward order whose output gradient held a nonzero value: where it is
+    a matmul (a Linear, a convolution), whose backward passes back zeros only through a weight of zeros (no
+    ``_zero_weight``), the run does not tell that it reads their output at all (a parallel head called after
+    them: aux(x), then head(x)), and the sentence says only what it shows."""
     kind = run.types.get(stop, "")
+    if taxonomy.kind_of_type(kind) == taxonomy.MATMUL:
+        listed = _listing(layers, run.cfg.max_listed_modules)
+        it, its = ("them", "their") if len(layers) > 1 else ("it", "its")
+        return (
+            f"the output gradient{'s' if len(layers) > 1 else ''} of {listed} held no nonzero value, while that of "
+            f"{_name(stop)} ({kind}), recorded after {listed} in forward order, did: no module passed {listed} a "
+            f"nonzero gradient, and the run does not tell whether {_name(stop)} reads {its} output (a {kind} "
+            "passes back zeros only through a weight of zeros: then a function between them zeroed the gradient, "
+            f"a multiplication by zero or a mask) or sits beside {it} (a parallel branch: then the loss does not "
+            f"depend on {it}, a loss term weighted 0, every output masked out)"
+        )
     said = (
         f"the gradient stopped at {_name(stop)} ({kind}): its output gradient held nonzero values, and what its "
         f"backward passed back to {_listing(layers, run.cfg.max_listed_modules)} was zero everywhere"
