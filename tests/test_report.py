@@ -1036,7 +1036,24 @@ def test_not_active_mixed_precision_is_flagged() -> None:
     tabs, summary = synthetic_run("fp32", layers=gpt_layers(n_layer=1), steps=2, sample_every=1)
     summary[T.SUMMARY_CONFIG]["precision"] = "fp16"
     check = S.precision_check(tabs["layers"], tabs["memory"], summary)
-    assert not check["ok"] and "NOT active" in check["verdict"]
+    assert not check["ok"] and check["verdict"].startswith(
+        "Mixed precision was asked for (fp16) but is NOT active"
+    )
+    # a user's own loop asks nothing: bf16 is what the profiler saw (autocast on in a recorded forward pass, off
+    # around every module with parameters), and the check said it 'was asked for (bf16)' under 'Seen: bf16'
+    summary[T.SUMMARY_CONFIG] = {}
+    summary[T.SUMMARY_CAPTURE] = {
+        **(summary.get(T.SUMMARY_CAPTURE) or {}),
+        "precision_seen": "bf16",
+        "autocast": {"enabled": True, "dtype": "torch.bfloat16"},
+    }
+    check = S.precision_check(tabs["layers"], tabs["memory"], summary)
+    assert not check["ok"] and not check["asked"] and check["requested"] == "bf16"
+    assert check["verdict"] == (
+        "Mixed precision was seen (bf16: autocast was on in a recorded forward pass) but is NOT active: every "
+        "activation of a module with parameters is float32 (autocast off around them, or a library that "
+        "ignores the setting on this device)."
+    )
 
 
 def test_empty_run_still_renders(tmp_path: Path) -> None:

@@ -519,9 +519,19 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     if acts.empty:
         verdict, ok = "No activations of modules with parameters were recorded.", True
     elif wants_low and not active:
+        # the user's own loop asks nothing: its ``requested`` is what the profiler saw (autocast on in a recorded
+        # forward pass, around no module with parameters: a model that turns it off around its layers)
+        capture = summary.get(T.SUMMARY_CAPTURE) or {}
+        autocast = capture.get("autocast") if isinstance(capture, Mapping) else None
+        on = isinstance(autocast, Mapping) and bool(autocast.get("enabled"))
+        said = (
+            f"was asked for ({requested})"
+            if _asked_precision(summary)
+            else f"was seen ({requested}{': autocast was on in a recorded forward pass' if on else ''})"
+        )
         verdict = (
-            f"Mixed precision was asked for ({requested}) but is NOT active: every activation of a module "
-            "with parameters is float32 (autocast off, or a library that ignores the setting on this device)."
+            f"Mixed precision {said} but is NOT active: every activation of a module with parameters is float32 "
+            f"(autocast off{' around them' if on else ''}, or a library that ignores the setting on this device)."
         )
         ok = False
     elif active:
