@@ -1991,7 +1991,12 @@ def test_projection_when_mixed_precision_was_asked_for_but_not_active() -> None:
     assert proj["measured_mode"] == "fp16"
     assert r[("fp16", "measured", T.ACTIVATIONS)] == fp32_acts
     assert r[("fp16", "projected", T.ACTIVATIONS)] == fp32_acts // 2  # what fp16 would take once active
-    assert any("not active" in a for a in proj["assumptions"])
+    assert any(a.startswith("fp16 was asked for but the measured") for a in proj["assumptions"])
+    # a user's own loop asks nothing: fp16 is what the profiler saw (it read 'fp16 was asked for')
+    seen = project(mem, {T.SUMMARY_CAPTURE: {"precision_seen": "fp16"}}, facts=tr.model_facts())
+    assert seen["measured_mode"] == "fp16"
+    assert any(a.startswith("fp16 was seen but the measured tensors look like") for a in seen["assumptions"])
+    assert not any("asked for" in a for a in seen["assumptions"])
 
 
 def test_projection_of_an_empty_table() -> None:

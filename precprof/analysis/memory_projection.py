@@ -419,8 +419,9 @@ def project(
         f"measured mode: {mode}{said}",
         *(
             [
-                f"{mode} was asked for but the measured tensors look like {seen_mode}: mixed precision was not "
-                "active, so the projection treats the run as measured in fp32 storage."
+                # (a mode of the user's own loop was seen, not asked for: ``_run_mode``'s ``said``)
+                f"{mode} was {'seen' if said else 'asked for'} but the measured tensors look like {seen_mode}: "
+                "mixed precision was not active, so the projection treats the run as measured in fp32 storage."
             ]
             if inactive
             else []
