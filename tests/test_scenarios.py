@@ -736,7 +736,10 @@ def test_g_the_lost_update_share_is_the_models_not_the_samples() -> None:
     assert lost.numbers["sampled_share"] == pytest.approx(sampled, rel=1e-9)
     assert lost.numbers["update_sample"] == 256
     assert f"an estimated {100 * share:.3g}% of the intended weight-update elements" in lost.message
-    assert "estimated from a sample of 256 strided elements of each parameter" in lost.message
+    assert (
+        "estimated from a sample of at most 256 strided elements of each parameter, spread across its columns"
+        in lost.message
+    )
     by = truth.groupby(T.MODULE)[["stuck", "intended"]].sum()
     table = {r["module"]: r["lost_update_bf16"] for r in S.layer_records(pure.tables["layers"])}
     assert table["wide"] == pytest.approx(

@@ -80,7 +80,9 @@ def _sampled_words(
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     per = capture.get("weight_update_sample") if isinstance(capture, dict) else None
     sample = (
-        f"{int(per):,} strided elements of each parameter" if per else "strided elements of each parameter"
+        f"at most {int(per):,} strided elements of each parameter, spread across its columns"
+        if per
+        else "strided elements of each parameter"
     )
     raw = _share(lost, nz)
     return (
