@@ -487,5 +487,7 @@ def claim_new(base: str | os.PathLike[str], *, summary: dict[str, Any] | None = 
             raise RunDirError(
                 f"cannot create the run directory {candidate} ({e.strerror}); use --out"
             ) from None
-        return claim(candidate, summary=summary)
+        run = claim(candidate, summary=summary)
+        run.created = True  # made here: abandon() removes it
+        return run
     raise RunDirError(f"cannot find a free run directory name next to {base}; use --out")

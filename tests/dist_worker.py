@@ -10,9 +10,13 @@ here so that the test rebuilds them for its single-process reference.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import time
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -142,21 +146,65 @@ def run_join(rank: int, out: Path) -> None:
 TRAIN_STEPS = 4
 
 
-def run_train(scenario: str, rank: int, out: Path, model: list[str] | None = None) -> None:
+def run_train(
+    scenario: str, rank: int, out: Path, model: list[str] | None = None, default_out: bool = False
+) -> None:
     """``precprof train`` under torchrun (the command line as ``torchrun -m precprof train`` runs it); ``model``:
-    the model, steps and batch size arguments instead of a one-layer gpt-nano's."""
+    the model, steps and batch size arguments instead of a one-layer gpt-nano's. ``default_out``: without
+    ``--out``, in the working directory ``OUT/<scenario>``, each rank's clock a minute from the other's (the
+    default name's timestamp: ranks start their runs seconds apart), the terminal in
+    ``OUT/<scenario>-rank<rank>.stderr``."""
     from precprof.cli import main as cli_main
 
     strategy = "ddp" if model else scenario.removeprefix("train-")
     args = ["train", *(model or ["-m", "gpt-nano", "-a", "n_layer=1", "-a", "n_embd=32"])]
     args += [] if model else ["--steps", str(TRAIN_STEPS), "--batch-size", "2"]
-    args += ["--seq-len", "16", "--sample-every", "2", "--no-progress", "--no-report"]
-    args += ["--distributed", strategy, "--out", str(out / scenario)]
+    args += [
+        "--seq-len",
+        "16",
+        "--sample-every",
+        "2",
+        "--no-progress",
+        "--no-report",
+        "--distributed",
+        strategy,
+    ]
+    if not default_out:
+        _cli(cli_main, [*args, "--out", str(out / scenario)])
+        return
+    with (
+        _elsewhere(out / scenario, rank),
+        (out / f"{scenario}-rank{rank}.stderr").open("w") as err,
+        contextlib.redirect_stderr(err),
+    ):
+        _cli(cli_main, args)
+
+
+def _cli(cli_main: Callable[[list[str]], None], args: list[str]) -> None:
     try:
         cli_main(args)
     except SystemExit as e:
         if e.code not in (0, None):
             raise RuntimeError(f"precprof train exited with {e.code}") from None
+
+
+@contextlib.contextmanager
+def _elsewhere(cwd: Path, rank: int) -> Iterator[None]:
+    """In the working directory ``cwd``, rank ``rank``'s clock ``60 * rank`` seconds on (as precprof's default
+    run name reads it)."""
+    from precprof.training import config
+
+    cwd.mkdir(parents=True, exist_ok=True)
+    here, clock = Path.cwd(), config.time
+    config.time = types.SimpleNamespace(  # type: ignore[assignment]
+        strftime=lambda fmt: time.strftime(fmt, time.localtime(time.time() + 60 * rank))
+    )
+    os.chdir(cwd)
+    try:
+        yield
+    finally:
+        config.time = clock
+        os.chdir(here)
 
 
 # "train-fail": rank 1's model raises in the forward of this step, rank 0 goes on into DDP's all-reduce; its batch
@@ -194,10 +242,21 @@ def run_fail(scenario: str, rank: int, out: Path) -> None:
             rank,
             out,
             ["--model", f"{__file__}:failing_lm", "--steps", "3", "--batch-size", str(FAIL_BATCH)],
+            default_out=True,
         )
     finally:
         if rank == 1:
             dist.destroy_process_group()
+
+
+def run_claim_fail(scenario: str, rank: int, out: Path) -> None:
+    """``precprof train --distributed ddp`` without ``--out`` where rank 0 cannot create its run directory
+    (``runs`` is a file there): every rank stops before the first step, none left waiting in a collective."""
+    (out / scenario).mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        (out / scenario / "runs").write_text("a file, not a folder")
+    nano = ["-m", "gpt-nano", "-a", "n_layer=1", "-a", "n_embd=32", "--steps", "2", "--batch-size", "2"]
+    run_train(scenario, rank, out, nano, default_out=True)
 
 
 CUT_STEP = 2  # "cut": every rank raises after this step's forward, a sampled step, as a crash cuts a run off
@@ -246,6 +305,8 @@ def main(argv: list[str]) -> None:
                 if scenario == "train-fail":
                     broken = True
                     run_fail(scenario, info.rank, out)
+                elif scenario == "train-claim-fail":
+                    run_claim_fail(scenario, info.rank, out)
                 elif scenario.startswith("train-"):
                     run_train(scenario, info.rank, out)
                 elif scenario == "ddp-join":

@@ -44,6 +44,7 @@ TRAIN_SCENARIOS = ("train-ddp", "train-fsdp2")
 # run, not counted layer by layer against the one-process reference (each has tests of its own below)
 OTHER_SCENARIOS = ("fsdp1", "fsdp1-orig", "fsdp1-orig-scaled", "zero", "ddp-join")
 CUT_SCENARIOS = ("cut",)  # cut off before it saved: its first summary.json and its stream
+CLAIM_SCENARIOS = ("train-claim-fail",)  # rank 0 cannot create its run directory: every rank stops at once
 FAIL_SCENARIOS = ("train-fail",)  # rank 1 fails and leaves the group: last, the group is broken after it
 Key = tuple[int, str, str, str]  # step, module, tensor, param
 
@@ -61,7 +62,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             f"--nproc_per_node={W.WORLD}",
             str(HERE / "dist_worker.py"),
             str(out),
-            ",".join(SCENARIOS + TRAIN_SCENARIOS + OTHER_SCENARIOS + CUT_SCENARIOS + FAIL_SCENARIOS),
+            ",".join(
+                SCENARIOS
+                + TRAIN_SCENARIOS
+                + OTHER_SCENARIOS
+                + CUT_SCENARIOS
+                + CLAIM_SCENARIOS
+                + FAIL_SCENARIOS
+            ),
         ],
         capture_output=True,
         text=True,
@@ -987,8 +995,11 @@ def test_the_run_of_a_rank_whose_peer_failed_gives_that_ranks_error(runs: Path) 
     """``precprof train --distributed ddp`` whose rank 1 raised in its forward: rank 0, waiting in the backward's
     all-reduce, failed with gloo's "Connection closed by peer", and its run gave that as the cause; rank 1's
     error was on the terminal alone. Rank 1 keeps its error in the group's store before it leaves; rank 0's run
-    gives it, and then what rank 0 saw."""
-    summary = T.read_summary(runs / "train-fail")
+    gives it, and then what rank 0 saw. Rank 1's terminal names the directory rank 0 wrote: without
+    ``--out`` each rank named its own default one, by its own clock ("rank 0 saves what it recorded to
+    runs/...-105349" beside rank 0's runs/...-105348)."""
+    (rdir,) = (runs / "train-fail" / "runs").iterdir()  # the default name, in the ranks' working directory
+    summary = T.read_summary(rdir)
     assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
     reason = summary[T.SUMMARY_INCOMPLETE_REASON]
     assert re.fullmatch(
@@ -996,7 +1007,28 @@ def test_the_run_of_a_rank_whose_peer_failed_gives_that_ranks_error(runs: Path) 
         r"its connection to it \(RuntimeError: Connection (closed|reset) by peer [^;]*\)",
         reason,
     ), reason
-    assert "injected failure" in (runs / "train-fail-rank1.error").read_text()  # (the ranks' own tracebacks)
+    shown = Path("runs") / rdir.name  # as the ranks name it, from their working directory
+    rank1 = (runs / "train-fail-rank1.error").read_text()  # (the ranks' own tracebacks)
+    assert "injected failure" in rank1
+    assert f"precprof: this rank writes no run directory; rank 0 saves what it recorded to {shown}\n" in rank1
+
+
+def test_a_rank_0_that_cannot_create_the_run_directory_stops_every_rank(runs: Path) -> None:
+    """Without ``--out``, rank 0 could not create its run directory (``runs`` is a file) and stopped; rank 1,
+    which claims none, trained on into DDP's first collective and waited there for rank 0 (for ever in a process
+    that goes on, as dist_worker's does; under the command line until rank 0's exit broke the connection: gloo's
+    traceback), and said "rank 0 saves what it recorded to" a directory that never was. Rank 0 says whether it
+    claimed one, and rank 1 stops at once with rank 0's reason."""
+    rank0 = (runs / "train-claim-fail-rank0.stderr").read_text().splitlines()
+    assert len(rank0) == 1 and re.fullmatch(
+        r"precprof: error: cannot create the run directory runs/gpt-nano-fp32-[0-9-]+ \(Not a directory\); use --out",
+        rank0[0],
+    ), rank0
+    said = rank0[0].removeprefix("precprof: error: ")
+    assert (runs / "train-claim-fail-rank1.stderr").read_text().splitlines() == [
+        f"precprof: error: rank 0 could not claim the run directory, so no rank trains: {said}"
+    ]
+    assert [p.name for p in (runs / "train-claim-fail").iterdir()] == ["runs"]  # (the file) nothing else
 
 
 def test_a_lost_peer_without_its_error_is_said_to_be_another_ranks_failure(

@@ -215,6 +215,10 @@ def test_default_run_directories_never_collide(tmp_path: Path) -> None:
     b = rundir.claim_new(base)
     try:
         assert a.path == base and b.path == base.with_name(base.name + "-2")
+        # a claim abandoned before anything was recorded (under torchrun: another rank failed before the first
+        # step) leaves no empty directory behind, which a default name made
+        a.abandon()
+        assert not a.path.exists() and b.path.exists()
     finally:
         a.release()
         b.release()

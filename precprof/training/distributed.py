@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -132,6 +133,30 @@ def failure_cause(info: DistInfo, e: BaseException, reason: str, interrupted: bo
         f"another rank stopped first: rank {info.rank} {then}; that rank's error is in its own output (torchrun "
         "prefixes its lines with [rankN])"
     )
+
+
+def share_run_dir(info: DistInfo, path: Path | None, failed: BaseException | None = None) -> Path:
+    """The run directory rank 0 claimed, on every rank. Each rank made its own default name
+    (``runs/<model>-<precision>-<timestamp>``) at its own second, and only rank 0 claims one (``-2`` when it
+    exists): another rank's "rank 0 saves what it recorded to ..." and its ``TrainResult`` named a directory no
+    rank wrote. One ``broadcast_object_list`` from rank 0 on the default group, once, before the first step (no
+    hook is attached yet). ``path``: on rank 0, the directory it claimed; ``failed``: rank 0's failure to claim
+    one, which the other ranks raise, in one line, instead of training on into a collective rank 0 never
+    joins."""
+    said: list[object] = [None if path is None else str(path), None if failed is None else _said(failed)]
+    dist.broadcast_object_list(said, src=0)
+    if said[1] is not None:
+        if failed is not None:  # rank 0's own
+            raise failed
+        raise UserError(f"rank 0 could not claim the run directory, so no rank trains: {said[1]}")
+    return Path(str(said[0]))
+
+
+def _said(e: BaseException) -> str:
+    """``e`` in one line, as the other ranks repeat it: a UserError's own line (it names the fix), else its type
+    too."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return text if isinstance(e, UserError) and text else _one_line(e)
 
 
 def _shard_units(model: nn.Module) -> list[nn.Module]:

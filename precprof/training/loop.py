@@ -319,21 +319,45 @@ def train(
     config.validate()
     user_out = config.out is not None  # else a default name, which moves on to a free one
     setup = _prepare(config, profiler_kwargs)
-    claimed: rundir.RunDir | None = None
-    if setup.writer:
-        if user_out:
-            claimed = rundir.claim(setup.run_dir, overwrite=config.overwrite, summary=setup.summary)
-        else:
-            claimed = rundir.claim_new(setup.run_dir, summary=setup.summary)
-        if claimed.path != setup.run_dir:
-            setup.run_dir = claimed.path
-            setup.config = dataclasses.replace(setup.config, out=claimed.path)
-            setup.summary[T.SUMMARY_CONFIG]["out"] = str(claimed.path)
+    claimed = _claim(setup, user_out)
     try:
         return _run(setup, callbacks, claimed, label or config.precision)
     finally:
         if claimed is not None:
             claimed.release()
+
+
+def _claim(setup: _Setup, user_out: bool) -> rundir.RunDir | None:
+    """Claim the run directory (the writer; a default name moves on to a free one) and make it every rank's:
+    under torchrun rank 0 says which it claimed (``launch.share_run_dir``), or that it could not, so that no
+    rank names another or trains on without it. Returns the writer's claim (None on the other ranks)."""
+    claimed: rundir.RunDir | None = None
+    failed: Exception | None = None
+    if setup.writer:
+        try:
+            if user_out:
+                claimed = rundir.claim(setup.run_dir, overwrite=setup.config.overwrite, summary=setup.summary)
+            else:
+                claimed = rundir.claim_new(setup.run_dir, summary=setup.summary)
+        except Exception as e:
+            if setup.dist_info is None:
+                raise
+            failed = e  # said to the other ranks first
+    path = claimed.path if claimed is not None else setup.run_dir
+    if setup.dist_info is not None:
+        try:
+            path = launch.share_run_dir(
+                setup.dist_info, claimed.path if claimed is not None else None, failed
+            )
+        except BaseException:
+            if claimed is not None:  # nothing was recorded in it
+                claimed.abandon()
+            raise
+    if path != setup.run_dir:
+        setup.run_dir = path
+        setup.config = dataclasses.replace(setup.config, out=path)
+        setup.summary[T.SUMMARY_CONFIG]["out"] = str(path)
+    return claimed
 
 
 def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Setup:
