@@ -34,6 +34,7 @@ from precprof._version import __version__
 from precprof.analysis.advisor import Recommendation
 from precprof.errors import RunNotSavedWarning, UserError
 from precprof.modes import Precision
+from precprof.training.failure import PEER
 
 EXIT_NOT_SAVED = 1  # the run trained but its directory could not be written whole (a full disk)
 EXIT_MODEL_ERROR = 1  # the user's model raised: as Python exits on an exception it prints
@@ -99,13 +100,14 @@ def _exited(e: SystemExit, run_dir: str | Path | None, run: str | None = None) -
 
 
 def _models_error(e: Exception) -> bool:
-    """Whether ``e``, which stopped training, is the user's own model's (a factory's) error, its traceback
-    written into the run directory (``precprof.training.failure``): said in one line, with where the traceback
-    is, where a 40-line traceback of torch's module calls around one line of the user's buried the partial
-    run's place."""
+    """Whether ``e``, which stopped training, is the user's own model's (a factory's) error, or under torchrun
+    the consequence of another rank's failure (its line names that rank's error, as the run's cause does), its
+    traceback written into the run directory (``precprof.training.failure``): said in one line, with where the
+    traceback is, where a 40-line traceback of torch's module calls around one line of the user's (or of gloo's
+    "Connection closed by peer") buried the partial run's place."""
     failed = getattr(e, "precprof_failure", None)
     return (
-        getattr(failed, "blame", None) == "model"
+        getattr(failed, "blame", None) in ("model", PEER)
         and getattr(failed, "traceback", None) is not None
         and getattr(e, "precprof_run_dir", None) is not None
     )

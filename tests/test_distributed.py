@@ -995,7 +995,9 @@ def test_the_run_of_a_rank_whose_peer_failed_gives_that_ranks_error(runs: Path) 
     """``precprof train --distributed ddp`` whose rank 1 raised in its forward: rank 0, waiting in the backward's
     all-reduce, failed with gloo's "Connection closed by peer", and its run gave that as the cause; rank 1's
     error was on the terminal alone. Rank 1 keeps its error in the group's store before it leaves; rank 0's run
-    gives it, and then what rank 0 saw. Rank 1's terminal names the directory rank 0 wrote: without
+    gives it, and then what rank 0 saw. Rank 0's terminal says that same line (it said "the model raised
+    RuntimeError in the backward pass of step 1: [.../gloo/transport/tcp/pair.cc:553] Connection closed by peer
+    ...", a built-in model's run gloo's whole traceback), and rank 1's names the directory rank 0 wrote: without
     ``--out`` each rank named its own default one, by its own clock ("rank 0 saves what it recorded to
     runs/...-105349" beside rank 0's runs/...-105348)."""
     (rdir,) = (runs / "train-fail" / "runs").iterdir()  # the default name, in the ranks' working directory
@@ -1011,6 +1013,10 @@ def test_the_run_of_a_rank_whose_peer_failed_gives_that_ranks_error(runs: Path) 
     rank1 = (runs / "train-fail-rank1.error").read_text()  # (the ranks' own tracebacks)
     assert "injected failure" in rank1
     assert f"precprof: this rank writes no run directory; rank 0 saves what it recorded to {shown}\n" in rank1
+    assert (runs / "train-fail-rank0.stderr").read_text().splitlines()[:2] == [
+        f"precprof: error: {reason}; its traceback is in {shown / 'traceback.txt'}",
+        f"precprof: training stopped: the partial run is in {shown} (1 finished step)",
+    ]
 
 
 def test_a_rank_0_that_cannot_create_the_run_directory_stops_every_rank(runs: Path) -> None:

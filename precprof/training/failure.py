@@ -43,14 +43,18 @@ END = "end of training"
 _THROUGH_THE_MODEL = (FORWARD, BACKWARD)
 # torch's own files: never the user's line, wherever torch is installed
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+# ``Failure.blame`` of a rank's error that another rank's failure caused (a collective's lost peer): said in the
+# line of the run's cause ("rank 1 failed first: ...; rank 0 then lost its connection to it (...)")
+PEER = "peer"
 
 
 @dataclass(frozen=True)
 class Failure:
     """The exception that stopped a run, as ``precprof train`` says it: ``text`` in one line ("the model
     raised RuntimeError in the forward pass of step 4 (at model.py:16, in forward): ..."); ``blame``: "model"
-    for the user's own model's error (a factory's), said in that line alone, "precprof" for one raised in
-    precprof's own code (a bug), "" otherwise (a built-in or Hugging Face model's, torch's); ``traceback``:
+    for the user's own model's error (a factory's), said in that line alone, ``PEER`` for the consequence of
+    another rank's failure (said in that line alone too: the line names that rank's error), "precprof" for one
+    raised in precprof's own code (a bug), "" otherwise (a built-in or Hugging Face model's, torch's); ``traceback``:
     its file (None when it could not be written, or on a rank that writes no run directory)."""
 
     text: str

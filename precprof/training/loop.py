@@ -700,7 +700,10 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                     kept = failure.keep(e, s.inner, s.built.kind, where, run.step, phase)
             if s.dist_info is not None:  # rank 0's error may be the consequence of another rank's failure
                 if s.writer:
+                    own = reason
                     reason = launch.failure_cause(s.dist_info, e, reason, interrupted is not None)
+                    if kept is not None and reason != own:  # the terminal says it as the run does, in a line
+                        kept = dataclasses.replace(kept, text=reason, blame=failure.PEER)
                 elif interrupted is None:  # for rank 0's run, before this rank leaves the group
                     launch.record_failure(s.dist_info, e)
             # a crashed run gets its tables, summary and report of the steps recorded, marked incomplete
