@@ -32,9 +32,8 @@ from precprof import export as exporting
 from precprof import tables as T
 from precprof._version import __version__
 from precprof.analysis.advisor import Recommendation
-from precprof.errors import RunNotSavedWarning, UserError
+from precprof.errors import PEER_BLAME, RunNotSavedWarning, UserError
 from precprof.modes import Precision
-from precprof.training.failure import PEER
 
 EXIT_NOT_SAVED = 1  # the run trained but its directory could not be written whole (a full disk)
 EXIT_MODEL_ERROR = 1  # the user's model raised: as Python exits on an exception it prints
@@ -107,7 +106,7 @@ def _models_error(e: Exception) -> bool:
     "Connection closed by peer") buried the partial run's place."""
     failed = getattr(e, "precprof_failure", None)
     return (
-        getattr(failed, "blame", None) in ("model", PEER)
+        getattr(failed, "blame", None) in ("model", PEER_BLAME)
         and getattr(failed, "traceback", None) is not None
         and getattr(e, "precprof_run_dir", None) is not None
     )

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+# ``training.failure.Failure.blame`` of a rank's error that another rank's failure caused (a collective's lost
+# peer): here, where the CLI reads it without importing torch (``precprof report`` and ``compare RUN RUN`` never do)
+PEER_BLAME = "peer"
+
 
 class UserError(Exception):
     """A mistake in the user's input (unknown model, unsupported format on this device, missing extra).

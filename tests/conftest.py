@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -33,6 +34,19 @@ def _no_started_process_outlives_its_test() -> Iterator[None]:
     """The processes a test started with ``processes.popen`` are killed when it ends (a failed one too)."""
     yield
     processes.reap()
+
+
+_REAL_EXIT = sys.exit
+
+
+@pytest.fixture(autouse=True)
+def _sys_exit_as_it_was() -> Iterator[None]:
+    """``sys.exit`` put back after each test: ``wandb.init`` (the dashboards' tests) replaces it for the rest of the
+    process with a hook whose default code is 0, so a model's ``sys.exit()`` in a later test of the same worker
+    raised ``SystemExit(0)`` and read "sys.exit(0)" (test_faults' compare test failed after them in CI)."""
+    sys.exit = _REAL_EXIT  # (a module-scoped fixture's wandb.init may have replaced it before the test began)
+    yield
+    sys.exit = _REAL_EXIT
 
 
 @pytest.fixture

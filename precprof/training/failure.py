@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from precprof import _compat, rundir
+from precprof.errors import PEER_BLAME
 from precprof.models.factory import is_precprof, is_users
 
 # the parts of a step the loop names (``phase``); torch's own error in the first two is the model's doing
@@ -45,7 +46,7 @@ _THROUGH_THE_MODEL = (FORWARD, BACKWARD)
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 # ``Failure.blame`` of a rank's error that another rank's failure caused (a collective's lost peer): said in the
 # line of the run's cause ("rank 1 failed first: ...; rank 0 then lost its connection to it (...)")
-PEER = "peer"
+PEER = PEER_BLAME
 
 
 @dataclass(frozen=True)
