@@ -450,6 +450,7 @@ def recommendation_dict(mode: str = "fp16") -> dict[str, Any]:
                 "title": "Activation gradients underflow at scale 1",
                 "message": "41.3% of activation-gradient values underflow in FP16 without loss scaling.",
                 "remedy": "Use a loss scale of 2^15.",
+                "method": "A value underflows when |x| * scale < 2^-25 (FP16's smallest subnormal, halved).",
                 "modules": ["transformer.h.0.attn.c_attn"],
                 "numbers": {"share_at_scale_1": 0.413, "share_at_run_scale": 0.413, "run_scale_log2": 0},
             },

@@ -960,7 +960,7 @@ def test_a_layer_read_from_two_modules_counts_each_sampled_step_once() -> None:
     finding said "the median over the 8 sampled step(s)" of a run of 4."""
     f = _advice(_SharedProjection(), 16, 16, 16, 16).finding("fp8_eligibility")
     assert f is not None and f.numbers["sampled_steps"] == 4
-    assert "median over the 4 sampled step(s)" in f.message
+    assert "median over the 4 sampled step(s)" in f.method
 
 
 class _CrossAttention(nn.Module):
@@ -1123,7 +1123,7 @@ def test_the_share_says_it_leaves_out_the_score_matmuls_of_attention_it_cannot_c
         "The share leaves out the score matmuls (Q K^T and the weights x V) of attn, which float8 conversion "
         "leaves in bf16: the run does not record their sequence lengths" in f.message
     )
-    said = re.search(r"the eligible share is about this one x 6d / \(6d \+ L\)", f.message)
+    said = re.search(r"the eligible share is about the one given x 6d / \(6d \+ L\)", f.method)
     assert said is not None
     d, seq = 32, 16
     whole = sum(flops[m] for m in f.modules) / flops[""]
@@ -1362,7 +1362,7 @@ def test_output_gradients_under_torchaos_amax_floor_are_not_eligible() -> None:
         in f.message
     )
     assert "The largest value of a tensor of 3 layer(s) (0, 2, 4) was under 1e-12" in f.message
-    assert "fmax/max(amax, 1e-12)" in f.message
+    assert "fmax/max(amax, 1e-12)" in f.method
 
 
 class _FrozenMlp(nn.Module):

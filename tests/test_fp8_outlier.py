@@ -128,7 +128,10 @@ def test_without_an_outlier_that_sets_the_scale_the_layer_stays_eligible(outlier
     assert f is not None and f.modules == ["lin"]
     pushed = f.numbers["max_pushed_subnormal"]
     assert isinstance(pushed, float) and pushed <= share
-    assert f"Most pushed there: {pushed * 100:.3g}%" in f.message
+    assert (
+        f"Most values a tensor's largest 0.1% push below FP8's smallest normal: {pushed * 100:.3g}%"
+        in f.message
+    )
 
 
 def test_outlier_channels_that_set_the_scale_are_measured_beside_the_largest_values_check() -> None:
@@ -153,7 +156,7 @@ def test_outlier_channels_that_set_the_scale_are_measured_beside_the_largest_val
     assert below >= cast_below_normal(x, scale(x)) >= cast_below_normal(x, E4M3_MAX / float(x.abs().max()))
     assert cast_below_normal(x, E4M3_MAX / float(x.abs().max())) < 0.8 * below
     assert (
-        f"Most pushed there: {pushed * 100:.3g}%; below it at the power-of-two scale a tensor's largest value on "
+        f"Most values a tensor's largest 0.1% push below FP8's smallest normal: {pushed * 100:.3g}%; below it at the power-of-two scale a tensor's largest value on "
         f"a step sets, whatever put them there, which does not decide: at most {share * 100:.3g}% of a tensor's "
         "values (lin's input; fewer where the scale is not rounded to a power of two, torchao's default"
         in f.message
@@ -225,9 +228,9 @@ def test_the_share_pushed_says_it_is_of_the_judged_tensors_alone() -> None:
     assert isinstance(pushed, float) and isinstance(pooled, float)
     weights = [model[0].weight.detach(), model[2].weight.detach()]
     assert pushed <= max(cast_below_normal(w, scale(w)) for w in weights)
-    assert "Most pushed there: " not in f.message
+    assert "Most values a tensor's largest 0.1% push below FP8's smallest normal: " not in f.message
     assert (
-        "Most pushed there, of the tensors judged (weights, and inputs and output gradients read in one call a "
+        "Most values a tensor's largest 0.1% push below FP8's smallest normal, of the tensors judged (weights, and inputs and output gradients read in one call a "
         "step; not those read in several: see below): " in f.message
     )
     assert (

@@ -331,6 +331,12 @@ def test_findings_most_severe_first_with_numbers_and_remedies(synthetic_page: st
     assert "lost in FP16 without loss scaling</span> 41.3%" in verdict
     assert "this run&#39;s loss scale</span> 1 (2^0)" in verdict
     assert "share_at_run_scale" not in verdict and "share at run scale" not in verdict  # repeats: not shown
+    # how a finding is judged, folded under its message (escaped: it is text), and only where it has one
+    assert verdict.count('<details class="method">') == 1
+    assert (
+        '<details class="method"><summary>How this is judged</summary><p>A value underflows when |x| * scale '
+        "&lt; 2^-25 (FP16&#39;s smallest subnormal, halved).</p></details>" in verdict
+    )
     assert "init_scale = 32,768 (2^15)" in verdict and "growth_interval = 2,000" in verdict
     for m in recommendation_dict()["keep_fp32"]:
         assert f"<li><code>{m}</code></li>" in verdict

@@ -738,7 +738,7 @@ def test_g_the_lost_update_share_is_the_models_not_the_samples() -> None:
     assert f"an estimated {100 * share:.3g}% of the intended weight-update elements" in lost.message
     assert (
         "estimated from a sample of at most 256 strided elements of each parameter, spread across its columns"
-        in lost.message
+        in lost.method
     )
     by = truth.groupby(T.MODULE)[["stuck", "intended"]].sum()
     table = {r["module"]: r["lost_update_bf16"] for r in S.layer_records(pure.tables["layers"])}

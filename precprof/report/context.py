@@ -106,6 +106,7 @@ _FINDING_DEFAULTS: dict[str, Any] = {
     "remedy": "",
     "modules": [],
     "numbers": {},
+    "method": "",
 }
 
 

@@ -32,7 +32,9 @@ class Finding:
     ``code`` is a stable snake_case id (tests and the report key on it); ``severity`` is "critical",
     "warning" or "info"; ``message`` quotes the numbers in plain sentences; ``remedy`` is one sentence;
     ``modules`` are qualified module names in forward order ("" is the root module); ``numbers`` holds the
-    values the message quotes (JSON-safe: NaN becomes None).
+    values the message quotes (JSON-safe: NaN becomes None). ``method`` says how the numbers were measured and
+    what the thresholds rest on, where that takes more than the message's own words: the message reads on its
+    own, and the report folds the method under it ("" where the message says it all; left out of the dict then).
     """
 
     code: str
@@ -42,10 +44,14 @@ class Finding:
     remedy: str
     modules: list[str] = field(default_factory=list)
     numbers: dict[str, Number] = field(default_factory=dict)
+    method: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict (the shape stored in summary.json)."""
-        return asdict(self)
+        """A JSON-safe dict (the shape stored in summary.json); no ``method`` key where there is none."""
+        d = asdict(self)
+        if not self.method:
+            del d["method"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Finding:
@@ -108,7 +114,9 @@ class Recommendation:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (stored as summary.json["recommendation"])."""
-        return asdict(self)
+        d = asdict(self)
+        d["findings"] = [f.to_dict() for f in self.findings]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Recommendation:

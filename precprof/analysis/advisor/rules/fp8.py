@@ -406,16 +406,22 @@ def _pooled_layers(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str]) -
     ]
 
 
+# what the outlier check measures, in the message's words (the method says why it is bounded)
+PUSHED_WORDS = f"Most values a tensor's largest {_pct(OUTLIER_SHARE)} push below FP8's smallest normal"
+
+
 def _pushed_words(most: float | None, module: str | None, pooled: list[str]) -> str:
     """The largest share of a tensor's values its largest push below the smallest normal, ``most`` (of
     ``module``'s tensor), in words that say it is of the tensors judged alone when the check left some of
     ``pooled`` unjudged (``_pooled_words`` gives theirs), and say why none was judged when none was."""
     if most is None:
-        return "Most pushed there: none judged" + (
-            " (a tensor read in several calls a step is not: see below)" if pooled else ""
+        return (
+            PUSHED_WORDS
+            + ": none judged"
+            + (" (a tensor read in several calls a step is not: see below)" if pooled else "")
         )
     return (
-        "Most pushed there"
+        PUSHED_WORDS
         + (
             ", of the tensors judged (weights, and inputs and output gradients read in one call a step; not "
             "those read in several: see below)"
@@ -718,11 +724,19 @@ def _scores_left_out(attention: list[str]) -> str:
         return ""
     return (
         f". The share leaves out the score matmuls (Q K^T and the weights x V) of {_listing(attention, 4)}, "
-        "which float8 conversion leaves in bf16: the run does not record their sequence lengths. Per token they do "
-        "4 x L x d FLOPs an attention layer (L: the tokens a query attends to, d: heads x head_dim; 2 x L x d where "
-        "a causal kernel skips the masked half), beside 2 x in x out per token of each linear layer, 24 x d^2 in a "
-        "GPT block: of all of such a model's matmuls, the eligible share is about this one x 6d / (6d + L) (at "
-        "d = 768 and L = 2048, x 0.69)"
+        "which float8 conversion leaves in bf16: the run does not record their sequence lengths"
+    )
+
+
+def _scores_method(attention: list[str]) -> str:
+    """What the score matmuls ``_scores_left_out`` names would add to the FLOPs ("" when there is none)."""
+    if not attention:
+        return ""
+    return (
+        " The score matmuls the share leaves out do 4 x L x d FLOPs per token an attention layer (L: the tokens "
+        "a query attends to, d: heads x head_dim; 2 x L x d where a causal kernel skips the masked half), beside "
+        "2 x in x out per token of each linear layer, 24 x d^2 in a GPT block: of all of such a model's matmuls, "
+        "the eligible share is about the one given x 6d / (6d + L) (at d = 768 and L = 2048, x 0.69)."
     )
 
 
@@ -1073,7 +1087,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     pmax, pmod = max(pushed) if pushed else (None, None)
     pmod = pmod if pmax else None
     lowest, low_where = _most(by_key, linear)
-    msg = (
+    method = (
         "A linear layer is FP8-eligible when --precision fp8 would convert it (an nn.Linear not tied to an "
         f"embedding, both dimensions and the tokens per call multiples of {taxonomy.FP8_DIM_MULTIPLE}), none of "
         "its tensors held nan/inf, and per-tensor current scaling with power-of-two scales (scale "
@@ -1083,7 +1097,15 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         f"stays bf16. The figure is the median over the {steps} sampled step(s) of an upper bound from the "
         "step's exponent histogram (each flushed value at its binade's upper edge, the exact count of flushed "
         "values). Nothing saturates under current scaling. Why "
-        f"{_pct(lim)}: {LOST_NORM_EVIDENCE} "
+        f"{_pct(lim)}: {LOST_NORM_EVIDENCE} Nor may an outlier set a tensor's scale: its largest "
+        f"{_pct(OUTLIER_SHARE)} of values may push at most {_pct(cfg.fp8_pushed_subnormal_max)} of its values "
+        "below the format's smallest normal, where they keep few significant bits while the norm, which the "
+        "outlier holds, loses almost nothing (as with the massive activations of large language models)."
+        + _scores_method(plan.fp8_scores_uncounted)
+    )
+    msg = (
+        "A linear layer qualifies when --precision fp8 would convert it and per-tensor current scaling loses at "
+        f"most {_pct(lim)} of the L2 norm of what its FP8 GEMMs read. "
         f"{len(plan.fp8_eligible)} of {len(rows)} qualify, carrying {_pct(plan.fp8_flops_share)} of the "
         + (
             "matmul FLOPs, those of the modules float8 conversion leaves in bf16 included"
@@ -1164,10 +1186,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
             if counted
             else ""
         )
-        + f". Nor may an outlier set a tensor's scale: its largest {_pct(OUTLIER_SHARE)} of values may push at "
-        f"most {_pct(cfg.fp8_pushed_subnormal_max)} of its values below the format's smallest normal, where they "
-        "keep few significant bits while the norm, which the outlier holds, loses almost nothing (as with the "
-        "massive activations of large language models). "
+        + ". "
         + _pushed_words(pmax, pmod, _pooled_layers(by_key, linear))
         + (
             "; below it at the power-of-two scale a tensor's largest value on a step sets, whatever put them "
@@ -1262,6 +1281,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
                     else {}
                 ),
             },
+            method=method,
         )
     )
     _speed_finding(run, plan)

@@ -70,13 +70,13 @@ def _by_module(rows: pd.DataFrame, lost: pd.Series, weights: pd.Series) -> pd.Se
 
 def _sampled_words(
     run: _Run, rows: pd.DataFrame, lost: float, nz: float, weights: pd.Series
-) -> tuple[str, dict[str, float]]:
-    """Where the update sample left elements of some parameter out: the words on the share being an estimate,
-    with the sample's own counts, and their numbers; "" where every element of every parameter was sampled
-    (the counts are the model's)."""
+) -> tuple[str, str, dict[str, float]]:
+    """Where the update sample left elements of some parameter out: the message's words on the share being an
+    estimate, the method's on how (with the sample's own counts), and their numbers; "" where every element of
+    every parameter was sampled (the counts are the model's)."""
     w = weights.reindex(rows.index).fillna(1.0)
     if not bool((w > 1).any()):
-        return "", {}
+        return "", "", {}
     capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
     per = capture.get("weight_update_sample") if isinstance(capture, dict) else None
     sample = (
@@ -86,8 +86,10 @@ def _sampled_words(
     )
     raw = _share(lost, nz)
     return (
-        f" (estimated from a sample of {sample}, every element of a smaller one, each parameter's share counted "
-        f"at its size: {int(lost):,} of the {int(nz):,} sampled ones, {_pct(raw)})",
+        " (an estimate from a sample of each parameter's elements)",
+        f"The share is estimated from a sample of {sample}, every element of a smaller one, each parameter's "
+        f"share counted at its size; the sampled elements counted alike, {int(lost):,} of the {int(nz):,} are "
+        f"lost ({_pct(raw)}).",
         {
             "sampled_share": float(raw) if raw is not None else float("nan"),
             **({"update_sample": int(per)} if per else {}),
@@ -294,7 +296,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         share = _estimated(rows, rows[col], weights)[2]
         if share is None:
             continue
-        sampled_words, sampled_nums = _sampled_words(run, rows, lost, nz, weights)
+        sampled_words, sampled_method, sampled_nums = _sampled_words(run, rows, lost, nz, weights)
         nonfinite_words, nonfinite_nums = _nonfinite_words(held_rows, run)
         fp32_words, fp32_nums = _fp32_stuck_words(rows, bool(sampled_words)) if not is_pure else ("", {})
         by_share = _by_module(rows, rows[col], weights)
@@ -388,6 +390,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
                     **apart_nums,
                     **({"held_from_step": since} if since is not None and is_pure else {}),
                 },
+                method=sampled_method,
             )
         )
 
@@ -403,7 +406,7 @@ def _rule_fp32_lost_updates(run: _Run, plan: _Plan) -> None:
     if share is None or share <= cfg.lost_update_warn:
         return
     by_share = _by_module(rows, rows[T.LOST_UPDATE_HELD], weights)
-    sampled_words, sampled_nums = _sampled_words(run, rows, lost, nz, weights)
+    sampled_words, sampled_method, sampled_nums = _sampled_words(run, rows, lost, nz, weights)
     worst = run.sort(by_share[by_share > cfg.lost_update_warn].index)[: cfg.max_listed_modules]
     ratios = update_ratio.summary(run.layers) or {}
     median = ratios.get("ratio_median")
@@ -444,6 +447,7 @@ def _rule_fp32_lost_updates(run: _Run, plan: _Plan) -> None:
                 **sampled_nums,
                 **({"ratio_median": float(median)} if median is not None else {}),
             },
+            method=sampled_method,
         )
     )
 
