@@ -313,7 +313,7 @@ def test_plan_on_b200(run: Any) -> None:
     assert 18.0 < f.numbers["nvfp4_worst_sqnr_db"] < 22.0  # type: ignore[operator]
     assert f.numbers["nvfp4_max_flushed_share"] > 0.5  # type: ignore[operator]
     assert "MXFP8: up to 100% of its weight (forward)'s norm lost to flushing or saturation" in f.message
-    assert "tiny" in f.message and "The count of values flushed is shown, not judged" in f.message
+    assert "tiny" in f.message and "The count of values flushed is shown, not judged" in f.method
     assert any(r.startswith("Block formats on B200") for r in rec.reasons)
     assert "Block formats: nvfp4 (2): good, outlier" in rec.describe()
     back = Recommendation.from_dict(rec.to_dict())
@@ -492,7 +492,7 @@ def test_a_tied_head_the_block_groups_did_not_reach_stays_in_the_plan_in_bf16(bl
     f = rec.finding("block_format_plan")
     assert f is not None
     assert (f.numbers["checked"], f.numbers["not_evaluated"]) == (len(evaluated), 17 - len(evaluated))
-    assert f"Each of the {len(evaluated)} linear layers is judged" in f.message
+    assert f"Each of the {len(evaluated)} linear layers was judged" in f.message
     assert f"The what-if evaluated {len(evaluated)} of the 17 linear layers" in f.message
     assert "No sampled step evaluated lm_head: it stays in bf16 whatever its numbers." in f.message
     assert "BF16 for 1: lm_head (tied to the embedding transformer.wte" in f.message
@@ -983,7 +983,7 @@ def test_layers_that_took_turns_are_said_to_be_judged_on_their_own_steps(block_f
     cols = [c for c in layers.columns if c.startswith("blk_")]
     per = layers[layers[cols].notna().any(axis=1)].groupby(T.MODULE, observed=True)[T.STEP].nunique()
     assert per.min() == per.max() < layers[T.STEP].nunique() == 6
-    f = next(f for f in recommend(prof, hardware="b200").findings if "linear layers is judged" in f.message)
+    f = next(f for f in recommend(prof, hardware="b200").findings if "linear layers was judged" in f.message)
     assert f"each over {per.min()} of the 6 sampled steps (the layers took turns)" in f.message
     assert "over 6 sampled step(s)" not in f.message
 
@@ -1021,5 +1021,5 @@ def test_a_layer_whose_own_operands_were_not_evaluated_is_not_in_the_plan(block_
     assert [lb["module"] for lb in rec.block_what_if["layers"]] == ["q", "k"]
     f = rec.finding("block_format_plan")
     assert f is not None and prof.summary()["block_formats"]["layers_evaluated"] == 2
-    assert "Each of the 2 linear layers is judged" in f.message
+    assert "Each of the 2 linear layers was judged" in f.message
     assert "evaluated 2 of the 4 linear layers" in f.message and "did not reach v, out," in f.message

@@ -863,10 +863,13 @@ def _rule_block_formats(
     sampled = int(run.layers[T.STEP].nunique())
     where = f"{target.name} (compute capability {'.'.join(map(str, target.compute_capability or ()))})"
     rule = (
-        f"Each of the {len(evaluated)} linear layers is judged on every operand its three GEMMs would quantise "
-        "(forward: its input and weight along in_features; input gradient: its output gradient and weight "
-        "along out_features; weight gradient: its output gradient and input along the tokens), "
-        f"{_judged_on(run, evaluated, sampled)}. {rule_text(cfg)}"
+        f"Each of the {len(evaluated)} linear layers was judged on every operand its three GEMMs would quantise, "
+        f"{_judged_on(run, evaluated, sampled)}."
+    )
+    method = (
+        "A linear layer's operands: forward, its input and weight along in_features; input gradient, its output "
+        "gradient and weight along out_features; weight gradient, its output gradient and input along the "
+        f"tokens. The plan: {rule_text(cfg)}"
     )
     result = ". ".join(s for s in (listed(k) for k in (*PLAN_RECIPES, "bf16")) if s)
     judged = {lb.module for lb in table}
@@ -932,6 +935,7 @@ def _rule_block_formats(
                 recipe_hint,
                 modules=[lb.module for lb in table if lb.choice != "bf16"],
                 numbers=numbers,
+                method=method,
             )
         )
         reason = (
@@ -956,6 +960,7 @@ def _rule_block_formats(
             f"Plan for Blackwell with precprof report RUN_DIR --target {WHAT_IF_TARGET}; there: {recipe_hint}",
             modules=[],
             numbers=numbers,
+            method=method,
         )
     )
     what_if = what_if_data(table, cfg, str(target.preset or target.name), False)
