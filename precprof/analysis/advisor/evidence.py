@@ -248,14 +248,9 @@ class _Run:
     def fp8_scaling(self) -> dict[str, str]:
         """Per torchao Float8Linear layer of the run, the scaling its recipe ran (``capture.fp8_recipe``:
         "tensorwise", "rowwise" or "mixed"); {} for a run without any, or recorded before the recipe was."""
-        capture = self.summary.get(T.SUMMARY_CAPTURE) or {}
-        recipes = capture.get("fp8_recipe") if isinstance(capture, Mapping) else None
-        if not isinstance(recipes, list):  # an older run's: the what-if's recipe, in words
-            return {}
         return {
             str(m): str(r.get("scaling", ""))
-            for r in recipes
-            if isinstance(r, Mapping)
+            for r in self._recipes("fp8_recipe")
             for m in r.get("layers") or []
         }
 
@@ -265,29 +260,29 @@ class _Run:
         module, ``convert_to_float8_training``'s) or "quantize_" (an nn.Linear whose weight ``quantize_`` made an
         FP8 training weight: a recipe of ``capture.fp8_recipe`` naming a ``weight_type``); {} for a run without
         any. A Float8Linear recorded before the recipe was is found by its module type."""
-        capture = self.summary.get(T.SUMMARY_CAPTURE) or {}
-        recipes = capture.get("fp8_recipe") if isinstance(capture, Mapping) else None
         out = {m: "Float8Linear" for m, t in self.types.items() if str(t) in taxonomy.FP8_MODULE_TYPES}
-        for r in recipes if isinstance(recipes, list) else []:
-            if isinstance(r, Mapping):
-                for m in r.get("layers") or []:
-                    out[str(m)] = "quantize_" if r.get("weight_type") else "Float8Linear"
+        for r in self._recipes("fp8_recipe"):
+            for m in r.get("layers") or []:
+                out[str(m)] = "quantize_" if r.get("weight_type") else "Float8Linear"
         return out
 
     @property
     def block_running(self) -> dict[str, str]:
         """Per layer of the run that runs torchao's MX layers, its block format (``capture.block_recipe``:
         "mxfp8"); {} for a run without any, or recorded before the recipe was."""
-        capture = self.summary.get(T.SUMMARY_CAPTURE) or {}
-        recipes = capture.get("block_recipe") if isinstance(capture, Mapping) else None
-        if not isinstance(recipes, list):
-            return {}
         return {
             str(m): str(r.get("format", ""))
-            for r in recipes
-            if isinstance(r, Mapping)
+            for r in self._recipes("block_recipe")
             for m in r.get("layers") or []
         }
+
+    def _recipes(self, key: str) -> list[Mapping[str, Any]]:
+        """The recipes the capture recorded under ``key`` ("fp8_recipe", "block_recipe": one mapping per recipe,
+        with the ``layers`` that ran it); [] for a run without any, or one recorded before they were (an older
+        run's ``fp8_recipe`` is the what-if's recipe in words, no list)."""
+        capture = self.summary.get(T.SUMMARY_CAPTURE) or {}
+        recipes = capture.get(key) if isinstance(capture, Mapping) else None
+        return [r for r in recipes if isinstance(r, Mapping)] if isinstance(recipes, list) else []
 
     @property
     def running_formats(self) -> dict[str, str]:
