@@ -130,6 +130,14 @@ def test_snippets_of_another_format_take_the_fp8_layers_out_of_their_conversion(
     assert "FP32 for all but the 1 block-format layer(s)" in code and "No FP8" not in code
 
 
+def test_the_fp8_training_weight_keeps_its_bias(run: Path) -> None:
+    """Layer 2's bias, which torchao's FP8 training weight (quantize_) adds in its F.linear, and the Float8Linear
+    layers' biases are not said to be dropped, as the MX training weight's is (tests/test_mx_layers.py)."""
+    rec, _, summary = _recommended(run)
+    assert summary[T.SUMMARY_CAPTURE]["bias_dropped"] == []
+    assert rec.finding("bias_dropped") is None
+
+
 def test_a_loop_of_its_own_reads_as_fp8_seen_not_asked(run: Path) -> None:
     """The precision check of a loop that asked for nothing says what it saw, not "Asked for fp8."; a run whose
     configuration asked for fp8 says it was asked for. Where no FP8 layer is found, the check names both of

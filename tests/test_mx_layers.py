@@ -52,15 +52,18 @@ def _quantized(model: nn.Module, *names: str) -> nn.Module:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Three SGD steps of a 3-layer MLP whose first two layers are MXFP8Linear: the first with torchao's default
-    recipe (rceil scales), the second with OCP's floor scales and its weight gradient in high precision, the third
-    an nn.Linear (no bias: torchao 0.18's MX training weight drops a bias) made MX by ``quantize_``; every
-    layer's block formats evaluated on every step. 32 tokens a step: MX blocks run along the tokens too."""
+    recipe (rceil scales), the second with OCP's floor scales and its weight gradient in high precision (both with
+    biases, which MXFP8Linear adds), the third an nn.Linear with a bias of 5.0 made MX by ``quantize_`` (torchao
+    0.18's MX training weight drops the bias); every layer's block formats evaluated on every step. 32 tokens a
+    step: MX blocks run along the tokens too."""
     torch.manual_seed(0)
     floor = mx_config.ScaleCalculationMode.FLOOR
     model = nn.Sequential(
         _mx(32, 64), nn.GELU(), _mx(64, 32, scale_calculation_mode=floor, wgrad_with_hp=True), nn.GELU()
     )
-    model.extend([nn.Linear(32, 32, bias=False), nn.GELU(), nn.Linear(32, 16)])
+    model.extend([nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16)])
+    with torch.no_grad():
+        model[4].bias.fill_(5.0)
     _quantized(model, "4")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     out = tmp_path_factory.mktemp("mx") / "run"
@@ -109,6 +112,64 @@ def test_a_run_with_mx_layers_reads_as_mx_and_records_their_recipes(run: Path) -
         "blocks of 32, scales rounded down: floor (OCP), the weight gradient's GEMM in high"
         in check["verdict"]
     )
+
+
+_DROPS = "torchao.prototype.moe_training.tensor.MXFP8TrainingWeightWrapperTensor.__torch_function__"
+
+
+def test_the_bias_the_mx_training_weight_leaves_out_is_said(run: Path) -> None:
+    """Layer 4's bias of 5.0 never reached its output (torchao 0.18's MX training weight computes F.linear as the
+    matmul alone) and never trained, and nothing said it; the MXFP8Linear layers 0 and 2 add theirs and are not
+    named. The finding names the layer, the function at fault, the bias's size and largest value, and the fix."""
+    capture = T.read_summary(run)[T.SUMMARY_CAPTURE]
+    assert capture["bias_dropped"] == [
+        {
+            "layer": "4",
+            "weight_type": "MXFP8TrainingWeightWrapperTensor",
+            "config": "MXFP8TrainingOpConfig",
+            "function": _DROPS,
+            "values": 32,
+            "absmax": 5.0,
+        }
+    ]
+    rec, _, _ = _recommended(run)
+    (found,) = [f for f in rec.findings if f.code == "bias_dropped"]
+    assert found.severity == "warning" and found.modules == ["4"]
+    assert found.numbers == {"bias_dropped_layers": 1, "bias_dropped_values": 32, "bias_dropped_absmax": 5.0}
+    assert (
+        "quantize_ with MXFP8TrainingOpConfig made the weights of 1 nn.Linear layer(s) (4) torchao's "
+        f"MXFP8TrainingWeightWrapperTensor, whose {_DROPS} computes F.linear(input, weight, bias) as the matmul "
+        "of input and weight alone: their biases (32 values, the largest |bias| 5) are never added"
+        in found.message
+    )
+    assert "torchao's MXFP8Linear (torchao.prototype.moe_training.mxfp8_linear)" in found.remedy
+
+
+def test_which_torchao_training_weights_drop_the_bias() -> None:
+    """Every recipe of ``MXFP8TrainingOpConfig`` gives an nn.Linear a weight whose F.linear leaves the bias out
+    (torchao 0.18); ``Float8TrainingOpConfig``'s adds it, as MXFP8Linear does: the capture says so of the former
+    alone, and, where the layer runs on the CPU (the MX recipes but the emulated one need Triton), only where its
+    output indeed lacks the bias (a zero weight and a bias of 5: outputs of 0, not 5). A layer without a bias, or
+    whose module adds it itself, is none."""
+    configs = [moe_config.MXFP8TrainingOpConfig.from_recipe(r) for r in moe_config.MXFP8TrainingRecipe]
+    configs.append(moe_config.Float8TrainingOpConfig())
+    said = []
+    for config in configs:
+        model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32, bias=False), _mx(32, 32))
+        with torch.no_grad():
+            model[0].weight.zero_()
+            model[0].bias.fill_(5.0)
+        quantization.quantize_(model, config, filter_fn=lambda m, fqn: fqn in ("0", "1"))
+        dropped = [d["layer"] for d in model_facts.dropped_biases(model)]
+        if (
+            getattr(config, "kernel_preference", kernels.KernelPreference.EMULATED)
+            == kernels.KernelPreference.EMULATED
+        ):
+            with torch.no_grad():
+                lacks = bool(model[0](torch.randn(32, 32)).abs().max() < 1)
+            assert dropped == (["0"] if lacks else [])
+        said.append(dropped == ["0"])
+    assert said == [True] * (len(configs) - 1) + [False]
 
 
 def _recommended(run: Path) -> tuple[Any, dict, dict]:

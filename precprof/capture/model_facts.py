@@ -5,11 +5,13 @@ the parts torch.compile compiled and with which backend, each optimizer's settin
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from precprof import _compat
@@ -264,6 +266,84 @@ def low_precision_linear(model: nn.Module) -> str | None:
         return "fp8"
     formats = {block_recipe_of(m)["format"] for m in modules if runs_block_format(m)}
     return "+".join(sorted(formats)) or None
+
+
+def dropped_biases(model: nn.Module) -> list[dict[str, Any]]:
+    """The nn.Linear layers whose bias their torchao training weight leaves out: ``quantize_`` made the weight one
+    of torchao's training weights (``taxonomy.BLOCK_WEIGHT_TYPES``, ``FP8_WEIGHT_TYPES``), whose
+    ``__torch_function__`` computes nn.Linear's ``F.linear(input, weight, bias)``; torchao 0.18's MX one
+    (``MXFP8TrainingWeightWrapperTensor``, every ``MXFP8TrainingOpConfig`` recipe) returns the matmul alone, so
+    the bias is neither added nor trained (its gradient stays None), where its FP8 one and its MXFP8Linear and
+    NVFP4Linear modules add theirs. Told by trying it (``_drops_bias``), so that a torchao that adds the bias is
+    not said to drop it. Each: ``layer``, ``weight_type``, ``config`` (its config's class), ``function`` (the
+    weight type's ``__torch_function__``), the bias's ``values`` and largest |value| (``absmax``; None where not
+    read: a DTensor's shards). One 32 x 32 matmul on the CPU per weight type and config, and one read of each
+    such bias, at save."""
+    out: list[dict[str, Any]] = []
+    tried: dict[tuple[type, str], bool | None] = {}
+    for name, m in _compat.named_modules(model):
+        weight = _own_weight(m, BLOCK_WEIGHT_TYPES | FP8_WEIGHT_TYPES)
+        bias = getattr(m, "bias", None)
+        if weight is None or not isinstance(bias, torch.Tensor) or not _runs_linear_forward(m):
+            continue
+        config = getattr(weight, "config", None)
+        key = (type(weight), repr(config))
+        if key not in tried:
+            tried[key] = _drops_bias(weight)
+        if not tried[key]:
+            continue
+        cls = type(weight)
+        out.append(
+            {
+                "layer": name,
+                "weight_type": cls.__name__,
+                "config": type(config).__name__,
+                "function": f"{cls.__module__}.{cls.__qualname__}.__torch_function__",
+                "values": _compat.global_numel(bias),
+                "absmax": _absmax(bias),
+            }
+        )
+    return out
+
+
+def _runs_linear_forward(module: nn.Module) -> bool:
+    """Whether the module's forward is nn.Linear's own, ``F.linear(input, self.weight, self.bias)``: a module
+    that adds its bias itself keeps it whatever its weight's F.linear does."""
+    own = inspect.getattr_static(type(module), "forward", None)
+    return own is nn.Linear.forward and "forward" not in vars(module)
+
+
+def _drops_bias(weight: torch.Tensor) -> bool | None:
+    """Whether ``F.linear`` with a weight of ``weight``'s type and config leaves the bias out: tried with a 32 x 32
+    zero weight, zero input and a bias of ones on the CPU in fp32 (an output of zeros: left out; of ones: added),
+    the config's kernels emulated (its own may run on Blackwell GPUs alone); None when the try fails or gives
+    neither. No random numbers drawn, nothing of the model's touched."""
+    config = getattr(weight, "config", None)
+    try:
+        preference = getattr(config, "kernel_preference", None)
+        if preference is not None and dataclasses.is_dataclass(config) and not isinstance(config, type):
+            config = dataclasses.replace(config, kernel_preference=type(preference)["EMULATED"])
+        zeros = torch.zeros(32, 32, dtype=torch.float32, device="cpu")
+        probe = type(weight)(zeros, config)  # type: ignore[call-arg]
+        with torch.no_grad():
+            y = F.linear(zeros, probe, torch.ones(32, dtype=torch.float32, device="cpu"))
+        if bool((y == 0).all()):
+            return True
+        return False if bool((y == 1).all()) else None
+    except Exception:  # a weight type that cannot be built this way: nothing is said of it
+        return None
+
+
+def _absmax(t: torch.Tensor) -> float | None:
+    """The largest |value| of ``t`` (a sync: at save); None for a DTensor (its values lie on every rank) or a
+    tensor that cannot be read."""
+    if hasattr(t, "to_local") or t.numel() == 0:
+        return None
+    try:
+        with torch.no_grad():
+            return float(t.detach().abs().max())
+    except Exception:
+        return None
 
 
 def model_class_name(model: nn.Module) -> str:

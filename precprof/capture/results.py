@@ -24,6 +24,7 @@ from precprof.capture.model_facts import (
     block_recipes,
     compiled_parts,
     dropout_layers,
+    dropped_biases,
     fp8_emulated,
     fp8_recipes,
     low_precision_buffers,
@@ -340,6 +341,8 @@ class ProfilerResults:
             "model_changes": [dict(c) for c in self._model_changes],
             "fp8_recipe": fp8_recipes(_compat.unwrapped(self.model)),  # what its Float8Linear layers ran
             "block_recipe": block_recipes(_compat.unwrapped(self.model)),  # what its MX layers ran
+            # the nn.Linear biases their torchao training weight's F.linear leaves out (MXFP8 through quantize_)
+            "bias_dropped": dropped_biases(_compat.unwrapped(self.model)),
             "fp8_whatif_recipe": FP8_WHATIF_RECIPE,  # what every FP8 what-if assumes, whatever the run ran
             "memory_error": self._collector.memory_error if self._collector is not None else None,
             "memory_steps": self._tracker.schedule.describe() if hasattr(self._tracker, "schedule") else None,

@@ -40,7 +40,7 @@ _CAPTURE_SAID = _keys(
     "loss_dtypes device n_params param_bytes profiler_buffer_bytes profiler_scratch_bytes "
     "profiler_buffer_share_of_params model_class precision_seen autocast scaler scaler_enabled scaler_growth_interval "
     "compiled loop_stance loop_order fp8_emulated dropout_layers "
-    "static_loss_scale low_precision_buffers fp8_recipe block_recipe fp8_whatif_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
+    "static_loss_scale low_precision_buffers fp8_recipe block_recipe bias_dropped fp8_whatif_recipe sampling memory_steps memory_enabled grad_norm_type shared_params shared_outside "
     "gemm_inputs model_inputs modules_without_forward optimizer optimizer_changes updates_from model_changes "
     "distributed eval_forwards_ignored checkpointed_forwards weight_grads_unread_steps weight_grads_unread_modules "
     "self_call_forwards_unread scaler_from output_head"

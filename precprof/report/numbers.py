@@ -134,6 +134,10 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "unused_param_elements": ("their parameters", "count"),
     "param_elements": ("the model's parameters", "count"),
     "unused_param_share": ("share of the model's parameters", "share"),
+    # biases a torchao training weight's F.linear leaves out (rules/biases.py)
+    "bias_dropped_layers": ("linear layers whose bias is never added", "count"),
+    "bias_dropped_values": ("values in those biases", "count"),
+    "bias_dropped_absmax": ("largest |bias| among them", "number"),
     "fp8_output_gradient_max": ("largest output gradient the FP8 cast flushed whole", "magnitude"),
     "first_ok_scale": ("scale of the first step that went through", "scale"),
     "recommended_scale": ("recommended initial loss scale", "scale"),

@@ -44,6 +44,7 @@ from precprof.analysis.advisor.model import (
     Recommendation,
 )
 from precprof.analysis.advisor.rules.active import _rule_experts_fp32, _rule_mixed_precision_active
+from precprof.analysis.advisor.rules.biases import _rule_dropped_biases
 from precprof.analysis.advisor.rules.blocks import _rule_block_formats
 from precprof.analysis.advisor.rules.clipping import _rule_scaled_clipping
 from precprof.analysis.advisor.rules.fp8 import _rule_fp8
@@ -175,6 +176,7 @@ def recommend(
     _rule_steps_without_update(run, plan)
     _rule_no_gradient(run, plan, dims)
     _rule_unused_modules(run, plan)
+    _rule_dropped_biases(run, plan)
     _rule_bf16_range(run, plan)
     _rule_fp8(run, plan, dims)
     _rule_alignment(run, plan, dims)
