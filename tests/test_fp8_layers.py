@@ -130,6 +130,46 @@ def test_snippets_of_another_format_take_the_fp8_layers_out_of_their_conversion(
     assert "FP32 for all but the 1 block-format layer(s)" in code and "No FP8" not in code
 
 
+def _comments(code: str) -> str:
+    """The snippet's comments as one text (a comment wraps at 110 characters)."""
+    return " ".join(line.strip()[2:] for line in code.splitlines() if line.strip().startswith("# "))
+
+
+def test_the_fp8_snippet_of_a_run_already_in_fp8_through_quantize_does_not_convert_it_again(
+    run: Path,
+) -> None:
+    """FP8's code for a run whose layer 2 quantize_ made FP8 (Float8TrainingOpConfig): it had called
+    convert_to_float8_training over that model, which swaps such an nn.Linear for a Float8Linear around its FP8
+    training weight. It says the run trains in FP8 already, and how, in every framework; where the plan lists
+    eligible layers not in FP8 yet, it converts them with quantize_ (run here on such a model: layer 4 gets an FP8
+    training weight, layer 2 stays an nn.Linear) and names the run's FP8 layers the plan does not list."""
+    rec = _recommended(run, "h100")[0].to_dict()
+    assert rec["wrapped_weight_layers"] == ["2"]
+    for framework in snippets.frameworks("fp8"):
+        code = snippets.snippet(rec, framework, "fp8")
+        compile(code, framework, "exec")
+        assert "convert_to_float8_training(" not in code and "import convert_to_float8_training" not in code
+        assert (
+            "FP8 already: this run trains 3 layer(s) in FP8 with torchao, 1 through quantize_ "
+            "(Float8TrainingOpConfig: FP8 training weights), 2 as Float8Linear (convert_to_float8_training); "
+            "keep those conversions, which this code does not repeat"
+        ) in _comments(code)
+        assert "fp8_in_this_run = ['0', '2', '4']" in code
+    # a plan that lists layer 4, not in FP8 yet, and not layer 0 (a Float8Linear of the run)
+    more = {**rec, "running_formats": {"0": "fp8", "2": "fp8"}, "fp8_layers": ["2", "4"]}
+    code = snippets.snippet(more, "torchao", "fp8")
+    assert "fp8_layers = {'4'}" in code and "fp8_not_eligible = ['0']" in code
+    assert "convert them with quantize_ as well" in _comments(code)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 16))
+    quantization.quantize_(
+        model, training_config.Float8TrainingOpConfig(), filter_fn=lambda m, fqn: fqn == "2"
+    )
+    scope: dict[str, Any] = {"model": model}
+    exec(code.replace("model = torch.compile(model)", "pass  #"), scope)  # (dynamo's import: a second)
+    assert [type(m).__name__ for m in model[::2]] == ["Linear", "Linear", "Linear"]
+    assert {type(model[i].weight).__name__ for i in (2, 4)} == {"Float8TrainingWeightWrapperTensor"}
+
+
 def test_the_fp8_training_weight_keeps_its_bias(run: Path) -> None:
     """Layer 2's bias, which torchao's FP8 training weight (quantize_) adds in its F.linear, and the Float8Linear
     layers' biases are not said to be dropped, as the MX training weight's is (tests/test_mx_layers.py)."""

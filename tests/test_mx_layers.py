@@ -172,11 +172,17 @@ def test_which_torchao_training_weights_drop_the_bias() -> None:
     assert said == [True] * (len(configs) - 1) + [False]
 
 
+_RECOMMENDED: dict[Path, Any] = {}
+
+
 def _recommended(run: Path) -> tuple[Any, dict, dict]:
-    """The recommendation for a B200 (which runs block formats), the tables and the summary of ``run``."""
+    """The recommendation for a B200 (which runs block formats; made once a run), the tables and the summary of
+    ``run``."""
     summary = T.read_summary(run)
     tables = T.read_tables(run)
-    return recommend(tables, hardware="b200", summary=summary), tables, summary
+    if run not in _RECOMMENDED:
+        _RECOMMENDED[run] = recommend(tables, hardware="b200", summary=summary)
+    return _RECOMMENDED[run], tables, summary
 
 
 def test_the_block_plan_says_which_layers_already_run_an_mx_format(run: Path) -> None:
@@ -221,6 +227,30 @@ def test_the_fp32_snippet_of_an_mx_run_does_not_say_the_loop_stays_as_it_is(run:
         "# FP32 for all but the 3 block-format layer(s) the run converted (torchao's MX or NVFP4 layers):"
         in code
     )
+
+
+def test_the_bf16_and_fp16_snippets_of_an_mx_run_say_its_mx_layers_stay_mx(run: Path) -> None:
+    """BF16's and FP16's code (and TF32's and FP8's) for a run whose layers 0, 2 and 4 train in MXFP8 said nothing
+    of them: autocast leaves them MX (an MX layer quantises its operands with autocast or without), so the code
+    says it keeps them so, names them, and what to remove to train them as the rest, by how each was made."""
+    rec, _, _ = _recommended(run)
+    rec = rec.to_dict()
+    assert rec["wrapped_weight_layers"] == ["4"]
+    for fmt in ("bf16", "fp16", "tf32", "fp8"):
+        for framework in snippets.frameworks(fmt):
+            code = snippets.snippet(rec, framework, fmt)
+            compile(code, framework, "exec")
+            said = " ".join(line[2:] for line in code.splitlines() if line.startswith("# "))
+            assert (
+                "Block formats kept: this run trains the 3 layer(s) below in MXFP8 with torchao's MX or NVFP4 "
+                "layers, and this code keeps them so (autocast does not undo that conversion" in said
+            ), (fmt, framework)
+            assert (
+                "remove the conversion that made them (MXFP8Linear for 2, quantize_ with MXFP8TrainingOpConfig for 1)"
+                in said
+            )
+            assert "block_format_in_this_run = ['0', '2', '4']" in code
+    assert "Block formats kept" not in snippets.snippet(rec, "pytorch", "fp32")
 
 
 def test_a_linear_whose_weight_quantize_made_mx_is_an_mx_layer() -> None:

@@ -13,6 +13,7 @@ code can be tried on another device by changing one line.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping
 from typing import Any
 
@@ -89,6 +90,11 @@ def _int(value: Any, default: int) -> int:
         return default
 
 
+def _comment(text: str) -> list[str]:
+    """``text`` as comment lines of at most 110 characters."""
+    return ["# " + line for line in textwrap.wrap(text, 108, break_on_hyphens=False)]
+
+
 def _names(values: Any) -> list[str]:
     return [str(v) for v in values or []]
 
@@ -137,8 +143,12 @@ class _Plan:
         running = running if isinstance(running, Mapping) else {}
         # its FP8 layers (torchao's float8 training), which a snippet of another format takes out of FP8
         self.fp8_run = [str(m) for m, f in running.items() if f == "fp8"]
-        # its block-format layers (torchao's MX and NVFP4 layers), which the block plan covers
-        self.running = sum(f != "fp8" for f in running.values())
+        # its block-format layers (torchao's MX and NVFP4 layers) and their formats, which the block plan covers
+        self.block_run = {str(m): str(f) for m, f in running.items() if f != "fp8"}
+        self.running = len(self.block_run)
+        # those of them whose weight quantize_ made a torchao training weight (the module left an nn.Linear)
+        self.wrapped = set(_names(rec.get("wrapped_weight_layers")))
+        self.fp8_wrapped = [m for m in self.fp8_run if m in self.wrapped]
 
     @property
     def dtype(self) -> str:
@@ -162,7 +172,25 @@ class _Plan:
             f"    run_in_fp32({getter}(name))",
         ]
 
+    def fp8_import(self) -> list[str]:
+        """FP8's import: torchao's ``convert_to_float8_training``, or, for a run that converted its FP8 layers
+        with ``quantize_``, ``quantize_`` and its config where more layers are to convert (none where none is)."""
+        if not self.fp8_wrapped:
+            return ["from torchao.float8 import convert_to_float8_training"]
+        if not self._fp8_to_convert():
+            return []
+        return [
+            "from torchao.prototype.moe_training.config import Float8TrainingOpConfig",
+            "from torchao.quantization import quantize_",
+        ]
+
+    def _fp8_to_convert(self) -> list[str]:
+        """The eligible layers this run does not train in FP8 yet."""
+        return [m for m in self.fp8 if m not in self.fp8_run]
+
     def fp8_block(self, target: str = "model") -> list[str]:
+        if self.fp8_wrapped:
+            return self._fp8_kept(target)
         lines = [
             f"fp8_layers = {_list_literal(self.fp8, '{}')}",
             "convert_to_float8_training(",
@@ -172,6 +200,81 @@ class _Plan:
         if not self.fp8:
             lines.insert(0, "# the recommendation lists no FP8-eligible layer: nothing is converted")
         return lines
+
+    def _fp8_kept(self, target: str) -> list[str]:
+        """FP8's code for a run that already trains layers in FP8 through ``quantize_`` (their weights torchao's FP8
+        training weights, the modules nn.Linear): those stay as converted; the eligible layers not in FP8 yet are
+        converted the same way (``convert_to_float8_training`` would swap such a layer for a Float8Linear around
+        its FP8 training weight, casting it to FP8 twice); the run's FP8 layers the plan finds not eligible are
+        named, to take out of the conversion."""
+        modules = len(self.fp8_run) - len(self.fp8_wrapped)
+        how = f"{len(self.fp8_wrapped)} through quantize_ (Float8TrainingOpConfig: FP8 training weights)"
+        if modules:
+            how += f", {modules} as Float8Linear (convert_to_float8_training)"
+        lines = _comment(
+            f"FP8 already: this run trains {len(self.fp8_run)} layer(s) in FP8 with torchao, {how}; keep those "
+            "conversions, which this code does not repeat"
+        )
+        lines += [f"fp8_in_this_run = {_list_literal(self.fp8_run)}"]
+        more = self._fp8_to_convert()
+        if more:
+            lines += _comment(
+                "the eligible layers not in FP8 yet: convert them with quantize_ as well (convert_to_float8_training "
+                "would swap a quantize_ layer for a Float8Linear around its FP8 training weight, casting it twice)"
+            )
+            lines += [
+                f"fp8_layers = {_list_literal(more, '{}')}",
+                "quantize_(  # with the config your quantize_ call used",
+                f"    {target}, Float8TrainingOpConfig(), filter_fn=lambda mod, fqn: fqn in fp8_layers",
+                ")",
+            ]
+        elif self.fp8:
+            lines += ["# every FP8-eligible layer already trains in FP8: nothing more to convert"]
+        else:
+            lines += ["# the recommendation lists no other FP8-eligible layer: nothing more to convert"]
+        leave = [m for m in self.fp8_run if m not in self.fp8] if self.fp8 else []
+        if leave:
+            lines += _comment(
+                "the plan finds these FP8 layers of the run not FP8-eligible: leave them out of the filter that "
+                "converted them"
+            )
+            lines += [f"fp8_not_eligible = {_list_literal(leave)}"]
+        return lines
+
+    def block_kept(self) -> list[str]:
+        """For a format other than FP32 (whose heading says it), what its code does to the layers this run trains
+        in a block format (torchao's MX and NVFP4 layers): it keeps them so, as autocast does not undo their
+        conversion; to train them as the code trains the rest, the conversion goes, named by how it was made;
+        [] for a run without them."""
+        if self.fmt == "fp32" or not self.block_run:
+            return []
+        made: dict[str, int] = {}
+        for m, f in self.block_run.items():
+            how = (
+                "quantize_ with MXFP8TrainingOpConfig"
+                if m in self.wrapped
+                else "NVFP4Linear (quantize_ with NVFP4TrainingConfig)"
+                if f == "nvfp4"
+                else "MXFP8Linear"
+            )
+            made[how] = made.get(how, 0) + 1
+        formats = "/".join(dict.fromkeys(f.upper() for f in self.block_run.values()))
+        said = ", ".join(f"{how} for {n}" for how, n in made.items())
+        return [
+            *_comment(
+                f"Block formats kept: this run trains the {len(self.block_run)} layer(s) below in {formats} with "
+                "torchao's MX or NVFP4 layers, and this code keeps them so (autocast does not undo that "
+                "conversion: such a layer quantises its matmuls' operands in blocks with autocast or without). To "
+                f"train them as the rest, remove the conversion that made them ({said}); the block-format "
+                "finding says which format suits each"
+            ),
+            f"block_format_in_this_run = {_list_literal(list(self.block_run))}",
+        ]
+
+    def conversions(self) -> list[str]:
+        """What a snippet says of the run's own torchao conversions: the FP8 ones it undoes (``fp8_undone``),
+        the block-format ones it keeps (``block_kept``)."""
+        return [*self.fp8_undone(), *self.block_kept()]
 
     def fp8_undone(self) -> list[str]:
         """For a format other than FP8, what it asks of the layers this run trained in FP8 (torchao's float8
@@ -217,7 +320,7 @@ def _pytorch(plan: _Plan) -> list[str]:
     fmt = plan.fmt
     out = ["import torch"]
     if fmt == "fp8":
-        out.append("from torchao.float8 import convert_to_float8_training")
+        out += plan.fp8_import()
     out += ["", _HEAD, f"device_type = {plan.device}"]
     if fmt == "fp32" and plan.running:
         out += [
@@ -237,7 +340,7 @@ def _pytorch(plan: _Plan) -> list[str]:
     else:
         out += ["# FP8 training for the eligible layers (torchao), BF16 autocast for the rest", ""]
         out += plan.fp8_block()
-    out += plan.fp8_undone()
+    out += plan.conversions()
     out += plan.keep_block()
     if fmt == "fp8":
         out += ["", f"model = torch.compile(model)  # {_COMPILE_NOTE}"]
@@ -258,7 +361,7 @@ def _hf(plan: _Plan) -> list[str]:
         "fp8": "bf16=True, torch_compile=True",
     }
     if fmt == "fp8":
-        out[1:1] = ["from torchao.float8 import convert_to_float8_training"]
+        out[1:1] = plan.fp8_import()
         out += [
             "# FP8 for the eligible layers (torchao) before building the Trainer, BF16 autocast for the rest"
         ]
@@ -267,7 +370,7 @@ def _hf(plan: _Plan) -> list[str]:
         out += [f"device_type = {plan.device}", *plan.keep_block(), ""]
     if fmt == "fp32":
         out += ["# FP32 is the Trainer's default: no bf16/fp16 flag"]
-    out += plan.fp8_undone()
+    out += plan.conversions()
     if fmt == "fp8":
         out += [f"# torch_compile=True: {_COMPILE_NOTE}"]
     args = ['output_dir="out"'] + ([flags[fmt]] if fmt in flags else [])
@@ -287,7 +390,7 @@ def _lightning(plan: _Plan) -> list[str]:
     fmt = plan.fmt
     out = ["import lightning as L", "import torch"]
     if fmt == "fp8":
-        out.append("from torchao.float8 import convert_to_float8_training")
+        out += plan.fp8_import()
     if fmt == "fp16":
         out.append("from lightning.pytorch.plugins import MixedPrecision")
     out += ["", "# assumes model (a LightningModule) and loader from your training script"]
@@ -296,8 +399,8 @@ def _lightning(plan: _Plan) -> list[str]:
     if fmt == "fp8":
         out += ["# in your LightningModule's configure_model (or before fit): FP8 for the eligible layers"]
         out += [*plan.fp8_block(), ""]
-    if plan.fp8_undone():
-        out += [*plan.fp8_undone(), ""]
+    if plan.conversions():
+        out += [*plan.conversions(), ""]
     if plan.keep and plan.autocast:
         out += [f"device_type = {plan.device}", *plan.keep_block(), ""]
     if fmt == "fp8":
@@ -325,7 +428,7 @@ def _fsdp(plan: _Plan) -> list[str]:
     out = ["import torch", "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP"]
     out += ["from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy, fully_shard"]
     if fmt == "fp8":
-        out.append("from torchao.float8 import convert_to_float8_training")
+        out += plan.fp8_import()
     if fmt == "fp16":
         out.append("from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler")
     out += ["", "# assumes model from your training script, in an initialised process group"]
@@ -333,8 +436,8 @@ def _fsdp(plan: _Plan) -> list[str]:
         out += [_TF32, ""]
     if fmt == "fp8":
         out += ["# FP8 for the eligible layers, before sharding", *plan.fp8_block(), ""]
-    if plan.fp8_undone():
-        out += [*plan.fp8_undone(), ""]
+    if plan.conversions():
+        out += [*plan.conversions(), ""]
     keep = plan.keep and plan.autocast
     if keep:
         out += [f"keep_fp32 = {_list_literal(plan.keep)}", ""]
@@ -378,9 +481,10 @@ def _fsdp(plan: _Plan) -> list[str]:
 
 
 def _torchao(plan: _Plan) -> list[str]:
-    out = ["import torch", "from torchao.float8 import convert_to_float8_training", ""]
+    out = ["import torch", *plan.fp8_import(), ""]
     out += ["# FP8 training for the eligible layers; the other layers run under BF16 autocast"]
     out += plan.fp8_block()
+    out += plan.block_kept()
     out += [f"model = torch.compile(model)  # {_COMPILE_NOTE}"]
     return out
 

@@ -185,6 +185,7 @@ def recommend(
 
     rec = _decide(run, plan)
     rec.running_formats = run.running_formats
+    rec.wrapped_weight_layers = run.wrapped_weight_layers
     if blocks is not None:
         rec.block_plan = blocks.plan
         rec.block_what_if = blocks.what_if

@@ -276,6 +276,19 @@ class _Run:
             for m in r.get("layers") or []
         }
 
+    @property
+    def wrapped_weight_layers(self) -> list[str]:
+        """The layers of ``running_formats`` whose weight torchao's ``quantize_`` made a training weight (a recipe
+        of ``capture.fp8_recipe`` or ``capture.block_recipe`` naming a ``weight_type``: the module stays an
+        nn.Linear), in forward order."""
+        return self.sort(
+            str(m)
+            for key in ("fp8_recipe", "block_recipe")
+            for r in self._recipes(key)
+            if r.get("weight_type")
+            for m in r.get("layers") or []
+        )
+
     def _recipes(self, key: str) -> list[Mapping[str, Any]]:
         """The recipes the capture recorded under ``key`` ("fp8_recipe", "block_recipe": one mapping per recipe,
         with the ``layers`` that ran it); [] for a run without any, or one recorded before they were (an older

@@ -111,6 +111,10 @@ class Recommendation:
     # training: a Float8Linear, or an nn.Linear whose weight quantize_ made an FP8 training weight) or the block
     # format of its MX and NVFP4 layers; what a snippet of another format takes out of the conversion, or keeps
     running_formats: dict[str, str] = field(default_factory=dict)
+    # the layers of running_formats whose weight torchao's quantize_ made a training weight, the module left an
+    # nn.Linear (Float8TrainingOpConfig, MXFP8TrainingOpConfig), rather than a module of torchao's (Float8Linear,
+    # MXFP8Linear, NVFP4Linear): a snippet names the call that converted them, and converts more the same way
+    wrapped_weight_layers: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (stored as summary.json["recommendation"])."""
