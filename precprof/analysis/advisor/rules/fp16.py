@@ -1129,6 +1129,16 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     total = float(counts.sum())
     if ag.empty and total == 0:
         return
+    # the modules whose activation gradients the totals leave out for staying fp32 under fp16 autocast, named
+    # (those of the keep list are named apart, below), so that a sum of the run's histograms checks the figure
+    held = run.hist_totals()
+    held_ag = set(T.texts(held.loc[held[T.TENSOR] == T.ACTIVATION_GRAD, T.MODULE]))
+    left = run.sort((held_ag & set(stay32)) - set(kept.output))
+    left_said = (
+        f"; left out: {_listing(left, cfg.max_listed_modules)}, whose gradients an fp16 run holds in fp32"
+        if left
+        else ""
+    )
     # Now: exact counts at the scale in effect, on tensors that were not already fp16 (in an fp16 tensor the
     # flushed values are zeros already and cannot be told from true zeros).
     not16 = ag[~_dtype_has(ag, "float16") & ~kept.rows(ag)]
@@ -1185,15 +1195,16 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     msg = (
         f"{now_txt[0].upper()}{now_txt[1:]}. From the exponent histograms ({int(total):,} nonzero values"
         + (
-            ", those fp16 kept): "
+            f", those fp16 kept{left_said}): "
             + (f"{_pct(at1)} at scale 1 of the gradients that were not fp16, and " if at1 is not None else "")
             + f"{_pct(atk)} would flush at the recommended scale {_pow2(k)}"
             if blind
-            else f"): {_pct(at1)} at scale 1 and {_pct(atk)} at the recommended scale {_pow2(k)}"
+            else f"{left_said}): {_pct(at1)} at scale 1 and {_pct(atk)} at the recommended scale {_pow2(k)}"
             if k_run == 0
             # a scaled run's own share comes first: scale 1 is only what it would lose without its scaler (a
             # GradScaler run at 2^16 read '0.191% at scale 1', taken for what the run lost, which was 0%)
-            else f"): {_pct(at_run)} at the run's loss scale {_pow2(k_run)}, {_pct(at1)} at scale 1 had it scaled "
+            else f"{left_said}): {_pct(at_run)} at the run's loss scale {_pow2(k_run)}, {_pct(at1)} at scale 1 had it "
+            "scaled "
             f"no loss, and {_pct(atk)} at the recommended scale {_pow2(k)}"
         )
         + (
