@@ -87,9 +87,12 @@ def _sampled_words(
     raw = _share(lost, nz)
     return (
         " (an estimate from a sample of each parameter's elements)",
-        f"The share is estimated from a sample of {sample}, every element of a smaller one, each parameter's "
-        f"share counted at its size; the sampled elements counted alike, {int(lost):,} of the {int(nz):,} are "
-        f"lost ({_pct(raw)}).",
+        f"The share is estimated from a sample of {sample}, every element of a smaller one: each sampled "
+        "element stands for its parameter's elements over its sampled ones, so that each parameter counts at its "
+        "size. An intended update is a sampled element with a nonzero gradient or a moved weight, of the weights "
+        "whose gradient on that step was not zero everywhere (a weight moved by weight decay or momentum alone is "
+        f"counted apart). The sampled elements counted alike: {int(lost):,} of the {int(nz):,} are lost "
+        f"({_pct(raw)}).",
         {
             "sampled_share": float(raw) if raw is not None else float("nan"),
             **({"update_sample": int(per)} if per else {}),
