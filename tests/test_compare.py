@@ -930,6 +930,15 @@ def test_warnings_beside_the_point_are_quoted_not_hidden() -> None:
     (c,) = [c for c in A.check_against_runs([ref, bare], ref) if c.run == "fp16-none"]
     assert c.status == A.NOT_BORNE_OUT
     assert c.text.endswith(f"The advisor had warned ({under}), yet it did not hurt this run.")
+    # where the advice scales fp16's loss, the unscaled run is told so, the warning quoted once (it read twice in
+    # one paragraph: "The advisor had warned (...)" and "the profile found ...")
+    ref = run_result("fp32", 5.0, 2.0, recommendation={**rec, "fp16_loss_scale": 2.0**15})
+    (c,) = [c for c in A.check_against_runs([ref, bare], ref) if c.run == "fp16-none"]
+    assert c.text.count(under) == 1
+    assert c.text.endswith(
+        f"The advisor had warned ({under}), yet it did not hurt this run. This run scaled no loss; the advisor's "
+        "fp16 advice scales it (GradScaler at init_scale 2^15). Its own profile gave no warning for it."
+    )
 
 
 def test_an_unscaled_fp16_run_is_not_what_the_advisor_expected(tmp_path: Path) -> None:

@@ -113,17 +113,21 @@ def _beside_the_point(f: Mapping[str, Any], run: RunResult) -> str | None:
     return None
 
 
-def _scaling_not_followed(rec: Mapping[str, Any] | None, r: RunResult) -> str:
+def _scaling_not_followed(
+    rec: Mapping[str, Any] | None, r: RunResult, quoted: frozenset[str] = frozenset()
+) -> str:
     """Where ``r`` is an fp16 run that scaled no loss and the reference profile's fp16 advice scales it (a
     GradScaler started at the scale it sized; fp16 not ruled out), that advice in words, with what the profile
-    found at scale 1; "" otherwise. Such a run checks no warning of the advice: what it does at scale 1 is what the
-    advice avoids, and its loss can match in a short run while its gradients flush."""
+    found at scale 1 unless the sentence it joins quotes that finding already (its code in ``quoted``); ""
+    otherwise. Such a run checks no warning of the advice: what it does at scale 1 is what the advice avoids, and
+    its loss can match in a short run while its gradients flush."""
     scale = (rec or {}).get("fp16_loss_scale")
     if _family(r.precision) != "fp16" or r.loss_scaling != "none" or (rec or {}).get("fp16_ruled_out"):
         return ""
     if not isinstance(scale, (int, float)) or scale <= 1:
         return ""
-    under = [_title(f) for f in _findings(rec) if f.get("code") == "fp16_gradient_underflow"]
+    code = "fp16_gradient_underflow"
+    under = [] if code in quoted else [_title(f) for f in _findings(rec) if f.get("code") == code]
     return (
         f"This run scaled no loss; the advisor's fp16 advice scales it (GradScaler at init_scale {_fmt_scale(scale)}"
         + (f"; the profile found {under[0]}" if under else "")
@@ -489,8 +493,10 @@ def _warning_checks(rec: Mapping[str, Any] | None, r: RunResult, ref: RunResult)
         )
     if trouble and aside:
         why += f" Not about this run's loss: {aside_text}."
+    if unscaled and trouble:  # the advice not followed, without the finding the warnings quote already
+        why += f" {_scaling_not_followed(rec, r, frozenset(str(f.get('code', '')) for f in trouble))}."
     if unscaled:
-        why += (f" {unscaled}." if trouble else "") + _own_warnings(r)
+        why += _own_warnings(r)
     if bad:
         why += own_diagnosis(r)
     skipped = f" {_steps(r.skipped_steps)} skipped." if r.skipped_steps else ""
