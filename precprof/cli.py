@@ -13,6 +13,7 @@ import contextlib
 import os
 import shlex
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +33,14 @@ from precprof import export as exporting
 from precprof import tables as T
 from precprof._version import __version__
 from precprof.analysis.advisor import Recommendation
-from precprof.errors import PEER_BLAME, RunNotSavedWarning, UserError
+from precprof.errors import (
+    PEER_BLAME,
+    TRACEBACK_ENV,
+    ModelError,
+    RunNotSavedWarning,
+    UserError,
+    traceback_wanted,
+)
 from precprof.modes import Precision
 
 EXIT_NOT_SAVED = 1  # the run trained but its directory could not be written whole (a full disk)
@@ -249,7 +257,7 @@ def train(
             _tell(f"precprof: error: {note}")
         raise typer.Exit(code) from None
     except Exception as e:
-        if not _models_error(e):
+        if not _models_error(e) or traceback_wanted():
             raise  # precprof's own error, a built-in or Hugging Face model's: its traceback, to report
         failed = e.precprof_failure  # type: ignore[attr-defined]
         _tell(f"precprof: error: {failed.text}; its traceback is in {failed.traceback}")
@@ -587,7 +595,12 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo(f"precprof: error: {_one_line(e.format_message())}", err=True)
         rc = e.exit_code
     except UserError as e:
-        typer.echo(f"precprof: error: {_one_line(str(e))}", err=True)
+        # PRECPROF_TRACEBACK=1: where it was raised, the model's exception among its causes, then the line
+        shown = traceback_wanted()
+        if shown:
+            traceback.print_exception(e)
+        hint = f"; {TRACEBACK_ENV}=1 prints its traceback" if isinstance(e, ModelError) and not shown else ""
+        typer.echo(f"precprof: error: {_one_line(str(e))}{hint}", err=True)
         rc = EXIT_USAGE
     except typer.Abort:
         # click turns Ctrl-C outside a command's own handler into Abort

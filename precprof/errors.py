@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 # ``training.failure.Failure.blame`` of a rank's error that another rank's failure caused (a collective's lost
 # peer): here, where the CLI reads it without importing torch (``precprof report`` and ``compare RUN RUN`` never do)
 PEER_BLAME = "peer"
+# set to 1 (or anything but "" and "0"), the CLI prints the traceback of an error it says in one line: a
+# UserError's (a ModelError's, the user's own model's exception among its causes), and that of the user's model
+# raised in training, whose copy is in the run directory's traceback.txt
+TRACEBACK_ENV = "PRECPROF_TRACEBACK"
+
+
+def traceback_wanted() -> bool:
+    """Whether the environment asks for the tracebacks of errors said in one line (``TRACEBACK_ENV``)."""
+    return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
 
 
 class UserError(Exception):
@@ -12,6 +23,14 @@ class UserError(Exception):
 
     The message is one line naming the problem and the fix; the CLI prints it without a traceback.
     """
+
+
+class ModelError(UserError):
+    """The user's own model (``--model file.py:factory``) raised before training: its file as it was imported,
+    its factory, or its code while precprof prepared it (moved it to the device, set training mode, ran its
+    forward pass on a batch). The message names the exception and the line of the user's file it came from;
+    ``__cause__`` is the exception. There is no run directory yet for a traceback.txt: the CLI says that
+    ``PRECPROF_TRACEBACK=1`` prints the traceback (the run failed in seconds, before training)."""
 
 
 class MissingDependencyError(UserError):

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from precprof.errors import UserError
+from precprof.errors import ModelError, UserError
 from precprof.models.base import (
     BuiltModel,
     _guess_vocab,
@@ -51,15 +51,20 @@ def _load_factory(spec: str) -> Callable[..., Any]:
             file_spec.loader.exec_module(module)
         except Exception as e:
             sys.modules.pop(mod_name, None)
-            raise UserError(
-                f"--model {spec!r}: importing {str(path)!r} failed: {type(e).__name__}: {e}"
-            ) from None
+            raise ModelError(
+                f"--model {spec!r}: importing {str(path)!r} failed: {type(e).__name__}: {_first(e)}"
+                f"{where_raised(e)}"
+            ) from e
     else:
         _on_path(str(Path.cwd()))  # as `python -m` does: a package in the current folder
         try:
             module = importlib.import_module(target)
         except Exception as e:
-            raise UserError(f"--model {spec!r}: cannot import {target!r}: {type(e).__name__}: {e}") from None
+            said = f"--model {spec!r}: cannot import {target!r}: {type(e).__name__}: {_first(e)}"
+            # no such module: a mistake in --model, no code of the user's ran
+            if isinstance(e, ModuleNotFoundError) and e.name and f"{target}.".startswith(f"{e.name}."):
+                raise UserError(said) from None
+            raise ModelError(f"{said}{where_raised(e)}") from e
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UserError(f"--model {spec!r}: {target!r} has no callable {attr!r}")
@@ -81,9 +86,10 @@ def _build_factory(spec: str, args: Mapping[str, Any], vocab_size: int, seq_len:
     _check_required(spec, params, kwargs)
     try:
         module = factory(**kwargs)
-    except Exception as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise UserError(f"model factory {spec!r} raised {type(e).__name__}: {msg}{where_raised(e)}") from None
+    except Exception as e:  # the exception is the error's cause: its traceback (PRECPROF_TRACEBACK=1)
+        raise ModelError(
+            f"model factory {spec!r} raised {type(e).__name__}: {_first(e)}{where_raised(e)}"
+        ) from e
     if not isinstance(module, nn.Module):
         raise UserError(f"model factory {spec!r} returned {type(module).__name__}, not a torch.nn.Module")
     check_forward_contract(module, spec)
@@ -146,6 +152,12 @@ def where_raised(e: BaseException) -> str:
         return ""
     f = own[-1]
     return f" (at {f.filename}:{f.lineno}, in {f.name})"
+
+
+def _first(e: BaseException) -> str:
+    """The first line of ``e``'s message ("" for none): the one-line error keeps to one line."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _too_few_tokens(spec: str, vocab: int, vocab_size: int, given: str | None) -> UserError:

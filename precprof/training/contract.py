@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from precprof import footprint
-from precprof.errors import UserError
+from precprof.errors import ModelError, UserError
 from precprof.models import BuiltModel
 from precprof.models.factory import where_raised
 
@@ -54,7 +54,9 @@ def check_forward(
         raise forward_failed(built, e, (batch_size, seq_len), vocab_size) from e
 
 
-def forward_failed(built: BuiltModel, e: BaseException, shape: tuple[int, int], vocab_size: int) -> UserError:
+def forward_failed(
+    built: BuiltModel, e: BaseException, shape: tuple[int, int], vocab_size: int
+) -> ModelError:
     """The one-line error for a factory's model whose forward pass raised ``e`` on token ids of ``shape``: the
     exception, the place in the user's files, and what precprof train calls and expects (README, "Your own
     model"). A model with no embedding is most likely no language model: where else to profile it."""
@@ -66,7 +68,7 @@ def forward_failed(built: BuiltModel, e: BaseException, shape: tuple[int, int], 
         if not any(isinstance(m, nn.Embedding) for m in built.module.modules())
         else ""
     )
-    return UserError(
+    return ModelError(
         f"{built.name}: the model's forward pass raised {type(e).__name__}: {first}{where_raised(e)}, before "
         f"training, on the batch precprof train feeds it: {call} with x the token ids in [0, {vocab_size}), an "
         f"int64 tensor (batch_size, seq_len), here {shape}{targets}; it must return logits (batch_size, seq_len, "

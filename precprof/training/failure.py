@@ -21,10 +21,11 @@ compare``'s lines ("stopped after 3 of 8 steps: SystemExit").
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 from precprof import _compat, rundir
-from precprof.errors import PEER_BLAME
+from precprof.errors import PEER_BLAME, ModelError, UserError
 from precprof.models.factory import is_precprof, is_users
 
 # the parts of a step the loop names (``phase``); torch's own error in the first two is the model's doing
@@ -115,12 +116,44 @@ def keep(e: Exception, model: Any, kind: str, run_dir: Path | None, step: int, p
     place = f" (at {at.filename}:{at.lineno}, in {at.name})" if at else ""
     when = f"in the {phase} of step {step}" if phase in (FORWARD, BACKWARD, OPTIMIZER) else f"at the {phase}"
     when = f"under torch.compile {when}" if said is not e else when
-    first = str(said).strip().splitlines()[0] if str(said).strip() else ""
-    first = first if len(first) <= 300 else f"{first[:300].rsplit(' ', 1)[0]}..."
-    first = first[:-1] if first.endswith(".") and not first.endswith("..") else first  # "...]; its traceback"
+    first = _first_line(said)
     blame = _blame(e, frames, files, kind, phase)
     raised = f"{'the model raised ' if blame == 'model' else ''}{type(said).__name__} {when}{place}"
     return Failure(raised + (f": {first}" if first else ""), blame, path)
+
+
+@contextlib.contextmanager
+def preparing(model: Any, kind: str, name: str) -> Iterator[None]:
+    """Around what precprof does with the user's built model before training (moving it to the device, casting
+    it, training mode, the measuring passes, the optimizer): an exception the model's own code raised there
+    (an override of ``train()`` or ``_apply``, a forward that fails) becomes a one-line ``ModelError``
+    naming it and the user's line, with the exception as its cause; there is no run directory yet for a
+    traceback.txt. Precprof's own errors (``_blame``), a built-in or Hugging Face model's and UserErrors pass
+    unchanged. ``kind``, ``name``: the BuiltModel's."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as e:
+        frames = traceback.extract_tb(e.__traceback__)
+        files = _model_files(model)
+        if kind != "factory" or _blame(e, frames, files, kind, START) != "model":
+            raise
+        at = _innermost(frames, files, model_only=True)
+        place = f" (at {at.filename}:{at.lineno}, in {at.name})" if at else ""
+        first = _first_line(e)
+        raise ModelError(
+            f"{name}: the model raised {type(e).__name__} while precprof prepared it for training{place}"
+            + (f": {first}" if first else "")
+        ) from e
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, at most about 300 characters, its final full stop left out (the
+    terminal's line goes on after it: "...]; its traceback is in")."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    first = first if len(first) <= 300 else f"{first[:300].rsplit(' ', 1)[0]}..."
+    return first[:-1] if first.endswith(".") and not first.endswith("..") else first
 
 
 def _model_files(model: Any) -> set[str]:

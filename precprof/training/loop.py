@@ -378,34 +378,43 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
     built: BuiltModel = build_model(
         config.model, config.model_args, vocab_size=data.vocab_size, seq_len=config.seq_len
     )
-    model = built.module.to(device)
-    if plan.param_dtype != torch.float32:
-        if built.kind == "hf":  # as from_pretrained(..., dtype=) loads it: its rotary frequencies stay fp32
-            cast_as_loaded(model, plan.param_dtype)
-        else:
-            model.to(plan.param_dtype)
-    n_fp8 = (
-        convert_fp8(model, plan.fp8_library, tokens=config.batch_size * config.seq_len)
-        if plan.fp8_library
-        else 0
-    )
-    model.train()
-    refuse_lazy(model)  # before the memory check, which measures every parameter
-    shapes: list[tuple[int, ...]] = []  # of the logits the measuring passes read
-    forward_loss = _forward_loss(config, built, model, plan, data, device, shapes)
-    fp = _check_memory(config, built, model, forward_loss, device, _sharding(config, model, dist_info))
-    # the pass the estimate could not measure, again: a factory's model that fails it is refused here, in one line
-    contract.check_forward(
-        built, model, forward_loss, fp.failed_at, config.batch_size, config.seq_len, data.vocab_size
-    )
-    inner = model
-    if dist_info is not None:  # the Profiler watches the inner module (plain names); the reducer the wrapper
-        model = launch.wrap_model(model, config.distributed, device=device)
-        profiler_kwargs = {"reducer": RankReducer(wrapped=model), **(profiler_kwargs or {})}
-    optimizer = make_optimizer(config, model, plan)
-    if compiled:  # the loop calls the compiled model; the Profiler and the optimizer hold the module's own
-        model = compiling.compile_model(model)
-    scaler = make_scaler(config, plan, device)
+    # the model's own code raising in what follows (an override of train() or _apply, its forward) is said in
+    # one line naming the user's line (a traceback through typer's frames, before any run directory)
+    with failure.preparing(built.module, built.kind, built.name):
+        model = built.module.to(device)
+        if plan.param_dtype != torch.float32:
+            if (
+                built.kind == "hf"
+            ):  # as from_pretrained(..., dtype=) loads it: its rotary frequencies stay fp32
+                cast_as_loaded(model, plan.param_dtype)
+            else:
+                model.to(plan.param_dtype)
+        n_fp8 = (
+            convert_fp8(model, plan.fp8_library, tokens=config.batch_size * config.seq_len)
+            if plan.fp8_library
+            else 0
+        )
+        model.train()
+        refuse_lazy(model)  # before the memory check, which measures every parameter
+        shapes: list[tuple[int, ...]] = []  # of the logits the measuring passes read
+        forward_loss = _forward_loss(config, built, model, plan, data, device, shapes)
+        fp = _check_memory(config, built, model, forward_loss, device, _sharding(config, model, dist_info))
+        # the pass the estimate could not measure, again: a factory's model that fails it is refused here, in one line
+        contract.check_forward(
+            built, model, forward_loss, fp.failed_at, config.batch_size, config.seq_len, data.vocab_size
+        )
+        inner = model
+        if (
+            dist_info is not None
+        ):  # the Profiler watches the inner module (plain names); the reducer the wrapper
+            model = launch.wrap_model(model, config.distributed, device=device)
+            profiler_kwargs = {"reducer": RankReducer(wrapped=model), **(profiler_kwargs or {})}
+        optimizer = make_optimizer(config, model, plan)
+        if (
+            compiled
+        ):  # the loop calls the compiled model; the Profiler and the optimizer hold the module's own
+            model = compiling.compile_model(model)
+        scaler = make_scaler(config, plan, device)
     sample_every = (
         config.sample_every if config.sample_every is not None else default_sample_every(config.steps)
     )

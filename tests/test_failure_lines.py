@@ -1,0 +1,94 @@
+"""A run that fails says so in one line, names the place in the user's own file and where the traceback is: before
+the run directory exists, in each run of ``precprof compare``, under ``torch.compile``; and a run resumed after a
+crash does not keep the crash's traceback.txt."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from precprof import cli
+from precprof.errors import TRACEBACK_ENV
+
+TINY = ["--batch-size", "2", "--seq-len", "8", "--device", "cpu", "--no-progress", "--no-report"]
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    return int(info.value.code or 0), out, err
+
+
+def line_of(source: str, needle: str) -> int:
+    return next(i for i, text in enumerate(source.splitlines(), 1) if needle in text)
+
+
+BEFORE_TRAINING = textwrap.dedent(
+    """
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self, vocab_size, fail=False):
+            super().__init__()
+            if fail:
+                raise ValueError("no such width")  # in the constructor
+            self.emb, self.head = nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size)
+
+        def forward(self, x):
+            return self.head(self.emb(x))
+
+    class RefusesTrainingMode(Net):
+        def train(self, mode=True):
+            raise RuntimeError("frozen on purpose")  # called by precprof while it prepares the model
+
+    def net(vocab_size, fail=False):
+        return Net(vocab_size, fail)
+
+    def refuses(vocab_size):
+        return RefusesTrainingMode(vocab_size)
+    """
+)
+
+
+def test_a_model_failing_before_training_is_one_line_with_the_users_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model that failed in what precprof does with it before training (its own ``train()`` raising, called by
+    precprof) printed a traceback through typer's frames; a file that fails as it is imported named no line; a
+    constructor's error dropped its traceback. Each is one line naming the user's line and how to see the
+    traceback (no run directory exists for a traceback.txt): PRECPROF_TRACEBACK=1 prints it, the line last."""
+    f = tmp_path / "mine.py"
+    f.write_text(BEFORE_TRAINING)
+    out = tmp_path / "run"
+    hint = f"; {TRACEBACK_ENV}=1 prints its traceback"
+    cases = [
+        (
+            f"{f}:refuses",
+            [],
+            "the model raised RuntimeError while precprof prepared it for training "
+            f"(at {f}:{line_of(BEFORE_TRAINING, 'frozen on purpose')}, in train): frozen on purpose",
+        ),
+        (
+            f"{f}:net",
+            ["-a", "fail=true"],
+            f"raised ValueError: no such width (at {f}:{line_of(BEFORE_TRAINING, 'no such width')}, in __init__)",
+        ),
+    ]
+    broken = tmp_path / "broken.py"
+    broken.write_text("import torch\nwidth = undefined_name\n")
+    cases.append(
+        (f"{broken}:net", [], f"NameError: name 'undefined_name' is not defined (at {broken}:2, in <module>)")
+    )
+    for model, args, said in cases:
+        rc, _, err = run_main(["train", "-m", model, *args, "--out", str(out), *TINY], capsys)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+        assert lines[0].startswith("precprof: error: ") and lines[0].endswith(said + hint), lines[0]
+        assert not out.exists()
+    monkeypatch.setenv(TRACEBACK_ENV, "1")
+    rc, _, err = run_main(["train", "-m", f"{f}:refuses", "--out", str(out), *TINY], capsys)
+    assert rc == 2 and err.startswith("Traceback") and 'raise RuntimeError("frozen on purpose")' in err, err
+    assert err.strip().splitlines()[-1].endswith(cases[0][2]), err  # the line last, without the hint
