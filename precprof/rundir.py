@@ -392,8 +392,9 @@ def claim(
 
     With ``overwrite`` the files of a previous run (summary, tables, report, the reports for other machines,
     its traceback, stream, temporary files) are removed first; other files in the directory are never
-    touched. With ``resume`` a previous run is kept and continued (the module docstring). Raises RunDirError
-    with a one-line reason.
+    touched. With ``resume`` a previous run is kept and continued (the module docstring), but not the
+    traceback.txt of the error that stopped it: it is not the resumed attempt's. Raises RunDirError with a
+    one-line reason.
     """
     p = check_target(path, overwrite=overwrite, option=option, resume=resume)
     created = not p.exists()
@@ -419,6 +420,11 @@ def claim(
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
             parts.remove(p)
+        # the traceback of an error that stopped an earlier attempt (a run resumed after a crash, a run's files
+        # removed by hand) is not this one's: a resumed run that completed kept it beside its complete summary
+        for path in _own_traceback(p):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
         first = dict(summary or {})
         first[T.SUMMARY_STATUS] = T.STATUS_INCOMPLETE
         first[T.SUMMARY_INCOMPLETE_REASON] = RUNNING_REASON.format(

@@ -8,8 +8,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
-from precprof import cli
+import precprof
+from precprof import cli, rundir
+from precprof import tables as T
 from precprof.errors import TRACEBACK_ENV
 
 TINY = ["--batch-size", "2", "--seq-len", "8", "--device", "cpu", "--no-progress", "--no-report"]
@@ -92,3 +96,35 @@ def test_a_model_failing_before_training_is_one_line_with_the_users_line(
     rc, _, err = run_main(["train", "-m", f"{f}:refuses", "--out", str(out), *TINY], capsys)
     assert rc == 2 and err.startswith("Traceback") and 'raise RuntimeError("frozen on purpose")' in err, err
     assert err.strip().splitlines()[-1].endswith(cases[0][2]), err  # the line last, without the hint
+
+
+def test_a_run_resumed_after_a_crash_keeps_no_traceback_of_it(tmp_path: Path) -> None:
+    """The built-in loop crashed and wrote traceback.txt; the job resumed from its checkpoint into the same
+    directory and completed: the complete run kept the crash's traceback.txt beside its summary, as if it were
+    the run's. The resumed attempt's claim removes it (precprof's own file; a user's file of that name stays)."""
+    out = tmp_path / "run"
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def steps(prof: precprof.Profiler, numbers: range) -> None:
+        with prof:
+            for _ in numbers:
+                model(torch.randn(3, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+
+    first = precprof.Profiler(model, opt, sample_every=1, memory=False, out=out)
+    steps(first, range(3))
+    kept = rundir.write_traceback(out, "Traceback (most recent call last):\nRuntimeError: the crash\n")
+    first.save(status=T.STATUS_INCOMPLETE, reason="RuntimeError: the crash")
+    assert kept == out / T.TRACEBACK_FILE and kept.exists()
+    again = precprof.Profiler(model, opt, sample_every=1, memory=False, out=out, resume=True, first_step=2)
+    steps(again, range(2, 5))
+    again.save()
+    assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
+    assert not kept.exists()
+    assert sorted(T.read_tables(out)["steps"][T.STEP]) == [0, 1, 2, 3, 4]
+    kept.write_text("my own notes\n")  # a file of the user's under that name is never touched
+    rundir.claim(out, resume=True).release()
+    assert kept.read_text() == "my own notes\n"
