@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -59,8 +61,8 @@ def compare(
     """Train ``base`` (a ``precprof.training.TrainConfig``) once per precision and write the comparison.
 
     Every variant is checked before anything trains (unknown mode, a mode this device cannot run: UserError).
-    A run that raises is recorded as failed and the others still run; Ctrl-C writes the comparison of the
-    runs so far and re-raises. Returns the ``Comparison``; ``compare.html`` and ``compare.json`` are in ``out``
+    A run that raises is recorded as failed, said in a line on stderr with where its traceback is, and the
+    others still run; Ctrl-C writes the comparison of the runs so far and re-raises. Returns the ``Comparison``; ``compare.html`` and ``compare.json`` are in ``out``
     (default ``runs/compare-<model>-<timestamp>``), each run in ``out/<label>/``.
     """
     variants = _variants(precisions)
@@ -124,6 +126,7 @@ def compare(
                             T.SUMMARY_INCOMPLETE_REASON: f"{type(e).__name__}: {e}",
                         },
                     )
+                _say_failed(v.label, run_dir, e)
             done.append((v, run_dir))
             current = None
             if on_run is not None:
@@ -155,6 +158,32 @@ def compare(
     if not done:
         raise UserError("no run finished: nothing to compare")
     return _finish(done, variants, tolerance, shared, t0, out)
+
+
+def _say_failed(label: str, run_dir: Path, e: Exception) -> None:
+    """One line on stderr for a run that raised, as ``precprof train`` says it (its error, the model's line) and
+    where its traceback is: the comparison goes on, and a run's failure showed only in the check lines at its
+    end, as "bf16 stopped after 2 of 4 steps: RuntimeError", its traceback.txt named nowhere. A run that failed
+    before its directory was made (the loop wrote no traceback.txt) gets one beside the summary written above."""
+    failed = getattr(e, "precprof_failure", None)
+    text = getattr(failed, "text", None) or f"{type(e).__name__}: {_first_line(e)}"
+    kept = getattr(failed, "traceback", None)
+    if kept is None:
+        with contextlib.suppress(Exception):  # saying it must not stop the other runs
+            kept = rundir.write_traceback(run_dir, "".join(traceback.format_exception(e)))
+    if kept is None:
+        where = ""
+    elif getattr(failed, "blame", None) == "precprof":
+        where = f"; it was raised in precprof's own code, a bug: please report it with {kept}"
+    else:
+        where = f"; its traceback is in {kept}"
+    with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+        print(f"precprof: {label} failed: {text}{where}", file=sys.stderr, flush=True)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _finish(

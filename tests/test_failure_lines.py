@@ -128,3 +128,50 @@ def test_a_run_resumed_after_a_crash_keeps_no_traceback_of_it(tmp_path: Path) ->
     kept.write_text("my own notes\n")  # a file of the user's under that name is never touched
     rundir.claim(out, resume=True).release()
     assert kept.read_text() == "my own notes\n"
+
+
+FAILS_IN_BF16 = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self, vocab_size):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size)
+            self.wrong = nn.Linear(16, 8)
+
+        def forward(self, x):
+            h = self.emb(x)
+            if x.shape[0] == 3 and torch.is_autocast_enabled("cpu"):  # a training batch of the bf16 run
+                h = self.wrong(h)  # my bug: a layer of the wrong width
+            return self.head(h)
+
+    def net(vocab_size):
+        return Net(vocab_size)
+    """
+)
+
+
+def test_a_failed_run_of_compare_says_its_error_and_where_its_traceback_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bf16 run of ``precprof compare`` fails on its first step: the comparison goes on and ends with check
+    lines saying "bf16 stopped after 0 of 2 steps: RuntimeError", its traceback.txt named nowhere. A line says
+    the run's error as ``precprof train`` says it, the model's line among it, and where its traceback is."""
+    f = tmp_path / "bf16bug.py"
+    f.write_text(FAILS_IN_BF16)
+    out = tmp_path / "cmp"
+    args = ["compare", "-m", f"{f}:net", "-p", "fp32,bf16", "--steps", "2", "--out", str(out), *TINY]
+    rc, stdout, err = run_main([*args, "--batch-size", "3"], capsys)  # the checks before training run 1 and 2
+    assert rc == 0, err
+    kept = out / "bf16" / T.TRACEBACK_FILE
+    assert kept.exists() and not (out / "fp32" / T.TRACEBACK_FILE).exists()
+    line = line_of(FAILS_IN_BF16, "my bug")
+    head = (
+        f"precprof: bf16 failed: the model raised RuntimeError in the forward pass of step 0 (at {f}:{line}, "
+    )
+    said = [ln for ln in err.splitlines() if ln.startswith(head)]
+    assert len(said) == 1 and said[0].endswith(f"; its traceback is in {kept}"), err
+    assert "in forward): mat1 and mat2 shapes cannot be multiplied" in said[0]
+    assert "comparison: " in stdout
