@@ -10,6 +10,7 @@ import contextlib
 import copy
 import functools
 import gc
+import logging
 import os
 import sys
 import traceback
@@ -692,6 +693,18 @@ def traced_error(e: BaseException) -> tuple[BaseException, list[traceback.FrameS
         inner = inner.__context__
         seen.add(id(inner))
     return (inner if not isinstance(inner, dynamos) else e), frames
+
+
+def torch_log_handlers() -> list[logging.Handler]:
+    """The handlers that print torch's own log records on the terminal: the ``StreamHandler`` each logger torch
+    registers (``torch``, ``torch._dynamo``, ``torch._inductor``...) gets from ``torch._logging`` (its
+    ``TORCH_LOGS_OUT`` files, and handlers of anyone else's, left out); [] where this torch keeps no such set."""
+    internal = sys.modules.get("torch._logging._internal")
+    made = getattr(internal, "handlers", None)
+    try:
+        return [h for h in list(made or ()) if type(h) is logging.StreamHandler]
+    except TypeError:  # not a collection of handlers in this torch
+        return []
 
 
 # ------------------------------------------------------------------------------------------- hooks

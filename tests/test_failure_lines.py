@@ -4,7 +4,10 @@ crash does not keep the crash's traceback.txt."""
 
 from __future__ import annotations
 
+import io
+import logging
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,9 +15,10 @@ import torch
 from torch import nn
 
 import precprof
-from precprof import cli, rundir
+from precprof import _compat, cli, rundir
 from precprof import tables as T
 from precprof.errors import TRACEBACK_ENV
+from precprof.training import Callback, TrainConfig, TrainRun, compiling, train
 
 TINY = ["--batch-size", "2", "--seq-len", "8", "--device", "cpu", "--no-progress", "--no-report"]
 
@@ -175,3 +179,86 @@ def test_a_failed_run_of_compare_says_its_error_and_where_its_traceback_is(
     assert len(said) == 1 and said[0].endswith(f"; its traceback is in {kept}"), err
     assert "in forward): mat1 and mat2 shapes cannot be multiplied" in said[0]
     assert "comparison: " in stdout
+
+
+LOGGED = "precprof-test: torch warned in step 0"
+COMPILED = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self, vocab_size):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size)
+            self.wrong = nn.Linear(16, 8)
+            self.traced = 0
+
+        def forward(self, x):
+            h = self.emb(x)
+            if torch.compiler.is_compiling():  # the training's steps (the checks before it run eagerly)
+                self.traced += 1
+                if self.traced >= 2:
+                    h = self.wrong(h)  # my bug, from step 1 on: a layer of the wrong width
+            return self.head(h)
+
+    def net(vocab_size):
+        return Net(vocab_size)
+    """
+)
+
+
+@pytest.fixture
+def torch_log() -> Iterator[io.StringIO]:
+    """What torch's own terminal handlers print in the test (they write to the stderr of when torch started)."""
+    buf = io.StringIO()
+    handlers = _compat.torch_log_handlers()
+    assert handlers, "this torch keeps no handlers of its own"
+    streams = [h.setStream(buf) for h in handlers]
+    filters = [list(h.filters) for h in handlers]
+    yield buf
+    assert [list(h.filters) for h in handlers] == filters  # the logging as it was
+    for h, stream in zip(handlers, streams, strict=True):
+        h.setStream(stream)
+
+
+class WarnsInStep0(Callback):
+    def after_backward(self, run: TrainRun) -> None:
+        if run.step == 0:
+            logging.getLogger("torch._dynamo").warning(LOGGED)
+
+
+def test_dynamos_log_of_a_compiled_models_error_goes_into_the_traceback_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch_log: io.StringIO
+) -> None:
+    """A compiled model whose layer of the wrong width Dynamo refuses on fake tensors: torch logged the error
+    and 20 lines of its frames ("failed while attempting to run meta for aten.mm.default") above precprof's one
+    line, which says that error. They go into traceback.txt after the traceback; a warning torch logs in a step
+    that ends is printed, as it was (after the step); torch's handlers keep no filter of precprof's."""
+    f = tmp_path / "compiled.py"
+    f.write_text(COMPILED)
+    # Dynamo traces the model as inductor's would (its fake tensors log the error); no C++ compile
+    monkeypatch.setattr(compiling, "compile_model", lambda m: torch.compile(m, backend="eager"))
+    monkeypatch.setattr(compiling, "check_can_compile", lambda device: None)
+    config = TrainConfig(
+        model=f"{f}:net",
+        steps=3,
+        batch_size=2,
+        seq_len=8,
+        device="cpu",
+        progress=False,
+        report=False,
+        sample_every=0,
+        compile=True,
+        out=tmp_path / "run",
+    )
+    try:
+        with pytest.raises(RuntimeError) as info:
+            train(config, callbacks=[WarnsInStep0()])
+    finally:
+        torch.compiler.reset()
+    kept = (tmp_path / "run" / T.TRACEBACK_FILE).read_text()
+    assert info.value.precprof_failure.text.startswith("the model raised RuntimeError under torch.compile")  # type: ignore[attr-defined]
+    printed = torch_log.getvalue()
+    assert "failed while attempting to run meta" in kept and "failed while attempting" not in printed, printed
+    assert LOGGED in printed and LOGGED not in kept

@@ -102,14 +102,20 @@ def reason(e: BaseException, model: Any) -> str:
     return f"{exit_call(e.code)}{where}{text}"
 
 
-def keep(e: Exception, model: Any, kind: str, run_dir: Path | None, step: int, phase: str) -> Failure:
+def keep(
+    e: Exception, model: Any, kind: str, run_dir: Path | None, step: int, phase: str, logged: str = ""
+) -> Failure:
     """Write ``e``'s traceback (frames from the loop down, causes included) into ``run_dir``'s traceback.txt
     (None: a rank that writes none), and describe ``e`` for the terminal (``Failure``). ``model``: the module
-    the loop trains, unwrapped; ``kind``: its BuiltModel kind; ``step``, ``phase``: where the run was."""
+    the loop trains, unwrapped; ``kind``: its BuiltModel kind; ``step``, ``phase``: where the run was;
+    ``logged``: what torch logged in the step that failed (``torch_log.Held``), written after the traceback."""
     frames = traceback.extract_tb(e.__traceback__)
     files = _model_files(model)
+    text = "".join(traceback.format_exception(e))
+    if logged:
+        text += f"\n# what torch logged in the step that failed (held off the terminal):\n{logged}\n"
     # None (a full disk, a file of the user's of that name): the terminal shows the traceback
-    path = rundir.write_traceback(run_dir, "".join(traceback.format_exception(e))) if run_dir else None
+    path = rundir.write_traceback(run_dir, text) if run_dir else None
     # torch.compile's error while it traced the model: the model's own error and line, not Dynamo's
     said, traced = _compat.traced_error(e)
     at = _innermost([*frames, *traced], files, model_only=True)

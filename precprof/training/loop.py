@@ -30,7 +30,7 @@ from precprof.errors import UserError
 from precprof.models import BUILTIN_MODELS, BuiltModel, build_model, vocabulary_note
 from precprof.models.hf import cast_as_loaded
 from precprof.modes import FP16_MODES, resolve_loss_scale
-from precprof.training import compiling, contract, failure
+from precprof.training import compiling, contract, failure, torch_log
 from precprof.training import distributed as launch
 from precprof.training.config import (
     DYNAMIC_SCALER_OPTIONS,
@@ -634,6 +634,8 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
     bar = _progress(config if s.writer else dataclasses.replace(config, progress=False), name)
     steps_done = 0
     phase = failure.START  # the part of the run in progress, for the error that stops it
+    # what Dynamo and inductor log in a step is printed when it ends; the failed step's goes into traceback.txt
+    held = torch_log.Held.of_torch(compiling.should_compile(config.compile, config.precision))
     t_start = time.perf_counter()
     t_refresh, steps_at_refresh = t_start, 0
     try:
@@ -683,6 +685,7 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                     bar.set_postfix(postfix, refresh=False)
                     t_refresh, steps_at_refresh = now, steps_done
                 bar.update(1)
+                held.release()
                 for cb in callbacks:
                     cb.on_step_end(run)
                 _signals.check()  # a Ctrl-C or SIGTERM whose exception was swallowed on the way stops here
@@ -706,7 +709,10 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                 # saying it must not hide it
                 with contextlib.suppress(Exception):
                     where = s.run_dir if s.writer else None
-                    kept = failure.keep(e, s.inner, s.built.kind, where, run.step, phase)
+                    kept = failure.keep(e, s.inner, s.built.kind, where, run.step, phase, held.text())
+                    if kept.traceback is not None:
+                        held.drop()  # in the file the one line names; else printed, as torch logged it
+            held.close()
             if s.dist_info is not None:  # rank 0's error may be the consequence of another rank's failure
                 if s.writer:
                     own = reason
@@ -724,6 +730,8 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
             if kept.note() and hasattr(e, "add_note"):
                 e.add_note(kept.note())
         raise
+    finally:
+        held.close()  # the handlers as they were (closing twice is harmless)
     bar.close()
     try:
         steps_table = _save(s, prof, wall_s, steps_done, None)
