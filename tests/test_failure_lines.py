@@ -19,6 +19,7 @@ from precprof import _compat, cli, rundir
 from precprof import tables as T
 from precprof.errors import TRACEBACK_ENV
 from precprof.training import Callback, TrainConfig, TrainRun, compiling, train
+from precprof.training import torch_log as torch_log_module
 
 TINY = ["--batch-size", "2", "--seq-len", "8", "--device", "cpu", "--no-progress", "--no-report"]
 
@@ -262,3 +263,19 @@ def test_dynamos_log_of_a_compiled_models_error_goes_into_the_traceback_file(
     printed = torch_log.getvalue()
     assert "failed while attempting to run meta" in kept and "failed while attempting" not in printed, printed
     assert LOGGED in printed and LOGGED not in kept
+
+
+def test_torchs_log_is_not_held_where_the_user_asked_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TORCH_LOGS set (the user asked torch for its logs: `TORCH_LOGS=+dynamo`), torch's lines print as they
+    come, a compile that hangs included: nothing is held back until the step ends (reviewer h83)."""
+    handler = logging.StreamHandler(io.StringIO())
+    monkeypatch.setattr(_compat, "torch_log_handlers", lambda: [handler])
+    monkeypatch.setenv("TORCH_LOGS", "+dynamo")
+    held = torch_log_module.Held.of_torch(True)
+    assert handler.filters == []
+    held.close()
+    monkeypatch.delenv("TORCH_LOGS")
+    held = torch_log_module.Held.of_torch(True)
+    assert len(handler.filters) == 1  # held where nobody asked for torch's log
+    held.close()
+    assert handler.filters == []

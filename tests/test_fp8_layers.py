@@ -159,6 +159,11 @@ def test_the_fp8_snippet_of_a_run_already_in_fp8_through_quantize_does_not_conve
     more = {**rec, "running_formats": {"0": "fp8", "2": "fp8"}, "fp8_layers": ["2", "4"]}
     code = snippets.snippet(more, "torchao", "fp8")
     assert "fp8_layers = {'4'}" in code and "fp8_not_eligible = ['0']" in code
+    # a plan that lists no eligible layer names the run's FP8 layer as not eligible too (it read "no other
+    # FP8-eligible layer", as if it were one: reviewer h83)
+    none = {**rec, "running_formats": {"2": "fp8"}, "fp8_layers": [], "measured_fp8_layers": []}
+    code_none = snippets.snippet(none, "torchao", "fp8")
+    assert "fp8_not_eligible = ['2']" in code_none and "no other FP8-eligible" not in code_none
     assert "convert them with quantize_ as well" in _comments(code)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 16))
     quantization.quantize_(

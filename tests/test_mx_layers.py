@@ -130,6 +130,7 @@ def test_the_bias_the_mx_training_weight_leaves_out_is_said(run: Path) -> None:
             "function": _DROPS,
             "values": 32,
             "absmax": 5.0,
+            "own_forward": False,
         }
     ]
     rec, _, _ = _recommended(run)
@@ -170,6 +171,22 @@ def test_which_torchao_training_weights_drop_the_bias() -> None:
             assert dropped == (["0"] if lacks else [])
         said.append(dropped == ["0"])
     assert said == [True] * (len(configs) - 1) + [False]
+    # a subclass of nn.Linear whose own forward passes the bias to F.linear loses it too (it was left out: reviewer
+    # h83); its forward is not run, so it is named as one whose forward decides
+    own = nn.Sequential(_OwnForward(32, 32))
+    with torch.no_grad():
+        own[0].weight.zero_()
+        own[0].bias.fill_(5.0)
+    quantization.quantize_(own, configs[-2])  # the emulated MX recipe: runs on the CPU
+    with torch.no_grad():
+        assert float(own[0](torch.randn(4, 32)).abs().max()) < 1  # the bias is lost
+    (row,) = model_facts.dropped_biases(own)
+    assert row["layer"] == "0" and row["own_forward"] is True
+
+
+class _OwnForward(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 _RECOMMENDED: dict[Path, Any] = {}

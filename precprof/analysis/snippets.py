@@ -231,8 +231,8 @@ class _Plan:
         elif self.fp8:
             lines += ["# every FP8-eligible layer already trains in FP8: nothing more to convert"]
         else:
-            lines += ["# the recommendation lists no other FP8-eligible layer: nothing more to convert"]
-        leave = [m for m in self.fp8_run if m not in self.fp8] if self.fp8 else []
+            lines += ["# the recommendation lists no FP8-eligible layer: nothing more to convert"]
+        leave = [m for m in self.fp8_run if m not in self.fp8]
         if leave:
             lines += _comment(
                 "the plan finds these FP8 layers of the run not FP8-eligible: leave them out of the filter that "

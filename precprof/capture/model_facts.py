@@ -269,7 +269,8 @@ def low_precision_linear(model: nn.Module) -> str | None:
 
 
 def dropped_biases(model: nn.Module) -> list[dict[str, Any]]:
-    """The nn.Linear layers whose bias their torchao training weight leaves out: ``quantize_`` made the weight one
+    """The nn.Linear layers (and subclasses: ``own_forward`` where their forward is their own, which may add the bias
+    itself) whose bias their torchao training weight leaves out: ``quantize_`` made the weight one
     of torchao's training weights (``taxonomy.BLOCK_WEIGHT_TYPES``, ``FP8_WEIGHT_TYPES``), whose
     ``__torch_function__`` computes nn.Linear's ``F.linear(input, weight, bias)``; torchao 0.18's MX one
     (``MXFP8TrainingWeightWrapperTensor``, every ``MXFP8TrainingOpConfig`` recipe) returns the matmul alone, so
@@ -284,7 +285,7 @@ def dropped_biases(model: nn.Module) -> list[dict[str, Any]]:
     for name, m in _compat.named_modules(model):
         weight = _own_weight(m, BLOCK_WEIGHT_TYPES | FP8_WEIGHT_TYPES)
         bias = getattr(m, "bias", None)
-        if weight is None or not isinstance(bias, torch.Tensor) or not _runs_linear_forward(m):
+        if weight is None or not isinstance(bias, torch.Tensor) or not isinstance(m, nn.Linear):
             continue
         config = getattr(weight, "config", None)
         key = (type(weight), repr(config))
@@ -301,6 +302,8 @@ def dropped_biases(model: nn.Module) -> list[dict[str, Any]]:
                 "function": f"{cls.__module__}.{cls.__qualname__}.__torch_function__",
                 "values": _compat.global_numel(bias),
                 "absmax": _absmax(bias),
+                # a forward of its own may add the bias itself, or pass it to F.linear as nn.Linear's does: not run
+                "own_forward": not _runs_linear_forward(m),
             }
         )
     return out

@@ -138,6 +138,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "bias_dropped_layers": ("linear layers whose bias is never added", "count"),
     "bias_dropped_values": ("values in those biases", "count"),
     "bias_dropped_absmax": ("largest |bias| among them", "number"),
+    "bias_dropped_own_forward": ("of them, with a forward of their own (not run)", "count"),
     "fp8_output_gradient_max": ("largest output gradient the FP8 cast flushed whole", "magnitude"),
     "first_ok_scale": ("scale of the first step that went through", "scale"),
     "recommended_scale": ("recommended initial loss scale", "scale"),

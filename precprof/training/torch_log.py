@@ -14,6 +14,7 @@ configuration is as it was after the run.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 
@@ -37,8 +38,11 @@ class Held:
 
     @classmethod
     def of_torch(cls, active: bool) -> Held:
-        """Holding what torch's terminal handlers print (``active``: the model is compiled), or nothing."""
-        return cls(_compat.torch_log_handlers() if active else [])
+        """Holding what torch's terminal handlers print (``active``: the model is compiled), or nothing: nothing
+        either where the user asked torch for its logs (``TORCH_LOGS`` set): those print as they come, a compile
+        that hangs included."""
+        asked = bool(os.environ.get("TORCH_LOGS"))
+        return cls(_compat.torch_log_handlers() if active and not asked else [])
 
     def _filter_for(self, handler: logging.Handler) -> logging.Filter:
         held = self

@@ -34,6 +34,9 @@ def _rule_dropped_biases(run: _Run, plan: _Plan) -> None:
         key = (str(r.get("weight_type", "")), str(r.get("config", "")), str(r.get("function", "")))
         groups.setdefault(key, []).append(r)
     layers = run.sort(str(r["layer"]) for r in rows)
+    # subclasses of nn.Linear with a forward of their own: they lose the bias only where that forward passes it
+    # to F.linear (nn.Linear's way), which the capture did not run to see
+    own = run.sort(str(r["layer"]) for r in rows if r.get("own_forward"))
     values = sum(int(r.get("values") or 0) for r in rows)
     maxima = [float(r["absmax"]) for r in rows if isinstance(r.get("absmax"), (int, float))]
     lim = run.cfg.max_listed_modules
@@ -62,7 +65,15 @@ def _rule_dropped_biases(run: _Run, plan: _Plan) -> None:
             "bias_dropped",
             WARNING,
             f"{len(layers)} linear layer(s) train without their bias: torchao's quantize_ weight leaves it out",
-            "; ".join(said) + ". A model that later runs these layers without the conversion (its checkpoint "
+            "; ".join(said)
+            + (
+                f". {_listing(own, lim)} {'has a forward' if len(own) == 1 else 'have forwards'} of {'its' if len(own) == 1 else 'their'} own: "
+                "such a layer loses its bias where that forward passes it to F.linear, as nn.Linear's does, and keeps "
+                "it where the forward adds it itself (precprof did not run it to see)"
+                if own
+                else ""
+            )
+            + ". A model that later runs these layers without the conversion (its checkpoint "
             "loaded into plain nn.Linear layers) adds those untrained biases back. precprof found it by running "
             "F.linear with such a weight and a bias of ones at save: the output held no bias.",
             f"Build these layers as {module}, or leave them out of quantize_'s filter_fn; if they need no bias, "
@@ -70,6 +81,7 @@ def _rule_dropped_biases(run: _Run, plan: _Plan) -> None:
             modules=layers,
             numbers={
                 "bias_dropped_layers": len(layers),
+                **({"bias_dropped_own_forward": len(own)} if own else {}),
                 "bias_dropped_values": values,
                 "bias_dropped_absmax": max(maxima) if maxima else None,
             },

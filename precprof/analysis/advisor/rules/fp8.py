@@ -1104,8 +1104,10 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         + _scores_method(plan.fp8_scores_uncounted)
     )
     msg = (
-        "A linear layer qualifies when --precision fp8 would convert it and per-tensor current scaling loses at "
-        f"most {_pct(lim)} of the L2 norm of what its FP8 GEMMs read. "
+        "A linear layer qualifies when --precision fp8 would convert it, its tensors held no nan/inf, per-tensor "
+        f"current scaling loses at most {_pct(lim)} of the L2 norm of what its FP8 GEMMs read, and its largest "
+        f"{_pct(OUTLIER_SHARE)} of values push at most {_pct(cfg.fp8_pushed_subnormal_max)} of a tensor's values "
+        "below FP8's smallest normal. "
         f"{len(plan.fp8_eligible)} of {len(rows)} qualify, carrying {_pct(plan.fp8_flops_share)} of the "
         + (
             "matmul FLOPs, those of the modules float8 conversion leaves in bf16 included"
