@@ -143,7 +143,9 @@ def test_an_existing_run_is_never_overwritten_silently(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "run"
-    rc, _, _ = run_main(["train", "--out", str(out), *TINY, "--steps", "3", "--seed", "1"], capsys)
+    rc, _, _ = run_main(
+        ["train", "--out", str(out), *TINY, "--steps", "3", "--seed", "1", "--no-report"], capsys
+    )
     assert rc == 0
     first = T.read_summary(out)
     (out / "notes.txt").write_text("the user's own file")
@@ -154,7 +156,8 @@ def test_an_existing_run_is_never_overwritten_silently(
     assert T.read_summary(out) == first  # untouched
 
     rc, _, _ = run_main(
-        ["train", "--out", str(out), *TINY, "--steps", "2", "--seed", "2", "--overwrite"], capsys
+        ["train", "--out", str(out), *TINY, "--steps", "2", "--seed", "2", "--overwrite", "--no-report"],
+        capsys,
     )
     assert rc == 0
     second = T.read_summary(out)
@@ -169,14 +172,15 @@ def test_overwrite_removes_the_reports_for_other_machines_of_the_run_it_replaces
     run beside the bf16 run that replaced it. It goes with the run; a page of the user's own stays. So does the
     traceback.txt of a run that crashed; a user's own file of that name is never written over."""
     out = tmp_path / "run"
-    rc, _, _ = run_main(["train", "--out", str(out), *TINY, "--steps", "2"], capsys)
+    rc, _, _ = run_main(["train", "--out", str(out), *TINY, "--steps", "2", "--no-report"], capsys)
     assert rc == 0
     rc, printed, _ = run_main(["report", str(out), "--target", "H100"], capsys)
     assert rc == 0 and Path(printed.strip()) == out / "report-h100.html"
     (out / "report-mine.html").write_text("<p>the user's own page</p>")
     assert rundir.write_traceback(out, "Traceback (most recent call last):\n") == out / T.TRACEBACK_FILE
     rc, _, _ = run_main(
-        ["train", "--out", str(out), *TINY, "--steps", "2", "-p", "bf16", "--overwrite"], capsys
+        ["train", "--out", str(out), *TINY, "--steps", "2", "-p", "bf16", "--overwrite", "--no-report"],
+        capsys,
     )
     assert rc == 0
     assert not (out / "report-h100.html").exists() and not (out / T.TRACEBACK_FILE).exists()
@@ -243,6 +247,7 @@ def test_two_processes_on_the_same_out(tmp_path: Path) -> None:
     one run, never files of both."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "precprof", "train", "--out", str(out), *TINY, "--steps", "20"]
+    cmd += ["--no-report"]  # (the page is not read here)
     env = {**ENV, "OMP_NUM_THREADS": "1"}  # one intra-op thread, as the run alone below
     procs = [
         processes.popen(
@@ -268,7 +273,7 @@ def test_two_processes_on_the_same_out(tmp_path: Path) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        alone = train(tiny_config(tmp_path / "alone", steps=20, seed=winner_seed))
+        alone = train(tiny_config(tmp_path / "alone", steps=20, seed=winner_seed, report=False))
     finally:
         torch.set_num_threads(threads)
     assert steps[T.LOSS].tolist() == alone.steps[T.LOSS].tolist()
@@ -496,9 +501,11 @@ def test_each_smaller_summary_keeps_what_the_larger_one_had_but_its_bulk() -> No
     assert full[T.SUMMARY_RECOMMENDATION]["findings"] == [1]
 
 
-def test_disk_full_on_a_real_tmpfs(tmp_path: Path) -> None:
+def test_disk_full_on_a_real_tmpfs(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """A 1.5 MiB tmpfs: the tables fit in part; the run ends incomplete naming ENOSPC and nothing is half
-    written. Needs root and permission to mount (skips otherwise)."""
+    written. Needs root and permission to mount (skips otherwise). The training runs in this process (its
+    stream's writer process writes to the tmpfs as in a ``precprof train`` of its own); ``capfd`` reads what
+    either wrote to the terminal."""
     mnt = tmp_path / "small"
     mnt.mkdir()
     if os.geteuid() != 0 or shutil.which("mount") is None:
@@ -508,26 +515,10 @@ def test_disk_full_on_a_real_tmpfs(tmp_path: Path) -> None:
         pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
     try:
         out = mnt / "run"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "precprof",
-                "train",
-                "--out",
-                str(out),
-                *TINY,
-                "--steps",
-                "60",
-                "--sample-every",
-                "1",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=ENV,
+        _, _, err = run_main(
+            ["train", "--out", str(out), *TINY, "--steps", "60", "--sample-every", "1"], capfd
         )
-        assert "Traceback" not in proc.stderr, proc.stderr
+        assert "Traceback" not in err, err
         summary = T.read_summary(out)
         assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE, summary.get(T.SUMMARY_INCOMPLETE_REASON)
         assert "No space left on device" in summary[T.SUMMARY_INCOMPLETE_REASON]
@@ -1412,7 +1403,7 @@ def test_gradients_too_large_for_any_fp16_scale_still_get_a_verdict_and_a_report
             str(out),
             *TINY,
             "--steps",
-            "12",
+            "4",  # (the advice is the same at 12: fp16 ruled out, its scale 2^-16)
             "--lr",
             "1e6",
             "--optimizer",
