@@ -120,7 +120,8 @@ def test_a_forward_with_a_parameter_the_loop_does_not_pass(
     assert_one_line_error(rc, err, "forward(x, y) has a required parameter 'y'", "rename 'y' to targets")
     assert not out.exists()
     f.write_text(Y_MODEL.replace("x, y)", "x, targets)").replace("y.flatten", "targets.flatten"))
-    rc, _, err = run_main(["train", "--model", f"{f}:make", "--out", str(out), *TINY], capsys)
+    argv = ["train", "--model", f"{f}:make", "--out", str(out), *TINY, "--no-report"]
+    rc, _, err = run_main(argv, capsys)
     assert rc == 0, err
     assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
 
@@ -149,7 +150,7 @@ def test_a_factory_with_too_few_tokens_is_told_a_fix_that_works(
     assert_one_line_error(rc, err, "vocabulary of 10 tokens", "use --model-arg vocab_size=256")
     out = tmp_path / "run"
     rc, _, err = run_main(
-        ["train", "-m", f"{f}:takes", "-a", "vocab_size=256", "--out", str(out), *TINY], capsys
+        ["train", "-m", f"{f}:takes", "-a", "vocab_size=256", "--out", str(out), *TINY, "--no-report"], capsys
     )
     assert rc == 0, err
 
@@ -360,7 +361,7 @@ def test_a_model_that_fails_only_at_the_estimates_batch_trains(
     f = tmp_path / "batch_sized.py"
     f.write_text(BATCH_SIZED)
     out = tmp_path / "run"
-    args = ["train", "--model", f"{f}:make", "-a", "batch_size=2", "--out", str(out), *TINY]
+    args = ["train", "--model", f"{f}:make", "-a", "batch_size=2", "--out", str(out), *TINY, "--no-report"]
     rc, _, err = run_main(args, capsys)
     assert rc == 0 and "error" not in err, err
     assert len(T.read_tables(out)["steps"]) == int(TINY[TINY.index("--steps") + 1])
@@ -496,6 +497,7 @@ def test_a_text_file_s_run_ends_with_its_byte_entropy(
     n = sum(counts.values())
     entropy = -sum(c / n * math.log(c / n) for c in counts.values())
     argv = ["train", "--data", str(text), "--out", str(tmp_path / "run"), "-a", "n_layer=1", *TINY]
+    argv += ["--no-report"]
     rc, out, err = run_main(argv, capsys)
     assert rc == 0, err
     line = next(ln for ln in out.splitlines() if ln.startswith("final loss"))
@@ -513,7 +515,7 @@ def test_report_unknown_target(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_train_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     rc, stdout, _ = run_main(
-        ["train", "--out", str(out), "--precision", "bf16", "-a", "n_layer=1", *TINY], capsys
+        ["train", "--out", str(out), "--precision", "bf16", "-a", "n_layer=1", *TINY, "--no-report"], capsys
     )
     assert rc == 0
     assert f"run directory: {out}" in stdout and "final loss" in stdout
@@ -578,7 +580,9 @@ def test_summary_and_compare_json_are_standard_json_read_as_before(
     with monkeypatch.context() as m:
         m.setattr(runfiles, "json_text", old_writer)
         for out in runs:
-            config = TrainConfig(steps=3, batch_size=2, seq_len=8, device="cpu", progress=False, out=out)
+            config = TrainConfig(
+                steps=3, batch_size=2, seq_len=8, device="cpu", progress=False, report=False, out=out
+            )  # (pages() renders the page it reads)
             train(dataclasses.replace(config, precision=out.name))
         before = pages()
     for out in runs:
@@ -967,6 +971,7 @@ def test_options_a_run_does_not_use_are_said_and_not_recorded(
             "--out",
             str(unused),
             *TINY,
+            "--no-report",
         ],
         capsys,
     )
@@ -984,7 +989,8 @@ def test_options_a_run_does_not_use_are_said_and_not_recorded(
         None
     ] * 4
     used = tmp_path / "fp16"
-    rc, _, err = run_main(["train", "-p", "fp16", "--init-scale", "1024", "--out", str(used), *TINY], capsys)
+    argv = ["train", "-p", "fp16", "--init-scale", "1024", "--out", str(used), *TINY, "--no-report"]
+    rc, _, err = run_main(argv, capsys)
     assert rc == 0 and "dynamic loss scaling" not in err
     assert T.read_tables(used)["steps"][T.LOSS_SCALE].iloc[0] == 1024.0
     assert T.read_summary(used)[T.SUMMARY_CONFIG]["init_scale"] == 1024.0
