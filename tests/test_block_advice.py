@@ -1023,3 +1023,92 @@ def test_a_layer_whose_own_operands_were_not_evaluated_is_not_in_the_plan(block_
     assert f is not None and prof.summary()["block_formats"]["layers_evaluated"] == 2
     assert "Each of the 2 linear layers was judged" in f.message
     assert "evaluated 2 of the 4 linear layers" in f.message and "did not reach v, out," in f.message
+
+
+class FrozenBaseAndHead(nn.Module):
+    """A LoRA fine-tune's shape: a trainable layer ``pre`` (an identity, fed ``Frozen.pattern()``) before a
+    frozen ``base`` and a frozen ``head``, whose logits the model returns upcast, as accelerate's
+    ``convert_outputs_to_fp32`` does under the HF Trainer's ``bf16=True``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.base = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.head = nn.Linear(WIDTH, WIDTH, bias=False)
+        with torch.no_grad():
+            self.pre.weight.copy_(torch.eye(WIDTH))
+            # one magnitude: each block of its rows is exact in NVFP4
+            self.base.weight.copy_(torch.randn(WIDTH, WIDTH).sign() * 0.125)
+        self.base.requires_grad_(False)
+        self.head.requires_grad_(False)
+
+    @staticmethod
+    def pattern() -> torch.Tensor:
+        """base's input, tokens x features: one magnitude per token, so each block along in_features (its
+        forward's) is exact in NVFP4, while every block of 16 tokens along a feature (the weight gradient's, a
+        GEMM a frozen layer never runs) holds one 6 and fifteen 5s: NVFP4 puts each 5 at 4 or 6 (14 dB)."""
+        sign = torch.randn(BATCH * SEQ, WIDTH, generator=torch.Generator().manual_seed(0)).sign()
+        return sign * torch.where(torch.arange(BATCH * SEQ) % 16 == 0, 6.0, 5.0)[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.base(self.pre(x))).float()  # the bf16 logits tensor is freed here
+
+
+@pytest.fixture(scope="module")
+def frozen_run() -> tuple[dict[str, pd.DataFrame], dict[str, Any]]:
+    """Two sampled steps of ``FrozenBaseAndHead`` under bf16 autocast, block formats evaluated: the tables and
+    the capture summary."""
+    import precprof
+
+    torch.manual_seed(0)
+    model = FrozenBaseAndHead()
+    opt = torch.optim.SGD(model.pre.parameters(), lr=1e-3)
+    prof = precprof.Profiler(
+        model, optimizer=opt, sample_every=1, memory=False, block_formats=True, block_groups=1
+    )
+    with prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(FrozenBaseAndHead.pattern())
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step()
+    return prof.tables(), prof.summary()
+
+
+def test_a_frozen_head_whose_output_the_model_returns_upcast_is_the_head(frozen_run: Any) -> None:
+    """Under the HF Trainer's bf16=True a LoRA model's frozen lm_head was not found: the capture kept each linear
+    layer's output as a weak reference, the bf16 logits were freed by ``.float()`` before the walk, and the walk
+    went on past the frozen matmuls (no AccumulateGrad names a frozen weight) to the first trainable one: a LoRA
+    adapter was kept out of FP4 "as the output head", and the real head planned in NVFP4. The layers' output
+    nodes are kept until the model's forward returns: the head is found by its output."""
+    tables, summary = frozen_run
+    assert summary["output_head"] == {"module": "head", "by": "output"}
+    rec = recommend(tables, hardware="b200", summary={T.SUMMARY_CAPTURE: summary})
+    heads = [lb["module"] for lb in rec.block_what_if["layers"] if rb.HEAD_WHY in lb["why"]]
+    assert heads == ["head"] and rec.block_plan["head"] not in ("nvfp4", "mxfp4")
+
+
+def test_a_head_behind_a_frozen_matmul_is_said_unknown(frozen_run: Any) -> None:
+    """A frozen matmul the graph cannot name (a frozen head tied to the embedding, a frozen head left out of the
+    capture) on the way back from the output: the walk went past it to the first trainable matmul and named it
+    the head. It stops there and says the head is not known; the plan keeps no linear layer from FP4 as the head
+    (the last one in forward order would be a guess) and says so."""
+    from precprof.capture import output_head
+
+    pre = nn.Linear(WIDTH, WIDTH)
+    frozen = torch.randn(WIDTH, WIDTH)  # a frozen weight, F.linear'd by the model's forward
+    logits = torch.nn.functional.linear(torch.relu(pre(torch.randn(2, WIDTH))), frozen)
+    params = {id(pre.weight): "pre.weight", id(frozen): "wte.weight"}
+    assert output_head.find_head([logits], {}, params) == {"by": "unnamed"}
+    assert output_head.find_head([logits], {logits.grad_fn: "head"}, params) == {
+        "module": "head",
+        "by": "output",
+    }
+
+    tables, summary = frozen_run
+    unnamed = {T.SUMMARY_CAPTURE: {**summary, "output_head": {"by": "unnamed"}}}
+    assert not any(lb.head for lb in rb.block_table(tables["layers"], unnamed))
+    f = recommend(tables, hardware="b200", summary=unnamed).finding("block_format_plan")
+    assert f is not None and "Which matmul makes the model's output is not known" in f.message

@@ -135,6 +135,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
         self._model_inputs: set[int] = set()
         # the matmul that makes the model's output (``OutputHead``), once walked
         self.output_head = _NOT_WALKED
+        self._head_nodes: dict[Any, str] = {}  # until then: each linear layer's output node -> its name
         roots = [(root, self._root_pre_hook, self._root_post_hook, True)] if root is not None else []
         # the root's pre-hook takes the forward's keyword arguments too: model(x=features), model(**batch); so
         # do those of the modules whose input is read, called with it by keyword (self.fc(input=h))
@@ -329,6 +330,7 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
         self._grads_due.clear()
         self._block_outputs.clear()
         self._outputs_made.clear()
+        self._head_nodes.clear()
         self._outputs_by_data.clear()
         self._indexed = 0
         self._read_from.clear()
@@ -471,6 +473,8 @@ class StepHooks(TrainingForward, GradientReads, GemmInputs, StepAttempts, Output
                 rows.dtype_bits[act] |= dtype_bit(t.dtype)
                 if gemm:
                     rows.numel_gcd[act] = math.gcd(rows.numel_gcd[act], t.numel())
+                    if self.output_head is _NOT_WALKED and t.grad_fn is not None:
+                        self._head_nodes.setdefault(t.grad_fn, slot.name)  # (``OutputHead``)
                 if self._track_outputs and t.dim() >= 2:
                     entry = made_entry(t, act)
                     self._block_outputs[id(t)] = entry

@@ -8,20 +8,27 @@ as the head, and a model that runs another linear layer after its head (a value 
 named. Here the graph is walked back from the model's output (its first non-scalar tensor with a graph: the
 logits beside an in-model loss; else its loss), breadth first, to the first matmul on the way:
 
-- the output of a captured linear layer (``_ModuleSlot.gemm``; its output's node, as the layer's forward hook
-  kept it this step): that layer, ``{"module": name, "by": "output"}``;
+- the output of a captured linear layer (``_ModuleSlot.gemm``; its output's node, which the layer's forward hook
+  kept on the walk's step until the model's forward returned: the node, not the tensor, which a model that
+  returns its logits cast, ``logits.float()`` as accelerate's ``convert_outputs_to_fp32`` does under the HF
+  Trainer's ``bf16=True``, has freed by then): that layer, ``{"module": name, "by": "output"}``, frozen or
+  not;
 - a matmul node of the graph (mm, addmm, bmm, ...) one of whose operands is a model's parameter of two or more
   dimensions, through layout nodes alone (a transpose, autocast's cast, a view): the module that owns that
   parameter, ``{"module": owner, "param": name, "by": "weight"}`` (the embedding, for a tied head computed by a
   function);
+- a matmul node one of whose operands has no graph (a weight that does not train, which no ``AccumulateGrad``
+  names, or a constant), its output no captured layer's: ``{"by": "unnamed"}``, the head is not known (a
+  frozen head tied to the embedding, a frozen head the module filter left out). The walk had gone on past it to
+  the first matmul on a trained weight: a LoRA adapter deep in the model named as the head;
 - neither within ``MAX_NODES`` nodes (a compiled graph's single node, a model whose output comes from no matmul,
   a parameter under a wrapper that replaces it in the forward: FSDP's): ``None``, and the analysis keeps its
   rule of the last linear layer that ran.
 
 A matmul between two activations (attention's, a contrastive model's ``image @ text.T``) is passed through. The
 walk reads the graph's nodes on the host (``grad_fn``, ``next_functions``, ``AccumulateGrad.variable``): no
-tensor value, no sync, no change to the graph; it keeps no node once it returns (a node holds its saved tensors).
-At most ``MAX_NODES`` nodes, on one sampled step of the run.
+tensor value, no sync, no change to the graph; no node is kept once the model's forward returned (a node holds
+its saved tensors). At most ``MAX_NODES`` nodes, on one sampled step of the run.
 """
 
 from __future__ import annotations
@@ -119,6 +126,8 @@ def find_head(
             if name is not None:
                 owner, _, param = name.rpartition(".")
                 return {"module": owner, "param": param, "by": "weight"}
+            if any(fn is None for fn, _ in node.next_functions):  # (a frozen weight: the head, maybe)
+                return {"by": "unnamed"}
         todo.extend(fn for fn, _ in node.next_functions)
     return None
 
@@ -129,12 +138,16 @@ class OutputHead:
 
     plan: CapturePlan
     installed: bool
-    _outputs_made: list[Any]  # ``GemmInputs``: this step's module outputs, (weakref, activation row, version)
+    # while the walk has not run, each linear layer's output node this step -> the layer's name, kept by its
+    # forward hook (an inner layer's hook fires before its wrapper's, which returns the same tensor: the inner one
+    # is the layer); emptied when the model's forward returns and at each step's start
+    _head_nodes: dict[Any, str]
     output_head: Any
 
     def _walk_head(self, output: Any) -> None:
         """At the end of the model's outermost forward with grad on a sampled step, while the walk has not run:
         walk from what it returned (``find_head``)."""
+        outputs, self._head_nodes = self._head_nodes, {}
         if (
             self.output_head is not _NOT_WALKED
             or not self.installed
@@ -144,13 +157,6 @@ class OutputHead:
         roots = output_roots(output)
         if not roots:
             return
-        linear = {s.activation: s.name for s in self.plan.modules if s.gemm}
-        outputs: dict[Any, str] = {}
-        for ref, act, _ in self._outputs_made:
-            if act in linear and (t := ref()) is not None and t.grad_fn is not None:
-                # (an inner layer's forward hook fires before its wrapper's, which returns the same tensor: the
-                # inner one is the layer)
-                outputs.setdefault(t.grad_fn, linear[act])
         self.output_head = find_head(roots, outputs, dict(self.plan.param_names))
 
     @property

@@ -283,12 +283,26 @@ def recorded_head(run: _Run) -> tuple[str, str] | None:
     the parameter it read, that parameter's name) where a function of the model's forward did (a head tied to
     the embedding, ``F.linear(x, self.wte.weight)``); None where the capture found none or a run recorded before
     it looked."""
-    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
-    found = capture.get("output_head") if isinstance(capture, Mapping) else None
+    found = _output_head(run)
     if not isinstance(found, Mapping) or not isinstance(found.get("module"), str):
         return None
     param = found.get("param") if found.get("by") == "weight" else ""
     return str(found["module"]), str(param or "")
+
+
+def _output_head(run: _Run) -> Any:
+    """The summary's ``capture.output_head`` as recorded (None where absent)."""
+    capture = run.summary.get(T.SUMMARY_CAPTURE) or {}
+    return capture.get("output_head") if isinstance(capture, Mapping) else None
+
+
+def head_unnamed(run: _Run) -> bool:
+    """Whether the capture's walk met, on its way back from the model's output, a matmul on an operand with no
+    gradient before any linear layer's output or trained weight (``capture.output_head`` ``{"by": "unnamed"}``):
+    a frozen weight that autograd's graph does not name (a frozen head tied to the embedding, a frozen head the
+    module filter left out), so which module makes the output is not known."""
+    found = _output_head(run)
+    return isinstance(found, Mapping) and found.get("by") == "unnamed"
 
 
 def _head_of(run: _Run, linear: list[str]) -> str | None:
@@ -301,6 +315,8 @@ def _head_of(run: _Run, linear: list[str]) -> str | None:
     found = recorded_head(run)
     if found is not None:
         return found[0] if found[0] in linear else None
+    if head_unnamed(run):  # (the last linear layer would be a guess the capture's walk has just refuted)
+        return None
     ran = [m for m in linear if run.order.get(m, 1 << 30) < 1 << 30]
     return (ran or linear)[-1]
 
@@ -310,6 +326,13 @@ def _head_said(run: _Run, table: list[LayerBlocks]) -> str:
     found none): a head tied to the embedding computed by a function of the forward (it had named the last
     block's MLP layer the head and kept it from FP4), another module's parameter in a matmul."""
     found = recorded_head(run)
+    if found is None and head_unnamed(run):
+        return (
+            " Which matmul makes the model's output is not known: the first on the way back from it reads an "
+            "operand that trains no gradient (a frozen weight of no captured linear layer, or a constant), which "
+            "autograd's graph does not name, so none of these linear layers is kept from FP4 as the head: keep "
+            "the output head out of FP4 yourself."
+        )
     if found is None or found[1] == "" or any(lb.module == found[0] for lb in table):
         return ""
     owner, param = found
