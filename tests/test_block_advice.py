@@ -1112,3 +1112,31 @@ def test_a_head_behind_a_frozen_matmul_is_said_unknown(frozen_run: Any) -> None:
     assert not any(lb.head for lb in rb.block_table(tables["layers"], unnamed))
     f = recommend(tables, hardware="b200", summary=unnamed).finding("block_format_plan")
     assert f is not None and "Which matmul makes the model's output is not known" in f.message
+
+
+def test_a_frozen_layer_is_not_judged_on_the_weight_gradient_it_never_computes(frozen_run: Any) -> None:
+    """A frozen layer (LoRA's base layers, a frozen head) runs its forward and input-gradient GEMMs, not the
+    weight gradient's: the plan judged it on that GEMM's operands too, and base failed NVFP4 on its input along
+    the tokens (one 6 and fifteen 5s in each block of 16: each 5 rounds to 4 or 6, 14 dB), which no GEMM it runs
+    reads. Judged on its four operands (its input along in_features is exact), base gets NVFP4; the trainable
+    ``pre`` keeps all six."""
+    tables, summary = frozen_run
+    table = {lb.module: lb for lb in rb.block_table(tables["layers"], {T.SUMMARY_CAPTURE: summary})}
+    gemms = {m: {(o.operand, o.gemm) for o in lb.losses["nvfp4"]} for m, lb in table.items()}
+    four = {
+        (rb.INPUT, "forward"),
+        (rb.WEIGHT, "forward"),
+        (rb.GRAD, "input gradient"),
+        (rb.WEIGHT, "input gradient"),
+    }
+    assert gemms["base"] == gemms["head"] == four and len(gemms["pre"]) == 6
+    # independently: the input along the tokens (what the weight gradient's GEMM would read) fails 18 dB, along
+    # in_features (the forward's) it passes
+    x = FrozenBaseAndHead.pattern()
+    sqnr = {
+        axis: 10 * math.log10(float(s["sum_x2"]) / float(s["sum_err2"]))
+        for axis, s in ((a, B.block_stats(x, recipe_of("nvfp4"), axis=a)) for a in (-1, 0))
+    }
+    assert sqnr[0] < AdvisorConfig().block_fp4_sqnr_min_db < sqnr[-1]
+    rec = recommend(tables, hardware="b200", summary={T.SUMMARY_CAPTURE: summary})
+    assert rec.block_plan["base"] == "nvfp4"

@@ -218,6 +218,9 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
 
     first = _first_activations(run)
     computed = _computed_weights(run)
+    # the modules whose weight trains: a weight-gradient row of it (a run that recorded none: every layer)
+    trained = {m for (m, t), found in where.items() if t == T.WEIGHT_GRAD for p, _ in found if p == T.WEIGHT}
+    any_trained = any(t == T.WEIGHT_GRAD for _, t in where)
     out: list[LayerBlocks] = []
     for m in linear:
         t = run.types.get(m, "")
@@ -229,9 +232,17 @@ def layer_blocks(run: _Run, dims: Mapping[str, Mapping[str, int]] | None = None)
             WEIGHT: rows_of(w_owner or m, T.WEIGHT, "weight"),
             GRAD: rows_of(m, T.ACTIVATION_GRAD, scaled_out=True),
         }
-        # a layer without an output gradient on any sampled step (frozen, nothing trainable before it) runs no
-        # backward GEMM: those are not judged (it had listed them, with numbers of the weight alone)
-        ran_gemms = {"forward", "input gradient", "weight gradient"} if grad.n else {"forward"}
+        # the GEMMs the layer runs, the only ones judged: its forward; with an output gradient on a sampled step,
+        # its input gradient (a layer without one, frozen with nothing trainable before it, runs no backward GEMM:
+        # it had listed them, with numbers of the weight alone); and its weight gradient only where its weight
+        # trains, as its weight-gradient rows say (in a run that recorded some): a frozen layer (LoRA's base
+        # layers, a frozen head) computes none, and had failed MXFP4 on that GEMM's operands
+        ran_gemms = {"forward"} | (
+            {"input gradient"}
+            | ({"weight gradient"} if not any_trained or (w_owner or m) in trained else set())
+            if grad.n
+            else set()
+        )
         sh = shapes[m]
         tokens = sh.odd_tokens[1] if sh.odd_tokens is not None else sh.tokens
         lb = LayerBlocks(
