@@ -810,6 +810,25 @@ def test_lost_updates_leave_out_weights_whose_gradient_was_zero() -> None:
     )
 
 
+def test_the_worst_lost_updates_are_listed_largest_first() -> None:
+    """The lost-update finding's "worst:" list was every module above 1% in model order ("q_proj.lora_A 42.6%,
+    q_proj.lora_B 2.34%, v_proj.lora_A 43.4%"), and a run with more of them than the list holds kept the first by
+    name: it ranks them by share, largest first, ties in model order."""
+    g = torch.Generator().manual_seed(7)
+    b = RunBuilder()
+    shares = {"a": 0.125, "b": 0.5, "c": 0.25, "d": 0.5, "e": 0.0}  # of each module's 32 x 32 updates, lost
+    for order, (m, p) in enumerate(shares.items()):
+        w = torch.randn(32, 32, generator=g).abs() + 0.5
+        lost = torch.arange(w.numel()).reshape(32, 32) < p * w.numel()
+        u = torch.where(lost, 1e-6, 1e-1) * w  # 1e-6 of the weight: below bf16's half ulp; 1e-1: lands
+        b.add(0, order, m, "Linear", T.WEIGHT_GRAD, torch.randn(32, 32, generator=g), param="weight")
+        b.update(0, order, m, "Linear", w, u)
+    b.step(0, loss=1.0)
+    f = must(recommend(b.tables(), hardware="a100", summary=summary_for("bf16")), "bf16_lost_updates")
+    assert f.modules == ["b", "d", "c", "a"]
+    assert "; worst: b 50%, d 50%, c 25%, a 12.5%." in f.message
+
+
 def test_lost_updates_leave_out_the_updates_that_were_nan_or_inf() -> None:
     """A weight whose update was nan at 200 elements and inf at 10 (its weights went non-finite): the finding
     counted them among the intended updates, none lost ("72 of 3,384 intended weight-update elements" in a run

@@ -68,6 +68,14 @@ def _by_module(rows: pd.DataFrame, lost: pd.Series, weights: pd.Series) -> pd.Se
     return (by["_lost"] / by["_nz"]).sort_values(ascending=False)
 
 
+def _worst(run: _Run, by_share: pd.Series, above: float, limit: int) -> list[str]:
+    """The modules of ``by_share`` (``_by_module``) whose share is above ``above``, largest first, ties in model
+    order, at most ``limit``: a finding's "worst:" list (it was in model order, the largest share in the middle)."""
+    over = by_share[by_share > above]
+    rank = {m: i for i, m in enumerate(run.sort(over.index))}
+    return sorted(rank, key=lambda m: (-float(over[m]), rank[m]))[:limit]
+
+
 def _sampled_words(
     run: _Run, rows: pd.DataFrame, lost: float, nz: float, weights: pd.Series
 ) -> tuple[str, str, dict[str, float]]:
@@ -303,7 +311,7 @@ def _rule_lost_updates(run: _Run, plan: _Plan) -> None:
         nonfinite_words, nonfinite_nums = _nonfinite_words(held_rows, run)
         fp32_words, fp32_nums = _fp32_stuck_words(rows, bool(sampled_words)) if not is_pure else ("", {})
         by_share = _by_module(rows, rows[col], weights)
-        worst = run.sort(by_share[by_share > cfg.lost_update_warn].index[: cfg.max_listed_modules])
+        worst = _worst(run, by_share, cfg.lost_update_warn, cfg.max_listed_modules)
         resolution = "2^-8" if fmt == "bf16" else "2^-11"
         # weights held in the format in a loop that is not the pure mode by name: a model loaded in bf16 and
         # trained under bf16 autocast (the HF Trainer's bf16=True on from_pretrained(..., dtype=torch.bfloat16))
@@ -410,7 +418,7 @@ def _rule_fp32_lost_updates(run: _Run, plan: _Plan) -> None:
         return
     by_share = _by_module(rows, rows[T.LOST_UPDATE_HELD], weights)
     sampled_words, sampled_method, sampled_nums = _sampled_words(run, rows, lost, nz, weights)
-    worst = run.sort(by_share[by_share > cfg.lost_update_warn].index)[: cfg.max_listed_modules]
+    worst = _worst(run, by_share, cfg.lost_update_warn, cfg.max_listed_modules)
     ratios = update_ratio.summary(run.layers) or {}
     median = ratios.get("ratio_median")
     plan.add(
