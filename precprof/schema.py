@@ -17,7 +17,9 @@ Every column name used anywhere in precprof is a constant here (read them throug
     forward pass),
     underflow_<fmt> / overflow_<fmt> for fmt in fp16, bf16, fp8_e4m3, fp8_e5m2 (exact counts of what a real
     cast of x*scale does), underflow_<fmt>_cs for fp8 formats (underflow after per-tensor current scaling,
-    scale 2^floor(log2(fmax/max(amax, 1e-12))) per tensor, 1e-12 being torchao's floor on amax), and for
+    scale 2^floor(log2(fmax/max(amax, 1e-12))) per tensor, 1e-12 being torchao's floor on amax) — NaN on
+    weight_update rows, not measured (an update is added to its weight, never cast: lost_update_*; 0 in runs
+    recorded before, which read as no underflow where real casts of small updates flush them all), and for
     tensor == "weight_update" rows lost_update_bf16 / lost_update_fp16 (update elements that are nonzero but vanish when added to the weight held in that
     format), lost_update_held (intended update elements, a nonzero gradient or a moved weight, that did not
     change the weight in its own dtype: measured; NaN in runs recorded before it), update_rms / weight_rms (the RMS over the sample of the update and of the weight before it:
@@ -267,14 +269,12 @@ MEMORY_PHASES: tuple[str, ...] = (PHASE_FORWARD, PHASE_BACKWARD, PHASE_OPTIMIZER
 LOSS_SCOPE = "(loss)"  # module of activations saved outside the model's forward (the loss), by default
 
 # ------------------------------------------------------------------------------------------- the tables
-COUNT_COLUMNS: tuple[str, ...] = (
-    NUMEL,
-    ZEROS,
-    NAN,
-    INF,
+# the what-if formats' counts: NaN on ``weight_update`` rows (not measured there)
+WHATIF_COUNT_COLUMNS: tuple[str, ...] = (
     *(c for f in WHATIF_FORMATS for c in (underflow_col(f), overflow_col(f))),
     *(underflow_cs_col(f) for f in FP8_FORMATS),
 )
+COUNT_COLUMNS: tuple[str, ...] = (NUMEL, ZEROS, NAN, INF, *WHATIF_COUNT_COLUMNS)
 
 LAYERS_COLUMNS: tuple[str, ...] = (
     STEP,

@@ -18,8 +18,9 @@ from torch import nn
 import precprof
 from precprof import tables as T
 from precprof.analysis import update_ratio
+from precprof.analysis.advisor import evidence
 from precprof.capture.reducer import RankReducer
-from precprof.report import filters
+from precprof.report import filters, timeline
 from precprof.stats import kernel as cpu_kernel
 from precprof.stats.engine import ENGINE_ENV
 
@@ -291,6 +292,16 @@ def test_nan_and_inf_updates_are_counted_not_read_as_zero(
         row = got.loc[tuple(n.rsplit(".", 1))]
         assert (int(row[T.NAN]), int(row[T.INF])) == (nan, inf), n
         assert float(row[T.UPDATE_RMS]) == pytest.approx(math.sqrt(sq), rel=1e-6), n
+    # the what-if formats' underflow and overflow are not measured on an update: NaN, where they held 0 (the
+    # updates' "nothing underflows" beside real casts that flush them), and the advisor's tables keep them so
+    assert rows[list(T.WHATIF_COUNT_COLUMNS)].isna().all().all()
+    assert layers.loc[layers[T.TENSOR] != T.WEIGHT_UPDATE, list(T.WHATIF_COUNT_COLUMNS)].notna().all().all()
+    prepared = evidence._prepare(prof.tables())[0]
+    upd = prepared[T.TENSOR] == T.WEIGHT_UPDATE
+    assert prepared.loc[upd, list(T.WHATIF_COUNT_COLUMNS)].isna().all().all()
+    assert prepared.loc[upd, T.NAN].tolist() == rows[T.NAN].tolist()
+    # (the time axis in a format of no lost-update count has no weight-update row: it read 0% lost)
+    assert T.WEIGHT_UPDATE not in set(timeline.lost_by_step(layers, "fp8_e4m3")[T.TENSOR])
 
 
 def test_a_step_with_a_nan_update_has_no_ratio_and_is_said_left_out(tmp_path: Path) -> None:

@@ -578,6 +578,10 @@ class UpdateSampler:
         n = len(kept)
         modules = [ps.module for ps in kept]
         named: dict[str, Any] = {col: np.zeros(n, dtype=np.int64) for col in T.COUNT_COLUMNS}
+        # the what-if formats' underflow and overflow are not measured on an update (added to its weight, never
+        # cast: what a weight's format loses of it is ``lost_update_*``): NaN, where 0 read as "never underflows"
+        # (real casts of 5e-7 updates flush all of them in either fp8 format)
+        named.update({col: np.full(n, np.nan) for col in T.WHATIF_COUNT_COLUMNS})
         named.update(
             {
                 T.ORDER: np.array([order.get(m, -1) for m in modules], dtype=np.int64),

@@ -96,14 +96,18 @@ def lost_by_step(layers: pd.DataFrame, fmt: str = FORMAT) -> pd.DataFrame:
     already inf/nan) and values seen, summed over the step's rows. Weight-update rows count instead the updates
     lost in ``update_format``'s weights, and those already inf/nan, over the intended updates (numel - zeros), of
     the weights with a training gradient on their step (``lost_updates.zero_gradient``), each parameter's sampled
-    counts at its size (``tables.sample_weights``: an estimate of the model's updates, not the sample's)."""
+    counts at its size (``tables.sample_weights``: an estimate of the model's updates, not the sample's); a run
+    without lost-update counts for those weights has no weight-update row (its what-if counts of ``fmt`` are not
+    measured: NaN)."""
     cols = [T.underflow_col(fmt), T.overflow_col(fmt), T.NAN, T.INF]
     if layers.empty or any(c not in layers for c in [*cols, T.NUMEL]):
         return pd.DataFrame(columns=[T.STEP, T.TENSOR, "lost", T.NUMEL])
+    held = update_format(layers, fmt)
+    if not held:  # (a weight_update row's what-if counts are not measured: NaN, no row of the axis)
+        layers = layers[layers[T.TENSOR] != T.WEIGHT_UPDATE]
     num = layers[[*cols, T.NUMEL]].apply(pd.to_numeric, errors="coerce").fillna(0)
     lost = num[cols].sum(axis=1)
     seen = num[T.NUMEL]
-    held = update_format(layers, fmt)
     if held:
         is_upd = layers[T.TENSOR] == T.WEIGHT_UPDATE
         col = T.LOST_UPDATE_BF16 if held == "bf16" else T.LOST_UPDATE_FP16

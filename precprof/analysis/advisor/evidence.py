@@ -328,6 +328,9 @@ _NUMERIC_LAYER_COLS = (
 )
 
 
+_WHATIF = frozenset(T.WHATIF_COUNT_COLUMNS)
+
+
 def _flag(v: Any) -> bool:
     # None, NaN and pd.NA are "not recorded": False (bool(nan) would be True).
     return False if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)) else bool(v)
@@ -337,9 +340,9 @@ def _prepare(tables: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataF
     """The three tables the rules read, normalised so that no rule has to guard against them.
 
     Invariants: every column of the schema is present; every layers and steps row has a numeric step (a row
-    without one cannot be dated, and is dropped); counts are numbers (missing: 0), ``scale`` is a number
-    (missing: 1), the text columns are strings; the steps table is sorted by step and its ``skipped`` column
-    is plain bool (missing: False).
+    without one cannot be dated, and is dropped); counts are numbers (missing: 0; a ``weight_update`` row's
+    what-if counts, not measured, stay NaN), ``scale`` is a number (missing: 1), the text columns are strings;
+    the steps table is sorted by step and its ``skipped`` column is plain bool (missing: False).
     """
     # shallow copies: frame() may add missing columns, which must not reach the caller's tables; every column
     # changed below is assigned anew (a deep copy of a thousand sampled steps' rows took seconds)
@@ -347,8 +350,10 @@ def _prepare(tables: Mapping[str, pd.DataFrame]) -> tuple[pd.DataFrame, pd.DataF
     for c in _NUMERIC_LAYER_COLS:
         layers[c] = _numeric(layers[c])
     layers = layers.dropna(subset=[T.STEP]).reset_index(drop=True)
+    # (a weight_update row's what-if counts stay NaN: not measured, ``T.WHATIF_COUNT_COLUMNS``)
+    measured = T.texts(layers[T.TENSOR]) != T.WEIGHT_UPDATE
     for c in T.COUNT_COLUMNS:
-        layers[c] = layers[c].fillna(0)
+        layers[c] = layers[c].where(layers[c].notna() | ~measured, 0) if c in _WHATIF else layers[c].fillna(0)
     layers[T.SCALE] = layers[T.SCALE].fillna(1.0)
     for c in (T.MODULE, T.MODULE_TYPE, T.TENSOR, T.PARAM, T.DTYPE):
         layers[c] = T.texts(layers[c])
