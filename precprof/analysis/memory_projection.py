@@ -69,6 +69,45 @@ def _itemsize(name: str) -> int | None:
     return dt.itemsize if isinstance(dt, torch.dtype) else None
 
 
+# bytes of an element of each float dtype a precision mode changes (a host-side table: the report reads it
+# without torch)
+_FLOAT_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def outputs_from_matmul(summary: Mapping[str, Any]) -> bool:
+    """Whether the capture found the matmul that made the model's output (``capture.output_head``): under
+    autocast (and in a model cast to 16 bits) a matmul's output is 16-bit."""
+    capture = summary.get(T.SUMMARY_CAPTURE)
+    head = capture.get("output_head") if isinstance(capture, Mapping) else None
+    return isinstance(head, Mapping) and bool(head.get("module") or head.get("param"))
+
+
+def output_bytes(by_dtype: Mapping[str, float], target: str, current: str, head_matmul: bool) -> float:
+    """Bytes of the model's outputs (the logits the loop holds until backward ends), measured per dtype in a run
+    of mode ``current``, in mode ``target``: fp32 and tf32 hold every float output in fp32; a pure mode and
+    autocast keep a 16-bit output 16-bit; an fp32 output stays fp32 where the run was in that family already
+    (the model's own code made it fp32: ``logits.float()``), and becomes 16-bit in it from an fp32 run when the
+    output came from a matmul (``head_matmul``: ``outputs_from_matmul``), else stays fp32. Other dtypes as
+    measured."""
+    same_family = (target in PURE_MODES and current in PURE_MODES) or (
+        target in AUTOCAST_MODES and current in AUTOCAST_MODES
+    )
+    total = 0.0
+    for dt, b in by_dtype.items():
+        size = _FLOAT_BYTES.get(str(dt))
+        if not size:
+            total += float(b)
+            continue
+        e = float(b) / size
+        if target in FP32_STORAGE_MODES:
+            total += 4 * e
+        elif size == 2 or (not same_family and head_matmul):
+            total += 2 * e
+        else:
+            total += 4 * e
+    return total
+
+
 def textbook(
     n_params: int, optimizer_state_bytes: int | None = None, n_trainable: int | None = None
 ) -> dict[str, Any]:
@@ -316,12 +355,17 @@ def project(
         for module, dt, b in zip(acts[T.MODULE], acts[T.DTYPE], acts[T.BYTES], strict=True):
             dt, b = str(dt), int(b)
             size = _itemsize(dt)
-            if dt not in _MODE_FLOATS or not size or module == LOSS_SCOPE:
-                # masks, indices, float64: no mode changes them; the loop's loss is computed in fp32
-                # (logits.float()) whatever the mode
-                total += b
+            if dt not in _MODE_FLOATS or not size:
+                total += b  # masks, indices, float64: no mode changes them
                 continue
             e = b / size
+            if module == LOSS_SCOPE:
+                # the loop's loss computed in fp32 (logits.float(), or autocast's fp32 rule for losses) stays
+                # fp32 in every mode; one computed on 16-bit logits (a model cast to 16 bits, no upcast) saves
+                # 16-bit, which fp32 (and autocast, whose losses run in fp32) holds in fp32
+                low_kept = target in PURE_MODES or (target in AUTOCAST_MODES and measured_autocast)
+                total += 2 * e if dt in _LOW_FLOATS and low_kept else 4 * e
+                continue
             if target in FP32_STORAGE_MODES:
                 total += 4 * e
             elif target in PURE_MODES:
@@ -472,9 +516,19 @@ def project(
             if measured_pure
             else "."
         ),
-        "Masks, indices and float64 tensors take the same bytes in every mode, and so does what the loss "
-        f"saves (module {LOSS_SCOPE!r}, measured under Profiler.memory_scope()): the built-in loop computes it "
-        "in fp32 (logits.float()) in every mode.",
+        "Masks, indices and float64 tensors take the same bytes in every mode. What the loss saves (module "
+        f"{LOSS_SCOPE!r}, measured under Profiler.memory_scope()) stays fp32 where it was fp32 (the built-in loop "
+        "computes it in fp32, logits.float(), in every mode; autocast runs losses in fp32); a loss this run "
+        "computed on 16-bit logits saved 16-bit tensors, which fp32 and autocast hold in fp32 and the pure modes "
+        "in 16 bits.",
+        "The model's outputs (the logits, in the allocator's peak only): fp32 in fp32 and tf32; 16-bit ones stay "
+        "16-bit in the 16-bit modes; fp32 ones stay fp32 there, but from an fp32 run"
+        + (
+            ", where the output came from a matmul, as here, they become 16-bit (a model that upcasts its "
+            "logits itself, logits.float(), keeps them fp32: then the 16-bit peaks are low by half their size)."
+            if outputs_from_matmul(summary)
+            else " they stay fp32 (no matmul was found to make them): an upper bound."
+        ),
         "Autocast weight copies: 2 bytes per element of every matmul weight whose copy backward keeps "
         + ("(as measured)." if measured_autocast and mode != "fp8" else "(all of them: an upper bound)."),
         "fp8 means torchao Float8Linear under bf16 autocast: it saves the high-precision input and the fp32 "
@@ -505,5 +559,7 @@ def project(
         },
         "assumptions": assumptions,
         "unmeasured": {T.OPTIMIZER_STATES: NO_OPTIMIZER} if assumed_states is not None else {},
+        # the model's output came from a matmul (``output_bytes``: the peak's outputs in a 16-bit mode)
+        "outputs_from_matmul": outputs_from_matmul(summary),
         "model": facts,
     }

@@ -127,7 +127,11 @@ def _verdict(
     current = S.requested_precision(summary)
     # the run's training memory: precprof's own buffers and scratch are not part of what a format changes
     own = float((measured.get("components") or {}).get(T.PROFILER_BUFFERS) or 0.0)
-    saving = M.expected_saving(records, float(measured.get("total") or 0.0) - own, current, fmt, measured)
+    block = summary.get(T.SUMMARY_MEMORY)
+    from_matmul = bool(block.get("outputs_from_matmul")) if isinstance(block, Mapping) else False
+    saving = M.expected_saving(
+        records, float(measured.get("total") or 0.0) - own, current, fmt, measured, from_matmul
+    )
     diverged = next(
         (f.get("numbers") or {} for f in rec.get("findings") or [] if f.get("code") == "run_diverged"), None
     )

@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from precprof import tables as T
-from precprof.analysis.memory_projection import held_per_step, representative_step
+from precprof.analysis.memory_projection import held_per_step, output_bytes, representative_step
 from precprof.report import filters as F
 
 # memory components that are totals of the whole process or device, not parts of a stack
@@ -49,7 +49,8 @@ def peak_parts(memory: pd.DataFrame, step: int | None = None) -> dict[str, Any] 
     it), part by part.
 
     Returns {"step", "phase" (of the peak), "allocated" (the parts' sum: the allocator's peak), "cache"
-    (reserved - allocated then; 0 without a caching allocator), "parts": [{"part", "label", "bytes", "share"}]
+    (reserved - allocated then; 0 without a caching allocator), "parts": [{"part", "label", "bytes", "share",
+    "dtypes": {dtype: bytes}}]
     (largest first, "other" and the cache last; share of ``allocated``), "named_share"} or None when no step has
     them (a CPU run outside the built-in loop, or a run recorded before they existed)."""
     rows = T.memory_at(memory, T.MOMENT_PEAK) if not memory.empty else memory
@@ -62,6 +63,7 @@ def peak_parts(memory: pd.DataFrame, step: int | None = None) -> dict[str, Any] 
     comp, module = T.texts(last[T.COMPONENT]), T.texts(last[T.MODULE])
     key = comp.where(comp != T.TEMPORARIES, T.TEMPORARIES + ":" + module)
     per = b.groupby(key).sum()
+    by_dtype = b.groupby([key, T.texts(last[T.DTYPE])]).sum()
     cache = float(per.get(T.ALLOCATOR_CACHE, 0.0))
     allocated = float(per.sum()) - cache
     parts: list[dict[str, Any]] = []
@@ -76,6 +78,8 @@ def peak_parts(memory: pd.DataFrame, step: int | None = None) -> dict[str, Any] 
                 "label": label or PEAK_PART_LABELS.get(name, name.replace("_", " ")),
                 "bytes": float(v),
                 "share": float(v) / allocated if allocated else math.nan,
+                # bytes per dtype ("" where the part has none: temporaries), what a projection scales
+                "dtypes": {str(d): float(x) for d, x in by_dtype.loc[k].items()},
             }
         )
     parts.sort(key=lambda p: (p["part"] == T.OTHER_MEMORY, -p["bytes"]))
@@ -252,8 +256,8 @@ def memory_table(records: list[dict[str, Any]], source: str) -> dict[str, Any]:
     return {"components": comps, "rows": rows}
 
 
-# components the projection changes with the format; every other part of the peak (temporaries, inputs,
-# outputs, precprof's own, other) is taken as measured
+# components the projection changes with the format (the model's outputs too, by ``output_bytes``); every other
+# part of the peak (temporaries, inputs, precprof's own, other) is taken as measured
 PROJECTED_COMPONENTS: tuple[str, ...] = (
     T.PARAMETERS,
     T.GRADIENTS,
@@ -266,15 +270,21 @@ PROJECTED_COMPONENTS: tuple[str, ...] = (
 
 
 def projected_peaks(
-    measured: Mapping[str, Any], records: list[dict[str, Any]], current: str
+    measured: Mapping[str, Any],
+    records: list[dict[str, Any]],
+    current: str,
+    outputs_from_matmul: bool = False,
 ) -> dict[str, Any] | None:
     """The allocator's peak of this run and what it would be in each projected mode.
 
     Each component the projection changes is scaled, in the part of it alive at the peak, by its projection in
     the other mode over its projection in this run's mode (so that the projection's own error cancels); a
-    component this run did not hold (autocast's weight copies in an fp32 run) is added whole. Temporaries, the
-    batch, the outputs and precprof's buffers are taken as measured. Without a breakdown of the peak every
-    component held at the end of the step is taken as alive at the peak.
+    component this run did not hold (autocast's weight copies in an fp32 run) is added whole. The model's
+    outputs alive at the peak (the logits) take the bytes the mode holds them in (``output_bytes``, per dtype;
+    ``outputs_from_matmul``: the summary's ``memory["outputs_from_matmul"]``): a 16-bit run's logits double in
+    fp32. Temporaries (the gradients in flight), the batch and precprof's buffers are taken as measured.
+    Without a breakdown of the peak every component held at the end of the step is taken as alive at the peak
+    (no outputs: the step's end holds none).
 
     Returns {"peak", "basis": "parts at the peak" | "parts held at the step's end", "modes": {mode: bytes},
     "phase" (of the peak, "" without a breakdown), "not_at_peak": [components the step held, none of them
@@ -291,10 +301,19 @@ def projected_peaks(
     held = {str(c): float(b) for c, b in (measured.get("components") or {}).items()}
     if at_peak:
         alive = {str(p["part"]): float(p["bytes"]) for p in at_peak.get("parts") or []}
+        outputs = next(
+            (
+                p.get("dtypes") or {"": p["bytes"]}
+                for p in at_peak.get("parts") or []
+                if p["part"] == T.OUTPUTS
+            ),
+            {},
+        )
         basis = "parts at the peak"
     else:
-        alive = held
+        alive, outputs = held, {}
         basis = "parts held at the step's end"
+    outputs_now = sum(float(b) for b in outputs.values())
     proj: dict[str, dict[str, float]] = {}
     for r in records:
         if r["source"] == "projected" and r["component"] in PROJECTED_COMPONENTS:
@@ -311,6 +330,8 @@ def projected_peaks(
                 delta += alive.get(c, 0.0) * (then / now - 1.0)
             else:
                 delta += then
+        if outputs_now:
+            delta += output_bytes(outputs, mode, current, outputs_from_matmul) - outputs_now
         modes[mode] = peak + delta
     return {
         "peak": peak,
@@ -329,6 +350,7 @@ def expected_saving(
     current: str,
     recommended: str,
     measured: Mapping[str, Any] | None = None,
+    outputs_from_matmul: bool = False,
 ) -> dict[str, Any] | None:
     """Memory of the recommended mode against this run and against fp32, from the memory projection.
 
@@ -341,12 +363,15 @@ def expected_saving(
     "recommended", "saved", "share", "fp32", "share_vs_fp32", "same_mode"} or None when the recommended mode
     has no projection; held figures add "assumed" (bytes of this run's total that were assumed, not measured),
     peaks "fp32_parts" (the projection's FP32 total, which the memory section shows beside FP32's peak),
-    "peak_phase" and "not_at_peak" (``projected_peaks``'s: the parts the step held and the peak did not).
+    "peak_phase", "not_at_peak" (``projected_peaks``'s: the parts the step held and the peak did not) and
+    "assumed" (bytes of optimizer states the projection assumes, in every mode's parts, and this run's peak
+    never held: no optimizer was given to the Profiler). ``outputs_from_matmul``: ``projected_peaks``'s.
     ``recommended`` may be "fp8": its projection is looked up under that name.
     """
     if not recommended:
         return None
-    peaks = projected_peaks(measured, records, current) if measured else None
+    peaks = projected_peaks(measured, records, current, outputs_from_matmul) if measured else None
+    tot = memory_totals(records)
     if peaks is not None and (recommended in peaks["modes"] or current == recommended):
         # a memory saving is a saving of the peak: what the run needs the device to hold
         rec_peak = peaks["modes"].get(recommended, peaks["peak"]) if current != recommended else peaks["peak"]
@@ -363,11 +388,12 @@ def expected_saving(
             "share_vs_fp32": (fp32_peak - rec_peak) / fp32_peak if fp32_peak else None,
             "same_mode": current == recommended,
             # the projection table's FP32 total: its parts alone, what the peak adds the rest to
-            "fp32_parts": memory_totals(records).get(("fp32", "projected")),
+            "fp32_parts": tot.get(("fp32", "projected")),
+            # Adam's states, assumed in every mode's parts (no optimizer given): never in this run's peak
+            "assumed": tot.get((current, "assumed"), 0.0),
             "peak_phase": peaks["phase"],
             "not_at_peak": [PEAK_PART_LABELS.get(c, c) for c in peaks["not_at_peak"]],
         }
-    tot = memory_totals(records)
 
     def pick(mode: str, sources: tuple[str, ...]) -> float | None:
         for src in sources:

@@ -1,0 +1,135 @@
+"""The memory projection against real runs in the target format: the peak projected from a bf16 run to FP32
+counts the logits at fp32 (it carried them at their 16-bit size and said FP32 saved memory), and the report
+says which optimizer states the projection assumed."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jinja2
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import precprof
+from precprof import tables as T
+from precprof.analysis import memory_projection as P
+from precprof.report import filters, render
+from precprof.report import memory_summary as M
+
+V, B, L = 2048, 4, 16  # a vocabulary large enough that the logits are the step's largest tensors
+
+
+def _lm() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(V, 16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, V))
+
+
+def _run(mode: str, optimizer: bool = True, upcast: bool = True) -> tuple[dict, dict]:
+    """Two steps under CPU bf16 autocast ("bf16") or in fp32, the loss under memory_scope: (the measured memory,
+    the projection block)."""
+    model = _lm()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    x = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, V, (B, L), generator=torch.Generator().manual_seed(2))
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "bf16" else contextlib.nullcontext()
+    kw = {"optimizer": opt} if optimizer else {}
+    with precprof.Profiler(model, sample_every=1, memory_peak=True, block_formats=False, **kw) as prof:
+        for _ in range(2):
+            with cast:
+                out = model(x)
+            with prof.memory_scope():
+                loss = F.cross_entropy((out.float() if upcast else out).view(-1, V), y.view(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            prof.step(loss=loss)
+    memory = prof.tables()["memory"]
+    summary = {T.SUMMARY_CAPTURE: prof.summary(), T.SUMMARY_CONFIG: {"precision": mode}}
+    block = P.project(memory, summary, prof.model_facts())
+    return M.measured_memory(memory), block
+
+
+def _peaks(measured: dict, block: dict) -> dict:
+    records = [dict(r, bytes=float(r["bytes"])) for r in block["records"]]
+    peaks = M.projected_peaks(measured, records, block["measured_mode"], block["outputs_from_matmul"])
+    assert peaks is not None
+    return peaks
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, tuple[dict, dict]]:
+    return {mode: _run(mode) for mode in ("bf16", "fp32")}
+
+
+def test_fp32_peak_projected_from_bf16_counts_the_logits_at_fp32(runs: dict) -> None:
+    (m16, b16), (m32, b32) = runs["bf16"], runs["fp32"]
+    real16, real32 = m16["at_peak"]["allocated"], m32["at_peak"]["allocated"]
+    assert real32 > real16  # FP32 costs memory here: its logits are twice the bf16 ones
+    outputs = next(p for p in m16["at_peak"]["parts"] if p["part"] == T.OUTPUTS)
+    assert outputs["dtypes"] == {"bfloat16": 2.0 * B * L * V}
+    projected = _peaks(m16, b16)["modes"]["fp32"]
+    assert projected == pytest.approx(real32, rel=0.01)  # was 10% low: the logits carried at 2 bytes
+    # the other direction: the fp32 run's logits come from a matmul, which autocast makes bf16
+    assert b32["outputs_from_matmul"]
+    assert _peaks(m32, b32)["modes"]["bf16"] == pytest.approx(real16, rel=0.01)
+    # and the verdict's saving has the right sign: FP32 needs more than this bf16 run
+    records = [dict(r, bytes=float(r["bytes"])) for r in b16["records"]]
+    saving = M.expected_saving(records, 0.0, "bf16", "fp32", m16, b16["outputs_from_matmul"])
+    assert saving is not None and saving["basis"] == "peak" and saving["saved"] < 0
+
+
+def test_loss_saved_in_16_bits_is_fp32_in_fp32() -> None:
+    """A loss computed on 16-bit logits saves a 16-bit log-softmax: fp32 holds it in fp32."""
+    import pandas as pd
+
+    rows = [
+        (0, T.PARAMETERS, "", "bfloat16", 100),
+        (0, T.GRADIENTS, "", "bfloat16", 100),
+        (0, T.ACTIVATIONS, T.LOSS_SCOPE, "bfloat16", 1000),
+        (0, T.ACTIVATIONS, T.LOSS_SCOPE, "int64", 64),
+    ]
+    memory = pd.DataFrame(rows, columns=[T.STEP, T.COMPONENT, T.MODULE, T.DTYPE, T.BYTES])
+    memory[T.PHASE], memory[T.MOMENT] = "", ""
+    block = P.project(memory, {T.SUMMARY_CONFIG: {"precision": "bf16-pure"}})
+    acts = {
+        r["mode"]: r["bytes"]
+        for r in block["records"]
+        if r["component"] == T.ACTIVATIONS and r["source"] == "projected"
+    }
+    assert acts["fp32"] == 2000 + 64 and acts["bf16-pure"] == 1000 + 64 and acts["bf16"] == 2000 + 64
+
+
+def test_output_bytes_per_mode() -> None:
+    sixteen, fp32 = {"bfloat16": 200.0}, {"float32": 400.0}
+    assert P.output_bytes(sixteen, "fp32", "bf16", True) == 400
+    assert P.output_bytes(sixteen, "bf16-pure", "bf16", True) == 200
+    assert P.output_bytes(fp32, "bf16", "fp32", True) == 200  # a matmul's output: bf16 under autocast
+    assert P.output_bytes(fp32, "bf16", "fp32", False) == 400  # no matmul found: kept, an upper bound
+    assert P.output_bytes(fp32, "bf16", "bf16", True) == 400  # fp32 under autocast already: the model's own
+    assert P.output_bytes({"int64": 8.0}, "fp32", "bf16", True) == 8
+
+
+def test_gap_between_parts_and_peak_names_the_assumed_states() -> None:
+    """No optimizer given: the projection's parts count Adam's states that the run's peak never held, and the
+    report says so where it explains why the parts add up to more than the peak."""
+    measured, block = _run("fp32", optimizer=False)
+    records = [dict(r, bytes=float(r["bytes"])) for r in block["records"]]
+    saving = M.expected_saving(records, 0.0, "fp32", "bf16", measured, block["outputs_from_matmul"])
+    n = sum(p.numel() for p in _lm().parameters())
+    assert saving is not None and saving["basis"] == "peak" and saving["assumed"] == 8 * n
+    # the memory section's words over its projected table, from the real template (other names left empty)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(render.templates_dir())), undefined=jinja2.ChainableUndefined
+    )
+    env.filters.update(filters.FILTERS)
+    row = {"mode": "fp32", "source": "projected", "cells": [1.0], "total": 1.0, "saving_vs_fp32": 0.0}
+    table = {"components": [T.PARAMETERS], "rows": [row]}
+    memory = {"projection": table, "textbook": {"rows": []}, "measured": {}, "has_projection": True}
+    page = " ".join(
+        env.get_template("_memory.html.j2").render(memory=memory, verdict={"saving": saving}).split()
+    )
+    assumed = filters.nbytes(8 * n)
+    assert f"counts {assumed} of optimizer states the projection assumes" in page
+    assert f"({assumed} of it assumed states) is a peak of" in page
