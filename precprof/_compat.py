@@ -120,6 +120,22 @@ def top_saved_tensors_hooks() -> Any:
 
 NO_QUERY = _NO_QUERY
 
+
+def checkpoint_segment() -> Any:
+    """The pack hook of the non-reentrant activation checkpoint whose first forward is running now (one object
+    per checkpointed call: it names the segment), None outside one or where this torch does not say. Its
+    ``_checkpoint_hook`` keeps only the segment's inputs; the backward pass runs the segment again to remake the
+    rest."""
+    top = top_saved_tensors_hooks()
+    if top is None or top is _NO_QUERY:
+        return None
+    pack = top[0]
+    name = getattr(pack, "__qualname__", "")
+    return pack if name.startswith("_checkpoint_hook.") and pack.__module__ == _CHECKPOINT_MODULE else None
+
+
+_CHECKPOINT_MODULE = "torch.utils.checkpoint"
+
 # ------------------------------------------------------------------------------------------- FSDP
 
 

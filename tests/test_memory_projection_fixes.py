@@ -7,12 +7,15 @@ from __future__ import annotations
 import contextlib
 
 import jinja2
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 import precprof
+from precprof import footprint
 from precprof import tables as T
 from precprof.analysis import memory_projection as P
 from precprof.report import filters, render
@@ -82,8 +85,6 @@ def test_fp32_peak_projected_from_bf16_counts_the_logits_at_fp32(runs: dict) -> 
 
 def test_loss_saved_in_16_bits_is_fp32_in_fp32() -> None:
     """A loss computed on 16-bit logits saves a 16-bit log-softmax: fp32 holds it in fp32."""
-    import pandas as pd
-
     rows = [
         (0, T.PARAMETERS, "", "bfloat16", 100),
         (0, T.GRADIENTS, "", "bfloat16", 100),
@@ -133,3 +134,56 @@ def test_gap_between_parts_and_peak_names_the_assumed_states() -> None:
     assumed = filters.nbytes(8 * n)
     assert f"counts {assumed} of optimizer states the projection assumes" in page
     assert f"({assumed} of it assumed states) is a peak of" in page
+
+
+class _Block(nn.Module):
+    def __init__(self, wide: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, wide), nn.Linear(wide, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(32), _Block(64)])  # the second segment is the larger
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+        return x
+
+
+def test_footprint_counts_the_largest_checkpointed_segment_recomputed() -> None:
+    """Under activation checkpointing the forward keeps a segment's inputs alone and the backward pass remakes
+    the segment's activations: the estimate counts the largest segment's (it counted none, 13-17% low)."""
+    torch.manual_seed(0)
+    model = _Checkpointed()
+
+    def forward_loss(n: int) -> torch.Tensor:
+        return model(torch.randn(n, 8, 16, requires_grad=True)).square().mean()
+
+    def block_alone(n: int) -> torch.Tensor:
+        return model.blocks[1](torch.randn(n, 8, 16, requires_grad=True)).square().mean()
+
+    fp = footprint.estimate(model, batch_size=4, optimizer="adamw", forward_loss=forward_loss)
+    alone = footprint.estimate(model, batch_size=4, optimizer="adamw", forward_loss=block_alone)
+    # the larger block saves its input, its up-projection and its GELU: what it saves run on its own (the
+    # square's input, its output, aside)
+    per_sample = 8 * (16 + 64 + 64) * 4
+    assert fp.recomputed == 4 * per_sample
+    assert alone.saved - fp.recomputed == 4 * 8 * 16 * 4  # the square saved its input
+    assert fp.total == fp.model_states + fp.saved + fp.recomputed + fp.temporaries
+    assert "a checkpointed segment recomputed" in footprint.line(fp)
+
+
+def test_weight_copies_bound_says_checkpointing_overstates_it() -> None:
+    memory = pd.DataFrame(
+        [(0, T.PARAMETERS, "", "float32", 400)], columns=[T.STEP, T.COMPONENT, T.MODULE, T.DTYPE, T.BYTES]
+    )
+    memory[T.PHASE], memory[T.MOMENT] = "", ""
+    summary = {T.SUMMARY_CONFIG: {"precision": "fp32"}, T.SUMMARY_CAPTURE: {"checkpointed_forwards": 12}}
+    said = " ".join(P.project(memory, summary, {"matmul_weight_numel": 100})["assumptions"])
+    assert "this run checkpoints activations (12 module forwards run again)" in said

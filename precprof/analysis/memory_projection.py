@@ -391,6 +391,9 @@ def project(
         return 0.0
 
     assumed_states = _assumed_states(summary, n_trainable)
+    checkpointed = (
+        int((capture or {}).get("checkpointed_forwards") or 0) if isinstance(capture, Mapping) else 0
+    )
     projected: dict[str, dict[str, float]] = {}
     for target in MODES:
         low = target in PURE_MODES
@@ -530,7 +533,18 @@ def project(
             else " they stay fp32 (no matmul was found to make them): an upper bound."
         ),
         "Autocast weight copies: 2 bytes per element of every matmul weight whose copy backward keeps "
-        + ("(as measured)." if measured_autocast and mode != "fp8" else "(all of them: an upper bound)."),
+        + (
+            "(as measured)."
+            if measured_autocast and mode != "fp8"
+            else "(all of them: an upper bound"
+            + (
+                f"; this run checkpoints activations ({checkpointed:,} module forwards run again), and a "
+                "checkpointed segment's copies are made again in its backward and freed with it, so the peaks of "
+                "the autocast modes count more copies than live at once)."
+                if checkpointed
+                else ")."
+            )
+        ),
         "fp8 means torchao Float8Linear under bf16 autocast: it saves the high-precision input and the fp32 "
         "weight for backward and casts to fp8 on the fly, so activations are those of bf16 autocast and no "
         "weight copy is kept.",
