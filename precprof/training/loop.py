@@ -30,7 +30,7 @@ from precprof.errors import UserError
 from precprof.models import BUILTIN_MODELS, BuiltModel, build_model, vocabulary_note
 from precprof.models.hf import cast_as_loaded
 from precprof.modes import FP16_MODES, resolve_loss_scale
-from precprof.training import compiling, contract, failure, torch_log
+from precprof.training import compiling, contract, failure, progress, torch_log
 from precprof.training import distributed as launch
 from precprof.training.config import (
     DYNAMIC_SCALER_OPTIONS,
@@ -217,65 +217,6 @@ def _final(
         "loss_floor_nats": floor,
         "loss_above_floor_nats": avg - floor if floor is not None and math.isfinite(avg) else None,
     }
-
-
-class _LogProgress:
-    """The progress bar's stand-in when stderr is not a terminal (a log file, a pipe, a batch job): one plain
-    line every ``every`` steps and at the last, with the step, the loss and the throughput, instead of a
-    carriage-return update per step."""
-
-    def __init__(self, total: int, desc: str, every: int, file: Any) -> None:
-        self.total, self.desc, self.every, self.file = total, desc, every, file
-        self.n, self.postfix, self.t0 = 0, "", time.perf_counter()
-
-    def set_postfix(self, postfix: dict[str, str], refresh: bool = False) -> None:
-        self.postfix = ", ".join(f"{k}={v}" for k, v in postfix.items())
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        if self.n % self.every == 0 or self.n == self.total:
-            pct = 100 * self.n // max(self.total, 1)
-            elapsed = time.perf_counter() - self.t0
-            line = f"{self.desc}: step {self.n}/{self.total} ({pct}%)"
-            line += f", {self.postfix}" if self.postfix else ""
-            print(f"{line}, {elapsed:.0f}s", file=self.file, flush=True)
-
-    def close(self) -> None:
-        pass
-
-
-class _NoProgress:
-    def set_postfix(self, postfix: dict[str, str], refresh: bool = False) -> None:
-        pass
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(config: TrainConfig, name: str) -> Any:
-    """A live tqdm bar on a terminal or in a notebook; elsewhere a plain line about every 10% of the steps (a multiple of
-    ``refresh_every``, so that each line has the loss and throughput of its own step)."""
-    if not config.progress:
-        return _NoProgress()
-    isatty = getattr(sys.stderr, "isatty", None)
-    # a Jupyter kernel's stderr is no TTY, but tqdm.auto draws a widget there
-    if not (callable(isatty) and isatty()) and "ipykernel" not in sys.modules:
-        tenth = -(-config.steps // 10)
-        every = config.refresh_every * max(1, -(-tenth // config.refresh_every))
-        return _LogProgress(config.steps, name, every, sys.stderr)
-    from tqdm.auto import tqdm
-
-    return tqdm(
-        total=config.steps,
-        desc=name,
-        unit="step",
-        file=sys.stderr,
-        dynamic_ncols=True,
-        leave=True,
-    )
 
 
 @dataclass
@@ -630,8 +571,8 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
         if s.plan.autocast_dtype is None
         else torch.autocast(device.type, dtype=s.plan.autocast_dtype)
     )
-    name = f"{s.built.name} {label}"
-    bar = _progress(config if s.writer else dataclasses.replace(config, progress=False), name)
+    name = f"{progress.short_name(s.built.name, s.built.kind)} {label}"
+    bar = progress.progress(config if s.writer else dataclasses.replace(config, progress=False), name)
     steps_done = 0
     phase = failure.START  # the part of the run in progress, for the error that stops it
     # what Dynamo and inductor log in a step is printed when it ends; the failed step's goes into traceback.txt
@@ -678,7 +619,7 @@ def _run(s: _Setup, callbacks: Sequence[Callback], claimed: rundir.RunDir | None
                     now = time.perf_counter()
                     postfix = {"loss": f"{run.loss.item():.4f}"}
                     if scaler.is_enabled():
-                        postfix["scale"] = f"{scaler.get_scale():g}"
+                        postfix["scale"] = progress.scale_text(scaler.get_scale())
                     if steps_done > steps_at_refresh:
                         rate = (steps_done - steps_at_refresh) * s.tokens_per_step / (now - t_refresh)
                         postfix["tok/s"] = f"{rate:,.0f}"
