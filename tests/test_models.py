@@ -411,8 +411,16 @@ def test_factory_errors(factory_file: Path) -> None:
         build_model(f"{factory_file}:not_a_module", vocab_size=256, seq_len=16)
     with pytest.raises(UserError, match="no callable"):
         build_model(f"{factory_file}:missing", vocab_size=256, seq_len=16)
-    with pytest.raises(UserError, match="unexpected keyword"):
+    # an argument the factory has no parameter of: its parameters, and the closest one (Python's "got an
+    # unexpected keyword argument 'widht'" named neither)
+    with pytest.raises(
+        UserError, match=r"has no parameter depth; its parameters: vocab_size, seq_len, width$"
+    ):
         build_model(f"{factory_file}:make", {"depth": "3"}, vocab_size=256, seq_len=16)
+    with pytest.raises(
+        UserError, match=r"no parameter widht \(did you mean width\?\); its parameters: vocab"
+    ):
+        build_model(f"{factory_file}:make", {"widht": "3"}, vocab_size=256, seq_len=16)
     with pytest.raises(UserError, match="no such file"):
         build_model(f"{factory_file.parent / 'nope.py'}:make", vocab_size=256, seq_len=16)
     with pytest.raises(UserError, match="cannot import"):

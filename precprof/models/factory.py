@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -74,7 +75,7 @@ def _load_factory(spec: str) -> Callable[..., Any]:
 def _build_factory(spec: str, args: Mapping[str, Any], vocab_size: int, seq_len: int) -> BuiltModel:
     factory = _load_factory(spec)
     kwargs = {k: coerce_value(v) for k, v in args.items()}
-    params: Mapping[str, inspect.Parameter] = {}
+    params: Mapping[str, inspect.Parameter] | None = None
     try:
         params = inspect.signature(factory).parameters
         var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -83,7 +84,8 @@ def _build_factory(spec: str, args: Mapping[str, Any], vocab_size: int, seq_len:
                 kwargs[k] = v
     except (TypeError, ValueError):  # builtins and some C callables have no signature
         pass
-    _check_required(spec, params, kwargs)
+    _check_unknown(spec, params, args)
+    _check_required(spec, params or {}, kwargs)
     try:
         module = factory(**kwargs)
     except Exception as e:  # the exception is the error's cause: its traceback (PRECPROF_TRACEBACK=1)
@@ -105,6 +107,25 @@ def _build_factory(spec: str, args: Mapping[str, Any], vocab_size: int, seq_len:
         max_seq_len=None,
         pass_targets=accepts_targets(module),
     )
+
+
+def _check_unknown(
+    spec: str, params: Mapping[str, inspect.Parameter] | None, args: Mapping[str, Any]
+) -> None:
+    """UserError for a --model-arg the factory takes no parameter of, naming the closest of its parameters and
+    all of them, as a built-in model's unknown setting is answered: Python's "build() got an unexpected keyword
+    argument 'widht'" named neither. Nothing is checked for a factory with ``**kwargs`` or no signature (None)."""
+    if params is None or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    known = [name for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for k in args:
+        if k not in known:
+            close = difflib.get_close_matches(k, known, n=1, cutoff=0.7)  # not depth for width
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise UserError(
+                f"--model-arg {k}: model factory {spec!r} has no parameter {k}{hint}; "
+                + (f"its parameters: {', '.join(known)}" if known else "it takes none")
+            )
 
 
 def _check_required(spec: str, params: Mapping[str, inspect.Parameter], kwargs: Mapping[str, Any]) -> None:
