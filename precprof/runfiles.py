@@ -213,6 +213,19 @@ def shared_params(summary: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(shared) if isinstance(shared, Mapping) else {}
 
 
+def frozen_params(summary: Mapping[str, Any] | None) -> dict[str, list[str]]:
+    """Per captured module, its parameters that do not train (the capture's ``modules[].frozen``), for the
+    modules with some; {} for a run recorded before the capture wrote them."""
+    capture = (summary or {}).get(SUMMARY_CAPTURE)
+    modules = capture.get("modules") if isinstance(capture, Mapping) else None
+    out: dict[str, list[str]] = {}
+    for m in modules if isinstance(modules, list) else []:
+        frozen = m.get("frozen") if isinstance(m, Mapping) else None
+        if isinstance(frozen, list) and frozen and isinstance(m.get("name"), str):
+            out[m["name"]] = [str(p) for p in frozen]
+    return out
+
+
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
     """summary.json of a run directory ({} when there is none).
 

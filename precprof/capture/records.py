@@ -372,12 +372,17 @@ def autocast_state(device_type: str) -> dict[str, Any]:
 
 def module_entry(slot: _ModuleSlot) -> dict[str, Any]:
     """A captured module as summary.json's ``capture.modules`` lists it: its name, type and parameters' shapes,
-    and the shapes of its calls where they were recorded (``call_shapes``, under its ``calls_key``)."""
+    those of its parameters that do not train (``frozen``: requires_grad False when the summary is written; only
+    where some are), and the shapes of its calls where they were recorded (``call_shapes``, under its
+    ``calls_key``)."""
     entry: dict[str, Any] = {
         "name": slot.name,
         "type": slot.module_type,
         "params": {pname: list(p.shape) for pname, p, _ in slot.weights},
     }
+    frozen = [pname for pname, p, _ in slot.weights if not p.requires_grad]
+    if frozen:
+        entry["frozen"] = frozen
     if slot.call_shapes:
         entry[slot.call_shapes_key] = [list(c) for c in slot.call_shapes]
     return entry

@@ -856,7 +856,7 @@ def build_context(
     status = str(summary.get(T.SUMMARY_STATUS) or T.STATUS_COMPLETE)
     norm_type = (summary.get(T.SUMMARY_CAPTURE) or {}).get("grad_norm_type")
     training_fig = plots.training_figure(steps, norm_type if isinstance(norm_type, str) else None)
-    layer_rows = S.layer_records(layers, T.shared_params(summary))
+    layer_rows = S.layer_records(layers, T.shared_params(summary), T.frozen_params(summary))
     update_format = timeline.update_format(layers, "bf16") or "bf16"
     hw = summary.get(T.SUMMARY_HARDWARE) or {}
     target = str((rec or {}).get("target") or "")

@@ -9,7 +9,7 @@ effect on each step (the ``scale`` column), exactly as recorded.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -348,7 +348,11 @@ def _lost_update_shares(df: pd.DataFrame, col: str, weights: pd.Series) -> dict[
     return _by_key(by_upd["_lost"] / by_upd["_intended"])
 
 
-def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+def layer_records(
+    layers: pd.DataFrame,
+    shared: Mapping[str, Any] | None = None,
+    frozen: Mapping[str, Sequence[str]] | None = None,
+) -> list[dict[str, Any]]:
     """One record per module, forward order: type, dtypes, extreme magnitudes, fp16/bf16 losses, first nan/inf.
 
     Keys: module, module_type, param_dtype, act_dtype, act_grad_dtype, weight_grad_dtype, act_absmax,
@@ -366,7 +370,11 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
     update_nonfinite ([sampled steps left out of the ratio for a nan or inf update, sampled steps with
     updates], ``update_ratio.nonfinite_steps``; None when none was left out),
     nonfinite_first (step and kind of the first nan/inf, "" when none), layer_input (the row is a module's input
-    that no captured module produced, ``T.input_module``: no layer of its own).
+    that no captured module produced, ``T.input_module``: no layer of its own), tied_to (the modules its
+    parameters shared with another are recorded under, ``shared``: a head tied to its embedding has "emb"; ""
+    when none), frozen (its parameters that do not train, ``frozen``: the capture's ``T.frozen_params``).
+    A tied head's weight and a frozen layer's gradient have no rows of their own: without these two keys its
+    row read as a layer without parameters.
     """
     if layers.empty:
         return []
@@ -430,6 +438,8 @@ def layer_records(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None)
             "update_nonfinite": left_out.get(str(m)),
             "nonfinite_first": first.get(m, ""),
             "layer_input": str(m).endswith(T.INPUT_SUFFIX),
+            "tied_to": ", ".join(dict.fromkeys(str(o) for o in ((shared or {}).get(str(m)) or {}).values())),
+            "frozen": list((frozen or {}).get(str(m)) or []),
         }
         for m in order
     ]

@@ -1,0 +1,78 @@
+"""The per-layer table's rows of a head tied to its embedding and of a frozen layer: they say so, where "—" alone
+(no param dtype, no weight gradient, no update) read as a layer without parameters."""
+
+from __future__ import annotations
+
+import html
+import re
+
+import torch
+from torch import nn
+
+import precprof
+from precprof import tables as T
+from precprof.report import render
+from precprof.report import summarize as S
+
+
+class _TiedFrozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.mix = nn.Linear(8, 8)
+        self.mix.bias.requires_grad_(False)  # part frozen: its weight trains
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        return self.head(self.mix(h + self.frozen(h)))
+
+
+def _cells(page: str) -> dict[str, list[str]]:
+    """The per-layer table's cells as text, by module."""
+    body = page.split('id="layer-table"', 1)[1].split("</table>", 1)[0]
+    out = {}
+    for row in re.findall(r"<tr[^>]*>(.*?)</tr>", body, re.S)[1:]:
+        cells = [
+            " ".join(html.unescape(re.sub("<[^>]+>", " ", c)).split())
+            for c in re.findall(r"<td.*?</td>", row)
+        ]
+        out[cells[1]] = cells
+    return out
+
+
+def test_a_tied_head_and_a_frozen_layer_say_so_in_their_rows() -> None:
+    torch.manual_seed(0)
+    model = _TiedFrozen()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        model(torch.randint(0, 16, (2, 4))).square().mean().backward()
+        opt.step()
+        prof.step()
+    summary = {T.SUMMARY_CAPTURE: prof.summary()}
+    assert T.frozen_params(summary) == {"frozen": ["weight", "bias"], "mix": ["bias"]}
+    assert T.frozen_params({}) == {}  # a run recorded before the capture said so: nothing said
+    rows = S.layer_records(prof.tables()["layers"], T.shared_params(summary), T.frozen_params(summary))
+    layers_cols = {"lost_updates": True, "update_format": "bf16", "update_held": "", "nonfinite": False}
+    page = (
+        render.environment()
+        .get_template("_layers.html.j2")
+        .render(
+            section={"id": "layers", "number": 5, "heading": "Per layer"},
+            layers=rows,
+            layer_inputs=1,
+            layers_cols=layers_cols,
+            update_ratios=[],
+            update_nonfinite=[],
+        )
+    )
+    cells = _cells(page)
+    # param dtype, weight grad dtype, updates lost
+    head, frozen, mix = cells["head"], cells["frozen"], cells["mix"]
+    assert (head[3], head[6], head[-1]) == ("tied to emb", "tied to emb", "tied to emb"), head
+    assert (frozen[3], frozen[6], frozen[-1]) == ("float32", "frozen", "frozen"), frozen
+    assert mix[6] == "float32 bias frozen" and mix[-1].endswith("%"), mix
+    assert "Of its 4 rows, 1 is not a layer but" in " ".join(page.split())
