@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from precprof import formats
 from precprof import tables as T
@@ -185,6 +185,30 @@ def timeline(layers: pd.DataFrame, max_columns: int = MAX_COLUMNS, fmt: str = FO
     )
 
 
+def step_ticks(tl: Timeline, most: int = 6) -> tuple[np.ndarray, list[str]]:
+    """Where the time axis's ticks go (in columns, a column ``c`` spanning ``c`` to ``c + 1``) and their labels.
+    Up to ``most`` columns: each column, labelled with its step (a window's first and last). More: round step
+    numbers (0, 100, 200, ...), each placed where its step lies between the columns' steps (a column at its
+    steps' middle): labelling evenly spaced columns with their steps gave "0 100 200 295 395 495", the steps
+    that sampling happened to give those columns."""
+    n = len(tl.starts)
+    if n <= most:
+        labels = [f"{a}" if a == b else f"{a}–{b}" for a, b in zip(tl.starts, tl.ends, strict=True)]
+        return np.arange(n) + 0.5, labels
+    first, last = int(tl.starts[0]), int(tl.ends[-1])
+    located = MaxNLocator(nbins=most, integer=True, steps=[1, 2, 2.5, 5, 10]).tick_values(first, last)
+    values = [int(v) for v in located if first <= v <= last]
+    mids = (tl.starts.astype(float) + tl.ends.astype(float)) / 2
+    xs: list[float] = []
+    kept: list[int] = []
+    for v in values:
+        x = float(np.interp(v, mids, np.arange(n) + 0.5))
+        if not xs or x - xs[-1] >= n / (2 * most):  # steps the columns crowd together: one label of them
+            xs.append(x)
+            kept.append(v)
+    return np.array(xs), [f"{v}" for v in kept]
+
+
 def timeline_figure(tl: Timeline, restarts: list[int] | None = None) -> Figure:
     """Tensor kinds (rows) by columns of sampled steps, coloured by the share lost in FP16 (log scale); exact
     columns of a long run marked above, restarts of a resumed run drawn as dashed lines."""
@@ -207,14 +231,11 @@ def timeline_figure(tl: Timeline, restarts: list[int] | None = None) -> Figure:
     )
     ax.set_yticks(np.arange(len(tl.kinds)) + 0.5)
     ax.set_yticklabels([tl.label(k) for k in tl.kinds], fontsize=8.5)
-    ticks = np.unique(np.linspace(0, n - 1, min(n, 6)).round().astype(int))
-    ax.set_xticks(ticks + 0.5)
-    ax.set_xticklabels(
-        [f"{tl.starts[t]}" if tl.starts[t] == tl.ends[t] else f"{tl.starts[t]}–{tl.ends[t]}" for t in ticks],
-        fontsize=8,
-    )
+    xs, labels = step_ticks(tl)
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels, fontsize=8)
     ax.set_xlabel(
-        "sampled step" + (" (windows of consecutive sampled steps)" if tl.aggregated else ""), fontsize=8.5
+        "step" + (" (columns: windows of consecutive sampled steps)" if tl.aggregated else ""), fontsize=8.5
     )
     for c, what in tl.exact.items():
         ax.annotate(

@@ -101,12 +101,14 @@ def pow2_text(v: float) -> str:
 
 
 def _pct(x: float, _pos: Any = None) -> str:
+    """A share as a percentage, in decimals at any size (a colour bar's "0.00001%" below its "0.0001%", where
+    ``:g`` wrote "1e-05%")."""
     if x <= 0:
         return "0%"
     p = 100 * x
     if p >= 1:
         return f"{p:.0f}%"
-    return f"{p:g}%"
+    return np.format_float_positional(p, precision=6, unique=True, fractional=False, trim="-") + "%"
 
 
 ROW_LABEL_MAX = (

@@ -1,0 +1,58 @@
+"""The "Over the run" strip's axes: ticks at round step numbers, and one notation on its colour bar."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from precprof import tables as T
+from precprof.report import timeline
+
+
+def _timeline(starts: list[int], ends: list[int] | None = None) -> timeline.Timeline:
+    n = len(starts)
+    share = np.geomspace(1e-7, 0.5, 2 * n).reshape(2, n)  # every decade of the colour bar's range
+    return timeline.Timeline(
+        kinds=[T.ACTIVATION, T.WEIGHT_GRAD],
+        starts=np.array(starts),
+        ends=np.array(ends if ends is not None else starts),
+        share=share,
+        exact={},
+        n_steps=n,
+        window=1 if ends is None else 2,
+    )
+
+
+def test_the_ticks_are_round_steps_where_those_steps_are() -> None:
+    # the first 5 steps sampled, then every 5th: evenly spaced columns read "0 100 200 295 395 495" (h80)
+    steps = [0, 1, 2, 3, 4, *range(5, 500, 5)]
+    tl = _timeline(steps)
+    xs, labels = timeline.step_ticks(tl)
+    assert labels == ["0", "100", "200", "300", "400"], labels
+    assert list(xs) == sorted(xs)
+    for x, label in zip(xs, labels, strict=True):
+        col = steps.index(int(label))  # each tick lies on the column of its own step
+        assert col <= x <= col + 1, (label, x, col)
+    fig = timeline.timeline_figure(tl)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == labels
+    # a long run's windows: round steps as well, each inside the window that holds it
+    starts = list(range(0, 3000, 30))
+    tl = _timeline(starts, [s + 25 for s in starts])
+    xs, labels = timeline.step_ticks(tl)
+    assert labels == ["0", "500", "1000", "1500", "2000", "2500"], labels
+    for x, label in zip(xs, labels, strict=True):
+        col = int(label) // 30
+        assert col <= x <= col + 1, (label, x, col)
+    # a few columns: each labelled with its own step, as before
+    assert timeline.step_ticks(_timeline([0, 37, 74]))[1] == ["0", "37", "74"]
+
+
+def test_the_colour_bar_writes_every_share_in_decimals() -> None:
+    fig = timeline.timeline_figure(_timeline(list(range(8))))
+    fig.canvas.draw()
+    bar = fig.axes[1]
+    lo, hi = bar.get_ylim()
+    ticks = [
+        t.get_text() for t, v in zip(bar.get_yticklabels(), bar.get_yticks(), strict=True) if lo <= v <= hi
+    ]
+    # "1e-05%" below "0.0001%" before
+    assert ticks[:3] == ["0.00001%", "0.0001%", "0.001%"] and not any("e" in t for t in ticks), ticks
