@@ -538,7 +538,7 @@ ROW_SHAPES = (
 
 def _row_shapes(run: Run) -> list[dict[str, Any]]:
     """The Triton row kernel's throughput at 64M elements by ``ROW_SHAPES``, fp32 and bf16, beside ``x.sum()``
-    (a dry run: 4,096 elements and the first two shapes in Triton's interpreter, where the engine is
+    (a dry run: 1,024 elements and the first two shapes in Triton's interpreter, where the engine is
     available: a launch there takes a second)."""
     from precprof.stats import triton_engine as te
     from precprof.stats import triton_launch
@@ -547,7 +547,7 @@ def _row_shapes(run: Run) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if (run.device.type != "cuda" and not run.dry) or te.unavailable(run.device) is not None:
         return out
-    n = 1 << 26 if run.device.type == "cuda" else 1 << 12  # a dry run: the plumbing, in the interpreter
+    n = 1 << 26 if run.device.type == "cuda" else 1 << 10  # a dry run: the plumbing, in the interpreter
     dtypes = [torch.float32, torch.bfloat16]
     # the aligned contiguous variant of each dtype (what a 64M tensor launches), every shape's compiled side by
     # side, then loaded and checked against Triton's own launch
@@ -1275,7 +1275,8 @@ def _cost_workload(
     run: Run, kind: str
 ) -> tuple[dict[str, Any], Callable[[], torch.nn.Module], Callable[[torch.nn.Module], torch.Tensor]]:
     """(what it is, a fresh copy of the model on the device, its loss): the transformer of the other stages
-    (gpt2-small bf16 8x1024 on CUDA, gpt-nano 2x32 on the CPU) or the host stage's 100 tiny blocks."""
+    (gpt2-small bf16 8x1024 on CUDA, gpt-nano 2x32 on the CPU) or the host stage's 100 tiny blocks (a dry run:
+    20, as the host stage's dry run)."""
     import copy
 
     import torch.nn.functional as F
@@ -1296,7 +1297,7 @@ def _cost_workload(
 
         info: dict[str, Any] = {"model": name, "batch": batch, "seq": seq, "precision": "bf16 autocast"}
     else:
-        n_blocks, width, batch = 100, 8, 4
+        n_blocks, width, batch = (100 if run.cuda else 20), 8, 4  # a dry run: the host stage's dry size
         layers: list[torch.nn.Module] = []
         for _ in range(n_blocks):
             layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
@@ -1696,7 +1697,8 @@ def stage_memory_cost(run: Run) -> dict[str, Any]:
     labels, replay, counters, NVML, the tracker's begin/end), and the unprofiled one times the history's calls
     alone and cheaper ways to read it (``history_calls``: CUDA only). ``api``: what this torch's history
     functions take and what precprof passes them."""
-    counts = (3, 6, 3) if run.cuda else (2, 3, 2)  # warm-up, timed and instrumented steps
+    # warm-up, timed and instrumented steps (a dry run: the plumbing; memory_unmeasured measures its first two)
+    counts = (3, 6, 3) if run.cuda else (2, 2, 1)
     out: dict[str, Any] = {"api": _history_api(), "device": run.device.type, "diffs": MEMORY_COST_DIFFS}
     threads = torch.get_num_threads()
     if not run.cuda:
