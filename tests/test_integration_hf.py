@@ -332,7 +332,7 @@ def test_trainer_counts_are_real_casts_and_training_is_unchanged(tmp_path: Path)
     runs: dict[str, tuple[CastCounts, Trainer]] = {}
     for name, callbacks in (
         ("plain", []),
-        ("profiled", [PrecprofCallback(out=tmp_path / "run", sample_every=2)]),
+        ("profiled", [PrecprofCallback(out=tmp_path / "run", sample_every=2, report=False)]),
     ):
         targs = training_args(tmp_path / name, max_steps=STEPS, bf16=True)
         model, at = tiny_gpt2(), StepOf()
@@ -383,7 +383,7 @@ def test_a_compiled_trainer_keeps_its_graphs_and_every_conv1d_is_recorded(tmp_pa
     compiled_in = GraphsMoved()
     for name, callbacks in (
         ("plain", []),
-        ("profiled", [compiled_in, PrecprofCallback(out=tmp_path / "run", sample_every=2)]),
+        ("profiled", [compiled_in, PrecprofCallback(out=tmp_path / "run", sample_every=2, report=False)]),
     ):
         torch._dynamo.reset()
         counters.clear()
@@ -909,7 +909,9 @@ def test_copies_of_the_model_during_training_leave_precprofs_hooks_behind(tmp_pa
     """The callback's forward hook stays on the model for the whole training, precprof's own between two
     sampled steps: a copy made at any step holds none of them (it held a no-op in place of each), and trains."""
     copies = _Copies()
-    trainer = make_trainer(tmp_path, [PrecprofCallback(out=tmp_path / "run", sample_every=1), copies])
+    trainer = make_trainer(
+        tmp_path, [PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False), copies]
+    )
     trainer.train()
     assert len(copies.copies) == 2 * STEPS
     batch = TokenData()[0]
