@@ -206,7 +206,11 @@ def test_counts_are_real_casts_and_training_is_unchanged(tmp_path: Path) -> None
     for name in ("plain", "profiled"):
         module = TinyLM()
         check = CastCounts(module, (nn.Linear,), lambda m=module: m.global_step, 2)
-        callbacks = [PrecprofCallback(out=tmp_path / "run", sample_every=2)] if name == "profiled" else []
+        callbacks = (
+            [PrecprofCallback(out=tmp_path / "run", sample_every=2, report=False)]
+            if name == "profiled"
+            else []
+        )
         trainer = L.Trainer(
             accelerator="cpu",
             logger=False,
@@ -246,7 +250,7 @@ def test_a_module_the_user_compiled_is_recorded_and_trains_the_same(tmp_path: Pa
         torch._dynamo.reset()
         counters.clear()
         module = TinyLM()
-        cb = PrecprofCallback(out=tmp_path / "run", sample_every=2)
+        cb = PrecprofCallback(out=tmp_path / "run", sample_every=2, report=False)
         trainer = quiet_trainer(tmp_path / name, cb, max_steps=4, precision="bf16-mixed")
         if name == "plain":
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, PrecprofCallback)]
@@ -829,7 +833,7 @@ def test_copies_of_the_module_during_training_leave_precprofs_hooks_behind(tmp_p
     """The callback's hook on the token embedding stays for the whole fit, precprof's own between two sampled
     steps: a copy made at any batch holds none of them (it held a no-op in place of each), and trains."""
     copies = _Copies()
-    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1)
+    cb = PrecprofCallback(out=tmp_path / "run", sample_every=1, report=False)
     module = TinyLM()
     quiet_trainer(tmp_path, cb, copies, max_steps=4, precision="32-true").fit(module, loader())
     assert len(copies.copies) == 4
