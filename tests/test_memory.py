@@ -217,7 +217,7 @@ def test_a_bf16_model_with_fp32_master_weights_is_a_pure_run_in_memory_too(tmp_p
             grads = _storage_bytes([p.grad for p in [*params, *masters]])
             _master_step(model, opt, params, masters)
             prof.step(loss=out.float().mean())
-    prof.report(tmp_path / "run")
+    prof.save(tmp_path / "run")
     summary = T.read_summary(tmp_path / "run")
     assert summary[T.SUMMARY_CAPTURE]["precision_seen"] == "bf16-pure"
     block = summary[T.SUMMARY_MEMORY]
@@ -260,7 +260,7 @@ def test_a_sparse_gradient_is_projected_as_the_rows_it_holds(tmp_path: Path) -> 
             opt.step()
             opt.zero_grad(set_to_none=True)
             prof.step()
-    prof.report(tmp_path / "run")
+    prof.save(tmp_path / "run")
     block = T.read_summary(tmp_path / "run")[T.SUMMARY_MEMORY]
     values, indices, dense = parts[block["step"]]
     assert values == 8 * 5 * dim  # one row per id looked up (uncoalesced)
@@ -1917,7 +1917,7 @@ def test_a_pure_run_projects_the_fp32_tensors_its_code_keeps_at_4_bytes(tmp_path
             opt.step()
             opt.zero_grad(set_to_none=True)
             prof.step(loss=loss.item())
-    prof.report(tmp_path / "run")
+    prof.save(tmp_path / "run")
     summary = T.read_summary(tmp_path / "run")
     r = records(summary[T.SUMMARY_MEMORY])
     assert summary[T.SUMMARY_MEMORY]["measured_mode"] == "bf16-pure"
