@@ -15,16 +15,32 @@ import contextlib
 import os
 
 LOWEST = 19  # the niceness of a process that should run only when nothing else wants the CPU
+# the environment variable that sets the helpers' niceness instead (0-19): where every core is busy at the
+# training's priority (other jobs beside it, a test suite's workers), a helper at 19 gets next to no CPU and a step
+# that waits on it waits for the others
+NICENESS_ENV = "PRECPROF_HELPER_NICENESS"
 
 
-def lower_own_priority(niceness: int = LOWEST) -> int | None:
-    """Raise this process's niceness to ``niceness`` (never lowers it); a session leader also sets its autogroup's
+def helper_niceness() -> int:
+    """The niceness precprof's helper processes take: ``PRECPROF_HELPER_NICENESS`` where it is a number from 0 to
+    19, else ``LOWEST``."""
+    try:
+        value = int(os.environ.get(NICENESS_ENV, ""))
+    except ValueError:
+        return LOWEST
+    return value if 0 <= value <= LOWEST else LOWEST
+
+
+def lower_own_priority(niceness: int | None = None) -> int | None:
+    """Raise this process's niceness to ``niceness`` (None: ``helper_niceness()``; never lowers it); a session
+    leader also sets its autogroup's
     (``/proc/self/autogroup``, where there is one), which a process inside the training's session must never do:
     it would lower the training with it. Returns the niceness reached, None where there is none (Windows). Never
     raises: a sandbox that forbids it leaves the priority as it was."""
     nice = getattr(os, "nice", None)
     if nice is None:
         return None
+    niceness = helper_niceness() if niceness is None else niceness
     with contextlib.suppress(OSError):
         now = nice(0)
         if niceness > now:

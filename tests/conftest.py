@@ -28,6 +28,12 @@ if not torch.cuda.is_available():
 # (test_block_engines.py, test_block_advice.py's real run) turn it on with the ``block_formats_on`` fixture.
 os.environ.setdefault("PRECPROF_BLOCK_FORMATS", "0")
 
+# precprof's helper processes (the stream's writer, the Triton compile beside the training) lower their priority to
+# take only the CPU the training leaves; under pytest-xdist every core is a busy worker, so a helper at niceness 19
+# got next to none, and a test waiting on its writer waited for the other worker's test (42 s of wall time for 17 of
+# CPU). The tests of the lowering itself unset it.
+os.environ.setdefault("PRECPROF_HELPER_NICENESS", "0")
+
 
 @pytest.fixture(autouse=True)
 def _no_started_process_outlives_its_test() -> Iterator[None]:

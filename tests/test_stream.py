@@ -1384,6 +1384,9 @@ def test_the_writer_process_runs_at_the_lowest_priority_and_the_training_at_its_
     from precprof import _priority
 
     monkeypatch.setattr(writer_process, "_current", None)  # a process of this test's own
+    monkeypatch.delenv(
+        _priority.NICENESS_ENV
+    )  # (the suite's own setting: the helpers at the tests' priority)
     before = _niceness_and_group("self")
     prof = precprof.Profiler(nn.Linear(8, 4), out=tmp_path / "run").attach()
     try:
@@ -1404,6 +1407,18 @@ def test_the_writer_process_runs_at_the_lowest_priority_and_the_training_at_its_
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, check=True)
     assert res.stdout.split() == [str(max(7, before[0]))] * 3  # raised once, never lowered
     assert _niceness_and_group("self") == before
+
+
+def test_the_helpers_niceness_is_the_environments_where_it_says_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PRECPROF_HELPER_NICENESS sets the helpers' niceness (a machine whose every core is busy at the training's
+    priority starves a helper at 19); anything but a number from 0 to 19 leaves the lowest."""
+    from precprof import _priority
+
+    for value, niceness in (("0", 0), ("7", 7), ("19", 19), ("20", 19), ("-1", 19), ("low", 19)):
+        monkeypatch.setenv(_priority.NICENESS_ENV, value)
+        assert _priority.helper_niceness() == niceness
+    monkeypatch.delenv(_priority.NICENESS_ENV)
+    assert _priority.helper_niceness() == _priority.LOWEST
 
 
 _SAVE_MEMORY = """
