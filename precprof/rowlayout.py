@@ -302,7 +302,9 @@ def decode_rows(rows: np.ndarray, scales: np.ndarray, first_bin: int = 0) -> dic
         underflow[name] = below + rows[:, COL_POW2_AT + i]
         overflow[name] = rows[:, COL_OVERFLOW + i] - inf
     max_bits = rows[:, COL_ABSMAX_BITS]
-    raw_absmax = np.where(max_bits > 0, max_bits.view(np.float64), 0.0)
+    # NaN where a row holds no finite value (``decode``'s rule: every value nan or inf, or none at all)
+    finite = rows[:, COL_NUMEL] - rows[:, COL_NAN] - inf > 0
+    raw_absmax = np.where(finite, np.where(max_bits > 0, max_bits.view(np.float64), 0.0), math.nan)
     min_field = rows[:, COL_ABSMIN_BITS]
     min_bits = np.where(min_field != _NO_MIN_BITS, min_field + 1, 0)
     raw_absmin = np.where((min_bits > 0) & (min_bits < _INF_BITS), min_bits.view(np.float64), math.nan)

@@ -427,6 +427,20 @@ def test_fp16_observed_inf_names_first_module(request: pytest.FixtureRequest) ->
     check_golden(request, rec)
 
 
+def test_an_fp16_output_of_inf_alone_is_said_to_have_no_finite_value() -> None:
+    """fc2's fp16 output held inf and nothing else: no largest finite value (its absmax NaN, as the tables have
+    it for a tensor without a finite value). The finding said "though its largest finite value is n/a"."""
+    b = RunBuilder()
+    ok = torch.randn(8, 8)
+    b.add(0, 0, "fc1", "Linear", T.ACTIVATION, ok, dtype="float16")
+    b.add(0, 1, "fc2", "Linear", T.ACTIVATION, torch.full((8, 8), math.inf), dtype="float16")
+    t = b.tables()
+    assert math.isnan(t["layers"].set_index(T.MODULE).loc["fc2", T.ABSMAX])
+    f = must(recommend(t, hardware="v100", summary=summary_for("fp16")), "fp16_activation_overflow")
+    assert f.modules == ["fc2"] and "n/a" not in f.message
+    assert "fc2: 64 inf in fp16 and no finite value: its input held a value beyond 65504" in f.message
+
+
 def test_fp16_blocked_when_most_layers_overflow(request: pytest.FixtureRequest) -> None:
     run = mlp_run(act_scale={"fc1": 1e5, "fc2": 1e5, "fc3": 1e5})
     rec = recommend(run.tables(), hardware="v100", summary=summary_for())

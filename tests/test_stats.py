@@ -99,7 +99,7 @@ def reference(x: torch.Tensor) -> dict:
         "zeros": int((xd == 0).sum()),
         "nan": int(torch.isnan(xd).sum()),
         "inf": int(torch.isinf(xd).sum()),
-        "absmax": float(absx[finite].max()) if bool(finite.any()) else 0.0,
+        "absmax": float(absx[finite].max()) if bool(finite.any()) else None,  # NaN: no finite value
         "absmin": float(absx[nonzero].min()) if bool(nonzero.any()) else None,
     }
     for name in WHATIF:
@@ -111,7 +111,7 @@ def reference(x: torch.Tensor) -> dict:
     amax = out["absmax"]
     for name in formats.FP8_FORMATS:
         fmt = formats.get(name)
-        if amax == 0:
+        if not amax:
             out[f"cs_{name}"] = 0
             continue
         # torchao's scale: fmax / max(amax, 1e-12) (its EPS), rounded down to a power of two
@@ -132,7 +132,7 @@ def observed(rs: RowStats) -> dict:
         "zeros": rs.zeros,
         "nan": rs.nan,
         "inf": rs.inf,
-        "absmax": rs.absmax,
+        "absmax": None if math.isnan(rs.absmax) else rs.absmax,
         "absmin": None if math.isnan(rs.absmin) else rs.absmin,
     }
     for name in WHATIF:
@@ -315,7 +315,7 @@ def test_exact_zero_nan_inf_only() -> None:
     assert (rs.zeros, rs.nan, rs.inf, rs.numel) == (2, 2, 2, 6)
     assert all(v == 0 for v in rs.underflow.values()) and all(v == 0 for v in rs.overflow.values())
     assert int(rs.hist.sum()) == 0
-    assert rs.absmax == 0.0 and math.isnan(rs.absmin)
+    assert rs.absmax == 0.0 and math.isnan(rs.absmin)  # the zeros are finite: the largest is 0
 
 
 # ------------------------------------------------------------------------------------------- random
@@ -358,7 +358,7 @@ def test_shapes_and_strides(dtype: torch.dtype) -> None:
 
 def test_empty_and_0dim() -> None:
     rs = tensor_stats(torch.empty(0))
-    assert rs.numel == 0 and rs.absmax == 0.0 and math.isnan(rs.absmin) and int(rs.hist.sum()) == 0
+    assert rs.numel == 0 and math.isnan(rs.absmax) and math.isnan(rs.absmin) and int(rs.hist.sum()) == 0
     assert rs.underflow_cs == {"fp8_e4m3": 0, "fp8_e5m2": 0}
     rs = tensor_stats(torch.tensor(-3.0))
     assert rs.numel == 1 and rs.absmax == rs.absmin == 3.0
@@ -416,9 +416,64 @@ def test_absmax_absmin_with_specials() -> None:
 )
 def test_absmax_absmin_no_finite_nonzero(x: torch.Tensor) -> None:
     rs = tensor_stats(x)
-    assert rs.absmax == 0.0 and math.isnan(rs.absmin)
+    # the largest finite |x| is 0 where zeros are among the values; where none is finite there is none: NaN
+    assert (rs.absmax == 0.0) if bool(torch.isfinite(x).any()) else math.isnan(rs.absmax)
+    assert math.isnan(rs.absmin)
     assert rs.underflow_cs == {"fp8_e4m3": 0, "fp8_e5m2": 0}
     assert observed(rs) == reference(x)
+
+
+def _buffer_of(name: str, rows: int) -> StatsBuffer:
+    """A buffer whose rows the engine ``name`` fills: "c", "torch-host", "torch-device" (the CUDA code path on
+    the CPU) or "triton" (its interpreter), skipped where it cannot run here."""
+    if name == "c":
+        _kernel_or_skip()
+        return StatsBuffer(rows, "cpu", engine="c")
+    if name == "triton":
+        pytest.importorskip("triton")
+        if not stats.triton_engine.interpreting():
+            pytest.skip("needs TRITON_INTERPRET=1 (conftest sets it without CUDA)")
+        return StatsBuffer(rows, "cpu", engine="triton")
+    return StatsBuffer(rows, "cpu", engine="torch", host_rows=name == "torch-host")
+
+
+@pytest.mark.parametrize("name", ["c", "torch-host", "torch-device", "triton"])
+def test_absmax_is_nan_without_a_finite_value_over_every_call(name: str) -> None:
+    """README: absmax is the largest finite |x|. A tensor of nan and inf alone has none, and its absmax read
+    0.0 beside absmin NaN, as a tensor of zeros would (every gradient of a step a GradScaler skipped). It is NaN
+    on every engine, in ``decode`` and ``decode_rows`` alike and at any loss scale; merged over calls (gradient
+    accumulation, the merge of ranks' rows) a call without a finite value neither hides another call's largest
+    nor makes one up, and zeros are a finite largest value of 0."""
+    nan, inf = math.nan, math.inf
+    calls = [
+        [[nan] * 5],  # all nan
+        [[inf, -inf, inf], [nan, -inf]],  # all inf, then nan and inf: no finite value in either call
+        [[nan, nan], [3.0, -5.0, nan]],  # a call without a finite value, then one with
+        [[-5.0, inf], [nan, -inf]],  # the other way round
+        [[0.0, -0.0], [inf, nan]],  # zeros are finite: the largest is 0
+    ]
+    want = [nan, nan, 5.0, 5.0, 0.0]
+    buf = _buffer_of(name, len(calls))
+    for slot, parts in enumerate(calls):
+        for values in parts:
+            buf.accumulate(torch.tensor(values, dtype=torch.float16), slot)
+    rows = buf.to_host()
+    for scale in (1.0, 2.0**16):
+        many = stats.decode_rows(rows, np.full(len(rows), scale))["absmax"]
+        for slot, expected in enumerate(want):
+            got = decode(rows[slot], scale).absmax
+            if math.isnan(expected):
+                assert math.isnan(got) and math.isnan(many[slot]), (slot, got, many[slot])
+            else:
+                assert got == many[slot] == expected / scale, (slot, got, many[slot])
+            assert math.isnan(decode(rows[slot], scale).absmin) == (slot not in (2, 3))
+    # the merge of two rows (the reducer's, a flush's of the devices' rows): that of the calls on one row
+    alone = StatsBuffer(2, "cpu")
+    alone.accumulate(torch.tensor([nan, inf]), 0)
+    alone.accumulate(torch.tensor([2.5, nan]), 1)
+    a, b = alone.to_host()
+    assert decode(stats.merge_rows(a, b)).absmax == decode(stats.merge_rows(b, a)).absmax == 2.5
+    assert math.isnan(decode(stats.merge_rows(a, a)).absmax)
 
 
 # ------------------------------------------------------------------------------------------- scale
@@ -585,7 +640,7 @@ def test_reset() -> None:
     buf.reset()
     assert np.array_equal(buf.to_host(), fresh)
     rs = decode(fresh[0])
-    assert rs.numel == 0 and rs.absmax == 0.0 and math.isnan(rs.absmin)
+    assert rs.numel == 0 and math.isnan(rs.absmax) and math.isnan(rs.absmin)
     assert int(rs.hist.sum()) == 0 and rs.underflow_cs == {"fp8_e4m3": 0, "fp8_e5m2": 0}
     # the buffer is reusable after a reset
     x = random_values(100, 50).float()

@@ -264,7 +264,8 @@ def test_nan_and_inf_updates_are_counted_not_read_as_zero(
     """A weight whose gradient holds nan and inf at some elements: SGD makes those updates nan and -inf. The
     rows had nan and inf 0 beside an update RMS of the finite updates alone, so a layer whose every update was
     nan read as one whose update was 0. Now nan and inf count them, as the test's own copies of the samples
-    around the step do, and the sizes stay those of the finite updates."""
+    around the step do, and the sizes stay those of the finite updates. A bias whose every update is nan has no
+    largest finite update: its absmax read 0.0, "did not move"; it is NaN, as its absmin."""
     monkeypatch.setenv(ENGINE_ENV, engine)
     m = _model(torch.float32)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -277,21 +278,27 @@ def test_nan_and_inf_updates_are_counted_not_read_as_zero(
         assert grad is not None
         grad.view(-1)[:50] = math.nan  # every 7th sampled: elements 0, 7, ..., 49
         grad.view(-1)[100:110] = math.inf  # element 105
+        names["0.bias"].grad.fill_(math.nan)  # type: ignore[union-attr]
         before = {n: _sample(p) for n, p in names.items()}
         opt.step()
         for n, p in names.items():
             d = _sample(p) - before[n]
             finite = d[d.isfinite()]
-            own[n] = (int(d.isnan().sum()), int(d.isinf().sum()), float(finite.square().sum() / len(d)))
+            top = float(finite.abs().max()) if len(finite) else math.nan
+            own[n] = (int(d.isnan().sum()), int(d.isinf().sum()), float(finite.square().sum() / len(d)), top)
         prof.step()
         layers = prof.tables()["layers"]
     rows = layers[layers[T.TENSOR] == T.WEIGHT_UPDATE].astype({T.MODULE: str, T.PARAM: str})
     got = rows.set_index([T.MODULE, T.PARAM])
-    assert own["0.weight"][:2] == (8, 1)
-    for n, (nan, inf, sq) in own.items():
+    assert own["0.weight"][:2] == (8, 1) and own["0.bias"][:2] == (30, 0) and math.isnan(own["0.bias"][3])
+    for n, (nan, inf, sq, top) in own.items():
         row = got.loc[tuple(n.rsplit(".", 1))]
         assert (int(row[T.NAN]), int(row[T.INF])) == (nan, inf), n
         assert float(row[T.UPDATE_RMS]) == pytest.approx(math.sqrt(sq), rel=1e-6), n
+        if math.isnan(top):
+            assert math.isnan(float(row[T.ABSMAX])) and math.isnan(float(row[T.ABSMIN])), n
+        else:
+            assert float(row[T.ABSMAX]) == pytest.approx(top, rel=1e-6), n
     # the what-if formats' underflow and overflow are not measured on an update: NaN, where they held 0 (the
     # updates' "nothing underflows" beside real casts that flush them), and the advisor's tables keep them so
     assert rows[list(T.WHATIF_COUNT_COLUMNS)].isna().all().all()

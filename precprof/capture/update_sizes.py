@@ -111,14 +111,17 @@ def from_ranks(sums: np.ndarray, extremes: np.ndarray) -> np.ndarray:
 
 def columns(sizes: np.ndarray, numel: np.ndarray) -> dict[str, Any]:
     """The ``weight_update`` rows' size columns from their ``sizes`` and sampled elements ``numel``: the RMS of
-    the update and of the weight over the sample, the largest finite |update| (0 when none moved), the smallest
-    nonzero one (NaN when none), and how many updates were nan and how many inf."""
-    n = np.maximum(np.asarray(numel, dtype=np.float64), 1.0)
+    the update and of the weight over the sample, the largest finite |update| (0 when none moved; NaN when not
+    one was finite: a weight gone nan moved by nan, not by 0), the smallest nonzero one (NaN when none), and how
+    many updates were nan and how many inf."""
+    numel = np.asarray(numel, dtype=np.float64)
+    n = np.maximum(numel, 1.0)
     low = sizes[:, UPDATE_MIN]
+    finite = numel - sizes[:, NAN_UPDATES] - sizes[:, INF_UPDATES] > 0.5
     return {
         T.UPDATE_RMS: np.sqrt(sizes[:, SQ_UPDATE] / n),
         T.WEIGHT_RMS: np.sqrt(sizes[:, SQ_WEIGHT] / n),
-        T.ABSMAX: sizes[:, UPDATE_MAX].copy(),
+        T.ABSMAX: np.where(finite, sizes[:, UPDATE_MAX], math.nan),
         T.ABSMIN: np.where(np.isfinite(low), low, math.nan),
         T.NAN: np.rint(sizes[:, NAN_UPDATES]).astype(np.int64),
         T.INF: np.rint(sizes[:, INF_UPDATES]).astype(np.int64),

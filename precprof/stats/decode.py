@@ -41,7 +41,7 @@ class RowStats:
     zeros: int
     nan: int
     inf: int
-    absmax: float  # unscaled; 0.0 when no finite value
+    absmax: float  # unscaled; nan when no finite value (all nan/inf, or empty)
     absmin: float  # unscaled; nan when no nonzero finite value
     hist: np.ndarray  # counts per unscaled exponent, index i <-> exponent exponents[i]
     exponents: np.ndarray
@@ -69,7 +69,11 @@ def decode(row: np.ndarray, scale: float = 1.0) -> RowStats:
         overflow[name] = int(row[COL_OVERFLOW + i]) - inf
     absmax_bits = int(row[COL_ABSMAX_BITS])
     absmin_bits = int(row[COL_ABSMIN_BITS]) + 1 if int(row[COL_ABSMIN_BITS]) != _NO_MIN_BITS else 0
-    raw_absmax = f64_value(absmax_bits) if absmax_bits > 0 else 0.0
+    # the largest finite |x|: none in a row without a finite value (every value nan or inf, over every call
+    # merged into it), NaN as absmin's, not 0.0, which reads as a tensor of zeros; decided from the counts, so
+    # a call with finite values merged beside one without keeps its largest
+    finite = int(row[COL_NUMEL]) - nan - inf > 0
+    raw_absmax = (f64_value(absmax_bits) if absmax_bits > 0 else 0.0) if finite else math.nan
     raw_absmin = f64_value(absmin_bits) if 0 < absmin_bits < _INF_BITS else math.nan
     # fp8 current scaling (each accumulated tensor scaled by its own 2^floor(log2(fmax / max(amax, 1e-12))))
     underflow_cs = {name: int(row[COL_UNDERFLOW_CS + i]) for i, name in enumerate(formats.FP8_FORMATS)}

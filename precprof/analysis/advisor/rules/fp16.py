@@ -274,7 +274,11 @@ def _add_overflow_finding(
 
     def said(m: str) -> str:
         inf = f"{int(per_mod.loc[m, 'inf']):,} inf in fp16"
-        finite = f"though its largest finite value is {_g(per_mod.loc[m, 'absmax'])}"
+        top = float(per_mod.loc[m, "absmax"])
+        # (NaN: not one finite value on any sampled step, where "its largest finite value is n/a" was said)
+        finite = (
+            f"though its largest finite value is {_g(top)}" if math.isfinite(top) else "and no finite value"
+        )
         if m in inside:
             return (
                 f"{_name(m)}: {inf} {finite}: an intermediate inside it went out of range (an exp that "
