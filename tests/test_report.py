@@ -824,9 +824,58 @@ def test_heatmap_matrix_and_whatif_shares_agree_with_the_tables(
         cols += [T.overflow_col("fp8_e4m3"), T.underflow_col("fp8_e5m2")] if kind == T.WEIGHT else []
         for col in cols:
             assert got[col] == pytest.approx(sub[col].sum() / sub[T.NUMEL].sum())
-    assert got[T.SCALE] == 1.0
+    assert got[S.SCALE_MIN] == got[S.SCALE_MAX] == 1.0
+    # the gradients' rows: the range of the scales their shares were counted at (2^16 down to 2^14 and back up
+    # to 2^15 over the sampled steps), not the last step's 2^14 alone
     grads = w[w[T.TENSOR] == T.ACTIVATION_GRAD]
-    assert (grads[T.SCALE] == 2.0**14).all()
+    assert (grads[S.SCALE_MIN] == 2.0**14).all() and (grads[S.SCALE_MAX] == 2.0**16).all()
+
+
+def test_the_whatif_tables_scale_is_the_range_its_shares_were_counted_at(
+    synthetic: tuple[dict[str, pd.DataFrame], dict], synthetic_page: str
+) -> None:
+    """An fp16 run (autocast, two micro-batches a step summed in the fp32 .grad) whose GradScaler starts at 2^19
+    and backs off to 2^16 before a step goes through. The per-layer table gave each row one scale, the last
+    sampled step's (2^16), beside FP16 overflow shares summed over every step at every scale: fc's weight
+    gradients read "2^16" beside an overflow share none of which happened at 2^16, and a reader would lower a scale
+    that already worked. Each row has the range of the scales its values were counted at now, one scale where it
+    did not change (the forward kinds: 1); the page shows "2^a … 2^b"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**19)
+    x = torch.randn(32, 8) * 4
+    with precprof.Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, memory=False) as prof:
+        for _ in range(4):
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = model(x).float().square().mean()
+                scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    layers, steps = prof.tables()["layers"], prof.tables()["steps"]
+    assert list(steps[T.LOSS_SCALE]) == [2.0**k for k in range(19, 15, -1)]
+    w = S.whatif_by_layer(layers).set_index([T.MODULE, T.TENSOR])
+    for (module, kind), row in w.iterrows():
+        rows = layers[(layers[T.MODULE] == module) & (layers[T.TENSOR] == kind)]
+        lo, hi = (2.0**16, 2.0**19) if kind in T.GRADIENT_KINDS else (1.0, 1.0)
+        assert (row[S.SCALE_MIN], row[S.SCALE_MAX]) == (rows[T.SCALE].min(), rows[T.SCALE].max()) == (lo, hi)
+    # fc's weight-gradient overflow: all of it at 2^17 to 2^19, none at 2^16, the scale the table showed
+    fc = layers[(layers[T.MODULE] == "0") & (layers[T.TENSOR] == T.WEIGHT_GRAD)]
+    over = T.overflow_col("fp16")
+    assert fc[over].sum() > 0 and fc.loc[fc[T.SCALE] == 2.0**16, over].sum() == 0
+    assert w.loc[("0", T.WEIGHT_GRAD), over] == pytest.approx(fc[over].sum() / fc[T.NUMEL].sum())
+    assert filters.pow2_range(2.0**16, 2.0**21) == "2^16 … 2^21" and filters.pow2_range(1.0, 1.0) == "1 (2^0)"
+    assert filters.pow2_range(1e3, 4e3) == "1,000 … 4,000"
+    # the page (the synthetic fp16 run: its scale went 2^16, 2^14, 2^15 and back to 2^14 over the sampled steps)
+    html = section(synthetic_page, "whatif")
+    table = html[html.index('id="whatif-table"') :]
+    rows = S.whatif_by_layer(synthetic[0]["layers"])
+    grads = int(rows[T.TENSOR].isin(T.GRADIENT_KINDS).sum())
+    assert grads and table.count('<td data-v="65536">2^14 … 2^16</td>') == grads
+    assert ">16,384 (2^14)</td>" not in table and "the lowest … the highest" in html
 
 
 def test_the_whatif_tables_show_the_values_already_nan_or_inf(tmp_path: Path) -> None:

@@ -493,7 +493,9 @@ def _whatif(layers: pd.DataFrame, summary: Mapping[str, Any], rec: dict[str, Any
                 "module_type": r[T.MODULE_TYPE],
                 "kind": S.KIND_LABELS.get(str(r[T.TENSOR]), str(r[T.TENSOR])),
                 "numel": r[T.NUMEL],
-                "scale": r[T.SCALE],
+                # the loss scales its values were counted at, lowest to highest (its shares are summed over them)
+                "scale_lo": r[S.SCALE_MIN],
+                "scale_hi": r[S.SCALE_MAX],
                 "shares": [r[h["col"]] for h in headers],
                 "nonfinite": r[S.NONFINITE],
             }

@@ -117,6 +117,22 @@ def pow2(v: Any) -> str:
     return num(f)
 
 
+def pow2_range(lo: Any, hi: Any) -> str:
+    """The loss scales a row was counted at, from ``lo`` to ``hi``: one as ``pow2`` writes it where they are the
+    same; else both, "2^19 … 2^28" where they are powers of two (the numbers where they are not: "1,000 …
+    4,000"), and "—" without either."""
+    a, b = _float(lo), _float(hi)
+    if a is None or b is None or a == b:
+        return pow2(lo if a is not None else hi)
+
+    def short(f: float) -> str:
+        if f > 0 and math.isfinite(f) and abs((k := math.log2(f)) - round(k)) < 1e-9:
+            return f"2^{round(k)}"
+        return num(f)
+
+    return f"{short(a)} … {short(b)}"
+
+
 def log2mag(v: Any) -> str:
     """A magnitude with its binade and its place in it, ``x = 2^e · m`` with 1 <= m < 2, m cut (not rounded) to
     three decimals: ``65,504 (2^15 · 1.999)``, fp16's largest finite value, reads apart from ``65,536 (2^16)``,
@@ -204,6 +220,7 @@ FILTERS: dict[str, Callable[..., str]] = {
     "signed_pct": signed_pct,
     "nbytes": nbytes,
     "pow2": pow2,
+    "pow2_range": pow2_range,
     "log2mag": log2mag,
     "sci": sci,
     "sortkey": sortkey,

@@ -201,6 +201,8 @@ def without_magnitude(layers: pd.DataFrame, kind: str) -> dict[str, int] | None:
 
 # the what-if tables' share of values already nan or inf (``_shares``)
 NONFINITE = "nonfinite"
+# the per-layer what-if table's lowest and highest loss scale its row's values were counted at (``whatif_by_layer``)
+SCALE_MIN, SCALE_MAX = "scale_min", "scale_max"
 
 
 def whatif_columns() -> list[tuple[str, str, str]]:
@@ -266,7 +268,10 @@ def computed_weights_as_weights(sub: pd.DataFrame) -> pd.DataFrame:
 def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = None) -> pd.DataFrame:
     """Per (module, tensor kind): numel and the share of values lost in each what-if format.
 
-    Columns: module, module_type, tensor, numel, scale (last), then one share column per entry of
+    Columns: module, module_type, tensor, numel, ``SCALE_MIN`` and ``SCALE_MAX`` (the lowest and the highest loss
+    scale the row's values were counted at, over its sampled steps: the shares are summed over all of them, so a
+    row shows their range, not one step's scale: "scale 2^19" beside an fp16 overflow that happened at 2^21 to
+    2^23 alone had a reader lower a scale that already worked), then one share column per entry of
     ``whatif_columns()`` (same names as the count columns; values are shares in [0, 1], NaN without data, and
     NaN in FP8's columns at the loss scale where it was not 1: ``_shares``), then ``NONFINITE`` (the share of
     values already nan or inf).
@@ -277,20 +282,23 @@ def whatif_by_layer(layers: pd.DataFrame, shared: Mapping[str, Any] | None = Non
         [T.STEP, T.MODULE, T.MODULE_TYPE, T.TENSOR, T.SCALE, T.NUMEL, T.NAN, T.INF, *count_cols],
     ]
     sub = computed_weights_as_weights(sub)
+    cols = [T.MODULE, T.MODULE_TYPE, T.TENSOR, T.NUMEL, SCALE_MIN, SCALE_MAX, *count_cols, NONFINITE]
     if sub.empty:
-        return pd.DataFrame(
-            columns=[T.MODULE, T.MODULE_TYPE, T.TENSOR, T.NUMEL, T.SCALE, *count_cols, NONFINITE]
-        )
+        return pd.DataFrame(columns=cols)
     out = _shares(sub, [T.MODULE, T.TENSOR], count_cols).reset_index()
     types = sub.drop_duplicates(T.MODULE).set_index(T.MODULE)[T.MODULE_TYPE]
     out[T.MODULE_TYPE] = T.texts(out[T.MODULE].map(types))
-    scales = {k: scale_in_effect(sub, k)["last"] for k in HIST_KINDS}
-    out[T.SCALE] = out[T.TENSOR].map(scales)
+    # a row without a scale was counted at 1, as ``_shares`` counts it (the forward kinds)
+    scale = pd.to_numeric(sub[T.SCALE], errors="coerce").fillna(1.0)
+    rng = scale.groupby([sub[T.MODULE].to_numpy(), sub[T.TENSOR].to_numpy()], sort=False).agg(["min", "max"])
+    at = pd.MultiIndex.from_frame(out[[T.MODULE, T.TENSOR]])
+    out[SCALE_MIN] = rng["min"].reindex(at).to_numpy()
+    out[SCALE_MAX] = rng["max"].reindex(at).to_numpy()
     rank = {m: i for i, m in enumerate(forward_order(layers, shared))}
     kind_rank = {k: i for i, k in enumerate(HIST_KINDS)}
     out = out.assign(_r=out[T.MODULE].map(rank), _k=out[T.TENSOR].map(kind_rank))
     out = out.sort_values(["_r", "_k"]).drop(columns=["_r", "_k"]).reset_index(drop=True)
-    return out[[T.MODULE, T.MODULE_TYPE, T.TENSOR, T.NUMEL, T.SCALE, *count_cols, NONFINITE]]
+    return out[cols]
 
 
 def whatif_overview(layers: pd.DataFrame) -> pd.DataFrame:
