@@ -766,6 +766,94 @@ def test_scaler_skipped_steps_and_thrashing(request: pytest.FixtureRequest) -> N
     check_golden(request, rec)
 
 
+def test_a_run_whose_every_step_the_scaler_skipped_is_said_never_to_have_trained() -> None:
+    """A small MLP under fp16 autocast with GradScaler(init_scale=2^40): its gradients overflow fp16 on each of
+    the 4 steps, the scaler halves the scale each time, and no optimizer step goes through: the weights are the
+    initial ones at the end. The run got two warnings and a verdict as a normal run's. The scaler's finding is
+    critical and says the model never trained and why, by the run's numbers (the scale started too high: still
+    above the most a start can be on the last step); the reasons open with it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    x = torch.randn(32, 8)
+    with Profiler(model, optimizer=opt, scaler=scaler, sample_every=1, memory=False) as prof:
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            prof.step(loss=loss.detach())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    steps = prof.tables()["steps"]
+    assert T.flags(steps[T.SKIPPED]).all() and list(steps[T.LOSS_SCALE]) == [
+        2.0**40,
+        2.0**39,
+        2.0**38,
+        2.0**37,
+    ]
+    rec = recommend(prof.tables(), summary={T.SUMMARY_CAPTURE: prof.summary()})
+    f = must(rec, "scaler_skipped_steps")
+    assert (
+        f.severity == "critical"
+        and f.title == "No optimizer step was taken: the loss scaler skipped all 4 steps"
+    )
+    limit = f.numbers["start_scale_limit"] or f.numbers["recommended_scale"]
+    assert limit is not None and limit < 2.0**37 and f.numbers["lowest_scale"] == 2.0**37
+    assert (
+        "Not one optimizer step of the 4 went through: the weights never changed, the model did not train"
+        in (f.message)
+    )
+    k = int(math.log2(limit))
+    assert (
+        "The loss scale started too high: the scaler halved it on each skip, from 2^40 (1099511627776) down to "
+        f"2^37 (137438953472), still above 2^{k} ({2**k})" in f.message
+    )
+    assert rec.reasons[0].startswith(
+        "This run never trained: the loss scaler skipped all 4 of its optimizer steps"
+    )
+    assert "Save scaler.state_dict()" not in f.remedy  # not resumed
+
+
+def _scaler_steps(scales: list[float], skipped: list[bool], resumed: int | None) -> Recommendation:
+    """The fp16 run of ``test_scaler_skipped_steps_and_thrashing`` (one Linear, gradients ~16) at ``scales``,
+    resumed from a checkpoint at step ``resumed``."""
+    g = torch.Generator().manual_seed(3)
+    b = RunBuilder()
+    for s, (sc, sk) in enumerate(zip(scales, skipped, strict=True)):
+        b.add(s, 0, "fc", "Linear", T.ACTIVATION, torch.randn(16, 16, generator=g), dtype="float16")
+        b.add(s, 0, "fc", "Linear", T.ACTIVATION_GRAD, torch.randn(16, 16, generator=g) * 4, scale=sc)
+        b.step(s, loss=1.0, scale=sc, skipped=sk)
+        b.steps[-1][T.RESUMED] = s == resumed
+    return recommend(b.tables(), hardware="v100", summary=summary_for("fp16"))
+
+
+def test_a_resume_that_put_the_loss_scale_back_to_its_start_is_said_with_the_remedy() -> None:
+    """nanoGPT's checkpoint holds no GradScaler state: a run resumed at step 4 started its scaler over at 2^16,
+    after it had backed off to 2^13, and skipped the steps at 2^16 to 2^14 again. The finding said "scale
+    started at 65536" and nothing of the restart. It says where the scale went back and from what, how many
+    steps were skipped again at scales already backed off from, and to save the scaler's state; a resumed run
+    whose scale went on from where it was, and the same steps not resumed, have no such words."""
+    scales = [2.0**16, 2.0**15, 2.0**14, 2.0**13, 2.0**16, 2.0**15, 2.0**14, 2.0**13, 2.0**12, 2.0**12]
+    skipped = [True, True, True, False, True, True, True, True, False, False]
+    f = must(_scaler_steps(scales, skipped, resumed=4), "scaler_skipped_steps")
+    assert f.severity == "warning" and f.numbers["scale_resets"] == 1
+    assert (
+        "At the resume at step 4 the loss scale went back to its initial 2^16 (65536), from 2^13 (8192) on the "
+        "step before: the checkpoint held no GradScaler state, so the scaler started over, and 3 steps were "
+        "skipped again at scales it had already backed off from." in f.message
+    )
+    assert "Save scaler.state_dict() in the checkpoint" in f.remedy
+    went_on = [2.0**16, 2.0**15, 2.0**14, 2.0**13, 2.0**13, 2.0**13, 2.0**13, 2.0**13, 2.0**12, 2.0**12]
+    for sc, resumed in ((scales, None), (went_on, 4)):
+        f = must(_scaler_steps(sc, skipped, resumed), "scaler_skipped_steps")
+        assert "went back" not in f.message and "state_dict" not in f.remedy
+        assert "scale_resets" not in f.numbers
+
+
 def test_lost_updates_bf16_pure(request: pytest.FixtureRequest) -> None:
     g = torch.Generator().manual_seed(4)
     b = mlp_run(steps=1)

@@ -151,6 +151,8 @@ LABELS: dict[Any, tuple[str, str] | None] = {
         "count",
     ),
     ("scaler_skipped_steps", "steps"): ("steps in the run", "count"),
+    "lowest_scale": ("lowest loss scale the run reached", "scale"),
+    "scale_resets": ("resumes that put the loss scale back to its initial value", "count"),
     "skipped_after_divergence": ("steps skipped from the divergence on (loss non-finite)", "count"),
     "steps_before_divergence": ("steps before the divergence", "count"),
     "growths": ("times the scale grew", "count"),

@@ -341,6 +341,14 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             )
             + "; fix the divergence (see the critical findings) and profile again before trusting it.",
         )
+    if plan.never_stepped:
+        # the verdict read as a normal run's beside a model that never trained
+        reasons.insert(
+            0,
+            f"This run never trained: the loss scaler skipped all {plan.never_stepped:,} of its optimizer steps, "
+            "so its weights never changed and what it measured is the initial weights' gradients; fix the loss "
+            "scale (see the critical finding) and profile again before trusting the recommendation.",
+        )
     _demote_what_ifs(run, plan, fmt, measured or fmt)
     _fp8_story(run, plan, fmt, measured, fp8_why_not)
     if plan.forward_broken and measured != fmt:

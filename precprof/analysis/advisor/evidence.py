@@ -584,6 +584,9 @@ class _Plan:
     diverged: tuple[int, int] | None = None
     diverged_sampled_before: int = 0  # sampled steps before it, which the format rules then read
     skipped_after_divergence: int = 0  # steps the scaler skipped from the divergence on (the loss non-finite)
+    # the optimizer steps a loss scaler skipped in a run none of whose steps went through (0: some did): its
+    # model never trained (rules/scaler.py)
+    never_stepped: int = 0
     # whether any gradient was recorded (a sampled step with a backward pass): without one, nothing was measured
     # against a format, and no reason may say it was
     gradients_measured: bool = True

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 
 from precprof import tables as T
 from precprof.analysis.advisor.evidence import _Plan, _Run, _static_scale, _steps_without_update
-from precprof.analysis.advisor.model import INFO, WARNING, Finding
+from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
 from precprof.analysis.advisor.text import _g, _pow2, _scale
+
+
+def _said(x: float) -> str:
+    """A loss scale in words: "2^16 (65536)" for a power of two, the number otherwise."""
+    e = math.log2(x) if x > 0 and math.isfinite(x) else math.nan
+    return _pow2(int(e)) if e == e and e == int(e) else _g(x)
 
 
 def _rule_scaler_unneeded(run: _Run, plan: _Plan) -> None:
@@ -25,15 +32,10 @@ def _rule_scaler_unneeded(run: _Run, plan: _Plan) -> None:
     if scale.empty or (scale == 1.0).all():
         return
     first, last = float(scale.iloc[0]), float(scale.iloc[-1])
-
-    def said(x: float) -> str:
-        e = math.log2(x)
-        return _pow2(int(e)) if e == int(e) else _g(x)
-
     how = (
-        f": the scale started at {said(first)} and grew to {said(last)} over {len(scale):,} steps"
+        f": the scale started at {_said(first)} and grew to {_said(last)} over {len(scale):,} steps"
         if last > first
-        else f" by {said(first)}" + (f" at first, {said(last)} at the end" if last != first else "")
+        else f" by {_said(first)}" + (f" at first, {_said(last)} at the end" if last != first else "")
     )
     plan.add(
         Finding(
@@ -85,6 +87,87 @@ def _growths(st: pd.DataFrame) -> tuple[int, int]:
     grown_runs = set(run[grown])
     costly = {r for r in run[skipped] if r in grown_runs}
     return len(grown_runs), len(costly)
+
+
+def _scale_resets(st: pd.DataFrame) -> list[tuple[int, float, float]]:
+    """(step, scale of the step before, scale at it) for each step a resumed run restarted at (``T.RESUMED``)
+    whose loss scale went back to the run's first one, only where the steps table shows it plainly: up from
+    the step before by more than the scaler moves it (a skip lowers it, a growth at most doubles it). A
+    checkpoint without the GradScaler's state restarts the scaler at its init_scale, and the steps it had
+    backed off through overflow again."""
+    if len(st) < 2 or not T.flags(st[T.RESUMED]).any():
+        return []
+    scale = pd.to_numeric(st[T.LOSS_SCALE], errors="coerce").to_numpy(dtype=float)
+    skipped = T.flags(st[T.SKIPPED]).to_numpy()
+    out = []
+    for i in np.flatnonzero(T.flags(st[T.RESUMED]).to_numpy()):
+        before, after = scale[i - 1] if i else math.nan, scale[i]
+        most = before if i and skipped[i - 1] else 2 * before
+        if i and math.isfinite(after) and after == scale[0] and after > most:
+            out.append((int(st[T.STEP].iloc[i]), float(before), float(after)))
+    return out
+
+
+def _resets_said(resets: list[tuple[int, float, float]], st: pd.DataFrame) -> str:
+    """The sentence saying where a resumed run's loss scale went back to its initial one (``_scale_resets``)."""
+    first = resets[0]
+    at = (
+        f"the resume at step {first[0]}"
+        if len(resets) == 1
+        else f"the resumes at steps {', '.join(str(r[0]) for r in resets)}"
+    )
+    # the skips from there at a scale above the one it had backed off to: backing off again from where it started
+    later = st[(st[T.STEP] >= first[0]) & T.flags(st[T.SKIPPED])]
+    again = int((pd.to_numeric(later[T.LOSS_SCALE], errors="coerce") > first[1]).sum())
+    return (
+        f" At {at} the loss scale went back to its initial {_said(first[2])}, from {_said(first[1])} on the "
+        "step before: the checkpoint held no GradScaler state, so the scaler started over"
+        + (
+            f", and {again} step{'s were' if again != 1 else ' was'} skipped again at scales it had already "
+            "backed off from"
+            if again
+            else ""
+        )
+        + "."
+    )
+
+
+def _never_stepped(st: pd.DataFrame, n: int, model: int, rec: float, bound: bool, gmax: float | None) -> str:
+    """The words for a run none of whose ``n`` optimizer steps went through: that it did not train, and why by
+    its numbers: the model's own nan/inf (``model`` of the skips: no scale fixes them), or a scale still above
+    the recommended one ``rec`` (the most a start can be, with ``bound``) on the last step it reached."""
+    scale = pd.to_numeric(st[T.LOSS_SCALE], errors="coerce")
+    start, lowest = float(scale.iloc[0]), float(scale.min())
+    head = (
+        f" Not one optimizer step of the {n:,} went through: the weights never changed, the model did not "
+        "train, and every gradient measured is of its initial weights."
+    )
+    if model == n:
+        return (
+            head + " Every skip came with nan/inf from the model itself: the gradients are nan at any scale."
+        )
+    largest = (
+        f" for the largest gradient the run saw ({'at least ' if bound else ''}{_g(gmax)})" if gmax else ""
+    )
+    limit = (
+        f"{_said(rec)}, {'the most a start can be' if bound else 'the recommended initial scale'}{largest}"
+    )
+    if lowest > rec:
+        how = (
+            f"a static scale of {_said(start)} never backs off"
+            if _static_scale(st)
+            else f"the scaler halved it on each skip, from {_said(start)} down to {_said(lowest)}"
+        )
+        cause = f" The loss scale started too high: {how}, still above {limit}."
+    else:
+        cause = (
+            f" The gradients overflowed at every scale the run tried, down to {_said(lowest)}, at or below "
+            f"{limit}: profile a few steps at --loss-scale static:1 to see whether they are finite at "
+            "any scale."
+        )
+    if model:
+        cause += f" {model} of the skips came with nan/inf from the model itself, which no scale avoids."
+    return head + cause
 
 
 def _rule_scaler(run: _Run, plan: _Plan) -> None:
@@ -193,12 +276,17 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
             )
         else:
             lead = f"{who} skipped {n:,} of {len(st):,} optimizer steps (scale started at {start:g}"
+        resets = _scale_resets(st)
+        # not one optimizer step went through: the model never trained (a warning among others read as normal)
+        never = n == len(st)
         msg = (
             lead
             + (f", first successful step at scale {settled:g}" if settled is not None else "")
             + "). "
             + ". ".join(parts)
             + "."
+            + (_never_stepped(st, n, model, rec, plan.grad_absmax_bound, plan.grad_absmax) if never else "")
+            + (_resets_said(resets, st) if resets else "")
         )
         remedy = (
             f"Use a dynamic GradScaler (it backs off until steps go through) at init_scale={_scale(k)} at the "
@@ -215,13 +303,21 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
             if probes and not model
             else "Remove the source of the nan/inf (see the non-finite finding); the loss scale is not the cause."
         )
+        if resets:
+            remedy += (
+                " Save scaler.state_dict() in the checkpoint beside the model's and the optimizer's, and "
+                "scaler.load_state_dict() it when resuming: the scale then goes on from where it was."
+            )
         title = f"{n} optimizer steps skipped by the loss scaler"
+        if never:
+            title = f"No optimizer step was taken: the loss scaler skipped all {n} steps"
+            plan.never_stepped = n
         if plan.diverged is not None:
             title += f" before the run diverged at step {plan.diverged[0]} ({n + after:,} in all)"
         plan.add(
             Finding(
                 "scaler_skipped_steps",
-                WARNING,
+                CRITICAL if never else WARNING,
                 title,
                 msg,
                 remedy,
@@ -243,6 +339,10 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                     # a scale from a lower bound of the largest gradient is the most a start can be, no recommendation
                     "recommended_scale": None if plan.grad_absmax_bound else rec,
                     "start_scale_limit": rec if plan.grad_absmax_bound else None,
+                    # the lowest scale a run without a step that went through reached; the resumes that put
+                    # the scale back to its start (only where there were such: the numbers of other runs as they were)
+                    **({"lowest_scale": float(scale.min())} if never else {}),
+                    **({"scale_resets": len(resets)} if resets else {}),
                 },
             )
         )
