@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from collections.abc import Callable
@@ -31,6 +32,16 @@ class BuiltModel:
     max_seq_len: int | None
     pass_targets: bool = False
     dims: dict[str, Any] = field(default_factory=dict)
+    # a factory's model of several embeddings, none known to embed the tokens: ``vocab_size`` is the classes of
+    # the logits the loop reads (``with_logits_vocab``), unknown (None) before or without them
+    vocab_from_logits: bool = False
+
+    def with_logits_vocab(self, logits_shape: tuple[int, ...] | None) -> BuiltModel:
+        """This model with ``vocab_size`` the last dimension of the logits the loop read, where the model's
+        embeddings left it unknown (``vocab_from_logits``); itself otherwise."""
+        if not self.vocab_from_logits or not logits_shape:
+            return self
+        return dataclasses.replace(self, vocab_size=int(logits_shape[-1]), vocab_from_logits=False)
 
     def info(self) -> dict[str, Any]:
         """The "model" part of summary.json: name, class, parameter count, dims (for alignment checks)."""
@@ -166,9 +177,37 @@ def check_forward_contract(module: nn.Module, name: str) -> None:
         )
 
 
-def _guess_vocab(module: nn.Module) -> int | None:
-    """The size of the first embedding table, a good guess of a user model's vocabulary."""
-    for m in module.modules():
+@dataclass(frozen=True)
+class VocabGuess:
+    """Which ``nn.Embedding`` of a user's model embeds its tokens, as read from the built model.
+
+    ``size``: its rows (None: no embedding). ``name``: its module name. ``sure``: it is the embedding whose weight
+    an ``nn.Linear`` shares (a tied output head), the one of exactly the ``vocab_size`` the factory was given, or
+    the model's only one; otherwise it is the largest of several, which only bounds the vocabulary from above (a
+    position table declared first, of --seq-len rows, was taken as the vocabulary: refused at a --seq-len below
+    the data's vocabulary, recorded as it above)."""
+
+    size: int | None
+    name: str = ""
+    sure: bool = True
+
+
+def guess_vocab(module: nn.Module, given: int | None = None) -> VocabGuess:
+    """The token embedding of a user's model (see ``VocabGuess``); ``given``: the vocab_size its factory was
+    passed, None when it took none. Static: reads the modules, runs nothing."""
+    tables: dict[int, tuple[str, nn.Embedding]] = {}
+    for name, m in module.named_modules():
         if isinstance(m, nn.Embedding):
-            return int(m.num_embeddings)
-    return None
+            tables.setdefault(id(m), (name, m))
+    if not tables:
+        return VocabGuess(None)
+    found = list(tables.values())
+    heads = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
+    tied = [(n, e) for n, e in found if id(e.weight) in heads]
+    exact = [(n, e) for n, e in found if given is not None and e.num_embeddings == given]
+    for picked in (tied, exact, found if len(found) == 1 else []):
+        if picked:
+            name, e = max(picked, key=lambda t: t[1].num_embeddings)
+            return VocabGuess(int(e.num_embeddings), name, sure=True)
+    name, e = max(found, key=lambda t: t[1].num_embeddings)
+    return VocabGuess(int(e.num_embeddings), name, sure=False)

@@ -20,10 +20,11 @@ from torch import nn
 from precprof.errors import ModelError, UserError
 from precprof.models.base import (
     BuiltModel,
-    _guess_vocab,
+    VocabGuess,
     accepts_targets,
     check_forward_contract,
     coerce_value,
+    guess_vocab,
 )
 
 
@@ -95,15 +96,19 @@ def _build_factory(spec: str, args: Mapping[str, Any], vocab_size: int, seq_len:
     if not isinstance(module, nn.Module):
         raise UserError(f"model factory {spec!r} returned {type(module).__name__}, not a torch.nn.Module")
     check_forward_contract(module, spec)
-    vocab = _guess_vocab(module)
-    if vocab is not None and vocab < vocab_size:
+    passed = kwargs.get("vocab_size")
+    guess = guess_vocab(module, passed if isinstance(passed, int) and not isinstance(passed, bool) else None)
+    # the largest of several bounds them all: refused only when no embedding can take the data's token ids
+    if guess.size is not None and guess.size < vocab_size:
         given = "user" if "vocab_size" in args else "precprof" if "vocab_size" in kwargs else None
-        raise _too_few_tokens(spec, vocab, vocab_size, given)
+        raise _too_few_tokens(spec, guess, vocab_size, given)
     return BuiltModel(
         module=module,
         name=spec,
         kind="factory",
-        vocab_size=vocab,
+        # several embeddings, none known to be the tokens': the logits' classes say it once read (else unknown)
+        vocab_size=guess.size if guess.sure else None,
+        vocab_from_logits=not guess.sure,
         max_seq_len=None,
         pass_targets=accepts_targets(module),
     )
@@ -181,11 +186,15 @@ def _first(e: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
-def _too_few_tokens(spec: str, vocab: int, vocab_size: int, given: str | None) -> UserError:
+def _too_few_tokens(spec: str, guess: VocabGuess, vocab_size: int, given: str | None) -> UserError:
     """The error for a factory's model that embeds fewer tokens than the data has, with the fix that works for
     this factory: "--model-arg vocab_size=N" helps only a factory that takes vocab_size, and precprof already
-    passes it to one that does unless the user set it (``given``: "user", "precprof" or None)."""
-    head = f"{spec} has a vocabulary of {vocab} tokens but the data uses {vocab_size}"
+    passes it to one that does unless the user set it (``given``: "user", "precprof" or None). A model of several
+    embeddings, none known to embed the tokens (``guess.sure`` false), is refused only when its largest is too
+    small, and the error names it."""
+    vocab = guess.size
+    which = "" if guess.sure else f" (its largest nn.Embedding, {guess.name!r}, has {vocab} rows)"
+    head = f"{spec} has a vocabulary of {'at most ' if not guess.sure else ''}{vocab} tokens{which} but the data uses {vocab_size}"
     if given == "user":
         return UserError(f"{head}; use --model-arg vocab_size={vocab_size}")
     if given == "precprof":

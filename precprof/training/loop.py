@@ -344,6 +344,7 @@ def _prepare(config: TrainConfig, profiler_kwargs: dict[str, Any] | None) -> _Se
         contract.check_forward(
             built, model, forward_loss, fp.failed_at, config.batch_size, config.seq_len, data.vocab_size
         )
+        built = built.with_logits_vocab(shapes[0] if shapes else None)
         inner = model
         if (
             dist_info is not None
