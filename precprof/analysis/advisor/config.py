@@ -41,6 +41,11 @@ class AdvisorConfig:
     # towards the floor (0.01% of the values at 2^-24 in a ReLU MLP; 4% in one that flushed 98% of its gradients).
     fp16_flushed_floor_share: float = 0.01
     stalled_loss_change: float = 0.02
+    # ...over at least ``stalled_min_steps`` recorded losses, and without a trend its own noise resolves (a slope
+    # more than ``stalled_trend_t`` standard errors from 0): a 4-step fp16 run whose loss fell 0.5% step after
+    # step, as its fp32 run's did, was told 'training stalled', critically
+    stalled_min_steps: int = 10
+    stalled_trend_t: float = 3.0
     fp16_underflow_block: float = 0.10
     # ...unless the values still lost at the recommended scale are negligible: in every module they carry at
     # most this share of the activation gradient's L2 norm (a layer whose gradients are all tiny is lost

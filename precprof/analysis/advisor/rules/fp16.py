@@ -1240,7 +1240,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     thin = not flushed and scaled and bool(fl.modules) and (fl.share or 0) > cfg.fp16_underflow_ok
     sub = _subnormal_share(run, is16, fl.modules) if thin else None
     loss_change = _loss_change(run)
-    stalled = loss_change is not None and abs(loss_change) < cfg.stalled_loss_change
+    stalled = _stalled(run, loss_change)
     if flushed or thin:  # what the run lost comes first: the exact counts above see none of it
         msg = (
             _flushed_said(run, fl, all_zero16, scaled)
@@ -1254,8 +1254,9 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
                 (
                     f"; the loss did not move (it changed by {_pct(abs(loss_change))} over the run): training "
                     "stalled"
-                    if abs(loss_change) < cfg.stalled_loss_change
+                    if stalled
                     else f"; the loss changed by {_pct(abs(loss_change))} over the run"
+                    + _why_not_stalled(run, loss_change)
                 )
                 if loss_change is not None
                 else ""
@@ -1597,3 +1598,48 @@ def _loss_change(run: _Run) -> float | None:
     if loss is None or len(loss) < 2 or not loss.iloc[0] or not math.isfinite(loss.iloc[0]):
         return None
     return float((loss.iloc[-1] - loss.iloc[0]) / abs(loss.iloc[0]))
+
+
+def _losses(run: _Run) -> pd.Series:
+    """The finite recorded losses, in step order."""
+    loss = (
+        pd.to_numeric(run.steps[T.LOSS], errors="coerce") if T.LOSS in run.steps else pd.Series(dtype=float)
+    )
+    return loss[np.isfinite(loss)]
+
+
+def _trend_t(loss: pd.Series) -> float:
+    """The least-squares slope of ``loss`` over its steps in standard errors (inf for a loss that moves without
+    noise, 0 for a constant one): how clearly the loss moves against its own step-to-step noise."""
+    y = loss.to_numpy(dtype=float)
+    x = np.arange(len(y), dtype=float)
+    x -= x.mean()
+    slope = float((x * (y - y.mean())).sum() / (x * x).sum())
+    resid = y - y.mean() - slope * x
+    se = math.sqrt(float((resid * resid).sum()) / max(len(y) - 2, 1) / float((x * x).sum()))
+    if se == 0:
+        return math.inf if slope != 0 else 0.0
+    return abs(slope) / se
+
+
+def _stalled(run: _Run, loss_change: float | None) -> bool:
+    """Whether the loss stalled: it moved less than ``stalled_loss_change`` over at least ``stalled_min_steps``
+    recorded losses, with no trend its noise resolves. A loss that changed little over a few steps has not stalled
+    (a 4-step fp16 run whose loss fell as its fp32 run's did was told 'training stalled')."""
+    cfg = run.cfg
+    if loss_change is None or abs(loss_change) >= cfg.stalled_loss_change:
+        return False
+    loss = _losses(run)
+    return len(loss) >= cfg.stalled_min_steps and _trend_t(loss) <= cfg.stalled_trend_t
+
+
+def _why_not_stalled(run: _Run, loss_change: float) -> str:
+    """Why a loss that changed by less than ``stalled_loss_change`` is not called stalled ("" for one that
+    changed more)."""
+    cfg = run.cfg
+    if abs(loss_change) >= cfg.stalled_loss_change:
+        return ""
+    n = len(_losses(run))
+    if n < cfg.stalled_min_steps:
+        return f", {n} recorded steps, too few to call it stalled"
+    return ", steadily against its step-to-step noise: not stalled"
