@@ -572,6 +572,27 @@ def _quiet_torch() -> None:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
+class _PipeClosed(Exception):
+    """stdout's reader went away: not an OSError, which click would turn into a silent exit 1."""
+
+
+def _quiet_on_closed_pipe(invoke: Any) -> Any:
+    """``invoke`` raising _PipeClosed where a write to a closed pipe raised BrokenPipeError (`precprof train ...
+    | true` exited 1 with no message, though its run was saved whole); stdout then points at os.devnull, so that
+    Python's flush at exit raises nothing more."""
+
+    def run(ctx: Any) -> Any:
+        try:
+            return invoke(ctx)
+        except BrokenPipeError:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+            raise _PipeClosed from None
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``precprof`` console script and ``python -m precprof``."""
     _arrow_memory_pool()
@@ -579,8 +600,11 @@ def main(argv: list[str] | None = None) -> None:
     command = typer.main.get_command(app)
     args = list(sys.argv[1:] if argv is None else argv)
     _argv[:] = args
+    command.invoke = _quiet_on_closed_pipe(command.invoke)  # type: ignore[method-assign]
     try:
         rc: Any = command.main(args=args, prog_name="precprof", standalone_mode=False)
+    except _PipeClosed:
+        rc = 0  # the reader left (`precprof train ... | head`): the command's work is done, nothing to say
     except _NO_ARGS_IS_HELP as e:
         # `precprof` alone: the help text, as a request for help rather than a mistake
         ctx = getattr(e, "ctx", None)

@@ -186,7 +186,10 @@ class LogProgress:
             elapsed = time.perf_counter() - self.t0
             line = f"{self.desc}: step {self.n}/{self.total} ({pct}%)"
             line += f", {self.postfix}" if self.postfix else ""
-            print(f"{line}, {elapsed:.0f}s", file=self.file, flush=True)
+            try:
+                print(f"{line}, {elapsed:.0f}s", file=self.file, flush=True)
+            except BrokenPipeError:  # the reader left (`2>&1 | head`): training goes on, unprinted
+                self.every = self.total + 1
 
     def close(self) -> None:
         pass
