@@ -268,15 +268,18 @@ def train(
     if not training.writes_run_dir():
         return  # under torchrun rank 0 wrote the run and prints it
     final = result.summary.get("final", {})
-    typer.echo(
-        f"final loss {result.final_loss:.4f}{_loss_reference(result.summary)}; "
-        f"skipped steps: {final.get('skipped_steps', 0)}"
-    )
-    rec = result.summary.get(T.SUMMARY_RECOMMENDATION)
-    if rec:
-        typer.echo(Recommendation.from_dict(rec).describe())
-    html = result.run_dir / "report.html"
-    typer.echo(f"run directory: {result.run_dir}" + (f"\nreport: {html}" if html.exists() else ""))
+    try:
+        typer.echo(
+            f"final loss {result.final_loss:.4f}{_loss_reference(result.summary)}; "
+            f"skipped steps: {final.get('skipped_steps', 0)}"
+        )
+        rec = result.summary.get(T.SUMMARY_RECOMMENDATION)
+        if rec:
+            typer.echo(Recommendation.from_dict(rec).describe())
+        html = result.run_dir / "report.html"
+        typer.echo(f"run directory: {result.run_dir}" + (f"\nreport: {html}" if html.exists() else ""))
+    except BrokenPipeError:  # stdout's reader left (`| head`): a run not saved whole still says so and fails
+        _stdout_to_devnull()
     if result.summary.get(T.SUMMARY_STATUS) != T.STATUS_COMPLETE:  # it trained; the disk did not take it all
         for note in not_saved or [
             f"{result.run_dir} was not saved whole: {result.summary.get(T.SUMMARY_INCOMPLETE_REASON)}"
@@ -585,12 +588,18 @@ def _quiet_on_closed_pipe(invoke: Any) -> Any:
         try:
             return invoke(ctx)
         except BrokenPipeError:
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, sys.stdout.fileno())
+            _stdout_to_devnull()
             raise _PipeClosed from None
 
     return run
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at os.devnull once its reader has gone, so that later writes and Python's flush at exit raise
+    nothing more."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -111,3 +111,23 @@ def test_a_run_records_the_vocabulary_of_its_logits_where_embeddings_leave_it_op
     summary = T.read_summary(out)
     assert summary[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
     assert summary[T.SUMMARY_MODEL]["vocab_size"] == 256
+
+
+def test_a_run_not_saved_whole_fails_though_stdout_is_closed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that trained but could not be saved whole (a full disk) exits 1 and says so on stderr, also where
+    stdout's reader left: the closed pipe's first write, "final loss ...", had ended the command with exit 0 and
+    no word of the lost files (reviewer h86)."""
+    import pandas as pd
+
+    from precprof import training
+    from precprof.training.loop import TrainResult
+
+    summary = {T.SUMMARY_STATUS: T.STATUS_INCOMPLETE, T.SUMMARY_INCOMPLETE_REASON: "disk full", "final": {}}
+    monkeypatch.setattr(training, "train", lambda config: TrainResult(tmp_path, 1.0, pd.DataFrame(), summary))
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--steps", "2", "--no-progress", "--no-report", "--device", "cpu"])
+    assert e.value.code == cli.EXIT_NOT_SAVED == 1
+    assert f"precprof: error: {tmp_path} was not saved whole: disk full" in capsys.readouterr().err
