@@ -575,6 +575,34 @@ def test_the_console_estimate_shows_small_parts_in_kib() -> None:
         assert places == (1 if n < 10 * 2**20 else 0)
 
 
+class _TiedFlat(nn.Module):
+    """No nn.ModuleList: FSDP2's units are the leaves; the head is tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.mid = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_fsdp2_units_leave_a_tied_head_and_its_embedding_to_the_root() -> None:
+    """`precprof train --distributed fsdp2` on a factory model without an nn.ModuleList sharded every leaf on its
+    own, the embedding and the head tied to it in two groups, and torch refused at step 0 ("Parameter
+    'head.weight' is shared with a parameter already managed by another FSDP group", h87): a unit holding a
+    parameter a module outside it holds too is none; the root keeps them, counted once."""
+    from precprof.training.distributed import _shard_units, gathered_unit_bytes
+
+    model = _TiedFlat()
+    assert _shard_units(model) == [model.mid]
+    tied = model.emb.weight.numel()
+    assert gathered_unit_bytes(model, "fsdp2") == 2 * 4 * max(
+        tied, sum(p.numel() for p in model.mid.parameters())
+    )
+    model = gpt()  # the blocks of its ModuleList hold nothing tied outside them: every one a unit
+    assert _shard_units(model) == list(model.transformer.h)
+
+
 def test_an_fsdp_rank_counts_its_shard_and_the_largest_unit_gathered_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -161,16 +161,32 @@ def _said(e: BaseException) -> str:
 
 def _shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP shards as units: the blocks of every ``nn.ModuleList`` (a transformer's layers), else
-    every leaf module that owns parameters."""
+    every leaf module that owns parameters; a module holding a parameter that a module outside it holds too (a
+    head tied to its embedding) is no unit, its parameters left to the root's (FSDP2 refuses a parameter two
+    groups manage: "Parameter 'head.weight' is shared with a parameter already managed by another FSDP
+    group")."""
+    owners: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+
+    def alone(unit: nn.Module) -> bool:
+        inside: dict[int, int] = {}
+        for m in unit.modules():
+            for p in m.parameters(recurse=False):
+                inside[id(p)] = inside.get(id(p), 0) + 1
+        return all(owners[key] == n for key, n in inside.items())
+
     blocks = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
     if blocks:
-        return blocks
+        return [m for m in blocks if alone(m)]
     return [
         m
         for m in model.modules()
         if m is not model
         and next(m.children(), None) is None
         and next(m.parameters(recurse=False), None) is not None
+        and alone(m)
     ]
 
 
