@@ -123,7 +123,12 @@ def test_a_budgeted_runs_sampling_in_words(tmp_path: Path) -> None:
     # the page's headline says the overhead too, as the summary has it: the number a user decides by whether
     # to leave precprof on
     page = (tmp_path / "run" / "report.html").read_text()
-    cards = dict(re.findall(r'<li><span class="k">([^<]*)</span><span class="v">([^<]*)</span></li>', page))
+    # a card's value, its long qualification shown as a note under the figure joined back
+    found = re.findall(
+        r'<li><span class="k">([^<]*)</span><span class="v">([^<]*)</span>(?:<span class="vnote">([^<]*)</span>)?</li>',
+        page,
+    )
+    cards = {k: f"{v} {note}" if note else v for k, v, note in found}
     sampling = T.read_summary(tmp_path / "run")[T.SUMMARY_CAPTURE]["sampling"]
     overhead, part, every = (
         sampling["overhead"],
