@@ -148,8 +148,7 @@ def main() -> int:
     """The other process: an ``Ahead`` pickled on stdin (``compile_ahead`` runs it)."""
     spec = pickle.loads(sys.stdin.buffer.read())
     assert isinstance(spec, Ahead)
-    niceness = (
-        lower_own_priority()
-    )  # NICENESS, or PRECPROF_HELPER_NICENESS (a sandbox that forbids it: as given)
+    # NICENESS, or PRECPROF_HELPER_NICENESS's (a sandbox that forbids it: the priority given)
+    niceness = lower_own_priority()
     print(f"{compile_here(spec)} kernels at niceness {niceness if niceness is not None else 'unknown'}")
     return 0

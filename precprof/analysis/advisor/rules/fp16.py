@@ -1126,8 +1126,8 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     # what the run held in fp16 and lost (its flushed zeros) is told of every gradient it held there; what fp16
     # would flush (the exact counts of the others, the histograms' shares at a scale), of the gradients an fp16
     # run following the advice computes in fp16 (``kept``: those of the layers kept in fp32 stay fp32)
-    every = run.hist_totals()
-    every = every[~kept.rows(every)]
+    held = run.hist_totals()
+    every = held[~kept.rows(held)]
     totals = every[(every[T.TENSOR] == T.ACTIVATION_GRAD) & ~every[T.MODULE].isin(stay32)]
     counts = _exponent_counts(totals, (T.ACTIVATION_GRAD,))
     total = float(counts.sum())
@@ -1135,7 +1135,6 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
         return
     # the modules whose activation gradients the totals leave out for staying fp32 under fp16 autocast, named
     # (those of the keep list are named apart, below), so that a sum of the run's histograms checks the figure
-    held = run.hist_totals()
     held_ag = set(T.texts(held.loc[held[T.TENSOR] == T.ACTIVATION_GRAD, T.MODULE]))
     left = run.sort((held_ag & set(stay32)) - set(kept.output))
     left_said = (
