@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Iterable
 
 # ``training.failure.Failure.blame`` of a rank's error that another rank's failure caused (a collective's lost
 # peer): here, where the CLI reads it without importing torch (``precprof report`` and ``compare RUN RUN`` never do)
@@ -16,6 +18,13 @@ TRACEBACK_ENV = "PRECPROF_TRACEBACK"
 def traceback_wanted() -> bool:
     """Whether the environment asks for the tracebacks of errors said in one line (``TRACEBACK_ENV``)."""
     return os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """ " (did you mean X?)" naming the one choice close to a mistyped ``word`` (n_layr, gpt-nan), "" when none is
+    close: the cut-off keeps a different word (depth for width) from being offered."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.7)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 class UserError(Exception):

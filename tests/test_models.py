@@ -131,8 +131,18 @@ def test_model_args_are_applied_and_checked() -> None:
     built = build_model("gpt-nano", {"n_layer": "2", "bias": "false"}, vocab_size=256, seq_len=16)
     assert len(built.module.transformer.h) == 2
     assert built.module.lm_head.bias is None and built.module.transformer.h[0].attn.c_attn.bias is None
-    with pytest.raises(UserError, match="no such setting"):
+    with pytest.raises(UserError, match=r"no such setting \(did you mean n_layer\?\)"):
         build_model("gpt-nano", {"n_lyer": "2"}, vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match=r"no such setting; known") as e:  # nothing close: no guess
+        build_model("gpt-nano", {"depth": "2"}, vocab_size=256, seq_len=16)
+    assert "did you mean" not in str(e.value)
+    with pytest.raises(UserError, match=r"unknown model 'gpt-nan' \(did you mean gpt-nano\?\)"):
+        build_model("gpt-nan", {}, vocab_size=256, seq_len=16)
+    # a Hugging Face model type without its prefix, answered without importing transformers
+    with pytest.raises(UserError, match=r"unknown model 'gpt2' \(did you mean gpt2-small or hf:gpt2\?\)"):
+        build_model("gpt2", {}, vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match=r"unknown model 'Mistral' \(did you mean hf:mistral\?\)"):
+        build_model("Mistral", {}, vocab_size=256, seq_len=16)
     with pytest.raises(UserError, match="an integer"):
         build_model("gpt-nano", {"n_layer": "2.5"}, vocab_size=256, seq_len=16)
     with pytest.raises(UserError, match="multiple of n_head"):
@@ -181,10 +191,12 @@ def test_hf_model_from_config() -> None:
     assert out.logits.shape == (1, 8, 256)
     info = built.info()
     assert info["class"].endswith("GPT2LMHeadModel") and info["hidden_size"] == 32
-    with pytest.raises(UserError, match="no field"):
+    with pytest.raises(UserError, match=r"no field 'n_lyer' \(did you mean n_layer\?\)"):
         build_model("hf:gpt2", {"n_lyer": "1"}, vocab_size=256, seq_len=16)
     with pytest.raises(UserError, match="unknown Hugging Face model type"):
         build_model("hf:not-a-model", {}, vocab_size=256, seq_len=16)
+    with pytest.raises(UserError, match=r"model type 'lama' \(did you mean llama\?\)"):
+        build_model("hf:lama", {}, vocab_size=256, seq_len=16)
     # an encoder-decoder has no causal LM: said, with where to profile it (was "Unrecognized configuration class")
     with pytest.raises(
         UserError, match=r"hf:t5 \(T5Config\) is not a causal language model.*precprof\.Profiler"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import importlib.util
@@ -17,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from precprof.errors import ModelError, UserError
+from precprof.errors import ModelError, UserError, did_you_mean
 from precprof.models.base import (
     BuiltModel,
     VocabGuess,
@@ -125,10 +124,8 @@ def _check_unknown(
     known = [name for name, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     for k in args:
         if k not in known:
-            close = difflib.get_close_matches(k, known, n=1, cutoff=0.7)  # not depth for width
-            hint = f" (did you mean {close[0]}?)" if close else ""
             raise UserError(
-                f"--model-arg {k}: model factory {spec!r} has no parameter {k}{hint}; "
+                f"--model-arg {k}: model factory {spec!r} has no parameter {k}{did_you_mean(k, known)}; "
                 + (f"its parameters: {', '.join(known)}" if known else "it takes none")
             )
 

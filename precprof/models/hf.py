@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from precprof._quiet_imports import quiet_imports
-from precprof.errors import MissingDependencyError, UserError
+from precprof.errors import MissingDependencyError, UserError, did_you_mean
 from precprof.models.base import BuiltModel, _check_size, _coerce_to, count_params
 
 
@@ -43,7 +43,8 @@ def _from_config(model_type: str, args: Mapping[str, Any], seq_len: int) -> Buil
             k for k in ("gpt2", "llama", "mistral", "qwen2", "gpt_neox", "opt") if k in known
         )
         raise UserError(
-            f"unknown Hugging Face model type {model_type!r}; use a model_type such as {examples}"
+            f"unknown Hugging Face model type {model_type!r}{did_you_mean(model_type, known)}; "
+            f"use a model_type such as {examples}"
         ) from None
     _check_causal(model_type, default)
     kwargs: dict[str, Any] = {}
@@ -51,8 +52,8 @@ def _from_config(model_type: str, args: Mapping[str, Any], seq_len: int) -> Buil
         field = _config_field(default, k)
         if field is None:
             raise UserError(
-                f"--model-arg {k}: the {model_type} config has no field {k!r} "
-                f"(see transformers' {type(default).__name__})"
+                f"--model-arg {k}: the {model_type} config has no field {k!r}"
+                f"{did_you_mean(k, default.to_dict())} (see transformers' {type(default).__name__})"
             )
         kwargs[k] = _coerce_to(k, v, getattr(default, field), f"hf:{model_type}")
     try:

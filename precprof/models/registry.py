@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from precprof.errors import UserError
+from precprof.errors import UserError, did_you_mean
 from precprof.models.base import BuiltModel, _check_size, _coerce_to
 from precprof.models.factory import _build_factory
 from precprof.models.gpt import GPT, GPT2_VOCAB_SIZE, GPTConfig
@@ -57,7 +57,35 @@ BUILTIN_MODELS: dict[str, _Builtin] = {
 # head alone; vocab_size=0 and intermediate_size=0 mean a default; block_size=0 is below any --seq-len)
 _WIDTHS = frozenset({"n_embd", "n_head", "hidden", "channels", "kernel_size"})
 
+# Hugging Face model types a user may type without hf: (--model gpt2), answered without importing transformers
+_COMMON_HF_TYPES = frozenset(
+    {
+        "gpt2",
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen3",
+        "gemma",
+        "gemma2",
+        "phi",
+        "phi3",
+        "gpt_neox",
+        "opt",
+    }
+    | {"bloom", "falcon", "gptj", "gpt_neo", "olmo", "starcoder2", "stablelm", "mamba", "bert", "t5"}
+)
+
 MODEL_KINDS_HELP = "hf:<model_type> (e.g. hf:gpt2, hf:llama), path/to/file.py:factory, package.module:factory"
+
+
+def _closest_model(name: str) -> str:
+    """ " (did you mean X?)" for an unknown --model: a built-in name mistyped, or a Hugging Face model type
+    given without its hf: prefix."""
+    if name.lower() in _COMMON_HF_TYPES:
+        builtin = [b for b in BUILTIN_MODELS if b.startswith(f"{name.lower()}-")]  # gpt2: gpt2-small
+        return f" (did you mean {builtin[0] + ' or ' if builtin else ''}hf:{name.lower()}?)"
+    return did_you_mean(name, BUILTIN_MODELS)
 
 
 def known_models() -> list[str]:
@@ -74,7 +102,9 @@ def _build_builtin(
     updates: dict[str, Any] = {}
     for k, v in args.items():
         if k not in fields:
-            raise UserError(f"--model-arg {k}: {name} has no such setting; known: {', '.join(fields)}")
+            raise UserError(
+                f"--model-arg {k}: {name} has no such setting{did_you_mean(k, fields)}; known: {', '.join(fields)}"
+            )
         updates[k] = _coerce_to(k, v, getattr(cfg, k), name)
     cfg = dataclasses.replace(cfg, **updates)
     if cfg.vocab_size == 0:
@@ -153,7 +183,7 @@ def build_model(
         built = _build_factory(name, args, vocab_size, seq_len)
     else:
         raise UserError(
-            f"unknown model {name!r}; built-in models: {', '.join(BUILTIN_MODELS)}; or {MODEL_KINDS_HELP}"
+            f"unknown model {name!r}{_closest_model(name)}; built-in models: {', '.join(BUILTIN_MODELS)}; or {MODEL_KINDS_HELP}"
         )
     if built.vocab_size is not None and built.vocab_size < vocab_size:
         raise UserError(
