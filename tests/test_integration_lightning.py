@@ -186,6 +186,16 @@ def test_token_embedding_is_the_vocabulary_not_the_positions() -> None:
     )
     assert token_embedding(model) is model["tok"]
     assert token_embedding(nn.Linear(2, 2)) is None
+    # a character-level model: 65 tokens, 256 positions; its position table is told by its name (untied), or by
+    # the head sharing the token table's weight (tied, whatever the names)
+    chars = nn.ModuleDict(
+        {"wpe": nn.Embedding(256, 8), "wte": nn.Embedding(65, 8), "lm_head": nn.Linear(8, 65)}
+    )
+    assert token_embedding(chars) is chars["wte"]
+    tied = nn.ModuleDict({"a": nn.Embedding(256, 8), "b": nn.Embedding(65, 8), "head": nn.Linear(8, 65)})
+    tied["head"].weight = tied["b"].weight
+    assert token_embedding(tied) is tied["b"]
+    assert token_embedding(nn.ModuleDict({"pos_emb": nn.Embedding(4, 2)})) is not None  # the only one
 
 
 def test_precision_names() -> None:

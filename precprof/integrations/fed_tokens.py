@@ -33,14 +33,31 @@ UNKNOWN = -1  # ``take``'s count of a micro-batch whose fed ids cannot be known
 _Key = tuple[Any, ...]  # where an input came from: ("batch", 0), ("wrapper", 0, "arg", 0), ...
 
 
+# names of the embedding tables that hold positions, not tokens (nanoGPT's wpe, Hugging Face's position_embeddings
+# and embed_positions, T5's relative_attention_bias): a character-level model's (65 rows) is smaller than them
+_POSITION_NAMES = ("wpe", "pos", "relative")
+
+
 def token_embedding(module: nn.Module) -> nn.Embedding | None:
-    """The model's token embedding: its ``nn.Embedding`` with the most rows (the vocabulary, larger than the
-    position or token-type tables), the first such in module order; None without an embedding."""
-    best: nn.Embedding | None = None
-    for m in module.modules():
-        if isinstance(m, nn.Embedding) and (best is None or m.num_embeddings > best.num_embeddings):
-            best = m
-    return best
+    """The model's token embedding: the ``nn.Embedding`` whose weight an ``nn.Linear`` shares (a tied output
+    head); else the one with the most rows (the vocabulary, larger than the token-type tables) of those not named
+    as a position table (``_POSITION_NAMES``), else of all; the first such in module order; None without one.
+    A position table's input is one sequence's positions: counted as the tokens fed, a batch of B sequences read
+    as 1/B of its tokens."""
+    found: dict[int, tuple[str, nn.Embedding]] = {}
+    for name, m in module.named_modules():
+        if isinstance(m, nn.Embedding):
+            found.setdefault(id(m), (name, m))
+    heads = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
+    tokens = [(n, e) for n, e in found.values() if not any(p in n.lower() for p in _POSITION_NAMES)]
+    for picked in (
+        [(n, e) for n, e in found.values() if id(e.weight) in heads],
+        tokens,
+        list(found.values()),
+    ):
+        if picked:
+            return max(picked, key=lambda t: t[1].num_embeddings)[1]  # max: the first of the largest
+    return None
 
 
 class FedTokens:

@@ -20,8 +20,8 @@ What the callback does:
 - ``on_train_end``: writes the run directory and report.html; ``on_exception``: the same, marked incomplete with
   the exception (Lightning calls it before re-raising).
 
-Tokens: the token ids the model looked up, i.e. the input of its token embedding (the ``nn.Embedding`` with the
-most rows, not a position embedding) at its first call in the micro-batch: what ``training_step`` fed the model,
+Tokens: the token ids the model looked up, i.e. the input of its token embedding (the ``nn.Embedding`` tied to
+its head, else the one with the most rows not named as a position table: ``fed_tokens.token_embedding``) at its first call in the micro-batch: what ``training_step`` fed the model,
 not the batch, which often holds the targets as well (a ``(B, T + 1)`` block of ids sliced into inputs and
 targets in ``training_step`` holds ``B`` ids more than were fed). A model without an embedding: the batch's first
 integer tensor. Under torch.compile, a graph compiled before the callback's hook was added runs without it: such
