@@ -205,6 +205,35 @@ def test_the_memory_saving_is_a_saving_of_the_peak_and_each_figure_is_named_once
     assert memory.count("precprof's own buffers") == 1, memory
     # one measured total: the projection table does not repeat this run's measurement as a row of its own
     assert not re.search(r"\bbf16 measured\b", memory)
+    # this peak is the optimizer step's (the logits 2.6% of it): the logits are not named as its lever
+    assert 'id="memory-logits"' not in page
+
+
+def test_logits_that_dominate_the_peak_are_named_as_its_lever(tmp_path: Path) -> None:
+    run = tiny(tmp_path / "logits", precision="bf16", batch_size=8, seq_len=64, steps=2)
+    mem = T.read_tables(run)["memory"]
+    at_peak = T.memory_at(mem, T.MOMENT_PEAK)
+    last = at_peak[(at_peak[T.STEP] == at_peak[T.STEP].max()) & (at_peak[T.COMPONENT] != T.ALLOCATOR_CACHE)]
+    peak = float(last[T.BYTES].sum())
+    memory = words(section((run / T.REPORT_FILE).read_text(), "memory"))
+    # the logits (8 x 64 tokens x 256 classes, bf16 under autocast) and what follows from them, each figure as the
+    # peak's parts have it: the outputs, the loss's saved tensors, and at most two fp32 tensors of the logits'
+    # size among the temporaries allocated after forward
+    logits = re.search(r"The logits are this peak's lever ?, up to ([\d.]+)% of it: (.*?) Activation", memory)
+    assert logits is not None, memory
+    elements = 8 * 64 * 256
+    part = last.groupby(T.texts(last[T.COMPONENT]) + ":" + T.texts(last[T.MODULE]))[T.BYTES].sum()
+    outputs, loss, after = part["outputs:"], part["activations:(loss)"], part["temporaries:backward"]
+    dtypes = T.texts(last[T.DTYPE])[last[T.COMPONENT] == T.OUTPUTS].tolist()
+    assert outputs == 2 * elements and dtypes == ["bfloat16"]
+    said = logits.group(2)
+    assert f"{elements:,} elements ({filters.nbytes(outputs)})" in said, said
+    assert (
+        f"({filters.nbytes(loss)}, its log-softmax)" in said
+        and filters.nbytes(4 * elements) + " each" in said
+    )
+    share = (outputs + loss + min(after, 8 * elements)) / peak
+    assert share >= 0.25 and logits.group(1) + "%" == filters.pct(share), (logits.group(1), share)
 
 
 # ----------------------------------------------------------------------------------------------- item 12

@@ -71,7 +71,7 @@ def _itemsize(name: str) -> int | None:
 
 # bytes of an element of each float dtype a precision mode changes (a host-side table: the report reads it
 # without torch)
-_FLOAT_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+FLOAT_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def outputs_from_matmul(summary: Mapping[str, Any]) -> bool:
@@ -94,7 +94,7 @@ def output_bytes(by_dtype: Mapping[str, float], target: str, current: str, head_
     )
     total = 0.0
     for dt, b in by_dtype.items():
-        size = _FLOAT_BYTES.get(str(dt))
+        size = FLOAT_BYTES.get(str(dt))
         if not size:
             total += float(b)
             continue

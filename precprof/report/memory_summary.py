@@ -12,7 +12,12 @@ from typing import Any
 import pandas as pd
 
 from precprof import tables as T
-from precprof.analysis.memory_projection import held_per_step, output_bytes, representative_step
+from precprof.analysis.memory_projection import (
+    FLOAT_BYTES,
+    held_per_step,
+    output_bytes,
+    representative_step,
+)
 from precprof.report import filters as F
 
 # memory components that are totals of the whole process or device, not parts of a stack
@@ -94,6 +99,54 @@ def peak_parts(memory: pd.DataFrame, step: int | None = None) -> dict[str, Any] 
     }
 
 
+# the share of the allocator's peak that the logits and what follows from them must reach for the memory section
+# to name them as its lever: below it, checkpointing or the batch are the levers the parts table shows
+LOGITS_LEVER_SHARE = 0.25
+
+
+def logits_lever(memory: pd.DataFrame, at_peak: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The logits as the lever of the allocator's peak (a language model's large vocabulary): the model's
+    outputs alive at the peak, what the loss saved for backward there (the activations of ``(loss)``: the
+    built-in loop's, or a ``Profiler.memory_scope()``'s), and the temporaries allocated after forward up to two
+    fp32 tensors of the outputs' elements (cross-entropy's backward begins with the gradient of the log-softmax
+    and of the logits, each of that size: more is not theirs to claim). None without outputs at the peak, or
+    where these come to less than ``LOGITS_LEVER_SHARE`` of it.
+
+    Returns {"elements" (of the outputs, float ones), "outputs", "loss", "fp32_grad" (4 bytes per element),
+    "temporaries" (allocated after forward, all of them), "counted" (the sum: outputs, loss, and temporaries up
+    to 2 fp32 gradients), "share" (of the peak), "allocated"}."""
+    if not at_peak or not at_peak.get("allocated"):
+        return None
+    parts = {str(p["part"]): p for p in at_peak.get("parts") or []}
+    out = parts.get(T.OUTPUTS)
+    if out is None:
+        return None
+    dtypes = out.get("dtypes") or {}
+    elements = sum(float(b) / FLOAT_BYTES[str(d)] for d, b in dtypes.items() if str(d) in FLOAT_BYTES)
+    if elements <= 0:
+        return None
+    rows = T.memory_at(memory, T.MOMENT_PEAK)
+    rows = rows[(rows[T.STEP] == at_peak["step"]) & (rows[T.COMPONENT] == T.ACTIVATIONS)]
+    loss = float(pd.to_numeric(rows[T.BYTES], errors="coerce")[T.texts(rows[T.MODULE]) == "(loss)"].sum())
+    temps = parts.get(f"{T.TEMPORARIES}:{T.PHASE_BACKWARD}")
+    temporaries = float(temps["bytes"]) if temps else 0.0
+    fp32_grad = 4.0 * elements
+    counted = float(out["bytes"]) + loss + min(temporaries, 2 * fp32_grad)
+    allocated = float(at_peak["allocated"])
+    if counted < LOGITS_LEVER_SHARE * allocated:
+        return None
+    return {
+        "elements": elements,
+        "outputs": float(out["bytes"]),
+        "loss": loss,
+        "fp32_grad": fp32_grad,
+        "temporaries": temporaries,
+        "counted": counted,
+        "share": counted / allocated,
+        "allocated": allocated,
+    }
+
+
 def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
     """Totals per component at the measured step that stands for the run (``representative_step``: the one that
     held the most), its peaks, top activation modules, and what was allocated at its allocator's peak
@@ -104,10 +157,11 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
     "peaks": {component: bytes}, "peak_steps": {component: step} (a peak the step does not have is the highest
     of the other steps': in a user's loop on CUDA a step below an earlier peak has only a lower bound,
     tables.ALLOCATOR_SEEN_MAX), "top_activations": [(module, bytes)], "total": bytes of the stacked components,
-    "at_peak": ``peak_parts`` or None}.
+    "at_peak": ``peak_parts`` or None, "logits": ``logits_lever`` or None}.
     """
     step = representative_step(memory)
     at_peak = peak_parts(memory, step)
+    logits = logits_lever(memory, at_peak)
     memory = T.memory_at(memory) if not memory.empty else memory
     if step is None:
         return {
@@ -120,6 +174,7 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
             "loss_not_counted": False,
             "total": 0.0,
             "at_peak": None,
+            "logits": None,
         }
     last = memory[memory[T.STEP] == step]
     b = pd.to_numeric(last[T.BYTES], errors="coerce").fillna(0)
@@ -146,6 +201,7 @@ def measured_memory(memory: pd.DataFrame) -> dict[str, Any]:
         "loss_not_counted": bool(len(acts)) and not scopes.any(),
         "total": float(sum(comps.values())),
         "at_peak": at_peak,
+        "logits": logits,
     }
 
 
