@@ -74,10 +74,9 @@ def test_the_flushed_share_leaves_out_the_zeros_relus_backward_wrote() -> None:
     f = run.recommend("t4").finding("fp16_gradient_underflow")
     assert f is not None and f.numbers["fp16_flushed"]
     assert abs(f.numbers["fp16_flushed_zero_share"] - flushed) < 0.02 and 0.3 < flushed < 0.6
-    assert (
-        "of the fp16 activation-gradient values of act1, act2, act3 (a matmul's backward computed them"
-        in (f.message)
-    )
+    assert "of the fp16 activation-gradient values of act1, act2, act3 are exact zeros" in f.message
+    # why those zeros alone are counted is the finding's method, folded under it
+    assert "The zeros counted are those of act1, act2, act3: a matmul's backward computed" in f.method
     assert "fc1, fc2, fc3 run into the floor too, but their zeros are not counted" in f.message
 
 
@@ -293,9 +292,10 @@ def test_gradients_that_run_into_the_floor_behind_a_mask_are_flushed() -> None:
     # (no module writes those zeros: a function does, torch.relu, which precprof does not see)
     assert f.title == f"fp16 gradients flushed to zero at loss scale 1: up to {at_most * 100:.3g}%"
     assert "fc1, fc2, fc3 sit at its smallest subnormal, 2^-24" in f.message
+    assert "of their values were flushed: their zeros, unless a function wrote some in backward" in f.message
     assert (
-        "unless a function their output passes through before the next layer wrote some in backward (torch.relu"
-        in (f.message)
+        "Why at most: these zeros are flushes unless a function their output passes through before the next layer "
+        "wrote some in backward (torch.relu" in f.method
     )
     assert f.remedy.startswith("Scale the loss: GradScaler(init_scale=")
     # the verdict's loss-scale reason says so too (it said "underflow falls from 0% at scale 1 to 0%")
@@ -326,8 +326,11 @@ def test_flushed_gradients_of_a_model_without_a_mask_are_not_said_to_hold_a_mask
     at_most = float(ag[T.ZEROS].sum() / ag[T.NUMEL].sum())
     assert f.numbers["fp16_flushed_at_most"] == at_most > 0.3
     assert f.title == f"fp16 gradients flushed to zero at loss scale 1: up to {at_most * 100:.3g}%"
-    assert "mask's" not in f.message and "ReLU" not in f.message
-    assert f"their zeros, {at_most * 100:.3g}% of their values, are flushes unless a function" in f.message
+    assert "mask's" not in f.message + f.method and "ReLU" not in f.message + f.method
+    assert (
+        f"At most {at_most * 100:.3g}% of their values were flushed: their zeros, unless a function"
+        in f.message
+    )
     (reason,) = [r for r in rec.reasons if r.startswith("Start GradScaler at init_scale=")]
     assert f"(up to {at_most * 100:.3g}% of those values, which the exponent histograms cannot see" in reason
 
@@ -335,12 +338,11 @@ def test_flushed_gradients_of_a_model_without_a_mask_are_not_said_to_hold_a_mask
     relu, _ = relu_zeros.run("fp16", weight=2.0**-12)
     f = relu.recommend("t4").finding("fp16_gradient_underflow")
     assert (
-        f is not None
-        and (
-            "fc1, fc2, fc3 run into the floor too, but their zeros are not counted: they may hold the zeros act1, "
-            "act2, act3 (ReLU) write in backward"
-        )
-        in f.message
+        f is not None and "fc1, fc2, fc3 run into the floor too, but their zeros are not counted" in f.message
+    )
+    assert (
+        "The zeros of fc1, fc2, fc3 are not counted: they may hold the zeros act1, act2, act3 (ReLU) write"
+        in f.method
     )
 
 

@@ -972,9 +972,16 @@ def _no_mask_said() -> str:
     )
 
 
-def _flushed_said(run: _Run, fl: _Flush, every: bool, scaled: bool) -> str:
-    """The flushed evidence in words, which opens the finding: a value that underflowed is a zero, so the counts
-    that follow it cannot see what was lost."""
+# what the flushed evidence rests on, the method of a finding that opens with it: the counts cannot see a flush
+_FLUSH_IS_A_ZERO = (
+    "A value fp16 flushed is an exact zero in the tensor precprof reads, so no count of values below fp16's floor "
+    "sees it: the zeros of the gradients that run into the floor are the evidence of what was lost."
+)
+
+
+def _flushed_said(run: _Run, fl: _Flush, every: bool, scaled: bool) -> tuple[str, str]:
+    """(the flushed evidence in words, which opens the finding; how it is judged, for the finding's method): a
+    value that underflowed is a zero, so the counts that follow it cannot see what was lost."""
     cfg = run.cfg
     where = (
         f"This fp16 run scaled its loss ({_scales(fl.scales)} where these gradients flushed)"
@@ -984,22 +991,23 @@ def _flushed_said(run: _Run, fl: _Flush, every: bool, scaled: bool) -> str:
     if every:
         return (
             f"{where}, and every one of its fp16 activation-gradient values is an exact zero: no gradient reached "
-            "fp16's range, all of them were flushed to zero (a value that underflowed is a zero, so the counts "
-            "that follow cannot see it)"
+            "fp16's range, all of them were flushed to zero",
+            _FLUSH_IS_A_ZERO,
         )
     dense = [m for m in fl.modules if m not in fl.empty]
     if fl.masked_only:
+        why = (
+            f"mix flushes with {_mask_said(run, fl.masks)}"
+            if fl.masks
+            else f"are flushes unless {_no_mask_said()}"
+        )
         return (
             f"{where}: {_pct(fl.floor_share)} of the nonzero values of {_listing(dense, cfg.max_listed_modules)} sit "
             "at its smallest subnormal, 2^-24: their gradients run into fp16's floor, and what lies below it was "
-            f"flushed to zero. How many the run cannot count: their zeros, {_pct(fl.masked_share)} of their values, "
-            + (
-                f"mix flushes with {_mask_said(run, fl.masks)}"
-                if fl.masks
-                else f"are flushes unless {_no_mask_said()}"
-            )
-            + "; the gradients where a zero can only be a flush (those a matmul's backward computed) do not run into "
-            f"the floor to tell. At most {_pct(fl.masked_share)} of their values were flushed"
+            f"flushed to zero. At most {_pct(fl.masked_share)} of their values were flushed: their zeros, "
+            + ("some of them a mask's" if fl.masks else "unless a function wrote some in backward"),
+            f"{_FLUSH_IS_A_ZERO} Why at most: these zeros {why}; the gradients where a zero can only be a flush "
+            "(those a matmul's backward computed) do not run into the floor to tell.",
         )
     parts = [f"{_listing(fl.empty, cfg.max_listed_modules)} held no nonzero value"] if fl.empty else []
     if dense:
@@ -1011,23 +1019,30 @@ def _flushed_said(run: _Run, fl: _Flush, every: bool, scaled: bool) -> str:
     whose = (
         "its fp16 activation-gradient values"
         if fl.counted_all
-        else f"the fp16 activation-gradient values of {_listing(fl.counted, cfg.max_listed_modules)} (a matmul's "
-        "backward computed them from the gradient it received, or none held a nonzero value: a zero there can only "
-        "be a flush)"
+        else f"the fp16 activation-gradient values of {_listing(fl.counted, cfg.max_listed_modules)}"
+    )
+    method = _FLUSH_IS_A_ZERO + (
+        ""
+        if fl.counted_all
+        else f" The zeros counted are those of {_listing(fl.counted, cfg.max_listed_modules)}: a matmul's backward "
+        "computed their gradients from the gradient it received, or none held a nonzero value, so a zero there can "
+        "only be a flush."
     )
     said = (
         f"{where}: {_pct(fl.share)} of {whose} are exact zeros, in {len(counted)} module(s) whose gradients run "
-        f"into fp16's floor ({'; '.join(parts)}): what lies below it was flushed to zero (a value that underflowed "
-        "is a zero, so the counts that follow cannot see it)"
+        f"into fp16's floor ({'; '.join(parts)}): what lies below it was flushed to zero"
     )
     if fl.masked:
-        return said + (
-            f"; {_listing(fl.masked, cfg.max_listed_modules)} run into the floor too, but their zeros are not counted: "
+        masked = _listing(fl.masked, cfg.max_listed_modules)
+        return (
+            said + f"; {masked} run into the floor too, but their zeros are not counted",
+            method
+            + f" The zeros of {masked} are not counted: "
             + (
-                f"they may hold {_mask_said(run, fl.masks)}"
+                f"they may hold {_mask_said(run, fl.masks)}."
                 if fl.masks
-                else f"some may not be flushes, if {_no_mask_said()}"
-            )
+                else f"some may not be flushes, if {_no_mask_said()}."
+            ),
         )
     others = _share(fl.all_zeros - fl.zeros, fl.values) or 0.0
     return said + (
@@ -1035,7 +1050,7 @@ def _flushed_said(run: _Run, fl: _Flush, every: bool, scaled: bool) -> str:
         "counted (ReLU's backward writes an exact zero wherever its unit was off)"
         if others > cfg.fp16_underflow_ok and fl.counted_all
         else ""
-    )
+    ), method
 
 
 def _flushed_remedy(fl: _Flush, every: bool, k: int, k_run: int | None) -> str:
@@ -1240,9 +1255,11 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
     sub = _subnormal_share(run, is16, fl.modules) if thin else None
     loss_change = _loss_change(run)
     stalled = _stalled(run, loss_change)
+    method = ""
     if flushed or thin:  # what the run lost comes first: the exact counts above see none of it
+        flushed_said, method = _flushed_said(run, fl, all_zero16, scaled)
         msg = (
-            _flushed_said(run, fl, all_zero16, scaled)
+            flushed_said
             + (
                 f"; at that scale {_pct(sub)} of the nonzero values of {_listing(fl.modules, cfg.max_listed_modules)} "
                 "sit among fp16's subnormals, below 2^-14, where fewer than its 11 significant bits are left"
@@ -1369,6 +1386,7 @@ def _rule_fp16_underflow(run: _Run, plan: _Plan, kept: KeptGradients) -> None:
             msg,
             remedy,
             modules=worst,
+            method=method.strip(),
             numbers={
                 "share_now": now,
                 "share_at_scale_1": at1,
