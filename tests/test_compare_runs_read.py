@@ -353,3 +353,32 @@ def test_a_run_stopped_after_one_step_reads_as_english(tmp_path: Path) -> None:
         json.dumps({T.SUMMARY_STATUS: T.STATUS_INCOMPLETE, T.SUMMARY_FINAL: {"steps_done": 1}})
     )
     assert f"the partial run is in {tmp_path} (1 finished step)\n" in cli._saved(tmp_path)
+
+
+def test_a_diverged_run_sets_no_common_step_and_hides_no_miss(
+    fp32_and_killed: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """An fp16 run that died (its loss nan from step 1, 4 steps) cut fp32's and bf16's 8 steps to its own 4: bf16
+    was "not measured, compared up to step 3", and the Loss line was "[confirmed] no run in another format matched
+    fp32's loss (fp16)" while bf16, unmeasured, may have. A diverged run is compared on the steps it ran and sets
+    no common step: bf16 and fp32 are compared whole, as without it."""
+    fp32_dir, _ = fp32_and_killed
+    train(_config(steps=8, precision="bf16", out=tmp_path / "bf16"))
+    dead = tmp_path / "fp16"
+    train(_config(steps=4, precision="fp16", loss_scale="none", lr=1e4, grad_clip=0.0, out=dead))
+    assert T.read_tables(dead)["steps"][T.LOSS].isna().tolist() == [False, True, True, True]
+    alone, _ = C.compare_runs([fp32_dir, tmp_path / "bf16"], out=tmp_path / "cmp-alone")
+    comp, _ = C.compare_runs([fp32_dir, tmp_path / "bf16", dead], out=tmp_path / "cmp")
+    fp32, bf16 = comp.run("fp32"), comp.run("bf16")
+    assert fp32.steps == bf16.steps == 8 and fp32.final_loss == alone.run("fp32").final_loss
+    assert (bf16.outcome, bf16.gap) == (alone.run("bf16").outcome, alone.run("bf16").gap)
+    assert comp.run("fp16").outcome == A.DIVERGED and comp.run("fp16").first_nonfinite_step == 1
+    # bf16's lines are those it has without the dead run: none says it was cut short
+    said = {(c.status, c.text) for c in comp.checks if c.run == "bf16"}
+    assert said == {(c.status, c.text) for c in alone.checks if c.run == "bf16"}, said
+    assert not any("compared up to step" in c.text for c in comp.checks), comp.checks
+    assert any(
+        "fp16: 4): each is compared on its steps up to step 7, the last all of them finished but fp16, whose loss "
+        "went non-finite before it" in n
+        for n in comp.notes
+    ), comp.notes

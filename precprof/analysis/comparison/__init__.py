@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from precprof import hardware
@@ -205,8 +206,20 @@ def analyse(
     steps = [T.finished_steps(read.tables["steps"]) for read, _ in reads]
     lasts = [int(pd.to_numeric(s[T.STEP]).max()) if not s.empty else None for s in steps]
     known = {s for s in lasts if s is not None}
-    until = min(known) if common_steps and len(known) > 1 else None
+    # a run whose loss went non-finite diverged, whatever the others' length: it sets no common step (an fp16 run
+    # that died at step 5 cut fp32's and bf16's 12 steps to 5, and bf16's match of fp32 went unmeasured)
+    diverged = [_went_nonfinite(s) for s in steps]
+    whole = {last for last, d in zip(lasts, diverged, strict=True) if last is not None and not d}
+    until = min(whole or known) if common_steps and len(known) > 1 else None
     results = [read_run(v, Path(d), until, read) for (v, d), read in zip(runs, reads, strict=True)]
+    if until is not None and whole:
+        left_out = [
+            r.label
+            for r, last, d in zip(results, lasts, diverged, strict=True)
+            if d and last is not None and last < until
+        ]
+        for r in results:
+            r.until_leaves_out = left_out
 
     ref, ref_note = _reference(results, [v for v, _ in runs])
     ruled_out = bool((ref.recommendation or {}).get("fp16_ruled_out"))
@@ -255,16 +268,31 @@ def analyse(
     return comparison
 
 
+def _went_nonfinite(steps: pd.DataFrame) -> bool:
+    """Whether a run's recorded loss went non-finite (nan or inf) on a finished step: it diverged."""
+    if steps.empty:
+        return False
+    loss = pd.to_numeric(steps[T.LOSS], errors="coerce").to_numpy(dtype=float)
+    return bool((~np.isfinite(loss)).any())
+
+
 def _steps_note(results: Sequence[RunResult], lasts: Sequence[int | None], until: int | None) -> str:
     """A note that runs of different lengths are compared up to step ``until`` ("" when they are not)."""
     if until is None:
         return ""
+    left_out = results[0].until_leaves_out if results else []
     return (
         "The runs trained for different numbers of steps ("
         + ", ".join(
             f"{r.label}: {s + 1 if s is not None else 0}" for r, s in zip(results, lasts, strict=True)
         )
-        + f"): each is compared on its steps up to step {until}, the last all of them finished."
+        + f"): each is compared on its steps up to step {until}, the last all of them finished"
+        + (
+            f" but {', '.join(left_out)}, whose loss went non-finite before it: a diverged run is compared on the "
+            "steps it ran, and sets no common step."
+            if left_out
+            else "."
+        )
     )
 
 

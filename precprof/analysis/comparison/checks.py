@@ -295,10 +295,19 @@ def _recommendation_checks(
             )
         elif not rivals:
             names = ", ".join(r.label for r in finished)
+            # confirmed only when every run in another format was set against it: a run compared short of its end
+            # (bf16, cut to the step a dead fp16 run reached) may match it yet
+            unset = [r.label for r in done if r not in finished]
             checks.append(
                 Check(
-                    CONFIRMED,
-                    f"Loss: {lead}; no run in another format matched {ref.label}'s loss ({names}).",
+                    NOT_MEASURED if unset else CONFIRMED,
+                    " ".join(
+                        [
+                            f"Loss: {lead}; no run in another format matched {ref.label}'s loss ({names})"
+                            + (f", and {', '.join(unset)} cannot tell." if unset else "."),
+                            *apart,
+                        ]
+                    ),
                     ref.label,
                     ASPECT_LOSS,
                 )

@@ -202,6 +202,9 @@ class RunResult:
     stopped: str = ""
     # the last step compared when runs of different lengths are compared on the steps all of them finished
     compared_until: int | None = None
+    # the runs whose loss went non-finite before that step, which do not set it (a diverged run is compared on
+    # the steps it ran: an fp16 run that died at step 5 cut fp32's and bf16's 34 steps to 5)
+    until_leaves_out: list[str] = field(default_factory=list)
     # the table files absent from its run directory (``tables.missing_tables``), named as its report names them
     missing: list[str] = field(default_factory=list)
     # the reference only: why it did not train itself ("" when it did: ``did_not_train``)
@@ -405,7 +408,7 @@ def cut_short(run: RunResult, ref: RunResult) -> str:
     if not said and run.steps_run != ref.steps_run:
         said = [f"{run.label} ran {run.steps_run:,} steps and {ref.label} {ref.steps_run:,}"]
     if cut:
-        said.append(compared_up_to(run.compared_until))
+        said.append(compared_up_to(run.compared_until, run.until_leaves_out))
     return "; ".join(said)
 
 
@@ -420,8 +423,12 @@ def _both_stopped(run: RunResult, ref: RunResult) -> list[str]:
     return [f"{run.label} {far} and {ref.label} {ref_far.removeprefix('stopped ')}, both {why}"]
 
 
-def compared_up_to(step: int | None) -> str:
-    """Where runs of different lengths are compared, in the words of the check lines (``cut_short``)."""
+def compared_up_to(step: int | None, diverged: Sequence[str] = ()) -> str:
+    """Where runs of different lengths are compared, in the words of the check lines (``cut_short``);
+    ``diverged``: the runs whose loss went non-finite earlier, which do not set that step."""
+    if diverged:
+        but = ", ".join(diverged)
+        return f"compared up to step {step}, the last step every run but {but} (diverged) finished"
     return f"compared up to step {step}, the last step every run finished"
 
 
