@@ -18,7 +18,10 @@ What the callback does:
   returned a loss. Optimizers set on the trainer during the fit (a callback switching to SGD at an epoch) are
   followed from the batch that steps them on (``Profiler.use_optimizer``), the change said in the summary;
 - ``on_train_end``: writes the run directory and report.html; ``on_exception``: the same, marked incomplete with
-  the exception (Lightning calls it before re-raising).
+  the exception (Lightning calls it before re-raising). A batch whose optimizer step ran before the exception
+  (a KeyboardInterrupt in a callback's ``on_train_batch_end`` listed before this one, or a Ctrl-C there) is a
+  finished step, its loss the one ``on_before_backward`` saw (not known under a GradScaler, which hands it over
+  scaled, or in manual optimization).
 
 Tokens: the token ids the model looked up, i.e. the input of its token embedding (the ``nn.Embedding`` tied to
 its head, else the one with the most rows not named as a position table: ``fed_tokens.token_embedding``) at its first call in the micro-batch: what ``training_step`` fed the model,
@@ -128,6 +131,11 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._tokens_unknown: dict[str, Any] | None = (
             None  # the steps whose tokens are not known, for the summary
         )
+        # the micro-batch in progress, for a step on_exception closes: its batch, and the loss its backward got
+        # (automatic optimization: what on_train_batch_end is handed; scaled under an enabled GradScaler)
+        self._batch: Any = None
+        self._backward_loss: torch.Tensor | None = None
+        self._scaled = False  # the precision plugin's GradScaler scales the loss before backward
         self._start: tuple[Any, ...] | None = None  # the session's start, made at the first batch
         self._next_step: int | None = None  # the next optimizer step's number (saved in checkpoints)
         self._restored_step: int | None = None  # that step, as the checkpoint this fit resumes from saved it
@@ -207,6 +215,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._session.out = out
         self._fed.attach(pl_module)
         self._tokens_unknown = None
+        self._scaled = enabled
         wrapped = getattr(trainer.strategy, "model", None)
         self._last_global_step = int(trainer.global_step)
         self._next_step = None
@@ -223,6 +232,7 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._fed.begin(batch)
+        self._batch, self._backward_loss = batch, None
         start, self._start = self._start, None
         if start is not None and self._session is not None:
             module, optimizers, scaler, summary, wrapped = start
@@ -252,33 +262,57 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
         self._loss_batches = 0
         self._tokens = 0
 
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        """Automatic optimization: the micro-batch's loss, for a step that on_exception closes (its
+        on_train_batch_end never came): the closure's loss, which on_train_batch_end is handed too, or that loss
+        scaled by the GradScaler. A detach: no copy, no sync."""
+        if bool(getattr(pl_module, "automatic_optimization", True)) and isinstance(loss, torch.Tensor):
+            self._backward_loss = loss.detach()
+
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._batch, self._backward_loss = None, None
         if self._session is None or not self._session.active:
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         automatic = bool(getattr(pl_module, "automatic_optimization", True))
-        has_loss = False
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            d = loss.detach().float().reshape(())
-            self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
-            self._loss_batches += 1
-            has_loss = True
+        has_loss = self._add_loss(loss)
         fed = self._fed.take(batch)
         # automatic optimization skips a batch whose training_step returned None (no backward): none of its
         # tokens were trained on. Manual optimization often returns nothing after its own backward.
-        if (has_loss or not automatic) and self._tokens is not None:
-            self._tokens = None if fed == UNKNOWN else self._tokens + (fed or 0)
+        if has_loss or not automatic:
+            self._add_tokens(fed)
         self._follow_optimizers(trainer)
         if int(trainer.global_step) == self._last_global_step:
             return  # gradient accumulation: no optimizer step yet
+        self._close_step(trainer, automatic)
+
+    def _add_loss(self, loss: Any) -> bool:
+        """Add a micro-batch's loss (as on_train_batch_end is handed it) to the step's; whether it had one."""
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            return False
+        d = loss.detach().float().reshape(())
+        self._loss_sum = d if self._loss_sum is None else self._loss_sum + d
+        self._loss_batches += 1
+        return True
+
+    def _add_tokens(self, fed: int | None) -> None:
+        """Add the ids a micro-batch fed the model (``FedTokens.take``) to the step's tokens."""
+        if self._tokens is not None:
+            self._tokens = None if fed == UNKNOWN else self._tokens + (fed or 0)
+
+    def _close_step(self, trainer: Any, automatic: bool, loss_known: bool = True) -> None:
+        """The batch stepped (``trainer.global_step`` moved): ``Profiler.step`` with the mean loss of its
+        micro-batches (None where ``loss_known`` is False: one of them is not known) and their tokens."""
         # one Profiler step per batch that stepped: manual optimization with several optimizers advances
         # global_step once per optimizer, and a step per optimizer made phantom steps with no forward, loss or
         # tokens, sampled empty, timed at nothing
         self._last_global_step = int(trainer.global_step)
+        if self._session is None:
+            return
         mean = None
-        if self._loss_sum is not None:
+        if self._loss_sum is not None and loss_known:
             # automatic optimization hands on_train_batch_end the loss divided by accumulate_grad_batches
             norm = int(getattr(trainer, "accumulate_grad_batches", 1) or 1) if automatic else 1
             # the mean over the micro-batches that returned a loss: a skipped one added nothing to the gradient
@@ -316,9 +350,45 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             if isinstance(exception, KeyboardInterrupt)
             else f"{type(exception).__name__}: {exception}"
         )
+        try:
+            self._close_stepped_batch(trainer, pl_module)
+        except Exception as e:  # the training's own exception matters more: it is raised on, the run saved
+            warnings.warn(
+                f"precprof: could not close the step that ran: {type(e).__name__}: {e}", stacklevel=2
+            )
         run_dir = self.finish(T.STATUS_INCOMPLETE, reason)
         if run_dir is not None and hasattr(exception, "add_note"):
             exception.add_note(f"precprof: the partial run was saved to {run_dir}")
+
+    def _close_stepped_batch(self, trainer: Any, pl_module: Any) -> None:
+        """The exception came after the batch's optimizer step ran (``trainer.global_step`` moved) and before
+        on_train_batch_end closed its step here (a callback listed before this one raised there, or Ctrl-C):
+        a finished step, not one cut off. Its last micro-batch's loss is the one its backward got (automatic
+        optimization without a GradScaler); else the step's loss is not known. Manual optimization: only once
+        training_step returned (an exception between two optimizers' steps cut the batch off)."""
+        batch, self._batch = self._batch, None
+        backward_loss, self._backward_loss = self._backward_loss, None
+        if self._session is None or not self._session.active:
+            return
+        if int(trainer.global_step) == self._last_global_step:
+            return  # no optimizer step since the last step closed: the batch in progress was cut off
+        automatic = bool(getattr(pl_module, "automatic_optimization", True))
+        if not automatic and not _training_step_returned(trainer):
+            return
+        fed = self._fed.take(batch)
+        if not automatic:  # what training_step returned was not seen
+            self._add_tokens(fed)
+            known = False
+        elif (
+            backward_loss is None
+        ):  # training_step returned None: a skipped batch, as on_train_batch_end counts it
+            known = True
+        else:
+            self._add_tokens(fed)
+            known = not self._scaled  # a scaled loss is not the loss
+            if known:
+                self._add_loss(backward_loss)
+        self._close_step(trainer, automatic, loss_known=known)
 
     def finish(self, status: str = T.STATUS_COMPLETE, reason: str | None = None) -> Path | None:
         """End the run: remove the hooks and write the run directory and the report."""
@@ -340,6 +410,15 @@ def _batches_that_stepped(trainer: Any) -> int:
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     n = getattr(loop, "_batches_that_stepped", None)
     return int(n) if isinstance(n, int) else int(trainer.global_step)
+
+
+def _training_step_returned(trainer: Any) -> bool:
+    """Whether the batch in progress got past its training step (Lightning's progress counts it processed) but
+    not to the end of its on_train_batch_end (completed); False where a Lightning keeps no such counts."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    total = getattr(getattr(loop, "batch_progress", None), "total", None)
+    processed, completed = getattr(total, "processed", None), getattr(total, "completed", None)
+    return isinstance(processed, int) and isinstance(completed, int) and processed > completed
 
 
 def _logs_to_wandb_run(trainer: Any, target: Any) -> bool:
