@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,24 @@ class TinyLM(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class ManualExitLM(TinyLM):
+    """Manual optimization that calls sys.exit(3) at batch 2 after its optimizer stepped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+        if batch_idx == 2:
+            sys.exit(3)
+        return loss
 
 
 class InterruptAt(L.Callback):  # type: ignore[misc]
@@ -94,10 +113,13 @@ def fit(tmp_path: Path, module: TinyLM, *before: Any, **kw: Any) -> tuple[Path, 
     return run, stopped.value
 
 
-def test_a_keyboard_interrupt_after_the_optimizer_step_keeps_that_step(tmp_path: Path) -> None:
+def test_a_keyboard_interrupt_after_the_optimizer_step_keeps_that_step_and_says_where_the_run_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The interrupt comes when step 1 (batches 2 and 3) has stepped AdamW: step 1 is finished, its loss the
     mean of the two batches' (the second never reached precprof's on_train_batch_end), where it was cut off with
-    no loss."""
+    no loss. Lightning exits with sys.exit(1) and shows no note on the KeyboardInterrupt: the run's place is
+    said on stderr."""
     module = TinyLM()
     run, stopped = fit(tmp_path, module, InterruptAt(2), accumulate_grad_batches=2)
     assert stopped.code == 1
@@ -107,6 +129,7 @@ def test_a_keyboard_interrupt_after_the_optimizer_step_keeps_that_step(tmp_path:
     assert steps[T.LOSS].tolist() == pytest.approx(pairs, rel=1e-6)
     assert (steps[T.TOKENS] == 2 * BATCH * SEQ).all()
     assert T.read_summary(run)[T.SUMMARY_INCOMPLETE_REASON] == "interrupted (KeyboardInterrupt)"
+    assert f"precprof: the partial run was saved to {run}\n" in capsys.readouterr().err
 
 
 def test_under_a_grad_scaler_that_steps_loss_is_not_known(tmp_path: Path) -> None:
@@ -120,3 +143,16 @@ def test_under_a_grad_scaler_that_steps_loss_is_not_known(tmp_path: Path) -> Non
     assert steps[T.STEP].tolist() == [0, 1] and not T.flags(steps[T.CUT_OFF]).any()
     assert steps[T.LOSS][0] == pytest.approx(module.losses[0], rel=1e-6) and math.isnan(steps[T.LOSS][1])
     assert (steps[T.TOKENS] == BATCH * SEQ).all()
+
+
+def test_sys_exit_in_a_manual_training_step_after_its_optimizer_stepped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """training_step did not return: the batch is cut off, though its optimizer stepped (global_step moved).
+    Python prints no traceback for a SystemExit: the run's place is said on stderr."""
+    run, stopped = fit(tmp_path, ManualExitLM())
+    assert stopped.code == 3
+    steps = T.read_tables(run)["steps"]
+    assert steps[T.STEP].tolist() == [0, 1, 2] and T.flags(steps[T.CUT_OFF]).tolist() == [False, False, True]
+    assert T.read_summary(run)[T.SUMMARY_INCOMPLETE_REASON] == "SystemExit: 3"
+    assert f"precprof: the partial run was saved to {run}\n" in capsys.readouterr().err

@@ -21,7 +21,9 @@ What the callback does:
   the exception (Lightning calls it before re-raising). A batch whose optimizer step ran before the exception
   (a KeyboardInterrupt in a callback's ``on_train_batch_end`` listed before this one, or a Ctrl-C there) is a
   finished step, its loss the one ``on_before_backward`` saw (not known under a GradScaler, which hands it over
-  scaled, or in manual optimization).
+  scaled, or in manual optimization). Where the run was saved is a note on the exception, or, after a
+  KeyboardInterrupt (Lightning exits with ``sys.exit(1)``) or a ``SystemExit`` (whose traceback Python never
+  shows), one line on stderr.
 
 Tokens: the token ids the model looked up, i.e. the input of its token embedding (the ``nn.Embedding`` tied to
 its head, else the one with the most rows not named as a position table: ``fed_tokens.token_embedding``) at its first call in the micro-batch: what ``training_step`` fed the model,
@@ -50,6 +52,7 @@ writes (``precprof.capture.reducer``); the wrapper is described from ``trainer.s
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -356,9 +359,20 @@ class PrecprofCallback(Callback):  # type: ignore[misc]
             warnings.warn(
                 f"precprof: could not close the step that ran: {type(e).__name__}: {e}", stacklevel=2
             )
+        prof = self.profiler
+        writer = prof is not None and bool(prof.is_writer)
         run_dir = self.finish(T.STATUS_INCOMPLETE, reason)
-        if run_dir is not None and hasattr(exception, "add_note"):
-            exception.add_note(f"precprof: the partial run was saved to {run_dir}")
+        if run_dir is None:
+            return
+        said = f"precprof: the partial run was saved to {run_dir}"
+        if isinstance(exception, (KeyboardInterrupt, SystemExit)):
+            # a note on either is never shown: Lightning turns a KeyboardInterrupt into sys.exit(1) after this
+            # hook ("Detected KeyboardInterrupt, attempting graceful shutdown"), and Python prints no traceback
+            # for a SystemExit
+            if writer:
+                print(said, file=sys.stderr, flush=True)
+        elif hasattr(exception, "add_note"):
+            exception.add_note(said)
 
     def _close_stepped_batch(self, trainer: Any, pl_module: Any) -> None:
         """The exception came after the batch's optimizer step ran (``trainer.global_step`` moved) and before
