@@ -13,7 +13,6 @@ import math
 import re
 import subprocess
 import sys
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -1334,19 +1333,47 @@ def test_templates_found_in_the_source_tree() -> None:
     assert {"report.html.j2", "report.css", "report.js"} <= {p.name for p in templates_dir().iterdir()}
 
 
-def test_rendering_never_imports_pyplot(tmp_path: Path) -> None:
-    code = textwrap.dedent(
-        f"""
-        import sys
-        sys.path.insert(0, {str(ROOT / "tests")!r})
-        from report_fixtures import gpt_layers, synthetic_run
-        from precprof.report import render_report
-        tabs, summary = synthetic_run("bf16", layers=gpt_layers(n_layer=1)[:4], steps=2, sample_every=1)
-        render_report(tabs, summary, {str(tmp_path / "r.html")!r})
-        assert "matplotlib.pyplot" not in sys.modules, "pyplot was imported"
-        """
+@pytest.fixture(scope="module")
+def fresh_interpreter(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """One fresh interpreter for the two tests below (each interpreter's start, pandas, matplotlib and jinja's
+    imports, took seconds of the suite): first the run directory read, advised and rendered, then whether torch
+    was loaded; then a synthetic run rendered, and whether pyplot was loaded by any of those renders; then
+    ``precprof.Profiler`` and ``precprof.training.train`` used. Its folder and the lines it printed."""
+    tmp_path = tmp_path_factory.mktemp("fresh-interpreter")
+    tables, summary = synthetic_run("fp16", steps=6)
+    T.write_tables(tmp_path, tables)
+    T.write_summary(tmp_path, summary)
+    code = (
+        "import sys, precprof\n"
+        "from precprof import pipeline, training\n"
+        "from precprof.cli import main\n"
+        f"rec = precprof.recommend({str(tmp_path)!r})\n"
+        f"page = pipeline.rerender({str(tmp_path)!r}, target='a100')\n"
+        "try:\n"
+        f"    main(['report', {str(tmp_path)!r}, '--out', {str(tmp_path / 'cli.html')!r}])\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "print(rec.format, page.name, 'torch' in sys.modules)\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from report_fixtures import gpt_layers, synthetic_run\n"
+        "from precprof.report import render_report\n"
+        "tabs, summary = synthetic_run('bf16', layers=gpt_layers(n_layer=1)[:4], steps=2, sample_every=1)\n"
+        f"render_report(tabs, summary, {str(tmp_path / 'r.html')!r})\n"
+        "print('pyplot', 'matplotlib.pyplot' in sys.modules)\n"
+        "precprof.Profiler\n"
+        "print('torch' in sys.modules)\n"
+        "print(training.train.__module__)\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    return tmp_path, res.stdout.splitlines()
+
+
+def test_rendering_never_imports_pyplot(fresh_interpreter: tuple[Path, list[str]]) -> None:
+    """The fresh interpreter's renders (the CLI's, ``rerender``'s, ``render_report``'s): pyplot never loaded."""
+    tmp_path, lines = fresh_interpreter
+    assert lines[-3] == "pyplot False", "pyplot was imported"
     assert (tmp_path / "r.html").stat().st_size > 10_000
 
 
@@ -1454,34 +1481,15 @@ def test_a_rerender_drops_the_report_error_it_fixes(tmp_path: Path) -> None:
     assert T.read_summary(tmp_path)[T.SUMMARY_ERRORS] == summary[T.SUMMARY_ERRORS]  # data never rewritten
 
 
-def test_reading_advising_and_rendering_a_run_never_import_torch(tmp_path: Path) -> None:
+def test_reading_advising_and_rendering_a_run_never_import_torch(
+    fresh_interpreter: tuple[Path, list[str]],
+) -> None:
     """``import precprof``, the advisor, the report and the ``precprof report`` command read run directories
     without torch (seconds of imports); ``precprof.Profiler`` and ``precprof.training.train`` load it when first
     used."""
-
-    tables, summary = synthetic_run("fp16", steps=6)
-    T.write_tables(tmp_path, tables)
-    T.write_summary(tmp_path, summary)
-    code = (
-        "import sys, precprof\n"
-        "from precprof import pipeline, training\n"
-        "from precprof.cli import main\n"
-        f"rec = precprof.recommend({str(tmp_path)!r})\n"
-        f"page = pipeline.rerender({str(tmp_path)!r}, target='a100')\n"
-        "try:\n"
-        f"    main(['report', {str(tmp_path)!r}, '--out', {str(tmp_path / 'cli.html')!r}])\n"
-        "except SystemExit as e:\n"
-        "    assert e.code == 0, e.code\n"
-        "print(rec.format, page.name, 'torch' in sys.modules)\n"
-        "precprof.Profiler\n"
-        "print('torch' in sys.modules)\n"
-        "print(training.train.__module__)\n"
-    )
-    res = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
-    )
-    first, second, third = res.stdout.splitlines()[-3:]
-    assert first.endswith("report-a100.html False"), res.stdout
+    tmp_path, lines = fresh_interpreter
+    first, second, third = lines[-4], lines[-2], lines[-1]
+    assert first.endswith("report-a100.html False"), lines
     assert second == "True" and third == "precprof.training.loop"
     assert (tmp_path / "cli.html").read_text().lstrip().lower().startswith("<!doctype html")
 
