@@ -243,26 +243,34 @@ def test_screenshot_is_not_blank_and_images_decode(precision: str, runs_base: Pa
     assert '<html lang="en">' in nojs and 'id="verdict"' in nojs and nojs.count("<img ") == 6
 
 
-def layout(page: Path, width: int, tmp: Path) -> dict:
+def layout(page: Path, width: int, tmp: Path, before: str = "") -> dict:
     """The LAYOUT_PROBE's findings for ``page`` in a window ``width`` px wide, JavaScript errors recorded from
-    the first line of the page on."""
+    the first line of the page on. ``before``: another probe, appended before the LAYOUT_PROBE (its load
+    handler runs first, before the LAYOUT_PROBE clicks the page's buttons); the page's DOM is then under
+    "dom"."""
     probe = tmp / f"layout-{width}.html"
     text = page.read_text().replace("<head>", "<head>" + ERROR_PROBE, 1)
-    probe.write_text(text.replace("</body>", LAYOUT_PROBE + "</body>"))
+    probe.write_text(text.replace("</body>", before + LAYOUT_PROBE + "</body>"))
     dom = chromium([f"--window-size={width},1000", "--dump-dom", probe.as_uri()], tmp / f"pl{width}").stdout
     m = re.search(r'data-layout="([^"]*)"', dom)
     assert m is not None, "the layout probe did not run"
-    return json.loads(html.unescape(m.group(1)))
+    found = json.loads(html.unescape(m.group(1)))
+    if before:
+        found["dom"] = dom
+    return found
 
 
 MIN_IMAGE_SCALE = 0.7  # an image shown below 70% of its own pixels has text too small to read
 
 
-def check_layout(page: Path, tmp: Path) -> None:
+def check_layout(page: Path, tmp: Path, before: str = "") -> dict[int, str]:
     """At 1400 and 800 px: nothing clipped sideways, no rows behind a scrollbar, every plot shown at 70% of its
-    pixels or more, no JavaScript error, no raw dump, no list cut short; and printed, every row and detail."""
+    pixels or more, no JavaScript error, no raw dump, no list cut short; and printed, every row and detail.
+    ``before``: another probe in the same pages (see ``layout``); their DOMs by width."""
+    doms = {}
     for width in LAYOUT_WIDTHS:
-        found = layout(page, width, tmp)
+        found = layout(page, width, tmp, before)
+        doms[width] = found.pop("dom", "")
         at = f"at {width} px"
         assert found["window"] == width
         assert found["errors"] == [], f"JavaScript errors {at}: {found['errors']}"
@@ -280,6 +288,7 @@ def check_layout(page: Path, tmp: Path) -> None:
         for name, t in found["long"].items():  # the first rows, and buttons for the next ones and for all
             check_long_table(name, t)
             assert t["unscripted"] == t["rows"], (name, t)  # no script, no button: every row shows
+    return doms
 
 
 def check_long_table(name: str, t: dict[str, Any]) -> None:
@@ -477,14 +486,12 @@ def test_a_long_module_type_stays_in_its_cell_and_the_layer_table_at_1400_px(tmp
     text = page.read_text()
     table = text.split('id="layer-table"', 1)[1].split("</table>", 1)[0]
     assert table.count(f'title="{long}"') == 2  # the full name where the cell wraps it
+    # the type probe in the layout check's pages (one browser a width, not two), run before the layout probe's
+    doms = check_layout(page, tmp_path, before=TYPE_PROBE)
     for width, stacked in ((1400, False), (800, True)):
-        probe = tmp_path / f"types-{width}.html"
-        probe.write_text(text.replace("</body>", TYPE_PROBE + "</body>"))
-        dom = chromium([f"--window-size={width},1000", "--dump-dom", probe.as_uri()], tmp_path / f"pt{width}")
-        m = re.search(r'data-types="([^"]*)"', dom.stdout)
+        m = re.search(r'data-types="([^"]*)"', doms[width])
         assert m is not None, "the probe did not run"
         found = json.loads(html.unescape(m.group(1)))
         assert found["cells"] == len(layers)
         assert found["stacked"] is stacked, (width, found)
         assert found["over"] == [], (width, found)
-    check_layout(page, tmp_path)
