@@ -112,7 +112,8 @@ def test_bf16_trainer_covers_every_conv1d(tmp_path: Path) -> None:
     assert summary[T.SUMMARY_MODEL]["n_embd"] == N_EMBD
     if _render_available():
         assert cb.report_path is not None and cb.report_path.exists()
-        assert "c_attn" in cb.report_path.read_text()
+        page = cb.report_path.read_text()
+        assert "c_attn" in page and "Asked for <strong>bf16</strong> (TrainingArguments(bf16=True))." in page
 
 
 def test_fp16_on_cpu_is_reported_as_not_active(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from precprof.integrations.lightning import (  # noqa: E402
     PrecprofCallback,
     precprof_precision,
 )
+from precprof.report import summarize  # noqa: E402
 from precprof.report.context import _headline  # noqa: E402
 from precprof.report.environment import config_rows  # noqa: E402
 from precprof.rundir import RunDirError  # noqa: E402
@@ -121,6 +122,8 @@ def test_bf16_mixed_produces_a_report(tmp_path: Path) -> None:
         # (it said "bf16: no autocast")
         page = cb.report_path.read_text()
         assert "precision</th><td>bf16: autocast to bfloat16; no loss scaling" in page
+        # what was asked for, in precprof's words and in Lightning's
+        assert "Asked for <strong>bf16</strong> (Lightning&#39;s precision=&#34;bf16-mixed&#34;)." in page
 
 
 def test_bf16_true_holds_weights_in_bf16_and_accumulates(tmp_path: Path) -> None:
@@ -130,6 +133,9 @@ def test_bf16_true_holds_weights_in_bf16_and_accumulates(tmp_path: Path) -> None
     fit(tmp_path, "bf16-true", cb, module, accumulate_grad_batches=2)
     summary = T.read_summary(cb.run_dir)
     assert summary[T.SUMMARY_CONFIG]["precision"] == "bf16-pure"
+    assert (
+        summarize.asked_as(summary) == 'Lightning\'s precision="bf16-true"'
+    )  # the report's "Asked for bf16-pure"
     tables = T.read_tables(cb.run_dir)
     steps, layers = tables["steps"], tables["layers"]
     assert steps[T.STEP].tolist() == [0, 1, 2, 3]

@@ -470,6 +470,19 @@ def requested_precision(summary: Mapping[str, Any]) -> str:
     return _asked_precision(summary) or (str(seen) if seen else "")
 
 
+def asked_as(summary: Mapping[str, Any]) -> str:
+    """How the run's framework asked for its precision, where its words are not precprof's: Lightning's
+    ``precision="bf16-true"`` (precprof's bf16-pure), the HF Trainer's ``bf16=True``; "" otherwise."""
+    cfg = summary.get(T.SUMMARY_CONFIG) or {}
+    lightning = cfg.get("lightning_precision")
+    if lightning and str(lightning) != _asked_precision(summary):
+        return f'Lightning\'s precision="{lightning}"'
+    if cfg.get("source") == "transformers.Trainer":
+        flags = [f"{k}=True" for k in ("bf16", "fp16") if cfg.get(k) is True]
+        return f"TrainingArguments({', '.join(flags)})" if flags else ""
+    return ""
+
+
 def _asked_precision(summary: Mapping[str, Any]) -> str:
     """The precision mode the run's configuration asked for ("" for the user's own loop, which asks none)."""
     cfg = summary.get(T.SUMMARY_CONFIG) or {}
@@ -488,7 +501,8 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     ("mxfp8": torchao's MX layers, whose outputs keep their input's dtype) that its MX GEMMs did.
 
     Returns {"requested", "asked": bool (whether a configuration asked for ``requested``; the user's own loop asks
-    nothing, and its ``requested`` is the precision the profiler saw it train in), "rows": [{"what", "census"}],
+    nothing, and its ``requested`` is the precision the profiler saw it train in), "asked_as" (``asked_as``),
+    "rows": [{"what", "census"}],
     "active": bool, "verdict": str, "ok": bool, "banner": str (the banner's headline when not ok, "" for the usual
     one)}.
     """
@@ -573,6 +587,7 @@ def precision_check(layers: pd.DataFrame, memory: pd.DataFrame, summary: Mapping
     return {
         "requested": requested,
         "asked": bool(_asked_precision(summary)),
+        "asked_as": asked_as(summary),
         "rows": census_rows,
         "active": active,
         "verdict": verdict,
