@@ -77,6 +77,24 @@ def test_aligned_dims_but_gemms_too_small_for_fp8_to_pay(aligned_run: Path) -> N
     assert not [x.code for x in rec.findings if "onvert the" in x.remedy]
 
 
+def test_the_fp8_findings_name_one_format_for_the_layers_fp8_is_not_advised_for(aligned_run: Path) -> None:
+    """Tester h91: under a small model's fp32 verdict (the measurements allowing bf16), the eligibility finding,
+    whose modules are the eligible layers, said "Keep them in fp32: FP8 is not advised here", as if being
+    eligible kept them in fp32, while the speed finding said "Keep these layers in bf16" and the verdict "the
+    measurements allow bf16". Both name the same place: with the rest of the model, in the verdict's format and,
+    where it is the small-model default, the one the measurements allow."""
+    rec = scen.advice(aligned_run)
+    assert rec.format == "fp32" and rec.measured_format == "bf16"
+    elig, speed = rec.finding("fp8_eligibility"), rec.finding("fp8_speed")
+    assert elig is not None and speed is not None and len(elig.modules) == 16
+    where = "with the rest of the model, in fp32 (the default under 100 M parameters) or the bf16 the measurements allow"
+    assert elig.remedy.startswith(f"Keep them {where}: FP8 is not advised here (the speed decided: ")
+    assert speed.remedy.startswith(f"Keep these layers {where}; FP8 pays for larger GEMMs")
+    assert (
+        "in fp32:" not in elig.remedy
+    )  # (a bf16 verdict's, "in bf16 with the rest of the model": the goldens)
+
+
 def test_with_the_size_and_speed_thresholds_lowered_the_aligned_run_gets_fp8_without_the_head(
     aligned_run: Path,
 ) -> None:

@@ -8,7 +8,7 @@ from precprof import tables as T
 from precprof.analysis.advisor.config import AdvisorConfig
 from precprof.analysis.advisor.evidence import _Plan, _Run
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Recommendation
-from precprof.analysis.advisor.rules.fp8 import _and, held_back_remedy, token_counts
+from precprof.analysis.advisor.rules.fp8 import _and, held_back_remedy, speed_keep_remedy, token_counts
 from precprof.analysis.advisor.text import _g, _listing, _name, _pct, _pow2, _scale
 from precprof.taxonomy import FP8_DIM_MULTIPLE
 
@@ -179,14 +179,28 @@ def _fp8_why_not(plan: _Plan, cfg: AdvisorConfig) -> str:
     return ""
 
 
+def _with_the_rest(cfg: AdvisorConfig, fmt: str, measured: str) -> str:
+    """Where the linear layers FP8 is not advised for run, in words the FP8 findings share: with the rest of the
+    model, in the verdict's format, and for a small model's fp32 verdict the format the measurements allow too.
+    "Keep them in fp32" under the eligible layers read as if being eligible kept them in fp32, beside the speed
+    finding's "in bf16" and the verdict's "the measurements allow bf16"."""
+    if measured and measured != fmt:
+        return (
+            f"with the rest of the model, in {fmt} (the default under {T.params_text(cfg.small_model_params)} "
+            f"parameters) or the {measured} the measurements allow"
+        )
+    return f"in {fmt} with the rest of the model"
+
+
 def _fp8_story(run: _Run, plan: _Plan, fmt: str, measured: str, why: str) -> None:
     """One story on the page: when the verdict is not fp8, no finding tells the user to convert layers to FP8;
-    the FP8 findings say why not instead."""
+    the FP8 findings say why not instead, and name one format for the layers it would have converted."""
     if fmt == "fp8":
         return
     hw = run.hw
+    rest = _with_the_rest(run.cfg, fmt, measured)
     if why:
-        keep = f"Keep them in {fmt}: FP8 is not advised here ({why})."
+        keep = f"Keep them {rest}: FP8 is not advised here ({why})."
     elif not hw.fp8_supported:
         keep = (
             f"Nothing to convert on {hw.preset or hw.name}: it has no FP8 tensor cores (compute capability 8.9+); "
@@ -206,6 +220,8 @@ def _fp8_story(run: _Run, plan: _Plan, fmt: str, measured: str, why: str) -> Non
             f.remedy = keep
         elif f.code == "fp8_supported":
             f.remedy = f"Train in {fmt}: FP8 is not advised for this model" + (f" ({why})." if why else ".")
+        elif f.code == "fp8_speed" and f.remedy == speed_keep_remedy():
+            f.remedy = speed_keep_remedy(rest)
 
 
 def _decide(run: _Run, plan: _Plan) -> Recommendation:

@@ -1421,6 +1421,12 @@ def _frozen_said(plan: _Plan, limit: int) -> str:
     )
 
 
+def speed_keep_remedy(where: str = "in bf16 on this model") -> str:
+    """The speed finding's remedy where FP8 would not pay; the decision names ``where`` the layers run (with the
+    rest of the model, in the verdict's format: ``decide._with_the_rest``)."""
+    return f"Keep these layers {where}; FP8 pays for larger GEMMs (wider layers or more tokens per call)."
+
+
 def _speed_finding(run: _Run, plan: _Plan) -> None:
     est = plan.fp8_speed
     if est is None or not run.hw.fp8_supported:  # the question is asked on FP8 hardware only
@@ -1458,8 +1464,7 @@ def _speed_finding(run: _Run, plan: _Plan) -> None:
             f"{cut:g}x at the lower end. Sources: {fp8_speed.sources()}",
             "Measure it on the target: precprof compare --precisions bf16,fp8 (both compiled) times both."
             if pays or may
-            else "Keep these layers in bf16 on this model; FP8 pays for larger GEMMs (wider layers or more "
-            "tokens per call).",
+            else speed_keep_remedy(),
             modules=[],
             numbers={
                 "estimated_speedup": est.speedup,
