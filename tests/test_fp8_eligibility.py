@@ -95,6 +95,45 @@ def test_the_fp8_findings_name_one_format_for_the_layers_fp8_is_not_advised_for(
     )  # (a bf16 verdict's, "in bf16 with the rest of the model": the goldens)
 
 
+def test_the_eligibility_message_opens_with_the_decision_and_its_method_states_every_condition(
+    aligned_run: Path,
+) -> None:
+    """Tester h91: the message (230 words) gave the definition of eligible first and the decision ("Not
+    eligible: ...") last, with a clause no reader could parse ("below it at the power-of-two scale a tensor's
+    largest value on a step sets, whatever put them there, which does not decide: ..."), and called an upper
+    bound of the norm lost "Largest norm lost: e4m3 0.0059%", 2.4x the exact figure, as if measured. The
+    decision comes first, every layer named with or without its reason; the figures follow, the bound said as
+    one; the definitions are the method's, each condition of eligibility among them."""
+    numbers = pytest.importorskip("precprof.report.numbers")
+    f = scen.advice(aligned_run, config=ALL).finding("fp8_eligibility")
+    assert f is not None and len(f.modules) == 16
+    decision = f"16 of 17 qualify: {', '.join(f.modules)}. Not eligible: lm_head (tied to the embedding "
+    assert f.message.startswith(decision)
+    assert ". The eligible layers carry " in f.message
+    lost = f.numbers["max_e4m3_lost_norm"]
+    assert isinstance(lost, float) and 0 < lost < 1e-6  # "under 0.000001%", a bound too
+    assert "Largest norm lost: e4m3 at most " in f.message or "Largest norm lost: e4m3 under " in f.message
+    assert "qualifies when" not in f.message and "which does not decide" not in f.message
+    assert (
+        "Values below FP8's smallest normal at a tensor's own scale, whatever put them there (not judged)"
+        in (f.message)
+    )
+    # every condition, in the method
+    for condition in (
+        "--precision fp8 would convert it (an nn.Linear not tied to an embedding, both dimensions and the tokens "
+        "per call multiples of 16)",
+        "none of its tensors held nan/inf",
+        "loses at most 0.1% of the L2 norm of what its FP8 GEMMs read",
+        "its largest 0.1% of values may push at most 50% of its values below the format's smallest normal",
+        "an upper bound (fewer where the scale is not rounded to a power of two",
+    ):
+        assert condition in f.method
+    # the page's label says the figure is a bound
+    for name in ("max_e4m3_lost_norm", "max_e5m2_lost_norm"):
+        text, _ = numbers.label("fp8_eligibility", name)
+        assert text.startswith("up to ") and "an upper bound" in text
+
+
 def test_with_the_size_and_speed_thresholds_lowered_the_aligned_run_gets_fp8_without_the_head(
     aligned_run: Path,
 ) -> None:
@@ -383,7 +422,8 @@ def test_the_flops_share_counts_each_call_at_the_tokens_it_had() -> None:
     f = rec.finding("fp8_eligibility")
     assert f is not None and f.modules == ["head"]
     assert f.numbers["eligible_flops_share"] == pytest.approx(share)
-    assert f"1 of 2 qualify, carrying {100 * share:.3g}% of the" in f.message
+    assert f.message.startswith("1 of 2 qualify: head. Not eligible: fc (")
+    assert f". The eligible layers carry {100 * share:.3g}% of the" in f.message
     assert "the layers themselves decided" not in " ".join(rec.reasons)
     # the speed estimate counts GEMMs, a call each: fc's calls were "the 2 linear layers left in bf16" of a model
     # of two linear layers, one of them converted
@@ -549,7 +589,8 @@ def test_the_flops_share_counts_the_layers_whose_weight_is_computed(old_style: b
     assert f is not None and f.modules == ["0", "4"] and f.numbers["unknown_shape"] == 0
     share = (flops["0"] + flops["4"]) / sum(flops.values())
     assert share < 0.06 and f.numbers["eligible_flops_share"] == pytest.approx(share)
-    assert f"2 of 4 qualify, carrying {100 * share:.3g}% of the" in f.message
+    assert f.message.startswith("2 of 4 qualify: 0, 4. Not eligible: ")
+    assert f". The eligible layers carry {100 * share:.3g}% of the" in f.message
     assert "unknown shape" not in f.message and "none was recorded" not in f.message
     speed = rec.finding("fp8_speed")  # the two layers left in bf16 are in the step FP8 would run
     assert speed is not None and speed.numbers["layers"] == 2 and speed.numbers["layers_bf16"] == 2
@@ -840,7 +881,7 @@ def test_routed_experts_are_held_back_by_their_routed_tokens_and_do_not_set_batc
     assert f is not None
     held = {m for m, counts in rows.items() if any(c % 16 for c in counts)}
     assert len(held) == 16 and set(f.modules).isdisjoint(held) and {"inp", "out"} <= set(f.modules)
-    listed = f.message.split("Not eligible: ")[1]
+    listed = f.message.split("Not eligible: ")[1].split(". The eligible layers carry")[0]
     assert all(
         m in listed for m in held if m != "experts.7.2" and m < "experts.2"
     )  # the first ones are named

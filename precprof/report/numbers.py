@@ -262,8 +262,14 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     ),
     "max_e4m3_share": ("most E4M3 values flushed (inputs, weights; not judged)", "share"),
     "max_e5m2_share": ("most E5M2 values flushed (output gradients; not judged)", "share"),
-    "max_e4m3_lost_norm": ("largest share of the norm E4M3 loses (inputs, weights)", "share"),
-    "max_e5m2_lost_norm": ("largest share of the norm E5M2 loses (output gradients)", "share"),
+    "max_e4m3_lost_norm": (
+        "up to this share of the norm E4M3 loses, in the input or weight that loses the most (an upper bound)",
+        "share",
+    ),
+    "max_e5m2_lost_norm": (
+        "up to this share of the norm E5M2 loses, in the output gradient that loses the most (an upper bound)",
+        "share",
+    ),
     "max_pushed_subnormal": (
         "most values a judged tensor's largest 0.1% push below FP8's smallest normal (a weight, or a tensor read "
         "in one call a step)",

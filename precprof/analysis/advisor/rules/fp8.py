@@ -387,6 +387,37 @@ def _below(
     return sorted(out, key=lambda t: -t[0])
 
 
+# the figure of a tensor's values below the smallest normal, whatever put them there, in the message's words (the
+# method says what it is and why it does not decide: ``_not_judged_method``)
+BELOW_WORDS = (
+    "Values below FP8's smallest normal at a tensor's own scale, whatever put them there (not judged)"
+)
+
+
+def _not_judged_method(most: float) -> str:
+    """What the message's figures that do not decide are, and why they do not (the method's words): the values
+    flushed, and the values below the smallest normal whatever put them there (``BELOW_WORDS``)."""
+    return (
+        "Two figures are reported beside these, not judged. The share of a tensor's values flushed to zero: a "
+        "tail of tiny gradient values (GPT-2's mlp.c_fc behind GELU) may flush by the tens of percent and carry a "
+        "millionth of the norm. The share of a tensor's values below the format's smallest normal at the "
+        "power-of-two scale its largest value on a step sets, whatever put them there: an upper bound (fewer "
+        "where the scale is not rounded to a power of two, torchao's default, where each call of a step is "
+        "scaled on its own, and after rounding); where it is over "
+        f"{_pct(most)}, more values than the largest {_pct(OUTLIER_SHARE)} put them there: outlier channels "
+        "that set the scale for the rest (as LLM.int8's outlier features), which the outlier check does not "
+        "see, or a spread over many binades, as a weight's or a gradient's may have by nature."
+    )
+
+
+def _bound(share: float | None) -> str:
+    """An upper bound of a share in words: "at most 0.0059%", "under 0.000001%"; "0%" (nothing flushed, none
+    lost), "n/a" where none was measured."""
+    if share is None or not math.isfinite(share) or share == 0:
+        return _pct(share)
+    return _at_most(share)
+
+
 def _below_words(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], most: float, limit: int) -> str:
     """The tensors with more than ``most`` of their values below the smallest normal, by name, so that an
     outlier channel in a layer other than the one of the largest share is found ("" when there are none)."""
@@ -1096,19 +1127,22 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         "its input being the output of the module that made it, or the layer's own input row; its output "
         f"stays bf16. The figure is the median over the {steps} sampled step(s) of an upper bound from the "
         "step's exponent histogram (each flushed value at its binade's upper edge, the exact count of flushed "
-        "values). Nothing saturates under current scaling. Why "
-        f"{_pct(lim)}: {LOST_NORM_EVIDENCE} Nor may an outlier set a tensor's scale: its largest "
+        "values), so the largest norm lost is at most the figure given. Nothing saturates under current scaling. "
+        f"Why {_pct(lim)}: {LOST_NORM_EVIDENCE} Nor may an outlier set a tensor's scale: its largest "
         f"{_pct(OUTLIER_SHARE)} of values may push at most {_pct(cfg.fp8_pushed_subnormal_max)} of its values "
         "below the format's smallest normal, where they keep few significant bits while the norm, which the "
-        "outlier holds, loses almost nothing (as with the massive activations of large language models)."
+        "outlier holds, loses almost nothing (as with the massive activations of large language models). "
+        f"{_not_judged_method(cfg.fp8_pushed_subnormal_max)}"
+        + _floored_method(_floored(by_key, linear))
         + _scores_method(plan.fp8_scores_uncounted)
     )
+    # the decision first (which layers qualify, which do not and why), then the figures; what eligible means and
+    # how each figure is measured is the method's (the message had them first, and the decision last)
     msg = (
-        "A linear layer qualifies when --precision fp8 would convert it, its tensors held no nan/inf, per-tensor "
-        f"current scaling loses at most {_pct(lim)} of the L2 norm of what its FP8 GEMMs read, and its largest "
-        f"{_pct(OUTLIER_SHARE)} of values push at most {_pct(cfg.fp8_pushed_subnormal_max)} of a tensor's values "
-        "below FP8's smallest normal. "
-        f"{len(plan.fp8_eligible)} of {len(rows)} qualify, carrying {_pct(plan.fp8_flops_share)} of the "
+        f"{len(plan.fp8_eligible)} of {len(rows)} qualify"
+        + (f": {_listing(plan.fp8_eligible, cfg.max_listed_modules)}" if plan.fp8_eligible else "")
+        + (". Not eligible: " + _not_eligible(bad, cfg.max_listed_modules) if bad else "")
+        + f". The eligible layers carry {_pct(plan.fp8_flops_share)} of the "
         + (
             "matmul FLOPs, those of the modules float8 conversion leaves in bf16 included"
             if other_flops
@@ -1169,15 +1203,15 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         )
         + _overflow_words(overflowed, run.layers[T.STEP].nunique(), cfg.max_listed_modules)
         + _floored_words(by_key, linear, cfg.max_listed_modules)
-        + f". Largest norm lost: e4m3 {_pct(fmax)}"
+        + f". Largest norm lost: e4m3 {_bound(fmax)}"
         + (f" ({_name(fmod)})" if fmod is not None else "")
         + (
             ", e5m2 not measured (no output gradient was judged)"
             if unjudged_grads
-            else f", e5m2 {_pct(bmax)}"
+            else f", e5m2 {_bound(bmax)}"
         )
         + (f" ({_name(bmod)})" if bmod is not None else "")
-        + f". Values flushed, which do not decide: up to {_pct(fval)} forward"
+        + f". Values flushed (not judged): up to {_pct(fval)} forward"
         + (f" ({_name(fvmod)})" if fvmod is not None else "")
         + ("" if unjudged_grads else f" and {_pct(bval)} of the output gradients")
         + (f" ({_name(bvmod)})" if bvmod is not None else "")
@@ -1191,21 +1225,9 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         + ". "
         + _pushed_words(pmax, pmod, _pooled_layers(by_key, linear))
         + (
-            "; below it at the power-of-two scale a tensor's largest value on a step sets, whatever put them "
-            "there, which does not decide: "
-            + (
-                f"at most {_pct(lowest)} of a tensor's values ({low_where}; fewer where the scale is not "
-                "rounded to a power of two, torchao's default, or each call of a step is scaled on its own, and after rounding)"
-                if lowest
-                else "none"
-            )
-            + (
-                f", more than its largest {_pct(OUTLIER_SHARE)} may push there: outlier channels (more values than "
-                "those) that set the scale for the rest put them there, or a spread over many binades"
-                + _below_words(by_key, linear, cfg.fp8_pushed_subnormal_max, cfg.max_listed_modules)
-                if lowest > cfg.fp8_pushed_subnormal_max
-                else ""
-            )
+            f". {BELOW_WORDS}: "
+            + (f"at most {_pct(lowest)} of a tensor's ({low_where})" if lowest else "none")
+            + _below_words(by_key, linear, cfg.fp8_pushed_subnormal_max, cfg.max_listed_modules)
             if lowest is not None
             else ""
         )
@@ -1228,7 +1250,6 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
         )
         + _unread_words(run, unread, cfg.max_listed_modules)
         + _made_again_words(run, again, inputs, cfg.max_listed_modules)
-        + (". Not eligible: " + _not_eligible(bad, cfg.max_listed_modules) if bad else "")
         + "."
     )
     plan.add(
@@ -1362,10 +1383,21 @@ def _floored_words(by_key: Mapping[Any, Mapping[str, Any]], linear: list[str], l
     floor = f"{formats.FP8_AMAX_FLOOR:g}"
     return (
         f". The largest value of a tensor of {len(layers)} layer(s) ({_listing(layers, limit)}) was under "
-        f"{floor}, torchao's floor on amax: torchao scales it by fmax/{floor}, not by fmax/amax, and the figures "
-        f"here are at that scale (a gradient of 1e-23 flushes entirely in e5m2). A loss weighted so small that "
-        f"its gradients are under {floor} (an auxiliary term's coefficient) needs a larger weight, or a static "
-        "loss scale, under torchao's FP8"
+        f"{floor}, torchao's floor on amax: its figures are at torchao's scale, fmax/{floor}, not fmax/amax. A "
+        f"loss weighted so small that its gradients are under {floor} (an auxiliary term's coefficient) needs a "
+        "larger weight, or a static loss scale, under torchao's FP8"
+    )
+
+
+def _floored_method(floored: list[str]) -> str:
+    """What torchao's floor on amax does to a tensor under it, for the method ("" when no layer has one)."""
+    if not floored:
+        return ""
+    floor = f"{formats.FP8_AMAX_FLOOR:g}"
+    return (
+        f" A tensor whose largest value is under {floor} is scaled by fmax/{floor}, where torchao's scale stops "
+        f"growing, not by fmax/amax: its values land far below the format's smallest normal, or under its "
+        "smallest subnormal (a gradient of 1e-23 flushes entirely in e5m2)."
     )
 
 
