@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -882,8 +883,6 @@ def cached_tensors(entry: Any) -> list[torch.Tensor]:
 def reserve_hook_ids(n: int) -> range:
     """``n`` hook ids of ``RemovableHandle``'s counter, for hooks added straight into torch's hook dictionaries:
     no one else's hook gets them."""
-    from torch.utils.hooks import RemovableHandle
-
     first = RemovableHandle.next_id
     RemovableHandle.next_id += n
     return range(first, RemovableHandle.next_id)
@@ -1078,7 +1077,11 @@ class HookSet:
 
     The modules' hooks can step aside for a while, the parameters' staying (:meth:`step_aside`, :meth:`step_back`):
     torch's fast paths (``nn.TransformerEncoderLayer``'s in eval mode) refuse a module holding any forward hook,
-    and an evaluation run through those hooks gave other values than the same one without precprof."""
+    and an evaluation run through those hooks gave other values than the same one without precprof.
+
+    Each hook runs after every other hook of its dictionary, whenever that one was registered (:meth:`keep_last`):
+    precprof reads what the next layer is fed and the gradient that reaches it, past the user's hooks, as it
+    does of hooks registered before ``attach()``."""
 
     def __init__(
         self,
@@ -1123,6 +1126,9 @@ class HookSet:
             )
         self._copies = CopiesLeaveOut(where)
         self.installed = False
+        # ``RemovableHandle``'s counter when the hooks were last known to be behind every other (``keep_last``)
+        self._ids_seen = -1
+        _HOOK_SETS.add(self)
 
     def install(self) -> None:
         if self.installed:
@@ -1143,6 +1149,7 @@ class HookSet:
             if hooks is None:
                 hooks = p._post_accumulate_grad_hooks = OrderedDict()
             hooks[next(ids)] = hook
+        self._ids_seen = RemovableHandle.next_id  # (each hook now at the end of its dictionary)
 
     def remove(self) -> None:
         if not self.installed:
@@ -1178,6 +1185,35 @@ class HookSet:
             for k in sorted(off):
                 self._put(k)
 
+    def keep_last(self) -> None:
+        """Each installed hook moved behind any hook added after it to its dictionary (precprof's other hooks
+        aside), by a re-insertion: it runs after the user's hooks, registered before ``attach()`` or after. A
+        forward hook registered after attach that replaces the output (``out * 2``) ran after precprof's read on
+        the first sampled step, whose hooks went in at attach, and before it on the next ones, whose hooks went
+        back in at the end of each dictionary (as they do after an evaluation under no_grad takes them aside); a
+        pre-hook that replaces the input too, and a parameter's hook that changes its gradient where precprof reads
+        it in its own hook (torch.distributed). Called before each forward of the model; nothing to do, the usual
+        case, while ``RemovableHandle``'s counter, which every hook registered through torch moves, is where it
+        was (one comparison). Where this torch has no hook dictionaries, hooks run in the order registered."""
+        added = RemovableHandle.next_id
+        if added == self._ids_seen or not self.installed:
+            return
+        self._ids_seen = added
+        if not self._direct:
+            return
+        # (each dictionary's last key looked at first: a scan that moves nothing is 0.1 us an entry)
+        ids = iter(self._ids)
+        for m, pre, post, _ in self._modules:
+            i, j = next(ids), next(ids)
+            if pre is not None and (hooks := m._forward_pre_hooks) and next(reversed(hooks)) != i:
+                _behind_others(hooks, i)
+            if post is not None and (hooks := m._forward_hooks) and next(reversed(hooks)) != j:
+                _behind_others(hooks, j)
+        for (p, _), i in zip(self._params, ids, strict=True):
+            hooks = p._post_accumulate_grad_hooks
+            if hooks and next(reversed(hooks)) != i:
+                _behind_others(hooks, i)
+
     def _put(self, k: int) -> None:
         """Entry ``k``'s forward hooks into its module's dictionaries (by the public calls where torch has none)."""
         m, pre, post, always = self._modules[k]
@@ -1210,3 +1246,26 @@ class HookSet:
         m._forward_pre_hooks_with_kwargs.pop(i, None)
         m._forward_hooks.pop(j, None)
         m._forward_hooks_always_called.pop(j, None)
+
+
+# every HookSet alive, whose hooks (ids) ``keep_last`` of another does not pass
+_HOOK_SETS: weakref.WeakSet[HookSet] = weakref.WeakSet()
+
+
+def _precprofs(key: int, hook: Any) -> bool:
+    """Whether a hook dictionary's entry is precprof's: a module's (``uncopied``) or a HookSet's parameter's."""
+    return _is_uncopied(hook) or any(key in s._ids for s in _HOOK_SETS)
+
+
+def _behind_others(hooks: dict[int, Any], key: int) -> None:
+    """``key``'s hook re-inserted at the end of ``hooks`` where a hook not precprof's follows it; in place."""
+    for k in reversed(hooks):
+        if k == key:
+            return
+        if not _precprofs(k, hooks[k]):
+            break
+    else:
+        return
+    hook = hooks.pop(key, None)
+    if hook is not None:
+        hooks[key] = hook

@@ -146,6 +146,7 @@ class SavedActivations:
         self._root_depth = 1
         if self._hookset is not None:  # (an evaluation under no_grad saves nothing: ``runs_aside``)
             self._hookset.step_back()
+            self._hookset.keep_last()  # (behind the hooks registered since: the user's, after attach)
             if runs_aside():
                 self._hookset.step_aside(keep=module)
         if self._in_scope():

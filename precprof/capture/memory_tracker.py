@@ -223,10 +223,10 @@ class MemoryTracker(SavedActivations):
             if not self._outside:
                 self._hookset.step_back()  # (left aside by an evaluation a KeyboardInterrupt cut short)
             return
+        self._hook_optimizers()  # (first: the modules' hooks then know nothing was registered after them)
         self._hookset.install()
         if self._outside:  # (inside ``outside``: they wait for its end)
             self._hookset.step_aside()
-        self._hook_optimizers()
 
     def _hook_optimizers(self) -> None:
         for opt in self.optimizers:

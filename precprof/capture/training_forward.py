@@ -114,6 +114,7 @@ class TrainingForward:
         self._root_grad = torch.is_grad_enabled()
         if len(self._root_calls) == 1:
             self._hookset.step_back()  # (left aside by an evaluation a KeyboardInterrupt cut short)
+            self._hookset.keep_last()  # (behind the hooks registered since: the user's, after attach)
             if runs_aside():
                 self._hookset.step_aside(keep=module)
             self._model_inputs = {id(t) for t in _iter_tensors((args, kwargs or {}))}
