@@ -105,8 +105,13 @@ class PartsAssembly:
             loop=self._loop,
         )
         if self.scaler is not None and hasattr(self.scaler, "update"):
+            hooks = self._hooks
             self._scaler_watch = ScalerWatch(
-                self.scaler, self._device, lambda: self._attached, optimizers=self.optimizers
+                self.scaler,
+                self._device,
+                lambda: self._attached,
+                optimizers=self.optimizers,
+                unscaling=hooks.scaler_unscaling,
             )
             self._scaler_watch.patch()
         if self.memory_enabled:

@@ -247,6 +247,13 @@ class GradientReads:
         applied = any(p.grad is not None for g in optimizer.param_groups for p in g["params"])
         self.loop.followed_stepped(optimizer, self._trained_by_now(), applied)
         self._attempts.stepped()  # (what the step read so far trained: never forgotten)
+        self._keep_given(optimizer)
+        if self.updates is not None and self.updates.after_step(k, optimizer):
+            self.has_data = True
+        return None
+
+    def _keep_given(self, optimizer: Any) -> None:
+        """The rows read of ``optimizer``'s gradients kept as they are from now on in this step: what it was given."""
         rows, calls = self._grad_row_of, self.rows.calls
         self._stepped.update(
             r
@@ -254,9 +261,17 @@ class GradientReads:
             for p in g["params"]
             if (r := rows.get(id(p), -1)) >= 0 and calls[r] > 0
         )
-        if self.updates is not None and self.updates.after_step(k, optimizer):
-            self.has_data = True
-        return None
+
+    def scaler_unscaling(self, optimizer: Any) -> None:
+        """``GradScaler.unscale_(optimizer)`` is about to divide its gradients in place (its ``step`` calls it
+        first): what was read of them is what that optimizer is given, kept from here on as after its step,
+        also when the scaler then skips the step on an inf/nan (running neither of the optimizer's step hooks:
+        a GAN's generator backward would otherwise be read into the discriminator's unscaled gradients)."""
+        if not self.installed or not any(o is optimizer for o in self.optimizers):
+            return
+        if self._grads_due:  # a backward whose end has not been read (it raised)
+            self._read_grads()
+        self._keep_given(optimizer)
 
     def stepped_no_optimizer(self) -> bool:
         """Whether the step in progress ran no step of the optimizers given (None given: unknown, False): once

@@ -14,7 +14,7 @@ from precprof import _compat
 from precprof import stats as st
 
 # the scaler's attributes ``ScalerWatch.patch`` sets on the instance
-_PATCHED = ("update", "__getstate__")
+_PATCHED = ("update", "unscale_", "__getstate__")
 
 
 class _Layer:
@@ -70,9 +70,15 @@ class ScalerWatch:
     the other optimizers' steps alone is not this Profiler's. Without any, every optimizer the scaler holds."""
 
     def __init__(
-        self, scaler: Any, device: torch.device, active: Callable[[], bool], optimizers: Sequence[Any] = ()
+        self,
+        scaler: Any,
+        device: torch.device,
+        active: Callable[[], bool],
+        optimizers: Sequence[Any] = (),
+        unscaling: Callable[[Any], None] | None = None,
     ) -> None:
         self.scaler = scaler
+        self._unscaling = unscaling  # told of each ``unscale_(optimizer)`` before it divides the gradients
         self._device = device
         self._active = active
         self._optimizers = list(optimizers) or None
@@ -93,6 +99,8 @@ class ScalerWatch:
         if self._layers:
             return
         self._layers.append(("update", _layer(self.scaler, "update", self._update)))
+        if self._unscaling is not None and callable(getattr(self.scaler, "unscale_", None)):
+            self._layers.append(("unscale_", _layer(self.scaler, "unscale_", self._unscale)))
         if getattr(self.scaler, "__getstate__", None) is not None:
             # a copy or a pickle of the scaler (copy.deepcopy, torch.save(scaler)) leaves the wrappers behind and
             # has the class's own update: a wrapper's watch does not pickle, and a deep copy's update ran the
@@ -107,6 +115,11 @@ class ScalerWatch:
     def _update(self, original: Callable[..., Any], new_scale: Any = None) -> Any:
         self._before_update()
         return original(new_scale)
+
+    def _unscale(self, original: Callable[..., Any], optimizer: Any) -> Any:
+        if self._unscaling is not None and self._active() and _compat.scaler_enabled(self.scaler):
+            self._unscaling(optimizer)
+        return original(optimizer)
 
     def _before_update(self) -> None:
         if not self._active() or not _compat.scaler_enabled(self.scaler):
