@@ -70,6 +70,16 @@ def scaler_found_inf(scaler: Any, optimizers: Sequence[Any] | None = None) -> li
     return found
 
 
+def scaler_found_inf_each(scaler: Any, optimizers: Sequence[Any]) -> list[list[torch.Tensor]]:
+    """Of each of ``optimizers`` in turn, the found-inf flags ``unscale_`` left (one per device; none for one the
+    scaler has not unscaled since its last update)."""
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if not isinstance(states, dict):
+        return [[] for _ in optimizers]
+    # (``get``: the states are a defaultdict, which a lookup would fill)
+    return [list(((states.get(id(o)) or {}).get("found_inf_per_device") or {}).values()) for o in optimizers]
+
+
 class LowPrecisionGradScaler(torch.amp.GradScaler):
     """A GradScaler that accepts fp16 gradients (fp16-pure): they are unscaled in place, in fp16.
 

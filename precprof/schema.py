@@ -33,7 +33,8 @@ Every column name used anywhere in precprof is a constant here (read them throug
     Zeros, nan and inf are not in it (they are columns of ``layers``).
 
 ``steps`` — step, loss, loss_scale (in effect during that step's backward), skipped (optimizer step skipped
-    because of inf/nan gradients), grad_norm (NaN where unknown), time_s (host wall time of the step),
+    because of inf/nan gradients; with several optimizers under one scaler, any of them), skipped_optimizers
+    (with several: which the scaler skipped, their places in ``optimizer=[...]``, "0,2"; "" otherwise), grad_norm (NaN where unknown), time_s (host wall time of the step),
     sampled (whether layers/histograms were recorded), tokens (NaN where unknown), resumed (True on the step a
     run restarted from its checkpoint with ``Profiler(..., resume=True)``; False elsewhere), compiled (True on an
     unsampled step torch.compile compiled in, left out of the run's time and throughput).
@@ -100,6 +101,10 @@ NUMEL_GCD = "numel_gcd"
 LOSS = "loss"
 LOSS_SCALE = "loss_scale"
 SKIPPED = "skipped"
+# which of several optimizers under one loss scaler it skipped at the step: their places in the Profiler's
+# ``optimizer=[...]`` list, comma-separated ("0"; the summary's ``capture.optimizer.each`` names them); "" where
+# none was, or with one optimizer (``skipped`` says it all)
+SKIPPED_OPTIMIZERS = "skipped_optimizers"
 GRAD_NORM = "grad_norm"
 TIME_S = "time_s"
 SAMPLED = "sampled"
@@ -305,6 +310,7 @@ STEPS_COLUMNS: tuple[str, ...] = (
     LOSS,
     LOSS_SCALE,
     SKIPPED,
+    SKIPPED_OPTIMIZERS,
     GRAD_NORM,
     TIME_S,
     SAMPLED,
@@ -334,7 +340,18 @@ KEY_COLUMNS: dict[str, tuple[str, ...]] = {
 
 _INT_COLUMNS = {STEP, ORDER, CALLS, EXPONENT, COUNT, BYTES, *COUNT_COLUMNS}
 # columns of text: written as Arrow strings in every part, so that parts concatenate whatever they hold
-_TEXT_COLUMNS = {MODULE, MODULE_TYPE, TENSOR, PARAM, DTYPE, COMPONENT, PHASE, SAMPLE_REASON, MOMENT}
+_TEXT_COLUMNS = {
+    MODULE,
+    MODULE_TYPE,
+    TENSOR,
+    PARAM,
+    DTYPE,
+    COMPONENT,
+    PHASE,
+    SAMPLE_REASON,
+    SKIPPED_OPTIMIZERS,
+    MOMENT,
+}
 # columns of yes/no: written as Arrow bools (null where missing) in every part, as a saved table holds them
 _BOOL_COLUMNS = {SKIPPED, SAMPLED, RESUMED, CUT_OFF, NO_LOSS, COMPILED}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from cast_counts import counts
@@ -90,12 +91,21 @@ def _same(a: dict[str, float], b: dict[str, float]) -> bool:
     return a.keys() == b.keys() and all(a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])) for k in a)
 
 
-def test_a_gan_s_gradient_rows_are_what_each_optimizer_was_given_when_the_shared_scaler_skips_one() -> None:
+@pytest.fixture(scope="module")
+def gan_run() -> dict[str, Any]:
+    run = _gan_loop(True)
+    run["plain"] = _gan_loop(False)
+    return run
+
+
+def test_a_gan_s_gradient_rows_are_what_each_optimizer_was_given_when_the_shared_scaler_skips_one(
+    gan_run: dict[str, Any],
+) -> None:
     """optD skipped (inf in D's gradients at 2^20), optG stepped: D's rows were read again after ``unscale_``
     divided D's .grad in place and G's backward added to it (calls=2, absmax 24,000x too small, and the report
     told of "gradient accumulation"), as a skip runs neither of optD's step hooks. ``unscale_`` now keeps what
     was read, as a step does."""
-    run = _gan_loop(True)
+    run = gan_run
     assert run["stepped"]["D"] == [] and run["stepped"]["G"] == [0, 1, 2]  # the case at hand
     grads = run["prof"].tables()["layers"]
     grads = grads[grads[T.TENSOR] == T.WEIGHT_GRAD]
@@ -106,6 +116,37 @@ def test_a_gan_s_gradient_rows_are_what_each_optimizer_was_given_when_the_shared
         assert row.calls == 1, (row.step, row.module, row.param)
         assert _same({k: got[k] for k in want}, want), (row.step, row.module, row.param, want, got)
     assert grads[grads[T.MODULE].str.startswith("D")][T.INF].sum() > 0  # the inf the skip was on
-    plain = _gan_loop(False)
+    plain = run["plain"]
     assert torch.equal(run["losses"], plain["losses"])
     assert all(torch.equal(v, plain["state"][k]) for k, v in run["state"].items())
+
+
+def test_a_scaler_over_two_optimizers_says_which_it_skipped_and_keeps_the_gradients_of_the_one_that_stepped(
+    gan_run: dict[str, Any],
+) -> None:
+    """The same run: the scaler skipped optD on every step and optG on none. The report said "skipped 3 of 3
+    optimizer steps", left G's gradients out of fp16_gradient_underflow as "skipped", and drew a norm the loop
+    never took as "not finite". The steps table now says which optimizer (``skipped_optimizers``), the summary
+    names each one's modules, and only the skipped optimizer's rows of those steps are left out."""
+    from precprof.analysis.advisor import evidence as E
+    from precprof.analysis.advisor import recommend
+
+    prof = gan_run["prof"]
+    steps = prof.tables()["steps"]
+    assert steps[T.SKIPPED].tolist() == [True] * 3 and steps[T.SKIPPED_OPTIMIZERS].tolist() == ["0"] * 3
+    each = prof.summary()["optimizer"]["each"]
+    assert each == [{"class": "Adam", "modules": ["D.0", "D.2"]}, {"class": "SGD", "modules": ["G.0", "G.2"]}]
+    rec = recommend(prof)
+    by = {f.code: f for f in rec.findings}
+    msg = by["scaler_skipped_steps"].message
+    assert msg.startswith(
+        "The dynamic loss scaler skipped optimizer steps on 3 of 3 steps, of optimizer 0 (Adam: D.0, D.2) on 3 "
+        "and of optimizer 1 (SGD: G.0, G.2) on none (scale started at"
+    ), msg
+    for f in rec.findings:
+        assert "the 3 the loss scaler skipped are left out" not in f.message, f.code
+    # the rows left out: D's (its parameters' and its parameterless LeakyReLU's), never G's
+    run = E._Run(*E._prepare(prof.tables()), {T.SUMMARY_CAPTURE: prof.summary()}, None, False, None)  # type: ignore[arg-type]
+    out = E._skipped_rows(run, run.layers)
+    assert {"D.0", "D.1", "D.2"} <= set(run.layers.loc[out, T.MODULE]) <= {"D.0", "D.1", "D.2", "D.0:input"}
+    assert not run.layers.loc[~out, T.MODULE].str.startswith("D").any()

@@ -413,7 +413,8 @@ def optimizer_settings(optimizers: list[Any], params: Sequence[Any] = ()) -> dic
     (Muon's own ``eps`` is no Adam's); a setting held as a tensor (a tensor ``lr`` or ``betas``) is left out
     rather than read from the device. Beside an optimizer that is no Adam, ``adam_modules`` names the captured
     modules (``params``: the plan's parameter slots) whose parameters an Adam holds, so that a finding about
-    Adam speaks of its parameters only. None without an optimizer."""
+    Adam speaks of its parameters only. With several optimizers, ``each`` holds each one's class and modules, in
+    the list's order. None without an optimizer."""
     if not optimizers:
         return None
     adams = [o for o in optimizers if "Adam" in type(o).__name__]
@@ -432,6 +433,16 @@ def optimizer_settings(optimizers: list[Any], params: Sequence[Any] = ()) -> dic
         held = {id(p) for o in adams for g in o.param_groups for p in g["params"]}
         out["adam_class"] = " + ".join(dict.fromkeys(type(o).__name__ for o in adams))
         out["adam_modules"] = sorted({ps.module for ps in params if id(ps.tensor) in held})
+    if len(optimizers) > 1:  # each in its place in the list (the steps table's ``skipped_optimizers``)
+        out["each"] = [
+            {
+                "class": type(o).__name__,
+                "modules": sorted({ps.module for ps in params if id(ps.tensor) in own}),
+            }
+            for o in optimizers
+            if (own := {id(p) for g in getattr(o, "param_groups", None) or [] for p in g["params"]})
+            is not None
+        ]
     return out
 
 

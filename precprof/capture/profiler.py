@@ -49,7 +49,7 @@ from precprof.capture.records import MAX_PENDING_STEPS, RowInfo, _ModuleSlot, _P
 from precprof.capture.reducer import mean_over_ranks
 from precprof.capture.results import ProfilerResults
 from precprof.capture.sampling import DEFAULT_BUDGET, LandedValues, Sampler
-from precprof.capture.scaler import ScalerWatch
+from precprof.capture.scaler import ScalerWatch, taken
 from precprof.capture.stance import SampledStance
 from precprof.capture.updates import UpdateSampler
 from precprof.export.live import LiveDashboards
@@ -398,9 +398,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         self, loss: Any, grad_norm: Any, tokens: int | None, partial: bool = False
     ) -> _PendingStep:
         now = time.perf_counter()
-        scale, found = (
-            self._scaler_watch.take() if self._scaler_watch is not None else (self.loss_scale or 1.0, None)
-        )
+        scale, found, each = taken(self._scaler_watch, self.loss_scale)
         if isinstance(loss, torch.Tensor):
             # host metadata, no sync; named in the summary (str(dtype) took 12 us of an unsampled step)
             self._loss_dtypes[loss.dtype] = self._loss_dtypes.get(loss.dtype, 0) + 1
@@ -414,7 +412,9 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         time_s = math.nan if partial else now - self._t_last - self._outside_s
         self._t_last, self._outside_s = now, 0.0
         step, reason, sampled = self._step, self._sample_reason, self._sampling
-        return _PendingStep(step, loss, scale, found, grad_norm, time_s, sampled, tokens, reason, partial)
+        pending = _PendingStep(step, loss, scale, found, grad_norm, time_s, sampled, tokens, reason, partial)
+        pending.skipped_each = each
+        return pending
 
     @_compat.never_traced  # inside a compiled train step: a graph break, and the step's bookkeeping eager
     def step(self, loss: Any = None, grad_norm: Any = None, tokens: int | None = None) -> None:

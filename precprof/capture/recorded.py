@@ -21,6 +21,22 @@ from precprof import tables as T
 from precprof.capture.records import HostFloats, _PendingStep
 from precprof.flush import Flush, StepRows
 
+# the values :meth:`Recorded.step_floats` holds per step
+_N = 5
+
+
+def _places(mask: float) -> str:
+    """The places k whose bit 2^k ``mask`` holds, comma-separated ("0,2"); "" for none (nan: none known)."""
+    if not mask > 0:
+        return ""
+    bits, k = int(mask), 0
+    out = []
+    while bits:
+        if bits & 1:
+            out.append(str(k))
+        bits, k = bits >> 1, k + 1
+    return ",".join(out)
+
 
 class Recorded:
     """The host side of a recording: it receives host copies (the Profiler makes the one transfer of a
@@ -45,7 +61,9 @@ class Recorded:
     @staticmethod
     def step_floats(pending: list[_PendingStep]) -> HostFloats:
         """The pending steps' loss, scale, found-inf and grad norm, stacked on the device for the copy."""
-        return HostFloats([v for p in pending for v in (p.loss, p.scale, p.found_inf, p.grad_norm)])
+        return HostFloats(
+            [v for p in pending for v in (p.loss, p.scale, p.found_inf, p.grad_norm, p.skipped_each)]
+        )
 
     def add_steps(self, pending: list[_PendingStep], values: list[float]) -> float:
         """Steps table rows for ``pending``, ``values`` being :meth:`step_floats`'s on the host. Returns the
@@ -53,7 +71,7 @@ class Recorded:
         if not pending:
             return 1.0
         for i, p in enumerate(pending):
-            loss, scale, found, grad_norm = values[4 * i : 4 * i + 4]
+            loss, scale, found, grad_norm, each = values[_N * i : _N * i + _N]
             found = 0.0 if p.found_inf is None else found
             self.new.step_rows.append(
                 {
@@ -61,6 +79,7 @@ class Recorded:
                     T.LOSS: loss,
                     T.LOSS_SCALE: scale,
                     T.SKIPPED: bool(found > 0 or math.isnan(found)),
+                    T.SKIPPED_OPTIMIZERS: _places(each) if p.skipped_each is not None else "",
                     T.GRAD_NORM: grad_norm,
                     T.TIME_S: p.time_s,
                     T.SAMPLED: p.sampled,
@@ -72,7 +91,7 @@ class Recorded:
                 }
             )
         self.steps_recorded += len(pending)
-        return values[-3]
+        return values[1 - _N]
 
     def add_layers(
         self, step: int, cols: dict[str, Any] | StepRows, hist: dict[str, Any] | None = None

@@ -209,6 +209,8 @@ class _PendingStep:
     reason: str = ""  # why the step was sampled (capture.sampling), "" when it was not
     cut_off: bool = False  # the step in progress when the profiler was detached mid-step (T.CUT_OFF)
     compiled: bool = False  # Dynamo compiled in the step, left out of the run's time (T.COMPILED)
+    # of several optimizers under one scaler, those it skipped: sum of 2^k over their places k (T.SKIPPED_OPTIMIZERS)
+    skipped_each: torch.Tensor | None = None
 
 
 _PLAIN_TYPES = frozenset({torch.Tensor, nn.Parameter})

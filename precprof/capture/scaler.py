@@ -84,6 +84,7 @@ class ScalerWatch:
         self._optimizers = list(optimizers) or None
         self._scale: torch.Tensor | None = None
         self._found: torch.Tensor | None = None
+        self._each: torch.Tensor | None = None
         self._layers: list[tuple[str, _Layer]] = []
         # a histogram shift by log2(scale) is exact only for powers of two
         self.non_pow2 = any(
@@ -133,9 +134,26 @@ class ScalerWatch:
         found = [t.detach().reshape(()).to(self._device, non_blocking=True) for t in flags]
         if found:
             self._found = torch.stack(found).sum()
+        mine = self._optimizers
+        if mine is not None and len(mine) > 1:  # which of them it skipped (each one's flags, one per device)
+            each = _compat.scaler_found_inf_each(self.scaler, mine)
+            bits = [
+                (
+                    torch.stack(
+                        [t.detach().reshape(()).to(self._device, non_blocking=True) for t in ts]
+                    ).sum()
+                    > 0
+                )
+                * float(2**k)
+                for k, ts in enumerate(each)
+                if ts
+            ]
+            self._each = torch.stack(bits).sum().double() if bits else None
 
-    def take(self) -> tuple[torch.Tensor | float, torch.Tensor | None]:
-        """The (scale, found_inf) of the step that just ended, as device tensors; resets for the next step."""
+    def take(self) -> tuple[torch.Tensor | float, torch.Tensor | None, torch.Tensor | None]:
+        """The (scale, found_inf, skipped_each) of the step that just ended, as device tensors; resets for the next
+        step. ``skipped_each``: with several optimizers, those the scaler skipped, as the sum of 2^k over their
+        places k in the Profiler's list (None with one, or when it unscaled none of them)."""
         scale: torch.Tensor | float = 1.0
         if self._scale is not None:
             scale = self._scale
@@ -143,9 +161,14 @@ class ScalerWatch:
             current = _compat.scaler_scale_tensor(self.scaler)
             if current is not None:
                 scale = current.detach().clone()
-        found = self._found
-        self._scale = self._found = None
-        return scale, found
+        found, each = self._found, self._each
+        self._scale = self._found = self._each = None
+        return scale, found, each
+
+
+def taken(watch: ScalerWatch | None, loss_scale: float | None) -> tuple[Any, Any, Any]:
+    """``watch.take()``; without a watch, the manual loss scale (1.0 without one), nothing found, none skipped."""
+    return watch.take() if watch is not None else (loss_scale or 1.0, None, None)
 
 
 def _state(getstate: Callable[[], Any]) -> Any:

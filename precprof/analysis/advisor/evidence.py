@@ -623,6 +623,67 @@ def _skipped_steps(steps: pd.DataFrame, scaled: bool = False) -> set[int]:
     return {int(s) for s in steps[keep][T.STEP]}
 
 
+def _skipped_optimizers(run: _Run) -> tuple[list[dict[str, Any]], dict[int, list[int]]]:
+    """With several optimizers under one loss scaler: each one's class and modules (``capture.optimizer.each``),
+    and per step the places of those the scaler skipped (``T.SKIPPED_OPTIMIZERS``); ([], {}) otherwise."""
+    each = ((run.summary.get(T.SUMMARY_CAPTURE) or {}).get("optimizer") or {}).get("each")
+    steps = run.steps
+    if not isinstance(each, list) or len(each) < 2 or T.SKIPPED_OPTIMIZERS not in steps or steps.empty:
+        return [], {}
+    out: dict[int, list[int]] = {}
+    for step, text in zip(steps[T.STEP], steps[T.SKIPPED_OPTIMIZERS], strict=True):
+        places = [int(k) for k in str(text or "").split(",") if k.strip().isdigit() and int(k) < len(each)]
+        if places:
+            out[int(step)] = places
+    return [e if isinstance(e, dict) else {} for e in each], out
+
+
+def _optimizer_of(module: str, each: list[dict[str, Any]]) -> int | None:
+    """The place of the optimizer whose parameters ``module`` holds; a module without parameters (an activation)
+    goes with the optimizer of the modules nearest it in the tree (None where none or several are)."""
+    best, at = -1, set()
+    for k, e in enumerate(each):
+        for m in e.get("modules") or ():
+            if m == module:
+                return k
+            a, b = m.split("."), module.split(".")
+            n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            if n > best:
+                best, at = n, {k}
+            elif n == best:
+                at.add(k)
+    return at.pop() if best > 0 and len(at) == 1 else None
+
+
+def _optimizer_named(each: list[dict[str, Any]], k: int) -> str:
+    """Optimizer ``k`` of ``each`` (``_skipped_optimizers``) in words: "optimizer 0 (Adam: D.0, D.2)"."""
+    e = each[k] if 0 <= k < len(each) else {}
+    mods = [str(m) for m in e.get("modules") or ()]
+    held = ", ".join(mods[:3]) + (f" and {len(mods) - 3} more" if len(mods) > 3 else "")
+    return f"optimizer {k} ({e.get('class') or '?'}{': ' + held if held else ''})"
+
+
+def _skipped_rows(run: _Run, frame: pd.DataFrame, scaled: bool = False) -> pd.Series:
+    """The rows of ``frame`` (layer or histogram rows) of an optimizer step the loss scaler skipped: every row of
+    a skipped step (``_skipped_steps``), but with several optimizers under the scaler, on a step it skipped some
+    of them, only the rows of those optimizers' modules (the others' stepped: their gradients trained)."""
+    skipped = _skipped_steps(run.steps, scaled)
+    if frame.empty or not skipped:
+        return pd.Series(False, index=frame.index)
+    rows = frame[T.STEP].isin(skipped)
+    each, partial = _skipped_optimizers(run)
+    if not partial:
+        return rows
+    owners = {m: _optimizer_of(m, each) for m in T.texts(frame[T.MODULE]).unique()}
+    for step, places in partial.items():
+        if step not in skipped:
+            continue
+        at = frame[T.STEP] == step
+        held = {m for m, k in owners.items() if k is None or k in places}
+        rows &= ~at | T.texts(frame[T.MODULE]).isin(held)
+    return rows
+
+
 def _static_scale(steps: pd.DataFrame) -> bool:
     """Whether the run's loss scaler kept its scale after the steps it skipped (a static scale: GradScaler with
     a back-off factor of 1, ``--loss-scale static:N``): a dynamic one lowers it after every skip. False when no

@@ -107,7 +107,14 @@ def training_figure(steps: pd.DataFrame, norm_type: str | None = None) -> Figure
     # may come a step before its loss's)
     first_gap = int(np.argmin(fin)) if not fin.all() else len(fin)
     every_step = first_gap >= 2
-    inf = np.isinf(gn) | (np.isnan(gn) & (bad | skipped | (every_step & (np.arange(len(gn)) >= first_gap))))
+    # (not a step on which a scaler over several optimizers skipped some: those that stepped had finite gradients,
+    # and a loop that never clipped took no norm)
+    whole = (
+        skipped & (T.texts(df[T.SKIPPED_OPTIMIZERS]).to_numpy() == "")
+        if T.SKIPPED_OPTIMIZERS in df
+        else skipped
+    )
+    inf = np.isinf(gn) | (np.isnan(gn) & (bad | whole | (every_step & (np.arange(len(gn)) >= first_gap))))
     if fin.any():
         ax.plot(
             *_broken_at_holes(x[fin], gn[fin], x),

@@ -27,6 +27,7 @@ from precprof.analysis.advisor.evidence import (
     _nonzero,
     _normalise_remedy,
     _num,
+    _optimizer_named,
     _Plan,
     _row_index,
     _rows_of_kinds,
@@ -34,6 +35,8 @@ from precprof.analysis.advisor.evidence import (
     _share,
     _shifted_overflow,
     _shifted_underflow,
+    _skipped_optimizers,
+    _skipped_rows,
     _skipped_steps,
     _static_scale,
     _under_any,
@@ -1100,15 +1103,16 @@ def _went_through(run: _Run) -> tuple[_Run, int]:
     """``run`` without the rows of the steps the loss scaler skipped, and how many sampled steps that leaves out.
     A skipped step is no evidence of what fp16 flushes: its gradients went inf or nan at the scale, a mask's
     backward wrote zeros over them (ReLU's over nan: a module "held no nonzero value"), and its finite values
-    were held at a scale that overflowed."""
+    were held at a scale that overflowed. With several optimizers under the scaler, a step it skipped some of
+    them on keeps the rows of the others (their gradients trained: ``_skipped_rows``)."""
     skipped = _skipped_steps(run.steps)
     left_out = len(_sampled_steps(run) & skipped)
     if not left_out:
         return run, 0
     return replace(
         run,
-        layers=run.layers[~run.layers[T.STEP].isin(skipped)],
-        hist=run.hist[~run.hist[T.STEP].isin(skipped)],
+        layers=run.layers[~_skipped_rows(run, run.layers)],
+        hist=run.hist[~_skipped_rows(run, run.hist)],
     ), left_out
 
 
@@ -1117,6 +1121,17 @@ def _left_out_said(left_out: int, run: _Run) -> str:
     ``run`` is the run without them (``_went_through``)."""
     if not left_out:
         return ""
+    each, partial = _skipped_optimizers(run)
+    some = sorted(s for s in partial if len(partial[s]) < len(each))
+    if some:  # several optimizers, some of which stepped on a step the scaler skipped others on
+        which = sorted({k for s in partial for k in partial[s]})
+        names = ", ".join(_optimizer_named(each, k) for k in which)
+        return (
+            f" On {left_out} sampled step(s) the loss scaler skipped the step of {names}: the gradients of "
+            f"{'those optimizers' if len(which) > 1 else 'that optimizer'} on them are left out (they overflowed "
+            "at its scale: their finite values say nothing of what fp16 flushes on a step that trains), those of "
+            "the optimizers that stepped are counted."
+        )
     return (
         f" Every gradient counted here is of the {len(_sampled_steps(run))} sampled step(s) the optimizer took; "
         f"the {left_out} the loss scaler skipped are left out (their gradients overflowed at its scale: their "

@@ -46,7 +46,7 @@ from precprof.analysis.advisor.evidence import (
     _Plan,
     _row_index,
     _Run,
-    _skipped_steps,
+    _skipped_rows,
     _tokens_per_call,
 )
 from precprof.analysis.advisor.model import INFO, WARNING, Finding
@@ -909,8 +909,8 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     lay = run.layers.loc[read, [T.STEP, T.MODULE, T.TENSOR, T.NAN, T.INF]]
     # the gradients of a step a loss scaler skipped overflowed at its scale: FP8 training (bf16 autocast, no
     # loss scale) has none of those; what the model itself computed non-finite is in the forward pass
-    skipped = _skipped_steps(run.steps, scaled=True)
-    scaled_out = lay[T.STEP].isin(skipped) & lay[T.TENSOR].isin(T.GRADIENT_KINDS)
+    # (with several optimizers under it, only those of the optimizers it skipped: ``_skipped_rows``)
+    scaled_out = _skipped_rows(run, lay, scaled=True) & lay[T.TENSOR].isin(T.GRADIENT_KINDS)
     plan.fp8_scaler_nonfinite_steps = int(lay[scaled_out & ((lay[T.NAN] + lay[T.INF]) > 0)][T.STEP].nunique())
     lay = lay[~scaled_out]
     # the outputs and gradients of a step whose forward overflowed fp16 (what that inf became downstream, and
@@ -922,7 +922,7 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     inputs = gemm_inputs(run, linear, dims)
     losses = fp8_losses(run, linear, inputs)
     # (their output gradients, which held nan/inf at the scale, are not judged either: FP8 scales no loss)
-    summary = fp8_summary(losses[~((losses["side"] == BACKWARD) & losses[T.STEP].isin(skipped))])
+    summary = fp8_summary(losses[~((losses["side"] == BACKWARD) & _skipped_rows(run, losses, scaled=True))])
     by_key = summary.to_dict("index")
     lim = cfg.lost_norm_max
     # modules whose output gradient was recorded: in a run that recorded some, a layer without one on any sampled
@@ -931,7 +931,9 @@ def _rule_fp8(run: _Run, plan: _Plan, dims: dict[str, dict[str, int]]) -> None:
     grads = run.layers.loc[run.layers[T.TENSOR] == T.ACTIVATION_GRAD, [T.STEP, T.MODULE]]
     with_grad = set(T.texts(grads[T.MODULE]).astype(object))
     # a layer whose every output gradient came on a step the loss scaler skipped: judged on its forward alone
-    scaled_only = with_grad - set(T.texts(grads.loc[~grads[T.STEP].isin(skipped), T.MODULE]).astype(object))
+    scaled_only = with_grad - set(
+        T.texts(grads.loc[~_skipped_rows(run, grads, scaled=True), T.MODULE]).astype(object)
+    )
     zero_grad = _all_zero_grads(run)
     rows: list[tuple[str, str]] = []
     forward_only: list[str] = []

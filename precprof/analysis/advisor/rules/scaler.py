@@ -8,7 +8,14 @@ import numpy as np
 import pandas as pd
 
 from precprof import tables as T
-from precprof.analysis.advisor.evidence import _Plan, _Run, _static_scale, _steps_without_update
+from precprof.analysis.advisor.evidence import (
+    _optimizer_named,
+    _Plan,
+    _Run,
+    _skipped_optimizers,
+    _static_scale,
+    _steps_without_update,
+)
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
 from precprof.analysis.advisor.text import _g, _pow2, _scale
 
@@ -170,6 +177,18 @@ def _never_stepped(st: pd.DataFrame, n: int, model: int, rec: float, bound: bool
     return head + cause
 
 
+def _which_skipped(run: _Run) -> str:
+    """With several optimizers under the scaler: whose steps it skipped, each one's count ("" with one). A
+    step is counted as skipped when any of them was (the steps table's ``skipped``)."""
+    each, partial = _skipped_optimizers(run)
+    if not partial:
+        return ""
+    counts = [sum(k in places for places in partial.values()) for k in range(len(each))]
+    return "of " + " and of ".join(
+        f"{_optimizer_named(each, k)} on {f'{c:,}' if c else 'none'}" for k, c in enumerate(counts)
+    )
+
+
 def _rule_scaler(run: _Run, plan: _Plan) -> None:
     _rule_scaler_unneeded(run, plan)
     cfg = run.cfg
@@ -275,7 +294,12 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
                 f"{len(st):,} steps before it (scale started at {start:g}"
             )
         else:
-            lead = f"{who} skipped {n:,} of {len(st):,} optimizer steps (scale started at {start:g}"
+            lead = (
+                f"{who} skipped {n:,} of {len(st):,} optimizer steps (scale started at {start:g}"
+                if not (which := _which_skipped(run))
+                else f"{who} skipped optimizer steps on {n:,} of {len(st):,} steps, {which} (scale started at "
+                f"{start:g}"
+            )
         resets = _scale_resets(st)
         # not one optimizer step went through: the model never trained (a warning among others read as normal)
         never = n == len(st)
