@@ -16,6 +16,8 @@ from torch import nn
 
 import precprof
 from precprof import tables as T
+from precprof.analysis.advisor import evidence as E
+from precprof.analysis.advisor import recommend
 
 
 def _gan_loop(prof_on: bool, steps: int = 3, init_scale: float = 2.0**20) -> dict[str, Any]:
@@ -128,9 +130,6 @@ def test_a_scaler_over_two_optimizers_says_which_it_skipped_and_keeps_the_gradie
     optimizer steps", left G's gradients out of fp16_gradient_underflow as "skipped", and drew a norm the loop
     never took as "not finite". The steps table now says which optimizer (``skipped_optimizers``), the summary
     names each one's modules, and only the skipped optimizer's rows of those steps are left out."""
-    from precprof.analysis.advisor import evidence as E
-    from precprof.analysis.advisor import recommend
-
     prof = gan_run["prof"]
     steps = prof.tables()["steps"]
     assert steps[T.SKIPPED].tolist() == [True] * 3 and steps[T.SKIPPED_OPTIMIZERS].tolist() == ["0"] * 3

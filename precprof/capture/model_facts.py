@@ -406,15 +406,17 @@ def optimizer_class(optimizers: Sequence[Any]) -> str | None:
     return " + ".join(dict.fromkeys(type(o).__name__ for o in optimizers)) or None
 
 
-def optimizer_settings(optimizers: list[Any], params: Sequence[Any] = ()) -> dict[str, Any] | None:
+def optimizer_settings(
+    optimizers: list[Any], params: Sequence[Any] = (), scaled: bool = False
+) -> dict[str, Any] | None:
     """What the advisor reads of the optimizers: their classes ("Muon + AdamW"), and over the parameter groups
     of the Adams among them (of all of them when none is an Adam) the smallest ``eps`` and the largest
     second-moment decay (``betas[1]``), the settings that decide whether Adam's update divides by zero in fp16
     (Muon's own ``eps`` is no Adam's); a setting held as a tensor (a tensor ``lr`` or ``betas``) is left out
     rather than read from the device. Beside an optimizer that is no Adam, ``adam_modules`` names the captured
     modules (``params``: the plan's parameter slots) whose parameters an Adam holds, so that a finding about
-    Adam speaks of its parameters only. With several optimizers, ``each`` holds each one's class and modules, in
-    the list's order. None without an optimizer."""
+    Adam speaks of its parameters only. With several optimizers under a loss scaler (``scaled``), ``each`` holds each
+    one's class and modules, in the list's order (the steps table's ``skipped_optimizers`` names them by place). None without an optimizer."""
     if not optimizers:
         return None
     adams = [o for o in optimizers if "Adam" in type(o).__name__]
@@ -433,7 +435,9 @@ def optimizer_settings(optimizers: list[Any], params: Sequence[Any] = ()) -> dic
         held = {id(p) for o in adams for g in o.param_groups for p in g["params"]}
         out["adam_class"] = " + ".join(dict.fromkeys(type(o).__name__ for o in adams))
         out["adam_modules"] = sorted({ps.module for ps in params if id(ps.tensor) in held})
-    if len(optimizers) > 1:  # each in its place in the list (the steps table's ``skipped_optimizers``)
+    if (
+        scaled and len(optimizers) > 1
+    ):  # each in its place in the list (the steps table's ``skipped_optimizers``)
         out["each"] = [
             {
                 "class": type(o).__name__,

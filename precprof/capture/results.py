@@ -331,7 +331,9 @@ class ProfilerResults:
             ),
             "weight_update_sample": self.update_sample if self.weight_updates else 0,
             "optimizer": optimizer_settings(
-                self.optimizers, self._plan.params if self._plan is not None else ()
+                self.optimizers,
+                self._plan.params if self._plan is not None else (),
+                self._scaler_watch is not None,
             ),
             # a new optimizer followed from a step on (``use_optimizer``): {"step", "from", "to"}, in order
             "optimizer_changes": [dict(c) for c in self._optimizer_changes],
