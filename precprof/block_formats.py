@@ -18,9 +18,13 @@ The rules, read from the OCP MX v1.0 spec and torchao 0.18 (``torchao.prototype.
   multiple of the block size is padded with zeros (they change no block's amax and are not counted); torchao
   refuses such tensors instead.
 - Element rounding is round-to-nearest-even with saturation: a scaled magnitude above the element format's max
-  is clamped to it (MX spec; torchao clamps before its casts). "Saturated" counts exactly those values:
-  |x / scale| > element max before the clamp (a value that would round down to max anyway counts too, since
-  the recipe clamped it). "Flushed" counts nonzero inputs whose dequantised value is zero.
+  is clamped to it (MX spec; torchao clamps before its casts). "Saturated" counts the values that overflow
+  as a real cast would (DESIGN.md): the scaled magnitude |x / scale|, in the recipe's fp32 arithmetic, rounded
+  to nearest-even in the element format with its exponent unbounded above, lands above the element max
+  (``saturation_bound``: E4M3 |y| > 464, E5M2 |y| >= 61440, FP6 E2M3 |y| >= 7.75, E3M2 |y| >= 30, FP4 E2M1
+  |y| >= 7). A value above max that rounds to max anyway (an NVFP4 block max that fp32 rounding puts at
+  6.0000005) is clamped with no loss beyond its rounding and is not counted. "Flushed" counts nonzero inputs
+  whose dequantised value is zero.
 - MX (block 32, E8M0 scale 2^k, k clamped to [-127, 127]). ``floor`` (OCP): k = floor(log2 amax) - emax_elem,
   where emax_elem = floor(log2 element max). ``rceil`` (cuBLAS / torchao RCEIL): k = the smallest integer with
   2^k >= fl32(amax / element max), so amax lands at or below the element max and nothing saturates except when
@@ -46,6 +50,7 @@ Everything is torch ops on the input's device; nothing here syncs with the host 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -59,45 +64,19 @@ from precprof import formats, tables
 from precprof.errors import UserError
 from precprof.formats import NumberFormat
 
-# The MX element formats narrower than fp8. They have no inf and no nan; a value above max is clamped, so
-# ``overflow_min = max`` (exclusive) states "saturates above max". They have no torch dtype to cast to.
-# (fp8's two formats are formats.FP8_E4M3 / FP8_E5M2 themselves; their overflow_min is a plain cast's.)
-FP6_E2M3 = formats._make(
-    "fp6_e2m3",
-    2,
-    3,
-    7.5,
-    None,
-    has_inf=False,
-    overflow_min=7.5,
-    overflow_inclusive=False,
-    label="FP6 E2M3",
-    color="#8c564b",
-)
-FP6_E3M2 = formats._make(
-    "fp6_e3m2",
-    3,
-    2,
-    28.0,
-    None,
-    has_inf=False,
-    overflow_min=28.0,
-    overflow_inclusive=False,
-    label="FP6 E3M2",
-    color="#e377c2",
-)
-FP4_E2M1 = formats._make(
-    "fp4_e2m1",
-    2,
-    1,
-    6.0,
-    None,
-    has_inf=False,
-    overflow_min=6.0,
-    overflow_inclusive=False,
-    label="FP4 E2M1",
-    color="#7f7f7f",
-)
+# The MX element formats narrower than fp8. They have no inf and no nan; a value above max is clamped to it.
+# They have no torch dtype to cast to. Their ``overflow_min`` is the same rule as fp8's (formats.py): the
+# smallest magnitude that round-to-nearest-even, with the exponent unbounded above, takes past max, i.e. max
+# plus half the top binade's spacing, and whether that tie itself rounds up. Worked out from the encodings:
+# each max has an all-ones mantissa (odd), so the tie rounds up to the next power of two (even mantissa) and
+# is counted (inclusive): E2M3 max 7.5 = 1.111b * 2^2, the tie 7.75 goes to 8; E3M2 max 28 = 1.11b * 2^4, the
+# tie 30 goes to 32; E2M1 max 6 = 1.1b * 2^2, the tie 7 goes to 8. (E5M2 the same: 57344 = 1.11b * 2^15, the
+# tie 61440 goes to 65536, a float8_e5m2 cast gives inf; E4M3's max 448 = 1.110b * 2^8 is even, its tie 464
+# goes down to 448 and only |x| > 464 is counted.) ``_make``'s defaults are exactly this rule.
+# (fp8's two formats are formats.FP8_E4M3 / FP8_E5M2 themselves.)
+FP6_E2M3 = formats._make("fp6_e2m3", 2, 3, 7.5, None, has_inf=False, label="FP6 E2M3", color="#8c564b")
+FP6_E3M2 = formats._make("fp6_e3m2", 3, 2, 28.0, None, has_inf=False, label="FP6 E3M2", color="#e377c2")
+FP4_E2M1 = formats._make("fp4_e2m1", 2, 1, 6.0, None, has_inf=False, label="FP4 E2M1", color="#7f7f7f")
 
 ELEMENT_FORMATS: dict[str, NumberFormat] = {
     f.name: f for f in (formats.FP8_E4M3, formats.FP8_E5M2, FP6_E2M3, FP6_E3M2, FP4_E2M1)
@@ -111,6 +90,19 @@ NVFP4_SCALE_MIN = 2.0**-6  # torchao clamps the E4M3 block scale to finfo(e4m3fn
 NVFP4_TENSOR_SCALE_BITS = 0x00200001
 NVFP4_TENSOR_SCALE_MIN = 2.0**-128 + 2.0**-149
 FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+@functools.cache
+def saturation_bound(fmt: NumberFormat) -> float:
+    """The largest fp32 magnitude an element format does not saturate: a scaled value y is counted as
+    ``saturated`` when |y| > this, i.e. when it rounds (nearest-even, exponent unbounded above) past the
+    format's max, as a real cast overflows (``fmt.overflow_min``; DESIGN.md). E4M3 464; E5M2 just below 61440;
+    FP6 E2M3 just below 7.75; FP6 E3M2 just below 30; FP4 E2M1 just below 7. One comparison per value, the
+    same in the reference, the C kernel and the Triton kernels."""
+    t = torch.tensor(fmt.overflow_min, dtype=torch.float32)
+    if fmt.overflow_inclusive:
+        t = torch.nextafter(t, torch.zeros_like(t))
+    return float(t)
 
 
 def exponent_bias(fmt: NumberFormat) -> int:
@@ -296,7 +288,7 @@ def _quantize(x: torch.Tensor, recipe: BlockRecipe, axis: int) -> tuple[torch.Te
         scaled = xb * ((1.0 / p) / s).clamp(max=FLOAT32_MAX)  # an overflowing factor is the fp32 max
         deq = round_to_element(scaled, fmt) * (p * s)
         poisoned = ~ok.expand(amax.shape)
-    saturated = (scaled.abs() > fmt.max) & ~poisoned
+    saturated = (scaled.abs() > saturation_bound(fmt)) & ~poisoned
     deq = torch.where(poisoned, torch.nan, deq)
 
     def back(t: torch.Tensor) -> torch.Tensor:
@@ -324,8 +316,8 @@ def block_stats(x: torch.Tensor, recipe: BlockRecipe, axis: int = -1) -> dict[st
     - ``total``: elements of x (int64);
     - ``poisoned``: elements in blocks (NVFP4: tensors) holding a nan or inf, which dequantise to nan;
     - ``flushed``: nonzero values whose dequantised value is zero;
-    - ``saturated``: values whose scaled magnitude exceeded the element max and were clamped to it (compared
-      before the clamp);
+    - ``saturated``: values whose scaled magnitude rounds past the element max (``saturation_bound``) and
+      was clamped to it;
     - ``sum_x2``, ``sum_err2``: sum of x^2 and of (x - q)^2 over the values that are not poisoned, in float64
       so that sums over layers and steps merge (``merge_stats``); ``sqnr_db`` turns them into a figure.
     """

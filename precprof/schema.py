@@ -150,11 +150,12 @@ def underflow_cs_col(fmt: str) -> str:
 # matmul that reads it: activations and weights in the forward GEMM, output gradients in the input-gradient
 # GEMM); "col": blocks along the leading dimensions flattened (the transpose: the weight-gradient GEMM reads
 # activations and output gradients along tokens, the input-gradient GEMM reads weights along out_features).
-# Stats: "flushed" (nonzero values that become 0), "saturated" (values clamped to the element max: the scaled
-# value, in the recipe's fp32 arithmetic as torchao's, above the max before rounding; one that would round down
-# to the max anyway counts, one that rounds up to it does not), "poisoned" (values in a block, for NVFP4 a
-# tensor, holding nan/inf), "sum_x2" and "sum_err2" (float64 sums of x^2 and
-# of (x - q)^2 over the values not poisoned; SQNR = 10 log10(sum_x2 / sum_err2)). Missing (NaN) where the
+# Stats: "flushed" (nonzero values that become 0), "saturated" (values that overflow the element format as a
+# real cast does: the scaled value, in the recipe's fp32 arithmetic as torchao's, rounded to nearest-even with
+# the exponent unbounded lands above the max: E4M3 > 464, E5M2 >= 61440, FP6 E2M3 >= 7.75, E3M2 >= 30, FP4
+# E2M1 >= 7; one clamped to the max that would round to it anyway does not count), "poisoned" (values in a
+# block, for NVFP4 a tensor, holding nan/inf), "sum_x2" and "sum_err2" (float64 sums of x^2 and of (x - q)^2
+# over the values not poisoned; SQNR = 10 log10(sum_x2 / sum_err2)). Missing (NaN) where the
 # recipe was not evaluated for the row (a 1-D tensor has no "col" orientation). Names: block_formats.RECIPES.
 BLOCK_RECIPES: tuple[str, ...] = (
     "mxfp8_e4m3",

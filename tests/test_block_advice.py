@@ -224,8 +224,8 @@ def _expected(
 ) -> tuple[float, float, float, list[float]]:
     """(flushed share, saturated share, SQNR dB, per step the share of the L2 norm lost to flushing and
     saturation) of one operand over the sampled steps, from block_formats' quantised tensors directly: counts of
-    nonzero values that dequantise to 0, of |x / block scale| above the element max (x and q compared one by
-    one), the error sums in float64, and the norms of what flushing zeroed and saturation clamped off."""
+    nonzero values that dequantise to 0, of |x / block scale| that round past the element max (E4M3: above 464;
+    E2M1: 7, the tie 6|8, and above; x and q compared one by one), the error sums in float64, and the norms of what flushing zeroed and saturation clamped off."""
     flushed = saturated = nonzero = 0
     sx2 = se2 = 0.0
     norm_lost = []
@@ -247,7 +247,8 @@ def _expected(
             else:
                 k = torch.frexp(amax)[1] - 1 - math.floor(math.log2(fmax))
             scale = torch.exp2(k.clamp(-127, 127).double())
-            sat = xb.double().abs() / scale > fmax
+            y = xb.double().abs() / scale
+            sat = y > 464 if r.element.name == "fp8_e4m3" else y >= {"fp4_e2m1": 7.0}[r.element.name]
             saturated += int(sat.sum())
             clamped2 = float(((xb.double().abs() - fmax * scale)[sat] ** 2).sum())  # what the clamp took off
         else:

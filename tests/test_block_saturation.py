@@ -1,6 +1,7 @@
 """The block what-if's ``saturated`` and ``flushed`` counts at their boundaries, value by value, against an
 independent computation written from the rules, on hand-built blocks: a value exactly at the element max, just
-above it, one above it that rounds down to it anyway, one that rounds up to it, a block whose OCP exponent is
+above it, one above it that rounds down to it anyway, one that rounds up to it, the overflow tie itself and the
+values either side of it (E4M3, E5M2, E2M1), a block whose OCP exponent is
 below E8M0's smallest (2^-127), NVFP4 block maxima within an fp32 rounding of 6 either way, an E4M3 block scale
 next to a rounding tie, a block scale under E4M3's smallest normal, nan/inf and all-zero blocks. The reference,
 the C kernel and the Triton kernels (Triton's interpreter on CPU) must all give these counts.
@@ -11,9 +12,12 @@ to 2^-127, the same clamp as OCP's reference code ``microxcaling``); elements ar
 clamped to the element max and rounded by a real fp8 cast (E4M3, E5M2) or on the E2M1 grid written out by hand.
 NVFP4 follows torchao 0.18's ``nvfp4_quantize`` operation by operation in numpy float32 (the per-tensor scale
 p = fl(amax / 2688) is an fp32 number; block scale E4M3(clamp(fl(fl(amax_b / 6) / p), 2^-6, 448)) by a real
-cast; elements x * fl(fl(1 / p) / s)). "Saturated" is decided before rounding: the scaled value, in that fp32
-arithmetic, above the element max (what torchao's clamp changes): a value that rounds down to the max anyway
-counts, one that rounds up to it does not.
+cast; elements x * fl(fl(1 / p) / s)). "Saturated" is what a real cast calls overflow (DESIGN.md): the scaled
+value, in that fp32 arithmetic, rounded to nearest-even in the element format with its exponent unbounded above,
+lands above the element max. Decided here by real casts where torch has them (E5M2: the cast gives inf; E4M3:
+float8_e4m3fn saturates instead, so half the value is cast one binade down, where the grid is the same) and on
+the E2M1 grid extended by the next binade's first code, 8 (even), by hand. A value above the max that rounds to
+it anyway (an NVFP4 block max that fp32 rounding puts at 6.0000005) is clamped but not counted.
 
 These are the cases where tester h91's own quantiser (s23) differed from precprof: it kept 2^-129 as an MX scale,
 computed NVFP4 in float64 from 2688 / amax instead of the fp32 per-tensor scale, rounded that float64 block scale
@@ -24,6 +28,7 @@ scales to 2^-6.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from fractions import Fraction
 
 import numpy as np
@@ -38,6 +43,10 @@ from precprof.stats import triton_block as tb
 
 F32 = np.float32
 E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # code i holds E2M1_GRID[i]; even codes win ties
+E2M1_UNBOUNDED = [
+    *E2M1_GRID,
+    8.0,
+]  # code 8: 1.0b * 2^3, the next binade's first value, were the exponent wider
 MX_RECIPES = [
     bf.get_recipe(name.removesuffix("_rceil"), "rceil" if name.endswith("_rceil") else None)
     for name in T.BLOCK_RECIPES
@@ -52,17 +61,32 @@ def fp32(v: float) -> float:
     return got
 
 
-def on_e2m1_grid(v: Fraction) -> Fraction:
-    """v, already clamped to [-6, 6], rounded to nearest on the E2M1 grid, ties to the even code."""
+def on_e2m1_grid(v: Fraction, grid: list[float] = E2M1_GRID) -> Fraction:
+    """v, already clamped to [-grid[-1], grid[-1]], rounded to nearest on the E2M1 grid, ties to the even code."""
     a = abs(v)
-    hi = next(i for i, g in enumerate(E2M1_GRID) if g >= a)
-    if E2M1_GRID[hi] == a or hi == 0:
-        r = Fraction(E2M1_GRID[hi])
+    hi = next(i for i, g in enumerate(grid) if g >= a)
+    if grid[hi] == a or hi == 0:
+        r = Fraction(grid[hi])
     else:
-        lo_d, hi_d = a - Fraction(E2M1_GRID[hi - 1]), Fraction(E2M1_GRID[hi]) - a
+        lo_d, hi_d = a - Fraction(grid[hi - 1]), Fraction(grid[hi]) - a
         pick_hi = hi_d < lo_d or (hi_d == lo_d and hi % 2 == 0)
-        r = Fraction(E2M1_GRID[hi if pick_hi else hi - 1])
+        r = Fraction(grid[hi if pick_hi else hi - 1])
     return -r if v < 0 else r
+
+
+def overflows(v: Fraction, fmt: bf.NumberFormat) -> bool:
+    """Whether the exact value v rounds (nearest-even, exponent unbounded above) past the element max."""
+    a = abs(v)
+    if a >= 2 ** (fmt.max_exponent + 1):  # at or past the next power of two: nothing rounds it back down
+        return True
+    if fmt.name == "fp8_e5m2":  # the cast rounds past 57344 to inf
+        return math.isinf(float(torch.tensor([float(a)]).to(torch.float8_e5m2).float()))
+    if fmt.name == "fp8_e4m3":  # e4m3fn saturates, so a / 2 (exact) one binade down, on the same grid
+        assert Fraction(float(a / 2)) == a / 2
+        return float(torch.tensor([float(a / 2)]).to(torch.float8_e4m3fn).float()) * 2 > fmt.max
+    if fmt.name == "fp4_e2m1":
+        return on_e2m1_grid(a, E2M1_UNBOUNDED) > Fraction(fmt.max)
+    raise AssertionError(f"no independent rounding for {fmt.name} here")
 
 
 def element(v: Fraction, fmt: bf.NumberFormat) -> Fraction:
@@ -94,7 +118,7 @@ def ref_mx(row: list[float], recipe: bf.BlockRecipe) -> tuple[list[float], int, 
     out, sat, flushed = [], 0, 0
     for v in row:
         s = Fraction(v) / scale
-        sat += abs(s) > fmt.max
+        sat += overflows(s, fmt)
         q = element(s, fmt) * scale
         flushed += v != 0 and q == 0
         out.append(math.copysign(float(q), v))
@@ -117,7 +141,7 @@ def ref_nvfp4(x: list[float]) -> tuple[list[float], list[bool], int, int]:
         factor, back = F32(F32(F32(1.0) / p) / s), F32(p * s)
         for v in blk:
             scaled = F32(v * factor)
-            sat.append(bool(abs(scaled) > 6))
+            sat.append(overflows(Fraction(float(scaled)), bf.FP4_E2M1))
             q = F32(float(on_e2m1_grid(Fraction(float(np.clip(scaled, -6, 6))))))
             d = F32(q * back)
             flushed += v != 0 and d == 0
@@ -175,10 +199,11 @@ def rows32(*rows: list[float]) -> torch.Tensor:
     return x
 
 
-# MXFP8 E4M3, amax just below 512: scale 2^0. 448 is the max (not saturated); 448.00003 is above it and 464 is
-# the tie 448|480 (-> 448, the even code): both saturate though they would round down to 448 anyway; 440 and the
-# tie 432 (416|448 -> 448) round up to the max and do not saturate. 2^-10 is half E4M3's smallest subnormal
-# (tie -> 0: flushed); 1.5 * 2^-10 -> 2^-9.
+# MXFP8 E4M3, amax just below 512: scale 2^0. 511.99997 rounds to 512, past 448: saturated. 448 is the max (not
+# saturated); 448.00003 is above it but rounds down to 448, and so does 464, the tie 448|480 (-> 448, the even
+# code): clamped, not saturated; 463.99997 too; 464.00003 rounds to 480: saturated. 440 and the tie 432 (416|448
+# -> 448) round up to the max and do not saturate. 2^-10 is half E4M3's smallest subnormal (tie -> 0: flushed);
+# 1.5 * 2^-10 -> 2^-9.
 E4M3_EDGE = [
     float(np.nextafter(F32(512), F32(0))),
     448.0,
@@ -190,14 +215,29 @@ E4M3_EDGE = [
     416.0,
     2.0**-10,
     1.5 * 2.0**-10,
+    float(np.nextafter(F32(464), F32(512))),
+    float(np.nextafter(F32(464), F32(0))),
+]
+# MXFP8 E5M2, amax just below 65536: scale 2^0. 57344 is the max; 61439.996 rounds down to it; 61440, the tie
+# 57344|65536, goes to the even 65536 (a float8_e5m2 cast gives inf): saturated, and so are 61440.004 and
+# 65535.996.
+E5M2_EDGE = [
+    float(np.nextafter(F32(65536), F32(0))),
+    57344.0,
+    float(np.nextafter(F32(57344), F32(65536))),
+    float(np.nextafter(F32(61440), F32(0))),
+    61440.0,
+    -float(np.nextafter(F32(61440), F32(65536))),
 ]
 # h91's tiny gradient block: amax 476 * 2^-129 = 119 * 2^-127, OCP exponent -121 - 8 = -129, below E8M0's
 # smallest: the scale is 2^-127, so 476 * 2^-129 -> 119 -> 120 (E4M3 spacing 8 there) and nothing saturates
 # (kept at 2^-129 it would be 476 > 448, and 474, 475: three saturated). 2^-137 = 2^-10 * 2^-127 ties to 0;
 # 3 * 2^-137 -> 1.5 * 2^-9, the tie 2^-9|2^-8 -> 2^-8 (the even code): 2^-135.
 TINY = [476 * 2.0**-129, 474 * 2.0**-129, -475 * 2.0**-129, 2.0**-137, 3 * 2.0**-137]
-# MXFP4, amax just below 8: scale 2^0. 6.0000005, 6.5 and 7 (the tie 6|8) saturate; 5.5 rounds up to 6 and does
-# not; 5 is the tie 4|6 -> 4; 0.25 ties to 0 (flushed).
+# MXFP4, amax just below 8: scale 2^0. 7.9999995 and 7, the tie 6|8 (to the even 8, the next binade's first
+# code were the exponent wider), saturate, and so do 7.0000005 and -7; 6.0000005, 6.5 and 6.9999995 round down
+# to 6 (clamped, not saturated); 5.5 rounds up to 6 and does not; 5 is the tie 4|6 -> 4; 0.25 ties to 0
+# (flushed).
 E2M1_EDGE = [
     float(np.nextafter(F32(8), F32(0))),
     6.0,
@@ -207,14 +247,19 @@ E2M1_EDGE = [
     5.0,
     0.25,
     -6.5,
+    float(np.nextafter(F32(7), F32(0))),
+    float(np.nextafter(F32(7), F32(8))),
+    -7.0,
 ]
 
 
 def test_mx_saturation_and_flush_boundaries_by_hand_and_by_the_ocp_rule() -> None:
-    x = rows32(E4M3_EDGE, TINY, E2M1_EDGE, [], [1.0, math.inf, 2.0**100])
+    x = rows32(E4M3_EDGE, TINY, E2M1_EDGE, [], [1.0, math.inf, 2.0**100], E5M2_EDGE)
     e4m3 = bf.MXFP8_E4M3
-    assert bf.quantize(x[:1], e4m3)[0, :10].tolist() == [448.0] * 6 + [-448.0, 416.0, 0.0, 2.0**-9]
-    assert counts(x[:1], e4m3) == (4, 1, 0)
+    assert (
+        bf.quantize(x[:1], e4m3)[0, :12].tolist() == [448.0] * 6 + [-448.0, 416.0, 0.0, 2.0**-9] + [448.0] * 2
+    )
+    assert counts(x[:1], e4m3) == (2, 1, 0)
     assert bf.quantize(x[1:2], e4m3)[0, :5].tolist() == [
         120 * 2.0**-127,
         120 * 2.0**-127,
@@ -223,9 +268,11 @@ def test_mx_saturation_and_flush_boundaries_by_hand_and_by_the_ocp_rule() -> Non
         2.0**-135,
     ]
     assert counts(x[1:2], e4m3) == (0, 1, 0)
-    assert bf.quantize(x[2:3], bf.MXFP4)[0, :8].tolist() == [6.0, 6.0, 6.0, 6.0, 6.0, 4.0, 0.0, -6.0]
+    assert bf.quantize(x[2:3], bf.MXFP4)[0, :11].tolist() == [6.0] * 5 + [4.0, 0.0, -6.0, 6.0, 6.0, -6.0]
     assert counts(x[2:3], bf.MXFP4) == (4, 1, 0)
-    assert counts(x[3:], e4m3) == (0, 0, 32)  # the all-zero block loses nothing; the inf poisons its block
+    assert counts(x[3:5], e4m3) == (0, 0, 32)  # the all-zero block loses nothing; the inf poisons its block
+    assert bf.quantize(x[5:], bf.MXFP8_E5M2)[0, :6].tolist() == [57344.0] * 5 + [-57344.0]
+    assert counts(x[5:], bf.MXFP8_E5M2) == (3, 0, 0)
     for recipe in MX_RECIPES:
         if recipe.element.name in ("fp6_e2m3", "fp6_e3m2"):
             continue  # no real cast and no hand-written grid here (test_block_formats checks FP6 on its grids)
@@ -241,16 +288,20 @@ def nv(*blocks: list[float]) -> torch.Tensor:
 
 
 # NVFP4 tensors of two or three blocks (the tensor's amax sits in the first); the figures come from h91's run.
+# Nothing saturates: a block's scaled values reach at most about 6 / (1 - 2^-4) = 6.4 (its E4M3 scale rounds
+# amax / 6 down by at most 2^-4), below the tie 7, so what the clamp takes off a block max (6.0000005, 6.27)
+# is rounding it would have had anyway. The cases check that, and the dequantised values bit for bit.
 NV_CASES = {
     # p = 3696 / 2688 = 1.375 exactly; block 2: fl(1.2890625 / 6) / 1.375 = 0.15625, an E4M3 value, so x / (p s)
-    # is exactly 6, but fl(fl(1 / 1.375) / 0.15625) rounds up: 1.2890625 times it is 6.0000005 > 6: clamped and
-    # counted (the dequantised value is 6 p s = 1.2890625 either way)
-    "exactly 6, fp32 factor above": ([[3696.0], [1.2890625, 0.5]], 1),
+    # is exactly 6, but fl(fl(1 / 1.375) / 0.15625) rounds up: 1.2890625 times it is 6.0000005 > 6: clamped,
+    # rounds to 6 anyway, not counted (the dequantised value is 6 p s = 1.2890625 either way)
+    "exactly 6, fp32 factor above": ([[3696.0], [1.2890625, 0.5]], 0),
     # x / (p s) with the stored fp32 p is 6.00000018, but torchao's fp32 factor puts it at 6.0: not counted
     "above 6 by 3e-8, fp32 at 6": ([[0.00165557861328125], [0.000591278076171875]], 0),
     # fl(fl(amax / 6) / p) = 183.99998 (exactly 183.99999 with the fp32 p): below the E4M3 tie 184, so 176,
-    # and the block max is scaled to 6.27 > 6: saturated (rounded through fp32 from float64, 184.0 -> 192: not)
-    "E4M3 block scale just below a tie": ([[0.001708984375], [0.000701904296875]], 1),
+    # and the block max is scaled to 6.27 > 6: clamped, rounds to 6 anyway, not saturated (h91's block scale,
+    # rounded through fp32 from float64, 184.0 -> 192, scales it to 5.75)
+    "E4M3 block scale just below a tie": ([[0.001708984375], [0.000701904296875]], 0),
     # 272.00003 (272.000009 exactly): above the tie 272 -> 288, 1.43e-33 scaled to 5.67: not saturated
     "E4M3 block scale just above a tie": ([[2.359264181874364e-33], [1.4324103961380067e-33]], 0),
     # p = 1; block 2: 2^-6 / 6 = 1.33 * 2^-9 < 2^-6, clamped to E4M3's smallest normal: 2^-6 * 2^6 = 1, no
@@ -277,3 +328,55 @@ def test_nvfp4_nonfinite_tensor_and_zero_blocks() -> None:
     x[0, 20] = math.inf
     assert assert_matches_reference(x, bf.NVFP4) == (0, 0, 48)
     engines_agree(x, [bf.NVFP4])
+
+
+def below(v: float) -> float:
+    return float(np.nextafter(F32(v), F32(0)))
+
+
+def above(v: float) -> float:
+    return float(np.nextafter(F32(v), F32(math.inf)))
+
+
+# saturation_bound: the largest fp32 magnitude not counted; the tie halfway to the next power of two is counted
+# where the max's mantissa is odd (it rounds up to the even power of two), not for E4M3 (448 = 1.110b * 2^8)
+SATURATION_BOUNDS = {
+    "fp8_e4m3": 464.0,
+    "fp8_e5m2": below(61440.0),
+    "fp6_e2m3": below(7.75),
+    "fp6_e3m2": below(30.0),
+    "fp4_e2m1": below(7.0),
+}
+
+
+def test_saturation_bound_is_where_rounding_passes_the_element_max() -> None:
+    for name, fmt in bf.ELEMENT_FORMATS.items():
+        b = bf.saturation_bound(fmt)
+        assert b == SATURATION_BOUNDS[name], name
+        # the same grid with one binade more (its max twice the max): b rounds to at most the
+        # max, the next fp32 above it past it
+        wide = replace(fmt, max=fmt.max * 2)
+        got = bf.round_to_element(torch.tensor([b, above(b)]), wide).tolist()
+        assert got[0] <= fmt.max < got[1], (name, got)
+        if name in ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1"):
+            assert [overflows(Fraction(v), fmt) for v in (b, above(b))] == [False, True], name
+    # the real casts: E5M2 overflows to inf at the tie; E4M3 (e4m3fn saturates) one binade down
+    e5m2 = torch.tensor([below(61440.0), 61440.0]).to(torch.float8_e5m2).float()
+    assert e5m2.tolist() == [57344.0, math.inf]
+    e4m3 = torch.tensor([232.0, above(232.0)]).to(torch.float8_e4m3fn).float()
+    assert e4m3.tolist() == [224.0, 240.0]  # 464 / 2 ties to 448 / 2; just above it goes to 480 / 2
+
+
+def test_fp6_saturation_boundaries_in_every_engine() -> None:
+    # MXFP6 E2M3, amax just below 8: scale 2^0; 7.75 (the tie 7.5|8 -> 8) and above saturate, below it not.
+    # MXFP6 E3M2, amax just below 32: scale 2^0; 30 (the tie 28|32 -> 32) and above saturate.
+    x = rows32(
+        [below(8.0), 7.5, above(7.5), below(7.75), 7.75, -above(7.75)],
+        [below(32.0), 28.0, above(28.0), below(30.0), 30.0, -above(30.0)],
+    )
+    e2m3, e3m2 = bf.MXFP6_E2M3, bf.MXFP6_E3M2
+    assert bf.quantize(x[:1], e2m3)[0, :6].tolist() == [7.5] * 5 + [-7.5]
+    assert bf.quantize(x[1:], e3m2)[0, :6].tolist() == [28.0] * 5 + [-28.0]
+    assert counts(x[:1], e2m3) == (3, 0, 0)
+    assert counts(x[1:], e3m2) == (3, 0, 0)
+    engines_agree(x, [e2m3, e3m2, e2m3.with_scale_mode("rceil")])

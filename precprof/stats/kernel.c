@@ -558,7 +558,7 @@ int64_t pp_add_many(int64_t* ctx, int64_t k, const int64_t* ptrs, const int64_t*
 typedef struct {
     int kind;  /* 0 MX floor, 1 MX rceil, 2 NVFP4 */
     int m, emin, emax; /* element: mantissa bits, floor(log2 smallest normal), floor(log2 max) */
-    float fmax;
+    float fmax, fsat; /* element max; saturated: |scaled| > fsat (block_formats.saturation_bound) */
     int sm, semin; /* NVFP4's E4M3 block scale: mantissa bits, smallest normal exponent */
     float smax, smin;
 } brec_t;
@@ -625,7 +625,7 @@ static inline void tile_recipe(const float* restrict buf, int n_i, const float* 
                                const float* restrict deq1, int half, int pow2_scale, const brec_t* r,
                                int32_t* restrict fl, int32_t* restrict sat, double* restrict err) {
     const int m = r->m, emin = r->emin;
-    const float fmax = r->fmax;
+    const float fmax = r->fmax, fsat = r->fsat;
     int32_t f[BG], st[BG];
     double e[BG];
     for (int g = 0; g < BG; g++) { f[g] = 0; st[g] = 0; e[g] = 0.0; }
@@ -636,7 +636,7 @@ static inline void tile_recipe(const float* restrict buf, int n_i, const float* 
         if (pow2_scale) {
             for (int g = 0; g < BG; g++) {
                 float sc = x[g] * mul[g];
-                st[g] += fabsf(sc) > fmax;
+                st[g] += fabsf(sc) > fsat;
                 float q = round_elem(sc, m, emin, fmax) * dq[g];
                 f[g] += (x[g] != 0.0f) & (q == 0.0f);
                 double d = (double)(x[g] - q);
@@ -645,7 +645,7 @@ static inline void tile_recipe(const float* restrict buf, int n_i, const float* 
         } else {
             for (int g = 0; g < BG; g++) {
                 float sc = x[g] * mul[g];
-                st[g] += fabsf(sc) > fmax;
+                st[g] += fabsf(sc) > fsat;
                 float q = round_elem(sc, m, emin, fmax) * dq[g];
                 f[g] += (x[g] != 0.0f) & (q == 0.0f);
                 double d = (double)x[g] - (double)q;
@@ -811,7 +811,7 @@ int pp_block(const void* data, int64_t rows, int64_t last, int dtype, int orient
         const int64_t* c = config + k * REC_LEN;
         rec[k].kind = (int)c[0]; rec[k].m = (int)c[1]; rec[k].emin = (int)c[2]; rec[k].emax = (int)c[3];
         rec[k].fmax = bitsf((uint32_t)c[4]); rec[k].sm = (int)c[5]; rec[k].semin = (int)c[6];
-        rec[k].smax = bitsf((uint32_t)c[7]); rec[k].smin = bitsf((uint32_t)c[8]);
+        rec[k].smax = bitsf((uint32_t)c[7]); rec[k].smin = bitsf((uint32_t)c[8]); rec[k].fsat = bitsf((uint32_t)c[9]);
         any_nv |= rec[k].kind == 2;
     }
     if (nthreads < 1) nthreads = 1;

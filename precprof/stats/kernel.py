@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from precprof import formats
-from precprof.block_formats import NVFP4_SCALE_MIN, BlockRecipe, ScaleMode, per_recipes
+from precprof.block_formats import NVFP4_SCALE_MIN, BlockRecipe, ScaleMode, per_recipes, saturation_bound
 from precprof.errors import UserError
 from precprof.stats import kernel_cache as _kernel_cache
 
@@ -282,7 +282,8 @@ _RECIPE_BY_ID: dict[int, tuple[Any, Any]] = {}
 def make_recipe_config(recipes: Sequence[BlockRecipe]) -> np.ndarray:
     """The recipes as pp_block reads them: per recipe kind (0 MX floor, 1 MX rceil, 2 NVFP4), the element's
     mantissa bits, smallest normal exponent, largest exponent and max (fp32 bits), then NVFP4's E4M3 block
-    scale (mantissa bits, smallest normal exponent, max and the clamp's minimum as fp32 bits)."""
+    scale (mantissa bits, smallest normal exponent, max and the clamp's minimum as fp32 bits), then the element's
+    ``block_formats.saturation_bound`` (fp32 bits)."""
     if not 0 < len(recipes) <= _MAX_RECIPES:
         raise UserError(f"the C kernel evaluates 1..{_MAX_RECIPES} block recipes at once, got {len(recipes)}")
     rows = []
@@ -312,7 +313,7 @@ def make_recipe_config(recipes: Sequence[BlockRecipe]) -> np.ndarray:
                 e4m3.normal_min_exponent,
                 _f32_bits(e4m3.max),
                 _f32_bits(NVFP4_SCALE_MIN),
-                0,
+                _f32_bits(saturation_bound(el)),
             ]
         )
     return np.array(rows, dtype=np.int64)

@@ -115,15 +115,16 @@ def _f32_bits(v: float) -> int:
 
 def _constants() -> dict[str, int]:
     """The kernel's format constants, from ``block_formats``: mantissa bits, smallest normal exponent and the
-    max's fp32 bits of each element format; NVFP4's per-tensor divisor (448 * 6) and smallest block scale."""
+    max's fp32 bits of each element format and its saturation bound's (``block_formats.saturation_bound``); NVFP4's per-tensor divisor (448 * 6) and smallest block scale."""
     if "constants" not in _state:
         c: dict[str, int] = {}
         for i, name in enumerate(ELEMENTS):
             fmt = bf.ELEMENT_FORMATS[name]
-            c[f"MB{i}"], c[f"EMIN{i}"], c[f"FMAX{i}"] = (
+            c[f"MB{i}"], c[f"EMIN{i}"], c[f"FMAX{i}"], c[f"SAT{i}"] = (
                 fmt.mantissa_bits,
                 fmt.normal_min_exponent,
                 _f32_bits(fmt.max),
+                _f32_bits(bf.saturation_bound(fmt)),
             )
         c["NV_DIV"] = _f32_bits(bf.formats.FP8_E4M3.max * bf.FP4_E2M1.max)
         c["NV_SMIN"] = _f32_bits(bf.NVFP4_SCALE_MIN)

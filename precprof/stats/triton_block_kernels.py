@@ -92,14 +92,17 @@ def _mx_scale(ab, FMAX: tl.constexpr, RCEIL: tl.constexpr):
 
 
 @triton.jit
-def _mx_elem(a, down, up, f, s, e, MB: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr):
+def _mx_elem(
+    a, down, up, f, s, e, MB: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr, SAT: tl.constexpr
+):
     # One MX recipe on one value of each block ([TA, JV]): its flushed and saturated counts and squared error
     # added to f, s, e. a: |x| (fp32; 0 outside the tensor and in blocks that are not finite, where every
-    # statistic below is then 0 by itself: sc = q = d = 0); down, up: the block's 2^-k and 2^k
+    # statistic below is then 0 by itself: sc = q = d = 0); down, up: the block's 2^-k and 2^k; saturated: sc
+    # above SAT (the bits of block_formats.saturation_bound)
     sc = a * down
     q = _round_value(sc, MB, EMIN, FMAX) * up
     f += ((a != 0) & (q == 0)).to(tl.int32)
-    s += (sc > _cf(FMAX)).to(tl.int32)
+    s += (sc > _cf(SAT)).to(tl.int32)
     # d is exact in fp32 (q is 0 or within a factor of two of a, or inf past fp32's max), d * d in float64 (48
     # significant bits): the fused multiply-add rounds once, as the product and the sum do
     d = (a - q).to(tl.float64)
@@ -230,24 +233,29 @@ def _blocks(
     MB0: tl.constexpr,
     EMIN0: tl.constexpr,
     FMAX0: tl.constexpr,
+    SAT0: tl.constexpr,
     MB1: tl.constexpr,
     EMIN1: tl.constexpr,
     FMAX1: tl.constexpr,
+    SAT1: tl.constexpr,
     MB2: tl.constexpr,
     EMIN2: tl.constexpr,
     FMAX2: tl.constexpr,
+    SAT2: tl.constexpr,
     MB3: tl.constexpr,
     EMIN3: tl.constexpr,
     FMAX3: tl.constexpr,
+    SAT3: tl.constexpr,
     MB4: tl.constexpr,
     EMIN4: tl.constexpr,
     FMAX4: tl.constexpr,
+    SAT4: tl.constexpr,
     NV_DIV: tl.constexpr,
     NV_SMIN: tl.constexpr,
     NV_PMIN: tl.constexpr,
     JV: tl.constexpr,
 ):
-    # Slots: MX element format f (0..4, the MB/EMIN/FMAX constants) in scale mode floor (2f) or rceil
+    # Slots: MX element format f (0..4, the MB/EMIN/FMAX/SAT constants) in scale mode floor (2f) or rceil
     # (2f + 1); NVFP4 is slot 10 (element format 4, block scale in format 0). MASK: the slots to compute.
     # Both orientations of one tensor in one launch: programs [0, progs0) read it with geometry 0 (its blocks
     # along the 2-D view's last dimension), the others with geometry 1 (down its columns). Each writes its
@@ -358,32 +366,32 @@ def _blocks(
                 x2 = tl.fma(a64, a64, x2)
                 po += (inside & bad[:, None]).to(tl.int32)
                 if MASK & 1:
-                    f0, s0, e0 = _mx_elem(a, d0, u0, f0, s0, e0, MB0, EMIN0, FMAX0)
+                    f0, s0, e0 = _mx_elem(a, d0, u0, f0, s0, e0, MB0, EMIN0, FMAX0, SAT0)
                 if MASK & 2:
-                    f1, s1, e1 = _mx_elem(a, d1, u1, f1, s1, e1, MB0, EMIN0, FMAX0)
+                    f1, s1, e1 = _mx_elem(a, d1, u1, f1, s1, e1, MB0, EMIN0, FMAX0, SAT0)
                 if MASK & 4:
-                    f2, s2, e2 = _mx_elem(a, d2, u2, f2, s2, e2, MB1, EMIN1, FMAX1)
+                    f2, s2, e2 = _mx_elem(a, d2, u2, f2, s2, e2, MB1, EMIN1, FMAX1, SAT1)
                 if MASK & 8:
-                    f3, s3, e3 = _mx_elem(a, d3, u3, f3, s3, e3, MB1, EMIN1, FMAX1)
+                    f3, s3, e3 = _mx_elem(a, d3, u3, f3, s3, e3, MB1, EMIN1, FMAX1, SAT1)
                 if MASK & 16:
-                    f4, s4, e4 = _mx_elem(a, d4, u4, f4, s4, e4, MB2, EMIN2, FMAX2)
+                    f4, s4, e4 = _mx_elem(a, d4, u4, f4, s4, e4, MB2, EMIN2, FMAX2, SAT2)
                 if MASK & 32:
-                    f5, s5, e5 = _mx_elem(a, d5, u5, f5, s5, e5, MB2, EMIN2, FMAX2)
+                    f5, s5, e5 = _mx_elem(a, d5, u5, f5, s5, e5, MB2, EMIN2, FMAX2, SAT2)
                 if MASK & 64:
-                    f6, s6, e6 = _mx_elem(a, d6, u6, f6, s6, e6, MB3, EMIN3, FMAX3)
+                    f6, s6, e6 = _mx_elem(a, d6, u6, f6, s6, e6, MB3, EMIN3, FMAX3, SAT3)
                 if MASK & 128:
-                    f7, s7, e7 = _mx_elem(a, d7, u7, f7, s7, e7, MB3, EMIN3, FMAX3)
+                    f7, s7, e7 = _mx_elem(a, d7, u7, f7, s7, e7, MB3, EMIN3, FMAX3, SAT3)
                 if MASK & 256:
-                    f8, s8, e8 = _mx_elem(a, d8, u8, f8, s8, e8, MB4, EMIN4, FMAX4)
+                    f8, s8, e8 = _mx_elem(a, d8, u8, f8, s8, e8, MB4, EMIN4, FMAX4, SAT4)
                 if MASK & 512:
-                    f9, s9, e9 = _mx_elem(a, d9, u9, f9, s9, e9, MB4, EMIN4, FMAX4)
+                    f9, s9, e9 = _mx_elem(a, d9, u9, f9, s9, e9, MB4, EMIN4, FMAX4, SAT4)
             if NV:
                 ok = inside & tensor_ok
                 a = _f32(tl.where(ok, m, 0))
                 sc = a * tl.where(first, fa, fb)
                 q = _round_value(sc, MB4, EMIN4, FMAX4) * tl.where(first, da, db)
                 nf += ((a != 0) & (q == 0)).to(tl.int32)  # (a is 0 where not ok: p is nan there)
-                ns += ((sc > _cf(FMAX4)) & ok).to(tl.int32)
+                ns += ((sc > _cf(SAT4)) & ok).to(tl.int32)
                 a64 = a.to(tl.float64)
                 d = a64 - q.to(tl.float64)
                 ne += tl.where(ok, d * d, 0.0)

@@ -6,9 +6,10 @@ saturation, bounded per sampled step and read as the median over them (the measu
 The norm bound of one tensor and recipe: a value the recipe flushes is at most ``u * smax`` (u: the element
 format's largest value that rounds to 0, smax: the largest block scale any block of a tensor of largest
 magnitude A can get), so the ``flushed`` values (an exact count) carry at most the energy of that many of the
-tensor's largest values below it, each at its binade's upper edge (the histogram); a saturated value is
-clamped by at most ``rho`` of itself (rho: how far above the element max a block's scaled values can reach) and
-is among the tensor's largest, so the ``saturated`` values lose at most rho^2 times the energy of that many of
+tensor's largest values below it, each at its binade's upper edge (the histogram); a saturated value (one that
+rounds past the element max; a value clamped to the max that rounds to it anyway loses only its rounding, and
+is not counted) is clamped by at most ``rho`` of itself (rho: how far above the element max a block's scaled
+values can reach) and is among the tensor's largest, so the ``saturated`` values lose at most rho^2 times the energy of that many of
 its largest values. Both are at most the recorded error sum, sum (x - q)^2, which bounds them again. Divided by
 the exact sum x^2: an upper bound, never an estimate.
 """
@@ -49,11 +50,12 @@ def _mx_floor(underflow_log2: float, elem_max: float) -> RecipeBounds:
 _EPS = 2.0**-20  # fp32 arithmetic in the scale computations, with room to spare
 # The layers table's block recipes (tables.BLOCK_RECIPES), from precprof.block_formats' rules (a test checks
 # them against its recipes): E4M3 flushes at or below 2^-10, E5M2 2^-17, FP6 E2M3 2^-4, FP6 E3M2 2^-5, FP4 E2M1
-# 2^-2. rceil: scale 2^ceil(log2(fl(amax / max))) < 2 amax / max, nothing saturates beyond fp32's rounding of
-# that division. NVFP4: scale p * s, p = amax_tensor / 2688, s the E4M3 rounding (within 2^-4) of amax_block /
-# 6 / p, at least 2^-6: at most amax_tensor * max(1/6 * (1 + 2^-4), 1 / (2688 * 64)); a block's scaled values
-# reach 6 / (1 - 2^-4): clamped by at most 2^-4 of themselves. No scale goes below its format's smallest
-# (E8M0 2^-127; NVFP4's clamped per-tensor scale times E4M3's 448 at most), however small the tensor.
+# 2^-2. rceil: scale 2^ceil(log2(fl(amax / max))) < 2 amax / max, nothing goes above the max beyond fp32's
+# rounding of that division (which rounds to the max: nothing saturates). NVFP4: scale p * s, p = amax_tensor /
+# 2688, s the E4M3 rounding (within 2^-4) of amax_block / 6 / p, at least 2^-6: at most amax_tensor * max(1/6 *
+# (1 + 2^-4), 1 / (2688 * 64)); a block's scaled values reach 6 / (1 - 2^-4), below the tie 7: nothing
+# saturates (rho stays a bound all the same). No scale goes below its format's smallest (E8M0 2^-127; NVFP4's
+# clamped per-tensor scale times E4M3's 448 at most), however small the tensor.
 RECIPE_BOUNDS: dict[str, RecipeBounds] = {
     "mxfp8_e4m3": _mx_floor(-10.0, 448.0),
     "mxfp8_e4m3_rceil": RecipeBounds(-10.0, 2.0 / 448.0 * (1 + _EPS), 2.0**-21),
