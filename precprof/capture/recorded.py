@@ -54,6 +54,8 @@ class Recorded:
         self.steps_recorded = 0
         self.sampled_steps = 0
         self._last_sampled: int | None = None
+        # the sample reason of the step a detach cut off, sampled (the sampler counts a step's reason as it ends)
+        self.cut_off_reason = ""
         # per table: the file a save into the stream's run directory wrote it whole to (its identity), and how
         # many of the flushes the stream could not write that save held (``saving``)
         self._saved_whole: dict[str, tuple[tuple[int, int, int], int]] = {}
@@ -73,6 +75,8 @@ class Recorded:
         for i, p in enumerate(pending):
             loss, scale, found, grad_norm, each = values[_N * i : _N * i + _N]
             found = 0.0 if p.found_inf is None else found
+            if p.cut_off and p.sampled:
+                self.cut_off_reason = p.reason
             self.new.step_rows.append(
                 {
                     T.STEP: p.step,

@@ -281,7 +281,7 @@ class ProfilerResults:
         param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return {
             "sample_every": self.sample_every,
-            "sampling": self._sampler.describe(),
+            "sampling": self._sampler.describe(self._recorded.cut_off_reason),
             "block_formats": (self._blocks.describe() if self._block_formats else False),
             "device": str(self._device),
             "stats_engine": {

@@ -392,12 +392,18 @@ class Sampler:
             return None
         return sampled + (self.own_share or 0.0)
 
-    def describe(self) -> dict[str, Any]:
-        """The ``sampling`` entry of the capture summary."""
+    def describe(self, cut_off_reason: str = "") -> dict[str, Any]:
+        """The ``sampling`` entry of the capture summary. ``cut_off_reason``: the sample reason of the step a
+        detach cut off ("" when none was sampled): it ended unobserved, and its rows are among the sampled steps,
+        so its reason counts too (``cut_off`` says which reason it is)."""
+        reasons = dict(self.reasons)
+        if cut_off_reason:
+            reasons[cut_off_reason] = reasons.get(cut_off_reason, 0) + 1
         out: dict[str, Any] = {
             "mode": "budget" if self.budgeted else ("every" if self.every else "off"),
             "every": self.every,
-            "reasons": dict(self.reasons),
+            "reasons": reasons,
+            **({"cut_off": cut_off_reason} if cut_off_reason else {}),
         }
         if self.budgeted:
             out["budget"] = self.budget
