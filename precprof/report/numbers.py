@@ -196,6 +196,12 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "weight_grad_modules_nonfinite": ("modules whose weight gradient holds nan/inf", "count"),
     "grad_peak": ("largest gradient magnitude in those steps", "magnitude"),
     "weights_step": ("last step with finite weights", "step"),
+    # (rules/nonfinite._skips: whether the step's optimizer step was skipped, a flag, not the scaler's count)
+    ("nonfinite_forward", "skipped"): ("its optimizer step skipped", "yes_no"),
+    ("nonfinite_backward", "skipped"): ("its optimizer step skipped", "yes_no"),
+    "skipped_from": ("first of the consecutive skipped steps around it", "step"),
+    "skipped_to": ("last of the consecutive skipped steps around it", "step"),
+    "skipped_steps": ("consecutive steps skipped", "count"),
     "weight_modules": ("modules with non-finite weights", "count"),
     "finite_modules": ("modules recorded, all finite", "count"),
     "eps": ("optimizer eps", "magnitude"),
@@ -205,6 +211,7 @@ LABELS: dict[Any, tuple[str, str] | None] = {
     "gradients": ("nonzero weight-gradient values", "count"),
     ("run_diverged", "step"): ("first step with a non-finite loss", "step"),
     ("run_diverged", "steps"): ("recorded steps with a non-finite loss", "count"),
+    "diverged_step": ("step the run diverged at", "step"),
     "last_step": ("last recorded step", "step"),
     "last_finite_loss": ("last finite loss", "number"),
     # requested precision not active

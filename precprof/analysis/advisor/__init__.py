@@ -160,6 +160,10 @@ def recommend(
         # what was recorded from the divergence on is of a broken run: the format rules read the steps before
         before = run.layers[T.STEP] < plan.diverged[0]
         if before.any():
+            # ... but for the forward pass of the first divergent step, where an fp16 overflow that made the loss
+            # non-finite shows (the fp16 overflow rule reads it: rules/fp16._divergence_overflow)
+            at = run.kind(T.ACTIVATION, T.WEIGHT)
+            plan.diverged_forward = at[at[T.STEP] == plan.diverged[0]]
             run.layers = run.layers[before]
             run._kinds.clear()
             run.hist = run.hist[run.hist[T.STEP] < plan.diverged[0]]

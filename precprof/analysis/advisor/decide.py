@@ -300,8 +300,12 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
             if plan.grad_absmax_bound
             else f"Start GradScaler at init_scale={_scale(k)} (2^{k}): the largest gradient seen, {_g(gm)}"
             + (
-                " (of those fp16 computes: the layers kept in fp32 left out)"
+                " (of those fp16 computes: the layers kept in fp32"
+                + (", and what autocast computes in fp32," if plan.grad_absmax_fp32_left_out else "")
+                + " left out)"
                 if plan.grad_absmax_kept_left_out
+                else " (of those fp16 computes: what autocast computes in fp32 left out)"
+                if plan.grad_absmax_fp32_left_out
                 else ""
             )
             + f", times 2^{k} stays below 65504 / {2**cfg.fp16_margin_log2}; "
@@ -359,11 +363,23 @@ def _decide(run: _Run, plan: _Plan) -> Recommendation:
         )
     if plan.never_stepped:
         # the verdict read as a normal run's beside a model that never trained
+        n, model = plan.never_stepped, plan.never_stepped_from_model
+        # what to fix is what the scaler finding found skipped the steps: the model's nan/inf, which no loss scale
+        # avoids (its remedy: "the loss scale is not the cause"), the loss scale, or both
+        fix = (
+            "remove the source of the nan/inf (see the non-finite finding; the loss scale is not the cause)"
+            if model == n
+            else f"remove the source of the nan/inf behind {model:,} of the skips (see the non-finite finding) "
+            "and fix the loss scale (see the critical finding)"
+            if model
+            else "fix the loss scale (see the critical finding)"
+        )
         reasons.insert(
             0,
-            f"This run never trained: the loss scaler skipped all {plan.never_stepped:,} of its optimizer steps, "
-            "so its weights never changed and what it measured is the initial weights' gradients; fix the loss "
-            "scale (see the critical finding) and profile again before trusting the recommendation.",
+            f"This run never trained: the loss scaler skipped all {n:,} of its optimizer steps"
+            + (", each for nan/inf from the model itself" if model == n else "")
+            + ", so its weights never changed and what it measured is the initial weights' gradients; "
+            + f"{fix} and profile again before trusting the recommendation.",
         )
     _demote_what_ifs(run, plan, fmt, measured or fmt)
     _fp8_story(run, plan, fmt, measured, fp8_why_not)

@@ -507,6 +507,8 @@ class _Plan:
     )
     # grad_absmax leaves out gradients of the layers keep_fp16 holds in fp32, which stay fp32 under autocast
     grad_absmax_kept_left_out: bool = False
+    # ... and those of the modules autocast computed in fp32 on its own (a LayerNorm's weight gradient)
+    grad_absmax_fp32_left_out: bool = False
     underflow_now: float | None = None
     underflow_at_1: float | None = None
     underflow_at_rec: float | None = None
@@ -583,10 +585,16 @@ class _Plan:
     # (first, last) step of the non-finite loss the run ended with (rules/nonfinite._rule_diverged)
     diverged: tuple[int, int] | None = None
     diverged_sampled_before: int = 0  # sampled steps before it, which the format rules then read
+    # the activation and weight rows of the first divergent step, which the format rules do not read but for the
+    # fp16 overflow that began it (None: the run did not diverge, or no step was sampled before it)
+    diverged_forward: pd.DataFrame | None = None
     skipped_after_divergence: int = 0  # steps the scaler skipped from the divergence on (the loss non-finite)
     # the optimizer steps a loss scaler skipped in a run none of whose steps went through (0: some did): its
     # model never trained (rules/scaler.py)
     never_stepped: int = 0
+    never_stepped_from_model: int = (
+        0  # ... of which came with nan/inf from the model itself (no scale avoids them)
+    )
     # whether any gradient was recorded (a sampled step with a backward pass): without one, nothing was measured
     # against a format, and no reason may say it was
     gradients_measured: bool = True

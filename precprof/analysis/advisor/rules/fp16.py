@@ -43,7 +43,12 @@ from precprof.analysis.advisor.evidence import (
 )
 from precprof.analysis.advisor.model import CRITICAL, INFO, WARNING, Finding
 from precprof.analysis.advisor.rules.kept import _cast_flush, _gemm_inputs, _outside_autocast, _rule_kept_fp32
-from precprof.analysis.advisor.rules.kept_gradients import KeptGradients, kept_gradients
+from precprof.analysis.advisor.rules.kept_gradients import (
+    KeptGradients,
+    autocast_fp32_gradients,
+    kept_gradients,
+)
+from precprof.analysis.advisor.rules.nonfinite import _first_origin
 from precprof.analysis.advisor.rules.scaler import _rule_scaler
 from precprof.analysis.advisor.rules.updates import bf16_gradient_underflow
 from precprof.analysis.advisor.text import _g, _listing, _log2i, _name, _pct, _pow2, _scale, _scales
@@ -55,6 +60,9 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
     acts = run.kind(T.ACTIVATION)
     if acts.empty:
         return
+    began = _divergence_overflow(run, plan)
+    if not began.empty:
+        acts = pd.concat([acts, began])
     # What-if: exact fp16 overflow counts of tensors that were not fp16 (scale is 1 in the forward pass); under
     # autocast, of those fp16 autocast would hold in fp16 (an fp32 tensor it leaves alone overflows nothing)
     cast = _cast_under_fp16_autocast(run, acts) if run.autocast.get("enabled") else None
@@ -92,6 +100,8 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
         causes = _inf_causes(run, plan, observed, beyond | set(seen[T.MODULE]), per_mod, limit)
         counted = whatif[~whatif[T.MODULE].isin(set(copies))]
         _add_overflow_finding(run, plan, per_mod, counted, overflow_mods, observed, causes, copies)
+        if not began.empty:
+            _said_began(plan, began)
     if near_mods:
         plan.add(
             Finding(
@@ -127,6 +137,44 @@ def _rule_fp16_activations(run: _Run, plan: _Plan) -> None:
                 f"({_pct(share)}) in fp32 because their activations overflow"
                 + (" or flush to zero" if plan.fp16_flush_kept else "")
             )
+
+
+def _divergence_overflow(run: _Run, plan: _Plan) -> pd.DataFrame:
+    """The activation row of the module whose fp16 overflow began the divergence (``plan.diverged_forward``: the
+    first divergent step's rows, which the format rules do not read), empty when none did. That is the first
+    module in forward order to hold nan/inf on that step (a mask's inf left out), where it is fp16 and holds
+    inf, and every weight of the step was finite: the overflow made the loss non-finite, and the rows after it
+    hold what it spread. A step whose weights were already non-finite began before its forward pass."""
+    rows = plan.diverged_forward
+    none = run.kind(T.ACTIVATION).iloc[:0]
+    if rows is None or rows.empty:
+        return none
+    weights = rows[rows[T.TENSOR] == T.WEIGHT]
+    if int((weights[T.NAN] + weights[T.INF]).sum()):
+        return none
+    acts = rows[rows[T.TENSOR] == T.ACTIVATION]
+    bad = acts[(acts[T.NAN] + acts[T.INF]) > 0]
+    bad = bad[~_mask_rows(run, bad)]
+    if bad.empty:
+        return none
+    first, _ = _first_origin(run, bad)
+    row = bad[bad[T.MODULE] == first]
+    held = row[_dtype_has(row, "float16") & (row[T.INF] > 0)]
+    return held[none.columns] if not held.empty else none
+
+
+def _said_began(plan: _Plan, began: pd.DataFrame) -> None:
+    """Tell, in fp16_activation_overflow, that the overflow of ``began`` (``_divergence_overflow``) began the
+    divergence, at which step."""
+    step, module = int(began[T.STEP].iloc[0]), str(began[T.MODULE].iloc[0])
+    inf = int(began[T.INF].sum())
+    for f in plan.findings:
+        if f.code == "fp16_activation_overflow":
+            f.message += (
+                f" At step {step}, where the run diverged, the {inf:,} inf of {_name(module)} {'was' if inf == 1 else 'were'} the "
+                "first non-finite value of the forward pass: that overflow made the loss non-finite."
+            )
+            f.numbers["diverged_step"] = step
 
 
 def _near_overflow(
@@ -547,7 +595,9 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
     # the gradients of the layers fp16's keep list runs outside autocast stay fp32 there: the scale is sized, and
     # the underflow judged, on those an fp16 run following the advice computes in fp16
     kept = kept_gradients(run, plan.keep_fp16)
-    sized = kept.layers_without(run)
+    # ... and those autocast computes in fp32 on its own (a LayerNorm's weight gradient): no scale overflows them
+    own32 = autocast_fp32_gradients(run, kept)
+    sized = own32.layers_without(kept.layers_without(run))
     amax, bound, clean = _grad_absmax(sized)
     gmax = max([x for x in (amax, bound) if x is not None], default=None)
     plan.grad_absmax = gmax
@@ -555,6 +605,7 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
     plan.grad_absmax_bound = gmax is not None and (clean is None or gmax > clean)
     plan.grad_absmax_clean = clean
     plan.grad_absmax_kept_left_out = kept.left_out
+    plan.grad_absmax_fp32_left_out = own32.left_out
     limit = FP16.max / 2.0**cfg.fp16_margin_log2
     if (gmax is None or gmax <= 0) and _all_flushed(sized):
         k = cfg.flushed_loss_scale_log2
@@ -618,8 +669,10 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
             else ""
         )
         totals = run.hist_totals()
-        over = _shifted_overflow(_exponent_counts(totals[~kept.rows(totals)], T.GRADIENT_KINDS), FP16, k)
+        counted = totals[~kept.rows(totals) & ~own32.rows(totals)]
+        over = _shifted_overflow(_exponent_counts(counted, T.GRADIENT_KINDS), FP16, k)
         left = f", leaving out {kept.said(cfg.max_listed_modules)}" if kept.left_out else ""
+        left += _own32_said(run, own32, bool(left))
         keeps = _scale_said(cfg, gmax, raw, k, over)
         overflows = math.ldexp(gmax, k) >= FP16.overflow_min
         if overflows:
@@ -647,7 +700,9 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                 "lower scale, or in bf16 or fp32, where the gradients do not overflow."
             )
         else:
-            message = f"The largest gradient magnitude seen is {_g(gmax)}{out}{left}; {keeps}."
+            message = (
+                f"The largest gradient magnitude seen is {_g(gmax)}{_whose(sized, gmax)}{out}{left}; {keeps}."
+            )
             remedy = f"Start GradScaler at init_scale={_scale(k)}."
         if overflows:
             remedy = _too_large_remedy(run, raw, k)
@@ -669,6 +724,7 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
                     **({"fitting_scale_log2": raw} if raw != k else {}),
                     **({"overflow_values": int(over)} if over else {}),
                     **({"kept_fp32_left_out": len(kept.weight)} if kept.left_out else {}),
+                    **({"autocast_fp32_left_out": len(own32.weight)} if own32.left_out else {}),
                 },
             )
         )
@@ -685,6 +741,36 @@ def _rule_loss_scale(run: _Run, plan: _Plan, fwd_bad_steps: set[int]) -> None:
     _no_scale_where_ruled_out(run, plan)
     _rule_fp16_no_loss_scaling(run, plan)
     _rule_scaler(run, plan)
+
+
+def _own32_said(run: _Run, own32: KeptGradients, after: bool) -> str:
+    """The gradients of the modules autocast computed in fp32 (``autocast_fp32_gradients``) that the scale leaves
+    out, in words ("" where none is): to follow "leaving out" (``after``: another list came before)."""
+    if not own32.left_out:
+        return ""
+    listed = run.cfg.max_listed_modules
+    return (
+        f"{'; and' if after else ', leaving out'} the weight gradients of {_listing(run.sort(own32.weight), listed)}, "
+        "which autocast computed in fp32 (their outputs fp32 on every sampled step)"
+        + (
+            f", and the output gradients of {_listing(run.sort(own32.output), listed)}, which no matmul run in fp16 "
+            "reads"
+            if own32.output
+            else ""
+        )
+    )
+
+
+def _whose(run: _Run, gmax: float) -> str:
+    """Whose gradient the largest finite one ``gmax`` is among ``run``'s gradient rows, in words
+    (" (blocks.0.v's weight gradient)"; "" where no row holds it)."""
+    g = run.kind(*T.GRADIENT_KINDS)
+    at = g[pd.to_numeric(g[T.ABSMAX], errors="coerce") == gmax]
+    if at.empty:
+        return ""
+    row = at.iloc[0]
+    kind = "weight gradient" if row[T.TENSOR] == T.WEIGHT_GRAD else "output gradient"
+    return f" ({_name(str(row[T.MODULE]))}'s {kind}, step {int(row[T.STEP])})"
 
 
 def _no_scale_where_ruled_out(run: _Run, plan: _Plan) -> None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 import pandas as pd
 
 from precprof import tables as T
-from precprof.analysis.advisor.evidence import _rows_of_kinds, _Run, _under_any
+from precprof import taxonomy
+from precprof.analysis.advisor.evidence import _ancestors, _dtype_has, _rows_of_kinds, _Run, _under_any
 from precprof.analysis.advisor.rules.kept import _gemm_inputs
 from precprof.analysis.advisor.text import _listing
 
@@ -105,3 +106,30 @@ def kept_gradients(run: _Run, keep: Iterable[str]) -> KeptGradients:
     return KeptGradients(
         keep, frozenset(kept), output, {m: run.sort(read[m]) for m in order}, reads is not None
     )
+
+
+def autocast_fp32_gradients(run: _Run, kept: KeptGradients) -> KeptGradients:
+    """``KeptGradients`` of the modules an autocast run computed in fp32 on its own (every activation row fp32:
+    a LayerNorm, an embedding; not a matmul layer), besides those ``kept`` leaves out already:
+    a module that ran in fp32 computes its weight gradient in fp32 from fp32 tensors, and an fp16 run following
+    the advice does too, so fp16 neither overflows nor flushes it at any loss scale (a LayerNorm's weight
+    gradient, summed over every token, was the largest of a run, and sized its loss scale 2^2 below what its fp16
+    gradients allowed). Their output gradients count where a matmul run in fp16 reads that output (it computes
+    the gradient of what it reads in fp16), as ``kept_gradients`` says. None is left out without autocast."""
+    none = KeptGradients([], frozenset(), frozenset(), {}, True)
+    if not run.autocast.get("enabled"):
+        return none
+    acts = run.kind(T.ACTIVATION)
+    names = T.texts(acts[T.MODULE])
+    low = (_dtype_has(acts, "float16") | _dtype_has(acts, "bfloat16")).to_numpy()
+    # leaves alone: a container's output (a block's residual sum) may be fp32 while its layers ran in fp16
+    containers = {a for m in set(names) for a in _ancestors(m)}
+    fp32 = set(names[~low]) - set(names[low]) - set(kept.weight) - containers
+    grads = run.kind(*T.GRADIENT_KINDS)
+    fp32 &= set(T.texts(grads[T.MODULE]))
+    # a matmul layer in fp32 under autocast is one the run kept there: fp16's keep list (``kept``) holds it where
+    # fp16 needs it so, and an fp16 run following the advice computes the others in fp16
+    fp32 = {m for m in fp32 if not taxonomy.is_matmul_type(run.types.get(m, ""))}
+    if not fp32:
+        return none
+    return kept_gradients(run, run.sort(fp32))

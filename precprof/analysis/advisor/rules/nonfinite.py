@@ -735,13 +735,19 @@ def _rule_diverged(run: _Run, plan: _Plan) -> None:
             "run_diverged",
             CRITICAL,
             f"The run diverged: its loss is {kind} from step {first} on",
-            f"The loss became {kind} at step {first} and stayed non-finite on all {tail.steps} recorded steps "
-            f"to the last, step {last}"
+            (
+                f"The loss became {kind} at step {first} and stayed non-finite on all {tail.steps} recorded steps "
+                f"to the last, step {last}"
+                if tail.steps > 1
+                else f"The loss became {kind} at step {first}, the last recorded step"
+            )
             + f"; the last finite loss was {tail.last_finite:.4g}, at step {tail.last_finite_step}"
             + (
                 "; the loss scaler could not bring it back."
                 if scaled
                 else "; without a loss scaler the optimizer took every one of those steps."
+                if tail.steps > 1
+                else "; without a loss scaler the optimizer took that step."
             )
             + " What was recorded from then on describes a broken run, not the format.",
             "Fix the divergence first: the nan/inf findings name the first module and step where non-finite "

@@ -336,6 +336,7 @@ def _rule_scaler(run: _Run, plan: _Plan) -> None:
         if never:
             title = f"No optimizer step was taken: the loss scaler skipped all {n} steps"
             plan.never_stepped = n
+            plan.never_stepped_from_model = model
         if plan.diverged is not None:
             title += f" before the run diverged at step {plan.diverged[0]} ({n + after:,} in all)"
         plan.add(
