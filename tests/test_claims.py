@@ -219,7 +219,9 @@ def test_logits_that_dominate_the_peak_are_named_as_its_lever(tmp_path: Path) ->
     # the logits (8 x 64 tokens x 256 classes, bf16 under autocast) and what follows from them, each figure as the
     # peak's parts have it: the outputs, the loss's saved tensors, and at most two fp32 tensors of the logits'
     # size among the temporaries allocated after forward
-    logits = re.search(r"The logits are this peak's lever ?, up to ([\d.]+)% of it: (.*?) Activation", memory)
+    logits = re.search(
+        r"The model's outputs are this peak's lever ?, up to ([\d.]+)% of it: (.*?) Activation", memory
+    )
     assert logits is not None, memory
     elements = 8 * 64 * 256
     part = last.groupby(T.texts(last[T.COMPONENT]) + ":" + T.texts(last[T.MODULE]))[T.BYTES].sum()
@@ -229,7 +231,7 @@ def test_logits_that_dominate_the_peak_are_named_as_its_lever(tmp_path: Path) ->
     said = logits.group(2)
     assert f"{elements:,} elements ({filters.nbytes(outputs)})" in said, said
     assert (
-        f"({filters.nbytes(loss)}, its log-softmax)" in said
+        f"the loss saved for the backward pass ({filters.nbytes(loss)})" in said
         and filters.nbytes(4 * elements) + " each" in said
     )
     share = (outputs + loss + min(after, 8 * elements)) / peak

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+import precprof
 from precprof import _atomic, cli, training
 from precprof import compare as C
 from precprof import tables as T
@@ -378,7 +379,43 @@ def test_a_diverged_run_sets_no_common_step_and_hides_no_miss(
     assert said == {(c.status, c.text) for c in alone.checks if c.run == "bf16"}, said
     assert not any("compared up to step" in c.text for c in comp.checks), comp.checks
     assert any(
-        "fp16: 4): each is compared on its steps up to step 7, the last all of them finished but fp16, whose loss "
-        "went non-finite before it" in n
+        "fp16: 4): each is compared on its steps up to step 7, the last all of them finished but fp16, which ended "
+        "with a non-finite loss before it" in n
         for n in comp.notes
     ), comp.notes
+
+
+def _own_loop_run(out: Path, steps: int, inf_at: int | None = None, loss: bool = True) -> Path:
+    """A Profiler in a loop of its own over a tiny Linear: the loss it hands ``prof.step`` is inf at ``inf_at`` (a
+    batch that overflowed, which the next steps recover from), or none at all (``loss=False``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    with precprof.Profiler(model, optimizer=opt, sample_every=1) as prof:
+        for i in range(steps):
+            value = torch.nn.functional.mse_loss(model(x), y)
+            value.backward()
+            opt.step()
+            opt.zero_grad()
+            if loss:
+                prof.step(loss=float("inf") if i == inf_at else value.detach())
+            else:
+                prof.step()
+    prof.save(out)
+    return out
+
+
+def test_a_run_that_recovered_from_an_inf_loss_or_recorded_none_still_sets_the_common_step(
+    tmp_path: Path,
+) -> None:
+    """Reviewer h93: one inf loss at step 2 of a 5-step run that then recovered made it "diverged": it set no common
+    step, and was compared "matched" against the 8-step reference's loss 3 steps later; a run that recorded no loss
+    at all was said to be one "whose loss went non-finite". A run that ended finite, and one without a loss, set
+    the common step as before."""
+    ref = _own_loop_run(tmp_path / "ref", 8)
+    for name, kw in (("recovered", {"inf_at": 2}), ("no-loss", {"loss": False})):
+        run = _own_loop_run(tmp_path / name, 5, **kw)
+        comp, _ = C.compare_runs([ref, run], out=tmp_path / f"cmp-{name}")
+        assert {r.compared_until for r in comp.runs} == {4}, (name, comp.runs)
+        assert not any("non-finite" in n for n in comp.notes), comp.notes

@@ -202,6 +202,10 @@ def test_token_embedding_is_the_vocabulary_not_the_positions() -> None:
     tied["head"].weight = tied["b"].weight
     assert token_embedding(tied) is tied["b"]
     assert token_embedding(nn.ModuleDict({"pos_emb": nn.Embedding(4, 2)})) is not None  # the only one
+    # a position name is the module's own, not its parent's: composer.tok_emb is the vocabulary (reviewer h93)
+    composer = nn.ModuleDict({"tok_emb": nn.Embedding(512, 8), "head": nn.Linear(8, 512)})
+    music = nn.ModuleDict({"composer": composer, "instrument_emb": nn.Embedding(16, 8)})
+    assert token_embedding(music) is composer["tok_emb"]
 
 
 def test_precision_names() -> None:

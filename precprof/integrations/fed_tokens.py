@@ -49,7 +49,12 @@ def token_embedding(module: nn.Module) -> nn.Embedding | None:
         if isinstance(m, nn.Embedding):
             found.setdefault(id(m), (name, m))
     heads = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
-    tokens = [(n, e) for n, e in found.values() if not any(p in n.lower() for p in _POSITION_NAMES)]
+    # the module's own name, not its path: "composer.tok_emb" holds "pos" in its parent's name
+    tokens = [
+        (n, e)
+        for n, e in found.values()
+        if not any(p in n.rpartition(".")[2].lower() for p in _POSITION_NAMES)
+    ]
     for picked in (
         [(n, e) for n, e in found.values() if id(e.weight) in heads],
         tokens,

@@ -57,7 +57,8 @@ BUILTIN_MODELS: dict[str, _Builtin] = {
 # head alone; vocab_size=0 and intermediate_size=0 mean a default; block_size=0 is below any --seq-len)
 _WIDTHS = frozenset({"n_embd", "n_head", "hidden", "channels", "kernel_size"})
 
-# Hugging Face model types a user may type without hf: (--model gpt2), answered without importing transformers
+# Hugging Face causal language models a user may type without hf: (--model gpt2), answered without importing
+# transformers (not an encoder's or encoder-decoder's, bert, t5: hf: refuses those too)
 _COMMON_HF_TYPES = frozenset(
     {
         "gpt2",
@@ -73,7 +74,7 @@ _COMMON_HF_TYPES = frozenset(
         "gpt_neox",
         "opt",
     }
-    | {"bloom", "falcon", "gptj", "gpt_neo", "olmo", "starcoder2", "stablelm", "mamba", "bert", "t5"}
+    | {"bloom", "falcon", "gptj", "gpt_neo", "olmo", "starcoder2", "stablelm", "mamba"}
 )
 
 MODEL_KINDS_HELP = "hf:<model_type> (e.g. hf:gpt2, hf:llama), path/to/file.py:factory, package.module:factory"

@@ -105,7 +105,8 @@ LOGITS_LEVER_SHARE = 0.25
 
 
 def logits_lever(memory: pd.DataFrame, at_peak: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """The logits as the lever of the allocator's peak (a language model's large vocabulary): the model's
+    """The model's outputs as the lever of the allocator's peak (a language model's logits over a large
+    vocabulary; any output large beside the rest, a decoder's under MSE too): the model's
     outputs alive at the peak, what the loss saved for backward there (the activations of ``(loss)``: the
     built-in loop's, or a ``Profiler.memory_scope()``'s), and the temporaries allocated after forward up to two
     fp32 tensors of the outputs' elements (cross-entropy's backward begins with the gradient of the log-softmax

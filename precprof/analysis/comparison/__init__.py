@@ -206,8 +206,8 @@ def analyse(
     steps = [T.finished_steps(read.tables["steps"]) for read, _ in reads]
     lasts = [int(pd.to_numeric(s[T.STEP]).max()) if not s.empty else None for s in steps]
     known = {s for s in lasts if s is not None}
-    # a run whose loss went non-finite diverged, whatever the others' length: it sets no common step (an fp16 run
-    # that died at step 5 cut fp32's and bf16's 12 steps to 5, and bf16's match of fp32 went unmeasured)
+    # a run that ended with a non-finite loss diverged, whatever the others' length: it sets no common step (an
+    # fp16 run that died at step 5 cut fp32's and bf16's 12 steps to 5, and bf16's match of fp32 went unmeasured)
     diverged = [_went_nonfinite(s) for s in steps]
     whole = {last for last, d in zip(lasts, diverged, strict=True) if last is not None and not d}
     until = min(whole or known) if common_steps and len(known) > 1 else None
@@ -269,11 +269,17 @@ def analyse(
 
 
 def _went_nonfinite(steps: pd.DataFrame) -> bool:
-    """Whether a run's recorded loss went non-finite (nan or inf) on a finished step: it diverged."""
+    """Whether a run ended diverged: the loss of its last finished step that had one (``no_loss`` steps left
+    out: ``prof.step()`` without ``loss=``) is nan or inf, as ``classify`` calls DIVERGED. A run that recovered from
+    an inf loss (an fp16 step its scaler skipped) did not, nor did a run that recorded no loss at all."""
     if steps.empty:
         return False
-    loss = pd.to_numeric(steps[T.LOSS], errors="coerce").to_numpy(dtype=float)
-    return bool((~np.isfinite(loss)).any())
+    if T.NO_LOSS in steps:
+        steps = steps[~steps[T.NO_LOSS].fillna(False).astype(bool)]
+    if steps.empty:
+        return False
+    last = steps.sort_values(T.STEP)[T.LOSS].iloc[-1]
+    return not np.isfinite(pd.to_numeric(pd.Series([last]), errors="coerce").to_numpy(dtype=float)[0])
 
 
 def _steps_note(results: Sequence[RunResult], lasts: Sequence[int | None], until: int | None) -> str:
@@ -288,8 +294,8 @@ def _steps_note(results: Sequence[RunResult], lasts: Sequence[int | None], until
         )
         + f"): each is compared on its steps up to step {until}, the last all of them finished"
         + (
-            f" but {', '.join(left_out)}, whose loss went non-finite before it: a diverged run is compared on the "
-            "steps it ran, and sets no common step."
+            f" but {', '.join(left_out)}, which ended with a non-finite loss before it: a diverged run is compared on "
+            "the steps it ran, and sets no common step."
             if left_out
             else "."
         )
