@@ -19,9 +19,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import _s127a_forks as forks
 import numpy as np
 import pandas as pd
-import processes
 import pytest
 import stream_worker
 import torch
@@ -39,7 +39,7 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(Path(__file__).r
 
 def worker(mode: str, out: Path, checkpoint: Path | None = None) -> subprocess.Popen[str]:
     args = [sys.executable, str(WORKER), mode, str(out), *([str(checkpoint)] if checkpoint else [])]
-    return processes.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return forks.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
 def streaming(proc: subprocess.Popen[str]) -> int:
@@ -234,14 +234,14 @@ def test_an_attach_cut_short_leaves_no_run_to_refuse_the_rerun(
     if made_by == "the-user":
         out.mkdir()
     script = [sys.executable, "-c", _ATTACH_CUT_SHORT, str(out)]
-    first = subprocess.run([*script, cut], capture_output=True, text=True, env=ENV, timeout=300)
+    first = forks.run([*script, cut], capture_output=True, text=True, env=ENV, timeout=300)
     expected = "KeyboardInterrupt" if cut == "ctrl-c" else "RuntimeError: a hook could not be registered"
     assert first.returncode != 0 and expected in first.stderr, first.stderr
     if made_by == "the-user":
         assert out.is_dir() and list(out.iterdir()) == []
     else:
         assert not out.exists()
-    again = subprocess.run([*script, "none"], capture_output=True, text=True, env=ENV, timeout=300)
+    again = forks.run([*script, "none"], capture_output=True, text=True, env=ENV, timeout=300)
     assert again.returncode == 0, again.stderr
     assert T.read_summary(out)[T.SUMMARY_STATUS] == T.STATUS_COMPLETE
     assert T.read_tables(out)["steps"][T.STEP].tolist() == [0, 1, 2]
@@ -280,7 +280,7 @@ def test_precprof_report_on_a_killed_run(tmp_path: Path, monkeypatch: pytest.Mon
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     wait_ended(writer)
-    res = subprocess.run(
+    res = forks.run(
         [sys.executable, "-m", "precprof", "report", str(out)], capture_output=True, text=True, env=ENV
     )
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
@@ -1250,7 +1250,7 @@ def test_the_writer_process_ends_with_a_training_that_exits_unsaved(tmp_path: Pa
         "prof._recorded.sink.drain()\n"
         "print(prof._recorded.sink._proc.proc.pid, flush=True)\n"
     )
-    done = subprocess.run(
+    done = forks.run(
         [sys.executable, "-c", script, str(tmp_path / "run")],
         env=ENV,
         capture_output=True,
@@ -1404,7 +1404,7 @@ def test_the_writer_process_runs_at_the_lowest_priority_and_the_training_at_its_
         "from precprof._priority import lower_own_priority\n"
         "print(lower_own_priority(7), lower_own_priority(3), os.nice(0))\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, check=True)
+    res = forks.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, check=True)
     assert res.stdout.split() == [str(max(7, before[0]))] * 3  # raised once, never lowered
     assert _niceness_and_group("self") == before
 
@@ -1457,7 +1457,7 @@ def test_a_long_runs_save_gives_its_memory_back() -> None:
         pytest.skip("needs /proc")
     grown = {}
     for how in ("kept", "released"):
-        res = subprocess.run(
+        res = forks.run(
             [sys.executable, "-c", _SAVE_MEMORY, how], capture_output=True, text=True, timeout=300, check=True
         )
         grown[how] = int(res.stdout.split()[-1])
