@@ -22,6 +22,7 @@ import warnings
 from html import unescape
 from pathlib import Path
 
+import _s127a_forks as forks
 import pandas as pd
 import processes
 import pytest
@@ -250,7 +251,7 @@ def test_two_processes_on_the_same_out(tmp_path: Path) -> None:
     cmd += ["--no-report"]  # (the page is not read here)
     env = {**ENV, "OMP_NUM_THREADS": "1"}  # one intra-op thread, as the run alone below
     procs = [
-        processes.popen(
+        forks.popen(
             [*cmd, "--seed", str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
         for seed in (1, 2)
@@ -533,7 +534,7 @@ def test_disk_full_on_a_real_tmpfs(tmp_path: Path, capfd: pytest.CaptureFixture[
 # ---------------------------------------------------------------------------------------------- signals
 def start_training(out: Path, *extra: str, command: str = "train") -> subprocess.Popen[str]:
     args = [sys.executable, "-m", "precprof", command, "--out", str(out), *TINY, *extra]
-    return processes.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return forks.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
 def test_a_process_a_test_started_ends_with_the_test() -> None:
@@ -654,7 +655,7 @@ def test_the_step_a_crash_cut_off_is_not_counted_as_done(tmp_path: Path) -> None
     out = tmp_path / "run"
     args = ["-m", "precprof", "train", "-m", f"{path}:crashes", "--out", str(out), *TINY, "--steps", "20"]
     args += ["--sample-every", "1"]
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=600)
+    proc = forks.run([sys.executable, *args], capture_output=True, text=True, env=ENV, timeout=600)
     error = "mat1 and mat2 shapes cannot be multiplied (16x16 and 32x16)"
     assert proc.returncode == 1 and error in proc.stderr, proc.stderr
     steps = T.read_tables(out)["steps"]
@@ -801,7 +802,7 @@ def test_sys_exit_in_the_models_code_says_where_the_partial_run_is(
         "8",
     ]
     args += ["--batch-size", "3", "--seq-len", "8", "--device", "cpu", "--no-progress"]
-    proc = subprocess.run(args, capture_output=True, text=True, env={**ENV, "EXIT_WITH": code}, timeout=600)
+    proc = forks.run(args, capture_output=True, text=True, env={**ENV, "EXIT_WITH": code}, timeout=600)
     assert proc.returncode == rc, proc.stderr
     summary = T.read_summary(out)
     assert summary[T.SUMMARY_STATUS] == T.STATUS_INCOMPLETE
@@ -1181,7 +1182,7 @@ def test_ctrl_c_while_the_report_renders_names_the_run_and_how_to_render_it(
         "--steps",
         "4",
     ]
-    proc = subprocess.run(args, capture_output=True, text=True, env=ENV, timeout=600)
+    proc = forks.run(args, capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 130, proc.stderr
     summary = T.read_summary(out)
     done = summary[T.SUMMARY_FINAL]["steps_done"]
@@ -1483,7 +1484,7 @@ def test_tables_written_at_interpreter_exit_are_written(tmp_path: Path) -> None:
         atexit.register(lambda: T.write_tables({str(tmp_path)!r}, {{"histograms": h}}))
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    proc = forks.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     got = pd.read_parquet(tmp_path / "histograms.parquet")
     assert len(got) == 20_000 and int(got[T.COUNT].sum()) == 20_000
@@ -1522,9 +1523,7 @@ def test_a_run_directory_being_written_is_refused_as_such_before_any_overwrite_a
     --overwrite", which was then refused for the lock. The lock is said first, with the writer's pid; and from
     Python the advice to replace a run names ``overwrite=True``, not the CLI's flag."""
     out = tmp_path / "run"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDS_A_RUN, str(out)], stdout=subprocess.PIPE, text=True
-    )
+    holder = forks.popen([sys.executable, "-c", _HOLDS_A_RUN, str(out)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "claimed"
         for overwrite in (False, True):
