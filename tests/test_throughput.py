@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import _s127a_forks as forks
 import numpy as np
 import pandas as pd
 import pytest
@@ -317,7 +317,7 @@ RESUMED_AT = 9  # the checkpoint the resumed attempt starts from: a sampled step
 def _compiled_attempt(out: Path, first: int, last: int) -> list[int]:
     """``COMPILED_ATTEMPT`` in a process of its own (a resumed job is a new process, which compiles again)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *sys.path])}
-    res = subprocess.run(
+    res = forks.run(
         [sys.executable, "-c", COMPILED_ATTEMPT, str(out), str(first), str(last)],
         env=env,
         capture_output=True,
