@@ -22,7 +22,7 @@ import warnings
 from html import unescape
 from pathlib import Path
 
-import _s127a_forks as forks
+import forks
 import pandas as pd
 import processes
 import pytest

@@ -19,7 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import _s127a_forks as forks
+import forks
 import numpy as np
 import pandas as pd
 import pytest

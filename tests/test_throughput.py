@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-import _s127a_forks as forks
+import forks
 import numpy as np
 import pandas as pd
 import pytest

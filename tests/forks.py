@@ -47,7 +47,7 @@ _RUNTIME_ENV = {
 }
 _MAX_MESSAGE = 1 << 20
 # a file to say why a command was not forked (a check of this module)
-_LOG = os.environ.get("S127A_FORKS_LOG")
+_LOG = os.environ.get("PRECPROF_TEST_FORKS_LOG")
 
 
 def _log(text: str) -> None:
