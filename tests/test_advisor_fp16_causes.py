@@ -5,6 +5,7 @@ the gradients fp16 computes (not the fp32 ones autocast computes a LayerNorm's w
 from __future__ import annotations
 
 import torch
+from scenarios.loop import backward_and_step
 from torch import nn
 
 from precprof import tables as T
@@ -25,13 +26,7 @@ def _fp16_run(
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(x).float().square().mean()
             before = scaler.get_scale() if scaler is not None else 0.0
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
+            backward_and_step(loss, opt, scaler)
             opt.zero_grad()
             skipped.append(scaler is not None and scaler.get_scale() < before)
             prof.step(loss=loss.detach())
@@ -137,9 +132,7 @@ def test_the_fp16_loss_scale_is_sized_on_the_gradients_fp16_computes() -> None:
     for x in xs:
         with torch.autocast("cpu", dtype=torch.float16):
             loss = model(x).float().square().mean()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+        backward_and_step(loss, opt, scaler)
         opt.zero_grad()
     assert scaler.get_scale() == 2.0**k  # never backed off: no skip
 
