@@ -272,10 +272,7 @@ def _went_nonfinite(steps: pd.DataFrame) -> bool:
     """Whether a run ended diverged: the loss of its last finished step that had one (``no_loss`` steps left
     out: ``prof.step()`` without ``loss=``) is nan or inf, as ``classify`` calls DIVERGED. A run that recovered from
     an inf loss (an fp16 step its scaler skipped) did not, nor did a run that recorded no loss at all."""
-    if steps.empty:
-        return False
-    if T.NO_LOSS in steps:
-        steps = steps[~steps[T.NO_LOSS].fillna(False).astype(bool)]
+    steps = T.given_losses(steps)
     if steps.empty:
         return False
     last = steps.sort_values(T.STEP)[T.LOSS].iloc[-1]
