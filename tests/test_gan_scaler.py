@@ -18,6 +18,7 @@ import precprof
 from precprof import tables as T
 from precprof.analysis.advisor import evidence as E
 from precprof.analysis.advisor import recommend
+from precprof.report.context import _headline
 
 
 def _gan_loop(prof_on: bool, steps: int = 3, init_scale: float = 2.0**20) -> dict[str, Any]:
@@ -144,6 +145,9 @@ def test_a_scaler_over_two_optimizers_says_which_it_skipped_and_keeps_the_gradie
     ), msg
     for f in rec.findings:
         assert "the 3 the loss scaler skipped are left out" not in f.message, f.code
+    # the report's header says of its skipped steps which optimizer each was (it read "skipped steps 3" alone)
+    cards = dict(_headline({T.SUMMARY_CAPTURE: prof.summary()}, steps, prof.tables()["layers"]))
+    assert cards["skipped steps"] == "3 (optimizer 0, Adam, on 3; optimizer 1, SGD, on none)", cards
     # the rows left out: D's (its parameters' and its parameterless LeakyReLU's), never G's
     run = E._Run(*E._prepare(prof.tables()), {T.SUMMARY_CAPTURE: prof.summary()}, None, False, None)  # type: ignore[arg-type]
     out = E._skipped_rows(run, run.layers)

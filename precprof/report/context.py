@@ -216,6 +216,33 @@ def _scale_unmeasured(rec: Mapping[str, Any]) -> bool:
     )
 
 
+def _skipped_said(summary: Mapping[str, Any], steps: pd.DataFrame) -> str:
+    """The header's skipped steps: their count, and with several optimizers under one loss scaler (a GAN's) how
+    many of them each optimizer was skipped on ("3 (optimizer 0, Adam, on 3; optimizer 1, SGD, on none)": a step
+    the scaler skipped the discriminator at trained the generator)."""
+    skipped = T.flags(steps[T.SKIPPED]).to_numpy()
+    said = F.count(int(skipped.sum()))
+    if T.SKIPPED_OPTIMIZERS not in steps or not skipped.any():
+        return said
+    which = T.texts(steps[T.SKIPPED_OPTIMIZERS])[skipped]
+    if not (which != "").any():
+        return said
+    capture = summary.get(T.SUMMARY_CAPTURE) or {}
+    each = ((capture.get("optimizer") or {}) if isinstance(capture, Mapping) else {}).get("each") or []
+    counts: dict[int, int] = {}
+    for w in which:
+        for i in filter(None, str(w).split(",")):
+            counts[int(i)] = counts.get(int(i), 0) + 1
+    n = max(len(each), max(counts) + 1)
+    parts = [
+        f"optimizer {i}"
+        + (f", {each[i]['class']}," if i < len(each) and isinstance(each[i], Mapping) else "")
+        + f" on {F.count(counts[i]) if counts.get(i) else 'none'}"
+        for i in range(n)
+    ]
+    return f"{said} ({'; '.join(parts)})"
+
+
 def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFrame) -> list[tuple[str, str]]:
     final = summary.get(T.SUMMARY_FINAL) or {}
     out: list[tuple[str, str]] = []
@@ -233,7 +260,7 @@ def _headline(summary: Mapping[str, Any], steps: pd.DataFrame, layers: pd.DataFr
         cut = len(sampled & set(cut_off[T.STEP].dropna().astype(int)))
         out.append(("sampled steps", F.count(len(sampled)) + (f" ({F.count(cut)} cut off)" if cut else "")))
     if not steps.empty:
-        out.append(("skipped steps", F.count(int(T.flags(steps[T.SKIPPED]).sum()))))
+        out.append(("skipped steps", _skipped_said(summary, steps)))
         loss = pd.to_numeric(steps[T.LOSS], errors="coerce").dropna()
         tail = T.nonfinite_loss_tail(steps)
         given = T.given_losses(T.finished_steps(steps)) if T.NO_LOSS in steps else None
