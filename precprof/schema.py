@@ -505,6 +505,14 @@ def finished_steps(steps: pd.DataFrame) -> pd.DataFrame:
     return steps[~flags(steps[CUT_OFF]).to_numpy()]
 
 
+def optimizer_places(text: Any) -> list[int]:
+    """The optimizers a ``SKIPPED_OPTIMIZERS`` cell names, by their places in ``optimizer=[...]`` ("0,2": [0, 2];
+    "", None or NaN: [])."""
+    if not isinstance(text, str):
+        return []
+    return [int(k) for k in text.split(",") if k.strip().isdigit()]
+
+
 def given_losses(steps: pd.DataFrame) -> pd.DataFrame:
     """The rows of a steps table whose loss the loop passed (``NO_LOSS`` false or missing): the others' null
     loss is no loss, where a nan loss is null too once written."""

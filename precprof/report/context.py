@@ -224,15 +224,14 @@ def _skipped_said(summary: Mapping[str, Any], steps: pd.DataFrame) -> str:
     said = F.count(int(skipped.sum()))
     if T.SKIPPED_OPTIMIZERS not in steps or not skipped.any():
         return said
-    which = T.texts(steps[T.SKIPPED_OPTIMIZERS])[skipped]
-    if not (which != "").any():
+    counts: dict[int, int] = {}
+    for text in steps[T.SKIPPED_OPTIMIZERS][skipped]:
+        for i in T.optimizer_places(text):
+            counts[i] = counts.get(i, 0) + 1
+    if not counts:
         return said
     capture = summary.get(T.SUMMARY_CAPTURE) or {}
     each = ((capture.get("optimizer") or {}) if isinstance(capture, Mapping) else {}).get("each") or []
-    counts: dict[int, int] = {}
-    for w in which:
-        for i in filter(None, str(w).split(",")):
-            counts[int(i)] = counts.get(int(i), 0) + 1
     n = max(len(each), max(counts) + 1)
     parts = [
         f"optimizer {i}"

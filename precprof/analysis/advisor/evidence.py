@@ -640,7 +640,7 @@ def _skipped_optimizers(run: _Run) -> tuple[list[dict[str, Any]], dict[int, list
         return [], {}
     out: dict[int, list[int]] = {}
     for step, text in zip(steps[T.STEP], steps[T.SKIPPED_OPTIMIZERS], strict=True):
-        places = [int(k) for k in str(text or "").split(",") if k.strip().isdigit() and int(k) < len(each)]
+        places = [k for k in T.optimizer_places(text) if k < len(each)]
         if places:
             out[int(step)] = places
     return [e if isinstance(e, dict) else {} for e in each], out
