@@ -156,3 +156,21 @@ def test_the_sampling_reasons_count_the_step_a_crash_cut_off() -> None:
     sampling = prof.summary()["sampling"]
     assert sum(sampling["reasons"].values()) == prof.summary()["sampled_steps"] == 2
     assert sampling["cut_off"] == steps[T.SAMPLE_REASON].iloc[-1]
+
+
+def test_a_gradient_autocast_computes_in_fp32_would_overflow_nothing() -> None:
+    """The LayerNorm's weight gradient, fp32 under autocast, is 1.7e5 at loss scale 1; every gradient fp16
+    computes is below 3,000. fp16_gradient_overflow said it "would overflow fp16 at this run's loss scale" and that
+    "held in fp16, GradScaler would skip those steps": fp16 autocast computes it in fp32, .grad is finite, and
+    GradScaler skips nothing. No gradient fp16 computes overflows, so no such finding."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 8))
+    nn.init.normal_(model[1].weight, std=200.0)
+    g = torch.Generator().manual_seed(0)
+    rec, prof, _ = _fp16_run(model, [torch.randn(256, 16, generator=g)])
+    grads = prof.tables()["layers"]
+    grads = grads[grads[T.TENSOR].isin(T.GRADIENT_KINDS)]
+    ln_weight = grads[(grads[T.MODULE] == "0") & (grads[T.TENSOR] == T.WEIGHT_GRAD)]
+    assert float(ln_weight[T.ABSMAX].max()) > 65504 and int(ln_weight[T.overflow_col("fp16")].sum()) > 0
+    assert float(grads.drop(ln_weight.index)[T.ABSMAX].max()) < 3000
+    assert rec.finding("fp16_gradient_overflow") is None

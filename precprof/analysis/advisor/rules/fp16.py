@@ -1635,8 +1635,10 @@ def _rule_fp16_gradient_overflow(run: _Run, plan: _Plan, kept: KeptGradients) ->
     # micro-batches in an fp16 run).
     inf_is_overflow = _dtype_has(g, "float16") | run.precision_trained.startswith("fp16")
     overflowed = g[inf_is_overflow & (g[T.INF] > 0)]
-    # what fp16 would overflow, of the gradients it computes in fp16 (the keep list's stay fp32: ``kept``)
-    would = g[(g[T.overflow_col("fp16")] > 0) & ~kept.rows(g)]
+    # what fp16 would overflow, of the gradients it computes in fp16: the keep list's stay fp32 (``kept``), and so
+    # do those autocast computes in fp32 on its own (a LayerNorm's weight gradient: GradScaler finds it finite)
+    own32 = autocast_fp32_gradients(run, kept)
+    would = g[(g[T.overflow_col("fp16")] > 0) & ~kept.rows(g) & ~own32.rows(g)]
     real = not overflowed.empty or (run.precision_trained == "" and not would.empty)
     g = overflowed if not overflowed.empty else would
     if g.empty:
