@@ -497,6 +497,7 @@ class Profiler(PartsAssembly, ProfilerResults, OptimizerSwitch):
         if timed is not None and self._recorded.new.step_rows:
             row = self._recorded.new.step_rows[-1]
             if row[T.STEP] == timed.step:
+                self._recorded.make_room()  # a wait for the stream's writer is the step's time too
                 row[T.TIME_S] = time.perf_counter() - (self._t_last - timed.time_s)
         new = self._recorded.take()
         if self._dashboards is not None and self.is_writer:

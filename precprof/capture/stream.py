@@ -118,11 +118,21 @@ class StreamWriter:
                     return
                 except queue.Full:
                     pass
-            # the writer is behind the training: wait until it takes a flush (its ``get`` notifies at once; a
-            # sleep of 5 ms had kept a step waiting that long after the room was there)
-            with self._queue.not_full:  # (the queue's own lock: ``full()`` would take it again)
-                if len(self._queue.queue) >= self._queue.maxsize:
-                    self._queue.not_full.wait(0.05)
+            self._wait_for_room()
+
+    def make_room(self) -> None:
+        """Wait until ``put`` finds room at once (the writer took what waited), or the writer is closed: the
+        Profiler waits here before it stamps a sampled step's time, so that the steps table's ``time_s`` holds
+        the wait, as the step did (a step that waited 27 ms for a writer behind had read 2.4 ms there)."""
+        while self._thread.is_alive() and len(self._queue.queue) >= self._queue.maxsize:
+            self._wait_for_room()
+
+    def _wait_for_room(self) -> None:
+        """The writer is behind the training: wait until it takes a flush (its ``get`` notifies at once; a sleep
+        of 5 ms had kept a step waiting that long after the room was there), 50 ms at most."""
+        with self._queue.not_full:  # (the queue's own lock: ``full()`` would take it again)
+            if len(self._queue.queue) >= self._queue.maxsize:
+                self._queue.not_full.wait(0.05)
 
     def held(self) -> list[Flush]:
         """The flushes in host memory: queued, being written, or kept after a failure to write."""
