@@ -19,12 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_the_dry_run_exercises_every_stage(tmp_path: Path) -> None:
     """Its Pythons (the script's own, and host_cost.py, overhead.py, the first-step scripts and pytest's
-    collection it starts) are forks of one that has imported torch and precprof (tests/_s128b_forked_children.py):
+    collection it starts) are forks of one that has imported torch and precprof (tests/forked_children.py):
     each fresh one spent 3-4 s of CPU importing them; the test reads what they measured, not how they start."""
     out = tmp_path / "gpu_validate.json"
     script = [str(ROOT / "bench" / "gpu_validate.py"), "--dry-run", "--out", str(out)]
     r = forks.run(
-        [sys.executable, str(ROOT / "tests" / "_s128b_forked_children.py"), *script],
+        [sys.executable, str(ROOT / "tests" / "forked_children.py"), *script],
         capture_output=True,
         text=True,
         timeout=900,  # 55 s on 2 quiet cores; a loaded machine took over 300 s

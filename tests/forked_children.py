@@ -1,4 +1,4 @@
-"""``python tests/_s128b_forked_children.py SCRIPT ARGS...`` runs ``python SCRIPT ARGS...`` with the Pythons the
+"""``python tests/forked_children.py SCRIPT ARGS...`` runs ``python SCRIPT ARGS...`` with the Pythons the
 script starts through ``subprocess.run`` (``sys.executable`` with a script, ``-m`` or ``-c``) started as forks of
 one Python that has imported torch and precprof (tests/forks.py), not each a fresh interpreter that spends 3-4 s
 of CPU importing them.
